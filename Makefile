@@ -1,0 +1,42 @@
+# kvfabric — one Makefile for the whole monorepo. `make help` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Every installable package of the monorepo, installed editable by `make setup`.
+PACKAGES := libs/format proto_schemas libs/runtime libs/testing
+PYTEST_ARGS ?=
+
+.PHONY: help setup lint typecheck imports schemas schemas-check test test-fast
+
+help: ## List the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
+
+$(VENV)/.setup-stamp: requirements-dev.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip>=24"
+	$(PIP) install -q -r requirements-dev.txt $(foreach p,$(PACKAGES),-e $(p)) --config-settings editable_mode=compat
+	touch $@
+
+setup: $(VENV)/.setup-stamp ## Create .venv and install every package editable + pinned dev tools
+
+lint: setup ## ruff, mypy (strict on libs/), import boundaries
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy libs/*/src/kvfabric proto_schemas/src/kvfabric tools tests
+	$(VENV)/bin/lint-imports
+
+schemas: setup ## Regenerate JSON Schema files from the msgspec types
+	$(PY) tools/gen_schemas.py --write
+
+schemas-check: setup ## Fail when checked-in JSON Schemas are stale
+	$(PY) tools/gen_schemas.py --check
+
+test-fast: setup ## Run the test suite only
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test: setup lint schemas-check ## Set up if needed, lint, check schemas, run the suite (what CI runs)
+	$(PY) -m pytest $(PYTEST_ARGS)

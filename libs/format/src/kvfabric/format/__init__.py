@@ -1,0 +1,1 @@
+"""kvfabric formats: KV keys, manifests, generations, errors. Pure code, no I/O."""

@@ -1,0 +1,186 @@
+"""One error hierarchy for the whole project, with wire codes.
+
+Every expected (operating) error is a `KvfError` subclass with:
+
+- `code`: a stable snake_case wire code. Frozen forever once released; never reuse one.
+- `retryable`: whether the same request may succeed if sent again later (after backoff).
+- `status`: the NATS service-error code (HTTP-like) sent in the `Nats-Service-Error-Code` header.
+
+`Indeterminate` is special: the outcome is unknown (e.g. a timeout after the request left).
+A caller must treat an indeterminate mutation as "may or may not have happened" and resolve it
+by a read or an idempotent retry with the same request id — never as "failed".
+
+Programmer errors are not here: they are `InvariantViolation` (see `invariant.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "BadRequest",
+    "BatchTooLarge",
+    "Busy",
+    "ChecksumMismatch",
+    "Conflict",
+    "Exists",
+    "InFlight",
+    "Indeterminate",
+    "KvfError",
+    "NoCapacity",
+    "NotFound",
+    "QuotaExceeded",
+    "StaleGeneration",
+    "Unauthorized",
+    "Unavailable",
+    "UnsupportedVersion",
+    "error_class_for_code",
+    "error_from_wire",
+]
+
+_REGISTRY: dict[str, type[KvfError]] = {}
+
+
+class KvfError(Exception):
+    """Root of all expected kvfabric errors."""
+
+    code: ClassVar[str] = "internal"
+    retryable: ClassVar[bool] = False
+    status: ClassVar[int] = 500
+
+    def __init__(self, message: str, /, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        # Structured context, sent on the wire (must be msgspec-encodable scalars/lists/dicts).
+        self.details: dict[str, Any] = details
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.code in _REGISTRY and _REGISTRY[cls.code] is not cls:
+            raise TypeError(f"duplicate wire code {cls.code!r}: {cls.__name__}")
+        _REGISTRY[cls.code] = cls
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, code={self.code!r}, details={self.details!r})"
+
+
+_REGISTRY[KvfError.code] = KvfError
+
+
+class BadRequest(KvfError):
+    """Malformed or invalid input. Fix the request; retrying as is will fail again."""
+
+    code = "bad_request"
+    status = 400
+
+
+class UnsupportedVersion(BadRequest):
+    """A format or protocol version this build cannot read."""
+
+    code = "unsupported_version"
+
+    def __init__(self, what: str, found: int, supported: tuple[int, ...]) -> None:
+        super().__init__(
+            f"unsupported {what} version {found}; this build reads {', '.join(map(str, supported))}",
+            what=what,
+            found=found,
+            supported=list(supported),
+        )
+        self.found = found
+        self.supported = supported
+
+
+class BatchTooLarge(BadRequest):
+    code = "batch_too_large"
+    status = 413
+
+
+class Unauthorized(KvfError):
+    code = "unauthorized"
+    status = 403
+
+
+class NotFound(KvfError):
+    code = "not_found"
+    status = 404
+
+
+class Conflict(KvfError):
+    code = "conflict"
+    status = 409
+
+
+class Exists(Conflict):
+    """The key is already published: nothing to write (idempotent put)."""
+
+    code = "exists"
+
+
+class InFlight(Conflict):
+    """Another writer holds the key; details carry its deadline."""
+
+    code = "in_flight"
+    retryable = True
+
+
+class StaleGeneration(Conflict):
+    """A message carried an old epoch/incarnation/slot generation: rejected, never applied."""
+
+    code = "stale_generation"
+
+    def __init__(self, kind: str, seen: int, current: int) -> None:
+        super().__init__(f"stale {kind}: saw {seen}, current is {current}", kind=kind, seen=seen, current=current)
+
+
+class ChecksumMismatch(KvfError):
+    code = "checksum_mismatch"
+    status = 422
+
+
+class NoCapacity(KvfError):
+    code = "no_capacity"
+    status = 507
+    retryable = True
+
+
+class QuotaExceeded(KvfError):
+    code = "quota_exceeded"
+    status = 429
+    retryable = True
+
+
+class Busy(KvfError):
+    """A bounded queue or in-flight limit is full. Back off and retry."""
+
+    code = "busy"
+    status = 503
+    retryable = True
+
+
+class Unavailable(KvfError):
+    """The service (or a peer it needs) is not reachable or not ready."""
+
+    code = "unavailable"
+    status = 503
+    retryable = True
+
+
+class Indeterminate(KvfError):
+    """The outcome is unknown: the request may or may not have taken effect."""
+
+    code = "indeterminate"
+    status = 504
+    retryable = True
+
+
+def error_class_for_code(code: str) -> type[KvfError]:
+    """The class registered for a wire code; unknown codes map to the root class."""
+    return _REGISTRY.get(code, KvfError)
+
+
+def error_from_wire(code: str, message: str, details: dict[str, Any] | None = None) -> KvfError:
+    """Rebuild an error received on the wire, keeping its type where this build knows it."""
+    cls = error_class_for_code(code)
+    err = KvfError.__new__(cls)
+    KvfError.__init__(err, message, **(details or {}))
+    return err
