@@ -1,0 +1,865 @@
+"""The directory core: object lifecycle, two-phase publish, read leases, pins, placement.
+
+Synchronous and I/O-free. The service shell decodes a request, calls `handle(request, now_ms)`
+(and `tick(now_ms)` periodically), performs the returned effects and sends the reply. Time is
+passed in; nothing here reads a clock, sleeps or does I/O.
+
+## Unit of visibility: the chunk group
+A chunk group is every object of one chunk of one prefix: one per member (TP rank, PP stage,
+layer group); `tp_size × layer_group_count` members are expected. It is identified by its chain
+hash (32 bytes, salted per share domain, so unique across tenants), and published as a whole.
+
+## States of a chunk group
+    (absent) --put_begin--> BUILDING --every expected member committed--> PUBLISHED
+    BUILDING --abort / write deadline passed--> members reclaimed --> (absent)
+    PUBLISHED --evict (no lease, no pin)--> EVICTING --all replica slots freed--> (absent)
+    PUBLISHED --a member lost its last live replica (segment down / new incarnation)--> (absent)
+Members inside a BUILDING group: placed (tickets issued) → confirmed replicas (segments stored
+and checksummed the bytes) → committed (the writer says it is done).
+
+## Invariants (checked by `check_invariants()` in tests, after every step)
+1. Nothing is readable before publish: `lookup` only returns PUBLISHED groups, and only their
+   replicas on live segment incarnations.
+2. A folded hit is a run of consecutive chunks from the first: it never skips a gap.
+3. A group under a read lease or a pin is never evicted; a lease expiry only makes the group
+   evictable, it never frees memory by itself (segments keep their own transfer references).
+4. One writer per key: a second `put_begin` of a member another writer holds gets `in_flight`; of a
+   published key gets `exists`.
+5. Stale generations are rejected (`StaleGeneration`) and counted, never applied: an older
+   directory epoch, an older segment incarnation, a confirm for a ticket that no longer exists.
+6. No leaks: when writers die and leases expire, every placement is either published or its
+   reservation released and its confirmed slot sent a free; `reserved_bytes` of a segment equals
+   the sum of its live placements.
+
+## Ownership
+Tickets belong to the writer until its deadline; after that the directory reclaims them (a late
+confirm gets `unknown_ticket` and the segment frees the slot). A slot named in a `FreeSlots`
+effect belongs to the segment: the directory never hands it out again, even if the free is lost
+(it is retried on `tick` until the segment acknowledges or its incarnation dies).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Final
+
+import msgspec
+
+from kvfabric.core.directory_keys import GroupInfo, KeyInfo, parse_group, parse_key
+from kvfabric.core.directory_records import (
+    FLAG_DEGRADED,
+    MemberRecord,
+    PublishedGroup,
+    ReplicaRecord,
+    pack_group,
+    unpack_group,
+)
+from kvfabric.core.placement import Candidate, choose_segments
+from kvfabric.format.errors import (
+    BadRequest,
+    BatchTooLarge,
+    Busy,
+    KvfError,
+    NotFound,
+    StaleGeneration,
+    Unavailable,
+)
+from kvfabric.format.invariant import invariant
+from kvfabric.proto import directory as m
+from kvfabric.proto.tickets import sign_ticket
+
+__all__ = ["DirectoryConfig", "DirectoryCore", "EmitEvent", "Effect", "FreeSlots", "Outcome"]
+
+Member = tuple[int, int, int]
+CHECKSUM_BYTES: Final = 16
+
+
+@dataclass(frozen=True, slots=True)
+class DirectoryConfig:
+    ticket_secret: bytes
+    replicas_default: int = 1
+    replicas_max: int = 5
+    heartbeat_interval_ms: int = 1_000
+    heartbeat_timeout_ms: int = 5_000
+    object_bytes_max: int = 1 << 30
+    pending_objects_max: int = 200_000
+    leases_max: int = 200_000
+    pins_max: int = 10_000
+    reply_cache_max: int = 65_536
+    free_retry_ms: int = 2_000
+    sweep_batch_max: int = 10_000
+
+
+# ---- effects -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EmitEvent:
+    """Publish an event to JetStream (`kvf.v1.events.directory.<kind>`)."""
+
+    kind: str
+    event: msgspec.Struct
+
+
+@dataclass(frozen=True, slots=True)
+class FreeSlots:
+    """Tell a segment to free these slots. It answers with `SlotsFreed`."""
+
+    segment_id: str
+    incarnation: int
+    slots: tuple[m.FreedSlot, ...]
+
+
+Effect = EmitEvent | FreeSlots
+
+
+@dataclass(slots=True)
+class Outcome:
+    reply: msgspec.Struct
+    effects: list[Effect] = field(default_factory=list)
+
+
+# ---- internal state ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Segment:
+    segment_id: str
+    incarnation: int
+    domain: m.FailureDomain
+    capacity_bytes: int
+    data_addr: str
+    last_heartbeat_ms: int
+    up: bool = True
+    draining: bool = False
+    reserved_bytes: int = 0  # sum of sizes of live placements (pending, published, freeing)
+    reported_used_bytes: int = 0
+
+
+@dataclass(slots=True)
+class _Placement:
+    ticket_id: int
+    placement: int  # interned (segment id, incarnation)
+    slot: int = -1
+    slot_generation: int = -1
+
+    @property
+    def confirmed(self) -> bool:
+        return self.slot >= 0
+
+
+@dataclass(slots=True)
+class _PendingMember:
+    key: bytes
+    writer_id: str
+    size_bytes: int
+    checksum: bytes
+    deadline_ms: int
+    replicas_target: int
+    placements: list[_Placement]
+    committed: bool = False
+
+
+@dataclass(slots=True)
+class _BuildingGroup:
+    info: GroupInfo
+    members: dict[Member, _PendingMember] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Lease:
+    holder_id: str
+    groups: tuple[bytes, ...]
+    expires_ms: int
+    is_pin: bool
+
+
+# ---- the core ------------------------------------------------------------------------------
+
+
+class DirectoryCore:
+    """One directory shard's state machine. See the module docstring for states and invariants."""
+
+    def __init__(self, config: DirectoryConfig, epoch: int = 1) -> None:
+        invariant(epoch >= 1, "epoch starts at 1")
+        self.config = config
+        self.epoch = epoch
+        self.segments: dict[str, _Segment] = {}
+        self._placements: list[tuple[str, int]] = []
+        self._placement_index: dict[tuple[str, int], int] = {}
+        self._namespaces: list[bytes] = []
+        self._namespace_index: dict[bytes, int] = {}
+        self.building: dict[bytes, _BuildingGroup] = {}
+        self.published: dict[bytes, bytes] = {}  # group id -> packed record
+        self.evicting: dict[bytes, PublishedGroup] = {}
+        self._tickets: dict[int, tuple[bytes, Member]] = {}
+        # (segment id, incarnation, slot, generation) -> (size, group id or b"" if not evicting)
+        self._freeing: dict[tuple[str, int, int, int], tuple[int, bytes, int]] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._lease_heap: list[tuple[int, int]] = []
+        self._lease_count: dict[bytes, int] = {}
+        self._pin_count: dict[bytes, int] = {}
+        self._pins_held = 0
+        # Groups that lost a member's last replica while leased/pinned: unreadable now, their
+        # remaining slots are freed only once the last lease or pin on them ends.
+        self._sweep_deferred: set[bytes] = set()
+        self._deadline_heap: list[tuple[int, bytes]] = []
+        self._sweep_queue: list[bytes] = []
+        self._reply_cache: OrderedDict[tuple[str, str, str], msgspec.Struct] = OrderedDict()
+        self._ids = itertools.count(1)
+        self.pending_objects = 0
+        self.counters: dict[str, int] = {}
+
+    # ---- plumbing ------------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def _check_epoch(self, epoch: int) -> None:
+        if epoch and epoch < self.epoch:
+            self._count("stale_epoch_rejected_total")
+            raise StaleGeneration("directory_epoch", epoch, self.epoch)
+        if epoch > self.epoch:
+            self._count("future_epoch_rejected_total")
+            raise Unavailable(f"directory epoch {self.epoch} is behind the caller's {epoch}", epoch=self.epoch)
+
+    def _intern_placement(self, segment_id: str, incarnation: int) -> int:
+        key = (segment_id, incarnation)
+        idx = self._placement_index.get(key)
+        if idx is None:
+            idx = len(self._placements)
+            self._placements.append(key)
+            self._placement_index[key] = idx
+        return idx
+
+    def _intern_namespace(self, namespace: bytes) -> int:
+        idx = self._namespace_index.get(namespace)
+        if idx is None:
+            idx = len(self._namespaces)
+            self._namespaces.append(namespace)
+            self._namespace_index[namespace] = idx
+        return idx
+
+    def _placement_live(self, placement: int) -> bool:
+        return self._segment_of(placement) is not None
+
+    def _segment_of(self, placement: int) -> _Segment | None:
+        """The segment of a placement while that incarnation is up; its reservations live there."""
+        segment_id, incarnation = self._placements[placement]
+        seg = self.segments.get(segment_id)
+        return seg if seg is not None and seg.up and seg.incarnation == incarnation else None
+
+    def _release_reservation(self, placement: int, size_bytes: int) -> None:
+        seg = self._segment_of(placement)
+        if seg is not None:
+            seg.reserved_bytes -= size_bytes
+            invariant(seg.reserved_bytes >= 0, "negative reservation", segment=seg.segment_id)
+
+    def _free_slot(self, placement: int, slot: int, generation: int, size: int, key: bytes, group: bytes,
+                   effects: list[Effect]) -> None:
+        """Hand a confirmed slot back to its segment. The reservation is released on `SlotsFreed`."""
+        segment_id, incarnation = self._placements[placement]
+        if not self._placement_live(placement):
+            self._release_reservation(placement, size)  # dead incarnation: its memory is gone
+            return
+        self._freeing[(segment_id, incarnation, slot, generation)] = (size, group, 0)
+        effects.append(FreeSlots(segment_id, incarnation, (m.FreedSlot(key, slot, generation),)))
+
+    def _cached(self, verb: str, writer_id: str, request_id: str) -> msgspec.Struct | None:
+        reply = self._reply_cache.get((verb, writer_id, request_id))
+        if reply is not None:
+            self._count("retried_request_total")
+        return reply
+
+    def _remember(self, verb: str, writer_id: str, request_id: str, reply: msgspec.Struct) -> None:
+        self._reply_cache[(verb, writer_id, request_id)] = reply
+        while len(self._reply_cache) > self.config.reply_cache_max:
+            self._reply_cache.popitem(last=False)
+
+    @staticmethod
+    def _check_batch(what: str, n: int, limit: int) -> None:
+        if n > limit:
+            raise BatchTooLarge(f"{what}: {n} items exceed the limit of {limit}", n=n, limit=limit)
+
+    # ---- dispatch ------------------------------------------------------------------------
+
+    def handle(self, request: msgspec.Struct, now_ms: int) -> Outcome:
+        """Apply one request. Raises a `KvfError` for a whole-request error (nothing applied)."""
+        handler = _HANDLERS.get(type(request))
+        if handler is None:
+            raise BadRequest(f"not a directory request: {type(request).__name__}")
+        try:
+            return handler(self, request, now_ms)
+        except KvfError as err:
+            self._count(f"error_{err.code}_total")
+            raise
+
+    # ---- segments ------------------------------------------------------------------------
+
+    def _register(self, req: m.RegisterSegment, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        if req.capacity_bytes <= 0 or not req.segment_id:
+            raise BadRequest("segment needs an id and a positive capacity")
+        effects: list[Effect] = []
+        seg = self.segments.get(req.segment_id)
+        if seg is not None:
+            if req.incarnation < seg.incarnation or (req.incarnation == seg.incarnation and not seg.up):
+                # An old process, or one declared down that must restart empty with a new incarnation.
+                self._count("stale_incarnation_rejected_total")
+                raise StaleGeneration("segment_incarnation", req.incarnation, seg.incarnation + 1)
+            if req.incarnation == seg.incarnation:  # idempotent re-register
+                seg.last_heartbeat_ms = now_ms
+                return Outcome(self._registered())
+            self._segment_lost(seg, "restarted", effects)
+        self.segments[req.segment_id] = _Segment(
+            req.segment_id, req.incarnation, req.domain, req.capacity_bytes, req.data_addr, now_ms
+        )
+        effects.append(EmitEvent("segment_up", m.SegmentUp(segment_id=req.segment_id, incarnation=req.incarnation)))
+        return Outcome(self._registered(), effects)
+
+    def _registered(self) -> m.SegmentRegistered:
+        return m.SegmentRegistered(
+            epoch=self.epoch,
+            heartbeat_interval_ms=self.config.heartbeat_interval_ms,
+            heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
+        )
+
+    def _live_segment(self, segment_id: str, incarnation: int) -> _Segment:
+        seg = self.segments.get(segment_id)
+        if seg is None or not seg.up:
+            raise NotFound(f"segment {segment_id!r} is not registered: register again", segment_id=segment_id)
+        if incarnation != seg.incarnation:
+            self._count("stale_incarnation_rejected_total")
+            raise StaleGeneration("segment_incarnation", incarnation, seg.incarnation)
+        return seg
+
+    def _heartbeat(self, req: m.Heartbeat, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        seg = self._live_segment(req.segment_id, req.incarnation)
+        seg.last_heartbeat_ms = now_ms
+        seg.reported_used_bytes = req.used_bytes
+        seg.draining = req.draining
+        return Outcome(m.HeartbeatAck(epoch=self.epoch))
+
+    def _segment_lost(self, seg: _Segment, reason: str, effects: list[Effect]) -> None:
+        """Its placements die with it; published groups are swept lazily, building ones now."""
+        seg.up = False
+        seg.reserved_bytes = 0
+        effects.append(EmitEvent("segment_down", m.SegmentDown(
+            segment_id=seg.segment_id, incarnation=seg.incarnation, reason=reason)))
+        self._sweep_queue.extend(self.published.keys())
+        for key in [k for k in self._freeing if k[0] == seg.segment_id and k[1] == seg.incarnation]:
+            self._finish_free(key, effects)
+        for gid, group in list(self.building.items()):
+            for member, pm in list(group.members.items()):
+                dead = [p for p in pm.placements if not self._placement_live(p.placement)]
+                for p in dead:
+                    pm.placements.remove(p)
+                    self._tickets.pop(p.ticket_id, None)
+                if dead and pm.committed and not pm.placements:
+                    self._drop_member(gid, group, member, effects)
+
+    # ---- two-phase publish ---------------------------------------------------------------
+
+    def _begin(self, req: m.PutBegin, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        cached = self._cached("begin", req.writer_id, req.request_id)
+        if cached is not None:
+            return Outcome(cached)
+        self._check_batch("put_begin objects", len(req.objects), m.PUT_BATCH_OBJECTS_MAX)
+        if not 0 < req.write_ttl_ms <= m.WRITE_TTL_MS_MAX:
+            raise BadRequest(f"write_ttl_ms must be in 1..{m.WRITE_TTL_MS_MAX}")
+        replicas = req.replicas or self.config.replicas_default
+        if not 1 <= replicas <= self.config.replicas_max:
+            raise BadRequest(f"replicas must be in 1..{self.config.replicas_max}")
+        infos = [self._validate_spec(spec) for spec in req.objects]
+        if self.pending_objects + len(infos) > self.config.pending_objects_max:
+            self._count("busy_pending_total")
+            raise Busy("too many objects being written; retry later", limit=self.config.pending_objects_max)
+        deadline = now_ms + req.write_ttl_ms
+        results = [self._begin_one(req.writer_id, spec, info, replicas, deadline) for spec, info in
+                   zip(req.objects, infos, strict=True)]
+        reply = m.PutBeginReply(epoch=self.epoch, results=results)
+        self._remember("begin", req.writer_id, req.request_id, reply)
+        return Outcome(reply)
+
+    def _validate_spec(self, spec: m.ObjectSpec) -> KeyInfo:
+        info = parse_key(spec.key)
+        if not 0 < spec.size_bytes <= self.config.object_bytes_max:
+            raise BadRequest(f"object size {spec.size_bytes} out of range 1..{self.config.object_bytes_max}")
+        if len(spec.checksum) != CHECKSUM_BYTES:
+            raise BadRequest(f"checksum must be {CHECKSUM_BYTES} bytes (xxh3-128)")
+        return info
+
+    def _begin_one(self, writer_id: str, spec: m.ObjectSpec, info: KeyInfo, replicas: int,
+                   deadline: int) -> m.BeginResult:
+        gid = info.group.group_id
+        if gid in self.published or gid in self.evicting:
+            return m.BeginResult(key=spec.key, status="exists")
+        group = self.building.get(gid)
+        if group is not None and group.info != info.group:
+            raise BadRequest("key conflicts with the identity of its chain hash's chunk group")
+        if group is not None and info.member in group.members:
+            held = group.members[info.member]
+            if held.writer_id != writer_id:
+                return m.BeginResult(key=spec.key, status="in_flight", deadline_ms=held.deadline_ms)
+            return m.BeginResult(key=spec.key, status="placed", tickets=self._tickets_of(held),
+                                 deadline_ms=held.deadline_ms)
+        chosen = choose_segments(self._candidates(), replicas, spec.size_bytes)
+        if not chosen:
+            self._count("no_capacity_total")
+            return m.BeginResult(key=spec.key, status="no_capacity")
+        if group is None:
+            group = self.building[gid] = _BuildingGroup(info.group)
+        placements = []
+        for cand in chosen:
+            seg = self.segments[cand.segment_id]
+            seg.reserved_bytes += spec.size_bytes
+            ticket_id = next(self._ids)
+            placements.append(_Placement(ticket_id, self._intern_placement(seg.segment_id, seg.incarnation)))
+            self._tickets[ticket_id] = (gid, info.member)
+        held = _PendingMember(spec.key, writer_id, spec.size_bytes, spec.checksum, deadline, replicas, placements)
+        group.members[info.member] = held
+        self.pending_objects += 1
+        heapq.heappush(self._deadline_heap, (deadline, gid))
+        return m.BeginResult(key=spec.key, status="placed", tickets=self._tickets_of(held), deadline_ms=deadline)
+
+    def _candidates(self) -> list[Candidate]:
+        return [
+            Candidate(s.segment_id, s.domain.zone, s.domain.rack, s.domain.host, s.capacity_bytes - s.reserved_bytes)
+            for s in self.segments.values()
+            if s.up and not s.draining
+        ]
+
+    def _tickets_of(self, held: _PendingMember) -> list[m.WriteTicket]:
+        tickets = []
+        for p in held.placements:
+            segment_id, incarnation = self._placements[p.placement]
+            ticket = m.WriteTicket(
+                ticket_id=p.ticket_id, key=held.key, segment_id=segment_id, incarnation=incarnation,
+                size_bytes=held.size_bytes, checksum=held.checksum, writer_id=held.writer_id,
+                deadline_ms=held.deadline_ms, epoch=self.epoch,
+                data_addr=self.segments[segment_id].data_addr,
+            )
+            tickets.append(sign_ticket(ticket, self.config.ticket_secret))
+        return tickets
+
+    def _confirm(self, req: m.ConfirmReplicas, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        self._check_batch("confirms", len(req.confirms), m.PUT_BATCH_OBJECTS_MAX)
+        self._live_segment(req.segment_id, req.incarnation)
+        results = [m.ConfirmResult(ticket_id=c.ticket_id, status=self._confirm_one(req, c)) for c in req.confirms]
+        return Outcome(m.ConfirmReply(epoch=self.epoch, results=results))
+
+    def _confirm_one(self, req: m.ConfirmReplicas, c: m.ReplicaConfirm) -> m.ConfirmStatus:
+        where = self._tickets.get(c.ticket_id)
+        if where is None:
+            self._count("confirm_unknown_ticket_total")
+            return "unknown_ticket"
+        gid, member = where
+        held = self.building[gid].members[member]
+        placement = next(p for p in held.placements if p.ticket_id == c.ticket_id)
+        if (self._placements[placement.placement] != (req.segment_id, req.incarnation)
+                or c.key != held.key or c.size_bytes != held.size_bytes or c.checksum != held.checksum):
+            self._count("confirm_mismatch_total")
+            return "mismatch"
+        placement.slot, placement.slot_generation = c.slot, c.slot_generation
+        return "ok"
+
+    def _commit(self, req: m.PutCommit, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        self._check_batch("put_commit keys", len(req.keys), m.PUT_BATCH_OBJECTS_MAX)
+        infos = [parse_key(k) for k in req.keys]
+        effects: list[Effect] = []
+        results = [self._commit_one(req.writer_id, key, info, effects) for key, info in
+                   zip(req.keys, infos, strict=True)]
+        return Outcome(m.PutCommitReply(epoch=self.epoch, results=results), effects)
+
+    def _commit_one(self, writer_id: str, key: bytes, info: KeyInfo, effects: list[Effect]) -> m.CommitResult:
+        gid = info.group.group_id
+        record = self.published.get(gid)
+        if record is not None:
+            group = unpack_group(record)
+            status: m.CommitStatus = "degraded" if group.degraded else "published"
+            return m.CommitResult(key=key, status=status)
+        building = self.building.get(gid)
+        held = building.members.get(info.member) if building is not None else None
+        if building is None or held is None or held.writer_id != writer_id or held.key != key:
+            return m.CommitResult(key=key, status="not_found")
+        confirmed = [p for p in held.placements if p.confirmed]
+        if not confirmed:
+            return m.CommitResult(key=key, status="missing", replicas_target=held.replicas_target)
+        for p in held.placements:
+            if not p.confirmed:  # an unconfirmed ticket dies: a late confirm will be refused
+                self._tickets.pop(p.ticket_id, None)
+                self._release_reservation(p.placement, held.size_bytes)
+        held.placements = confirmed
+        held.committed = True
+        n = len(confirmed)
+        if len(building.members) == info.group.expected_members and all(
+            pm.committed for pm in building.members.values()
+        ):
+            degraded = self._publish(gid, building, effects)
+            return m.CommitResult(key=key, status="degraded" if degraded else "published",
+                                  replicas_confirmed=n, replicas_target=held.replicas_target)
+        return m.CommitResult(key=key, status="waiting_group", replicas_confirmed=n,
+                              replicas_target=held.replicas_target)
+
+    def _publish(self, gid: bytes, building: _BuildingGroup, effects: list[Effect]) -> bool:
+        members = []
+        degraded = False
+        for member, pm in sorted(building.members.items()):
+            degraded |= len(pm.placements) < pm.replicas_target
+            replicas = tuple(ReplicaRecord(p.placement, p.slot, p.slot_generation) for p in pm.placements)
+            members.append(MemberRecord(*member, pm.size_bytes, pm.checksum, replicas))
+            for p in pm.placements:
+                del self._tickets[p.ticket_id]
+        group = PublishedGroup(self._intern_namespace(building.info.namespace), building.info.chunk_index,
+                               FLAG_DEGRADED if degraded else 0, tuple(members))
+        self.published[gid] = pack_group(group)
+        del self.building[gid]
+        self.pending_objects -= len(members)
+        self._count("groups_published_total")
+        self._count("objects_published_total", len(members))
+        effects.append(EmitEvent("published", m.GroupPublished(
+            group=gid, chunk_index=group.chunk_index, members=len(members), degraded=degraded)))
+        if degraded:
+            self._count("groups_degraded_total")
+            effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=gid)))
+        return degraded
+
+    def _drop_member(self, gid: bytes, group: _BuildingGroup, member: Member, effects: list[Effect]) -> None:
+        """Reclaim one member of a building group: free confirmed slots, release the rest."""
+        held = group.members.pop(member)
+        self.pending_objects -= 1
+        for p in held.placements:
+            self._tickets.pop(p.ticket_id, None)
+            if p.confirmed:
+                self._free_slot(p.placement, p.slot, p.slot_generation, held.size_bytes, held.key, b"", effects)
+            else:
+                self._release_reservation(p.placement, held.size_bytes)
+        if not group.members:
+            del self.building[gid]
+
+    def _abort(self, req: m.PutAbort, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        self._check_batch("put_abort keys", len(req.keys), m.PUT_BATCH_OBJECTS_MAX)
+        effects: list[Effect] = []
+        aborted = 0
+        for key in req.keys:
+            info = parse_key(key)
+            group = self.building.get(info.group.group_id)
+            held = group.members.get(info.member) if group is not None else None
+            if group is not None and held is not None and held.writer_id == req.writer_id:
+                self._drop_member(info.group.group_id, group, info.member, effects)
+                aborted += 1
+        self._count("objects_aborted_total", aborted)
+        return Outcome(m.PutAbortReply(epoch=self.epoch, aborted=aborted), effects)
+
+    # ---- reads, leases, pins -------------------------------------------------------------
+
+    def _lookup(self, req: m.Lookup, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        self._check_batch("lookup groups", len(req.groups), m.LOOKUP_BATCH_GROUPS_MAX)
+        self._check_batch("lookup members", len(req.members), m.LOOKUP_MEMBERS_MAX)
+        if not 0 < req.lease_ttl_ms <= m.LEASE_TTL_MS_MAX:
+            raise BadRequest(f"lease_ttl_ms must be in 1..{m.LEASE_TTL_MS_MAX}")
+        wanted = {(x.tp_rank, x.pp_stage, x.layer_group) for x in req.members}
+        infos = [parse_group(g) for g in req.groups]
+        objects: list[m.ObjectLocation] = []
+        hit: list[bytes] = []
+        for info in infos:
+            located = self._locate(info, wanted)
+            if located is None:
+                break  # fold: never skip a gap
+            objects.extend(located)
+            hit.append(info.group_id)
+        self._count("lookups_total")
+        self._count("lookup_groups_total", len(infos))
+        self._count("lookup_hit_groups_total", len(hit))
+        if not hit:
+            return Outcome(m.LookupReply(epoch=self.epoch, hit_chunks=0))
+        lease_id, expires = self._grant(req.holder_id, tuple(hit), now_ms + req.lease_ttl_ms, is_pin=False)
+        return Outcome(m.LookupReply(epoch=self.epoch, hit_chunks=len(hit), lease_id=lease_id,
+                                     lease_expires_ms=expires, objects=objects))
+
+    def _locate(self, info: GroupInfo, wanted: set[Member]) -> list[m.ObjectLocation] | None:
+        record = self.published.get(info.group_id)
+        if record is None:
+            return None
+        group = unpack_group(record)
+        if self._namespace_index.get(info.namespace) != group.namespace or group.chunk_index != info.chunk_index:
+            self._count("lookup_identity_mismatch_total")  # a known chain hash with other identity fields
+            return None
+        out = []
+        for mem in group.members:
+            if wanted and mem.member not in wanted:
+                continue
+            replicas = [self._replica(r) for r in mem.replicas if self._placement_live(r.placement)]
+            if not replicas:
+                return None
+            out.append(m.ObjectLocation(
+                chunk_index=group.chunk_index, member=m.Member(*mem.member), size_bytes=mem.size_bytes,
+                checksum=mem.checksum, replicas=replicas))
+        if wanted and len(out) != len(wanted):
+            return None  # a required member this group does not have
+        return out
+
+    def _replica(self, r: ReplicaRecord) -> m.Replica:
+        segment_id, incarnation = self._placements[r.placement]
+        return m.Replica(segment_id=segment_id, incarnation=incarnation, slot=r.slot,
+                         slot_generation=r.slot_generation, data_addr=self.segments[segment_id].data_addr)
+
+    def _grant(self, holder_id: str, groups: tuple[bytes, ...], expires_ms: int, *, is_pin: bool) -> tuple[int, int]:
+        limit = self.config.pins_max if is_pin else self.config.leases_max
+        held = self._pins_held if is_pin else len(self._leases) - self._pins_held
+        if held >= limit:
+            self._count("busy_pins_total" if is_pin else "busy_leases_total")
+            raise Busy("lease table full; retry later", limit=limit)
+        lease_id = next(self._ids)
+        self._leases[lease_id] = _Lease(holder_id, groups, expires_ms, is_pin)
+        self._pins_held += is_pin
+        heapq.heappush(self._lease_heap, (expires_ms, lease_id))
+        counts = self._pin_count if is_pin else self._lease_count
+        for gid in groups:
+            counts[gid] = counts.get(gid, 0) + 1
+        return lease_id, expires_ms
+
+    def _end_lease(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id)
+        self._pins_held -= lease.is_pin
+        counts = self._pin_count if lease.is_pin else self._lease_count
+        for gid in lease.groups:
+            left = counts[gid] - 1
+            invariant(left >= 0, "negative lease count")
+            if left:
+                counts[gid] = left
+            else:
+                del counts[gid]
+                if gid in self._sweep_deferred and not self._lease_count.get(gid) and not self._pin_count.get(gid):
+                    self._sweep_deferred.discard(gid)
+                    self._sweep_queue.append(gid)
+
+    def _held_lease(self, holder_id: str, lease_id: int, is_pin: bool) -> _Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.holder_id != holder_id or lease.is_pin != is_pin:
+            raise NotFound(f"no {'pin' if is_pin else 'lease'} {lease_id} held by {holder_id!r}", lease_id=lease_id)
+        return lease
+
+    def _release(self, req: m.LeaseRelease, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        self._held_lease(req.holder_id, req.lease_id, is_pin=False)
+        self._end_lease(req.lease_id)
+        return Outcome(m.LeaseReply(epoch=self.epoch, lease_id=req.lease_id, expires_ms=0))
+
+    def _renew(self, req: m.LeaseRenew, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        if not 0 < req.lease_ttl_ms <= m.LEASE_TTL_MS_MAX:
+            raise BadRequest(f"lease_ttl_ms must be in 1..{m.LEASE_TTL_MS_MAX}")
+        lease = self._held_lease(req.holder_id, req.lease_id, is_pin=False)
+        lease.expires_ms = max(lease.expires_ms, now_ms + req.lease_ttl_ms)
+        heapq.heappush(self._lease_heap, (lease.expires_ms, req.lease_id))
+        return Outcome(m.LeaseReply(epoch=self.epoch, lease_id=req.lease_id, expires_ms=lease.expires_ms))
+
+    def _pin(self, req: m.Pin, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        self._check_batch("pin groups", len(req.groups), m.LOOKUP_BATCH_GROUPS_MAX)
+        if not 0 < req.ttl_ms <= m.PIN_TTL_MS_MAX:
+            raise BadRequest(f"ttl_ms must be in 1..{m.PIN_TTL_MS_MAX}")
+        gids = tuple(g.group_id for g in map(parse_group, req.groups) if g.group_id in self.published)
+        pin_id, expires = self._grant(req.holder_id, gids, now_ms + req.ttl_ms, is_pin=True)
+        return Outcome(m.PinReply(epoch=self.epoch, pin_id=pin_id, pinned_groups=len(gids), expires_ms=expires))
+
+    def _unpin(self, req: m.Unpin, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        self._held_lease(req.holder_id, req.pin_id, is_pin=True)
+        self._end_lease(req.pin_id)
+        return Outcome(m.PinReply(epoch=self.epoch, pin_id=req.pin_id, pinned_groups=0, expires_ms=0))
+
+    # ---- eviction and frees --------------------------------------------------------------
+
+    def _evict(self, req: m.Evict, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        self._check_batch("evict groups", len(req.groups), m.EVICT_BATCH_GROUPS_MAX)
+        effects: list[Effect] = []
+        results = []
+        for raw in req.groups:
+            gid = parse_group(raw).group_id
+            results.append(m.EvictResult(group=raw, status=self._evict_one(gid, req.reason, effects)))
+        return Outcome(m.EvictReply(epoch=self.epoch, results=results), effects)
+
+    def _evict_one(self, gid: bytes, reason: str, effects: list[Effect]) -> m.EvictStatus:
+        record = self.published.get(gid)
+        if record is None:
+            return "not_published" if gid in self.building or gid in self.evicting else "not_found"
+        if self._lease_count.get(gid):
+            self._count("evict_refused_leased_total")
+            return "leased"
+        if self._pin_count.get(gid):
+            self._count("evict_refused_pinned_total")
+            return "pinned"
+        del self.published[gid]
+        group = unpack_group(record)
+        self.evicting[gid] = group
+        for mem in group.members:
+            for r in mem.replicas:
+                self._free_slot(r.placement, r.slot, r.slot_generation, mem.size_bytes, b"", gid, effects)
+        self._count("groups_evicted_total")
+        effects.append(EmitEvent("evicted", m.GroupEvicted(group=gid, reason=reason)))
+        self._maybe_forget_evicting(gid)
+        return "evicting"
+
+    def _maybe_forget_evicting(self, gid: bytes) -> None:
+        if not any(v[1] == gid for v in self._freeing.values()):
+            self.evicting.pop(gid, None)
+
+    def _freed(self, req: m.SlotsFreed, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        self._check_batch("freed slots", len(req.freed), m.FREED_BATCH_MAX)
+        self._live_segment(req.segment_id, req.incarnation)
+        effects: list[Effect] = []
+        accepted = 0
+        for f in req.freed:
+            key = (req.segment_id, req.incarnation, f.slot, f.slot_generation)
+            if key in self._freeing:
+                self._finish_free(key, effects)
+                accepted += 1
+        return Outcome(m.FreedAck(epoch=self.epoch, accepted=accepted), effects)
+
+    def _finish_free(self, key: tuple[str, int, int, int], effects: list[Effect]) -> None:
+        size, gid, _ = self._freeing.pop(key)
+        seg = self.segments.get(key[0])
+        if seg is not None and seg.incarnation == key[1] and seg.up:
+            seg.reserved_bytes -= size
+            invariant(seg.reserved_bytes >= 0, "negative reservation", segment=seg.segment_id)
+        if gid:
+            self._maybe_forget_evicting(gid)
+
+    # ---- time ----------------------------------------------------------------------------
+
+    def tick(self, now_ms: int) -> list[Effect]:
+        """Expire leases, pins and write deadlines; mark silent segments down; retry frees."""
+        effects: list[Effect] = []
+        while self._lease_heap and self._lease_heap[0][0] <= now_ms:
+            expires, lease_id = heapq.heappop(self._lease_heap)
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.expires_ms <= now_ms:
+                self._count("pins_expired_total" if lease.is_pin else "leases_expired_total")
+                self._end_lease(lease_id)
+        while self._deadline_heap and self._deadline_heap[0][0] <= now_ms:
+            _, gid = heapq.heappop(self._deadline_heap)
+            self._expire_writes(gid, now_ms, effects)
+        for seg in self.segments.values():
+            if seg.up and now_ms - seg.last_heartbeat_ms > self.config.heartbeat_timeout_ms:
+                self._count("segments_down_total")
+                self._segment_lost(seg, "heartbeat_timeout", effects)
+        self._sweep(effects)
+        self._retry_frees(now_ms, effects)
+        return effects
+
+    def _expire_writes(self, gid: bytes, now_ms: int, effects: list[Effect]) -> None:
+        group = self.building.get(gid)
+        if group is None:
+            return
+        expired = [mem for mem, pm in group.members.items() if not pm.committed and pm.deadline_ms <= now_ms]
+        for mem in expired:
+            self._count("write_leases_expired_total")
+            self._drop_member(gid, group, mem, effects)
+        # A group whose present members all committed but that never completed: reclaim all of it
+        # once the latest writer's deadline has passed.
+        if gid in self.building and all(
+            pm.committed and pm.deadline_ms <= now_ms for pm in group.members.values()
+        ):
+            self._count("groups_incomplete_reclaimed_total")
+            for mem in list(group.members):
+                self._drop_member(gid, group, mem, effects)
+
+    def _sweep(self, effects: list[Effect]) -> None:
+        """Drop replicas on dead incarnations; a group whose member lost every replica is gone."""
+        for _ in range(min(len(self._sweep_queue), self.config.sweep_batch_max)):
+            gid = self._sweep_queue.pop()
+            record = self.published.get(gid)
+            if record is None:
+                continue
+            group = unpack_group(record)
+            if all(self._placement_live(r.placement) for mem in group.members for r in mem.replicas):
+                continue
+            members = []
+            lost = False
+            for mem in group.members:
+                live = tuple(r for r in mem.replicas if self._placement_live(r.placement))
+                lost |= not live
+                members.append(MemberRecord(*mem.member, mem.size_bytes, mem.checksum, live))
+            if lost and (self._lease_count.get(gid) or self._pin_count.get(gid)):
+                self._sweep_deferred.add(gid)  # lookups already skip it: a member has no live replica
+            elif lost:
+                del self.published[gid]
+                for mem in members:
+                    for r in mem.replicas:
+                        self._free_slot(r.placement, r.slot, r.slot_generation, mem.size_bytes, b"", b"", effects)
+                self._count("groups_invalidated_total")
+                effects.append(EmitEvent("invalidated", m.GroupInvalidated(group=gid, reason="replica_lost")))
+            else:
+                self.published[gid] = pack_group(PublishedGroup(
+                    group.namespace, group.chunk_index, group.flags | FLAG_DEGRADED, tuple(members)))
+                effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=gid)))
+
+    def _retry_frees(self, now_ms: int, effects: list[Effect]) -> None:
+        for key, (size, gid, sent_ms) in list(self._freeing.items()):
+            if sent_ms == 0:
+                self._freeing[key] = (size, gid, now_ms)
+            elif now_ms - sent_ms >= self.config.free_retry_ms:
+                self._count("free_retries_total")
+                self._freeing[key] = (size, gid, now_ms)
+                segment_id, incarnation, slot, generation = key
+                effects.append(FreeSlots(segment_id, incarnation, (m.FreedSlot(b"", slot, generation),)))
+
+    # ---- checks (tests call this after every step) ---------------------------------------
+
+    def check_invariants(self) -> None:
+        reserved: dict[str, int] = {}
+
+        def add(placement: int, size: int) -> None:
+            if self._placement_live(placement):
+                sid = self._placements[placement][0]
+                reserved[sid] = reserved.get(sid, 0) + size
+
+        for group in self.building.values():
+            for pm in group.members.values():
+                for p in pm.placements:
+                    add(p.placement, pm.size_bytes)
+                    invariant(p.ticket_id in self._tickets, "placement without ticket")
+        for record in self.published.values():
+            for mem in unpack_group(record).members:
+                for r in mem.replicas:
+                    add(r.placement, mem.size_bytes)
+        for (sid, inc, _, _), (size, _, _) in self._freeing.items():
+            add(self._placement_index[(sid, inc)], size)
+        for seg in self.segments.values():
+            if seg.up:
+                invariant(seg.reserved_bytes == reserved.get(seg.segment_id, 0), "reservation drift",
+                          segment=seg.segment_id, have=seg.reserved_bytes, want=reserved.get(seg.segment_id, 0))
+        invariant(self.pending_objects == sum(len(g.members) for g in self.building.values()), "pending drift")
+        invariant(not (self.published.keys() & self.building.keys()), "group both building and published")
+        for gid in self._lease_count.keys() | self._pin_count.keys():
+            invariant(gid not in self.evicting, "evicting a leased or pinned group")
+
+
+_HANDLERS = {
+    m.RegisterSegment: DirectoryCore._register,
+    m.Heartbeat: DirectoryCore._heartbeat,
+    m.PutBegin: DirectoryCore._begin,
+    m.ConfirmReplicas: DirectoryCore._confirm,
+    m.PutCommit: DirectoryCore._commit,
+    m.PutAbort: DirectoryCore._abort,
+    m.Lookup: DirectoryCore._lookup,
+    m.LeaseRelease: DirectoryCore._release,
+    m.LeaseRenew: DirectoryCore._renew,
+    m.Pin: DirectoryCore._pin,
+    m.Unpin: DirectoryCore._unpin,
+    m.Evict: DirectoryCore._evict,
+    m.SlotsFreed: DirectoryCore._freed,
+}

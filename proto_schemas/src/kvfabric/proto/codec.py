@@ -1,0 +1,38 @@
+"""Encoding on the wire: msgpack through msgspec, one typed decoder per message family.
+
+Decode failures (not msgpack, wrong shape, unknown tag, bad field type) become `BadRequest`
+with msgspec's path in the message, so a handler answers a typed error and stays up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from kvfabric.format.errors import BadRequest
+
+__all__ = ["FamilyDecoder", "encode"]
+
+T = TypeVar("T")
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """msgpack bytes of one message."""
+    return _encoder.encode(message)
+
+
+class FamilyDecoder(Generic[T]):
+    """Decodes one message family (a tagged union, or a single Struct) and nothing else."""
+
+    def __init__(self, family: Any, name: str) -> None:
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(family)
+        self.name = name
+
+    def decode(self, data: bytes | bytearray | memoryview) -> T:
+        try:
+            return self._decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BadRequest(f"malformed {self.name} message: {exc}", family=self.name) from exc

@@ -1,0 +1,390 @@
+"""Messages of the `directory` service (subjects `kvf.v1.directory.<verb>`).
+
+Keys travel in their compact binary form (`KVKey.to_bytes()`), chunk groups as
+`ChunkGroupId.to_bytes()`. Every reply carries the directory `epoch`; every request may carry
+the `epoch` its sender last saw (0 = none yet) and is rejected with `stale_generation` when it is
+older than the current one. Batches are bounded by the limits below; a larger batch gets
+`batch_too_large`.
+
+Verbs and their request → reply:
+
+| verb | request | reply |
+|---|---|---|
+| `register` | `RegisterSegment` | `SegmentRegistered` |
+| `heartbeat` | `Heartbeat` | `HeartbeatAck` |
+| `put_begin` | `PutBegin` | `PutBeginReply` |
+| `confirm` | `ConfirmReplicas` | `ConfirmReply` |
+| `put_commit` | `PutCommit` | `PutCommitReply` |
+| `put_abort` | `PutAbort` | `PutAbortReply` |
+| `lookup` | `Lookup` | `LookupReply` |
+| `lease_release` / `lease_renew` | `LeaseRelease` / `LeaseRenew` | `LeaseReply` |
+| `pin` / `unpin` | `Pin` / `Unpin` | `PinReply` |
+| `evict` | `Evict` | `EvictReply` |
+| `freed` | `SlotsFreed` | `FreedAck` |
+| `list_segments` / `list_groups` / `list_leases` | queries | `SegmentList` / `GroupList` / `LeaseList` |
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import msgspec
+
+from kvfabric.proto.codec import FamilyDecoder
+
+# Batch limits (per message). Named once; the directory core enforces them.
+PUT_BATCH_OBJECTS_MAX: Final = 4096
+LOOKUP_BATCH_GROUPS_MAX: Final = 4096
+LOOKUP_MEMBERS_MAX: Final = 1024
+EVICT_BATCH_GROUPS_MAX: Final = 4096
+FREED_BATCH_MAX: Final = 8192
+LIST_LIMIT_MAX: Final = 10_000
+LEASE_TTL_MS_MAX: Final = 600_000
+PIN_TTL_MS_MAX: Final = 86_400_000
+WRITE_TTL_MS_MAX: Final = 600_000
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
+    """Base of every directory message: frozen, keyword-only, tagged by `t`."""
+
+
+# ---- shared shapes -------------------------------------------------------------------------
+
+
+class FailureDomain(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a segment lives. Replicas of one object go to distinct domains, widest level first."""
+
+    zone: str = "zone0"
+    rack: str = "rack0"
+    host: str
+
+
+class Member(msgspec.Struct, frozen=True, array_like=True):
+    """One member of a chunk group: the (TP rank, PP stage, layer group) that wrote an object."""
+
+    tp_rank: int
+    pp_stage: int
+    layer_group: int
+
+
+class ObjectSpec(msgspec.Struct, frozen=True, kw_only=True):
+    key: bytes
+    size_bytes: int
+    checksum: bytes
+
+
+class WriteTicket(msgspec.Struct, frozen=True, kw_only=True):
+    """Permission to write one replica of one object into one segment, signed by the directory.
+
+    The segment checks `signature` (keyed with the cluster secret), the incarnation, the size
+    and, after the bytes arrive, the checksum. It confirms with `ticket_id`.
+    """
+
+    ticket_id: int
+    key: bytes
+    segment_id: str
+    incarnation: int
+    size_bytes: int
+    checksum: bytes
+    writer_id: str
+    deadline_ms: int
+    epoch: int
+    data_addr: str = ""
+    signature: bytes = b""
+
+
+class Replica(msgspec.Struct, frozen=True, kw_only=True):
+    segment_id: str
+    incarnation: int
+    slot: int
+    slot_generation: int
+    data_addr: str = ""
+
+
+class ObjectLocation(msgspec.Struct, frozen=True, kw_only=True):
+    """A readable object: where its replicas are and what its bytes must hash to. The caller
+    knows its key from (chunk index, member) of the groups it asked for."""
+
+    chunk_index: int
+    member: Member
+    size_bytes: int
+    checksum: bytes
+    replicas: list[Replica]
+
+
+# ---- segments -------------------------------------------------------------------------------
+
+
+class RegisterSegment(_Msg, tag="dir.register.v1"):
+    segment_id: str
+    incarnation: int
+    domain: FailureDomain
+    capacity_bytes: int
+    data_addr: str = ""
+    epoch: int = 0
+
+
+class SegmentRegistered(_Msg, tag="dir.registered.v1"):
+    epoch: int
+    heartbeat_interval_ms: int
+    heartbeat_timeout_ms: int
+
+
+class Heartbeat(_Msg, tag="dir.heartbeat.v1"):
+    segment_id: str
+    incarnation: int
+    used_bytes: int
+    draining: bool = False
+    epoch: int = 0
+
+
+class HeartbeatAck(_Msg, tag="dir.heartbeat_ack.v1"):
+    epoch: int
+
+
+# ---- two-phase publish ---------------------------------------------------------------------
+
+
+class PutBegin(_Msg, tag="dir.put_begin.v1"):
+    writer_id: str
+    request_id: str
+    objects: list[ObjectSpec]
+    replicas: int = 0  # 0 = the namespace default
+    write_ttl_ms: int = 30_000
+    epoch: int = 0
+
+
+BeginStatus = Literal["placed", "exists", "in_flight", "no_capacity"]
+
+
+class BeginResult(msgspec.Struct, frozen=True, kw_only=True):
+    key: bytes
+    status: BeginStatus
+    tickets: list[WriteTicket] = msgspec.field(default_factory=list)
+    # placed: this writer's deadline; in_flight: the other writer's deadline.
+    deadline_ms: int = 0
+
+
+class PutBeginReply(_Msg, tag="dir.put_begin_reply.v1"):
+    epoch: int
+    results: list[BeginResult]
+
+
+class ReplicaConfirm(msgspec.Struct, frozen=True, kw_only=True):
+    ticket_id: int
+    key: bytes
+    slot: int
+    slot_generation: int
+    size_bytes: int
+    checksum: bytes
+
+
+class ConfirmReplicas(_Msg, tag="dir.confirm.v1"):
+    """Sent by a segment after it stored and checksummed the bytes of each ticket."""
+
+    segment_id: str
+    incarnation: int
+    confirms: list[ReplicaConfirm]
+    epoch: int = 0
+
+
+ConfirmStatus = Literal["ok", "unknown_ticket", "mismatch"]
+
+
+class ConfirmResult(msgspec.Struct, frozen=True, kw_only=True):
+    ticket_id: int
+    # unknown_ticket / mismatch: the directory will never publish this slot; free it now.
+    status: ConfirmStatus
+
+
+class ConfirmReply(_Msg, tag="dir.confirm_reply.v1"):
+    epoch: int
+    results: list[ConfirmResult]
+
+
+class PutCommit(_Msg, tag="dir.put_commit.v1"):
+    writer_id: str
+    request_id: str
+    keys: list[bytes]
+    epoch: int = 0
+
+
+CommitStatus = Literal["published", "degraded", "waiting_group", "missing", "not_found", "exists"]
+
+
+class CommitResult(msgspec.Struct, frozen=True, kw_only=True):
+    key: bytes
+    # published: the whole chunk group is readable; degraded: readable with fewer replicas than
+    # the target (flagged for repair); waiting_group: this object is committed but other members
+    # of its chunk group are not yet; missing: no replica confirmed yet (retry commit later).
+    status: CommitStatus
+    replicas_confirmed: int = 0
+    replicas_target: int = 0
+
+
+class PutCommitReply(_Msg, tag="dir.put_commit_reply.v1"):
+    epoch: int
+    results: list[CommitResult]
+
+
+class PutAbort(_Msg, tag="dir.put_abort.v1"):
+    writer_id: str
+    request_id: str
+    keys: list[bytes]
+    epoch: int = 0
+
+
+class PutAbortReply(_Msg, tag="dir.put_abort_reply.v1"):
+    epoch: int
+    aborted: int
+
+
+# ---- reads and leases ----------------------------------------------------------------------
+
+
+class Lookup(_Msg, tag="dir.lookup.v1"):
+    """The chunk groups of one prefix, in order; `members` = the (rank, stage, group) objects the
+    caller needs (empty = every member). The reply folds to the longest complete run."""
+
+    holder_id: str
+    groups: list[bytes]
+    members: list[Member] = msgspec.field(default_factory=list)
+    lease_ttl_ms: int = 30_000
+    epoch: int = 0
+
+
+class LookupReply(_Msg, tag="dir.lookup_reply.v1"):
+    epoch: int
+    hit_chunks: int
+    lease_id: int = 0  # 0 = no lease (no hit)
+    lease_expires_ms: int = 0
+    objects: list[ObjectLocation] = msgspec.field(default_factory=list)
+
+
+class LeaseRelease(_Msg, tag="dir.lease_release.v1"):
+    holder_id: str
+    lease_id: int
+    epoch: int = 0
+
+
+class LeaseRenew(_Msg, tag="dir.lease_renew.v1"):
+    holder_id: str
+    lease_id: int
+    lease_ttl_ms: int = 30_000
+    epoch: int = 0
+
+
+class LeaseReply(_Msg, tag="dir.lease_reply.v1"):
+    epoch: int
+    lease_id: int
+    expires_ms: int  # 0 after release
+
+
+class Pin(_Msg, tag="dir.pin.v1"):
+    holder_id: str
+    groups: list[bytes]
+    ttl_ms: int
+    epoch: int = 0
+
+
+class Unpin(_Msg, tag="dir.unpin.v1"):
+    holder_id: str
+    pin_id: int
+    epoch: int = 0
+
+
+class PinReply(_Msg, tag="dir.pin_reply.v1"):
+    epoch: int
+    pin_id: int
+    pinned_groups: int
+    expires_ms: int
+
+
+# ---- eviction and frees --------------------------------------------------------------------
+
+
+class Evict(_Msg, tag="dir.evict.v1"):
+    groups: list[bytes]
+    reason: str = "policy"
+    epoch: int = 0
+
+
+EvictStatus = Literal["evicting", "leased", "pinned", "not_found", "not_published"]
+
+
+class EvictResult(msgspec.Struct, frozen=True, kw_only=True):
+    group: bytes
+    status: EvictStatus
+
+
+class EvictReply(_Msg, tag="dir.evict_reply.v1"):
+    epoch: int
+    results: list[EvictResult]
+
+
+class FreedSlot(msgspec.Struct, frozen=True, array_like=True):
+    key: bytes
+    slot: int
+    slot_generation: int
+
+
+class SlotsFreed(_Msg, tag="dir.freed.v1"):
+    segment_id: str
+    incarnation: int
+    freed: list[FreedSlot]
+    epoch: int = 0
+
+
+class FreedAck(_Msg, tag="dir.freed_ack.v1"):
+    epoch: int
+    accepted: int
+
+
+# ---- events (JetStream stream of subject `kvf.v1.events.directory.<kind>`) ---------------
+
+
+class SegmentUp(_Msg, tag="dir.ev.segment_up.v1"):
+    segment_id: str
+    incarnation: int
+
+
+class SegmentDown(_Msg, tag="dir.ev.segment_down.v1"):
+    segment_id: str
+    incarnation: int
+    reason: str
+
+
+class GroupPublished(_Msg, tag="dir.ev.published.v1"):
+    group: bytes  # chain hash
+    chunk_index: int
+    members: int
+    degraded: bool = False
+
+
+class GroupUnderReplicated(_Msg, tag="dir.ev.under_replicated.v1"):
+    group: bytes
+
+
+class GroupEvicted(_Msg, tag="dir.ev.evicted.v1"):
+    group: bytes
+    reason: str
+
+
+class GroupInvalidated(_Msg, tag="dir.ev.invalidated.v1"):
+    group: bytes
+    reason: str
+
+
+DirectoryRequest = (
+    RegisterSegment | Heartbeat | PutBegin | ConfirmReplicas | PutCommit | PutAbort | Lookup
+    | LeaseRelease | LeaseRenew | Pin | Unpin | Evict | SlotsFreed
+)
+DirectoryReply = (
+    SegmentRegistered | HeartbeatAck | PutBeginReply | ConfirmReply | PutCommitReply | PutAbortReply
+    | LookupReply | LeaseReply | PinReply | EvictReply | FreedAck
+)
+DirectoryEvent = SegmentUp | SegmentDown | GroupPublished | GroupUnderReplicated | GroupEvicted | GroupInvalidated
+
+request_decoder: FamilyDecoder[DirectoryRequest] = FamilyDecoder(DirectoryRequest, "directory request")
+reply_decoder: FamilyDecoder[DirectoryReply] = FamilyDecoder(DirectoryReply, "directory reply")
+event_decoder: FamilyDecoder[DirectoryEvent] = FamilyDecoder(DirectoryEvent, "directory event")

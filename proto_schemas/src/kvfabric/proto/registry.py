@@ -1,0 +1,15 @@
+"""Every message family, by name: the input of `make schemas` and the golden-message tests."""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from kvfabric.proto import common, echo
+
+__all__ = ["FAMILIES"]
+
+# family name -> the type (tagged union or Struct) decoded for it.
+FAMILIES: Final[dict[str, Any]] = {
+    "common.error": common.ErrorReply,
+    "echo": echo.EchoMessage,
+}

@@ -1,0 +1,185 @@
+"""Directory core scenarios: short scripts of events with the expected outcome inline."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfabric.core.directory import FreeSlots
+from kvfabric.format.errors import BadRequest, BatchTooLarge, NotFound, StaleGeneration
+from kvfabric.proto import directory as m
+from kvfabric.proto.tickets import ticket_signature_valid
+
+from .dirkit import SECRET, confirm_all, groups, key, lookup, new_core, put, register, spec
+
+
+def test_nothing_readable_before_publish_then_readable_after() -> None:
+    core = new_core()
+    register(core, "s1")
+    (g,) = groups(1)
+    begin = core.handle(m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g))]), 0).reply
+    assert isinstance(begin, m.PutBeginReply)
+    (res,) = begin.results
+    assert res.status == "placed" and len(res.tickets) == 1
+    assert ticket_signature_valid(res.tickets[0], SECRET)
+    assert lookup(core, [g]).hit_chunks == 0
+    confirm_all(core, begin, 0)
+    assert lookup(core, [g]).hit_chunks == 0  # confirmed is still not published
+    commit = core.handle(m.PutCommit(writer_id="w", request_id="c", keys=[key(g)]), 0).reply
+    assert isinstance(commit, m.PutCommitReply)
+    assert commit.results[0].status == "published"
+    hit = lookup(core, [g])
+    assert hit.hit_chunks == 1 and hit.lease_id > 0
+    assert hit.objects[0].replicas[0].segment_id == "s1"
+    core.check_invariants()
+
+
+def test_chunk_group_publishes_only_when_every_rank_committed() -> None:
+    core = new_core()
+    register(core, "s1")
+    (g,) = groups(1, tp_size=2)
+    assert put(core, [key(g, rank=0)], writer="rank0").results[0].status == "waiting_group"
+    assert lookup(core, [g]).hit_chunks == 0
+    assert put(core, [key(g, rank=1)], writer="rank1", request_id="r2").results[0].status == "published"
+    assert lookup(core, [g]).hit_chunks == 1
+    core.check_invariants()
+
+
+def test_fold_stops_at_first_gap() -> None:
+    core = new_core()
+    register(core, "s1")
+    gs = groups(3)
+    put(core, [key(gs[0]), key(gs[2])])
+    hit = lookup(core, gs)
+    assert hit.hit_chunks == 1
+    assert [o.chunk_index for o in hit.objects] == [0]
+
+
+def test_second_writer_gets_in_flight_and_published_key_gets_exists() -> None:
+    core = new_core()
+    register(core, "s1")
+    (g,) = groups(1)
+    first = core.handle(m.PutBegin(writer_id="a", request_id="1", objects=[spec(key(g))], write_ttl_ms=500), 10).reply
+    second = core.handle(m.PutBegin(writer_id="b", request_id="1", objects=[spec(key(g))]), 20).reply
+    assert isinstance(first, m.PutBeginReply) and isinstance(second, m.PutBeginReply)
+    assert second.results[0].status == "in_flight"
+    assert second.results[0].deadline_ms == 510
+    retried = core.handle(m.PutBegin(writer_id="a", request_id="1", objects=[spec(key(g))]), 30).reply
+    assert retried == first  # a retried request id gets the same answer
+    confirm_all(core, first, 40)
+    core.handle(m.PutCommit(writer_id="a", request_id="2", keys=[key(g)]), 40)
+    third = core.handle(m.PutBegin(writer_id="b", request_id="2", objects=[spec(key(g))]), 50).reply
+    assert isinstance(third, m.PutBeginReply)
+    assert third.results[0].status == "exists"
+
+
+def test_dead_writer_is_reclaimed_and_late_confirm_is_refused() -> None:
+    core = new_core()
+    register(core, "s1")
+    (g,) = groups(1)
+    begin = core.handle(m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g))], write_ttl_ms=100), 0).reply
+    assert isinstance(begin, m.PutBeginReply)
+    assert core.segments["s1"].reserved_bytes == 100
+    core.handle(m.Heartbeat(segment_id="s1", incarnation=1, used_bytes=0), 150)
+    core.tick(150)
+    assert core.segments["s1"].reserved_bytes == 0 and core.pending_objects == 0
+    t = begin.results[0].tickets[0]
+    late = core.handle(m.ConfirmReplicas(segment_id="s1", incarnation=1, confirms=[m.ReplicaConfirm(
+        ticket_id=t.ticket_id, key=t.key, slot=3, slot_generation=1, size_bytes=100, checksum=t.checksum)]), 160)
+    assert isinstance(late.reply, m.ConfirmReply)
+    assert late.reply.results[0].status == "unknown_ticket"
+    core.check_invariants()
+
+
+def test_confirmed_then_expired_slot_is_freed_and_accounted_on_ack() -> None:
+    core = new_core()
+    register(core, "s1")
+    (g,) = groups(1)
+    begin = core.handle(m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g))], write_ttl_ms=100), 0).reply
+    assert isinstance(begin, m.PutBeginReply)
+    confirm_all(core, begin, 10)
+    core.handle(m.Heartbeat(segment_id="s1", incarnation=1, used_bytes=0), 150)
+    effects = core.tick(150)
+    frees = [e for e in effects if isinstance(e, FreeSlots)]
+    assert len(frees) == 1 and frees[0].slots[0].slot == 0
+    assert core.segments["s1"].reserved_bytes == 100  # until the segment says it freed it
+    core.handle(m.SlotsFreed(segment_id="s1", incarnation=1, freed=[m.FreedSlot(b"", 0, 1)]), 160)
+    assert core.segments["s1"].reserved_bytes == 0
+    core.check_invariants()
+
+
+def test_leased_group_is_not_evicted_until_released() -> None:
+    core = new_core()
+    register(core, "s1")
+    (g,) = groups(1)
+    put(core, [key(g)])
+    hit = lookup(core, [g])
+    evict = core.handle(m.Evict(groups=[g.to_bytes()]), 0).reply
+    assert isinstance(evict, m.EvictReply)
+    assert evict.results[0].status == "leased"
+    core.handle(m.LeaseRelease(holder_id="reader", lease_id=hit.lease_id), 0)
+    out = core.handle(m.Evict(groups=[g.to_bytes()]), 0)
+    assert isinstance(out.reply, m.EvictReply)
+    assert out.reply.results[0].status == "evicting"
+    assert any(isinstance(e, FreeSlots) for e in out.effects)
+    assert lookup(core, [g]).hit_chunks == 0
+    core.check_invariants()
+
+
+def test_lease_expiry_makes_group_evictable_but_frees_nothing_by_itself() -> None:
+    core = new_core()
+    register(core, "s1")
+    (g,) = groups(1)
+    put(core, [key(g)])
+    lookup(core, [g], now=0, ttl=100)
+    core.handle(m.Heartbeat(segment_id="s1", incarnation=1, used_bytes=0), 200)
+    effects = core.tick(200)
+    assert not any(isinstance(e, FreeSlots) for e in effects)
+    assert lookup(core, [g], now=200).hit_chunks == 1
+
+
+def test_segment_restart_invalidates_its_placements() -> None:
+    core = new_core()
+    register(core, "s1")
+    (g,) = groups(1)
+    put(core, [key(g)])
+    register(core, "s1", now=10, incarnation=2)
+    assert lookup(core, [g], now=10).hit_chunks == 0
+    core.tick(10)
+    assert not core.published
+    with pytest.raises(StaleGeneration):
+        core.handle(m.Heartbeat(segment_id="s1", incarnation=1, used_bytes=0), 20)
+    core.check_invariants()
+
+
+def test_stale_epoch_rejected_and_counted() -> None:
+    core = new_core()
+    core.epoch = 3
+    with pytest.raises(StaleGeneration):
+        core.handle(m.Lookup(holder_id="h", groups=[], epoch=2), 0)
+    assert core.counters["stale_epoch_rejected_total"] == 1
+
+
+def test_replicas_spread_over_zones_and_no_capacity_is_clear() -> None:
+    core = new_core()
+    register(core, "a1", zone="za", rack="r1", capacity=1000)
+    register(core, "a2", zone="za", rack="r2", capacity=5000)
+    register(core, "b1", zone="zb", rack="r1", capacity=200)
+    (g,) = groups(1)
+    begin = core.handle(m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g), 150)], replicas=2), 0).reply
+    assert isinstance(begin, m.PutBeginReply)
+    assert {t.segment_id for t in begin.results[0].tickets} == {"a2", "b1"}
+    (g2,) = groups(1, seed=9)
+    big = core.handle(m.PutBegin(writer_id="w", request_id="r2", objects=[spec(key(g2), 9000)]), 0).reply
+    assert isinstance(big, m.PutBeginReply)
+    assert big.results[0].status == "no_capacity"
+
+
+def test_bad_input_is_typed() -> None:
+    core = new_core()
+    with pytest.raises(BadRequest):
+        core.handle(m.PutBegin(writer_id="w", request_id="r", objects=[m.ObjectSpec(key=b"x", size_bytes=1,
+                                                                                     checksum=b"0" * 16)]), 0)
+    with pytest.raises(BatchTooLarge):
+        core.handle(m.Lookup(holder_id="h", groups=[b"x"] * (m.LOOKUP_BATCH_GROUPS_MAX + 1)), 0)
+    with pytest.raises(NotFound):
+        core.handle(m.Heartbeat(segment_id="nope", incarnation=1, used_bytes=0), 0)
