@@ -88,7 +88,8 @@ class DirectoryConfig:
     pending_objects_max: int = 200_000
     leases_max: int = 200_000
     pins_max: int = 10_000
-    reply_cache_max: int = 65_536
+    # Bounded by the number of per-object results held, not by replies (a reply may hold 4096).
+    reply_cache_objects_max: int = 16_384
     free_retry_ms: int = 2_000
     sweep_batch_max: int = 10_000
 
@@ -208,7 +209,8 @@ class DirectoryCore:
         self._sweep_deferred: set[bytes] = set()
         self._deadline_heap: list[tuple[int, bytes]] = []
         self._sweep_queue: list[bytes] = []
-        self._reply_cache: OrderedDict[tuple[str, str, str], msgspec.Struct] = OrderedDict()
+        self._reply_cache: OrderedDict[tuple[str, str, str], tuple[msgspec.Struct, int]] = OrderedDict()
+        self._reply_cache_objects = 0
         self._ids = itertools.count(1)
         self.pending_objects = 0
         self.counters: dict[str, int] = {}
@@ -269,15 +271,19 @@ class DirectoryCore:
         effects.append(FreeSlots(segment_id, incarnation, (m.FreedSlot(key, slot, generation),)))
 
     def _cached(self, verb: str, writer_id: str, request_id: str) -> msgspec.Struct | None:
-        reply = self._reply_cache.get((verb, writer_id, request_id))
-        if reply is not None:
-            self._count("retried_request_total")
-        return reply
+        cached = self._reply_cache.get((verb, writer_id, request_id))
+        if cached is None:
+            return None
+        self._count("retried_request_total")
+        return cached[0]
 
-    def _remember(self, verb: str, writer_id: str, request_id: str, reply: msgspec.Struct) -> None:
-        self._reply_cache[(verb, writer_id, request_id)] = reply
-        while len(self._reply_cache) > self.config.reply_cache_max:
-            self._reply_cache.popitem(last=False)
+    def _remember(self, verb: str, writer_id: str, request_id: str, reply: msgspec.Struct, n_objects: int) -> None:
+        old = self._reply_cache.pop((verb, writer_id, request_id), None)
+        self._reply_cache_objects += n_objects - (old[1] if old else 0)
+        self._reply_cache[(verb, writer_id, request_id)] = (reply, n_objects)
+        while self._reply_cache_objects > self.config.reply_cache_objects_max:
+            _, (_, n) = self._reply_cache.popitem(last=False)
+            self._reply_cache_objects -= n
 
     @staticmethod
     def _check_batch(what: str, n: int, limit: int) -> None:
@@ -383,7 +389,7 @@ class DirectoryCore:
         results = [self._begin_one(req.writer_id, spec, info, replicas, deadline) for spec, info in
                    zip(req.objects, infos, strict=True)]
         reply = m.PutBeginReply(epoch=self.epoch, results=results)
-        self._remember("begin", req.writer_id, req.request_id, reply)
+        self._remember("begin", req.writer_id, req.request_id, reply, len(results))
         return Outcome(reply)
 
     def _validate_spec(self, spec: m.ObjectSpec) -> KeyInfo:
