@@ -183,3 +183,28 @@ def test_bad_input_is_typed() -> None:
         core.handle(m.Lookup(holder_id="h", groups=[b"x"] * (m.LOOKUP_BATCH_GROUPS_MAX + 1)), 0)
     with pytest.raises(NotFound):
         core.handle(m.Heartbeat(segment_id="nope", incarnation=1, used_bytes=0), 0)
+
+
+def test_queries_list_without_granting_leases() -> None:
+    core = new_core()
+    register(core, "s1")
+    gs = groups(3)
+    put(core, [key(g) for g in gs])
+    segs = core.handle(m.ListSegments(), 0).reply
+    assert isinstance(segs, m.SegmentList)
+    assert [s.segment_id for s in segs.segments] == ["s1"] and segs.segments[0].reserved_bytes == 300
+    page1 = core.handle(m.ListGroups(limit=2), 0).reply
+    assert isinstance(page1, m.GroupList)
+    assert len(page1.groups) == 2 and page1.next_after
+    page2 = core.handle(m.ListGroups(limit=2, after=page1.next_after), 0).reply
+    assert isinstance(page2, m.GroupList)
+    assert len(page2.groups) == 1 and not page2.next_after
+    other = core.handle(m.ListGroups(domain_digest=b"\x00" * 16), 0).reply
+    assert isinstance(other, m.GroupList) and not other.groups
+    shown = core.handle(m.ShowGroup(group=gs[1].to_bytes()), 0).reply
+    assert isinstance(shown, m.GroupList)
+    assert shown.groups[0].chunk_index == 1 and shown.groups[0].objects[0].size_bytes == 100
+    leases = core.handle(m.ListLeases(), 0).reply
+    assert isinstance(leases, m.LeaseList) and not leases.leases
+    with pytest.raises(NotFound):
+        core.handle(m.ShowGroup(group=b"\x01" * 32), 0)

@@ -21,7 +21,9 @@ Verbs and their request → reply:
 | `pin` / `unpin` | `Pin` / `Unpin` | `PinReply` |
 | `evict` | `Evict` | `EvictReply` |
 | `freed` | `SlotsFreed` | `FreedAck` |
-| `list_segments` / `list_groups` / `list_leases` | queries | `SegmentList` / `GroupList` / `LeaseList` |
+| `list_segments` | `ListSegments` | `SegmentList` |
+| `list_groups` / `show_group` | `ListGroups` / `ShowGroup` | `GroupList` |
+| `list_leases` | `ListLeases` | `LeaseList` |
 """
 
 from __future__ import annotations
@@ -340,6 +342,85 @@ class FreedAck(_Msg, tag="dir.freed_ack.v1"):
     accepted: int
 
 
+# ---- read-only queries for tools (grant no lease) --------------------------------------------
+
+
+class ListSegments(_Msg, tag="dir.list_segments.v1"):
+    epoch: int = 0
+
+
+class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):
+    segment_id: str
+    incarnation: int
+    domain: FailureDomain
+    up: bool
+    draining: bool
+    capacity_bytes: int
+    reserved_bytes: int
+    reported_used_bytes: int
+    last_heartbeat_ms: int
+    data_addr: str
+
+
+class SegmentList(_Msg, tag="dir.segment_list.v1"):
+    epoch: int
+    segments: list[SegmentInfo]
+
+
+class ListGroups(_Msg, tag="dir.list_groups.v1"):
+    """Published chunk groups, optionally of one share domain (its 16-byte digest), paged by
+    `after` (the last group id of the previous page)."""
+
+    domain_digest: bytes = b""
+    after: bytes = b""
+    limit: int = 100
+    epoch: int = 0
+
+
+class ShowGroup(_Msg, tag="dir.show_group.v1"):
+    """One chunk group's manifest entry: members, sizes, checksums, replicas."""
+
+    group: bytes  # chunk group id (90 bytes) or its chain hash (32 bytes)
+    epoch: int = 0
+
+
+class GroupSummary(msgspec.Struct, frozen=True, kw_only=True):
+    group: bytes  # chain hash
+    namespace: bytes  # the chunk group id's leading 54 bytes (format, domain, model, layout)
+    chunk_index: int
+    state: Literal["building", "published", "evicting"]
+    members: int
+    expected_members: int
+    degraded: bool = False
+    leases: int = 0
+    pins: int = 0
+    objects: list[ObjectLocation] = msgspec.field(default_factory=list)
+
+
+class GroupList(_Msg, tag="dir.group_list.v1"):
+    epoch: int
+    groups: list[GroupSummary]
+    next_after: bytes = b""  # empty: no more pages
+
+
+class ListLeases(_Msg, tag="dir.list_leases.v1"):
+    limit: int = 100
+    epoch: int = 0
+
+
+class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True):
+    lease_id: int
+    holder_id: str
+    is_pin: bool
+    groups: int
+    expires_ms: int
+
+
+class LeaseList(_Msg, tag="dir.lease_list.v1"):
+    epoch: int
+    leases: list[LeaseInfo]
+
+
 # ---- events (JetStream stream of subject `kvf.v1.events.directory.<kind>`) ---------------
 
 
@@ -377,11 +458,12 @@ class GroupInvalidated(_Msg, tag="dir.ev.invalidated.v1"):
 
 DirectoryRequest = (
     RegisterSegment | Heartbeat | PutBegin | ConfirmReplicas | PutCommit | PutAbort | Lookup
-    | LeaseRelease | LeaseRenew | Pin | Unpin | Evict | SlotsFreed
+    | LeaseRelease | LeaseRenew | Pin | Unpin | Evict | SlotsFreed | ListSegments | ListGroups | ShowGroup
+    | ListLeases
 )
 DirectoryReply = (
     SegmentRegistered | HeartbeatAck | PutBeginReply | ConfirmReply | PutCommitReply | PutAbortReply
-    | LookupReply | LeaseReply | PinReply | EvictReply | FreedAck
+    | LookupReply | LeaseReply | PinReply | EvictReply | FreedAck | SegmentList | GroupList | LeaseList
 )
 DirectoryEvent = SegmentUp | SegmentDown | GroupPublished | GroupUnderReplicated | GroupEvicted | GroupInvalidated
 

@@ -12,7 +12,7 @@ from typing import Final
 
 import msgspec
 
-from kvfabric.proto import common, echo
+from kvfabric.proto import common, directory, echo, segment
 
 __all__ = ["GOLDEN_CASES"]
 
@@ -24,4 +24,34 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
     ),
     "echo.say.v1": ("echo", echo.EchoRequest(text="hello", delay_ms=5)),
     "echo.said.v1": ("echo", echo.EchoReply(text="hello", instance_id="echo-1")),
+    "dir.put_begin.v1": (
+        "directory.request",
+        directory.PutBegin(
+            writer_id="w1", request_id="r1", replicas=2, write_ttl_ms=5000, epoch=3,
+            objects=[directory.ObjectSpec(key=bytes(range(96)), size_bytes=1 << 20, checksum=b"c" * 16)],
+        ),
+    ),
+    "dir.lookup.v1": (
+        "directory.request",
+        directory.Lookup(holder_id="h", groups=[bytes(90)], members=[directory.Member(1, 0, 2)], lease_ttl_ms=900),
+    ),
+    "dir.lookup_reply.v1": (
+        "directory.reply",
+        directory.LookupReply(
+            epoch=3, hit_chunks=1, lease_id=7, lease_expires_ms=12345,
+            objects=[directory.ObjectLocation(
+                chunk_index=0, member=directory.Member(0, 0, 0), size_bytes=4096, checksum=b"k" * 16,
+                replicas=[directory.Replica(segment_id="s1", incarnation=9, slot=4, slot_generation=2,
+                                            data_addr="tcp://127.0.0.1:7000")],
+            )],
+        ),
+    ),
+    "dir.ev.published.v1": (
+        "directory.event",
+        directory.GroupPublished(group=b"g" * 32, chunk_index=5, members=2, degraded=True),
+    ),
+    "seg.free.v1": (
+        "segment",
+        segment.FreeSlotsRequest(segment_id="s1", incarnation=9, slots=[directory.FreedSlot(b"", 4, 2)], epoch=3),
+    ),
 }

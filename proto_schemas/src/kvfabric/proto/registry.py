@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from kvfabric.proto import common, echo
+from kvfabric.proto import common, directory, echo, segment
 
 __all__ = ["FAMILIES"]
 
@@ -12,4 +12,8 @@ __all__ = ["FAMILIES"]
 FAMILIES: Final[dict[str, Any]] = {
     "common.error": common.ErrorReply,
     "echo": echo.EchoMessage,
+    "directory.request": directory.DirectoryRequest,
+    "directory.reply": directory.DirectoryReply,
+    "directory.event": directory.DirectoryEvent,
+    "segment": segment.SegmentMessage,
 }

@@ -18,12 +18,15 @@ __all__ = [
     "endpoint_subject",
     "event_subject",
     "events_wildcard",
+    "check_segment_id",
+    "segment_subject",
     "service_group",
 ]
 
 PREFIX: Final = "kvf"
 PROTOCOL_VERSION: Final = 1
 _TOKEN = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+_SEGMENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
 class Service(StrEnum):
@@ -62,3 +65,15 @@ def events_wildcard(service: Service | None = None, version: int = PROTOCOL_VERS
     """Wildcard over one service's events, or every service's: for stream subjects and consumers."""
     middle = "*" if service is None else _check_token("service", service.value)
     return f"{PREFIX}.v{version}.events.{middle}.>"
+
+
+def check_segment_id(segment_id: str) -> str:
+    """Segment ids appear in subjects: letters, digits, `_` and `-`, at most 64 characters."""
+    if not _SEGMENT_ID.match(segment_id):
+        raise ValueError(f"invalid segment id {segment_id!r}: want [A-Za-z0-9][A-Za-z0-9_-]{{0,63}}")
+    return segment_id
+
+
+def segment_subject(segment_id: str, verb: str, version: int = PROTOCOL_VERSION) -> str:
+    """A subject addressed to one segment instance: `kvf.v1.segment.<verb>.<segment_id>`."""
+    return f"{endpoint_subject(Service.SEGMENT, verb, version)}.{check_segment_id(segment_id)}"

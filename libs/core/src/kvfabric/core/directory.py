@@ -823,6 +823,73 @@ class DirectoryCore:
                 segment_id, incarnation, slot, generation = key
                 effects.append(FreeSlots(segment_id, incarnation, (m.FreedSlot(b"", slot, generation),)))
 
+    # ---- read-only queries (grant nothing, change nothing but counters) -------------------
+
+    def _list_segments(self, req: m.ListSegments, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        segments = [
+            m.SegmentInfo(segment_id=s.segment_id, incarnation=s.incarnation, domain=s.domain, up=s.up,
+                          draining=s.draining, capacity_bytes=s.capacity_bytes, reserved_bytes=s.reserved_bytes,
+                          reported_used_bytes=s.reported_used_bytes, last_heartbeat_ms=s.last_heartbeat_ms,
+                          data_addr=s.data_addr)
+            for s in sorted(self.segments.values(), key=lambda s: s.segment_id)
+        ]
+        return Outcome(m.SegmentList(epoch=self.epoch, segments=segments))
+
+    def _summary(self, gid: bytes, *, with_objects: bool) -> m.GroupSummary | None:
+        record = self.published.get(gid)
+        group = unpack_group(record) if record is not None else self.evicting.get(gid)
+        if group is not None:
+            namespace = self._namespaces[group.namespace]
+            objects = []
+            if with_objects:
+                for mem in group.members:
+                    objects.append(m.ObjectLocation(
+                        chunk_index=group.chunk_index, member=m.Member(*mem.member), size_bytes=mem.size_bytes,
+                        checksum=mem.checksum, replicas=[self._replica(r) for r in mem.replicas
+                                                         if self._placement_live(r.placement)]))
+            return m.GroupSummary(
+                group=gid, namespace=namespace, chunk_index=group.chunk_index,
+                state="published" if record is not None else "evicting", members=len(group.members),
+                expected_members=len(group.members), degraded=group.degraded,
+                leases=self._lease_count.get(gid, 0), pins=self._pin_count.get(gid, 0), objects=objects)
+        building = self.building.get(gid)
+        if building is None:
+            return None
+        return m.GroupSummary(group=gid, namespace=building.info.namespace, chunk_index=building.info.chunk_index,
+                              state="building", members=len(building.members),
+                              expected_members=building.info.expected_members)
+
+    def _list_groups(self, req: m.ListGroups, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        if not 0 < req.limit <= m.LIST_LIMIT_MAX:
+            raise BadRequest(f"limit must be in 1..{m.LIST_LIMIT_MAX}")
+        # Pages in chain-hash order; a full scan per page (tools only, bounded by limit in output).
+        selected = sorted(g for g in self.published if g > req.after and (
+            not req.domain_digest or self._namespaces[unpack_group(self.published[g]).namespace][4:20]
+            == req.domain_digest))
+        page = selected[:req.limit]
+        summaries = [s for s in (self._summary(g, with_objects=False) for g in page) if s is not None]
+        next_after = page[-1] if len(selected) > req.limit else b""
+        return Outcome(m.GroupList(epoch=self.epoch, groups=summaries, next_after=next_after))
+
+    def _show_group(self, req: m.ShowGroup, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        gid = parse_group(req.group).group_id if len(req.group) != 32 else req.group
+        summary = self._summary(gid, with_objects=True)
+        if summary is None:
+            raise NotFound("no such chunk group", group=gid.hex())
+        return Outcome(m.GroupList(epoch=self.epoch, groups=[summary]))
+
+    def _list_leases(self, req: m.ListLeases, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        if not 0 < req.limit <= m.LIST_LIMIT_MAX:
+            raise BadRequest(f"limit must be in 1..{m.LIST_LIMIT_MAX}")
+        leases = [m.LeaseInfo(lease_id=i, holder_id=x.holder_id, is_pin=x.is_pin, groups=len(x.groups),
+                              expires_ms=x.expires_ms)
+                  for i, x in itertools.islice(sorted(self._leases.items()), req.limit)]
+        return Outcome(m.LeaseList(epoch=self.epoch, leases=leases))
+
     # ---- checks (tests call this after every step) ---------------------------------------
 
     def check_invariants(self) -> None:
@@ -868,4 +935,8 @@ _HANDLERS = {
     m.Unpin: DirectoryCore._unpin,
     m.Evict: DirectoryCore._evict,
     m.SlotsFreed: DirectoryCore._freed,
+    m.ListSegments: DirectoryCore._list_segments,
+    m.ListGroups: DirectoryCore._list_groups,
+    m.ShowGroup: DirectoryCore._show_group,
+    m.ListLeases: DirectoryCore._list_leases,
 }

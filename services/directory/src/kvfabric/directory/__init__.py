@@ -1,0 +1,1 @@
+"""The directory service: a thin shell over `kvfabric.core.directory.DirectoryCore`."""

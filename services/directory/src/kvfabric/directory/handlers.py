@@ -1,0 +1,173 @@
+"""The directory shell: decode → `DirectoryCore.handle(request, now_ms)` → perform effects → reply.
+
+Every endpoint decodes its bytes with the directory request decoder, checks the message is the
+one its verb takes, and hands it to the core. The core is synchronous, so each call is atomic on
+the event loop; effects are performed after it returns:
+
+- `EmitEvent` → a bounded outbox drained by one publisher task into the JetStream stream
+  `KVF_DIRECTORY_EVENTS` (subjects `kvf.v1.events.directory.<kind>`), in order; JetStream gives
+  each event a sequence number so consumers detect gaps and replay. When the outbox is full the
+  handler waits (backpressure) rather than dropping an event.
+- `FreeSlots` → a request to `kvf.v1.segment.free.<segment_id>`; the segment's reply is fed back
+  to the core as `SlotsFreed`. A lost or failed free is retried by the core's `tick`.
+A tick task calls `core.tick(now_ms)` every `tick_ms` and performs its effects the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Final
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.js.api import StreamConfig
+from nats.js.errors import BadRequestError
+
+from kvfabric.core.directory import DirectoryCore, EmitEvent, Effect, FreeSlots
+from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.proto import directory as m
+from kvfabric.proto.segment import FreeSlotsReply, FreeSlotsRequest, segment_decoder
+from kvfabric.proto.subjects import Service, event_subject, events_wildcard, segment_subject
+from kvfabric.runtime.client import request
+from kvfabric.runtime.logs import get_logger
+from kvfabric.runtime.service import ServiceRuntime
+
+__all__ = ["EVENTS_STREAM", "VERBS", "DirectoryShell", "now_ms"]
+
+EVENTS_STREAM: Final = "KVF_DIRECTORY_EVENTS"
+FREES_INFLIGHT_MAX: Final = 256
+PUBLISH_RETRY_S: Final = 0.2
+
+# verb -> the request type it accepts
+VERBS: Final[dict[str, type[msgspec.Struct]]] = {
+    "register": m.RegisterSegment,
+    "heartbeat": m.Heartbeat,
+    "put_begin": m.PutBegin,
+    "confirm": m.ConfirmReplicas,
+    "put_commit": m.PutCommit,
+    "put_abort": m.PutAbort,
+    "lookup": m.Lookup,
+    "lease_release": m.LeaseRelease,
+    "lease_renew": m.LeaseRenew,
+    "pin": m.Pin,
+    "unpin": m.Unpin,
+    "evict": m.Evict,
+    "freed": m.SlotsFreed,
+    "list_segments": m.ListSegments,
+    "list_groups": m.ListGroups,
+    "show_group": m.ShowGroup,
+    "list_leases": m.ListLeases,
+}
+
+
+def now_ms() -> int:
+    """Wall-clock milliseconds: lease and write deadlines are told to other processes."""
+    return time.time_ns() // 1_000_000
+
+
+class DirectoryShell:
+    """Owns the core, the events outbox and the background tasks of one directory instance."""
+
+    def __init__(self, core: DirectoryCore, *, tick_ms: int, events_outbox_max: int, events_max_age_s: int,
+                 free_timeout_s: float) -> None:
+        self.core = core
+        self.tick_ms = tick_ms
+        self.events_max_age_s = events_max_age_s
+        self.free_timeout_s = free_timeout_s
+        self._outbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=events_outbox_max)
+        self._frees: set[asyncio.Task[None]] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._nc: NatsClient | None = None
+        self._log = get_logger("kvfabric.directory")
+        self.events_published = 0
+        self.frees_skipped_busy = 0
+
+    def attach(self, runtime: ServiceRuntime) -> None:
+        for verb, kind in VERBS.items():
+            runtime.add_endpoint(verb, self._endpoint(kind))
+
+    def _endpoint(self, kind: type[msgspec.Struct]):  # type: ignore[no-untyped-def]
+        async def handle(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+            message = m.request_decoder.decode(data)
+            if type(message) is not kind:
+                raise BadRequest(f"this endpoint takes {kind.__name__}, got {type(message).__name__}")
+            outcome = self.core.handle(message, now_ms())
+            await self._perform(outcome.effects)
+            return outcome.reply
+
+        return handle
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, nc: NatsClient) -> None:
+        self._nc = nc
+        js = nc.jetstream()
+        config = StreamConfig(name=EVENTS_STREAM, subjects=[events_wildcard(Service.DIRECTORY)],
+                              max_age=float(self.events_max_age_s))
+        try:
+            await js.add_stream(config)
+        except BadRequestError:
+            await js.update_stream(config)
+        self._tasks = [asyncio.create_task(self._publisher()), asyncio.create_task(self._ticker())]
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *self._frees]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._frees, return_exceptions=True)
+
+    # ---- effects -----------------------------------------------------------------------------
+
+    async def _perform(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, EmitEvent):
+                subject = event_subject(Service.DIRECTORY, effect.kind)
+                await self._outbox.put((subject, msgspec.msgpack.encode(effect.event)))
+            elif isinstance(effect, FreeSlots):
+                if len(self._frees) >= FREES_INFLIGHT_MAX:
+                    self.frees_skipped_busy += 1  # the core retries it on a later tick
+                    continue
+                task = asyncio.create_task(self._free(effect))
+                self._frees.add(task)
+                task.add_done_callback(self._frees.discard)
+
+    async def _free(self, effect: FreeSlots) -> None:
+        assert self._nc is not None
+        message = FreeSlotsRequest(segment_id=effect.segment_id, incarnation=effect.incarnation,
+                                   slots=list(effect.slots), epoch=self.core.epoch)
+        try:
+            reply = await request(self._nc, segment_subject(effect.segment_id, "free"), message, segment_decoder,
+                                  self.free_timeout_s)
+        except KvfError as err:
+            self._log.info("free_failed", segment_id=effect.segment_id, code=err.code)
+            return
+        if not isinstance(reply, FreeSlotsReply):
+            return
+        try:
+            outcome = self.core.handle(m.SlotsFreed(segment_id=effect.segment_id, incarnation=reply.incarnation,
+                                                    freed=reply.freed, epoch=self.core.epoch), now_ms())
+        except KvfError as err:  # e.g. the segment restarted meanwhile: its slots died with it
+            self._log.info("freed_rejected", segment_id=effect.segment_id, code=err.code)
+            return
+        await self._perform(outcome.effects)
+
+    async def _publisher(self) -> None:
+        assert self._nc is not None
+        js = self._nc.jetstream()
+        while True:
+            subject, payload = await self._outbox.get()
+            while True:  # in order, never dropped: retry until JetStream takes it
+                try:
+                    await js.publish(subject, payload, timeout=2.0)
+                    self.events_published += 1
+                    break
+                except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                    self._log.warning("event_publish_retry", subject=subject, error=type(exc).__name__)
+                    await asyncio.sleep(PUBLISH_RETRY_S)
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_ms / 1000)
+            await self._perform(self.core.tick(now_ms()))
