@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 PACKAGES := libs/format proto_schemas libs/core libs/runtime libs/testing services/directory
 PYTEST_ARGS ?=
 
-.PHONY: help setup lint typecheck imports schemas schemas-check test test-fast
+.PHONY: help setup lint schemas schemas-check test test-fast
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
@@ -40,3 +40,9 @@ test-fast: setup ## Run the test suite only
 
 test: setup lint schemas-check ## Set up if needed, lint, check schemas, run the suite (what CI runs)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+.PHONY: bench
+bench: setup ## Run the benchmarks; JSON + markdown into bench/results/
+	$(PY) bench/directory_core.py
+	cat bench/results/*.md > bench/results/SUMMARY.md
+	@echo "wrote bench/results/SUMMARY.md"
