@@ -26,7 +26,7 @@ setup: $(VENV)/.setup-stamp ## Create .venv and install every package editable +
 lint: setup ## ruff, mypy (strict on libs/), import boundaries
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy libs/*/src/kvfabric proto_schemas/src/kvfabric tools tests
+	$(VENV)/bin/mypy libs/*/src/kvfabric proto_schemas/src/kvfabric services/*/src/kvfabric tools tests bench
 	$(VENV)/bin/lint-imports
 
 schemas: setup ## Regenerate JSON Schema files from the msgspec types

@@ -27,14 +27,23 @@ from pathlib import Path
 import xxhash
 
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore
-from kvfabric.format.key import KVKey, KVLayout, ModelFingerprint, ShareDomain, chunk_groups_for_prefix
+from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DOMAIN = ShareDomain(tenant_id="bench", salt=b"bench-salt-0123456789")
-MODEL = ModelFingerprint(model_id="llama-bench", weights_revision="r1", kv_dtype="bfloat16", attn_config_digest="rope")
-LAYOUT = KVLayout(tp_size=1, tp_rank=0, pp_stage=0, layer_group=0, layer_group_count=1, tokens_per_chunk=16,
-                  tensor_layout="bench")
+MODEL = ModelFingerprint(
+    model_id="llama-bench", weights_revision="r1", kv_dtype="bfloat16", attn_config_digest="rope"
+)
+LAYOUT = KVLayout(
+    tp_size=1,
+    tp_rank=0,
+    pp_stage=0,
+    layer_group=0,
+    layer_group_count=1,
+    tokens_per_chunk=16,
+    tensor_layout="bench",
+)
 SEGMENTS = 16
 OBJECT_BYTES = 2 << 20
 
@@ -57,26 +66,48 @@ def make_groups(n: int, seed: int) -> list[bytes]:
 
 
 def new_core() -> DirectoryCore:
-    core = DirectoryCore(DirectoryConfig(ticket_secret=b"bench-secret-0123456789", pending_objects_max=1 << 20,
-                                         leases_max=1 << 20, heartbeat_timeout_ms=1 << 40))
+    core = DirectoryCore(
+        DirectoryConfig(
+            ticket_secret=b"bench-secret-0123456789",
+            pending_objects_max=1 << 20,
+            leases_max=1 << 20,
+            heartbeat_timeout_ms=1 << 40,
+        )
+    )
     for i in range(SEGMENTS):
-        core.handle(m.RegisterSegment(segment_id=f"seg{i}", incarnation=1, capacity_bytes=1 << 62,
-                                      domain=m.FailureDomain(host=f"h{i}", rack=f"r{i % 4}")), 0)
+        core.handle(
+            m.RegisterSegment(
+                segment_id=f"seg{i}",
+                incarnation=1,
+                capacity_bytes=1 << 62,
+                domain=m.FailureDomain(host=f"h{i}", rack=f"r{i % 4}"),
+            ),
+            0,
+        )
     return core
 
 
 def publish(core: DirectoryCore, group_ids: list[bytes], req: str, now: int = 0) -> None:
     keys = [g + b"\x00" * 6 for g in group_ids]  # member (0, 0, 0): KVKey bytes = group id + 3 × u16
     specs = [m.ObjectSpec(key=k, size_bytes=OBJECT_BYTES, checksum=xxhash.xxh3_128_digest(k)) for k in keys]
-    begin = core.handle(m.PutBegin(writer_id="w", request_id=req, objects=specs, write_ttl_ms=1000), now).reply
+    begin = core.handle(
+        m.PutBegin(writer_id="w", request_id=req, objects=specs, write_ttl_ms=1000), now
+    ).reply
     assert isinstance(begin, m.PutBeginReply)
     by_segment: dict[tuple[str, int], list[m.ReplicaConfirm]] = {}
     for i, res in enumerate(begin.results):
         assert res.status == "placed", res.status
         for t in res.tickets:
-            by_segment.setdefault((t.segment_id, t.incarnation), []).append(m.ReplicaConfirm(
-                ticket_id=t.ticket_id, key=t.key, slot=i, slot_generation=1, size_bytes=t.size_bytes,
-                checksum=t.checksum))
+            by_segment.setdefault((t.segment_id, t.incarnation), []).append(
+                m.ReplicaConfirm(
+                    ticket_id=t.ticket_id,
+                    key=t.key,
+                    slot=i,
+                    slot_generation=1,
+                    size_bytes=t.size_bytes,
+                    checksum=t.checksum,
+                )
+            )
     for (sid, inc), confirms in by_segment.items():
         core.handle(m.ConfirmReplicas(segment_id=sid, incarnation=inc, confirms=confirms), now)
     commit = core.handle(m.PutCommit(writer_id="w", request_id=req + "c", keys=keys), now).reply
@@ -96,13 +127,13 @@ def peak_publishes(n: int) -> float:
     batch = 256
     t0 = time.perf_counter()
     for i in range(0, n, batch):
-        publish(core, groups[i:i + batch], f"p{i}")
+        publish(core, groups[i : i + batch], f"p{i}")
     return n / (time.perf_counter() - t0)
 
 
 def window(groups: list[bytes], start: int, n: int) -> list[bytes]:
     i = start % (len(groups) - n)
-    return groups[i:i + n]
+    return groups[i : i + n]
 
 
 def peak_lookups(core: DirectoryCore, groups: list[bytes], n_msgs: int) -> float:
@@ -110,7 +141,7 @@ def peak_lookups(core: DirectoryCore, groups: list[bytes], n_msgs: int) -> float
     t0 = time.perf_counter()
     for j in range(n_msgs):
         i = (j * batch) % (len(groups) - batch)
-        lookup(core, groups[i:i + batch])
+        lookup(core, groups[i : i + batch])
     return n_msgs * batch / (time.perf_counter() - t0)
 
 
@@ -121,7 +152,7 @@ def open_loop(rate_per_s: float, n: int, op) -> tuple[float, float]:  # type: ig
     start = time.perf_counter()
     for i in range(n):
         scheduled = start + i * interval
-        while (now := time.perf_counter()) < scheduled:
+        while time.perf_counter() < scheduled:
             pass
         op(i)
         lat.append(time.perf_counter() - scheduled)
@@ -143,7 +174,7 @@ def main() -> None:
     rss0 = rss_bytes()
     for step, i in enumerate(range(0, len(groups), 4096)):
         now = step * 100  # simulated time: write deadlines pass and ticks clear them, as in service
-        publish(core, groups[i:i + 4096], f"f{i}", now)
+        publish(core, groups[i : i + 4096], f"f{i}", now)
         core.tick(now)
     gc.collect()
     ram_per_object = (rss_bytes() - rss0) / args.objects
@@ -154,9 +185,12 @@ def main() -> None:
     # Latency at half of peak: single-object publishes, 64-group lookups.
     lat_core = new_core()
     single = make_groups(20_000, seed=3)
-    pub_p50, pub_p99 = open_loop(publishes_per_s / 2, 5_000, lambda i: publish(lat_core, [single[i]], f"s{i}"))
-    look_p50, look_p99 = open_loop(lookup_msgs_per_s / 2, 2_000,
-                                   lambda i: lookup(core, window(groups, i * 64, 64)))
+    pub_p50, pub_p99 = open_loop(
+        publishes_per_s / 2, 5_000, lambda i: publish(lat_core, [single[i]], f"s{i}")
+    )
+    look_p50, look_p99 = open_loop(
+        lookup_msgs_per_s / 2, 2_000, lambda i: lookup(core, window(groups, i * 64, 64))
+    )
 
     result = {
         "bench": "directory_core",
@@ -170,7 +204,12 @@ def main() -> None:
         "lookup64_p50_ms_at_half_peak": round(look_p50, 3),
         "lookup64_p99_ms_at_half_peak": round(look_p99, 3),
         "ram_bytes_per_object": round(ram_per_object, 1),
-        "targets": {"lookup_groups_per_s": 50_000, "publishes_per_s": 10_000, "p99_ms": 5, "ram_bytes_per_object": 300},
+        "targets": {
+            "lookup_groups_per_s": 50_000,
+            "publishes_per_s": 10_000,
+            "p99_ms": 5,
+            "ram_bytes_per_object": 300,
+        },
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "directory_core.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -178,7 +217,7 @@ def main() -> None:
         "| directory core (one process) | measured | target |",
         "|---|---:|---:|",
         f"| batched lookups (64 groups/msg), groups/s | {result['lookup_groups_per_s']:,} | ≥ 50,000 |",
-        f"| publishes (begin+confirm+commit, 256/msg), objects/s | {result['publishes_per_s_batched']:,} | ≥ 10,000 |",
+        f"| publishes (begin+confirm+commit, 256/msg), objects/s | {publishes_per_s:,.0f} | ≥ 10,000 |",
         f"| single publish p50 / p99 at half peak, ms | {pub_p50:.3f} / {pub_p99:.3f} | p99 < 5 |",
         f"| 64-group lookup p50 / p99 at half peak, ms | {look_p50:.3f} / {look_p99:.3f} | p99 < 5 |",
         f"| RAM per published object at {args.objects:,} objects, bytes | {ram_per_object:.0f} | ≤ 300 |",

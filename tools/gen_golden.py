@@ -1,6 +1,6 @@
 """Write the golden encoded message of every case that has no file yet. Never overwrites.
 
-    python tools/gen_golden.py
+python tools/gen_golden.py
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ def render() -> dict[str, str]:
     files: dict[str, str] = {}
     for name, family in sorted(FAMILIES.items()):
         schema = msgspec.json.schema(family)
-        schema["$comment"] = f"kvfabric wire family {name!r}, protocol v{PROTOCOL_VERSION}. Generated: do not edit."
+        schema["$comment"] = (
+            f"kvfabric wire family {name!r}, protocol v{PROTOCOL_VERSION}. Generated: do not edit."
+        )
         files[f"{name}.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
     subjects = {
         "protocol_version": PROTOCOL_VERSION,
@@ -39,7 +41,9 @@ def render() -> dict[str, str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", action="store_true")
     mode.add_argument("--check", action="store_true")
@@ -64,7 +68,12 @@ def main() -> int:
         elif path.read_text() != text:
             problems.append(f"stale {fname}")
     if problems:
-        print("JSON Schemas are out of date; run `make schemas` and commit:", *problems, sep="\n  ", file=sys.stderr)
+        print(
+            "JSON Schemas are out of date; run `make schemas` and commit:",
+            *problems,
+            sep="\n  ",
+            file=sys.stderr,
+        )
         return 1
     print(f"{len(wanted)} schema files up to date")
     return 0

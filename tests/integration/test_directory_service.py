@@ -28,7 +28,6 @@ from kvfabric.proto.tickets import ticket_signature_valid
 from kvfabric.runtime import request
 from kvfabric.runtime.replies import error_from_response
 from kvfabric.testing import NatsServer, ServiceProcess, metric_value, micro_control, scrape_metrics_async
-
 from tests.unit.core.dirkit import checksum_of, groups, key
 
 pytestmark = pytest.mark.integration
@@ -39,10 +38,15 @@ TIMEOUT_S = 5.0
 
 @pytest.fixture
 def directory(nats_server: NatsServer) -> Iterator[ServiceProcess]:
-    env = dict(os.environ, KVF_CLUSTER_SECRET=SECRET, KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS="600",
-               KVF_DIRECTORY_TICK_MS="20")
-    proc = ServiceProcess.python_module("kvfabric.directory", "--nats-url", nats_server.url, "--metrics-port", "0",
-                                        "--log-json", env=env)
+    env = dict(
+        os.environ,
+        KVF_CLUSTER_SECRET=SECRET,
+        KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS="600",
+        KVF_DIRECTORY_TICK_MS="20",
+    )
+    proc = ServiceProcess.python_module(
+        "kvfabric.directory", "--nats-url", nats_server.url, "--metrics-port", "0", "--log-json", env=env
+    )
     proc.start()
     proc.wait_for_event("directory_started", 20.0)
     yield proc
@@ -69,9 +73,17 @@ class FakeSegment:
 
     async def start(self) -> None:
         await self.nc.subscribe(segment_subject(self.segment_id, "free"), cb=self.on_free)
-        await call(self.nc, "register", m.RegisterSegment(
-            segment_id=self.segment_id, incarnation=1, capacity_bytes=1 << 30,
-            domain=m.FailureDomain(host="h1"), data_addr="tcp://127.0.0.1:1"))
+        await call(
+            self.nc,
+            "register",
+            m.RegisterSegment(
+                segment_id=self.segment_id,
+                incarnation=1,
+                capacity_bytes=1 << 30,
+                domain=m.FailureDomain(host="h1"),
+                data_addr="tcp://127.0.0.1:1",
+            ),
+        )
 
     async def heartbeat(self) -> None:
         await call(self.nc, "heartbeat", m.Heartbeat(segment_id=self.segment_id, incarnation=1, used_bytes=0))
@@ -94,19 +106,44 @@ async def segment(nats_client: NatsClient, directory: ServiceProcess) -> AsyncIt
     await asyncio.wait_for(task, TIMEOUT_S)
 
 
-async def test_publish_lookup_release_evict_free_with_events(nats_client: NatsClient, segment: FakeSegment) -> None:
+async def test_publish_lookup_release_evict_free_with_events(
+    nats_client: NatsClient, segment: FakeSegment
+) -> None:
     gs = groups(2)
     keys = [key(g) for g in gs]
-    begin = await call(nats_client, "put_begin", m.PutBegin(writer_id="w", request_id="r1", objects=[
-        m.ObjectSpec(key=k, size_bytes=4096, checksum=checksum_of(k)) for k in keys]))
+    begin = await call(
+        nats_client,
+        "put_begin",
+        m.PutBegin(
+            writer_id="w",
+            request_id="r1",
+            objects=[m.ObjectSpec(key=k, size_bytes=4096, checksum=checksum_of(k)) for k in keys],
+        ),
+    )
     assert isinstance(begin, m.PutBeginReply)
     tickets = [r.tickets[0] for r in begin.results]
     assert all(ticket_signature_valid(t, SECRET.encode()) for t in tickets)
     miss = await call(nats_client, "lookup", m.Lookup(holder_id="h", groups=[g.to_bytes() for g in gs]))
     assert isinstance(miss, m.LookupReply) and miss.hit_chunks == 0
-    confirm = await call(nats_client, "confirm", m.ConfirmReplicas(segment_id="seg-1", incarnation=1, confirms=[
-        m.ReplicaConfirm(ticket_id=t.ticket_id, key=t.key, slot=i, slot_generation=1, size_bytes=4096,
-                         checksum=t.checksum) for i, t in enumerate(tickets)]))
+    confirm = await call(
+        nats_client,
+        "confirm",
+        m.ConfirmReplicas(
+            segment_id="seg-1",
+            incarnation=1,
+            confirms=[
+                m.ReplicaConfirm(
+                    ticket_id=t.ticket_id,
+                    key=t.key,
+                    slot=i,
+                    slot_generation=1,
+                    size_bytes=4096,
+                    checksum=t.checksum,
+                )
+                for i, t in enumerate(tickets)
+            ],
+        ),
+    )
     assert isinstance(confirm, m.ConfirmReply) and {r.status for r in confirm.results} == {"ok"}
     commit = await call(nats_client, "put_commit", m.PutCommit(writer_id="w", request_id="r2", keys=keys))
     assert isinstance(commit, m.PutCommitReply) and {r.status for r in commit.results} == {"published"}
@@ -161,24 +198,42 @@ async def test_bad_input_gets_typed_errors_and_service_stays_up(
     assert isinstance(error_from_response(raw.headers, raw.data), BadRequest)
     wrong_type = await nats_client.request(subject, encode(m.ListLeases()), timeout=TIMEOUT_S)
     assert isinstance(error_from_response(wrong_type.headers, wrong_type.data), BadRequest)
-    future = await nats_client.request(subject, msgspec.msgpack.encode({"t": "dir.lookup.v9"}), timeout=TIMEOUT_S)
+    future = await nats_client.request(
+        subject, msgspec.msgpack.encode({"t": "dir.lookup.v9"}), timeout=TIMEOUT_S
+    )
     assert isinstance(error_from_response(future.headers, future.data), BadRequest)
     with pytest.raises(BatchTooLarge):
-        await call(nats_client, "lookup", m.Lookup(holder_id="h", groups=[bytes(90)] * (m.LOOKUP_BATCH_GROUPS_MAX + 1)))
+        await call(
+            nats_client,
+            "lookup",
+            m.Lookup(holder_id="h", groups=[bytes(90)] * (m.LOOKUP_BATCH_GROUPS_MAX + 1)),
+        )
     with pytest.raises(NotFound):
         await call(nats_client, "heartbeat", m.Heartbeat(segment_id="ghost", incarnation=1, used_bytes=0))
     with pytest.raises(Unavailable):  # the caller saw a newer directory epoch than this one's
         await call(nats_client, "list_groups", m.ListGroups(epoch=7))
-    with pytest.raises(StaleGeneration):  # an old segment process
-        seg = FakeSegment(nats_client, "seg-old")
-        await seg.start()
-        await call(nats_client, "register", m.RegisterSegment(
-            segment_id="seg-old", incarnation=0, capacity_bytes=1, domain=m.FailureDomain(host="h")))
+    old = FakeSegment(nats_client, "seg-old")
+    await old.start()
+    with pytest.raises(StaleGeneration):  # an older process of a registered segment
+        await call(
+            nats_client,
+            "register",
+            m.RegisterSegment(
+                segment_id="seg-old", incarnation=0, capacity_bytes=1, domain=m.FailureDomain(host="h")
+            ),
+        )
     bad_key = bytearray(key(groups(1)[0]))
     bad_key[0] = 9  # an unknown key encoding version
     with pytest.raises(UnsupportedVersion):
-        await call(nats_client, "put_begin", m.PutBegin(writer_id="w", request_id="r", objects=[
-            m.ObjectSpec(key=bytes(bad_key), size_bytes=1, checksum=b"0" * 16)]))
+        await call(
+            nats_client,
+            "put_begin",
+            m.PutBegin(
+                writer_id="w",
+                request_id="r",
+                objects=[m.ObjectSpec(key=bytes(bad_key), size_bytes=1, checksum=b"0" * 16)],
+            ),
+        )
     ping = await micro_control(nats_client, "PING", "directory")
     assert ping["name"] == "directory"
     assert directory.returncode is None
@@ -191,13 +246,35 @@ async def test_silent_segment_goes_down_and_its_objects_stop_being_readable(
     await seg.start()
     (g,) = groups(1, seed=4)
     k = key(g)
-    begin = await call(nats_client, "put_begin", m.PutBegin(writer_id="w", request_id="q", objects=[
-        m.ObjectSpec(key=k, size_bytes=10, checksum=checksum_of(k))]))
+    begin = await call(
+        nats_client,
+        "put_begin",
+        m.PutBegin(
+            writer_id="w",
+            request_id="q",
+            objects=[m.ObjectSpec(key=k, size_bytes=10, checksum=checksum_of(k))],
+        ),
+    )
     assert isinstance(begin, m.PutBeginReply)
     t = begin.results[0].tickets[0]
-    await call(nats_client, "confirm", m.ConfirmReplicas(segment_id="seg-quiet", incarnation=1, confirms=[
-        m.ReplicaConfirm(ticket_id=t.ticket_id, key=k, slot=0, slot_generation=1, size_bytes=10,
-                         checksum=t.checksum)]))
+    await call(
+        nats_client,
+        "confirm",
+        m.ConfirmReplicas(
+            segment_id="seg-quiet",
+            incarnation=1,
+            confirms=[
+                m.ReplicaConfirm(
+                    ticket_id=t.ticket_id,
+                    key=k,
+                    slot=0,
+                    slot_generation=1,
+                    size_bytes=10,
+                    checksum=t.checksum,
+                )
+            ],
+        ),
+    )
     await call(nats_client, "put_commit", m.PutCommit(writer_id="w", request_id="q2", keys=[k]))
     hit = await call(nats_client, "lookup", m.Lookup(holder_id="h", groups=[g.to_bytes()]))
     assert isinstance(hit, m.LookupReply) and hit.hit_chunks == 1

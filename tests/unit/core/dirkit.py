@@ -5,17 +5,33 @@ from __future__ import annotations
 import xxhash
 
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore, Outcome
-from kvfabric.format.key import ChunkGroupId, KVKey, KVLayout, ModelFingerprint, ShareDomain, chunk_groups_for_prefix
+from kvfabric.format.key import (
+    ChunkGroupId,
+    KVKey,
+    KVLayout,
+    ModelFingerprint,
+    ShareDomain,
+    chunk_groups_for_prefix,
+)
 from kvfabric.proto import directory as m
 
 SECRET = b"test-cluster-secret-0123456789"
 DOMAIN = ShareDomain(tenant_id="tenant-a", salt=b"s" * 16)
-MODEL = ModelFingerprint(model_id="tiny-llama", weights_revision="r1", kv_dtype="float32", attn_config_digest="rope")
+MODEL = ModelFingerprint(
+    model_id="tiny-llama", weights_revision="r1", kv_dtype="float32", attn_config_digest="rope"
+)
 
 
 def layout(tp_size: int = 1, layer_group_count: int = 1) -> KVLayout:
-    return KVLayout(tp_size=tp_size, tp_rank=0, pp_stage=0, layer_group=0, layer_group_count=layer_group_count,
-                    tokens_per_chunk=4, tensor_layout="test")
+    return KVLayout(
+        tp_size=tp_size,
+        tp_rank=0,
+        pp_stage=0,
+        layer_group=0,
+        layer_group_count=layer_group_count,
+        tokens_per_chunk=4,
+        tensor_layout="test",
+    )
 
 
 def groups(n_chunks: int, seed: int = 0, tp_size: int = 1, layer_group_count: int = 1) -> list[ChunkGroupId]:
@@ -39,25 +55,61 @@ def new_core(**overrides: int) -> DirectoryCore:
     return DirectoryCore(DirectoryConfig(ticket_secret=SECRET, **overrides))
 
 
-def register(core: DirectoryCore, seg: str, now: int = 0, incarnation: int = 1, capacity: int = 10_000,
-             host: str | None = None, rack: str = "rack0", zone: str = "zone0") -> Outcome:
-    return core.handle(m.RegisterSegment(segment_id=seg, incarnation=incarnation, capacity_bytes=capacity,
-                                         domain=m.FailureDomain(host=host or seg, rack=rack, zone=zone),
-                                         data_addr=f"tcp://{seg}"), now)
+def register(
+    core: DirectoryCore,
+    seg: str,
+    now: int = 0,
+    incarnation: int = 1,
+    capacity: int = 10_000,
+    host: str | None = None,
+    rack: str = "rack0",
+    zone: str = "zone0",
+) -> Outcome:
+    return core.handle(
+        m.RegisterSegment(
+            segment_id=seg,
+            incarnation=incarnation,
+            capacity_bytes=capacity,
+            domain=m.FailureDomain(host=host or seg, rack=rack, zone=zone),
+            data_addr=f"tcp://{seg}",
+        ),
+        now,
+    )
 
 
 def confirm_all(core: DirectoryCore, reply: m.PutBeginReply, now: int, slot_base: int = 0) -> None:
     for i, res in enumerate(reply.results):
         for t in res.tickets:
-            core.handle(m.ConfirmReplicas(segment_id=t.segment_id, incarnation=t.incarnation, confirms=[
-                m.ReplicaConfirm(ticket_id=t.ticket_id, key=t.key, slot=slot_base + i, slot_generation=1,
-                                 size_bytes=t.size_bytes, checksum=t.checksum)]), now)
+            core.handle(
+                m.ConfirmReplicas(
+                    segment_id=t.segment_id,
+                    incarnation=t.incarnation,
+                    confirms=[
+                        m.ReplicaConfirm(
+                            ticket_id=t.ticket_id,
+                            key=t.key,
+                            slot=slot_base + i,
+                            slot_generation=1,
+                            size_bytes=t.size_bytes,
+                            checksum=t.checksum,
+                        )
+                    ],
+                ),
+                now,
+            )
 
 
-def put(core: DirectoryCore, keys: list[bytes], writer: str = "w1", now: int = 0, request_id: str = "r1",
-        size: int = 100) -> m.PutCommitReply:
-    begin = core.handle(m.PutBegin(writer_id=writer, request_id=request_id,
-                                   objects=[spec(k, size) for k in keys]), now).reply
+def put(
+    core: DirectoryCore,
+    keys: list[bytes],
+    writer: str = "w1",
+    now: int = 0,
+    request_id: str = "r1",
+    size: int = 100,
+) -> m.PutCommitReply:
+    begin = core.handle(
+        m.PutBegin(writer_id=writer, request_id=request_id, objects=[spec(k, size) for k in keys]), now
+    ).reply
     assert isinstance(begin, m.PutBeginReply)
     confirm_all(core, begin, now)
     commit = core.handle(m.PutCommit(writer_id=writer, request_id=request_id + "c", keys=keys), now).reply
@@ -65,8 +117,11 @@ def put(core: DirectoryCore, keys: list[bytes], writer: str = "w1", now: int = 0
     return commit
 
 
-def lookup(core: DirectoryCore, gs: list[ChunkGroupId], now: int = 0, holder: str = "reader",
-           ttl: int = 1000) -> m.LookupReply:
-    reply = core.handle(m.Lookup(holder_id=holder, groups=[g.to_bytes() for g in gs], lease_ttl_ms=ttl), now).reply
+def lookup(
+    core: DirectoryCore, gs: list[ChunkGroupId], now: int = 0, holder: str = "reader", ttl: int = 1000
+) -> m.LookupReply:
+    reply = core.handle(
+        m.Lookup(holder_id=holder, groups=[g.to_bytes() for g in gs], lease_ttl_ms=ttl), now
+    ).reply
     assert isinstance(reply, m.LookupReply)
     return reply

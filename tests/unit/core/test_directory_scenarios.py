@@ -58,7 +58,9 @@ def test_second_writer_gets_in_flight_and_published_key_gets_exists() -> None:
     core = new_core()
     register(core, "s1")
     (g,) = groups(1)
-    first = core.handle(m.PutBegin(writer_id="a", request_id="1", objects=[spec(key(g))], write_ttl_ms=500), 10).reply
+    first = core.handle(
+        m.PutBegin(writer_id="a", request_id="1", objects=[spec(key(g))], write_ttl_ms=500), 10
+    ).reply
     second = core.handle(m.PutBegin(writer_id="b", request_id="1", objects=[spec(key(g))]), 20).reply
     assert isinstance(first, m.PutBeginReply) and isinstance(second, m.PutBeginReply)
     assert second.results[0].status == "in_flight"
@@ -76,15 +78,32 @@ def test_dead_writer_is_reclaimed_and_late_confirm_is_refused() -> None:
     core = new_core()
     register(core, "s1")
     (g,) = groups(1)
-    begin = core.handle(m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g))], write_ttl_ms=100), 0).reply
+    begin = core.handle(
+        m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g))], write_ttl_ms=100), 0
+    ).reply
     assert isinstance(begin, m.PutBeginReply)
     assert core.segments["s1"].reserved_bytes == 100
     core.handle(m.Heartbeat(segment_id="s1", incarnation=1, used_bytes=0), 150)
     core.tick(150)
     assert core.segments["s1"].reserved_bytes == 0 and core.pending_objects == 0
     t = begin.results[0].tickets[0]
-    late = core.handle(m.ConfirmReplicas(segment_id="s1", incarnation=1, confirms=[m.ReplicaConfirm(
-        ticket_id=t.ticket_id, key=t.key, slot=3, slot_generation=1, size_bytes=100, checksum=t.checksum)]), 160)
+    late = core.handle(
+        m.ConfirmReplicas(
+            segment_id="s1",
+            incarnation=1,
+            confirms=[
+                m.ReplicaConfirm(
+                    ticket_id=t.ticket_id,
+                    key=t.key,
+                    slot=3,
+                    slot_generation=1,
+                    size_bytes=100,
+                    checksum=t.checksum,
+                )
+            ],
+        ),
+        160,
+    )
     assert isinstance(late.reply, m.ConfirmReply)
     assert late.reply.results[0].status == "unknown_ticket"
     core.check_invariants()
@@ -94,7 +113,9 @@ def test_confirmed_then_expired_slot_is_freed_and_accounted_on_ack() -> None:
     core = new_core()
     register(core, "s1")
     (g,) = groups(1)
-    begin = core.handle(m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g))], write_ttl_ms=100), 0).reply
+    begin = core.handle(
+        m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g))], write_ttl_ms=100), 0
+    ).reply
     assert isinstance(begin, m.PutBeginReply)
     confirm_all(core, begin, 10)
     core.handle(m.Heartbeat(segment_id="s1", incarnation=1, used_bytes=0), 150)
@@ -165,7 +186,9 @@ def test_replicas_spread_over_zones_and_no_capacity_is_clear() -> None:
     register(core, "a2", zone="za", rack="r2", capacity=5000)
     register(core, "b1", zone="zb", rack="r1", capacity=200)
     (g,) = groups(1)
-    begin = core.handle(m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g), 150)], replicas=2), 0).reply
+    begin = core.handle(
+        m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g), 150)], replicas=2), 0
+    ).reply
     assert isinstance(begin, m.PutBeginReply)
     assert {t.segment_id for t in begin.results[0].tickets} == {"a2", "b1"}
     (g2,) = groups(1, seed=9)
@@ -177,8 +200,14 @@ def test_replicas_spread_over_zones_and_no_capacity_is_clear() -> None:
 def test_bad_input_is_typed() -> None:
     core = new_core()
     with pytest.raises(BadRequest):
-        core.handle(m.PutBegin(writer_id="w", request_id="r", objects=[m.ObjectSpec(key=b"x", size_bytes=1,
-                                                                                     checksum=b"0" * 16)]), 0)
+        core.handle(
+            m.PutBegin(
+                writer_id="w",
+                request_id="r",
+                objects=[m.ObjectSpec(key=b"x", size_bytes=1, checksum=b"0" * 16)],
+            ),
+            0,
+        )
     with pytest.raises(BatchTooLarge):
         core.handle(m.Lookup(holder_id="h", groups=[b"x"] * (m.LOOKUP_BATCH_GROUPS_MAX + 1)), 0)
     with pytest.raises(NotFound):

@@ -15,8 +15,8 @@ __all__ = [
     "REQUEST_ID_HEADER",
     "TRACE_ID_HEADER",
     "ErrorReply",
-    "error_reply_from",
     "error_from_reply",
+    "error_reply_from",
 ]
 
 # Set by nats.micro's respond_error (ADR-32): the HTTP-like status and a description.

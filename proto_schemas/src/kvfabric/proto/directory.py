@@ -117,7 +117,7 @@ class ObjectLocation(msgspec.Struct, frozen=True, kw_only=True):
 # ---- segments -------------------------------------------------------------------------------
 
 
-class RegisterSegment(_Msg, tag="dir.register.v1"):
+class RegisterSegment(_Msg, frozen=True, kw_only=True, tag="dir.register.v1"):
     segment_id: str
     incarnation: int
     domain: FailureDomain
@@ -126,13 +126,13 @@ class RegisterSegment(_Msg, tag="dir.register.v1"):
     epoch: int = 0
 
 
-class SegmentRegistered(_Msg, tag="dir.registered.v1"):
+class SegmentRegistered(_Msg, frozen=True, kw_only=True, tag="dir.registered.v1"):
     epoch: int
     heartbeat_interval_ms: int
     heartbeat_timeout_ms: int
 
 
-class Heartbeat(_Msg, tag="dir.heartbeat.v1"):
+class Heartbeat(_Msg, frozen=True, kw_only=True, tag="dir.heartbeat.v1"):
     segment_id: str
     incarnation: int
     used_bytes: int
@@ -140,14 +140,14 @@ class Heartbeat(_Msg, tag="dir.heartbeat.v1"):
     epoch: int = 0
 
 
-class HeartbeatAck(_Msg, tag="dir.heartbeat_ack.v1"):
+class HeartbeatAck(_Msg, frozen=True, kw_only=True, tag="dir.heartbeat_ack.v1"):
     epoch: int
 
 
 # ---- two-phase publish ---------------------------------------------------------------------
 
 
-class PutBegin(_Msg, tag="dir.put_begin.v1"):
+class PutBegin(_Msg, frozen=True, kw_only=True, tag="dir.put_begin.v1"):
     writer_id: str
     request_id: str
     objects: list[ObjectSpec]
@@ -167,7 +167,7 @@ class BeginResult(msgspec.Struct, frozen=True, kw_only=True):
     deadline_ms: int = 0
 
 
-class PutBeginReply(_Msg, tag="dir.put_begin_reply.v1"):
+class PutBeginReply(_Msg, frozen=True, kw_only=True, tag="dir.put_begin_reply.v1"):
     epoch: int
     results: list[BeginResult]
 
@@ -181,7 +181,7 @@ class ReplicaConfirm(msgspec.Struct, frozen=True, kw_only=True):
     checksum: bytes
 
 
-class ConfirmReplicas(_Msg, tag="dir.confirm.v1"):
+class ConfirmReplicas(_Msg, frozen=True, kw_only=True, tag="dir.confirm.v1"):
     """Sent by a segment after it stored and checksummed the bytes of each ticket."""
 
     segment_id: str
@@ -199,12 +199,12 @@ class ConfirmResult(msgspec.Struct, frozen=True, kw_only=True):
     status: ConfirmStatus
 
 
-class ConfirmReply(_Msg, tag="dir.confirm_reply.v1"):
+class ConfirmReply(_Msg, frozen=True, kw_only=True, tag="dir.confirm_reply.v1"):
     epoch: int
     results: list[ConfirmResult]
 
 
-class PutCommit(_Msg, tag="dir.put_commit.v1"):
+class PutCommit(_Msg, frozen=True, kw_only=True, tag="dir.put_commit.v1"):
     writer_id: str
     request_id: str
     keys: list[bytes]
@@ -224,19 +224,19 @@ class CommitResult(msgspec.Struct, frozen=True, kw_only=True):
     replicas_target: int = 0
 
 
-class PutCommitReply(_Msg, tag="dir.put_commit_reply.v1"):
+class PutCommitReply(_Msg, frozen=True, kw_only=True, tag="dir.put_commit_reply.v1"):
     epoch: int
     results: list[CommitResult]
 
 
-class PutAbort(_Msg, tag="dir.put_abort.v1"):
+class PutAbort(_Msg, frozen=True, kw_only=True, tag="dir.put_abort.v1"):
     writer_id: str
     request_id: str
     keys: list[bytes]
     epoch: int = 0
 
 
-class PutAbortReply(_Msg, tag="dir.put_abort_reply.v1"):
+class PutAbortReply(_Msg, frozen=True, kw_only=True, tag="dir.put_abort_reply.v1"):
     epoch: int
     aborted: int
 
@@ -244,7 +244,7 @@ class PutAbortReply(_Msg, tag="dir.put_abort_reply.v1"):
 # ---- reads and leases ----------------------------------------------------------------------
 
 
-class Lookup(_Msg, tag="dir.lookup.v1"):
+class Lookup(_Msg, frozen=True, kw_only=True, tag="dir.lookup.v1"):
     """The chunk groups of one prefix, in order; `members` = the (rank, stage, group) objects the
     caller needs (empty = every member). The reply folds to the longest complete run."""
 
@@ -255,7 +255,7 @@ class Lookup(_Msg, tag="dir.lookup.v1"):
     epoch: int = 0
 
 
-class LookupReply(_Msg, tag="dir.lookup_reply.v1"):
+class LookupReply(_Msg, frozen=True, kw_only=True, tag="dir.lookup_reply.v1"):
     epoch: int
     hit_chunks: int
     lease_id: int = 0  # 0 = no lease (no hit)
@@ -263,39 +263,39 @@ class LookupReply(_Msg, tag="dir.lookup_reply.v1"):
     objects: list[ObjectLocation] = msgspec.field(default_factory=list)
 
 
-class LeaseRelease(_Msg, tag="dir.lease_release.v1"):
+class LeaseRelease(_Msg, frozen=True, kw_only=True, tag="dir.lease_release.v1"):
     holder_id: str
     lease_id: int
     epoch: int = 0
 
 
-class LeaseRenew(_Msg, tag="dir.lease_renew.v1"):
+class LeaseRenew(_Msg, frozen=True, kw_only=True, tag="dir.lease_renew.v1"):
     holder_id: str
     lease_id: int
     lease_ttl_ms: int = 30_000
     epoch: int = 0
 
 
-class LeaseReply(_Msg, tag="dir.lease_reply.v1"):
+class LeaseReply(_Msg, frozen=True, kw_only=True, tag="dir.lease_reply.v1"):
     epoch: int
     lease_id: int
     expires_ms: int  # 0 after release
 
 
-class Pin(_Msg, tag="dir.pin.v1"):
+class Pin(_Msg, frozen=True, kw_only=True, tag="dir.pin.v1"):
     holder_id: str
     groups: list[bytes]
     ttl_ms: int
     epoch: int = 0
 
 
-class Unpin(_Msg, tag="dir.unpin.v1"):
+class Unpin(_Msg, frozen=True, kw_only=True, tag="dir.unpin.v1"):
     holder_id: str
     pin_id: int
     epoch: int = 0
 
 
-class PinReply(_Msg, tag="dir.pin_reply.v1"):
+class PinReply(_Msg, frozen=True, kw_only=True, tag="dir.pin_reply.v1"):
     epoch: int
     pin_id: int
     pinned_groups: int
@@ -305,7 +305,7 @@ class PinReply(_Msg, tag="dir.pin_reply.v1"):
 # ---- eviction and frees --------------------------------------------------------------------
 
 
-class Evict(_Msg, tag="dir.evict.v1"):
+class Evict(_Msg, frozen=True, kw_only=True, tag="dir.evict.v1"):
     groups: list[bytes]
     reason: str = "policy"
     epoch: int = 0
@@ -319,7 +319,7 @@ class EvictResult(msgspec.Struct, frozen=True, kw_only=True):
     status: EvictStatus
 
 
-class EvictReply(_Msg, tag="dir.evict_reply.v1"):
+class EvictReply(_Msg, frozen=True, kw_only=True, tag="dir.evict_reply.v1"):
     epoch: int
     results: list[EvictResult]
 
@@ -330,14 +330,14 @@ class FreedSlot(msgspec.Struct, frozen=True, array_like=True):
     slot_generation: int
 
 
-class SlotsFreed(_Msg, tag="dir.freed.v1"):
+class SlotsFreed(_Msg, frozen=True, kw_only=True, tag="dir.freed.v1"):
     segment_id: str
     incarnation: int
     freed: list[FreedSlot]
     epoch: int = 0
 
 
-class FreedAck(_Msg, tag="dir.freed_ack.v1"):
+class FreedAck(_Msg, frozen=True, kw_only=True, tag="dir.freed_ack.v1"):
     epoch: int
     accepted: int
 
@@ -345,7 +345,7 @@ class FreedAck(_Msg, tag="dir.freed_ack.v1"):
 # ---- read-only queries for tools (grant no lease) --------------------------------------------
 
 
-class ListSegments(_Msg, tag="dir.list_segments.v1"):
+class ListSegments(_Msg, frozen=True, kw_only=True, tag="dir.list_segments.v1"):
     epoch: int = 0
 
 
@@ -362,12 +362,12 @@ class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):
     data_addr: str
 
 
-class SegmentList(_Msg, tag="dir.segment_list.v1"):
+class SegmentList(_Msg, frozen=True, kw_only=True, tag="dir.segment_list.v1"):
     epoch: int
     segments: list[SegmentInfo]
 
 
-class ListGroups(_Msg, tag="dir.list_groups.v1"):
+class ListGroups(_Msg, frozen=True, kw_only=True, tag="dir.list_groups.v1"):
     """Published chunk groups, optionally of one share domain (its 16-byte digest), paged by
     `after` (the last group id of the previous page)."""
 
@@ -377,7 +377,7 @@ class ListGroups(_Msg, tag="dir.list_groups.v1"):
     epoch: int = 0
 
 
-class ShowGroup(_Msg, tag="dir.show_group.v1"):
+class ShowGroup(_Msg, frozen=True, kw_only=True, tag="dir.show_group.v1"):
     """One chunk group's manifest entry: members, sizes, checksums, replicas."""
 
     group: bytes  # chunk group id (90 bytes) or its chain hash (32 bytes)
@@ -397,13 +397,13 @@ class GroupSummary(msgspec.Struct, frozen=True, kw_only=True):
     objects: list[ObjectLocation] = msgspec.field(default_factory=list)
 
 
-class GroupList(_Msg, tag="dir.group_list.v1"):
+class GroupList(_Msg, frozen=True, kw_only=True, tag="dir.group_list.v1"):
     epoch: int
     groups: list[GroupSummary]
     next_after: bytes = b""  # empty: no more pages
 
 
-class ListLeases(_Msg, tag="dir.list_leases.v1"):
+class ListLeases(_Msg, frozen=True, kw_only=True, tag="dir.list_leases.v1"):
     limit: int = 100
     epoch: int = 0
 
@@ -416,7 +416,7 @@ class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True):
     expires_ms: int
 
 
-class LeaseList(_Msg, tag="dir.lease_list.v1"):
+class LeaseList(_Msg, frozen=True, kw_only=True, tag="dir.lease_list.v1"):
     epoch: int
     leases: list[LeaseInfo]
 
@@ -424,48 +424,76 @@ class LeaseList(_Msg, tag="dir.lease_list.v1"):
 # ---- events (JetStream stream of subject `kvf.v1.events.directory.<kind>`) ---------------
 
 
-class SegmentUp(_Msg, tag="dir.ev.segment_up.v1"):
+class SegmentUp(_Msg, frozen=True, kw_only=True, tag="dir.ev.segment_up.v1"):
     segment_id: str
     incarnation: int
 
 
-class SegmentDown(_Msg, tag="dir.ev.segment_down.v1"):
+class SegmentDown(_Msg, frozen=True, kw_only=True, tag="dir.ev.segment_down.v1"):
     segment_id: str
     incarnation: int
     reason: str
 
 
-class GroupPublished(_Msg, tag="dir.ev.published.v1"):
+class GroupPublished(_Msg, frozen=True, kw_only=True, tag="dir.ev.published.v1"):
     group: bytes  # chain hash
     chunk_index: int
     members: int
     degraded: bool = False
 
 
-class GroupUnderReplicated(_Msg, tag="dir.ev.under_replicated.v1"):
+class GroupUnderReplicated(_Msg, frozen=True, kw_only=True, tag="dir.ev.under_replicated.v1"):
     group: bytes
 
 
-class GroupEvicted(_Msg, tag="dir.ev.evicted.v1"):
+class GroupEvicted(_Msg, frozen=True, kw_only=True, tag="dir.ev.evicted.v1"):
     group: bytes
     reason: str
 
 
-class GroupInvalidated(_Msg, tag="dir.ev.invalidated.v1"):
+class GroupInvalidated(_Msg, frozen=True, kw_only=True, tag="dir.ev.invalidated.v1"):
     group: bytes
     reason: str
 
 
 DirectoryRequest = (
-    RegisterSegment | Heartbeat | PutBegin | ConfirmReplicas | PutCommit | PutAbort | Lookup
-    | LeaseRelease | LeaseRenew | Pin | Unpin | Evict | SlotsFreed | ListSegments | ListGroups | ShowGroup
+    RegisterSegment
+    | Heartbeat
+    | PutBegin
+    | ConfirmReplicas
+    | PutCommit
+    | PutAbort
+    | Lookup
+    | LeaseRelease
+    | LeaseRenew
+    | Pin
+    | Unpin
+    | Evict
+    | SlotsFreed
+    | ListSegments
+    | ListGroups
+    | ShowGroup
     | ListLeases
 )
 DirectoryReply = (
-    SegmentRegistered | HeartbeatAck | PutBeginReply | ConfirmReply | PutCommitReply | PutAbortReply
-    | LookupReply | LeaseReply | PinReply | EvictReply | FreedAck | SegmentList | GroupList | LeaseList
+    SegmentRegistered
+    | HeartbeatAck
+    | PutBeginReply
+    | ConfirmReply
+    | PutCommitReply
+    | PutAbortReply
+    | LookupReply
+    | LeaseReply
+    | PinReply
+    | EvictReply
+    | FreedAck
+    | SegmentList
+    | GroupList
+    | LeaseList
 )
-DirectoryEvent = SegmentUp | SegmentDown | GroupPublished | GroupUnderReplicated | GroupEvicted | GroupInvalidated
+DirectoryEvent = (
+    SegmentUp | SegmentDown | GroupPublished | GroupUnderReplicated | GroupEvicted | GroupInvalidated
+)
 
 request_decoder: FamilyDecoder[DirectoryRequest] = FamilyDecoder(DirectoryRequest, "directory request")
 reply_decoder: FamilyDecoder[DirectoryReply] = FamilyDecoder(DirectoryReply, "directory reply")

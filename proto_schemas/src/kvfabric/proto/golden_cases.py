@@ -20,30 +20,53 @@ __all__ = ["GOLDEN_CASES"]
 GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
     "common.error.busy": (
         "common.error",
-        common.ErrorReply(code="busy", message="in-flight limit 64 reached", retryable=True, details={"limit": 64}),
+        common.ErrorReply(
+            code="busy", message="in-flight limit 64 reached", retryable=True, details={"limit": 64}
+        ),
     ),
     "echo.say.v1": ("echo", echo.EchoRequest(text="hello", delay_ms=5)),
     "echo.said.v1": ("echo", echo.EchoReply(text="hello", instance_id="echo-1")),
     "dir.put_begin.v1": (
         "directory.request",
         directory.PutBegin(
-            writer_id="w1", request_id="r1", replicas=2, write_ttl_ms=5000, epoch=3,
+            writer_id="w1",
+            request_id="r1",
+            replicas=2,
+            write_ttl_ms=5000,
+            epoch=3,
             objects=[directory.ObjectSpec(key=bytes(range(96)), size_bytes=1 << 20, checksum=b"c" * 16)],
         ),
     ),
     "dir.lookup.v1": (
         "directory.request",
-        directory.Lookup(holder_id="h", groups=[bytes(90)], members=[directory.Member(1, 0, 2)], lease_ttl_ms=900),
+        directory.Lookup(
+            holder_id="h", groups=[bytes(90)], members=[directory.Member(1, 0, 2)], lease_ttl_ms=900
+        ),
     ),
     "dir.lookup_reply.v1": (
         "directory.reply",
         directory.LookupReply(
-            epoch=3, hit_chunks=1, lease_id=7, lease_expires_ms=12345,
-            objects=[directory.ObjectLocation(
-                chunk_index=0, member=directory.Member(0, 0, 0), size_bytes=4096, checksum=b"k" * 16,
-                replicas=[directory.Replica(segment_id="s1", incarnation=9, slot=4, slot_generation=2,
-                                            data_addr="tcp://127.0.0.1:7000")],
-            )],
+            epoch=3,
+            hit_chunks=1,
+            lease_id=7,
+            lease_expires_ms=12345,
+            objects=[
+                directory.ObjectLocation(
+                    chunk_index=0,
+                    member=directory.Member(0, 0, 0),
+                    size_bytes=4096,
+                    checksum=b"k" * 16,
+                    replicas=[
+                        directory.Replica(
+                            segment_id="s1",
+                            incarnation=9,
+                            slot=4,
+                            slot_generation=2,
+                            data_addr="tcp://127.0.0.1:7000",
+                        )
+                    ],
+                )
+            ],
         ),
     ),
     "dir.ev.published.v1": (
@@ -52,6 +75,8 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
     ),
     "seg.free.v1": (
         "segment",
-        segment.FreeSlotsRequest(segment_id="s1", incarnation=9, slots=[directory.FreedSlot(b"", 4, 2)], epoch=3),
+        segment.FreeSlotsRequest(
+            segment_id="s1", incarnation=9, slots=[directory.FreedSlot(b"", 4, 2)], epoch=3
+        ),
     ),
 }

@@ -15,10 +15,10 @@ __all__ = [
     "PREFIX",
     "PROTOCOL_VERSION",
     "Service",
+    "check_segment_id",
     "endpoint_subject",
     "event_subject",
     "events_wildcard",
-    "check_segment_id",
     "segment_subject",
     "service_group",
 ]

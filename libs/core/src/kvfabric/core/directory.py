@@ -6,7 +6,7 @@ passed in; nothing here reads a clock, sleeps or does I/O.
 
 ## Unit of visibility: the chunk group
 A chunk group is every object of one chunk of one prefix: one per member (TP rank, PP stage,
-layer group); `tp_size × layer_group_count` members are expected. It is identified by its chain
+layer group); `tp_size × pp_size × layer_group_count` members are expected. It is identified by its chain
 hash (32 bytes, salted per share domain, so unique across tenants), and published as a whole.
 
 ## States of a chunk group
@@ -43,8 +43,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -71,7 +72,7 @@ from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import sign_ticket
 
-__all__ = ["DirectoryConfig", "DirectoryCore", "EmitEvent", "Effect", "FreeSlots", "Outcome"]
+__all__ = ["DirectoryConfig", "DirectoryCore", "Effect", "EmitEvent", "FreeSlots", "Outcome"]
 
 Member = tuple[int, int, int]
 CHECKSUM_BYTES: Final = 16
@@ -226,7 +227,9 @@ class DirectoryCore:
             raise StaleGeneration("directory_epoch", epoch, self.epoch)
         if epoch > self.epoch:
             self._count("future_epoch_rejected_total")
-            raise Unavailable(f"directory epoch {self.epoch} is behind the caller's {epoch}", epoch=self.epoch)
+            raise Unavailable(
+                f"directory epoch {self.epoch} is behind the caller's {epoch}", epoch=self.epoch
+            )
 
     def _intern_placement(self, segment_id: str, incarnation: int) -> int:
         key = (segment_id, incarnation)
@@ -260,8 +263,16 @@ class DirectoryCore:
             seg.reserved_bytes -= size_bytes
             invariant(seg.reserved_bytes >= 0, "negative reservation", segment=seg.segment_id)
 
-    def _free_slot(self, placement: int, slot: int, generation: int, size: int, key: bytes, group: bytes,
-                   effects: list[Effect]) -> None:
+    def _free_slot(
+        self,
+        placement: int,
+        slot: int,
+        generation: int,
+        size: int,
+        key: bytes,
+        group: bytes,
+        effects: list[Effect],
+    ) -> None:
         """Hand a confirmed slot back to its segment. The reservation is released on `SlotsFreed`."""
         segment_id, incarnation = self._placements[placement]
         if not self._placement_live(placement):
@@ -277,7 +288,9 @@ class DirectoryCore:
         self._count("retried_request_total")
         return cached[0]
 
-    def _remember(self, verb: str, writer_id: str, request_id: str, reply: msgspec.Struct, n_objects: int) -> None:
+    def _remember(
+        self, verb: str, writer_id: str, request_id: str, reply: msgspec.Struct, n_objects: int
+    ) -> None:
         old = self._reply_cache.pop((verb, writer_id, request_id), None)
         self._reply_cache_objects += n_objects - (old[1] if old else 0)
         self._reply_cache[(verb, writer_id, request_id)] = (reply, n_objects)
@@ -323,7 +336,9 @@ class DirectoryCore:
         self.segments[req.segment_id] = _Segment(
             req.segment_id, req.incarnation, req.domain, req.capacity_bytes, req.data_addr, now_ms
         )
-        effects.append(EmitEvent("segment_up", m.SegmentUp(segment_id=req.segment_id, incarnation=req.incarnation)))
+        effects.append(
+            EmitEvent("segment_up", m.SegmentUp(segment_id=req.segment_id, incarnation=req.incarnation))
+        )
         return Outcome(self._registered(), effects)
 
     def _registered(self) -> m.SegmentRegistered:
@@ -354,8 +369,12 @@ class DirectoryCore:
         """Its placements die with it; published groups are swept lazily, building ones now."""
         seg.up = False
         seg.reserved_bytes = 0
-        effects.append(EmitEvent("segment_down", m.SegmentDown(
-            segment_id=seg.segment_id, incarnation=seg.incarnation, reason=reason)))
+        effects.append(
+            EmitEvent(
+                "segment_down",
+                m.SegmentDown(segment_id=seg.segment_id, incarnation=seg.incarnation, reason=reason),
+            )
+        )
         self._sweep_queue.extend(self.published.keys())
         for key in [k for k in self._freeing if k[0] == seg.segment_id and k[1] == seg.incarnation]:
             self._finish_free(key, effects)
@@ -386,8 +405,10 @@ class DirectoryCore:
             self._count("busy_pending_total")
             raise Busy("too many objects being written; retry later", limit=self.config.pending_objects_max)
         deadline = now_ms + req.write_ttl_ms
-        results = [self._begin_one(req.writer_id, spec, info, replicas, deadline) for spec, info in
-                   zip(req.objects, infos, strict=True)]
+        results = [
+            self._begin_one(req.writer_id, spec, info, replicas, deadline)
+            for spec, info in zip(req.objects, infos, strict=True)
+        ]
         reply = m.PutBeginReply(epoch=self.epoch, results=results)
         self._remember("begin", req.writer_id, req.request_id, reply, len(results))
         return Outcome(reply)
@@ -400,8 +421,9 @@ class DirectoryCore:
             raise BadRequest(f"checksum must be {CHECKSUM_BYTES} bytes (xxh3-128)")
         return info
 
-    def _begin_one(self, writer_id: str, spec: m.ObjectSpec, info: KeyInfo, replicas: int,
-                   deadline: int) -> m.BeginResult:
+    def _begin_one(
+        self, writer_id: str, spec: m.ObjectSpec, info: KeyInfo, replicas: int, deadline: int
+    ) -> m.BeginResult:
         gid = info.group.group_id
         if gid in self.published or gid in self.evicting:
             return m.BeginResult(key=spec.key, status="exists")
@@ -412,8 +434,9 @@ class DirectoryCore:
             held = group.members[info.member]
             if held.writer_id != writer_id:
                 return m.BeginResult(key=spec.key, status="in_flight", deadline_ms=held.deadline_ms)
-            return m.BeginResult(key=spec.key, status="placed", tickets=self._tickets_of(held),
-                                 deadline_ms=held.deadline_ms)
+            return m.BeginResult(
+                key=spec.key, status="placed", tickets=self._tickets_of(held), deadline_ms=held.deadline_ms
+            )
         chosen = choose_segments(self._candidates(), replicas, spec.size_bytes)
         if not chosen:
             self._count("no_capacity_total")
@@ -427,15 +450,21 @@ class DirectoryCore:
             ticket_id = next(self._ids)
             placements.append(_Placement(ticket_id, self._intern_placement(seg.segment_id, seg.incarnation)))
             self._tickets[ticket_id] = (gid, info.member)
-        held = _PendingMember(spec.key, writer_id, spec.size_bytes, spec.checksum, deadline, replicas, placements)
+        held = _PendingMember(
+            spec.key, writer_id, spec.size_bytes, spec.checksum, deadline, replicas, placements
+        )
         group.members[info.member] = held
         self.pending_objects += 1
         heapq.heappush(self._deadline_heap, (deadline, gid))
-        return m.BeginResult(key=spec.key, status="placed", tickets=self._tickets_of(held), deadline_ms=deadline)
+        return m.BeginResult(
+            key=spec.key, status="placed", tickets=self._tickets_of(held), deadline_ms=deadline
+        )
 
     def _candidates(self) -> list[Candidate]:
         return [
-            Candidate(s.segment_id, s.domain.zone, s.domain.rack, s.domain.host, s.capacity_bytes - s.reserved_bytes)
+            Candidate(
+                s.segment_id, s.domain.zone, s.domain.rack, s.domain.host, s.capacity_bytes - s.reserved_bytes
+            )
             for s in self.segments.values()
             if s.up and not s.draining
         ]
@@ -445,9 +474,15 @@ class DirectoryCore:
         for p in held.placements:
             segment_id, incarnation = self._placements[p.placement]
             ticket = m.WriteTicket(
-                ticket_id=p.ticket_id, key=held.key, segment_id=segment_id, incarnation=incarnation,
-                size_bytes=held.size_bytes, checksum=held.checksum, writer_id=held.writer_id,
-                deadline_ms=held.deadline_ms, epoch=self.epoch,
+                ticket_id=p.ticket_id,
+                key=held.key,
+                segment_id=segment_id,
+                incarnation=incarnation,
+                size_bytes=held.size_bytes,
+                checksum=held.checksum,
+                writer_id=held.writer_id,
+                deadline_ms=held.deadline_ms,
+                epoch=self.epoch,
                 data_addr=self.segments[segment_id].data_addr,
             )
             tickets.append(sign_ticket(ticket, self.config.ticket_secret))
@@ -457,7 +492,9 @@ class DirectoryCore:
         self._check_epoch(req.epoch)
         self._check_batch("confirms", len(req.confirms), m.PUT_BATCH_OBJECTS_MAX)
         self._live_segment(req.segment_id, req.incarnation)
-        results = [m.ConfirmResult(ticket_id=c.ticket_id, status=self._confirm_one(req, c)) for c in req.confirms]
+        results = [
+            m.ConfirmResult(ticket_id=c.ticket_id, status=self._confirm_one(req, c)) for c in req.confirms
+        ]
         return Outcome(m.ConfirmReply(epoch=self.epoch, results=results))
 
     def _confirm_one(self, req: m.ConfirmReplicas, c: m.ReplicaConfirm) -> m.ConfirmStatus:
@@ -468,8 +505,12 @@ class DirectoryCore:
         gid, member = where
         held = self.building[gid].members[member]
         placement = next(p for p in held.placements if p.ticket_id == c.ticket_id)
-        if (self._placements[placement.placement] != (req.segment_id, req.incarnation)
-                or c.key != held.key or c.size_bytes != held.size_bytes or c.checksum != held.checksum):
+        if (
+            self._placements[placement.placement] != (req.segment_id, req.incarnation)
+            or c.key != held.key
+            or c.size_bytes != held.size_bytes
+            or c.checksum != held.checksum
+        ):
             self._count("confirm_mismatch_total")
             return "mismatch"
         placement.slot, placement.slot_generation = c.slot, c.slot_generation
@@ -480,8 +521,10 @@ class DirectoryCore:
         self._check_batch("put_commit keys", len(req.keys), m.PUT_BATCH_OBJECTS_MAX)
         infos = [parse_key(k) for k in req.keys]
         effects: list[Effect] = []
-        results = [self._commit_one(req.writer_id, key, info, effects) for key, info in
-                   zip(req.keys, infos, strict=True)]
+        results = [
+            self._commit_one(req.writer_id, key, info, effects)
+            for key, info in zip(req.keys, infos, strict=True)
+        ]
         return Outcome(m.PutCommitReply(epoch=self.epoch, results=results), effects)
 
     def _commit_one(self, writer_id: str, key: bytes, info: KeyInfo, effects: list[Effect]) -> m.CommitResult:
@@ -509,10 +552,15 @@ class DirectoryCore:
             pm.committed for pm in building.members.values()
         ):
             degraded = self._publish(gid, building, effects)
-            return m.CommitResult(key=key, status="degraded" if degraded else "published",
-                                  replicas_confirmed=n, replicas_target=held.replicas_target)
-        return m.CommitResult(key=key, status="waiting_group", replicas_confirmed=n,
-                              replicas_target=held.replicas_target)
+            return m.CommitResult(
+                key=key,
+                status="degraded" if degraded else "published",
+                replicas_confirmed=n,
+                replicas_target=held.replicas_target,
+            )
+        return m.CommitResult(
+            key=key, status="waiting_group", replicas_confirmed=n, replicas_target=held.replicas_target
+        )
 
     def _publish(self, gid: bytes, building: _BuildingGroup, effects: list[Effect]) -> bool:
         members = []
@@ -523,15 +571,25 @@ class DirectoryCore:
             members.append(MemberRecord(*member, pm.size_bytes, pm.checksum, replicas))
             for p in pm.placements:
                 del self._tickets[p.ticket_id]
-        group = PublishedGroup(self._intern_namespace(building.info.namespace), building.info.chunk_index,
-                               FLAG_DEGRADED if degraded else 0, tuple(members))
+        group = PublishedGroup(
+            self._intern_namespace(building.info.namespace),
+            building.info.chunk_index,
+            FLAG_DEGRADED if degraded else 0,
+            tuple(members),
+        )
         self.published[gid] = pack_group(group)
         del self.building[gid]
         self.pending_objects -= len(members)
         self._count("groups_published_total")
         self._count("objects_published_total", len(members))
-        effects.append(EmitEvent("published", m.GroupPublished(
-            group=gid, chunk_index=group.chunk_index, members=len(members), degraded=degraded)))
+        effects.append(
+            EmitEvent(
+                "published",
+                m.GroupPublished(
+                    group=gid, chunk_index=group.chunk_index, members=len(members), degraded=degraded
+                ),
+            )
+        )
         if degraded:
             self._count("groups_degraded_total")
             effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=gid)))
@@ -544,7 +602,9 @@ class DirectoryCore:
         for p in held.placements:
             self._tickets.pop(p.ticket_id, None)
             if p.confirmed:
-                self._free_slot(p.placement, p.slot, p.slot_generation, held.size_bytes, held.key, b"", effects)
+                self._free_slot(
+                    p.placement, p.slot, p.slot_generation, held.size_bytes, held.key, b"", effects
+                )
             else:
                 self._release_reservation(p.placement, held.size_bytes)
         if not group.members:
@@ -589,15 +649,25 @@ class DirectoryCore:
         if not hit:
             return Outcome(m.LookupReply(epoch=self.epoch, hit_chunks=0))
         lease_id, expires = self._grant(req.holder_id, tuple(hit), now_ms + req.lease_ttl_ms, is_pin=False)
-        return Outcome(m.LookupReply(epoch=self.epoch, hit_chunks=len(hit), lease_id=lease_id,
-                                     lease_expires_ms=expires, objects=objects))
+        return Outcome(
+            m.LookupReply(
+                epoch=self.epoch,
+                hit_chunks=len(hit),
+                lease_id=lease_id,
+                lease_expires_ms=expires,
+                objects=objects,
+            )
+        )
 
     def _locate(self, info: GroupInfo, wanted: set[Member]) -> list[m.ObjectLocation] | None:
         record = self.published.get(info.group_id)
         if record is None:
             return None
         group = unpack_group(record)
-        if self._namespace_index.get(info.namespace) != group.namespace or group.chunk_index != info.chunk_index:
+        if (
+            self._namespace_index.get(info.namespace) != group.namespace
+            or group.chunk_index != info.chunk_index
+        ):
             self._count("lookup_identity_mismatch_total")  # a known chain hash with other identity fields
             return None
         out = []
@@ -607,19 +677,32 @@ class DirectoryCore:
             replicas = [self._replica(r) for r in mem.replicas if self._placement_live(r.placement)]
             if not replicas:
                 return None
-            out.append(m.ObjectLocation(
-                chunk_index=group.chunk_index, member=m.Member(*mem.member), size_bytes=mem.size_bytes,
-                checksum=mem.checksum, replicas=replicas))
+            out.append(
+                m.ObjectLocation(
+                    chunk_index=group.chunk_index,
+                    member=m.Member(*mem.member),
+                    size_bytes=mem.size_bytes,
+                    checksum=mem.checksum,
+                    replicas=replicas,
+                )
+            )
         if wanted and len(out) != len(wanted):
             return None  # a required member this group does not have
         return out
 
     def _replica(self, r: ReplicaRecord) -> m.Replica:
         segment_id, incarnation = self._placements[r.placement]
-        return m.Replica(segment_id=segment_id, incarnation=incarnation, slot=r.slot,
-                         slot_generation=r.slot_generation, data_addr=self.segments[segment_id].data_addr)
+        return m.Replica(
+            segment_id=segment_id,
+            incarnation=incarnation,
+            slot=r.slot,
+            slot_generation=r.slot_generation,
+            data_addr=self.segments[segment_id].data_addr,
+        )
 
-    def _grant(self, holder_id: str, groups: tuple[bytes, ...], expires_ms: int, *, is_pin: bool) -> tuple[int, int]:
+    def _grant(
+        self, holder_id: str, groups: tuple[bytes, ...], expires_ms: int, *, is_pin: bool
+    ) -> tuple[int, int]:
         limit = self.config.pins_max if is_pin else self.config.leases_max
         held = self._pins_held if is_pin else len(self._leases) - self._pins_held
         if held >= limit:
@@ -645,14 +728,20 @@ class DirectoryCore:
                 counts[gid] = left
             else:
                 del counts[gid]
-                if gid in self._sweep_deferred and not self._lease_count.get(gid) and not self._pin_count.get(gid):
+                if (
+                    gid in self._sweep_deferred
+                    and not self._lease_count.get(gid)
+                    and not self._pin_count.get(gid)
+                ):
                     self._sweep_deferred.discard(gid)
                     self._sweep_queue.append(gid)
 
     def _held_lease(self, holder_id: str, lease_id: int, is_pin: bool) -> _Lease:
         lease = self._leases.get(lease_id)
         if lease is None or lease.holder_id != holder_id or lease.is_pin != is_pin:
-            raise NotFound(f"no {'pin' if is_pin else 'lease'} {lease_id} held by {holder_id!r}", lease_id=lease_id)
+            raise NotFound(
+                f"no {'pin' if is_pin else 'lease'} {lease_id} held by {holder_id!r}", lease_id=lease_id
+            )
         return lease
 
     def _release(self, req: m.LeaseRelease, now_ms: int) -> Outcome:
@@ -677,7 +766,9 @@ class DirectoryCore:
             raise BadRequest(f"ttl_ms must be in 1..{m.PIN_TTL_MS_MAX}")
         gids = tuple(g.group_id for g in map(parse_group, req.groups) if g.group_id in self.published)
         pin_id, expires = self._grant(req.holder_id, gids, now_ms + req.ttl_ms, is_pin=True)
-        return Outcome(m.PinReply(epoch=self.epoch, pin_id=pin_id, pinned_groups=len(gids), expires_ms=expires))
+        return Outcome(
+            m.PinReply(epoch=self.epoch, pin_id=pin_id, pinned_groups=len(gids), expires_ms=expires)
+        )
 
     def _unpin(self, req: m.Unpin, now_ms: int) -> Outcome:
         self._check_epoch(req.epoch)
@@ -750,7 +841,7 @@ class DirectoryCore:
         """Expire leases, pins and write deadlines; mark silent segments down; retry frees."""
         effects: list[Effect] = []
         while self._lease_heap and self._lease_heap[0][0] <= now_ms:
-            expires, lease_id = heapq.heappop(self._lease_heap)
+            _, lease_id = heapq.heappop(self._lease_heap)
             lease = self._leases.get(lease_id)
             if lease is not None and lease.expires_ms <= now_ms:
                 self._count("pins_expired_total" if lease.is_pin else "leases_expired_total")
@@ -805,12 +896,17 @@ class DirectoryCore:
                 del self.published[gid]
                 for mem in members:
                     for r in mem.replicas:
-                        self._free_slot(r.placement, r.slot, r.slot_generation, mem.size_bytes, b"", b"", effects)
+                        self._free_slot(
+                            r.placement, r.slot, r.slot_generation, mem.size_bytes, b"", b"", effects
+                        )
                 self._count("groups_invalidated_total")
                 effects.append(EmitEvent("invalidated", m.GroupInvalidated(group=gid, reason="replica_lost")))
             else:
-                self.published[gid] = pack_group(PublishedGroup(
-                    group.namespace, group.chunk_index, group.flags | FLAG_DEGRADED, tuple(members)))
+                self.published[gid] = pack_group(
+                    PublishedGroup(
+                        group.namespace, group.chunk_index, group.flags | FLAG_DEGRADED, tuple(members)
+                    )
+                )
                 effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=gid)))
 
     def _retry_frees(self, now_ms: int, effects: list[Effect]) -> None:
@@ -828,10 +924,18 @@ class DirectoryCore:
     def _list_segments(self, req: m.ListSegments, now_ms: int) -> Outcome:
         self._check_epoch(req.epoch)
         segments = [
-            m.SegmentInfo(segment_id=s.segment_id, incarnation=s.incarnation, domain=s.domain, up=s.up,
-                          draining=s.draining, capacity_bytes=s.capacity_bytes, reserved_bytes=s.reserved_bytes,
-                          reported_used_bytes=s.reported_used_bytes, last_heartbeat_ms=s.last_heartbeat_ms,
-                          data_addr=s.data_addr)
+            m.SegmentInfo(
+                segment_id=s.segment_id,
+                incarnation=s.incarnation,
+                domain=s.domain,
+                up=s.up,
+                draining=s.draining,
+                capacity_bytes=s.capacity_bytes,
+                reserved_bytes=s.reserved_bytes,
+                reported_used_bytes=s.reported_used_bytes,
+                last_heartbeat_ms=s.last_heartbeat_ms,
+                data_addr=s.data_addr,
+            )
             for s in sorted(self.segments.values(), key=lambda s: s.segment_id)
         ]
         return Outcome(m.SegmentList(epoch=self.epoch, segments=segments))
@@ -844,31 +948,56 @@ class DirectoryCore:
             objects = []
             if with_objects:
                 for mem in group.members:
-                    objects.append(m.ObjectLocation(
-                        chunk_index=group.chunk_index, member=m.Member(*mem.member), size_bytes=mem.size_bytes,
-                        checksum=mem.checksum, replicas=[self._replica(r) for r in mem.replicas
-                                                         if self._placement_live(r.placement)]))
+                    objects.append(
+                        m.ObjectLocation(
+                            chunk_index=group.chunk_index,
+                            member=m.Member(*mem.member),
+                            size_bytes=mem.size_bytes,
+                            checksum=mem.checksum,
+                            replicas=[
+                                self._replica(r) for r in mem.replicas if self._placement_live(r.placement)
+                            ],
+                        )
+                    )
             return m.GroupSummary(
-                group=gid, namespace=namespace, chunk_index=group.chunk_index,
-                state="published" if record is not None else "evicting", members=len(group.members),
-                expected_members=len(group.members), degraded=group.degraded,
-                leases=self._lease_count.get(gid, 0), pins=self._pin_count.get(gid, 0), objects=objects)
+                group=gid,
+                namespace=namespace,
+                chunk_index=group.chunk_index,
+                state="published" if record is not None else "evicting",
+                members=len(group.members),
+                expected_members=len(group.members),
+                degraded=group.degraded,
+                leases=self._lease_count.get(gid, 0),
+                pins=self._pin_count.get(gid, 0),
+                objects=objects,
+            )
         building = self.building.get(gid)
         if building is None:
             return None
-        return m.GroupSummary(group=gid, namespace=building.info.namespace, chunk_index=building.info.chunk_index,
-                              state="building", members=len(building.members),
-                              expected_members=building.info.expected_members)
+        return m.GroupSummary(
+            group=gid,
+            namespace=building.info.namespace,
+            chunk_index=building.info.chunk_index,
+            state="building",
+            members=len(building.members),
+            expected_members=building.info.expected_members,
+        )
 
     def _list_groups(self, req: m.ListGroups, now_ms: int) -> Outcome:
         self._check_epoch(req.epoch)
         if not 0 < req.limit <= m.LIST_LIMIT_MAX:
             raise BadRequest(f"limit must be in 1..{m.LIST_LIMIT_MAX}")
         # Pages in chain-hash order; a full scan per page (tools only, bounded by limit in output).
-        selected = sorted(g for g in self.published if g > req.after and (
-            not req.domain_digest or self._namespaces[unpack_group(self.published[g]).namespace][4:20]
-            == req.domain_digest))
-        page = selected[:req.limit]
+        selected = sorted(
+            g
+            for g in self.published
+            if g > req.after
+            and (
+                not req.domain_digest
+                or self._namespaces[unpack_group(self.published[g]).namespace][4:20] == req.domain_digest
+            )
+        )
+        page = selected[: req.limit]
         summaries = [s for s in (self._summary(g, with_objects=False) for g in page) if s is not None]
         next_after = page[-1] if len(selected) > req.limit else b""
         return Outcome(m.GroupList(epoch=self.epoch, groups=summaries, next_after=next_after))
@@ -885,9 +1014,16 @@ class DirectoryCore:
         self._check_epoch(req.epoch)
         if not 0 < req.limit <= m.LIST_LIMIT_MAX:
             raise BadRequest(f"limit must be in 1..{m.LIST_LIMIT_MAX}")
-        leases = [m.LeaseInfo(lease_id=i, holder_id=x.holder_id, is_pin=x.is_pin, groups=len(x.groups),
-                              expires_ms=x.expires_ms)
-                  for i, x in itertools.islice(sorted(self._leases.items()), req.limit)]
+        leases = [
+            m.LeaseInfo(
+                lease_id=i,
+                holder_id=x.holder_id,
+                is_pin=x.is_pin,
+                groups=len(x.groups),
+                expires_ms=x.expires_ms,
+            )
+            for i, x in itertools.islice(sorted(self._leases.items()), req.limit)
+        ]
         return Outcome(m.LeaseList(epoch=self.epoch, leases=leases))
 
     # ---- checks (tests call this after every step) ---------------------------------------
@@ -913,15 +1049,22 @@ class DirectoryCore:
             add(self._placement_index[(sid, inc)], size)
         for seg in self.segments.values():
             if seg.up:
-                invariant(seg.reserved_bytes == reserved.get(seg.segment_id, 0), "reservation drift",
-                          segment=seg.segment_id, have=seg.reserved_bytes, want=reserved.get(seg.segment_id, 0))
-        invariant(self.pending_objects == sum(len(g.members) for g in self.building.values()), "pending drift")
+                invariant(
+                    seg.reserved_bytes == reserved.get(seg.segment_id, 0),
+                    "reservation drift",
+                    segment=seg.segment_id,
+                    have=seg.reserved_bytes,
+                    want=reserved.get(seg.segment_id, 0),
+                )
+        invariant(
+            self.pending_objects == sum(len(g.members) for g in self.building.values()), "pending drift"
+        )
         invariant(not (self.published.keys() & self.building.keys()), "group both building and published")
         for gid in self._lease_count.keys() | self._pin_count.keys():
             invariant(gid not in self.evicting, "evicting a leased or pinned group")
 
 
-_HANDLERS = {
+_HANDLERS: dict[type[msgspec.Struct], Callable[[DirectoryCore, Any, int], Outcome]] = {
     m.RegisterSegment: DirectoryCore._register,
     m.Heartbeat: DirectoryCore._heartbeat,
     m.PutBegin: DirectoryCore._begin,

@@ -84,7 +84,9 @@ def pack_group(group: PublishedGroup) -> bytes:
     for m in group.members:
         invariant(len(m.checksum) == 16, "checksum must be 16 bytes")
         invariant(0 < len(m.replicas) < 256, "replica count out of range", n=len(m.replicas))
-        parts.append(_MEMBER.pack(m.tp_rank, m.pp_stage, m.layer_group, m.size_bytes, m.checksum, len(m.replicas)))
+        parts.append(
+            _MEMBER.pack(m.tp_rank, m.pp_stage, m.layer_group, m.size_bytes, m.checksum, len(m.replicas))
+        )
         parts.extend(_REPLICA.pack(r.placement, r.slot, r.slot_generation) for r in m.replicas)
     return b"".join(parts)
 

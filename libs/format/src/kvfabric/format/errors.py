@@ -129,7 +129,9 @@ class StaleGeneration(Conflict):
     code = "stale_generation"
 
     def __init__(self, kind: str, seen: int, current: int) -> None:
-        super().__init__(f"stale {kind}: saw {seen}, current is {current}", kind=kind, seen=seen, current=current)
+        super().__init__(
+            f"stale {kind}: saw {seen}, current is {current}", kind=kind, seen=seen, current=current
+        )
 
 
 class ChecksumMismatch(KvfError):

@@ -34,11 +34,19 @@ async def serve(settings: RuntimeSettings) -> int:
     except SettingsError as exc:
         log.error("settings_invalid", error=str(exc))
         return EXIT_USAGE
-    shell = DirectoryShell(DirectoryCore(config.core), tick_ms=config.tick_ms,
-                           events_outbox_max=config.events_outbox_max, events_max_age_s=config.events_max_age_s,
-                           free_timeout_s=config.free_timeout_s)
-    runtime = ServiceRuntime(Service.DIRECTORY, settings, version=DIRECTORY_VERSION,
-                             description="kvfabric directory: object lifecycle, publish, leases, placement")
+    shell = DirectoryShell(
+        DirectoryCore(config.core),
+        tick_ms=config.tick_ms,
+        events_outbox_max=config.events_outbox_max,
+        events_max_age_s=config.events_max_age_s,
+        free_timeout_s=config.free_timeout_s,
+    )
+    runtime = ServiceRuntime(
+        Service.DIRECTORY,
+        settings,
+        version=DIRECTORY_VERSION,
+        description="kvfabric directory: object lifecycle, publish, leases, placement",
+    )
     shell.attach(runtime)
     runtime.metrics.registry.register(DirectoryCollector(shell))
     loop = asyncio.get_running_loop()
@@ -47,7 +55,7 @@ async def serve(settings: RuntimeSettings) -> int:
     try:
         await runtime.start()
         await shell.start(runtime.nc)
-    except Exception as exc:  # noqa: BLE001 - any start failure: report and exit non-zero
+    except Exception as exc:
         log.error("directory_start_failed", error=repr(exc))
         await runtime.stop()
         return EXIT_UNAVAILABLE

@@ -26,7 +26,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.api import StreamConfig
 from nats.js.errors import BadRequestError
 
-from kvfabric.core.directory import DirectoryCore, EmitEvent, Effect, FreeSlots
+from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent, FreeSlots
 from kvfabric.format.errors import BadRequest, KvfError
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import FreeSlotsReply, FreeSlotsRequest, segment_decoder
@@ -71,8 +71,15 @@ def now_ms() -> int:
 class DirectoryShell:
     """Owns the core, the events outbox and the background tasks of one directory instance."""
 
-    def __init__(self, core: DirectoryCore, *, tick_ms: int, events_outbox_max: int, events_max_age_s: int,
-                 free_timeout_s: float) -> None:
+    def __init__(
+        self,
+        core: DirectoryCore,
+        *,
+        tick_ms: int,
+        events_outbox_max: int,
+        events_max_age_s: int,
+        free_timeout_s: float,
+    ) -> None:
         self.core = core
         self.tick_ms = tick_ms
         self.events_max_age_s = events_max_age_s
@@ -105,8 +112,11 @@ class DirectoryShell:
     async def start(self, nc: NatsClient) -> None:
         self._nc = nc
         js = nc.jetstream()
-        config = StreamConfig(name=EVENTS_STREAM, subjects=[events_wildcard(Service.DIRECTORY)],
-                              max_age=float(self.events_max_age_s))
+        config = StreamConfig(
+            name=EVENTS_STREAM,
+            subjects=[events_wildcard(Service.DIRECTORY)],
+            max_age=float(self.events_max_age_s),
+        )
         try:
             await js.add_stream(config)
         except BadRequestError:
@@ -135,19 +145,35 @@ class DirectoryShell:
 
     async def _free(self, effect: FreeSlots) -> None:
         assert self._nc is not None
-        message = FreeSlotsRequest(segment_id=effect.segment_id, incarnation=effect.incarnation,
-                                   slots=list(effect.slots), epoch=self.core.epoch)
+        message = FreeSlotsRequest(
+            segment_id=effect.segment_id,
+            incarnation=effect.incarnation,
+            slots=list(effect.slots),
+            epoch=self.core.epoch,
+        )
         try:
-            reply = await request(self._nc, segment_subject(effect.segment_id, "free"), message, segment_decoder,
-                                  self.free_timeout_s)
+            reply = await request(
+                self._nc,
+                segment_subject(effect.segment_id, "free"),
+                message,
+                segment_decoder,
+                self.free_timeout_s,
+            )
         except KvfError as err:
             self._log.info("free_failed", segment_id=effect.segment_id, code=err.code)
             return
         if not isinstance(reply, FreeSlotsReply):
             return
         try:
-            outcome = self.core.handle(m.SlotsFreed(segment_id=effect.segment_id, incarnation=reply.incarnation,
-                                                    freed=reply.freed, epoch=self.core.epoch), now_ms())
+            outcome = self.core.handle(
+                m.SlotsFreed(
+                    segment_id=effect.segment_id,
+                    incarnation=reply.incarnation,
+                    freed=reply.freed,
+                    epoch=self.core.epoch,
+                ),
+                now_ms(),
+            )
         except KvfError as err:  # e.g. the segment restarted meanwhile: its slots died with it
             self._log.info("freed_rejected", segment_id=effect.segment_id, code=err.code)
             return
@@ -163,7 +189,7 @@ class DirectoryShell:
                     await js.publish(subject, payload, timeout=2.0)
                     self.events_published += 1
                     break
-                except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                except (TimeoutError, nats.errors.Error) as exc:
                     self._log.warning("event_publish_retry", subject=subject, error=type(exc).__name__)
                     await asyncio.sleep(PUBLISH_RETRY_S)
 

@@ -18,23 +18,32 @@ class DirectoryCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         core = self.shell.core
-        events = CounterMetricFamily("kvfabric_directory_core_events", "Core counters, by name.", labels=["name"])
+        events = CounterMetricFamily(
+            "kvfabric_directory_core_events", "Core counters, by name.", labels=["name"]
+        )
         for name, value in sorted(core.counters.items()):
             events.add_metric([name.removesuffix("_total")], value)
         yield events
-        yield CounterMetricFamily("kvfabric_directory_events_published", "Events JetStream acknowledged.",
-                                  value=self.shell.events_published)
+        yield CounterMetricFamily(
+            "kvfabric_directory_events_published",
+            "Events JetStream acknowledged.",
+            value=self.shell.events_published,
+        )
         state = GaugeMetricFamily("kvfabric_directory_groups", "Chunk groups by state.", labels=["state"])
         state.add_metric(["building"], len(core.building))
         state.add_metric(["published"], len(core.published))
         state.add_metric(["evicting"], len(core.evicting))
         yield state
-        yield GaugeMetricFamily("kvfabric_directory_pending_objects", "Objects being written.",
-                                value=core.pending_objects)
+        yield GaugeMetricFamily(
+            "kvfabric_directory_pending_objects", "Objects being written.", value=core.pending_objects
+        )
         yield GaugeMetricFamily("kvfabric_directory_epoch", "Directory epoch.", value=core.epoch)
-        up = GaugeMetricFamily("kvfabric_directory_segment_up", "1 when the segment is up.", labels=["segment"])
-        reserved = GaugeMetricFamily("kvfabric_directory_segment_reserved_bytes", "Bytes placed on a segment.",
-                                     labels=["segment"])
+        up = GaugeMetricFamily(
+            "kvfabric_directory_segment_up", "1 when the segment is up.", labels=["segment"]
+        )
+        reserved = GaugeMetricFamily(
+            "kvfabric_directory_segment_reserved_bytes", "Bytes placed on a segment.", labels=["segment"]
+        )
         for seg in core.segments.values():
             up.add_metric([seg.segment_id], 1.0 if seg.up else 0.0)
             reserved.add_metric([seg.segment_id], seg.reserved_bytes)

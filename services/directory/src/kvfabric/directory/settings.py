@@ -5,7 +5,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 
 | variable | default | meaning |
 |---|---|---|
-| `KVF_CLUSTER_SECRET` | (required, ≥ 16 bytes) | signs write tickets; shared with segments, never with clients |
+| `KVF_CLUSTER_SECRET` | required, ≥ 16 bytes | signs write tickets; segments share it, clients never |
 | `KVF_DIRECTORY_REPLICAS_DEFAULT` | 1 | replicas per object when a put does not ask |
 | `KVF_DIRECTORY_HEARTBEAT_INTERVAL_MS` | 1000 | told to segments at register |
 | `KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS` | 5000 | silence after which a segment is down |
