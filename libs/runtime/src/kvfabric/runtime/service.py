@@ -1,0 +1,503 @@
+"""`ServiceRuntime`: one service instance as a `nats.micro` service, with the shell every daemon needs.
+
+Lifecycle (`state`): created → starting → running → stopping → stopped.
+- created: `add_endpoint(verb, handler)` registers handlers (only in this state).
+- starting: the metrics server binds, NATS connects (bounded reconnects), the micro service is
+  registered (name = `Service` value, SemVer version, queue group = `service_group(service)`
+  so instances share load; `$SRV.PING/INFO/STATS` answered by nats.micro), endpoints subscribe.
+- running: each request is dispatched by `_dispatch`. nats-py runs one subscription's callbacks
+  one after another, so the dispatcher never awaits a handler: it takes an in-flight slot and
+  runs the handler in its own task, or answers `Busy` at once when all `inflight_max` slots are
+  taken (bounded: nothing queues in the runtime).
+- stopping (SIGTERM/SIGINT, `request_stop`, NATS connection lost, invariant violated): the micro
+  service stops (endpoints unsubscribe), in-flight handlers get `shutdown_grace_ms` to finish
+  (0 after an invariant violation), the rest are cancelled, NATS drains and closes, the metrics
+  server stops.
+- stopped: `exit_code` is 0 after a requested stop, `EXIT_UNAVAILABLE` when NATS was lost or
+  never reached, `EXIT_SOFTWARE` after an `InvariantViolation`.
+
+Handler contract: `async (request_bytes, headers) -> msgspec.Struct`; raise a `KvfError` for an
+expected error (sent as a typed error reply, see `replies`). Any other exception is a 500
+`internal` reply, logged with its traceback, and the service keeps serving. `InvariantViolation`
+is a bug: logged once, `internal` reply, then the service stops and exits non-zero.
+The handler owns the request bytes only for the duration of the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Final, TypeAlias
+
+import msgspec
+import nats
+import nats.errors
+import nats.micro
+from nats.aio.client import Client as NatsClient
+from nats.micro.request import Request as MicroRequest
+from nats.micro.service import EndpointStats
+from nats.micro.service import Service as MicroService
+
+from kvfabric.format.errors import Busy, KvfError, Unavailable
+from kvfabric.format.invariant import InvariantViolation, invariant
+from kvfabric.proto.codec import encode
+from kvfabric.proto.subjects import Service, endpoint_subject, service_group
+from kvfabric.runtime.config import RuntimeSettings
+from kvfabric.runtime.inflight import InflightLimiter
+from kvfabric.runtime.logs import get_logger, request_context
+from kvfabric.runtime.metrics import MetricsServer, Outcome, ServiceMetrics
+from kvfabric.runtime.replies import error_response, internal_error
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_SOFTWARE",
+    "EXIT_UNAVAILABLE",
+    "Handler",
+    "RuntimeState",
+    "ServiceRuntime",
+]
+
+Handler: TypeAlias = Callable[[bytes, Mapping[str, str]], Awaitable[msgspec.Struct]]
+
+EXIT_OK: Final = 0
+EXIT_UNAVAILABLE: Final = 69  # EX_UNAVAILABLE: NATS unreachable or lost past the reconnect budget
+EXIT_SOFTWARE: Final = 70  # EX_SOFTWARE: an invariant was violated
+STEP_TIMEOUT_S: Final = 5.0  # bound on each shutdown step that talks to NATS
+NATS_DRAIN_TIMEOUT_S: Final = 2
+_OUTCOME_LEVEL: Final = {
+    Outcome.OK: logging.INFO,
+    Outcome.ERROR: logging.INFO,
+    Outcome.BUSY: logging.WARNING,
+    Outcome.CANCELLED: logging.WARNING,
+    Outcome.INTERNAL: logging.ERROR,
+    Outcome.FATAL: logging.CRITICAL,
+}
+
+
+class RuntimeState(enum.StrEnum):
+    CREATED = "created"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class _Endpoint:
+    verb: str
+    subject: str
+    handler: Handler
+
+
+class ServiceRuntime:
+    """Runs one service instance; see the module docstring for the lifecycle and contracts."""
+
+    def __init__(
+        self, service: Service, settings: RuntimeSettings, *, version: str, description: str
+    ) -> None:
+        self.service = service
+        self.settings = settings
+        self.version = version
+        self.description = description
+        self.group = service_group(service)
+        self.metrics = ServiceMetrics(service.value)
+        self._limiter = InflightLimiter(settings.inflight_max)
+        self._endpoints: dict[str, _Endpoint] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._state = RuntimeState.CREATED
+        self._nc: NatsClient | None = None
+        self._micro: MicroService | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._stop_requested = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._stop_reason: str | None = None
+        self._exit_code = EXIT_OK
+        self._log = get_logger("kvfabric.runtime").bind(
+            service=service.value, instance_id=settings.instance_id
+        )
+
+    # ---- read-only views -------------------------------------------------------------------
+
+    @property
+    def state(self) -> RuntimeState:
+        return self._state
+
+    @property
+    def exit_code(self) -> int:
+        return self._exit_code
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
+    @property
+    def instance_id(self) -> str:
+        return self.settings.instance_id
+
+    @property
+    def micro_id(self) -> str | None:
+        """The id nats.micro gave this instance (`$SRV.PING.<name>.<id>`); None before start."""
+        return self._micro.id if self._micro is not None else None
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound metrics port; None when disabled or not started."""
+        server = self._metrics_server
+        return server.port if server is not None and server.running else None
+
+    @property
+    def inflight_count(self) -> int:
+        return self._limiter.count
+
+    @property
+    def subjects(self) -> list[str]:
+        return [endpoint.subject for endpoint in self._endpoints.values()]
+
+    @property
+    def nc(self) -> NatsClient:
+        invariant(self._nc is not None, "no NATS connection before start")
+        assert self._nc is not None
+        return self._nc
+
+    # ---- setup -----------------------------------------------------------------------------
+
+    def add_endpoint(self, verb: str, handler: Handler) -> str:
+        """Register `handler` for `kvf.v1.<service>.<verb>` (before `start`). Returns the subject."""
+        invariant(self._state is RuntimeState.CREATED, "endpoints are added before start", state=self._state)
+        invariant(verb not in self._endpoints, "endpoint registered twice", verb=verb)
+        subject = endpoint_subject(self.service, verb)
+        self._endpoints[verb] = _Endpoint(verb=verb, subject=subject, handler=handler)
+        return subject
+
+    async def start(self) -> None:
+        """Bind metrics, connect, register. Raises `Unavailable` (after cleaning up) on failure."""
+        invariant(self._state is RuntimeState.CREATED, "start called twice", state=self._state)
+        invariant(bool(self._endpoints), "a service needs at least one endpoint")
+        self._state = RuntimeState.STARTING
+        try:
+            self._start_metrics()
+            self._nc = await self._connect()
+            self._micro = await self._register(self._nc)
+        except BaseException:
+            await self._teardown()
+            self._state = RuntimeState.STOPPED
+            self._stopped.set()
+            raise
+        self._state = RuntimeState.RUNNING
+        self._log.info(
+            "service_started",
+            version=self.version,
+            micro_id=self.micro_id,
+            nats_url=self.settings.nats_url,
+            metrics_port=self.metrics_port,
+            queue_group=self.group,
+            subjects=self.subjects,
+            inflight_max=self._limiter.limit,
+        )
+
+    def _start_metrics(self) -> None:
+        if not self.settings.metrics_enabled:
+            return
+        server = MetricsServer(
+            self.metrics.registry, host=self.settings.metrics_host, port=self.settings.metrics_port
+        )
+        try:
+            port = server.start()
+        except OSError as exc:
+            raise Unavailable(
+                f"cannot bind metrics server on "
+                f"{self.settings.metrics_host}:{self.settings.metrics_port}: {exc}"
+            ) from exc
+        self._metrics_server = server
+        self._log.info("metrics_server_started", metrics_host=self.settings.metrics_host, metrics_port=port)
+
+    async def _connect(self) -> NatsClient:
+        s = self.settings
+        try:
+            nc = await nats.connect(
+                s.nats_url,
+                name=f"kvf-{self.service.value}-{s.instance_id}",
+                connect_timeout=max(1, round(s.nats_connect_timeout_ms / 1000)),
+                reconnect_time_wait=s.nats_reconnect_wait_ms / 1000,
+                max_reconnect_attempts=s.nats_reconnect_attempts_max,
+                drain_timeout=NATS_DRAIN_TIMEOUT_S,
+                error_cb=self._on_nats_error,
+                disconnected_cb=self._on_nats_disconnected,
+                reconnected_cb=self._on_nats_reconnected,
+                closed_cb=self._on_nats_closed,
+            )
+        except Exception as exc:
+            raise Unavailable(f"cannot connect to NATS at {s.nats_url}: {type(exc).__name__}") from exc
+        self._log.info(
+            "nats_connected",
+            nats_url=s.nats_url,
+            server=nc.connected_url.netloc if nc.connected_url else None,
+        )
+        return nc
+
+    async def _register(self, nc: NatsClient) -> MicroService:
+        micro = await nats.micro.add_service(
+            nc,
+            name=self.service.value,
+            version=self.version,
+            description=self.description,
+            metadata={"instance_id": self.settings.instance_id, "inflight_max": str(self._limiter.limit)},
+            queue_group=self.group,
+            stats_handler=self._stats_data,
+        )
+        group = micro.add_group(name=self.group, queue_group=self.group)
+        for endpoint in self._endpoints.values():
+            await group.add_endpoint(
+                name=endpoint.verb, subject=endpoint.verb, handler=self._dispatcher(endpoint)
+            )
+        await nc.flush()
+        return micro
+
+    def _stats_data(self, _stats: EndpointStats) -> dict[str, int]:
+        return {
+            "inflight": self._limiter.count,
+            "inflight_max": self._limiter.limit,
+            "rejected_busy": self._limiter.rejected_total,
+        }
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def _dispatcher(self, endpoint: _Endpoint) -> Callable[[MicroRequest], Awaitable[None]]:
+        async def dispatch(request: MicroRequest) -> None:
+            await self._dispatch(endpoint, request)
+
+        return dispatch
+
+    async def _dispatch(self, endpoint: _Endpoint, request: MicroRequest) -> None:
+        """Runs on the subscription's task: must not wait on handlers, must not raise."""
+        received_s = time.perf_counter()
+        if self._state is not RuntimeState.RUNNING or not self._limiter.try_acquire():
+            await self._reject_busy(endpoint, request, received_s)
+            return
+        self.metrics.inflight.set(self._limiter.count)
+        task = asyncio.create_task(
+            self._handle(endpoint, request, received_s), name=f"kvf-{self.service.value}-{endpoint.verb}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reject_busy(self, endpoint: _Endpoint, request: MicroRequest, received_s: float) -> None:
+        headers = request.headers or {}
+        with request_context(subject=endpoint.subject, headers=headers):
+            err: KvfError
+            if self._state is RuntimeState.RUNNING:
+                err = Busy("in-flight limit reached", inflight_max=self._limiter.limit)
+            else:
+                err = Unavailable(f"service is {self._state.value}")
+            await self._reply_error(request, err)
+            self._finish(endpoint, Outcome.BUSY, received_s, err.code)
+
+    async def _handle(self, endpoint: _Endpoint, request: MicroRequest, received_s: float) -> None:
+        """One request in its own task (so contextvars bound here stay here)."""
+        headers = request.headers or {}
+        try:
+            with request_context(subject=endpoint.subject, headers=headers):
+                await self._run_handler(endpoint, request, headers, received_s)
+        finally:
+            self._limiter.release()
+            self.metrics.inflight.set(self._limiter.count)
+
+    async def _run_handler(
+        self, endpoint: _Endpoint, request: MicroRequest, headers: Mapping[str, str], received_s: float
+    ) -> None:
+        try:
+            reply = await endpoint.handler(request.data, headers)
+            invariant(
+                isinstance(reply, msgspec.Struct),
+                "handler must return a msgspec.Struct",
+                verb=endpoint.verb,
+                got=type(reply).__name__,
+            )
+            data = encode(reply)
+        except KvfError as err:
+            await self._reply_error(request, err)
+            self._finish(endpoint, Outcome.ERROR, received_s, err.code, error=err.message)
+        except InvariantViolation as exc:
+            internal = internal_error(exc)
+            await self._reply_error(request, internal)
+            self._finish(endpoint, Outcome.FATAL, received_s, internal.code, exc_info=exc)
+            self._exit_code = EXIT_SOFTWARE
+            self.request_stop("invariant_violated")
+        except asyncio.CancelledError:
+            self._finish(endpoint, Outcome.CANCELLED, received_s, None)
+            raise
+        except Exception as exc:
+            internal = internal_error(exc)
+            await self._reply_error(request, internal)
+            self._finish(endpoint, Outcome.INTERNAL, received_s, internal.code, exc_info=exc)
+        else:
+            await self._reply(request, data)
+            self._finish(endpoint, Outcome.OK, received_s, None)
+
+    def _finish(
+        self,
+        endpoint: _Endpoint,
+        outcome: Outcome,
+        received_s: float,
+        error_code: str | None,
+        *,
+        error: str | None = None,
+        exc_info: BaseException | None = None,
+    ) -> None:
+        """Metrics and the one summary log line of a request."""
+        duration_s = max(0.0, time.perf_counter() - received_s)
+        self.metrics.observe(
+            endpoint=endpoint.verb, outcome=outcome, duration_s=duration_s, error_code=error_code
+        )
+        event = "invariant_violated" if outcome is Outcome.FATAL else "request_handled"
+        fields: dict[str, object] = {
+            "endpoint": endpoint.verb,
+            "outcome": outcome.value,
+            "duration_ms": round(duration_s * 1000, 3),
+        }
+        if error_code is not None:
+            fields["error_code"] = error_code
+        if error is not None:
+            fields["error"] = error
+        if exc_info is not None:
+            fields["exc_info"] = exc_info
+        self._log.log(_OUTCOME_LEVEL[outcome], event, **fields)
+
+    async def _reply(self, request: MicroRequest, data: bytes) -> None:
+        try:
+            await request.respond(data)
+        except (ValueError, nats.errors.Error) as exc:
+            # No reply subject (a publish, not a request) or the connection is gone.
+            self._log.warning("reply_failed", reason=type(exc).__name__)
+
+    async def _reply_error(self, request: MicroRequest, err: KvfError) -> None:
+        response = error_response(err)
+        try:
+            await request.respond_error(
+                code=response.status,
+                description=response.description,
+                data=response.data,
+                headers=response.headers,
+            )
+        except (ValueError, nats.errors.Error) as exc:
+            self._log.warning("reply_failed", reason=type(exc).__name__, error_code=err.code)
+
+    # ---- NATS connection events ------------------------------------------------------------
+
+    async def _on_nats_error(self, exc: Exception) -> None:
+        self._log.warning("nats_error_reported", error=repr(exc))
+
+    async def _on_nats_disconnected(self) -> None:
+        self._log.warning("nats_disconnected")
+
+    async def _on_nats_reconnected(self) -> None:
+        nc = self._nc
+        server = nc.connected_url.netloc if nc is not None and nc.connected_url is not None else None
+        self._log.info("nats_reconnected", server=server)
+
+    async def _on_nats_closed(self) -> None:
+        if self._state is not RuntimeState.RUNNING:
+            return  # our own drain/close, or a failed start (reported by `start`)
+        self._log.error(
+            "nats_connection_lost", reconnect_attempts_max=self.settings.nats_reconnect_attempts_max
+        )
+        if self._exit_code == EXIT_OK:
+            self._exit_code = EXIT_UNAVAILABLE
+        self.request_stop("nats_connection_lost")
+
+    # ---- stopping --------------------------------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        """Ask `run` to stop (idempotent; safe from a signal handler on the loop)."""
+        if self._stop_requested.is_set():
+            return
+        self._stop_reason = reason
+        self._log.info("stop_requested", reason=reason, inflight=self._limiter.count)
+        self._stop_requested.set()
+
+    async def wait_stop_requested(self) -> str:
+        await self._stop_requested.wait()
+        assert self._stop_reason is not None
+        return self._stop_reason
+
+    async def run(self) -> int:
+        """Start, serve until SIGTERM/SIGINT (or a fatal event), stop gracefully. Returns the exit code."""
+        try:
+            await self.start()
+        except Unavailable as err:
+            self._log.error("service_start_failed", error=err.message)
+            return EXIT_UNAVAILABLE
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGTERM, signal.SIGINT)
+        for sig in signals:
+            loop.add_signal_handler(sig, self.request_stop, sig.name.lower())
+        try:
+            await self._stop_requested.wait()
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+        return await self.stop()
+
+    async def stop(self) -> int:
+        """Graceful stop (see the module docstring). Idempotent. Returns the exit code."""
+        if self._state in (RuntimeState.STOPPING, RuntimeState.STOPPED):
+            await self._stopped.wait()
+            return self._exit_code
+        stopping_s = time.perf_counter()
+        if self._stop_reason is None:
+            self._stop_reason = "stop_called"
+        self._state = RuntimeState.STOPPING
+        await self._stop_micro()
+        await self._finish_inflight()
+        await self._teardown()
+        self._state = RuntimeState.STOPPED
+        self._stopped.set()
+        self._log.info(
+            "service_stopped",
+            reason=self._stop_reason,
+            exit_code=self._exit_code,
+            duration_ms=round((time.perf_counter() - stopping_s) * 1000, 3),
+        )
+        return self._exit_code
+
+    async def _stop_micro(self) -> None:
+        micro, self._micro = self._micro, None
+        if micro is None:
+            return
+        try:
+            await asyncio.wait_for(micro.stop(), STEP_TIMEOUT_S)
+        except (TimeoutError, nats.errors.Error) as exc:
+            self._log.warning("micro_stop_failed", reason=type(exc).__name__)
+
+    async def _finish_inflight(self) -> None:
+        pending = set(self._tasks)
+        if not pending:
+            return
+        grace_s = 0.0 if self._exit_code == EXIT_SOFTWARE else self.settings.shutdown_grace_ms / 1000
+        if grace_s > 0:
+            _, pending = await asyncio.wait(pending, timeout=grace_s)
+        if not pending:
+            return
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=STEP_TIMEOUT_S)
+        self._log.warning("inflight_cancelled", count=len(pending), grace_ms=round(grace_s * 1000))
+
+    async def _teardown(self) -> None:
+        """Close NATS (drain first when possible) and the metrics server. Never raises."""
+        nc, self._nc = self._nc, None
+        if nc is not None and not nc.is_closed:
+            try:
+                await asyncio.wait_for(nc.drain(), STEP_TIMEOUT_S)
+            except (TimeoutError, nats.errors.Error) as exc:
+                self._log.warning("nats_drain_failed", reason=type(exc).__name__)
+                if not nc.is_closed:
+                    await nc.close()
+        server, self._metrics_server = self._metrics_server, None
+        if server is not None:
+            await asyncio.to_thread(server.stop)

@@ -1,0 +1,42 @@
+"""Shared pytest configuration.
+
+- `kvfabric.testing.pytest_plugin`: `nats_server`, `nats_client` (a real nats-server per test).
+- `json_logs`: structlog configured to write JSON lines into memory for one test; the value is a
+  function returning the records so far. Global logging config is restored afterwards.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+pytest_plugins = ["kvfabric.testing.pytest_plugin"]
+
+LogRecords = Callable[[], list[dict[str, Any]]]
+
+
+@pytest.fixture
+def json_logs() -> Iterator[LogRecords]:
+    import structlog
+
+    from kvfabric.runtime.logs import configure_logging
+
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level
+    stream = io.StringIO()
+    configure_logging(level="debug", json=True, stream=stream)
+
+    def records() -> list[dict[str, Any]]:
+        return [json.loads(line) for line in stream.getvalue().splitlines() if line.startswith("{")]
+
+    try:
+        yield records
+    finally:
+        structlog.reset_defaults()
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)

@@ -1,0 +1,59 @@
+"""Standard metrics on a per-runtime registry, and the /metrics server on a picked port."""
+
+from __future__ import annotations
+
+import urllib.error
+
+import pytest
+
+from kvfabric.format.invariant import InvariantViolation
+from kvfabric.runtime.metrics import MetricsServer, Outcome, ServiceMetrics
+from kvfabric.testing import metric_value, scrape_metrics
+
+
+def test_observe_counts_by_endpoint_outcome_and_code() -> None:
+    metrics = ServiceMetrics("directory")
+    metrics.observe(endpoint="lookup", outcome=Outcome.OK, duration_s=0.002, error_code=None)
+    metrics.observe(endpoint="lookup", outcome=Outcome.BUSY, duration_s=0.0001, error_code="busy")
+    metrics.observe(endpoint="lookup", outcome=Outcome.ERROR, duration_s=0.001, error_code="not_found")
+    metrics.inflight.set(3)
+    text = metrics.exposition().decode()
+
+    assert metric_value(text, "kvfabric_directory_requests_total", endpoint="lookup", outcome="ok") == 1.0
+    assert metric_value(text, "kvfabric_directory_requests_total", endpoint="lookup", outcome="busy") == 1.0
+    assert metric_value(text, "kvfabric_directory_rejected_busy_total", endpoint="lookup") == 1.0
+    assert metric_value(text, "kvfabric_directory_errors_total", code="busy") == 1.0
+    assert metric_value(text, "kvfabric_directory_errors_total", code="not_found") == 1.0
+    assert metric_value(text, "kvfabric_directory_request_duration_seconds_count", endpoint="lookup") == 3.0
+    assert metric_value(text, "kvfabric_directory_inflight_requests") == 3.0
+
+
+def test_each_runtime_has_its_own_registry() -> None:
+    a, b = ServiceMetrics("echo"), ServiceMetrics("echo")
+    a.observe(endpoint="say", outcome=Outcome.OK, duration_s=0.0, error_code=None)
+    assert (
+        metric_value(b.exposition().decode(), "kvfabric_echo_requests_total", endpoint="say", outcome="ok")
+        is None
+    )
+
+
+def test_negative_duration_is_a_bug() -> None:
+    with pytest.raises(InvariantViolation):
+        ServiceMetrics("echo").observe(endpoint="say", outcome=Outcome.OK, duration_s=-1.0, error_code=None)
+
+
+def test_server_binds_a_free_port_serves_and_releases_it() -> None:
+    metrics = ServiceMetrics("echo")
+    metrics.observe(endpoint="say", outcome=Outcome.OK, duration_s=0.01, error_code=None)
+    server = MetricsServer(metrics.registry, host="127.0.0.1", port=0)
+    port = server.start()
+    try:
+        assert port > 0
+        assert server.port == port
+        text = scrape_metrics(port)
+        assert metric_value(text, "kvfabric_echo_requests_total", endpoint="say", outcome="ok") == 1.0
+    finally:
+        server.stop()
+    assert not server.running
+    with pytest.raises(urllib.error.URLError):
+        scrape_metrics(port, timeout_s=0.5)
