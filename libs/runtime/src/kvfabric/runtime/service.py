@@ -40,7 +40,7 @@ import nats.errors
 import nats.micro
 from nats.aio.client import Client as NatsClient
 from nats.micro.request import Request as MicroRequest
-from nats.micro.service import EndpointStats
+from nats.micro.service import EndpointStats, ServiceVerb, control_subject
 from nats.micro.service import Service as MicroService
 
 from kvfabric.format.errors import Busy, KvfError, Unavailable
@@ -117,9 +117,9 @@ class ServiceRuntime:
         self._stopped = asyncio.Event()
         self._stop_reason: str | None = None
         self._exit_code = EXIT_OK
-        self._log = get_logger("kvfabric.runtime").bind(
-            service=service.value, instance_id=settings.instance_id
-        )
+        # Bound on the runtime's logger and, per request, in contextvars for handler code.
+        self._identity: dict[str, object] = {"service": service.value, "instance_id": settings.instance_id}
+        self._log = get_logger("kvfabric.runtime").bind(**self._identity)
 
     # ---- read-only views -------------------------------------------------------------------
 
@@ -182,7 +182,10 @@ class ServiceRuntime:
         try:
             self._start_metrics()
             self._nc = await self._connect()
-            self._micro = await self._register(self._nc)
+            try:
+                self._micro = await self._register(self._nc)
+            except nats.errors.Error as exc:
+                raise Unavailable(f"cannot register the service on NATS: {type(exc).__name__}") from exc
         except BaseException:
             await self._teardown()
             self._state = RuntimeState.STOPPED
@@ -255,7 +258,15 @@ class ServiceRuntime:
             await group.add_endpoint(
                 name=endpoint.verb, subject=endpoint.verb, handler=self._dispatcher(endpoint)
             )
-        await nc.flush()
+        # Readiness: nats-py's flush() writes its PING ahead of SUBs still in the client's buffer,
+        # so a PONG does not prove the server has the endpoint subscriptions. A request to our
+        # own `$SRV.PING.<name>.<id>` is written through that buffer after every SUB: its reply
+        # proves all of them are in place (and that discovery answers).
+        await nc.request(
+            control_subject(ServiceVerb.PING, name=self.service.value, id=micro.id),
+            b"",
+            timeout=self.settings.nats_connect_timeout_ms / 1000,
+        )
         return micro
 
     def _stats_data(self, _stats: EndpointStats) -> dict[str, int]:
@@ -287,21 +298,23 @@ class ServiceRuntime:
         task.add_done_callback(self._tasks.discard)
 
     async def _reject_busy(self, endpoint: _Endpoint, request: MicroRequest, received_s: float) -> None:
+        """Answer at once without running the handler: `Busy` when full, `Unavailable` when stopping."""
         headers = request.headers or {}
-        with request_context(subject=endpoint.subject, headers=headers):
+        with request_context(subject=endpoint.subject, headers=headers, **self._identity):
             err: KvfError
+            outcome: Outcome
             if self._state is RuntimeState.RUNNING:
-                err = Busy("in-flight limit reached", inflight_max=self._limiter.limit)
+                err, outcome = Busy("in-flight limit reached", inflight_max=self._limiter.limit), Outcome.BUSY
             else:
-                err = Unavailable(f"service is {self._state.value}")
+                err, outcome = Unavailable(f"service is {self._state.value}"), Outcome.ERROR
             await self._reply_error(request, err)
-            self._finish(endpoint, Outcome.BUSY, received_s, err.code)
+            self._finish(endpoint, outcome, received_s, err.code)
 
     async def _handle(self, endpoint: _Endpoint, request: MicroRequest, received_s: float) -> None:
         """One request in its own task (so contextvars bound here stay here)."""
         headers = request.headers or {}
         try:
-            with request_context(subject=endpoint.subject, headers=headers):
+            with request_context(subject=endpoint.subject, headers=headers, **self._identity):
                 await self._run_handler(endpoint, request, headers, received_s)
         finally:
             self._limiter.release()
@@ -393,7 +406,8 @@ class ServiceRuntime:
         self._log.warning("nats_error_reported", error=repr(exc))
 
     async def _on_nats_disconnected(self) -> None:
-        self._log.warning("nats_disconnected")
+        if self._state is RuntimeState.RUNNING:
+            self._log.warning("nats_disconnected")
 
     async def _on_nats_reconnected(self) -> None:
         nc = self._nc
@@ -422,8 +436,9 @@ class ServiceRuntime:
 
     async def wait_stop_requested(self) -> str:
         await self._stop_requested.wait()
-        assert self._stop_reason is not None
-        return self._stop_reason
+        reason = self._stop_reason
+        invariant(reason is not None, "stop requested without a reason")
+        return reason or ""
 
     async def run(self) -> int:
         """Start, serve until SIGTERM/SIGINT (or a fatal event), stop gracefully. Returns the exit code."""
