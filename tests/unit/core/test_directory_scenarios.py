@@ -237,3 +237,34 @@ def test_queries_list_without_granting_leases() -> None:
     assert isinstance(leases, m.LeaseList) and not leases.leases
     with pytest.raises(NotFound):
         core.handle(m.ShowGroup(group=b"\x01" * 32), 0)
+
+
+def test_retried_confirm_after_publish_does_not_tell_the_segment_to_free_a_readable_slot() -> None:
+    core = new_core()
+    register(core, "s1")
+    (g,) = groups(1)
+    begin = core.handle(m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g))]), 0).reply
+    assert isinstance(begin, m.PutBeginReply)
+    confirm_all(core, begin, 0)
+    core.handle(m.PutCommit(writer_id="w", request_id="c", keys=[key(g)]), 0)
+    t = begin.results[0].tickets[0]
+    retried = core.handle(
+        m.ConfirmReplicas(
+            segment_id="s1",
+            incarnation=1,
+            confirms=[
+                m.ReplicaConfirm(
+                    ticket_id=t.ticket_id,
+                    key=t.key,
+                    slot=0,
+                    slot_generation=1,
+                    size_bytes=100,
+                    checksum=t.checksum,
+                )
+            ],
+        ),
+        5,
+    ).reply
+    assert isinstance(retried, m.ConfirmReply)
+    assert retried.results[0].status == "ok"
+    assert lookup(core, [g], now=5).hit_chunks == 1

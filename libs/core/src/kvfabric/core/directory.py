@@ -500,6 +500,11 @@ class DirectoryCore:
     def _confirm_one(self, req: m.ConfirmReplicas, c: m.ReplicaConfirm) -> m.ConfirmStatus:
         where = self._tickets.get(c.ticket_id)
         if where is None:
+            if self._is_published_replica(req, c):
+                # A retried confirm (its first reply was lost) of a replica published since: its
+                # ticket is gone, but "unknown_ticket" would tell the segment to free a readable slot.
+                self._count("confirm_retried_published_total")
+                return "ok"
             self._count("confirm_unknown_ticket_total")
             return "unknown_ticket"
         gid, member = where
@@ -515,6 +520,23 @@ class DirectoryCore:
             return "mismatch"
         placement.slot, placement.slot_generation = c.slot, c.slot_generation
         return "ok"
+
+    def _is_published_replica(self, req: m.ConfirmReplicas, c: m.ReplicaConfirm) -> bool:
+        """Whether this confirm names exactly a replica of a published member (same bytes, slot)."""
+        placement = self._placement_index.get((req.segment_id, req.incarnation))
+        try:
+            info = parse_key(c.key)
+        except BadRequest:
+            return False
+        record = self.published.get(info.group.group_id)
+        if placement is None or record is None:
+            return False
+        return any(
+            mem.member == info.member
+            and (mem.size_bytes, mem.checksum) == (c.size_bytes, c.checksum)
+            and ReplicaRecord(placement, c.slot, c.slot_generation) in mem.replicas
+            for mem in unpack_group(record).members
+        )
 
     def _commit(self, req: m.PutCommit, now_ms: int) -> Outcome:
         self._check_epoch(req.epoch)
