@@ -69,7 +69,7 @@ READERS = ("r0", "r1")
 SIZES = (100, 200, 300)
 CAPACITIES = (1_000, 3_000)
 WRITE_TTLS_MS = (100, 400, 3_000)
-LEASE_TTLS_MS = (100, 500, 2_000)
+LEASE_TTLS_MS = (100, 500, 5_000)
 PIN_TTLS_MS = (300, 1_500)
 STEPS_MS = (0, 1, 50, 150, 400, 1_100)
 
@@ -565,12 +565,23 @@ class DirectoryMachine(RuleBasedStateMachine):
         skip=st.sampled_from((*[None] * 6, *sorted(SEGMENTS))),
         drain=st.sampled_from((None, None, None, *sorted(SEGMENTS))),
         then_tick=st.booleans(),
+        renew_ttl=st.sampled_from((None, None, None, *LEASE_TTLS_MS[1:])),
     )
     @step
-    def advance(self, dt: int, skip: str | None, drain: str | None, then_tick: bool) -> None:
-        """Time passes; every live segment but `skip` heartbeats (`drain` starts or stops draining);
-        maybe a tick. A heartbeat from a segment that is not registered or was declared down is
-        refused: it must register again."""
+    def advance(
+        self, dt: int, skip: str | None, drain: str | None, then_tick: bool, renew_ttl: int | None
+    ) -> None:
+        """Readers may first renew every lease they hold (a transfer is still running); then time
+        passes; every live segment but `skip` heartbeats (`drain` starts or stops draining); maybe a
+        tick. A heartbeat from a segment that is not registered or was declared down is refused: it
+        must register again."""
+        for lease_id, lease in self.leases.items():
+            if renew_ttl and not lease.is_pin:
+                lease.expires_ms = max(lease.expires_ms, self.now + renew_ttl)
+                reply = self.handle(
+                    m.LeaseRenew(holder_id=lease.holder, lease_id=lease_id, lease_ttl_ms=renew_ttl)
+                )
+                assert reply == m.LeaseReply(epoch=EPOCH, lease_id=lease_id, expires_ms=lease.expires_ms)
         self.now += dt
         for sid, seg in self.segs.items():
             if sid == skip:
@@ -1241,12 +1252,17 @@ class DirectoryMachine(RuleBasedStateMachine):
     # ---- settle and the no-leak checks --------------------------------------------------------
 
     def settle_and_check(self) -> None:
-        """Fault-free phase: writers stop, readers release (or let expire) every lease and pin, live
-        segments keep beating and ack every free while time passes every deadline. Then nothing
-        may be pending, freeing or reserved beyond the published replicas."""
+        """Fault-free phase: writers stop, readers release (or renew once, then let expire) every
+        lease and pin, live segments keep beating and ack every free while time passes every
+        deadline. Then nothing may be pending, freeing or reserved beyond the published replicas."""
         for lease_id, lease in list(self.leases.items()):
-            if lease_id % 2:
-                continue  # left to expire
+            if lease_id % 2:  # left to expire; a lease is renewed first (the directory must still hold it)
+                if not lease.is_pin:
+                    lease.expires_ms = max(lease.expires_ms, self.now + LEASE_TTLS_MS[0])
+                    assert self.handle(
+                        m.LeaseRenew(holder_id=lease.holder, lease_id=lease_id, lease_ttl_ms=LEASE_TTLS_MS[0])
+                    ) == m.LeaseReply(epoch=EPOCH, lease_id=lease_id, expires_ms=lease.expires_ms)
+                continue
             if lease.is_pin:
                 assert self.handle(
                     m.Unpin(holder_id=lease.holder, pin_id=lease_id, epoch=self.epoch())
