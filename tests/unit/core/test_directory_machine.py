@@ -620,7 +620,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         prefix=st.integers(0, len(PREFIXES) - 1),
         first=st.sampled_from((0, 0, 1, 2)),
         n=st.integers(1, 3),
-        split=st.booleans(),
+        share=st.sampled_from(("race", "split", "split", "rank0")),
         size=st.sampled_from(SIZES),
         replicas=st.sampled_from((0, 1, 2)),
         ttl=st.sampled_from(WRITE_TTLS_MS),
@@ -635,7 +635,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         prefix: int,
         first: int,
         n: int,
-        split: bool,
+        share: str,
         size: int,
         replicas: int,
         ttl: int,
@@ -643,15 +643,16 @@ class DirectoryMachine(RuleBasedStateMachine):
         partial: bool,
         read: bool,
     ) -> None:
-        """One or two writers put a run of chunks of a prefix at once: both all of it (they race for
-        every key), or `split` between them (TP ranks of a tp-2 chunk, else alternate chunks). Each
+        """One or two writers put a run of chunks of a prefix at once: all of it (they race for every
+        key), `split` between them (TP ranks of a tp-2 chunk, else alternate chunks), or only rank 0
+        (the rank-1 writer of a tp-2 chunk never shows up: the group must not publish). Each
         begins, its segments store and confirm its tickets, and it commits; the last writer may
         stop (die) after begin or after its confirms; with `partial`, one ticket of each writer is not
         confirmed before the commit (it may come late). Then maybe a reader looks the prefix up."""
         gs = PREFIXES[prefix][first : first + n] or PREFIXES[prefix][:1]
-        members = [key(g, rank=r) for g in gs for r in range(g.tp_size)]
+        members = [key(g, rank=r) for g in gs for r in range(g.tp_size) if share != "rank0" or r == 0]
         keys = {
-            w: [k for i, k in enumerate(members) if not split or i % len(writers) == j]
+            w: [k for i, k in enumerate(members) if share != "split" or i % len(writers) == j]
             for j, w in enumerate(writers)
         }
         for w in writers:
@@ -667,7 +668,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 self.commit_keys(w, keys[w])
         if read:
             self.lookup_prefix(
-                READERS[n % 2], prefix, first + n, None if split else 0, LEASE_TTLS_MS[ttl % 3]
+                READERS[n % 2], prefix, first + n, None if share == "race" else 0, LEASE_TTLS_MS[ttl % 3]
             )
 
     @rule(
