@@ -1,13 +1,15 @@
 """The directory core against a simple model of the world, over random interleavings (Hypothesis).
 
-The machine drives `DirectoryCore` with: segment register / restart (new incarnation) / idempotent
-re-register, heartbeats (some draining), heartbeat loss, time passing and `tick`, `put_begin` by
-three writers over a small key universe (three prefixes; one with `tp_size=2`, so a chunk group
-has two members that different writers may write), retried `put_begin` request ids, replica
-confirms by the segments (good, corrupted → `mismatch`, late → `unknown_ticket`, retried after a
-lost reply), `put_commit`, `put_abort`, `lookup` with a lease (whole groups or one TP rank),
-lease release / renew, pins / unpins, evictions, delivery, loss and acks (`SlotsFreed`) of
-`FreeSlots` effects, and stale-epoch / stale-incarnation messages.
+The machine drives `DirectoryCore` through: segment registration, restart (new incarnation),
+idempotent re-register, revival after being declared down; heartbeats (some draining) and
+heartbeat loss; time passing, lease renewals by readers and `tick`; `put_begin` by three writers
+over a small key universe (three prefixes; one with `tp_size=2`, so a chunk group has two members
+that different writers may write), alone or racing or splitting a run of chunks; retried
+`put_begin` request ids; replica confirms by the segments (good, corrupted → `mismatch`,
+misrouted → `mismatch`, late → `unknown_ticket`, retried after a lost reply); `put_commit`
+(maybe with a replica still unconfirmed) and `put_abort`; `lookup` with a lease (whole groups or
+one TP rank); lease release / renew, pins / unpins; evictions; delivery, loss and acks
+(`SlotsFreed`) of `FreeSlots` effects; and stale-epoch / stale-incarnation messages of every kind.
 
 Alongside it keeps a model:
 - what the directory should hold: building members (writer, tickets, confirmed slots, committed,
@@ -18,10 +20,14 @@ Alongside it keeps a model:
   only on a `FreeSlots` for that generation, or when its own confirm is answered `unknown_ticket`
   / `mismatch`; a restarted or declared-down incarnation loses its whole arena.
 
-Every reply and effect is compared with the model's prediction, and after every step we check the
-invariants of DESIGN.md section 3 directly on what the core returned (see `_check_lookup`,
-`_check_frees`, `_check_begin_winner`, `_expect_stale` and `invariants`). Every example ends with a
-fault-free settle (`_settle`) and the no-leak checks.
+Every reply and effect (frees, events) is compared with the model's prediction. The invariants of
+DESIGN.md section 3 are also checked directly on what the core returns: `check_lookup` (nothing
+unpublished is read, every returned slot is held by its segment, the fold has no gap and is the
+longest published run), `check_frees` (nothing under a live lease or pin is freed),
+`check_begin_winner` (one winner per key), `expect_stale` (stale generations are rejected, counted,
+and change nothing) and, after every step, `check_model` (the core's own `check_invariants()`,
+reservations, and no published or leased slot freed or reused on a live segment). Every example
+ends with a fault-free settle and the no-leak checks (`settle_and_check`).
 """
 
 from __future__ import annotations
@@ -399,6 +405,13 @@ class DirectoryMachine(RuleBasedStateMachine):
             self.exp_events[("under_replicated", gid)] += 1
         return degraded
 
+    def lost_a_replica(self, gid: bytes) -> bool:
+        """A published group with a replica on a dead incarnation: not swept yet, or deferred."""
+        pub = self.published.get(gid)
+        return pub is not None and any(
+            not self.live(r[0], r[1]) for pm in pub.members.values() for r in pm.replicas
+        )
+
     def held(self, ref: SlotRef, key_: bytes, checksum: bytes) -> bool:
         sid, inc, slot, gen = ref
         return self.arena.get((sid, inc), {}).get(slot) == (key_, gen, checksum)
@@ -548,7 +561,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             cur.last_heartbeat_ms = self.now
             return
         inc = 1 if cur is None else cur.inc + 1
-        if cur is not None:
+        if cur is not None:  # the core emits `segment_down` again even if it was already down
             self.segment_lost(sid, "restarted")
             self.arena.pop((sid, cur.inc), None)
         self.segs[sid] = MSeg(inc, True, self.now, capacity)
@@ -940,14 +953,20 @@ class DirectoryMachine(RuleBasedStateMachine):
         n=st.integers(1, 3),
         rank=st.sampled_from((None, None, 0, 1)),
         ttl=st.sampled_from(LEASE_TTLS_MS),
-        warm=st.booleans(),
+        aim=st.sampled_from(("any", "warm", "warm", "hurt")),
     )
     @step
-    def lookup(self, reader: str, prefix: int, n: int, rank: int | None, ttl: int, warm: bool) -> None:
-        """A reader looks up the first `n` chunks of a prefix (`warm`: one whose chunk 0 is published)."""
-        warm_prefixes = [i for i, p in enumerate(PREFIXES) if GROUP_IDS[p[0].to_bytes()] in self.published]
-        if warm and warm_prefixes:
-            prefix = warm_prefixes[prefix % len(warm_prefixes)]
+    def lookup(self, reader: str, prefix: int, n: int, rank: int | None, ttl: int, aim: str) -> None:
+        """A reader looks up the first `n` chunks of a prefix: any, one whose chunk 0 is published
+        (`warm`), or one with a published group that lost a replica and is not swept yet (`hurt`)."""
+        warm = [i for i, p in enumerate(PREFIXES) if GROUP_IDS[p[0].to_bytes()] in self.published]
+        hurt = [
+            i for i, p in enumerate(PREFIXES) if any(self.lost_a_replica(GROUP_IDS[g.to_bytes()]) for g in p)
+        ]
+        chosen = (hurt or warm) if aim == "hurt" else warm if aim == "warm" else []
+        if chosen:
+            prefix = chosen[prefix % len(chosen)]
+            n = n if aim != "hurt" else 3
         self.lookup_prefix(reader, prefix, n, rank, ttl)
 
     def lookup_prefix(self, reader: str, prefix: int, n: int, rank: int | None, ttl: int) -> None:
@@ -1034,10 +1053,13 @@ class DirectoryMachine(RuleBasedStateMachine):
         holder=st.sampled_from(READERS),
         picks=st.lists(st.integers(0, 255), min_size=1, max_size=3),
         ttl=st.sampled_from(PIN_TTLS_MS),
+        published_only=st.sampled_from((False, True, True)),
     )
     @step
-    def pin(self, holder: str, picks: list[int], ttl: int) -> None:
-        asked = [ALL_GROUPS[p % len(ALL_GROUPS)] for p in picks]
+    def pin(self, holder: str, picks: list[int], ttl: int, published_only: bool) -> None:
+        """A holder pins some groups (only the published ones count), maybe ones it also leases."""
+        pool = [g for g in ALL_GROUPS if GROUP_IDS[g] in self.published] if published_only else []
+        asked = [(pool or ALL_GROUPS)[p % len(pool or ALL_GROUPS)] for p in picks]
         gids = tuple(GROUP_IDS[g] for g in asked if GROUP_IDS[g] in self.published)
         req = m.Pin(holder_id=holder, groups=asked, ttl_ms=ttl, epoch=self.epoch())
         if sum(1 for lz in self.leases.values() if lz.is_pin) >= CONFIG.pins_max:
@@ -1427,6 +1449,39 @@ def event_tuple(eff: EmitEvent) -> tuple[Any, ...]:
 
 
 DirectoryMachine.TestCase.settings = settings(
-    max_examples=400, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=500, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestDirectoryMachine = DirectoryMachine.TestCase
+
+
+def test_retried_confirm_of_a_published_replica_is_ok() -> None:
+    """Regression (found by the machine): a segment whose confirm reply was lost retries it after the
+    group was published. `unknown_ticket` would tell it to free a published, leased slot."""
+    core = DirectoryCore(CONFIG, epoch=EPOCH)
+    core.handle(register_req("s0", 1, 1_000, EPOCH), 0)
+    k = KEYS[0]
+    begin = core.handle(
+        m.PutBegin(
+            writer_id="w",
+            request_id="r",
+            objects=[m.ObjectSpec(key=k, size_bytes=100, checksum=checksum_of(k))],
+        ),
+        0,
+    ).reply
+    assert isinstance(begin, m.PutBeginReply)
+    (ticket,) = begin.results[0].tickets
+    confirm = confirm_req(ticket, 7, 1, ticket.checksum, EPOCH)
+    ok = m.ConfirmReply(epoch=EPOCH, results=[m.ConfirmResult(ticket_id=ticket.ticket_id, status="ok")])
+    assert core.handle(confirm, 1).reply == ok  # this reply is lost
+    commit = core.handle(m.PutCommit(writer_id="w", request_id="c", keys=[k]), 2).reply
+    assert isinstance(commit, m.PutCommitReply)
+    assert commit.results[0].status == "published"
+    hit = core.handle(m.Lookup(holder_id="r", groups=[ALL_GROUPS[0]]), 3).reply
+    assert isinstance(hit, m.LookupReply)
+    assert hit.objects[0].replicas[0].slot == 7
+    assert core.handle(confirm, 4).reply == ok  # the retry: not "unknown_ticket" (= free it now)
+    other_slot = confirm_req(ticket, 8, 1, ticket.checksum, EPOCH)  # not the published replica
+    assert core.handle(other_slot, 5).reply == m.ConfirmReply(
+        epoch=EPOCH, results=[m.ConfirmResult(ticket_id=ticket.ticket_id, status="unknown_ticket")]
+    )
+    core.check_invariants()
