@@ -197,6 +197,7 @@ class DirectoryCore:
         self.building: dict[bytes, _BuildingGroup] = {}
         self.published: dict[bytes, bytes] = {}  # group id -> packed record
         self.evicting: dict[bytes, PublishedGroup] = {}
+        self._evicting_frees: dict[bytes, int] = {}  # evicting group -> frees not yet acknowledged
         self._tickets: dict[int, tuple[bytes, Member]] = {}
         # (segment id, incarnation, slot, generation) -> (size, group id or b"" if not evicting)
         self._freeing: dict[tuple[str, int, int, int], tuple[int, bytes, int]] = {}
@@ -279,6 +280,8 @@ class DirectoryCore:
             self._release_reservation(placement, size)  # dead incarnation: its memory is gone
             return
         self._freeing[(segment_id, incarnation, slot, generation)] = (size, group, 0)
+        if group:
+            self._evicting_frees[group] = self._evicting_frees.get(group, 0) + 1
         effects.append(FreeSlots(segment_id, incarnation, (m.FreedSlot(key, slot, generation),)))
 
     def _cached(self, verb: str, writer_id: str, request_id: str) -> msgspec.Struct | None:
@@ -832,7 +835,8 @@ class DirectoryCore:
         return "evicting"
 
     def _maybe_forget_evicting(self, gid: bytes) -> None:
-        if not any(v[1] == gid for v in self._freeing.values()):
+        if not self._evicting_frees.get(gid):
+            self._evicting_frees.pop(gid, None)
             self.evicting.pop(gid, None)
 
     def _freed(self, req: m.SlotsFreed, now_ms: int) -> Outcome:
@@ -855,6 +859,7 @@ class DirectoryCore:
             seg.reserved_bytes -= size
             invariant(seg.reserved_bytes >= 0, "negative reservation", segment=seg.segment_id)
         if gid:
+            self._evicting_frees[gid] -= 1
             self._maybe_forget_evicting(gid)
 
     # ---- time ----------------------------------------------------------------------------
@@ -1082,6 +1087,12 @@ class DirectoryCore:
             self.pending_objects == sum(len(g.members) for g in self.building.values()), "pending drift"
         )
         invariant(not (self.published.keys() & self.building.keys()), "group both building and published")
+        outstanding: dict[bytes, int] = {}
+        for _, gid, _ in self._freeing.values():
+            if gid:
+                outstanding[gid] = outstanding.get(gid, 0) + 1
+        invariant(outstanding == self._evicting_frees, "evicting free counts drift")
+        invariant(self.evicting.keys() == outstanding.keys(), "evicting group without outstanding frees")
         for gid in self._lease_count.keys() | self._pin_count.keys():
             invariant(gid not in self.evicting, "evicting a leased or pinned group")
 
