@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from types import TracebackType
 from typing import IO, Final
 
 from kvfabric.testing.ports import free_port
+from kvfabric.testing.terminate import terminate
 
 __all__ = ["NatsServer", "NatsServerError", "find_nats_server"]
 
@@ -165,13 +165,7 @@ class NatsServer:
         proc = self._proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=timeout_s)
+        terminate(proc, timeout_s)
         self._close_log()
         return proc.returncode
 
@@ -180,9 +174,7 @@ class NatsServer:
         proc = self._proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=timeout_s)
+        terminate(proc, timeout_s, kill=True)
         self._close_log()
         return proc.returncode
 

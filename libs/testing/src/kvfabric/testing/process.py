@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final
 
+from kvfabric.testing.terminate import terminate
+
 __all__ = ["ServiceProcess", "ServiceProcessError"]
 
 OUTPUT_LINES_MAX: Final = 10_000
@@ -102,13 +104,7 @@ class ServiceProcess:
         proc = self._proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=timeout_s)
+        terminate(proc, timeout_s)
         self._join_reader(timeout_s)
         return proc.returncode
 

@@ -33,7 +33,7 @@ from kvfabric.proto.segment import FreeSlotsReply, FreeSlotsRequest, segment_dec
 from kvfabric.proto.subjects import Service, event_subject, events_wildcard, segment_subject
 from kvfabric.runtime.client import request
 from kvfabric.runtime.logs import get_logger
-from kvfabric.runtime.service import ServiceRuntime
+from kvfabric.runtime.service import Handler, ServiceRuntime
 
 __all__ = ["EVENTS_STREAM", "VERBS", "DirectoryShell", "now_ms"]
 
@@ -96,7 +96,7 @@ class DirectoryShell:
         for verb, kind in VERBS.items():
             runtime.add_endpoint(verb, self._endpoint(kind))
 
-    def _endpoint(self, kind: type[msgspec.Struct]):  # type: ignore[no-untyped-def]
+    def _endpoint(self, kind: type[msgspec.Struct]) -> Handler:
         async def handle(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
             message = m.request_decoder.decode(data)
             if type(message) is not kind:
