@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Every installable package of the monorepo, installed editable by `make setup`.
-PACKAGES := libs/format proto_schemas libs/core libs/runtime libs/testing services/directory
+PACKAGES := libs/format proto_schemas libs/core libs/dataplane libs/runtime libs/testing services/directory
 PYTEST_ARGS ?=
 
 .PHONY: help setup lint schemas schemas-check test test-fast

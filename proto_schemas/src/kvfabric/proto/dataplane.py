@@ -1,0 +1,113 @@
+"""Metadata of data-plane frames (msgpack), sent over TCP/UCX, not NATS.
+
+A frame is a fixed binary header (`kvfabric.dataplane.frames`) followed by `meta` (one of these
+messages, msgpack) and then `payload` bytes. Payload bytes are never in the meta.
+
+| op | request meta | reply meta | payload |
+|---|---|---|---|
+| PUT | `PutRequest` (the signed write ticket) | `PutReply` | request: the object's bytes |
+| GET | `GetRequest` (slots to read) | `GetReply` (per object: ok/error + checksum) | reply: the ok objects' bytes, in order |
+| MAP | `MapRequest` | `MapReply` (arena path + size) | none |
+| PIN_LOCAL | `GetRequest` | `LocalGrants` (offsets for a local copy; refs held) | none |
+| UNPIN_LOCAL | `UnpinLocal` | `UnpinReply` | none |
+| ERROR | (reply only) | `kvfabric.proto.common.ErrorReply` (own decoder) | none |
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from kvfabric.proto.codec import FamilyDecoder
+from kvfabric.proto.directory import WriteTicket
+
+__all__ = [
+    "DataplaneMeta",
+    "GetReply",
+    "GetRequest",
+    "LocalGrant",
+    "LocalGrants",
+    "MapReply",
+    "MapRequest",
+    "ObjectResult",
+    "PutReply",
+    "PutRequest",
+    "ReadRef",
+    "UnpinLocal",
+    "UnpinReply",
+    "dataplane_decoder",
+]
+
+
+class ReadRef(msgspec.Struct, frozen=True, array_like=True):
+    """One object to read: the directory's (segment incarnation, slot, generation) and its size."""
+
+    incarnation: int
+    slot: int
+    slot_generation: int
+    size_bytes: int
+
+
+class PutRequest(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put.v1", tag_field="t"):
+    ticket: WriteTicket
+
+
+class PutReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put_reply.v1", tag_field="t"):
+    slot: int
+    slot_generation: int
+    # The directory accepted the replica (ticket confirmed) before this reply was sent.
+    confirmed: bool
+
+
+class GetRequest(msgspec.Struct, frozen=True, kw_only=True, tag="dp.get.v1", tag_field="t"):
+    reads: list[ReadRef]
+
+
+ObjectStatus = Literal["ok", "stale_generation", "not_found", "wrong_size", "stale_incarnation"]
+
+
+class ObjectResult(msgspec.Struct, frozen=True, array_like=True):
+    status: ObjectStatus
+    checksum: bytes  # the checksum stored at write time (empty unless ok)
+
+
+class GetReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.get_reply.v1", tag_field="t"):
+    results: list[ObjectResult]
+
+
+class MapRequest(msgspec.Struct, frozen=True, kw_only=True, tag="dp.map.v1", tag_field="t"):
+    pass
+
+
+class MapReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.map_reply.v1", tag_field="t"):
+    arena_path: str
+    arena_bytes: int
+    incarnation: int
+
+
+class LocalGrant(msgspec.Struct, frozen=True, array_like=True):
+    status: ObjectStatus
+    offset: int
+    checksum: bytes
+
+
+class LocalGrants(msgspec.Struct, frozen=True, kw_only=True, tag="dp.local_grants.v1", tag_field="t"):
+    # Transfer references are held by the connection until UNPIN_LOCAL or disconnect.
+    grant_id: int
+    grants: list[LocalGrant]
+
+
+class UnpinLocal(msgspec.Struct, frozen=True, kw_only=True, tag="dp.unpin_local.v1", tag_field="t"):
+    grant_id: int
+
+
+class UnpinReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.unpin_reply.v1", tag_field="t"):
+    released: int
+
+
+DataplaneMeta = (
+    PutRequest | PutReply | GetRequest | GetReply | MapRequest | MapReply | LocalGrants | UnpinLocal | UnpinReply
+)
+
+dataplane_decoder: FamilyDecoder[DataplaneMeta] = FamilyDecoder(DataplaneMeta, "dataplane")
