@@ -7,7 +7,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Every installable package of the monorepo, installed editable by `make setup`.
-PACKAGES := libs/format proto_schemas libs/core libs/dataplane libs/runtime libs/testing services/directory
+PACKAGES := libs/format proto_schemas libs/core libs/dataplane libs/runtime libs/testing services/directory services/segment_storage
+# What pip installs: every package editable, the data plane with its UCX transport (ucxx).
+INSTALL_SPECS := $(foreach p,$(PACKAGES),-e '$(p)$(if $(filter libs/dataplane,$(p)),[ucx])')
 PYTEST_ARGS ?=
 
 .PHONY: help setup lint schemas schemas-check test test-fast
@@ -18,7 +20,7 @@ help: ## List the targets
 $(VENV)/.setup-stamp: requirements-dev.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip>=24"
-	$(PIP) install -q -r requirements-dev.txt $(foreach p,$(PACKAGES),-e $(p)) --config-settings editable_mode=compat
+	$(PIP) install -q -r requirements-dev.txt $(INSTALL_SPECS) --config-settings editable_mode=compat
 	touch $@
 
 setup: $(VENV)/.setup-stamp ## Create .venv and install every package editable + pinned dev tools

@@ -6,7 +6,7 @@ messages, msgpack) and then `payload` bytes. Payload bytes are never in the meta
 | op | request meta | reply meta | payload |
 |---|---|---|---|
 | PUT | `PutRequest` (the signed write ticket) | `PutReply` | request: the object's bytes |
-| GET | `GetRequest` (slots to read) | `GetReply` (per object: ok/error + checksum) | reply: the ok objects' bytes, in order |
+| GET | `GetRequest` (slots to read) | `GetReply` (per object: status + checksum) | reply: ok objects' bytes |
 | MAP | `MapRequest` | `MapReply` (arena path + size) | none |
 | PIN_LOCAL | `GetRequest` | `LocalGrants` (offsets for a local copy; refs held) | none |
 | UNPIN_LOCAL | `UnpinLocal` | `UnpinReply` | none |
@@ -107,7 +107,15 @@ class UnpinReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.unpin_reply.
 
 
 DataplaneMeta = (
-    PutRequest | PutReply | GetRequest | GetReply | MapRequest | MapReply | LocalGrants | UnpinLocal | UnpinReply
+    PutRequest
+    | PutReply
+    | GetRequest
+    | GetReply
+    | MapRequest
+    | MapReply
+    | LocalGrants
+    | UnpinLocal
+    | UnpinReply
 )
 
 dataplane_decoder: FamilyDecoder[DataplaneMeta] = FamilyDecoder(DataplaneMeta, "dataplane")

@@ -12,7 +12,7 @@ from typing import Final
 
 import msgspec
 
-from kvfabric.proto import common, directory, echo, segment
+from kvfabric.proto import common, dataplane, directory, echo, segment
 
 __all__ = ["GOLDEN_CASES"]
 
@@ -77,6 +77,31 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
         "segment",
         segment.FreeSlotsRequest(
             segment_id="s1", incarnation=9, slots=[directory.FreedSlot(b"", 4, 2)], epoch=3
+        ),
+    ),
+    "seg.drain.v1": ("segment", segment.DrainRequest(draining=True)),
+    "dp.put.v1": (
+        "dataplane",
+        dataplane.PutRequest(
+            ticket=directory.WriteTicket(
+                ticket_id=5,
+                key=bytes(96),
+                segment_id="s1",
+                incarnation=9,
+                size_bytes=1 << 20,
+                checksum=b"c" * 16,
+                writer_id="w",
+                deadline_ms=1_000_000,
+                epoch=3,
+                data_addr="tcp://127.0.0.1:7000",
+                signature=b"s" * 32,
+            )
+        ),
+    ),
+    "dp.get_reply.v1": (
+        "dataplane",
+        dataplane.GetReply(
+            results=[dataplane.ObjectResult("ok", b"k" * 16), dataplane.ObjectResult("stale_generation", b"")]
         ),
     ),
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from kvfabric.proto import common, directory, echo, segment
+from kvfabric.proto import common, dataplane, directory, echo, segment
 
 __all__ = ["FAMILIES"]
 
@@ -16,4 +16,5 @@ FAMILIES: Final[dict[str, Any]] = {
     "directory.reply": directory.DirectoryReply,
     "directory.event": directory.DirectoryEvent,
     "segment": segment.SegmentMessage,
+    "dataplane": dataplane.DataplaneMeta,
 }

@@ -46,7 +46,7 @@ from nats.micro.service import Service as MicroService
 from kvfabric.format.errors import Busy, KvfError, Unavailable
 from kvfabric.format.invariant import InvariantViolation, invariant
 from kvfabric.proto.codec import encode
-from kvfabric.proto.subjects import Service, endpoint_subject, service_group
+from kvfabric.proto.subjects import Service, check_segment_id, endpoint_subject, service_group
 from kvfabric.runtime.config import RuntimeSettings
 from kvfabric.runtime.inflight import InflightLimiter
 from kvfabric.runtime.logs import get_logger, request_context
@@ -92,6 +92,9 @@ class _Endpoint:
     verb: str
     subject: str
     handler: Handler
+    # Subject relative to the service group: the verb, or `<verb>.<instance>` for endpoints
+    # addressed to one instance (e.g. `kvf.v1.segment.free.<segment_id>`).
+    relative: str
 
 
 class ServiceRuntime:
@@ -166,12 +169,17 @@ class ServiceRuntime:
 
     # ---- setup -----------------------------------------------------------------------------
 
-    def add_endpoint(self, verb: str, handler: Handler) -> str:
-        """Register `handler` for `kvf.v1.<service>.<verb>` (before `start`). Returns the subject."""
+    def add_endpoint(self, verb: str, handler: Handler, *, instance: str | None = None) -> str:
+        """Register `handler` for `kvf.v1.<service>.<verb>`, or `kvf.v1.<service>.<verb>.<instance>`
+        when the endpoint is addressed to this instance only (before `start`). Returns the subject."""
         invariant(self._state is RuntimeState.CREATED, "endpoints are added before start", state=self._state)
         invariant(verb not in self._endpoints, "endpoint registered twice", verb=verb)
         subject = endpoint_subject(self.service, verb)
-        self._endpoints[verb] = _Endpoint(verb=verb, subject=subject, handler=handler)
+        relative = verb
+        if instance is not None:
+            subject = f"{subject}.{check_segment_id(instance)}"
+            relative = f"{verb}.{instance}"
+        self._endpoints[verb] = _Endpoint(verb=verb, subject=subject, handler=handler, relative=relative)
         return subject
 
     async def start(self) -> None:
@@ -256,7 +264,7 @@ class ServiceRuntime:
         group = micro.add_group(name=self.group, queue_group=self.group)
         for endpoint in self._endpoints.values():
             await group.add_endpoint(
-                name=endpoint.verb, subject=endpoint.verb, handler=self._dispatcher(endpoint)
+                name=endpoint.verb, subject=endpoint.relative, handler=self._dispatcher(endpoint)
             )
         # Readiness: nats-py's flush() writes its PING ahead of SUBs still in the client's buffer,
         # so a PONG does not prove the server has the endpoint subscriptions. A request to our

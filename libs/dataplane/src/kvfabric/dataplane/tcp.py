@@ -1,0 +1,392 @@
+"""The plain TCP data-plane transport: a threaded server over a `SegmentBackend` and a blocking client.
+
+Bytes move without intermediate copies: the server `recv_into`s a PUT's payload straight into the
+arena slot the backend handed out, and sends a GET's objects straight from arena views with
+`sendmsg`; the client sends from the caller's buffer and `recv_into`s the caller's destination
+buffers. Threads, not asyncio: large `recv_into`/`sendmsg` calls release the GIL, and a thread per
+connection (at most `connections_max`) is the cheapest way to keep both cores busy.
+
+Failure rules:
+- A connection that drops mid-PUT aborts the slot (nothing visible, nothing leaked); any drop
+  releases every reference the connection held (`backend.close_connection`).
+- An error on a PUT (bad ticket, no capacity, checksum mismatch) is answered with an ERROR frame
+  after the payload has been read and dropped (so the stream stays in step); the connection stays
+  usable. A payload over `OBJECT_BYTES_MAX` is not read: error, then the connection closes.
+- An error on other ops is answered with an ERROR frame and the connection stays usable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Final
+
+import msgspec
+
+from kvfabric.dataplane.backend import PutSlot, SegmentBackend
+from kvfabric.dataplane.frames import HEADER, OBJECT_BYTES_MAX, READS_MAX, Op, pack_header, unpack_header
+from kvfabric.format.errors import BadRequest, Busy, Indeterminate, KvfError, Unavailable
+from kvfabric.proto.codec import FamilyDecoder, encode
+from kvfabric.proto.common import ErrorReply, error_from_reply, error_reply_from
+from kvfabric.proto.dataplane import (
+    GetReply,
+    GetRequest,
+    LocalGrants,
+    MapReply,
+    MapRequest,
+    ObjectResult,
+    PutReply,
+    PutRequest,
+    ReadRef,
+    UnpinLocal,
+    UnpinReply,
+    dataplane_decoder,
+)
+from kvfabric.proto.directory import WriteTicket
+
+__all__ = ["CONNECTIONS_MAX_DEFAULT", "TcpDataClient", "TcpDataServer", "tune_socket"]
+
+CONNECTIONS_MAX_DEFAULT: Final = 64
+IDLE_TIMEOUT_S_DEFAULT: Final = 300.0  # a connection silent this long (even mid-payload) is closed
+SOCKET_BUFFER_BYTES: Final = 4 << 20
+IOV_MAX: Final = 512  # buffers per sendmsg call (Linux IOV_MAX is 1024)
+_error_decoder: FamilyDecoder[ErrorReply] = FamilyDecoder(ErrorReply, "dataplane error")
+
+
+class _Closed(Exception):
+    """The peer closed the connection."""
+
+
+class _PutRefused(Exception):
+    """The backend refused a PUT before its payload was read."""
+
+    def __init__(self, error: KvfError, payload_bytes: int) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.payload_bytes = payload_bytes
+
+
+def tune_socket(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got, size = 0, len(view)
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise _Closed
+        got += n
+
+
+def _discard(sock: socket.socket, size: int) -> None:
+    scratch = memoryview(bytearray(min(size, 1 << 20)))
+    while size:
+        n = sock.recv_into(scratch[: min(size, len(scratch))])
+        if n == 0:
+            raise _Closed
+        size -= n
+
+
+def _recv_bytes(sock: socket.socket, size: int) -> bytes:
+    buf = bytearray(size)
+    _recv_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+    """sendmsg every buffer completely, IOV_MAX at a time, resuming after partial sends."""
+    pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while pending:
+        sent = sock.sendmsg(pending[:IOV_MAX])
+        while sent:
+            head = pending[0]
+            if sent >= len(head):
+                sent -= len(head)
+                pending.pop(0)
+            else:
+                pending[0] = head[sent:]
+                sent = 0
+
+
+def _frame(op: Op, request_id: int, meta: msgspec.Struct, payload_count: int = 0) -> list[bytes]:
+    body = encode(meta)
+    return [pack_header(op, request_id, len(body), payload_count), body]
+
+
+# ---- server ----------------------------------------------------------------------------------
+
+
+class TcpDataServer:
+    """Serves a `SegmentBackend` over TCP. `start()` binds and returns; `stop()` closes everything."""
+
+    def __init__(
+        self,
+        backend: SegmentBackend,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        connections_max: int = CONNECTIONS_MAX_DEFAULT,
+        idle_timeout_s: float = IDLE_TIMEOUT_S_DEFAULT,
+    ) -> None:
+        self.backend = backend
+        self.connections_max = connections_max
+        self.idle_timeout_s = idle_timeout_s
+        self._listener = socket.create_server((host, port), backlog=connections_max)
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._conns: dict[int, socket.socket] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+        self.rejected_busy = 0
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        thread = threading.Thread(target=self._accept_loop, name="kvf-tcp-accept", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns.values())
+        for sock in conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                full = len(self._conns) >= self.connections_max
+                conn = next(self._ids)
+                if not full:
+                    self._conns[conn] = sock
+            if full:
+                self.rejected_busy += 1
+                with contextlib.suppress(OSError):
+                    _send_all(
+                        sock,
+                        _frame(
+                            Op.ERROR,
+                            0,
+                            error_reply_from(Busy("too many data connections", limit=self.connections_max)),
+                        ),
+                    )
+                sock.close()
+                continue
+            tune_socket(sock)
+            sock.settimeout(self.idle_timeout_s)
+            thread = threading.Thread(
+                target=self._serve, args=(conn, sock), name=f"kvf-tcp-{conn}", daemon=True
+            )
+            thread.start()
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+
+    def _serve(self, conn: int, sock: socket.socket) -> None:
+        header_buf = memoryview(bytearray(HEADER.size))
+        try:
+            while True:
+                _recv_exact(sock, header_buf)
+                header = unpack_header(header_buf)
+                meta = dataplane_decoder.decode(_recv_bytes(sock, header.meta_bytes))
+                try:
+                    self._dispatch(conn, sock, header.op, header.request_id, meta)
+                except _PutRefused as refused:
+                    if refused.payload_bytes > OBJECT_BYTES_MAX:
+                        _send_all(sock, _frame(Op.ERROR, header.request_id, error_reply_from(refused.error)))
+                        return
+                    _discard(sock, refused.payload_bytes)
+                    _send_all(sock, _frame(Op.ERROR, header.request_id, error_reply_from(refused.error)))
+                except KvfError as err:
+                    _send_all(sock, _frame(Op.ERROR, header.request_id, error_reply_from(err)))
+        except (_Closed, OSError):
+            return
+        except KvfError as err:  # malformed framing: answer once, then drop the connection
+            with contextlib.suppress(OSError):
+                _send_all(sock, _frame(Op.ERROR, 0, error_reply_from(err)))
+        finally:
+            self.backend.close_connection(conn)
+            with self._lock:
+                self._conns.pop(conn, None)
+            sock.close()
+
+    def _dispatch(self, conn: int, sock: socket.socket, op: Op, request_id: int, meta: object) -> None:
+        if op is Op.PUT and isinstance(meta, PutRequest):
+            try:
+                put = self.backend.begin_put(meta.ticket, conn)
+            except KvfError as err:
+                raise _PutRefused(err, meta.ticket.size_bytes) from err
+            self._receive_put(conn, sock, put)
+            slot, generation = self.backend.finish_put(put, conn)
+            _send_all(
+                sock,
+                _frame(Op.REPLY, request_id, PutReply(slot=slot, slot_generation=generation, confirmed=True)),
+            )
+        elif op is Op.GET and isinstance(meta, GetRequest):
+            if len(meta.reads) > READS_MAX:
+                raise BadRequest(f"{len(meta.reads)} reads exceed {READS_MAX}")
+            grant = self.backend.begin_get(meta.reads, conn)
+            try:
+                results = [ObjectResult(s, c) for s, c in zip(grant.statuses, grant.checksums, strict=True)]
+                views = [v for v in grant.views if v is not None]
+                _send_all(
+                    sock, [*_frame(Op.REPLY, request_id, GetReply(results=results), len(views)), *views]
+                )
+            finally:
+                self.backend.end_get(grant, conn)
+        elif op is Op.MAP and isinstance(meta, MapRequest):
+            _send_all(sock, _frame(Op.REPLY, request_id, self.backend.map_info()))
+        elif op is Op.PIN_LOCAL and isinstance(meta, GetRequest):
+            _send_all(sock, _frame(Op.REPLY, request_id, self.backend.pin_local(meta.reads, conn)))
+        elif op is Op.UNPIN_LOCAL and isinstance(meta, UnpinLocal):
+            released = self.backend.unpin_local(meta.grant_id, conn)
+            _send_all(sock, _frame(Op.REPLY, request_id, UnpinReply(released=released)))
+        else:
+            raise BadRequest(f"op {op.name} does not take {type(meta).__name__}")
+
+    def _receive_put(self, conn: int, sock: socket.socket, put: PutSlot) -> None:
+        try:
+            _recv_exact(sock, put.view)
+        except BaseException:
+            self.backend.abort_put(put, conn)  # nothing visible, the slot goes back
+            raise
+
+
+# ---- client ----------------------------------------------------------------------------------
+
+
+class TcpDataClient:
+    """One blocking connection to a segment's data port. One request at a time (a lock)."""
+
+    def __init__(self, host: str, port: int, *, timeout_s: float = 30.0) -> None:
+        self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        tune_socket(self._sock)
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._header = memoryview(bytearray(HEADER.size))
+
+    @classmethod
+    def connect(cls, address: str, *, timeout_s: float = 30.0) -> TcpDataClient:
+        """`tcp://host:port`."""
+        if not address.startswith("tcp://"):
+            raise BadRequest(f"not a tcp data address: {address!r}")
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        return cls(host, int(port), timeout_s=timeout_s)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> TcpDataClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _reply(self, request_id: int) -> tuple[object, int]:
+        try:
+            _recv_exact(self._sock, self._header)
+        except _Closed:
+            raise Unavailable("segment closed the data connection") from None
+        header = unpack_header(self._header)
+        body = _recv_bytes(self._sock, header.meta_bytes)
+        if header.op is Op.ERROR:
+            raise error_from_reply(_error_decoder.decode(body))
+        if header.request_id != request_id:
+            raise Indeterminate(f"reply for request {header.request_id}, expected {request_id}")
+        return dataplane_decoder.decode(body), header.payload_count
+
+    def _call(
+        self, op: Op, meta: msgspec.Struct, payload: Sequence[bytes | memoryview] = ()
+    ) -> tuple[object, int]:
+        request_id = next(self._ids)
+        try:
+            _send_all(self._sock, [*_frame(op, request_id, meta, len(payload)), *payload])
+        except OSError as exc:
+            # The segment may have refused and closed: its error frame can still be waiting.
+            try:
+                self._reply(request_id)
+            except KvfError:
+                raise
+            except (OSError, _Closed):
+                pass
+            raise Indeterminate(f"data connection failed during {op.name}: {exc!r}") from exc
+        try:
+            return self._reply(request_id)
+        except (OSError, _Closed) as exc:
+            raise Indeterminate(f"data connection failed during {op.name}: {exc!r}") from exc
+
+    def put(self, ticket: WriteTicket, data: bytes | bytearray | memoryview) -> PutReply:
+        """Send one object's bytes under a signed ticket. On success the replica is confirmed."""
+        view = memoryview(data).cast("B")
+        if len(view) != ticket.size_bytes:
+            raise BadRequest(f"buffer is {len(view)} bytes, ticket says {ticket.size_bytes}")
+        with self._lock:
+            reply, _ = self._call(Op.PUT, PutRequest(ticket=ticket), [view])
+        if not isinstance(reply, PutReply):
+            raise Indeterminate(f"unexpected reply {type(reply).__name__} to PUT")
+        return reply
+
+    def get(self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[ObjectResult]:
+        """Read objects straight into `dests` (one writable buffer of exactly `size_bytes` per read).
+
+        Only destinations whose result is `ok` are written; the caller must verify checksums.
+        """
+        if len(dests) != len(reads):
+            raise BadRequest("one destination buffer per read")
+        views = [memoryview(d).cast("B") for d in dests]
+        for ref, view in zip(reads, views, strict=True):
+            if len(view) != ref.size_bytes:
+                raise BadRequest(f"destination is {len(view)} bytes, object is {ref.size_bytes}")
+        with self._lock:
+            reply, payload_count = self._call(Op.GET, GetRequest(reads=reads))
+            if not isinstance(reply, GetReply) or len(reply.results) != len(reads):
+                raise Indeterminate("malformed GET reply")
+            ok = [v for r, v in zip(reply.results, views, strict=True) if r.status == "ok"]
+            if len(ok) != payload_count:
+                raise Indeterminate("GET reply payload count does not match its results")
+            try:
+                for view in ok:
+                    _recv_exact(self._sock, view)
+            except (OSError, _Closed) as exc:
+                raise Indeterminate(f"data connection failed during GET payload: {exc!r}") from exc
+        return reply.results
+
+    def map_info(self) -> MapReply:
+        with self._lock:
+            reply, _ = self._call(Op.MAP, MapRequest())
+        if not isinstance(reply, MapReply):
+            raise Indeterminate("malformed MAP reply")
+        return reply
+
+    def pin_local(self, reads: list[ReadRef]) -> LocalGrants:
+        with self._lock:
+            reply, _ = self._call(Op.PIN_LOCAL, GetRequest(reads=reads))
+        if not isinstance(reply, LocalGrants):
+            raise Indeterminate("malformed PIN_LOCAL reply")
+        return reply
+
+    def unpin_local(self, grant_id: int) -> int:
+        with self._lock:
+            reply, _ = self._call(Op.UNPIN_LOCAL, UnpinLocal(grant_id=grant_id))
+        if not isinstance(reply, UnpinReply):
+            raise Indeterminate("malformed UNPIN_LOCAL reply")
+        return reply.released

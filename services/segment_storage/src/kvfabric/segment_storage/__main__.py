@@ -1,0 +1,78 @@
+"""Run a segment: `python -m kvfabric.segment_storage --nats-url ... [runtime flags]`.
+
+Segment settings come from the environment (`kvfabric.segment_storage.settings`):
+`KVF_SEGMENT_ID` and `KVF_CLUSTER_SECRET` are required. Exit code 75 means the directory declared
+this segment down: restart it (it comes back empty under a new incarnation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from typing import Final
+
+from kvfabric.proto.subjects import Service
+from kvfabric.runtime.cli import service_cli
+from kvfabric.runtime.config import RuntimeSettings, SettingsError
+from kvfabric.runtime.logs import get_logger
+from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
+from kvfabric.segment_storage.settings import load_segment_settings
+from kvfabric.segment_storage.shell import EXIT_REREGISTER, SegmentShell
+
+SEGMENT_VERSION: Final = "0.1.0"
+EXIT_USAGE: Final = 2
+
+
+async def serve(settings: RuntimeSettings) -> int:
+    log = get_logger("kvfabric.segment_storage")
+    try:
+        config = load_segment_settings(os.environ)
+    except SettingsError as exc:
+        log.error("settings_invalid", error=str(exc))
+        return EXIT_USAGE
+    shell = SegmentShell(config)
+    runtime = ServiceRuntime(
+        Service.SEGMENT,
+        settings,
+        version=SEGMENT_VERSION,
+        description="kvfabric segment: DRAM arena and data plane",
+    )
+    shell.attach(runtime)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, runtime.request_stop, sig.name.lower())
+    try:
+        await runtime.start()
+        await shell.start(runtime.nc)
+    except Exception as exc:  # any start failure: report, clean up, exit non-zero
+        log.error("segment_start_failed", error=repr(exc))
+        await shell.stop()
+        await runtime.stop()
+        return EXIT_UNAVAILABLE
+    log.info(
+        "segment_started",
+        metrics_port=runtime.metrics_port,
+        data_addr=shell.server.address,
+        incarnation=shell.incarnation,
+        arena=str(shell.arena.path),
+    )
+    down = asyncio.create_task(shell.must_reregister.wait())
+    stop = asyncio.create_task(runtime.wait_stop_requested())
+    await asyncio.wait({down, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if down.done():
+        runtime.request_stop("reregister_required")
+    for task in (down, stop):
+        task.cancel()
+    await shell.stop()
+    code = await runtime.stop()
+    return EXIT_REREGISTER if shell.must_reregister.is_set() else code
+
+
+app = service_cli(
+    name="segment", help="kvfabric segment storage service (data plane + kvf.v1.segment.*).", main=serve
+)
+
+if __name__ == "__main__":
+    sys.exit(app(prog_name="python -m kvfabric.segment_storage"))

@@ -1,0 +1,45 @@
+"""The arena: one shared-memory file per segment incarnation, mapped read-write by the segment.
+
+The file lives under `/dev/shm` by default (`kvf-<segment id>-<incarnation>`), so a co-located
+client can map it read-only (`kvfabric.dataplane.shm`). It is created exclusively, sized with
+`ftruncate` (pages are allocated lazily by the kernel), and unlinked on close: a new incarnation
+never sees an old one's bytes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+__all__ = ["Arena"]
+
+
+class Arena:
+    def __init__(self, directory: Path, segment_id: str, incarnation: int, size_bytes: int) -> None:
+        if size_bytes <= 0:
+            raise ValueError("arena size must be positive")
+        self.path = directory / f"kvf-{segment_id}-{incarnation}"
+        self.size_bytes = size_bytes
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, size_bytes)
+            self._map = mmap.mmap(fd, size_bytes, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self.view = memoryview(self._map)
+
+    def slice(self, offset: int, size: int) -> memoryview:
+        return self.view[offset : offset + size]
+
+    def close(self) -> None:
+        """Unmap and unlink. Callers make sure no transfer still uses a view of the arena."""
+        self.path.unlink(missing_ok=True)
+        try:
+            self.view.release()
+            self._map.close()
+        except BufferError:  # a view still exported (a stuck transfer): the map dies with the process
+            pass

@@ -1,0 +1,227 @@
+"""`ArenaBackend`: the segment's side of the data plane (`kvfabric.dataplane.backend.SegmentBackend`).
+
+Transports call it from their own threads; one lock serialises every change of the slot table
+(a pure `SlotTable` core). Bytes are never touched under the lock except to checksum a freshly
+written slot that nobody else can see yet.
+
+Who owns what:
+- A WRITING slot belongs to the connection that began the put, until `finish_put`/`abort_put`
+  or the connection closes (then it is aborted). It is never expired by time while its
+  connection lives (the transport may still be receiving into it); a stalled client is cut off
+  by the transport's idle timeout, which closes the connection and so aborts the slot.
+- A transfer reference (GET or local pin) belongs to its connection until `end_get`/`unpin_local`
+  or the connection closes. While any reference is held, a free from the directory is deferred:
+  the memory is not reused under a reader (DESIGN.md invariant 3).
+- The stored checksum is computed here from the bytes that arrived (xxh3-128) and compared with
+  the one the directory signed into the ticket; a mismatch stores nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvfabric.core.segment_slots import SlotTable
+from kvfabric.dataplane.backend import GetGrant, PutSlot
+from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import (
+    BadRequest,
+    ChecksumMismatch,
+    Conflict,
+    KvfError,
+    StaleGeneration,
+    Unauthorized,
+)
+from kvfabric.proto.dataplane import LocalGrant, LocalGrants, MapReply, ObjectStatus, ReadRef
+from kvfabric.proto.directory import WriteTicket
+from kvfabric.proto.tickets import ticket_signature_valid
+from kvfabric.segment_storage.arena import Arena
+
+__all__ = ["ArenaBackend", "ConfirmFn"]
+
+# (ticket, slot, generation) -> the directory's verdict: "ok", "unknown_ticket" or "mismatch".
+# Blocks the calling transport thread; raises KvfError when the directory cannot be reached.
+ConfirmFn = Callable[[WriteTicket, int, int], str]
+
+
+@dataclass(slots=True)
+class _Conn:
+    puts: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (slot, generation)
+    grants: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # grant id -> refs
+
+
+class ArenaBackend:
+    def __init__(
+        self,
+        arena: Arena,
+        slots: SlotTable,
+        *,
+        segment_id: str,
+        incarnation: int,
+        secret: bytes,
+        confirm: ConfirmFn,
+        clock_ms: Callable[[], int] | None = None,
+    ) -> None:
+        self.arena = arena
+        self.slots = slots
+        self.segment_id = segment_id
+        self.incarnation = incarnation
+        self.secret = secret
+        self.confirm = confirm
+        self.clock_ms = clock_ms or (lambda: time.time_ns() // 1_000_000)
+        self.draining = False
+        self.lock = threading.Lock()
+        self._conns: dict[int, _Conn] = {}
+        self._grant_ids = itertools.count(1)
+        self.counters: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+
+    def _conn(self, conn: int) -> _Conn:
+        return self._conns.setdefault(conn, _Conn())
+
+    # ---- writes ------------------------------------------------------------------------------
+
+    def begin_put(self, ticket: WriteTicket, conn: int) -> PutSlot:
+        if not ticket_signature_valid(ticket, self.secret):
+            self._count("bad_ticket_signature_total")
+            raise Unauthorized("write ticket signature is not valid")
+        if ticket.segment_id != self.segment_id:
+            raise BadRequest(f"ticket is for segment {ticket.segment_id!r}, this is {self.segment_id!r}")
+        if ticket.incarnation != self.incarnation:
+            self._count("stale_incarnation_rejected_total")
+            raise StaleGeneration("segment_incarnation", ticket.incarnation, self.incarnation)
+        now = self.clock_ms()
+        if now >= ticket.deadline_ms:
+            self._count("expired_ticket_total")
+            raise Conflict("write ticket deadline has passed", deadline_ms=ticket.deadline_ms)
+        if self.draining:
+            raise Conflict("segment is draining: no new writes")
+        with self.lock:
+            alloc = self.slots.alloc(ticket.size_bytes, now, ticket.deadline_ms)
+            self._conn(conn).puts[alloc.slot] = (alloc.slot, alloc.generation)
+        return PutSlot(alloc.slot, alloc.generation, self.arena.slice(alloc.offset, alloc.size), ticket)
+
+    def finish_put(self, put: PutSlot, conn: int) -> tuple[int, int]:
+        stored = checksum(put.view)  # nobody else can see a WRITING slot: no lock needed
+        put.view.release()
+        if stored != put.ticket.checksum:
+            self._count("checksum_mismatch_total")
+            self.abort_put(put, conn)
+            raise ChecksumMismatch("bytes received do not match the ticket's checksum")
+        with self.lock:
+            self.slots.stored(put.slot, put.slot_generation, stored)
+            self._conns[conn].puts.pop(put.slot, None)
+        try:
+            verdict = self.confirm(put.ticket, put.slot, put.slot_generation)
+        except KvfError:
+            self._free(put.slot, put.slot_generation)  # not confirmed: never readable via the directory
+            raise
+        if verdict != "ok":
+            self._count(f"confirm_{verdict}_total")
+            self._free(put.slot, put.slot_generation)
+            raise Conflict(f"the directory refused the replica: {verdict}", verdict=verdict)
+        self._count("puts_total")
+        return put.slot, put.slot_generation
+
+    def abort_put(self, put: PutSlot, conn: int) -> None:
+        with self.lock:
+            c = self._conns.get(conn)
+            if c is not None and c.puts.pop(put.slot, None) is not None:
+                self.slots.abort(put.slot, put.slot_generation)
+                self._count("puts_aborted_total")
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def _acquire(self, ref: ReadRef) -> tuple[ObjectStatus, int, bytes]:
+        """Under the lock: take a transfer reference. Returns (status, offset, checksum)."""
+        if ref.incarnation != self.incarnation:
+            self._count("stale_incarnation_read_total")
+            return "stale_incarnation", 0, b""
+        try:
+            grant = self.slots.acquire(ref.slot, ref.slot_generation, ref.size_bytes)
+        except StaleGeneration:
+            return "stale_generation", 0, b""
+        except BadRequest:
+            return "wrong_size", 0, b""
+        except KvfError:
+            return "not_found", 0, b""
+        return "ok", grant.offset, grant.checksum
+
+    def _pin(self, reads: list[ReadRef], conn: int) -> tuple[int, list[tuple[ObjectStatus, int, bytes]]]:
+        with self.lock:
+            acquired = [self._acquire(ref) for ref in reads]
+            refs = [
+                (ref.slot, ref.slot_generation)
+                for ref, a in zip(reads, acquired, strict=True)
+                if a[0] == "ok"
+            ]
+            grant_id = next(self._grant_ids)
+            self._conn(conn).grants[grant_id] = refs
+        return grant_id, acquired
+
+    def _unpin(self, grant_id: int, conn: int) -> int:
+        with self.lock:
+            c = self._conns.get(conn)
+            refs = c.grants.pop(grant_id, []) if c is not None else []
+            for slot, generation in refs:
+                self.slots.release(slot, generation)
+            return len(refs)
+
+    def begin_get(self, reads: list[ReadRef], conn: int) -> GetGrant:
+        grant_id, acquired = self._pin(reads, conn)
+        views: list[memoryview | None] = [
+            self.arena.slice(offset, ref.size_bytes).toreadonly() if status == "ok" else None
+            for ref, (status, offset, _) in zip(reads, acquired, strict=True)
+        ]
+        return GetGrant(grant_id, [a[0] for a in acquired], [a[2] for a in acquired], views)
+
+    def end_get(self, grant: GetGrant, conn: int) -> None:
+        for view in grant.views:
+            if view is not None:
+                view.release()
+        self._unpin(grant.grant_id, conn)
+
+    def map_info(self) -> MapReply:
+        return MapReply(
+            arena_path=str(self.arena.path), arena_bytes=self.arena.size_bytes, incarnation=self.incarnation
+        )
+
+    def pin_local(self, reads: list[ReadRef], conn: int) -> LocalGrants:
+        grant_id, acquired = self._pin(reads, conn)
+        return LocalGrants(grant_id=grant_id, grants=[LocalGrant(s, o, c) for s, o, c in acquired])
+
+    def unpin_local(self, grant_id: int, conn: int) -> int:
+        return self._unpin(grant_id, conn)
+
+    def close_connection(self, conn: int) -> None:
+        """Everything a dead connection held goes back: unfinished writes, transfer references."""
+        with self.lock:
+            c = self._conns.pop(conn, None)
+            if c is None:
+                return
+            for slot, generation in c.puts.values():
+                self.slots.abort(slot, generation)
+                self._count("puts_aborted_total")
+            for refs in c.grants.values():
+                for slot, generation in refs:
+                    self.slots.release(slot, generation)
+
+    # ---- frees and housekeeping --------------------------------------------------------------
+
+    def _free(self, slot: int, generation: int) -> str:
+        with self.lock:
+            return self.slots.free(slot, generation)
+
+    def free_slots(self, slots: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The directory's frees. Deferred ones are freed when the last transfer ends. Returns all
+        (slot, generation) pairs that are freed now, deferred, or were freed already."""
+        done = []
+        for slot, generation in slots:
+            self._free(slot, generation)
+            done.append((slot, generation))
+        return done

@@ -1,0 +1,77 @@
+"""Segment settings from the environment (the runtime's shared flags come from `kvfabric.runtime`).
+
+| variable | default | meaning |
+|---|---|---|
+| `KVF_SEGMENT_ID` | required | `[A-Za-z0-9][A-Za-z0-9_-]{0,63}`; appears in subjects |
+| `KVF_SEGMENT_BYTES` | 1 GiB | arena size |
+| `KVF_SEGMENT_SHM_DIR` | `/dev/shm` | where the arena file lives (co-located clients map it) |
+| `KVF_SEGMENT_DATA_HOST` / `KVF_SEGMENT_DATA_PORT` | 127.0.0.1 / 0 (free port) | TCP data plane |
+| `KVF_SEGMENT_ZONE` / `_RACK` / `_HOST` | zone0 / rack0 / hostname | failure domain |
+| `KVF_SEGMENT_CONNECTIONS_MAX` | 64 | data connections at once; more are answered busy |
+| `KVF_CLUSTER_SECRET` | required, ≥ 16 bytes | verifies the directory's write tickets |
+| `KVF_SEGMENT_CONFIRM_TIMEOUT_MS` | 5000 | wait for the directory to accept a stored replica |
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvfabric.proto.subjects import check_segment_id
+from kvfabric.proto.tickets import SECRET_BYTES_MIN
+from kvfabric.runtime.config import SettingsError
+
+__all__ = ["SegmentSettings", "load_segment_settings"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentSettings:
+    segment_id: str
+    arena_bytes: int
+    shm_dir: Path
+    data_host: str
+    data_port: int
+    zone: str
+    rack: str
+    host: str
+    connections_max: int
+    secret: bytes
+    confirm_timeout_ms: int
+
+
+def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = env.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: not an integer") from None
+    if not lo <= value <= hi:
+        raise SettingsError(f"{name}={value}: want {lo}..{hi}")
+    return value
+
+
+def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
+    try:
+        segment_id = check_segment_id(env.get("KVF_SEGMENT_ID", ""))
+    except ValueError as exc:
+        raise SettingsError(f"KVF_SEGMENT_ID: {exc}") from None
+    secret = env.get("KVF_CLUSTER_SECRET", "").encode()
+    if len(secret) < SECRET_BYTES_MIN:
+        raise SettingsError(f"KVF_CLUSTER_SECRET must be set to at least {SECRET_BYTES_MIN} bytes")
+    return SegmentSettings(
+        segment_id=segment_id,
+        arena_bytes=_int(env, "KVF_SEGMENT_BYTES", 1 << 30, 1 << 20, 1 << 46),
+        shm_dir=Path(env.get("KVF_SEGMENT_SHM_DIR") or "/dev/shm"),
+        data_host=env.get("KVF_SEGMENT_DATA_HOST") or "127.0.0.1",
+        data_port=_int(env, "KVF_SEGMENT_DATA_PORT", 0, 0, 65535),
+        zone=env.get("KVF_SEGMENT_ZONE") or "zone0",
+        rack=env.get("KVF_SEGMENT_RACK") or "rack0",
+        host=env.get("KVF_SEGMENT_HOST") or socket.gethostname(),
+        connections_max=_int(env, "KVF_SEGMENT_CONNECTIONS_MAX", 64, 1, 4096),
+        secret=secret,
+        confirm_timeout_ms=_int(env, "KVF_SEGMENT_CONFIRM_TIMEOUT_MS", 5_000, 10, 600_000),
+    )

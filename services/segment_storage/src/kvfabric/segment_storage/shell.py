@@ -1,0 +1,199 @@
+"""The segment shell: arena + slot table + data server, registered with the directory over NATS.
+
+Lifecycle:
+- start: pick an incarnation (microseconds since the epoch: grows across restarts), create the
+  arena, start the TCP data server, register with the directory (failure domain, capacity, data
+  address), then heartbeat every `heartbeat_interval_ms` with the bytes in use.
+- `free.<segment_id>` (NATS, from the directory): free the named (slot, generation) pairs; a slot
+  under a transfer is freed when the transfer ends; an old generation is already freed.
+- `drain.<segment_id>`: refuse new writes, keep serving reads; heartbeats say so.
+- If the directory answers a heartbeat with `not_found` / `stale_generation` (it declared this
+  segment down), the segment stops with exit code 75 (EX_TEMPFAIL): it must restart empty under a
+  new incarnation; it never serves bytes the directory has forgotten.
+- stop: stop the data server (connections closed, references released), unlink the arena.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Final
+
+import msgspec
+from nats.aio.client import Client as NatsClient
+
+from kvfabric.core.segment_slots import SlotTable
+from kvfabric.dataplane.tcp import TcpDataServer
+from kvfabric.format.errors import BadRequest, KvfError, NotFound, StaleGeneration
+from kvfabric.proto import directory as m
+from kvfabric.proto.segment import (
+    DrainRequest,
+    FreeSlotsReply,
+    FreeSlotsRequest,
+    SegmentState,
+    segment_decoder,
+)
+from kvfabric.proto.subjects import Service, endpoint_subject
+from kvfabric.runtime.client import request
+from kvfabric.runtime.logs import get_logger
+from kvfabric.runtime.service import ServiceRuntime
+from kvfabric.segment_storage.arena import Arena
+from kvfabric.segment_storage.backend import ArenaBackend
+from kvfabric.segment_storage.settings import SegmentSettings
+
+__all__ = ["EXIT_REREGISTER", "SegmentShell", "new_incarnation"]
+
+EXIT_REREGISTER: Final = 75
+REQUEST_TIMEOUT_S: Final = 5.0
+
+
+def new_incarnation() -> int:
+    return time.time_ns() // 1_000
+
+
+class SegmentShell:
+    def __init__(self, settings: SegmentSettings) -> None:
+        self.settings = settings
+        self.incarnation = new_incarnation()
+        self.arena = Arena(settings.shm_dir, settings.segment_id, self.incarnation, settings.arena_bytes)
+        self.slots = SlotTable(settings.arena_bytes)
+        self.backend = ArenaBackend(
+            self.arena,
+            self.slots,
+            segment_id=settings.segment_id,
+            incarnation=self.incarnation,
+            secret=settings.secret,
+            confirm=self._confirm,
+        )
+        self.server = TcpDataServer(
+            self.backend, settings.data_host, settings.data_port, connections_max=settings.connections_max
+        )
+        self.epoch = 0
+        self.heartbeat_interval_ms = 1_000
+        self._nc: NatsClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.must_reregister = asyncio.Event()
+        self._log = get_logger("kvfabric.segment_storage").bind(
+            segment_id=settings.segment_id, incarnation=self.incarnation
+        )
+
+    def attach(self, runtime: ServiceRuntime) -> None:
+        runtime.add_endpoint("free", self._on_free, instance=self.settings.segment_id)
+        runtime.add_endpoint("drain", self._on_drain, instance=self.settings.segment_id)
+
+    async def _directory(self, verb: str, message: msgspec.Struct) -> msgspec.Struct:
+        assert self._nc is not None
+        reply = await request(
+            self._nc, endpoint_subject(Service.DIRECTORY, verb), message, m.reply_decoder, REQUEST_TIMEOUT_S
+        )
+        epoch = getattr(reply, "epoch", 0)
+        self.epoch = max(self.epoch, epoch)
+        return reply
+
+    async def start(self, nc: NatsClient) -> None:
+        self._nc = nc
+        self._loop = asyncio.get_running_loop()
+        self.server.start()
+        s = self.settings
+        reply = await self._directory(
+            "register",
+            m.RegisterSegment(
+                segment_id=s.segment_id,
+                incarnation=self.incarnation,
+                capacity_bytes=s.arena_bytes,
+                domain=m.FailureDomain(zone=s.zone, rack=s.rack, host=s.host),
+                data_addr=self.server.address,
+            ),
+        )
+        if isinstance(reply, m.SegmentRegistered):
+            self.heartbeat_interval_ms = reply.heartbeat_interval_ms
+        self._tasks = [asyncio.create_task(self._heartbeats())]
+        self._log.info(
+            "segment_registered",
+            data_addr=self.server.address,
+            arena=str(self.arena.path),
+            arena_bytes=s.arena_bytes,
+            epoch=self.epoch,
+        )
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.to_thread(self.server.stop)
+        self.arena.close()
+
+    # ---- directory traffic ---------------------------------------------------------------------
+
+    def _confirm(self, ticket: m.WriteTicket, slot: int, generation: int) -> str:
+        """Called from a transport thread: confirm on the event loop, wait for the verdict."""
+        assert self._loop is not None
+        message = m.ConfirmReplicas(
+            segment_id=self.settings.segment_id,
+            incarnation=self.incarnation,
+            epoch=self.epoch,
+            confirms=[
+                m.ReplicaConfirm(
+                    ticket_id=ticket.ticket_id,
+                    key=ticket.key,
+                    slot=slot,
+                    slot_generation=generation,
+                    size_bytes=ticket.size_bytes,
+                    checksum=ticket.checksum,
+                )
+            ],
+        )
+        future = asyncio.run_coroutine_threadsafe(self._directory("confirm", message), self._loop)
+        reply = future.result(timeout=self.settings.confirm_timeout_ms / 1000)
+        if not isinstance(reply, m.ConfirmReply) or len(reply.results) != 1:
+            return "mismatch"
+        return reply.results[0].status
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_ms / 1000)
+            try:
+                await self._directory(
+                    "heartbeat",
+                    m.Heartbeat(
+                        segment_id=self.settings.segment_id,
+                        incarnation=self.incarnation,
+                        used_bytes=self.slots.used_bytes,
+                        draining=self.backend.draining,
+                        epoch=self.epoch,
+                    ),
+                )
+            except (NotFound, StaleGeneration) as err:
+                self._log.warning("segment_declared_down", code=err.code)
+                self.must_reregister.set()
+                return
+            except KvfError as err:  # directory unreachable: keep trying, keep serving reads
+                self._log.info("heartbeat_failed", code=err.code)
+
+    async def _on_free(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+        message = segment_decoder.decode(data)
+        if not isinstance(message, FreeSlotsRequest):
+            raise BadRequest(f"expected FreeSlotsRequest, got {type(message).__name__}")
+        if message.incarnation != self.incarnation:
+            raise StaleGeneration("segment_incarnation", message.incarnation, self.incarnation)
+        done = await asyncio.to_thread(
+            self.backend.free_slots, [(f.slot, f.slot_generation) for f in message.slots]
+        )
+        freed = [
+            m.FreedSlot(f.key, f.slot, f.slot_generation)
+            for f in message.slots
+            if (f.slot, f.slot_generation) in set(done)
+        ]
+        return FreeSlotsReply(incarnation=self.incarnation, freed=freed)
+
+    async def _on_drain(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+        message = segment_decoder.decode(data)
+        if not isinstance(message, DrainRequest):
+            raise BadRequest(f"expected DrainRequest, got {type(message).__name__}")
+        self.backend.draining = message.draining
+        self._log.info("segment_drain_set", draining=message.draining)
+        return SegmentState(
+            incarnation=self.incarnation, draining=self.backend.draining, used_bytes=self.slots.used_bytes
+        )

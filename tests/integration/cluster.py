@@ -1,0 +1,80 @@
+"""A local cluster for integration tests: directory + segments as subprocesses on the test's NATS."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import msgspec
+from nats.aio.client import Client as NatsClient
+
+from kvfabric.proto import directory as m
+from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
+from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject
+from kvfabric.runtime import request
+from kvfabric.testing import NatsServer, ServiceProcess
+
+SECRET = "integration-cluster-secret-0123"
+TIMEOUT_S = 10.0
+
+
+def service_env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, KVF_CLUSTER_SECRET=SECRET, **extra)
+
+
+@contextmanager
+def directory_process(nats: NatsServer, **env: str) -> Iterator[ServiceProcess]:
+    proc = ServiceProcess.python_module(
+        "kvfabric.directory",
+        "--nats-url",
+        nats.url,
+        "--metrics-port",
+        "0",
+        "--log-json",
+        env=service_env(**env),
+    )
+    proc.start()
+    try:
+        proc.wait_for_event("directory_started", 20.0)
+        yield proc
+    finally:
+        proc.stop(timeout_s=10.0)
+
+
+@contextmanager
+def segment_process(
+    nats: NatsServer, segment_id: str, arena_bytes: int = 256 << 20, **env: str
+) -> Iterator[ServiceProcess]:
+    proc = ServiceProcess.python_module(
+        "kvfabric.segment_storage",
+        "--nats-url",
+        nats.url,
+        "--metrics-port",
+        "0",
+        "--log-json",
+        env=service_env(KVF_SEGMENT_ID=segment_id, KVF_SEGMENT_BYTES=str(arena_bytes), **env),
+    )
+    proc.start()
+    try:
+        proc.wait_for_event("segment_started", 20.0)
+        yield proc
+    finally:
+        proc.stop(timeout_s=10.0)
+        for leftover in glob.glob(f"/dev/shm/kvf-{segment_id}-*"):  # only after a SIGKILL
+            os.unlink(leftover)
+
+
+async def directory_call(nc: NatsClient, verb: str, message: msgspec.Struct) -> msgspec.Struct:
+    reply = await request(nc, endpoint_subject(Service.DIRECTORY, verb), message, m.reply_decoder, TIMEOUT_S)
+    assert isinstance(reply, msgspec.Struct)
+    return reply
+
+
+async def segment_state(nc: NatsClient, segment_id: str, draining: bool = False) -> SegmentState:
+    reply = await request(
+        nc, segment_subject(segment_id, "drain"), DrainRequest(draining=draining), segment_decoder, TIMEOUT_S
+    )
+    assert isinstance(reply, SegmentState)
+    return reply
