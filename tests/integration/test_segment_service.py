@@ -22,7 +22,7 @@ from kvfabric.format.errors import BadRequest, ChecksumMismatch, Unauthorized
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.dataplane import PutRequest, ReadRef
-from kvfabric.testing import NatsServer, ServiceProcess
+from kvfabric.testing import NatsServer, ServiceProcess, metric_value, scrape_metrics_async
 from tests.integration.cluster import directory_call, directory_process, segment_process, segment_state
 from tests.unit.core.dirkit import groups, key
 
@@ -150,7 +150,9 @@ async def test_corrupted_arena_byte_is_caught_by_the_reader(placed: NatsClient) 
         assert results[0].status == "ok" and verify(results, [dest]) == [False]
 
 
-async def test_bad_input_is_typed_and_the_segment_stays_up(placed: NatsClient) -> None:
+async def test_bad_input_is_typed_and_the_segment_stays_up(
+    placed: NatsClient, cluster: ServiceProcess
+) -> None:
     gs = groups(3, seed=14)
     data = os.urandom(4096)
     ticket = await begin(placed, key(gs[0]), data)
@@ -175,6 +177,10 @@ async def test_bad_input_is_typed_and_the_segment_stays_up(placed: NatsClient) -
             client.get([ref] * (READS_MAX + 1), [bytearray(4096)] * (READS_MAX + 1))
         dest = bytearray(4096)
         assert client.get([ref], [dest])[0].status == "ok" and dest == data  # still serving
+    text = await scrape_metrics_async(cluster.wait_for_event("segment_started", 1.0)["metrics_port"])
+    for name in ("bad_ticket_signature", "checksum_mismatch"):  # errors are counted
+        assert metric_value(text, "kvfabric_segment_events_total", name=name) == 1.0
+    assert metric_value(text, "kvfabric_segment_used_bytes") == 4096.0
 
 
 async def test_eviction_frees_the_slot_and_old_generation_reads_fail(placed: NatsClient) -> None:

@@ -49,7 +49,7 @@ async def scrape_metrics_async(
     return await asyncio.wait_for(asyncio.to_thread(scrape_metrics, port, host, timeout_s), timeout_s * 2)
 
 
-def metric_value(exposition: str, name: str, **labels: str) -> float | None:
+def metric_value(exposition: str, name: str, /, **labels: str) -> float | None:
     """The value of sample `name{labels}` in a text exposition (labels matched exactly), or None."""
     for line in exposition.splitlines():
         if line.startswith("#"):

@@ -18,6 +18,7 @@ from kvfabric.runtime.cli import service_cli
 from kvfabric.runtime.config import RuntimeSettings, SettingsError
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
+from kvfabric.segment_storage.metrics import SegmentCollector
 from kvfabric.segment_storage.settings import load_segment_settings
 from kvfabric.segment_storage.shell import EXIT_REREGISTER, SegmentShell
 
@@ -40,6 +41,7 @@ async def serve(settings: RuntimeSettings) -> int:
         description="kvfabric segment: DRAM arena and data plane",
     )
     shell.attach(runtime)
+    runtime.metrics.registry.register(SegmentCollector(shell))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, runtime.request_stop, sig.name.lower())

@@ -1,0 +1,54 @@
+"""Exports the slot table's space figures and the segment's plain counters at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvfabric.segment_storage.shell import SegmentShell
+
+__all__ = ["SegmentCollector"]
+
+
+class SegmentCollector(Collector):
+    def __init__(self, shell: SegmentShell) -> None:
+        self.shell = shell
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        shell = self.shell
+        slots, backend = shell.slots, shell.backend
+        with backend.lock:
+            figures = {
+                "kvfabric_segment_arena_bytes": ("Arena size.", slots.arena_bytes),
+                "kvfabric_segment_used_bytes": (
+                    "Bytes of live extents (writing, stored, freeing).",
+                    slots.used_bytes,
+                ),
+                "kvfabric_segment_free_bytes": ("Free bytes.", slots.free_bytes),
+                "kvfabric_segment_largest_free_bytes": ("Largest free extent.", slots.largest_free_bytes),
+                "kvfabric_segment_fragmentation_ratio": (
+                    "1 - largest free extent / free bytes.",
+                    slots.fragmentation,
+                ),
+                "kvfabric_segment_slots_in_use": ("Slots writing, stored or freeing.", slots.slots_in_use),
+                "kvfabric_segment_deferred_frees": (
+                    "Frees waiting for a transfer to end.",
+                    slots.deferred_frees,
+                ),
+                "kvfabric_segment_incarnation": ("This process's incarnation.", shell.incarnation),
+                "kvfabric_segment_draining": ("1 while refusing new writes.", int(backend.draining)),
+            }
+            counters = {**slots.counters, **backend.counters}
+        for name, (doc, value) in figures.items():
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        events = CounterMetricFamily("kvfabric_segment_events", "Segment counters, by name.", labels=["name"])
+        for name, value in sorted(counters.items()):
+            events.add_metric([name.removesuffix("_total")], value)
+        yield events
+        yield CounterMetricFamily(
+            "kvfabric_segment_rejected_connections",
+            "Data connections refused (busy).",
+            value=shell.server.rejected_busy,
+        )
