@@ -122,6 +122,8 @@ class RegisterSegment(_Msg, frozen=True, kw_only=True, tag="dir.register.v1"):
     incarnation: int
     domain: FailureDomain
     capacity_bytes: int
+    # The segment's transport URLs, space-separated, preferred first (`kvfabric.dataplane.addresses`);
+    # handed out unchanged in tickets and replica locations.
     data_addr: str = ""
     epoch: int = 0
 

@@ -26,6 +26,7 @@ from typing import Final
 
 import msgspec
 
+from kvfabric.dataplane.addresses import pick, split_host_port
 from kvfabric.dataplane.backend import PutSlot, SegmentBackend
 from kvfabric.dataplane.frames import HEADER, OBJECT_BYTES_MAX, READS_MAX, Op, pack_header, unpack_header
 from kvfabric.format.errors import BadRequest, Busy, Indeterminate, KvfError, Unavailable
@@ -285,12 +286,10 @@ class TcpDataClient:
         self._header = memoryview(bytearray(HEADER.size))
 
     @classmethod
-    def connect(cls, address: str, *, timeout_s: float = 30.0) -> TcpDataClient:
-        """`tcp://host:port`."""
-        if not address.startswith("tcp://"):
-            raise BadRequest(f"not a tcp data address: {address!r}")
-        host, _, port = address.removeprefix("tcp://").rpartition(":")
-        return cls(host, int(port), timeout_s=timeout_s)
+    def connect(cls, data_addr: str, *, timeout_s: float = 30.0) -> TcpDataClient:
+        """Connect to the `tcp://host:port` transport of a segment's data address."""
+        host, port = split_host_port(pick(data_addr, "tcp"))
+        return cls(host, port, timeout_s=timeout_s)
 
     def close(self) -> None:
         self._sock.close()
