@@ -200,8 +200,6 @@ class SlotTable:
             self._count("alloc_no_slot_id_total")
             raise NoCapacity("every slot id is in use", slots_max=self.slots_max)
         i = bisect_left(self._free_by_length, (extent_bytes, -1))
-        cands = [k for k, (n, o) in enumerate(self._free_by_length) if n >= extent_bytes]
-        i = min(cands, key=lambda k: self._free_by_length[k][1]) if cands else i
         if i == len(self._free_by_length):
             self._count("alloc_no_extent_total")
             raise NoCapacity(
@@ -446,7 +444,6 @@ class SlotTable:
     # ---- checks (tests call this after every step) -----------------------------------------
 
     def check_invariants(self) -> None:
-        return
         # The free list: both orders hold the same extents.
         invariant(self._free_offsets == sorted(self._free_length), "free offsets unsorted or drifted")
         invariant(

@@ -32,6 +32,7 @@ from kvfabric.format.errors import (
     ChecksumMismatch,
     Conflict,
     KvfError,
+    NotFound,
     StaleGeneration,
     Unauthorized,
 )
@@ -222,6 +223,10 @@ class ArenaBackend:
         (slot, generation) pairs that are freed now, deferred, or were freed already."""
         done = []
         for slot, generation in slots:
-            self._free(slot, generation)
+            try:
+                self._free(slot, generation)
+            except NotFound:  # a generation this incarnation never handed out: nothing to free
+                self._count("free_unknown_slot_total")
+                continue
             done.append((slot, generation))
         return done
