@@ -219,14 +219,14 @@ class ArenaBackend:
             return self.slots.free(slot, generation)
 
     def free_slots(self, slots: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The directory's frees. Deferred ones are freed when the last transfer ends. Returns all
-        (slot, generation) pairs that are freed now, deferred, or were freed already."""
+        """The directory's frees, one by one (one bad pair never blocks the rest). Deferred ones are
+        freed when the last transfer ends. Returns every pair: each is freed now, deferred, was freed
+        already, or was never held here — in all cases the directory may stop retrying it."""
         done = []
         for slot, generation in slots:
             try:
                 self._free(slot, generation)
-            except NotFound:  # a generation this incarnation never handed out: nothing to free
+            except NotFound:  # never handed out by this incarnation: nothing held, so it counts as freed
                 self._count("free_unknown_slot_total")
-                continue
             done.append((slot, generation))
         return done
