@@ -14,6 +14,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from kvfabric.dataplane.addresses import pick, split_host_port
 from kvfabric.dataplane.frames import READS_MAX, Op, pack_header
 from kvfabric.dataplane.shm import ShmReader, verify
 from kvfabric.dataplane.tcp import TcpDataClient
@@ -111,9 +112,9 @@ async def test_writer_killed_mid_put_leaves_nothing(placed: NatsClient) -> None:
     (g,) = groups(1, seed=12)
     data = os.urandom(8 << 20)
     ticket = await begin(placed, key(g), data)
-    host, _, port = ticket.data_addr.removeprefix("tcp://").rpartition(":")
+    host, port = split_host_port(pick(ticket.data_addr, "tcp"))
     meta = encode(PutRequest(ticket=ticket))
-    with socket.create_connection((host, int(port))) as sock:
+    with socket.create_connection((host, port)) as sock:
         sock.sendall(pack_header(Op.PUT, 1, len(meta), 1) + meta + data[: 3 << 20])
 
     async def settled() -> None:
@@ -200,3 +201,42 @@ async def test_eviction_frees_the_slot_and_old_generation_reads_fail(placed: Nat
         assert client.get([ref], [bytearray(len(data))])[0].status == "stale_generation"
     segs = await directory_call(placed, "list_segments", m.ListSegments())
     assert isinstance(segs, m.SegmentList) and segs.segments[0].reserved_bytes == 0
+
+
+@pytest.mark.ucx
+async def test_put_get_identical_bytes_over_ucx_and_corruption_is_caught(placed: NatsClient) -> None:
+    from kvfabric.dataplane.ucx import UcxClient
+
+    gs = groups(len(SIZES), seed=16)
+    for g, size in zip(gs, SIZES, strict=True):
+        data = os.urandom(size)
+        ticket = await begin(placed, key(g), data)
+        client = UcxClient.from_address(pick(ticket.data_addr, "ucx"))
+        try:
+            put = await asyncio.wait_for(client.put(ticket, data), 30.0)
+            assert put.confirmed
+            commit = await directory_call(
+                placed,
+                "put_commit",
+                m.PutCommit(writer_id="w", request_id="c" + key(g)[58:90].hex(), keys=[key(g)]),
+            )
+            assert isinstance(commit, m.PutCommitReply) and commit.results[0].status == "published"
+            _, ref = ref_of(await locate(placed, key(g)))
+            dest = bytearray(size)
+            results = await asyncio.wait_for(client.get([ref], [dest]), 30.0)
+            assert verify(results, [dest]) == [True] and dest == data
+            if size == 1 << 20:  # flip a stored byte through the arena file: the reader's checksum sees it
+                with TcpDataClient.connect(ticket.data_addr) as tcp:
+                    info = tcp.map_info()
+                    grants = tcp.pin_local([ref])
+                    fd = os.open(info.arena_path, os.O_RDWR)
+                    try:
+                        with mmap.mmap(fd, info.arena_bytes) as arena:
+                            arena[grants.grants[0].offset + 7] ^= 0x01
+                    finally:
+                        os.close(fd)
+                    tcp.unpin_local(grants.grant_id)
+                results = await asyncio.wait_for(client.get([ref], [dest]), 30.0)
+                assert results[0].status == "ok" and verify(results, [dest]) == [False]
+        finally:
+            client.close()

@@ -56,7 +56,7 @@ async def serve(settings: RuntimeSettings) -> int:
     log.info(
         "segment_started",
         metrics_port=runtime.metrics_port,
-        data_addr=shell.server.address,
+        data_addr=shell.data_addr,
         incarnation=shell.incarnation,
         arena=str(shell.arena.path),
     )

@@ -8,6 +8,7 @@
 | `KVF_SEGMENT_DATA_HOST` / `KVF_SEGMENT_DATA_PORT` | 127.0.0.1 / 0 (free port) | TCP data plane |
 | `KVF_SEGMENT_ZONE` / `_RACK` / `_HOST` | zone0 / rack0 / hostname | failure domain |
 | `KVF_SEGMENT_CONNECTIONS_MAX` | 64 | data connections at once; more are answered busy |
+| `KVF_SEGMENT_UCX` / `KVF_SEGMENT_UCX_PORT` | 1 / 0 | also serve UCX (ucxx); 0 disables |
 | `KVF_CLUSTER_SECRET` | required, ≥ 16 bytes | verifies the directory's write tickets |
 | `KVF_SEGMENT_CONFIRM_TIMEOUT_MS` | 5000 | wait for the directory to accept a stored replica |
 """
@@ -39,6 +40,8 @@ class SegmentSettings:
     connections_max: int
     secret: bytes
     confirm_timeout_ms: int
+    ucx: bool = True
+    ucx_port: int = 0
 
 
 def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
@@ -74,4 +77,6 @@ def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
         connections_max=_int(env, "KVF_SEGMENT_CONNECTIONS_MAX", 64, 1, 4096),
         secret=secret,
         confirm_timeout_ms=_int(env, "KVF_SEGMENT_CONFIRM_TIMEOUT_MS", 5_000, 10, 600_000),
+        ucx=bool(_int(env, "KVF_SEGMENT_UCX", 1, 0, 1)),
+        ucx_port=_int(env, "KVF_SEGMENT_UCX_PORT", 0, 0, 65535),
     )

@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import msgspec
 from nats.aio.client import Client as NatsClient
 
 from kvfabric.core.segment_slots import SlotTable
+from kvfabric.dataplane.addresses import join
 from kvfabric.dataplane.tcp import TcpDataServer
 from kvfabric.format.errors import BadRequest, KvfError, NotFound, StaleGeneration
 from kvfabric.proto import directory as m
@@ -41,6 +42,9 @@ from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.settings import SegmentSettings
+
+if TYPE_CHECKING:
+    from kvfabric.segment_storage.ucx_thread import UcxThread
 
 __all__ = ["EXIT_REREGISTER", "SegmentShell", "new_incarnation"]
 
@@ -69,6 +73,8 @@ class SegmentShell:
         self.server = TcpDataServer(
             self.backend, settings.data_host, settings.data_port, connections_max=settings.connections_max
         )
+        self.ucx: UcxThread | None = None
+        self.data_addr = self.server.address
         self.epoch = 0
         self.heartbeat_interval_ms = 1_000
         self._nc: NatsClient | None = None
@@ -96,6 +102,17 @@ class SegmentShell:
         self._nc = nc
         self._loop = asyncio.get_running_loop()
         self.server.start()
+        addresses = [self.server.address]
+        if self.settings.ucx:
+            try:
+                from kvfabric.segment_storage.ucx_thread import UcxThread  # imports ucxx: optional
+
+                self.ucx = UcxThread(self.backend, self.settings.data_host, self.settings.ucx_port)
+                addresses.append(await asyncio.to_thread(self.ucx.start))
+            except Exception as exc:  # UCX is an extra transport: serve TCP and shm without it
+                self._log.warning("ucx_unavailable", error=repr(exc))
+                self.ucx = None
+        self.data_addr = join(*addresses)
         s = self.settings
         reply = await self._directory(
             "register",
@@ -104,7 +121,7 @@ class SegmentShell:
                 incarnation=self.incarnation,
                 capacity_bytes=s.arena_bytes,
                 domain=m.FailureDomain(zone=s.zone, rack=s.rack, host=s.host),
-                data_addr=self.server.address,
+                data_addr=self.data_addr,
             ),
         )
         if isinstance(reply, m.SegmentRegistered):
@@ -112,7 +129,7 @@ class SegmentShell:
         self._tasks = [asyncio.create_task(self._heartbeats())]
         self._log.info(
             "segment_registered",
-            data_addr=self.server.address,
+            data_addr=self.data_addr,
             arena=str(self.arena.path),
             arena_bytes=s.arena_bytes,
             epoch=self.epoch,
@@ -122,6 +139,8 @@ class SegmentShell:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.ucx is not None:
+            await asyncio.to_thread(self.ucx.stop)
         await asyncio.to_thread(self.server.stop)
         self.arena.close()
 
