@@ -97,6 +97,8 @@ async def test_put_get_identical_bytes_over_tcp_and_shm(placed: NatsClient) -> N
             results = await asyncio.to_thread(client.get, [ref], [dest])
             assert results[0].status == "ok" and verify(results, [dest]) == [True]
             assert dest == data
+            again = bytearray(size)
+            assert await asyncio.to_thread(client.get_verified, [ref], [again]) == [True] and again == data
             reader = ShmReader(client)
             try:
                 local = bytearray(size)
@@ -149,6 +151,7 @@ async def test_corrupted_arena_byte_is_caught_by_the_reader(placed: NatsClient) 
         dest = bytearray(len(data))
         results = client.get([ref], [dest])
         assert results[0].status == "ok" and verify(results, [dest]) == [False]
+        assert client.get_verified([ref], [dest]) == [False]  # hashed while receiving: same verdict
 
 
 async def test_bad_input_is_typed_and_the_segment_stays_up(

@@ -32,6 +32,8 @@ class PutSlot:
     slot_generation: int
     view: memoryview  # writable, exactly the object's size; valid until finish/abort
     ticket: WriteTicket
+    # Set by a transport that hashed the bytes as they arrived; else `finish_put` hashes the slot.
+    checksum: bytes | None = None
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ import msgspec
 from kvfabric.dataplane.addresses import pick, split_host_port
 from kvfabric.dataplane.backend import PutSlot, SegmentBackend
 from kvfabric.dataplane.frames import HEADER, OBJECT_BYTES_MAX, READS_MAX, Op, pack_header, unpack_header
+from kvfabric.format.checksum import StreamingChecksum
 from kvfabric.format.errors import BadRequest, Busy, Indeterminate, KvfError, Unavailable
 from kvfabric.proto.codec import FamilyDecoder, encode
 from kvfabric.proto.common import ErrorReply, error_from_reply, error_reply_from
@@ -51,6 +52,8 @@ from kvfabric.proto.directory import WriteTicket
 __all__ = ["CONNECTIONS_MAX_DEFAULT", "TcpDataClient", "TcpDataServer", "tune_socket"]
 
 CONNECTIONS_MAX_DEFAULT: Final = 64
+# Receive + hash granularity: small enough that a piece is still in L2/L3 when hashed.
+HASH_CHUNK_BYTES: Final = 1 << 20
 IDLE_TIMEOUT_S_DEFAULT: Final = 300.0  # a connection silent this long (even mid-payload) is closed
 SOCKET_BUFFER_BYTES: Final = 4 << 20
 IOV_MAX: Final = 512  # buffers per sendmsg call (Linux IOV_MAX is 1024)
@@ -83,6 +86,19 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise _Closed
         got += n
+
+
+def _recv_hashed(sock: socket.socket, view: memoryview) -> bytes:
+    """`_recv_exact`, hashing each piece right after it lands (still in cache). Returns the digest."""
+    digest = StreamingChecksum()
+    got, size = 0, len(view)
+    while got < size:
+        n = sock.recv_into(view[got : got + HASH_CHUNK_BYTES])
+        if n == 0:
+            raise _Closed
+        digest.update(view[got : got + n])
+        got += n
+    return digest.digest()
 
 
 def _discard(sock: socket.socket, size: int) -> None:
@@ -266,7 +282,7 @@ class TcpDataServer:
 
     def _receive_put(self, conn: int, sock: socket.socket, put: PutSlot) -> None:
         try:
-            _recv_exact(sock, put.view)
+            put.checksum = _recv_hashed(sock, put.view)
         except BaseException:
             self.backend.abort_put(put, conn)  # nothing visible, the slot goes back
             raise
@@ -347,8 +363,21 @@ class TcpDataClient:
     def get(self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[ObjectResult]:
         """Read objects straight into `dests` (one writable buffer of exactly `size_bytes` per read).
 
-        Only destinations whose result is `ok` are written; the caller must verify checksums.
+        Only destinations whose result is `ok` are written; the caller must verify checksums
+        (or use `get_verified`, which hashes while receiving).
         """
+        return self._get(reads, dests, None)
+
+    def get_verified(self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[bool]:
+        """`get`, with each object hashed as it arrives: per read, True only when it was read and
+        its bytes match the stored checksum. A False destination must not be used."""
+        verified: list[bool] = []
+        results = self._get(reads, dests, verified)
+        return [r.status == "ok" and v for r, v in zip(results, verified, strict=True)]
+
+    def _get(
+        self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray], verified: list[bool] | None
+    ) -> list[ObjectResult]:
         if len(dests) != len(reads):
             raise BadRequest("one destination buffer per read")
         views = [memoryview(d).cast("B") for d in dests]
@@ -363,8 +392,14 @@ class TcpDataClient:
             if len(ok) != payload_count:
                 raise Indeterminate("GET reply payload count does not match its results")
             try:
-                for view in ok:
-                    _recv_exact(self._sock, view)
+                for result, view in zip(reply.results, views, strict=True):
+                    if result.status != "ok":
+                        if verified is not None:
+                            verified.append(False)
+                    elif verified is None:
+                        _recv_exact(self._sock, view)
+                    else:
+                        verified.append(_recv_hashed(self._sock, view) == result.checksum)
             except (OSError, _Closed) as exc:
                 raise Indeterminate(f"data connection failed during GET payload: {exc!r}") from exc
         return reply.results

@@ -26,7 +26,14 @@ if TYPE_CHECKING:  # collections.abc.Buffer is 3.12+; type-only import, no runti
     # numpy's stubs declare the buffer protocol on arrays only for Python >= 3.12.
     ChecksumInput = Buffer | npt.NDArray[Any]
 
-__all__ = ["CHECKSUM_ALGO", "CHECKSUM_BYTES", "SUPPORTED_CHECKSUM_ALGOS", "checksum", "verify_checksum"]
+__all__ = [
+    "CHECKSUM_ALGO",
+    "CHECKSUM_BYTES",
+    "SUPPORTED_CHECKSUM_ALGOS",
+    "StreamingChecksum",
+    "checksum",
+    "verify_checksum",
+]
 
 CHECKSUM_ALGO: Final = "xxh3-128"
 CHECKSUM_BYTES: Final = 16
@@ -37,6 +44,22 @@ SUPPORTED_CHECKSUM_ALGOS: Final[Mapping[str, int]] = MappingProxyType({CHECKSUM_
 def checksum(buf: ChecksumInput) -> bytes:
     """XXH3-128 digest (16 bytes) of `buf`'s bytes, read in place."""
     return xxhash.xxh3_128_digest(cast("Buffer", buf))
+
+
+class StreamingChecksum:
+    """The same digest as `checksum()`, fed piece by piece: transports hash each chunk right after
+    it arrives (still in cache) instead of re-reading the whole object afterwards."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self) -> None:
+        self._state = xxhash.xxh3_128()
+
+    def update(self, chunk: ChecksumInput) -> None:
+        self._state.update(cast("Buffer", chunk))
+
+    def digest(self) -> bytes:
+        return self._state.digest()
 
 
 def verify_checksum(buf: ChecksumInput, expected: bytes, algo: str = CHECKSUM_ALGO) -> bool:

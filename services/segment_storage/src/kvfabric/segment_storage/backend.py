@@ -108,7 +108,8 @@ class ArenaBackend:
         return PutSlot(alloc.slot, alloc.generation, self.arena.slice(alloc.offset, alloc.size), ticket)
 
     def finish_put(self, put: PutSlot, conn: int) -> tuple[int, int]:
-        stored = checksum(put.view)  # nobody else can see a WRITING slot: no lock needed
+        # Hashed on arrival by the transport, or now (nobody else can see a WRITING slot: no lock).
+        stored = put.checksum if put.checksum is not None else checksum(put.view)
         put.view.release()
         if stored != put.ticket.checksum:
             self._count("checksum_mismatch_total")
