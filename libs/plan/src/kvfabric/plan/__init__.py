@@ -1,0 +1,1 @@
+"""kvplan: plans memory, metadata and network for a kvfabric cluster before it is deployed."""

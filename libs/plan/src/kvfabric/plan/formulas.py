@@ -1,0 +1,176 @@
+"""Pure planning formulas: numbers in, numbers out (bytes, seconds, fractions).
+
+Metadata sizes come from the real encodings: `KEY_BYTES`/`CHUNK_GROUP_BYTES` of
+`kvfabric.format.key`, `encode_manifest()` of a synthetic manifest of the right shape, and the
+directory's packed record per published chunk group (`kvfabric.core.directory_records`):
+header 10 B + per member 31 B + per replica 16 B. Directory RAM adds the measured overhead per
+record (docs/directory.md: 243 B of RSS per published single-member single-replica object whose
+record is 57 B, so 186 B of dict/`bytes` overhead per group).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+from kvfabric.format.checksum import CHECKSUM_ALGO, SUPPORTED_CHECKSUM_ALGOS
+from kvfabric.format.key import (
+    CHAIN_HASH_BYTES,
+    DOMAIN_DIGEST_BYTES,
+    LAYOUT_DIGEST_BYTES,
+    MODEL_DIGEST_BYTES,
+    ChainHash,
+    DomainDigest,
+    LayoutDigest,
+    ModelDigest,
+)
+from kvfabric.format.manifest import ChunkEntry, Manifest, ObjectEntry, encode_manifest
+from kvfabric.plan.model import DTYPE_BYTES, ModelSpec
+
+__all__ = [
+    "DIRECTORY_LOOKUP_GROUPS_PER_S",
+    "DIRECTORY_PUBLISH_OBJECTS_PER_S",
+    "DIRECTORY_RAM_OVERHEAD_PER_GROUP",
+    "RECORD_HEADER_BYTES",
+    "RECORD_MEMBER_BYTES",
+    "RECORD_REPLICA_BYTES",
+    "directory_ram_bytes",
+    "domain_hosts_lost",
+    "full_chunks",
+    "gbps_to_bytes_per_s",
+    "group_record_bytes",
+    "hosts_needed",
+    "hotspot_factor",
+    "kv_bytes_per_token",
+    "kv_elements_per_token_per_layer",
+    "manifest_bytes",
+    "moved_fraction_on_expand",
+    "objects_per_chunk_group",
+    "tp_duplication",
+]
+
+RECORD_HEADER_BYTES: Final = 10  # namespace u32, chunk index u32, member count u8, flags u8
+RECORD_MEMBER_BYTES: Final = 31  # 3 x u16 member, u64 size, 16 B checksum, u8 replica count
+RECORD_REPLICA_BYTES: Final = 16  # placement u32, slot u32, slot generation u64
+DIRECTORY_MEASURED_RAM_PER_OBJECT: Final = 243  # docs/directory.md, 1 member x 1 replica
+DIRECTORY_RAM_OVERHEAD_PER_GROUP: Final = DIRECTORY_MEASURED_RAM_PER_OBJECT - (
+    RECORD_HEADER_BYTES + RECORD_MEMBER_BYTES + RECORD_REPLICA_BYTES
+)
+DIRECTORY_LOOKUP_GROUPS_PER_S: Final = 170_482  # per shard, batched lookups (docs/directory.md)
+DIRECTORY_PUBLISH_OBJECTS_PER_S: Final = 28_206  # per shard, begin+confirm+commit
+
+
+def kv_elements_per_token_per_layer(model: ModelSpec) -> int:
+    """MLA: latent + decoupled RoPE key; MHA/GQA/MQA: K and V per KV head."""
+    if model.is_mla:
+        return model.kv_lora_rank + model.qk_rope_head_dim
+    return 2 * model.kv_heads * model.head_dim
+
+
+def kv_bytes_per_token(model: ModelSpec) -> float:
+    """Logical KV bytes of one token across all layers (each distinct byte once)."""
+    if model.kv_bytes_per_token > 0:
+        return model.kv_bytes_per_token
+    return model.layers * kv_elements_per_token_per_layer(model) * DTYPE_BYTES[model.dtype]
+
+
+def tp_duplication(model: ModelSpec, tp: int, *, dedup: bool = False) -> float:
+    """Stored bytes / logical bytes under TP when every rank stores what it holds. MLA: every rank
+    holds the whole latent (x tp). GQA with fewer KV heads than ranks: a head is replicated on
+    tp / kv_heads ranks. With `dedup` (or an explicit bytes-per-token) each slice is stored once."""
+    if dedup or tp == 1 or model.kv_bytes_per_token > 0:
+        return 1.0
+    if model.is_mla:
+        return float(tp)
+    heads_per_rank = math.ceil(model.kv_heads / tp)
+    return tp * heads_per_rank / model.kv_heads
+
+
+def full_chunks(tokens: int, chunk_tokens: int) -> int:
+    """Only full chunks are hashed and cached; a trailing partial chunk is recomputed."""
+    return tokens // chunk_tokens
+
+
+def objects_per_chunk_group(tp: int, pp: int, layer_groups: int) -> int:
+    return tp * pp * layer_groups
+
+
+def group_record_bytes(members: int, replicas: int) -> int:
+    """Packed directory record of one published chunk group (`pack_group`)."""
+    return RECORD_HEADER_BYTES + members * (RECORD_MEMBER_BYTES + replicas * RECORD_REPLICA_BYTES)
+
+
+def directory_ram_bytes(groups: int, members: int, replicas: int) -> int:
+    """Directory RSS for `groups` published chunk groups: record + measured per-group overhead."""
+    return groups * (group_record_bytes(members, replicas) + DIRECTORY_RAM_OVERHEAD_PER_GROUP)
+
+
+def manifest_bytes(chunks: int, tp: int, pp: int, layer_groups: int, object_bytes: int) -> int:
+    """Size of the real msgpack manifest of a prefix with `chunks` complete chunk groups."""
+    checksum = b"\x00" * SUPPORTED_CHECKSUM_ALGOS[CHECKSUM_ALGO]
+    size = max(1, object_bytes)
+    objects = tuple(
+        ObjectEntry(tp_rank=r, pp_stage=s, layer_group=g, size_bytes=size, checksum=checksum)
+        for r in range(tp)
+        for s in range(pp)
+        for g in range(layer_groups)
+    )
+    entries = tuple(
+        ChunkEntry(chunk_index=i, chain_hash=ChainHash(b"\xff" * CHAIN_HASH_BYTES), objects=objects)
+        for i in range(chunks)
+    )
+    manifest = Manifest(
+        format_version=1,
+        domain_digest=DomainDigest(b"\x00" * DOMAIN_DIGEST_BYTES),
+        model_digest=ModelDigest(b"\x00" * MODEL_DIGEST_BYTES),
+        tp_size=tp,
+        pp_size=pp,
+        layer_group_count=layer_groups,
+        tokens_per_chunk=1,
+        layout_digest=LayoutDigest(b"\x00" * LAYOUT_DIGEST_BYTES),
+        chunks=entries,
+    )
+    return len(encode_manifest(manifest))
+
+
+def gbps_to_bytes_per_s(gbps: float) -> float:
+    """1 Gbit/s = 1e9 bit/s."""
+    return gbps * 1e9 / 8
+
+
+def hotspot_factor(hot_units: float, hosts: int, hot_read_share: float) -> float:
+    """Peak/mean read load per host when `hot_read_share` of reads go to `hot_units` placement
+    units (chunk-group replicas) spread at random over `hosts`, the rest uniform. Fewer hot units
+    than hosts: the hot load lands on `hot_units` hosts. Otherwise balls-in-bins: the busiest host
+    gets about mean * (1 + sqrt(2 ln(hosts) / (hot_units / hosts)))."""
+    if hosts <= 1 or hot_read_share <= 0 or hot_units <= 0:
+        return 1.0
+    if hot_units < hosts:
+        concentration = hosts / hot_units
+    else:
+        concentration = 1 + math.sqrt(2 * math.log(hosts) / (hot_units / hosts))
+    return hot_read_share * concentration + (1 - hot_read_share)
+
+
+def domain_hosts_lost(hosts: int, domains: int) -> int:
+    """Hosts in the largest failure domain (hosts spread as evenly as possible)."""
+    return math.ceil(hosts / domains)
+
+
+def hosts_needed(
+    demand_bytes: float, usable_per_host: float, *, domains: int = 1, survive: bool = False
+) -> int:
+    """Fewest hosts whose usable DRAM holds `demand_bytes`; with `survive`, also after losing the
+    largest of `domains` failure domains (domains kept, hosts per domain grown)."""
+    n = max(1, math.ceil(demand_bytes / usable_per_host - 1e-9))
+    if not survive or domains <= 1:
+        return n
+    while (n - domain_hosts_lost(n, domains)) * usable_per_host < demand_bytes - 1e-6:
+        n += 1
+    return n
+
+
+def moved_fraction_on_expand(hosts: int, added: int) -> float:
+    """Share of stored bytes that move when `added` hosts join a balanced placement (consistent /
+    rendezvous hashing moves only what the new hosts take)."""
+    return added / (hosts + added) if added > 0 else 0.0
