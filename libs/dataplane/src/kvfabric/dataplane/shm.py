@@ -15,9 +15,9 @@ import mmap
 import os
 from collections.abc import Sequence
 
-from kvfabric.dataplane.tcp import TcpDataClient
+from kvfabric.dataplane.tcp import TcpDataClient, destination_views
 from kvfabric.format.checksum import checksum
-from kvfabric.format.errors import BadRequest, Unavailable
+from kvfabric.format.errors import Unavailable
 from kvfabric.proto.dataplane import ObjectResult, ReadRef
 
 __all__ = ["ShmReader", "verify"]
@@ -50,12 +50,7 @@ class ShmReader:
         self._map.close()
 
     def get(self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[ObjectResult]:
-        if len(dests) != len(reads):
-            raise BadRequest("one destination buffer per read")
-        views = [memoryview(d).cast("B") for d in dests]
-        for ref, view in zip(reads, views, strict=True):
-            if len(view) != ref.size_bytes:
-                raise BadRequest(f"destination is {len(view)} bytes, object is {ref.size_bytes}")
+        views = destination_views(reads, dests)
         pinned = self.control.pin_local(reads)
         try:
             for ref, grant, view in zip(reads, pinned.grants, views, strict=True):

@@ -49,7 +49,7 @@ from kvfabric.proto.dataplane import (
 )
 from kvfabric.proto.directory import WriteTicket
 
-__all__ = ["CONNECTIONS_MAX_DEFAULT", "TcpDataClient", "TcpDataServer", "tune_socket"]
+__all__ = ["CONNECTIONS_MAX_DEFAULT", "TcpDataClient", "TcpDataServer", "destination_views", "tune_socket"]
 
 CONNECTIONS_MAX_DEFAULT: Final = 64
 # Receive + hash granularity: small enough that a piece is still in L2/L3 when hashed.
@@ -129,6 +129,17 @@ def _send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> Non
             else:
                 pending[0] = head[sent:]
                 sent = 0
+
+
+def destination_views(reads: Sequence[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[memoryview]:
+    """Byte views of the caller's destination buffers: one per read, each exactly its object's size."""
+    if len(dests) != len(reads):
+        raise BadRequest("one destination buffer per read")
+    views = [memoryview(d).cast("B") for d in dests]
+    for ref, view in zip(reads, views, strict=True):
+        if len(view) != ref.size_bytes:
+            raise BadRequest(f"destination is {len(view)} bytes, object is {ref.size_bytes}")
+    return views
 
 
 def _frame(op: Op, request_id: int, meta: msgspec.Struct, payload_count: int = 0) -> list[bytes]:
@@ -378,12 +389,7 @@ class TcpDataClient:
     def _get(
         self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray], verified: list[bool] | None
     ) -> list[ObjectResult]:
-        if len(dests) != len(reads):
-            raise BadRequest("one destination buffer per read")
-        views = [memoryview(d).cast("B") for d in dests]
-        for ref, view in zip(reads, views, strict=True):
-            if len(view) != ref.size_bytes:
-                raise BadRequest(f"destination is {len(view)} bytes, object is {ref.size_bytes}")
+        views = destination_views(reads, dests)
         with self._lock:
             reply, payload_count = self._call(Op.GET, GetRequest(reads=reads))
             if not isinstance(reply, GetReply) or len(reply.results) != len(reads):

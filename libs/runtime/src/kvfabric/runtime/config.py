@@ -28,6 +28,7 @@ __all__ = [
     "NATS_URL_DEFAULT",
     "RuntimeSettings",
     "SettingsError",
+    "env_int",
     "env_name",
     "load_settings",
     "new_instance_id",
@@ -127,6 +128,21 @@ class RuntimeSettings:
     @property
     def metrics_enabled(self) -> bool:
         return self.metrics_port != METRICS_PORT_DISABLED
+
+
+def env_int(environ: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    """An integer service setting from the environment variable `name` (unset or empty: `default`).
+    Raises `SettingsError` naming the variable when it is not an integer in `lo..hi`."""
+    raw = environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: not an integer") from None
+    if not lo <= value <= hi:
+        raise SettingsError(f"{name}={value}: want {lo}..{hi}")
+    return value
 
 
 def env_name(field_name: str) -> str:

@@ -69,6 +69,7 @@ EXIT_UNAVAILABLE: Final = 69  # EX_UNAVAILABLE: NATS unreachable or lost past th
 EXIT_SOFTWARE: Final = 70  # EX_SOFTWARE: an invariant was violated
 STEP_TIMEOUT_S: Final = 5.0  # bound on each shutdown step that talks to NATS
 NATS_DRAIN_TIMEOUT_S: Final = 2
+STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
 _OUTCOME_LEVEL: Final = {
     Outcome.OK: logging.INFO,
     Outcome.ERROR: logging.INFO,
@@ -455,16 +456,21 @@ class ServiceRuntime:
         except Unavailable as err:
             self._log.error("service_start_failed", error=err.message)
             return EXIT_UNAVAILABLE
-        loop = asyncio.get_running_loop()
-        signals = (signal.SIGTERM, signal.SIGINT)
-        for sig in signals:
-            loop.add_signal_handler(sig, self.request_stop, sig.name.lower())
+        self.stop_on_signals()
         try:
             await self._stop_requested.wait()
         finally:
-            for sig in signals:
+            loop = asyncio.get_running_loop()
+            for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
         return await self.stop()
+
+    def stop_on_signals(self) -> None:
+        """SIGTERM/SIGINT ask for a graceful stop (`request_stop`). For services that drive
+        `start`/`wait_stop_requested`/`stop` themselves instead of `run`."""
+        loop = asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, self.request_stop, sig.name.lower())
 
     async def stop(self) -> int:
         """Graceful stop (see the module docstring). Idempotent. Returns the exit code."""

@@ -7,9 +7,7 @@ election and sharding over JetStream KV come with the HA work.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import signal
 import sys
 from typing import Final
 
@@ -49,9 +47,7 @@ async def serve(settings: RuntimeSettings) -> int:
     )
     shell.attach(runtime)
     runtime.metrics.registry.register(DirectoryCollector(shell))
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, runtime.request_stop, sig.name.lower())
+    runtime.stop_on_signals()
     try:
         await runtime.start()
         await shell.start(runtime.nc)

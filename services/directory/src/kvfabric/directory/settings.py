@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from kvfabric.core.directory import DirectoryConfig
 from kvfabric.proto.tickets import SECRET_BYTES_MIN
-from kvfabric.runtime.config import SettingsError
+from kvfabric.runtime.config import SettingsError, env_int
 
 __all__ = ["DirectorySettings", "load_directory_settings"]
 
@@ -35,32 +35,19 @@ class DirectorySettings:
     free_timeout_s: float = 2.0
 
 
-def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r}: not an integer") from None
-    if not lo <= value <= hi:
-        raise SettingsError(f"{name}={value}: want {lo}..{hi}")
-    return value
-
-
 def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
     secret = env.get("KVF_CLUSTER_SECRET", "").encode()
     if len(secret) < SECRET_BYTES_MIN:
         raise SettingsError(f"KVF_CLUSTER_SECRET must be set to at least {SECRET_BYTES_MIN} bytes")
     core = DirectoryConfig(
         ticket_secret=secret,
-        replicas_default=_int(env, "KVF_DIRECTORY_REPLICAS_DEFAULT", 1, 1, 5),
-        heartbeat_interval_ms=_int(env, "KVF_DIRECTORY_HEARTBEAT_INTERVAL_MS", 1_000, 10, 600_000),
-        heartbeat_timeout_ms=_int(env, "KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS", 5_000, 20, 3_600_000),
+        replicas_default=env_int(env, "KVF_DIRECTORY_REPLICAS_DEFAULT", 1, 1, 5),
+        heartbeat_interval_ms=env_int(env, "KVF_DIRECTORY_HEARTBEAT_INTERVAL_MS", 1_000, 10, 600_000),
+        heartbeat_timeout_ms=env_int(env, "KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS", 5_000, 20, 3_600_000),
     )
     return DirectorySettings(
         core=core,
-        tick_ms=_int(env, "KVF_DIRECTORY_TICK_MS", 100, 5, 60_000),
-        events_outbox_max=_int(env, "KVF_DIRECTORY_EVENTS_OUTBOX_MAX", 10_000, 1, 1_000_000),
-        events_max_age_s=_int(env, "KVF_DIRECTORY_EVENTS_MAX_AGE_S", 86_400, 60, 365 * 86_400),
+        tick_ms=env_int(env, "KVF_DIRECTORY_TICK_MS", 100, 5, 60_000),
+        events_outbox_max=env_int(env, "KVF_DIRECTORY_EVENTS_OUTBOX_MAX", 10_000, 1, 1_000_000),
+        events_max_age_s=env_int(env, "KVF_DIRECTORY_EVENTS_MAX_AGE_S", 86_400, 60, 365 * 86_400),
     )

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvfabric.proto.subjects import check_segment_id
 from kvfabric.proto.tickets import SECRET_BYTES_MIN
-from kvfabric.runtime.config import SettingsError
+from kvfabric.runtime.config import SettingsError, env_int
 
 __all__ = ["SegmentSettings", "load_segment_settings"]
 
@@ -44,19 +44,6 @@ class SegmentSettings:
     ucx_port: int = 0
 
 
-def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
-    raw = env.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r}: not an integer") from None
-    if not lo <= value <= hi:
-        raise SettingsError(f"{name}={value}: want {lo}..{hi}")
-    return value
-
-
 def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
     try:
         segment_id = check_segment_id(env.get("KVF_SEGMENT_ID", ""))
@@ -67,16 +54,16 @@ def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
         raise SettingsError(f"KVF_CLUSTER_SECRET must be set to at least {SECRET_BYTES_MIN} bytes")
     return SegmentSettings(
         segment_id=segment_id,
-        arena_bytes=_int(env, "KVF_SEGMENT_BYTES", 1 << 30, 1 << 20, 1 << 46),
+        arena_bytes=env_int(env, "KVF_SEGMENT_BYTES", 1 << 30, 1 << 20, 1 << 46),
         shm_dir=Path(env.get("KVF_SEGMENT_SHM_DIR") or "/dev/shm"),
         data_host=env.get("KVF_SEGMENT_DATA_HOST") or "127.0.0.1",
-        data_port=_int(env, "KVF_SEGMENT_DATA_PORT", 0, 0, 65535),
+        data_port=env_int(env, "KVF_SEGMENT_DATA_PORT", 0, 0, 65535),
         zone=env.get("KVF_SEGMENT_ZONE") or "zone0",
         rack=env.get("KVF_SEGMENT_RACK") or "rack0",
         host=env.get("KVF_SEGMENT_HOST") or socket.gethostname(),
-        connections_max=_int(env, "KVF_SEGMENT_CONNECTIONS_MAX", 64, 1, 4096),
+        connections_max=env_int(env, "KVF_SEGMENT_CONNECTIONS_MAX", 64, 1, 4096),
         secret=secret,
-        confirm_timeout_ms=_int(env, "KVF_SEGMENT_CONFIRM_TIMEOUT_MS", 5_000, 10, 600_000),
-        ucx=bool(_int(env, "KVF_SEGMENT_UCX", 1, 0, 1)),
-        ucx_port=_int(env, "KVF_SEGMENT_UCX_PORT", 0, 0, 65535),
+        confirm_timeout_ms=env_int(env, "KVF_SEGMENT_CONFIRM_TIMEOUT_MS", 5_000, 10, 600_000),
+        ucx=bool(env_int(env, "KVF_SEGMENT_UCX", 1, 0, 1)),
+        ucx_port=env_int(env, "KVF_SEGMENT_UCX_PORT", 0, 0, 65535),
     )
