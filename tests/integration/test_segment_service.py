@@ -243,3 +243,36 @@ async def test_put_get_identical_bytes_over_ucx_and_corruption_is_caught(placed:
                 assert results[0].status == "ok" and verify(results, [dest]) == [False]
         finally:
             client.close()
+
+
+async def test_free_during_a_local_read_is_deferred_until_the_pin_ends(placed: NatsClient) -> None:
+    """Invariant 3 at the service level: a free that arrives while a reader holds the slot does not
+    let the memory be reused; the bytes stay intact until the reader lets go, then the space returns."""
+    (g,) = groups(1, seed=17)
+    data = os.urandom(1 << 20)
+    loc = await put_and_commit(placed, key(g), data)
+    addr, ref = ref_of(loc)
+    with TcpDataClient.connect(addr) as client:
+        reader = ShmReader(client)
+        try:
+            pinned = client.pin_local([ref])  # as ShmReader.get does, but held across the eviction
+            evicted = await directory_call(placed, "evict", m.Evict(groups=[g.to_bytes()]))
+            assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == "evicting"
+
+            async def directory_released() -> None:
+                while True:
+                    segs = await directory_call(placed, "list_segments", m.ListSegments())
+                    assert isinstance(segs, m.SegmentList)
+                    if segs.segments[0].reserved_bytes == 0:
+                        return
+                    await asyncio.sleep(0.02)
+
+            await asyncio.wait_for(directory_released(), 10.0)  # the segment took the free
+            assert (await segment_state(placed, SEGMENT)).used_bytes > 0  # ...but deferred it
+            offset = pinned.grants[0].offset
+            assert reader._view[offset : offset + len(data)] == data  # bytes intact under the pin
+            assert client.get([ref], [bytearray(len(data))])[0].status == "stale_generation"  # no new reads
+            client.unpin_local(pinned.grant_id)
+            assert (await segment_state(placed, SEGMENT)).used_bytes == 0
+        finally:
+            reader.close()
