@@ -50,3 +50,13 @@ bench: setup ## Run the benchmarks; JSON + markdown into bench/results/
 	$(PY) -m bench.dataplane
 	cat bench/results/*.md > bench/results/SUMMARY.md
 	@echo "wrote bench/results/SUMMARY.md"
+
+.PHONY: up down status
+up: setup ## Start a local cluster (nats + directory + 3 segments in 3 failure domains), supervised
+	$(PY) tools/localcluster.py up
+
+down: ## Stop the local cluster; leaves no process and no run files
+	@test -x $(PY) && $(PY) tools/localcluster.py down || echo "kvfabric is not set up"
+
+status: ## Show the local cluster's processes
+	$(PY) tools/localcluster.py status
