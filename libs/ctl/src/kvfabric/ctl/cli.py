@@ -1,0 +1,305 @@
+"""`kvctl`: typer commands. Each parses its input (bad input: exit 2), runs one async query with
+`asyncio.run` and renders a table or, with `--json`, a JSON document. A `KvfError` prints one
+line `<code>: <message>` on stderr and exits 1."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any, Final, TypeVar
+
+import typer
+
+from kvfabric.ctl import queries as q
+from kvfabric.ctl import render
+from kvfabric.ctl.keys import decode_key, group_of, key_fields
+from kvfabric.format.errors import BadRequest, Indeterminate, KvfError
+from kvfabric.proto import directory as m
+from kvfabric.proto.subjects import check_segment_id
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_ERROR", "app", "main"]
+
+EXIT_ERROR: Final = 1
+EXIT_BAD_INPUT: Final = 2
+DEFAULT_NATS_URL: Final = "nats://127.0.0.1:4222"
+
+T = TypeVar("T")
+
+app = typer.Typer(name="kvctl", help="Inspect and operate a kvfabric cluster.", no_args_is_help=True)
+key_app = typer.Typer(help="KV keys and chunk group ids.", no_args_is_help=True)
+objects_app = typer.Typer(help="Published chunk groups.", no_args_is_help=True)
+manifest_app = typer.Typer(help="Chunk group manifests.", no_args_is_help=True)
+leases_app = typer.Typer(help="Leases and pins held at the directory.", no_args_is_help=True)
+pins_app = typer.Typer(help="Pin chunk groups against eviction.", no_args_is_help=True)
+segment_app = typer.Typer(help="Segment operations.", no_args_is_help=True)
+events_app = typer.Typer(help="The directory's JetStream event stream.", no_args_is_help=True)
+for _name, _sub in (
+    ("key", key_app),
+    ("objects", objects_app),
+    ("manifest", manifest_app),
+    ("leases", leases_app),
+    ("pins", pins_app),
+    ("segment", segment_app),
+    ("events", events_app),
+):
+    app.add_typer(_sub, name=_name)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+UrlOpt = Annotated[str, typer.Option("--nats-url", envvar="KVF_NATS_URL", help="NATS server URL.")]
+TimeoutOpt = Annotated[float, typer.Option("--timeout-s", min=0.05, help="Per-request timeout, seconds.")]
+
+
+class Env:
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+
+
+def _fail(code: str, message: str, exit_code: int) -> typer.Exit:
+    render.error_line(code, message)
+    return typer.Exit(exit_code)
+
+
+def _parse(fn: Callable[[], T]) -> T:
+    """Local parsing of user input: `BadRequest` → exit 2."""
+    try:
+        return fn()
+    except KvfError as exc:
+        raise _fail(exc.code, exc.message, EXIT_BAD_INPUT) from None
+
+
+def _run(env: Env, body: Callable[[q.NatsClient], Coroutine[Any, Any, T]]) -> T:
+    async def go() -> T:
+        async with q.connect(env.url, env.timeout_s) as nc:
+            return await body(nc)
+
+    try:
+        return asyncio.run(go())
+    except KvfError as exc:
+        raise _fail(exc.code, exc.message, EXIT_ERROR) from None
+
+
+def _expect(reply: object, kind: type[T]) -> T:
+    if not isinstance(reply, kind):
+        raise Indeterminate(f"unexpected reply {type(reply).__name__}, want {kind.__name__}")
+    return reply
+
+
+# ---- status ----------------------------------------------------------------------------------
+
+
+@app.command()
+def status(json: JsonOpt = False, nats_url: UrlOpt = DEFAULT_NATS_URL, timeout_s: TimeoutOpt = 5.0) -> None:
+    """Segments known to the directory and the services answering $SRV.PING."""
+    env = Env(nats_url, timeout_s)
+
+    async def body(nc: q.NatsClient) -> tuple[m.SegmentList, list[q.ServiceInstance]]:
+        reply = _expect(
+            await q.directory(nc, "list_segments", m.ListSegments(), env.timeout_s), m.SegmentList
+        )
+        return reply, await q.ping_services(nc)
+
+    segments, services = _run(env, body)
+    if json:
+        render.emit_json(
+            {
+                "epoch": segments.epoch,
+                "segments": [render.segment_doc(s) for s in segments.segments],
+                "services": [q.jsonable(s) for s in services],
+            }
+        )
+    else:
+        render.print_status(segments.segments, services, segments.epoch)
+
+
+# ---- keys ------------------------------------------------------------------------------------
+
+
+@key_app.command("decode")
+def key_decode(
+    key: Annotated[str, typer.Argument(help="Key or chunk group: kvf1:..., kvg1:..., or hex.")],
+    json: JsonOpt = False,
+) -> None:
+    """Readable form and fields of a key or chunk group id (no NATS)."""
+    fields = key_fields(_parse(lambda: decode_key(key)))
+    if json:
+        render.emit_json(fields)
+    else:
+        render.print_fields(fields)
+
+
+# ---- objects and manifests -------------------------------------------------------------------
+
+
+@objects_app.command("ls")
+def objects_ls(
+    domain: Annotated[str, typer.Option("--domain", help="Share domain digest (16 bytes, hex).")] = "",
+    limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many groups.")] = 100,
+    json: JsonOpt = False,
+    nats_url: UrlOpt = DEFAULT_NATS_URL,
+    timeout_s: TimeoutOpt = 5.0,
+) -> None:
+    """Published chunk groups (read-only: grants no lease)."""
+    env = Env(nats_url, timeout_s)
+
+    def digest() -> bytes:
+        try:
+            raw = bytes.fromhex(domain)
+        except ValueError:
+            raise BadRequest(f"--domain is not hex: {domain[:40]!r}") from None
+        if raw and len(raw) != 16:
+            raise BadRequest(f"--domain must be 16 bytes of hex, got {len(raw)}")
+        return raw
+
+    domain_digest = _parse(digest)
+    groups = _run(env, lambda nc: q.list_all_groups(nc, domain_digest, limit, env.timeout_s))
+    if json:
+        render.emit_json({"groups": [render.group_doc(g) for g in groups]})
+    else:
+        render.print_groups(groups)
+
+
+@manifest_app.command("show")
+def manifest_show(
+    group: Annotated[str, typer.Argument(help="Key or chunk group (kvf1:/kvg1: or hex), or chain hash hex.")],
+    json: JsonOpt = False,
+    nats_url: UrlOpt = DEFAULT_NATS_URL,
+    timeout_s: TimeoutOpt = 5.0,
+) -> None:
+    """One chunk group's manifest: members, sizes, checksums, replicas (grants no lease)."""
+    env = Env(nats_url, timeout_s)
+    raw = _parse(lambda: group_of(group, allow_chain_hash=True))
+
+    async def body(nc: q.NatsClient) -> m.GroupList:
+        return _expect(
+            await q.directory(nc, "show_group", m.ShowGroup(group=raw), env.timeout_s), m.GroupList
+        )
+
+    reply = _run(env, body)
+    if not reply.groups:
+        raise _fail("not_found", "no such chunk group", EXIT_ERROR)
+    if json:
+        render.emit_json(render.group_doc(reply.groups[0]))
+    else:
+        render.print_manifest(reply.groups[0])
+
+
+# ---- leases and pins -------------------------------------------------------------------------
+
+
+@leases_app.command("ls")
+def leases_ls(
+    limit: Annotated[int, typer.Option("--limit", min=1, max=m.LIST_LIMIT_MAX)] = 100,
+    json: JsonOpt = False,
+    nats_url: UrlOpt = DEFAULT_NATS_URL,
+    timeout_s: TimeoutOpt = 5.0,
+) -> None:
+    """Leases and pins the directory holds."""
+    env = Env(nats_url, timeout_s)
+
+    async def body(nc: q.NatsClient) -> m.LeaseList:
+        return _expect(
+            await q.directory(nc, "list_leases", m.ListLeases(limit=limit), env.timeout_s), m.LeaseList
+        )
+
+    reply = _run(env, body)
+    if json:
+        render.emit_json({"epoch": reply.epoch, "leases": [q.jsonable(x) for x in reply.leases]})
+    else:
+        render.print_leases(reply.leases)
+
+
+@pins_app.command("add")
+def pins_add(
+    groups: Annotated[list[str], typer.Argument(help="Chunk groups or keys (kvg1:/kvf1: or hex).")],
+    ttl_ms: Annotated[int, typer.Option("--ttl-ms", min=1, max=m.PIN_TTL_MS_MAX)] = 3_600_000,
+    holder: Annotated[str, typer.Option("--holder", help="Holder id owning the pin.")] = "kvctl",
+    json: JsonOpt = False,
+    nats_url: UrlOpt = DEFAULT_NATS_URL,
+    timeout_s: TimeoutOpt = 5.0,
+) -> None:
+    """Pin published chunk groups against eviction for --ttl-ms."""
+    env = Env(nats_url, timeout_s)
+    raws = _parse(lambda: [group_of(g) for g in groups])
+    pin = m.Pin(holder_id=holder, groups=raws, ttl_ms=ttl_ms)
+
+    async def body(nc: q.NatsClient) -> m.PinReply:
+        return _expect(await q.directory(nc, "pin", pin, env.timeout_s), m.PinReply)
+
+    reply = _run(env, body)
+    if json:
+        render.emit_json(q.jsonable(reply))
+    else:
+        render.print_pin(reply, added=True)
+
+
+@pins_app.command("rm")
+def pins_rm(
+    pin_id: Annotated[int, typer.Argument(min=1)],
+    holder: Annotated[str, typer.Option("--holder", help="Holder id owning the pin.")] = "kvctl",
+    json: JsonOpt = False,
+    nats_url: UrlOpt = DEFAULT_NATS_URL,
+    timeout_s: TimeoutOpt = 5.0,
+) -> None:
+    """Remove a pin."""
+    env = Env(nats_url, timeout_s)
+
+    async def body(nc: q.NatsClient) -> m.PinReply:
+        return _expect(
+            await q.directory(nc, "unpin", m.Unpin(holder_id=holder, pin_id=pin_id), env.timeout_s),
+            m.PinReply,
+        )
+
+    reply = _run(env, body)
+    if json:
+        render.emit_json(q.jsonable(reply))
+    else:
+        render.print_pin(reply, added=False)
+
+
+# ---- segments and events ---------------------------------------------------------------------
+
+
+@segment_app.command("drain")
+def segment_drain(
+    segment_id: Annotated[str, typer.Argument(help="Segment id.")],
+    undo: Annotated[bool, typer.Option("--undo", help="Accept writes again.")] = False,
+    json: JsonOpt = False,
+    nats_url: UrlOpt = DEFAULT_NATS_URL,
+    timeout_s: TimeoutOpt = 5.0,
+) -> None:
+    """Make a segment refuse new writes (it keeps serving reads), or undo it."""
+    env = Env(nats_url, timeout_s)
+
+    def checked() -> str:
+        try:
+            return check_segment_id(segment_id)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+
+    sid = _parse(checked)
+    state = _run(env, lambda nc: q.drain_segment(nc, sid, not undo, env.timeout_s))
+    if json:
+        render.emit_json({"segment_id": sid, **q.jsonable(state)})
+    else:
+        render.print_drain(sid, state)
+
+
+@events_app.command("tail")
+def events_tail(
+    n: Annotated[int, typer.Option("--n", "-n", min=1, max=10_000, help="How many of the last events.")] = 20,
+    json: JsonOpt = False,
+    nats_url: UrlOpt = DEFAULT_NATS_URL,
+    timeout_s: TimeoutOpt = 5.0,
+) -> None:
+    """The last N directory events (SegmentUp, GroupPublished, ...)."""
+    env = Env(nats_url, timeout_s)
+    events = _run(env, lambda nc: q.tail_events(nc, n, env.timeout_s))
+    if json:
+        render.emit_json({"events": [q.jsonable(e) for e in events]})
+    else:
+        render.print_events(events)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,208 @@
+"""Output: rich tables for people, JSON documents for scripts (`--json`, bytes as hex)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvfabric.ctl.keys import group_from_summary
+from kvfabric.ctl.queries import Event, ServiceInstance, jsonable
+from kvfabric.proto import directory as m
+from kvfabric.proto.segment import SegmentState
+
+__all__ = [
+    "emit_json",
+    "error_line",
+    "group_doc",
+    "print_drain",
+    "print_events",
+    "print_fields",
+    "print_groups",
+    "print_leases",
+    "print_manifest",
+    "print_pin",
+    "print_status",
+    "segment_doc",
+]
+
+
+def _console() -> Console:
+    # Built per call: the CLI test runner swaps sys.stdout between invocations.
+    # Piped output gets room for a full readable chunk group id on one line.
+    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 320)
+
+
+def emit_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+
+
+def error_line(code: str, message: str) -> None:
+    sys.stderr.write(f"{code}: {message}\n")
+
+
+def _ms(stamp_ms: int) -> str:
+    if stamp_ms <= 0:
+        return "-"
+    return datetime.datetime.fromtimestamp(stamp_ms / 1000, datetime.UTC).isoformat(timespec="milliseconds")
+
+
+def _bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # unreachable
+
+
+def segment_doc(s: m.SegmentInfo) -> dict[str, Any]:
+    doc: dict[str, Any] = jsonable(s)
+    doc["state"] = "down" if not s.up else ("draining" if s.draining else "up")
+    return doc
+
+
+def group_doc(g: m.GroupSummary) -> dict[str, Any]:
+    doc: dict[str, Any] = jsonable(g)
+    gid = group_from_summary(g.namespace, g.chunk_index, g.group)
+    doc["chain_hash"] = g.group.hex()
+    doc["group_id"] = gid.to_bytes().hex() if gid is not None else ""
+    doc["readable"] = str(gid) if gid is not None else ""
+    return doc
+
+
+def print_status(segments: Sequence[m.SegmentInfo], services: Sequence[ServiceInstance], epoch: int) -> None:
+    console = _console()
+    table = Table(title=f"segments (directory epoch {epoch})")
+    for col in (
+        "segment",
+        "domain",
+        "capacity",
+        "reserved",
+        "used",
+        "incarnation",
+        "state",
+        "last heartbeat",
+    ):
+        table.add_column(col)
+    for s in segments:
+        table.add_row(
+            s.segment_id,
+            f"{s.domain.zone}/{s.domain.rack}/{s.domain.host}",
+            _bytes(s.capacity_bytes),
+            _bytes(s.reserved_bytes),
+            _bytes(s.reported_used_bytes),
+            str(s.incarnation),
+            segment_doc(s)["state"],
+            _ms(s.last_heartbeat_ms),
+        )
+    console.print(table)
+    services_table = Table(title="services ($SRV.PING)")
+    for col in ("name", "id", "version"):
+        services_table.add_column(col)
+    for svc in services:
+        services_table.add_row(svc.name, svc.id, svc.version)
+    console.print(services_table)
+
+
+def print_fields(fields: dict[str, Any]) -> None:
+    console = _console()
+    table = Table(title=fields["kind"], show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    for name, value in fields.items():
+        table.add_row(name, str(value))
+    console.print(table)
+
+
+def print_groups(groups: Sequence[m.GroupSummary]) -> None:
+    console = _console()
+    table = Table(title=f"chunk groups ({len(groups)})")
+    table.add_column("chunk group", no_wrap=True)
+    for col in ("chunk", "state", "members", "degraded", "leases", "pins"):
+        table.add_column(col)
+    for g in groups:
+        doc = group_doc(g)
+        table.add_row(
+            doc["readable"] or g.group.hex(),
+            str(g.chunk_index),
+            g.state,
+            f"{g.members}/{g.expected_members}",
+            "yes" if g.degraded else "no",
+            str(g.leases),
+            str(g.pins),
+        )
+    console.print(table)
+
+
+def print_manifest(g: m.GroupSummary) -> None:
+    console = _console()
+    doc = group_doc(g)
+    console.print(f"chunk group {doc['readable'] or g.group.hex()}", highlight=False)
+    console.print(
+        f"state {g.state}  chunk {g.chunk_index}  members {g.members}/{g.expected_members}"
+        f"  degraded {'yes' if g.degraded else 'no'}  leases {g.leases}  pins {g.pins}",
+        highlight=False,
+    )
+    table = Table(title="objects")
+    for col in ("member (tp.pp.lg)", "size", "checksum", "replicas"):
+        table.add_column(col, overflow="fold")
+    for obj in g.objects:
+        replicas = ", ".join(
+            f"{r.segment_id}#{r.incarnation} slot {r.slot} gen {r.slot_generation}" for r in obj.replicas
+        )
+        table.add_row(
+            f"{obj.member.tp_rank}.{obj.member.pp_stage}.{obj.member.layer_group}",
+            f"{obj.size_bytes} B",
+            obj.checksum.hex(),
+            replicas or "-",
+        )
+    console.print(table)
+
+
+def print_leases(leases: Sequence[m.LeaseInfo]) -> None:
+    console = _console()
+    table = Table(title=f"leases and pins ({len(leases)})")
+    for col in ("id", "kind", "holder", "groups", "expires"):
+        table.add_column(col)
+    for lease in leases:
+        table.add_row(
+            str(lease.lease_id),
+            "pin" if lease.is_pin else "lease",
+            lease.holder_id,
+            str(lease.groups),
+            _ms(lease.expires_ms),
+        )
+    console.print(table)
+
+
+def print_pin(reply: m.PinReply, added: bool) -> None:
+    if added:
+        line = f"pin {reply.pin_id}: {reply.pinned_groups} group(s) pinned until {_ms(reply.expires_ms)}"
+    else:
+        line = f"pin {reply.pin_id} removed"
+    _console().print(line, highlight=False)
+
+
+def print_drain(segment_id: str, state: SegmentState) -> None:
+    what = "draining (refuses new writes, serves reads)" if state.draining else "accepting writes"
+    _console().print(
+        f"segment {segment_id} (incarnation {state.incarnation}) is {what}; used {_bytes(state.used_bytes)}",
+        highlight=False,
+    )
+
+
+def print_events(events: Sequence[Event]) -> None:
+    console = _console()
+    table = Table(title=f"directory events ({len(events)})")
+    for col in ("seq", "time", "kind", "fields"):
+        table.add_column(col, overflow="fold")
+    for ev in events:
+        fields = " ".join(f"{k}={v}" for k, v in ev.event.items() if k != "t")
+        table.add_row(str(ev.seq), ev.time, ev.kind, fields)
+    console.print(table)
