@@ -202,8 +202,16 @@ async def test_eviction_frees_the_slot_and_old_generation_reads_fail(placed: Nat
     await asyncio.wait_for(freed(), 10.0)
     with TcpDataClient.connect(addr) as client:
         assert client.get([ref], [bytearray(len(data))])[0].status == "stale_generation"
-    segs = await directory_call(placed, "list_segments", m.ListSegments())
-    assert isinstance(segs, m.SegmentList) and segs.segments[0].reserved_bytes == 0
+
+    async def reservation_released() -> None:  # once the segment's answer reaches the directory
+        while True:
+            segs = await directory_call(placed, "list_segments", m.ListSegments())
+            assert isinstance(segs, m.SegmentList)
+            if segs.segments[0].reserved_bytes == 0:
+                return
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(reservation_released(), 10.0)
 
 
 @pytest.mark.ucx
