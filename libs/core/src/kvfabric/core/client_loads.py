@@ -315,6 +315,13 @@ class LoadTable:
             effects += self._end(load_id, f"failed_{TIMEOUT}")
         return effects
 
+    def forget_dest(self, dest_id: DestId) -> None:
+        """Drop the generation remembered for `dest_id` when no live waiter holds it. For callers
+        whose buffers are anonymous (never named again): keeps the table bounded. Never call it
+        for a dest that a late completion could still name with a reused generation."""
+        if dest_id not in self._dest_holder:
+            self._dest_generation.pop(dest_id, None)
+
     # ---- fence -------------------------------------------------------------------------------
 
     def may_write(self, load_id: LoadId, generation: RequestGeneration, dest_id: DestId) -> bool:

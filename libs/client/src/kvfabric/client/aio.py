@@ -1,0 +1,648 @@
+"""The asyncio client: lookup (folded hit + read lease), verified loads, two-phase saves.
+
+Rules every method keeps (issue 5, DESIGN.md 3):
+- **Failures never raise into the engine.** A miss, timeout, partial load, checksum mismatch,
+  stale generation, dead segment or unreachable directory shortens the hit or the load to the
+  last verified chunk and is counted by cause (`metrics.fallbacks`). Only caller bugs (bad token
+  ids, wrongly sized buffers) raise.
+- **Ownership.** Transports write only into client-owned staging buffers. Bytes reach an engine
+  buffer only through `LoadTable`'s fence (`may_write` -> copy -> `delivered`, on the loop
+  thread, so no cancel or timeout interleaves). When `load` returns, every one of its waiters has
+  ended: no later completion writes into the engine's buffers.
+- **Coalescing.** Concurrent loads of one object share one transfer (`LoadTable`).
+- **Bounded.** Transfers and their bytes are bounded by the table (Busy -> shorter load); worker
+  threads by `transfers_max`; save bytes and queued saves by `save_inflight_bytes_max` and
+  `saves_queued_max` (over -> the save is dropped and counted, never queued without bound).
+- **Leases** are released by `release`, and expire at the directory if the client dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import nats
+import nats.errors
+from nats.aio.client import Client as NatsClient
+
+from kvfabric.client.hits import Hit, LoadResult, SaveResult
+from kvfabric.client.metrics import ClientMetrics
+from kvfabric.client.settings import ClientSettings
+from kvfabric.client.transfers import SegmentPool
+from kvfabric.core.client_loads import (
+    Busy,
+    CancelTransfer,
+    Deliver,
+    DestId,
+    Effect,
+    Fail,
+    LoadTable,
+    ReleaseStaging,
+    StartTransfer,
+    TransferId,
+)
+from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, StaleGeneration, Unavailable
+from kvfabric.format.generations import RequestGeneration
+from kvfabric.format.key import (
+    ChunkExtras,
+    ChunkGroupId,
+    KVLayout,
+    MemberId,
+    ModelFingerprint,
+    ShareDomain,
+    TokenIds,
+    chunk_groups_for_prefix,
+)
+from kvfabric.proto import directory as m
+from kvfabric.proto.subjects import Service, endpoint_subject
+from kvfabric.runtime.client import request
+
+__all__ = ["AsyncKvClient", "Destination", "EngineSpec", "Source"]
+
+Destination: TypeAlias = memoryview | bytearray | Sequence[memoryview]
+"""Where one object's bytes go: one writable buffer, or a scatter list of writable byte views
+whose sizes add up to the object's size (e.g. one block of every layer's paged KV tensor)."""
+
+Source: TypeAlias = bytes | bytearray | memoryview
+"""One object's bytes to save; owned by the client from the call on (the caller must not
+change it until the save finishes: pass a copy of engine memory)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """Who the engine is: the share domain, model and KV layout that name its keys, and the
+    members (tp rank, pp stage, layer group) a hit must contain to be usable."""
+
+    domain: ShareDomain
+    model: ModelFingerprint
+    layout: KVLayout
+    members: tuple[MemberId, ...] = ()
+
+    def required_members(self) -> tuple[MemberId, ...]:
+        return self.members or (self.layout.member,)
+
+
+def _now_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+def _byte_view(buffer: memoryview | bytearray) -> memoryview:
+    view = memoryview(buffer)
+    if view.readonly:
+        raise BadRequest("destination buffer is read-only")
+    if not view.contiguous:
+        raise BadRequest("destination buffer is not contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _scatter_views(dest: Destination, size_bytes: int) -> list[memoryview]:
+    views = [_byte_view(dest)] if isinstance(dest, (memoryview, bytearray)) else [_byte_view(d) for d in dest]
+    total = sum(len(v) for v in views)
+    if total != size_bytes:
+        raise BadRequest(f"destination holds {total} bytes, the object has {size_bytes}")
+    return views
+
+
+def _copy_into(views: list[memoryview], staging: bytearray) -> None:
+    offset = 0
+    source = memoryview(staging)
+    for view in views:
+        view[:] = source[offset : offset + len(view)]
+        offset += len(view)
+
+
+@dataclass(slots=True)
+class _Waiter:
+    future: asyncio.Future[str]
+    views: list[memoryview]
+
+
+class AsyncKvClient:
+    """One engine's client. Create, `await start()`, use, `await close()`; one event loop."""
+
+    def __init__(
+        self, settings: ClientSettings, spec: EngineSpec, *, metrics: ClientMetrics | None = None
+    ) -> None:
+        self.settings = settings
+        self.spec = spec
+        self.metrics = metrics or ClientMetrics()
+        self.nc: NatsClient | None = None
+        self.table = LoadTable(
+            transfers_max=settings.transfers_max, inflight_bytes_max=settings.load_inflight_bytes_max
+        )
+        self.pool = SegmentPool(
+            connections_per_segment_max=settings.connections_per_segment_max,
+            timeout_s=settings.load_timeout_ms / 1000,
+            use_shm=settings.use_shm,
+        )
+        self._executor = ThreadPoolExecutor(settings.transfers_max, thread_name_prefix="kvf-transfer")
+        self._save_executor = ThreadPoolExecutor(
+            max(1, settings.transfers_max // 2), thread_name_prefix="kvf-save"
+        )
+        self._waiters: dict[Any, _Waiter] = {}
+        self._staging: dict[TransferId, bytearray] = {}
+        self._locations: dict[Any, m.ObjectLocation] = {}  # object id -> where (for StartTransfer)
+        self._load_seq = itertools.count(1)
+        self._generations = itertools.count(1)
+        self._leases: dict[int, int] = {}  # lease id -> expires_ms (directory clock)
+        self._save_bytes = 0
+        self._saves_running = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect to NATS. Raises `Unavailable` when the server cannot be reached."""
+        try:
+            self.nc = await nats.connect(
+                self.settings.nats_url,
+                connect_timeout=self.settings.connect_timeout_ms / 1000,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                name=self.settings.holder_id,
+                allow_reconnect=True,
+            )
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            raise Unavailable(f"cannot connect to NATS at {self.settings.nats_url}: {exc!r}") from None
+        if self.settings.metrics_port >= 0:
+            self.metrics.serve(self.settings.metrics_port)
+
+    async def close(self) -> None:
+        """Release every lease still held, wait for running saves, close connections."""
+        if self._closed:
+            return
+        self._closed = True
+        for lease_id in list(self._leases):
+            await self._release_lease(lease_id)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.settings.save_timeout_ms / 1000)
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._save_executor.shutdown(wait=True, cancel_futures=True)
+        self.pool.close()
+
+    # ---- lookup ----------------------------------------------------------------------------
+
+    def chunk_groups(self, tokens: TokenIds, extras: ChunkExtras | None = None) -> list[ChunkGroupId]:
+        spec = self.spec
+        return chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, tokens, extras)
+
+    async def lookup(
+        self, tokens: TokenIds, *, max_tokens: int | None = None, extras: ChunkExtras | None = None
+    ) -> Hit:
+        """The folded hit for `tokens` (at most `max_tokens`), read-leased. Never raises for a
+        cluster failure: the hit is empty with `cause` set."""
+        groups = self.chunk_groups(tokens, extras)
+        tpc = self.spec.layout.tokens_per_chunk
+        if max_tokens is not None:
+            groups = groups[: max(0, max_tokens) // tpc]
+        groups = groups[: m.LOOKUP_BATCH_GROUPS_MAX]
+        members = self.spec.required_members()
+        empty = Hit(0, tpc, tuple(groups), members)
+        self.metrics.lookups.inc()
+        if not groups:
+            return empty
+        if self.nc is None or self._closed:
+            return self._fallback(empty, "closed")
+        started = time.perf_counter()
+        try:
+            reply = await request(
+                self.nc,
+                endpoint_subject(Service.DIRECTORY, "lookup"),
+                m.Lookup(
+                    holder_id=self.settings.holder_id,
+                    groups=[g.to_bytes() for g in groups],
+                    members=[m.Member(*member) for member in members],
+                    lease_ttl_ms=self.settings.lease_ttl_ms,
+                ),
+                m.reply_decoder,
+                self.settings.lookup_timeout_ms / 1000,
+            )
+        except Unavailable:
+            return self._fallback(empty, "directory_unavailable")
+        except Indeterminate:
+            return self._fallback(empty, "directory_timeout")
+        except KvfError:
+            return self._fallback(empty, "directory_error")
+        finally:
+            self.metrics.lookup_seconds.observe(time.perf_counter() - started)
+        if not isinstance(reply, m.LookupReply):
+            return self._fallback(empty, "directory_error")
+        by_position = {
+            (o.chunk_index, MemberId(o.member.tp_rank, o.member.pp_stage, o.member.layer_group)): o
+            for o in reply.objects
+        }
+        rows: list[tuple[m.ObjectLocation, ...]] = []
+        for chunk in range(min(reply.hit_chunks, len(groups))):
+            row = tuple(by_position.get((chunk, member)) for member in members)
+            if any(o is None for o in row):
+                break  # a directory that folded wrongly: trust only the complete prefix
+            rows.append(row)  # type: ignore[arg-type]
+        if reply.lease_id:
+            self._leases[reply.lease_id] = reply.lease_expires_ms
+            self.metrics.leases_held.set(len(self._leases))
+        hit = Hit(
+            len(rows) * tpc,
+            tpc,
+            tuple(groups),
+            members,
+            tuple(rows),
+            reply.lease_id,
+            reply.lease_expires_ms,
+        )
+        self.metrics.hit_tokens.inc(hit.tokens)
+        return hit
+
+    def _fallback(self, hit: Hit, cause: str) -> Hit:
+        self.metrics.fallbacks.labels(cause).inc()
+        return Hit(0, hit.tokens_per_chunk, hit.groups, hit.members, cause=cause)
+
+    async def release(self, hit: Hit) -> None:
+        """Give the hit's read lease back (idempotent; a lost release expires at the directory)."""
+        if hit.lease_id:
+            await self._release_lease(hit.lease_id)
+
+    async def _release_lease(self, lease_id: int) -> None:
+        if self._leases.pop(lease_id, None) is None:
+            return
+        self.metrics.leases_held.set(len(self._leases))
+        if self.nc is None:
+            return
+        with contextlib.suppress(KvfError):
+            await request(
+                self.nc,
+                endpoint_subject(Service.DIRECTORY, "lease_release"),
+                m.LeaseRelease(holder_id=self.settings.holder_id, lease_id=lease_id),
+                m.reply_decoder,
+                self.settings.lookup_timeout_ms / 1000,
+            )
+
+    # ---- load ------------------------------------------------------------------------------
+
+    async def load(
+        self,
+        hit: Hit,
+        dests: Sequence[Sequence[Destination]],
+        *,
+        first_chunk: int = 0,
+        dest_ids: Sequence[Sequence[DestId]] | None = None,
+    ) -> LoadResult:
+        """Copy chunks `first_chunk ..` of `hit` into `dests[i][j]` (chunk first_chunk+i, member
+        j), verifying every checksum. Returns the verified whole-chunk prefix, in tokens from 0.
+
+        `dest_ids` name the engine's buffers (e.g. paged-KV block ids) so the fence can tell a
+        reused buffer; by default each call's buffers are anonymous. Raises `BadRequest` only for
+        caller bugs (shapes, sizes)."""
+        if not 0 <= first_chunk <= hit.chunks:
+            raise BadRequest(f"first_chunk {first_chunk} outside the hit's 0..{hit.chunks} chunks")
+        chunks = hit.objects[first_chunk:]
+        if len(dests) > len(chunks) or any(len(d) != len(hit.members) for d in dests):
+            raise BadRequest(f"dests must be at most {len(chunks)} chunks of {len(hit.members)} members each")
+        chunks = chunks[: len(dests)]
+        views = [
+            [_scatter_views(dest, loc.size_bytes) for dest, loc in zip(row, locs, strict=True)]
+            for row, locs in zip(dests, chunks, strict=True)
+        ]
+        tpc = hit.tokens_per_chunk
+        if not chunks:
+            return LoadResult(first_chunk * tpc, 0, 0)
+        if self._closed:
+            self.metrics.fallbacks.labels("closed").inc()
+            return LoadResult(
+                first_chunk * tpc, 0, 0, tuple(range(first_chunk, first_chunk + len(chunks))), "closed"
+            )
+        started = time.perf_counter()
+        self._perform(self.table.expire(_now_ms()))  # also trims the table's deadline heap
+        seq = next(self._load_seq)
+        generation = RequestGeneration(next(self._generations))
+        deadline_ms = _now_ms() + self.settings.load_timeout_ms
+        outcomes: dict[tuple[int, int], asyncio.Future[str]] = {}
+        anonymous: list[DestId] = []
+        loop = asyncio.get_running_loop()
+        try:
+            for i, locs in enumerate(chunks):
+                chunk = first_chunk + i
+                for j, loc in enumerate(locs):
+                    load_id = (seq, chunk, j)
+                    if dest_ids is not None:
+                        dest_id = dest_ids[i][j]
+                    else:
+                        dest_id = ("anonymous", seq, chunk, j)
+                        anonymous.append(dest_id)
+                    object_id = (hit.groups[chunk], hit.members[j])
+                    future: asyncio.Future[str] = loop.create_future()
+                    outcomes[(chunk, j)] = future
+                    self._waiters[load_id] = _Waiter(future, views[i][j])
+                    self._locations[object_id] = loc
+                    try:
+                        effects = self.table.want(
+                            load_id,
+                            generation,
+                            object_id,
+                            dest_id,
+                            now_ms=_now_ms(),
+                            deadline_ms=deadline_ms,
+                            size_bytes=loc.size_bytes,
+                        )
+                    except (StaleGeneration, BadRequest):
+                        self._waiters.pop(load_id)
+                        future.set_result("busy")
+                        effects = []
+                    self._perform(effects)
+                if any(f.done() and f.result() != "ok" for f in outcomes.values()):
+                    break  # a chunk already failed: later ones would not be used
+            pending = [f for f in outcomes.values() if not f.done()]
+            if pending:
+                timeout_s = max(0.0, (deadline_ms - _now_ms()) / 1000)
+                await asyncio.wait(pending, timeout=timeout_s)
+        finally:
+            # Every waiter of this load ends here (also when this coroutine is cancelled): after
+            # this, no transfer can write into this load's buffers (the table fences them).
+            timed_out = _now_ms() >= deadline_ms
+            for (chunk, j), future in outcomes.items():
+                if not future.done():
+                    load_id = (seq, chunk, j)
+                    self._perform(self.table.cancel(load_id))
+                    self._finish(load_id, "timeout" if timed_out else "cancelled")
+            for dest_id in anonymous:
+                self.table.forget_dest(dest_id)
+        return self._load_result(hit, first_chunk, len(chunks), outcomes, started)
+
+    def _load_result(
+        self,
+        hit: Hit,
+        first_chunk: int,
+        n_chunks: int,
+        outcomes: dict[tuple[int, int], asyncio.Future[str]],
+        started: float,
+    ) -> LoadResult:
+        loaded = 0
+        cause = ""
+        failed: list[int] = []
+        for i in range(n_chunks):
+            chunk = first_chunk + i
+            results = [
+                outcomes[(chunk, j)].result() if (chunk, j) in outcomes else "skipped"
+                for j in range(len(hit.members))
+            ]
+            bad = next((r for r in results if r != "ok"), None)
+            if bad is None and not failed:
+                loaded += 1
+                continue
+            if bad is not None and not cause:
+                cause = bad if bad != "skipped" else "busy"
+            failed.append(chunk)
+        nbytes = sum(o.size_bytes for row in hit.objects[first_chunk : first_chunk + loaded] for o in row)
+        tokens = (first_chunk + loaded) * hit.tokens_per_chunk
+        self.metrics.load_seconds.observe(time.perf_counter() - started)
+        self.metrics.loaded_tokens.inc(loaded * hit.tokens_per_chunk)
+        self.metrics.prefill_tokens_saved.inc(loaded * hit.tokens_per_chunk)
+        self.metrics.loaded_bytes.inc(nbytes)
+        if cause:
+            self.metrics.fallbacks.labels(cause).inc()
+        return LoadResult(tokens, loaded, nbytes, tuple(failed), cause)
+
+    # ---- effects of the load table (loop thread only) --------------------------------------
+
+    def _perform(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, StartTransfer):
+                self._start_transfer(effect)
+            elif isinstance(effect, Deliver):
+                self._deliver(effect)
+            elif isinstance(effect, Fail):
+                self._finish(effect.load_id, effect.cause)
+            elif isinstance(effect, Busy):
+                self._finish(effect.load_id, "busy")
+            elif isinstance(effect, ReleaseStaging):
+                self._staging.pop(effect.transfer_id, None)
+            elif isinstance(effect, CancelTransfer):
+                pass  # a blocking transfer cannot be interrupted; it is bounded by its timeout
+
+    def _finish(self, load_id: Any, outcome: str) -> None:
+        waiter = self._waiters.pop(load_id, None)
+        if waiter is not None and not waiter.future.done():
+            waiter.future.set_result(outcome)
+
+    def _start_transfer(self, effect: StartTransfer) -> None:
+        location = self._locations.pop(effect.object_id)
+        staging = bytearray(effect.size_bytes)
+        self._staging[effect.transfer_id] = staging
+        loop = asyncio.get_running_loop()
+        attempts = self.settings.replica_attempts_max
+
+        def done(cause: str) -> None:
+            self._perform(self.table.transfer_done(effect.transfer_id, cause == "ok", cause))
+
+        def run() -> None:
+            try:
+                cause = self.pool.fetch(location, staging, attempts).cause
+            except Exception:  # never leave a transfer unanswered
+                cause = "transport_error"
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(done, cause)
+
+        try:
+            self._executor.submit(run)
+        except RuntimeError:  # executor shut down
+            loop.call_soon(done, "closed")
+
+    def _deliver(self, effect: Deliver) -> None:
+        staging = self._staging[effect.transfer_id]
+        waiter = self._waiters.get(effect.load_id)
+        if waiter is None or not self.table.may_write(effect.load_id, effect.generation, effect.dest_id):
+            return
+        _copy_into(waiter.views, staging)  # on the loop thread: nothing interleaves the fence
+        self._perform(self.table.delivered(effect.load_id, effect.generation, effect.dest_id))
+        self._finish(effect.load_id, "ok")
+
+    # ---- save ------------------------------------------------------------------------------
+
+    def save_admission(self, size_bytes: int) -> str | None:
+        """Why a save of `size_bytes` would be dropped now, or None when it may start."""
+        if self._closed:
+            return "closed"
+        if self._saves_running >= self.settings.saves_queued_max:
+            return "queue_full"
+        if self._save_bytes + size_bytes > self.settings.save_inflight_bytes_max:
+            return "bytes"
+        return None
+
+    async def save(
+        self,
+        tokens: TokenIds,
+        objects: Sequence[Sequence[Source]],
+        *,
+        first_chunk: int = 0,
+        extras: ChunkExtras | None = None,
+    ) -> SaveResult:
+        """Publish chunks `first_chunk ..` of `tokens`: `objects[i][j]` is chunk first_chunk+i's
+        bytes for member j. Two-phase: put_begin -> write every replica -> put_commit; any failed
+        chunk is aborted (nothing half-visible). Never raises for cluster failures."""
+        groups = self.chunk_groups(tokens, extras)
+        members = self.spec.required_members()
+        if first_chunk < 0 or first_chunk + len(objects) > len(groups):
+            raise BadRequest(
+                f"chunks {first_chunk}..{first_chunk + len(objects)} exceed the {len(groups)} full chunks"
+            )
+        if any(len(row) != len(members) for row in objects):
+            raise BadRequest(f"each chunk needs {len(members)} member objects")
+        views = [[memoryview(o).cast("B") for o in row] for row in objects]
+        size = sum(len(v) for row in views for v in row)
+        refused = self.save_admission(size)
+        if refused is not None:
+            self.metrics.saves_dropped.labels(refused).inc()
+            return SaveResult(chunks_failed=len(objects), causes={refused: len(objects)})
+        self._save_bytes += size
+        self._saves_running += 1
+        self.metrics.inflight_bytes.set(self._save_bytes)
+        started = time.perf_counter()
+        try:
+            return await self._save(groups, members, views, first_chunk)
+        finally:
+            self._save_bytes -= size
+            self._saves_running -= 1
+            self.metrics.inflight_bytes.set(self._save_bytes)
+            self.metrics.save_seconds.observe(time.perf_counter() - started)
+
+    async def _save(
+        self,
+        groups: list[ChunkGroupId],
+        members: tuple[MemberId, ...],
+        views: list[list[memoryview]],
+        first_chunk: int,
+    ) -> SaveResult:
+        loop = asyncio.get_running_loop()
+        data: dict[bytes, memoryview] = {}
+        chunk_of: dict[bytes, int] = {}
+        for i, row in enumerate(views):
+            group = groups[first_chunk + i]
+            for member, view in zip(members, row, strict=True):
+                key = group.member_key(*member).to_bytes()
+                data[key] = view
+                chunk_of[key] = first_chunk + i
+        if not data:
+            return SaveResult()
+        digests = await loop.run_in_executor(
+            self._save_executor, lambda: [checksum(v) for v in data.values()]
+        )
+        specs = [
+            m.ObjectSpec(key=k, size_bytes=len(v), checksum=d)
+            for (k, v), d in zip(data.items(), digests, strict=True)
+        ]
+        causes: dict[str, int] = {}
+        failed_chunks: set[int] = set()
+        existing_chunks: set[int] = set()
+        placed: list[m.BeginResult] = []
+        request_id = uuid.uuid4().hex
+        for start in range(0, len(specs), m.PUT_BATCH_OBJECTS_MAX):
+            batch = specs[start : start + m.PUT_BATCH_OBJECTS_MAX]
+            reply = await self._directory(
+                "put_begin",
+                m.PutBegin(
+                    writer_id=self.settings.holder_id,
+                    request_id=f"{request_id}-{start}",
+                    objects=batch,
+                    write_ttl_ms=self.settings.write_ttl_ms,
+                ),
+            )
+            if not isinstance(reply, m.PutBeginReply):
+                for spec in batch:
+                    failed_chunks.add(chunk_of[spec.key])
+                causes[str(reply)] = causes.get(str(reply), 0) + len(batch)
+                continue
+            for result in reply.results:
+                if result.status == "placed":
+                    placed.append(result)
+                elif result.status == "exists":
+                    existing_chunks.add(chunk_of[result.key])
+                else:
+                    failed_chunks.add(chunk_of[result.key])
+                    causes[result.status] = causes.get(result.status, 0) + 1
+        # Write every replica of every placed object (bounded by the save executor's threads).
+        writes = [
+            loop.run_in_executor(self._save_executor, self.pool.store, ticket, data[result.key])
+            for result in placed
+            for ticket in result.tickets
+        ]
+        write_causes = await asyncio.gather(*writes)
+        ok_keys: list[bytes] = []
+        bad_keys: list[bytes] = []
+        position = 0
+        bytes_written = 0
+        for result in placed:
+            outcomes = write_causes[position : position + len(result.tickets)]
+            position += len(result.tickets)
+            if any(o == "ok" for o in outcomes):
+                ok_keys.append(result.key)
+                bytes_written += sum(len(data[result.key]) for o in outcomes if o == "ok")
+            else:
+                bad_keys.append(result.key)
+                failed_chunks.add(chunk_of[result.key])
+                for o in outcomes:
+                    causes[o] = causes.get(o, 0) + 1
+        if bad_keys:
+            await self._directory(
+                "put_abort",
+                m.PutAbort(writer_id=self.settings.holder_id, request_id=request_id + "-a", keys=bad_keys),
+            )
+        for start in range(0, len(ok_keys), m.PUT_BATCH_OBJECTS_MAX):
+            batch_keys = ok_keys[start : start + m.PUT_BATCH_OBJECTS_MAX]
+            reply = await self._directory(
+                "put_commit",
+                m.PutCommit(
+                    writer_id=self.settings.holder_id, request_id=f"{request_id}-c{start}", keys=batch_keys
+                ),
+            )
+            if not isinstance(reply, m.PutCommitReply):
+                for key in batch_keys:
+                    failed_chunks.add(chunk_of[key])
+                causes[str(reply)] = causes.get(str(reply), 0) + len(batch_keys)
+                continue
+            for commit in reply.results:
+                if commit.status in ("missing", "not_found"):
+                    failed_chunks.add(chunk_of[commit.key])
+                    causes[commit.status] = causes.get(commit.status, 0) + 1
+        saved_chunks = {chunk_of[k] for k in ok_keys} - failed_chunks
+        tpc = self.spec.layout.tokens_per_chunk
+        self.metrics.saved_tokens.inc(len(saved_chunks) * tpc)
+        self.metrics.saved_bytes.inc(bytes_written)
+        for cause, n in causes.items():
+            self.metrics.save_failures.labels(cause).inc(n)
+        return SaveResult(
+            chunks_saved=len(saved_chunks),
+            chunks_existing=len(existing_chunks - failed_chunks - saved_chunks),
+            chunks_failed=len(failed_chunks),
+            bytes_written=bytes_written,
+            causes=causes,
+        )
+
+    async def _directory(self, verb: str, message: m.DirectoryRequest) -> object:
+        """A directory call for saves: the reply, or a cause string (never raises)."""
+        if self.nc is None:
+            return "closed"
+        try:
+            return await request(
+                self.nc,
+                endpoint_subject(Service.DIRECTORY, verb),
+                message,
+                m.reply_decoder,
+                self.settings.save_timeout_ms / 1000,
+            )
+        except Unavailable:
+            return "directory_unavailable"
+        except Indeterminate:
+            return "directory_timeout"
+        except KvfError as exc:
+            return exc.code

@@ -1,0 +1,92 @@
+"""Client settings: where the cluster is, who the engine is, and every limit, named with its unit.
+
+Limits (DESIGN.md 3.6): a client never grows without bound. Loads beyond `transfers_max` or
+`load_inflight_bytes_max` are answered Busy (the engine recomputes), saves beyond
+`save_inflight_bytes_max` or `saves_queued_max` are dropped and counted (the engine never waits).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Final
+
+import msgspec
+
+from kvfabric.format.errors import BadRequest
+
+__all__ = ["ClientSettings", "settings_from_env"]
+
+ENV_PREFIX: Final = "KVF_CLIENT_"
+
+
+class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
+    nats_url: str
+    tenant_id: str = "default"
+    # The share domain's salt (hex). Engines that must not share KV use different salts.
+    domain_salt_hex: str = "6b7666616272696364656661756c7400"
+    holder_id: str = msgspec.field(default_factory=lambda: f"client-{uuid.uuid4().hex[:12]}")
+    lookup_timeout_ms: int = 2_000
+    load_timeout_ms: int = 10_000
+    save_timeout_ms: int = 30_000
+    connect_timeout_ms: int = 2_000
+    lease_ttl_ms: int = 30_000
+    write_ttl_ms: int = 30_000
+    transfers_max: int = 16  # concurrent object transfers (threads)
+    connections_per_segment_max: int = 8
+    load_inflight_bytes_max: int = 512 << 20
+    save_inflight_bytes_max: int = 512 << 20
+    saves_queued_max: int = 64
+    replica_attempts_max: int = 2  # replicas tried per object before the load gives up
+    use_shm: bool = True  # read co-located segments through their shared-memory arena
+    metrics_port: int = -1  # -1: no HTTP endpoint; 0: any free port
+
+    def __post_init__(self) -> None:
+        for name in (
+            "lookup_timeout_ms",
+            "load_timeout_ms",
+            "save_timeout_ms",
+            "connect_timeout_ms",
+            "lease_ttl_ms",
+            "write_ttl_ms",
+            "transfers_max",
+            "connections_per_segment_max",
+            "load_inflight_bytes_max",
+            "save_inflight_bytes_max",
+            "saves_queued_max",
+            "replica_attempts_max",
+        ):
+            if getattr(self, name) < 1:
+                raise BadRequest(f"client setting {name} must be at least 1, got {getattr(self, name)}")
+        try:
+            salt = bytes.fromhex(self.domain_salt_hex)
+        except ValueError:
+            raise BadRequest("client setting domain_salt_hex is not hex") from None
+        if not 16 <= len(salt) <= 64:
+            raise BadRequest(f"domain salt must be 16..64 bytes, got {len(salt)}")
+
+    @property
+    def domain_salt(self) -> bytes:
+        return bytes.fromhex(self.domain_salt_hex)
+
+
+def settings_from_env(**overrides: object) -> ClientSettings:
+    """Settings from `KVF_CLIENT_<NAME>` variables (e.g. KVF_CLIENT_NATS_URL), then `overrides`."""
+    values: dict[str, object] = {}
+    for field in msgspec.structs.fields(ClientSettings):
+        raw = os.environ.get(ENV_PREFIX + field.name.upper())
+        if raw is None:
+            continue
+        if field.type is int:
+            values[field.name] = int(raw)
+        elif field.type is bool:
+            values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            values[field.name] = raw
+    values.update(overrides)
+    if "nats_url" not in values:
+        raise BadRequest(f"no NATS url: set {ENV_PREFIX}NATS_URL")
+    try:
+        return msgspec.convert(values, ClientSettings)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"bad client settings: {exc}") from None

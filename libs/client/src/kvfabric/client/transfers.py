@@ -1,0 +1,139 @@
+"""Blocking object transfers for the client, run on its worker threads.
+
+`SegmentPool` keeps, per segment data address, at most `connections_per_segment_max` idle
+connections (a TCP data connection, plus a shared-memory reader when the segment's arena file is
+on this host). A connection that failed is closed, never reused. Every call is bounded by the
+connection's timeout, so a dead segment costs at most one timeout per attempt.
+
+Ownership: `fetch` writes only into the staging buffer it is given and returns; it never touches
+engine buffers (the client copies staging into them after its ownership fence). `store` reads
+the caller's buffer until it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Final
+
+from kvfabric.dataplane.shm import ShmReader
+from kvfabric.dataplane.tcp import TcpDataClient
+from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import KvfError
+from kvfabric.proto.dataplane import ReadRef
+from kvfabric.proto.directory import ObjectLocation, WriteTicket
+
+__all__ = ["FetchOutcome", "SegmentPool"]
+
+OK: Final = "ok"
+
+
+@dataclass(slots=True)
+class _Connection:
+    tcp: TcpDataClient
+    shm: ShmReader | None
+
+    def close(self) -> None:
+        if self.shm is not None:
+            with contextlib.suppress(BufferError, ValueError):
+                self.shm.close()
+        self.tcp.close()
+
+
+@dataclass(frozen=True, slots=True)
+class FetchOutcome:
+    cause: str  # "ok" or a fallback cause
+    via_shm: bool = False
+
+
+class SegmentPool:
+    """Data connections to segments, shared by the client's worker threads."""
+
+    def __init__(self, *, connections_per_segment_max: int, timeout_s: float, use_shm: bool) -> None:
+        self.connections_per_segment_max = connections_per_segment_max
+        self.timeout_s = timeout_s
+        self.use_shm = use_shm
+        self._idle: dict[str, list[_Connection]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
+
+    @contextlib.contextmanager
+    def _connection(self, data_addr: str) -> Iterator[_Connection]:
+        with self._lock:
+            conns = self._idle.get(data_addr)
+            conn = conns.pop() if conns else None
+        if conn is None:
+            tcp = TcpDataClient.connect(data_addr, timeout_s=self.timeout_s)
+            shm = None
+            if self.use_shm:
+                try:
+                    shm = ShmReader(tcp)
+                except (KvfError, OSError, ValueError):
+                    shm = None  # not co-located (or no arena file): TCP only
+            conn = _Connection(tcp, shm)
+        try:
+            yield conn
+        except BaseException:
+            conn.close()
+            raise
+        with self._lock:
+            pool = self._idle.setdefault(data_addr, [])
+            if self._closed or len(pool) >= self.connections_per_segment_max:
+                conn.close()
+            else:
+                pool.append(conn)
+
+    def fetch(self, location: ObjectLocation, staging: bytearray, attempts_max: int) -> FetchOutcome:
+        """Read one object into `staging` from its first reachable replica and verify its
+        checksum against the directory's. Tries at most `attempts_max` replicas."""
+        cause = "not_found"
+        for replica in location.replicas[:attempts_max]:
+            ref = ReadRef(replica.incarnation, replica.slot, replica.slot_generation, location.size_bytes)
+            try:
+                with self._connection(replica.data_addr) as conn:
+                    if conn.shm is not None and conn.shm.incarnation == replica.incarnation:
+                        result = conn.shm.get([ref], [staging])[0]
+                        via_shm = True
+                    else:
+                        result = conn.tcp.get([ref], [staging])[0]
+                        via_shm = False
+            except (ConnectionError, TimeoutError) as exc:
+                cause = "timeout" if isinstance(exc, TimeoutError) else "segment_unreachable"
+                continue
+            except OSError:
+                cause = "segment_unreachable"
+                continue
+            except KvfError as exc:
+                cause = "segment_unreachable" if exc.retryable else "transport_error"
+                continue
+            if result.status != OK:
+                cause = result.status if result.status in ("stale_generation", "not_found") else "not_found"
+                continue
+            # Verify against the directory's checksum (what the writer declared), not only the
+            # segment's: a segment that lost or mixed up bytes cannot vouch for them.
+            if result.checksum != location.checksum or checksum(staging) != location.checksum:
+                cause = "checksum"
+                continue
+            return FetchOutcome(OK, via_shm)
+        return FetchOutcome(cause)
+
+    def store(self, ticket: WriteTicket, data: memoryview) -> str:
+        """Write one replica under its ticket. Returns "ok" (confirmed) or a cause."""
+        try:
+            with self._connection(ticket.data_addr) as conn:
+                reply = conn.tcp.put(ticket, data)
+        except KvfError as exc:
+            return exc.code
+        except OSError:
+            return "segment_unreachable"
+        return OK if reply.confirmed else "unconfirmed"
