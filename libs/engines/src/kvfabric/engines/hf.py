@@ -1,0 +1,225 @@
+"""HF transformers adapter: load a stored prefix's KV into a `DynamicCache`, compute only the
+suffix, save the prompt's new chunks. The light path (no vLLM) for demos and small deployments.
+
+Object layout (`TENSOR_LAYOUT`, part of every key): one object per (chunk, member) holds, for each
+layer in order, K then V of that chunk, each `[num_kv_heads, tokens_per_chunk, head_dim]`,
+contiguous, in the cache dtype (batch 1). The model fingerprint carries the dtype, the weights
+digest and the attention config, so a different model, dtype or checkpoint never shares KV.
+
+Ownership: `load_prefix` hands the client buffers it allocated itself and builds the cache only
+from the verified prefix the client reports; `save_prefix` copies the chunks out of the cache
+(the client owns the copies), so the caller may keep using or drop the cache at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+
+from kvfabric.client import EngineSpec, Hit, KvClient, SaveResult
+from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, digest_config
+
+__all__ = ["TENSOR_LAYOUT", "GenerateResult", "HfKvAdapter", "PrefixLoad", "hf_engine_spec", "weights_digest"]
+
+TENSOR_LAYOUT: Final = "hf-dynamic-cache.v1:per-layer-k-then-v:[kvh,tokens,head_dim]"
+_ATTN_KEYS: Final = (
+    "model_type",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_size",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "max_position_embeddings",
+    "sliding_window",
+    "attention_bias",
+)
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """xxh3-128 of every parameter and buffer (name, dtype, shape, bytes). Seconds per GB."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for name, tensor in sorted([*model.state_dict().items()]):
+        t = tensor.detach().contiguous().cpu()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+    return "xxh3:" + h.hexdigest()
+
+
+def _attn_config(model: torch.nn.Module) -> dict[str, Any]:
+    config = model.config.to_dict()  # type: ignore[operator, union-attr]
+    return {k: config.get(k) for k in _ATTN_KEYS}
+
+
+def _dims(model: torch.nn.Module) -> tuple[int, int, int]:
+    cfg: Any = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv_heads, head_dim
+
+
+def hf_engine_spec(
+    model: torch.nn.Module,
+    domain: ShareDomain,
+    *,
+    tokens_per_chunk: int = 256,
+    model_id: str | None = None,
+    weights_revision: str | None = None,
+) -> EngineSpec:
+    """The key space of `model`: its id, weights (digest unless a revision is given), cache
+    dtype and attention config; one member (TP 1, PP 1, one layer group)."""
+    dtype = next(model.parameters()).dtype
+    name = model_id or str(getattr(model.config, "name_or_path", "") or type(model).__name__)
+    fingerprint = ModelFingerprint(
+        model_id=name[:200],
+        weights_revision=weights_revision or weights_digest(model),
+        kv_dtype=str(dtype).removeprefix("torch."),
+        attn_config_digest=digest_config(_attn_config(model)),
+    )
+    layout = KVLayout(
+        tp_size=1,
+        tp_rank=0,
+        pp_stage=0,
+        layer_group=0,
+        layer_group_count=1,
+        tokens_per_chunk=tokens_per_chunk,
+        tensor_layout=TENSOR_LAYOUT,
+    )
+    return EngineSpec(domain=domain, model=fingerprint, layout=layout)
+
+
+def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers 4.x
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLoad:
+    cache: Any  # a DynamicCache holding `tokens` tokens, or None
+    tokens: int
+    hit: Hit
+    load_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    token_ids: list[int]  # the new tokens only
+    loaded_tokens: int
+    computed_tokens: int  # prompt tokens the model really ran (prefill)
+    prefill_s: float  # lookup + load + suffix forward, up to the first token's logits
+    load_s: float
+    saving: concurrent.futures.Future[SaveResult] | None = None  # the prompt's save, if started
+
+
+class HfKvAdapter:
+    """Runs one causal LM (batch 1) with kvfabric underneath."""
+
+    def __init__(self, model: torch.nn.Module, client: KvClient) -> None:
+        self.model = model
+        self.client = client
+        self.tpc = client.aio.spec.layout.tokens_per_chunk
+        self.layers, self.kv_heads, self.head_dim = _dims(model)
+        self.dtype = next(model.parameters()).dtype
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.chunk_bytes = self.layers * 2 * self.kv_heads * self.tpc * self.head_dim * itemsize
+
+    # ---- load ------------------------------------------------------------------------------
+
+    def load_prefix(self, token_ids: Sequence[int]) -> PrefixLoad:
+        """The longest stored prefix (never the whole prompt: the last token is computed, its
+        logits are needed) as a cache. Any failure gives a shorter prefix, never an error."""
+        from transformers import DynamicCache
+
+        started = time.perf_counter()
+        hit = self.client.lookup(token_ids, max_tokens=len(token_ids) - 1)
+        if hit.tokens == 0:
+            self.client.release(hit)
+            return PrefixLoad(None, 0, hit, time.perf_counter() - started)
+        n = hit.chunks
+        staging = torch.empty((n, self.layers, 2, self.kv_heads, self.tpc, self.head_dim), dtype=self.dtype)
+        flat = staging.view(n, -1).view(torch.uint8)
+        dests = [[flat[c].numpy().data] for c in range(n)]
+        result = self.client.load(hit, dests)
+        loaded = result.tokens // self.tpc
+        if loaded == 0:
+            self.client.release(hit)
+            return PrefixLoad(None, 0, hit, time.perf_counter() - started)
+        cache = DynamicCache()
+        for layer in range(self.layers):
+            k = staging[:loaded, layer, 0].permute(1, 0, 2, 3).reshape(self.kv_heads, loaded * self.tpc, -1)
+            v = staging[:loaded, layer, 1].permute(1, 0, 2, 3).reshape(self.kv_heads, loaded * self.tpc, -1)
+            cache.update(k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous(), layer)
+        return PrefixLoad(cache, loaded * self.tpc, hit, time.perf_counter() - started)
+
+    # ---- save ------------------------------------------------------------------------------
+
+    def chunk_objects(self, cache: Any, first_chunk: int, last_chunk: int) -> list[list[memoryview]]:
+        """Copies of chunks `first_chunk..last_chunk-1` of `cache` in the object layout."""
+        layers = _cache_layers(cache)
+        objects: list[list[memoryview]] = []
+        for c in range(first_chunk, last_chunk):
+            s, e = c * self.tpc, (c + 1) * self.tpc
+            parts = [t[0, :, s:e, :].reshape(-1) for k, v in layers for t in (k, v)]
+            blob = torch.cat(parts).contiguous()
+            objects.append([blob.view(torch.uint8).numpy().data])
+        return objects
+
+    def save_prefix(
+        self, token_ids: Sequence[int], cache: Any, *, first_chunk: int = 0
+    ) -> concurrent.futures.Future[SaveResult] | None:
+        """Save the full chunks of `token_ids` from `first_chunk` on (asynchronous; None when the
+        client dropped it). `cache` must hold at least those tokens."""
+        last_chunk = min(len(token_ids), _cache_layers(cache)[0][0].shape[2]) // self.tpc
+        if last_chunk <= first_chunk:
+            return None
+        objects = self.chunk_objects(cache, first_chunk, last_chunk)
+        return self.client.save_async(
+            list(token_ids[: last_chunk * self.tpc]), objects, first_chunk=first_chunk
+        )
+
+    # ---- generation ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(
+        self, token_ids: Sequence[int], *, max_new_tokens: int, save: bool = True, use_cache: bool = True
+    ) -> GenerateResult:
+        """Greedy generation. With `use_cache`, the stored prefix is loaded and only the suffix is
+        prefilled; the prompt's new full chunks are then saved (asynchronously)."""
+        from transformers import DynamicCache
+
+        ids = list(token_ids)
+        started = time.perf_counter()
+        prefix = self.load_prefix(ids) if use_cache else None
+        loaded = prefix.tokens if prefix else 0
+        cache = prefix.cache if prefix and prefix.cache is not None else DynamicCache()
+        suffix = torch.tensor([ids[loaded:]], dtype=torch.long)
+        out = self.model(input_ids=suffix, past_key_values=cache, use_cache=True)
+        prefill_s = time.perf_counter() - started
+        if prefix is not None:
+            self.client.release(prefix.hit)
+        saving = None
+        if save and use_cache:
+            saving = self.save_prefix(ids, out.past_key_values, first_chunk=loaded // self.tpc)
+        new: list[int] = []
+        logits = out.logits[0, -1]
+        cache = out.past_key_values
+        for _ in range(max_new_tokens):
+            token = int(torch.argmax(logits))
+            new.append(token)
+            if len(new) == max_new_tokens:
+                break
+            out = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            logits, cache = out.logits[0, -1], out.past_key_values
+        load_s = prefix.load_s if prefix else 0.0
+        return GenerateResult(new, loaded, len(ids) - loaded, prefill_s, load_s, saving)

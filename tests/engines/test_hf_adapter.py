@@ -1,0 +1,174 @@
+"""HF transformers adapter end to end: a prompt run in one engine instance is saved; a fresh
+instance loads the prefix from kvfabric, computes only the suffix, and produces identical greedy
+output token ids to a run without kvfabric, also when a segment dies, a stored byte is corrupted
+or the directory does not answer (then it recomputes)."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfabric.client import ClientSettings, KvClient
+from kvfabric.engines.hf import HfKvAdapter, hf_engine_spec
+from kvfabric.format.key import ShareDomain
+from kvfabric.testing import NatsServer, ServiceProcess
+from tests.engines.tinymodel import build_tiny_llama, prompt_ids
+from tests.integration.clientkit import corrupt_stored_byte
+from tests.integration.cluster import directory_process, segment_process
+
+pytestmark = [pytest.mark.integration, pytest.mark.engines]
+
+TPC = 64
+NEW_TOKENS = 12
+DOMAIN = ShareDomain(tenant_id="tenant-hf", salt=b"hf-adapter-tests")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture
+def cluster(nats_server: NatsServer) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    with directory_process(nats_server) as directory, segment_process(nats_server, "seg-hf") as segment:
+        yield directory, segment
+
+
+def load_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    model: torch.nn.Module = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.eval()
+
+
+def engine(
+    model_dir: Path, nats: NatsServer, dtype: torch.dtype = torch.float32, **settings: object
+) -> HfKvAdapter:
+    """A fresh engine instance: its own model object and its own client."""
+    model = load_model(model_dir, dtype)
+    client = KvClient(
+        ClientSettings(nats_url=nats.url, **settings),  # type: ignore[arg-type]
+        hf_engine_spec(model, DOMAIN, tokens_per_chunk=TPC, model_id="tiny-llama"),
+    )
+    return HfKvAdapter(model, client)
+
+
+@torch.inference_mode()
+def reference(model_dir: Path, ids: list[int]) -> list[int]:
+    """Greedy tokens from transformers' own generate, without kvfabric."""
+    model = load_model(model_dir)
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS
+    )  # type: ignore[operator]
+    return [int(t) for t in out[0, len(ids) :]]
+
+
+def saved(adapter: HfKvAdapter, ids: list[int]) -> None:
+    result = adapter.generate(ids, max_new_tokens=NEW_TOKENS)
+    assert result.loaded_tokens == 0 and result.saving is not None
+    outcome = result.saving.result(60)
+    assert outcome.chunks_failed == 0 and outcome.chunks_saved == len(ids) // TPC
+
+
+def test_fresh_engine_loads_the_prefix_and_outputs_identical_tokens(
+    model_dir: Path, nats_server: NatsServer, cluster: object
+) -> None:
+    ids = prompt_ids(10 * TPC + 17, seed=1)
+    expected = reference(model_dir, ids)
+    first = engine(model_dir, nats_server)
+    try:
+        saved(first, ids)
+    finally:
+        first.client.close()
+    second = engine(model_dir, nats_server)
+    try:
+        result = second.generate(ids, max_new_tokens=NEW_TOKENS)
+        assert result.loaded_tokens == 10 * TPC and result.computed_tokens == 17
+        assert result.token_ids == expected
+        # A prompt that extends a stored one loads the shared prefix and still matches.
+        longer = ids[: 10 * TPC] + prompt_ids(3 * TPC + 5, seed=2)
+        extended = second.generate(longer, max_new_tokens=NEW_TOKENS)
+        assert extended.loaded_tokens == 10 * TPC and extended.computed_tokens == 3 * TPC + 5
+        assert extended.token_ids == reference(model_dir, longer)
+        # A prompt that is exactly whole chunks: the last token is never loaded (its logits are needed).
+        exact = ids[: 10 * TPC]
+        whole = second.generate(exact, max_new_tokens=NEW_TOKENS, save=False)
+        assert whole.loaded_tokens == 9 * TPC and whole.token_ids == reference(model_dir, exact)
+        assert second.client.aio._leases == {}  # every lease released
+    finally:
+        second.client.close()
+
+
+def test_another_dtype_or_model_never_shares_kv(
+    model_dir: Path, nats_server: NatsServer, cluster: object
+) -> None:
+    ids = prompt_ids(4 * TPC + 1, seed=3)
+    first = engine(model_dir, nats_server)
+    try:
+        saved(first, ids)
+    finally:
+        first.client.close()
+    bf16 = engine(model_dir, nats_server, dtype=torch.bfloat16)
+    try:
+        assert bf16.generate(ids, max_new_tokens=2, save=False).loaded_tokens == 0
+    finally:
+        bf16.client.close()
+    other_dir = build_tiny_llama(model_dir.parent / "other-llama", seed=99)
+    other = engine(other_dir, nats_server)
+    try:
+        assert other.generate(ids, max_new_tokens=2, save=False).loaded_tokens == 0
+    finally:
+        other.client.close()
+
+
+def test_corrupted_byte_recomputes_from_the_bad_chunk_with_identical_output(
+    model_dir: Path, nats_server: NatsServer, cluster: object
+) -> None:
+    ids = prompt_ids(6 * TPC + 9, seed=4)
+    first = engine(model_dir, nats_server)
+    try:
+        saved(first, ids)
+        hit = first.client.lookup(ids)
+        corrupt_stored_byte(hit, 2)
+        first.client.release(hit)
+    finally:
+        first.client.close()
+    second = engine(model_dir, nats_server)
+    try:
+        result = second.generate(ids, max_new_tokens=NEW_TOKENS, save=False)
+        assert result.loaded_tokens == 2 * TPC
+        assert result.token_ids == reference(model_dir, ids)
+    finally:
+        second.client.close()
+
+
+def test_dead_segment_or_silent_directory_recomputes_with_identical_output(
+    model_dir: Path, nats_server: NatsServer, cluster: tuple[ServiceProcess, ServiceProcess]
+) -> None:
+    directory, segment = cluster
+    ids = prompt_ids(5 * TPC + 3, seed=5)
+    expected = reference(model_dir, ids)
+    first = engine(model_dir, nats_server)
+    try:
+        saved(first, ids)
+    finally:
+        first.client.close()
+    second = engine(model_dir, nats_server, lookup_timeout_ms=500, load_timeout_ms=2000)
+    try:
+        directory.send_signal(signal.SIGSTOP)
+        try:
+            silent = second.generate(ids, max_new_tokens=NEW_TOKENS, save=False)
+        finally:
+            directory.send_signal(signal.SIGCONT)
+        assert silent.loaded_tokens == 0 and silent.token_ids == expected
+        segment.send_signal(signal.SIGKILL)
+        segment.wait(10.0)
+        dead = second.generate(ids, max_new_tokens=NEW_TOKENS, save=False)
+        assert dead.loaded_tokens == 0 and dead.token_ids == expected
+        assert second.client.aio._leases == {}
+    finally:
+        second.client.close()
