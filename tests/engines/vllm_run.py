@@ -56,6 +56,7 @@ def transfer_config(args: argparse.Namespace) -> Any:
                 "nats_url": args.nats_url,
                 "lookup_timeout_ms": 1000,
                 "load_timeout_ms": 5000,
+                "lease_ttl_ms": args.lease_ttl_ms,
             },
         )
     if args.connector == "example":
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("--nats-url", default="")
     parser.add_argument("--example-dir", default="/tmp/kvf-example-connector")
     parser.add_argument("--max-model-len", type=int, default=10_240)
+    parser.add_argument("--lease-ttl-ms", type=int, default=30_000)
     args = parser.parse_args()
     with open(args.plan) as f:
         plan = json.load(f)
@@ -112,13 +114,9 @@ def main() -> None:
             timer.join()
         run_actions(step.get("after", []))
         metrics = out.metrics
-        prefill_s = None
-        if (
-            metrics is not None
-            and getattr(metrics, "first_token_ts", 0)
-            and getattr(metrics, "scheduled_ts", 0)
-        ):
-            prefill_s = metrics.first_token_ts - metrics.scheduled_ts
+        first_token_ts = float(getattr(metrics, "first_token_ts", None) or 0.0)
+        scheduled_ts = float(getattr(metrics, "scheduled_ts", None) or 0.0)
+        prefill_s = first_token_ts - scheduled_ts if first_token_ts and scheduled_ts else None
         results.append(
             {
                 "name": step["name"],
