@@ -68,6 +68,10 @@ bench: setup engines-setup ## Run the benchmarks; JSON + markdown into bench/res
 	cat bench/results/*.md > bench/results/SUMMARY.md
 	@echo "wrote bench/results/SUMMARY.md"
 
+.PHONY: demo
+demo: setup ## Bring the local cluster up (if needed) and run a shared-prefix HF workload on it; prints a table
+	$(PY) tools/demo.py
+
 .PHONY: up down status
 up: setup ## Start a local cluster (nats + directory + 3 segments in 3 failure domains), supervised
 	$(PY) tools/localcluster.py up

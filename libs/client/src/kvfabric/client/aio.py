@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import nats
 import nats.errors
@@ -66,6 +66,10 @@ from kvfabric.proto.subjects import Service, endpoint_subject
 from kvfabric.runtime.client import request
 
 __all__ = ["AsyncKvClient", "Destination", "EngineSpec", "Source"]
+
+# Objects per data-plane request when a load reads several from one segment: fewer round trips,
+# still several requests in flight (worker threads) for a long prefix.
+FETCH_BATCH_OBJECTS_MAX: Final = 8
 
 Destination: TypeAlias = memoryview | bytearray | Sequence[memoryview]
 """Where one object's bytes go: one writable buffer, or a scatter list of writable byte views
@@ -157,6 +161,7 @@ class AsyncKvClient:
         self._saves_running = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._capacity = asyncio.Event()  # set whenever a transfer releases its staging
+        self._starting: list[tuple[TransferId, m.ObjectLocation, bytearray]] = []  # not dispatched yet
         self._closed = False
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -348,6 +353,7 @@ class AsyncKvClient:
                     await self._want(load_id, generation, object_id, dest_id, loc, deadline_ms)
                 if any(f.done() and f.result() != "ok" for f in outcomes.values()):
                     break  # a chunk already failed: later ones would not be used
+            self._flush_starts()
             pending = [f for f in outcomes.values() if not f.done()]
             if pending:
                 timeout_s = max(0.0, (deadline_ms - _now_ms()) / 1000)
@@ -355,6 +361,7 @@ class AsyncKvClient:
         finally:
             # Every waiter of this load ends here (also when this coroutine is cancelled): after
             # this, no transfer can write into this load's buffers (the table fences them).
+            self._flush_starts()  # started transfers must be answered (and release staging)
             timed_out = _now_ms() >= deadline_ms
             for (chunk, j), future in outcomes.items():
                 if not future.done():
@@ -399,6 +406,7 @@ class AsyncKvClient:
             if remaining_s <= 0 or self.table.transfers_held == 0:
                 self._finish(load_id, "busy")  # nothing will free room (object too large) or too late
                 return
+            self._flush_starts()  # what this load started so far must run before we wait for room
             self._capacity.clear()
             try:
                 await asyncio.wait_for(self._capacity.wait(), remaining_s)
@@ -465,26 +473,47 @@ class AsyncKvClient:
 
     def _start_transfer(self, effect: StartTransfer) -> None:
         location = self._locations.pop(effect.object_id)
-        staging = bytearray(effect.size_bytes)
+        staging = bytearray(effect.size_bytes)  # client-owned: the transport writes only here
         self._staging[effect.transfer_id] = staging
+        self._starting.append((effect.transfer_id, location, staging))
+
+    def _flush_starts(self) -> None:
+        """Dispatch the transfers started since the last flush to the worker threads, batched
+        per segment (`FETCH_BATCH_OBJECTS_MAX` objects a request). Every one is answered once."""
+        if not self._starting:
+            return
+        starting, self._starting = self._starting, []
+        by_segment: dict[str, list[tuple[TransferId, m.ObjectLocation, bytearray]]] = {}
+        for item in starting:
+            addr = item[1].replicas[0].data_addr if item[1].replicas else ""
+            by_segment.setdefault(addr, []).append(item)
         loop = asyncio.get_running_loop()
         attempts = self.settings.replica_attempts_max
 
-        def done(cause: str) -> None:
-            self._perform(self.table.transfer_done(effect.transfer_id, cause == "ok", cause))
+        def done(transfer_ids: list[TransferId], causes: list[str]) -> None:
+            for transfer_id, cause in zip(transfer_ids, causes, strict=True):
+                self._perform(self.table.transfer_done(transfer_id, cause == "ok", cause))
 
-        def run() -> None:
-            try:
-                cause = self.pool.fetch(location, staging, attempts).cause
-            except Exception:  # never leave a transfer unanswered
-                cause = "transport_error"
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-                loop.call_soon_threadsafe(done, cause)
+        for items in by_segment.values():
+            for start in range(0, len(items), FETCH_BATCH_OBJECTS_MAX):
+                batch = items[start : start + FETCH_BATCH_OBJECTS_MAX]
+                transfer_ids = [transfer_id for transfer_id, _, _ in batch]
 
-        try:
-            self._executor.submit(run)
-        except RuntimeError:  # executor shut down
-            loop.call_soon(done, "closed")
+                def run(batch: list[tuple[TransferId, m.ObjectLocation, bytearray]] = batch) -> None:
+                    ids = [transfer_id for transfer_id, _, _ in batch]
+                    try:
+                        causes = self.pool.fetch_many(
+                            [loc for _, loc, _ in batch], [st for _, _, st in batch], attempts
+                        )
+                    except Exception:  # never leave a transfer unanswered
+                        causes = ["transport_error"] * len(batch)
+                    with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                        loop.call_soon_threadsafe(done, ids, causes)
+
+                try:
+                    self._executor.submit(run)
+                except RuntimeError:  # executor shut down
+                    loop.call_soon(done, transfer_ids, ["closed"] * len(batch))
 
     def _deliver(self, effect: Deliver) -> None:
         staging = self._staging[effect.transfer_id]

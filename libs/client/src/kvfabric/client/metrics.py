@@ -18,8 +18,12 @@ class ClientMetrics:
         self.hit_tokens = Counter(
             "kvfabric_client_hit_tokens", "Candidate hit tokens the directory reported (folded)", registry=r
         )
-        self.loaded_tokens = Counter("kvfabric_client_loaded_tokens", "Tokens loaded and verified", registry=r)
-        self.loaded_bytes = Counter("kvfabric_client_loaded_bytes", "Bytes copied into engine buffers", registry=r)
+        self.loaded_tokens = Counter(
+            "kvfabric_client_loaded_tokens", "Tokens loaded and verified", registry=r
+        )
+        self.loaded_bytes = Counter(
+            "kvfabric_client_loaded_bytes", "Bytes copied into engine buffers", registry=r
+        )
         self.prefill_tokens_saved = Counter(
             "kvfabric_client_prefill_tokens_saved", "Prefill tokens the engine did not compute", registry=r
         )
@@ -47,7 +51,9 @@ class ClientMetrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
-        self.saved_tokens = Counter("kvfabric_client_saved_tokens", "Tokens newly published by saves", registry=r)
+        self.saved_tokens = Counter(
+            "kvfabric_client_saved_tokens", "Tokens newly published by saves", registry=r
+        )
         self.saved_bytes = Counter("kvfabric_client_saved_bytes", "Bytes written by saves", registry=r)
         self.save_failures = Counter(
             "kvfabric_client_save_failures", "Chunks a save did not publish, by cause", ["cause"], registry=r

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
+import msgspec
+
 from kvfabric.dataplane.shm import ShmReader
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
@@ -126,6 +128,51 @@ class SegmentPool:
                 continue
             return FetchOutcome(OK, via_shm)
         return FetchOutcome(cause)
+
+    def fetch_many(
+        self, locations: list[ObjectLocation], stagings: list[bytearray], attempts_max: int
+    ) -> list[str]:
+        """`fetch` for objects whose first replicas share one segment: one request for all (one
+        PIN_LOCAL/UNPIN_LOCAL pair over shared memory, or one GET over TCP), each verified; an
+        object that fails there is retried alone on its next replicas. Returns a cause each."""
+        if not locations:
+            return []
+        firsts = [loc.replicas[0] if loc.replicas else None for loc in locations]
+        causes = ["not_found"] * len(locations)
+        live = [i for i, r in enumerate(firsts) if r is not None]
+        if live:
+            addr = firsts[live[0]].data_addr  # type: ignore[union-attr]
+            refs = [
+                ReadRef(r.incarnation, r.slot, r.slot_generation, locations[i].size_bytes)
+                for i in live
+                if (r := firsts[i]) is not None
+            ]
+            views = [stagings[i] for i in live]
+            try:
+                with self._connection(addr) as conn:
+                    incarnations = {ref.incarnation for ref in refs}
+                    if conn.shm is not None and incarnations == {conn.shm.incarnation}:
+                        results = conn.shm.get(refs, views)
+                    else:
+                        results = conn.tcp.get(refs, views)
+                for i, result in zip(live, results, strict=True):
+                    loc = locations[i]
+                    if result.status != OK:
+                        causes[i] = result.status if result.status == "stale_generation" else "not_found"
+                    elif result.checksum != loc.checksum or checksum(stagings[i]) != loc.checksum:
+                        causes[i] = "checksum"
+                    else:
+                        causes[i] = OK
+            except TimeoutError:
+                causes = ["timeout"] * len(locations)
+            except (OSError, KvfError):
+                causes = ["segment_unreachable"] * len(locations)
+        for i, loc in enumerate(locations):  # the next replicas, one object at a time
+            if causes[i] != OK and attempts_max > 1 and len(loc.replicas) > 1:
+                rest = msgspec.structs.replace(loc, replicas=loc.replicas[1:])
+                retry = self.fetch(rest, stagings[i], attempts_max - 1).cause
+                causes[i] = retry if retry == OK else causes[i]
+        return causes
 
     def store(self, ticket: WriteTicket, data: memoryview) -> str:
         """Write one replica under its ticket. Returns "ok" (confirmed) or a cause."""

@@ -147,19 +147,34 @@ class HfKvAdapter:
             self.client.release(hit)
             return PrefixLoad(None, 0, hit, time.perf_counter() - started)
         n = hit.chunks
-        staging = torch.empty((n, self.layers, 2, self.kv_heads, self.tpc, self.head_dim), dtype=self.dtype)
-        flat = staging.view(n, -1).view(torch.uint8)
-        dests = [[flat[c].numpy().data] for c in range(n)]
+        # The cache tensors themselves are the destinations: chunk c's object scatters, per layer,
+        # K then V, per KV head, into the [tokens of c, head_dim] slice (contiguous). No staging
+        # copy, no permute; only the verified prefix is handed to the model.
+        kv = torch.empty((self.layers, 2, 1, self.kv_heads, n * self.tpc, self.head_dim), dtype=self.dtype)
+        dests = [
+            [
+                [
+                    kv[layer, kind, 0, head, c * self.tpc : (c + 1) * self.tpc]
+                    .reshape(-1)
+                    .view(torch.uint8)
+                    .numpy()
+                    .data
+                    for layer in range(self.layers)
+                    for kind in (0, 1)
+                    for head in range(self.kv_heads)
+                ]
+            ]
+            for c in range(n)
+        ]
         result = self.client.load(hit, dests)
         loaded = result.tokens // self.tpc
         if loaded == 0:
             self.client.release(hit)
             return PrefixLoad(None, 0, hit, time.perf_counter() - started)
         cache = DynamicCache()
+        end = loaded * self.tpc
         for layer in range(self.layers):
-            k = staging[:loaded, layer, 0].permute(1, 0, 2, 3).reshape(self.kv_heads, loaded * self.tpc, -1)
-            v = staging[:loaded, layer, 1].permute(1, 0, 2, 3).reshape(self.kv_heads, loaded * self.tpc, -1)
-            cache.update(k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous(), layer)
+            cache.update(kv[layer, 0, :, :, :end], kv[layer, 1, :, :, :end], layer)
         return PrefixLoad(cache, loaded * self.tpc, hit, time.perf_counter() - started)
 
     # ---- save ------------------------------------------------------------------------------
