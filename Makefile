@@ -13,7 +13,7 @@ PACKAGES := libs/format proto_schemas libs/core libs/dataplane libs/client libs/
 INSTALL_SPECS := $(foreach p,$(PACKAGES),-e '$(p)$(if $(filter libs/dataplane,$(p)),[ucx])$(if $(filter libs/engines,$(p)),[hf])')
 PYTEST_ARGS ?=
 
-.PHONY: help setup lint schemas schemas-check test test-fast
+.PHONY: help setup lint schemas schemas-check compose-check test test-fast
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
@@ -41,7 +41,10 @@ schemas-check: setup ## Fail when checked-in JSON Schemas are stale
 test-fast: setup ## Run the test suite only
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test: setup lint schemas-check ## Set up if needed, lint, check schemas, run the suite (what CI runs)
+compose-check: setup ## Static checks of compose/ (services, modules, mounts, Prometheus, Grafana dashboard)
+	$(PY) tools/compose_check.py
+
+test: setup lint schemas-check compose-check ## Set up if needed, lint, check schemas and compose, run the suite (what CI runs)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 .PHONY: engines-setup test-engines bench-engines

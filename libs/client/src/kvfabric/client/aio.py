@@ -62,6 +62,7 @@ from kvfabric.format.key import (
     chunk_groups_for_prefix,
 )
 from kvfabric.proto import directory as m
+from kvfabric.proto.common import TRACE_ID_HEADER
 from kvfabric.proto.subjects import Service, endpoint_subject
 from kvfabric.runtime.client import request
 
@@ -205,7 +206,12 @@ class AsyncKvClient:
         return chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, tokens, extras)
 
     async def lookup(
-        self, tokens: TokenIds, *, max_tokens: int | None = None, extras: ChunkExtras | None = None
+        self,
+        tokens: TokenIds,
+        *,
+        max_tokens: int | None = None,
+        extras: ChunkExtras | None = None,
+        trace_id: str | None = None,
     ) -> Hit:
         """The folded hit for `tokens` (at most `max_tokens`), read-leased. Never raises for a
         cluster failure: the hit is empty with `cause` set."""
@@ -215,7 +221,8 @@ class AsyncKvClient:
             groups = groups[: max(0, max_tokens) // tpc]
         groups = groups[: m.LOOKUP_BATCH_GROUPS_MAX]
         members = self.spec.required_members()
-        empty = Hit(0, tpc, tuple(groups), members)
+        trace_id = trace_id or uuid.uuid4().hex
+        empty = Hit(0, tpc, tuple(groups), members, trace_id=trace_id)
         self.metrics.lookups.inc()
         if not groups:
             return empty
@@ -234,6 +241,7 @@ class AsyncKvClient:
                 ),
                 m.reply_decoder,
                 self.settings.lookup_timeout_ms / 1000,
+                headers={TRACE_ID_HEADER: trace_id},
             )
         except Unavailable:
             return self._fallback(empty, "directory_unavailable")
@@ -266,6 +274,7 @@ class AsyncKvClient:
             tuple(rows),
             reply.lease_id,
             reply.lease_expires_ms,
+            trace_id=trace_id,
         )
         self.metrics.hit_tokens.inc(hit.tokens)
         return hit
@@ -277,9 +286,9 @@ class AsyncKvClient:
     async def release(self, hit: Hit) -> None:
         """Give the hit's read lease back (idempotent; a lost release expires at the directory)."""
         if hit.lease_id:
-            await self._release_lease(hit.lease_id)
+            await self._release_lease(hit.lease_id, hit.trace_id)
 
-    async def _release_lease(self, lease_id: int) -> None:
+    async def _release_lease(self, lease_id: int, trace_id: str = "") -> None:
         if self._leases.pop(lease_id, None) is None:
             return
         self.metrics.leases_held.set(len(self._leases))
@@ -292,6 +301,7 @@ class AsyncKvClient:
                 m.LeaseRelease(holder_id=self.settings.holder_id, lease_id=lease_id),
                 m.reply_decoder,
                 self.settings.lookup_timeout_ms / 1000,
+                headers={TRACE_ID_HEADER: trace_id} if trace_id else None,
             )
 
     # ---- load ------------------------------------------------------------------------------
@@ -335,6 +345,7 @@ class AsyncKvClient:
         deadline_ms = _now_ms() + self.settings.load_timeout_ms
         outcomes: dict[tuple[int, int], asyncio.Future[str]] = {}
         anonymous: list[DestId] = []
+        waits = [0.0]  # seconds this load queued for transfer room
         loop = asyncio.get_running_loop()
         try:
             for i, locs in enumerate(chunks):
@@ -350,7 +361,7 @@ class AsyncKvClient:
                     future: asyncio.Future[str] = loop.create_future()
                     outcomes[(chunk, j)] = future
                     self._waiters[load_id] = _Waiter(future, views[i][j])
-                    await self._want(load_id, generation, object_id, dest_id, loc, deadline_ms)
+                    await self._want(load_id, generation, object_id, dest_id, loc, deadline_ms, waits)
                 if any(f.done() and f.result() != "ok" for f in outcomes.values()):
                     break  # a chunk already failed: later ones would not be used
             self._flush_starts()
@@ -370,7 +381,7 @@ class AsyncKvClient:
                     self._finish(load_id, "timeout" if timed_out else "cancelled")
             for dest_id in anonymous:
                 self.table.forget_dest(dest_id)
-        return self._load_result(hit, first_chunk, len(chunks), outcomes, started)
+        return self._load_result(hit, first_chunk, len(chunks), outcomes, started, waits[0])
 
     async def _want(
         self,
@@ -380,6 +391,7 @@ class AsyncKvClient:
         dest_id: DestId,
         location: m.ObjectLocation,
         deadline_ms: int,
+        waits: list[float],
     ) -> None:
         """Register one waiter; while the table is full (Busy), wait for a transfer to release
         its staging, up to the load's deadline (then the waiter ends "busy")."""
@@ -408,11 +420,14 @@ class AsyncKvClient:
                 return
             self._flush_starts()  # what this load started so far must run before we wait for room
             self._capacity.clear()
+            queued = time.perf_counter()
             try:
                 await asyncio.wait_for(self._capacity.wait(), remaining_s)
             except TimeoutError:
                 self._finish(load_id, "busy")
                 return
+            finally:
+                waits[0] += time.perf_counter() - queued
 
     def _load_result(
         self,
@@ -421,6 +436,7 @@ class AsyncKvClient:
         n_chunks: int,
         outcomes: dict[tuple[int, int], asyncio.Future[str]],
         started: float,
+        queued_s: float,
     ) -> LoadResult:
         loaded = 0
         cause = ""
@@ -441,6 +457,7 @@ class AsyncKvClient:
         nbytes = sum(o.size_bytes for row in hit.objects[first_chunk : first_chunk + loaded] for o in row)
         tokens = (first_chunk + loaded) * hit.tokens_per_chunk
         self.metrics.load_seconds.observe(time.perf_counter() - started)
+        self.metrics.queued_seconds.observe(queued_s)
         self.metrics.loaded_tokens.inc(loaded * hit.tokens_per_chunk)
         self.metrics.prefill_tokens_saved.inc(loaded * hit.tokens_per_chunk)
         self.metrics.loaded_bytes.inc(nbytes)
@@ -543,6 +560,7 @@ class AsyncKvClient:
         *,
         first_chunk: int = 0,
         extras: ChunkExtras | None = None,
+        trace_id: str | None = None,
     ) -> SaveResult:
         """Publish chunks `first_chunk ..` of `tokens`: `objects[i][j]` is chunk first_chunk+i's
         bytes for member j. Two-phase: put_begin -> write every replica -> put_commit; any failed
@@ -566,7 +584,7 @@ class AsyncKvClient:
         self.metrics.inflight_bytes.set(self._save_bytes)
         started = time.perf_counter()
         try:
-            return await self._save(groups, members, views, first_chunk)
+            return await self._save(groups, members, views, first_chunk, trace_id or uuid.uuid4().hex)
         finally:
             self._save_bytes -= size
             self._saves_running -= 1
@@ -579,6 +597,7 @@ class AsyncKvClient:
         members: tuple[MemberId, ...],
         views: list[list[memoryview]],
         first_chunk: int,
+        trace_id: str,
     ) -> SaveResult:
         loop = asyncio.get_running_loop()
         data: dict[bytes, memoryview] = {}
@@ -606,6 +625,7 @@ class AsyncKvClient:
         for start in range(0, len(specs), m.PUT_BATCH_OBJECTS_MAX):
             batch = specs[start : start + m.PUT_BATCH_OBJECTS_MAX]
             reply = await self._directory(
+                trace_id,
                 "put_begin",
                 m.PutBegin(
                     writer_id=self.settings.holder_id,
@@ -651,12 +671,14 @@ class AsyncKvClient:
                     causes[o] = causes.get(o, 0) + 1
         if bad_keys:
             await self._directory(
+                trace_id,
                 "put_abort",
                 m.PutAbort(writer_id=self.settings.holder_id, request_id=request_id + "-a", keys=bad_keys),
             )
         for start in range(0, len(ok_keys), m.PUT_BATCH_OBJECTS_MAX):
             batch_keys = ok_keys[start : start + m.PUT_BATCH_OBJECTS_MAX]
             reply = await self._directory(
+                trace_id,
                 "put_commit",
                 m.PutCommit(
                     writer_id=self.settings.holder_id, request_id=f"{request_id}-c{start}", keys=batch_keys
@@ -685,7 +707,7 @@ class AsyncKvClient:
             causes=causes,
         )
 
-    async def _directory(self, verb: str, message: m.DirectoryRequest) -> object:
+    async def _directory(self, trace_id: str, verb: str, message: m.DirectoryRequest) -> object:
         """A directory call for saves: the reply, or a cause string (never raises)."""
         if self.nc is None:
             return "closed"
@@ -696,6 +718,7 @@ class AsyncKvClient:
                 message,
                 m.reply_decoder,
                 self.settings.save_timeout_ms / 1000,
+                headers={TRACE_ID_HEADER: trace_id},
             )
         except Unavailable:
             return "directory_unavailable"

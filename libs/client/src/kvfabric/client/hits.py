@@ -44,6 +44,7 @@ class Hit:
     lease_id: int = 0
     lease_expires_ms: int = 0
     cause: str = ""
+    trace_id: str = ""  # sent as the Kvf-Trace-Id header: the directory's logs carry it
 
     @property
     def chunks(self) -> int:

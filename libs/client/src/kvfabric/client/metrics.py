@@ -47,7 +47,7 @@ class ClientMetrics:
         )
         self.queued_seconds = Histogram(
             "kvfabric_client_queued_seconds",
-            "Time a save waited for the client loop",
+            "Time a load waited for transfer room (queued, not transferring)",
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )

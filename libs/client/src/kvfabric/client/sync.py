@@ -62,12 +62,17 @@ class KvClient:
             raise
 
     def lookup(
-        self, tokens: TokenIds, *, max_tokens: int | None = None, extras: ChunkExtras | None = None
+        self,
+        tokens: TokenIds,
+        *,
+        max_tokens: int | None = None,
+        extras: ChunkExtras | None = None,
+        trace_id: str | None = None,
     ) -> Hit:
         if not self.enabled:
             return self.aio._fallback(Hit(0, self.aio.spec.layout.tokens_per_chunk, (), ()), "closed")
         return self._call(
-            self.aio.lookup(tokens, max_tokens=max_tokens, extras=extras),
+            self.aio.lookup(tokens, max_tokens=max_tokens, extras=extras, trace_id=trace_id),
             self.settings.lookup_timeout_ms / 1000,
         )
 
@@ -99,12 +104,15 @@ class KvClient:
         *,
         first_chunk: int = 0,
         extras: ChunkExtras | None = None,
+        trace_id: str | None = None,
     ) -> concurrent.futures.Future[SaveResult] | None:
         """Start a save and return at once (None when it was dropped: disabled or over limits)."""
         if not self.enabled:
             self.metrics.saves_dropped.labels("closed").inc()
             return None
-        return self._submit(self.aio.save(tokens, objects, first_chunk=first_chunk, extras=extras))
+        return self._submit(
+            self.aio.save(tokens, objects, first_chunk=first_chunk, extras=extras, trace_id=trace_id)
+        )
 
     def save(
         self, tokens: TokenIds, objects: Sequence[Sequence[Source]], *, first_chunk: int = 0

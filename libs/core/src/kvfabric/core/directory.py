@@ -201,7 +201,7 @@ class DirectoryCore:
         self._tickets: dict[int, tuple[bytes, Member]] = {}
         # (segment id, incarnation, slot, generation) -> (size, group id or b"" if not evicting)
         self._freeing: dict[tuple[str, int, int, int], tuple[int, bytes, int]] = {}
-        self._leases: dict[int, _Lease] = {}
+        self._leases: dict[int, _Lease] = {}  # read leases and pins
         self._lease_heap: list[tuple[int, int]] = []
         self._lease_count: dict[bytes, int] = {}
         self._pin_count: dict[bytes, int] = {}
@@ -307,6 +307,15 @@ class DirectoryCore:
             raise BatchTooLarge(f"{what}: {n} items exceed the limit of {limit}", n=n, limit=limit)
 
     # ---- dispatch ------------------------------------------------------------------------
+
+    @property
+    def leases_held(self) -> int:
+        """Read leases plus pins held now."""
+        return len(self._leases)
+
+    @property
+    def pins_held(self) -> int:
+        return self._pins_held
 
     def handle(self, request: msgspec.Struct, now_ms: int) -> Outcome:
         """Apply one request. Raises a `KvfError` for a whole-request error (nothing applied)."""

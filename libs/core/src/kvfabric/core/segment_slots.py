@@ -242,6 +242,7 @@ class SlotTable:
                 rec.checksum = checksum
                 self._writing -= 1
                 self._count("writes_stored_total")
+                self._count("bytes_stored_total", rec.size)
                 return
             rec.writer = False  # fenced while writing: the transport lets go now
             self._maybe_reclaim(slot, rec)
@@ -285,6 +286,7 @@ class SlotTable:
                 )
             rec.readers += 1
             self._count("acquires_total")
+            self._count("bytes_granted_total", rec.size)  # read bandwidth (GB/s on the dashboard)
             return ReadGrant(slot, generation, rec.offset, rec.size, rec.checksum)
         current = self._current_generation(slot)
         if 1 <= generation < current:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -136,13 +137,13 @@ class HfKvAdapter:
 
     # ---- load ------------------------------------------------------------------------------
 
-    def load_prefix(self, token_ids: Sequence[int]) -> PrefixLoad:
+    def load_prefix(self, token_ids: Sequence[int], *, trace_id: str | None = None) -> PrefixLoad:
         """The longest stored prefix (never the whole prompt: the last token is computed, its
         logits are needed) as a cache. Any failure gives a shorter prefix, never an error."""
         from transformers import DynamicCache
 
         started = time.perf_counter()
-        hit = self.client.lookup(token_ids, max_tokens=len(token_ids) - 1)
+        hit = self.client.lookup(token_ids, max_tokens=len(token_ids) - 1, trace_id=trace_id)
         if hit.tokens == 0:
             self.client.release(hit)
             return PrefixLoad(None, 0, hit, time.perf_counter() - started)
@@ -191,7 +192,7 @@ class HfKvAdapter:
         return objects
 
     def save_prefix(
-        self, token_ids: Sequence[int], cache: Any, *, first_chunk: int = 0
+        self, token_ids: Sequence[int], cache: Any, *, first_chunk: int = 0, trace_id: str | None = None
     ) -> concurrent.futures.Future[SaveResult] | None:
         """Save the full chunks of `token_ids` from `first_chunk` on (asynchronous; None when the
         client dropped it). `cache` must hold at least those tokens."""
@@ -215,7 +216,8 @@ class HfKvAdapter:
 
         ids = list(token_ids)
         started = time.perf_counter()
-        prefix = self.load_prefix(ids) if use_cache else None
+        trace_id = uuid.uuid4().hex  # one engine request: its lookup, load and save share it
+        prefix = self.load_prefix(ids, trace_id=trace_id) if use_cache else None
         loaded = prefix.tokens if prefix else 0
         cache = prefix.cache if prefix and prefix.cache is not None else DynamicCache()
         suffix = torch.tensor([ids[loaded:]], dtype=torch.long)
@@ -225,7 +227,9 @@ class HfKvAdapter:
             self.client.release(prefix.hit)
         saving = None
         if save and use_cache:
-            saving = self.save_prefix(ids, out.past_key_values, first_chunk=loaded // self.tpc)
+            saving = self.save_prefix(
+                ids, out.past_key_values, first_chunk=loaded // self.tpc, trace_id=trace_id
+            )
         new: list[int] = []
         logits = out.logits[0, -1]
         cache = out.past_key_values

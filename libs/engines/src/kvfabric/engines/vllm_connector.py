@@ -192,7 +192,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         self._release(request.request_id)
         if len(tokens) <= self.block_size:
             return 0, False
-        hit = self.client.lookup(tokens, max_tokens=len(tokens) - 1)
+        hit = self.client.lookup(tokens, max_tokens=len(tokens) - 1, trace_id=request.request_id)
         if hit.lease_id:
             self._hits[request.request_id] = hit
         if hit.tokens <= num_computed_tokens:
@@ -312,7 +312,9 @@ class KvfabricConnector(KVConnectorBase_V1):
                 [torch.cat([kv[b].reshape(-1) for kv in self._kv_caches]).view(torch.uint8).numpy().data]
                 for b in save.block_ids
             ]
-            self.client.save_async(save.token_ids, objects, first_chunk=save.first_chunk)
+            self.client.save_async(
+                save.token_ids, objects, first_chunk=save.first_chunk, trace_id=save.req_id
+            )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -38,6 +38,10 @@ class DirectoryCollector(Collector):
             "kvfabric_directory_pending_objects", "Objects being written.", value=core.pending_objects
         )
         yield GaugeMetricFamily("kvfabric_directory_epoch", "Directory epoch.", value=core.epoch)
+        leases = GaugeMetricFamily("kvfabric_directory_leases", "Read leases and pins held.", labels=["kind"])
+        leases.add_metric(["pin"], core.pins_held)
+        leases.add_metric(["read"], core.leases_held - core.pins_held)
+        yield leases
         up = GaugeMetricFamily(
             "kvfabric_directory_segment_up", "1 when the segment is up.", labels=["segment"]
         )

@@ -1,0 +1,57 @@
+"""`make compose-check` passes on the checked-in compose/ and catches broken copies of it."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def load_tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("compose_check", REPO / "tools" / "compose_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_checked_in_compose_is_consistent() -> None:
+    assert load_tool().check() == []
+
+
+@pytest.mark.parametrize(
+    ("path", "old", "new", "complaint"),
+    [
+        (
+            "docker-compose.yml",
+            "kvfabric.segment_storage",
+            "kvfabric.segment_store",
+            "not a kvfabric service",
+        ),
+        ("docker-compose.yml", "KVF_SEGMENT_ID: seg-3", "KVF_SEGMENT_ID: seg-2", "unique"),
+        ("docker-compose.yml", "KVF_SEGMENT_HOST: host-3", "KVF_SEGMENT_HOST: host-2", "failure domain"),
+        ("docker-compose.yml", "./prometheus.yml", "./prometheus-missing.yml", "does not exist"),
+        ("prometheus.yml", '"segment-3:9100"', '"segment-3:9101"', "prometheus targets"),
+        (
+            "grafana/dashboards/kvfabric.json",
+            "kvfabric_directory_leases",
+            "kvfabric_directory_lease_count",
+            "docs/metrics.md",
+        ),
+        ("Dockerfile", "./services/segment_storage", "./services/other", "does not install"),
+    ],
+)
+def test_broken_copies_are_caught(tmp_path: Path, path: str, old: str, new: str, complaint: str) -> None:
+    compose = tmp_path / "compose"
+    shutil.copytree(REPO / "compose", compose)
+    target = compose / path
+    text = target.read_text()
+    assert old in text
+    target.write_text(text.replace(old, new))
+    problems = load_tool().check(compose)
+    assert any(complaint in p for p in problems), problems

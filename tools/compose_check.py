@@ -1,0 +1,142 @@
+"""`make compose-check`: static checks of compose/ (no docker engine here to run it).
+
+- Every service has an image; every `kvfabric:local` service's image is built by some service
+  from a Dockerfile that exists, and its `python -m <module>` is a kvfabric service module that
+  exists in this repo and whose package the Dockerfile installs.
+- Every bind-mounted file or folder exists; every `depends_on` names a service.
+- Segments have unique ids, distinct failure domains, and a data host that is their own service
+  name; every kvfabric service gets the cluster secret, the NATS url and the metrics port.
+- Prometheus scrapes exactly the kvfabric services, on that metrics port.
+- Grafana's provisioning points at the dashboard folder; the dashboard parses and uses only
+  metric names documented in docs/metrics.md.
+Exit 0 when all hold, else 1 with one line per problem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE = REPO / "compose"
+IMAGE = "kvfabric:local"
+MODULES = {"kvfabric.directory": "services/directory", "kvfabric.segment_storage": "services/segment_storage"}
+
+
+def documented_metrics() -> set[str]:
+    text = (REPO / "docs" / "metrics.md").read_text()
+    names = set(re.findall(r"`(kvfabric_[a-z_<>]+)`", text))
+    expanded = set()
+    for name in names:
+        if "<service>" in name:
+            expanded |= {name.replace("<service>", s) for s in ("directory", "segment")}
+        else:
+            expanded.add(name)
+    return expanded
+
+
+def check(compose: Path = COMPOSE) -> list[str]:
+    problems: list[str] = []
+    doc: dict[str, Any] = yaml.safe_load((compose / "docker-compose.yml").read_text())
+    services: dict[str, Any] = doc.get("services", {})
+    dockerfile_text = ""
+    builders = [s for s in services.values() if s.get("build") and s.get("image") == IMAGE]
+    if not builders:
+        problems.append(f"no service builds {IMAGE}")
+    for svc in builders:
+        build = svc["build"]
+        dockerfile = (compose / build.get("context", ".") / build.get("dockerfile", "Dockerfile")).resolve()
+        if not dockerfile.exists():
+            problems.append(f"Dockerfile {dockerfile} does not exist")
+        else:
+            dockerfile_text = dockerfile.read_text()
+            for src in re.findall(r"^COPY\s+(\S+)", dockerfile_text, flags=re.M):
+                if not (REPO / src).exists():
+                    problems.append(f"Dockerfile copies {src}, which does not exist")
+    kvfabric_services = {n: s for n, s in services.items() if s.get("image") == IMAGE}
+    metrics_ports = set()
+    for name, svc in services.items():
+        if not svc.get("image"):
+            problems.append(f"{name}: no image")
+        for dep in svc.get("depends_on", []):
+            if dep not in services:
+                problems.append(f"{name}: depends_on unknown service {dep}")
+        for volume in svc.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith((".", "/")) and not (compose / source).exists():
+                problems.append(f"{name}: mounted {source} does not exist")
+    segments = []
+    for name, svc in kvfabric_services.items():
+        command = svc.get("command", [])
+        if command[:2] != ["python", "-m"] or len(command) < 3:
+            problems.append(f"{name}: command must be python -m <module>, got {command}")
+            continue
+        module = command[2]
+        path = MODULES.get(module)
+        if path is None or not (REPO / path / "src" / Path(*module.split("."))).is_dir():
+            problems.append(f"{name}: module {module} is not a kvfabric service in this repo")
+        elif f"./{path}" not in dockerfile_text:
+            problems.append(f"{name}: the Dockerfile does not install {path}")
+        env = svc.get("environment", {})
+        for var in ("KVF_CLUSTER_SECRET", "KVF_NATS_URL", "KVF_METRICS_PORT"):
+            if var not in env:
+                problems.append(f"{name}: {var} not set")
+        metrics_ports.add(str(env.get("KVF_METRICS_PORT")))
+        if module == "kvfabric.segment_storage":
+            segments.append((name, env))
+    ids = [env.get("KVF_SEGMENT_ID") for _, env in segments]
+    if len(set(ids)) != len(ids) or None in ids:
+        problems.append(f"segment ids must be set and unique: {ids}")
+    domains = [
+        (env.get("KVF_SEGMENT_ZONE"), env.get("KVF_SEGMENT_RACK"), env.get("KVF_SEGMENT_HOST"))
+        for _, env in segments
+    ]
+    if len({d[2] for d in domains}) != len(domains):  # one segment per host, at least
+        problems.append(f"segments share a failure domain: {domains}")
+    for name, env in segments:
+        if env.get("KVF_SEGMENT_DATA_HOST") != name:
+            problems.append(f"{name}: KVF_SEGMENT_DATA_HOST must be its service name (advertised to clients)")
+    if len(metrics_ports) != 1:
+        problems.append(f"kvfabric services disagree on KVF_METRICS_PORT: {metrics_ports}")
+    port = next(iter(metrics_ports), "")
+    prometheus = yaml.safe_load((compose / "prometheus.yml").read_text())
+    targets = {
+        t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    }
+    expected = {f"{name}:{port}" for name in kvfabric_services}
+    if targets != expected:
+        problems.append(f"prometheus targets {sorted(targets)} != kvfabric services {sorted(expected)}")
+    providers = yaml.safe_load((compose / "grafana/provisioning/dashboards/kvfabric.yml").read_text())
+    mounted = {v.split(":")[1] for v in services["grafana"]["volumes"]}
+    for provider in providers["providers"]:
+        if provider["options"]["path"] not in mounted:
+            problems.append(f"grafana provider path {provider['options']['path']} is not mounted")
+    documented = documented_metrics()
+    for dashboard in (compose / "grafana" / "dashboards").glob("*.json"):
+        panels = json.loads(dashboard.read_text())["panels"]
+        for panel in panels:
+            for target in panel.get("targets", []):
+                for metric in re.findall(r"\b(kvfabric_[a-z_]+)", target["expr"]):
+                    base = re.sub(r"_(bucket|sum|count)$", "", metric)
+                    if metric not in documented and base not in documented:
+                        problems.append(
+                            f"{dashboard.name} '{panel['title']}': {metric} is not in docs/metrics.md"
+                        )
+    return problems
+
+
+def main() -> int:
+    problems = check()
+    for problem in problems:
+        print(f"compose-check: {problem}")
+    if not problems:
+        print("compose-check: compose file, Dockerfile, Prometheus and Grafana config are consistent")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
