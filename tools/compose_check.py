@@ -36,7 +36,7 @@ def documented_metrics() -> set[str]:
             expanded |= {name.replace("<service>", s) for s in ("directory", "segment")}
         else:
             expanded.add(name)
-    return expanded
+    return {n for n in expanded if "<" not in n}
 
 
 def check(compose: Path = COMPOSE) -> list[str]:

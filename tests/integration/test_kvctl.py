@@ -113,11 +113,14 @@ async def test_every_command_against_a_live_cluster(
     (lease,) = (await ok_json("leases", "ls", url=url))["leases"]
     assert lease["is_pin"] and lease["holder_id"] == "ops" and lease["lease_id"] == pin["pin_id"]
     assert "ops" in await ok_text("leases", "ls", url=url)
+    (pinned,) = (await ok_json("pins", "ls", url=url))["pins"]
+    assert pinned["lease_id"] == pin["pin_id"] and "ops" in await ok_text("pins", "ls", url=url)
     wrong = await run("pins", "rm", str(pin["pin_id"]), "--holder", "other", url=url)
     assert wrong.exit_code == 1 and ":" in wrong.stderr
     removed = await ok_text("pins", "rm", str(pin["pin_id"]), "--holder", "ops", url=url)
     assert "removed" in removed
     assert (await ok_json("leases", "ls", url=url))["leases"] == []
+    assert (await ok_json("pins", "ls", url=url))["pins"] == []
     pin2 = await ok_text("pins", "add", g.to_bytes().hex(), "--holder", "ops", url=url)
     assert "1 group(s) pinned" in pin2
 

@@ -22,8 +22,9 @@ SUFFIXED = ("_total", "_bucket", "_count", "_sum")
 
 def documented(service: str) -> set[str]:
     names = set(re.findall(r"`(kvfabric_[a-z_<>]+)`", DOC.read_text()))
-    names = {n.replace("<service>", service) for n in names}
-    return {n for n in names if n.startswith(f"kvfabric_{service}_")}
+    if service in ("directory", "segment"):  # the runtime's metrics: services only
+        names = {n.replace("<service>", service) for n in names}
+    return {n for n in names if n.startswith(f"kvfabric_{service}_") and "<" not in n}
 
 
 def served(exposition: str) -> set[str]:

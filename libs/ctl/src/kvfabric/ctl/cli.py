@@ -209,6 +209,29 @@ def leases_ls(
         render.print_leases(reply.leases)
 
 
+@pins_app.command("ls")
+def pins_ls(
+    limit: Annotated[int, typer.Option("--limit", min=1, max=m.LIST_LIMIT_MAX)] = 100,
+    json: JsonOpt = False,
+    nats_url: UrlOpt = DEFAULT_NATS_URL,
+    timeout_s: TimeoutOpt = 5.0,
+) -> None:
+    """Pins the directory holds (leases ls shows read leases too)."""
+    env = Env(nats_url, timeout_s)
+
+    async def body(nc: q.NatsClient) -> m.LeaseList:
+        return _expect(
+            await q.directory(nc, "list_leases", m.ListLeases(limit=limit), env.timeout_s), m.LeaseList
+        )
+
+    reply = _run(env, body)
+    pins = [x for x in reply.leases if x.is_pin]
+    if json:
+        render.emit_json({"epoch": reply.epoch, "pins": [q.jsonable(x) for x in pins]})
+    else:
+        render.print_leases(pins)
+
+
 @pins_app.command("add")
 def pins_add(
     groups: Annotated[list[str], typer.Argument(help="Chunk groups or keys (kvg1:/kvf1: or hex).")],
