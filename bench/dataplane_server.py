@@ -46,7 +46,7 @@ class SegmentInfo:
     prefault_s: float
 
 
-def _confirm_ok(ticket: WriteTicket, slot: int, generation: int) -> str:
+def _confirm_ok(ticket: WriteTicket, slot: int, generation: int, trace_id: str = "") -> str:
     return "ok"
 
 

@@ -208,3 +208,25 @@ def test_a_load_larger_than_the_transfer_limit_waits_for_room_instead_of_failing
         assert result.tokens == 12 * TOKENS_PER_CHUNK and result.cause == ""
         assert all(bytes(out[c][0]) == chunk_bytes(tokens, c) for c in range(12))
         assert kv.aio.table.counters.get("busy_transfers_total", 0) > 0  # it really waited for room
+
+
+def test_a_trace_id_follows_one_engine_request_through_directory_and_segment(
+    nats_server: NatsServer, cluster: tuple[ServiceProcess, ServiceProcess]
+) -> None:
+    directory, _ = cluster
+    tokens = prompt(2 * TOKENS_PER_CHUNK, seed=10)
+    with client(nats_server) as kv:
+        future = kv.save_async(tokens, objects_for(tokens, 0, 2), trace_id="engine-req-42")
+        assert future is not None and future.result(30).chunks_saved == 2
+        hit = kv.lookup(tokens, trace_id="engine-req-43")
+        kv.release(hit)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        handled = [e for e in directory.events() if e.get("event") == "request_handled"]
+        by_trace = {(e.get("trace_id"), e.get("endpoint")) for e in handled}
+        if ("engine-req-43", "lease_release") in by_trace:
+            break
+        time.sleep(0.1)
+    # put_begin and put_commit from the client; confirm from the segment, carried over the data plane.
+    assert {("engine-req-42", v) for v in ("put_begin", "confirm", "put_commit")} <= by_trace
+    assert {("engine-req-43", "lookup"), ("engine-req-43", "lease_release")} <= by_trace

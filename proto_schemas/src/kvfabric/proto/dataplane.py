@@ -51,6 +51,7 @@ class ReadRef(msgspec.Struct, frozen=True, array_like=True):
 
 class PutRequest(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put.v1", tag_field="t"):
     ticket: WriteTicket
+    trace_id: str = ""  # the writer's engine request; the segment's confirm carries it to the directory
 
 
 class PutReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put_reply.v1", tag_field="t"):

@@ -649,7 +649,7 @@ class AsyncKvClient:
                     causes[result.status] = causes.get(result.status, 0) + 1
         # Write every replica of every placed object (bounded by the save executor's threads).
         writes = [
-            loop.run_in_executor(self._save_executor, self.pool.store, ticket, data[result.key])
+            loop.run_in_executor(self._save_executor, self.pool.store, ticket, data[result.key], trace_id)
             for result in placed
             for ticket in result.tickets
         ]

@@ -174,11 +174,11 @@ class SegmentPool:
                 causes[i] = retry if retry == OK else causes[i]
         return causes
 
-    def store(self, ticket: WriteTicket, data: memoryview) -> str:
+    def store(self, ticket: WriteTicket, data: memoryview, trace_id: str = "") -> str:
         """Write one replica under its ticket. Returns "ok" (confirmed) or a cause."""
         try:
             with self._connection(ticket.data_addr) as conn:
-                reply = conn.tcp.put(ticket, data)
+                reply = conn.tcp.put(ticket, data, trace_id=trace_id)
         except KvfError as exc:
             return exc.code
         except OSError:

@@ -34,6 +34,7 @@ class PutSlot:
     ticket: WriteTicket
     # Set by a transport that hashed the bytes as they arrived; else `finish_put` hashes the slot.
     checksum: bytes | None = None
+    trace_id: str = ""  # the writer's trace id (PUT meta): the segment's confirm carries it on
 
 
 @dataclass(slots=True)

@@ -263,6 +263,7 @@ class TcpDataServer:
                 put = self.backend.begin_put(meta.ticket, conn)
             except KvfError as err:
                 raise _PutRefused(err, meta.ticket.size_bytes) from err
+            put.trace_id = meta.trace_id
             self._receive_put(conn, sock, put)
             slot, generation = self.backend.finish_put(put, conn)
             _send_all(
@@ -360,13 +361,15 @@ class TcpDataClient:
         except (OSError, _Closed) as exc:
             raise Indeterminate(f"data connection failed during {op.name}: {exc!r}") from exc
 
-    def put(self, ticket: WriteTicket, data: bytes | bytearray | memoryview) -> PutReply:
+    def put(
+        self, ticket: WriteTicket, data: bytes | bytearray | memoryview, *, trace_id: str = ""
+    ) -> PutReply:
         """Send one object's bytes under a signed ticket. On success the replica is confirmed."""
         view = memoryview(data).cast("B")
         if len(view) != ticket.size_bytes:
             raise BadRequest(f"buffer is {len(view)} bytes, ticket says {ticket.size_bytes}")
         with self._lock:
-            reply, _ = self._call(Op.PUT, PutRequest(ticket=ticket), [view])
+            reply, _ = self._call(Op.PUT, PutRequest(ticket=ticket, trace_id=trace_id), [view])
         if not isinstance(reply, PutReply):
             raise Indeterminate(f"unexpected reply {type(reply).__name__} to PUT")
         return reply

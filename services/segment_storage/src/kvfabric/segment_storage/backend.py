@@ -45,7 +45,7 @@ __all__ = ["ArenaBackend", "ConfirmFn"]
 
 # (ticket, slot, generation) -> the directory's verdict: "ok", "unknown_ticket" or "mismatch".
 # Blocks the calling transport thread; raises KvfError when the directory cannot be reached.
-ConfirmFn = Callable[[WriteTicket, int, int], str]
+ConfirmFn = Callable[[WriteTicket, int, int, str], str]  # (ticket, slot, generation, trace id) -> verdict
 
 
 @dataclass(slots=True)
@@ -119,7 +119,7 @@ class ArenaBackend:
             self.slots.stored(put.slot, put.slot_generation, stored)
             self._conns[conn].puts.pop(put.slot, None)
         try:
-            verdict = self.confirm(put.ticket, put.slot, put.slot_generation)
+            verdict = self.confirm(put.ticket, put.slot, put.slot_generation, put.trace_id)
         except KvfError:
             self._free(put.slot, put.slot_generation)  # not confirmed: never readable via the directory
             raise

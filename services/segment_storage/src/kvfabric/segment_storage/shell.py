@@ -28,6 +28,7 @@ from kvfabric.dataplane.addresses import join
 from kvfabric.dataplane.tcp import TcpDataServer
 from kvfabric.format.errors import BadRequest, KvfError, NotFound, StaleGeneration
 from kvfabric.proto import directory as m
+from kvfabric.proto.common import TRACE_ID_HEADER
 from kvfabric.proto.segment import (
     DrainRequest,
     FreeSlotsReply,
@@ -89,10 +90,15 @@ class SegmentShell:
         runtime.add_endpoint("free", self._on_free, instance=self.settings.segment_id)
         runtime.add_endpoint("drain", self._on_drain, instance=self.settings.segment_id)
 
-    async def _directory(self, verb: str, message: msgspec.Struct) -> msgspec.Struct:
+    async def _directory(self, verb: str, message: msgspec.Struct, trace_id: str = "") -> msgspec.Struct:
         assert self._nc is not None
         reply = await request(
-            self._nc, endpoint_subject(Service.DIRECTORY, verb), message, m.reply_decoder, REQUEST_TIMEOUT_S
+            self._nc,
+            endpoint_subject(Service.DIRECTORY, verb),
+            message,
+            m.reply_decoder,
+            REQUEST_TIMEOUT_S,
+            headers={TRACE_ID_HEADER: trace_id} if trace_id else None,
         )
         epoch = getattr(reply, "epoch", 0)
         self.epoch = max(self.epoch, epoch)
@@ -146,7 +152,7 @@ class SegmentShell:
 
     # ---- directory traffic ---------------------------------------------------------------------
 
-    def _confirm(self, ticket: m.WriteTicket, slot: int, generation: int) -> str:
+    def _confirm(self, ticket: m.WriteTicket, slot: int, generation: int, trace_id: str = "") -> str:
         """Called from a transport thread: confirm on the event loop, wait for the verdict."""
         assert self._loop is not None
         message = m.ConfirmReplicas(
@@ -164,7 +170,7 @@ class SegmentShell:
                 )
             ],
         )
-        future = asyncio.run_coroutine_threadsafe(self._directory("confirm", message), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._directory("confirm", message, trace_id), self._loop)
         reply = future.result(timeout=self.settings.confirm_timeout_ms / 1000)
         if not isinstance(reply, m.ConfirmReply) or len(reply.results) != 1:
             return "mismatch"
