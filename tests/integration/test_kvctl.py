@@ -155,7 +155,13 @@ async def test_every_command_against_a_live_cluster(
 
 
 async def test_directory_down_is_unavailable(nats_server: NatsServer) -> None:
-    for args in (("status",), ("objects", "ls"), ("manifest", "show", "00" * 32), ("leases", "ls")):
+    for args in (
+        ("status",),
+        ("objects", "ls"),
+        ("manifest", "show", "00" * 32),
+        ("leases", "ls"),
+        ("pins", "ls"),
+    ):
         result = await run(*args, url=nats_server.url)
         assert result.exit_code == 1, result.output
         assert result.stderr.startswith("unavailable: no responders on kvf.v1.directory."), result.stderr
