@@ -1,0 +1,446 @@
+"""The eviction-policy core: which chunk groups go when a pool (segment) or a tenant fills.
+
+Synchronous and I/O-free: the service (or the trace simulator, `tools/evict_sim.py`) feeds
+events in and performs the returned effects. Time is passed in (`now_ms`). Sizes are bytes (the
+simulator uses 1 per block).
+
+## Model
+An *object* is one chunk group: (id, tenant, pool, size, parent id or None, chunk index). Its
+parent is the previous chunk of the same prefix: a chunk is useless without its parent, so the
+policy only ever picks **leaves** (objects no resident object names as parent). Eviction walks a
+prefix from its tail to its head, and a head never goes while its tail stays.
+
+## States of an object
+    (absent) --insert, admitted--> RESIDENT
+    (absent) --insert, refused by admission--> (absent) (counted; the writer does not write)
+    RESIDENT --chosen as a victim (EvictBatch)--> EVICTING
+    EVICTING --removed--> (absent)
+    EVICTING --refused (leased/pinned)--> RESIDENT, skipped until `now + refused_cooldown_ms`
+    RESIDENT --removed (freed elsewhere: segment down, repair, ...)--> (absent)
+Removing an object whose children are resident is allowed (the directory decided); the children
+then have no parent and are ordinary leaves-to-be.
+
+## When to evict (`tick`)
+- A pool whose used bytes exceed `high_watermark` x capacity evicts leaves of that pool until its
+  used bytes minus the bytes already EVICTING reach `low_watermark` x capacity.
+- A tenant over its hard quota evicts its own leaves first (any pool) down to the quota.
+- Pool pressure never takes a tenant below its guaranteed share (`guaranteed_bytes`, counting
+  bytes already being evicted); its own hard quota may.
+- At most `batch_max` victims per EvictBatch; one batch per pool (and per over-quota tenant)
+  per tick.
+
+## Policies (one interface, `Policy.priority`: lower goes first)
+- `lru`: last access time.
+- `gdsf`: GreedyDual-Size-Frequency: `clock + frequency x cost / size`, where `cost` is the
+  recompute cost of the chunk, growing with its position in the prompt (attention over a longer
+  prefix costs more): `tokens x (1 + position_weight x chunk_index)`. `clock` rises to the
+  priority of each victim, so old popularity ages out.
+- Admission (`admission="second_hit"`): a new object is admitted only when a frequency sketch
+  has seen its id before (or the pool has room below its low watermark), so one-off prefixes do
+  not flush hot ones.
+
+## Invariants (`check_invariants()`, after every step in tests)
+1. Never chosen: a victim is a resident object whose resident children were all chosen before
+   it (a leaf, or the head of a tail that goes in the same or an earlier batch) and whose
+   refusal cooldown has passed; no object is in two batches. (A child inserted later under an
+   EVICTING parent is allowed: the directory evicts the parent and the child is an orphan leaf.)
+2. Accounting: per pool and per tenant, used bytes = sum of resident object sizes.
+3. Prefix order: a victim never has a resident child.
+4. Bounded: each batch has at most `batch_max` victims; the frequency sketch is fixed-size.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Final, Literal, TypeAlias
+
+from kvfabric.format.invariant import invariant
+
+__all__ = [
+    "Admitted",
+    "EvictBatch",
+    "EvictionConfig",
+    "EvictionCore",
+    "Refused",
+    "TenantQuota",
+]
+
+ObjectId: TypeAlias = Hashable
+PolicyName = Literal["lru", "gdsf"]
+AdmissionName = Literal["always", "second_hit"]
+
+SKETCH_WIDTH: Final = 1 << 16
+SKETCH_DEPTH: Final = 4
+
+
+@dataclass(frozen=True, slots=True)
+class TenantQuota:
+    hard_bytes: int | None = None  # over it, the tenant evicts its own objects
+    guaranteed_bytes: int = 0  # at or below it, other tenants' pressure cannot evict it
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionConfig:
+    policy: PolicyName = "gdsf"
+    admission: AdmissionName = "always"
+    high_watermark: float = 0.90
+    low_watermark: float = 0.80
+    batch_max: int = 256
+    refused_cooldown_ms: int = 5_000
+    position_weight: float = 0.05  # recompute cost per chunk grows by this per preceding chunk
+    tokens_per_chunk: int = 512
+    sketch_halve_every: int = 1 << 20  # sketch increments between agings (halving)
+    # Tail before head within a prefix. False only to measure the plain-LRU baseline peers ship
+    # (it evicts heads whose tails stay, which the simulator shows to waste capacity).
+    prefix_order: bool = True
+
+    def __post_init__(self) -> None:
+        invariant(0 < self.low_watermark <= self.high_watermark <= 1.0, "need 0 < low <= high <= 1")
+        invariant(self.batch_max >= 1, "batch_max must be at least 1")
+
+
+@dataclass(frozen=True, slots=True)
+class EvictBatch:
+    """Ask the directory to evict `victims` (of `pool`; `reason` says why)."""
+
+    pool: Hashable
+    victims: tuple[ObjectId, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    object_id: ObjectId
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Admission said no: the writer should not store `object_id`."""
+
+    object_id: ObjectId
+
+
+Effect: TypeAlias = EvictBatch | Admitted | Refused
+
+
+@dataclass(slots=True)
+class _Object:
+    tenant: Hashable
+    pool: Hashable
+    size: int
+    parent: ObjectId | None
+    chunk_index: int
+    last_access_ms: int
+    frequency: int = 1
+    children: int = 0  # resident objects naming this one as parent
+    children_evicting: int = 0  # of those, already chosen as victims
+    evicting: bool = False
+    cooldown_until_ms: int = 0
+    version: int = 0  # bumps when its priority entry is stale
+
+
+@dataclass(slots=True)
+class _Usage:
+    capacity: int = 0
+    used: int = 0
+    evicting: int = 0
+
+
+@dataclass(slots=True)
+class _Sketch:
+    """A count-min sketch with periodic halving (TinyLFU-style aging); fixed memory."""
+
+    rows: list[list[int]] = field(default_factory=lambda: [[0] * SKETCH_WIDTH for _ in range(SKETCH_DEPTH)])
+    increments: int = 0
+
+    def _cells(self, key: Hashable) -> list[int]:
+        h = hash(key)
+        return [((h >> (16 * i)) ^ (h * (2 * i + 1))) % SKETCH_WIDTH for i in range(SKETCH_DEPTH)]
+
+    def add(self, key: Hashable, halve_every: int) -> None:
+        for row, cell in zip(self.rows, self._cells(key), strict=True):
+            row[cell] = min(row[cell] + 1, 15)
+        self.increments += 1
+        if self.increments >= halve_every:
+            self.increments = 0
+            for row in self.rows:
+                for i, v in enumerate(row):
+                    row[i] = v >> 1
+
+    def estimate(self, key: Hashable) -> int:
+        return min(row[cell] for row, cell in zip(self.rows, self._cells(key), strict=True))
+
+
+class EvictionCore:
+    """See the module docstring."""
+
+    def __init__(self, config: EvictionConfig, quotas: dict[Hashable, TenantQuota] | None = None) -> None:
+        self.config = config
+        self.quotas = dict(quotas or {})
+        self._objects: dict[ObjectId, _Object] = {}
+        self._pools: dict[Hashable, _Usage] = {}
+        self._tenants: dict[Hashable, int] = {}  # tenant -> resident bytes
+        self._tenant_evicting: dict[Hashable, int] = {}  # tenant -> bytes chosen, not yet removed
+        self._heap: list[tuple[float, int, int, ObjectId]] = []  # (priority, seq, version, id): leaves
+        self._seq = 0
+        self._clock = 0.0  # GDSF inflation
+        self._now_ms = 0
+        self._sketch = _Sketch() if config.admission != "always" else None
+        self.counters: dict[str, int] = {}
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def __contains__(self, object_id: ObjectId) -> bool:
+        return object_id in self._objects
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def used_bytes(self, pool: Hashable) -> int:
+        usage = self._pools.get(pool)
+        return usage.used if usage else 0
+
+    def tenant_bytes(self, tenant: Hashable) -> int:
+        return self._tenants.get(tenant, 0)
+
+    def is_evicting(self, object_id: ObjectId) -> bool:
+        obj = self._objects.get(object_id)
+        return obj is not None and obj.evicting
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def set_capacity(self, pool: Hashable, capacity_bytes: int) -> None:
+        invariant(capacity_bytes >= 0, "negative capacity")
+        self._pools.setdefault(pool, _Usage()).capacity = capacity_bytes
+
+    def seen(self, object_id: ObjectId) -> None:
+        """A request asked for `object_id` (hit or miss): feeds the admission sketch."""
+        if self._sketch is not None:
+            self._sketch.add(object_id, self.config.sketch_halve_every)
+
+    def insert(
+        self,
+        object_id: ObjectId,
+        *,
+        tenant: Hashable,
+        pool: Hashable,
+        size: int,
+        parent: ObjectId | None,
+        chunk_index: int,
+        now_ms: int,
+    ) -> list[Effect]:
+        """A new object is (about to be) stored. Returns Admitted or Refused (admission)."""
+        self._advance(now_ms)
+        invariant(size > 0, "object size must be positive", size=size)
+        if object_id in self._objects:
+            self.access(object_id, now_ms)
+            return [Admitted(object_id)]
+        usage = self._pools.setdefault(pool, _Usage())
+        if not self._admit(object_id, usage, size):
+            self._count("admission_refused_total")
+            return [Refused(object_id)]
+        obj = _Object(tenant, pool, size, parent, chunk_index, now_ms)
+        self._objects[object_id] = obj
+        usage.used += size
+        self._tenants[tenant] = self._tenants.get(tenant, 0) + size
+        parent_obj = self._objects.get(parent) if parent is not None else None
+        if parent_obj is not None:
+            parent_obj.children += 1  # no longer a leaf: its heap entry is ignored while children live
+        self._push(object_id, obj)
+        self._count("inserts_total")
+        return [Admitted(object_id)]
+
+    def access(self, object_id: ObjectId, now_ms: int) -> None:
+        """A hit: bump recency and frequency."""
+        self._advance(now_ms)
+        obj = self._objects.get(object_id)
+        if obj is None:
+            return
+        obj.last_access_ms = now_ms
+        obj.frequency += 1
+        self._push(object_id, obj)
+
+    def removed(self, object_id: ObjectId) -> None:
+        """The object is gone (evicted as asked, or freed for another reason)."""
+        obj = self._objects.pop(object_id, None)
+        if obj is None:
+            self._count("removed_unknown_total")
+            return
+        usage = self._pools[obj.pool]
+        usage.used -= obj.size
+        if obj.evicting:
+            usage.evicting -= obj.size
+            self._tenant_evicting[obj.tenant] -= obj.size
+            self._count("evicted_total")
+            if self.config.policy == "gdsf":
+                self._clock = max(self._clock, self._priority(obj))
+        self._tenants[obj.tenant] -= obj.size
+        if obj.parent is not None:
+            parent = self._objects.get(obj.parent)
+            if parent is not None:
+                parent.children -= 1
+                if obj.evicting:
+                    parent.children_evicting -= 1
+                if parent.children == parent.children_evicting:
+                    self._push(obj.parent, parent)  # a leaf again
+
+    def refused(self, object_id: ObjectId, now_ms: int) -> None:
+        """The directory would not evict it (leased or pinned): resident again, cooled down."""
+        self._advance(now_ms)
+        obj = self._objects.get(object_id)
+        if obj is None or not obj.evicting:
+            self._count("refused_unknown_total")
+            return
+        obj.evicting = False
+        self._pools[obj.pool].evicting -= obj.size
+        self._tenant_evicting[obj.tenant] -= obj.size
+        parent = self._objects.get(obj.parent) if obj.parent is not None else None
+        if parent is not None:
+            parent.children_evicting -= 1  # its tail stays: it is no leaf any more
+        obj.cooldown_until_ms = now_ms + self.config.refused_cooldown_ms
+        self._push(object_id, obj)
+        self._count("evict_refused_total")
+
+    def tick(self, now_ms: int) -> list[Effect]:
+        """Batches of victims for every pool over its high watermark and every tenant over quota."""
+        self._advance(now_ms)
+        effects: list[Effect] = []
+        for tenant, quota in self.quotas.items():
+            if quota.hard_bytes is not None:
+                pending = self._tenant_evicting.get(tenant, 0)
+                excess = self._tenants.get(tenant, 0) - pending - quota.hard_bytes
+                if excess > 0:
+                    effects += self._evict(excess, now_ms, reason="tenant_quota", tenant=tenant)
+        for pool, usage in self._pools.items():
+            if usage.capacity and usage.used > self.config.high_watermark * usage.capacity:
+                target = int(self.config.low_watermark * usage.capacity)
+                excess = usage.used - usage.evicting - target
+                if excess > 0:
+                    effects += self._evict(excess, now_ms, reason="watermark", pool=pool)
+        return effects
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _admit(self, object_id: ObjectId, usage: _Usage, size: int) -> bool:
+        if self._sketch is None:
+            return True
+        if usage.capacity == 0 or usage.used + size <= self.config.low_watermark * usage.capacity:
+            return True  # room to spare: no reason to refuse
+        return self._sketch.estimate(object_id) >= 2  # seen before this request
+
+    def _priority(self, obj: _Object) -> float:
+        if self.config.policy == "lru":
+            return float(obj.last_access_ms)
+        cost = self.config.tokens_per_chunk * (1.0 + self.config.position_weight * obj.chunk_index)
+        return self._clock + obj.frequency * cost / obj.size
+
+    def _push(self, object_id: ObjectId, obj: _Object) -> None:
+        obj.version += 1
+        self._seq += 1
+        heapq.heappush(self._heap, (self._priority(obj), self._seq, obj.version, object_id))
+
+    def _evict(
+        self,
+        excess: int,
+        now_ms: int,
+        *,
+        reason: str,
+        pool: Hashable | None = None,
+        tenant: Hashable | None = None,
+    ) -> list[Effect]:
+        """Pop leaves in priority order (skipping other pools/tenants, protected tenants and
+        cooled-down objects, which are pushed back) until `excess` bytes are chosen."""
+        victims: list[ObjectId] = []
+        by_pool: dict[Hashable, list[ObjectId]] = {}
+        skipped: list[tuple[float, int, int, ObjectId]] = []
+        freed = 0
+        while self._heap and freed < excess and len(victims) < self.config.batch_max:
+            entry = heapq.heappop(self._heap)
+            _, _, version, object_id = entry
+            obj = self._objects.get(object_id)
+            if (
+                obj is None
+                or obj.version != version
+                or obj.evicting
+                or (self.config.prefix_order and obj.children > obj.children_evicting)
+            ):
+                continue  # stale entry, already chosen, or its tail stays (re-pushed when it goes)
+            if (
+                (pool is not None and obj.pool != pool)
+                or (tenant is not None and obj.tenant != tenant)
+                or obj.cooldown_until_ms > now_ms
+                or (tenant is None and self._protected(obj.tenant, obj.size))
+            ):
+                skipped.append(entry)
+                continue
+            obj.evicting = True
+            self._pools[obj.pool].evicting += obj.size
+            self._tenant_evicting[obj.tenant] = self._tenant_evicting.get(obj.tenant, 0) + obj.size
+            freed += obj.size
+            victims.append(object_id)
+            by_pool.setdefault(obj.pool, []).append(object_id)
+            parent = self._objects.get(obj.parent) if obj.parent is not None else None
+            if parent is not None:
+                parent.children_evicting += 1
+                if parent.children == parent.children_evicting:
+                    self._push(obj.parent, parent)  # its whole tail goes: it may go in this batch
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        if len(self._heap) > 4 * len(self._objects) + 1024:
+            self._compact()
+        self._count("victims_total", len(victims))
+        return [EvictBatch(p, tuple(ids), reason) for p, ids in by_pool.items()]
+
+    def _protected(self, tenant: Hashable, size: int) -> bool:
+        """Would evicting `size` more bytes take `tenant` below its guaranteed share?"""
+        quota = self.quotas.get(tenant)
+        if quota is None or quota.guaranteed_bytes == 0:
+            return False
+        left = self._tenants.get(tenant, 0) - self._tenant_evicting.get(tenant, 0) - size
+        return left < quota.guaranteed_bytes
+
+    def _compact(self) -> None:
+        """Drop stale heap entries (bounded memory: the heap stays within a multiple of objects)."""
+        live = [e for e in self._heap if (o := self._objects.get(e[3])) is not None and o.version == e[2]]
+        heapq.heapify(live)
+        self._heap = live
+
+    def _advance(self, now_ms: int) -> None:
+        invariant(now_ms >= self._now_ms, "time went backwards", now_ms=now_ms, last_ms=self._now_ms)
+        self._now_ms = now_ms
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def check_invariants(self) -> None:
+        pools: dict[Hashable, tuple[int, int]] = {}
+        tenants: dict[Hashable, int] = {}
+        children: dict[ObjectId, int] = {}
+        for obj in self._objects.values():
+            used, evicting = pools.get(obj.pool, (0, 0))
+            pools[obj.pool] = (used + obj.size, evicting + (obj.size if obj.evicting else 0))
+            tenants[obj.tenant] = tenants.get(obj.tenant, 0) + obj.size
+            if obj.parent is not None and obj.parent in self._objects:
+                children[obj.parent] = children.get(obj.parent, 0) + 1
+        for pool, usage in self._pools.items():
+            invariant(
+                (usage.used, usage.evicting) == pools.get(pool, (0, 0)), "pool accounting drifted", pool=pool
+            )
+        for tenant, used in self._tenants.items():
+            invariant(used == tenants.get(tenant, 0), "tenant accounting drifted", tenant=tenant)
+        for tenant, pending in self._tenant_evicting.items():
+            actual = sum(o.size for o in self._objects.values() if o.tenant == tenant and o.evicting)
+            invariant(pending == actual, "tenant evicting bytes drifted", tenant=tenant)
+        evicting_children: dict[ObjectId, int] = {}
+        for obj in self._objects.values():
+            if obj.evicting and obj.parent is not None and obj.parent in self._objects:
+                evicting_children[obj.parent] = evicting_children.get(obj.parent, 0) + 1
+        for object_id, obj in self._objects.items():
+            invariant(obj.children == children.get(object_id, 0), "child count drifted", object_id=object_id)
+            invariant(
+                obj.children_evicting == evicting_children.get(object_id, 0),
+                "evicting child count drifted",
+                object_id=object_id,
+            )

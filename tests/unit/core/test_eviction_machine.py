@@ -1,0 +1,157 @@
+"""Hypothesis state machine for the eviction core against a simple model: no leased or pinned
+object is ever evicted (the directory refuses, the core cools it down), victims are leaves
+(a prefix never keeps a tail whose head the policy evicted), watermarks and quotas hold once
+pressure is resolved, accounting never drifts."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvfabric.core.eviction import Admitted, EvictBatch, EvictionConfig, EvictionCore, Refused, TenantQuota
+
+POOLS = ("p0", "p1")
+CAPACITY = 40
+TENANTS = ("t0", "t1", "t2")
+QUOTAS = {"t1": TenantQuota(hard_bytes=25), "t2": TenantQuota(guaranteed_bytes=8)}
+
+
+class EvictionMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = EvictionConfig(
+            policy="gdsf", high_watermark=0.9, low_watermark=0.7, batch_max=6, refused_cooldown_ms=50
+        )
+        self.core = EvictionCore(self.config, QUOTAS)
+        for pool in POOLS:
+            self.core.set_capacity(pool, CAPACITY)
+        self.now = 0
+        self.next_id = 0
+        self.resident: dict[int, tuple[str, str, int, int | None]] = {}  # id -> (tenant, pool, size, parent)
+        self.evicting: set[int] = set()
+        self.leased: set[int] = set()
+        self.cooldown: dict[int, int] = {}
+        self.batches = 0
+
+    def children(self, object_id: int) -> list[int]:
+        return [o for o, (_, _, _, parent) in self.resident.items() if parent == object_id]
+
+    def check_batch(self, batch: EvictBatch) -> None:
+        assert len(batch.victims) <= self.config.batch_max
+        for victim in batch.victims:
+            assert isinstance(victim, int)
+            assert victim in self.resident and victim not in self.evicting, "chosen twice or not resident"
+            tenant, pool, _, _ = self.resident[victim]
+            assert pool == batch.pool
+            assert set(self.children(victim)) <= self.evicting, "a head chosen while its tail stays"
+            assert self.cooldown.get(victim, -1) <= self.now, "chosen during its refusal cooldown"
+            self.evicting.add(victim)
+            if batch.reason == "watermark" and tenant == "t2":
+                left = sum(
+                    s for o, (t, _, s, _) in self.resident.items() if t == "t2" and o not in self.evicting
+                )
+                assert left >= QUOTAS["t2"].guaranteed_bytes, "pressure took t2 below its guaranteed share"
+        self.batches += 1
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        pool=st.sampled_from(POOLS),
+        size=st.integers(1, 5),
+        extend=st.integers(0, 30),
+    )
+    def insert(self, tenant: str, pool: str, size: int, extend: int) -> None:
+        parents = [o for o, (t, p, _, _) in self.resident.items() if t == tenant and p == pool]
+        parent = parents[extend % len(parents)] if parents and extend < 20 else None
+        object_id = self.next_id
+        self.next_id += 1
+        effects = self.core.insert(
+            object_id, tenant=tenant, pool=pool, size=size, parent=parent, chunk_index=0, now_ms=self.now
+        )
+        assert effects == [Admitted(object_id)] or effects == [Refused(object_id)]
+        if effects == [Admitted(object_id)]:
+            self.resident[object_id] = (tenant, pool, size, parent)
+
+    @rule(pick=st.integers(0, 1000))
+    def access(self, pick: int) -> None:
+        if self.resident:
+            self.core.access(sorted(self.resident)[pick % len(self.resident)], self.now)
+
+    @rule(pick=st.integers(0, 1000))
+    def toggle_lease(self, pick: int) -> None:
+        if self.resident:
+            object_id = sorted(self.resident)[pick % len(self.resident)]
+            self.leased ^= {object_id}
+
+    @rule(step=st.sampled_from([0, 1, 20, 60]))
+    def tick(self, step: int) -> None:
+        self.now += step
+        for effect in self.core.tick(self.now):
+            assert isinstance(effect, EvictBatch)
+            self.check_batch(effect)
+
+    @precondition(lambda self: bool(self.evicting))
+    @rule(pick=st.integers(0, 1000))
+    def directory_answers(self, pick: int) -> None:
+        object_id = sorted(self.evicting)[pick % len(self.evicting)]
+        self.evicting.discard(object_id)
+        if object_id in self.leased:  # the directory refuses: leased or pinned objects stay
+            self.core.refused(object_id, self.now)
+            self.cooldown[object_id] = self.now + self.config.refused_cooldown_ms
+        else:
+            self.core.removed(object_id)
+            del self.resident[object_id]
+
+    @rule(pick=st.integers(0, 1000))
+    def freed_elsewhere(self, pick: int) -> None:
+        candidates = sorted(set(self.resident) - self.evicting)
+        if candidates:
+            object_id = candidates[pick % len(candidates)]
+            self.core.removed(object_id)
+            del self.resident[object_id]
+            self.leased.discard(object_id)
+
+    @invariant()
+    def consistent(self) -> None:
+        self.core.check_invariants()
+        for pool in POOLS:
+            assert self.core.used_bytes(pool) == sum(s for _, p, s, _ in self.resident.values() if p == pool)
+        assert set(self.resident) == {o for o in self.resident if o in self.core}
+        assert len(self.core) == len(self.resident)
+        for object_id in self.evicting:
+            assert self.core.is_evicting(object_id)
+
+    def teardown(self) -> None:
+        # Pressure resolves once leases go: watermarks and quotas hold.
+        self.leased.clear()
+        for _ in range(200):
+            self.now += 100
+            effects = self.core.tick(self.now)
+            for effect in effects:
+                assert isinstance(effect, EvictBatch)
+                self.check_batch(effect)
+            while self.evicting:
+                self.directory_answers(0)
+            if not effects:
+                break
+        for pool in POOLS:
+            assert self.core.used_bytes(pool) <= self.config.high_watermark * CAPACITY
+        assert self.core.tenant_bytes("t1") <= 25
+        self.core.check_invariants()
+
+
+EvictionMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestEvictionMachine = EvictionMachine.TestCase
+
+
+def test_a_full_pool_evicts_tail_first_down_to_the_low_watermark() -> None:
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.9, low_watermark=0.5, batch_max=100))
+    core.set_capacity("p", 10)
+    for i in range(10):  # one prefix of 10 chunks
+        core.insert(i, tenant="t", pool="p", size=1, parent=i - 1 if i else None, chunk_index=i, now_ms=i)
+    (batch,) = core.tick(12)  # 10 > 90 % of 10
+    assert batch.victims == (9, 8, 7, 6, 5)  # tail first, down to the low watermark (5 of 10)
+    for victim in batch.victims:
+        core.removed(victim)
+    assert core.used_bytes("p") == 5 and core.tick(13) == []
+    core.check_invariants()
