@@ -75,6 +75,7 @@ def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: Evictio
             if i < hit:
                 core.access(block, now)
                 continue
+            stored = block in core  # a block already resident (elsewhere in a chain) is not rewritten
             effects = core.insert(
                 block,
                 tenant="t",
@@ -84,7 +85,7 @@ def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: Evictio
                 chunk_index=i,
                 now_ms=now,
             )
-            if effects == [Admitted(block)]:
+            if effects == [Admitted(block)] and not stored:
                 written += 1
         for effect in core.tick(now):
             assert isinstance(effect, EvictBatch)
