@@ -150,6 +150,7 @@ def test_a_full_pool_evicts_tail_first_down_to_the_low_watermark() -> None:
     for i in range(10):  # one prefix of 10 chunks
         core.insert(i, tenant="t", pool="p", size=1, parent=i - 1 if i else None, chunk_index=i, now_ms=i)
     (batch,) = core.tick(12)  # 10 > 90 % of 10
+    assert isinstance(batch, EvictBatch)
     assert batch.victims == (9, 8, 7, 6, 5)  # tail first, down to the low watermark (5 of 10)
     for victim in batch.victims:
         core.removed(victim)

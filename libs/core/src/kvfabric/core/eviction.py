@@ -52,9 +52,9 @@ then have no parent and are ordinary leaves-to-be.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, Literal, TypeAlias
+from typing import Any, Final, Literal, TypeAlias
 
 from kvfabric.format.invariant import invariant
 
@@ -176,9 +176,9 @@ class _Sketch:
 class EvictionCore:
     """See the module docstring."""
 
-    def __init__(self, config: EvictionConfig, quotas: dict[Hashable, TenantQuota] | None = None) -> None:
+    def __init__(self, config: EvictionConfig, quotas: Mapping[Any, TenantQuota] | None = None) -> None:
         self.config = config
-        self.quotas = dict(quotas or {})
+        self.quotas: dict[Hashable, TenantQuota] = dict(quotas or {})
         self._objects: dict[ObjectId, _Object] = {}
         self._pools: dict[Hashable, _Usage] = {}
         self._tenants: dict[Hashable, int] = {}  # tenant -> resident bytes
