@@ -147,6 +147,7 @@ class AsyncKvClient:
             connections_per_segment_max=settings.connections_per_segment_max,
             timeout_s=settings.load_timeout_ms / 1000,
             use_shm=settings.use_shm,
+            verify=not settings.unsafe_skip_verification_for_tests,
         )
         self._executor = ThreadPoolExecutor(settings.transfers_max, thread_name_prefix="kvf-transfer")
         self._save_executor = ThreadPoolExecutor(

@@ -40,6 +40,8 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
     replica_attempts_max: int = 2  # replicas tried per object before the load gives up
     use_shm: bool = True  # read co-located segments through their shared-memory arena
     metrics_port: int = -1  # -1: no HTTP endpoint; 0: any free port
+    # Test switch only (chaos checkers must be able to fail): loads skip checksum verification.
+    unsafe_skip_verification_for_tests: bool = False
 
     def __post_init__(self) -> None:
         for name in (

@@ -1,0 +1,297 @@
+"""`make chaos` / `make chaos-quick`: fault drills on a local cluster with a verifying workload.
+
+    python tools/chaos.py [--quick] [--json out.json] [drill names...]
+
+A drill (tests/drills/<name>.toml) names a topology, a workload, a fault schedule, a settle time
+and expected bounds. The runner starts a supervised local cluster (tools/localcluster.py, its
+own run folder; killed processes are restarted as in production), runs the workload while the
+faults fire, settles, reads the final state (leases, per-segment allocated vs placed bytes) and
+runs the checkers (tools/chaos_checks.py) on the recorded history.
+
+The workload is engine-like: for each prefix, lookup → load → verify the loaded bytes against the
+payload derived from the chunk's key (so any wrong byte an engine would consume is detected) →
+save what was missing. Every request is recorded with start, end and outcome.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from chaos_checks import FinalState, Op, check_all
+
+REPO = Path(__file__).resolve().parents[1]
+DRILLS = REPO / "tests" / "drills"
+LOCALCLUSTER = REPO / "tools" / "localcluster.py"
+TOKENS_PER_CHUNK = 16
+
+
+def expected_payload(group_bytes: bytes, size: int) -> bytes:
+    """The bytes a chunk must hold: derived from its key, so a mix-up is always visible."""
+    seed = xxhash.xxh3_128_digest(group_bytes)
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def cluster_state(run: Path) -> dict[str, Any]:
+    state: dict[str, Any] = json.loads((run / "cluster.json").read_text())
+    return state
+
+
+def fire(run: Path, fault: dict[str, Any], kv_factory: Any) -> str:
+    action, target = fault["action"], fault.get("target", "")
+    if action in ("kill", "stop", "cont"):
+        pid = cluster_state(run)["pids"].get(target)
+        sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "cont": signal.SIGCONT}[action]
+        if pid:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                return f"{action} {target}: already gone"
+        return f"{action} {target} (pid {pid})"
+    if action == "corrupt":
+        return corrupt_one(kv_factory, int(fault.get("prefix", 0)), int(fault.get("chunk", 1)))
+    raise ValueError(f"unknown fault action {action!r}")
+
+
+def corrupt_one(kv_factory: Any, prefix: int, chunk: int) -> str:
+    sys.path.insert(0, str(REPO))
+    from tests.integration.clientkit import corrupt_stored_byte
+
+    with kv_factory() as kv:
+        tokens = prompt(prefix)
+        hit = kv.lookup(tokens)
+        try:
+            if hit.chunks <= chunk:
+                return f"corrupt prefix {prefix}: only {hit.chunks} chunks stored"
+            corrupt_stored_byte(hit, chunk)
+            return f"corrupted prefix {prefix} chunk {chunk}"
+        finally:
+            kv.release(hit)
+
+
+def prompt(prefix: int, n_tokens: int = 10_000) -> list[int]:
+    return [(prefix * 1_000_003 + i * 7919) % 50_000 for i in range(n_tokens)]
+
+
+def run_workload(kv: Any, wl: dict[str, Any], history: list[Op], started: float) -> None:
+    chunks = int(wl.get("chunks_per_prefix", 8))
+    size = int(wl.get("chunk_bytes", 64 << 10))
+    for rnd in range(int(wl.get("rounds", 3))):
+        for prefix in range(int(wl.get("prefixes", 10))):
+            tokens = prompt(prefix, chunks * TOKENS_PER_CHUNK + 1)
+            op = Op(prefix=prefix, round=rnd, start_s=time.monotonic() - started)
+            history.append(op)
+            try:
+                hit = kv.lookup(tokens, max_tokens=len(tokens) - 1)
+                op.hit_tokens = hit.tokens
+                dests = [[bytearray(size)] for _ in range(hit.chunks)]
+                result = kv.load(hit, dests)
+                kv.release(hit)
+                loaded = result.tokens // TOKENS_PER_CHUNK
+                groups = kv.aio.chunk_groups(tokens)
+                op.wrong_chunks = sum(
+                    bytes(dests[c][0]) != expected_payload(groups[c].to_bytes(), size) for c in range(loaded)
+                )
+                op.loaded_tokens = result.tokens
+                op.cause = result.cause or hit.cause
+                op.outcome = "hit" if loaded else "recompute"
+                missing = [[expected_payload(groups[c].to_bytes(), size)] for c in range(loaded, chunks)]
+                if missing:
+                    op.saved_chunks = kv.save(tokens, missing, first_chunk=loaded).chunks_saved
+            except Exception as exc:  # a bug: the client must never raise into the engine
+                op.outcome, op.cause = "error", repr(exc)
+            op.end_s = time.monotonic() - started
+        time.sleep(float(wl.get("round_pause_s", 0.5)))
+
+
+def final_state(nats_url: str) -> FinalState:
+    import asyncio
+
+    import nats
+
+    from kvfabric.proto import directory as m
+    from kvfabric.proto.subjects import Service, endpoint_subject
+    from kvfabric.runtime import request
+
+    async def ask() -> FinalState:
+        nc = await nats.connect(nats_url)
+        try:
+            leases = await request(
+                nc, endpoint_subject(Service.DIRECTORY, "list_leases"), m.ListLeases(), m.reply_decoder, 5
+            )
+            segs = await request(
+                nc, endpoint_subject(Service.DIRECTORY, "list_segments"), m.ListSegments(), m.reply_decoder, 5
+            )
+        finally:
+            await nc.close()
+        assert isinstance(leases, m.LeaseList) and isinstance(segs, m.SegmentList)
+        return FinalState(
+            read_leases=sum(not x.is_pin for x in leases.leases),
+            segments=[
+                {
+                    "segment_id": s.segment_id,
+                    "reserved_bytes": s.reserved_bytes,
+                    "reported_used_bytes": s.reported_used_bytes,
+                }
+                for s in segs.segments
+                if s.up
+            ],
+        )
+
+    return asyncio.run(ask())
+
+
+def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
+    from kvfabric.client import ClientSettings, KvClient
+    from tests.integration.clientkit import SPEC
+
+    drill = tomllib.loads(path.read_text())
+    name = drill.get("name", path.stem)
+    topo, wl, expect = drill.get("topology", {}), drill.get("workload", {}), drill.get("expect", {})
+    run = Path(tempfile.mkdtemp(prefix=f"kvf-chaos-{name}-"))
+    env = dict(os.environ, KVF_DIRECTORY_REPLICAS_DEFAULT=str(topo.get("replicas", 1)))
+    up = subprocess.run(
+        [
+            sys.executable,
+            str(LOCALCLUSTER),
+            "up",
+            "--run-dir",
+            str(run),
+            "--nats-port",
+            "0",
+            "--segments",
+            str(topo.get("segments", 3)),
+            "--segment-bytes",
+            str(topo.get("segment_bytes", 256 << 20)),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if up.returncode != 0:
+        raise RuntimeError(f"cluster for drill {name} did not come up: {up.stdout}{up.stderr}")
+    nats_url = cluster_state(run)["nats_url"]
+    settings = ClientSettings(
+        nats_url=nats_url,
+        lookup_timeout_ms=int(wl.get("lookup_timeout_ms", 1000)),
+        load_timeout_ms=int(wl.get("load_timeout_ms", 2000)),
+        save_timeout_ms=int(wl.get("save_timeout_ms", 3000)),
+        lease_ttl_ms=int(wl.get("lease_ttl_ms", 4000)),
+        unsafe_skip_verification_for_tests=not verify,
+    )
+    history: list[Op] = []
+    fired: list[str] = []
+    try:
+        with KvClient(settings, SPEC) as kv:
+            started = time.monotonic()
+
+            def faults() -> None:
+                for fault in drill.get("faults", []):
+                    delay = float(fault["at_s"]) - (time.monotonic() - started)
+                    if delay > 0:
+                        time.sleep(delay)
+                    fired.append(
+                        f"{time.monotonic() - started:.1f}s "
+                        + fire(run, fault, lambda: KvClient(settings, SPEC))
+                    )
+
+            injector = threading.Thread(target=faults, daemon=True)
+            injector.start()
+            run_workload(kv, wl, history, started)
+            injector.join(timeout=60)
+        time.sleep(float(drill.get("settle_s", 6.0)))
+        final = final_state(nats_url)
+    finally:
+        subprocess.run(
+            [sys.executable, str(LOCALCLUSTER), "down", "--run-dir", str(run)], capture_output=True
+        )
+    violations = check_all(history, final, expect)
+    ended = [op for op in history if op.end_s is not None]
+    return {
+        "drill": name,
+        "passed": not any(violations.values()),
+        "requests": len(history),
+        "hits": sum(op.outcome == "hit" for op in ended),
+        "recomputes": sum(op.outcome == "recompute" for op in ended),
+        "wrong_chunks": sum(op.wrong_chunks for op in history),
+        "leases_after_settle": final.read_leases,
+        "faults": fired,
+        "violations": violations,
+        "history": [asdict(op) for op in history],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("drills", nargs="*")
+    parser.add_argument("--quick", action="store_true", help="only drills marked quick = true")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    paths = sorted(DRILLS.glob("*.toml"))
+    if args.drills:
+        paths = [p for p in paths if p.stem in args.drills]
+    if args.quick:
+        paths = [p for p in paths if tomllib.loads(p.read_text()).get("quick", False)]
+    from rich.console import Console
+    from rich.table import Table
+
+    results = []
+    for path in paths:
+        t0 = time.monotonic()
+        result = run_drill(path)
+        result["duration_s"] = round(time.monotonic() - t0, 1)
+        results.append(result)
+        print(
+            f"{result['drill']}: {'passed' if result['passed'] else 'FAILED'} in {result['duration_s']} s",
+            file=sys.stderr,
+        )
+    table = Table(title="kvfabric chaos drills")
+    for col in (
+        "drill",
+        "result",
+        "requests",
+        "hit",
+        "recompute",
+        "wrong chunks",
+        "leases after settle",
+        "faults",
+        "violations",
+    ):
+        table.add_column(col)
+    for r in results:
+        table.add_row(
+            r["drill"],
+            "pass" if r["passed"] else "FAIL",
+            str(r["requests"]),
+            str(r["hits"]),
+            str(r["recomputes"]),
+            str(r["wrong_chunks"]),
+            str(r["leases_after_settle"]),
+            "; ".join(r["faults"]) or "-",
+            "; ".join(v for vs in r["violations"].values() for v in vs) or "-",
+        )
+    Console(width=200).print(table)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0 if all(r["passed"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""Checkers for `make chaos`: pure functions over a drill's recorded history and the cluster's
+final state. Each returns a list of violations (empty = the invariant held). Unit tests feed
+each one a history that breaks its invariant, so none of them is a checker that cannot fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FinalState", "Op", "check_all"]
+
+
+@dataclass(slots=True)
+class Op:
+    """One engine request of the verifying workload (Jepsen-style history entry)."""
+
+    prefix: int
+    round: int
+    start_s: float
+    end_s: float | None = None
+    outcome: str = ""  # "hit" (some tokens loaded), "recompute" (none), "error" (raised: a bug)
+    hit_tokens: int = 0  # what lookup promised
+    loaded_tokens: int = 0  # what load verified and the engine consumed
+    wrong_chunks: int = 0  # consumed chunks whose bytes differ from the expected payload
+    cause: str = ""
+    saved_chunks: int = 0
+
+
+@dataclass(slots=True)
+class FinalState:
+    """The cluster after settle."""
+
+    read_leases: int
+    segments: list[dict[str, Any]] = field(default_factory=list)  # up segments: reserved, used
+
+
+def check_wrong_bytes(history: list[Op]) -> list[str]:
+    return [
+        f"prefix {op.prefix} round {op.round}: {op.wrong_chunks} wrong chunk(s) consumed"
+        for op in history
+        if op.wrong_chunks
+    ]
+
+
+def check_all_ended(history: list[Op]) -> list[str]:
+    return [
+        f"prefix {op.prefix} round {op.round}: {'never ended' if op.end_s is None else 'raised ' + op.cause}"
+        for op in history
+        if op.end_s is None or op.outcome == "error"
+    ]
+
+
+def check_recompute_budget(history: list[Op], max_recompute_rate: float) -> list[str]:
+    ended = [op for op in history if op.end_s is not None and op.round > 0]  # round 0 fills the cache
+    if not ended:
+        return []
+    rate = sum(op.outcome == "recompute" for op in ended) / len(ended)
+    if rate > max_recompute_rate:
+        return [f"recompute rate {rate:.2f} over the budget {max_recompute_rate:.2f}"]
+    return []
+
+
+def check_serving_after_recovery(history: list[Op], min_hit_rate_last_round: float) -> list[str]:
+    last = max((op.round for op in history), default=0)
+    ops = [op for op in history if op.round == last and op.end_s is not None]
+    if not ops or last == 0:
+        return []
+    rate = sum(op.outcome == "hit" for op in ops) / len(ops)
+    if rate < min_hit_rate_last_round:
+        return [f"hit rate {rate:.2f} in the last round, expected at least {min_hit_rate_last_round:.2f}"]
+    return []
+
+
+def check_no_leaks(final: FinalState) -> list[str]:
+    problems = []
+    if final.read_leases:
+        problems.append(f"{final.read_leases} read lease(s) still held after settle")
+    for seg in final.segments:
+        if seg["reported_used_bytes"] != seg["reserved_bytes"]:
+            problems.append(
+                f"segment {seg['segment_id']}: {seg['reported_used_bytes']} bytes allocated, "
+                f"{seg['reserved_bytes']} placed by the directory"
+            )
+    return problems
+
+
+def check_all(history: list[Op], final: FinalState, expect: dict[str, Any]) -> dict[str, list[str]]:
+    return {
+        "wrong_bytes": check_wrong_bytes(history),
+        "all_ended": check_all_ended(history),
+        "recompute_budget": check_recompute_budget(history, float(expect.get("max_recompute_rate", 1.0))),
+        "serving": check_serving_after_recovery(history, float(expect.get("min_hit_rate_last_round", 0.0))),
+        "no_leaks": check_no_leaks(final),
+    }
