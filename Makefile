@@ -71,6 +71,13 @@ bench: setup engines-setup ## Run the benchmarks; JSON + markdown into bench/res
 	cat bench/results/*.md > bench/results/SUMMARY.md
 	@echo "wrote bench/results/SUMMARY.md"
 
+.PHONY: chaos chaos-quick
+chaos: setup ## Every fault drill in tests/drills on a local cluster; table + bench/results/chaos.json
+	$(PY) tools/chaos.py --json bench/results/chaos.json
+
+chaos-quick: setup ## The drills marked quick (what CI runs, ~1 min)
+	$(PY) tools/chaos.py --quick
+
 .PHONY: demo
 demo: setup ## Bring the local cluster up (if needed) and run a shared-prefix HF workload on it; prints a table
 	$(PY) tools/demo.py

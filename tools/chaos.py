@@ -8,8 +8,9 @@ own run folder; killed processes are restarted as in production), runs the workl
 faults fire, settles, reads the final state (leases, per-segment allocated vs placed bytes) and
 runs the checkers (tools/chaos_checks.py) on the recorded history.
 
-The workload is engine-like: for each prefix, lookup → load → verify the loaded bytes against the
-payload derived from the chunk's key (so any wrong byte an engine would consume is detected) →
+The workload is engine-like and runs in rounds for `duration_s` (so faults land mid-traffic):
+for each prefix, lookup → load → verify the loaded bytes against the payload derived from the
+chunk's key (so any wrong byte an engine would consume is detected) →
 save what was missing. Every request is recorded with start, end and outcome.
 """
 
@@ -32,8 +33,9 @@ from typing import Any
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests.integration.clientkit
 
-from chaos_checks import FinalState, Op, check_all
+from chaos_checks import FinalState, Op, check_all  # type: ignore[import-not-found]
 
 REPO = Path(__file__).resolve().parents[1]
 DRILLS = REPO / "tests" / "drills"
@@ -91,7 +93,9 @@ def prompt(prefix: int, n_tokens: int = 10_000) -> list[int]:
 def run_workload(kv: Any, wl: dict[str, Any], history: list[Op], started: float) -> None:
     chunks = int(wl.get("chunks_per_prefix", 8))
     size = int(wl.get("chunk_bytes", 64 << 10))
-    for rnd in range(int(wl.get("rounds", 3))):
+    duration_s = float(wl.get("duration_s", 12.0))
+    rnd = 0
+    while rnd < 2 or time.monotonic() - started < duration_s:  # rounds until the faults are over
         for prefix in range(int(wl.get("prefixes", 10))):
             tokens = prompt(prefix, chunks * TOKENS_PER_CHUNK + 1)
             op = Op(prefix=prefix, round=rnd, start_s=time.monotonic() - started)
@@ -116,6 +120,7 @@ def run_workload(kv: Any, wl: dict[str, Any], history: list[Op], started: float)
             except Exception as exc:  # a bug: the client must never raise into the engine
                 op.outcome, op.cause = "error", repr(exc)
             op.end_s = time.monotonic() - started
+        rnd += 1
         time.sleep(float(wl.get("round_pause_s", 0.5)))
 
 

@@ -1,0 +1,60 @@
+"""Each chaos checker passes a clean history and fails one that breaks its invariant."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("chaos_checks", REPO / "tools" / "chaos_checks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["chaos_checks"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_clean_history_passes_every_checker() -> None:
+    c = load()
+    history = [
+        c.Op(prefix=p, round=r, start_s=0.0, end_s=0.1, outcome="hit" if r else "recompute")
+        for p in range(3)
+        for r in range(3)
+    ]
+    final = c.FinalState(
+        read_leases=0, segments=[{"segment_id": "s", "reserved_bytes": 10, "reported_used_bytes": 10}]
+    )
+    violations = c.check_all(history, final, {"max_recompute_rate": 0.0, "min_hit_rate_last_round": 1.0})
+    assert violations == {k: [] for k in violations}
+
+
+def test_each_checker_fails_when_its_invariant_breaks() -> None:
+    c = load()
+    ok = c.FinalState(read_leases=0)
+    expect = {"max_recompute_rate": 0.2, "min_hit_rate_last_round": 0.9}
+    base = [
+        c.Op(prefix=0, round=r, start_s=0.0, end_s=1.0, outcome="hit" if r else "recompute") for r in range(3)
+    ]
+
+    wrong = [*base, c.Op(prefix=1, round=2, start_s=0.0, end_s=1.0, outcome="hit", wrong_chunks=1)]
+    assert c.check_all(wrong, ok, expect)["wrong_bytes"]
+    hung = [*base, c.Op(prefix=1, round=2, start_s=0.0)]
+    assert c.check_all(hung, ok, expect)["all_ended"]
+    raised = [*base, c.Op(prefix=1, round=2, start_s=0.0, end_s=1.0, outcome="error", cause="boom")]
+    assert c.check_all(raised, ok, expect)["all_ended"]
+    recomputing = [
+        *base,
+        *(c.Op(prefix=p, round=1, start_s=0.0, end_s=1.0, outcome="recompute") for p in range(1, 4)),
+    ]
+    assert c.check_all(recomputing, ok, expect)["recompute_budget"]
+    not_serving = [*base, c.Op(prefix=1, round=2, start_s=0.0, end_s=1.0, outcome="recompute")]
+    assert c.check_all(not_serving, ok, expect)["serving"]
+    leaked = c.FinalState(
+        read_leases=2, segments=[{"segment_id": "s", "reserved_bytes": 1, "reported_used_bytes": 9}]
+    )
+    assert len(c.check_all(base, leaked, expect)["no_leaks"]) == 2
