@@ -30,6 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,7 +68,42 @@ def fire(run: Path, fault: dict[str, Any], kv_factory: Any) -> str:
         return f"{action} {target} (pid {pid})"
     if action == "corrupt":
         return corrupt_one(kv_factory, int(fault.get("prefix", 0)), int(fault.get("chunk", 1)))
+    if action == "cancel_storm":
+        return cancel_storm(kv_factory, int(fault.get("loads", 50)))
+    if action == "qdisc":  # on loopback: every process of the drill sees it (root only)
+        # e.g. "netem delay 50ms loss 5%" where the kernel has sch_netem; this machine's kernel
+        # has no netem ("Specified qdisc kind is unknown"), so drills use tbf (rate + latency).
+        args = str(fault.get("args", "tbf rate 100mbit burst 256kb latency 100ms")).split()
+        subprocess.run(
+            ["tc", "qdisc", "replace", "dev", "lo", "root", *args], check=True, capture_output=True
+        )
+        return f"qdisc {' '.join(args)}"
+    if action == "qdisc_clear":
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False, capture_output=True)
+        return "qdisc cleared"
     raise ValueError(f"unknown fault action {action!r}")
+
+
+def cancel_storm(kv_factory: Any, loads: int) -> str:
+    """Many loads of stored prefixes that time out almost at once (1 ms): every one is cut off
+    mid-transfer; their late completions must not leak staging, leases or wrong bytes."""
+    import concurrent.futures
+
+    with kv_factory(load_timeout_ms=1) as kv:
+        hits = [kv.lookup(prompt(p % 4, 6 * TOKENS_PER_CHUNK + 1)) for p in range(4)]
+
+        def one(i: int) -> int:
+            hit = hits[i % len(hits)]
+            tokens: int = kv.load(hit, [[bytearray(o[0].size_bytes)] for o in hit.objects]).tokens
+            return tokens
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            loaded = list(pool.map(one, range(loads)))
+        for hit in hits:
+            kv.release(hit)
+        table = kv.aio.table
+        assert table.waiters_live == 0, "a cancelled load left a waiter"
+    return f"cancel storm: {loads} loads at a 1 ms deadline, {sum(t == 0 for t in loaded)} cut to nothing"
 
 
 def corrupt_one(kv_factory: Any, prefix: int, chunk: int) -> str:
@@ -96,7 +132,9 @@ def run_workload(kv: Any, wl: dict[str, Any], history: list[Op], started: float)
     duration_s = float(wl.get("duration_s", 12.0))
     rnd = 0
     while rnd < 2 or time.monotonic() - started < duration_s:  # rounds until the faults are over
-        for prefix in range(int(wl.get("prefixes", 10))):
+        n_prefixes = int(wl.get("prefixes", 10))
+        first = rnd * n_prefixes if wl.get("fresh_prefixes_each_round", False) else 0  # all puts
+        for prefix in range(first, first + n_prefixes):
             tokens = prompt(prefix, chunks * TOKENS_PER_CHUNK + 1)
             op = Op(prefix=prefix, round=rnd, start_s=time.monotonic() - started)
             history.append(op)
@@ -197,10 +235,12 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
         load_timeout_ms=int(wl.get("load_timeout_ms", 2000)),
         save_timeout_ms=int(wl.get("save_timeout_ms", 3000)),
         lease_ttl_ms=int(wl.get("lease_ttl_ms", 4000)),
+        use_shm=bool(wl.get("use_shm", True)),
         unsafe_skip_verification_for_tests=not verify,
     )
     history: list[Op] = []
     fired: list[str] = []
+    fault_errors: list[str] = []
     try:
         with KvClient(settings, SPEC) as kv:
             started = time.monotonic()
@@ -210,15 +250,23 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
                     delay = float(fault["at_s"]) - (time.monotonic() - started)
                     if delay > 0:
                         time.sleep(delay)
-                    fired.append(
-                        f"{time.monotonic() - started:.1f}s "
-                        + fire(run, fault, lambda: KvClient(settings, SPEC))
-                    )
+
+                    def factory(**overrides: Any) -> Any:
+                        return KvClient(msgspec.structs.replace(settings, **overrides), SPEC)
+
+                    try:
+                        what = fire(run, fault, factory)
+                    except Exception as exc:  # a fault that could not be injected fails the drill
+                        fault_errors.append(f"{fault['action']}: {exc!r}")
+                        what = f"{fault['action']} FAILED: {exc!r}"
+                    fired.append(f"{time.monotonic() - started:.1f}s {what}")
 
             injector = threading.Thread(target=faults, daemon=True)
             injector.start()
             run_workload(kv, wl, history, started)
             injector.join(timeout=60)
+        if any(f["action"] == "qdisc" for f in drill.get("faults", [])):
+            subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)  # never leave it on
         time.sleep(float(drill.get("settle_s", 6.0)))
         final = final_state(nats_url)
     finally:
@@ -226,6 +274,7 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
             [sys.executable, str(LOCALCLUSTER), "down", "--run-dir", str(run)], capture_output=True
         )
     violations = check_all(history, final, expect)
+    violations["faults_injected"] = fault_errors
     ended = [op for op in history if op.end_s is not None]
     return {
         "drill": name,
