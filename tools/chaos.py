@@ -154,7 +154,11 @@ def run_workload(kv: Any, wl: dict[str, Any], history: list[Op], started: float)
                 op.outcome = "hit" if loaded else "recompute"
                 missing = [[expected_payload(groups[c].to_bytes(), size)] for c in range(loaded, chunks)]
                 if missing:
-                    op.saved_chunks = kv.save(tokens, missing, first_chunk=loaded).chunks_saved
+                    saved = kv.save(tokens, missing, first_chunk=loaded)
+                    op.saved_chunks = saved.chunks_saved
+                    op.acked_chunks = chunks if saved.chunks_failed == 0 else 0
+                else:
+                    op.acked_chunks = chunks
             except Exception as exc:  # a bug: the client must never raise into the engine
                 op.outcome, op.cause = "error", repr(exc)
             op.end_s = time.monotonic() - started
@@ -197,6 +201,14 @@ def final_state(nats_url: str) -> FinalState:
         )
 
     return asyncio.run(ask())
+
+
+def lost_chunks(history: list[Op], final: FinalState) -> int:
+    """Acknowledged chunks not served after settle (reported even where the drill allows it)."""
+    acked: dict[int, int] = {}
+    for op in history:
+        acked[op.prefix] = max(acked.get(op.prefix, 0), op.acked_chunks)
+    return sum(max(0, n - final.served_chunks.get(p, 0)) for p, n in acked.items())
 
 
 def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
@@ -269,6 +281,13 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
             subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)  # never leave it on
         time.sleep(float(drill.get("settle_s", 6.0)))
         final = final_state(nats_url)
+        with KvClient(settings, SPEC) as kv:  # what is still served, for the durability checker
+            chunks = int(wl.get("chunks_per_prefix", 8))
+            for prefix in sorted({op.prefix for op in history}):
+                tokens = prompt(prefix, chunks * TOKENS_PER_CHUNK + 1)
+                hit = kv.lookup(tokens, max_tokens=len(tokens) - 1)
+                final.served_chunks[prefix] = hit.chunks
+                kv.release(hit)
     finally:
         subprocess.run(
             [sys.executable, str(LOCALCLUSTER), "down", "--run-dir", str(run)], capture_output=True
@@ -284,6 +303,7 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
         "recomputes": sum(op.outcome == "recompute" for op in ended),
         "wrong_chunks": sum(op.wrong_chunks for op in history),
         "leases_after_settle": final.read_leases,
+        "acked_chunks_lost": lost_chunks(history, final),
         "faults": fired,
         "violations": violations,
         "history": [asdict(op) for op in history],
@@ -325,6 +345,7 @@ def main() -> int:
         "recompute",
         "wrong chunks",
         "leases after settle",
+        "acked lost",
         "faults",
         "violations",
     ):
@@ -338,6 +359,7 @@ def main() -> int:
             str(r["recomputes"]),
             str(r["wrong_chunks"]),
             str(r["leases_after_settle"]),
+            str(r["acked_chunks_lost"]),
             "; ".join(r["faults"]) or "-",
             "; ".join(v for vs in r["violations"].values() for v in vs) or "-",
         )

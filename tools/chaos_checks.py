@@ -25,6 +25,7 @@ class Op:
     wrong_chunks: int = 0  # consumed chunks whose bytes differ from the expected payload
     cause: str = ""
     saved_chunks: int = 0
+    acked_chunks: int = 0  # after this request, the store acknowledged chunks 0..acked-1 as published
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class FinalState:
 
     read_leases: int
     segments: list[dict[str, Any]] = field(default_factory=list)  # up segments: reserved, used
+    served_chunks: dict[int, int] = field(default_factory=dict)  # prefix -> chunks a lookup finds now
 
 
 def check_wrong_bytes(history: list[Op]) -> list[str]:
@@ -85,6 +87,21 @@ def check_no_leaks(final: FinalState) -> list[str]:
     return problems
 
 
+def check_durability(history: list[Op], final: FinalState, may_lose: bool) -> list[str]:
+    """Every chunk the store acknowledged is still served after settle, unless the drill killed
+    what may hold its only copy (`may_lose`: a segment with one replica, or the directory)."""
+    if may_lose:
+        return []
+    acked: dict[int, int] = {}
+    for op in history:
+        acked[op.prefix] = max(acked.get(op.prefix, 0), op.acked_chunks)
+    return [
+        f"prefix {prefix}: {n} chunk(s) acknowledged, {final.served_chunks.get(prefix, 0)} served later"
+        for prefix, n in sorted(acked.items())
+        if n and final.served_chunks.get(prefix, 0) < n
+    ]
+
+
 def check_all(history: list[Op], final: FinalState, expect: dict[str, Any]) -> dict[str, list[str]]:
     return {
         "wrong_bytes": check_wrong_bytes(history),
@@ -92,4 +109,5 @@ def check_all(history: list[Op], final: FinalState, expect: dict[str, Any]) -> d
         "recompute_budget": check_recompute_budget(history, float(expect.get("max_recompute_rate", 1.0))),
         "serving": check_serving_after_recovery(history, float(expect.get("min_hit_rate_last_round", 0.0))),
         "no_leaks": check_no_leaks(final),
+        "durability": check_durability(history, final, bool(expect.get("may_lose_acknowledged", False))),
     }

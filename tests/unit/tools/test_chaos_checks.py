@@ -54,6 +54,10 @@ def test_each_checker_fails_when_its_invariant_breaks() -> None:
     assert c.check_all(recomputing, ok, expect)["recompute_budget"]
     not_serving = [*base, c.Op(prefix=1, round=2, start_s=0.0, end_s=1.0, outcome="recompute")]
     assert c.check_all(not_serving, ok, expect)["serving"]
+    acked = [*base, c.Op(prefix=5, round=1, start_s=0.0, end_s=1.0, outcome="recompute", acked_chunks=4)]
+    lost = c.FinalState(read_leases=0, served_chunks={5: 2})
+    assert c.check_all(acked, lost, expect)["durability"]
+    assert not c.check_all(acked, lost, {**expect, "may_lose_acknowledged": True})["durability"]
     leaked = c.FinalState(
         read_leases=2, segments=[{"segment_id": "s", "reserved_bytes": 1, "reported_used_bytes": 9}]
     )
