@@ -76,6 +76,24 @@ class KvClient:
             self.settings.lookup_timeout_ms / 1000,
         )
 
+    def lookup_async(
+        self,
+        tokens: TokenIds,
+        *,
+        max_tokens: int | None = None,
+        extras: ChunkExtras | None = None,
+        trace_id: str | None = None,
+    ) -> concurrent.futures.Future[Hit]:
+        """`lookup` without waiting: a future that ends within `lookup_timeout_ms` (an empty hit
+        with `cause` on failure). For schedulers that must not block on the cluster."""
+        if not self.enabled:
+            done: concurrent.futures.Future[Hit] = concurrent.futures.Future()
+            done.set_result(
+                self.aio._fallback(Hit(0, self.aio.spec.layout.tokens_per_chunk, (), ()), "closed")
+            )
+            return done
+        return self._submit(self.aio.lookup(tokens, max_tokens=max_tokens, extras=extras, trace_id=trace_id))
+
     def load(
         self,
         hit: Hit,

@@ -16,8 +16,9 @@ Extra config keys: `nats_url` (or env KVF_CLIENT_NATS_URL), `tenant_id`, `domain
 - One chunk = one vLLM block (`tokens_per_chunk = block_size`); one object = that block of
   every attention layer, as opaque bytes in layer order (the paged layout is not per token, so
   blocks move whole; the layout string is in the key, so other layouts never share).
-- Scheduler side: `get_num_new_matched_tokens` looks up the prompt (never its last token: its
-  logits are needed) and keeps the read-leased hit; `build_connector_meta` turns it into a load
+- Scheduler side: `get_num_new_matched_tokens` looks up the prompt asynchronously (answers None
+  until the lookup is back, so the scheduler never blocks; never its last token: its logits are
+  needed) and keeps the read-leased hit; `build_connector_meta` turns it into a load
   of the request's blocks past what vLLM already has, and schedules saves of every block that
   becomes full in this step. Leases are released when the request finishes or is aborted.
 - Worker side: `start_load_kv` loads synchronously into the paged blocks; blocks past the
@@ -30,6 +31,7 @@ Extra config keys: `nats_url` (or env KVF_CLIENT_NATS_URL), `tenant_id`, `domain
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 from dataclasses import dataclass, field
@@ -179,6 +181,7 @@ class KvfabricConnector(KVConnectorBase_V1):
             )
         # scheduler side
         self._hits: dict[str, Hit] = {}  # req id -> leased hit (released at request end)
+        self._lookups: dict[str, concurrent.futures.Future[Hit]] = {}  # lookups in flight
         self._pending_loads: dict[str, tuple[Hit, int]] = {}  # req id -> (hit, chunks vLLM had)
         self._requests: dict[str, _Request] = {}
         # worker side
@@ -187,17 +190,30 @@ class KvfabricConnector(KVConnectorBase_V1):
 
     # ---- scheduler side --------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Asynchronous: the first call starts the lookup and answers None ("ask again"); the
+        scheduler never blocks on the cluster (a silent directory costs this request a miss
+        after `lookup_timeout_ms`, not every request a stall). Never the whole prompt."""
+        rid = request.request_id
         tokens = list(request.prompt_token_ids or [])
-        self._release(request.request_id)
         if len(tokens) <= self.block_size:
             return 0, False
-        hit = self.client.lookup(tokens, max_tokens=len(tokens) - 1, trace_id=request.request_id)
+        pending = self._lookups.get(rid)
+        if pending is None:
+            self._release(rid)
+            self._lookups[rid] = self.client.lookup_async(tokens, max_tokens=len(tokens) - 1, trace_id=rid)
+            return None, False
+        if not pending.done():
+            return None, False
+        del self._lookups[rid]
+        hit = pending.result()
         if hit.lease_id:
-            self._hits[request.request_id] = hit
+            self._hits[rid] = hit
         if hit.tokens <= num_computed_tokens:
             return 0, False
-        self._pending_loads[request.request_id] = (hit, num_computed_tokens // self.block_size)
+        self._pending_loads[rid] = (hit, num_computed_tokens // self.block_size)
         return hit.tokens - num_computed_tokens, False
 
     def update_state_after_alloc(
@@ -253,6 +269,9 @@ class KvfabricConnector(KVConnectorBase_V1):
             state.stored_chunks = full
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        pending = self._lookups.pop(request.request_id, None)
+        if pending is not None:  # aborted while its lookup was in flight: release what it leases
+            pending.add_done_callback(lambda f: self.client.release(f.result()))
         self._release(request.request_id)
         self._pending_loads.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
