@@ -4,29 +4,19 @@ the workload consume a wrong chunk and the drill fails."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.unit.tools.toolkit import load_tool
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def load_runner() -> ModuleType:
-    sys.path.insert(0, str(REPO / "tools"))
-    spec = importlib.util.spec_from_file_location("chaos_runner", REPO / "tools" / "chaos.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_corrupted_byte_drill_passes_and_its_checker_fails_without_verification() -> None:
-    runner = load_runner()
+    runner = load_tool("chaos")
     drill = REPO / "tests" / "drills" / "corrupted-byte.toml"
     verified = runner.run_drill(drill)
     assert verified["passed"], verified["violations"]

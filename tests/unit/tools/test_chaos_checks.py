@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
+
+from tests.unit.tools.toolkit import load_tool
 
 REPO = Path(__file__).resolve().parents[3]
 
 
-def load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("chaos_checks", REPO / "tools" / "chaos_checks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["chaos_checks"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_clean_history_passes_every_checker() -> None:
-    c = load()
+    c = load_tool("chaos_checks")
     history = [
         c.Op(prefix=p, round=r, start_s=0.0, end_s=0.1, outcome="hit" if r else "recompute")
         for p in range(3)
@@ -34,7 +24,7 @@ def test_clean_history_passes_every_checker() -> None:
 
 
 def test_each_checker_fails_when_its_invariant_breaks() -> None:
-    c = load()
+    c = load_tool("chaos_checks")
     ok = c.FinalState(read_leases=0)
     expect = {"max_recompute_rate": 0.2, "min_hit_rate_last_round": 0.9}
     base = [

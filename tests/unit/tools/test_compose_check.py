@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.unit.tools.toolkit import load_tool
 
 REPO = Path(__file__).resolve().parents[3]
 
 
-def load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("compose_check", REPO / "tools" / "compose_check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_checked_in_compose_is_consistent() -> None:
-    assert load_tool().check() == []
+    assert load_tool("compose_check").check() == []
 
 
 @pytest.mark.parametrize(
@@ -53,5 +45,5 @@ def test_broken_copies_are_caught(tmp_path: Path, path: str, old: str, new: str,
     text = target.read_text()
     assert old in text
     target.write_text(text.replace(old, new))
-    problems = load_tool().check(compose)
+    problems = load_tool("compose_check").check(compose)
     assert any(complaint in p for p in problems), problems

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 from kvfabric.core.eviction import EvictionConfig
+from tests.unit.tools.toolkit import load_tool
 
 REPO = Path(__file__).resolve().parents[3]
 
 
-def load_sim() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("evict_sim", REPO / "tools" / "evict_sim.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_replay_counts_folded_prefix_hits_and_respects_capacity() -> None:
-    sim = load_sim()
+    sim = load_tool("evict_sim")
     shared = [1, 2, 3]
     requests = [
         {"timestamp": 0, "input_length": 2048, "hash_ids": [*shared, 10]},

@@ -23,25 +23,12 @@ from typing import Any, Final
 import torch
 
 from kvfabric.client import EngineSpec, Hit, KvClient, SaveResult
-from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, digest_config
+from kvfabric.engines.identity import attn_config_digest
+from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
 
 __all__ = ["TENSOR_LAYOUT", "GenerateResult", "HfKvAdapter", "PrefixLoad", "hf_engine_spec", "weights_digest"]
 
 TENSOR_LAYOUT: Final = "hf-dynamic-cache.v1:per-layer-k-then-v:[kvh,tokens,head_dim]"
-_ATTN_KEYS: Final = (
-    "model_type",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_size",
-    "rope_theta",
-    "rope_scaling",
-    "rope_parameters",
-    "max_position_embeddings",
-    "sliding_window",
-    "attention_bias",
-)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -54,11 +41,6 @@ def weights_digest(model: torch.nn.Module) -> str:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
     return "xxh3:" + h.hexdigest()
-
-
-def _attn_config(model: torch.nn.Module) -> dict[str, Any]:
-    config = model.config.to_dict()  # type: ignore[operator, union-attr]
-    return {k: config.get(k) for k in _ATTN_KEYS}
 
 
 def _dims(model: torch.nn.Module) -> tuple[int, int, int]:
@@ -85,7 +67,7 @@ def hf_engine_spec(
         model_id=name[:200],
         weights_revision=weights_revision or weights_digest(model),
         kv_dtype=str(dtype).removeprefix("torch."),
-        attn_config_digest=digest_config(_attn_config(model)),
+        attn_config_digest=attn_config_digest(model.config.to_dict()),  # type: ignore[operator, union-attr]
     )
     layout = KVLayout(
         tp_size=1,

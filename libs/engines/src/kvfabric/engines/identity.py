@@ -9,15 +9,39 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterable
-from typing import Final
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
 
 import xxhash
 
-__all__ = ["files_digest", "weights_digest_of_dir"]
+from kvfabric.format.key import digest_config
+
+__all__ = ["ATTN_CONFIG_KEYS", "attn_config_digest", "files_digest", "weights_digest_of_dir"]
+
+# The HF config fields that change what the attention KV of a token is (shared by every engine
+# integration, so one model's fingerprint is computed one way).
+ATTN_CONFIG_KEYS: Final = (
+    "model_type",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_size",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "max_position_embeddings",
+    "sliding_window",
+    "attention_bias",
+)
 
 _READ_BYTES: Final = 8 << 20
 _WEIGHT_PATTERNS: Final = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
+
+
+def attn_config_digest(hf_config: Mapping[str, Any]) -> str:
+    """`ModelFingerprint.attn_config_digest` from an HF config dict (`config.to_dict()`)."""
+    return digest_config({key: hf_config.get(key) for key in ATTN_CONFIG_KEYS})
 
 
 def files_digest(paths: Iterable[str]) -> str:

@@ -46,8 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvfabric.client import ClientSettings, EngineSpec, Hit, KvClient, settings_from_env
-from kvfabric.engines.identity import weights_digest_of_dir
-from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, digest_config
+from kvfabric.engines.identity import attn_config_digest, weights_digest_of_dir
+from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,19 +61,6 @@ __all__ = ["KvfabricConnector", "KvfabricMetadata"]
 
 log = logging.getLogger("kvfabric.engines.vllm")
 
-_ATTN_KEYS: Final = (
-    "model_type",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_size",
-    "rope_theta",
-    "rope_scaling",
-    "rope_parameters",
-    "max_position_embeddings",
-    "sliding_window",
-)
 _CLIENT_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(ClientSettings))
 
 
@@ -134,7 +121,7 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
         model_id=str(model_config.served_model_name or model_config.model)[:200],
         weights_revision=str(revision),
         kv_dtype=kv_dtype,
-        attn_config_digest=digest_config({k: hf.get(k) for k in _ATTN_KEYS}),
+        attn_config_digest=attn_config_digest(hf),
     )
     layout = KVLayout(
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
