@@ -130,6 +130,8 @@ class FakeBackend:
         self.calls.append(("end_get", conn))
         del self.grants[grant.grant_id]
 
+    # The UCX transport serves PUT and GET only (the local path is TCP + shared memory), so the
+    # fake fails loudly if UCX ever calls these.
     def map_info(self) -> MapReply:
         raise NotImplementedError
 

@@ -161,7 +161,7 @@ class AsyncKvClient:
         self._leases: dict[int, int] = {}  # lease id -> expires_ms (directory clock)
         self._save_bytes = 0
         self._saves_running = 0
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()  # running saves
         self._capacity = asyncio.Event()  # set whenever a transfer releases its staging
         self._starting: list[tuple[TransferId, m.ObjectLocation, bytearray]] = []  # not dispatched yet
         self._closed = False
@@ -409,15 +409,19 @@ class AsyncKvClient:
                     size_bytes=location.size_bytes,
                 )
             except (StaleGeneration, BadRequest):
-                effects = [Busy(load_id, "refused")]
+                # Refused for good (an object larger than load_inflight_bytes_max): waiting for
+                # room would only burn the deadline.
+                self._locations.pop(object_id, None)
+                self._finish(load_id, "busy")
+                return
             if not (len(effects) == 1 and isinstance(effects[0], Busy)):
-                self._perform(effects)
+                self._perform(effects)  # a StartTransfer among them takes the location
                 self._locations.pop(object_id, None)
                 return
             self._locations.pop(object_id, None)
             remaining_s = (deadline_ms - _now_ms()) / 1000
-            if remaining_s <= 0 or self.table.transfers_held == 0:
-                self._finish(load_id, "busy")  # nothing will free room (object too large) or too late
+            if remaining_s <= 0:
+                self._finish(load_id, "busy")
                 return
             self._flush_starts()  # what this load started so far must run before we wait for room
             self._capacity.clear()
@@ -583,12 +587,17 @@ class AsyncKvClient:
         self._save_bytes += size
         self._saves_running += 1
         self.metrics.inflight_bytes.set(self._save_bytes)
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)  # close() waits for running saves before draining NATS
         started = time.perf_counter()
         try:
             return await self._save(groups, members, views, first_chunk, trace_id or uuid.uuid4().hex)
         finally:
             self._save_bytes -= size
             self._saves_running -= 1
+            if task is not None:
+                self._tasks.discard(task)
             self.metrics.inflight_bytes.set(self._save_bytes)
             self.metrics.save_seconds.observe(time.perf_counter() - started)
 

@@ -3,28 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Final
 
 from kvfabric.format.key import ChunkGroupId, MemberId
 from kvfabric.proto.directory import ObjectLocation
 
-__all__ = ["FALLBACK_CAUSES", "Hit", "LoadResult", "SaveResult"]
-
-# Why a hit was shorter than the stored prefix, or a load shorter than its hit. Counted by cause.
-FALLBACK_CAUSES: Final = (
-    "directory_unavailable",
-    "directory_timeout",
-    "directory_error",
-    "busy",
-    "timeout",
-    "segment_unreachable",
-    "stale_generation",
-    "not_found",
-    "checksum",
-    "transport_error",
-    "cancelled",
-    "closed",
-)
+__all__ = ["Hit", "LoadResult", "SaveResult"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from kvfabric.format.errors import KvfError
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.directory import ObjectLocation, WriteTicket
 
-__all__ = ["FetchOutcome", "SegmentPool"]
+__all__ = ["SegmentPool"]
 
 OK: Final = "ok"
 
@@ -42,12 +42,6 @@ class _Connection:
             with contextlib.suppress(BufferError, ValueError):
                 self.shm.close()
         self.tcp.close()
-
-
-@dataclass(frozen=True, slots=True)
-class FetchOutcome:
-    cause: str  # "ok" or a fallback cause
-    via_shm: bool = False
 
 
 class SegmentPool:
@@ -98,7 +92,7 @@ class SegmentPool:
             else:
                 pool.append(conn)
 
-    def fetch(self, location: ObjectLocation, staging: bytearray, attempts_max: int) -> FetchOutcome:
+    def fetch(self, location: ObjectLocation, staging: bytearray, attempts_max: int) -> str:
         """Read one object into `staging` from its first reachable replica and verify its
         checksum against the directory's. Tries at most `attempts_max` replicas."""
         cause = "not_found"
@@ -108,10 +102,8 @@ class SegmentPool:
                 with self._connection(replica.data_addr) as conn:
                     if conn.shm is not None and conn.shm.incarnation == replica.incarnation:
                         result = conn.shm.get([ref], [staging])[0]
-                        via_shm = True
                     else:
                         result = conn.tcp.get([ref], [staging])[0]
-                        via_shm = False
             except (ConnectionError, TimeoutError) as exc:
                 cause = "timeout" if isinstance(exc, TimeoutError) else "segment_unreachable"
                 continue
@@ -131,8 +123,8 @@ class SegmentPool:
             ):
                 cause = "checksum"
                 continue
-            return FetchOutcome(OK, via_shm)
-        return FetchOutcome(cause)
+            return OK
+        return cause
 
     def fetch_many(
         self, locations: list[ObjectLocation], stagings: list[bytearray], attempts_max: int
@@ -177,7 +169,7 @@ class SegmentPool:
         for i, loc in enumerate(locations):  # the next replicas, one object at a time
             if causes[i] != OK and attempts_max > 1 and len(loc.replicas) > 1:
                 rest = msgspec.structs.replace(loc, replicas=loc.replicas[1:])
-                retry = self.fetch(rest, stagings[i], attempts_max - 1).cause
+                retry = self.fetch(rest, stagings[i], attempts_max - 1)
                 causes[i] = retry if retry == OK else causes[i]
         return causes
 

@@ -187,14 +187,7 @@ def manifest_show(
 # ---- leases and pins -------------------------------------------------------------------------
 
 
-@leases_app.command("ls")
-def leases_ls(
-    limit: Annotated[int, typer.Option("--limit", min=1, max=m.LIST_LIMIT_MAX)] = 100,
-    json: JsonOpt = False,
-    nats_url: UrlOpt = DEFAULT_NATS_URL,
-    timeout_s: TimeoutOpt = 5.0,
-) -> None:
-    """Leases and pins the directory holds."""
+def _list_leases(limit: int, nats_url: str, timeout_s: float, *, pins_only: bool, json: bool) -> None:
     env = Env(nats_url, timeout_s)
 
     async def body(nc: q.NatsClient) -> m.LeaseList:
@@ -203,10 +196,24 @@ def leases_ls(
         )
 
     reply = _run(env, body)
+    leases = [x for x in reply.leases if x.is_pin] if pins_only else reply.leases
     if json:
-        render.emit_json({"epoch": reply.epoch, "leases": [q.jsonable(x) for x in reply.leases]})
+        render.emit_json(
+            {"epoch": reply.epoch, "pins" if pins_only else "leases": [q.jsonable(x) for x in leases]}
+        )
     else:
-        render.print_leases(reply.leases)
+        render.print_leases(leases)
+
+
+@leases_app.command("ls")
+def leases_ls(
+    limit: Annotated[int, typer.Option("--limit", min=1, max=m.LIST_LIMIT_MAX)] = 100,
+    json: JsonOpt = False,
+    nats_url: UrlOpt = DEFAULT_NATS_URL,
+    timeout_s: TimeoutOpt = 5.0,
+) -> None:
+    """Leases and pins the directory holds."""
+    _list_leases(limit, nats_url, timeout_s, pins_only=False, json=json)
 
 
 @pins_app.command("ls")
@@ -217,19 +224,7 @@ def pins_ls(
     timeout_s: TimeoutOpt = 5.0,
 ) -> None:
     """Pins the directory holds (leases ls shows read leases too)."""
-    env = Env(nats_url, timeout_s)
-
-    async def body(nc: q.NatsClient) -> m.LeaseList:
-        return _expect(
-            await q.directory(nc, "list_leases", m.ListLeases(limit=limit), env.timeout_s), m.LeaseList
-        )
-
-    reply = _run(env, body)
-    pins = [x for x in reply.leases if x.is_pin]
-    if json:
-        render.emit_json({"epoch": reply.epoch, "pins": [q.jsonable(x) for x in pins]})
-    else:
-        render.print_leases(pins)
+    _list_leases(limit, nats_url, timeout_s, pins_only=True, json=json)
 
 
 @pins_app.command("add")
