@@ -66,6 +66,25 @@ def segment_process(
             os.unlink(leftover)
 
 
+@contextmanager
+def eviction_process(nats: NatsServer, **env: str) -> Iterator[ServiceProcess]:
+    proc = ServiceProcess.python_module(
+        "kvfabric.eviction_policy",
+        "--nats-url",
+        nats.url,
+        "--metrics-port",
+        "0",
+        "--log-json",
+        env=service_env(**env),
+    )
+    proc.start()
+    try:
+        proc.wait_for_event("eviction_started", 20.0)
+        yield proc
+    finally:
+        proc.stop(timeout_s=10.0)
+
+
 async def directory_call(nc: NatsClient, verb: str, message: msgspec.Struct) -> msgspec.Struct:
     reply = await request(nc, endpoint_subject(Service.DIRECTORY, verb), message, m.reply_decoder, TIMEOUT_S)
     assert isinstance(reply, msgspec.Struct)

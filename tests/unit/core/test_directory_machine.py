@@ -215,6 +215,8 @@ class DirectoryMachine(RuleBasedStateMachine):
         # Predictions for the effects of the step being run.
         self.exp_frees: Counter[tuple[str, int, int, int, bytes]] = Counter()
         self.exp_events: Counter[tuple[Any, ...]] = Counter()
+        self.model_hits: Counter[bytes] = Counter()  # lookup hits the model saw granted
+        self.hits_reported: Counter[bytes] = Counter()  # hits the core reported in GroupsAccessed
 
     # ---- plumbing ------------------------------------------------------------------------
 
@@ -246,6 +248,11 @@ class DirectoryMachine(RuleBasedStateMachine):
                 for f in eff.slots:
                     frees[(eff.segment_id, eff.incarnation, f.slot, f.slot_generation, f.key)] += 1
                 self.mailbox.append(eff)
+            elif isinstance(eff.event, m.GroupsAccessed):
+                assert eff.kind == "accessed" and eff.event.groups
+                assert len(eff.event.groups) <= m.ACCESS_BATCH_MAX
+                for h in eff.event.groups:
+                    self.hits_reported[h.group] += h.hits
             else:
                 events[event_tuple(eff)] += 1
         self.check_frees(frees)
@@ -525,6 +532,8 @@ class DirectoryMachine(RuleBasedStateMachine):
                 break
             expected += 1
         assert hit == expected, f"hit_chunks {hit}, but the longest published run is {expected}"
+        if hit and reply.lease_id:
+            self.model_hits.update(asked_gids[:hit])
 
     # ---- rules: segments and time ---------------------------------------------------------------
 
@@ -1356,6 +1365,8 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.clean = False
         core = self.core
         core.check_invariants()
+        # Every lookup hit reaches the eviction policy, once: reported or still batched.
+        assert self.hits_reported + Counter(core._hits) == self.model_hits
         # The core agrees with the model on what exists.
         assert set(core.published) == set(self.published)
         assert {gid: set(g.members) for gid, g in core.building.items()} == {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric.core.directory import FreeSlots
+from kvfabric.core.directory import EmitEvent, FreeSlots
 from kvfabric.format.errors import BadRequest, BatchTooLarge, NotFound, StaleGeneration
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import ticket_signature_valid
@@ -268,3 +268,57 @@ def test_retried_confirm_after_publish_does_not_tell_the_segment_to_free_a_reada
     assert isinstance(retried, m.ConfirmReply)
     assert retried.results[0].status == "ok"
     assert lookup(core, [g], now=5).hit_chunks == 1
+
+
+def test_published_event_tells_eviction_the_parent_tenant_and_bytes_per_segment() -> None:
+    core = new_core(replicas_default=2)
+    register(core, "s1", zone="z1")
+    register(core, "s2", zone="z2")
+    g0, g1 = groups(2)
+    parent = bytes(g0.chain_hash)
+    begin = core.handle(
+        m.PutBegin(
+            writer_id="w",
+            request_id="r",
+            objects=[m.ObjectSpec(key=key(g1), size_bytes=300, checksum=b"c" * 16, parent=parent)],
+        ),
+        0,
+    ).reply
+    assert isinstance(begin, m.PutBeginReply)
+    confirm_all(core, begin, 0)
+    out = core.handle(m.PutCommit(writer_id="w", request_id="c", keys=[key(g1)]), 0)
+    (event,) = [e.event for e in out.effects if isinstance(e, EmitEvent)]
+    assert isinstance(event, m.GroupPublished)
+    assert event.parent == parent and event.chunk_index == 1
+    assert event.namespace == g1.to_bytes()[:54] and event.namespace[4:20] == bytes(g1.domain_digest)
+    assert event.placements == [m.SegmentBytes("s1", 300), m.SegmentBytes("s2", 300)]
+    with pytest.raises(BadRequest):  # a parent is a chain hash or nothing
+        core.handle(
+            m.PutBegin(
+                writer_id="w",
+                request_id="r2",
+                objects=[m.ObjectSpec(key=key(g0), size_bytes=1, checksum=b"c" * 16, parent=b"short")],
+            ),
+            0,
+        )
+
+
+def test_lookup_hits_are_batched_into_one_accessed_event_per_tick() -> None:
+    core = new_core()
+    register(core, "s1")
+    gs = groups(3)
+    put(core, [key(g) for g in gs])
+    assert lookup(core, gs).hit_chunks == 3
+    assert lookup(core, gs[:1], holder="other").hit_chunks == 1
+    assert lookup(core, groups(1, seed=9)).hit_chunks == 0  # a miss is no access
+    events = [e.event for e in core.tick(1) if isinstance(e, EmitEvent)]
+    assert events == [
+        m.GroupsAccessed(
+            groups=[
+                m.GroupHits(bytes(gs[0].chain_hash), 2),
+                m.GroupHits(bytes(gs[1].chain_hash), 1),
+                m.GroupHits(bytes(gs[2].chain_hash), 1),
+            ]
+        )
+    ]
+    assert not [e for e in core.tick(2) if isinstance(e, EmitEvent)]  # nothing new: nothing sent

@@ -28,28 +28,31 @@ class EvictionMachine(RuleBasedStateMachine):
             self.core.set_capacity(pool, CAPACITY)
         self.now = 0
         self.next_id = 0
-        self.resident: dict[int, tuple[str, str, int, int | None]] = {}  # id -> (tenant, pool, size, parent)
+        # id -> (tenant, {pool: bytes}, parent)
+        self.resident: dict[int, tuple[str, dict[str, int], int | None]] = {}
         self.evicting: set[int] = set()
         self.leased: set[int] = set()
         self.cooldown: dict[int, int] = {}
         self.batches = 0
 
     def children(self, object_id: int) -> list[int]:
-        return [o for o, (_, _, _, parent) in self.resident.items() if parent == object_id]
+        return [o for o, (_, _, parent) in self.resident.items() if parent == object_id]
 
     def check_batch(self, batch: EvictBatch) -> None:
         assert len(batch.victims) <= self.config.batch_max
         for victim in batch.victims:
             assert isinstance(victim, int)
             assert victim in self.resident and victim not in self.evicting, "chosen twice or not resident"
-            tenant, pool, _, _ = self.resident[victim]
-            assert pool == batch.pool
+            tenant, pools, _ = self.resident[victim]
+            assert batch.pool in pools if batch.reason == "watermark" else batch.pool is None
             assert set(self.children(victim)) <= self.evicting, "a head chosen while its tail stays"
             assert self.cooldown.get(victim, -1) <= self.now, "chosen during its refusal cooldown"
             self.evicting.add(victim)
             if batch.reason == "watermark" and tenant == "t2":
                 left = sum(
-                    s for o, (t, _, s, _) in self.resident.items() if t == "t2" and o not in self.evicting
+                    sum(ps.values())
+                    for o, (t, ps, _) in self.resident.items()
+                    if t == "t2" and o not in self.evicting
                 )
                 assert left >= QUOTAS["t2"].guaranteed_bytes, "pressure took t2 below its guaranteed share"
         self.batches += 1
@@ -59,18 +62,22 @@ class EvictionMachine(RuleBasedStateMachine):
         pool=st.sampled_from(POOLS),
         size=st.integers(1, 5),
         extend=st.integers(0, 30),
+        replica_bytes=st.integers(0, 4),
     )
-    def insert(self, tenant: str, pool: str, size: int, extend: int) -> None:
-        parents = [o for o, (t, p, _, _) in self.resident.items() if t == tenant and p == pool]
+    def insert(self, tenant: str, pool: str, size: int, extend: int, replica_bytes: int) -> None:
+        parents = [o for o, (t, ps, _) in self.resident.items() if t == tenant and pool in ps]
         parent = parents[extend % len(parents)] if parents and extend < 20 else None
         object_id = self.next_id
         self.next_id += 1
+        pools = {pool: size}
+        if replica_bytes:  # also held in the other pool (a second replica or another member)
+            pools[POOLS[1 - POOLS.index(pool)]] = replica_bytes
         effects = self.core.insert(
-            object_id, tenant=tenant, pool=pool, size=size, parent=parent, chunk_index=0, now_ms=self.now
+            object_id, tenant=tenant, pools=pools, parent=parent, chunk_index=0, now_ms=self.now
         )
         assert effects == [Admitted(object_id)] or effects == [Refused(object_id)]
         if effects == [Admitted(object_id)]:
-            self.resident[object_id] = (tenant, pool, size, parent)
+            self.resident[object_id] = (tenant, pools, parent)
 
     @rule(pick=st.integers(0, 1000))
     def access(self, pick: int) -> None:
@@ -111,11 +118,29 @@ class EvictionMachine(RuleBasedStateMachine):
             del self.resident[object_id]
             self.leased.discard(object_id)
 
+    @rule(pool=st.sampled_from(POOLS))
+    def pool_lost(self, pool: str) -> None:
+        """A segment died: its bytes went; objects held only there are gone."""
+        gone = self.core.drop_pool(pool)
+        expected = [o for o, (_, ps, _) in self.resident.items() if set(ps) == {pool}]
+        assert sorted(gone) == sorted(expected)
+        for object_id in expected:
+            del self.resident[object_id]
+            self.evicting.discard(object_id)
+            self.leased.discard(object_id)
+        for _, ps, _ in self.resident.values():
+            ps.pop(pool, None)
+        self.core.set_capacity(pool, CAPACITY)  # it came back, empty
+
     @invariant()
     def consistent(self) -> None:
         self.core.check_invariants()
         for pool in POOLS:
-            assert self.core.used_bytes(pool) == sum(s for _, p, s, _ in self.resident.values() if p == pool)
+            assert self.core.used_bytes(pool) == sum(ps.get(pool, 0) for _, ps, _ in self.resident.values())
+        for tenant in TENANTS:
+            assert self.core.tenant_bytes(tenant) == sum(
+                sum(ps.values()) for t, ps, _ in self.resident.values() if t == tenant
+            )
         assert set(self.resident) == {o for o in self.resident if o in self.core}
         assert len(self.core) == len(self.resident)
         for object_id in self.evicting:
@@ -155,4 +180,26 @@ def test_a_full_pool_evicts_tail_first_down_to_the_low_watermark() -> None:
     for victim in batch.victims:
         core.removed(victim)
     assert core.used_bytes("p") == 5 and core.tick(13) == []
+    core.check_invariants()
+
+
+def test_refused_victims_are_replaced_until_the_low_watermark_is_reached() -> None:
+    core = EvictionCore(
+        EvictionConfig(
+            policy="lru", high_watermark=0.9, low_watermark=0.5, batch_max=100, refused_cooldown_ms=10
+        )
+    )
+    core.set_capacity("p", 10)
+    for i in range(10):  # ten one-chunk prefixes, 0 the least recently used
+        core.insert(i, tenant="t", pool="p", size=1, parent=None, chunk_index=0, now_ms=i)
+    (batch,) = core.tick(10)
+    assert isinstance(batch, EvictBatch) and batch.victims == (0, 1, 2, 3, 4)
+    core.refused(0, 10)  # leased: it stays
+    for victim in batch.victims[1:]:
+        core.removed(victim)
+    assert core.used_bytes("p") == 6  # below the high watermark, above the low one: still pressed
+    (again,) = core.tick(11)
+    assert isinstance(again, EvictBatch) and again.victims == (5,)  # 0 cools down; 5 goes instead
+    core.removed(5)
+    assert core.used_bytes("p") == 5 and core.tick(30) == []  # at the low watermark: done
     core.check_invariants()

@@ -44,6 +44,7 @@ LIST_LIMIT_MAX: Final = 10_000
 LEASE_TTL_MS_MAX: Final = 600_000
 PIN_TTL_MS_MAX: Final = 86_400_000
 WRITE_TTL_MS_MAX: Final = 600_000
+ACCESS_BATCH_MAX: Final = 4096  # groups per GroupsAccessed event
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
@@ -73,6 +74,9 @@ class ObjectSpec(msgspec.Struct, frozen=True, kw_only=True):
     key: bytes
     size_bytes: int
     checksum: bytes
+    # The chain hash (32 bytes) of the previous chunk of the same prefix, empty for the first
+    # chunk: eviction evicts a prefix tail first (a chunk is useless without its parent).
+    parent: bytes = b""
 
 
 class WriteTicket(msgspec.Struct, frozen=True, kw_only=True):
@@ -429,6 +433,7 @@ class LeaseList(_Msg, frozen=True, kw_only=True, tag="dir.lease_list.v1"):
 class SegmentUp(_Msg, frozen=True, kw_only=True, tag="dir.ev.segment_up.v1"):
     segment_id: str
     incarnation: int
+    capacity_bytes: int = 0
 
 
 class SegmentDown(_Msg, frozen=True, kw_only=True, tag="dir.ev.segment_down.v1"):
@@ -437,11 +442,31 @@ class SegmentDown(_Msg, frozen=True, kw_only=True, tag="dir.ev.segment_down.v1")
     reason: str
 
 
+class SegmentBytes(msgspec.Struct, frozen=True, array_like=True):
+    segment_id: str
+    bytes: int
+
+
 class GroupPublished(_Msg, frozen=True, kw_only=True, tag="dir.ev.published.v1"):
     group: bytes  # chain hash
     chunk_index: int
     members: int
     degraded: bool = False
+    namespace: bytes = b""  # the chunk group id's leading 54 bytes; [4:20] is the share domain
+    parent: bytes = b""  # the previous chunk's chain hash, as the writer told it (may be empty)
+    placements: list[SegmentBytes] = msgspec.field(default_factory=list)  # bytes held per segment
+
+
+class GroupHits(msgspec.Struct, frozen=True, array_like=True):
+    group: bytes  # chain hash
+    hits: int
+
+
+class GroupsAccessed(_Msg, frozen=True, kw_only=True, tag="dir.ev.accessed.v1"):
+    """Lookup hits since the previous such event, batched (at most `ACCESS_BATCH_MAX` groups):
+    the recency and frequency signal of the eviction policy."""
+
+    groups: list[GroupHits]
 
 
 class GroupUnderReplicated(_Msg, frozen=True, kw_only=True, tag="dir.ev.under_replicated.v1"):
@@ -494,7 +519,13 @@ DirectoryReply = (
     | LeaseList
 )
 DirectoryEvent = (
-    SegmentUp | SegmentDown | GroupPublished | GroupUnderReplicated | GroupEvicted | GroupInvalidated
+    SegmentUp
+    | SegmentDown
+    | GroupPublished
+    | GroupUnderReplicated
+    | GroupEvicted
+    | GroupInvalidated
+    | GroupsAccessed
 )
 
 request_decoder: FamilyDecoder[DirectoryRequest] = FamilyDecoder(DirectoryRequest, "directory request")

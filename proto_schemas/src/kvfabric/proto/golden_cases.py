@@ -12,7 +12,7 @@ from typing import Final
 
 import msgspec
 
-from kvfabric.proto import common, dataplane, directory, echo, segment
+from kvfabric.proto import common, dataplane, directory, echo, eviction, segment
 
 __all__ = ["GOLDEN_CASES"]
 
@@ -72,6 +72,34 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
     "dir.ev.published.v1": (
         "directory.event",
         directory.GroupPublished(group=b"g" * 32, chunk_index=5, members=2, degraded=True),
+    ),
+    "dir.ev.published.v1.placements": (
+        "directory.event",
+        directory.GroupPublished(
+            group=b"g" * 32,
+            chunk_index=5,
+            members=1,
+            namespace=b"n" * 54,
+            parent=b"p" * 32,
+            placements=[directory.SegmentBytes("s1", 4096), directory.SegmentBytes("s2", 4096)],
+        ),
+    ),
+    "dir.ev.accessed.v1": (
+        "directory.event",
+        directory.GroupsAccessed(groups=[directory.GroupHits(b"g" * 32, 3)]),
+    ),
+    "evict.status_reply.v1": (
+        "eviction",
+        eviction.EvictionStatus(
+            policy="gdsf",
+            high_watermark=0.9,
+            low_watermark=0.8,
+            objects=2,
+            events_applied=7,
+            pools=[eviction.PoolUsage(segment_id="s1", capacity_bytes=100, used_bytes=50, evicting_bytes=0)],
+            tenants=[eviction.TenantUsage(domain_digest=b"d" * 16, used_bytes=50, hard_bytes=80)],
+            counters={"victims_total": 3},
+        ),
     ),
     "seg.free.v1": (
         "segment",

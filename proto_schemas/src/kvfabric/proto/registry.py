@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from kvfabric.proto import common, dataplane, directory, echo, segment
+from kvfabric.proto import common, dataplane, directory, echo, eviction, segment
 
 __all__ = ["FAMILIES"]
 
@@ -17,4 +17,5 @@ FAMILIES: Final[dict[str, Any]] = {
     "directory.event": directory.DirectoryEvent,
     "segment": segment.SegmentMessage,
     "dataplane": dataplane.DataplaneMeta,
+    "eviction": eviction.EvictionMessage,
 }

@@ -612,19 +612,23 @@ class AsyncKvClient:
         loop = asyncio.get_running_loop()
         data: dict[bytes, memoryview] = {}
         chunk_of: dict[bytes, int] = {}
+        parent_of: dict[bytes, bytes] = {}  # key -> the previous chunk's chain hash (eviction order)
         for i, row in enumerate(views):
-            group = groups[first_chunk + i]
+            chunk = first_chunk + i
+            group = groups[chunk]
+            parent = bytes(groups[chunk - 1].chain_hash) if chunk else b""
             for member, view in zip(members, row, strict=True):
                 key = group.member_key(*member).to_bytes()
                 data[key] = view
-                chunk_of[key] = first_chunk + i
+                chunk_of[key] = chunk
+                parent_of[key] = parent
         if not data:
             return SaveResult()
         digests = await loop.run_in_executor(
             self._save_executor, lambda: [checksum(v) for v in data.values()]
         )
         specs = [
-            m.ObjectSpec(key=k, size_bytes=len(v), checksum=d)
+            m.ObjectSpec(key=k, size_bytes=len(v), checksum=d, parent=parent_of[k])
             for (k, v), d in zip(data.items(), digests, strict=True)
         ]
         causes: dict[str, int] = {}

@@ -169,6 +169,7 @@ class _PendingMember:
 class _BuildingGroup:
     info: GroupInfo
     members: dict[Member, _PendingMember] = field(default_factory=dict)
+    parent: bytes = b""  # the previous chunk's chain hash, as the first writer told it
 
 
 @dataclass(slots=True)
@@ -216,6 +217,8 @@ class DirectoryCore:
         self._ids = itertools.count(1)
         self.pending_objects = 0
         self.counters: dict[str, int] = {}
+        # Lookup hits since the last GroupsAccessed event (≤ ACCESS_BATCH_MAX groups).
+        self._hits: dict[bytes, int] = {}
 
     # ---- plumbing ------------------------------------------------------------------------
 
@@ -349,7 +352,12 @@ class DirectoryCore:
             req.segment_id, req.incarnation, req.domain, req.capacity_bytes, req.data_addr, now_ms
         )
         effects.append(
-            EmitEvent("segment_up", m.SegmentUp(segment_id=req.segment_id, incarnation=req.incarnation))
+            EmitEvent(
+                "segment_up",
+                m.SegmentUp(
+                    segment_id=req.segment_id, incarnation=req.incarnation, capacity_bytes=req.capacity_bytes
+                ),
+            )
         )
         return Outcome(self._registered(), effects)
 
@@ -431,6 +439,8 @@ class DirectoryCore:
             raise BadRequest(f"object size {spec.size_bytes} out of range 1..{self.config.object_bytes_max}")
         if len(spec.checksum) != CHECKSUM_BYTES:
             raise BadRequest(f"checksum must be {CHECKSUM_BYTES} bytes (xxh3-128)")
+        if len(spec.parent) not in (0, len(info.group.group_id)):
+            raise BadRequest("parent must be empty or a 32-byte chain hash")
         return info
 
     def _begin_one(
@@ -454,7 +464,7 @@ class DirectoryCore:
             self._count("no_capacity_total")
             return m.BeginResult(key=spec.key, status="no_capacity")
         if group is None:
-            group = self.building[gid] = _BuildingGroup(info.group)
+            group = self.building[gid] = _BuildingGroup(info.group, parent=spec.parent)
         placements = []
         for cand in chosen:
             seg = self.segments[cand.segment_id]
@@ -616,11 +626,22 @@ class DirectoryCore:
         self.pending_objects -= len(members)
         self._count("groups_published_total")
         self._count("objects_published_total", len(members))
+        held: dict[str, int] = {}
+        for mem in members:
+            for r in mem.replicas:
+                segment_id = self._placements[r.placement][0]
+                held[segment_id] = held.get(segment_id, 0) + mem.size_bytes
         effects.append(
             EmitEvent(
                 "published",
                 m.GroupPublished(
-                    group=gid, chunk_index=group.chunk_index, members=len(members), degraded=degraded
+                    group=gid,
+                    chunk_index=group.chunk_index,
+                    members=len(members),
+                    degraded=degraded,
+                    namespace=building.info.namespace,
+                    parent=building.parent,
+                    placements=[m.SegmentBytes(s, b) for s, b in sorted(held.items())],
                 ),
             )
         )
@@ -683,6 +704,11 @@ class DirectoryCore:
         if not hit:
             return Outcome(m.LookupReply(epoch=self.epoch, hit_chunks=0))
         lease_id, expires = self._grant(req.holder_id, tuple(hit), now_ms + req.lease_ttl_ms, is_pin=False)
+        effects: list[Effect] = []
+        for gid in hit:
+            if gid not in self._hits and len(self._hits) >= m.ACCESS_BATCH_MAX:
+                self._flush_hits(effects)
+            self._hits[gid] = self._hits.get(gid, 0) + 1
         return Outcome(
             m.LookupReply(
                 epoch=self.epoch,
@@ -690,8 +716,16 @@ class DirectoryCore:
                 lease_id=lease_id,
                 lease_expires_ms=expires,
                 objects=objects,
-            )
+            ),
+            effects,
         )
+
+    def _flush_hits(self, effects: list[Effect]) -> None:
+        """Tell the eviction policy which groups were read (recency and frequency)."""
+        if self._hits:
+            hits = [m.GroupHits(g, n) for g, n in self._hits.items()]
+            effects.append(EmitEvent("accessed", m.GroupsAccessed(groups=hits)))
+            self._hits = {}
 
     def _locate(self, info: GroupInfo, wanted: set[Member]) -> list[m.ObjectLocation] | None:
         record = self.published.get(info.group_id)
@@ -891,6 +925,7 @@ class DirectoryCore:
                 self._segment_lost(seg, "heartbeat_timeout", effects)
         self._sweep(effects)
         self._retry_frees(now_ms, effects)
+        self._flush_hits(effects)
         return effects
 
     def _expire_writes(self, gid: bytes, now_ms: int, effects: list[Effect]) -> None:

@@ -5,7 +5,9 @@ events in and performs the returned effects. Time is passed in (`now_ms`). Sizes
 simulator uses 1 per block).
 
 ## Model
-An *object* is one chunk group: (id, tenant, pool, size, parent id or None, chunk index). Its
+An *object* is one chunk group: (id, tenant, pools, parent id or None, chunk index), where
+`pools` maps each pool (segment) holding a replica or member of it to the bytes it holds there;
+its *size* is the sum (what it costs its tenant). Evicting an object frees it in every pool. Its
 parent is the previous chunk of the same prefix: a chunk is useless without its parent, so the
 policy only ever picks **leaves** (objects no resident object names as parent). Eviction walks a
 prefix from its tail to its head, and a head never goes while its tail stays.
@@ -17,12 +19,15 @@ prefix from its tail to its head, and a head never goes while its tail stays.
     EVICTING --removed--> (absent)
     EVICTING --refused (leased/pinned)--> RESIDENT, skipped until `now + refused_cooldown_ms`
     RESIDENT --removed (freed elsewhere: segment down, repair, ...)--> (absent)
+    any --its last pool dropped (`drop_pool`: segment down)--> (absent)
 Removing an object whose children are resident is allowed (the directory decided); the children
 then have no parent and are ordinary leaves-to-be.
 
 ## When to evict (`tick`)
-- A pool whose used bytes exceed `high_watermark` x capacity evicts leaves of that pool until its
-  used bytes minus the bytes already EVICTING reach `low_watermark` x capacity.
+- A pool whose used bytes exceed `high_watermark` x capacity is *pressed*: it evicts leaves of
+  that pool until its used bytes minus the bytes already EVICTING reach `low_watermark` x
+  capacity, and stays pressed (victims the directory refused are replaced on later ticks) until
+  its used bytes are at the low watermark.
 - A tenant over its hard quota evicts its own leaves first (any pool) down to the quota.
 - Pool pressure never takes a tenant below its guaranteed share (`guaranteed_bytes`, counting
   bytes already being evicted); its own hard quota may.
@@ -44,7 +49,8 @@ then have no parent and are ordinary leaves-to-be.
    it (a leaf, or the head of a tail that goes in the same or an earlier batch) and whose
    refusal cooldown has passed; no object is in two batches. (A child inserted later under an
    EVICTING parent is allowed: the directory evicts the parent and the child is an orphan leaf.)
-2. Accounting: per pool and per tenant, used bytes = sum of resident object sizes.
+2. Accounting: per pool, used bytes = sum of resident objects' bytes in it; per tenant, the sum
+   of their sizes.
 3. Prefix order: a victim never has a resident child.
 4. Bounded: each batch has at most `batch_max` victims; the frequency sketch is fixed-size.
 """
@@ -103,9 +109,10 @@ class EvictionConfig:
 
 @dataclass(frozen=True, slots=True)
 class EvictBatch:
-    """Ask the directory to evict `victims` (of `pool`; `reason` says why)."""
+    """Ask the directory to evict `victims`, in order (tails before their heads). `pool` is the
+    pool under pressure, or None when a tenant is over its quota; `reason` says why."""
 
-    pool: Hashable
+    pool: Hashable | None
     victims: tuple[ObjectId, ...]
     reason: str
 
@@ -128,8 +135,8 @@ Effect: TypeAlias = EvictBatch | Admitted | Refused
 @dataclass(slots=True)
 class _Object:
     tenant: Hashable
-    pool: Hashable
-    size: int
+    pools: dict[Hashable, int]  # pool -> bytes held there (> 0 each)
+    size: int  # sum of `pools`
     parent: ObjectId | None
     chunk_index: int
     last_access_ms: int
@@ -146,6 +153,7 @@ class _Usage:
     capacity: int = 0
     used: int = 0
     evicting: int = 0
+    pressed: bool = False  # crossed the high watermark, not yet back to the low one
 
 
 @dataclass(slots=True)
@@ -202,6 +210,13 @@ class EvictionCore:
         usage = self._pools.get(pool)
         return usage.used if usage else 0
 
+    def evicting_bytes(self, pool: Hashable) -> int:
+        usage = self._pools.get(pool)
+        return usage.evicting if usage else 0
+
+    def tenants(self) -> list[Hashable]:
+        return [t for t, used in self._tenants.items() if used]
+
     def tenant_bytes(self, tenant: Hashable) -> int:
         return self._tenants.get(tenant, 0)
 
@@ -225,25 +240,31 @@ class EvictionCore:
         object_id: ObjectId,
         *,
         tenant: Hashable,
-        pool: Hashable,
-        size: int,
+        pool: Hashable | None = None,
+        size: int = 0,
+        pools: Mapping[Hashable, int] | None = None,
         parent: ObjectId | None,
         chunk_index: int,
         now_ms: int,
     ) -> list[Effect]:
-        """A new object is (about to be) stored. Returns Admitted or Refused (admission)."""
+        """A new object is (about to be) stored: `size` bytes in `pool`, or `pools` (pool ->
+        bytes) when it spans several. Returns Admitted or Refused (admission, judged on the
+        fullest of its pools)."""
         self._advance(now_ms)
-        invariant(size > 0, "object size must be positive", size=size)
+        held = dict(pools) if pools is not None else {pool: size}
+        invariant(bool(held) and all(b > 0 for b in held.values()), "object bytes must be positive")
         if object_id in self._objects:
             self.access(object_id, now_ms)
             return [Admitted(object_id)]
-        usage = self._pools.setdefault(pool, _Usage())
-        if not self._admit(object_id, usage, size):
+        usages = {p: self._pools.setdefault(p, _Usage()) for p in held}
+        if not all(self._admit(object_id, usages[p], b) for p, b in held.items()):
             self._count("admission_refused_total")
             return [Refused(object_id)]
-        obj = _Object(tenant, pool, size, parent, chunk_index, now_ms)
+        size = sum(held.values())
+        obj = _Object(tenant, held, size, parent, chunk_index, now_ms)
         self._objects[object_id] = obj
-        usage.used += size
+        for p, b in held.items():
+            usages[p].used += b
         self._tenants[tenant] = self._tenants.get(tenant, 0) + size
         parent_obj = self._objects.get(parent) if parent is not None else None
         if parent_obj is not None:
@@ -268,10 +289,12 @@ class EvictionCore:
         if obj is None:
             self._count("removed_unknown_total")
             return
-        usage = self._pools[obj.pool]
-        usage.used -= obj.size
+        for p, b in obj.pools.items():
+            usage = self._pools[p]
+            usage.used -= b
+            if obj.evicting:
+                usage.evicting -= b
         if obj.evicting:
-            usage.evicting -= obj.size
             self._tenant_evicting[obj.tenant] -= obj.size
             self._count("evicted_total")
             if self.config.policy == "gdsf":
@@ -294,7 +317,8 @@ class EvictionCore:
             self._count("refused_unknown_total")
             return
         obj.evicting = False
-        self._pools[obj.pool].evicting -= obj.size
+        for p, b in obj.pools.items():
+            self._pools[p].evicting -= b
         self._tenant_evicting[obj.tenant] -= obj.size
         parent = self._objects.get(obj.parent) if obj.parent is not None else None
         if parent is not None:
@@ -302,6 +326,31 @@ class EvictionCore:
         obj.cooldown_until_ms = now_ms + self.config.refused_cooldown_ms
         self._push(object_id, obj)
         self._count("evict_refused_total")
+
+    def drop_pool(self, pool: Hashable) -> list[ObjectId]:
+        """The pool is gone (segment down or restarted): its bytes went with it. Objects left
+        with no pool are removed (returned); the others keep their other pools. O(objects)."""
+        gone: list[ObjectId] = []
+        for object_id, obj in list(self._objects.items()):
+            held = obj.pools.get(pool)
+            if held is None:
+                continue
+            if len(obj.pools) == 1:
+                self.removed(object_id)
+                gone.append(object_id)
+                continue
+            del obj.pools[pool]
+            obj.size -= held
+            self._tenants[obj.tenant] -= held
+            usage = self._pools[pool]
+            usage.used -= held
+            if obj.evicting:
+                usage.evicting -= held
+                self._tenant_evicting[obj.tenant] -= held
+        dropped = self._pools.pop(pool, None)
+        invariant(dropped is None or (dropped.used, dropped.evicting) == (0, 0), "dropped pool still used")
+        self._count("pools_dropped_total")
+        return gone
 
     def tick(self, now_ms: int) -> list[Effect]:
         """Batches of victims for every pool over its high watermark and every tenant over quota."""
@@ -314,11 +363,16 @@ class EvictionCore:
                 if excess > 0:
                     effects += self._evict(excess, now_ms, reason="tenant_quota", tenant=tenant)
         for pool, usage in self._pools.items():
-            if usage.capacity and usage.used > self.config.high_watermark * usage.capacity:
-                target = int(self.config.low_watermark * usage.capacity)
-                excess = usage.used - usage.evicting - target
-                if excess > 0:
-                    effects += self._evict(excess, now_ms, reason="watermark", pool=pool)
+            if not usage.capacity:
+                continue
+            if usage.used > self.config.high_watermark * usage.capacity:
+                usage.pressed = True
+            target = int(self.config.low_watermark * usage.capacity)
+            if usage.pressed and usage.used <= target:
+                usage.pressed = False  # reached the low watermark: wait for the high one again
+            excess = usage.used - usage.evicting - target
+            if usage.pressed and excess > 0:
+                effects += self._evict(excess, now_ms, reason="watermark", pool=pool)
         return effects
 
     # ---- internals -------------------------------------------------------------------------
@@ -353,7 +407,6 @@ class EvictionCore:
         """Pop leaves in priority order (skipping other pools/tenants, protected tenants and
         cooled-down objects, which are pushed back) until `excess` bytes are chosen."""
         victims: list[ObjectId] = []
-        by_pool: dict[Hashable, list[ObjectId]] = {}
         skipped: list[tuple[float, int, int, ObjectId]] = []
         freed = 0
         while self._heap and freed < excess and len(victims) < self.config.batch_max:
@@ -368,7 +421,7 @@ class EvictionCore:
             ):
                 continue  # stale entry, already chosen, or its tail stays (re-pushed when it goes)
             if (
-                (pool is not None and obj.pool != pool)
+                (pool is not None and pool not in obj.pools)
                 or (tenant is not None and obj.tenant != tenant)
                 or obj.cooldown_until_ms > now_ms
                 or (tenant is None and self._protected(obj.tenant, obj.size))
@@ -376,11 +429,11 @@ class EvictionCore:
                 skipped.append(entry)
                 continue
             obj.evicting = True
-            self._pools[obj.pool].evicting += obj.size
+            for p, b in obj.pools.items():
+                self._pools[p].evicting += b
             self._tenant_evicting[obj.tenant] = self._tenant_evicting.get(obj.tenant, 0) + obj.size
-            freed += obj.size
+            freed += obj.pools[pool] if pool is not None else obj.size
             victims.append(object_id)
-            by_pool.setdefault(obj.pool, []).append(object_id)
             parent = self._objects.get(obj.parent) if obj.parent is not None else None
             if parent is not None:
                 parent.children_evicting += 1
@@ -391,7 +444,9 @@ class EvictionCore:
         if len(self._heap) > 4 * len(self._objects) + 1024:
             self._compact()
         self._count("victims_total", len(victims))
-        return [EvictBatch(p, tuple(ids), reason) for p, ids in by_pool.items()]
+        # One batch per call, tail before head: a service that applies it in order never leaves
+        # a tail without its head, even when they live in different pools.
+        return [EvictBatch(pool, tuple(victims), reason)] if victims else []
 
     def _protected(self, tenant: Hashable, size: int) -> bool:
         """Would evicting `size` more bytes take `tenant` below its guaranteed share?"""
@@ -419,8 +474,10 @@ class EvictionCore:
         tenants: dict[Hashable, int] = {}
         children: dict[ObjectId, int] = {}
         for obj in self._objects.values():
-            used, evicting = pools.get(obj.pool, (0, 0))
-            pools[obj.pool] = (used + obj.size, evicting + (obj.size if obj.evicting else 0))
+            invariant(obj.size == sum(obj.pools.values()), "object size drifted")
+            for p, b in obj.pools.items():
+                used, evicting = pools.get(p, (0, 0))
+                pools[p] = (used + b, evicting + (b if obj.evicting else 0))
             tenants[obj.tenant] = tenants.get(obj.tenant, 0) + obj.size
             if obj.parent is not None and obj.parent in self._objects:
                 children[obj.parent] = children.get(obj.parent, 0) + 1

@@ -1,0 +1,1 @@
+"""kvfabric eviction-policy service."""

@@ -1,0 +1,300 @@
+"""The eviction-policy shell: directory events → `EvictionCore` → evict requests → core.
+
+Three tasks around one synchronous core (each core call is atomic on the event loop):
+
+- **follower**: reads the directory's JetStream event stream from its first message with an
+  ephemeral pull consumer (no acks; batches of `EVENTS_FETCH_MAX`, so memory stays bounded and a
+  slow policy just lags). `published` → `core.insert` (object = chunk group, pools = the
+  segments holding its bytes, tenant = its share domain, parent = the previous chunk);
+  `accessed` → `core.seen` + `core.access`; `evicted`/`invalidated` → `core.removed`;
+  `segment_down` → `core.drop_pool`; `segment_up` → the pool's capacity. When the consumer is
+  lost (NATS restart) it is recreated after the last sequence applied: events are applied in
+  order, each once.
+- **segments**: every `segments_refresh_ms`, `list_segments` re-reads capacities (and drops the
+  pools of segments the directory no longer reports up).
+- **ticker**: every `tick_ms`, `core.tick` returns victim batches (tails before heads); each
+  goes to the directory as one `evict` request, in order. Per group the directory answers
+  `evicting` (gone: `core.removed`), `leased`/`pinned` (it stays: `core.refused`, which cools it
+  down) or `not_found`/`not_published` (gone). A request without an answer is indeterminate: the
+  batch is treated as refused (cooled down, retried later) and any eviction that did happen
+  arrives as an `evicted` event.
+
+The policy's state is rebuilt from the stream at every start, so the stream's retention
+(`KVF_DIRECTORY_EVENTS_MAX_AGE_S`) must outlast the objects (see docs/eviction-policy.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Final
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from kvfabric.core.eviction import EvictBatch, EvictionCore
+from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.proto import directory as m
+from kvfabric.proto import eviction as e
+from kvfabric.proto.subjects import Service, endpoint_subject, events_wildcard
+from kvfabric.runtime.client import request
+from kvfabric.runtime.logs import get_logger
+from kvfabric.runtime.service import ServiceRuntime
+
+__all__ = ["EVENTS_STREAM", "EvictionShell", "group_id_of", "now_ms"]
+
+EVENTS_STREAM: Final = "KVF_DIRECTORY_EVENTS"  # owned by the directory
+EVENTS_FETCH_MAX: Final = 512  # events per fetch: the follower's memory bound
+EVENTS_FETCH_WAIT_S: Final = 1.0
+ACCESS_PER_EVENT_MAX: Final = 16  # hits of one group in one event counted at most this often
+RETRY_S: Final = 0.5
+NAMESPACE_BYTES: Final = 54
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def group_id_of(namespace: bytes, chunk_index: int, chain_hash: bytes) -> bytes:
+    """The 90-byte chunk group id the directory's `evict` takes, from a published event."""
+    return namespace + chunk_index.to_bytes(4, "little") + chain_hash
+
+
+class EvictionShell:
+    """Owns the core and the follower, segments and ticker tasks of one policy instance."""
+
+    def __init__(
+        self,
+        core: EvictionCore,
+        *,
+        tick_ms: int,
+        segments_refresh_ms: int,
+        request_timeout_s: float,
+    ) -> None:
+        self.core = core
+        self.tick_ms = tick_ms
+        self.segments_refresh_ms = segments_refresh_ms
+        self.request_timeout_s = request_timeout_s
+        self._group_ids: dict[bytes, bytes] = {}  # chain hash -> 90-byte group id, for tracked groups
+        self._capacity: dict[str, int] = {}
+        self._nc: NatsClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._log = get_logger("kvfabric.eviction_policy")
+        self.last_seq = 0  # stream sequence of the last event applied
+        self.events_applied = 0
+        self.evict_requests_failed = 0
+        self.caught_up = asyncio.Event()  # set once the follower has read to the stream's end
+
+    def attach(self, runtime: ServiceRuntime) -> None:
+        runtime.add_endpoint("status", self._status)
+
+    async def start(self, nc: NatsClient) -> None:
+        self._nc = nc
+        self._tasks = [
+            asyncio.create_task(self._follow()),
+            asyncio.create_task(self._refresh_segments()),
+            asyncio.create_task(self._ticker()),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- events ------------------------------------------------------------------------------
+
+    def apply(self, event: msgspec.Struct, at_ms: int) -> None:
+        """One directory event into the core (pure bookkeeping; public for tests)."""
+        core = self.core
+        if isinstance(event, m.GroupPublished):
+            if not event.placements or len(event.namespace) != NAMESPACE_BYTES:
+                return  # from a directory too old to say where the bytes are: not ours to evict
+            parent = event.parent or None
+            core.insert(
+                event.group,
+                tenant=event.namespace[4:20],
+                pools={p.segment_id: p.bytes for p in event.placements},
+                parent=parent,
+                chunk_index=event.chunk_index,
+                now_ms=at_ms,
+            )
+            if event.group in core:
+                self._group_ids[event.group] = group_id_of(event.namespace, event.chunk_index, event.group)
+        elif isinstance(event, m.GroupsAccessed):
+            for hit in event.groups:
+                for _ in range(min(hit.hits, ACCESS_PER_EVENT_MAX)):
+                    core.seen(hit.group)
+                    core.access(hit.group, at_ms)
+        elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
+            self._forget(event.group)
+        elif isinstance(event, m.SegmentDown):
+            for gid in core.drop_pool(event.segment_id):
+                if isinstance(gid, bytes):
+                    self._group_ids.pop(gid, None)
+            self._capacity.pop(event.segment_id, None)
+        elif isinstance(event, m.SegmentUp) and event.capacity_bytes:
+            self._set_capacity(event.segment_id, event.capacity_bytes)
+        self.events_applied += 1
+
+    def _forget(self, gid: bytes) -> None:
+        if gid in self.core:
+            self.core.removed(gid)
+        self._group_ids.pop(gid, None)
+
+    def _set_capacity(self, segment_id: str, capacity_bytes: int) -> None:
+        if self._capacity.get(segment_id) != capacity_bytes:
+            self._capacity[segment_id] = capacity_bytes
+            self.core.set_capacity(segment_id, capacity_bytes)
+
+    async def _follow(self) -> None:
+        assert self._nc is not None
+        js = self._nc.jetstream(timeout=self.request_timeout_s)
+        while True:
+            try:
+                info = await js.stream_info(EVENTS_STREAM)
+                end_seq = info.state.last_seq
+                config = ConsumerConfig(
+                    deliver_policy=(DeliverPolicy.BY_START_SEQUENCE if self.last_seq else DeliverPolicy.ALL),
+                    opt_start_seq=self.last_seq + 1 if self.last_seq else None,
+                    ack_policy=AckPolicy.NONE,
+                    inactive_threshold=30.0,
+                )
+                sub = await js.pull_subscribe(
+                    events_wildcard(Service.DIRECTORY), stream=EVENTS_STREAM, config=config
+                )
+                if self.last_seq >= end_seq:
+                    self.caught_up.set()
+                while True:
+                    try:
+                        batch = await sub.fetch(EVENTS_FETCH_MAX, timeout=EVENTS_FETCH_WAIT_S)
+                    except nats.errors.TimeoutError:
+                        self.caught_up.set()  # nothing new for a while: we are at the end
+                        continue
+                    for msg in batch:
+                        self._on_message(msg)
+                    if self.last_seq >= end_seq:
+                        self.caught_up.set()
+            except asyncio.CancelledError:
+                raise
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                self._log.info("events_follow_retry", error=type(exc).__name__, last_seq=self.last_seq)
+                await asyncio.sleep(RETRY_S)
+
+    def _on_message(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq <= self.last_seq:
+            return  # a redelivery after a consumer restart: applied already
+        self.last_seq = seq
+        try:
+            event = m.event_decoder.decode(msg.data)
+        except BadRequest as exc:
+            self._log.warning("event_undecodable", seq=seq, error=exc.message)
+            return
+        self.apply(event, now_ms())
+
+    # ---- segments ----------------------------------------------------------------------------
+
+    async def _refresh_segments(self) -> None:
+        while True:
+            try:
+                reply = await self._directory("list_segments", m.ListSegments())
+                if isinstance(reply, m.SegmentList):
+                    for seg in reply.segments:
+                        if seg.up:
+                            self._set_capacity(seg.segment_id, seg.capacity_bytes)
+            except KvfError as exc:
+                self._log.info("segments_refresh_failed", code=exc.code)
+            await asyncio.sleep(self.segments_refresh_ms / 1000)
+
+    # ---- eviction ----------------------------------------------------------------------------
+
+    async def _ticker(self) -> None:
+        await self.caught_up.wait()  # never judge pressure on a half-replayed history
+        while True:
+            for effect in self.core.tick(now_ms()):
+                if isinstance(effect, EvictBatch):
+                    await self._evict(effect)
+            await asyncio.sleep(self.tick_ms / 1000)
+
+    async def _evict(self, batch: EvictBatch) -> None:
+        chains = [v for v in batch.victims if isinstance(v, bytes)]
+        groups = [self._group_ids[c] for c in chains]
+        try:
+            reply = await self._directory("evict", m.Evict(groups=groups, reason=batch.reason))
+        except KvfError as exc:
+            self.evict_requests_failed += 1
+            self._log.info("evict_failed", code=exc.code, victims=len(chains))
+            reply = None
+        if not isinstance(reply, m.EvictReply):
+            at = now_ms()
+            for chain in chains:
+                if self.core.is_evicting(chain):
+                    self.core.refused(chain, at)
+            return
+        at = now_ms()
+        statuses: dict[str, int] = {}
+        for chain, result in zip(chains, reply.results, strict=True):
+            statuses[result.status] = statuses.get(result.status, 0) + 1
+            if not self.core.is_evicting(chain):
+                continue  # an event overtook the reply (e.g. its segment went down)
+            if result.status in ("leased", "pinned"):
+                self.core.refused(chain, at)
+            else:
+                self._forget(chain)
+        self._log.info("evicted", reason=batch.reason, pool=str(batch.pool), **statuses)
+
+    async def _directory(self, verb: str, message: msgspec.Struct) -> m.DirectoryReply:
+        assert self._nc is not None
+        return await request(
+            self._nc,
+            endpoint_subject(Service.DIRECTORY, verb),
+            message,
+            m.reply_decoder,
+            self.request_timeout_s,
+        )
+
+    # ---- status ------------------------------------------------------------------------------
+
+    async def _status(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+        message = e.eviction_decoder.decode(data)
+        if not isinstance(message, e.EvictionStatusRequest):
+            raise BadRequest(f"status takes EvictionStatusRequest, got {type(message).__name__}")
+        return self.status()
+
+    def status(self) -> e.EvictionStatus:
+        core = self.core
+        pools = [
+            e.PoolUsage(
+                segment_id=str(pool),
+                capacity_bytes=capacity,
+                used_bytes=core.used_bytes(pool),
+                evicting_bytes=core.evicting_bytes(pool),
+            )
+            for pool, capacity in sorted(self._capacity.items())
+        ]
+        tenants = []
+        for tenant in sorted(t for t in core.tenants() if isinstance(t, bytes)):
+            quota = core.quotas.get(tenant)
+            tenants.append(
+                e.TenantUsage(
+                    domain_digest=tenant,
+                    used_bytes=core.tenant_bytes(tenant),
+                    hard_bytes=(quota.hard_bytes or 0) if quota else 0,
+                    guaranteed_bytes=quota.guaranteed_bytes if quota else 0,
+                )
+            )
+        return e.EvictionStatus(
+            policy=core.config.policy,
+            high_watermark=core.config.high_watermark,
+            low_watermark=core.config.low_watermark,
+            objects=len(core),
+            events_applied=self.events_applied,
+            pools=pools,
+            tenants=tenants,
+            counters=dict(core.counters),
+        )

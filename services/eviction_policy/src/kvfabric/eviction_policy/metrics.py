@@ -1,0 +1,52 @@
+"""Exports the policy core's counters and usage as Prometheus metrics (read at scrape time)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvfabric.eviction_policy.handlers import EvictionShell
+
+__all__ = ["EvictionCollector"]
+
+
+class EvictionCollector(Collector):
+    def __init__(self, shell: EvictionShell) -> None:
+        self.shell = shell
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        status = self.shell.status()
+        events = CounterMetricFamily(
+            "kvfabric_eviction_core_events", "Core counters, by name.", labels=["name"]
+        )
+        for name, value in sorted(status.counters.items()):
+            events.add_metric([name.removesuffix("_total")], value)
+        yield events
+        yield CounterMetricFamily(
+            "kvfabric_eviction_events_applied", "Directory events applied.", value=status.events_applied
+        )
+        yield CounterMetricFamily(
+            "kvfabric_eviction_requests_failed",
+            "Evict requests without an answer.",
+            value=self.shell.evict_requests_failed,
+        )
+        yield GaugeMetricFamily("kvfabric_eviction_objects", "Chunk groups tracked.", value=status.objects)
+        used = GaugeMetricFamily(
+            "kvfabric_eviction_pool_used_bytes", "Tracked bytes per segment.", labels=["segment"]
+        )
+        capacity = GaugeMetricFamily(
+            "kvfabric_eviction_pool_capacity_bytes", "Segment capacity.", labels=["segment"]
+        )
+        for pool in status.pools:
+            used.add_metric([pool.segment_id], pool.used_bytes)
+            capacity.add_metric([pool.segment_id], pool.capacity_bytes)
+        yield used
+        yield capacity
+        tenants = GaugeMetricFamily(
+            "kvfabric_eviction_tenant_used_bytes", "Tracked bytes per share domain.", labels=["domain"]
+        )
+        for tenant in status.tenants:
+            tenants.add_metric([tenant.domain_digest.hex()], tenant.used_bytes)
+        yield tenants

@@ -1,0 +1,94 @@
+"""Eviction-policy settings, from `KVF_EVICTION_*` environment variables.
+
+The runtime's shared flags (NATS URL, metrics port, logging) come from `kvfabric.runtime.config`.
+
+| variable | default | meaning |
+|---|---|---|
+| `KVF_EVICTION_POLICY` | `gdsf` | `lru` or `gdsf` (cost-aware GreedyDual-Size-Frequency) |
+| `KVF_EVICTION_HIGH_WATERMARK_PCT` | 90 | a segment fuller than this (% of capacity) evicts ... |
+| `KVF_EVICTION_LOW_WATERMARK_PCT` | 80 | ... down to this |
+| `KVF_EVICTION_BATCH_MAX` | 256 | victims per evict request |
+| `KVF_EVICTION_REFUSED_COOLDOWN_MS` | 5000 | a victim the directory refused (leased/pinned) waits this long |
+| `KVF_EVICTION_TICK_MS` | 200 | how often watermarks and quotas are checked |
+| `KVF_EVICTION_SEGMENTS_REFRESH_MS` | 5000 | how often segment capacities are re-read from the directory |
+| `KVF_EVICTION_REQUEST_TIMEOUT_MS` | 2000 | per directory request |
+| `KVF_EVICTION_TENANT_QUOTAS` | empty | JSON, see `parse_quotas` |
+
+Admission (second-hit) is a simulator policy only: in the live cluster the writer has already
+stored the bytes when the policy hears of them (see docs/eviction-policy.md).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvfabric.core.eviction import EvictionConfig, TenantQuota
+from kvfabric.runtime.config import SettingsError, env_int
+
+__all__ = ["EvictionSettings", "load_eviction_settings", "parse_quotas"]
+
+DOMAIN_DIGEST_BYTES = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvictionSettings:
+    core: EvictionConfig
+    quotas: dict[bytes, TenantQuota] = field(default_factory=dict)
+    tick_ms: int = 200
+    segments_refresh_ms: int = 5_000
+    request_timeout_s: float = 2.0
+
+
+def parse_quotas(text: str) -> dict[bytes, TenantQuota]:
+    """`{"<32 hex chars>": {"hard_bytes": int, "guaranteed_bytes": int}}` → quotas by digest."""
+    if not text.strip():
+        return {}
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SettingsError(f"KVF_EVICTION_TENANT_QUOTAS is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise SettingsError("KVF_EVICTION_TENANT_QUOTAS must be a JSON object")
+    quotas: dict[bytes, TenantQuota] = {}
+    for digest_hex, spec in raw.items():
+        try:
+            digest = bytes.fromhex(digest_hex)
+        except ValueError:
+            digest = b""
+        if len(digest) != DOMAIN_DIGEST_BYTES:
+            raise SettingsError(f"tenant quota key {digest_hex!r} is not a 16-byte domain digest in hex")
+        if not isinstance(spec, dict) or set(spec) - {"hard_bytes", "guaranteed_bytes"}:
+            raise SettingsError(f"tenant quota {digest_hex}: want hard_bytes and/or guaranteed_bytes")
+        hard, guaranteed = spec.get("hard_bytes"), spec.get("guaranteed_bytes", 0)
+        if (hard is not None and (not isinstance(hard, int) or hard < 0)) or not isinstance(guaranteed, int):
+            raise SettingsError(f"tenant quota {digest_hex}: byte counts must be non-negative integers")
+        if guaranteed < 0 or (hard is not None and guaranteed > hard):
+            raise SettingsError(f"tenant quota {digest_hex}: guaranteed_bytes must be in 0..hard_bytes")
+        quotas[digest] = TenantQuota(hard_bytes=hard, guaranteed_bytes=guaranteed)
+    return quotas
+
+
+def load_eviction_settings(env: Mapping[str, str]) -> EvictionSettings:
+    policy = env.get("KVF_EVICTION_POLICY", "gdsf")
+    if policy not in ("lru", "gdsf"):
+        raise SettingsError(f"KVF_EVICTION_POLICY must be lru or gdsf, got {policy!r}")
+    high = env_int(env, "KVF_EVICTION_HIGH_WATERMARK_PCT", 90, 1, 100)
+    low = env_int(env, "KVF_EVICTION_LOW_WATERMARK_PCT", 80, 1, 100)
+    if low >= high:
+        raise SettingsError("KVF_EVICTION_LOW_WATERMARK_PCT must be below the high watermark")
+    core = EvictionConfig(
+        policy="lru" if policy == "lru" else "gdsf",
+        high_watermark=high / 100,
+        low_watermark=low / 100,
+        batch_max=env_int(env, "KVF_EVICTION_BATCH_MAX", 256, 1, 4096),
+        refused_cooldown_ms=env_int(env, "KVF_EVICTION_REFUSED_COOLDOWN_MS", 5_000, 0, 3_600_000),
+    )
+    return EvictionSettings(
+        core=core,
+        quotas=parse_quotas(env.get("KVF_EVICTION_TENANT_QUOTAS", "")),
+        tick_ms=env_int(env, "KVF_EVICTION_TICK_MS", 200, 5, 60_000),
+        segments_refresh_ms=env_int(env, "KVF_EVICTION_SEGMENTS_REFRESH_MS", 5_000, 50, 3_600_000),
+        request_timeout_s=env_int(env, "KVF_EVICTION_REQUEST_TIMEOUT_MS", 2_000, 10, 600_000) / 1000,
+    )

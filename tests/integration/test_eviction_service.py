@@ -1,0 +1,158 @@
+"""The eviction-policy service on a live cluster: past the high watermark it evicts down to the
+low watermark, tails before heads, while a reader holding a lease keeps reading identical bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import nats
+import pytest
+
+from kvfabric.client import KvClient
+from kvfabric.proto import directory as m
+from kvfabric.proto import eviction as e
+from kvfabric.proto.subjects import Service, endpoint_subject
+from kvfabric.runtime import request as nats_request
+from kvfabric.testing import NatsServer, ServiceProcess
+from tests.integration.clientkit import (
+    CHUNK_BYTES,
+    TOKENS_PER_CHUNK,
+    chunk_bytes,
+    client,
+    objects_for,
+    prompt,
+)
+from tests.integration.cluster import directory_call, directory_process, eviction_process, segment_process
+
+pytestmark = pytest.mark.integration
+
+ARENA_BYTES = 8 << 20  # 128 chunks of 64 KiB
+HIGH_PCT, LOW_PCT = 50, 30
+CHUNKS_PER_PROMPT = 8
+
+
+@pytest.fixture(params=["lru", "gdsf"])
+def cluster(nats_server: NatsServer, request: pytest.FixtureRequest) -> Iterator[ServiceProcess]:
+    with (
+        directory_process(nats_server),
+        segment_process(nats_server, "seg-ev", arena_bytes=ARENA_BYTES),
+        eviction_process(
+            nats_server,
+            KVF_EVICTION_POLICY=request.param,
+            KVF_EVICTION_HIGH_WATERMARK_PCT=str(HIGH_PCT),
+            KVF_EVICTION_LOW_WATERMARK_PCT=str(LOW_PCT),
+            KVF_EVICTION_TICK_MS="50",
+            KVF_EVICTION_SEGMENTS_REFRESH_MS="200",
+            KVF_EVICTION_REFUSED_COOLDOWN_MS="200",
+        ) as policy,
+    ):
+        yield policy
+
+
+async def status(nats_url: str) -> e.EvictionStatus:
+    nc = await nats.connect(nats_url)
+    try:
+        reply = await nats_request(
+            nc,
+            endpoint_subject(Service.EVICTION, "status"),
+            e.EvictionStatusRequest(),
+            e.eviction_decoder,
+            5.0,
+        )
+        assert isinstance(reply, e.EvictionStatus)
+        return reply
+    finally:
+        await nc.close()
+
+
+async def published_chunks(nats_url: str) -> dict[bytes, set[int]]:
+    """Chain hash -> chunk index of every published group (paged through `list_groups`)."""
+    nc = await nats.connect(nats_url)
+    out: dict[bytes, set[int]] = {}
+    try:
+        after = b""
+        while True:
+            reply = await directory_call(nc, "list_groups", m.ListGroups(after=after, limit=1000))
+            assert isinstance(reply, m.GroupList)
+            for g in reply.groups:
+                out.setdefault(g.group, set()).add(g.chunk_index)
+            if not reply.next_after:
+                return out
+            after = reply.next_after
+    finally:
+        await nc.close()
+
+
+def read_loop(reader: KvClient, tokens: list[int], stop: threading.Event, errors: list[str]) -> int:
+    """Load the leased prefix again and again; every byte must match. Returns loads done."""
+    hit = reader.lookup(tokens)
+    loads = 0
+    while not stop.is_set():
+        out = [[bytearray(CHUNK_BYTES)] for _ in range(CHUNKS_PER_PROMPT)]
+        result = reader.load(hit, out)
+        if result.tokens != CHUNKS_PER_PROMPT * TOKENS_PER_CHUNK:
+            errors.append(f"leased load came back short: {result.tokens} tokens, cause {result.cause}")
+        for c in range(result.tokens // TOKENS_PER_CHUNK):
+            if bytes(out[c][0]) != chunk_bytes(tokens, c):
+                errors.append(f"wrong bytes in chunk {c}")
+        loads += 1
+    reader.release(hit)
+    return loads
+
+
+def test_past_the_high_watermark_it_evicts_to_the_low_one_and_leased_reads_stay_intact(
+    nats_server: NatsServer, cluster: ServiceProcess
+) -> None:
+    prompts = [prompt(CHUNKS_PER_PROMPT * TOKENS_PER_CHUNK, seed=100 + i) for i in range(10)]
+    with client(nats_server) as writer, client(nats_server) as reader:
+        assert writer.save(prompts[0], objects_for(prompts[0], 0, CHUNKS_PER_PROMPT)).chunks_saved == 8
+        stop, errors = threading.Event(), []
+        loads: list[int] = []
+        thread = threading.Thread(
+            target=lambda: loads.append(read_loop(reader, prompts[0], stop, errors)), daemon=True
+        )
+        thread.start()
+        # 10 prompts x 8 chunks x 64 KiB = 5 MiB: 62.5 % of the arena, past the 50 % mark.
+        for tokens in prompts[1:]:
+            saved = writer.save(tokens, objects_for(tokens, 0, CHUNKS_PER_PROMPT))
+            assert saved.chunks_failed == 0
+
+        last: list[e.EvictionStatus] = []
+
+        async def settled() -> e.EvictionStatus:
+            while True:
+                st = await status(nats_server.url)
+                last[:] = [st]
+                (pool,) = st.pools
+                if st.counters.get("evicted_total", 0) and pool.used_bytes <= LOW_PCT / 100 * ARENA_BYTES:
+                    return st
+                await asyncio.sleep(0.1)
+
+        try:
+            final = asyncio.run(asyncio.wait_for(settled(), 30.0))
+        except TimeoutError:
+            raise AssertionError(f"never settled: {last}\n{cluster.output_tail()}") from None
+        stop.set()
+        thread.join(30.0)
+        assert not errors, errors[:5]
+        assert loads and loads[0] > 0
+        (pool,) = final.pools
+        assert pool.capacity_bytes == ARENA_BYTES
+        # Down to the low watermark, not much further: it stops within one chunk of it.
+        assert LOW_PCT / 100 * ARENA_BYTES - CHUNK_BYTES < pool.used_bytes <= LOW_PCT / 100 * ARENA_BYTES
+
+        # The directory agrees, and every prompt kept a head (chunks 0..k-1): tails went first.
+        chunks = asyncio.run(published_chunks(nats_server.url))
+        assert sum(len(c) for c in chunks.values()) * CHUNK_BYTES == pool.used_bytes
+        with client(nats_server) as probe:
+            kept = []
+            for tokens in prompts:
+                hit = probe.lookup(tokens)
+                kept.append(hit.tokens // TOKENS_PER_CHUNK)
+                probe.release(hit)
+        assert kept[0] == CHUNKS_PER_PROMPT, "the leased prompt was evicted under its reader"
+        if final.policy == "lru":  # the leased prompt is the least recently looked up: asked, refused
+            assert final.counters.get("evict_refused_total", 0) >= 1, final.counters
+        assert sum(kept) * CHUNK_BYTES == pool.used_bytes, f"a tail outlived its head: kept {kept}"
