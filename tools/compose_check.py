@@ -24,7 +24,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose"
 IMAGE = "kvfabric:local"
-MODULES = {"kvfabric.directory": "services/directory", "kvfabric.segment_storage": "services/segment_storage"}
+MODULES = {
+    "kvfabric.directory": "services/directory",
+    "kvfabric.segment_storage": "services/segment_storage",
+    "kvfabric.eviction_policy": "services/eviction_policy",
+}
 
 
 def documented_metrics() -> set[str]:
@@ -33,7 +37,7 @@ def documented_metrics() -> set[str]:
     expanded = set()
     for name in names:
         if "<service>" in name:
-            expanded |= {name.replace("<service>", s) for s in ("directory", "segment")}
+            expanded |= {name.replace("<service>", s) for s in ("directory", "segment", "eviction")}
         else:
             expanded.add(name)
     return {n for n in expanded if "<" not in n}

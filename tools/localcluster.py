@@ -5,8 +5,9 @@
     python tools/localcluster.py down   [--run-dir .run]
 
 `up` starts a supervisor in the background and returns once the cluster is ready. The supervisor
-owns every child: nats-server (JetStream, store under the run folder), one directory and N
-segments in N distinct failure domains (zone-<i>/rack-<i>/host-<i>). A child that exits is
+owns every child: nats-server (JetStream, store under the run folder), one directory, N
+segments in N distinct failure domains (zone-<i>/rack-<i>/host-<i>) and the eviction-policy
+service. A child that exits is
 restarted with a backoff (a segment the directory declared down exits 75 and comes back empty
 under a new incarnation); after `RESTARTS_MAX` restarts in `RESTART_WINDOW_S` it stays down and the
 supervisor says so. `down` stops the supervisor (SIGTERM: children stopped in reverse order, then
@@ -179,6 +180,23 @@ def plan_children(
                 stale_glob=f"kvf-{prefix}-{i}-*",
             )
         )
+    children.append(
+        Child(
+            "eviction",
+            [
+                sys.executable,
+                "-m",
+                "kvfabric.eviction_policy",
+                "--nats-url",
+                nats_url,
+                "--metrics-port",
+                "0",
+                "--log-json",
+            ],
+            base,
+            "eviction_started",
+        )
+    )
     info = {
         "nats_url": nats_url,
         "segment_prefix": prefix,

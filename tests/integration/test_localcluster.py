@@ -50,6 +50,7 @@ async def test_up_supervises_and_down_leaves_nothing(tmp_path: Path) -> None:
             "segment-1",
             "segment-2",
             "segment-3",
+            "eviction",
         }
         assert tool("up", *common).stdout.startswith("kvfabric is already up")
         nc = await connect_test_client(state["nats_url"])

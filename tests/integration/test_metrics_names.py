@@ -4,15 +4,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 
+import nats
 import pytest
 from prometheus_client import generate_latest
 
+from kvfabric.proto.eviction import EvictionStatus, EvictionStatusRequest, eviction_decoder
+from kvfabric.proto.subjects import Service, endpoint_subject
+from kvfabric.runtime import request
 from kvfabric.testing import NatsServer, scrape_metrics
 from tests.integration.clientkit import client, objects_for, prompt
-from tests.integration.cluster import directory_process, segment_process
+from tests.integration.cluster import directory_process, eviction_process, segment_process
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +27,7 @@ SUFFIXED = ("_total", "_bucket", "_count", "_sum")
 
 def documented(service: str) -> set[str]:
     names = set(re.findall(r"`(kvfabric_[a-z_<>]+)`", DOC.read_text()))
-    if service in ("directory", "segment"):  # the runtime's metrics: services only
+    if service in ("directory", "segment", "eviction"):  # the runtime's metrics: services only
         names = {n.replace("<service>", service) for n in names}
     return {n for n in names if n.startswith(f"kvfabric_{service}_") and "<" not in n}
 
@@ -40,8 +45,31 @@ def missing(service: str, exposition: str) -> set[str]:
     return {n for n in documented(service) if n not in have and n.removesuffix("_total") not in have}
 
 
+async def eviction_status(url: str) -> None:
+    nc = await nats.connect(url)
+    try:
+        for _ in range(100):  # the policy replays the events stream, then knows the segment
+            reply = await request(
+                nc,
+                endpoint_subject(Service.EVICTION, "status"),
+                EvictionStatusRequest(),
+                eviction_decoder,
+                5.0,
+            )
+            if isinstance(reply, EvictionStatus) and reply.pools:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the policy never learned the segment's capacity")
+    finally:
+        await nc.close()
+
+
 def test_services_and_client_serve_every_documented_metric(nats_server: NatsServer) -> None:
-    with directory_process(nats_server) as directory, segment_process(nats_server, "seg-m") as segment:
+    with (
+        directory_process(nats_server) as directory,
+        segment_process(nats_server, "seg-m") as segment,
+        eviction_process(nats_server, KVF_EVICTION_SEGMENTS_REFRESH_MS="100") as policy,
+    ):
         tokens = prompt(64)
         with client(nats_server) as kv:
             assert kv.save(tokens, objects_for(tokens, 0, 4)).chunks_saved == 4
@@ -53,8 +81,13 @@ def test_services_and_client_serve_every_documented_metric(nats_server: NatsServ
         segment_port = segment.wait_for_event("segment_started", 1.0)["metrics_port"]
         directory_text = scrape_metrics(directory_port)
         segment_text = scrape_metrics(segment_port)
+        asyncio.run(eviction_status(nats_server.url))  # one request: the runtime's series exist
+        policy_port = policy.wait_for_event("eviction_started", 1.0)["metrics_port"]
+        eviction_text = scrape_metrics(policy_port)
     assert documented("directory") and documented("segment") and documented("client")
     assert missing("directory", directory_text) == set()
     assert missing("segment", segment_text) == set()
     assert missing("client", client_text) == set()
+    assert documented("eviction") and missing("eviction", eviction_text) == set()
+    assert 'kvfabric_eviction_pool_used_bytes{segment="seg-m"}' in eviction_text
     assert 'kvfabric_segment_events_total{name="bytes_granted"}' in segment_text

@@ -1,0 +1,117 @@
+"""The eviction-policy shell's bookkeeping (no NATS): directory events into the core, quotas
+from the environment, and status."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore, TenantQuota
+from kvfabric.eviction_policy.handlers import EvictionShell, group_id_of
+from kvfabric.eviction_policy.settings import load_eviction_settings, parse_quotas
+from kvfabric.proto import directory as m
+from kvfabric.runtime.config import SettingsError
+
+NAMESPACE_A = bytes(4) + b"A" * 16 + bytes(34)
+NAMESPACE_B = bytes(4) + b"B" * 16 + bytes(34)
+
+
+def shell(**quotas: TenantQuota) -> EvictionShell:
+    core = EvictionCore(
+        EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.25),
+        {k.encode() * 16: q for k, q in quotas.items()},
+    )
+    return EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+
+
+def chain(i: int) -> bytes:
+    return i.to_bytes(32, "little")
+
+
+def published(
+    i: int, namespace: bytes = NAMESPACE_A, parent: int | None = None, **held: int
+) -> m.GroupPublished:
+    return m.GroupPublished(
+        group=chain(i),
+        chunk_index=0 if parent is None else 1,
+        members=1,
+        namespace=namespace,
+        parent=b"" if parent is None else chain(parent),
+        placements=[m.SegmentBytes(s, b) for s, b in held.items()],
+    )
+
+
+def test_events_drive_the_core_and_victims_map_back_to_group_ids() -> None:
+    sh = shell()
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=100), 0)
+    sh.apply(m.SegmentUp(segment_id="s2", incarnation=1, capacity_bytes=100), 0)
+    sh.apply(published(1, s1=30, s2=30), 1)
+    sh.apply(published(2, parent=1, s1=30), 2)
+    sh.apply(m.GroupsAccessed(groups=[m.GroupHits(chain(1), 2)]), 3)
+    assert sh.core.used_bytes("s1") == 60 and sh.core.tenant_bytes(b"A" * 16) == 90
+    (batch,) = sh.core.tick(4)  # s1 at 60 % > 50 %: the tail (2) before its head (1)
+    assert isinstance(batch, EvictBatch) and batch.victims == (chain(2), chain(1))
+    assert sh._group_ids[chain(2)] == group_id_of(NAMESPACE_A, 1, chain(2))
+    assert len(sh._group_ids[chain(2)]) == 90
+    sh.apply(m.GroupEvicted(group=chain(2), reason="policy"), 5)  # the event can overtake the reply
+    assert chain(2) not in sh.core and chain(2) not in sh._group_ids
+    sh.apply(m.SegmentDown(segment_id="s2", incarnation=1, reason="heartbeat_timeout"), 6)
+    assert sh.core.used_bytes("s2") == 0 and sh.core.tenant_bytes(b"A" * 16) == 30  # 1 lives on in s1
+    sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 7)
+    assert len(sh.core) == 0 and not sh._group_ids
+    assert sh.events_applied == 8
+    sh.core.check_invariants()
+
+
+def test_an_event_without_placements_is_ignored_not_misfiled() -> None:
+    sh = shell()
+    sh.apply(m.GroupPublished(group=chain(1), chunk_index=0, members=1), 0)  # an old directory
+    assert len(sh.core) == 0
+
+
+def test_status_reports_pools_tenants_and_quotas() -> None:
+    sh = shell(A=TenantQuota(hard_bytes=50, guaranteed_bytes=10))
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1000), 0)
+    sh.apply(published(1, s1=40), 1)
+    sh.apply(published(2, namespace=NAMESPACE_B, s1=5), 1)
+    st = sh.status()
+    assert [(p.segment_id, p.capacity_bytes, p.used_bytes) for p in st.pools] == [("s1", 1000, 45)]
+    assert [(t.domain_digest[:1], t.used_bytes, t.hard_bytes, t.guaranteed_bytes) for t in st.tenants] == [
+        (b"A", 40, 50, 10),
+        (b"B", 5, 0, 0),
+    ]
+    assert st.objects == 2 and st.counters["inserts_total"] == 2
+
+
+def test_quotas_parse_strictly() -> None:
+    digest = "ab" * 16
+    assert parse_quotas(f'{{"{digest}": {{"hard_bytes": 100, "guaranteed_bytes": 10}}}}') == {
+        bytes.fromhex(digest): TenantQuota(hard_bytes=100, guaranteed_bytes=10)
+    }
+    assert parse_quotas("") == {}
+    for bad in (
+        "[1]",
+        "{not json",
+        '{"abcd": {"hard_bytes": 1}}',  # not a 16-byte digest
+        f'{{"{digest}": {{"hard": 1}}}}',  # unknown field
+        f'{{"{digest}": {{"hard_bytes": -1}}}}',
+        f'{{"{digest}": {{"hard_bytes": 5, "guaranteed_bytes": 6}}}}',
+    ):
+        with pytest.raises(SettingsError):
+            parse_quotas(bad)
+
+
+def test_settings_reject_inverted_watermarks_and_unknown_policies() -> None:
+    ok = load_eviction_settings(
+        {
+            "KVF_EVICTION_POLICY": "lru",
+            "KVF_EVICTION_HIGH_WATERMARK_PCT": "70",
+            "KVF_EVICTION_LOW_WATERMARK_PCT": "60",
+        }
+    )
+    assert ok.core.policy == "lru" and ok.core.high_watermark == 0.7
+    with pytest.raises(SettingsError):
+        load_eviction_settings(
+            {"KVF_EVICTION_HIGH_WATERMARK_PCT": "50", "KVF_EVICTION_LOW_WATERMARK_PCT": "60"}
+        )
+    with pytest.raises(SettingsError):
+        load_eviction_settings({"KVF_EVICTION_POLICY": "fifo"})
