@@ -203,16 +203,58 @@ def final_state(nats_url: str) -> FinalState:
     return asyncio.run(ask())
 
 
+def evicted_groups(nats_url: str) -> set[bytes]:
+    """Chain hashes of every group the directory evicted (its `evicted` events, whole stream)."""
+    import asyncio
+
+    import nats
+    import nats.errors
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    from kvfabric.proto import directory as m
+    from kvfabric.proto.subjects import Service, event_subject
+
+    async def read() -> set[bytes]:
+        nc = await nats.connect(nats_url)
+        out: set[bytes] = set()
+        try:
+            js = nc.jetstream(timeout=5.0)
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE)
+            sub = await js.pull_subscribe(
+                event_subject(Service.DIRECTORY, "evicted"), stream="KVF_DIRECTORY_EVENTS", config=config
+            )
+            while True:
+                try:
+                    batch = await sub.fetch(1000, timeout=1.0)
+                except nats.errors.TimeoutError:
+                    return out
+                for msg in batch:
+                    event = m.event_decoder.decode(msg.data)
+                    if isinstance(event, m.GroupEvicted):
+                        out.add(event.group)
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
 def lost_chunks(history: list[Op], final: FinalState) -> int:
-    """Acknowledged chunks not served after settle (reported even where the drill allows it)."""
+    """Acknowledged chunks not served after settle and not evicted by the policy (reported even
+    where the drill allows losses)."""
     acked: dict[int, int] = {}
     for op in history:
         acked[op.prefix] = max(acked.get(op.prefix, 0), op.acked_chunks)
-    return sum(max(0, n - final.served_chunks.get(p, 0)) for p, n in acked.items())
+    lost = 0
+    for p, n in acked.items():
+        served = final.served_chunks.get(p, 0)
+        if served < n and served not in final.evicted_chunks.get(p, set()):  # not the policy's doing
+            lost += n - served
+    return lost
 
 
 def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
     from kvfabric.client import ClientSettings, KvClient
+    from kvfabric.format.key import chunk_groups_for_prefix
     from tests.integration.clientkit import SPEC
 
     drill = tomllib.loads(path.read_text())
@@ -281,6 +323,7 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
             subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)  # never leave it on
         time.sleep(float(drill.get("settle_s", 6.0)))
         final = final_state(nats_url)
+        evicted = evicted_groups(nats_url)
         with KvClient(settings, SPEC) as kv:  # what is still served, for the durability checker
             chunks = int(wl.get("chunks_per_prefix", 8))
             for prefix in sorted({op.prefix for op in history}):
@@ -288,6 +331,10 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
                 hit = kv.lookup(tokens, max_tokens=len(tokens) - 1)
                 final.served_chunks[prefix] = hit.chunks
                 kv.release(hit)
+                groups = chunk_groups_for_prefix(SPEC.domain, SPEC.model, SPEC.layout, tokens)
+                final.evicted_chunks[prefix] = {
+                    g.chunk_index for g in groups if bytes(g.chain_hash) in evicted
+                }
     finally:
         subprocess.run(
             [sys.executable, str(LOCALCLUSTER), "down", "--run-dir", str(run)], capture_output=True
@@ -304,6 +351,7 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
         "wrong_chunks": sum(op.wrong_chunks for op in history),
         "leases_after_settle": final.read_leases,
         "acked_chunks_lost": lost_chunks(history, final),
+        "chunks_evicted": sum(len(v) for v in final.evicted_chunks.values()),
         "faults": fired,
         "violations": violations,
         "history": [asdict(op) for op in history],

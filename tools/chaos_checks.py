@@ -35,6 +35,8 @@ class FinalState:
     read_leases: int
     segments: list[dict[str, Any]] = field(default_factory=list)  # up segments: reserved, used
     served_chunks: dict[int, int] = field(default_factory=dict)  # prefix -> chunks a lookup finds now
+    # prefix -> chunk indices the eviction policy evicted (directory `evicted` events)
+    evicted_chunks: dict[int, set[int]] = field(default_factory=dict)
 
 
 def check_wrong_bytes(history: list[Op]) -> list[str]:
@@ -89,17 +91,20 @@ def check_no_leaks(final: FinalState) -> list[str]:
 
 def check_durability(history: list[Op], final: FinalState, may_lose: bool) -> list[str]:
     """Every chunk the store acknowledged is still served after settle, unless the drill killed
-    what may hold its only copy (`may_lose`: a segment with one replica, or the directory)."""
+    what may hold its only copy (`may_lose`: a segment with one replica, or the directory), or
+    the eviction policy evicted it: a prefix served short is explained only when its first
+    missing chunk is one the policy evicted (the directory said so in an `evicted` event)."""
     if may_lose:
         return []
     acked: dict[int, int] = {}
     for op in history:
         acked[op.prefix] = max(acked.get(op.prefix, 0), op.acked_chunks)
-    return [
-        f"prefix {prefix}: {n} chunk(s) acknowledged, {final.served_chunks.get(prefix, 0)} served later"
-        for prefix, n in sorted(acked.items())
-        if n and final.served_chunks.get(prefix, 0) < n
-    ]
+    problems = []
+    for prefix, n in sorted(acked.items()):
+        served = final.served_chunks.get(prefix, 0)
+        if n and served < n and served not in final.evicted_chunks.get(prefix, set()):
+            problems.append(f"prefix {prefix}: {n} chunk(s) acknowledged, {served} served later")
+    return problems
 
 
 def check_all(history: list[Op], final: FinalState, expect: dict[str, Any]) -> dict[str, list[str]]:

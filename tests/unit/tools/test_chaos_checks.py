@@ -48,6 +48,11 @@ def test_each_checker_fails_when_its_invariant_breaks() -> None:
     lost = c.FinalState(read_leases=0, served_chunks={5: 2})
     assert c.check_all(acked, lost, expect)["durability"]
     assert not c.check_all(acked, lost, {**expect, "may_lose_acknowledged": True})["durability"]
+    # The policy evicted chunk 2 (the first missing one): explained. Evicting only chunk 3 is not.
+    evicted = c.FinalState(read_leases=0, served_chunks={5: 2}, evicted_chunks={5: {2, 3}})
+    assert not c.check_all(acked, evicted, expect)["durability"]
+    tail_only = c.FinalState(read_leases=0, served_chunks={5: 2}, evicted_chunks={5: {3}})
+    assert c.check_all(acked, tail_only, expect)["durability"]
     leaked = c.FinalState(
         read_leases=2, segments=[{"segment_id": "s", "reserved_bytes": 1, "reported_used_bytes": 9}]
     )
