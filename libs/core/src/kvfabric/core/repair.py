@@ -1,0 +1,546 @@
+"""The repair core: which copies bring every object back to its replica target, and when.
+
+Synchronous and I/O-free: time is passed in (`now_ms`), sizes are bytes. The repair service
+feeds in what the directory and the segments report, calls `tick(now_ms)` periodically and
+performs the effects it returns:
+
+    events   segment_up(id, incarnation, zone, rack, host, free_bytes, draining=None)
+             segment_draining(id, draining=True)    segment_down(id)
+             object_known(id, size_bytes, replica_target, segments, hot=0)
+             replica_lost(id, segment_id, corrupt=False)    object_removed(id)
+             copy_ok(copy_id) -> bool    copy_failed(copy_id, now_ms)
+    tick     tick(now_ms) -> [StartCopy | DrainComplete]
+    read     counters (plain, monotonic: the shell exports them), gauges(), replicas(id),
+             drain_pending(id), tokens_bytes, check_invariants()
+
+## Model
+A *segment* has a failure domain (zone > rack > host > segment), an incarnation and the free
+bytes it last reported. An *object* has a size, a replica target (the shell resolves it from
+the namespace), a hotness hint (active readers; higher goes first) and replicas on segments.
+A replica on an UP segment is *healthy*: it counts toward the target. A replica on a DRAINING
+segment is only *readable*: a copy source that no longer counts.
+
+## States of a segment
+    (unknown) --segment_up--> UP <--segment_draining(True / False)--> DRAINING
+    UP | DRAINING --segment_down, or segment_up with a newer incarnation--> (gone: its replicas
+        are lost; copies from or to it are aborted)
+    DRAINING --tick: every object on it has its target elsewhere (so no copy touches it)-->
+        DrainComplete (once per drain); the shell retires the segment, then sends segment_down.
+A drain waits while an object cannot reach its target elsewhere (`drain_pending` counts them).
+The core never removes single replicas: one DrainComplete lets the shell retire the segment
+whole (the directory then drops its replicas like a segment down), so a replica is never freed
+before its replacement is confirmed and registered.
+
+## States of an object
+    (absent) --object_known with >= 1 readable replica--> OK (healthy >= target) | BELOW
+    BELOW --tick picks it--> COPYING (exactly one copy in flight)
+    COPYING --copy_ok--> OK | BELOW
+    COPYING --source or destination gone or draining, or target met elsewhere--> aborted, no backoff
+    COPYING --copy_failed, or no result within copy_timeout_ms--> BACKOFF (retry_backoff_ms x 2^k,
+        capped) --> BELOW; after attempts_max failures in a row: STUCK (counted) for
+        stuck_retry_ms, then BELOW with a fresh set of attempts
+    any --its last readable replica gone--> LOST: counted and forgotten (no copy can help)
+    any --object_removed (deleted or evicted)--> (absent): its copy is forgotten
+An object larger than `burst_bytes` can never start: it stays BELOW (gauge objects_oversize).
+
+## Planning (`tick`)
+Objects BELOW go in order: hotter first, then fewest readable replicas, then first known.
+Destination: an UP segment without a replica of the object whose free bytes minus the bytes
+reserved for copies in flight to it fit the object, in the widest failure domain the object's
+healthy replicas do not use yet (placement's `_spread`: new zone, else rack, host, segment),
+then most room. Source: a non-draining replica if any, then the one nearest the destination, then
+the one with fewest copies reading from it. Starting a copy takes `size_bytes` tokens from a
+bucket refilled at `bandwidth_bytes_per_s` and capped at `burst_bytes`; when the next object in
+order does not fit the tokens left, planning stops for this tick (strict priority: a large hot
+object is not starved by small cold ones). At most `copies_in_flight_max` copies run at once.
+
+## Invariants (`check_invariants()`, after every step in tests)
+1. Bounded: copies in flight <= copies_in_flight_max; one copy per object at most.
+2. Budget: 0 <= tokens <= burst_bytes, so the bytes started in any window of w ms are at most
+   burst_bytes + bandwidth_bytes_per_s x w / 1000.
+3. Target: an object has a copy in flight only while healthy replicas + 1 <= target (a copy
+   made redundant by a replica appearing elsewhere is aborted).
+4. Domains: a copy goes to the widest unused failure domain with room at plan time (checked
+   against an independent model in the state-machine test).
+5. Room: per segment, reserved bytes = the sum of copies in flight to it, and reserved <= free
+   unless a later report lowered free (then nothing more is planned there until it fits).
+6. Every copy reads from a readable replica of its object and writes to an UP segment without
+   one; every object the core keeps has at least one readable replica.
+
+## Ownership
+The directory is the source of truth for replicas; `object_known` replaces the core's view of
+one object (the shell re-syncs with it at start and after gaps). Segment reports must come
+before objects naming them: replicas on unknown segments are ignored (counted). A StartCopy's
+copy id belongs to the shell until it reports exactly one `copy_ok` or `copy_failed`; a result
+for a copy the core no longer tracks (aborted, timed out, duplicate) is stale: `copy_ok` then
+returns False and the shell frees the copied bytes instead of registering the replica (the
+segments' orphan reclaim catches whatever is lost on the way). Copy ids are unique within one
+core instance: the shell qualifies them with its instance id on the wire. Tokens spent on a
+copy that fails are not refunded. Scrub reports a corrupt replica with
+`replica_lost(..., corrupt=True)`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from kvfabric.core.placement import Candidate
+from kvfabric.core.placement import _spread as spread
+from kvfabric.format.invariant import invariant, unreachable
+
+__all__ = ["DrainComplete", "Effect", "RepairConfig", "RepairCore", "StartCopy"]
+
+ObjectId: TypeAlias = Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class RepairConfig:
+    bandwidth_bytes_per_s: int = 200 << 20  # token refill rate for copies started
+    burst_bytes: int = 256 << 20  # bucket size; also the largest object repair can copy
+    copies_in_flight_max: int = 32
+    copy_timeout_ms: int = 60_000  # no result by then: a failed attempt (indeterminate)
+    attempts_max: int = 3  # failed copies in a row before the object is STUCK
+    retry_backoff_ms: int = 1_000  # after the k-th failure in a row: this x 2^(k-1) ...
+    retry_backoff_max_ms: int = 30_000  # ... capped here
+    stuck_retry_ms: int = 600_000  # a STUCK object gets a fresh set of attempts after this
+
+    def __post_init__(self) -> None:
+        invariant(self.bandwidth_bytes_per_s > 0 and self.burst_bytes > 0, "budget must be positive")
+        invariant(self.copies_in_flight_max >= 1 and self.attempts_max >= 1, "bounds must be >= 1")
+        invariant(self.copy_timeout_ms > 0, "copy_timeout_ms must be positive")
+        invariant(0 <= self.retry_backoff_ms <= self.retry_backoff_max_ms, "need 0 <= backoff <= max")
+
+
+@dataclass(frozen=True, slots=True)
+class StartCopy:
+    """Copy `object_id` (`size_bytes`) from segment `source` to segment `destination`; report
+    the outcome with `copy_ok(copy_id)` or `copy_failed(copy_id, now_ms)`."""
+
+    copy_id: int
+    object_id: ObjectId
+    source: str
+    destination: str
+    size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class DrainComplete:
+    """Nothing on draining `segment_id` is needed any more: the shell may retire it."""
+
+    segment_id: str
+
+
+Effect: TypeAlias = StartCopy | DrainComplete
+
+
+@dataclass(slots=True)
+class _Segment:
+    incarnation: int
+    zone: str
+    rack: str
+    host: str
+    free_bytes: int
+    draining: bool = False
+    drain_reported: bool = False
+    reserved_bytes: int = 0  # copies in flight to it
+    reads: int = 0  # copies in flight from it
+    short: bool = False  # a report put free below reserved: plan nothing here until it fits
+
+    def candidate(self, segment_id: str) -> Candidate:
+        """Placement's view, with the room left after copies in flight as its free bytes."""
+        room = self.free_bytes - self.reserved_bytes
+        return Candidate(segment_id, self.zone, self.rack, self.host, room)
+
+
+@dataclass(slots=True)
+class _Copy:
+    copy_id: int
+    object_id: ObjectId
+    source: str
+    destination: str
+    size_bytes: int
+    started_ms: int
+
+
+@dataclass(slots=True)
+class _Object:
+    object_id: ObjectId
+    seq: int  # order first known: the last tie-break
+    size_bytes: int
+    target: int
+    hot: int
+    replicas: set[str]  # on UP or DRAINING segments
+    healthy: int = 0  # of those, on UP segments
+    copy: _Copy | None = None
+    failures: int = 0  # failed copies in a row
+    retry_at_ms: int = 0
+    stuck: bool = False
+
+
+class RepairCore:
+    """See the module docstring."""
+
+    def __init__(self, config: RepairConfig, now_ms: int = 0) -> None:
+        self.config = config
+        self._segments: dict[str, _Segment] = {}
+        self._objects: dict[ObjectId, _Object] = {}
+        self._on_segment: dict[str, set[ObjectId]] = {}  # segment id -> objects with a replica there
+        self._below: set[ObjectId] = set()  # objects with healthy < target
+        self._copies: dict[int, _Copy] = {}
+        self._tokens_milli = config.burst_bytes * 1000  # thousandths of a byte: exact integer refill
+        self._now_ms = now_ms
+        self._seq = 0
+        self._next_copy_id = 1
+        self.counters: dict[str, int] = {}
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def __contains__(self, object_id: ObjectId) -> bool:
+        return object_id in self._objects
+
+    def replicas(self, object_id: ObjectId) -> frozenset[str]:
+        """Segments (UP or DRAINING) holding a readable replica of `object_id`."""
+        obj = self._objects.get(object_id)
+        return frozenset(obj.replicas) if obj else frozenset()
+
+    def drain_pending(self, segment_id: str) -> int:
+        """Objects on draining `segment_id` still short of their target elsewhere."""
+        objects = (self._objects[o] for o in self._on_segment.get(segment_id, ()))
+        return sum(1 for obj in objects if obj.healthy < obj.target)
+
+    @property
+    def tokens_bytes(self) -> int:
+        return self._tokens_milli // 1000
+
+    def gauges(self) -> dict[str, int]:
+        """Current levels, for the shell to export next to `counters`."""
+        cfg = self.config
+        return {
+            "objects": len(self._objects),
+            "objects_below_target": len(self._below),
+            "objects_stuck": sum(1 for o in self._below if self._objects[o].stuck),
+            "objects_oversize": sum(1 for o in self._below if self._objects[o].size_bytes > cfg.burst_bytes),
+            "copies_in_flight": len(self._copies),
+            "copy_bytes_in_flight": sum(c.size_bytes for c in self._copies.values()),
+            "segments_draining": sum(1 for s in self._segments.values() if s.draining),
+        }
+
+    # ---- events: segments ------------------------------------------------------------------
+
+    def segment_up(
+        self,
+        segment_id: str,
+        *,
+        incarnation: int,
+        zone: str,
+        rack: str,
+        host: str,
+        free_bytes: int,
+        draining: bool | None = None,
+    ) -> None:
+        """A segment registered or reported (heartbeat). A newer incarnation lost every replica.
+        `draining` is the segment's own report; None leaves it as it was (UP when new)."""
+        invariant(free_bytes >= 0, "negative free bytes", segment_id=segment_id)
+        seg = self._segments.get(segment_id)
+        if seg is not None and incarnation < seg.incarnation:
+            self._count("stale_segment_reports_total")
+            return
+        if seg is not None and incarnation > seg.incarnation:
+            self.segment_down(segment_id)
+            seg = None
+        if seg is None:
+            seg = _Segment(incarnation, zone, rack, host, free_bytes)
+            self._segments[segment_id] = seg
+            self._on_segment[segment_id] = set()
+        seg.zone, seg.rack, seg.host, seg.free_bytes = zone, rack, host, free_bytes
+        if seg.reserved_bytes > free_bytes and not seg.short:
+            self._count("reports_below_reserved_total")
+        seg.short = seg.reserved_bytes > free_bytes
+        if draining is not None:
+            self.segment_draining(segment_id, draining)
+
+    def segment_draining(self, segment_id: str, draining: bool = True) -> None:
+        """Move everything off `segment_id` (its replicas stay readable sources), or stop that."""
+        seg = self._segments.get(segment_id)
+        if seg is None or seg.draining == draining:
+            return
+        seg.draining, seg.drain_reported = draining, False
+        if draining:
+            for copy in [c for c in self._copies.values() if c.destination == segment_id]:
+                self._abort(copy)  # a replica landing there would not count
+        for object_id in list(self._on_segment[segment_id]):
+            self._refresh(object_id)
+
+    def segment_down(self, segment_id: str) -> None:
+        """The segment (this incarnation) is gone: its replicas are lost, its copies aborted."""
+        if self._segments.pop(segment_id, None) is None:
+            return
+        self._count("segments_down_total")
+        for copy in [c for c in self._copies.values() if segment_id in (c.source, c.destination)]:
+            self._abort(copy)
+        for object_id in self._on_segment.pop(segment_id):
+            self._objects[object_id].replicas.discard(segment_id)
+            self._refresh(object_id)
+
+    # ---- events: objects -------------------------------------------------------------------
+
+    def object_known(
+        self,
+        object_id: ObjectId,
+        *,
+        size_bytes: int,
+        replica_target: int,
+        segments: Iterable[str],
+        hot: int = 0,
+    ) -> None:
+        """The directory's view of one object (published, or re-synced): replaces the core's."""
+        invariant(size_bytes > 0 and replica_target >= 1, "bad object", object_id=object_id)
+        obj = self._objects.get(object_id)
+        if obj is None:
+            self._seq += 1
+            obj = self._objects[object_id] = _Object(
+                object_id, self._seq, size_bytes, replica_target, hot, set()
+            )
+        obj.size_bytes, obj.target, obj.hot = size_bytes, replica_target, hot
+        for segment_id in obj.replicas:
+            self._on_segment[segment_id].discard(object_id)
+        obj.replicas = set()
+        for segment_id in segments:
+            if segment_id in self._segments:
+                obj.replicas.add(segment_id)
+                self._on_segment[segment_id].add(object_id)
+            else:
+                self._count("replicas_on_unknown_segment_total")
+        copy = obj.copy
+        if copy is not None and (copy.source not in obj.replicas or copy.destination in obj.replicas):
+            self._abort(copy)
+        self._refresh(object_id)
+
+    def replica_lost(self, object_id: ObjectId, segment_id: str, *, corrupt: bool = False) -> None:
+        """One replica is gone: removed, or invalidated by scrub (`corrupt`)."""
+        obj = self._objects.get(object_id)
+        if obj is None or segment_id not in obj.replicas:
+            return
+        self._count("replicas_corrupt_total" if corrupt else "replicas_removed_total")
+        obj.replicas.discard(segment_id)
+        self._on_segment[segment_id].discard(object_id)
+        if obj.copy is not None and obj.copy.source == segment_id:
+            self._abort(obj.copy)
+        self._refresh(object_id)
+
+    def object_removed(self, object_id: ObjectId) -> None:
+        """Deleted or evicted: forget it and any copy of it."""
+        obj = self._objects.pop(object_id, None)
+        if obj is not None:
+            self._forget(object_id, obj)
+
+    # ---- events: copies --------------------------------------------------------------------
+
+    def copy_ok(self, copy_id: int) -> bool:
+        """The copy is stored and checksummed. True: register the replica with the directory;
+        False: the core no longer wanted it (stale): free the copied bytes."""
+        copy = self._copies.get(copy_id)
+        if copy is None:
+            self._count("stale_copy_results_total")
+            return False
+        seg = self._segments[copy.destination]
+        seg.free_bytes = max(0, seg.free_bytes - copy.size_bytes)  # until its next report
+        self._end(copy)
+        obj = self._objects[copy.object_id]
+        obj.failures, obj.retry_at_ms = 0, 0
+        obj.replicas.add(copy.destination)
+        self._on_segment[copy.destination].add(copy.object_id)
+        self._count("copies_ok_total")
+        self._count("bytes_copied_total", copy.size_bytes)
+        self._refresh(copy.object_id)
+        return True
+
+    def copy_failed(self, copy_id: int, now_ms: int) -> None:
+        """The copy failed (the destination keeps nothing): back off, then retry, bounded."""
+        self._advance(now_ms)
+        copy = self._copies.get(copy_id)
+        if copy is None:
+            self._count("stale_copy_results_total")
+            return
+        self._count("copies_failed_total")
+        self._end(copy)
+        self._failed(self._objects[copy.object_id], now_ms)
+
+    # ---- tick ------------------------------------------------------------------------------
+
+    def tick(self, now_ms: int) -> list[Effect]:
+        """Time out copies, refill the budget, start copies in priority order, report drains."""
+        elapsed_ms = now_ms - self._now_ms
+        self._advance(now_ms)
+        cap = self.config.burst_bytes * 1000
+        self._tokens_milli = min(cap, self._tokens_milli + elapsed_ms * self.config.bandwidth_bytes_per_s)
+        for copy in [
+            c for c in self._copies.values() if now_ms - c.started_ms >= self.config.copy_timeout_ms
+        ]:
+            self._count("copies_timed_out_total")
+            self._end(copy)
+            self._failed(self._objects[copy.object_id], now_ms)
+        effects: list[Effect] = list(self._plan(now_ms))
+        for segment_id, seg in self._segments.items():
+            if seg.draining and not seg.drain_reported and self._drained(segment_id):
+                seg.drain_reported = True
+                self._count("drains_complete_total")
+                effects.append(DrainComplete(segment_id))
+        return effects
+
+    def _plan(self, now_ms: int) -> list[StartCopy]:
+        ready: list[tuple[int, int, int, _Object]] = []  # priority order; seq is unique
+        for object_id in self._below:
+            obj = self._objects[object_id]
+            if obj.copy is None and obj.retry_at_ms <= now_ms:
+                obj.stuck = False
+                ready.append((-obj.hot, len(obj.replicas), obj.seq, obj))
+        heapq.heapify(ready)  # O(n), then O(log n) per object looked at: most ticks stop early
+        started: list[StartCopy] = []
+        while ready and len(self._copies) < self.config.copies_in_flight_max:
+            obj = heapq.heappop(ready)[3]
+            if obj.size_bytes > self.config.burst_bytes:
+                continue  # can never start (gauge objects_oversize)
+            destination = self._destination(obj)
+            if destination is None:
+                continue  # no room in any domain: stays BELOW, looked at again next tick
+            if obj.size_bytes * 1000 > self._tokens_milli:
+                self._count("budget_waits_total")
+                break
+            started.append(self._start(obj, destination, now_ms))
+        return started
+
+    def _destination(self, obj: _Object) -> Candidate | None:
+        """The widest failure domain the healthy replicas do not use, then the most room."""
+        chosen = [self._segments[s].candidate(s) for s in obj.replicas if not self._segments[s].draining]
+        fitting = [
+            seg.candidate(segment_id)
+            for segment_id, seg in self._segments.items()
+            if not seg.draining and segment_id not in obj.replicas
+        ]
+        fitting = [c for c in fitting if c.free_bytes >= obj.size_bytes]
+        if not fitting:
+            return None
+        return max(fitting, key=lambda c: (spread(c, chosen), c.free_bytes, c.segment_id))
+
+    def _start(self, obj: _Object, destination: Candidate, now_ms: int) -> StartCopy:
+        invariant(obj.healthy + 1 <= obj.target, "copy past the replica target", target=obj.target)
+
+        def source_order(segment_id: str) -> tuple[bool, int, int, str]:
+            seg = self._segments[segment_id]
+            return (seg.draining, spread(seg.candidate(segment_id), [destination]), seg.reads, segment_id)
+
+        source = min(obj.replicas, key=source_order)
+        object_id = obj.object_id
+        copy = _Copy(self._next_copy_id, object_id, source, destination.segment_id, obj.size_bytes, now_ms)
+        self._next_copy_id += 1
+        self._copies[copy.copy_id] = obj.copy = copy
+        self._segments[source].reads += 1
+        self._segments[destination.segment_id].reserved_bytes += obj.size_bytes
+        self._tokens_milli -= obj.size_bytes * 1000
+        self._count("copies_started_total")
+        self._count("bytes_started_total", obj.size_bytes)
+        return StartCopy(copy.copy_id, object_id, source, copy.destination, copy.size_bytes)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _refresh(self, object_id: ObjectId) -> None:
+        """Recount one object's healthy replicas; LOST if none is readable; abort a redundant copy."""
+        obj = self._objects[object_id]
+        if not obj.replicas:
+            del self._objects[object_id]
+            self._forget(object_id, obj)
+            self._count("objects_lost_total")
+            return
+        obj.healthy = sum(1 for s in obj.replicas if not self._segments[s].draining)
+        if obj.copy is not None and obj.healthy + 1 > obj.target:
+            self._abort(obj.copy)
+        if obj.healthy < obj.target:
+            self._below.add(object_id)
+        else:
+            self._below.discard(object_id)
+            obj.failures, obj.retry_at_ms, obj.stuck = 0, 0, False
+
+    def _forget(self, object_id: ObjectId, obj: _Object) -> None:
+        if obj.copy is not None:
+            self._abort(obj.copy)
+        for segment_id in obj.replicas:
+            self._on_segment[segment_id].discard(object_id)
+        self._below.discard(object_id)
+
+    def _failed(self, obj: _Object, now_ms: int) -> None:
+        obj.failures += 1
+        if obj.failures >= self.config.attempts_max:
+            self._count("objects_stuck_total")
+            obj.failures, obj.stuck = 0, True
+            obj.retry_at_ms = now_ms + self.config.stuck_retry_ms
+        else:
+            backoff = self.config.retry_backoff_ms << (obj.failures - 1)
+            obj.retry_at_ms = now_ms + min(backoff, self.config.retry_backoff_max_ms)
+
+    def _abort(self, copy: _Copy) -> None:
+        """Forget a copy that is no longer wanted (not the object's fault: no backoff)."""
+        self._count("copies_aborted_total")
+        self._end(copy)
+
+    def _end(self, copy: _Copy) -> None:
+        del self._copies[copy.copy_id]
+        obj = self._objects.get(copy.object_id)
+        if obj is not None and obj.copy is copy:
+            obj.copy = None
+        source = self._segments.get(copy.source)
+        if source is not None:
+            source.reads -= 1
+        destination = self._segments.get(copy.destination)
+        if destination is not None:
+            destination.reserved_bytes -= copy.size_bytes
+            destination.short = destination.short and destination.reserved_bytes > destination.free_bytes
+
+    def _drained(self, segment_id: str) -> bool:
+        # No copy touches it then: copies to a draining segment are aborted, and a copy from it
+        # is of an object on it that is still below its target.
+        return all(self._objects[o].healthy >= self._objects[o].target for o in self._on_segment[segment_id])
+
+    def _advance(self, now_ms: int) -> None:
+        invariant(now_ms >= self._now_ms, "time went backwards", now_ms=now_ms, last_ms=self._now_ms)
+        self._now_ms = now_ms
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def check_invariants(self) -> None:
+        cfg = self.config
+        invariant(len(self._copies) <= cfg.copies_in_flight_max, "too many copies in flight")
+        invariant(0 <= self._tokens_milli <= cfg.burst_bytes * 1000, "token bucket out of bounds")
+        reserved: dict[str, int] = {}
+        reads: dict[str, int] = {}
+        for copy in self._copies.values():
+            obj = self._objects.get(copy.object_id)
+            if obj is None or obj.copy is not copy:
+                unreachable("copy of an unknown object", copy=copy)
+            invariant(copy.source in obj.replicas, "copy from a non-replica", copy=copy)
+            dest = self._segments.get(copy.destination)
+            invariant(dest is not None and not dest.draining, "copy to a segment not UP", copy=copy)
+            invariant(copy.destination not in obj.replicas, "copy to a segment holding a replica", copy=copy)
+            reserved[copy.destination] = reserved.get(copy.destination, 0) + copy.size_bytes
+            reads[copy.source] = reads.get(copy.source, 0) + 1
+        for segment_id, seg in self._segments.items():
+            invariant(
+                seg.reserved_bytes == reserved.get(segment_id, 0), "reservations drifted", seg=segment_id
+            )
+            invariant(seg.reads == reads.get(segment_id, 0), "read count drifted", seg=segment_id)
+            invariant(seg.short or seg.reserved_bytes <= seg.free_bytes, "reserved past free", seg=segment_id)
+            on = {o for o, obj in self._objects.items() if segment_id in obj.replicas}
+            invariant(self._on_segment[segment_id] == on, "segment index drifted", seg=segment_id)
+        invariant(set(self._on_segment) == set(self._segments), "segment index has stale segments")
+        for object_id, obj in self._objects.items():
+            invariant(obj.replicas and obj.replicas <= set(self._segments), "replicas drifted", obj=object_id)
+            healthy = sum(1 for s in obj.replicas if not self._segments[s].draining)
+            invariant(obj.healthy == healthy, "healthy count drifted", object_id=object_id)
+            invariant(obj.copy is None or healthy < obj.target, "copy past the target", object_id=object_id)
+            invariant(
+                (object_id in self._below) == (healthy < obj.target), "below set drifted", obj=object_id
+            )

@@ -1,0 +1,260 @@
+"""Repair core scenarios: short scripts of events with the expected outcome inline."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfabric.core.repair import DrainComplete, Effect, RepairConfig, RepairCore, StartCopy
+from kvfabric.format.invariant import InvariantViolation
+
+MB = 1 << 20
+FREE = 100 * MB
+
+
+def new_core(segments: dict[str, str] | None = None, **config: int) -> RepairCore:
+    """A core with segments given as `id: "zone/rack/host"` (default: a, b, c in three zones)."""
+    core = RepairCore(RepairConfig(**config))
+    for segment_id, domain in (segments or {"a": "z1/r1/h1", "b": "z2/r1/h1", "c": "z3/r1/h1"}).items():
+        zone, rack, host = domain.split("/")
+        core.segment_up(segment_id, incarnation=1, zone=zone, rack=rack, host=host, free_bytes=FREE)
+    return core
+
+
+def copies(effects: list[Effect]) -> list[tuple[object, str, str]]:
+    """(object, source, destination) of each StartCopy."""
+    return [(e.object_id, e.source, e.destination) for e in effects if isinstance(e, StartCopy)]
+
+
+def only_copy(effects: list[Effect]) -> StartCopy:
+    (effect,) = effects
+    assert isinstance(effect, StartCopy)
+    return effect
+
+
+def test_a_dead_segment_is_replaced_in_the_zone_the_object_does_not_use() -> None:
+    core = new_core()
+    core.object_known("o", size_bytes=MB, replica_target=2, segments=["a", "b"])
+    assert core.tick(0) == []  # at target
+    core.segment_down("b")
+    assert core.gauges()["objects_below_target"] == 1
+    copy = only_copy(core.tick(10))
+    assert (copy.object_id, copy.source, copy.destination, copy.size_bytes) == ("o", "a", "c", MB)
+    assert core.tick(20) == []  # one copy per object at a time
+    core.check_invariants()
+    assert core.copy_ok(copy.copy_id) is True  # the shell registers the replica with the directory
+    assert core.replicas("o") == {"a", "c"} and core.tick(30) == []
+    assert core.counters["copies_ok_total"] == 1 and core.counters["bytes_copied_total"] == MB
+    assert core.gauges()["objects_below_target"] == 0
+    core.check_invariants()
+
+
+def test_the_widest_unused_domain_wins_over_free_bytes() -> None:
+    # a and b share zone z1 (other hosts); c is a new zone but has the least room.
+    core = new_core({"a": "z1/r1/h1", "b": "z1/r1/h2", "c": "z2/r1/h1", "d": "z1/r2/h1"})
+    core.segment_up("b", incarnation=1, zone="z1", rack="r1", host="h2", free_bytes=10 * FREE)
+    core.segment_up("c", incarnation=1, zone="z2", rack="r1", host="h1", free_bytes=MB + MB // 2)
+    core.object_known("o", size_bytes=MB, replica_target=2, segments=["a"])
+    core.object_known("p", size_bytes=MB, replica_target=2, segments=["a"])
+    # o takes c's room (new zone) and reserves it; p finds no room in z2: next best is a new rack.
+    assert copies(core.tick(0)) == [("o", "a", "c"), ("p", "a", "d")]
+    core.check_invariants()
+
+
+def test_no_room_anywhere_waits_without_copying() -> None:
+    core = new_core()
+    core.segment_up("c", incarnation=1, zone="z3", rack="r1", host="h1", free_bytes=MB - 1)
+    core.object_known("o", size_bytes=MB, replica_target=3, segments=["a", "b"])
+    assert core.tick(0) == [] and core.gauges()["objects_below_target"] == 1
+    core.segment_up("c", incarnation=1, zone="z3", rack="r1", host="h1", free_bytes=MB)  # room now
+    assert copies(core.tick(1)) == [("o", "a", "c")]
+
+
+def test_the_budget_caps_bytes_per_second() -> None:
+    # 100 bytes/s, burst 100: two 50-byte copies at once, then one every half second.
+    core = new_core(bandwidth_bytes_per_s=100, burst_bytes=100, copies_in_flight_max=100)
+    for i in range(6):
+        core.object_known(i, size_bytes=50, replica_target=2, segments=["a"])
+    assert [c[0] for c in copies(core.tick(0))] == [0, 1]
+    assert core.tokens_bytes == 0 and core.tick(0) == []
+    assert core.tick(499) == []  # 49.9 bytes of tokens: not enough for 50
+    assert [c[0] for c in copies(core.tick(500))] == [2]
+    assert [c[0] for c in copies(core.tick(1_500))] == [3, 4]  # a second of refill: 100 bytes
+    assert core.counters["bytes_started_total"] == 250
+    assert core.counters["budget_waits_total"] >= 3
+    core.check_invariants()
+
+
+def test_an_idle_bucket_holds_no_more_than_the_burst() -> None:
+    core = new_core(bandwidth_bytes_per_s=100, burst_bytes=100, copies_in_flight_max=100)
+    assert core.tick(3_600_000) == []
+    for i in range(4):
+        core.object_known(i, size_bytes=40, replica_target=2, segments=["a"])
+    assert len(copies(core.tick(3_600_000))) == 2  # 80 of 100 bytes, not an hour's worth
+
+
+def test_copies_in_flight_are_capped() -> None:
+    core = new_core(copies_in_flight_max=2)
+    for i in range(5):
+        core.object_known(i, size_bytes=MB, replica_target=2, segments=["a"])
+    started = [only for only in core.tick(0) if isinstance(only, StartCopy)]
+    assert len(started) == 2 and core.tick(1) == []
+    core.copy_ok(started[0].copy_id)
+    assert len(copies(core.tick(2))) == 1  # one slot freed, one more copy
+    core.check_invariants()
+
+
+def test_hot_objects_go_first_then_the_fewest_replicas() -> None:
+    core = new_core(
+        {"a": "z1/r/h", "b": "z2/r/h", "c": "z3/r/h", "d": "z4/r/h"},
+        bandwidth_bytes_per_s=MB,
+        burst_bytes=MB,
+    )
+    core.object_known("cold_two", size_bytes=MB, replica_target=3, segments=["a", "b"])
+    core.object_known("cold_one", size_bytes=MB, replica_target=3, segments=["a"])
+    core.object_known("hot", size_bytes=MB, replica_target=3, segments=["a", "b"], hot=5)
+    assert [c[0] for c in copies(core.tick(0))] == ["hot"]  # the budget allows one
+    core.tick(1)  # a millisecond of refill: not enough for the next one
+    assert core.counters["copies_started_total"] == 1
+    assert [c[0] for c in copies(core.tick(1_000))] == ["cold_one"]  # fewest replicas next
+
+
+def test_drain_moves_everything_off_then_reports_complete_once() -> None:
+    core = new_core()
+    core.object_known("only_there", size_bytes=MB, replica_target=1, segments=["a"])
+    core.object_known("shared", size_bytes=MB, replica_target=2, segments=["a", "b"])
+    core.object_known("elsewhere", size_bytes=MB, replica_target=1, segments=["b"])
+    core.segment_draining("a")
+    assert core.drain_pending("a") == 2
+    effects = core.tick(0)
+    # only_there can only be read from a; shared is copied from b (not draining) to c (new zone).
+    assert sorted(copies(effects)) == [("only_there", "a", "c"), ("shared", "b", "c")]
+    assert core.tick(1) == []  # no DrainComplete while copies read from or need the segment
+    for effect in effects:
+        assert isinstance(effect, StartCopy)
+        assert core.copy_ok(effect.copy_id)
+    assert core.drain_pending("a") == 0
+    assert core.tick(2) == [DrainComplete("a")]
+    assert core.tick(3) == []  # once
+    assert core.replicas("only_there") == {"a", "c"}  # a stays readable until the shell retires it
+    core.segment_down("a")
+    assert core.replicas("only_there") == {"c"} and core.tick(4) == []
+    core.check_invariants()
+
+
+def test_a_draining_segment_is_never_a_destination_and_aborts_copies_to_it() -> None:
+    core = new_core()
+    core.object_known("o", size_bytes=MB, replica_target=2, segments=["a"])
+    copy = only_copy(core.tick(0))
+    core.segment_draining(copy.destination)
+    assert core.copy_ok(copy.copy_id) is False  # stale: the shell frees the copied bytes
+    (again,) = copies(core.tick(1))
+    assert again[2] not in (copy.destination, "a")
+    core.check_invariants()
+
+
+def test_an_object_with_no_replica_left_is_lost_and_counted() -> None:
+    core = new_core()
+    core.object_known("o", size_bytes=MB, replica_target=2, segments=["a"])
+    copy = only_copy(core.tick(0))
+    core.segment_down("a")  # its only source: the copy is aborted, nothing can bring o back
+    assert "o" not in core and core.counters["objects_lost_total"] == 1
+    assert core.copy_ok(copy.copy_id) is False and core.tick(1) == []
+    core.object_known("p", size_bytes=MB, replica_target=2, segments=["gone"])  # unknown segment
+    assert "p" not in core and core.counters["objects_lost_total"] == 2
+    core.check_invariants()
+
+
+def test_a_failed_copy_is_retried_after_backoff_then_the_object_is_stuck() -> None:
+    core = new_core(attempts_max=2, retry_backoff_ms=100, stuck_retry_ms=10_000)
+    core.object_known("o", size_bytes=MB, replica_target=2, segments=["a"])
+    core.copy_failed(only_copy(core.tick(0)).copy_id, 0)
+    assert core.tick(99) == []  # backing off
+    core.copy_failed(only_copy(core.tick(100)).copy_id, 100)  # second failure in a row: stuck
+    assert core.counters["objects_stuck_total"] == 1 and core.gauges()["objects_stuck"] == 1
+    assert core.tick(10_099) == []
+    retry = only_copy(core.tick(10_100))  # a fresh set of attempts
+    assert core.gauges()["objects_stuck"] == 0
+    assert core.copy_ok(retry.copy_id) and core.counters["copies_failed_total"] == 2
+    core.check_invariants()
+
+
+def test_a_copy_without_result_times_out_and_a_late_result_is_stale() -> None:
+    core = new_core(copy_timeout_ms=1_000, retry_backoff_ms=0)
+    core.object_known("o", size_bytes=MB, replica_target=2, segments=["a"])
+    first = only_copy(core.tick(0))
+    assert core.tick(999) == []
+    second = only_copy(core.tick(1_000))  # timed out (indeterminate): retried at once here
+    assert core.counters["copies_timed_out_total"] == 1
+    assert core.copy_ok(first.copy_id) is False  # late: stale
+    assert core.copy_ok(second.copy_id) is True
+    assert core.copy_ok(second.copy_id) is False  # duplicate: stale
+    assert core.counters["stale_copy_results_total"] == 2
+    core.check_invariants()
+
+
+def test_a_replica_appearing_elsewhere_aborts_the_redundant_copy() -> None:
+    core = new_core()
+    core.object_known("o", size_bytes=MB, replica_target=2, segments=["a"])
+    copy = only_copy(core.tick(0))
+    core.object_known("o", size_bytes=MB, replica_target=2, segments=["a", "b"])  # directory re-sync
+    assert core.counters["copies_aborted_total"] == 1 and core.copy_ok(copy.copy_id) is False
+    assert core.tick(1) == []
+    core.check_invariants()
+
+
+def test_a_corrupt_source_aborts_its_copy_and_repair_uses_another() -> None:
+    core = new_core({"a": "z1/r/h", "b": "z2/r/h", "c": "z3/r/h", "d": "z4/r/h"})
+    core.object_known("o", size_bytes=MB, replica_target=3, segments=["a", "b"])
+    copy = only_copy(core.tick(0))
+    core.replica_lost("o", copy.source, corrupt=True)  # scrub found a checksum mismatch
+    assert core.counters["replicas_corrupt_total"] == 1 and core.copy_ok(copy.copy_id) is False
+    again = only_copy(core.tick(1))
+    assert again.source != copy.source and again.source in core.replicas("o")
+    core.check_invariants()
+
+
+def test_an_evicted_object_cancels_its_copy() -> None:
+    core = new_core()
+    core.object_known("o", size_bytes=MB, replica_target=2, segments=["a"])
+    copy = only_copy(core.tick(0))
+    core.object_removed("o")
+    assert "o" not in core and core.gauges()["copies_in_flight"] == 0
+    assert core.copy_ok(copy.copy_id) is False
+    core.check_invariants()
+
+
+def test_a_new_incarnation_loses_the_old_replicas_and_an_old_one_is_ignored() -> None:
+    core = new_core()
+    core.object_known("o", size_bytes=MB, replica_target=2, segments=["a", "b"])
+    core.segment_up("b", incarnation=2, zone="z2", rack="r1", host="h1", free_bytes=FREE)  # restarted
+    assert core.replicas("o") == {"a"}
+    core.segment_up("b", incarnation=1, zone="z2", rack="r1", host="h1", free_bytes=0)  # stale report
+    assert core.counters["stale_segment_reports_total"] == 1
+    core.segment_up("c", incarnation=1, zone="z3", rack="r1", host="h1", free_bytes=0)  # c is full
+    assert copies(core.tick(0)) == [("o", "a", "b")]  # b's new incarnation has room
+    core.check_invariants()
+
+
+def test_reservations_keep_a_destination_from_being_overbooked() -> None:
+    core = new_core({"a": "z1/r/h", "b": "z2/r/h"})
+    core.segment_up("b", incarnation=1, zone="z2", rack="r", host="h", free_bytes=MB)
+    for i in range(3):
+        core.object_known(i, size_bytes=MB, replica_target=2, segments=["a"])
+    (first,) = core.tick(0)  # b has room for one
+    assert copies([first]) == [(0, "a", "b")]
+    core.segment_up("b", incarnation=1, zone="z2", rack="r", host="h", free_bytes=0)  # filled meanwhile
+    assert core.counters["reports_below_reserved_total"] == 1
+    core.check_invariants()  # reserved > free after a report is an operating condition, not a bug
+    assert core.tick(1) == []
+    assert isinstance(first, StartCopy) and core.copy_ok(first.copy_id)
+    assert core.tick(2) == [] and core.gauges()["objects_below_target"] == 2
+    core.check_invariants()
+
+
+def test_a_bad_config_or_time_going_backwards_is_a_bug() -> None:
+    with pytest.raises(InvariantViolation):
+        RepairConfig(burst_bytes=0)
+    core = new_core()
+    core.tick(10)
+    with pytest.raises(InvariantViolation):
+        core.tick(9)
