@@ -322,3 +322,65 @@ def test_lookup_hits_are_batched_into_one_accessed_event_per_tick() -> None:
         )
     ]
     assert not [e for e in core.tick(2) if isinstance(e, EmitEvent)]  # nothing new: nothing sent
+
+
+def test_a_new_leader_adopts_complete_groups_and_frees_nothing_during_the_grace_period() -> None:
+    from kvfabric.core.directory_rebuild import SegmentHolding
+    from kvfabric.proto.segment import HeldObject
+
+    core = new_core(lease_ttl_ms_max=500, replicas_default=2)
+    g0, g1 = groups(2)  # g0 complete on two segments; g1 (2 ranks) has only rank 0
+    (half,) = groups(1, seed=5, tp_size=2)
+
+    def reg(seg: str, zone: str) -> m.RegisterSegment:
+        return m.RegisterSegment(
+            segment_id=seg,
+            incarnation=7,
+            capacity_bytes=10_000,
+            domain=m.FailureDomain(host=seg, zone=zone),
+            data_addr=f"tcp://{seg}",
+        )
+
+    good = b"g" * 16
+    holdings = [
+        SegmentHolding(
+            reg("s1", "z1"),
+            [
+                HeldObject(key(g0), 1, 3, 100, good),
+                HeldObject(key(g1), 2, 1, 100, good),
+                HeldObject(key(half, rank=0), 3, 1, 50, good),  # its group never completed
+                HeldObject(b"not a key", 4, 1, 10, good),
+            ],
+        ),
+        SegmentHolding(
+            reg("s2", "z2"),
+            [HeldObject(key(g0), 9, 2, 100, good), HeldObject(key(g1), 8, 1, 100, b"x" * 16)],  # g1 disagrees
+        ),
+    ]
+    effects = core.adopt(holdings, now_ms=1_000)
+    assert effects == []  # the orphans wait out the grace period
+    hit = lookup(core, [g0, g1], now=1_000)
+    assert hit.hit_chunks == 2
+    assert sorted((r.segment_id, r.slot, r.slot_generation) for r in hit.objects[0].replicas) == [
+        ("s1", 1, 3),
+        ("s2", 9, 2),
+    ]
+    assert [r.segment_id for r in hit.objects[1].replicas] == ["s1"]  # the disagreeing copy is dropped
+    assert lookup(core, [half]).hit_chunks == 0
+    core.handle(m.LeaseRelease(holder_id="reader", lease_id=hit.lease_id), 1_000)
+    evicted = core.handle(m.Evict(groups=[g0.to_bytes()]), 1_100)
+    assert evicted.effects and not [e for e in evicted.effects if isinstance(e, FreeSlots)]
+    assert not [e for e in core.tick(1_499) if isinstance(e, FreeSlots)]
+    frees = [e for e in core.tick(1_500) if isinstance(e, FreeSlots)]
+    freed = sorted((f.segment_id, s.slot) for f in frees for s in f.slots)
+    assert freed == [("s1", 1), ("s1", 3), ("s1", 4), ("s2", 8), ("s2", 9)]  # g0 (evicted) + 3 orphans
+    assert core.counters["adopted_groups_total"] == 2 and core.counters["adopted_orphans_total"] == 3
+    core.check_invariants()
+
+
+def test_leases_are_shortened_to_the_longest_a_new_leader_waits_for() -> None:
+    core = new_core(lease_ttl_ms_max=500)
+    register(core, "s1")
+    (g,) = groups(1)
+    put(core, [key(g)])
+    assert lookup(core, [g], now=0, ttl=60_000).lease_expires_ms == 500

@@ -1,12 +1,17 @@
 """Messages addressed to one segment (subjects `kvf.v1.segment.<verb>.<segment_id>`).
 
-Verbs: `free`, sent by the directory when it reclaims a slot (dead writer, abort, eviction,
-lost chunk group). The segment frees each named (slot, generation) — deferring the free while
-a transfer holds the slot — bumps the generation and answers which it freed (or had already
-freed: a slot whose generation moved on counts as freed, the free is idempotent).
+Verbs:
+- `free`, sent by the directory when it reclaims a slot (dead writer, abort, eviction, lost
+  chunk group). The segment frees each named (slot, generation) — deferring the free while a
+  transfer holds the slot — bumps the generation and answers which it freed (or had already
+  freed: a slot whose generation moved on counts as freed, the free is idempotent).
+- `drain`: refuse new writes, keep serving reads (or undo it).
+- `report`: a directory leader rebuilding its index asks what is stored (see `ReportRequest`).
 """
 
 from __future__ import annotations
+
+from typing import Final
 
 import msgspec
 
@@ -14,10 +19,14 @@ from kvfabric.proto.codec import FamilyDecoder
 from kvfabric.proto.directory import FreedSlot
 
 __all__ = [
+    "REPORT_PAGE_MAX",
     "DrainRequest",
     "FreeSlotsReply",
     "FreeSlotsRequest",
+    "HeldObject",
+    "ReportRequest",
     "SegmentMessage",
+    "SegmentReport",
     "SegmentState",
     "segment_decoder",
 ]
@@ -41,12 +50,42 @@ class DrainRequest(msgspec.Struct, frozen=True, kw_only=True, tag="seg.drain.v1"
     draining: bool = True
 
 
+class ReportRequest(msgspec.Struct, frozen=True, kw_only=True, tag="seg.report.v1", tag_field="t"):
+    """`kvf.v1.segment.report.<segment_id>`, from a directory leader rebuilding its index: what
+    the segment stores, paged by slot id. Carries the leader's epoch: from then on the segment
+    refuses tickets and frees of older epochs (the old leader is fenced)."""
+
+    epoch: int
+    after_slot: int = -1
+    limit: int = 4096
+
+
+class HeldObject(msgspec.Struct, frozen=True, array_like=True):
+    key: bytes
+    slot: int
+    slot_generation: int
+    size_bytes: int
+    checksum: bytes
+
+
+class SegmentReport(msgspec.Struct, frozen=True, kw_only=True, tag="seg.report_reply.v1", tag_field="t"):
+    incarnation: int
+    capacity_bytes: int
+    used_bytes: int
+    draining: bool
+    objects: list[HeldObject]
+    next_after_slot: int = -1  # -1: no more pages
+
+
 class SegmentState(msgspec.Struct, frozen=True, kw_only=True, tag="seg.state.v1", tag_field="t"):
     incarnation: int
     draining: bool
     used_bytes: int
 
 
-SegmentMessage = FreeSlotsRequest | FreeSlotsReply | DrainRequest | SegmentState
+SegmentMessage = (
+    FreeSlotsRequest | FreeSlotsReply | DrainRequest | SegmentState | ReportRequest | SegmentReport
+)
+REPORT_PAGE_MAX: Final = 4096  # objects per report page (≈ 140 B each: well under 1 MiB)
 
 segment_decoder: FamilyDecoder[SegmentMessage] = FamilyDecoder(SegmentMessage, "segment")

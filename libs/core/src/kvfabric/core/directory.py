@@ -31,6 +31,12 @@ and checksummed the bytes) → committed (the writer says it is done).
    reservation released and its confirmed slot sent a free; `reserved_bytes` of a segment equals
    the sum of its live placements.
 
+## A new leader (`adopt`)
+A directory that takes over a shard rebuilds its index from the segments' reports
+(`directory_rebuild`) under a new, higher epoch. Until `grace_until_ms` (now +
+`lease_ttl_ms_max`) it sends no free: every read lease the old leader granted is shorter than
+that, so no leased slot is reused under its reader. Frees due meanwhile are kept and sent after.
+
 ## Ownership
 Tickets belong to the writer until its deadline; after that the directory reclaims them (a late
 confirm gets `unknown_ticket` and the segment frees the slot). A slot named in a `FreeSlots`
@@ -43,13 +49,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
 
 from kvfabric.core.directory_keys import GroupInfo, KeyInfo, parse_group, parse_key
+from kvfabric.core.directory_rebuild import SegmentHolding, plan_rebuild
 from kvfabric.core.directory_records import (
     FLAG_DEGRADED,
     MemberRecord,
@@ -93,6 +100,9 @@ class DirectoryConfig:
     reply_cache_objects_max: int = 16_384
     free_retry_ms: int = 2_000
     sweep_batch_max: int = 10_000
+    # Read leases are granted for at most this long (a longer request is shortened). A new leader
+    # waits this long (its grace period) before freeing anything, so leases of the old one hold.
+    lease_ttl_ms_max: int = 60_000
 
 
 # ---- effects -------------------------------------------------------------------------------
@@ -219,6 +229,9 @@ class DirectoryCore:
         self.counters: dict[str, int] = {}
         # Lookup hits since the last GroupsAccessed event (≤ ACCESS_BATCH_MAX groups).
         self._hits: dict[bytes, int] = {}
+        # After a rebuild (`adopt`), frees wait until this time: the old leader's leases hold.
+        self.grace_until_ms = 0
+        self._in_grace = False
 
     # ---- plumbing ------------------------------------------------------------------------
 
@@ -282,9 +295,13 @@ class DirectoryCore:
         if not self._placement_live(placement):
             self._release_reservation(placement, size)  # dead incarnation: its memory is gone
             return
-        self._freeing[(segment_id, incarnation, slot, generation)] = (size, group, 0)
         if group:
             self._evicting_frees[group] = self._evicting_frees.get(group, 0) + 1
+        if self._in_grace:  # a reader leased by the old leader may still read it: not yet
+            self._freeing[(segment_id, incarnation, slot, generation)] = (size, group, -1)
+            self._count("frees_deferred_grace_total")
+            return
+        self._freeing[(segment_id, incarnation, slot, generation)] = (size, group, 0)
         effects.append(FreeSlots(segment_id, incarnation, (m.FreedSlot(key, slot, generation),)))
 
     def _cached(self, verb: str, writer_id: str, request_id: str) -> msgspec.Struct | None:
@@ -703,7 +720,8 @@ class DirectoryCore:
         self._count("lookup_hit_groups_total", len(hit))
         if not hit:
             return Outcome(m.LookupReply(epoch=self.epoch, hit_chunks=0))
-        lease_id, expires = self._grant(req.holder_id, tuple(hit), now_ms + req.lease_ttl_ms, is_pin=False)
+        ttl_ms = min(req.lease_ttl_ms, self.config.lease_ttl_ms_max)
+        lease_id, expires = self._grant(req.holder_id, tuple(hit), now_ms + ttl_ms, is_pin=False)
         effects: list[Effect] = []
         for gid in hit:
             if gid not in self._hits and len(self._hits) >= m.ACCESS_BATCH_MAX:
@@ -823,7 +841,8 @@ class DirectoryCore:
         if not 0 < req.lease_ttl_ms <= m.LEASE_TTL_MS_MAX:
             raise BadRequest(f"lease_ttl_ms must be in 1..{m.LEASE_TTL_MS_MAX}")
         lease = self._held_lease(req.holder_id, req.lease_id, is_pin=False)
-        lease.expires_ms = max(lease.expires_ms, now_ms + req.lease_ttl_ms)
+        ttl_ms = min(req.lease_ttl_ms, self.config.lease_ttl_ms_max)
+        lease.expires_ms = max(lease.expires_ms, now_ms + ttl_ms)
         heapq.heappush(self._lease_heap, (lease.expires_ms, req.lease_id))
         return Outcome(m.LeaseReply(epoch=self.epoch, lease_id=req.lease_id, expires_ms=lease.expires_ms))
 
@@ -910,6 +929,8 @@ class DirectoryCore:
     def tick(self, now_ms: int) -> list[Effect]:
         """Expire leases, pins and write deadlines; mark silent segments down; retry frees."""
         effects: list[Effect] = []
+        if self._in_grace and now_ms >= self.grace_until_ms:
+            self._in_grace = False  # the old leader's leases have all expired: frees may go
         while self._lease_heap and self._lease_heap[0][0] <= now_ms:
             _, lease_id = heapq.heappop(self._lease_heap)
             lease = self._leases.get(lease_id)
@@ -982,7 +1003,13 @@ class DirectoryCore:
 
     def _retry_frees(self, now_ms: int, effects: list[Effect]) -> None:
         for key, (size, gid, sent_ms) in list(self._freeing.items()):
-            if sent_ms == 0:
+            if sent_ms < 0:  # deferred by the grace period
+                if self._in_grace:
+                    continue
+                self._freeing[key] = (size, gid, now_ms)
+                segment_id, incarnation, slot, generation = key
+                effects.append(FreeSlots(segment_id, incarnation, (m.FreedSlot(b"", slot, generation),)))
+            elif sent_ms == 0:
                 self._freeing[key] = (size, gid, now_ms)
             elif now_ms - sent_ms >= self.config.free_retry_ms:
                 self._count("free_retries_total")
@@ -1096,6 +1123,51 @@ class DirectoryCore:
             for i, x in itertools.islice(sorted(self._leases.items()), req.limit)
         ]
         return Outcome(m.LeaseList(epoch=self.epoch, leases=leases))
+
+    # ---- rebuild (a new leader) -------------------------------------------------------------
+
+    def adopt(self, holdings: Sequence[SegmentHolding], now_ms: int) -> list[Effect]:
+        """Become the index of what `holdings` store (see `directory_rebuild`): their segments are
+        up, complete groups are published, orphans are freed once the grace period
+        (`lease_ttl_ms_max`, the longest lease the old leader could have granted) has passed."""
+        invariant(not self.segments and not self.published and not self.building, "adopt into a used core")
+        self.grace_until_ms = now_ms + self.config.lease_ttl_ms_max
+        self._in_grace = True
+        for holding in holdings:
+            reg = holding.registration
+            seg = _Segment(
+                reg.segment_id, reg.incarnation, reg.domain, reg.capacity_bytes, reg.data_addr, now_ms
+            )
+            seg.reserved_bytes = sum(o.size_bytes for o in holding.objects)  # freed orphans give it back
+            self.segments[reg.segment_id] = seg
+        plan = plan_rebuild(holdings)
+        effects: list[Effect] = []
+        for gid, (info, members) in plan.groups.items():
+            records = []
+            degraded = False
+            for member, rebuilt in sorted(members.items()):
+                replicas = tuple(
+                    ReplicaRecord(
+                        self._intern_placement(r.segment_id, r.incarnation), r.slot, r.slot_generation
+                    )
+                    for r in rebuilt.replicas
+                )
+                degraded |= len(replicas) < self.config.replicas_default
+                records.append(MemberRecord(*member, rebuilt.size_bytes, rebuilt.checksum, replicas))
+            group = PublishedGroup(
+                self._intern_namespace(info.namespace),
+                info.chunk_index,
+                FLAG_DEGRADED if degraded else 0,
+                tuple(records),
+            )
+            self.published[gid] = pack_group(group)
+        for r in plan.orphans:
+            placement = self._intern_placement(r.segment_id, r.incarnation)
+            self._free_slot(placement, r.slot, r.slot_generation, r.size_bytes, r.key, b"", effects)
+        self._count("adopted_groups_total", len(plan.groups))
+        self._count("adopted_objects_total", sum(len(g[1]) for g in plan.groups.values()))
+        self._count("adopted_orphans_total", len(plan.orphans))
+        return effects
 
     # ---- checks (tests call this after every step) ---------------------------------------
 

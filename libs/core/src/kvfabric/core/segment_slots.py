@@ -67,7 +67,7 @@ from kvfabric.format.errors import BadRequest, NoCapacity, NotFound, StaleGenera
 from kvfabric.format.generations import GENERATION_MAX
 from kvfabric.format.invariant import invariant
 
-__all__ = ["Alloc", "FreeResult", "ReadGrant", "SlotTable"]
+__all__ = ["Alloc", "FreeResult", "HeldSlot", "ReadGrant", "SlotTable"]
 
 FreeResult = Literal["freed", "deferred", "already_freed"]
 _State = Literal["writing", "stored", "freeing"]
@@ -97,6 +97,15 @@ class ReadGrant:
     checksum: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class HeldSlot:
+    slot: int
+    generation: int
+    size: int
+    checksum: bytes
+    key: bytes
+
+
 @dataclass(slots=True)
 class _Slot:
     generation: int  # the generation this object was allocated with
@@ -108,6 +117,7 @@ class _Slot:
     checksum: bytes = b""
     readers: int = 0
     writer: bool = True  # the transport may still write into the extent (WRITING, fenced FREEING)
+    key: bytes = b""  # the object's key, as its write ticket named it (reported to a new directory)
 
 
 def _round_up(size: int, alignment: int) -> int:
@@ -186,7 +196,7 @@ class SlotTable:
 
     # ---- operations ------------------------------------------------------------------------
 
-    def alloc(self, size: int, now_ms: int, deadline_ms: int) -> Alloc:
+    def alloc(self, size: int, now_ms: int, deadline_ms: int, key: bytes = b"") -> Alloc:
         """FREE -> WRITING. The transport owns the extent until `stored` or `abort`."""
         if size <= 0:
             raise BadRequest("object size must be positive", size=size)
@@ -217,13 +227,24 @@ class SlotTable:
             self._generations.append(1)
         generation = self._generations[slot]
         invariant(slot not in self._slots, "allocated a slot id in use", slot=slot)
-        self._slots[slot] = _Slot(generation, offset, extent_bytes, size, deadline_ms)
+        self._slots[slot] = _Slot(generation, offset, extent_bytes, size, deadline_ms, key=key)
         self._writing += 1
         self._used_bytes += extent_bytes
         heapq.heappush(self._deadlines, (deadline_ms, slot, generation))
         self._compact_deadlines()
         self._count("allocs_total")
         return Alloc(slot, generation, offset, size)
+
+    def held(self, after_slot: int = -1, limit: int = 1 << 30) -> list[HeldSlot]:
+        """STORED slots with id > `after_slot`, lowest first, at most `limit`: what this segment
+        holds, for a directory rebuilding its index (a FREEING slot is already given up)."""
+        out = []
+        for slot in sorted(s for s, rec in self._slots.items() if s > after_slot and rec.state == "stored"):
+            rec = self._slots[slot]
+            out.append(HeldSlot(slot, rec.generation, rec.size, rec.checksum, rec.key))
+            if len(out) >= limit:
+                break
+        return out
 
     def stored(self, slot: int, generation: int, checksum: bytes) -> None:
         """WRITING -> STORED: the transport is done writing; the object is readable from now on.

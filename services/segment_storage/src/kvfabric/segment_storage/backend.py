@@ -74,6 +74,9 @@ class ArenaBackend:
         self.confirm = confirm
         self.clock_ms = clock_ms or (lambda: time.time_ns() // 1_000_000)
         self.draining = False
+        # The newest directory epoch this segment has heard of: tickets of older epochs were
+        # issued by a fenced leader and store nothing.
+        self.min_epoch = 0
         self.lock = threading.Lock()
         self._conns: dict[int, _Conn] = {}
         self._grant_ids = itertools.count(1)
@@ -96,6 +99,9 @@ class ArenaBackend:
         if ticket.incarnation != self.incarnation:
             self._count("stale_incarnation_rejected_total")
             raise StaleGeneration("segment_incarnation", ticket.incarnation, self.incarnation)
+        if ticket.epoch < self.min_epoch:
+            self._count("stale_epoch_rejected_total")
+            raise StaleGeneration("directory_epoch", ticket.epoch, self.min_epoch)
         now = self.clock_ms()
         if now >= ticket.deadline_ms:
             self._count("expired_ticket_total")
@@ -103,7 +109,7 @@ class ArenaBackend:
         if self.draining:
             raise Conflict("segment is draining: no new writes")
         with self.lock:
-            alloc = self.slots.alloc(ticket.size_bytes, now, ticket.deadline_ms)
+            alloc = self.slots.alloc(ticket.size_bytes, now, ticket.deadline_ms, ticket.key)
             self._conn(conn).puts[alloc.slot] = (alloc.slot, alloc.generation)
         return PutSlot(alloc.slot, alloc.generation, self.arena.slice(alloc.offset, alloc.size), ticket)
 

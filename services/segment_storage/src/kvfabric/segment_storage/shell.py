@@ -7,6 +7,9 @@ Lifecycle:
 - `free.<segment_id>` (NATS, from the directory): free the named (slot, generation) pairs; a slot
   under a transfer is freed when the transfer ends; an old generation is already freed.
 - `drain.<segment_id>`: refuse new writes, keep serving reads; heartbeats say so.
+- `report.<segment_id>`: a new directory leader asks what is stored (paged) to rebuild its index;
+  its epoch becomes the oldest this segment accepts: write tickets and frees of older epochs (a
+  replaced leader's) are refused with `stale_generation`.
 - If the directory answers a heartbeat with `not_found` / `stale_generation` (it declared this
   segment down), the segment stops with exit code 75 (EX_TEMPFAIL): it must restart empty under a
   new incarnation; it never serves bytes the directory has forgotten.
@@ -30,9 +33,13 @@ from kvfabric.format.errors import BadRequest, KvfError, NotFound, StaleGenerati
 from kvfabric.proto import directory as m
 from kvfabric.proto.common import TRACE_ID_HEADER
 from kvfabric.proto.segment import (
+    REPORT_PAGE_MAX,
     DrainRequest,
     FreeSlotsReply,
     FreeSlotsRequest,
+    HeldObject,
+    ReportRequest,
+    SegmentReport,
     SegmentState,
     segment_decoder,
 )
@@ -89,6 +96,7 @@ class SegmentShell:
     def attach(self, runtime: ServiceRuntime) -> None:
         runtime.add_endpoint("free", self._on_free, instance=self.settings.segment_id)
         runtime.add_endpoint("drain", self._on_drain, instance=self.settings.segment_id)
+        runtime.add_endpoint("report", self._on_report, instance=self.settings.segment_id)
 
     async def _directory(self, verb: str, message: msgspec.Struct, trace_id: str = "") -> msgspec.Struct:
         assert self._nc is not None
@@ -100,9 +108,15 @@ class SegmentShell:
             REQUEST_TIMEOUT_S,
             headers={TRACE_ID_HEADER: trace_id} if trace_id else None,
         )
-        epoch = getattr(reply, "epoch", 0)
-        self.epoch = max(self.epoch, epoch)
+        self._saw_epoch(getattr(reply, "epoch", 0))
         return reply
+
+    def _saw_epoch(self, epoch: int) -> None:
+        """A directory of `epoch` exists: tickets and frees of older epochs are fenced."""
+        if epoch > self.epoch:
+            self.epoch = epoch
+            self.backend.min_epoch = epoch
+            self._log.info("directory_epoch_seen", epoch=epoch)
 
     async def start(self, nc: NatsClient) -> None:
         self._nc = nc
@@ -203,6 +217,9 @@ class SegmentShell:
             raise BadRequest(f"expected FreeSlotsRequest, got {type(message).__name__}")
         if message.incarnation != self.incarnation:
             raise StaleGeneration("segment_incarnation", message.incarnation, self.incarnation)
+        if message.epoch < self.epoch:  # from a leader that has been replaced: fenced
+            raise StaleGeneration("directory_epoch", message.epoch, self.epoch)
+        self._saw_epoch(message.epoch)
         done = await asyncio.to_thread(
             self.backend.free_slots, [(f.slot, f.slot_generation) for f in message.slots]
         )
@@ -212,6 +229,28 @@ class SegmentShell:
             if (f.slot, f.slot_generation) in set(done)
         ]
         return FreeSlotsReply(incarnation=self.incarnation, freed=freed)
+
+    async def _on_report(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+        message = segment_decoder.decode(data)
+        if not isinstance(message, ReportRequest):
+            raise BadRequest(f"expected ReportRequest, got {type(message).__name__}")
+        if message.epoch < self.epoch:
+            raise StaleGeneration("directory_epoch", message.epoch, self.epoch)
+        if not 0 < message.limit <= REPORT_PAGE_MAX:
+            raise BadRequest(f"limit must be in 1..{REPORT_PAGE_MAX}")
+        self._saw_epoch(message.epoch)
+        with self.backend.lock:
+            held = self.slots.held(message.after_slot, message.limit + 1)
+        more = len(held) > message.limit
+        held = held[: message.limit]
+        return SegmentReport(
+            incarnation=self.incarnation,
+            capacity_bytes=self.settings.arena_bytes,
+            used_bytes=self.slots.used_bytes,
+            draining=self.backend.draining,
+            objects=[HeldObject(h.key, h.slot, h.generation, h.size, h.checksum) for h in held],
+            next_after_slot=held[-1].slot if more else -1,
+        )
 
     async def _on_drain(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
         message = segment_decoder.decode(data)
