@@ -25,7 +25,10 @@ def service_env(**extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def directory_process(nats: NatsServer, **env: str) -> Iterator[ServiceProcess]:
+def directory_process(
+    nats: NatsServer, ready_event: str = "directory_started", **env: str
+) -> Iterator[ServiceProcess]:
+    """A directory instance; `ready_event="directory_standby"` for one that will wait as a standby."""
     proc = ServiceProcess.python_module(
         "kvfabric.directory",
         "--nats-url",
@@ -37,7 +40,7 @@ def directory_process(nats: NatsServer, **env: str) -> Iterator[ServiceProcess]:
     )
     proc.start()
     try:
-        proc.wait_for_event("directory_started", 20.0)
+        proc.wait_for_event(ready_event, 20.0)
         yield proc
     finally:
         proc.stop(timeout_s=10.0)

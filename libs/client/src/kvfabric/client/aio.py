@@ -159,6 +159,7 @@ class AsyncKvClient:
         self._load_seq = itertools.count(1)
         self._generations = itertools.count(1)
         self._leases: dict[int, int] = {}  # lease id -> expires_ms (directory clock)
+        self._epoch = 0  # the newest directory epoch seen in a reply
         self._save_bytes = 0
         self._saves_running = 0
         self._tasks: set[asyncio.Task[Any]] = set()  # running saves
@@ -231,19 +232,19 @@ class AsyncKvClient:
             return self._fallback(empty, "closed")
         started = time.perf_counter()
         try:
-            reply = await request(
-                self.nc,
-                endpoint_subject(Service.DIRECTORY, "lookup"),
+            reply = await self._ask_directory(
+                "lookup",
                 m.Lookup(
                     holder_id=self.settings.holder_id,
                     groups=[g.to_bytes() for g in groups],
                     members=[m.Member(*member) for member in members],
                     lease_ttl_ms=self.settings.lease_ttl_ms,
                 ),
-                m.reply_decoder,
                 self.settings.lookup_timeout_ms / 1000,
-                headers={TRACE_ID_HEADER: trace_id},
+                trace_id,
             )
+        except StaleGeneration:
+            return self._fallback(empty, "directory_stale_epoch")
         except Unavailable:
             return self._fallback(empty, "directory_unavailable")
         except Indeterminate:
@@ -296,14 +297,32 @@ class AsyncKvClient:
         if self.nc is None:
             return
         with contextlib.suppress(KvfError):
-            await request(
-                self.nc,
-                endpoint_subject(Service.DIRECTORY, "lease_release"),
+            await self._ask_directory(
+                "lease_release",
                 m.LeaseRelease(holder_id=self.settings.holder_id, lease_id=lease_id),
-                m.reply_decoder,
                 self.settings.lookup_timeout_ms / 1000,
-                headers={TRACE_ID_HEADER: trace_id} if trace_id else None,
+                trace_id,
             )
+
+    async def _ask_directory(
+        self, verb: str, message: m.DirectoryRequest, timeout_s: float, trace_id: str
+    ) -> m.DirectoryReply:
+        """One directory request. A reply from an older epoch than one already seen comes from a
+        replaced leader (fenced, its view is stale): `StaleGeneration`, never used."""
+        assert self.nc is not None
+        reply = await request(
+            self.nc,
+            endpoint_subject(Service.DIRECTORY, verb),
+            message,
+            m.reply_decoder,
+            timeout_s,
+            headers={TRACE_ID_HEADER: trace_id} if trace_id else None,
+        )
+        epoch = getattr(reply, "epoch", 0)
+        if epoch < self._epoch:
+            raise StaleGeneration("directory_epoch", epoch, self._epoch)
+        self._epoch = epoch
+        return reply
 
     # ---- load ------------------------------------------------------------------------------
 
@@ -726,14 +745,9 @@ class AsyncKvClient:
         if self.nc is None:
             return "closed"
         try:
-            return await request(
-                self.nc,
-                endpoint_subject(Service.DIRECTORY, verb),
-                message,
-                m.reply_decoder,
-                self.settings.save_timeout_ms / 1000,
-                headers={TRACE_ID_HEADER: trace_id},
-            )
+            return await self._ask_directory(verb, message, self.settings.save_timeout_ms / 1000, trace_id)
+        except StaleGeneration:
+            return "directory_stale_epoch"
         except Unavailable:
             return "directory_unavailable"
         except Indeterminate:

@@ -35,7 +35,8 @@ and checksummed the bytes) → committed (the writer says it is done).
 A directory that takes over a shard rebuilds its index from the segments' reports
 (`directory_rebuild`) under a new, higher epoch. Until `grace_until_ms` (now +
 `lease_ttl_ms_max`) it sends no free: every read lease the old leader granted is shorter than
-that, so no leased slot is reused under its reader. Frees due meanwhile are kept and sent after.
+that, so no leased slot is reused under its reader. Frees of adopted slots due meanwhile are kept
+and sent after; slots written under the new epoch are not held back.
 
 ## Ownership
 Tickets belong to the writer until its deadline; after that the directory reclaims them (a late
@@ -232,6 +233,7 @@ class DirectoryCore:
         # After a rebuild (`adopt`), frees wait until this time: the old leader's leases hold.
         self.grace_until_ms = 0
         self._in_grace = False
+        self._adopted: set[tuple[str, int, int, int]] = set()  # slots a reader of the old leader may hold
 
     # ---- plumbing ------------------------------------------------------------------------
 
@@ -297,7 +299,8 @@ class DirectoryCore:
             return
         if group:
             self._evicting_frees[group] = self._evicting_frees.get(group, 0) + 1
-        if self._in_grace:  # a reader leased by the old leader may still read it: not yet
+        if self._in_grace and (segment_id, incarnation, slot, generation) in self._adopted:
+            # a reader leased by the old leader may still read it: not yet
             self._freeing[(segment_id, incarnation, slot, generation)] = (size, group, -1)
             self._count("frees_deferred_grace_total")
             return
@@ -931,6 +934,7 @@ class DirectoryCore:
         effects: list[Effect] = []
         if self._in_grace and now_ms >= self.grace_until_ms:
             self._in_grace = False  # the old leader's leases have all expired: frees may go
+            self._adopted = set()
         while self._lease_heap and self._lease_heap[0][0] <= now_ms:
             _, lease_id = heapq.heappop(self._lease_heap)
             lease = self._leases.get(lease_id)
@@ -1135,6 +1139,9 @@ class DirectoryCore:
         self._in_grace = True
         for holding in holdings:
             reg = holding.registration
+            self._adopted.update(
+                (reg.segment_id, reg.incarnation, o.slot, o.slot_generation) for o in holding.objects
+            )
             seg = _Segment(
                 reg.segment_id, reg.incarnation, reg.domain, reg.capacity_bytes, reg.data_addr, now_ms
             )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Final
 
 import msgspec
@@ -27,7 +27,8 @@ from nats.js.api import StreamConfig
 from nats.js.errors import BadRequestError
 
 from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent, FreeSlots
-from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.directory.leader import SegmentRegistry
+from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import FreeSlotsReply, FreeSlotsRequest, segment_decoder
 from kvfabric.proto.subjects import Service, event_subject, events_wildcard, segment_subject
@@ -91,6 +92,10 @@ class DirectoryShell:
         self._log = get_logger("kvfabric.directory")
         self.events_published = 0
         self.frees_skipped_busy = 0
+        self.registry: SegmentRegistry | None = None  # durable segment list, for the next leader
+        # Whether this instance may act as the leader right now (its lease has not lapsed):
+        # checked before every request and every tick, so a fenced leader stops at once.
+        self.may_act: Callable[[], bool] = lambda: True
 
     def attach(self, runtime: ServiceRuntime) -> None:
         for verb, kind in VERBS.items():
@@ -98,14 +103,27 @@ class DirectoryShell:
 
     def _endpoint(self, kind: type[msgspec.Struct]) -> Handler:
         async def handle(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+            if not self.may_act():
+                raise Unavailable("this directory instance is no longer the leader")
             message = m.request_decoder.decode(data)
             if type(message) is not kind:
                 raise BadRequest(f"this endpoint takes {kind.__name__}, got {type(message).__name__}")
             outcome = self.core.handle(message, now_ms())
-            await self._perform(outcome.effects)
+            if isinstance(message, m.RegisterSegment) and self.registry is not None:
+                await self._remember_segment(message)
+            await self.perform(outcome.effects)
             return outcome.reply
 
         return handle
+
+    async def _remember_segment(self, registration: m.RegisterSegment) -> None:
+        """The next leader asks the segments in this registry what they hold: no registration is
+        acknowledged before it is durable (the segment retries a failed register)."""
+        assert self.registry is not None
+        try:
+            await self.registry.put(registration)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise Unavailable(f"segment registry not writable: {type(exc).__name__}") from None
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -130,7 +148,7 @@ class DirectoryShell:
 
     # ---- effects -----------------------------------------------------------------------------
 
-    async def _perform(self, effects: list[Effect]) -> None:
+    async def perform(self, effects: list[Effect]) -> None:
         for effect in effects:
             if isinstance(effect, EmitEvent):
                 subject = event_subject(Service.DIRECTORY, effect.kind)
@@ -177,7 +195,7 @@ class DirectoryShell:
         except KvfError as err:  # e.g. the segment restarted meanwhile: its slots died with it
             self._log.info("freed_rejected", segment_id=effect.segment_id, code=err.code)
             return
-        await self._perform(outcome.effects)
+        await self.perform(outcome.effects)
 
     async def _publisher(self) -> None:
         assert self._nc is not None
@@ -196,4 +214,5 @@ class DirectoryShell:
     async def _ticker(self) -> None:
         while True:
             await asyncio.sleep(self.tick_ms / 1000)
-            await self._perform(self.core.tick(now_ms()))
+            if self.may_act():
+                await self.perform(self.core.tick(now_ms()))

@@ -12,6 +12,8 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TICK_MS` | 100 | how often leases, deadlines and heartbeats are checked |
 | `KVF_DIRECTORY_EVENTS_OUTBOX_MAX` | 10000 | events waiting for JetStream; when full, handlers wait |
 | `KVF_DIRECTORY_EVENTS_MAX_AGE_S` | 86400 | JetStream retention of the events stream |
+| `KVF_DIRECTORY_LEADER_LEASE_TTL_MS` | 3000 | leader lease (JetStream KV): standby takeover delay |
+| `KVF_DIRECTORY_LEASE_TTL_MS_MAX` | 30000 | longest read lease granted; a new leader's grace period |
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class DirectorySettings:
     events_outbox_max: int = 10_000
     events_max_age_s: int = 86_400
     free_timeout_s: float = 2.0
+    leader_lease_ttl_ms: int = 3_000
 
 
 def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
@@ -44,10 +47,12 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         replicas_default=env_int(env, "KVF_DIRECTORY_REPLICAS_DEFAULT", 1, 1, 5),
         heartbeat_interval_ms=env_int(env, "KVF_DIRECTORY_HEARTBEAT_INTERVAL_MS", 1_000, 10, 600_000),
         heartbeat_timeout_ms=env_int(env, "KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS", 5_000, 20, 3_600_000),
+        lease_ttl_ms_max=env_int(env, "KVF_DIRECTORY_LEASE_TTL_MS_MAX", 30_000, 100, 600_000),
     )
     return DirectorySettings(
         core=core,
         tick_ms=env_int(env, "KVF_DIRECTORY_TICK_MS", 100, 5, 60_000),
         events_outbox_max=env_int(env, "KVF_DIRECTORY_EVENTS_OUTBOX_MAX", 10_000, 1, 1_000_000),
         events_max_age_s=env_int(env, "KVF_DIRECTORY_EVENTS_MAX_AGE_S", 86_400, 60, 365 * 86_400),
+        leader_lease_ttl_ms=env_int(env, "KVF_DIRECTORY_LEADER_LEASE_TTL_MS", 3_000, 300, 600_000),
     )
