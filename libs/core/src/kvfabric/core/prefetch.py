@@ -1,0 +1,697 @@
+"""The prefetch planning core: scheduler hints become bounded copies toward the engine's host;
+hot objects get one extra replica.
+
+Synchronous and I/O-free: the prefetch service decodes hints, reads and copy results, calls the
+core with the time (`now_ms`) and performs the effects it returns. Sizes are bytes.
+Events: `add_hint`, `cancel_hint`, `tick`, `copy_finished`, `read`, `set_segments`,
+`replica_added`, `replica_removed`. Effects (`tick`, `copy_finished`): StartCopy, PublishReplica,
+ReleaseCopy. Queries: `cold_extra_replicas`, gauges (`bytes_in_flight`, ...), `counters`.
+
+## Hints
+A `Hint` says: request `hint_id` of `tenant` will soon load the prefix `objects` (head first,
+each with its size and the segments holding a replica) through an engine whose local segment is
+`target`; the copies are useless after `deadline_ms`. Its *key* is (tenant, target, set of object
+ids): hints with one key are one hint with several ids. `add_hint` answers
+    Accepted (kept, or nothing to copy) | Deduped (joined a live hint; its deadline becomes the
+    later one) | Busy (full: retryable, nothing kept) | Refused (malformed or can never fit)
+and a live hint ends when:
+    every object is on the target --> completed
+    `cancel_hint` of its last id (the request finished) --> cancelled
+    `tick` at or after its deadline --> expired
+    one of its objects is dropped after failed copies --> failed (the tail is useless without it)
+Ending releases its objects at once: none stays queued for it.
+
+## Wants: one per (object, target), shared by every hint that needs it (refcount = its hints)
+    (none) --a live hint needs it, or a hot object gets an extra replica--> QUEUED
+    QUEUED --tick, within the budget--> COPYING (StartCopy)
+    QUEUED --last wanter ended / replica appeared on the target / no source left--> (none)
+    COPYING --last wanter ended--> COPYING, marked release --a new hint wants it--> COPYING
+    COPYING --copy_finished(ok)--> (none): PublishReplica, or ReleaseCopy("unwanted") if marked
+    COPYING --copy_finished(failed)--> QUEUED after `copy_retry_backoff_ms` (ReleaseCopy("failed")),
+        or dropped after `copy_attempts_max` attempts or when no source is left (its hints fail)
+An extra-replica want is its own wanter: it is never marked release.
+
+## Planning (`tick`)
+Live hints in order of deadline (earliest first, then arrival), each prefix head first; then the
+queued extra replicas. A want starts when `copies_in_flight_max` and `bytes_in_flight_max` allow;
+the first one that does not fit stops the tick (no smaller, less urgent copy overtakes it). A
+want waiting out its retry backoff holds back the rest of that prefix. The source is the replica
+that has not failed for this want, then the one with fewest copies reading from it, then the
+first listed. A tick costs O(live hints x log + queued objects), both bounded.
+
+## Hot objects
+`read` feeds a per-object rate over a sliding window of `hot_window_ms` (two buckets; at most
+`hot_tracked_max` objects, the least recently read forgotten). At `hot_reads_per_s` an object
+without an extra replica gets one queued on the known segment (`set_segments`) with most free
+bytes that does not hold it, within `hot_extra_replicas_max` / `hot_extra_bytes_max` (counting
+queued, copying and stored extras). It is published with `extra=True`: eviction removes extras
+first. `cold_extra_replicas(now_ms)` lists those below `cold_reads_per_s`; once one is removed,
+`replica_removed` gives its budget back.
+
+## Ownership
+- StartCopy: the shell reserves a slot on the target, copies, enforces its own transfer timeout
+  and reports `copy_finished(copy_id, ok)` exactly once. Until then it owns the reservation.
+- The answer to `copy_finished` is exactly one of PublishReplica (commit the reservation and
+  publish the replica in the directory) or ReleaseCopy (abort or free the reservation). So every
+  StartCopy ends in one of them: no slot or lease is left behind, whatever was cancelled.
+- Unknown or repeated completions and cancels come from the network: counted, no-ops. Copy ids
+  are unique in one core; the shell fences a previous incarnation's late completions itself.
+
+## Invariants (`check_invariants()`, after every step in tests)
+1. Bounded: bytes and copies in flight within their maxima; live hint ids <= `hints_queued_max`;
+   objects of live hints not yet on their target <= `objects_queued_max`; rate table bounded.
+2. No object has two concurrent copies to one target (one want per (object, target)).
+3. Every want is wanted: each of its hints is live and still needs it, or it is an extra; a
+   COPYING want without either is marked release; a marked want has no wanter.
+4. An ended hint leaves nothing: none of its ids remains, no want names it.
+5. Accounting: in-flight bytes, queued objects and the extra budget equal what they count.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Final, Literal, TypeAlias
+
+from kvfabric.format.invariant import invariant
+
+__all__ = [
+    "COUNTERS",
+    "Accepted",
+    "AddResult",
+    "Busy",
+    "Deduped",
+    "Effect",
+    "ExtraReplica",
+    "Hint",
+    "HintObject",
+    "PrefetchConfig",
+    "PrefetchCore",
+    "PublishReplica",
+    "Refused",
+    "ReleaseCopy",
+    "StartCopy",
+]
+
+ObjectId: TypeAlias = Hashable
+SegmentId: TypeAlias = str
+HintId: TypeAlias = str
+_HintKey: TypeAlias = tuple[str, SegmentId, frozenset[ObjectId]]  # (tenant, target, objects)
+_WantKey: TypeAlias = tuple[ObjectId, SegmentId]  # (object, target)
+WantState = Literal["queued", "copying", "releasing"]
+
+# Plain counters, all present from the start; the shell exports them as kvfabric_prefetch_<name>.
+COUNTERS: Final = (
+    "hints_accepted_total",
+    "hints_deduped_total",
+    "hints_busy_total",
+    "hints_refused_total",
+    "hints_cancelled_total",
+    "hints_expired_total",
+    "hints_completed_total",
+    "hints_failed_total",
+    "hint_cancel_unknown_total",
+    "copies_started_total",
+    "copies_ok_total",
+    "copies_failed_total",
+    "copies_retried_total",
+    "copies_dropped_total",
+    "copies_released_total",
+    "copy_finished_unknown_total",
+    "bytes_copied_total",
+    "hot_replicas_queued_total",
+    "hot_replicas_created_total",
+    "hot_over_budget_total",
+    "hot_no_segment_total",
+    "extra_replicas_removed_total",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchConfig:
+    hints_queued_max: int = 1024  # live hint ids (an id deduplicated into another hint counts)
+    objects_queued_max: int = 16_384  # objects of live hints not yet on their target
+    bytes_in_flight_max: int = 1 << 30  # sizes of copies started and not yet finished
+    copies_in_flight_max: int = 64
+    copy_attempts_max: int = 3  # per (object, target); then dropped
+    copy_retry_backoff_ms: int = 100
+    hot_window_ms: int = 10_000
+    hot_reads_per_s: float = 50.0  # at or above it an object gets an extra replica
+    cold_reads_per_s: float = 5.0  # below it an extra replica is listed as cold
+    hot_extra_replicas_max: int = 256  # extra replicas queued, copying or stored, all objects
+    hot_extra_bytes_max: int = 8 << 30
+    hot_tracked_max: int = 65_536  # objects whose read rate is tracked
+
+    def __post_init__(self) -> None:
+        invariant(self.hints_queued_max >= 1 and self.objects_queued_max >= 1, "queues need room")
+        invariant(self.bytes_in_flight_max >= 1 and self.copies_in_flight_max >= 1, "need a copy budget")
+        invariant(self.copy_attempts_max >= 1 and self.copy_retry_backoff_ms >= 0, "bad retry policy")
+        invariant(self.hot_window_ms >= 1 and self.hot_tracked_max >= 1, "bad hot window")
+        invariant(0 <= self.cold_reads_per_s <= self.hot_reads_per_s, "need 0 <= cold <= hot")
+
+
+@dataclass(frozen=True, slots=True)
+class HintObject:
+    object_id: ObjectId
+    size_bytes: int
+    replicas: tuple[SegmentId, ...]  # segments holding it now
+
+
+@dataclass(frozen=True, slots=True)
+class Hint:
+    hint_id: HintId
+    tenant: str
+    target: SegmentId  # the segment local to the engine host
+    objects: tuple[HintObject, ...]  # the prefix, head first
+    deadline_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    hint_id: HintId
+    objects_queued: int  # of its objects not on the target yet; 0: nothing to do, not kept
+
+
+@dataclass(frozen=True, slots=True)
+class Deduped:
+    hint_id: HintId
+    same_as: HintId  # the first id of the live hint it joined
+
+
+@dataclass(frozen=True, slots=True)
+class Busy:
+    """Full: retry later (or not at all: prefetch is best effort). Nothing was kept."""
+
+    hint_id: HintId
+    reason: Literal["hints_full", "objects_full"]
+
+
+RefuseReason = Literal[
+    "empty",
+    "deadline_passed",
+    "duplicate_object",
+    "too_many_objects",
+    "bad_size",
+    "object_too_large",
+    "size_mismatch",
+    "no_source",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Malformed, or can never fit: retrying the same hint gets the same answer."""
+
+    hint_id: HintId
+    reason: RefuseReason
+
+
+AddResult: TypeAlias = Accepted | Deduped | Busy | Refused
+
+
+@dataclass(frozen=True, slots=True)
+class StartCopy:
+    """Reserve `size_bytes` on `target`, copy the object from `source`, then `copy_finished`."""
+
+    copy_id: int
+    object_id: ObjectId
+    source: SegmentId
+    target: SegmentId
+    size_bytes: int
+    extra: bool  # for a hot object's extra replica
+
+
+@dataclass(frozen=True, slots=True)
+class PublishReplica:
+    """Commit the reservation of `copy_id`: publish the replica on `target` (extra: evict first)."""
+
+    copy_id: int
+    object_id: ObjectId
+    target: SegmentId
+    size_bytes: int
+    extra: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseCopy:
+    """Abort or free the reservation of `copy_id`: nothing is published."""
+
+    copy_id: int
+    object_id: ObjectId
+    target: SegmentId
+    reason: Literal["unwanted", "failed"]
+
+
+Effect: TypeAlias = StartCopy | PublishReplica | ReleaseCopy
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraReplica:
+    object_id: ObjectId
+    segment: SegmentId
+    size_bytes: int
+    reads_per_s: float
+
+
+@dataclass(slots=True)
+class _Hint:
+    key: _HintKey
+    target: SegmentId
+    ids: list[HintId]  # first one first
+    objects: tuple[HintObject, ...]
+    undone: set[ObjectId]  # not on the target yet
+    deadline_ms: int
+    seq: int
+
+
+@dataclass(slots=True)
+class _Want:
+    object_id: ObjectId
+    target: SegmentId
+    size: int
+    sources: list[SegmentId]
+    extra: bool
+    hints: set[_HintKey] = field(default_factory=set)
+    copy_id: int | None = None  # set while COPYING
+    source: SegmentId = ""
+    release: bool = False
+    attempts: int = 0
+    not_before_ms: int = 0
+    failed_sources: set[SegmentId] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Rate:
+    bucket: int  # now_ms // hot_window_ms of the current bucket
+    current: int = 0
+    previous: int = 0
+
+
+class PrefetchCore:
+    """See the module docstring."""
+
+    def __init__(self, config: PrefetchConfig, segments_free: Mapping[SegmentId, int] | None = None) -> None:
+        self.config = config
+        self._ids: dict[HintId, _HintKey] = {}
+        self._hints: dict[_HintKey, _Hint] = {}
+        self._wants: dict[_WantKey, _Want] = {}
+        self._copies: dict[int, _WantKey] = {}
+        self._extra_wants: dict[ObjectId, SegmentId] = {}  # object -> target of its extra want
+        self._extras: dict[ObjectId, tuple[SegmentId, int]] = {}  # stored extras: (segment, size)
+        self._extra_count = 0  # extra wants + stored extras
+        self._extra_bytes = 0
+        self._objects_queued = 0
+        self._bytes_in_flight = 0
+        self._source_load: dict[SegmentId, int] = {}
+        self._rates: OrderedDict[ObjectId, _Rate] = OrderedDict()
+        self._segments_free: dict[SegmentId, int] = dict(segments_free or {})
+        self._seq = 0
+        self._next_copy_id = 1
+        self._now_ms = 0
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    @property
+    def bytes_in_flight(self) -> int:
+        return self._bytes_in_flight
+
+    @property
+    def copies_in_flight(self) -> int:
+        return len(self._copies)
+
+    @property
+    def objects_queued(self) -> int:
+        return self._objects_queued
+
+    @property
+    def hint_ids_live(self) -> int:
+        return len(self._ids)
+
+    def has_hint(self, hint_id: HintId) -> bool:
+        return hint_id in self._ids
+
+    def want_state(self, object_id: ObjectId, target: SegmentId) -> WantState | None:
+        want = self._wants.get((object_id, target))
+        if want is None:
+            return None
+        if want.copy_id is None:
+            return "queued"
+        return "releasing" if want.release else "copying"
+
+    def extra_replicas(self) -> dict[ObjectId, SegmentId]:
+        return {o: seg for o, (seg, _) in self._extras.items()}
+
+    def reads_per_s(self, object_id: ObjectId, now_ms: int) -> float:
+        rate = self._rates.get(object_id)
+        if rate is None:
+            return 0.0
+        window = self.config.hot_window_ms
+        bucket = now_ms // window
+        current = rate.current if rate.bucket == bucket else 0
+        previous = (
+            rate.previous if rate.bucket == bucket else rate.current if rate.bucket == bucket - 1 else 0
+        )
+        weight = 1.0 - (now_ms % window) / window  # how much of the previous window still overlaps
+        return (previous * weight + current) * 1000.0 / window
+
+    def cold_extra_replicas(self, now_ms: int) -> list[ExtraReplica]:
+        """Stored extra replicas read less than `cold_reads_per_s`, coldest first."""
+        self._advance(now_ms)
+        extras = [
+            ExtraReplica(o, seg, size, self.reads_per_s(o, now_ms)) for o, (seg, size) in self._extras.items()
+        ]
+        return sorted(
+            (e for e in extras if e.reads_per_s < self.config.cold_reads_per_s), key=lambda e: e.reads_per_s
+        )
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def add_hint(self, hint: Hint, now_ms: int) -> AddResult:
+        """A scheduler's hint. Never raises for what the network sends; copies start on `tick`."""
+        self._advance(now_ms)
+        if hint.hint_id in self._ids:  # a retried message
+            self.counters["hints_deduped_total"] += 1
+            return Deduped(hint.hint_id, self._hints[self._ids[hint.hint_id]].ids[0])
+        reason = self._refusal(hint, now_ms)
+        if reason is not None:
+            self.counters["hints_refused_total"] += 1
+            return Refused(hint.hint_id, reason)
+        if len(self._ids) >= self.config.hints_queued_max:
+            self.counters["hints_busy_total"] += 1
+            return Busy(hint.hint_id, "hints_full")
+        key = (hint.tenant, hint.target, frozenset(o.object_id for o in hint.objects))
+        live = self._hints.get(key)
+        if live is not None:
+            for obj in hint.objects:
+                self._add_sources(self._wants.get((obj.object_id, hint.target)), obj.replicas)
+            live.ids.append(hint.hint_id)
+            live.deadline_ms = max(live.deadline_ms, hint.deadline_ms)
+            self._ids[hint.hint_id] = key
+            self.counters["hints_deduped_total"] += 1
+            return Deduped(hint.hint_id, live.ids[0])
+        todo = [o for o in hint.objects if hint.target not in o.replicas]
+        if self._objects_queued + len(todo) > self.config.objects_queued_max:
+            self.counters["hints_busy_total"] += 1
+            return Busy(hint.hint_id, "objects_full")
+        self.counters["hints_accepted_total"] += 1
+        if not todo:
+            self.counters["hints_completed_total"] += 1
+            return Accepted(hint.hint_id, 0)
+        self._seq += 1
+        undone = {o.object_id for o in todo}
+        self._hints[key] = _Hint(
+            key, hint.target, [hint.hint_id], hint.objects, undone, hint.deadline_ms, self._seq
+        )
+        self._ids[hint.hint_id] = key
+        self._objects_queued += len(todo)
+        for obj in todo:
+            want = self._wants.get((obj.object_id, hint.target))
+            if want is None:
+                want = _Want(obj.object_id, hint.target, obj.size_bytes, [], extra=False)
+                self._wants[(obj.object_id, hint.target)] = want
+            self._add_sources(want, obj.replicas)
+            want.release = False  # a copy in flight for a cancelled hint is wanted again
+            want.hints.add(key)
+        return Accepted(hint.hint_id, len(todo))
+
+    def cancel_hint(self, hint_id: HintId) -> bool:
+        """The request behind `hint_id` finished (or gave up). False if no live hint has that id."""
+        key = self._ids.pop(hint_id, None)
+        if key is None:
+            self.counters["hint_cancel_unknown_total"] += 1
+            return False
+        hint = self._hints[key]
+        hint.ids.remove(hint_id)
+        if not hint.ids:
+            self._end_hint(hint, "hints_cancelled_total")
+        return True
+
+    def tick(self, now_ms: int) -> list[Effect]:
+        """Expire hints past their deadline, then start the most urgent copies that fit."""
+        self._advance(now_ms)
+        for hint in [h for h in self._hints.values() if h.deadline_ms <= now_ms]:
+            self._end_hint(hint, "hints_expired_total")
+        effects: list[Effect] = []
+        for hint in sorted(self._hints.values(), key=lambda h: (h.deadline_ms, h.seq)):
+            for obj in hint.objects:
+                if obj.object_id not in hint.undone:
+                    continue
+                want = self._wants[(obj.object_id, hint.target)]
+                if want.copy_id is not None:
+                    continue
+                if want.not_before_ms > now_ms:
+                    break  # the tail waits for its head's retry
+                if not self._fits(want.size):
+                    return effects
+                effects.append(self._start(want))
+        for want in [w for w in self._wants.values() if w.extra and w.copy_id is None]:
+            if want.not_before_ms <= now_ms:
+                if not self._fits(want.size):
+                    break
+                effects.append(self._start(want))
+        return effects
+
+    def copy_finished(self, copy_id: int, ok: bool, now_ms: int) -> list[Effect]:
+        """The copy `copy_id` ended. Returns exactly one of PublishReplica or ReleaseCopy."""
+        self._advance(now_ms)
+        key = self._copies.pop(copy_id, None)
+        if key is None:
+            self.counters["copy_finished_unknown_total"] += 1
+            return []
+        want = self._wants[key]
+        want.copy_id = None
+        self._bytes_in_flight -= want.size
+        self._source_load[want.source] -= 1
+        if not self._source_load[want.source]:
+            del self._source_load[want.source]
+        self.counters["copies_ok_total" if ok else "copies_failed_total"] += 1
+        if want.release:
+            del self._wants[key]
+            self.counters["copies_released_total"] += 1
+            return [ReleaseCopy(copy_id, want.object_id, want.target, "unwanted")]
+        if ok:
+            self.counters["bytes_copied_total"] += want.size
+            extra = want.extra and not want.hints
+            if extra:
+                self.counters["hot_replicas_created_total"] += 1
+                self._extras[want.object_id] = (want.target, want.size)
+            self._satisfied(want, keep_extra=extra)
+            return [PublishReplica(copy_id, want.object_id, want.target, want.size, extra)]
+        want.failed_sources.add(want.source)
+        if want.attempts >= self.config.copy_attempts_max or not want.sources:
+            self._drop_want(want)
+        else:
+            self.counters["copies_retried_total"] += 1
+            want.not_before_ms = now_ms + self.config.copy_retry_backoff_ms
+        return [ReleaseCopy(copy_id, want.object_id, want.target, "failed")]
+
+    def read(
+        self,
+        object_id: ObjectId,
+        *,
+        size_bytes: int,
+        served_from: SegmentId,
+        replicas: Iterable[SegmentId] = (),
+        now_ms: int,
+    ) -> None:
+        """An engine read `object_id` from `served_from`; `replicas`: other segments holding it.
+        Feeds its read rate; a newly hot object's extra replica is queued (it starts on `tick`)."""
+        self._advance(now_ms)
+        rate = self._rates.pop(object_id, None) or _Rate(now_ms // self.config.hot_window_ms)
+        self._rates[object_id] = rate  # most recently read last
+        if len(self._rates) > self.config.hot_tracked_max:
+            self._rates.popitem(last=False)
+        bucket = now_ms // self.config.hot_window_ms
+        if rate.bucket != bucket:
+            rate.previous = rate.current if rate.bucket == bucket - 1 else 0
+            rate.bucket, rate.current = bucket, 0
+        rate.current += 1
+        if self.reads_per_s(object_id, now_ms) < self.config.hot_reads_per_s:
+            return
+        if object_id in self._extras or object_id in self._extra_wants:
+            return
+        cfg = self.config
+        if (
+            self._extra_count >= cfg.hot_extra_replicas_max
+            or self._extra_bytes + size_bytes > cfg.hot_extra_bytes_max
+            or size_bytes > cfg.bytes_in_flight_max
+        ):
+            self.counters["hot_over_budget_total"] += 1
+            return
+        holders = list(dict.fromkeys((served_from, *replicas)))
+        free = [
+            (-free, seg)
+            for seg, free in self._segments_free.items()
+            if seg not in holders and (object_id, seg) not in self._wants and free >= size_bytes
+        ]
+        if not free:
+            self.counters["hot_no_segment_total"] += 1
+            return
+        _, target = min(free)  # most free bytes, then lowest id
+        self._segments_free[target] -= size_bytes  # our estimate until the next set_segments
+        self._wants[(object_id, target)] = _Want(object_id, target, size_bytes, holders, extra=True)
+        self._extra_wants[object_id] = target
+        self._extra_count += 1
+        self._extra_bytes += size_bytes
+        self.counters["hot_replicas_queued_total"] += 1
+
+    def set_segments(self, segments_free: Mapping[SegmentId, int]) -> None:
+        """The segments that may take extra replicas, with their free bytes (a fresh snapshot)."""
+        self._segments_free = dict(segments_free)
+
+    def replica_added(self, object_id: ObjectId, segment: SegmentId) -> None:
+        """The directory published `object_id` on `segment` (not through us): a new source, and a
+        queued want to that segment is satisfied."""
+        for want in [w for w in self._wants.values() if w.object_id == object_id]:
+            if want.target == segment and want.copy_id is None:
+                self._satisfied(want, keep_extra=False)
+            elif want.target != segment and segment not in want.sources:
+                want.sources.append(segment)
+
+    def replica_removed(self, object_id: ObjectId, segment: SegmentId) -> None:
+        """`object_id` is gone from `segment` (evicted, freed, segment down)."""
+        if self._extras.get(object_id, (None, 0))[0] == segment:
+            _, size = self._extras.pop(object_id)
+            self._extra_count -= 1
+            self._extra_bytes -= size
+            self.counters["extra_replicas_removed_total"] += 1
+        for want in [w for w in self._wants.values() if w.object_id == object_id]:
+            if segment in want.sources:
+                want.sources.remove(segment)
+                if not want.sources and want.copy_id is None:
+                    self._drop_want(want)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _refusal(self, hint: Hint, now_ms: int) -> RefuseReason | None:
+        cfg = self.config
+        ids = [o.object_id for o in hint.objects]
+        checks: list[tuple[bool, RefuseReason]] = [
+            (not ids, "empty"),
+            (hint.deadline_ms <= now_ms, "deadline_passed"),
+            (len(set(ids)) != len(ids), "duplicate_object"),
+            (len(ids) > cfg.objects_queued_max, "too_many_objects"),
+            (any(o.size_bytes <= 0 for o in hint.objects), "bad_size"),
+            (any(o.size_bytes > cfg.bytes_in_flight_max for o in hint.objects), "object_too_large"),
+            (any(self._size_differs(o, hint.target) for o in hint.objects), "size_mismatch"),
+            (any(not o.replicas for o in hint.objects), "no_source"),
+        ]
+        return next((reason for failed, reason in checks if failed), None)
+
+    def _size_differs(self, obj: HintObject, target: SegmentId) -> bool:
+        want = self._wants.get((obj.object_id, target))
+        return want is not None and want.size != obj.size_bytes
+
+    @staticmethod
+    def _add_sources(want: _Want | None, replicas: Iterable[SegmentId]) -> None:
+        if want is not None:
+            want.sources += [s for s in replicas if s not in want.sources and s != want.target]
+
+    def _fits(self, size: int) -> bool:
+        return (
+            len(self._copies) < self.config.copies_in_flight_max
+            and self._bytes_in_flight + size <= self.config.bytes_in_flight_max
+        )
+
+    def _start(self, want: _Want) -> StartCopy:
+        order = {s: i for i, s in enumerate(want.sources)}
+        want.source = min(
+            want.sources, key=lambda s: (s in want.failed_sources, self._source_load.get(s, 0), order[s])
+        )
+        want.copy_id, self._next_copy_id = self._next_copy_id, self._next_copy_id + 1
+        want.attempts += 1
+        self._copies[want.copy_id] = (want.object_id, want.target)
+        self._bytes_in_flight += want.size
+        self._source_load[want.source] = self._source_load.get(want.source, 0) + 1
+        self.counters["copies_started_total"] += 1
+        return StartCopy(want.copy_id, want.object_id, want.source, want.target, want.size, want.extra)
+
+    def _satisfied(self, want: _Want, *, keep_extra: bool) -> None:
+        """The object is on the want's target: done for every hint that wanted it."""
+        del self._wants[(want.object_id, want.target)]
+        if want.extra:
+            del self._extra_wants[want.object_id]
+            if not keep_extra:
+                self._extra_count -= 1
+                self._extra_bytes -= want.size
+        for key in want.hints:
+            hint = self._hints[key]
+            hint.undone.discard(want.object_id)
+            self._objects_queued -= 1
+            if not hint.undone:
+                self._end_hint(hint, "hints_completed_total")
+
+    def _drop_want(self, want: _Want) -> None:
+        """No copy can be made: give up on the object; the hints that need it fail."""
+        del self._wants[(want.object_id, want.target)]
+        self.counters["copies_dropped_total"] += 1
+        if want.extra:
+            del self._extra_wants[want.object_id]
+            self._extra_count -= 1
+            self._extra_bytes -= want.size
+        hints = [self._hints[key] for key in want.hints]
+        want.hints.clear()
+        for hint in hints:
+            hint.undone.discard(want.object_id)
+            self._objects_queued -= 1
+            self._end_hint(hint, "hints_failed_total")
+
+    def _end_hint(self, hint: _Hint, counter: str) -> None:
+        """Completed, cancelled, expired or failed: release everything it still wanted."""
+        del self._hints[hint.key]
+        for hint_id in hint.ids:
+            del self._ids[hint_id]
+        self._objects_queued -= len(hint.undone)
+        for obj in hint.objects:
+            if obj.object_id in hint.undone:
+                want = self._wants[(obj.object_id, hint.target)]
+                want.hints.discard(hint.key)
+                if not want.hints and not want.extra:
+                    if want.copy_id is None:
+                        del self._wants[(want.object_id, want.target)]
+                    else:
+                        want.release = True  # answered ReleaseCopy when it finishes
+        hint.undone.clear()
+        self.counters[counter] += 1
+
+    def _advance(self, now_ms: int) -> None:
+        invariant(now_ms >= self._now_ms, "time went backwards", now_ms=now_ms, last_ms=self._now_ms)
+        self._now_ms = now_ms
+
+    def check_invariants(self) -> None:
+        cfg = self.config
+        invariant(self._bytes_in_flight <= cfg.bytes_in_flight_max, "too many bytes in flight")
+        invariant(len(self._copies) <= cfg.copies_in_flight_max, "too many copies in flight")
+        invariant(len(self._ids) <= cfg.hints_queued_max, "too many hint ids")
+        invariant(self._objects_queued <= cfg.objects_queued_max, "too many queued objects")
+        invariant(len(self._rates) <= cfg.hot_tracked_max, "rate table unbounded")
+        copying = [w for w in self._wants.values() if w.copy_id is not None]
+        invariant(self._bytes_in_flight == sum(w.size for w in copying), "in-flight bytes drifted")
+        invariant(set(self._copies) == {w.copy_id for w in copying}, "copy index drifted")
+        for copy_id, key in self._copies.items():
+            invariant(self._wants[key].copy_id == copy_id, "copy names another want", copy_id=copy_id)
+        invariant(self._objects_queued == sum(len(h.undone) for h in self._hints.values()), "queue drifted")
+        for key, want in self._wants.items():
+            invariant(key == (want.object_id, want.target), "want filed under another key")
+            for hint_key in want.hints:
+                hint = self._hints.get(hint_key)
+                invariant(hint is not None and want.object_id in hint.undone, "want names an ended hint")
+            invariant(not want.release or (want.copy_id is not None and not want.hints), "bad release mark")
+            invariant(want.hints or want.extra or want.release, "unwanted want", object_id=want.object_id)
+        for hint in self._hints.values():
+            invariant(bool(hint.ids) and bool(hint.undone), "hint should have ended", key=hint.key)
+            invariant(all(self._ids.get(i) == hint.key for i in hint.ids), "hint id index drifted")
+            for object_id in hint.undone:
+                wanted = self._wants.get((object_id, hint.target))
+                invariant(wanted is not None and hint.key in wanted.hints, "hint object not wanted")
+        invariant(sum(len(h.ids) for h in self._hints.values()) == len(self._ids), "stray hint ids")
+        extra_wants = [w for w in self._wants.values() if w.extra]
+        invariant({w.object_id: w.target for w in extra_wants} == self._extra_wants, "extra index drifted")
+        invariant(not self._extra_wants.keys() & self._extras.keys(), "two extras for one object")
+        invariant(self._extra_count == len(extra_wants) + len(self._extras), "extra count drifted")
+        extra_bytes = sum(w.size for w in extra_wants) + sum(s for _, s in self._extras.values())
+        invariant(self._extra_bytes == extra_bytes, "extra bytes drifted")
+        invariant(self._extra_count <= cfg.hot_extra_replicas_max, "extra replicas over budget")
+        invariant(self._extra_bytes <= cfg.hot_extra_bytes_max, "extra bytes over budget")
