@@ -238,6 +238,16 @@ def evicted_groups(nats_url: str) -> set[bytes]:
     return asyncio.run(read())
 
 
+def recovery_s(history: list[Op], faults: list[dict[str, Any]]) -> float | None:
+    """Seconds from the first fault to the first request started after it that hit the cache
+    (None: no fault, or no hit afterwards)."""
+    if not faults:
+        return None
+    at = min(float(f["at_s"]) for f in faults)
+    after = [op.start_s for op in history if op.start_s >= at and op.outcome == "hit"]
+    return round(min(after) - at, 2) if after else None
+
+
 def lost_chunks(history: list[Op], final: FinalState) -> int:
     """Acknowledged chunks not served after settle and not evicted by the policy (reported even
     where the drill allows losses)."""
@@ -275,6 +285,8 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
             str(topo.get("segments", 3)),
             "--segment-bytes",
             str(topo.get("segment_bytes", 256 << 20)),
+            "--directories",
+            str(topo.get("directories", 1)),
         ],
         env=env,
         capture_output=True,
@@ -351,6 +363,7 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
         "wrong_chunks": sum(op.wrong_chunks for op in history),
         "leases_after_settle": final.read_leases,
         "acked_chunks_lost": lost_chunks(history, final),
+        "recovery_s": recovery_s(history, drill.get("faults", [])),
         "chunks_evicted": sum(len(v) for v in final.evicted_chunks.values()),
         "faults": fired,
         "violations": violations,
@@ -394,6 +407,7 @@ def main() -> int:
         "wrong chunks",
         "leases after settle",
         "acked lost",
+        "recovery s",
         "faults",
         "violations",
     ):
@@ -408,6 +422,7 @@ def main() -> int:
             str(r["wrong_chunks"]),
             str(r["leases_after_settle"]),
             str(r["acked_chunks_lost"]),
+            "-" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}",
             "; ".join(r["faults"]) or "-",
             "; ".join(v for vs in r["violations"].values() for v in vs) or "-",
         )

@@ -5,7 +5,8 @@
     python tools/localcluster.py down   [--run-dir .run]
 
 `up` starts a supervisor in the background and returns once the cluster is ready. The supervisor
-owns every child: nats-server (JetStream, store under the run folder), one directory, N
+owns every child: nats-server (JetStream, store under the run folder), one directory (plus
+`--directories - 1` standbys, `directory-<i>`), N
 segments in N distinct failure domains (zone-<i>/rack-<i>/host-<i>) and the eviction-policy
 service. A child that exits is
 restarted with a backoff (a segment the directory declared down exits 75 and comes back empty
@@ -113,7 +114,7 @@ class Child:
 
 
 def plan_children(
-    run: Path, nats_port: int, segments: int, segment_bytes: int, prefix: str
+    run: Path, nats_port: int, segments: int, segment_bytes: int, prefix: str, directories: int = 1
 ) -> tuple[list[Child], dict[str, Any]]:
     monitor = free_port()
     nats_url = f"nats://127.0.0.1:{nats_port}"
@@ -153,6 +154,24 @@ def plan_children(
             "directory_started",
         ),
     ]
+    for i in range(2, directories + 1):  # standbys: one takes over when the leader's lease lapses
+        children.append(
+            Child(
+                f"directory-{i}",
+                [
+                    sys.executable,
+                    "-m",
+                    "kvfabric.directory",
+                    "--nats-url",
+                    nats_url,
+                    "--metrics-port",
+                    "0",
+                    "--log-json",
+                ],
+                base,
+                "directory_standby",
+            )
+        )
     for i in range(1, segments + 1):
         env = dict(
             base,
@@ -220,10 +239,12 @@ def write_state(run: Path, info: dict[str, Any], children: list[Child], ready: b
     tmp.replace(run / "cluster.json")
 
 
-def supervise(run: Path, nats_port: int, segments: int, segment_bytes: int, prefix: str) -> int:
+def supervise(
+    run: Path, nats_port: int, segments: int, segment_bytes: int, prefix: str, directories: int = 1
+) -> int:
     """The supervisor's main loop (runs detached): start in order, wait ready, restart on exit."""
     logs = run / "logs"
-    children, info = plan_children(run, nats_port, segments, segment_bytes, prefix)
+    children, info = plan_children(run, nats_port, segments, segment_bytes, prefix, directories)
     stopping = False
 
     def on_term(signum: int, frame: object) -> None:
@@ -280,7 +301,9 @@ def alive(pid: int | None) -> bool:
     return True
 
 
-def up(run: Path, nats_port: int, segments: int, segment_bytes: int, prefix: str) -> int:
+def up(
+    run: Path, nats_port: int, segments: int, segment_bytes: int, prefix: str, directories: int = 1
+) -> int:
     state = read_state(run)
     if state and alive(state.get("supervisor_pid")) and state.get("ready"):
         print(f"kvfabric is already up: {state['nats_url']} (run folder {run})")
@@ -309,6 +332,8 @@ def up(run: Path, nats_port: int, segments: int, segment_bytes: int, prefix: str
             str(segment_bytes),
             "--segment-prefix",
             prefix,
+            "--directories",
+            str(directories),
         ],
         stdin=subprocess.DEVNULL,
         stdout=(run / "logs" / "supervisor.log").open("ab"),
@@ -381,15 +406,20 @@ def main() -> int:
     parser.add_argument("--segments", type=int, default=3)
     parser.add_argument("--segment-bytes", type=int, default=256 << 20)
     parser.add_argument("--segment-prefix", default="seg", help="segment ids are <prefix>-1 .. <prefix>-N")
+    parser.add_argument("--directories", type=int, default=1, help="directory instances: 1 leader + standbys")
     args = parser.parse_args()
     run = args.run_dir.resolve()
     if args.command == "up":
-        return up(run, args.nats_port, args.segments, args.segment_bytes, args.segment_prefix)
+        return up(
+            run, args.nats_port, args.segments, args.segment_bytes, args.segment_prefix, args.directories
+        )
     if args.command == "down":
         return down(run)
     if args.command == "status":
         return status(run)
-    return supervise(run, args.nats_port, args.segments, args.segment_bytes, args.segment_prefix)
+    return supervise(
+        run, args.nats_port, args.segments, args.segment_bytes, args.segment_prefix, args.directories
+    )
 
 
 if __name__ == "__main__":
