@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric.core.directory import EmitEvent, FreeSlots
+from kvfabric.core.directory import DirectoryCore, EmitEvent, FreeSlots, Outcome
 from kvfabric.format.errors import BadRequest, BatchTooLarge, NotFound, StaleGeneration
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import ticket_signature_valid
@@ -384,3 +384,121 @@ def test_leases_are_shortened_to_the_longest_a_new_leader_waits_for() -> None:
     (g,) = groups(1)
     put(core, [key(g)])
     assert lookup(core, [g], now=0, ttl=60_000).lease_expires_ms == 500
+
+
+def confirm_ticket(core: DirectoryCore, t: m.WriteTicket, slot: int, now: int = 0) -> str:
+    reply = core.handle(
+        m.ConfirmReplicas(
+            segment_id=t.segment_id,
+            incarnation=t.incarnation,
+            confirms=[
+                m.ReplicaConfirm(
+                    ticket_id=t.ticket_id,
+                    key=t.key,
+                    slot=slot,
+                    slot_generation=1,
+                    size_bytes=t.size_bytes,
+                    checksum=t.checksum,
+                )
+            ],
+        ),
+        now,
+    ).reply
+    assert isinstance(reply, m.ConfirmReply)
+    return reply.results[0].status
+
+
+def test_an_extra_replica_is_copied_into_place_and_joins_the_published_record() -> None:
+    core = new_core(replicas_default=2)
+    register(core, "s1", zone="z1")
+    (g,) = groups(1)
+    put(core, [key(g)])  # only s1 exists: published degraded, one replica
+    assert [s.group for s in list_below(core)] == [bytes(g.chain_hash)]
+    register(core, "s2", zone="z2")
+    begin = core.handle(m.ReplicateBegin(writer_id="repair", request_id="r", key=key(g), segment_id="s2"), 0)
+    reply = begin.reply
+    assert isinstance(reply, m.ReplicateBeginReply) and reply.status == "placed" and reply.ticket is not None
+    assert [r.segment_id for r in reply.sources] == ["s1"]
+    assert ticket_signature_valid(reply.ticket, SECRET)
+    again = core.handle(m.ReplicateBegin(writer_id="repair", request_id="r2", key=key(g), segment_id="s2"), 0)
+    assert isinstance(again.reply, m.ReplicateBeginReply) and again.reply.status == "already_there"
+    core.check_invariants()
+    assert confirm_ticket(core, reply.ticket, slot=40) == "ok"
+    hit = lookup(core, [g])
+    assert sorted(r.segment_id for r in hit.objects[0].replicas) == ["s1", "s2"]
+    assert list_below(core) == []  # back at its target
+    core.check_invariants()
+
+
+def test_an_unconfirmed_extra_replica_expires_and_a_late_confirm_is_refused() -> None:
+    core = new_core(replicas_default=2)
+    register(core, "s1", zone="z1")
+    register(core, "s2", zone="z2")
+    (g,) = groups(1)
+    put(core, [key(g)])
+    gone = core.handle(
+        m.ReplicateBegin(writer_id="w", request_id="x", key=key(groups(1, seed=3)[0]), segment_id="s2"), 0
+    )
+    assert isinstance(gone.reply, m.ReplicateBeginReply) and gone.reply.status == "not_found"
+    reply = core.handle(
+        m.ReplicateBegin(writer_id="w", request_id="r", key=key(g), segment_id="s1", write_ttl_ms=100), 0
+    ).reply
+    assert isinstance(reply, m.ReplicateBeginReply) and reply.status == "already_there"  # s1 holds it
+    core2 = new_core(replicas_default=2)
+    register(core2, "s1", zone="z1")
+    put(core2, [key(g)])
+    register(core2, "s2", zone="z2", capacity=50)
+    full = core2.handle(m.ReplicateBegin(writer_id="w", request_id="r", key=key(g), segment_id="s2"), 0).reply
+    assert isinstance(full, m.ReplicateBeginReply) and full.status == "no_capacity"
+    register(core2, "s3", zone="z3")
+    placed = core2.handle(
+        m.ReplicateBegin(writer_id="w", request_id="r", key=key(g), segment_id="s3", write_ttl_ms=100), 0
+    ).reply
+    assert isinstance(placed, m.ReplicateBeginReply) and placed.ticket is not None
+    core2.tick(100)
+    core2.check_invariants()
+    assert confirm_ticket(core2, placed.ticket, slot=9, now=150) == "unknown_ticket"
+    assert core2.counters["replica_tickets_expired_total"] == 1
+
+
+def test_a_corrupt_replica_is_dropped_and_a_lost_last_replica_invalidates_the_group() -> None:
+    core = new_core(replicas_default=2)
+    register(core, "s1", zone="z1")
+    register(core, "s2", zone="z2")
+    (g,) = groups(1)
+    put(core, [key(g)])
+    hit = lookup(core, [g])
+    (a, b) = hit.objects[0].replicas
+    core.handle(m.LeaseRelease(holder_id="reader", lease_id=hit.lease_id), 0)
+
+    def corrupt(r: m.Replica) -> Outcome:
+        return core.handle(
+            m.ReplicaCorrupt(
+                segment_id=r.segment_id,
+                incarnation=r.incarnation,
+                key=key(g),
+                slot=r.slot,
+                slot_generation=r.slot_generation,
+            ),
+            0,
+        )
+
+    first = corrupt(a)
+    assert isinstance(first.reply, m.ReplicaCorruptReply) and first.reply.dropped
+    assert [f.segment_id for f in first.effects if isinstance(f, FreeSlots)] == [a.segment_id]
+    second = lookup(core, [g], holder="r2")
+    assert [r.segment_id for r in second.objects[0].replicas] == [b.segment_id]
+    again = corrupt(a).reply
+    assert isinstance(again, m.ReplicaCorruptReply) and not again.dropped
+    core.handle(m.LeaseRelease(holder_id="r2", lease_id=second.lease_id), 0)
+    corrupt(b)
+    events = [e.event for e in core.tick(1) if isinstance(e, EmitEvent)]
+    assert any(isinstance(ev, m.GroupInvalidated) for ev in events)
+    assert lookup(core, [g], holder="r3").hit_chunks == 0
+    core.check_invariants()
+
+
+def list_below(core: DirectoryCore) -> list[m.GroupSummary]:
+    reply = core.handle(m.ListGroups(below_target=True, with_objects=True), 0).reply
+    assert isinstance(reply, m.GroupList)
+    return reply.groups

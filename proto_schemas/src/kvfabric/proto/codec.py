@@ -1,7 +1,8 @@
 """Encoding on the wire: msgpack through msgspec, one typed decoder per message family.
 
-Decode failures (not msgpack, wrong shape, unknown tag, bad field type) become `BadRequest`
-with msgspec's path in the message, so a handler answers a typed error and stays up.
+Decode failures (not msgpack, wrong shape, unknown tag, bad field type, nesting deeper than the
+recursion limit) become `BadRequest` with msgspec's path in the message, so a handler answers a
+typed error and stays up.
 """
 
 from __future__ import annotations
@@ -36,3 +37,5 @@ class FamilyDecoder(Generic[T]):
             return self._decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise BadRequest(f"malformed {self.name} message: {exc}", family=self.name) from exc
+        except RecursionError:  # a msgpack "bomb" of nested arrays/maps, even in a skipped field
+            raise BadRequest(f"malformed {self.name} message: nested too deep", family=self.name) from None

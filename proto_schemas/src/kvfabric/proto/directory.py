@@ -21,6 +21,8 @@ Verbs and their request → reply:
 | `pin` / `unpin` | `Pin` / `Unpin` | `PinReply` |
 | `evict` | `Evict` | `EvictReply` |
 | `freed` | `SlotsFreed` | `FreedAck` |
+| `replicate_begin` | `ReplicateBegin` | `ReplicateBeginReply` |
+| `replica_corrupt` | `ReplicaCorrupt` | `ReplicaCorruptReply` |
 | `list_segments` | `ListSegments` | `SegmentList` |
 | `list_groups` / `show_group` | `ListGroups` / `ShowGroup` | `GroupList` |
 | `list_leases` | `ListLeases` | `LeaseList` |
@@ -348,6 +350,50 @@ class FreedAck(_Msg, frozen=True, kw_only=True, tag="dir.freed_ack.v1"):
     accepted: int
 
 
+# ---- repair: extra replicas of published objects, corrupt replicas -------------------------
+
+
+class ReplicateBegin(_Msg, frozen=True, kw_only=True, tag="dir.replicate_begin.v1"):
+    """A ticket to write one more replica of a published object onto `segment_id` (repair,
+    prefetch, drain). The bytes come from an existing replica, segment to segment (`seg.copy`);
+    the destination confirms like any write and the replica joins the published record."""
+
+    writer_id: str
+    request_id: str
+    key: bytes
+    segment_id: str
+    write_ttl_ms: int = 30_000
+    epoch: int = 0
+
+
+ReplicateStatus = Literal["placed", "not_found", "already_there", "no_capacity", "segment_down"]
+
+
+class ReplicateBeginReply(_Msg, frozen=True, kw_only=True, tag="dir.replicate_begin_reply.v1"):
+    epoch: int
+    status: ReplicateStatus
+    ticket: WriteTicket | None = None
+    # placed: where to copy from (the object's live replicas, the destination excluded)
+    sources: list[Replica] = msgspec.field(default_factory=list)
+
+
+class ReplicaCorrupt(_Msg, frozen=True, kw_only=True, tag="dir.replica_corrupt.v1"):
+    """A segment's scrubber found a stored object whose bytes no longer match its checksum:
+    the directory drops that replica (and frees the slot); repair restores the target."""
+
+    segment_id: str
+    incarnation: int
+    key: bytes
+    slot: int
+    slot_generation: int
+    epoch: int = 0
+
+
+class ReplicaCorruptReply(_Msg, frozen=True, kw_only=True, tag="dir.replica_corrupt_reply.v1"):
+    epoch: int
+    dropped: bool  # False: not a replica the directory knows (already gone): free it anyway
+
+
 # ---- read-only queries for tools (grant no lease) --------------------------------------------
 
 
@@ -381,6 +427,8 @@ class ListGroups(_Msg, frozen=True, kw_only=True, tag="dir.list_groups.v1"):
     after: bytes = b""
     limit: int = 100
     epoch: int = 0
+    below_target: bool = False  # only groups with a member below its replica target (repair)
+    with_objects: bool = False  # include every member's live replicas
 
 
 class ShowGroup(_Msg, frozen=True, kw_only=True, tag="dir.show_group.v1"):
@@ -497,6 +545,8 @@ DirectoryRequest = (
     | Unpin
     | Evict
     | SlotsFreed
+    | ReplicateBegin
+    | ReplicaCorrupt
     | ListSegments
     | ListGroups
     | ShowGroup
@@ -514,6 +564,8 @@ DirectoryReply = (
     | PinReply
     | EvictReply
     | FreedAck
+    | ReplicateBeginReply
+    | ReplicaCorruptReply
     | SegmentList
     | GroupList
     | LeaseList

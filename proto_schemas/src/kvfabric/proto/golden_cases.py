@@ -101,6 +101,30 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             counters={"victims_total": 3},
         ),
     ),
+    "dir.replicate_begin.v1": (
+        "directory.request",
+        directory.ReplicateBegin(
+            writer_id="repair", request_id="r1", key=bytes(96), segment_id="s2", write_ttl_ms=5000, epoch=3
+        ),
+    ),
+    "dir.replica_corrupt.v1": (
+        "directory.request",
+        directory.ReplicaCorrupt(
+            segment_id="s1", incarnation=9, key=bytes(96), slot=4, slot_generation=2, epoch=3
+        ),
+    ),
+    "seg.report.v1": ("segment", segment.ReportRequest(epoch=7, after_slot=10, limit=100)),
+    "seg.report_reply.v1": (
+        "segment",
+        segment.SegmentReport(
+            incarnation=9,
+            capacity_bytes=1 << 30,
+            used_bytes=4096,
+            draining=False,
+            objects=[segment.HeldObject(bytes(96), 4, 2, 4096, b"k" * 16)],
+            next_after_slot=-1,
+        ),
+    ),
     "seg.free.v1": (
         "segment",
         segment.FreeSlotsRequest(

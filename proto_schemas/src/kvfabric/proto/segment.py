@@ -7,6 +7,7 @@ Verbs:
   freed: a slot whose generation moved on counts as freed, the free is idempotent).
 - `drain`: refuse new writes, keep serving reads (or undo it).
 - `report`: a directory leader rebuilding its index asks what is stored (see `ReportRequest`).
+- `copy`: write a ticket's object by reading it from another segment (see `CopyRequest`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from typing import Final
 import msgspec
 
 from kvfabric.proto.codec import FamilyDecoder
-from kvfabric.proto.directory import FreedSlot
+from kvfabric.proto.directory import FreedSlot, WriteTicket
 
 __all__ = [
     "REPORT_PAGE_MAX",
+    "CopyReply",
+    "CopyRequest",
     "DrainRequest",
     "FreeSlotsReply",
     "FreeSlotsRequest",
@@ -77,6 +80,24 @@ class SegmentReport(msgspec.Struct, frozen=True, kw_only=True, tag="seg.report_r
     next_after_slot: int = -1  # -1: no more pages
 
 
+class CopyRequest(msgspec.Struct, frozen=True, kw_only=True, tag="seg.copy.v1", tag_field="t"):
+    """`kvf.v1.segment.copy.<segment_id>`: write `ticket`'s object into this segment by reading
+    it from another segment (`source_addr`, the replica named by incarnation/slot/generation)
+    over the data plane — no payload through NATS. The destination verifies the bytes against the
+    ticket's checksum and confirms the replica to the directory like any write."""
+
+    ticket: WriteTicket
+    source_addr: str
+    source_incarnation: int
+    source_slot: int
+    source_slot_generation: int
+
+
+class CopyReply(msgspec.Struct, frozen=True, kw_only=True, tag="seg.copied.v1", tag_field="t"):
+    slot: int
+    slot_generation: int
+
+
 class SegmentState(msgspec.Struct, frozen=True, kw_only=True, tag="seg.state.v1", tag_field="t"):
     incarnation: int
     draining: bool
@@ -84,7 +105,14 @@ class SegmentState(msgspec.Struct, frozen=True, kw_only=True, tag="seg.state.v1"
 
 
 SegmentMessage = (
-    FreeSlotsRequest | FreeSlotsReply | DrainRequest | SegmentState | ReportRequest | SegmentReport
+    FreeSlotsRequest
+    | FreeSlotsReply
+    | DrainRequest
+    | SegmentState
+    | ReportRequest
+    | SegmentReport
+    | CopyRequest
+    | CopyReply
 )
 REPORT_PAGE_MAX: Final = 4096  # objects per report page (≈ 140 B each: well under 1 MiB)
 

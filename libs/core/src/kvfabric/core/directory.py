@@ -183,6 +183,17 @@ class _BuildingGroup:
     parent: bytes = b""  # the previous chunk's chain hash, as the first writer told it
 
 
+@dataclass(frozen=True, slots=True)
+class _ReplicaTicket:
+    group: bytes
+    member: Member
+    placement: int
+    size_bytes: int
+    checksum: bytes
+    key: bytes
+    deadline_ms: int
+
+
 @dataclass(slots=True)
 class _Lease:
     holder_id: str
@@ -234,6 +245,12 @@ class DirectoryCore:
         self.grace_until_ms = 0
         self._in_grace = False
         self._adopted: set[tuple[str, int, int, int]] = set()  # slots a reader of the old leader may hold
+        # Extra replicas being copied into place (repair, prefetch, drain): ticket id -> ticket.
+        self._replicating: dict[int, _ReplicaTicket] = {}
+        self._replica_deadlines: list[tuple[int, int]] = []  # (deadline_ms, ticket id)
+        # Published groups a member of which has no good replica left (its last one was corrupt):
+        # unreadable at once, invalidated by the sweep once no lease or pin holds them.
+        self._unreadable: set[bytes] = set()
 
     # ---- plumbing ------------------------------------------------------------------------
 
@@ -541,6 +558,8 @@ class DirectoryCore:
 
     def _confirm_one(self, req: m.ConfirmReplicas, c: m.ReplicaConfirm) -> m.ConfirmStatus:
         where = self._tickets.get(c.ticket_id)
+        if where is None and c.ticket_id in self._replicating:
+            return self._confirm_extra_replica(req, c)
         if where is None:
             if self._is_published_replica(req, c):
                 # A retried confirm (its first reply was lost) of a replica published since: its
@@ -750,7 +769,7 @@ class DirectoryCore:
 
     def _locate(self, info: GroupInfo, wanted: set[Member]) -> list[m.ObjectLocation] | None:
         record = self.published.get(info.group_id)
-        if record is None:
+        if record is None or info.group_id in self._unreadable:
             return None
         group = unpack_group(record)
         if (
@@ -889,6 +908,7 @@ class DirectoryCore:
             self._count("evict_refused_pinned_total")
             return "pinned"
         del self.published[gid]
+        self._unreadable.discard(gid)
         group = unpack_group(record)
         self.evicting[gid] = group
         for mem in group.members:
@@ -948,6 +968,12 @@ class DirectoryCore:
             if seg.up and now_ms - seg.last_heartbeat_ms > self.config.heartbeat_timeout_ms:
                 self._count("segments_down_total")
                 self._segment_lost(seg, "heartbeat_timeout", effects)
+        while self._replica_deadlines and self._replica_deadlines[0][0] <= now_ms:
+            _, ticket_id = heapq.heappop(self._replica_deadlines)
+            rt = self._replicating.pop(ticket_id, None)
+            if rt is not None:  # never confirmed: a late confirm gets unknown_ticket, the segment frees
+                self._release_reservation(rt.placement, rt.size_bytes)
+                self._count("replica_tickets_expired_total")
         self._sweep(effects)
         self._retry_frees(now_ms, effects)
         self._flush_hits(effects)
@@ -978,10 +1004,13 @@ class DirectoryCore:
             if record is None:
                 continue
             group = unpack_group(record)
-            if all(self._placement_live(r.placement) for mem in group.members for r in mem.replicas):
+            forced = gid in self._unreadable
+            if not forced and all(
+                self._placement_live(r.placement) for mem in group.members for r in mem.replicas
+            ):
                 continue
             members = []
-            lost = False
+            lost = forced
             for mem in group.members:
                 live = tuple(r for r in mem.replicas if self._placement_live(r.placement))
                 lost |= not live
@@ -990,6 +1019,7 @@ class DirectoryCore:
                 self._sweep_deferred.add(gid)  # lookups already skip it: a member has no live replica
             elif lost:
                 del self.published[gid]
+                self._unreadable.discard(gid)
                 for mem in members:
                     for r in mem.replicas:
                         self._free_slot(
@@ -1099,8 +1129,12 @@ class DirectoryCore:
                 or self._namespaces[unpack_group(self.published[g]).namespace][4:20] == req.domain_digest
             )
         )
+        if req.below_target:
+            selected = [g for g in selected if self._below_target(unpack_group(self.published[g]))]
         page = selected[: req.limit]
-        summaries = [s for s in (self._summary(g, with_objects=False) for g in page) if s is not None]
+        summaries = [
+            s for s in (self._summary(g, with_objects=req.with_objects) for g in page) if s is not None
+        ]
         next_after = page[-1] if len(selected) > req.limit else b""
         return Outcome(m.GroupList(epoch=self.epoch, groups=summaries, next_after=next_after))
 
@@ -1127,6 +1161,130 @@ class DirectoryCore:
             for i, x in itertools.islice(sorted(self._leases.items()), req.limit)
         ]
         return Outcome(m.LeaseList(epoch=self.epoch, leases=leases))
+
+    # ---- extra replicas and corrupt replicas (repair, prefetch, scrub) ------------------------
+
+    def _below_target(self, group: PublishedGroup) -> bool:
+        target = self.config.replicas_default
+        return any(
+            sum(self._placement_live(r.placement) for r in mem.replicas) < target for mem in group.members
+        )
+
+    def _published_member(self, key: bytes) -> tuple[bytes, PublishedGroup, MemberRecord] | None:
+        info = parse_key(key)
+        record = self.published.get(info.group.group_id)
+        if record is None:
+            return None
+        group = unpack_group(record)
+        if self._namespaces[group.namespace] != info.group.namespace:
+            return None
+        mem = next((x for x in group.members if x.member == info.member), None)
+        return None if mem is None else (info.group.group_id, group, mem)
+
+    def _replace_member(self, gid: bytes, group: PublishedGroup, new: MemberRecord) -> None:
+        members = tuple(new if x.member == new.member else x for x in group.members)
+        target = self.config.replicas_default
+        degraded = any(len(x.replicas) < target for x in members)
+        flags = (group.flags | FLAG_DEGRADED) if degraded else (group.flags & ~FLAG_DEGRADED)
+        self.published[gid] = pack_group(PublishedGroup(group.namespace, group.chunk_index, flags, members))
+
+    def _replicate_begin(self, req: m.ReplicateBegin, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        if not 0 < req.write_ttl_ms <= m.WRITE_TTL_MS_MAX:
+            raise BadRequest(f"write_ttl_ms must be in 1..{m.WRITE_TTL_MS_MAX}")
+        found = self._published_member(req.key)
+        if found is None:
+            return Outcome(m.ReplicateBeginReply(epoch=self.epoch, status="not_found"))
+        gid, _, mem = found
+        seg = self.segments.get(req.segment_id)
+        if seg is None or not seg.up or seg.draining:
+            return Outcome(m.ReplicateBeginReply(epoch=self.epoch, status="segment_down"))
+        placement = self._intern_placement(seg.segment_id, seg.incarnation)
+        pending = any(
+            (rt.group, rt.member, rt.placement) == (gid, mem.member, placement)
+            for rt in self._replicating.values()
+        )
+        if pending or any(r.placement == placement for r in mem.replicas) or len(mem.replicas) >= 255:
+            return Outcome(m.ReplicateBeginReply(epoch=self.epoch, status="already_there"))
+        if seg.capacity_bytes - seg.reserved_bytes < mem.size_bytes:
+            self._count("no_capacity_total")
+            return Outcome(m.ReplicateBeginReply(epoch=self.epoch, status="no_capacity"))
+        seg.reserved_bytes += mem.size_bytes
+        ticket_id = next(self._ids)
+        deadline = now_ms + req.write_ttl_ms
+        self._replicating[ticket_id] = _ReplicaTicket(
+            gid, mem.member, placement, mem.size_bytes, mem.checksum, req.key, deadline
+        )
+        heapq.heappush(self._replica_deadlines, (deadline, ticket_id))
+        ticket = m.WriteTicket(
+            ticket_id=ticket_id,
+            key=req.key,
+            segment_id=seg.segment_id,
+            incarnation=seg.incarnation,
+            size_bytes=mem.size_bytes,
+            checksum=mem.checksum,
+            writer_id=req.writer_id,
+            deadline_ms=deadline,
+            epoch=self.epoch,
+            data_addr=seg.data_addr,
+        )
+        sources = [self._replica(r) for r in mem.replicas if self._placement_live(r.placement)]
+        self._count("replica_tickets_total")
+        return Outcome(
+            m.ReplicateBeginReply(
+                epoch=self.epoch,
+                status="placed",
+                ticket=sign_ticket(ticket, self.config.ticket_secret),
+                sources=sources,
+            )
+        )
+
+    def _confirm_extra_replica(self, req: m.ConfirmReplicas, c: m.ReplicaConfirm) -> m.ConfirmStatus:
+        rt = self._replicating.pop(c.ticket_id)
+        if self._placements[rt.placement] != (req.segment_id, req.incarnation) or (
+            c.key,
+            c.size_bytes,
+            c.checksum,
+        ) != (rt.key, rt.size_bytes, rt.checksum):
+            self._release_reservation(rt.placement, rt.size_bytes)
+            self._count("confirm_mismatch_total")
+            return "mismatch"
+        found = self._published_member(rt.key)
+        if found is None:  # evicted or lost meanwhile: the segment frees the copy
+            self._release_reservation(rt.placement, rt.size_bytes)
+            self._count("replica_confirm_gone_total")
+            return "unknown_ticket"
+        gid, group, mem = found
+        replica = ReplicaRecord(rt.placement, c.slot, c.slot_generation)
+        self._replace_member(
+            gid, group, MemberRecord(*mem.member, mem.size_bytes, mem.checksum, (*mem.replicas, replica))
+        )
+        self._count("replicas_added_total")
+        return "ok"
+
+    def _replica_corrupt(self, req: m.ReplicaCorrupt, now_ms: int) -> Outcome:
+        """A scrubber found bad bytes: that replica goes (freed); a member left without any
+        replica makes its group unreadable at once and it is invalidated (swept)."""
+        self._check_epoch(req.epoch)
+        self._live_segment(req.segment_id, req.incarnation)
+        effects: list[Effect] = []
+        placement = self._intern_placement(req.segment_id, req.incarnation)
+        found = self._published_member(req.key)
+        bad = ReplicaRecord(placement, req.slot, req.slot_generation)
+        if found is None or bad not in found[2].replicas:
+            return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=False))
+        gid, group, mem = found
+        self._count("replicas_corrupt_total")
+        left = tuple(r for r in mem.replicas if r != bad)
+        if not left:  # its only good copy is gone: nobody may read the group any more
+            self._unreadable.add(gid)
+            self._sweep_queue.append(gid)
+            return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=True), effects)
+        self._replace_member(gid, group, MemberRecord(*mem.member, mem.size_bytes, mem.checksum, left))
+        self._free_slot(placement, req.slot, req.slot_generation, mem.size_bytes, req.key, b"", effects)
+        self._sweep_queue.append(gid)  # gone entirely if that was the member's last replica
+        effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=gid)))
+        return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=True), effects)
 
     # ---- rebuild (a new leader) -------------------------------------------------------------
 
@@ -1197,6 +1355,8 @@ class DirectoryCore:
                     add(r.placement, mem.size_bytes)
         for (sid, inc, _, _), (size, _, _) in self._freeing.items():
             add(self._placement_index[(sid, inc)], size)
+        for rt in self._replicating.values():
+            add(rt.placement, rt.size_bytes)
         for seg in self.segments.values():
             if seg.up:
                 invariant(
@@ -1234,6 +1394,8 @@ _HANDLERS: dict[type[msgspec.Struct], Callable[[DirectoryCore, Any, int], Outcom
     m.Unpin: DirectoryCore._unpin,
     m.Evict: DirectoryCore._evict,
     m.SlotsFreed: DirectoryCore._freed,
+    m.ReplicateBegin: DirectoryCore._replicate_begin,
+    m.ReplicaCorrupt: DirectoryCore._replica_corrupt,
     m.ListSegments: DirectoryCore._list_segments,
     m.ListGroups: DirectoryCore._list_groups,
     m.ShowGroup: DirectoryCore._show_group,

@@ -57,6 +57,8 @@ VERBS: Final[dict[str, type[msgspec.Struct]]] = {
     "unpin": m.Unpin,
     "evict": m.Evict,
     "freed": m.SlotsFreed,
+    "replicate_begin": m.ReplicateBegin,
+    "replica_corrupt": m.ReplicaCorrupt,
     "list_segments": m.ListSegments,
     "list_groups": m.ListGroups,
     "show_group": m.ShowGroup,
