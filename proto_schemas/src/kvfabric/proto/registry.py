@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from kvfabric.proto import common, dataplane, directory, echo, eviction, segment
+from kvfabric.proto import common, dataplane, directory, echo, eviction, repair, segment
 
 __all__ = ["FAMILIES"]
 
@@ -18,4 +18,5 @@ FAMILIES: Final[dict[str, Any]] = {
     "segment": segment.SegmentMessage,
     "dataplane": dataplane.DataplaneMeta,
     "eviction": eviction.EvictionMessage,
+    "repair": repair.RepairMessage,
 }

@@ -1,0 +1,1 @@
+"""kvfabric repair service."""

@@ -1,0 +1,247 @@
+"""The repair shell: directory state → `RepairCore` → segment-to-segment copies → core.
+
+Every `scan_ms` the shell re-syncs the core with the directory (anti-entropy, no event to miss):
+- `list_segments` → `segment_up` (failure domain, free = capacity − reserved, draining) for each
+  segment up, `segment_down` for one that is gone or restarted;
+- `list_groups(below_target, with_objects)` paged → `object_known` for each member (object =
+  its 96-byte key) with fewer live replicas than the target; objects tracked before and absent
+  now reached their target or are gone → `object_removed`.
+Every `tick_ms` `core.tick` returns copies within the bandwidth budget and in-flight cap; each
+runs as a task: `replicate_begin` (the directory's signed ticket for the destination, and the
+live sources) → `kvf.v1.segment.copy.<destination>` (the destination reads the bytes from the
+source segment over the data plane, verifies the checksum and confirms the replica like any
+write) → `copy_ok` / `copy_failed`. No payload crosses NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from collections.abc import Mapping
+from typing import Final
+
+import msgspec
+from nats.aio.client import Client as NatsClient
+
+from kvfabric.core.repair import DrainComplete, RepairCore, StartCopy
+from kvfabric.dataplane.addresses import pick
+from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.proto import directory as m
+from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
+from kvfabric.proto.segment import CopyReply, CopyRequest, segment_decoder
+from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject
+from kvfabric.runtime.client import request
+from kvfabric.runtime.logs import get_logger
+from kvfabric.runtime.service import ServiceRuntime
+
+__all__ = ["RepairShell", "key_of", "now_ms"]
+
+LIST_PAGE: Final = 1000
+SCAN_PAGES_MAX: Final = 10_000  # ≤ 10 M groups per scan: a bound, not a target
+_MEMBER: Final = struct.Struct("<HHH")
+WRITER_ID: Final = "repair"
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def key_of(summary: m.GroupSummary, member: m.Member) -> bytes:
+    """The object's 96-byte key: chunk group id (namespace, chunk index, chain hash) + member."""
+    group_id = summary.namespace + summary.chunk_index.to_bytes(4, "little") + summary.group
+    return group_id + _MEMBER.pack(member.tp_rank, member.pp_stage, member.layer_group)
+
+
+class RepairShell:
+    def __init__(
+        self,
+        core: RepairCore,
+        *,
+        replicas_target: int,
+        scan_ms: int,
+        tick_ms: int,
+        request_timeout_s: float,
+        copy_timeout_s: float,
+    ) -> None:
+        self.core = core
+        self.replicas_target = replicas_target
+        self.scan_ms = scan_ms
+        self.tick_ms = tick_ms
+        self.request_timeout_s = request_timeout_s
+        self.copy_timeout_s = copy_timeout_s
+        self._incarnations: dict[str, int] = {}
+        self._tracked: set[bytes] = set()
+        self._nc: NatsClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._copies: set[asyncio.Task[None]] = set()
+        self._log = get_logger("kvfabric.repair")
+        self.scans = 0
+        self.below_target = 0  # objects below target at the last scan
+        self.bytes_copied = 0
+        self.drains_complete: list[str] = []
+
+    def attach(self, runtime: ServiceRuntime) -> None:
+        runtime.add_endpoint("status", self._status)
+
+    async def start(self, nc: NatsClient) -> None:
+        self._nc = nc
+        self._tasks = [asyncio.create_task(self._scanner()), asyncio.create_task(self._ticker())]
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *self._copies]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._copies, return_exceptions=True)
+
+    # ---- scan --------------------------------------------------------------------------------
+
+    async def _scanner(self) -> None:
+        while True:
+            try:
+                await self.scan()
+            except KvfError as exc:
+                self._log.info("scan_failed", code=exc.code)
+            await asyncio.sleep(self.scan_ms / 1000)
+
+    async def scan(self) -> None:
+        """One anti-entropy pass (public for tests)."""
+        segments = await self._directory("list_segments", m.ListSegments())
+        assert isinstance(segments, m.SegmentList)
+        seen = set()
+        for seg in segments.segments:
+            if not seg.up:
+                continue
+            seen.add(seg.segment_id)
+            self._incarnations[seg.segment_id] = seg.incarnation
+            self.core.segment_up(
+                seg.segment_id,
+                incarnation=seg.incarnation,
+                zone=seg.domain.zone,
+                rack=seg.domain.rack,
+                host=seg.domain.host,
+                free_bytes=max(0, seg.capacity_bytes - seg.reserved_bytes),
+                draining=seg.draining,
+            )
+        for gone in set(self._incarnations) - seen:
+            self.core.segment_down(gone)
+            del self._incarnations[gone]
+        below: set[bytes] = set()
+        after = b""
+        for _ in range(SCAN_PAGES_MAX):
+            page = await self._directory(
+                "list_groups",
+                m.ListGroups(after=after, limit=LIST_PAGE, below_target=True, with_objects=True),
+            )
+            assert isinstance(page, m.GroupList)
+            for summary in page.groups:
+                for obj in summary.objects:
+                    if len(obj.replicas) >= self.replicas_target:
+                        continue
+                    key = key_of(summary, obj.member)
+                    below.add(key)
+                    self.core.object_known(
+                        key,
+                        size_bytes=obj.size_bytes,
+                        replica_target=self.replicas_target,
+                        segments=[r.segment_id for r in obj.replicas],
+                        hot=summary.leases + summary.pins,
+                    )
+            if not page.next_after:
+                break
+            after = page.next_after
+        for done in self._tracked - below:
+            self.core.object_removed(done)
+        self._tracked = below
+        self.below_target = len(below)
+        self.scans += 1
+
+    # ---- copies ------------------------------------------------------------------------------
+
+    async def _ticker(self) -> None:
+        while True:
+            for effect in self.core.tick(now_ms()):
+                if isinstance(effect, StartCopy):
+                    task = asyncio.create_task(self._copy(effect))
+                    self._copies.add(task)
+                    task.add_done_callback(self._copies.discard)
+                elif isinstance(effect, DrainComplete):
+                    self.drains_complete.append(effect.segment_id)
+                    self._log.info("drain_complete", segment_id=effect.segment_id)
+            await asyncio.sleep(self.tick_ms / 1000)
+
+    async def _copy(self, start: StartCopy) -> None:
+        assert isinstance(start.object_id, bytes)
+        try:
+            ok = await asyncio.wait_for(self._copy_once(start), self.copy_timeout_s)
+        except (KvfError, TimeoutError) as exc:
+            self._log.info("copy_failed", copy_id=start.copy_id, error=getattr(exc, "code", "timeout"))
+            ok = False
+        if ok:
+            self.bytes_copied += start.size_bytes
+            if not self.core.copy_ok(start.copy_id):
+                self._log.info("copy_not_wanted_any_more", copy_id=start.copy_id)  # an extra replica
+        else:
+            self.core.copy_failed(start.copy_id, now_ms())
+
+    async def _copy_once(self, start: StartCopy) -> bool:
+        assert self._nc is not None and isinstance(start.object_id, bytes)
+        reply = await self._directory(
+            "replicate_begin",
+            m.ReplicateBegin(
+                writer_id=WRITER_ID,
+                request_id=f"copy-{start.copy_id}",
+                key=start.object_id,
+                segment_id=start.destination,
+                write_ttl_ms=int(self.copy_timeout_s * 1000),
+            ),
+        )
+        assert isinstance(reply, m.ReplicateBeginReply)
+        if reply.status == "already_there":
+            return True
+        if reply.status == "not_found":
+            self.core.object_removed(start.object_id)
+            return False
+        if reply.status != "placed" or reply.ticket is None or not reply.sources:
+            return False
+        source = next((r for r in reply.sources if r.segment_id == start.source), reply.sources[0])
+        copied = await request(
+            self._nc,
+            segment_subject(start.destination, "copy"),
+            CopyRequest(
+                ticket=reply.ticket,
+                source_addr=pick(source.data_addr, "tcp"),
+                source_incarnation=source.incarnation,
+                source_slot=source.slot,
+                source_slot_generation=source.slot_generation,
+            ),
+            segment_decoder,
+            self.copy_timeout_s,
+        )
+        return isinstance(copied, CopyReply)
+
+    async def _directory(self, verb: str, message: msgspec.Struct) -> m.DirectoryReply:
+        assert self._nc is not None
+        return await request(
+            self._nc,
+            endpoint_subject(Service.DIRECTORY, verb),
+            message,
+            m.reply_decoder,
+            self.request_timeout_s,
+        )
+
+    # ---- status ------------------------------------------------------------------------------
+
+    async def _status(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+        if not isinstance(repair_decoder.decode(data), RepairStatusRequest):
+            raise BadRequest("status takes RepairStatusRequest")
+        return self.status()
+
+    def status(self) -> RepairStatus:
+        return RepairStatus(
+            scans=self.scans,
+            below_target=self.below_target,
+            bytes_copied=self.bytes_copied,
+            drains_complete=list(self.drains_complete),
+            gauges=self.core.gauges(),
+            counters=dict(self.core.counters),
+        )
