@@ -26,8 +26,8 @@ then have no parent and are ordinary leaves-to-be.
 ## When to evict (`tick`)
 - A pool whose used bytes exceed `high_watermark` x capacity is *pressed*: it evicts leaves of
   that pool until its used bytes minus the bytes already EVICTING reach `low_watermark` x
-  capacity, and stays pressed (victims the directory refused are replaced on later ticks) until
-  its used bytes are at the low watermark.
+  capacity; a victim the directory refuses re-arms the pool, so it is replaced by another on a
+  later tick until the pool is really at its low watermark.
 - A tenant over its hard quota evicts its own leaves first (any pool) down to the quota.
 - Pool pressure never takes a tenant below its guaranteed share (`guaranteed_bytes`, counting
   bytes already being evicted); its own hard quota may.
@@ -318,7 +318,10 @@ class EvictionCore:
             return
         obj.evicting = False
         for p, b in obj.pools.items():
-            self._pools[p].evicting -= b
+            usage = self._pools[p]
+            usage.evicting -= b
+            if usage.capacity and usage.used - usage.evicting > self.config.low_watermark * usage.capacity:
+                usage.pressed = True  # the bytes it was counting on stay: choose others
         self._tenant_evicting[obj.tenant] -= obj.size
         parent = self._objects.get(obj.parent) if obj.parent is not None else None
         if parent is not None:
@@ -367,12 +370,15 @@ class EvictionCore:
                 continue
             if usage.used > self.config.high_watermark * usage.capacity:
                 usage.pressed = True
+            if not usage.pressed:
+                continue
             target = int(self.config.low_watermark * usage.capacity)
-            if usage.pressed and usage.used <= target:
-                usage.pressed = False  # reached the low watermark: wait for the high one again
             excess = usage.used - usage.evicting - target
-            if usage.pressed and excess > 0:
+            if excess > 0:
                 effects += self._evict(excess, now_ms, reason="watermark", pool=pool)
+            # Done once enough is chosen; a refusal (`refused`) re-arms it, so refused victims
+            # are replaced on a later tick until the pool is really at its low watermark.
+            usage.pressed = usage.used - usage.evicting > target
         return effects
 
     # ---- internals -------------------------------------------------------------------------
