@@ -7,10 +7,9 @@ Every `scan_ms` the shell re-syncs the core with the directory (anti-entropy, no
   its 96-byte key) with fewer live replicas than the target; objects tracked before and absent
   now reached their target or are gone → `object_removed`.
 Every `tick_ms` `core.tick` returns copies within the bandwidth budget and in-flight cap; each
-runs as a task: `replicate_begin` (the directory's signed ticket for the destination, and the
-live sources) → `kvf.v1.segment.copy.<destination>` (the destination reads the bytes from the
-source segment over the data plane, verifies the checksum and confirms the replica like any
-write) → `copy_ok` / `copy_failed`. No payload crosses NATS.
+runs as a task: `kvfabric.client.replicas.copy_replica` (the directory's ticket, then the
+destination reads the bytes from the source over the data plane, verifies and confirms) →
+`copy_ok` / `copy_failed`. No payload crosses NATS.
 """
 
 from __future__ import annotations
@@ -24,13 +23,12 @@ from typing import Final
 import msgspec
 from nats.aio.client import Client as NatsClient
 
+from kvfabric.client.replicas import copy_replica
 from kvfabric.core.repair import DrainComplete, RepairCore, StartCopy
-from kvfabric.dataplane.addresses import pick
 from kvfabric.format.errors import BadRequest, KvfError
 from kvfabric.proto import directory as m
 from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
-from kvfabric.proto.segment import CopyReply, CopyRequest, segment_decoder
-from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject
+from kvfabric.proto.subjects import Service, endpoint_subject
 from kvfabric.runtime.client import request
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
@@ -185,39 +183,18 @@ class RepairShell:
 
     async def _copy_once(self, start: StartCopy) -> bool:
         assert self._nc is not None and isinstance(start.object_id, bytes)
-        reply = await self._directory(
-            "replicate_begin",
-            m.ReplicateBegin(
-                writer_id=WRITER_ID,
-                request_id=f"copy-{start.copy_id}",
-                key=start.object_id,
-                segment_id=start.destination,
-                write_ttl_ms=int(self.copy_timeout_s * 1000),
-            ),
-        )
-        assert isinstance(reply, m.ReplicateBeginReply)
-        if reply.status == "already_there":
-            return True
-        if reply.status == "not_found":
-            self.core.object_removed(start.object_id)
-            return False
-        if reply.status != "placed" or reply.ticket is None or not reply.sources:
-            return False
-        source = next((r for r in reply.sources if r.segment_id == start.source), reply.sources[0])
-        copied = await request(
+        outcome = await copy_replica(
             self._nc,
-            segment_subject(start.destination, "copy"),
-            CopyRequest(
-                ticket=reply.ticket,
-                source_addr=pick(source.data_addr, "tcp"),
-                source_incarnation=source.incarnation,
-                source_slot=source.slot,
-                source_slot_generation=source.slot_generation,
-            ),
-            segment_decoder,
-            self.copy_timeout_s,
+            key=start.object_id,
+            destination=start.destination,
+            writer_id=WRITER_ID,
+            request_id=f"copy-{start.copy_id}",
+            timeout_s=self.copy_timeout_s,
+            preferred_source=start.source,
         )
-        return isinstance(copied, CopyReply)
+        if outcome == "not_found":
+            self.core.object_removed(start.object_id)
+        return outcome in ("copied", "already_there")
 
     async def _directory(self, verb: str, message: msgspec.Struct) -> m.DirectoryReply:
         assert self._nc is not None

@@ -1,0 +1,72 @@
+"""One more replica of a published object, copied segment to segment (repair, prefetch, drain).
+
+`copy_replica` asks the directory for a ticket on the destination (`replicate_begin`, which
+also names the live sources), then asks the destination segment to read the bytes from a source
+over the data plane (`seg.copy`): the destination verifies them against the ticket's checksum and
+confirms the replica, which joins the published record. No payload crosses NATS; the caller owns
+nothing afterwards (a failed copy leaves nothing visible and the segment frees what it wrote).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from nats.aio.client import Client as NatsClient
+
+from kvfabric.dataplane.addresses import pick
+from kvfabric.proto import directory as m
+from kvfabric.proto.segment import CopyReply, CopyRequest, segment_decoder
+from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject
+from kvfabric.runtime.client import request
+
+__all__ = ["CopyOutcome", "copy_replica"]
+
+CopyOutcome = Literal["copied", "already_there", "not_found", "no_capacity", "segment_down", "failed"]
+
+
+async def copy_replica(
+    nc: NatsClient,
+    *,
+    key: bytes,
+    destination: str,
+    writer_id: str,
+    request_id: str,
+    timeout_s: float,
+    preferred_source: str = "",
+) -> CopyOutcome:
+    """Copy `key`'s object onto `destination`. Raises KvfError when a request fails (timeout,
+    segment refused the copy); returns the directory's verdict otherwise."""
+    reply = await request(
+        nc,
+        endpoint_subject(Service.DIRECTORY, "replicate_begin"),
+        m.ReplicateBegin(
+            writer_id=writer_id,
+            request_id=request_id,
+            key=key,
+            segment_id=destination,
+            write_ttl_ms=max(1, int(timeout_s * 1000)),
+        ),
+        m.reply_decoder,
+        timeout_s,
+    )
+    if not isinstance(reply, m.ReplicateBeginReply):
+        return "failed"
+    if reply.status != "placed":
+        return reply.status
+    if reply.ticket is None or not reply.sources:
+        return "failed"
+    source = next((r for r in reply.sources if r.segment_id == preferred_source), reply.sources[0])
+    copied = await request(
+        nc,
+        segment_subject(destination, "copy"),
+        CopyRequest(
+            ticket=reply.ticket,
+            source_addr=pick(source.data_addr, "tcp"),
+            source_incarnation=source.incarnation,
+            source_slot=source.slot,
+            source_slot_generation=source.slot_generation,
+        ),
+        segment_decoder,
+        timeout_s,
+    )
+    return "copied" if isinstance(copied, CopyReply) else "failed"
