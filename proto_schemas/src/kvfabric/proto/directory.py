@@ -387,6 +387,9 @@ class ReplicaCorrupt(_Msg, frozen=True, kw_only=True, tag="dir.replica_corrupt.v
     slot: int
     slot_generation: int
     epoch: int = 0
+    # "corrupt" (a scrubber's finding: dropped even if it was the last copy) or another reason
+    # to drop one replica, e.g. "cold_extra" (prefetch): then a last replica is never dropped.
+    reason: str = "corrupt"
 
 
 class ReplicaCorruptReply(_Msg, frozen=True, kw_only=True, tag="dir.replica_corrupt_reply.v1"):

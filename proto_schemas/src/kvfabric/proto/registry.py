@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from kvfabric.proto import common, dataplane, directory, echo, eviction, repair, segment
+from kvfabric.proto import common, dataplane, directory, echo, eviction, prefetch, repair, segment
 
 __all__ = ["FAMILIES"]
 
@@ -19,4 +19,5 @@ FAMILIES: Final[dict[str, Any]] = {
     "dataplane": dataplane.DataplaneMeta,
     "eviction": eviction.EvictionMessage,
     "repair": repair.RepairMessage,
+    "prefetch": prefetch.PrefetchMessage,
 }

@@ -148,6 +148,7 @@ class AsyncKvClient:
             timeout_s=settings.load_timeout_ms / 1000,
             use_shm=settings.use_shm,
             verify=not settings.unsafe_skip_verification_for_tests,
+            local_segments=frozenset(s for s in settings.local_segments.split(",") if s),
         )
         self._executor = ThreadPoolExecutor(settings.transfers_max, thread_name_prefix="kvf-transfer")
         self._save_executor = ThreadPoolExecutor(
@@ -256,7 +257,9 @@ class AsyncKvClient:
         if not isinstance(reply, m.LookupReply):
             return self._fallback(empty, "directory_error")
         by_position = {
-            (o.chunk_index, MemberId(o.member.tp_rank, o.member.pp_stage, o.member.layer_group)): o
+            (o.chunk_index, MemberId(o.member.tp_rank, o.member.pp_stage, o.member.layer_group)): (
+                self.pool.prefer_local(o)
+            )
             for o in reply.objects
         }
         rows: list[tuple[m.ObjectLocation, ...]] = []

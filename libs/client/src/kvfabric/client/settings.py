@@ -39,6 +39,9 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
     saves_queued_max: int = 64
     replica_attempts_max: int = 2  # replicas tried per object before the load gives up
     use_shm: bool = True  # read co-located segments through their shared-memory arena
+    # Comma-separated ids of the segments on this host: their replicas are read first (and, when
+    # set, only they through shared memory). Prefetch hints name one of them as the target.
+    local_segments: str = ""
     metrics_port: int = -1  # -1: no HTTP endpoint; 0: any free port
     # Test switch only (chaos checkers must be able to fail): loads skip checksum verification.
     unsafe_skip_verification_for_tests: bool = False

@@ -48,13 +48,21 @@ class SegmentPool:
     """Data connections to segments, shared by the client's worker threads."""
 
     def __init__(
-        self, *, connections_per_segment_max: int, timeout_s: float, use_shm: bool, verify: bool = True
+        self,
+        *,
+        connections_per_segment_max: int,
+        timeout_s: float,
+        use_shm: bool,
+        verify: bool = True,
+        local_segments: frozenset[str] = frozenset(),
     ) -> None:
         self.connections_per_segment_max = connections_per_segment_max
         self.verify = verify  # False only under the chaos test switch
         self.timeout_s = timeout_s
         self.use_shm = use_shm
-        self._idle: dict[str, list[_Connection]] = {}
+        # Segments on this host (empty: any segment whose arena can be mapped counts as local).
+        self.local_segments = local_segments
+        self._idle: dict[tuple[str, bool], list[_Connection]] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -66,15 +74,18 @@ class SegmentPool:
             for conn in conns:
                 conn.close()
 
+    def _shm_ok(self, segment_id: str) -> bool:
+        return self.use_shm and (not self.local_segments or segment_id in self.local_segments)
+
     @contextlib.contextmanager
-    def _connection(self, data_addr: str) -> Iterator[_Connection]:
+    def _connection(self, data_addr: str, shm_ok: bool = False) -> Iterator[_Connection]:
         with self._lock:
-            conns = self._idle.get(data_addr)
+            conns = self._idle.get((data_addr, shm_ok))
             conn = conns.pop() if conns else None
         if conn is None:
             tcp = TcpDataClient.connect(data_addr, timeout_s=self.timeout_s)
             shm = None
-            if self.use_shm:
+            if shm_ok:
                 try:
                     shm = ShmReader(tcp)
                 except (KvfError, OSError, ValueError):
@@ -86,11 +97,18 @@ class SegmentPool:
             conn.close()
             raise
         with self._lock:
-            pool = self._idle.setdefault(data_addr, [])
+            pool = self._idle.setdefault((data_addr, shm_ok), [])
             if self._closed or len(pool) >= self.connections_per_segment_max:
                 conn.close()
             else:
                 pool.append(conn)
+
+    def prefer_local(self, location: ObjectLocation) -> ObjectLocation:
+        """The same location with replicas on this host's segments first (stable otherwise)."""
+        if not self.local_segments or len(location.replicas) < 2:
+            return location
+        ordered = sorted(location.replicas, key=lambda r: r.segment_id not in self.local_segments)
+        return msgspec.structs.replace(location, replicas=ordered)
 
     def fetch(self, location: ObjectLocation, staging: bytearray, attempts_max: int) -> str:
         """Read one object into `staging` from its first reachable replica and verify its
@@ -99,7 +117,7 @@ class SegmentPool:
         for replica in location.replicas[:attempts_max]:
             ref = ReadRef(replica.incarnation, replica.slot, replica.slot_generation, location.size_bytes)
             try:
-                with self._connection(replica.data_addr) as conn:
+                with self._connection(replica.data_addr, self._shm_ok(replica.segment_id)) as conn:
                     if conn.shm is not None and conn.shm.incarnation == replica.incarnation:
                         result = conn.shm.get([ref], [staging])[0]
                     else:
@@ -138,7 +156,9 @@ class SegmentPool:
         causes = ["not_found"] * len(locations)
         live = [i for i, r in enumerate(firsts) if r is not None]
         if live:
-            addr = firsts[live[0]].data_addr  # type: ignore[union-attr]
+            first = firsts[live[0]]
+            assert first is not None
+            addr = first.data_addr
             refs = [
                 ReadRef(r.incarnation, r.slot, r.slot_generation, locations[i].size_bytes)
                 for i in live
@@ -146,7 +166,7 @@ class SegmentPool:
             ]
             views = [stagings[i] for i in live]
             try:
-                with self._connection(addr) as conn:
+                with self._connection(addr, self._shm_ok(first.segment_id)) as conn:
                     incarnations = {ref.incarnation for ref in refs}
                     if conn.shm is not None and incarnations == {conn.shm.incarnation}:
                         results = conn.shm.get(refs, views)

@@ -1274,8 +1274,15 @@ class DirectoryCore:
         if found is None or bad not in found[2].replicas:
             return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=False))
         gid, group, mem = found
-        self._count("replicas_corrupt_total")
         left = tuple(r for r in mem.replicas if r != bad)
+        if req.reason != "corrupt":  # a healthy replica nobody needs (a cold extra): never the last
+            if not left:
+                return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=False))
+            self._replace_member(gid, group, MemberRecord(*mem.member, mem.size_bytes, mem.checksum, left))
+            self._free_slot(placement, req.slot, req.slot_generation, mem.size_bytes, req.key, b"", effects)
+            self._count("replicas_dropped_total")
+            return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=True), effects)
+        self._count("replicas_corrupt_total")
         if not left:  # its only good copy is gone: nobody may read the group any more
             self._unreadable.add(gid)
             self._sweep_queue.append(gid)

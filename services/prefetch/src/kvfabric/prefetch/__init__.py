@@ -1,0 +1,1 @@
+"""kvfabric prefetch service."""

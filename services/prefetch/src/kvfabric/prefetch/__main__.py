@@ -1,0 +1,90 @@
+"""Run the prefetch service: `python -m kvfabric.prefetch --nats-url ... [runtime flags]`.
+
+Settings come from the environment (see `kvfabric.prefetch.settings`). Schedulers send hints
+(`kvf.v1.prefetch.hint`); the service copies hinted prefixes next to the engine and gives hot
+objects an extra replica.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Final
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvfabric.core.prefetch import PrefetchCore
+from kvfabric.prefetch.settings import load_prefetch_settings
+from kvfabric.prefetch.shell import PrefetchShell
+from kvfabric.proto.subjects import Service
+from kvfabric.runtime.cli import service_cli
+from kvfabric.runtime.config import RuntimeSettings, SettingsError
+from kvfabric.runtime.logs import get_logger
+from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
+
+PREFETCH_VERSION: Final = "0.1.0"
+EXIT_USAGE: Final = 2
+
+
+class PrefetchCollector(Collector):
+    def __init__(self, shell: PrefetchShell) -> None:
+        self.shell = shell
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        status = self.shell.status()
+        events = CounterMetricFamily(
+            "kvfabric_prefetch_core_events", "Core counters, by name.", labels=["name"]
+        )
+        for name, value in sorted(status.counters.items()):
+            events.add_metric([name.removesuffix("_total")], value)
+        yield events
+        state = GaugeMetricFamily("kvfabric_prefetch_state", "Queues and copies, by name.", labels=["name"])
+        for name, value in sorted(status.gauges.items()):
+            state.add_metric([name], value)
+        yield state
+
+
+async def serve(settings: RuntimeSettings) -> int:
+    log = get_logger("kvfabric.prefetch")
+    try:
+        config = load_prefetch_settings(os.environ)
+    except SettingsError as exc:
+        log.error("settings_invalid", error=str(exc))
+        return EXIT_USAGE
+    shell = PrefetchShell(
+        PrefetchCore(config.core),
+        holder_id=f"prefetch-{settings.instance_id}",
+        tick_ms=config.tick_ms,
+        scan_ms=config.scan_ms,
+        resolving_max=config.resolving_max,
+        hot_groups_per_event_max=32,
+        request_timeout_s=config.request_timeout_s,
+        copy_timeout_s=config.copy_timeout_s,
+    )
+    runtime = ServiceRuntime(
+        Service.PREFETCH,
+        settings,
+        version=PREFETCH_VERSION,
+        description="kvfabric prefetch: hinted prefixes next to the engine, hot-object replicas",
+    )
+    shell.attach(runtime)
+    runtime.metrics.registry.register(PrefetchCollector(shell))
+    runtime.stop_on_signals()
+    try:
+        await runtime.start()
+        await shell.start(runtime.nc)
+    except Exception as exc:
+        log.error("prefetch_start_failed", error=repr(exc))
+        await runtime.stop()
+        return EXIT_UNAVAILABLE
+    log.info("prefetch_started", metrics_port=runtime.metrics_port)
+    await runtime.wait_stop_requested()
+    await shell.stop()
+    return await runtime.stop()
+
+
+app = service_cli(name="prefetch", help="kvfabric prefetch service (kvf.v1.prefetch.*).", main=serve)
+
+if __name__ == "__main__":
+    sys.exit(app(prog_name="python -m kvfabric.prefetch"))

@@ -1,0 +1,56 @@
+"""Prefetch settings, from `KVF_PREFETCH_*` environment variables.
+
+| variable | default | meaning |
+|---|---|---|
+| `KVF_PREFETCH_HINTS_QUEUED_MAX` | 1024 | live hints; more answer `busy` |
+| `KVF_PREFETCH_OBJECTS_QUEUED_MAX` | 16384 | objects of live hints not yet copied |
+| `KVF_PREFETCH_BYTES_IN_FLIGHT_MAX` | 268435456 | bytes being copied at once |
+| `KVF_PREFETCH_COPIES_IN_FLIGHT_MAX` | 16 | copies at once |
+| `KVF_PREFETCH_RESOLVING_MAX` | 64 | hints being resolved (directory lookups) at once |
+| `KVF_PREFETCH_HOT_READS_PER_S` | 50 | an object read this often gets an extra replica |
+| `KVF_PREFETCH_COLD_READS_PER_S` | 5 | an extra replica read less often is dropped |
+| `KVF_PREFETCH_HOT_EXTRA_REPLICAS_MAX` | 256 | extra replicas at once |
+| `KVF_PREFETCH_TICK_MS` / `_SCAN_MS` | 20 / 2000 | planning period / segment refresh + cold sweep |
+| `KVF_PREFETCH_COPY_TIMEOUT_MS` | 10000 | one copy, ticket to confirm |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvfabric.core.prefetch import PrefetchConfig
+from kvfabric.runtime.config import env_int
+
+__all__ = ["PrefetchSettings", "load_prefetch_settings"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefetchSettings:
+    core: PrefetchConfig
+    tick_ms: int
+    scan_ms: int
+    resolving_max: int
+    copy_timeout_s: float
+    request_timeout_s: float
+
+
+def load_prefetch_settings(env: Mapping[str, str]) -> PrefetchSettings:
+    hot = env_int(env, "KVF_PREFETCH_HOT_READS_PER_S", 50, 1, 1_000_000)
+    core = PrefetchConfig(
+        hints_queued_max=env_int(env, "KVF_PREFETCH_HINTS_QUEUED_MAX", 1024, 1, 1_000_000),
+        objects_queued_max=env_int(env, "KVF_PREFETCH_OBJECTS_QUEUED_MAX", 16_384, 1, 10_000_000),
+        bytes_in_flight_max=env_int(env, "KVF_PREFETCH_BYTES_IN_FLIGHT_MAX", 256 << 20, 1, 1 << 40),
+        copies_in_flight_max=env_int(env, "KVF_PREFETCH_COPIES_IN_FLIGHT_MAX", 16, 1, 4096),
+        hot_reads_per_s=float(hot),
+        cold_reads_per_s=float(min(hot, env_int(env, "KVF_PREFETCH_COLD_READS_PER_S", 5, 0, 1_000_000))),
+        hot_extra_replicas_max=env_int(env, "KVF_PREFETCH_HOT_EXTRA_REPLICAS_MAX", 256, 0, 1_000_000),
+    )
+    return PrefetchSettings(
+        core=core,
+        tick_ms=env_int(env, "KVF_PREFETCH_TICK_MS", 20, 1, 60_000),
+        scan_ms=env_int(env, "KVF_PREFETCH_SCAN_MS", 2_000, 10, 3_600_000),
+        resolving_max=env_int(env, "KVF_PREFETCH_RESOLVING_MAX", 64, 1, 10_000),
+        copy_timeout_s=env_int(env, "KVF_PREFETCH_COPY_TIMEOUT_MS", 10_000, 100, 600_000) / 1000,
+        request_timeout_s=2.0,
+    )

@@ -1,0 +1,335 @@
+"""The prefetch shell: hints and reads → `PrefetchCore` → segment-to-segment copies → core.
+
+- `hint` (`PrefetchHint`): resolve the prefix with one directory `lookup` (its read lease keeps
+  the sources from being evicted while they are copied; released when the hint ends), then
+  `core.add_hint`; the answer (accepted / deduped / busy / refused) is the reply. At most
+  `resolving_max` hints are resolved at once: more answer `busy` at once (a flood costs no
+  directory traffic).
+- `cancel`: `core.cancel_hint`; its lease is released on the next tick.
+- Every `tick_ms`: `core.tick` → StartCopy tasks (`copy_replica`: ticket from the directory, the
+  target segment reads from the source and confirms) → `copy_finished` → PublishReplica (the
+  replica is already published by its confirm) / ReleaseCopy (nothing kept); leases of ended
+  hints are released.
+- Hot objects: lookup hits reach the service as the directory's `accessed` events (live NATS
+  subscription, no replay); for the hottest groups of each event (`hot_groups_per_event_max`)
+  a `show_group` gives the members and their replicas, fed to `core.read`. Every `scan_ms`
+  `list_segments` gives free bytes, and extra replicas gone cold are dropped through the
+  directory (`replica_corrupt` with reason `cold_extra`, refused for a last replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+from typing import Final
+
+import msgspec
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from kvfabric.client.replicas import copy_replica
+from kvfabric.core.prefetch import (
+    Accepted,
+    Busy,
+    Deduped,
+    Hint,
+    HintObject,
+    PrefetchCore,
+    ReleaseCopy,
+    StartCopy,
+)
+from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.proto import directory as m
+from kvfabric.proto import prefetch as p
+from kvfabric.proto.subjects import Service, check_segment_id, endpoint_subject, event_subject
+from kvfabric.runtime.client import request
+from kvfabric.runtime.logs import get_logger
+from kvfabric.runtime.service import ServiceRuntime
+
+__all__ = ["PrefetchShell", "now_ms"]
+
+LEASE_TTL_MS_MAX: Final = 30_000
+READS_PER_HIT_MAX: Final = 16
+WRITER_ID: Final = "prefetch"
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class PrefetchShell:
+    def __init__(
+        self,
+        core: PrefetchCore,
+        *,
+        holder_id: str,
+        tick_ms: int,
+        scan_ms: int,
+        resolving_max: int,
+        hot_groups_per_event_max: int,
+        request_timeout_s: float,
+        copy_timeout_s: float,
+    ) -> None:
+        self.core = core
+        self.holder_id = holder_id
+        self.tick_ms = tick_ms
+        self.scan_ms = scan_ms
+        self.resolving_max = resolving_max
+        self.hot_groups_per_event_max = hot_groups_per_event_max
+        self.request_timeout_s = request_timeout_s
+        self.copy_timeout_s = copy_timeout_s
+        self._resolving = 0
+        self._leases: dict[str, int] = {}  # hint id -> read lease protecting its sources
+        self._locations: dict[bytes, dict[str, m.Replica]] = {}  # extra replicas: key -> segment -> where
+        self._nc: NatsClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._copies: set[asyncio.Task[None]] = set()
+        self._log = get_logger("kvfabric.prefetch")
+        self.busy_resolving = 0
+
+    def attach(self, runtime: ServiceRuntime) -> None:
+        runtime.add_endpoint("hint", self._on_hint)
+        runtime.add_endpoint("cancel", self._on_cancel)
+        runtime.add_endpoint("status", self._on_status)
+
+    async def start(self, nc: NatsClient) -> None:
+        self._nc = nc
+        await nc.subscribe(event_subject(Service.DIRECTORY, "accessed"), cb=self._on_accessed)
+        self._tasks = [asyncio.create_task(self._ticker()), asyncio.create_task(self._scanner())]
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *self._copies]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._copies, return_exceptions=True)
+        for hint_id in list(self._leases):
+            await self._release(hint_id)
+
+    # ---- hints -------------------------------------------------------------------------------
+
+    async def _on_hint(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+        hint = p.prefetch_decoder.decode(data)
+        if not isinstance(hint, p.PrefetchHint):
+            raise BadRequest(f"hint takes PrefetchHint, got {type(hint).__name__}")
+        if not hint.groups or len(hint.groups) > p.HINT_GROUPS_MAX:
+            raise BadRequest(f"a hint names 1..{p.HINT_GROUPS_MAX} chunk groups")
+        check_segment_id(hint.target_segment)
+        if self.core.has_hint(hint.hint_id):
+            return p.HintReply(hint_id=hint.hint_id, status="deduped", reason="same hint id")
+        if self._resolving >= self.resolving_max:
+            self.busy_resolving += 1
+            return p.HintReply(hint_id=hint.hint_id, status="busy", reason="resolving_full")
+        self._resolving += 1
+        try:
+            return await self._add(hint)
+        finally:
+            self._resolving -= 1
+
+    async def _add(self, hint: p.PrefetchHint) -> p.HintReply:
+        now = now_ms()
+        ttl = min(LEASE_TTL_MS_MAX, hint.deadline_ms - now)
+        if ttl <= 0:
+            return p.HintReply(hint_id=hint.hint_id, status="refused", reason="deadline_passed")
+        found = await self._directory(
+            "lookup",
+            m.Lookup(holder_id=self.holder_id, groups=hint.groups, members=hint.members, lease_ttl_ms=ttl),
+        )
+        assert isinstance(found, m.LookupReply)
+        by_chunk = {int.from_bytes(g[54:58], "little"): g for g in hint.groups}
+        objects = tuple(
+            HintObject(
+                by_chunk[o.chunk_index] + _member_bytes(o.member),
+                o.size_bytes,
+                tuple(r.segment_id for r in o.replicas),
+            )
+            for o in found.objects
+            if o.chunk_index in by_chunk
+        )
+        if not objects:
+            return p.HintReply(hint_id=hint.hint_id, status="accepted", objects_queued=0)
+        result = self.core.add_hint(
+            Hint(hint.hint_id, hint.tenant, hint.target_segment, objects, hint.deadline_ms), now
+        )
+        if isinstance(result, Accepted) and result.objects_queued:
+            self._leases[hint.hint_id] = found.lease_id
+        else:
+            await self._release_lease(found.lease_id)
+        if isinstance(result, Accepted):
+            return p.HintReply(hint_id=hint.hint_id, status="accepted", objects_queued=result.objects_queued)
+        if isinstance(result, Deduped):
+            return p.HintReply(hint_id=hint.hint_id, status="deduped", reason=str(result.same_as))
+        if isinstance(result, Busy):
+            return p.HintReply(hint_id=hint.hint_id, status="busy", reason=result.reason)
+        return p.HintReply(hint_id=hint.hint_id, status="refused", reason=result.reason)
+
+    async def _on_cancel(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+        message = p.prefetch_decoder.decode(data)
+        if not isinstance(message, p.CancelHint):
+            raise BadRequest(f"cancel takes CancelHint, got {type(message).__name__}")
+        return p.CancelReply(cancelled=self.core.cancel_hint(message.hint_id))
+
+    async def _on_status(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+        if not isinstance(p.prefetch_decoder.decode(data), p.PrefetchStatusRequest):
+            raise BadRequest("status takes PrefetchStatusRequest")
+        return self.status()
+
+    def status(self) -> p.PrefetchStatus:
+        core = self.core
+        gauges = {
+            "bytes_in_flight": core.bytes_in_flight,
+            "copies_in_flight": core.copies_in_flight,
+            "objects_queued": core.objects_queued,
+            "hint_ids_live": core.hint_ids_live,
+            "leases_held": len(self._leases),
+            "busy_resolving": self.busy_resolving,
+        }
+        return p.PrefetchStatus(gauges=gauges, counters=dict(core.counters))
+
+    # ---- copies ------------------------------------------------------------------------------
+
+    async def _ticker(self) -> None:
+        while True:
+            for effect in self.core.tick(now_ms()):
+                if isinstance(effect, StartCopy):
+                    task = asyncio.create_task(self._copy(effect))
+                    self._copies.add(task)
+                    task.add_done_callback(self._copies.discard)
+            for hint_id in [h for h in self._leases if not self.core.has_hint(h)]:
+                await self._release(hint_id)  # ended: completed, cancelled, expired or failed
+            await asyncio.sleep(self.tick_ms / 1000)
+
+    async def _copy(self, start: StartCopy) -> None:
+        assert self._nc is not None and isinstance(start.object_id, bytes)
+        try:
+            outcome = await asyncio.wait_for(
+                copy_replica(
+                    self._nc,
+                    key=start.object_id,
+                    destination=start.target,
+                    writer_id=WRITER_ID,
+                    request_id=f"prefetch-{start.copy_id}",
+                    timeout_s=self.copy_timeout_s,
+                    preferred_source=start.source,
+                ),
+                self.copy_timeout_s,
+            )
+        except (KvfError, TimeoutError) as exc:
+            self._log.info("copy_failed", copy_id=start.copy_id, error=getattr(exc, "code", "timeout"))
+            outcome = "failed"
+        for effect in self.core.copy_finished(
+            start.copy_id, outcome in ("copied", "already_there"), now_ms()
+        ):
+            if isinstance(effect, ReleaseCopy) and effect.reason == "unwanted":
+                # Published by its confirm although nobody waits for it any more: an ordinary
+                # replica now, evicted like any other when it goes cold.
+                self._log.info("copy_unwanted", copy_id=effect.copy_id)
+
+    # ---- hot objects -------------------------------------------------------------------------
+
+    async def _on_accessed(self, msg: Msg) -> None:
+        try:
+            event = m.event_decoder.decode(msg.data)
+        except BadRequest:
+            return
+        if not isinstance(event, m.GroupsAccessed):
+            return
+        hottest = sorted(event.groups, key=lambda h: -h.hits)[: self.hot_groups_per_event_max]
+        now = now_ms()
+        for hit in hottest:
+            if hit.hits * 1000 / max(1, self.tick_ms) < self.core.config.cold_reads_per_s:
+                continue  # not worth a directory query
+            try:
+                shown = await self._directory("show_group", m.ShowGroup(group=hit.group))
+            except KvfError:
+                continue
+            if not isinstance(shown, m.GroupList) or not shown.groups:
+                continue
+            summary = shown.groups[0]
+            group_id = summary.namespace + summary.chunk_index.to_bytes(4, "little") + summary.group
+            for obj in summary.objects:
+                if not obj.replicas:
+                    continue
+                key = group_id + _member_bytes(obj.member)
+                self._locations[key] = {r.segment_id: r for r in obj.replicas}
+                for _ in range(min(hit.hits, READS_PER_HIT_MAX)):
+                    self.core.read(
+                        key,
+                        size_bytes=obj.size_bytes,
+                        served_from=obj.replicas[0].segment_id,
+                        replicas=[r.segment_id for r in obj.replicas],
+                        now_ms=now,
+                    )
+
+    async def _scanner(self) -> None:
+        while True:
+            try:
+                segments = await self._directory("list_segments", m.ListSegments())
+                if isinstance(segments, m.SegmentList):
+                    self.core.set_segments(
+                        {
+                            s.segment_id: max(0, s.capacity_bytes - s.reserved_bytes)
+                            for s in segments.segments
+                            if s.up and not s.draining
+                        }
+                    )
+                for cold in self.core.cold_extra_replicas(now_ms()):
+                    await self._drop_extra(cold.object_id, cold.segment)
+            except KvfError as exc:
+                self._log.info("scan_failed", code=exc.code)
+            await asyncio.sleep(self.scan_ms / 1000)
+
+    async def _drop_extra(self, object_id: object, segment: str) -> None:
+        assert isinstance(object_id, bytes)
+        shown = await self._directory("show_group", m.ShowGroup(group=object_id[:90]))
+        replica = None
+        if isinstance(shown, m.GroupList) and shown.groups:
+            for obj in shown.groups[0].objects:
+                if object_id[90:] == _member_bytes(obj.member):
+                    replica = next((r for r in obj.replicas if r.segment_id == segment), None)
+        if replica is not None:
+            await self._directory(
+                "replica_corrupt",
+                m.ReplicaCorrupt(
+                    segment_id=replica.segment_id,
+                    incarnation=replica.incarnation,
+                    key=object_id,
+                    slot=replica.slot,
+                    slot_generation=replica.slot_generation,
+                    reason="cold_extra",
+                ),
+            )
+        self.core.replica_removed(object_id, segment)
+
+    # ---- directory ---------------------------------------------------------------------------
+
+    async def _release(self, hint_id: str) -> None:
+        lease_id = self._leases.pop(hint_id, None)
+        if lease_id:
+            await self._release_lease(lease_id)
+
+    async def _release_lease(self, lease_id: int) -> None:
+        if not lease_id:
+            return
+        with contextlib.suppress(KvfError):  # else it expires on its own (TTL ≤ the hint's deadline)
+            await self._directory(
+                "lease_release", m.LeaseRelease(holder_id=self.holder_id, lease_id=lease_id)
+            )
+
+    async def _directory(self, verb: str, message: msgspec.Struct) -> m.DirectoryReply:
+        assert self._nc is not None
+        return await request(
+            self._nc,
+            endpoint_subject(Service.DIRECTORY, verb),
+            message,
+            m.reply_decoder,
+            self.request_timeout_s,
+        )
+
+
+def _member_bytes(member: m.Member) -> bytes:
+    return (
+        member.tp_rank.to_bytes(2, "little")
+        + member.pp_stage.to_bytes(2, "little")
+        + member.layer_group.to_bytes(2, "little")
+    )
