@@ -14,6 +14,12 @@ Who owns what:
   the memory is not reused under a reader (DESIGN.md invariant 3).
 - The stored checksum is computed here from the bytes that arrived (xxh3-128) and compared with
   the one the directory signed into the ticket; a mismatch stores nothing.
+- A segment-to-segment copy (`copy_in`) is a put whose "transport" is a fetch function run on the
+  caller's thread: it owns the slot's view only while `fetch` runs; whatever happens, nothing is
+  left held by the copy when `copy_in` returns or raises.
+- The scrubber (`verify_stored`) holds one read reference while it hashes a stored object, so a
+  free meanwhile is deferred; a mismatch frees the slot at once (its generation is bumped: no read
+  of it succeeds from then on).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kvfabric.core.segment_slots import SlotTable
 from kvfabric.dataplane.backend import GetGrant, PutSlot
@@ -41,11 +48,17 @@ from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import ticket_signature_valid
 from kvfabric.segment_storage.arena import Arena
 
-__all__ = ["ArenaBackend", "ConfirmFn"]
+__all__ = ["ArenaBackend", "ConfirmFn", "FetchFn", "ScrubVerdict"]
 
 # (ticket, slot, generation) -> the directory's verdict: "ok", "unknown_ticket" or "mismatch".
 # Blocks the calling transport thread; raises KvfError when the directory cannot be reached.
 ConfirmFn = Callable[[WriteTicket, int, int, str], str]  # (ticket, slot, generation, trace id) -> verdict
+# Fills the writable slot view with the object's bytes (a copy from another segment); raises a
+# KvfError when it cannot. Runs on the thread that called `copy_in`.
+FetchFn = Callable[[memoryview], None]
+# verify_stored: "ok" (bytes match), "corrupt" (mismatch: the slot was freed here), "skipped"
+# (freed, rewritten or resized since it was listed; or freed by the directory while being hashed).
+ScrubVerdict = Literal["ok", "corrupt", "skipped"]
 
 
 @dataclass(slots=True)
@@ -80,10 +93,16 @@ class ArenaBackend:
         self.lock = threading.Lock()
         self._conns: dict[int, _Conn] = {}
         self._grant_ids = itertools.count(1)
+        self._copy_conns = itertools.count(-1, -1)  # negative: never a transport's connection id
         self.counters: dict[str, int] = {}
 
-    def _count(self, name: str) -> None:
-        self.counters[name] = self.counters.get(name, 0) + 1
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Count an event of the shell's (exported with the backend's counters)."""
+        with self.lock:
+            self._count(name, n)
 
     def _conn(self, conn: int) -> _Conn:
         return self._conns.setdefault(conn, _Conn())
@@ -142,6 +161,67 @@ class ArenaBackend:
             if c is not None and c.puts.pop(put.slot, None) is not None:
                 self.slots.abort(put.slot, put.slot_generation)
                 self._count("puts_aborted_total")
+
+    def copy_in(self, ticket: WriteTicket, fetch: FetchFn, trace_id: str = "") -> tuple[int, int]:
+        """Store `ticket`'s object by letting `fetch` fill the slot (a copy from another segment).
+
+        The same path as a PUT: `begin_put` checks the ticket (signature, segment, incarnation,
+        epoch, deadline, drain, size) and allocates; `fetch` writes straight into the slot;
+        `finish_put` verifies the ticket's checksum, stores and confirms to the directory. Any
+        failure (fetch error, mismatch, refusal) leaves nothing stored and nothing held, and is
+        raised. Blocks: call it from a worker thread (the confirm waits on the event loop).
+        """
+        conn = next(self._copy_conns)
+        try:
+            put = self.begin_put(ticket, conn)
+            put.trace_id = trace_id
+            try:
+                fetch(put.view)
+            except BaseException:
+                put.view.release()
+                self.abort_put(put, conn)
+                raise
+            slot, generation = self.finish_put(put, conn)
+        except BaseException:
+            self.count("copies_failed_total")
+            raise
+        finally:
+            self.close_connection(conn)  # whatever this copy still held (nothing, normally)
+        with self.lock:
+            self._count("copies_total")
+            self._count("bytes_copied_total", ticket.size_bytes)
+        return slot, generation
+
+    # ---- scrub -------------------------------------------------------------------------------
+
+    def verify_stored(self, slot: int, generation: int, size: int) -> ScrubVerdict:
+        """Re-hash one stored object under a read reference and compare with its stored checksum.
+
+        On a mismatch the slot is freed here and now (generation bumped: every later read of
+        (slot, generation) is refused, the extent is reclaimed once other readers let go) and
+        "corrupt" is returned; the caller tells the directory. Blocks while hashing.
+        """
+        with self.lock:
+            try:
+                grant = self.slots.acquire(slot, generation, size)
+            except KvfError:  # freed, reused or never stored: nothing to check
+                self._count("scrub_skipped_total")
+                return "skipped"
+        view = self.arena.slice(grant.offset, grant.size)
+        try:
+            digest = checksum(view)
+        finally:
+            view.release()
+        with self.lock:
+            self._count("scrub_objects_total")
+            self._count("scrub_bytes_total", grant.size)
+            self.slots.release(slot, generation)
+            if digest == grant.checksum:
+                return "ok"
+            self._count("scrub_corrupt_total")
+            if self.slots.free(slot, generation) == "already_freed":  # the directory freed it meanwhile
+                return "skipped"
+        return "corrupt"
 
     # ---- reads -------------------------------------------------------------------------------
 

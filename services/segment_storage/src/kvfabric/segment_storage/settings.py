@@ -11,6 +11,10 @@
 | `KVF_SEGMENT_UCX` / `KVF_SEGMENT_UCX_PORT` | 1 / 0 | also serve UCX (ucxx); 0 disables |
 | `KVF_CLUSTER_SECRET` | required, ≥ 16 bytes | verifies the directory's write tickets |
 | `KVF_SEGMENT_CONFIRM_TIMEOUT_MS` | 5000 | wait for the directory to accept a stored replica |
+| `KVF_SEGMENT_COPIES_MAX` | 4 | `copy` requests running at once; more are answered busy |
+| `KVF_SEGMENT_COPY_TIMEOUT_MS` | 30000 | one copy's read from its source segment, overall |
+| `KVF_SEGMENT_SCRUB_BYTES_PER_S` | 64 MiB | re-verify stored checksums at this rate; 0 disables |
+| `KVF_SEGMENT_SCRUB_PASS_MIN_MS` | 60000 | start a scrub pass over all objects at most this often |
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ class SegmentSettings:
     confirm_timeout_ms: int
     ucx: bool = True
     ucx_port: int = 0
+    copies_max: int = 4
+    copy_timeout_ms: int = 30_000
+    scrub_bytes_per_s: int = 64 << 20
+    scrub_pass_min_ms: int = 60_000
 
 
 def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
@@ -66,4 +74,8 @@ def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
         confirm_timeout_ms=env_int(env, "KVF_SEGMENT_CONFIRM_TIMEOUT_MS", 5_000, 10, 600_000),
         ucx=bool(env_int(env, "KVF_SEGMENT_UCX", 1, 0, 1)),
         ucx_port=env_int(env, "KVF_SEGMENT_UCX_PORT", 0, 0, 65535),
+        copies_max=env_int(env, "KVF_SEGMENT_COPIES_MAX", 4, 1, 64),
+        copy_timeout_ms=env_int(env, "KVF_SEGMENT_COPY_TIMEOUT_MS", 30_000, 100, 600_000),
+        scrub_bytes_per_s=env_int(env, "KVF_SEGMENT_SCRUB_BYTES_PER_S", 64 << 20, 0, 1 << 40),
+        scrub_pass_min_ms=env_int(env, "KVF_SEGMENT_SCRUB_PASS_MIN_MS", 60_000, 0, 86_400_000),
     )

@@ -10,6 +10,14 @@ Lifecycle:
 - `report.<segment_id>`: a new directory leader asks what is stored (paged) to rebuild its index;
   its epoch becomes the oldest this segment accepts: write tickets and frees of older epochs (a
   replaced leader's) are refused with `stale_generation`.
+- `copy.<segment_id>` (from repair, with a ticket from the directory's `replicate_begin`): write
+  the ticket's object by reading it from another segment over TCP straight into the new slot; the
+  ticket is checked like a PUT's, the bytes against its checksum, and the replica is confirmed to
+  the directory like any write. At most `copies_max` at once (more: `Busy`), each within
+  `copy_timeout_ms`; a failure leaves nothing stored and nothing held.
+- scrub (background, `scrub_bytes_per_s`; 0: off): re-hash stored objects round-robin, a pass at
+  most once per `scrub_pass_min_ms`; a mismatch frees the slot at once (no read of it succeeds
+  from then on) and is reported to the directory (`replica_corrupt`), whatever it answers.
 - If the directory answers a heartbeat with `not_found` / `stale_generation` (it declared this
   segment down), the segment stops with exit code 75 (EX_TEMPFAIL): it must restart empty under a
   new incarnation; it never serves bytes the directory has forgotten.
@@ -19,6 +27,8 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
@@ -29,11 +39,22 @@ from nats.aio.client import Client as NatsClient
 from kvfabric.core.segment_slots import SlotTable
 from kvfabric.dataplane.addresses import join
 from kvfabric.dataplane.tcp import TcpDataServer
-from kvfabric.format.errors import BadRequest, KvfError, NotFound, StaleGeneration
+from kvfabric.format.errors import (
+    BadRequest,
+    Busy,
+    Indeterminate,
+    KvfError,
+    NotFound,
+    StaleGeneration,
+    Unavailable,
+)
 from kvfabric.proto import directory as m
 from kvfabric.proto.common import TRACE_ID_HEADER
+from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import (
     REPORT_PAGE_MAX,
+    CopyReply,
+    CopyRequest,
     DrainRequest,
     FreeSlotsReply,
     FreeSlotsRequest,
@@ -49,6 +70,8 @@ from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.backend import ArenaBackend
+from kvfabric.segment_storage.copier import fetch_replica
+from kvfabric.segment_storage.scrubber import CorruptObject, Scrubber, ScrubPacer
 from kvfabric.segment_storage.settings import SegmentSettings
 
 if TYPE_CHECKING:
@@ -58,6 +81,9 @@ __all__ = ["EXIT_REREGISTER", "SegmentShell", "new_incarnation"]
 
 EXIT_REREGISTER: Final = 75
 REQUEST_TIMEOUT_S: Final = 5.0
+SCRUB_TICK_S: Final = 0.1
+CORRUPT_REPORT_ATTEMPTS: Final = 3  # a report the directory could not take is retried, then dropped
+CORRUPT_REPORT_BACKOFF_S: Final = 1.0
 
 
 def new_incarnation() -> int:
@@ -88,6 +114,13 @@ class SegmentShell:
         self._nc: NatsClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        # Copies run on their own threads (never the default executor's, which frees use).
+        self._copy_pool = concurrent.futures.ThreadPoolExecutor(
+            settings.copies_max, thread_name_prefix="kvf-copy"
+        )
+        self._copy_lock = threading.Lock()
+        self.copies_in_flight = 0
+        self.scrubber = Scrubber(self.backend, pass_min_ms=settings.scrub_pass_min_ms)
         self.must_reregister = asyncio.Event()
         self._log = get_logger("kvfabric.segment_storage").bind(
             segment_id=settings.segment_id, incarnation=self.incarnation
@@ -97,6 +130,7 @@ class SegmentShell:
         runtime.add_endpoint("free", self._on_free, instance=self.settings.segment_id)
         runtime.add_endpoint("drain", self._on_drain, instance=self.settings.segment_id)
         runtime.add_endpoint("report", self._on_report, instance=self.settings.segment_id)
+        runtime.add_endpoint("copy", self._on_copy, instance=self.settings.segment_id)
 
     async def _directory(self, verb: str, message: msgspec.Struct, trace_id: str = "") -> msgspec.Struct:
         assert self._nc is not None
@@ -147,6 +181,8 @@ class SegmentShell:
         if isinstance(reply, m.SegmentRegistered):
             self.heartbeat_interval_ms = reply.heartbeat_interval_ms
         self._tasks = [asyncio.create_task(self._heartbeats())]
+        if s.scrub_bytes_per_s > 0:
+            self._tasks.append(asyncio.create_task(self._scrub()))
         self._log.info(
             "segment_registered",
             data_addr=self.data_addr,
@@ -159,6 +195,9 @@ class SegmentShell:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        # A copy still running holds only its slot (aborted when its fetch fails) and views of
+        # the arena (which stays mapped while any exists): nothing to wait for.
+        self._copy_pool.shutdown(wait=False, cancel_futures=True)
         if self.ucx is not None:
             await asyncio.to_thread(self.ucx.stop)
         await asyncio.to_thread(self.server.stop)
@@ -185,7 +224,13 @@ class SegmentShell:
             ],
         )
         future = asyncio.run_coroutine_threadsafe(self._directory("confirm", message, trace_id), self._loop)
-        reply = future.result(timeout=self.settings.confirm_timeout_ms / 1000)
+        try:
+            reply = future.result(timeout=self.settings.confirm_timeout_ms / 1000)
+        except TimeoutError:  # the caller frees the slot: a late "ok" names a replica that is gone
+            future.cancel()
+            raise Indeterminate(
+                "no confirm verdict in time", timeout_ms=self.settings.confirm_timeout_ms
+            ) from None
         if not isinstance(reply, m.ConfirmReply) or len(reply.results) != 1:
             return "mismatch"
         return reply.results[0].status
@@ -261,3 +306,101 @@ class SegmentShell:
         return SegmentState(
             incarnation=self.incarnation, draining=self.backend.draining, used_bytes=self.slots.used_bytes
         )
+
+    # ---- repair: copies in, scrub ----------------------------------------------------------------
+
+    async def _on_copy(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+        message = segment_decoder.decode(data)
+        if not isinstance(message, CopyRequest):
+            raise BadRequest(f"expected CopyRequest, got {type(message).__name__}")
+        with self._copy_lock:
+            busy = self.copies_in_flight >= self.settings.copies_max
+            if not busy:
+                self.copies_in_flight += 1
+        if busy:
+            self.backend.count("copies_busy_total")
+            raise Busy("copies in flight at the limit", copies_max=self.settings.copies_max)
+        try:
+            future = self._copy_pool.submit(self._copy, message, headers.get(TRACE_ID_HEADER, ""))
+        except RuntimeError:  # the pool is shut down: stopping
+            self._copy_finished(None)
+            raise Unavailable("segment is stopping") from None
+        # The in-flight count drops when the copy thread is done (or the copy never started),
+        # not when this handler returns or is cancelled.
+        future.add_done_callback(self._copy_finished)
+        try:
+            slot, generation = await asyncio.wrap_future(future)
+        except KvfError as err:
+            self._log.warning(
+                "copy_failed",
+                code=err.code,
+                error=err.message,
+                source_addr=message.source_addr,
+                ticket_id=message.ticket.ticket_id,
+            )
+            raise
+        return CopyReply(slot=slot, slot_generation=generation)
+
+    def _copy_finished(self, _: object) -> None:
+        with self._copy_lock:
+            self.copies_in_flight -= 1
+
+    def _copy(self, message: CopyRequest, trace_id: str) -> tuple[int, int]:
+        """On a copy thread: the ticket's put, filled from the source replica, within the timeout."""
+        ticket = message.ticket
+        source = ReadRef(
+            message.source_incarnation, message.source_slot, message.source_slot_generation, ticket.size_bytes
+        )
+        # No point reading past the ticket's deadline: the directory no longer takes the replica.
+        # (An expired ticket is refused by `begin_put` before anything is read.)
+        timeout_ms = min(self.settings.copy_timeout_ms, ticket.deadline_ms - self.backend.clock_ms())
+        timeout_s = max(timeout_ms, 1) / 1000
+        return self.backend.copy_in(
+            ticket, lambda view: fetch_replica(message.source_addr, source, view, timeout_s), trace_id
+        )
+
+    async def _scrub(self) -> None:
+        """Scrub at `scrub_bytes_per_s`, one bounded step per tick; report what is corrupt."""
+        pacer = ScrubPacer(self.settings.scrub_bytes_per_s, time.monotonic())
+        while True:
+            await asyncio.sleep(SCRUB_TICK_S)
+            budget = pacer.available(time.monotonic())
+            if budget <= 0:
+                continue
+            spent, corrupt = await asyncio.to_thread(self.scrubber.step, budget, self.backend.clock_ms())
+            pacer.spend(spent)
+            for found in corrupt:
+                self._log.warning(
+                    "corrupt_replica_freed",
+                    slot=found.slot,
+                    slot_generation=found.generation,
+                    size_bytes=found.size,
+                    key=found.key.hex(),
+                )
+                await self._report_corrupt(found)
+
+    async def _report_corrupt(self, found: CorruptObject) -> None:
+        """Tell the directory (bounded retries); the slot is already freed here whatever it says."""
+        message = m.ReplicaCorrupt(
+            segment_id=self.settings.segment_id,
+            incarnation=self.incarnation,
+            key=found.key,
+            slot=found.slot,
+            slot_generation=found.generation,
+            epoch=self.epoch,
+        )
+        for attempt in range(1, CORRUPT_REPORT_ATTEMPTS + 1):
+            try:
+                reply = await self._directory("replica_corrupt", message)
+            except KvfError as err:
+                self._log.info("replica_corrupt_report_failed", code=err.code, attempt=attempt)
+                if not err.retryable or attempt == CORRUPT_REPORT_ATTEMPTS:
+                    self.backend.count("replica_corrupt_unreported_total")
+                    return
+                await asyncio.sleep(CORRUPT_REPORT_BACKOFF_S * attempt)
+                message = msgspec.structs.replace(message, epoch=self.epoch)
+                continue
+            dropped = isinstance(reply, m.ReplicaCorruptReply) and reply.dropped
+            self.backend.count("replica_corrupt_reported_total")
+            self._log.info("replica_corrupt_reported", slot=found.slot, dropped=dropped)
+            return
