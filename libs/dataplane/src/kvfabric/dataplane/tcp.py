@@ -11,7 +11,8 @@ Failure rules:
   releases every reference the connection held (`backend.close_connection`).
 - An error on a PUT (bad ticket, no capacity, checksum mismatch) is answered with an ERROR frame
   after the payload has been read and dropped (so the stream stays in step); the connection stays
-  usable. A payload over `OBJECT_BYTES_MAX` is not read: error, then the connection closes.
+  usable. A payload size outside 0..`OBJECT_BYTES_MAX` is not read: error, then the connection
+  closes.
 - An error on other ops is answered with an ERROR frame and the connection stays usable.
 """
 
@@ -239,7 +240,8 @@ class TcpDataServer:
                 try:
                     self._dispatch(conn, sock, header.op, header.request_id, meta)
                 except _PutRefused as refused:
-                    if refused.payload_bytes > OBJECT_BYTES_MAX:
+                    # A size we cannot skip (too large, or negative: the stream is out of step).
+                    if not 0 <= refused.payload_bytes <= OBJECT_BYTES_MAX:
                         _send_all(sock, _frame(Op.ERROR, header.request_id, error_reply_from(refused.error)))
                         return
                     _discard(sock, refused.payload_bytes)

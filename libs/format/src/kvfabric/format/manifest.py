@@ -232,12 +232,16 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
         header = _HEADER_DECODER.decode(data)
     except msgspec.DecodeError as e:
         raise BadRequest(f"malformed manifest (no readable version): {e}") from None
+    except RecursionError:  # nested arrays/maps deeper than the recursion limit, even if skipped
+        raise BadRequest("malformed manifest: nested too deep") from None
     if header.v not in SUPPORTED_MANIFEST_VERSIONS:
         raise UnsupportedVersion("manifest format", header.v, SUPPORTED_MANIFEST_VERSIONS)
     try:
         manifest = _DECODER.decode(data)
     except msgspec.DecodeError as e:
         raise BadRequest(f"malformed manifest v{header.v}: {e}") from None
+    except RecursionError:
+        raise BadRequest(f"malformed manifest v{header.v}: nested too deep") from None
     check_format_version(manifest.format_version)
     return manifest
 

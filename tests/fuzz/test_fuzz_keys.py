@@ -1,0 +1,96 @@
+"""Fuzz: binary and readable key parsing (`KVKey`, `ChunkGroupId`, the directory's fast path).
+
+Contract: any bytes (or text) parse to a value that encodes back to exactly the input, or raise
+`BadRequest` (`UnsupportedVersion` is one) — never another exception. The directory's
+`parse_key`/`parse_group` agree with the full parsers on what they accept.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Final
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvfabric.core.directory_keys import parse_group, parse_key
+from kvfabric.format.errors import BadRequest
+from kvfabric.format.key import CHUNK_GROUP_BYTES, KEY_BYTES, ChunkGroupId, KVKey
+
+from .fuzzkit import corpus, corpus_params, fuzz_settings, mutated, saving_crash
+
+SEEDS: Final = [p.read_bytes() for p in corpus("keys")]
+BINARY_SEEDS: Final = [s for s in SEEDS if len(s) in (KEY_BYTES, CHUNK_GROUP_BYTES)]
+
+
+def check_binary(data: bytes) -> None:
+    try:
+        key = KVKey.from_bytes(data)
+    except BadRequest:
+        key = None
+    try:
+        info = parse_key(data)
+    except BadRequest:
+        info = None
+    assert (key is None) == (info is None), "parse_key and KVKey.from_bytes disagree"
+    if key is not None and info is not None:
+        assert key.to_bytes() == data
+        assert info.member == tuple(key.member)
+        assert info.group.group_id == key.chain_hash
+        assert info.group.chunk_index == key.chunk_index
+
+    try:
+        group = ChunkGroupId.from_bytes(data)
+    except BadRequest:
+        group = None
+    try:
+        ginfo = parse_group(data)
+    except BadRequest:
+        ginfo = None
+    assert (group is None) == (ginfo is None), "parse_group and ChunkGroupId.from_bytes disagree"
+    if group is not None and ginfo is not None:
+        assert group.to_bytes() == data
+        assert ginfo.expected_members == group.tp_size * group.pp_size * group.layer_group_count
+
+
+def check_text(data: bytes) -> None:
+    text = data.decode("utf-8", errors="surrogateescape")
+    for parse in (KVKey.parse, ChunkGroupId.parse):
+        try:
+            value = parse(text)
+        except BadRequest:
+            continue
+        assert str(value) == text
+
+
+def check(data: bytes) -> None:
+    check_binary(data)
+    check_text(data)
+
+
+@pytest.mark.parametrize("path", corpus_params("keys"))
+def test_keys_corpus(path: Path) -> None:
+    check(path.read_bytes())
+
+
+@fuzz_settings(300)
+@given(st.binary(max_size=120) | st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES))
+def test_keys_take_any_bytes(data: bytes) -> None:
+    with saving_crash("keys", data):
+        check(data)
+
+
+@fuzz_settings(600)
+@given(mutated(SEEDS, rounds_max=2) | mutated(BINARY_SEEDS, rounds_max=1))
+def test_keys_take_mutated_keys(data: bytes) -> None:
+    with saving_crash("keys", data):
+        check(data)
+
+
+@fuzz_settings(300)
+@given(st.text(max_size=300))
+def test_key_text_takes_any_text(text: str) -> None:
+    data = text.encode("utf-8", errors="surrogateescape")
+    with saving_crash("keys", data):
+        check_text(data)
