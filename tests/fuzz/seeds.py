@@ -299,13 +299,11 @@ def _directory_core() -> dict[str, bytes]:
             # The directory takes any int for a confirmed slot, but its published record packs
             # slot as u32 and generation as u64: the commit raised struct.error half-way (tickets
             # gone, group still building). Fix: range-check ReplicaConfirm.slot/slot_generation.
-            "known-bug-confirm-slot-over-u32.msgpack": steps(Step(10, confirm(2**32)), Step(20, commit)),
-            "known-bug-confirm-negative-generation.msgpack": steps(
-                Step(10, confirm(3, -1)), Step(20, commit)
-            ),
+            "crash-confirm-slot-over-u32.msgpack": steps(Step(10, confirm(2**32)), Step(20, commit)),
+            "crash-confirm-negative-generation.msgpack": steps(Step(10, confirm(3, -1)), Step(20, commit)),
             # The same for an extra replica (replicate_begin): its confirm packs the published
             # record at once, so a negative slot raised struct.error in ConfirmReplicas itself.
-            "known-bug-confirm-extra-replica-negative-slot.msgpack": steps(
+            "crash-confirm-extra-replica-negative-slot.msgpack": steps(
                 Step(10, replicate),
                 Step(20, confirm_extra(-1)),
             ),

@@ -107,6 +107,25 @@ def repair_process(nats: NatsServer, **env: str) -> Iterator[ServiceProcess]:
         proc.stop(timeout_s=10.0)
 
 
+@contextmanager
+def prefetch_process(nats: NatsServer, **env: str) -> Iterator[ServiceProcess]:
+    proc = ServiceProcess.python_module(
+        "kvfabric.prefetch",
+        "--nats-url",
+        nats.url,
+        "--metrics-port",
+        "0",
+        "--log-json",
+        env=service_env(**env),
+    )
+    proc.start()
+    try:
+        proc.wait_for_event("prefetch_started", 20.0)
+        yield proc
+    finally:
+        proc.stop(timeout_s=10.0)
+
+
 async def directory_call(nc: NatsClient, verb: str, message: msgspec.Struct) -> msgspec.Struct:
     reply = await request(nc, endpoint_subject(Service.DIRECTORY, verb), message, m.reply_decoder, TIMEOUT_S)
     assert isinstance(reply, msgspec.Struct)

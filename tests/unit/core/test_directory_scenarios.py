@@ -421,9 +421,13 @@ def test_an_extra_replica_is_copied_into_place_and_joins_the_published_record() 
     assert [r.segment_id for r in reply.sources] == ["s1"]
     assert ticket_signature_valid(reply.ticket, SECRET)
     again = core.handle(m.ReplicateBegin(writer_id="repair", request_id="r2", key=key(g), segment_id="s2"), 0)
-    assert isinstance(again.reply, m.ReplicateBeginReply) and again.reply.status == "already_there"
+    assert isinstance(again.reply, m.ReplicateBeginReply) and again.reply.status == "placed"
+    assert again.reply.ticket == reply.ticket  # a retry gets the same ticket, not a second reservation
     core.check_invariants()
     assert confirm_ticket(core, reply.ticket, slot=40) == "ok"
+    assert confirm_ticket(core, reply.ticket, slot=41) == "unknown_ticket"  # the slower copy is freed
+    done = core.handle(m.ReplicateBegin(writer_id="repair", request_id="r3", key=key(g), segment_id="s2"), 0)
+    assert isinstance(done.reply, m.ReplicateBeginReply) and done.reply.status == "already_there"
     hit = lookup(core, [g])
     assert sorted(r.segment_id for r in hit.objects[0].replicas) == ["s1", "s2"]
     assert list_below(core) == []  # back at its target

@@ -84,6 +84,8 @@ __all__ = ["DirectoryConfig", "DirectoryCore", "Effect", "EmitEvent", "FreeSlots
 
 Member = tuple[int, int, int]
 CHECKSUM_BYTES: Final = 16
+SLOT_MAX: Final = 2**32 - 1  # the published record packs slots as u32 ...
+GENERATION_MAX: Final = 2**64 - 1  # ... and generations as u64 (a generation starts at 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -557,6 +559,9 @@ class DirectoryCore:
         return Outcome(m.ConfirmReply(epoch=self.epoch, results=results))
 
     def _confirm_one(self, req: m.ConfirmReplicas, c: m.ReplicaConfirm) -> m.ConfirmStatus:
+        if not (0 <= c.slot <= SLOT_MAX and 1 <= c.slot_generation <= GENERATION_MAX):
+            self._count("confirm_mismatch_total")  # no segment hands these out: refuse, keep nothing
+            return "mismatch"
         where = self._tickets.get(c.ticket_id)
         if where is None and c.ticket_id in self._replicating:
             return self._confirm_extra_replica(req, c)
@@ -1200,12 +1205,17 @@ class DirectoryCore:
         if seg is None or not seg.up or seg.draining:
             return Outcome(m.ReplicateBeginReply(epoch=self.epoch, status="segment_down"))
         placement = self._intern_placement(seg.segment_id, seg.incarnation)
-        pending = any(
-            (rt.group, rt.member, rt.placement) == (gid, mem.member, placement)
-            for rt in self._replicating.values()
-        )
-        if pending or any(r.placement == placement for r in mem.replicas) or len(mem.replicas) >= 255:
+        if any(r.placement == placement for r in mem.replicas) or len(mem.replicas) >= 255:
             return Outcome(m.ReplicateBeginReply(epoch=self.epoch, status="already_there"))
+        sources = [self._replica(r) for r in mem.replicas if self._placement_live(r.placement)]
+        for ticket_id, rt in self._replicating.items():
+            if (rt.group, rt.member, rt.placement) == (gid, mem.member, placement):
+                # A retry (the first copy failed or its answer was lost): the same ticket again;
+                # whichever copy confirms first wins, a later one gets unknown_ticket and is freed.
+                ticket = self._replica_ticket(ticket_id, rt, seg, req.writer_id)
+                return Outcome(
+                    m.ReplicateBeginReply(epoch=self.epoch, status="placed", ticket=ticket, sources=sources)
+                )
         if seg.capacity_bytes - seg.reserved_bytes < mem.size_bytes:
             self._count("no_capacity_total")
             return Outcome(m.ReplicateBeginReply(epoch=self.epoch, status="no_capacity"))
@@ -1216,28 +1226,28 @@ class DirectoryCore:
             gid, mem.member, placement, mem.size_bytes, mem.checksum, req.key, deadline
         )
         heapq.heappush(self._replica_deadlines, (deadline, ticket_id))
+        self._count("replica_tickets_total")
+        ticket = self._replica_ticket(ticket_id, self._replicating[ticket_id], seg, req.writer_id)
+        return Outcome(
+            m.ReplicateBeginReply(epoch=self.epoch, status="placed", ticket=ticket, sources=sources)
+        )
+
+    def _replica_ticket(
+        self, ticket_id: int, rt: _ReplicaTicket, seg: _Segment, writer_id: str
+    ) -> m.WriteTicket:
         ticket = m.WriteTicket(
             ticket_id=ticket_id,
-            key=req.key,
+            key=rt.key,
             segment_id=seg.segment_id,
             incarnation=seg.incarnation,
-            size_bytes=mem.size_bytes,
-            checksum=mem.checksum,
-            writer_id=req.writer_id,
-            deadline_ms=deadline,
+            size_bytes=rt.size_bytes,
+            checksum=rt.checksum,
+            writer_id=writer_id,
+            deadline_ms=rt.deadline_ms,
             epoch=self.epoch,
             data_addr=seg.data_addr,
         )
-        sources = [self._replica(r) for r in mem.replicas if self._placement_live(r.placement)]
-        self._count("replica_tickets_total")
-        return Outcome(
-            m.ReplicateBeginReply(
-                epoch=self.epoch,
-                status="placed",
-                ticket=sign_ticket(ticket, self.config.ticket_secret),
-                sources=sources,
-            )
-        )
+        return sign_ticket(ticket, self.config.ticket_secret)
 
     def _confirm_extra_replica(self, req: m.ConfirmReplicas, c: m.ReplicaConfirm) -> m.ConfirmStatus:
         rt = self._replicating.pop(c.ticket_id)

@@ -5,7 +5,7 @@
 | `KVF_PREFETCH_HINTS_QUEUED_MAX` | 1024 | live hints; more answer `busy` |
 | `KVF_PREFETCH_OBJECTS_QUEUED_MAX` | 16384 | objects of live hints not yet copied |
 | `KVF_PREFETCH_BYTES_IN_FLIGHT_MAX` | 268435456 | bytes being copied at once |
-| `KVF_PREFETCH_COPIES_IN_FLIGHT_MAX` | 16 | copies at once |
+| `KVF_PREFETCH_COPIES_IN_FLIGHT_MAX` | 4 | copies at once (a segment takes 4 by default) |
 | `KVF_PREFETCH_RESOLVING_MAX` | 64 | hints being resolved (directory lookups) at once |
 | `KVF_PREFETCH_HOT_READS_PER_S` | 50 | an object read this often gets an extra replica |
 | `KVF_PREFETCH_COLD_READS_PER_S` | 5 | an extra replica read less often is dropped |
@@ -41,7 +41,7 @@ def load_prefetch_settings(env: Mapping[str, str]) -> PrefetchSettings:
         hints_queued_max=env_int(env, "KVF_PREFETCH_HINTS_QUEUED_MAX", 1024, 1, 1_000_000),
         objects_queued_max=env_int(env, "KVF_PREFETCH_OBJECTS_QUEUED_MAX", 16_384, 1, 10_000_000),
         bytes_in_flight_max=env_int(env, "KVF_PREFETCH_BYTES_IN_FLIGHT_MAX", 256 << 20, 1, 1 << 40),
-        copies_in_flight_max=env_int(env, "KVF_PREFETCH_COPIES_IN_FLIGHT_MAX", 16, 1, 4096),
+        copies_in_flight_max=env_int(env, "KVF_PREFETCH_COPIES_IN_FLIGHT_MAX", 4, 1, 4096),
         hot_reads_per_s=float(hot),
         cold_reads_per_s=float(min(hot, env_int(env, "KVF_PREFETCH_COLD_READS_PER_S", 5, 0, 1_000_000))),
         hot_extra_replicas_max=env_int(env, "KVF_PREFETCH_HOT_EXTRA_REPLICAS_MAX", 256, 0, 1_000_000),
