@@ -1,0 +1,568 @@
+"""The shard-leadership core: which directory instance leads which virtual shard, and when it may act.
+
+Synchronous and I/O-free. The directory shell calls `tick(now_ms)` often (at least every
+`renew_every_ms / 4`, and at `next_wakeup_ms()`), feeds in the live member set and the results
+of the KV operations it performed, and performs the returned effects in order. Time is passed
+in (a monotonic clock, in ms); the core never reads a clock, sleeps or does I/O.
+
+## Model
+There are `shards` virtual shards; a chain hash belongs to `shard_of(hash, shards)`. Each shard
+has one *lease key* `key_of(shard)` in a JetStream KV bucket whose stream has
+`max_age = lease_ttl_ms`: a key not rewritten for `lease_ttl_ms` disappears. An instance leads a
+shard by creating the key (`kv.create`, fails if present) and keeps it by rewriting it with
+`kv.update(last=revision)` every `renew_every_ms`. KV revisions are the stream sequence: global
+and strictly increasing, so the *epoch* of a term (the revision of the create that won it) is
+greater than every earlier term's. Renewals produce new revisions; the epoch stays.
+
+Who *should* lead a shard is rendezvous hashing over the live members (`desired_owner`): each
+instance announces itself in a member registry (`AnnounceMember`, every `renew_every_ms`) and
+the shell feeds back the ids written within `members_ttl_ms` (`on_members`). An instance tries
+to acquire only shards in its `desired()`; it wants none while it is not in the member set. A
+dead instance drops out of the registry, so its shards become desired by others, who acquire
+them once its leases lapse. Adding or removing a member moves only the shards it wins or held.
+
+## States of a shard (per instance)
+    IDLE --tick: desired, now >= retry_at_ms--> ACQUIRING [Acquire]
+    ACQUIRING --on_acquired, still desired, deadline ahead--> LEADING [StartLeading(epoch=revision)]
+    ACQUIRING --on_acquired, no longer desired (or leaving, or deadline passed)--> RELEASING [Release]
+    ACQUIRING --on_acquire_failed(now)--> IDLE, retry_at = now + renew_every_ms
+    LEADING --tick: written_sent_ms + renew_every_ms reached, no Renew in flight--> LEADING [Renew]
+    LEADING --on_renewed(sent_ms)--> LEADING, deadline moves to sent_ms + ttl - margin
+    LEADING --on_renew_failed(now)--> IDLE [StopLeading "renew_failed"], retry after renew_every_ms
+    LEADING --now >= deadline (tick, or any event carrying now)--> [StopLeading "lease_expired"]
+        IDLE (retry at once), or DRAINING when a Renew is in flight
+    LEADING --tick: not desired (a member joined, self left the set, `leave`)-->
+        [StopLeading "handover" | "leaving"] then RELEASING [Release], or DRAINING (Renew in flight)
+    DRAINING --on_renewed--> RELEASING [Release(new revision)]; --on_renew_failed--> IDLE
+    RELEASING --on_released (deleted or not: an undeleted key lapses after the TTL)--> IDLE
+A result for an operation the core did not ask for is a shell bug (invariant violation).
+
+## Safety (why two instances never act as leader of one shard at the same time)
+The deadline of a term is `sent_ms_of_last_successful_write + lease_ttl_ms - safety_margin_ms`.
+The server stamps the write when it receives it, after `sent_ms`, so the key outlives the
+deadline by at least the margin; the margin covers clock-rate drift between this instance and
+the KV servers over one TTL. `epoch(shard, now_ms=...)` is None from the deadline on, whatever
+the shell has done. Another instance can create the key only after it lapsed or after this
+instance deleted it, and it deletes only after StopLeading, with `last=revision`. A successful
+update proves the key stayed ours since the previous write (an expired or re-created key fails
+`last=revision`), so a renewal that lands after the deadline passed unticked may resume the
+same term: nobody else led in between.
+
+## Invariants (`check_invariants(now_ms)`, after every step in tests)
+1. At most one KV operation in flight per shard (by construction: one state per shard).
+2. LEADING => desired, not leaving, revision >= epoch > 0, deadline = written_sent_ms + ttl -
+   margin > the latest time seen (expired terms were stopped when their time was seen).
+3. Accounting: acquires = acquired + acquire failed + ACQUIRING; renews = renewed + renew
+   failed + Renews in flight; releases = released + RELEASING; started - stopped = LEADING.
+4. desired() = the shards `desired_owner` gives this instance over the member set (empty while
+   this instance is not a member or is leaving).
+5. Time never goes backwards; an operation's `sent_ms` is not before the core asked for it.
+
+## Ownership
+The shell owns the KV bucket, the member registry (a bucket with `max_age = members_ttl_ms`,
+or the lease bucket when the TTLs are equal) and the clock; the core owns the decision to lead.
+The shell serves a shard from StartLeading until StopLeading, and before every act that needs
+leadership (fencing with the epoch) asks `epoch(shard, now_ms=now)`. Every effect list puts
+StopLeading first: the shell performs those before anything else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Final, Literal, TypeAlias
+
+from kvfabric.format.invariant import invariant
+
+__all__ = [
+    "Acquire",
+    "AnnounceMember",
+    "Effect",
+    "LeadershipConfig",
+    "Release",
+    "Renew",
+    "ShardLeadership",
+    "StartLeading",
+    "StopLeading",
+    "desired_owner",
+    "key_of",
+    "member_key",
+    "shard_of",
+]
+
+SHARDS_MAX: Final = 4096
+_HASH_PERSON: Final = b"kvf-shard-hrw"
+
+# StopLeading reasons
+REASON_LEASE_EXPIRED: Final = "lease_expired"
+REASON_RENEW_FAILED: Final = "renew_failed"
+REASON_HANDOVER: Final = "handover"
+REASON_LEAVING: Final = "leaving"
+
+
+@dataclass(frozen=True, slots=True)
+class LeadershipConfig:
+    shards: int  # fixed number of virtual shards (1..4096)
+    lease_ttl_ms: int = 3_000  # the KV bucket's max_age
+    renew_every_ms: int = 1_000  # leader rewrites its key this often (also: member announce period)
+    safety_margin_ms: int = 500  # a leader stops acting this long before its lease could lapse in KV
+    members_ttl_ms: int = 3_000  # liveness of instances in the member registry
+
+    def __post_init__(self) -> None:
+        invariant(1 <= self.shards <= SHARDS_MAX, "shards must be in 1..4096", shards=self.shards)
+        invariant(0 < self.safety_margin_ms < self.lease_ttl_ms, "need 0 < safety_margin_ms < lease_ttl_ms")
+        # One lost or slow renewal must not cost the lease.
+        invariant(
+            0 < 2 * self.renew_every_ms <= self.lease_ttl_ms - self.safety_margin_ms,
+            "need 2 x renew_every_ms <= lease_ttl_ms - safety_margin_ms",
+        )
+        invariant(2 * self.renew_every_ms <= self.members_ttl_ms, "need 2 x renew_every_ms <= members_ttl_ms")
+
+    @property
+    def term_ms(self) -> int:
+        """How long after a write's send time its writer may act: lease_ttl_ms - safety_margin_ms."""
+        return self.lease_ttl_ms - self.safety_margin_ms
+
+
+# ---- effects -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Acquire:
+    """kv.create(key_of(shard), instance_id) -> on_acquired(shard, revision, sent_ms), or
+    on_acquire_failed(shard, now_ms) when the key exists, the KV is unreachable or it timed out."""
+
+    shard: int
+
+
+@dataclass(frozen=True, slots=True)
+class Renew:
+    """kv.update(key_of(shard), instance_id, last=revision) -> on_renewed(shard, new_revision,
+    sent_ms), or on_renew_failed(shard, now_ms) (wrong last revision, unreachable, timed out)."""
+
+    shard: int
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """kv.delete(key_of(shard), last=revision) -> on_released(shard), whatever the outcome."""
+
+    shard: int
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartLeading:
+    """Start serving `shard`, fencing with `epoch` (the revision of the winning create)."""
+
+    shard: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class StopLeading:
+    """Stop serving `shard` at once, before performing anything else. `reason`: lease_expired,
+    renew_failed, handover or leaving."""
+
+    shard: int
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AnnounceMember:
+    """kv.put(member_key(instance_id), ...): this instance is alive. No result is fed back."""
+
+
+Effect: TypeAlias = Acquire | Renew | Release | StartLeading | StopLeading | AnnounceMember
+
+
+# ---- pure helpers ------------------------------------------------------------------------------
+
+
+def shard_of(chain_hash: bytes, shards: int) -> int:
+    """The shard of a chain hash: the little-endian u32 of its first 4 bytes, mod `shards`."""
+    invariant(len(chain_hash) >= 4, "chain hash shorter than 4 bytes", length=len(chain_hash))
+    invariant(shards >= 1, "shards must be positive", shards=shards)
+    return int.from_bytes(chain_hash[:4], "little") % shards
+
+
+def _weight(shard: int, member: str) -> int:
+    digest = hashlib.blake2b(
+        shard.to_bytes(4, "little") + member.encode("utf-8"), digest_size=8, person=_HASH_PERSON
+    ).digest()
+    return int.from_bytes(digest, "little")
+
+
+def desired_owner(shard: int, members: Iterable[str]) -> str:
+    """Rendezvous (highest random weight) hashing: the member with the highest
+    blake2b(shard, member) weight; ties (never seen in practice) go to the greater id."""
+    best: tuple[int, str] | None = None
+    for member in members:
+        candidate = (_weight(shard, member), member)
+        if best is None or candidate > best:
+            best = candidate
+    invariant(best is not None, "desired_owner needs at least one member", shard=shard)
+    assert best is not None  # for mypy; the invariant above raised otherwise
+    return best[1]
+
+
+def key_of(shard: int) -> str:
+    """The lease key of a shard in the leadership bucket."""
+    return f"shard.{shard}"
+
+
+def member_key(instance_id: str) -> str:
+    """The registry key of an instance (instance ids must be valid KV key tokens)."""
+    return f"member.{instance_id}"
+
+
+# ---- the core ----------------------------------------------------------------------------------
+
+_StateName = Literal["idle", "acquiring", "leading", "draining", "releasing"]
+
+
+@dataclass(slots=True)
+class _Shard:
+    state: _StateName = "idle"
+    epoch: int = 0  # leading: revision of the winning create
+    revision: int = 0  # leading, draining, releasing: the last revision known to hold our value
+    written_sent_ms: int = 0  # leading: sent_ms of the last successful write
+    deadline_ms: int = 0  # leading: written_sent_ms + term_ms; may act strictly before it
+    renewing: bool = False  # leading: a Renew is in flight (draining: always)
+    op_emitted_ms: int = 0  # an operation in flight: when the core asked for it
+    retry_at_ms: int = 0  # idle: no Acquire before this
+
+
+@dataclass(slots=True)
+class _Out:
+    stops: list[Effect] = field(default_factory=list)
+    rest: list[Effect] = field(default_factory=list)
+
+    def effects(self) -> list[Effect]:
+        return self.stops + self.rest
+
+
+_COUNTERS: Final = (
+    "acquires_total",
+    "acquired_total",
+    "acquired_unwanted_total",
+    "acquire_failed_total",
+    "renews_total",
+    "renewed_total",
+    "renew_failed_total",
+    "releases_total",
+    "released_total",
+    "leading_started_total",
+    "leading_stopped_total",
+    "lease_expired_total",
+    "handovers_total",
+    "announces_total",
+    "members_changed_total",
+)
+
+
+class ShardLeadership:
+    """See the module docstring."""
+
+    def __init__(self, config: LeadershipConfig, instance_id: str) -> None:
+        invariant(bool(instance_id), "empty instance id")
+        self.config = config
+        self.instance_id = instance_id
+        self._shards = [_Shard() for _ in range(config.shards)]
+        self._members: frozenset[str] = frozenset()
+        self._desired: frozenset[int] = frozenset()
+        self._leaving = False
+        self._now_ms = 0  # the latest time seen
+        self._next_announce_ms: int | None = None  # None: announce at the next tick
+        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def epoch(self, shard: int, now_ms: int | None = None) -> int | None:
+        """The epoch if this instance may act as leader of `shard`. Without `now_ms`, as of the
+        latest event; with it (the shell should pass it), also None once the deadline passed."""
+        sh = self._shards[shard]
+        if sh.state != "leading":
+            return None
+        if now_ms is not None and now_ms >= sh.deadline_ms:
+            return None
+        return sh.epoch
+
+    def leading(self, now_ms: int | None = None) -> dict[int, int]:
+        """shard -> epoch for every shard this instance leads (see `epoch` for `now_ms`)."""
+        return {
+            s: sh.epoch
+            for s, sh in enumerate(self._shards)
+            if sh.state == "leading" and (now_ms is None or now_ms < sh.deadline_ms)
+        }
+
+    def desired(self) -> set[int]:
+        """Shards this instance should own under the current member set."""
+        return set(self._desired)
+
+    def members(self) -> frozenset[str]:
+        return self._members
+
+    def deadline_ms(self, shard: int) -> int | None:
+        """When the current term of `shard` stops (None when not leading)."""
+        sh = self._shards[shard]
+        return sh.deadline_ms if sh.state == "leading" else None
+
+    def next_wakeup_ms(self) -> int | None:
+        """The earliest time `tick` has something to do (a deadline, a renewal, a retry, an
+        announcement); None when nothing is scheduled. The shell ticks at least by then."""
+        times: list[int] = []
+        if not self._leaving:
+            times.append(self._next_announce_ms if self._next_announce_ms is not None else self._now_ms)
+        for s, sh in enumerate(self._shards):
+            if sh.state == "leading":
+                times.append(sh.deadline_ms)
+                if not sh.renewing:
+                    times.append(sh.written_sent_ms + self.config.renew_every_ms)
+            elif sh.state == "idle" and s in self._desired:
+                times.append(sh.retry_at_ms)
+        return min(times) if times else None
+
+    def in_flight(self) -> int:
+        """KV operations in flight (Acquire, Renew, Release)."""
+        return sum(1 for sh in self._shards if sh.state != "idle" and (sh.state != "leading" or sh.renewing))
+
+    def drained(self) -> bool:
+        """Nothing led, nothing in flight: after `leave`, the shell may exit."""
+        return all(sh.state == "idle" for sh in self._shards)
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def tick(self, now_ms: int) -> list[Effect]:
+        """Stop expired terms, hand over shards no longer desired, renew, acquire, announce."""
+        self._advance(now_ms)
+        cfg = self.config
+        out = _Out()
+        for s, sh in enumerate(self._shards):
+            if sh.state == "leading":
+                if now_ms >= sh.deadline_ms:
+                    self._expire(s, sh, out)
+                elif s not in self._desired:
+                    self._stop(s, sh, REASON_LEAVING if self._leaving else REASON_HANDOVER, out)
+                    self._count("handovers_total")
+                    if sh.renewing:
+                        sh.state = "draining"
+                    else:
+                        self._release(s, sh, out)
+                elif not sh.renewing and now_ms >= sh.written_sent_ms + cfg.renew_every_ms:
+                    sh.renewing = True
+                    sh.op_emitted_ms = now_ms
+                    self._count("renews_total")
+                    out.rest.append(Renew(s, sh.revision))
+            elif sh.state == "idle" and s in self._desired and now_ms >= sh.retry_at_ms:
+                sh.state = "acquiring"
+                sh.op_emitted_ms = now_ms
+                self._count("acquires_total")
+                out.rest.append(Acquire(s))
+        if not self._leaving and (self._next_announce_ms is None or now_ms >= self._next_announce_ms):
+            self._next_announce_ms = now_ms + cfg.renew_every_ms
+            self._count("announces_total")
+            out.rest.append(AnnounceMember())
+        return out.effects()
+
+    def on_members(self, members: set[str], now_ms: int) -> list[Effect]:
+        """The live instance ids from the member registry (self included once announced).
+        Recomputes `desired()` and then ticks."""
+        members_now = frozenset(members)
+        if members_now != self._members:
+            self._members = members_now
+            self._count("members_changed_total")
+            if not self._leaving:
+                self._desired = self._compute_desired()
+        return self.tick(now_ms)
+
+    def leave(self, now_ms: int) -> list[Effect]:
+        """Graceful shutdown: desire nothing, stop announcing, hand every shard over. The shell
+        deletes its member key and exits once `drained()`."""
+        self._leaving = True
+        self._desired = frozenset()
+        return self.tick(now_ms)
+
+    def on_acquired(self, shard: int, revision: int, sent_ms: int) -> list[Effect]:
+        """The create won: this instance holds the key at `revision` (sent at `sent_ms`)."""
+        sh = self._shards[shard]
+        invariant(sh.state == "acquiring", "on_acquired without an Acquire in flight", shard=shard)
+        invariant(revision > 0, "KV revisions start at 1", revision=revision)
+        self._check_sent(shard, sh, sent_ms)
+        self._count("acquired_total")
+        out = _Out()
+        sh.revision = revision
+        deadline_ms = sent_ms + self.config.term_ms
+        if self._leaving or shard not in self._desired or deadline_ms <= self._now_ms:
+            self._count("acquired_unwanted_total")
+            self._release(shard, sh, out)
+        else:
+            sh.state = "leading"
+            sh.epoch = revision
+            sh.written_sent_ms = sent_ms
+            sh.deadline_ms = deadline_ms
+            sh.renewing = False
+            self._count("leading_started_total")
+            out.rest.append(StartLeading(shard, revision))
+        return out.effects()
+
+    def on_acquire_failed(self, shard: int, now_ms: int) -> list[Effect]:
+        """The create lost (the key exists), or the KV was unreachable, or it timed out (then
+        the create may still land: the key lapses after the TTL, nobody renewing it)."""
+        sh = self._shards[shard]
+        invariant(sh.state == "acquiring", "on_acquire_failed without an Acquire in flight", shard=shard)
+        self._advance(now_ms)
+        self._count("acquire_failed_total")
+        sh.state = "idle"
+        sh.retry_at_ms = now_ms + self.config.renew_every_ms
+        return self._expire_all()
+
+    def on_renewed(self, shard: int, revision: int, sent_ms: int) -> list[Effect]:
+        """The update landed: the key holds our value at `revision`, written after `sent_ms`."""
+        sh = self._shards[shard]
+        invariant(
+            sh.state in ("leading", "draining") and sh.renewing,
+            "on_renewed without a Renew in flight",
+            shard=shard,
+        )
+        invariant(revision > sh.revision, "a renewal must produce a newer revision", shard=shard)
+        self._check_sent(shard, sh, sent_ms)
+        self._count("renewed_total")
+        sh.renewing = False
+        sh.revision = revision
+        out = _Out()
+        if sh.state == "draining":
+            self._release(shard, sh, out)
+        else:
+            # Sent after the previous write, so the deadline only moves later (and it is ahead of
+            # every time seen: a passed one was stopped when its time was seen).
+            invariant(sent_ms >= sh.written_sent_ms, "a renewal sent before the write it renews")
+            sh.written_sent_ms = sent_ms
+            sh.deadline_ms = sent_ms + self.config.term_ms
+        return out.effects()
+
+    def on_renew_failed(self, shard: int, now_ms: int) -> list[Effect]:
+        """Wrong last revision, unreachable or timed out: the term ends now."""
+        sh = self._shards[shard]
+        invariant(
+            sh.state in ("leading", "draining") and sh.renewing,
+            "on_renew_failed without a Renew in flight",
+            shard=shard,
+        )
+        self._advance(now_ms)
+        self._count("renew_failed_total")
+        sh.renewing = False
+        out = _Out()
+        if sh.state == "leading":
+            self._stop(shard, sh, REASON_RENEW_FAILED, out)
+        sh.state = "idle"
+        sh.retry_at_ms = now_ms + self.config.renew_every_ms
+        effects = out.effects()
+        return effects + self._expire_all()
+
+    def on_released(self, shard: int) -> list[Effect]:
+        """The delete finished (or failed: the key then lapses after the TTL)."""
+        sh = self._shards[shard]
+        invariant(sh.state == "releasing", "on_released without a Release in flight", shard=shard)
+        self._count("released_total")
+        sh.state = "idle"
+        sh.retry_at_ms = self._now_ms
+        return []
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _compute_desired(self) -> frozenset[int]:
+        if self.instance_id not in self._members:
+            return frozenset()
+        members = sorted(self._members)
+        return frozenset(
+            s for s in range(self.config.shards) if desired_owner(s, members) == self.instance_id
+        )
+
+    def _stop(self, shard: int, sh: _Shard, reason: str, out: _Out) -> None:
+        self._count("leading_stopped_total")
+        out.stops.append(StopLeading(shard, sh.epoch, reason))
+
+    def _expire(self, shard: int, sh: _Shard, out: _Out) -> None:
+        """The term's deadline passed: stop; keep waiting for a Renew in flight."""
+        self._stop(shard, sh, REASON_LEASE_EXPIRED, out)
+        self._count("lease_expired_total")
+        if sh.renewing:
+            sh.state = "draining"
+        else:
+            sh.state = "idle"
+            sh.retry_at_ms = self._now_ms
+
+    def _expire_all(self) -> list[Effect]:
+        out = _Out()
+        for s, sh in enumerate(self._shards):
+            if sh.state == "leading" and self._now_ms >= sh.deadline_ms:
+                self._expire(s, sh, out)
+        return out.effects()
+
+    def _release(self, shard: int, sh: _Shard, out: _Out) -> None:
+        sh.state = "releasing"
+        sh.renewing = False
+        sh.op_emitted_ms = self._now_ms
+        self._count("releases_total")
+        out.rest.append(Release(shard, sh.revision))
+
+    def _check_sent(self, shard: int, sh: _Shard, sent_ms: int) -> None:
+        invariant(
+            sent_ms >= sh.op_emitted_ms,
+            "sent_ms before the core asked for the operation (clock mix-up?)",
+            shard=shard,
+            sent_ms=sent_ms,
+            emitted_ms=sh.op_emitted_ms,
+        )
+
+    def _advance(self, now_ms: int) -> None:
+        invariant(now_ms >= self._now_ms, "time went backwards", now_ms=now_ms, last_ms=self._now_ms)
+        self._now_ms = now_ms
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+
+    def check_invariants(self, now_ms: int) -> None:
+        """O(shards x members): for tests and debugging."""
+        cfg = self.config
+        invariant(now_ms >= self._now_ms, "checked at a time before the latest event", now_ms=now_ms)
+        invariant(len(self._shards) == cfg.shards, "shard table resized")
+        expected_desired = frozenset() if self._leaving else self._compute_desired()
+        invariant(self._desired == expected_desired, "desired set drifted from the member set")
+        by_state: dict[str, int] = {}
+        renewing = 0
+        for s, sh in enumerate(self._shards):
+            by_state[sh.state] = by_state.get(sh.state, 0) + 1
+            renewing += sh.renewing
+            if sh.state == "leading":
+                invariant(s in self._desired, "leading a shard not desired", shard=s)
+                invariant(0 < sh.epoch <= sh.revision, "epoch above the known revision", shard=s)
+                invariant(sh.deadline_ms == sh.written_sent_ms + cfg.term_ms, "deadline drifted", shard=s)
+                invariant(sh.deadline_ms > self._now_ms, "leading past a deadline already seen", shard=s)
+            elif sh.state == "draining":
+                invariant(sh.renewing, "draining without a Renew in flight", shard=s)
+            else:
+                invariant(not sh.renewing, "a Renew in flight outside leading/draining", shard=s)
+        c = self.counters
+        invariant(
+            c["acquires_total"]
+            == c["acquired_total"] + c["acquire_failed_total"] + by_state.get("acquiring", 0),
+            "acquire accounting drifted",
+        )
+        invariant(
+            c["renews_total"] == c["renewed_total"] + c["renew_failed_total"] + renewing,
+            "renew accounting drifted",
+        )
+        invariant(
+            c["releases_total"] == c["released_total"] + by_state.get("releasing", 0),
+            "release accounting drifted",
+        )
+        invariant(
+            c["leading_started_total"] - c["leading_stopped_total"] == by_state.get("leading", 0),
+            "start/stop accounting drifted",
+        )
+        invariant(not self._leaving or not self._desired, "leaving but still desiring shards")
