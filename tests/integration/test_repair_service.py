@@ -28,7 +28,13 @@ from tests.integration.clientkit import (
     objects_for,
     prompt,
 )
-from tests.integration.cluster import directory_call, directory_process, repair_process, segment_process
+from tests.integration.cluster import (
+    directory_call,
+    directory_process,
+    repair_process,
+    segment_process,
+    segment_state,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -141,3 +147,40 @@ def test_a_killed_segments_objects_return_to_their_target_within_the_budget(nats
             f"\nrepair: {repair_s:.2f} s to full target after SIGKILL, {status.bytes_copied} bytes copied, "
             f"read p99 {p99:.1f} ms over {len(seen['latency_s'])} loads, counters {status.counters}"
         )
+
+
+def test_a_drained_segment_ends_empty_with_nothing_lost(nats_server: NatsServer) -> None:
+    prompts = [prompt(CHUNKS * TOKENS_PER_CHUNK, seed=500 + i) for i in range(8)]
+    env = {"KVF_DIRECTORY_REPLICAS_DEFAULT": "2"}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(directory_process(nats_server, **env))
+        for i in (1, 2, 3):
+            stack.enter_context(segment_process(nats_server, f"seg-d{i}", KVF_SEGMENT_ZONE=f"z{i}"))
+        with client(nats_server) as writer:
+            for tokens in prompts:
+                assert writer.save(tokens, objects_for(tokens, 0, CHUNKS)).chunks_saved == CHUNKS
+        stack.enter_context(repair_process(nats_server, **env, KVF_REPAIR_SCAN_MS="200"))
+
+        async def drain_and_wait() -> int:
+            nc = await nats.connect(nats_server.url)
+            try:
+                state = await segment_state(nc, "seg-d1", draining=True)
+                assert state.draining and state.used_bytes > 0
+                while True:
+                    state = await segment_state(nc, "seg-d1", draining=True)
+                    if state.used_bytes == 0:
+                        return state.used_bytes
+                    await asyncio.sleep(0.1)
+            finally:
+                await nc.close()
+
+        assert asyncio.run(asyncio.wait_for(drain_and_wait(), 30.0)) == 0
+        assert asyncio.run(replica_counts(nats_server.url)) == [2] * (len(prompts) * CHUNKS)
+        with client(nats_server) as reader:  # everything still reads whole, verified
+            for tokens in prompts:
+                hit = reader.lookup(tokens)
+                out = [[bytearray(CHUNK_BYTES)] for _ in range(hit.chunks)]
+                assert reader.load(hit, out).tokens == CHUNKS * TOKENS_PER_CHUNK
+                assert all(bytes(out[c][0]) == chunk_bytes(tokens, c) for c in range(CHUNKS))
+                assert all(r.segment_id != "seg-d1" for row in hit.objects for o in row for r in o.replicas)
+                reader.release(hit)

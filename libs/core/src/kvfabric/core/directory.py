@@ -1170,10 +1170,15 @@ class DirectoryCore:
     # ---- extra replicas and corrupt replicas (repair, prefetch, scrub) ------------------------
 
     def _below_target(self, group: PublishedGroup) -> bool:
+        """Some member has fewer replicas than the target on segments that are up and not
+        draining (a draining segment's replicas are readable but must move)."""
         target = self.config.replicas_default
-        return any(
-            sum(self._placement_live(r.placement) for r in mem.replicas) < target for mem in group.members
-        )
+
+        def healthy(placement: int) -> bool:
+            seg = self._segment_of(placement)
+            return seg is not None and not seg.draining
+
+        return any(sum(healthy(r.placement) for r in mem.replicas) < target for mem in group.members)
 
     def _published_member(self, key: bytes) -> tuple[bytes, PublishedGroup, MemberRecord] | None:
         info = parse_key(key)

@@ -4,8 +4,11 @@ Every `scan_ms` the shell re-syncs the core with the directory (anti-entropy, no
 - `list_segments` → `segment_up` (failure domain, free = capacity − reserved, draining) for each
   segment up, `segment_down` for one that is gone or restarted;
 - `list_groups(below_target, with_objects)` paged → `object_known` for each member (object =
-  its 96-byte key) with fewer live replicas than the target; objects tracked before and absent
-  now reached their target or are gone → `object_removed`.
+  its 96-byte key) with fewer live replicas than the target (replicas on draining segments do
+  not count); objects tracked before and absent now reached their target or are gone →
+  `object_removed`;
+- while a segment drains: every replica on it whose object has its target elsewhere is dropped
+  (`replica_corrupt`, reason `drained`, never a last copy), so the segment ends up empty.
 Every `tick_ms` `core.tick` returns copies within the bandwidth budget and in-flight cap; each
 runs as a task: `kvfabric.client.replicas.copy_replica` (the directory's ticket, then the
 destination reads the bytes from the source over the data plane, verifies and confirms) →
@@ -78,6 +81,7 @@ class RepairShell:
         self.below_target = 0  # objects below target at the last scan
         self.bytes_copied = 0
         self.drains_complete: list[str] = []
+        self.replicas_retired = 0  # replicas dropped from draining segments
 
     def attach(self, runtime: ServiceRuntime) -> None:
         runtime.add_endpoint("status", self._status)
@@ -123,6 +127,7 @@ class RepairShell:
         for gone in set(self._incarnations) - seen:
             self.core.segment_down(gone)
             del self._incarnations[gone]
+        draining = {s.segment_id for s in segments.segments if s.up and s.draining}
         below: set[bytes] = set()
         after = b""
         for _ in range(SCAN_PAGES_MAX):
@@ -133,7 +138,7 @@ class RepairShell:
             assert isinstance(page, m.GroupList)
             for summary in page.groups:
                 for obj in summary.objects:
-                    if len(obj.replicas) >= self.replicas_target:
+                    if sum(r.segment_id not in draining for r in obj.replicas) >= self.replicas_target:
                         continue
                     key = key_of(summary, obj.member)
                     below.add(key)
@@ -152,6 +157,38 @@ class RepairShell:
         self._tracked = below
         self.below_target = len(below)
         self.scans += 1
+        if draining:
+            await self._retire_drained(draining)
+
+    async def _retire_drained(self, draining: set[str]) -> None:
+        """Drop each replica on a draining segment whose object already has its target elsewhere
+        (the directory frees the slot): once all are gone the segment holds nothing."""
+        after = b""
+        for _ in range(SCAN_PAGES_MAX):
+            page = await self._directory(
+                "list_groups", m.ListGroups(after=after, limit=LIST_PAGE, with_objects=True)
+            )
+            assert isinstance(page, m.GroupList)
+            for summary in page.groups:
+                for obj in summary.objects:
+                    healthy = sum(r.segment_id not in draining for r in obj.replicas)
+                    for r in obj.replicas:
+                        if r.segment_id in draining and healthy >= self.replicas_target:
+                            await self._directory(
+                                "replica_corrupt",
+                                m.ReplicaCorrupt(
+                                    segment_id=r.segment_id,
+                                    incarnation=r.incarnation,
+                                    key=key_of(summary, obj.member),
+                                    slot=r.slot,
+                                    slot_generation=r.slot_generation,
+                                    reason="drained",
+                                ),
+                            )
+                            self.replicas_retired += 1
+            if not page.next_after:
+                return
+            after = page.next_after
 
     # ---- copies ------------------------------------------------------------------------------
 
@@ -219,6 +256,6 @@ class RepairShell:
             below_target=self.below_target,
             bytes_copied=self.bytes_copied,
             drains_complete=list(self.drains_complete),
-            gauges=self.core.gauges(),
+            gauges={**self.core.gauges(), "replicas_retired": self.replicas_retired},
             counters=dict(self.core.counters),
         )
