@@ -190,3 +190,42 @@ def msgspec_encode(message: object) -> bytes:
     from kvfabric.proto.codec import encode
 
     return encode(message)  # type: ignore[arg-type]
+
+
+def test_a_hot_prefix_gets_an_extra_replica_that_goes_when_it_cools(nats_server: NatsServer) -> None:
+    tokens = prompt(4 * TOKENS_PER_CHUNK, seed=950)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(directory_process(nats_server))
+        stack.enter_context(segment_process(nats_server, REMOTE, KVF_SEGMENT_ZONE="zr"))
+        with client(nats_server) as writer:
+            assert writer.save(tokens, objects_for(tokens, 0, 4)).chunks_saved == 4
+        stack.enter_context(segment_process(nats_server, LOCAL, KVF_SEGMENT_ZONE="zl"))
+        stack.enter_context(
+            prefetch_process(
+                nats_server,
+                KVF_PREFETCH_HOT_READS_PER_S="5",
+                KVF_PREFETCH_COLD_READS_PER_S="1",
+                KVF_PREFETCH_HOT_WINDOW_MS="2000",
+                KVF_PREFETCH_SCAN_MS="200",
+            )
+        )
+        with client(nats_server) as engine:
+
+            async def extra_on_local(want: int, timeout_s: float, reads: bool) -> None:
+                async def go() -> None:
+                    while await replicas_on(nats_server.url, tokens, LOCAL) != want:
+                        if reads:
+                            for _ in range(10):
+                                await asyncio.to_thread(lambda: engine.release(engine.lookup(tokens)))
+                        await asyncio.sleep(0.05)
+
+                await asyncio.wait_for(go(), timeout_s)
+
+            asyncio.run(extra_on_local(4, 20.0, reads=True))  # hot: every chunk gets a second copy
+            asyncio.run(extra_on_local(0, 20.0, reads=False))  # cold again: the extra copies go
+            _, n, same = timed_load(engine, tokens)  # the original replicas serve on
+            assert n == 4 and same
+        status = asyncio.run(ask(nats_server.url, "status", p.PrefetchStatusRequest()))
+        assert isinstance(status, p.PrefetchStatus)
+        assert status.counters["hot_replicas_created_total"] >= 4
+        assert status.counters["extra_replicas_removed_total"] >= 4
