@@ -28,6 +28,8 @@ MODULES = {
     "kvfabric.directory": "services/directory",
     "kvfabric.segment_storage": "services/segment_storage",
     "kvfabric.eviction_policy": "services/eviction_policy",
+    "kvfabric.repair": "services/repair",
+    "kvfabric.prefetch": "services/prefetch",
 }
 
 
@@ -37,7 +39,10 @@ def documented_metrics() -> set[str]:
     expanded = set()
     for name in names:
         if "<service>" in name:
-            expanded |= {name.replace("<service>", s) for s in ("directory", "segment", "eviction")}
+            expanded |= {
+                name.replace("<service>", s)
+                for s in ("directory", "segment", "eviction", "repair", "prefetch")
+            }
         else:
             expanded.add(name)
     return {n for n in expanded if "<" not in n}

@@ -7,8 +7,8 @@
 `up` starts a supervisor in the background and returns once the cluster is ready. The supervisor
 owns every child: nats-server (JetStream, store under the run folder), one directory (plus
 `--directories - 1` standbys, `directory-<i>`), N
-segments in N distinct failure domains (zone-<i>/rack-<i>/host-<i>) and the eviction-policy
-service. A child that exits is
+segments in N distinct failure domains (zone-<i>/rack-<i>/host-<i>), and the eviction-policy,
+repair and prefetch services. A child that exits is
 restarted with a backoff (a segment the directory declared down exits 75 and comes back empty
 under a new incarnation); after `RESTARTS_MAX` restarts in `RESTART_WINDOW_S` it stays down and the
 supervisor says so. `down` stops the supervisor (SIGTERM: children stopped in reverse order, then
@@ -199,23 +199,19 @@ def plan_children(
                 stale_glob=f"kvf-{prefix}-{i}-*",
             )
         )
-    children.append(
-        Child(
-            "eviction",
-            [
-                sys.executable,
-                "-m",
-                "kvfabric.eviction_policy",
-                "--nats-url",
-                nats_url,
-                "--metrics-port",
-                "0",
-                "--log-json",
-            ],
-            base,
-            "eviction_started",
+    for name, module in (
+        ("eviction", "kvfabric.eviction_policy"),
+        ("repair", "kvfabric.repair"),
+        ("prefetch", "kvfabric.prefetch"),
+    ):
+        children.append(
+            Child(
+                name,
+                [sys.executable, "-m", module, "--nats-url", nats_url, "--metrics-port", "0", "--log-json"],
+                base,
+                f"{name}_started",
+            )
         )
-    )
     info = {
         "nats_url": nats_url,
         "segment_prefix": prefix,

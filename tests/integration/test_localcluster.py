@@ -51,6 +51,8 @@ async def test_up_supervises_and_down_leaves_nothing(tmp_path: Path) -> None:
             "segment-2",
             "segment-3",
             "eviction",
+            "repair",
+            "prefetch",
         }
         assert tool("up", *common).stdout.startswith("kvfabric is already up")
         nc = await connect_test_client(state["nats_url"])
