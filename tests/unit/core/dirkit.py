@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import xxhash
 
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore, Outcome
@@ -51,7 +53,7 @@ def spec(k: bytes, size: int = 100) -> m.ObjectSpec:
     return m.ObjectSpec(key=k, size_bytes=size, checksum=checksum_of(k))
 
 
-def new_core(**overrides: int) -> DirectoryCore:
+def new_core(**overrides: Any) -> DirectoryCore:
     return DirectoryCore(DirectoryConfig(ticket_secret=SECRET, **overrides))
 
 

@@ -26,6 +26,7 @@ Verbs and their request → reply:
 | `list_segments` | `ListSegments` | `SegmentList` |
 | `list_groups` / `show_group` | `ListGroups` / `ShowGroup` | `GroupList` |
 | `list_leases` | `ListLeases` | `LeaseList` |
+| `list_tenants` | `ListTenants` | `TenantList` |
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ class PutBegin(_Msg, frozen=True, kw_only=True, tag="dir.put_begin.v1"):
     epoch: int = 0
 
 
-BeginStatus = Literal["placed", "exists", "in_flight", "no_capacity"]
+# quota_exceeded: this object would take its tenant (share domain) over its bytes or objects quota.
+BeginStatus = Literal["placed", "exists", "in_flight", "no_capacity", "quota_exceeded"]
 
 
 class BeginResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -478,6 +480,32 @@ class LeaseList(_Msg, frozen=True, kw_only=True, tag="dir.lease_list.v1"):
     leases: list[LeaseInfo]
 
 
+class ListTenants(_Msg, frozen=True, kw_only=True, tag="dir.list_tenants.v1"):
+    """Tenants (share domains) with their usage and limits, in domain digest order."""
+
+    limit: int = 100
+    epoch: int = 0
+
+
+class TenantInfo(msgspec.Struct, frozen=True, kw_only=True):
+    domain_digest: bytes  # 16 bytes
+    used_bytes: int  # size × replicas of what it holds (building, published, copying, freeing)
+    objects: int  # members of its building and published chunk groups
+    bytes_max: int = 0  # 0 = unlimited
+    objects_max: int = 0
+    requests_per_s: float = 0.0
+    burst: int = 0
+    # Refusals since the directory last started tracking this tenant (it forgets idle ones).
+    quota_exceeded: int = 0  # objects put_begin answered quota_exceeded
+    rate_limited: int = 0  # requests answered rate_limited
+
+
+class TenantList(_Msg, frozen=True, kw_only=True, tag="dir.tenant_list.v1"):
+    epoch: int
+    tenants: list[TenantInfo]
+    default: TenantInfo | None = None  # the limits of a tenant not configured (digest empty)
+
+
 # ---- events (JetStream stream of subject `kvf.v1.events.directory.<kind>`) ---------------
 
 
@@ -554,6 +582,7 @@ DirectoryRequest = (
     | ListGroups
     | ShowGroup
     | ListLeases
+    | ListTenants
 )
 DirectoryReply = (
     SegmentRegistered
@@ -572,6 +601,7 @@ DirectoryReply = (
     | SegmentList
     | GroupList
     | LeaseList
+    | TenantList
 )
 DirectoryEvent = (
     SegmentUp

@@ -113,6 +113,33 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             segment_id="s1", incarnation=9, key=bytes(96), slot=4, slot_generation=2, epoch=3
         ),
     ),
+    "dir.list_tenants.v1": ("directory.request", directory.ListTenants(limit=50, epoch=3)),
+    "dir.tenant_list.v1": (
+        "directory.reply",
+        directory.TenantList(
+            epoch=3,
+            tenants=[
+                directory.TenantInfo(
+                    domain_digest=b"d" * 16,
+                    used_bytes=4096,
+                    objects=2,
+                    bytes_max=8192,
+                    objects_max=10,
+                    requests_per_s=2.5,
+                    burst=5,
+                    quota_exceeded=1,
+                    rate_limited=3,
+                )
+            ],
+            default=directory.TenantInfo(domain_digest=b"", used_bytes=0, objects=0, bytes_max=1024),
+        ),
+    ),
+    "dir.put_begin_reply.v1.quota_exceeded": (
+        "directory.reply",
+        directory.PutBeginReply(
+            epoch=3, results=[directory.BeginResult(key=bytes(96), status="quota_exceeded")]
+        ),
+    ),
     "seg.report.v1": ("segment", segment.ReportRequest(epoch=7, after_slot=10, limit=100)),
     "seg.report_reply.v1": (
         "segment",

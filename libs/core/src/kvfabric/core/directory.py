@@ -50,7 +50,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -67,12 +67,14 @@ from kvfabric.core.directory_records import (
     unpack_group,
 )
 from kvfabric.core.placement import Candidate, choose_segments
+from kvfabric.core.quotas import UNLIMITED, Quotas, Tenant, TenantQuota, TenantUsage, tenant_of
 from kvfabric.format.errors import (
     BadRequest,
     BatchTooLarge,
     Busy,
     KvfError,
     NotFound,
+    RateLimited,
     StaleGeneration,
     Unavailable,
 )
@@ -106,6 +108,10 @@ class DirectoryConfig:
     # Read leases are granted for at most this long (a longer request is shortened). A new leader
     # waits this long (its grace period) before freeing anything, so leases of the old one hold.
     lease_ttl_ms_max: int = 60_000
+    # Per-tenant (share domain digest) quotas and request rates; see `kvfabric.core.quotas`.
+    tenant_quota_default: TenantQuota = UNLIMITED
+    tenant_quotas: Mapping[bytes, TenantQuota] = field(default_factory=dict)
+    tenants_max: int = 10_000  # token buckets and rejection counts kept (least recently used go)
 
 
 # ---- effects -------------------------------------------------------------------------------
@@ -224,8 +230,9 @@ class DirectoryCore:
         self.evicting: dict[bytes, PublishedGroup] = {}
         self._evicting_frees: dict[bytes, int] = {}  # evicting group -> frees not yet acknowledged
         self._tickets: dict[int, tuple[bytes, Member]] = {}
-        # (segment id, incarnation, slot, generation) -> (size, group id or b"" if not evicting)
-        self._freeing: dict[tuple[str, int, int, int], tuple[int, bytes, int]] = {}
+        # (segment id, incarnation, slot, generation) ->
+        #     (size, group id or b"" if not evicting, sent at ms (0 not yet, -1 deferred), tenant)
+        self._freeing: dict[tuple[str, int, int, int], tuple[int, bytes, int, Tenant]] = {}
         self._leases: dict[int, _Lease] = {}  # read leases and pins
         self._lease_heap: list[tuple[int, int]] = []
         self._lease_count: dict[bytes, int] = {}
@@ -253,6 +260,9 @@ class DirectoryCore:
         # Published groups a member of which has no good replica left (its last one was corrupt):
         # unreadable at once, invalidated by the sweep once no lease or pin holds them.
         self._unreadable: set[bytes] = set()
+        self.quotas = Quotas(
+            config.tenant_quota_default, config.tenant_quotas, config.tenants_max, self._count
+        )
 
     # ---- plumbing ------------------------------------------------------------------------
 
@@ -295,7 +305,8 @@ class DirectoryCore:
         seg = self.segments.get(segment_id)
         return seg if seg is not None and seg.up and seg.incarnation == incarnation else None
 
-    def _release_reservation(self, placement: int, size_bytes: int) -> None:
+    def _release_reservation(self, placement: int, size_bytes: int, tenant: Tenant) -> None:
+        self.quotas.add(tenant, -size_bytes)
         seg = self._segment_of(placement)
         if seg is not None:
             seg.reserved_bytes -= size_bytes
@@ -310,20 +321,22 @@ class DirectoryCore:
         key: bytes,
         group: bytes,
         effects: list[Effect],
+        tenant: Tenant,
     ) -> None:
-        """Hand a confirmed slot back to its segment. The reservation is released on `SlotsFreed`."""
+        """Hand a confirmed slot back to its segment. The reservation (and the tenant's bytes) is
+        released on `SlotsFreed`."""
         segment_id, incarnation = self._placements[placement]
         if not self._placement_live(placement):
-            self._release_reservation(placement, size)  # dead incarnation: its memory is gone
+            self._release_reservation(placement, size, tenant)  # dead incarnation: its memory is gone
             return
         if group:
             self._evicting_frees[group] = self._evicting_frees.get(group, 0) + 1
         if self._in_grace and (segment_id, incarnation, slot, generation) in self._adopted:
             # a reader leased by the old leader may still read it: not yet
-            self._freeing[(segment_id, incarnation, slot, generation)] = (size, group, -1)
+            self._freeing[(segment_id, incarnation, slot, generation)] = (size, group, -1, tenant)
             self._count("frees_deferred_grace_total")
             return
-        self._freeing[(segment_id, incarnation, slot, generation)] = (size, group, 0)
+        self._freeing[(segment_id, incarnation, slot, generation)] = (size, group, 0, tenant)
         effects.append(FreeSlots(segment_id, incarnation, (m.FreedSlot(key, slot, generation),)))
 
     def _cached(self, verb: str, writer_id: str, request_id: str) -> msgspec.Struct | None:
@@ -342,6 +355,16 @@ class DirectoryCore:
         while self._reply_cache_objects > self.config.reply_cache_objects_max:
             _, (_, n) = self._reply_cache.popitem(last=False)
             self._reply_cache_objects -= n
+
+    def _check_rate(self, raw_ids: Iterable[bytes], now_ms: int) -> None:
+        """Charge one request to the tenants of these keys / chunk group ids (all or none)."""
+        if not self.quotas.rate_limited:
+            return
+        wait_ms = self.quotas.charge(map(tenant_of, raw_ids), now_ms)
+        if wait_ms:
+            raise RateLimited(
+                f"request rate over the tenant's limit; retry in {wait_ms} ms", retry_after_ms=wait_ms
+            )
 
     @staticmethod
     def _check_batch(what: str, n: int, limit: int) -> None:
@@ -443,6 +466,7 @@ class DirectoryCore:
                 for p in dead:
                     pm.placements.remove(p)
                     self._tickets.pop(p.ticket_id, None)
+                self.quotas.add(tenant_of(group.info.namespace), -pm.size_bytes * len(dead))
                 if dead and pm.committed and not pm.placements:
                     self._drop_member(gid, group, member, effects)
 
@@ -460,6 +484,7 @@ class DirectoryCore:
         if not 1 <= replicas <= self.config.replicas_max:
             raise BadRequest(f"replicas must be in 1..{self.config.replicas_max}")
         infos = [self._validate_spec(spec) for spec in req.objects]
+        self._check_rate((spec.key for spec in req.objects), now_ms)
         if self.pending_objects + len(infos) > self.config.pending_objects_max:
             self._count("busy_pending_total")
             raise Busy("too many objects being written; retry later", limit=self.config.pending_objects_max)
@@ -502,6 +527,11 @@ class DirectoryCore:
         if not chosen:
             self._count("no_capacity_total")
             return m.BeginResult(key=spec.key, status="no_capacity")
+        tenant = tenant_of(spec.key)
+        if not self.quotas.admits(tenant, spec.size_bytes * len(chosen), 1):
+            self._count("quota_exceeded_objects_total")
+            return m.BeginResult(key=spec.key, status="quota_exceeded")
+        self.quotas.add(tenant, spec.size_bytes * len(chosen), 1)
         if group is None:
             group = self.building[gid] = _BuildingGroup(info.group, parent=spec.parent)
         placements = []
@@ -608,6 +638,7 @@ class DirectoryCore:
         self._check_epoch(req.epoch)
         self._check_batch("put_commit keys", len(req.keys), m.PUT_BATCH_OBJECTS_MAX)
         infos = [parse_key(k) for k in req.keys]
+        self._check_rate(req.keys, now_ms)
         effects: list[Effect] = []
         results = [
             self._commit_one(req.writer_id, key, info, effects)
@@ -632,7 +663,7 @@ class DirectoryCore:
         for p in held.placements:
             if not p.confirmed:  # an unconfirmed ticket dies: a late confirm will be refused
                 self._tickets.pop(p.ticket_id, None)
-                self._release_reservation(p.placement, held.size_bytes)
+                self._release_reservation(p.placement, held.size_bytes, tenant_of(key))
         held.placements = confirmed
         held.committed = True
         n = len(confirmed)
@@ -698,14 +729,16 @@ class DirectoryCore:
         """Reclaim one member of a building group: free confirmed slots, release the rest."""
         held = group.members.pop(member)
         self.pending_objects -= 1
+        tenant = tenant_of(held.key)
+        self.quotas.add(tenant, 0, -1)
         for p in held.placements:
             self._tickets.pop(p.ticket_id, None)
             if p.confirmed:
                 self._free_slot(
-                    p.placement, p.slot, p.slot_generation, held.size_bytes, held.key, b"", effects
+                    p.placement, p.slot, p.slot_generation, held.size_bytes, held.key, b"", effects, tenant
                 )
             else:
-                self._release_reservation(p.placement, held.size_bytes)
+                self._release_reservation(p.placement, held.size_bytes, tenant)
         if not group.members:
             del self.building[gid]
 
@@ -734,6 +767,7 @@ class DirectoryCore:
             raise BadRequest(f"lease_ttl_ms must be in 1..{m.LEASE_TTL_MS_MAX}")
         wanted = {(x.tp_rank, x.pp_stage, x.layer_group) for x in req.members}
         infos = [parse_group(g) for g in req.groups]
+        self._check_rate(req.groups, now_ms)
         objects: list[m.ObjectLocation] = []
         hit: list[bytes] = []
         for info in infos:
@@ -878,7 +912,9 @@ class DirectoryCore:
         self._check_batch("pin groups", len(req.groups), m.LOOKUP_BATCH_GROUPS_MAX)
         if not 0 < req.ttl_ms <= m.PIN_TTL_MS_MAX:
             raise BadRequest(f"ttl_ms must be in 1..{m.PIN_TTL_MS_MAX}")
-        gids = tuple(g.group_id for g in map(parse_group, req.groups) if g.group_id in self.published)
+        parsed = [parse_group(g) for g in req.groups]
+        self._check_rate(req.groups, now_ms)
+        gids = tuple(g.group_id for g in parsed if g.group_id in self.published)
         pin_id, expires = self._grant(req.holder_id, gids, now_ms + req.ttl_ms, is_pin=True)
         return Outcome(
             m.PinReply(epoch=self.epoch, pin_id=pin_id, pinned_groups=len(gids), expires_ms=expires)
@@ -916,9 +952,13 @@ class DirectoryCore:
         self._unreadable.discard(gid)
         group = unpack_group(record)
         self.evicting[gid] = group
+        tenant = tenant_of(self._namespaces[group.namespace])
+        self.quotas.add(tenant, 0, -len(group.members))
         for mem in group.members:
             for r in mem.replicas:
-                self._free_slot(r.placement, r.slot, r.slot_generation, mem.size_bytes, b"", gid, effects)
+                self._free_slot(
+                    r.placement, r.slot, r.slot_generation, mem.size_bytes, b"", gid, effects, tenant
+                )
         self._count("groups_evicted_total")
         effects.append(EmitEvent("evicted", m.GroupEvicted(group=gid, reason=reason)))
         self._maybe_forget_evicting(gid)
@@ -943,7 +983,8 @@ class DirectoryCore:
         return Outcome(m.FreedAck(epoch=self.epoch, accepted=accepted), effects)
 
     def _finish_free(self, key: tuple[str, int, int, int], effects: list[Effect]) -> None:
-        size, gid, _ = self._freeing.pop(key)
+        size, gid, _, tenant = self._freeing.pop(key)
+        self.quotas.add(tenant, -size)
         seg = self.segments.get(key[0])
         if seg is not None and seg.incarnation == key[1] and seg.up:
             seg.reserved_bytes -= size
@@ -977,7 +1018,7 @@ class DirectoryCore:
             _, ticket_id = heapq.heappop(self._replica_deadlines)
             rt = self._replicating.pop(ticket_id, None)
             if rt is not None:  # never confirmed: a late confirm gets unknown_ticket, the segment frees
-                self._release_reservation(rt.placement, rt.size_bytes)
+                self._release_reservation(rt.placement, rt.size_bytes, tenant_of(rt.key))
                 self._count("replica_tickets_expired_total")
         self._sweep(effects)
         self._retry_frees(now_ms, effects)
@@ -1016,19 +1057,25 @@ class DirectoryCore:
                 continue
             members = []
             lost = forced
+            dead_bytes = 0
             for mem in group.members:
                 live = tuple(r for r in mem.replicas if self._placement_live(r.placement))
                 lost |= not live
+                dead_bytes += mem.size_bytes * (len(mem.replicas) - len(live))
                 members.append(MemberRecord(*mem.member, mem.size_bytes, mem.checksum, live))
+            tenant = tenant_of(self._namespaces[group.namespace])
             if lost and (self._lease_count.get(gid) or self._pin_count.get(gid)):
                 self._sweep_deferred.add(gid)  # lookups already skip it: a member has no live replica
-            elif lost:
+                continue
+            self.quotas.add(tenant, -dead_bytes)  # replicas on dead incarnations leave the record
+            if lost:
                 del self.published[gid]
                 self._unreadable.discard(gid)
+                self.quotas.add(tenant, 0, -len(members))
                 for mem in members:
                     for r in mem.replicas:
                         self._free_slot(
-                            r.placement, r.slot, r.slot_generation, mem.size_bytes, b"", b"", effects
+                            r.placement, r.slot, r.slot_generation, mem.size_bytes, b"", b"", effects, tenant
                         )
                 self._count("groups_invalidated_total")
                 effects.append(EmitEvent("invalidated", m.GroupInvalidated(group=gid, reason="replica_lost")))
@@ -1041,18 +1088,18 @@ class DirectoryCore:
                 effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=gid)))
 
     def _retry_frees(self, now_ms: int, effects: list[Effect]) -> None:
-        for key, (size, gid, sent_ms) in list(self._freeing.items()):
+        for key, (size, gid, sent_ms, tenant) in list(self._freeing.items()):
             if sent_ms < 0:  # deferred by the grace period
                 if self._in_grace:
                     continue
-                self._freeing[key] = (size, gid, now_ms)
+                self._freeing[key] = (size, gid, now_ms, tenant)
                 segment_id, incarnation, slot, generation = key
                 effects.append(FreeSlots(segment_id, incarnation, (m.FreedSlot(b"", slot, generation),)))
             elif sent_ms == 0:
-                self._freeing[key] = (size, gid, now_ms)
+                self._freeing[key] = (size, gid, now_ms, tenant)
             elif now_ms - sent_ms >= self.config.free_retry_ms:
                 self._count("free_retries_total")
-                self._freeing[key] = (size, gid, now_ms)
+                self._freeing[key] = (size, gid, now_ms, tenant)
                 segment_id, incarnation, slot, generation = key
                 effects.append(FreeSlots(segment_id, incarnation, (m.FreedSlot(b"", slot, generation),)))
 
@@ -1167,6 +1214,30 @@ class DirectoryCore:
         ]
         return Outcome(m.LeaseList(epoch=self.epoch, leases=leases))
 
+    def _list_tenants(self, req: m.ListTenants, now_ms: int) -> Outcome:
+        self._check_epoch(req.epoch)
+        if not 0 < req.limit <= m.LIST_LIMIT_MAX:
+            raise BadRequest(f"limit must be in 1..{m.LIST_LIMIT_MAX}")
+        tenants = [self._tenant_info(t) for t in itertools.islice(self.quotas.tenants(), req.limit)]
+        default = self._tenant_info(Tenant(b""))
+        return Outcome(m.TenantList(epoch=self.epoch, tenants=tenants, default=default))
+
+    def _tenant_info(self, tenant: Tenant) -> m.TenantInfo:
+        quota = self.quotas.quota(tenant)
+        use = self.quotas.usage.get(tenant) or TenantUsage()
+        stats = self.quotas.stats.get(tenant)
+        return m.TenantInfo(
+            domain_digest=tenant,
+            used_bytes=use.bytes,
+            objects=use.objects,
+            bytes_max=quota.bytes_max,
+            objects_max=quota.objects_max,
+            requests_per_s=quota.requests_per_s,
+            burst=quota.burst_effective if quota.requests_per_s else 0,
+            quota_exceeded=stats.quota_exceeded if stats else 0,
+            rate_limited=stats.rate_limited if stats else 0,
+        )
+
     # ---- extra replicas and corrupt replicas (repair, prefetch, scrub) ------------------------
 
     def _below_target(self, group: PublishedGroup) -> bool:
@@ -1225,6 +1296,7 @@ class DirectoryCore:
             self._count("no_capacity_total")
             return Outcome(m.ReplicateBeginReply(epoch=self.epoch, status="no_capacity"))
         seg.reserved_bytes += mem.size_bytes
+        self.quotas.add(tenant_of(req.key), mem.size_bytes)  # counted, never refused (repair)
         ticket_id = next(self._ids)
         deadline = now_ms + req.write_ttl_ms
         self._replicating[ticket_id] = _ReplicaTicket(
@@ -1261,12 +1333,12 @@ class DirectoryCore:
             c.size_bytes,
             c.checksum,
         ) != (rt.key, rt.size_bytes, rt.checksum):
-            self._release_reservation(rt.placement, rt.size_bytes)
+            self._release_reservation(rt.placement, rt.size_bytes, tenant_of(rt.key))
             self._count("confirm_mismatch_total")
             return "mismatch"
         found = self._published_member(rt.key)
         if found is None:  # evicted or lost meanwhile: the segment frees the copy
-            self._release_reservation(rt.placement, rt.size_bytes)
+            self._release_reservation(rt.placement, rt.size_bytes, tenant_of(rt.key))
             self._count("replica_confirm_gone_total")
             return "unknown_ticket"
         gid, group, mem = found
@@ -1294,7 +1366,16 @@ class DirectoryCore:
             if not left:
                 return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=False))
             self._replace_member(gid, group, MemberRecord(*mem.member, mem.size_bytes, mem.checksum, left))
-            self._free_slot(placement, req.slot, req.slot_generation, mem.size_bytes, req.key, b"", effects)
+            self._free_slot(
+                placement,
+                req.slot,
+                req.slot_generation,
+                mem.size_bytes,
+                req.key,
+                b"",
+                effects,
+                tenant_of(req.key),
+            )
             self._count("replicas_dropped_total")
             return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=True), effects)
         self._count("replicas_corrupt_total")
@@ -1303,7 +1384,16 @@ class DirectoryCore:
             self._sweep_queue.append(gid)
             return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=True), effects)
         self._replace_member(gid, group, MemberRecord(*mem.member, mem.size_bytes, mem.checksum, left))
-        self._free_slot(placement, req.slot, req.slot_generation, mem.size_bytes, req.key, b"", effects)
+        self._free_slot(
+            placement,
+            req.slot,
+            req.slot_generation,
+            mem.size_bytes,
+            req.key,
+            b"",
+            effects,
+            tenant_of(req.key),
+        )
         self._sweep_queue.append(gid)  # gone entirely if that was the member's last replica
         effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=gid)))
         return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=True), effects)
@@ -1348,9 +1438,16 @@ class DirectoryCore:
                 tuple(records),
             )
             self.published[gid] = pack_group(group)
+            self.quotas.add(
+                tenant_of(info.namespace),
+                sum(x.size_bytes * len(x.replicas) for x in records),
+                len(records),
+            )
         for r in plan.orphans:
             placement = self._intern_placement(r.segment_id, r.incarnation)
-            self._free_slot(placement, r.slot, r.slot_generation, r.size_bytes, r.key, b"", effects)
+            tenant = tenant_of(r.key)
+            self.quotas.add(tenant, r.size_bytes)  # held until the segment frees it
+            self._free_slot(placement, r.slot, r.slot_generation, r.size_bytes, r.key, b"", effects, tenant)
         self._count("adopted_groups_total", len(plan.groups))
         self._count("adopted_objects_total", sum(len(g[1]) for g in plan.groups.values()))
         self._count("adopted_orphans_total", len(plan.orphans))
@@ -1375,7 +1472,7 @@ class DirectoryCore:
             for mem in unpack_group(record).members:
                 for r in mem.replicas:
                     add(r.placement, mem.size_bytes)
-        for (sid, inc, _, _), (size, _, _) in self._freeing.items():
+        for (sid, inc, _, _), (size, _, _, _) in self._freeing.items():
             add(self._placement_index[(sid, inc)], size)
         for rt in self._replicating.values():
             add(rt.placement, rt.size_bytes)
@@ -1393,13 +1490,37 @@ class DirectoryCore:
         )
         invariant(not (self.published.keys() & self.building.keys()), "group both building and published")
         outstanding: dict[bytes, int] = {}
-        for _, gid, _ in self._freeing.values():
+        for _, gid, _, _ in self._freeing.values():
             if gid:
                 outstanding[gid] = outstanding.get(gid, 0) + 1
         invariant(outstanding == self._evicting_frees, "evicting free counts drift")
         invariant(self.evicting.keys() == outstanding.keys(), "evicting group without outstanding frees")
         for gid in self._lease_count.keys() | self._pin_count.keys():
             invariant(gid not in self.evicting, "evicting a leased or pinned group")
+        self._check_tenant_usage()
+
+    def _check_tenant_usage(self) -> None:
+        """Recompute every tenant's usage from the records (see `kvfabric.core.quotas`)."""
+        usage: dict[Tenant, TenantUsage] = {}
+
+        def add(tenant: Tenant, nbytes: int, objects: int) -> None:
+            use = usage.setdefault(tenant, TenantUsage())
+            use.bytes += nbytes
+            use.objects += objects
+
+        for group in self.building.values():
+            for pm in group.members.values():
+                add(tenant_of(group.info.namespace), pm.size_bytes * len(pm.placements), 1)
+        for record in self.published.values():
+            published = unpack_group(record)
+            tenant = tenant_of(self._namespaces[published.namespace])
+            for mem in published.members:
+                add(tenant, mem.size_bytes * len(mem.replicas), 1)
+        for size, _, _, tenant in self._freeing.values():
+            add(tenant, size, 0)
+        for rt in self._replicating.values():
+            add(tenant_of(rt.key), rt.size_bytes, 0)
+        self.quotas.check(usage)
 
 
 _HANDLERS: dict[type[msgspec.Struct], Callable[[DirectoryCore, Any, int], Outcome]] = {
@@ -1422,4 +1543,5 @@ _HANDLERS: dict[type[msgspec.Struct], Callable[[DirectoryCore, Any, int], Outcom
     m.ListGroups: DirectoryCore._list_groups,
     m.ShowGroup: DirectoryCore._show_group,
     m.ListLeases: DirectoryCore._list_leases,
+    m.ListTenants: DirectoryCore._list_tenants,
 }

@@ -30,6 +30,7 @@ __all__ = [
     "NoCapacity",
     "NotFound",
     "QuotaExceeded",
+    "RateLimited",
     "StaleGeneration",
     "Unauthorized",
     "Unavailable",
@@ -149,6 +150,23 @@ class QuotaExceeded(KvfError):
     code = "quota_exceeded"
     status = 429
     retryable = True
+
+
+class RateLimited(KvfError):
+    """The caller's tenant sent more requests than its rate allows: nothing was applied.
+    Retry after `retry_after_ms` (in details)."""
+
+    code = "rate_limited"
+    status = 429
+    retryable = True
+
+    def __init__(self, message: str, /, *, retry_after_ms: int, **details: Any) -> None:
+        super().__init__(message, retry_after_ms=retry_after_ms, **details)
+
+    @property
+    def retry_after_ms(self) -> int:
+        """How long to wait before sending again (also when rebuilt from the wire)."""
+        return int(self.details.get("retry_after_ms", 0))
 
 
 class Busy(KvfError):

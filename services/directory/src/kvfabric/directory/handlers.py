@@ -63,6 +63,7 @@ VERBS: Final[dict[str, type[msgspec.Struct]]] = {
     "list_groups": m.ListGroups,
     "show_group": m.ShowGroup,
     "list_leases": m.ListLeases,
+    "list_tenants": m.ListTenants,
 }
 
 

@@ -1,0 +1,194 @@
+"""Per-tenant quotas and request-rate limits of the directory (pure: no clock, no I/O).
+
+## Tenant
+The tenant of a key, chunk group id or namespace is its share domain: the 16-byte domain digest
+at bytes [4:20] of each (see `kvfabric.format.key`'s layout). `tenant_of` is the one place that
+says so; an authenticated identity can replace it later without touching the accounting.
+
+## Usage (what a tenant holds)
+- `bytes`: size × replicas of every object of the tenant that holds space anywhere: placements of
+  building members, replicas in published records (also on a segment declared down, until the
+  sweep drops them), extra replicas being copied, and slots handed back until the segment
+  acknowledges the free. It mirrors the segments' reservations, per tenant.
+- `objects`: members of building and published chunk groups (an evicted group stops counting at
+  once; its bytes count until freed).
+The directory core adjusts usage incrementally at every change of its records (`add`) and
+recomputes it from scratch in `check_invariants`. A tenant holding nothing has no usage entry.
+
+## Limits
+`TenantQuota` (0 = unlimited): `bytes_max`, `objects_max` are checked by `admits` before an
+object is placed (`put_begin` answers `quota_exceeded` for that object); repair and prefetch
+copies are counted but never refused. `requests_per_s` with `burst` is a token bucket per
+tenant, charged one token per request by `charge(tenants, now_ms)`; time only moves forward
+(an older `now_ms` refills nothing).
+
+## Bounds
+Buckets and rejection counts live in an LRU table of at most `tenants_max` entries: the least
+recently used is forgotten first (its tenant starts again with a full bucket). Usage entries
+are bounded by the objects held.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final, NewType
+
+from kvfabric.format.invariant import invariant
+
+__all__ = [
+    "DOMAIN_DIGEST",
+    "UNLIMITED",
+    "Quotas",
+    "Tenant",
+    "TenantQuota",
+    "TenantStats",
+    "TenantUsage",
+    "tenant_of",
+]
+
+Tenant = NewType("Tenant", bytes)
+DOMAIN_DIGEST: Final = slice(4, 20)  # inside a key, a chunk group id and a namespace alike
+
+
+def tenant_of(raw: bytes) -> Tenant:
+    """The tenant of a key, chunk group id (90 B) or namespace (its leading 54 B)."""
+    return Tenant(bytes(raw[DOMAIN_DIGEST]))
+
+
+@dataclass(frozen=True, slots=True)
+class TenantQuota:
+    bytes_max: int = 0  # 0 = unlimited
+    objects_max: int = 0  # 0 = unlimited
+    requests_per_s: float = 0.0  # 0 = unlimited
+    burst: int = 0  # requests allowed at once; 0 = max(1, ceil(requests_per_s))
+
+    def __post_init__(self) -> None:
+        invariant(
+            self.bytes_max >= 0 and self.objects_max >= 0 and self.requests_per_s >= 0 and self.burst >= 0,
+            "negative quota",
+        )
+
+    @property
+    def burst_effective(self) -> int:
+        return self.burst or max(1, math.ceil(self.requests_per_s))
+
+
+UNLIMITED: Final = TenantQuota()
+
+
+@dataclass(slots=True)
+class TenantUsage:
+    bytes: int = 0
+    objects: int = 0
+
+
+@dataclass(slots=True)
+class TenantStats:
+    """A tenant's token bucket and rejection counts (forgotten when least recently used)."""
+
+    tokens: float
+    updated_ms: int
+    quota_exceeded: int = 0  # objects refused by put_begin
+    rate_limited: int = 0  # requests refused
+
+
+class Quotas:
+    def __init__(
+        self,
+        default: TenantQuota,
+        per_tenant: Mapping[bytes, TenantQuota],
+        tenants_max: int,
+        count: Callable[[str, int], None],
+    ) -> None:
+        invariant(tenants_max >= 1, "tenants_max must be positive")
+        invariant(all(len(t) == 16 for t in per_tenant), "a tenant is a 16-byte domain digest")
+        self.default = default
+        self.per_tenant = dict(per_tenant)
+        self.tenants_max = tenants_max
+        self._count = count
+        self.usage: dict[Tenant, TenantUsage] = {}
+        self.stats: OrderedDict[Tenant, TenantStats] = OrderedDict()
+        # Fast path: no bucket at all when no tenant has a rate limit.
+        self.rate_limited = default.requests_per_s > 0 or any(
+            q.requests_per_s > 0 for q in self.per_tenant.values()
+        )
+
+    def quota(self, tenant: Tenant) -> TenantQuota:
+        return self.per_tenant.get(tenant, self.default)
+
+    # ---- usage ---------------------------------------------------------------------------
+
+    def add(self, tenant: Tenant, nbytes: int, objects: int = 0) -> None:
+        """Adjust what `tenant` holds (negative: released)."""
+        use = self.usage.get(tenant)
+        if use is None:
+            use = self.usage[tenant] = TenantUsage()
+        use.bytes += nbytes
+        use.objects += objects
+        invariant(use.bytes >= 0 and use.objects >= 0, "negative tenant usage", tenant=tenant.hex())
+        if not use.bytes and not use.objects:
+            del self.usage[tenant]
+
+    def admits(self, tenant: Tenant, nbytes: int, objects: int) -> bool:
+        """Whether `tenant` may hold `nbytes` and `objects` more (counts a refusal if not)."""
+        quota = self.quota(tenant)
+        use = self.usage.get(tenant) or TenantUsage()
+        if (quota.bytes_max and use.bytes + nbytes > quota.bytes_max) or (
+            quota.objects_max and use.objects + objects > quota.objects_max
+        ):
+            self._stats(tenant, None).quota_exceeded += 1
+            return False
+        return True
+
+    # ---- request rate --------------------------------------------------------------------
+
+    def charge(self, tenants: Iterable[Tenant], now_ms: int) -> int:
+        """Take one token from each tenant's bucket: 0 when every one had a token, else the
+        milliseconds until the emptiest one will have (and nothing is taken)."""
+        if not self.rate_limited:
+            return 0
+        limited = [(t, q) for t in set(tenants) if (q := self.quota(t)).requests_per_s > 0]
+        wait_ms = 0
+        buckets = []
+        for tenant, quota in limited:
+            stats = self._stats(tenant, quota)
+            if now_ms > stats.updated_ms:
+                refill = (now_ms - stats.updated_ms) * quota.requests_per_s / 1000
+                stats.tokens = min(float(quota.burst_effective), stats.tokens + refill)
+                stats.updated_ms = now_ms
+            if stats.tokens < 1:
+                wait_ms = max(wait_ms, math.ceil((1 - stats.tokens) * 1000 / quota.requests_per_s))
+            buckets.append(stats)
+        if wait_ms:
+            for stats in buckets:
+                stats.rate_limited += 1
+            return max(1, wait_ms)
+        for stats in buckets:
+            stats.tokens -= 1
+        return 0
+
+    def _stats(self, tenant: Tenant, quota: TenantQuota | None) -> TenantStats:
+        stats = self.stats.get(tenant)
+        if stats is not None:
+            self.stats.move_to_end(tenant)
+            return stats
+        quota = quota or self.quota(tenant)
+        stats = self.stats[tenant] = TenantStats(float(quota.burst_effective), -1)
+        while len(self.stats) > self.tenants_max:
+            self.stats.popitem(last=False)
+            self._count("tenants_forgotten_total", 1)
+        return stats
+
+    def tenants(self) -> list[Tenant]:
+        """Every tenant with usage, a configured quota, or a bucket/rejections, sorted."""
+        return sorted(self.usage.keys() | self.stats.keys() | {Tenant(t) for t in self.per_tenant})
+
+    def check(self, recomputed: Mapping[Tenant, TenantUsage]) -> None:
+        """`recomputed` (from the directory's records, from scratch) must equal the counters."""
+        want = {t: (u.bytes, u.objects) for t, u in recomputed.items() if u.bytes or u.objects}
+        have = {t: (u.bytes, u.objects) for t, u in self.usage.items()}
+        invariant(have == want, "tenant usage drift", have=len(have), want=len(want))
+        invariant(len(self.stats) <= self.tenants_max, "tenant table over its bound")
