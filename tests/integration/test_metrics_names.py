@@ -7,17 +7,26 @@ from __future__ import annotations
 import asyncio
 import re
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
 from prometheus_client import generate_latest
 
 from kvfabric.proto.eviction import EvictionStatus, EvictionStatusRequest, eviction_decoder
+from kvfabric.proto.prefetch import PrefetchStatusRequest, prefetch_decoder
+from kvfabric.proto.repair import RepairStatusRequest, repair_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject
 from kvfabric.runtime import request
 from kvfabric.testing import NatsServer, scrape_metrics
 from tests.integration.clientkit import client, objects_for, prompt
-from tests.integration.cluster import directory_process, eviction_process, segment_process
+from tests.integration.cluster import (
+    directory_process,
+    eviction_process,
+    prefetch_process,
+    repair_process,
+    segment_process,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +36,13 @@ SUFFIXED = ("_total", "_bucket", "_count", "_sum")
 
 def documented(service: str) -> set[str]:
     names = set(re.findall(r"`(kvfabric_[a-z_<>]+)`", DOC.read_text()))
-    if service in ("directory", "segment", "eviction"):  # the runtime's metrics: services only
+    if service in (
+        "directory",
+        "segment",
+        "eviction",
+        "repair",
+        "prefetch",
+    ):  # the runtime's metrics: services only
         names = {n.replace("<service>", service) for n in names}
     return {n for n in names if n.startswith(f"kvfabric_{service}_") and "<" not in n}
 
@@ -64,11 +79,21 @@ async def eviction_status(url: str) -> None:
         await nc.close()
 
 
+async def status_of(url: str, service: Service, message: Any, decoder: Any) -> None:
+    nc = await nats.connect(url)
+    try:
+        await request(nc, endpoint_subject(service, "status"), message, decoder, 5.0)
+    finally:
+        await nc.close()
+
+
 def test_services_and_client_serve_every_documented_metric(nats_server: NatsServer) -> None:
     with (
         directory_process(nats_server) as directory,
         segment_process(nats_server, "seg-m") as segment,
         eviction_process(nats_server, KVF_EVICTION_SEGMENTS_REFRESH_MS="100") as policy,
+        repair_process(nats_server, KVF_REPAIR_SCAN_MS="100") as repair,
+        prefetch_process(nats_server) as prefetch,
     ):
         tokens = prompt(64)
         with client(nats_server) as kv:
@@ -84,10 +109,16 @@ def test_services_and_client_serve_every_documented_metric(nats_server: NatsServ
         asyncio.run(eviction_status(nats_server.url))  # one request: the runtime's series exist
         policy_port = policy.wait_for_event("eviction_started", 1.0)["metrics_port"]
         eviction_text = scrape_metrics(policy_port)
+        asyncio.run(status_of(nats_server.url, Service.REPAIR, RepairStatusRequest(), repair_decoder))
+        asyncio.run(status_of(nats_server.url, Service.PREFETCH, PrefetchStatusRequest(), prefetch_decoder))
+        repair_text = scrape_metrics(repair.wait_for_event("repair_started", 1.0)["metrics_port"])
+        prefetch_text = scrape_metrics(prefetch.wait_for_event("prefetch_started", 1.0)["metrics_port"])
     assert documented("directory") and documented("segment") and documented("client")
     assert missing("directory", directory_text) == set()
     assert missing("segment", segment_text) == set()
     assert missing("client", client_text) == set()
     assert documented("eviction") and missing("eviction", eviction_text) == set()
+    assert documented("repair") and missing("repair", repair_text) == set()
+    assert documented("prefetch") and missing("prefetch", prefetch_text) == set()
     assert 'kvfabric_eviction_pool_used_bytes{segment="seg-m"}' in eviction_text
     assert 'kvfabric_segment_events_total{name="bytes_granted"}' in segment_text
