@@ -184,6 +184,21 @@ def final_state(nats_url: str) -> FinalState:
             segs = await request(
                 nc, endpoint_subject(Service.DIRECTORY, "list_segments"), m.ListSegments(), m.reply_decoder, 5
             )
+            replicas: list[int] = []
+            after = b""
+            while True:  # live replicas of every published object (for the repair checker)
+                page = await request(
+                    nc,
+                    endpoint_subject(Service.DIRECTORY, "list_groups"),
+                    m.ListGroups(after=after, limit=1000, with_objects=True),
+                    m.reply_decoder,
+                    5,
+                )
+                assert isinstance(page, m.GroupList)
+                replicas += [len(o.replicas) for g in page.groups for o in g.objects]
+                if not page.next_after:
+                    break
+                after = page.next_after
         finally:
             await nc.close()
         assert isinstance(leases, m.LeaseList) and isinstance(segs, m.SegmentList)
@@ -198,6 +213,7 @@ def final_state(nats_url: str) -> FinalState:
                 for s in segs.segments
                 if s.up
             ],
+            object_replicas=replicas,
         )
 
     return asyncio.run(ask())

@@ -37,6 +37,7 @@ class FinalState:
     served_chunks: dict[int, int] = field(default_factory=dict)  # prefix -> chunks a lookup finds now
     # prefix -> chunk indices the eviction policy evicted (directory `evicted` events)
     evicted_chunks: dict[int, set[int]] = field(default_factory=dict)
+    object_replicas: list[int] = field(default_factory=list)  # live replicas of each published object
 
 
 def check_wrong_bytes(history: list[Op]) -> list[str]:
@@ -107,6 +108,18 @@ def check_durability(history: list[Op], final: FinalState, may_lose: bool) -> li
     return problems
 
 
+def check_replicas_restored(final: FinalState, target: int) -> list[str]:
+    """After settle every published object is back at its replica target (repair did its job)."""
+    if target <= 1:
+        return []
+    short = [n for n in final.object_replicas if n < target]
+    return (
+        [f"{len(short)} of {len(final.object_replicas)} objects below {target} replicas after settle"]
+        if short
+        else []
+    )
+
+
 def check_all(history: list[Op], final: FinalState, expect: dict[str, Any]) -> dict[str, list[str]]:
     return {
         "wrong_bytes": check_wrong_bytes(history),
@@ -115,4 +128,5 @@ def check_all(history: list[Op], final: FinalState, expect: dict[str, Any]) -> d
         "serving": check_serving_after_recovery(history, float(expect.get("min_hit_rate_last_round", 0.0))),
         "no_leaks": check_no_leaks(final),
         "durability": check_durability(history, final, bool(expect.get("may_lose_acknowledged", False))),
+        "replicas_restored": check_replicas_restored(final, int(expect.get("replicas_restored", 0))),
     }

@@ -53,6 +53,11 @@ def test_each_checker_fails_when_its_invariant_breaks() -> None:
     assert not c.check_all(acked, evicted, expect)["durability"]
     tail_only = c.FinalState(read_leases=0, served_chunks={5: 2}, evicted_chunks={5: {3}})
     assert c.check_all(acked, tail_only, expect)["durability"]
+    repaired = c.FinalState(read_leases=0, object_replicas=[2, 2, 3])
+    short = c.FinalState(read_leases=0, object_replicas=[2, 1, 2])
+    assert not c.check_all(base, repaired, {**expect, "replicas_restored": 2})["replicas_restored"]
+    assert c.check_all(base, short, {**expect, "replicas_restored": 2})["replicas_restored"]
+    assert not c.check_all(base, short, expect)["replicas_restored"]  # not asked for
     leaked = c.FinalState(
         read_leases=2, segments=[{"segment_id": "s", "reserved_bytes": 1, "reported_used_bytes": 9}]
     )
