@@ -49,7 +49,14 @@ from kvfabric.core.client_loads import (
     TransferId,
 )
 from kvfabric.format.checksum import checksum
-from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, StaleGeneration, Unavailable
+from kvfabric.format.errors import (
+    BadRequest,
+    Indeterminate,
+    KvfError,
+    RateLimited,
+    StaleGeneration,
+    Unavailable,
+)
 from kvfabric.format.generations import RequestGeneration
 from kvfabric.format.key import (
     ChunkExtras,
@@ -250,6 +257,8 @@ class AsyncKvClient:
             return self._fallback(empty, "directory_unavailable")
         except Indeterminate:
             return self._fallback(empty, "directory_timeout")
+        except RateLimited:  # the tenant's request rate: a miss now, recompute
+            return self._fallback(empty, "rate_limited")
         except KvfError:
             return self._fallback(empty, "directory_error")
         finally:

@@ -33,6 +33,7 @@ leases_app = typer.Typer(help="Leases and pins held at the directory.", no_args_
 pins_app = typer.Typer(help="Pin chunk groups against eviction.", no_args_is_help=True)
 segment_app = typer.Typer(help="Segment operations.", no_args_is_help=True)
 events_app = typer.Typer(help="The directory's JetStream event stream.", no_args_is_help=True)
+tenants_app = typer.Typer(help="Tenants (share domains): usage against quotas.", no_args_is_help=True)
 for _name, _sub in (
     ("key", key_app),
     ("objects", objects_app),
@@ -41,6 +42,7 @@ for _name, _sub in (
     ("pins", pins_app),
     ("segment", segment_app),
     ("events", events_app),
+    ("tenants", tenants_app),
 ):
     app.add_typer(_sub, name=_name)
 
@@ -225,6 +227,34 @@ def pins_ls(
 ) -> None:
     """Pins the directory holds (leases ls shows read leases too)."""
     _list_leases(limit, nats_url, timeout_s, pins_only=True, json=json)
+
+
+@tenants_app.command("ls")
+def tenants_ls(
+    limit: Annotated[int, typer.Option("--limit", min=1, max=m.LIST_LIMIT_MAX)] = 100,
+    json: JsonOpt = False,
+    nats_url: UrlOpt = DEFAULT_NATS_URL,
+    timeout_s: TimeoutOpt = 5.0,
+) -> None:
+    """Bytes and objects each tenant holds against its quota, its rate limit and refusals."""
+    env = Env(nats_url, timeout_s)
+
+    async def body(nc: q.NatsClient) -> m.TenantList:
+        return _expect(
+            await q.directory(nc, "list_tenants", m.ListTenants(limit=limit), env.timeout_s), m.TenantList
+        )
+
+    reply = _run(env, body)
+    if json:
+        render.emit_json(
+            {
+                "epoch": reply.epoch,
+                "default": q.jsonable(reply.default),
+                "tenants": [q.jsonable(t) for t in reply.tenants],
+            }
+        )
+    else:
+        render.print_tenants(reply.tenants, reply.default)
 
 
 @pins_app.command("add")

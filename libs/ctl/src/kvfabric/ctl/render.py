@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -28,6 +28,7 @@ __all__ = [
     "print_manifest",
     "print_pin",
     "print_status",
+    "print_tenants",
     "segment_doc",
 ]
 
@@ -177,6 +178,37 @@ def print_leases(leases: Sequence[m.LeaseInfo]) -> None:
             lease.holder_id,
             str(lease.groups),
             _ms(lease.expires_ms),
+        )
+    console.print(table)
+
+
+def _of(used: int, limit: int, fmt: Callable[[int], str]) -> str:
+    if not limit:
+        return f"{fmt(used)} / -"
+    return f"{fmt(used)} / {fmt(limit)} ({100 * used / limit:.0f}%)"
+
+
+def print_tenants(tenants: Sequence[m.TenantInfo], default: m.TenantInfo | None) -> None:
+    console = _console()
+    table = Table(title=f"tenants ({len(tenants)}); - = unlimited")
+    for col in (
+        "domain",
+        "bytes / quota",
+        "objects / quota",
+        "rate (req/s, burst)",
+        "refused quota",
+        "refused rate",
+    ):
+        table.add_column(col)
+    rows = [*tenants, default] if default is not None else tenants
+    for t in rows:
+        table.add_row(
+            t.domain_digest.hex() or "(default)",
+            _of(t.used_bytes, t.bytes_max, _bytes),
+            _of(t.objects, t.objects_max, str),
+            f"{t.requests_per_s:g}, {t.burst}" if t.requests_per_s else "-",
+            str(t.quota_exceeded),
+            str(t.rate_limited),
         )
     console.print(table)
 

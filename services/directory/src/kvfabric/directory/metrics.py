@@ -53,3 +53,30 @@ class DirectoryCollector(Collector):
             reserved.add_metric([seg.segment_id], seg.reserved_bytes)
         yield up
         yield reserved
+        yield from self._tenants()
+
+    def _tenants(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """Per share domain (hex digest): what it holds and what it was refused."""
+        quotas = self.shell.core.quotas
+        used = GaugeMetricFamily(
+            "kvfabric_directory_tenant_used_bytes",
+            "Bytes a tenant holds (size x replicas: building, published, copying, freeing).",
+            labels=["domain"],
+        )
+        objects = GaugeMetricFamily(
+            "kvfabric_directory_tenant_objects", "Objects a tenant holds.", labels=["domain"]
+        )
+        for tenant, use in list(quotas.usage.items()):  # scraped from another thread
+            used.add_metric([tenant.hex()], use.bytes)
+            objects.add_metric([tenant.hex()], use.objects)
+        yield used
+        yield objects
+        rejected = CounterMetricFamily(
+            "kvfabric_directory_tenant_rejected",
+            "Refusals by quota (objects) or rate limit (requests), per tenant tracked.",
+            labels=["domain", "reason"],
+        )
+        for tenant, stats in list(quotas.stats.items()):
+            rejected.add_metric([tenant.hex(), "quota_exceeded"], stats.quota_exceeded)
+            rejected.add_metric([tenant.hex(), "rate_limited"], stats.rate_limited)
+        yield rejected

@@ -14,18 +14,31 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_EVENTS_MAX_AGE_S` | 86400 | JetStream retention of the events stream |
 | `KVF_DIRECTORY_LEADER_LEASE_TTL_MS` | 3000 | leader lease (JetStream KV): standby takeover delay |
 | `KVF_DIRECTORY_LEASE_TTL_MS_MAX` | 30000 | longest read lease granted; a new leader's grace period |
+| `KVF_DIRECTORY_TENANT_QUOTAS` | `{}` | JSON `{"<32 hex domain digest>": QUOTA}`: limits of listed tenants |
+| `KVF_DIRECTORY_TENANT_DEFAULT_QUOTA` | `{}` (unlimited) | JSON QUOTA of every tenant not listed |
+| `KVF_DIRECTORY_TENANTS_MAX` | 10000 | token buckets / rejection counts kept (least recently used go) |
+
+QUOTA is a JSON object with any of `bytes_max`, `objects_max` (integers ≥ 0), `requests_per_s`
+(number ≥ 0) and `burst` (integer ≥ 0, needs `requests_per_s`); absent or 0 = unlimited.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Final
 
 from kvfabric.core.directory import DirectoryConfig
+from kvfabric.core.quotas import UNLIMITED, TenantQuota
 from kvfabric.proto.tickets import SECRET_BYTES_MIN
 from kvfabric.runtime.config import SettingsError, env_int
 
-__all__ = ["DirectorySettings", "load_directory_settings"]
+__all__ = ["DirectorySettings", "load_directory_settings", "parse_quota", "parse_tenant_quotas"]
+
+_QUOTA_FIELDS: Final = ("bytes_max", "objects_max", "requests_per_s", "burst")
+_COUNT_MAX: Final = 2**63 - 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +61,11 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         heartbeat_interval_ms=env_int(env, "KVF_DIRECTORY_HEARTBEAT_INTERVAL_MS", 1_000, 10, 600_000),
         heartbeat_timeout_ms=env_int(env, "KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS", 5_000, 20, 3_600_000),
         lease_ttl_ms_max=env_int(env, "KVF_DIRECTORY_LEASE_TTL_MS_MAX", 30_000, 100, 600_000),
+        tenant_quotas=parse_tenant_quotas(
+            "KVF_DIRECTORY_TENANT_QUOTAS", env.get("KVF_DIRECTORY_TENANT_QUOTAS", "")
+        ),
+        tenant_quota_default=_parse_default(env.get("KVF_DIRECTORY_TENANT_DEFAULT_QUOTA", "")),
+        tenants_max=env_int(env, "KVF_DIRECTORY_TENANTS_MAX", 10_000, 1, 10_000_000),
     )
     return DirectorySettings(
         core=core,
@@ -55,4 +73,65 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         events_outbox_max=env_int(env, "KVF_DIRECTORY_EVENTS_OUTBOX_MAX", 10_000, 1, 1_000_000),
         events_max_age_s=env_int(env, "KVF_DIRECTORY_EVENTS_MAX_AGE_S", 86_400, 60, 365 * 86_400),
         leader_lease_ttl_ms=env_int(env, "KVF_DIRECTORY_LEADER_LEASE_TTL_MS", 3_000, 300, 600_000),
+    )
+
+
+def _json(name: str, raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise SettingsError(f"{name}: not valid JSON ({exc})") from None
+
+
+def _parse_default(raw: str) -> TenantQuota:
+    name = "KVF_DIRECTORY_TENANT_DEFAULT_QUOTA"
+    return parse_quota(name, _json(name, raw)) if raw.strip() else UNLIMITED
+
+
+def parse_tenant_quotas(name: str, raw: str) -> dict[bytes, TenantQuota]:
+    """`{"<32 hex digest>": QUOTA, ...}` → digest bytes → `TenantQuota`; empty: `{}`."""
+    if not raw.strip():
+        return {}
+    doc = _json(name, raw)
+    if not isinstance(doc, dict):
+        raise SettingsError(f"{name}: want a JSON object of domain digest -> quota")
+    quotas: dict[bytes, TenantQuota] = {}
+    for digest_hex, value in doc.items():
+        try:
+            digest = bytes.fromhex(digest_hex)
+        except ValueError:
+            digest = b""
+        if len(digest) != 16:
+            raise SettingsError(f"{name}: {digest_hex!r} is not a domain digest (32 hex characters)")
+        if digest in quotas:
+            raise SettingsError(f"{name}: domain digest {digest.hex()} given twice")
+        quotas[digest] = parse_quota(f"{name}[{digest.hex()}]", value)
+    return quotas
+
+
+def parse_quota(name: str, value: Any) -> TenantQuota:
+    """One QUOTA object; strict: unknown keys, wrong types and negative values are refused."""
+    if not isinstance(value, dict):
+        raise SettingsError(f"{name}: want a JSON object with {', '.join(_QUOTA_FIELDS)}")
+    unknown = sorted(set(value) - set(_QUOTA_FIELDS))
+    if unknown:
+        raise SettingsError(
+            f"{name}: unknown field(s) {', '.join(unknown)}; known: {', '.join(_QUOTA_FIELDS)}"
+        )
+    counts = {}
+    for field in ("bytes_max", "objects_max", "burst"):
+        v = value.get(field, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _COUNT_MAX:
+            raise SettingsError(f"{name}.{field}={v!r}: want an integer >= 0 (0 = unlimited)")
+        counts[field] = v
+    rate = value.get("requests_per_s", 0)
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or rate < 0:
+        raise SettingsError(f"{name}.requests_per_s={rate!r}: want a number >= 0 (0 = unlimited)")
+    if counts["burst"] and not rate:
+        raise SettingsError(f"{name}.burst needs requests_per_s > 0")
+    return TenantQuota(
+        bytes_max=counts["bytes_max"],
+        objects_max=counts["objects_max"],
+        requests_per_s=float(rate),
+        burst=counts["burst"],
     )
