@@ -190,5 +190,9 @@ class Quotas:
         """`recomputed` (from the directory's records, from scratch) must equal the counters."""
         want = {t: (u.bytes, u.objects) for t, u in recomputed.items() if u.bytes or u.objects}
         have = {t: (u.bytes, u.objects) for t, u in self.usage.items()}
-        invariant(have == want, "tenant usage drift", have=len(have), want=len(want))
+        if have != want:
+            tenant = next(t for t in sorted(have.keys() | want.keys()) if have.get(t) != want.get(t))
+            invariant(
+                False, "tenant usage drift", tenant=tenant.hex(), have=have.get(tenant), want=want.get(tenant)
+            )
         invariant(len(self.stats) <= self.tenants_max, "tenant table over its bound")
