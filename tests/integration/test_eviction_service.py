@@ -108,7 +108,7 @@ def test_past_the_high_watermark_it_evicts_to_the_low_one_and_leased_reads_stay_
     prompts = [prompt(CHUNKS_PER_PROMPT * TOKENS_PER_CHUNK, seed=100 + i) for i in range(10)]
     with client(nats_server) as writer, client(nats_server) as reader:
         assert writer.save(prompts[0], objects_for(prompts[0], 0, CHUNKS_PER_PROMPT)).chunks_saved == 8
-        stop, errors = threading.Event(), []
+        stop, errors = threading.Event(), list[str]()
         loads: list[int] = []
         thread = threading.Thread(
             target=lambda: loads.append(read_loop(reader, prompts[0], stop, errors)), daemon=True

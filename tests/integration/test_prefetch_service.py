@@ -11,6 +11,7 @@ import signal
 import statistics
 import time
 
+import msgspec
 import nats
 import pytest
 
@@ -29,12 +30,17 @@ CHUNKS = 8
 LOCAL, REMOTE = "seg-local", "seg-remote"
 
 
-async def ask(url: str, verb: str, message: object) -> object:
+async def ask(url: str, verb: str, message: msgspec.Struct) -> object:
     nc = await nats.connect(url)
     try:
-        return await nats_request(
-            nc, endpoint_subject(Service.PREFETCH, verb), message, p.prefetch_decoder, 5.0
-        )  # type: ignore[arg-type]
+        reply: object = await nats_request(
+            nc,
+            endpoint_subject(Service.PREFETCH, verb),
+            message,
+            p.prefetch_decoder,  # type: ignore[arg-type]
+            5.0,
+        )
+        return reply
     finally:
         await nc.close()
 

@@ -123,7 +123,7 @@ class EvictionMachine(RuleBasedStateMachine):
         """A segment died: its bytes went; objects held only there are gone."""
         gone = self.core.drop_pool(pool)
         expected = [o for o, (_, ps, _) in self.resident.items() if set(ps) == {pool}]
-        assert sorted(gone) == sorted(expected)
+        assert sorted(int(str(g)) for g in gone) == sorted(expected)
         for object_id in expected:
             del self.resident[object_id]
             self.evicting.discard(object_id)

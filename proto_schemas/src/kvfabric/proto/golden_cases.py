@@ -12,7 +12,7 @@ from typing import Final
 
 import msgspec
 
-from kvfabric.proto import common, dataplane, directory, echo, eviction, segment
+from kvfabric.proto import common, dataplane, directory, echo, eviction, prefetch, repair, segment
 
 __all__ = ["GOLDEN_CASES"]
 
@@ -151,6 +151,32 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             objects=[segment.HeldObject(bytes(96), 4, 2, 4096, b"k" * 16)],
             next_after_slot=-1,
         ),
+    ),
+    "repair.status_reply.v1": (
+        "repair",
+        repair.RepairStatus(
+            scans=3,
+            below_target=1,
+            bytes_copied=4096,
+            drains_complete=["s3"],
+            gauges={"copies_in_flight": 1},
+            counters={"copies_ok_total": 2},
+        ),
+    ),
+    "prefetch.hint.v1": (
+        "prefetch",
+        prefetch.PrefetchHint(
+            hint_id="req-1",
+            tenant="tenant-a",
+            groups=[bytes(90)],
+            members=[directory.Member(0, 0, 0)],
+            target_segment="s2",
+            deadline_ms=1_000_000,
+        ),
+    ),
+    "prefetch.hint_reply.v1": (
+        "prefetch",
+        prefetch.HintReply(hint_id="req-1", status="busy", reason="hints_full"),
     ),
     "seg.free.v1": (
         "segment",

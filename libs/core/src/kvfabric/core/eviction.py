@@ -242,7 +242,7 @@ class EvictionCore:
         tenant: Hashable,
         pool: Hashable | None = None,
         size: int = 0,
-        pools: Mapping[Hashable, int] | None = None,
+        pools: Mapping[Any, int] | None = None,  # Any: keys are pools (Hashable); Mapping is invariant
         parent: ObjectId | None,
         chunk_index: int,
         now_ms: int,
