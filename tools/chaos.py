@@ -66,6 +66,11 @@ def fire(run: Path, fault: dict[str, Any], kv_factory: Any) -> str:
             except ProcessLookupError:
                 return f"{action} {target}: already gone"
         return f"{action} {target} (pid {pid})"
+    if action in ("partition", "heal"):  # a segment in its own netns: its veth goes down / up
+        link = cluster_state(run)["netns"][target]
+        state = "down" if action == "partition" else "up"
+        subprocess.run(["ip", "link", "set", link["host_if"], state], check=True, capture_output=True)
+        return f"{action} {target} ({link['host_if']} {state})"
     if action == "corrupt":
         return corrupt_one(kv_factory, int(fault.get("prefix", 0)), int(fault.get("chunk", 1)))
     if action == "cancel_storm":
@@ -303,6 +308,8 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
             str(topo.get("segment_bytes", 256 << 20)),
             "--directories",
             str(topo.get("directories", 1)),
+            "--netns-segments",
+            str(topo.get("netns_segments", 0)),
         ],
         env=env,
         capture_output=True,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -65,6 +66,40 @@ def nats_server_binary() -> str:
     if not found:
         raise SystemExit("nats-server not found: run `make setup`")
     return found
+
+
+def netns_link(run: Path, i: int) -> dict[str, str]:
+    """Names and addresses of segment i's namespace and veth pair (short: interface names ≤ 15)."""
+    tag = hashlib.blake2b(str(run).encode(), digest_size=2).hexdigest()
+    return {
+        "ns": f"kvf-{tag}-{i}",
+        "host_if": f"kvh{tag}{i}",
+        "ns_if": f"kvn{tag}{i}",
+        "host_ip": f"10.231.{i}.1",
+        "ns_ip": f"10.231.{i}.2",
+    }
+
+
+def netns_up(link: dict[str, str]) -> None:
+    """Create the namespace and its veth pair (root only); idempotent after a crash."""
+    netns_down(link)
+    ns, host_if, ns_if = link["ns"], link["host_if"], link["ns_if"]
+    for cmd in (
+        ["ip", "netns", "add", ns],
+        ["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if],
+        ["ip", "link", "set", ns_if, "netns", ns],
+        ["ip", "addr", "add", f"{link['host_ip']}/24", "dev", host_if],
+        ["ip", "link", "set", host_if, "up"],
+        ["ip", "netns", "exec", ns, "ip", "addr", "add", f"{link['ns_ip']}/24", "dev", ns_if],
+        ["ip", "netns", "exec", ns, "ip", "link", "set", ns_if, "up"],
+        ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"],
+    ):
+        subprocess.run(cmd, check=True, capture_output=True)
+
+
+def netns_down(link: dict[str, str]) -> None:
+    subprocess.run(["ip", "link", "del", link["host_if"]], capture_output=True, check=False)
+    subprocess.run(["ip", "netns", "del", link["ns"]], capture_output=True, check=False)
 
 
 @dataclass
@@ -114,7 +149,13 @@ class Child:
 
 
 def plan_children(
-    run: Path, nats_port: int, segments: int, segment_bytes: int, prefix: str, directories: int = 1
+    run: Path,
+    nats_port: int,
+    segments: int,
+    segment_bytes: int,
+    prefix: str,
+    directories: int = 1,
+    netns_segments: int = 0,
 ) -> tuple[list[Child], dict[str, Any]]:
     monitor = free_port()
     nats_url = f"nats://127.0.0.1:{nats_port}"
@@ -128,7 +169,7 @@ def plan_children(
                 "-sd",
                 str(run / "nats"),
                 "-a",
-                "127.0.0.1",
+                "0.0.0.0" if netns_segments else "127.0.0.1",  # netns segments reach it over veth
                 "-p",
                 str(nats_port),
                 "-m",
@@ -172,6 +213,7 @@ def plan_children(
                 "directory_standby",
             )
         )
+    netns: dict[str, dict[str, str]] = {}
     for i in range(1, segments + 1):
         env = dict(
             base,
@@ -181,15 +223,24 @@ def plan_children(
             KVF_SEGMENT_RACK=f"rack-{i}",
             KVF_SEGMENT_HOST=f"host-{i}",
         )
+        wrap: list[str] = []
+        segment_nats_url = nats_url
+        if i <= netns_segments:  # its own network namespace: a host that can be cut off
+            link = netns_link(run, i)
+            netns[f"segment-{i}"] = link
+            wrap = ["ip", "netns", "exec", link["ns"]]
+            segment_nats_url = f"nats://{link['host_ip']}:{nats_port}"
+            env.update(KVF_SEGMENT_DATA_HOST=link["ns_ip"], KVF_SEGMENT_UCX="0")
         children.append(
             Child(
                 f"segment-{i}",
                 [
+                    *wrap,
                     sys.executable,
                     "-m",
                     "kvfabric.segment_storage",
                     "--nats-url",
-                    nats_url,
+                    segment_nats_url,
                     "--metrics-port",
                     "0",
                     "--log-json",
@@ -218,6 +269,7 @@ def plan_children(
         "nats_monitor_port": monitor,
         "run_dir": str(run),
         "services": [c.name for c in children],
+        "netns": netns,
     }
     return children, info
 
@@ -236,11 +288,21 @@ def write_state(run: Path, info: dict[str, Any], children: list[Child], ready: b
 
 
 def supervise(
-    run: Path, nats_port: int, segments: int, segment_bytes: int, prefix: str, directories: int = 1
+    run: Path,
+    nats_port: int,
+    segments: int,
+    segment_bytes: int,
+    prefix: str,
+    directories: int = 1,
+    netns_segments: int = 0,
 ) -> int:
     """The supervisor's main loop (runs detached): start in order, wait ready, restart on exit."""
     logs = run / "logs"
-    children, info = plan_children(run, nats_port, segments, segment_bytes, prefix, directories)
+    children, info = plan_children(
+        run, nats_port, segments, segment_bytes, prefix, directories, netns_segments
+    )
+    for link in info["netns"].values():
+        netns_up(link)
     stopping = False
 
     def on_term(signum: int, frame: object) -> None:
@@ -277,6 +339,8 @@ def supervise(
         time.sleep(POLL_S)
     for child in reversed(children):
         child.stop()
+    for link in info["netns"].values():
+        netns_down(link)
     return 0
 
 
@@ -298,7 +362,13 @@ def alive(pid: int | None) -> bool:
 
 
 def up(
-    run: Path, nats_port: int, segments: int, segment_bytes: int, prefix: str, directories: int = 1
+    run: Path,
+    nats_port: int,
+    segments: int,
+    segment_bytes: int,
+    prefix: str,
+    directories: int = 1,
+    netns_segments: int = 0,
 ) -> int:
     state = read_state(run)
     if state and alive(state.get("supervisor_pid")) and state.get("ready"):
@@ -330,6 +400,8 @@ def up(
             prefix,
             "--directories",
             str(directories),
+            "--netns-segments",
+            str(netns_segments),
         ],
         stdin=subprocess.DEVNULL,
         stdout=(run / "logs" / "supervisor.log").open("ab"),
@@ -374,6 +446,8 @@ def down(run: Path, keep_logs: bool = False) -> int:
                 for arena in Path("/dev/shm").glob(f"kvf-{prefix}-{name.removeprefix('segment-')}-*"):
                     with contextlib.suppress(OSError):
                         arena.unlink()
+    for link in (state.get("netns") or {}).values():  # a killed supervisor leaves them behind
+        netns_down(link)
     if run.exists() and not keep_logs:
         shutil.rmtree(run)
     print("kvfabric is down")
@@ -403,18 +477,36 @@ def main() -> int:
     parser.add_argument("--segment-bytes", type=int, default=256 << 20)
     parser.add_argument("--segment-prefix", default="seg", help="segment ids are <prefix>-1 .. <prefix>-N")
     parser.add_argument("--directories", type=int, default=1, help="directory instances: 1 leader + standbys")
+    parser.add_argument(
+        "--netns-segments",
+        type=int,
+        default=0,
+        help="run segments 1..K in their own network namespaces (root)",
+    )
     args = parser.parse_args()
     run = args.run_dir.resolve()
     if args.command == "up":
         return up(
-            run, args.nats_port, args.segments, args.segment_bytes, args.segment_prefix, args.directories
+            run,
+            args.nats_port,
+            args.segments,
+            args.segment_bytes,
+            args.segment_prefix,
+            args.directories,
+            args.netns_segments,
         )
     if args.command == "down":
         return down(run)
     if args.command == "status":
         return status(run)
     return supervise(
-        run, args.nats_port, args.segments, args.segment_bytes, args.segment_prefix, args.directories
+        run,
+        args.nats_port,
+        args.segments,
+        args.segment_bytes,
+        args.segment_prefix,
+        args.directories,
+        args.netns_segments,
     )
 
 
