@@ -73,7 +73,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final, Literal, TypeAlias
 
-from kvfabric.format.invariant import invariant
+from kvfabric.format.invariant import invariant, unreachable
 
 __all__ = [
     "Acquire",
@@ -204,19 +204,19 @@ def desired_owner(shard: int, members: Iterable[str]) -> str:
         candidate = (_weight(shard, member), member)
         if best is None or candidate > best:
             best = candidate
-    invariant(best is not None, "desired_owner needs at least one member", shard=shard)
-    assert best is not None  # for mypy; the invariant above raised otherwise
+    if best is None:
+        unreachable("desired_owner needs at least one member", shard=shard)
     return best[1]
 
 
 def key_of(shard: int) -> str:
     """The lease key of a shard in the leadership bucket."""
-    return f"shard.{shard}"
+    return f"shard-{shard}"
 
 
 def member_key(instance_id: str) -> str:
     """The registry key of an instance (instance ids must be valid KV key tokens)."""
-    return f"member.{instance_id}"
+    return f"member-{instance_id}"
 
 
 # ---- the core ----------------------------------------------------------------------------------
@@ -477,9 +477,8 @@ class ShardLeadership:
     def _compute_desired(self) -> frozenset[int]:
         if self.instance_id not in self._members:
             return frozenset()
-        members = sorted(self._members)
         return frozenset(
-            s for s in range(self.config.shards) if desired_owner(s, members) == self.instance_id
+            s for s in range(self.config.shards) if desired_owner(s, self._members) == self.instance_id
         )
 
     def _stop(self, shard: int, sh: _Shard, reason: str, out: _Out) -> None:
