@@ -506,3 +506,23 @@ def list_below(core: DirectoryCore) -> list[m.GroupSummary]:
     reply = core.handle(m.ListGroups(below_target=True, with_objects=True), 0).reply
     assert isinstance(reply, m.GroupList)
     return reply.groups
+
+
+def test_a_failed_copy_is_aborted_and_its_reservation_comes_back_at_once() -> None:
+    core = new_core(replicas_default=2)
+    register(core, "s1", zone="z1")
+    (g,) = groups(1)
+    put(core, [key(g)])
+    register(core, "s2", zone="z2")
+    placed = core.handle(
+        m.ReplicateBegin(writer_id="repair", request_id="r", key=key(g), segment_id="s2"), 0
+    ).reply
+    assert isinstance(placed, m.ReplicateBeginReply) and placed.ticket is not None
+    assert core.segments["s2"].reserved_bytes == 100
+    other = core.handle(m.PutAbort(writer_id="someone-else", request_id="a0", keys=[key(g)]), 0).reply
+    assert isinstance(other, m.PutAbortReply) and other.aborted == 0  # only its writer may abort it
+    aborted = core.handle(m.PutAbort(writer_id="repair", request_id="a1", keys=[key(g)]), 0).reply
+    assert isinstance(aborted, m.PutAbortReply) and aborted.aborted == 1
+    assert core.segments["s2"].reserved_bytes == 0
+    assert confirm_ticket(core, placed.ticket, slot=3) == "unknown_ticket"  # a late copy is freed
+    core.check_invariants()

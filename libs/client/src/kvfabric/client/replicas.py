@@ -9,11 +9,14 @@ nothing afterwards (a failed copy leaves nothing visible and the segment frees w
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Literal
 
 from nats.aio.client import Client as NatsClient
 
 from kvfabric.dataplane.addresses import pick
+from kvfabric.format.errors import KvfError
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import CopyReply, CopyRequest, segment_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject
@@ -56,17 +59,35 @@ async def copy_replica(
     if reply.ticket is None or not reply.sources:
         return "failed"
     source = next((r for r in reply.sources if r.segment_id == preferred_source), reply.sources[0])
-    copied = await request(
-        nc,
-        segment_subject(destination, "copy"),
-        CopyRequest(
-            ticket=reply.ticket,
-            source_addr=pick(source.data_addr, "tcp"),
-            source_incarnation=source.incarnation,
-            source_slot=source.slot,
-            source_slot_generation=source.slot_generation,
-        ),
-        segment_decoder,
-        timeout_s,
-    )
-    return "copied" if isinstance(copied, CopyReply) else "failed"
+    copied: object = None
+    try:
+        copied = await request(
+            nc,
+            segment_subject(destination, "copy"),
+            CopyRequest(
+                ticket=reply.ticket,
+                source_addr=pick(source.data_addr, "tcp"),
+                source_incarnation=source.incarnation,
+                source_slot=source.slot,
+                source_slot_generation=source.slot_generation,
+            ),
+            segment_decoder,
+            timeout_s,
+        )
+    finally:
+        if not isinstance(copied, CopyReply):  # failed, timed out or cancelled: give the room back
+            await asyncio.shield(_abort(nc, key, writer_id, request_id, timeout_s))
+    return "copied"
+
+
+async def _abort(nc: NatsClient, key: bytes, writer_id: str, request_id: str, timeout_s: float) -> None:
+    """Give the destination's reservation back at once (else it lasts until the ticket's deadline).
+    Best effort: if the copy did land after all, its confirm already made it a replica."""
+    with contextlib.suppress(KvfError):
+        await request(
+            nc,
+            endpoint_subject(Service.DIRECTORY, "put_abort"),
+            m.PutAbort(writer_id=writer_id, request_id=f"{request_id}-abort", keys=[key]),
+            m.reply_decoder,
+            timeout_s,
+        )

@@ -200,6 +200,7 @@ class _ReplicaTicket:
     checksum: bytes
     key: bytes
     deadline_ms: int
+    writer_id: str = ""
 
 
 @dataclass(slots=True)
@@ -754,6 +755,13 @@ class DirectoryCore:
             if group is not None and held is not None and held.writer_id == req.writer_id:
                 self._drop_member(info.group.group_id, group, info.member, effects)
                 aborted += 1
+                continue
+            # An extra replica's copy that failed: its reservation goes now, not at its deadline.
+            for ticket_id, rt in list(self._replicating.items()):
+                if rt.key == key and rt.writer_id == req.writer_id:
+                    del self._replicating[ticket_id]
+                    self._release_reservation(rt.placement, rt.size_bytes, tenant_of(rt.key))
+                    aborted += 1
         self._count("objects_aborted_total", aborted)
         return Outcome(m.PutAbortReply(epoch=self.epoch, aborted=aborted), effects)
 
@@ -1300,7 +1308,7 @@ class DirectoryCore:
         ticket_id = next(self._ids)
         deadline = now_ms + req.write_ttl_ms
         self._replicating[ticket_id] = _ReplicaTicket(
-            gid, mem.member, placement, mem.size_bytes, mem.checksum, req.key, deadline
+            gid, mem.member, placement, mem.size_bytes, mem.checksum, req.key, deadline, req.writer_id
         )
         heapq.heappush(self._replica_deadlines, (deadline, ticket_id))
         self._count("replica_tickets_total")

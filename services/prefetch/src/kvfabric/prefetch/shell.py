@@ -212,7 +212,7 @@ class PrefetchShell:
                     timeout_s=self.copy_timeout_s,
                     preferred_source=start.source,
                 ),
-                self.copy_timeout_s,
+                2 * self.copy_timeout_s + 1,  # the copy's own requests time out first (and abort)
             )
         except (KvfError, TimeoutError) as exc:
             self._log.info("copy_failed", copy_id=start.copy_id, error=getattr(exc, "code", "timeout"))

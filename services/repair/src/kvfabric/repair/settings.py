@@ -8,7 +8,7 @@
 | `KVF_REPAIR_COPIES_IN_FLIGHT_MAX` | 8 | copies running at once |
 | `KVF_REPAIR_SCAN_MS` | 2000 | anti-entropy pass period (list segments + objects below target) |
 | `KVF_REPAIR_TICK_MS` | 100 | how often copies are planned |
-| `KVF_REPAIR_COPY_TIMEOUT_MS` | 30000 | one copy, ticket to confirm |
+| `KVF_REPAIR_COPY_TIMEOUT_MS` | 10000 | one copy, ticket to confirm (a failed copy aborts its ticket) |
 | `KVF_REPAIR_REQUEST_TIMEOUT_MS` | 5000 | per directory request |
 """
 
@@ -35,12 +35,12 @@ class RepairSettings:
 
 def load_repair_settings(env: Mapping[str, str]) -> RepairSettings:
     default_target = env_int(env, "KVF_DIRECTORY_REPLICAS_DEFAULT", 2, 1, 5)
-    copy_timeout_ms = env_int(env, "KVF_REPAIR_COPY_TIMEOUT_MS", 30_000, 100, 600_000)
+    copy_timeout_ms = env_int(env, "KVF_REPAIR_COPY_TIMEOUT_MS", 10_000, 100, 600_000)
     core = RepairConfig(
         bandwidth_bytes_per_s=env_int(env, "KVF_REPAIR_BANDWIDTH_BYTES_PER_S", 200 << 20, 1, 1 << 40),
         burst_bytes=env_int(env, "KVF_REPAIR_BURST_BYTES", 256 << 20, 1, 1 << 40),
         copies_in_flight_max=env_int(env, "KVF_REPAIR_COPIES_IN_FLIGHT_MAX", 8, 1, 1024),
-        copy_timeout_ms=copy_timeout_ms + 1_000,  # the shell times out first and reports failure
+        copy_timeout_ms=2 * copy_timeout_ms + 2_000,  # the shell times out first and reports failure
     )
     return RepairSettings(
         core=core,

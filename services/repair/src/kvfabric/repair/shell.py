@@ -207,7 +207,8 @@ class RepairShell:
     async def _copy(self, start: StartCopy) -> None:
         assert isinstance(start.object_id, bytes)
         try:
-            ok = await asyncio.wait_for(self._copy_once(start), self.copy_timeout_s)
+            # The copy's own requests time out first (and abort); this only bounds the whole.
+            ok = await asyncio.wait_for(self._copy_once(start), 2 * self.copy_timeout_s + 1)
         except (KvfError, TimeoutError) as exc:
             self._log.info("copy_failed", copy_id=start.copy_id, error=getattr(exc, "code", "timeout"))
             ok = False
