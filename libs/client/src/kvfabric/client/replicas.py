@@ -18,7 +18,7 @@ from nats.aio.client import Client as NatsClient
 from kvfabric.dataplane.addresses import pick
 from kvfabric.format.errors import KvfError
 from kvfabric.proto import directory as m
-from kvfabric.proto.segment import CopyReply, CopyRequest, segment_decoder
+from kvfabric.proto.segment import CopyReply, CopyRequest, SegmentMessage, segment_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject
 from kvfabric.runtime.client import request
 
@@ -59,7 +59,7 @@ async def copy_replica(
     if reply.ticket is None or not reply.sources:
         return "failed"
     source = next((r for r in reply.sources if r.segment_id == preferred_source), reply.sources[0])
-    copied: object = None
+    copied: SegmentMessage | None = None
     try:
         copied = await request(
             nc,
