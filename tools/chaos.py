@@ -36,7 +36,7 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests.integration.clientkit
 
-from chaos_checks import FinalState, Op, check_all  # type: ignore[import-not-found]
+from chaos_checks import FinalState, Op, check_all, check_retry_budget  # type: ignore[import-not-found]
 
 REPO = Path(__file__).resolve().parents[1]
 DRILLS = REPO / "tests" / "drills"
@@ -284,8 +284,11 @@ def lost_chunks(history: list[Op], final: FinalState) -> int:
 
 
 def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
+    from prometheus_client import generate_latest
+
     from kvfabric.client import ClientSettings, KvClient
     from kvfabric.format.key import chunk_groups_for_prefix
+    from kvfabric.testing import metric_value
     from tests.integration.clientkit import SPEC
 
     drill = tomllib.loads(path.read_text())
@@ -328,6 +331,7 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
         unsafe_skip_verification_for_tests=not verify,
     )
     history: list[Op] = []
+    retries = 0
     fired: list[str] = []
     fault_errors: list[str] = []
     try:
@@ -354,6 +358,12 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
             injector.start()
             run_workload(kv, wl, history, started)
             injector.join(timeout=60)
+            retries = int(
+                metric_value(
+                    generate_latest(kv.metrics.registry).decode(), "kvfabric_client_replica_retries_total"
+                )
+                or 0
+            )
         if any(f["action"] == "qdisc" for f in drill.get("faults", [])):
             subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)  # never leave it on
         time.sleep(float(drill.get("settle_s", 6.0)))
@@ -375,6 +385,9 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
             [sys.executable, str(LOCALCLUSTER), "down", "--run-dir", str(run)], capture_output=True
         )
     violations = check_all(history, final, expect)
+    violations["retry_budget"] = check_retry_budget(
+        retries, len(history), expect.get("max_retries_per_request")
+    )
     violations["faults_injected"] = fault_errors
     ended = [op for op in history if op.end_s is not None]
     return {
@@ -388,6 +401,7 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
         "acked_chunks_lost": lost_chunks(history, final),
         "recovery_s": recovery_s(history, drill.get("faults", [])),
         "chunks_evicted": sum(len(v) for v in final.evicted_chunks.values()),
+        "retries": retries,
         "faults": fired,
         "violations": violations,
         "history": [asdict(op) for op in history],
@@ -431,6 +445,7 @@ def main() -> int:
         "leases after settle",
         "acked lost",
         "recovery s",
+        "retries",
         "faults",
         "violations",
     ):
@@ -446,6 +461,7 @@ def main() -> int:
             str(r["leases_after_settle"]),
             str(r["acked_chunks_lost"]),
             "-" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}",
+            str(r["retries"]),
             "; ".join(r["faults"]) or "-",
             "; ".join(v for vs in r["violations"].values() for v in vs) or "-",
         )

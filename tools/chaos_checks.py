@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FinalState", "Op", "check_all"]
+__all__ = ["FinalState", "Op", "check_all", "check_retry_budget"]
 
 
 @dataclass(slots=True)
@@ -118,6 +118,18 @@ def check_replicas_restored(final: FinalState, target: int) -> list[str]:
         if short
         else []
     )
+
+
+def check_retry_budget(retries: int, requests: int, per_request_max: float | None) -> list[str]:
+    """Reads retried on another replica stayed within the drill's budget (per request, average)."""
+    if per_request_max is None or requests == 0:
+        return []
+    rate = retries / requests
+    if rate > float(per_request_max):
+        return [
+            f"{retries} replica retries over {requests} requests: {rate:.2f} per request > {per_request_max}"
+        ]
+    return []
 
 
 def check_all(history: list[Op], final: FinalState, expect: dict[str, Any]) -> dict[str, list[str]]:

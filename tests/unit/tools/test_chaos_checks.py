@@ -62,3 +62,10 @@ def test_each_checker_fails_when_its_invariant_breaks() -> None:
         read_leases=2, segments=[{"segment_id": "s", "reserved_bytes": 1, "reported_used_bytes": 9}]
     )
     assert len(c.check_all(base, leaked, expect)["no_leaks"]) == 2
+
+
+def test_the_retry_budget_checker_fails_when_the_budget_is_exceeded() -> None:
+    c = load_tool("chaos_checks")
+    assert c.check_retry_budget(10, 100, 0.5) == []
+    assert c.check_retry_budget(60, 100, 0.5)  # 0.6 per request > 0.5
+    assert c.check_retry_budget(60, 100, None) == []  # no budget asked for

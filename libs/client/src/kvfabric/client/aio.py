@@ -156,6 +156,7 @@ class AsyncKvClient:
             use_shm=settings.use_shm,
             verify=not settings.unsafe_skip_verification_for_tests,
             local_segments=frozenset(s for s in settings.local_segments.split(",") if s),
+            on_retry=self.metrics.replica_retries.inc,
         )
         self._executor = ThreadPoolExecutor(settings.transfers_max, thread_name_prefix="kvf-transfer")
         self._save_executor = ThreadPoolExecutor(

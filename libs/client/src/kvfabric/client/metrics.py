@@ -33,6 +33,11 @@ class ClientMetrics:
             ["cause"],
             registry=r,
         )
+        self.replica_retries = Counter(
+            "kvfabric_client_replica_retries",
+            "Object reads retried on another replica (the first one failed)",
+            registry=r,
+        )
         self.load_seconds = Histogram(
             "kvfabric_client_load_seconds", "Load latency", buckets=_LATENCY_BUCKETS_S, registry=r
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -55,6 +55,7 @@ class SegmentPool:
         use_shm: bool,
         verify: bool = True,
         local_segments: frozenset[str] = frozenset(),
+        on_retry: Callable[[], None] = lambda: None,
     ) -> None:
         self.connections_per_segment_max = connections_per_segment_max
         self.verify = verify  # False only under the chaos test switch
@@ -62,6 +63,7 @@ class SegmentPool:
         self.use_shm = use_shm
         # Segments on this host (empty: any segment whose arena can be mapped counts as local).
         self.local_segments = local_segments
+        self.on_retry = on_retry  # called once per read retried on another replica (metrics)
         self._idle: dict[tuple[str, bool], list[_Connection]] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -114,7 +116,9 @@ class SegmentPool:
         """Read one object into `staging` from its first reachable replica and verify its
         checksum against the directory's. Tries at most `attempts_max` replicas."""
         cause = "not_found"
-        for replica in location.replicas[:attempts_max]:
+        for attempt, replica in enumerate(location.replicas[:attempts_max]):
+            if attempt:
+                self.on_retry()
             ref = ReadRef(replica.incarnation, replica.slot, replica.slot_generation, location.size_bytes)
             try:
                 with self._connection(replica.data_addr, self._shm_ok(replica.segment_id)) as conn:
@@ -189,6 +193,7 @@ class SegmentPool:
         for i, loc in enumerate(locations):  # the next replicas, one object at a time
             if causes[i] != OK and attempts_max > 1 and len(loc.replicas) > 1:
                 rest = msgspec.structs.replace(loc, replicas=loc.replicas[1:])
+                self.on_retry()
                 retry = self.fetch(rest, stagings[i], attempts_max - 1)
                 causes[i] = retry if retry == OK else causes[i]
         return causes
