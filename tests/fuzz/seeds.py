@@ -3,9 +3,7 @@
     python -m tests.fuzz.seeds      # writes every seed file that is missing; never overwrites
 
 Seeds are inputs worth replaying on every run: the golden messages, each kind of malformed frame
-or key, and the inputs that once crashed something (`crash-*`, kept as regressions). Files named
-`known-bug-*` reproduce a bug that is not fixed yet: their replay is a strict xfail, so the fix
-turns it into a failure that asks for the marker to go.
+or key, and the inputs that once crashed something (`crash-*`, kept as regressions).
 """
 
 from __future__ import annotations

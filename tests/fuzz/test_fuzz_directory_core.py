@@ -384,17 +384,7 @@ def run_script(steps: list[Step]) -> DirectoryCore:
     return core
 
 
-def _corpus_params() -> list[Any]:
-    params = []
-    for path in corpus("directory_core"):
-        marks = []
-        if path.name.startswith("known-bug-"):
-            marks.append(pytest.mark.xfail(strict=True, reason="known bug, see the file's seed in seeds.py"))
-        params.append(pytest.param(path, id=path.name, marks=marks))
-    return params
-
-
-@pytest.mark.parametrize("path", _corpus_params())
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.name) for p in corpus("directory_core")])
 def test_directory_core_corpus(path: Path) -> None:
     run_script(STEPS_DECODER.decode(path.read_bytes()))
 

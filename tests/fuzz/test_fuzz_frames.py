@@ -17,6 +17,7 @@ receiving its bytes, never further.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -146,11 +147,11 @@ def _exchange(seg: Segment, stream: bytes) -> bytes:
     sock = socket.create_connection((seg.server.host, seg.server.port), timeout=READ_TIMEOUT_S)
     received = bytearray()
     try:
-        try:
+        # EPIPE, ECONNRESET, ENOTCONN: the server answered early and closed; what it sent is
+        # still readable.
+        with contextlib.suppress(OSError):
             sock.sendall(stream)
             sock.shutdown(socket.SHUT_WR)
-        except OSError:  # EPIPE, ECONNRESET, ENOTCONN: the server answered early and closed
-            pass  # what it sent is still readable
         while True:
             try:
                 chunk = sock.recv(1 << 16)

@@ -22,7 +22,7 @@ __all__ = [
 
 
 class EvictionStatusRequest(msgspec.Struct, frozen=True, kw_only=True, tag="evict.status.v1", tag_field="t"):
-    pass
+    """Ask the policy for its state (no fields)."""
 
 
 class PoolUsage(msgspec.Struct, frozen=True, kw_only=True):

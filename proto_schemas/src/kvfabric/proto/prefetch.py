@@ -67,7 +67,7 @@ class CancelReply(msgspec.Struct, frozen=True, kw_only=True, tag="prefetch.cance
 class PrefetchStatusRequest(
     msgspec.Struct, frozen=True, kw_only=True, tag="prefetch.status.v1", tag_field="t"
 ):
-    pass
+    """Ask the service for its queues and counters (no fields)."""
 
 
 class PrefetchStatus(

@@ -13,7 +13,7 @@ __all__ = ["RepairMessage", "RepairStatus", "RepairStatusRequest", "repair_decod
 
 
 class RepairStatusRequest(msgspec.Struct, frozen=True, kw_only=True, tag="repair.status.v1", tag_field="t"):
-    pass
+    """Ask the service for its progress (no fields)."""
 
 
 class RepairStatus(msgspec.Struct, frozen=True, kw_only=True, tag="repair.status_reply.v1", tag_field="t"):
