@@ -68,6 +68,11 @@ def nats_server_binary() -> str:
     return found
 
 
+def service_argv(module: str, nats_url: str) -> list[str]:
+    """`python -m <module>` on the cluster's NATS, any free metrics port, JSON logs."""
+    return [sys.executable, "-m", module, "--nats-url", nats_url, "--metrics-port", "0", "--log-json"]
+
+
 def netns_link(run: Path, i: int) -> dict[str, str]:
     """Names and addresses of segment i's namespace and veth pair (short: interface names ≤ 15)."""
     tag = hashlib.blake2b(str(run).encode(), digest_size=2).hexdigest()
@@ -179,39 +184,11 @@ def plan_children(
             None,
             ready_url=f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true",
         ),
-        Child(
-            "directory",
-            [
-                sys.executable,
-                "-m",
-                "kvfabric.directory",
-                "--nats-url",
-                nats_url,
-                "--metrics-port",
-                "0",
-                "--log-json",
-            ],
-            base,
-            "directory_started",
-        ),
+        Child("directory", service_argv("kvfabric.directory", nats_url), base, "directory_started"),
     ]
     for i in range(2, directories + 1):  # standbys: one takes over when the leader's lease lapses
         children.append(
-            Child(
-                f"directory-{i}",
-                [
-                    sys.executable,
-                    "-m",
-                    "kvfabric.directory",
-                    "--nats-url",
-                    nats_url,
-                    "--metrics-port",
-                    "0",
-                    "--log-json",
-                ],
-                base,
-                "directory_standby",
-            )
+            Child(f"directory-{i}", service_argv("kvfabric.directory", nats_url), base, "directory_standby")
         )
     netns: dict[str, dict[str, str]] = {}
     for i in range(1, segments + 1):
@@ -234,17 +211,7 @@ def plan_children(
         children.append(
             Child(
                 f"segment-{i}",
-                [
-                    *wrap,
-                    sys.executable,
-                    "-m",
-                    "kvfabric.segment_storage",
-                    "--nats-url",
-                    segment_nats_url,
-                    "--metrics-port",
-                    "0",
-                    "--log-json",
-                ],
+                [*wrap, *service_argv("kvfabric.segment_storage", segment_nats_url)],
                 env,
                 "segment_started",
                 stale_glob=f"kvf-{prefix}-{i}-*",
@@ -258,7 +225,7 @@ def plan_children(
         children.append(
             Child(
                 name,
-                [sys.executable, "-m", module, "--nats-url", nats_url, "--metrics-port", "0", "--log-json"],
+                service_argv(module, nats_url),
                 base,
                 f"{name}_started",
             )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import msgspec
 from nats.aio.client import Client as NatsClient
@@ -25,18 +25,11 @@ def service_env(**extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def directory_process(
-    nats: NatsServer, ready_event: str = "directory_started", **env: str
-) -> Iterator[ServiceProcess]:
-    """A directory instance; `ready_event="directory_standby"` for one that will wait as a standby."""
+def service_process(nats: NatsServer, module: str, ready_event: str, **env: str) -> Iterator[ServiceProcess]:
+    """`python -m <module>` on the test's NATS with JSON logs, ready once it logs `ready_event`;
+    stopped (SIGTERM, then SIGKILL) afterwards."""
     proc = ServiceProcess.python_module(
-        "kvfabric.directory",
-        "--nats-url",
-        nats.url,
-        "--metrics-port",
-        "0",
-        "--log-json",
-        env=service_env(**env),
+        module, "--nats-url", nats.url, "--metrics-port", "0", "--log-json", env=service_env(**env)
     )
     proc.start()
     try:
@@ -46,84 +39,42 @@ def directory_process(
         proc.stop(timeout_s=10.0)
 
 
+def directory_process(
+    nats: NatsServer, ready_event: str = "directory_started", **env: str
+) -> AbstractContextManager[ServiceProcess]:
+    """A directory instance; `ready_event="directory_standby"` for one that will wait as a standby."""
+    return service_process(nats, "kvfabric.directory", ready_event, **env)
+
+
 @contextmanager
 def segment_process(
     nats: NatsServer, segment_id: str, arena_bytes: int = 256 << 20, **env: str
 ) -> Iterator[ServiceProcess]:
-    proc = ServiceProcess.python_module(
-        "kvfabric.segment_storage",
-        "--nats-url",
-        nats.url,
-        "--metrics-port",
-        "0",
-        "--log-json",
-        env=service_env(KVF_SEGMENT_ID=segment_id, KVF_SEGMENT_BYTES=str(arena_bytes), **env),
-    )
-    proc.start()
     try:
-        proc.wait_for_event("segment_started", 20.0)
-        yield proc
+        with service_process(
+            nats,
+            "kvfabric.segment_storage",
+            "segment_started",
+            KVF_SEGMENT_ID=segment_id,
+            KVF_SEGMENT_BYTES=str(arena_bytes),
+            **env,
+        ) as proc:
+            yield proc
     finally:
-        proc.stop(timeout_s=10.0)
         for leftover in glob.glob(f"/dev/shm/kvf-{segment_id}-*"):  # only after a SIGKILL
             os.unlink(leftover)
 
 
-@contextmanager
-def eviction_process(nats: NatsServer, **env: str) -> Iterator[ServiceProcess]:
-    proc = ServiceProcess.python_module(
-        "kvfabric.eviction_policy",
-        "--nats-url",
-        nats.url,
-        "--metrics-port",
-        "0",
-        "--log-json",
-        env=service_env(**env),
-    )
-    proc.start()
-    try:
-        proc.wait_for_event("eviction_started", 20.0)
-        yield proc
-    finally:
-        proc.stop(timeout_s=10.0)
+def eviction_process(nats: NatsServer, **env: str) -> AbstractContextManager[ServiceProcess]:
+    return service_process(nats, "kvfabric.eviction_policy", "eviction_started", **env)
 
 
-@contextmanager
-def repair_process(nats: NatsServer, **env: str) -> Iterator[ServiceProcess]:
-    proc = ServiceProcess.python_module(
-        "kvfabric.repair",
-        "--nats-url",
-        nats.url,
-        "--metrics-port",
-        "0",
-        "--log-json",
-        env=service_env(**env),
-    )
-    proc.start()
-    try:
-        proc.wait_for_event("repair_started", 20.0)
-        yield proc
-    finally:
-        proc.stop(timeout_s=10.0)
+def repair_process(nats: NatsServer, **env: str) -> AbstractContextManager[ServiceProcess]:
+    return service_process(nats, "kvfabric.repair", "repair_started", **env)
 
 
-@contextmanager
-def prefetch_process(nats: NatsServer, **env: str) -> Iterator[ServiceProcess]:
-    proc = ServiceProcess.python_module(
-        "kvfabric.prefetch",
-        "--nats-url",
-        nats.url,
-        "--metrics-port",
-        "0",
-        "--log-json",
-        env=service_env(**env),
-    )
-    proc.start()
-    try:
-        proc.wait_for_event("prefetch_started", 20.0)
-        yield proc
-    finally:
-        proc.stop(timeout_s=10.0)
+def prefetch_process(nats: NatsServer, **env: str) -> AbstractContextManager[ServiceProcess]:
+    return service_process(nats, "kvfabric.prefetch", "prefetch_started", **env)
 
 
 async def directory_call(nc: NatsClient, verb: str, message: msgspec.Struct) -> msgspec.Struct:

@@ -18,7 +18,8 @@ from kvfabric.proto.subjects import Service
 from kvfabric.runtime.cli import service_cli
 from kvfabric.runtime.config import RuntimeSettings, SettingsError
 from kvfabric.runtime.logs import get_logger
-from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
+from kvfabric.runtime.service import ServiceRuntime
+from kvfabric.runtime.shells import serve_shell
 
 EVICTION_VERSION: Final = "0.1.0"
 EXIT_USAGE: Final = 2
@@ -43,20 +44,7 @@ async def serve(settings: RuntimeSettings) -> int:
         version=EVICTION_VERSION,
         description="kvfabric eviction policy: watermarks, cost-aware victims, tenant quotas",
     )
-    shell.attach(runtime)
-    runtime.metrics.registry.register(EvictionCollector(shell))
-    runtime.stop_on_signals()
-    try:
-        await runtime.start()
-        await shell.start(runtime.nc)
-    except Exception as exc:
-        log.error("eviction_start_failed", error=repr(exc))
-        await runtime.stop()
-        return EXIT_UNAVAILABLE
-    log.info("eviction_started", policy=config.core.policy, metrics_port=runtime.metrics_port)
-    await runtime.wait_stop_requested()
-    await shell.stop()
-    return await runtime.stop()
+    return await serve_shell(runtime, shell, EvictionCollector(shell), log, policy=config.core.policy)
 
 
 app = service_cli(

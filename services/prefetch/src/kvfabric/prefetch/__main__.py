@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from typing import Final
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -21,7 +22,8 @@ from kvfabric.proto.subjects import Service
 from kvfabric.runtime.cli import service_cli
 from kvfabric.runtime.config import RuntimeSettings, SettingsError
 from kvfabric.runtime.logs import get_logger
-from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
+from kvfabric.runtime.service import ServiceRuntime
+from kvfabric.runtime.shells import serve_shell
 
 PREFETCH_VERSION: Final = "0.1.0"
 EXIT_USAGE: Final = 2
@@ -31,7 +33,7 @@ class PrefetchCollector(Collector):
     def __init__(self, shell: PrefetchShell) -> None:
         self.shell = shell
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         status = self.shell.status()
         events = CounterMetricFamily(
             "kvfabric_prefetch_core_events", "Core counters, by name.", labels=["name"]
@@ -68,20 +70,7 @@ async def serve(settings: RuntimeSettings) -> int:
         version=PREFETCH_VERSION,
         description="kvfabric prefetch: hinted prefixes next to the engine, hot-object replicas",
     )
-    shell.attach(runtime)
-    runtime.metrics.registry.register(PrefetchCollector(shell))
-    runtime.stop_on_signals()
-    try:
-        await runtime.start()
-        await shell.start(runtime.nc)
-    except Exception as exc:
-        log.error("prefetch_start_failed", error=repr(exc))
-        await runtime.stop()
-        return EXIT_UNAVAILABLE
-    log.info("prefetch_started", metrics_port=runtime.metrics_port)
-    await runtime.wait_stop_requested()
-    await shell.stop()
-    return await runtime.stop()
+    return await serve_shell(runtime, shell, PrefetchCollector(shell), log)
 
 
 app = service_cli(name="prefetch", help="kvfabric prefetch service (kvf.v1.prefetch.*).", main=serve)

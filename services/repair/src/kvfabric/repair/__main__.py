@@ -18,7 +18,8 @@ from kvfabric.repair.shell import RepairShell, now_ms
 from kvfabric.runtime.cli import service_cli
 from kvfabric.runtime.config import RuntimeSettings, SettingsError
 from kvfabric.runtime.logs import get_logger
-from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
+from kvfabric.runtime.service import ServiceRuntime
+from kvfabric.runtime.shells import serve_shell
 
 REPAIR_VERSION: Final = "0.1.0"
 EXIT_USAGE: Final = 2
@@ -45,25 +46,14 @@ async def serve(settings: RuntimeSettings) -> int:
         version=REPAIR_VERSION,
         description="kvfabric repair: replica targets over failure domains, under a bandwidth budget",
     )
-    shell.attach(runtime)
-    runtime.metrics.registry.register(RepairCollector(shell))
-    runtime.stop_on_signals()
-    try:
-        await runtime.start()
-        await shell.start(runtime.nc)
-    except Exception as exc:
-        log.error("repair_start_failed", error=repr(exc))
-        await runtime.stop()
-        return EXIT_UNAVAILABLE
-    log.info(
-        "repair_started",
-        metrics_port=runtime.metrics_port,
+    return await serve_shell(
+        runtime,
+        shell,
+        RepairCollector(shell),
+        log,
         replicas_target=config.replicas_target,
         bandwidth_bytes_per_s=config.core.bandwidth_bytes_per_s,
     )
-    await runtime.wait_stop_requested()
-    await shell.stop()
-    return await runtime.stop()
 
 
 app = service_cli(name="repair", help="kvfabric repair service (kvf.v1.repair.*).", main=serve)
