@@ -15,6 +15,7 @@ import msgspec
 import nats
 import pytest
 
+from kvfabric.format.errors import BadRequest
 from kvfabric.format.key import chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto import prefetch as p
@@ -102,6 +103,9 @@ def test_a_hinted_prefix_is_loaded_from_the_local_segment(nats_server: NatsServe
             )
         again = asyncio.run(ask(nats_server.url, "hint", hint_for(hinted[0], "req-0")))
         assert isinstance(again, p.HintReply) and again.status == "deduped"
+        bad = msgspec.structs.replace(hint_for(hinted[0], "req-bad"), target_segment="no such/segment")
+        with pytest.raises(BadRequest):
+            asyncio.run(ask(nats_server.url, "hint", bad))
 
         async def copied() -> None:
             while not all([await replicas_on(nats_server.url, t, LOCAL) == CHUNKS for t in hinted]):

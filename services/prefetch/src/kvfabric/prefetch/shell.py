@@ -114,7 +114,10 @@ class PrefetchShell:
             raise BadRequest(f"hint takes PrefetchHint, got {type(hint).__name__}")
         if not hint.groups or len(hint.groups) > p.HINT_GROUPS_MAX:
             raise BadRequest(f"a hint names 1..{p.HINT_GROUPS_MAX} chunk groups")
-        check_segment_id(hint.target_segment)
+        try:
+            check_segment_id(hint.target_segment)
+        except ValueError as exc:  # a caller's mistake: bad_request, not an internal error
+            raise BadRequest(str(exc)) from None
         if self.core.has_hint(hint.hint_id):
             return p.HintReply(hint_id=hint.hint_id, status="deduped", reason="same hint id")
         if self._resolving >= self.resolving_max:
