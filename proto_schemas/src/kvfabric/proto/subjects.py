@@ -3,6 +3,10 @@
 Subjects are versioned: `kvf.v<PROTOCOL_VERSION>.<service>.<verb>` for request/reply endpoints
 (served with `nats.micro`, one queue group per service so instances share load) and
 `kvf.v1.events.<service>.<kind>` for events kept in JetStream.
+
+Tenants (authenticated NATS users, see docs/security.md) call `kvf.v1.<service>.t.<tenant>.<verb>`
+and receive replies under `_INBOX.t.<tenant>.`; NATS permissions allow a tenant exactly those
+two, so the service reads the tenant from the subject: it cannot be forged by a message field.
 """
 
 from __future__ import annotations
@@ -12,20 +16,30 @@ from enum import StrEnum
 from typing import Final
 
 __all__ = [
+    "INBOX_ROOT",
     "PREFIX",
     "PROTOCOL_VERSION",
+    "TENANT_TOKEN",
     "Service",
     "check_segment_id",
+    "check_tenant",
     "endpoint_subject",
     "event_subject",
     "events_wildcard",
     "segment_subject",
     "service_group",
+    "tenant_from_subject",
+    "tenant_inbox_prefix",
+    "tenant_subject",
+    "tenant_wildcard",
 ]
 
 PREFIX: Final = "kvf"
 PROTOCOL_VERSION: Final = 1
 _TOKEN = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+_TENANT = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+TENANT_TOKEN: Final = "t"
+INBOX_ROOT: Final = "_INBOX"
 _SEGMENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
@@ -77,3 +91,34 @@ def check_segment_id(segment_id: str) -> str:
 def segment_subject(segment_id: str, verb: str, version: int = PROTOCOL_VERSION) -> str:
     """A subject addressed to one segment instance: `kvf.v1.segment.<verb>.<segment_id>`."""
     return f"{endpoint_subject(Service.SEGMENT, verb, version)}.{check_segment_id(segment_id)}"
+
+
+def check_tenant(tenant: str) -> str:
+    """Tenant names appear in subjects and permissions: lower snake_case, at most 32 characters."""
+    if not _TENANT.match(tenant):
+        raise ValueError(f"invalid tenant name {tenant!r}: want [a-z][a-z0-9_]{{0,31}}")
+    return tenant
+
+
+def tenant_subject(service: Service, tenant: str, verb: str, version: int = PROTOCOL_VERSION) -> str:
+    """A tenant's request subject: `kvf.v1.<service>.t.<tenant>.<verb>`."""
+    verb = _check_token("verb", verb)
+    return f"{service_group(service, version)}.{TENANT_TOKEN}.{check_tenant(tenant)}.{verb}"
+
+
+def tenant_wildcard(service: Service, tenant: str, version: int = PROTOCOL_VERSION) -> str:
+    """Every request subject of one tenant at one service (a NATS publish permission)."""
+    return f"{service_group(service, version)}.{TENANT_TOKEN}.{check_tenant(tenant)}.>"
+
+
+def tenant_from_subject(subject: str, service: Service, version: int = PROTOCOL_VERSION) -> str:
+    """The tenant token of a tenant request subject; `ValueError` for any other subject."""
+    prefix = f"{service_group(service, version)}.{TENANT_TOKEN}."
+    if not subject.startswith(prefix):
+        raise ValueError(f"not a tenant subject: {subject!r}")
+    return check_tenant(subject[len(prefix) :].split(".", 1)[0])
+
+
+def tenant_inbox_prefix(tenant: str) -> str:
+    """Where a tenant's replies go (`inbox_prefix` of its NATS connection; a subscribe permission)."""
+    return f"{INBOX_ROOT}.{TENANT_TOKEN}.{check_tenant(tenant)}"

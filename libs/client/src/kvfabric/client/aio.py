@@ -70,7 +70,7 @@ from kvfabric.format.key import (
 )
 from kvfabric.proto import directory as m
 from kvfabric.proto.common import TRACE_ID_HEADER
-from kvfabric.proto.subjects import Service, endpoint_subject
+from kvfabric.proto.subjects import Service, endpoint_subject, tenant_subject
 from kvfabric.runtime.client import request
 
 __all__ = ["AsyncKvClient", "Destination", "EngineSpec", "Source"]
@@ -183,6 +183,7 @@ class AsyncKvClient:
         try:
             self.nc = await nats.connect(
                 self.settings.nats_url,
+                **self.settings.nats_auth().connect_options(),
                 connect_timeout=self.settings.connect_timeout_ms / 1000,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
@@ -323,9 +324,12 @@ class AsyncKvClient:
         """One directory request. A reply from an older epoch than one already seen comes from a
         replaced leader (fenced, its view is stale): `StaleGeneration`, never used."""
         assert self.nc is not None
+        tenant = self.settings.nats_tenant
         reply = await request(
             self.nc,
-            endpoint_subject(Service.DIRECTORY, verb),
+            tenant_subject(Service.DIRECTORY, tenant, verb)
+            if tenant
+            else endpoint_subject(Service.DIRECTORY, verb),
             message,
             m.reply_decoder,
             timeout_s,

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 from typing import Final
 
 import msgspec
 
 from kvfabric.format.errors import BadRequest
+from kvfabric.proto.subjects import check_tenant, tenant_inbox_prefix
+from kvfabric.runtime.natsauth import NatsAuth
 
 __all__ = ["ClientSettings", "settings_from_env"]
 
@@ -25,6 +28,16 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
     tenant_id: str = "default"
     # The share domain's salt (hex). Engines that must not share KV use different salts.
     domain_salt_hex: str = "6b7666616272696364656661756c7400"
+    # Authenticated NATS tenant (docs/security.md): when set, requests go to the tenant's own
+    # subjects and replies come back under its own inbox; the directory then allows only the
+    # share domains granted to it. Empty: service subjects (a development cluster without auth).
+    nats_tenant: str = ""
+    nats_user: str = ""
+    nats_password: str = ""
+    nats_password_file: str = ""
+    nats_tls_ca: str = ""  # set: TLS to NATS, server verified against this CA bundle
+    nats_tls_cert: str = ""
+    nats_tls_key: str = ""
     holder_id: str = msgspec.field(default_factory=lambda: f"client-{uuid.uuid4().hex[:12]}")
     lookup_timeout_ms: int = 2_000
     load_timeout_ms: int = 10_000
@@ -67,8 +80,30 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
             salt = bytes.fromhex(self.domain_salt_hex)
         except ValueError:
             raise BadRequest("client setting domain_salt_hex is not hex") from None
+        if self.nats_tenant:
+            try:
+                check_tenant(self.nats_tenant)
+            except ValueError as exc:
+                raise BadRequest(f"client setting nats_tenant: {exc}") from None
         if not 16 <= len(salt) <= 64:
             raise BadRequest(f"domain salt must be 16..64 bytes, got {len(salt)}")
+
+    def nats_auth(self) -> NatsAuth:
+        """How to connect: credentials, TLS, and the tenant's inbox prefix."""
+        password = self.nats_password
+        if self.nats_password_file:
+            try:
+                password = Path(self.nats_password_file).read_text().strip()
+            except OSError as exc:
+                raise BadRequest(f"cannot read nats_password_file: {exc}") from None
+        return NatsAuth(
+            user=self.nats_user,
+            password=password,
+            tls_ca=self.nats_tls_ca,
+            tls_cert=self.nats_tls_cert,
+            tls_key=self.nats_tls_key,
+            inbox_prefix=tenant_inbox_prefix(self.nats_tenant) if self.nats_tenant else "",
+        )
 
     @property
     def domain_salt(self) -> bytes:

@@ -814,17 +814,26 @@ class DirectoryCore:
             effects.append(EmitEvent("accessed", m.GroupsAccessed(groups=hits)))
             self._hits = {}
 
-    def _locate(self, info: GroupInfo, wanted: set[Member]) -> list[m.ObjectLocation] | None:
+    def _matches(self, info: GroupInfo) -> bool:
+        """Whether the published group under `info`'s chain hash has `info`'s identity. A known
+        chain hash paired with other identity fields (e.g. another share domain's digest) is
+        treated as absent by every verb, so forged ids answer exactly like missing groups."""
         record = self.published.get(info.group_id)
-        if record is None or info.group_id in self._unreadable:
-            return None
+        if record is None:
+            return False
         group = unpack_group(record)
         if (
             self._namespace_index.get(info.namespace) != group.namespace
             or group.chunk_index != info.chunk_index
         ):
-            self._count("lookup_identity_mismatch_total")  # a known chain hash with other identity fields
+            self._count("lookup_identity_mismatch_total")
+            return False
+        return True
+
+    def _locate(self, info: GroupInfo, wanted: set[Member]) -> list[m.ObjectLocation] | None:
+        if info.group_id in self._unreadable or not self._matches(info):
             return None
+        group = unpack_group(self.published[info.group_id])
         out = []
         for mem in group.members:
             if wanted and mem.member not in wanted:
@@ -922,7 +931,7 @@ class DirectoryCore:
             raise BadRequest(f"ttl_ms must be in 1..{m.PIN_TTL_MS_MAX}")
         parsed = [parse_group(g) for g in req.groups]
         self._check_rate(req.groups, now_ms)
-        gids = tuple(g.group_id for g in parsed if g.group_id in self.published)
+        gids = tuple(g.group_id for g in parsed if self._matches(g))
         pin_id, expires = self._grant(req.holder_id, gids, now_ms + req.ttl_ms, is_pin=True)
         return Outcome(
             m.PinReply(epoch=self.epoch, pin_id=pin_id, pinned_groups=len(gids), expires_ms=expires)
@@ -942,8 +951,16 @@ class DirectoryCore:
         effects: list[Effect] = []
         results = []
         for raw in req.groups:
-            gid = parse_group(raw).group_id
-            results.append(m.EvictResult(group=raw, status=self._evict_one(gid, req.reason, effects)))
+            info = parse_group(raw)
+            building = self.building.get(info.group_id)
+            if (info.group_id in self.published and not self._matches(info)) or (
+                building is not None and building.info != info
+            ):
+                results.append(m.EvictResult(group=raw, status="not_found"))  # forged identity
+                continue
+            results.append(
+                m.EvictResult(group=raw, status=self._evict_one(info.group_id, req.reason, effects))
+            )
         return Outcome(m.EvictReply(epoch=self.epoch, results=results), effects)
 
     def _evict_one(self, gid: bytes, reason: str, effects: list[Effect]) -> m.EvictStatus:
@@ -1200,7 +1217,13 @@ class DirectoryCore:
 
     def _show_group(self, req: m.ShowGroup, now_ms: int) -> Outcome:
         self._check_epoch(req.epoch)
-        gid = parse_group(req.group).group_id if len(req.group) != 32 else req.group
+        if len(req.group) == 32:
+            gid = req.group
+        else:
+            info = parse_group(req.group)
+            gid = info.group_id
+            if gid in self.published and not self._matches(info):
+                raise NotFound("no such chunk group", group=gid.hex())  # forged identity
         summary = self._summary(gid, with_objects=True)
         if summary is None:
             raise NotFound("no such chunk group", group=gid.hex())

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Annotated, Any, Final, TypeVar
 
 import typer
 
+from kvfabric.ctl import auth, render
 from kvfabric.ctl import queries as q
-from kvfabric.ctl import render
 from kvfabric.ctl.keys import decode_key, group_of, key_fields
 from kvfabric.format.errors import BadRequest, Indeterminate, KvfError
 from kvfabric.proto import directory as m
@@ -34,6 +35,7 @@ pins_app = typer.Typer(help="Pin chunk groups against eviction.", no_args_is_hel
 segment_app = typer.Typer(help="Segment operations.", no_args_is_help=True)
 events_app = typer.Typer(help="The directory's JetStream event stream.", no_args_is_help=True)
 tenants_app = typer.Typer(help="Tenants (share domains): usage against quotas.", no_args_is_help=True)
+auth_app = typer.Typer(help="NATS users, permissions, share domains and TLS.", no_args_is_help=True)
 for _name, _sub in (
     ("key", key_app),
     ("objects", objects_app),
@@ -43,6 +45,7 @@ for _name, _sub in (
     ("segment", segment_app),
     ("events", events_app),
     ("tenants", tenants_app),
+    ("auth", auth_app),
 ):
     app.add_typer(_sub, name=_name)
 
@@ -347,6 +350,31 @@ def events_tail(
         render.emit_json({"events": [q.jsonable(e) for e in events]})
     else:
         render.print_events(events)
+
+
+@auth_app.command("init")
+def auth_init(
+    out: Annotated[Path, typer.Option("--out", help="Folder to write the config, passwords and env files.")],
+    tenant: Annotated[list[str], typer.Option("--tenant", help="A tenant (repeat for several).")],
+    shared: Annotated[
+        list[str] | None, typer.Option("--shared", help="A shared domain NAME=tenant,tenant (repeatable).")
+    ] = None,
+    tls: Annotated[bool, typer.Option("--tls", help="Also write a CA and server certificate.")] = False,
+) -> None:
+    """Write a nats-server config with one user per service and per tenant, subject permissions,
+    share domains (salts to tenants only, digests to the directory) and optionally TLS."""
+    shared_domains: dict[str, list[str]] = {}
+    for item in shared or []:
+        name, sep, members = item.partition("=")
+        if not sep or not name:
+            raise _fail("bad_request", f"--shared wants NAME=tenant,tenant, got {item!r}", EXIT_BAD_INPUT)
+        shared_domains[name] = [t for t in members.split(",") if t]
+    try:
+        plan = auth.plan_auth(tenant, shared_domains)
+    except ValueError as exc:
+        raise _fail("bad_request", str(exc), EXIT_BAD_INPUT) from None
+    doc = auth.write_auth(out, plan, tls=tls)
+    render.emit_json({"conf": doc["conf"], "users": sorted(doc["users"]), "grants": doc["grants"]})
 
 
 def main() -> None:

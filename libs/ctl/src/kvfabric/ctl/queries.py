@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Final
@@ -25,6 +26,7 @@ from kvfabric.proto import directory as m
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject, events_wildcard, segment_subject
 from kvfabric.runtime.client import request
+from kvfabric.runtime.natsauth import nats_auth_from_env
 
 __all__ = [
     "EVENTS_STREAM",
@@ -69,6 +71,7 @@ async def connect(url: str, timeout_s: float) -> AsyncIterator[NatsClient]:
     try:
         connecting = nc.connect(
             servers=[url],
+            **nats_auth_from_env(os.environ).connect_options(),
             connect_timeout=max(1, int(timeout_s)),
             allow_reconnect=False,
             max_reconnect_attempts=0,

@@ -16,6 +16,10 @@ Lifecycle (`state`): created → starting → running → stopping → stopped.
 - stopped: `exit_code` is 0 after a requested stop, `EXIT_UNAVAILABLE` when NATS was lost or
   never reached, `EXIT_SOFTWARE` after an `InvariantViolation`.
 
+Tenant endpoints (`add_tenant_endpoint`) listen on `kvf.v1.<service>.t.*.<verb>`; their handler
+also gets the tenant token of the subject the request arrived on (NATS permissions guarantee the
+sender is that tenant: docs/security.md).
+
 Handler contract: `async (request_bytes, headers) -> msgspec.Struct`; raise a `KvfError` for an
 expected error (sent as a typed error reply, see `replies`). Any other exception is a 500
 `internal` reply, logged with its traceback, and the service keeps serving. `InvariantViolation`
@@ -28,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -43,14 +48,22 @@ from nats.micro.request import Request as MicroRequest
 from nats.micro.service import EndpointStats, ServiceVerb, control_subject
 from nats.micro.service import Service as MicroService
 
-from kvfabric.format.errors import Busy, KvfError, Unavailable
+from kvfabric.format.errors import BadRequest, Busy, KvfError, Unavailable
 from kvfabric.format.invariant import InvariantViolation, invariant
 from kvfabric.proto.codec import encode
-from kvfabric.proto.subjects import Service, check_segment_id, endpoint_subject, service_group
+from kvfabric.proto.subjects import (
+    TENANT_TOKEN,
+    Service,
+    check_segment_id,
+    endpoint_subject,
+    service_group,
+    tenant_from_subject,
+)
 from kvfabric.runtime.config import RuntimeSettings
 from kvfabric.runtime.inflight import InflightLimiter
 from kvfabric.runtime.logs import get_logger, request_context
 from kvfabric.runtime.metrics import MetricsServer, Outcome, ServiceMetrics
+from kvfabric.runtime.natsauth import nats_auth_from_env
 from kvfabric.runtime.replies import error_response, internal_error
 
 __all__ = [
@@ -60,9 +73,11 @@ __all__ = [
     "Handler",
     "RuntimeState",
     "ServiceRuntime",
+    "TenantHandler",
 ]
 
 Handler: TypeAlias = Callable[[bytes, Mapping[str, str]], Awaitable[msgspec.Struct]]
+TenantHandler: TypeAlias = Callable[[bytes, Mapping[str, str], str], Awaitable[msgspec.Struct]]
 
 EXIT_OK: Final = 0
 EXIT_UNAVAILABLE: Final = 69  # EX_UNAVAILABLE: NATS unreachable or lost past the reconnect budget
@@ -80,6 +95,10 @@ _OUTCOME_LEVEL: Final = {
 }
 
 
+async def _tenant_only(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+    raise BadRequest("tenant endpoint called without a tenant")
+
+
 class RuntimeState(enum.StrEnum):
     CREATED = "created"
     STARTING = "starting"
@@ -94,8 +113,9 @@ class _Endpoint:
     subject: str
     handler: Handler
     # Subject relative to the service group: the verb, or `<verb>.<instance>` for endpoints
-    # addressed to one instance (e.g. `kvf.v1.segment.free.<segment_id>`).
+    # addressed to one instance (e.g. `kvf.v1.segment.free.<segment_id>`), or `t.*.<verb>`.
     relative: str
+    tenant_handler: TenantHandler | None = None
 
 
 class ServiceRuntime:
@@ -183,6 +203,22 @@ class ServiceRuntime:
         self._endpoints[verb] = _Endpoint(verb=verb, subject=subject, handler=handler, relative=relative)
         return subject
 
+    def add_tenant_endpoint(self, verb: str, handler: TenantHandler) -> str:
+        """Register `handler` for every tenant's `kvf.v1.<service>.t.<tenant>.<verb>` (before `start`);
+        it is called with the tenant token as third argument. Returns the wildcard subject."""
+        invariant(self._state is RuntimeState.CREATED, "endpoints are added before start", state=self._state)
+        name = f"tenant_{verb}"
+        invariant(name not in self._endpoints, "endpoint registered twice", verb=name)
+        relative = f"{TENANT_TOKEN}.*.{endpoint_subject(self.service, verb).rsplit('.', 1)[1]}"
+        self._endpoints[name] = _Endpoint(
+            verb=name,
+            subject=f"{self.group}.{relative}",
+            handler=_tenant_only,
+            relative=relative,
+            tenant_handler=handler,
+        )
+        return f"{self.group}.{relative}"
+
     async def start(self) -> None:
         """Bind metrics, connect, register. Raises `Unavailable` (after cleaning up) on failure."""
         invariant(self._state is RuntimeState.CREATED, "start called twice", state=self._state)
@@ -233,6 +269,7 @@ class ServiceRuntime:
         try:
             nc = await nats.connect(
                 s.nats_url,
+                **nats_auth_from_env(os.environ).connect_options(),
                 name=f"kvf-{self.service.value}-{s.instance_id}",
                 connect_timeout=max(1, round(s.nats_connect_timeout_ms / 1000)),
                 reconnect_time_wait=s.nats_reconnect_wait_ms / 1000,
@@ -333,7 +370,14 @@ class ServiceRuntime:
         self, endpoint: _Endpoint, request: MicroRequest, headers: Mapping[str, str], received_s: float
     ) -> None:
         try:
-            reply = await endpoint.handler(request.data, headers)
+            if endpoint.tenant_handler is not None:
+                try:
+                    tenant = tenant_from_subject(request.subject, self.service)
+                except ValueError as exc:
+                    raise BadRequest(str(exc)) from None
+                reply = await endpoint.tenant_handler(request.data, headers, tenant)
+            else:
+                reply = await endpoint.handler(request.data, headers)
             invariant(
                 isinstance(reply, msgspec.Struct),
                 "handler must return a msgspec.Struct",

@@ -29,6 +29,7 @@ from kvfabric.proto.subjects import Service
 from kvfabric.runtime.cli import service_cli
 from kvfabric.runtime.config import RuntimeSettings, SettingsError
 from kvfabric.runtime.logs import get_logger
+from kvfabric.runtime.natsauth import nats_auth_from_env
 from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
 
 DIRECTORY_VERSION: Final = "0.2.0"
@@ -63,7 +64,12 @@ async def serve(settings: RuntimeSettings) -> int:
     )
     runtime.stop_on_signals()
     try:
-        nc = await nats.connect(settings.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        nc = await nats.connect(
+            settings.nats_url,
+            **nats_auth_from_env(os.environ).connect_options(),
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.2,
+        )
         election = LeaderElection(nc, settings.instance_id, leadership_config(config))
         await election.open()
         registry = await SegmentRegistry.open(nc)
@@ -104,6 +110,8 @@ async def serve(settings: RuntimeSettings) -> int:
         free_timeout_s=config.free_timeout_s,
     )
     shell.registry = registry
+    shell.grants = config.grants
+    shell.lookup_reply_min_ms = config.lookup_reply_min_ms
     shell.may_act = lambda: not lost and election.core.epoch(SHARD, now_ms=monotonic_ms()) == epoch
     shell.attach(runtime)
     runtime.metrics.registry.register(DirectoryCollector(shell))

@@ -26,15 +26,17 @@ from nats.aio.client import Client as NatsClient
 from nats.js.api import StreamConfig
 from nats.js.errors import BadRequestError
 
+from kvfabric.core import authz
+from kvfabric.core.authz import TENANT_VERBS
 from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent, FreeSlots
 from kvfabric.directory.leader import SegmentRegistry
-from kvfabric.format.errors import BadRequest, KvfError, Unavailable
+from kvfabric.format.errors import BadRequest, KvfError, Unauthorized, Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import FreeSlotsReply, FreeSlotsRequest, segment_decoder
 from kvfabric.proto.subjects import Service, event_subject, events_wildcard, segment_subject
 from kvfabric.runtime.client import request
 from kvfabric.runtime.logs import get_logger
-from kvfabric.runtime.service import Handler, ServiceRuntime
+from kvfabric.runtime.service import Handler, ServiceRuntime, TenantHandler
 
 __all__ = ["EVENTS_STREAM", "VERBS", "DirectoryShell", "now_ms"]
 
@@ -99,10 +101,56 @@ class DirectoryShell:
         # Whether this instance may act as the leader right now (its lease has not lapsed):
         # checked before every request and every tick, so a fenced leader stops at once.
         self.may_act: Callable[[], bool] = lambda: True
+        self.grants: Mapping[str, authz.TenantGrant] = {}  # tenant -> share domains it may use
+        self.lookup_reply_min_ms = 0  # pad tenant lookups (timing side channel); 0 = off
+        self.tenant_refused = 0  # tenant requests refused as unauthorized
 
     def attach(self, runtime: ServiceRuntime) -> None:
         for verb, kind in VERBS.items():
             runtime.add_endpoint(verb, self._endpoint(kind))
+        for verb in sorted(TENANT_VERBS):
+            runtime.add_tenant_endpoint(verb, self._tenant_endpoint(verb, VERBS[verb]))
+
+    def _tenant_endpoint(self, verb: str, kind: type[msgspec.Struct]) -> TenantHandler:
+        """A tenant's request: authorized for the tenant of its subject (`kvfabric.core.authz`)
+        before the core sees it; lookups padded to `lookup_reply_min_ms` when configured."""
+
+        async def handle(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
+            received_s = time.monotonic()
+            if not self.may_act():
+                raise Unavailable("this directory instance is no longer the leader")
+            grant = self.grants.get(tenant)
+            if grant is None:
+                self.tenant_refused += 1
+                raise Unauthorized(f"tenant {tenant!r} has no share domains here")
+            message = m.request_decoder.decode(data)
+            if type(message) is not kind:
+                raise BadRequest(f"this endpoint takes {kind.__name__}, got {type(message).__name__}")
+            try:
+                authorized = authz.authorize(message, verb, grant)
+            except Unauthorized:
+                self.tenant_refused += 1
+                raise
+            reply = await self._tenant_reply(message, authorized, grant)
+            if isinstance(message, m.Lookup) and self.lookup_reply_min_ms:
+                await asyncio.sleep(max(0.0, received_s + self.lookup_reply_min_ms / 1000 - time.monotonic()))
+            return reply
+
+        return handle
+
+    async def _tenant_reply(
+        self, message: msgspec.Struct, authorized: msgspec.Struct, grant: authz.TenantGrant
+    ) -> msgspec.Struct:
+        if isinstance(authorized, m.ListGroups) and not authz.listing_allowed(authorized, grant):
+            return m.GroupList(epoch=self.core.epoch, groups=[])  # a domain not granted: nothing there
+        outcome = self.core.handle(authorized, now_ms())
+        await self.perform(outcome.effects)
+        reply = outcome.reply
+        if isinstance(message, m.ShowGroup) and isinstance(reply, m.GroupList):
+            return authz.check_visible(reply, grant, message.group)
+        if isinstance(message, m.Evict) and isinstance(reply, m.EvictReply):
+            return authz.merge_evict_results(message.groups, reply, grant)
+        return reply
 
     def _endpoint(self, kind: type[msgspec.Struct]) -> Handler:
         async def handle(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:

@@ -17,25 +17,40 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TENANT_QUOTAS` | `{}` | JSON `{"<32 hex domain digest>": QUOTA}`: limits of listed tenants |
 | `KVF_DIRECTORY_TENANT_DEFAULT_QUOTA` | `{}` (unlimited) | JSON QUOTA of every tenant not listed |
 | `KVF_DIRECTORY_TENANTS_MAX` | 10000 | token buckets / rejection counts kept (least recently used go) |
+| `KVF_DIRECTORY_TENANT_GRANTS` | `{}` | JSON `{"<tenant>": [DIGEST, ...]}` (see below) |
+| `KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS` | 0 (off) | pad tenant lookup replies to this many ms |
 
 QUOTA is a JSON object with any of `bytes_max`, `objects_max` (integers ≥ 0), `requests_per_s`
 (number ≥ 0) and `burst` (integer ≥ 0, needs `requests_per_s`); absent or 0 = unlimited.
+
+GRANTS name, per authenticated tenant (NATS user `tenant-<name>`, written by `kvctl auth init`),
+the share-domain digests (32 hex) it may use; a tenant not listed is refused. Lookup padding
+hides the hit/miss timing difference (docs/security.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from kvfabric.core.authz import TenantGrant
 from kvfabric.core.directory import DirectoryConfig
 from kvfabric.core.quotas import UNLIMITED, TenantQuota
+from kvfabric.proto.subjects import check_tenant
 from kvfabric.proto.tickets import SECRET_BYTES_MIN
 from kvfabric.runtime.config import SettingsError, env_int
 
-__all__ = ["DirectorySettings", "load_directory_settings", "parse_quota", "parse_tenant_quotas"]
+__all__ = [
+    "DirectorySettings",
+    "load_directory_settings",
+    "parse_grants",
+    "parse_quota",
+    "parse_tenant_quotas",
+]
 
 _QUOTA_FIELDS: Final = ("bytes_max", "objects_max", "requests_per_s", "burst")
 _COUNT_MAX: Final = 2**63 - 1
@@ -49,6 +64,8 @@ class DirectorySettings:
     events_max_age_s: int = 86_400
     free_timeout_s: float = 2.0
     leader_lease_ttl_ms: int = 3_000
+    grants: Mapping[str, TenantGrant] = dataclasses.field(default_factory=dict)
+    lookup_reply_min_ms: int = 0
 
 
 def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
@@ -73,7 +90,37 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         events_outbox_max=env_int(env, "KVF_DIRECTORY_EVENTS_OUTBOX_MAX", 10_000, 1, 1_000_000),
         events_max_age_s=env_int(env, "KVF_DIRECTORY_EVENTS_MAX_AGE_S", 86_400, 60, 365 * 86_400),
         leader_lease_ttl_ms=env_int(env, "KVF_DIRECTORY_LEADER_LEASE_TTL_MS", 3_000, 300, 600_000),
+        grants=parse_grants("KVF_DIRECTORY_TENANT_GRANTS", env.get("KVF_DIRECTORY_TENANT_GRANTS", "")),
+        lookup_reply_min_ms=env_int(env, "KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS", 0, 0, 10_000),
     )
+
+
+def parse_grants(name: str, raw: str) -> dict[str, TenantGrant]:
+    """`{"<tenant>": ["<32 hex domain digest>", ...], ...}` → tenant → `TenantGrant`; empty: `{}`."""
+    if not raw.strip():
+        return {}
+    doc = _json(name, raw)
+    if not isinstance(doc, dict):
+        raise SettingsError(f"{name}: want a JSON object of tenant -> list of domain digests")
+    grants: dict[str, TenantGrant] = {}
+    for tenant, digests in doc.items():
+        try:
+            check_tenant(tenant)
+        except ValueError as exc:
+            raise SettingsError(f"{name}: {exc}") from None
+        if not isinstance(digests, list) or not digests:
+            raise SettingsError(f"{name}[{tenant}]: want a non-empty list of domain digests")
+        domains = set()
+        for digest_hex in digests:
+            try:
+                digest = bytes.fromhex(digest_hex) if isinstance(digest_hex, str) else b""
+            except ValueError:
+                digest = b""
+            if len(digest) != 16:
+                raise SettingsError(f"{name}[{tenant}]: {digest_hex!r} is not a domain digest (32 hex)")
+            domains.add(digest)
+        grants[tenant] = TenantGrant(tenant=tenant, domains=frozenset(domains))
+    return grants
 
 
 def _json(name: str, raw: str) -> Any:

@@ -1,0 +1,182 @@
+"""Authorization of a tenant's directory requests (pure: no clock, no I/O).
+
+## Who is asking
+A tenant is an authenticated NATS user. NATS lets it publish only to its own tenant subjects
+(`kvf.v1.directory.t.<tenant>.<verb>`, see `kvfabric.proto.subjects.tenant_subject`), so the
+directory takes the tenant from the subject a request arrived on, never from a field the
+client fills in. Services (directory, segments, eviction, repair, prefetch, kvctl) use the
+service subjects, which NATS denies to tenants.
+
+## What a tenant may touch: its grant
+`TenantGrant.domains` is the set of share-domain digests the tenant may use (its own domain,
+plus any explicitly configured shared domain). A chunk group or key belongs to the domain at
+bytes [4:20] (`kvfabric.core.quotas.tenant_of`).
+
+## Rules (`authorize`), per verb in `TENANT_VERBS`
+- Names a tenant chooses (`holder_id`, `writer_id`) are scoped as `<tenant>/<name>`, so one
+  tenant can never release, renew or unpin another's lease or pin, nor commit or abort its
+  writes, even with the ids in hand.
+- `lookup`: the groups are cut at the first one outside the grant. The reply is therefore
+  exactly the reply to a miss at that position (the reader folds to the longest prefix anyway):
+  a probe of another tenant's raw key bytes cannot be told from a miss.
+- `pin`: groups outside the grant are dropped before the core sees them: "pinned 0" is also
+  what a missing group gives.
+- `evict`: groups outside the grant are answered `not_found`, as a missing group is
+  (`merge_evict_results` puts them back in request order).
+- `list_groups`: a `domain_digest` outside the grant lists nothing; without one, a tenant with
+  exactly one domain lists that domain, otherwise it must name one.
+- `show_group`: the core answers, then `check_visible` raises the same `NotFound` a missing
+  group gets when the group is outside the grant.
+- `put_begin`, `put_commit`, `put_abort`: any key outside the grant refuses the whole request
+  with `Unauthorized` (a write is refused whether or not the object exists, so this answers
+  nothing about another tenant's objects).
+- Every other verb is service-only: `Unauthorized`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import msgspec
+
+from kvfabric.core.quotas import tenant_of
+from kvfabric.format.errors import BadRequest, NotFound, Unauthorized
+from kvfabric.format.invariant import invariant
+from kvfabric.proto import directory as m
+
+__all__ = [
+    "DOMAIN_DIGEST_BYTES",
+    "TENANT_NAME_MAX_CHARS",
+    "TENANT_VERBS",
+    "TenantGrant",
+    "authorize",
+    "check_visible",
+    "listing_allowed",
+    "merge_evict_results",
+    "scoped_name",
+]
+
+DOMAIN_DIGEST_BYTES: Final = 16
+TENANT_NAME_MAX_CHARS: Final = 32
+SCOPE_SEPARATOR: Final = "/"
+
+# The directory verbs a tenant may call (on its tenant subjects); every other verb is a service's.
+TENANT_VERBS: Final[frozenset[str]] = frozenset(
+    {
+        "lookup",
+        "lease_release",
+        "lease_renew",
+        "pin",
+        "unpin",
+        "put_begin",
+        "put_commit",
+        "put_abort",
+        "evict",
+        "list_groups",
+        "show_group",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantGrant:
+    """What one authenticated tenant may touch."""
+
+    tenant: str
+    domains: frozenset[bytes]
+
+    def __post_init__(self) -> None:
+        invariant(
+            0 < len(self.tenant) <= TENANT_NAME_MAX_CHARS and SCOPE_SEPARATOR not in self.tenant,
+            "bad tenant name",
+            tenant=self.tenant,
+        )
+        invariant(all(len(d) == DOMAIN_DIGEST_BYTES for d in self.domains), "domain digests are 16 bytes")
+
+    def owns(self, raw: bytes) -> bool:
+        """Whether a key, chunk group id or namespace lies in one of the granted domains."""
+        return len(raw) >= 20 and tenant_of(raw) in self.domains
+
+
+def scoped_name(tenant: str, name: str) -> str:
+    """A holder or writer id as the core sees it for `tenant`'s request."""
+    return f"{tenant}{SCOPE_SEPARATOR}{name}"
+
+
+def _refuse(grant: TenantGrant, what: str) -> Unauthorized:
+    return Unauthorized(f"{what} outside the share domains of tenant {grant.tenant!r}")
+
+
+def authorize(message: msgspec.Struct, verb: str, grant: TenantGrant) -> msgspec.Struct:
+    """The request the core should see for `grant.tenant` (see the module docstring), or raises
+    `Unauthorized`. `verb` is the endpoint the request arrived on; the caller has checked that
+    `message` is that verb's type."""
+    if verb not in TENANT_VERBS:
+        raise Unauthorized(f"{verb} is not a tenant operation")
+    t = grant.tenant
+    match message:
+        case m.Lookup():
+            kept: list[bytes] = []
+            for group in message.groups:
+                if not grant.owns(group):
+                    break
+                kept.append(group)
+            return msgspec.structs.replace(message, groups=kept, holder_id=scoped_name(t, message.holder_id))
+        case m.Pin():
+            own = [g for g in message.groups if grant.owns(g)]
+            return msgspec.structs.replace(message, groups=own, holder_id=scoped_name(t, message.holder_id))
+        case m.LeaseRelease() | m.LeaseRenew() | m.Unpin():
+            return msgspec.structs.replace(message, holder_id=scoped_name(t, message.holder_id))
+        case m.PutBegin():
+            if not all(grant.owns(spec.key) for spec in message.objects):
+                raise _refuse(grant, "a key")
+            return msgspec.structs.replace(message, writer_id=scoped_name(t, message.writer_id))
+        case m.PutCommit() | m.PutAbort():
+            if not all(grant.owns(key) for key in message.keys):
+                raise _refuse(grant, "a key")
+            return msgspec.structs.replace(message, writer_id=scoped_name(t, message.writer_id))
+        case m.Evict():
+            own = [g for g in message.groups if grant.owns(g)]
+            return msgspec.structs.replace(message, groups=own, reason="tenant")
+        case m.ListGroups():
+            return _authorize_list(message, grant)
+        case m.ShowGroup():
+            return message  # the answer is checked by `check_visible`
+    raise Unauthorized(f"{type(message).__name__} is not a tenant operation")
+
+
+def _authorize_list(message: m.ListGroups, grant: TenantGrant) -> m.ListGroups:
+    if message.domain_digest:
+        return message  # outside the grant: `GroupList` filtered empty by the caller
+    if len(grant.domains) != 1:
+        raise BadRequest("name a domain_digest: this tenant has several share domains")
+    (only,) = grant.domains
+    return msgspec.structs.replace(message, domain_digest=only)
+
+
+def listing_allowed(message: m.ListGroups, grant: TenantGrant) -> bool:
+    """Whether an authorized `list_groups` may be answered at all (else: an empty list)."""
+    return message.domain_digest in grant.domains
+
+
+def check_visible(reply: m.GroupList, grant: TenantGrant, group: bytes) -> m.GroupList:
+    """`show_group`'s reply if its group lies in the grant, else the same `NotFound` a missing
+    group gets."""
+    if all(grant.owns(summary.namespace) for summary in reply.groups):
+        return reply
+    gid = group if len(group) == 32 else group[-32:]
+    raise NotFound("no such chunk group", group=gid.hex())
+
+
+def merge_evict_results(requested: Sequence[bytes], own: m.EvictReply, grant: TenantGrant) -> m.EvictReply:
+    """The core's results for the granted groups, with `not_found` for the others, in request order."""
+    by_group = {r.group: r for r in own.results}
+    results = [
+        by_group.get(g) or m.EvictResult(group=g, status="not_found")
+        if grant.owns(g)
+        else m.EvictResult(group=g, status="not_found")
+        for g in requested
+    ]
+    return m.EvictReply(epoch=own.epoch, results=results)

@@ -1,0 +1,76 @@
+"""How a process authenticates to NATS: user + password and, by config, TLS.
+
+Every kvfabric process reads the same variables (services and kvctl directly; the client lib
+through `KVF_CLIENT_NATS_*`, see `kvfabric.client.settings`):
+
+| variable | meaning |
+|---|---|
+| `KVF_NATS_USER` | NATS user name (one per service kind and per tenant, from `kvctl auth init`) |
+| `KVF_NATS_PASSWORD_FILE` | file holding the password (preferred: keeps it out of `ps` and env dumps) |
+| `KVF_NATS_PASSWORD` | the password itself (when no file is given) |
+| `KVF_NATS_TLS_CA` | CA bundle: connect with TLS and verify the server against it |
+| `KVF_NATS_TLS_CERT`, `KVF_NATS_TLS_KEY` | client certificate and key (servers that verify clients) |
+
+Unset: no credentials, plain TCP (a development server without authorization).
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+__all__ = ["NATS_ENV_PREFIX", "NatsAuth", "nats_auth_from_env"]
+
+NATS_ENV_PREFIX: Final = "KVF_NATS_"
+
+
+@dataclass(frozen=True, slots=True)
+class NatsAuth:
+    user: str = ""
+    password: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    inbox_prefix: str = ""  # a tenant's replies arrive only under its own prefix
+
+    def __repr__(self) -> str:  # never print the password
+        return f"NatsAuth(user={self.user!r}, tls={bool(self.tls_ca)}, inbox_prefix={self.inbox_prefix!r})"
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        if not self.tls_ca:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca)
+        if self.tls_cert:
+            context.load_cert_chain(self.tls_cert, self.tls_key or None)
+        return context
+
+    def connect_options(self) -> dict[str, Any]:
+        """Keyword arguments for `nats.connect`."""
+        options: dict[str, Any] = {}
+        if self.user:
+            options["user"] = self.user
+            options["password"] = self.password
+        context = self.tls_context()
+        if context is not None:
+            options["tls"] = context
+        if self.inbox_prefix:
+            options["inbox_prefix"] = self.inbox_prefix
+        return options
+
+
+def nats_auth_from_env(environ: Mapping[str, str], prefix: str = NATS_ENV_PREFIX) -> NatsAuth:
+    """`NatsAuth` from `<prefix>USER`, `<prefix>PASSWORD_FILE` / `<prefix>PASSWORD`, `<prefix>TLS_*`."""
+    password = environ.get(prefix + "PASSWORD", "")
+    password_file = environ.get(prefix + "PASSWORD_FILE", "")
+    if password_file:
+        password = Path(password_file).read_text().strip()
+    return NatsAuth(
+        user=environ.get(prefix + "USER", ""),
+        password=password,
+        tls_ca=environ.get(prefix + "TLS_CA", ""),
+        tls_cert=environ.get(prefix + "TLS_CERT", ""),
+        tls_key=environ.get(prefix + "TLS_KEY", ""),
+    )
