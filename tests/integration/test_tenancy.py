@@ -1,0 +1,342 @@
+"""Two tenants on one authenticated cluster (NATS users + permissions + TLS from `kvctl auth init`).
+
+Tenant bob holds alice's raw chunk group ids and keys, and still cannot read, probe (every answer
+is byte-identical to a miss), pin, evict, list, show or lease alice's objects, nor write under her
+keys; forging his own domain digest into her ids changes nothing. NATS itself refuses a client
+without credentials, a tenant on service subjects and a tenant on another tenant's subjects. A
+shared domain granted to both is the one way to share. A forged or expired ticket stores nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from kvfabric.client import ClientSettings, EngineSpec, KvClient
+from kvfabric.core.authz import SCOPE_SEPARATOR
+from kvfabric.ctl.auth import plan_auth, write_auth
+from kvfabric.dataplane.tcp import TcpDataClient
+from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import KvfError, NotFound, Unauthorized
+from kvfabric.format.key import ChunkGroupId, KVKey, ShareDomain, chunk_groups_for_prefix
+from kvfabric.proto import directory as m
+from kvfabric.proto.codec import encode
+from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
+from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject, tenant_subject
+from kvfabric.runtime import request
+from kvfabric.runtime.natsauth import NatsAuth, nats_auth_from_env
+from kvfabric.testing import NatsServer
+from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, objects_for, prompt
+from tests.integration.cluster import TIMEOUT_S, directory_process, segment_process
+
+pytestmark = pytest.mark.integration
+
+CHUNKS = 3
+
+
+@dataclass
+class Secure:
+    nats: NatsServer
+    doc: dict[str, Any]
+
+    def env(self, user: str) -> dict[str, str]:
+        return dict(self.doc["users"][user]["env"])
+
+    def client_settings(self, tenant: str, **overrides: Any) -> ClientSettings:
+        env = self.doc["tenants"][tenant]["env"]
+        return ClientSettings(
+            nats_url=self.nats.url,
+            nats_tenant=env["KVF_CLIENT_NATS_TENANT"],
+            nats_user=env["KVF_CLIENT_NATS_USER"],
+            nats_password_file=env["KVF_CLIENT_NATS_PASSWORD_FILE"],
+            nats_tls_ca=env["KVF_CLIENT_NATS_TLS_CA"],
+            **overrides,
+        )
+
+    def spec(self, tenant: str, domain: str | None = None) -> EngineSpec:
+        env = self.doc["tenants"][tenant]["env"]
+        salt = (
+            env["KVF_CLIENT_DOMAIN_SALT_HEX"]
+            if domain is None
+            else self.doc["tenants"][tenant]["shared_salts"][domain]
+        )
+        return replace(SPEC, domain=ShareDomain(domain or env["KVF_CLIENT_TENANT_ID"], bytes.fromhex(salt)))
+
+    def client(self, tenant: str, domain: str | None = None) -> KvClient:
+        return KvClient(self.client_settings(tenant), self.spec(tenant, domain))
+
+    def tenant_auth(self, tenant: str) -> NatsAuth:
+        return self.client_settings(tenant).nats_auth()
+
+    async def connect(self, auth: NatsAuth, errors: list[str] | None = None) -> NatsClient:
+        async def on_error(exc: Exception) -> None:
+            if errors is not None:
+                errors.append(str(exc))
+
+        return await nats.connect(
+            self.nats.url,
+            **auth.connect_options(),
+            error_cb=on_error,
+            allow_reconnect=False,
+            connect_timeout=2,
+        )
+
+
+@pytest.fixture
+def secure(tmp_path: Path) -> Iterator[Secure]:
+    doc = write_auth(tmp_path / "auth", plan_auth(["alice", "bob"], {"pub": ["alice", "bob"]}), tls=True)
+    with NatsServer(tmp_path / "nats", extra_args=["-c", doc["conf"]]) as server:
+        secure = Secure(server, doc)
+        with (
+            directory_process(server, **secure.env("svc-directory")),
+            segment_process(server, "seg-t", 256 << 20, **secure.env("svc-segment")),
+        ):
+            yield secure
+
+
+async def as_tenant(nc: NatsClient, tenant: str, verb: str, message: msgspec.Struct) -> msgspec.Struct:
+    reply = await request(
+        nc, tenant_subject(Service.DIRECTORY, tenant, verb), message, m.reply_decoder, TIMEOUT_S
+    )
+    assert isinstance(reply, msgspec.Struct)
+    return reply
+
+
+async def as_admin(secure: Secure, verb: str, message: msgspec.Struct) -> msgspec.Struct:
+    nc = await secure.connect(nats_auth_from_env(secure.env("admin")))
+    try:
+        reply = await request(
+            nc, endpoint_subject(Service.DIRECTORY, verb), message, m.reply_decoder, TIMEOUT_S
+        )
+        assert isinstance(reply, msgspec.Struct)
+        return reply
+    finally:
+        await nc.close()
+
+
+def groups_of(spec: EngineSpec, tokens: list[int]) -> list[bytes]:
+    return [g.to_bytes() for g in chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, tokens)]
+
+
+def group_key(group: ChunkGroupId) -> bytes:
+    return KVKey(chunk_group=group, tp_rank=0, pp_stage=0, layer_group=0).to_bytes()
+
+
+def forge(group_or_key: bytes, digest: bytes) -> bytes:
+    """Alice's id with bob's domain digest written over hers (bytes [4:20])."""
+    return group_or_key[:4] + digest + group_or_key[20:]
+
+
+def without_epoch(reply: msgspec.Struct) -> bytes:
+    return encode(msgspec.structs.replace(reply, epoch=0))
+
+
+async def _bob_probes(secure: Secure, alice_groups: list[bytes], alice_keys: list[bytes]) -> None:
+    bob_digest = bytes(secure.spec("bob").domain.digest())
+    never = groups_of(secure.spec("bob"), prompt(CHUNKS * TOKENS_PER_CHUNK, seed=99))
+    forged = [forge(g, bob_digest) for g in alice_groups]
+    nc = await secure.connect(secure.tenant_auth("bob"))
+    try:
+        miss = await as_tenant(nc, "bob", "lookup", m.Lookup(holder_id="bob", groups=never))
+        assert isinstance(miss, m.LookupReply) and miss.hit_chunks == 0
+        for probe in (alice_groups, forged, [never[0], *alice_groups]):
+            reply = await as_tenant(nc, "bob", "lookup", m.Lookup(holder_id="bob", groups=probe))
+            assert without_epoch(reply) == without_epoch(miss)  # byte-identical to a miss
+
+        pin_miss = await as_tenant(nc, "bob", "pin", m.Pin(holder_id="bob", groups=never, ttl_ms=60_000))
+        for probe in (alice_groups, forged):
+            pin = await as_tenant(nc, "bob", "pin", m.Pin(holder_id="bob", groups=probe, ttl_ms=60_000))
+            assert isinstance(pin, m.PinReply) and isinstance(pin_miss, m.PinReply)
+            assert pin.pinned_groups == pin_miss.pinned_groups == 0
+
+        for probe in (alice_groups, forged):
+            evicted = await as_tenant(nc, "bob", "evict", m.Evict(groups=probe))
+            assert isinstance(evicted, m.EvictReply)
+            assert [r.status for r in evicted.results] == ["not_found"] * CHUNKS
+        missing = await as_tenant(nc, "bob", "evict", m.Evict(groups=never))
+        assert isinstance(missing, m.EvictReply) and {r.status for r in missing.results} == {"not_found"}
+
+        alice_digest = alice_groups[0][4:20]
+        listed = await as_tenant(nc, "bob", "list_groups", m.ListGroups(domain_digest=alice_digest))
+        assert isinstance(listed, m.GroupList) and listed.groups == []
+        own = await as_tenant(nc, "bob", "list_groups", m.ListGroups(domain_digest=bob_digest))
+        assert isinstance(own, m.GroupList) and own.groups == []
+        for group in (alice_groups[0], forged[0], alice_groups[0][58:90], never[0]):
+            with pytest.raises(NotFound, match="no such chunk group"):
+                await as_tenant(nc, "bob", "show_group", m.ShowGroup(group=group))
+
+        spec = m.ObjectSpec(key=alice_keys[0], size_bytes=4, checksum=checksum(b"evil"))
+        with pytest.raises(Unauthorized):
+            await as_tenant(nc, "bob", "put_begin", m.PutBegin(writer_id="w", request_id="r", objects=[spec]))
+        for verb, kind in (("put_commit", m.PutCommit), ("put_abort", m.PutAbort)):
+            with pytest.raises(Unauthorized):
+                await as_tenant(nc, "bob", verb, kind(writer_id="w", request_id="r", keys=[alice_keys[0]]))
+    finally:
+        await nc.close()
+
+
+def test_another_tenant_cannot_read_probe_pin_evict_list_or_lease(secure: Secure) -> None:
+    tokens = prompt(CHUNKS * TOKENS_PER_CHUNK, seed=1)
+    with secure.client("alice") as alice:
+        assert alice.save(tokens, objects_for(tokens, 0, CHUNKS)).chunks_saved == CHUNKS
+        alice_spec = secure.spec("alice")
+        alice_groups = groups_of(alice_spec, tokens)
+        alice_keys = [
+            group_key(g)
+            for g in chunk_groups_for_prefix(alice_spec.domain, alice_spec.model, alice_spec.layout, tokens)
+        ]
+        hit = alice.lookup(tokens)
+        assert hit.chunks == CHUNKS
+        alice_lease = hit.lease_id
+        asyncio.run(_bob_probes(secure, alice_groups, alice_keys))
+
+        async def steal_lease() -> None:
+            nc = await secure.connect(secure.tenant_auth("bob"))
+            try:
+                holder = alice.settings.holder_id  # even with her holder id and lease id
+                for verb, kind in (("lease_release", m.LeaseRelease), ("lease_renew", m.LeaseRenew)):
+                    with pytest.raises(NotFound):
+                        await as_tenant(nc, "bob", verb, kind(holder_id=holder, lease_id=alice_lease))
+            finally:
+                await nc.close()
+
+        asyncio.run(steal_lease())
+        leases = asyncio.run(as_admin(secure, "list_leases", m.ListLeases()))
+        assert isinstance(leases, m.LeaseList)
+        held = {x.lease_id: x.holder_id for x in leases.leases}
+        assert held[alice_lease] == f"alice{SCOPE_SEPARATOR}{alice.settings.holder_id}"  # still hers
+        dests = [[bytearray(len(o[0]))] for o in objects_for(tokens, 0, CHUNKS)]
+        assert alice.load(hit, dests).tokens == CHUNKS * TOKENS_PER_CHUNK  # nothing of hers was touched
+        assert [bytes(d[0]) for d in dests] == [o[0] for o in objects_for(tokens, 0, CHUNKS)]
+        alice.release(hit)
+        listed = asyncio.run(as_admin(secure, "list_groups", m.ListGroups()))
+        assert isinstance(listed, m.GroupList) and len(listed.groups) == CHUNKS
+
+
+def test_shared_domain_is_the_one_way_to_share(secure: Secure) -> None:
+    tokens = prompt(CHUNKS * TOKENS_PER_CHUNK, seed=2)
+    with secure.client("alice", "pub") as alice_pub, secure.client("alice") as alice_own:
+        assert alice_pub.save(tokens, objects_for(tokens, 0, CHUNKS)).chunks_saved == CHUNKS
+        assert alice_own.save(tokens, objects_for(tokens, 0, CHUNKS)).chunks_saved == CHUNKS
+    with secure.client("bob", "pub") as bob_pub, secure.client("bob") as bob_own:
+        hit = bob_pub.lookup(tokens)
+        assert hit.chunks == CHUNKS
+        dests = [[bytearray(len(o[0]))] for o in objects_for(tokens, 0, CHUNKS)]
+        assert bob_pub.load(hit, dests).tokens == CHUNKS * TOKENS_PER_CHUNK
+        bob_pub.release(hit)
+        assert bob_own.lookup(tokens).chunks == 0  # his own domain: alice's private copy is not his
+
+
+async def _refused(secure: Secure, auth: NatsAuth, subject: str) -> list[str]:
+    errors: list[str] = []
+    nc = await secure.connect(auth, errors)
+    try:
+        with pytest.raises(KvfError):
+            await request(nc, subject, m.ListSegments(), m.reply_decoder, 1.0)
+        await asyncio.sleep(0.1)
+        return errors
+    finally:
+        await nc.close()
+
+
+def test_nats_refuses_missing_credentials_and_foreign_subjects(secure: Secure) -> None:
+    tls_only = NatsAuth(tls_ca=secure.doc["tls_ca"])
+
+    async def no_credentials() -> None:
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await secure.connect(tls_only)
+        wrong = NatsAuth(user="tenant-bob", password="not-his-password", tls_ca=secure.doc["tls_ca"])
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await secure.connect(wrong)
+
+    asyncio.run(no_credentials())
+    bob = secure.tenant_auth("bob")
+    for subject in (
+        endpoint_subject(Service.DIRECTORY, "list_segments"),  # a service subject
+        endpoint_subject(Service.DIRECTORY, "lookup"),
+        segment_subject("seg-t", "free"),
+        tenant_subject(Service.DIRECTORY, "alice", "lookup"),  # another tenant's subject
+        "$JS.API.STREAM.LIST",
+    ):
+        errors = asyncio.run(_refused(secure, bob, subject))
+        assert any("permissions violation for publish" in e.lower() for e in errors), (subject, errors)
+    # A tenant cannot listen to another tenant's replies either.
+    sub_errors: list[str] = []
+
+    async def eavesdrop() -> None:
+        nc = await secure.connect(bob, sub_errors)
+        try:
+            await nc.subscribe("_INBOX.t.alice.>")
+            await nc.flush()
+            await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+
+    asyncio.run(eavesdrop())
+    assert any("permissions violation for subscription" in e.lower() for e in sub_errors)
+
+
+def test_forged_or_expired_ticket_stores_nothing(secure: Secure) -> None:
+    async def run() -> None:
+        nc = await secure.connect(secure.tenant_auth("bob"))
+        try:
+            bob_spec = secure.spec("bob")
+            keys = chunk_groups_for_prefix(
+                bob_spec.domain, bob_spec.model, bob_spec.layout, prompt(32, seed=5)
+            )
+            data = os.urandom(4096)
+            specs = [
+                m.ObjectSpec(key=group_key(g), size_bytes=len(data), checksum=checksum(data))
+                for g in keys[:2]
+            ]
+            begun = await as_tenant(
+                nc,
+                "bob",
+                "put_begin",
+                m.PutBegin(writer_id="w", request_id="r", objects=specs, write_ttl_ms=300),
+            )
+            assert isinstance(begun, m.PutBeginReply)
+            forged_ticket = msgspec.structs.replace(
+                begun.results[0].tickets[0], deadline_ms=int(time.time() * 1000) + 60_000
+            )
+            expired = begun.results[1].tickets[0]
+            await asyncio.sleep(0.5)
+            with TcpDataClient.connect(expired.data_addr) as data_client:
+                with pytest.raises(Unauthorized):
+                    data_client.put(forged_ticket, data)  # a longer deadline breaks the signature
+                with pytest.raises(KvfError, match="deadline"):
+                    data_client.put(expired, data)
+        finally:
+            await nc.close()
+        state = await as_admin(secure, "list_segments", m.ListSegments())
+        assert isinstance(state, m.SegmentList)
+
+    asyncio.run(run())
+
+    async def used() -> int:
+        nc = await secure.connect(nats_auth_from_env(secure.env("admin")))
+        try:
+            reply = await request(
+                nc,
+                segment_subject("seg-t", "drain"),
+                DrainRequest(draining=False),
+                segment_decoder,
+                TIMEOUT_S,
+            )
+            assert isinstance(reply, SegmentState)
+            return reply.used_bytes
+        finally:
+            await nc.close()
+
+    assert asyncio.run(used()) == 0

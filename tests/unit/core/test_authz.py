@@ -1,0 +1,128 @@
+"""`kvfabric.core.authz`: what a tenant's request becomes before the directory core sees it, and
+the core's own refusal of forged identities (a known chain hash under another domain's digest)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfabric.core.authz import TENANT_VERBS, TenantGrant, authorize, check_visible, merge_evict_results
+from kvfabric.format.errors import BadRequest, NotFound, Unauthorized
+from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix
+from kvfabric.proto import directory as m
+from tests.unit.core.dirkit import MODEL, key, layout, new_core, put, register, spec
+
+DOMAINS = [ShareDomain(tenant_id=f"d{i}", salt=bytes([65 + i]) * 16) for i in range(3)]
+DIGESTS = [bytes(d.digest()) for d in DOMAINS]
+GROUPS = {
+    i: [g.to_bytes() for g in chunk_groups_for_prefix(d, MODEL, layout(), list(range(i, i + 12)))]
+    for i, d in enumerate(DOMAINS)
+}
+ALICE = TenantGrant(tenant="alice", domains=frozenset({DIGESTS[0], DIGESTS[2]}))  # d2 is shared
+
+group_lists = st.lists(
+    st.tuples(st.integers(0, 2), st.integers(0, 2)).map(lambda t: GROUPS[t[0]][t[1]]), max_size=8
+)
+
+
+@settings(max_examples=200)
+@given(groups=group_lists, holder=st.text(min_size=1, max_size=20))
+def test_lookup_keeps_the_granted_prefix_and_scopes_the_holder(groups: list[bytes], holder: str) -> None:
+    out = authorize(m.Lookup(holder_id=holder, groups=groups), "lookup", ALICE)
+    assert isinstance(out, m.Lookup)
+    assert out.groups == groups[: len(out.groups)]  # a prefix: the fold never skips a gap
+    assert all(ALICE.owns(g) for g in out.groups)
+    if len(out.groups) < len(groups):
+        assert not ALICE.owns(groups[len(out.groups)])  # cut exactly at the first foreign group
+    assert out.holder_id == f"alice/{holder}"
+
+
+@settings(max_examples=200)
+@given(groups=group_lists)
+def test_pin_and_evict_see_only_granted_groups(groups: list[bytes]) -> None:
+    pin = authorize(m.Pin(holder_id="h", groups=groups, ttl_ms=1), "pin", ALICE)
+    assert isinstance(pin, m.Pin) and pin.groups == [g for g in groups if ALICE.owns(g)]
+    evict = authorize(m.Evict(groups=groups), "evict", ALICE)
+    assert isinstance(evict, m.Evict) and evict.groups == [g for g in groups if ALICE.owns(g)]
+    core_reply = m.EvictReply(
+        epoch=3, results=[m.EvictResult(group=g, status="evicting") for g in evict.groups]
+    )
+    merged = merge_evict_results(groups, core_reply, ALICE)
+    assert [r.group for r in merged.results] == groups
+    assert all(r.status == ("evicting" if ALICE.owns(r.group) else "not_found") for r in merged.results)
+
+
+def test_writes_with_a_foreign_key_are_refused_whole() -> None:
+    own, foreign = key_of(0), key_of(1)
+    with pytest.raises(Unauthorized):
+        authorize(
+            m.PutBegin(writer_id="w", request_id="r", objects=[spec(own), spec(foreign)]), "put_begin", ALICE
+        )
+    for kind, verb in ((m.PutCommit, "put_commit"), (m.PutAbort, "put_abort")):
+        with pytest.raises(Unauthorized):
+            authorize(kind(writer_id="w", request_id="r", keys=[own, foreign]), verb, ALICE)
+        ok = authorize(kind(writer_id="w", request_id="r", keys=[own]), verb, ALICE)
+        assert isinstance(ok, m.PutCommit | m.PutAbort) and ok.writer_id == "alice/w"
+
+
+@pytest.mark.parametrize(
+    ("verb", "message"),
+    [
+        ("register", m.ListSegments()),
+        ("list_leases", m.ListLeases()),
+        ("list_tenants", m.ListTenants()),
+        ("replica_corrupt", m.ListSegments()),
+    ],
+)
+def test_service_verbs_are_refused(verb: str, message: m.DirectoryRequest) -> None:
+    assert verb not in TENANT_VERBS
+    with pytest.raises(Unauthorized):
+        authorize(message, verb, ALICE)
+
+
+def test_listing_needs_a_granted_domain() -> None:
+    with pytest.raises(BadRequest):  # alice has two domains: she must name one
+        authorize(m.ListGroups(), "list_groups", ALICE)
+    solo = TenantGrant(tenant="bob", domains=frozenset({DIGESTS[1]}))
+    out = authorize(m.ListGroups(), "list_groups", solo)
+    assert isinstance(out, m.ListGroups) and out.domain_digest == DIGESTS[1]
+
+
+def test_show_group_outside_the_grant_is_not_found() -> None:
+    summary = m.GroupSummary(
+        group=GROUPS[1][0][58:90],
+        namespace=GROUPS[1][0][:54],
+        chunk_index=0,
+        state="published",
+        members=1,
+        expected_members=1,
+    )
+    with pytest.raises(NotFound, match="no such chunk group"):
+        check_visible(m.GroupList(epoch=1, groups=[summary]), ALICE, GROUPS[1][0])
+
+
+def key_of(domain: int) -> bytes:
+    groups = chunk_groups_for_prefix(DOMAINS[domain], MODEL, layout(), [1, 2, 3, 4])
+    return key(groups[0])
+
+
+def test_core_treats_a_forged_domain_digest_like_a_missing_group() -> None:
+    """A tenant that learned another's chain hash and writes its own digest over the domain bytes
+    gets exactly the answers of a missing group from pin, evict and show_group (lookup already)."""
+    core = new_core()
+    register(core, "s1")
+    groups = chunk_groups_for_prefix(DOMAINS[0], MODEL, layout(), [1, 2, 3, 4])
+    real = groups[0].to_bytes()
+    assert put(core, [key(groups[0])]).results[0].status == "published"
+    forged = real[:4] + DIGESTS[1] + real[20:]
+    pin = core.handle(m.Pin(holder_id="x", groups=[forged], ttl_ms=1000), 0).reply
+    assert isinstance(pin, m.PinReply) and pin.pinned_groups == 0
+    evicted = core.handle(m.Evict(groups=[forged]), 0).reply
+    assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == "not_found"
+    with pytest.raises(NotFound):
+        core.handle(m.ShowGroup(group=forged), 0)
+    looked = core.handle(m.Lookup(holder_id="x", groups=[forged]), 0).reply
+    assert isinstance(looked, m.LookupReply) and looked.hit_chunks == 0
+    shown = core.handle(m.ShowGroup(group=real), 0).reply  # the real id still works
+    assert isinstance(shown, m.GroupList) and len(shown.groups) == 1
