@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 import tomllib
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +171,7 @@ def run_workload(kv: Any, wl: dict[str, Any], history: list[Op], started: float)
         time.sleep(float(wl.get("round_pause_s", 0.5)))
 
 
-def final_state(nats_url: str) -> FinalState:
+def final_state(nats_url: str, admin: dict[str, str]) -> FinalState:
     import asyncio
 
     import nats
@@ -179,9 +179,10 @@ def final_state(nats_url: str) -> FinalState:
     from kvfabric.proto import directory as m
     from kvfabric.proto.subjects import Service, endpoint_subject
     from kvfabric.runtime import request
+    from kvfabric.runtime.natsauth import nats_auth_from_env
 
     async def ask() -> FinalState:
-        nc = await nats.connect(nats_url)
+        nc = await nats.connect(nats_url, **nats_auth_from_env(admin).connect_options())
         try:
             leases = await request(
                 nc, endpoint_subject(Service.DIRECTORY, "list_leases"), m.ListLeases(), m.reply_decoder, 5
@@ -224,7 +225,7 @@ def final_state(nats_url: str) -> FinalState:
     return asyncio.run(ask())
 
 
-def evicted_groups(nats_url: str) -> set[bytes]:
+def evicted_groups(nats_url: str, admin: dict[str, str]) -> set[bytes]:
     """Chain hashes of every group the directory evicted (its `evicted` events, whole stream)."""
     import asyncio
 
@@ -234,9 +235,10 @@ def evicted_groups(nats_url: str) -> set[bytes]:
 
     from kvfabric.proto import directory as m
     from kvfabric.proto.subjects import Service, event_subject
+    from kvfabric.runtime.natsauth import nats_auth_from_env
 
     async def read() -> set[bytes]:
-        nc = await nats.connect(nats_url)
+        nc = await nats.connect(nats_url, **nats_auth_from_env(admin).connect_options())
         out: set[bytes] = set()
         try:
             js = nc.jetstream(timeout=5.0)
@@ -286,10 +288,10 @@ def lost_chunks(history: list[Op], final: FinalState) -> int:
 def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
     from prometheus_client import generate_latest
 
-    from kvfabric.client import ClientSettings, KvClient
+    from kvfabric.client import KvClient, settings_from_env
     from kvfabric.format.key import chunk_groups_for_prefix
     from kvfabric.testing import metric_value
-    from tests.integration.clientkit import SPEC
+    from tests.integration.clientkit import SPEC as TEST_SPEC
 
     drill = tomllib.loads(path.read_text())
     name = drill.get("name", path.stem)
@@ -320,8 +322,12 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
     )
     if up.returncode != 0:
         raise RuntimeError(f"cluster for drill {name} did not come up: {up.stdout}{up.stderr}")
-    nats_url = cluster_state(run)["nats_url"]
-    settings = ClientSettings(
+    state = cluster_state(run)
+    nats_url = state["nats_url"]
+    auth = state.get("auth") or {}
+    admin: dict[str, str] = auth.get("admin_env", {})  # credentials for the checkers' own queries
+    settings = settings_from_env(
+        auth.get("tenants", {}).get("demo", {}),
         nats_url=nats_url,
         lookup_timeout_ms=int(wl.get("lookup_timeout_ms", 1000)),
         load_timeout_ms=int(wl.get("load_timeout_ms", 2000)),
@@ -330,6 +336,7 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
         use_shm=bool(wl.get("use_shm", True)),
         unsafe_skip_verification_for_tests=not verify,
     )
+    SPEC = replace(TEST_SPEC, domain=settings.share_domain()) if auth else TEST_SPEC
     history: list[Op] = []
     retries = 0
     fired: list[str] = []
@@ -367,8 +374,8 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
         if any(f["action"] == "qdisc" for f in drill.get("faults", [])):
             subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)  # never leave it on
         time.sleep(float(drill.get("settle_s", 6.0)))
-        final = final_state(nats_url)
-        evicted = evicted_groups(nats_url)
+        final = final_state(nats_url, admin)
+        evicted = evicted_groups(nats_url, admin)
         with KvClient(settings, SPEC) as kv:  # what is still served, for the durability checker
             chunks = int(wl.get("chunks_per_prefix", 8))
             for prefix in sorted({op.prefix for op in history}):

@@ -31,14 +31,15 @@ REPO = Path(__file__).resolve().parents[1]
 LOCALCLUSTER = REPO / "tools" / "localcluster.py"
 
 
-def ensure_cluster(run: Path) -> str:
-    """The NATS url of the local cluster in `run`, started (`localcluster.py up`) if needed;
-    `up` returns at once when the cluster is already up and ready."""
+def ensure_cluster(run: Path) -> dict[str, Any]:
+    """The state (`cluster.json`) of the local cluster in `run`, started (`localcluster.py up`)
+    if needed; `up` returns at once when the cluster is already up and ready."""
     code = subprocess.call([sys.executable, str(LOCALCLUSTER), "up", "--run-dir", str(run)])
     state_file = run / "cluster.json"
     if code != 0 or not state_file.exists():
         raise SystemExit(f"the local cluster did not come up (see {run / 'logs'})")
-    return str(json.loads(state_file.read_text())["nats_url"])
+    state: dict[str, Any] = json.loads(state_file.read_text())
+    return state
 
 
 def metric_sum(clients: list[Any], name: str, **labels: str) -> float:
@@ -74,27 +75,32 @@ def main() -> int:
     args = parser.parse_args()
     console = Console()
     run = args.run_dir.resolve()
-    nats_url = ensure_cluster(run)
+    from kvfabric.client import settings_from_env
+
+    state = ensure_cluster(run)
+    # The cluster is authenticated: the demo engines are tenant `demo` (credentials and share
+    # domain from its env file); an open cluster (`--no-auth`) gets the defaults.
+    tenant_env = ((state.get("auth") or {}).get("tenants") or {}).get("demo", {})
+    settings = settings_from_env(tenant_env, nats_url=state["nats_url"])
 
     import secrets
 
     import torch
     from transformers import LlamaForCausalLM
 
-    from kvfabric.client import ClientSettings, KvClient
+    from kvfabric.client import KvClient
     from kvfabric.engines.hf import HfKvAdapter, hf_engine_spec
     from kvfabric.engines.tiny import build_tiny_llama, prompt_ids
-    from kvfabric.format.key import ShareDomain
 
     model_dir = build_tiny_llama(run / "models" / "tiny-llama")
-    # A fresh share domain per demo run: the first request really computes and saves.
-    domain = ShareDomain(tenant_id="demo", salt=secrets.token_bytes(16))
+    # A fresh model id per demo run (keys name the model): the first request really computes.
+    model_id = f"tiny-llama-{secrets.token_hex(4)}"
 
     def engine() -> HfKvAdapter:
         model: Any = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         model.eval()
-        spec = hf_engine_spec(model, domain, tokens_per_chunk=256, model_id="tiny-llama")
-        return HfKvAdapter(model, KvClient(ClientSettings(nats_url=nats_url), spec))
+        spec = hf_engine_spec(model, settings.share_domain(), tokens_per_chunk=256, model_id=model_id)
+        return HfKvAdapter(model, KvClient(settings, spec))
 
     engines = [engine(), engine()]
     shared = prompt_ids(args.prefix_tokens, seed=1)

@@ -14,8 +14,15 @@ under a new incarnation); after `RESTARTS_MAX` restarts in `RESTART_WINDOW_S` it
 supervisor says so. `down` stops the supervisor (SIGTERM: children stopped in reverse order, then
 killed if they hang) and deletes the run folder: no process and no run file is left behind.
 
+Authenticated by default (issue "Tenancy and security", docs/security.md): `up` runs
+`kvctl auth init` into `auth/` (a NATS user per service kind, `admin`, and one per tenant of
+`--tenants`, default `demo`; subject permissions; share domains), nats-server loads that config,
+and every service gets its own credentials. `--tls` adds TLS to NATS; `--no-auth` runs open.
+Clients take their settings from `auth/env/tenant-<name>.env` (KVF_CLIENT_*), kvctl from
+`auth/env/admin.env`; `cluster.json` carries both under `auth`.
+
 Run folder: `cluster.json` (URLs, pids, ready flag), `secret` (the cluster secret, 0600),
-`supervisor.pid`, `logs/<name>.log` (JSON lines), `nats/` (JetStream store).
+`supervisor.pid`, `logs/<name>.log` (JSON lines), `nats/` (JetStream store), `auth/`.
 """
 
 from __future__ import annotations
@@ -165,6 +172,12 @@ def plan_children(
     monitor = free_port()
     nats_url = f"nats://127.0.0.1:{nats_port}"
     base = dict(os.environ, KVF_CLUSTER_SECRET=(run / "secret").read_text(), KVF_LOG_JSON="true")
+    auth = read_auth(run)
+
+    def as_user(env: dict[str, str], user: str) -> dict[str, str]:
+        return dict(env, **auth["users"][user]["env"]) if auth else env
+
+    nats_config = ["-c", auth["conf"]] if auth else []
     children = [
         Child(
             "nats",
@@ -179,21 +192,32 @@ def plan_children(
                 str(nats_port),
                 "-m",
                 str(monitor),
+                *nats_config,
             ],
             dict(os.environ),
             None,
             ready_url=f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true",
         ),
-        Child("directory", service_argv("kvfabric.directory", nats_url), base, "directory_started"),
+        Child(
+            "directory",
+            service_argv("kvfabric.directory", nats_url),
+            as_user(base, "svc-directory"),
+            "directory_started",
+        ),
     ]
     for i in range(2, directories + 1):  # standbys: one takes over when the leader's lease lapses
         children.append(
-            Child(f"directory-{i}", service_argv("kvfabric.directory", nats_url), base, "directory_standby")
+            Child(
+                f"directory-{i}",
+                service_argv("kvfabric.directory", nats_url),
+                as_user(base, "svc-directory"),
+                "directory_standby",
+            )
         )
     netns: dict[str, dict[str, str]] = {}
     for i in range(1, segments + 1):
         env = dict(
-            base,
+            as_user(base, "svc-segment"),
             KVF_SEGMENT_ID=f"{prefix}-{i}",
             KVF_SEGMENT_BYTES=str(segment_bytes),
             KVF_SEGMENT_ZONE=f"zone-{i}",
@@ -226,7 +250,7 @@ def plan_children(
             Child(
                 name,
                 service_argv(module, nats_url),
-                base,
+                as_user(base, f"svc-{name}"),
                 f"{name}_started",
             )
         )
@@ -237,8 +261,30 @@ def plan_children(
         "run_dir": str(run),
         "services": [c.name for c in children],
         "netns": netns,
+        "auth": {
+            "dir": str(run / "auth"),
+            "admin_env": auth["users"]["admin"]["env"],
+            "tenants": {t: v["env"] for t, v in auth["tenants"].items()},
+        }
+        if auth
+        else None,
     }
     return children, info
+
+
+def read_auth(run: Path) -> dict[str, Any] | None:
+    """The `kvctl auth init` plan of this run folder; None when the cluster runs without auth."""
+    path = run / "auth" / "auth.json"
+    if not path.exists():
+        return None
+    doc: dict[str, Any] = json.loads(path.read_text())
+    return doc
+
+
+def write_run_auth(run: Path, tenants: list[str], tls: bool) -> None:
+    from kvfabric.ctl.auth import plan_auth, write_auth
+
+    write_auth(run / "auth", plan_auth(tenants), tls=tls)
 
 
 def write_state(run: Path, info: dict[str, Any], children: list[Child], ready: bool) -> None:
@@ -336,7 +382,13 @@ def up(
     prefix: str,
     directories: int = 1,
     netns_segments: int = 0,
+    auth: bool = True,
+    tls: bool = False,
+    tenants: tuple[str, ...] = ("demo",),
 ) -> int:
+    if tls and netns_segments:
+        print("--tls with --netns-segments is not supported (the certificate names loopback only)")
+        return 2
     state = read_state(run)
     if state and alive(state.get("supervisor_pid")) and state.get("ready"):
         print(f"kvfabric is already up: {state['nats_url']} (run folder {run})")
@@ -350,6 +402,9 @@ def up(
     secret = run / "secret"
     secret.write_text(secrets.token_hex(24))
     secret.chmod(0o600)
+    shutil.rmtree(run / "auth", ignore_errors=True)
+    if auth:
+        write_run_auth(run, list(tenants), tls)
     supervisor = subprocess.Popen(
         [
             sys.executable,
@@ -384,6 +439,11 @@ def up(
                 f"kvfabric is up: {state['nats_url']}; services: {', '.join(state['services'])}; "
                 f"logs in {run / 'logs'}"
             )
+            if auth:
+                print(
+                    f"authenticated: kvctl needs `set -a; . {run / 'auth/env/admin.env'}`; tenant clients "
+                    f"`. {run / 'auth/env'}/tenant-<name>.env` ({', '.join(tenants)})"
+                )
             return 0
         if supervisor.poll() is not None:
             break
@@ -450,6 +510,9 @@ def main() -> int:
         default=0,
         help="run segments 1..K in their own network namespaces (root)",
     )
+    parser.add_argument("--no-auth", action="store_true", help="no NATS users or permissions (open)")
+    parser.add_argument("--tls", action="store_true", help="TLS for NATS (a private CA in auth/tls)")
+    parser.add_argument("--tenants", default="demo", help="comma-separated tenant names")
     args = parser.parse_args()
     run = args.run_dir.resolve()
     if args.command == "up":
@@ -461,6 +524,9 @@ def main() -> int:
             args.segment_prefix,
             args.directories,
             args.netns_segments,
+            auth=not args.no_auth,
+            tls=args.tls,
+            tenants=tuple(t for t in args.tenants.split(",") if t),
         )
     if args.command == "down":
         return down(run)

@@ -12,10 +12,12 @@ import sys
 import uuid
 from pathlib import Path
 
+import nats
+import nats.errors
 import pytest
 
 from kvfabric.proto import directory as m
-from kvfabric.testing.pytest_plugin import connect_test_client
+from kvfabric.runtime.natsauth import nats_auth_from_env
 from tests.integration.cluster import directory_call
 
 pytestmark = pytest.mark.integration
@@ -55,7 +57,11 @@ async def test_up_supervises_and_down_leaves_nothing(tmp_path: Path) -> None:
             "prefetch",
         }
         assert tool("up", *common).stdout.startswith("kvfabric is already up")
-        nc = await connect_test_client(state["nats_url"])
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):  # authenticated by default
+            await nats.connect(state["nats_url"], allow_reconnect=False, connect_timeout=2)
+        nc = await nats.connect(
+            state["nats_url"], **nats_auth_from_env(state["auth"]["admin_env"]).connect_options()
+        )
         try:
             segs = await directory_call(nc, "list_segments", m.ListSegments())
             assert isinstance(segs, m.SegmentList)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
 import msgspec
 
 from kvfabric.format.errors import BadRequest
+from kvfabric.format.key import ShareDomain
 from kvfabric.proto.subjects import check_tenant, tenant_inbox_prefix
 from kvfabric.runtime.natsauth import NatsAuth
 
@@ -109,12 +111,19 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
     def domain_salt(self) -> bytes:
         return bytes.fromhex(self.domain_salt_hex)
 
+    def share_domain(self) -> ShareDomain:
+        """The share domain these settings name (`tenant_id` + salt): what keys are salted with."""
+        return ShareDomain(self.tenant_id, self.domain_salt)
 
-def settings_from_env(**overrides: object) -> ClientSettings:
-    """Settings from `KVF_CLIENT_<NAME>` variables (e.g. KVF_CLIENT_NATS_URL), then `overrides`."""
+
+def settings_from_env(environ: Mapping[str, str] | None = None, **overrides: object) -> ClientSettings:
+    """Settings from `KVF_CLIENT_<NAME>` variables (e.g. KVF_CLIENT_NATS_URL) of `environ`
+    (default: the process environment, e.g. a tenant's env file from `kvctl auth init`), then
+    `overrides`."""
+    environ = os.environ if environ is None else environ
     values: dict[str, object] = {}
     for field in msgspec.structs.fields(ClientSettings):
-        raw = os.environ.get(ENV_PREFIX + field.name.upper())
+        raw = environ.get(ENV_PREFIX + field.name.upper())
         if raw is None:
             continue
         if field.type is int:
