@@ -7,6 +7,10 @@
 - Segments have unique ids, distinct failure domains, and a data host that is their own service
   name; every kvfabric service gets the cluster secret, the NATS url and the metrics port.
 - Prometheus scrapes exactly the kvfabric services, on that metrics port.
+- Authentication (docs/security.md): a one-shot `auth-init` runs `kvctl auth init` into the
+  `auth` volume, nats loads `/auth/nats-auth.conf` only after it completed, and every kvfabric
+  service connects as its own `svc-<kind>` user with that user's password file; the directory
+  reads the tenant grants file.
 - Grafana's provisioning points at the dashboard folder; the dashboard parses and uses only
   metric names documented in docs/metrics.md.
 Exit 0 when all hold, else 1 with one line per problem.
@@ -48,6 +52,47 @@ def documented_metrics() -> set[str]:
     return {n for n in expanded if "<" not in n}
 
 
+USERS = {
+    "kvfabric.directory": "svc-directory",
+    "kvfabric.segment_storage": "svc-segment",
+    "kvfabric.eviction_policy": "svc-eviction",
+    "kvfabric.repair": "svc-repair",
+    "kvfabric.prefetch": "svc-prefetch",
+}
+
+
+def check_auth(services: dict[str, Any], kvfabric_services: dict[str, Any]) -> list[str]:
+    problems = []
+    init = services.get("auth-init", {})
+    if "kvctl auth init --out /auth" not in " ".join(init.get("command", [])):
+        problems.append("auth-init: must run `kvctl auth init --out /auth`")
+    nats = services.get("nats", {})
+    command = nats.get("command", [])
+    if command[:2] != ["-c", "/auth/nats-auth.conf"]:
+        problems.append("nats: must load -c /auth/nats-auth.conf")
+    condition = (
+        (nats.get("depends_on") or {}).get("auth-init", {})
+        if isinstance(nats.get("depends_on"), dict)
+        else {}
+    )
+    if condition.get("condition") != "service_completed_successfully":
+        problems.append("nats: must wait for auth-init to complete")
+    for name, svc in kvfabric_services.items():
+        module = (svc.get("command") or ["", "", ""])[2]
+        env = svc.get("environment", {})
+        user = USERS.get(module)
+        if env.get("KVF_NATS_USER") != user or env.get("KVF_NATS_PASSWORD_FILE") != f"/auth/passwords/{user}":
+            problems.append(f"{name}: must connect as {user} with /auth/passwords/{user}")
+        if not any(str(v).startswith("auth:/auth") for v in svc.get("volumes", [])):
+            problems.append(f"{name}: the auth volume is not mounted")
+        if (
+            module == "kvfabric.directory"
+            and env.get("KVF_DIRECTORY_TENANT_GRANTS_FILE") != "/auth/grants.json"
+        ):
+            problems.append(f"{name}: KVF_DIRECTORY_TENANT_GRANTS_FILE must be /auth/grants.json")
+    return problems
+
+
 def check(compose: Path = COMPOSE) -> list[str]:
     problems: list[str] = []
     doc: dict[str, Any] = yaml.safe_load((compose / "docker-compose.yml").read_text())
@@ -66,7 +111,10 @@ def check(compose: Path = COMPOSE) -> list[str]:
             for src in re.findall(r"^COPY\s+(\S+)", dockerfile_text, flags=re.M):
                 if not (REPO / src).exists():
                     problems.append(f"Dockerfile copies {src}, which does not exist")
-    kvfabric_services = {n: s for n, s in services.items() if s.get("image") == IMAGE}
+    kvfabric_services = {
+        n: s for n, s in services.items() if s.get("image") == IMAGE and s.get("restart") != "no"
+    }
+    problems += check_auth(services, kvfabric_services)
     metrics_ports = set()
     for name, svc in services.items():
         if not svc.get("image"):

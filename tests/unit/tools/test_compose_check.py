@@ -36,6 +36,9 @@ def test_checked_in_compose_is_consistent() -> None:
             "docs/metrics.md",
         ),
         ("Dockerfile", "./services/segment_storage", "./services/other", "does not install"),
+        ("docker-compose.yml", '"-c", "/auth/nats-auth.conf", ', "", "nats: must load"),
+        ("docker-compose.yml", "/auth/passwords/svc-repair", "/auth/passwords/svc-prefetch", "svc-repair"),
+        ("docker-compose.yml", "service_completed_successfully", "service_started", "wait for auth-init"),
     ],
 )
 def test_broken_copies_are_caught(tmp_path: Path, path: str, old: str, new: str, complaint: str) -> None:

@@ -8,6 +8,7 @@ compose):
 | `nats-auth.conf` | included by the nats-server config: users (bcrypt hashes only), permissions, TLS |
 | `passwords/<user>` (0600) | each user's password |
 | `env/<user>.env` | the `KVF_*` variables that process needs (credentials, TLS, grants or domain) |
+| `grants.json` | the directory's tenant grants (`KVF_DIRECTORY_TENANT_GRANTS_FILE`) |
 | `auth.json` (0600) | the whole plan, machine readable (tests, localcluster) |
 | `tls/` | CA, server certificate and key (only with `--tls`) |
 
@@ -211,6 +212,7 @@ def write_auth(out: Path, plan: AuthPlan, *, tls: bool = False) -> dict[str, Any
                 env["KVF_DIRECTORY_TENANT_GRANTS"] = grants
         doc["users"][u.user]["env"] = env
         _write_private(out / "env" / f"{u.user}.env", _env_file(env))
+    _write_private(out / "grants.json", grants + "\n")  # KVF_DIRECTORY_TENANT_GRANTS_FILE
     _write_private(out / "auth.json", json.dumps(doc, indent=2) + "\n")
     return doc
 

@@ -18,6 +18,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TENANT_DEFAULT_QUOTA` | `{}` (unlimited) | JSON QUOTA of every tenant not listed |
 | `KVF_DIRECTORY_TENANTS_MAX` | 10000 | token buckets / rejection counts kept (least recently used go) |
 | `KVF_DIRECTORY_TENANT_GRANTS` | `{}` | JSON `{"<tenant>": [DIGEST, ...]}` (see below) |
+| `KVF_DIRECTORY_TENANT_GRANTS_FILE` | unset | a file holding the GRANTS JSON (wins over the variable) |
 | `KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS` | 0 (off) | pad tenant lookup replies to this many ms |
 
 QUOTA is a JSON object with any of `bytes_max`, `objects_max` (integers ≥ 0), `requests_per_s`
@@ -35,6 +36,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 from kvfabric.core.authz import TenantGrant
@@ -90,9 +92,20 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         events_outbox_max=env_int(env, "KVF_DIRECTORY_EVENTS_OUTBOX_MAX", 10_000, 1, 1_000_000),
         events_max_age_s=env_int(env, "KVF_DIRECTORY_EVENTS_MAX_AGE_S", 86_400, 60, 365 * 86_400),
         leader_lease_ttl_ms=env_int(env, "KVF_DIRECTORY_LEADER_LEASE_TTL_MS", 3_000, 300, 600_000),
-        grants=parse_grants("KVF_DIRECTORY_TENANT_GRANTS", env.get("KVF_DIRECTORY_TENANT_GRANTS", "")),
+        grants=_grants(env),
         lookup_reply_min_ms=env_int(env, "KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS", 0, 0, 10_000),
     )
+
+
+def _grants(env: Mapping[str, str]) -> dict[str, TenantGrant]:
+    path = env.get("KVF_DIRECTORY_TENANT_GRANTS_FILE", "")
+    if not path:
+        return parse_grants("KVF_DIRECTORY_TENANT_GRANTS", env.get("KVF_DIRECTORY_TENANT_GRANTS", ""))
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise SettingsError(f"KVF_DIRECTORY_TENANT_GRANTS_FILE: cannot read {path}: {exc}") from None
+    return parse_grants("KVF_DIRECTORY_TENANT_GRANTS_FILE", text)
 
 
 def parse_grants(name: str, raw: str) -> dict[str, TenantGrant]:
