@@ -54,7 +54,14 @@ def corrupt_stored_byte(hit: Hit, chunk: int) -> None:
     """Test hook: flip one byte of a stored object in its segment's arena."""
     location = hit.objects[chunk][0]
     replica = location.replicas[0]
-    ref = ReadRef(replica.incarnation, replica.slot, replica.slot_generation, location.size_bytes)
+    ref = ReadRef(
+        replica.incarnation,
+        replica.slot,
+        replica.slot_generation,
+        location.size_bytes,
+        replica.read_token,
+        replica.read_expires_ms,
+    )
     with TcpDataClient.connect(replica.data_addr) as data:
         info = data.map_info()
         fd = os.open(info.arena_path, os.O_RDWR)

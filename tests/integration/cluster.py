@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
@@ -11,8 +12,10 @@ import msgspec
 from nats.aio.client import Client as NatsClient
 
 from kvfabric.proto import directory as m
+from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject
+from kvfabric.proto.tickets import read_token
 from kvfabric.runtime import request
 from kvfabric.testing import NatsServer, ServiceProcess
 
@@ -75,6 +78,14 @@ def repair_process(nats: NatsServer, **env: str) -> AbstractContextManager[Servi
 
 def prefetch_process(nats: NatsServer, **env: str) -> AbstractContextManager[ServiceProcess]:
     return service_process(nats, "kvfabric.prefetch", "prefetch_started", **env)
+
+
+def signed_ref(incarnation: int, slot: int, generation: int, size: int, ttl_ms: int = 60_000) -> ReadRef:
+    """A read reference with a read token signed like the directory signs them (tests know the
+    cluster secret): for data-plane tests that build references themselves."""
+    expires = time.time_ns() // 1_000_000 + ttl_ms
+    token = read_token(SECRET.encode(), incarnation, slot, generation, size, expires)
+    return ReadRef(incarnation, slot, generation, size, token, expires)
 
 
 async def directory_call(nc: NatsClient, verb: str, message: msgspec.Struct) -> msgspec.Struct:

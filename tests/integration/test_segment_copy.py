@@ -22,7 +22,6 @@ from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import Busy, Conflict, StaleGeneration, Unavailable
 from kvfabric.proto import directory as m
-from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import CopyReply, CopyRequest, segment_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject
 from kvfabric.proto.tickets import sign_ticket
@@ -34,6 +33,7 @@ from tests.integration.cluster import (
     directory_process,
     segment_process,
     segment_state,
+    signed_ref,
 )
 from tests.integration.test_segment_service import locate, put_and_commit, ref_of
 from tests.unit.core.dirkit import groups, key
@@ -105,12 +105,15 @@ async def own_ticket(nc: NatsClient, k: bytes, data: bytes, segment_id: str) -> 
 
 
 def copy_request(ticket: m.WriteTicket, replica: m.Replica) -> CopyRequest:
+    source = signed_ref(replica.incarnation, replica.slot, replica.slot_generation, ticket.size_bytes)
     return CopyRequest(
         ticket=ticket,
         source_addr=replica.data_addr,
         source_incarnation=replica.incarnation,
         source_slot=replica.slot,
         source_slot_generation=replica.slot_generation,
+        source_read_token=source.token,
+        source_read_expires_ms=source.expires_ms,
     )
 
 
@@ -153,7 +156,7 @@ async def test_copy_with_a_replicate_begin_ticket_adds_a_readable_replica(nc: Na
     replica = next(r for r in after.replicas if r.segment_id == dest)
     with TcpDataClient.connect(replica.data_addr) as client:
         got = bytearray(len(data))
-        ref = ReadRef(replica.incarnation, replica.slot, replica.slot_generation, len(data))
+        ref = signed_ref(replica.incarnation, replica.slot, replica.slot_generation, len(data))
         assert client.get_verified([ref], [got]) == [True] and got == data
 
 
@@ -222,7 +225,7 @@ async def test_copies_beyond_the_limit_are_busy_and_a_stalled_source_times_out(
 
 def flip_stored_byte(replica: m.Replica, size: int, at: int) -> None:
     """Test hook: flip one byte of a stored object in place, through the segment's arena file."""
-    ref = ReadRef(replica.incarnation, replica.slot, replica.slot_generation, size)
+    ref = signed_ref(replica.incarnation, replica.slot, replica.slot_generation, size)
     with TcpDataClient.connect(replica.data_addr) as client:
         info = client.map_info()
         grants = client.pin_local([ref])

@@ -32,6 +32,7 @@ from kvfabric.format.errors import KvfError, NotFound, Unauthorized
 from kvfabric.format.key import ChunkGroupId, KVKey, ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
+from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject, tenant_subject
 from kvfabric.runtime import request
@@ -340,3 +341,35 @@ def test_forged_or_expired_ticket_stores_nothing(secure: Secure) -> None:
             await nc.close()
 
     assert asyncio.run(used()) == 0
+
+
+def test_no_lease_no_bytes_on_the_data_plane(secure: Secure) -> None:
+    """Knowing where alice's bytes lie is not enough: the segment serves a read only with the
+    directory's unexpired read token for exactly that replica, on TCP and the local (shm) path."""
+    tokens = prompt(CHUNKS * TOKENS_PER_CHUNK, seed=3)
+    with secure.client("alice") as alice:
+        assert alice.save(tokens, objects_for(tokens, 0, CHUNKS)).chunks_saved == CHUNKS
+        short = msgspec.structs.replace(alice.aio.settings, lease_ttl_ms=300)
+        with KvClient(short, secure.spec("alice")) as brief:
+            hit = brief.lookup(tokens)
+            assert hit.chunks == CHUNKS
+            location = hit.objects[0][0]
+            r = location.replicas[0]
+            good = ReadRef(
+                r.incarnation, r.slot, r.slot_generation, location.size_bytes, r.read_token, r.read_expires_ms
+            )
+            bare = ReadRef(r.incarnation, r.slot, r.slot_generation, location.size_bytes)
+            forged = msgspec.structs.replace(good, token=bytes(16))
+            other_slot = msgspec.structs.replace(good, slot=r.slot + 1)  # a token names one replica
+            with TcpDataClient.connect(r.data_addr) as data:
+                results = data.get(
+                    [good, bare, forged, other_slot], [bytearray(location.size_bytes) for _ in range(4)]
+                )
+                assert [x.status for x in results] == ["ok", "unauthorized", "unauthorized", "unauthorized"]
+                grants = data.pin_local([bare, good])
+                assert [g.status for g in grants.grants] == ["unauthorized", "ok"]
+                data.unpin_local(grants.grant_id)
+                time.sleep(max(0.0, (r.read_expires_ms - time.time() * 1000) / 1000) + 0.1)
+                expired = data.get([good], [bytearray(location.size_bytes)])
+                assert [x.status for x in expired] == ["unauthorized"]
+            brief.release(hit)

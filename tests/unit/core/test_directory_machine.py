@@ -50,7 +50,7 @@ from kvfabric.core.directory_keys import parse_group, parse_key
 from kvfabric.core.placement import Candidate, choose_segments
 from kvfabric.format.errors import Busy, KvfError, NotFound, StaleGeneration
 from kvfabric.proto import directory as m
-from kvfabric.proto.tickets import ticket_signature_valid
+from kvfabric.proto.tickets import read_token, ticket_signature_valid
 
 from .dirkit import SECRET, checksum_of, groups, key
 
@@ -328,7 +328,11 @@ class DirectoryMachine(RuleBasedStateMachine):
             out |= set(lease.slots)
         return out
 
-    def readable(self, gid: bytes, wanted: set[Member]) -> list[m.ObjectLocation] | None:
+    def readable(
+        self, gid: bytes, wanted: set[Member], read_expires_ms: int = 0
+    ) -> list[m.ObjectLocation] | None:
+        """What a lookup must answer for `gid`; with `read_expires_ms`, each replica carries the
+        read token the segment will check (signed with the cluster secret until then)."""
         pub = self.published.get(gid)
         if pub is None:
             return None
@@ -347,7 +351,15 @@ class DirectoryMachine(RuleBasedStateMachine):
                     checksum=pm.checksum,
                     replicas=[
                         m.Replica(
-                            segment_id=s, incarnation=i, slot=sl, slot_generation=g, data_addr=addr(s, i)
+                            segment_id=s,
+                            incarnation=i,
+                            slot=sl,
+                            slot_generation=g,
+                            data_addr=addr(s, i),
+                            read_token=read_token(SECRET, i, sl, g, pm.size, read_expires_ms)
+                            if read_expires_ms
+                            else b"",
+                            read_expires_ms=read_expires_ms,
                         )
                         for s, i, sl, g in live
                     ],
@@ -991,7 +1003,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         hit: list[bytes] = []
         objects: list[m.ObjectLocation] = []
         for g in asked:
-            located = self.readable(GROUP_IDS[g], wanted)
+            located = self.readable(GROUP_IDS[g], wanted, self.now + min(ttl, CONFIG.lease_ttl_ms_max))
             if located is None:
                 break
             hit.append(GROUP_IDS[g])

@@ -41,12 +41,15 @@ __all__ = [
 
 
 class ReadRef(msgspec.Struct, frozen=True, array_like=True):
-    """One object to read: the directory's (segment incarnation, slot, generation) and its size."""
+    """One object to read: the directory's (segment incarnation, slot, generation) and its size,
+    with the directory's read token for it (see `kvfabric.proto.tickets.read_token`)."""
 
     incarnation: int
     slot: int
     slot_generation: int
     size_bytes: int
+    token: bytes = b""
+    expires_ms: int = 0
 
 
 class PutRequest(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put.v1", tag_field="t"):
@@ -65,7 +68,10 @@ class GetRequest(msgspec.Struct, frozen=True, kw_only=True, tag="dp.get.v1", tag
     reads: list[ReadRef]
 
 
-ObjectStatus = Literal["ok", "stale_generation", "not_found", "wrong_size", "stale_incarnation"]
+# `unauthorized`: no valid, unexpired read token (segments that require them).
+ObjectStatus = Literal[
+    "ok", "stale_generation", "not_found", "wrong_size", "stale_incarnation", "unauthorized"
+]
 
 
 class ObjectResult(msgspec.Struct, frozen=True, array_like=True):

@@ -108,6 +108,10 @@ class Replica(msgspec.Struct, frozen=True, kw_only=True):
     slot: int
     slot_generation: int
     data_addr: str = ""
+    # Lookup hits and copy sources: the directory's MAC that lets the holder read this replica
+    # until `read_expires_ms` (its lease's expiry); segments refuse reads without one.
+    read_token: bytes = b""
+    read_expires_ms: int = 0
 
 
 class ObjectLocation(msgspec.Struct, frozen=True, kw_only=True):

@@ -91,6 +91,8 @@ class CopyRequest(msgspec.Struct, frozen=True, kw_only=True, tag="seg.copy.v1", 
     source_incarnation: int
     source_slot: int
     source_slot_generation: int
+    source_read_token: bytes = b""  # the directory's read token for the source (replicate_begin)
+    source_read_expires_ms: int = 0
 
 
 class CopyReply(msgspec.Struct, frozen=True, kw_only=True, tag="seg.copied.v1", tag_field="t"):

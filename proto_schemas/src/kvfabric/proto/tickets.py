@@ -16,7 +16,14 @@ import msgspec
 from kvfabric.proto.codec import encode
 from kvfabric.proto.directory import WriteTicket
 
-__all__ = ["SECRET_BYTES_MIN", "sign_ticket", "ticket_signature_valid"]
+__all__ = [
+    "READ_TOKEN_BYTES",
+    "SECRET_BYTES_MIN",
+    "read_token",
+    "read_token_valid",
+    "sign_ticket",
+    "ticket_signature_valid",
+]
 
 SECRET_BYTES_MIN: Final = 16
 _PERSON: Final = b"kvf1/ticket"
@@ -35,3 +42,30 @@ def sign_ticket(ticket: WriteTicket, secret: bytes) -> WriteTicket:
 
 def ticket_signature_valid(ticket: WriteTicket, secret: bytes) -> bool:
     return hmac.compare_digest(ticket.signature, _mac(ticket, secret))
+
+
+# ---- read tokens: no lease, no bytes ---------------------------------------------------------
+# The directory hands every replica of a lookup hit (and every copy source) a token: a keyed
+# BLAKE2b MAC over (segment incarnation, slot, slot generation, size, expiry). The segment serves
+# a read only with a valid, unexpired token, so knowing where bytes lie is not enough to read them.
+READ_TOKEN_BYTES: Final = 16
+_READ_PERSON: Final = b"kvf1/read"
+_U64: Final = (1 << 64) - 1
+
+
+def read_token(
+    secret: bytes, incarnation: int, slot: int, generation: int, size: int, expires_ms: int
+) -> bytes:
+    if len(secret) < SECRET_BYTES_MIN:
+        raise ValueError(f"cluster secret must be at least {SECRET_BYTES_MIN} bytes")
+    body = b"".join(
+        (v & _U64).to_bytes(8, "little") for v in (incarnation, slot, generation, size, expires_ms)
+    )
+    return hashlib.blake2b(body, key=secret[:64], digest_size=READ_TOKEN_BYTES, person=_READ_PERSON).digest()
+
+
+def read_token_valid(
+    token: bytes, secret: bytes, incarnation: int, slot: int, generation: int, size: int, expires_ms: int
+) -> bool:
+    expected = read_token(secret, incarnation, slot, generation, size, expires_ms)
+    return len(token) == READ_TOKEN_BYTES and hmac.compare_digest(token, expected)

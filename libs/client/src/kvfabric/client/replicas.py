@@ -70,6 +70,8 @@ async def copy_replica(
                 source_incarnation=source.incarnation,
                 source_slot=source.slot,
                 source_slot_generation=source.slot_generation,
+                source_read_token=source.read_token,
+                source_read_expires_ms=source.read_expires_ms,
             ),
             segment_decoder,
             timeout_s,

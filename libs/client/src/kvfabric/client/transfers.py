@@ -119,7 +119,14 @@ class SegmentPool:
         for attempt, replica in enumerate(location.replicas[:attempts_max]):
             if attempt:
                 self.on_retry()
-            ref = ReadRef(replica.incarnation, replica.slot, replica.slot_generation, location.size_bytes)
+            ref = ReadRef(
+                replica.incarnation,
+                replica.slot,
+                replica.slot_generation,
+                location.size_bytes,
+                replica.read_token,
+                replica.read_expires_ms,
+            )
             try:
                 with self._connection(replica.data_addr, self._shm_ok(replica.segment_id)) as conn:
                     if conn.shm is not None and conn.shm.incarnation == replica.incarnation:
@@ -164,7 +171,14 @@ class SegmentPool:
             assert first is not None
             addr = first.data_addr
             refs = [
-                ReadRef(r.incarnation, r.slot, r.slot_generation, locations[i].size_bytes)
+                ReadRef(
+                    r.incarnation,
+                    r.slot,
+                    r.slot_generation,
+                    locations[i].size_bytes,
+                    r.read_token,
+                    r.read_expires_ms,
+                )
                 for i in live
                 if (r := firsts[i]) is not None
             ]

@@ -80,7 +80,7 @@ from kvfabric.format.errors import (
 )
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
-from kvfabric.proto.tickets import sign_ticket
+from kvfabric.proto.tickets import read_token, sign_ticket
 
 __all__ = ["DirectoryConfig", "DirectoryCore", "Effect", "EmitEvent", "FreeSlots", "Outcome"]
 
@@ -778,8 +778,9 @@ class DirectoryCore:
         self._check_rate(req.groups, now_ms)
         objects: list[m.ObjectLocation] = []
         hit: list[bytes] = []
+        ttl_ms = min(req.lease_ttl_ms, self.config.lease_ttl_ms_max)
         for info in infos:
-            located = self._locate(info, wanted)
+            located = self._locate(info, wanted, now_ms + ttl_ms)
             if located is None:
                 break  # fold: never skip a gap
             objects.extend(located)
@@ -789,7 +790,6 @@ class DirectoryCore:
         self._count("lookup_hit_groups_total", len(hit))
         if not hit:
             return Outcome(m.LookupReply(epoch=self.epoch, hit_chunks=0))
-        ttl_ms = min(req.lease_ttl_ms, self.config.lease_ttl_ms_max)
         lease_id, expires = self._grant(req.holder_id, tuple(hit), now_ms + ttl_ms, is_pin=False)
         effects: list[Effect] = []
         for gid in hit:
@@ -830,7 +830,9 @@ class DirectoryCore:
             return False
         return True
 
-    def _locate(self, info: GroupInfo, wanted: set[Member]) -> list[m.ObjectLocation] | None:
+    def _locate(self, info: GroupInfo, wanted: set[Member], expires_ms: int) -> list[m.ObjectLocation] | None:
+        """The group's wanted members with their live replicas, each with a read token valid until
+        `expires_ms` (the lease's expiry); None when the fold must stop here."""
         if info.group_id in self._unreadable or not self._matches(info):
             return None
         group = unpack_group(self.published[info.group_id])
@@ -838,7 +840,11 @@ class DirectoryCore:
         for mem in group.members:
             if wanted and mem.member not in wanted:
                 continue
-            replicas = [self._replica(r) for r in mem.replicas if self._placement_live(r.placement)]
+            replicas = [
+                self._replica(r, mem.size_bytes, expires_ms)
+                for r in mem.replicas
+                if self._placement_live(r.placement)
+            ]
             if not replicas:
                 return None
             out.append(
@@ -854,14 +860,23 @@ class DirectoryCore:
             return None  # a required member this group does not have
         return out
 
-    def _replica(self, r: ReplicaRecord) -> m.Replica:
+    def _replica(self, r: ReplicaRecord, size_bytes: int = 0, read_expires_ms: int = 0) -> m.Replica:
+        """Where a replica is; with `read_expires_ms`, also the token that lets its holder read it
+        until then (segments refuse reads without one: no lease, no bytes)."""
         segment_id, incarnation = self._placements[r.placement]
+        token = b""
+        if read_expires_ms:
+            token = read_token(
+                self.config.ticket_secret, incarnation, r.slot, r.slot_generation, size_bytes, read_expires_ms
+            )
         return m.Replica(
             segment_id=segment_id,
             incarnation=incarnation,
             slot=r.slot,
             slot_generation=r.slot_generation,
             data_addr=self.segments[segment_id].data_addr,
+            read_token=token,
+            read_expires_ms=read_expires_ms if token else 0,
         )
 
     def _grant(
@@ -1314,7 +1329,11 @@ class DirectoryCore:
         placement = self._intern_placement(seg.segment_id, seg.incarnation)
         if any(r.placement == placement for r in mem.replicas) or len(mem.replicas) >= 255:
             return Outcome(m.ReplicateBeginReply(epoch=self.epoch, status="already_there"))
-        sources = [self._replica(r) for r in mem.replicas if self._placement_live(r.placement)]
+        sources = [  # readable by the copying segment until the ticket's deadline
+            self._replica(r, mem.size_bytes, now_ms + req.write_ttl_ms)
+            for r in mem.replicas
+            if self._placement_live(r.placement)
+        ]
         for ticket_id, rt in self._replicating.items():
             if (rt.group, rt.member, rt.placement) == (gid, mem.member, placement):
                 # A retry (the first copy failed or its answer was lost): the same ticket again;

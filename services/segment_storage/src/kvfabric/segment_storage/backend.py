@@ -45,7 +45,7 @@ from kvfabric.format.errors import (
 )
 from kvfabric.proto.dataplane import LocalGrant, LocalGrants, MapReply, ObjectStatus, ReadRef
 from kvfabric.proto.directory import WriteTicket
-from kvfabric.proto.tickets import ticket_signature_valid
+from kvfabric.proto.tickets import read_token_valid, ticket_signature_valid
 from kvfabric.segment_storage.arena import Arena
 
 __all__ = ["ArenaBackend", "ConfirmFn", "FetchFn", "ScrubVerdict"]
@@ -78,8 +78,11 @@ class ArenaBackend:
         secret: bytes,
         confirm: ConfirmFn,
         clock_ms: Callable[[], int] | None = None,
+        read_tokens_required: bool = False,
     ) -> None:
         self.arena = arena
+        # Serve a read only with the directory's unexpired token for it (no lease, no bytes).
+        self.read_tokens_required = read_tokens_required
         self.slots = slots
         self.segment_id = segment_id
         self.incarnation = incarnation
@@ -230,6 +233,9 @@ class ArenaBackend:
         if ref.incarnation != self.incarnation:
             self._count("stale_incarnation_read_total")
             return "stale_incarnation", 0, b""
+        if self.read_tokens_required and not self._token_ok(ref):
+            self._count("read_token_rejected_total")
+            return "unauthorized", 0, b""
         try:
             grant = self.slots.acquire(ref.slot, ref.slot_generation, ref.size_bytes)
         except StaleGeneration:
@@ -239,6 +245,19 @@ class ArenaBackend:
         except KvfError:
             return "not_found", 0, b""
         return "ok", grant.offset, grant.checksum
+
+    def _token_ok(self, ref: ReadRef) -> bool:
+        if ref.expires_ms <= self.clock_ms():
+            return False
+        return read_token_valid(
+            ref.token,
+            self.secret,
+            ref.incarnation,
+            ref.slot,
+            ref.slot_generation,
+            ref.size_bytes,
+            ref.expires_ms,
+        )
 
     def _pin(self, reads: list[ReadRef], conn: int) -> tuple[int, list[tuple[ObjectStatus, int, bytes]]]:
         with self.lock:

@@ -103,6 +103,7 @@ class SegmentShell:
             incarnation=self.incarnation,
             secret=settings.secret,
             confirm=self._confirm,
+            read_tokens_required=settings.read_tokens_required,
         )
         self.server = TcpDataServer(
             self.backend, settings.data_host, settings.data_port, connections_max=settings.connections_max
@@ -349,7 +350,12 @@ class SegmentShell:
         """On a copy thread: the ticket's put, filled from the source replica, within the timeout."""
         ticket = message.ticket
         source = ReadRef(
-            message.source_incarnation, message.source_slot, message.source_slot_generation, ticket.size_bytes
+            message.source_incarnation,
+            message.source_slot,
+            message.source_slot_generation,
+            ticket.size_bytes,
+            message.source_read_token,
+            message.source_read_expires_ms,
         )
         # No point reading past the ticket's deadline: the directory no longer takes the replica.
         # (An expired ticket is refused by `begin_put` before anything is read.)
