@@ -52,6 +52,7 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # before any UCX context
 
 from bench.dataplane_client import ClientSide, Outcome, Spec, Targets, worker_main
 from bench.dataplane_server import SegmentInfo, raw_sink_main, segment_main
+from kvfabric.proto.tickets import read_token
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
 KiB: Final = 1 << 10
@@ -399,7 +400,11 @@ def run_size(bench: Bench, size: int, have_redis: bool) -> None:
     if working.error:
         raise RuntimeError(f"could not write the working set: {working.error}")
     incarnation = bench.targets.segment.incarnation
-    refs = tuple((incarnation, slot, gen, size) for slot, gen in working.stored)
+    expires = time.time_ns() // 1_000_000 + 86_400_000  # read tokens, as the directory signs them
+    refs = tuple(
+        (incarnation, slot, gen, size, read_token(SECRET, incarnation, slot, gen, size, expires), expires)
+        for slot, gen in working.stored
+    )
     for kind in ("tcp_get", "shm_get", "ucx_get"):
         for verify in (True, False):
             add(kind, verify, refs=refs, warm_all=kind == "shm_get")

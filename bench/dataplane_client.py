@@ -54,7 +54,8 @@ class Spec:
     ops: int
     verify: bool = False
     batch: int = 1  # objects per get request
-    refs: tuple[tuple[int, int, int, int], ...] = ()  # (incarnation, slot, generation, size)
+    # (incarnation, slot, generation, size, read token, token expiry)
+    refs: tuple[tuple[int, int, int, int, bytes, int], ...] = ()
     keys: tuple[str, ...] = ()  # redis keys to rotate over
     first: int = 0  # where this client starts in the rotation
     warm_all: bool = False  # warm-up reads every ref once (shm: faults in the client's map)

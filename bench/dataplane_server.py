@@ -73,7 +73,13 @@ async def _segment(conn: Connection, arena_bytes: int, secret: bytes, with_ucx: 
         prefault_s = _prefault(arena)
         slots = SlotTable(arena_bytes)
         backend = ArenaBackend(
-            arena, slots, segment_id=SEGMENT_ID, incarnation=incarnation, secret=secret, confirm=_confirm_ok
+            arena,
+            slots,
+            segment_id=SEGMENT_ID,
+            incarnation=incarnation,
+            secret=secret,
+            confirm=_confirm_ok,
+            read_tokens_required=True,  # as deployed: every read pays the token check
         )
         tcp = TcpDataServer(backend)
         tcp.start()

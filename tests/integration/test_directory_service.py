@@ -185,6 +185,8 @@ async def test_publish_lookup_release_evict_free_with_events(
     sub = await js.pull_subscribe("kvf.v1.events.directory.>", durable=None, stream="KVF_DIRECTORY_EVENTS")
     msgs = await sub.fetch(10, timeout=TIMEOUT_S)
     kinds = [type(m.event_decoder.decode(x.data)).__name__ for x in msgs]
+    # Lookup hits are batched per tick into GroupsAccessed, wherever the tick falls: not counted here.
+    kinds = [k for k in kinds if k != "GroupsAccessed"]
     assert kinds == ["SegmentUp", "GroupPublished", "GroupPublished", "GroupEvicted"]
     seqs = [x.metadata.sequence.stream for x in msgs]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)

@@ -7,6 +7,9 @@ Load it into an unmodified vLLM:
                      kv_role="kv_both", kv_load_failure_policy="recompute",
                      kv_connector_extra_config={"nats_url": "nats://127.0.0.1:4222"})
 
+On an authenticated cluster, source the tenant's env file from `kvctl auth init` (KVF_CLIENT_*:
+credentials, tenant subjects, share domain) in the engine's environment (docs/security.md).
+
 Extra config keys: `nats_url` (or env KVF_CLIENT_NATS_URL), `tenant_id`, `domain_salt_hex`,
 `weights_revision` (default: a digest of the model directory's weight files), `tensor_layout`
 (default: derived from vLLM version, platform, CPU ISA, block size, KV shape and dtype), and any
@@ -133,9 +136,12 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
         tensor_layout=layout_text[:200],
         pp_size=vllm_config.parallel_config.pipeline_parallel_size,
     )
+    # The share domain: the connector's extra config, else the client settings (KVF_CLIENT_TENANT_ID /
+    # KVF_CLIENT_DOMAIN_SALT_HEX, e.g. a tenant's env file from `kvctl auth init`).
+    defaults = settings_from_env(os.environ, nats_url="unused")
     domain = ShareDomain(
-        tenant_id=str(extra.get("tenant_id", "default")),
-        salt=bytes.fromhex(str(extra.get("domain_salt_hex", "6b7666616272696364656661756c7400"))),
+        tenant_id=str(extra.get("tenant_id", defaults.tenant_id)),
+        salt=bytes.fromhex(str(extra.get("domain_salt_hex", defaults.domain_salt_hex))),
     )
     return EngineSpec(domain=domain, model=fingerprint, layout=layout)
 
