@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -26,9 +27,11 @@ from nats.aio.client import Client as NatsClient
 from kvfabric.client import ClientSettings, EngineSpec, KvClient
 from kvfabric.core.authz import SCOPE_SEPARATOR
 from kvfabric.ctl.auth import plan_auth, write_auth
+from kvfabric.dataplane.addresses import split_host_port
 from kvfabric.dataplane.tcp import TcpDataClient
+from kvfabric.dataplane.tls import client_context
 from kvfabric.format.checksum import checksum
-from kvfabric.format.errors import KvfError, NotFound, Unauthorized
+from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, NotFound, Unauthorized
 from kvfabric.format.key import ChunkGroupId, KVKey, ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
@@ -62,6 +65,7 @@ class Secure:
             nats_user=env["KVF_CLIENT_NATS_USER"],
             nats_password_file=env["KVF_CLIENT_NATS_PASSWORD_FILE"],
             nats_tls_ca=env["KVF_CLIENT_NATS_TLS_CA"],
+            data_tls_ca=env["KVF_CLIENT_DATA_TLS_CA"],
             **overrides,
         )
 
@@ -76,6 +80,9 @@ class Secure:
 
     def client(self, tenant: str, domain: str | None = None) -> KvClient:
         return KvClient(self.client_settings(tenant), self.spec(tenant, domain))
+
+    def data_tls(self) -> ssl.SSLContext:
+        return client_context(self.doc["tls_ca"])
 
     def tenant_auth(self, tenant: str) -> NatsAuth:
         return self.client_settings(tenant).nats_auth()
@@ -313,7 +320,7 @@ def test_forged_or_expired_ticket_stores_nothing(secure: Secure) -> None:
             )
             expired = begun.results[1].tickets[0]
             await asyncio.sleep(0.5)
-            with TcpDataClient.connect(expired.data_addr) as data_client:
+            with TcpDataClient.connect(expired.data_addr, tls=secure.data_tls()) as data_client:
                 with pytest.raises(Unauthorized):
                     data_client.put(forged_ticket, data)  # a longer deadline breaks the signature
                 with pytest.raises(KvfError, match="deadline"):
@@ -361,7 +368,13 @@ def test_no_lease_no_bytes_on_the_data_plane(secure: Secure) -> None:
             bare = ReadRef(r.incarnation, r.slot, r.slot_generation, location.size_bytes)
             forged = msgspec.structs.replace(good, token=bytes(16))
             other_slot = msgspec.structs.replace(good, slot=r.slot + 1)  # a token names one replica
-            with TcpDataClient.connect(r.data_addr) as data:
+            assert r.data_addr.startswith("tls://")  # the data plane runs over TLS here
+            with pytest.raises(BadRequest, match="TLS"):
+                TcpDataClient.connect(r.data_addr)  # a reader without the CA is refused
+            host, port = split_host_port(r.data_addr)
+            with pytest.raises(Indeterminate), TcpDataClient(host, port, timeout_s=2) as plain:
+                plain.get([good], [bytearray(location.size_bytes)])  # plain TCP: no answer
+            with TcpDataClient.connect(r.data_addr, tls=secure.data_tls()) as data:
                 results = data.get(
                     [good, bare, forged, other_slot], [bytearray(location.size_bytes) for _ in range(4)]
                 )

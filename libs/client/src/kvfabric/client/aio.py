@@ -48,6 +48,7 @@ from kvfabric.core.client_loads import (
     StartTransfer,
     TransferId,
 )
+from kvfabric.dataplane.tls import client_context
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import (
     BadRequest,
@@ -157,6 +158,7 @@ class AsyncKvClient:
             verify=not settings.unsafe_skip_verification_for_tests,
             local_segments=frozenset(s for s in settings.local_segments.split(",") if s),
             on_retry=self.metrics.replica_retries.inc,
+            tls=client_context(settings.data_tls_ca) if settings.data_tls_ca else None,
         )
         self._executor = ThreadPoolExecutor(settings.transfers_max, thread_name_prefix="kvf-transfer")
         self._save_executor = ThreadPoolExecutor(

@@ -15,7 +15,7 @@ from typing import Literal
 
 from nats.aio.client import Client as NatsClient
 
-from kvfabric.dataplane.addresses import pick
+from kvfabric.dataplane.addresses import pick_stream
 from kvfabric.format.errors import KvfError
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import CopyReply, CopyRequest, SegmentMessage, segment_decoder
@@ -66,7 +66,7 @@ async def copy_replica(
             segment_subject(destination, "copy"),
             CopyRequest(
                 ticket=reply.ticket,
-                source_addr=pick(source.data_addr, "tcp"),
+                source_addr=pick_stream(source.data_addr),
                 source_incarnation=source.incarnation,
                 source_slot=source.slot,
                 source_slot_generation=source.slot_generation,

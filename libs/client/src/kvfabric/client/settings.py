@@ -40,6 +40,7 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
     nats_tls_ca: str = ""  # set: TLS to NATS, server verified against this CA bundle
     nats_tls_cert: str = ""
     nats_tls_key: str = ""
+    data_tls_ca: str = ""  # set: read segments that serve tls://, verified against this CA bundle
     holder_id: str = msgspec.field(default_factory=lambda: f"client-{uuid.uuid4().hex[:12]}")
     lookup_timeout_ms: int = 2_000
     load_timeout_ms: int = 10_000

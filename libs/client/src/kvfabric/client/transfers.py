@@ -13,6 +13,7 @@ the caller's buffer until it returns.
 from __future__ import annotations
 
 import contextlib
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,8 +57,10 @@ class SegmentPool:
         verify: bool = True,
         local_segments: frozenset[str] = frozenset(),
         on_retry: Callable[[], None] = lambda: None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.connections_per_segment_max = connections_per_segment_max
+        self.tls = tls  # verifies segments that serve tls:// (data-plane TLS)
         self.verify = verify  # False only under the chaos test switch
         self.timeout_s = timeout_s
         self.use_shm = use_shm
@@ -85,7 +88,7 @@ class SegmentPool:
             conns = self._idle.get((data_addr, shm_ok))
             conn = conns.pop() if conns else None
         if conn is None:
-            tcp = TcpDataClient.connect(data_addr, timeout_s=self.timeout_s)
+            tcp = TcpDataClient.connect(data_addr, timeout_s=self.timeout_s, tls=self.tls)
             shm = None
             if shm_ok:
                 try:

@@ -202,6 +202,7 @@ def write_auth(out: Path, plan: AuthPlan, *, tls: bool = False) -> dict[str, Any
             }
             if tls_dir is not None:
                 env["KVF_CLIENT_NATS_TLS_CA"] = str(tls_dir / "ca.pem")
+                env["KVF_CLIENT_DATA_TLS_CA"] = str(tls_dir / "ca.pem")
             shared = {
                 d.name: d.salt_hex for d in plan.domains if u.tenant in d.tenants and d.name != u.tenant
             }
@@ -210,6 +211,10 @@ def write_auth(out: Path, plan: AuthPlan, *, tls: bool = False) -> dict[str, Any
             env = {"KVF_NATS_USER": u.user, "KVF_NATS_PASSWORD_FILE": str(password_file), **tls_env}
             if u.user == "svc-directory":
                 env["KVF_DIRECTORY_TENANT_GRANTS"] = grants
+            if u.user == "svc-segment" and tls_dir is not None:  # the data plane over TLS too
+                env["KVF_SEGMENT_TLS_CERT"] = str(tls_dir / "server.pem")
+                env["KVF_SEGMENT_TLS_KEY"] = str(tls_dir / "server.key")
+                env["KVF_SEGMENT_TLS_CA"] = str(tls_dir / "ca.pem")
         doc["users"][u.user]["env"] = env
         _write_private(out / "env" / f"{u.user}.env", _env_file(env))
     _write_private(out / "grants.json", grants + "\n")  # KVF_DIRECTORY_TENANT_GRANTS_FILE

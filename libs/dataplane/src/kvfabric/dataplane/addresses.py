@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvfabric.format.errors import BadRequest
 
-__all__ = ["join", "pick", "split_host_port"]
+__all__ = ["join", "pick", "pick_stream", "split_host_port"]
 
 
 def join(*urls: str) -> str:
@@ -22,6 +22,15 @@ def pick(data_addr: str, scheme: str) -> str:
         if url.startswith(f"{scheme}://"):
             return url
     raise BadRequest(f"no {scheme} transport in data address {data_addr!r}")
+
+
+def pick_stream(data_addr: str) -> str:
+    """The stream transport of a data address: `tls://` when the segment serves TLS (then only
+    that), else `tcp://`; BadRequest if neither."""
+    for url in data_addr.split():
+        if url.startswith("tls://"):
+            return url
+    return pick(data_addr, "tcp")
 
 
 def split_host_port(url: str) -> tuple[str, int]:

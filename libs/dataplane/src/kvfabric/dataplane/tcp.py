@@ -21,13 +21,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import socket
+import ssl
 import threading
 from collections.abc import Sequence
 from typing import Final
 
 import msgspec
 
-from kvfabric.dataplane.addresses import pick, split_host_port
+from kvfabric.dataplane.addresses import pick_stream, split_host_port
 from kvfabric.dataplane.backend import PutSlot, SegmentBackend
 from kvfabric.dataplane.frames import HEADER, OBJECT_BYTES_MAX, READS_MAX, Op, pack_header, unpack_header
 from kvfabric.format.checksum import StreamingChecksum
@@ -118,8 +119,13 @@ def _recv_bytes(sock: socket.socket, size: int) -> bytes:
 
 
 def _send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
-    """sendmsg every buffer completely, IOV_MAX at a time, resuming after partial sends."""
+    """sendmsg every buffer completely, IOV_MAX at a time, resuming after partial sends
+    (TLS sockets have no sendmsg: one sendall per buffer, encrypted from the caller's memory)."""
     pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+    if isinstance(sock, ssl.SSLSocket):
+        for view in pending:
+            sock.sendall(view)
+        return
     while pending:
         sent = sock.sendmsg(pending[:IOV_MAX])
         while sent:
@@ -162,8 +168,12 @@ class TcpDataServer:
         *,
         connections_max: int = CONNECTIONS_MAX_DEFAULT,
         idle_timeout_s: float = IDLE_TIMEOUT_S_DEFAULT,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.backend = backend
+        # A server-side TLS context: every connection is wrapped (handshake on its own thread)
+        # and the address is advertised as tls://, which clients then must use.
+        self.tls = tls
         self.connections_max = connections_max
         self.idle_timeout_s = idle_timeout_s
         self._listener = socket.create_server((host, port), backlog=connections_max)
@@ -177,7 +187,7 @@ class TcpDataServer:
 
     @property
     def address(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        return f"{'tls' if self.tls is not None else 'tcp'}://{self.host}:{self.port}"
 
     def start(self) -> None:
         thread = threading.Thread(target=self._accept_loop, name="kvf-tcp-accept", daemon=True)
@@ -231,6 +241,16 @@ class TcpDataServer:
             self._threads.append(thread)
 
     def _serve(self, conn: int, sock: socket.socket) -> None:
+        if self.tls is not None:
+            try:
+                sock = self.tls.wrap_socket(sock, server_side=True)  # owns the fd from here
+            except (OSError, ssl.SSLError):
+                with self._lock:
+                    self._conns.pop(conn, None)
+                sock.close()
+                return
+            with self._lock:
+                self._conns[conn] = sock
         header_buf = memoryview(bytearray(HEADER.size))
         try:
             while True:
@@ -308,18 +328,32 @@ class TcpDataServer:
 class TcpDataClient:
     """One blocking connection to a segment's data port. One request at a time (a lock)."""
 
-    def __init__(self, host: str, port: int, *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, host: str, port: int, *, timeout_s: float = 30.0, tls: ssl.SSLContext | None = None
+    ) -> None:
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
         tune_socket(self._sock)
+        if tls is not None:
+            try:
+                self._sock = tls.wrap_socket(self._sock, server_hostname=host)
+            except BaseException:
+                self._sock.close()
+                raise
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._header = memoryview(bytearray(HEADER.size))
 
     @classmethod
-    def connect(cls, data_addr: str, *, timeout_s: float = 30.0) -> TcpDataClient:
-        """Connect to the `tcp://host:port` transport of a segment's data address."""
-        host, port = split_host_port(pick(data_addr, "tcp"))
-        return cls(host, port, timeout_s=timeout_s)
+    def connect(
+        cls, data_addr: str, *, timeout_s: float = 30.0, tls: ssl.SSLContext | None = None
+    ) -> TcpDataClient:
+        """Connect to the stream transport of a segment's data address: `tls://host:port` (then
+        `tls`, a context that verifies the segment, is required) or `tcp://host:port`."""
+        url = pick_stream(data_addr)
+        if url.startswith("tls://") and tls is None:
+            raise BadRequest("the segment serves TLS only: configure a data-plane CA", data_addr=data_addr)
+        host, port = split_host_port(url)
+        return cls(host, port, timeout_s=timeout_s, tls=tls if url.startswith("tls://") else None)
 
     def close(self) -> None:
         self._sock.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import threading
 import time
 
@@ -30,11 +31,14 @@ from kvfabric.proto.dataplane import ReadRef
 __all__ = ["fetch_replica"]
 
 
-def fetch_replica(source_addr: str, ref: ReadRef, dest: memoryview, timeout_s: float) -> None:
-    """GET `ref` from the segment at `source_addr` into `dest` (exactly `ref.size_bytes`)."""
+def fetch_replica(
+    source_addr: str, ref: ReadRef, dest: memoryview, timeout_s: float, tls: ssl.SSLContext | None = None
+) -> None:
+    """GET `ref` from the segment at `source_addr` into `dest` (exactly `ref.size_bytes`);
+    `tls` verifies a source that serves tls://."""
     deadline_s = time.monotonic() + timeout_s
     try:
-        client = TcpDataClient.connect(source_addr, timeout_s=timeout_s)
+        client = TcpDataClient.connect(source_addr, timeout_s=timeout_s, tls=tls)
     except OSError as exc:
         raise Unavailable(f"cannot reach the source segment: {exc!r}", source_addr=source_addr) from None
     expired = threading.Event()

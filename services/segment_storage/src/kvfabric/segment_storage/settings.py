@@ -9,6 +9,7 @@
 | `KVF_SEGMENT_ZONE` / `_RACK` / `_HOST` | zone0 / rack0 / hostname | failure domain |
 | `KVF_SEGMENT_CONNECTIONS_MAX` | 64 | data connections at once; more are answered busy |
 | `KVF_SEGMENT_UCX` / `KVF_SEGMENT_UCX_PORT` | 1 / 0 | also serve UCX (ucxx); 0 disables |
+| `KVF_SEGMENT_TLS_CERT` / `_KEY` / `_CA` | unset | data plane over TLS only (tls://, UCX off); CA for peers |
 | `KVF_SEGMENT_READ_TOKENS_REQUIRED` | 1 | serve reads only with the directory's read token |
 | `KVF_CLUSTER_SECRET` | required, ≥ 16 bytes | verifies the directory's write tickets |
 | `KVF_SEGMENT_CONFIRM_TIMEOUT_MS` | 5000 | wait for the directory to accept a stored replica |
@@ -52,6 +53,9 @@ class SegmentSettings:
     scrub_bytes_per_s: int = 64 << 20
     scrub_pass_min_ms: int = 60_000
     read_tokens_required: bool = True
+    tls_cert: str = ""  # set (with tls_key): serve the data plane over TLS only (tls://, no UCX)
+    tls_key: str = ""
+    tls_ca: str = ""  # verifies other segments' certificates when copying from them
 
 
 def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
@@ -81,4 +85,7 @@ def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
         scrub_bytes_per_s=env_int(env, "KVF_SEGMENT_SCRUB_BYTES_PER_S", 64 << 20, 0, 1 << 40),
         scrub_pass_min_ms=env_int(env, "KVF_SEGMENT_SCRUB_PASS_MIN_MS", 60_000, 0, 86_400_000),
         read_tokens_required=bool(env_int(env, "KVF_SEGMENT_READ_TOKENS_REQUIRED", 1, 0, 1)),
+        tls_cert=env.get("KVF_SEGMENT_TLS_CERT", ""),
+        tls_key=env.get("KVF_SEGMENT_TLS_KEY", ""),
+        tls_ca=env.get("KVF_SEGMENT_TLS_CA", ""),
     )

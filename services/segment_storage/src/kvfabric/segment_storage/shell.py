@@ -39,6 +39,7 @@ from nats.aio.client import Client as NatsClient
 from kvfabric.core.segment_slots import SlotTable
 from kvfabric.dataplane.addresses import join
 from kvfabric.dataplane.tcp import TcpDataServer
+from kvfabric.dataplane.tls import client_context, server_context
 from kvfabric.format.errors import (
     BadRequest,
     Busy,
@@ -105,9 +106,16 @@ class SegmentShell:
             confirm=self._confirm,
             read_tokens_required=settings.read_tokens_required,
         )
+        tls = bool(settings.tls_cert)
         self.server = TcpDataServer(
-            self.backend, settings.data_host, settings.data_port, connections_max=settings.connections_max
+            self.backend,
+            settings.data_host,
+            settings.data_port,
+            connections_max=settings.connections_max,
+            tls=server_context(settings.tls_cert, settings.tls_key) if tls else None,
         )
+        # Copies read other segments, which serve TLS when this one does (one cluster config).
+        self.peer_tls = client_context(settings.tls_ca) if settings.tls_ca else None
         self.ucx: UcxThread | None = None
         self.data_addr = self.server.address
         self.epoch = 0
@@ -158,7 +166,9 @@ class SegmentShell:
         self._loop = asyncio.get_running_loop()
         self.server.start()
         addresses = [self.server.address]
-        if self.settings.ucx:
+        if self.settings.ucx and self.server.tls is not None:
+            self._log.info("ucx_disabled", reason="data-plane TLS: UCX would bypass it")
+        elif self.settings.ucx:
             try:
                 from kvfabric.segment_storage.ucx_thread import UcxThread  # imports ucxx: optional
 
@@ -362,7 +372,9 @@ class SegmentShell:
         timeout_ms = min(self.settings.copy_timeout_ms, ticket.deadline_ms - self.backend.clock_ms())
         timeout_s = max(timeout_ms, 1) / 1000
         return self.backend.copy_in(
-            ticket, lambda view: fetch_replica(message.source_addr, source, view, timeout_s), trace_id
+            ticket,
+            lambda view: fetch_replica(message.source_addr, source, view, timeout_s, self.peer_tls),
+            trace_id,
         )
 
     async def _scrub(self) -> None:
