@@ -7,6 +7,8 @@ Then for each directory setting of `KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS` (0 = off,
 `--lookups` tenant lookups alternating between saved prompts (hits) and never-saved ones
 (misses), each followed by a lease release for hits, timed one at a time on one connection.
 Reported: median and p99 latency of hits and misses, and the hit - miss gap (the side channel).
+Then the cost of data-plane TLS: a segment with and without `KVF_SEGMENT_TLS_*`, whole loads of
+16 x `--object-mib` MiB through the client over TCP (shared memory off), checksums verified.
 
 Run: `.venv/bin/python -m bench.tenancy [--lookups 400] [--pad-ms 5]` (part of `make bench`).
 Writes bench/results/tenancy.json and .md.
@@ -24,8 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats
 
+from kvfabric.client import KvClient
 from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.proto import directory as m
 from kvfabric.proto.subjects import Service, tenant_subject
@@ -79,13 +83,50 @@ async def measure(
     return out
 
 
+DP_CHUNKS = 16
+
+
+def data_plane(secure: Secure, server: NatsServer, tls: bool, object_mib: int) -> dict[str, Any]:
+    """Save one prompt of DP_CHUNKS objects, then time whole loads of it over TCP (no shm)."""
+    seg_env = secure.env("svc-segment")
+    if not tls:
+        seg_env = {k: v for k, v in seg_env.items() if not k.startswith("KVF_SEGMENT_TLS_")}
+    size = object_mib << 20
+    tokens = prompt(DP_CHUNKS * TOKENS_PER_CHUNK, seed=77)
+    objects = [[bytes([i]) * size] for i in range(DP_CHUNKS)]
+    with (
+        directory_process(server, **secure.env("svc-directory")),
+        segment_process(server, f"seg-dp-{int(tls)}", 2 * DP_CHUNKS * size, **seg_env, KVF_SEGMENT_UCX="0"),
+    ):
+        settings = msgspec.structs.replace(secure.client_settings("alice"), use_shm=False)
+        with KvClient(settings, secure.spec("alice")) as alice:
+            assert alice.save(tokens, objects).chunks_saved == DP_CHUNKS
+            dests = [[bytearray(size)] for _ in range(DP_CHUNKS)]
+            times = []
+            for _ in range(6):
+                hit = alice.lookup(tokens)
+                started = time.perf_counter()
+                assert alice.load(hit, dests).tokens == DP_CHUNKS * TOKENS_PER_CHUNK
+                times.append(time.perf_counter() - started)
+                alice.release(hit)
+            assert hit.objects[0][0].replicas[0].data_addr.startswith("tls://" if tls else "tcp://")
+    median = statistics.median(times[1:])  # the first load opens the connections
+    return {
+        "transport": "TLS" if tls else "TCP",
+        "gb_s": round(DP_CHUNKS * size / median / 1e9, 2),
+        "p50_ms": round(median * 1000, 1),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=50)
     parser.add_argument("--lookups", type=int, default=400)
     parser.add_argument("--pad-ms", type=int, default=5)
+    parser.add_argument("--object-mib", type=int, default=4)
     args = parser.parse_args()
     rows = []
+    rows_dp: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvf-tenancy-") as tmp:
         doc = write_auth(Path(tmp) / "auth", plan_auth(["alice", "bob"]), tls=True)
         with NatsServer(Path(tmp) / "nats", extra_args=["-c", doc["conf"]]) as server:
@@ -95,16 +136,21 @@ def main() -> int:
             never = [prompt(CHUNKS * TOKENS_PER_CHUNK, seed=10_000 + s) for s in range(args.prompts)]
             hits = [groups_of(spec, t) for t in saved]
             misses = [groups_of(spec, t) for t in never]
-            with segment_process(server, "seg-bench", 256 << 20, **secure.env("svc-segment")):
-                for pad in (0, args.pad_ms):
-                    env = dict(secure.env("svc-directory"), KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS=str(pad))
-                    with directory_process(server, **env):
-                        with secure.client("alice") as alice:  # the directory is new: save again
-                            for tokens in saved:
-                                alice.save(tokens, objects_for(tokens, 0, CHUNKS))
-                        row = asyncio.run(measure(secure, hits, misses, args.lookups))
-                        rows.append({"pad_ms": pad, **row})
-                        print(rows[-1])
+            for pad in (0, args.pad_ms):
+                env = dict(secure.env("svc-directory"), KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS=str(pad))
+                with (
+                    directory_process(server, **env),
+                    segment_process(server, f"seg-bench-{pad}", 256 << 20, **secure.env("svc-segment")),
+                ):
+                    with secure.client("alice") as alice:
+                        for tokens in saved:
+                            alice.save(tokens, objects_for(tokens, 0, CHUNKS))
+                    row = asyncio.run(measure(secure, hits, misses, args.lookups))
+                    rows.append({"pad_ms": pad, **row})
+                    print(rows[-1])
+            for tls in (False, True):
+                rows_dp.append(data_plane(secure, server, tls, args.object_mib))
+                print(rows_dp[-1])
     result = {
         "machine": f"{platform.machine()} {platform.system()} {platform.release()}",
         "command": "python -m bench.tenancy",
@@ -112,6 +158,7 @@ def main() -> int:
         "prompts": args.prompts,
         "transport": "NATS over TLS, tenant subjects, password auth",
         "rows": rows,
+        "data_plane": rows_dp,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "tenancy.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -129,6 +176,15 @@ def main() -> int:
             f"| {r['pad_ms'] or 'off'} | {r['hit_p50_ms']} | {r['hit_p99_ms']} | {r['miss_p50_ms']} | "
             f"{r['miss_p99_ms']} | {r['gap_p50_ms']} |"
         )
+    lines += [
+        "",
+        f"## Data plane: loads over plain TCP vs TLS ({args.object_mib} MiB objects, "
+        f"{DP_CHUNKS} per load, checksums verified, no shared memory)",
+        "",
+        "| transport | load GB/s (median of 5) | load p50 ms |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {r['transport']} | {r['gb_s']} | {r['p50_ms']} |" for r in rows_dp]
     (RESULTS / "tenancy.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

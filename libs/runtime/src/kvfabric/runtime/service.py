@@ -95,6 +95,20 @@ _OUTCOME_LEVEL: Final = {
 }
 
 
+PAD_SPIN_S: Final = 0.0015  # the last part of a reply pad is waited by yielding, not by a timer
+
+
+async def pad_until(deadline_s: float) -> None:
+    """Return at `deadline_s` (time.perf_counter). Event-loop timers wake up to ~1 ms late (epoll
+    rounds its timeout up to whole ms), which would keep most of a hit/miss latency gap; so sleep
+    until PAD_SPIN_S before the deadline, then yield to other tasks until it (bounded spin)."""
+    coarse = deadline_s - PAD_SPIN_S - time.perf_counter()
+    if coarse > 0:
+        await asyncio.sleep(coarse)
+    while time.perf_counter() < deadline_s:  # noqa: ASYNC110 (a deadline, not an event)
+        await asyncio.sleep(0)
+
+
 async def _tenant_only(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
     raise BadRequest("tenant endpoint called without a tenant")
 
@@ -116,6 +130,7 @@ class _Endpoint:
     # addressed to one instance (e.g. `kvf.v1.segment.free.<segment_id>`), or `t.*.<verb>`.
     relative: str
     tenant_handler: TenantHandler | None = None
+    reply_min_s: float = 0.0  # no reply (answer or error) leaves before this long after receipt
 
 
 class ServiceRuntime:
@@ -203,9 +218,11 @@ class ServiceRuntime:
         self._endpoints[verb] = _Endpoint(verb=verb, subject=subject, handler=handler, relative=relative)
         return subject
 
-    def add_tenant_endpoint(self, verb: str, handler: TenantHandler) -> str:
+    def add_tenant_endpoint(self, verb: str, handler: TenantHandler, *, reply_min_ms: int = 0) -> str:
         """Register `handler` for every tenant's `kvf.v1.<service>.t.<tenant>.<verb>` (before `start`);
-        it is called with the tenant token as third argument. Returns the wildcard subject."""
+        it is called with the tenant token as third argument. `reply_min_ms` > 0 holds every reply
+        until that long after receipt (hides how long the handler took: a timing side channel).
+        Returns the wildcard subject."""
         invariant(self._state is RuntimeState.CREATED, "endpoints are added before start", state=self._state)
         name = f"tenant_{verb}"
         invariant(name not in self._endpoints, "endpoint registered twice", verb=name)
@@ -216,6 +233,7 @@ class ServiceRuntime:
             handler=_tenant_only,
             relative=relative,
             tenant_handler=handler,
+            reply_min_s=reply_min_ms / 1000,
         )
         return f"{self.group}.{relative}"
 
@@ -386,6 +404,7 @@ class ServiceRuntime:
             )
             data = encode(reply)
         except KvfError as err:
+            await pad_until(received_s + endpoint.reply_min_s)
             await self._reply_error(request, err)
             self._finish(endpoint, Outcome.ERROR, received_s, err.code, error=err.message)
         except InvariantViolation as exc:
@@ -402,6 +421,7 @@ class ServiceRuntime:
             await self._reply_error(request, internal)
             self._finish(endpoint, Outcome.INTERNAL, received_s, internal.code, exc_info=exc)
         else:
+            await pad_until(received_s + endpoint.reply_min_s)
             await self._reply(request, data)
             self._finish(endpoint, Outcome.OK, received_s, None)
 

@@ -109,14 +109,14 @@ class DirectoryShell:
         for verb, kind in VERBS.items():
             runtime.add_endpoint(verb, self._endpoint(kind))
         for verb in sorted(TENANT_VERBS):
-            runtime.add_tenant_endpoint(verb, self._tenant_endpoint(verb, VERBS[verb]))
+            pad = self.lookup_reply_min_ms if verb == "lookup" else 0  # hits and misses alike
+            runtime.add_tenant_endpoint(verb, self._tenant_endpoint(verb, VERBS[verb]), reply_min_ms=pad)
 
     def _tenant_endpoint(self, verb: str, kind: type[msgspec.Struct]) -> TenantHandler:
         """A tenant's request: authorized for the tenant of its subject (`kvfabric.core.authz`)
-        before the core sees it; lookups padded to `lookup_reply_min_ms` when configured."""
+        before the core sees it (lookup replies are padded by the runtime when configured)."""
 
         async def handle(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
-            received_s = time.monotonic()
             if not self.may_act():
                 raise Unavailable("this directory instance is no longer the leader")
             grant = self.grants.get(tenant)
@@ -132,8 +132,6 @@ class DirectoryShell:
                 self.tenant_refused += 1
                 raise
             reply = await self._tenant_reply(message, authorized, grant)
-            if isinstance(message, m.Lookup) and self.lookup_reply_min_ms:
-                await asyncio.sleep(max(0.0, received_s + self.lookup_reply_min_ms / 1000 - time.monotonic()))
             return reply
 
         return handle
