@@ -51,7 +51,7 @@ from typing import Any, Final
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # before any UCX context, here and in children
 
 from bench.dataplane_client import ClientSide, Outcome, Spec, Targets, worker_main
-from bench.dataplane_server import SegmentInfo, raw_sink_main, segment_main
+from bench.dataplane_server import SEGMENT_ID, SegmentInfo, raw_sink_main, segment_main
 from kvfabric.proto.tickets import read_token
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
@@ -402,7 +402,14 @@ def run_size(bench: Bench, size: int, have_redis: bool) -> None:
     incarnation = bench.targets.segment.incarnation
     expires = time.time_ns() // 1_000_000 + 86_400_000  # read tokens, as the directory signs them
     refs = tuple(
-        (incarnation, slot, gen, size, read_token(SECRET, incarnation, slot, gen, size, expires), expires)
+        (
+            incarnation,
+            slot,
+            gen,
+            size,
+            read_token(SECRET, SEGMENT_ID, incarnation, slot, gen, size, expires),
+            expires,
+        )
         for slot, gen in working.stored
     )
     for kind in ("tcp_get", "shm_get", "ucx_get"):

@@ -80,11 +80,13 @@ def prefetch_process(nats: NatsServer, **env: str) -> AbstractContextManager[Ser
     return service_process(nats, "kvfabric.prefetch", "prefetch_started", **env)
 
 
-def signed_ref(incarnation: int, slot: int, generation: int, size: int, ttl_ms: int = 60_000) -> ReadRef:
+def signed_ref(
+    segment_id: str, incarnation: int, slot: int, generation: int, size: int, ttl_ms: int = 60_000
+) -> ReadRef:
     """A read reference with a read token signed like the directory signs them (tests know the
     cluster secret): for data-plane tests that build references themselves."""
     expires = time.time_ns() // 1_000_000 + ttl_ms
-    token = read_token(SECRET.encode(), incarnation, slot, generation, size, expires)
+    token = read_token(SECRET.encode(), segment_id, incarnation, slot, generation, size, expires)
     return ReadRef(incarnation, slot, generation, size, token, expires)
 
 

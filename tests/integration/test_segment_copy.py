@@ -105,7 +105,9 @@ async def own_ticket(nc: NatsClient, k: bytes, data: bytes, segment_id: str) -> 
 
 
 def copy_request(ticket: m.WriteTicket, replica: m.Replica) -> CopyRequest:
-    source = signed_ref(replica.incarnation, replica.slot, replica.slot_generation, ticket.size_bytes)
+    source = signed_ref(
+        replica.segment_id, replica.incarnation, replica.slot, replica.slot_generation, ticket.size_bytes
+    )
     return CopyRequest(
         ticket=ticket,
         source_addr=replica.data_addr,
@@ -156,7 +158,9 @@ async def test_copy_with_a_replicate_begin_ticket_adds_a_readable_replica(nc: Na
     replica = next(r for r in after.replicas if r.segment_id == dest)
     with TcpDataClient.connect(replica.data_addr) as client:
         got = bytearray(len(data))
-        ref = signed_ref(replica.incarnation, replica.slot, replica.slot_generation, len(data))
+        ref = signed_ref(
+            replica.segment_id, replica.incarnation, replica.slot, replica.slot_generation, len(data)
+        )
         assert client.get_verified([ref], [got]) == [True] and got == data
 
 
@@ -225,7 +229,7 @@ async def test_copies_beyond_the_limit_are_busy_and_a_stalled_source_times_out(
 
 def flip_stored_byte(replica: m.Replica, size: int, at: int) -> None:
     """Test hook: flip one byte of a stored object in place, through the segment's arena file."""
-    ref = signed_ref(replica.incarnation, replica.slot, replica.slot_generation, size)
+    ref = signed_ref(replica.segment_id, replica.incarnation, replica.slot, replica.slot_generation, size)
     with TcpDataClient.connect(replica.data_addr) as client:
         info = client.map_info()
         grants = client.pin_local([ref])

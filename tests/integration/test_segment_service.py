@@ -88,7 +88,7 @@ async def locate(nc: NatsClient, k: bytes) -> m.ObjectLocation:
 
 def ref_of(loc: m.ObjectLocation) -> tuple[str, ReadRef]:
     r = loc.replicas[0]
-    return r.data_addr, signed_ref(r.incarnation, r.slot, r.slot_generation, loc.size_bytes)
+    return r.data_addr, signed_ref(r.segment_id, r.incarnation, r.slot, r.slot_generation, loc.size_bytes)
 
 
 async def test_put_get_identical_bytes_over_tcp_and_shm(placed: NatsClient) -> None:
@@ -178,9 +178,9 @@ async def test_bad_input_is_typed_and_the_segment_stays_up(
         assert (await segment_state(placed, SEGMENT)).used_bytes == 0  # nothing stored
         loc = await put_and_commit(placed, key(gs[2]), data)
         _, ref = ref_of(loc)
-        stale = signed_ref(ref.incarnation, ref.slot, ref.slot_generation - 1, ref.size_bytes)
-        unknown = signed_ref(ref.incarnation, 999_999, 1, ref.size_bytes)
-        old_inc = signed_ref(ref.incarnation - 1, ref.slot, ref.slot_generation, ref.size_bytes)
+        stale = signed_ref(SEGMENT, ref.incarnation, ref.slot, ref.slot_generation - 1, ref.size_bytes)
+        unknown = signed_ref(SEGMENT, ref.incarnation, 999_999, 1, ref.size_bytes)
+        old_inc = signed_ref(SEGMENT, ref.incarnation - 1, ref.slot, ref.slot_generation, ref.size_bytes)
         results = client.get([stale, unknown, old_inc, ref], [bytearray(4096) for _ in range(4)])
         assert [r.status for r in results] == ["stale_generation", "not_found", "stale_incarnation", "ok"]
         with pytest.raises(BadRequest):

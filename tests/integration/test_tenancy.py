@@ -23,6 +23,7 @@ import nats
 import nats.errors
 import pytest
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 
 from kvfabric.client import ClientSettings, EngineSpec, KvClient
 from kvfabric.core.authz import SCOPE_SEPARATOR
@@ -379,6 +380,8 @@ def test_no_lease_no_bytes_on_the_data_plane(secure: Secure) -> None:
                     [good, bare, forged, other_slot], [bytearray(location.size_bytes) for _ in range(4)]
                 )
                 assert [x.status for x in results] == ["ok", "unauthorized", "unauthorized", "unauthorized"]
+                arena = data.map_info().arena_path  # only the segment's OS user may map it
+                assert os.stat(arena).st_mode & 0o777 == 0o600
                 grants = data.pin_local([bare, good])
                 assert [g.status for g in grants.grants] == ["unauthorized", "ok"]
                 data.unpin_local(grants.grant_id)
@@ -386,3 +389,36 @@ def test_no_lease_no_bytes_on_the_data_plane(secure: Secure) -> None:
                 expired = data.get([good], [bytearray(location.size_bytes)])
                 assert [x.status for x in expired] == ["unauthorized"]
             brief.release(hit)
+
+
+def test_replies_go_only_to_the_tenants_own_inbox(secure: Secure) -> None:
+    """NATS checks the subject a tenant publishes to, not the reply subject it attaches: a tenant
+    request naming any other reply subject (events, another tenant's inbox, a JetStream API
+    subject) is dropped unanswered, so a tenant cannot make the directory publish for it."""
+
+    async def run() -> list[str]:
+        admin = await secure.connect(nats_auth_from_env(secure.env("admin")))
+        bob = await secure.connect(secure.tenant_auth("bob"))
+        seen: list[str] = []
+        try:
+            targets = ["kvf.v1.events.directory.forged", "_INBOX.t.alice.stolen", "$JS.API.STREAM.INFO.X"]
+
+            async def record(msg: Msg) -> None:
+                seen.append(msg.subject)
+
+            for target in targets:
+                await admin.subscribe(target, cb=record)
+            await admin.flush()
+            lookup = encode(m.Lookup(holder_id="bob", groups=[]))
+            for target in targets:
+                await bob.publish(tenant_subject(Service.DIRECTORY, "bob", "lookup"), lookup, reply=target)
+            await bob.flush()
+            await asyncio.sleep(0.5)
+            reply = await as_tenant(bob, "bob", "lookup", m.Lookup(holder_id="bob", groups=[]))
+            assert isinstance(reply, m.LookupReply)  # his own inbox still works
+            return seen
+        finally:
+            await bob.close()
+            await admin.close()
+
+    assert asyncio.run(run()) == []

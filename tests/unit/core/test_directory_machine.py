@@ -356,7 +356,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                             slot=sl,
                             slot_generation=g,
                             data_addr=addr(s, i),
-                            read_token=read_token(SECRET, i, sl, g, pm.size, read_expires_ms)
+                            read_token=read_token(SECRET, s, i, sl, g, pm.size, read_expires_ms)
                             if read_expires_ms
                             else b"",
                             read_expires_ms=read_expires_ms,

@@ -46,7 +46,7 @@ def ticket_signature_valid(ticket: WriteTicket, secret: bytes) -> bool:
 
 # ---- read tokens: no lease, no bytes ---------------------------------------------------------
 # The directory hands every replica of a lookup hit (and every copy source) a token: a keyed
-# BLAKE2b MAC over (segment incarnation, slot, slot generation, size, expiry). The segment serves
+# BLAKE2b MAC over (segment id, incarnation, slot, slot generation, size, expiry). The segment serves
 # a read only with a valid, unexpired token, so knowing where bytes lie is not enough to read them.
 READ_TOKEN_BYTES: Final = 16
 _READ_PERSON: Final = b"kvf1/read"
@@ -54,18 +54,27 @@ _U64: Final = (1 << 64) - 1
 
 
 def read_token(
-    secret: bytes, incarnation: int, slot: int, generation: int, size: int, expires_ms: int
+    secret: bytes, segment_id: str, incarnation: int, slot: int, generation: int, size: int, expires_ms: int
 ) -> bytes:
     if len(secret) < SECRET_BYTES_MIN:
         raise ValueError(f"cluster secret must be at least {SECRET_BYTES_MIN} bytes")
-    body = b"".join(
+    name = segment_id.encode()
+    body = len(name).to_bytes(1, "little") + name  # segment ids are at most 64 ASCII characters
+    body += b"".join(
         (v & _U64).to_bytes(8, "little") for v in (incarnation, slot, generation, size, expires_ms)
     )
     return hashlib.blake2b(body, key=secret[:64], digest_size=READ_TOKEN_BYTES, person=_READ_PERSON).digest()
 
 
 def read_token_valid(
-    token: bytes, secret: bytes, incarnation: int, slot: int, generation: int, size: int, expires_ms: int
+    token: bytes,
+    secret: bytes,
+    segment_id: str,
+    incarnation: int,
+    slot: int,
+    generation: int,
+    size: int,
+    expires_ms: int,
 ) -> bool:
-    expected = read_token(secret, incarnation, slot, generation, size, expires_ms)
+    expected = read_token(secret, segment_id, incarnation, slot, generation, size, expires_ms)
     return len(token) == READ_TOKEN_BYTES and hmac.compare_digest(token, expected)

@@ -867,7 +867,13 @@ class DirectoryCore:
         token = b""
         if read_expires_ms:
             token = read_token(
-                self.config.ticket_secret, incarnation, r.slot, r.slot_generation, size_bytes, read_expires_ms
+                self.config.ticket_secret,
+                segment_id,
+                incarnation,
+                r.slot,
+                r.slot_generation,
+                size_bytes,
+                read_expires_ms,
             )
         return m.Replica(
             segment_id=segment_id,

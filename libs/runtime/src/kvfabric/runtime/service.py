@@ -55,9 +55,11 @@ from kvfabric.proto.subjects import (
     TENANT_TOKEN,
     Service,
     check_segment_id,
+    check_tenant,
     endpoint_subject,
     service_group,
     tenant_from_subject,
+    tenant_inbox_prefix,
 )
 from kvfabric.runtime.config import RuntimeSettings
 from kvfabric.runtime.inflight import InflightLimiter
@@ -107,6 +109,16 @@ async def pad_until(deadline_s: float) -> None:
         await asyncio.sleep(coarse)
     while time.perf_counter() < deadline_s:  # noqa: ASYNC110 (a deadline, not an event)
         await asyncio.sleep(0)
+
+
+def _reply_to_tenant(request: MicroRequest) -> bool:
+    """Whether a tenant request's reply subject lies in its tenant's own inbox."""
+    reply = request._msg.reply or ""  # nats-py exposes it on the message only
+    try:
+        tenant = check_tenant(request.subject.split(".")[4])
+    except (IndexError, ValueError):
+        return False
+    return reply.startswith(tenant_inbox_prefix(tenant) + ".")
 
 
 async def _tenant_only(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
@@ -351,6 +363,12 @@ class ServiceRuntime:
     async def _dispatch(self, endpoint: _Endpoint, request: MicroRequest) -> None:
         """Runs on the subscription's task: must not wait on handlers, must not raise."""
         received_s = time.perf_counter()
+        if endpoint.tenant_handler is not None and not _reply_to_tenant(request):
+            # NATS checks the subject a tenant publishes to, not the reply subject it attaches:
+            # answering anywhere else would let a tenant make this service publish (with its
+            # rights) to any subject. Dropped unanswered.
+            self._finish(endpoint, Outcome.ERROR, received_s, "foreign_reply_subject")
+            return
         if self._state is not RuntimeState.RUNNING or not self._limiter.try_acquire():
             await self._reject_busy(endpoint, request, received_s)
             return

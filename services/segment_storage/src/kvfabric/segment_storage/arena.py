@@ -1,9 +1,11 @@
 """The arena: one shared-memory file per segment incarnation, mapped read-write by the segment.
 
 The file lives under `/dev/shm` by default (`kvf-<segment id>-<incarnation>`), so a co-located
-client can map it read-only (`kvfabric.dataplane.shm`). It is created exclusively, sized with
-`ftruncate` (pages are allocated lazily by the kernel), and unlinked on close: a new incarnation
-never sees an old one's bytes.
+client can map it read-only (`kvfabric.dataplane.shm`). Mode 0600: only processes of the
+segment's own OS user can map it — whoever can holds every tenant's bytes, so only engines
+trusted with all of them should run as that user (docs/security.md); others read over TCP.
+It is created exclusively, sized with `ftruncate` (pages are allocated lazily by the kernel),
+and unlinked on close: a new incarnation never sees an old one's bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import mmap
 import os
 from pathlib import Path
 
-__all__ = ["Arena"]
+__all__ = ["ARENA_FILE_MODE", "Arena"]
+
+ARENA_FILE_MODE = 0o600
 
 
 class Arena:
@@ -21,7 +25,7 @@ class Arena:
             raise ValueError("arena size must be positive")
         self.path = directory / f"kvf-{segment_id}-{incarnation}"
         self.size_bytes = size_bytes
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, ARENA_FILE_MODE)
         try:
             os.ftruncate(fd, size_bytes)
             self._map = mmap.mmap(fd, size_bytes, prot=mmap.PROT_READ | mmap.PROT_WRITE)

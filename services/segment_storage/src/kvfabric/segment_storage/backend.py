@@ -252,6 +252,7 @@ class ArenaBackend:
         return read_token_valid(
             ref.token,
             self.secret,
+            self.segment_id,
             ref.incarnation,
             ref.slot,
             ref.slot_generation,
