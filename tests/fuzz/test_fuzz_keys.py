@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfabric.core.directory_keys import parse_group, parse_key
+from kvfabric.core.directory_keys import chain_of, parse_group, parse_key
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.key import CHUNK_GROUP_BYTES, KEY_BYTES, ChunkGroupId, KVKey
 
@@ -37,7 +37,7 @@ def check_binary(data: bytes) -> None:
     if key is not None and info is not None:
         assert key.to_bytes() == data
         assert info.member == tuple(key.member)
-        assert info.group.group_id == key.chain_hash
+        assert chain_of(info.group.group_id) == key.chain_hash and info.group.group_id[:16] == data[4:20]
         assert info.group.chunk_index == key.chunk_index
 
     try:

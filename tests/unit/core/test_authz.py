@@ -126,3 +126,40 @@ def test_core_treats_a_forged_domain_digest_like_a_missing_group() -> None:
     assert isinstance(looked, m.LookupReply) and looked.hit_chunks == 0
     shown = core.handle(m.ShowGroup(group=real), 0).reply  # the real id still works
     assert isinstance(shown, m.GroupList) and len(shown.groups) == 1
+
+
+def test_a_forged_domain_can_neither_claim_nor_probe_another_domains_chain_hash() -> None:
+    """Groups are keyed by (domain digest, chain hash): bob writing his digest over alice's chain
+    hash gets a group of his own — it cannot block alice's writes, shadow her reads, or tell
+    (through put_commit or put_begin answers) whether alice's group exists."""
+    core = new_core()
+    register(core, "s1")
+    alice_a, alice_b = chunk_groups_for_prefix(DOMAINS[0], MODEL, layout(), [1, 2, 3, 4, 5, 6, 7, 8])[:2]
+    assert put(core, [key(alice_a)], writer="alice").results[0].status == "published"
+    cached, absent = (key(g)[:4] + DIGESTS[1] + key(g)[20:] for g in (alice_a, alice_b))
+    commits = [
+        core.handle(m.PutCommit(writer_id="bob", request_id=f"c{i}", keys=[k]), 0).reply
+        for i, k in enumerate((cached, absent))
+    ]
+    assert [c.results[0].status for c in commits if isinstance(c, m.PutCommitReply)] == ["not_found"] * 2
+    begins = [
+        core.handle(m.PutBegin(writer_id="bob", request_id=f"b{i}", objects=[spec(k)]), 0).reply
+        for i, k in enumerate((cached, absent))
+    ]
+    assert [b.results[0].status for b in begins if isinstance(b, m.PutBeginReply)] == ["placed"] * 2
+
+    # Bob claims the chain hash of alice's next chunk first: alice still writes and reads hers.
+    core2 = new_core()
+    register(core2, "s1")
+    assert put(core2, [absent], writer="bob").results[0].status == "published"
+    assert put(core2, [key(alice_b)], writer="alice", request_id="r2").results[0].status == "published"
+    looked = core2.handle(m.Lookup(holder_id="a", groups=[alice_b.to_bytes()]), 0).reply
+    assert isinstance(looked, m.LookupReply) and looked.hit_chunks == 1
+    evicted = core2.handle(m.Evict(groups=[absent[:90]]), 0).reply  # bob evicts only his own
+    assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == "evicting"
+    looked = core2.handle(m.Lookup(holder_id="a", groups=[alice_b.to_bytes()]), 0).reply
+    assert isinstance(looked, m.LookupReply) and looked.hit_chunks == 1  # alice's is untouched
+    shown = core2.handle(m.ShowGroup(group=alice_b.to_bytes()[58:90]), 0).reply
+    assert isinstance(shown, m.GroupList) and [s.namespace[4:20] for s in shown.groups] == [DIGESTS[0]]
+    core.check_invariants()
+    core2.check_invariants()

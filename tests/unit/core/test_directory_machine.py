@@ -103,6 +103,8 @@ GROUP_IDS: dict[bytes, bytes] = {
     g.to_bytes(): parse_group(g.to_bytes()).group_id for p in PREFIXES for g in p
 }
 ALL_GROUPS: list[bytes] = list(GROUP_IDS)
+# Events and listings name a group by its chain hash; the core and this model key it by group key.
+KEY_OF_CHAIN: dict[bytes, bytes] = {gid[-32:]: gid for gid in GROUP_IDS.values()}
 
 
 def corrupt(checksum: bytes) -> bytes:
@@ -252,7 +254,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 assert eff.kind == "accessed" and eff.event.groups
                 assert len(eff.event.groups) <= m.ACCESS_BATCH_MAX
                 for h in eff.event.groups:
-                    self.hits_reported[h.group] += h.hits
+                    self.hits_reported[KEY_OF_CHAIN[h.group]] += h.hits
             else:
                 events[event_tuple(eff)] += 1
         self.check_frees(frees)
@@ -1465,9 +1467,9 @@ def event_tuple(eff: EmitEvent) -> tuple[Any, ...]:
     if isinstance(ev, m.SegmentDown):
         return (eff.kind, ev.segment_id, ev.incarnation, ev.reason)
     if isinstance(ev, m.GroupPublished):
-        return (eff.kind, ev.group, ev.chunk_index, ev.members, ev.degraded)
+        return (eff.kind, KEY_OF_CHAIN[ev.group], ev.chunk_index, ev.members, ev.degraded)
     if isinstance(ev, m.GroupUnderReplicated | m.GroupEvicted | m.GroupInvalidated):
-        return (eff.kind, ev.group)
+        return (eff.kind, KEY_OF_CHAIN[ev.group])
     raise AssertionError(f"unexpected event {eff}")
 
 

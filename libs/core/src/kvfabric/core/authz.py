@@ -162,12 +162,12 @@ def listing_allowed(message: m.ListGroups, grant: TenantGrant) -> bool:
 
 
 def check_visible(reply: m.GroupList, grant: TenantGrant, group: bytes) -> m.GroupList:
-    """`show_group`'s reply if its group lies in the grant, else the same `NotFound` a missing
-    group gets."""
-    if all(grant.owns(summary.namespace) for summary in reply.groups):
-        return reply
-    gid = group if len(group) == 32 else group[-32:]
-    raise NotFound("no such chunk group", group=gid.hex())
+    """`show_group`'s reply cut to the groups in the grant; when none is, the same `NotFound` a
+    missing group gets."""
+    own = [summary for summary in reply.groups if grant.owns(summary.namespace)]
+    if own:
+        return m.GroupList(epoch=reply.epoch, groups=own, next_after=reply.next_after)
+    raise NotFound("no such chunk group", group=group[-32:].hex())
 
 
 def merge_evict_results(requested: Sequence[bytes], own: m.EvictReply, grant: TenantGrant) -> m.EvictReply:

@@ -6,8 +6,9 @@ passed in; nothing here reads a clock, sleeps or does I/O.
 
 ## Unit of visibility: the chunk group
 A chunk group is every object of one chunk of one prefix: one per member (TP rank, PP stage,
-layer group); `tp_size × pp_size × layer_group_count` members are expected. It is identified by its chain
-hash (32 bytes, salted per share domain, so unique across tenants), and published as a whole.
+layer group); `tp_size × pp_size × layer_group_count` members are expected. It is identified by its group
+key (domain digest + chain hash, `directory_keys`; events and listings show the chain hash), and
+published as a whole.
 
 ## States of a chunk group
     (absent) --put_begin--> BUILDING --every expected member committed--> PUBLISHED
@@ -56,7 +57,7 @@ from typing import Any, Final
 
 import msgspec
 
-from kvfabric.core.directory_keys import GroupInfo, KeyInfo, parse_group, parse_key
+from kvfabric.core.directory_keys import CHAIN_BYTES, GroupInfo, KeyInfo, chain_of, parse_group, parse_key
 from kvfabric.core.directory_rebuild import SegmentHolding, plan_rebuild
 from kvfabric.core.directory_records import (
     FLAG_DEGRADED,
@@ -227,7 +228,9 @@ class DirectoryCore:
         self._namespaces: list[bytes] = []
         self._namespace_index: dict[bytes, int] = {}
         self.building: dict[bytes, _BuildingGroup] = {}
-        self.published: dict[bytes, bytes] = {}  # group id -> packed record
+        self.published: dict[bytes, bytes] = {}  # group key -> packed record
+        # chain hash -> group keys of published groups (show_group by chain hash: prefetch, kvctl)
+        self._by_chain: dict[bytes, list[bytes]] = {}
         self.evicting: dict[bytes, PublishedGroup] = {}
         self._evicting_frees: dict[bytes, int] = {}  # evicting group -> frees not yet acknowledged
         self._tickets: dict[int, tuple[bytes, Member]] = {}
@@ -504,7 +507,7 @@ class DirectoryCore:
             raise BadRequest(f"object size {spec.size_bytes} out of range 1..{self.config.object_bytes_max}")
         if len(spec.checksum) != CHECKSUM_BYTES:
             raise BadRequest(f"checksum must be {CHECKSUM_BYTES} bytes (xxh3-128)")
-        if len(spec.parent) not in (0, len(info.group.group_id)):
+        if len(spec.parent) not in (0, CHAIN_BYTES):
             raise BadRequest("parent must be empty or a 32-byte chain hash")
         return info
 
@@ -698,6 +701,7 @@ class DirectoryCore:
             tuple(members),
         )
         self.published[gid] = pack_group(group)
+        self._by_chain.setdefault(chain_of(gid), []).append(gid)
         del self.building[gid]
         self.pending_objects -= len(members)
         self._count("groups_published_total")
@@ -711,7 +715,7 @@ class DirectoryCore:
             EmitEvent(
                 "published",
                 m.GroupPublished(
-                    group=gid,
+                    group=chain_of(gid),
                     chunk_index=group.chunk_index,
                     members=len(members),
                     degraded=degraded,
@@ -723,7 +727,7 @@ class DirectoryCore:
         )
         if degraded:
             self._count("groups_degraded_total")
-            effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=gid)))
+            effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=chain_of(gid))))
         return degraded
 
     def _drop_member(self, gid: bytes, group: _BuildingGroup, member: Member, effects: list[Effect]) -> None:
@@ -810,7 +814,7 @@ class DirectoryCore:
     def _flush_hits(self, effects: list[Effect]) -> None:
         """Tell the eviction policy which groups were read (recency and frequency)."""
         if self._hits:
-            hits = [m.GroupHits(g, n) for g, n in self._hits.items()]
+            hits = [m.GroupHits(chain_of(g), n) for g, n in self._hits.items()]
             effects.append(EmitEvent("accessed", m.GroupsAccessed(groups=hits)))
             self._hits = {}
 
@@ -995,6 +999,7 @@ class DirectoryCore:
             self._count("evict_refused_pinned_total")
             return "pinned"
         del self.published[gid]
+        self._unindex(gid)
         self._unreadable.discard(gid)
         group = unpack_group(record)
         self.evicting[gid] = group
@@ -1006,7 +1011,7 @@ class DirectoryCore:
                     r.placement, r.slot, r.slot_generation, mem.size_bytes, b"", gid, effects, tenant
                 )
         self._count("groups_evicted_total")
-        effects.append(EmitEvent("evicted", m.GroupEvicted(group=gid, reason=reason)))
+        effects.append(EmitEvent("evicted", m.GroupEvicted(group=chain_of(gid), reason=reason)))
         self._maybe_forget_evicting(gid)
         return "evicting"
 
@@ -1116,6 +1121,7 @@ class DirectoryCore:
             self.quotas.add(tenant, -dead_bytes)  # replicas on dead incarnations leave the record
             if lost:
                 del self.published[gid]
+                self._unindex(gid)
                 self._unreadable.discard(gid)
                 self.quotas.add(tenant, 0, -len(members))
                 for mem in members:
@@ -1124,14 +1130,16 @@ class DirectoryCore:
                             r.placement, r.slot, r.slot_generation, mem.size_bytes, b"", b"", effects, tenant
                         )
                 self._count("groups_invalidated_total")
-                effects.append(EmitEvent("invalidated", m.GroupInvalidated(group=gid, reason="replica_lost")))
+                effects.append(
+                    EmitEvent("invalidated", m.GroupInvalidated(group=chain_of(gid), reason="replica_lost"))
+                )
             else:
                 self.published[gid] = pack_group(
                     PublishedGroup(
                         group.namespace, group.chunk_index, group.flags | FLAG_DEGRADED, tuple(members)
                     )
                 )
-                effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=gid)))
+                effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=chain_of(gid))))
 
     def _retry_frees(self, now_ms: int, effects: list[Effect]) -> None:
         for key, (size, gid, sent_ms, tenant) in list(self._freeing.items()):
@@ -1190,7 +1198,7 @@ class DirectoryCore:
                         )
                     )
             return m.GroupSummary(
-                group=gid,
+                group=chain_of(gid),
                 namespace=namespace,
                 chunk_index=group.chunk_index,
                 state="published" if record is not None else "evicting",
@@ -1205,7 +1213,7 @@ class DirectoryCore:
         if building is None:
             return None
         return m.GroupSummary(
-            group=gid,
+            group=chain_of(gid),
             namespace=building.info.namespace,
             chunk_index=building.info.chunk_index,
             state="building",
@@ -1238,17 +1246,17 @@ class DirectoryCore:
 
     def _show_group(self, req: m.ShowGroup, now_ms: int) -> Outcome:
         self._check_epoch(req.epoch)
-        if len(req.group) == 32:
-            gid = req.group
+        if len(req.group) == CHAIN_BYTES:  # every published group with this chain hash (one, unless forged)
+            keys: Sequence[bytes] = self._by_chain.get(req.group, ())
         else:
             info = parse_group(req.group)
-            gid = info.group_id
-            if gid in self.published and not self._matches(info):
-                raise NotFound("no such chunk group", group=gid.hex())  # forged identity
-        summary = self._summary(gid, with_objects=True)
-        if summary is None:
-            raise NotFound("no such chunk group", group=gid.hex())
-        return Outcome(m.GroupList(epoch=self.epoch, groups=[summary]))
+            if info.group_id in self.published and not self._matches(info):
+                raise NotFound("no such chunk group", group=chain_of(info.group_id).hex())  # other identity
+            keys = (info.group_id,)
+        summaries = [s for s in (self._summary(k, with_objects=True) for k in keys) if s is not None]
+        if not summaries:
+            raise NotFound("no such chunk group", group=req.group[-CHAIN_BYTES:].hex())
+        return Outcome(m.GroupList(epoch=self.epoch, groups=summaries))
 
     def _list_leases(self, req: m.ListLeases, now_ms: int) -> Outcome:
         self._check_epoch(req.epoch)
@@ -1451,7 +1459,7 @@ class DirectoryCore:
             tenant_of(req.key),
         )
         self._sweep_queue.append(gid)  # gone entirely if that was the member's last replica
-        effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=gid)))
+        effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=chain_of(gid))))
         return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=True), effects)
 
     # ---- rebuild (a new leader) -------------------------------------------------------------
@@ -1494,6 +1502,7 @@ class DirectoryCore:
                 tuple(records),
             )
             self.published[gid] = pack_group(group)
+            self._by_chain.setdefault(chain_of(gid), []).append(gid)
             self.quotas.add(
                 tenant_of(info.namespace),
                 sum(x.size_bytes * len(x.replicas) for x in records),
@@ -1511,7 +1520,19 @@ class DirectoryCore:
 
     # ---- checks (tests call this after every step) ---------------------------------------
 
+    def _unindex(self, gid: bytes) -> None:
+        keys = self._by_chain[chain_of(gid)]
+        keys.remove(gid)
+        if not keys:
+            del self._by_chain[chain_of(gid)]
+
     def check_invariants(self) -> None:
+        indexed = sorted(k for keys in self._by_chain.values() for k in keys)
+        invariant(indexed == sorted(self.published), "chain index differs from the published groups")
+        invariant(
+            all(chain_of(k) == c for c, keys in self._by_chain.items() for k in keys),
+            "chain index key mismatch",
+        )
         reserved: dict[str, int] = {}
 
         def add(placement: int, size: int) -> None:

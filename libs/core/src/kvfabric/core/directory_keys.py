@@ -1,9 +1,12 @@
 """What the directory core needs from a binary key or chunk group id (pure, fast path).
 
-The directory indexes a chunk group by its chain hash (32 bytes, salted per share domain, so
-unique across tenants and models) and interns the rest of the identity (format, domain, model,
-TP/PP/layer-group sizes, chunk size, layout) as a "namespace". A caller that pairs a known chain
-hash with other namespace fields is refused: every lookup compares both.
+The directory indexes a chunk group by its *group key*: the share domain's digest (16 bytes)
+followed by the chain hash (32 bytes, salted per share domain). The domain is part of the key so
+that one tenant can never reach, claim or probe another's group by writing its own domain digest
+into a chain hash it learned (the chain hash alone is what events and listings show:
+`chain_of`). The rest of the identity (format, model, TP/PP/layer-group sizes, chunk size,
+layout) is interned as a "namespace"; a caller that pairs a known group key with other namespace
+fields is refused: every verb compares both.
 """
 
 from __future__ import annotations
@@ -13,17 +16,25 @@ from dataclasses import dataclass
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.key import CHUNK_GROUP_BYTES, KEY_BYTES, ChunkGroupId, KVKey
 
-__all__ = ["GroupInfo", "KeyInfo", "parse_group", "parse_key"]
+__all__ = ["CHAIN_BYTES", "GROUP_KEY_BYTES", "GroupInfo", "KeyInfo", "chain_of", "parse_group", "parse_key"]
 
 # Byte ranges inside ChunkGroupId.to_bytes() (see kvfabric.format.key's layout table).
 _NAMESPACE = slice(0, 54)
 _CHUNK_INDEX = slice(54, 58)
 _CHAIN = slice(58, 90)
+_DOMAIN = slice(4, 20)
+CHAIN_BYTES = 32
+GROUP_KEY_BYTES = 48  # domain digest + chain hash
+
+
+def chain_of(group_key: bytes) -> bytes:
+    """The chain hash of a group key: what events, listings and `show_group` use."""
+    return group_key[-CHAIN_BYTES:]
 
 
 @dataclass(frozen=True, slots=True)
 class GroupInfo:
-    group_id: bytes  # the chain hash
+    group_id: bytes  # the group key: domain digest + chain hash (48 bytes)
     namespace: bytes
     chunk_index: int
     expected_members: int
@@ -38,7 +49,7 @@ class KeyInfo:
 def _group_info(raw: bytes) -> GroupInfo:
     gid = ChunkGroupId.from_bytes(raw)  # validates versions, sizes and ranges
     return GroupInfo(
-        group_id=bytes(raw[_CHAIN]),
+        group_id=bytes(raw[_DOMAIN]) + bytes(raw[_CHAIN]),
         namespace=bytes(raw[_NAMESPACE]),
         chunk_index=int.from_bytes(raw[_CHUNK_INDEX], "little"),
         expected_members=gid.tp_size * gid.pp_size * gid.layer_group_count,
