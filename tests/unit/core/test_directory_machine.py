@@ -1085,6 +1085,11 @@ class DirectoryMachine(RuleBasedStateMachine):
         asked = [(pool or ALL_GROUPS)[p % len(pool or ALL_GROUPS)] for p in picks]
         gids = tuple(GROUP_IDS[g] for g in asked if GROUP_IDS[g] in self.published)
         req = m.Pin(holder_id=holder, groups=asked, ttl_ms=ttl, epoch=self.epoch())
+        if not gids:  # nothing published to protect: no pin is held, whatever the table holds
+            before = self.snapshot()
+            assert self.handle(req) == m.PinReply(epoch=EPOCH, pin_id=0, pinned_groups=0, expires_ms=0)
+            assert self.snapshot() == before
+            return
         if sum(1 for lz in self.leases.values() if lz.is_pin) >= CONFIG.pins_max:
             before = self.snapshot()
             self.expect_error(req, Busy)

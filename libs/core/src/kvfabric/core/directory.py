@@ -957,6 +957,8 @@ class DirectoryCore:
         parsed = [parse_group(g) for g in req.groups]
         self._check_rate(req.groups, now_ms)
         gids = tuple(g.group_id for g in parsed if self._matches(g))
+        if not gids:  # nothing to protect: no pin is held (an empty pin would only fill the table)
+            return Outcome(m.PinReply(epoch=self.epoch, pin_id=0, pinned_groups=0, expires_ms=0))
         pin_id, expires = self._grant(req.holder_id, gids, now_ms + req.ttl_ms, is_pin=True)
         return Outcome(
             m.PinReply(epoch=self.epoch, pin_id=pin_id, pinned_groups=len(gids), expires_ms=expires)
