@@ -10,6 +10,7 @@ shared domain granted to both is the one way to share. A forged or expired ticke
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import ssl
 import time
@@ -32,7 +33,7 @@ from kvfabric.dataplane.addresses import split_host_port
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.dataplane.tls import client_context
 from kvfabric.format.checksum import checksum
-from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, NotFound, Unauthorized
+from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, NotFound, RateLimited, Unauthorized
 from kvfabric.format.key import ChunkGroupId, KVKey, ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
@@ -422,3 +423,35 @@ def test_replies_go_only_to_the_tenants_own_inbox(secure: Secure) -> None:
             await admin.close()
 
     assert asyncio.run(run()) == []
+
+
+def test_requests_that_name_no_key_are_rate_limited_by_the_tenants_home_domain(tmp_path: Path) -> None:
+    """Listing and showing name no key, so the core cannot charge a domain for them: the shell
+    charges the tenant's own domain, and its rate limit holds for them too."""
+    doc = write_auth(tmp_path / "auth", plan_auth(["alice", "bob"]), tls=True)
+    bob_home = doc["grants"]["bob"][0]
+    quotas = json.dumps({bob_home: {"requests_per_s": 0.5, "burst": 2}})
+    with NatsServer(tmp_path / "nats", extra_args=["-c", doc["conf"]]) as server:
+        secure = Secure(server, doc)
+        with directory_process(server, **secure.env("svc-directory"), KVF_DIRECTORY_TENANT_QUOTAS=quotas):
+
+            async def run() -> list[str]:
+                nc = await nats.connect(server.url, **secure.tenant_auth("bob").connect_options())
+                outcomes = []
+                try:
+                    for _ in range(3):
+                        try:
+                            await as_tenant(
+                                nc, "bob", "list_groups", m.ListGroups(domain_digest=bytes.fromhex(bob_home))
+                            )
+                            outcomes.append("ok")
+                        except RateLimited:
+                            outcomes.append("rate_limited")
+                    release = m.LeaseRelease(holder_id="b", lease_id=1)
+                    with pytest.raises(NotFound):  # releases are never refused for the rate
+                        await as_tenant(nc, "bob", "lease_release", release)
+                finally:
+                    await nc.close()
+                return outcomes
+
+            assert asyncio.run(run()) == ["ok", "ok", "rate_limited"]

@@ -3,6 +3,7 @@ the core's own refusal of forged identities (a known chain hash under another do
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -163,3 +164,25 @@ def test_a_forged_domain_can_neither_claim_nor_probe_another_domains_chain_hash(
     assert isinstance(shown, m.GroupList) and [s.namespace[4:20] for s in shown.groups] == [DIGESTS[0]]
     core.check_invariants()
     core2.check_invariants()
+
+
+def test_every_tenant_request_but_a_release_costs_a_token_somewhere() -> None:
+    from kvfabric.core.authz import charge_home
+
+    own = GROUPS[0][:1]
+    assert not charge_home("lookup", m.Lookup(holder_id="h", groups=own))  # the core charges own groups
+    assert charge_home("lookup", m.Lookup(holder_id="h", groups=[]))  # all foreign: the home domain
+    assert charge_home("pin", m.Pin(holder_id="h", groups=[], ttl_ms=1))
+    charged: list[tuple[str, msgspec.Struct]] = [
+        ("list_groups", m.ListGroups()),
+        ("show_group", m.ShowGroup(group=own[0])),
+        ("evict", m.Evict(groups=[])),
+        ("lease_renew", m.LeaseRenew(holder_id="h", lease_id=1)),
+    ]
+    assert all(charge_home(verb, msg) for verb, msg in charged)
+    released: list[tuple[str, msgspec.Struct]] = [
+        ("lease_release", m.LeaseRelease(holder_id="h", lease_id=1)),
+        ("unpin", m.Unpin(holder_id="h", pin_id=1)),
+        ("put_abort", m.PutAbort(writer_id="w", request_id="r", keys=[])),
+    ]
+    assert not any(charge_home(verb, msg) for verb, msg in released)  # giving back is never refused

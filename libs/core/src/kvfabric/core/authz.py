@@ -52,6 +52,7 @@ __all__ = [
     "TENANT_VERBS",
     "TenantGrant",
     "authorize",
+    "charge_home",
     "check_visible",
     "listing_allowed",
     "merge_evict_results",
@@ -86,6 +87,7 @@ class TenantGrant:
 
     tenant: str
     domains: frozenset[bytes]
+    home: bytes = b""  # the tenant's own domain: charged for requests that name none (rate limit)
 
     def __post_init__(self) -> None:
         invariant(
@@ -94,6 +96,7 @@ class TenantGrant:
             tenant=self.tenant,
         )
         invariant(all(len(d) == DOMAIN_DIGEST_BYTES for d in self.domains), "domain digests are 16 bytes")
+        invariant(not self.home or self.home in self.domains, "the home domain must be granted")
 
     def owns(self, raw: bytes) -> bool:
         """Whether a key, chunk group id or namespace lies in one of the granted domains."""
@@ -154,6 +157,23 @@ def _authorize_list(message: m.ListGroups, grant: TenantGrant) -> m.ListGroups:
         raise BadRequest("name a domain_digest: this tenant has several share domains")
     (only,) = grant.domains
     return msgspec.structs.replace(message, domain_digest=only)
+
+
+# Verbs the core rate-limits by the domains of the keys or groups they name; releases (lease
+# release, unpin, put abort) are never limited: they give resources back.
+_CHARGED_BY_CORE: Final = frozenset({"lookup", "pin", "put_begin", "put_commit"})
+_NEVER_CHARGED: Final = frozenset({"lease_release", "unpin", "put_abort"})
+
+
+def charge_home(verb: str, authorized: msgspec.Struct) -> bool:
+    """Whether the shell must charge the tenant's home domain for this authorized request: it
+    names no domain the core would charge (listing, showing, evicting, renewing, or a lookup/pin
+    whose groups were all outside the grant). Every tenant request costs a token somewhere."""
+    if verb in _NEVER_CHARGED:
+        return False
+    if verb in _CHARGED_BY_CORE:
+        return isinstance(authorized, m.Lookup | m.Pin) and not authorized.groups
+    return True
 
 
 def listing_allowed(message: m.ListGroups, grant: TenantGrant) -> bool:

@@ -360,6 +360,15 @@ class DirectoryCore:
             _, (_, n) = self._reply_cache.popitem(last=False)
             self._reply_cache_objects -= n
 
+    def charge_domains(self, domain_digests: Iterable[bytes], now_ms: int) -> None:
+        """Charge one request to these share domains' rate limits (the shell, for tenant requests
+        that name no key); raises `RateLimited` and charges nothing when one is out of tokens."""
+        wait_ms = self.quotas.charge((Tenant(d) for d in domain_digests), now_ms)
+        if wait_ms:
+            raise RateLimited(
+                f"request rate over the tenant's limit; retry in {wait_ms} ms", retry_after_ms=wait_ms
+            )
+
     def _check_rate(self, raw_ids: Iterable[bytes], now_ms: int) -> None:
         """Charge one request to the tenants of these keys / chunk group ids (all or none)."""
         if not self.quotas.rate_limited:

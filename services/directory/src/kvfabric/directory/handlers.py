@@ -131,6 +131,8 @@ class DirectoryShell:
             except Unauthorized:
                 self.tenant_refused += 1
                 raise
+            if grant.home and authz.charge_home(verb, authorized):
+                self.core.charge_domains([grant.home], now_ms())
             reply = await self._tenant_reply(message, authorized, grant)
             return reply
 

@@ -132,7 +132,8 @@ def parse_grants(name: str, raw: str) -> dict[str, TenantGrant]:
             if len(digest) != 16:
                 raise SettingsError(f"{name}[{tenant}]: {digest_hex!r} is not a domain digest (32 hex)")
             domains.add(digest)
-        grants[tenant] = TenantGrant(tenant=tenant, domains=frozenset(domains))
+        home = bytes.fromhex(digests[0])  # the tenant's own domain is listed first
+        grants[tenant] = TenantGrant(tenant=tenant, domains=frozenset(domains), home=home)
     return grants
 
 
