@@ -102,7 +102,10 @@ def test_a_hinted_prefix_is_loaded_from_the_local_segment(nats_server: NatsServe
                 and reply.objects_queued == CHUNKS
             )
         again = asyncio.run(ask(nats_server.url, "hint", hint_for(hinted[0], "req-0")))
-        assert isinstance(again, p.HintReply) and again.status == "deduped"
+        # Deduplicated while req-0 is still live; if its copies already finished, nothing is queued.
+        assert isinstance(again, p.HintReply) and (
+            again.status == "deduped" or (again.status == "accepted" and again.objects_queued == 0)
+        )
         bad = msgspec.structs.replace(hint_for(hinted[0], "req-bad"), target_segment="no such/segment")
         with pytest.raises(BadRequest):
             asyncio.run(ask(nats_server.url, "hint", bad))

@@ -88,6 +88,7 @@ class PrefetchShell:
         self._copies: set[asyncio.Task[None]] = set()
         self._log = get_logger("kvfabric.prefetch")
         self.busy_resolving = 0
+        self._last_ms = 0  # the latest time given to the core (it refuses time going backwards)
 
     def attach(self, runtime: ServiceRuntime) -> None:
         runtime.add_endpoint("hint", self._on_hint)
@@ -129,6 +130,13 @@ class PrefetchShell:
         finally:
             self._resolving -= 1
 
+    def _now(self) -> int:
+        """Wall-clock ms for the core (hint deadlines are wall clock), never earlier than a time
+        already given to it: read right before each core call, never across an await (the
+        ticker may have advanced the core meanwhile)."""
+        self._last_ms = max(self._last_ms, now_ms())
+        return self._last_ms
+
     async def _add(self, hint: p.PrefetchHint) -> p.HintReply:
         now = now_ms()
         ttl = min(LEASE_TTL_MS_MAX, hint.deadline_ms - now)
@@ -152,7 +160,7 @@ class PrefetchShell:
         if not objects:
             return p.HintReply(hint_id=hint.hint_id, status="accepted", objects_queued=0)
         result = self.core.add_hint(
-            Hint(hint.hint_id, hint.tenant, hint.target_segment, objects, hint.deadline_ms), now
+            Hint(hint.hint_id, hint.tenant, hint.target_segment, objects, hint.deadline_ms), self._now()
         )
         if isinstance(result, Accepted) and result.objects_queued:
             self._leases[hint.hint_id] = found.lease_id
@@ -193,7 +201,7 @@ class PrefetchShell:
 
     async def _ticker(self) -> None:
         while True:
-            for effect in self.core.tick(now_ms()):
+            for effect in self.core.tick(self._now()):
                 if isinstance(effect, StartCopy):
                     task = asyncio.create_task(self._copy(effect))
                     self._copies.add(task)
@@ -221,7 +229,7 @@ class PrefetchShell:
             self._log.info("copy_failed", copy_id=start.copy_id, error=getattr(exc, "code", "timeout"))
             outcome = "failed"
         for effect in self.core.copy_finished(
-            start.copy_id, outcome in ("copied", "already_there"), now_ms()
+            start.copy_id, outcome in ("copied", "already_there"), self._now()
         ):
             if isinstance(effect, ReleaseCopy) and effect.reason == "unwanted":
                 # Published by its confirm although nobody waits for it any more: an ordinary
@@ -238,7 +246,6 @@ class PrefetchShell:
         if not isinstance(event, m.GroupsAccessed):
             return
         hottest = sorted(event.groups, key=lambda h: -h.hits)[: self.hot_groups_per_event_max]
-        now = now_ms()
         for hit in hottest:
             if hit.hits * 1000 / max(1, self.tick_ms) < self.core.config.cold_reads_per_s:
                 continue  # not worth a directory query
@@ -249,6 +256,7 @@ class PrefetchShell:
             if not isinstance(shown, m.GroupList) or not shown.groups:
                 continue
             summary = shown.groups[0]
+            now = self._now()  # after the show_group await
             group_id = summary.namespace + summary.chunk_index.to_bytes(4, "little") + summary.group
             for obj in summary.objects:
                 if not obj.replicas:
@@ -276,7 +284,7 @@ class PrefetchShell:
                             if s.up and not s.draining
                         }
                     )
-                for cold in self.core.cold_extra_replicas(now_ms()):
+                for cold in self.core.cold_extra_replicas(self._now()):
                     await self._drop_extra(cold.object_id, cold.segment)
             except KvfError as exc:
                 self._log.info("scan_failed", code=exc.code)
