@@ -90,10 +90,10 @@ def check_auth(services: dict[str, Any], kvfabric_services: dict[str, Any]) -> l
             and env.get("KVF_DIRECTORY_TENANT_GRANTS_FILE") != "/auth/grants.json"
         ):
             problems.append(f"{name}: KVF_DIRECTORY_TENANT_GRANTS_FILE must be /auth/grants.json")
-    secret = str(
-        next(iter(kvfabric_services.values()), {}).get("environment", {}).get("KVF_CLUSTER_SECRET", "")
-    )
-    if ":?" not in secret:
+    secrets = {
+        str(svc.get("environment", {}).get("KVF_CLUSTER_SECRET", "")) for svc in kvfabric_services.values()
+    }
+    if not secrets or any(":?" not in secret for secret in secrets):
         problems.append("KVF_CLUSTER_SECRET must be required (${KVF_CLUSTER_SECRET:?...}), never defaulted")
     if any(str(p).split(":")[-1] == "8222" for p in nats.get("ports", [])):
         problems.append("nats: the monitoring port 8222 must not be published")

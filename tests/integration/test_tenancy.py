@@ -33,7 +33,15 @@ from kvfabric.dataplane.addresses import split_host_port
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.dataplane.tls import client_context
 from kvfabric.format.checksum import checksum
-from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, NotFound, RateLimited, Unauthorized
+from kvfabric.format.errors import (
+    BadRequest,
+    Busy,
+    Indeterminate,
+    KvfError,
+    NotFound,
+    RateLimited,
+    Unauthorized,
+)
 from kvfabric.format.key import ChunkGroupId, KVKey, ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
@@ -455,3 +463,38 @@ def test_requests_that_name_no_key_are_rate_limited_by_the_tenants_home_domain(t
                 return outcomes
 
             assert asyncio.run(run()) == ["ok", "ok", "rate_limited"]
+
+
+def test_one_tenant_holds_at_most_a_quarter_of_the_inflight_slots(tmp_path: Path) -> None:
+    """Padded lookups hold their slot for the pad: bob floods the directory with 40 at once and
+    gets at most a quarter of its 64 slots (the rest `busy`), while alice is served meanwhile."""
+    doc = write_auth(tmp_path / "auth", plan_auth(["alice", "bob"]), tls=True)
+    with NatsServer(tmp_path / "nats", extra_args=["-c", doc["conf"]]) as server:
+        secure = Secure(server, doc)
+        with directory_process(
+            server, **secure.env("svc-directory"), KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS="400"
+        ):
+
+            async def run() -> tuple[list[str], bool]:
+                bob = await nats.connect(server.url, **secure.tenant_auth("bob").connect_options())
+                alice = await nats.connect(server.url, **secure.tenant_auth("alice").connect_options())
+
+                async def one(nc: NatsClient, tenant: str) -> str:
+                    try:
+                        await as_tenant(nc, tenant, "lookup", m.Lookup(holder_id="h", groups=[]))
+                        return "ok"
+                    except Busy:
+                        return "busy"
+
+                try:
+                    flood = [asyncio.create_task(one(bob, "bob")) for _ in range(40)]
+                    await asyncio.sleep(0.1)
+                    served = await one(alice, "alice") == "ok"
+                    return list(await asyncio.gather(*flood)), served
+                finally:
+                    await bob.close()
+                    await alice.close()
+
+            outcomes, alice_served = asyncio.run(run())
+            assert outcomes.count("ok") == 16 and outcomes.count("busy") == 24
+            assert alice_served

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfabric.core.authz import TENANT_VERBS, TenantGrant, authorize, check_visible, merge_evict_results
-from kvfabric.format.errors import BadRequest, NotFound, Unauthorized
+from kvfabric.format.errors import BadRequest, Busy, NotFound, Unauthorized
 from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from tests.unit.core.dirkit import MODEL, key, layout, new_core, put, register, spec
@@ -186,3 +186,25 @@ def test_every_tenant_request_but_a_release_costs_a_token_somewhere() -> None:
         ("put_abort", m.PutAbort(writer_id="w", request_id="r", keys=[])),
     ]
     assert not any(charge_home(verb, msg) for verb, msg in released)  # giving back is never refused
+
+
+def test_one_tenant_cannot_fill_the_shared_lease_and_pin_tables() -> None:
+    core = new_core(tenant_leases_max=2, tenant_pins_max=1)
+    register(core, "s1")
+    g = chunk_groups_for_prefix(DOMAINS[0], MODEL, layout(), [1, 2, 3, 4])[0]
+    put(core, [key(g)])
+    lookup = m.Lookup(holder_id="alice/engine", groups=[g.to_bytes()])
+    leases = [core.handle(lookup, 0).reply for _ in range(2)]
+    with pytest.raises(Busy):
+        core.handle(lookup, 0)  # alice's share is full ...
+    other = core.handle(m.Lookup(holder_id="bob/engine", groups=[g.to_bytes()]), 0).reply
+    assert isinstance(other, m.LookupReply) and other.lease_id  # ... bob's is not
+    first = leases[0]
+    assert isinstance(first, m.LookupReply)
+    core.handle(m.LeaseRelease(holder_id="alice/engine", lease_id=first.lease_id), 0)
+    assert isinstance(core.handle(lookup, 0).reply, m.LookupReply)  # a release gives the slot back
+    pin = m.Pin(holder_id="alice/engine", groups=[g.to_bytes()], ttl_ms=1000)
+    core.handle(pin, 0)
+    with pytest.raises(Busy):
+        core.handle(pin, 0)
+    core.check_invariants()

@@ -91,6 +91,12 @@ SLOT_MAX: Final = 2**32 - 1  # the published record packs slots as u32 ...
 GENERATION_MAX: Final = 2**64 - 1  # ... and generations as u64 (a generation starts at 1)
 
 
+def _scope_of(holder_id: str) -> str | None:
+    """The tenant a holder id was scoped to by the directory shell (`<tenant>/<holder>`), if any."""
+    scope, sep, _ = holder_id.partition("/")
+    return scope if sep else None
+
+
 @dataclass(frozen=True, slots=True)
 class DirectoryConfig:
     ticket_secret: bytes
@@ -113,6 +119,10 @@ class DirectoryConfig:
     tenant_quota_default: TenantQuota = UNLIMITED
     tenant_quotas: Mapping[bytes, TenantQuota] = field(default_factory=dict)
     tenants_max: int = 10_000  # token buckets and rejection counts kept (least recently used go)
+    # Leases and pins one authenticated tenant may hold at once (its holder ids are scoped
+    # `<tenant>/<holder>` by the directory shell), so no tenant fills the shared tables.
+    tenant_leases_max: int = 50_000
+    tenant_pins_max: int = 2_500
 
 
 # ---- effects -------------------------------------------------------------------------------
@@ -231,6 +241,8 @@ class DirectoryCore:
         self.published: dict[bytes, bytes] = {}  # group key -> packed record
         # chain hash -> group keys of published groups (show_group by chain hash: prefetch, kvctl)
         self._by_chain: dict[bytes, list[bytes]] = {}
+        # (tenant scope of the holder id, is_pin) -> leases or pins held (tenant holders only)
+        self._scope_held: dict[tuple[str, bool], int] = {}
         self.evicting: dict[bytes, PublishedGroup] = {}
         self._evicting_frees: dict[bytes, int] = {}  # evicting group -> frees not yet acknowledged
         self._tickets: dict[int, tuple[bytes, Member]] = {}
@@ -906,6 +918,13 @@ class DirectoryCore:
         if held >= limit:
             self._count("busy_pins_total" if is_pin else "busy_leases_total")
             raise Busy("lease table full; retry later", limit=limit)
+        scope = _scope_of(holder_id)
+        if scope is not None:
+            scope_limit = self.config.tenant_pins_max if is_pin else self.config.tenant_leases_max
+            if self._scope_held.get((scope, is_pin), 0) >= scope_limit:
+                self._count("busy_tenant_pins_total" if is_pin else "busy_tenant_leases_total")
+                raise Busy("this tenant holds its share of the lease table; retry later", limit=scope_limit)
+            self._scope_held[(scope, is_pin)] = self._scope_held.get((scope, is_pin), 0) + 1
         lease_id = next(self._ids)
         self._leases[lease_id] = _Lease(holder_id, groups, expires_ms, is_pin)
         self._pins_held += is_pin
@@ -918,6 +937,13 @@ class DirectoryCore:
     def _end_lease(self, lease_id: int) -> None:
         lease = self._leases.pop(lease_id)
         self._pins_held -= lease.is_pin
+        scope = _scope_of(lease.holder_id)
+        if scope is not None:
+            left = self._scope_held[(scope, lease.is_pin)] - 1
+            if left:
+                self._scope_held[(scope, lease.is_pin)] = left
+            else:
+                del self._scope_held[(scope, lease.is_pin)]
         counts = self._pin_count if lease.is_pin else self._lease_count
         for gid in lease.groups:
             left = counts[gid] - 1
@@ -1538,6 +1564,11 @@ class DirectoryCore:
             del self._by_chain[chain_of(gid)]
 
     def check_invariants(self) -> None:
+        scoped: dict[tuple[str, bool], int] = {}
+        for lease in self._leases.values():
+            if (scope := _scope_of(lease.holder_id)) is not None:
+                scoped[(scope, lease.is_pin)] = scoped.get((scope, lease.is_pin), 0) + 1
+        invariant(scoped == self._scope_held, "per-tenant lease counts differ from the leases held")
         indexed = sorted(k for keys in self._by_chain.values() for k in keys)
         invariant(indexed == sorted(self.published), "chain index differs from the published groups")
         invariant(

@@ -18,7 +18,9 @@ Lifecycle (`state`): created → starting → running → stopping → stopped.
 
 Tenant endpoints (`add_tenant_endpoint`) listen on `kvf.v1.<service>.t.*.<verb>`; their handler
 also gets the tenant token of the subject the request arrived on (NATS permissions guarantee the
-sender is that tenant: docs/security.md).
+sender is that tenant: docs/security.md). A tenant request is dropped unless its reply subject is
+the tenant's own inbox, and one tenant holds at most `tenant_inflight_max` (a quarter of
+`inflight_max`) slots: more is `Busy`.
 
 Handler contract: `async (request_bytes, headers) -> msgspec.Struct`; raise a `KvfError` for an
 expected error (sent as a typed error reply, see `replies`). Any other exception is a 500
@@ -158,6 +160,10 @@ class ServiceRuntime:
         self.group = service_group(service)
         self.metrics = ServiceMetrics(service.value)
         self._limiter = InflightLimiter(settings.inflight_max)
+        # One tenant may hold at most this many of the in-flight slots (tenant endpoints), so a
+        # busy or padded tenant cannot starve the others or the services.
+        self.tenant_inflight_max = max(1, settings.inflight_max // 4)
+        self._tenant_inflight: dict[str, int] = {}
         self._endpoints: dict[str, _Endpoint] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._state = RuntimeState.CREATED
@@ -369,12 +375,19 @@ class ServiceRuntime:
             # rights) to any subject. Dropped unanswered.
             self._finish(endpoint, Outcome.ERROR, received_s, "foreign_reply_subject")
             return
+        tenant = request.subject.split(".")[4] if endpoint.tenant_handler is not None else None
+        if tenant is not None and self._tenant_inflight.get(tenant, 0) >= self.tenant_inflight_max:
+            await self._reject_busy(endpoint, request, received_s)  # its share of the slots is taken
+            return
         if self._state is not RuntimeState.RUNNING or not self._limiter.try_acquire():
             await self._reject_busy(endpoint, request, received_s)
             return
+        if tenant is not None:
+            self._tenant_inflight[tenant] = self._tenant_inflight.get(tenant, 0) + 1
         self.metrics.inflight.set(self._limiter.count)
         task = asyncio.create_task(
-            self._handle(endpoint, request, received_s), name=f"kvf-{self.service.value}-{endpoint.verb}"
+            self._handle(endpoint, request, received_s, tenant),
+            name=f"kvf-{self.service.value}-{endpoint.verb}",
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -392,13 +405,21 @@ class ServiceRuntime:
             await self._reply_error(request, err)
             self._finish(endpoint, outcome, received_s, err.code)
 
-    async def _handle(self, endpoint: _Endpoint, request: MicroRequest, received_s: float) -> None:
+    async def _handle(
+        self, endpoint: _Endpoint, request: MicroRequest, received_s: float, tenant: str | None = None
+    ) -> None:
         """One request in its own task (so contextvars bound here stay here)."""
         headers = request.headers or {}
         try:
             with request_context(subject=endpoint.subject, headers=headers, **self._identity):
                 await self._run_handler(endpoint, request, headers, received_s)
         finally:
+            if tenant is not None:
+                left = self._tenant_inflight[tenant] - 1
+                if left:
+                    self._tenant_inflight[tenant] = left
+                else:
+                    del self._tenant_inflight[tenant]
             self._limiter.release()
             self.metrics.inflight.set(self._limiter.count)
 

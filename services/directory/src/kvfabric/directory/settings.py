@@ -17,6 +17,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TENANT_QUOTAS` | `{}` | JSON `{"<32 hex domain digest>": QUOTA}`: limits of listed tenants |
 | `KVF_DIRECTORY_TENANT_DEFAULT_QUOTA` | `{}` (unlimited) | JSON QUOTA of every tenant not listed |
 | `KVF_DIRECTORY_TENANTS_MAX` | 10000 | token buckets / rejection counts kept (least recently used go) |
+| `KVF_DIRECTORY_TENANT_LEASES_MAX` / `_PINS_MAX` | 50000 / 2500 | leases / pins one tenant may hold |
 | `KVF_DIRECTORY_TENANT_GRANTS` | `{}` | JSON `{"<tenant>": [DIGEST, ...]}` (see below) |
 | `KVF_DIRECTORY_TENANT_GRANTS_FILE` | unset | a file holding the GRANTS JSON (wins over the variable) |
 | `KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS` | 0 (off) | pad tenant lookup replies to this many ms |
@@ -85,6 +86,8 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         ),
         tenant_quota_default=_parse_default(env.get("KVF_DIRECTORY_TENANT_DEFAULT_QUOTA", "")),
         tenants_max=env_int(env, "KVF_DIRECTORY_TENANTS_MAX", 10_000, 1, 10_000_000),
+        tenant_leases_max=env_int(env, "KVF_DIRECTORY_TENANT_LEASES_MAX", 50_000, 1, 10_000_000),
+        tenant_pins_max=env_int(env, "KVF_DIRECTORY_TENANT_PINS_MAX", 2_500, 1, 10_000_000),
     )
     return DirectorySettings(
         core=core,
