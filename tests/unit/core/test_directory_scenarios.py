@@ -315,9 +315,9 @@ def test_lookup_hits_are_batched_into_one_accessed_event_per_tick() -> None:
     assert events == [
         m.GroupsAccessed(
             groups=[
-                m.GroupHits(bytes(gs[0].chain_hash), 2),
-                m.GroupHits(bytes(gs[1].chain_hash), 1),
-                m.GroupHits(bytes(gs[2].chain_hash), 1),
+                m.GroupHits(bytes(gs[0].chain_hash), 2, bytes(gs[0].domain_digest)),
+                m.GroupHits(bytes(gs[1].chain_hash), 1, bytes(gs[1].domain_digest)),
+                m.GroupHits(bytes(gs[2].chain_hash), 1, bytes(gs[2].domain_digest)),
             ]
         )
     ]

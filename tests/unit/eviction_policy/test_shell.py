@@ -23,6 +23,9 @@ def shell(**quotas: TenantQuota) -> EvictionShell:
     return EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
 
 
+A = b"A" * 16  # NAMESPACE_A's share domain digest
+
+
 def chain(i: int) -> bytes:
     return i.to_bytes(32, "little")
 
@@ -46,14 +49,14 @@ def test_events_drive_the_core_and_victims_map_back_to_group_ids() -> None:
     sh.apply(m.SegmentUp(segment_id="s2", incarnation=1, capacity_bytes=100), 0)
     sh.apply(published(1, s1=30, s2=30), 1)
     sh.apply(published(2, parent=1, s1=30), 2)
-    sh.apply(m.GroupsAccessed(groups=[m.GroupHits(chain(1), 2)]), 3)
-    assert sh.core.used_bytes("s1") == 60 and sh.core.tenant_bytes(b"A" * 16) == 90
+    sh.apply(m.GroupsAccessed(groups=[m.GroupHits(chain(1), 2, A)]), 3)
+    assert sh.core.used_bytes("s1") == 60 and sh.core.tenant_bytes(A) == 90
     (batch,) = sh.core.tick(4)  # s1 at 60 % > 50 %: the tail (2) before its head (1)
-    assert isinstance(batch, EvictBatch) and batch.victims == (chain(2), chain(1))
-    assert sh._group_ids[chain(2)] == group_id_of(NAMESPACE_A, 1, chain(2))
-    assert len(sh._group_ids[chain(2)]) == 90
-    sh.apply(m.GroupEvicted(group=chain(2), reason="policy"), 5)  # the event can overtake the reply
-    assert chain(2) not in sh.core and chain(2) not in sh._group_ids
+    assert isinstance(batch, EvictBatch) and batch.victims == (A + chain(2), A + chain(1))
+    assert sh._group_ids[A + chain(2)] == group_id_of(NAMESPACE_A, 1, chain(2))
+    assert len(sh._group_ids[A + chain(2)]) == 90
+    sh.apply(m.GroupEvicted(group=chain(2), reason="policy", domain=A), 5)  # may overtake the reply
+    assert A + chain(2) not in sh.core and A + chain(2) not in sh._group_ids
     sh.apply(m.SegmentDown(segment_id="s2", incarnation=1, reason="heartbeat_timeout"), 6)
     assert sh.core.used_bytes("s2") == 0 and sh.core.tenant_bytes(b"A" * 16) == 30  # 1 lives on in s1
     sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 7)
@@ -115,3 +118,15 @@ def test_settings_reject_inverted_watermarks_and_unknown_policies() -> None:
         )
     with pytest.raises(SettingsError):
         load_eviction_settings({"KVF_EVICTION_POLICY": "fifo"})
+
+
+def test_two_domains_with_one_chain_hash_stay_two_groups() -> None:
+    """A tenant that forged another domain's chain hash gets its own directory group; the policy
+    must keep the two apart (review finding: it conflated them and lost track of the real one)."""
+    sh = shell()
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1000), 0)
+    sh.apply(published(1, s1=40), 1)
+    sh.apply(published(1, namespace=NAMESPACE_B, s1=5), 2)  # B's group, same chain hash
+    assert len(sh.core) == 2 and sh.core.tenant_bytes(b"B" * 16) == 5
+    sh.apply(m.GroupEvicted(group=chain(1), reason="policy", domain=b"B" * 16), 3)
+    assert A + chain(1) in sh.core and sh._group_ids[A + chain(1)] == group_id_of(NAMESPACE_A, 0, chain(1))

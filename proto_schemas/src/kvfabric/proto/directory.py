@@ -543,6 +543,7 @@ class GroupPublished(_Msg, frozen=True, kw_only=True, tag="dir.ev.published.v1")
 class GroupHits(msgspec.Struct, frozen=True, array_like=True):
     group: bytes  # chain hash
     hits: int
+    domain: bytes = b""  # the share domain digest: (domain, chain hash) names the group
 
 
 class GroupsAccessed(_Msg, frozen=True, kw_only=True, tag="dir.ev.accessed.v1"):
@@ -554,16 +555,19 @@ class GroupsAccessed(_Msg, frozen=True, kw_only=True, tag="dir.ev.accessed.v1"):
 
 class GroupUnderReplicated(_Msg, frozen=True, kw_only=True, tag="dir.ev.under_replicated.v1"):
     group: bytes
+    domain: bytes = b""  # share domain digest: two domains may hold the same chain hash
 
 
 class GroupEvicted(_Msg, frozen=True, kw_only=True, tag="dir.ev.evicted.v1"):
     group: bytes
     reason: str
+    domain: bytes = b""  # share domain digest: two domains may hold the same chain hash
 
 
 class GroupInvalidated(_Msg, frozen=True, kw_only=True, tag="dir.ev.invalidated.v1"):
     group: bytes
     reason: str
+    domain: bytes = b""  # share domain digest: two domains may hold the same chain hash
 
 
 DirectoryRequest = (

@@ -57,7 +57,15 @@ from typing import Any, Final
 
 import msgspec
 
-from kvfabric.core.directory_keys import CHAIN_BYTES, GroupInfo, KeyInfo, chain_of, parse_group, parse_key
+from kvfabric.core.directory_keys import (
+    CHAIN_BYTES,
+    GroupInfo,
+    KeyInfo,
+    chain_of,
+    domain_of,
+    parse_group,
+    parse_key,
+)
 from kvfabric.core.directory_rebuild import SegmentHolding, plan_rebuild
 from kvfabric.core.directory_records import (
     FLAG_DEGRADED,
@@ -748,7 +756,11 @@ class DirectoryCore:
         )
         if degraded:
             self._count("groups_degraded_total")
-            effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=chain_of(gid))))
+            effects.append(
+                EmitEvent(
+                    "under_replicated", m.GroupUnderReplicated(group=chain_of(gid), domain=domain_of(gid))
+                )
+            )
         return degraded
 
     def _drop_member(self, gid: bytes, group: _BuildingGroup, member: Member, effects: list[Effect]) -> None:
@@ -835,7 +847,7 @@ class DirectoryCore:
     def _flush_hits(self, effects: list[Effect]) -> None:
         """Tell the eviction policy which groups were read (recency and frequency)."""
         if self._hits:
-            hits = [m.GroupHits(chain_of(g), n) for g, n in self._hits.items()]
+            hits = [m.GroupHits(chain_of(g), n, domain_of(g)) for g, n in self._hits.items()]
             effects.append(EmitEvent("accessed", m.GroupsAccessed(groups=hits)))
             self._hits = {}
 
@@ -1048,7 +1060,9 @@ class DirectoryCore:
                     r.placement, r.slot, r.slot_generation, mem.size_bytes, b"", gid, effects, tenant
                 )
         self._count("groups_evicted_total")
-        effects.append(EmitEvent("evicted", m.GroupEvicted(group=chain_of(gid), reason=reason)))
+        effects.append(
+            EmitEvent("evicted", m.GroupEvicted(group=chain_of(gid), reason=reason, domain=domain_of(gid)))
+        )
         self._maybe_forget_evicting(gid)
         return "evicting"
 
@@ -1168,7 +1182,10 @@ class DirectoryCore:
                         )
                 self._count("groups_invalidated_total")
                 effects.append(
-                    EmitEvent("invalidated", m.GroupInvalidated(group=chain_of(gid), reason="replica_lost"))
+                    EmitEvent(
+                        "invalidated",
+                        m.GroupInvalidated(group=chain_of(gid), reason="replica_lost", domain=domain_of(gid)),
+                    )
                 )
             else:
                 self.published[gid] = pack_group(
@@ -1176,7 +1193,11 @@ class DirectoryCore:
                         group.namespace, group.chunk_index, group.flags | FLAG_DEGRADED, tuple(members)
                     )
                 )
-                effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=chain_of(gid))))
+                effects.append(
+                    EmitEvent(
+                        "under_replicated", m.GroupUnderReplicated(group=chain_of(gid), domain=domain_of(gid))
+                    )
+                )
 
     def _retry_frees(self, now_ms: int, effects: list[Effect]) -> None:
         for key, (size, gid, sent_ms, tenant) in list(self._freeing.items()):
@@ -1262,7 +1283,7 @@ class DirectoryCore:
         self._check_epoch(req.epoch)
         if not 0 < req.limit <= m.LIST_LIMIT_MAX:
             raise BadRequest(f"limit must be in 1..{m.LIST_LIMIT_MAX}")
-        # Pages in chain-hash order; a full scan per page (tools only, bounded by limit in output).
+        # Pages in group-key order (domain digest, then chain hash); a full scan per page (tools only).
         selected = sorted(
             g
             for g in self.published
@@ -1285,6 +1306,8 @@ class DirectoryCore:
         self._check_epoch(req.epoch)
         if len(req.group) == CHAIN_BYTES:  # every published group with this chain hash (one, unless forged)
             keys: Sequence[bytes] = self._by_chain.get(req.group, ())
+            if not keys:  # not published: building or evicting ones (a scan; tools only)
+                keys = [k for k in (*self.building, *self.evicting) if chain_of(k) == req.group]
         else:
             info = parse_group(req.group)
             if info.group_id in self.published and not self._matches(info):
@@ -1496,7 +1519,9 @@ class DirectoryCore:
             tenant_of(req.key),
         )
         self._sweep_queue.append(gid)  # gone entirely if that was the member's last replica
-        effects.append(EmitEvent("under_replicated", m.GroupUnderReplicated(group=chain_of(gid))))
+        effects.append(
+            EmitEvent("under_replicated", m.GroupUnderReplicated(group=chain_of(gid), domain=domain_of(gid)))
+        )
         return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=True), effects)
 
     # ---- rebuild (a new leader) -------------------------------------------------------------

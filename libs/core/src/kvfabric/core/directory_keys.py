@@ -16,7 +16,16 @@ from dataclasses import dataclass
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.key import CHUNK_GROUP_BYTES, KEY_BYTES, ChunkGroupId, KVKey
 
-__all__ = ["CHAIN_BYTES", "GROUP_KEY_BYTES", "GroupInfo", "KeyInfo", "chain_of", "parse_group", "parse_key"]
+__all__ = [
+    "CHAIN_BYTES",
+    "GROUP_KEY_BYTES",
+    "GroupInfo",
+    "KeyInfo",
+    "chain_of",
+    "domain_of",
+    "parse_group",
+    "parse_key",
+]
 
 # Byte ranges inside ChunkGroupId.to_bytes() (see kvfabric.format.key's layout table).
 _NAMESPACE = slice(0, 54)
@@ -30,6 +39,11 @@ GROUP_KEY_BYTES = 48  # domain digest + chain hash
 def chain_of(group_key: bytes) -> bytes:
     """The chain hash of a group key: what events, listings and `show_group` use."""
     return group_key[-CHAIN_BYTES:]
+
+
+def domain_of(group_key: bytes) -> bytes:
+    """The share domain digest of a group key (events carry it next to the chain hash)."""
+    return group_key[:-CHAIN_BYTES]
 
 
 @dataclass(frozen=True, slots=True)

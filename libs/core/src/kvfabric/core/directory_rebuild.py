@@ -59,7 +59,7 @@ class RebuiltMember:
 
 @dataclass(slots=True)
 class RebuildPlan:
-    # chain hash -> (identity, member -> replicas), complete groups only
+    # group key (domain digest + chain hash) -> (identity, member -> replicas), complete groups only
     groups: dict[bytes, tuple[GroupInfo, dict[tuple[int, int, int], RebuiltMember]]]
     orphans: list[HeldReplica]
 
@@ -86,7 +86,7 @@ def plan_rebuild(holdings: Sequence[SegmentHolding]) -> RebuildPlan:
             known = candidates.get(gid)
             if known is None:
                 known = candidates[gid] = (info.group, {})
-            elif known[0] != info.group:  # one chain hash, two identities: keep the first
+            elif known[0] != info.group:  # one group key, two identities: keep the first
                 orphans.append(replica)
                 continue
             member = known[1].get(info.member)

@@ -164,6 +164,7 @@ class ServiceRuntime:
         # busy or padded tenant cannot starve the others or the services.
         self.tenant_inflight_max = max(1, settings.inflight_max // 4)
         self._tenant_inflight: dict[str, int] = {}
+        self.tenant_rejected_busy = 0  # requests refused because their tenant held its share
         self._endpoints: dict[str, _Endpoint] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._state = RuntimeState.CREATED
@@ -355,7 +356,7 @@ class ServiceRuntime:
         return {
             "inflight": self._limiter.count,
             "inflight_max": self._limiter.limit,
-            "rejected_busy": self._limiter.rejected_total,
+            "rejected_busy": self._limiter.rejected_total + self.tenant_rejected_busy,
         }
 
     # ---- requests --------------------------------------------------------------------------
@@ -377,7 +378,8 @@ class ServiceRuntime:
             return
         tenant = request.subject.split(".")[4] if endpoint.tenant_handler is not None else None
         if tenant is not None and self._tenant_inflight.get(tenant, 0) >= self.tenant_inflight_max:
-            await self._reject_busy(endpoint, request, received_s)  # its share of the slots is taken
+            self.tenant_rejected_busy += 1  # its share of the slots is taken
+            await self._reject_busy(endpoint, request, received_s, limit=self.tenant_inflight_max)
             return
         if self._state is not RuntimeState.RUNNING or not self._limiter.try_acquire():
             await self._reject_busy(endpoint, request, received_s)
@@ -392,14 +394,17 @@ class ServiceRuntime:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _reject_busy(self, endpoint: _Endpoint, request: MicroRequest, received_s: float) -> None:
+    async def _reject_busy(
+        self, endpoint: _Endpoint, request: MicroRequest, received_s: float, *, limit: int | None = None
+    ) -> None:
         """Answer at once without running the handler: `Busy` when full, `Unavailable` when stopping."""
         headers = request.headers or {}
         with request_context(subject=endpoint.subject, headers=headers, **self._identity):
             err: KvfError
             outcome: Outcome
             if self._state is RuntimeState.RUNNING:
-                err, outcome = Busy("in-flight limit reached", inflight_max=self._limiter.limit), Outcome.BUSY
+                cap = self._limiter.limit if limit is None else limit
+                err, outcome = Busy("in-flight limit reached", inflight_max=cap), Outcome.BUSY
             else:
                 err, outcome = Unavailable(f"service is {self._state.value}"), Outcome.ERROR
             await self._reply_error(request, err)

@@ -80,7 +80,7 @@ class EvictionShell:
         self.tick_ms = tick_ms
         self.segments_refresh_ms = segments_refresh_ms
         self.request_timeout_s = request_timeout_s
-        self._group_ids: dict[bytes, bytes] = {}  # chain hash -> 90-byte group id, for tracked groups
+        self._group_ids: dict[bytes, bytes] = {}  # domain + chain hash -> 90-byte group id (tracked)
         self._capacity: dict[str, int] = {}
         self._nc: NatsClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -111,27 +111,31 @@ class EvictionShell:
     def apply(self, event: msgspec.Struct, at_ms: int) -> None:
         """One directory event into the core (pure bookkeeping; public for tests)."""
         core = self.core
+        # A group is (share domain, chain hash): two domains may hold the same chain hash (one
+        # of them forged it), and the directory keeps them apart, so the policy must too.
         if isinstance(event, m.GroupPublished):
             if not event.placements or len(event.namespace) != NAMESPACE_BYTES:
                 return  # from a directory too old to say where the bytes are: not ours to evict
-            parent = event.parent or None
+            domain = event.namespace[4:20]
+            key = domain + event.group
             core.insert(
-                event.group,
-                tenant=event.namespace[4:20],
+                key,
+                tenant=domain,
                 pools={p.segment_id: p.bytes for p in event.placements},
-                parent=parent,
+                parent=domain + event.parent if event.parent else None,  # a parent of the same domain
                 chunk_index=event.chunk_index,
                 now_ms=at_ms,
             )
-            if event.group in core:
-                self._group_ids[event.group] = group_id_of(event.namespace, event.chunk_index, event.group)
+            if key in core:
+                self._group_ids[key] = group_id_of(event.namespace, event.chunk_index, event.group)
         elif isinstance(event, m.GroupsAccessed):
             for hit in event.groups:
+                key = hit.domain + hit.group
                 for _ in range(min(hit.hits, ACCESS_PER_EVENT_MAX)):
-                    core.seen(hit.group)
-                    core.access(hit.group, at_ms)
+                    core.seen(key)
+                    core.access(key, at_ms)
         elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
-            self._forget(event.group)
+            self._forget(event.domain + event.group)
         elif isinstance(event, m.SegmentDown):
             for gid in core.drop_pool(event.segment_id):
                 if isinstance(gid, bytes):

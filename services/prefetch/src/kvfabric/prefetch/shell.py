@@ -253,9 +253,15 @@ class PrefetchShell:
                 shown = await self._directory("show_group", m.ShowGroup(group=hit.group))
             except KvfError:
                 continue
-            if not isinstance(shown, m.GroupList) or not shown.groups:
+            # Two domains may hold this chain hash: the one read is named by the event.
+            mine = (
+                [g for g in shown.groups if g.namespace[4:20] == hit.domain]
+                if isinstance(shown, m.GroupList)
+                else []
+            )
+            if not mine:
                 continue
-            summary = shown.groups[0]
+            summary = mine[0]
             now = self._now()  # after the show_group await
             group_id = summary.namespace + summary.chunk_index.to_bytes(4, "little") + summary.group
             for obj in summary.objects:
