@@ -526,3 +526,17 @@ def test_a_failed_copy_is_aborted_and_its_reservation_comes_back_at_once() -> No
     assert core.segments["s2"].reserved_bytes == 0
     assert confirm_ticket(core, placed.ticket, slot=3) == "unknown_ticket"  # a late copy is freed
     core.check_invariants()
+
+
+def test_an_identity_conflict_refuses_the_whole_put_begin_before_placing_anything() -> None:
+    core = new_core()
+    register(core, "s1")
+    a, b = groups(2, seed=91)
+    first = core.handle(m.PutBegin(writer_id="w", request_id="r1", objects=[spec(key(a))]), 0).reply
+    assert isinstance(first, m.PutBeginReply) and first.results[0].status == "placed"
+    other_model = key(a)[:20] + bytes(b ^ 0xFF for b in key(a)[20:36]) + key(a)[36:]  # same domain + chain
+    pending, reserved = core.pending_objects, core.segments["s1"].reserved_bytes
+    with pytest.raises(BadRequest, match="conflicts"):
+        core.handle(m.PutBegin(writer_id="w", request_id="r2", objects=[spec(key(b)), spec(other_model)]), 0)
+    assert (core.pending_objects, core.segments["s1"].reserved_bytes) == (pending, reserved)  # b not placed
+    core.check_invariants()

@@ -517,6 +517,13 @@ class DirectoryCore:
         if not 1 <= replicas <= self.config.replicas_max:
             raise BadRequest(f"replicas must be in 1..{self.config.replicas_max}")
         infos = [self._validate_spec(spec) for spec in req.objects]
+        # Identity conflicts refuse the whole request before anything is placed (not half of it).
+        seen: dict[bytes, GroupInfo] = {}
+        for info in infos:
+            building = self.building.get(info.group.group_id)
+            known = seen.setdefault(info.group.group_id, building.info if building else info.group)
+            if known != info.group:
+                raise BadRequest("key conflicts with the identity of its chain hash's chunk group")
         self._check_rate((spec.key for spec in req.objects), now_ms)
         if self.pending_objects + len(infos) > self.config.pending_objects_max:
             self._count("busy_pending_total")
