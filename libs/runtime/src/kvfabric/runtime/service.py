@@ -57,7 +57,6 @@ from kvfabric.proto.subjects import (
     TENANT_TOKEN,
     Service,
     check_segment_id,
-    check_tenant,
     endpoint_subject,
     service_group,
     tenant_from_subject,
@@ -113,14 +112,14 @@ async def pad_until(deadline_s: float) -> None:
         await asyncio.sleep(0)
 
 
-def _reply_to_tenant(request: MicroRequest) -> bool:
-    """Whether a tenant request's reply subject lies in its tenant's own inbox."""
+def _answerable_tenant(request: MicroRequest, service: Service) -> str | None:
+    """The tenant of a tenant request, if its reply subject lies in that tenant's own inbox."""
     reply = request._msg.reply or ""  # nats-py exposes it on the message only
     try:
-        tenant = check_tenant(request.subject.split(".")[4])
-    except (IndexError, ValueError):
-        return False
-    return reply.startswith(tenant_inbox_prefix(tenant) + ".")
+        tenant = tenant_from_subject(request.subject, service)
+    except ValueError:
+        return None
+    return tenant if reply.startswith(tenant_inbox_prefix(tenant) + ".") else None
 
 
 async def _tenant_only(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
@@ -370,13 +369,15 @@ class ServiceRuntime:
     async def _dispatch(self, endpoint: _Endpoint, request: MicroRequest) -> None:
         """Runs on the subscription's task: must not wait on handlers, must not raise."""
         received_s = time.perf_counter()
-        if endpoint.tenant_handler is not None and not _reply_to_tenant(request):
-            # NATS checks the subject a tenant publishes to, not the reply subject it attaches:
-            # answering anywhere else would let a tenant make this service publish (with its
-            # rights) to any subject. Dropped unanswered.
-            self._finish(endpoint, Outcome.ERROR, received_s, "foreign_reply_subject")
-            return
-        tenant = request.subject.split(".")[4] if endpoint.tenant_handler is not None else None
+        tenant = None
+        if endpoint.tenant_handler is not None:
+            tenant = _answerable_tenant(request, self.service)
+            if tenant is None:
+                # NATS checks the subject a tenant publishes to, not the reply subject it attaches:
+                # answering anywhere else would let a tenant make this service publish (with its
+                # rights) to any subject. Dropped unanswered.
+                self._finish(endpoint, Outcome.ERROR, received_s, "foreign_reply_subject")
+                return
         if tenant is not None and self._tenant_inflight.get(tenant, 0) >= self.tenant_inflight_max:
             self.tenant_rejected_busy += 1  # its share of the slots is taken
             await self._reject_busy(endpoint, request, received_s, limit=self.tenant_inflight_max)
@@ -417,7 +418,7 @@ class ServiceRuntime:
         headers = request.headers or {}
         try:
             with request_context(subject=endpoint.subject, headers=headers, **self._identity):
-                await self._run_handler(endpoint, request, headers, received_s)
+                await self._run_handler(endpoint, request, headers, received_s, tenant)
         finally:
             if tenant is not None:
                 left = self._tenant_inflight[tenant] - 1
@@ -429,14 +430,17 @@ class ServiceRuntime:
             self.metrics.inflight.set(self._limiter.count)
 
     async def _run_handler(
-        self, endpoint: _Endpoint, request: MicroRequest, headers: Mapping[str, str], received_s: float
+        self,
+        endpoint: _Endpoint,
+        request: MicroRequest,
+        headers: Mapping[str, str],
+        received_s: float,
+        tenant: str | None,
     ) -> None:
         try:
             if endpoint.tenant_handler is not None:
-                try:
-                    tenant = tenant_from_subject(request.subject, self.service)
-                except ValueError as exc:
-                    raise BadRequest(str(exc)) from None
+                invariant(tenant is not None, "tenant request dispatched without its tenant")
+                assert tenant is not None
                 reply = await endpoint.tenant_handler(request.data, headers, tenant)
             else:
                 reply = await endpoint.handler(request.data, headers)
