@@ -6,9 +6,9 @@ import mmap
 import os
 
 from kvfabric.client import ClientSettings, EngineSpec, Hit, KvClient
+from kvfabric.client.transfers import read_ref
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
-from kvfabric.proto.dataplane import ReadRef
 from kvfabric.testing import NatsServer
 
 TOKENS_PER_CHUNK = 16
@@ -54,14 +54,7 @@ def corrupt_stored_byte(hit: Hit, chunk: int) -> None:
     """Test hook: flip one byte of a stored object in its segment's arena."""
     location = hit.objects[chunk][0]
     replica = location.replicas[0]
-    ref = ReadRef(
-        replica.incarnation,
-        replica.slot,
-        replica.slot_generation,
-        location.size_bytes,
-        replica.read_token,
-        replica.read_expires_ms,
-    )
+    ref = read_ref(replica, location.size_bytes)
     with TcpDataClient.connect(replica.data_addr) as data:
         info = data.map_info()
         fd = os.open(info.arena_path, os.O_RDWR)

@@ -27,6 +27,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from kvfabric.client import ClientSettings, EngineSpec, KvClient
+from kvfabric.client.transfers import read_ref
 from kvfabric.core.authz import SCOPE_SEPARATOR
 from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.dataplane.addresses import split_host_port
@@ -372,9 +373,7 @@ def test_no_lease_no_bytes_on_the_data_plane(secure: Secure) -> None:
             assert hit.chunks == CHUNKS
             location = hit.objects[0][0]
             r = location.replicas[0]
-            good = ReadRef(
-                r.incarnation, r.slot, r.slot_generation, location.size_bytes, r.read_token, r.read_expires_ms
-            )
+            good = read_ref(r, location.size_bytes)
             bare = ReadRef(r.incarnation, r.slot, r.slot_generation, location.size_bytes)
             forged = msgspec.structs.replace(good, token=bytes(16))
             other_slot = msgspec.structs.replace(good, slot=r.slot + 1)  # a token names one replica

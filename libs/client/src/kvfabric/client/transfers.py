@@ -26,9 +26,22 @@ from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import KvfError
 from kvfabric.proto.dataplane import ReadRef
-from kvfabric.proto.directory import ObjectLocation, WriteTicket
+from kvfabric.proto.directory import ObjectLocation, Replica, WriteTicket
 
-__all__ = ["SegmentPool"]
+__all__ = ["SegmentPool", "read_ref"]
+
+
+def read_ref(replica: Replica, size_bytes: int) -> ReadRef:
+    """The data-plane reference to read `replica`, with the directory's read token for it."""
+    return ReadRef(
+        replica.incarnation,
+        replica.slot,
+        replica.slot_generation,
+        size_bytes,
+        replica.read_token,
+        replica.read_expires_ms,
+    )
+
 
 OK: Final = "ok"
 
@@ -122,14 +135,7 @@ class SegmentPool:
         for attempt, replica in enumerate(location.replicas[:attempts_max]):
             if attempt:
                 self.on_retry()
-            ref = ReadRef(
-                replica.incarnation,
-                replica.slot,
-                replica.slot_generation,
-                location.size_bytes,
-                replica.read_token,
-                replica.read_expires_ms,
-            )
+            ref = read_ref(replica, location.size_bytes)
             try:
                 with self._connection(replica.data_addr, self._shm_ok(replica.segment_id)) as conn:
                     if conn.shm is not None and conn.shm.incarnation == replica.incarnation:
@@ -173,18 +179,7 @@ class SegmentPool:
             first = firsts[live[0]]
             assert first is not None
             addr = first.data_addr
-            refs = [
-                ReadRef(
-                    r.incarnation,
-                    r.slot,
-                    r.slot_generation,
-                    locations[i].size_bytes,
-                    r.read_token,
-                    r.read_expires_ms,
-                )
-                for i in live
-                if (r := firsts[i]) is not None
-            ]
+            refs = [read_ref(r, locations[i].size_bytes) for i in live if (r := firsts[i]) is not None]
             views = [stagings[i] for i in live]
             try:
                 with self._connection(addr, self._shm_ok(first.segment_id)) as conn:
