@@ -103,7 +103,6 @@ class DirectoryShell:
         self.may_act: Callable[[], bool] = lambda: True
         self.grants: Mapping[str, authz.TenantGrant] = {}  # tenant -> share domains it may use
         self.lookup_reply_min_ms = 0  # pad tenant lookups (timing side channel); 0 = off
-        self.tenant_refused = 0  # tenant requests refused as unauthorized
 
     def attach(self, runtime: ServiceRuntime) -> None:
         for verb, kind in VERBS.items():
@@ -121,20 +120,14 @@ class DirectoryShell:
                 raise Unavailable("this directory instance is no longer the leader")
             grant = self.grants.get(tenant)
             if grant is None:
-                self.tenant_refused += 1
                 raise Unauthorized(f"tenant {tenant!r} has no share domains here")
             message = m.request_decoder.decode(data)
             if type(message) is not kind:
                 raise BadRequest(f"this endpoint takes {kind.__name__}, got {type(message).__name__}")
-            try:
-                authorized = authz.authorize(message, verb, grant)
-            except Unauthorized:
-                self.tenant_refused += 1
-                raise
+            authorized = authz.authorize(message, verb, grant)  # refusals counted by code (runtime)
             if grant.home and authz.charge_home(verb, authorized):
                 self.core.charge_domains([grant.home], now_ms())
-            reply = await self._tenant_reply(message, authorized, grant)
-            return reply
+            return await self._tenant_reply(message, authorized, grant)
 
         return handle
 
