@@ -443,7 +443,9 @@ class ListGroups(_Msg, frozen=True, kw_only=True, tag="dir.list_groups.v1"):
 class ShowGroup(_Msg, frozen=True, kw_only=True, tag="dir.show_group.v1"):
     """One chunk group's manifest entry: members, sizes, checksums, replicas."""
 
-    group: bytes  # chunk group id (90 bytes) or its chain hash (32 bytes)
+    # chunk group id (90 bytes), group key (domain digest + chain hash, 48 bytes: events name
+    # both parts), or chain hash alone (32 bytes: a full scan, for tools)
+    group: bytes
     epoch: int = 0
 
 

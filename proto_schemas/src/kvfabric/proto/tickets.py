@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import struct
 from typing import Final
 
 import msgspec
@@ -51,6 +52,7 @@ def ticket_signature_valid(ticket: WriteTicket, secret: bytes) -> bool:
 READ_TOKEN_BYTES: Final = 16
 _READ_PERSON: Final = b"kvf1/read"
 _U64: Final = (1 << 64) - 1
+_READ_FIELDS: Final = struct.Struct("<QQQQQ")
 
 
 def read_token(
@@ -60,8 +62,9 @@ def read_token(
         raise ValueError(f"cluster secret must be at least {SECRET_BYTES_MIN} bytes")
     name = segment_id.encode()
     body = len(name).to_bytes(1, "little") + name  # segment ids are at most 64 ASCII characters
-    body += b"".join(
-        (v & _U64).to_bytes(8, "little") for v in (incarnation, slot, generation, size, expires_ms)
+    # Masked to u64: the segment checks references as received, whatever integers they hold.
+    body += _READ_FIELDS.pack(
+        incarnation & _U64, slot & _U64, generation & _U64, size & _U64, expires_ms & _U64
     )
     return hashlib.blake2b(body, key=secret[:64], digest_size=READ_TOKEN_BYTES, person=_READ_PERSON).digest()
 

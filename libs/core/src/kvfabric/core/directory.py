@@ -59,6 +59,7 @@ import msgspec
 
 from kvfabric.core.directory_keys import (
     CHAIN_BYTES,
+    GROUP_KEY_BYTES,
     GroupInfo,
     KeyInfo,
     chain_of,
@@ -247,8 +248,6 @@ class DirectoryCore:
         self._namespace_index: dict[bytes, int] = {}
         self.building: dict[bytes, _BuildingGroup] = {}
         self.published: dict[bytes, bytes] = {}  # group key -> packed record
-        # chain hash -> group keys of published groups (show_group by chain hash: prefetch, kvctl)
-        self._by_chain: dict[bytes, list[bytes]] = {}
         # (tenant scope of the holder id, is_pin) -> leases or pins held (tenant holders only)
         self._scope_held: dict[tuple[str, bool], int] = {}
         self.evicting: dict[bytes, PublishedGroup] = {}
@@ -737,7 +736,6 @@ class DirectoryCore:
             tuple(members),
         )
         self.published[gid] = pack_group(group)
-        self._by_chain.setdefault(chain_of(gid), []).append(gid)
         del self.building[gid]
         self.pending_objects -= len(members)
         self._count("groups_published_total")
@@ -858,28 +856,28 @@ class DirectoryCore:
             effects.append(EmitEvent("accessed", m.GroupsAccessed(groups=hits)))
             self._hits = {}
 
-    def _matches(self, info: GroupInfo) -> bool:
-        """Whether the published group under `info`'s chain hash has `info`'s identity. A known
-        chain hash paired with other identity fields (e.g. another share domain's digest) is
-        treated as absent by every verb, so forged ids answer exactly like missing groups."""
+    def _published_as(self, info: GroupInfo) -> PublishedGroup | None:
+        """The published group under `info`'s group key if it has `info`'s identity. A known
+        group key paired with other identity fields (model, layout) is treated as absent by every
+        verb, so such ids answer exactly like missing groups."""
         record = self.published.get(info.group_id)
         if record is None:
-            return False
+            return None
         group = unpack_group(record)
         if (
             self._namespace_index.get(info.namespace) != group.namespace
             or group.chunk_index != info.chunk_index
         ):
             self._count("lookup_identity_mismatch_total")
-            return False
-        return True
+            return None
+        return group
 
     def _locate(self, info: GroupInfo, wanted: set[Member], expires_ms: int) -> list[m.ObjectLocation] | None:
         """The group's wanted members with their live replicas, each with a read token valid until
         `expires_ms` (the lease's expiry); None when the fold must stop here."""
-        if info.group_id in self._unreadable or not self._matches(info):
+        group = None if info.group_id in self._unreadable else self._published_as(info)
+        if group is None:
             return None
-        group = unpack_group(self.published[info.group_id])
         out = []
         for mem in group.members:
             if wanted and mem.member not in wanted:
@@ -1010,7 +1008,7 @@ class DirectoryCore:
             raise BadRequest(f"ttl_ms must be in 1..{m.PIN_TTL_MS_MAX}")
         parsed = [parse_group(g) for g in req.groups]
         self._check_rate(req.groups, now_ms)
-        gids = tuple(g.group_id for g in parsed if self._matches(g))
+        gids = tuple(g.group_id for g in parsed if self._published_as(g) is not None)
         if not gids:  # nothing to protect: no pin is held (an empty pin would only fill the table)
             return Outcome(m.PinReply(epoch=self.epoch, pin_id=0, pinned_groups=0, expires_ms=0))
         pin_id, expires = self._grant(req.holder_id, gids, now_ms + req.ttl_ms, is_pin=True)
@@ -1034,7 +1032,7 @@ class DirectoryCore:
         for raw in req.groups:
             info = parse_group(raw)
             building = self.building.get(info.group_id)
-            if (info.group_id in self.published and not self._matches(info)) or (
+            if (info.group_id in self.published and self._published_as(info) is None) or (
                 building is not None and building.info != info
             ):
                 results.append(m.EvictResult(group=raw, status="not_found"))  # forged identity
@@ -1055,7 +1053,6 @@ class DirectoryCore:
             self._count("evict_refused_pinned_total")
             return "pinned"
         del self.published[gid]
-        self._unindex(gid)
         self._unreadable.discard(gid)
         group = unpack_group(record)
         self.evicting[gid] = group
@@ -1179,7 +1176,6 @@ class DirectoryCore:
             self.quotas.add(tenant, -dead_bytes)  # replicas on dead incarnations leave the record
             if lost:
                 del self.published[gid]
-                self._unindex(gid)
                 self._unreadable.discard(gid)
                 self.quotas.add(tenant, 0, -len(members))
                 for mem in members:
@@ -1311,13 +1307,17 @@ class DirectoryCore:
 
     def _show_group(self, req: m.ShowGroup, now_ms: int) -> Outcome:
         self._check_epoch(req.epoch)
-        if len(req.group) == CHAIN_BYTES:  # every published group with this chain hash (one, unless forged)
-            keys: Sequence[bytes] = self._by_chain.get(req.group, ())
-            if not keys:  # not published: building or evicting ones (a scan; tools only)
-                keys = [k for k in (*self.building, *self.evicting) if chain_of(k) == req.group]
+        keys: Sequence[bytes]
+        if len(req.group) == GROUP_KEY_BYTES:  # domain digest + chain hash: the group key itself
+            keys = (req.group,)
+        elif len(req.group) == CHAIN_BYTES:  # the published groups with this chain hash, else the
+            # building or evicting ones: full scans (tools only; services name the group key)
+            keys = [k for k in self.published if chain_of(k) == req.group] or [
+                k for k in (*self.building, *self.evicting) if chain_of(k) == req.group
+            ]
         else:
             info = parse_group(req.group)
-            if info.group_id in self.published and not self._matches(info):
+            if info.group_id in self.published and self._published_as(info) is None:
                 raise NotFound("no such chunk group", group=chain_of(info.group_id).hex())  # other identity
             keys = (info.group_id,)
         summaries = [s for s in (self._summary(k, with_objects=True) for k in keys) if s is not None]
@@ -1571,7 +1571,6 @@ class DirectoryCore:
                 tuple(records),
             )
             self.published[gid] = pack_group(group)
-            self._by_chain.setdefault(chain_of(gid), []).append(gid)
             self.quotas.add(
                 tenant_of(info.namespace),
                 sum(x.size_bytes * len(x.replicas) for x in records),
@@ -1589,24 +1588,12 @@ class DirectoryCore:
 
     # ---- checks (tests call this after every step) ---------------------------------------
 
-    def _unindex(self, gid: bytes) -> None:
-        keys = self._by_chain[chain_of(gid)]
-        keys.remove(gid)
-        if not keys:
-            del self._by_chain[chain_of(gid)]
-
     def check_invariants(self) -> None:
         scoped: dict[tuple[str, bool], int] = {}
         for lease in self._leases.values():
             if (scope := _scope_of(lease.holder_id)) is not None:
                 scoped[(scope, lease.is_pin)] = scoped.get((scope, lease.is_pin), 0) + 1
         invariant(scoped == self._scope_held, "per-tenant lease counts differ from the leases held")
-        indexed = sorted(k for keys in self._by_chain.values() for k in keys)
-        invariant(indexed == sorted(self.published), "chain index differs from the published groups")
-        invariant(
-            all(chain_of(k) == c for c, keys in self._by_chain.items() for k in keys),
-            "chain index key mismatch",
-        )
         reserved: dict[str, int] = {}
 
         def add(placement: int, size: int) -> None:

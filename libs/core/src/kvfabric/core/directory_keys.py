@@ -18,6 +18,7 @@ from kvfabric.format.key import CHUNK_GROUP_BYTES, KEY_BYTES, ChunkGroupId, KVKe
 
 __all__ = [
     "CHAIN_BYTES",
+    "GROUP_KEY_BYTES",
     "GroupInfo",
     "KeyInfo",
     "chain_of",
@@ -32,6 +33,7 @@ _CHUNK_INDEX = slice(54, 58)
 _CHAIN = slice(58, 90)
 _DOMAIN = slice(4, 20)
 CHAIN_BYTES = 32
+GROUP_KEY_BYTES = 48  # domain digest + chain hash
 
 
 def chain_of(group_key: bytes) -> bytes:

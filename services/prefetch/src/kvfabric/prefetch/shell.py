@@ -250,7 +250,7 @@ class PrefetchShell:
             if hit.hits * 1000 / max(1, self.tick_ms) < self.core.config.cold_reads_per_s:
                 continue  # not worth a directory query
             try:
-                shown = await self._directory("show_group", m.ShowGroup(group=hit.group))
+                shown = await self._directory("show_group", m.ShowGroup(group=hit.domain + hit.group))
             except KvfError:
                 continue
             # Two domains may hold this chain hash: the one read is named by the event.
