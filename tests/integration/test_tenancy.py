@@ -489,7 +489,11 @@ def test_one_tenant_holds_at_most_a_quarter_of_the_inflight_slots(tmp_path: Path
                     flood = [asyncio.create_task(one(bob, "bob")) for _ in range(40)]
                     await asyncio.sleep(0.1)
                     served = await one(alice, "alice") == "ok"
-                    return list(await asyncio.gather(*flood)), served
+                    outcomes = list(await asyncio.gather(*flood))
+                    # Every slot came back (nothing leaked): a full share is served again.
+                    again = await asyncio.gather(*(one(bob, "bob") for _ in range(16)))
+                    assert again == ["ok"] * 16
+                    return outcomes, served
                 finally:
                     await bob.close()
                     await alice.close()
