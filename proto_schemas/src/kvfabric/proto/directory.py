@@ -27,6 +27,18 @@ Verbs and their request → reply:
 | `list_groups` / `show_group` | `ListGroups` / `ShowGroup` | `GroupList` |
 | `list_leases` | `ListLeases` | `LeaseList` |
 | `list_tenants` | `ListTenants` | `TenantList` |
+| `shard_map` | `GetShardMap` | `ShardMapReply` |
+
+## Shards
+Keys map to `shards` virtual shards by their chain hash (`kvfabric.proto.shards.shard_of`); each
+shard is led by one directory instance under its own epoch. Requests for a shard go to the
+leading instance's subjects `kvf.v1.directory.<verb>.<instance>` (tenants:
+`kvf.v1.directory.t.<tenant>.<verb>.<instance>`); the `epoch` in a request or reply is that
+shard's. A request must name keys of one shard only. `shard_map` is answered by every instance
+(standbys included) with the shards it leads; callers assemble and cache the map
+(`kvfabric.runtime.directory_router`). An instance that does not lead the shard answers
+`wrong_shard`. `register`, `heartbeat` and the listings go to every instance; their replies
+cover the shards that instance leads.
 """
 
 from __future__ import annotations
@@ -100,6 +112,7 @@ class WriteTicket(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int
     data_addr: str = ""
     signature: bytes = b""
+    shard: int = 0  # the key's shard: `epoch` is that shard's (segments fence per shard)
 
 
 class Replica(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,10 +152,16 @@ class RegisterSegment(_Msg, frozen=True, kw_only=True, tag="dir.register.v1"):
     epoch: int = 0
 
 
+class ShardEpoch(msgspec.Struct, frozen=True, array_like=True):
+    shard: int
+    epoch: int
+
+
 class SegmentRegistered(_Msg, frozen=True, kw_only=True, tag="dir.registered.v1"):
     epoch: int
     heartbeat_interval_ms: int
     heartbeat_timeout_ms: int
+    shard_epochs: list[ShardEpoch] = []  # the shards the answering instance leads
 
 
 class Heartbeat(_Msg, frozen=True, kw_only=True, tag="dir.heartbeat.v1"):
@@ -155,6 +174,7 @@ class Heartbeat(_Msg, frozen=True, kw_only=True, tag="dir.heartbeat.v1"):
 
 class HeartbeatAck(_Msg, frozen=True, kw_only=True, tag="dir.heartbeat_ack.v1"):
     epoch: int
+    shard_epochs: list[ShardEpoch] = []
 
 
 # ---- two-phase publish ---------------------------------------------------------------------
@@ -281,6 +301,7 @@ class LeaseRelease(_Msg, frozen=True, kw_only=True, tag="dir.lease_release.v1"):
     holder_id: str
     lease_id: int
     epoch: int = 0
+    shard: int = 0  # the shard this lease / listing belongs to (one core each)
 
 
 class LeaseRenew(_Msg, frozen=True, kw_only=True, tag="dir.lease_renew.v1"):
@@ -288,6 +309,7 @@ class LeaseRenew(_Msg, frozen=True, kw_only=True, tag="dir.lease_renew.v1"):
     lease_id: int
     lease_ttl_ms: int = 30_000
     epoch: int = 0
+    shard: int = 0  # the shard this lease / listing belongs to (one core each)
 
 
 class LeaseReply(_Msg, frozen=True, kw_only=True, tag="dir.lease_reply.v1"):
@@ -307,6 +329,7 @@ class Unpin(_Msg, frozen=True, kw_only=True, tag="dir.unpin.v1"):
     holder_id: str
     pin_id: int
     epoch: int = 0
+    shard: int = 0  # the shard this lease / listing belongs to (one core each)
 
 
 class PinReply(_Msg, frozen=True, kw_only=True, tag="dir.pin_reply.v1"):
@@ -408,6 +431,7 @@ class ReplicaCorruptReply(_Msg, frozen=True, kw_only=True, tag="dir.replica_corr
 
 class ListSegments(_Msg, frozen=True, kw_only=True, tag="dir.list_segments.v1"):
     epoch: int = 0
+    shard: int = 0  # the shard this lease / listing belongs to (one core each)
 
 
 class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -436,6 +460,7 @@ class ListGroups(_Msg, frozen=True, kw_only=True, tag="dir.list_groups.v1"):
     after: bytes = b""
     limit: int = 100
     epoch: int = 0
+    shard: int = 0  # the shard this lease / listing belongs to (one core each)
     below_target: bool = False  # only groups with a member below its replica target (repair)
     with_objects: bool = False  # include every member's live replicas
 
@@ -471,6 +496,7 @@ class GroupList(_Msg, frozen=True, kw_only=True, tag="dir.group_list.v1"):
 class ListLeases(_Msg, frozen=True, kw_only=True, tag="dir.list_leases.v1"):
     limit: int = 100
     epoch: int = 0
+    shard: int = 0  # the shard this lease / listing belongs to (one core each)
 
 
 class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -491,6 +517,7 @@ class ListTenants(_Msg, frozen=True, kw_only=True, tag="dir.list_tenants.v1"):
 
     limit: int = 100
     epoch: int = 0
+    shard: int = 0  # the shard this lease / listing belongs to (one core each)
 
 
 class TenantInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -572,6 +599,28 @@ class GroupInvalidated(_Msg, frozen=True, kw_only=True, tag="dir.ev.invalidated.
     domain: bytes = b""  # share domain digest: two domains may hold the same chain hash
 
 
+# ---- shard map -----------------------------------------------------------------------------
+
+
+class GetShardMap(_Msg, frozen=True, kw_only=True, tag="dir.shard_map.v1"):
+    epoch: int = 0
+
+
+class ShardLeader(msgspec.Struct, frozen=True, array_like=True):
+    shard: int
+    instance: str
+    epoch: int
+
+
+class ShardMapReply(_Msg, frozen=True, kw_only=True, tag="dir.shard_map_reply.v1"):
+    """One instance's part of the map: the shards it leads now (none for a standby)."""
+
+    epoch: int = 0
+    shards: int
+    instance: str
+    leaders: list[ShardLeader]
+
+
 DirectoryRequest = (
     RegisterSegment
     | Heartbeat
@@ -593,6 +642,7 @@ DirectoryRequest = (
     | ShowGroup
     | ListLeases
     | ListTenants
+    | GetShardMap
 )
 DirectoryReply = (
     SegmentRegistered
@@ -612,6 +662,7 @@ DirectoryReply = (
     | GroupList
     | LeaseList
     | TenantList
+    | ShardMapReply
 )
 DirectoryEvent = (
     SegmentUp

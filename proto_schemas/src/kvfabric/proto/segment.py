@@ -40,6 +40,7 @@ class FreeSlotsRequest(msgspec.Struct, frozen=True, kw_only=True, tag="seg.free.
     incarnation: int
     slots: list[FreedSlot]
     epoch: int = 0
+    shard: int = 0  # `epoch` is this shard's; every slot's key is of this shard
 
 
 class FreeSlotsReply(msgspec.Struct, frozen=True, kw_only=True, tag="seg.freed.v1", tag_field="t"):
@@ -61,6 +62,7 @@ class ReportRequest(msgspec.Struct, frozen=True, kw_only=True, tag="seg.report.v
     epoch: int
     after_slot: int = -1
     limit: int = 4096
+    shard: int = 0  # `epoch` is this shard's leader's (the report itself covers every shard)
 
 
 class HeldObject(msgspec.Struct, frozen=True, array_like=True):

@@ -24,12 +24,14 @@ __all__ = [
     "check_segment_id",
     "check_tenant",
     "endpoint_subject",
+    "instance_subject",
     "event_subject",
     "events_wildcard",
     "segment_subject",
     "service_group",
     "tenant_from_subject",
     "tenant_inbox_prefix",
+    "tenant_instance_subject",
     "tenant_subject",
     "tenant_wildcard",
 ]
@@ -70,6 +72,12 @@ def endpoint_subject(service: Service, verb: str, version: int = PROTOCOL_VERSIO
     return f"{service_group(service, version)}.{_check_token('verb', verb)}"
 
 
+def instance_subject(service: Service, verb: str, instance: str, version: int = PROTOCOL_VERSION) -> str:
+    """A request subject addressed to one instance: `kvf.v1.<service>.<verb>.<instance>` (a
+    directory instance serves its shards there; a segment its slots)."""
+    return f"{endpoint_subject(service, verb, version)}.{check_segment_id(instance)}"
+
+
 def event_subject(service: Service, kind: str, version: int = PROTOCOL_VERSION) -> str:
     """An event subject kept in JetStream: `kvf.v1.events.<service>.<kind>`."""
     return f"{PREFIX}.v{version}.events.{_check_token('service', service.value)}.{_check_token('kind', kind)}"
@@ -90,7 +98,7 @@ def check_segment_id(segment_id: str) -> str:
 
 def segment_subject(segment_id: str, verb: str, version: int = PROTOCOL_VERSION) -> str:
     """A subject addressed to one segment instance: `kvf.v1.segment.<verb>.<segment_id>`."""
-    return f"{endpoint_subject(Service.SEGMENT, verb, version)}.{check_segment_id(segment_id)}"
+    return instance_subject(Service.SEGMENT, verb, segment_id, version)
 
 
 def check_tenant(tenant: str) -> str:
@@ -104,6 +112,13 @@ def tenant_subject(service: Service, tenant: str, verb: str, version: int = PROT
     """A tenant's request subject: `kvf.v1.<service>.t.<tenant>.<verb>`."""
     verb = _check_token("verb", verb)
     return f"{service_group(service, version)}.{TENANT_TOKEN}.{check_tenant(tenant)}.{verb}"
+
+
+def tenant_instance_subject(
+    service: Service, tenant: str, verb: str, instance: str, version: int = PROTOCOL_VERSION
+) -> str:
+    """A tenant's request to one instance: `kvf.v1.<service>.t.<tenant>.<verb>.<instance>`."""
+    return f"{tenant_subject(service, tenant, verb, version)}.{check_segment_id(instance)}"
 
 
 def tenant_wildcard(service: Service, tenant: str, version: int = PROTOCOL_VERSION) -> str:

@@ -23,10 +23,10 @@ import contextlib
 import itertools
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, TypeAlias, TypeVar
 
 import nats
 import nats.errors
@@ -71,8 +71,7 @@ from kvfabric.format.key import (
 )
 from kvfabric.proto import directory as m
 from kvfabric.proto.common import TRACE_ID_HEADER
-from kvfabric.proto.subjects import Service, endpoint_subject, tenant_subject
-from kvfabric.runtime.client import request
+from kvfabric.runtime.directory_router import DirectoryRouter
 
 __all__ = ["AsyncKvClient", "Destination", "EngineSpec", "Source"]
 
@@ -132,10 +131,21 @@ def _copy_into(views: list[memoryview], staging: bytearray) -> None:
         offset += len(view)
 
 
+T = TypeVar("T")
+
+
 @dataclass(slots=True)
 class _Waiter:
     future: asyncio.Future[str]
     views: list[memoryview]
+
+
+def _by_shard(items: Sequence[T], shard_of: Callable[[Any], int]) -> list[tuple[int, list[T]]]:
+    """Items split by shard, each shard's in their original order; shards in first-seen order."""
+    out: dict[int, list[T]] = {}
+    for item in items:
+        out.setdefault(shard_of(item), []).append(item)
+    return list(out.items())
 
 
 class AsyncKvClient:
@@ -169,8 +179,8 @@ class AsyncKvClient:
         self._locations: dict[Any, m.ObjectLocation] = {}  # object id -> where (for StartTransfer)
         self._load_seq = itertools.count(1)
         self._generations = itertools.count(1)
-        self._leases: dict[int, int] = {}  # lease id -> expires_ms (directory clock)
-        self._epoch = 0  # the newest directory epoch seen in a reply
+        self._leases: dict[tuple[int, int], int] = {}  # (shard, lease id) -> expires_ms (directory clock)
+        self.router: DirectoryRouter | None = None  # the shard map; epochs per shard (fencing)
         self._save_bytes = 0
         self._saves_running = 0
         self._tasks: set[asyncio.Task[Any]] = set()  # running saves
@@ -194,6 +204,7 @@ class AsyncKvClient:
             )
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             raise Unavailable(f"cannot connect to NATS at {self.settings.nats_url}: {exc!r}") from None
+        self.router = DirectoryRouter(self.nc, tenant=self.settings.nats_tenant)
         if self.settings.metrics_port >= 0:
             self.metrics.serve(self.settings.metrics_port)
 
@@ -202,8 +213,8 @@ class AsyncKvClient:
         if self._closed:
             return
         self._closed = True
-        for lease_id in list(self._leases):
-            await self._release_lease(lease_id)
+        for shard, lease_id in list(self._leases):
+            await self._release_lease(shard, lease_id)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.settings.save_timeout_ms / 1000)
         if self.nc is not None:
@@ -244,17 +255,7 @@ class AsyncKvClient:
             return self._fallback(empty, "closed")
         started = time.perf_counter()
         try:
-            reply = await self._ask_directory(
-                "lookup",
-                m.Lookup(
-                    holder_id=self.settings.holder_id,
-                    groups=[g.to_bytes() for g in groups],
-                    members=[m.Member(*member) for member in members],
-                    lease_ttl_ms=self.settings.lease_ttl_ms,
-                ),
-                self.settings.lookup_timeout_ms / 1000,
-                trace_id,
-            )
+            hit_chunks, objects, leases, expires = await self._lookup_shards(groups, members, trace_id)
         except StaleGeneration:
             return self._fallback(empty, "directory_stale_epoch")
         except Unavailable:
@@ -267,47 +268,100 @@ class AsyncKvClient:
             return self._fallback(empty, "directory_error")
         finally:
             self.metrics.lookup_seconds.observe(time.perf_counter() - started)
-        if not isinstance(reply, m.LookupReply):
-            return self._fallback(empty, "directory_error")
         by_position = {
             (o.chunk_index, MemberId(o.member.tp_rank, o.member.pp_stage, o.member.layer_group)): (
                 self.pool.prefer_local(o)
             )
-            for o in reply.objects
+            for o in objects
         }
         rows: list[tuple[m.ObjectLocation, ...]] = []
-        for chunk in range(min(reply.hit_chunks, len(groups))):
+        for chunk in range(min(hit_chunks, len(groups))):
             row = tuple(by_position.get((chunk, member)) for member in members)
             if any(o is None for o in row):
                 break  # a directory that folded wrongly: trust only the complete prefix
             rows.append(row)  # type: ignore[arg-type]
-        if reply.lease_id:
-            self._leases[reply.lease_id] = reply.lease_expires_ms
-            self.metrics.leases_held.set(len(self._leases))
+        for lease in leases:
+            self._leases[lease] = expires
+        self.metrics.leases_held.set(len(self._leases))
         hit = Hit(
             len(rows) * tpc,
             tpc,
             tuple(groups),
             members,
             tuple(rows),
-            reply.lease_id,
-            reply.lease_expires_ms,
+            leases[0][1] if leases else 0,
+            expires,
             trace_id=trace_id,
+            shard_leases=tuple(leases),
         )
         self.metrics.hit_tokens.inc(hit.tokens)
         return hit
+
+    async def _lookup_shards(
+        self, groups: list[ChunkGroupId], members: tuple[MemberId, ...], trace_id: str
+    ) -> tuple[int, list[m.ObjectLocation], list[tuple[int, int]], int]:
+        """One lookup per shard holding some of the prefix's chunks, concurrently. The hit is the
+        first chunk any shard misses; every shard that hit grants a lease (released with the hit).
+        A failure of any shard's lookup fails the whole lookup (its leases are given back)."""
+        router = self._router()
+        if not router.shards:
+            await router.refresh()
+        positions: dict[int, list[int]] = {}
+        raws = [g.to_bytes() for g in groups]
+        for index, raw in enumerate(raws):
+            positions.setdefault(router.shard_of(raw), []).append(index)
+        wanted = [m.Member(*member) for member in members]
+
+        async def one(shard: int, indexes: list[int]) -> tuple[int, m.DirectoryReply]:
+            message = m.Lookup(
+                holder_id=self.settings.holder_id,
+                groups=[raws[i] for i in indexes],
+                members=wanted,
+                lease_ttl_ms=self.settings.lease_ttl_ms,
+            )
+            return shard, await self._ask_directory(
+                "lookup", message, self.settings.lookup_timeout_ms / 1000, trace_id, shard
+            )
+
+        results = await asyncio.gather(*(one(s, ix) for s, ix in positions.items()), return_exceptions=True)
+        hit_chunks = len(groups)
+        objects: list[m.ObjectLocation] = []
+        leases: list[tuple[int, int]] = []
+        expires = 0
+        failure: BaseException | None = None
+        for result in results:
+            if isinstance(result, BaseException):
+                failure = failure or result
+                continue
+            shard, reply = result
+            if not isinstance(reply, m.LookupReply):
+                failure = failure or KvfError(f"unexpected lookup reply {type(reply).__name__}")
+                continue
+            indexes = positions[shard]
+            if reply.hit_chunks < len(indexes):
+                hit_chunks = min(hit_chunks, indexes[reply.hit_chunks])
+            objects.extend(reply.objects)
+            if reply.lease_id:
+                leases.append((shard, reply.lease_id))
+                expires = reply.lease_expires_ms if not expires else min(expires, reply.lease_expires_ms)
+        if failure is not None:
+            for shard, lease_id in leases:
+                self._leases[(shard, lease_id)] = expires
+                await self._release_lease(shard, lease_id, trace_id)
+            raise failure
+        return hit_chunks, objects, leases, expires
 
     def _fallback(self, hit: Hit, cause: str) -> Hit:
         self.metrics.fallbacks.labels(cause).inc()
         return Hit(0, hit.tokens_per_chunk, hit.groups, hit.members, cause=cause)
 
     async def release(self, hit: Hit) -> None:
-        """Give the hit's read lease back (idempotent; a lost release expires at the directory)."""
-        if hit.lease_id:
-            await self._release_lease(hit.lease_id, hit.trace_id)
+        """Give the hit's read leases back (idempotent; a lost release expires at the directory)."""
+        for shard, lease_id in hit.shard_leases:
+            await self._release_lease(shard, lease_id, hit.trace_id)
 
-    async def _release_lease(self, lease_id: int, trace_id: str = "") -> None:
-        if self._leases.pop(lease_id, None) is None:
+    async def _release_lease(self, shard: int, lease_id: int, trace_id: str = "") -> None:
+        if self._leases.pop((shard, lease_id), None) is None:
             return
         self.metrics.leases_held.set(len(self._leases))
         if self.nc is None:
@@ -315,33 +369,26 @@ class AsyncKvClient:
         with contextlib.suppress(KvfError):
             await self._ask_directory(
                 "lease_release",
-                m.LeaseRelease(holder_id=self.settings.holder_id, lease_id=lease_id),
+                m.LeaseRelease(holder_id=self.settings.holder_id, lease_id=lease_id, shard=shard),
                 self.settings.lookup_timeout_ms / 1000,
                 trace_id,
+                shard,
             )
 
+    def _router(self) -> DirectoryRouter:
+        if self.router is None:
+            raise Unavailable("client not started")
+        return self.router
+
     async def _ask_directory(
-        self, verb: str, message: m.DirectoryRequest, timeout_s: float, trace_id: str
+        self, verb: str, message: m.DirectoryRequest, timeout_s: float, trace_id: str, shard: int
     ) -> m.DirectoryReply:
-        """One directory request. A reply from an older epoch than one already seen comes from a
-        replaced leader (fenced, its view is stale): `StaleGeneration`, never used."""
-        assert self.nc is not None
-        tenant = self.settings.nats_tenant
-        reply = await request(
-            self.nc,
-            tenant_subject(Service.DIRECTORY, tenant, verb)
-            if tenant
-            else endpoint_subject(Service.DIRECTORY, verb),
-            message,
-            m.reply_decoder,
-            timeout_s,
-            headers={TRACE_ID_HEADER: trace_id} if trace_id else None,
+        """One directory request to the leader of `shard`. A reply from an older epoch than one
+        already seen for the shard comes from a replaced leader (fenced, its view is stale):
+        `StaleGeneration`, never used (`DirectoryRouter`)."""
+        return await self._router().ask(
+            shard, verb, message, timeout_s, headers={TRACE_ID_HEADER: trace_id} if trace_id else None
         )
-        epoch = getattr(reply, "epoch", 0)
-        if epoch < self._epoch:
-            raise StaleGeneration("directory_epoch", epoch, self._epoch)
-        self._epoch = epoch
-        return reply
 
     # ---- load ------------------------------------------------------------------------------
 
@@ -674,31 +721,36 @@ class AsyncKvClient:
         existing_chunks: set[int] = set()
         placed: list[m.BeginResult] = []
         request_id = uuid.uuid4().hex
-        for start in range(0, len(specs), m.PUT_BATCH_OBJECTS_MAX):
-            batch = specs[start : start + m.PUT_BATCH_OBJECTS_MAX]
-            reply = await self._directory(
-                trace_id,
-                "put_begin",
-                m.PutBegin(
-                    writer_id=self.settings.holder_id,
-                    request_id=f"{request_id}-{start}",
-                    objects=batch,
-                    write_ttl_ms=self.settings.write_ttl_ms,
-                ),
-            )
-            if not isinstance(reply, m.PutBeginReply):
-                for spec in batch:
-                    failed_chunks.add(chunk_of[spec.key])
-                causes[str(reply)] = causes.get(str(reply), 0) + len(batch)
-                continue
-            for result in reply.results:
-                if result.status == "placed":
-                    placed.append(result)
-                elif result.status == "exists":
-                    existing_chunks.add(chunk_of[result.key])
-                else:
-                    failed_chunks.add(chunk_of[result.key])
-                    causes[result.status] = causes.get(result.status, 0) + 1
+        router = self._router()
+        if not router.shards:
+            await router.refresh()
+        for shard, shard_specs in _by_shard(specs, lambda spec: router.shard_of(spec.key)):
+            for start in range(0, len(shard_specs), m.PUT_BATCH_OBJECTS_MAX):
+                batch = shard_specs[start : start + m.PUT_BATCH_OBJECTS_MAX]
+                reply = await self._directory(
+                    trace_id,
+                    "put_begin",
+                    m.PutBegin(
+                        writer_id=self.settings.holder_id,
+                        request_id=f"{request_id}-{shard}-{start}",
+                        objects=batch,
+                        write_ttl_ms=self.settings.write_ttl_ms,
+                    ),
+                    shard,
+                )
+                if not isinstance(reply, m.PutBeginReply):
+                    for spec in batch:
+                        failed_chunks.add(chunk_of[spec.key])
+                    causes[str(reply)] = causes.get(str(reply), 0) + len(batch)
+                    continue
+                for result in reply.results:
+                    if result.status == "placed":
+                        placed.append(result)
+                    elif result.status == "exists":
+                        existing_chunks.add(chunk_of[result.key])
+                    else:
+                        failed_chunks.add(chunk_of[result.key])
+                        causes[result.status] = causes.get(result.status, 0) + 1
         # Write every replica of every placed object (bounded by the save executor's threads).
         writes = [
             loop.run_in_executor(self._save_executor, self.pool.store, ticket, data[result.key], trace_id)
@@ -721,30 +773,37 @@ class AsyncKvClient:
                 failed_chunks.add(chunk_of[result.key])
                 for o in outcomes:
                     causes[o] = causes.get(o, 0) + 1
-        if bad_keys:
+        for shard, shard_keys in _by_shard(bad_keys, router.shard_of):
             await self._directory(
                 trace_id,
                 "put_abort",
-                m.PutAbort(writer_id=self.settings.holder_id, request_id=request_id + "-a", keys=bad_keys),
-            )
-        for start in range(0, len(ok_keys), m.PUT_BATCH_OBJECTS_MAX):
-            batch_keys = ok_keys[start : start + m.PUT_BATCH_OBJECTS_MAX]
-            reply = await self._directory(
-                trace_id,
-                "put_commit",
-                m.PutCommit(
-                    writer_id=self.settings.holder_id, request_id=f"{request_id}-c{start}", keys=batch_keys
+                m.PutAbort(
+                    writer_id=self.settings.holder_id, request_id=f"{request_id}-a{shard}", keys=shard_keys
                 ),
+                shard,
             )
-            if not isinstance(reply, m.PutCommitReply):
-                for key in batch_keys:
-                    failed_chunks.add(chunk_of[key])
-                causes[str(reply)] = causes.get(str(reply), 0) + len(batch_keys)
-                continue
-            for commit in reply.results:
-                if commit.status in ("missing", "not_found"):
-                    failed_chunks.add(chunk_of[commit.key])
-                    causes[commit.status] = causes.get(commit.status, 0) + 1
+        for shard, shard_keys in _by_shard(ok_keys, router.shard_of):
+            for start in range(0, len(shard_keys), m.PUT_BATCH_OBJECTS_MAX):
+                batch_keys = shard_keys[start : start + m.PUT_BATCH_OBJECTS_MAX]
+                reply = await self._directory(
+                    trace_id,
+                    "put_commit",
+                    m.PutCommit(
+                        writer_id=self.settings.holder_id,
+                        request_id=f"{request_id}-c{shard}-{start}",
+                        keys=batch_keys,
+                    ),
+                    shard,
+                )
+                if not isinstance(reply, m.PutCommitReply):
+                    for key in batch_keys:
+                        failed_chunks.add(chunk_of[key])
+                    causes[str(reply)] = causes.get(str(reply), 0) + len(batch_keys)
+                    continue
+                for commit in reply.results:
+                    if commit.status in ("missing", "not_found"):
+                        failed_chunks.add(chunk_of[commit.key])
+                        causes[commit.status] = causes.get(commit.status, 0) + 1
         saved_chunks = {chunk_of[k] for k in ok_keys} - failed_chunks
         tpc = self.spec.layout.tokens_per_chunk
         self.metrics.saved_tokens.inc(len(saved_chunks) * tpc)
@@ -759,12 +818,14 @@ class AsyncKvClient:
             causes=causes,
         )
 
-    async def _directory(self, trace_id: str, verb: str, message: m.DirectoryRequest) -> object:
+    async def _directory(self, trace_id: str, verb: str, message: m.DirectoryRequest, shard: int) -> object:
         """A directory call for saves: the reply, or a cause string (never raises)."""
         if self.nc is None:
             return "closed"
         try:
-            return await self._ask_directory(verb, message, self.settings.save_timeout_ms / 1000, trace_id)
+            return await self._ask_directory(
+                verb, message, self.settings.save_timeout_ms / 1000, trace_id, shard
+            )
         except StaleGeneration:
             return "directory_stale_epoch"
         except Unavailable:

@@ -16,7 +16,9 @@ class Hit:
 
     `objects[c][j]` locates chunk `c`'s object for `members[j]`. The lease keeps those objects
     from being evicted until `release` (or `lease_expires_ms`); a hit with `lease_id == 0` holds
-    nothing. `cause` says why there is no (or a shorter) hit: "" when the directory answered.
+    nothing. A prefix's chunks live in several directory shards: the hit holds one lease per shard
+    it touched (`shard_leases`, (shard, lease id) pairs; `lease_id` is the first, expiry the
+    earliest). `cause` says why there is no (or a shorter) hit: "" when the directory answered.
     """
 
     tokens: int
@@ -28,6 +30,7 @@ class Hit:
     lease_expires_ms: int = 0
     cause: str = ""
     trace_id: str = ""  # sent as the Kvf-Trace-Id header: the directory's logs carry it
+    shard_leases: tuple[tuple[int, int], ...] = ()
 
     @property
     def chunks(self) -> int:

@@ -13,14 +13,13 @@ import asyncio
 import contextlib
 from typing import Literal
 
-from nats.aio.client import Client as NatsClient
-
 from kvfabric.dataplane.addresses import pick_stream
 from kvfabric.format.errors import KvfError
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import CopyReply, CopyRequest, SegmentMessage, segment_decoder
-from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject
+from kvfabric.proto.subjects import segment_subject
 from kvfabric.runtime.client import request
+from kvfabric.runtime.directory_router import DirectoryRouter
 
 __all__ = ["CopyOutcome", "copy_replica"]
 
@@ -28,7 +27,7 @@ CopyOutcome = Literal["copied", "already_there", "not_found", "no_capacity", "se
 
 
 async def copy_replica(
-    nc: NatsClient,
+    router: DirectoryRouter,
     *,
     key: bytes,
     destination: str,
@@ -39,9 +38,11 @@ async def copy_replica(
 ) -> CopyOutcome:
     """Copy `key`'s object onto `destination`. Raises KvfError when a request fails (timeout,
     segment refused the copy); returns the directory's verdict otherwise."""
-    reply = await request(
-        nc,
-        endpoint_subject(Service.DIRECTORY, "replicate_begin"),
+    nc = router.nc
+    shard = router.shard_of(key)
+    reply = await router.ask(
+        shard,
+        "replicate_begin",
         m.ReplicateBegin(
             writer_id=writer_id,
             request_id=request_id,
@@ -49,7 +50,6 @@ async def copy_replica(
             segment_id=destination,
             write_ttl_ms=max(1, int(timeout_s * 1000)),
         ),
-        m.reply_decoder,
         timeout_s,
     )
     if not isinstance(reply, m.ReplicateBeginReply):
@@ -78,18 +78,17 @@ async def copy_replica(
         )
     finally:
         if not isinstance(copied, CopyReply):  # failed, timed out or cancelled: give the room back
-            await asyncio.shield(_abort(nc, key, writer_id, request_id, timeout_s))
+            await asyncio.shield(_abort(router, key, writer_id, request_id, timeout_s))
     return "copied"
 
 
-async def _abort(nc: NatsClient, key: bytes, writer_id: str, request_id: str, timeout_s: float) -> None:
+async def _abort(router: DirectoryRouter, key: bytes, writer_id: str, request_id: str, timeout_s: float) -> None:
     """Give the destination's reservation back at once (else it lasts until the ticket's deadline).
     Best effort: if the copy did land after all, its confirm already made it a replica."""
     with contextlib.suppress(KvfError):
-        await request(
-            nc,
-            endpoint_subject(Service.DIRECTORY, "put_abort"),
+        await router.ask(
+            router.shard_of(key),
+            "put_abort",
             m.PutAbort(writer_id=writer_id, request_id=f"{request_id}-abort", keys=[key]),
-            m.reply_decoder,
             timeout_s,
         )

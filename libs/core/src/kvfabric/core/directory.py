@@ -132,6 +132,10 @@ class DirectoryConfig:
     # `<tenant>/<holder>` by the directory shell), so no tenant fills the shared tables.
     tenant_leases_max: int = 50_000
     tenant_pins_max: int = 2_500
+    # True when other shards' cores place on the same segments (a sharded directory): a
+    # segment's free space is then its capacity minus the larger of this core's reservations
+    # and the usage the segment reports (all shards'; a heartbeat old).
+    segments_shared: bool = False
 
 
 # ---- effects -------------------------------------------------------------------------------
@@ -237,10 +241,11 @@ class _Lease:
 class DirectoryCore:
     """One directory shard's state machine. See the module docstring for states and invariants."""
 
-    def __init__(self, config: DirectoryConfig, epoch: int = 1) -> None:
+    def __init__(self, config: DirectoryConfig, epoch: int = 1, shard: int = 0) -> None:
         invariant(epoch >= 1, "epoch starts at 1")
         self.config = config
         self.epoch = epoch
+        self.shard = shard  # the virtual shard this core leads (tickets name it: per-shard fencing)
         self.segments: dict[str, _Segment] = {}
         self._placements: list[tuple[str, int]] = []
         self._placement_index: dict[tuple[str, int], int] = {}
@@ -591,9 +596,14 @@ class DirectoryCore:
         )
 
     def _candidates(self) -> list[Candidate]:
+        shared = self.config.segments_shared
         return [
             Candidate(
-                s.segment_id, s.domain.zone, s.domain.rack, s.domain.host, s.capacity_bytes - s.reserved_bytes
+                s.segment_id,
+                s.domain.zone,
+                s.domain.rack,
+                s.domain.host,
+                s.capacity_bytes - (max(s.reserved_bytes, s.reported_used_bytes) if shared else s.reserved_bytes),
             )
             for s in self.segments.values()
             if s.up and not s.draining
@@ -614,6 +624,7 @@ class DirectoryCore:
                 deadline_ms=held.deadline_ms,
                 epoch=self.epoch,
                 data_addr=self.segments[segment_id].data_addr,
+                shard=self.shard,
             )
             tickets.append(sign_ticket(ticket, self.config.ticket_secret))
         return tickets
@@ -1454,6 +1465,7 @@ class DirectoryCore:
             deadline_ms=rt.deadline_ms,
             epoch=self.epoch,
             data_addr=seg.data_addr,
+            shard=self.shard,
         )
         return sign_ticket(ticket, self.config.ticket_secret)
 

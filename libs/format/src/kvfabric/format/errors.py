@@ -35,6 +35,7 @@ __all__ = [
     "Unauthorized",
     "Unavailable",
     "UnsupportedVersion",
+    "WrongShard",
     "error_class_for_code",
     "error_from_wire",
 ]
@@ -183,6 +184,14 @@ class Unavailable(KvfError):
     code = "unavailable"
     status = 503
     retryable = True
+
+
+class WrongShard(Unavailable):
+    """This directory instance does not lead the request's shard (any more): refresh the shard
+    map and ask the leader. Also a request naming keys of several shards (a caller bug)."""
+
+    code = "wrong_shard"
+    status = 421
 
 
 class Indeterminate(KvfError):

@@ -236,15 +236,19 @@ class ServiceRuntime:
         self._endpoints[verb] = _Endpoint(verb=verb, subject=subject, handler=handler, relative=relative)
         return subject
 
-    def add_tenant_endpoint(self, verb: str, handler: TenantHandler, *, reply_min_ms: int = 0) -> str:
-        """Register `handler` for every tenant's `kvf.v1.<service>.t.<tenant>.<verb>` (before `start`);
-        it is called with the tenant token as third argument. `reply_min_ms` > 0 holds every reply
-        until that long after receipt (hides how long the handler took: a timing side channel).
-        Returns the wildcard subject."""
+    def add_tenant_endpoint(
+        self, verb: str, handler: TenantHandler, *, reply_min_ms: int = 0, instance: str | None = None
+    ) -> str:
+        """Register `handler` for every tenant's `kvf.v1.<service>.t.<tenant>.<verb>` (or
+        `...<verb>.<instance>` for this instance only) before `start`; it is called with the tenant
+        token as third argument. `reply_min_ms` > 0 holds every reply until that long after
+        receipt (hides how long the handler took: a timing side channel). Returns the subject."""
         invariant(self._state is RuntimeState.CREATED, "endpoints are added before start", state=self._state)
         name = f"tenant_{verb}"
         invariant(name not in self._endpoints, "endpoint registered twice", verb=name)
         relative = f"{TENANT_TOKEN}.*.{endpoint_subject(self.service, verb).rsplit('.', 1)[1]}"
+        if instance is not None:
+            relative = f"{relative}.{check_segment_id(instance)}"
         self._endpoints[name] = _Endpoint(
             verb=name,
             subject=f"{self.group}.{relative}",

@@ -1,8 +1,8 @@
-"""The directory shell: decode → `DirectoryCore.handle(request, now_ms)` → perform effects → reply.
+"""The directory shell of one shard: `DirectoryCore.handle(request, now_ms)` → perform effects → reply.
 
-Every endpoint decodes its bytes with the directory request decoder, checks the message is the
-one its verb takes, and hands it to the core. The core is synchronous, so each call is atomic on
-the event loop; effects are performed after it returns:
+An instance runs one shell per shard it leads; `kvfabric.directory.host` decodes requests and
+routes them here by shard. The core is synchronous, so each call is atomic on the event loop;
+effects are performed after it returns:
 
 - `EmitEvent` → a bounded outbox drained by one publisher task into the JetStream stream
   `KVF_DIRECTORY_EVENTS` (subjects `kvf.v1.events.directory.<kind>`), in order; JetStream gives
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Final
 
 import msgspec
@@ -27,16 +27,13 @@ from nats.js.api import StreamConfig
 from nats.js.errors import BadRequestError
 
 from kvfabric.core import authz
-from kvfabric.core.authz import TENANT_VERBS
 from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent, FreeSlots
-from kvfabric.directory.leader import SegmentRegistry
-from kvfabric.format.errors import BadRequest, KvfError, Unauthorized, Unavailable
+from kvfabric.format.errors import KvfError, Unavailable, WrongShard
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import FreeSlotsReply, FreeSlotsRequest, segment_decoder
 from kvfabric.proto.subjects import Service, event_subject, events_wildcard, segment_subject
 from kvfabric.runtime.client import request
 from kvfabric.runtime.logs import get_logger
-from kvfabric.runtime.service import Handler, ServiceRuntime, TenantHandler
 
 __all__ = ["EVENTS_STREAM", "VERBS", "DirectoryShell", "now_ms"]
 
@@ -66,6 +63,7 @@ VERBS: Final[dict[str, type[msgspec.Struct]]] = {
     "show_group": m.ShowGroup,
     "list_leases": m.ListLeases,
     "list_tenants": m.ListTenants,
+    "shard_map": m.GetShardMap,
 }
 
 
@@ -97,43 +95,28 @@ class DirectoryShell:
         self._log = get_logger("kvfabric.directory")
         self.events_published = 0
         self.frees_skipped_busy = 0
-        self.registry: SegmentRegistry | None = None  # durable segment list, for the next leader
         # Whether this instance may act as the leader right now (its lease has not lapsed):
         # checked before every request and every tick, so a fenced leader stops at once.
         self.may_act: Callable[[], bool] = lambda: True
-        self.grants: Mapping[str, authz.TenantGrant] = {}  # tenant -> share domains it may use
-        self.lookup_reply_min_ms = 0  # pad tenant lookups (timing side channel); 0 = off
 
-    def attach(self, runtime: ServiceRuntime) -> None:
-        for verb, kind in VERBS.items():
-            runtime.add_endpoint(verb, self._endpoint(kind))
-        for verb in sorted(TENANT_VERBS):
-            pad = self.lookup_reply_min_ms if verb == "lookup" else 0  # hits and misses alike
-            runtime.add_tenant_endpoint(verb, self._tenant_endpoint(verb, VERBS[verb]), reply_min_ms=pad)
+    async def handle(self, message: msgspec.Struct) -> msgspec.Struct:
+        """A service-plane request for this shard: core, effects, reply."""
+        if not self.may_act():
+            raise WrongShard("this directory instance no longer leads the shard", shard=self.core.shard)
+        outcome = self.core.handle(message, now_ms())
+        await self.perform(outcome.effects)
+        return outcome.reply
 
-    def _tenant_endpoint(self, verb: str, kind: type[msgspec.Struct]) -> TenantHandler:
-        """A tenant's request: authorized for the tenant of its subject (`kvfabric.core.authz`)
-        before the core sees it (lookup replies are padded by the runtime when configured)."""
-
-        async def handle(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
-            if not self.may_act():
-                raise Unavailable("this directory instance is no longer the leader")
-            grant = self.grants.get(tenant)
-            if grant is None:
-                raise Unauthorized(f"tenant {tenant!r} has no share domains here")
-            message = m.request_decoder.decode(data)
-            if type(message) is not kind:
-                raise BadRequest(f"this endpoint takes {kind.__name__}, got {type(message).__name__}")
-            authorized = authz.authorize(message, verb, grant)  # refusals counted by code (runtime)
-            if grant.home and authz.charge_home(verb, authorized):
-                self.core.charge_domains([grant.home], now_ms())
-            return await self._tenant_reply(message, authorized, grant)
-
-        return handle
-
-    async def _tenant_reply(
-        self, message: msgspec.Struct, authorized: msgspec.Struct, grant: authz.TenantGrant
+    async def handle_tenant(
+        self, message: msgspec.Struct, verb: str, grant: authz.TenantGrant
     ) -> msgspec.Struct:
+        """A tenant's request for this shard, authorized for its grant (`kvfabric.core.authz`)
+        before the core sees it."""
+        if not self.may_act():
+            raise WrongShard("this directory instance no longer leads the shard", shard=self.core.shard)
+        authorized = authz.authorize(message, verb, grant)  # refusals counted by code (runtime)
+        if grant.home and authz.charge_home(verb, authorized):
+            self.core.charge_domains([grant.home], now_ms())
         if isinstance(authorized, m.ListGroups) and not authz.listing_allowed(authorized, grant):
             return m.GroupList(epoch=self.core.epoch, groups=[])  # a domain not granted: nothing there
         outcome = self.core.handle(authorized, now_ms())
@@ -144,30 +127,6 @@ class DirectoryShell:
         if isinstance(message, m.Evict) and isinstance(reply, m.EvictReply):
             return authz.merge_evict_results(message.groups, reply, grant)
         return reply
-
-    def _endpoint(self, kind: type[msgspec.Struct]) -> Handler:
-        async def handle(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-            if not self.may_act():
-                raise Unavailable("this directory instance is no longer the leader")
-            message = m.request_decoder.decode(data)
-            if type(message) is not kind:
-                raise BadRequest(f"this endpoint takes {kind.__name__}, got {type(message).__name__}")
-            outcome = self.core.handle(message, now_ms())
-            if isinstance(message, m.RegisterSegment) and self.registry is not None:
-                await self._remember_segment(message)
-            await self.perform(outcome.effects)
-            return outcome.reply
-
-        return handle
-
-    async def _remember_segment(self, registration: m.RegisterSegment) -> None:
-        """The next leader asks the segments in this registry what they hold: no registration is
-        acknowledged before it is durable (the segment retries a failed register)."""
-        assert self.registry is not None
-        try:
-            await self.registry.put(registration)
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise Unavailable(f"segment registry not writable: {type(exc).__name__}") from None
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -212,6 +171,7 @@ class DirectoryShell:
             incarnation=effect.incarnation,
             slots=list(effect.slots),
             epoch=self.core.epoch,
+            shard=self.core.shard,
         )
         try:
             reply = await request(

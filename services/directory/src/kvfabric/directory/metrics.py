@@ -1,63 +1,84 @@
-"""Exports the core's plain counters and state sizes as Prometheus metrics (read at scrape time)."""
+"""Exports the shard cores' plain counters and state sizes as Prometheus metrics (read at scrape
+time), summed over the shards this instance leads (the epoch per shard)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvfabric.directory.handlers import DirectoryShell
+from kvfabric.core.directory import DirectoryCore
+from kvfabric.directory.host import ShardHost
 
 __all__ = ["DirectoryCollector"]
 
 
 class DirectoryCollector(Collector):
-    def __init__(self, shell: DirectoryShell) -> None:
-        self.shell = shell
+    def __init__(self, host: ShardHost) -> None:
+        self.host = host
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        core = self.shell.core
+        shells = list(self.host.shells.items())  # scraped from another thread: a snapshot
+        cores = [shell.core for _, shell in shells]
+        counters: Counter[str] = Counter()
+        for core in cores:
+            counters.update(core.counters)
         events = CounterMetricFamily(
             "kvfabric_directory_core_events", "Core counters, by name.", labels=["name"]
         )
-        for name, value in sorted(core.counters.items()):
+        for name, value in sorted(counters.items()):
             events.add_metric([name.removesuffix("_total")], value)
         yield events
         yield CounterMetricFamily(
             "kvfabric_directory_events_published",
             "Events JetStream acknowledged.",
-            value=self.shell.events_published,
+            value=sum(shell.events_published for _, shell in shells),
         )
         state = GaugeMetricFamily("kvfabric_directory_groups", "Chunk groups by state.", labels=["state"])
-        state.add_metric(["building"], len(core.building))
-        state.add_metric(["published"], len(core.published))
-        state.add_metric(["evicting"], len(core.evicting))
+        state.add_metric(["building"], sum(len(c.building) for c in cores))
+        state.add_metric(["published"], sum(len(c.published) for c in cores))
+        state.add_metric(["evicting"], sum(len(c.evicting) for c in cores))
         yield state
         yield GaugeMetricFamily(
-            "kvfabric_directory_pending_objects", "Objects being written.", value=core.pending_objects
+            "kvfabric_directory_pending_objects",
+            "Objects being written.",
+            value=sum(c.pending_objects for c in cores),
         )
-        yield GaugeMetricFamily("kvfabric_directory_epoch", "Directory epoch.", value=core.epoch)
+        yield GaugeMetricFamily("kvfabric_directory_shards_led", "Shards this instance leads.", value=len(cores))
+        epoch = GaugeMetricFamily("kvfabric_directory_epoch", "Epoch of each shard led here.", labels=["shard"])
+        for shard, shell in shells:
+            epoch.add_metric([str(shard)], shell.core.epoch)
+        yield epoch
         leases = GaugeMetricFamily("kvfabric_directory_leases", "Read leases and pins held.", labels=["kind"])
-        leases.add_metric(["pin"], core.pins_held)
-        leases.add_metric(["read"], core.leases_held - core.pins_held)
+        pins = sum(c.pins_held for c in cores)
+        leases.add_metric(["pin"], pins)
+        leases.add_metric(["read"], sum(c.leases_held for c in cores) - pins)
         yield leases
         up = GaugeMetricFamily(
             "kvfabric_directory_segment_up", "1 when the segment is up.", labels=["segment"]
         )
         reserved = GaugeMetricFamily(
-            "kvfabric_directory_segment_reserved_bytes", "Bytes placed on a segment.", labels=["segment"]
+            "kvfabric_directory_segment_reserved_bytes",
+            "Bytes placed on a segment (by the shards led here).",
+            labels=["segment"],
         )
-        for seg in core.segments.values():
-            up.add_metric([seg.segment_id], 1.0 if seg.up else 0.0)
-            reserved.add_metric([seg.segment_id], seg.reserved_bytes)
+        seen_up: dict[str, bool] = {}
+        placed: Counter[str] = Counter()
+        for core in cores:
+            for seg in list(core.segments.values()):
+                seen_up[seg.segment_id] = seen_up.get(seg.segment_id, True) and seg.up
+                placed[seg.segment_id] += seg.reserved_bytes
+        for segment_id, is_up in sorted(seen_up.items()):
+            up.add_metric([segment_id], 1.0 if is_up else 0.0)
+            reserved.add_metric([segment_id], placed[segment_id])
         yield up
         yield reserved
-        yield from self._tenants()
+        yield from self._tenants(cores)
 
-    def _tenants(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def _tenants(self, cores: list[DirectoryCore]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """Per share domain (hex digest): what it holds and what it was refused."""
-        quotas = self.shell.core.quotas
         used = GaugeMetricFamily(
             "kvfabric_directory_tenant_used_bytes",
             "Bytes a tenant holds (size x replicas: building, published, copying, freeing).",
@@ -66,9 +87,20 @@ class DirectoryCollector(Collector):
         objects = GaugeMetricFamily(
             "kvfabric_directory_tenant_objects", "Objects a tenant holds.", labels=["domain"]
         )
-        for tenant, use in list(quotas.usage.items()):  # scraped from another thread
-            used.add_metric([tenant.hex()], use.bytes)
-            objects.add_metric([tenant.hex()], use.objects)
+        used_bytes: Counter[bytes] = Counter()
+        used_objects: Counter[bytes] = Counter()
+        quota_exceeded: Counter[bytes] = Counter()
+        rate_limited: Counter[bytes] = Counter()
+        for core in cores:
+            for tenant, use in list(core.quotas.usage.items()):
+                used_bytes[tenant] += use.bytes
+                used_objects[tenant] += use.objects
+            for tenant, stats in list(core.quotas.stats.items()):
+                quota_exceeded[tenant] += stats.quota_exceeded
+                rate_limited[tenant] += stats.rate_limited
+        for tenant in sorted(used_bytes):
+            used.add_metric([tenant.hex()], used_bytes[tenant])
+            objects.add_metric([tenant.hex()], used_objects[tenant])
         yield used
         yield objects
         rejected = CounterMetricFamily(
@@ -76,7 +108,7 @@ class DirectoryCollector(Collector):
             "Refusals by quota (objects) or rate limit (requests), per tenant tracked.",
             labels=["domain", "reason"],
         )
-        for tenant, stats in list(quotas.stats.items()):
-            rejected.add_metric([tenant.hex(), "quota_exceeded"], stats.quota_exceeded)
-            rejected.add_metric([tenant.hex(), "rate_limited"], stats.rate_limited)
+        for tenant in sorted(set(quota_exceeded) | set(rate_limited)):
+            rejected.add_metric([tenant.hex(), "quota_exceeded"], quota_exceeded[tenant])
+            rejected.add_metric([tenant.hex(), "rate_limited"], rate_limited[tenant])
         yield rejected

@@ -24,6 +24,7 @@ from kvfabric.proto.segment import (
     SegmentReport,
     segment_decoder,
 )
+from kvfabric.proto.shards import shard_of
 from kvfabric.proto.subjects import segment_subject
 from kvfabric.runtime.client import request
 from kvfabric.runtime.logs import get_logger
@@ -38,7 +39,25 @@ SEGMENTS_IN_PARALLEL_MAX: Final = 16
 _log = get_logger("kvfabric.directory.rebuild")
 
 
-async def _report(nc: NatsClient, reg: m.RegisterSegment, epoch: int) -> SegmentHolding | None:
+def _of_shard(objects: list[HeldObject], shard: int, shards: int) -> list[HeldObject]:
+    """The objects a leader of `shard` adopts (or frees as orphans). A key with no chain hash
+    in it is an orphan of shard 0 only: no other shard's leader ever frees its slot."""
+    if shards == 1:
+        return objects
+    out = []
+    for held in objects:
+        try:
+            mine = shard_of(held.key, shards) == shard
+        except ValueError:
+            mine = shard == 0
+        if mine:
+            out.append(held)
+    return out
+
+
+async def _report(
+    nc: NatsClient, reg: m.RegisterSegment, epoch: int, shard: int, shards: int
+) -> SegmentHolding | None:
     objects: list[HeldObject] = []
     after = -1
     for _ in range(PAGES_MAX):
@@ -48,7 +67,7 @@ async def _report(nc: NatsClient, reg: m.RegisterSegment, epoch: int) -> Segment
                 reply = await request(
                     nc,
                     segment_subject(reg.segment_id, "report"),
-                    ReportRequest(epoch=epoch, after_slot=after, limit=REPORT_PAGE_MAX),
+                    ReportRequest(epoch=epoch, after_slot=after, limit=REPORT_PAGE_MAX, shard=shard),
                     segment_decoder,
                     REPORT_TIMEOUT_S,
                 )
@@ -60,7 +79,7 @@ async def _report(nc: NatsClient, reg: m.RegisterSegment, epoch: int) -> Segment
         if reply.incarnation != reg.incarnation:
             _log.info("segment_restarted_since_registering", segment_id=reg.segment_id)
             return None
-        objects.extend(reply.objects)
+        objects.extend(_of_shard(reply.objects, shard, shards))
         if reply.next_after_slot < 0:
             return SegmentHolding(reg, objects)
         after = reply.next_after_slot
@@ -68,19 +87,22 @@ async def _report(nc: NatsClient, reg: m.RegisterSegment, epoch: int) -> Segment
 
 
 async def gather_holdings(
-    nc: NatsClient, registrations: list[m.RegisterSegment], epoch: int
+    nc: NatsClient, registrations: list[m.RegisterSegment], epoch: int, *, shard: int = 0, shards: int = 1
 ) -> list[SegmentHolding]:
-    """Reports of every registered segment that answers (bounded parallelism)."""
+    """Reports of every registered segment that answers (bounded parallelism), cut to the
+    objects of `shard`. The report request carries (shard, epoch): the segment fences that
+    shard's older leaders from then on."""
     limit = asyncio.Semaphore(SEGMENTS_IN_PARALLEL_MAX)
 
     async def one(reg: m.RegisterSegment) -> SegmentHolding | None:
         async with limit:
-            return await _report(nc, reg, epoch)
+            return await _report(nc, reg, epoch, shard, shards)
 
     results = await asyncio.gather(*(one(r) for r in registrations))
     holdings = [h for h in results if h is not None]
     _log.info(
         "segments_reported",
+        shard=shard,
         registered=len(registrations),
         answered=len(holdings),
         objects=sum(len(h.objects) for h in holdings),

@@ -21,6 +21,12 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TENANT_GRANTS` | `{}` | JSON `{"<tenant>": [DIGEST, ...]}` (see below) |
 | `KVF_DIRECTORY_TENANT_GRANTS_FILE` | unset | a file holding the GRANTS JSON (wins over the variable) |
 | `KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS` | 0 (off) | pad tenant lookup replies to this many ms |
+| `KVF_DIRECTORY_SHARDS` | 16 | virtual shards (fixed for a cluster's life: every instance must agree) |
+| `KVF_DIRECTORY_REBALANCE` | 0 | 1: shards move to a joining instance (rendezvous hashing over live instances); 0: leadership is sticky and moves only when a leader dies |
+
+With more than one shard, every shard's core enforces a tenant's `bytes_max` and `objects_max`
+divided by the shard count (rounded up; keys spread evenly over shards), and its request rate
+as configured (a request split by shard costs one token in each shard it touches).
 
 QUOTA is a JSON object with any of `bytes_max`, `objects_max` (integers ≥ 0), `requests_per_s`
 (number ≥ 0) and `burst` (integer ≥ 0, needs `requests_per_s`); absent or 0 = unlimited.
@@ -43,6 +49,7 @@ from typing import Any, Final
 from kvfabric.core.authz import TenantGrant
 from kvfabric.core.directory import DirectoryConfig
 from kvfabric.core.quotas import UNLIMITED, TenantQuota
+from kvfabric.proto.shards import SHARDS_MAX
 from kvfabric.proto.subjects import check_tenant
 from kvfabric.proto.tickets import SECRET_BYTES_MIN
 from kvfabric.runtime.config import SettingsError, env_int
@@ -53,6 +60,7 @@ __all__ = [
     "parse_grants",
     "parse_quota",
     "parse_tenant_quotas",
+    "per_shard",
 ]
 
 _QUOTA_FIELDS: Final = ("bytes_max", "objects_max", "requests_per_s", "burst")
@@ -69,6 +77,8 @@ class DirectorySettings:
     leader_lease_ttl_ms: int = 3_000
     grants: Mapping[str, TenantGrant] = dataclasses.field(default_factory=dict)
     lookup_reply_min_ms: int = 0
+    shards: int = 16
+    rebalance: bool = False
 
 
 def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
@@ -89,7 +99,17 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         tenant_leases_max=env_int(env, "KVF_DIRECTORY_TENANT_LEASES_MAX", 50_000, 1, 10_000_000),
         tenant_pins_max=env_int(env, "KVF_DIRECTORY_TENANT_PINS_MAX", 2_500, 1, 10_000_000),
     )
+    shards = env_int(env, "KVF_DIRECTORY_SHARDS", 16, 1, SHARDS_MAX)
+    if shards > 1:
+        core = dataclasses.replace(
+            core,
+            segments_shared=True,
+            tenant_quotas={d: per_shard(q, shards) for d, q in core.tenant_quotas.items()},
+            tenant_quota_default=per_shard(core.tenant_quota_default, shards),
+        )
     return DirectorySettings(
+        shards=shards,
+        rebalance=env_int(env, "KVF_DIRECTORY_REBALANCE", 0, 0, 1) == 1,
         core=core,
         tick_ms=env_int(env, "KVF_DIRECTORY_TICK_MS", 100, 5, 60_000),
         events_outbox_max=env_int(env, "KVF_DIRECTORY_EVENTS_OUTBOX_MAX", 10_000, 1, 1_000_000),
@@ -97,6 +117,15 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         leader_lease_ttl_ms=env_int(env, "KVF_DIRECTORY_LEADER_LEASE_TTL_MS", 3_000, 300, 600_000),
         grants=_grants(env),
         lookup_reply_min_ms=env_int(env, "KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS", 0, 0, 10_000),
+    )
+
+
+def per_shard(quota: TenantQuota, shards: int) -> TenantQuota:
+    """The part of a tenant's byte and object quota one of `shards` cores enforces."""
+    return dataclasses.replace(
+        quota,
+        bytes_max=math.ceil(quota.bytes_max / shards),
+        objects_max=math.ceil(quota.objects_max / shards),
     )
 
 

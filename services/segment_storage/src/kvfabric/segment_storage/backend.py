@@ -90,9 +90,9 @@ class ArenaBackend:
         self.confirm = confirm
         self.clock_ms = clock_ms or (lambda: time.time_ns() // 1_000_000)
         self.draining = False
-        # The newest directory epoch this segment has heard of: tickets of older epochs were
-        # issued by a fenced leader and store nothing.
-        self.min_epoch = 0
+        # The newest directory epoch this segment has heard of, per shard: tickets of older
+        # epochs were issued by a fenced leader of that shard and store nothing.
+        self.min_epochs: dict[int, int] = {}
         self.lock = threading.Lock()
         self._conns: dict[int, _Conn] = {}
         self._grant_ids = itertools.count(1)
@@ -121,9 +121,10 @@ class ArenaBackend:
         if ticket.incarnation != self.incarnation:
             self._count("stale_incarnation_rejected_total")
             raise StaleGeneration("segment_incarnation", ticket.incarnation, self.incarnation)
-        if ticket.epoch < self.min_epoch:
+        fence = self.min_epochs.get(ticket.shard, 0)
+        if ticket.epoch < fence:
             self._count("stale_epoch_rejected_total")
-            raise StaleGeneration("directory_epoch", ticket.epoch, self.min_epoch)
+            raise StaleGeneration("directory_epoch", ticket.epoch, fence)
         now = self.clock_ms()
         if now >= ticket.deadline_ms:
             self._count("expired_ticket_total")

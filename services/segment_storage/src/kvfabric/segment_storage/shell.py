@@ -7,9 +7,11 @@ Lifecycle:
 - `free.<segment_id>` (NATS, from the directory): free the named (slot, generation) pairs; a slot
   under a transfer is freed when the transfer ends; an old generation is already freed.
 - `drain.<segment_id>`: refuse new writes, keep serving reads; heartbeats say so.
-- `report.<segment_id>`: a new directory leader asks what is stored (paged) to rebuild its index;
-  its epoch becomes the oldest this segment accepts: write tickets and frees of older epochs (a
-  replaced leader's) are refused with `stale_generation`.
+- `report.<segment_id>`: a new leader of a directory shard asks what is stored (paged) to rebuild
+  its index; its (shard, epoch) becomes the oldest this segment accepts for that shard: write
+  tickets and frees of older epochs of the shard (a replaced leader's) are refused with
+  `stale_generation`. Registration and heartbeats go to every instance leading a shard; confirms
+  and corruption reports to the leader of the key's shard (`DirectoryRouter`).
 - `copy.<segment_id>` (from repair, with a ticket from the directory's `replicate_begin`): write
   the ticket's object by reading it from another segment over TCP straight into the new slot; the
   ticket is checked like a PUT's, the bytes against its checksum, and the replica is confirmed to
@@ -65,8 +67,7 @@ from kvfabric.proto.segment import (
     SegmentState,
     segment_decoder,
 )
-from kvfabric.proto.subjects import Service, endpoint_subject
-from kvfabric.runtime.client import request
+from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.segment_storage.arena import Arena
@@ -118,7 +119,8 @@ class SegmentShell:
         self.peer_tls = client_context(settings.tls_ca) if settings.tls_ca else None
         self.ucx: UcxThread | None = None
         self.data_addr = self.server.address
-        self.epoch = 0
+        self.epochs: dict[int, int] = {}  # newest directory epoch seen, per shard
+        self.router: DirectoryRouter | None = None
         self.heartbeat_interval_ms = 1_000
         self._nc: NatsClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -142,24 +144,48 @@ class SegmentShell:
         runtime.add_endpoint("copy", self._on_copy, instance=self.settings.segment_id)
 
     async def _directory(self, verb: str, message: msgspec.Struct, trace_id: str = "") -> msgspec.Struct:
-        assert self._nc is not None
-        reply = await request(
-            self._nc,
-            endpoint_subject(Service.DIRECTORY, verb),
+        """A keyed request (confirm, replica_corrupt) to the leader of its key's shard."""
+        assert self.router is not None
+        if isinstance(message, m.ConfirmReplicas):
+            shard = self.router.shard_of(message.confirms[0].key)
+        else:
+            shard = self.router.shard_of(getattr(message, "key", b""))
+        reply = await self.router.ask(
+            shard,
+            verb,
             message,
-            m.reply_decoder,
             REQUEST_TIMEOUT_S,
             headers={TRACE_ID_HEADER: trace_id} if trace_id else None,
         )
-        self._saw_epoch(getattr(reply, "epoch", 0))
+        self._saw_epoch(shard, getattr(reply, "epoch", 0))
         return reply
 
-    def _saw_epoch(self, epoch: int) -> None:
-        """A directory of `epoch` exists: tickets and frees of older epochs are fenced."""
-        if epoch > self.epoch:
-            self.epoch = epoch
-            self.backend.min_epoch = epoch
-            self._log.info("directory_epoch_seen", epoch=epoch)
+    async def _every_leader(self, verb: str, message: msgspec.Struct) -> list[msgspec.Struct]:
+        """Registration and heartbeats: every instance that leads a shard keeps segments. Raises
+        the first error when no instance took it (or `NotFound`/`StaleGeneration` from any: a
+        leader declared this incarnation down)."""
+        assert self.router is not None
+        answers = await self.router.ask_all(verb, message, REQUEST_TIMEOUT_S)
+        replies = [a for a in answers if not isinstance(a, KvfError)]
+        errors = [a for a in answers if isinstance(a, KvfError)]
+        for err in errors:
+            if isinstance(err, NotFound | StaleGeneration):
+                raise err
+        if errors:
+            self.router.forget_all()  # a gone or deposed instance: ask the map again next time
+        if not replies:
+            raise errors[0] if errors else Unavailable("no directory instance leads a shard yet")
+        for reply in replies:
+            for shard_epoch in getattr(reply, "shard_epochs", []):
+                self._saw_epoch(shard_epoch.shard, shard_epoch.epoch)
+        return replies
+
+    def _saw_epoch(self, shard: int, epoch: int) -> None:
+        """A leader of `shard` with `epoch` exists: tickets and frees of older epochs are fenced."""
+        if epoch > self.epochs.get(shard, 0):
+            self.epochs[shard] = epoch
+            self.backend.min_epochs[shard] = epoch
+            self._log.info("directory_epoch_seen", shard=shard, epoch=epoch)
 
     async def start(self, nc: NatsClient) -> None:
         self._nc = nc
@@ -179,7 +205,8 @@ class SegmentShell:
                 self.ucx = None
         self.data_addr = join(*addresses)
         s = self.settings
-        reply = await self._directory(
+        self.router = DirectoryRouter(nc)
+        replies = await self._every_leader(
             "register",
             m.RegisterSegment(
                 segment_id=s.segment_id,
@@ -189,8 +216,9 @@ class SegmentShell:
                 data_addr=self.data_addr,
             ),
         )
-        if isinstance(reply, m.SegmentRegistered):
-            self.heartbeat_interval_ms = reply.heartbeat_interval_ms
+        for reply in replies:
+            if isinstance(reply, m.SegmentRegistered) and reply.heartbeat_interval_ms:
+                self.heartbeat_interval_ms = reply.heartbeat_interval_ms
         self._tasks = [asyncio.create_task(self._heartbeats())]
         if s.scrub_bytes_per_s > 0:
             self._tasks.append(asyncio.create_task(self._scrub()))
@@ -199,7 +227,7 @@ class SegmentShell:
             data_addr=self.data_addr,
             arena=str(self.arena.path),
             arena_bytes=s.arena_bytes,
-            epoch=self.epoch,
+            epochs=len(self.epochs),
         )
 
     async def stop(self) -> None:
@@ -222,7 +250,7 @@ class SegmentShell:
         message = m.ConfirmReplicas(
             segment_id=self.settings.segment_id,
             incarnation=self.incarnation,
-            epoch=self.epoch,
+            epoch=ticket.epoch,  # the shard leader that issued the ticket, or it is refused
             confirms=[
                 m.ReplicaConfirm(
                     ticket_id=ticket.ticket_id,
@@ -250,14 +278,13 @@ class SegmentShell:
         while True:
             await asyncio.sleep(self.heartbeat_interval_ms / 1000)
             try:
-                await self._directory(
+                await self._every_leader(
                     "heartbeat",
                     m.Heartbeat(
                         segment_id=self.settings.segment_id,
                         incarnation=self.incarnation,
                         used_bytes=self.slots.used_bytes,
                         draining=self.backend.draining,
-                        epoch=self.epoch,
                     ),
                 )
             except (NotFound, StaleGeneration) as err:
@@ -273,9 +300,10 @@ class SegmentShell:
             raise BadRequest(f"expected FreeSlotsRequest, got {type(message).__name__}")
         if message.incarnation != self.incarnation:
             raise StaleGeneration("segment_incarnation", message.incarnation, self.incarnation)
-        if message.epoch < self.epoch:  # from a leader that has been replaced: fenced
-            raise StaleGeneration("directory_epoch", message.epoch, self.epoch)
-        self._saw_epoch(message.epoch)
+        fence = self.epochs.get(message.shard, 0)
+        if message.epoch < fence:  # from a leader of the shard that has been replaced: fenced
+            raise StaleGeneration("directory_epoch", message.epoch, fence)
+        self._saw_epoch(message.shard, message.epoch)
         done = await asyncio.to_thread(
             self.backend.free_slots, [(f.slot, f.slot_generation) for f in message.slots]
         )
@@ -290,11 +318,12 @@ class SegmentShell:
         message = segment_decoder.decode(data)
         if not isinstance(message, ReportRequest):
             raise BadRequest(f"expected ReportRequest, got {type(message).__name__}")
-        if message.epoch < self.epoch:
-            raise StaleGeneration("directory_epoch", message.epoch, self.epoch)
+        fence = self.epochs.get(message.shard, 0)
+        if message.epoch < fence:
+            raise StaleGeneration("directory_epoch", message.epoch, fence)
         if not 0 < message.limit <= REPORT_PAGE_MAX:
             raise BadRequest(f"limit must be in 1..{REPORT_PAGE_MAX}")
-        self._saw_epoch(message.epoch)
+        self._saw_epoch(message.shard, message.epoch)
         with self.backend.lock:
             held = self.slots.held(message.after_slot, message.limit + 1)
         more = len(held) > message.limit
@@ -405,7 +434,6 @@ class SegmentShell:
             key=found.key,
             slot=found.slot,
             slot_generation=found.generation,
-            epoch=self.epoch,
         )
         for attempt in range(1, CORRUPT_REPORT_ATTEMPTS + 1):
             try:
@@ -416,7 +444,6 @@ class SegmentShell:
                     self.backend.count("replica_corrupt_unreported_total")
                     return
                 await asyncio.sleep(CORRUPT_REPORT_BACKOFF_S * attempt)
-                message = msgspec.structs.replace(message, epoch=self.epoch)
                 continue
             dropped = isinstance(reply, m.ReplicaCorruptReply) and reply.dropped
             self.backend.count("replica_corrupt_reported_total")

@@ -1,0 +1,301 @@
+"""Where a directory request goes: the cached shard map, and calls routed by shard.
+
+Every directory caller (engines' clients, segments, the eviction, repair and prefetch services,
+kvctl, tests) talks to the directory through a `DirectoryRouter`:
+
+- **The map.** Keys belong to virtual shards (`kvfabric.proto.shards`); each shard is led by one
+  directory instance under an epoch (the revision of its leader lease in the JetStream KV bucket
+  `KVF_DIRECTORY_LEADERS`, which *is* the durable shard map). The router asks every instance at
+  once (`shard_map`, not a queue group: standbys answer too, with nothing) and assembles the map
+  from what the leaders themselves say they lead: no KV rights needed (tenants have none), and
+  no stale entry of a dead instance survives a refresh. It keeps the newest epoch per shard.
+- **Refresh** when a reply says `wrong_shard`, when the instance is gone (`no responders`) or no
+  longer leads (`unavailable`), or when a shard has no known leader. Concurrent refreshes share
+  one round; at most `retries_max` attempts per call, `retry_wait_s` apart (a failover takes a
+  lease TTL: callers then fall back — a miss, a recompute — rather than wait).
+- **Fencing.** A request that carries `epoch = 0` is sent with the newest epoch known for its
+  shard (so a replaced leader refuses it); a reply with an older epoch than one already seen
+  comes from a replaced leader: `StaleGeneration`, never used.
+- `ask(shard, ...)` for a keyed request, `ask_all(...)` for what every leading instance must see
+  (segment registration and heartbeats, listings); its replies cover disjoint shard sets.
+
+Owns nothing but the map; the NATS connection belongs to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+import msgspec
+from nats.aio.client import Client as NatsClient
+
+from kvfabric.format.errors import Indeterminate, KvfError, StaleGeneration, Unavailable
+from kvfabric.format.invariant import invariant
+from kvfabric.proto import directory as m
+from kvfabric.proto.codec import encode
+from kvfabric.proto.shards import shard_of
+from kvfabric.proto.subjects import (
+    Service,
+    endpoint_subject,
+    instance_subject,
+    tenant_instance_subject,
+    tenant_subject,
+)
+from kvfabric.runtime.client import request
+
+__all__ = ["DirectoryRouter", "ShardRoute"]
+
+GATHER_S_DEFAULT: Final = 0.25  # how long a refresh waits for instances' parts of the map
+RETRIES_MAX_DEFAULT: Final = 4
+RETRY_WAIT_S_DEFAULT: Final = 0.25
+REFRESH_MIN_INTERVAL_S: Final = 0.05  # failing calls share one refresh per interval
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRoute:
+    instance: str
+    epoch: int
+
+
+class DirectoryRouter:
+    """The shard map of one caller and its routed requests (see the module docstring)."""
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        *,
+        tenant: str = "",
+        gather_s: float = GATHER_S_DEFAULT,
+        retries_max: int = RETRIES_MAX_DEFAULT,
+        retry_wait_s: float = RETRY_WAIT_S_DEFAULT,
+    ) -> None:
+        invariant(retries_max >= 1, "retries_max must be positive", retries_max=retries_max)
+        self.nc = nc
+        self.tenant = tenant
+        self.gather_s = gather_s
+        self.retries_max = retries_max
+        self.retry_wait_s = retry_wait_s
+        self.shards = 0  # unknown until an instance answered
+        self.routes: dict[int, ShardRoute] = {}
+        self.epochs: dict[int, int] = {}  # newest epoch seen per shard (never decreases)
+        self.refreshes = 0
+        self._refreshing: asyncio.Task[None] | None = None
+        self._refreshed_s = 0.0
+
+    # ---- the map -------------------------------------------------------------------------------
+
+    def shard_of(self, raw: bytes) -> int:
+        """The shard of a group id, key, group key or chain hash (0 while the count is unknown)."""
+        return shard_of(raw, self.shards) if self.shards else 0
+
+    @property
+    def complete(self) -> bool:
+        return self.shards > 0 and len(self.routes) == self.shards
+
+    def instances(self) -> list[str]:
+        return sorted({route.instance for route in self.routes.values()})
+
+    async def refresh(self) -> None:
+        """Ask every instance which shards it leads; replace the map. Shared by concurrent calls."""
+        if self._refreshing is None or self._refreshing.done():
+            wait = REFRESH_MIN_INTERVAL_S - (time.monotonic() - self._refreshed_s)
+            self._refreshing = asyncio.ensure_future(self._refresh(max(0.0, wait)))
+        await asyncio.shield(self._refreshing)
+
+    async def _refresh(self, delay_s: float) -> None:
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        subject = (
+            tenant_subject(Service.DIRECTORY, self.tenant, "shard_map")
+            if self.tenant
+            else endpoint_subject(Service.DIRECTORY, "shard_map")
+        )
+        inbox = self.nc.new_inbox()
+        parts: list[m.ShardMapReply] = []
+        covered: set[int] = set()
+        done = asyncio.Event()
+        shards = 0
+
+        async def collect(msg: object) -> None:
+            nonlocal shards
+            try:
+                part = m.reply_decoder.decode(msg.data)  # type: ignore[attr-defined]
+            except KvfError:
+                return
+            if not isinstance(part, m.ShardMapReply):
+                return
+            parts.append(part)
+            shards = max(shards, part.shards)
+            covered.update(leader.shard for leader in part.leaders)
+            if shards and len(covered) >= shards:
+                done.set()  # every shard has a leader: no need to wait for slower standbys
+
+        sub = await self.nc.subscribe(inbox, cb=collect)
+        try:
+            await self.nc.publish(subject, encode(m.GetShardMap()), reply=inbox)
+            try:
+                await asyncio.wait_for(done.wait(), self.gather_s)
+            except TimeoutError:
+                pass
+        finally:
+            await sub.unsubscribe()
+        self.refreshes += 1
+        self._refreshed_s = time.monotonic()
+        if not parts:
+            return  # nobody answered: keep what we had (callers get `unavailable` from the leaders)
+        routes: dict[int, ShardRoute] = {}
+        for part in parts:
+            for leader in part.leaders:
+                if not 0 <= leader.shard < part.shards:
+                    continue
+                seen = routes.get(leader.shard)
+                if seen is None or leader.epoch > seen.epoch:
+                    routes[leader.shard] = ShardRoute(leader.instance, leader.epoch)
+        # An instance that still claims a shard a newer epoch took over is a deposed leader.
+        self.shards = shards
+        self.routes = {s: r for s, r in routes.items() if r.epoch >= self.epochs.get(s, 0)}
+        for s, r in self.routes.items():
+            self.epochs[s] = max(self.epochs.get(s, 0), r.epoch)
+
+    def forget(self, shard: int) -> None:
+        self.routes.pop(shard, None)
+
+    def forget_all(self) -> None:
+        """The map is suspect (an instance did not answer): the next call refreshes it."""
+        self.routes = {}
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def _subject(self, verb: str, instance: str) -> str:
+        if self.tenant:
+            return tenant_instance_subject(Service.DIRECTORY, self.tenant, verb, instance)
+        return instance_subject(Service.DIRECTORY, verb, instance)
+
+    def _saw(self, shard: int, reply: object) -> None:
+        epoch = getattr(reply, "epoch", 0)
+        newest = self.epochs.get(shard, 0)
+        if epoch and epoch < newest:
+            raise StaleGeneration("directory_epoch", epoch, newest)
+        if epoch > newest:
+            self.epochs[shard] = epoch
+
+    async def ask(
+        self,
+        shard: int,
+        verb: str,
+        message: msgspec.Struct,
+        timeout_s: float,
+        *,
+        headers: Mapping[str, str] | None = None,
+    ) -> m.DirectoryReply:
+        """One request to the leader of `shard`; see the module docstring for retries/fencing."""
+        last: KvfError = Unavailable(f"no directory instance leads shard {shard}", shard=shard)
+        for attempt in range(self.retries_max):
+            if attempt:
+                await asyncio.sleep(self.retry_wait_s)
+            route = self.routes.get(shard)
+            if route is None:
+                await self.refresh()
+                route = self.routes.get(shard)
+                if route is None:
+                    continue
+            outgoing = message
+            if getattr(message, "epoch", None) == 0 and route.epoch:
+                outgoing = msgspec.structs.replace(message, epoch=route.epoch)  # type: ignore[type-var]
+            try:
+                reply = await request(
+                    self.nc, self._subject(verb, route.instance), outgoing, m.reply_decoder, timeout_s,
+                    headers=headers,
+                )
+            except Indeterminate:
+                raise  # it may have run: the caller decides (an idempotent retry, a read)
+            except Unavailable as err:  # wrong_shard, deposed, stopping, gone: ask the map again
+                last = err
+                if self.routes.get(shard) == route:
+                    self.forget(shard)
+                continue
+            self._saw(shard, reply)
+            return reply
+        raise last
+
+    async def ask_all(
+        self, verb: str, message: msgspec.Struct, timeout_s: float
+    ) -> list[m.DirectoryReply | KvfError]:
+        """`message` to every instance that leads a shard, concurrently: replies (or errors) in
+        `instances()` order. Refreshes first when the map is incomplete."""
+        if not self.complete:
+            await self.refresh()
+        instances = self.instances()
+
+        async def one(instance: str) -> m.DirectoryReply | KvfError:
+            try:
+                return await request(
+                    self.nc, self._subject(verb, instance), message, m.reply_decoder, timeout_s
+                )
+            except KvfError as err:
+                return err
+
+        return list(await asyncio.gather(*(one(i) for i in instances)))
+
+    # ---- per-shard fan-out (tools, repair, eviction) --------------------------------------------
+
+    async def each_shard(
+        self, verb: str, message_for: Callable[[int], msgspec.Struct], timeout_s: float
+    ) -> list[tuple[int, m.DirectoryReply]]:
+        """`message_for(shard)` to the leader of every shard, concurrently; (shard, reply) in shard
+        order. Raises the first error (a listing missing a shard would be silently partial)."""
+        if not self.shards:
+            await self.refresh()
+        if not self.shards:
+            raise Unavailable("no directory instance answered the shard map")
+
+        async def one(shard: int) -> tuple[int, m.DirectoryReply]:
+            return shard, await self.ask(shard, verb, message_for(shard), timeout_s)
+
+        return list(await asyncio.gather(*(one(s) for s in range(self.shards))))
+
+    async def segments(self, timeout_s: float) -> m.SegmentList:
+        """The segment table as every shard sees it, merged: placements (`reserved_bytes`) summed
+        over shards; a segment is up only if every shard has it up."""
+        merged: dict[str, m.SegmentInfo] = {}
+        for _, reply in await self.each_shard("list_segments", lambda s: m.ListSegments(shard=s), timeout_s):
+            if not isinstance(reply, m.SegmentList):
+                raise Unavailable(f"unexpected list_segments reply {type(reply).__name__}")
+            for info in reply.segments:
+                seen = merged.get(info.segment_id)
+                if seen is None:
+                    merged[info.segment_id] = info
+                elif seen.incarnation == info.incarnation:
+                    merged[info.segment_id] = msgspec.structs.replace(
+                        seen,
+                        up=seen.up and info.up,
+                        draining=seen.draining or info.draining,
+                        reserved_bytes=seen.reserved_bytes + info.reserved_bytes,
+                    )
+                elif info.incarnation > seen.incarnation:
+                    merged[info.segment_id] = info
+        return m.SegmentList(epoch=0, segments=[merged[k] for k in sorted(merged)])
+
+    async def list_groups(self, query: m.ListGroups, timeout_s: float, pages_max: int) -> list[m.GroupSummary]:
+        """Every group matching `query` (its `after` and `shard` are ignored), shard by shard,
+        following each shard's pages (at most `pages_max` per shard)."""
+        if not self.shards:
+            await self.refresh()
+        out: list[m.GroupSummary] = []
+        for shard in range(self.shards):
+            after = b""
+            for _ in range(pages_max):
+                page = await self.ask(
+                    shard, "list_groups", msgspec.structs.replace(query, after=after, shard=shard), timeout_s
+                )
+                if not isinstance(page, m.GroupList):
+                    raise Unavailable(f"unexpected list_groups reply {type(page).__name__}")
+                out.extend(page.groups)
+                if not page.next_after:
+                    break
+                after = page.next_after
+        return out

@@ -1,0 +1,277 @@
+"""One directory instance: the shards it leads, each a `DirectoryShell` around its own core.
+
+Requests arrive on this instance's subjects (`kvf.v1.directory.<verb>.<instance>`, tenants'
+`kvf.v1.directory.t.<tenant>.<verb>.<instance>`), are decoded, and go to the shell of their
+shard: the shard of their keys (all keys of one request must share it) or their `shard` field
+(leases, pins, listings). A shard this instance does not lead (any more) → `wrong_shard`: the
+caller refreshes its map (`kvfabric.runtime.directory_router`). `register` and `heartbeat` go to
+every shard core here (each keeps the segment table it places on); registrations are written to
+the durable segment registry first. `shard_map` (every instance, no queue group) answers with
+the shards led here.
+
+Shards come and go with leadership (`kvfabric.directory.leader`): `start_shard` rebuilds the
+shard's index from the segments' reports (only keys of that shard) under the new epoch before it
+serves; `stop_shard` (a handover) stops serving it at once — its KV key is released only after.
+A lapsed lease stops the whole instance (the caller exits), as before sharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Final
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from kvfabric.core import authz
+from kvfabric.core.authz import TENANT_VERBS
+from kvfabric.core.directory import DirectoryConfig, DirectoryCore
+from kvfabric.directory.handlers import VERBS, DirectoryShell, now_ms
+from kvfabric.directory.leader import SegmentRegistry
+from kvfabric.directory.rebuild import gather_holdings
+from kvfabric.format.errors import BadRequest, Unauthorized, Unavailable, WrongShard
+from kvfabric.proto import directory as m
+from kvfabric.proto.codec import encode
+from kvfabric.proto.shards import shard_of
+from kvfabric.proto.subjects import (
+    Service,
+    endpoint_subject,
+    tenant_from_subject,
+    tenant_inbox_prefix,
+)
+from kvfabric.runtime.logs import get_logger
+from kvfabric.runtime.service import Handler, ServiceRuntime, TenantHandler
+
+__all__ = ["BROADCAST_VERBS", "ShardHost", "shard_of_request"]
+
+BROADCAST_VERBS: Final = frozenset({"register", "heartbeat"})
+SHARD_MAP_VERB: Final = "shard_map"
+
+
+def _keys_of(message: msgspec.Struct) -> list[bytes]:
+    if isinstance(message, m.PutBegin):
+        return [o.key for o in message.objects]
+    if isinstance(message, m.PutCommit | m.PutAbort):
+        return list(message.keys)
+    if isinstance(message, m.ConfirmReplicas):
+        return [c.key for c in message.confirms]
+    if isinstance(message, m.Lookup | m.Pin | m.Evict):
+        return list(message.groups)
+    if isinstance(message, m.SlotsFreed):
+        return [f.key for f in message.freed]
+    if isinstance(message, m.ReplicateBegin | m.ReplicaCorrupt):
+        return [message.key]
+    if isinstance(message, m.ShowGroup):
+        return [message.group]
+    return []
+
+
+def shard_of_request(message: msgspec.Struct, shards: int) -> int:
+    """The one shard a keyed request is for (`shard` field when it names no key)."""
+    explicit = getattr(message, "shard", None)
+    if explicit is not None:
+        if not 0 <= explicit < shards:
+            raise BadRequest(f"shard must be in 0..{shards - 1}", shard=explicit)
+        return int(explicit)
+    keys = _keys_of(message)
+    if not keys:
+        return 0
+    try:
+        found = {shard_of(k, shards) for k in keys}
+    except ValueError as exc:
+        raise BadRequest(f"malformed key: {exc}") from None
+    if len(found) != 1:
+        raise WrongShard("a request must name keys of one shard", shards=sorted(found)[:8])
+    return found.pop()
+
+
+class ShardHost:
+    """The shards one instance leads, and its endpoints. See the module docstring."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        shards: int,
+        core_config: DirectoryConfig,
+        *,
+        registry: SegmentRegistry,
+        make_shell: Callable[[DirectoryCore], DirectoryShell],
+    ) -> None:
+        self.instance_id = instance_id
+        self.shards = shards
+        self.core_config = core_config
+        self.registry = registry
+        self.make_shell = make_shell
+        self.shells: dict[int, DirectoryShell] = {}
+        self.may_act: Callable[[int, int], bool] = lambda shard, epoch: True
+        self.grants: Mapping[str, authz.TenantGrant] = {}
+        self.lookup_reply_min_ms = 0
+        self._nc: NatsClient | None = None
+        self._subs: list[object] = []
+        self._starting: set[int] = set()
+        self._log = get_logger("kvfabric.directory.host").bind(instance_id=instance_id)
+
+    # ---- endpoints ---------------------------------------------------------------------------
+
+    def attach(self, runtime: ServiceRuntime) -> None:
+        for verb, kind in VERBS.items():
+            if verb != SHARD_MAP_VERB:
+                runtime.add_endpoint(verb, self._endpoint(verb, kind), instance=self.instance_id)
+        for verb in sorted(TENANT_VERBS):
+            pad = self.lookup_reply_min_ms if verb == "lookup" else 0  # hits and misses alike
+            runtime.add_tenant_endpoint(
+                verb, self._tenant_endpoint(verb, VERBS[verb]), reply_min_ms=pad, instance=self.instance_id
+            )
+
+    def _decode(self, data: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
+        message = m.request_decoder.decode(data)
+        if type(message) is not kind:
+            raise BadRequest(f"this endpoint takes {kind.__name__}, got {type(message).__name__}")
+        return message
+
+    def _shell(self, message: msgspec.Struct) -> DirectoryShell:
+        shard = shard_of_request(message, self.shards)
+        shell = self.shells.get(shard)
+        if shell is None:
+            raise WrongShard(f"instance {self.instance_id} does not lead shard {shard}", shard=shard)
+        return shell
+
+    def _endpoint(self, verb: str, kind: type[msgspec.Struct]) -> Handler:
+        async def handle(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+            message = self._decode(data, kind)
+            if verb in BROADCAST_VERBS:
+                return await self._broadcast(message)
+            return await self._shell(message).handle(message)
+
+        return handle
+
+    def _tenant_endpoint(self, verb: str, kind: type[msgspec.Struct]) -> TenantHandler:
+        async def handle(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
+            grant = self.grants.get(tenant)
+            if grant is None:
+                raise Unauthorized(f"tenant {tenant!r} has no share domains here")
+            message = self._decode(data, kind)
+            return await self._shell(message).handle_tenant(message, verb, grant)
+
+        return handle
+
+    async def _broadcast(self, message: msgspec.Struct) -> msgspec.Struct:
+        """A segment's registration or heartbeat: every shard core here sees it."""
+        if isinstance(message, m.RegisterSegment):
+            await self._remember_segment(message)
+        shells = [(s, sh) for s, sh in sorted(self.shells.items()) if sh.may_act()]
+        first: msgspec.Struct | None = None
+        epochs: list[m.ShardEpoch] = []
+        for shard, shell in shells:
+            reply = await shell.handle(msgspec.structs.replace(message, epoch=0))  # type: ignore[type-var]
+            epochs.append(m.ShardEpoch(shard, shell.core.epoch))
+            first = first or reply
+        if isinstance(first, m.SegmentRegistered | m.HeartbeatAck):
+            return msgspec.structs.replace(first, shard_epochs=epochs)
+        if isinstance(message, m.RegisterSegment):
+            c = self.core_config
+            return m.SegmentRegistered(
+                epoch=0, heartbeat_interval_ms=c.heartbeat_interval_ms, heartbeat_timeout_ms=c.heartbeat_timeout_ms
+            )
+        return m.HeartbeatAck(epoch=0)
+
+    async def _remember_segment(self, registration: m.RegisterSegment) -> None:
+        """The next leader of any shard asks the segments in this registry what they hold: no
+        registration is acknowledged before it is durable (the segment retries a failed one)."""
+        try:
+            await self.registry.put(registration)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise Unavailable(f"segment registry not writable: {type(exc).__name__}") from None
+
+    # ---- the shard map (every instance answers; not a queue group) -----------------------------
+
+    def shard_map(self) -> m.ShardMapReply:
+        leaders = [
+            m.ShardLeader(shard, self.instance_id, shell.core.epoch)
+            for shard, shell in sorted(self.shells.items())
+            if shell.may_act()
+        ]
+        return m.ShardMapReply(shards=self.shards, instance=self.instance_id, leaders=leaders)
+
+    async def serve_shard_map(self, nc: NatsClient) -> None:
+        async def answer(msg: Msg) -> None:
+            if not msg.reply:
+                return
+            if msg.subject != endpoint_subject(Service.DIRECTORY, SHARD_MAP_VERB):
+                try:  # a tenant's: answer only into its own inbox (see ServiceRuntime)
+                    tenant = tenant_from_subject(msg.subject, Service.DIRECTORY)
+                except ValueError:
+                    return
+                if not msg.reply.startswith(tenant_inbox_prefix(tenant) + "."):
+                    return
+            try:
+                await nc.publish(msg.reply, encode(self.shard_map()))
+            except nats.errors.Error:
+                return
+
+        self._nc = nc
+        group = endpoint_subject(Service.DIRECTORY, SHARD_MAP_VERB).rsplit(".", 1)[0]
+        self._subs = [
+            await nc.subscribe(endpoint_subject(Service.DIRECTORY, SHARD_MAP_VERB), cb=answer),
+            await nc.subscribe(f"{group}.t.*.{SHARD_MAP_VERB}", cb=answer),
+        ]
+
+    # ---- shards come and go --------------------------------------------------------------------
+
+    async def start_shard(self, shard: int, epoch: int) -> None:
+        """Rebuild `shard` from the segments under `epoch`, then serve it (see the docstring)."""
+        if shard in self._starting:
+            return
+        old = self.shells.get(shard)
+        if old is not None and old.core.epoch != epoch:
+            await self.stop_shard(shard)  # a stale term of ours (we lost it, then won it again)
+        elif old is not None:
+            return
+        self._starting.add(shard)
+        try:
+            holdings = await gather_holdings(
+                self._nc_required(), await self.registry.all(), epoch, shard=shard, shards=self.shards
+            )
+            core = DirectoryCore(self.core_config, epoch=epoch, shard=shard)
+            effects = core.adopt(holdings, now_ms())
+            shell = self.make_shell(core)
+            shell.may_act = lambda: self.may_act(shard, epoch)
+            if not self.may_act(shard, epoch):  # lost (or handed over) while rebuilding
+                self._log.info("shard_start_abandoned", shard=shard, epoch=epoch)
+                return
+            await shell.start(self._nc_required())
+            self.shells[shard] = shell
+            await shell.perform(effects)
+        finally:
+            self._starting.discard(shard)
+        self._log.info(
+            "shard_started",
+            shard=shard,
+            epoch=epoch,
+            segments=len(holdings),
+            groups_adopted=len(core.published),
+            grace_until_ms=core.grace_until_ms,
+        )
+
+    async def stop_shard(self, shard: int) -> None:
+        shell = self.shells.pop(shard, None)
+        if shell is not None:
+            await shell.stop()
+            self._log.info("shard_stopped", shard=shard, epoch=shell.core.epoch)
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()  # type: ignore[attr-defined]
+            except nats.errors.Error:
+                pass
+        for shard in list(self.shells):
+            await self.stop_shard(shard)
+
+    def _nc_required(self) -> NatsClient:
+        if self._nc is None:
+            raise Unavailable("directory host not started")
+        return self._nc
+
