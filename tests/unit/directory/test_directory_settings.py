@@ -29,6 +29,7 @@ def test_quotas_per_tenant_and_default() -> None:
             ),
             "KVF_DIRECTORY_TENANT_DEFAULT_QUOTA": '{"objects_max": 7}',
             "KVF_DIRECTORY_TENANTS_MAX": "50",
+            "KVF_DIRECTORY_SHARDS": "1",
         }
     ).core
     assert core.tenant_quotas == {
@@ -36,6 +37,22 @@ def test_quotas_per_tenant_and_default() -> None:
     }
     assert core.tenant_quota_default == TenantQuota(objects_max=7)
     assert core.tenants_max == 50
+    assert not core.segments_shared
+
+
+def test_sharded_cores_enforce_a_share_of_byte_and_object_quotas() -> None:
+    settings = load_directory_settings(
+        {
+            **BASE,
+            "KVF_DIRECTORY_TENANT_QUOTAS": json.dumps({DIGEST: {"bytes_max": 1000, "requests_per_s": 2.5}}),
+            "KVF_DIRECTORY_TENANT_DEFAULT_QUOTA": '{"objects_max": 7}',
+            "KVF_DIRECTORY_SHARDS": "16",
+        }
+    )
+    assert settings.shards == 16 and settings.core.segments_shared
+    # ceil(1000 / 16) bytes, ceil(7 / 16) objects per shard; request rates stay per shard
+    assert settings.core.tenant_quotas[bytes.fromhex(DIGEST)] == TenantQuota(bytes_max=63, requests_per_s=2.5)
+    assert settings.core.tenant_quota_default == TenantQuota(objects_max=1)
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ invariant fired, the service answered `internal` and stopped (a flaky integratio
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -18,6 +18,7 @@ from kvfabric.prefetch import shell as shell_module
 from kvfabric.prefetch.shell import PrefetchShell
 from kvfabric.proto import directory as m
 from kvfabric.proto import prefetch as p
+from kvfabric.runtime.directory_router import DirectoryRouter
 from tests.unit.core.dirkit import groups
 
 
@@ -35,9 +36,12 @@ def test_a_tick_during_the_hint_lookup_does_not_send_time_backwards(monkeypatch:
         copy_timeout_s=1.0,
     )
     (g,) = groups(1, seed=3)
+    router = DirectoryRouter(cast(Any, None))  # never asked: `_directory` is replaced below
+    router.shards = 1  # the map is known: no refresh
+    shell._router = router
 
-    async def directory(verb: str, message: msgspec.Struct) -> Any:
-        assert verb == "lookup"
+    async def directory(shard: int, verb: str, message: msgspec.Struct) -> Any:
+        assert verb == "lookup" and shard == 0
         clock["ms"] += 5
         shell.core.tick(shell._now())  # the ticker ran while the lookup was in flight
         clock["ms"] -= 3  # and the wall clock even stepped back a little

@@ -82,7 +82,9 @@ async def copy_replica(
     return "copied"
 
 
-async def _abort(router: DirectoryRouter, key: bytes, writer_id: str, request_id: str, timeout_s: float) -> None:
+async def _abort(
+    router: DirectoryRouter, key: bytes, writer_id: str, request_id: str, timeout_s: float
+) -> None:
     """Give the destination's reservation back at once (else it lasts until the ticket's deadline).
     Best effort: if the copy did land after all, its confirm already made it a replica."""
     with contextlib.suppress(KvfError):

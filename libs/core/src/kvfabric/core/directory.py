@@ -603,7 +603,8 @@ class DirectoryCore:
                 s.domain.zone,
                 s.domain.rack,
                 s.domain.host,
-                s.capacity_bytes - (max(s.reserved_bytes, s.reported_used_bytes) if shared else s.reserved_bytes),
+                s.capacity_bytes
+                - (max(s.reserved_bytes, s.reported_used_bytes) if shared else s.reserved_bytes),
             )
             for s in self.segments.values()
             if s.up and not s.draining

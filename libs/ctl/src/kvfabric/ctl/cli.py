@@ -14,7 +14,7 @@ import typer
 from kvfabric.ctl import auth, render
 from kvfabric.ctl import queries as q
 from kvfabric.ctl.keys import decode_key, group_of, key_fields
-from kvfabric.format.errors import BadRequest, Indeterminate, KvfError
+from kvfabric.format.errors import BadRequest, KvfError
 from kvfabric.proto import directory as m
 from kvfabric.proto.subjects import check_segment_id
 
@@ -84,12 +84,6 @@ def _run(env: Env, body: Callable[[q.NatsClient], Coroutine[Any, Any, T]]) -> T:
         raise _fail(exc.code, exc.message, EXIT_ERROR) from None
 
 
-def _expect(reply: object, kind: type[T]) -> T:
-    if not isinstance(reply, kind):
-        raise Indeterminate(f"unexpected reply {type(reply).__name__}, want {kind.__name__}")
-    return reply
-
-
 # ---- status ----------------------------------------------------------------------------------
 
 
@@ -99,9 +93,7 @@ def status(json: JsonOpt = False, nats_url: UrlOpt = DEFAULT_NATS_URL, timeout_s
     env = Env(nats_url, timeout_s)
 
     async def body(nc: q.NatsClient) -> tuple[m.SegmentList, list[q.ServiceInstance]]:
-        reply = _expect(
-            await q.directory(nc, "list_segments", m.ListSegments(), env.timeout_s), m.SegmentList
-        )
+        reply = await q.list_segments(await q.router(nc), env.timeout_s)
         return reply, await q.ping_services(nc)
 
     segments, services = _run(env, body)
@@ -157,7 +149,11 @@ def objects_ls(
         return raw
 
     domain_digest = _parse(digest)
-    groups = _run(env, lambda nc: q.list_all_groups(nc, domain_digest, limit, env.timeout_s))
+
+    async def body(nc: q.NatsClient) -> list[m.GroupSummary]:
+        return await q.list_all_groups(await q.router(nc), domain_digest, limit, env.timeout_s)
+
+    groups = _run(env, body)
     if json:
         render.emit_json({"groups": [render.group_doc(g) for g in groups]})
     else:
@@ -176,9 +172,7 @@ def manifest_show(
     raw = _parse(lambda: group_of(group, allow_chain_hash=True))
 
     async def body(nc: q.NatsClient) -> m.GroupList:
-        return _expect(
-            await q.directory(nc, "show_group", m.ShowGroup(group=raw), env.timeout_s), m.GroupList
-        )
+        return await q.show_group(await q.router(nc), raw, env.timeout_s)
 
     reply = _run(env, body)
     if not reply.groups:
@@ -195,19 +189,18 @@ def manifest_show(
 def _list_leases(limit: int, nats_url: str, timeout_s: float, *, pins_only: bool, json: bool) -> None:
     env = Env(nats_url, timeout_s)
 
-    async def body(nc: q.NatsClient) -> m.LeaseList:
-        return _expect(
-            await q.directory(nc, "list_leases", m.ListLeases(limit=limit), env.timeout_s), m.LeaseList
-        )
+    async def body(nc: q.NatsClient) -> tuple[int, list[q.ShardLease]]:
+        routed = await q.router(nc)
+        listed = await q.list_leases(routed, limit, env.timeout_s)
+        return q.newest_epoch(routed), listed
 
-    reply = _run(env, body)
-    leases = [x for x in reply.leases if x.is_pin] if pins_only else reply.leases
-    if json:
-        render.emit_json(
-            {"epoch": reply.epoch, "pins" if pins_only else "leases": [q.jsonable(x) for x in leases]}
-        )
+    epoch, listed = _run(env, body)
+    leases = [x for x in listed if x.lease.is_pin] if pins_only else listed
+    if json:  # ids are per shard: each lease names its shard
+        docs = [{**q.jsonable(x.lease), "shard": x.shard} for x in leases]
+        render.emit_json({"epoch": epoch, "pins" if pins_only else "leases": docs})
     else:
-        render.print_leases(leases)
+        render.print_leases([x.lease for x in leases])
 
 
 @leases_app.command("ls")
@@ -243,9 +236,7 @@ def tenants_ls(
     env = Env(nats_url, timeout_s)
 
     async def body(nc: q.NatsClient) -> m.TenantList:
-        return _expect(
-            await q.directory(nc, "list_tenants", m.ListTenants(limit=limit), env.timeout_s), m.TenantList
-        )
+        return await q.list_tenants(await q.router(nc), limit, env.timeout_s)
 
     reply = _run(env, body)
     if json:
@@ -269,25 +260,35 @@ def pins_add(
     nats_url: UrlOpt = DEFAULT_NATS_URL,
     timeout_s: TimeoutOpt = 5.0,
 ) -> None:
-    """Pin published chunk groups against eviction for --ttl-ms."""
+    """Pin published chunk groups against eviction for --ttl-ms (one pin per directory shard
+    the groups fall in: pin ids are per shard)."""
     env = Env(nats_url, timeout_s)
     raws = _parse(lambda: [group_of(g) for g in groups])
-    pin = m.Pin(holder_id=holder, groups=raws, ttl_ms=ttl_ms)
 
-    async def body(nc: q.NatsClient) -> m.PinReply:
-        return _expect(await q.directory(nc, "pin", pin, env.timeout_s), m.PinReply)
+    async def body(nc: q.NatsClient) -> list[tuple[int, m.PinReply]]:
+        return await q.pin(await q.router(nc), holder, raws, ttl_ms, env.timeout_s)
 
-    reply = _run(env, body)
-    if json:
-        render.emit_json(q.jsonable(reply))
+    pins = _run(env, body)
+    if json:  # one pin as before (the first that pins something); each shard's under "shards"
+        first_shard, first = next(((s, r) for s, r in pins if r.pin_id), pins[0])
+        doc = {**q.jsonable(first), "shard": first_shard}
+        if len(pins) > 1:
+            doc["pinned_groups"] = sum(reply.pinned_groups for _, reply in pins)
+            doc["shards"] = [{**q.jsonable(reply), "shard": shard} for shard, reply in pins]
+        render.emit_json(doc)
     else:
-        render.print_pin(reply, added=True)
+        for _, reply in pins:
+            render.print_pin(reply, added=True)
 
 
 @pins_app.command("rm")
 def pins_rm(
     pin_id: Annotated[int, typer.Argument(min=1)],
     holder: Annotated[str, typer.Option("--holder", help="Holder id owning the pin.")] = "kvctl",
+    shard: Annotated[
+        int | None,
+        typer.Option("--shard", min=0, help="Directory shard holding the pin (default: the one listing it)."),
+    ] = None,
     json: JsonOpt = False,
     nats_url: UrlOpt = DEFAULT_NATS_URL,
     timeout_s: TimeoutOpt = 5.0,
@@ -296,10 +297,7 @@ def pins_rm(
     env = Env(nats_url, timeout_s)
 
     async def body(nc: q.NatsClient) -> m.PinReply:
-        return _expect(
-            await q.directory(nc, "unpin", m.Unpin(holder_id=holder, pin_id=pin_id), env.timeout_s),
-            m.PinReply,
-        )
+        return await q.unpin(await q.router(nc), holder, pin_id, shard, env.timeout_s)
 
     reply = _run(env, body)
     if json:

@@ -2,6 +2,10 @@
 
 Every failure surfaces as a `KvfError` (`Unavailable` when nats or the service is unreachable,
 the service's own typed error otherwise), so the CLI prints one line for all of them.
+
+The directory is sharded: calls go through a `DirectoryRouter` (`router`): a keyed call to the
+leader of its key's shard, a listing to every shard, merged here (`list_segments`,
+`list_all_groups`, `list_leases`, `list_tenants`). Lease and pin ids are per shard.
 """
 
 from __future__ import annotations
@@ -9,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 import nats
@@ -21,11 +25,12 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from kvfabric.format.errors import Indeterminate, Unavailable
+from kvfabric.format.errors import BadRequest, Indeterminate, NotFound, Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject, events_wildcard, segment_subject
 from kvfabric.runtime.client import request
+from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.natsauth import nats_auth_from_env
 
 __all__ = [
@@ -33,17 +38,28 @@ __all__ = [
     "Event",
     "NatsClient",
     "ServiceInstance",
+    "ShardLease",
     "connect",
     "directory",
     "drain_segment",
     "list_all_groups",
+    "list_leases",
+    "list_segments",
+    "list_tenants",
+    "newest_epoch",
+    "pin",
     "ping_services",
+    "router",
+    "show_group",
     "tail_events",
+    "unpin",
 ]
 
 EVENTS_STREAM: Final = "KVF_DIRECTORY_EVENTS"
 PING_WINDOW_S: Final = 0.3
 LIST_PAGE_MAX: Final = 1000
+
+T = TypeVar("T")
 
 
 class ServiceInstance(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,29 +103,174 @@ async def connect(url: str, timeout_s: float) -> AsyncIterator[NatsClient]:
         await nc.close()
 
 
-async def directory(nc: NatsClient, verb: str, message: msgspec.Struct, timeout_s: float) -> m.DirectoryReply:
-    """One directory call with a typed reply."""
-    return await request(nc, endpoint_subject(Service.DIRECTORY, verb), message, m.reply_decoder, timeout_s)
+async def router(nc: NatsClient) -> DirectoryRouter:
+    """A router with the shard map loaded; `Unavailable` when no directory instance answers."""
+    routed = DirectoryRouter(nc)
+    await routed.refresh()
+    if not routed.shards:
+        subject = endpoint_subject(Service.DIRECTORY, "shard_map")
+        raise Unavailable(f"no responders on {subject} (no directory instance answered)", subject=subject)
+    return routed
+
+
+def newest_epoch(routed: DirectoryRouter) -> int:
+    """The newest directory epoch the router has seen (of any shard): what kvctl shows."""
+    return max(routed.epochs.values(), default=0)
+
+
+async def directory(
+    routed: DirectoryRouter, verb: str, message: msgspec.Struct, timeout_s: float, *, shard: int
+) -> m.DirectoryReply:
+    """One directory call to the leader of `shard`, with a typed reply."""
+    return await routed.ask(shard, verb, message, timeout_s)
+
+
+def _expect(reply: object, kind: type[T]) -> T:
+    if not isinstance(reply, kind):
+        raise Indeterminate(f"unexpected reply {type(reply).__name__}, want {kind.__name__}")
+    return reply
+
+
+async def list_segments(routed: DirectoryRouter, timeout_s: float) -> m.SegmentList:
+    """The segment table merged over shards (placements summed), under the newest epoch."""
+    merged = await routed.segments(timeout_s)
+    return msgspec.structs.replace(merged, epoch=newest_epoch(routed))
+
+
+def _group_order(g: m.GroupSummary) -> tuple[bytes, bytes]:
+    return g.namespace[4:20], g.group  # group-key order: domain digest, then chain hash
 
 
 async def list_all_groups(
-    nc: NatsClient, domain_digest: bytes, limit: int, timeout_s: float
+    routed: DirectoryRouter, domain_digest: bytes, limit: int, timeout_s: float
 ) -> list[m.GroupSummary]:
-    """Published chunk groups, following `next_after` pages until `limit` groups or the end."""
-    out: list[m.GroupSummary] = []
-    after = b""
-    while len(out) < limit:
-        page = min(limit - len(out), LIST_PAGE_MAX)
-        reply = await directory(
-            nc, "list_groups", m.ListGroups(domain_digest=domain_digest, after=after, limit=page), timeout_s
-        )
-        if not isinstance(reply, m.GroupList):
-            raise Indeterminate(f"list_groups answered {type(reply).__name__}")
-        out.extend(reply.groups)
-        if not reply.next_after or not reply.groups:
-            break
-        after = reply.next_after
+    """Published chunk groups in group-key order (domain digest, chain hash), at most `limit`:
+    the first `limit` of every shard (following `next_after` pages), merged."""
+
+    async def of_shard(shard: int) -> list[m.GroupSummary]:
+        out: list[m.GroupSummary] = []
+        after = b""
+        while len(out) < limit:
+            page = min(limit - len(out), LIST_PAGE_MAX)
+            query = m.ListGroups(domain_digest=domain_digest, after=after, limit=page, shard=shard)
+            reply = _expect(
+                await directory(routed, "list_groups", query, timeout_s, shard=shard), m.GroupList
+            )
+            out.extend(reply.groups)
+            if not reply.next_after or not reply.groups:
+                break
+            after = reply.next_after
+        return out
+
+    parts = await asyncio.gather(*(of_shard(s) for s in range(routed.shards)))
+    return sorted((g for part in parts for g in part), key=_group_order)[:limit]
+
+
+async def show_group(routed: DirectoryRouter, group: bytes, timeout_s: float) -> m.GroupList:
+    """One chunk group (id, key or chain hash) from the shard its chain hash belongs to."""
+    shard = routed.shard_of(group)
+    return _expect(
+        await directory(routed, "show_group", m.ShowGroup(group=group), timeout_s, shard=shard), m.GroupList
+    )
+
+
+class ShardLease(msgspec.Struct, frozen=True, kw_only=True):
+    """A lease or pin and the shard holding it (ids are per shard)."""
+
+    shard: int
+    lease: m.LeaseInfo
+
+
+async def list_leases(routed: DirectoryRouter, limit: int, timeout_s: float) -> list[ShardLease]:
+    """Leases and pins of every shard, by (shard, id); at most `limit` in all."""
+    replies = await routed.each_shard("list_leases", lambda s: m.ListLeases(limit=limit, shard=s), timeout_s)
+    out = [
+        ShardLease(shard=shard, lease=lease)
+        for shard, reply in replies
+        for lease in _expect(reply, m.LeaseList).leases
+    ]
     return out[:limit]
+
+
+def _limit_sum(limits: list[int]) -> int:
+    """Per-shard limits (0 = unlimited) summed: unlimited if any shard is."""
+    return 0 if not limits or 0 in limits else sum(limits)
+
+
+def _merge_tenant(
+    digest: bytes, rows: Sequence[m.TenantInfo | None], defaults: Sequence[m.TenantInfo]
+) -> m.TenantInfo:
+    """One tenant over every shard: usage and refusals summed; a shard's byte/object quota is
+    its part of the tenant's (the default's where the shard does not list the tenant)."""
+    seen = [r for r in rows if r is not None]
+    limits = [r if r is not None else d for r, d in zip(rows, defaults, strict=True)]
+    return m.TenantInfo(
+        domain_digest=digest,
+        used_bytes=sum(r.used_bytes for r in seen),
+        objects=sum(r.objects for r in seen),
+        bytes_max=_limit_sum([x.bytes_max for x in limits]),
+        objects_max=_limit_sum([x.objects_max for x in limits]),
+        requests_per_s=max((x.requests_per_s for x in limits), default=0.0),  # per shard, as configured
+        burst=max((x.burst for x in limits), default=0),
+        quota_exceeded=sum(r.quota_exceeded for r in seen),
+        rate_limited=sum(r.rate_limited for r in seen),
+    )
+
+
+async def list_tenants(routed: DirectoryRouter, limit: int, timeout_s: float) -> m.TenantList:
+    """Tenants merged over shards (see `_merge_tenant`), in domain digest order, at most `limit`;
+    `default` the limits of a tenant not configured, summed the same way."""
+    replies = [
+        _expect(reply, m.TenantList)
+        for _, reply in await routed.each_shard(
+            "list_tenants", lambda s: m.ListTenants(limit=limit, shard=s), timeout_s
+        )
+    ]
+    unlimited = m.TenantInfo(domain_digest=b"", used_bytes=0, objects=0)
+    defaults = [r.default or unlimited for r in replies]
+    by_shard = [{t.domain_digest: t for t in r.tenants} for r in replies]
+    digests = sorted({d for rows in by_shard for d in rows})[:limit]
+    tenants = [_merge_tenant(d, [rows.get(d) for rows in by_shard], defaults) for d in digests]
+    default = _merge_tenant(b"", defaults, defaults) if any(r.default for r in replies) else None
+    return m.TenantList(epoch=newest_epoch(routed), tenants=tenants, default=default)
+
+
+async def pin(
+    routed: DirectoryRouter, holder: str, groups: list[bytes], ttl_ms: int, timeout_s: float
+) -> list[tuple[int, m.PinReply]]:
+    """Pin `groups`: one pin per shard they fall in, (shard, reply) in shard order."""
+    by_shard: dict[int, list[bytes]] = {}
+    for group in groups:
+        by_shard.setdefault(routed.shard_of(group), []).append(group)
+
+    async def one(shard: int) -> tuple[int, m.PinReply]:
+        message = m.Pin(holder_id=holder, groups=by_shard[shard], ttl_ms=ttl_ms)
+        return shard, _expect(await directory(routed, "pin", message, timeout_s, shard=shard), m.PinReply)
+
+    return list(await asyncio.gather(*(one(s) for s in sorted(by_shard))))
+
+
+async def unpin(
+    routed: DirectoryRouter, holder: str, pin_id: int, shard: int | None, timeout_s: float
+) -> m.PinReply:
+    """Remove pin `pin_id` of `shard`; without a shard, of the one shard listing a pin with that
+    id (`BadRequest` when several do: pin ids are per shard)."""
+    if shard is None:
+        pins = [
+            x
+            for x in await list_leases(routed, m.LIST_LIMIT_MAX, timeout_s)
+            if x.lease.is_pin and x.lease.lease_id == pin_id
+        ]
+        shards = sorted({x.shard for x in pins if x.lease.holder_id == holder} or {x.shard for x in pins})
+        if not shards:
+            raise NotFound(f"no pin {pin_id}", pin_id=pin_id)
+        if len(shards) > 1:
+            raise BadRequest(f"pin {pin_id} exists in shards {shards}: pass --shard", pin_id=pin_id)
+        shard = shards[0]
+    elif not 0 <= shard < routed.shards:
+        raise BadRequest(f"--shard must be in 0..{routed.shards - 1}", shard=shard)
+    message = m.Unpin(holder_id=holder, pin_id=pin_id, shard=shard)
+    return _expect(await directory(routed, "unpin", message, timeout_s, shard=shard), m.PinReply)
 
 
 async def drain_segment(nc: NatsClient, segment_id: str, draining: bool, timeout_s: float) -> SegmentState:

@@ -208,7 +208,11 @@ class DirectoryRouter:
                 outgoing = msgspec.structs.replace(message, epoch=route.epoch)  # type: ignore[type-var]
             try:
                 reply = await request(
-                    self.nc, self._subject(verb, route.instance), outgoing, m.reply_decoder, timeout_s,
+                    self.nc,
+                    self._subject(verb, route.instance),
+                    outgoing,
+                    m.reply_decoder,
+                    timeout_s,
                     headers=headers,
                 )
             except Indeterminate:
@@ -280,7 +284,9 @@ class DirectoryRouter:
                     merged[info.segment_id] = info
         return m.SegmentList(epoch=0, segments=[merged[k] for k in sorted(merged)])
 
-    async def list_groups(self, query: m.ListGroups, timeout_s: float, pages_max: int) -> list[m.GroupSummary]:
+    async def list_groups(
+        self, query: m.ListGroups, timeout_s: float, pages_max: int
+    ) -> list[m.GroupSummary]:
         """Every group matching `query` (its `after` and `shard` are ignored), shard by shard,
         following each shard's pages (at most `pages_max` per shard)."""
         if not self.shards:

@@ -91,10 +91,14 @@ async def serve(settings: RuntimeSettings) -> int:
             free_timeout_s=config.free_timeout_s,
         )
 
-    host = ShardHost(settings.instance_id, config.shards, config.core, registry=registry, make_shell=make_shell)
+    host = ShardHost(
+        settings.instance_id, config.shards, config.core, registry=registry, make_shell=make_shell
+    )
     host.grants = config.grants
     host.lookup_reply_min_ms = config.lookup_reply_min_ms
-    host.may_act = lambda shard, epoch: not lost and election.core.epoch(shard, now_ms=monotonic_ms()) == epoch
+    host.may_act = lambda shard, epoch: (
+        not lost and election.core.epoch(shard, now_ms=monotonic_ms()) == epoch
+    )
     host.attach(runtime)
     runtime.metrics.registry.register(DirectoryCollector(host))
 
@@ -122,7 +126,7 @@ async def serve(settings: RuntimeSettings) -> int:
         await nc.close()
         return EXIT_UNAVAILABLE
     election_task = asyncio.create_task(election.run(on_start, on_stop))
-    log.info("directory_started", metrics_port=runtime.metrics_port, shards=config.shards)
+    log.info("directory_standby", metrics_port=runtime.metrics_port, shards=config.shards)
     await runtime.wait_stop_requested()
     election_task.cancel()
     await asyncio.gather(election_task, *starting, return_exceptions=True)

@@ -17,6 +17,7 @@ A lapsed lease stops the whole instance (the caller exits), as before sharding.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from typing import Final
 
@@ -48,6 +49,7 @@ __all__ = ["BROADCAST_VERBS", "ShardHost", "shard_of_request"]
 
 BROADCAST_VERBS: Final = frozenset({"register", "heartbeat"})
 SHARD_MAP_VERB: Final = "shard_map"
+SETTLE_S: Final = 0.3
 
 
 def _keys_of(message: msgspec.Struct) -> list[bytes]:
@@ -111,6 +113,8 @@ class ShardHost:
         self._nc: NatsClient | None = None
         self._subs: list[object] = []
         self._starting: set[int] = set()
+        self._settling = False
+        self._announced: list[int] = []
         self._log = get_logger("kvfabric.directory.host").bind(instance_id=instance_id)
 
     # ---- endpoints ---------------------------------------------------------------------------
@@ -173,7 +177,9 @@ class ShardHost:
         if isinstance(message, m.RegisterSegment):
             c = self.core_config
             return m.SegmentRegistered(
-                epoch=0, heartbeat_interval_ms=c.heartbeat_interval_ms, heartbeat_timeout_ms=c.heartbeat_timeout_ms
+                epoch=0,
+                heartbeat_interval_ms=c.heartbeat_interval_ms,
+                heartbeat_timeout_ms=c.heartbeat_timeout_ms,
             )
         return m.HeartbeatAck(epoch=0)
 
@@ -254,6 +260,30 @@ class ShardHost:
             groups_adopted=len(core.published),
             grace_until_ms=core.grace_until_ms,
         )
+        if not self._starting and not self._settling:
+            self._settling = True  # shards won in one election round start together: wait for them
+            asyncio.get_running_loop().call_later(SETTLE_S, self._settled)
+
+    def _settled(self) -> None:
+        """Logged when this instance's led shards stopped changing (tests and operators wait
+        for it): `epoch` is the newest epoch among them."""
+        self._settling = False
+        if self._starting:
+            return  # logged when those are done
+        led = sorted(self.shells)
+        if led == self._announced:
+            return
+        self._announced = led
+        cores = [self.shells[s].core for s in led]
+        self._log.info(
+            "directory_started",
+            shards_led=len(led),
+            shards=self.shards,
+            epoch=max((c.epoch for c in cores), default=0),
+            groups_adopted=sum(len(c.published) for c in cores),
+            segments=max((len(c.segments) for c in cores), default=0),
+            grace_until_ms=max((c.grace_until_ms for c in cores), default=0),
+        )
 
     async def stop_shard(self, shard: int) -> None:
         shell = self.shells.pop(shard, None)
@@ -274,4 +304,3 @@ class ShardHost:
         if self._nc is None:
             raise Unavailable("directory host not started")
         return self._nc
-

@@ -46,8 +46,12 @@ class DirectoryCollector(Collector):
             "Objects being written.",
             value=sum(c.pending_objects for c in cores),
         )
-        yield GaugeMetricFamily("kvfabric_directory_shards_led", "Shards this instance leads.", value=len(cores))
-        epoch = GaugeMetricFamily("kvfabric_directory_epoch", "Epoch of each shard led here.", labels=["shard"])
+        yield GaugeMetricFamily(
+            "kvfabric_directory_shards_led", "Shards this instance leads.", value=len(cores)
+        )
+        epoch = GaugeMetricFamily(
+            "kvfabric_directory_epoch", "Epoch of each shard led here.", labels=["shard"]
+        )
         for shard, shell in shells:
             epoch.add_metric([str(shard)], shell.core.epoch)
         yield epoch

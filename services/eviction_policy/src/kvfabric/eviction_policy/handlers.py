@@ -10,14 +10,17 @@ Three tasks around one synchronous core (each core call is atomic on the event l
   `segment_down` → `core.drop_pool`; `segment_up` → the pool's capacity. When the consumer is
   lost (NATS restart) it is recreated after the last sequence applied: events are applied in
   order, each once.
-- **segments**: every `segments_refresh_ms`, `list_segments` re-reads capacities (and drops the
-  pools of segments the directory no longer reports up).
+- **segments**: every `segments_refresh_ms`, `list_segments` of every directory shard, merged,
+  re-reads capacities (and drops the pools of segments the directory no longer reports up).
 - **ticker**: every `tick_ms`, `core.tick` returns victim batches (tails before heads); each
-  goes to the directory as one `evict` request, in order. Per group the directory answers
+  goes to the directory as one `evict` request per shard holding some of its groups (the
+  directory is sharded: requests go through a `DirectoryRouter`, created in `start`), shard
+  after shard in the order of their first group in the batch, each keeping the batch's order
+  (so a shard's tails still go before its heads). Per group the directory answers
   `evicting` (gone: `core.removed`), `leased`/`pinned` (it stays: `core.refused`, which cools it
-  down) or `not_found`/`not_published` (gone). A request without an answer is indeterminate: the
-  batch is treated as refused (cooled down, retried later) and any eviction that did happen
-  arrives as an `evicted` event.
+  down) or `not_found`/`not_published` (gone). A request without an answer is indeterminate: its
+  groups are treated as refused (cooled down, retried later) and any eviction that did happen
+  arrives as an `evicted` event; the other shards' requests of the batch still go.
 
 The policy's state is rebuilt from the stream at every start, so the stream's retention
 (`KVF_DIRECTORY_EVENTS_MAX_AGE_S`) must outlast the objects (see docs/eviction-policy.md).
@@ -38,11 +41,11 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.core.eviction import EvictBatch, EvictionCore
-from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
-from kvfabric.proto.subjects import Service, endpoint_subject, events_wildcard
-from kvfabric.runtime.client import request
+from kvfabric.proto.subjects import Service, events_wildcard
+from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 
@@ -83,6 +86,7 @@ class EvictionShell:
         self._group_ids: dict[bytes, bytes] = {}  # domain + chain hash -> 90-byte group id (tracked)
         self._capacity: dict[str, int] = {}
         self._nc: NatsClient | None = None
+        self._router: DirectoryRouter | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._log = get_logger("kvfabric.eviction_policy")
         self.last_seq = 0  # stream sequence of the last event applied
@@ -95,6 +99,7 @@ class EvictionShell:
 
     async def start(self, nc: NatsClient) -> None:
         self._nc = nc
+        self._router = DirectoryRouter(nc)
         self._tasks = [
             asyncio.create_task(self._follow()),
             asyncio.create_task(self._refresh_segments()),
@@ -206,11 +211,10 @@ class EvictionShell:
     async def _refresh_segments(self) -> None:
         while True:
             try:
-                reply = await self._directory("list_segments", m.ListSegments())
-                if isinstance(reply, m.SegmentList):
-                    for seg in reply.segments:
-                        if seg.up:
-                            self._set_capacity(seg.segment_id, seg.capacity_bytes)
+                reply = await self._dir().segments(self.request_timeout_s)
+                for seg in reply.segments:
+                    if seg.up:
+                        self._set_capacity(seg.segment_id, seg.capacity_bytes)
             except KvfError as exc:
                 self._log.info("segments_refresh_failed", code=exc.code)
             await asyncio.sleep(self.segments_refresh_ms / 1000)
@@ -227,21 +231,47 @@ class EvictionShell:
 
     async def _evict(self, batch: EvictBatch) -> None:
         chains = [v for v in batch.victims if isinstance(v, bytes)]
-        groups = [self._group_ids[c] for c in chains]
+        statuses: dict[str, int] = {}
         try:
-            reply = await self._directory("evict", m.Evict(groups=groups, reason=batch.reason))
-        except KvfError as exc:
+            by_shard = await self._by_shard(chains)
+        except KvfError as exc:  # no shard map: nothing was asked, the whole batch cools down
             self.evict_requests_failed += 1
             self._log.info("evict_failed", code=exc.code, victims=len(chains))
+            self._refused(chains)
+            return
+        for shard, shard_chains in by_shard:
+            await self._evict_shard(shard, shard_chains, batch.reason, statuses)
+        self._log.info("evicted", reason=batch.reason, pool=str(batch.pool), **statuses)
+
+    async def _by_shard(self, chains: list[bytes]) -> list[tuple[int, list[bytes]]]:
+        """The victims (group keys) split by the shard of their group, each keeping the batch's
+        order; shards in the order of their first victim."""
+        router = self._dir()
+        if not router.shards:
+            await router.refresh()
+        if not router.shards:
+            raise Unavailable("no directory instance answered the shard map")
+        out: dict[int, list[bytes]] = {}
+        for chain in chains:
+            out.setdefault(router.shard_of(self._group_ids[chain]), []).append(chain)
+        return list(out.items())
+
+    async def _evict_shard(
+        self, shard: int, chains: list[bytes], reason: str, statuses: dict[str, int]
+    ) -> None:
+        groups = [self._group_ids[c] for c in chains]
+        try:
+            reply = await self._dir().ask(
+                shard, "evict", m.Evict(groups=groups, reason=reason), self.request_timeout_s
+            )
+        except KvfError as exc:
+            self.evict_requests_failed += 1
+            self._log.info("evict_failed", code=exc.code, victims=len(chains), shard=shard)
             reply = None
         if not isinstance(reply, m.EvictReply):
-            at = now_ms()
-            for chain in chains:
-                if self.core.is_evicting(chain):
-                    self.core.refused(chain, at)
+            self._refused(chains)
             return
         at = now_ms()
-        statuses: dict[str, int] = {}
         for chain, result in zip(chains, reply.results, strict=True):
             statuses[result.status] = statuses.get(result.status, 0) + 1
             if not self.core.is_evicting(chain):
@@ -250,17 +280,19 @@ class EvictionShell:
                 self.core.refused(chain, at)
             else:
                 self._forget(chain)
-        self._log.info("evicted", reason=batch.reason, pool=str(batch.pool), **statuses)
 
-    async def _directory(self, verb: str, message: msgspec.Struct) -> m.DirectoryReply:
-        assert self._nc is not None
-        return await request(
-            self._nc,
-            endpoint_subject(Service.DIRECTORY, verb),
-            message,
-            m.reply_decoder,
-            self.request_timeout_s,
-        )
+    def _refused(self, chains: list[bytes]) -> None:
+        """No answer: indeterminate, so cooled down and retried later (an eviction that did
+        happen arrives as an `evicted` event)."""
+        at = now_ms()
+        for chain in chains:
+            if self.core.is_evicting(chain):
+                self.core.refused(chain, at)
+
+    def _dir(self) -> DirectoryRouter:
+        if self._router is None:
+            raise Unavailable("eviction policy not started")
+        return self._router
 
     # ---- status ------------------------------------------------------------------------------
 

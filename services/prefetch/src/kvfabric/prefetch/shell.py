@@ -1,10 +1,12 @@
 """The prefetch shell: hints and reads → `PrefetchCore` → segment-to-segment copies → core.
 
-- `hint` (`PrefetchHint`): resolve the prefix with one directory `lookup` (its read lease keeps
-  the sources from being evicted while they are copied; released when the hint ends), then
-  `core.add_hint`; the answer (accepted / deduped / busy / refused) is the reply. At most
-  `resolving_max` hints are resolved at once: more answer `busy` at once (a flood costs no
-  directory traffic).
+- `hint` (`PrefetchHint`): resolve the prefix with one directory `lookup` per shard holding some
+  of its chunks, concurrently (the directory is sharded: every request goes through a
+  `DirectoryRouter`, created in `start`). The hit is the longest prefix every shard found; each
+  shard that hit grants a read lease, kept as (shard, lease id), that keeps the sources from
+  being evicted while they are copied (released when the hint ends); then `core.add_hint`; the
+  answer (accepted / deduped / busy / refused) is the reply. At most `resolving_max` hints are
+  resolved at once: more answer `busy` at once (a flood costs no directory traffic).
 - `cancel`: `core.cancel_hint`; its lease is released on the next tick.
 - Every `tick_ms`: `core.tick` → StartCopy tasks (`copy_replica`: ticket from the directory, the
   target segment reads from the source and confirms) → `copy_finished` → PublishReplica (the
@@ -12,9 +14,10 @@
   hints are released.
 - Hot objects: lookup hits reach the service as the directory's `accessed` events (live NATS
   subscription, no replay); for the hottest groups of each event (`hot_groups_per_event_max`)
-  a `show_group` gives the members and their replicas, fed to `core.read`. Every `scan_ms`
-  `list_segments` gives free bytes, and extra replicas gone cold are dropped through the
-  directory (`replica_corrupt` with reason `cold_extra`, refused for a last replica).
+  a `show_group` (to the shard of the group) gives the members and their replicas, fed to
+  `core.read`. Every `scan_ms` `list_segments` of every shard, merged, gives free bytes, and
+  extra replicas gone cold are dropped through the directory (`replica_corrupt` to the shard of
+  the key, reason `cold_extra`, refused for a last replica).
 """
 
 from __future__ import annotations
@@ -40,11 +43,11 @@ from kvfabric.core.prefetch import (
     ReleaseCopy,
     StartCopy,
 )
-from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto import prefetch as p
-from kvfabric.proto.subjects import Service, check_segment_id, endpoint_subject, event_subject
-from kvfabric.runtime.client import request
+from kvfabric.proto.subjects import Service, check_segment_id, event_subject
+from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 
@@ -81,9 +84,10 @@ class PrefetchShell:
         self.request_timeout_s = request_timeout_s
         self.copy_timeout_s = copy_timeout_s
         self._resolving = 0
-        self._leases: dict[str, int] = {}  # hint id -> read lease protecting its sources
+        # hint id -> the read leases protecting its sources: (shard, lease id), one per shard
+        self._leases: dict[str, list[tuple[int, int]]] = {}
         self._locations: dict[bytes, dict[str, m.Replica]] = {}  # extra replicas: key -> segment -> where
-        self._nc: NatsClient | None = None
+        self._router: DirectoryRouter | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._copies: set[asyncio.Task[None]] = set()
         self._log = get_logger("kvfabric.prefetch")
@@ -96,7 +100,7 @@ class PrefetchShell:
         runtime.add_endpoint("status", self._on_status)
 
     async def start(self, nc: NatsClient) -> None:
-        self._nc = nc
+        self._router = DirectoryRouter(nc)
         await nc.subscribe(event_subject(Service.DIRECTORY, "accessed"), cb=self._on_accessed)
         self._tasks = [asyncio.create_task(self._ticker()), asyncio.create_task(self._scanner())]
 
@@ -142,30 +146,27 @@ class PrefetchShell:
         ttl = min(LEASE_TTL_MS_MAX, hint.deadline_ms - now)
         if ttl <= 0:
             return p.HintReply(hint_id=hint.hint_id, status="refused", reason="deadline_passed")
-        found = await self._directory(
-            "lookup",
-            m.Lookup(holder_id=self.holder_id, groups=hint.groups, members=hint.members, lease_ttl_ms=ttl),
-        )
-        assert isinstance(found, m.LookupReply)
-        by_chunk = {int.from_bytes(g[54:58], "little"): g for g in hint.groups}
+        hit_chunks, found, leases = await self._lookup(hint, ttl)
+        by_chunk = {int.from_bytes(g[54:58], "little"): g for g in hint.groups[:hit_chunks]}
         objects = tuple(
             HintObject(
                 by_chunk[o.chunk_index] + _member_bytes(o.member),
                 o.size_bytes,
                 tuple(r.segment_id for r in o.replicas),
             )
-            for o in found.objects
+            for o in found
             if o.chunk_index in by_chunk
         )
         if not objects:
+            await self._release_leases(leases)
             return p.HintReply(hint_id=hint.hint_id, status="accepted", objects_queued=0)
         result = self.core.add_hint(
             Hint(hint.hint_id, hint.tenant, hint.target_segment, objects, hint.deadline_ms), self._now()
         )
         if isinstance(result, Accepted) and result.objects_queued:
-            self._leases[hint.hint_id] = found.lease_id
+            self._leases[hint.hint_id] = leases
         else:
-            await self._release_lease(found.lease_id)
+            await self._release_leases(leases)
         if isinstance(result, Accepted):
             return p.HintReply(hint_id=hint.hint_id, status="accepted", objects_queued=result.objects_queued)
         if isinstance(result, Deduped):
@@ -173,6 +174,58 @@ class PrefetchShell:
         if isinstance(result, Busy):
             return p.HintReply(hint_id=hint.hint_id, status="busy", reason=result.reason)
         return p.HintReply(hint_id=hint.hint_id, status="refused", reason=result.reason)
+
+    async def _lookup(
+        self, hint: p.PrefetchHint, ttl_ms: int
+    ) -> tuple[int, list[m.ObjectLocation], list[tuple[int, int]]]:
+        """One `lookup` per shard holding some of the hint's chunks, concurrently: (the hit, i.e.
+        the first chunk any shard misses; the objects found; the (shard, lease id) granted). A
+        failing shard fails the whole lookup (the other shards' leases are given back), and so
+        does the lease of a shard none of whose chunks is in the hit."""
+        router = await self._routed()
+        positions: dict[int, list[int]] = {}
+        for index, raw in enumerate(hint.groups):
+            try:
+                shard = router.shard_of(raw)
+            except ValueError as exc:  # not a chunk group id: the caller's mistake
+                raise BadRequest(f"a hint names chunk group ids: {exc}") from None
+            positions.setdefault(shard, []).append(index)
+
+        async def one(shard: int, indexes: list[int]) -> tuple[int, m.DirectoryReply]:
+            message = m.Lookup(
+                holder_id=self.holder_id,
+                groups=[hint.groups[i] for i in indexes],
+                members=hint.members,
+                lease_ttl_ms=ttl_ms,
+            )
+            return shard, await self._directory(shard, "lookup", message)
+
+        results = await asyncio.gather(*(one(s, ix) for s, ix in positions.items()), return_exceptions=True)
+        hit_chunks = len(hint.groups)
+        objects: list[m.ObjectLocation] = []
+        leases: list[tuple[int, int]] = []
+        failure: BaseException | None = None
+        for result in results:
+            if isinstance(result, BaseException):
+                failure = failure or result
+                continue
+            shard, reply = result
+            if not isinstance(reply, m.LookupReply):
+                failure = failure or Unavailable(f"unexpected lookup reply {type(reply).__name__}")
+                continue
+            indexes = positions[shard]
+            if reply.hit_chunks < len(indexes):
+                hit_chunks = min(hit_chunks, indexes[reply.hit_chunks])
+            objects.extend(reply.objects)
+            if reply.lease_id:
+                leases.append((shard, reply.lease_id))
+        if failure is not None:
+            await self._release_leases(leases)
+            raise failure
+        useless = [(s, lease) for s, lease in leases if positions[s][0] >= hit_chunks]
+        if useless:
+            await self._release_leases(useless)
+        return hit_chunks, objects, [lease for lease in leases if lease not in useless]
 
     async def _on_cancel(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
         message = p.prefetch_decoder.decode(data)
@@ -192,7 +245,7 @@ class PrefetchShell:
             "copies_in_flight": core.copies_in_flight,
             "objects_queued": core.objects_queued,
             "hint_ids_live": core.hint_ids_live,
-            "leases_held": len(self._leases),
+            "leases_held": sum(len(leases) for leases in self._leases.values()),
             "busy_resolving": self.busy_resolving,
         }
         return p.PrefetchStatus(gauges=gauges, counters=dict(core.counters))
@@ -211,11 +264,11 @@ class PrefetchShell:
             await asyncio.sleep(self.tick_ms / 1000)
 
     async def _copy(self, start: StartCopy) -> None:
-        assert self._nc is not None and isinstance(start.object_id, bytes)
+        assert isinstance(start.object_id, bytes)
         try:
             outcome = await asyncio.wait_for(
                 copy_replica(
-                    self._nc,
+                    self._dir(),
                     key=start.object_id,
                     destination=start.target,
                     writer_id=WRITER_ID,
@@ -249,9 +302,11 @@ class PrefetchShell:
         for hit in hottest:
             if hit.hits * 1000 / max(1, self.tick_ms) < self.core.config.cold_reads_per_s:
                 continue  # not worth a directory query
+            key = hit.domain + hit.group  # the 48-byte group key: its chain hash names the shard
             try:
-                shown = await self._directory("show_group", m.ShowGroup(group=hit.domain + hit.group))
-            except KvfError:
+                router = await self._routed()
+                shown = await self._directory(router.shard_of(key), "show_group", m.ShowGroup(group=key))
+            except (KvfError, ValueError):  # ValueError: a malformed event names no chain hash
                 continue
             # Two domains may hold this chain hash: the one read is named by the event.
             mine = (
@@ -281,15 +336,14 @@ class PrefetchShell:
     async def _scanner(self) -> None:
         while True:
             try:
-                segments = await self._directory("list_segments", m.ListSegments())
-                if isinstance(segments, m.SegmentList):
-                    self.core.set_segments(
-                        {
-                            s.segment_id: max(0, s.capacity_bytes - s.reserved_bytes)
-                            for s in segments.segments
-                            if s.up and not s.draining
-                        }
-                    )
+                segments = await self._dir().segments(self.request_timeout_s)
+                self.core.set_segments(
+                    {
+                        s.segment_id: max(0, s.capacity_bytes - s.reserved_bytes)
+                        for s in segments.segments
+                        if s.up and not s.draining
+                    }
+                )
                 for cold in self.core.cold_extra_replicas(self._now()):
                     await self._drop_extra(cold.object_id, cold.segment)
             except KvfError as exc:
@@ -298,7 +352,8 @@ class PrefetchShell:
 
     async def _drop_extra(self, object_id: object, segment: str) -> None:
         assert isinstance(object_id, bytes)
-        shown = await self._directory("show_group", m.ShowGroup(group=object_id[:90]))
+        shard = (await self._routed()).shard_of(object_id)  # the group's and the key's
+        shown = await self._directory(shard, "show_group", m.ShowGroup(group=object_id[:90]))
         replica = None
         if isinstance(shown, m.GroupList) and shown.groups:
             for obj in shown.groups[0].objects:
@@ -306,6 +361,7 @@ class PrefetchShell:
                     replica = next((r for r in obj.replicas if r.segment_id == segment), None)
         if replica is not None:
             await self._directory(
+                shard,
                 "replica_corrupt",
                 m.ReplicaCorrupt(
                     segment_id=replica.segment_id,
@@ -321,27 +377,35 @@ class PrefetchShell:
     # ---- directory ---------------------------------------------------------------------------
 
     async def _release(self, hint_id: str) -> None:
-        lease_id = self._leases.pop(hint_id, None)
-        if lease_id:
-            await self._release_lease(lease_id)
+        await self._release_leases(self._leases.pop(hint_id, []))
 
-    async def _release_lease(self, lease_id: int) -> None:
-        if not lease_id:
-            return
-        with contextlib.suppress(KvfError):  # else it expires on its own (TTL ≤ the hint's deadline)
-            await self._directory(
-                "lease_release", m.LeaseRelease(holder_id=self.holder_id, lease_id=lease_id)
-            )
+    async def _release_leases(self, leases: list[tuple[int, int]]) -> None:
+        """Give read leases back, each to the shard that granted it (a lease id means nothing
+        elsewhere); a lost release expires on its own (TTL ≤ the hint's deadline)."""
+        for shard, lease_id in leases:
+            if not lease_id:
+                continue
+            with contextlib.suppress(KvfError):
+                await self._directory(
+                    shard,
+                    "lease_release",
+                    m.LeaseRelease(holder_id=self.holder_id, lease_id=lease_id, shard=shard),
+                )
 
-    async def _directory(self, verb: str, message: msgspec.Struct) -> m.DirectoryReply:
-        assert self._nc is not None
-        return await request(
-            self._nc,
-            endpoint_subject(Service.DIRECTORY, verb),
-            message,
-            m.reply_decoder,
-            self.request_timeout_s,
-        )
+    def _dir(self) -> DirectoryRouter:
+        if self._router is None:
+            raise Unavailable("prefetch not started")
+        return self._router
+
+    async def _routed(self) -> DirectoryRouter:
+        """The router, its shard count known (else every key would map to shard 0)."""
+        router = self._dir()
+        if not router.shards:
+            await router.refresh()
+        return router
+
+    async def _directory(self, shard: int, verb: str, message: msgspec.Struct) -> m.DirectoryReply:
+        return await self._dir().ask(shard, verb, message, self.request_timeout_s)
 
 
 def _member_bytes(member: m.Member) -> bytes:

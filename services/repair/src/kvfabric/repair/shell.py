@@ -1,14 +1,17 @@
 """The repair shell: directory state → `RepairCore` → segment-to-segment copies → core.
 
-Every `scan_ms` the shell re-syncs the core with the directory (anti-entropy, no event to miss):
-- `list_segments` → `segment_up` (failure domain, free = capacity − reserved, draining) for each
-  segment up, `segment_down` for one that is gone or restarted;
-- `list_groups(below_target, with_objects)` paged → `object_known` for each member (object =
-  its 96-byte key) with fewer live replicas than the target (replicas on draining segments do
-  not count); objects tracked before and absent now reached their target or are gone →
-  `object_removed`;
+Every `scan_ms` the shell re-syncs the core with the directory (anti-entropy, no event to miss).
+The directory is sharded: every request goes through a `DirectoryRouter` (created in `start`).
+- `list_segments` of every shard, merged (`DirectoryRouter.segments`) → `segment_up` (failure
+  domain, free = capacity − reserved summed over shards, draining) for each segment up,
+  `segment_down` for one that is gone or restarted;
+- `list_groups(below_target, with_objects)`, each shard's pages in turn → `object_known` for
+  each member (object = its 96-byte key) with fewer live replicas than the target (replicas on
+  draining segments do not count); objects tracked before and absent now reached their target
+  or are gone → `object_removed`;
 - while a segment drains: every replica on it whose object has its target elsewhere is dropped
-  (`replica_corrupt`, reason `drained`, never a last copy), so the segment ends up empty.
+  (`replica_corrupt` to the shard of its key, reason `drained`, never a last copy), so the
+  segment ends up empty.
 Every `tick_ms` `core.tick` returns copies within the bandwidth budget and in-flight cap; each
 runs as a task: `kvfabric.client.replicas.copy_replica` (the directory's ticket, then the
 destination reads the bytes from the source over the data plane, verifies and confirms) →
@@ -20,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Final
 
 import msgspec
@@ -28,18 +31,17 @@ from nats.aio.client import Client as NatsClient
 
 from kvfabric.client.replicas import copy_replica
 from kvfabric.core.repair import DrainComplete, RepairCore, StartCopy
-from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
-from kvfabric.proto.subjects import Service, endpoint_subject
-from kvfabric.runtime.client import request
+from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 
 __all__ = ["RepairShell", "key_of", "now_ms"]
 
 LIST_PAGE: Final = 1000
-SCAN_PAGES_MAX: Final = 10_000  # ≤ 10 M groups per scan: a bound, not a target
+SCAN_PAGES_MAX: Final = 10_000  # ≤ 10 M groups per scan (all shards): a bound, not a target
 _MEMBER: Final = struct.Struct("<HHH")
 WRITER_ID: Final = "repair"
 
@@ -73,7 +75,7 @@ class RepairShell:
         self.copy_timeout_s = copy_timeout_s
         self._incarnations: dict[str, int] = {}
         self._tracked: set[bytes] = set()
-        self._nc: NatsClient | None = None
+        self._router: DirectoryRouter | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._copies: set[asyncio.Task[None]] = set()
         self._log = get_logger("kvfabric.repair")
@@ -87,7 +89,7 @@ class RepairShell:
         runtime.add_endpoint("status", self._status)
 
     async def start(self, nc: NatsClient) -> None:
-        self._nc = nc
+        self._router = DirectoryRouter(nc)
         self._tasks = [asyncio.create_task(self._scanner()), asyncio.create_task(self._ticker())]
 
     async def stop(self) -> None:
@@ -107,8 +109,7 @@ class RepairShell:
 
     async def scan(self) -> None:
         """One anti-entropy pass (public for tests)."""
-        segments = await self._directory("list_segments", m.ListSegments())
-        assert isinstance(segments, m.SegmentList)
+        segments = await self._dir().segments(self.request_timeout_s)
         seen = set()
         for seg in segments.segments:
             if not seg.up:
@@ -129,13 +130,7 @@ class RepairShell:
             del self._incarnations[gone]
         draining = {s.segment_id for s in segments.segments if s.up and s.draining}
         below: set[bytes] = set()
-        after = b""
-        for _ in range(SCAN_PAGES_MAX):
-            page = await self._directory(
-                "list_groups",
-                m.ListGroups(after=after, limit=LIST_PAGE, below_target=True, with_objects=True),
-            )
-            assert isinstance(page, m.GroupList)
+        async for page in self._pages(m.ListGroups(limit=LIST_PAGE, below_target=True, with_objects=True)):
             for summary in page.groups:
                 for obj in summary.objects:
                     if sum(r.segment_id not in draining for r in obj.replicas) >= self.replicas_target:
@@ -149,9 +144,6 @@ class RepairShell:
                         segments=[r.segment_id for r in obj.replicas],
                         hot=summary.leases + summary.pins,
                     )
-            if not page.next_after:
-                break
-            after = page.next_after
         for done in self._tracked - below:
             self.core.object_removed(done)
         self._tracked = below
@@ -163,32 +155,55 @@ class RepairShell:
     async def _retire_drained(self, draining: set[str]) -> None:
         """Drop each replica on a draining segment whose object already has its target elsewhere
         (the directory frees the slot): once all are gone the segment holds nothing."""
-        after = b""
-        for _ in range(SCAN_PAGES_MAX):
-            page = await self._directory(
-                "list_groups", m.ListGroups(after=after, limit=LIST_PAGE, with_objects=True)
-            )
-            assert isinstance(page, m.GroupList)
+        router = self._dir()
+        async for page in self._pages(m.ListGroups(limit=LIST_PAGE, with_objects=True)):
             for summary in page.groups:
                 for obj in summary.objects:
                     healthy = sum(r.segment_id not in draining for r in obj.replicas)
                     for r in obj.replicas:
                         if r.segment_id in draining and healthy >= self.replicas_target:
-                            await self._directory(
+                            key = key_of(summary, obj.member)
+                            await router.ask(
+                                router.shard_of(key),
                                 "replica_corrupt",
                                 m.ReplicaCorrupt(
                                     segment_id=r.segment_id,
                                     incarnation=r.incarnation,
-                                    key=key_of(summary, obj.member),
+                                    key=key,
                                     slot=r.slot,
                                     slot_generation=r.slot_generation,
                                     reason="drained",
                                 ),
+                                self.request_timeout_s,
                             )
                             self.replicas_retired += 1
-            if not page.next_after:
-                return
-            after = page.next_after
+
+    async def _pages(self, query: m.ListGroups) -> AsyncIterator[m.GroupList]:
+        """Every page of `query`, shard by shard (each shard pages on its own `after`); at most
+        `SCAN_PAGES_MAX` pages over all shards. A failing shard raises (a partial listing would
+        look like objects that reached their target)."""
+        router = self._dir()
+        if not router.shards:
+            await router.refresh()
+        if not router.shards:
+            raise Unavailable("no directory instance answered the shard map")
+        pages = 0
+        for shard in range(router.shards):
+            after = b""
+            while pages < SCAN_PAGES_MAX:
+                page = await router.ask(
+                    shard,
+                    "list_groups",
+                    msgspec.structs.replace(query, after=after, shard=shard),
+                    self.request_timeout_s,
+                )
+                if not isinstance(page, m.GroupList):
+                    raise Unavailable(f"unexpected list_groups reply {type(page).__name__}")
+                pages += 1
+                yield page
+                if not page.next_after:
+                    break
+                after = page.next_after
 
     # ---- copies ------------------------------------------------------------------------------
 
@@ -220,9 +235,9 @@ class RepairShell:
             self.core.copy_failed(start.copy_id, now_ms())
 
     async def _copy_once(self, start: StartCopy) -> bool:
-        assert self._nc is not None and isinstance(start.object_id, bytes)
+        assert isinstance(start.object_id, bytes)
         outcome = await copy_replica(
-            self._nc,
+            self._dir(),
             key=start.object_id,
             destination=start.destination,
             writer_id=WRITER_ID,
@@ -234,15 +249,10 @@ class RepairShell:
             self.core.object_removed(start.object_id)
         return outcome in ("copied", "already_there")
 
-    async def _directory(self, verb: str, message: msgspec.Struct) -> m.DirectoryReply:
-        assert self._nc is not None
-        return await request(
-            self._nc,
-            endpoint_subject(Service.DIRECTORY, verb),
-            message,
-            m.reply_decoder,
-            self.request_timeout_s,
-        )
+    def _dir(self) -> DirectoryRouter:
+        if self._router is None:
+            raise Unavailable("repair not started")
+        return self._router
 
     # ---- status ------------------------------------------------------------------------------
 

@@ -1,0 +1,196 @@
+"""A sharded directory on a real nats-server: 8 virtual shards over three instances.
+
+One instance starts and leads every shard; two join and take their rendezvous share by handover
+(the cache stays whole). Then the leader of one shard is SIGKILLed during a mixed workload: the
+survivors lead its shards within 5 s under higher epochs, rebuilt from the segments' reports;
+what was published is found with identical bytes, the old leader's ticket stores nothing, and a
+read lease it granted stays safe through the grace period. Shards it did not lead keep serving."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+import time
+
+import nats
+import pytest
+
+from kvfabric.core.leadership import desired_owner
+from kvfabric.dataplane.tcp import TcpDataClient
+from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import StaleGeneration
+from kvfabric.proto import directory as m
+from kvfabric.proto.shards import shard_of
+from kvfabric.runtime.directory_router import DirectoryRouter, ShardRoute
+from kvfabric.testing import NatsServer
+from tests.integration.clientkit import (
+    CHUNK_BYTES,
+    TOKENS_PER_CHUNK,
+    chunk_bytes,
+    client,
+    objects_for,
+    prompt,
+)
+from tests.integration.cluster import directory_process, segment_process
+from tests.integration.test_directory_ha import CHUNKS, load_all, mixed_workload
+from tests.integration.test_directory_ha import groups_of as groups_for
+
+pytestmark = pytest.mark.integration
+
+SHARDS = 8
+ENV = {
+    "KVF_DIRECTORY_SHARDS": str(SHARDS),
+    "KVF_DIRECTORY_REBALANCE": "1",
+    "KVF_DIRECTORY_LEADER_LEASE_TTL_MS": "2000",
+    "KVF_DIRECTORY_LEASE_TTL_MS_MAX": "10000",  # the grace period
+    "KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS": "10000",
+}
+PROMPTS = 40
+FAILOVER_S_MAX = 5.0
+
+
+async def _routes(url: str) -> dict[int, ShardRoute]:
+    nc = await nats.connect(url)
+    try:
+        router = DirectoryRouter(nc, gather_s=0.5)
+        await router.refresh()
+        return dict(router.routes) if router.shards == SHARDS else {}
+    finally:
+        await nc.close()
+
+
+def routes(url: str) -> dict[int, ShardRoute]:
+    """The shard map as the instances tell it: shard -> (leader, epoch)."""
+    return asyncio.run(_routes(url))
+
+
+def wait_map(url: str, timeout_s: float, ok: object) -> dict[int, ShardRoute]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = routes(url)
+        if len(current) == SHARDS and ok(current):  # type: ignore[operator]
+            return current
+        assert time.monotonic() < deadline, f"shard map never settled: {current}"
+        time.sleep(0.1)
+
+
+def ask(url: str, raw_key: bytes, verb: str, message: m.DirectoryRequest) -> object:
+    async def go() -> object:
+        nc = await nats.connect(url)
+        try:
+            router = DirectoryRouter(nc)
+            await router.refresh()
+            return await router.ask(router.shard_of(raw_key), verb, message, 5.0)
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+def test_shards_spread_by_handover_and_survive_a_leader_kill(nats_server: NatsServer) -> None:
+    url = nats_server.url
+    prompts = [prompt(CHUNKS * TOKENS_PER_CHUNK, seed=s) for s in range(PROMPTS)]
+    with contextlib.ExitStack() as stack:
+        first = stack.enter_context(directory_process(nats_server, KVF_INSTANCE_ID="dir-a", **ENV))
+        wait_map(url, 10.0, lambda r: {x.instance for x in r.values()} == {"dir-a"})
+        stack.enter_context(segment_process(nats_server, "seg-sh1", KVF_SEGMENT_ZONE="za"))
+        stack.enter_context(segment_process(nats_server, "seg-sh2", KVF_SEGMENT_ZONE="zb"))
+        with client(nats_server) as writer:
+            for tokens in prompts:
+                assert writer.save(tokens, objects_for(tokens, 0, CHUNKS)).chunks_saved == CHUNKS
+
+        # Two instances join: shards move to them by handover, one leader per shard throughout.
+        procs = {"dir-a": first}
+        for name in ("dir-b", "dir-c"):
+            procs[name] = stack.enter_context(
+                directory_process(nats_server, ready_event="directory_standby", KVF_INSTANCE_ID=name, **ENV)
+            )
+        members = {"dir-a", "dir-b", "dir-c"}
+        time.sleep(0.5)
+        assert all(p.returncode is None for p in procs.values()), {
+            n: p.output_tail(30) for n, p in procs.items() if p.returncode is not None
+        }
+        spread = wait_map(url, 20.0, lambda r: all(r[s].instance == desired_owner(s, members) for s in r))
+        assert len({x.instance for x in spread.values()}) > 1
+        with client(nats_server) as reader:
+            for tokens in prompts:
+                n, same = load_all(reader, tokens)
+                assert n == CHUNKS and same, "a handover lost or changed a published prompt"
+
+        # The leader of prompts[0]'s first chunk is the victim.
+        victim_shard = shard_of(groups_for(prompts[0])[0].to_bytes(), SHARDS)
+        victim = spread[victim_shard].instance
+        victim_shards = {s for s, r in spread.items() if r.instance == victim}
+        old_epochs = {s: spread[s].epoch for s in victim_shards}
+
+        reader = stack.enter_context(client(nats_server))
+        leased = reader.lookup(prompts[0])  # read leases granted (partly) by the victim
+        assert leased.chunks == CHUNKS and len(leased.shard_leases) >= 1
+
+        # A write ticket of the victim, not used yet.
+        spare = next(
+            g
+            for seed in range(1000, 2000)
+            for g in groups_for(prompt(CHUNKS * TOKENS_PER_CHUNK, seed=seed))[:1]
+            if shard_of(g.to_bytes(), SHARDS) in victim_shards
+        )
+        data = b"t" * 4096
+        key = spare.member_key(0, 0, 0).to_bytes()
+        spec = m.ObjectSpec(key=key, size_bytes=len(data), checksum=checksum(data))
+        begun = ask(url, key, "put_begin", m.PutBegin(writer_id="late", request_id="late", objects=[spec]))
+        assert isinstance(begun, m.PutBeginReply) and begun.results[0].status == "placed"
+        ticket = begun.results[0].tickets[0]
+        assert ticket.shard in victim_shards and ticket.epoch == old_epochs[ticket.shard]
+
+        stop, stats = threading.Event(), {"loads": 0, "chunks_loaded": 0, "wrong": 0, "chunks_saved": 0}
+        traffic = threading.Thread(target=mixed_workload, args=(nats_server, stop, stats), daemon=True)
+        traffic.start()
+        time.sleep(1.0)
+        killed_at = time.monotonic()
+        procs[victim].send_signal(signal.SIGKILL)
+
+        after = wait_map(url, 15.0, lambda r: victim not in {x.instance for x in r.values()})
+        failover_s = time.monotonic() - killed_at
+        assert failover_s <= FAILOVER_S_MAX, f"failover took {failover_s:.2f} s"
+        for shard in range(SHARDS):
+            if shard in victim_shards:
+                assert after[shard].epoch > old_epochs[shard]  # a new term, fencing the victim
+            else:
+                assert after[shard] == spread[shard]  # untouched: same leader, same epoch
+        assert all(after[s].instance == desired_owner(s, members - {victim}) for s in after)
+
+        # The victim's ticket is fenced by (shard, epoch) at the segment: nothing is stored.
+        with TcpDataClient.connect(ticket.data_addr) as plane, pytest.raises(StaleGeneration):
+            plane.put(ticket, data)
+
+        # The new leaders evict the leased prompt's groups they took over at once (they never saw
+        # the lease); the surviving leaders still hold it. The old lease still reads whole bytes.
+        for group in groups_for(prompts[0]):
+            raw = group.to_bytes()
+            evicted = ask(url, raw, "evict", m.Evict(groups=[raw]))
+            expected = "evicting" if shard_of(raw, SHARDS) in victim_shards else "leased"
+            assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == expected
+        out = [[bytearray(CHUNK_BYTES)] for _ in range(CHUNKS)]
+        result = reader.load(leased, out)
+        assert result.tokens == CHUNKS * TOKENS_PER_CHUNK, result.cause
+        assert all(bytes(out[c][0]) == chunk_bytes(prompts[0], c) for c in range(CHUNKS))
+        reader.release(leased)
+
+        time.sleep(1.0)
+        stop.set()
+        traffic.join(30.0)
+        assert stats["wrong"] == 0 and stats["loads"] > 0, stats
+
+        with client(nats_server) as fresh:
+            kept = 0
+            for tokens in prompts[1:]:
+                n, same = load_all(fresh, tokens)
+                assert same
+                kept += n == CHUNKS
+        assert kept / (PROMPTS - 1) >= 0.99, f"{kept} of {PROMPTS - 1} prompts survived"
+        print(
+            f"\nsharded failover {failover_s:.2f} s, shards moved {sorted(victim_shards)}, "
+            f"kept {kept}/{PROMPTS - 1}, {stats}"
+        )

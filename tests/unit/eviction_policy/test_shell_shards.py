@@ -1,0 +1,70 @@
+"""The eviction-policy shell against a sharded directory (no NATS): a victim batch goes out as
+one `evict` per shard holding some of its groups, in the batch's order, and a shard that does not
+answer cools down only its own victims."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import msgspec
+
+from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
+from kvfabric.eviction_policy.handlers import EvictionShell
+from kvfabric.format.errors import Indeterminate
+from kvfabric.proto import directory as m
+from kvfabric.proto.shards import shard_of
+from kvfabric.runtime.directory_router import DirectoryRouter
+from tests.unit.eviction_policy.test_shell import A, published
+
+SHARDS = 3
+
+
+class FakeRouter(DirectoryRouter):
+    def __init__(self, failing: set[int]) -> None:
+        super().__init__(cast(Any, None))
+        self.shards = SHARDS
+        self.failing = failing
+        self.asked: list[tuple[int, str, msgspec.Struct]] = []
+
+    async def refresh(self) -> None:
+        raise AssertionError("the map is known")
+
+    async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **_: Any) -> Any:
+        self.asked.append((shard, verb, message))
+        assert verb == "evict" and isinstance(message, m.Evict)
+        assert all(shard_of(g, SHARDS) == shard for g in message.groups)
+        if shard in self.failing:
+            raise Indeterminate("no reply")
+        return m.EvictReply(
+            epoch=1, results=[m.EvictResult(group=g, status="evicting") for g in message.groups]
+        )
+
+
+def test_a_batch_is_split_by_shard_in_order_and_a_silent_shard_cools_down_its_own() -> None:
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.1))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=100), 0)
+    sh.apply(published(1, s1=10), 1)
+    for i in range(2, 9):  # one chain 1 <- 2 <- ... <- 8: chain(i) is on shard i % SHARDS
+        sh.apply(published(i, parent=i - 1, s1=10), i)
+    (batch,) = core.tick(20)
+    assert isinstance(batch, EvictBatch)
+    victims = [v for v in batch.victims if isinstance(v, bytes)]
+    # One request per shard, shards in the order of their first victim, each in the batch's order.
+    expected: dict[int, list[bytes]] = {}
+    for v in victims:
+        expected.setdefault(shard_of(v, SHARDS), []).append(sh._group_ids[v])
+    assert len(expected) >= 2
+    silent = shard_of(victims[-1], SHARDS)
+    router = FakeRouter({silent})
+    sh._router = router
+    asyncio.run(sh._evict(batch))
+    assert [(s, message.groups) for s, _, message in router.asked if isinstance(message, m.Evict)] == list(
+        expected.items()
+    )
+    for v in victims:  # answered: gone; not answered: still there, cooled down
+        assert (v in core) == (shard_of(v, SHARDS) == silent), v
+    assert sh.evict_requests_failed == 1
+    assert all(v[:16] == A for v in victims)
+    core.check_invariants()
