@@ -1,5 +1,8 @@
 """The directory service as a subprocess against a real nats-server: every endpoint, the events
-stream, frees to segments, heartbeat loss, and typed errors for bad input (the service stays up)."""
+stream, frees to segments, heartbeat loss, and typed errors for bad input (the service stays up).
+
+One shard (one core): these tests read one core's endpoints (a lookup of several chunks under
+one lease, the events of one core in order); requests go through a `DirectoryRouter`."""
 
 from __future__ import annotations
 
@@ -23,11 +26,11 @@ from kvfabric.format.errors import (
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.segment import FreeSlotsReply, FreeSlotsRequest, segment_decoder
-from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject
+from kvfabric.proto.subjects import Service, instance_subject, segment_subject
 from kvfabric.proto.tickets import ticket_signature_valid
-from kvfabric.runtime import request
 from kvfabric.runtime.replies import error_from_response
 from kvfabric.testing import NatsServer, ServiceProcess, metric_value, micro_control, scrape_metrics_async
+from tests.integration.cluster import ask_directory, directory_router
 from tests.unit.core.dirkit import checksum_of, groups, key
 
 pytestmark = pytest.mark.integration
@@ -43,6 +46,7 @@ def directory(nats_server: NatsServer) -> Iterator[ServiceProcess]:
         KVF_CLUSTER_SECRET=SECRET,
         KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS="600",
         KVF_DIRECTORY_TICK_MS="20",
+        KVF_DIRECTORY_SHARDS="1",
     )
     proc = ServiceProcess.python_module(
         "kvfabric.directory", "--nats-url", nats_server.url, "--metrics-port", "0", "--log-json", env=env
@@ -54,9 +58,7 @@ def directory(nats_server: NatsServer) -> Iterator[ServiceProcess]:
 
 
 async def call(nc: NatsClient, verb: str, message: msgspec.Struct) -> msgspec.Struct:
-    reply = await request(nc, endpoint_subject(Service.DIRECTORY, verb), message, m.reply_decoder, TIMEOUT_S)
-    assert isinstance(reply, msgspec.Struct)
-    return reply
+    return await ask_directory(await directory_router(nc), verb, message, TIMEOUT_S)
 
 
 class FakeSegment:
@@ -195,7 +197,8 @@ async def test_publish_lookup_release_evict_free_with_events(
 async def test_bad_input_gets_typed_errors_and_service_stays_up(
     nats_client: NatsClient, directory: ServiceProcess
 ) -> None:
-    subject = endpoint_subject(Service.DIRECTORY, "lookup")
+    router = await directory_router(nats_client)
+    subject = instance_subject(Service.DIRECTORY, "lookup", router.routes[0].instance)
     raw = await nats_client.request(subject, b"\xc1garbage", timeout=TIMEOUT_S)
     assert isinstance(error_from_response(raw.headers, raw.data), BadRequest)
     wrong_type = await nats_client.request(subject, encode(m.ListLeases()), timeout=TIMEOUT_S)

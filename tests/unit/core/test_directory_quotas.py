@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore, FreeSlots
@@ -22,7 +24,7 @@ def groups_b(n_chunks: int, seed: int = 0) -> list[ChunkGroupId]:
     return chunk_groups_for_prefix(OTHER, MODEL, layout(), tokens)
 
 
-def core_with(quota_a: TenantQuota, default: TenantQuota | None = None, **kw: int) -> DirectoryCore:
+def core_with(quota_a: TenantQuota, default: TenantQuota | None = None, **kw: Any) -> DirectoryCore:
     config = DirectoryConfig(
         ticket_secret=SECRET,
         tenant_quotas={A: quota_a},

@@ -205,7 +205,7 @@ class DirectoryRouter:
                     continue
             outgoing = message
             if getattr(message, "epoch", None) == 0 and route.epoch:
-                outgoing = msgspec.structs.replace(message, epoch=route.epoch)  # type: ignore[type-var]
+                outgoing = msgspec.structs.replace(message, epoch=route.epoch)
             try:
                 reply = await request(
                     self.nc,

@@ -169,7 +169,7 @@ class ShardHost:
         first: msgspec.Struct | None = None
         epochs: list[m.ShardEpoch] = []
         for shard, shell in shells:
-            reply = await shell.handle(msgspec.structs.replace(message, epoch=0))  # type: ignore[type-var]
+            reply = await shell.handle(msgspec.structs.replace(message, epoch=0))
             epochs.append(m.ShardEpoch(shard, shell.core.epoch))
             first = first or reply
         if isinstance(first, m.SegmentRegistered | m.HeartbeatAck):

@@ -96,12 +96,12 @@ class DirectoryCollector(Collector):
         quota_exceeded: Counter[bytes] = Counter()
         rate_limited: Counter[bytes] = Counter()
         for core in cores:
-            for tenant, use in list(core.quotas.usage.items()):
-                used_bytes[tenant] += use.bytes
-                used_objects[tenant] += use.objects
-            for tenant, stats in list(core.quotas.stats.items()):
-                quota_exceeded[tenant] += stats.quota_exceeded
-                rate_limited[tenant] += stats.rate_limited
+            for domain, use in list(core.quotas.usage.items()):
+                used_bytes[domain] += use.bytes
+                used_objects[domain] += use.objects
+            for domain, stats in list(core.quotas.stats.items()):
+                quota_exceeded[domain] += stats.quota_exceeded
+                rate_limited[domain] += stats.rate_limited
         for tenant in sorted(used_bytes):
             used.add_metric([tenant.hex()], used_bytes[tenant])
             objects.add_metric([tenant.hex()], used_objects[tenant])

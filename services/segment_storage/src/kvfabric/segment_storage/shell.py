@@ -166,7 +166,7 @@ class SegmentShell:
         leader declared this incarnation down)."""
         assert self.router is not None
         answers = await self.router.ask_all(verb, message, REQUEST_TIMEOUT_S)
-        replies = [a for a in answers if not isinstance(a, KvfError)]
+        replies: list[msgspec.Struct] = [a for a in answers if not isinstance(a, KvfError)]
         errors = [a for a in answers if isinstance(a, KvfError)]
         for err in errors:
             if isinstance(err, NotFound | StaleGeneration):
