@@ -84,7 +84,7 @@ def main() -> int:
             rounds.append(
                 {
                     "failover_s": round(failover_s, 3),
-                    "rebuild_ms": started["rebuild_ms"],
+                    "rebuild_ms": started.get("rebuild_ms", "-"),  # not logged by a sharded directory
                     "groups_adopted": started["groups_adopted"],
                     "epoch": [old_epoch, new_epoch],
                     "prompts_kept": kept,

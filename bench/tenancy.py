@@ -5,7 +5,9 @@ An authenticated cluster (`kvctl auth init`, nats-server with users + permission
 one directory and one segment; tenant `alice` saves `--prompts` prompts of 4 chunks x 64 KiB.
 Then for each directory setting of `KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS` (0 = off, then `--pad-ms`):
 `--lookups` tenant lookups alternating between saved prompts (hits) and never-saved ones
-(misses), each followed by a lease release for hits, timed one at a time on one connection.
+(misses), each followed by a lease release for hits, timed one at a time on one connection
+(a prompt's chunks fall in several directory shards: one request per shard, concurrently, as
+the client does; a lookup's time is that of its slowest shard).
 Reported: median and p99 latency of hits and misses, and the hit - miss gap (the side channel).
 Then the cost of data-plane TLS: a segment with and without `KVF_SEGMENT_TLS_*`, whole loads of
 16 x `--object-mib` MiB through the client over TCP (shared memory off), checksums verified.
@@ -32,8 +34,7 @@ import nats
 from kvfabric.client import KvClient
 from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.proto import directory as m
-from kvfabric.proto.subjects import Service, tenant_subject
-from kvfabric.runtime import request
+from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing import NatsServer
 from tests.integration.clientkit import TOKENS_PER_CHUNK, objects_for, prompt
 from tests.integration.cluster import directory_process, segment_process
@@ -52,27 +53,28 @@ async def measure(
     secure: Secure, hits: list[list[bytes]], misses: list[list[bytes]], n: int
 ) -> dict[str, Any]:
     nc = await nats.connect(secure.nats.url, **secure.tenant_auth("alice").connect_options())
-    subject = tenant_subject(Service.DIRECTORY, "alice", "lookup")
-    release = tenant_subject(Service.DIRECTORY, "alice", "lease_release")
+    router = DirectoryRouter(nc, tenant="alice")
     times: dict[str, list[float]] = {"hit": [], "miss": []}
     try:
+        await router.refresh()
         for i in range(n):
             kind = "hit" if i % 2 == 0 else "miss"
-            groups = (hits if kind == "hit" else misses)[i // 2 % len(hits)]
+            by_shard: dict[int, list[bytes]] = {}
+            for group in (hits if kind == "hit" else misses)[i // 2 % len(hits)]:
+                by_shard.setdefault(router.shard_of(group), []).append(group)
             started = time.perf_counter()
-            reply = await request(
-                nc, subject, m.Lookup(holder_id="bench", groups=groups), m.reply_decoder, 5.0
+            replies = await asyncio.gather(
+                *(
+                    router.ask(shard, "lookup", m.Lookup(holder_id="bench", groups=groups), 5.0)
+                    for shard, groups in by_shard.items()
+                )
             )
             times[kind].append((time.perf_counter() - started) * 1000)
-            assert isinstance(reply, m.LookupReply) and (reply.hit_chunks > 0) == (kind == "hit")
-            if reply.lease_id:
-                await request(
-                    nc,
-                    release,
-                    m.LeaseRelease(holder_id="bench", lease_id=reply.lease_id),
-                    m.reply_decoder,
-                    5.0,
-                )
+            for shard, reply in zip(by_shard, replies, strict=True):
+                assert isinstance(reply, m.LookupReply) and (reply.hit_chunks > 0) == (kind == "hit")
+                if reply.lease_id:
+                    release = m.LeaseRelease(holder_id="bench", lease_id=reply.lease_id, shard=shard)
+                    await router.ask(shard, "lease_release", release, 5.0)
     finally:
         await nc.close()
     out: dict[str, Any] = {}

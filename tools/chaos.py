@@ -176,40 +176,25 @@ def final_state(nats_url: str, admin: dict[str, str]) -> FinalState:
 
     import nats
 
+    from kvfabric.ctl import queries
     from kvfabric.proto import directory as m
-    from kvfabric.proto.subjects import Service, endpoint_subject
-    from kvfabric.runtime import request
     from kvfabric.runtime.natsauth import nats_auth_from_env
 
     async def ask() -> FinalState:
+        """Every directory shard's view, merged: leases of all shards, the segment table with
+        placements summed over shards, every shard's published groups."""
         nc = await nats.connect(nats_url, **nats_auth_from_env(admin).connect_options())
         try:
-            leases = await request(
-                nc, endpoint_subject(Service.DIRECTORY, "list_leases"), m.ListLeases(), m.reply_decoder, 5
-            )
-            segs = await request(
-                nc, endpoint_subject(Service.DIRECTORY, "list_segments"), m.ListSegments(), m.reply_decoder, 5
-            )
-            replicas: list[int] = []
-            after = b""
-            while True:  # live replicas of every published object (for the repair checker)
-                page = await request(
-                    nc,
-                    endpoint_subject(Service.DIRECTORY, "list_groups"),
-                    m.ListGroups(after=after, limit=1000, with_objects=True),
-                    m.reply_decoder,
-                    5,
-                )
-                assert isinstance(page, m.GroupList)
-                replicas += [len(o.replicas) for g in page.groups for o in g.objects]
-                if not page.next_after:
-                    break
-                after = page.next_after
+            router = await queries.router(nc)
+            leases = await queries.list_leases(router, m.LIST_LIMIT_MAX, 5)
+            segs = await queries.list_segments(router, 5)
+            groups = await router.list_groups(m.ListGroups(limit=1000, with_objects=True), 5, 100_000)
+            # live replicas of every published object (for the repair checker)
+            replicas = [len(o.replicas) for g in groups for o in g.objects]
         finally:
             await nc.close()
-        assert isinstance(leases, m.LeaseList) and isinstance(segs, m.SegmentList)
         return FinalState(
-            read_leases=sum(not x.is_pin for x in leases.leases),
+            read_leases=sum(not x.lease.is_pin for x in leases),
             segments=[
                 {
                     "segment_id": s.segment_id,

@@ -139,7 +139,7 @@ def _shard_of_message(router: DirectoryRouter, verb: str, message: msgspec.Struc
     if verb in _BATCHES:
         field, key_of = _BATCHES[verb]
         shards = {_shard_of(router, key_of(item)) for item in getattr(message, field)}
-        return shards.pop() if len(shards) <= 1 else None
+        return None if len(shards) > 1 else min(shards, default=0)  # no key: shard 0
     raw = getattr(message, "key", None) or getattr(message, "group", None)
     return _shard_of(router, raw) if raw else 0
 

@@ -14,8 +14,6 @@ from prometheus_client import generate_latest
 
 from kvfabric.client import KvClient
 from kvfabric.proto import directory as m
-from kvfabric.proto.subjects import Service, endpoint_subject
-from kvfabric.runtime import request
 from kvfabric.testing import NatsServer, ServiceProcess, metric_value
 from tests.integration.clientkit import (
     CHUNK_BYTES,
@@ -26,7 +24,7 @@ from tests.integration.clientkit import (
     objects_for,
     prompt,
 )
-from tests.integration.cluster import directory_process, segment_process
+from tests.integration.cluster import directory_call, directory_process, segment_process
 
 pytestmark = pytest.mark.integration
 
@@ -47,14 +45,14 @@ def metric(kv: KvClient, name: str, **labels: str) -> float:
 
 
 def leases_held(nats: NatsServer) -> int:
+    """Read leases the directory holds, over every shard (a hit holds one per shard it touched)."""
+
     async def ask() -> int:
         import nats as nats_py
 
         nc = await nats_py.connect(nats.url)
         try:
-            reply = await request(
-                nc, endpoint_subject(Service.DIRECTORY, "list_leases"), m.ListLeases(), m.reply_decoder, 5.0
-            )
+            reply = await directory_call(nc, "list_leases", m.ListLeases())
             assert isinstance(reply, m.LeaseList)
             return sum(1 for lease in reply.leases if not lease.is_pin)
         finally:
@@ -79,7 +77,7 @@ def test_save_then_a_fresh_client_loads_identical_bytes_and_extensions_fold(
         result = reader.load(hit, out)
         assert result.tokens == 8 * TOKENS_PER_CHUNK and result.cause == ""
         assert all(bytes(out[c][0]) == chunk_bytes(tokens, c) for c in range(8))
-        assert leases_held(nats_server) == 1
+        assert hit.shard_leases and leases_held(nats_server) == len(hit.shard_leases)  # one per shard
         reader.release(hit)
         # An extension shares the first 8 chunks; a capped lookup never asks for the whole prompt.
         longer = tokens[: 8 * TOKENS_PER_CHUNK] + prompt(4 * TOKENS_PER_CHUNK, seed=2)

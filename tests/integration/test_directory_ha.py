@@ -21,8 +21,7 @@ from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import KvfError, StaleGeneration
 from kvfabric.format.key import ChunkGroupId, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
-from kvfabric.proto.subjects import Service, endpoint_subject
-from kvfabric.runtime import request
+from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing import NatsServer
 from tests.integration.clientkit import (
     CHUNK_BYTES,
@@ -38,6 +37,9 @@ from tests.integration.cluster import directory_call, directory_process, segment
 pytestmark = pytest.mark.integration
 
 HA_ENV = {
+    # One shard, led by one instance at a time: the whole-index failover (the sharded one, where
+    # a kill moves only the dead instance's shards, is tests/integration/test_directory_shards.py).
+    "KVF_DIRECTORY_SHARDS": "1",
     "KVF_DIRECTORY_LEADER_LEASE_TTL_MS": "2000",
     "KVF_DIRECTORY_LEASE_TTL_MS_MAX": "10000",  # the grace period
     "KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS": "10000",
@@ -92,18 +94,21 @@ def ask(url: str, verb: str, message: m.DirectoryRequest) -> object:
 
 
 def wait_new_leader(url: str, group: bytes, old_epoch: int, timeout_s: float) -> int:
-    """Poll lookups until one is answered under a newer epoch; returns that epoch."""
+    """Poll lookups (to the leader of `group`'s shard) until one is answered under a newer
+    epoch; returns that epoch."""
 
     async def go() -> int:
         nc = await nats.connect(url)
+        router = DirectoryRouter(nc, retries_max=1)  # one try per poll: a failed one asks the map again
         try:
             while True:
                 with contextlib.suppress(KvfError):  # short: a request to the dead leader is lost
-                    reply = await request(
-                        nc,
-                        endpoint_subject(Service.DIRECTORY, "lookup"),
+                    if not router.shards:
+                        await router.refresh()
+                    reply = await router.ask(
+                        router.shard_of(group),
+                        "lookup",
                         m.Lookup(holder_id="probe", groups=[group], lease_ttl_ms=1),
-                        m.reply_decoder,
                         0.25,
                     )
                     if isinstance(reply, m.LookupReply) and reply.epoch > old_epoch:
@@ -157,7 +162,14 @@ def test_leader_sigkill_standby_takes_over_with_the_cache_intact(nats_server: Na
         new_epoch = wait_new_leader(nats_server.url, groups_of(prompts[1])[0].to_bytes(), old_epoch, 15.0)
         failover_s = time.monotonic() - killed_at
         assert failover_s <= FAILOVER_S_MAX, f"failover took {failover_s:.2f} s"
-        new_leaders = [p for p in standbys if any(e.get("event") == "directory_started" for e in p.events())]
+        deadline = time.monotonic() + 2.0  # logged once the new leader's shards settled (0.3 s)
+        while True:
+            new_leaders = [
+                p for p in standbys if any(e.get("event") == "directory_started" for e in p.events())
+            ]
+            if new_leaders or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert len(new_leaders) == 1
         started = new_leaders[0].wait_for_event("directory_started", 1.0)
         assert started["epoch"] == new_epoch and started["segments"] == 2

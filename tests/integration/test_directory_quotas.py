@@ -18,11 +18,9 @@ from kvfabric.ctl.cli import app
 from kvfabric.format.errors import RateLimited
 from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
-from kvfabric.proto.subjects import Service, endpoint_subject
-from kvfabric.runtime import request
 from kvfabric.testing import NatsServer
 from tests.integration.clientkit import CHUNK_BYTES, SPEC, TOKENS_PER_CHUNK, objects_for, prompt
-from tests.integration.cluster import TIMEOUT_S, directory_process, segment_process
+from tests.integration.cluster import directory_call, directory_process, segment_process
 
 pytestmark = pytest.mark.integration
 
@@ -39,11 +37,10 @@ def kv(nats_server: NatsServer, spec: EngineSpec) -> KvClient:
 
 
 async def ask(url: str, verb: str, message: m.DirectoryRequest) -> object:
+    """One directory request (a listing: merged over every shard) on a connection of its own."""
     nc = await nats.connect(url)
     try:
-        return await request(
-            nc, endpoint_subject(Service.DIRECTORY, verb), message, m.reply_decoder, TIMEOUT_S
-        )
+        return await directory_call(nc, verb, message)
     finally:
         await nc.close()
 
@@ -60,7 +57,9 @@ def test_quota_holds_under_concurrent_writers_and_spares_other_tenants(nats_serv
         C.hex(): {"requests_per_s": 0.5, "burst": 1},
     }
     with (
-        directory_process(nats_server, KVF_DIRECTORY_TENANT_QUOTAS=json.dumps(quotas)),
+        directory_process(
+            nats_server, KVF_DIRECTORY_SHARDS="1", KVF_DIRECTORY_TENANT_QUOTAS=json.dumps(quotas)
+        ),
         segment_process(nats_server, "seg-q"),
     ):
         results: list[SaveResult] = []

@@ -297,6 +297,6 @@ async def test_silent_segment_goes_down_and_its_objects_stop_being_readable(
     assert isinstance(after, m.LookupReply) and after.hit_chunks == 0
     with pytest.raises(NotFound):  # a down segment must register again (with a new incarnation)
         await seg.heartbeat()
-    port = directory.wait_for_event("directory_started", 1.0)["metrics_port"]
+    port = directory.wait_for_event("directory_standby", 1.0)["metrics_port"]
     text = await scrape_metrics_async(port)
     assert metric_value(text, "kvfabric_directory_segment_up", segment="seg-quiet") == 0.0

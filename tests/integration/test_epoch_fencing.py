@@ -20,7 +20,7 @@ from kvfabric.format.errors import StaleGeneration
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.segment import FreeSlotsRequest, ReportRequest, SegmentReport, segment_decoder
-from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject
+from kvfabric.proto.subjects import Service, endpoint_subject, instance_subject, segment_subject
 from kvfabric.runtime import request
 from kvfabric.testing import NatsServer, ServiceProcess, metric_value
 from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, prompt
@@ -31,6 +31,7 @@ pytestmark = pytest.mark.integration
 
 SEGMENT = "seg-epoch"
 NEWER_EPOCH = 1 << 40  # what a new leader's report would carry
+FAKE = "fake"  # the instance id of the fake directory
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ async def test_a_segment_refuses_tickets_and_frees_of_an_older_epoch(
     nc = nats_client
     (g1, g2) = groups(2, seed=77)
     data = os.urandom(4096)
-    # A ticket of the current leader (epoch 1) for later, and one object stored under it now.
+    # A ticket of the current leader of its shard for later, and one object stored under it now.
     tickets = []
     for g in (g1, g2):
         reply = await directory_call(
@@ -61,11 +62,21 @@ async def test_a_segment_refuses_tickets_and_frees_of_an_older_epoch(
         tickets.append(reply.results[0].tickets[0])
     with TcpDataClient.connect(tickets[0].data_addr) as data_client:
         await asyncio.to_thread(data_client.put, tickets[0], data)
-    # A newer leader reports: from now on epoch 1 is fenced at this segment.
-    report = await request(
-        nc, segment_subject(SEGMENT, "report"), ReportRequest(epoch=NEWER_EPOCH), segment_decoder, TIMEOUT_S
-    )
+    # A newer leader of each ticket's shard reports: from now on the tickets' epochs (and any
+    # older) are fenced at this segment for those shards. A report lists every shard's objects.
+    reports = [
+        await request(
+            nc,
+            segment_subject(SEGMENT, "report"),
+            ReportRequest(epoch=NEWER_EPOCH, shard=shard),
+            segment_decoder,
+            TIMEOUT_S,
+        )
+        for shard in sorted({t.shard for t in tickets})
+    ]
+    report = reports[0]
     assert isinstance(report, SegmentReport) and len(report.objects) == 1
+    assert all(isinstance(r, SegmentReport) and r.objects == report.objects for r in reports)
     held = report.objects[0]
     with pytest.raises(StaleGeneration):  # the old leader's free of a stored slot: refused
         await request(
@@ -75,7 +86,8 @@ async def test_a_segment_refuses_tickets_and_frees_of_an_older_epoch(
                 segment_id=SEGMENT,
                 incarnation=report.incarnation,
                 slots=[m.FreedSlot(held.key, held.slot, held.slot_generation)],
-                epoch=1,
+                epoch=tickets[0].epoch,
+                shard=tickets[0].shard,
             ),
             segment_decoder,
             TIMEOUT_S,
@@ -83,7 +95,11 @@ async def test_a_segment_refuses_tickets_and_frees_of_an_older_epoch(
     with TcpDataClient.connect(tickets[1].data_addr) as data_client, pytest.raises(StaleGeneration):
         await asyncio.to_thread(data_client.put, tickets[1], data)  # the old leader's ticket: refused
     again = await request(
-        nc, segment_subject(SEGMENT, "report"), ReportRequest(epoch=NEWER_EPOCH), segment_decoder, TIMEOUT_S
+        nc,
+        segment_subject(SEGMENT, "report"),
+        ReportRequest(epoch=NEWER_EPOCH, shard=tickets[0].shard),
+        segment_decoder,
+        TIMEOUT_S,
     )
     assert isinstance(again, SegmentReport)
     assert [(o.slot, o.slot_generation) for o in again.objects] == [(held.slot, held.slot_generation)]
@@ -94,10 +110,15 @@ async def test_a_client_ignores_replies_from_an_older_epoch(
 ) -> None:
     epochs = iter([5, 3])  # a new leader answers, then a paused old one wakes up and answers
 
+    async def fake_shard_map(msg: Msg) -> None:  # one shard, led by the fake under epoch 1
+        leaders = [m.ShardLeader(0, FAKE, 1)]
+        await msg.respond(encode(m.ShardMapReply(shards=1, instance=FAKE, leaders=leaders)))
+
     async def fake_directory(msg: Msg) -> None:
         await msg.respond(encode(m.LookupReply(epoch=next(epochs), hit_chunks=0)))
 
-    await nats_client.subscribe(endpoint_subject(Service.DIRECTORY, "lookup"), cb=fake_directory)
+    await nats_client.subscribe(endpoint_subject(Service.DIRECTORY, "shard_map"), cb=fake_shard_map)
+    await nats_client.subscribe(instance_subject(Service.DIRECTORY, "lookup", FAKE), cb=fake_directory)
     await nats_client.flush()
     kv = AsyncKvClient(ClientSettings(nats_url=nats_server.url), SPEC)
     await kv.start()

@@ -23,7 +23,7 @@ from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import Busy, Conflict, StaleGeneration, Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import CopyReply, CopyRequest, segment_decoder
-from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject
+from kvfabric.proto.subjects import Service, segment_subject, service_group
 from kvfabric.proto.tickets import sign_ticket
 from kvfabric.runtime import request
 from kvfabric.testing import NatsServer, ServiceProcess, metric_value, scrape_metrics_async
@@ -31,6 +31,7 @@ from tests.integration.cluster import (
     SECRET,
     directory_call,
     directory_process,
+    directory_router,
     segment_process,
     segment_state,
     signed_ref,
@@ -71,10 +72,17 @@ def other(segment_id: str) -> str:
     return SEGMENTS[1] if segment_id == SEGMENTS[0] else SEGMENTS[0]
 
 
-async def segments(nc: NatsClient) -> tuple[int, dict[str, m.SegmentInfo]]:
+async def segments(nc: NatsClient) -> dict[str, m.SegmentInfo]:
     reply = await directory_call(nc, "list_segments", m.ListSegments())
     assert isinstance(reply, m.SegmentList)
-    return reply.epoch, {s.segment_id: s for s in reply.segments}
+    return {s.segment_id: s for s in reply.segments}
+
+
+async def shard_epoch(nc: NatsClient, k: bytes) -> tuple[int, int]:
+    """The shard of key `k` and its leader's epoch (tickets and reports carry that shard's)."""
+    router = await directory_router(nc)
+    shard = router.shard_of(k)
+    return shard, router.routes[shard].epoch
 
 
 async def published(nc: NatsClient, seed: int, size: int = 1 << 20) -> tuple[bytes, bytes, m.ObjectLocation]:
@@ -88,7 +96,8 @@ async def published(nc: NatsClient, seed: int, size: int = 1 << 20) -> tuple[byt
 async def own_ticket(nc: NatsClient, k: bytes, data: bytes, segment_id: str) -> m.WriteTicket:
     """A ticket the directory never issued (signed with the cluster secret): the segment accepts
     it, so the copy runs for real, and the directory refuses the confirm (`unknown_ticket`)."""
-    epoch, segs = await segments(nc)
+    segs = await segments(nc)
+    shard, epoch = await shard_epoch(nc, k)
     ticket = m.WriteTicket(
         ticket_id=random.randrange(1 << 40, 1 << 50),
         key=k,
@@ -100,6 +109,7 @@ async def own_ticket(nc: NatsClient, k: bytes, data: bytes, segment_id: str) -> 
         deadline_ms=time.time_ns() // 1_000_000 + 30_000,
         epoch=epoch,
         data_addr=segs[segment_id].data_addr,
+        shard=shard,
     )
     return sign_ticket(ticket, SECRET.encode())
 
@@ -252,13 +262,16 @@ async def test_the_scrubber_frees_a_corrupt_replica_and_reports_it(
     async def observe(msg: Msg) -> None:  # sees the request whether or not the directory answers it
         await reports.put(m.request_decoder.decode(msg.data))
 
-    sub = await nc.subscribe(endpoint_subject(Service.DIRECTORY, "replica_corrupt"), cb=observe)
+    # Sent to the instance leading the key's shard (`replica_corrupt.<instance>`): a plain
+    # subscription gets a copy alongside the directory's.
+    sub = await nc.subscribe(f"{service_group(Service.DIRECTORY)}.replica_corrupt.*", cb=observe)
     try:
         await asyncio.to_thread(flip_stored_byte, replica, len(data), 4321)
         report = await asyncio.wait_for(reports.get(), TIMEOUT_S)
     finally:
         await sub.unsubscribe()
-    epoch, segs = await segments(nc)
+    segs = await segments(nc)
+    _, epoch = await shard_epoch(nc, k)
     assert report == m.ReplicaCorrupt(
         segment_id=replica.segment_id,
         incarnation=segs[replica.segment_id].incarnation,

@@ -27,6 +27,7 @@ from kvfabric.testing import NatsServer, ServiceProcess, metric_value, scrape_me
 from tests.integration.cluster import (
     directory_call,
     directory_process,
+    directory_router,
     segment_process,
     segment_state,
     signed_ref,
@@ -82,7 +83,10 @@ async def locate(nc: NatsClient, k: bytes) -> m.ObjectLocation:
     group = k[:90]
     hit = await directory_call(nc, "lookup", m.Lookup(holder_id="reader", groups=[group]))
     assert isinstance(hit, m.LookupReply) and hit.hit_chunks == 1
-    await directory_call(nc, "lease_release", m.LeaseRelease(holder_id="reader", lease_id=hit.lease_id))
+    shard = (await directory_router(nc)).shard_of(group)
+    await directory_call(
+        nc, "lease_release", m.LeaseRelease(holder_id="reader", lease_id=hit.lease_id, shard=shard)
+    )
     return hit.objects[0]
 
 

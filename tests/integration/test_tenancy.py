@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from kvfabric.client import ClientSettings, EngineSpec, KvClient
 from kvfabric.client.transfers import read_ref
 from kvfabric.core.authz import SCOPE_SEPARATOR
+from kvfabric.ctl import queries
 from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.dataplane.addresses import split_host_port
 from kvfabric.dataplane.tcp import TcpDataClient
@@ -48,12 +49,20 @@ from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
-from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject, tenant_subject
+from kvfabric.proto.subjects import Service, instance_subject, segment_subject, tenant_instance_subject
 from kvfabric.runtime import request
+from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.natsauth import NatsAuth, nats_auth_from_env
 from kvfabric.testing import NatsServer
 from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, objects_for, prompt
-from tests.integration.cluster import TIMEOUT_S, directory_process, segment_process
+from tests.integration.cluster import (
+    TIMEOUT_S,
+    ask_directory,
+    directory_call,
+    directory_process,
+    directory_router,
+    segment_process,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -125,21 +134,33 @@ def secure(tmp_path: Path) -> Iterator[Secure]:
 
 
 async def as_tenant(nc: NatsClient, tenant: str, verb: str, message: msgspec.Struct) -> msgspec.Struct:
-    reply = await request(
-        nc, tenant_subject(Service.DIRECTORY, tenant, verb), message, m.reply_decoder, TIMEOUT_S
-    )
-    assert isinstance(reply, msgspec.Struct)
-    return reply
+    """A tenant's request, on its tenant subjects (`kvf.v1.directory.t.<tenant>.<verb>.<instance>`)."""
+    return await ask_directory(await directory_router(nc, tenant), verb, message)
 
 
 async def as_admin(secure: Secure, verb: str, message: msgspec.Struct) -> msgspec.Struct:
     nc = await secure.connect(nats_auth_from_env(secure.env("admin")))
     try:
-        reply = await request(
-            nc, endpoint_subject(Service.DIRECTORY, verb), message, m.reply_decoder, TIMEOUT_S
-        )
-        assert isinstance(reply, msgspec.Struct)
-        return reply
+        return await directory_call(nc, verb, message)
+    finally:
+        await nc.close()
+
+
+async def admin_leases(secure: Secure) -> dict[tuple[int, int], str]:
+    """(shard, lease id) -> holder of every lease and pin (ids are per shard)."""
+    nc = await secure.connect(nats_auth_from_env(secure.env("admin")))
+    try:
+        listed = await queries.list_leases(await directory_router(nc), m.LIST_LIMIT_MAX, TIMEOUT_S)
+        return {(x.shard, x.lease.lease_id): x.lease.holder_id for x in listed}
+    finally:
+        await nc.close()
+
+
+async def directory_instance(secure: Secure) -> str:
+    """The directory instance leading shard 0 (its subjects end in its id)."""
+    nc = await secure.connect(nats_auth_from_env(secure.env("admin")))
+    try:
+        return (await directory_router(nc)).routes[0].instance
     finally:
         await nc.close()
 
@@ -217,7 +238,7 @@ def test_another_tenant_cannot_read_probe_pin_evict_list_or_lease(secure: Secure
         ]
         hit = alice.lookup(tokens)
         assert hit.chunks == CHUNKS
-        alice_lease = hit.lease_id
+        alice_shard, alice_lease = hit.shard_leases[0]
         asyncio.run(_bob_probes(secure, alice_groups, alice_keys))
 
         async def steal_lease() -> None:
@@ -225,16 +246,16 @@ def test_another_tenant_cannot_read_probe_pin_evict_list_or_lease(secure: Secure
             try:
                 holder = alice.settings.holder_id  # even with her holder id and lease id
                 for verb, kind in (("lease_release", m.LeaseRelease), ("lease_renew", m.LeaseRenew)):
+                    steal = kind(holder_id=holder, lease_id=alice_lease, shard=alice_shard)
                     with pytest.raises(NotFound):
-                        await as_tenant(nc, "bob", verb, kind(holder_id=holder, lease_id=alice_lease))
+                        await as_tenant(nc, "bob", verb, steal)
             finally:
                 await nc.close()
 
         asyncio.run(steal_lease())
-        leases = asyncio.run(as_admin(secure, "list_leases", m.ListLeases()))
-        assert isinstance(leases, m.LeaseList)
-        held = {x.lease_id: x.holder_id for x in leases.leases}
-        assert held[alice_lease] == f"alice{SCOPE_SEPARATOR}{alice.settings.holder_id}"  # still hers
+        held = asyncio.run(admin_leases(secure))
+        hers = f"alice{SCOPE_SEPARATOR}{alice.settings.holder_id}"
+        assert all(held[lease] == hers for lease in hit.shard_leases)  # still hers
         dests = [[bytearray(len(o[0]))] for o in objects_for(tokens, 0, CHUNKS)]
         assert alice.load(hit, dests).tokens == CHUNKS * TOKENS_PER_CHUNK  # nothing of hers was touched
         assert [bytes(d[0]) for d in dests] == [o[0] for o in objects_for(tokens, 0, CHUNKS)]
@@ -281,11 +302,12 @@ def test_nats_refuses_missing_credentials_and_foreign_subjects(secure: Secure) -
 
     asyncio.run(no_credentials())
     bob = secure.tenant_auth("bob")
+    instance = asyncio.run(directory_instance(secure))
     for subject in (
-        endpoint_subject(Service.DIRECTORY, "list_segments"),  # a service subject
-        endpoint_subject(Service.DIRECTORY, "lookup"),
+        instance_subject(Service.DIRECTORY, "list_segments", instance),  # a service subject
+        instance_subject(Service.DIRECTORY, "lookup", instance),
         segment_subject("seg-t", "free"),
-        tenant_subject(Service.DIRECTORY, "alice", "lookup"),  # another tenant's subject
+        tenant_instance_subject(Service.DIRECTORY, "alice", "lookup", instance),  # another tenant's
         "$JS.API.STREAM.LIST",
     ):
         errors = asyncio.run(_refused(secure, bob, subject))
@@ -417,9 +439,11 @@ def test_replies_go_only_to_the_tenants_own_inbox(secure: Secure) -> None:
             for target in targets:
                 await admin.subscribe(target, cb=record)
             await admin.flush()
-            lookup = encode(m.Lookup(holder_id="bob", groups=[]))
+            lookup = encode(m.Lookup(holder_id="bob", groups=[]))  # no key: shard 0
+            instance = (await directory_router(bob, "bob")).routes[0].instance
+            subject = tenant_instance_subject(Service.DIRECTORY, "bob", "lookup", instance)
             for target in targets:
-                await bob.publish(tenant_subject(Service.DIRECTORY, "bob", "lookup"), lookup, reply=target)
+                await bob.publish(subject, lookup, reply=target)
             await bob.flush()
             await asyncio.sleep(0.5)
             reply = await as_tenant(bob, "bob", "lookup", m.Lookup(holder_id="bob", groups=[]))
@@ -478,20 +502,22 @@ def test_one_tenant_holds_at_most_a_quarter_of_the_inflight_slots(tmp_path: Path
                 bob = await nats.connect(server.url, **secure.tenant_auth("bob").connect_options())
                 alice = await nats.connect(server.url, **secure.tenant_auth("alice").connect_options())
 
-                async def one(nc: NatsClient, tenant: str) -> str:
+                async def one(router: DirectoryRouter) -> str:
                     try:
-                        await as_tenant(nc, tenant, "lookup", m.Lookup(holder_id="h", groups=[]))
+                        await ask_directory(router, "lookup", m.Lookup(holder_id="h", groups=[]))
                         return "ok"
                     except Busy:
                         return "busy"
 
                 try:
-                    flood = [asyncio.create_task(one(bob, "bob")) for _ in range(40)]
+                    bob_router = await directory_router(bob, "bob")
+                    alice_router = await directory_router(alice, "alice")
+                    flood = [asyncio.create_task(one(bob_router)) for _ in range(40)]
                     await asyncio.sleep(0.1)
-                    served = await one(alice, "alice") == "ok"
+                    served = await one(alice_router) == "ok"
                     outcomes = list(await asyncio.gather(*flood))
                     # Every slot came back (nothing leaked): a full share is served again.
-                    again = await asyncio.gather(*(one(bob, "bob") for _ in range(16)))
+                    again = await asyncio.gather(*(one(bob_router) for _ in range(16)))
                     assert again == ["ok"] * 16
                     return outcomes, served
                 finally:

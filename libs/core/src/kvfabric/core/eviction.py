@@ -21,7 +21,9 @@ prefix from its tail to its head, and a head never goes while its tail stays.
     RESIDENT --removed (freed elsewhere: segment down, repair, ...)--> (absent)
     any --its last pool dropped (`drop_pool`: segment down)--> (absent)
 Removing an object whose children are resident is allowed (the directory decided); the children
-then have no parent and are ordinary leaves-to-be.
+then have no parent and are ordinary leaves-to-be. A child inserted before its parent (a sharded
+directory's events come from several shards in any order) is counted as the parent's child when
+the parent is inserted.
 
 ## When to evict (`tick`)
 - A pool whose used bytes exceed `high_watermark` x capacity is *pressed*: it evicts leaves of
@@ -188,6 +190,12 @@ class EvictionCore:
         self.config = config
         self.quotas: dict[Hashable, TenantQuota] = dict(quotas or {})
         self._objects: dict[ObjectId, _Object] = {}
+        # Children inserted before their parent (a sharded directory publishes a prefix's chunks
+        # from different shards, so their events may come in any order): counted under the absent
+        # parent's id and handed to it when it is inserted. Entries exist only while such children
+        # are resident (bounded by the objects).
+        self._early_children: dict[ObjectId, int] = {}
+        self._early_children_evicting: dict[ObjectId, int] = {}
         self._pools: dict[Hashable, _Usage] = {}
         self._tenants: dict[Hashable, int] = {}  # tenant -> resident bytes
         self._tenant_evicting: dict[Hashable, int] = {}  # tenant -> bytes chosen, not yet removed
@@ -266,9 +274,13 @@ class EvictionCore:
         for p, b in held.items():
             usages[p].used += b
         self._tenants[tenant] = self._tenants.get(tenant, 0) + size
+        obj.children = self._early_children.pop(object_id, 0)
+        obj.children_evicting = self._early_children_evicting.pop(object_id, 0)
         parent_obj = self._objects.get(parent) if parent is not None else None
         if parent_obj is not None:
             parent_obj.children += 1  # no longer a leaf: its heap entry is ignored while children live
+        elif parent is not None:
+            _bump(self._early_children, parent, 1)
         self._push(object_id, obj)
         self._count("inserts_total")
         return [Admitted(object_id)]
@@ -300,6 +312,10 @@ class EvictionCore:
             if self.config.policy == "gdsf":
                 self._clock = max(self._clock, self._priority(obj))
         self._tenants[obj.tenant] -= obj.size
+        if obj.children:  # its resident children now wait for it like early ones
+            _bump(self._early_children, object_id, obj.children)
+            if obj.children_evicting:
+                _bump(self._early_children_evicting, object_id, obj.children_evicting)
         if obj.parent is not None:
             parent = self._objects.get(obj.parent)
             if parent is not None:
@@ -308,6 +324,10 @@ class EvictionCore:
                     parent.children_evicting -= 1
                 if parent.children == parent.children_evicting:
                     self._push(obj.parent, parent)  # a leaf again
+            else:
+                _bump(self._early_children, obj.parent, -1)
+                if obj.evicting:
+                    _bump(self._early_children_evicting, obj.parent, -1)
 
     def refused(self, object_id: ObjectId, now_ms: int) -> None:
         """The directory would not evict it (leased or pinned): resident again, cooled down."""
@@ -326,6 +346,8 @@ class EvictionCore:
         parent = self._objects.get(obj.parent) if obj.parent is not None else None
         if parent is not None:
             parent.children_evicting -= 1  # its tail stays: it is no leaf any more
+        elif obj.parent is not None:
+            _bump(self._early_children_evicting, obj.parent, -1)
         obj.cooldown_until_ms = now_ms + self.config.refused_cooldown_ms
         self._push(object_id, obj)
         self._count("evict_refused_total")
@@ -445,6 +467,8 @@ class EvictionCore:
                 parent.children_evicting += 1
                 if parent.children == parent.children_evicting:
                     self._push(obj.parent, parent)  # its whole tail goes: it may go in this batch
+            elif obj.parent is not None:
+                _bump(self._early_children_evicting, obj.parent, 1)
         for entry in skipped:
             heapq.heappush(self._heap, entry)
         if len(self._heap) > 4 * len(self._objects) + 1024:
@@ -496,6 +520,15 @@ class EvictionCore:
         for tenant, pending in self._tenant_evicting.items():
             actual = sum(o.size for o in self._objects.values() if o.tenant == tenant and o.evicting)
             invariant(pending == actual, "tenant evicting bytes drifted", tenant=tenant)
+        early: dict[ObjectId, int] = {}
+        early_evicting: dict[ObjectId, int] = {}
+        for obj in self._objects.values():
+            if obj.parent is not None and obj.parent not in self._objects:
+                early[obj.parent] = early.get(obj.parent, 0) + 1
+                if obj.evicting:
+                    early_evicting[obj.parent] = early_evicting.get(obj.parent, 0) + 1
+        invariant(early == self._early_children, "early children drifted")
+        invariant(early_evicting == self._early_children_evicting, "early evicting children drifted")
         evicting_children: dict[ObjectId, int] = {}
         for obj in self._objects.values():
             if obj.evicting and obj.parent is not None and obj.parent in self._objects:
@@ -507,3 +540,13 @@ class EvictionCore:
                 "evicting child count drifted",
                 object_id=object_id,
             )
+
+
+def _bump(counts: dict[ObjectId, int], key: ObjectId, delta: int) -> None:
+    """Add `delta` to a count kept only while positive."""
+    value = counts.get(key, 0) + delta
+    invariant(value >= 0, "early child count below zero")
+    if value:
+        counts[key] = value
+    else:
+        counts.pop(key, None)

@@ -120,6 +120,7 @@ async def serve(settings: RuntimeSettings) -> int:
     try:
         await runtime.start()
         await host.serve_shard_map(runtime.nc)
+        host.metrics_port = runtime.metrics_port
     except Exception as exc:
         log.error("directory_start_failed", error=repr(exc))
         await runtime.stop()

@@ -18,6 +18,7 @@ A lapsed lease stops the whole instance (the caller exits), as before sharding.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping
 from typing import Final
 
@@ -115,6 +116,8 @@ class ShardHost:
         self._starting: set[int] = set()
         self._settling = False
         self._announced: list[int] = []
+        self.metrics_port: int | None = None  # logged with `directory_started`
+        self._rebuild_ms: dict[int, int] = {}
         self._log = get_logger("kvfabric.directory.host").bind(instance_id=instance_id)
 
     # ---- endpoints ---------------------------------------------------------------------------
@@ -236,6 +239,7 @@ class ShardHost:
         elif old is not None:
             return
         self._starting.add(shard)
+        began = time.monotonic()
         try:
             holdings = await gather_holdings(
                 self._nc_required(), await self.registry.all(), epoch, shard=shard, shards=self.shards
@@ -249,6 +253,7 @@ class ShardHost:
                 return
             await shell.start(self._nc_required())
             self.shells[shard] = shell
+            self._rebuild_ms[shard] = round((time.monotonic() - began) * 1000)
             await shell.perform(effects)
         finally:
             self._starting.discard(shard)
@@ -282,6 +287,8 @@ class ShardHost:
             epoch=max((c.epoch for c in cores), default=0),
             groups_adopted=sum(len(c.published) for c in cores),
             segments=max((len(c.segments) for c in cores), default=0),
+            rebuild_ms=max((self._rebuild_ms.get(s, 0) for s in led), default=0),
+            metrics_port=self.metrics_port,
             grace_until_ms=max((c.grace_until_ms for c in cores), default=0),
         )
 

@@ -22,7 +22,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TENANT_GRANTS_FILE` | unset | a file holding the GRANTS JSON (wins over the variable) |
 | `KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS` | 0 (off) | pad tenant lookup replies to this many ms |
 | `KVF_DIRECTORY_SHARDS` | 16 | virtual shards (fixed for a cluster's life: every instance must agree) |
-| `KVF_DIRECTORY_REBALANCE` | 0 | 1: shards move to a joining instance (rendezvous hashing over live instances); 0: leadership is sticky and moves only when a leader dies |
+| `KVF_DIRECTORY_REBALANCE` | 0 | 1: shards move to a joining instance (rendezvous hashing); 0: sticky |
 
 With more than one shard, every shard's core enforces a tenant's `bytes_max` and `objects_max`
 divided by the shard count (rounded up; keys spread evenly over shards), and its request rate
