@@ -25,6 +25,7 @@ Owns nothing but the map; the NATS connection belongs to the caller.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -137,10 +138,8 @@ class DirectoryRouter:
         sub = await self.nc.subscribe(inbox, cb=collect)
         try:
             await self.nc.publish(subject, encode(m.GetShardMap()), reply=inbox)
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), self.gather_s)
-            except TimeoutError:
-                pass
         finally:
             await sub.unsubscribe()
         self.refreshes += 1

@@ -28,7 +28,7 @@ from nats.js.errors import BadRequestError
 
 from kvfabric.core import authz
 from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent, FreeSlots
-from kvfabric.format.errors import KvfError, Unavailable, WrongShard
+from kvfabric.format.errors import KvfError, WrongShard
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import FreeSlotsReply, FreeSlotsRequest, segment_decoder
 from kvfabric.proto.subjects import Service, event_subject, events_wildcard, segment_subject

@@ -18,6 +18,7 @@ A lapsed lease stops the whole instance (the caller exits), as before sharding.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from typing import Final
@@ -300,10 +301,8 @@ class ShardHost:
 
     async def stop(self) -> None:
         for sub in self._subs:
-            try:
+            with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()  # type: ignore[attr-defined]
-            except nats.errors.Error:
-                pass
         for shard in list(self.shells):
             await self.stop_shard(shard)
 
