@@ -1,18 +1,23 @@
-"""Directory failover benchmark (issue: directory HA).
+"""Directory failover benchmark (issue: directory HA and sharding).
 
-A real nats-server, three directory instances (one leader, two standbys, default settings:
-leader lease 3 s), two segments, and `--prompts` prompts of 4 chunks x 64 KiB published. Then,
-`--rounds` times: SIGKILL the current leader, measure the time until a lookup is answered under
-a newer epoch (failover), read every prompt back through a fresh client (objects kept, bytes
-verified), and restart the killed instance as a standby.
+A real nats-server, three directory instances sharing `--shards` virtual shards by rendezvous
+hashing (`KVF_DIRECTORY_REBALANCE=1`, leader lease 3 s), two segments, and `--prompts` prompts
+of 4 chunks x 64 KiB published. Then, `--rounds` times:
+1. SIGKILL the instance leading the most shards; measure the time until the shard map (as the
+   instances tell it, `DirectoryRouter`) has a live leader for every shard again under newer
+   epochs (failover), and read every prompt back through a fresh client (objects kept, bytes
+   verified);
+2. restart the killed instance: it rejoins and takes its share back by handover; measure the
+   time until the map equals the rendezvous owners again (rebalance) and read everything again.
 
-Run: `.venv/bin/python -m bench.failover [--rounds 5] [--prompts 200]` (part of `make bench`).
-Writes bench/results/failover.json and .md.
+Run: `.venv/bin/python -m bench.failover [--rounds 5] [--prompts 200] [--shards 16]` (part of
+`make bench`). Writes bench/results/failover.json and .md.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import platform
@@ -20,113 +25,161 @@ import signal
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
+import nats
+
+from kvfabric.core.leadership import desired_owner
+from kvfabric.runtime.directory_router import DirectoryRouter, ShardRoute
 from kvfabric.testing import NatsServer, ServiceProcess
 from tests.integration.clientkit import TOKENS_PER_CHUNK, client, objects_for, prompt
 from tests.integration.cluster import segment_process, service_env
-from tests.integration.test_directory_ha import groups_of, load_all, wait_new_leader
+from tests.integration.test_directory_ha import load_all
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CHUNKS = 4
+NAMES = ("dir-1", "dir-2", "dir-3")
 
 
-def directory(nats: NatsServer) -> ServiceProcess:
+def directory(nats_server: NatsServer, name: str, shards: int) -> ServiceProcess:
+    env = service_env(KVF_INSTANCE_ID=name, KVF_DIRECTORY_SHARDS=str(shards), KVF_DIRECTORY_REBALANCE="1")
     proc = ServiceProcess.python_module(
-        "kvfabric.directory", "--nats-url", nats.url, "--metrics-port", "0", "--log-json", env=service_env()
+        "kvfabric.directory", "--nats-url", nats_server.url, "--metrics-port", "0", "--log-json", env=env
     )
     proc.start()
+    proc.wait_for_event("directory_standby", 30.0)
     return proc
 
 
-def leader_of(procs: list[ServiceProcess]) -> ServiceProcess:
-    live = [p for p in procs if p.returncode is None]
-    leading = [p for p in live if any(e.get("event") == "directory_started" for e in p.events())]
-    return leading[-1]
+async def _routes(url: str, shards: int) -> dict[int, ShardRoute]:
+    nc = await nats.connect(url)
+    try:
+        router = DirectoryRouter(nc, gather_s=0.5)
+        await router.refresh()
+        return dict(router.routes) if router.shards == shards else {}
+    finally:
+        await nc.close()
+
+
+def wait_map(url: str, shards: int, ok: object, timeout_s: float) -> tuple[float, dict[int, ShardRoute]]:
+    """Poll the shard map until `ok(routes)` for a complete map; (seconds waited, routes)."""
+    began = time.monotonic()
+    while True:
+        routes = asyncio.run(_routes(url, shards))
+        if len(routes) == shards and ok(routes):  # type: ignore[operator]
+            return time.monotonic() - began, routes
+        if time.monotonic() - began > timeout_s:
+            raise TimeoutError(f"shard map did not settle: {routes}")
+        time.sleep(0.05)
+
+
+def read_back(nats_server: NatsServer, prompts: list[list[int]]) -> tuple[int, int]:
+    with client(nats_server) as reader:
+        results = [load_all(reader, tokens) for tokens in prompts]
+    return sum(n == CHUNKS and same for n, same in results), sum(not same for _, same in results)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--shards", type=int, default=16)
     args = parser.parse_args()
+    shards = args.shards
     prompts = [prompt(CHUNKS * TOKENS_PER_CHUNK, seed=s) for s in range(args.prompts)]
+    members = set(NAMES)
+    settled = lambda r: all(r[s].instance == desired_owner(s, members) for s in r)  # noqa: E731
     rounds = []
     with (
         tempfile.TemporaryDirectory(prefix="kvf-failover-") as store,
-        NatsServer(Path(store)) as nats,
+        NatsServer(Path(store)) as nats_server,
         contextlib.ExitStack() as stack,
     ):
-        procs = [directory(nats)]
-        procs[0].wait_for_event("directory_started", 30.0)
-        stack.callback(lambda: [p.stop(timeout_s=10.0) for p in procs])
-        stack.enter_context(segment_process(nats, "seg-fo1", KVF_SEGMENT_ZONE="za"))
-        stack.enter_context(segment_process(nats, "seg-fo2", KVF_SEGMENT_ZONE="zb"))
-        for _ in range(2):
-            procs.append(directory(nats))
-            procs[-1].wait_for_event("directory_standby", 30.0)
-        with client(nats) as writer:
+        url = nats_server.url
+        procs = {NAMES[0]: directory(nats_server, NAMES[0], shards)}
+        stack.callback(lambda: [p.stop(timeout_s=10.0) for p in procs.values()])
+        wait_map(url, shards, lambda r: True, 30.0)
+        stack.enter_context(segment_process(nats_server, "seg-fo1", KVF_SEGMENT_ZONE="za"))
+        stack.enter_context(segment_process(nats_server, "seg-fo2", KVF_SEGMENT_ZONE="zb"))
+        for name in NAMES[1:]:
+            procs[name] = directory(nats_server, name, shards)
+        with client(nats_server) as writer:
             for tokens in prompts:
                 writer.save(tokens, objects_for(tokens, 0, CHUNKS))
-        probe = groups_of(prompts[0])[0].to_bytes()
+        _, routes = wait_map(url, shards, settled, 60.0)
         for _ in range(args.rounds):
-            leader = leader_of(procs)
-            old_epoch = leader.wait_for_event("directory_started", 1.0)["epoch"]
-            killed = time.monotonic()
-            leader.send_signal(signal.SIGKILL)
-            new_epoch = wait_new_leader(nats.url, probe, old_epoch, 30.0)
-            failover_s = time.monotonic() - killed
-            started = leader_of(procs).wait_for_event("directory_started", 5.0)
-            with client(nats) as reader:
-                results = [load_all(reader, tokens) for tokens in prompts]
-            kept = sum(n == CHUNKS and same for n, same in results)
-            wrong = sum(not same for _, same in results)
+            victim, _ = Counter(r.instance for r in routes.values()).most_common(1)[0]
+            moved = sorted(s for s, r in routes.items() if r.instance == victim)
+            procs[victim].send_signal(signal.SIGKILL)
+            failover_s, _ = wait_map(
+                url,
+                shards,
+                lambda r, v=victim, old=routes: all(
+                    r[s].instance != v and (old[s].instance != v or r[s].epoch > old[s].epoch) for s in r
+                ),
+                30.0,
+            )
+            kept, wrong = read_back(nats_server, prompts)
+            procs[victim].wait(10.0)
+            procs[victim] = directory(nats_server, victim, shards)  # it rejoins: handover back
+            rebalance_s, routes = wait_map(url, shards, settled, 60.0)
+            kept_after, wrong_after = read_back(nats_server, prompts)
             rounds.append(
                 {
+                    "victim": victim,
+                    "shards_moved": len(moved),
                     "failover_s": round(failover_s, 3),
-                    "rebuild_ms": started.get("rebuild_ms", "-"),  # not logged by a sharded directory
-                    "groups_adopted": started["groups_adopted"],
-                    "epoch": [old_epoch, new_epoch],
                     "prompts_kept": kept,
                     "prompts_wrong": wrong,
+                    "rebalance_s": round(rebalance_s, 3),
+                    "prompts_kept_after_rebalance": kept_after,
+                    "prompts_wrong_after_rebalance": wrong_after,
                 }
             )
             print(rounds[-1], flush=True)
-            leader.wait(10.0)
-            procs.append(directory(nats))  # the killed instance comes back as a standby
-            procs[-1].wait_for_event("directory_standby", 30.0)
     failovers = [r["failover_s"] for r in rounds]
+    rebalances = [r["rebalance_s"] for r in rounds]
+    kept_all = [r["prompts_kept"] for r in rounds] + [r["prompts_kept_after_rebalance"] for r in rounds]
     summary = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.processor() or platform.machine()}, Python {platform.python_version()}",
         "command": "python -m bench.failover",
+        "shards": shards,
         "prompts": args.prompts,
         "objects": args.prompts * CHUNKS,
         "rounds": rounds,
         "failover_s_median": statistics.median(failovers),
         "failover_s_max": max(failovers),
-        "kept_min_pct": round(100 * min(r["prompts_kept"] for r in rounds) / args.prompts, 2),
+        "rebalance_s_median": statistics.median(rebalances),
+        "kept_min_pct": round(100 * min(kept_all) / args.prompts, 2),
+        "wrong_total": sum(r["prompts_wrong"] + r["prompts_wrong_after_rebalance"] for r in rounds),
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "failover.json").write_text(json.dumps(summary, indent=2))
     lines = [
-        f"### Directory failover ({summary['date']}; {summary['machine']})",
+        f"### Directory failover, sharded ({summary['date']}; {summary['machine']})",
         "",
-        f"`{summary['command']}`: 3 directory instances (leader lease 3 s), 2 segments, "
-        f"{args.prompts} prompts x {CHUNKS} chunks x 64 KiB; each round SIGKILLs the leader.",
+        f"`{summary['command']}`: 3 directory instances, {shards} shards by rendezvous hashing "
+        f"(leader lease 3 s), 2 segments, {args.prompts} prompts x {CHUNKS} chunks x 64 KiB. Each "
+        "round SIGKILLs the instance leading the most shards (failover: every shard led again by "
+        "a live instance, newer epochs), then restarts it (rebalance: the map is back to the "
+        "rendezvous owners by handover); all prompts are read back after each step.",
         "",
-        "| round | failover s | rebuild ms | groups adopted | epoch | prompts kept (bytes verified) |",
-        "|---:|---:|---:|---:|---|---:|",
+        "| round | shards moved | failover s | prompts kept | rebalance s | kept after rebalance |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for i, r in enumerate(rounds, 1):
         lines.append(
-            f"| {i} | {r['failover_s']:.2f} | {r['rebuild_ms']} | {r['groups_adopted']} | "
-            f"{r['epoch'][0]} → {r['epoch'][1]} | {r['prompts_kept']}/{args.prompts} |"
+            f"| {i} | {r['shards_moved']}/{shards} | {r['failover_s']:.2f} | "
+            f"{r['prompts_kept']}/{args.prompts} | {r['rebalance_s']:.2f} | "
+            f"{r['prompts_kept_after_rebalance']}/{args.prompts} |"
         )
     lines += [
         "",
         f"Median failover {summary['failover_s_median']:.2f} s (max {summary['failover_s_max']:.2f} s, "
-        f"target ≤ 5 s); objects kept ≥ {summary['kept_min_pct']} % (target ≥ 99 %), 0 wrong bytes.",
+        f"target ≤ 5 s); median rebalance {summary['rebalance_s_median']:.2f} s; objects kept ≥ "
+        f"{summary['kept_min_pct']} % (target ≥ 99 %), {summary['wrong_total']} wrong reads.",
         "",
     ]
     (RESULTS / "failover.md").write_text("\n".join(lines))

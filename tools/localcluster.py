@@ -160,6 +160,16 @@ class Child:
             self.proc.wait(STOP_TIMEOUT_S)
 
 
+def directory_env(env: dict[str, str], name: str, directories: int) -> dict[str, str]:
+    """A directory instance's environment: a stable instance id (a restarted instance gets its
+    shards back) and, with several instances, shards spread by rendezvous hashing (each leads
+    its share; a dead one's shards move to the others, and come back by handover)."""
+    out = dict(env, KVF_INSTANCE_ID=name)
+    if directories > 1:
+        out.setdefault("KVF_DIRECTORY_REBALANCE", "1")
+    return out
+
+
 def plan_children(
     run: Path,
     nats_port: int,
@@ -201,16 +211,16 @@ def plan_children(
         Child(
             "directory",
             service_argv("kvfabric.directory", nats_url),
-            as_user(base, "svc-directory"),
+            directory_env(as_user(base, "svc-directory"), "directory", directories),
             "directory_started",
         ),
     ]
-    for i in range(2, directories + 1):  # standbys: one takes over when the leader's lease lapses
+    for i in range(2, directories + 1):  # they share the shards; a dead one's move to the others
         children.append(
             Child(
                 f"directory-{i}",
                 service_argv("kvfabric.directory", nats_url),
-                as_user(base, "svc-directory"),
+                directory_env(as_user(base, "svc-directory"), f"directory-{i}", directories),
                 "directory_standby",
             )
         )
