@@ -37,6 +37,8 @@ from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
 DIRECTORY_VERSION: Final = "0.2.0"
 EXIT_USAGE: Final = 2
 EXIT_LEADERSHIP_LOST: Final = 75
+SHARD_START_ATTEMPTS: Final = 3
+SHARD_START_RETRY_S: Final = 0.5
 
 
 def leadership_config(config: DirectorySettings) -> LeadershipConfig:
@@ -102,9 +104,25 @@ async def serve(settings: RuntimeSettings) -> int:
     host.attach(runtime)
     runtime.metrics.registry.register(DirectoryCollector(host))
 
+    async def start_or_give_up(shard: int, epoch: int) -> None:
+        """Rebuild and serve the shard; a shard led but not served would be lost to callers
+        while this instance renews its lease, so after the attempts the instance stops."""
+        nonlocal lost
+        for attempt in range(1, SHARD_START_ATTEMPTS + 1):
+            try:
+                await host.start_shard(shard, epoch)
+                return
+            except Exception as exc:
+                log.warning("shard_start_failed", shard=shard, epoch=epoch, attempt=attempt, error=repr(exc))
+                await asyncio.sleep(SHARD_START_RETRY_S * attempt)
+            if not host.may_act(shard, epoch):
+                return
+        lost = True
+        runtime.request_stop("shard_start_failed")
+
     async def on_start(shard: int, epoch: int) -> None:
         # The rebuild runs beside the election loop: renewals of other shards must not wait.
-        task = asyncio.create_task(host.start_shard(shard, epoch))
+        task = asyncio.create_task(start_or_give_up(shard, epoch))
         starting.add(task)
         task.add_done_callback(starting.discard)
 
@@ -127,6 +145,17 @@ async def serve(settings: RuntimeSettings) -> int:
         await nc.close()
         return EXIT_UNAVAILABLE
     election_task = asyncio.create_task(election.run(on_start, on_stop))
+
+    def election_ended(task: asyncio.Task[None]) -> None:
+        # The loop runs forever: if it ends, nothing renews the leases; stop serving at once.
+        nonlocal lost
+        if task.cancelled():
+            return
+        lost = True
+        log.error("election_loop_failed", error=repr(task.exception()))
+        runtime.request_stop("election_loop_failed")
+
+    election_task.add_done_callback(election_ended)
     log.info("directory_standby", metrics_port=runtime.metrics_port, shards=config.shards)
     await runtime.wait_stop_requested()
     election_task.cancel()

@@ -132,10 +132,11 @@ class LeaderElection:
         """Forever: tick the core, perform its effects (StopLeading first), refresh members."""
         await self._perform(self.core.on_members({self.instance_id}, monotonic_ms()), on_start, on_stop)
         while True:
-            now = monotonic_ms()
             if self.rebalance:
-                await self._perform(self.core.on_members(await self._live_members(), now), on_start, on_stop)
-            await self._perform(self.core.tick(now), on_start, on_stop)
+                members = await self._live_members()
+                await self._perform(self.core.on_members(members, monotonic_ms()), on_start, on_stop)
+            # Read the clock again: the KV operations just performed fed the core later times.
+            await self._perform(self.core.tick(monotonic_ms()), on_start, on_stop)
             await asyncio.sleep(LOOP_MS / 1000)
 
     async def _live_members(self) -> set[str]:
