@@ -1,4 +1,5 @@
-"""A sharded directory on a real nats-server: 8 virtual shards over three instances.
+"""A sharded directory on a real nats-server (and on a 3-node NATS cluster, each directory
+instance on its own node): 8 virtual shards over three instances.
 
 One instance starts and leads every shard; two join and take their rendezvous share by handover
 (the cache stays whole). Then the leader of one shard is SIGKILLed during a mixed workload: the
@@ -13,6 +14,8 @@ import contextlib
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import nats
 import pytest
@@ -24,7 +27,7 @@ from kvfabric.format.errors import StaleGeneration
 from kvfabric.proto import directory as m
 from kvfabric.proto.shards import shard_of
 from kvfabric.runtime.directory_router import DirectoryRouter, ShardRoute
-from kvfabric.testing import NatsServer
+from kvfabric.testing import NatsCluster, NatsServer
 from tests.integration.clientkit import (
     CHUNK_BYTES,
     TOKENS_PER_CHUNK,
@@ -89,23 +92,38 @@ def ask(url: str, raw_key: bytes, verb: str, message: m.DirectoryRequest) -> obj
     return asyncio.run(go())
 
 
-def test_shards_spread_by_handover_and_survive_a_leader_kill(nats_server: NatsServer) -> None:
+@pytest.fixture(params=["one-server", "nats-cluster"])
+def nodes(
+    request: pytest.FixtureRequest, nats_server: NatsServer, tmp_path: Path
+) -> Iterator[list[NatsServer]]:
+    """Where the processes connect: one nats-server for all, or a 3-node NATS cluster (JetStream
+    KV buckets R3) with directory i, segment i and the clients on different nodes."""
+    if request.param == "one-server":
+        yield [nats_server] * 3
+        return
+    with NatsCluster(tmp_path / "cluster") as cluster:
+        yield cluster.nodes
+
+
+def test_shards_spread_by_handover_and_survive_a_leader_kill(nodes: list[NatsServer]) -> None:
+    nats_server = nodes[0]  # clients and probes
     url = nats_server.url
+    env = dict(ENV, KVF_DIRECTORY_KV_REPLICAS="3" if nodes[1] is not nodes[0] else "1")
     prompts = [prompt(CHUNKS * TOKENS_PER_CHUNK, seed=s) for s in range(PROMPTS)]
     with contextlib.ExitStack() as stack:
-        first = stack.enter_context(directory_process(nats_server, KVF_INSTANCE_ID="dir-a", **ENV))
+        first = stack.enter_context(directory_process(nodes[0], KVF_INSTANCE_ID="dir-a", **env))
         wait_map(url, 10.0, lambda r: {x.instance for x in r.values()} == {"dir-a"})
-        stack.enter_context(segment_process(nats_server, "seg-sh1", KVF_SEGMENT_ZONE="za"))
-        stack.enter_context(segment_process(nats_server, "seg-sh2", KVF_SEGMENT_ZONE="zb"))
+        stack.enter_context(segment_process(nodes[1], "seg-sh1", KVF_SEGMENT_ZONE="za"))
+        stack.enter_context(segment_process(nodes[2], "seg-sh2", KVF_SEGMENT_ZONE="zb"))
         with client(nats_server) as writer:
             for tokens in prompts:
                 assert writer.save(tokens, objects_for(tokens, 0, CHUNKS)).chunks_saved == CHUNKS
 
         # Two instances join: shards move to them by handover, one leader per shard throughout.
         procs = {"dir-a": first}
-        for name in ("dir-b", "dir-c"):
+        for node, name in zip(nodes[1:], ("dir-b", "dir-c"), strict=True):
             procs[name] = stack.enter_context(
-                directory_process(nats_server, ready_event="directory_standby", KVF_INSTANCE_ID=name, **ENV)
+                directory_process(node, ready_event="directory_standby", KVF_INSTANCE_ID=name, **env)
             )
         members = {"dir-a", "dir-b", "dir-c"}
         time.sleep(0.5)

@@ -2,12 +2,14 @@
 
 - `NatsServer`: one nats-server process with JetStream, its own store dir and free ports;
   `stop()` / `kill()` / `restart()` (same ports and store dir, so JetStream data survives).
+- `NatsCluster`: three clustered nats-servers (JetStream R3 possible), `url` lists every node.
 - `ServiceProcess`: a service started as a subprocess, its JSON log lines parsed as they come.
 - `free_port()`: a TCP port on 127.0.0.1 that was free a moment ago.
 - probes: `micro_control` (`$SRV.PING/INFO/STATS`), `scrape_metrics`, `metric_value`, `wait_until`.
 - `kvfabric.testing.pytest_plugin`: fixtures `nats_server` and `nats_client`.
 """
 
+from kvfabric.testing.nats_cluster import NatsCluster
 from kvfabric.testing.nats_server import NatsServer, NatsServerError, find_nats_server
 from kvfabric.testing.ports import free_port
 from kvfabric.testing.probes import (
@@ -20,6 +22,7 @@ from kvfabric.testing.probes import (
 from kvfabric.testing.process import ServiceProcess, ServiceProcessError
 
 __all__ = [
+    "NatsCluster",
     "NatsServer",
     "NatsServerError",
     "ServiceProcess",

@@ -74,10 +74,14 @@ async def serve(settings: RuntimeSettings) -> int:
             reconnect_time_wait=0.2,
         )
         election = LeaderElection(
-            nc, settings.instance_id, leadership_config(config), rebalance=config.rebalance
+            nc,
+            settings.instance_id,
+            leadership_config(config),
+            rebalance=config.rebalance,
+            replicas=config.kv_replicas,
         )
         await election.open()
-        registry = await SegmentRegistry.open(nc)
+        registry = await SegmentRegistry.open(nc, config.kv_replicas)
     except Exception as exc:
         log.error("directory_start_failed", error=repr(exc))
         return EXIT_UNAVAILABLE

@@ -68,12 +68,14 @@ def monotonic_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
-async def _bucket(nc: NatsClient, name: str, ttl_s: float | None) -> KeyValue:
+async def _bucket(nc: NatsClient, name: str, ttl_s: float | None, replicas: int = 1) -> KeyValue:
     js = nc.jetstream(timeout=KV_TIMEOUT_S)
     try:
         return await js.key_value(name)
     except nats.js.errors.BucketNotFoundError:
-        config = KeyValueConfig(bucket=name, history=1, ttl=ttl_s, storage=StorageType.FILE)
+        config = KeyValueConfig(
+            bucket=name, history=1, ttl=ttl_s, storage=StorageType.FILE, replicas=replicas
+        )
         try:
             return await js.create_key_value(config)
         except nats.js.errors.BadRequestError:  # created meanwhile by another instance
@@ -87,8 +89,8 @@ class SegmentRegistry:
         self.kv = kv
 
     @classmethod
-    async def open(cls, nc: NatsClient) -> SegmentRegistry:
-        return cls(await _bucket(nc, SEGMENTS_BUCKET, None))
+    async def open(cls, nc: NatsClient, replicas: int = 1) -> SegmentRegistry:
+        return cls(await _bucket(nc, SEGMENTS_BUCKET, None, replicas))
 
     async def put(self, registration: m.RegisterSegment) -> None:
         await self.kv.put(registration.segment_id, msgspec.msgpack.encode(registration))
@@ -113,20 +115,28 @@ class LeaderElection:
     """Runs one instance's `ShardLeadership` against the leaders and members buckets."""
 
     def __init__(
-        self, nc: NatsClient, instance_id: str, config: LeadershipConfig, *, rebalance: bool = False
+        self,
+        nc: NatsClient,
+        instance_id: str,
+        config: LeadershipConfig,
+        *,
+        rebalance: bool = False,
+        replicas: int = 1,
     ) -> None:
         self.nc = nc
         self.instance_id = instance_id
         self.config = config
         self.rebalance = rebalance
+        self.replicas = replicas  # of the KV buckets it creates (3 on a NATS cluster: survive a node)
         self.core = ShardLeadership(config, instance_id)
         self._leaders: KeyValue | None = None
         self._members: KeyValue | None = None
         self._log = get_logger("kvfabric.directory.leader").bind(instance=instance_id)
 
     async def open(self) -> None:
-        self._leaders = await _bucket(self.nc, LEADERS_BUCKET, self.config.lease_ttl_ms / 1000)
-        self._members = await _bucket(self.nc, MEMBERS_BUCKET, self.config.members_ttl_ms / 1000)
+        config, replicas = self.config, self.replicas
+        self._leaders = await _bucket(self.nc, LEADERS_BUCKET, config.lease_ttl_ms / 1000, replicas)
+        self._members = await _bucket(self.nc, MEMBERS_BUCKET, config.members_ttl_ms / 1000, replicas)
 
     async def run(self, on_start: OnStart, on_stop: OnStop) -> None:
         """Forever: tick the core, perform its effects (StopLeading first), refresh members."""

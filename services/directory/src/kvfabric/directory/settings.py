@@ -22,6 +22,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TENANT_GRANTS_FILE` | unset | a file holding the GRANTS JSON (wins over the variable) |
 | `KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS` | 0 (off) | pad tenant lookup replies to this many ms |
 | `KVF_DIRECTORY_SHARDS` | 16 | virtual shards (fixed for a cluster's life: every instance must agree) |
+| `KVF_DIRECTORY_KV_REPLICAS` | 1 | replicas of the KV buckets it creates (3 on a NATS cluster) |
 | `KVF_DIRECTORY_REBALANCE` | 0 | 1: shards move to a joining instance (rendezvous hashing); 0: sticky |
 
 With more than one shard, every shard's core enforces a tenant's `bytes_max` and `objects_max`
@@ -79,6 +80,7 @@ class DirectorySettings:
     lookup_reply_min_ms: int = 0
     shards: int = 16
     rebalance: bool = False
+    kv_replicas: int = 1
 
 
 def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
@@ -110,6 +112,7 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
     return DirectorySettings(
         shards=shards,
         rebalance=env_int(env, "KVF_DIRECTORY_REBALANCE", 0, 0, 1) == 1,
+        kv_replicas=env_int(env, "KVF_DIRECTORY_KV_REPLICAS", 1, 1, 5),
         core=core,
         tick_ms=env_int(env, "KVF_DIRECTORY_TICK_MS", 100, 5, 60_000),
         events_outbox_max=env_int(env, "KVF_DIRECTORY_EVENTS_OUTBOX_MAX", 10_000, 1, 1_000_000),
