@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import nats
 
@@ -90,7 +91,7 @@ def main() -> int:
     prompts = [prompt(CHUNKS * TOKENS_PER_CHUNK, seed=s) for s in range(args.prompts)]
     members = set(NAMES)
     settled = lambda r: all(r[s].instance == desired_owner(s, members) for s in r)  # noqa: E731
-    rounds = []
+    rounds: list[dict[str, Any]] = []
     with (
         tempfile.TemporaryDirectory(prefix="kvf-failover-") as store,
         NatsServer(Path(store)) as nats_server,

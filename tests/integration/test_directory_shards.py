@@ -48,7 +48,9 @@ ENV = {
     "KVF_DIRECTORY_REBALANCE": "1",
     "KVF_DIRECTORY_LEADER_LEASE_TTL_MS": "2000",
     "KVF_DIRECTORY_LEASE_TTL_MS_MAX": "10000",  # the grace period
-    "KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS": "10000",
+    # Short: a shard's new leader that did not hear a segment's heartbeats would declare it down
+    # within the test (segments must follow the map after a handover).
+    "KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS": "2500",
 }
 PROMPTS = 40
 FAILOVER_S_MAX = 5.0
@@ -77,6 +79,15 @@ def wait_map(url: str, timeout_s: float, ok: object) -> dict[int, ShardRoute]:
             return current
         assert time.monotonic() < deadline, f"shard map never settled: {current}"
         time.sleep(0.1)
+
+
+async def all_segments(url: str) -> m.SegmentList:
+    """The segment table merged over every shard: up only where every shard's leader has it up."""
+    nc = await nats.connect(url)
+    try:
+        return await DirectoryRouter(nc).segments(5.0)
+    finally:
+        await nc.close()
 
 
 def ask(url: str, raw_key: bytes, verb: str, message: m.DirectoryRequest) -> object:
@@ -113,8 +124,10 @@ def test_shards_spread_by_handover_and_survive_a_leader_kill(nodes: list[NatsSer
     with contextlib.ExitStack() as stack:
         first = stack.enter_context(directory_process(nodes[0], KVF_INSTANCE_ID="dir-a", **env))
         wait_map(url, 10.0, lambda r: {x.instance for x in r.values()} == {"dir-a"})
-        stack.enter_context(segment_process(nodes[1], "seg-sh1", KVF_SEGMENT_ZONE="za"))
-        stack.enter_context(segment_process(nodes[2], "seg-sh2", KVF_SEGMENT_ZONE="zb"))
+        segment_procs = [
+            stack.enter_context(segment_process(nodes[1], "seg-sh1", KVF_SEGMENT_ZONE="za")),
+            stack.enter_context(segment_process(nodes[2], "seg-sh2", KVF_SEGMENT_ZONE="zb")),
+        ]
         with client(nats_server) as writer:
             for tokens in prompts:
                 assert writer.save(tokens, objects_for(tokens, 0, CHUNKS)).chunks_saved == CHUNKS
@@ -132,6 +145,10 @@ def test_shards_spread_by_handover_and_survive_a_leader_kill(nodes: list[NatsSer
         }
         spread = wait_map(url, 20.0, lambda r: all(r[s].instance == desired_owner(s, members) for s in r))
         assert len({x.instance for x in spread.values()}) > 1
+        time.sleep(3.0)  # longer than the heartbeat timeout: every shard's leader must hear segments
+        segments = asyncio.run(all_segments(url))
+        assert [(x.segment_id, x.up) for x in segments.segments] == [("seg-sh1", True), ("seg-sh2", True)]
+        assert all(p.returncode is None for p in segment_procs)
         with client(nats_server) as reader:
             for tokens in prompts:
                 n, same = load_all(reader, tokens)

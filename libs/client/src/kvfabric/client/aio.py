@@ -301,8 +301,9 @@ class AsyncKvClient:
         self, groups: list[ChunkGroupId], members: tuple[MemberId, ...], trace_id: str
     ) -> tuple[int, list[m.ObjectLocation], list[tuple[int, int]], int]:
         """One lookup per shard holding some of the prefix's chunks, concurrently. The hit is the
-        first chunk any shard misses; every shard that hit grants a lease (released with the hit).
-        A failure of any shard's lookup fails the whole lookup (its leases are given back)."""
+        first chunk any shard misses (a shard that fails misses from its first chunk); every
+        shard with a chunk inside the hit keeps its lease (released with the hit), the others'
+        are given back at once. Raises the first failure only when nothing hit."""
         router = self._router()
         if not router.shards:
             await router.refresh()
@@ -326,29 +327,38 @@ class AsyncKvClient:
         results = await asyncio.gather(*(one(s, ix) for s, ix in positions.items()), return_exceptions=True)
         hit_chunks = len(groups)
         objects: list[m.ObjectLocation] = []
-        leases: list[tuple[int, int]] = []
-        expires = 0
+        granted: list[tuple[int, int, int]] = []  # (shard, lease id, expires_ms)
         failure: BaseException | None = None
-        for result in results:
-            if isinstance(result, BaseException):
-                failure = failure or result
+        for (shard, indexes), result in zip(positions.items(), results, strict=True):
+            if isinstance(result, BaseException) or not isinstance(result[1], m.LookupReply):
+                # A shard that cannot answer (failing over, say) is a miss from its first chunk
+                # on: the chunks before it still hit.
+                failure = failure or (result if isinstance(result, BaseException) else KvfError("bad reply"))
+                hit_chunks = min(hit_chunks, indexes[0])
                 continue
-            shard, reply = result
-            if not isinstance(reply, m.LookupReply):
-                failure = failure or KvfError(f"unexpected lookup reply {type(reply).__name__}")
-                continue
-            indexes = positions[shard]
+            reply = result[1]
             if reply.hit_chunks < len(indexes):
                 hit_chunks = min(hit_chunks, indexes[reply.hit_chunks])
             objects.extend(reply.objects)
             if reply.lease_id:
-                leases.append((shard, reply.lease_id))
-                expires = reply.lease_expires_ms if not expires else min(expires, reply.lease_expires_ms)
-        if failure is not None:
+                granted.append((shard, reply.lease_id, reply.lease_expires_ms))
+        # Leases of shards with no chunk inside the hit protect nothing: give them back now.
+        leases: list[tuple[int, int]] = []
+        expires = 0
+        for shard, lease_id, lease_expires in granted:
+            if positions[shard][0] < hit_chunks:
+                leases.append((shard, lease_id))
+                expires = lease_expires if not expires else min(expires, lease_expires)
+            else:
+                self._leases[(shard, lease_id)] = lease_expires
+                await self._release_lease(shard, lease_id, trace_id)
+        if failure is not None and hit_chunks == 0:
             for shard, lease_id in leases:
                 self._leases[(shard, lease_id)] = expires
                 await self._release_lease(shard, lease_id, trace_id)
             raise failure
+        if failure is not None:
+            self.metrics.fallbacks.labels("directory_shard_partial").inc()
         return hit_chunks, objects, leases, expires
 
     def _fallback(self, hit: Hit, cause: str) -> Hit:

@@ -146,6 +146,9 @@ class DirectoryRouter:
         self._refreshed_s = time.monotonic()
         if not parts:
             return  # nobody answered: keep what we had (callers get `unavailable` from the leaders)
+        # Every instance must run with the same shard count (the directory refuses to start
+        # otherwise); a part that disagrees with the newest count seen is ignored.
+        parts = [p for p in parts if p.shards == shards]
         routes: dict[int, ShardRoute] = {}
         for part in parts:
             for leader in part.leaders:
@@ -215,7 +218,11 @@ class DirectoryRouter:
                     headers=headers,
                 )
             except Indeterminate:
-                raise  # it may have run: the caller decides (an idempotent retry, a read)
+                # It may have run: the caller decides (an idempotent retry, a read). The leader
+                # may be hung or cut off: ask the map again before the next request.
+                if self.routes.get(shard) == route:
+                    self.forget(shard)
+                raise
             except Unavailable as err:  # wrong_shard, deposed, stopping, gone: ask the map again
                 last = err
                 if self.routes.get(shard) == route:

@@ -24,7 +24,7 @@ from kvfabric.core.directory import DirectoryCore
 from kvfabric.core.leadership import REASON_HANDOVER, REASON_LEAVING, LeadershipConfig
 from kvfabric.directory.handlers import DirectoryShell
 from kvfabric.directory.host import ShardHost
-from kvfabric.directory.leader import LeaderElection, SegmentRegistry, monotonic_ms
+from kvfabric.directory.leader import LeaderElection, SegmentRegistry, agree_on_shards, monotonic_ms
 from kvfabric.directory.metrics import DirectoryCollector
 from kvfabric.directory.settings import DirectorySettings, load_directory_settings
 from kvfabric.proto.subjects import Service
@@ -38,6 +38,7 @@ DIRECTORY_VERSION: Final = "0.2.0"
 EXIT_USAGE: Final = 2
 EXIT_LEADERSHIP_LOST: Final = 75
 SHARD_START_ATTEMPTS: Final = 3
+HANDOVER_DRAIN_S: Final = 1.0
 SHARD_START_RETRY_S: Final = 0.5
 
 
@@ -82,9 +83,14 @@ async def serve(settings: RuntimeSettings) -> int:
         )
         await election.open()
         registry = await SegmentRegistry.open(nc, config.kv_replicas)
+        cluster_shards = await agree_on_shards(nc, config.shards, config.kv_replicas)
     except Exception as exc:
         log.error("directory_start_failed", error=repr(exc))
         return EXIT_UNAVAILABLE
+    if cluster_shards != config.shards:
+        log.error("shard_count_mismatch", configured=config.shards, cluster=cluster_shards)
+        await nc.close()
+        return EXIT_USAGE
     lost = False
     starting: set[asyncio.Task[None]] = set()
 
@@ -109,18 +115,22 @@ async def serve(settings: RuntimeSettings) -> int:
     runtime.metrics.registry.register(DirectoryCollector(host))
 
     async def start_or_give_up(shard: int, epoch: int) -> None:
-        """Rebuild and serve the shard; a shard led but not served would be lost to callers
-        while this instance renews its lease, so after the attempts the instance stops."""
+        """Rebuild and serve the shard under the epoch this instance leads it with now; a shard
+        led but not served would be lost to callers while this instance renews its lease, so
+        after the attempts the instance stops."""
         nonlocal lost
         for attempt in range(1, SHARD_START_ATTEMPTS + 1):
+            current = election.core.epoch(shard, now_ms=monotonic_ms())
+            if current is None or lost:
+                return  # not ours any more: whoever leads it now serves it
             try:
-                await host.start_shard(shard, epoch)
+                await host.start_shard(shard, current)
                 return
             except Exception as exc:
-                log.warning("shard_start_failed", shard=shard, epoch=epoch, attempt=attempt, error=repr(exc))
+                log.warning(
+                    "shard_start_failed", shard=shard, epoch=current, attempt=attempt, error=repr(exc)
+                )
                 await asyncio.sleep(SHARD_START_RETRY_S * attempt)
-            if not host.may_act(shard, epoch):
-                return
         lost = True
         runtime.request_stop("shard_start_failed")
 
@@ -133,7 +143,8 @@ async def serve(settings: RuntimeSettings) -> int:
     async def on_stop(shard: int, epoch: int, reason: str) -> None:
         nonlocal lost
         if reason in (REASON_HANDOVER, REASON_LEAVING):
-            await host.stop_shard(shard)  # stops serving before the lease key is released
+            # Stops serving before the lease key is released; queued events drain meanwhile.
+            await host.stop_shard(shard, drain_s=HANDOVER_DRAIN_S)
             return
         lost = True  # a lapsed or unrenewable lease: stop everything, the supervisor restarts us
         runtime.request_stop(f"leadership_lost:{reason}")

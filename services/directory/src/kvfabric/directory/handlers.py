@@ -94,6 +94,7 @@ class DirectoryShell:
         self._nc: NatsClient | None = None
         self._log = get_logger("kvfabric.directory")
         self.events_published = 0
+        self._publishing = False  # an event taken from the outbox is not in JetStream yet
         self.frees_skipped_busy = 0
         # Whether this instance may act as the leader right now (its lease has not lapsed):
         # checked before every request and every tick, so a fenced leader stops at once.
@@ -143,6 +144,13 @@ class DirectoryShell:
         except BadRequestError:
             await js.update_stream(config)
         self._tasks = [asyncio.create_task(self._publisher()), asyncio.create_task(self._ticker())]
+
+    async def drain_events(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until the events outbox is empty (a handover: no request
+        reaches this shard any more, so nothing new is queued)."""
+        deadline = time.monotonic() + timeout_s
+        while (not self._outbox.empty() or self._publishing) and time.monotonic() < deadline:  # noqa: ASYNC110 (bounded poll)
+            await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
         for task in [*self._tasks, *self._frees]:
@@ -206,10 +214,12 @@ class DirectoryShell:
         js = self._nc.jetstream()
         while True:
             subject, payload = await self._outbox.get()
+            self._publishing = True
             while True:  # in order, never dropped: retry until JetStream takes it
                 try:
                     await js.publish(subject, payload, timeout=2.0)
                     self.events_published += 1
+                    self._publishing = False
                     break
                 except (TimeoutError, nats.errors.Error) as exc:
                     self._log.warning("event_publish_retry", subject=subject, error=type(exc).__name__)

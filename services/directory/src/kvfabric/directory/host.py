@@ -86,8 +86,8 @@ def shard_of_request(message: msgspec.Struct, shards: int) -> int:
         found = {shard_of(k, shards) for k in keys}
     except ValueError as exc:
         raise BadRequest(f"malformed key: {exc}") from None
-    if len(found) != 1:
-        raise WrongShard("a request must name keys of one shard", shards=sorted(found)[:8])
+    if len(found) != 1:  # a caller bug, not a stale map: not retryable
+        raise BadRequest("a request must name keys of one shard", shards=sorted(found)[:8])
     return found.pop()
 
 
@@ -115,6 +115,8 @@ class ShardHost:
         self._nc: NatsClient | None = None
         self._subs: list[object] = []
         self._starting: set[int] = set()
+        self._wanted: dict[int, int] = {}  # shard -> newest epoch a start was asked for
+        self._retiring: set[asyncio.Task[None]] = set()  # handed-over shells draining their events
         self._settling = False
         self._announced: list[int] = []
         self.metrics_port: int | None = None  # logged with `directory_started`
@@ -173,6 +175,8 @@ class ShardHost:
         first: msgspec.Struct | None = None
         epochs: list[m.ShardEpoch] = []
         for shard, shell in shells:
+            if isinstance(message, m.Heartbeat) and message.segment_id not in shell.core.segments:
+                await self._introduce(shell, message)
             reply = await shell.handle(msgspec.structs.replace(message, epoch=0))
             epochs.append(m.ShardEpoch(shard, shell.core.epoch))
             first = first or reply
@@ -186,6 +190,18 @@ class ShardHost:
                 heartbeat_timeout_ms=c.heartbeat_timeout_ms,
             )
         return m.HeartbeatAck(epoch=0)
+
+    async def _introduce(self, shell: DirectoryShell, heartbeat: m.Heartbeat) -> None:
+        """A shard core that never saw a registered segment (it registered while the shard was
+        being rebuilt, or did not answer that rebuild's report): register it there from the
+        durable registry, same incarnation, instead of answering `not_found` (which makes the
+        segment restart empty and lose every shard's objects). The core holds nothing of it;
+        slots of this shard the segment may still hold stay unknown until it restarts."""
+        registration = await self.registry.get(heartbeat.segment_id)
+        if registration is None or registration.incarnation != heartbeat.incarnation:
+            return  # not the registered process: the core answers not_found
+        await shell.handle(msgspec.structs.replace(registration, epoch=0))
+        self._log.info("segment_introduced", shard=shell.core.shard, segment_id=heartbeat.segment_id)
 
     async def _remember_segment(self, registration: m.RegisterSegment) -> None:
         """The next leader of any shard asks the segments in this registry what they hold: no
@@ -231,33 +247,54 @@ class ShardHost:
     # ---- shards come and go --------------------------------------------------------------------
 
     async def start_shard(self, shard: int, epoch: int) -> None:
-        """Rebuild `shard` from the segments under `epoch`, then serve it (see the docstring)."""
+        """Rebuild `shard` from the segments under `epoch`, then serve it (see the docstring).
+        A start asked for while one of the same shard runs is taken over by the running one
+        (it starts the newest epoch asked for once it is done): a shard this instance leads is
+        never left unserved."""
+        self._wanted[shard] = epoch
         if shard in self._starting:
             return
-        old = self.shells.get(shard)
-        if old is not None and old.core.epoch != epoch:
-            await self.stop_shard(shard)  # a stale term of ours (we lost it, then won it again)
-        elif old is not None:
-            return
         self._starting.add(shard)
-        began = time.monotonic()
         try:
-            holdings = await gather_holdings(
-                self._nc_required(), await self.registry.all(), epoch, shard=shard, shards=self.shards
-            )
-            core = DirectoryCore(self.core_config, epoch=epoch, shard=shard)
-            effects = core.adopt(holdings, now_ms())
-            shell = self.make_shell(core)
-            shell.may_act = lambda: self.may_act(shard, epoch)
-            if not self.may_act(shard, epoch):  # lost (or handed over) while rebuilding
-                self._log.info("shard_start_abandoned", shard=shard, epoch=epoch)
-                return
-            await shell.start(self._nc_required())
-            self.shells[shard] = shell
-            self._rebuild_ms[shard] = round((time.monotonic() - began) * 1000)
-            await shell.perform(effects)
+            while True:
+                wanted = self._wanted[shard]
+                await self._start_once(shard, wanted)
+                if self._wanted[shard] == wanted:
+                    break
         finally:
             self._starting.discard(shard)
+            self._wanted.pop(shard, None)
+        if not self._starting and not self._settling:
+            self._settling = True  # shards won in one election round start together: wait for them
+            asyncio.get_running_loop().call_later(SETTLE_S, self._settled)
+
+    async def _start_once(self, shard: int, epoch: int) -> None:
+        old = self.shells.get(shard)
+        if old is not None and old.core.epoch == epoch:
+            return
+        if old is not None:
+            await self.stop_shard(shard)  # a stale term of ours (we lost it, then won it again)
+        if not self.may_act(shard, epoch):
+            return
+        began = time.monotonic()
+        holdings = await gather_holdings(
+            self._nc_required(), await self.registry.all(), epoch, shard=shard, shards=self.shards
+        )
+        core = DirectoryCore(self.core_config, epoch=epoch, shard=shard)
+        effects = core.adopt(holdings, now_ms())
+        shell = self.make_shell(core)
+        shell.may_act = lambda: self.may_act(shard, epoch)
+        if not self.may_act(shard, epoch):  # lost (or handed over) while rebuilding
+            self._log.info("shard_start_abandoned", shard=shard, epoch=epoch)
+            return
+        await shell.start(self._nc_required())
+        if not self.may_act(shard, epoch):
+            await shell.stop()
+            self._log.info("shard_start_abandoned", shard=shard, epoch=epoch)
+            return
+        self.shells[shard] = shell
+        self._rebuild_ms[shard] = round((time.monotonic() - began) * 1000)
+        await shell.perform(effects)
         self._log.info(
             "shard_started",
             shard=shard,
@@ -266,9 +303,6 @@ class ShardHost:
             groups_adopted=len(core.published),
             grace_until_ms=core.grace_until_ms,
         )
-        if not self._starting and not self._settling:
-            self._settling = True  # shards won in one election round start together: wait for them
-            asyncio.get_running_loop().call_later(SETTLE_S, self._settled)
 
     def _settled(self) -> None:
         """Logged when this instance's led shards stopped changing (tests and operators wait
@@ -293,11 +327,24 @@ class ShardHost:
             grace_until_ms=max((c.grace_until_ms for c in cores), default=0),
         )
 
-    async def stop_shard(self, shard: int) -> None:
+    async def stop_shard(self, shard: int, *, drain_s: float = 0.0) -> None:
+        """Stop serving `shard` at once. On a handover (`drain_s` > 0) its already queued events
+        still go to JetStream, for up to `drain_s`, in the background (the caller releases the
+        lease key meanwhile: the shell serves nothing and ticks nothing any more)."""
         shell = self.shells.pop(shard, None)
-        if shell is not None:
+        if shell is None:
+            return
+        if drain_s > 0:
+            task = asyncio.create_task(self._retire(shell, drain_s))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        else:
             await shell.stop()
-            self._log.info("shard_stopped", shard=shard, epoch=shell.core.epoch)
+        self._log.info("shard_stopped", shard=shard, epoch=shell.core.epoch)
+
+    async def _retire(self, shell: DirectoryShell, drain_s: float) -> None:
+        await shell.drain_events(drain_s)
+        await shell.stop()
 
     async def stop(self) -> None:
         for sub in self._subs:
@@ -305,6 +352,7 @@ class ShardHost:
                 await sub.unsubscribe()  # type: ignore[attr-defined]
         for shard in list(self.shells):
             await self.stop_shard(shard)
+        await asyncio.gather(*self._retiring, return_exceptions=True)
 
     def _nc_required(self) -> NatsClient:
         if self._nc is None:

@@ -46,17 +46,20 @@ from kvfabric.proto import directory as m
 from kvfabric.runtime.logs import get_logger
 
 __all__ = [
+    "CONFIG_BUCKET",
     "LEADERS_BUCKET",
     "MEMBERS_BUCKET",
     "SEGMENTS_BUCKET",
     "LeaderElection",
     "SegmentRegistry",
+    "agree_on_shards",
     "monotonic_ms",
 ]
 
 LEADERS_BUCKET: Final = "KVF_DIRECTORY_LEADERS"
 MEMBERS_BUCKET: Final = "KVF_DIRECTORY_MEMBERS"
 SEGMENTS_BUCKET: Final = "KVF_DIRECTORY_SEGMENTS"
+CONFIG_BUCKET: Final = "KVF_DIRECTORY_CONFIG"
 LOOP_MS: Final = 100
 KV_TIMEOUT_S: Final = 2.0
 
@@ -82,6 +85,20 @@ async def _bucket(nc: NatsClient, name: str, ttl_s: float | None, replicas: int 
             return await js.key_value(name)
 
 
+async def agree_on_shards(nc: NatsClient, shards: int, replicas: int = 1) -> int:
+    """The cluster's shard count, fixed by the first instance that ever started (JetStream KV
+    `KVF_DIRECTORY_CONFIG`, key `shards`, no TTL). Returns it; a different count here would
+    make two instances lead the same keys under different shard numbers (and free each other's
+    slots as orphans), so the caller refuses to start on a mismatch."""
+    kv = await _bucket(nc, CONFIG_BUCKET, None, replicas)
+    try:
+        await kv.create("shards", str(shards).encode())
+        return shards
+    except nats.js.errors.KeyWrongLastSequenceError:
+        entry = await kv.get("shards")
+        return int((entry.value or b"0").decode())
+
+
 class SegmentRegistry:
     """Which segments exist (their latest registration), durable in JetStream KV."""
 
@@ -94,6 +111,13 @@ class SegmentRegistry:
 
     async def put(self, registration: m.RegisterSegment) -> None:
         await self.kv.put(registration.segment_id, msgspec.msgpack.encode(registration))
+
+    async def get(self, segment_id: str) -> m.RegisterSegment | None:
+        try:
+            entry = await self.kv.get(segment_id)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return msgspec.msgpack.decode(entry.value, type=m.RegisterSegment) if entry.value else None
 
     async def all(self) -> list[m.RegisterSegment]:
         try:

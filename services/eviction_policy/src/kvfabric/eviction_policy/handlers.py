@@ -13,10 +13,9 @@ Three tasks around one synchronous core (each core call is atomic on the event l
 - **segments**: every `segments_refresh_ms`, `list_segments` of every directory shard, merged,
   re-reads capacities (and drops the pools of segments the directory no longer reports up).
 - **ticker**: every `tick_ms`, `core.tick` returns victim batches (tails before heads); each
-  goes to the directory as one `evict` request per shard holding some of its groups (the
-  directory is sharded: requests go through a `DirectoryRouter`, created in `start`), shard
-  after shard in the order of their first group in the batch, each keeping the batch's order
-  (so a shard's tails still go before its heads). Per group the directory answers
+  goes to the directory as one `evict` request per run of consecutive groups of one shard (the
+  directory is sharded: requests go through a `DirectoryRouter`, created in `start`), in the
+  batch's order (so tails go before their heads, across shards too). Per group the directory answers
   `evicting` (gone: `core.removed`), `leased`/`pinned` (it stays: `core.refused`, which cools it
   down) or `not_found`/`not_published` (gone). A request without an answer is indeterminate: its
   groups are treated as refused (cooled down, retried later) and any eviction that did happen
@@ -244,17 +243,22 @@ class EvictionShell:
         self._log.info("evicted", reason=batch.reason, pool=str(batch.pool), **statuses)
 
     async def _by_shard(self, chains: list[bytes]) -> list[tuple[int, list[bytes]]]:
-        """The victims (group keys) split by the shard of their group, each keeping the batch's
-        order; shards in the order of their first victim."""
+        """The victims (group keys) as consecutive runs of one shard each, in the batch's order:
+        a tail (earlier in the batch) is asked before its head even when they live in different
+        shards, so a refused tail never outlives its evicted head."""
         router = self._dir()
         if not router.shards:
             await router.refresh()
         if not router.shards:
             raise Unavailable("no directory instance answered the shard map")
-        out: dict[int, list[bytes]] = {}
+        runs: list[tuple[int, list[bytes]]] = []
         for chain in chains:
-            out.setdefault(router.shard_of(self._group_ids[chain]), []).append(chain)
-        return list(out.items())
+            shard = router.shard_of(self._group_ids[chain])
+            if runs and runs[-1][0] == shard:
+                runs[-1][1].append(chain)
+            else:
+                runs.append((shard, [chain]))
+        return runs
 
     async def _evict_shard(
         self, shard: int, chains: list[bytes], reason: str, statuses: dict[str, int]

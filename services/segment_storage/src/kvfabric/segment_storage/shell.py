@@ -83,6 +83,7 @@ __all__ = ["EXIT_REREGISTER", "SegmentShell", "new_incarnation"]
 
 EXIT_REREGISTER: Final = 75
 REQUEST_TIMEOUT_S: Final = 5.0
+MAP_REFRESH_BEATS: Final = 10  # the shard map is asked again at least every this many heartbeats
 SCRUB_TICK_S: Final = 0.1
 CORRUPT_REPORT_ATTEMPTS: Final = 3  # a report the directory could not take is retried, then dropped
 CORRUPT_REPORT_BACKOFF_S: Final = 1.0
@@ -121,6 +122,7 @@ class SegmentShell:
         self.data_addr = self.server.address
         self.epochs: dict[int, int] = {}  # newest directory epoch seen, per shard
         self.router: DirectoryRouter | None = None
+        self._beats = 0
         self.heartbeat_interval_ms = 1_000
         self._nc: NatsClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -171,8 +173,13 @@ class SegmentShell:
         for err in errors:
             if isinstance(err, NotFound | StaleGeneration):
                 raise err
-        if errors:
-            self.router.forget_all()  # a gone or deposed instance: ask the map again next time
+        covered = {e.shard for r in replies for e in getattr(r, "shard_epochs", [])}
+        self._beats += 1
+        if errors or len(covered) < self.router.shards or self._beats % MAP_REFRESH_BEATS == 0:
+            # A gone or deposed instance, a shard nobody here answered for (it moved: a handover
+            # or a failover), or just time: ask the map again before the next heartbeat, so
+            # every shard's leader hears from this segment before it would declare it down.
+            self.router.forget_all()
         if not replies:
             raise errors[0] if errors else Unavailable("no directory instance leads a shard yet")
         for reply in replies:
