@@ -48,7 +48,7 @@ from kvfabric.proto.subjects import (
 )
 from kvfabric.runtime.client import request
 
-__all__ = ["DirectoryRouter", "ShardRoute"]
+__all__ = ["DirectoryRouter", "ShardRoute", "merge_map"]
 
 GATHER_S_DEFAULT: Final = 0.25  # how long a refresh waits for instances' parts of the map
 RETRIES_MAX_DEFAULT: Final = 4
@@ -60,6 +60,24 @@ REFRESH_MIN_INTERVAL_S: Final = 0.05  # failing calls share one refresh per inte
 class ShardRoute:
     instance: str
     epoch: int
+
+
+def merge_map(parts: list[m.ShardMapReply], shards: int, known: Mapping[int, int]) -> dict[int, ShardRoute]:
+    """The shard map from instances' parts (pure): per shard, the claim with the newest epoch.
+    Parts with another shard count are ignored (every instance must run with the same one: the
+    directory refuses to start otherwise), as are claims older than an epoch already `known`
+    for the shard (a deposed leader that has not noticed yet)."""
+    routes: dict[int, ShardRoute] = {}
+    for part in parts:
+        if part.shards != shards:
+            continue
+        for leader in part.leaders:
+            if not 0 <= leader.shard < shards or leader.epoch < known.get(leader.shard, 0):
+                continue
+            seen = routes.get(leader.shard)
+            if seen is None or leader.epoch > seen.epoch:
+                routes[leader.shard] = ShardRoute(leader.instance, leader.epoch)
+    return routes
 
 
 class DirectoryRouter:
@@ -146,20 +164,8 @@ class DirectoryRouter:
         self._refreshed_s = time.monotonic()
         if not parts:
             return  # nobody answered: keep what we had (callers get `unavailable` from the leaders)
-        # Every instance must run with the same shard count (the directory refuses to start
-        # otherwise); a part that disagrees with the newest count seen is ignored.
-        parts = [p for p in parts if p.shards == shards]
-        routes: dict[int, ShardRoute] = {}
-        for part in parts:
-            for leader in part.leaders:
-                if not 0 <= leader.shard < part.shards:
-                    continue
-                seen = routes.get(leader.shard)
-                if seen is None or leader.epoch > seen.epoch:
-                    routes[leader.shard] = ShardRoute(leader.instance, leader.epoch)
-        # An instance that still claims a shard a newer epoch took over is a deposed leader.
         self.shards = shards
-        self.routes = {s: r for s, r in routes.items() if r.epoch >= self.epochs.get(s, 0)}
+        self.routes = merge_map(parts, shards, self.epochs)
         for s, r in self.routes.items():
             self.epochs[s] = max(self.epochs.get(s, 0), r.epoch)
 
