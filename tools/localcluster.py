@@ -162,11 +162,16 @@ class Child:
 
 def directory_env(env: dict[str, str], name: str, directories: int) -> dict[str, str]:
     """A directory instance's environment: a stable instance id (a restarted instance gets its
-    shards back) and, with several instances, shards spread by rendezvous hashing (each leads
-    its share; a dead one's shards move to the others, and come back by handover)."""
+    shards back) and, with several instances, the default 16 shards spread by rendezvous hashing
+    (each leads its share; a dead one's shards move to the others, and come back by handover);
+    a single instance runs one shard."""
     out = dict(env, KVF_INSTANCE_ID=name)
     if directories > 1:
         out.setdefault("KVF_DIRECTORY_REBALANCE", "1")
+    else:
+        # One instance gains nothing from shards and pays a request per shard a prefix spans
+        # (a 6-chunk lookup: up to 6), which on this 2-core box slows the whole cluster.
+        out.setdefault("KVF_DIRECTORY_SHARDS", "1")
     return out
 
 
