@@ -105,9 +105,7 @@ def signed_ref(
 async def directory_router(nc: NatsClient, tenant: str = "") -> DirectoryRouter:
     """A router on `nc` (a tenant's: its tenant subjects) with the shard map loaded."""
     router = DirectoryRouter(nc, tenant=tenant)
-    await router.refresh()
-    if not router.shards:
-        raise Unavailable("no directory instance answered the shard map")
+    await router.known_shards()
     return router
 
 

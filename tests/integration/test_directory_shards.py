@@ -29,15 +29,19 @@ from kvfabric.proto.shards import shard_of
 from kvfabric.runtime.directory_router import DirectoryRouter, ShardRoute
 from kvfabric.testing import NatsCluster, NatsServer
 from tests.integration.clientkit import (
-    CHUNK_BYTES,
     TOKENS_PER_CHUNK,
-    chunk_bytes,
     client,
     objects_for,
     prompt,
 )
 from tests.integration.cluster import directory_process, segment_process
-from tests.integration.test_directory_ha import CHUNKS, load_all, mixed_workload
+from tests.integration.test_directory_ha import (
+    CHUNKS,
+    assert_lease_reads_whole,
+    assert_prompts_kept,
+    load_all,
+    mixed_workload,
+)
 from tests.integration.test_directory_ha import groups_of as groups_for
 
 pytestmark = pytest.mark.integration
@@ -207,24 +211,13 @@ def test_shards_spread_by_handover_and_survive_a_leader_kill(nodes: list[NatsSer
             evicted = ask(url, raw, "evict", m.Evict(groups=[raw]))
             expected = "evicting" if shard_of(raw, SHARDS) in victim_shards else "leased"
             assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == expected
-        out = [[bytearray(CHUNK_BYTES)] for _ in range(CHUNKS)]
-        result = reader.load(leased, out)
-        assert result.tokens == CHUNKS * TOKENS_PER_CHUNK, result.cause
-        assert all(bytes(out[c][0]) == chunk_bytes(prompts[0], c) for c in range(CHUNKS))
-        reader.release(leased)
-
+        assert_lease_reads_whole(reader, leased, prompts[0])
         time.sleep(1.0)
         stop.set()
         traffic.join(30.0)
         assert stats["wrong"] == 0 and stats["loads"] > 0, stats
 
-        with client(nats_server) as fresh:
-            kept = 0
-            for tokens in prompts[1:]:
-                n, same = load_all(fresh, tokens)
-                assert same
-                kept += n == CHUNKS
-        assert kept / (PROMPTS - 1) >= 0.99, f"{kept} of {PROMPTS - 1} prompts survived"
+        kept = assert_prompts_kept(nats_server, prompts[1:])
         print(
             f"\nsharded failover {failover_s:.2f} s, shards moved {sorted(victim_shards)}, "
             f"kept {kept}/{PROMPTS - 1}, {stats}"

@@ -13,32 +13,21 @@ from typing import Any, cast
 import msgspec
 import pytest
 
-from kvfabric.core.prefetch import PrefetchConfig, PrefetchCore
 from kvfabric.prefetch import shell as shell_module
-from kvfabric.prefetch.shell import PrefetchShell
 from kvfabric.proto import directory as m
 from kvfabric.proto import prefetch as p
 from kvfabric.runtime.directory_router import DirectoryRouter
 from tests.unit.core.dirkit import groups
+from tests.unit.prefetch.test_shell_shards import make_shell
 
 
 def test_a_tick_during_the_hint_lookup_does_not_send_time_backwards(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = {"ms": 1_000_000}
     monkeypatch.setattr(shell_module, "now_ms", lambda: clock["ms"])
-    shell = PrefetchShell(
-        PrefetchCore(PrefetchConfig()),
-        holder_id="prefetch-test",
-        tick_ms=20,
-        scan_ms=1000,
-        resolving_max=4,
-        hot_groups_per_event_max=8,
-        request_timeout_s=1.0,
-        copy_timeout_s=1.0,
-    )
     (g,) = groups(1, seed=3)
     router = DirectoryRouter(cast(Any, None))  # never asked: `_directory` is replaced below
     router.shards = 1  # the map is known: no refresh
-    shell._router = router
+    shell = make_shell(router)
 
     async def directory(shard: int, verb: str, message: msgspec.Struct) -> Any:
         assert verb == "lookup" and shard == 0

@@ -44,7 +44,7 @@ class FakeRouter(DirectoryRouter):
         return reply
 
 
-def make_shell(router: FakeRouter) -> PrefetchShell:
+def make_shell(router: FakeRouter | DirectoryRouter) -> PrefetchShell:
     shell = PrefetchShell(
         PrefetchCore(PrefetchConfig()),
         holder_id="prefetch-test",

@@ -305,8 +305,7 @@ class AsyncKvClient:
         shard with a chunk inside the hit keeps its lease (released with the hit), the others'
         are given back at once. Raises the first failure only when nothing hit."""
         router = self._router()
-        if not router.shards:
-            await router.refresh()
+        await router.known_shards()  # Unavailable: the caller's fallback
         positions: dict[int, list[int]] = {}
         raws = [g.to_bytes() for g in groups]
         for index, raw in enumerate(raws):
@@ -732,8 +731,11 @@ class AsyncKvClient:
         placed: list[m.BeginResult] = []
         request_id = uuid.uuid4().hex
         router = self._router()
-        if not router.shards:
-            await router.refresh()
+        try:
+            await router.known_shards()
+        except Unavailable:
+            chunks = len(set(chunk_of.values()))
+            return SaveResult(chunks_failed=chunks, causes={"directory_unavailable": chunks})
         for shard, shard_specs in _by_shard(specs, lambda spec: router.shard_of(spec.key)):
             for start in range(0, len(shard_specs), m.PUT_BATCH_OBJECTS_MAX):
                 batch = shard_specs[start : start + m.PUT_BATCH_OBJECTS_MAX]

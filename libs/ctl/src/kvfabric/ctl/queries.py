@@ -147,20 +147,15 @@ async def list_all_groups(
     """Published chunk groups in group-key order (domain digest, chain hash), at most `limit`:
     the first `limit` of every shard (following `next_after` pages), merged."""
 
+    query = m.ListGroups(domain_digest=domain_digest, limit=min(limit, LIST_PAGE_MAX))
+
     async def of_shard(shard: int) -> list[m.GroupSummary]:
         out: list[m.GroupSummary] = []
-        after = b""
-        while len(out) < limit:
-            page = min(limit - len(out), LIST_PAGE_MAX)
-            query = m.ListGroups(domain_digest=domain_digest, after=after, limit=page, shard=shard)
-            reply = _expect(
-                await directory(routed, "list_groups", query, timeout_s, shard=shard), m.GroupList
-            )
-            out.extend(reply.groups)
-            if not reply.next_after or not reply.groups:
+        async for page in routed.shard_pages(shard, query, timeout_s, pages_max=limit):
+            out.extend(page.groups)
+            if len(out) >= limit or not page.groups:
                 break
-            after = reply.next_after
-        return out
+        return out[:limit]
 
     parts = await asyncio.gather(*(of_shard(s) for s in range(routed.shards)))
     return sorted((g for part in parts for g in part), key=_group_order)[:limit]

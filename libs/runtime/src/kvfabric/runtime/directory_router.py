@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -108,8 +108,21 @@ class DirectoryRouter:
     # ---- the map -------------------------------------------------------------------------------
 
     def shard_of(self, raw: bytes) -> int:
-        """The shard of a group id, key, group key or chain hash (0 while the count is unknown)."""
-        return shard_of(raw, self.shards) if self.shards else 0
+        """The shard of a group id, key, group key or chain hash. `Unavailable` while the shard
+        count is unknown (call `known_shards` first): a guess would send keys to a wrong shard
+        under that shard's epoch."""
+        if not self.shards:
+            raise Unavailable("the directory shard map is not known yet")
+        return shard_of(raw, self.shards)
+
+    async def known_shards(self) -> int:
+        """The shard count, asking the instances for the map first if it is not known yet;
+        `Unavailable` when no instance answers."""
+        if not self.shards:
+            await self.refresh()
+        if not self.shards:
+            raise Unavailable("no directory instance answered the shard map")
+        return self.shards
 
     @property
     def complete(self) -> bool:
@@ -264,15 +277,12 @@ class DirectoryRouter:
     ) -> list[tuple[int, m.DirectoryReply]]:
         """`message_for(shard)` to the leader of every shard, concurrently; (shard, reply) in shard
         order. Raises the first error (a listing missing a shard would be silently partial)."""
-        if not self.shards:
-            await self.refresh()
-        if not self.shards:
-            raise Unavailable("no directory instance answered the shard map")
+        shards = await self.known_shards()
 
         async def one(shard: int) -> tuple[int, m.DirectoryReply]:
             return shard, await self.ask(shard, verb, message_for(shard), timeout_s)
 
-        return list(await asyncio.gather(*(one(s) for s in range(self.shards))))
+        return list(await asyncio.gather(*(one(s) for s in range(shards))))
 
     async def segments(self, timeout_s: float) -> m.SegmentList:
         """The segment table as every shard sees it, merged: placements (`reserved_bytes`) summed
@@ -296,24 +306,29 @@ class DirectoryRouter:
                     merged[info.segment_id] = info
         return m.SegmentList(epoch=0, segments=[merged[k] for k in sorted(merged)])
 
+    async def shard_pages(
+        self, shard: int, query: m.ListGroups, timeout_s: float, pages_max: int
+    ) -> AsyncIterator[m.GroupList]:
+        """The pages of `query` in one shard (its `after` and `shard` are set here), following
+        `next_after`, at most `pages_max`."""
+        after = b""
+        for _ in range(pages_max):
+            page = await self.ask(
+                shard, "list_groups", msgspec.structs.replace(query, after=after, shard=shard), timeout_s
+            )
+            if not isinstance(page, m.GroupList):
+                raise Unavailable(f"unexpected list_groups reply {type(page).__name__}")
+            yield page
+            if not page.next_after:
+                return
+            after = page.next_after
+
     async def list_groups(
         self, query: m.ListGroups, timeout_s: float, pages_max: int
     ) -> list[m.GroupSummary]:
-        """Every group matching `query` (its `after` and `shard` are ignored), shard by shard,
-        following each shard's pages (at most `pages_max` per shard)."""
-        if not self.shards:
-            await self.refresh()
+        """Every group matching `query`, shard by shard (at most `pages_max` pages per shard)."""
         out: list[m.GroupSummary] = []
-        for shard in range(self.shards):
-            after = b""
-            for _ in range(pages_max):
-                page = await self.ask(
-                    shard, "list_groups", msgspec.structs.replace(query, after=after, shard=shard), timeout_s
-                )
-                if not isinstance(page, m.GroupList):
-                    raise Unavailable(f"unexpected list_groups reply {type(page).__name__}")
+        for shard in range(await self.known_shards()):
+            async for page in self.shard_pages(shard, query, timeout_s, pages_max):
                 out.extend(page.groups)
-                if not page.next_after:
-                    break
-                after = page.next_after
         return out

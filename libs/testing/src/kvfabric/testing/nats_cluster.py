@@ -68,20 +68,23 @@ class NatsCluster:
     def wait_meta_leader(self, timeout_s: float) -> None:
         """Until JetStream's meta group has a leader and every node sees the whole cluster."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                infos = []
-                for node in self.nodes:
-                    with urllib.request.urlopen(f"{node.monitor_url}/jsz", timeout=1.0) as response:
-                        infos.append(json.loads(response.read()))
-                clusters = [i.get("meta_cluster") or {} for i in infos]
-                if all(c.get("leader") and c.get("cluster_size") == len(self.nodes) for c in clusters):
-                    return
-            except OSError:
-                pass
+        while not self._meta_formed():
             if time.monotonic() > deadline:
                 raise NatsServerError(f"no JetStream meta leader after {timeout_s} s")
             time.sleep(0.1)
+
+    def _meta_formed(self) -> bool:
+        """Whether every node reports a meta leader over the full cluster (False while a node's
+        monitor port does not answer yet)."""
+        for node in self.nodes:
+            try:
+                with urllib.request.urlopen(f"{node.monitor_url}/jsz", timeout=1.0) as response:
+                    meta = json.loads(response.read()).get("meta_cluster") or {}
+            except OSError:
+                return False
+            if not (meta.get("leader") and meta.get("cluster_size") == len(self.nodes)):
+                return False
+        return True
 
     def stop(self) -> None:
         for node in self.nodes:

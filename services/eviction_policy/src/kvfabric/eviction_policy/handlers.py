@@ -247,10 +247,7 @@ class EvictionShell:
         a tail (earlier in the batch) is asked before its head even when they live in different
         shards, so a refused tail never outlives its evicted head."""
         router = self._dir()
-        if not router.shards:
-            await router.refresh()
-        if not router.shards:
-            raise Unavailable("no directory instance answered the shard map")
+        await router.known_shards()
         runs: list[tuple[int, list[bytes]]] = []
         for chain in chains:
             shard = router.shard_of(self._group_ids[chain])

@@ -400,8 +400,7 @@ class PrefetchShell:
     async def _routed(self) -> DirectoryRouter:
         """The router, its shard count known (else every key would map to shard 0)."""
         router = self._dir()
-        if not router.shards:
-            await router.refresh()
+        await router.known_shards()
         return router
 
     async def _directory(self, shard: int, verb: str, message: msgspec.Struct) -> m.DirectoryReply:

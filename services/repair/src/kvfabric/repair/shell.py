@@ -183,27 +183,13 @@ class RepairShell:
         `SCAN_PAGES_MAX` pages over all shards. A failing shard raises (a partial listing would
         look like objects that reached their target)."""
         router = self._dir()
-        if not router.shards:
-            await router.refresh()
-        if not router.shards:
-            raise Unavailable("no directory instance answered the shard map")
         pages = 0
-        for shard in range(router.shards):
-            after = b""
-            while pages < SCAN_PAGES_MAX:
-                page = await router.ask(
-                    shard,
-                    "list_groups",
-                    msgspec.structs.replace(query, after=after, shard=shard),
-                    self.request_timeout_s,
-                )
-                if not isinstance(page, m.GroupList):
-                    raise Unavailable(f"unexpected list_groups reply {type(page).__name__}")
+        for shard in range(await router.known_shards()):
+            async for page in router.shard_pages(
+                shard, query, self.request_timeout_s, SCAN_PAGES_MAX - pages
+            ):
                 pages += 1
                 yield page
-                if not page.next_after:
-                    break
-                after = page.next_after
 
     # ---- copies ------------------------------------------------------------------------------
 

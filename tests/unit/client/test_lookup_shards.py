@@ -1,0 +1,133 @@
+"""A client lookup over a sharded directory (DESIGN.md 3.1, 3.6, 3.7): the prefix's chunks are
+asked of every shard holding some, the hit folds to the first chunk any shard misses (never
+skipping a gap), a shard that fails cuts the hit at its first chunk instead of failing the whole
+lookup, and no lease outlives its use: leases of shards beyond the hit are given back at once,
+the rest with the hit, all of them when nothing hit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, cast
+
+import msgspec
+
+from kvfabric.client import AsyncKvClient, ClientSettings
+from kvfabric.format.errors import Unavailable
+from kvfabric.proto import directory as m
+from kvfabric.proto.shards import shard_of
+from kvfabric.runtime.directory_router import DirectoryRouter
+from tests.integration.clientkit import SPEC, prompt
+
+SHARDS = 4
+CHUNKS = 8
+Answer = Callable[[int, m.Lookup], m.LookupReply | Exception]
+
+
+class FakeRouter(DirectoryRouter):
+    """A known map of `SHARDS` shards; lookups answered by `answer`, releases recorded."""
+
+    def __init__(self, answer: Answer) -> None:
+        super().__init__(cast(Any, None))
+        self.shards = SHARDS
+        self.answer = answer
+        self.released: list[tuple[int, int]] = []
+
+    async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **_: Any) -> Any:
+        if isinstance(message, m.LeaseRelease):
+            assert message.shard == shard
+            self.released.append((shard, message.lease_id))
+            return m.LeaseReply(epoch=1, lease_id=message.lease_id, expires_ms=0)
+        assert isinstance(message, m.Lookup)
+        assert {shard_of(g, SHARDS) for g in message.groups} == {shard}  # one shard per request
+        reply = self.answer(shard, message)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+
+def located(raw: bytes) -> m.ObjectLocation:
+    replica = m.Replica(segment_id="s1", incarnation=1, slot=0, slot_generation=1)
+    return m.ObjectLocation(
+        chunk_index=int.from_bytes(raw[54:58], "little"),
+        member=m.Member(0, 0, 0),
+        size_bytes=10,
+        checksum=b"c" * 16,
+        replicas=[replica],
+    )
+
+
+def spread(tokens: list[int]) -> bool:
+    """Chunks on at least 3 shards, chunks 0 and 1 on different ones."""
+    shards = [shard_of(g.to_bytes(), SHARDS) for g in KV_IDS.chunk_groups(tokens)]
+    return len(set(shards)) >= 3 and shards[0] != shards[1]
+
+
+KV_IDS = AsyncKvClient(ClientSettings(nats_url="nats://unused:1"), SPEC)  # computes ids only
+TOKENS = next(
+    t for t in (prompt(CHUNKS * SPEC.layout.tokens_per_chunk, seed=s) for s in range(100)) if spread(t)
+)
+RAWS = [g.to_bytes() for g in KV_IDS.chunk_groups(TOKENS)]
+
+
+def stored_up_to(stored: int) -> Answer:
+    """Every shard holds the prefix's chunks < `stored`; each grants lease `100 + shard`."""
+    index = {raw: i for i, raw in enumerate(RAWS)}
+
+    def answer(shard: int, message: m.Lookup) -> m.LookupReply:
+        hits = next((n for n, raw in enumerate(message.groups) if index[raw] >= stored), len(message.groups))
+        return m.LookupReply(
+            epoch=1,
+            hit_chunks=hits,
+            lease_id=100 + shard if hits else 0,
+            lease_expires_ms=5_000,
+            objects=[located(raw) for raw in message.groups[:hits]],
+        )
+
+    return answer
+
+
+def failing(shard_down: int, otherwise: Answer) -> Answer:
+    return lambda shard, message: (
+        Unavailable("failing over") if shard == shard_down else otherwise(shard, message)
+    )
+
+
+def client_with(answer: Answer) -> tuple[AsyncKvClient, FakeRouter]:
+    kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1"), SPEC)
+    router = FakeRouter(answer)
+    kv.router = router
+    kv.nc = cast(Any, object())  # "connected": the fake router does every request
+    return kv, router
+
+
+def test_the_hit_is_the_first_chunk_any_shard_misses_and_unused_leases_go_back() -> None:
+    kv, router = client_with(stored_up_to(5))
+    hit = asyncio.run(kv.lookup(TOKENS))
+    assert hit.chunks == 5 and hit.cause == ""
+    inside = {shard_of(r, SHARDS) for r in RAWS[:5]}
+    assert {s for s, _ in hit.shard_leases} == inside  # one lease per shard inside the hit
+    assert set(kv._leases) == set(hit.shard_leases)
+    asyncio.run(kv.release(hit))
+    assert kv._leases == {} and sorted(router.released) == sorted(hit.shard_leases)
+
+
+def test_a_failing_shard_cuts_the_hit_at_its_first_chunk() -> None:
+    down = shard_of(RAWS[1], SHARDS)  # its first chunk is chunk 1 (chunk 0 lies elsewhere)
+    kv, router = client_with(failing(down, stored_up_to(CHUNKS)))
+    hit = asyncio.run(kv.lookup(TOKENS))
+    assert hit.chunks == 1 and hit.cause == ""
+    # Shards with no chunk inside the hit gave their leases back at once; the rest go with the hit.
+    assert {s for s, _ in hit.shard_leases} == {shard_of(RAWS[0], SHARDS)}
+    early = set(router.released)
+    assert early and not early & set(hit.shard_leases)
+    asyncio.run(kv.release(hit))
+    assert kv._leases == {}
+
+
+def test_when_nothing_hits_because_a_shard_failed_every_lease_goes_back() -> None:
+    down = shard_of(RAWS[0], SHARDS)
+    kv, router = client_with(failing(down, stored_up_to(CHUNKS)))
+    hit = asyncio.run(kv.lookup(TOKENS))
+    assert hit.chunks == 0 and hit.cause == "directory_unavailable" and hit.lease_id == 0
+    assert kv._leases == {} and len(router.released) == len({shard_of(r, SHARDS) for r in RAWS}) - 1
