@@ -49,7 +49,13 @@ from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
-from kvfabric.proto.subjects import Service, instance_subject, segment_subject, tenant_instance_subject
+from kvfabric.proto.subjects import (
+    Service,
+    instance_subject,
+    segment_subject,
+    tenant_instance_subject,
+    tenant_subject,
+)
 from kvfabric.runtime import request
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.natsauth import NatsAuth, nats_auth_from_env
@@ -424,7 +430,8 @@ def test_no_lease_no_bytes_on_the_data_plane(secure: Secure) -> None:
 def test_replies_go_only_to_the_tenants_own_inbox(secure: Secure) -> None:
     """NATS checks the subject a tenant publishes to, not the reply subject it attaches: a tenant
     request naming any other reply subject (events, another tenant's inbox, a JetStream API
-    subject) is dropped unanswered, so a tenant cannot make the directory publish for it."""
+    subject) is dropped unanswered, so a tenant cannot make the directory publish for it. The
+    shard map (a plain subscription every instance answers) keeps the same rule."""
 
     async def run() -> list[str]:
         admin = await secure.connect(nats_auth_from_env(secure.env("admin")))
@@ -442,8 +449,10 @@ def test_replies_go_only_to_the_tenants_own_inbox(secure: Secure) -> None:
             lookup = encode(m.Lookup(holder_id="bob", groups=[]))  # no key: shard 0
             instance = (await directory_router(bob, "bob")).routes[0].instance
             subject = tenant_instance_subject(Service.DIRECTORY, "bob", "lookup", instance)
+            shard_map = tenant_subject(Service.DIRECTORY, "bob", "shard_map")  # every instance answers
             for target in targets:
                 await bob.publish(subject, lookup, reply=target)
+                await bob.publish(shard_map, encode(m.GetShardMap()), reply=target)
             await bob.flush()
             await asyncio.sleep(0.5)
             reply = await as_tenant(bob, "bob", "lookup", m.Lookup(holder_id="bob", groups=[]))
