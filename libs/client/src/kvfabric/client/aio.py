@@ -23,7 +23,7 @@ import contextlib
 import itertools
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias, TypeVar
@@ -140,12 +140,15 @@ class _Waiter:
     views: list[memoryview]
 
 
-def _by_shard(items: Sequence[T], shard_of: Callable[[Any], int]) -> list[tuple[int, list[T]]]:
-    """Items split by shard, each shard's in their original order; shards in first-seen order."""
-    out: dict[int, list[T]] = {}
+def _shard_batches(items: Sequence[T], shard_of: Callable[[T], int]) -> Iterator[tuple[int, int, list[T]]]:
+    """(shard, offset, batch): the items split by shard (first-seen order, each shard's in the
+    original order), in batches of at most `PUT_BATCH_OBJECTS_MAX` (a request takes one shard)."""
+    by_shard: dict[int, list[T]] = {}
     for item in items:
-        out.setdefault(shard_of(item), []).append(item)
-    return list(out.items())
+        by_shard.setdefault(shard_of(item), []).append(item)
+    for shard, mine in by_shard.items():
+        for start in range(0, len(mine), m.PUT_BATCH_OBJECTS_MAX):
+            yield shard, start, mine[start : start + m.PUT_BATCH_OBJECTS_MAX]
 
 
 class AsyncKvClient:
@@ -736,33 +739,31 @@ class AsyncKvClient:
         except Unavailable:
             chunks = len(set(chunk_of.values()))
             return SaveResult(chunks_failed=chunks, causes={"directory_unavailable": chunks})
-        for shard, shard_specs in _by_shard(specs, lambda spec: router.shard_of(spec.key)):
-            for start in range(0, len(shard_specs), m.PUT_BATCH_OBJECTS_MAX):
-                batch = shard_specs[start : start + m.PUT_BATCH_OBJECTS_MAX]
-                reply = await self._directory(
-                    trace_id,
-                    "put_begin",
-                    m.PutBegin(
-                        writer_id=self.settings.holder_id,
-                        request_id=f"{request_id}-{shard}-{start}",
-                        objects=batch,
-                        write_ttl_ms=self.settings.write_ttl_ms,
-                    ),
-                    shard,
-                )
-                if not isinstance(reply, m.PutBeginReply):
-                    for spec in batch:
-                        failed_chunks.add(chunk_of[spec.key])
-                    causes[str(reply)] = causes.get(str(reply), 0) + len(batch)
-                    continue
-                for result in reply.results:
-                    if result.status == "placed":
-                        placed.append(result)
-                    elif result.status == "exists":
-                        existing_chunks.add(chunk_of[result.key])
-                    else:
-                        failed_chunks.add(chunk_of[result.key])
-                        causes[result.status] = causes.get(result.status, 0) + 1
+        for shard, start, batch in _shard_batches(specs, lambda spec: router.shard_of(spec.key)):
+            reply = await self._directory(
+                trace_id,
+                "put_begin",
+                m.PutBegin(
+                    writer_id=self.settings.holder_id,
+                    request_id=f"{request_id}-{shard}-{start}",
+                    objects=batch,
+                    write_ttl_ms=self.settings.write_ttl_ms,
+                ),
+                shard,
+            )
+            if not isinstance(reply, m.PutBeginReply):
+                for spec in batch:
+                    failed_chunks.add(chunk_of[spec.key])
+                causes[str(reply)] = causes.get(str(reply), 0) + len(batch)
+                continue
+            for result in reply.results:
+                if result.status == "placed":
+                    placed.append(result)
+                elif result.status == "exists":
+                    existing_chunks.add(chunk_of[result.key])
+                else:
+                    failed_chunks.add(chunk_of[result.key])
+                    causes[result.status] = causes.get(result.status, 0) + 1
         # Write every replica of every placed object (bounded by the save executor's threads).
         writes = [
             loop.run_in_executor(self._save_executor, self.pool.store, ticket, data[result.key], trace_id)
@@ -785,37 +786,37 @@ class AsyncKvClient:
                 failed_chunks.add(chunk_of[result.key])
                 for o in outcomes:
                     causes[o] = causes.get(o, 0) + 1
-        for shard, shard_keys in _by_shard(bad_keys, router.shard_of):
+        for shard, start, batch_keys in _shard_batches(bad_keys, router.shard_of):
             await self._directory(
                 trace_id,
                 "put_abort",
                 m.PutAbort(
-                    writer_id=self.settings.holder_id, request_id=f"{request_id}-a{shard}", keys=shard_keys
+                    writer_id=self.settings.holder_id,
+                    request_id=f"{request_id}-a{shard}-{start}",
+                    keys=batch_keys,
                 ),
                 shard,
             )
-        for shard, shard_keys in _by_shard(ok_keys, router.shard_of):
-            for start in range(0, len(shard_keys), m.PUT_BATCH_OBJECTS_MAX):
-                batch_keys = shard_keys[start : start + m.PUT_BATCH_OBJECTS_MAX]
-                reply = await self._directory(
-                    trace_id,
-                    "put_commit",
-                    m.PutCommit(
-                        writer_id=self.settings.holder_id,
-                        request_id=f"{request_id}-c{shard}-{start}",
-                        keys=batch_keys,
-                    ),
-                    shard,
-                )
-                if not isinstance(reply, m.PutCommitReply):
-                    for key in batch_keys:
-                        failed_chunks.add(chunk_of[key])
-                    causes[str(reply)] = causes.get(str(reply), 0) + len(batch_keys)
-                    continue
-                for commit in reply.results:
-                    if commit.status in ("missing", "not_found"):
-                        failed_chunks.add(chunk_of[commit.key])
-                        causes[commit.status] = causes.get(commit.status, 0) + 1
+        for shard, start, batch_keys in _shard_batches(ok_keys, router.shard_of):
+            reply = await self._directory(
+                trace_id,
+                "put_commit",
+                m.PutCommit(
+                    writer_id=self.settings.holder_id,
+                    request_id=f"{request_id}-c{shard}-{start}",
+                    keys=batch_keys,
+                ),
+                shard,
+            )
+            if not isinstance(reply, m.PutCommitReply):
+                for key in batch_keys:
+                    failed_chunks.add(chunk_of[key])
+                causes[str(reply)] = causes.get(str(reply), 0) + len(batch_keys)
+                continue
+            for commit in reply.results:
+                if commit.status in ("missing", "not_found"):
+                    failed_chunks.add(chunk_of[commit.key])
+                    causes[commit.status] = causes.get(commit.status, 0) + 1
         saved_chunks = {chunk_of[k] for k in ok_keys} - failed_chunks
         tpc = self.spec.layout.tokens_per_chunk
         self.metrics.saved_tokens.inc(len(saved_chunks) * tpc)

@@ -63,7 +63,6 @@ VERBS: Final[dict[str, type[msgspec.Struct]]] = {
     "show_group": m.ShowGroup,
     "list_leases": m.ListLeases,
     "list_tenants": m.ListTenants,
-    "shard_map": m.GetShardMap,
 }
 
 

@@ -39,8 +39,10 @@ from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.shards import shard_of
 from kvfabric.proto.subjects import (
+    TENANT_TOKEN,
     Service,
     endpoint_subject,
+    service_group,
     tenant_from_subject,
     tenant_inbox_prefix,
 )
@@ -127,8 +129,7 @@ class ShardHost:
 
     def attach(self, runtime: ServiceRuntime) -> None:
         for verb, kind in VERBS.items():
-            if verb != SHARD_MAP_VERB:
-                runtime.add_endpoint(verb, self._endpoint(verb, kind), instance=self.instance_id)
+            runtime.add_endpoint(verb, self._endpoint(verb, kind), instance=self.instance_id)
         for verb in sorted(TENANT_VERBS):
             pad = self.lookup_reply_min_ms if verb == "lookup" else 0  # hits and misses alike
             runtime.add_tenant_endpoint(
@@ -238,10 +239,10 @@ class ShardHost:
                 return
 
         self._nc = nc
-        group = endpoint_subject(Service.DIRECTORY, SHARD_MAP_VERB).rsplit(".", 1)[0]
+        tenants = f"{service_group(Service.DIRECTORY)}.{TENANT_TOKEN}.*.{SHARD_MAP_VERB}"
         self._subs = [
             await nc.subscribe(endpoint_subject(Service.DIRECTORY, SHARD_MAP_VERB), cb=answer),
-            await nc.subscribe(f"{group}.t.*.{SHARD_MAP_VERB}", cb=answer),
+            await nc.subscribe(tenants, cb=answer),
         ]
 
     # ---- shards come and go --------------------------------------------------------------------

@@ -120,7 +120,6 @@ class SegmentShell:
         self.peer_tls = client_context(settings.tls_ca) if settings.tls_ca else None
         self.ucx: UcxThread | None = None
         self.data_addr = self.server.address
-        self.epochs: dict[int, int] = {}  # newest directory epoch seen, per shard
         self.router: DirectoryRouter | None = None
         self._beats = 0
         self.heartbeat_interval_ms = 1_000
@@ -189,8 +188,8 @@ class SegmentShell:
 
     def _saw_epoch(self, shard: int, epoch: int) -> None:
         """A leader of `shard` with `epoch` exists: tickets and frees of older epochs are fenced."""
-        if epoch > self.epochs.get(shard, 0):
-            self.epochs[shard] = epoch
+        # The backend fences tickets with it (`min_epochs`: the one record of epochs seen).
+        if epoch > self.backend.min_epochs.get(shard, 0):
             self.backend.min_epochs[shard] = epoch
             self._log.info("directory_epoch_seen", shard=shard, epoch=epoch)
 
@@ -234,7 +233,7 @@ class SegmentShell:
             data_addr=self.data_addr,
             arena=str(self.arena.path),
             arena_bytes=s.arena_bytes,
-            epochs=len(self.epochs),
+            shards_seen=len(self.backend.min_epochs),
         )
 
     async def stop(self) -> None:
@@ -307,7 +306,7 @@ class SegmentShell:
             raise BadRequest(f"expected FreeSlotsRequest, got {type(message).__name__}")
         if message.incarnation != self.incarnation:
             raise StaleGeneration("segment_incarnation", message.incarnation, self.incarnation)
-        fence = self.epochs.get(message.shard, 0)
+        fence = self.backend.min_epochs.get(message.shard, 0)
         if message.epoch < fence:  # from a leader of the shard that has been replaced: fenced
             raise StaleGeneration("directory_epoch", message.epoch, fence)
         self._saw_epoch(message.shard, message.epoch)
@@ -325,7 +324,7 @@ class SegmentShell:
         message = segment_decoder.decode(data)
         if not isinstance(message, ReportRequest):
             raise BadRequest(f"expected ReportRequest, got {type(message).__name__}")
-        fence = self.epochs.get(message.shard, 0)
+        fence = self.backend.min_epochs.get(message.shard, 0)
         if message.epoch < fence:
             raise StaleGeneration("directory_epoch", message.epoch, fence)
         if not 0 < message.limit <= REPORT_PAGE_MAX:
