@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any
 
+SHUTDOWN_TIMEOUT_S = 30.0  # the engine core's graceful stop (it flushes the connector's saves)
+
 for _name, _value in {
     "VLLM_CPU_KVCACHE_SPACE": "2",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
@@ -131,6 +133,9 @@ def main() -> None:
         )
     with open(args.out, "w") as f:
         json.dump({"startup_s": startup_s, "connector": args.connector, "steps": results}, f)
+    # A graceful stop, as a serving engine would: the connector's shutdown lets saves still in
+    # flight finish (the last prompt's blocks are saved after its last forward). Bounded.
+    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
     os._exit(0)  # vLLM's engine-core shutdown can linger; the results are written
 
 

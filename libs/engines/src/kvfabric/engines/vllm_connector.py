@@ -333,4 +333,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
+        """vLLM calls this when the engine stops: saves still running finish (bounded by
+        `save_timeout_ms`), leases are released, then the connections close."""
         self.client.close()
+        log.info("kvfabric: connector closed (%s side)", self.role.name.lower())
