@@ -12,9 +12,10 @@ a size interleaved (each round once the machine is idle); GB/s is the median run
 - Transports: `tcp` put/get, `shm` get (`ShmReader` over a TCP control connection), `ucx`
   put/get (with `ucx_env_defaults()`; if UCX fails, its error text is recorded instead).
   A get either verifies the stored checksum on the client (XXH3-128) or not. TCP hashes each
-  piece as it arrives (`TcpDataClient.get_verified`): its cost is the throughput lost against an
-  unverified get. shm and ucx verify afterwards (`kvfabric.dataplane.shm.verify`): their cost is
-  the share of verified get time spent in `verify`.
+  piece as it arrives (`TcpDataClient.get_verified`), shm each 256 KiB block right after copying
+  it (`ShmReader.get_verified`): their cost is the throughput lost against an unverified get.
+  ucx verifies afterwards (`kvfabric.dataplane.shm.verify`): its cost is the share of verified
+  get time spent in `verify`.
   Extra rows read 16 objects per request (tcp, shm): what batching buys.
 - Gets rotate over a 1 GiB working set per size (objects not in the CPU caches, 32 MiB L3);
   puts send from one buffer per client into fresh slots.
@@ -548,12 +549,15 @@ def verdicts(points: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, A
     return out
 
 
+HASHED_AS_LANDED: Final = ("tcp_get", "shm_get")
+
+
 def checksum_cost(points: list[dict[str, Any]], kind: str, size: int) -> float | None:
-    """Share of get throughput that verification costs (1 client). The TCP client hashes while
-    receiving (`get_verified`), so its cost is the throughput lost against an unverified get;
-    the others verify afterwards, so it is the share of get time spent in `verify`."""
+    """Share of get throughput that verification costs (1 client). TCP and shm hash as the bytes
+    land (`get_verified`), so their cost is the throughput lost against an unverified get; ucx
+    verifies afterwards, so its cost is the share of get time spent in `verify`."""
     verified = find(points, kind, True, size, 1)
-    if kind != "tcp_get":
+    if kind not in HASHED_AS_LANDED:
         share: float | None = verified.get("verify_share")
         return share
     plain = find(points, kind, False, size, 1)
@@ -605,7 +609,10 @@ def markdown(result: dict[str, Any]) -> str:
             raw = ratio_pair(points, one, four, "raw_put") if row in ("tcp", "ucx") else "–"
             mem = ratio_pair(points, one, four, "memcpy") if row == "shm" else "–"
             red = ratio_pair(points, one, four, "redis_get") if op.startswith("get") else "–"
-            share = checksum_cost(points, kind, s) if verify and batch == 1 else one.get("verify_share")
+            if verify and batch == 1:
+                share = checksum_cost(points, kind, s)
+            else:  # hashed as the bytes land (tcp, shm): no separate time to report
+                share = None if kind in HASHED_AS_LANDED else one.get("verify_share")
             ver = "–" if share is None else f"{share:.1%}"
             lat1 = f"{fmt(one.get('p50_ms'), '.3f')} / {fmt(one.get('p99_ms'), '.3f')}"
             lat4 = f"{fmt(four.get('p50_ms'), '.3f')} / {fmt(four.get('p99_ms'), '.3f')}"

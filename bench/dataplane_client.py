@@ -266,14 +266,14 @@ class ClientSide:
                 stored.append((reply.slot, reply.slot_generation))
 
             return tcp_put
-        if kind == "tcp_get" and spec.verify:
-            tcp = self.tcp
+        if kind in ("tcp_get", "shm_get") and spec.verify:
+            verifier = self.tcp if kind == "tcp_get" else self.shm
 
-            def tcp_get_verified(i: int) -> None:  # hashes while receiving: no separate verify pass
-                if not all(tcp.get_verified(self._reads(spec, i), dsts)):
+            def get_verified(i: int) -> None:  # hashes as the bytes land: no separate verify pass
+                if not all(verifier.get_verified(self._reads(spec, i), dsts)):
                     raise RuntimeError("checksum verification failed")
 
-            return tcp_get_verified
+            return get_verified
         if kind in ("tcp_get", "shm_get"):
             reader = self.tcp if kind == "tcp_get" else self.shm
 

@@ -114,6 +114,10 @@ async def test_put_get_identical_bytes_over_tcp_and_shm(placed: NatsClient) -> N
                 local = bytearray(size)
                 results = await asyncio.to_thread(reader.get, [ref], [local])
                 assert verify(results, [local]) == [True] and local == data
+                # Hashed block by block while copying: the same digest as one pass over the bytes.
+                fused = bytearray(size)
+                ((result, digest),) = await asyncio.to_thread(reader.get_hashed, [ref], [fused])
+                assert result.status == "ok" and digest == loc.checksum and fused == data
             finally:
                 reader.close()
     state = await segment_state(placed, SEGMENT)
@@ -259,8 +263,72 @@ async def test_put_get_identical_bytes_over_ucx_and_corruption_is_caught(placed:
                     tcp.unpin_local(grants.grant_id)
                 results = await asyncio.wait_for(client.get([ref], [dest]), 30.0)
                 assert results[0].status == "ok" and verify(results, [dest]) == [False]
+                with TcpDataClient.connect(ticket.data_addr) as tcp:  # both fused paths see it too
+                    assert tcp.get_verified([ref], [dest]) == [False]
+                    reader = ShmReader(tcp)
+                    try:
+                        assert reader.get_verified([ref], [dest]) == [False]
+                    finally:
+                        reader.close()
         finally:
             client.close()
+
+
+async def test_local_reads_use_the_slot_board_and_a_freed_slot_reads_stale(placed: NatsClient) -> None:
+    """A co-located read goes through the slot board (no round trip to the segment); once the
+    directory's free reaches the segment, the same read answers stale_generation at once."""
+    (g,) = groups(1, seed=18)
+    data = os.urandom((1 << 20) + 3)
+    loc = await put_and_commit(placed, key(g), data)
+    addr, ref = ref_of(loc)
+    with TcpDataClient.connect(addr) as client:
+        reader = ShmReader(client)
+        try:
+            assert reader.board is not None and reader.board.covers(ref)
+            dest = bytearray(len(data))
+            ((result, digest),) = reader.get_hashed([ref], [dest])
+            assert result.status == "ok" and digest == result.checksum == loc.checksum and dest == data
+            evicted = await directory_call(placed, "evict", m.Evict(groups=[g.to_bytes()]))
+            assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == "evicting"
+
+            async def freed() -> None:
+                while (await segment_state(placed, SEGMENT)).used_bytes:
+                    await asyncio.sleep(0.02)
+
+            await asyncio.wait_for(freed(), 10.0)
+            assert reader.get([ref], [bytearray(len(data))])[0].status == "stale_generation"
+        finally:
+            reader.close()
+
+
+async def test_pinned_local_read_unpins_without_waiting(placed: NatsClient) -> None:
+    """Without a board (an older segment) a local read pins through the segment; the unpin is
+    pipelined (its reply is read on the next request): the pins still drop at once, so a free
+    right after the read is not deferred, and the connection stays in step after it."""
+    (g,) = groups(1, seed=19)
+    data = os.urandom(1 << 20)
+    loc = await put_and_commit(placed, key(g), data)
+    addr, ref = ref_of(loc)
+    with TcpDataClient.connect(addr) as client:
+        reader = ShmReader(client)
+        try:
+            assert reader.board is not None
+            reader.board.close()
+            reader.board = None  # as with a segment that publishes no board
+            assert reader.get_verified([ref], [bytearray(len(data))]) == [True]
+            evicted = await directory_call(placed, "evict", m.Evict(groups=[g.to_bytes()]))
+            assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == "evicting"
+
+            async def space_returned() -> None:
+                while (await segment_state(placed, SEGMENT)).used_bytes:
+                    await asyncio.sleep(0.02)
+
+            await asyncio.wait_for(space_returned(), 10.0)  # no pin left behind by the read
+            client.unpin_local_nowait(123_456)  # a second unanswered unpin (of nothing) in a row
+            assert client.map_info().incarnation == reader.incarnation  # replies still in step
+            assert reader.get([ref], [bytearray(len(data))])[0].status == "stale_generation"
+        finally:
+            reader.close()
 
 
 async def test_free_during_a_local_read_is_deferred_until_the_pin_ends(placed: NatsClient) -> None:

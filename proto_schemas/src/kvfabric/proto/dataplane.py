@@ -91,6 +91,8 @@ class MapReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.map_reply.v1",
     arena_path: str
     arena_bytes: int
     incarnation: int
+    # The slot board (kvfabric.dataplane.slotboard): lock-free local reads. "" = pin every read.
+    board_path: str = ""
 
 
 class LocalGrant(msgspec.Struct, frozen=True, array_like=True):

@@ -23,9 +23,8 @@ import msgspec
 
 from kvfabric.dataplane.shm import ShmReader
 from kvfabric.dataplane.tcp import TcpDataClient
-from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import KvfError
-from kvfabric.proto.dataplane import ReadRef
+from kvfabric.proto.dataplane import ObjectResult, ReadRef
 from kvfabric.proto.directory import ObjectLocation, Replica, WriteTicket
 
 __all__ = ["SegmentPool", "read_ref"]
@@ -128,6 +127,17 @@ class SegmentPool:
         ordered = sorted(location.replicas, key=lambda r: r.segment_id not in self.local_segments)
         return msgspec.structs.replace(location, replicas=ordered)
 
+    def _read(
+        self, conn: _Connection, refs: list[ReadRef], views: list[bytearray]
+    ) -> list[tuple[ObjectResult, bytes]]:
+        """One request on `conn`: over shared memory when it maps the replicas' incarnation,
+        else TCP. Verifying, each object is hashed as it lands (no second pass over it)."""
+        local = conn.shm is not None and {r.incarnation for r in refs} == {conn.shm.incarnation}
+        reader: ShmReader | TcpDataClient = conn.shm if local and conn.shm is not None else conn.tcp
+        if self.verify:
+            return reader.get_hashed(refs, views)
+        return [(result, b"") for result in reader.get(refs, views)]
+
     def fetch(self, location: ObjectLocation, staging: bytearray, attempts_max: int) -> str:
         """Read one object into `staging` from its first reachable replica and verify its
         checksum against the directory's. Tries at most `attempts_max` replicas."""
@@ -138,10 +148,7 @@ class SegmentPool:
             ref = read_ref(replica, location.size_bytes)
             try:
                 with self._connection(replica.data_addr, self._shm_ok(replica.segment_id)) as conn:
-                    if conn.shm is not None and conn.shm.incarnation == replica.incarnation:
-                        result = conn.shm.get([ref], [staging])[0]
-                    else:
-                        result = conn.tcp.get([ref], [staging])[0]
+                    ((result, digest),) = self._read(conn, [ref], [staging])
             except (ConnectionError, TimeoutError) as exc:
                 cause = "timeout" if isinstance(exc, TimeoutError) else "segment_unreachable"
                 continue
@@ -156,9 +163,7 @@ class SegmentPool:
                 continue
             # Verify against the directory's checksum (what the writer declared), not only the
             # segment's: a segment that lost or mixed up bytes cannot vouch for them.
-            if self.verify and (
-                result.checksum != location.checksum or checksum(staging) != location.checksum
-            ):
+            if self.verify and (result.checksum != location.checksum or digest != location.checksum):
                 cause = "checksum"
                 continue
             return OK
@@ -183,18 +188,12 @@ class SegmentPool:
             views = [stagings[i] for i in live]
             try:
                 with self._connection(addr, self._shm_ok(first.segment_id)) as conn:
-                    incarnations = {ref.incarnation for ref in refs}
-                    if conn.shm is not None and incarnations == {conn.shm.incarnation}:
-                        results = conn.shm.get(refs, views)
-                    else:
-                        results = conn.tcp.get(refs, views)
-                for i, result in zip(live, results, strict=True):
+                    hashed = self._read(conn, refs, views)
+                for i, (result, digest) in zip(live, hashed, strict=True):
                     loc = locations[i]
                     if result.status != OK:
                         causes[i] = result.status if result.status == "stale_generation" else "not_found"
-                    elif self.verify and (
-                        result.checksum != loc.checksum or checksum(stagings[i]) != loc.checksum
-                    ):
+                    elif self.verify and (result.checksum != loc.checksum or digest != loc.checksum):
                         causes[i] = "checksum"
                     else:
                         causes[i] = OK

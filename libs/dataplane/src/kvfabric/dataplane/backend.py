@@ -35,6 +35,7 @@ class PutSlot:
     # Set by a transport that hashed the bytes as they arrived; else `finish_put` hashes the slot.
     checksum: bytes | None = None
     trace_id: str = ""  # the writer's trace id (PUT meta): the segment's confirm carries it on
+    offset: int = 0  # where `view` starts in the arena
 
 
 @dataclass(slots=True)

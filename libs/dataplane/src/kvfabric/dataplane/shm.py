@@ -1,12 +1,18 @@
 """The local path: a client on the segment's host maps the arena read-only and copies out.
 
-The segment's `/dev/shm` arena file is mapped once (read-only, `PROT_READ`). A read asks the
-segment over the data connection to pin the slots (`PIN_LOCAL`: a transfer reference per slot,
-held by that connection, so a free that arrives meanwhile is deferred and the memory cannot be
-reused under the copy), copies each object out of the map into the caller's buffer (one memcpy,
-no socket), then unpins. The stored checksum comes back with the offsets; the caller verifies
-it (`verify`) before handing bytes to an engine. If the connection dies, the segment drops the
-pins itself.
+The segment's `/dev/shm` arena file is mapped once (read-only, `PROT_READ`), and so is its slot
+board (`kvfabric.dataplane.slotboard`), which says where each stored slot is. A read then needs
+no round trip: it checks the slot's board entry, copies the object out of the map into the
+caller's buffer (one memcpy, no socket), and checks the entry again (seqlock-style): a free that
+came meanwhile makes it `stale_generation`. The caller verifies the checksum before handing
+bytes to an engine — `get_hashed` hashes each block right after copying it, while it is still
+in cache, instead of re-reading the whole object afterwards.
+
+Without a board (an older segment, or a slot id beyond it), a read asks the segment over the
+data connection to pin the slots instead (`PIN_LOCAL`: a transfer reference per slot, held by
+that connection, so a free that arrives meanwhile is deferred), copies, then unpins. The unpin is
+pipelined: its frame goes out at once (the pins drop when it arrives) and its reply is read
+before the connection's next request. If the connection dies, the segment drops the pins itself.
 """
 
 from __future__ import annotations
@@ -14,13 +20,19 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Sequence
+from typing import Final
 
-from kvfabric.dataplane.tcp import TcpDataClient, destination_views
-from kvfabric.format.checksum import checksum
-from kvfabric.format.errors import Unavailable
+from kvfabric.dataplane.slotboard import SlotBoardReader
+from kvfabric.dataplane.tcp import TcpDataClient, destination_views, verified
+from kvfabric.format.checksum import StreamingChecksum, checksum
+from kvfabric.format.errors import KvfError, Unavailable
 from kvfabric.proto.dataplane import ObjectResult, ReadRef
 
 __all__ = ["ShmReader", "verify"]
+
+# Copy + hash granularity of `get_hashed`: a block is hashed while it is still in L2 (256 KiB
+# measured best on the 2-core EPYC here: 64 KiB–1 MiB were within 10 % of each other).
+COPY_HASH_BLOCK_BYTES: Final = 256 << 10
 
 
 def verify(results: Sequence[ObjectResult], dests: Sequence[memoryview | bytearray]) -> list[bool]:
@@ -44,18 +56,72 @@ class ShmReader:
             os.close(fd)
         self._view = memoryview(self._map)
         self.incarnation = info.incarnation
+        self.board: SlotBoardReader | None = None
+        if info.board_path:
+            try:
+                self.board = SlotBoardReader(info.board_path, info.incarnation)
+            except (KvfError, OSError, ValueError):
+                self.board = None  # unreadable here: every read pins through the segment
 
     def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
         self._view.release()
         self._map.close()
 
     def get(self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[ObjectResult]:
+        """Copy objects into `dests`; only `ok` results were written (verify before use)."""
+        return [result for result, _ in self._get(reads, dests, hashed=False)]
+
+    def get_hashed(
+        self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]
+    ) -> list[tuple[ObjectResult, bytes]]:
+        """`get`, each object hashed block by block as it is copied: per read, its result and the
+        checksum of the bytes now in its destination (b"" when not `ok`)."""
+        return self._get(reads, dests, hashed=True)
+
+    def get_verified(self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[bool]:
+        """Per read, True only when it was read and its bytes match the stored checksum."""
+        return verified(self.get_hashed(reads, dests))
+
+    def _get(
+        self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray], *, hashed: bool
+    ) -> list[tuple[ObjectResult, bytes]]:
         views = destination_views(reads, dests)
+        copy = _copy_hashed if hashed else _copy
+        board = self.board
+        if board is not None and all(board.covers(ref) for ref in reads):
+            out: list[tuple[ObjectResult, bytes]] = []
+            for ref, view in zip(reads, views, strict=True):
+                status, stored, digest = board.read_into(ref, self._view, view, copy)
+                out.append((ObjectResult(status, stored), digest))
+            return out
         pinned = self.control.pin_local(reads)
+        digests: list[bytes] = []
         try:
             for ref, grant, view in zip(reads, pinned.grants, views, strict=True):
+                digest = b""
                 if grant.status == "ok":
-                    view[:] = self._view[grant.offset : grant.offset + ref.size_bytes]
+                    source = self._view[grant.offset : grant.offset + ref.size_bytes]
+                    digest = copy(source, view)
+                digests.append(digest)
         finally:
-            self.control.unpin_local(pinned.grant_id)
-        return [ObjectResult(g.status, g.checksum) for g in pinned.grants]
+            # The copies are done: nothing reads the map for these slots any more.
+            self.control.unpin_local_nowait(pinned.grant_id)
+        return [(ObjectResult(g.status, g.checksum), d) for g, d in zip(pinned.grants, digests, strict=True)]
+
+
+def _copy(source: memoryview, dest: memoryview) -> bytes:
+    dest[:] = source
+    return b""
+
+
+def _copy_hashed(source: memoryview, dest: memoryview) -> bytes:
+    digest = StreamingChecksum()
+    size = len(source)
+    for start in range(0, size, COPY_HASH_BLOCK_BYTES):
+        end = min(start + COPY_HASH_BLOCK_BYTES, size)
+        block = dest[start:end]
+        block[:] = source[start:end]
+        digest.update(block)  # the copy just wrote it: hashed from cache
+    return digest.digest()

@@ -51,7 +51,14 @@ from kvfabric.proto.dataplane import (
 )
 from kvfabric.proto.directory import WriteTicket
 
-__all__ = ["CONNECTIONS_MAX_DEFAULT", "TcpDataClient", "TcpDataServer", "destination_views", "tune_socket"]
+__all__ = [
+    "CONNECTIONS_MAX_DEFAULT",
+    "TcpDataClient",
+    "TcpDataServer",
+    "destination_views",
+    "tune_socket",
+    "verified",
+]
 
 CONNECTIONS_MAX_DEFAULT: Final = 64
 # Receive + hash granularity: small enough that a piece is still in L2/L3 when hashed.
@@ -342,6 +349,7 @@ class TcpDataClient:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._header = memoryview(bytearray(HEADER.size))
+        self._unacked: int | None = None  # request id of a pipelined UNPIN_LOCAL not yet answered
 
     @classmethod
     def connect(
@@ -380,6 +388,7 @@ class TcpDataClient:
     def _call(
         self, op: Op, meta: msgspec.Struct, payload: Sequence[bytes | memoryview] = ()
     ) -> tuple[object, int]:
+        self._drain_unacked()
         request_id = next(self._ids)
         try:
             _send_all(self._sock, [*_frame(op, request_id, meta, len(payload)), *payload])
@@ -414,19 +423,27 @@ class TcpDataClient:
         """Read objects straight into `dests` (one writable buffer of exactly `size_bytes` per read).
 
         Only destinations whose result is `ok` are written; the caller must verify checksums
-        (or use `get_verified`, which hashes while receiving).
+        (or use `get_hashed`/`get_verified`, which hash while receiving).
         """
         return self._get(reads, dests, None)
 
+    def get_hashed(
+        self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]
+    ) -> list[tuple[ObjectResult, bytes]]:
+        """`get`, each object hashed piece by piece as it lands (still in cache, no second pass):
+        per read, its result and the checksum of the bytes now in its destination (b"" when the
+        result is not `ok`). The caller compares it with the checksum it trusts."""
+        digests: list[bytes] = []
+        results = self._get(reads, dests, digests)
+        return list(zip(results, digests, strict=True))
+
     def get_verified(self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[bool]:
-        """`get`, with each object hashed as it arrives: per read, True only when it was read and
-        its bytes match the stored checksum. A False destination must not be used."""
-        verified: list[bool] = []
-        results = self._get(reads, dests, verified)
-        return [r.status == "ok" and v for r, v in zip(results, verified, strict=True)]
+        """Per read, True only when it was read and its bytes match the stored checksum. A False
+        destination must not be used."""
+        return verified(self.get_hashed(reads, dests))
 
     def _get(
-        self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray], verified: list[bool] | None
+        self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray], digests: list[bytes] | None
     ) -> list[ObjectResult]:
         views = destination_views(reads, dests)
         with self._lock:
@@ -439,12 +456,12 @@ class TcpDataClient:
             try:
                 for result, view in zip(reply.results, views, strict=True):
                     if result.status != "ok":
-                        if verified is not None:
-                            verified.append(False)
-                    elif verified is None:
+                        if digests is not None:
+                            digests.append(b"")
+                    elif digests is None:
                         _recv_exact(self._sock, view)
                     else:
-                        verified.append(_recv_hashed(self._sock, view) == result.checksum)
+                        digests.append(_recv_hashed(self._sock, view))
             except (OSError, _Closed) as exc:
                 raise Indeterminate(f"data connection failed during GET payload: {exc!r}") from exc
         return reply.results
@@ -469,3 +486,38 @@ class TcpDataClient:
         if not isinstance(reply, UnpinReply):
             raise Indeterminate("malformed UNPIN_LOCAL reply")
         return reply.released
+
+    def unpin_local_nowait(self, grant_id: int) -> None:
+        """Send UNPIN_LOCAL without waiting for its reply (one round trip less per local read).
+        The segment drops the pins as soon as the frame arrives; the reply is read before the
+        next request on this connection. An error reply there is not the next request's and is
+        dropped (an unknown grant has nothing to release; a connection's pins also go when it
+        closes)."""
+        with self._lock:
+            self._drain_unacked()
+            request_id = next(self._ids)
+            try:
+                _send_all(self._sock, _frame(Op.UNPIN_LOCAL, request_id, UnpinLocal(grant_id=grant_id)))
+            except OSError as exc:
+                raise Indeterminate(f"data connection failed during UNPIN_LOCAL: {exc!r}") from exc
+            self._unacked = request_id
+
+    def _drain_unacked(self) -> None:
+        """Read the reply of a pipelined UNPIN_LOCAL (caller holds the lock)."""
+        request_id, self._unacked = self._unacked, None
+        if request_id is None:
+            return
+        try:
+            reply, _ = self._reply(request_id)
+        except KvfError:
+            return
+        except (OSError, _Closed) as exc:
+            raise Indeterminate(f"data connection failed reading an UNPIN_LOCAL reply: {exc!r}") from exc
+        if not isinstance(reply, UnpinReply):
+            raise Indeterminate("malformed UNPIN_LOCAL reply")
+
+
+def verified(hashed: Sequence[tuple[ObjectResult, bytes]]) -> list[bool]:
+    """Per read of a `get_hashed`: True when it was read and the bytes that landed match the
+    segment's stored checksum."""
+    return [r.status == "ok" and digest == r.checksum for r, digest in hashed]

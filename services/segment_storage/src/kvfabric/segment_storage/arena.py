@@ -5,7 +5,9 @@ client can map it read-only (`kvfabric.dataplane.shm`). Mode 0600: only processe
 segment's own OS user can map it — whoever can holds every tenant's bytes, so only engines
 trusted with all of them should run as that user (docs/security.md); others read over TCP.
 It is created exclusively, sized with `ftruncate` (pages are allocated lazily by the kernel),
-and unlinked on close: a new incarnation never sees an old one's bytes.
+and unlinked on close: a new incarnation never sees an old one's bytes. Its slot board
+(`kvfabric.dataplane.slotboard`: where each stored slot is, for lock-free local reads) lives
+and dies with it.
 """
 
 from __future__ import annotations
@@ -14,13 +16,18 @@ import mmap
 import os
 from pathlib import Path
 
+from kvfabric.dataplane.slotboard import SlotBoard, board_path_of
+
 __all__ = ["ARENA_FILE_MODE", "Arena"]
 
 ARENA_FILE_MODE = 0o600
 
 
 class Arena:
-    def __init__(self, directory: Path, segment_id: str, incarnation: int, size_bytes: int) -> None:
+    def __init__(
+        self, directory: Path, segment_id: str, incarnation: int, size_bytes: int, board_slots: int = 1 << 20
+    ) -> None:
+        """`board_slots`: slot ids the board covers (the slot table's `slots_max`)."""
         if size_bytes <= 0:
             raise ValueError("arena size must be positive")
         self.path = directory / f"kvf-{segment_id}-{incarnation}"
@@ -35,6 +42,11 @@ class Arena:
         finally:
             os.close(fd)
         self.view = memoryview(self._map)
+        try:
+            self.board = SlotBoard(board_path_of(self.path), incarnation, board_slots, ARENA_FILE_MODE)
+        except BaseException:
+            self.close()
+            raise
 
     def slice(self, offset: int, size: int) -> memoryview:
         return self.view[offset : offset + size]
@@ -42,6 +54,9 @@ class Arena:
     def close(self) -> None:
         """Unmap and unlink. Callers make sure no transfer still uses a view of the arena."""
         self.path.unlink(missing_ok=True)
+        board = getattr(self, "board", None)
+        if board is not None:
+            board.close()
         try:
             self.view.release()
             self._map.close()

@@ -134,7 +134,8 @@ class ArenaBackend:
         with self.lock:
             alloc = self.slots.alloc(ticket.size_bytes, now, ticket.deadline_ms, ticket.key)
             self._conn(conn).puts[alloc.slot] = (alloc.slot, alloc.generation)
-        return PutSlot(alloc.slot, alloc.generation, self.arena.slice(alloc.offset, alloc.size), ticket)
+        view = self.arena.slice(alloc.offset, alloc.size)
+        return PutSlot(alloc.slot, alloc.generation, view, ticket, offset=alloc.offset)
 
     def finish_put(self, put: PutSlot, conn: int) -> tuple[int, int]:
         # Hashed on arrival by the transport, or now (nobody else can see a WRITING slot: no lock).
@@ -147,6 +148,7 @@ class ArenaBackend:
         with self.lock:
             self.slots.stored(put.slot, put.slot_generation, stored)
             self._conns[conn].puts.pop(put.slot, None)
+            self.arena.board.publish(put.slot, put.slot_generation, put.offset, put.ticket.size_bytes, stored)
         try:
             verdict = self.confirm(put.ticket, put.slot, put.slot_generation, put.trace_id)
         except KvfError:
@@ -223,7 +225,7 @@ class ArenaBackend:
             if digest == grant.checksum:
                 return "ok"
             self._count("scrub_corrupt_total")
-            if self.slots.free(slot, generation) == "already_freed":  # the directory freed it meanwhile
+            if self._free_locked(slot, generation) == "already_freed":  # the directory freed it meanwhile
                 return "skipped"
         return "corrupt"
 
@@ -297,7 +299,10 @@ class ArenaBackend:
 
     def map_info(self) -> MapReply:
         return MapReply(
-            arena_path=str(self.arena.path), arena_bytes=self.arena.size_bytes, incarnation=self.incarnation
+            arena_path=str(self.arena.path),
+            arena_bytes=self.arena.size_bytes,
+            incarnation=self.incarnation,
+            board_path=str(self.arena.board.path),
         )
 
     def pin_local(self, reads: list[ReadRef], conn: int) -> LocalGrants:
@@ -324,7 +329,16 @@ class ArenaBackend:
 
     def _free(self, slot: int, generation: int) -> str:
         with self.lock:
-            return self.slots.free(slot, generation)
+            return self._free_locked(slot, generation)
+
+    def _free_locked(self, slot: int, generation: int) -> str:
+        """Accept a free (caller holds the lock). The slot leaves the board before the lock is
+        released, so before its extent can be allocated again: a local reader copying it sees
+        the change (kvfabric.dataplane.slotboard)."""
+        result = self.slots.free(slot, generation)
+        if result != "already_freed":
+            self.arena.board.withdraw(slot, generation)
+        return result
 
     def free_slots(self, slots: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The directory's frees, one by one (one bad pair never blocks the rest). Deferred ones are
