@@ -12,7 +12,7 @@ a size interleaved (each round once the machine is idle); GB/s is the median run
 - Transports: `tcp` put/get, `shm` get (`ShmReader` over a TCP control connection), `ucx`
   put/get (with `ucx_env_defaults()`; if UCX fails, its error text is recorded instead).
   A get either verifies the stored checksum on the client (XXH3-128) or not. TCP hashes each
-  piece as it arrives (`TcpDataClient.get_verified`), shm each 256 KiB block right after copying
+  piece as it arrives (`TcpDataClient.get_verified`), shm each 1 MiB block right after copying
   it (`ShmReader.get_verified`): their cost is the throughput lost against an unverified get.
   ucx verifies afterwards (`kvfabric.dataplane.shm.verify`): its cost is the share of verified
   get time spent in `verify`.
@@ -76,6 +76,7 @@ LIMITS: Final = (
     ("raw socket", "send+ack", "raw_put", False, 1),
     ("raw socket", "request+recv", "raw_get", False, 1),
     ("memcpy", "copy, cold source", "memcpy", False, 1),
+    ("xxh3-128", "hash, in cache", "hash_hot", False, 1),
     ("redis", "SET", "redis_set", False, 1),
     ("redis", "GET", "redis_get", False, 1),
 )
@@ -392,7 +393,7 @@ def run_size(bench: Bench, size: int, have_redis: bool) -> None:
         rotation = len(kw.get("refs", ())) or len(kw.get("keys", ()))
         plan.extend(bench.plan(row, op, Spec(kind, size, 0, verify, batch, **kw), rotation))
 
-    for kind in ("memcpy", "raw_put", "raw_get", "tcp_put", "ucx_put"):
+    for kind in ("memcpy", "hash_hot", "raw_put", "raw_get", "tcp_put", "ucx_put"):
         add(kind)
 
     # A 1 GiB working set to read from (written over TCP by the bench process, not timed).
@@ -549,6 +550,30 @@ def verdicts(points: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, A
     return out
 
 
+def bounds(points: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, Any]]:
+    """What this run's limits allow, per size (1 client), next to the targets they bound:
+    - Redis GET ÷ raw socket: above 0.33, no socket transport can be 3 × Redis GET;
+    - the checksum's floor on a local read: a verified copy needs at least copy + hash time,
+      so verifying costs at least hash ÷ (copy + hash) = memcpy ÷ (memcpy + xxh3 in cache)."""
+
+    def gbps(kind: str, size: int) -> float | None:
+        value: float | None = find(points, kind, False, size, 1)["gbps"]
+        return value
+
+    out = []
+    for s in sizes:
+        copy, hashed = gbps("memcpy", s), gbps("hash_hot", s)
+        floor = copy / (copy + hashed) if copy and hashed else None
+        out.append(
+            {
+                "size": s,
+                "redis_get_over_raw_socket": ratio(gbps("redis_get", s), gbps("raw_put", s)),
+                "local_checksum_cost_floor": None if floor is None else round(floor, 3),
+            }
+        )
+    return out
+
+
 HASHED_AS_LANDED: Final = ("tcp_get", "shm_get")
 
 
@@ -631,6 +656,21 @@ def markdown(result: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v:.2f}" for k, v in idle.items())
         + ".",
     ]
+    lines += [
+        "",
+        "Bounds from this run's limits (1 client): Redis GET ÷ raw socket (above 0.33 no socket "
+        "transport can be 3 × Redis GET); the floor of checksum cost on a local read, memcpy ÷ "
+        "(memcpy + xxh3 in cache):",
+        "",
+        "| size | Redis GET ÷ raw socket | local checksum cost floor |",
+        "|---:|---:|---:|",
+    ]
+    for b in result.get("bounds", []):
+        floor = b["local_checksum_cost_floor"]
+        lines.append(
+            f"| {size_label(b['size'])} | {fmt(b['redis_get_over_raw_socket'])} "
+            f"| {'–' if floor is None else f'{floor:.1%}'} |"
+        )
     lines += ["", "Targets (1 client, one object per request, every size):", ""]
     for v in result["verdicts"]:
         lines.append(f"- {v['target']}: **{'met' if v['met'] else 'not met'}** ({v['detail']})")
@@ -707,6 +747,7 @@ def main() -> None:
         "elapsed_s": round(time.monotonic() - started, 1),
     }
     result["verdicts"] = verdicts(bench.points, sizes)
+    result["bounds"] = bounds(bench.points, sizes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dataplane.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -8,7 +8,8 @@ outside the timed part, `ClientSide.measure` runs `spec.ops` operations back to 
 Kinds: `tcp_put`, `tcp_get`, `shm_get`, `ucx_put`, `ucx_get` (a get verifies the stored checksum
 when `spec.verify`, and reads `spec.batch` objects per request), and the limits `raw_put` (send
 + 1-byte ack), `raw_get` (request + receive), `memcpy` (numpy copyto from a rotating 1 GiB
-source), `redis_set`, `redis_get` (redis-py).
+source), `hash_hot` (XXH3-128 over in-cache 1 MiB blocks: the checksum's own speed),
+`redis_set`, `redis_get` (redis-py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import sign_ticket
 
 MEMCPY_SOURCE_BYTES: Final = 1 << 30
+HASH_BLOCK_BYTES: Final = 1 << 20  # hash_hot: the block a fused copy+hash hashes from cache
 WARMUP_OPS: Final = 2
 TICKET_TTL_MS: Final = 3_600_000
 IO_TIMEOUT_S: Final = 20.0
@@ -317,6 +319,15 @@ class ClientSide:
                 np.copyto(dst_array, source[offset : offset + size])
 
             return memcpy
+        if kind == "hash_hot":
+            block = memoryview(src)[: min(size, HASH_BLOCK_BYTES)]
+            blocks = max(1, size // len(block))
+
+            def hash_hot(i: int) -> None:  # what verifying costs once the bytes are in cache
+                for _ in range(blocks):
+                    checksum(block)
+
+            return hash_hot
         if kind == "redis_set":
             r, keys, value = self.redis, spec.keys, memoryview(src)
 
