@@ -78,6 +78,7 @@ __all__ = ["AsyncKvClient", "Destination", "EngineSpec", "Source"]
 # Objects per data-plane request when a load reads several from one segment: fewer round trips,
 # still several requests in flight (worker threads) for a long prefix.
 FETCH_BATCH_OBJECTS_MAX: Final = 8
+SHARD_CALLS_CONCURRENT_MAX: Final = 8  # directory requests of one save in flight at once (per verb)
 
 Destination: TypeAlias = memoryview | bytearray | Sequence[memoryview]
 """Where one object's bytes go: one writable buffer, or a scatter list of writable byte views
@@ -739,18 +740,19 @@ class AsyncKvClient:
         except Unavailable:
             chunks = len(set(chunk_of.values()))
             return SaveResult(chunks_failed=chunks, causes={"directory_unavailable": chunks})
-        for shard, start, batch in _shard_batches(specs, lambda spec: router.shard_of(spec.key)):
-            reply = await self._directory(
-                trace_id,
-                "put_begin",
-                m.PutBegin(
-                    writer_id=self.settings.holder_id,
-                    request_id=f"{request_id}-{shard}-{start}",
-                    objects=batch,
-                    write_ttl_ms=self.settings.write_ttl_ms,
-                ),
-                shard,
-            )
+        begins = await self._per_shard(
+            specs,
+            lambda spec: router.shard_of(spec.key),
+            "put_begin",
+            lambda shard, start, batch: m.PutBegin(
+                writer_id=self.settings.holder_id,
+                request_id=f"{request_id}-{shard}-{start}",
+                objects=batch,
+                write_ttl_ms=self.settings.write_ttl_ms,
+            ),
+            trace_id,
+        )
+        for batch, reply in begins:
             if not isinstance(reply, m.PutBeginReply):
                 for spec in batch:
                     failed_chunks.add(chunk_of[spec.key])
@@ -786,28 +788,29 @@ class AsyncKvClient:
                 failed_chunks.add(chunk_of[result.key])
                 for o in outcomes:
                     causes[o] = causes.get(o, 0) + 1
-        for shard, start, batch_keys in _shard_batches(bad_keys, router.shard_of):
-            await self._directory(
-                trace_id,
+        # Aborts and commits go to their shards concurrently (they name different keys). An abort
+        # that fails needs nothing more: its placements expire at the directory (write_ttl_ms).
+        _, commits = await asyncio.gather(
+            self._per_shard(
+                bad_keys,
+                router.shard_of,
                 "put_abort",
-                m.PutAbort(
-                    writer_id=self.settings.holder_id,
-                    request_id=f"{request_id}-a{shard}-{start}",
-                    keys=batch_keys,
+                lambda shard, start, keys: m.PutAbort(
+                    writer_id=self.settings.holder_id, request_id=f"{request_id}-a{shard}-{start}", keys=keys
                 ),
-                shard,
-            )
-        for shard, start, batch_keys in _shard_batches(ok_keys, router.shard_of):
-            reply = await self._directory(
                 trace_id,
+            ),
+            self._per_shard(
+                ok_keys,
+                router.shard_of,
                 "put_commit",
-                m.PutCommit(
-                    writer_id=self.settings.holder_id,
-                    request_id=f"{request_id}-c{shard}-{start}",
-                    keys=batch_keys,
+                lambda shard, start, keys: m.PutCommit(
+                    writer_id=self.settings.holder_id, request_id=f"{request_id}-c{shard}-{start}", keys=keys
                 ),
-                shard,
-            )
+                trace_id,
+            ),
+        )
+        for batch_keys, reply in commits:
             if not isinstance(reply, m.PutCommitReply):
                 for key in batch_keys:
                     failed_chunks.add(chunk_of[key])
@@ -830,6 +833,24 @@ class AsyncKvClient:
             bytes_written=bytes_written,
             causes=causes,
         )
+
+    async def _per_shard(
+        self,
+        items: Sequence[T],
+        shard_of: Callable[[T], int],
+        verb: str,
+        message: Callable[[int, int, list[T]], m.DirectoryRequest],
+        trace_id: str,
+    ) -> list[tuple[list[T], object]]:
+        """`verb` for `items`, one request per shard batch (`_shard_batches`), at most
+        `SHARD_CALLS_CONCURRENT_MAX` in flight; (batch, reply or cause) in batch order."""
+        gate = asyncio.Semaphore(SHARD_CALLS_CONCURRENT_MAX)
+
+        async def one(shard: int, start: int, batch: list[T]) -> tuple[list[T], object]:
+            async with gate:
+                return batch, await self._directory(trace_id, verb, message(shard, start, batch), shard)
+
+        return list(await asyncio.gather(*(one(*b) for b in _shard_batches(items, shard_of))))
 
     async def _directory(self, trace_id: str, verb: str, message: m.DirectoryRequest, shard: int) -> object:
         """A directory call for saves: the reply, or a cause string (never raises)."""
