@@ -124,15 +124,8 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: list[float] = field(default_factory=list)
     given_up: bool = False
-    # Files a dead instance of this child leaves behind (a killed segment's arena), removed before
-    # every start: only this supervisor runs this child, so any match is a dead incarnation's.
-    stale_glob: str | None = None
 
     def start(self, logs: Path) -> None:
-        if self.stale_glob:
-            for stale in Path("/dev/shm").glob(self.stale_glob):
-                with contextlib.suppress(OSError):
-                    stale.unlink()
         log = (logs / f"{self.name}.log").open("ab")
         self.proc = subprocess.Popen(
             self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -253,7 +246,6 @@ def plan_children(
                 [*wrap, *service_argv("kvfabric.segment_storage", segment_nats_url)],
                 env,
                 "segment_started",
-                stale_glob=f"kvf-{prefix}-{i}-*",
             )
         )
     for name, module in (

@@ -69,21 +69,20 @@ async def test_up_supervises_and_down_leaves_nothing(tmp_path: Path) -> None:
             (before,) = [s.incarnation for s in segs.segments if s.segment_id == f"{prefix}-2"]
             os.kill(state["pids"]["segment-2"], signal.SIGKILL)  # the supervisor brings it back
 
-            async def restarted() -> None:
+            async def restarted() -> int:
                 while True:
                     segs = await directory_call(nc, "list_segments", m.ListSegments())
                     assert isinstance(segs, m.SegmentList)
-                    if [
-                        s
-                        for s in segs.segments
-                        if s.segment_id == f"{prefix}-2" and s.up and s.incarnation != before
-                    ]:
-                        return
+                    for s in segs.segments:
+                        if s.segment_id == f"{prefix}-2" and s.up and s.incarnation != before:
+                            return s.incarnation
                     await asyncio.sleep(0.1)
 
-            await asyncio.wait_for(restarted(), 30.0)
+            incarnation = await asyncio.wait_for(restarted(), 30.0)
             arenas = await asyncio.to_thread(lambda: sorted(Path("/dev/shm").glob(f"kvf-{prefix}-2-*")))
-            assert len(arenas) == 1  # the killed incarnation's arena was removed before the restart
+            # The restarted segment removed what its killed incarnation left (arena, slot board).
+            live = f"kvf-{prefix}-2-{incarnation}"
+            assert [a.name for a in arenas] == [live, live + ".slots"]
         finally:
             await nc.close()
         pids = list(json.loads(await asyncio.to_thread((run / "cluster.json").read_text))["pids"].values())

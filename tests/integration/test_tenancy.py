@@ -34,6 +34,7 @@ from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.dataplane.addresses import split_host_port
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.dataplane.tls import client_context
+from kvfabric.directory.host import SHARD_MAP_TENANT_PER_S
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import (
     BadRequest,
@@ -463,6 +464,42 @@ def test_replies_go_only_to_the_tenants_own_inbox(secure: Secure) -> None:
             await admin.close()
 
     assert asyncio.run(run()) == []
+
+
+def test_a_tenant_flooding_the_shard_map_gets_no_answers_past_its_rate(secure: Secure) -> None:
+    """`shard_map` bypasses the cores (and their per-domain rate limits): the instance answers a
+    tenant at most SHARD_MAP_TENANT_PER_S times a second (burst as many), then stays silent, and
+    answers again once the bucket refills."""
+    flood = 4 * int(SHARD_MAP_TENANT_PER_S)
+
+    async def run() -> tuple[int, float, msgspec.Struct]:
+        bob = await secure.connect(secure.tenant_auth("bob"))
+        try:
+            inbox = bob.new_inbox()
+            answers = 0
+
+            async def count(msg: Msg) -> None:
+                nonlocal answers
+                answers += 1
+
+            await bob.subscribe(inbox, cb=count)
+            subject = tenant_subject(Service.DIRECTORY, "bob", "shard_map")
+            started = time.monotonic()
+            for _ in range(flood):
+                await bob.publish(subject, encode(m.GetShardMap()), reply=inbox)
+            await bob.flush()
+            elapsed = time.monotonic() - started
+            await asyncio.sleep(0.3)
+            got = answers
+            await asyncio.sleep(0.5)  # refilled: his router finds the map again
+            reply = await as_tenant(bob, "bob", "lookup", m.Lookup(holder_id="bob", groups=[]))
+            return got, elapsed, reply
+        finally:
+            await bob.close()
+
+    got, elapsed, reply = asyncio.run(run())
+    assert 1 <= got <= SHARD_MAP_TENANT_PER_S * (1 + elapsed + 0.3) + 1 < flood, (got, elapsed)
+    assert isinstance(reply, m.LookupReply)
 
 
 def test_requests_that_name_no_key_are_rate_limited_by_the_tenants_home_domain(tmp_path: Path) -> None:

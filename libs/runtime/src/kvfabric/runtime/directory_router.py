@@ -11,8 +11,8 @@ kvctl, tests) talks to the directory through a `DirectoryRouter`:
   no stale entry of a dead instance survives a refresh. It keeps the newest epoch per shard.
 - **Refresh** when a reply says `wrong_shard`, when the instance is gone (`no responders`) or no
   longer leads (`unavailable`), or when a shard has no known leader. Concurrent refreshes share
-  one round; at most `retries_max` attempts per call, `retry_wait_s` apart (a failover takes a
-  lease TTL: callers then fall back — a miss, a recompute — rather than wait).
+  one round; at most `retries_max` attempts per call, `retry_wait_s` (±50 %) apart (a failover
+  takes a lease TTL: callers then fall back — a miss, a recompute — rather than wait).
 - **Fencing.** A request that carries `epoch = 0` is sent with the newest epoch known for its
   shard (so a replaced leader refuses it); a reply with an older epoch than one already seen
   comes from a replaced leader: `StaleGeneration`, never used.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -216,8 +217,8 @@ class DirectoryRouter:
         """One request to the leader of `shard`; see the module docstring for retries/fencing."""
         last: KvfError = Unavailable(f"no directory instance leads shard {shard}", shard=shard)
         for attempt in range(self.retries_max):
-            if attempt:
-                await asyncio.sleep(self.retry_wait_s)
+            if attempt:  # jittered: callers failing together (a failover) do not retry in step
+                await asyncio.sleep(self.retry_wait_s * random.uniform(0.5, 1.5))
             route = self.routes.get(shard)
             if route is None:
                 await self.refresh()

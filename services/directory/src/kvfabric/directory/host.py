@@ -7,7 +7,9 @@ shard: the shard of their keys (all keys of one request must share it) or their 
 caller refreshes its map (`kvfabric.runtime.directory_router`). `register` and `heartbeat` go to
 every shard core here (each keeps the segment table it places on); registrations are written to
 the durable segment registry first. `shard_map` (every instance, no queue group) answers with
-the shards led here.
+the shards led here; a tenant's only into its own inbox, only when it has a grant here, and at
+most `SHARD_MAP_TENANT_PER_S` times a second (burst as many): a tenant flooding it gets no
+answer (its router retries later), counted in `shard_map_rate_limited`.
 
 Shards come and go with leadership (`kvfabric.directory.leader`): `start_shard` rebuilds the
 shard's index from the segments' reports (only keys of that shard) under the new epoch before it
@@ -54,6 +56,28 @@ __all__ = ["BROADCAST_VERBS", "ShardHost", "shard_of_request"]
 BROADCAST_VERBS: Final = frozenset({"register", "heartbeat"})
 SHARD_MAP_VERB: Final = "shard_map"
 SETTLE_S: Final = 0.3
+# A router refreshes at most every 50 ms (20/s) while failing: 50/s per tenant leaves room for
+# a few engines refreshing at once, and bounds what a flood costs this instance.
+SHARD_MAP_TENANT_PER_S: Final = 50.0
+
+
+class _Bucket:
+    """A token bucket (refill `rate_per_s`, capacity `rate_per_s`), time passed in."""
+
+    __slots__ = ("rate_per_s", "tokens", "updated_s")
+
+    def __init__(self, rate_per_s: float, now_s: float) -> None:
+        self.rate_per_s = rate_per_s
+        self.tokens = rate_per_s
+        self.updated_s = now_s
+
+    def take(self, now_s: float) -> bool:
+        self.tokens = min(self.rate_per_s, self.tokens + (now_s - self.updated_s) * self.rate_per_s)
+        self.updated_s = now_s
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
 
 def _keys_of(message: msgspec.Struct) -> list[bytes]:
@@ -123,6 +147,9 @@ class ShardHost:
         self._announced: list[int] = []
         self.metrics_port: int | None = None  # logged with `directory_started`
         self._rebuild_ms: dict[int, int] = {}
+        # One bucket per granted tenant that asked (bounded by the grants); refused answers.
+        self._shard_map_buckets: dict[str, _Bucket] = {}
+        self.shard_map_rate_limited = 0
         self._log = get_logger("kvfabric.directory.host").bind(instance_id=instance_id)
 
     # ---- endpoints ---------------------------------------------------------------------------
@@ -233,6 +260,8 @@ class ShardHost:
                     return
                 if not msg.reply.startswith(tenant_inbox_prefix(tenant) + "."):
                     return
+                if not self._tenant_may_ask_map(tenant):
+                    return
             try:
                 await nc.publish(msg.reply, encode(self.shard_map()))
             except nats.errors.Error:
@@ -244,6 +273,18 @@ class ShardHost:
             await nc.subscribe(endpoint_subject(Service.DIRECTORY, SHARD_MAP_VERB), cb=answer),
             await nc.subscribe(tenants, cb=answer),
         ]
+
+    def _tenant_may_ask_map(self, tenant: str) -> bool:
+        if tenant not in self.grants:  # no share domains here: nothing to route, no bucket kept
+            return False
+        now_s = time.monotonic()
+        bucket = self._shard_map_buckets.get(tenant)
+        if bucket is None:
+            bucket = self._shard_map_buckets[tenant] = _Bucket(SHARD_MAP_TENANT_PER_S, now_s)
+        if bucket.take(now_s):
+            return True
+        self.shard_map_rate_limited += 1
+        return False
 
     # ---- shards come and go --------------------------------------------------------------------
 

@@ -32,6 +32,11 @@ class DirectoryCollector(Collector):
             events.add_metric([name.removesuffix("_total")], value)
         yield events
         yield CounterMetricFamily(
+            "kvfabric_directory_shard_map_rate_limited",
+            "Tenants' shard_map requests left unanswered (over SHARD_MAP_TENANT_PER_S).",
+            value=self.host.shard_map_rate_limited,
+        )
+        yield CounterMetricFamily(
             "kvfabric_directory_events_published",
             "Events JetStream acknowledged.",
             value=sum(shell.events_published for _, shell in shells),

@@ -56,6 +56,7 @@ async def serve(settings: RuntimeSettings) -> int:
         data_addr=shell.data_addr,
         incarnation=shell.incarnation,
         arena=str(shell.arena.path),
+        stale_files_removed=[str(p) for p in shell.stale_files_removed],
     )
     down = asyncio.create_task(shell.must_reregister.wait())
     stop = asyncio.create_task(runtime.wait_stop_requested())

@@ -5,22 +5,44 @@ client can map it read-only (`kvfabric.dataplane.shm`). Mode 0600: only processe
 segment's own OS user can map it — whoever can holds every tenant's bytes, so only engines
 trusted with all of them should run as that user (docs/security.md); others read over TCP.
 It is created exclusively, sized with `ftruncate` (pages are allocated lazily by the kernel),
-and unlinked on close: a new incarnation never sees an old one's bytes. Its slot board
+and unlinked on close: a new incarnation never sees an old one's bytes. A segment that was
+killed cannot unlink its files, and tmpfs keeps their pages: the next start of the same
+segment id removes its older incarnations' files (`remove_stale_arenas`) before creating its own
+(a reader that still maps one keeps its pages until it unmaps; nothing else is affected). Its slot board
 (`kvfabric.dataplane.slotboard`: where each stored slot is, for lock-free local reads) lives
 and dies with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from pathlib import Path
 
-from kvfabric.dataplane.slotboard import SlotBoard, board_path_of
+from kvfabric.dataplane.slotboard import BOARD_SUFFIX, SlotBoard, board_path_of
 
-__all__ = ["ARENA_FILE_MODE", "Arena"]
+__all__ = ["ARENA_FILE_MODE", "Arena", "remove_stale_arenas"]
 
 ARENA_FILE_MODE = 0o600
+
+
+def arena_name(segment_id: str, incarnation: int) -> str:
+    return f"kvf-{segment_id}-{incarnation}"
+
+
+def remove_stale_arenas(directory: Path, segment_id: str, incarnation: int) -> list[Path]:
+    """Unlink the arena and slot-board files of this segment id's incarnations older than
+    `incarnation` (left by a killed process). Returns what was removed."""
+    prefix = f"kvf-{segment_id}-"
+    removed = []
+    for path in directory.glob(f"{prefix}*"):
+        rest = path.name.removeprefix(prefix).removesuffix(BOARD_SUFFIX)
+        if rest.isdigit() and int(rest) < incarnation:  # another segment id's name has a "-" here
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+    return sorted(removed)
 
 
 class Arena:
@@ -30,7 +52,7 @@ class Arena:
         """`board_slots`: slot ids the board covers (the slot table's `slots_max`)."""
         if size_bytes <= 0:
             raise ValueError("arena size must be positive")
-        self.path = directory / f"kvf-{segment_id}-{incarnation}"
+        self.path = directory / arena_name(segment_id, incarnation)
         self.size_bytes = size_bytes
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, ARENA_FILE_MODE)
         try:

@@ -70,7 +70,7 @@ from kvfabric.proto.segment import (
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
-from kvfabric.segment_storage.arena import Arena
+from kvfabric.segment_storage.arena import Arena, remove_stale_arenas
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.copier import fetch_replica
 from kvfabric.segment_storage.scrubber import CorruptObject, Scrubber, ScrubPacer
@@ -97,6 +97,10 @@ class SegmentShell:
     def __init__(self, settings: SegmentSettings) -> None:
         self.settings = settings
         self.incarnation = new_incarnation()
+        # Files of this segment's earlier incarnations that were killed hold tmpfs pages: gone.
+        self.stale_files_removed = remove_stale_arenas(
+            settings.shm_dir, settings.segment_id, self.incarnation
+        )
         self.arena = Arena(settings.shm_dir, settings.segment_id, self.incarnation, settings.arena_bytes)
         self.slots = SlotTable(settings.arena_bytes)
         self.backend = ArenaBackend(
