@@ -310,11 +310,9 @@ async def test_pinned_local_read_unpins_without_waiting(placed: NatsClient) -> N
     loc = await put_and_commit(placed, key(g), data)
     addr, ref = ref_of(loc)
     with TcpDataClient.connect(addr) as client:
-        reader = ShmReader(client)
+        reader = ShmReader(client, use_board=False)  # as off x86-64, or with an older segment
         try:
-            assert reader.board is not None
-            reader.board.close()
-            reader.board = None  # as with a segment that publishes no board
+            assert reader.board is None
             assert reader.get_verified([ref], [bytearray(len(data))]) == [True]
             evicted = await directory_call(placed, "evict", m.Evict(groups=[g.to_bytes()]))
             assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == "evicting"

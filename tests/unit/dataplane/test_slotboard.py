@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvfabric.dataplane.slotboard import (
     ENTRY_BYTES,
     HEADER_BYTES,
+    STATE_GENERATION_MAX,
     SlotBoard,
     SlotBoardReader,
     board_path_of,
@@ -60,6 +61,33 @@ def test_board_file_lifecycle_and_header_checks(tmp_path: Path) -> None:
     (tmp_path / "junk").write_bytes(b"\0" * 4096)
     with pytest.raises(BadRequest):
         SlotBoardReader(str(tmp_path / "junk"), INCARNATION)
+    (tmp_path / "short").write_bytes(b"KVFSLOTS")  # shorter than a header and one entry
+    with pytest.raises(BadRequest):
+        SlotBoardReader(str(tmp_path / "short"), INCARNATION)
+
+
+def test_an_entry_pointing_outside_the_arena_reads_nothing(tmp_path: Path) -> None:
+    board = SlotBoard(tmp_path / "b", INCARNATION, SLOTS, 0o600)
+    reader = SlotBoardReader(str(tmp_path / "b"), INCARNATION)
+    arena = memoryview(bytearray(ARENA_BYTES))
+    board.publish(0, 1, ARENA_BYTES - OBJECT_BYTES // 2, OBJECT_BYTES, b"c" * 16)  # runs past the end
+    dest = memoryview(bytearray(OBJECT_BYTES))
+    assert reader.read_into(ref(0, 1), arena, dest, plain_copy)[0] == "not_found"
+    reader.close()
+    board.close()
+
+
+def test_generations_beyond_the_state_width_stay_off_the_board(tmp_path: Path) -> None:
+    board = SlotBoard(tmp_path / "b", INCARNATION, SLOTS, 0o600)
+    reader = SlotBoardReader(str(tmp_path / "b"), INCARNATION)
+    arena = memoryview(bytearray(ARENA_BYTES))
+    huge = STATE_GENERATION_MAX + 1
+    board.publish(0, huge, 0, OBJECT_BYTES, b"c" * 16)  # not published: read by pinning instead
+    board.withdraw(0, huge)  # no overflow
+    dest = memoryview(bytearray(OBJECT_BYTES))
+    assert reader.read_into(ref(0, huge), arena, dest, plain_copy)[0] != "ok"
+    reader.close()
+    board.close()
 
 
 def test_slots_beyond_the_board_are_ignored_by_the_writer(tmp_path: Path) -> None:

@@ -79,7 +79,7 @@ class FakeBackend:
         self.writing[slot] = conn
         offset = slot * SLOT_BYTES
         view = memoryview(self.arena)[offset : offset + ticket.size_bytes]
-        return PutSlot(slot, self.generations[slot], view, ticket)
+        return PutSlot(slot, self.generations[slot], view, ticket, offset)
 
     def finish_put(self, put: PutSlot, conn: int) -> tuple[int, int]:
         self.calls.append(("finish_put", conn))

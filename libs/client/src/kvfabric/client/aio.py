@@ -169,6 +169,7 @@ class AsyncKvClient:
             connections_per_segment_max=settings.connections_per_segment_max,
             timeout_s=settings.load_timeout_ms / 1000,
             use_shm=settings.use_shm,
+            lockfree_local_reads=settings.local_reads_lockfree,
             verify=not settings.unsafe_skip_verification_for_tests,
             local_segments=frozenset(s for s in settings.local_segments.split(",") if s),
             on_retry=self.metrics.replica_retries.inc,

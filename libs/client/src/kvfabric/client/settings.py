@@ -55,6 +55,9 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
     saves_queued_max: int = 64
     replica_attempts_max: int = 2  # replicas tried per object before the load gives up
     use_shm: bool = True  # read co-located segments through their shared-memory arena
+    # Local reads through the segment's slot board: no round trip, a free during the copy is
+    # detected (seqlock). False: each local read pins its slots through the segment first.
+    local_reads_lockfree: bool = True
     # Comma-separated ids of the segments on this host: their replicas are read first (and, when
     # set, only they through shared memory). Prefetch hints name one of them as the target.
     local_segments: str = ""

@@ -66,6 +66,7 @@ class SegmentPool:
         connections_per_segment_max: int,
         timeout_s: float,
         use_shm: bool,
+        lockfree_local_reads: bool = True,
         verify: bool = True,
         local_segments: frozenset[str] = frozenset(),
         on_retry: Callable[[], None] = lambda: None,
@@ -76,6 +77,7 @@ class SegmentPool:
         self.verify = verify  # False only under the chaos test switch
         self.timeout_s = timeout_s
         self.use_shm = use_shm
+        self.lockfree_local_reads = lockfree_local_reads  # slot board (else pin each local read)
         # Segments on this host (empty: any segment whose arena can be mapped counts as local).
         self.local_segments = local_segments
         self.on_retry = on_retry  # called once per read retried on another replica (metrics)
@@ -104,7 +106,7 @@ class SegmentPool:
             shm = None
             if shm_ok:
                 try:
-                    shm = ShmReader(tcp)
+                    shm = ShmReader(tcp, use_board=self.lockfree_local_reads)
                 except (KvfError, OSError, ValueError):
                     shm = None  # not co-located (or no arena file): TCP only
             conn = _Connection(tcp, shm)

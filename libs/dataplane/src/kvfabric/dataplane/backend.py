@@ -32,10 +32,10 @@ class PutSlot:
     slot_generation: int
     view: memoryview  # writable, exactly the object's size; valid until finish/abort
     ticket: WriteTicket
+    offset: int  # where `view` starts in the arena (published on the slot board when stored)
     # Set by a transport that hashed the bytes as they arrived; else `finish_put` hashes the slot.
     checksum: bytes | None = None
     trace_id: str = ""  # the writer's trace id (PUT meta): the segment's confirm carries it on
-    offset: int = 0  # where `view` starts in the arena
 
 
 @dataclass(slots=True)

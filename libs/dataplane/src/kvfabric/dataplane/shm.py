@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 from collections.abc import Sequence
 from typing import Final
 
-from kvfabric.dataplane.slotboard import SlotBoardReader
+from kvfabric.dataplane.slotboard import SlotBoardReader, board_usable
 from kvfabric.dataplane.tcp import TcpDataClient, destination_views, verified
 from kvfabric.format.checksum import StreamingChecksum, checksum
 from kvfabric.format.errors import KvfError, Unavailable
@@ -46,7 +47,9 @@ def verify(results: Sequence[ObjectResult], dests: Sequence[memoryview | bytearr
 class ShmReader:
     """Reads a co-located segment's objects from its shared-memory arena. Not thread-safe."""
 
-    def __init__(self, control: TcpDataClient) -> None:
+    def __init__(self, control: TcpDataClient, *, use_board: bool = True) -> None:
+        """`use_board=False`: pin every read through the segment (also the default off x86-64,
+        where the board's seqlock read is not sound; see `kvfabric.dataplane.slotboard`)."""
         self.control = control
         info = control.map_info()
         try:
@@ -60,10 +63,10 @@ class ShmReader:
         self._view = memoryview(self._map)
         self.incarnation = info.incarnation
         self.board: SlotBoardReader | None = None
-        if info.board_path:
+        if info.board_path and use_board and board_usable():
             try:
                 self.board = SlotBoardReader(info.board_path, info.incarnation)
-            except (KvfError, OSError, ValueError):
+            except (KvfError, OSError, ValueError, struct.error):
                 self.board = None  # unreadable here: every read pins through the segment
 
     def close(self) -> None:

@@ -135,7 +135,7 @@ class ArenaBackend:
             alloc = self.slots.alloc(ticket.size_bytes, now, ticket.deadline_ms, ticket.key)
             self._conn(conn).puts[alloc.slot] = (alloc.slot, alloc.generation)
         view = self.arena.slice(alloc.offset, alloc.size)
-        return PutSlot(alloc.slot, alloc.generation, view, ticket, offset=alloc.offset)
+        return PutSlot(alloc.slot, alloc.generation, view, ticket, alloc.offset)
 
     def finish_put(self, put: PutSlot, conn: int) -> tuple[int, int]:
         # Hashed on arrival by the transport, or now (nobody else can see a WRITING slot: no lock).
