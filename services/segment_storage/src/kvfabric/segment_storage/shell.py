@@ -83,6 +83,7 @@ __all__ = ["EXIT_REREGISTER", "SegmentShell", "new_incarnation"]
 
 EXIT_REREGISTER: Final = 75
 REQUEST_TIMEOUT_S: Final = 5.0
+HEARTBEAT_TIMEOUT_MIN_S: Final = 0.2  # a heartbeat request waits one interval, at least this
 MAP_REFRESH_BEATS: Final = 10  # the shard map is asked again at least every this many heartbeats
 SCRUB_TICK_S: Final = 0.1
 CORRUPT_REPORT_ATTEMPTS: Final = 3  # a report the directory could not take is retried, then dropped
@@ -165,12 +166,14 @@ class SegmentShell:
         self._saw_epoch(shard, getattr(reply, "epoch", 0))
         return reply
 
-    async def _every_leader(self, verb: str, message: msgspec.Struct) -> list[msgspec.Struct]:
+    async def _every_leader(
+        self, verb: str, message: msgspec.Struct, timeout_s: float = REQUEST_TIMEOUT_S
+    ) -> list[msgspec.Struct]:
         """Registration and heartbeats: every instance that leads a shard keeps segments. Raises
         the first error when no instance took it (or `NotFound`/`StaleGeneration` from any: a
         leader declared this incarnation down)."""
         assert self.router is not None
-        answers = await self.router.ask_all(verb, message, REQUEST_TIMEOUT_S)
+        answers = await self.router.ask_all(verb, message, timeout_s)
         replies: list[msgspec.Struct] = [a for a in answers if not isinstance(a, KvfError)]
         errors = [a for a in answers if isinstance(a, KvfError)]
         for err in errors:
@@ -285,8 +288,16 @@ class SegmentShell:
         return reply.results[0].status
 
     async def _heartbeats(self) -> None:
+        """One heartbeat round per interval, on a fixed cadence. A round waits at most one
+        interval for its slowest instance: an instance that died with a heartbeat in flight
+        (no reply, no `no responders`) must not hold back the next round to the others, or they
+        declare this segment down (heartbeat timeout) and it restarts empty."""
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
-            await asyncio.sleep(self.heartbeat_interval_ms / 1000)
+            interval_s = self.heartbeat_interval_ms / 1000
+            due = max(due + interval_s, loop.time())
+            await asyncio.sleep(due - loop.time())
             try:
                 await self._every_leader(
                     "heartbeat",
@@ -296,6 +307,7 @@ class SegmentShell:
                         used_bytes=self.slots.used_bytes,
                         draining=self.backend.draining,
                     ),
+                    timeout_s=min(REQUEST_TIMEOUT_S, max(HEARTBEAT_TIMEOUT_MIN_S, interval_s)),
                 )
             except (NotFound, StaleGeneration) as err:
                 self._log.warning("segment_declared_down", code=err.code)
