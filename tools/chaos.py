@@ -311,6 +311,12 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
     nats_url = state["nats_url"]
     auth = state.get("auth") or {}
     admin: dict[str, str] = auth.get("admin_env", {})  # credentials for the checkers' own queries
+    # A segment in its own network namespace stands for another host: its arena file is on this
+    # filesystem all the same, so name the others as the local ones (only they are read through
+    # shared memory), or a partitioned segment would keep serving local reads without a network.
+    prefix, remote = state.get("segment_prefix", "seg"), set(state.get("netns") or {})
+    segments = range(1, int(topo.get("segments", 3)) + 1)
+    local = [f"{prefix}-{i}" for i in segments if f"segment-{i}" not in remote]
     settings = settings_from_env(
         auth.get("tenants", {}).get("demo", {}),
         nats_url=nats_url,
@@ -319,6 +325,7 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
         save_timeout_ms=int(wl.get("save_timeout_ms", 3000)),
         lease_ttl_ms=int(wl.get("lease_ttl_ms", 4000)),
         use_shm=bool(wl.get("use_shm", True)),
+        local_segments=",".join(local) if remote else "",
         unsafe_skip_verification_for_tests=not verify,
     )
     SPEC = replace(TEST_SPEC, domain=settings.share_domain()) if auth else TEST_SPEC

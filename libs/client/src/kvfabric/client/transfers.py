@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final
@@ -43,6 +44,7 @@ def read_ref(replica: Replica, size_bytes: int) -> ReadRef:
 
 
 OK: Final = "ok"
+SWEEP_INTERVAL_S: Final = 1.0  # idle connections to removed arenas are closed this often
 
 
 @dataclass(slots=True)
@@ -82,6 +84,7 @@ class SegmentPool:
         self.local_segments = local_segments
         self.on_retry = on_retry  # called once per read retried on another replica (metrics)
         self._idle: dict[tuple[str, bool], list[_Connection]] = {}
+        self._swept_s = 0.0
         self._lock = threading.Lock()
         self._closed = False
 
@@ -96,8 +99,25 @@ class SegmentPool:
     def _shm_ok(self, segment_id: str) -> bool:
         return self.use_shm and (not self.local_segments or segment_id in self.local_segments)
 
+    def _sweep(self) -> None:
+        """Close idle connections whose segment arena is gone (at most once a second): their
+        maps would otherwise keep a dead incarnation's tmpfs pages alive while nobody reads
+        that address again (a restarted segment may listen elsewhere)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._swept_s < SWEEP_INTERVAL_S:
+                return
+            self._swept_s = now
+            dead = [c for conns in self._idle.values() for c in conns if c.shm is not None and c.shm.gone()]
+            dead_ids = {id(c) for c in dead}
+            for conns in self._idle.values():
+                conns[:] = [c for c in conns if id(c) not in dead_ids]
+        for conn in dead:
+            conn.close()
+
     @contextlib.contextmanager
     def _connection(self, data_addr: str, shm_ok: bool = False) -> Iterator[_Connection]:
+        self._sweep()
         with self._lock:
             conns = self._idle.get((data_addr, shm_ok))
             conn = conns.pop() if conns else None

@@ -58,8 +58,12 @@ class ShmReader:
             raise Unavailable(f"cannot open the segment arena {info.arena_path!r}: {exc}") from exc
         try:
             self._map = mmap.mmap(fd, info.arena_bytes, prot=mmap.PROT_READ)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        # Kept open to notice when the segment unlinks the arena (it stopped, or a new
+        # incarnation removed a killed one's files): the mapping would keep those pages alive.
+        self._fd = fd
         self._view = memoryview(self._map)
         self.incarnation = info.incarnation
         self.board: SlotBoardReader | None = None
@@ -69,11 +73,19 @@ class ShmReader:
             except (KvfError, OSError, ValueError, struct.error):
                 self.board = None  # unreadable here: every read pins through the segment
 
+    def gone(self) -> bool:
+        """The segment's arena file was removed: this incarnation is over, stop reading it."""
+        try:
+            return os.fstat(self._fd).st_nlink == 0
+        except OSError:
+            return True
+
     def close(self) -> None:
         if self.board is not None:
             self.board.close()
         self._view.release()
         self._map.close()
+        os.close(self._fd)
 
     def get(self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[ObjectResult]:
         """Copy objects into `dests`; only `ok` results were written (verify before use)."""
@@ -94,6 +106,8 @@ class ShmReader:
         self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray], *, hashed: bool
     ) -> list[tuple[ObjectResult, bytes]]:
         views = destination_views(reads, dests)
+        if self.gone():
+            raise Unavailable("the segment's arena was removed (the segment stopped or restarted)")
         copy = _copy_hashed if hashed else _copy
         board = self.board
         if board is not None and all(board.covers(ref) for ref in reads):
