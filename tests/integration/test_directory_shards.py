@@ -29,6 +29,7 @@ from kvfabric.proto.shards import shard_of
 from kvfabric.runtime.directory_router import DirectoryRouter, ShardRoute
 from kvfabric.testing import NatsCluster, NatsServer
 from tests.integration.clientkit import (
+    CHUNK_BYTES,
     TOKENS_PER_CHUNK,
     client,
     objects_for,
@@ -156,7 +157,23 @@ def test_shards_spread_by_handover_and_survive_a_leader_kill(nodes: list[NatsSer
         with client(nats_server) as reader:
             for tokens in prompts:
                 n, same = load_all(reader, tokens)
-                assert n == CHUNKS and same, "a handover lost or changed a published prompt"
+                if n != CHUNKS or not same:  # say where it was lost (a flake once, under load)
+                    hit = reader.lookup(tokens)
+                    result = reader.load(hit, [[bytearray(CHUNK_BYTES)] for _ in range(hit.chunks)])
+                    reader.release(hit)
+                    events = ("segment_report_failed", "segment_introduced", "shard_start_abandoned")
+                    logs = [
+                        line
+                        for proc in [*procs.values(), *segment_procs]
+                        for line in proc.output_tail(400).splitlines()
+                        if any(e in line for e in events)
+                    ]
+                    shards = [shard_of(g.to_bytes(), SHARDS) for g in groups_for(tokens)]
+                    raise AssertionError(
+                        f"a handover lost or changed a published prompt: loaded {n}/{CHUNKS} "
+                        f"(identical: {same}); again: hit {hit.chunks}, {result}; chunk shards "
+                        f"{shards}; {logs[-10:]}"
+                    )
 
         # The leader of prompts[0]'s first chunk is the victim.
         victim_shard = shard_of(groups_for(prompts[0])[0].to_bytes(), SHARDS)

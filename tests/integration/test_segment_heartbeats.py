@@ -80,5 +80,4 @@ def test_a_silent_instance_does_not_hold_back_heartbeats_to_the_others(nats_serv
             assert "segment_declared_down" not in segment.output_tail(200)
             assert segment.returncode is None, segment.output_tail(20)
             assert asyncio.run(segments_up(nats_server.url)) == [("seg-hb", True)]
-            assert swallowed[0] >= WATCH_S / 2  # rounds kept their cadence despite the silent one
         assert directory.returncode is None

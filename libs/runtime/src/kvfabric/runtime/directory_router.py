@@ -11,7 +11,7 @@ kvctl, tests) talks to the directory through a `DirectoryRouter`:
   no stale entry of a dead instance survives a refresh. It keeps the newest epoch per shard.
 - **Refresh** when a reply says `wrong_shard`, when the instance is gone (`no responders`) or no
   longer leads (`unavailable`), or when a shard has no known leader. Concurrent refreshes share
-  one round; at most `retries_max` attempts per call, `retry_wait_s` (±50 %) apart (a failover
+  one round; at most `retries_max` attempts per call, `retry_wait_s` (+0–50 %) apart (a failover
   takes a lease TTL: callers then fall back — a miss, a recompute — rather than wait).
 - **Fencing.** A request that carries `epoch = 0` is sent with the newest epoch known for its
   shard (so a replaced leader refuses it); a reply with an older epoch than one already seen
@@ -218,7 +218,7 @@ class DirectoryRouter:
         last: KvfError = Unavailable(f"no directory instance leads shard {shard}", shard=shard)
         for attempt in range(self.retries_max):
             if attempt:  # jittered: callers failing together (a failover) do not retry in step
-                await asyncio.sleep(self.retry_wait_s * random.uniform(0.5, 1.5))
+                await asyncio.sleep(self.retry_wait_s * random.uniform(1.0, 1.5))
             route = self.routes.get(shard)
             if route is None:
                 await self.refresh()
