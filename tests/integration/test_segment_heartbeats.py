@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import nats
 from nats.aio.msg import Msg
@@ -24,11 +23,11 @@ from kvfabric.testing import NatsServer
 from tests.integration.cluster import directory_call, directory_process, segment_process
 
 GHOST_EPOCH = 1 << 40  # newer than any real epoch: routers send shard 1's traffic to the ghost
-WATCH_S = 9.0
+WATCH_S = 14.0  # > 10 heartbeats: a segment that missed the ghost at start finds it at its periodic refresh
 
 
-async def ghost_instance(url: str, seconds: float) -> int:
-    """Claims shard 1 for `seconds`; returns how many heartbeats it swallowed."""
+async def ghost_instance(url: str, seconds: float, ready: threading.Event) -> int:
+    """Claims shard 1 for `seconds` (`ready` once it answers); returns the heartbeats it swallowed."""
     nc = await nats.connect(url)
     swallowed = 0
 
@@ -44,6 +43,7 @@ async def ghost_instance(url: str, seconds: float) -> int:
         await nc.subscribe(endpoint_subject(Service.DIRECTORY, "shard_map"), cb=shard_map)
         await nc.subscribe(instance_subject(Service.DIRECTORY, "heartbeat", "ghost"), cb=heartbeat)
         await nc.flush()
+        ready.set()
         await asyncio.sleep(seconds)
         return swallowed
     finally:
@@ -68,12 +68,13 @@ def test_a_silent_instance_does_not_hold_back_heartbeats_to_the_others(nats_serv
         KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS="4000",
     ) as directory:
         swallowed: list[int] = []
+        ready = threading.Event()
         ghost = threading.Thread(
-            target=lambda: swallowed.append(asyncio.run(ghost_instance(nats_server.url, WATCH_S))),
+            target=lambda: swallowed.append(asyncio.run(ghost_instance(nats_server.url, WATCH_S, ready))),
             daemon=True,
         )
         ghost.start()
-        time.sleep(0.5)  # the ghost is in the map before the segment first asks for it
+        assert ready.wait(30.0)  # the ghost is in the map before the segment first asks for it
         with segment_process(nats_server, "seg-hb") as segment:
             ghost.join(WATCH_S + 10)
             assert swallowed and swallowed[0] >= 1, "the segment never heartbeated the ghost: proves nothing"
