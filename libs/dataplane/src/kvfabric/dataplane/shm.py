@@ -81,11 +81,13 @@ class ShmReader:
             return True
 
     def close(self) -> None:
-        if self.board is not None:
-            self.board.close()
-        self._view.release()
-        self._map.close()
-        os.close(self._fd)
+        try:
+            if self.board is not None:
+                self.board.close()
+            self._view.release()
+            self._map.close()
+        finally:  # even if a view is still exported (BufferError): the fd never leaks
+            os.close(self._fd)
 
     def get(self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[ObjectResult]:
         """Copy objects into `dests`; only `ok` results were written (verify before use)."""
