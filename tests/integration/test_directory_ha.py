@@ -217,3 +217,40 @@ def test_leader_sigkill_standby_takes_over_with_the_cache_intact(nats_server: Na
             f"\nfailover {failover_s:.2f} s, epoch {old_epoch} -> {new_epoch}, "
             f"kept {kept}/{PROMPTS - 1}, {stats}"
         )
+
+
+def test_segment_that_missed_the_rebuild_is_adopted_later(nats_server: NatsServer) -> None:
+    """A segment paused through a failover does not answer the new leader's report (2 × 2 s)
+    and is left out of its rebuild. Once it runs again, its next heartbeat introduces it and,
+    since it holds bytes, rebuilds the shard: what it stores is found and read again (before,
+    it stayed invisible until the segment restarted)."""
+    prompts = [prompt(CHUNKS * TOKENS_PER_CHUNK, seed=500 + s) for s in range(6)]
+    with contextlib.ExitStack() as stack:
+        leader = stack.enter_context(directory_process(nats_server, **HA_ENV))
+        segment = stack.enter_context(segment_process(nats_server, "seg-late", KVF_SEGMENT_ZONE="za"))
+        standby = stack.enter_context(
+            directory_process(nats_server, ready_event="directory_standby", **HA_ENV)
+        )
+        with client(nats_server) as writer:
+            for tokens in prompts:
+                assert writer.save(tokens, objects_for(tokens, 0, CHUNKS)).chunks_saved == CHUNKS
+        old_epoch = leader.wait_for_event("directory_started", 1.0)["epoch"]
+
+        segment.send_signal(signal.SIGSTOP)
+        stack.callback(segment.send_signal, signal.SIGCONT)  # never left stopped
+        leader.send_signal(signal.SIGKILL)
+        started = standby.wait_for_event("directory_started", 20.0)
+        assert started["epoch"] > old_epoch
+        assert started["segments"] == 0, "the paused segment answered the report"
+        segment.send_signal(signal.SIGCONT)
+
+        deadline = time.monotonic() + 20.0
+        with client(nats_server) as reader:
+            for tokens in prompts:
+                while (n := load_all(reader, tokens))[0] < CHUNKS:
+                    assert n[1], "wrong bytes"
+                    assert time.monotonic() < deadline, f"{n[0]} of {CHUNKS} chunks found after the rebuild"
+                    time.sleep(0.2)
+                assert n[1]
+        rebuilt = standby.wait_for_event("shard_rebuild_for_missing_segment", 1.0)
+        assert rebuilt["segment_id"] == "seg-late" and rebuilt["epoch"] == started["epoch"]

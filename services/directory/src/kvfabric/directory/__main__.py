@@ -134,6 +134,8 @@ async def serve(settings: RuntimeSettings) -> int:
         lost = True
         runtime.request_stop("shard_start_failed")
 
+    host.restart_shard = start_or_give_up  # after a rebuild for a missing segment
+
     async def on_start(shard: int, epoch: int) -> None:
         # The rebuild runs beside the election loop: renewals of other shards must not wait.
         task = asyncio.create_task(start_or_give_up(shard, epoch))

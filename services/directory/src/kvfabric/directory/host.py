@@ -15,6 +15,13 @@ Shards come and go with leadership (`kvfabric.directory.leader`): `start_shard` 
 shard's index from the segments' reports (only keys of that shard) under the new epoch before it
 serves; `stop_shard` (a handover) stops serving it at once — its KV key is released only after.
 A lapsed lease stops the whole instance (the caller exits), as before sharding.
+
+A heartbeat from a registered segment that a shard core never saw (it registered while the
+shard was being rebuilt, or did not answer that rebuild's report in time) registers it there
+from the durable registry (`_introduce`). When it holds bytes, some may be of that shard and
+are invisible to it (a miss where the cache holds the prompt, and slots no one frees): the
+shard is rebuilt under the same epoch — stopped, then started from the segments' reports like
+after a failover (fencing, grace period) — at most once per `MISSING_SEGMENT_REBUILD_S_MIN`.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
 import msgspec
@@ -56,6 +63,8 @@ __all__ = ["BROADCAST_VERBS", "ShardHost", "shard_of_request"]
 BROADCAST_VERBS: Final = frozenset({"register", "heartbeat"})
 SHARD_MAP_VERB: Final = "shard_map"
 SETTLE_S: Final = 0.3
+MISSING_SEGMENT_REBUILD_S_MIN: Final = 10.0  # per shard: a flapping segment can't keep one down
+MISSING_SEGMENT_DRAIN_S: Final = 1.0  # the stopped shell's queued events still go out
 # A router refreshes at most every 50 ms (20/s) while failing: 50/s per tenant leaves room for
 # a few engines refreshing at once, and bounds what a flood costs this instance.
 SHARD_MAP_TENANT_PER_S: Final = 50.0
@@ -147,6 +156,12 @@ class ShardHost:
         self._announced: list[int] = []
         self.metrics_port: int | None = None  # logged with `directory_started`
         self._rebuild_ms: dict[int, int] = {}
+        # Starts a shard again after a rebuild for a missing segment; the service sets one that
+        # retries and stops the instance when it can't (a led shard is never left unserved).
+        self.restart_shard: Callable[[int, int], Awaitable[None]] = self.start_shard
+        self._missing_rebuilt_s: dict[int, float] = {}  # shard -> when one was last started
+        self._rebuilds: set[asyncio.Task[None]] = set()
+        self.missing_segment_rebuilds = 0
         # One bucket per granted tenant that asked (bounded by the grants); refused answers.
         self._shard_map_buckets: dict[str, _Bucket] = {}
         self.shard_map_rate_limited = 0
@@ -204,7 +219,9 @@ class ShardHost:
         epochs: list[m.ShardEpoch] = []
         for shard, shell in shells:
             if isinstance(message, m.Heartbeat) and message.segment_id not in shell.core.segments:
-                await self._introduce(shell, message)
+                introduced = await self._introduce(shell, message)
+                if introduced and message.used_bytes > 0:
+                    self._rebuild_later(shard, shell.core.epoch, message.segment_id)
             reply = await shell.handle(msgspec.structs.replace(message, epoch=0))
             epochs.append(m.ShardEpoch(shard, shell.core.epoch))
             first = first or reply
@@ -219,17 +236,40 @@ class ShardHost:
             )
         return m.HeartbeatAck(epoch=0)
 
-    async def _introduce(self, shell: DirectoryShell, heartbeat: m.Heartbeat) -> None:
+    async def _introduce(self, shell: DirectoryShell, heartbeat: m.Heartbeat) -> bool:
         """A shard core that never saw a registered segment (it registered while the shard was
         being rebuilt, or did not answer that rebuild's report): register it there from the
         durable registry, same incarnation, instead of answering `not_found` (which makes the
-        segment restart empty and lose every shard's objects). The core holds nothing of it;
-        slots of this shard the segment may still hold stay unknown until it restarts."""
+        segment restart empty and lose every shard's objects). The core holds nothing of it
+        yet: what it stores of this shard is found by a rebuild (`_rebuild_later`)."""
         registration = await self.registry.get(heartbeat.segment_id)
         if registration is None or registration.incarnation != heartbeat.incarnation:
-            return  # not the registered process: the core answers not_found
+            return False  # not the registered process: the core answers not_found
         await shell.handle(msgspec.structs.replace(registration, epoch=0))
         self._log.info("segment_introduced", shard=shell.core.shard, segment_id=heartbeat.segment_id)
+        return True
+
+    def _rebuild_later(self, shard: int, epoch: int, segment_id: str) -> None:
+        now_s = time.monotonic()
+        last_s = self._missing_rebuilt_s.get(shard)
+        if shard in self._starting or (last_s is not None and now_s - last_s < MISSING_SEGMENT_REBUILD_S_MIN):
+            return
+        self._missing_rebuilt_s[shard] = now_s
+        self.missing_segment_rebuilds += 1
+        self._log.warning(
+            "shard_rebuild_for_missing_segment", shard=shard, epoch=epoch, segment_id=segment_id
+        )
+        task = asyncio.create_task(self._rebuild(shard, epoch))
+        self._rebuilds.add(task)  # owned here until done (stop() waits for it)
+        task.add_done_callback(self._rebuilds.discard)
+
+    async def _rebuild(self, shard: int, epoch: int) -> None:
+        shell = self.shells.get(shard)
+        if shell is None or shell.core.epoch != epoch or shard in self._starting:
+            return  # handed over, or a start is already rebuilding it
+        await self.stop_shard(shard, drain_s=MISSING_SEGMENT_DRAIN_S)
+        if self.may_act(shard, epoch):
+            await self.restart_shard(shard, epoch)
 
     async def _remember_segment(self, registration: m.RegisterSegment) -> None:
         """The next leader of any shard asks the segments in this registry what they hold: no
@@ -389,6 +429,9 @@ class ShardHost:
         await shell.stop()
 
     async def stop(self) -> None:
+        for task in list(self._rebuilds):
+            task.cancel()
+        await asyncio.gather(*self._rebuilds, return_exceptions=True)
         for sub in self._subs:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()  # type: ignore[attr-defined]

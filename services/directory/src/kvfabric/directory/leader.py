@@ -62,6 +62,10 @@ SEGMENTS_BUCKET: Final = "KVF_DIRECTORY_SEGMENTS"
 CONFIG_BUCKET: Final = "KVF_DIRECTORY_CONFIG"
 LOOP_MS: Final = 100
 KV_TIMEOUT_S: Final = 2.0
+REGISTRY_GET_ATTEMPTS_MAX: Final = 3
+REGISTRY_GET_RETRY_S: Final = 0.1
+
+_log = get_logger("kvfabric.directory.registry")
 
 OnStart = Callable[[int, int], Awaitable[None]]
 OnStop = Callable[[int, int, str], Awaitable[None]]
@@ -126,13 +130,21 @@ class SegmentRegistry:
             return []
         out = []
         for key in sorted(keys):
-            try:
-                entry = await self.kv.get(key)
-            except nats.js.errors.KeyNotFoundError:
-                continue
-            if entry.value:
+            entry = await self._get_listed(key)
+            if entry is not None and entry.value:
                 out.append(msgspec.msgpack.decode(entry.value, type=m.RegisterSegment))
         return out
+
+    async def _get_listed(self, key: str) -> KeyValue.Entry | None:
+        """Registrations are never deleted: a listed key that reads as missing came from a
+        replica still catching up (direct gets on a NATS cluster), so ask again a few times."""
+        for attempt in range(REGISTRY_GET_ATTEMPTS_MAX):
+            try:
+                return await self.kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                await asyncio.sleep(REGISTRY_GET_RETRY_S * (attempt + 1))
+        _log.warning("registered_segment_unreadable", segment_id=key)
+        return None
 
 
 class LeaderElection:

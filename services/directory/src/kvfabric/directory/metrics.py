@@ -37,6 +37,11 @@ class DirectoryCollector(Collector):
             value=self.host.shard_map_rate_limited,
         )
         yield CounterMetricFamily(
+            "kvfabric_directory_missing_segment_rebuilds",
+            "Shards rebuilt because a segment holding bytes was unknown to them.",
+            value=self.host.missing_segment_rebuilds,
+        )
+        yield CounterMetricFamily(
             "kvfabric_directory_events_published",
             "Events JetStream acknowledged.",
             value=sum(shell.events_published for _, shell in shells),
