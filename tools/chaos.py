@@ -234,7 +234,7 @@ def evicted_groups(nats_url: str, admin: dict[str, str]) -> set[bytes]:
             while True:
                 try:
                     batch = await sub.fetch(1000, timeout=1.0)
-                except nats.errors.TimeoutError:
+                except TimeoutError:  # nats-py raises a bare asyncio one too (fetch deadline)
                     return out
                 for msg in batch:
                     event = m.event_decoder.decode(msg.data)

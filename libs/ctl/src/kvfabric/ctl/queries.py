@@ -335,7 +335,7 @@ async def tail_events(nc: NatsClient, n: int, timeout_s: float) -> list[Event]:
         while len(events) < count:
             try:
                 batch = await sub.fetch(count - len(events), timeout=timeout_s)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # nats-py raises a bare asyncio one too (fetch deadline)
                 break
             for msg in batch:
                 events.append(_event_of(msg))

@@ -180,7 +180,7 @@ class EvictionShell:
                 while True:
                     try:
                         batch = await sub.fetch(EVENTS_FETCH_MAX, timeout=EVENTS_FETCH_WAIT_S)
-                    except nats.errors.TimeoutError:
+                    except TimeoutError:  # nats-py raises a bare asyncio one too (fetch deadline)
                         self.caught_up.set()  # nothing new for a while: we are at the end
                         continue
                     for msg in batch:
