@@ -85,22 +85,30 @@ def timed_load(kv: object, tokens: list[int]) -> tuple[float, int, bool]:
 def test_a_hinted_prefix_is_loaded_from_the_local_segment(nats_server: NatsServer) -> None:
     prompts = [prompt(CHUNKS * TOKENS_PER_CHUNK, seed=700 + i) for i in range(12)]
     with contextlib.ExitStack() as stack:
-        stack.enter_context(directory_process(nats_server))
+        directory = stack.enter_context(directory_process(nats_server))
         remote = stack.enter_context(segment_process(nats_server, REMOTE, KVF_SEGMENT_ZONE="zr"))
         with client(nats_server) as writer:  # only the remote segment exists: everything lands there
             for tokens in prompts:
                 assert writer.save(tokens, objects_for(tokens, 0, CHUNKS)).chunks_saved == CHUNKS
         stack.enter_context(segment_process(nats_server, LOCAL, KVF_SEGMENT_ZONE="zl"))
-        stack.enter_context(prefetch_process(nats_server))
+        prefetch = stack.enter_context(prefetch_process(nats_server))
         engine = stack.enter_context(client(nats_server, local_segments=LOCAL, load_timeout_ms=1_500))
         hinted, unhinted = prompts[:6], prompts[6:]
         for i, tokens in enumerate(hinted):
             reply = asyncio.run(ask(nats_server.url, "hint", hint_for(tokens, f"req-{i}")))
-            assert (
-                isinstance(reply, p.HintReply)
-                and reply.status == "accepted"
-                and reply.objects_queued == CHUNKS
-            )
+            accepted = isinstance(reply, p.HintReply) and reply.status == "accepted"
+            if not (accepted and reply.objects_queued == CHUNKS):  # type: ignore[union-attr]
+                # Seen once under full-suite load (accepted, 0 queued: the prefetch's lookup
+                # missed): say what an engine sees now and what the services logged.
+                hit = engine.lookup(tokens)
+                engine.release(hit)
+                logged = [
+                    {k: e.get(k) for k in ("event", "shard", "segment_id", "reason", "error")}
+                    for proc in (directory, remote, prefetch)
+                    for e in proc.events()
+                    if e.get("level") in ("warning", "error") or "segment" in str(e.get("event"))
+                ]
+                pytest.fail(f"hint {i}: {reply}; an engine lookup now: {hit.chunks} chunks; logged: {logged}")
         again = asyncio.run(ask(nats_server.url, "hint", hint_for(hinted[0], "req-0")))
         # Deduplicated while req-0 is still live; if its copies already finished, nothing is queued.
         assert isinstance(again, p.HintReply) and (
