@@ -97,7 +97,7 @@ def test_a_hinted_prefix_is_loaded_from_the_local_segment(nats_server: NatsServe
         for i, tokens in enumerate(hinted):
             reply = asyncio.run(ask(nats_server.url, "hint", hint_for(tokens, f"req-{i}")))
             accepted = isinstance(reply, p.HintReply) and reply.status == "accepted"
-            if not (accepted and reply.objects_queued == CHUNKS):  # type: ignore[union-attr]
+            if not (accepted and reply.objects_queued == CHUNKS):  # type: ignore[attr-defined]
                 # Seen once under full-suite load (accepted, 0 queued: the prefetch's lookup
                 # missed): say what an engine sees now and what the services logged.
                 hit = engine.lookup(tokens)
