@@ -477,7 +477,8 @@ def down(run: Path, keep_logs: bool = False) -> int:
             os.kill(child_pid, signal.SIGKILL)
             if name.startswith("segment-"):  # a killed segment cannot unlink its arena itself
                 prefix = state.get("segment_prefix", "seg")
-                for arena in Path("/dev/shm").glob(f"kvf-{prefix}-{name.removeprefix('segment-')}-*"):
+                # (its arena, slot board and id lock)
+                for arena in Path("/dev/shm").glob(f"kvf-{prefix}-{name.removeprefix('segment-')}[-.]*"):
                     with contextlib.suppress(OSError):
                         arena.unlink()
     for link in (state.get("netns") or {}).values():  # a killed supervisor leaves them behind

@@ -76,7 +76,7 @@ def segment_process(
         ) as proc:
             yield proc
     finally:
-        for leftover in glob.glob(f"/dev/shm/kvf-{segment_id}-*"):  # only after a SIGKILL
+        for leftover in glob.glob(f"/dev/shm/kvf-{segment_id}[-.]*"):  # only after a SIGKILL
             os.unlink(leftover)
 
 

@@ -1,11 +1,22 @@
 """Arena files: a segment's start removes what its killed earlier incarnations left in tmpfs
-(arena + slot board), and nothing of another segment or of its own newer/current incarnation."""
+(arena + slot board), and nothing of another segment or of its own newer/current incarnation;
+one process per segment id and host holds the id's lock, so no live segment's files are removed."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from kvfabric.segment_storage.arena import Arena, remove_stale_arenas
+import pytest
+
+from kvfabric.segment_storage.arena import (
+    Arena,
+    SegmentIdInUse,
+    lock_path,
+    lock_segment_id,
+    remove_stale_arenas,
+    unlock_segment_id,
+)
 
 
 def test_start_removes_only_this_segments_older_incarnations(tmp_path: Path) -> None:
@@ -31,3 +42,42 @@ def test_an_arena_and_its_board_live_and_die_together(tmp_path: Path) -> None:
     assert arena.board.path == tmp_path / "kvf-seg-a-7.slots"
     arena.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_one_process_per_segment_id_holds_its_lock(tmp_path: Path) -> None:
+    fd = lock_segment_id(tmp_path, "seg-1")
+    other = lock_segment_id(tmp_path, "seg-1-2")  # another id: its own lock
+    with pytest.raises(SegmentIdInUse, match="seg-1"):
+        lock_segment_id(tmp_path, "seg-1")  # a second holder (flock is per open file: also here)
+    assert remove_stale_arenas(tmp_path, "seg-1", 1 << 60) == []  # never a lock file
+    unlock_segment_id(tmp_path, "seg-1", fd)
+    assert not lock_path(tmp_path, "seg-1").exists()
+    again = lock_segment_id(tmp_path, "seg-1")  # free after a clean stop
+    unlock_segment_id(tmp_path, "seg-1", again)
+    unlock_segment_id(tmp_path, "seg-1-2", other)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_lock_on_a_file_unlinked_meanwhile_is_taken_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start that opened the lock file just before a stopping holder unlinked it must not
+    keep a lock on the dead inode (a third start would then lock a new file: two holders)."""
+    path = lock_path(tmp_path, "seg-1")
+    real_open, opened = os.open, []
+
+    def open_then_holder_unlinks(name: str, flags: int, mode: int = 0o777) -> int:
+        fd = real_open(name, flags, mode)
+        opened.append(fd)
+        if len(opened) == 1:
+            os.unlink(path)  # the holder's clean stop, between our open and our flock
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_holder_unlinks)  # the arena module calls os.open
+    fd = lock_segment_id(tmp_path, "seg-1")
+    monkeypatch.undo()
+    assert len(opened) == 2 and fd == opened[1]  # took it again, on the file that is there
+    assert os.fstat(fd).st_ino == os.stat(path).st_ino
+    with pytest.raises(SegmentIdInUse):
+        lock_segment_id(tmp_path, "seg-1")
+    unlock_segment_id(tmp_path, "seg-1", fd)

@@ -17,6 +17,7 @@ from kvfabric.runtime.cli import service_cli
 from kvfabric.runtime.config import RuntimeSettings, SettingsError
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
+from kvfabric.segment_storage.arena import SegmentIdInUse
 from kvfabric.segment_storage.metrics import SegmentCollector
 from kvfabric.segment_storage.settings import load_segment_settings
 from kvfabric.segment_storage.shell import EXIT_REREGISTER, SegmentShell
@@ -32,7 +33,11 @@ async def serve(settings: RuntimeSettings) -> int:
     except SettingsError as exc:
         log.error("settings_invalid", error=str(exc))
         return EXIT_USAGE
-    shell = SegmentShell(config)
+    try:
+        shell = SegmentShell(config)
+    except SegmentIdInUse as exc:
+        log.error("segment_id_in_use", error=str(exc))
+        return EXIT_USAGE
     runtime = ServiceRuntime(
         Service.SEGMENT,
         settings,

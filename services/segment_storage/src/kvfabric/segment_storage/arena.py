@@ -8,7 +8,11 @@ It is created exclusively, sized with `ftruncate` (pages are allocated lazily by
 and unlinked on close: a new incarnation never sees an old one's bytes. A segment that was
 killed cannot unlink its files, and tmpfs keeps their pages: the next start of the same
 segment id removes its older incarnations' files (`remove_stale_arenas`) before creating its own
-(a reader that still maps one keeps its pages until it unmaps; nothing else is affected). Its slot board
+(a reader that still maps one keeps its pages until it unmaps; nothing else is affected). That is
+safe only while one process runs per segment id and host: a segment holds `kvf-<id>.lock`
+(`flock`, dropped by the kernel when the process dies; the file is removed at a clean stop) for
+its whole life, and a second one started with the same id is refused (`SegmentIdInUse`) before
+it touches any file. Its slot board
 (`kvfabric.dataplane.slotboard`: where each stored slot is, for lock-free local reads) lives
 and dies with it.
 """
@@ -16,24 +20,76 @@ and dies with it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 from pathlib import Path
 
 from kvfabric.dataplane.slotboard import BOARD_SUFFIX, SlotBoard, board_path_of
 
-__all__ = ["ARENA_FILE_MODE", "Arena", "remove_stale_arenas"]
+__all__ = [
+    "ARENA_FILE_MODE",
+    "Arena",
+    "SegmentIdInUse",
+    "lock_path",
+    "lock_segment_id",
+    "remove_stale_arenas",
+    "unlock_segment_id",
+]
 
 ARENA_FILE_MODE = 0o600
+LOCK_ATTEMPTS_MAX = 5
 
 
 def arena_name(segment_id: str, incarnation: int) -> str:
     return f"kvf-{segment_id}-{incarnation}"
 
 
+class SegmentIdInUse(RuntimeError):
+    """Another live process on this host runs a segment with this id (a misconfiguration)."""
+
+
+def lock_path(directory: Path, segment_id: str) -> Path:
+    return directory / f"kvf-{segment_id}.lock"  # ids have no ".": no arena or board name
+
+
+def lock_segment_id(directory: Path, segment_id: str) -> int:
+    """Take `kvf-<id>.lock` exclusively, without waiting; returns its fd. The caller owns it
+    until `unlock_segment_id` (a killed process leaves the file, unlocked: the next start
+    takes it). A lock won on a file a stopping segment unlinked meanwhile is taken again on
+    the new file, so two live processes never both hold the id."""
+    path = lock_path(directory, segment_id)
+    for _ in range(LOCK_ATTEMPTS_MAX):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, ARENA_FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SegmentIdInUse(
+                f"segment id {segment_id!r} is in use by another process on this host "
+                f"(it holds {path}); give each segment its own KVF_SEGMENT_ID"
+            ) from None
+        try:
+            current = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            return fd
+        os.close(fd)
+    raise SegmentIdInUse(f"segment id {segment_id!r}: {path} keeps being replaced")
+
+
+def unlock_segment_id(directory: Path, segment_id: str, fd: int) -> None:
+    """Remove the lock file while still holding it, then release it (see `lock_segment_id`)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(lock_path(directory, segment_id))
+    os.close(fd)
+
+
 def remove_stale_arenas(directory: Path, segment_id: str, incarnation: int) -> list[Path]:
     """Unlink the arena and slot-board files of this segment id's incarnations older than
-    `incarnation` (left by a killed process). Returns what was removed."""
+    `incarnation` (left by a killed process). Returns what was removed. Call it only while
+    holding the id's lock (`lock_segment_id`): otherwise a live segment's files may go."""
     prefix = f"kvf-{segment_id}-"
     removed = []
     for path in directory.glob(f"{prefix}*"):

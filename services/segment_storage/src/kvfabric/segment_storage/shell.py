@@ -70,7 +70,7 @@ from kvfabric.proto.segment import (
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
-from kvfabric.segment_storage.arena import Arena, remove_stale_arenas
+from kvfabric.segment_storage.arena import Arena, lock_segment_id, remove_stale_arenas, unlock_segment_id
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.copier import fetch_replica
 from kvfabric.segment_storage.scrubber import CorruptObject, Scrubber, ScrubPacer
@@ -98,11 +98,17 @@ class SegmentShell:
     def __init__(self, settings: SegmentSettings) -> None:
         self.settings = settings
         self.incarnation = new_incarnation()
-        # Files of this segment's earlier incarnations that were killed hold tmpfs pages: gone.
-        self.stale_files_removed = remove_stale_arenas(
-            settings.shm_dir, settings.segment_id, self.incarnation
-        )
-        self.arena = Arena(settings.shm_dir, settings.segment_id, self.incarnation, settings.arena_bytes)
+        # Held until stop (or death): no second process of this id can remove our files below.
+        self._id_lock_fd = lock_segment_id(settings.shm_dir, settings.segment_id)
+        try:
+            # Files of this segment's earlier incarnations that were killed hold tmpfs pages: gone.
+            self.stale_files_removed = remove_stale_arenas(
+                settings.shm_dir, settings.segment_id, self.incarnation
+            )
+            self.arena = Arena(settings.shm_dir, settings.segment_id, self.incarnation, settings.arena_bytes)
+        except BaseException:
+            unlock_segment_id(settings.shm_dir, settings.segment_id, self._id_lock_fd)
+            raise
         self.slots = SlotTable(settings.arena_bytes)
         self.backend = ArenaBackend(
             self.arena,
@@ -254,6 +260,9 @@ class SegmentShell:
             await asyncio.to_thread(self.ucx.stop)
         await asyncio.to_thread(self.server.stop)
         self.arena.close()
+        if self._id_lock_fd >= 0:  # the id is free for the next incarnation
+            unlock_segment_id(self.settings.shm_dir, self.settings.segment_id, self._id_lock_fd)
+            self._id_lock_fd = -1
 
     # ---- directory traffic ---------------------------------------------------------------------
 
