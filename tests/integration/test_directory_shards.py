@@ -21,6 +21,7 @@ import nats
 import pytest
 
 from kvfabric.core.leadership import desired_owner
+from kvfabric.ctl.queries import EVENTS_STREAM
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import StaleGeneration
@@ -108,6 +109,16 @@ def ask(url: str, raw_key: bytes, verb: str, message: m.DirectoryRequest) -> obj
     return asyncio.run(go())
 
 
+async def events_replicas(url: str) -> int:
+    """Replicas of the directory's events stream (the policy services follow it)."""
+    nc = await nats.connect(url)
+    try:
+        info = await nc.jetstream().stream_info(EVENTS_STREAM)
+        return info.config.num_replicas or 1
+    finally:
+        await nc.close()
+
+
 @pytest.fixture(params=["one-server", "nats-cluster"])
 def nodes(
     request: pytest.FixtureRequest, nats_server: NatsServer, tmp_path: Path
@@ -153,6 +164,7 @@ def test_shards_spread_by_handover_and_survive_a_leader_kill(nodes: list[NatsSer
         time.sleep(3.0)  # longer than the heartbeat timeout: every shard's leader must hear segments
         segments = asyncio.run(all_segments(url))
         assert [(x.segment_id, x.up) for x in segments.segments] == [("seg-sh1", True), ("seg-sh2", True)]
+        assert asyncio.run(events_replicas(url)) == int(env["KVF_DIRECTORY_KV_REPLICAS"])
         assert all(p.returncode is None for p in segment_procs)
         with client(nats_server) as reader:
             for tokens in prompts:
@@ -161,7 +173,12 @@ def test_shards_spread_by_handover_and_survive_a_leader_kill(nodes: list[NatsSer
                     hit = reader.lookup(tokens)
                     result = reader.load(hit, [[bytearray(CHUNK_BYTES)] for _ in range(hit.chunks)])
                     reader.release(hit)
-                    events = ("segment_report_failed", "segment_introduced", "shard_start_abandoned")
+                    events = (
+                        "segment_report_failed",
+                        "segment_introduced",
+                        "shard_rebuild_for_missing_segment",
+                        "shard_start_abandoned",
+                    )
                     logs = [
                         line
                         for proc in [*procs.values(), *segment_procs]

@@ -101,6 +101,7 @@ async def serve(settings: RuntimeSettings) -> int:
             events_outbox_max=config.events_outbox_max,
             events_max_age_s=config.events_max_age_s,
             free_timeout_s=config.free_timeout_s,
+            events_replicas=config.kv_replicas,
         )
 
     host = ShardHost(

@@ -82,8 +82,10 @@ class DirectoryShell:
         events_outbox_max: int,
         events_max_age_s: int,
         free_timeout_s: float,
+        events_replicas: int = 1,
     ) -> None:
         self.core = core
+        self.events_replicas = events_replicas  # of the events stream (3 on a NATS cluster)
         self.tick_ms = tick_ms
         self.events_max_age_s = events_max_age_s
         self.free_timeout_s = free_timeout_s
@@ -137,6 +139,7 @@ class DirectoryShell:
             name=EVENTS_STREAM,
             subjects=[events_wildcard(Service.DIRECTORY)],
             max_age=float(self.events_max_age_s),
+            num_replicas=self.events_replicas,
         )
         try:
             await js.add_stream(config)
