@@ -22,7 +22,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TENANT_GRANTS_FILE` | unset | a file holding the GRANTS JSON (wins over the variable) |
 | `KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS` | 0 (off) | pad tenant lookup replies to this many ms |
 | `KVF_DIRECTORY_SHARDS` | 16 | virtual shards (fixed for a cluster's life: every instance must agree) |
-| `KVF_DIRECTORY_KV_REPLICAS` | 1 | replicas of the KV buckets and the events stream it creates (3 on a NATS cluster) |
+| `KVF_DIRECTORY_KV_REPLICAS` | 1 | replicas of its KV buckets and events stream (3 on a NATS cluster) |
 | `KVF_DIRECTORY_REBALANCE` | 0 | 1: shards move to a joining instance (rendezvous hashing); 0: sticky |
 
 With more than one shard, every shard's core enforces a tenant's `bytes_max` and `objects_max`
