@@ -82,3 +82,57 @@ def test_a_wrong_shard_answer_or_a_timeout_makes_the_router_ask_the_map_again(
     with pytest.raises(Indeterminate):  # may have run: not retried here, but the route is dropped
         asyncio.run(router.ask(0, "lease_release", m.LeaseRelease(holder_id="h", lease_id=1), 1.0))
     assert 0 not in router.routes
+
+
+class SilentOrAnsweringNats:
+    """Just what `DirectoryRouter.refresh` uses: `shard_map` is answered with `answer`, or by
+    nobody in time when it is None (a directory slow under load)."""
+
+    def __init__(self) -> None:
+        self.answer: m.ShardMapReply | None = None
+        self._callbacks: dict[str, Any] = {}
+
+    def new_inbox(self) -> str:
+        return "_INBOX.test"
+
+    async def subscribe(self, subject: str, cb: Any) -> Any:
+        self._callbacks[subject] = cb
+        nc = self
+
+        class Sub:
+            async def unsubscribe(self) -> None:
+                nc._callbacks.pop(subject, None)
+
+        return Sub()
+
+    async def publish(self, subject: str, data: bytes, reply: str = "") -> None:
+        if self.answer is not None:
+            msg = type("Msg", (), {"data": msgspec.msgpack.encode(self.answer)})()
+            await self._callbacks[reply](msg)
+
+
+def test_a_suspect_map_keeps_its_routes_until_an_instance_answers() -> None:
+    """`forget_all` (a segment's heartbeat missed an instance) must not leave the router with
+    nobody to send to while refreshes go unanswered: before, the routes were emptied, heartbeats
+    stopped, and the directory declared a live segment down."""
+    nc = SilentOrAnsweringNats()
+    router = DirectoryRouter(cast(Any, nc), gather_s=0.01)
+    nc.answer = m.ShardMapReply(
+        shards=2, instance="dir-a", leaders=[m.ShardLeader(0, "dir-a", 3), m.ShardLeader(1, "dir-a", 4)]
+    )
+
+    async def go() -> None:
+        await router.refresh()
+        assert router.complete and router.instances() == ["dir-a"]
+        router.forget_all()
+        assert not router.complete  # the next ask_all refreshes first
+        nc.answer = None
+        await router.refresh()  # nobody answered in time
+        assert router.instances() == ["dir-a"] and not router.complete  # kept, still suspect
+        nc.answer = m.ShardMapReply(
+            shards=2, instance="dir-b", leaders=[m.ShardLeader(0, "dir-b", 5), m.ShardLeader(1, "dir-b", 6)]
+        )
+        await router.refresh()
+        assert router.complete and router.instances() == ["dir-b"]
+
+    asyncio.run(go())

@@ -105,6 +105,7 @@ class DirectoryRouter:
         self.refreshes = 0
         self._refreshing: asyncio.Task[None] | None = None
         self._refreshed_s = 0.0
+        self._suspect = False  # `forget_all` was called: refresh before the next `ask_all`
 
     # ---- the map -------------------------------------------------------------------------------
 
@@ -127,7 +128,7 @@ class DirectoryRouter:
 
     @property
     def complete(self) -> bool:
-        return self.shards > 0 and len(self.routes) == self.shards
+        return self.shards > 0 and not self._suspect and len(self.routes) == self.shards
 
     def instances(self) -> list[str]:
         return sorted({route.instance for route in self.routes.values()})
@@ -178,6 +179,7 @@ class DirectoryRouter:
         self._refreshed_s = time.monotonic()
         if not parts:
             return  # nobody answered: keep what we had (callers get `unavailable` from the leaders)
+        self._suspect = False
         self.shards = shards
         self.routes = merge_map(parts, shards, self.epochs)
         for s, r in self.routes.items():
@@ -187,8 +189,12 @@ class DirectoryRouter:
         self.routes.pop(shard, None)
 
     def forget_all(self) -> None:
-        """The map is suspect (an instance did not answer): the next call refreshes it."""
-        self.routes = {}
+        """The map is suspect (an instance did not answer): the next `ask_all` refreshes it. The
+        routes stay until an instance answers: a refresh nobody answered in time (a directory
+        slow under load) must not leave no one to send to. (Emptying them here once made a
+        segment's heartbeats stop for as long as refreshes came back empty, until the directory
+        declared it down and it restarted empty.)"""
+        self._suspect = True
 
     # ---- requests ------------------------------------------------------------------------------
 

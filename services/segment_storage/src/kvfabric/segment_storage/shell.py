@@ -84,6 +84,7 @@ __all__ = ["EXIT_REREGISTER", "SegmentShell", "new_incarnation"]
 EXIT_REREGISTER: Final = 75
 REQUEST_TIMEOUT_S: Final = 5.0
 HEARTBEAT_TIMEOUT_MIN_S: Final = 0.2  # a heartbeat request waits one interval, at least this
+HEARTBEATS_FAILED_WARN: Final = 2  # failed rounds in a row logged as a warning
 MAP_REFRESH_BEATS: Final = 10  # the shard map is asked again at least every this many heartbeats
 SCRUB_TICK_S: Final = 0.1
 CORRUPT_REPORT_ATTEMPTS: Final = 3  # a report the directory could not take is retried, then dropped
@@ -303,6 +304,7 @@ class SegmentShell:
         declare this segment down (heartbeat timeout) and it restarts empty."""
         loop = asyncio.get_running_loop()
         due = loop.time()
+        failed_in_a_row = 0
         while True:
             interval_s = self.heartbeat_interval_ms / 1000
             due = max(due + interval_s, loop.time())
@@ -323,7 +325,11 @@ class SegmentShell:
                 self.must_reregister.set()
                 return
             except KvfError as err:  # directory unreachable: keep trying, keep serving reads
-                self._log.info("heartbeat_failed", code=err.code)
+                failed_in_a_row += 1  # one is routine (a failover); a run of them nears the timeout
+                log = self._log.warning if failed_in_a_row >= HEARTBEATS_FAILED_WARN else self._log.info
+                log("heartbeat_failed", code=err.code, failed_in_a_row=failed_in_a_row)
+            else:
+                failed_in_a_row = 0
 
     async def _on_free(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
         message = segment_decoder.decode(data)
