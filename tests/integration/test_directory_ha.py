@@ -219,15 +219,26 @@ def test_leader_sigkill_standby_takes_over_with_the_cache_intact(nats_server: Na
         )
 
 
-def test_segment_that_missed_the_rebuild_is_adopted_later(nats_server: NatsServer) -> None:
+def shard_starts(proc: object) -> int:
+    return sum(e.get("event") == "shard_started" for e in proc.events())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("late", [1, 2], ids=["one-segment", "two-segments"])
+def test_segments_that_missed_the_rebuild_are_adopted_later(nats_server: NatsServer, late: int) -> None:
     """A segment paused through a failover does not answer the new leader's report (2 × 2 s)
     and is left out of its rebuild. Once it runs again, its next heartbeat introduces it and,
     since it holds bytes, rebuilds the shard: what it stores is found and read again (before,
-    it stayed invisible until the segment restarted)."""
+    it stayed invisible until the segment restarted). With two, the second resumes only after
+    the rebuild for the first (which it missed too), inside that shard's backoff: its rebuild
+    is deferred, never dropped."""
     prompts = [prompt(CHUNKS * TOKENS_PER_CHUNK, seed=500 + s) for s in range(6)]
+    names = [f"seg-late{i}" for i in range(late)]
     with contextlib.ExitStack() as stack:
         leader = stack.enter_context(directory_process(nats_server, **HA_ENV))
-        segment = stack.enter_context(segment_process(nats_server, "seg-late", KVF_SEGMENT_ZONE="za"))
+        segments = [
+            stack.enter_context(segment_process(nats_server, name, KVF_SEGMENT_ZONE=f"z{i}"))
+            for i, name in enumerate(names)
+        ]
         standby = stack.enter_context(
             directory_process(nats_server, ready_event="directory_standby", **HA_ENV)
         )
@@ -236,15 +247,22 @@ def test_segment_that_missed_the_rebuild_is_adopted_later(nats_server: NatsServe
                 assert writer.save(tokens, objects_for(tokens, 0, CHUNKS)).chunks_saved == CHUNKS
         old_epoch = leader.wait_for_event("directory_started", 1.0)["epoch"]
 
-        segment.send_signal(signal.SIGSTOP)
-        stack.callback(segment.send_signal, signal.SIGCONT)  # never left stopped
+        for segment in segments:
+            segment.send_signal(signal.SIGSTOP)
+            stack.callback(segment.send_signal, signal.SIGCONT)  # never left stopped
         leader.send_signal(signal.SIGKILL)
         started = standby.wait_for_event("directory_started", 20.0)
         assert started["epoch"] > old_epoch
-        assert started["segments"] == 0, "the paused segment answered the report"
-        segment.send_signal(signal.SIGCONT)
+        assert started["segments"] == 0, "a paused segment answered the report"
+        segments[0].send_signal(signal.SIGCONT)
+        if late == 2:
+            deadline = time.monotonic() + 20.0
+            while shard_starts(standby) < 2:  # the rebuild for the first is done (without the second)
+                assert time.monotonic() < deadline, "no rebuild for the first segment"
+                time.sleep(0.1)
+            segments[1].send_signal(signal.SIGCONT)
 
-        deadline = time.monotonic() + 20.0
+        deadline = time.monotonic() + 30.0  # the backoff (10 s) and a rebuild
         with client(nats_server) as reader:
             for tokens in prompts:
                 while (n := load_all(reader, tokens))[0] < CHUNKS:
@@ -252,5 +270,7 @@ def test_segment_that_missed_the_rebuild_is_adopted_later(nats_server: NatsServe
                     assert time.monotonic() < deadline, f"{n[0]} of {CHUNKS} chunks found after the rebuild"
                     time.sleep(0.2)
                 assert n[1]
-        rebuilt = standby.wait_for_event("shard_rebuild_for_missing_segment", 1.0)
-        assert rebuilt["segment_id"] == "seg-late" and rebuilt["epoch"] == started["epoch"]
+        asked = [e for e in standby.events() if e.get("event") == "shard_rebuild_for_missing_segment"]
+        assert {e["segment_id"] for e in asked} == set(names)
+        assert {e["epoch"] for e in asked} == {started["epoch"]}
+        assert shard_starts(standby) == 1 + late

@@ -87,7 +87,9 @@ class ShmReader:
             self._view.release()
             self._map.close()
         finally:  # even if a view is still exported (BufferError): the fd never leaks
-            os.close(self._fd)
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1  # a second close must not close a reused fd number
 
     def get(self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[ObjectResult]:
         """Copy objects into `dests`; only `ok` results were written (verify before use)."""

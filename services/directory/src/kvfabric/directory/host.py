@@ -21,7 +21,9 @@ shard was being rebuilt, or did not answer that rebuild's report in time) regist
 from the durable registry (`_introduce`). When it holds bytes, some may be of that shard and
 are invisible to it (a miss where the cache holds the prompt, and slots no one frees): the
 shard is rebuilt under the same epoch — stopped, then started from the segments' reports like
-after a failover (fencing, grace period) — at most once per `MISSING_SEGMENT_REBUILD_S_MIN`.
+after a failover (fencing, grace period): at once, then with a per-shard backoff
+(`MISSING_SEGMENT_REBUILD_S_MIN` doubling to `_MAX`). The old core stops acting before the new
+one is built, so no two cores of one shard and epoch ever act together.
 """
 
 from __future__ import annotations
@@ -63,7 +65,11 @@ __all__ = ["BROADCAST_VERBS", "ShardHost", "shard_of_request"]
 BROADCAST_VERBS: Final = frozenset({"register", "heartbeat"})
 SHARD_MAP_VERB: Final = "shard_map"
 SETTLE_S: Final = 0.3
-MISSING_SEGMENT_REBUILD_S_MIN: Final = 10.0  # per shard: a flapping segment can't keep one down
+# Per shard, between rebuilds for a missing segment: 10 s, doubling up to 5 min (reset after
+# 5 quiet minutes), so a segment that heartbeats but never answers a report in time can't keep
+# a shard restarting and in its grace period (frees of adopted slots wait for its end).
+MISSING_SEGMENT_REBUILD_S_MIN: Final = 10.0
+MISSING_SEGMENT_REBUILD_S_MAX: Final = 300.0
 MISSING_SEGMENT_DRAIN_S: Final = 1.0  # the stopped shell's queued events still go out
 # A router refreshes at most every 50 ms (20/s) while failing: 50/s per tenant leaves room for
 # a few engines refreshing at once, and bounds what a flood costs this instance.
@@ -159,8 +165,10 @@ class ShardHost:
         # Starts a shard again after a rebuild for a missing segment; the service sets one that
         # retries and stops the instance when it can't (a led shard is never left unserved).
         self.restart_shard: Callable[[int, int], Awaitable[None]] = self.start_shard
-        self._missing_rebuilt_s: dict[int, float] = {}  # shard -> when one was last started
-        self._rebuilds: set[asyncio.Task[None]] = set()
+        self._rebuild_last_s: dict[int, float] = {}  # shard -> when its last rebuild began
+        self._rebuild_wait_s: dict[int, float] = {}  # shard -> its backoff (doubles, capped)
+        self._rebuild_pending: dict[int, asyncio.Task[None]] = {}
+        self._stopping = False
         self.missing_segment_rebuilds = 0
         # One bucket per granted tenant that asked (bounded by the grants); refused answers.
         self._shard_map_buckets: dict[str, _Bucket] = {}
@@ -250,25 +258,51 @@ class ShardHost:
         return True
 
     def _rebuild_later(self, shard: int, epoch: int, segment_id: str) -> None:
-        now_s = time.monotonic()
-        last_s = self._missing_rebuilt_s.get(shard)
-        if shard in self._starting or (last_s is not None and now_s - last_s < MISSING_SEGMENT_REBUILD_S_MIN):
+        """Rebuild `shard` once its backoff allows (never dropped: the segment is known to the
+        core from now on, so no later heartbeat would ask again). One pending rebuild per
+        shard covers every segment missed meanwhile: it asks all registered segments."""
+        pending = self._rebuild_pending.get(shard)
+        if self._stopping or (pending is not None and not pending.done()):
             return
-        self._missing_rebuilt_s[shard] = now_s
-        self.missing_segment_rebuilds += 1
+        now_s = time.monotonic()
+        last_s = self._rebuild_last_s.get(shard)
+        if last_s is None or now_s - last_s > MISSING_SEGMENT_REBUILD_S_MAX:
+            self._rebuild_wait_s[shard] = MISSING_SEGMENT_REBUILD_S_MIN  # quiet for long: reset
+        delay_s = 0.0 if last_s is None else max(0.0, last_s + self._rebuild_wait_s[shard] - now_s)
         self._log.warning(
-            "shard_rebuild_for_missing_segment", shard=shard, epoch=epoch, segment_id=segment_id
+            "shard_rebuild_for_missing_segment",
+            shard=shard,
+            epoch=epoch,
+            segment_id=segment_id,
+            delay_s=round(delay_s, 1),
         )
-        task = asyncio.create_task(self._rebuild(shard, epoch))
-        self._rebuilds.add(task)  # owned here until done (stop() waits for it)
-        task.add_done_callback(self._rebuilds.discard)
+        task = asyncio.create_task(self._rebuild(shard, epoch, delay_s))
+        self._rebuild_pending[shard] = task  # owned here until done (stop() cancels it)
 
-    async def _rebuild(self, shard: int, epoch: int) -> None:
+        def done(finished: asyncio.Task[None]) -> None:
+            if self._rebuild_pending.get(shard) is finished:
+                del self._rebuild_pending[shard]
+
+        task.add_done_callback(done)
+
+    async def _rebuild(self, shard: int, epoch: int, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
         shell = self.shells.get(shard)
-        if shell is None or shell.core.epoch != epoch or shard in self._starting:
-            return  # handed over, or a start is already rebuilding it
-        await self.stop_shard(shard, drain_s=MISSING_SEGMENT_DRAIN_S)
-        if self.may_act(shard, epoch):
+        if self._stopping or shell is None or shell.core.epoch != epoch or shard in self._starting:
+            return  # handed over, lost, or a start is already rebuilding it
+        self._rebuild_last_s[shard] = time.monotonic()
+        wait_s = self._rebuild_wait_s.get(shard, MISSING_SEGMENT_REBUILD_S_MIN)
+        self._rebuild_wait_s[shard] = min(wait_s * 2, MISSING_SEGMENT_REBUILD_S_MAX)
+        self.missing_segment_rebuilds += 1
+        # The old core stops acting before the new one exists: no tick, request or free of it
+        # overlaps the new core (same epoch: segments could not tell their frees apart), and its
+        # queued events go out before the new core's.
+        del self.shells[shard]
+        shell.may_act = lambda: False
+        await shell.drain_events(MISSING_SEGMENT_DRAIN_S)
+        await shell.stop()
+        self._log.info("shard_stopped", shard=shard, epoch=epoch, reason="rebuild_for_missing_segment")
+        if self.may_act(shard, epoch) and not self._stopping:
             await self.restart_shard(shard, epoch)
 
     async def _remember_segment(self, registration: m.RegisterSegment) -> None:
@@ -429,9 +463,11 @@ class ShardHost:
         await shell.stop()
 
     async def stop(self) -> None:
-        for task in list(self._rebuilds):
+        self._stopping = True  # no rebuild starts (or restarts a shard) from now on
+        pending = list(self._rebuild_pending.values())
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*self._rebuilds, return_exceptions=True)
+        await asyncio.gather(*pending, return_exceptions=True)
         for sub in self._subs:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()  # type: ignore[attr-defined]

@@ -117,11 +117,10 @@ class SegmentRegistry:
         await self.kv.put(registration.segment_id, msgspec.msgpack.encode(registration))
 
     async def get(self, segment_id: str) -> m.RegisterSegment | None:
-        try:
-            entry = await self.kv.get(segment_id)
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        return msgspec.msgpack.decode(entry.value, type=m.RegisterSegment) if entry.value else None
+        """The registration of a segment that heartbeats (so it registered: read as missing only
+        from a lagging replica, asked again); None if it never did."""
+        entry = await self._get_listed(segment_id)
+        return msgspec.msgpack.decode(entry.value, type=m.RegisterSegment) if entry and entry.value else None
 
     async def all(self) -> list[m.RegisterSegment]:
         try:
@@ -136,8 +135,8 @@ class SegmentRegistry:
         return out
 
     async def _get_listed(self, key: str) -> KeyValue.Entry | None:
-        """Registrations are never deleted: a listed key that reads as missing came from a
-        replica still catching up (direct gets on a NATS cluster), so ask again a few times."""
+        """Registrations are never deleted: a key known to exist that reads as missing came from
+        a replica still catching up (direct gets on a NATS cluster), so ask again a few times."""
         for attempt in range(REGISTRY_GET_ATTEMPTS_MAX):
             try:
                 return await self.kv.get(key)
