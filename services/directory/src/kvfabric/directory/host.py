@@ -297,11 +297,7 @@ class ShardHost:
         # The old core stops acting before the new one exists: no tick, request or free of it
         # overlaps the new core (same epoch: segments could not tell their frees apart), and its
         # queued events go out before the new core's.
-        del self.shells[shard]
-        shell.may_act = lambda: False
-        await shell.drain_events(MISSING_SEGMENT_DRAIN_S)
-        await shell.stop()
-        self._log.info("shard_stopped", shard=shard, epoch=epoch, reason="rebuild_for_missing_segment")
+        await self.stop_shard(shard, drain_s=MISSING_SEGMENT_DRAIN_S, background=False)
         if self.may_act(shard, epoch) and not self._stopping:
             await self.restart_shard(shard, epoch)
 
@@ -443,19 +439,21 @@ class ShardHost:
             grace_until_ms=max((c.grace_until_ms for c in cores), default=0),
         )
 
-    async def stop_shard(self, shard: int, *, drain_s: float = 0.0) -> None:
-        """Stop serving `shard` at once. On a handover (`drain_s` > 0) its already queued events
-        still go to JetStream, for up to `drain_s`, in the background (the caller releases the
-        lease key meanwhile: the shell serves nothing and ticks nothing any more)."""
+    async def stop_shard(self, shard: int, *, drain_s: float = 0.0, background: bool = True) -> None:
+        """Stop serving `shard` at once: the shell serves, ticks and frees nothing from now on.
+        With `drain_s` > 0 its already queued events still go to JetStream, for up to `drain_s`:
+        in the background on a handover (the caller releases the lease key meanwhile), or before
+        returning (`background=False`: a rebuild, whose new core's events must come after)."""
         shell = self.shells.pop(shard, None)
         if shell is None:
             return
-        if drain_s > 0:
+        shell.may_act = lambda: False
+        if drain_s > 0 and background:
             task = asyncio.create_task(self._retire(shell, drain_s))
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
         else:
-            await shell.stop()
+            await self._retire(shell, drain_s)
         self._log.info("shard_stopped", shard=shard, epoch=shell.core.epoch)
 
     async def _retire(self, shell: DirectoryShell, drain_s: float) -> None:
