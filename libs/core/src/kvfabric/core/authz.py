@@ -48,6 +48,7 @@ from kvfabric.proto import directory as m
 
 __all__ = [
     "DOMAIN_DIGEST_BYTES",
+    "GIVEBACK_VERBS",
     "TENANT_NAME_MAX_CHARS",
     "TENANT_VERBS",
     "TenantGrant",
@@ -159,17 +160,19 @@ def _authorize_list(message: m.ListGroups, grant: TenantGrant) -> m.ListGroups:
     return msgspec.structs.replace(message, domain_digest=only)
 
 
-# Verbs the core rate-limits by the domains of the keys or groups they name; releases (lease
-# release, unpin, put abort) are never limited: they give resources back.
+# Requests that only give resources back (a read lease, a pin, a write's reservation): never
+# refused for load. No rate-limit token (below), and the directory serves them from in-flight
+# slots of their own (`ServiceRuntime`'s give-back lane), so new work never crowds them out.
+GIVEBACK_VERBS: Final[frozenset[str]] = frozenset({"lease_release", "unpin", "put_abort"})
+# Verbs the core rate-limits by the domains of the keys or groups they name.
 _CHARGED_BY_CORE: Final = frozenset({"lookup", "pin", "put_begin", "put_commit"})
-_NEVER_CHARGED: Final = frozenset({"lease_release", "unpin", "put_abort"})
 
 
 def charge_home(verb: str, authorized: msgspec.Struct) -> bool:
     """Whether the shell must charge the tenant's home domain for this authorized request: it
     names no domain the core would charge (listing, showing, evicting, renewing, or a lookup/pin
     whose groups were all outside the grant). Every tenant request costs a token somewhere."""
-    if verb in _NEVER_CHARGED:
+    if verb in GIVEBACK_VERBS:
         return False
     if verb in _CHARGED_BY_CORE:
         return isinstance(authorized, m.Lookup | m.Pin) and not authorized.groups

@@ -8,7 +8,11 @@ Lifecycle (`state`): created → starting → running → stopping → stopped.
 - running: each request is dispatched by `_dispatch`. nats-py runs one subscription's callbacks
   one after another, so the dispatcher never awaits a handler: it takes an in-flight slot and
   runs the handler in its own task, or answers `Busy` at once when all `inflight_max` slots are
-  taken (bounded: nothing queues in the runtime).
+  taken (bounded: nothing queues in the runtime). Endpoints registered with `gives_back=True`
+  (requests that only give resources back: a lease release, an unpin, a put abort) take their
+  slots from a lane of their own (`giveback_inflight_max` = `inflight_max`, a quarter per
+  tenant), so they are never refused because new work fills the service or the tenant's share,
+  and new work never waits behind them: at most 2 × `inflight_max` handlers run.
 - stopping (SIGTERM/SIGINT, `request_stop`, NATS connection lost, invariant violated): the micro
   service stops (endpoints unsubscribe), in-flight handlers get `shutdown_grace_ms` to finish
   (0 after an invariant violation), the rest are cancelled, NATS drains and closes, the metrics
@@ -20,7 +24,7 @@ Tenant endpoints (`add_tenant_endpoint`) listen on `kvf.v1.<service>.t.*.<verb>`
 also gets the tenant token of the subject the request arrived on (NATS permissions guarantee the
 sender is that tenant: docs/security.md). A tenant request is dropped unless its reply subject is
 the tenant's own inbox, and one tenant holds at most `tenant_inflight_max` (a quarter of
-`inflight_max`) slots: more is `Busy`.
+`inflight_max`) slots of a lane: more is `Busy` (docs/security.md).
 
 Handler contract: `async (request_bytes, headers) -> msgspec.Struct`; raise a `KvfError` for an
 expected error (sent as a typed error reply, see `replies`). Any other exception is a 500
@@ -63,7 +67,7 @@ from kvfabric.proto.subjects import (
     tenant_inbox_prefix,
 )
 from kvfabric.runtime.config import RuntimeSettings
-from kvfabric.runtime.inflight import InflightLimiter
+from kvfabric.runtime.inflight import Admission, TenantLimiter
 from kvfabric.runtime.logs import get_logger, request_context
 from kvfabric.runtime.metrics import MetricsServer, Outcome, ServiceMetrics
 from kvfabric.runtime.natsauth import nats_auth_from_env
@@ -86,6 +90,7 @@ EXIT_OK: Final = 0
 EXIT_UNAVAILABLE: Final = 69  # EX_UNAVAILABLE: NATS unreachable or lost past the reconnect budget
 EXIT_SOFTWARE: Final = 70  # EX_SOFTWARE: an invariant was violated
 STEP_TIMEOUT_S: Final = 5.0  # bound on each shutdown step that talks to NATS
+TENANT_SHARE_DIVISOR: Final = 4  # one tenant holds at most 1/4 of a lane's in-flight slots
 NATS_DRAIN_TIMEOUT_S: Final = 2
 STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
 _OUTCOME_LEVEL: Final = {
@@ -144,6 +149,7 @@ class _Endpoint:
     relative: str
     tenant_handler: TenantHandler | None = None
     reply_min_s: float = 0.0  # no reply (answer or error) leaves before this long after receipt
+    gives_back: bool = False  # only gives resources back: slots from the give-back lane
 
 
 class ServiceRuntime:
@@ -158,12 +164,14 @@ class ServiceRuntime:
         self.description = description
         self.group = service_group(service)
         self.metrics = ServiceMetrics(service.value)
-        self._limiter = InflightLimiter(settings.inflight_max)
-        # One tenant may hold at most this many of the in-flight slots (tenant endpoints), so a
-        # busy or padded tenant cannot starve the others or the services.
-        self.tenant_inflight_max = max(1, settings.inflight_max // 4)
-        self._tenant_inflight: dict[str, int] = {}
-        self.tenant_rejected_busy = 0  # requests refused because their tenant held its share
+        # One tenant may hold at most this many of a lane's in-flight slots (tenant endpoints),
+        # so a busy or padded tenant cannot starve the others or the services.
+        self.tenant_inflight_max = max(1, settings.inflight_max // TENANT_SHARE_DIVISOR)
+        self._limiter = TenantLimiter(settings.inflight_max, self.tenant_inflight_max)
+        # Gives-back (`gives_back=True` endpoints) have slots of their own, as many, so a release
+        # is never refused because new work is in flight, and new work never waits behind them.
+        self.giveback_inflight_max = settings.inflight_max
+        self._giveback = TenantLimiter(self.giveback_inflight_max, self.tenant_inflight_max)
         self._endpoints: dict[str, _Endpoint] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._state = RuntimeState.CREATED
@@ -209,7 +217,13 @@ class ServiceRuntime:
 
     @property
     def inflight_count(self) -> int:
-        return self._limiter.count
+        """Handlers running now, both lanes."""
+        return self._limiter.count + self._giveback.count
+
+    @property
+    def tenant_rejected_busy(self) -> int:
+        """Requests refused because their tenant held its share of a lane."""
+        return self._limiter.tenant_rejected_total + self._giveback.tenant_rejected_total
 
     @property
     def subjects(self) -> list[str]:
@@ -223,9 +237,12 @@ class ServiceRuntime:
 
     # ---- setup -----------------------------------------------------------------------------
 
-    def add_endpoint(self, verb: str, handler: Handler, *, instance: str | None = None) -> str:
+    def add_endpoint(
+        self, verb: str, handler: Handler, *, instance: str | None = None, gives_back: bool = False
+    ) -> str:
         """Register `handler` for `kvf.v1.<service>.<verb>`, or `kvf.v1.<service>.<verb>.<instance>`
-        when the endpoint is addressed to this instance only (before `start`). Returns the subject."""
+        when the endpoint is addressed to this instance only (before `start`). `gives_back`: its
+        requests only give resources back (module docstring). Returns the subject."""
         invariant(self._state is RuntimeState.CREATED, "endpoints are added before start", state=self._state)
         invariant(verb not in self._endpoints, "endpoint registered twice", verb=verb)
         subject = endpoint_subject(self.service, verb)
@@ -233,16 +250,25 @@ class ServiceRuntime:
         if instance is not None:
             subject = f"{subject}.{check_segment_id(instance)}"
             relative = f"{verb}.{instance}"
-        self._endpoints[verb] = _Endpoint(verb=verb, subject=subject, handler=handler, relative=relative)
+        self._endpoints[verb] = _Endpoint(
+            verb=verb, subject=subject, handler=handler, relative=relative, gives_back=gives_back
+        )
         return subject
 
     def add_tenant_endpoint(
-        self, verb: str, handler: TenantHandler, *, reply_min_ms: int = 0, instance: str | None = None
+        self,
+        verb: str,
+        handler: TenantHandler,
+        *,
+        reply_min_ms: int = 0,
+        instance: str | None = None,
+        gives_back: bool = False,
     ) -> str:
         """Register `handler` for every tenant's `kvf.v1.<service>.t.<tenant>.<verb>` (or
         `...<verb>.<instance>` for this instance only) before `start`; it is called with the tenant
         token as third argument. `reply_min_ms` > 0 holds every reply until that long after
-        receipt (hides how long the handler took: a timing side channel). Returns the subject."""
+        receipt (hides how long the handler took: a timing side channel). `gives_back`: its
+        requests only give resources back (module docstring). Returns the subject."""
         invariant(self._state is RuntimeState.CREATED, "endpoints are added before start", state=self._state)
         name = f"tenant_{verb}"
         invariant(name not in self._endpoints, "endpoint registered twice", verb=name)
@@ -256,6 +282,7 @@ class ServiceRuntime:
             relative=relative,
             tenant_handler=handler,
             reply_min_s=reply_min_ms / 1000,
+            gives_back=gives_back,
         )
         return f"{self.group}.{relative}"
 
@@ -335,7 +362,11 @@ class ServiceRuntime:
             name=self.service.value,
             version=self.version,
             description=self.description,
-            metadata={"instance_id": self.settings.instance_id, "inflight_max": str(self._limiter.limit)},
+            metadata={
+                "instance_id": self.settings.instance_id,
+                "inflight_max": str(self._limiter.limit),
+                "giveback_inflight_max": str(self._giveback.limit),
+            },
             queue_group=self.group,
             stats_handler=self._stats_data,
         )
@@ -356,10 +387,10 @@ class ServiceRuntime:
         return micro
 
     def _stats_data(self, _stats: EndpointStats) -> dict[str, int]:
-        return {
-            "inflight": self._limiter.count,
+        return {  # both lanes' handlers and refusals; the work lane's bound
+            "inflight": self.inflight_count,
             "inflight_max": self._limiter.limit,
-            "rejected_busy": self._limiter.rejected_total + self.tenant_rejected_busy,
+            "rejected_busy": self._limiter.rejected_total + self._giveback.rejected_total,
         }
 
     # ---- requests --------------------------------------------------------------------------
@@ -382,16 +413,15 @@ class ServiceRuntime:
                 # rights) to any subject. Dropped unanswered.
                 self._finish(endpoint, Outcome.ERROR, received_s, "foreign_reply_subject")
                 return
-        if tenant is not None and self._tenant_inflight.get(tenant, 0) >= self.tenant_inflight_max:
-            self.tenant_rejected_busy += 1  # its share of the slots is taken
-            await self._reject_busy(endpoint, request, received_s, limit=self.tenant_inflight_max)
+        lane = self._lane(endpoint)
+        if self._state is not RuntimeState.RUNNING:
+            await self._reject_busy(endpoint, request, received_s, Admission.FULL)
             return
-        if self._state is not RuntimeState.RUNNING or not self._limiter.try_acquire():
-            await self._reject_busy(endpoint, request, received_s)
+        admission = lane.try_acquire(tenant)
+        if admission is not Admission.ADMITTED:
+            await self._reject_busy(endpoint, request, received_s, admission)
             return
-        if tenant is not None:
-            self._tenant_inflight[tenant] = self._tenant_inflight.get(tenant, 0) + 1
-        self.metrics.inflight.set(self._limiter.count)
+        self.metrics.inflight.set(self.inflight_count)
         task = asyncio.create_task(
             self._handle(endpoint, request, received_s, tenant),
             name=f"kvf-{self.service.value}-{endpoint.verb}",
@@ -399,8 +429,11 @@ class ServiceRuntime:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _lane(self, endpoint: _Endpoint) -> TenantLimiter:
+        return self._giveback if endpoint.gives_back else self._limiter
+
     async def _reject_busy(
-        self, endpoint: _Endpoint, request: MicroRequest, received_s: float, *, limit: int | None = None
+        self, endpoint: _Endpoint, request: MicroRequest, received_s: float, admission: Admission
     ) -> None:
         """Answer at once without running the handler: `Busy` when full, `Unavailable` when stopping."""
         headers = request.headers or {}
@@ -408,12 +441,20 @@ class ServiceRuntime:
             err: KvfError
             outcome: Outcome
             if self._state is RuntimeState.RUNNING:
-                cap = self._limiter.limit if limit is None else limit
-                err, outcome = Busy("in-flight limit reached", inflight_max=cap), Outcome.BUSY
+                err, outcome = self._busy(endpoint, admission), Outcome.BUSY
             else:
                 err, outcome = Unavailable(f"service is {self._state.value}"), Outcome.ERROR
             await self._reply_error(request, err)
             self._finish(endpoint, outcome, received_s, err.code)
+
+    def _busy(self, endpoint: _Endpoint, admission: Admission) -> Busy:
+        """Which bound refused, in the message and details (the caller backs off and retries)."""
+        lane = self._lane(endpoint)
+        name = "giveback_inflight_max" if endpoint.gives_back else "inflight_max"
+        what = "give-back in-flight limit" if endpoint.gives_back else "in-flight limit"
+        if admission is Admission.TENANT_FULL:
+            return Busy(f"tenant's share of the {what} reached", tenant_inflight_max=lane.tenant_limit)
+        return Busy(f"{what} reached", **{name: lane.limit})
 
     async def _handle(
         self, endpoint: _Endpoint, request: MicroRequest, received_s: float, tenant: str | None = None
@@ -424,14 +465,8 @@ class ServiceRuntime:
             with request_context(subject=endpoint.subject, headers=headers, **self._identity):
                 await self._run_handler(endpoint, request, headers, received_s, tenant)
         finally:
-            if tenant is not None:
-                left = self._tenant_inflight[tenant] - 1
-                if left:
-                    self._tenant_inflight[tenant] = left
-                else:
-                    del self._tenant_inflight[tenant]
-            self._limiter.release()
-            self.metrics.inflight.set(self._limiter.count)
+            self._lane(endpoint).release(tenant)
+            self.metrics.inflight.set(self.inflight_count)
 
     async def _run_handler(
         self,
@@ -556,7 +591,7 @@ class ServiceRuntime:
         if self._stop_requested.is_set():
             return
         self._stop_reason = reason
-        self._log.info("stop_requested", reason=reason, inflight=self._limiter.count)
+        self._log.info("stop_requested", reason=reason, inflight=self.inflight_count)
         self._stop_requested.set()
 
     async def wait_stop_requested(self) -> str:

@@ -40,7 +40,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from kvfabric.core import authz
-from kvfabric.core.authz import TENANT_VERBS
+from kvfabric.core.authz import GIVEBACK_VERBS, TENANT_VERBS
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore
 from kvfabric.directory.handlers import VERBS, DirectoryShell, now_ms
 from kvfabric.directory.leader import SegmentRegistry
@@ -178,12 +178,20 @@ class ShardHost:
     # ---- endpoints ---------------------------------------------------------------------------
 
     def attach(self, runtime: ServiceRuntime) -> None:
+        # Releases, unpins and aborts only give resources back: their own in-flight lane
+        # (`ServiceRuntime`), never refused because lookups or puts fill the service.
         for verb, kind in VERBS.items():
-            runtime.add_endpoint(verb, self._endpoint(verb, kind), instance=self.instance_id)
+            runtime.add_endpoint(
+                verb, self._endpoint(verb, kind), instance=self.instance_id, gives_back=verb in GIVEBACK_VERBS
+            )
         for verb in sorted(TENANT_VERBS):
             pad = self.lookup_reply_min_ms if verb == "lookup" else 0  # hits and misses alike
             runtime.add_tenant_endpoint(
-                verb, self._tenant_endpoint(verb, VERBS[verb]), reply_min_ms=pad, instance=self.instance_id
+                verb,
+                self._tenant_endpoint(verb, VERBS[verb]),
+                reply_min_ms=pad,
+                instance=self.instance_id,
+                gives_back=verb in GIVEBACK_VERBS,
             )
 
     def _decode(self, data: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
