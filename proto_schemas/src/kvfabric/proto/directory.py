@@ -60,6 +60,7 @@ LEASE_TTL_MS_MAX: Final = 600_000
 PIN_TTL_MS_MAX: Final = 86_400_000
 WRITE_TTL_MS_MAX: Final = 600_000
 ACCESS_BATCH_MAX: Final = 4096  # groups per GroupsAccessed event
+RELEASE_BATCH_LEASES_MAX: Final = 64  # leases per batched LeaseRelease (each ends O(its groups))
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
@@ -298,10 +299,17 @@ class LookupReply(_Msg, frozen=True, kw_only=True, tag="dir.lookup_reply.v1"):
 
 
 class LeaseRelease(_Msg, frozen=True, kw_only=True, tag="dir.lease_release.v1"):
+    """One lease (`lease_id`; one the holder does not hold is `not_found`), or a batch: `lease_id`
+    0 and up to `RELEASE_BATCH_LEASES_MAX` ids of one shard in `lease_ids`. A batch releases each
+    one the holder holds, skips the rest (already released or expired: nothing to give back) and
+    lists what it released in `LeaseReply.released`. A directory older than the batch ignores
+    `lease_ids` and answers `not_found` for lease 0: the caller then releases one by one."""
+
     holder_id: str
     lease_id: int
     epoch: int = 0
     shard: int = 0  # the shard this lease / listing belongs to (one core each)
+    lease_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class LeaseRenew(_Msg, frozen=True, kw_only=True, tag="dir.lease_renew.v1"):
@@ -316,6 +324,7 @@ class LeaseReply(_Msg, frozen=True, kw_only=True, tag="dir.lease_reply.v1"):
     epoch: int
     lease_id: int
     expires_ms: int  # 0 after release
+    released: list[int] = msgspec.field(default_factory=list)  # a batch release's: those released
 
 
 class Pin(_Msg, frozen=True, kw_only=True, tag="dir.pin.v1"):

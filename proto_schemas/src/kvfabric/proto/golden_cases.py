@@ -140,6 +140,14 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             epoch=3, results=[directory.BeginResult(key=bytes(96), status="quota_exceeded")]
         ),
     ),
+    "dir.lease_release.v1.batch": (
+        "directory.request",
+        directory.LeaseRelease(holder_id="h", lease_id=0, epoch=3, shard=5, lease_ids=[7, 8, 9]),
+    ),
+    "dir.lease_reply.v1.released": (
+        "directory.reply",
+        directory.LeaseReply(epoch=3, lease_id=0, expires_ms=0, released=[7, 9]),
+    ),
     "seg.report.v1": ("segment", segment.ReportRequest(epoch=7, after_slot=10, limit=100)),
     "seg.report_reply.v1": (
         "segment",

@@ -999,9 +999,26 @@ class DirectoryCore:
 
     def _release(self, req: m.LeaseRelease, now_ms: int) -> Outcome:
         self._check_epoch(req.epoch)
+        if req.lease_ids:
+            return self._release_batch(req)
         self._held_lease(req.holder_id, req.lease_id, is_pin=False)
         self._end_lease(req.lease_id)
         return Outcome(m.LeaseReply(epoch=self.epoch, lease_id=req.lease_id, expires_ms=0))
+
+    def _release_batch(self, req: m.LeaseRelease) -> Outcome:
+        """Every listed lease the holder holds ends; the others are skipped (released or expired
+        already: nothing to give back, so a retried batch is a no-op), never an error."""
+        if req.lease_id:
+            raise BadRequest("a batch release names its leases in lease_ids only (lease_id 0)")
+        self._check_batch("lease_release lease_ids", len(req.lease_ids), m.RELEASE_BATCH_LEASES_MAX)
+        released = []
+        for lease_id in req.lease_ids:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.holder_id != req.holder_id or lease.is_pin:
+                continue
+            self._end_lease(lease_id)
+            released.append(lease_id)
+        return Outcome(m.LeaseReply(epoch=self.epoch, lease_id=0, expires_ms=0, released=released))
 
     def _renew(self, req: m.LeaseRenew, now_ms: int) -> Outcome:
         self._check_epoch(req.epoch)
