@@ -1,6 +1,6 @@
 """The client shell keeps the ownership fence (DESIGN.md 3.4): a load that timed out returns with
-its buffers untouched, and the transfer that completes afterwards — bytes and all — is released
-without ever writing into them. Also: an object that can never fit the in-flight budget ends the
+its buffers untouched, and the transfer that tries to write afterwards finds their gate closed
+and never writes into them. Also: an object that can never fit the in-flight budget ends the
 load at once instead of waiting for room until the deadline."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import threading
 import time
 
 from kvfabric.client import AsyncKvClient, ClientSettings, Hit
+from kvfabric.dataplane.scatter import GateClosed, ScatterDest
 from kvfabric.proto import directory as m
 from tests.integration.clientkit import SPEC, prompt
 
@@ -48,14 +49,19 @@ def hit_of(n_chunks: int, size: int = SIZE) -> Hit:
 async def test_a_late_completion_never_writes_into_a_timed_out_loads_buffers() -> None:
     kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1", load_timeout_ms=200), SPEC)
     release = threading.Event()
+    refused: list[str] = []
 
-    def slow_fetch(locations: list[m.ObjectLocation], stagings: list[bytearray], attempts: int) -> list[str]:
+    def slow_fetch(locations: list[m.ObjectLocation], dests: list[ScatterDest], attempts: int) -> list[str]:
         release.wait(10)
-        for staging in stagings:  # the transport fills staging, then answers "ok" — too late
-            staging[:] = b"\xee" * len(staging)
-        return ["ok"] * len(stagings)
+        for dest in dests:  # the transport writes into the engine's buffers — too late
+            try:
+                dest.write_from(memoryview(b"\xee" * dest.size), hashed=True)
+            except GateClosed:
+                refused.append("closed")
+                return ["cancelled"] * len(dests)
+        return ["ok"] * len(dests)
 
-    kv.pool.fetch_many = slow_fetch  # type: ignore[method-assign, assignment]
+    kv.pool.fetch_many = slow_fetch  # type: ignore[method-assign]
     dests = [[bytearray(SIZE)] for _ in range(3)]
     started = time.monotonic()
     result = await kv.load(hit_of(3), dests)
@@ -65,9 +71,10 @@ async def test_a_late_completion_never_writes_into_a_timed_out_loads_buffers() -
         await asyncio.sleep(0.01)
         if kv.table.counters.get("late_completions_total", 0) >= 1 and kv.table.held_bytes == 0:
             break
+    assert refused == ["closed"]  # the gate stopped the late write
     assert all(bytes(d[0]) == bytes(SIZE) for d in dests)  # never written
     assert kv.table.counters["late_completions_total"] >= 1
-    assert kv.table.held_bytes == 0 and kv.table.waiters_live == 0 and not kv._staging
+    assert kv.table.held_bytes == 0 and kv.table.waiters_live == 0 and not kv._targets
     await kv.close()
 
 

@@ -48,6 +48,7 @@ from kvfabric.core.client_loads import (
     StartTransfer,
     TransferId,
 )
+from kvfabric.dataplane.scatter import ScatterDest, WriteGate, scatter_dests
 from kvfabric.dataplane.tls import client_context
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import (
@@ -75,9 +76,13 @@ from kvfabric.runtime.directory_router import DirectoryRouter
 
 __all__ = ["AsyncKvClient", "Destination", "EngineSpec", "Source"]
 
-# Objects per data-plane request when a load reads several from one segment: fewer round trips,
-# still several requests in flight (worker threads) for a long prefix.
+# Objects per data-plane request when a load reads several from one segment: small objects share
+# a request (fewer round trips); large ones go one or two a request, so several requests run at
+# once on separate connections and worker threads (the segment sends while this side receives
+# and hashes). A request carries at most `FETCH_BATCH_BYTES_TARGET` bytes unless one object is
+# larger.
 FETCH_BATCH_OBJECTS_MAX: Final = 8
+FETCH_BATCH_BYTES_TARGET: Final = 2 << 20
 SHARD_CALLS_CONCURRENT_MAX: Final = 8  # directory requests of one save in flight at once (per verb)
 
 Destination: TypeAlias = memoryview | bytearray | Sequence[memoryview]
@@ -107,29 +112,19 @@ def _now_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
-def _byte_view(buffer: memoryview | bytearray) -> memoryview:
-    view = memoryview(buffer)
-    if view.readonly:
-        raise BadRequest("destination buffer is read-only")
-    if not view.contiguous:
-        raise BadRequest("destination buffer is not contiguous")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-def _scatter_views(dest: Destination, size_bytes: int) -> list[memoryview]:
-    views = [_byte_view(dest)] if isinstance(dest, (memoryview, bytearray)) else [_byte_view(d) for d in dest]
-    total = sum(len(v) for v in views)
-    if total != size_bytes:
-        raise BadRequest(f"destination holds {total} bytes, the object has {size_bytes}")
-    return views
-
-
-def _copy_into(views: list[memoryview], staging: bytearray) -> None:
-    offset = 0
-    source = memoryview(staging)
-    for view in views:
-        view[:] = source[offset : offset + len(view)]
-        offset += len(view)
+def _copy_scatter(dest: ScatterDest, source: ScatterDest) -> None:
+    """Copy one object between two scatter lists of equal total size (a joiner's delivery)."""
+    pieces = iter(source.views)
+    piece = memoryview(b"")
+    for view in dest.views:
+        filled = 0
+        while filled < len(view):
+            if not piece:
+                piece = next(pieces)
+            n = min(len(piece), len(view) - filled)
+            view[filled : filled + n] = piece[:n]
+            filled += n
+            piece = piece[n:]
 
 
 T = TypeVar("T")
@@ -138,7 +133,15 @@ T = TypeVar("T")
 @dataclass(slots=True)
 class _Waiter:
     future: asyncio.Future[str]
-    views: list[memoryview]
+    dest: ScatterDest  # the engine's buffers for this object, under the load's gate
+
+
+@dataclass(slots=True)
+class _Target:
+    """Where a transfer writes: straight into the buffers of the waiter that started it."""
+
+    load_id: Any
+    dest: ScatterDest
 
 
 def _shard_batches(items: Sequence[T], shard_of: Callable[[T], int]) -> Iterator[tuple[int, int, list[T]]]:
@@ -180,7 +183,7 @@ class AsyncKvClient:
             max(1, settings.transfers_max // 2), thread_name_prefix="kvf-save"
         )
         self._waiters: dict[Any, _Waiter] = {}
-        self._staging: dict[TransferId, bytearray] = {}
+        self._targets: dict[TransferId, _Target] = {}  # StartTransfer .. ReleaseStaging
         self._locations: dict[Any, m.ObjectLocation] = {}  # object id -> where (for StartTransfer)
         self._load_seq = itertools.count(1)
         self._generations = itertools.count(1)
@@ -190,7 +193,7 @@ class AsyncKvClient:
         self._saves_running = 0
         self._tasks: set[asyncio.Task[Any]] = set()  # running saves
         self._capacity = asyncio.Event()  # set whenever a transfer releases its staging
-        self._starting: list[tuple[TransferId, m.ObjectLocation, bytearray]] = []  # not dispatched yet
+        self._starting: list[tuple[TransferId, m.ObjectLocation, ScatterDest]] = []  # not dispatched yet
         self._closed = False
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -426,8 +429,11 @@ class AsyncKvClient:
         if len(dests) > len(chunks) or any(len(d) != len(hit.members) for d in dests):
             raise BadRequest(f"dests must be at most {len(chunks)} chunks of {len(hit.members)} members each")
         chunks = chunks[: len(dests)]
+        # The engine lends its buffers until this call returns: transfers write into them
+        # under `gate`, which the finally below closes (after it, nothing writes into them).
+        gate = WriteGate()
         views = [
-            [_scatter_views(dest, loc.size_bytes) for dest, loc in zip(row, locs, strict=True)]
+            scatter_dests(row, [loc.size_bytes for loc in locs], gate)
             for row, locs in zip(dests, chunks, strict=True)
         ]
         tpc = hit.tokens_per_chunk
@@ -471,8 +477,10 @@ class AsyncKvClient:
                 await asyncio.wait(pending, timeout=timeout_s)
         finally:
             # Every waiter of this load ends here (also when this coroutine is cancelled): after
-            # this, no transfer can write into this load's buffers (the table fences them).
-            self._flush_starts()  # started transfers must be answered (and release staging)
+            # the gate closes no transfer writes into this load's buffers (one that is still
+            # running stops at its next block), and the table fences any later delivery.
+            gate.close()
+            self._flush_starts()  # started transfers must be answered (and release their target)
             timed_out = _now_ms() >= deadline_ms
             for (chunk, j), future in outcomes.items():
                 if not future.done():
@@ -514,7 +522,7 @@ class AsyncKvClient:
                 self._finish(load_id, "busy")
                 return
             if not (len(effects) == 1 and isinstance(effects[0], Busy)):
-                self._perform(effects)  # a StartTransfer among them takes the location
+                self._perform(effects, starter=load_id)  # a StartTransfer takes the location
                 self._locations.pop(object_id, None)
                 return
             self._locations.pop(object_id, None)
@@ -571,10 +579,12 @@ class AsyncKvClient:
 
     # ---- effects of the load table (loop thread only) --------------------------------------
 
-    def _perform(self, effects: list[Effect]) -> None:
+    def _perform(self, effects: list[Effect], starter: Any = None) -> None:
+        """Carry out the table's effects; `starter` is the load id whose `want` they answer
+        (a StartTransfer writes into that waiter's buffers)."""
         for effect in effects:
             if isinstance(effect, StartTransfer):
-                self._start_transfer(effect)
+                self._start_transfer(effect, starter)
             elif isinstance(effect, Deliver):
                 self._deliver(effect)
             elif isinstance(effect, Fail):
@@ -582,7 +592,7 @@ class AsyncKvClient:
             elif isinstance(effect, Busy):
                 self._finish(effect.load_id, "busy")
             elif isinstance(effect, ReleaseStaging):
-                self._staging.pop(effect.transfer_id, None)
+                self._targets.pop(effect.transfer_id, None)
                 self._capacity.set()  # loads waiting for room may retry
             elif isinstance(effect, CancelTransfer):
                 pass  # a blocking transfer cannot be interrupted; it is bounded by its timeout
@@ -592,19 +602,19 @@ class AsyncKvClient:
         if waiter is not None and not waiter.future.done():
             waiter.future.set_result(outcome)
 
-    def _start_transfer(self, effect: StartTransfer) -> None:
+    def _start_transfer(self, effect: StartTransfer, starter: Any) -> None:
         location = self._locations.pop(effect.object_id)
-        staging = bytearray(effect.size_bytes)  # client-owned: the transport writes only here
-        self._staging[effect.transfer_id] = staging
-        self._starting.append((effect.transfer_id, location, staging))
+        waiter = self._waiters[starter]  # the want that started it: its buffers, its gate
+        self._targets[effect.transfer_id] = _Target(starter, waiter.dest)
+        self._starting.append((effect.transfer_id, location, waiter.dest))
 
     def _flush_starts(self) -> None:
         """Dispatch the transfers started since the last flush to the worker threads, batched
-        per segment (`FETCH_BATCH_OBJECTS_MAX` objects a request). Every one is answered once."""
+        per segment (see `FETCH_BATCH_BYTES_TARGET`). Every one is answered once."""
         if not self._starting:
             return
         starting, self._starting = self._starting, []
-        by_segment: dict[str, list[tuple[TransferId, m.ObjectLocation, bytearray]]] = {}
+        by_segment: dict[str, list[tuple[TransferId, m.ObjectLocation, ScatterDest]]] = {}
         for item in starting:
             addr = item[1].replicas[0].data_addr if item[1].replicas else ""
             by_segment.setdefault(addr, []).append(item)
@@ -616,11 +626,13 @@ class AsyncKvClient:
                 self._perform(self.table.transfer_done(transfer_id, cause == "ok", cause))
 
         for items in by_segment.values():
-            for start in range(0, len(items), FETCH_BATCH_OBJECTS_MAX):
-                batch = items[start : start + FETCH_BATCH_OBJECTS_MAX]
+            largest = max(item[1].size_bytes for item in items)
+            per_request = max(1, min(FETCH_BATCH_OBJECTS_MAX, FETCH_BATCH_BYTES_TARGET // max(1, largest)))
+            for start in range(0, len(items), per_request):
+                batch = items[start : start + per_request]
                 transfer_ids = [transfer_id for transfer_id, _, _ in batch]
 
-                def run(batch: list[tuple[TransferId, m.ObjectLocation, bytearray]] = batch) -> None:
+                def run(batch: list[tuple[TransferId, m.ObjectLocation, ScatterDest]] = batch) -> None:
                     ids = [transfer_id for transfer_id, _, _ in batch]
                     try:
                         causes = self.pool.fetch_many(
@@ -637,11 +649,18 @@ class AsyncKvClient:
                     loop.call_soon(done, transfer_ids, ["closed"] * len(batch))
 
     def _deliver(self, effect: Deliver) -> None:
-        staging = self._staging[effect.transfer_id]
+        target = self._targets[effect.transfer_id]
         waiter = self._waiters.get(effect.load_id)
         if waiter is None or not self.table.may_write(effect.load_id, effect.generation, effect.dest_id):
             return
-        _copy_into(waiter.views, staging)  # on the loop thread: nothing interleaves the fence
+        if target.dest is not waiter.dest:
+            # A load that joined another's transfer copies from that load's buffers, which are
+            # still lent only while its gate is open (all on the loop thread: nothing interleaves).
+            if target.dest.gate is not None and not target.dest.gate.is_open:
+                self._perform(self.table.cancel(effect.load_id))
+                self._finish(effect.load_id, "cancelled")
+                return
+            _copy_scatter(waiter.dest, target.dest)
         self._perform(self.table.delivered(effect.load_id, effect.generation, effect.dest_id))
         self._finish(effect.load_id, "ok")
 

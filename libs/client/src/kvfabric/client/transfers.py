@@ -5,9 +5,10 @@ connections (a TCP data connection, plus a shared-memory reader when the segment
 on this host). A connection that failed is closed, never reused. Every call is bounded by the
 connection's timeout, so a dead segment costs at most one timeout per attempt.
 
-Ownership: `fetch` writes only into the staging buffer it is given and returns; it never touches
-engine buffers (the client copies staging into them after its ownership fence). `store` reads
-the caller's buffer until it returns.
+Ownership: `fetch` writes straight into the engine's buffers it is given (a `ScatterDest`), each
+block under the buffers' `WriteGate`: once their owner closes the gate it stops writing
+("cancelled") and drops the connection, which is then out of step. Bytes that land are reported
+"ok" only after their checksum matched. `store` reads the caller's buffer until it returns.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Final
 
 import msgspec
 
+from kvfabric.dataplane.scatter import GateClosed, ScatterDest
 from kvfabric.dataplane.shm import ShmReader
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.errors import KvfError
@@ -150,7 +152,7 @@ class SegmentPool:
         return msgspec.structs.replace(location, replicas=ordered)
 
     def _read(
-        self, conn: _Connection, refs: list[ReadRef], views: list[bytearray]
+        self, conn: _Connection, refs: list[ReadRef], views: list[ScatterDest]
     ) -> list[tuple[ObjectResult, bytes]]:
         """One request on `conn`: over shared memory when it maps the replicas' incarnation,
         else TCP. Verifying, each object is hashed as it lands (no second pass over it)."""
@@ -160,8 +162,8 @@ class SegmentPool:
             return reader.get_hashed(refs, views)
         return [(result, b"") for result in reader.get(refs, views)]
 
-    def fetch(self, location: ObjectLocation, staging: bytearray, attempts_max: int) -> str:
-        """Read one object into `staging` from its first reachable replica and verify its
+    def fetch(self, location: ObjectLocation, dest: ScatterDest, attempts_max: int) -> str:
+        """Read one object into `dest` from its first reachable replica and verify its
         checksum against the directory's. Tries at most `attempts_max` replicas."""
         cause = "not_found"
         for attempt, replica in enumerate(location.replicas[:attempts_max]):
@@ -170,7 +172,9 @@ class SegmentPool:
             ref = read_ref(replica, location.size_bytes)
             try:
                 with self._connection(replica.data_addr, self._shm_ok(replica.segment_id)) as conn:
-                    ((result, digest),) = self._read(conn, [ref], [staging])
+                    ((result, digest),) = self._read(conn, [ref], [dest])
+            except GateClosed:
+                return "cancelled"  # the engine took its buffers back: nothing more to try
             except (ConnectionError, TimeoutError) as exc:
                 cause = "timeout" if isinstance(exc, TimeoutError) else "segment_unreachable"
                 continue
@@ -192,7 +196,7 @@ class SegmentPool:
         return cause
 
     def fetch_many(
-        self, locations: list[ObjectLocation], stagings: list[bytearray], attempts_max: int
+        self, locations: list[ObjectLocation], dests: list[ScatterDest], attempts_max: int
     ) -> list[str]:
         """`fetch` for objects whose first replicas share one segment: one request for all (one
         PIN_LOCAL/UNPIN_LOCAL pair over shared memory, or one GET over TCP), each verified; an
@@ -207,7 +211,7 @@ class SegmentPool:
             assert first is not None
             addr = first.data_addr
             refs = [read_ref(r, locations[i].size_bytes) for i in live if (r := firsts[i]) is not None]
-            views = [stagings[i] for i in live]
+            views = [dests[i] for i in live]
             try:
                 with self._connection(addr, self._shm_ok(first.segment_id)) as conn:
                     hashed = self._read(conn, refs, views)
@@ -219,6 +223,8 @@ class SegmentPool:
                         causes[i] = "checksum"
                     else:
                         causes[i] = OK
+            except GateClosed:
+                return ["cancelled"] * len(locations)
             except TimeoutError:
                 causes = ["timeout"] * len(locations)
             except (OSError, KvfError):
@@ -227,7 +233,7 @@ class SegmentPool:
             if causes[i] != OK and attempts_max > 1 and len(loc.replicas) > 1:
                 rest = msgspec.structs.replace(loc, replicas=loc.replicas[1:])
                 self.on_retry()
-                retry = self.fetch(rest, stagings[i], attempts_max - 1)
+                retry = self.fetch(rest, dests[i], attempts_max - 1)
                 causes[i] = retry if retry == OK else causes[i]
         return causes
 

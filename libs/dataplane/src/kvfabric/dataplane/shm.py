@@ -6,7 +6,8 @@ no round trip: it checks the slot's board entry, copies the object out of the ma
 caller's buffer (one memcpy, no socket), and checks the entry again (seqlock-style): a free that
 came meanwhile makes it `stale_generation`. The caller verifies the checksum before handing
 bytes to an engine — `get_hashed` hashes each block right after copying it, while it is still
-in cache, instead of re-reading the whole object afterwards.
+in cache, instead of re-reading the whole object afterwards (`kvfabric.dataplane.scatter`: straight
+into the engine's buffers, under their owner's gate, with the GIL released for the copy).
 
 Without a board (an older segment, or a slot id beyond it), a read asks the segment over the
 data connection to pin the slots instead (`PIN_LOCAL`: a transfer reference per slot, held by
@@ -21,23 +22,15 @@ import mmap
 import os
 import struct
 from collections.abc import Sequence
-from typing import Final
 
+from kvfabric.dataplane.scatter import ScatterDest, scatter_dests
 from kvfabric.dataplane.slotboard import SlotBoardReader, board_usable
-from kvfabric.dataplane.tcp import TcpDataClient, destination_views, verified
-from kvfabric.format.checksum import StreamingChecksum, checksum
+from kvfabric.dataplane.tcp import Destination, TcpDataClient, verified
+from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import KvfError, Unavailable
 from kvfabric.proto.dataplane import ObjectResult, ReadRef
 
 __all__ = ["ShmReader", "verify"]
-
-# Copy + hash granularity of `get_hashed`: each block is hashed right after it is copied, while
-# it is still in cache. 1 MiB, not smaller: measured on this AMD EPYC, glibc copies 2 KiB–512 KiB
-# blocks with `rep movsb`, which ran at half speed when the destination was not 64-byte aligned
-# to the source (a plain bytearray); from 1 MiB it takes the vector loop (fused 1 MiB blocks:
-# 10.4 GB/s at 64 MiB vs 8.9 for copy-then-hash; equal from 1 to 4 MiB).
-COPY_HASH_BLOCK_BYTES: Final = 1 << 20
-
 
 def verify(results: Sequence[ObjectResult], dests: Sequence[memoryview | bytearray]) -> list[bool]:
     """Per object: True when it was read (`ok`) and its bytes match the stored checksum."""
@@ -91,28 +84,31 @@ class ShmReader:
                 os.close(self._fd)
                 self._fd = -1  # a second close must not close a reused fd number
 
-    def get(self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[ObjectResult]:
+    def get(self, reads: list[ReadRef], dests: Sequence[Destination]) -> list[ObjectResult]:
         """Copy objects into `dests`; only `ok` results were written (verify before use)."""
         return [result for result, _ in self._get(reads, dests, hashed=False)]
 
     def get_hashed(
-        self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]
+        self, reads: list[ReadRef], dests: Sequence[Destination]
     ) -> list[tuple[ObjectResult, bytes]]:
         """`get`, each object hashed block by block as it is copied: per read, its result and the
         checksum of the bytes now in its destination (b"" when not `ok`)."""
         return self._get(reads, dests, hashed=True)
 
-    def get_verified(self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[bool]:
+    def get_verified(self, reads: list[ReadRef], dests: Sequence[Destination]) -> list[bool]:
         """Per read, True only when it was read and its bytes match the stored checksum."""
         return verified(self.get_hashed(reads, dests))
 
     def _get(
-        self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray], *, hashed: bool
+        self, reads: list[ReadRef], dests: Sequence[Destination], *, hashed: bool
     ) -> list[tuple[ObjectResult, bytes]]:
-        views = destination_views(reads, dests)
+        views = scatter_dests(dests, [ref.size_bytes for ref in reads])
         if self.gone():
             raise Unavailable("the segment's arena was removed (the segment stopped or restarted)")
-        copy = _copy_hashed if hashed else _copy
+
+        def copy(source: memoryview, dest: ScatterDest) -> bytes:
+            return dest.write_from(source, hashed)
+
         board = self.board
         if board is not None and all(board.covers(ref) for ref in reads):
             out: list[tuple[ObjectResult, bytes]] = []
@@ -133,19 +129,3 @@ class ShmReader:
             # The copies are done: nothing reads the map for these slots any more.
             self.control.unpin_local_nowait(pinned.grant_id)
         return [(ObjectResult(g.status, g.checksum), d) for g, d in zip(pinned.grants, digests, strict=True)]
-
-
-def _copy(source: memoryview, dest: memoryview) -> bytes:
-    dest[:] = source
-    return b""
-
-
-def _copy_hashed(source: memoryview, dest: memoryview) -> bytes:
-    digest = StreamingChecksum()
-    size = len(source)
-    for start in range(0, size, COPY_HASH_BLOCK_BYTES):
-        end = min(start + COPY_HASH_BLOCK_BYTES, size)
-        block = dest[start:end]
-        block[:] = source[start:end]
-        digest.update(block)  # the copy just wrote it: hashed from cache
-    return digest.digest()

@@ -45,7 +45,7 @@ import platform
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 from kvfabric.format.errors import BadRequest
 from kvfabric.proto.dataplane import ObjectStatus, ReadRef
@@ -72,8 +72,7 @@ STORED: Final = 1
 # a slot freed a billion times a second for 292 years); such a slot is read by pinning.
 STATE_GENERATION_MAX: Final = (1 << 63) - 1
 _X86_64: Final = frozenset({"x86_64", "amd64", "x64"})
-# copy(source, dest) -> digest of what landed in dest (b"" when not hashing)
-CopyFn = Callable[[memoryview, memoryview], bytes]
+D = TypeVar("D")  # a read's destination, opaque here: only `copy(source, dest)` writes it
 
 
 def board_path_of(arena_path: Path) -> Path:
@@ -172,8 +171,8 @@ class SlotBoardReader:
         self,
         ref: ReadRef,
         arena: memoryview,
-        dest: memoryview,
-        copy: Callable[[memoryview, memoryview], bytes],
+        dest: D,
+        copy: Callable[[memoryview, D], bytes],
     ) -> tuple[ObjectStatus, bytes, bytes]:
         """Copy `ref`'s object out of `arena` into `dest` with `copy(source, dest) -> digest`.
         Returns (status, stored checksum, digest); only "ok" means `dest` holds the object."""

@@ -31,6 +31,7 @@ import msgspec
 from kvfabric.dataplane.addresses import pick_stream, split_host_port
 from kvfabric.dataplane.backend import PutSlot, SegmentBackend
 from kvfabric.dataplane.frames import HEADER, OBJECT_BYTES_MAX, READS_MAX, Op, pack_header, unpack_header
+from kvfabric.dataplane.scatter import ScatterDest, scatter_dests
 from kvfabric.format.checksum import StreamingChecksum
 from kvfabric.format.errors import BadRequest, Busy, Indeterminate, KvfError, Unavailable
 from kvfabric.proto.codec import FamilyDecoder, encode
@@ -53,12 +54,15 @@ from kvfabric.proto.directory import WriteTicket
 
 __all__ = [
     "CONNECTIONS_MAX_DEFAULT",
+    "Destination",
     "TcpDataClient",
     "TcpDataServer",
-    "destination_views",
     "tune_socket",
     "verified",
 ]
+
+Destination = memoryview | bytearray | ScatterDest
+"""Where one read's bytes go: a writable buffer of exactly its size, or a `ScatterDest`."""
 
 CONNECTIONS_MAX_DEFAULT: Final = 64
 # Receive + hash granularity: small enough that a piece is still in L2/L3 when hashed.
@@ -143,17 +147,6 @@ def _send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> Non
             else:
                 pending[0] = head[sent:]
                 sent = 0
-
-
-def destination_views(reads: Sequence[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[memoryview]:
-    """Byte views of the caller's destination buffers: one per read, each exactly its object's size."""
-    if len(dests) != len(reads):
-        raise BadRequest("one destination buffer per read")
-    views = [memoryview(d).cast("B") for d in dests]
-    for ref, view in zip(reads, views, strict=True):
-        if len(view) != ref.size_bytes:
-            raise BadRequest(f"destination is {len(view)} bytes, object is {ref.size_bytes}")
-    return views
 
 
 def _frame(op: Op, request_id: int, meta: msgspec.Struct, payload_count: int = 0) -> list[bytes]:
@@ -419,7 +412,7 @@ class TcpDataClient:
             raise Indeterminate(f"unexpected reply {type(reply).__name__} to PUT")
         return reply
 
-    def get(self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[ObjectResult]:
+    def get(self, reads: list[ReadRef], dests: Sequence[Destination]) -> list[ObjectResult]:
         """Read objects straight into `dests` (one writable buffer of exactly `size_bytes` per read).
 
         Only destinations whose result is `ok` are written; the caller must verify checksums
@@ -428,40 +421,44 @@ class TcpDataClient:
         return self._get(reads, dests, None)
 
     def get_hashed(
-        self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]
+        self, reads: list[ReadRef], dests: Sequence[Destination]
     ) -> list[tuple[ObjectResult, bytes]]:
         """`get`, each object hashed piece by piece as it lands (still in cache, no second pass):
         per read, its result and the checksum of the bytes now in its destination (b"" when the
-        result is not `ok`). The caller compares it with the checksum it trusts."""
+        result is not `ok`). The caller compares it with the checksum it trusts.
+
+        A destination may be a `ScatterDest` with a `WriteGate`: the payload is then written
+        under the gate and `GateClosed` ends the call (and this connection's use) once its owner
+        closed it."""
         digests: list[bytes] = []
         results = self._get(reads, dests, digests)
         return list(zip(results, digests, strict=True))
 
-    def get_verified(self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray]) -> list[bool]:
+    def get_verified(self, reads: list[ReadRef], dests: Sequence[Destination]) -> list[bool]:
         """Per read, True only when it was read and its bytes match the stored checksum. A False
         destination must not be used."""
         return verified(self.get_hashed(reads, dests))
 
     def _get(
-        self, reads: list[ReadRef], dests: Sequence[memoryview | bytearray], digests: list[bytes] | None
+        self, reads: list[ReadRef], dests: Sequence[Destination], digests: list[bytes] | None
     ) -> list[ObjectResult]:
-        views = destination_views(reads, dests)
+        targets = scatter_dests(dests, [ref.size_bytes for ref in reads])
         with self._lock:
             reply, payload_count = self._call(Op.GET, GetRequest(reads=reads))
             if not isinstance(reply, GetReply) or len(reply.results) != len(reads):
                 raise Indeterminate("malformed GET reply")
-            ok = [v for r, v in zip(reply.results, views, strict=True) if r.status == "ok"]
+            ok = [t for r, t in zip(reply.results, targets, strict=True) if r.status == "ok"]
             if len(ok) != payload_count:
                 raise Indeterminate("GET reply payload count does not match its results")
             try:
-                for result, view in zip(reply.results, views, strict=True):
+                for result, target in zip(reply.results, targets, strict=True):
                     if result.status != "ok":
                         if digests is not None:
                             digests.append(b"")
-                    elif digests is None:
-                        _recv_exact(self._sock, view)
-                    else:
-                        digests.append(_recv_hashed(self._sock, view))
+                        continue
+                    digest = target.recv_from(self._sock, hashed=digests is not None)
+                    if digests is not None:
+                        digests.append(digest)
             except (OSError, _Closed) as exc:
                 raise Indeterminate(f"data connection failed during GET payload: {exc!r}") from exc
         return reply.results
