@@ -32,6 +32,7 @@ from kvfabric.proto.dataplane import ObjectResult, ReadRef
 
 __all__ = ["ShmReader", "verify"]
 
+
 def verify(results: Sequence[ObjectResult], dests: Sequence[memoryview | bytearray]) -> list[bool]:
     """Per object: True when it was read (`ok`) and its bytes match the stored checksum."""
     return [r.status == "ok" and checksum(d) == r.checksum for r, d in zip(results, dests, strict=True)]
