@@ -34,6 +34,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvfabric.client.hits import Hit, LoadResult, SaveResult
 from kvfabric.client.metrics import ClientMetrics
+from kvfabric.client.releases import RELEASES_CONCURRENT_MAX, give_back
 from kvfabric.client.settings import ClientSettings
 from kvfabric.client.transfers import SegmentPool
 from kvfabric.core.client_loads import (
@@ -221,8 +222,7 @@ class AsyncKvClient:
         if self._closed:
             return
         self._closed = True
-        for shard, lease_id in list(self._leases):
-            await self._release_lease(shard, lease_id)
+        await self._release_leases(list(self._leases))
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.settings.save_timeout_ms / 1000)
         if self.nc is not None:
@@ -374,23 +374,32 @@ class AsyncKvClient:
 
     async def release(self, hit: Hit) -> None:
         """Give the hit's read leases back (idempotent; a lost release expires at the directory)."""
-        for shard, lease_id in hit.shard_leases:
-            await self._release_lease(shard, lease_id, hit.trace_id)
+        await self._release_leases(hit.shard_leases, hit.trace_id)
 
     async def _release_lease(self, shard: int, lease_id: int, trace_id: str = "") -> None:
-        if self._leases.pop((shard, lease_id), None) is None:
-            return
+        await self._release_leases([(shard, lease_id)], trace_id)
+
+    # At most `RELEASES_CONCURRENT_MAX` release requests of this client in flight (made on first use).
+    _release_gate: asyncio.Semaphore | None = None
+
+    async def _release_leases(self, leases: Sequence[tuple[int, int]], trace_id: str = "") -> None:
+        """Give back those of `leases` ((shard, lease id)) still held: batched per shard, bounded,
+        `busy` retried with a budget (`kvfabric.client.releases`). Never raises: a lease not given
+        back expires at the directory."""
+        held = [lease for lease in leases if self._leases.pop(lease, None) is not None]
         self.metrics.leases_held.set(len(self._leases))
-        if self.nc is None:
+        if self.nc is None or not held:
             return
-        with contextlib.suppress(KvfError):
-            await self._ask_directory(
-                "lease_release",
-                m.LeaseRelease(holder_id=self.settings.holder_id, lease_id=lease_id, shard=shard),
-                self.settings.lookup_timeout_ms / 1000,
-                trace_id,
-                shard,
-            )
+        if self._release_gate is None:
+            self._release_gate = asyncio.Semaphore(RELEASES_CONCURRENT_MAX)
+        await give_back(
+            self._ask_directory,
+            self.settings.holder_id,
+            held,
+            gate=self._release_gate,
+            timeout_s=self.settings.lookup_timeout_ms / 1000,
+            trace_id=trace_id,
+        )
 
     def _router(self) -> DirectoryRouter:
         if self.router is None:
