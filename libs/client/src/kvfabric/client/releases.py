@@ -1,0 +1,126 @@
+"""Giving read leases back: batched per shard, bounded, `busy` retried with a budget (issue 20).
+
+The directory never refuses a release for load: releases run in in-flight slots of their own, a
+quarter of them per tenant (16 by default), and cost no rate token (docs/directory.md). A client
+still keeps well below that share, so that a few engines of one tenant closing at once fit:
+
+- **Batches.** One request gives back up to `RELEASE_BATCH_LEASES_MAX` (64) leases of one shard
+  (`LeaseRelease.lease_ids`): a client closing with 1,000 leases sends about 16 requests.
+- **Bound.** At most `RELEASES_CONCURRENT_MAX` release requests of one client are in flight (the
+  caller passes one semaphore per client); the rest wait for a slot (never more than the leases
+  held, which the directory bounds).
+- **Busy.** A `busy` answer (the tenant's share is full: many engines closing, or a flood) is
+  retried after a jittered backoff, `RELEASE_BUSY_WAIT_MS_MIN` doubling up to `_MAX`, at most
+  `RELEASE_ATTEMPTS_MAX` attempts, holding the request's slot meanwhile (so the client as a whole
+  slows down). Any other failure, or the budget spent, gives up: the lease expires at the
+  directory after its TTL. Nothing here raises into the engine.
+- **Older directories** ignore `lease_ids` and answer `not_found` for lease 0: the batch is then
+  released one lease at a time. A single lease answered `not_found` is already gone (released or
+  expired): done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Final, TypeAlias
+
+from kvfabric.format.errors import Busy, KvfError, NotFound
+from kvfabric.proto import directory as m
+
+__all__ = [
+    "RELEASES_CONCURRENT_MAX",
+    "RELEASE_ATTEMPTS_MAX",
+    "RELEASE_BUSY_WAIT_MS_MAX",
+    "RELEASE_BUSY_WAIT_MS_MIN",
+    "Ask",
+    "give_back",
+    "release_batches",
+]
+
+RELEASES_CONCURRENT_MAX: Final = 4  # release requests of one client in flight (tenant share: 16)
+RELEASE_ATTEMPTS_MAX: Final = 6  # per request, when answered `busy`
+RELEASE_BUSY_WAIT_MS_MIN: Final = 20
+RELEASE_BUSY_WAIT_MS_MAX: Final = 500  # waits 20, 40, 80, 160, 320 ms (+0-50 %): under 1 s in all
+
+# (verb, message, timeout_s, trace_id, shard) -> reply: `AsyncKvClient._ask_directory`.
+Ask: TypeAlias = Callable[[str, m.DirectoryRequest, float, str, int], Awaitable[m.DirectoryReply]]
+Sleep: TypeAlias = Callable[[float], Awaitable[None]]
+
+
+def release_batches(leases: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+    """(shard, lease ids) per request: by shard in first-seen order, each shard's ids in order,
+    at most `RELEASE_BATCH_LEASES_MAX` a request."""
+    by_shard: dict[int, list[int]] = {}
+    for shard, lease_id in leases:
+        by_shard.setdefault(shard, []).append(lease_id)
+    size = m.RELEASE_BATCH_LEASES_MAX
+    return [(shard, ids[i : i + size]) for shard, ids in by_shard.items() for i in range(0, len(ids), size)]
+
+
+async def give_back(
+    ask: Ask,
+    holder_id: str,
+    leases: Sequence[tuple[int, int]],
+    *,
+    gate: asyncio.Semaphore,
+    timeout_s: float,
+    trace_id: str = "",
+    sleep: Sleep = asyncio.sleep,
+) -> int:
+    """Release `leases` ((shard, lease id)) of `holder_id` (see the module docstring); `gate`
+    bounds the requests in flight. Returns how many leases were not given back (they expire)."""
+
+    async def one(shard: int, lease_ids: list[int]) -> int:
+        async with gate:
+            return await _release(ask, holder_id, shard, lease_ids, timeout_s, trace_id, sleep)
+
+    return sum(await asyncio.gather(*(one(shard, ids) for shard, ids in release_batches(leases))))
+
+
+async def _release(
+    ask: Ask, holder_id: str, shard: int, lease_ids: list[int], timeout_s: float, trace_id: str, sleep: Sleep
+) -> int:
+    """One request for `lease_ids` (one shard); the number not given back."""
+    if len(lease_ids) == 1:
+        single = m.LeaseRelease(holder_id=holder_id, lease_id=lease_ids[0], shard=shard)
+        return 0 if await _ask_single(ask, single, timeout_s, trace_id, sleep) else 1
+    batch = m.LeaseRelease(holder_id=holder_id, lease_id=0, lease_ids=lease_ids, shard=shard)
+    try:
+        await _ask_busy_retried(ask, batch, timeout_s, trace_id, sleep)
+    except NotFound:  # a directory from before batches: it saw only lease 0
+        left = 0
+        for lease_id in lease_ids:
+            single = m.LeaseRelease(holder_id=holder_id, lease_id=lease_id, shard=shard)
+            left += not await _ask_single(ask, single, timeout_s, trace_id, sleep)
+        return left
+    except KvfError:
+        return len(lease_ids)
+    return 0
+
+
+async def _ask_single(
+    ask: Ask, message: m.LeaseRelease, timeout_s: float, trace_id: str, sleep: Sleep
+) -> bool:
+    """Whether the lease is gone now (released, or `not_found`: released or expired before)."""
+    try:
+        await _ask_busy_retried(ask, message, timeout_s, trace_id, sleep)
+    except NotFound:
+        return True
+    except KvfError:
+        return False
+    return True
+
+
+async def _ask_busy_retried(
+    ask: Ask, message: m.LeaseRelease, timeout_s: float, trace_id: str, sleep: Sleep
+) -> m.DirectoryReply:
+    wait_ms = RELEASE_BUSY_WAIT_MS_MIN
+    for _ in range(RELEASE_ATTEMPTS_MAX - 1):
+        try:
+            return await ask("lease_release", message, timeout_s, trace_id, message.shard)
+        except Busy:  # jittered: clients refused together do not retry in step
+            await sleep(wait_ms / 1000 * random.uniform(1.0, 1.5))
+            wait_ms = min(wait_ms * 2, RELEASE_BUSY_WAIT_MS_MAX)
+    return await ask("lease_release", message, timeout_s, trace_id, message.shard)
