@@ -72,6 +72,7 @@ from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.segment_storage.arena import Arena, lock_segment_id, remove_stale_arenas, unlock_segment_id
 from kvfabric.segment_storage.backend import ArenaBackend
+from kvfabric.segment_storage.confirms import ConfirmBatcher
 from kvfabric.segment_storage.copier import fetch_replica
 from kvfabric.segment_storage.scrubber import CorruptObject, Scrubber, ScrubPacer
 from kvfabric.segment_storage.settings import SegmentSettings
@@ -145,6 +146,11 @@ class SegmentShell:
         self._copy_lock = threading.Lock()
         self.copies_in_flight = 0
         self.scrubber = Scrubber(self.backend, pass_min_ms=settings.scrub_pass_min_ms)
+        self.confirms = ConfirmBatcher(
+            settings.segment_id,
+            self.incarnation,
+            lambda message, trace_id: self._directory("confirm", message, trace_id),
+        )
         self.must_reregister = asyncio.Event()
         self._log = get_logger("kvfabric.segment_storage").bind(
             segment_id=settings.segment_id, incarnation=self.incarnation
@@ -268,34 +274,28 @@ class SegmentShell:
     # ---- directory traffic ---------------------------------------------------------------------
 
     def _confirm(self, ticket: m.WriteTicket, slot: int, generation: int, trace_id: str = "") -> str:
-        """Called from a transport thread: confirm on the event loop, wait for the verdict."""
-        assert self._loop is not None
-        message = m.ConfirmReplicas(
-            segment_id=self.settings.segment_id,
-            incarnation=self.incarnation,
-            epoch=ticket.epoch,  # the shard leader that issued the ticket, or it is refused
-            confirms=[
-                m.ReplicaConfirm(
-                    ticket_id=ticket.ticket_id,
-                    key=ticket.key,
-                    slot=slot,
-                    slot_generation=generation,
-                    size_bytes=ticket.size_bytes,
-                    checksum=ticket.checksum,
-                )
-            ],
+        """Called from a transport thread: confirm on the event loop (batched with the other
+        replicas of the same save, `ConfirmBatcher`), wait for the verdict."""
+        assert self._loop is not None and self.router is not None
+        confirm = m.ReplicaConfirm(
+            ticket_id=ticket.ticket_id,
+            key=ticket.key,
+            slot=slot,
+            slot_generation=generation,
+            size_bytes=ticket.size_bytes,
+            checksum=ticket.checksum,
         )
-        future = asyncio.run_coroutine_threadsafe(self._directory("confirm", message, trace_id), self._loop)
+        shard = self.router.shard_of(ticket.key)
+        future = asyncio.run_coroutine_threadsafe(
+            self.confirms.confirm(shard, ticket.epoch, confirm, trace_id), self._loop
+        )
         try:
-            reply = future.result(timeout=self.settings.confirm_timeout_ms / 1000)
+            return future.result(timeout=self.settings.confirm_timeout_ms / 1000)
         except TimeoutError:  # the caller frees the slot: a late "ok" names a replica that is gone
             future.cancel()
             raise Indeterminate(
                 "no confirm verdict in time", timeout_ms=self.settings.confirm_timeout_ms
             ) from None
-        if not isinstance(reply, m.ConfirmReply) or len(reply.results) != 1:
-            return "mismatch"
-        return reply.results[0].status
 
     async def _heartbeats(self) -> None:
         """One heartbeat round per interval, on a fixed cadence. A round waits at most one

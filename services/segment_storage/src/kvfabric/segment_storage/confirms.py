@@ -1,0 +1,98 @@
+"""Replica confirmations, batched: the replicas of one save reach the directory in few requests.
+
+Every stored replica is confirmed to the leader of its key's shard before the writer hears "ok"
+(`ArenaBackend.finish_put`). A save writes all of a prompt's objects at once, so their confirms
+arrive together; sent one request each they queued at the directory (8 objects: 8 round trips
+served one after another, most of a small save's time). Here confirms that share a batch key —
+(shard, the ticket's epoch, trace id: one save's writes share all three) — go in one
+`ConfirmReplicas`: the first is sent at once, and those that arrive while a request of their key
+is in flight ride the next one. Nothing waits for a batch to fill.
+
+Bounds: at most `CONFIRM_BATCH_MAX` confirms a request, one request in flight per key; the
+confirms waiting are bounded by the transport threads waiting on them (one each). A confirm whose
+caller gave up (cancelled) is still sent if its batch already left, and its verdict dropped:
+the caller then frees the slot, as it does for any confirm without a verdict in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+import msgspec
+
+from kvfabric.format.errors import KvfError, Unavailable
+from kvfabric.proto import directory as m
+
+__all__ = ["CONFIRM_BATCH_MAX", "ConfirmBatcher"]
+
+CONFIRM_BATCH_MAX: Final = 64
+
+BatchKey = tuple[int, int, str]  # (shard, epoch, trace id)
+SendFn = Callable[[m.ConfirmReplicas, str], Awaitable[msgspec.Struct]]  # (message, trace id) -> reply
+
+
+class ConfirmBatcher:
+    """Batches confirms per (shard, epoch, trace id); one event loop."""
+
+    def __init__(self, segment_id: str, incarnation: int, send: SendFn) -> None:
+        self.segment_id = segment_id
+        self.incarnation = incarnation
+        self._send = send
+        self._pending: dict[BatchKey, list[tuple[m.ReplicaConfirm, asyncio.Future[str]]]] = {}
+        self._senders: dict[BatchKey, asyncio.Task[None]] = {}
+        self.requests_sent = 0
+        self.confirms_sent = 0
+
+    async def confirm(self, shard: int, epoch: int, confirm: m.ReplicaConfirm, trace_id: str = "") -> str:
+        """The directory's verdict for one replica ("ok", "unknown_ticket", "mismatch"); raises
+        the request's `KvfError` when its batch got no reply."""
+        key = (shard, epoch, trace_id)
+        verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(key, []).append((confirm, verdict))
+        if key not in self._senders:
+            self._senders[key] = asyncio.create_task(self._drain(key))
+        return await verdict
+
+    async def _drain(self, key: BatchKey) -> None:
+        batch: list[tuple[m.ReplicaConfirm, asyncio.Future[str]]] = []
+        try:
+            while self._pending.get(key):
+                waiting = self._pending.pop(key)
+                batch, rest = waiting[:CONFIRM_BATCH_MAX], waiting[CONFIRM_BATCH_MAX:]
+                if rest:
+                    self._pending[key] = rest
+                live = [(c, f) for c, f in batch if not f.done()]
+                if not live:
+                    continue
+                message = m.ConfirmReplicas(
+                    segment_id=self.segment_id,
+                    incarnation=self.incarnation,
+                    epoch=key[1],  # the shard leader that issued the tickets, or it is refused
+                    confirms=[c for c, _ in live],
+                )
+                self.requests_sent += 1
+                self.confirms_sent += len(live)
+                try:
+                    reply = await self._send(message, key[2])
+                except KvfError as err:
+                    _fail(live, err)
+                    continue
+                results = reply.results if isinstance(reply, m.ConfirmReply) else []
+                verdicts = {r.ticket_id: r.status for r in results}
+                for confirm, verdict in live:
+                    if not verdict.done():
+                        verdict.set_result(verdicts.get(confirm.ticket_id, "mismatch"))
+                batch = []
+        finally:
+            del self._senders[key]
+            # Cancelled (shutdown) or failed unexpectedly: nobody may wait forever.
+            stranded = batch + self._pending.pop(key, [])
+            _fail(stranded, Unavailable("the segment stopped confirming"))
+
+
+def _fail(items: list[tuple[m.ReplicaConfirm, asyncio.Future[str]]], err: KvfError) -> None:
+    for _, verdict in items:
+        if not verdict.done():
+            verdict.set_exception(err)
