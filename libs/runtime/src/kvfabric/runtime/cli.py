@@ -2,7 +2,8 @@
 
 `service_cli(name=..., help=..., main=...)` builds a typer app whose single command parses the
 flags below, merges them over the environment (`load_settings`), configures logging and runs
-`main(settings)` under `asyncio.run`, exiting with its return code (2 on a bad setting).
+`main(settings)` under `asyncio.run`, exiting with its return code (2 on a bad setting). Before
+`main` runs, the process gets the services' garbage-collector policy (`kvfabric.runtime.gcpolicy`).
 
 A service with flags of its own writes its own typer command with these `*Option` aliases plus
 its own, and calls `load_settings` itself.
@@ -17,6 +18,7 @@ from typing import Annotated, Any, TypeAlias
 
 import typer
 
+from kvfabric.runtime import gcpolicy
 from kvfabric.runtime.config import (
     INFLIGHT_MAX_DEFAULT,
     NATS_URL_DEFAULT,
@@ -115,6 +117,7 @@ def service_cli(
         except SettingsError as exc:
             raise typer.BadParameter(str(exc)) from exc
         configure_logging(level=settings.log_level, json=settings.log_json)
+        gcpolicy.install()
         raise typer.Exit(asyncio.run(main(settings)))
 
     return app

@@ -7,6 +7,9 @@ Names: `kvfabric_<service>_<noun>_<unit>`, counters end in `_total`:
 - `kvfabric_<service>_inflight_requests`: handlers running now (≤ `inflight_max` per lane: new work, gives-back).
 - `kvfabric_<service>_rejected_busy_total{endpoint}`: answered `Busy` by the in-flight limit.
 - `kvfabric_<service>_errors_total{code}`: error replies by wire code (`internal` included).
+- `kvfabric_<service>_gc_pause_seconds{generation}`, `kvfabric_<service>_gc_frozen_objects`: the
+  cyclic GC's pauses and frozen objects, once the process runs the services' GC policy
+  (`kvfabric.runtime.gcpolicy.GcCollector`).
 
 The HTTP server (`MetricsServer`) is prometheus-client's WSGI app on a threading `wsgiref` server in
 a daemon thread, off the event loop (like `start_http_server`, but with a short shutdown poll and no
@@ -24,6 +27,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, make_wsgi_app
 
 from kvfabric.format.invariant import invariant
+from kvfabric.runtime.gcpolicy import GcCollector
 
 __all__ = ["DURATION_BUCKETS_S", "MetricsServer", "Outcome", "ServiceMetrics"]
 
@@ -97,6 +101,7 @@ class ServiceMetrics:
             ["code"],
             registry=self.registry,
         )
+        self.registry.register(GcCollector(service))
 
     def observe(self, *, endpoint: str, outcome: Outcome, duration_s: float, error_code: str | None) -> None:
         """Count one finished request."""

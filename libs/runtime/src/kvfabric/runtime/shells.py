@@ -8,6 +8,7 @@ from typing import Any, Protocol
 from nats.aio.client import Client as NatsClient
 from prometheus_client.registry import Collector
 
+from kvfabric.runtime.gcpolicy import freeze_long_lived
 from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
 
 __all__ = ["Shell", "serve_shell"]
@@ -25,8 +26,9 @@ async def serve_shell(
     runtime: ServiceRuntime, shell: Shell, collector: Collector, log: Any, **started_fields: object
 ) -> int:
     """Attach `shell`'s endpoints and `collector`'s metrics, start both, log
-    `<service>_started` (with the metrics port and `started_fields`), serve until SIGTERM/SIGINT
-    or a fatal event, then stop the shell before the runtime. Returns the exit code."""
+    `<service>_started` (with the metrics port and `started_fields`), freeze what the start built
+    out of the GC's walk (`kvfabric.runtime.gcpolicy`), serve until SIGTERM/SIGINT or a fatal
+    event, then stop the shell before the runtime. Returns the exit code."""
     shell.attach(runtime)
     runtime.metrics.registry.register(collector)
     runtime.stop_on_signals()
@@ -40,6 +42,7 @@ async def serve_shell(
         await runtime.stop()
         return EXIT_UNAVAILABLE
     log.info(f"{name}_started", metrics_port=runtime.metrics_port, **started_fields)
+    freeze_long_lived(f"{name}_started")
     await runtime.wait_stop_requested()
     await shell.stop()
     return await runtime.stop()
