@@ -98,6 +98,10 @@ Member = tuple[int, int, int]
 CHECKSUM_BYTES: Final = 16
 SLOT_MAX: Final = 2**32 - 1  # the published record packs slots as u32 ...
 GENERATION_MAX: Final = 2**64 - 1  # ... and generations as u64 (a generation starts at 1)
+# Replies kept for retried requests, by verb: decoded again on a retry (see `_reply_cache`).
+_REPLY_DECODERS: Final[Mapping[str, msgspec.msgpack.Decoder[Any]]] = {
+    "begin": msgspec.msgpack.Decoder(m.PutBeginReply),
+}
 
 
 def _scope_of(holder_id: str) -> str | None:
@@ -271,7 +275,10 @@ class DirectoryCore:
         self._sweep_deferred: set[bytes] = set()
         self._deadline_heap: list[tuple[int, bytes]] = []
         self._sweep_queue: list[bytes] = []
-        self._reply_cache: OrderedDict[tuple[str, str, str], tuple[msgspec.Struct, int]] = OrderedDict()
+        # (verb, writer id, request id) -> (the reply, msgpack-encoded, objects it answers for).
+        # Kept encoded: bytes are never walked by the cyclic GC, a Struct with its lists would
+        # be (up to reply_cache_objects_max results; kvfabric.runtime.gcpolicy).
+        self._reply_cache: OrderedDict[tuple[str, str, str], tuple[bytes, int]] = OrderedDict()
         self._reply_cache_objects = 0
         self._ids = itertools.count(1)
         self.pending_objects = 0
@@ -372,14 +379,16 @@ class DirectoryCore:
         if cached is None:
             return None
         self._count("retried_request_total")
-        return cached[0]
+        reply: msgspec.Struct = _REPLY_DECODERS[verb].decode(cached[0])
+        return reply
 
     def _remember(
         self, verb: str, writer_id: str, request_id: str, reply: msgspec.Struct, n_objects: int
     ) -> None:
+        invariant(verb in _REPLY_DECODERS, "no decoder for cached replies of this verb", verb=verb)
         old = self._reply_cache.pop((verb, writer_id, request_id), None)
         self._reply_cache_objects += n_objects - (old[1] if old else 0)
-        self._reply_cache[(verb, writer_id, request_id)] = (reply, n_objects)
+        self._reply_cache[(verb, writer_id, request_id)] = (msgspec.msgpack.encode(reply), n_objects)
         while self._reply_cache_objects > self.config.reply_cache_objects_max:
             _, (_, n) = self._reply_cache.popitem(last=False)
             self._reply_cache_objects -= n
