@@ -30,6 +30,7 @@ from kvfabric.directory.settings import DirectorySettings, load_directory_settin
 from kvfabric.proto.subjects import Service
 from kvfabric.runtime.cli import service_cli
 from kvfabric.runtime.config import RuntimeSettings, SettingsError
+from kvfabric.runtime.gcpolicy import freeze_long_lived
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.natsauth import nats_auth_from_env
 from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
@@ -175,6 +176,7 @@ async def serve(settings: RuntimeSettings) -> int:
 
     election_task.add_done_callback(election_ended)
     log.info("directory_standby", metrics_port=runtime.metrics_port, shards=config.shards)
+    freeze_long_lived("directory_standby")  # and again once led shards are rebuilt (ShardHost)
     await runtime.wait_stop_requested()
     election_task.cancel()
     await asyncio.gather(election_task, *starting, return_exceptions=True)

@@ -14,7 +14,9 @@ answer (its router retries later), counted in `shard_map_rate_limited`.
 Shards come and go with leadership (`kvfabric.directory.leader`): `start_shard` rebuilds the
 shard's index from the segments' reports (only keys of that shard) under the new epoch before it
 serves; `stop_shard` (a handover) stops serving it at once — its KV key is released only after.
-A lapsed lease stops the whole instance (the caller exits), as before sharding.
+A lapsed lease stops the whole instance (the caller exits), as before sharding. Once the starts
+of a round are done (`_settled`), what they built is frozen out of the cyclic GC's walk
+(`kvfabric.runtime.gcpolicy.freeze_long_lived`; a no-op unless the process runs the policy).
 
 A heartbeat from a registered segment that a shard core never saw (it registered while the
 shard was being rebuilt, or did not answer that rebuild's report in time) registers it there
@@ -57,6 +59,7 @@ from kvfabric.proto.subjects import (
     tenant_from_subject,
     tenant_inbox_prefix,
 )
+from kvfabric.runtime.gcpolicy import freeze_long_lived
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import Handler, ServiceRuntime, TenantHandler
 
@@ -430,6 +433,8 @@ class ShardHost:
         self._settling = False
         if self._starting:
             return  # logged when those are done
+        # The rebuilt shards' state is long-lived: out of the cyclic GC's walk (gcpolicy).
+        freeze_long_lived("shards_rebuilt")
         led = sorted(self.shells)
         if led == self._announced:
             return

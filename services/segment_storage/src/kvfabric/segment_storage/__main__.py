@@ -15,6 +15,7 @@ from typing import Final
 from kvfabric.proto.subjects import Service
 from kvfabric.runtime.cli import service_cli
 from kvfabric.runtime.config import RuntimeSettings, SettingsError
+from kvfabric.runtime.gcpolicy import freeze_long_lived
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
 from kvfabric.segment_storage.arena import SegmentIdInUse
@@ -63,6 +64,7 @@ async def serve(settings: RuntimeSettings) -> int:
         arena=str(shell.arena.path),
         stale_files_removed=[str(p) for p in shell.stale_files_removed],
     )
+    freeze_long_lived("segment_started")
     down = asyncio.create_task(shell.must_reregister.wait())
     stop = asyncio.create_task(runtime.wait_stop_requested())
     await asyncio.wait({down, stop}, return_when=asyncio.FIRST_COMPLETED)
