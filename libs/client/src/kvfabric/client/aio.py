@@ -5,11 +5,13 @@ Rules every method keeps (issue 5, DESIGN.md 3):
   stale generation, dead segment or unreachable directory shortens the hit or the load to the
   last verified chunk and is counted by cause (`metrics.fallbacks`). Only caller bugs (bad token
   ids, wrongly sized buffers) raise.
-- **Ownership.** Transports write only into client-owned staging buffers. Bytes reach an engine
-  buffer only through `LoadTable`'s fence (`may_write` -> copy -> `delivered`, on the loop
-  thread, so no cancel or timeout interleaves). When `load` returns, every one of its waiters has
-  ended: no later completion writes into the engine's buffers.
-- **Coalescing.** Concurrent loads of one object share one transfer (`LoadTable`).
+- **Ownership.** Transports write straight into the engine's buffers, block by block under the
+  load's `WriteGate` (`kvfabric.dataplane.scatter`), which `load` closes before it returns:
+  then no transfer writes into them any more, whatever thread it runs on. A chunk is reported
+  loaded only once the hash of what landed matched the directory's checksum.
+- **Coalescing.** Concurrent loads of one object share one transfer (`LoadTable`): it writes
+  into the buffers of the load that started it; a joiner copies from there on the loop thread
+  (the `LoadTable` fence: `may_write` -> copy -> `delivered`), only while those are still lent.
 - **Bounded.** Transfers and their bytes are bounded by the table (Busy -> shorter load); worker
   threads by `transfers_max`; save bytes and queued saves by `save_inflight_bytes_max` and
   `saves_queued_max` (over -> the save is dropped and counted, never queued without bound).
@@ -193,7 +195,7 @@ class AsyncKvClient:
         self._save_bytes = 0
         self._saves_running = 0
         self._tasks: set[asyncio.Task[Any]] = set()  # running saves
-        self._capacity = asyncio.Event()  # set whenever a transfer releases its staging
+        self._capacity = asyncio.Event()  # set whenever a transfer ends (ReleaseStaging: room again)
         self._starting: list[tuple[TransferId, m.ObjectLocation, ScatterDest]] = []  # not dispatched yet
         self._closed = False
 
@@ -511,7 +513,7 @@ class AsyncKvClient:
         waits: list[float],
     ) -> None:
         """Register one waiter; while the table is full (Busy), wait for a transfer to release
-        its staging, up to the load's deadline (then the waiter ends "busy")."""
+        its target, up to the load's deadline (then the waiter ends "busy")."""
         while True:
             self._locations[object_id] = location  # read by StartTransfer, if this want starts one
             try:
