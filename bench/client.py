@@ -30,8 +30,9 @@ per prompt call, with 1 engine process and 4 concurrent engine processes (aggreg
   round once the machine is idle (other jobs share it).
 
 Run: `.venv/bin/python -m bench.client` from the repository root (or `make bench`). Writes
-bench/results/client.json and client.md. `--quick`: one repeat, 16 MiB measurements, a 128 MiB
-working set (a smoke run).
+bench/results/client.json and client.md; exits 1 when any kvfabric, transport or Redis byte did not
+verify. `--quick`: one repeat, 16 MiB measurements, a 128 MiB working set, at most 2 s waiting for
+an idle machine, Mooncake's 1-process runs only (a smoke run).
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ RUN_TIMEOUT_S: Final = 300.0
 PREPARE_TIMEOUT_S: Final = 900.0
 MOONCAKE_TIMEOUT_S: Final = 1800.0
 QUICK_MOONCAKE_TIMEOUT_S: Final = 600.0
+IDLE_WAIT_MAX_S: Final = 15.0
+QUICK_IDLE_WAIT_MAX_S: Final = 2.0
 
 # (row, op label, op, client): client = "remote" | "local" | "" (below the client API)
 ROWS: Final = (
@@ -482,6 +485,8 @@ class Plan:
     measure_bytes: int
     working_set_bytes: int
     redis: bool
+    idle_wait_max_s: float  # before each round: wait at most this long for an idle machine
+    mooncake_engines: list[int]
 
 
 class Bench:
@@ -492,6 +497,7 @@ class Bench:
         self.points: list[dict[str, Any]] = []
         self.sizes: list[dict[str, Any]] = []  # per size: working set, evictions
         self.waited_s: list[float] = []
+        self.loadavg: list[str] = []  # at the start of each round, after waiting
         self.run_ids = iter(range(1, 1 << 40))
 
     def run_size(self, size: int) -> None:
@@ -515,7 +521,8 @@ class Bench:
         ops = {kind(op, client): (op, client) for _, _, op, client in ROWS}
         cursor = 0
         for _ in range(plan.repeats):  # interleaved: a slow spell of the machine hits every point alike
-            self.waited_s.append(round(wait_idle(), 1))
+            self.waited_s.append(round(wait_idle(max_wait_s=plan.idle_wait_max_s), 1))
+            self.loadavg.append(loadavg())
             for p in points:
                 if p.error:
                     continue
@@ -568,7 +575,7 @@ def run_mooncake(plan: Plan, quick: bool) -> tuple[list[dict[str, Any]], dict[st
         return [], info
     points: list[dict[str, Any]] = []
     for mode in MOONCAKE_MODES:
-        for procs in plan.engines:
+        for procs in plan.mooncake_engines:
             print(f"mooncake {mode}, {procs} process(es)", flush=True)
             try:
                 result = mooncake.measure(
@@ -725,6 +732,8 @@ def main() -> int:
         measure_bytes=QUICK_MEASURE_BYTES if args.quick else MEASURE_BYTES,
         working_set_bytes=QUICK_WORKING_SET_BYTES if args.quick else WORKING_SET_BYTES,
         redis=not args.no_redis,
+        idle_wait_max_s=QUICK_IDLE_WAIT_MAX_S if args.quick else IDLE_WAIT_MAX_S,
+        mooncake_engines=engines[:1] if args.quick else engines,  # quick: the peer's 1-process runs
     )
     for s in sizes:
         arena = working_prompts(s, plan.working_set_bytes, engines[-1], plan.measure_bytes) * CHUNKS * s
@@ -787,6 +796,7 @@ def main() -> int:
         "per_size": bench.sizes,
         "cluster_idle_cpu_cores": idle_cpu,
         "busy_wait_s_per_round": bench.waited_s,
+        "loadavg_per_round": bench.loadavg,
         "verified_objects": sum(p["verified"] for p in ours),
         "mismatches": sum(p["mismatches"] for p in ours),
         "short": sum(p["short"] for p in ours),
@@ -808,7 +818,7 @@ def main() -> int:
             "Mooncake runs after the kvfabric cluster is down; each of its repeats is a pass over a "
             "working set of the same size (it puts, then gets, every key of the pass)",
             "runs of all points of a size are interleaved, each round once the machine is ≥ 85 % idle "
-            "(at most 15 s wait)",
+            f"(at most {plan.idle_wait_max_s:.0f} s wait)",
         ],
         "points": points,
         "elapsed_s": round(time.monotonic() - started, 1),
