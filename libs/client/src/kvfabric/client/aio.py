@@ -38,6 +38,7 @@ from kvfabric.client.hits import Hit, LoadResult, SaveResult
 from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.releases import RELEASES_CONCURRENT_MAX, give_back
 from kvfabric.client.settings import ClientSettings
+from kvfabric.client.threads import thread_placement
 from kvfabric.client.transfers import SegmentPool
 from kvfabric.core.client_loads import (
     Busy,
@@ -181,9 +182,12 @@ class AsyncKvClient:
             on_retry=self.metrics.replica_retries.inc,
             tls=client_context(settings.data_tls_ca) if settings.data_tls_ca else None,
         )
-        self._executor = ThreadPoolExecutor(settings.transfers_max, thread_name_prefix="kvf-transfer")
+        place = thread_placement(settings.thread_cpus)  # in the creating thread (settings.thread_cpus)
+        self._executor = ThreadPoolExecutor(
+            settings.transfers_max, thread_name_prefix="kvf-transfer", initializer=place
+        )
         self._save_executor = ThreadPoolExecutor(
-            max(1, settings.transfers_max // 2), thread_name_prefix="kvf-save"
+            max(1, settings.transfers_max // 2), thread_name_prefix="kvf-save", initializer=place
         )
         self._waiters: dict[Any, _Waiter] = {}
         self._targets: dict[TransferId, _Target] = {}  # StartTransfer .. ReleaseStaging

@@ -15,6 +15,7 @@ from typing import Final
 
 import msgspec
 
+from kvfabric.client.threads import parse_cpu_list
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.key import ShareDomain
 from kvfabric.proto.subjects import check_tenant, tenant_inbox_prefix
@@ -62,6 +63,10 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
     # set, only they through shared memory). Prefetch hints name one of them as the target.
     local_segments: str = ""
     metrics_port: int = -1  # -1: no HTTP endpoint; 0: any free port
+    # CPUs of the client's threads (loop, transfers, saves); kvfabric.client.threads: "" or
+    # "inherit" (the creating thread's), "auto" (off the creating thread's CPUs when it is
+    # pinned, e.g. an engine's compute thread; the vLLM connector's default), or "2-3,6".
+    thread_cpus: str = ""
     # Test switch only (chaos checkers must be able to fail): loads skip checksum verification.
     unsafe_skip_verification_for_tests: bool = False
 
@@ -91,6 +96,8 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
                 check_tenant(self.nats_tenant)
             except ValueError as exc:
                 raise BadRequest(f"client setting nats_tenant: {exc}") from None
+        if self.thread_cpus.strip() not in ("", "inherit", "auto"):
+            parse_cpu_list(self.thread_cpus)  # BadRequest when it is not a CPU list
         if not 16 <= len(salt) <= 64:
             raise BadRequest(f"domain salt must be 16..64 bytes, got {len(salt)}")
 

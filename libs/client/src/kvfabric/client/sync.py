@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvfabric.client.aio import AsyncKvClient, Destination, EngineSpec, Source
 from kvfabric.client.hits import Hit, LoadResult, SaveResult
 from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.settings import ClientSettings
+from kvfabric.client.threads import thread_placement
 from kvfabric.core.client_loads import DestId
 from kvfabric.format.errors import Unavailable
 from kvfabric.format.key import ChunkExtras, TokenIds
@@ -40,7 +41,12 @@ class KvClient:
         self.aio = AsyncKvClient(settings, spec, metrics=metrics)
         self.metrics = self.aio.metrics
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvf-client-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run_loop,
+            args=(thread_placement(settings.thread_cpus),),  # decided here, in the creating thread
+            name="kvf-client-loop",
+            daemon=True,
+        )
         self._thread.start()
         self.enabled = True
         self._releases: set[concurrent.futures.Future[None]] = set()  # releases not yet answered
@@ -49,6 +55,10 @@ class KvClient:
         except (Unavailable, TimeoutError, concurrent.futures.TimeoutError):
             self.enabled = False
             self.metrics.fallbacks.labels("directory_unavailable").inc()
+
+    def _run_loop(self, place: Callable[[], None]) -> None:
+        place()  # off the engine's compute CPUs (settings.thread_cpus)
+        self._loop.run_forever()
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
