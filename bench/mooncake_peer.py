@@ -22,12 +22,14 @@ namespace holding only `lo` (every Mooncake transfer engine listens on 0.0.0.0 a
 - Data: key i of a pass holds a window of a random pool at an offset that depends on i and the repeat;
   after every get call (outside the timed region) each object is compared with numpy.array_equal to the
   window it was put from: a wrong, stale or partial object counts as a mismatch; a negative code or a
-  short read as an error (then GB/s is null).
+  short read as an error (then GB/s is null). The pool is one buffer per client, size + 64 B per key
+  (puts read it from the CPU caches when it fits, like bench/dataplane.py's one put buffer per client).
 - TCP check: the loopback byte counter of the namespace (/proc/self/net/dev; /sys/class/net shows the
   namespace that mounted sysfs, not ours) must grow by ≥ 0.9 × the payload in remote mode and by
   ≤ 0.05 × in local mode, per op and size; recorded in `tcp_check`.
-- Each repeat starts once the machine is ≥ 85 % idle over 0.5 s (at most 10 s wait; others share the
-  2 cores). GB/s = 1e9 B/s, the median repeat; p50/p99 per batch call over all calls of all repeats.
+- Each repeat starts once the machine is ≥ 85 % idle over 0.5 s, waiting at most 10 s (others share the
+  2 cores); `repeats_started_busy` counts the repeats that started without. GB/s = 1e9 B/s, the median
+  repeat; p50/p99 per batch call over all calls of all repeats.
 
 Every process it starts dies with it (PR_SET_PDEATHSIG, and terminate → kill on exit, SIGTERM and
 errors); every wait is bounded. Exit 0 with the JSON written (mismatches are recorded, not fatal);
@@ -127,17 +129,19 @@ def _cpu_times() -> tuple[int, int]:
     return fields[3] + fields[4], sum(fields[:8])
 
 
-def wait_idle(window_s: float = 0.5) -> float:
-    """Wait (≤ IDLE_MAX_WAIT_S) until the machine was ≥ IDLE_THRESHOLD idle over `window_s`; seconds waited
-    beyond the first window."""
+def wait_idle(window_s: float = 0.5) -> tuple[float, float]:
+    """Wait (≤ IDLE_MAX_WAIT_S) until the machine was ≥ IDLE_THRESHOLD idle over `window_s`: (seconds waited
+    beyond the first window, idle share of the last window)."""
     start = time.monotonic()
+    idle = 1.0
     while time.monotonic() - start < IDLE_MAX_WAIT_S:
         idle0, total0 = _cpu_times()
         time.sleep(window_s)
         idle1, total1 = _cpu_times()
-        if total1 == total0 or (idle1 - idle0) / (total1 - total0) >= IDLE_THRESHOLD:
+        idle = 1.0 if total1 == total0 else (idle1 - idle0) / (total1 - total0)
+        if idle >= IDLE_THRESHOLD:
             break
-    return max(0.0, time.monotonic() - start - window_s)
+    return max(0.0, time.monotonic() - start - window_s), idle
 
 
 # ---- one benchmarking client (its own process) ---------------------------------------------------
@@ -275,9 +279,9 @@ def worker_main(cfg: WorkerConfig, barrier: Any, results: Any) -> None:
             records: dict[tuple[int, str], PassRecord] = {}
             lo: dict[str, int] = dict.fromkeys(OPS, 0)
             missing: dict[str, int] = {"batch_put_from": 0, "put_batch": 0}  # keys remove_all did not find
-            waits: list[float] = []
+            waits: list[tuple[float, float]] = []
             for rep in range(args.repeats):
-                waits.append(wait_idle() if lead else 0.0)
+                waits.append(wait_idle() if lead else (0.0, 1.0))
                 for op in OPS:
                     records[(rep, op)], lo_delta = step(op, size, rep, prompts)
                     lo[op] += lo_delta
@@ -481,7 +485,7 @@ def result(
             by_size.setdefault(msg[2], []).append(msg)
     points: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
-    waits: list[float] = []
+    waits: list[tuple[float, float]] = []
     for size in args.sizes:
         msgs = sorted(by_size[size], key=lambda m: m[1])
         assert len(msgs) == args.procs, (size, len(msgs))
@@ -534,7 +538,9 @@ def result(
         "mismatches": sum(p["mismatches"] for p in points),
         "verified": sum(p["verified"] for p in points),
         "keys_missing_at_remove": sum(p["keys_missing_at_remove"] for p in points),
-        "idle_wait_s": [round(w, 2) for w in waits],
+        "idle_wait_s": [round(w, 2) for w, _ in waits],
+        "idle_share_at_start": [round(i, 2) for _, i in waits],
+        "repeats_started_busy": sum(1 for _, i in waits if i < IDLE_THRESHOLD),
         "points": points,
         "elapsed_s": round(time.monotonic() - started, 1),
     }

@@ -241,4 +241,7 @@ def table(res: dict[str, Any]) -> str:
         f"errors={res['errors']} mismatches={res['mismatches']} of {res['verified']} verified; "
         f"{res['elapsed_s']} s"
     )
+    if "repeats_started_busy" in res:
+        busy, repeats = res["repeats_started_busy"], len(res["idle_share_at_start"])
+        lines.append(f"{busy} of {repeats} repeats started on a busy machine (< 85 % idle)")
     return "\n".join(lines)
