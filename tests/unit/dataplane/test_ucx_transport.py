@@ -27,9 +27,11 @@ from kvfabric.format.errors import (
 from kvfabric.proto.codec import encode
 from kvfabric.proto.common import ErrorReply
 from kvfabric.proto.dataplane import (
+    GetReply,
     GetRequest,
     LocalGrants,
     MapReply,
+    ObjectResult,
     ObjectStatus,
     PutRequest,
     ReadRef,
@@ -37,12 +39,23 @@ from kvfabric.proto.dataplane import (
 from kvfabric.proto.directory import WriteTicket
 
 apply_ucx_env_defaults()  # before ucxx is imported (the raw endpoints below)
+# The raw peers below use ucxx's own asyncio API (not the transport's engine): completions through
+# its notifier thread, so a waiting peer does not spin the loop.
+os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
 import ucxx  # noqa: E402
 
 pytestmark = pytest.mark.ucx
-# One loop for the module's async tests: ucxx delivers completions to one event loop per process
-# (moving to another loop costs ~1 s, see test_a_second_event_loop_gets_the_notifier).
+# One loop for the module's async tests: ucxx's asyncio API (the raw peers) delivers completions to
+# the one event loop its notifier was started for.
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_ucxx_notifier() -> Any:
+    """ucxx's notifier thread (raw peers) is not a daemon: stop it, or the interpreter never exits."""
+    yield
+    ucxx.stop_notifier_thread()
+
 
 TIMEOUT_S = 20.0
 SLOT_BYTES = 16 << 20
@@ -469,6 +482,31 @@ async def test_payload_larger_than_its_ticket_is_refused_and_the_connection_stay
 
 
 @on_module_loop
+async def test_the_client_handshakes_with_a_ucxx_asyncio_listener() -> None:
+    """The transport agrees tags the way ucxx's asyncio API does: a plain ucxx peer can serve it."""
+
+    async def serve(ep: Any) -> None:
+        op, request_id, meta = await read_frame(ep)
+        reads = msgspec.msgpack.decode(meta, type=GetRequest).reads
+        reply = encode(GetReply(results=[ObjectResult("not_found", b"") for _ in reads]))
+        await ep.send(pack_header(Op.REPLY, request_id, len(reply)) + reply)
+        served.append(op)
+
+    async def scenario() -> None:
+        listener = ucxx.create_listener(serve, 0)
+        client = UcxClient("127.0.0.1", listener.port)
+        try:
+            [result] = await client.get([ReadRef(INCARNATION, 0, 1, 10)], [bytearray(10)])
+            assert result.status == "not_found" and served == [Op.GET]
+        finally:
+            client.close()
+            listener.close()
+
+    served: list[Op] = []
+    await run(scenario)
+
+
+@on_module_loop
 async def test_garbage_frame_is_answered_once_then_the_connection_closes() -> None:
     async def scenario() -> None:
         backend = FakeBackend()
@@ -525,8 +563,8 @@ def test_env_defaults_are_set_only_where_absent() -> None:
     assert all(os.environ.get(k) is not None for k in defaults)  # applied before ucxx was imported
 
 
-def test_a_second_event_loop_gets_the_notifier() -> None:
-    """A fresh `asyncio.run` (the module's loop is idle meanwhile) still completes transfers."""
+def test_a_second_event_loop_gets_its_own_worker() -> None:
+    """A fresh `asyncio.run` (the module's loop is idle meanwhile) gets its own UCX worker."""
 
     async def scenario() -> None:
         backend = FakeBackend()

@@ -1,7 +1,8 @@
 """The data-plane protocol over UCX (ucxx, asyncio): `UcxServer` over a `SegmentBackend`, `UcxClient`.
 
 Same frames as TCP (`kvfabric.dataplane.frames`), carried as UCX tag messages on the connection's
-own tag (ucxx gives every endpoint a private tag pair; messages on one tag are matched in order):
+own tag pair (agreed at connect time, as ucxx's own asyncio API does; messages on one tag are
+matched in order):
 
 | message | bytes | received into |
 |---|---|---|
@@ -9,11 +10,20 @@ own tag (ucxx gives every endpoint a private tag pair; messages on one tag are m
 | PUT payload | exactly `ticket.size_bytes` | the arena view from `backend.begin_put` |
 | GET payload | one message per `ok` object, `size_bytes` each | the caller's destination buffer |
 
+Progress engine: ucxx's low-level worker (`ucxx._lib.libucxx`), one UCX context and worker per
+event loop, progressed by that loop and nothing else (`_Worker`): the worker's epoll fd is a
+reader of the loop; each turn progresses UCX until idle, resolves the futures of the requests that
+completed, and re-arms the worker. No ucxx threads, no thread hop per message. ucxx's asyncio
+layer (`ucxx.create_endpoint`: a progress thread, delayed submission, a notifier thread setting
+asyncio futures) cost ~0.5 ms per request on 2 cores: 4 thread hand-offs per round trip
+(docs/ucx.md, `bench/ucx_options.py`). A client sends its request and posts the reply's receive
+together (pre-posted), so the reply lands without UCX's unexpected-message queue.
+
 Why header + meta is one message: a UCX tag receive may be larger than the message (it may not be
 smaller: the message is then consumed and the receive fails "truncated"), and the header says how
 many meta bytes are valid. One message halves the small-request round trip against two (header,
-then meta): 145 µs vs 283 µs here (docs/ucx.md). Truncation keeps the stream in step: an
-oversize message is consumed, answered with `bad_request`, and the connection stays usable.
+then meta). Truncation keeps the stream in step: an oversize message is consumed, answered with
+`bad_request`, and the connection stays usable.
 
 Payload messages are posted straight on their final buffers (arena view, caller's buffer): no copy
 in Python. Inside UCX, an eager message (below `UCX_RNDV_THRESH`) that arrives before its receive is
@@ -31,11 +41,9 @@ Failure rules (as the TCP transport):
   connection's references are leaked on purpose (`UcxServer.leaked_connections`), never reused
   while UCX may still write or read them.
 
-Threading: the server runs on the asyncio loop that called `start()` and calls the backend
-synchronously on that loop's thread; a backend must not block on that same loop. ucxx has one
-context per process and (python-future mode, our default) delivers completions to one event loop:
-use one running loop per process; a later loop takes the notifier over (~1 s) once the earlier one
-is no longer running.
+Threading: a server or client belongs to the event loop it started (connected) on, whose worker
+carries its transfers; the backend is called synchronously on that loop's thread and must not
+block on it. Several loops (threads) may each run servers and clients: each has its own worker.
 
 UCX settings: `ucx_env_defaults()` (measured, docs/ucx.md) are applied with
 `os.environ.setdefault` just before ucxx is first imported, so anything set in the environment
@@ -46,13 +54,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import mmap
 import os
+import struct
 import sys
 import threading
-from collections.abc import Awaitable, MutableMapping, Sequence
+import time
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -106,6 +117,15 @@ SETTLE_S: Final = 5.0
 # How long a refused connection (busy, stopping) may stay open for its peer to read the refusal.
 REJECT_LINGER_S: Final = 1.0
 FRAME_BYTES_MAX: Final = HEADER.size + META_BYTES_MAX
+CONNECT_TIMEOUT_S_DEFAULT: Final = 5.0
+# Longest a progress turn runs before the loop gets control back (a long transfer continues in the
+# next turn), and how often an idle worker is progressed anyway (as ucxx's blocking mode does: UCX
+# may have work that raised no event).
+TURN_S: Final = 0.002
+TICK_S: Final = 1.0
+# The peer-info message of ucxx's connection handshake (its own tag, a checksum of it): ucxx
+# asyncio endpoints (ucxx.create_endpoint / create_listener) interoperate with this transport.
+_PEER_INFO: Final = struct.Struct("QQ")
 
 # Measured on loopback (2 cores), docs/ucx.md. Only TCP-transport knobs and the eager/rendezvous
 # switch for transfers between hosts; everything else stays UCX's (or ucxx's) default.
@@ -113,9 +133,6 @@ _ENV_DEFAULTS: Final[dict[str, str]] = {
     "UCX_TCP_TX_SEG_SIZE": "1M",
     "UCX_TCP_RX_SEG_SIZE": "1M",
     "UCX_RNDV_THRESH": "inf",
-    # Completions through asyncio futures set by ucxx's notifier thread. Without it every awaited
-    # transfer polls the event loop: a server with one idle connection burns a whole core.
-    "UCXPY_ENABLE_PYTHON_FUTURE": "1",
 }
 
 _error_decoder: FamilyDecoder[ErrorReply] = FamilyDecoder(ErrorReply, "dataplane error")
@@ -142,6 +159,8 @@ def apply_ucx_env_defaults(environ: MutableMapping[str, str] | None = None) -> d
 
 
 _ucxx_module: Any = None
+_libucxx_module: Any = None
+_array_type: Any = None
 
 
 def _ucxx() -> Any:
@@ -163,38 +182,111 @@ def _ucxx() -> Any:
     return _ucxx_module
 
 
-_notifier_loop: asyncio.AbstractEventLoop | None = None
-_exit_hook_registered = False
+def _libucxx() -> Any:
+    """ucxx's low-level bindings (worker, endpoint, listener, request)."""
+    global _libucxx_module, _array_type
+    if _libucxx_module is None:
+        _ucxx()
+        import ucxx._lib.libucxx as libucxx
+        from ucxx._lib.arr import Array
+
+        _array_type = Array
+        _libucxx_module = libucxx
+    return _libucxx_module
 
 
-def _ucxx_on_running_loop() -> Any:
-    """ucxx, with its context created and its completion notifier bound to the running loop.
+def _hash64bits(value: int) -> int:
+    """ucxx's `hash64bits(value)` (the peer-info checksum of its handshake)."""
+    return int(hashlib.sha1(repr((value,)).encode()).hexdigest()[:16], 16)
 
-    ucxx's notifier thread (python-future mode) delivers completions to the one loop it was
-    started for. A later loop (a second `asyncio.run`, a test's own loop) gets the notifier
-    restarted for it, provided the previous loop is not running (one running loop per process).
-    The notifier is a non-daemon thread: it is stopped at interpreter exit before threads are
-    joined, or the process would never exit.
+
+class _Worker:
+    """One UCX context and worker, progressed only by the event loop that created it.
+
+    A turn (the worker's epoll fd became readable, a request was posted, or the 1 s tick) runs UCX
+    progress until idle (at most `TURN_S`, then another turn is queued), resolves the future of
+    every request that completed (its buffers stay referenced until then), and re-arms the worker
+    so the next UCX event wakes the loop.
     """
-    global _notifier_loop, _exit_hook_registered
-    ucxx = _ucxx()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        u = _libucxx()
+        self.loop = loop
+        self.context = u.UCXContext({})
+        self.worker = u.UCXWorker(self.context, enable_delayed_submission=False, enable_python_future=False)
+        self.worker.init_blocking_progress_mode()
+        self._pending: list[tuple[Any, asyncio.Future[None], Any]] = []
+        self._scheduled = False
+        loop.add_reader(self.worker.epoll_file_descriptor, self._turn)
+        self._tick_handle = loop.call_later(TICK_S, self._tick)
+
+    def post(self, request: Any, buffer: Any) -> asyncio.Future[None]:
+        """A future resolved (or failed with the UCX error) once `request` completed. `buffer` is
+        kept referenced until then, whatever happens to the future."""
+        fut: asyncio.Future[None] = self.loop.create_future()
+        self._pending.append((request, fut, buffer))
+        self.kick()
+        return fut
+
+    def kick(self) -> None:
+        """Queue a turn (call on the loop's thread)."""
+        if not self._scheduled and not self.loop.is_closed():
+            self._scheduled = True
+            self.loop.call_soon(self._turn)
+
+    def _tick(self) -> None:
+        self._turn()
+        if not self.loop.is_closed():
+            self._tick_handle = self.loop.call_later(TICK_S, self._tick)
+
+    def _turn(self) -> None:
+        self._scheduled = False
+        worker = self.worker
+        deadline = time.monotonic() + TURN_S
+        busy = False
+        while worker.progress_once():
+            if time.monotonic() > deadline:
+                busy = True
+                break
+        if not busy:
+            worker.progress()  # also cancels the requests of endpoints that failed meanwhile
+        if self._pending:
+            self._complete()
+        if busy or not worker.arm():  # not armed: UCX has events to progress now
+            self.kick()
+
+    def _complete(self) -> None:
+        keep = []
+        for entry in self._pending:
+            request, fut, _ = entry
+            if not request.completed:
+                keep.append(entry)
+                continue
+            if fut.done():
+                continue
+            try:
+                request.check_error()
+            except Exception as exc:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+        self._pending = keep
+
+
+_workers: dict[asyncio.AbstractEventLoop, _Worker] = {}
+_workers_lock = threading.Lock()
+
+
+def _worker_for_running_loop() -> _Worker:
+    """The running loop's worker (created on first use; workers of closed loops are dropped)."""
     loop = asyncio.get_running_loop()
-    fresh = ucxx.core._ctx is None  # ucxx 0.52: the process-wide ApplicationContext
-    ctx = ucxx.core._get_ctx()  # created here if needed: its notifier binds to this loop
-    if not _exit_hook_registered:
-        register = getattr(threading, "_register_atexit", None)  # runs before threads are joined
-        if register is not None:
-            register(ucxx.stop_notifier_thread)
-        _exit_hook_registered = True
-    if not ctx.enable_python_future or _notifier_loop is loop:
-        return ucxx
-    if not fresh:
-        if _notifier_loop is not None and _notifier_loop.is_running():
-            raise InvariantViolation("ucxx already serves an event loop running in another thread")
-        ctx.stop_notifier_thread()  # up to ~1 s: the notifier wakes once a second
-        ctx.start_notifier_thread()  # for the running loop
-    _notifier_loop = loop
-    return ucxx
+    with _workers_lock:
+        worker = _workers.get(loop)
+        if worker is None:
+            for closed in [lp for lp in _workers if lp.is_closed()]:
+                del _workers[closed]
+            worker = _workers[loop] = _Worker(loop)
+    return worker
 
 
 def _frame(op: Op, request_id: int, meta: msgspec.Struct, payload_count: int = 0) -> bytes:
@@ -214,65 +306,156 @@ class _LinkDown(Exception):
     """The endpoint failed, was closed by the peer, or a transfer timed out (endpoint aborted)."""
 
 
-class _Link:
-    """One ucxx endpoint, with the rule that a buffer is released only after UCX is done with it."""
+_Op = tuple[bool, Any]  # (is a send, buffer): a transfer to post on a link
 
-    def __init__(self, ep: Any) -> None:
+
+class _Link:
+    """One UCX endpoint and its tag pair, with the rule that a buffer is released only after UCX is
+    done with it."""
+
+    def __init__(self, worker: _Worker, ep: Any, send_tag: int, recv_tag: int) -> None:
+        u = _libucxx()
+        self.worker = worker
         self.ep = ep
+        self._send_tag = u.UCXXTag(send_tag)
+        self._recv_tag = u.UCXXTag(recv_tag)
+        self._mask = u.UCXXTagMaskFull
         self.aborted = False
         self.stuck = False  # UCX did not confirm cancelled transfers: never release their buffers
+
+    @staticmethod
+    def send(buf: Any) -> _Op:
+        return (True, buf)
+
+    @staticmethod
+    def recv(buf: Any) -> _Op:
+        return (False, buf)
+
+    @property
+    def alive(self) -> bool:
+        return not self.aborted and bool(self.ep.alive)
 
     def abort(self) -> None:
         if not self.aborted:
             self.aborted = True
-            with contextlib.suppress(Exception):
-                self.ep.abort()  # cancels the endpoint's in-flight requests
+            _close_endpoint(self.worker, self.ep)
 
-    async def complete(self, transfers: Sequence[Awaitable[Any]], timeout_s: float | None) -> None:
-        """Run the transfers (posted in order) until all finish.
+    def _post(self, op: _Op) -> asyncio.Future[None]:
+        is_send, buf = op
+        array = _array_type(buf)
+        if is_send:
+            request = self.ep.tag_send(array, self._send_tag)
+        else:
+            request = self.ep.tag_recv(array, self._recv_tag, self._mask)
+        return self.worker.post(request, array)
+
+    async def complete(self, ops: Sequence[_Op], timeout_s: float | None) -> None:
+        """Post the transfers (in order) and wait until all finish.
 
         Raises `_Truncated` if one was truncated (all others succeeded), `_LinkDown` on any other
         failure or timeout. On timeout or cancellation the endpoint is aborted and the transfers
         are awaited (cancelled by UCX) before this returns or re-raises.
         """
         if self.aborted:
-            for aw in transfers:  # never started: close the coroutines
-                if asyncio.iscoroutine(aw):
-                    aw.close()
             raise _LinkDown("endpoint aborted")
-        tasks = [asyncio.ensure_future(aw) for aw in transfers]
+        if not ops:
+            return
+        futs: list[asyncio.Future[None]] = []
         try:
-            _, pending = await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+            for op in ops:
+                futs.append(self._post(op))
+        except Exception as exc:
+            self.abort()
+            await self._settle(futs)
+            raise _LinkDown(f"posting a transfer failed: {exc!r}") from exc
+        try:
+            _, pending = await asyncio.wait(futs, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
         except asyncio.CancelledError:
             self.abort()
-            await self._settle(tasks)
+            await self._settle(futs)
             raise
         if pending:  # timed out, or one failed while others still run: the endpoint is done for
             self.abort()
-            await self._settle(tasks)
-            failed = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
+            await self._settle(futs)
+            failed = [f.exception() for f in futs if f.done() and f.exception()]
             raise _LinkDown(repr(failed[0]) if failed else f"transfer did not finish within {timeout_s} s")
-        failures = [e for e in (t.exception() for t in tasks) if e is not None]
+        failures = [e for e in (f.exception() for f in futs) if e is not None]
         if not failures:
             return
-        truncated = _ucxx().exceptions.UCXMessageTruncatedError
+        truncated = _libucxx().UCXMessageTruncatedError
         if all(isinstance(e, truncated) for e in failures):
             raise _Truncated(str(failures[0]))
         self.abort()
         raise _LinkDown(repr(next(e for e in failures if not isinstance(e, truncated))))
 
-    async def _settle(self, tasks: Sequence[asyncio.Future[Any]]) -> None:
+    async def _settle(self, futs: Sequence[asyncio.Future[None]]) -> None:
+        if not futs:
+            return
         try:
-            _, pending = await asyncio.wait(tasks, timeout=SETTLE_S)
+            _, pending = await asyncio.wait(futs, timeout=SETTLE_S)
         except asyncio.CancelledError:  # cancelled again while settling: assume the worst
-            self.stuck = not all(t.done() for t in tasks)
+            self.stuck = not all(f.done() for f in futs)
             raise
-        for task in tasks:
-            if task.done() and not task.cancelled():
-                task.exception()  # retrieved: no "exception never retrieved" noise
+        for fut in futs:
+            if fut.done():
+                fut.exception()  # retrieved: no "exception never retrieved" noise
         if pending:
             self.stuck = True
             _log.error("ucx: %d transfer(s) not finished %s s after endpoint abort", len(pending), SETTLE_S)
+
+
+def _close_endpoint(worker: _Worker, ep: Any) -> None:
+    """Close `ep` at once (its in-flight requests are cancelled; they complete in the next turn)."""
+    if worker.loop.is_running() and not _on_loop_thread(worker.loop):
+        raise InvariantViolation("a UCX endpoint may only be closed from its event loop's thread")
+    with contextlib.suppress(Exception):
+        ep.close_blocking(period=10**9, max_attempts=1)  # no progress thread: progresses inline
+    with contextlib.suppress(Exception):
+        ep.remove_close_callback()
+    worker.kick()
+
+
+def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+async def _handshake(worker: _Worker, ep: Any, *, listener: bool, timeout_s: float) -> _Link:
+    """Agree the connection's tag pair, the way ucxx's asyncio API does (the listener sends its
+    peer info first). Raises `_LinkDown` (the endpoint aborted) on failure or timeout."""
+    own_tag = int.from_bytes(os.urandom(8), "little")
+    mine = _array_type(_PEER_INFO.pack(own_tag, _hash64bits(own_tag)))
+    theirs_buf = bytearray(_PEER_INFO.size)
+    theirs = _array_type(theirs_buf)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    futs: list[asyncio.Future[None]] = []
+    try:
+        for is_send in (True, False) if listener else (False, True):
+            request = ep.stream_send(mine) if is_send else ep.stream_recv(theirs)
+            futs.append(worker.post(request, mine if is_send else theirs))
+            done, _ = await asyncio.wait([futs[-1]], timeout=max(0.0, deadline - loop.time()))
+            if not done:
+                raise _LinkDown(f"no handshake within {timeout_s} s")
+            futs[-1].result()
+    except BaseException as exc:
+        _close_endpoint(worker, ep)
+        if futs:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait(futs, timeout=SETTLE_S)
+            for fut in futs:
+                if fut.done():
+                    fut.exception()
+        if isinstance(exc, (_LinkDown, asyncio.CancelledError)) or not isinstance(exc, Exception):
+            raise
+        raise _LinkDown(f"handshake failed: {exc!r}") from exc
+    peer_tag, checksum = _PEER_INFO.unpack(theirs_buf)
+    if checksum != _hash64bits(peer_tag):
+        _close_endpoint(worker, ep)
+        raise _LinkDown("handshake: peer info checksum does not match")
+    return _Link(worker, ep, send_tag=peer_tag, recv_tag=own_tag)
 
 
 # ---- server ----------------------------------------------------------------------------------
@@ -289,8 +472,8 @@ class _Connection:
 class UcxServer:
     """Serves a `SegmentBackend` over UCX. `await start()` listens; `await stop()` closes everything.
 
-    ucxx 0.52 listens on every interface (`create_listener` takes a port only): `host` is the
-    address advertised in `address`, not a bind address.
+    ucxx 0.52 listens on every interface (its listener takes a port only): `host` is the address
+    advertised in `address`, not a bind address. Runs on the loop that called `start()`.
     """
 
     def __init__(
@@ -309,7 +492,10 @@ class UcxServer:
         self.connections_max = connections_max
         self.inflight_bytes_max = inflight_bytes_max
         self.io_timeout_s = io_timeout_s
+        self.connect_timeout_s = CONNECT_TIMEOUT_S_DEFAULT  # the handshake of an accepted connection
         self._listener: Any = None
+        self._worker: _Worker | None = None
+        self._accepting: set[asyncio.Task[None]] = set()  # every connection's task, from accept on
         self._conns: dict[int, _Connection] = {}
         self._ids = itertools.count(1)
         self._stopping = False
@@ -328,29 +514,26 @@ class UcxServer:
         if self._listener is not None:
             return
         self._stopping = False
-        self._listener = _ucxx_on_running_loop().create_listener(self._on_connect, self.port)
+        self._worker = worker = _worker_for_running_loop()
+        self._listener = _libucxx().UCXListener.create(
+            worker=worker.worker, port=self.port, cb_func=self._on_endpoint, cb_args=(), deliver_endpoint=True
+        )
         self.port = int(self._listener.port)
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Stop listening, abort every connection, wait for their handlers to release everything."""
         self._stopping = True  # connections arriving from now on are refused
-        conns = list(self._conns.values())
-        for c in conns:
+        listener, self._listener = self._listener, None
+        del listener  # ucxx destroys the listener with its last reference: no new connections
+        for c in list(self._conns.values()):
             c.link.abort()
-        tasks = [c.task for c in conns if c.task is not None]
+        tasks = list(self._accepting)
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=timeout_s)
             for task in pending:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=timeout_s)
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            for _ in range(int(timeout_s / 0.005)):  # ucxx retires its handler records a turn late
-                if not listener.active_clients:
-                    break
-                await asyncio.sleep(0.005)
-            listener.close()
 
     async def __aenter__(self) -> UcxServer:
         await self.start()
@@ -359,9 +542,23 @@ class UcxServer:
     async def __aexit__(self, *_: object) -> None:
         await self.stop()
 
-    async def _on_connect(self, ep: Any) -> None:
-        """ucxx listener callback: one task per connection, for the connection's lifetime."""
-        link = _Link(ep)
+    def _on_endpoint(self, ep: Any) -> None:
+        """ucxx listener callback, called inside UCX progress (which must not be re-entered, e.g. by
+        closing an endpoint): the connection gets its own task, nothing else happens here."""
+        worker = self._worker
+        if worker is None:
+            return
+        task = worker.loop.create_task(self._on_connect(worker, ep))
+        self._accepting.add(task)
+        task.add_done_callback(self._accepting.discard)
+
+    async def _on_connect(self, worker: _Worker, ep: Any) -> None:
+        """One accepted endpoint, for the connection's lifetime."""
+        try:
+            link = await _handshake(worker, ep, listener=True, timeout_s=self.connect_timeout_s)
+        except _LinkDown as exc:
+            _log.info("ucx: connection handshake failed: %s", exc)
+            return
         if self._stopping or len(self._conns) >= self.connections_max:
             err: KvfError
             if self._stopping:
@@ -395,10 +592,10 @@ class UcxServer:
         deadline = loop.time() + REJECT_LINGER_S
         scratch = bytearray(1)
         with contextlib.suppress(_LinkDown):
-            await link.complete([link.ep.send(_error_frame(0, err))], REJECT_LINGER_S)
+            await link.complete([link.send(_error_frame(0, err))], REJECT_LINGER_S)
             while (left := deadline - loop.time()) > 0:
                 with contextlib.suppress(_Truncated):
-                    await link.complete([link.ep.recv(scratch)], left)
+                    await link.complete([link.recv(scratch)], left)
         link.abort()
 
     async def _serve(self, c: _Connection) -> None:
@@ -406,7 +603,7 @@ class UcxServer:
         try:
             while True:
                 try:
-                    await c.link.complete([c.link.ep.recv(c.buf)], None)  # idle: no timeout
+                    await c.link.complete([c.link.recv(c.buf)], None)  # idle: no timeout
                 except _Truncated:
                     await self._send(c, _error_frame(0, BadRequest(f"frame exceeds {FRAME_BYTES_MAX} bytes")))
                     continue
@@ -425,7 +622,7 @@ class UcxServer:
             frame.release()
 
     async def _send(self, c: _Connection, frame: bytes) -> None:
-        await c.link.complete([c.link.ep.send(frame)], self.io_timeout_s)
+        await c.link.complete([c.link.send(frame)], self.io_timeout_s)
 
     async def _refuse(self, c: _Connection, header: Header, err: KvfError) -> None:
         """Consume the payload messages the request declared, then answer `err`."""
@@ -433,7 +630,7 @@ class UcxServer:
             scratch = bytearray(1)
             for _ in range(header.payload_count):
                 with contextlib.suppress(_Truncated):
-                    await c.link.complete([c.link.ep.recv(scratch)], self.io_timeout_s)
+                    await c.link.complete([c.link.recv(scratch)], self.io_timeout_s)
         await self._send(c, _error_frame(header.request_id, err))
 
     async def _dispatch(self, c: _Connection, header: Header, meta: object) -> None:
@@ -467,7 +664,7 @@ class UcxServer:
             await self._refuse(c, header, err)
             return
         try:
-            await c.link.complete([c.link.ep.recv(put.view)], self.io_timeout_s)
+            await c.link.complete([c.link.recv(put.view)], self.io_timeout_s)
         except _Truncated:
             self.backend.abort_put(put, c.conn)
             too_big = BadRequest("PUT payload is larger than the ticket's size_bytes")
@@ -513,8 +710,8 @@ class UcxServer:
             results = [ObjectResult(s, cs) for s, cs in zip(grant.statuses, grant.checksums, strict=True)]
             views = [v for v in grant.views if v is not None]
             reply = _frame(Op.REPLY, header.request_id, GetReply(results=results), len(views))
-            ep = c.link.ep
-            await c.link.complete([ep.send(reply), *(ep.send(v) for v in views)], self.io_timeout_s)
+            link = c.link
+            await link.complete([link.send(reply), *(link.send(v) for v in views)], self.io_timeout_s)
         finally:
             if not c.link.stuck:
                 self.backend.end_get(grant, c.conn)
@@ -547,7 +744,7 @@ class UcxClient:
         port: int,
         *,
         io_timeout_s: float = IO_TIMEOUT_S_DEFAULT,
-        connect_timeout_s: float = 5.0,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S_DEFAULT,
     ) -> None:
         self.host = host
         self.port = port
@@ -595,27 +792,21 @@ class UcxClient:
     async def _ensure(self) -> _Link:
         if self._closed:
             raise Unavailable("ucx client is closed")
-        if self._link is not None and not self._link.aborted and not self._link.ep.closed:
-            return self._link
-        self._drop()  # an idle connection the segment closed: reconnect
-        ucxx = _ucxx_on_running_loop()
+        link = self._link
+        if link is not None:
+            if link.alive and link.worker.loop is asyncio.get_running_loop():
+                return link
+            self._drop()  # closed by the segment, failed, or connected on another (finished) loop
+        worker = _worker_for_running_loop()
         try:
-            ep = await asyncio.wait_for(
-                ucxx.create_endpoint(self.host, self.port, connect_timeout=self.connect_timeout_s),
-                self.connect_timeout_s + 1.0,
-            )
-        except (ucxx.exceptions.UCXError, OSError, TimeoutError) as exc:
-            raise Unavailable(f"cannot connect to {self.address}: {exc!r}", address=self.address) from exc
-        self._link = _Link(ep)
+            ep = _libucxx().UCXEndpoint.create(worker.worker, self.host, self.port, True)
+            self._link = await _handshake(worker, ep, listener=False, timeout_s=self.connect_timeout_s)
+        except (_LinkDown, _libucxx().UCXError, OSError) as exc:
+            raise Unavailable(f"cannot connect to {self.address}: {exc}", address=self.address) from exc
         return self._link
 
-    async def _reply(self, link: _Link, request_id: int) -> tuple[object, int]:
-        """Receive one reply frame; raise the segment's error if it is an ERROR frame."""
-        try:
-            await link.complete([link.ep.recv(self._buf)], self.io_timeout_s)
-        except _Truncated as exc:
-            self._drop()
-            raise Indeterminate(f"reply frame exceeds {FRAME_BYTES_MAX} bytes") from exc
+    def _parse_reply(self, request_id: int) -> tuple[object, int]:
+        """The reply frame in `_buf`; raise the segment's error if it is an ERROR frame."""
         frame = memoryview(self._buf)
         try:
             try:
@@ -639,21 +830,22 @@ class UcxClient:
     async def _call(
         self, op: Op, meta: msgspec.Struct, payload: Sequence[memoryview] = ()
     ) -> tuple[object, int, _Link]:
+        """Send the request (and its payload) with the reply's receive posted alongside."""
         link = await self._ensure()
         request_id = next(self._ids)
         frame = _frame(op, request_id, meta, len(payload))
         if len(frame) > FRAME_BYTES_MAX:
             raise BadRequest(f"request frame of {len(frame)} bytes exceeds {FRAME_BYTES_MAX}")
+        transfers = [link.send(frame), *(link.send(p) for p in payload), link.recv(self._buf)]
         try:
-            await link.complete([link.ep.send(frame), *(link.ep.send(p) for p in payload)], self.io_timeout_s)
-        except (_LinkDown, _Truncated) as exc:
+            await link.complete(transfers, self.io_timeout_s)
+        except _Truncated as exc:  # only a receive truncates: the reply
             self._drop()
-            raise Indeterminate(f"ucx connection failed during {op.name}: {exc}") from exc
-        try:
-            reply, payload_count = await self._reply(link, request_id)
+            raise Indeterminate(f"reply frame exceeds {FRAME_BYTES_MAX} bytes") from exc
         except _LinkDown as exc:
             self._drop()
             raise Indeterminate(f"ucx connection failed during {op.name}: {exc}") from exc
+        reply, payload_count = self._parse_reply(request_id)
         return reply, payload_count, link
 
     async def put(self, ticket: WriteTicket, data: Any) -> PutReply:
@@ -690,7 +882,7 @@ class UcxClient:
                 raise Indeterminate("GET reply payload count does not match its results")
             if ok:
                 try:
-                    await link.complete([link.ep.recv(v) for v in ok], self.io_timeout_s)
+                    await link.complete([link.recv(v) for v in ok], self.io_timeout_s)
                 except (_LinkDown, _Truncated) as exc:
                     self._drop()
                     raise Indeterminate(f"ucx connection failed during GET payload: {exc}") from exc
