@@ -50,7 +50,7 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
     lease_ttl_ms: int = 30_000
     write_ttl_ms: int = 30_000
     transfers_max: int = 16  # concurrent object transfers (threads)
-    connections_per_segment_max: int = 8
+    connections_per_segment_max: int = 8  # in use or idle, per segment (more transfers wait)
     load_inflight_bytes_max: int = 512 << 20
     save_inflight_bytes_max: int = 512 << 20
     saves_queued_max: int = 64

@@ -1,8 +1,11 @@
 """Blocking object transfers for the client, run on its worker threads.
 
-`SegmentPool` keeps, per segment data address, at most `connections_per_segment_max` idle
-connections (a TCP data connection, plus a shared-memory reader when the segment's arena file is
-on this host). A connection that failed is closed, never reused. Every call is bounded by the
+`SegmentPool` holds, per segment data address, at most `connections_per_segment_max` connections
+in use or idle (a TCP data connection, plus a shared-memory reader when the segment's arena file
+is on this host): a transfer that finds them all busy waits for one (up to the timeout) instead of
+opening more, so a client never costs a segment more than that many connections and threads
+(segments refuse connections past `connections_max`, shared by every client). A connection that
+failed is closed, never reused. Every call is bounded by the
 connection's timeout, so a dead segment costs at most one timeout per attempt.
 
 Ownership: `fetch` writes straight into the engine's buffers it is given (a `ScatterDest`), each
@@ -86,6 +89,7 @@ class SegmentPool:
         self.local_segments = local_segments
         self.on_retry = on_retry  # called once per read retried on another replica (metrics)
         self._idle: dict[tuple[str, bool], list[_Connection]] = {}
+        self._in_use: dict[str, threading.BoundedSemaphore] = {}  # per data address
         self._swept_s = 0.0
         self._lock = threading.Lock()
         self._closed = False
@@ -120,6 +124,22 @@ class SegmentPool:
     @contextlib.contextmanager
     def _connection(self, data_addr: str, shm_ok: bool = False) -> Iterator[_Connection]:
         self._sweep()
+        with self._lock:
+            slots = self._in_use.get(data_addr)
+            if slots is None:
+                slots = self._in_use[data_addr] = threading.BoundedSemaphore(self.connections_per_segment_max)
+        if not slots.acquire(timeout=self.timeout_s):
+            raise TimeoutError(
+                f"all {self.connections_per_segment_max} connections to {data_addr} stayed busy"
+            )
+        try:
+            with self._checked_out(data_addr, shm_ok) as conn:
+                yield conn
+        finally:
+            slots.release()
+
+    @contextlib.contextmanager
+    def _checked_out(self, data_addr: str, shm_ok: bool) -> Iterator[_Connection]:
         with self._lock:
             conns = self._idle.get((data_addr, shm_ok))
             conn = conns.pop() if conns else None
@@ -240,7 +260,8 @@ class SegmentPool:
     def store(self, ticket: WriteTicket, data: memoryview, trace_id: str = "") -> str:
         """Write one replica under its ticket. Returns "ok" (confirmed) or a cause."""
         try:
-            with self._connection(ticket.data_addr) as conn:
+            # The pool loads use too (one idle pool per segment): a PUT only needs its TCP half.
+            with self._connection(ticket.data_addr, self._shm_ok(ticket.segment_id)) as conn:
                 reply = conn.tcp.put(ticket, data, trace_id=trace_id)
         except KvfError as exc:
             return exc.code
