@@ -130,7 +130,7 @@ def test_a_client_used_from_a_later_loop_reconnects_there() -> None:
                 assert asyncio.run(asyncio.wait_for(round_trip(client, data), TIMEOUT_S)) == data
         finally:
             client.close()
-    assert backend.closed == [1, 2]
+    assert sorted(backend.closed) == [1, 2]  # the server may see the two closes in either order
 
 
 def test_the_transport_starts_no_ucxx_threads_and_the_process_exits() -> None:

@@ -489,8 +489,8 @@ async def test_the_client_handshakes_with_a_ucxx_asyncio_listener() -> None:
         op, request_id, meta = await read_frame(ep)
         reads = msgspec.msgpack.decode(meta, type=GetRequest).reads
         reply = encode(GetReply(results=[ObjectResult("not_found", b"") for _ in reads]))
+        served.append(op)  # before the reply: the client may see it before this send completes
         await ep.send(pack_header(Op.REPLY, request_id, len(reply)) + reply)
-        served.append(op)
 
     async def scenario() -> None:
         listener = ucxx.create_listener(serve, 0)

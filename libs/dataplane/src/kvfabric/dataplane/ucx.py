@@ -729,6 +729,70 @@ def _byte_view(buf: Any, *, writable: bool) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+class _BadReply(Exception):
+    """A reply to raise as `err`; `drop`: the connection is out of step (close it first)."""
+
+    def __init__(self, err: KvfError, drop: bool) -> None:
+        super().__init__(err.message)
+        self.err = err
+        self.drop = drop
+
+
+def _decode_reply(buf: mmap.mmap, request_id: int) -> tuple[object, int]:
+    """The reply frame in `buf` (meta, payload count); `_BadReply` for an ERROR frame or a frame
+    that is not the reply to `request_id`."""
+    frame = memoryview(buf)
+    try:
+        try:
+            header = unpack_header(frame[: HEADER.size])
+        except KvfError as exc:
+            raise _BadReply(Indeterminate(f"malformed reply frame: {exc.message}"), drop=True) from None
+        body = frame[HEADER.size : HEADER.size + header.meta_bytes]
+        if header.op is Op.ERROR:
+            # request id 0: connection-level (busy, bad framing): the segment closes it
+            raise _BadReply(
+                error_from_reply(_error_decoder.decode(body)), drop=header.request_id != request_id
+            )
+        if header.op is not Op.REPLY or header.request_id != request_id:
+            what = f"reply {header.op.name} #{header.request_id} to request #{request_id}"
+            raise _BadReply(Indeterminate(what), drop=True)
+        return dataplane_decoder.decode(body), header.payload_count
+    finally:
+        frame.release()
+
+
+def _get_views(reads: list[ReadRef], dests: Sequence[Any]) -> list[memoryview]:
+    """The first `size_bytes` of each destination (checked: one per read, writable, large enough)."""
+    if len(dests) != len(reads):
+        raise BadRequest("one destination buffer per read")
+    views: list[memoryview] = []
+    for ref, dest in zip(reads, dests, strict=True):
+        view = _byte_view(dest, writable=True)
+        if view.nbytes < ref.size_bytes:
+            raise BadRequest(f"destination is {view.nbytes} bytes, object is {ref.size_bytes}")
+        views.append(view[: ref.size_bytes])
+    return views
+
+
+def _put_view(ticket: WriteTicket, data: Any) -> memoryview:
+    view = _byte_view(data, writable=False)
+    if view.nbytes != ticket.size_bytes:
+        raise BadRequest(f"buffer is {view.nbytes} bytes, ticket says {ticket.size_bytes}")
+    return view
+
+
+def _ok_views(
+    reply: object, reads: list[ReadRef], views: list[memoryview], payload_count: int
+) -> list[memoryview]:
+    """The destinations the GET reply's payload messages go to; `_BadReply` when it is malformed."""
+    if not isinstance(reply, GetReply) or len(reply.results) != len(reads):
+        raise _BadReply(Indeterminate("malformed GET reply"), drop=True)
+    ok = [v for r, v in zip(reply.results, views, strict=True) if r.status == "ok"]
+    if len(ok) != payload_count:
+        raise _BadReply(Indeterminate("GET reply payload count does not match its results"), drop=True)
+    return ok
+
+
 class UcxClient:
     """One UCX connection to a segment's data port; one request at a time (an asyncio lock).
 
@@ -805,28 +869,6 @@ class UcxClient:
             raise Unavailable(f"cannot connect to {self.address}: {exc}", address=self.address) from exc
         return self._link
 
-    def _parse_reply(self, request_id: int) -> tuple[object, int]:
-        """The reply frame in `_buf`; raise the segment's error if it is an ERROR frame."""
-        frame = memoryview(self._buf)
-        try:
-            try:
-                header = unpack_header(frame[: HEADER.size])
-            except KvfError as exc:
-                self._drop()
-                raise Indeterminate(f"malformed reply frame: {exc.message}") from exc
-            body = frame[HEADER.size : HEADER.size + header.meta_bytes]
-            if header.op is Op.ERROR:
-                err = error_from_reply(_error_decoder.decode(body))
-                if header.request_id != request_id:  # connection-level (busy, bad framing): closed
-                    self._drop()
-                raise err
-            if header.op is not Op.REPLY or header.request_id != request_id:
-                self._drop()
-                raise Indeterminate(f"reply {header.op.name} #{header.request_id} to request #{request_id}")
-            return dataplane_decoder.decode(body), header.payload_count
-        finally:
-            frame.release()
-
     async def _call(
         self, op: Op, meta: msgspec.Struct, payload: Sequence[memoryview] = ()
     ) -> tuple[object, int, _Link]:
@@ -845,14 +887,17 @@ class UcxClient:
         except _LinkDown as exc:
             self._drop()
             raise Indeterminate(f"ucx connection failed during {op.name}: {exc}") from exc
-        reply, payload_count = self._parse_reply(request_id)
+        try:
+            reply, payload_count = _decode_reply(self._buf, request_id)
+        except _BadReply as bad:
+            if bad.drop:
+                self._drop()
+            raise bad.err from None
         return reply, payload_count, link
 
     async def put(self, ticket: WriteTicket, data: Any) -> PutReply:
         """Send one object's bytes (any C-contiguous buffer) under a signed ticket."""
-        view = _byte_view(data, writable=False)
-        if view.nbytes != ticket.size_bytes:
-            raise BadRequest(f"buffer is {view.nbytes} bytes, ticket says {ticket.size_bytes}")
+        view = _put_view(ticket, data)
         async with self._lock:
             reply, _, _ = await self._call(Op.PUT, PutRequest(ticket=ticket), [view])
         if not isinstance(reply, PutReply):
@@ -863,27 +908,19 @@ class UcxClient:
         """Read objects straight into `dests` (one writable buffer of at least `size_bytes` per
         read; the first `size_bytes` are written). Only `ok` results are written; the caller
         verifies checksums."""
-        if len(dests) != len(reads):
-            raise BadRequest("one destination buffer per read")
-        views: list[memoryview] = []
-        for ref, dest in zip(reads, dests, strict=True):
-            view = _byte_view(dest, writable=True)
-            if view.nbytes < ref.size_bytes:
-                raise BadRequest(f"destination is {view.nbytes} bytes, object is {ref.size_bytes}")
-            views.append(view[: ref.size_bytes])
+        views = _get_views(reads, dests)
         async with self._lock:
             reply, payload_count, link = await self._call(Op.GET, GetRequest(reads=reads))
-            if not isinstance(reply, GetReply) or len(reply.results) != len(reads):
+            try:
+                ok = _ok_views(reply, reads, views, payload_count)
+            except _BadReply as bad:
                 self._drop()
-                raise Indeterminate("malformed GET reply")
-            ok = [v for r, v in zip(reply.results, views, strict=True) if r.status == "ok"]
-            if len(ok) != payload_count:
-                self._drop()
-                raise Indeterminate("GET reply payload count does not match its results")
+                raise bad.err from None
             if ok:
                 try:
                     await link.complete([link.recv(v) for v in ok], self.io_timeout_s)
                 except (_LinkDown, _Truncated) as exc:
                     self._drop()
                     raise Indeterminate(f"ucx connection failed during GET payload: {exc}") from exc
+        assert isinstance(reply, GetReply)
         return reply.results
