@@ -5,7 +5,8 @@ request). This measures, on the same sizes and in the same run, each option that
 that, one at a time:
 
 - the transports (`baseline`): raw socket (send+ack, request+recv), the TCP transport
-  (`TcpDataClient`) and the UCX transport (`UcxClient`): GET of 1 and 4 objects per request, PUT;
+  (`TcpDataClient`) and the UCX transport (`UcxClient` on an event loop, `UcxSyncClient` blocking,
+  against `UcxServer`): GET of 1 and 4 objects per request, PUT;
 - ucxx's own asyncio API (`ucxx.create_endpoint`, what `ucx.py` was built on) in each of its
   progress modes (`UCXPY_PROGRESS_MODE` thread / thread-polling / polling / blocking, with and
   without `UCXPY_ENABLE_PYTHON_FUTURE`, `UCXPY_ENABLE_DELAYED_SUBMISSION=0`), and in the default
@@ -92,6 +93,9 @@ ROWS: Final = {
         Row("ucx_get", "UCX transport `UcxClient.get`"),
         Row("ucx_get_x4", f"UCX transport, {BATCH} objects per request", batch=BATCH),
         Row("ucx_put", "UCX transport `UcxClient.put`", "put"),
+        Row("ucx_sync_get", "UCX transport, blocking `UcxSyncClient.get`"),
+        Row("ucx_sync_get_x4", f"UCX transport, blocking, {BATCH} objects per request", batch=BATCH),
+        Row("ucx_sync_put", "UCX transport, blocking `UcxSyncClient.put`", "put"),
         Row("ucxx_tag", "ucxx asyncio: send request, then recv reply (tag)"),
         Row("ucxx_pre", "ucxx asyncio: receives pre-posted (both sides)"),
         Row("ucxx_am", "ucxx asyncio: active messages (`am_send`/`am_recv`, copied to the buffer)"),
@@ -116,7 +120,19 @@ CONFIGS: Final = (
     Config(
         "baseline",
         {},
-        ("raw_get", "raw_put", "tcp_get", "tcp_get_x4", "tcp_put", "ucx_get", "ucx_get_x4", "ucx_put"),
+        (
+            "raw_get",
+            "raw_put",
+            "tcp_get",
+            "tcp_get_x4",
+            "tcp_put",
+            "ucx_get",
+            "ucx_get_x4",
+            "ucx_put",
+            "ucx_sync_get",
+            "ucx_sync_get_x4",
+            "ucx_sync_put",
+        ),
     ),
     Config("ucxx thread+future", {}, ("ucxx_tag", "ucxx_pre", "ucxx_am", "ucxx_tag_x4")),
     Config(
@@ -503,6 +519,8 @@ class ClientRun:
             return self._raw(name, size, dests[0], src), False
         if name.startswith("tcp_"):
             return self._tcp(name, size, dests, src), False
+        if name.startswith("ucx_sync_"):
+            return self._ucx_sync(name, size, dests, src), False
         if name.startswith("ucx_"):
             return self._ucx(name, size, dests, src), True
         if name.startswith("ucxx_"):
@@ -569,6 +587,23 @@ class ClientRun:
                 raise RuntimeError("ucx get failed")
 
         return ucx_get
+
+    def _ucx_sync(self, name: str, size: int, dests: list[bytearray], src: bytes) -> Op:
+        from kvfabric.dataplane.ucx import UcxSyncClient
+
+        client = UcxSyncClient("127.0.0.1", self.ports["ucx"], io_timeout_s=IO_TIMEOUT_S)
+        client.connect()
+        self.closers.append(client.close)
+        if name == "ucx_sync_put":
+            ticket = _ticket(size)
+            return lambda: client.put(ticket, src)
+        reads = _reads(size, len(dests))
+
+        def ucx_sync_get() -> None:
+            if any(r.status != "ok" for r in client.get(reads, dests)):
+                raise RuntimeError("ucx get failed")
+
+        return ucx_sync_get
 
     def _ucxx(self, name: str, size: int, dests: list[bytearray]) -> Op:
         from kvfabric.dataplane.ucx import apply_ucx_env_defaults

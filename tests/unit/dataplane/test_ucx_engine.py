@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 
 from kvfabric.dataplane.backend import GetGrant, PutSlot
-from kvfabric.dataplane.ucx import UcxClient, UcxServer
-from kvfabric.proto.dataplane import LocalGrants, MapReply, ReadRef
+from kvfabric.dataplane.ucx import UcxClient, UcxServer, UcxSyncClient
+from kvfabric.format.errors import BadRequest, Busy, Indeterminate, Unavailable
+from kvfabric.proto.dataplane import LocalGrants, MapReply, ObjectStatus, ReadRef
 from kvfabric.proto.directory import WriteTicket
 
 pytestmark = pytest.mark.ucx
@@ -28,14 +31,19 @@ TIMEOUT_S = 30.0
 
 
 class OneSlot:
-    """A backend with one slot, no checks: what is put is what is read."""
+    """A backend with one slot, no checksums: what is put is what is read. A ticket whose writer is
+    "forged" is refused; `statuses` (when set) answers reads; `get_delay_s` stalls the server."""
 
     def __init__(self, nbytes: int = 1 << 20) -> None:
         self.arena = bytearray(nbytes)
         self.generation = 0
         self.closed: list[int] = []
+        self.statuses: list[ObjectStatus] = []
+        self.get_delay_s = 0.0
 
     def begin_put(self, ticket: WriteTicket, conn: int) -> PutSlot:
+        if ticket.writer_id == "forged":
+            raise BadRequest("bad ticket signature", ticket_id=ticket.ticket_id)
         self.generation += 1
         return PutSlot(0, self.generation, memoryview(self.arena)[: ticket.size_bytes], ticket, 0)
 
@@ -46,8 +54,13 @@ class OneSlot:
         pass
 
     def begin_get(self, reads: list[ReadRef], conn: int) -> GetGrant:
-        views: list[memoryview | None] = [memoryview(self.arena)[: r.size_bytes].toreadonly() for r in reads]
-        return GetGrant(1, ["ok"] * len(reads), [b""] * len(reads), views)
+        time.sleep(self.get_delay_s)  # blocks the server's loop: a stalled segment
+        statuses = self.statuses or ["ok"] * len(reads)
+        views: list[memoryview | None] = [
+            memoryview(self.arena)[: r.size_bytes].toreadonly() if st == "ok" else None
+            for r, st in zip(reads, statuses, strict=True)
+        ]
+        return GetGrant(1, statuses, [b""] * len(reads), views)
 
     def end_get(self, grant: GetGrant, conn: int) -> None:
         pass
@@ -65,7 +78,7 @@ class OneSlot:
         self.closed.append(conn)
 
 
-def ticket(size: int) -> WriteTicket:
+def ticket(size: int, writer_id: str = "w") -> WriteTicket:
     return WriteTicket(
         ticket_id=1,
         key=b"k" * 16,
@@ -73,7 +86,7 @@ def ticket(size: int) -> WriteTicket:
         incarnation=1,
         size_bytes=size,
         checksum=b"",
-        writer_id="w",
+        writer_id=writer_id,
         deadline_ms=2**40,
         epoch=1,
     )
@@ -170,3 +183,93 @@ def test_the_transport_starts_no_ucxx_threads_and_the_process_exits() -> None:
     lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.stdout.splitlines() if " " in line}
     assert lines["THREADS"] == "[]"
     assert lines["PYTHREADS"] == "['MainThread']"
+
+
+# ---- the blocking client ---------------------------------------------------------------------
+
+
+def sync_round_trip(client: UcxSyncClient, data: bytes) -> bytes:
+    reply = client.put(ticket(len(data)), data)
+    dest = bytearray(len(data))
+    [result] = client.get([ReadRef(1, reply.slot, reply.slot_generation, len(data))], [dest])
+    assert result.status == "ok"
+    return bytes(dest)
+
+
+def test_blocking_clients_on_several_threads_get_their_bytes() -> None:
+    backend = OneSlot(16 << 20)
+    errors: list[BaseException] = []
+    lock = threading.Lock()  # one slot: a put and its get must not interleave with another's
+
+    def worker(i: int) -> None:
+        try:
+            with UcxSyncClient("127.0.0.1", server.port, io_timeout_s=TIMEOUT_S) as client:
+                for size in (1, 4096, 1 << 20, 16 << 20):
+                    data = bytes([i]) * size
+                    with lock:
+                        assert sync_round_trip(client, data) == data
+        except BaseException as exc:
+            errors.append(exc)
+
+    with server_on_a_thread(backend) as server:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT_S)
+    assert errors == [] and sorted(backend.closed) == [1, 2, 3, 4]
+
+
+def test_blocking_client_errors_are_typed_and_the_connection_stays_in_step() -> None:
+    backend = OneSlot()
+    with server_on_a_thread(backend) as server, UcxSyncClient.from_address(server.address) as client:
+        with pytest.raises(BadRequest, match="bad ticket signature"):
+            client.put(ticket(5000, writer_id="forged"), os.urandom(5000))  # its payload is drained
+        data = os.urandom(5000)
+        assert sync_round_trip(client, data) == data
+        backend.statuses = ["ok", "not_found", "ok"]
+        reads = [ReadRef(1, 0, backend.generation, len(data))] * 3
+        dests = [bytearray(b"\xee" * len(data)) for _ in reads]
+        assert [r.status for r in client.get(reads, dests)] == backend.statuses
+        assert dests[0] == data and dests[2] == data and set(dests[1]) == {0xEE}
+        with pytest.raises(BadRequest, match="destination is 9 bytes"):
+            client.get(reads[:1], [bytearray(9)])
+    assert backend.closed == [1]  # one connection throughout
+
+
+def test_blocking_client_times_out_on_a_stalled_segment_then_reconnects() -> None:
+    backend = OneSlot()
+    with server_on_a_thread(backend) as server:
+        client = UcxSyncClient("127.0.0.1", server.port, io_timeout_s=0.3)
+        try:
+            data = os.urandom(1000)
+            assert sync_round_trip(client, data) == data
+            backend.get_delay_s = 1.0
+            started = time.monotonic()
+            with pytest.raises(Indeterminate):
+                client.get([ReadRef(1, 0, backend.generation, len(data))], [bytearray(len(data))])
+            assert time.monotonic() - started < 0.9  # gave up at its timeout, not the segment's pace
+            backend.get_delay_s = 0.0
+            assert sync_round_trip(client, data) == data  # a new connection
+        finally:
+            client.close()
+    assert sorted(backend.closed) == [1, 2]
+
+
+def test_blocking_client_sees_busy_and_unreachable_segments() -> None:
+    backend = OneSlot()
+    with server_on_a_thread(backend) as server:
+        server.connections_max = 1
+        with UcxSyncClient("127.0.0.1", server.port) as first:
+            assert sync_round_trip(first, b"a" * 100) == b"a" * 100
+            with UcxSyncClient("127.0.0.1", server.port) as second, pytest.raises(Busy):
+                second.put(ticket(100), b"b" * 100)
+    with socket.socket() as probe:  # a port nobody listens on: UCX reports it as a truncated handshake
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(Unavailable):
+        UcxSyncClient("127.0.0.1", port, connect_timeout_s=2.0).connect()
+    closed = UcxSyncClient("127.0.0.1", port)
+    closed.close()
+    with pytest.raises(Unavailable, match="closed"):
+        closed.put(ticket(1), b"x")

@@ -59,6 +59,7 @@ import itertools
 import logging
 import mmap
 import os
+import select
 import struct
 import sys
 import threading
@@ -101,6 +102,7 @@ __all__ = [
     "IO_TIMEOUT_S_DEFAULT",
     "UcxClient",
     "UcxServer",
+    "UcxSyncClient",
     "apply_ucx_env_defaults",
     "ucx_env_defaults",
 ]
@@ -224,8 +226,11 @@ class _Worker:
         """A future resolved (or failed with the UCX error) once `request` completed. `buffer` is
         kept referenced until then, whatever happens to the future."""
         fut: asyncio.Future[None] = self.loop.create_future()
-        self._pending.append((request, fut, buffer))
-        self.kick()
+        if request.completed:  # e.g. an eager send (up to the TCP segment size) or an arrived message
+            _resolve(request, fut)
+        else:
+            self._pending.append((request, fut, buffer))
+        self.kick()  # UCX may still have bytes to push out or events to progress
         return fut
 
     def kick(self) -> None:
@@ -262,15 +267,19 @@ class _Worker:
             if not request.completed:
                 keep.append(entry)
                 continue
-            if fut.done():
-                continue
-            try:
-                request.check_error()
-            except Exception as exc:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(None)
+            if not fut.done():
+                _resolve(request, fut)
         self._pending = keep
+
+
+def _resolve(request: Any, fut: asyncio.Future[None]) -> None:
+    """The outcome of a completed UCX request, into its future."""
+    try:
+        request.check_error()
+    except Exception as exc:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(None)
 
 
 _workers: dict[asyncio.AbstractEventLoop, _Worker] = {}
@@ -368,12 +377,14 @@ class _Link:
             self.abort()
             await self._settle(futs)
             raise _LinkDown(f"posting a transfer failed: {exc!r}") from exc
-        try:
-            _, pending = await asyncio.wait(futs, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
-        except asyncio.CancelledError:
-            self.abort()
-            await self._settle(futs)
-            raise
+        pending: set[asyncio.Future[None]] = set()
+        if not all(f.done() for f in futs):  # else all completed as posted: no turn of the loop
+            try:
+                _, pending = await asyncio.wait(futs, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+            except asyncio.CancelledError:
+                self.abort()
+                await self._settle(futs)
+                raise
         if pending:  # timed out, or one failed while others still run: the endpoint is done for
             self.abort()
             await self._settle(futs)
@@ -919,6 +930,265 @@ class UcxClient:
             if ok:
                 try:
                     await link.complete([link.recv(v) for v in ok], self.io_timeout_s)
+                except (_LinkDown, _Truncated) as exc:
+                    self._drop()
+                    raise Indeterminate(f"ucx connection failed during GET payload: {exc}") from exc
+        assert isinstance(reply, GetReply)
+        return reply.results
+
+
+# ---- blocking client -----------------------------------------------------------------------------
+
+
+class _SyncLink:
+    """One endpoint on a worker that the calling thread progresses itself (epoll when idle)."""
+
+    def __init__(self, host: str, port: int, connect_timeout_s: float) -> None:
+        u = _libucxx()
+        self.context = u.UCXContext({})
+        self.worker = u.UCXWorker(self.context, enable_delayed_submission=False, enable_python_future=False)
+        self.worker.init_blocking_progress_mode()
+        self._epoll = select.epoll()
+        self._epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
+        self._mask = u.UCXXTagMaskFull
+        self.aborted = False
+        self.stuck = False  # UCX did not confirm cancelled transfers: their buffers stay referenced
+        self._leaked: list[Any] = []
+        try:
+            self.ep = u.UCXEndpoint.create(self.worker, host, port, True)
+            self._send_tag, self._recv_tag = self._handshake(connect_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _handshake(self, timeout_s: float) -> tuple[Any, Any]:
+        u = _libucxx()
+        own_tag = int.from_bytes(os.urandom(8), "little")
+        theirs_buf = bytearray(_PEER_INFO.size)
+        theirs = _array_type(theirs_buf)
+        mine = _array_type(_PEER_INFO.pack(own_tag, _hash64bits(own_tag)))
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._wait([(self.ep.stream_recv(theirs), theirs)], deadline)  # the listener sends first
+            self._wait([(self.ep.stream_send(mine), mine)], deadline)
+        except _Truncated as exc:  # what a refused or reset connection looks like here
+            raise _LinkDown(f"handshake failed: {exc}") from exc
+        peer_tag, checksum = _PEER_INFO.unpack(theirs_buf)
+        if checksum != _hash64bits(peer_tag):
+            raise _LinkDown("handshake: peer info checksum does not match")
+        return u.UCXXTag(peer_tag), u.UCXXTag(own_tag)
+
+    def complete(self, ops: Sequence[_Op], timeout_s: float) -> None:
+        """Post the transfers (in order) and progress until all finish; `_Truncated` /
+        `_LinkDown` as `_Link.complete` (on failure or timeout the endpoint is aborted first)."""
+        if self.aborted:
+            raise _LinkDown("endpoint aborted")
+        posted: list[tuple[Any, Any]] = []
+        try:
+            for is_send, buf in ops:
+                array = _array_type(buf)
+                if is_send:
+                    posted.append((self.ep.tag_send(array, self._send_tag), array))
+                else:
+                    posted.append((self.ep.tag_recv(array, self._recv_tag, self._mask), array))
+        except Exception as exc:
+            self._abort_and_settle(posted)
+            raise _LinkDown(f"posting a transfer failed: {exc!r}") from exc
+        self._wait(posted, time.monotonic() + timeout_s)
+
+    def _wait(self, posted: list[tuple[Any, Any]], deadline: float) -> None:
+        worker = self.worker
+        try:
+            while not all(request.completed for request, _ in posted):
+                if worker.progress_once():
+                    continue
+                worker.progress()  # idle: also cancels requests of a failed endpoint
+                if all(request.completed for request, _ in posted):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _LinkDown("transfer did not finish in time")
+                if worker.arm():  # nothing to progress: sleep until UCX has an event
+                    self._epoll.poll(min(left, TICK_S))
+        except BaseException:  # timeout, KeyboardInterrupt: UCX must let go of the buffers first
+            self._abort_and_settle(posted)
+            raise
+        failures = []
+        for request, _ in posted:
+            try:
+                request.check_error()
+            except Exception as exc:
+                failures.append(exc)
+        if not failures:
+            return
+        truncated = _libucxx().UCXMessageTruncatedError
+        if all(isinstance(e, truncated) for e in failures):
+            raise _Truncated(str(failures[0]))
+        self.abort()
+        raise _LinkDown(repr(next(e for e in failures if not isinstance(e, truncated))))
+
+    def _abort_and_settle(self, posted: list[tuple[Any, Any]]) -> None:
+        self.abort()
+        deadline = time.monotonic() + SETTLE_S
+        while not all(request.completed for request, _ in posted) and time.monotonic() < deadline:
+            self.worker.progress()
+            time.sleep(0.001)
+        if not all(request.completed for request, _ in posted):
+            self.stuck = True
+            self._leaked.extend(posted)  # never released while UCX might still use them
+            _log.error("ucx: transfers not finished %s s after endpoint abort", SETTLE_S)
+
+    def abort(self) -> None:
+        if not self.aborted:
+            self.aborted = True
+            ep = getattr(self, "ep", None)
+            if ep is not None:
+                with contextlib.suppress(Exception):
+                    ep.close_blocking(period=10**9, max_attempts=1)
+                with contextlib.suppress(Exception):
+                    ep.remove_close_callback()
+
+    @property
+    def alive(self) -> bool:
+        return not self.aborted and bool(self.ep.alive)
+
+    def close(self) -> None:
+        self.abort()
+        with contextlib.suppress(Exception):
+            self.worker.progress()
+        if not self.stuck:
+            self._epoll.close()
+
+
+_stuck_sync_links: list[_SyncLink] = []  # links whose transfers UCX never confirmed (not observed)
+
+
+class UcxSyncClient:
+    """A blocking UCX client (the API of `TcpDataClient`: `put`, `get`, `close`), for callers on
+    threads. It owns a UCX context and worker that the calling thread progresses during a call and
+    sleeps on (epoll) when UCX has nothing to do: no event loop, no threads, no hand-off between
+    threads. One request at a time (a lock); open several clients for parallelism.
+
+    Connects on first use; after a transport failure the next call reconnects. Errors as
+    `UcxClient`: the segment's typed `KvfError`, `Unavailable`, `Indeterminate`.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        io_timeout_s: float = IO_TIMEOUT_S_DEFAULT,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S_DEFAULT,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.io_timeout_s = io_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._link: _SyncLink | None = None
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._buf = mmap.mmap(-1, FRAME_BYTES_MAX)
+        self._closed = False
+
+    @classmethod
+    def from_address(cls, address: str, **kwargs: Any) -> UcxSyncClient:
+        """`ucx://host:port`."""
+        if not address.startswith("ucx://"):
+            raise BadRequest(f"not a ucx data address: {address!r}")
+        host, _, port = address.removeprefix("ucx://").rpartition(":")
+        return cls(host, int(port), **kwargs)
+
+    @property
+    def address(self) -> str:
+        return f"ucx://{self.host}:{self.port}"
+
+    def connect(self) -> None:
+        with self._lock:
+            self._ensure()
+
+    def close(self) -> None:
+        """Abort the connection (the segment releases what it held for it). Idempotent. Waits for
+        a call in progress on another thread (at most its `io_timeout_s`): only the thread holding
+        the client may progress its worker."""
+        with self._lock:
+            self._closed = True
+            self._drop()
+
+    def __enter__(self) -> UcxSyncClient:
+        self.connect()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _drop(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            if self._link.stuck:  # UCX never let go of its buffers: keep it all, never reuse
+                _stuck_sync_links.append(self._link)
+            self._link = None
+
+    def _ensure(self) -> _SyncLink:
+        if self._closed:
+            raise Unavailable("ucx client is closed")
+        if self._link is not None:
+            if self._link.alive:
+                return self._link
+            self._drop()  # closed by the segment or failed: reconnect
+        try:
+            self._link = _SyncLink(self.host, self.port, self.connect_timeout_s)
+        except (_LinkDown, _libucxx().UCXError, OSError) as exc:
+            raise Unavailable(f"cannot connect to {self.address}: {exc}", address=self.address) from exc
+        return self._link
+
+    def _call(self, op: Op, meta: msgspec.Struct, payload: Sequence[memoryview] = ()) -> tuple[object, int]:
+        link = self._ensure()
+        request_id = next(self._ids)
+        frame = _frame(op, request_id, meta, len(payload))
+        if len(frame) > FRAME_BYTES_MAX:
+            raise BadRequest(f"request frame of {len(frame)} bytes exceeds {FRAME_BYTES_MAX}")
+        try:
+            link.complete(
+                [(True, frame), *((True, p) for p in payload), (False, self._buf)], self.io_timeout_s
+            )
+        except _Truncated as exc:
+            self._drop()
+            raise Indeterminate(f"reply frame exceeds {FRAME_BYTES_MAX} bytes") from exc
+        except _LinkDown as exc:
+            self._drop()
+            raise Indeterminate(f"ucx connection failed during {op.name}: {exc}") from exc
+        try:
+            return _decode_reply(self._buf, request_id)
+        except _BadReply as bad:
+            if bad.drop:
+                self._drop()
+            raise bad.err from None
+
+    def put(self, ticket: WriteTicket, data: Any) -> PutReply:
+        """Send one object's bytes (any C-contiguous buffer) under a signed ticket."""
+        view = _put_view(ticket, data)
+        with self._lock:
+            reply, _ = self._call(Op.PUT, PutRequest(ticket=ticket), [view])
+        if not isinstance(reply, PutReply):
+            raise Indeterminate(f"unexpected reply {type(reply).__name__} to PUT")
+        return reply
+
+    def get(self, reads: list[ReadRef], dests: Sequence[Any]) -> list[ObjectResult]:
+        """Read objects straight into `dests` (as `UcxClient.get`); the caller verifies checksums."""
+        views = _get_views(reads, dests)
+        with self._lock:
+            reply, payload_count = self._call(Op.GET, GetRequest(reads=reads))
+            try:
+                ok = _ok_views(reply, reads, views, payload_count)
+            except _BadReply as bad:
+                self._drop()
+                raise bad.err from None
+            if ok:
+                link = self._link
+                assert link is not None
+                try:
+                    link.complete([(False, v) for v in ok], self.io_timeout_s)
                 except (_LinkDown, _Truncated) as exc:
                     self._drop()
                     raise Indeterminate(f"ucx connection failed during GET payload: {exc}") from exc
