@@ -34,6 +34,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
+from kvfabric.client.busy import retry_busy
 from kvfabric.client.hits import Hit, LoadResult, SaveResult
 from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.releases import RELEASES_CONCURRENT_MAX, give_back
@@ -87,7 +88,12 @@ __all__ = ["AsyncKvClient", "Destination", "EngineSpec", "Source"]
 # larger.
 FETCH_BATCH_OBJECTS_MAX: Final = 8
 FETCH_BATCH_BYTES_TARGET: Final = 2 << 20
-SHARD_CALLS_CONCURRENT_MAX: Final = 8  # directory requests of one save in flight at once (per verb)
+# Save-path directory requests (put_begin, put_commit, put_abort) of one client in flight at once,
+# all saves together: half a tenant's default share of the directory's in-flight slots (16), so
+# two engines of one tenant pipelining saves fit; past the share, `busy` is retried with a
+# backoff (`kvfabric.client.busy`) at most SAVE_BUSY_ATTEMPTS_MAX times within the save's timeout.
+SAVE_DIRECTORY_CALLS_MAX: Final = 8
+SAVE_BUSY_ATTEMPTS_MAX: Final = 8
 
 Destination: TypeAlias = memoryview | bytearray | Sequence[memoryview]
 """Where one object's bytes go: one writable buffer, or a scatter list of writable byte views
@@ -877,23 +883,39 @@ class AsyncKvClient:
         message: Callable[[int, int, list[T]], m.DirectoryRequest],
         trace_id: str,
     ) -> list[tuple[list[T], object]]:
-        """`verb` for `items`, one request per shard batch (`_shard_batches`), at most
-        `SHARD_CALLS_CONCURRENT_MAX` in flight; (batch, reply or cause) in batch order."""
-        gate = asyncio.Semaphore(SHARD_CALLS_CONCURRENT_MAX)
+        """`verb` for `items`, one request per shard batch (`_shard_batches`), concurrently
+        (the client-wide `SAVE_DIRECTORY_CALLS_MAX` bounds them); (batch, reply or cause) in
+        batch order."""
 
         async def one(shard: int, start: int, batch: list[T]) -> tuple[list[T], object]:
-            async with gate:
-                return batch, await self._directory(trace_id, verb, message(shard, start, batch), shard)
+            return batch, await self._directory(trace_id, verb, message(shard, start, batch), shard)
 
         return list(await asyncio.gather(*(one(*b) for b in _shard_batches(items, shard_of))))
 
+    # Bounds this client's save-path directory requests in flight (made on first use, on the loop).
+    _save_gate: asyncio.Semaphore | None = None
+
     async def _directory(self, trace_id: str, verb: str, message: m.DirectoryRequest, shard: int) -> object:
-        """A directory call for saves: the reply, or a cause string (never raises)."""
+        """A directory call for saves: the reply, or a cause string (never raises). At most
+        `SAVE_DIRECTORY_CALLS_MAX` in flight per client; `busy` backs off and asks again."""
         if self.nc is None:
             return "closed"
+        if self._save_gate is None:
+            self._save_gate = asyncio.Semaphore(SAVE_DIRECTORY_CALLS_MAX)
+        gate = self._save_gate
+        timeout_s = self.settings.save_timeout_ms / 1000
+        deadline_s = time.monotonic() + timeout_s
+
+        async def ask() -> m.DirectoryReply:
+            async with gate:
+                return await self._ask_directory(verb, message, timeout_s, trace_id, shard)
+
         try:
-            return await self._ask_directory(
-                verb, message, self.settings.save_timeout_ms / 1000, trace_id, shard
+            return await retry_busy(
+                ask,
+                attempts_max=SAVE_BUSY_ATTEMPTS_MAX,
+                deadline_s=deadline_s,
+                on_retry=self.metrics.busy_retries.inc,
             )
         except StaleGeneration:
             return "directory_stale_epoch"

@@ -38,6 +38,11 @@ class ClientMetrics:
             "Object reads retried on another replica (the first one failed)",
             registry=r,
         )
+        self.busy_retries = Counter(
+            "kvfabric_client_busy_retries",
+            "Directory requests of saves asked again after a busy answer (backoff)",
+            registry=r,
+        )
         self.load_seconds = Histogram(
             "kvfabric_client_load_seconds", "Load latency", buckets=_LATENCY_BUCKETS_S, registry=r
         )

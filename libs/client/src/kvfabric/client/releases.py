@@ -22,11 +22,11 @@ still keeps well below that share, so that a few engines of one tenant closing a
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final, TypeAlias
 
-from kvfabric.format.errors import Busy, KvfError, NotFound
+from kvfabric.client.busy import BUSY_WAIT_MS_MAX, BUSY_WAIT_MS_MIN, retry_busy
+from kvfabric.format.errors import KvfError, NotFound
 from kvfabric.proto import directory as m
 
 __all__ = [
@@ -41,8 +41,8 @@ __all__ = [
 
 RELEASES_CONCURRENT_MAX: Final = 4  # release requests of one client in flight (tenant share: 16)
 RELEASE_ATTEMPTS_MAX: Final = 6  # per request, when answered `busy`
-RELEASE_BUSY_WAIT_MS_MIN: Final = 20
-RELEASE_BUSY_WAIT_MS_MAX: Final = 500  # waits 20, 40, 80, 160, 320 ms (+0-50 %): under 1 s in all
+RELEASE_BUSY_WAIT_MS_MIN: Final = BUSY_WAIT_MS_MIN
+RELEASE_BUSY_WAIT_MS_MAX: Final = BUSY_WAIT_MS_MAX  # 20, 40, 80, 160, 320 ms (+0-50 %): under 1 s
 
 # (verb, message, timeout_s, trace_id, shard) -> reply: `AsyncKvClient._ask_directory`.
 Ask: TypeAlias = Callable[[str, m.DirectoryRequest, float, str, int], Awaitable[m.DirectoryReply]]
@@ -116,11 +116,8 @@ async def _ask_single(
 async def _ask_busy_retried(
     ask: Ask, message: m.LeaseRelease, timeout_s: float, trace_id: str, sleep: Sleep
 ) -> m.DirectoryReply:
-    wait_ms = RELEASE_BUSY_WAIT_MS_MIN
-    for _ in range(RELEASE_ATTEMPTS_MAX - 1):
-        try:
-            return await ask("lease_release", message, timeout_s, trace_id, message.shard)
-        except Busy:  # jittered: clients refused together do not retry in step
-            await sleep(wait_ms / 1000 * random.uniform(1.0, 1.5))
-            wait_ms = min(wait_ms * 2, RELEASE_BUSY_WAIT_MS_MAX)
-    return await ask("lease_release", message, timeout_s, trace_id, message.shard)
+    return await retry_busy(
+        lambda: ask("lease_release", message, timeout_s, trace_id, message.shard),
+        attempts_max=RELEASE_ATTEMPTS_MAX,
+        sleep=sleep,
+    )
