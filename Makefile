@@ -71,6 +71,7 @@ bench: setup engines-setup mooncake-setup ## Run the benchmarks; JSON + markdown
 	@command -v redis-server >/dev/null || { DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } || echo "redis-server could not be installed: the data-plane bench reports Redis as not measured"
 	$(PY) -m bench.dataplane
 	$(PY) -m bench.client
+	$(PY) -m bench.client_floor
 	$(PY) -m bench.failover
 	$(PY) -m bench.tenancy
 	$(PY) -m bench.engines
