@@ -169,6 +169,9 @@ def measure(
         except subprocess.TimeoutExpired:
             stdout, stderr = _kill_group(proc)
             return f"Mooncake peer timed out after {timeout_s:.0f} s: {_reason(stderr)}"
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM turned into an exception): no orphans
+            _kill_group(proc)
+            raise
         if proc.returncode != 0:
             return f"Mooncake peer exited with {proc.returncode}: {_reason(stderr) or stdout[-REASON_CHARS:]}"
         try:
