@@ -1,6 +1,7 @@
 """A client created from a pinned engine thread (vLLM's compute thread is bound by OpenMP) keeps
-its loop, transfer and save threads off that thread's CPUs with `thread_cpus="auto"` (issue 20,
-item 7); by default they inherit the pin."""
+its save threads off that thread's CPUs with `thread_cpus="auto"` and lets its loop and transfer
+threads (loads, which the engine thread waits for) run on every CPU of the parent process (issue
+20, item 7); by default they all inherit the pin."""
 
 from __future__ import annotations
 
@@ -42,5 +43,6 @@ def test_client_threads_run_off_the_pinned_creators_cpu(nats_server: NatsServer)
     thread.start()
     thread.join(60)
     off = (parent - {pin}) or {pin}  # a 1-CPU machine has nowhere else
-    assert seen["auto"] == {"loop": off, "transfer": off, "save": off}
+    anywhere = parent if len(parent) > 1 else {pin}
+    assert seen["auto"] == {"loop": anywhere, "transfer": anywhere, "save": off}
     assert seen[""] == {"loop": {pin}, "transfer": {pin}, "save": {pin}}

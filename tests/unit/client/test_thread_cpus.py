@@ -25,23 +25,30 @@ def test_parse_cpu_list() -> None:
 
 
 def test_inherit_is_the_default() -> None:
-    assert client_thread_cpus("", frozenset({1}), ALL) is None
-    assert client_thread_cpus("inherit", frozenset({1}), ALL) is None
+    for background in (False, True):
+        assert client_thread_cpus("", frozenset({1}), ALL, background=background) is None
+        assert client_thread_cpus("inherit", frozenset({1}), ALL, background=background) is None
 
 
-def test_auto_moves_off_a_pinned_creator() -> None:
-    assert client_thread_cpus("auto", frozenset({1}), ALL) == frozenset({0, 2, 3})
-    assert client_thread_cpus(" auto", frozenset({0, 1}), ALL) == frozenset({2, 3})
+def test_auto_moves_background_threads_off_a_pinned_creator() -> None:
+    """Saves run while the engine computes: off its CPUs. Loads are waited for by the engine
+    thread (its CPU idle): anywhere the parent may run, the creator's CPUs included."""
+    assert client_thread_cpus("auto", frozenset({1}), ALL, background=True) == frozenset({0, 2, 3})
+    assert client_thread_cpus(" auto", frozenset({0, 1}), ALL, background=True) == frozenset({2, 3})
+    assert client_thread_cpus("auto", frozenset({1}), ALL, background=False) == ALL
 
 
 def test_auto_keeps_an_unpinned_creator_where_it_is() -> None:
-    assert client_thread_cpus("auto", ALL, ALL) is None
-    assert client_thread_cpus("auto", frozenset({0, 5}), ALL) is None  # not within the parent's
-    assert client_thread_cpus("auto", frozenset({0}), frozenset({0})) is None  # nowhere else
+    for background in (False, True):
+        assert client_thread_cpus("auto", ALL, ALL, background=background) is None
+        # not within the parent's CPUs / nowhere else to go
+        assert client_thread_cpus("auto", frozenset({0, 5}), ALL, background=background) is None
+    assert client_thread_cpus("auto", frozenset({0}), frozenset({0}), background=True) is None
 
 
 def test_explicit_list() -> None:
-    assert client_thread_cpus("2-3", frozenset({1}), ALL) == frozenset({2, 3})
+    for background in (False, True):
+        assert client_thread_cpus("2-3", frozenset({1}), ALL, background=background) == frozenset({2, 3})
 
 
 def test_settings_refuse_a_bad_list() -> None:
@@ -55,23 +62,27 @@ def test_placement_moves_new_threads_off_a_pinned_creator() -> None:
     """The shell: decided in a thread pinned to one CPU, applied by the threads it starts."""
     parent = frozenset(os.sched_getaffinity(os.getppid()))
     pin = min(parent)
-    seen: dict[str, frozenset[int]] = {}
+    seen: dict[tuple[str, bool], frozenset[int]] = {}
 
     def engine_thread() -> None:
         os.sched_setaffinity(0, {pin})
         for mode in ("auto", ""):
-            place = thread_placement(mode)
+            for background in (False, True):
+                place = thread_placement(mode, background=background)
 
-            def client_thread(mode: str = mode, place: Callable[[], None] = place) -> None:
-                place()
-                seen[mode] = frozenset(os.sched_getaffinity(0))
+                def client_thread(
+                    key: tuple[str, bool] = (mode, background), place: Callable[[], None] = place
+                ) -> None:
+                    place()
+                    seen[key] = frozenset(os.sched_getaffinity(0))
 
-            started = threading.Thread(target=client_thread)
-            started.start()
-            started.join(10)
+                started = threading.Thread(target=client_thread)
+                started.start()
+                started.join(10)
 
     thread = threading.Thread(target=engine_thread)
     thread.start()
     thread.join(30)
-    assert seen[""] == {pin}  # inherited
-    assert seen["auto"] == ((parent - {pin}) or {pin})  # a 1-CPU machine has nowhere else
+    assert seen["", False] == seen["", True] == {pin}  # inherited
+    assert seen["auto", True] == ((parent - {pin}) or {pin})  # a 1-CPU machine has nowhere else
+    assert seen["auto", False] == (parent if len(parent) > 1 else {pin})

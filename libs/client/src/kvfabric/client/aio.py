@@ -188,12 +188,15 @@ class AsyncKvClient:
             on_retry=self.metrics.replica_retries.inc,
             tls=client_context(settings.data_tls_ca) if settings.data_tls_ca else None,
         )
-        place = thread_placement(settings.thread_cpus)  # in the creating thread (settings.thread_cpus)
-        self._executor = ThreadPoolExecutor(
-            settings.transfers_max, thread_name_prefix="kvf-transfer", initializer=place
+        self._executor = ThreadPoolExecutor(  # thread_cpus decided here, in the creating thread
+            settings.transfers_max,
+            thread_name_prefix="kvf-transfer",
+            initializer=thread_placement(settings.thread_cpus, background=False),
         )
         self._save_executor = ThreadPoolExecutor(
-            max(1, settings.transfers_max // 2), thread_name_prefix="kvf-save", initializer=place
+            max(1, settings.transfers_max // 2),
+            thread_name_prefix="kvf-save",
+            initializer=thread_placement(settings.thread_cpus, background=True),
         )
         self._waiters: dict[Any, _Waiter] = {}
         self._targets: dict[TransferId, _Target] = {}  # StartTransfer .. ReleaseStaging

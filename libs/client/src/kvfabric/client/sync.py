@@ -43,7 +43,7 @@ class KvClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._run_loop,
-            args=(thread_placement(settings.thread_cpus),),  # decided here, in the creating thread
+            args=(thread_placement(settings.thread_cpus, background=False),),  # in the creating thread
             name="kvf-client-loop",
             daemon=True,
         )
@@ -57,7 +57,7 @@ class KvClient:
             self.metrics.fallbacks.labels("directory_unavailable").inc()
 
     def _run_loop(self, place: Callable[[], None]) -> None:
-        place()  # off the engine's compute CPUs (settings.thread_cpus)
+        place()  # settings.thread_cpus
         self._loop.run_forever()
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

@@ -2,15 +2,18 @@
 
 A thread inherits the CPU affinity of the thread that creates it. An engine's compute thread is
 often pinned (vLLM's CPU worker binds it through OpenMP to its cores), and a client created from
-it would run its loop, transfer and save threads on the very cores the engine computes on:
-they then steal time from the forward passes (decode slows down) and wait behind them.
+it would run its loop, transfer and save threads on the very cores the engine computes on. That
+is right for a load (the engine thread waits for it: its CPU is idle) and wrong for a save (it
+runs in the background, during the next forward passes: decode slows down).
 
 `thread_cpus`:
 - `""` (default) or `"inherit"`: keep the creating thread's affinity.
 - `"auto"`: when the creating thread is pinned to fewer CPUs than its parent process may use
-  (the set an engine launcher divided among its compute threads), run on the parent's CPUs
-  minus the creating thread's; otherwise inherit. The vLLM connector's default.
-- a CPU list such as `"2-3,6"`: exactly those.
+  (the set an engine launcher divided among its compute threads), the background threads
+  (`kvf-save`) run on the parent's CPUs minus the creating thread's, and the foreground ones
+  (the loop, `kvf-transfer`: loads the engine waits for) on all of the parent's; otherwise
+  inherit. The vLLM connector's default.
+- a CPU list such as `"2-3,6"`: every client thread on exactly those.
 
 `client_thread_cpus` decides (pure); `thread_placement` reads the affinities once, in the thread
 creating the client, and returns what each client thread calls first (Linux; elsewhere a no-op).
@@ -44,16 +47,17 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 
 
 def client_thread_cpus(
-    setting: str, creator_cpus: frozenset[int], parent_cpus: frozenset[int]
+    setting: str, creator_cpus: frozenset[int], parent_cpus: frozenset[int], *, background: bool
 ) -> frozenset[int] | None:
-    """The CPUs the client's threads should run on; None: keep the inherited affinity."""
+    """The CPUs a client thread should run on; None: keep the inherited affinity. `background`:
+    its work runs while the engine computes (saves), not while the engine waits (loads)."""
     setting = setting.strip()
     if setting in ("", "inherit"):
         return None
     if setting == "auto":
         if not creator_cpus < parent_cpus:
             return None  # the creating thread is not pinned within what the process may use
-        return (parent_cpus - creator_cpus) or None
+        return (parent_cpus - creator_cpus) if background else parent_cpus
     return parse_cpu_list(setting)
 
 
@@ -61,7 +65,7 @@ def _noop() -> None:
     return None
 
 
-def thread_placement(setting: str) -> Callable[[], None]:
+def thread_placement(setting: str, *, background: bool) -> Callable[[], None]:
     """Call in the thread that creates the client; each client thread calls the result first."""
     if not hasattr(os, "sched_setaffinity"):
         return _noop
@@ -70,7 +74,7 @@ def thread_placement(setting: str) -> Callable[[], None]:
         parent = frozenset(os.sched_getaffinity(os.getppid()))
     except OSError:  # no parent to ask (or not allowed): nothing to compare against
         parent = creator
-    cpus = client_thread_cpus(setting, creator, parent)
+    cpus = client_thread_cpus(setting, creator, parent, background=background)
     if cpus is None:
         return _noop
     target = cpus
