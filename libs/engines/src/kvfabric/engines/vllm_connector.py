@@ -12,16 +12,19 @@ credentials, tenant subjects, share domain) in the engine's environment (docs/se
 
 Extra config keys: `nats_url` (or env KVF_CLIENT_NATS_URL), `tenant_id`, `domain_salt_hex`,
 `weights_revision` (default: a digest of the model directory's weight files), `tensor_layout`
-(default: derived from vLLM version, platform, CPU ISA, block size, KV shape and dtype), and any
-`ClientSettings` field (timeouts, limits).
+(default: derived from vLLM version, platform, CPU ISA, block size, KV shape and dtype),
+`lookup_wait_ms` (20: how long the scheduler waits for a new request's lookup before answering
+"ask again"; 0: never waits), and any `ClientSettings` field (timeouts, limits, `thread_cpus`:
+docs/engines.md says why it is left to inherit vLLM's pinned compute CPU by default).
 
 ## How it works
 - One chunk = one vLLM block (`tokens_per_chunk = block_size`); one object = that block of
   every attention layer, as opaque bytes in layer order (the paged layout is not per token, so
   blocks move whole; the layout string is in the key, so other layouts never share).
-- Scheduler side: `get_num_new_matched_tokens` looks up the prompt asynchronously (answers None
-  until the lookup is back, so the scheduler never blocks; never its last token: its logits are
-  needed) and keeps the read-leased hit; `build_connector_meta` turns it into a load
+- Scheduler side: `get_num_new_matched_tokens` looks up the prompt (never its last token: its
+  logits are needed), waits for it at most `lookup_wait_ms`, then answers None ("ask again")
+  until it is back, so the scheduler blocks on the cluster for at most that; it keeps the
+  read-leased hit; `build_connector_meta` turns it into a load
   of the request's blocks past what vLLM already has, and schedules saves of every block that
   becomes full in this step. Leases are released when the request finishes or is aborted.
 - Worker side: `start_load_kv` loads synchronously into the paged blocks; blocks past the
@@ -40,10 +43,13 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -69,6 +75,8 @@ __all__ = ["KvfabricConnector", "KvfabricMetadata"]
 log = logging.getLogger("kvfabric.engines.vllm")
 
 _CLIENT_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(ClientSettings))
+# How long the scheduler waits for a new request's lookup before answering "ask again".
+LOOKUP_WAIT_MS_DEFAULT: Final = 20
 # `kvfabric_client_fallbacks_total` causes counted by the connector (docs/metrics.md)
 CAUSE_BLOCK_MISMATCH: Final = "vllm_block_mismatch"  # block list shorter than the hit: recompute
 CAUSE_NO_KV_CACHES: Final = "vllm_no_kv_caches"  # worker found no KV cache tensors: recompute
@@ -185,10 +193,14 @@ class KvfabricConnector(KVConnectorBase_V1):
         # scheduler side
         self._hits: dict[str, Hit] = {}  # req id -> leased hit (released at request end)
         self._lookups: dict[str, concurrent.futures.Future[Hit]] = {}  # lookups in flight
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        self._lookup_wait_s = float(extra.get("lookup_wait_ms", LOOKUP_WAIT_MS_DEFAULT)) / 1000
+        self._lookups_fast = True  # false from a wait that ran out until a lookup is back in time
         self._pending_loads: dict[str, tuple[Hit, int]] = {}  # req id -> (hit, chunks vLLM had)
         self._requests: dict[str, _Request] = {}
         # worker side
         self._kv_caches: list[torch.Tensor] = []
+        self._layer_bytes: list[npt.NDArray[np.uint8]] = []  # _layers()
         self._load_errors: set[int] = set()
 
     # ---- scheduler side --------------------------------------------------------------------
@@ -196,9 +208,13 @@ class KvfabricConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Asynchronous: the first call starts the lookup and answers None ("ask again"); the
-        scheduler never blocks on the cluster (a silent directory costs this request a miss
-        after `lookup_timeout_ms`, not every request a stall). Never the whole prompt."""
+        """The first call starts the lookup and waits for it at most `lookup_wait_ms`: a lookup
+        back by then is answered at once (no "ask again" round: vLLM's idle loop polls every
+        ~1 ms, each poll a scheduler step and a worker round trip contending with the client's
+        loop for the GIL); a later one answers None ("ask again") until it is back, so a silent
+        directory costs one request at most `lookup_wait_ms` of scheduler time and a miss after
+        `lookup_timeout_ms`. After a wait that ran out, requests do not wait (pure asynchronous)
+        until a lookup comes back within the wait again. Never the whole prompt."""
         rid = request.request_id
         tokens = list(request.prompt_token_ids or [])
         if len(tokens) <= self.block_size:
@@ -206,9 +222,10 @@ class KvfabricConnector(KVConnectorBase_V1):
         pending = self._lookups.get(rid)
         if pending is None:
             self._release(rid)
-            self._lookups[rid] = self.client.lookup_async(tokens, max_tokens=len(tokens) - 1, trace_id=rid)
-            return None, False
-        if not pending.done():
+            pending = self._lookups[rid] = self._start_lookup(tokens, rid)
+            if not self._wait_for(pending):
+                return None, False
+        elif not pending.done():
             return None, False
         del self._lookups[rid]
         hit = pending.result()
@@ -218,6 +235,30 @@ class KvfabricConnector(KVConnectorBase_V1):
             return 0, False
         self._pending_loads[rid] = (hit, num_computed_tokens // self.block_size)
         return hit.tokens - num_computed_tokens, False
+
+    def _start_lookup(self, tokens: list[int], rid: str) -> concurrent.futures.Future[Hit]:
+        started = time.monotonic()
+        future = self.client.lookup_async(tokens, max_tokens=len(tokens) - 1, trace_id=rid)
+
+        def back(_: concurrent.futures.Future[Hit]) -> None:
+            if time.monotonic() - started <= self._lookup_wait_s:
+                self._lookups_fast = True  # the directory answers quickly (again): wait for it
+
+        future.add_done_callback(back)
+        return future
+
+    def _wait_for(self, lookup: concurrent.futures.Future[Hit]) -> bool:
+        """Wait for a new lookup, bounded; True when it is back."""
+        if lookup.done() or not self._lookups_fast or self._lookup_wait_s <= 0:
+            return lookup.done()
+        concurrent.futures.wait([lookup], timeout=self._lookup_wait_s)
+        if not lookup.done():
+            self._lookups_fast = False  # slow or silent directory: stop waiting for lookups
+            log.info(
+                "kvfabric: lookup not back within %.0f ms: not waiting for lookups",
+                1000 * self._lookup_wait_s,
+            )
+        return lookup.done()
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -321,9 +362,17 @@ class KvfabricConnector(KVConnectorBase_V1):
                     self._kv_caches.append(kv)
         return self._kv_caches
 
+    def _layers(self) -> list[npt.NDArray[np.uint8]]:
+        """Every layer's cache as a `[blocks, bytes of one block]` uint8 array: views of the
+        tensors (never copies: `view` raises where a copy would be needed). Built once: a block's
+        byte view is then a numpy index (~0.3 us), not four torch view calls (~10 us)."""
+        if len(self._layer_bytes) != len(self._kv_caches):
+            self._layer_bytes = [kv.view(torch.uint8).view(kv.shape[0], -1).numpy() for kv in self._kv_caches]
+        return self._layer_bytes
+
     def _block_views(self, block: int) -> list[memoryview]:
         """One block of every layer, as writable byte views (the object's scatter list)."""
-        return [kv[block].view(-1).view(torch.uint8).numpy().data for kv in self._kv_caches]
+        return [layer[block].data for layer in self._layers()]
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -363,10 +412,8 @@ class KvfabricConnector(KVConnectorBase_V1):
             return
         for save in meta.saves:
             # Copies: the client owns them, vLLM may reuse the blocks as soon as we return.
-            objects = [
-                [torch.cat([kv[b].reshape(-1) for kv in self._kv_caches]).view(torch.uint8).numpy().data]
-                for b in save.block_ids
-            ]
+            layers = self._layers()
+            objects = [[np.concatenate([layer[b] for layer in layers]).data] for b in save.block_ids]
             self.client.save_async(
                 save.token_ids, objects, first_chunk=save.first_chunk, trace_id=save.req_id
             )
