@@ -25,7 +25,7 @@ MIXED = table(
     (ANY_PEER, "tcp", 1 * MiB, 2.0),
     (ANY_PEER, "ucx", 1 * MiB, 3.0),
     (ANY_PEER, "tcp", 16 * MiB, 2.0),
-    (ANY_PEER, "ucx", 16 * MiB, 2.5),
+    (ANY_PEER, "ucx", 16 * MiB, 3.0),
 )
 
 
