@@ -20,16 +20,17 @@ that, one at a time:
   when idle), with the same variants, and with UCX knobs (`UCX_RNDV_THRESH`, TCP segment size,
   `UCX_TLS` unset so same-host peers may use shared memory).
 
-Every UCX configuration runs with `ucx_env_defaults()` and `UCX_TLS=tcp` (what a remote peer
-sees) unless its row says otherwise. All rows are GETs of `size` bytes per object unless named put.
+Every UCX configuration runs with `ucx_env_defaults()`, `UCX_TLS=tcp` (what a remote peer sees)
+and `UCXPY_ENABLE_PYTHON_FUTURE=1` (read by the ucxx asyncio rows only) unless its row says
+otherwise. All rows are GETs of `size` bytes per object unless named put.
 Each configuration is a fresh server process and client process (ucxx reads its environment once
 per process); one round runs every configuration once (order rotated per round), the rounds are
 interleaved, so a slow spell of the machine hits every row alike. GB/s = 1e9 bytes/s, the median
 round; p50 per request pooled over rounds. Servers answer from one buffer (objects in cache) and
 the transports' backend does no checksums: this measures the transports, not the arena.
 
-Run: `.venv/bin/python -m bench.ucx_options` from the repository root (about 5 minutes on 2
-cores). Writes bench/results/ucx_options.json and .md.
+Run: `.venv/bin/python -m bench.ucx_options` from the repository root (about 8 minutes on a
+shared 2-core VM with `--trial-mib 24`). Writes bench/results/ucx_options.json and .md.
 """
 
 from __future__ import annotations
@@ -167,6 +168,9 @@ def config_env(config: Config) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "UCXPY_"))}
     env.update(ucx_env_defaults())
     env.update({"UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1"})
+    # ucxx asyncio rows: completions through its notifier thread unless a row says otherwise (the
+    # mode the transport used before it drove its own worker; other rows do not read UCXPY_*)
+    env["UCXPY_ENABLE_PYTHON_FUTURE"] = "1"
     for key, value in config.env.items():
         if value is None:
             env.pop(key, None)
