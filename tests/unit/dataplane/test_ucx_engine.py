@@ -1,7 +1,8 @@
 """The UCX transport's progress engine: one worker per event loop, progressed by that loop alone.
 
 ucxx's asyncio layer (a progress thread, a notifier thread setting futures on one event loop) cost
-~0.5 ms per request here (docs/ucx.md); the transport now drives ucxx's low-level worker itself.
+~0.7-1.2 ms per request here (docs/ucx.md); the transport now drives ucxx's low-level worker itself.
+`UcxSyncClient`: the same, progressed by the calling thread.
 """
 
 from __future__ import annotations

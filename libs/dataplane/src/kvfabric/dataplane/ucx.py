@@ -15,9 +15,11 @@ event loop, progressed by that loop and nothing else (`_Worker`): the worker's e
 reader of the loop; each turn progresses UCX until idle, resolves the futures of the requests that
 completed, and re-arms the worker. No ucxx threads, no thread hop per message. ucxx's asyncio
 layer (`ucxx.create_endpoint`: a progress thread, delayed submission, a notifier thread setting
-asyncio futures) cost ~0.5 ms per request on 2 cores: 4 thread hand-offs per round trip
-(docs/ucx.md, `bench/ucx_options.py`). A client sends its request and posts the reply's receive
-together (pre-posted), so the reply lands without UCX's unexpected-message queue.
+asyncio futures: a thread hand-off per submission and per completion) cost ~0.7-1.2 ms per
+request on 2 shared cores (docs/ucx.md, `bench/ucx_options.py`). A client sends its request and
+posts the reply's receive together (pre-posted), so the reply lands without UCX's
+unexpected-message queue. `UcxSyncClient` is the blocking variant: its caller's thread progresses
+its own worker.
 
 Why header + meta is one message: a UCX tag receive may be larger than the message (it may not be
 smaller: the message is then consumed and the receive fails "truncated"), and the header says how
