@@ -4,7 +4,8 @@ Names: `kvfabric_<service>_<noun>_<unit>`, counters end in `_total`:
 
 - `kvfabric_<service>_requests_total{endpoint,outcome}`: every request, by `Outcome`.
 - `kvfabric_<service>_request_duration_seconds{endpoint}`: receipt to reply, histogram.
-- `kvfabric_<service>_inflight_requests`: handlers running now (≤ `inflight_max` per lane: new work, gives-back).
+- `kvfabric_<service>_inflight_requests`: handlers running now (≤ `inflight_max` per lane: new
+  work, gives-back).
 - `kvfabric_<service>_rejected_busy_total{endpoint}`: answered `Busy` by the in-flight limit.
 - `kvfabric_<service>_errors_total{code}`: error replies by wire code (`internal` included).
 - `kvfabric_<service>_gc_pause_seconds{generation}`, `kvfabric_<service>_gc_frozen_objects`: the
