@@ -61,7 +61,7 @@ async def test_a_late_completion_never_writes_into_a_timed_out_loads_buffers() -
                 return ["cancelled"] * len(dests)
         return ["ok"] * len(dests)
 
-    kv.pool.fetch_many = slow_fetch  # type: ignore[method-assign]
+    kv.pool.fetch_many = slow_fetch  # type: ignore[method-assign, assignment]
     dests = [[bytearray(SIZE)] for _ in range(3)]
     started = time.monotonic()
     result = await kv.load(hit_of(3), dests)
