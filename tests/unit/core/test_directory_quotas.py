@@ -8,7 +8,7 @@ import pytest
 
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore, FreeSlots
 from kvfabric.core.quotas import Quotas, TenantQuota, tenant_of
-from kvfabric.format.errors import RateLimited
+from kvfabric.format.errors import Busy, RateLimited
 from kvfabric.format.key import ChunkGroupId, ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 
@@ -140,6 +140,20 @@ def test_retried_begin_gets_its_first_answer_without_a_token() -> None:
     (g,) = groups(1)
     first = begin(core, [key(g)], now=0)
     assert begin(core, [key(g)], now=0) == first  # same request id: the cached reply
+
+
+def test_a_begin_refused_busy_takes_no_token() -> None:
+    # A writer that backs off on busy and asks again (kvfabric.client.busy) must not spend the
+    # tenant's request budget on refusals: the busy check comes before the rate charge.
+    core = core_with(TenantQuota(requests_per_s=1, burst=1), pending_objects_max=1)
+    register(core, "s1")
+    g1, g2 = groups(2)
+    with pytest.raises(Busy):
+        begin(core, [key(g1), key(g2)], now=0)  # two objects over a bound of one
+    for _ in range(3):
+        with pytest.raises(Busy):
+            begin(core, [key(g1), key(g2)], now=0, rid="again")
+    assert begin(core, [key(g1)], now=0, rid="fits").results[0].status == "placed"  # the token is there
 
 
 def test_list_tenants_shows_usage_against_limits_and_the_default() -> None:

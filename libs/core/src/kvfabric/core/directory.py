@@ -537,10 +537,12 @@ class DirectoryCore:
             known = seen.setdefault(info.group.group_id, building.info if building else info.group)
             if known != info.group:
                 raise BadRequest("key conflicts with the identity of its chain hash's chunk group")
-        self._check_rate((spec.key for spec in req.objects), now_ms)
         if self.pending_objects + len(infos) > self.config.pending_objects_max:
+            # Before the rate charge: a refused request did not run, and a writer backing off and
+            # asking again (kvfabric.client.busy) must not spend the tenant's tokens each time.
             self._count("busy_pending_total")
             raise Busy("too many objects being written; retry later", limit=self.config.pending_objects_max)
+        self._check_rate((spec.key for spec in req.objects), now_ms)
         deadline = now_ms + req.write_ttl_ms
         results = [
             self._begin_one(req.writer_id, spec, info, replicas, deadline)
