@@ -9,7 +9,9 @@ import asyncio
 import threading
 import time
 
-from kvfabric.client import AsyncKvClient, ClientSettings, Hit
+import pytest
+
+from kvfabric.client import AsyncKvClient, ClientSettings, Hit, KvClient, LoadResult, sync
 from kvfabric.dataplane.scatter import GateClosed, ScatterDest
 from kvfabric.proto import directory as m
 from tests.integration.clientkit import SPEC, prompt
@@ -87,3 +89,43 @@ async def test_an_object_larger_than_the_inflight_budget_ends_the_load_at_once()
     assert result.tokens == 0 and result.cause == "busy"
     assert time.monotonic() - started < 1.0  # not the 5 s deadline
     await kv.close()
+
+
+def test_a_sync_load_whose_loop_stalls_still_takes_its_buffers_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The loop cannot run the load's finally in time (stuck): KvClient.load closes the gate from
+    # the engine's thread before it returns, so a worker thread still holding the transfer cannot
+    # write into the buffers the engine reuses next.
+    monkeypatch.setattr(sync, "_GRACE_S", 0.2)
+    kv = KvClient(
+        ClientSettings(nats_url="nats://127.0.0.1:1", connect_timeout_ms=200, load_timeout_ms=200), SPEC
+    )
+    started, go = threading.Event(), threading.Event()
+    refused: list[str] = []
+
+    def stuck_fetch(locations: list[m.ObjectLocation], dests: list[ScatterDest], attempts: int) -> list[str]:
+        started.set()
+        go.wait(10)
+        for dest in dests:
+            try:
+                dest.write_from(memoryview(b"\xee" * dest.size), hashed=True)
+            except GateClosed:
+                refused.append("closed")
+                return ["cancelled"] * len(dests)
+        return ["ok"] * len(dests)
+
+    kv.aio.pool.fetch_many = stuck_fetch  # type: ignore[method-assign, assignment]
+    dests = [[bytearray(SIZE)] for _ in range(2)]
+    results: list[LoadResult] = []
+    caller = threading.Thread(target=lambda: results.append(kv.load(hit_of(2), dests)))
+    caller.start()
+    assert started.wait(5)
+    kv._loop.call_soon_threadsafe(time.sleep, 1.5)  # the loop stalls
+    caller.join(5)
+    assert results and results[0].tokens == 0 and results[0].cause == "timeout"
+    go.set()  # the worker wakes up after the engine got its buffers back
+    for _ in range(100):
+        if refused:
+            break
+        time.sleep(0.02)
+    assert refused == ["closed"] and all(bytes(d[0]) == bytes(SIZE) for d in dests)
+    kv.close()

@@ -86,3 +86,18 @@ def test_a_receiver_waiting_for_bytes_stops_when_the_gate_closes_and_never_write
         receiver.join(2)
         assert not receiver.is_alive() and outcome == ["closed"]
     assert bytes(buffers[0][:100]) == b"x" * 100 and buffers[0][100:] == bytes(SIZE - 100)
+
+
+def test_a_joiner_copies_across_scatter_layouts_only_while_its_gate_is_open() -> None:
+    data = os.urandom(SIZE)
+    _, source = scatter_of([SIZE - 5000, 5000])
+    source.write_from(memoryview(data), hashed=False)
+    gate = WriteGate()
+    buffers, dest = scatter_of([7, BLOCK_BYTES, SIZE - 7 - BLOCK_BYTES], gate)
+    dest.copy_from(source)
+    assert b"".join(buffers) == data
+    gate.close()
+    fresh, closed = scatter_of([SIZE], gate)
+    with pytest.raises(GateClosed):
+        closed.copy_from(source)
+    assert fresh[0] == bytes(SIZE)

@@ -53,7 +53,7 @@ from kvfabric.core.client_loads import (
     StartTransfer,
     TransferId,
 )
-from kvfabric.dataplane.scatter import ScatterDest, WriteGate, scatter_dests
+from kvfabric.dataplane.scatter import GateClosed, ScatterDest, WriteGate, scatter_dests
 from kvfabric.dataplane.tls import client_context
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import (
@@ -121,21 +121,6 @@ class EngineSpec:
 
 def _now_ms() -> int:
     return time.monotonic_ns() // 1_000_000
-
-
-def _copy_scatter(dest: ScatterDest, source: ScatterDest) -> None:
-    """Copy one object between two scatter lists of equal total size (a joiner's delivery)."""
-    pieces = iter(source.views)
-    piece = memoryview(b"")
-    for view in dest.views:
-        filled = 0
-        while filled < len(view):
-            if not piece:
-                piece = next(pieces)
-            n = min(len(piece), len(view) - filled)
-            view[filled : filled + n] = piece[:n]
-            filled += n
-            piece = piece[n:]
 
 
 T = TypeVar("T")
@@ -441,12 +426,15 @@ class AsyncKvClient:
         *,
         first_chunk: int = 0,
         dest_ids: Sequence[Sequence[DestId]] | None = None,
+        gate: WriteGate | None = None,
     ) -> LoadResult:
         """Copy chunks `first_chunk ..` of `hit` into `dests[i][j]` (chunk first_chunk+i, member
         j), verifying every checksum. Returns the verified whole-chunk prefix, in tokens from 0.
 
         `dest_ids` name the engine's buffers (e.g. paged-KV block ids) so the fence can tell a
-        reused buffer; by default each call's buffers are anonymous. Raises `BadRequest` only for
+        reused buffer; by default each call's buffers are anonymous. `gate`: the loan of `dests`
+        (made here when not given); the caller may close it from any thread to take the buffers
+        back at once (`KvClient.load` does when the loop is late). Raises `BadRequest` only for
         caller bugs (shapes, sizes)."""
         if not 0 <= first_chunk <= hit.chunks:
             raise BadRequest(f"first_chunk {first_chunk} outside the hit's 0..{hit.chunks} chunks")
@@ -456,7 +444,7 @@ class AsyncKvClient:
         chunks = chunks[: len(dests)]
         # The engine lends its buffers until this call returns: transfers write into them
         # under `gate`, which the finally below closes (after it, nothing writes into them).
-        gate = WriteGate()
+        gate = gate or WriteGate()
         views = [
             scatter_dests(row, [loc.size_bytes for loc in locs], gate)
             for row, locs in zip(dests, chunks, strict=True)
@@ -659,6 +647,11 @@ class AsyncKvClient:
 
                 def run(batch: list[tuple[TransferId, m.ObjectLocation, ScatterDest]] = batch) -> None:
                     ids = [transfer_id for transfer_id, _, _ in batch]
+                    if all(dest.gate is not None and not dest.gate.is_open for _, _, dest in batch):
+                        # Their loads ended before a worker got to them: nothing to read for.
+                        with contextlib.suppress(RuntimeError):
+                            loop.call_soon_threadsafe(done, ids, ["cancelled"] * len(batch))
+                        return
                     try:
                         causes = self.pool.fetch_many(
                             [loc for _, loc, _ in batch], [st for _, _, st in batch], attempts
@@ -681,11 +674,14 @@ class AsyncKvClient:
         if target.dest is not waiter.dest:
             # A load that joined another's transfer copies from that load's buffers, which are
             # still lent only while its gate is open (all on the loop thread: nothing interleaves).
-            if target.dest.gate is not None and not target.dest.gate.is_open:
+            try:
+                if target.dest.gate is not None and not target.dest.gate.is_open:
+                    raise GateClosed
+                waiter.dest.copy_from(target.dest)  # under the joiner's own gate
+            except GateClosed:
                 self._perform(self.table.cancel(effect.load_id))
                 self._finish(effect.load_id, "cancelled")
                 return
-            _copy_scatter(waiter.dest, target.dest)
         self._perform(self.table.delivered(effect.load_id, effect.generation, effect.dest_id))
         self._finish(effect.load_id, "ok")
 
@@ -911,8 +907,10 @@ class AsyncKvClient:
         deadline_s = time.monotonic() + timeout_s
 
         async def ask() -> m.DirectoryReply:
-            async with gate:
-                return await self._ask_directory(verb, message, timeout_s, trace_id, shard)
+            # The wait for a slot and the request share the save's deadline (TimeoutError below).
+            async with asyncio.timeout(max(0.0, deadline_s - time.monotonic())), gate:
+                left_s = max(0.001, deadline_s - time.monotonic())
+                return await self._ask_directory(verb, message, left_s, trace_id, shard)
 
         try:
             return await retry_busy(
@@ -925,7 +923,7 @@ class AsyncKvClient:
             return "directory_stale_epoch"
         except Unavailable:
             return "directory_unavailable"
-        except Indeterminate:
+        except (Indeterminate, TimeoutError):
             return "directory_timeout"
         except KvfError as exc:
             return exc.code

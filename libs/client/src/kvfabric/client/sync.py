@@ -22,6 +22,7 @@ from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.settings import ClientSettings
 from kvfabric.client.threads import thread_placement
 from kvfabric.core.client_loads import DestId
+from kvfabric.dataplane.scatter import WriteGate
 from kvfabric.format.errors import Unavailable
 from kvfabric.format.key import ChunkExtras, TokenIds
 
@@ -113,11 +114,17 @@ class KvClient:
         dest_ids: Sequence[Sequence[DestId]] | None = None,
     ) -> LoadResult:
         """Blocks until the load ended; afterwards nothing writes into `dests` any more."""
-        future = self._submit(self.aio.load(hit, dests, first_chunk=first_chunk, dest_ids=dest_ids))
+        gate = WriteGate()  # the loan of `dests`: closed by the load, or here if the loop is late
+        future = self._submit(
+            self.aio.load(hit, dests, first_chunk=first_chunk, dest_ids=dest_ids, gate=gate)
+        )
         try:
             return future.result(self.settings.load_timeout_ms / 1000 + _GRACE_S)
         except concurrent.futures.TimeoutError:
-            # Cancel, then wait for the coroutine's finally (it fences the buffers) to run.
+            # Take the buffers back from this thread first: a stalled loop could not run the
+            # coroutine's finally in time, but worker threads would go on writing (the close
+            # waits for at most one block in progress). Then cancel and let the finally clean up.
+            gate.close()
             self._loop.call_soon_threadsafe(future.cancel)
             concurrent.futures.wait([future], timeout=_GRACE_S)
             self.metrics.fallbacks.labels("timeout").inc()

@@ -112,6 +112,32 @@ class ScatterDest:
             offset += n
         return digest.digest() if digest is not None else b""
 
+    def copy_from(self, source: ScatterDest) -> None:
+        """Copy another destination's bytes (same total size) into this one, block by block under
+        this gate (a load that joined another's transfer takes its bytes from there)."""
+        if source.size != self.size:
+            raise BadRequest(f"source is {source.size} bytes, destination {self.size}")
+        pieces = iter(source._blocks())
+        piece = memoryview(b"")
+        lock = self.gate._lock if self.gate is not None else None
+        for block in self._blocks():
+            filled = 0
+            while filled < len(block):
+                if not piece:
+                    piece = next(pieces)
+                n = min(len(piece), len(block) - filled)
+                if lock is not None:
+                    lock.acquire()
+                try:
+                    if self.gate is not None and not self.gate._open:
+                        raise GateClosed
+                    block[filled : filled + n] = piece[:n]
+                finally:
+                    if lock is not None:
+                        lock.release()
+                filled += n
+                piece = piece[n:]
+
     def recv_from(self, sock: socket.socket, hashed: bool) -> bytes:
         """Receive exactly `size` bytes. Raises `ConnectionError` when the peer closed, and
         `TimeoutError` after the socket's timeout without data."""

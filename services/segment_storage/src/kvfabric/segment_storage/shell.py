@@ -276,7 +276,8 @@ class SegmentShell:
     def _confirm(self, ticket: m.WriteTicket, slot: int, generation: int, trace_id: str = "") -> str:
         """Called from a transport thread: confirm on the event loop (batched with the other
         replicas of the same save, `ConfirmBatcher`), wait for the verdict."""
-        assert self._loop is not None and self.router is not None
+        if self._loop is None or self.router is None:
+            raise Unavailable("the segment is not connected to the directory")
         confirm = m.ReplicaConfirm(
             ticket_id=ticket.ticket_id,
             key=ticket.key,
@@ -296,6 +297,8 @@ class SegmentShell:
             raise Indeterminate(
                 "no confirm verdict in time", timeout_ms=self.settings.confirm_timeout_ms
             ) from None
+        except (concurrent.futures.CancelledError, RuntimeError):  # stopping: the slot is freed
+            raise Unavailable("the segment stopped confirming") from None
 
     async def _heartbeats(self) -> None:
         """One heartbeat round per interval, on a fixed cadence. A round waits at most one
