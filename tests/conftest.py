@@ -3,6 +3,10 @@
 - `kvfabric.testing.pytest_plugin`: `nats_server`, `nats_client` (a real nats-server per test).
 - `json_logs`: structlog configured to write JSON lines into memory for one test; the value is a
   function returning the records so far. Global logging config is restored afterwards.
+- Hypothesis profile `kvfabric`: no per-example deadline and no "input generation is slow"
+  health check. Both measure the machine, not the code: on the shared 2-core VMs one draw can
+  take a second while other jobs run (a fresh-clone CI failed that check once). Correctness
+  properties and example counts are unchanged.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("kvfabric", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kvfabric")
 
 pytest_plugins = ["kvfabric.testing.pytest_plugin"]
 
