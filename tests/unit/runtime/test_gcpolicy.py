@@ -101,7 +101,9 @@ def test_metrics_serve_the_pauses_and_frozen_objects_once_installed() -> None:
     assert frozen is not None and frozen > 0
 
 
-def test_the_service_cli_runs_main_under_the_policy() -> None:
+def test_the_service_cli_runs_main_under_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CLI would point logging at CliRunner's stream, closed once it returns.
+    monkeypatch.setattr("kvfabric.runtime.cli.configure_logging", lambda **_: None)
     seen: list[tuple[gcpolicy.GcPolicy | None, tuple[int, int, int]]] = []
 
     async def main(settings: RuntimeSettings) -> int:
