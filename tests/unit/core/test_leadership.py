@@ -243,6 +243,57 @@ def test_a_late_renewal_within_the_lease_resumes_the_same_term() -> None:
     assert a.tick(2600) == [Renew(0, 4), AnnounceMember()]
 
 
+def test_a_create_answered_after_its_term_ended_starts_no_stale_term() -> None:
+    """Shrunk from the state machine: a stalls with its create's answer unread, its key lapses
+    and b leads with a greater epoch; a must not start the dead term when it reads the answer
+    (StartLeading with an epoch below one already in use), whatever it last ticked."""
+    kv = SimKV(3_000)
+    a = ShardLeadership(LeadershipConfig(shards=1), "a")
+    assert a.on_members({"a"}, 0) == [Acquire(0), AnnounceMember()]
+    stale = kv.create(key_of(0), "a", 0)  # lands at once; a stalls before reading the answer
+    assert stale is not None
+    b = ShardLeadership(LeadershipConfig(shards=1), "b")
+    assert b.on_members({"b"}, 3_000) == [Acquire(0), AnnounceMember()]
+    fresh = kv.create(key_of(0), "b", 3_000)  # a's key lapsed at 3000
+    assert fresh is not None and fresh > stale
+    assert b.on_acquired(0, fresh, sent_ms=3_000, now_ms=3_000) == [StartLeading(0, fresh)]
+    # a resumes at 4000 and reads the answer before its first tick: the term (deadline 2500) is
+    # over, so the won key is handed back (a no-op: the key is b's now) instead of led.
+    assert a.on_acquired(0, stale, sent_ms=0, now_ms=4_000) == [Release(0, stale)]
+    assert a.epoch(0) is None and a.leading() == {}
+    assert a.counters["acquired_unwanted_total"] == 1 and a.counters["leading_started_total"] == 0
+    assert not kv.delete(key_of(0), stale, 4_000)
+    assert a.on_released(0) == []
+    a.check_invariants(4_000)
+    b.check_invariants(4_000)
+
+
+def test_an_answer_within_the_term_starts_it_and_one_at_the_deadline_does_not() -> None:
+    for now_ms, expected in ((2_499, [StartLeading(0, 5)]), (2_500, [Release(0, 5)])):
+        a = ShardLeadership(LeadershipConfig(shards=1), "a")
+        a.on_members({"a"}, 0)
+        assert a.on_acquired(0, 5, sent_ms=0, now_ms=now_ms) == expected
+        a.check_invariants(now_ms)
+
+
+def test_a_renewal_answered_after_its_new_deadline_stops_the_term() -> None:
+    """The answer's time also stops the other terms it passed (a Renew in flight: draining)."""
+    a = ShardLeadership(LeadershipConfig(shards=2), "a")
+    assert a.on_members({"a"}, 0) == [Acquire(0), Acquire(1), AnnounceMember()]
+    assert a.on_acquired(0, 1, sent_ms=0, now_ms=0) == [StartLeading(0, 1)]
+    assert a.on_acquired(1, 2, sent_ms=0, now_ms=0) == [StartLeading(1, 2)]
+    assert a.tick(1_000) == [Renew(0, 1), Renew(1, 2), AnnounceMember()]
+    # Both answers wait out a 3 s stall: renewed from 1000, shard 0's term ends at 3500.
+    assert a.on_renewed(0, 3, sent_ms=1_000, now_ms=4_000) == [
+        StopLeading(0, 1, "lease_expired"),
+        StopLeading(1, 2, "lease_expired"),  # its deadline (2500) passed too: stopped, draining
+    ]
+    assert a.leading() == {}
+    assert a.on_renewed(1, 4, sent_ms=1_000, now_ms=4_000) == [Release(1, 4)]
+    assert a.counters["lease_expired_total"] == 2
+    a.check_invariants(4_000)
+
+
 def test_a_new_member_triggers_handover_of_exactly_the_moved_shards() -> None:
     c = Cluster(config=LeadershipConfig(shards=32))
     c.add("a")

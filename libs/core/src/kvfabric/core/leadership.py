@@ -23,11 +23,12 @@ them once its leases lapse. Adding or removing a member moves only the shards it
 
 ## States of a shard (per instance)
     IDLE --tick: desired, now >= retry_at_ms--> ACQUIRING [Acquire]
-    ACQUIRING --on_acquired, still desired, deadline ahead--> LEADING [StartLeading(epoch=revision)]
+    ACQUIRING --on_acquired, still desired, deadline ahead of now--> LEADING [StartLeading(epoch=revision)]
     ACQUIRING --on_acquired, no longer desired (or leaving, or deadline passed)--> RELEASING [Release]
     ACQUIRING --on_acquire_failed(now)--> IDLE, retry_at = now + renew_every_ms
     LEADING --tick: written_sent_ms + renew_every_ms reached, no Renew in flight--> LEADING [Renew]
-    LEADING --on_renewed(sent_ms)--> LEADING, deadline moves to sent_ms + ttl - margin
+    LEADING --on_renewed(sent_ms)--> LEADING, deadline moves to sent_ms + ttl - margin (then the
+        deadline check below, against the answer's now_ms)
     LEADING --on_renew_failed(now)--> IDLE [StopLeading "renew_failed"], retry after renew_every_ms
     LEADING --now >= deadline (tick, or any event carrying now)--> [StopLeading "lease_expired"]
         IDLE (retry at once), or DRAINING when a Renew is in flight
@@ -46,7 +47,11 @@ the shell has done. Another instance can create the key only after it lapsed or 
 instance deleted it, and it deletes only after StopLeading, with `last=revision`. A successful
 update proves the key stayed ours since the previous write (an expired or re-created key fails
 `last=revision`), so a renewal that lands after the deadline passed unticked may resume the
-same term: nobody else led in between.
+same term: nobody else led in between. An answer can arrive long after its send (a GC pause,
+a stalled loop): the shell passes `now_ms` (when the answer reached it) to `on_acquired` and
+`on_renewed`, so that a create whose term already ended while its answer waited does not start
+a term. Its key lapsed meanwhile and another instance may lead with a greater epoch: starting
+the stale term would hand the shell an epoch lower than one already in use.
 
 ## Invariants (`check_invariants(now_ms)`, after every step in tests)
 1. At most one KV operation in flight per shard (by construction: one state per shard).
@@ -386,12 +391,16 @@ class ShardLeadership:
         self._desired = frozenset()
         return self.tick(now_ms)
 
-    def on_acquired(self, shard: int, revision: int, sent_ms: int) -> list[Effect]:
-        """The create won: this instance holds the key at `revision` (sent at `sent_ms`)."""
+    def on_acquired(self, shard: int, revision: int, sent_ms: int, now_ms: int | None = None) -> list[Effect]:
+        """The create won: this instance held the key at `revision` (sent at `sent_ms`). `now_ms`:
+        when the answer arrived (the shell should pass it): a term whose deadline is not ahead of
+        it is not started but released. Without it, as of the latest event."""
         sh = self._shards[shard]
         invariant(sh.state == "acquiring", "on_acquired without an Acquire in flight", shard=shard)
         invariant(revision > 0, "KV revisions start at 1", revision=revision)
         self._check_sent(shard, sh, sent_ms)
+        if now_ms is not None:
+            self._advance(now_ms)
         self._count("acquired_total")
         out = _Out()
         sh.revision = revision
@@ -407,6 +416,7 @@ class ShardLeadership:
             sh.renewing = False
             self._count("leading_started_total")
             out.rest.append(StartLeading(shard, revision))
+        self._expire_all(out)
         return out.effects()
 
     def on_acquire_failed(self, shard: int, now_ms: int) -> list[Effect]:
@@ -418,10 +428,14 @@ class ShardLeadership:
         self._count("acquire_failed_total")
         sh.state = "idle"
         sh.retry_at_ms = now_ms + self.config.renew_every_ms
-        return self._expire_all()
+        out = _Out()
+        self._expire_all(out)
+        return out.effects()
 
-    def on_renewed(self, shard: int, revision: int, sent_ms: int) -> list[Effect]:
-        """The update landed: the key holds our value at `revision`, written after `sent_ms`."""
+    def on_renewed(self, shard: int, revision: int, sent_ms: int, now_ms: int | None = None) -> list[Effect]:
+        """The update landed: the key holds our value at `revision`, written after `sent_ms`.
+        `now_ms`: when the answer arrived (the shell should pass it): a term whose new deadline is
+        not ahead of it stops (lease_expired). Without it, as of the latest event."""
         sh = self._shards[shard]
         invariant(
             sh.state in ("leading", "draining") and sh.renewing,
@@ -430,6 +444,8 @@ class ShardLeadership:
         )
         invariant(revision > sh.revision, "a renewal must produce a newer revision", shard=shard)
         self._check_sent(shard, sh, sent_ms)
+        if now_ms is not None:
+            self._advance(now_ms)
         self._count("renewed_total")
         sh.renewing = False
         sh.revision = revision
@@ -442,6 +458,7 @@ class ShardLeadership:
             invariant(sent_ms >= sh.written_sent_ms, "a renewal sent before the write it renews")
             sh.written_sent_ms = sent_ms
             sh.deadline_ms = sent_ms + self.config.term_ms
+        self._expire_all(out)
         return out.effects()
 
     def on_renew_failed(self, shard: int, now_ms: int) -> list[Effect]:
@@ -460,8 +477,8 @@ class ShardLeadership:
             self._stop(shard, sh, REASON_RENEW_FAILED, out)
         sh.state = "idle"
         sh.retry_at_ms = now_ms + self.config.renew_every_ms
-        effects = out.effects()
-        return effects + self._expire_all()
+        self._expire_all(out)
+        return out.effects()
 
     def on_released(self, shard: int) -> list[Effect]:
         """The delete finished (or failed: the key then lapses after the TTL)."""
@@ -495,12 +512,11 @@ class ShardLeadership:
             sh.state = "idle"
             sh.retry_at_ms = self._now_ms
 
-    def _expire_all(self) -> list[Effect]:
-        out = _Out()
+    def _expire_all(self, out: _Out) -> None:
+        """Stop every term whose deadline the latest time seen reached."""
         for s, sh in enumerate(self._shards):
             if sh.state == "leading" and self._now_ms >= sh.deadline_ms:
                 self._expire(s, sh, out)
-        return out.effects()
 
     def _release(self, shard: int, sh: _Shard, out: _Out) -> None:
         sh.state = "releasing"
