@@ -197,13 +197,13 @@ class LeadershipMachine(RuleBasedStateMachine):
         result = op.result if op.landed and not timed_out else None
         if op.kind == "create":
             effects = (
-                core.on_acquired(op.shard, result, op.sent_ms)
+                core.on_acquired(op.shard, result, op.sent_ms, now_ms=self._t(op.slot))
                 if result is not None
                 else core.on_acquire_failed(op.shard, self._t(op.slot))
             )
         elif op.kind == "update":
             effects = (
-                core.on_renewed(op.shard, result, op.sent_ms)
+                core.on_renewed(op.shard, result, op.sent_ms, now_ms=self._t(op.slot))
                 if result is not None
                 else core.on_renew_failed(op.shard, self._t(op.slot))
             )
