@@ -213,10 +213,12 @@ class LeaderElection:
         try:
             if isinstance(effect, Acquire):
                 revision = await self._leaders.create(key_of(effect.shard), value)
-                return self.core.on_acquired(effect.shard, revision, sent)
+                # When the answer came: a create answered after its term's deadline (this loop
+                # stalled meanwhile, another instance may lead by now) is released, not started.
+                return self.core.on_acquired(effect.shard, revision, sent, now_ms=monotonic_ms())
             if isinstance(effect, Renew):
                 revision = await self._leaders.update(key_of(effect.shard), value, last=effect.revision)
-                return self.core.on_renewed(effect.shard, revision, sent)
+                return self.core.on_renewed(effect.shard, revision, sent, now_ms=monotonic_ms())
             if isinstance(effect, Release):
                 await self._leaders.delete(key_of(effect.shard), last=effect.revision)
                 return self.core.on_released(effect.shard)
