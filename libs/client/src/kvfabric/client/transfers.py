@@ -90,9 +90,6 @@ class SegmentPool:
         self.on_retry = on_retry  # called once per read retried on another replica (metrics)
         self._idle: dict[tuple[str, bool], list[_Connection]] = {}
         self._in_use: dict[str, threading.BoundedSemaphore] = {}  # per data address
-        # Writes hold a connection through the segment's confirm (up to seconds when the directory
-        # is slow): they get at most half of a segment's connections, so loads always find some.
-        self._writing: dict[str, threading.BoundedSemaphore] = {}
         self._swept_s = 0.0
         self._lock = threading.Lock()
         self._closed = False
@@ -263,20 +260,10 @@ class SegmentPool:
         return causes
 
     def store(self, ticket: WriteTicket, data: memoryview, trace_id: str = "") -> str:
-        """Write one replica under its ticket. Returns "ok" (confirmed) or a cause."""
-        with self._lock:
-            writing = self._writing.get(ticket.data_addr)
-            if writing is None:
-                writing = threading.BoundedSemaphore(max(1, self.connections_per_segment_max // 2))
-                self._writing[ticket.data_addr] = writing
-        if not writing.acquire(timeout=self.timeout_s):
-            return "timeout"
-        try:
-            return self._store(ticket, data, trace_id)
-        finally:
-            writing.release()
-
-    def _store(self, ticket: WriteTicket, data: memoryview, trace_id: str) -> str:
+        """Write one replica under its ticket. Returns "ok" (confirmed) or a cause. Writes share
+        the segment's connections with loads: measured, capping them at half (so loads always
+        find one while the directory confirms slowly) split a save of 8 objects into two waves of
+        segment confirms, 15.0 vs 9.0 ms p50 for 8 × 4 KiB (bench.client_floor, 2026-12-01)."""
         try:
             # The pool loads use too (one idle pool per segment): a PUT only needs its TCP half.
             with self._connection(ticket.data_addr, self._shm_ok(ticket.segment_id)) as conn:
