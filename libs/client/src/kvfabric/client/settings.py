@@ -65,7 +65,7 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
     metrics_port: int = -1  # -1: no HTTP endpoint; 0: any free port
     # CPUs of the client's threads (loop, transfers, saves); kvfabric.client.threads: "" or
     # "inherit" (the creating thread's), "auto" (when it is pinned, e.g. an engine's compute
-    # thread: saves off its CPUs, loads anywhere; the vLLM connector's default), or "2-3,6".
+    # thread: saves off its CPUs, loads anywhere), or "2-3,6".
     thread_cpus: str = ""
     # Test switch only (chaos checkers must be able to fail): loads skip checksum verification.
     unsafe_skip_verification_for_tests: bool = False

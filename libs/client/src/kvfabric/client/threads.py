@@ -12,7 +12,8 @@ runs in the background, during the next forward passes: decode slows down).
   (the set an engine launcher divided among its compute threads), the background threads
   (`kvf-save`) run on the parent's CPUs minus the creating thread's, and the foreground ones
   (the loop, `kvf-transfer`: loads the engine waits for) on all of the parent's; otherwise
-  inherit. The vLLM connector's default.
+  inherit. For machines with cores to spare: on the 2-core dev VM it measured slower for vLLM
+  (docs/engines.md, "Client threads"), so the connector keeps the default.
 - a CPU list such as `"2-3,6"`: every client thread on exactly those.
 
 `client_thread_cpus` decides (pure); `thread_placement` reads the affinities once, in the thread
