@@ -29,29 +29,12 @@ from pathlib import Path
 from typing import Any, Final
 
 from bench.client import RESULTS, local_cluster, percentile, read_env_file
-from kvfabric.client import EngineSpec, KvClient, settings_from_env
-from kvfabric.format.key import KVLayout, ModelFingerprint
+from bench.client_worker import TOKENS_PER_CHUNK, bench_spec
+from kvfabric.client import KvClient, settings_from_env
 
 OBJECT_BYTES: Final = 4 << 10
 CHUNKS: Final = 8
-TOKENS_PER_CHUNK: Final = 16
 WARMUP_CALLS: Final = 20
-
-
-def spec_for(client_env: dict[str, str], nats_url: str) -> EngineSpec:
-    return EngineSpec(
-        settings_from_env(client_env, nats_url=nats_url).share_domain(),
-        ModelFingerprint(model_id="floor", weights_revision="r1", kv_dtype="uint8", attn_config_digest="-"),
-        KVLayout(
-            tp_size=1,
-            tp_rank=0,
-            pp_stage=0,
-            layer_group=0,
-            layer_group_count=1,
-            tokens_per_chunk=TOKENS_PER_CHUNK,
-            tensor_layout="bench-bytes",
-        ),
-    )
 
 
 def tokens_of(serial: int) -> list[int]:
@@ -82,7 +65,7 @@ def timed(calls: int, fn: Callable[[int], None]) -> list[float]:
 def measure(state: dict[str, Any], calls: int) -> dict[str, dict[str, float]]:
     tenant = read_env_file(Path(state["auth"]["dir"]) / "env" / "tenant-demo.env")
     url = state["nats_url"]
-    spec = spec_for(tenant, url)
+    spec = bench_spec(tenant, url, "floor")
     remote = KvClient(settings_from_env(tenant, nats_url=url, use_shm=False), spec)
     local = KvClient(settings_from_env(tenant, nats_url=url, use_shm=True), spec)
     objects = [[memoryview(bytes([c]) * OBJECT_BYTES)] for c in range(CHUNKS)]

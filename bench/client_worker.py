@@ -35,7 +35,7 @@ import struct
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Final
 
@@ -147,24 +147,28 @@ def object_offset(size: int, serial: int) -> int:
     return (serial * 7919 % slots) * ALIGN_BYTES
 
 
+def bench_spec(client_env: Mapping[str, str], nats_url: str, model_id: str) -> EngineSpec:
+    """The engine the benchmarks play: the tenant's share domain, a uint8 "model", one member,
+    `TOKENS_PER_CHUNK` tokens a chunk."""
+    return EngineSpec(
+        settings_from_env(client_env, nats_url=nats_url).share_domain(),
+        ModelFingerprint(model_id=model_id, weights_revision="r1", kv_dtype="uint8", attn_config_digest="-"),
+        KVLayout(
+            tp_size=1,
+            tp_rank=0,
+            pp_stage=0,
+            layer_group=0,
+            layer_group_count=1,
+            tokens_per_chunk=TOKENS_PER_CHUNK,
+            tensor_layout="bench-bytes",
+        ),
+    )
+
+
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        spec = EngineSpec(
-            settings_from_env(config.env, nats_url=config.nats_url).share_domain(),
-            ModelFingerprint(
-                model_id=config.model_id, weights_revision="r1", kv_dtype="uint8", attn_config_digest="-"
-            ),
-            KVLayout(
-                tp_size=1,
-                tp_rank=0,
-                pp_stage=0,
-                layer_group=0,
-                layer_group_count=1,
-                tokens_per_chunk=TOKENS_PER_CHUNK,
-                tensor_layout="bench-bytes",
-            ),
-        )
+        spec = bench_spec(config.env, config.nats_url, config.model_id)
         self.clients = {
             "remote": KvClient(settings_from_env(config.env, nats_url=config.nats_url, use_shm=False), spec),
             "local": KvClient(settings_from_env(config.env, nats_url=config.nats_url, use_shm=True), spec),
