@@ -17,6 +17,7 @@ Verbs and their request → reply:
 | `put_commit` | `PutCommit` | `PutCommitReply` |
 | `put_abort` | `PutAbort` | `PutAbortReply` |
 | `lookup` | `Lookup` | `LookupReply` |
+| `lookup_many` | `LookupMany` | `LookupManyReply` |
 | `lease_release` / `lease_renew` | `LeaseRelease` / `LeaseRenew` | `LeaseReply` |
 | `pin` / `unpin` | `Pin` / `Unpin` | `PinReply` |
 | `evict` | `Evict` | `EvictReply` |
@@ -34,7 +35,9 @@ Keys map to `shards` virtual shards by their chain hash (`kvfabric.proto.shards.
 shard is led by one directory instance under its own epoch. Requests for a shard go to the
 leading instance's subjects `kvf.v1.directory.<verb>.<instance>` (tenants:
 `kvf.v1.directory.t.<tenant>.<verb>.<instance>`); the `epoch` in a request or reply is that
-shard's. A request must name keys of one shard only. `shard_map` is answered by every instance
+shard's. A request must name keys of one shard only, except `lookup_many`: one prefix's lookups for every
+shard the instance leads, each part under its shard's epoch and answered (or refused) on its own
+(one round trip per instance, not per shard). `shard_map` is answered by every instance
 (standbys included) with the shards it leads; callers assemble and cache the map
 (`kvfabric.runtime.directory_router`). An instance that does not lead the shard answers
 `wrong_shard`. `register`, `heartbeat` and the listings go to every instance; their replies
@@ -60,6 +63,7 @@ LEASE_TTL_MS_MAX: Final = 600_000
 PIN_TTL_MS_MAX: Final = 86_400_000
 WRITE_TTL_MS_MAX: Final = 600_000
 ACCESS_BATCH_MAX: Final = 4096  # groups per GroupsAccessed event
+LOOKUP_MANY_PARTS_MAX: Final = 1024  # shards per LookupMany (its groups together <= LOOKUP_BATCH_GROUPS_MAX)
 RELEASE_BATCH_LEASES_MAX: Final = 64  # leases per batched LeaseRelease (each ends O(its groups))
 
 
@@ -296,6 +300,41 @@ class LookupReply(_Msg, frozen=True, kw_only=True, tag="dir.lookup_reply.v1"):
     lease_id: int = 0  # 0 = no lease (no hit)
     lease_expires_ms: int = 0
     objects: list[ObjectLocation] = msgspec.field(default_factory=list)
+
+
+class LookupPart(msgspec.Struct, frozen=True, kw_only=True):
+    """One shard's groups of a `LookupMany`, in prefix order, under that shard's `epoch`."""
+
+    shard: int
+    groups: list[bytes]
+    epoch: int = 0
+
+
+class LookupMany(_Msg, frozen=True, kw_only=True, tag="dir.lookup_many.v1"):
+    """One prefix's lookups for several shards one instance leads: each part is exactly a
+    `Lookup` of its shard (same holder, members, lease ttl; authorized, charged and leased per
+    shard). Distinct shards; at most `LOOKUP_MANY_PARTS_MAX` parts and `LOOKUP_BATCH_GROUPS_MAX`
+    groups in all."""
+
+    holder_id: str
+    parts: list[LookupPart]
+    members: list[Member] = msgspec.field(default_factory=list)
+    lease_ttl_ms: int = 30_000
+
+
+class LookupPartReply(msgspec.Struct, frozen=True, kw_only=True):
+    """A part's answer: `reply`, or the error its shard gave (`error` = its wire code: the caller
+    asks that shard alone, e.g. after `wrong_shard` refreshes its map)."""
+
+    shard: int
+    reply: LookupReply | None = None
+    error: str = ""
+    message: str = ""
+
+
+class LookupManyReply(_Msg, frozen=True, kw_only=True, tag="dir.lookup_many_reply.v1"):
+    epoch: int = 0  # per part, in each `reply`
+    parts: list[LookupPartReply] = msgspec.field(default_factory=list)
 
 
 class LeaseRelease(_Msg, frozen=True, kw_only=True, tag="dir.lease_release.v1"):
@@ -638,6 +677,7 @@ DirectoryRequest = (
     | PutCommit
     | PutAbort
     | Lookup
+    | LookupMany
     | LeaseRelease
     | LeaseRenew
     | Pin
@@ -661,6 +701,7 @@ DirectoryReply = (
     | PutCommitReply
     | PutAbortReply
     | LookupReply
+    | LookupManyReply
     | LeaseReply
     | PinReply
     | EvictReply

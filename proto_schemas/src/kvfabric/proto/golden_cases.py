@@ -69,6 +69,24 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             ],
         ),
     ),
+    "dir.lookup_many.v1": (
+        "directory.request",
+        directory.LookupMany(
+            holder_id="h",
+            parts=[directory.LookupPart(shard=3, groups=[bytes(90)], epoch=5)],
+            members=[directory.Member(0, 0, 0)],
+            lease_ttl_ms=900,
+        ),
+    ),
+    "dir.lookup_many_reply.v1": (
+        "directory.reply",
+        directory.LookupManyReply(
+            parts=[
+                directory.LookupPartReply(shard=3, reply=directory.LookupReply(epoch=5, hit_chunks=0)),
+                directory.LookupPartReply(shard=4, error="wrong_shard", message="not led here"),
+            ]
+        ),
+    ),
     "dir.ev.published.v1": (
         "directory.event",
         directory.GroupPublished(group=b"g" * 32, chunk_index=5, members=2, degraded=True),

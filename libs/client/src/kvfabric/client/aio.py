@@ -36,6 +36,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvfabric.client.busy import retry_busy
 from kvfabric.client.hits import Hit, LoadResult, SaveResult
+from kvfabric.client.lookups import lookup_by_instance
 from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.releases import RELEASES_CONCURRENT_MAX, give_back
 from kvfabric.client.settings import ClientSettings
@@ -191,6 +192,7 @@ class AsyncKvClient:
         self._generations = itertools.count(1)
         self._leases: dict[tuple[int, int], int] = {}  # (shard, lease id) -> expires_ms (directory clock)
         self.router: DirectoryRouter | None = None  # the shard map; epochs per shard (fencing)
+        self._lookup_many_refused: set[str] = set()  # directory instances without `lookup_many`
         self._save_bytes = 0
         self._saves_running = 0
         self._tasks: set[asyncio.Task[Any]] = set()  # running saves
@@ -309,7 +311,8 @@ class AsyncKvClient:
     async def _lookup_shards(
         self, groups: list[ChunkGroupId], members: tuple[MemberId, ...], trace_id: str
     ) -> tuple[int, list[m.ObjectLocation], list[tuple[int, int]], int]:
-        """One lookup per shard holding some of the prefix's chunks, concurrently. The hit is the
+        """The lookups of every shard holding some of the prefix's chunks, one request per
+        leading instance (`kvfabric.client.lookups`), concurrently. The hit is the
         first chunk any shard misses (a shard that fails misses from its first chunk); every
         shard with a chunk inside the hit keeps its lease (released with the hit), the others'
         are given back at once. Raises the first failure only when nothing hit."""
@@ -321,30 +324,34 @@ class AsyncKvClient:
             positions.setdefault(router.shard_of(raw), []).append(index)
         wanted = [m.Member(*member) for member in members]
 
-        async def one(shard: int, indexes: list[int]) -> tuple[int, m.DirectoryReply]:
-            message = m.Lookup(
+        lookups = {
+            shard: m.Lookup(
                 holder_id=self.settings.holder_id,
                 groups=[raws[i] for i in indexes],
                 members=wanted,
                 lease_ttl_ms=self.settings.lease_ttl_ms,
             )
-            return shard, await self._ask_directory(
-                "lookup", message, self.settings.lookup_timeout_ms / 1000, trace_id, shard
-            )
-
-        results = await asyncio.gather(*(one(s, ix) for s, ix in positions.items()), return_exceptions=True)
+            for shard, indexes in positions.items()
+        }
+        results = await lookup_by_instance(
+            router,
+            lookups,
+            timeout_s=self.settings.lookup_timeout_ms / 1000,
+            trace_id=trace_id,
+            refused=self._lookup_many_refused,
+        )
         hit_chunks = len(groups)
         objects: list[m.ObjectLocation] = []
         granted: list[tuple[int, int, int]] = []  # (shard, lease id, expires_ms)
         failure: BaseException | None = None
-        for (shard, indexes), result in zip(positions.items(), results, strict=True):
-            if isinstance(result, BaseException) or not isinstance(result[1], m.LookupReply):
+        for shard, indexes in positions.items():
+            reply = results[shard]
+            if not isinstance(reply, m.LookupReply):
                 # A shard that cannot answer (failing over, say) is a miss from its first chunk
                 # on: the chunks before it still hit.
-                failure = failure or (result if isinstance(result, BaseException) else KvfError("bad reply"))
+                failure = failure or (reply if isinstance(reply, BaseException) else KvfError("bad reply"))
                 hit_chunks = min(hit_chunks, indexes[0])
                 continue
-            reply = result[1]
             if reply.hit_chunks < len(indexes):
                 hit_chunks = min(hit_chunks, indexes[reply.hit_chunks])
             objects.extend(reply.objects)

@@ -18,6 +18,8 @@ kvctl, tests) talks to the directory through a `DirectoryRouter`:
   comes from a replaced leader: `StaleGeneration`, never used.
 - `ask(shard, ...)` for a keyed request, `ask_all(...)` for what every leading instance must see
   (segment registration and heartbeats, listings); its replies cover disjoint shard sets.
+  `ask_instance(instance, ...)` for one request that covers several shards an instance leads
+  (`lookup_many`): no retry; the caller fences each part (`saw`) and re-asks a failed part's shard.
 
 Owns nothing but the map; the NATS connection belongs to the caller.
 """
@@ -202,6 +204,31 @@ class DirectoryRouter:
         if self.tenant:
             return tenant_instance_subject(Service.DIRECTORY, self.tenant, verb, instance)
         return instance_subject(Service.DIRECTORY, verb, instance)
+
+    def route(self, shard: int) -> ShardRoute | None:
+        """The shard's known leader (None until a refresh finds one)."""
+        return self.routes.get(shard)
+
+    def saw(self, shard: int, reply: object) -> None:
+        """Fence a reply for `shard` that came by another way than `ask` (a part of a multi-shard
+        reply): `StaleGeneration` when it is older than an epoch already seen."""
+        self._saw(shard, reply)
+
+    async def ask_instance(
+        self,
+        instance: str,
+        verb: str,
+        message: msgspec.Struct,
+        timeout_s: float,
+        *,
+        headers: Mapping[str, str] | None = None,
+    ) -> m.DirectoryReply:
+        """One request to `instance` itself, no retry (a multi-shard request: the caller fences
+        each shard's part with `saw` and asks a failed part's shard with `ask`, which refreshes
+        the map as it needs)."""
+        return await request(
+            self.nc, self._subject(verb, instance), message, m.reply_decoder, timeout_s, headers=headers
+        )
 
     def _saw(self, shard: int, reply: object) -> None:
         epoch = getattr(reply, "epoch", 0)

@@ -9,7 +9,9 @@ every shard core here (each keeps the segment table it places on); registrations
 the durable segment registry first. `shard_map` (every instance, no queue group) answers with
 the shards led here; a tenant's only into its own inbox, only when it has a grant here, and at
 most `SHARD_MAP_TENANT_PER_S` times a second (burst as many): a tenant flooding it gets no
-answer (its router retries later), counted in `shard_map_rate_limited`.
+answer (its router retries later), counted in `shard_map_rate_limited`. `lookup_many` carries one
+prefix's lookups for several shards led here: each part runs exactly as that shard's `lookup`
+(authorized, charged, leased, fenced by its epoch), and fails on its own.
 
 Shards come and go with leadership (`kvfabric.directory.leader`): `start_shard` rebuilds the
 shard's index from the segments' reports (only keys of that shard) under the new epoch before it
@@ -47,7 +49,7 @@ from kvfabric.core.directory import DirectoryConfig, DirectoryCore
 from kvfabric.directory.handlers import VERBS, DirectoryShell, now_ms
 from kvfabric.directory.leader import SegmentRegistry
 from kvfabric.directory.rebuild import gather_holdings
-from kvfabric.format.errors import BadRequest, Unauthorized, Unavailable, WrongShard
+from kvfabric.format.errors import BadRequest, BatchTooLarge, KvfError, Unauthorized, Unavailable, WrongShard
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.shards import shard_of
@@ -67,6 +69,7 @@ __all__ = ["BROADCAST_VERBS", "ShardHost", "shard_of_request"]
 
 BROADCAST_VERBS: Final = frozenset({"register", "heartbeat"})
 SHARD_MAP_VERB: Final = "shard_map"
+LOOKUP_MANY_VERB: Final = "lookup_many"  # one prefix's lookups for every shard led here
 SETTLE_S: Final = 0.3
 # Per shard, between rebuilds for a missing segment: 10 s, doubling up to 5 min (reset after
 # 5 quiet minutes), so a segment that heartbeats but never answers a report in time can't keep
@@ -135,6 +138,24 @@ def shard_of_request(message: msgspec.Struct, shards: int) -> int:
     return found.pop()
 
 
+def check_lookup_many(message: m.LookupMany) -> None:
+    """The bounds of a `LookupMany` (before any part runs): `batch_too_large`, `bad_request`."""
+    groups = sum(len(part.groups) for part in message.parts)
+    if len(message.parts) > m.LOOKUP_MANY_PARTS_MAX or groups > m.LOOKUP_BATCH_GROUPS_MAX:
+        raise BatchTooLarge(
+            "lookup_many is over its limits",
+            parts=len(message.parts),
+            parts_max=m.LOOKUP_MANY_PARTS_MAX,
+            groups=groups,
+            groups_max=m.LOOKUP_BATCH_GROUPS_MAX,
+        )
+    shards = [part.shard for part in message.parts]
+    if len(set(shards)) != len(shards):
+        raise BadRequest("lookup_many names a shard twice")
+    if any(not part.groups for part in message.parts):
+        raise BadRequest("a lookup part names no group")
+
+
 class ShardHost:
     """The shards one instance leads, and its endpoints. See the module docstring."""
 
@@ -196,6 +217,13 @@ class ShardHost:
                 instance=self.instance_id,
                 gives_back=verb in GIVEBACK_VERBS,
             )
+        runtime.add_endpoint(LOOKUP_MANY_VERB, self._lookup_many_endpoint(), instance=self.instance_id)
+        runtime.add_tenant_endpoint(
+            LOOKUP_MANY_VERB,
+            self._lookup_many_tenant_endpoint(),
+            reply_min_ms=self.lookup_reply_min_ms,
+            instance=self.instance_id,
+        )
 
     def _decode(self, data: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
         message = m.request_decoder.decode(data)
@@ -228,6 +256,52 @@ class ShardHost:
             return await self._shell(message).handle_tenant(message, verb, grant)
 
         return handle
+
+    def _lookup_many_endpoint(self) -> Handler:
+        async def handle(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+            message = self._decode(data, m.LookupMany)
+            return await self.lookup_many(message, None)  # type: ignore[arg-type]
+
+        return handle
+
+    def _lookup_many_tenant_endpoint(self) -> TenantHandler:
+        async def handle(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
+            grant = self.grants.get(tenant)
+            if grant is None:
+                raise Unauthorized(f"tenant {tenant!r} has no share domains here")
+            message = self._decode(data, m.LookupMany)
+            return await self.lookup_many(message, grant)  # type: ignore[arg-type]
+
+        return handle
+
+    async def lookup_many(self, message: m.LookupMany, grant: authz.TenantGrant | None) -> m.LookupManyReply:
+        """Each part exactly as the `Lookup` of its shard (authorized and charged per shard for a
+        tenant), one after another on this loop; a part's failure is its own (`LookupPartReply`)."""
+        check_lookup_many(message)
+        replies: list[m.LookupPartReply] = []
+        for part in message.parts:
+            lookup = m.Lookup(
+                holder_id=message.holder_id,
+                groups=part.groups,
+                members=message.members,
+                lease_ttl_ms=message.lease_ttl_ms,
+                epoch=part.epoch,
+            )
+            try:
+                if shard_of_request(lookup, self.shards) != part.shard:
+                    raise BadRequest("a lookup part must name groups of its own shard", shard=part.shard)
+                shell = self._shell(lookup)
+                if grant is None:
+                    reply = await shell.handle(lookup)
+                else:
+                    reply = await shell.handle_tenant(lookup, "lookup", grant)
+            except KvfError as err:
+                replies.append(m.LookupPartReply(shard=part.shard, error=err.code, message=err.message))
+                continue
+            if not isinstance(reply, m.LookupReply):
+                raise Unavailable(f"unexpected lookup reply {type(reply).__name__}")
+            replies.append(m.LookupPartReply(shard=part.shard, reply=reply))
+        return m.LookupManyReply(parts=replies)
 
     async def _broadcast(self, message: msgspec.Struct) -> msgspec.Struct:
         """A segment's registration or heartbeat: every shard core here sees it."""
