@@ -30,11 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias, TypeVar
 
-import nats
-import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from kvfabric.client.busy import retry_busy
+from kvfabric.client.connect import open_nats
 from kvfabric.client.hits import Hit, LoadResult, SaveResult
 from kvfabric.client.lookups import lookup_by_instance
 from kvfabric.client.metrics import ClientMetrics
@@ -203,20 +202,10 @@ class AsyncKvClient:
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect to NATS. Raises `Unavailable` when the server cannot be reached."""
-        try:
-            self.nc = await nats.connect(
-                self.settings.nats_url,
-                **self.settings.nats_auth().connect_options(),
-                connect_timeout=self.settings.connect_timeout_ms / 1000,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                name=self.settings.holder_id,
-                allow_reconnect=True,
-            )
-        except (TimeoutError, OSError, nats.errors.Error) as exc:
-            raise Unavailable(f"cannot connect to NATS at {self.settings.nats_url}: {exc!r}") from None
-        self.router = DirectoryRouter(self.nc, tenant=self.settings.nats_tenant)
+        """Connect to NATS and check access, within `connect_timeout_ms` (`kvfabric.client.connect`):
+        `BadRequest` for a setting the client cannot use, `Unauthorized` when NATS refuses it,
+        `Unavailable` when no server listens, `Indeterminate` when none answers in time."""
+        self.nc, self.router = await open_nats(self.settings)
         if self.settings.metrics_port >= 0:
             self.metrics.serve(self.settings.metrics_port)
 

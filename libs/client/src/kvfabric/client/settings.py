@@ -138,7 +138,10 @@ def settings_from_env(environ: Mapping[str, str] | None = None, **overrides: obj
         if raw is None:
             continue
         if field.type is int:
-            values[field.name] = int(raw)
+            try:
+                values[field.name] = int(raw)
+            except ValueError:
+                raise BadRequest(f"{ENV_PREFIX}{field.name.upper()} is not an integer: {raw!r}") from None
         elif field.type is bool:
             values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
         else:

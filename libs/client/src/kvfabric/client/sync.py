@@ -4,17 +4,25 @@
 is bounded: lookups by `lookup_timeout_ms`, loads by `load_timeout_ms` (plus a grace for the
 loop), so an engine thread never hangs on the cluster. `save_async` never blocks: it copies
 nothing, checks admission, and hands the save to the loop (the caller gives up its buffers).
-If the cluster cannot be reached at start, the client runs *disabled*: every lookup is a miss
-(cause "closed"), every save is dropped, and the engine simply recomputes.
+If the client cannot start, it runs *disabled*: every lookup is a miss (cause "closed"), every
+save is dropped, and the engine simply recomputes. Why is its `status` (and the fallback counted
+once by cause, and logged in one line, no traceback): a setting it cannot use (`config_error`:
+an unreadable password file, a bad URL), NATS refusing it (`auth_refused`: wrong credentials, a
+tenant NATS does not know), or a cluster down (`nats_unreachable`) or not answering
+(`nats_timeout`) at start. Starting takes at most `connect_timeout_ms` (`kvfabric.client.connect`);
+with `background_start` the constructor returns at once and lookups miss (cause "starting")
+until it is done (an engine's start-up then never waits for the cluster).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
 
 from kvfabric.client.aio import AsyncKvClient, Destination, EngineSpec, Source
 from kvfabric.client.hits import Hit, LoadResult, SaveResult
@@ -23,24 +31,116 @@ from kvfabric.client.settings import ClientSettings
 from kvfabric.client.threads import thread_placement
 from kvfabric.core.client_loads import DestId
 from kvfabric.dataplane.scatter import WriteGate
-from kvfabric.format.errors import Unavailable
+from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, Unauthorized, Unavailable
 from kvfabric.format.key import ChunkExtras, TokenIds
 
-__all__ = ["KvClient"]
+__all__ = ["ClientStatus", "KvClient", "start_cause"]
+
+log = logging.getLogger("kvfabric.client")
 
 T = TypeVar("T")
 _GRACE_S = 5.0  # beyond a call's own timeout: the loop thread is late only if the process is stuck
+
+# `status.state` values
+STARTING: Final = "starting"
+ENABLED: Final = "enabled"
+DISABLED: Final = "disabled"
+# Fallback causes of a client that could not start (`kvfabric_client_fallbacks_total`, once each)
+CONFIG_ERROR: Final = "config_error"
+AUTH_REFUSED: Final = "auth_refused"
+NATS_UNREACHABLE: Final = "nats_unreachable"
+NATS_TIMEOUT: Final = "nats_timeout"
+CLIENT_ERROR: Final = "client_error"  # anything else: a bug, logged with its traceback
+_OPERATOR_CAUSES: Final = (CONFIG_ERROR, AUTH_REFUSED)  # logged as errors: someone must act
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStatus:
+    """Whether the client serves (`state`: starting, enabled, disabled); when disabled, why:
+    `cause` (a fallback cause) and `detail` (the one line logged)."""
+
+    state: str
+    cause: str = ""
+    detail: str = ""
+
+
+def start_cause(exc: BaseException) -> str:
+    """The fallback cause of a start that raised `exc` (pure)."""
+    if isinstance(exc, BadRequest):
+        return CONFIG_ERROR
+    if isinstance(exc, Unauthorized):
+        return AUTH_REFUSED
+    if isinstance(exc, Unavailable):
+        return NATS_UNREACHABLE
+    if isinstance(exc, Indeterminate | TimeoutError | concurrent.futures.TimeoutError):
+        return NATS_TIMEOUT
+    if isinstance(exc, OSError):  # the metrics port, say
+        return CONFIG_ERROR
+    return CLIENT_ERROR
 
 
 class KvClient:
     """Thread-safe blocking client; one per engine process (or worker)."""
 
     def __init__(
-        self, settings: ClientSettings, spec: EngineSpec, *, metrics: ClientMetrics | None = None
+        self,
+        settings: ClientSettings,
+        spec: EngineSpec,
+        *,
+        metrics: ClientMetrics | None = None,
+        background_start: bool = False,
+        failure_log_level: int | None = None,
+    ) -> None:
+        """Start the client: wait for it (at most `connect_timeout_ms`), or with
+        `background_start` return at once. Never raises for a cache that cannot start: the
+        client is disabled, its `status` says why, one line is logged at `failure_log_level`
+        (default: ERROR for a setting or a refusal someone must fix, WARNING for a cluster
+        that is down or silent)."""
+        self._setup(settings, spec, metrics, failure_log_level)
+        starting = self._submit(self.aio.start())
+        self._starting: concurrent.futures.Future[None] | None = starting
+        if background_start:
+            starting.add_done_callback(self._started)
+            return
+        done, _ = concurrent.futures.wait([starting], settings.connect_timeout_ms / 1000 + _GRACE_S)
+        if not done:  # the loop thread is stuck: the start bounds itself by connect_timeout_ms
+            self._closing = True  # no second line from the cancelled start
+            self._loop.call_soon_threadsafe(starting.cancel)
+            self._disable(NATS_TIMEOUT, f"start not done within {settings.connect_timeout_ms} ms")
+            return
+        self._started(starting)
+
+    @classmethod
+    def disabled(
+        cls,
+        spec: EngineSpec,
+        cause: str,
+        detail: str,
+        *,
+        settings: ClientSettings | None = None,
+        failure_log_level: int | None = None,
+    ) -> KvClient:
+        """A client that never starts (e.g. an engine whose cache settings cannot be read):
+        misses and dropped saves, `status` disabled with `cause`; `detail` is logged once."""
+        client = cls.__new__(cls)
+        client._setup(settings or ClientSettings(nats_url=""), spec, None, failure_log_level)
+        client._starting = None
+        client._disable(cause, detail)
+        return client
+
+    def _setup(
+        self,
+        settings: ClientSettings,
+        spec: EngineSpec,
+        metrics: ClientMetrics | None,
+        failure_log_level: int | None,
     ) -> None:
         self.settings = settings
         self.aio = AsyncKvClient(settings, spec, metrics=metrics)
         self.metrics = self.aio.metrics
+        self.status = ClientStatus(STARTING)
+        self._failure_log_level = failure_log_level
+        self._closing = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._run_loop,
@@ -49,13 +149,47 @@ class KvClient:
             daemon=True,
         )
         self._thread.start()
-        self.enabled = True
         self._releases: set[concurrent.futures.Future[None]] = set()  # releases not yet answered
-        try:
-            self._call(self.aio.start(), settings.connect_timeout_ms / 1000)
-        except (Unavailable, TimeoutError, concurrent.futures.TimeoutError):
-            self.enabled = False
-            self.metrics.fallbacks.labels("directory_unavailable").inc()
+
+    @property
+    def enabled(self) -> bool:
+        return self.status.state == ENABLED
+
+    def _started(self, starting: concurrent.futures.Future[None]) -> None:
+        """The start ended (on the loop thread with `background_start`)."""
+        if self._closing or starting.cancelled():
+            return  # closed before the start ended
+        exc = starting.exception()
+        if exc is None:
+            self.status = ClientStatus(ENABLED)
+            return
+        cause = start_cause(exc)
+        detail = exc.message if isinstance(exc, KvfError) else f"{type(exc).__name__}: {exc}"
+        self._disable(cause, detail, exc if cause == CLIENT_ERROR else None)
+
+    def _disable(self, cause: str, detail: str, bug: BaseException | None = None) -> None:
+        self.status = ClientStatus(DISABLED, cause, detail)
+        self.metrics.fallbacks.labels(cause).inc()
+        level = self._failure_log_level
+        if level is None:
+            level = logging.ERROR if cause in (*_OPERATOR_CAUSES, CLIENT_ERROR) else logging.WARNING
+        log.log(
+            level,
+            "kvfabric client disabled (%s): %s; the engine runs without the KV cache (recomputes)",
+            cause,
+            detail,
+            exc_info=bug,  # a traceback only for what no one expected
+        )
+        if self.settings.metrics_port >= 0 and self.aio.nc is None:  # the cause stays visible
+            try:
+                self.metrics.serve(self.settings.metrics_port)
+            except OSError as exc:
+                log.log(
+                    level,
+                    "kvfabric client: cannot serve metrics on port %d: %s",
+                    self.settings.metrics_port,
+                    exc,
+                )
 
     def _run_loop(self, place: Callable[[], None]) -> None:
         place()  # settings.thread_cpus
@@ -81,7 +215,7 @@ class KvClient:
         trace_id: str | None = None,
     ) -> Hit:
         if not self.enabled:
-            return self.aio._fallback(Hit(0, self.aio.spec.layout.tokens_per_chunk, (), ()), "closed")
+            return self._off_hit()
         return self._call(
             self.aio.lookup(tokens, max_tokens=max_tokens, extras=extras, trace_id=trace_id),
             self.settings.lookup_timeout_ms / 1000,
@@ -99,9 +233,7 @@ class KvClient:
         with `cause` on failure). For schedulers that must not block on the cluster."""
         if not self.enabled:
             done: concurrent.futures.Future[Hit] = concurrent.futures.Future()
-            done.set_result(
-                self.aio._fallback(Hit(0, self.aio.spec.layout.tokens_per_chunk, (), ()), "closed")
-            )
+            done.set_result(self._off_hit())
             return done
         return self._submit(self.aio.lookup(tokens, max_tokens=max_tokens, extras=extras, trace_id=trace_id))
 
@@ -143,7 +275,7 @@ class KvClient:
     ) -> concurrent.futures.Future[SaveResult] | None:
         """Start a save and return at once (None when it was dropped: disabled or over limits)."""
         if not self.enabled:
-            self.metrics.saves_dropped.labels("closed").inc()
+            self.metrics.saves_dropped.labels(self._off_cause()).inc()
             return None
         return self._submit(
             self.aio.save(tokens, objects, first_chunk=first_chunk, extras=extras, trace_id=trace_id)
@@ -165,9 +297,20 @@ class KvClient:
             self._releases.add(future)
             future.add_done_callback(self._releases.discard)
 
+    def _off_cause(self) -> str:
+        return STARTING if self.status.state == STARTING else "closed"
+
+    def _off_hit(self) -> Hit:
+        return self.aio._fallback(Hit(0, self.aio.spec.layout.tokens_per_chunk, (), ()), self._off_cause())
+
     def close(self) -> None:
         if self._loop.is_closed():
             return
+        if self._starting is not None and not self._starting.done():  # a background start
+            self._closing = True
+            self._loop.call_soon_threadsafe(self._starting.cancel)
+            concurrent.futures.wait([self._starting], timeout=_GRACE_S)
+            self.status = ClientStatus(DISABLED, "closed", "closed before it started")
         concurrent.futures.wait(list(self._releases), timeout=self.settings.lookup_timeout_ms / 1000)
         try:
             self._call(self.aio.close(), self.settings.save_timeout_ms / 1000)

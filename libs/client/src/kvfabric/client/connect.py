@@ -1,0 +1,186 @@
+"""A client's NATS connection at start: bounded, quiet, and with an error an operator can act on.
+
+`open_nats` is all of `AsyncKvClient.start`'s I/O (issue 22): an engine links the cache as an
+option, so a cache it cannot use must never stop it, stall its start-up or fill its log.
+
+- **Bounded.** Connecting, and the first access check, take at most `connect_timeout_ms` in all.
+  (nats-py's own first connect never ends while reconnects are allowed: it retries every
+  `reconnect_time_wait` for as long as the server is down or does not answer.)
+- **Quiet.** The connection's error callback keeps the errors seen while starting (the reason a
+  start failed) instead of logging each with a traceback; once started, it logs at most one line
+  per `ERROR_LOG_INTERVAL_S` (a NATS outage retries every `RETRY_WAIT_S`).
+- **Classified.** What failed decides the error, and so the client's fallback cause:
+  `BadRequest` (a setting the client cannot use: an unreadable password file or TLS file, a bad
+  URL, a host name that does not resolve), `Unauthorized` (NATS refused the credentials, or the
+  tenant's subjects: an unknown tenant; this ends the start at once, retrying cannot help),
+  `Unavailable` (no server listening), `Indeterminate` (a server that did not answer in time:
+  stopped, or a network that drops packets).
+- **Access check.** Once connected, the client asks for the directory's shard map on its own
+  subjects (at most the router's gather time, 0.25 s) and waits for the server to have seen it:
+  a tenant NATS does not know is refused those subjects (`permissions violation`). A directory
+  that does not answer is no error here (it may start later: lookups miss until it does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import time
+from typing import Final
+
+import nats.errors
+from nats.aio.client import Client as NatsClient
+
+from kvfabric.client.settings import ClientSettings
+from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, Unauthorized, Unavailable
+from kvfabric.runtime.directory_router import DirectoryRouter
+
+__all__ = ["ERROR_LOG_INTERVAL_S", "RETRY_WAIT_S", "NatsErrors", "open_nats", "start_error"]
+
+log = logging.getLogger("kvfabric.client")
+
+RETRY_WAIT_S: Final = 0.5  # between connect attempts while starting, and between reconnects
+ERROR_LOG_INTERVAL_S: Final = 30.0  # once started: at most one logged connection error per interval
+# Server answers that retrying cannot change (nats-py reports them as `nats.errors.Error`).
+_REFUSALS: Final = ("authorization violation", "permissions violation", "authentication")
+_URL_SCHEMES: Final = ("nats", "tls", "ws", "wss")
+
+
+def _refusal(exc: BaseException) -> bool:
+    return isinstance(exc, nats.errors.Error) and any(r in str(exc).lower() for r in _REFUSALS)
+
+
+def _final(exc: BaseException) -> bool:
+    """An error another attempt cannot fix: end the start at once."""
+    return _refusal(exc) or isinstance(exc, ssl.SSLError | socket.gaierror)
+
+
+class NatsErrors:
+    """The connection's `error_cb` (`on_error`). Until `started`: keeps the last error and the
+    first one another attempt cannot fix (`final`, and wakes `ended`); from then on: logs, at
+    most one line per `ERROR_LOG_INTERVAL_S`."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.last: BaseException | None = None
+        self.final: BaseException | None = None
+        self.ended = asyncio.Event()
+        self._logged_s = -ERROR_LOG_INTERVAL_S
+        self._unlogged = 0
+
+    async def on_error(self, exc: Exception) -> None:
+        if not self.started:
+            self.last = exc
+            if self.final is None and _final(exc):
+                self.final = exc
+                self.ended.set()
+            return
+        now = time.monotonic()
+        if now - self._logged_s < ERROR_LOG_INTERVAL_S:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more since the last line)" if self._unlogged else ""
+        log.warning("kvfabric client: NATS connection error: %s%s", _describe(exc), more)
+        self._logged_s, self._unlogged = now, 0
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if isinstance(exc, nats.errors.Error) else f"{type(exc).__name__}: {text}"
+
+
+def _check_url(url: str) -> None:
+    scheme, sep, rest = url.partition("://")
+    if not url.strip() or (sep and scheme not in _URL_SCHEMES) or "://" in rest:
+        raise BadRequest(
+            f"client setting nats_url {url!r} is not nats://host:port (or tls://, ws://, wss://)"
+        )
+
+
+def start_error(url: str, exc: BaseException | None, timeout_ms: int) -> BaseException:
+    """What a failed start raises (pure): `exc` is the connect's own error, else the last error
+    its callback saw, else None (no attempt ended within the time). An error of no kind known
+    here is raised as it is (a bug: the client logs its traceback)."""
+    where = f"NATS at {url}"
+    if isinstance(exc, KvfError):
+        return exc
+    if isinstance(exc, socket.gaierror):
+        return BadRequest(f"cannot resolve the host of {where} (client setting nats_url): {exc}")
+    if isinstance(exc, ssl.SSLError):
+        return BadRequest(f"TLS to {where} failed (client settings nats_tls_*): {exc}")
+    if exc is not None and _refusal(exc):
+        return Unauthorized(
+            f"{where} refused this client ({_describe(exc)}): check the user, password and tenant"
+            " (client settings nats_user, nats_password_file, nats_tenant)"
+        )
+    if isinstance(exc, nats.errors.Error) and "url" in str(exc).lower():
+        return BadRequest(f"client setting nats_url {url!r}: {exc}")
+    if isinstance(exc, OSError) and not isinstance(exc, TimeoutError):
+        return Unavailable(f"cannot connect to {where}: {_describe(exc)}")
+    if exc is None or isinstance(exc, TimeoutError | nats.errors.Error):
+        return Indeterminate(f"no answer from {where} within {timeout_ms} ms (a stopped server?)")
+    return exc
+
+
+async def open_nats(settings: ClientSettings) -> tuple[NatsClient, DirectoryRouter]:
+    """Connect and check access within `settings.connect_timeout_ms`; the connection and its
+    directory router, or raises (see the module docstring). Nothing is left open on failure."""
+    timeout_s = settings.connect_timeout_ms / 1000
+    deadline = time.monotonic() + timeout_s
+    _check_url(settings.nats_url)
+    try:
+        options = settings.nats_auth().connect_options()  # BadRequest: unreadable password file
+    except OSError as exc:  # TLS files (ssl.SSLError is an OSError)
+        raise BadRequest(
+            f"cannot load the client's NATS TLS files (client settings nats_tls_*): {exc}"
+        ) from None
+    options.update(connect_timeout=timeout_s, reconnect_time_wait=RETRY_WAIT_S)  # seconds, floats
+    errors = NatsErrors()
+    nc = NatsClient()
+    connecting = asyncio.ensure_future(
+        nc.connect(
+            settings.nats_url,
+            **options,
+            error_cb=errors.on_error,
+            max_reconnect_attempts=-1,
+            name=settings.holder_id,
+            allow_reconnect=True,
+        )
+    )
+    ended = asyncio.ensure_future(errors.ended.wait())
+    try:
+        await asyncio.wait({connecting, ended}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done() or connecting.cancelled() or connecting.exception() is not None:
+            failure = None if not connecting.done() or connecting.cancelled() else connecting.exception()
+            seen = errors.final or failure or errors.last
+            raise start_error(settings.nats_url, seen, settings.connect_timeout_ms)
+        router = DirectoryRouter(nc, tenant=settings.nats_tenant)
+        await _check_access(settings.nats_url, nc, router, errors, deadline)
+    except BaseException:
+        connecting.cancel()
+        with contextlib.suppress(BaseException):
+            await connecting
+        with contextlib.suppress(Exception):
+            await nc.close()
+        raise
+    finally:
+        ended.cancel()
+    errors.started = True
+    return nc, router
+
+
+async def _check_access(
+    url: str, nc: NatsClient, router: DirectoryRouter, errors: NatsErrors, deadline: float
+) -> None:
+    """Ask for the shard map on the client's own subjects; `Unauthorized` when NATS refused them."""
+    for step in (router.refresh, nc.flush):  # the server's -ERR comes before its PONG
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            break
+        with contextlib.suppress(asyncio.TimeoutError, KvfError, nats.errors.Error):
+            await asyncio.wait_for(step(), left_s)
+    if errors.final is not None:
+        raise start_error(url, errors.final, 0)
