@@ -7,7 +7,7 @@ messages, msgpack) and then `payload` bytes. Payload bytes are never in the meta
 |---|---|---|---|
 | PUT | `PutRequest` (the signed write ticket) | `PutReply` | request: the object's bytes |
 | GET | `GetRequest` (slots to read) | `GetReply` (per object: status + checksum) | reply: ok objects' bytes |
-| MAP | `MapRequest` | `MapReply` (arena path + size) | none |
+| MAP | `MapRequest` (a credential: refs with tokens, or a ticket) | `MapReply` (arena path + size) | none |
 | PIN_LOCAL | `GetRequest` | `LocalGrants` (offsets for a local copy; refs held) | none |
 | UNPIN_LOCAL | `UnpinLocal` | `UnpinReply` | none |
 | ERROR | (reply only) | `kvfabric.proto.common.ErrorReply` (own decoder) | none |
@@ -84,7 +84,12 @@ class GetReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.get_reply.v1",
 
 
 class MapRequest(msgspec.Struct, frozen=True, kw_only=True, tag="dp.map.v1", tag_field="t"):
-    pass
+    """The arena path goes only to token holders: on a connection that has not yet presented a
+    credential, a MAP must carry one (a read reference with its token for a replica on this
+    segment, or a write ticket for it); on an authenticated connection both may be empty."""
+
+    reads: list[ReadRef] = []
+    ticket: WriteTicket | None = None
 
 
 class MapReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.map_reply.v1", tag_field="t"):
