@@ -50,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any, Final
@@ -391,14 +391,15 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 
 @contextmanager
-def local_cluster(run: Path) -> Iterator[dict[str, Any]]:
-    """`tools/localcluster.py up` with one 4 GiB segment; `down` however the block ends."""
+def local_cluster(run: Path, extra_env: Mapping[str, str] | None = None) -> Iterator[dict[str, Any]]:
+    """`tools/localcluster.py up` with one 4 GiB segment (`extra_env` for every process, e.g. the
+    directory's shard count); `down` however the block ends."""
     tool = [sys.executable, str(REPO / "tools" / "localcluster.py")]
     up = [*tool, "up", "--run-dir", str(run), "--nats-port", "0", "--segments", "1"]
     # a segment id of its own: other clusters on this host may run a `seg-1`
     up += ["--segment-bytes", str(SEGMENT_BYTES), "--segment-prefix", f"bench-client-{secrets.token_hex(3)}"]
     # Each engine process holds two clients (remote and co-located) and the transport readers.
-    env = dict(os.environ, KVF_SEGMENT_CONNECTIONS_MAX=str(SEGMENT_CONNECTIONS_MAX))
+    env = dict(os.environ, KVF_SEGMENT_CONNECTIONS_MAX=str(SEGMENT_CONNECTIONS_MAX), **(extra_env or {}))
     try:
         proc = subprocess.run(
             up, capture_output=True, text=True, timeout=CLUSTER_TIMEOUT_S, cwd=REPO, env=env

@@ -89,6 +89,13 @@ def measure(state: dict[str, Any], calls: int) -> dict[str, dict[str, float]]:
             remote.release(hit)
 
         out["lookup + release"] = stats_ms(timed(calls, lookup_release))
+        router = remote.aio.router
+        if router is not None and router.shards > 1:
+            # As before `lookup_many`: one request per shard the prompt spans (the client asks an
+            # instance it believes has no `lookup_many` shard by shard).
+            remote.aio._lookup_many_refused.update(router.instances())
+            out["lookup + release, one request per shard"] = stats_ms(timed(calls, lookup_release))
+            remote.aio._lookup_many_refused.clear()
         for name, client in (("remote", remote), ("co-located", local)):
             hits = [client.lookup(tokens_of(s)) for s in saved]
             loads = []
@@ -137,7 +144,9 @@ def markdown(record: dict[str, Any]) -> str:
     lines = [
         f"### Client call floor ({record['date']}; {record['machine']})",
         "",
-        f"`python -m bench.client_floor --calls {record['calls']}`; load average at start / end "
+        f"`python -m bench.client_floor --calls {record['calls']}"
+        f"{' --shards ' + str(record['shards']) if record.get('shards', 1) > 1 else ''}`; "
+        f"{record.get('shards', 1)} directory shard(s), one instance; load average at start / end "
         f"{record['load_start']} / {record['load_end']}. One engine process; a prompt = 8 chunks × "
         "1 object of 4 KiB: what a call costs before its bytes do (bench.client's 256 KiB cells "
         "move 2 MiB a call on top of this).",
@@ -156,11 +165,19 @@ def main() -> int:
     )
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=0,
+        help="the directory's virtual shards (default: localcluster's 1 for one instance); with "
+        "more, lookup + release is also timed one request per shard",
+    )
     args = parser.parse_args()
+    extra_env = {"KVF_DIRECTORY_SHARDS": str(args.shards)} if args.shards else {}
     load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     with (
         tempfile.TemporaryDirectory(prefix="kvf-bench-floor-") as tmp,
-        local_cluster(Path(tmp) / "run") as state,
+        local_cluster(Path(tmp) / "run", extra_env) as state,
     ):
         calls_ms = measure(state, args.calls)
     record = {
@@ -168,6 +185,7 @@ def main() -> int:
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}",
         "calls": args.calls,
+        "shards": args.shards or 1,
         "load_start": load_start,
         "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "calls_ms": calls_ms,

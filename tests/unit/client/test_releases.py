@@ -98,7 +98,7 @@ def test_the_bound_is_client_wide() -> None:
 
     async def run() -> None:
         await asyncio.gather(
-            *(kv._release_lease(shard, lease_id) for shard, lease_id in LEASES_HELD[:100]),
+            *(kv._release_leases([(shard, lease_id)]) for shard, lease_id in LEASES_HELD[:100]),
             kv._release_leases(LEASES_HELD[100:200]),
         )
 

@@ -18,6 +18,7 @@ Verbs and their request → reply:
 | `put_abort` | `PutAbort` | `PutAbortReply` |
 | `lookup` | `Lookup` | `LookupReply` |
 | `lookup_many` | `LookupMany` | `LookupManyReply` |
+| `lease_release_many` | `LeaseReleaseMany` | `LeaseReleaseManyReply` |
 | `lease_release` / `lease_renew` | `LeaseRelease` / `LeaseRenew` | `LeaseReply` |
 | `pin` / `unpin` | `Pin` / `Unpin` | `PinReply` |
 | `evict` | `Evict` | `EvictReply` |
@@ -35,10 +36,11 @@ Keys map to `shards` virtual shards by their chain hash (`kvfabric.proto.shards.
 shard is led by one directory instance under its own epoch. Requests for a shard go to the
 leading instance's subjects `kvf.v1.directory.<verb>.<instance>` (tenants:
 `kvf.v1.directory.t.<tenant>.<verb>.<instance>`); the `epoch` in a request or reply is that
-shard's. A request must name keys of one shard only, except `lookup_many`: one prefix's lookups for every
-shard the instance leads, each part under its shard's epoch and answered (or refused) on its own
-(one round trip per instance, not per shard). `shard_map` is answered by every instance
-(standbys included) with the shards it leads; callers assemble and cache the map
+shard's. A request must name keys of one shard only, except `lookup_many` and
+`lease_release_many`: one prefix's lookups (the leases of a hit) for every shard the instance
+leads, each part under its shard's epoch and answered (or refused) on its own (one round trip
+per instance, not per shard). `shard_map` is answered by every instance (standbys included)
+with the shards it leads; callers assemble and cache the map
 (`kvfabric.runtime.directory_router`). An instance that does not lead the shard answers
 `wrong_shard`. `register`, `heartbeat` and the listings go to every instance; their replies
 cover the shards that instance leads.
@@ -46,7 +48,7 @@ cover the shards that instance leads.
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -65,6 +67,23 @@ WRITE_TTL_MS_MAX: Final = 600_000
 ACCESS_BATCH_MAX: Final = 4096  # groups per GroupsAccessed event
 LOOKUP_MANY_PARTS_MAX: Final = 1024  # shards per LookupMany (its groups together <= LOOKUP_BATCH_GROUPS_MAX)
 RELEASE_BATCH_LEASES_MAX: Final = 64  # leases per batched LeaseRelease (each ends O(its groups))
+RELEASE_MANY_LEASES_MAX: Final = 1024  # leases per LeaseReleaseMany, all parts together
+# Names a caller chooses, kept by the directory for as long as what they name (a lease, a pin, a
+# write, a cached reply): longer ones fail to decode (`bad_request`), so no caller can make the
+# directory hold megabytes per entry. Counted in characters (at most 4 bytes each in UTF-8).
+HOLDER_ID_CHARS_MAX: Final = 128
+REQUEST_ID_CHARS_MAX: Final = 128
+# The largest reply body the directory sends: NATS's default max_payload (1 MiB) less room for
+# headers. A put_begin whose reply could be larger is refused (`batch_too_large`) before anything
+# is placed, never answered with a message NATS drops.
+REPLY_BYTES_MAX: Final = (1 << 20) - (64 << 10)
+# Objects per put_begin whose reply always fits in REPLY_BYTES_MAX: 5 replicas, ids at their
+# maxima, a segment id and data address of up to ~250 characters together. Clients split by it.
+PUT_BEGIN_BATCH_OBJECTS_FIT: Final = 256
+
+HolderId = Annotated[str, msgspec.Meta(max_length=HOLDER_ID_CHARS_MAX)]
+WriterId = Annotated[str, msgspec.Meta(max_length=HOLDER_ID_CHARS_MAX)]
+RequestId = Annotated[str, msgspec.Meta(max_length=REQUEST_ID_CHARS_MAX)]
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
@@ -186,8 +205,8 @@ class HeartbeatAck(_Msg, frozen=True, kw_only=True, tag="dir.heartbeat_ack.v1"):
 
 
 class PutBegin(_Msg, frozen=True, kw_only=True, tag="dir.put_begin.v1"):
-    writer_id: str
-    request_id: str
+    writer_id: WriterId
+    request_id: RequestId
     objects: list[ObjectSpec]
     replicas: int = 0  # 0 = the namespace default
     write_ttl_ms: int = 30_000
@@ -244,8 +263,8 @@ class ConfirmReply(_Msg, frozen=True, kw_only=True, tag="dir.confirm_reply.v1"):
 
 
 class PutCommit(_Msg, frozen=True, kw_only=True, tag="dir.put_commit.v1"):
-    writer_id: str
-    request_id: str
+    writer_id: WriterId
+    request_id: RequestId
     keys: list[bytes]
     epoch: int = 0
 
@@ -269,8 +288,8 @@ class PutCommitReply(_Msg, frozen=True, kw_only=True, tag="dir.put_commit_reply.
 
 
 class PutAbort(_Msg, frozen=True, kw_only=True, tag="dir.put_abort.v1"):
-    writer_id: str
-    request_id: str
+    writer_id: WriterId
+    request_id: RequestId
     keys: list[bytes]
     epoch: int = 0
 
@@ -287,7 +306,7 @@ class Lookup(_Msg, frozen=True, kw_only=True, tag="dir.lookup.v1"):
     """The chunk groups of one prefix, in order; `members` = the (rank, stage, group) objects the
     caller needs (empty = every member). The reply folds to the longest complete run."""
 
-    holder_id: str
+    holder_id: HolderId
     groups: list[bytes]
     members: list[Member] = msgspec.field(default_factory=list)
     lease_ttl_ms: int = 30_000
@@ -316,7 +335,7 @@ class LookupMany(_Msg, frozen=True, kw_only=True, tag="dir.lookup_many.v1"):
     shard). Distinct shards; at most `LOOKUP_MANY_PARTS_MAX` parts and `LOOKUP_BATCH_GROUPS_MAX`
     groups in all."""
 
-    holder_id: str
+    holder_id: HolderId
     parts: list[LookupPart]
     members: list[Member] = msgspec.field(default_factory=list)
     lease_ttl_ms: int = 30_000
@@ -344,15 +363,46 @@ class LeaseRelease(_Msg, frozen=True, kw_only=True, tag="dir.lease_release.v1"):
     lists what it released in `LeaseReply.released`. A directory older than the batch ignores
     `lease_ids` and answers `not_found` for lease 0: the caller then releases one by one."""
 
-    holder_id: str
+    holder_id: HolderId
     lease_id: int
     epoch: int = 0
     shard: int = 0  # the shard this lease / listing belongs to (one core each)
     lease_ids: list[int] = msgspec.field(default_factory=list)
 
 
-class LeaseRenew(_Msg, frozen=True, kw_only=True, tag="dir.lease_renew.v1"):
+class ReleasePart(msgspec.Struct, frozen=True, kw_only=True):
+    """One shard's leases of a `LeaseReleaseMany` (at most `RELEASE_BATCH_LEASES_MAX`)."""
+
+    shard: int
+    lease_ids: list[int]
+    epoch: int = 0
+
+
+class LeaseReleaseMany(_Msg, frozen=True, kw_only=True, tag="dir.lease_release_many.v1"):
+    """Leases of several shards one instance leads, given back in one request: each part is
+    exactly the batched `LeaseRelease` of its shard. Distinct shards; at most
+    `RELEASE_MANY_LEASES_MAX` leases in all. Never refused for load (it only gives back)."""
+
     holder_id: str
+    parts: list[ReleasePart]
+
+
+class ReleasePartReply(msgspec.Struct, frozen=True, kw_only=True):
+    """A part's answer: the leases it released, or its shard's error (wire code)."""
+
+    shard: int
+    released: list[int] = msgspec.field(default_factory=list)
+    error: str = ""
+    message: str = ""
+
+
+class LeaseReleaseManyReply(_Msg, frozen=True, kw_only=True, tag="dir.lease_release_many_reply.v1"):
+    epoch: int = 0  # per shard: not one for the whole reply
+    parts: list[ReleasePartReply] = msgspec.field(default_factory=list)
+
+
+class LeaseRenew(_Msg, frozen=True, kw_only=True, tag="dir.lease_renew.v1"):
+    holder_id: HolderId
     lease_id: int
     lease_ttl_ms: int = 30_000
     epoch: int = 0
@@ -367,14 +417,14 @@ class LeaseReply(_Msg, frozen=True, kw_only=True, tag="dir.lease_reply.v1"):
 
 
 class Pin(_Msg, frozen=True, kw_only=True, tag="dir.pin.v1"):
-    holder_id: str
+    holder_id: HolderId
     groups: list[bytes]
     ttl_ms: int
     epoch: int = 0
 
 
 class Unpin(_Msg, frozen=True, kw_only=True, tag="dir.unpin.v1"):
-    holder_id: str
+    holder_id: HolderId
     pin_id: int
     epoch: int = 0
     shard: int = 0  # the shard this lease / listing belongs to (one core each)
@@ -435,8 +485,8 @@ class ReplicateBegin(_Msg, frozen=True, kw_only=True, tag="dir.replicate_begin.v
     prefetch, drain). The bytes come from an existing replica, segment to segment (`seg.copy`);
     the destination confirms like any write and the replica joins the published record."""
 
-    writer_id: str
-    request_id: str
+    writer_id: WriterId
+    request_id: RequestId
     key: bytes
     segment_id: str
     write_ttl_ms: int = 30_000
@@ -679,6 +729,7 @@ DirectoryRequest = (
     | Lookup
     | LookupMany
     | LeaseRelease
+    | LeaseReleaseMany
     | LeaseRenew
     | Pin
     | Unpin
@@ -703,6 +754,7 @@ DirectoryReply = (
     | LookupReply
     | LookupManyReply
     | LeaseReply
+    | LeaseReleaseManyReply
     | PinReply
     | EvictReply
     | FreedAck

@@ -87,6 +87,21 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             ]
         ),
     ),
+    "dir.lease_release_many.v1": (
+        "directory.request",
+        directory.LeaseReleaseMany(
+            holder_id="h", parts=[directory.ReleasePart(shard=2, lease_ids=[7, 8], epoch=4)]
+        ),
+    ),
+    "dir.lease_release_many_reply.v1": (
+        "directory.reply",
+        directory.LeaseReleaseManyReply(
+            parts=[
+                directory.ReleasePartReply(shard=2, released=[7]),
+                directory.ReleasePartReply(shard=5, error="wrong_shard", message="not led here"),
+            ]
+        ),
+    ),
     "dir.ev.published.v1": (
         "directory.event",
         directory.GroupPublished(group=b"g" * 32, chunk_index=5, members=2, degraded=True),

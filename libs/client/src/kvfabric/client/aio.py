@@ -35,7 +35,7 @@ from nats.aio.client import Client as NatsClient
 from kvfabric.client.busy import retry_busy
 from kvfabric.client.connect import open_nats
 from kvfabric.client.hits import Hit, LoadResult, SaveResult
-from kvfabric.client.lookups import lookup_by_instance
+from kvfabric.client.lookups import RELEASE_MANY_VERB, lookup_by_instance
 from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.releases import RELEASES_CONCURRENT_MAX, give_back
 from kvfabric.client.settings import ClientSettings
@@ -191,7 +191,8 @@ class AsyncKvClient:
         self._generations = itertools.count(1)
         self._leases: dict[tuple[int, int], int] = {}  # (shard, lease id) -> expires_ms (directory clock)
         self.router: DirectoryRouter | None = None  # the shard map; epochs per shard (fencing)
-        self._lookup_many_refused: set[str] = set()  # directory instances without `lookup_many`
+        # directory instances without `lookup_many` / `lease_release_many` (older): shard by shard
+        self._lookup_many_refused: set[str] = set()
         self._save_bytes = 0
         self._saves_running = 0
         self._tasks: set[asyncio.Task[Any]] = set()  # running saves
@@ -348,6 +349,7 @@ class AsyncKvClient:
                 granted.append((shard, reply.lease_id, reply.lease_expires_ms))
         # Leases of shards with no chunk inside the hit protect nothing: give them back now.
         leases: list[tuple[int, int]] = []
+        unused: list[tuple[int, int]] = []
         expires = 0
         for shard, lease_id, lease_expires in granted:
             if positions[shard][0] < hit_chunks:
@@ -355,12 +357,14 @@ class AsyncKvClient:
                 expires = lease_expires if not expires else min(expires, lease_expires)
             else:
                 self._leases[(shard, lease_id)] = lease_expires
-                await self._release_lease(shard, lease_id, trace_id)
+                unused.append((shard, lease_id))
         if failure is not None and hit_chunks == 0:
             for shard, lease_id in leases:
                 self._leases[(shard, lease_id)] = expires
-                await self._release_lease(shard, lease_id, trace_id)
+            await self._release_leases(unused + leases, trace_id)
             raise failure
+        if unused:
+            await self._release_leases(unused, trace_id)
         if failure is not None:
             self.metrics.fallbacks.labels("directory_shard_partial").inc()
         return hit_chunks, objects, leases, expires
@@ -372,9 +376,6 @@ class AsyncKvClient:
     async def release(self, hit: Hit) -> None:
         """Give the hit's read leases back (idempotent; a lost release expires at the directory)."""
         await self._release_leases(hit.shard_leases, hit.trace_id)
-
-    async def _release_lease(self, shard: int, lease_id: int, trace_id: str = "") -> None:
-        await self._release_leases([(shard, lease_id)], trace_id)
 
     # At most `RELEASES_CONCURRENT_MAX` release requests of this client in flight (made on first use).
     _release_gate: asyncio.Semaphore | None = None
@@ -389,6 +390,18 @@ class AsyncKvClient:
             return
         if self._release_gate is None:
             self._release_gate = asyncio.Semaphore(RELEASES_CONCURRENT_MAX)
+        router = self._router()
+
+        def instance_of(shard: int) -> str | None:
+            route = router.route(shard)
+            return route.instance if route is not None else None
+
+        async def ask_many(
+            instance: str, message: m.LeaseReleaseMany, timeout_s: float, trace_id: str
+        ) -> m.DirectoryReply:
+            headers = {TRACE_ID_HEADER: trace_id} if trace_id else None
+            return await router.ask_instance(instance, RELEASE_MANY_VERB, message, timeout_s, headers=headers)
+
         await give_back(
             self._ask_directory,
             self.settings.holder_id,
@@ -396,6 +409,9 @@ class AsyncKvClient:
             gate=self._release_gate,
             timeout_s=self.settings.lookup_timeout_ms / 1000,
             trace_id=trace_id,
+            instance_of=instance_of,
+            ask_many=ask_many,
+            refused=self._lookup_many_refused,
         )
 
     def _router(self) -> DirectoryRouter:

@@ -25,9 +25,10 @@ from kvfabric.proto import directory as m
 from kvfabric.proto.common import TRACE_ID_HEADER
 from kvfabric.runtime.directory_router import DirectoryRouter
 
-__all__ = ["LOOKUP_MANY_VERB", "ShardResult", "lookup_by_instance"]
+__all__ = ["LOOKUP_MANY_VERB", "RELEASE_MANY_VERB", "ShardResult", "lookup_by_instance"]
 
 LOOKUP_MANY_VERB: Final = "lookup_many"
+RELEASE_MANY_VERB: Final = "lease_release_many"  # the hit's leases, given back the same way
 
 ShardResult = m.DirectoryReply | BaseException  # a shard's reply, or why it has none
 

@@ -1,4 +1,5 @@
-"""Giving read leases back: batched per shard, bounded, `busy` retried with a budget (issue 20).
+"""Giving read leases back: batched per shard and per instance, bounded, `busy` retried with a
+budget (issue 20).
 
 The directory never refuses a release for load: releases run in in-flight slots of their own, a
 quarter of them per tenant (16 by default), and cost no rate token (docs/directory.md). A client
@@ -14,6 +15,11 @@ still keeps well below that share, so that a few engines of one tenant closing a
   `RELEASE_ATTEMPTS_MAX` attempts, holding the request's slot meanwhile (so the client as a whole
   slows down). Any other failure, or the budget spent, gives up: the lease expires at the
   directory after its TTL. Nothing here raises into the engine.
+- **Per instance.** With `instance_of` and `ask_many`, the batches of shards one directory
+  instance leads go to it in one `lease_release_many` (at most `RELEASE_MANY_LEASES_MAX` leases,
+  one part per shard): a hit over 8 shards of one instance costs one request, not 8. A part that
+  fails is asked again alone (its shard's request re-routes); an instance without the verb
+  (`no responders`) is put in `refused` and asked shard by shard from then on.
 - **Older directories** ignore `lease_ids` and answer `not_found` for lease 0: the batch is then
   released one lease at a time. A single lease answered `not_found` is already gone (released or
   expired): done.
@@ -26,7 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Final, TypeAlias
 
 from kvfabric.client.busy import BUSY_WAIT_MS_MAX, BUSY_WAIT_MS_MIN, retry_busy
-from kvfabric.format.errors import KvfError, NotFound
+from kvfabric.format.errors import KvfError, NotFound, Unavailable
 from kvfabric.proto import directory as m
 
 __all__ = [
@@ -35,6 +41,7 @@ __all__ = [
     "RELEASE_BUSY_WAIT_MS_MAX",
     "RELEASE_BUSY_WAIT_MS_MIN",
     "Ask",
+    "AskMany",
     "give_back",
     "release_batches",
 ]
@@ -46,6 +53,8 @@ RELEASE_BUSY_WAIT_MS_MAX: Final = BUSY_WAIT_MS_MAX  # 20, 40, 80, 160, 320 ms (+
 
 # (verb, message, timeout_s, trace_id, shard) -> reply: `AsyncKvClient._ask_directory`.
 Ask: TypeAlias = Callable[[str, m.DirectoryRequest, float, str, int], Awaitable[m.DirectoryReply]]
+# (instance, message, timeout_s, trace_id) -> reply: one `lease_release_many` to that instance.
+AskMany: TypeAlias = Callable[[str, m.LeaseReleaseMany, float, str], Awaitable[m.DirectoryReply]]
 Sleep: TypeAlias = Callable[[float], Awaitable[None]]
 
 
@@ -68,6 +77,9 @@ async def give_back(
     timeout_s: float,
     trace_id: str = "",
     sleep: Sleep = asyncio.sleep,
+    instance_of: Callable[[int], str | None] | None = None,
+    ask_many: AskMany | None = None,
+    refused: set[str] | None = None,
 ) -> int:
     """Release `leases` ((shard, lease id)) of `holder_id` (see the module docstring); `gate`
     bounds the requests in flight. Returns how many leases were not given back (they expire)."""
@@ -76,7 +88,50 @@ async def give_back(
         async with gate:
             return await _release(ask, holder_id, shard, lease_ids, timeout_s, trace_id, sleep)
 
-    return sum(await asyncio.gather(*(one(shard, ids) for shard, ids in release_batches(leases))))
+    async def many(instance: str, batches: list[tuple[int, list[int]]]) -> int:
+        assert ask_many is not None and refused is not None
+        parts = [m.ReleasePart(shard=shard, lease_ids=ids) for shard, ids in batches]
+        message = m.LeaseReleaseMany(holder_id=holder_id, parts=parts)
+        again = batches
+        async with gate:
+            try:
+                reply = await retry_busy(
+                    lambda: ask_many(instance, message, timeout_s, trace_id),
+                    attempts_max=RELEASE_ATTEMPTS_MAX,
+                    sleep=sleep,
+                )
+            except Unavailable as err:
+                if "no responders" in err.message:
+                    refused.add(instance)  # a directory without the verb: shard by shard from now on
+                reply = None
+            except KvfError:
+                return sum(len(ids) for _, ids in batches)  # e.g. a timeout: they expire
+            if isinstance(reply, m.LeaseReleaseManyReply):
+                failed = {part.shard for part in reply.parts if part.error}
+                answered = {part.shard for part in reply.parts}
+                again = [(s, ids) for s, ids in batches if s in failed or s not in answered]
+        return sum(await asyncio.gather(*(one(shard, ids) for shard, ids in again)))
+
+    alone: list[tuple[int, list[int]]] = []
+    by_instance: dict[str, list[list[tuple[int, list[int]]]]] = {}
+    for shard, ids in release_batches(leases):
+        instance = instance_of(shard) if instance_of is not None and ask_many is not None else None
+        if instance is None or refused is None or instance in refused:
+            alone.append((shard, ids))
+            continue
+        requests = by_instance.setdefault(instance, [])
+        for request in requests:  # the first request of the instance with room and no part of shard
+            room = sum(len(i) for _, i in request) + len(ids) <= m.RELEASE_MANY_LEASES_MAX
+            if room and all(s != shard for s, _ in request):
+                request.append((shard, ids))
+                break
+        else:
+            requests.append([(shard, ids)])
+    calls = [one(shard, ids) for shard, ids in alone]
+    for instance, requests in by_instance.items():
+        for request in requests:
+            calls.append(many(instance, request) if len(request) > 1 else one(*request[0]))
+    return sum(await asyncio.gather(*calls))
 
 
 async def _release(

@@ -11,7 +11,8 @@ the shards led here; a tenant's only into its own inbox, only when it has a gran
 most `SHARD_MAP_TENANT_PER_S` times a second (burst as many): a tenant flooding it gets no
 answer (its router retries later), counted in `shard_map_rate_limited`. `lookup_many` carries one
 prefix's lookups for several shards led here: each part runs exactly as that shard's `lookup`
-(authorized, charged, leased, fenced by its epoch), and fails on its own.
+(authorized, charged, leased, fenced by its epoch), and fails on its own; `lease_release_many`
+likewise gives a hit's leases back (a gives-back verb: never refused for load).
 
 Shards come and go with leadership (`kvfabric.directory.leader`): `start_shard` rebuilds the
 shard's index from the segments' reports (only keys of that shard) under the new epoch before it
@@ -70,6 +71,7 @@ __all__ = ["BROADCAST_VERBS", "ShardHost", "shard_of_request"]
 BROADCAST_VERBS: Final = frozenset({"register", "heartbeat"})
 SHARD_MAP_VERB: Final = "shard_map"
 LOOKUP_MANY_VERB: Final = "lookup_many"  # one prefix's lookups for every shard led here
+RELEASE_MANY_VERB: Final = "lease_release_many"  # one hit's leases for every shard led here
 SETTLE_S: Final = 0.3
 # Per shard, between rebuilds for a missing segment: 10 s, doubling up to 5 min (reset after
 # 5 quiet minutes), so a segment that heartbeats but never answers a report in time can't keep
@@ -80,6 +82,10 @@ MISSING_SEGMENT_DRAIN_S: Final = 1.0  # the stopped shell's queued events still 
 # A router refreshes at most every 50 ms (20/s) while failing: 50/s per tenant leaves room for
 # a few engines refreshing at once, and bounds what a flood costs this instance.
 SHARD_MAP_TENANT_PER_S: Final = 50.0
+
+
+# `lookup_many` / `release_many`: (request, the tenant's grant or None for a service) -> reply
+_Many = Callable[[msgspec.Struct, "authz.TenantGrant | None"], Awaitable[msgspec.Struct]]
 
 
 class _Bucket:
@@ -156,6 +162,25 @@ def check_lookup_many(message: m.LookupMany) -> None:
         raise BadRequest("a lookup part names no group")
 
 
+def check_release_many(message: m.LeaseReleaseMany) -> None:
+    """The bounds of a `LeaseReleaseMany` (before any part runs): `batch_too_large`, `bad_request`."""
+    leases = sum(len(part.lease_ids) for part in message.parts)
+    if leases > m.RELEASE_MANY_LEASES_MAX or any(
+        len(p.lease_ids) > m.RELEASE_BATCH_LEASES_MAX for p in message.parts
+    ):
+        raise BatchTooLarge(
+            "lease_release_many is over its limits",
+            leases=leases,
+            leases_max=m.RELEASE_MANY_LEASES_MAX,
+            part_leases_max=m.RELEASE_BATCH_LEASES_MAX,
+        )
+    shards = [part.shard for part in message.parts]
+    if len(set(shards)) != len(shards):
+        raise BadRequest("lease_release_many names a shard twice")
+    if any(not part.lease_ids for part in message.parts):
+        raise BadRequest("a release part names no lease")
+
+
 class ShardHost:
     """The shards one instance leads, and its endpoints. See the module docstring."""
 
@@ -217,13 +242,21 @@ class ShardHost:
                 instance=self.instance_id,
                 gives_back=verb in GIVEBACK_VERBS,
             )
-        runtime.add_endpoint(LOOKUP_MANY_VERB, self._lookup_many_endpoint(), instance=self.instance_id)
-        runtime.add_tenant_endpoint(
-            LOOKUP_MANY_VERB,
-            self._lookup_many_tenant_endpoint(),
-            reply_min_ms=self.lookup_reply_min_ms,
-            instance=self.instance_id,
-        )
+        # One prefix's lookups / one hit's releases for every shard led here (`lookup_many`).
+        for verb, kind, many, pad, gives_back in (
+            (LOOKUP_MANY_VERB, m.LookupMany, self.lookup_many, self.lookup_reply_min_ms, False),
+            (RELEASE_MANY_VERB, m.LeaseReleaseMany, self.release_many, 0, True),
+        ):
+            runtime.add_endpoint(
+                verb, self._many_endpoint(kind, many), instance=self.instance_id, gives_back=gives_back
+            )
+            runtime.add_tenant_endpoint(
+                verb,
+                self._many_tenant_endpoint(kind, many),
+                reply_min_ms=pad,
+                instance=self.instance_id,
+                gives_back=gives_back,
+            )
 
     def _decode(self, data: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
         message = m.request_decoder.decode(data)
@@ -257,26 +290,65 @@ class ShardHost:
 
         return handle
 
-    def _lookup_many_endpoint(self) -> Handler:
+    def _many_endpoint(self, kind: type[msgspec.Struct], many: _Many) -> Handler:
         async def handle(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-            message = self._decode(data, m.LookupMany)
-            return await self.lookup_many(message, None)  # type: ignore[arg-type]
+            return await many(self._decode(data, kind), None)
 
         return handle
 
-    def _lookup_many_tenant_endpoint(self) -> TenantHandler:
+    def _many_tenant_endpoint(self, kind: type[msgspec.Struct], many: _Many) -> TenantHandler:
         async def handle(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
             grant = self.grants.get(tenant)
             if grant is None:
                 raise Unauthorized(f"tenant {tenant!r} has no share domains here")
-            message = self._decode(data, m.LookupMany)
-            return await self.lookup_many(message, grant)  # type: ignore[arg-type]
+            return await many(self._decode(data, kind), grant)
 
         return handle
 
-    async def lookup_many(self, message: m.LookupMany, grant: authz.TenantGrant | None) -> m.LookupManyReply:
+    async def _part(
+        self, message: msgspec.Struct, verb: str, grant: authz.TenantGrant | None, shard: int
+    ) -> msgspec.Struct:
+        """One part of a multi-shard request, exactly as the single-shard request `message`."""
+        if shard_of_request(message, self.shards) != shard:
+            raise BadRequest("a part must name keys of its own shard", shard=shard)
+        shell = self._shell(message)
+        if grant is None:
+            return await shell.handle(message)
+        return await shell.handle_tenant(message, verb, grant)
+
+    async def release_many(
+        self, message: msgspec.Struct, grant: authz.TenantGrant | None
+    ) -> m.LeaseReleaseManyReply:
+        """Each part exactly as the batched `LeaseRelease` of its shard; a part's failure is its own."""
+        if not isinstance(message, m.LeaseReleaseMany):
+            raise BadRequest(f"lease_release_many takes LeaseReleaseMany, got {type(message).__name__}")
+        check_release_many(message)
+        replies: list[m.ReleasePartReply] = []
+        for part in message.parts:
+            release = m.LeaseRelease(
+                holder_id=message.holder_id,
+                lease_id=0,
+                lease_ids=part.lease_ids,
+                shard=part.shard,
+                epoch=part.epoch,
+            )
+            try:
+                reply = await self._part(release, "lease_release", grant, part.shard)
+            except KvfError as err:
+                replies.append(m.ReleasePartReply(shard=part.shard, error=err.code, message=err.message))
+                continue
+            if not isinstance(reply, m.LeaseReply):
+                raise Unavailable(f"unexpected lease_release reply {type(reply).__name__}")
+            replies.append(m.ReleasePartReply(shard=part.shard, released=reply.released))
+        return m.LeaseReleaseManyReply(parts=replies)
+
+    async def lookup_many(
+        self, message: msgspec.Struct, grant: authz.TenantGrant | None
+    ) -> m.LookupManyReply:
         """Each part exactly as the `Lookup` of its shard (authorized and charged per shard for a
         tenant), one after another on this loop; a part's failure is its own (`LookupPartReply`)."""
+        if not isinstance(message, m.LookupMany):
+            raise BadRequest(f"lookup_many takes LookupMany, got {type(message).__name__}")
         check_lookup_many(message)
         replies: list[m.LookupPartReply] = []
         for part in message.parts:
@@ -288,13 +360,7 @@ class ShardHost:
                 epoch=part.epoch,
             )
             try:
-                if shard_of_request(lookup, self.shards) != part.shard:
-                    raise BadRequest("a lookup part must name groups of its own shard", shard=part.shard)
-                shell = self._shell(lookup)
-                if grant is None:
-                    reply = await shell.handle(lookup)
-                else:
-                    reply = await shell.handle_tenant(lookup, "lookup", grant)
+                reply = await self._part(lookup, "lookup", grant, part.shard)
             except KvfError as err:
                 replies.append(m.LookupPartReply(shard=part.shard, error=err.code, message=err.message))
                 continue
