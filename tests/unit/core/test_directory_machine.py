@@ -67,11 +67,17 @@ CONFIG = DirectoryConfig(
     leases_max=6,
     pins_max=4,
     free_retry_ms=300,
+    # Per-tenant budgets (writers and readers scoped `<tenant>/<name>`): small enough to be hit.
+    tenant_pending_objects_max=5,
+    tenant_pending_capacity_fraction=0.2,
+    tenant_pin_ttl_ms_max=1_000,
+    write_ttl_ms_max=1_000,
+    free_bytes_granules=8,
 )
 TIMEOUT_MS = CONFIG.heartbeat_timeout_ms
 SEGMENTS = {"s0": ("za", "r0"), "s1": ("zb", "r0"), "s2": ("za", "r1")}  # id -> (zone, rack)
-WRITERS = ("w0", "w1", "w2")
-READERS = ("r0", "r1")
+WRITERS = ("a/w0", "a/w1", "b/w2")  # tenant a's two writers share its budgets
+READERS = ("a/r0", "r1")  # a tenant's pins are shortened to tenant_pin_ttl_ms_max
 SIZES = (100, 200, 300)
 CAPACITIES = (1_000, 3_000)
 WRITE_TTLS_MS = (100, 400, 3_000)
@@ -794,7 +800,9 @@ class DirectoryMachine(RuleBasedStateMachine):
             epoch=self.epoch(),
         )
         pending = sum(len(members) for members in self.building.values())
-        if pending + len(keys) > CONFIG.pending_objects_max:
+        if pending + len(keys) > CONFIG.pending_objects_max or self.over_tenant_budget(
+            writer, keys, size, replicas or CONFIG.replicas_default
+        ):
             before = self.snapshot()
             self.expect_error(req, Busy)
             assert self.snapshot() == before
@@ -804,7 +812,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         assert isinstance(reply, m.PutBeginReply)
         assert reply.epoch == EPOCH
         assert len(reply.results) == len(keys)
-        deadline = self.now + ttl
+        deadline = self.now + min(ttl, CONFIG.write_ttl_ms_max)  # a longer write lease is shortened
         for k, res in zip(keys, reply.results, strict=True):
             assert res.key == k
             meta = META[k]
@@ -822,7 +830,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                     assert [t.ticket_id for t in res.tickets] == list(held.placements)
                 continue
             candidates = [
-                Candidate(sid, SEGMENTS[sid][0], SEGMENTS[sid][1], sid, s.capacity_bytes - self.reserved(sid))
+                Candidate(sid, SEGMENTS[sid][0], SEGMENTS[sid][1], sid, self.free_seen(sid))
                 for sid, s in self.segs.items()
                 if s.up and not s.draining
             ]
@@ -857,6 +865,37 @@ class DirectoryMachine(RuleBasedStateMachine):
             self.begun[writer].append(k)
         self.take_effects(out.effects)
         self.begin_log[writer].append((req, reply))
+
+    def free_seen(self, sid: str) -> int:
+        """A segment's free bytes as placement sees them: in whole grains of its capacity."""
+        seg = self.segs[sid]
+        grain = seg.capacity_bytes // CONFIG.free_bytes_granules
+        return (seg.capacity_bytes - self.reserved(sid)) // grain * grain
+
+    def over_tenant_budget(self, writer: str, keys: list[bytes], size: int, replicas: int) -> bool:
+        """Whether the keys this put_begin would newly begin take its writer's tenant over its
+        budgets: members being written, and their bytes (size × replicas asked, an upper bound)
+        against a fraction of the live segments' capacity."""
+        scope = writer.partition("/")[0]
+        new = {
+            (META[k].gid, META[k].member)
+            for k in keys
+            if META[k].gid not in self.published
+            and META[k].gid not in self.evicting()
+            and META[k].member not in self.building.get(META[k].gid, {})
+        }
+        mine = [
+            w
+            for members in self.building.values()
+            for w in members.values()
+            if w.writer.startswith(scope + "/")
+        ]
+        capacity = sum(s.capacity_bytes for s in self.segs.values() if s.up)
+        held = sum(w.size * len(w.placements) for w in mine)
+        return bool(new) and (
+            len(mine) + len(new) > CONFIG.tenant_pending_objects_max
+            or held + len(new) * size * replicas > int(capacity * CONFIG.tenant_pending_capacity_fraction)
+        )
 
     def confirm_ticket(self, t: m.WriteTicket, how: str) -> None:
         """The ticket's segment stores the bytes in a fresh slot and confirms; on `unknown_ticket` or
@@ -1097,6 +1136,8 @@ class DirectoryMachine(RuleBasedStateMachine):
             return
         reply = self.handle(req)
         assert isinstance(reply, m.PinReply)
+        if "/" in holder:  # a tenant's pin: shortened to the tenant maximum
+            ttl = min(ttl, CONFIG.tenant_pin_ttl_ms_max)
         assert (reply.epoch, reply.pinned_groups, reply.expires_ms) == (EPOCH, len(gids), self.now + ttl)
         assert reply.pin_id not in self.ever_leased
         slots = {

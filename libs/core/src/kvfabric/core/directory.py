@@ -98,6 +98,9 @@ Member = tuple[int, int, int]
 CHECKSUM_BYTES: Final = 16
 SLOT_MAX: Final = 2**32 - 1  # the published record packs slots as u32 ...
 GENERATION_MAX: Final = 2**64 - 1  # ... and generations as u64 (a generation starts at 1)
+_U64: Final = 2**64 - 1  # the widest integer msgpack encodes (9 bytes): reply size bounds
+_ARRAY_HEADER_BYTES: Final = 5  # msgpack array32 header: the widest a list's length takes
+_encode: Final = msgspec.msgpack.Encoder().encode
 # Replies kept for retried requests, by verb: decoded again on a retry (see `_reply_cache`).
 _REPLY_DECODERS: Final[Mapping[str, msgspec.msgpack.Decoder[Any]]] = {
     "begin": msgspec.msgpack.Decoder(m.PutBeginReply),
@@ -121,7 +124,8 @@ class DirectoryConfig:
     pending_objects_max: int = 200_000
     leases_max: int = 200_000
     pins_max: int = 10_000
-    # Bounded by the number of per-object results held, not by replies (a reply may hold 4096).
+    # Bounded by the number of per-object results held (an empty reply counts as one), not by
+    # replies (a reply may hold 4096).
     reply_cache_objects_max: int = 16_384
     free_retry_ms: int = 2_000
     sweep_batch_max: int = 10_000
@@ -136,6 +140,24 @@ class DirectoryConfig:
     # `<tenant>/<holder>` by the directory shell), so no tenant fills the shared tables.
     tenant_leases_max: int = 50_000
     tenant_pins_max: int = 2_500
+    # Per-tenant budgets of the write path (issue 21), for the same scoped writer ids: members
+    # being written (building, not yet published), and the bytes they hold reserved (size ×
+    # replicas), as a fraction of the capacity of the live segments this core places on (the
+    # service divides it by the shard count). Over either, the whole put_begin is `busy`.
+    tenant_pending_objects_max: int = 50_000
+    tenant_pending_capacity_fraction: float = 0.25
+    # A tenant's pins last at most this long (a longer request is shortened; services' pins may
+    # ask up to PIN_TTL_MS_MAX).
+    tenant_pin_ttl_ms_max: int = 3_600_000
+    # Write deadlines are granted for at most this long (a longer request is shortened): what a
+    # write needs, the client's save timeout; a dead writer's reservation lasts no longer.
+    write_ttl_ms_max: int = 30_000
+    # Placement sees a segment's free bytes rounded down to a 1/free_bytes_granules part of its
+    # capacity (0 = exact), so which objects fit tells a writer free space only to that grain.
+    free_bytes_granules: int = 64
+    # The largest encoded reply body: a put_begin whose reply could be larger is refused
+    # (`batch_too_large`) before anything is placed (NATS drops a message over max_payload).
+    reply_bytes_max: int = m.REPLY_BYTES_MAX
     # True when other shards' cores place on the same segments (a sharded directory): a
     # segment's free space is then its capacity minus the larger of this core's reservations
     # and the usage the segment reports (all shards'; a heartbeat old).
@@ -282,6 +304,9 @@ class DirectoryCore:
         self._reply_cache_objects = 0
         self._ids = itertools.count(1)
         self.pending_objects = 0
+        # tenant scope of the writer id -> its building members / the bytes they hold reserved
+        self._scope_pending_objects: dict[str, int] = {}
+        self._scope_pending_bytes: dict[str, int] = {}
         self.counters: dict[str, int] = {}
         # Lookup hits since the last GroupsAccessed event (≤ ACCESS_BATCH_MAX groups).
         self._hits: dict[bytes, int] = {}
@@ -347,6 +372,19 @@ class DirectoryCore:
             seg.reserved_bytes -= size_bytes
             invariant(seg.reserved_bytes >= 0, "negative reservation", segment=seg.segment_id)
 
+    def _pending_add(self, writer_id: str, objects: int, nbytes: int) -> None:
+        """Adjust what a tenant's writer holds in building members (negative: given back)."""
+        scope = _scope_of(writer_id)
+        if scope is None:
+            return
+        for table, n in ((self._scope_pending_objects, objects), (self._scope_pending_bytes, nbytes)):
+            left = table.get(scope, 0) + n
+            invariant(left >= 0, "negative tenant pending count", scope=scope)
+            if left:
+                table[scope] = left
+            else:
+                table.pop(scope, None)
+
     def _free_slot(
         self,
         placement: int,
@@ -386,6 +424,7 @@ class DirectoryCore:
         self, verb: str, writer_id: str, request_id: str, reply: msgspec.Struct, n_objects: int
     ) -> None:
         invariant(verb in _REPLY_DECODERS, "no decoder for cached replies of this verb", verb=verb)
+        n_objects = max(1, n_objects)  # an empty reply is an entry too: counted, so entries are bounded
         old = self._reply_cache.pop((verb, writer_id, request_id), None)
         self._reply_cache_objects += n_objects - (old[1] if old else 0)
         self._reply_cache[(verb, writer_id, request_id)] = (msgspec.msgpack.encode(reply), n_objects)
@@ -513,6 +552,7 @@ class DirectoryCore:
                     pm.placements.remove(p)
                     self._tickets.pop(p.ticket_id, None)
                 self.quotas.add(tenant_of(group.info.namespace), -pm.size_bytes * len(dead))
+                self._pending_add(pm.writer_id, 0, -pm.size_bytes * len(dead))
                 if dead and pm.committed and not pm.placements:
                     self._drop_member(gid, group, member, effects)
 
@@ -537,13 +577,15 @@ class DirectoryCore:
             known = seen.setdefault(info.group.group_id, building.info if building else info.group)
             if known != info.group:
                 raise BadRequest("key conflicts with the identity of its chain hash's chunk group")
+        self._check_reply_fits(req, replicas)
+        # Before the rate charge: a refused request did not run, and a writer backing off and
+        # asking again (kvfabric.client.busy) must not spend the tenant's tokens each time.
+        self._check_tenant_pending(req, infos, replicas)
         if self.pending_objects + len(infos) > self.config.pending_objects_max:
-            # Before the rate charge: a refused request did not run, and a writer backing off and
-            # asking again (kvfabric.client.busy) must not spend the tenant's tokens each time.
             self._count("busy_pending_total")
             raise Busy("too many objects being written; retry later", limit=self.config.pending_objects_max)
         self._check_rate((spec.key for spec in req.objects), now_ms)
-        deadline = now_ms + req.write_ttl_ms
+        deadline = now_ms + min(req.write_ttl_ms, self.config.write_ttl_ms_max)
         results = [
             self._begin_one(req.writer_id, spec, info, replicas, deadline)
             for spec, info in zip(req.objects, infos, strict=True)
@@ -551,6 +593,70 @@ class DirectoryCore:
         reply = m.PutBeginReply(epoch=self.epoch, results=results)
         self._remember("begin", req.writer_id, req.request_id, reply, len(results))
         return Outcome(reply)
+
+    def _check_tenant_pending(self, req: m.PutBegin, infos: Sequence[KeyInfo], replicas: int) -> None:
+        """A tenant's writes in progress stay within its budgets (`tenant_pending_*`): the
+        members this request would newly begin, and their bytes at `replicas` each (an upper
+        bound: fewer may fit), or the whole request is `busy` and nothing is placed."""
+        scope = _scope_of(req.writer_id)
+        if scope is None:
+            return
+        new: dict[tuple[bytes, Member], int] = {}
+        for spec, info in zip(req.objects, infos, strict=True):
+            gid = info.group.group_id
+            if gid in self.published or gid in self.evicting:
+                continue
+            group = self.building.get(gid)
+            if group is None or info.member not in group.members:
+                new[(gid, info.member)] = spec.size_bytes
+        if not new:
+            return
+        objects_max = self.config.tenant_pending_objects_max
+        if self._scope_pending_objects.get(scope, 0) + len(new) > objects_max:
+            self._count("busy_tenant_pending_objects_total")
+            raise Busy("this tenant has its share of objects being written; retry later", limit=objects_max)
+        capacity = sum(s.capacity_bytes for s in self.segments.values() if s.up)
+        bytes_max = int(capacity * self.config.tenant_pending_capacity_fraction)
+        if self._scope_pending_bytes.get(scope, 0) + sum(new.values()) * replicas > bytes_max:
+            self._count("busy_tenant_pending_bytes_total")
+            raise Busy("this tenant has its share of bytes being written; retry later")
+
+    def _check_reply_fits(self, req: m.PutBegin, replicas: int) -> None:
+        """Refuse (`batch_too_large`, nothing placed) a put_begin whose reply could exceed
+        `reply_bytes_max`: every object placed with `replicas` tickets naming the longest segment
+        id and data address there is, every integer at its widest."""
+        if not req.objects:
+            return
+        segments = [s for s in self.segments.values() if s.up and not s.draining]
+        key_bytes = max(len(spec.key) for spec in req.objects)
+        ticket = sign_ticket(
+            m.WriteTicket(
+                ticket_id=_U64,
+                key=bytes(key_bytes),
+                segment_id=max((s.segment_id for s in segments), key=len, default=""),
+                incarnation=_U64,
+                size_bytes=_U64,
+                checksum=bytes(CHECKSUM_BYTES),
+                writer_id=req.writer_id,
+                deadline_ms=_U64,
+                epoch=_U64,
+                data_addr=max((s.data_addr for s in segments), key=len, default=""),
+                shard=_U64,
+            ),
+            self.config.ticket_secret,
+        )
+        result = m.BeginResult(key=bytes(key_bytes), status="quota_exceeded", deadline_ms=_U64)
+        per_object = len(_encode(result)) + _ARRAY_HEADER_BYTES + replicas * len(_encode(ticket))
+        envelope = len(_encode(m.PutBeginReply(epoch=_U64, results=[]))) + _ARRAY_HEADER_BYTES
+        fits = max(0, (self.config.reply_bytes_max - envelope) // per_object)
+        if len(req.objects) > fits:
+            self._count("put_begin_reply_too_large_total")
+            raise BatchTooLarge(
+                f"put_begin objects: a reply for {len(req.objects)} objects could exceed "
+                f"{self.config.reply_bytes_max} bytes; send at most {fits} a request",
+                n=len(req.objects),
+                limit=fits,
+            )
 
     def _validate_spec(self, spec: m.ObjectSpec) -> KeyInfo:
         info = parse_key(spec.key)
@@ -601,6 +707,7 @@ class DirectoryCore:
         )
         group.members[info.member] = held
         self.pending_objects += 1
+        self._pending_add(writer_id, 1, spec.size_bytes * len(placements))
         heapq.heappush(self._deadline_heap, (deadline, gid))
         return m.BeginResult(
             key=spec.key, status="placed", tickets=self._tickets_of(held), deadline_ms=deadline
@@ -608,18 +715,19 @@ class DirectoryCore:
 
     def _candidates(self) -> list[Candidate]:
         shared = self.config.segments_shared
-        return [
-            Candidate(
-                s.segment_id,
-                s.domain.zone,
-                s.domain.rack,
-                s.domain.host,
-                s.capacity_bytes
-                - (max(s.reserved_bytes, s.reported_used_bytes) if shared else s.reserved_bytes),
+        granules = self.config.free_bytes_granules
+        out = []
+        for s in self.segments.values():
+            if not s.up or s.draining:
+                continue
+            free = s.capacity_bytes - (
+                max(s.reserved_bytes, s.reported_used_bytes) if shared else s.reserved_bytes
             )
-            for s in self.segments.values()
-            if s.up and not s.draining
-        ]
+            if granules:  # coarse: what fits must not tell a writer the exact free space
+                grain = max(1, s.capacity_bytes // granules)
+                free = free // grain * grain
+            out.append(Candidate(s.segment_id, s.domain.zone, s.domain.rack, s.domain.host, free))
+        return out
 
     def _tickets_of(self, held: _PendingMember) -> list[m.WriteTicket]:
         tickets = []
@@ -726,6 +834,7 @@ class DirectoryCore:
             if not p.confirmed:  # an unconfirmed ticket dies: a late confirm will be refused
                 self._tickets.pop(p.ticket_id, None)
                 self._release_reservation(p.placement, held.size_bytes, tenant_of(key))
+        self._pending_add(writer_id, 0, -held.size_bytes * (len(held.placements) - len(confirmed)))
         held.placements = confirmed
         held.committed = True
         n = len(confirmed)
@@ -750,6 +859,7 @@ class DirectoryCore:
             degraded |= len(pm.placements) < pm.replicas_target
             replicas = tuple(ReplicaRecord(p.placement, p.slot, p.slot_generation) for p in pm.placements)
             members.append(MemberRecord(*member, pm.size_bytes, pm.checksum, replicas))
+            self._pending_add(pm.writer_id, -1, -pm.size_bytes * len(pm.placements))
             for p in pm.placements:
                 del self._tickets[p.ticket_id]
         group = PublishedGroup(
@@ -795,6 +905,7 @@ class DirectoryCore:
         """Reclaim one member of a building group: free confirmed slots, release the rest."""
         held = group.members.pop(member)
         self.pending_objects -= 1
+        self._pending_add(held.writer_id, -1, -held.size_bytes * len(held.placements))
         tenant = tenant_of(held.key)
         self.quotas.add(tenant, 0, -1)
         for p in held.placements:
@@ -1051,7 +1162,10 @@ class DirectoryCore:
         gids = tuple(g.group_id for g in parsed if self._published_as(g) is not None)
         if not gids:  # nothing to protect: no pin is held (an empty pin would only fill the table)
             return Outcome(m.PinReply(epoch=self.epoch, pin_id=0, pinned_groups=0, expires_ms=0))
-        pin_id, expires = self._grant(req.holder_id, gids, now_ms + req.ttl_ms, is_pin=True)
+        ttl_ms = req.ttl_ms
+        if _scope_of(req.holder_id) is not None:  # a tenant's pin: shortened to the tenant maximum
+            ttl_ms = min(ttl_ms, self.config.tenant_pin_ttl_ms_max)
+        pin_id, expires = self._grant(req.holder_id, gids, now_ms + ttl_ms, is_pin=True)
         return Outcome(
             m.PinReply(epoch=self.epoch, pin_id=pin_id, pinned_groups=len(gids), expires_ms=expires)
         )
@@ -1667,6 +1781,16 @@ class DirectoryCore:
         invariant(
             self.pending_objects == sum(len(g.members) for g in self.building.values()), "pending drift"
         )
+        pending_objects: dict[str, int] = {}
+        pending_bytes: dict[str, int] = {}
+        for group in self.building.values():
+            for pm in group.members.values():
+                if (scope := _scope_of(pm.writer_id)) is not None:
+                    pending_objects[scope] = pending_objects.get(scope, 0) + 1
+                    if nbytes := pm.size_bytes * len(pm.placements):
+                        pending_bytes[scope] = pending_bytes.get(scope, 0) + nbytes
+        invariant(pending_objects == self._scope_pending_objects, "per-tenant pending objects drift")
+        invariant(pending_bytes == self._scope_pending_bytes, "per-tenant pending bytes drift")
         invariant(not (self.published.keys() & self.building.keys()), "group both building and published")
         outstanding: dict[bytes, int] = {}
         for _, gid, _, _ in self._freeing.values():
