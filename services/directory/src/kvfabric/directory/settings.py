@@ -18,6 +18,12 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TENANT_DEFAULT_QUOTA` | `{}` (unlimited) | JSON QUOTA of every tenant not listed |
 | `KVF_DIRECTORY_TENANTS_MAX` | 10000 | token buckets / rejection counts kept (least recently used go) |
 | `KVF_DIRECTORY_TENANT_LEASES_MAX` / `_PINS_MAX` | 50000 / 2500 | leases / pins one tenant may hold |
+| `KVF_DIRECTORY_TENANT_PIN_TTL_MS_MAX` | 3600000 | longest pin a tenant gets (a longer one is shortened) |
+| `KVF_DIRECTORY_PENDING_OBJECTS_MAX` | 200000 | objects being written (all tenants), per shard |
+| `KVF_DIRECTORY_TENANT_PENDING_OBJECTS_MAX` | 50000 | objects one tenant may be writing, per shard |
+| `KVF_DIRECTORY_TENANT_PENDING_CAPACITY_PCT` | 25 | % of capacity one tenant may hold reserved (writes) |
+| `KVF_DIRECTORY_WRITE_TTL_MS_MAX` | 30000 | longest write deadline granted (a longer one is shortened) |
+| `KVF_DIRECTORY_FREE_BYTES_GRANULES` | 64 | placement sees free space in 1/N of capacity (0 = exact) |
 | `KVF_DIRECTORY_TENANT_GRANTS` | `{}` | JSON `{"<tenant>": [DIGEST, ...]}` (see below) |
 | `KVF_DIRECTORY_TENANT_GRANTS_FILE` | unset | a file holding the GRANTS JSON (wins over the variable) |
 | `KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS` | 0 (off) | pad tenant lookup replies to this many ms |
@@ -27,7 +33,10 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 
 With more than one shard, every shard's core enforces a tenant's `bytes_max` and `objects_max`
 divided by the shard count (rounded up; keys spread evenly over shards), and its request rate
-as configured (a request split by shard costs one token in each shard it touches).
+as configured (a request split by shard costs one token in each shard it touches). The same
+holds for `KVF_DIRECTORY_TENANT_PENDING_CAPACITY_PCT`: each shard's core lets a tenant reserve
+that share of the capacity divided by the shard count (a chunk group's members all go to one
+shard: a chunk group larger than that share can never be written; raise the percentage).
 
 QUOTA is a JSON object with any of `bytes_max`, `objects_max` (integers ≥ 0), `requests_per_s`
 (number ≥ 0) and `burst` (integer ≥ 0, needs `requests_per_s`); absent or 0 = unlimited.
@@ -50,6 +59,7 @@ from typing import Any, Final
 from kvfabric.core.authz import TenantGrant
 from kvfabric.core.directory import DirectoryConfig
 from kvfabric.core.quotas import UNLIMITED, TenantQuota
+from kvfabric.proto.directory import PIN_TTL_MS_MAX, WRITE_TTL_MS_MAX
 from kvfabric.proto.shards import SHARDS_MAX
 from kvfabric.proto.subjects import check_tenant
 from kvfabric.proto.tickets import SECRET_BYTES_MIN
@@ -100,6 +110,17 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         tenants_max=env_int(env, "KVF_DIRECTORY_TENANTS_MAX", 10_000, 1, 10_000_000),
         tenant_leases_max=env_int(env, "KVF_DIRECTORY_TENANT_LEASES_MAX", 50_000, 1, 10_000_000),
         tenant_pins_max=env_int(env, "KVF_DIRECTORY_TENANT_PINS_MAX", 2_500, 1, 10_000_000),
+        tenant_pin_ttl_ms_max=env_int(
+            env, "KVF_DIRECTORY_TENANT_PIN_TTL_MS_MAX", 3_600_000, 1_000, PIN_TTL_MS_MAX
+        ),
+        pending_objects_max=env_int(env, "KVF_DIRECTORY_PENDING_OBJECTS_MAX", 200_000, 1, 100_000_000),
+        tenant_pending_objects_max=env_int(
+            env, "KVF_DIRECTORY_TENANT_PENDING_OBJECTS_MAX", 50_000, 1, 100_000_000
+        ),
+        tenant_pending_capacity_fraction=env_int(env, "KVF_DIRECTORY_TENANT_PENDING_CAPACITY_PCT", 25, 1, 100)
+        / 100,
+        write_ttl_ms_max=env_int(env, "KVF_DIRECTORY_WRITE_TTL_MS_MAX", 30_000, 100, WRITE_TTL_MS_MAX),
+        free_bytes_granules=env_int(env, "KVF_DIRECTORY_FREE_BYTES_GRANULES", 64, 0, 1_000_000),
     )
     shards = env_int(env, "KVF_DIRECTORY_SHARDS", 16, 1, SHARDS_MAX)
     if shards > 1:
@@ -108,6 +129,7 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
             segments_shared=True,
             tenant_quotas={d: per_shard(q, shards) for d, q in core.tenant_quotas.items()},
             tenant_quota_default=per_shard(core.tenant_quota_default, shards),
+            tenant_pending_capacity_fraction=core.tenant_pending_capacity_fraction / shards,
         )
     return DirectorySettings(
         shards=shards,
