@@ -140,15 +140,17 @@ class _Target:
     dest: ScatterDest
 
 
-def _shard_batches(items: Sequence[T], shard_of: Callable[[T], int]) -> Iterator[tuple[int, int, list[T]]]:
+def _shard_batches(
+    items: Sequence[T], shard_of: Callable[[T], int], batch_max: int = m.PUT_BATCH_OBJECTS_MAX
+) -> Iterator[tuple[int, int, list[T]]]:
     """(shard, offset, batch): the items split by shard (first-seen order, each shard's in the
-    original order), in batches of at most `PUT_BATCH_OBJECTS_MAX` (a request takes one shard)."""
+    original order), in batches of at most `batch_max` (a request takes one shard)."""
     by_shard: dict[int, list[T]] = {}
     for item in items:
         by_shard.setdefault(shard_of(item), []).append(item)
     for shard, mine in by_shard.items():
-        for start in range(0, len(mine), m.PUT_BATCH_OBJECTS_MAX):
-            yield shard, start, mine[start : start + m.PUT_BATCH_OBJECTS_MAX]
+        for start in range(0, len(mine), batch_max):
+            yield shard, start, mine[start : start + batch_max]
 
 
 class AsyncKvClient:
@@ -902,7 +904,10 @@ class AsyncKvClient:
         async def one(shard: int, start: int, batch: list[T]) -> tuple[list[T], object]:
             return batch, await self._directory(trace_id, verb, message(shard, start, batch), shard)
 
-        return list(await asyncio.gather(*(one(*b) for b in _shard_batches(items, shard_of))))
+        # A put_begin's reply holds a ticket per replica: batches whose reply always fits NATS's
+        # max_payload (the directory refuses a larger one with batch_too_large, placing nothing).
+        batch_max = m.PUT_BEGIN_BATCH_OBJECTS_FIT if verb == "put_begin" else m.PUT_BATCH_OBJECTS_MAX
+        return list(await asyncio.gather(*(one(*b) for b in _shard_batches(items, shard_of, batch_max))))
 
     # Bounds this client's save-path directory requests in flight (made on first use, on the loop).
     _save_gate: asyncio.Semaphore | None = None
