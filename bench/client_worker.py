@@ -541,16 +541,18 @@ class Worker:
 
     def _reader(self, op: str, hits: Sequence[Hit]) -> TcpDataClient | ShmReader:
         """The transport reader of a ceiling row, on the segment the hits name (opened once)."""
-        addr = next((h.objects[0][0].replicas[0].data_addr for h in hits if h.chunks), "")
-        if not addr:
+        first = next((h.objects[0][0] for h in hits if h.chunks), None)
+        if first is None:
             raise RuntimeError("no hit to read: the working set is missing")
+        addr = first.replicas[0].data_addr
         if op == "tcp_get":
             if self.tcp is None:
                 self.tcp = TcpDataClient.connect(addr)
             return self.tcp
         if self.shm is None:
             self.shm_control = TcpDataClient.connect(addr)
-            self.shm = ShmReader(self.shm_control)
+            # The segment hands its arena path only to token holders: one of the hits' tokens.
+            self.shm = ShmReader(self.shm_control, reads=[read_ref(first.replicas[0], first.size_bytes)])
         return self.shm
 
     def after(self, task: Task, out: Outcome, state: RunState) -> None:

@@ -56,7 +56,7 @@ def corrupt_stored_byte(hit: Hit, chunk: int) -> None:
     replica = location.replicas[0]
     ref = read_ref(replica, location.size_bytes)
     with TcpDataClient.connect(replica.data_addr) as data:
-        info = data.map_info()
+        info = data.map_info(reads=[ref])  # the arena path only for a token holder
         fd = os.open(info.arena_path, os.O_RDWR)
         try:
             with mmap.mmap(fd, info.arena_bytes) as arena:

@@ -241,7 +241,7 @@ def flip_stored_byte(replica: m.Replica, size: int, at: int) -> None:
     """Test hook: flip one byte of a stored object in place, through the segment's arena file."""
     ref = signed_ref(replica.segment_id, replica.incarnation, replica.slot, replica.slot_generation, size)
     with TcpDataClient.connect(replica.data_addr) as client:
-        info = client.map_info()
+        info = client.map_info(reads=[ref])  # the arena path only for a token holder
         grants = client.pin_local([ref])
         fd = os.open(info.arena_path, os.O_RDWR)
         try:

@@ -152,7 +152,7 @@ async def test_corrupted_arena_byte_is_caught_by_the_reader(placed: NatsClient) 
     loc = await put_and_commit(placed, key(g), data)
     addr, ref = ref_of(loc)
     with TcpDataClient.connect(addr) as client:
-        info = client.map_info()
+        info = client.map_info(reads=[ref])  # the arena path only for a token holder
         fd = os.open(info.arena_path, os.O_RDWR)  # test hook: flip one stored byte in place
         try:
             with mmap.mmap(fd, info.arena_bytes) as arena:
@@ -175,14 +175,14 @@ async def test_bad_input_is_typed_and_the_segment_stays_up(
     data = os.urandom(4096)
     ticket = await begin(placed, key(gs[0]), data)
     with TcpDataClient.connect(ticket.data_addr) as client:
+        wrong = await begin(placed, key(gs[1]), data, writer="w2", digest=b"\x00" * 16)
+        with pytest.raises(ChecksumMismatch):  # a valid ticket: the connection is admitted first
+            client.put(wrong, data)
         forged = msgspec.structs.replace(ticket, size_bytes=8192)  # signature no longer matches
         with pytest.raises(Unauthorized):
             client.put(forged, os.urandom(8192))
         with pytest.raises(BadRequest):
             client.put(ticket, os.urandom(100))  # wrong size, refused before sending
-        wrong = await begin(placed, key(gs[1]), data, writer="w2", digest=b"\x00" * 16)
-        with pytest.raises(ChecksumMismatch):
-            client.put(wrong, data)
         assert (await segment_state(placed, SEGMENT)).used_bytes == 0  # nothing stored
         loc = await put_and_commit(placed, key(gs[2]), data)
         _, ref = ref_of(loc)
@@ -252,7 +252,7 @@ async def test_put_get_identical_bytes_over_ucx_and_corruption_is_caught(placed:
             assert verify(results, [dest]) == [True] and dest == data
             if size == 1 << 20:  # flip a stored byte through the arena file: the reader's checksum sees it
                 with TcpDataClient.connect(ticket.data_addr) as tcp:
-                    info = tcp.map_info()
+                    info = tcp.map_info(reads=[ref])
                     grants = tcp.pin_local([ref])
                     fd = os.open(info.arena_path, os.O_RDWR)
                     try:
@@ -282,7 +282,7 @@ async def test_local_reads_use_the_slot_board_and_a_freed_slot_reads_stale(place
     loc = await put_and_commit(placed, key(g), data)
     addr, ref = ref_of(loc)
     with TcpDataClient.connect(addr) as client:
-        reader = ShmReader(client)
+        reader = ShmReader(client, reads=[ref])
         try:
             assert reader.board is not None and reader.board.covers(ref)
             dest = bytearray(len(data))
@@ -310,7 +310,7 @@ async def test_pinned_local_read_unpins_without_waiting(placed: NatsClient) -> N
     loc = await put_and_commit(placed, key(g), data)
     addr, ref = ref_of(loc)
     with TcpDataClient.connect(addr) as client:
-        reader = ShmReader(client, use_board=False)  # as off x86-64, or with an older segment
+        reader = ShmReader(client, use_board=False, reads=[ref])  # as off x86-64, or an older segment
         try:
             assert reader.board is None
             assert reader.get_verified([ref], [bytearray(len(data))]) == [True]
@@ -337,7 +337,7 @@ async def test_free_during_a_local_read_is_deferred_until_the_pin_ends(placed: N
     loc = await put_and_commit(placed, key(g), data)
     addr, ref = ref_of(loc)
     with TcpDataClient.connect(addr) as client:
-        reader = ShmReader(client)
+        reader = ShmReader(client, reads=[ref])
         try:
             pinned = client.pin_local([ref])  # as ShmReader.get does, but held across the eviction
             evicted = await directory_call(placed, "evict", m.Evict(groups=[g.to_bytes()]))

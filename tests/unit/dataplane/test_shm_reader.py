@@ -27,7 +27,7 @@ class StubControl:
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
 
-    def map_info(self) -> MapReply:
+    def map_info(self, **credential: object) -> MapReply:
         return MapReply(
             arena_path=str(self.arena.path),
             arena_bytes=self.arena.size_bytes,

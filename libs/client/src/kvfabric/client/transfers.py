@@ -20,7 +20,7 @@ import contextlib
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -122,7 +122,17 @@ class SegmentPool:
             conn.close()
 
     @contextlib.contextmanager
-    def _connection(self, data_addr: str, shm_ok: bool = False) -> Iterator[_Connection]:
+    def _connection(
+        self,
+        data_addr: str,
+        shm_ok: bool = False,
+        *,
+        reads: Sequence[ReadRef] = (),
+        ticket: WriteTicket | None = None,
+    ) -> Iterator[_Connection]:
+        """A pooled connection to `data_addr`. `reads` / `ticket`: this transfer's credential, which
+        a new connection presents with its first request (the segment maps its arena only for
+        token holders)."""
         self._sweep()
         with self._lock:
             slots = self._in_use.get(data_addr)
@@ -133,13 +143,15 @@ class SegmentPool:
                 f"all {self.connections_per_segment_max} connections to {data_addr} stayed busy"
             )
         try:
-            with self._checked_out(data_addr, shm_ok) as conn:
+            with self._checked_out(data_addr, shm_ok, reads, ticket) as conn:
                 yield conn
         finally:
             slots.release()
 
     @contextlib.contextmanager
-    def _checked_out(self, data_addr: str, shm_ok: bool) -> Iterator[_Connection]:
+    def _checked_out(
+        self, data_addr: str, shm_ok: bool, reads: Sequence[ReadRef], ticket: WriteTicket | None
+    ) -> Iterator[_Connection]:
         with self._lock:
             conns = self._idle.get((data_addr, shm_ok))
             conn = conns.pop() if conns else None
@@ -148,7 +160,7 @@ class SegmentPool:
             shm = None
             if shm_ok:
                 try:
-                    shm = ShmReader(tcp, use_board=self.lockfree_local_reads)
+                    shm = ShmReader(tcp, use_board=self.lockfree_local_reads, reads=reads, ticket=ticket)
                 except (KvfError, OSError, ValueError):
                     shm = None  # not co-located (or no arena file): TCP only
             conn = _Connection(tcp, shm)
@@ -193,7 +205,8 @@ class SegmentPool:
                 self.on_retry()
             ref = read_ref(replica, location.size_bytes)
             try:
-                with self._connection(replica.data_addr, self._shm_ok(replica.segment_id)) as conn:
+                shm_ok = self._shm_ok(replica.segment_id)
+                with self._connection(replica.data_addr, shm_ok, reads=[ref]) as conn:
                     ((result, digest),) = self._read(conn, [ref], [dest])
             except GateClosed:
                 return "cancelled"  # the engine took its buffers back: nothing more to try
@@ -235,7 +248,7 @@ class SegmentPool:
             refs = [read_ref(r, locations[i].size_bytes) for i in live if (r := firsts[i]) is not None]
             views = [dests[i] for i in live]
             try:
-                with self._connection(addr, self._shm_ok(first.segment_id)) as conn:
+                with self._connection(addr, self._shm_ok(first.segment_id), reads=refs[:1]) as conn:
                     hashed = self._read(conn, refs, views)
                 for i, (result, digest) in zip(live, hashed, strict=True):
                     loc = locations[i]
@@ -266,7 +279,8 @@ class SegmentPool:
         segment confirms, 15.0 vs 9.0 ms p50 for 8 × 4 KiB (bench.client_floor, 2026-12-01)."""
         try:
             # The pool loads use too (one idle pool per segment): a PUT only needs its TCP half.
-            with self._connection(ticket.data_addr, self._shm_ok(ticket.segment_id)) as conn:
+            shm_ok = self._shm_ok(ticket.segment_id)
+            with self._connection(ticket.data_addr, shm_ok, ticket=ticket) as conn:
                 reply = conn.tcp.put(ticket, data, trace_id=trace_id)
         except KvfError as exc:
             return exc.code

@@ -9,6 +9,9 @@ bytes to an engine — `get_hashed` hashes each block right after copying it, wh
 in cache, instead of re-reading the whole object afterwards (`kvfabric.dataplane.scatter`: straight
 into the engine's buffers, under their owner's gate, with the GIL released for the copy).
 
+The arena's path is handed only to token holders: the first MAP on a connection carries a read
+reference with its token (or a write ticket) for this segment.
+
 Without a board (an older segment, or a slot id beyond it), a read asks the segment over the
 data connection to pin the slots instead (`PIN_LOCAL`: a transfer reference per slot, held by
 that connection, so a free that arrives meanwhile is deferred), copies, then unpins. The unpin is
@@ -29,6 +32,7 @@ from kvfabric.dataplane.tcp import Destination, TcpDataClient, verified
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import KvfError, Unavailable
 from kvfabric.proto.dataplane import ObjectResult, ReadRef
+from kvfabric.proto.directory import WriteTicket
 
 __all__ = ["ShmReader", "verify"]
 
@@ -41,11 +45,21 @@ def verify(results: Sequence[ObjectResult], dests: Sequence[memoryview | bytearr
 class ShmReader:
     """Reads a co-located segment's objects from its shared-memory arena. Not thread-safe."""
 
-    def __init__(self, control: TcpDataClient, *, use_board: bool = True) -> None:
+    def __init__(
+        self,
+        control: TcpDataClient,
+        *,
+        use_board: bool = True,
+        reads: Sequence[ReadRef] = (),
+        ticket: WriteTicket | None = None,
+    ) -> None:
         """`use_board=False`: pin every read through the segment (also the default off x86-64,
-        where the board's seqlock read is not sound; see `kvfabric.dataplane.slotboard`)."""
+        where the board's seqlock read is not sound; see `kvfabric.dataplane.slotboard`).
+        `reads` (with their tokens) or `ticket`: the credential that gets the arena's path on a
+        `control` connection that has made no request yet (the segment hands it only to token
+        holders)."""
         self.control = control
-        info = control.map_info()
+        info = control.map_info(reads=reads, ticket=ticket)
         try:
             fd = os.open(info.arena_path, os.O_RDONLY)
         except OSError as exc:

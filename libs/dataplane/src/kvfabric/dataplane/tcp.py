@@ -14,26 +14,42 @@ Failure rules:
   usable. A payload size outside 0..`OBJECT_BYTES_MAX` is not read: error, then the connection
   closes.
 - An error on other ops is answered with an ERROR frame and the connection stays usable.
+
+Before authentication (`kvfabric.dataplane.admission`, given an `authenticate` function, as the
+segment does): the first request must carry a valid credential (a PUT's ticket, a GET's or
+PIN_LOCAL's read tokens, a MAP's `reads`/`ticket`) within the auth deadline of the accept; a
+request without one is answered `unauthorized` and the connection closed, before the backend
+sees it. Every deadline is absolute: a watchdog thread shuts down a connection past it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import socket
 import ssl
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Final
 
 import msgspec
 
 from kvfabric.dataplane.addresses import pick_stream, split_host_port
+from kvfabric.dataplane.admission import (
+    CONNECTIONS_MAX_DEFAULT,
+    UNAUTHENTICATED_META_BYTES_MAX,
+    Authenticator,
+    ConnectionGate,
+    ConnectionLimits,
+)
 from kvfabric.dataplane.backend import PutSlot, SegmentBackend
 from kvfabric.dataplane.frames import HEADER, OBJECT_BYTES_MAX, READS_MAX, Op, pack_header, unpack_header
 from kvfabric.dataplane.scatter import ScatterDest, scatter_dests
 from kvfabric.format.checksum import StreamingChecksum
-from kvfabric.format.errors import BadRequest, Busy, Indeterminate, KvfError, Unavailable
+from kvfabric.format.errors import BadRequest, Busy, Indeterminate, KvfError, Unauthorized, Unavailable
 from kvfabric.proto.codec import FamilyDecoder, encode
 from kvfabric.proto.common import ErrorReply, error_from_reply, error_reply_from
 from kvfabric.proto.dataplane import (
@@ -64,10 +80,10 @@ __all__ = [
 Destination = memoryview | bytearray | ScatterDest
 """Where one read's bytes go: a writable buffer of exactly its size, or a `ScatterDest`."""
 
-CONNECTIONS_MAX_DEFAULT: Final = 64
 # Receive + hash granularity: small enough that a piece is still in L2/L3 when hashed.
 HASH_CHUNK_BYTES: Final = 1 << 20
-IDLE_TIMEOUT_S_DEFAULT: Final = 300.0  # a connection silent this long (even mid-payload) is closed
+# How often the watchdog checks deadlines: a connection outlives its deadline by at most this.
+WATCHDOG_TICK_S: Final = 0.05
 SOCKET_BUFFER_BYTES: Final = 4 << 20
 IOV_MAX: Final = 512  # buffers per sendmsg call (Linux IOV_MAX is 1024)
 _error_decoder: FamilyDecoder[ErrorReply] = FamilyDecoder(ErrorReply, "dataplane error")
@@ -157,8 +173,42 @@ def _frame(op: Op, request_id: int, meta: msgspec.Struct, payload_count: int = 0
 # ---- server ----------------------------------------------------------------------------------
 
 
+class _Close(Exception):
+    """Answer `error` to the request, then close the connection."""
+
+    def __init__(self, error: KvfError, request_id: int) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.request_id = request_id
+
+
+def _shutdown_fd(fd: int) -> None:
+    """Shut a connection down by its descriptor (a TLS socket shares its raw socket's fd): its
+    thread's blocked recv/send returns at once. Caller holds the server lock, so the fd is still
+    the connection's (a connection's entry is dropped under that lock before its socket closes)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+
+
 class TcpDataServer:
-    """Serves a `SegmentBackend` over TCP. `start()` binds and returns; `stop()` closes everything."""
+    """Serves a `SegmentBackend` over TCP. `start()` binds and returns; `stop()` closes everything.
+
+    Before authentication (`kvfabric.dataplane.admission`): with an `authenticate` function, a
+    connection must present a valid credential in its first request within the auth deadline, or
+    it is closed; unauthenticated connections are bounded apart from authenticated ones (a flood
+    of them evicts its own oldest, never a token holder's); nothing the backend keeps is created
+    before the credential is accepted. Without one (tests, benchmarks), every connection counts as
+    authenticated from its accept. Deadlines are absolute (a watchdog thread shuts down a
+    connection that overruns its current one), so a trickle of bytes cannot extend them.
+    """
 
     def __init__(
         self,
@@ -166,19 +216,33 @@ class TcpDataServer:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        connections_max: int = CONNECTIONS_MAX_DEFAULT,
-        idle_timeout_s: float = IDLE_TIMEOUT_S_DEFAULT,
+        connections_max: int | None = None,
+        idle_timeout_s: float | None = None,
         tls: ssl.SSLContext | None = None,
+        limits: ConnectionLimits | None = None,
+        authenticate: Authenticator | None = None,
+        count: Callable[[str], None] | None = None,
     ) -> None:
         self.backend = backend
         # A server-side TLS context: every connection is wrapped (handshake on its own thread)
         # and the address is advertised as tls://, which clients then must use.
         self.tls = tls
-        self.connections_max = connections_max
-        self.idle_timeout_s = idle_timeout_s
-        self._listener = socket.create_server((host, port), backlog=connections_max)
+        limits = limits or ConnectionLimits()
+        if connections_max is not None:
+            limits = replace(limits, connections_max=connections_max)
+        if idle_timeout_s is not None:
+            limits = replace(limits, idle_timeout_ms=max(1, round(idle_timeout_s * 1000)))
+        self.authenticate = authenticate
+        self._count_fn = count  # the segment's event counter (names prefixed `dataplane_tcp_`)
+        self.counters: dict[str, int] = {}
+        self.gate = ConnectionGate(limits, on_event=self._count)
+        self._listener = socket.create_server(
+            (host, port), backlog=limits.connections_max + limits.unauthenticated_max
+        )
         self.host, self.port = self._listener.getsockname()[:2]
         self._conns: dict[int, socket.socket] = {}
+        self._fds: dict[int, int] = {}  # connection -> its socket's fd, until the socket closes
+        self._deadlines: dict[int, tuple[float, str]] = {}  # connection -> (monotonic s, reason)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._threads: list[threading.Thread] = []
@@ -186,13 +250,31 @@ class TcpDataServer:
         self.rejected_busy = 0
 
     @property
+    def limits(self) -> ConnectionLimits:
+        return self.gate.limits
+
+    @property
+    def connections_max(self) -> int:
+        return self.gate.limits.connections_max
+
+    @property
+    def idle_timeout_s(self) -> float:
+        return self.gate.limits.idle_timeout_ms / 1000
+
+    @property
     def address(self) -> str:
         return f"{'tls' if self.tls is not None else 'tcp'}://{self.host}:{self.port}"
 
+    def _count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+        if self._count_fn is not None:
+            self._count_fn(f"dataplane_tcp_{name}")
+
     def start(self) -> None:
-        thread = threading.Thread(target=self._accept_loop, name="kvf-tcp-accept", daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        for target, name in ((self._accept_loop, "kvf-tcp-accept"), (self._watchdog, "kvf-tcp-watchdog")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -200,45 +282,98 @@ class TcpDataServer:
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         with self._lock:
-            conns = list(self._conns.values())
-        for sock in conns:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+            for fd in self._fds.values():
+                _shutdown_fd(fd)
         for thread in self._threads:
             thread.join(timeout=5.0)
+
+    # ---- deadlines -----------------------------------------------------------------------------
+
+    def _deadline(self, conn: int, budget_ms: int, reason: str) -> None:
+        """From now, `conn` has `budget_ms` to finish what it does (whatever bytes arrive)."""
+        with self._lock:
+            if conn in self._deadlines:
+                self._deadlines[conn] = (time.monotonic() + budget_ms / 1000, reason)
+
+    def _no_deadline(self, conn: int) -> None:
+        """The backend works for `conn` (a confirm waits on the directory, bounded there)."""
+        with self._lock:
+            if conn in self._deadlines:
+                self._deadlines[conn] = (math.inf, "")
+
+    def _expire_locked(self, conn: int) -> None:
+        fd = self._fds.get(conn)
+        if fd is not None:
+            _shutdown_fd(fd)
+        if conn in self._deadlines:
+            self._deadlines[conn] = (math.inf, "")
+
+    def _watchdog(self) -> None:
+        """Shut down every connection past its deadline, every `WATCHDOG_TICK_S`."""
+        while not self._stopping.wait(WATCHDOG_TICK_S):
+            now = time.monotonic()
+            with self._lock:
+                expired = [(c, reason) for c, (at, reason) in self._deadlines.items() if at <= now]
+                for conn, reason in expired:
+                    self._count(f"closed_{reason}_total")
+                    self._expire_locked(conn)
+
+    # ---- connections ---------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except OSError:
                 return
+            source = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+            refusal: KvfError | None = None
+            limits = self.gate.limits
             with self._lock:
-                full = len(self._conns) >= self.connections_max
                 conn = next(self._ids)
-                if not full:
+                for victim in self.gate.open(conn, source):
+                    self._expire_locked(victim)  # the oldest unauthenticated ones make room
+                budget_ms, reason = limits.auth_deadline_ms, "auth_deadline"
+                if self.authenticate is None:  # no credentials in this deployment: admitted as is
+                    refusal = self.gate.authenticate(conn)
+                    budget_ms, reason = limits.idle_timeout_ms, "idle_timeout"
+                if refusal is None:
                     self._conns[conn] = sock
-            if full:
-                self.rejected_busy += 1
+                    self._fds[conn] = sock.fileno()
+                    self._deadlines[conn] = (time.monotonic() + budget_ms / 1000, reason)
+                else:
+                    self.gate.close(conn)
+                    self.rejected_busy += 1
+            if refusal is not None:
                 with contextlib.suppress(OSError):
-                    _send_all(
-                        sock,
-                        _frame(
-                            Op.ERROR,
-                            0,
-                            error_reply_from(Busy("too many data connections", limit=self.connections_max)),
-                        ),
-                    )
+                    _send_all(sock, _frame(Op.ERROR, 0, error_reply_from(refusal)))
                 sock.close()
                 continue
             tune_socket(sock)
-            sock.settimeout(self.idle_timeout_s)
+            sock.settimeout(self.idle_timeout_s)  # a backstop: the watchdog enforces the deadlines
             thread = threading.Thread(
                 target=self._serve, args=(conn, sock), name=f"kvf-tcp-{conn}", daemon=True
             )
             thread.start()
             self._threads = [t for t in self._threads if t.is_alive()]
             self._threads.append(thread)
+
+    def _admit(self, conn: int, request_id: int, meta: object) -> None:
+        """The first request of an unauthenticated connection: its credential, then the bounds."""
+        assert self.authenticate is not None
+        if not self.authenticate(meta):
+            with self._lock:
+                self._count("unauthorized_total")
+            raise _Close(
+                Unauthorized("a data connection must first present a valid read token or write ticket"),
+                request_id,
+            )
+        with self._lock:
+            refusal = self.gate.authenticate(conn)
+            if isinstance(refusal, Busy):
+                self.rejected_busy += 1
+        if refusal is not None:
+            raise _Close(refusal, request_id)
 
     def _serve(self, conn: int, sock: socket.socket) -> None:
         if self.tls is not None:
@@ -247,16 +382,38 @@ class TcpDataServer:
             except (OSError, ssl.SSLError):
                 with self._lock:
                     self._conns.pop(conn, None)
+                    self._fds.pop(conn, None)
+                    self._deadlines.pop(conn, None)
+                    self.gate.close(conn)
                 sock.close()
                 return
             with self._lock:
                 self._conns[conn] = sock
+        limits = self.gate.limits
+        authenticated = self.authenticate is None
         header_buf = memoryview(bytearray(HEADER.size))
         try:
             while True:
-                _recv_exact(sock, header_buf)
+                if authenticated:
+                    self._deadline(conn, limits.idle_timeout_ms, "idle_timeout")
+                got = sock.recv_into(header_buf)  # the first bytes of the next request
+                if got == 0:
+                    raise _Closed
+                if authenticated:
+                    self._deadline(conn, limits.frame_timeout_ms, "frame_timeout")
+                _recv_exact(sock, header_buf[got:])
                 header = unpack_header(header_buf)
+                if not authenticated and header.meta_bytes > UNAUTHENTICATED_META_BYTES_MAX:
+                    raise _Close(
+                        BadRequest(
+                            f"a first request's meta may be at most {UNAUTHENTICATED_META_BYTES_MAX} bytes"
+                        ),
+                        header.request_id,
+                    )
                 meta = dataplane_decoder.decode(_recv_bytes(sock, header.meta_bytes))
+                if not authenticated:
+                    self._admit(conn, header.request_id, meta)
+                    authenticated = True
                 try:
                     self._dispatch(conn, sock, header.op, header.request_id, meta)
                 except _PutRefused as refused:
@@ -264,12 +421,16 @@ class TcpDataServer:
                     if not 0 <= refused.payload_bytes <= OBJECT_BYTES_MAX:
                         _send_all(sock, _frame(Op.ERROR, header.request_id, error_reply_from(refused.error)))
                         return
+                    self._deadline(conn, limits.transfer_ms(refused.payload_bytes), "transfer_timeout")
                     _discard(sock, refused.payload_bytes)
                     _send_all(sock, _frame(Op.ERROR, header.request_id, error_reply_from(refused.error)))
                 except KvfError as err:
                     _send_all(sock, _frame(Op.ERROR, header.request_id, error_reply_from(err)))
         except (_Closed, OSError):
             return
+        except _Close as close:
+            with contextlib.suppress(OSError):
+                _send_all(sock, _frame(Op.ERROR, close.request_id, error_reply_from(close.error)))
         except KvfError as err:  # malformed framing: answer once, then drop the connection
             with contextlib.suppress(OSError):
                 _send_all(sock, _frame(Op.ERROR, 0, error_reply_from(err)))
@@ -277,17 +438,24 @@ class TcpDataServer:
             self.backend.close_connection(conn)
             with self._lock:
                 self._conns.pop(conn, None)
+                self._fds.pop(conn, None)
+                self._deadlines.pop(conn, None)
+                self.gate.close(conn)
             sock.close()
 
     def _dispatch(self, conn: int, sock: socket.socket, op: Op, request_id: int, meta: object) -> None:
+        limits = self.gate.limits
         if op is Op.PUT and isinstance(meta, PutRequest):
             try:
                 put = self.backend.begin_put(meta.ticket, conn)
             except KvfError as err:
                 raise _PutRefused(err, meta.ticket.size_bytes) from err
             put.trace_id = meta.trace_id
+            self._deadline(conn, limits.transfer_ms(len(put.view)), "transfer_timeout")
             self._receive_put(conn, sock, put)
+            self._no_deadline(conn)
             slot, generation = self.backend.finish_put(put, conn)
+            self._deadline(conn, limits.frame_timeout_ms, "frame_timeout")
             _send_all(
                 sock,
                 _frame(Op.REPLY, request_id, PutReply(slot=slot, slot_generation=generation, confirmed=True)),
@@ -299,6 +467,7 @@ class TcpDataServer:
             try:
                 results = [ObjectResult(s, c) for s, c in zip(grant.statuses, grant.checksums, strict=True)]
                 views = [v for v in grant.views if v is not None]
+                self._deadline(conn, limits.transfer_ms(sum(len(v) for v in views)), "transfer_timeout")
                 _send_all(
                     sock, [*_frame(Op.REPLY, request_id, GetReply(results=results), len(views)), *views]
                 )
@@ -307,6 +476,8 @@ class TcpDataServer:
         elif op is Op.MAP and isinstance(meta, MapRequest):
             _send_all(sock, _frame(Op.REPLY, request_id, self.backend.map_info()))
         elif op is Op.PIN_LOCAL and isinstance(meta, GetRequest):
+            if len(meta.reads) > READS_MAX:
+                raise BadRequest(f"{len(meta.reads)} reads exceed {READS_MAX}")
             _send_all(sock, _frame(Op.REPLY, request_id, self.backend.pin_local(meta.reads, conn)))
         elif op is Op.UNPIN_LOCAL and isinstance(meta, UnpinLocal):
             released = self.backend.unpin_local(meta.grant_id, conn)
@@ -463,9 +634,12 @@ class TcpDataClient:
                 raise Indeterminate(f"data connection failed during GET payload: {exc!r}") from exc
         return reply.results
 
-    def map_info(self) -> MapReply:
+    def map_info(self, *, reads: Sequence[ReadRef] = (), ticket: WriteTicket | None = None) -> MapReply:
+        """The segment's arena and slot board. On a connection that has not made a request yet,
+        a credential must come with it (`reads` with their tokens, or a write ticket for this
+        segment): the segment hands its arena path only to token holders."""
         with self._lock:
-            reply, _ = self._call(Op.MAP, MapRequest())
+            reply, _ = self._call(Op.MAP, MapRequest(reads=list(reads), ticket=ticket))
         if not isinstance(reply, MapReply):
             raise Indeterminate("malformed MAP reply")
         return reply

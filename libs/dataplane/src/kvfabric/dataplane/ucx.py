@@ -31,6 +31,14 @@ Payload messages are posted straight on their final buffers (arena view, caller'
 in Python. Inside UCX, an eager message (below `UCX_RNDV_THRESH`) that arrives before its receive is
 posted is buffered and copied once; a rendezvous message waits at the sender until matched.
 
+Before authentication (as the TCP transport, `kvfabric.dataplane.admission`): a connection
+addressed to anything but the server's `host` is closed at once (ucxx's listener binds every
+interface); with an `authenticate` function, the handshake and a first request that carries a
+valid credential must arrive within the auth deadline, or the connection is closed; until then
+nothing reaches the backend. Unauthenticated connections are bounded apart (the oldest is closed
+to make room); authenticated ones in total and per peer address; an authenticated connection
+silent for the idle timeout is closed (a UCX message arrives whole: no trickle reaches us).
+
 Failure rules (as the TCP transport):
 - A refused PUT (`begin_put` raised, too large, malformed) is answered with an ERROR frame after its
   payload message has been consumed (received into a 1-byte buffer: UCX drops the rest), so the
@@ -56,22 +64,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hashlib
+import ipaddress
 import itertools
 import logging
+import math
 import mmap
 import os
 import select
+import socket
 import struct
 import sys
 import threading
 import time
-from collections.abc import MutableMapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import msgspec
 
+from kvfabric.dataplane.admission import (
+    CONNECTIONS_MAX_DEFAULT,
+    UNAUTHENTICATED_META_BYTES_MAX,
+    Authenticator,
+    ConnectionGate,
+    ConnectionLimits,
+)
 from kvfabric.dataplane.backend import SegmentBackend
 from kvfabric.dataplane.frames import (
     HEADER,
@@ -83,7 +102,15 @@ from kvfabric.dataplane.frames import (
     pack_header,
     unpack_header,
 )
-from kvfabric.format.errors import BadRequest, BatchTooLarge, Busy, Indeterminate, KvfError, Unavailable
+from kvfabric.format.errors import (
+    BadRequest,
+    BatchTooLarge,
+    Busy,
+    Indeterminate,
+    KvfError,
+    Unauthorized,
+    Unavailable,
+)
 from kvfabric.format.invariant import InvariantViolation
 from kvfabric.proto.codec import FamilyDecoder, encode
 from kvfabric.proto.common import ErrorReply, error_from_reply, error_reply_from
@@ -111,7 +138,6 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-CONNECTIONS_MAX_DEFAULT: Final = 64
 # Payload bytes one request may move (a PUT's object, the sum of a GET's objects): bounds what a
 # connection holds in the arena (slot being written, transfer references) at any time.
 INFLIGHT_BYTES_MAX_DEFAULT: Final = OBJECT_BYTES_MAX
@@ -202,6 +228,61 @@ def _libucxx() -> Any:
 def _hash64bits(value: int) -> int:
     """ucxx's `hash64bits(value)` (the peer-info checksum of its handshake)."""
     return int(hashlib.sha1(repr((value,)).encode()).hexdigest()[:16], 16)
+
+
+# ucp_ep_query (UCX >= 1.14): ucxx exposes no endpoint addresses, so they are read from UCP
+# itself (already loaded by ucxx). ucp_ep_attr_t: field_mask (u64), name[UCP_ENTITY_NAME_MAX = 32],
+# local_sockaddr, remote_sockaddr (struct sockaddr_storage, 128 bytes each), then more fields.
+_EP_ATTR_LOCAL_SOCKADDR: Final = 1 << 1
+_EP_ATTR_REMOTE_SOCKADDR: Final = 1 << 2
+_EP_ATTR_LOCAL_OFFSET: Final = 8 + 32
+_EP_ATTR_REMOTE_OFFSET: Final = 8 + 32 + 128
+_EP_ATTR_BYTES: Final = 1024  # the struct is ~450 bytes: room to spare
+_ucp_ep_query: Any = None
+
+
+def _sockaddr_host(raw: bytes, offset: int) -> str | None:
+    family = struct.unpack_from("=H", raw, offset)[0]
+    if family == socket.AF_INET:
+        return socket.inet_ntop(socket.AF_INET, raw[offset + 4 : offset + 8])
+    if family == socket.AF_INET6:
+        return socket.inet_ntop(socket.AF_INET6, raw[offset + 8 : offset + 24])
+    return None
+
+
+def _endpoint_hosts(ep: Any) -> tuple[str, str] | None:
+    """(local address, peer address) of an accepted endpoint, or None when UCX cannot say. Does
+    not progress UCX: callable from the listener callback."""
+    global _ucp_ep_query
+    try:
+        if _ucp_ep_query is None:
+            _libucxx()
+            _ucp_ep_query = ctypes.CDLL("libucp.so.0", mode=os.RTLD_NOLOAD).ucp_ep_query
+        attr = ctypes.create_string_buffer(_EP_ATTR_BYTES)
+        struct.pack_into("=Q", attr, 0, _EP_ATTR_LOCAL_SOCKADDR | _EP_ATTR_REMOTE_SOCKADDR)
+        if _ucp_ep_query(ctypes.c_void_p(int(ep.handle)), attr) != 0:  # UCS_OK
+            return None
+        raw = attr.raw
+    except (OSError, AttributeError, ValueError, TypeError):
+        return None
+    local, remote = _sockaddr_host(raw, _EP_ATTR_LOCAL_OFFSET), _sockaddr_host(raw, _EP_ATTR_REMOTE_OFFSET)
+    return (local, remote) if local is not None and remote is not None else None
+
+
+_WILDCARD_HOSTS: Final = frozenset({"", "0.0.0.0", "::"})
+
+
+def _host_addresses(host: str) -> frozenset[str] | None:
+    """The addresses `host` names (None: a wildcard, every address is ours)."""
+    if host in _WILDCARD_HOSTS:
+        return None
+    with contextlib.suppress(ValueError):
+        return frozenset({str(ipaddress.ip_address(host))})
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return frozenset({host})
+    return frozenset(str(info[4][0]) for info in infos)
 
 
 class _Worker:
@@ -485,8 +566,14 @@ class _Connection:
 class UcxServer:
     """Serves a `SegmentBackend` over UCX. `await start()` listens; `await stop()` closes everything.
 
-    ucxx 0.52 listens on every interface (its listener takes a port only): `host` is the address
-    advertised in `address`, not a bind address. Runs on the loop that called `start()`.
+    ucxx 0.52 listens on every interface (its listener takes a port only), so the server checks
+    where each connection arrived (`ucp_ep_query`): one addressed to anything but `host` (unless
+    `host` is a wildcard) is closed before its handshake, as if the listener were bound to `host`
+    like the TCP one. Then the TCP server's rules (`kvfabric.dataplane.admission`): with an
+    `authenticate` function, the handshake and a first request carrying a valid credential must
+    arrive within the auth deadline; unauthenticated connections are bounded apart (the oldest is
+    closed to make room), authenticated ones in total and per peer address; an authenticated
+    connection silent for the idle timeout is closed. Runs on the loop that called `start()`.
     """
 
     def __init__(
@@ -495,20 +582,31 @@ class UcxServer:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        connections_max: int = CONNECTIONS_MAX_DEFAULT,
+        connections_max: int | None = None,
         inflight_bytes_max: int = INFLIGHT_BYTES_MAX_DEFAULT,
         io_timeout_s: float = IO_TIMEOUT_S_DEFAULT,
+        limits: ConnectionLimits | None = None,
+        authenticate: Authenticator | None = None,
+        count: Callable[[str], None] | None = None,
     ) -> None:
         self.backend = backend
         self.host = host
         self.port = port
-        self.connections_max = connections_max
+        limits = limits or ConnectionLimits()
+        if connections_max is not None:
+            limits = replace(limits, connections_max=connections_max)
+        self.authenticate = authenticate
+        self._count_fn = count  # the segment's event counter (names prefixed `dataplane_ucx_`)
+        self.counters: dict[str, int] = {}
+        self.gate = ConnectionGate(limits, on_event=self._count)
         self.inflight_bytes_max = inflight_bytes_max
         self.io_timeout_s = io_timeout_s
         self.connect_timeout_s = CONNECT_TIMEOUT_S_DEFAULT  # the handshake of an accepted connection
         self._listener: Any = None
         self._worker: _Worker | None = None
+        self._bound: frozenset[str] | None = None  # the addresses `host` names; None: every one
         self._accepting: set[asyncio.Task[None]] = set()  # every connection's task, from accept on
+        self._tasks: dict[int, asyncio.Task[Any]] = {}  # connection id -> its task, from accept on
         self._conns: dict[int, _Connection] = {}
         self._ids = itertools.count(1)
         self._stopping = False
@@ -523,10 +621,24 @@ class UcxServer:
     def connections(self) -> int:
         return len(self._conns)
 
+    @property
+    def connections_max(self) -> int:
+        return self.gate.limits.connections_max
+
+    @connections_max.setter
+    def connections_max(self, value: int) -> None:
+        self.gate.limits = replace(self.gate.limits, connections_max=value)
+
+    def _count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+        if self._count_fn is not None:
+            self._count_fn(f"dataplane_ucx_{name}")
+
     async def start(self) -> None:
         if self._listener is not None:
             return
         self._stopping = False
+        self._bound = _host_addresses(self.host)  # an address: no lookup (a name: one, at start)
         self._worker = worker = _worker_for_running_loop()
         self._listener = _libucxx().UCXListener.create(
             worker=worker.worker, port=self.port, cb_func=self._on_endpoint, cb_args=(), deliver_endpoint=True
@@ -557,34 +669,63 @@ class UcxServer:
 
     def _on_endpoint(self, ep: Any) -> None:
         """ucxx listener callback, called inside UCX progress (which must not be re-entered, e.g. by
-        closing an endpoint): the connection gets its own task, nothing else happens here."""
+        closing an endpoint): the connection gets its own task, nothing else happens here (reading
+        the endpoint's addresses does not progress UCX)."""
         worker = self._worker
         if worker is None:
             return
-        task = worker.loop.create_task(self._on_connect(worker, ep))
+        task = worker.loop.create_task(self._on_connect(worker, ep, _endpoint_hosts(ep)))
         self._accepting.add(task)
         task.add_done_callback(self._accepting.discard)
 
-    async def _on_connect(self, worker: _Worker, ep: Any) -> None:
+    async def _on_connect(self, worker: _Worker, ep: Any, hosts: tuple[str, str] | None) -> None:
         """One accepted endpoint, for the connection's lifetime."""
+        if self._bound is not None and (hosts is None or hosts[0] not in self._bound):
+            self._count("wrong_address_total")  # not addressed to `host`: as if nobody listened there
+            _close_endpoint(worker, ep)
+            return
+        source = hosts[1] if hosts is not None else ""
+        limits = self.gate.limits
+        loop = asyncio.get_running_loop()
+        auth_deadline = loop.time() + limits.auth_deadline_ms / 1000
+        conn = next(self._ids)
+        for victim in self.gate.open(conn, source):  # the oldest unauthenticated ones make room
+            task = self._tasks.get(victim)
+            if task is not None:
+                task.cancel()
+        self._tasks[conn] = asyncio.current_task()  # type: ignore[assignment]
+        refusal: KvfError | None = None
+        if self.authenticate is None:  # no credentials in this deployment: admitted as is
+            refusal = self.gate.authenticate(conn)
+            if isinstance(refusal, Busy):
+                self.rejected_busy += 1
         try:
-            link = await _handshake(worker, ep, listener=True, timeout_s=self.connect_timeout_s)
+            await self._connection(worker, ep, conn, auth_deadline, refusal)
+        finally:
+            self.gate.close(conn)
+            self._tasks.pop(conn, None)
+
+    async def _connection(
+        self, worker: _Worker, ep: Any, conn: int, auth_deadline: float, refusal: KvfError | None
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        handshake_s = self.connect_timeout_s
+        if self.authenticate is not None:  # the handshake counts against the auth deadline
+            handshake_s = min(handshake_s, max(0.0, auth_deadline - loop.time()))
+        try:
+            link = await _handshake(worker, ep, listener=True, timeout_s=handshake_s)
         except _LinkDown as exc:
             _log.info("ucx: connection handshake failed: %s", exc)
             return
-        if self._stopping or len(self._conns) >= self.connections_max:
-            err: KvfError
-            if self._stopping:
-                err = Unavailable("data server is stopping")
-            else:
-                self.rejected_busy += 1
-                err = Busy("too many data connections", limit=self.connections_max)
-            await self._reject(link, err)
+        if self._stopping:
+            refusal = Unavailable("data server is stopping")
+        if refusal is not None:
+            await self._reject(link, refusal)
             return
-        c = _Connection(next(self._ids), link, asyncio.current_task())
+        c = _Connection(conn, link, asyncio.current_task())
         self._conns[c.conn] = c
         try:
-            await self._serve(c)
+            await self._serve(c, None if self.authenticate is None else auth_deadline)
         except (_LinkDown, asyncio.CancelledError):
             pass
         except Exception:
@@ -611,28 +752,65 @@ class UcxServer:
                     await link.complete([link.recv(scratch)], left)
         link.abort()
 
-    async def _serve(self, c: _Connection) -> None:
+    async def _serve(self, c: _Connection, auth_deadline: float | None) -> None:
+        """Requests in order. `auth_deadline` (loop time): the connection is not authenticated
+        yet and must be by then; until it is, anything but a valid first request closes it."""
         frame = memoryview(c.buf)
+        loop = asyncio.get_running_loop()
+        idle_s = self.gate.limits.idle_timeout_ms / 1000
         try:
             while True:
+                authenticated = auth_deadline is None
+                wait_s = idle_s if auth_deadline is None else max(0.0, auth_deadline - loop.time())
                 try:
-                    await c.link.complete([c.link.recv(c.buf)], None)  # idle: no timeout
+                    await c.link.complete([c.link.recv(c.buf)], wait_s)
                 except _Truncated:
-                    await self._send(c, _error_frame(0, BadRequest(f"frame exceeds {FRAME_BYTES_MAX} bytes")))
+                    too_big = BadRequest(f"frame exceeds {FRAME_BYTES_MAX} bytes")
+                    await self._send(c, _error_frame(0, too_big))
+                    if not authenticated:
+                        return
                     continue
+                except _LinkDown:
+                    if loop.time() >= (auth_deadline if auth_deadline is not None else math.inf):
+                        self._count("closed_auth_deadline_total")
+                    raise
                 try:
                     header = unpack_header(frame[: HEADER.size])
                 except KvfError as err:  # not our framing: answer once, then drop the connection
                     await self._send(c, _error_frame(0, err))
                     return
                 try:
+                    if not authenticated and header.meta_bytes > UNAUTHENTICATED_META_BYTES_MAX:
+                        raise BadRequest(
+                            f"a first request's meta may be at most {UNAUTHENTICATED_META_BYTES_MAX} bytes"
+                        )
                     meta = dataplane_decoder.decode(frame[HEADER.size : HEADER.size + header.meta_bytes])
                 except KvfError as err:
+                    if not authenticated:
+                        await self._send(c, _error_frame(header.request_id, err))
+                        return
                     await self._refuse(c, header, err)
                     continue
+                if not authenticated:
+                    refusal = self._admit(c.conn, meta)
+                    if refusal is not None:
+                        await self._send(c, _error_frame(header.request_id, refusal))
+                        return
+                    auth_deadline = None
                 await self._dispatch(c, header, meta)
         finally:
             frame.release()
+
+    def _admit(self, conn: int, meta: object) -> KvfError | None:
+        """The first request of an unauthenticated connection: its credential, then the bounds."""
+        assert self.authenticate is not None
+        if not self.authenticate(meta):
+            self._count("unauthorized_total")
+            return Unauthorized("a data connection must first present a valid read token or write ticket")
+        refusal = self.gate.authenticate(conn)
+        if isinstance(refusal, Busy):
+            self.rejected_busy += 1
+        return refusal
 
     async def _send(self, c: _Connection, frame: bytes) -> None:
         await c.link.complete([c.link.send(frame)], self.io_timeout_s)

@@ -11,7 +11,11 @@ Who owns what:
   by the transport's idle timeout, which closes the connection and so aborts the slot.
 - A transfer reference (GET or local pin) belongs to its connection until `end_get`/`unpin_local`
   or the connection closes. While any reference is held, a free from the directory is deferred:
-  the memory is not reused under a reader (DESIGN.md invariant 3).
+  the memory is not reused under a reader (DESIGN.md invariant 3). A connection holds at most
+  `LOCAL_GRANTS_PER_CONNECTION_MAX` grants, and a request that pins nothing keeps no grant (no
+  state per refused frame).
+- `admits` is the transports' authenticator (`kvfabric.dataplane.admission`): a connection's
+  first request must carry a valid credential for this segment; it reads, never writes, state.
 - The stored checksum is computed here from the bytes that arrived (xxh3-128) and compared with
   the one the directory signed into the ticket; a mismatch stores nothing.
 - A segment-to-segment copy (`copy_in`) is a put whose "transport" is a fetch function run on the
@@ -29,13 +33,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 from kvfabric.core.segment_slots import SlotTable
 from kvfabric.dataplane.backend import GetGrant, PutSlot
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import (
     BadRequest,
+    Busy,
     ChecksumMismatch,
     Conflict,
     KvfError,
@@ -43,12 +48,34 @@ from kvfabric.format.errors import (
     StaleGeneration,
     Unauthorized,
 )
-from kvfabric.proto.dataplane import LocalGrant, LocalGrants, MapReply, ObjectStatus, ReadRef
+from kvfabric.proto.dataplane import (
+    GetRequest,
+    LocalGrant,
+    LocalGrants,
+    MapReply,
+    MapRequest,
+    ObjectStatus,
+    PutRequest,
+    ReadRef,
+)
 from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import read_token_valid, ticket_signature_valid
 from kvfabric.segment_storage.arena import Arena
 
-__all__ = ["ArenaBackend", "ConfirmFn", "FetchFn", "ScrubVerdict"]
+__all__ = [
+    "AUTH_REFS_CHECKED_MAX",
+    "LOCAL_GRANTS_PER_CONNECTION_MAX",
+    "ArenaBackend",
+    "ConfirmFn",
+    "FetchFn",
+    "ScrubVerdict",
+]
+
+# Transfer-reference grants (GET in progress, PIN_LOCAL not yet unpinned) one connection may hold:
+# a client holds one or two (a pin, and the pipelined unpin of the previous one).
+LOCAL_GRANTS_PER_CONNECTION_MAX: Final = 64
+# Read references of a connection's first request whose tokens are checked to admit it.
+AUTH_REFS_CHECKED_MAX: Final = 4
 
 # (ticket, slot, generation) -> the directory's verdict: "ok", "unknown_ticket" or "mismatch".
 # Blocks the calling transport thread; raises KvfError when the directory cannot be reached.
@@ -263,8 +290,49 @@ class ArenaBackend:
             ref.expires_ms,
         )
 
+    def admits(self, meta: object) -> bool:
+        """The data plane's `Authenticator`: does this first request of a connection carry a
+        credential for this segment, valid now? A write ticket signed for this segment and
+        incarnation, before its deadline; or a read reference of this incarnation with a valid,
+        unexpired token (only the first `AUTH_REFS_CHECKED_MAX` are checked: a MAC each). Keeps
+        no state: a connection that fails is closed by its transport with nothing held here."""
+        reads: list[ReadRef]
+        if isinstance(meta, PutRequest):
+            return self._ticket_admits(meta.ticket)
+        if isinstance(meta, MapRequest):
+            if meta.ticket is not None and self._ticket_admits(meta.ticket):
+                return True
+            reads = meta.reads
+        elif isinstance(meta, GetRequest):
+            reads = meta.reads
+        else:
+            return False
+        return any(
+            ref.incarnation == self.incarnation and self._token_ok(ref)
+            for ref in reads[:AUTH_REFS_CHECKED_MAX]
+        )
+
+    def _ticket_admits(self, ticket: WriteTicket) -> bool:
+        return (
+            ticket.segment_id == self.segment_id
+            and ticket.incarnation == self.incarnation
+            and self.clock_ms() < ticket.deadline_ms
+            and ticket_signature_valid(ticket, self.secret)
+        )
+
     def _pin(self, reads: list[ReadRef], conn: int) -> tuple[int, list[tuple[ObjectStatus, int, bytes]]]:
+        """Take a transfer reference per readable ref, held as one grant of the connection. A
+        grant that holds nothing (every ref refused: no token, stale, missing) is not kept, so
+        a flood of refused pins leaves no state; a connection holds at most
+        `LOCAL_GRANTS_PER_CONNECTION_MAX` grants (more is `Busy`: unpin first)."""
         with self.lock:
+            held = self._conns.get(conn)
+            if held is not None and len(held.grants) >= LOCAL_GRANTS_PER_CONNECTION_MAX:
+                self._count("grants_busy_total")
+                raise Busy(
+                    "too many pinned grants on this connection: unpin first",
+                    limit=LOCAL_GRANTS_PER_CONNECTION_MAX,
+                )
             acquired = [self._acquire(ref) for ref in reads]
             refs = [
                 (ref.slot, ref.slot_generation)
@@ -272,7 +340,8 @@ class ArenaBackend:
                 if a[0] == "ok"
             ]
             grant_id = next(self._grant_ids)
-            self._conn(conn).grants[grant_id] = refs
+            if refs:
+                self._conn(conn).grants[grant_id] = refs
         return grant_id, acquired
 
     def _unpin(self, grant_id: int, conn: int) -> int:

@@ -7,7 +7,14 @@
 | `KVF_SEGMENT_SHM_DIR` | `/dev/shm` | where the arena file lives (co-located clients map it) |
 | `KVF_SEGMENT_DATA_HOST` / `KVF_SEGMENT_DATA_PORT` | 127.0.0.1 / 0 (free port) | TCP data plane |
 | `KVF_SEGMENT_ZONE` / `_RACK` / `_HOST` | zone0 / rack0 / hostname | failure domain |
-| `KVF_SEGMENT_CONNECTIONS_MAX` | 64 | data connections at once; more are answered busy |
+| `KVF_SEGMENT_CONNECTIONS_MAX` | 64 | authenticated data connections per transport; more: busy |
+| `KVF_SEGMENT_CONNECTIONS_PER_SOURCE_MAX` | half of the above | of those, from one peer address |
+| `KVF_SEGMENT_UNAUTH_CONNECTIONS_MAX` | 64 | not yet authenticated; past it the oldest is closed |
+| `KVF_SEGMENT_UNAUTH_CONNECTIONS_PER_SOURCE_MAX` | 16 | of those, from one peer address (same rule) |
+| `KVF_SEGMENT_AUTH_DEADLINE_MS` | 1000 | from accept to a valid credential (token or ticket), else closed |
+| `KVF_SEGMENT_IDLE_TIMEOUT_MS` | 300000 | an authenticated connection between requests |
+| `KVF_SEGMENT_FRAME_TIMEOUT_MS` | 10000 | a request's header + meta, from its first byte |
+| `KVF_SEGMENT_TRANSFER_RATE_MIN_BYTES_PER_S` | 1 MiB | a payload: frame timeout + size at this rate |
 | `KVF_SEGMENT_UCX` / `KVF_SEGMENT_UCX_PORT` | 1 / 0 | also serve UCX (ucxx); 0 disables |
 | `KVF_SEGMENT_TLS_CERT` / `_KEY` / `_CA` | unset | data plane over TLS only (tls://, UCX off); CA for peers |
 | `KVF_SEGMENT_READ_TOKENS_REQUIRED` | 1 | serve reads only with the directory's read token |
@@ -26,6 +33,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvfabric.dataplane.admission import (
+    AUTH_DEADLINE_MS_DEFAULT,
+    FRAME_TIMEOUT_MS_DEFAULT,
+    IDLE_TIMEOUT_MS_DEFAULT,
+    TRANSFER_RATE_MIN_BYTES_PER_S_DEFAULT,
+    UNAUTHENTICATED_MAX_DEFAULT,
+    UNAUTHENTICATED_PER_SOURCE_MAX_DEFAULT,
+    ConnectionLimits,
+)
 from kvfabric.proto.subjects import check_segment_id
 from kvfabric.proto.tickets import SECRET_BYTES_MIN
 from kvfabric.runtime.config import SettingsError, env_int
@@ -56,6 +72,28 @@ class SegmentSettings:
     tls_cert: str = ""  # set (with tls_key): serve the data plane over TLS only (tls://, no UCX)
     tls_key: str = ""
     tls_ca: str = ""  # verifies other segments' certificates when copying from them
+    # Data plane before authentication (kvfabric.dataplane.admission); 0 = half of connections_max.
+    connections_per_source_max: int = 0
+    unauthenticated_max: int = UNAUTHENTICATED_MAX_DEFAULT
+    unauthenticated_per_source_max: int = UNAUTHENTICATED_PER_SOURCE_MAX_DEFAULT
+    auth_deadline_ms: int = AUTH_DEADLINE_MS_DEFAULT
+    idle_timeout_ms: int = IDLE_TIMEOUT_MS_DEFAULT
+    frame_timeout_ms: int = FRAME_TIMEOUT_MS_DEFAULT
+    transfer_rate_min_bytes_per_s: int = TRANSFER_RATE_MIN_BYTES_PER_S_DEFAULT
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        """The bounds every data-plane transport of this segment applies (each on its own)."""
+        return ConnectionLimits(
+            connections_max=self.connections_max,
+            connections_per_source_max=self.connections_per_source_max or max(1, self.connections_max // 2),
+            unauthenticated_max=self.unauthenticated_max,
+            unauthenticated_per_source_max=self.unauthenticated_per_source_max,
+            auth_deadline_ms=self.auth_deadline_ms,
+            idle_timeout_ms=self.idle_timeout_ms,
+            frame_timeout_ms=self.frame_timeout_ms,
+            transfer_rate_min_bytes_per_s=self.transfer_rate_min_bytes_per_s,
+        )
 
 
 def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
@@ -88,4 +126,25 @@ def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
         tls_cert=env.get("KVF_SEGMENT_TLS_CERT", ""),
         tls_key=env.get("KVF_SEGMENT_TLS_KEY", ""),
         tls_ca=env.get("KVF_SEGMENT_TLS_CA", ""),
+        connections_per_source_max=env_int(env, "KVF_SEGMENT_CONNECTIONS_PER_SOURCE_MAX", 0, 0, 4096),
+        unauthenticated_max=env_int(
+            env, "KVF_SEGMENT_UNAUTH_CONNECTIONS_MAX", UNAUTHENTICATED_MAX_DEFAULT, 1, 4096
+        ),
+        unauthenticated_per_source_max=env_int(
+            env,
+            "KVF_SEGMENT_UNAUTH_CONNECTIONS_PER_SOURCE_MAX",
+            UNAUTHENTICATED_PER_SOURCE_MAX_DEFAULT,
+            1,
+            4096,
+        ),
+        auth_deadline_ms=env_int(env, "KVF_SEGMENT_AUTH_DEADLINE_MS", AUTH_DEADLINE_MS_DEFAULT, 10, 60_000),
+        idle_timeout_ms=env_int(env, "KVF_SEGMENT_IDLE_TIMEOUT_MS", IDLE_TIMEOUT_MS_DEFAULT, 100, 86_400_000),
+        frame_timeout_ms=env_int(env, "KVF_SEGMENT_FRAME_TIMEOUT_MS", FRAME_TIMEOUT_MS_DEFAULT, 10, 600_000),
+        transfer_rate_min_bytes_per_s=env_int(
+            env,
+            "KVF_SEGMENT_TRANSFER_RATE_MIN_BYTES_PER_S",
+            TRANSFER_RATE_MIN_BYTES_PER_S_DEFAULT,
+            1,
+            1 << 40,
+        ),
     )

@@ -122,12 +122,15 @@ class SegmentShell:
             read_tokens_required=settings.read_tokens_required,
         )
         tls = bool(settings.tls_cert)
+        # A connection presents a credential (read token, write ticket) before anything else.
         self.server = TcpDataServer(
             self.backend,
             settings.data_host,
             settings.data_port,
-            connections_max=settings.connections_max,
             tls=server_context(settings.tls_cert, settings.tls_key) if tls else None,
+            limits=settings.connection_limits,
+            authenticate=self.backend.admits,
+            count=self.backend.count,
         )
         # Copies read other segments, which serve TLS when this one does (one cluster config).
         self.peer_tls = client_context(settings.tls_ca) if settings.tls_ca else None
@@ -224,7 +227,14 @@ class SegmentShell:
             try:
                 from kvfabric.segment_storage.ucx_thread import UcxThread  # imports ucxx: optional
 
-                self.ucx = UcxThread(self.backend, self.settings.data_host, self.settings.ucx_port)
+                self.ucx = UcxThread(
+                    self.backend,
+                    self.settings.data_host,  # where the TCP server listens, with its rules
+                    self.settings.ucx_port,
+                    limits=self.settings.connection_limits,
+                    authenticate=self.backend.admits,
+                    count=self.backend.count,
+                )
                 addresses.append(await asyncio.to_thread(self.ucx.start))
             except Exception as exc:  # UCX is an extra transport: serve TCP and shm without it
                 self._log.warning("ucx_unavailable", error=repr(exc))

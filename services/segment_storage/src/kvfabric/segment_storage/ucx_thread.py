@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from typing import Final
 
+from kvfabric.dataplane.admission import Authenticator, ConnectionLimits
 from kvfabric.dataplane.backend import SegmentBackend
 from kvfabric.dataplane.ucx import UcxServer
 
@@ -22,8 +24,21 @@ STOP_TIMEOUT_S: Final = 10.0
 
 
 class UcxThread:
-    def __init__(self, backend: SegmentBackend, host: str, port: int = 0) -> None:
+    """`limits`, `authenticate`, `count`: the TCP server's rules (`kvfabric.dataplane.admission`);
+    the server accepts only connections addressed to `host`, where the TCP server is bound."""
+
+    def __init__(
+        self,
+        backend: SegmentBackend,
+        host: str,
+        port: int = 0,
+        *,
+        limits: ConnectionLimits | None = None,
+        authenticate: Authenticator | None = None,
+        count: Callable[[str], None] | None = None,
+    ) -> None:
         self.backend, self.host, self.port = backend, host, port
+        self.limits, self.authenticate, self.count = limits, authenticate, count
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvf-ucx", daemon=True)
         self.server: UcxServer | None = None
@@ -33,7 +48,14 @@ class UcxThread:
         self._thread.start()
 
         async def start() -> UcxServer:
-            server = UcxServer(self.backend, self.host, self.port)
+            server = UcxServer(
+                self.backend,
+                self.host,
+                self.port,
+                limits=self.limits,
+                authenticate=self.authenticate,
+                count=self.count,
+            )
             await server.start()
             return server
 
