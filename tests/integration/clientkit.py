@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import ssl
 
 from kvfabric.client import ClientSettings, EngineSpec, Hit, KvClient
 from kvfabric.client.transfers import read_ref
@@ -50,12 +51,12 @@ def objects_for(tokens: list[int], first: int, last: int) -> list[list[bytes]]:
     return [[chunk_bytes(tokens, c)] for c in range(first, last)]
 
 
-def corrupt_stored_byte(hit: Hit, chunk: int) -> None:
+def corrupt_stored_byte(hit: Hit, chunk: int, tls: ssl.SSLContext | None = None) -> None:
     """Test hook: flip one byte of a stored object in its segment's arena."""
     location = hit.objects[chunk][0]
     replica = location.replicas[0]
     ref = read_ref(replica, location.size_bytes)
-    with TcpDataClient.connect(replica.data_addr) as data:
+    with TcpDataClient.connect(replica.data_addr, tls=tls) as data:
         info = data.map_info(reads=[ref])  # the arena path only for a token holder
         fd = os.open(info.arena_path, os.O_RDWR)
         try:

@@ -25,6 +25,7 @@ Verbs and their request → reply:
 | `freed` | `SlotsFreed` | `FreedAck` |
 | `replicate_begin` | `ReplicateBegin` | `ReplicateBeginReply` |
 | `replica_corrupt` | `ReplicaCorrupt` | `ReplicaCorruptReply` |
+| `replica_suspect` | `ReplicaSuspect` | `ReplicaSuspectReply` |
 | `list_segments` | `ListSegments` | `SegmentList` |
 | `list_groups` / `show_group` | `ListGroups` / `ShowGroup` | `GroupList` |
 | `list_leases` | `ListLeases` | `LeaseList` |
@@ -519,6 +520,25 @@ class ReplicaCorrupt(_Msg, frozen=True, kw_only=True, tag="dir.replica_corrupt.v
     reason: str = "corrupt"
 
 
+class ReplicaSuspect(_Msg, frozen=True, kw_only=True, tag="dir.replica_suspect.v1"):
+    """A reader's report (`replica_suspect`, any instance): bytes read from this replica did not
+    match the object's checksum. The directory only relays it to the segment, which re-verifies
+    the slot (when it holds an object of the reporter's share domains) and, when it is corrupt,
+    frees it and reports `ReplicaCorrupt` (the scrubber's path): a forged report costs one
+    re-hash and drops nothing. Rate-limited per tenant; the reply says only whether it was
+    passed on."""
+
+    segment_id: str
+    incarnation: int
+    slot: int
+    slot_generation: int
+
+
+class ReplicaSuspectReply(_Msg, frozen=True, kw_only=True, tag="dir.replica_suspect_reply.v1"):
+    epoch: int = 0  # not a shard's: any instance relays
+    relayed: bool
+
+
 class ReplicaCorruptReply(_Msg, frozen=True, kw_only=True, tag="dir.replica_corrupt_reply.v1"):
     epoch: int
     dropped: bool  # False: not a replica the directory knows (already gone): free it anyway
@@ -737,6 +757,7 @@ DirectoryRequest = (
     | SlotsFreed
     | ReplicateBegin
     | ReplicaCorrupt
+    | ReplicaSuspect
     | ListSegments
     | ListGroups
     | ShowGroup
@@ -760,6 +781,7 @@ DirectoryReply = (
     | FreedAck
     | ReplicateBeginReply
     | ReplicaCorruptReply
+    | ReplicaSuspectReply
     | SegmentList
     | GroupList
     | LeaseList

@@ -102,6 +102,10 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             ]
         ),
     ),
+    "dir.replica_suspect.v1": (
+        "directory.request",
+        directory.ReplicaSuspect(segment_id="s1", incarnation=9, slot=4, slot_generation=2),
+    ),
     "dir.ev.published.v1": (
         "directory.event",
         directory.GroupPublished(group=b"g" * 32, chunk_index=5, members=2, degraded=True),

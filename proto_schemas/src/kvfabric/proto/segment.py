@@ -8,6 +8,7 @@ Verbs:
 - `drain`: refuse new writes, keep serving reads (or undo it).
 - `report`: a directory leader rebuilding its index asks what is stored (see `ReportRequest`).
 - `copy`: write a ticket's object by reading it from another segment (see `CopyRequest`).
+- `verify`: re-hash named slots now (a reader saw a checksum mismatch: `VerifyRequest`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ __all__ = [
     "SegmentMessage",
     "SegmentReport",
     "SegmentState",
+    "VerifyReply",
+    "VerifyRequest",
     "segment_decoder",
 ]
 
@@ -108,6 +111,24 @@ class SegmentState(msgspec.Struct, frozen=True, kw_only=True, tag="seg.state.v1"
     used_bytes: int
 
 
+class VerifyRequest(msgspec.Struct, frozen=True, kw_only=True, tag="seg.verify.v1", tag_field="t"):
+    """`kvf.v1.segment.verify.<segment_id>`, relayed by the directory from a reader that saw a
+    checksum mismatch (`ReplicaSuspect`): re-hash the slot now, ahead of the scrubber; a corrupt
+    one is freed and reported (`replica_corrupt`). Nothing else happens to a slot that is fine
+    or was freed or reused meanwhile."""
+
+    incarnation: int
+    slot: int
+    slot_generation: int
+    # The reporting tenant's share domains (16-byte digests): a slot holding an object of none of
+    # them is left alone. Empty: a service's report, any object.
+    domains: list[bytes] = msgspec.field(default_factory=list)
+
+
+class VerifyReply(msgspec.Struct, frozen=True, kw_only=True, tag="seg.verify_reply.v1", tag_field="t"):
+    queued: bool  # false: another check of it is pending, or the segment's queue is full
+
+
 SegmentMessage = (
     FreeSlotsRequest
     | FreeSlotsReply
@@ -117,6 +138,8 @@ SegmentMessage = (
     | SegmentReport
     | CopyRequest
     | CopyReply
+    | VerifyRequest
+    | VerifyReply
 )
 REPORT_PAGE_MAX: Final = 4096  # objects per report page (≈ 140 B each: well under 1 MiB)
 

@@ -39,6 +39,7 @@ from kvfabric.client.lookups import RELEASE_MANY_VERB, lookup_by_instance
 from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.releases import RELEASES_CONCURRENT_MAX, give_back
 from kvfabric.client.settings import ClientSettings
+from kvfabric.client.suspects import REPORT_TIMEOUT_S, SuspectReporter
 from kvfabric.client.threads import thread_placement
 from kvfabric.client.transfers import SegmentPool
 from kvfabric.core.client_loads import (
@@ -201,6 +202,7 @@ class AsyncKvClient:
         self._capacity = asyncio.Event()  # set whenever a transfer ends (ReleaseStaging: room again)
         self._starting: list[tuple[TransferId, m.ObjectLocation, ScatterDest]] = []  # not dispatched yet
         self._closed = False
+        self.suspects: SuspectReporter | None = None  # reports of corrupt replicas (after start)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -209,6 +211,10 @@ class AsyncKvClient:
         `BadRequest` for a setting the client cannot use, `Unauthorized` when NATS refuses it,
         `Unavailable` when no server listens, `Indeterminate` when none answers in time."""
         self.nc, self.router = await open_nats(self.settings)
+        self.suspects = SuspectReporter(
+            asyncio.get_running_loop(), lambda: self.router, self.metrics.corrupt_reports
+        )
+        self.pool.on_corrupt = self.suspects.seen  # a bad replica is reported, never dropped here
         if self.settings.metrics_port >= 0:
             self.metrics.serve(self.settings.metrics_port)
 
@@ -220,6 +226,8 @@ class AsyncKvClient:
         await self._release_leases(list(self._leases))
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.settings.save_timeout_ms / 1000)
+        if self.suspects is not None:
+            await self.suspects.close(REPORT_TIMEOUT_S)
         if self.nc is not None:
             with contextlib.suppress(Exception):
                 await self.nc.drain()

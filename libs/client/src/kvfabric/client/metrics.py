@@ -38,6 +38,12 @@ class ClientMetrics:
             "Object reads retried on another replica (the first one failed)",
             registry=r,
         )
+        self.corrupt_reports = Counter(
+            "kvfabric_client_corrupt_reports",
+            "Replicas whose bytes failed their checksum, by what became of the report to the directory",
+            ["outcome"],
+            registry=r,
+        )
         self.busy_retries = Counter(
             "kvfabric_client_busy_retries",
             "Directory requests of saves asked again after a busy answer (backoff)",

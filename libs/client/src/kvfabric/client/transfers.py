@@ -88,6 +88,9 @@ class SegmentPool:
         # Segments on this host (empty: any segment whose arena can be mapped counts as local).
         self.local_segments = local_segments
         self.on_retry = on_retry  # called once per read retried on another replica (metrics)
+        # Called (from a transfer thread) with each replica whose bytes failed their checksum:
+        # the client reports it (`replica_suspect`) so the segment re-verifies and drops it.
+        self.on_corrupt: Callable[[ObjectLocation, Replica], None] = lambda location, replica: None
         self._idle: dict[tuple[str, bool], list[_Connection]] = {}
         self._in_use: dict[str, threading.BoundedSemaphore] = {}  # per data address
         self._swept_s = 0.0
@@ -226,6 +229,7 @@ class SegmentPool:
             # segment's: a segment that lost or mixed up bytes cannot vouch for them.
             if self.verify and (result.checksum != location.checksum or digest != location.checksum):
                 cause = "checksum"
+                self.on_corrupt(location, replica)
                 continue
             return OK
         return cause
@@ -256,6 +260,7 @@ class SegmentPool:
                         causes[i] = result.status if result.status == "stale_generation" else "not_found"
                     elif self.verify and (result.checksum != loc.checksum or digest != loc.checksum):
                         causes[i] = "checksum"
+                        self.on_corrupt(loc, firsts[i])  # type: ignore[arg-type]  # live: not None
                     else:
                         causes[i] = OK
             except GateClosed:

@@ -246,6 +246,13 @@ class SlotTable:
                 break
         return out
 
+    def held_one(self, slot: int, generation: int) -> HeldSlot | None:
+        """`slot` as `held` lists it, if it is STORED under `generation` (else None): O(1)."""
+        rec = self._slots.get(slot)
+        if rec is None or rec.generation != generation or rec.state != "stored":
+            return None
+        return HeldSlot(slot, rec.generation, rec.size, rec.checksum, rec.key)
+
     def stored(self, slot: int, generation: int, checksum: bytes) -> None:
         """WRITING -> STORED: the transport is done writing; the object is readable from now on.
 

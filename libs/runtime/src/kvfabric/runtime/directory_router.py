@@ -230,6 +230,15 @@ class DirectoryRouter:
             self.nc, self._subject(verb, instance), message, m.reply_decoder, timeout_s, headers=headers
         )
 
+    async def ask_any(self, verb: str, message: msgspec.Struct, timeout_s: float) -> m.DirectoryReply:
+        """One request any instance may answer (its queue group: `replica_suspect`), no retry."""
+        subject = (
+            tenant_subject(Service.DIRECTORY, self.tenant, verb)
+            if self.tenant
+            else endpoint_subject(Service.DIRECTORY, verb)
+        )
+        return await request(self.nc, subject, message, m.reply_decoder, timeout_s)
+
     def _saw(self, shard: int, reply: object) -> None:
         epoch = getattr(reply, "epoch", 0)
         newest = self.epochs.get(shard, 0)

@@ -50,6 +50,7 @@ from kvfabric.core.directory import DirectoryConfig, DirectoryCore
 from kvfabric.directory.handlers import VERBS, DirectoryShell, now_ms
 from kvfabric.directory.leader import SegmentRegistry
 from kvfabric.directory.rebuild import gather_holdings
+from kvfabric.directory.suspects import SUSPECT_VERB, SUSPECTS_TENANT_PER_S, SuspectRelay
 from kvfabric.format.errors import BadRequest, BatchTooLarge, KvfError, Unauthorized, Unavailable, WrongShard
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
@@ -221,6 +222,8 @@ class ShardHost:
         self.missing_segment_rebuilds = 0
         # One bucket per granted tenant that asked (bounded by the grants); refused answers.
         self._shard_map_buckets: dict[str, _Bucket] = {}
+        self._suspect_buckets: dict[str, _Bucket] = {}
+        self.suspects = SuspectRelay(lambda: self._nc, self._tenant_may_suspect)
         self.shard_map_rate_limited = 0
         self._log = get_logger("kvfabric.directory.host").bind(instance_id=instance_id)
 
@@ -242,6 +245,9 @@ class ShardHost:
                 instance=self.instance_id,
                 gives_back=verb in GIVEBACK_VERBS,
             )
+        # A reader's corruption report, relayed to the segment (`kvfabric.directory.suspects`).
+        runtime.add_endpoint(SUSPECT_VERB, self._on_suspect)
+        runtime.add_tenant_endpoint(SUSPECT_VERB, self._on_tenant_suspect)
         # One prefix's lookups / one hit's releases for every shard led here (`lookup_many`).
         for verb, kind, many, pad, gives_back in (
             (LOOKUP_MANY_VERB, m.LookupMany, self.lookup_many, self.lookup_reply_min_ms, False),
@@ -289,6 +295,28 @@ class ShardHost:
             return await self._shell(message).handle_tenant(message, verb, grant)
 
         return handle
+
+    async def _on_suspect(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+        message = self._decode(data, m.ReplicaSuspect)
+        assert isinstance(message, m.ReplicaSuspect)
+        return await self.suspects.handle(message, None)
+
+    async def _on_tenant_suspect(
+        self, data: bytes, headers: Mapping[str, str], tenant: str
+    ) -> msgspec.Struct:
+        grant = self.grants.get(tenant)
+        if grant is None:
+            raise Unauthorized(f"tenant {tenant!r} has no share domains here")
+        message = self._decode(data, m.ReplicaSuspect)
+        assert isinstance(message, m.ReplicaSuspect)
+        return await self.suspects.handle(message, grant)
+
+    def _tenant_may_suspect(self, tenant: str) -> bool:
+        now_s = time.monotonic()
+        bucket = self._suspect_buckets.get(tenant)
+        if bucket is None:  # one per granted tenant that reported (bounded by the grants)
+            bucket = self._suspect_buckets[tenant] = _Bucket(SUSPECTS_TENANT_PER_S, now_s)
+        return bucket.take(now_s)
 
     def _many_endpoint(self, kind: type[msgspec.Struct], many: _Many) -> Handler:
         async def handle(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:

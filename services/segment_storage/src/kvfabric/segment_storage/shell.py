@@ -20,6 +20,8 @@ Lifecycle:
 - scrub (background, `scrub_bytes_per_s`; 0: off): re-hash stored objects round-robin, a pass at
   most once per `scrub_pass_min_ms`; a mismatch frees the slot at once (no read of it succeeds
   from then on) and is reported to the directory (`replica_corrupt`), whatever it answers.
+- verify: a slot a reader found corrupt, relayed by the directory, is re-hashed at once the same
+  way (`kvfabric.segment_storage.suspects`: bounded queue, one at a time).
 - If the directory answers a heartbeat with `not_found` / `stale_generation` (it declared this
   segment down), the segment stops with exit code 75 (EX_TEMPFAIL): it must restart empty under a
   new incarnation; it never serves bytes the directory has forgotten.
@@ -76,6 +78,7 @@ from kvfabric.segment_storage.confirms import ConfirmBatcher
 from kvfabric.segment_storage.copier import fetch_replica
 from kvfabric.segment_storage.scrubber import CorruptObject, Scrubber, ScrubPacer
 from kvfabric.segment_storage.settings import SegmentSettings
+from kvfabric.segment_storage.suspects import SuspectChecker
 
 if TYPE_CHECKING:
     from kvfabric.segment_storage.ucx_thread import UcxThread
@@ -149,6 +152,8 @@ class SegmentShell:
         self._copy_lock = threading.Lock()
         self.copies_in_flight = 0
         self.scrubber = Scrubber(self.backend, pass_min_ms=settings.scrub_pass_min_ms)
+        # Slots a reader found corrupt (relayed by the directory): re-hashed now, reported if so.
+        self.suspects = SuspectChecker(self.backend, self.incarnation, self._report_corrupt)
         self.confirms = ConfirmBatcher(
             settings.segment_id,
             self.incarnation,
@@ -164,6 +169,7 @@ class SegmentShell:
         runtime.add_endpoint("drain", self._on_drain, instance=self.settings.segment_id)
         runtime.add_endpoint("report", self._on_report, instance=self.settings.segment_id)
         runtime.add_endpoint("copy", self._on_copy, instance=self.settings.segment_id)
+        runtime.add_endpoint("verify", self.suspects.on_verify, instance=self.settings.segment_id)
 
     async def _directory(self, verb: str, message: msgspec.Struct, trace_id: str = "") -> msgspec.Struct:
         """A keyed request (confirm, replica_corrupt) to the leader of its key's shard."""
@@ -270,6 +276,7 @@ class SegmentShell:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.suspects.stop()
         # A copy still running holds only its slot (aborted when its fetch fails) and views of
         # the arena (which stays mapped while any exists): nothing to wait for.
         self._copy_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,124 @@
+"""Re-verifying a slot a reader found corrupt, now rather than at the scrubber's next pass.
+
+A reader that gets bytes whose hash does not match the object's checksum tells the directory
+(`ReplicaSuspect`), which relays it here (`kvf.v1.segment.verify.<segment_id>`, `VerifyRequest`):
+the reader cannot drop a replica itself (it may lie, or be another tenant), the segment that
+holds the bytes decides. A suspect slot is re-hashed by `ArenaBackend.verify_stored` (under a
+read reference; a mismatch frees it at once, so no later read is served) and, when corrupt,
+reported to the directory like a scrubber finding (`replica_corrupt`): the replica is dropped
+and repair restores the target. A slot that is fine, or was freed or reused meanwhile, is left
+as it is: a forged report costs one re-hash.
+
+Bounds: at most `SUSPECTS_PENDING_MAX` slots wait (more are refused: `queued` false), one is
+hashed at a time on a worker thread, a slot whose object lies outside the reporter's share
+domains (`VerifyRequest.domains`) is not hashed at all, a slot found fine is not hashed again for
+`VERIFIED_OK_HOLD_S` (at most `VERIFIED_OK_MAX` remembered), so a flood of reports of one good
+slot costs one hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Final
+
+import msgspec
+
+from kvfabric.core.quotas import tenant_of
+from kvfabric.format.errors import BadRequest
+from kvfabric.proto.segment import VerifyReply, VerifyRequest, segment_decoder
+from kvfabric.segment_storage.backend import ArenaBackend
+from kvfabric.segment_storage.scrubber import CorruptObject
+
+__all__ = ["SUSPECTS_PENDING_MAX", "VERIFIED_OK_HOLD_S", "VERIFIED_OK_MAX", "SuspectChecker"]
+
+SUSPECTS_PENDING_MAX: Final = 32
+VERIFIED_OK_HOLD_S: Final = 10.0
+VERIFIED_OK_MAX: Final = 1024
+
+Slot = tuple[int, int]  # (slot, generation)
+
+
+class SuspectChecker:
+    """The `verify` endpoint's queue and its one worker; one event loop."""
+
+    def __init__(
+        self,
+        backend: ArenaBackend,
+        incarnation: int,
+        report: Callable[[CorruptObject], Awaitable[None]],
+        *,
+        clock_s: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.backend = backend
+        self.incarnation = incarnation
+        self._report = report
+        self._clock_s = clock_s
+        self._pending: deque[tuple[Slot, frozenset[bytes]]] = deque()
+        self._queued: set[Slot] = set()
+        self._verified_ok: OrderedDict[Slot, float] = OrderedDict()  # -> when it was found fine
+        self._worker: asyncio.Task[None] | None = None
+        self.checked = 0
+        self.corrupt_found = 0
+        self.refused = 0
+
+    async def on_verify(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+        request = segment_decoder.decode(data)
+        if not isinstance(request, VerifyRequest):
+            raise BadRequest(f"verify takes VerifyRequest, got {type(request).__name__}")
+        return VerifyReply(queued=self.suspect(request))
+
+    def suspect(self, request: VerifyRequest) -> bool:
+        """Queue one slot for a check; whether it was queued (see the module docstring)."""
+        if request.incarnation != self.incarnation:
+            return False  # about an earlier life of this segment: its slots are gone
+        slot = (request.slot, request.slot_generation)
+        found_ok = self._verified_ok.get(slot)
+        if found_ok is not None and self._clock_s() - found_ok < VERIFIED_OK_HOLD_S:
+            return False
+        if slot in self._queued or len(self._pending) >= SUSPECTS_PENDING_MAX:
+            self.refused += 1
+            return False
+        self._pending.append((slot, frozenset(request.domains)))
+        self._queued.add(slot)
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain())
+        return True
+
+    async def _drain(self) -> None:
+        while self._pending:
+            slot, domains = self._pending.popleft()
+            try:
+                verdict, found = await asyncio.to_thread(self._check, slot, domains)
+            finally:
+                self._queued.discard(slot)
+            if verdict == "ok":
+                self._verified_ok[slot] = self._clock_s()
+                self._verified_ok.move_to_end(slot)
+                while len(self._verified_ok) > VERIFIED_OK_MAX:
+                    self._verified_ok.popitem(last=False)
+            if found is not None:
+                self.corrupt_found += 1
+                await self._report(found)
+
+    def _check(self, slot: Slot, domains: frozenset[bytes]) -> tuple[str, CorruptObject | None]:
+        """Blocking (hashes one object): the verdict, and the corrupt object (freed already)."""
+        with self.backend.lock:
+            held = self.backend.slots.held_one(*slot)
+        if held is None:
+            return "skipped", None  # freed or reused meanwhile: nothing of it is served any more
+        if domains and tenant_of(held.key) not in domains:
+            return "foreign", None  # another tenant's object: not the reporter's to question
+        self.checked += 1
+        verdict = self.backend.verify_stored(held.slot, held.generation, held.size)
+        if verdict == "corrupt":
+            return verdict, CorruptObject(held.key, held.slot, held.generation, held.size)
+        return verdict, None
+
+    async def stop(self) -> None:
+        self._pending.clear()
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)

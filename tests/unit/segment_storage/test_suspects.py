@@ -1,0 +1,97 @@
+"""A segment re-verifies slots readers found corrupt (issue 22), within bounds: a bounded queue,
+one report per slot pending, a slot found fine not re-hashed for a while (a flood of forged
+reports of one good slot costs one hash), another tenant's object never hashed, a corrupt one
+reported once, and nothing about an earlier incarnation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, cast
+
+from kvfabric.core.segment_slots import HeldSlot
+from kvfabric.proto.segment import VerifyRequest
+from kvfabric.segment_storage.scrubber import CorruptObject
+from kvfabric.segment_storage.suspects import SUSPECTS_PENDING_MAX, VERIFIED_OK_HOLD_S, SuspectChecker
+
+ALICE = bytes(range(16))
+BOB = bytes(range(1, 17))
+
+
+def key_of(domain: bytes) -> bytes:
+    return bytes(4) + domain + bytes(76)  # the domain digest at [4:20], like a KVKey
+
+
+class Backend:
+    """Slots 0..99 stored (alice's); `corrupt` ones fail their re-hash; hashes counted."""
+
+    def __init__(self, corrupt: set[int] | None = None, owner: bytes = ALICE) -> None:
+        self.lock = threading.Lock()
+        self.slots = self
+        self.corrupt = corrupt or set()
+        self.owner = owner
+        self.hashed: list[int] = []
+
+    def held_one(self, slot: int, generation: int) -> HeldSlot | None:
+        return HeldSlot(slot, generation, 4096, b"c" * 16, key_of(self.owner)) if slot < 100 else None
+
+    def verify_stored(self, slot: int, generation: int, size: int) -> str:
+        self.hashed.append(slot)
+        return "corrupt" if slot in self.corrupt else "ok"
+
+
+def checker(backend: Backend, now: list[float]) -> tuple[SuspectChecker, list[CorruptObject]]:
+    reported: list[CorruptObject] = []
+
+    async def report(found: CorruptObject) -> None:
+        reported.append(found)
+
+    return SuspectChecker(cast(Any, backend), 7, report, clock_s=lambda: now[0]), reported
+
+
+def request(slot: int, domains: tuple[bytes, ...] = (ALICE,), incarnation: int = 7) -> VerifyRequest:
+    return VerifyRequest(incarnation=incarnation, slot=slot, slot_generation=1, domains=list(domains))
+
+
+async def settle(suspects: SuspectChecker) -> None:
+    for _ in range(200):
+        await asyncio.sleep(0.005)
+        if suspects._worker is None or suspects._worker.done():
+            return
+
+
+def test_a_corrupt_slot_is_reported_once_and_a_good_one_hashed_once_per_hold() -> None:
+    async def main() -> None:
+        backend, now = Backend(corrupt={3}), [100.0]
+        suspects, reported = checker(backend, now)
+        assert suspects.suspect(request(3)) and not suspects.suspect(request(3))  # one pending
+        await settle(suspects)
+        assert [f.slot for f in reported] == [3]
+        for _ in range(50):  # a flood of reports of a good slot
+            suspects.suspect(request(5))
+            await settle(suspects)
+        assert backend.hashed.count(5) == 1
+        now[0] += VERIFIED_OK_HOLD_S + 1
+        assert suspects.suspect(request(5))
+        await settle(suspects)
+        assert backend.hashed.count(5) == 2
+
+    asyncio.run(main())
+
+
+def test_the_queue_is_bounded_and_foreign_or_stale_reports_hash_nothing() -> None:
+    async def main() -> None:
+        backend, now = Backend(corrupt=set(range(100))), [0.0]
+        suspects, reported = checker(backend, now)
+        queued = [suspects.suspect(request(s)) for s in range(SUSPECTS_PENDING_MAX + 10)]
+        assert queued.count(True) == SUSPECTS_PENDING_MAX and suspects.refused == 10
+        await settle(suspects)
+        assert len(reported) == SUSPECTS_PENDING_MAX
+        backend.hashed.clear()
+        assert suspects.suspect(request(60, domains=(BOB,)))  # bob about alice's object
+        assert not suspects.suspect(request(61, incarnation=6))  # an earlier life of the segment
+        assert suspects.suspect(request(150))  # nothing stored there
+        await settle(suspects)
+        assert backend.hashed == [] and len(reported) == SUSPECTS_PENDING_MAX
+
+    asyncio.run(main())
