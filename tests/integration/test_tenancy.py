@@ -360,11 +360,13 @@ def test_forged_or_expired_ticket_stores_nothing(secure: Secure) -> None:
             )
             expired = begun.results[1].tickets[0]
             await asyncio.sleep(0.5)
-            with TcpDataClient.connect(expired.data_addr, tls=secure.data_tls()) as data_client:
-                with pytest.raises(Unauthorized):
-                    data_client.put(forged_ticket, data)  # a longer deadline breaks the signature
-                with pytest.raises(KvfError, match="deadline"):
-                    data_client.put(expired, data)
+            # A connection's first request must carry a valid credential (docs/security.md, "Data
+            # plane before authentication"): each one is refused, and its connection closed.
+            tls = secure.data_tls()
+            with TcpDataClient.connect(expired.data_addr, tls=tls) as plane, pytest.raises(Unauthorized):
+                plane.put(forged_ticket, data)  # a longer deadline breaks the signature
+            with TcpDataClient.connect(expired.data_addr, tls=tls) as plane, pytest.raises(Unauthorized):
+                plane.put(expired, data)  # past its deadline: no credential any more
         finally:
             await nc.close()
         state = await as_admin(secure, "list_segments", m.ListSegments())
