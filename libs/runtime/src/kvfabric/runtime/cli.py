@@ -23,6 +23,7 @@ from kvfabric.runtime.config import (
     INFLIGHT_MAX_DEFAULT,
     NATS_URL_DEFAULT,
     SHUTDOWN_GRACE_MS_DEFAULT,
+    STOP_DEADLINE_MS_DEFAULT,
     RuntimeSettings,
     SettingsError,
     load_settings,
@@ -38,6 +39,7 @@ __all__ = [
     "MetricsPortOption",
     "NatsUrlOption",
     "ShutdownGraceMsOption",
+    "StopDeadlineMsOption",
     "service_cli",
 ]
 
@@ -83,6 +85,15 @@ ShutdownGraceMsOption: TypeAlias = Annotated[
         f"Default {SHUTDOWN_GRACE_MS_DEFAULT}.",
     ),
 ]
+StopDeadlineMsOption: TypeAlias = Annotated[
+    int | None,
+    typer.Option(
+        "--stop-deadline-ms",
+        help=f"After a stop is requested (SIGTERM, lease lost, NATS lost), exit with 79 by then "
+        f"whatever hangs; a second SIGTERM exits at once. Env KVF_STOP_DEADLINE_MS. "
+        f"Default {STOP_DEADLINE_MS_DEFAULT}.",
+    ),
+]
 
 
 def service_cli(
@@ -101,6 +112,7 @@ def service_cli(
         log_level: LogLevelOption = None,
         log_json: LogJsonOption = None,
         shutdown_grace_ms: ShutdownGraceMsOption = None,
+        stop_deadline_ms: StopDeadlineMsOption = None,
     ) -> None:
         flags: dict[str, object] = {
             "nats_url": nats_url,
@@ -111,6 +123,7 @@ def service_cli(
             "log_level": log_level.lower() if log_level is not None else None,
             "log_json": log_json,
             "shutdown_grace_ms": shutdown_grace_ms,
+            "stop_deadline_ms": stop_deadline_ms,
         }
         try:
             settings = load_settings(flags, os.environ)

@@ -26,6 +26,7 @@ __all__ = [
     "METRICS_PORT_DISABLED",
     "METRICS_PORT_PICK_FREE",
     "NATS_URL_DEFAULT",
+    "STOP_DEADLINE_MS_DEFAULT",
     "RuntimeSettings",
     "SettingsError",
     "env_int",
@@ -42,6 +43,11 @@ INFLIGHT_MAX_DEFAULT: Final = 64
 INFLIGHT_MAX_LIMIT: Final = 100_000
 SHUTDOWN_GRACE_MS_DEFAULT: Final = 5_000
 SHUTDOWN_GRACE_MS_MAX: Final = 600_000
+# A requested stop (SIGTERM, a lapsed lease, NATS lost) that has not ended the process by then
+# exits it (`kvfabric.runtime.deadline`): above the sum of the stop's own steps (5 s each:
+# endpoints, in-flight grace, cancelled handlers, NATS drain) and below Kubernetes' 30 s.
+STOP_DEADLINE_MS_DEFAULT: Final = 25_000
+STOP_DEADLINE_MS_MAX: Final = 3_600_000
 NATS_CONNECT_TIMEOUT_MS_DEFAULT: Final = 2_000
 NATS_RECONNECT_WAIT_MS_DEFAULT: Final = 500
 NATS_RECONNECT_ATTEMPTS_MAX_DEFAULT: Final = 120
@@ -78,6 +84,8 @@ class RuntimeSettings:
     log_json: bool | None = None
     # On SIGTERM/SIGINT: how long in-flight handlers may finish before they are cancelled.
     shutdown_grace_ms: int = SHUTDOWN_GRACE_MS_DEFAULT
+    # After a stop is requested, the process exits (code 79) by this deadline whatever hangs.
+    stop_deadline_ms: int = STOP_DEADLINE_MS_DEFAULT
     nats_connect_timeout_ms: int = NATS_CONNECT_TIMEOUT_MS_DEFAULT
     nats_reconnect_wait_ms: int = NATS_RECONNECT_WAIT_MS_DEFAULT
     # Per server; after that the connection closes and the service exits non-zero.
@@ -105,6 +113,12 @@ class RuntimeSettings:
             "shutdown_grace_ms",
             self.shutdown_grace_ms,
             f"want 0..{SHUTDOWN_GRACE_MS_MAX}",
+        )
+        _check(
+            self.shutdown_grace_ms < self.stop_deadline_ms <= STOP_DEADLINE_MS_MAX,
+            "stop_deadline_ms",
+            self.stop_deadline_ms,
+            f"want more than shutdown_grace_ms ({self.shutdown_grace_ms}) and at most {STOP_DEADLINE_MS_MAX}",
         )
         _check(
             self.nats_connect_timeout_ms >= 1,
@@ -195,6 +209,7 @@ _PARSERS: Final[Mapping[str, Callable[[str, str], object]]] = {
     "log_level": _parse_level,
     "log_json": _parse_optional_bool,
     "shutdown_grace_ms": _parse_int,
+    "stop_deadline_ms": _parse_int,
     "nats_connect_timeout_ms": _parse_int,
     "nats_reconnect_wait_ms": _parse_int,
     "nats_reconnect_attempts_max": _parse_int,

@@ -20,6 +20,14 @@ Lifecycle (`state`): created → starting → running → stopping → stopped.
 - stopped: `exit_code` is 0 after a requested stop, `EXIT_UNAVAILABLE` when NATS was lost or
   never reached, `EXIT_SOFTWARE` after an `InvariantViolation`.
 
+Bounded stops (`kvfabric.runtime.deadline`): a service that owns its process calls
+`stop_on_signals()`; from then on every `request_stop` (a signal, a lapsed lease, NATS lost)
+arms a watchdog thread that exits the process with `EXIT_STOP_OVERRUN` (79, logged
+`stop_overran`) unless it ended within `stop_deadline_ms`, whatever hangs (a task that does not
+end when cancelled, a wedged loop). The signal handlers are plain Python handlers, so SIGTERM
+arms the watchdog even while the event loop is blocked; a second SIGTERM/SIGINT exits at once
+(`stop_forced`). `run()` (in-process use) closes the watchdog once its stop is done.
+
 Tenant endpoints (`add_tenant_endpoint`) listen on `kvf.v1.<service>.t.*.<verb>`; their handler
 also gets the tenant token of the subject the request arrived on (NATS permissions guarantee the
 sender is that tenant: docs/security.md). A tenant request is dropped unless its reply subject is
@@ -36,6 +44,7 @@ The handler owns the request bytes only for the duration of the call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import os
@@ -67,6 +76,7 @@ from kvfabric.proto.subjects import (
     tenant_inbox_prefix,
 )
 from kvfabric.runtime.config import RuntimeSettings
+from kvfabric.runtime.deadline import EXIT_STOP_OVERRUN, StopWatchdog, cancel_and_wait, exit_now
 from kvfabric.runtime.inflight import Admission, TenantLimiter
 from kvfabric.runtime.logs import get_logger, request_context
 from kvfabric.runtime.metrics import MetricsServer, Outcome, ServiceMetrics
@@ -76,6 +86,7 @@ from kvfabric.runtime.replies import error_response, internal_error
 __all__ = [
     "EXIT_OK",
     "EXIT_SOFTWARE",
+    "EXIT_STOP_OVERRUN",
     "EXIT_UNAVAILABLE",
     "Handler",
     "RuntimeState",
@@ -185,6 +196,10 @@ class ServiceRuntime:
         # Bound on the runtime's logger and, per request, in contextvars for handler code.
         self._identity: dict[str, object] = {"service": service.value, "instance_id": settings.instance_id}
         self._log = get_logger("kvfabric.runtime").bind(**self._identity)
+        # Set by `stop_on_signals` (the service owns its process): bounds every requested stop.
+        self._watchdog: StopWatchdog | None = None
+        self._signals_seen = 0
+        self._previous_handlers: dict[signal.Signals, object] = {}
 
     # ---- read-only views -------------------------------------------------------------------
 
@@ -587,7 +602,10 @@ class ServiceRuntime:
     # ---- stopping --------------------------------------------------------------------------
 
     def request_stop(self, reason: str) -> None:
-        """Ask `run` to stop (idempotent; safe from a signal handler on the loop)."""
+        """Ask `run` to stop (idempotent; call it on the loop). With `stop_on_signals` in
+        effect, the process exits `stop_deadline_ms` later whatever still runs."""
+        if self._watchdog is not None:
+            self._watchdog.arm(self.settings.stop_deadline_ms / 1000, reason)
         if self._stop_requested.is_set():
             return
         self._stop_reason = reason
@@ -610,18 +628,43 @@ class ServiceRuntime:
         self.stop_on_signals()
         try:
             await self._stop_requested.wait()
+            return await self.stop()
         finally:
-            loop = asyncio.get_running_loop()
-            for sig in STOP_SIGNALS:
-                loop.remove_signal_handler(sig)
-        return await self.stop()
+            self.release_signals()
 
     def stop_on_signals(self) -> None:
-        """SIGTERM/SIGINT ask for a graceful stop (`request_stop`). For services that drive
-        `start`/`wait_stop_requested`/`stop` themselves instead of `run`."""
+        """SIGTERM/SIGINT ask for a graceful stop (`request_stop`), bounded by
+        `stop_deadline_ms` (module docstring). For a service that owns its process and drives
+        `start`/`wait_stop_requested`/`stop` itself; the main thread only."""
         loop = asyncio.get_running_loop()
+        if self._watchdog is None:
+            self._watchdog = StopWatchdog(identity=self._identity)
+            self._watchdog.start()
+
+        def on_signal(signum: int, _frame: object) -> None:
+            # A plain handler: runs between two bytecodes of the main thread even while the loop
+            # is blocked, and only assigns (no lock a wedged thread could hold) before exiting.
+            name = signal.Signals(signum).name.lower()
+            self._signals_seen += 1
+            if self._signals_seen > 1:
+                exit_now(EXIT_STOP_OVERRUN, "stop_forced", identity=self._identity, signal=name)
+            assert self._watchdog is not None
+            self._watchdog.arm(self.settings.stop_deadline_ms / 1000, name)
+            with contextlib.suppress(RuntimeError):  # a closed loop: the process is exiting
+                loop.call_soon_threadsafe(self.request_stop, name)
+
         for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, self.request_stop, sig.name.lower())
+            self._previous_handlers.setdefault(sig, signal.getsignal(sig))
+            signal.signal(sig, on_signal)
+
+    def release_signals(self) -> None:
+        """Undo `stop_on_signals`: previous handlers back, watchdog closed (in-process use)."""
+        for sig, previous in self._previous_handlers.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        self._previous_handlers.clear()
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
 
     async def stop(self) -> int:
         """Graceful stop (see the module docstring). Idempotent. Returns the exit code."""
@@ -663,10 +706,10 @@ class ServiceRuntime:
             _, pending = await asyncio.wait(pending, timeout=grace_s)
         if not pending:
             return
-        for task in pending:
-            task.cancel()
-        await asyncio.wait(pending, timeout=STEP_TIMEOUT_S)
-        self._log.warning("inflight_cancelled", count=len(pending), grace_ms=round(grace_s * 1000))
+        stuck = await cancel_and_wait(pending, STEP_TIMEOUT_S)  # cancelled again if swallowed
+        self._log.warning(
+            "inflight_cancelled", count=len(pending), still_running=len(stuck), grace_ms=round(grace_s * 1000)
+        )
 
     async def _teardown(self) -> None:
         """Close NATS (drain first when possible) and the metrics server. Never raises."""
