@@ -36,7 +36,10 @@ LIST_PAGES_MAX: Final = 10_000
 
 
 def service_env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, KVF_CLUSTER_SECRET=SECRET, **extra)
+    # Debug logs: tests read every request's `request_handled` line (default: errors and slow only).
+    env = dict(os.environ, KVF_CLUSTER_SECRET=SECRET, **extra)
+    env.setdefault("KVF_LOG_LEVEL", "debug")
+    return env
 
 
 @contextmanager

@@ -175,8 +175,9 @@ async def test_sigterm_finishes_inflight_request_then_exits_zero(
 async def test_sigint_stops_gracefully_with_one_log_line_per_request(
     nats_client: NatsClient, start_echo: StartEcho
 ) -> None:
-    """SIGINT stops as gracefully as SIGTERM; every request before it got its summary line."""
-    proc, _ = await start_echo()
+    """SIGINT stops as gracefully as SIGTERM; every request before it got its summary line
+    (at debug level: the default logs only errors and slow requests)."""
+    proc, _ = await start_echo("--log-level", "debug")
     await say(nats_client, "payload-marker-7f3a")
     proc.send_signal(signal.SIGINT)
     assert await proc.wait_async(timeout_s=5.0) == 0
@@ -184,3 +185,25 @@ async def test_sigint_stops_gracefully_with_one_log_line_per_request(
     assert [(e["outcome"], e["subject"]) for e in handled] == [("ok", SAY)]
     assert "payload-marker-7f3a" not in proc.output_tail(lines=1000), "payloads are never logged"
     assert proc.wait_for_event("service_stopped", timeout_s=1.0)["reason"] == "sigint"
+
+
+async def test_default_logs_carry_errors_and_slow_requests_only(
+    nats_client: NatsClient, start_echo: StartEcho
+) -> None:
+    """Issue 21 row 13: one info line per request was 188 MB in 45 min on one directory. At the
+    default level a quick success logs nothing; an error reply and a request slower than
+    `--log-slow-request-ms` (here 100) are always logged."""
+    proc, _ = await start_echo("--log-slow-request-ms", "100")
+    for i in range(20):
+        await say(nats_client, f"quick-{i}")
+    with pytest.raises(BadRequest):
+        await say(nats_client, "bad", delay_ms=ECHO_DELAY_MS_MAX + 1)
+    await say(nats_client, "slow", delay_ms=150)
+    proc.send_signal(signal.SIGTERM)
+    assert await proc.wait_async(timeout_s=5.0) == 0
+    handled = [e for e in proc.events() if e["event"] == "request_handled"]
+    assert [(e["level"], e["outcome"], e.get("slow", False)) for e in handled] == [
+        ("info", "error", False),
+        ("warning", "ok", True),
+    ]
+    assert handled[1]["duration_ms"] >= 150

@@ -21,6 +21,7 @@ import typer
 from kvfabric.runtime import gcpolicy
 from kvfabric.runtime.config import (
     INFLIGHT_MAX_DEFAULT,
+    LOG_SLOW_REQUEST_MS_DEFAULT,
     NATS_URL_DEFAULT,
     SHUTDOWN_GRACE_MS_DEFAULT,
     STOP_DEADLINE_MS_DEFAULT,
@@ -35,6 +36,7 @@ __all__ = [
     "InstanceIdOption",
     "LogJsonOption",
     "LogLevelOption",
+    "LogSlowRequestMsOption",
     "MetricsHostOption",
     "MetricsPortOption",
     "NatsUrlOption",
@@ -94,6 +96,14 @@ StopDeadlineMsOption: TypeAlias = Annotated[
         f"Default {STOP_DEADLINE_MS_DEFAULT}.",
     ),
 ]
+LogSlowRequestMsOption: TypeAlias = Annotated[
+    int | None,
+    typer.Option(
+        "--log-slow-request-ms",
+        help=f"Requests this slow are logged (warning); others at debug level; errors always. "
+        f"Env KVF_LOG_SLOW_REQUEST_MS. Default {LOG_SLOW_REQUEST_MS_DEFAULT}.",
+    ),
+]
 
 
 def service_cli(
@@ -113,6 +123,7 @@ def service_cli(
         log_json: LogJsonOption = None,
         shutdown_grace_ms: ShutdownGraceMsOption = None,
         stop_deadline_ms: StopDeadlineMsOption = None,
+        log_slow_request_ms: LogSlowRequestMsOption = None,
     ) -> None:
         flags: dict[str, object] = {
             "nats_url": nats_url,
@@ -124,6 +135,7 @@ def service_cli(
             "log_json": log_json,
             "shutdown_grace_ms": shutdown_grace_ms,
             "stop_deadline_ms": stop_deadline_ms,
+            "log_slow_request_ms": log_slow_request_ms,
         }
         try:
             settings = load_settings(flags, os.environ)

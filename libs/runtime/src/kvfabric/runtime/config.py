@@ -23,6 +23,7 @@ __all__ = [
     "ENV_PREFIX",
     "INFLIGHT_MAX_DEFAULT",
     "LOG_LEVELS",
+    "LOG_SLOW_REQUEST_MS_DEFAULT",
     "METRICS_PORT_DISABLED",
     "METRICS_PORT_PICK_FREE",
     "NATS_URL_DEFAULT",
@@ -48,6 +49,9 @@ SHUTDOWN_GRACE_MS_MAX: Final = 600_000
 # endpoints, in-flight grace, cancelled handlers, NATS drain) and below Kubernetes' 30 s.
 STOP_DEADLINE_MS_DEFAULT: Final = 25_000
 STOP_DEADLINE_MS_MAX: Final = 3_600_000
+# A request that took this long (its reply pad excluded) is logged at warning level; others
+# at debug (issue 21: one info line per request was 188 MB in 45 min on one directory).
+LOG_SLOW_REQUEST_MS_DEFAULT: Final = 100
 NATS_CONNECT_TIMEOUT_MS_DEFAULT: Final = 2_000
 NATS_RECONNECT_WAIT_MS_DEFAULT: Final = 500
 NATS_RECONNECT_ATTEMPTS_MAX_DEFAULT: Final = 120
@@ -86,6 +90,8 @@ class RuntimeSettings:
     shutdown_grace_ms: int = SHUTDOWN_GRACE_MS_DEFAULT
     # After a stop is requested, the process exits (code 79) by this deadline whatever hangs.
     stop_deadline_ms: int = STOP_DEADLINE_MS_DEFAULT
+    # Requests at least this slow are logged at warning level; the rest at debug (errors: always).
+    log_slow_request_ms: int = LOG_SLOW_REQUEST_MS_DEFAULT
     nats_connect_timeout_ms: int = NATS_CONNECT_TIMEOUT_MS_DEFAULT
     nats_reconnect_wait_ms: int = NATS_RECONNECT_WAIT_MS_DEFAULT
     # Per server; after that the connection closes and the service exits non-zero.
@@ -120,6 +126,7 @@ class RuntimeSettings:
             self.stop_deadline_ms,
             f"want more than shutdown_grace_ms ({self.shutdown_grace_ms}) and at most {STOP_DEADLINE_MS_MAX}",
         )
+        _check(self.log_slow_request_ms >= 0, "log_slow_request_ms", self.log_slow_request_ms, "want >= 0")
         _check(
             self.nats_connect_timeout_ms >= 1,
             "nats_connect_timeout_ms",
@@ -210,6 +217,7 @@ _PARSERS: Final[Mapping[str, Callable[[str, str], object]]] = {
     "log_json": _parse_optional_bool,
     "shutdown_grace_ms": _parse_int,
     "stop_deadline_ms": _parse_int,
+    "log_slow_request_ms": _parse_int,
     "nats_connect_timeout_ms": _parse_int,
     "nats_reconnect_wait_ms": _parse_int,
     "nats_reconnect_attempts_max": _parse_int,

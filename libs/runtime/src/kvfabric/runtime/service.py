@@ -28,6 +28,11 @@ end when cancelled, a wedged loop). The signal handlers are plain Python handler
 arms the watchdog even while the event loop is blocked; a second SIGTERM/SIGINT exits at once
 (`stop_forced`). `run()` (in-process use) closes the watchdog once its stop is done.
 
+Logs: one `request_handled` line per request, at debug level when it succeeded within
+`log_slow_request_ms` (its reply pad excluded), at warning level (`slow=true`) when slower;
+error replies at info, busy and cancelled at warning, internal errors at error level: errors and
+slow requests are always logged, ordinary traffic only with `--log-level debug`.
+
 Tenant endpoints (`add_tenant_endpoint`) listen on `kvf.v1.<service>.t.*.<verb>`; their handler
 also gets the tenant token of the subject the request arrived on (NATS permissions guarantee the
 sender is that tenant: docs/security.md). A tenant request is dropped unless its reply subject is
@@ -105,7 +110,7 @@ TENANT_SHARE_DIVISOR: Final = 4  # one tenant holds at most 1/4 of a lane's in-f
 NATS_DRAIN_TIMEOUT_S: Final = 2
 STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
 _OUTCOME_LEVEL: Final = {
-    Outcome.OK: logging.INFO,
+    Outcome.OK: logging.DEBUG,  # slow ones: warning (`log_slow_request_ms`)
     Outcome.ERROR: logging.INFO,
     Outcome.BUSY: logging.WARNING,
     Outcome.CANCELLED: logging.WARNING,
@@ -196,6 +201,7 @@ class ServiceRuntime:
         # Bound on the runtime's logger and, per request, in contextvars for handler code.
         self._identity: dict[str, object] = {"service": service.value, "instance_id": settings.instance_id}
         self._log = get_logger("kvfabric.runtime").bind(**self._identity)
+        self._slow_s = settings.log_slow_request_ms / 1000
         # Set by `stop_on_signals` (the service owns its process): bounds every requested stop.
         self._watchdog: StopWatchdog | None = None
         self._signals_seen = 0
@@ -543,18 +549,26 @@ class ServiceRuntime:
             endpoint=endpoint.verb, outcome=outcome, duration_s=duration_s, error_code=error_code
         )
         event = "invariant_violated" if outcome is Outcome.FATAL else "request_handled"
+        level = _OUTCOME_LEVEL[outcome]
+        slow = duration_s - endpoint.reply_min_s >= self._slow_s
+        if slow:
+            level = max(level, logging.WARNING)
+        if not self._log.is_enabled_for(level):
+            return  # most requests at the default level: build no fields for a dropped line
         fields: dict[str, object] = {
             "endpoint": endpoint.verb,
             "outcome": outcome.value,
             "duration_ms": round(duration_s * 1000, 3),
         }
+        if slow:
+            fields["slow"] = True
         if error_code is not None:
             fields["error_code"] = error_code
         if error is not None:
             fields["error"] = error
         if exc_info is not None:
             fields["exc_info"] = exc_info
-        self._log.log(_OUTCOME_LEVEL[outcome], event, **fields)
+        self._log.log(level, event, **fields)
 
     async def _reply(self, request: MicroRequest, data: bytes) -> None:
         try:
