@@ -4,15 +4,32 @@
     python tools/localcluster.py status [--run-dir .run]
     python tools/localcluster.py down   [--run-dir .run]
 
-`up` starts a supervisor in the background and returns once the cluster is ready. The supervisor
-owns every child: nats-server (JetStream, store under the run folder), one directory (plus
-`--directories - 1` standbys, `directory-<i>`), N
-segments in N distinct failure domains (zone-<i>/rack-<i>/host-<i>), and the eviction-policy,
-repair and prefetch services. A child that exits is
-restarted with a backoff (a segment the directory declared down exits 75 and comes back empty
-under a new incarnation); after `RESTARTS_MAX` restarts in `RESTART_WINDOW_S` it stays down and the
-supervisor says so. `down` stops the supervisor (SIGTERM: children stopped in reverse order, then
-killed if they hang) and deletes the run folder: no process and no run file is left behind.
+`up` starts a supervisor in the background and returns once the cluster takes reads and writes
+(below). The supervisor owns every child: nats-server (JetStream, store under the run folder),
+one directory (plus `--directories - 1` standbys, `directory-<i>`), N segments in N distinct
+failure domains (zone-<i>/rack-<i>/host-<i>), and the eviction-policy, repair and prefetch
+services. A child that exits is restarted after a backoff (`restart_wait_s`: 0.2 s doubling up to
+`RESTART_WAIT_S_MAX`, counted over `RESTART_WINDOW_S`). nats-server and the directories are never
+given up on: a directory whose lease lapsed exits (75, or 79 when its stop overran) and must come
+back, or the cluster stays down. Any other child that failed more than `RESTARTS_MAX` times in
+`RESTART_WINDOW_S` stays down and the supervisor says so (`given_up` in `cluster.json`); exits
+with 75 (a segment the directory declared down comes back empty under a new incarnation) are
+asked-for restarts and never count. `down` stops the supervisor (SIGTERM: children stopped in
+reverse order, then killed if they hang) and deletes the run folder: no process and no run file
+is left behind.
+
+Ready means usable (issue 22): after every child logged its start, the supervisor runs
+`localcluster.py probe` until it passes or `READY_TIMEOUT_S` ends: every shard has a leader, all
+N segments are registered and up, and a client of the first tenant saves `PROBE_CHUNKS` small
+chunks, looks them up and loads them back byte for byte (model id `kvfabric-ready-probe`, a few
+KiB that eviction reclaims like any object). Only then is `ready` written; `up` returns 0, or 1
+with the probe's last reason ("segments up 2/3", "probe save: busy 4", ...).
+
+Logs: `logs/<name>.log`, JSON lines at info level (per-request lines are debug: set
+`KVF_LOG_LEVEL=debug` before `up` to see them). Each file is rotated by the supervisor when it
+passes `LOG_FILE_BYTES_MAX` (copied to `<name>.log.1`, older ones shifted, at most
+`LOG_FILES_KEPT`, then truncated in place: children write with O_APPEND, so they go on at its
+start; lines written during the copy may be lost).
 
 Authenticated by default (issue "Tenancy and security", docs/security.md): `up` runs
 `kvctl auth init` into `auth/` (a NATS user per service kind, `admin`, and one per tenant of
@@ -40,6 +57,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -48,7 +66,18 @@ READY_TIMEOUT_S: Final = 60.0
 STOP_TIMEOUT_S: Final = 10.0
 RESTARTS_MAX: Final = 5
 RESTART_WINDOW_S: Final = 60.0
+RESTART_WAIT_S_MIN: Final = 0.2
+RESTART_WAIT_S_MAX: Final = 5.0
+EXIT_RESTART_ME: Final = 75  # EX_TEMPFAIL: the child asks to be restarted (lease lost, declared down)
 POLL_S: Final = 0.2
+LOG_FILE_BYTES_MAX: Final = 32 << 20
+LOG_FILES_KEPT: Final = 2  # <name>.log.1 .. .2: at most 3 × LOG_FILE_BYTES_MAX per child
+LOG_ROTATE_EVERY_S: Final = 1.0
+PROBE_CHUNKS: Final = 6
+PROBE_TOKENS_PER_CHUNK: Final = 16
+PROBE_OBJECT_BYTES: Final = 4096
+PROBE_RETRY_S: Final = 0.5
+PROBE_CALL_TIMEOUT_S: Final = 5.0
 
 
 def free_port() -> int:
@@ -122,7 +151,8 @@ class Child:
     ready_event: str | None  # a JSON log event that says it is ready; None: a readiness URL
     ready_url: str | None = None
     proc: subprocess.Popen[bytes] | None = None
-    restarts: list[float] = field(default_factory=list)
+    exits: list[tuple[float, int]] = field(default_factory=list)  # (monotonic s, exit code), recent
+    restart_at_s: float | None = None  # exited: started again at this monotonic time
     given_up: bool = False
 
     def start(self, logs: Path) -> None:
@@ -151,6 +181,47 @@ class Child:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(STOP_TIMEOUT_S)
+
+
+def always_restarted(name: str) -> bool:
+    """nats-server and the directories: the cluster serves nothing without them."""
+    return name == "nats" or name == "directory" or name.startswith("directory-")
+
+
+def restart_wait_s(name: str, exits: list[tuple[float, int]], now_s: float) -> float | None:
+    """How long to wait before restarting child `name` that just exited, given its `exits`
+    ((monotonic s, exit code), the last one now): `RESTART_WAIT_S_MIN` doubling per exit within
+    `RESTART_WINDOW_S`, at most `RESTART_WAIT_S_MAX`. None: give up on it — never on nats or a
+    directory; on another child once more than `RESTARTS_MAX` of its exits within the window were
+    failures (an exit with `EXIT_RESTART_ME` is a restart it asked for, not a failure)."""
+    recent = [(t, code) for t, code in exits if now_s - t < RESTART_WINDOW_S]
+    failures = sum(code != EXIT_RESTART_ME for _, code in recent)
+    if failures > RESTARTS_MAX and not always_restarted(name):
+        return None
+    wait_s: float = RESTART_WAIT_S_MIN * 2 ** max(0, len(recent) - 1)
+    return min(RESTART_WAIT_S_MAX, wait_s)
+
+
+def rotate_logs(logs: Path, bytes_max: int = LOG_FILE_BYTES_MAX, kept: int = LOG_FILES_KEPT) -> list[str]:
+    """Rotate every `<name>.log` in `logs` larger than `bytes_max`: `.log.<i>` → `.log.<i+1>` (the
+    oldest past `kept` dropped), a copy to `.log.1`, then truncate in place (writers append with
+    O_APPEND and go on at its start). Returns the names rotated."""
+    rotated = []
+    for path in sorted(logs.glob("*.log")):
+        try:
+            if path.stat().st_size <= bytes_max:
+                continue
+            for i in range(kept, 1, -1):
+                older = path.with_name(f"{path.name}.{i - 1}")
+                if older.exists():
+                    older.replace(path.with_name(f"{path.name}.{i}"))
+            shutil.copyfile(path, path.with_name(f"{path.name}.1"))
+            with path.open("r+b") as f:
+                f.truncate(0)
+        except OSError:
+            continue  # gone meanwhile (down), or unreadable: next round
+        rotated.append(path.name)
+    return rotated
 
 
 def directory_env(env: dict[str, str], name: str, directories: int) -> dict[str, str]:
@@ -294,10 +365,13 @@ def write_run_auth(run: Path, tenants: list[str], tls: bool) -> None:
     write_auth(run / "auth", plan_auth(tenants), tls=tls)
 
 
-def write_state(run: Path, info: dict[str, Any], children: list[Child], ready: bool) -> None:
+def write_state(
+    run: Path, info: dict[str, Any], children: list[Child], ready: bool, not_ready: str | None = None
+) -> None:
     state = dict(
         info,
         ready=ready,
+        not_ready=not_ready,  # why `up` failed (the readiness probe's last reason)
         supervisor_pid=os.getpid(),
         pids={c.name: (c.proc.pid if c.proc else None) for c in children},
         given_up=[c.name for c in children if c.given_up],
@@ -315,8 +389,10 @@ def supervise(
     prefix: str,
     directories: int = 1,
     netns_segments: int = 0,
+    ready_timeout_s: float = READY_TIMEOUT_S,
 ) -> int:
-    """The supervisor's main loop (runs detached): start in order, wait ready, restart on exit."""
+    """The supervisor's main loop (runs detached): start in order, wait ready, probe reads and
+    writes, then restart children that exit (`restart_wait_s`) and rotate their logs."""
     logs = run / "logs"
     children, info = plan_children(
         run, nats_port, segments, segment_bytes, prefix, directories, netns_segments
@@ -332,36 +408,202 @@ def supervise(
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     write_state(run, info, children, ready=False)
+
+    def give_up(reason: str) -> int:
+        print(json.dumps({"event": "cluster_not_ready", "reason": reason}), flush=True)
+        for c in reversed(children):
+            c.stop()
+        write_state(run, info, children, ready=False, not_ready=reason)
+        return 1
+
     for child in children:  # in order: NATS, directory, segments
         child.start(logs)
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        deadline = time.monotonic() + ready_timeout_s
         while not child.ready(logs):
             if stopping or time.monotonic() > deadline or (child.proc and child.proc.poll() is not None):
-                for c in reversed(children):
-                    c.stop()
-                write_state(run, info, children, ready=False)
-                return 1
+                return give_up(f"{child.name} did not start (see logs/{child.name}.log)")
             time.sleep(POLL_S)
         write_state(run, info, children, ready=False)
+    # Started is not usable: a save and a load must go through (module docstring).
+    probed = probe_subprocess(run, segments, ready_timeout_s, lambda: stopping)
+    if probed is not None:
+        return give_up(probed)
     write_state(run, info, children, ready=True)
+    rotated_s = time.monotonic()
     while not stopping:
+        now = time.monotonic()
         for child in children:
-            if child.given_up or child.proc is None or child.proc.poll() is None:
+            if child.given_up or child.proc is None:
                 continue
-            now = time.monotonic()
-            child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S] + [now]
-            if len(child.restarts) > RESTARTS_MAX:
+            if child.restart_at_s is not None:
+                if now >= child.restart_at_s:
+                    child.restart_at_s = None
+                    child.start(logs)
+                    write_state(run, info, children, ready=not any(c.given_up for c in children))
+                continue
+            code = child.proc.poll()
+            if code is None:
+                continue
+            child.exits = [e for e in child.exits if now - e[0] < RESTART_WINDOW_S] + [(now, code)]
+            wait_s = restart_wait_s(child.name, child.exits, now)
+            print(
+                json.dumps(
+                    {"event": "child_exited", "child": child.name, "exit_code": code, "restart_in_s": wait_s}
+                ),
+                flush=True,
+            )
+            if wait_s is None:
                 child.given_up = True
             else:
-                time.sleep(min(2.0, 0.2 * 2 ** len(child.restarts)))
-                child.start(logs)
+                child.restart_at_s = now + wait_s
             write_state(run, info, children, ready=not any(c.given_up for c in children))
+        if now - rotated_s >= LOG_ROTATE_EVERY_S:
+            rotated_s = now
+            rotate_logs(logs)
         time.sleep(POLL_S)
     for child in reversed(children):
         child.stop()
     for link in info["netns"].values():
         netns_down(link)
     return 0
+
+
+def probe_subprocess(
+    run: Path, segments: int, timeout_s: float, stopping: Callable[[], bool] = lambda: False
+) -> str | None:
+    """`localcluster.py probe` in its own process (a client, its threads and a bounded life):
+    None once the cluster took a save and a load, else the probe's last reason."""
+    argv = [sys.executable, __file__, "probe", "--run-dir", str(run), "--segments", str(segments)]
+    with subprocess.Popen(
+        [*argv, "--ready-timeout-s", str(timeout_s)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as proc:
+        deadline_s = time.monotonic() + timeout_s + STOP_TIMEOUT_S
+        while proc.poll() is None:
+            if stopping() or time.monotonic() > deadline_s:
+                proc.kill()
+                proc.wait()
+                return "stopped while probing" if stopping() else "the readiness probe did not end"
+            time.sleep(POLL_S)
+        assert proc.stdout is not None
+        lines = proc.stdout.read().strip().splitlines()
+    if proc.returncode == 0:
+        return None
+    return lines[-1] if lines else f"the readiness probe failed (exit {proc.returncode})"
+
+
+async def probe_directory(state: dict[str, Any], segments: int) -> str | None:
+    """As the admin: every shard led, all `segments` registered and up. None, or what is not."""
+    import nats
+    import nats.errors
+
+    from kvfabric.runtime.directory_router import DirectoryRouter
+    from kvfabric.runtime.natsauth import nats_auth_from_env
+
+    async def quiet(_exc: Exception) -> None:
+        return None
+
+    admin = (state.get("auth") or {}).get("admin_env") or {}
+    try:
+        nc = await nats.connect(
+            state["nats_url"],
+            allow_reconnect=False,
+            connect_timeout=2,
+            error_cb=quiet,
+            **nats_auth_from_env(admin).connect_options(),
+        )
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        return f"NATS not reachable: {type(exc).__name__}"
+    try:
+        router = DirectoryRouter(nc)
+        await router.refresh()
+        if not router.shards:
+            return "no directory instance answered the shard map"
+        if not router.complete:
+            return f"shards led {len(router.routes)}/{router.shards}"
+        listed = await router.segments(PROBE_CALL_TIMEOUT_S)
+        up = [s.segment_id for s in listed.segments if s.up]
+        if len(up) < segments:
+            return f"segments registered and up {len(up)}/{segments}"
+    except Exception as exc:  # any failure is a reason to ask again
+        return f"directory: {type(exc).__name__}: {exc}"
+    finally:
+        await nc.close()
+    return None
+
+
+def probe_save_and_load(state: dict[str, Any]) -> str | None:
+    """As the first tenant (the defaults without auth): save `PROBE_CHUNKS` chunks, look them up,
+    load them back and compare. None, or the first step that failed."""
+    from kvfabric.client import EngineSpec, KvClient, settings_from_env
+    from kvfabric.format.key import KVLayout, ModelFingerprint
+
+    tenants = (state.get("auth") or {}).get("tenants") or {}
+    settings = settings_from_env(next(iter(tenants.values()), {}), nats_url=state["nats_url"])
+    spec = EngineSpec(
+        domain=settings.share_domain(),
+        model=ModelFingerprint(
+            model_id="kvfabric-ready-probe", weights_revision="1", kv_dtype="uint8", attn_config_digest="-"
+        ),
+        layout=KVLayout(
+            tp_size=1,
+            tp_rank=0,
+            pp_stage=0,
+            layer_group=0,
+            layer_group_count=1,
+            tokens_per_chunk=PROBE_TOKENS_PER_CHUNK,
+            tensor_layout="probe-bytes",
+        ),
+    )
+    tokens = [secrets.randbelow(50_000) for _ in range(PROBE_CHUNKS * PROBE_TOKENS_PER_CHUNK)]
+    objects = [[secrets.token_bytes(PROBE_OBJECT_BYTES)] for _ in range(PROBE_CHUNKS)]
+    client = KvClient(settings, spec)
+    try:
+        saved = client.save(tokens, objects)
+        if saved.chunks_saved + saved.chunks_existing < PROBE_CHUNKS:
+            causes = ", ".join(f"{k} {v}" for k, v in sorted(saved.causes.items())) or "none given"
+            return f"probe save: {saved.chunks_saved}/{PROBE_CHUNKS} chunks saved ({causes})"
+        hit = client.lookup(tokens)
+        try:
+            if hit.chunks < PROBE_CHUNKS:
+                return f"probe lookup: {hit.chunks}/{PROBE_CHUNKS} chunks found ({hit.cause or 'miss'})"
+            dests = [[bytearray(PROBE_OBJECT_BYTES)] for _ in range(PROBE_CHUNKS)]
+            loaded = client.load(hit, dests)
+            if loaded.chunks_loaded < PROBE_CHUNKS or [[bytes(d) for d in c] for c in dests] != objects:
+                why = loaded.cause or "bytes differ"
+                return f"probe load: {loaded.chunks_loaded}/{PROBE_CHUNKS} chunks ({why})"
+        finally:
+            client.release(hit)
+    finally:
+        client.close()
+    return None
+
+
+def probe(run: Path, segments: int, timeout_s: float) -> int:
+    """Ask until the cluster takes reads and writes or `timeout_s` passed; prints `ready` or the
+    last reason. Exit 0 when ready."""
+    import asyncio
+
+    state = read_state(run)
+    if state is None:
+        print(f"no cluster.json in {run}")
+        return 1
+    deadline_s = time.monotonic() + timeout_s
+    reason = "not probed"
+    while time.monotonic() < deadline_s:
+        try:
+            reason = asyncio.run(probe_directory(state, segments)) or probe_save_and_load(state) or ""
+        except Exception as exc:  # a client that could not start, a timeout: ask again
+            reason = f"probe: {type(exc).__name__}: {exc}"
+        if not reason:
+            print("ready", flush=True)
+            return 0
+        print(reason, flush=True)
+        time.sleep(PROBE_RETRY_S)
+    return 1
 
 
 def read_state(run: Path) -> dict[str, Any] | None:
@@ -392,6 +634,7 @@ def up(
     auth: bool = True,
     tls: bool = False,
     tenants: tuple[str, ...] = ("demo",),
+    ready_timeout_s: float = READY_TIMEOUT_S,
 ) -> int:
     if tls and netns_segments:
         print("--tls with --netns-segments is not supported (the certificate names loopback only)")
@@ -431,6 +674,8 @@ def up(
             str(directories),
             "--netns-segments",
             str(netns_segments),
+            "--ready-timeout-s",
+            str(ready_timeout_s),
         ],
         stdin=subprocess.DEVNULL,
         stdout=(run / "logs" / "supervisor.log").open("ab"),
@@ -438,13 +683,13 @@ def up(
         start_new_session=True,
     )
     (run / "supervisor.pid").write_text(str(supervisor.pid))
-    deadline = time.monotonic() + READY_TIMEOUT_S * (2 + segments)
+    deadline = time.monotonic() + ready_timeout_s * (3 + segments)  # each child, then the probe
     while time.monotonic() < deadline:
         state = read_state(run)
         if state and state.get("ready"):
             print(
-                f"kvfabric is up: {state['nats_url']}; services: {', '.join(state['services'])}; "
-                f"logs in {run / 'logs'}"
+                f"kvfabric is up (took a save and a load): {state['nats_url']}; services: "
+                f"{', '.join(state['services'])}; logs in {run / 'logs'}"
             )
             if auth:
                 print(
@@ -455,7 +700,8 @@ def up(
         if supervisor.poll() is not None:
             break
         time.sleep(POLL_S)
-    print(f"kvfabric did not come up; see {run / 'logs'}", file=sys.stderr)
+    reason = (read_state(run) or {}).get("not_ready") or "the supervisor did not report"
+    print(f"kvfabric did not come up: {reason}; see {run / 'logs'}", file=sys.stderr)
     down(run, keep_logs=True)
     return 1
 
@@ -505,7 +751,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("command", choices=["up", "down", "status", "supervise"])
+    parser.add_argument("command", choices=["up", "down", "status", "supervise", "probe"])
     parser.add_argument("--run-dir", type=Path, default=Path(".run"))
     parser.add_argument("--nats-port", type=int, default=4222, help="0: any free port")
     parser.add_argument("--segments", type=int, default=3)
@@ -521,6 +767,12 @@ def main() -> int:
     parser.add_argument("--no-auth", action="store_true", help="no NATS users or permissions (open)")
     parser.add_argument("--tls", action="store_true", help="TLS for NATS (a private CA in auth/tls)")
     parser.add_argument("--tenants", default="demo", help="comma-separated tenant names")
+    parser.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=READY_TIMEOUT_S,
+        help="per child to log its start, then for the probe to save and load",
+    )
     args = parser.parse_args()
     run = args.run_dir.resolve()
     if args.command == "up":
@@ -535,11 +787,14 @@ def main() -> int:
             auth=not args.no_auth,
             tls=args.tls,
             tenants=tuple(t for t in args.tenants.split(",") if t),
+            ready_timeout_s=args.ready_timeout_s,
         )
     if args.command == "down":
         return down(run)
     if args.command == "status":
         return status(run)
+    if args.command == "probe":
+        return probe(run, args.segments, args.ready_timeout_s)
     return supervise(
         run,
         args.nats_port,
@@ -548,6 +803,7 @@ def main() -> int:
         args.segment_prefix,
         args.directories,
         args.netns_segments,
+        args.ready_timeout_s,
     )
 
 

@@ -4,6 +4,7 @@ restarts a killed segment, and goes down leaving no process, run file or arena b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -16,8 +17,10 @@ import nats
 import nats.errors
 import pytest
 
+from kvfabric.client import KvClient, settings_from_env
 from kvfabric.proto import directory as m
 from kvfabric.runtime.natsauth import nats_auth_from_env
+from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, objects_for, prompt
 from tests.integration.cluster import directory_call
 
 pytestmark = pytest.mark.integration
@@ -92,3 +95,60 @@ async def test_up_supervises_and_down_leaves_nothing(tmp_path: Path) -> None:
     assert not run.exists()
     assert not [p for p in pids if alive(p)]
     assert not await asyncio.to_thread(lambda: list(Path("/dev/shm").glob(f"kvf-{prefix}-*")))
+
+
+@pytest.mark.parametrize("directories", [1, 2])
+def test_a_save_issued_the_moment_up_returns_succeeds(tmp_path: Path, directories: int) -> None:
+    """Issue 22 item 4: a save issued right after `up` was refused (`busy`). `up` now returns
+    only once a probe saved, looked up and loaded through every layer; with two directories the
+    second takes half the shards over after it started (a handover). (The refusal was not
+    reproduced on this machine: the old `up` passed this too; the next test fails without.)"""
+    run, prefix = tmp_path / "run", f"t{uuid.uuid4().hex[:6]}"
+    started = tool(
+        "up",
+        "--run-dir",
+        str(run),
+        "--nats-port",
+        "0",
+        "--segment-bytes",
+        str(64 << 20),
+        "--segment-prefix",
+        prefix,
+        "--directories",
+        str(directories),
+    )
+    try:
+        assert started.returncode == 0, started.stderr
+        state = json.loads((run / "cluster.json").read_text())
+        settings = settings_from_env(state["auth"]["tenants"]["demo"], nats_url=state["nats_url"])
+        kv = KvClient(settings, dataclasses.replace(SPEC, domain=settings.share_domain()))
+        try:
+            tokens = prompt(8 * TOKENS_PER_CHUNK, seed=directories)
+            saved = kv.save(tokens, objects_for(tokens, 0, 8))
+            assert (saved.chunks_saved, saved.causes) == (8, {})
+            hit = kv.lookup(tokens)
+            assert hit.chunks == 8
+            kv.release(hit)
+        finally:
+            kv.close()
+    finally:
+        assert tool("down", "--run-dir", str(run)).returncode == 0
+
+
+def test_up_fails_with_the_reason_when_the_cluster_takes_no_writes(tmp_path: Path) -> None:
+    """Every process starts, but no tenant may store a byte (a 1-byte quota): before, `up` said
+    ready; now it says why not, within its timeout, and leaves no process behind."""
+    run, prefix = tmp_path / "run", f"t{uuid.uuid4().hex[:6]}"
+    env = dict(os.environ, KVF_DIRECTORY_TENANT_DEFAULT_QUOTA='{"bytes_max": 1}')
+    started = subprocess.run(
+        [sys.executable, str(TOOL), "up", "--run-dir", str(run), "--nats-port", "0", "--segments", "1",
+         "--segment-bytes", str(16 << 20), "--segment-prefix", prefix, "--ready-timeout-s", "10"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    try:
+        assert started.returncode == 1, started.stdout
+        assert "kvfabric did not come up: probe save: 0/6 chunks saved (" in started.stderr
+        pids = list(json.loads((run / "cluster.json").read_text())["pids"].values())
+        assert pids and not [p for p in pids if p and alive(p)]
+    finally:
+        tool("down", "--run-dir", str(run))
