@@ -9,11 +9,20 @@ elsewhere or wait for a lapse. A new shard leader rebuilds that shard's index fr
 segments' reports under its epoch (`DirectoryCore.adopt`), serves, and frees nothing for a grace
 period as long as the longest read lease. An instance whose lease lapses stops serving at once
 and exits with 75 (EX_TEMPFAIL): its supervisor restarts it (it rejoins as a standby).
+
+The stop is bounded (DESIGN.md: liveness is an invariant): the election loop and shard starts
+are cancelled and awaited for `TASKS_STOP_TIMEOUT_S`, the shards' tasks for
+`kvfabric.directory.host.STOP_TIMEOUT_S`; a task still running then (a cancellation swallowed
+for good) makes the process exit at once with 79 (`directory_stop_overran`, naming the tasks),
+and the runtime's watchdog ends it `stop_deadline_ms` after the stop was asked whatever else
+hangs (`kvfabric.runtime.deadline`). A lapsed lease thus always ends in an exit within a bound,
+never in a live process that leads nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 from typing import Final
@@ -30,6 +39,7 @@ from kvfabric.directory.settings import DirectorySettings, load_directory_settin
 from kvfabric.proto.subjects import Service
 from kvfabric.runtime.cli import service_cli
 from kvfabric.runtime.config import RuntimeSettings, SettingsError
+from kvfabric.runtime.deadline import EXIT_STOP_OVERRUN, cancel_and_wait, exit_now
 from kvfabric.runtime.gcpolicy import freeze_long_lived
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.natsauth import nats_auth_from_env
@@ -41,6 +51,8 @@ EXIT_LEADERSHIP_LOST: Final = 75
 SHARD_START_ATTEMPTS: Final = 3
 HANDOVER_DRAIN_S: Final = 1.0
 SHARD_START_RETRY_S: Final = 0.5
+TASKS_STOP_TIMEOUT_S: Final = 2.0  # the election loop and shard starts, once cancelled
+NATS_CLOSE_TIMEOUT_S: Final = 2.0
 
 
 def leadership_config(config: DirectorySettings) -> LeadershipConfig:
@@ -140,7 +152,7 @@ async def serve(settings: RuntimeSettings) -> int:
 
     async def on_start(shard: int, epoch: int) -> None:
         # The rebuild runs beside the election loop: renewals of other shards must not wait.
-        task = asyncio.create_task(start_or_give_up(shard, epoch))
+        task = asyncio.create_task(start_or_give_up(shard, epoch), name=f"directory-start-{shard}")
         starting.add(task)
         task.add_done_callback(starting.discard)
 
@@ -163,7 +175,7 @@ async def serve(settings: RuntimeSettings) -> int:
         await runtime.stop()
         await nc.close()
         return EXIT_UNAVAILABLE
-    election_task = asyncio.create_task(election.run(on_start, on_stop))
+    election_task = asyncio.create_task(election.run(on_start, on_stop), name="directory-election")
 
     def election_ended(task: asyncio.Task[None]) -> None:
         # The loop runs forever: if it ends, nothing renews the leases; stop serving at once.
@@ -177,12 +189,20 @@ async def serve(settings: RuntimeSettings) -> int:
     election_task.add_done_callback(election_ended)
     log.info("directory_standby", metrics_port=runtime.metrics_port, shards=config.shards)
     freeze_long_lived("directory_standby")  # and again once led shards are rebuilt (ShardHost)
-    await runtime.wait_stop_requested()
-    election_task.cancel()
-    await asyncio.gather(election_task, *starting, return_exceptions=True)
-    await host.stop()
+    reason = await runtime.wait_stop_requested()
+    stuck = [t.get_name() for t in await cancel_and_wait([election_task, *starting], TASKS_STOP_TIMEOUT_S)]
+    stuck += await host.stop()
+    if stuck:  # alive but leading nothing is the one outcome not allowed: exit, be restarted
+        exit_now(
+            EXIT_STOP_OVERRUN,
+            "directory_stop_overran",
+            identity={"service": Service.DIRECTORY.value, "instance_id": settings.instance_id},
+            reason=reason,
+            tasks=stuck,
+        )
     code = await runtime.stop()
-    await nc.close()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(nc.close(), NATS_CLOSE_TIMEOUT_S)
     return EXIT_LEADERSHIP_LOST if lost else code
 
 

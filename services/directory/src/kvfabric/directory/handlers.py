@@ -11,6 +11,8 @@ effects are performed after it returns:
 - `FreeSlots` → a request to `kvf.v1.segment.free.<segment_id>`; the segment's reply is fed back
   to the core as `SlotsFreed`. A lost or failed free is retried by the core's `tick`.
 A tick task calls `core.tick(now_ms)` every `tick_ms` and performs its effects the same way.
+`stop` cancels the publisher, the ticker and the frees and waits for them within a deadline,
+cancelling again a task that swallowed its cancellation; it returns what still runs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 import nats.errors
@@ -33,6 +35,7 @@ from kvfabric.proto import directory as m
 from kvfabric.proto.segment import FreeSlotsReply, FreeSlotsRequest, segment_decoder
 from kvfabric.proto.subjects import Service, event_subject, events_wildcard, segment_subject
 from kvfabric.runtime.client import request
+from kvfabric.runtime.deadline import cancel_and_wait
 from kvfabric.runtime.logs import get_logger
 
 __all__ = ["EVENTS_STREAM", "VERBS", "DirectoryShell", "now_ms"]
@@ -40,6 +43,7 @@ __all__ = ["EVENTS_STREAM", "VERBS", "DirectoryShell", "now_ms"]
 EVENTS_STREAM: Final = "KVF_DIRECTORY_EVENTS"
 FREES_INFLIGHT_MAX: Final = 256
 PUBLISH_RETRY_S: Final = 0.2
+STOP_TIMEOUT_S: Final = 2.0  # the shell's tasks end within this once cancelled
 
 # verb -> the request type it accepts
 VERBS: Final[dict[str, type[msgspec.Struct]]] = {
@@ -145,7 +149,11 @@ class DirectoryShell:
             await js.add_stream(config)
         except BadRequestError:
             await js.update_stream(config)
-        self._tasks = [asyncio.create_task(self._publisher()), asyncio.create_task(self._ticker())]
+        shard = self.core.shard
+        self._tasks = [
+            asyncio.create_task(self._publisher(), name=f"directory-publisher-{shard}"),
+            asyncio.create_task(self._ticker(), name=f"directory-ticker-{shard}"),
+        ]
 
     async def drain_events(self, timeout_s: float) -> None:
         """Wait (at most `timeout_s`) until the events outbox is empty (a handover: no request
@@ -154,10 +162,9 @@ class DirectoryShell:
         while (not self._outbox.empty() or self._publishing) and time.monotonic() < deadline:  # noqa: ASYNC110 (bounded poll)
             await asyncio.sleep(0.01)
 
-    async def stop(self) -> None:
-        for task in [*self._tasks, *self._frees]:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *self._frees, return_exceptions=True)
+    async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> set[asyncio.Task[Any]]:
+        """Cancel the shell's tasks and wait at most `timeout_s`; returns those still running."""
+        return await cancel_and_wait([*self._tasks, *self._frees], timeout_s)
 
     # ---- effects -----------------------------------------------------------------------------
 

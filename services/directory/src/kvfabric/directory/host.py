@@ -17,7 +17,9 @@ likewise gives a hit's leases back (a gives-back verb: never refused for load).
 Shards come and go with leadership (`kvfabric.directory.leader`): `start_shard` rebuilds the
 shard's index from the segments' reports (only keys of that shard) under the new epoch before it
 serves; `stop_shard` (a handover) stops serving it at once — its KV key is released only after.
-A lapsed lease stops the whole instance (the caller exits), as before sharding. Once the starts
+A lapsed lease stops the whole instance (the caller exits), as before sharding; `stop` ends
+every task of the host within `STOP_TIMEOUT_S` and returns the names of those still running
+(the caller then exits at once: DESIGN.md, liveness). Once the starts
 of a round are done (`_settled`), what they built is frozen out of the cyclic GC's walk
 (`kvfabric.runtime.gcpolicy.freeze_long_lived`; a no-op unless the process runs the policy).
 
@@ -63,6 +65,7 @@ from kvfabric.proto.subjects import (
     tenant_from_subject,
     tenant_inbox_prefix,
 )
+from kvfabric.runtime.deadline import cancel_and_wait
 from kvfabric.runtime.gcpolicy import freeze_long_lived
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import Handler, ServiceRuntime, TenantHandler
@@ -74,6 +77,7 @@ SHARD_MAP_VERB: Final = "shard_map"
 LOOKUP_MANY_VERB: Final = "lookup_many"  # one prefix's lookups for every shard led here
 RELEASE_MANY_VERB: Final = "lease_release_many"  # one hit's leases for every shard led here
 SETTLE_S: Final = 0.3
+STOP_TIMEOUT_S: Final = 3.0  # `stop`: every task ended by then (handed-over shells drain first)
 # Per shard, between rebuilds for a missing segment: 10 s, doubling up to 5 min (reset after
 # 5 quiet minutes), so a segment that heartbeats but never answers a report in time can't keep
 # a shard restarting and in its grace period (frees of adopted slots wait for its end).
@@ -208,6 +212,7 @@ class ShardHost:
         self._starting: set[int] = set()
         self._wanted: dict[int, int] = {}  # shard -> newest epoch a start was asked for
         self._retiring: set[asyncio.Task[None]] = set()  # handed-over shells draining their events
+        self._retiring_shells: set[DirectoryShell] = set()  # theirs: `stop` stops them too
         self._settling = False
         self._announced: list[int] = []
         self.metrics_port: int | None = None  # logged with `directory_started`
@@ -455,7 +460,7 @@ class ShardHost:
             segment_id=segment_id,
             delay_s=round(delay_s, 1),
         )
-        task = asyncio.create_task(self._rebuild(shard, epoch, delay_s))
+        task = asyncio.create_task(self._rebuild(shard, epoch, delay_s), name=f"directory-rebuild-{shard}")
         self._rebuild_pending[shard] = task  # owned here until done (stop() cancels it)
 
         def done(finished: asyncio.Task[None]) -> None:
@@ -630,7 +635,7 @@ class ShardHost:
             return
         shell.may_act = lambda: False
         if drain_s > 0 and background:
-            task = asyncio.create_task(self._retire(shell, drain_s))
+            task = asyncio.create_task(self._retire(shell, drain_s), name=f"directory-retire-{shard}")
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
         else:
@@ -638,21 +643,40 @@ class ShardHost:
         self._log.info("shard_stopped", shard=shard, epoch=shell.core.epoch)
 
     async def _retire(self, shell: DirectoryShell, drain_s: float) -> None:
-        await shell.drain_events(drain_s)
-        await shell.stop()
+        self._retiring_shells.add(shell)
+        try:
+            await shell.drain_events(drain_s)
+            await shell.stop()
+        finally:
+            self._retiring_shells.discard(shell)
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
+        """Stop serving and end every task of the host within `timeout_s`: rebuilds cancelled,
+        shells stopped, handed-over shells given what is left of half of it to drain. Returns the
+        names of the tasks still running then (a caller that gets any exits the process);
+        corruption reports being relayed are cancelled (the scrubber still finds the bytes)."""
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + timeout_s
+
+        def left_s() -> float:
+            return max(0.0, deadline_s - loop.time())
+
         self._stopping = True  # no rebuild starts (or restarts a shard) from now on
-        pending = list(self._rebuild_pending.values())
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        stuck = await cancel_and_wait(self._rebuild_pending.values(), left_s())
+        stuck |= await cancel_and_wait(self.suspects._relays, left_s())  # corruption reports in flight
         for sub in self._subs:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()  # type: ignore[attr-defined]
-        for shard in list(self.shells):
-            await self.stop_shard(shard)
-        await asyncio.gather(*self._retiring, return_exceptions=True)
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await asyncio.wait_for(sub.unsubscribe(), left_s())  # type: ignore[attr-defined]
+        shells = [self.shells.pop(shard) for shard in sorted(self.shells)]
+        for shell in shells:
+            shell.may_act = lambda: False
+            self._log.info("shard_stopped", shard=shell.core.shard, epoch=shell.core.epoch)
+        if self._retiring:
+            await asyncio.wait(self._retiring, timeout=left_s() / 2)
+        stuck |= await cancel_and_wait(self._retiring, left_s())
+        for shell in [*shells, *self._retiring_shells]:
+            stuck |= await shell.stop(left_s())
+        return sorted(task.get_name() for task in stuck)
 
     def _nc_required(self) -> NatsClient:
         if self._nc is None:

@@ -1,0 +1,142 @@
+"""Issue 21 item 1: a directory whose lease lapses always comes back (DESIGN.md: liveness).
+
+Seen under a flood: the event loop was wedged past the 3 s leader lease, the lease lapsed, and
+the directory hung in its stop — `DirectoryShell._publisher` cancelled but still running —
+alive, leading nothing, never restarted. The publisher's cancellation was swallowed: Python
+3.11's `asyncio.wait_for` (inside nats-py's request) returns the reply instead of raising when
+the cancel and the reply land in the same loop iteration, which a flooded loop makes likely
+(`tests/unit/runtime/test_stop_deadline.py` reproduces it with asyncio alone). Here that race is
+made certain: the directory processes run with a `sitecustomize` that swallows the publisher's
+first cancellation. The loop is wedged with SIGSTOP for longer than the lease; after SIGCONT the
+instance must exit (so `tools/localcluster.py` restarts it) and a new one must serve."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+
+from kvfabric.proto import directory as m
+from kvfabric.runtime.natsauth import nats_auth_from_env
+from tests.integration.cluster import directory_call
+
+pytestmark = pytest.mark.integration
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "localcluster.py"
+LEASE_TTL_MS = 1000
+WEDGE_S = 2.5 * LEASE_TTL_MS / 1000
+BACK_IN_SERVICE_S = 15.0  # wedge over + stop (bounded) + restart wait + a fresh start + rebuild
+
+SWALLOW_FIRST_CANCEL = textwrap.dedent(
+    """
+    import asyncio, os
+
+    if os.environ.get("KVF_INSTANCE_ID", "").startswith("directory"):
+        from kvfabric.directory import handlers
+
+        original = handlers.DirectoryShell._publisher
+
+        async def publisher(self):
+            try:
+                await original(self)
+            except asyncio.CancelledError:
+                pass  # swallowed, as wait_for does when a reply lands with the cancel
+            await original(self)  # and the loop runs on
+
+        handlers.DirectoryShell._publisher = publisher
+    """
+)
+
+
+def tool(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=180, env=env
+    )
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def state_of(run: Path) -> dict[str, Any]:
+    state: dict[str, Any] = json.loads((run / "cluster.json").read_text())
+    return state
+
+
+async def test_a_wedged_directory_loses_its_lease_exits_and_is_back_in_service(tmp_path: Path) -> None:
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(SWALLOW_FIRST_CANCEL)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in (str(inject), os.environ.get("PYTHONPATH", "")) if p),
+        KVF_DIRECTORY_LEADER_LEASE_TTL_MS=str(LEASE_TTL_MS),
+    )
+    run, prefix = tmp_path / "run", f"t{uuid.uuid4().hex[:6]}"
+    common = ["--run-dir", str(run)]
+    started = tool(
+        "up", *common, "--nats-port", "0", "--segments", "1", "--segment-bytes", str(16 << 20),
+        "--segment-prefix", prefix, env=env,
+    )  # fmt: skip
+    try:
+        assert started.returncode == 0, started.stderr
+        state = state_of(run)
+        wedged = state["pids"]["directory"]
+        nc = await nats.connect(
+            state["nats_url"], **nats_auth_from_env(state["auth"]["admin_env"]).connect_options()
+        )
+        try:
+            before = await directory_call(nc, "list_segments", m.ListSegments())
+            assert isinstance(before, m.SegmentList) and before.epoch > 0
+            os.kill(wedged, signal.SIGSTOP)  # the loop runs nothing: the lease lapses meanwhile
+            await asyncio.sleep(WEDGE_S)
+            os.kill(wedged, signal.SIGCONT)
+            resumed_s = time.monotonic()
+
+            async def back_in_service() -> m.SegmentList:
+                while True:
+                    try:
+                        listed = await directory_call(nc, "list_segments", m.ListSegments())
+                    except Exception:  # no leader yet (wrong_shard, unavailable, timeout)
+                        listed = None
+                    pid = state_of(run)["pids"]["directory"]
+                    if isinstance(listed, m.SegmentList) and listed.epoch > before.epoch and pid != wedged:
+                        return listed
+                    await asyncio.sleep(0.1)
+
+            try:
+                after = await asyncio.wait_for(back_in_service(), BACK_IN_SERVICE_S)
+            except TimeoutError:
+                still = "still alive (hung in its stop)" if alive(wedged) else "gone"
+                pytest.fail(
+                    f"no directory in service {BACK_IN_SERVICE_S} s after SIGCONT; the wedged one is {still}"
+                )
+            took_s = time.monotonic() - resumed_s
+            assert [s.segment_id for s in after.segments if s.up] == [f"{prefix}-1"]
+        finally:
+            await nc.close()
+        assert not alive(wedged)
+        exits = [
+            json.loads(line)
+            for line in (run / "logs" / "supervisor.log").read_text().splitlines()
+            if '"child_exited"' in line
+        ]
+        assert [(e["child"], e["exit_code"]) for e in exits] == [("directory", 75)]  # lease lost
+        print(f"back in service {took_s:.1f} s after the wedge ended")
+    finally:
+        assert tool("down", *common).returncode == 0
