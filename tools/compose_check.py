@@ -8,7 +8,8 @@
   name; every kvfabric service gets the cluster secret, the NATS url and the metrics port.
 - Prometheus scrapes exactly the kvfabric services, on that metrics port.
 - Authentication (docs/security.md): a one-shot `auth-init` runs `kvctl auth init` into the
-  `auth` volume, nats loads `/auth/nats-auth.conf` only after it completed, and every kvfabric
+  `auth` volume, nats loads `/auth/nats-auth.conf` only after it completed and opens no HTTP
+  monitoring port (it lists users and connections without credentials), and every kvfabric
   service connects as its own `svc-<kind>` user with that user's password file; the directory
   reads the tenant grants file.
 - Grafana's provisioning points at the dashboard folder; the dashboard parses and uses only
@@ -51,6 +52,10 @@ def documented_metrics() -> set[str]:
             expanded.add(name)
     return {n for n in expanded if "<" not in n}
 
+
+# nats-server's flags that open its HTTP(S) monitoring port (users, subscriptions, byte counters,
+# readable without credentials): none may be given (docs/security.md).
+NATS_MONITOR_FLAGS = ("-m", "--http_port", "-http_port", "-ms", "--https_port", "-https_port")
 
 USERS = {
     "kvfabric.directory": "svc-directory",
@@ -97,6 +102,9 @@ def check_auth(services: dict[str, Any], kvfabric_services: dict[str, Any]) -> l
         problems.append("KVF_CLUSTER_SECRET must be required (${KVF_CLUSTER_SECRET:?...}), never defaulted")
     if any(str(p).split(":")[-1] == "8222" for p in nats.get("ports", [])):
         problems.append("nats: the monitoring port 8222 must not be published")
+    monitoring = [a for a in command if str(a).split("=")[0] in NATS_MONITOR_FLAGS]
+    if monitoring:
+        problems.append(f"nats: the HTTP monitoring port must stay off (no credentials), got {monitoring}")
     return problems
 
 

@@ -96,6 +96,34 @@ def port_free(port: int) -> bool:
         return True
 
 
+NATS_MONITOR_PORT_ENV: Final = "KVF_LOCALCLUSTER_NATS_MONITOR_PORT"
+NATS_INFO_BYTES_MAX: Final = 64 << 10
+
+
+def nats_monitor_port(netns_segments: int) -> int:
+    """nats-server's HTTP monitoring port, 0 = off (the default). It serves every user, subscription
+    and byte counter to anyone who reaches it, without credentials (issue 21 row 11), so it is
+    opt-in (`KVF_LOCALCLUSTER_NATS_MONITOR_PORT=<port>` before `up`) and on loopback only: refused
+    with netns segments, where nats-server, and its monitor with it, listens on every interface."""
+    port = int(os.environ.get(NATS_MONITOR_PORT_ENV) or 0)
+    if port and netns_segments:
+        raise SystemExit(f"{NATS_MONITOR_PORT_ENV} with --netns-segments: it would listen on every interface")
+    return port
+
+
+def nats_ready(url: str) -> bool:
+    """nats-server takes clients with JetStream on: the first line it sends is `INFO {...}` with
+    `"jetstream": true` (it enables JetStream before it accepts clients). No monitoring port needed."""
+    host, _, port = url.removeprefix("nats://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0) as s:
+            line = s.makefile("rb").readline(NATS_INFO_BYTES_MAX)
+        info = json.loads(line.removeprefix(b"INFO ")) if line.startswith(b"INFO ") else {}
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("jetstream") is True
+
+
 def nats_server_binary() -> str:
     local = Path(sys.executable).parent / "nats-server"
     found = str(local) if local.exists() else shutil.which("nats-server")
@@ -163,6 +191,8 @@ class Child:
         log.close()
 
     def ready(self, logs: Path) -> bool:
+        if self.ready_url is not None and self.ready_url.startswith("nats://"):
+            return nats_ready(self.ready_url)
         if self.ready_url is not None:
             try:
                 with urllib.request.urlopen(self.ready_url, timeout=1.0) as reply:
@@ -248,7 +278,7 @@ def plan_children(
     directories: int = 1,
     netns_segments: int = 0,
 ) -> tuple[list[Child], dict[str, Any]]:
-    monitor = free_port()
+    monitor = nats_monitor_port(netns_segments)
     nats_url = f"nats://127.0.0.1:{nats_port}"
     base = dict(os.environ, KVF_CLUSTER_SECRET=(run / "secret").read_text(), KVF_LOG_JSON="true")
     auth = read_auth(run)
@@ -269,13 +299,12 @@ def plan_children(
                 "0.0.0.0" if netns_segments else "127.0.0.1",  # netns segments reach it over veth
                 "-p",
                 str(nats_port),
-                "-m",
-                str(monitor),
+                *(["-m", str(monitor)] if monitor else []),  # off by default: nats_monitor_port
                 *nats_config,
             ],
             dict(os.environ),
             None,
-            ready_url=f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true",
+            ready_url=nats_url,
         ),
         Child(
             "directory",
@@ -335,7 +364,7 @@ def plan_children(
     info = {
         "nats_url": nats_url,
         "segment_prefix": prefix,
-        "nats_monitor_port": monitor,
+        "nats_monitor_port": monitor or None,
         "run_dir": str(run),
         "services": [c.name for c in children],
         "netns": netns,
