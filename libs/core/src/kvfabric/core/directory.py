@@ -101,6 +101,43 @@ GENERATION_MAX: Final = 2**64 - 1  # ... and generations as u64 (a generation st
 _U64: Final = 2**64 - 1  # the widest integer msgpack encodes (9 bytes): reply size bounds
 _ARRAY_HEADER_BYTES: Final = 5  # msgpack array32 header: the widest a list's length takes
 _encode: Final = msgspec.msgpack.Encoder().encode
+
+
+def _str_bytes(n: int) -> int:
+    """The most bytes a msgpack str or bin of `n` bytes takes: its header (up to 5) and itself."""
+    return n + 5
+
+
+@dataclass(frozen=True, slots=True)
+class _ReplySizes:
+    """Encoded sizes of a put_begin reply's parts with every string and byte field empty and
+    every integer at its widest; `_check_reply_fits` adds the strings' lengths."""
+
+    ticket: int
+    result: int
+    envelope: int
+
+    @classmethod
+    def measure(cls, secret: bytes) -> _ReplySizes:
+        ticket = m.WriteTicket(
+            ticket_id=_U64,
+            key=b"",
+            segment_id="",
+            incarnation=_U64,
+            size_bytes=_U64,
+            checksum=bytes(CHECKSUM_BYTES),
+            writer_id="",
+            deadline_ms=_U64,
+            epoch=_U64,
+            shard=_U64,
+        )
+        return cls(
+            ticket=len(_encode(sign_ticket(ticket, secret))),
+            result=len(_encode(m.BeginResult(key=b"", status="quota_exceeded", deadline_ms=_U64))),
+            envelope=len(_encode(m.PutBeginReply(epoch=_U64, results=[]))) + _ARRAY_HEADER_BYTES,
+        )
+
+
 # Replies kept for retried requests, by verb: decoded again on a retry (see `_reply_cache`).
 _REPLY_DECODERS: Final[Mapping[str, msgspec.msgpack.Decoder[Any]]] = {
     "begin": msgspec.msgpack.Decoder(m.PutBeginReply),
@@ -323,6 +360,11 @@ class DirectoryCore:
         self.quotas = Quotas(
             config.tenant_quota_default, config.tenant_quotas, config.tenants_max, self._count
         )
+        # The longest segment id and data address ever registered (UTF-8 bytes): an upper bound
+        # of what a ticket names, for `_check_reply_fits`.
+        self._reply_sizes = _ReplySizes.measure(config.ticket_secret)
+        self._segment_id_bytes_max = 0
+        self._data_addr_bytes_max = 0
 
     # ---- plumbing ------------------------------------------------------------------------
 
@@ -495,6 +537,7 @@ class DirectoryCore:
                 seg.last_heartbeat_ms = now_ms
                 return Outcome(self._registered())
             self._segment_lost(seg, "restarted", effects)
+        self._note_segment_text(req.segment_id, req.data_addr)
         self.segments[req.segment_id] = _Segment(
             req.segment_id, req.incarnation, req.domain, req.capacity_bytes, req.data_addr, now_ms
         )
@@ -507,6 +550,10 @@ class DirectoryCore:
             )
         )
         return Outcome(self._registered(), effects)
+
+    def _note_segment_text(self, segment_id: str, data_addr: str) -> None:
+        self._segment_id_bytes_max = max(self._segment_id_bytes_max, len(segment_id.encode()))
+        self._data_addr_bytes_max = max(self._data_addr_bytes_max, len(data_addr.encode()))
 
     def _registered(self) -> m.SegmentRegistered:
         return m.SegmentRegistered(
@@ -624,31 +671,15 @@ class DirectoryCore:
     def _check_reply_fits(self, req: m.PutBegin, replicas: int) -> None:
         """Refuse (`batch_too_large`, nothing placed) a put_begin whose reply could exceed
         `reply_bytes_max`: every object placed with `replicas` tickets naming the longest segment
-        id and data address there is, every integer at its widest."""
+        id and data address ever registered here, every integer at its widest (`_ReplySizes`)."""
         if not req.objects:
             return
-        segments = [s for s in self.segments.values() if s.up and not s.draining]
         key_bytes = max(len(spec.key) for spec in req.objects)
-        ticket = sign_ticket(
-            m.WriteTicket(
-                ticket_id=_U64,
-                key=bytes(key_bytes),
-                segment_id=max((s.segment_id for s in segments), key=len, default=""),
-                incarnation=_U64,
-                size_bytes=_U64,
-                checksum=bytes(CHECKSUM_BYTES),
-                writer_id=req.writer_id,
-                deadline_ms=_U64,
-                epoch=_U64,
-                data_addr=max((s.data_addr for s in segments), key=len, default=""),
-                shard=_U64,
-            ),
-            self.config.ticket_secret,
-        )
-        result = m.BeginResult(key=bytes(key_bytes), status="quota_exceeded", deadline_ms=_U64)
-        per_object = len(_encode(result)) + _ARRAY_HEADER_BYTES + replicas * len(_encode(ticket))
-        envelope = len(_encode(m.PutBeginReply(epoch=_U64, results=[]))) + _ARRAY_HEADER_BYTES
-        fits = max(0, (self.config.reply_bytes_max - envelope) // per_object)
+        sizes = self._reply_sizes
+        ticket = sizes.ticket + _str_bytes(key_bytes) + _str_bytes(len(req.writer_id.encode()))
+        ticket += _str_bytes(self._segment_id_bytes_max) + _str_bytes(self._data_addr_bytes_max)
+        per_object = sizes.result + _str_bytes(key_bytes) + _ARRAY_HEADER_BYTES + replicas * ticket
+        fits = max(0, (self.config.reply_bytes_max - sizes.envelope) // per_object)
         if len(req.objects) > fits:
             self._count("put_begin_reply_too_large_total")
             raise BatchTooLarge(
@@ -1705,6 +1736,7 @@ class DirectoryCore:
             )
             seg.reserved_bytes = sum(o.size_bytes for o in holding.objects)  # freed orphans give it back
             self.segments[reg.segment_id] = seg
+            self._note_segment_text(reg.segment_id, reg.data_addr)
         plan = plan_rebuild(holdings)
         effects: list[Effect] = []
         for gid, (info, members) in plan.groups.items():
