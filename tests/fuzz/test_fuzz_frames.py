@@ -110,7 +110,7 @@ def segment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Segment]:
     slots = SlotTable(ARENA_BYTES)
     confirms: list[WriteTicket] = []
 
-    def confirm(t: WriteTicket, slot: int, generation: int, trace_id: str = "") -> str:
+    def confirm(t: WriteTicket, slot: int, generation: int, trace_id: str = "", writes: int = 0) -> str:
         confirms.append(t)
         return "ok"
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvfabric.format.errors import Unavailable
 from kvfabric.proto import directory as m
-from kvfabric.segment_storage.confirms import ConfirmBatcher
+from kvfabric.segment_storage.confirms import CONFIRM_GATHER_S, ConfirmBatcher
 
 
 def confirm(ticket_id: int) -> m.ReplicaConfirm:
@@ -84,3 +84,25 @@ async def test_a_stopped_sender_leaves_nobody_waiting() -> None:
         task.cancel()
     with pytest.raises(Unavailable):
         await asyncio.wait_for(asyncio.gather(*waiting), 1)
+
+
+async def test_a_save_that_says_how_many_writes_come_gets_one_request() -> None:
+    """`PutRequest.save_writes`: the first confirm waits (at most CONFIRM_GATHER_S) for the rest
+    of its save; a straggler past that rides the next request; keys never mix."""
+    directory = FakeDirectory()
+    batcher = ConfirmBatcher("seg", 7, directory.send)
+
+    async def late(i: int, delay_s: float, turns: int = 0) -> str:
+        await asyncio.sleep(delay_s)
+        for _ in range(turns):  # arrive `turns` loop iterations later (the first is sent by then)
+            await asyncio.sleep(0)
+        return await batcher.confirm(3, 2, confirm(i), "save", expected=8)
+
+    verdicts = await asyncio.gather(*(late(i, 0.0, turns=i) for i in range(8)))
+    assert verdicts == ["unknown_ticket" if i % 2 == 0 else "ok" for i in range(8)]
+    assert [len(msg.confirms) for msg, _ in directory.requests] == [8]
+    directory.requests.clear()
+    slow = [late(10, 0.0), late(11, 0.0), late(12, CONFIRM_GATHER_S * 3)]
+    await asyncio.gather(*(batcher.confirm(4, 2, confirm(20)),), *slow)  # shard 4: its own request
+    assert sorted(len(msg.confirms) for msg, _ in directory.requests) == [1, 1, 2]
+    assert not batcher._senders and not batcher._pending and not batcher._arrived and not batcher._expected

@@ -84,7 +84,7 @@ def make_segment(tmp: Path, segment_id: str, incarnation: int) -> Seg:
     slots = SlotTable(ARENA_BYTES)
     seg: Seg
 
-    def confirm(ticket: WriteTicket, slot: int, generation: int, trace_id: str = "") -> str:
+    def confirm(ticket: WriteTicket, slot: int, generation: int, trace_id: str = "", writes: int = 0) -> str:
         seg.confirmed.append((slot, generation))
         return seg.verdicts.pop(0) if seg.verdicts else "ok"
 

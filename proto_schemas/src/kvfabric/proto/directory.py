@@ -384,7 +384,7 @@ class LeaseReleaseMany(_Msg, frozen=True, kw_only=True, tag="dir.lease_release_m
     exactly the batched `LeaseRelease` of its shard. Distinct shards; at most
     `RELEASE_MANY_LEASES_MAX` leases in all. Never refused for load (it only gives back)."""
 
-    holder_id: str
+    holder_id: HolderId
     parts: list[ReleasePart]
 
 

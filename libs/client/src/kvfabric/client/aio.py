@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -830,8 +831,18 @@ class AsyncKvClient:
                     failed_chunks.add(chunk_of[result.key])
                     causes[result.status] = causes.get(result.status, 0) + 1
         # Write every replica of every placed object (bounded by the save executor's threads).
+        # Each write says how many of this save's go to its segment for its shard: the segment
+        # confirms them to the directory together (one round trip, `PutRequest.save_writes`).
+        together = Counter((t.segment_id, router.shard_of(r.key)) for r in placed for t in r.tickets)
         writes = [
-            loop.run_in_executor(self._save_executor, self.pool.store, ticket, data[result.key], trace_id)
+            loop.run_in_executor(
+                self._save_executor,
+                self.pool.store,
+                ticket,
+                data[result.key],
+                trace_id,
+                together[ticket.segment_id, router.shard_of(result.key)],
+            )
             for result in placed
             for ticket in result.tickets
         ]

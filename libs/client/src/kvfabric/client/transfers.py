@@ -277,7 +277,7 @@ class SegmentPool:
                 causes[i] = retry if retry == OK else causes[i]
         return causes
 
-    def store(self, ticket: WriteTicket, data: memoryview, trace_id: str = "") -> str:
+    def store(self, ticket: WriteTicket, data: memoryview, trace_id: str = "", save_writes: int = 0) -> str:
         """Write one replica under its ticket. Returns "ok" (confirmed) or a cause. Writes share
         the segment's connections with loads: measured, capping them at half (so loads always
         find one while the directory confirms slowly) split a save of 8 objects into two waves of
@@ -286,7 +286,7 @@ class SegmentPool:
             # The pool loads use too (one idle pool per segment): a PUT only needs its TCP half.
             shm_ok = self._shm_ok(ticket.segment_id)
             with self._connection(ticket.data_addr, shm_ok, ticket=ticket) as conn:
-                reply = conn.tcp.put(ticket, data, trace_id=trace_id)
+                reply = conn.tcp.put(ticket, data, trace_id=trace_id, save_writes=save_writes)
         except KvfError as exc:
             return exc.code
         except OSError:

@@ -36,6 +36,7 @@ class PutSlot:
     # Set by a transport that hashed the bytes as they arrived; else `finish_put` hashes the slot.
     checksum: bytes | None = None
     trace_id: str = ""  # the writer's trace id (PUT meta): the segment's confirm carries it on
+    save_writes: int = 0  # PUT meta: writes of the same save for this segment and shard (confirms)
 
 
 @dataclass(slots=True)

@@ -451,6 +451,7 @@ class TcpDataServer:
             except KvfError as err:
                 raise _PutRefused(err, meta.ticket.size_bytes) from err
             put.trace_id = meta.trace_id
+            put.save_writes = meta.save_writes
             self._deadline(conn, limits.transfer_ms(len(put.view)), "transfer_timeout")
             self._receive_put(conn, sock, put)
             self._no_deadline(conn)
@@ -571,14 +572,21 @@ class TcpDataClient:
             raise Indeterminate(f"data connection failed during {op.name}: {exc!r}") from exc
 
     def put(
-        self, ticket: WriteTicket, data: bytes | bytearray | memoryview, *, trace_id: str = ""
+        self,
+        ticket: WriteTicket,
+        data: bytes | bytearray | memoryview,
+        *,
+        trace_id: str = "",
+        save_writes: int = 0,
     ) -> PutReply:
-        """Send one object's bytes under a signed ticket. On success the replica is confirmed."""
+        """Send one object's bytes under a signed ticket. On success the replica is confirmed.
+        `save_writes`: the writes of the same save to this segment and shard (`PutRequest`)."""
         view = memoryview(data).cast("B")
         if len(view) != ticket.size_bytes:
             raise BadRequest(f"buffer is {len(view)} bytes, ticket says {ticket.size_bytes}")
         with self._lock:
-            reply, _ = self._call(Op.PUT, PutRequest(ticket=ticket, trace_id=trace_id), [view])
+            meta = PutRequest(ticket=ticket, trace_id=trace_id, save_writes=save_writes)
+            reply, _ = self._call(Op.PUT, meta, [view])
         if not isinstance(reply, PutReply):
             raise Indeterminate(f"unexpected reply {type(reply).__name__} to PUT")
         return reply

@@ -79,7 +79,8 @@ AUTH_REFS_CHECKED_MAX: Final = 4
 
 # (ticket, slot, generation) -> the directory's verdict: "ok", "unknown_ticket" or "mismatch".
 # Blocks the calling transport thread; raises KvfError when the directory cannot be reached.
-ConfirmFn = Callable[[WriteTicket, int, int, str], str]  # (ticket, slot, generation, trace id) -> verdict
+# (ticket, slot, generation, trace id, the save's writes for this segment and shard) -> verdict
+ConfirmFn = Callable[[WriteTicket, int, int, str, int], str]
 # Fills the writable slot view with the object's bytes (a copy from another segment); raises a
 # KvfError when it cannot. Runs on the thread that called `copy_in`.
 FetchFn = Callable[[memoryview], None]
@@ -177,7 +178,7 @@ class ArenaBackend:
             self._conns[conn].puts.pop(put.slot, None)
             self.arena.board.publish(put.slot, put.slot_generation, put.offset, put.ticket.size_bytes, stored)
         try:
-            verdict = self.confirm(put.ticket, put.slot, put.slot_generation, put.trace_id)
+            verdict = self.confirm(put.ticket, put.slot, put.slot_generation, put.trace_id, put.save_writes)
         except KvfError:
             self._free(put.slot, put.slot_generation)  # not confirmed: never readable via the directory
             raise

@@ -6,7 +6,10 @@ arrive together; sent one request each they queued at the directory (8 objects: 
 served one after another, most of a small save's time). Here confirms that share a batch key —
 (shard, the ticket's epoch, trace id: one save's writes share all three) — go in one
 `ConfirmReplicas`: the first is sent at once, and those that arrive while a request of their key
-is in flight ride the next one. Nothing waits for a batch to fill.
+is in flight ride the next one. A writer that says how many writes of its save come here for the
+shard (`PutRequest.save_writes`) gets them gathered: the first request waits until that many
+confirms arrived, for at most `CONFIRM_GATHER_S` (a save of 8 objects: one directory round trip,
+not two). Nothing else waits for a batch to fill.
 
 Bounds: at most `CONFIRM_BATCH_MAX` confirms a request, one request in flight per key; the
 confirms waiting are bounded by the transport threads waiting on them (one each). A confirm whose
@@ -17,6 +20,7 @@ the caller then frees the slot, as it does for any confirm without a verdict in 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Final
 
@@ -28,6 +32,9 @@ from kvfabric.proto import directory as m
 __all__ = ["CONFIRM_BATCH_MAX", "ConfirmBatcher"]
 
 CONFIRM_BATCH_MAX: Final = 64
+# How long a save's first confirm waits for the rest of its writes (they arrive within a
+# fraction of a millisecond when they were sent together; a straggler rides the next request).
+CONFIRM_GATHER_S: Final = 0.002
 
 BatchKey = tuple[int, int, str]  # (shard, epoch, trace id)
 SendFn = Callable[[m.ConfirmReplicas, str], Awaitable[msgspec.Struct]]  # (message, trace id) -> reply
@@ -42,22 +49,52 @@ class ConfirmBatcher:
         self._send = send
         self._pending: dict[BatchKey, list[tuple[m.ReplicaConfirm, asyncio.Future[str]]]] = {}
         self._senders: dict[BatchKey, asyncio.Task[None]] = {}
+        self._expected: dict[BatchKey, int] = {}  # confirms a save said to expect, while sending
+        self._arrived: dict[BatchKey, asyncio.Event] = {}  # set on each confirm of a gathering key
         self.requests_sent = 0
         self.confirms_sent = 0
 
-    async def confirm(self, shard: int, epoch: int, confirm: m.ReplicaConfirm, trace_id: str = "") -> str:
+    async def confirm(
+        self, shard: int, epoch: int, confirm: m.ReplicaConfirm, trace_id: str = "", *, expected: int = 0
+    ) -> str:
         """The directory's verdict for one replica ("ok", "unknown_ticket", "mismatch"); raises
-        the request's `KvfError` when its batch got no reply."""
+        the request's `KvfError` when its batch got no reply. `expected`: the confirms of this
+        save for the shard (0: unknown; only with a trace id, which tells saves apart)."""
         key = (shard, epoch, trace_id)
         verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._pending.setdefault(key, []).append((confirm, verdict))
+        arrived = self._arrived.get(key)
+        if arrived is not None:
+            arrived.set()
         if key not in self._senders:
+            if trace_id and expected > 1:
+                self._expected[key] = min(expected, CONFIRM_BATCH_MAX)
+                self._arrived[key] = asyncio.Event()
             self._senders[key] = asyncio.create_task(self._drain(key))
         return await verdict
+
+    async def _gather(self, key: BatchKey) -> None:
+        """Wait until the confirms a save said to expect are here, or `CONFIRM_GATHER_S`."""
+        expected = self._expected.pop(key, 0)
+        arrived = self._arrived.get(key)
+        if arrived is None:
+            return
+        deadline = asyncio.get_running_loop().time() + CONFIRM_GATHER_S
+        try:
+            while len(self._pending.get(key, ())) < expected:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    return
+                arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(arrived.wait(), left)
+        finally:
+            self._arrived.pop(key, None)
 
     async def _drain(self, key: BatchKey) -> None:
         batch: list[tuple[m.ReplicaConfirm, asyncio.Future[str]]] = []
         try:
+            await self._gather(key)
             while self._pending.get(key):
                 waiting = self._pending.pop(key)
                 batch, rest = waiting[:CONFIRM_BATCH_MAX], waiting[CONFIRM_BATCH_MAX:]

@@ -290,7 +290,9 @@ class SegmentShell:
 
     # ---- directory traffic ---------------------------------------------------------------------
 
-    def _confirm(self, ticket: m.WriteTicket, slot: int, generation: int, trace_id: str = "") -> str:
+    def _confirm(
+        self, ticket: m.WriteTicket, slot: int, generation: int, trace_id: str = "", save_writes: int = 0
+    ) -> str:
         """Called from a transport thread: confirm on the event loop (batched with the other
         replicas of the same save, `ConfirmBatcher`), wait for the verdict."""
         if self._loop is None or self.router is None:
@@ -305,7 +307,7 @@ class SegmentShell:
         )
         shard = self.router.shard_of(ticket.key)
         future = asyncio.run_coroutine_threadsafe(
-            self.confirms.confirm(shard, ticket.epoch, confirm, trace_id), self._loop
+            self.confirms.confirm(shard, ticket.epoch, confirm, trace_id, expected=save_writes), self._loop
         )
         try:
             return future.result(timeout=self.settings.confirm_timeout_ms / 1000)
