@@ -12,14 +12,28 @@ refuse them: not written), each with the previous block as parent; then the core
 victims, removed at once (no leases in the simulation). Capacity is a share of the trace's
 unique blocks; one pool; sizes in blocks.
 
+Two references run next to the policies, with the same accounting:
+- `reference`: Belady's MIN with bypass, offline (it reads the future of the trace). Every block
+  carries its next use (the index of the next request naming it; never = infinity). A missed
+  block is written only if the cache has room or its next use comes before that of the resident
+  block used furthest in the future, which it then replaces; otherwise it is not written
+  (bypass). A resident block named by a request (hit or past the first miss) takes its new next
+  use. It is a reference, not a proven optimum for prefix hits: MIN ignores that a block is
+  useless without its head and that a request's blocks are worth different token counts.
+- `infinite`: no eviction at all (every block stays once written): the ceiling of any policy.
+Each policy's `gap closed` is the share of the LRU -> reference gap it closes:
+(saved - saved by lru) / (saved by reference - saved by lru).
+
 Reports per trace, capacity and policy: hit rate (requests with any hit), prefill tokens saved
-(share of all input tokens), blocks written, evictions; a markdown table, JSON, and a PNG plot.
+(share of all input tokens), gap closed, blocks written, evictions; a markdown table, JSON, and a
+PNG plot. `--max-requests N` replays only the first N requests of each trace.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import heapq
 import json
 import sys
 import time
@@ -30,6 +44,10 @@ from kvfabric.core.eviction import Admitted, EvictBatch, EvictionConfig, Evictio
 
 REPO: Final = Path(__file__).resolve().parents[1]
 BLOCK_TOKENS: Final = 512
+NEVER: Final = float("inf")  # next use of a block no later request names
+REFERENCE: Final = "reference"  # Belady's MIN with bypass (offline)
+INFINITE: Final = "infinite"  # no eviction
+BASELINE: Final = "lru"  # the gap is measured from it
 POLICIES: Final = {
     "lru": EvictionConfig(policy="lru", admission="always"),
     "lru-plain": EvictionConfig(policy="lru", admission="always", prefix_order=False),
@@ -92,6 +110,66 @@ def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: Evictio
             for victim in effect.victims:
                 core.removed(victim)
                 evicted += 1
+    return _row(requests, hits, saved, total, written, evicted)
+
+
+def simulate_reference(requests: list[dict[str, Any]], capacity_blocks: int) -> dict[str, float]:
+    """Belady's MIN with bypass (module docstring), same accounting as `simulate`."""
+    next_use: list[list[float]] = [[] for _ in requests]
+    later: dict[int, float] = {}
+    for r in range(len(requests) - 1, -1, -1):
+        blocks = requests[r]["hash_ids"]
+        next_use[r] = [later.get(b, NEVER) for b in blocks]
+        for b in blocks:
+            later[b] = r
+    resident: dict[int, float] = {}  # block -> its next use
+    furthest: list[tuple[float, int]] = []  # (-next use, block), stale entries skipped
+    saved = total = written = evicted = hits = 0
+    for r, request in enumerate(requests):
+        blocks = request["hash_ids"]
+        total += request["input_length"]
+        hit = 0
+        for block in blocks:
+            if block not in resident:
+                break
+            hit += 1
+        saved += min(hit * BLOCK_TOKENS, request["input_length"])
+        hits += hit > 0
+        for block, use in zip(blocks, next_use[r], strict=True):
+            if block not in resident and len(resident) >= capacity_blocks:
+                while resident.get(furthest[0][1]) != -furthest[0][0]:
+                    heapq.heappop(furthest)  # stale: the block was used (or dropped) since
+                if use >= -furthest[0][0]:
+                    continue  # bypass: used no sooner than anything resident
+                del resident[heapq.heappop(furthest)[1]]
+                evicted += 1
+            written += block not in resident
+            resident[block] = use
+            heapq.heappush(furthest, (-use, block))
+    return _row(requests, hits, saved, total, written, evicted)
+
+
+def simulate_infinite(requests: list[dict[str, Any]]) -> dict[str, float]:
+    """No eviction: every block stays once written."""
+    resident: set[int] = set()
+    saved = total = hits = 0
+    for request in requests:
+        blocks = request["hash_ids"]
+        total += request["input_length"]
+        hit = 0
+        for block in blocks:
+            if block not in resident:
+                break
+            hit += 1
+        saved += min(hit * BLOCK_TOKENS, request["input_length"])
+        hits += hit > 0
+        resident.update(blocks)
+    return _row(requests, hits, saved, total, len(resident), 0)
+
+
+def _row(
+    requests: list[dict[str, Any]], hits: int, saved: int, total: int, written: int, evicted: int
+) -> dict[str, float]:
     return {
         "request_hit_rate": hits / len(requests),
         "prefill_saved_share": saved / total,
@@ -101,6 +179,11 @@ def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: Evictio
     }
 
 
+def gap_closed(saved: float, lru: float, reference: float) -> float | None:
+    """Share of the LRU -> reference gap that `saved` closes; None when there is no gap."""
+    return (saved - lru) / (reference - lru) if reference > lru else None
+
+
 def plot(results: list[dict[str, Any]], out: Path) -> None:
     import matplotlib
 
@@ -108,26 +191,61 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     traces = sorted({r["trace"] for r in results})
-    fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4.2), squeeze=False)
-    for ax, trace in zip(axes[0], traces, strict=True):
-        for policy in POLICIES:
+    names = list(dict.fromkeys(r["policy"] for r in results))
+    fig, axes = plt.subplots(2, len(traces), figsize=(6.5 * len(traces), 8.4), squeeze=False)
+    for column, trace in enumerate(traces):
+        top, bottom = axes[0][column], axes[1][column]
+        for name in names:
             rows = sorted(
-                (r for r in results if r["trace"] == trace and r["policy"] == policy),
+                (r for r in results if r["trace"] == trace and r["policy"] == name),
                 key=lambda r: r["capacity_pct"],
             )
-            ax.plot(
+            style = {"linestyle": "--", "color": "black" if name == REFERENCE else "grey"}
+            reference = name in (REFERENCE, INFINITE)
+            top.plot(
                 [r["capacity_pct"] for r in rows],
                 [100 * r["prefill_saved_share"] for r in rows],
                 marker="o",
-                label=policy,
+                label=name,
+                **(style if reference else {}),
             )
-        ax.set_title(trace)
-        ax.set_xlabel("capacity, % of unique blocks")
-        ax.set_ylabel("prefill tokens saved, %")
-        ax.grid(alpha=0.3)
-        ax.legend()
+            if not reference:
+                bottom.plot(
+                    [r["capacity_pct"] for r in rows],
+                    [100 * r["gap_closed"] if r["gap_closed"] is not None else float("nan") for r in rows],
+                    marker="o",
+                    label=name,
+                )
+        top.set_title(f"{trace}: prefill tokens saved")
+        top.set_ylabel("prefill tokens saved, %")
+        bottom.set_title(f"{trace}: share of the LRU -> reference gap closed")
+        bottom.set_ylabel("gap closed, % (reference = 100)")
+        bottom.axhline(0, color="grey", linewidth=0.8)
+        bottom.axhline(100, color="black", linestyle="--", linewidth=0.8)
+        for ax in (top, bottom):
+            ax.set_xlabel("capacity, % of unique blocks")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+
+
+def table(results: list[dict[str, Any]], command: str) -> list[str]:
+    lines = [
+        command,
+        "",
+        "| trace | capacity | policy | prefill tokens saved | gap closed | vs LRU | blocks written"
+        " | evictions | request hit rate |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        gap = "—" if r["gap_closed"] is None else f"{100 * r['gap_closed']:.0f}%"
+        lines.append(
+            f"| {r['trace']} | {r['capacity_pct']}% ({r['capacity_blocks']} blocks) | {r['policy']} | "
+            f"{100 * r['prefill_saved_share']:.2f}% | {gap} | {100 * r['vs_lru']:+.1f}% | "
+            f"{r['blocks_written']} | {r['evictions']} | {100 * r['request_hit_rate']:.1f}% |"
+        )
+    return lines
 
 
 def main() -> int:
@@ -138,29 +256,45 @@ def main() -> int:
         "--traces", nargs="*", default=sorted(glob.glob(str(REPO.parent / "shared" / "traces" / "*.jsonl")))
     )
     parser.add_argument("--capacities", default="5,10,25,50")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, of: %(default)s")
+    parser.add_argument(
+        "--max-requests", type=int, default=0, help="replay the first N requests only (0: all)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "eviction")
     args = parser.parse_args()
     if not args.traces:
         print("no traces found", file=sys.stderr)
         return 2
     capacities = [int(c) for c in args.capacities.split(",")]
+    policies = {name: POLICIES[name] for name in args.policies.split(",")}
     results: list[dict[str, Any]] = []
     started = time.perf_counter()
     for trace_path in map(Path, args.traces):
         requests = load_trace(trace_path)
+        if args.max_requests:
+            requests = requests[: args.max_requests]
         unique = len({b for r in requests for b in r["hash_ids"]})
+        infinite = simulate_infinite(requests)
         for pct in capacities:
             capacity = max(1, unique * pct // 100)
-            for name, config in POLICIES.items():
-                row = simulate(requests, capacity, config)
+            rows = {name: simulate(requests, capacity, config) for name, config in policies.items()}
+            rows[BASELINE] = rows.get(BASELINE) or simulate(requests, capacity, POLICIES[BASELINE])
+            rows[REFERENCE] = simulate_reference(requests, capacity)
+            rows[INFINITE] = infinite
+            lru = rows[BASELINE]["prefill_tokens_saved"]
+            reference = rows[REFERENCE]["prefill_tokens_saved"]
+            for name, row in rows.items():
                 results.append(
                     {
                         "trace": trace_path.stem,
+                        "requests": len(requests),
                         "unique_blocks": unique,
                         "capacity_pct": pct,
                         "capacity_blocks": capacity,
                         "policy": name,
                         **row,
+                        "gap_closed": gap_closed(row["prefill_tokens_saved"], lru, reference),
+                        "vs_lru": row["prefill_tokens_saved"] / lru - 1 if lru else 0.0,
                     }
                 )
                 print(
@@ -168,30 +302,13 @@ def main() -> int:
                     file=sys.stderr,
                 )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    lines = [
-        f"`python tools/evict_sim.py --capacities {args.capacities}` ({time.perf_counter() - started:.0f} s)",
-        "",
-        "| trace | capacity | policy | request hit rate | prefill tokens saved | vs LRU"
-        " | blocks written | evictions |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        lru = next(
-            x
-            for x in results
-            if x["trace"] == r["trace"] and x["capacity_pct"] == r["capacity_pct"] and x["policy"] == "lru"
-        )
-        gain = (
-            r["prefill_tokens_saved"] / lru["prefill_tokens_saved"] - 1
-            if lru["prefill_tokens_saved"]
-            else 0.0
-        )
-        lines.append(
-            f"| {r['trace']} | {r['capacity_pct']}% ({r['capacity_blocks']} blocks) | {r['policy']} | "
-            f"{100 * r['request_hit_rate']:.1f}% | {100 * r['prefill_saved_share']:.2f}% | "
-            f"{100 * gain:+.1f}% | "
-            f"{r['blocks_written']} | {r['evictions']} |"
-        )
+    flags = f" --capacities {args.capacities}"
+    if args.policies != parser.get_default("policies"):
+        flags += f" --policies {args.policies}"
+    if args.max_requests:
+        flags += f" --max-requests {args.max_requests}"
+    command = f"`python tools/evict_sim.py{flags}` ({time.perf_counter() - started:.0f} s)"
+    lines = table(results, command)
     Path(str(args.out) + ".md").write_text("\n".join(lines) + "\n")
     Path(str(args.out) + ".json").write_text(json.dumps(results, indent=2))
     plot(results, Path(str(args.out) + ".png"))

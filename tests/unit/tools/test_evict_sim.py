@@ -29,3 +29,36 @@ def test_replay_counts_folded_prefix_hits_and_respects_capacity() -> None:
 def test_the_simulator_uses_the_production_core() -> None:
     source = (REPO / "tools" / "evict_sim.py").read_text()
     assert "from kvfabric.core.eviction import" in source and "class EvictionCore" not in source
+
+
+def test_the_reference_evicts_the_block_used_furthest_and_bypasses_blocks_used_later() -> None:
+    sim = load_tool("evict_sim")
+    requests = [
+        {"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]},
+        {"timestamp": 1, "input_length": 512, "hash_ids": [3]},  # never again: bypassed, not written
+        {"timestamp": 2, "input_length": 1024, "hash_ids": [1, 2]},  # both still resident
+        {"timestamp": 3, "input_length": 512, "hash_ids": [4]},  # used next at 5, before 1 (6), 2 (never)
+        {"timestamp": 4, "input_length": 512, "hash_ids": [5]},  # used at 7, after 1 and 4: bypassed
+        {"timestamp": 5, "input_length": 512, "hash_ids": [4]},
+        {"timestamp": 6, "input_length": 512, "hash_ids": [1]},
+        {"timestamp": 7, "input_length": 512, "hash_ids": [5]},
+    ]
+    row = sim.simulate_reference(requests, 2)
+    assert row["blocks_written"] == 3  # 1, 2, then 4 in place of 2 (after request 2, never used again)
+    assert row["evictions"] == 1  # 3 and both 5s bypassed: no use sooner than a resident block's
+    assert row["prefill_tokens_saved"] == 2 * 512 + 512 + 512  # requests 2, 5 and 6
+    lru = sim.simulate(requests, 2, EvictionConfig(policy="lru"))
+    assert lru["prefill_tokens_saved"] < row["prefill_tokens_saved"]
+
+
+def test_the_infinite_cache_keeps_every_block_and_gap_closed_is_measured_from_lru() -> None:
+    sim = load_tool("evict_sim")
+    requests = [
+        {"timestamp": 0, "input_length": 1536, "hash_ids": [1, 2, 3]},
+        {"timestamp": 1, "input_length": 1536, "hash_ids": [1, 2, 4]},
+        {"timestamp": 2, "input_length": 1000, "hash_ids": [9, 2]},
+    ]
+    row = sim.simulate_infinite(requests)
+    assert row["prefill_tokens_saved"] == 2 * 512 and row["blocks_written"] == 5 and row["evictions"] == 0
+    assert sim.gap_closed(30, 20, 40) == 0.5 and sim.gap_closed(20, 20, 40) == 0.0
+    assert sim.gap_closed(15, 20, 40) == -0.25 and sim.gap_closed(30, 20, 20) is None
