@@ -74,6 +74,7 @@ bench: setup engines-setup mooncake-setup ## Run the benchmarks; JSON + markdown
 	$(PY) -m bench.client_floor
 	$(PY) -m bench.failover
 	$(PY) -m bench.tenancy
+	$(PY) -m bench.nats_storm
 	$(PY) -m bench.engines
 	cat bench/results/*.md > bench/results/SUMMARY.md
 	@echo "wrote bench/results/SUMMARY.md"

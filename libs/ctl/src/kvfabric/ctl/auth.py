@@ -57,7 +57,12 @@ SERVICE_USERS: Final = ("svc-directory", "svc-segment", "svc-eviction", "svc-rep
 TENANT_USER_PREFIX: Final = "tenant-"
 SALT_BYTES: Final = 32
 PASSWORD_BYTES: Final = 24
-BCRYPT_COST: Final = 8  # verified once per connection by nats-server; 8 ≈ 15 ms here
+# nats-server checks a user's bcrypt hash on every connection attempt, right or wrong, on its own
+# cores: at cost 8 (~8 ms of its CPU here) 121 wrong passwords/s from anyone took both cores and
+# alice's lookup p50 went ~100x (issue 21 row 8, `python -m bench.nats_storm`). Cost 4, bcrypt's
+# minimum, costs ~1 ms. No loss: every password is PASSWORD_BYTES random bytes (192 bits), which no
+# hash cost is needed to keep from brute force; the cost only slows guessing of human passwords.
+BCRYPT_COST: Final = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,10 +156,10 @@ def render_nats_conf(plan: AuthPlan, hashes: Mapping[str, str], tls_dir: Path | 
     return "\n".join(lines) + "\n"
 
 
-def _bcrypt(password: str) -> str:
+def _bcrypt(password: str, cost: int = BCRYPT_COST) -> str:
     import bcrypt
 
-    hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(BCRYPT_COST)).decode()
+    hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(cost)).decode()
     return "$2a$" + hashed[4:]  # nats-server documents the 2a prefix; same algorithm as 2b
 
 
@@ -169,13 +174,16 @@ def _env_file(values: Mapping[str, str]) -> str:
     return "".join(f"{k}={v}\n" for k, v in values.items())
 
 
-def write_auth(out: Path, plan: AuthPlan, *, tls: bool = False) -> dict[str, Any]:
-    """Write the files of the module docstring under `out`; returns the `auth.json` document."""
+def write_auth(
+    out: Path, plan: AuthPlan, *, tls: bool = False, bcrypt_cost: int = BCRYPT_COST
+) -> dict[str, Any]:
+    """Write the files of the module docstring under `out`; returns the `auth.json` document.
+    `bcrypt_cost`: of the password hashes in `nats-auth.conf` (benchmarks compare costs)."""
     out = out.resolve()
     tls_dir = out / "tls" if tls else None
     if tls_dir is not None:
         write_tls(tls_dir)
-    hashes = {u.user: _bcrypt(u.password) for u in plan.users}
+    hashes = {u.user: _bcrypt(u.password, bcrypt_cost) for u in plan.users}
     _write_private(out / "nats-auth.conf", render_nats_conf(plan, hashes, tls_dir))
     tls_env = {"KVF_NATS_TLS_CA": str(tls_dir / "ca.pem")} if tls_dir is not None else {}
     grants = json.dumps(plan.grants(), separators=(",", ":"))
