@@ -834,7 +834,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 for sid, s in self.segs.items()
                 if s.up and not s.draining
             ]
-            chosen = choose_segments(candidates, replicas or CONFIG.replicas_default, size)
+            chosen = choose_segments(candidates, replicas or CONFIG.replicas_default, size, k)
             if not chosen:
                 assert res.status == "no_capacity", res
                 continue

@@ -715,7 +715,7 @@ class DirectoryCore:
             return m.BeginResult(
                 key=spec.key, status="placed", tickets=self._tickets_of(held), deadline_ms=held.deadline_ms
             )
-        chosen = choose_segments(self._candidates(), replicas, spec.size_bytes)
+        chosen = choose_segments(self._candidates(), replicas, spec.size_bytes, spec.key)
         if not chosen:
             self._count("no_capacity_total")
             return m.BeginResult(key=spec.key, status="no_capacity")
