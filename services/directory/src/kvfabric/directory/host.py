@@ -663,7 +663,7 @@ class ShardHost:
 
         self._stopping = True  # no rebuild starts (or restarts a shard) from now on
         stuck = await cancel_and_wait(self._rebuild_pending.values(), left_s())
-        stuck |= await cancel_and_wait(self.suspects._relays, left_s())  # corruption reports in flight
+        stuck |= await cancel_and_wait(self.suspects.in_flight(), left_s())  # corruption reports in flight
         for sub in self._subs:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await asyncio.wait_for(sub.unsubscribe(), left_s())  # type: ignore[attr-defined]

@@ -11,8 +11,9 @@ repair restores the target). A forged report costs one re-hash at the segment, n
 Bounds: a tenant's report carries its share domains to the segment, which leaves a slot holding
 an object of none of them alone (the reply is the same: nothing to learn); at most
 `SUSPECTS_TENANT_PER_S` a second per tenant (token bucket, `allow`); at most
-`RELAYS_INFLIGHT_MAX` relays in flight, each ending by itself within `RELAY_TIMEOUT_S` (so stop
-need not wait for them); the reply never waits for the verdict (only whether it was passed on).
+`RELAYS_INFLIGHT_MAX` relays in flight, each ending by itself within `RELAY_TIMEOUT_S` (the
+host's stop cancels those left, `in_flight`); the reply never waits for the verdict (only
+whether it was passed on).
 """
 
 from __future__ import annotations
@@ -90,7 +91,6 @@ class SuspectRelay:
                 "replica_suspect_not_relayed", segment_id=message.segment_id, error=type(exc).__name__
             )
 
-    async def stop(self) -> None:
-        for task in list(self._relays):
-            task.cancel()
-        await asyncio.gather(*self._relays, return_exceptions=True)
+    def in_flight(self) -> list[asyncio.Task[None]]:
+        """The relays still running (the host's stop cancels and awaits them with its deadline)."""
+        return list(self._relays)
