@@ -1,0 +1,471 @@
+"""Cache-aware routing: which engine instance gets a prompt, from one estimate of its TTFT.
+
+Synchronous and I/O-free; the router service (`kvfabric.router`) calls it with the time. Sizes
+are bytes, times seconds unless the name says `_ms`.
+
+## Inputs
+- `prompt_keys(spec, tokens)`: the 48-byte group keys (share domain digest + chain hash) of the
+  prompt's full chunks, exactly as the engines' kvfabric connector and the directory name them.
+- `index` (`RoutingIndex`): which chunks kvfabric holds, on which segments (directory events).
+- Per instance (`InstanceSpec`): its co-located segments, its queue bound, and how many chunks
+  its own prefix cache holds (0: prefix caching off). The engine's cache is *learned from the
+  router's own history* (the prompts whose first token came back from it, least recently used
+  forgotten past `engine_cache_chunks_max`), the approach of SGLang's cache-aware router;
+  forgotten when the instance is seen down (it may have restarted).
+- Per instance load: requests routed to it and not finished (`queue`), those still waiting for
+  their first token and the tokens they must compute (`queued_prefill_tokens`).
+
+## The estimate (`ttft_estimate_s`; docs/router.md has the measured coefficients)
+Usable chunks: the prompt's full chunks, at most `(prompt_tokens - 1) // tokens_per_chunk`
+(the last token is always computed: its logits are needed). From the first chunk on:
+`engine_tokens` (a run of chunks in the instance's own cache), then `colocated_tokens` /
+`remote_tokens` (the run continues in kvfabric; a chunk with a replica on one of the instance's
+co-located segments counts as co-located, else remote), the rest `compute_tokens`.
+
+    ttft = overhead_s
+         + (queued_prefill_tokens + compute_tokens) / prefill_tokens_per_s
+         + colocated_bytes / colocated_bytes_per_s + remote_bytes / remote_bytes_per_s
+         + running * running_s
+
+Monotone: never lower when the queue, the running requests, the tokens to compute or the bytes
+to load grow (Hypothesis-tested).
+
+## Decision (`route`)
+Policies: `cache_aware` (lowest estimate), `round_robin`, `least_loaded` (fewest in flight):
+the benchmark runs every configuration through the same router.
+- Eligible: healthy, last health check within `health_stale_ms` (stale health = down: a dead
+  instance is never chosen), not excluded (failover), its queue below `queue_max`.
+- Ties: estimates within `tie_s` of the lowest are equal; among them fewer requests in flight
+  wins, then rendezvous hashing of (first chunk key, instance id), so one prefix keeps going to one instance.
+- Stale cache data: while the index is not `synced`, or the event stream has not been heard
+  from for `index_stale_ms`, no kvfabric token is counted (only the engine's own cache and the
+  load): a router that may have missed evictions never promises a load.
+- Admission (bounded queues, per-tenant fairness): at most `admitted_max` requests in flight in
+  all, at most `tenant_inflight_max` of one tenant; over either, or with no eligible instance
+  with room, the answer is `Refused` with `retry_after_s` (the shell: 429 / 503 + Retry-After).
+
+## Request lifecycle (the shell reports each exactly once)
+    route --> ROUTED (queued_prefill_tokens += compute_tokens)
+    ROUTED --first_token--> RUNNING (its chunks enter the instance's learned cache)
+    ROUTED --failed (before the first byte)--> gone; the instance is marked down; the shell
+                                               may route again excluding it (failover)
+    ROUTED/RUNNING --finished--> gone
+Unknown request ids are counted and ignored (the network may repeat).
+
+## Invariants (`check_invariants`)
+Per instance: queue = its routed requests; queued_prefill_tokens = the sum over those without a
+first token; learned cache within its bound; totals per tenant match the requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from kvfabric.core.routing_index import RoutingIndex
+from kvfabric.format.invariant import invariant
+from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, chain_hashes, tokens_to_u32
+
+__all__ = [
+    "Coefficients",
+    "CostInputs",
+    "Decision",
+    "Estimate",
+    "InstanceSpec",
+    "Policy",
+    "Refused",
+    "RoutingConfig",
+    "RoutingCore",
+    "prompt_keys",
+    "ttft_estimate_s",
+]
+
+Policy = Literal["cache_aware", "round_robin", "least_loaded"]
+POLICIES: Final = ("cache_aware", "round_robin", "least_loaded")
+
+
+def prompt_keys(
+    domain: ShareDomain, model: ModelFingerprint, layout: KVLayout, tokens: Sequence[int]
+) -> list[bytes]:
+    """Group keys (domain digest + chain hash) of the full chunks of `tokens`."""
+    digest = domain.digest()
+    return [digest + h for h in chain_hashes(domain, model, layout, tokens_to_u32(list(tokens)))]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Coefficients:
+    overhead_s: float = 0.03  # per request: HTTP hops, scheduling, the connector's lookup
+    prefill_tokens_per_s: float = 6000.0
+    colocated_bytes_per_s: float = 1.0e9
+    remote_bytes_per_s: float = 0.5e9
+    running_s: float = 0.002  # per request already decoding on the instance
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "colocated_bytes_per_s", "remote_bytes_per_s"):
+            invariant(getattr(self, name) > 0, "rates are positive", name=name)
+        invariant(self.overhead_s >= 0 and self.running_s >= 0, "times are not negative")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostInputs:
+    prompt_tokens: int
+    engine_tokens: int = 0
+    colocated_tokens: int = 0
+    remote_tokens: int = 0
+    colocated_bytes: int = 0
+    remote_bytes: int = 0
+    queued_prefill_tokens: int = 0
+    running: int = 0
+
+    @property
+    def compute_tokens(self) -> int:
+        return self.prompt_tokens - self.engine_tokens - self.colocated_tokens - self.remote_tokens
+
+
+def ttft_estimate_s(inputs: CostInputs, c: Coefficients) -> float:
+    invariant(inputs.compute_tokens >= 1, "the last token is always computed", compute=inputs.compute_tokens)
+    return (
+        c.overhead_s
+        + (inputs.queued_prefill_tokens + inputs.compute_tokens) / c.prefill_tokens_per_s
+        + inputs.colocated_bytes / c.colocated_bytes_per_s
+        + inputs.remote_bytes / c.remote_bytes_per_s
+        + inputs.running * c.running_s
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceSpec:
+    instance_id: str
+    colocated_segments: frozenset[str] = frozenset()
+    engine_cache_chunks_max: int = 0  # 0: the engine runs without prefix caching
+    queue_max: int = 16  # requests in flight on it (routed, not finished)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutingConfig:
+    tokens_per_chunk: int
+    coefficients: Coefficients = Coefficients()
+    policy: Policy = "cache_aware"
+    tie_s: float = 0.001
+    health_stale_ms: int = 5_000
+    index_stale_ms: int = 5_000
+    admitted_max: int = 64
+    tenant_inflight_max: int = 32
+    retry_after_s_max: int = 30
+
+    def __post_init__(self) -> None:
+        invariant(self.tokens_per_chunk >= 1, "chunks hold tokens")
+        invariant(self.policy in POLICIES, "a known policy", policy=self.policy)
+        invariant(1 <= self.tenant_inflight_max <= self.admitted_max, "tenant share within the total")
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    instance_id: str
+    ttft_s: float
+    inputs: CostInputs
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    request_id: str
+    instance_id: str
+    estimate: Estimate
+    estimates: tuple[Estimate, ...]  # every eligible instance's, best first
+    reason: str  # cache_aware | tie_load | tie_hash | round_robin | least_loaded | failover
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    request_id: str
+    reason: Literal["admitted_max", "tenant_inflight_max", "no_instance", "queues_full"]
+    retry_after_s: int
+
+
+@dataclass(slots=True)
+class _Request:
+    tenant: str
+    instance_id: str
+    keys: tuple[bytes, ...]
+    compute_tokens: int
+    first_token: bool = False
+
+
+@dataclass(slots=True)
+class _Instance:
+    spec: InstanceSpec
+    healthy: bool = False
+    last_ok_ms: int = -(10**18)
+    queue: int = 0
+    running: int = 0
+    queued_prefill_tokens: int = 0
+    cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+
+
+class RoutingCore:
+    def __init__(self, config: RoutingConfig, instances: Iterable[InstanceSpec], index: RoutingIndex) -> None:
+        self.config = config
+        self.index = index
+        self.instances: dict[str, _Instance] = {}
+        for spec in instances:
+            invariant(spec.instance_id not in self.instances, "instance ids are unique", id=spec.instance_id)
+            invariant(spec.queue_max >= 1 and spec.engine_cache_chunks_max >= 0, "instance bounds")
+            self.instances[spec.instance_id] = _Instance(spec)
+        invariant(bool(self.instances), "at least one instance")
+        self._requests: dict[str, _Request] = {}
+        self._tenants: dict[str, int] = {}
+        self._rr = 0
+        self._index_heard_ms: int | None = None
+        self.counters: dict[str, int] = {
+            "routed": 0,
+            "refused": 0,
+            "failovers": 0,
+            "unknown_request": 0,
+            "instance_down": 0,
+        }
+
+    # ---- inputs from the shell -----------------------------------------------------------
+
+    def health(self, instance_id: str, ok: bool, now_ms: int) -> None:
+        inst = self.instances[instance_id]
+        if ok:
+            inst.healthy = True
+            inst.last_ok_ms = now_ms
+        else:
+            self._down(inst)
+
+    def _down(self, inst: _Instance) -> None:
+        if inst.healthy:
+            self.counters["instance_down"] += 1
+        inst.healthy = False
+        inst.cache.clear()  # it may come back as a new process with an empty cache
+
+    def index_heard(self, now_ms: int) -> None:
+        """The event stream answered (an event, or an empty fetch at its end)."""
+        self._index_heard_ms = now_ms
+
+    def index_usable(self, now_ms: int) -> bool:
+        heard = self._index_heard_ms
+        return self.index.synced and heard is not None and now_ms - heard <= self.config.index_stale_ms
+
+    def eligible(self, instance_id: str, now_ms: int) -> bool:
+        inst = self.instances[instance_id]
+        return inst.healthy and now_ms - inst.last_ok_ms <= self.config.health_stale_ms
+
+    # ---- estimates -----------------------------------------------------------------------
+
+    def usable_chunks(self, keys: Sequence[bytes], prompt_tokens: int) -> int:
+        return max(0, min(len(keys), (prompt_tokens - 1) // self.config.tokens_per_chunk))
+
+    def inputs_for(
+        self, instance_id: str, keys: Sequence[bytes], prompt_tokens: int, now_ms: int
+    ) -> CostInputs:
+        invariant(prompt_tokens >= 1, "a prompt has tokens")
+        inst = self.instances[instance_id]
+        tpc = self.config.tokens_per_chunk
+        usable = keys[: self.usable_chunks(keys, prompt_tokens)]
+        engine = 0
+        while engine < len(usable) and usable[engine] in inst.cache:
+            engine += 1
+        coloc_tokens = remote_tokens = coloc_bytes = remote_bytes = 0
+        if self.index_usable(now_ms):
+            for entry in self.index.available_run(usable, engine):
+                if entry.replicas & inst.spec.colocated_segments:
+                    coloc_tokens += tpc
+                    coloc_bytes += entry.copy_bytes
+                else:
+                    remote_tokens += tpc
+                    remote_bytes += entry.copy_bytes
+        return CostInputs(
+            prompt_tokens=prompt_tokens,
+            engine_tokens=engine * tpc,
+            colocated_tokens=coloc_tokens,
+            remote_tokens=remote_tokens,
+            colocated_bytes=coloc_bytes,
+            remote_bytes=remote_bytes,
+            queued_prefill_tokens=inst.queued_prefill_tokens,
+            running=inst.running,
+        )
+
+    def estimates(
+        self, keys: Sequence[bytes], prompt_tokens: int, now_ms: int, exclude: Iterable[str] = ()
+    ) -> list[Estimate]:
+        """Every eligible instance's estimate, best first (ties as `route` breaks them)."""
+        skip = set(exclude)
+        out = []
+        for iid in self.instances:
+            if iid in skip or not self.eligible(iid, now_ms):
+                continue
+            inputs = self.inputs_for(iid, keys, prompt_tokens, now_ms)
+            out.append(Estimate(iid, ttft_estimate_s(inputs, self.config.coefficients), inputs))
+        first = keys[0] if keys else b""
+        out.sort(
+            key=lambda e: (e.ttft_s, self.instances[e.instance_id].queue, -_rendezvous(first, e.instance_id))
+        )
+        return out
+
+    # ---- decisions -----------------------------------------------------------------------
+
+    def route(
+        self,
+        request_id: str,
+        tenant: str,
+        keys: Sequence[bytes],
+        prompt_tokens: int,
+        now_ms: int,
+        *,
+        exclude: Iterable[str] = (),
+        admit: bool = True,
+    ) -> Decision | Refused:
+        """Choose an instance; with `admit`, the request is in flight on it until `finished` or
+        `failed`. `admit=False` only answers (the `route` endpoint for other proxies)."""
+        cfg = self.config
+        if admit:
+            invariant(request_id not in self._requests, "a request is routed once at a time", id=request_id)
+            if len(self._requests) >= cfg.admitted_max:
+                return self._refuse(request_id, "admitted_max", now_ms)
+            if self._tenants.get(tenant, 0) >= cfg.tenant_inflight_max:
+                return self._refuse(request_id, "tenant_inflight_max", now_ms)
+        skip = tuple(exclude)
+        failover = bool(skip)
+        ranked = self.estimates(keys, prompt_tokens, now_ms, skip)
+        if not ranked:
+            return self._refuse(request_id, "no_instance", now_ms)
+        with_room = [
+            e
+            for e in ranked
+            if self.instances[e.instance_id].queue < self.instances[e.instance_id].spec.queue_max
+        ]
+        if not with_room:
+            return self._refuse(request_id, "queues_full", now_ms)
+        chosen, reason = self._choose(with_room, keys, failover)
+        if admit:
+            inst = self.instances[chosen.instance_id]
+            compute = chosen.inputs.compute_tokens
+            self._requests[request_id] = _Request(
+                tenant, chosen.instance_id, tuple(keys[: self.usable_chunks(keys, prompt_tokens)]), compute
+            )
+            self._tenants[tenant] = self._tenants.get(tenant, 0) + 1
+            inst.queue += 1
+            inst.queued_prefill_tokens += compute
+            self.counters["routed"] += 1
+            if reason == "failover":
+                self.counters["failovers"] += 1
+        others = tuple(e for e in ranked if e is not chosen)
+        return Decision(request_id, chosen.instance_id, chosen, (chosen, *others), reason)
+
+    def _choose(self, ranked: list[Estimate], keys: Sequence[bytes], failover: bool) -> tuple[Estimate, str]:
+        policy = self.config.policy
+        if policy == "round_robin":
+            order = list(self.instances)
+            ids = {e.instance_id: e for e in ranked}
+            for step in range(len(order)):
+                iid = order[(self._rr + step) % len(order)]
+                if iid in ids:
+                    self._rr = (self._rr + step + 1) % len(order)
+                    return ids[iid], "failover" if failover else "round_robin"
+        if policy == "least_loaded":
+            best = min(ranked, key=lambda e: (self.instances[e.instance_id].queue, e.ttft_s))
+            return best, "failover" if failover else "least_loaded"
+        first = keys[0] if keys else b""
+        tied = [e for e in ranked if e.ttft_s <= ranked[0].ttft_s + self.config.tie_s]
+        best = min(
+            tied, key=lambda e: (self.instances[e.instance_id].queue, -_rendezvous(first, e.instance_id))
+        )
+        if failover:
+            return best, "failover"
+        if len(tied) == 1:
+            return best, "cache_aware"
+        queues = {self.instances[e.instance_id].queue for e in tied}
+        return best, "tie_hash" if len(queues) == 1 else "tie_load"
+
+    def _refuse(self, request_id: str, reason: str, now_ms: int) -> Refused:
+        self.counters["refused"] += 1
+        # Retry after the shortest queue's prefill work would be done (at least 1 s).
+        drains = [
+            inst.queued_prefill_tokens / self.config.coefficients.prefill_tokens_per_s
+            for iid, inst in self.instances.items()
+            if self.eligible(iid, now_ms)
+        ]
+        after = max(1, math.ceil(min(drains, default=float(self.config.retry_after_s_max))))
+        return Refused(request_id, reason, min(after, self.config.retry_after_s_max))  # type: ignore[arg-type]
+
+    # ---- request lifecycle ---------------------------------------------------------------
+
+    def first_token(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None or req.first_token:
+            self.counters["unknown_request"] += 1
+            return
+        req.first_token = True
+        inst = self.instances[req.instance_id]
+        inst.queued_prefill_tokens -= req.compute_tokens
+        inst.running += 1
+        if inst.healthy and inst.spec.engine_cache_chunks_max:
+            for key in req.keys:
+                inst.cache[key] = None
+                inst.cache.move_to_end(key)
+            while len(inst.cache) > inst.spec.engine_cache_chunks_max:
+                inst.cache.popitem(last=False)
+
+    def finished(self, request_id: str) -> None:
+        self._end(request_id)
+
+    def failed(self, request_id: str) -> str | None:
+        """The instance failed the request before its first byte: it is marked down (a health
+        check brings it back). Returns the instance, or None for an unknown id."""
+        req = self._end(request_id)
+        if req is None:
+            return None
+        self._down(self.instances[req.instance_id])
+        return req.instance_id
+
+    def _end(self, request_id: str) -> _Request | None:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            self.counters["unknown_request"] += 1
+            return None
+        inst = self.instances[req.instance_id]
+        inst.queue -= 1
+        if req.first_token:
+            inst.running -= 1
+        else:
+            inst.queued_prefill_tokens -= req.compute_tokens
+        left = self._tenants[req.tenant] - 1
+        if left:
+            self._tenants[req.tenant] = left
+        else:
+            del self._tenants[req.tenant]
+        return req
+
+    # ---- views ---------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    def queue_of(self, instance_id: str) -> int:
+        return self.instances[instance_id].queue
+
+    def check_invariants(self) -> None:
+        for iid, inst in self.instances.items():
+            mine = [r for r in self._requests.values() if r.instance_id == iid]
+            invariant(inst.queue == len(mine), "queue counts its requests", instance=iid)
+            invariant(inst.running == sum(r.first_token for r in mine), "running counts first tokens")
+            pending = sum(r.compute_tokens for r in mine if not r.first_token)
+            invariant(inst.queued_prefill_tokens == pending, "queued prefill tokens", instance=iid)
+            invariant(len(inst.cache) <= inst.spec.engine_cache_chunks_max, "learned cache bounded")
+        tenants: dict[str, int] = {}
+        for r in self._requests.values():
+            tenants[r.tenant] = tenants.get(r.tenant, 0) + 1
+        invariant(tenants == self._tenants, "tenant counts")
+        self.index.check_invariants()
+
+
+def _rendezvous(first_key: bytes, instance_id: str) -> int:
+    digest = hashlib.blake2b(first_key + instance_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")

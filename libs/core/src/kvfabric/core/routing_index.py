@@ -1,0 +1,264 @@
+"""Where prefix chunks can be had in kvfabric: the router's index, fed by the directory's events.
+
+Synchronous and I/O-free. The router's shell reads the directory's JetStream event stream
+(`KVF_DIRECTORY_EVENTS`, every subject of it, so stream sequences arrive contiguous) and calls
+`apply(seq, event)`; on a gap it lists the directory and calls `resync`.
+
+## What it holds
+- `groups`: group key (16-byte share domain digest + 32-byte chain hash, as the events name a
+  group) -> `GroupEntry` (chunk index, bytes of one copy, the segments holding a replica).
+- `segments`: segment id -> incarnation of the segments known to be up.
+- A reverse index segment -> group keys, so a `segment_down` costs O(its groups).
+
+A chunk is *available* when its group is published and one of its replicas is on a segment
+that is up. Replicas added later by repair or prefetch have no event: the index learns them at
+the next resync only (it under-counts, never over-counts, a replica that exists).
+
+## Events (`apply`)
+    published(domain, chain, placements) --> the group, replicas = the segments of `placements`
+                                              on segments up (set, not union: the latest wins)
+    evicted / invalidated(domain, chain)  --> the group is gone (an empty domain: every domain's
+                                              group with that chain hash)
+    segment_down(segment, incarnation)    --> the segment leaves `segments` and every group; a
+                                              group left without replicas is gone (ignored for
+                                              an incarnation older than the one known up)
+    segment_up(segment, incarnation)      --> known up; a newer incarnation holds nothing until
+                                              events say so (a segment comes back empty,
+                                              docs/directory.md); the same one again (every
+                                              shard announces a registration) changes nothing
+    accessed / under_replicated           --> nothing (no change of where chunks are)
+
+## Sequences: resume, duplicates, gaps
+`last_seq` is the stream sequence of the last event applied (0: none).
+    seq <= last_seq        --> "duplicate": ignored (a redelivery after a consumer restart)
+    seq == last_seq + 1    --> "applied"
+    seq >  last_seq + 1    --> "gap": nothing applied, `synced` becomes False; the shell lists
+                               the directory and calls `resync(listing, at_seq=S)` where S is
+                               the stream's last sequence read *before* the listing started,
+                               then resumes the stream at S + 1.
+Replaying S+1.. over a listing taken at or after S converges to the directory's state: every
+event sets (published), removes (evicted, invalidated, segment_down) or marks (segment_up),
+so applying one whose effect the listing already shows changes nothing once the later events
+for the same group or segment are applied too (tested against a model: `test_routing_index`).
+`check_stream(first_seq, last_seq)` catches what no delivery shows: events aged out before the
+follower read them, and a recreated stream (sequences restarted: new events would look like
+duplicates).
+Until the first `resync` (or an `apply` of seq 1 on a fresh index) `synced` is False and the
+router counts no kvfabric tokens at all (`available_run` answers 0): an index that may miss
+evictions never promises a load.
+
+## Invariants (`check_invariants`)
+- every replica of every group is on a segment in `segments`; every group has >= 1 replica;
+- the reverse index holds exactly the (segment, group) pairs of `groups`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from kvfabric.format.invariant import invariant
+from kvfabric.proto import directory as m
+
+__all__ = [
+    "DOMAIN_BYTES",
+    "GroupEntry",
+    "ListedGroup",
+    "ListedSegment",
+    "RoutingIndex",
+    "group_key",
+]
+
+DOMAIN_BYTES: Final = 16
+CHAIN_BYTES: Final = 32
+NAMESPACE_BYTES: Final = 54
+
+ApplyResult = Literal["applied", "duplicate", "gap"]
+
+
+def group_key(domain: bytes, chain: bytes) -> bytes:
+    """The 48-byte name of a group in the events: share domain digest + chain hash."""
+    invariant(len(domain) == DOMAIN_BYTES and len(chain) == CHAIN_BYTES, "group key parts", d=len(domain))
+    return domain + chain
+
+
+@dataclass(slots=True)
+class GroupEntry:
+    chunk_index: int
+    copy_bytes: int  # bytes of one copy of the group (largest placement)
+    replicas: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class ListedSegment:
+    segment_id: str
+    incarnation: int
+    up: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ListedGroup:
+    """One published group of a directory listing (`list_groups` with objects)."""
+
+    domain: bytes
+    chain: bytes
+    chunk_index: int
+    copy_bytes: int
+    segments: frozenset[str]
+
+
+class RoutingIndex:
+    def __init__(self) -> None:
+        self.groups: dict[bytes, GroupEntry] = {}
+        self.segments: dict[str, int] = {}
+        self._by_segment: dict[str, set[bytes]] = {}
+        self._by_chain: dict[bytes, set[bytes]] = {}  # chain hash -> group keys (every domain)
+        self.last_seq = 0
+        self.synced = False
+        self.counters: dict[str, int] = {
+            "events_applied": 0,
+            "events_duplicate": 0,
+            "gaps": 0,
+            "resyncs": 0,
+            "events_foreign": 0,  # published events without a namespace (old directories)
+        }
+
+    # ---- events --------------------------------------------------------------------------
+
+    def apply(self, seq: int, event: m.DirectoryEvent) -> ApplyResult:
+        invariant(seq >= 1, "stream sequences start at 1", seq=seq)
+        if seq <= self.last_seq:
+            self.counters["events_duplicate"] += 1
+            return "duplicate"
+        if seq != self.last_seq + 1:
+            self.counters["gaps"] += 1
+            self.synced = False
+            return "gap"
+        if seq == 1:
+            self.synced = True  # the whole history from the stream's first event
+        self.last_seq = seq
+        self.counters["events_applied"] += 1
+        self._apply(event)
+        return "applied"
+
+    def _apply(self, event: m.DirectoryEvent) -> None:
+        if isinstance(event, m.GroupPublished):
+            if len(event.namespace) != NAMESPACE_BYTES or len(event.group) != CHAIN_BYTES:
+                self.counters["events_foreign"] += 1
+                return
+            key = group_key(event.namespace[4:20], event.group)
+            copy_bytes = max((p.bytes for p in event.placements), default=0)
+            self._set(key, event.chunk_index, copy_bytes, {p.segment_id for p in event.placements})
+        elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
+            if len(event.domain) == DOMAIN_BYTES:
+                self._remove(event.domain + event.group)
+            else:
+                for key in list(self._by_chain.get(event.group, ())):
+                    self._remove(key)
+        elif isinstance(event, m.SegmentDown):
+            known = self.segments.get(event.segment_id)
+            if known is not None and event.incarnation >= known:
+                self._segment_down(event.segment_id)
+        elif isinstance(event, m.SegmentUp):
+            known = self.segments.get(event.segment_id)
+            if known is not None and event.incarnation <= known:
+                return  # every shard announces a registration: the same incarnation again
+            if known is not None:
+                self._segment_down(event.segment_id)  # a new incarnation holds nothing yet
+            self.segments[event.segment_id] = event.incarnation
+
+    def _set(self, key: bytes, chunk_index: int, copy_bytes: int, segments: set[str]) -> None:
+        self._remove(key)
+        live = {s for s in segments if s in self.segments}
+        if not live:
+            return
+        self.groups[key] = GroupEntry(chunk_index, copy_bytes, live)
+        self._by_chain.setdefault(key[DOMAIN_BYTES:], set()).add(key)
+        for seg in live:
+            self._by_segment.setdefault(seg, set()).add(key)
+
+    def _remove(self, key: bytes) -> None:
+        entry = self.groups.pop(key, None)
+        if entry is None:
+            return
+        chain = key[DOMAIN_BYTES:]
+        keys = self._by_chain[chain]
+        keys.discard(key)
+        if not keys:
+            del self._by_chain[chain]
+        for seg in entry.replicas:
+            held = self._by_segment[seg]
+            held.discard(key)
+            if not held:
+                del self._by_segment[seg]
+
+    def _segment_down(self, segment_id: str) -> None:
+        self.segments.pop(segment_id, None)
+        for key in self._by_segment.pop(segment_id, set()):
+            entry = self.groups[key]
+            entry.replicas.discard(segment_id)
+            if not entry.replicas:
+                del self.groups[key]
+                chain = key[DOMAIN_BYTES:]
+                self._by_chain[chain].discard(key)
+                if not self._by_chain[chain]:
+                    del self._by_chain[chain]
+
+    def check_stream(self, first_seq: int, last_seq: int) -> bool:
+        """The stream's bounds (read when the shell (re)subscribes): True, and not `synced`,
+        when events after ours are gone (aged out: `first_seq` past `last_seq + 1`) or the
+        stream was recreated (its `last_seq` below ours: sequences restarted, and new events
+        would look like duplicates)."""
+        lost = first_seq > self.last_seq + 1 and last_seq >= first_seq
+        reset = last_seq < self.last_seq
+        if lost or reset:
+            self.counters["gaps"] += 1
+            self.synced = False
+        return not self.synced
+
+    # ---- resync --------------------------------------------------------------------------
+
+    def resync(
+        self, segments: Iterable[ListedSegment], groups: Iterable[ListedGroup], *, at_seq: int
+    ) -> None:
+        """Replace everything by a listing taken after stream sequence `at_seq` (the shell then
+        resumes the stream at `at_seq + 1`)."""
+        invariant(at_seq >= 0, "a stream sequence", at_seq=at_seq)
+        self.groups.clear()
+        self._by_segment.clear()
+        self._by_chain.clear()
+        self.segments = {s.segment_id: s.incarnation for s in segments if s.up}
+        for g in groups:
+            self._set(group_key(g.domain, g.chain), g.chunk_index, g.copy_bytes, set(g.segments))
+        self.last_seq = at_seq
+        self.synced = True
+        self.counters["resyncs"] += 1
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def available_run(self, keys: Sequence[bytes], start: int) -> list[GroupEntry]:
+        """The entries of `keys[start:]` available in kvfabric, up to the first that is not
+        (readers never skip a gap). Empty while not `synced`."""
+        if not self.synced:
+            return []
+        out: list[GroupEntry] = []
+        for key in keys[start:]:
+            entry = self.groups.get(key)
+            if entry is None:
+                break
+            out.append(entry)
+        return out
+
+    def check_invariants(self) -> None:
+        pairs = set()
+        for key, entry in self.groups.items():
+            invariant(bool(entry.replicas), "a group without replicas is gone", key=key.hex())
+            for seg in entry.replicas:
+                invariant(seg in self.segments, "a replica on a segment not up", segment=seg)
+                pairs.add((seg, key))
+        reverse = {(seg, key) for seg, keys in self._by_segment.items() for key in keys}
+        invariant(pairs == reverse, "reverse index matches", missing=len(pairs ^ reverse))
+        chains = {(key[DOMAIN_BYTES:], key) for key in self.groups}
+        by_chain = {(chain, key) for chain, keys in self._by_chain.items() for key in keys}
+        invariant(chains == by_chain, "chain index matches")

@@ -1,0 +1,237 @@
+"""The router's chunk index against a model of the directory, over random interleavings.
+
+The model is the directory's published state: segments up (with incarnations) and groups with
+their live replicas. Each directory operation appends its events to a log, numbered as
+JetStream numbers a stream (publish; evict; invalidate; a segment down, which strips it from
+every group and invalidates a group left without replicas, as the directory's sweep does; a
+segment restart: down then up with a new incarnation, announced once per shard). The index is
+fed from that log by a follower that may deliver the next event, redeliver old ones
+(duplicates) or lose some (a gap). On a gap the shell's resync runs: S = the log's length, a few
+more directory operations happen while the listing is taken, the listing is the model's state
+at its end, and the follower resumes at S + 1 (replaying what the listing already shows).
+
+Checked after every step: the index's own invariants; a lost event is always detected as a
+gap; and whenever the index is synced and has applied the whole log, it holds exactly the
+model's groups, replicas and segments.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex
+from kvfabric.proto import directory as m
+
+SEGMENTS = ("s0", "s1", "s2")
+DOMAINS = (b"\x01" * 16, b"\x02" * 16)
+CHAINS = tuple(bytes([i]) * 32 for i in range(1, 6))
+SHARDS = 2
+
+
+def namespace(domain: bytes) -> bytes:
+    return b"\x00" * 4 + domain + b"\x00" * 34
+
+
+class IndexMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = RoutingIndex()
+        self.log: list[m.DirectoryEvent] = []
+        self.segments: dict[str, int] = {}
+        self.incarnation = dict.fromkeys(SEGMENTS, 0)
+        self.groups: dict[bytes, set[str]] = {}
+        self.next = 1  # the next sequence the follower delivers
+        self.lost = False  # the follower skipped events since the last resync
+
+    # ---- the directory ----------------------------------------------------------------------
+
+    def emit(self, event: m.DirectoryEvent) -> None:
+        self.log.append(event)
+
+    def segment_lost(self, seg: str, reason: str) -> None:
+        for _ in range(SHARDS):
+            self.emit(m.SegmentDown(segment_id=seg, incarnation=self.incarnation[seg], reason=reason))
+        del self.segments[seg]
+        for key, replicas in list(self.groups.items()):
+            replicas.discard(seg)
+            if not replicas:
+                del self.groups[key]
+                self.emit(m.GroupInvalidated(group=key[16:], reason="replica_lost", domain=key[:16]))
+
+    @rule(seg=st.sampled_from(SEGMENTS))
+    def segment_start(self, seg: str) -> None:
+        if seg in self.segments:
+            self.segment_lost(seg, "restarted")
+        self.incarnation[seg] += 1
+        self.segments[seg] = self.incarnation[seg]
+        for _ in range(SHARDS):  # every shard core announces the registration
+            self.emit(m.SegmentUp(segment_id=seg, incarnation=self.incarnation[seg], capacity_bytes=1))
+
+    @precondition(lambda self: self.segments)
+    @rule(seg=st.sampled_from(SEGMENTS))
+    def segment_down(self, seg: str) -> None:
+        if seg in self.segments:
+            self.segment_lost(seg, "heartbeat_timeout")
+
+    @precondition(lambda self: self.segments)
+    @rule(
+        domain=st.sampled_from(DOMAINS),
+        chain=st.sampled_from(CHAINS),
+        placed=st.sets(st.sampled_from(SEGMENTS), min_size=1, max_size=2),
+    )
+    def publish(self, domain: bytes, chain: bytes, placed: set[str]) -> None:
+        live = {s for s in placed if s in self.segments}
+        key = domain + chain
+        if not live or key in self.groups:
+            return  # placement only on segments up; a published group is never rewritten
+        self.groups[key] = live
+        self.emit(
+            m.GroupPublished(
+                group=chain,
+                chunk_index=CHAINS.index(chain),
+                members=1,
+                namespace=namespace(domain),
+                placements=[m.SegmentBytes(s, 100) for s in sorted(live)],
+            )
+        )
+
+    @rule(domain=st.sampled_from(DOMAINS), chain=st.sampled_from(CHAINS), evict=st.booleans())
+    def remove(self, domain: bytes, chain: bytes, evict: bool) -> None:
+        if self.groups.pop(domain + chain, None) is None:
+            return
+        if evict:
+            self.emit(m.GroupEvicted(group=chain, reason="pressure", domain=domain))
+        else:
+            self.emit(m.GroupInvalidated(group=chain, reason="corrupt", domain=domain))
+
+    @rule(groups=st.lists(st.tuples(st.sampled_from(CHAINS), st.integers(1, 9)), max_size=3))
+    def accessed(self, groups: list[tuple[bytes, int]]) -> None:
+        self.emit(m.GroupsAccessed(groups=[m.GroupHits(c, h, DOMAINS[0]) for c, h in groups]))
+
+    # ---- the follower -----------------------------------------------------------------------
+
+    @precondition(lambda self: self.next <= len(self.log))
+    @rule()
+    def deliver(self) -> None:
+        result = self.index.apply(self.next, self.log[self.next - 1])
+        if self.lost or (self.next > 1 and self.index.last_seq < self.next - 1):
+            assert result == "gap"
+            return
+        assert result == "applied"
+        self.next += 1
+
+    @precondition(lambda self: self.index.last_seq >= 1)
+    @rule(data=st.data())
+    def redeliver(self, data: st.DataObject) -> None:
+        seq = data.draw(st.integers(1, self.index.last_seq))
+        before = (dict(self.index.groups), self.index.last_seq)
+        assert self.index.apply(seq, self.log[seq - 1]) == "duplicate"
+        assert (dict(self.index.groups), self.index.last_seq) == before
+
+    @precondition(lambda self: self.next <= len(self.log))
+    @rule(data=st.data())
+    def lose(self, data: st.DataObject) -> None:
+        self.next = data.draw(st.integers(self.next + 1, len(self.log) + 1))
+        self.lost = True
+
+    @precondition(lambda self: self.lost or not self.index.synced)
+    @rule(ops=st.lists(st.sampled_from(SEGMENTS), max_size=2), chain=st.sampled_from(CHAINS))
+    def resync(self, ops: list[str], chain: bytes) -> None:
+        at_seq = len(self.log)
+        for seg in ops:  # the directory moves on while the listing is taken
+            self.segment_start(seg)
+            self.publish(DOMAINS[1], chain, {seg})
+        listing = [
+            ListedGroup(key[:16], key[16:], CHAINS.index(key[16:]), 100, frozenset(replicas))
+            for key, replicas in self.groups.items()
+        ]
+        segments = [ListedSegment(s, inc, True) for s, inc in self.segments.items()]
+        self.index.resync(segments, listing, at_seq=at_seq)
+        self.next = at_seq + 1
+        self.lost = False
+
+    # ---- checks -----------------------------------------------------------------------------
+
+    @invariant()
+    def consistent(self) -> None:
+        self.index.check_invariants()
+        if self.index.synced and not self.lost and self.index.last_seq == len(self.log):
+            got = {k: set(e.replicas) for k, e in self.index.groups.items()}
+            assert got == self.groups
+            assert self.index.segments == self.segments
+
+    def teardown(self) -> None:
+        # A fault-free end: resync if events were lost, then deliver the rest.
+        if self.lost or not self.index.synced:
+            self.resync([], CHAINS[0])
+        while self.next <= len(self.log):
+            self.deliver()
+        self.consistent()
+        assert self.index.last_seq == len(self.log)
+
+
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+def test_fresh_index_counts_nothing_until_synced() -> None:
+    index = RoutingIndex()
+    key = DOMAINS[0] + CHAINS[0]
+    assert index.available_run([key], 0) == []
+    assert index.apply(5, m.SegmentUp(segment_id="s0", incarnation=1)) == "gap"
+    index.resync(
+        [ListedSegment("s0", 1, True)],
+        [ListedGroup(DOMAINS[0], CHAINS[0], 0, 7, frozenset({"s0"}))],
+        at_seq=9,
+    )
+    assert [e.copy_bytes for e in index.available_run([key], 0)] == [7]
+    assert index.apply(10, m.SegmentDown(segment_id="s0", incarnation=1, reason="x")) == "applied"
+    assert index.available_run([key], 0) == []
+
+
+def test_run_stops_at_first_missing_chunk() -> None:
+    index = RoutingIndex()
+    keys = [DOMAINS[0] + c for c in CHAINS[:3]]
+    index.resync(
+        [ListedSegment("s0", 1, True)],
+        [ListedGroup(k[:16], k[16:], i, 1, frozenset({"s0"})) for i, k in enumerate(keys) if i != 1],
+        at_seq=0,
+    )
+    assert len(index.available_run(keys, 0)) == 1
+    assert len(index.available_run(keys, 2)) == 1
+
+
+def test_stale_incarnation_down_is_ignored() -> None:
+    """Shards announce a restart in their own order: an old incarnation's down arriving after the
+    new incarnation's up must not drop what the new one holds."""
+    index = RoutingIndex()
+    index.resync([ListedSegment("s0", 1, True)], [], at_seq=0)
+    key = DOMAINS[0] + CHAINS[0]
+    events: list[m.DirectoryEvent] = [
+        m.SegmentDown(segment_id="s0", incarnation=1, reason="restarted"),  # shard A
+        m.SegmentUp(segment_id="s0", incarnation=2),  # shard A
+        m.GroupPublished(
+            group=CHAINS[0],
+            chunk_index=0,
+            members=1,
+            namespace=namespace(DOMAINS[0]),
+            placements=[m.SegmentBytes("s0", 5)],
+        ),
+        m.SegmentDown(segment_id="s0", incarnation=1, reason="restarted"),  # shard B, late
+        m.SegmentUp(segment_id="s0", incarnation=2),  # shard B
+    ]
+    for seq, event in enumerate(events, 1):
+        assert index.apply(seq, event) == "applied"
+    assert index.groups[key].replicas == {"s0"}
+
+
+def test_check_stream_sees_aged_out_and_recreated_streams() -> None:
+    index = RoutingIndex()
+    assert index.check_stream(1, 0)  # empty stream, fresh index: not synced yet (list first)
+    index.resync([], [], at_seq=10)
+    assert not index.check_stream(3, 12)  # our next event is still there
+    assert index.check_stream(12, 20)  # 11 aged out before we read it
+    index.resync([], [], at_seq=20)
+    assert index.check_stream(1, 4)  # recreated: its sequences restarted below ours
