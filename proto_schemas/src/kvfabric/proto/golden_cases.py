@@ -12,7 +12,7 @@ from typing import Final
 
 import msgspec
 
-from kvfabric.proto import common, dataplane, directory, echo, eviction, prefetch, repair, segment
+from kvfabric.proto import common, dataplane, directory, echo, eviction, prefetch, repair, router, segment
 
 __all__ = ["GOLDEN_CASES"]
 
@@ -222,6 +222,26 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
     "prefetch.hint_reply.v1": (
         "prefetch",
         prefetch.HintReply(hint_id="req-1", status="busy", reason="hints_full"),
+    ),
+    "router.route.v1": ("router", router.RouteRequest(tokens=[1, 2, 3], tenant="tenant-a")),
+    "router.route_reply.v1": (
+        "router",
+        router.RouteReply(
+            instance="e1",
+            reason="cache_aware",
+            estimates=[
+                router.InstanceEstimate(
+                    instance="e1",
+                    ttft_s=0.05,
+                    engine_tokens=128,
+                    colocated_tokens=256,
+                    remote_tokens=0,
+                    compute_tokens=10,
+                    queued_prefill_tokens=0,
+                    queue=1,
+                )
+            ],
+        ),
     ),
     "seg.free.v1": (
         "segment",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from kvfabric.proto import common, dataplane, directory, echo, eviction, prefetch, repair, segment
+from kvfabric.proto import common, dataplane, directory, echo, eviction, prefetch, repair, router, segment
 
 __all__ = ["FAMILIES"]
 
@@ -20,4 +20,5 @@ FAMILIES: Final[dict[str, Any]] = {
     "eviction": eviction.EvictionMessage,
     "repair": repair.RepairMessage,
     "prefetch": prefetch.PrefetchMessage,
+    "router": router.RouterMessage,
 }

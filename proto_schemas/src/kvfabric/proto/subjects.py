@@ -54,6 +54,7 @@ class Service(StrEnum):
     EVICTION = "eviction"
     REPAIR = "repair"
     PREFETCH = "prefetch"
+    ROUTER = "router"
 
 
 def _check_token(kind: str, token: str) -> str:
