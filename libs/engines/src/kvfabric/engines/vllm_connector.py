@@ -4,7 +4,7 @@ Load it into an unmodified vLLM:
 
     KVTransferConfig(kv_connector="KvfabricConnector",
                      kv_connector_module_path="kvfabric.engines.vllm_connector",
-                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_role="kv_both",
                      kv_connector_extra_config={"nats_url": "nats://127.0.0.1:4222"})
 
 On an authenticated cluster, source the tenant's env file from `kvctl auth init` (KVF_CLIENT_*:
@@ -28,12 +28,24 @@ docs/engines.md says why it is left to inherit vLLM's pinned compute CPU by defa
   of the request's blocks past what vLLM already has, and schedules saves of every block that
   becomes full in this step. Leases are released when the request finishes or is aborted.
 - Worker side: `start_load_kv` loads synchronously into the paged blocks; blocks past the
-  verified prefix are reported by `get_block_ids_with_load_errors`, so vLLM recomputes them
-  (needs `kv_load_failure_policy="recompute"`, warned about otherwise). So are the blocks of a
-  hit the scheduler could not plan a load for (`vllm_plan.plan_load`: the request's block list
-  does not cover the hit), counted as fallback cause `vllm_block_mismatch` and logged.
-  `wait_for_save` copies the new full blocks out of the cache (so vLLM may free them at once)
-  and saves asynchronously.
+  verified prefix are reported by `get_block_ids_with_load_errors`, so vLLM recomputes them.
+  So are the blocks of a hit the scheduler could not plan a load for (`vllm_plan.plan_load`:
+  the request's block list does not cover the hit), counted as fallback cause
+  `vllm_block_mismatch` and logged. `wait_for_save` copies the new full blocks out of the
+  cache (so vLLM may free them at once) and saves asynchronously.
+- **Failed loads recompute under vLLM's default settings.** vLLM recomputes reported blocks only
+  under `kv_load_failure_policy="recompute"`; its default, "fail", fails the request. The
+  scheduler-side connector sets the policy to "recompute" when it is built (vLLM 0.32 builds it
+  before the scheduler reads the policy) and, once the scheduler has read it
+  (`bind_kv_cache_manager`), checks that it took; a vLLM where it did not, or where it cannot
+  be seen and the user did not set "recompute", refuses to start with a message naming the
+  setting (`vllm_plan.policy_refusal`). Never silently unsafe.
+- **A cache that cannot start never stops the engine.** Settings that cannot be read, NATS
+  refusing the client, a cluster down or stopped: the connector runs with a disabled client
+  (lookups miss, saves are dropped: vLLM recomputes everything), one line is logged by the
+  scheduler side, the cause is counted (`kvfabric_client_fallbacks_total`) and kept in
+  `client.status`. The client starts in the background (`background_start`): vLLM's start-up
+  never waits for the cluster.
 - Every cluster failure ends as a miss or a shorter load, counted by the client; never an error
   in vLLM's step.
 """
@@ -43,6 +55,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -59,13 +72,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvfabric.client import ClientSettings, EngineSpec, Hit, KvClient, settings_from_env
 from kvfabric.engines.identity import attn_config_digest, weights_digest_of_dir
-from kvfabric.engines.vllm_plan import plan_load
+from kvfabric.engines.vllm_plan import POLICY_SETTING, RECOMPUTE, plan_load, policy_refusal
+from kvfabric.format.errors import KvfError
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
@@ -80,6 +94,7 @@ LOOKUP_WAIT_MS_DEFAULT: Final = 20
 # `kvfabric_client_fallbacks_total` causes counted by the connector (docs/metrics.md)
 CAUSE_BLOCK_MISMATCH: Final = "vllm_block_mismatch"  # block list shorter than the hit: recompute
 CAUSE_NO_KV_CACHES: Final = "vllm_no_kv_caches"  # worker found no KV cache tensors: recompute
+CAUSE_CONFIG_ERROR: Final = "config_error"  # the connector's settings could not be read: no cache
 
 
 @dataclass(frozen=True)
@@ -164,11 +179,44 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     return EngineSpec(domain=domain, model=fingerprint, layout=layout)
 
 
-def make_client(vllm_config: VllmConfig) -> KvClient:
+def make_client(vllm_config: VllmConfig, role: KVConnectorRole) -> KvClient:
+    """The connector's client, starting in the background; a disabled one (cause `config_error`)
+    when its settings cannot be read. Only the scheduler side logs why it cannot serve (one line:
+    both sides read the same settings); the worker side says so at INFO."""
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     overrides = {k: v for k, v in extra.items() if k in _CLIENT_FIELDS}
-    settings = settings_from_env(**overrides)
-    return KvClient(settings, engine_spec(vllm_config, extra))
+    log_level = None if role == KVConnectorRole.SCHEDULER else logging.INFO
+    try:
+        settings = settings_from_env(**overrides)
+        spec = engine_spec(vllm_config, extra)
+    except (KvfError, ValueError, TypeError) as exc:
+        detail = exc.message if isinstance(exc, KvfError) else f"{type(exc).__name__}: {exc}"
+        return KvClient.disabled(
+            _unconfigured_spec(vllm_config.cache_config.block_size),
+            CAUSE_CONFIG_ERROR,
+            f"kv_connector_extra_config / KVF_CLIENT_*: {detail}",
+            failure_log_level=log_level,
+        )
+    return KvClient(settings, spec, background_start=True, failure_log_level=log_level)
+
+
+def _unconfigured_spec(block_size: int) -> EngineSpec:
+    """A key space for a client that never starts (only its chunk size is ever used)."""
+    return EngineSpec(
+        domain=ShareDomain("unconfigured", bytes(16)),
+        model=ModelFingerprint(
+            model_id="unconfigured", weights_revision="-", kv_dtype="-", attn_config_digest="-"
+        ),
+        layout=KVLayout(
+            tp_size=1,
+            tp_rank=0,
+            pp_stage=0,
+            layer_group=0,
+            layer_group_count=1,
+            tokens_per_chunk=block_size,
+            tensor_layout="unconfigured",
+        ),
+    )
 
 
 class KvfabricConnector(KVConnectorBase_V1):
@@ -181,20 +229,24 @@ class KvfabricConnector(KVConnectorBase_V1):
         ):
             raise ValueError("KvfabricConnector supports TP=1, PP=1 for now")
         self.block_size: int = vllm_config.cache_config.block_size
-        self.client = make_client(vllm_config)
-        if not self.client.enabled:
-            log.warning("kvfabric: cluster unreachable, running without the KV cache (recomputing)")
-        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
-        if role == KVConnectorRole.SCHEDULER and policy != "recompute":
-            log.warning(
-                "kvfabric: kv_load_failure_policy=%r: a failed load fails the request; use 'recompute'",
-                policy,
-            )
+        self._policy_configured: str | None = None
+        self._policy_checked = role != KVConnectorRole.SCHEDULER  # the scheduler reads the policy
+        if role == KVConnectorRole.SCHEDULER:
+            self._policy_configured = self._recompute_failed_loads(vllm_config)
+        self.client = make_client(vllm_config, role)
         # scheduler side
         self._hits: dict[str, Hit] = {}  # req id -> leased hit (released at request end)
         self._lookups: dict[str, concurrent.futures.Future[Hit]] = {}  # lookups in flight
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        self._lookup_wait_s = float(extra.get("lookup_wait_ms", LOOKUP_WAIT_MS_DEFAULT)) / 1000
+        try:
+            self._lookup_wait_s = float(extra.get("lookup_wait_ms", LOOKUP_WAIT_MS_DEFAULT)) / 1000
+        except (TypeError, ValueError):
+            log.error(
+                "kvfabric: lookup_wait_ms %r is not a number: using %d",
+                extra["lookup_wait_ms"],
+                LOOKUP_WAIT_MS_DEFAULT,
+            )
+            self._lookup_wait_s = LOOKUP_WAIT_MS_DEFAULT / 1000
         self._lookups_fast = True  # false from a wait that ran out until a lookup is back in time
         self._pending_loads: dict[str, tuple[Hit, int]] = {}  # req id -> (hit, chunks vLLM had)
         self._requests: dict[str, _Request] = {}
@@ -202,6 +254,48 @@ class KvfabricConnector(KVConnectorBase_V1):
         self._kv_caches: list[torch.Tensor] = []
         self._layer_bytes: list[npt.NDArray[np.uint8]] = []  # _layers()
         self._load_errors: set[int] = set()
+
+    # ---- the failure policy ----------------------------------------------------------------
+
+    @staticmethod
+    def _recompute_failed_loads(vllm_config: VllmConfig) -> str | None:
+        """Set `kv_load_failure_policy` to "recompute" (blocks reported by
+        `get_block_ids_with_load_errors` are recomputed, not their request failed); the policy
+        as configured. vLLM 0.32 reads it right after building this connector."""
+        config = vllm_config.kv_transfer_config
+        configured = getattr(config, "kv_load_failure_policy", None)
+        if configured != RECOMPUTE:
+            try:
+                config.kv_load_failure_policy = RECOMPUTE
+            except Exception as exc:  # a frozen or validating config in another vLLM
+                raise ValueError(
+                    f"kvfabric: cannot set {POLICY_SETTING} to {RECOMPUTE!r} ({exc}): set it yourself"
+                ) from exc
+            log.info(
+                "kvfabric: %s %r set to %r: a cache block that fails to load is recomputed",
+                POLICY_SETTING,
+                configured,
+                RECOMPUTE,
+            )
+        return configured
+
+    def _check_failure_policy(self, caller: Any) -> None:
+        """Once the scheduler has read the policy (`caller`: the frame that called us from the
+        scheduler): refuse to start if a failed load would fail its request."""
+        if self._policy_checked:
+            return
+        self._policy_checked = True
+        scheduler = caller.f_locals.get("self") if caller is not None else None
+        decided = getattr(scheduler, "recompute_kv_load_failures", None)
+        problem = policy_refusal(self._policy_configured, decided if isinstance(decided, bool) else None)
+        if problem is not None:
+            raise RuntimeError(f"kvfabric: {problem}")
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """vLLM 0.32's scheduler calls this at the end of its constructor, after it read the
+        failure policy: check that it will recompute."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._check_failure_policy(sys._getframe(1))
 
     # ---- scheduler side --------------------------------------------------------------------
 
@@ -267,6 +361,7 @@ class KvfabricConnector(KVConnectorBase_V1):
             self._pending_loads.pop(request.request_id, None)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvfabricMetadata:
+        self._check_failure_policy(sys._getframe(1))  # a vLLM that never bound the cache manager
         meta = KvfabricMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
