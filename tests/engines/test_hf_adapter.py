@@ -1,7 +1,8 @@
 """HF transformers adapter end to end: a prompt run in one engine instance is saved; a fresh
 instance loads the prefix from kvfabric, computes only the suffix, and produces identical greedy
 output token ids to a run without kvfabric, also when a segment dies, a stored byte is corrupted
-or the directory does not answer (then it recomputes)."""
+or the directory does not answer (then it recomputes), and when the cache cannot start at all
+(a missing password file, NATS down: it runs uncached)."""
 
 from __future__ import annotations
 
@@ -172,3 +173,34 @@ def test_dead_segment_or_silent_directory_recomputes_with_identical_output(
         assert second.client.aio._leases == {}
     finally:
         second.client.close()
+
+
+def test_a_cache_that_cannot_start_leaves_the_engine_generating_uncached(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 22, item 3: before, `KvClient()` raised for a missing password file, so the engine
+    could not be built."""
+    from kvfabric.testing.ports import free_port
+
+    ids = prompt_ids(4 * TPC + 9, seed=7)
+    want = reference(model_dir, ids)
+    url = f"nats://127.0.0.1:{free_port()}"
+    for settings, cause in (
+        ({"nats_password_file": str(tmp_path / "run" / "password")}, "config_error"),
+        ({"connect_timeout_ms": 500}, "nats_unreachable"),
+    ):
+        adapter = HfKvAdapter(
+            load_model(model_dir),
+            KvClient(
+                ClientSettings(nats_url=url, **settings),  # type: ignore[arg-type]
+                hf_engine_spec(load_model(model_dir), DOMAIN, tokens_per_chunk=TPC, model_id="tiny-llama"),
+            ),
+        )
+        try:
+            assert adapter.client.status.cause == cause
+            result = adapter.generate(ids, max_new_tokens=NEW_TOKENS)
+            assert result.token_ids == want
+            assert result.loaded_tokens == 0 and result.computed_tokens == len(ids)
+            assert result.saving is None  # dropped, counted
+        finally:
+            adapter.client.close()

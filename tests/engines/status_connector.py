@@ -1,0 +1,58 @@
+"""Test connector: `KvfabricConnector` reporting what the engine sees of its cache. Each side
+appends one JSON line to `$KVF_TEST_STATUS_REPORT` when it is built (`role`, `init_s`: how long
+the connector took to build, i.e. what it adds to vLLM's start-up) and one more when vLLM shuts
+it down (`status` of its client, `fallbacks` by cause: the worker's count failed loads).
+
+Loaded by `tests.engines.vllm_run --kvfabric-class tests.engines.status_connector:StatusConnector`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Final
+
+from kvfabric.engines.vllm_connector import KvfabricConnector
+
+REPORT_ENV: Final = "KVF_TEST_STATUS_REPORT"
+
+
+def _append(line: dict[str, Any]) -> None:
+    path = os.environ.get(REPORT_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+class StatusConnector(KvfabricConnector):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        super().__init__(*args, **kwargs)
+        _append({"role": self.role.name.lower(), "init_s": time.perf_counter() - started})
+
+    def shutdown(self) -> None:
+        fallbacks = {
+            sample.labels["cause"]: sample.value
+            for metric in self.client.metrics.fallbacks.collect()
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        }
+        status = dataclasses.asdict(self.client.status)
+        _append({"role": self.role.name.lower(), "status": status, "fallbacks": fallbacks})
+        super().shutdown()
+
+
+def read_report(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class PolicyReadFirstConnector(StatusConnector):
+    """Leaves `kv_load_failure_policy` as configured: what a vLLM that reads the policy before it
+    builds the connector would do. The connector's check must then refuse to start."""
+
+    @staticmethod
+    def _recompute_failed_loads(vllm_config: Any) -> str | None:
+        return getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", None)
