@@ -1,0 +1,1 @@
+"""kvfabric router service: cache-aware routing over vLLM OpenAI servers."""

@@ -1,0 +1,146 @@
+"""The index follower: the directory's JetStream event stream into the routing index.
+
+- At start, and whenever the index reports a gap (or `check_stream` sees events aged out or a
+  recreated stream): read the stream's last sequence S, list the directory (every shard's
+  segments, and every shard's published groups of the router's share domain with their
+  replicas, paged), `index.resync(listing, at_seq=S)`, then read the stream from S + 1 (replayed
+  events converge: `kvfabric.core.routing_index`).
+- Otherwise an ephemeral pull consumer (no acks) over every subject of the stream, so its
+  sequences arrive contiguous; when it is lost (NATS restart) it is recreated after the last
+  sequence applied (`index.last_seq + 1`): resume, not replay.
+- Every fetch that answers (events, or none at the end) tells the core the stream was heard
+  from (`index_heard`); without that for `index_stale_ms` the router counts no kvfabric tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Final
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex
+from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.proto import directory as m
+from kvfabric.proto.subjects import Service, events_wildcard
+from kvfabric.runtime.directory_router import DirectoryRouter
+from kvfabric.runtime.logs import get_logger
+
+__all__ = ["EVENTS_STREAM", "IndexFollower"]
+
+EVENTS_STREAM: Final = "KVF_DIRECTORY_EVENTS"  # owned by the directory
+EVENTS_FETCH_MAX: Final = 512
+EVENTS_FETCH_WAIT_S: Final = 0.5
+RETRY_S: Final = 0.5
+LISTING_PAGE_GROUPS: Final = 1000
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class IndexFollower:
+    def __init__(
+        self,
+        nc: NatsClient,
+        index: RoutingIndex,
+        *,
+        domain_digest: bytes,
+        heard: Callable[[int], None],
+        request_timeout_s: float,
+        listing_pages_max: int,
+    ) -> None:
+        self.nc = nc
+        self.index = index
+        self.domain_digest = domain_digest
+        self.heard = heard
+        self.request_timeout_s = request_timeout_s
+        self.listing_pages_max = listing_pages_max
+        self.router = DirectoryRouter(nc)
+        self.resync_failures = 0
+        self.resync_seconds_last = 0.0
+        self._log = get_logger("kvfabric.router.events")
+
+    async def run(self) -> None:
+        js = self.nc.jetstream(timeout=self.request_timeout_s)
+        while True:
+            try:
+                info = await js.stream_info(EVENTS_STREAM)
+                if not self.index.synced or self.index.check_stream(
+                    info.state.first_seq, info.state.last_seq
+                ):
+                    await self.resync(info.state.last_seq)
+                start = self.index.last_seq + 1
+                config = ConsumerConfig(
+                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                    opt_start_seq=start,
+                    ack_policy=AckPolicy.NONE,
+                    inactive_threshold=30.0,
+                )
+                sub = await js.pull_subscribe(
+                    events_wildcard(Service.DIRECTORY), stream=EVENTS_STREAM, config=config
+                )
+                self.heard(now_ms())
+                while self.index.synced:
+                    try:
+                        batch = await sub.fetch(EVENTS_FETCH_MAX, timeout=EVENTS_FETCH_WAIT_S)
+                    except TimeoutError:  # nothing new: at the end of the stream
+                        self.heard(now_ms())
+                        continue
+                    for msg in batch:
+                        self._on_message(msg.metadata.sequence.stream, msg.data)
+                        if not self.index.synced:
+                            break  # a gap: resync before anything else
+                    self.heard(now_ms())
+                await sub.unsubscribe()
+            except asyncio.CancelledError:
+                raise
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError, KvfError) as exc:
+                self._log.info("events_follow_retry", error=type(exc).__name__, last_seq=self.index.last_seq)
+                await asyncio.sleep(RETRY_S)
+
+    def _on_message(self, seq: int, data: bytes) -> None:
+        try:
+            event = m.event_decoder.decode(data)
+        except BadRequest as exc:
+            # Undecodable (a newer directory): skip it, but in sequence.
+            self._log.warning("event_undecodable", seq=seq, error=exc.message)
+            event = m.GroupsAccessed(groups=[])
+        result = self.index.apply(seq, event)
+        if result == "gap":
+            self._log.warning("events_gap", seq=seq, last_seq=self.index.last_seq)
+
+    async def resync(self, at_seq: int) -> None:
+        """List the directory and replace the index (events after `at_seq` replay on top)."""
+        started = time.monotonic()
+        try:
+            segments = await self.router.segments(self.request_timeout_s)
+            query = m.ListGroups(
+                domain_digest=self.domain_digest, limit=LISTING_PAGE_GROUPS, with_objects=True
+            )
+            summaries = await self.router.list_groups(query, self.request_timeout_s, self.listing_pages_max)
+        except KvfError:
+            self.resync_failures += 1
+            raise
+        groups = []
+        for g in summaries:
+            if g.state != "published" or len(g.namespace) != 54:
+                continue
+            replicas = frozenset(r.segment_id for o in g.objects for r in o.replicas)
+            if replicas:
+                copy_bytes = sum(o.size_bytes for o in g.objects)
+                groups.append(ListedGroup(g.namespace[4:20], g.group, g.chunk_index, copy_bytes, replicas))
+        self.index.resync(
+            [ListedSegment(s.segment_id, s.incarnation, s.up) for s in segments.segments],
+            groups,
+            at_seq=at_seq,
+        )
+        self.resync_seconds_last = time.monotonic() - started
+        self._log.info(
+            "index_resynced", at_seq=at_seq, groups=len(groups), seconds=round(self.resync_seconds_last, 3)
+        )

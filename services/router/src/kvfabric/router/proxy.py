@@ -1,0 +1,306 @@
+"""The OpenAI-compatible HTTP front (starlette on uvicorn; httpx to the engines).
+
+`POST /v1/completions` and `POST /v1/chat/completions`: the body is passed to the chosen engine
+unchanged and its answer (streamed or not) is passed back byte for byte.
+- Routing keys: a completions `prompt` given as token ids (a list of ints) is hashed into the
+  kvfabric group keys (`prompt_keys`). A text prompt or chat messages are routed by load only
+  (no tokenizer in the router: `keys_unknown` in the decision metric), with the prompt's length
+  in characters / 4 as its token estimate.
+- Tenant: header `X-Kvf-Tenant` (default `default`). Trace id: header `X-Kvf-Trace-Id` (else a
+  new one), returned in the response and sent to the engine as `X-Request-Id`, which vLLM makes
+  its request id and the kvfabric connector carries as the client library's trace id.
+- Admission (`RoutingCore.route`): refused requests get 429 (total or tenant bound) or 503 (no
+  engine eligible, or every queue full) with `Retry-After`, at once: nothing waits in the router.
+- Failover: nothing is sent to the client before the engine's first body byte. A connection
+  error, a 5xx, a timeout before the first byte or a stream closed before it marks the engine
+  down (`RoutingCore.failed`) and the request goes to the next engine (at most
+  `failover_attempts_max` engines). After the first byte a failure ends the client's stream.
+- TTFT realised = request received -> the engine's first body byte (for a streamed completion,
+  its first token), next to the estimate of the engine chosen: both in `/metrics` and in the
+  `request_routed` / `request_done` log lines.
+- `GET /health` (200 while one engine is eligible), `GET /v1/models` (the first eligible
+  engine's), `GET /metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvfabric.core.routing import Decision, Refused, RoutingCore, prompt_keys
+from kvfabric.router.metrics import RouterMetrics
+from kvfabric.router.settings import RouterSettings
+from kvfabric.runtime.logs import get_logger
+
+__all__ = ["Proxy", "now_ms"]
+
+TENANT_HEADER: Final = "x-kvf-tenant"
+TRACE_HEADER: Final = "x-kvf-trace-id"
+TENANT_CHARS_MAX: Final = 64
+TRACE_CHARS_MAX: Final = 128
+BODY_BYTES_MAX: Final = 16 << 20
+HOP_HEADERS: Final = frozenset(
+    {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class _Failed(Exception):
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+@dataclass
+class _Upstream:
+    response: httpx.Response
+    chunks: AsyncIterator[bytes]
+    first: bytes
+
+
+class Proxy:
+    def __init__(
+        self, settings: RouterSettings, core: RoutingCore, metrics: RouterMetrics, registry: CollectorRegistry
+    ) -> None:
+        self.settings = settings
+        self.core = core
+        self.metrics = metrics
+        self.registry = registry
+        self.urls = {e.spec.instance_id: e.url for e in settings.engines}
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=settings.connect_timeout_s, read=settings.first_byte_timeout_s, write=30.0, pool=30.0
+            ),
+            limits=httpx.Limits(max_connections=settings.routing.admitted_max + 2 * len(self.urls)),
+        )
+        self._log = get_logger("kvfabric.router")
+        self._n = 0
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics_page, methods=["GET"]),
+            ]
+        )
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    # ---- health --------------------------------------------------------------------------
+
+    async def health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(iid, url) for iid, url in self.urls.items()))
+            await asyncio.sleep(self.settings.health_interval_s)
+
+    async def _check(self, iid: str, url: str) -> None:
+        try:
+            resp = await self.client.get(f"{url}/health", timeout=self.settings.connect_timeout_s)
+            ok = resp.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        was = self.core.eligible(iid, now_ms())
+        self.core.health(iid, ok, now_ms())
+        if was and not ok:
+            self._log.warning("engine_down", instance=iid, via="health")
+        elif ok and not was:
+            self._log.info("engine_up", instance=iid)
+
+    async def health(self, request: Request) -> Response:
+        now = now_ms()
+        up = [iid for iid in self.urls if self.core.eligible(iid, now)]
+        return JSONResponse(
+            {"engines_up": up, "index_synced": self.core.index.synced}, status_code=200 if up else 503
+        )
+
+    async def models(self, request: Request) -> Response:
+        now = now_ms()
+        for iid, url in self.urls.items():
+            if self.core.eligible(iid, now):
+                try:
+                    resp = await self.client.get(f"{url}/v1/models")
+                    return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+                except httpx.HTTPError:
+                    continue
+        return JSONResponse({"error": {"message": "no engine up", "type": "unavailable"}}, status_code=503)
+
+    async def metrics_page(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def _keys(self, body: dict[str, Any]) -> tuple[list[bytes], int]:
+        prompt = body.get("prompt")
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            ks = self.settings.keyspace
+            try:
+                return prompt_keys(ks.domain, ks.model, ks.layout, prompt), len(prompt)
+            except ValueError:
+                return [], len(prompt)
+        text = json.dumps(prompt if prompt is not None else body.get("messages", ""))
+        return [], max(1, len(text) // 4)
+
+    async def completions(self, request: Request) -> Response:
+        received = time.monotonic()
+        trace_id = (request.headers.get(TRACE_HEADER) or uuid.uuid4().hex)[:TRACE_CHARS_MAX]
+        tenant = (request.headers.get(TENANT_HEADER) or "default")[:TENANT_CHARS_MAX]
+        raw = await request.body()
+        if len(raw) > BODY_BYTES_MAX:
+            return _error(413, "body too large", trace_id)
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            return _error(400, f"body is not a JSON object: {exc}", trace_id)
+        keys, prompt_tokens = self._keys(body)
+        self._n += 1
+        rid = f"{trace_id}-{self._n}"
+        log = self._log.bind(trace_id=trace_id, tenant=tenant)
+        tried: list[str] = []
+        while True:
+            decision = self.core.route(rid, tenant, keys, prompt_tokens, now_ms(), exclude=tried)
+            if isinstance(decision, Refused):
+                self.metrics.refused(decision.reason)
+                log.info(
+                    "request_refused",
+                    reason=decision.reason,
+                    retry_after_s=decision.retry_after_s,
+                    tried=tried,
+                )
+                if tried:  # every engine tried failed before the first byte
+                    return _error(502, f"engines failed before the first byte: {', '.join(tried)}", trace_id)
+                status = 429 if decision.reason in ("admitted_max", "tenant_inflight_max") else 503
+                return _error(status, decision.reason, trace_id, retry_after_s=decision.retry_after_s)
+            self.metrics.decided(decision, bool(keys))
+            iid = decision.instance_id
+            log.debug(
+                "request_routed",
+                instance=iid,
+                reason=decision.reason,
+                estimate_s=round(decision.estimate.ttft_s, 4),
+                engine_tokens=decision.estimate.inputs.engine_tokens,
+                colocated_tokens=decision.estimate.inputs.colocated_tokens,
+                remote_tokens=decision.estimate.inputs.remote_tokens,
+                compute_tokens=decision.estimate.inputs.compute_tokens,
+            )
+            try:
+                upstream = await self._open(iid, request.url.path, raw, trace_id)
+            except _Failed as failed:
+                self.core.failed(rid)
+                self.metrics.failover(iid, failed.why)
+                log.warning("engine_failed_before_first_byte", instance=iid, why=failed.why)
+                tried.append(iid)
+                if len(tried) >= self.settings.failover_attempts_max:
+                    return _error(502, f"engines failed before the first byte: {', '.join(tried)}", trace_id)
+                continue
+            break
+        ttft_s = time.monotonic() - received
+        if upstream.response.status_code < 400:
+            self.core.first_token(rid)
+            self.metrics.first_byte(iid, decision, ttft_s)
+        headers = {k: v for k, v in upstream.response.headers.items() if k.lower() not in HOP_HEADERS}
+        headers["x-kvf-trace-id"] = trace_id
+        headers["x-kvf-instance"] = iid
+        return StreamingResponse(
+            self._relay(rid, iid, upstream, received, ttft_s, decision, log),
+            status_code=upstream.response.status_code,
+            headers=headers,
+        )
+
+    async def _open(self, iid: str, path: str, raw: bytes, trace_id: str) -> _Upstream:
+        url = f"{self.urls[iid]}{path}"
+        req = self.client.build_request(
+            "POST", url, content=raw, headers={"content-type": "application/json", "x-request-id": trace_id}
+        )
+        response: httpx.Response | None = None
+        try:
+            response = await self.client.send(req, stream=True)
+            if response.status_code >= 500:
+                raise _Failed(f"status_{response.status_code}")
+            chunks = response.aiter_raw()
+            first = b""
+            while not first:  # the first non-empty body chunk
+                first = await chunks.__anext__()
+            return _Upstream(response, chunks, first)
+        except StopAsyncIteration:
+            if response is not None and response.status_code < 400:
+                await response.aclose()
+                raise _Failed("closed_before_first_byte") from None
+            assert response is not None
+            return _Upstream(response, _empty(), b"")
+        except httpx.TimeoutException:
+            if response is not None:
+                await response.aclose()
+            raise _Failed("timeout") from None
+        except httpx.HTTPError as exc:
+            if response is not None:
+                await response.aclose()
+            raise _Failed(type(exc).__name__) from None
+        except _Failed:
+            if response is not None:
+                await response.aclose()
+            raise
+
+    async def _relay(
+        self, rid: str, iid: str, up: _Upstream, received: float, ttft_s: float, decision: Decision, log: Any
+    ) -> AsyncIterator[bytes]:
+        outcome = "ok" if up.response.status_code < 400 else f"status_{up.response.status_code}"
+        try:
+            if up.first:
+                yield up.first
+            async for chunk in up.chunks:
+                yield chunk
+        except httpx.HTTPError as exc:
+            outcome = "broken_after_first_byte"
+            log.warning("engine_failed_after_first_byte", instance=iid, error=type(exc).__name__)
+        finally:
+            await up.response.aclose()
+            self.core.finished(rid)
+            e2e_s = time.monotonic() - received
+            self.metrics.done(iid, outcome, e2e_s)
+            (log.debug if outcome == "ok" else log.info)(
+                "request_done",
+                instance=iid,
+                outcome=outcome,
+                reason=decision.reason,
+                estimate_s=round(decision.estimate.ttft_s, 4),
+                ttft_s=round(ttft_s, 4),
+                e2e_s=round(e2e_s, 4),
+            )
+
+
+async def _empty() -> AsyncIterator[bytes]:
+    return
+    yield b""  # an async generator that yields nothing
+
+
+def _error(status: int, message: str, trace_id: str, *, retry_after_s: int | None = None) -> Response:
+    headers = {"x-kvf-trace-id": trace_id}
+    if retry_after_s is not None:
+        headers["retry-after"] = str(retry_after_s)
+    kind = {429: "rate_limited", 503: "unavailable", 502: "bad_gateway"}.get(status, "invalid_request_error")
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status}}, status_code=status, headers=headers
+    )

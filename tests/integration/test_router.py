@@ -1,0 +1,256 @@
+"""The router service on a live cluster (directory + two segments) in front of two stand-in
+engines (`tests.integration.fake_engine`): the index follows the directory (listing at start,
+events after, a segment's death within seconds), the `route` endpoint answers from it, the HTTP
+front passes streams through byte for byte, fails over before the first byte when an engine
+dies, and refuses past its admission bounds with 429 + Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import nats
+import pytest
+
+from kvfabric.proto import router as r
+from kvfabric.proto.subjects import Service, endpoint_subject
+from kvfabric.runtime import request as nats_request
+from kvfabric.testing import NatsServer, ServiceProcess
+from kvfabric.testing.ports import free_port
+from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, client, objects_for, prompt
+from tests.integration.cluster import directory_process, segment_process, service_process
+
+pytestmark = pytest.mark.integration
+
+CHUNKS = 8
+SEG_A, SEG_B = "seg-a", "seg-b"
+KEYSPACE = {
+    "tenant_id": SPEC.domain.tenant_id,
+    "domain_salt_hex": SPEC.domain.salt.hex(),
+    "model_id": SPEC.model.model_id,
+    "weights_revision": SPEC.model.weights_revision,
+    "kv_dtype": SPEC.model.kv_dtype,
+    "attn_config_digest": SPEC.model.attn_config_digest,
+    "tensor_layout": SPEC.layout.tensor_layout,
+    "tokens_per_chunk": TOKENS_PER_CHUNK,
+}
+# Loading is far cheaper than computing here (16-token chunks of 64 KiB: compute would win).
+COEFFICIENTS = {
+    "overhead_s": 0.01,
+    "prefill_tokens_per_s": 1000,
+    "colocated_bytes_per_s": 1e10,
+    "remote_bytes_per_s": 1e8,
+}
+
+
+@contextlib.contextmanager
+def fake_engine(name: str, port: int) -> Iterator[ServiceProcess]:
+    proc = ServiceProcess.python_module("tests.integration.fake_engine", str(port), name)
+    proc.start()
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield proc
+    finally:
+        proc.stop(timeout_s=5.0)
+
+
+@contextlib.contextmanager
+def router(
+    nats_server: NatsServer, ports: dict[str, int], **env: str
+) -> Iterator[tuple[ServiceProcess, int]]:
+    http_port = free_port()
+    engines = [
+        {"id": "A", "url": f"http://127.0.0.1:{ports['A']}", "segments": [SEG_A], "cache_chunks": 0},
+        {"id": "B", "url": f"http://127.0.0.1:{ports['B']}", "segments": [SEG_B], "cache_chunks": 0},
+    ]
+    settings = {
+        "KVF_ROUTER_ENGINES": json.dumps(engines),
+        "KVF_ROUTER_KEYSPACE": json.dumps(KEYSPACE),
+        "KVF_ROUTER_COEFFICIENTS": json.dumps(COEFFICIENTS),
+        "KVF_ROUTER_HTTP_PORT": str(http_port),
+        "KVF_ROUTER_HEALTH_INTERVAL_MS": "200",
+        **env,
+    }
+    with service_process(nats_server, "kvfabric.router", "router_started", **settings) as proc:
+        yield proc, http_port
+
+
+async def ask_route(url: str, tokens: list[int]) -> r.RouteReply:
+    nc = await nats.connect(url)
+    try:
+        reply: Any = await nats_request(
+            nc,
+            endpoint_subject(Service.ROUTER, "route"),
+            r.RouteRequest(tokens=tokens),
+            r.router_decoder,
+            5.0,
+        )
+        assert isinstance(reply, r.RouteReply)
+        return reply
+    finally:
+        await nc.close()
+
+
+def wait_until(what: str, check: Any, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s} s (last: {got!r})")
+        time.sleep(0.1)
+
+
+def by_instance(reply: r.RouteReply) -> dict[str, r.InstanceEstimate]:
+    return {e.instance: e for e in reply.estimates}
+
+
+def test_router_follows_the_directory_and_fails_over(nats_server: NatsServer) -> None:
+    saved_before = prompt(CHUNKS * TOKENS_PER_CHUNK + 5, seed=1)
+    saved_after = prompt(CHUNKS * TOKENS_PER_CHUNK + 5, seed=2)
+    ports = {"A": free_port(), "B": free_port()}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(directory_process(nats_server, KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS="1500"))
+        seg_a = stack.enter_context(segment_process(nats_server, SEG_A, KVF_SEGMENT_ZONE="za"))
+        with client(nats_server) as writer:  # only seg-a exists: the prefix lands there
+            assert writer.save(saved_before, objects_for(saved_before, 0, CHUNKS)).chunks_saved == CHUNKS
+        stack.enter_context(segment_process(nats_server, SEG_B, KVF_SEGMENT_ZONE="zb"))
+        stack.enter_context(fake_engine("A", ports["A"]))
+        engine_b = stack.enter_context(fake_engine("B", ports["B"]))
+        proc, http_port = stack.enter_context(router(nats_server, ports))
+        base = f"http://127.0.0.1:{http_port}"
+
+        # Listing at start: the prefix saved before the router existed is known, co-located on A.
+        def routed_to_a() -> r.RouteReply | None:
+            reply = asyncio.run(ask_route(nats_server.url, saved_before))
+            return reply if reply.instance == "A" and by_instance(reply)["A"].colocated_tokens else None
+
+        reply = wait_until("the listed prefix routes to A", routed_to_a, 15)
+        est = by_instance(reply)
+        assert est["A"].colocated_tokens == CHUNKS * TOKENS_PER_CHUNK and est["A"].remote_tokens == 0
+        assert est["B"].remote_tokens == CHUNKS * TOKENS_PER_CHUNK and est["B"].colocated_tokens == 0
+        assert reply.reason == "cache_aware"
+        proc.wait_for_event("index_resynced", 5.0)
+
+        # Events after: a prefix saved now (on both segments) is known within a second or so.
+        with client(nats_server) as writer:
+            assert writer.save(saved_after, objects_for(saved_after, 0, CHUNKS)).chunks_saved == CHUNKS
+        wait_until(
+            "the new prefix is indexed",
+            lambda: (
+                max(
+                    e.colocated_tokens + e.remote_tokens
+                    for e in asyncio.run(ask_route(nats_server.url, saved_after)).estimates
+                )
+                == CHUNKS * TOKENS_PER_CHUNK
+            ),
+            10,
+        )
+
+        # Streaming passthrough: the engine's bytes, unchanged; the trace id goes to the engine.
+        body = {"prompt": saved_before, "max_tokens": 5, "stream": True}
+        with httpx.stream(
+            "POST", f"{base}/v1/completions", json=body, headers={"X-Kvf-Trace-Id": "trace-123"}, timeout=10
+        ) as resp:
+            assert resp.status_code == 200 and resp.headers["x-kvf-trace-id"] == "trace-123"
+            streamed = b"".join(resp.iter_raw())
+        events = [
+            json.loads(line[6:]) for line in streamed.decode().split("\n\n") if line.startswith("data: {")
+        ]
+        assert [e["i"] for e in events] == list(range(5))
+        assert {e["engine"] for e in events} == {"A"} and events[0]["rid"] == "trace-123"
+        assert streamed.endswith(b"data: [DONE]\n\n")
+
+        # The segment holding the first prefix dies: within seconds the router stops counting it.
+        seg_a.send_signal(signal.SIGKILL)
+        wait_until(
+            "seg-a's chunks forgotten",
+            lambda: all(
+                e.colocated_tokens + e.remote_tokens == 0
+                for e in asyncio.run(ask_route(nats_server.url, saved_before)).estimates
+            ),
+            10,
+        )
+
+        # Failover: B dies while requests wait for their first byte there; none is lost.
+        slow = {"prompt": [7] * 40, "max_tokens": 2, "stream": True, "fake_first_byte_s": 1.5}
+
+        def send(i: int) -> tuple[int, str]:
+            with httpx.stream("POST", f"{base}/v1/completions", json=slow, timeout=30) as resp:
+                return resp.status_code, resp.headers.get("x-kvf-instance", "")
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(send, i) for i in range(6)]
+            time.sleep(0.6)  # every request is at an engine, none has its first byte
+            engine_b.send_signal(signal.SIGKILL)
+            results = [f.result() for f in futures]
+        assert all(status == 200 for status, _ in results), results
+        assert {inst for _, inst in results} == {"A"}
+        metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        assert 'kvfabric_router_failovers_total{instance="B"' in metrics
+        assert (
+            "kvfabric_router_ttft_seconds_count" in metrics and "kvfabric_router_estimate_seconds" in metrics
+        )
+        assert "kvfabric_router_ttft_error_seconds" in metrics
+        # B is dead: the health checks keep it out.
+        wait_until(
+            "B seen down", lambda: httpx.get(f"{base}/health", timeout=5).json()["engines_up"] == ["A"], 5
+        )
+        reply = asyncio.run(ask_route(nats_server.url, saved_after))
+        assert reply.instance == "A" and [e.instance for e in reply.estimates] == ["A"]
+
+
+def test_router_admission_refuses_with_retry_after(nats_server: NatsServer) -> None:
+    ports = {"A": free_port(), "B": free_port()}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(directory_process(nats_server))
+        stack.enter_context(fake_engine("A", ports["A"]))
+        stack.enter_context(fake_engine("B", ports["B"]))
+        _, http_port = stack.enter_context(
+            router(nats_server, ports, KVF_ROUTER_ADMITTED_MAX="3", KVF_ROUTER_TENANT_INFLIGHT_MAX="2")
+        )
+        base = f"http://127.0.0.1:{http_port}"
+        wait_until(
+            "engines up", lambda: len(httpx.get(f"{base}/health", timeout=5).json()["engines_up"]) == 2, 10
+        )
+        slow = {"prompt": [5] * 40, "max_tokens": 1, "fake_first_byte_s": 2.0}
+
+        def send(tenant: str) -> httpx.Response:
+            return httpx.post(
+                f"{base}/v1/completions", json=slow, headers={"X-Kvf-Tenant": tenant}, timeout=30
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            first = [pool.submit(send, "t1") for _ in range(2)]
+            time.sleep(0.5)
+            over_tenant = send("t1")  # t1 holds its 2
+            other = pool.submit(send, "t2")  # t2 still gets in: 3 in flight
+            time.sleep(0.5)
+            over_total = send("t3")
+            done = [f.result() for f in [*first, other]]
+        assert over_tenant.status_code == 429 and int(over_tenant.headers["retry-after"]) >= 1
+        assert over_tenant.json()["error"]["message"] == "tenant_inflight_max"
+        assert over_total.status_code == 429 and over_total.json()["error"]["message"] == "admitted_max"
+        assert all(resp.status_code == 200 for resp in done)
+        assert (
+            httpx.post(
+                f"{base}/v1/completions", json={**slow, "fake_first_byte_s": 0}, timeout=10
+            ).status_code
+            == 200
+        )
+        metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        assert 'kvfabric_router_refused_total{reason="tenant_inflight_max"} 1.0' in metrics
+        assert 'kvfabric_router_refused_total{reason="admitted_max"} 1.0' in metrics
