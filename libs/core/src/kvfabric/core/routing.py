@@ -71,6 +71,7 @@ from kvfabric.format.invariant import invariant
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, chain_hashes, tokens_to_u32
 
 __all__ = [
+    "POLICIES",
     "Coefficients",
     "CostInputs",
     "Decision",
@@ -179,10 +180,13 @@ class Decision:
     reason: str  # cache_aware | tie_load | tie_hash | round_robin | least_loaded | failover
 
 
+RefusedReason = Literal["admitted_max", "tenant_inflight_max", "no_instance", "queues_full"]
+
+
 @dataclass(frozen=True, slots=True)
 class Refused:
     request_id: str
-    reason: Literal["admitted_max", "tenant_inflight_max", "no_instance", "queues_full"]
+    reason: RefusedReason
     retry_after_s: int
 
 
@@ -383,7 +387,7 @@ class RoutingCore:
         queues = {self.instances[e.instance_id].queue for e in tied}
         return best, "tie_hash" if len(queues) == 1 else "tie_load"
 
-    def _refuse(self, request_id: str, reason: str, now_ms: int) -> Refused:
+    def _refuse(self, request_id: str, reason: RefusedReason, now_ms: int) -> Refused:
         self.counters["refused"] += 1
         # Retry after the shortest queue's prefill work would be done (at least 1 s).
         drains = [
@@ -392,7 +396,7 @@ class RoutingCore:
             if self.eligible(iid, now_ms)
         ]
         after = max(1, math.ceil(min(drains, default=float(self.config.retry_after_s_max))))
-        return Refused(request_id, reason, min(after, self.config.retry_after_s_max))  # type: ignore[arg-type]
+        return Refused(request_id, reason, min(after, self.config.retry_after_s_max))
 
     # ---- request lifecycle ---------------------------------------------------------------
 
