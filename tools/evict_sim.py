@@ -54,6 +54,10 @@ POLICIES: Final = {
     "lru+admission": EvictionConfig(policy="lru", admission="second_hit"),
     "gdsf": EvictionConfig(policy="gdsf", admission="always"),
     "gdsf+admission": EvictionConfig(policy="gdsf", admission="second_hit"),
+    "lru2": EvictionConfig(policy="lru2", admission="always"),
+    "sieve": EvictionConfig(policy="sieve", admission="always"),
+    "s3fifo": EvictionConfig(policy="s3fifo", admission="always"),
+    "wtinylfu": EvictionConfig(policy="wtinylfu", admission="always"),
 }
 
 

@@ -36,12 +36,22 @@ the parent is inserted.
 - At most `batch_max` victims per EvictBatch; one batch per pool (and per over-quota tenant)
   per tick.
 
-## Policies (one interface, `Policy.priority`: lower goes first)
+## Policies
+Heap policies (a priority per leaf; lower goes first):
 - `lru`: last access time.
 - `gdsf`: GreedyDual-Size-Frequency: `clock + frequency x cost / size`, where `cost` is the
   recompute cost of the chunk, growing with its position in the prompt (attention over a longer
   prefix costs more): `tokens x (1 + position_weight x chunk_index)`. `clock` rises to the
   priority of each victim, so old popularity ages out.
+- `lru2`: LRU-K with K = 2 (O'Neil, O'Neil, Weikum, "The LRU-K Page Replacement Algorithm for
+  Database Disk Buffering", SIGMOD 1993): the time of the second-to-last access; an object seen
+  once ranks `LRU2_SINGLE_ACCESS_MS` before its only access, so one-off objects go first, least
+  recent first. Retained information: the last access of removed objects, at most as many as
+  resident objects (`LRU2_HISTORY_FLOOR` at least), so an object asked for again remembers it.
+  No correlated-reference period: the caller reports one access per request.
+Queue policies (`kvfabric.core.eviction_order`: the order offers victims, the core keeps every
+rule below): `sieve` (`eviction_sieve`), `s3fifo` (`eviction_s3fifo`), `wtinylfu`
+(`eviction_wtinylfu`), each with its paper and adaptations in its module.
 - Admission (`admission="second_hit"`): a new object is admitted only when a frequency sketch
   has seen its id before (or the pool has room below its low watermark), so one-off prefixes do
   not flush hot ones.
@@ -60,10 +70,16 @@ the parent is inserted.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias
 
+from kvfabric.core.eviction_order import VictimOrder
+from kvfabric.core.eviction_s3fifo import S3Fifo
+from kvfabric.core.eviction_sieve import Sieve
+from kvfabric.core.eviction_sketch import FrequencySketch
+from kvfabric.core.eviction_wtinylfu import WTinyLfu
 from kvfabric.format.invariant import invariant
 
 __all__ = [
@@ -71,16 +87,22 @@ __all__ = [
     "EvictBatch",
     "EvictionConfig",
     "EvictionCore",
+    "PolicyName",
     "Refused",
     "TenantQuota",
 ]
 
 ObjectId: TypeAlias = Hashable
-PolicyName = Literal["lru", "gdsf"]
+PolicyName = Literal["lru", "gdsf", "lru2", "sieve", "s3fifo", "wtinylfu"]
 AdmissionName = Literal["always", "second_hit"]
+QUEUE_POLICIES: Final[dict[str, type[Sieve] | type[S3Fifo] | type[WTinyLfu]]] = {
+    "sieve": Sieve,
+    "s3fifo": S3Fifo,
+    "wtinylfu": WTinyLfu,
+}
 
-SKETCH_WIDTH: Final = 1 << 16
-SKETCH_DEPTH: Final = 4
+LRU2_SINGLE_ACCESS_MS: Final = 1 << 50  # an object seen once ranks this long before its access
+LRU2_HISTORY_FLOOR: Final = 1024  # removed objects' last accesses kept, at least
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +164,7 @@ class _Object:
     parent: ObjectId | None
     chunk_index: int
     last_access_ms: int
+    previous_access_ms: int | None = None  # lru2: the access before the last one
     frequency: int = 1
     children: int = 0  # resident objects naming this one as parent
     children_evicting: int = 0  # of those, already chosen as victims
@@ -156,31 +179,6 @@ class _Usage:
     used: int = 0
     evicting: int = 0
     pressed: bool = False  # crossed the high watermark, not yet back to the low one
-
-
-@dataclass(slots=True)
-class _Sketch:
-    """A count-min sketch with periodic halving (TinyLFU-style aging); fixed memory."""
-
-    rows: list[list[int]] = field(default_factory=lambda: [[0] * SKETCH_WIDTH for _ in range(SKETCH_DEPTH)])
-    increments: int = 0
-
-    def _cells(self, key: Hashable) -> list[int]:
-        h = hash(key)
-        return [((h >> (16 * i)) ^ (h * (2 * i + 1))) % SKETCH_WIDTH for i in range(SKETCH_DEPTH)]
-
-    def add(self, key: Hashable, halve_every: int) -> None:
-        for row, cell in zip(self.rows, self._cells(key), strict=True):
-            row[cell] = min(row[cell] + 1, 15)
-        self.increments += 1
-        if self.increments >= halve_every:
-            self.increments = 0
-            for row in self.rows:
-                for i, v in enumerate(row):
-                    row[i] = v >> 1
-
-    def estimate(self, key: Hashable) -> int:
-        return min(row[cell] for row, cell in zip(self.rows, self._cells(key), strict=True))
 
 
 class EvictionCore:
@@ -203,7 +201,11 @@ class EvictionCore:
         self._seq = 0
         self._clock = 0.0  # GDSF inflation
         self._now_ms = 0
-        self._sketch = _Sketch() if config.admission != "always" else None
+        self._sketch = FrequencySketch() if config.admission != "always" else None
+        self._order: VictimOrder | None = (
+            QUEUE_POLICIES[config.policy]() if config.policy in QUEUE_POLICIES else None
+        )
+        self._history: OrderedDict[ObjectId, int] = OrderedDict()  # lru2: removed id -> last access
         self.counters: dict[str, int] = {}
 
     # ---- queries ---------------------------------------------------------------------------
@@ -270,6 +272,8 @@ class EvictionCore:
             return [Refused(object_id)]
         size = sum(held.values())
         obj = _Object(tenant, held, size, parent, chunk_index, now_ms)
+        if self.config.policy == "lru2":
+            obj.previous_access_ms = self._history.pop(object_id, None)
         self._objects[object_id] = obj
         for p, b in held.items():
             usages[p].used += b
@@ -281,6 +285,8 @@ class EvictionCore:
             parent_obj.children += 1  # no longer a leaf: its heap entry is ignored while children live
         elif parent is not None:
             _bump(self._early_children, parent, 1)
+        if self._order is not None:
+            self._order.inserted(object_id, size)
         self._push(object_id, obj)
         self._count("inserts_total")
         return [Admitted(object_id)]
@@ -291,8 +297,11 @@ class EvictionCore:
         obj = self._objects.get(object_id)
         if obj is None:
             return
+        obj.previous_access_ms = obj.last_access_ms
         obj.last_access_ms = now_ms
         obj.frequency += 1
+        if self._order is not None and not obj.evicting:
+            self._order.accessed(object_id)
         self._push(object_id, obj)
 
     def removed(self, object_id: ObjectId) -> None:
@@ -301,6 +310,13 @@ class EvictionCore:
         if obj is None:
             self._count("removed_unknown_total")
             return
+        if self._order is not None and not obj.evicting:
+            self._order.forgotten(object_id)  # a chosen one left the order when it was taken
+        if self.config.policy == "lru2":
+            self._history[object_id] = obj.last_access_ms
+            self._history.move_to_end(object_id)
+            while len(self._history) > max(LRU2_HISTORY_FLOOR, len(self._objects)):
+                self._history.popitem(last=False)
         for p, b in obj.pools.items():
             usage = self._pools[p]
             usage.used -= b
@@ -349,6 +365,8 @@ class EvictionCore:
         elif obj.parent is not None:
             _bump(self._early_children_evicting, obj.parent, -1)
         obj.cooldown_until_ms = now_ms + self.config.refused_cooldown_ms
+        if self._order is not None:
+            self._order.returned(object_id, obj.size)
         self._push(object_id, obj)
         self._count("evict_refused_total")
 
@@ -366,6 +384,8 @@ class EvictionCore:
                 continue
             del obj.pools[pool]
             obj.size -= held
+            if self._order is not None and not obj.evicting:
+                self._order.resized(object_id, obj.size)
             self._tenants[obj.tenant] -= held
             usage = self._pools[pool]
             usage.used -= held
@@ -415,10 +435,16 @@ class EvictionCore:
     def _priority(self, obj: _Object) -> float:
         if self.config.policy == "lru":
             return float(obj.last_access_ms)
+        if self.config.policy == "lru2":
+            if obj.previous_access_ms is None:
+                return float(obj.last_access_ms - LRU2_SINGLE_ACCESS_MS)
+            return float(obj.previous_access_ms)
         cost = self.config.tokens_per_chunk * (1.0 + self.config.position_weight * obj.chunk_index)
         return self._clock + obj.frequency * cost / obj.size
 
     def _push(self, object_id: ObjectId, obj: _Object) -> None:
+        if self._order is not None:
+            return  # a queue policy keeps its own order
         obj.version += 1
         self._seq += 1
         heapq.heappush(self._heap, (self._priority(obj), self._seq, obj.version, object_id))
@@ -432,51 +458,80 @@ class EvictionCore:
         pool: Hashable | None = None,
         tenant: Hashable | None = None,
     ) -> list[Effect]:
-        """Pop leaves in priority order (skipping other pools/tenants, protected tenants and
-        cooled-down objects, which are pushed back) until `excess` bytes are chosen."""
+        """Choose leaves in the policy's order (skipping other pools/tenants, protected tenants
+        and cooled-down objects) until `excess` bytes are chosen: a heap policy pops its heap
+        (skipped entries are pushed back), a queue policy offers victims to `take`."""
         victims: list[ObjectId] = []
-        skipped: list[tuple[float, int, int, ObjectId]] = []
-        freed = 0
-        while self._heap and freed < excess and len(victims) < self.config.batch_max:
-            entry = heapq.heappop(self._heap)
-            _, _, version, object_id = entry
-            obj = self._objects.get(object_id)
-            if (
-                obj is None
-                or obj.version != version
-                or obj.evicting
-                or (self.config.prefix_order and obj.children > obj.children_evicting)
-            ):
-                continue  # stale entry, already chosen, or its tail stays (re-pushed when it goes)
-            if (
-                (pool is not None and pool not in obj.pools)
-                or (tenant is not None and obj.tenant != tenant)
-                or obj.cooldown_until_ms > now_ms
-                or (tenant is None and self._protected(obj.tenant, obj.size))
-            ):
-                skipped.append(entry)
-                continue
-            obj.evicting = True
-            for p, b in obj.pools.items():
-                self._pools[p].evicting += b
-            self._tenant_evicting[obj.tenant] = self._tenant_evicting.get(obj.tenant, 0) + obj.size
-            freed += obj.pools[pool] if pool is not None else obj.size
-            victims.append(object_id)
-            parent = self._objects.get(obj.parent) if obj.parent is not None else None
-            if parent is not None:
-                parent.children_evicting += 1
-                if parent.children == parent.children_evicting:
-                    self._push(obj.parent, parent)  # its whole tail goes: it may go in this batch
-            elif obj.parent is not None:
-                _bump(self._early_children_evicting, obj.parent, 1)
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        if len(self._heap) > 4 * len(self._objects) + 1024:
-            self._compact()
+        if self._order is not None:
+
+            def take(object_id: ObjectId) -> tuple[int, ObjectId | None] | None:
+                obj = self._objects.get(object_id)
+                if (
+                    obj is None
+                    or obj.evicting
+                    or (self.config.prefix_order and obj.children > obj.children_evicting)
+                    or self._skipped(obj, now_ms, pool, tenant)
+                ):
+                    return None
+                return self._take(object_id, obj, pool, victims)
+
+            self._order.choose(take, excess, self.config.batch_max)
+        else:
+            skipped: list[tuple[float, int, int, ObjectId]] = []
+            freed = 0
+            while self._heap and freed < excess and len(victims) < self.config.batch_max:
+                entry = heapq.heappop(self._heap)
+                _, _, version, object_id = entry
+                obj = self._objects.get(object_id)
+                if (
+                    obj is None
+                    or obj.version != version
+                    or obj.evicting
+                    or (self.config.prefix_order and obj.children > obj.children_evicting)
+                ):
+                    continue  # stale entry, already chosen, or its tail stays (re-pushed when it goes)
+                if self._skipped(obj, now_ms, pool, tenant):
+                    skipped.append(entry)
+                    continue
+                freed += self._take(object_id, obj, pool, victims)[0]
+            for entry in skipped:
+                heapq.heappush(self._heap, entry)
+            if len(self._heap) > 4 * len(self._objects) + 1024:
+                self._compact()
         self._count("victims_total", len(victims))
         # One batch per call, tail before head: a service that applies it in order never leaves
         # a tail without its head, even when they live in different pools.
         return [EvictBatch(pool, tuple(victims), reason)] if victims else []
+
+    def _skipped(self, obj: _Object, now_ms: int, pool: Hashable | None, tenant: Hashable | None) -> bool:
+        """Not a victim for this batch: another pool's or tenant's, cooling down, or protected."""
+        return (
+            (pool is not None and pool not in obj.pools)
+            or (tenant is not None and obj.tenant != tenant)
+            or obj.cooldown_until_ms > now_ms
+            or (tenant is None and self._protected(obj.tenant, obj.size))
+        )
+
+    def _take(
+        self, object_id: ObjectId, obj: _Object, pool: Hashable | None, victims: list[ObjectId]
+    ) -> tuple[int, ObjectId | None]:
+        """Make `obj` EVICTING; returns the bytes it frees (in `pool`, or all) and its parent if
+        that just became a leaf (its whole tail is going: it may go in this batch)."""
+        obj.evicting = True
+        for p, b in obj.pools.items():
+            self._pools[p].evicting += b
+        self._tenant_evicting[obj.tenant] = self._tenant_evicting.get(obj.tenant, 0) + obj.size
+        victims.append(object_id)
+        leaf_parent: ObjectId | None = None
+        parent = self._objects.get(obj.parent) if obj.parent is not None else None
+        if parent is not None:
+            parent.children_evicting += 1
+            if parent.children == parent.children_evicting:
+                leaf_parent = obj.parent
+                self._push(obj.parent, parent)
+        elif obj.parent is not None:
+            _bump(self._early_children_evicting, obj.parent, 1)
+        return (obj.pools[pool] if pool is not None else obj.size), leaf_parent
 
     def _protected(self, tenant: Hashable, size: int) -> bool:
         """Would evicting `size` more bytes take `tenant` below its guaranteed share?"""
@@ -533,6 +588,11 @@ class EvictionCore:
         for obj in self._objects.values():
             if obj.evicting and obj.parent is not None and obj.parent in self._objects:
                 evicting_children[obj.parent] = evicting_children.get(obj.parent, 0) + 1
+        if self._order is not None:
+            self._order.check({i: o.size for i, o in self._objects.items() if not o.evicting})
+        invariant(
+            len(self._history) <= max(LRU2_HISTORY_FLOOR, len(self._objects) + 1), "lru2 history unbounded"
+        )
         for object_id, obj in self._objects.items():
             invariant(obj.children == children.get(object_id, 0), "child count drifted", object_id=object_id)
             invariant(
