@@ -8,7 +8,8 @@ that different writers may write), alone or racing or splitting a run of chunks;
 `put_begin` request ids; replica confirms by the segments (good, corrupted → `mismatch`,
 misrouted → `mismatch`, late → `unknown_ticket`, retried after a lost reply); `put_commit`
 (maybe with a replica still unconfirmed) and `put_abort`; `lookup` with a lease (whole groups or
-one TP rank); lease release / renew, pins / unpins; evictions; delivery, loss and acks
+one TP rank); listings (one share domain, another, or all; filtered `below_target`; with objects)
+and shows; lease release / renew, pins / unpins; evictions; delivery, loss and acks
 (`SlotsFreed`) of `FreeSlots` effects; and stale-epoch / stale-incarnation messages of every kind.
 
 Alongside it keeps a model:
@@ -25,7 +26,10 @@ DESIGN.md section 3 are also checked directly on what the core returns: `check_l
 unpublished is read, every returned slot is held by its segment, the fold has no gap and is the
 longest published run), `check_frees` (nothing under a live lease or pin is freed),
 `check_begin_winner` (one winner per key), `expect_stale` (stale generations are rejected, counted,
-and change nothing) and, after every step, `check_model` (the core's own `check_invariants()`,
+and change nothing), `list_groups` / `show_group` (pages through the per-domain indexes, followed
+to their end with any page size and scan bound, hold exactly the model's published groups of the
+domain asked, each once, in group-key order, and change nothing; a group shown by id, key or chain
+hash is in the model's state) and, after every step, `check_model` (the core's own `check_invariants()`,
 reservations, and no published or leased slot freed or reused on a live segment). Every example
 ends with a fault-free settle and the no-leak checks (`settle_and_check`).
 """
@@ -49,10 +53,11 @@ from kvfabric.core.directory import DirectoryConfig, DirectoryCore, Effect, Emit
 from kvfabric.core.directory_keys import parse_group, parse_key
 from kvfabric.core.placement import Candidate, choose_segments
 from kvfabric.format.errors import Busy, KvfError, NotFound, StaleGeneration
+from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import read_token, ticket_signature_valid
 
-from .dirkit import SECRET, checksum_of, groups, key
+from .dirkit import DOMAIN, MODEL, SECRET, checksum_of, groups, key, layout
 
 SlotRef = tuple[str, int, int, int]  # (segment id, incarnation, slot, slot generation)
 Member = tuple[int, int, int]
@@ -73,6 +78,7 @@ CONFIG = DirectoryConfig(
     tenant_pin_ttl_ms_max=1_000,
     write_ttl_ms_max=1_000,
     free_bytes_granules=8,
+    list_scan_groups_max=2,  # listings page often: a page examines at most 2 groups
 )
 TIMEOUT_MS = CONFIG.heartbeat_timeout_ms
 SEGMENTS = {"s0": ("za", "r0"), "s1": ("zb", "r0"), "s2": ("za", "r1")}  # id -> (zone, rack)
@@ -85,8 +91,16 @@ LEASE_TTLS_MS = (100, 500, 5_000)
 PIN_TTLS_MS = (300, 1_500)
 STEPS_MS = (0, 1, 50, 150, 400, 1_100)
 
-# The key universe: prefix 0 (3 chunks, tp 1), prefix 1 (2 chunks, tp 2), prefix 2 (2 chunks, tp 1).
-PREFIXES = [groups(3, seed=1), groups(2, seed=2, tp_size=2), groups(2, seed=3)]
+# The key universe: prefix 0 (3 chunks, tp 1), prefix 1 (2 chunks, tp 2), prefix 2 (2 chunks, tp 1)
+# in one share domain; prefix 3 (2 chunks, tp 1) in another (listings page per domain).
+OTHER_DOMAIN = ShareDomain(tenant_id="tenant-o", salt=b"o" * 16)
+PREFIXES = [
+    groups(3, seed=1),
+    groups(2, seed=2, tp_size=2),
+    groups(2, seed=3),
+    chunk_groups_for_prefix(OTHER_DOMAIN, MODEL, layout(), list(range(4_000, 4_008))),
+]
+DIGESTS = (bytes(DOMAIN.digest()), bytes(OTHER_DOMAIN.digest()))
 
 
 @dataclass(frozen=True)
@@ -1182,6 +1196,109 @@ class DirectoryMachine(RuleBasedStateMachine):
             epoch=EPOCH,
             results=[m.EvictResult(group=g, status=s) for g, s in zip(asked, statuses, strict=True)],
         )
+
+    # ---- rules: listings and shows (read-only) --------------------------------------------------
+
+    def below_target(self, gid: bytes) -> bool:
+        healthy = [
+            sum(self.live(r[0], r[1]) and not self.segs[r[0]].draining for r in pm.replicas)
+            for pm in self.published[gid].members.values()
+        ]
+        return any(n < CONFIG.replicas_default for n in healthy)
+
+    @rule(
+        limit=st.integers(1, 3),
+        which=st.sampled_from(("all", "own", "other", "none")),
+        below=st.booleans(),
+        objects=st.booleans(),
+    )
+    @step
+    def list_groups(self, limit: int, which: str, below: bool, objects: bool) -> None:
+        """Every page (followed by `next_after`) of a listing, 2 groups examined a call at most:
+        together exactly the model's published groups of that domain (all, one, a domain with
+        none), filtered, each once, in group-key order; each page within its limit; nothing changes."""
+        digest = {"all": b"", "own": DIGESTS[0], "other": DIGESTS[1], "none": b"\x07" * 16}[which]
+        want = [
+            gid
+            for gid in sorted(self.published)
+            if (not digest or gid[:16] == digest) and (not below or self.below_target(gid))
+        ]
+        before = self.snapshot()
+        got: list[bytes] = []
+        after = b""
+        for _ in range(len(self.published) + 2):
+            query = m.ListGroups(
+                domain_digest=digest,
+                after=after,
+                limit=limit,
+                below_target=below,
+                with_objects=objects,
+                epoch=self.epoch(),
+            )
+            page = self.handle(query)
+            assert isinstance(page, m.GroupList)
+            assert len(page.groups) <= min(limit, CONFIG.list_scan_groups_max)
+            for summary in page.groups:
+                gid = summary.namespace[4:20] + summary.group
+                got.append(gid)
+                self.check_summary(gid, summary, objects)
+            if not page.next_after:
+                break
+            assert page.next_after > after
+            after = page.next_after
+        else:
+            raise AssertionError("a listing never ended")
+        assert got == want
+        assert self.snapshot() == before
+
+    def check_summary(self, gid: bytes, summary: m.GroupSummary, objects: bool) -> None:
+        pub = self.published[gid]
+        assert (summary.state, summary.chunk_index, summary.members) == (
+            "published",
+            pub.chunk_index,
+            len(pub.members),
+        )
+        assert (summary.leases, summary.pins) == self.lease_counts(gid)
+        if not objects:
+            assert summary.objects == []
+            return
+        want = [(mem, [r for r in pm.replicas if self.live(r[0], r[1])]) for mem, pm in pub.members.items()]
+        got = [
+            (
+                (o.member.tp_rank, o.member.pp_stage, o.member.layer_group),
+                [(r.segment_id, r.incarnation, r.slot, r.slot_generation) for r in o.replicas],
+            )
+            for o in summary.objects
+        ]
+        assert got == want
+        assert all(not r.read_token for o in summary.objects for r in o.replicas)  # no token: no read
+
+    @rule(pick=st.integers(0, 255), form=st.sampled_from(("id", "key", "chain")))
+    @step
+    def show_group(self, pick: int, form: str) -> None:
+        """A group shown by chunk group id, group key or chain hash alone: in the model's state
+        (published, building, evicting) or `not_found`; nothing changes."""
+        raw = ALL_GROUPS[pick % len(ALL_GROUPS)]
+        gid = GROUP_IDS[raw]
+        asked = {"id": raw, "key": gid, "chain": gid[-32:]}[form]
+        if gid in self.published:
+            state = "published"
+        elif gid in self.building:
+            state = "building"
+        elif gid in self.evicting():
+            state = "evicting"
+        else:
+            state = ""
+        before = self.snapshot()
+        if not state:
+            self.expect_error(m.ShowGroup(group=asked, epoch=self.epoch()), NotFound)
+        else:
+            shown = self.handle(m.ShowGroup(group=asked, epoch=self.epoch()))
+            assert isinstance(shown, m.GroupList)
+            assert [(s.namespace[4:20] + s.group, s.state) for s in shown.groups] == [(gid, state)]
+            if state == "published":
+                self.check_summary(gid, shown.groups[0], objects=True)
+        assert self.snapshot() == before
 
     # ---- rules: segments acting on FreeSlots ----------------------------------------------------
 

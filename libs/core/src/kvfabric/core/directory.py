@@ -31,6 +31,16 @@ and checksummed the bytes) → committed (the writer says it is done).
 6. No leaks: when writers die and leases expire, every placement is either published or its
    reservation released and its confirmed slot sent a free; `reserved_bytes` of a segment equals
    the sum of its live placements.
+7. The per-domain index (`directory_index`) holds exactly the published group keys.
+
+## What a call costs (issue 21: the shell runs every call on its one event loop)
+Never the size of the store, nor another tenant's data: a listing pages through the index of
+the domain asked (at most `LIST_SCAN_GROUPS_MAX` groups examined a call, its reply within
+`reply_bytes_max`), `show_group` looks a group up by key (a chain hash alone: under each domain
+holding something), a lookup parses its ids only as far as its fold and is charged
+`quotas.request_tokens` of its size before any work; the shell folds a long lookup in slices
+(`groups_max`, then `lookup_more`). A lookup's hit is cut short where its reply would no longer
+fit (`reply_bytes_max`).
 
 ## A new leader (`adopt`)
 A directory that takes over a shard rebuilds its index from the segments' reports
@@ -57,6 +67,7 @@ from typing import Any, Final
 
 import msgspec
 
+from kvfabric.core.directory_index import DomainIndex
 from kvfabric.core.directory_keys import (
     CHAIN_BYTES,
     GROUP_KEY_BYTES,
@@ -77,7 +88,15 @@ from kvfabric.core.directory_records import (
     unpack_group,
 )
 from kvfabric.core.placement import Candidate, choose_segments
-from kvfabric.core.quotas import UNLIMITED, Quotas, Tenant, TenantQuota, TenantUsage, tenant_of
+from kvfabric.core.quotas import (
+    UNLIMITED,
+    Quotas,
+    Tenant,
+    TenantQuota,
+    TenantUsage,
+    request_tokens,
+    tenant_of,
+)
 from kvfabric.format.errors import (
     BadRequest,
     BatchTooLarge,
@@ -92,7 +111,15 @@ from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import read_token, sign_ticket
 
-__all__ = ["DirectoryConfig", "DirectoryCore", "Effect", "EmitEvent", "FreeSlots", "Outcome"]
+__all__ = [
+    "LIST_SCAN_GROUPS_MAX",
+    "DirectoryConfig",
+    "DirectoryCore",
+    "Effect",
+    "EmitEvent",
+    "FreeSlots",
+    "Outcome",
+]
 
 Member = tuple[int, int, int]
 CHECKSUM_BYTES: Final = 16
@@ -101,6 +128,12 @@ GENERATION_MAX: Final = 2**64 - 1  # ... and generations as u64 (a generation st
 _U64: Final = 2**64 - 1  # the widest integer msgpack encodes (9 bytes): reply size bounds
 _ARRAY_HEADER_BYTES: Final = 5  # msgpack array32 header: the widest a list's length takes
 _encode: Final = msgspec.msgpack.Encoder().encode
+# Groups one `list_groups` call examines at most (its page may hold fewer: filtered, or cut to
+# fit the reply): a listing stalls the event loop for O(this), whatever the store holds.
+LIST_SCAN_GROUPS_MAX: Final = 1_000
+_LIST_ENVELOPE_BYTES: Final = (
+    len(_encode(m.GroupList(epoch=_U64, groups=[], next_after=bytes(GROUP_KEY_BYTES)))) + _ARRAY_HEADER_BYTES
+)
 
 
 def _str_bytes(n: int) -> int:
@@ -110,12 +143,17 @@ def _str_bytes(n: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _ReplySizes:
-    """Encoded sizes of a put_begin reply's parts with every string and byte field empty and
-    every integer at its widest; `_check_reply_fits` adds the strings' lengths."""
+    """Encoded sizes of a put_begin reply's and a lookup reply's parts with every string and
+    byte field empty and every integer at its widest; `_check_reply_fits` and `_lookup` add the
+    strings' lengths."""
 
     ticket: int
     result: int
     envelope: int
+    # a lookup reply: its envelope, an object's location without replicas, a replica with a token
+    lookup_envelope: int
+    location: int
+    replica: int
 
     @classmethod
     def measure(cls, secret: bytes) -> _ReplySizes:
@@ -135,6 +173,38 @@ class _ReplySizes:
             ticket=len(_encode(sign_ticket(ticket, secret))),
             result=len(_encode(m.BeginResult(key=b"", status="quota_exceeded", deadline_ms=_U64))),
             envelope=len(_encode(m.PutBeginReply(epoch=_U64, results=[]))) + _ARRAY_HEADER_BYTES,
+            lookup_envelope=len(
+                _encode(
+                    m.LookupReply(
+                        epoch=_U64, hit_chunks=_U64, lease_id=_U64, lease_expires_ms=_U64, objects=[]
+                    )
+                )
+            )
+            + _ARRAY_HEADER_BYTES,
+            location=len(
+                _encode(
+                    m.ObjectLocation(
+                        chunk_index=_U64,
+                        member=m.Member(_U64, _U64, _U64),
+                        size_bytes=_U64,
+                        checksum=bytes(CHECKSUM_BYTES),
+                        replicas=[],
+                    )
+                )
+            )
+            + _ARRAY_HEADER_BYTES,
+            replica=len(
+                _encode(
+                    m.Replica(
+                        segment_id="",
+                        incarnation=_U64,
+                        slot=_U64,
+                        slot_generation=_U64,
+                        read_token=read_token(secret, "", _U64, _U64, _U64, _U64, _U64),
+                        read_expires_ms=_U64,
+                    )
+                )
+            ),
         )
 
 
@@ -195,6 +265,8 @@ class DirectoryConfig:
     # The largest encoded reply body: a put_begin whose reply could be larger is refused
     # (`batch_too_large`) before anything is placed (NATS drops a message over max_payload).
     reply_bytes_max: int = m.REPLY_BYTES_MAX
+    # Groups one `list_groups` call examines at most (tests lower it to page often).
+    list_scan_groups_max: int = LIST_SCAN_GROUPS_MAX
     # True when other shards' cores place on the same segments (a sharded directory): a
     # segment's free space is then its capacity minus the larger of this core's reservations
     # and the usage the segment reports (all shards'; a heartbeat old).
@@ -316,6 +388,9 @@ class DirectoryCore:
         self._namespace_index: dict[bytes, int] = {}
         self.building: dict[bytes, _BuildingGroup] = {}
         self.published: dict[bytes, bytes] = {}  # group key -> packed record
+        # The published group keys per share domain, in order: listings page through one
+        # domain's keys only (`directory_index`; the same key objects as `published`'s).
+        self._index = DomainIndex()
         # (tenant scope of the holder id, is_pin) -> leases or pins held (tenant holders only)
         self._scope_held: dict[tuple[str, bool], int] = {}
         self.evicting: dict[bytes, PublishedGroup] = {}
@@ -483,11 +558,12 @@ class DirectoryCore:
                 f"request rate over the tenant's limit; retry in {wait_ms} ms", retry_after_ms=wait_ms
             )
 
-    def _check_rate(self, raw_ids: Iterable[bytes], now_ms: int) -> None:
-        """Charge one request to the tenants of these keys / chunk group ids (all or none)."""
+    def _check_rate(self, raw_ids: Iterable[bytes], now_ms: int, tokens: int = 1) -> None:
+        """Charge one request of `tokens` to the tenants of these keys / chunk group ids (all
+        or none; see `quotas.Quotas.charge`)."""
         if not self.quotas.rate_limited:
             return
-        wait_ms = self.quotas.charge(map(tenant_of, raw_ids), now_ms)
+        wait_ms = self.quotas.charge(map(tenant_of, raw_ids), now_ms, tokens)
         if wait_ms:
             raise RateLimited(
                 f"request rate over the tenant's limit; retry in {wait_ms} ms", retry_after_ms=wait_ms
@@ -509,12 +585,24 @@ class DirectoryCore:
     def pins_held(self) -> int:
         return self._pins_held
 
-    def handle(self, request: msgspec.Struct, now_ms: int) -> Outcome:
-        """Apply one request. Raises a `KvfError` for a whole-request error (nothing applied)."""
+    def handle(
+        self,
+        request: msgspec.Struct,
+        now_ms: int,
+        *,
+        reply_bytes_max: int | None = None,
+        groups_max: int | None = None,
+    ) -> Outcome:
+        """Apply one request. Raises a `KvfError` for a whole-request error (nothing applied).
+        For a lookup: `reply_bytes_max` lowers its reply bound (a part of a `lookup_many`, whose
+        reply holds every part's), `groups_max` folds only its first groups (the first slice of
+        a lookup the shell runs in slices; `lookup_more` goes on)."""
         handler = _HANDLERS.get(type(request))
         if handler is None:
             raise BadRequest(f"not a directory request: {type(request).__name__}")
         try:
+            if isinstance(request, m.Lookup):
+                return self._lookup(request, now_ms, reply_bytes_max, groups_max)
             return handler(self, request, now_ms)
         except KvfError as err:
             self._count(f"error_{err.code}_total")
@@ -631,7 +719,7 @@ class DirectoryCore:
         if self.pending_objects + len(infos) > self.config.pending_objects_max:
             self._count("busy_pending_total")
             raise Busy("too many objects being written; retry later", limit=self.config.pending_objects_max)
-        self._check_rate((spec.key for spec in req.objects), now_ms)
+        self._check_rate((spec.key for spec in req.objects), now_ms, request_tokens(len(req.objects)))
         deadline = now_ms + min(req.write_ttl_ms, self.config.write_ttl_ms_max)
         results = [
             self._begin_one(req.writer_id, spec, info, replicas, deadline)
@@ -839,7 +927,7 @@ class DirectoryCore:
         self._check_epoch(req.epoch)
         self._check_batch("put_commit keys", len(req.keys), m.PUT_BATCH_OBJECTS_MAX)
         infos = [parse_key(k) for k in req.keys]
-        self._check_rate(req.keys, now_ms)
+        self._check_rate(req.keys, now_ms, request_tokens(len(req.keys)))
         effects: list[Effect] = []
         results = [
             self._commit_one(req.writer_id, key, info, effects)
@@ -900,6 +988,7 @@ class DirectoryCore:
             tuple(members),
         )
         self.published[gid] = pack_group(group)
+        self._index.add(gid)
         del self.building[gid]
         self.pending_objects -= len(members)
         self._count("groups_published_total")
@@ -974,35 +1063,38 @@ class DirectoryCore:
 
     # ---- reads, leases, pins -------------------------------------------------------------
 
-    def _lookup(self, req: m.Lookup, now_ms: int) -> Outcome:
+    def _lookup(
+        self,
+        req: m.Lookup,
+        now_ms: int,
+        reply_bytes_max: int | None = None,
+        groups_max: int | None = None,
+    ) -> Outcome:
+        """The longest run of the asked groups that is readable, leased (see the module
+        docstring). Charged before any work: `request_tokens` of the groups asked, so a refused
+        request costs a slice per id and nothing more. The ids are parsed as the fold reaches
+        them (a miss at the first costs one parse, whatever the length). The fold also stops
+        before the reply could exceed `reply_bytes_max` (at most the configured one): a shorter
+        hit is always correct, a reply NATS drops is not. With `groups_max`, only the first
+        that many groups are folded (the whole request is charged): a shell running a long
+        lookup in slices goes on with `lookup_more` when all of them hit."""
         self._check_epoch(req.epoch)
         self._check_batch("lookup groups", len(req.groups), m.LOOKUP_BATCH_GROUPS_MAX)
         self._check_batch("lookup members", len(req.members), m.LOOKUP_MEMBERS_MAX)
         if not 0 < req.lease_ttl_ms <= m.LEASE_TTL_MS_MAX:
             raise BadRequest(f"lease_ttl_ms must be in 1..{m.LEASE_TTL_MS_MAX}")
-        wanted = {(x.tp_rank, x.pp_stage, x.layer_group) for x in req.members}
-        infos = [parse_group(g) for g in req.groups]
-        self._check_rate(req.groups, now_ms)
-        objects: list[m.ObjectLocation] = []
-        hit: list[bytes] = []
+        self._check_rate(req.groups, now_ms, request_tokens(len(req.groups)))
         ttl_ms = min(req.lease_ttl_ms, self.config.lease_ttl_ms_max)
-        for info in infos:
-            located = self._locate(info, wanted, now_ms + ttl_ms)
-            if located is None:
-                break  # fold: never skip a gap
-            objects.extend(located)
-            hit.append(info.group_id)
+        groups = req.groups if groups_max is None else req.groups[:groups_max]
+        objects, hit = self._fold(groups, req.members, now_ms + ttl_ms, reply_bytes_max)
         self._count("lookups_total")
-        self._count("lookup_groups_total", len(infos))
+        self._count("lookup_groups_total", len(req.groups))
         self._count("lookup_hit_groups_total", len(hit))
         if not hit:
             return Outcome(m.LookupReply(epoch=self.epoch, hit_chunks=0))
         lease_id, expires = self._grant(req.holder_id, tuple(hit), now_ms + ttl_ms, is_pin=False)
         effects: list[Effect] = []
-        for gid in hit:
-            if gid not in self._hits and len(self._hits) >= m.ACCESS_BATCH_MAX:
-                self._flush_hits(effects)
-            self._hits[gid] = self._hits.get(gid, 0) + 1
+        self._note_hits(hit, effects)
         return Outcome(
             m.LookupReply(
                 epoch=self.epoch,
@@ -1013,6 +1105,97 @@ class DirectoryCore:
             ),
             effects,
         )
+
+    def lookup_more(
+        self,
+        req: m.Lookup,
+        lease_id: int,
+        first: int,
+        now_ms: int,
+        *,
+        reply_bytes_max: int,
+        groups_max: int,
+    ) -> Outcome:
+        """Go on with a lookup run in slices (see `_lookup`'s `groups_max`): its groups
+        [first, first + groups_max) are folded and their hits added to lease `lease_id`, which
+        the earlier slices granted to `req.holder_id` (its expiry unchanged: every read token
+        expires with it). The reply holds this slice's hits only, within `reply_bytes_max`.
+        Between slices other requests ran: a group evicted or lost meanwhile ends the fold
+        there (a shorter hit, as if it had been missing at the start); a lease ended
+        meanwhile (expired, or its instance's core replaced) ends it at once (hit 0)."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.holder_id != req.holder_id or lease.is_pin or lease.expires_ms <= now_ms:
+            return Outcome(m.LookupReply(epoch=self.epoch, hit_chunks=0))
+        groups = req.groups[first : first + groups_max]
+        objects, hit = self._fold(groups, req.members, lease.expires_ms, reply_bytes_max)
+        self._count("lookup_hit_groups_total", len(hit))
+        if not hit:
+            return Outcome(m.LookupReply(epoch=self.epoch, hit_chunks=0))
+        lease.groups += tuple(hit)
+        for gid in hit:
+            self._lease_count[gid] = self._lease_count.get(gid, 0) + 1
+        effects: list[Effect] = []
+        self._note_hits(hit, effects)
+        return Outcome(
+            m.LookupReply(
+                epoch=self.epoch,
+                hit_chunks=len(hit),
+                lease_id=lease_id,
+                lease_expires_ms=lease.expires_ms,
+                objects=objects,
+            ),
+            effects,
+        )
+
+    def _fold(
+        self,
+        groups: Sequence[bytes],
+        members: Sequence[m.Member],
+        expires_ms: int,
+        reply_bytes_max: int | None,
+    ) -> tuple[list[m.ObjectLocation], list[bytes]]:
+        """The readable run of `groups` from the first (their objects, with read tokens until
+        `expires_ms`, and group keys), cut where a lookup reply holding them would exceed
+        `reply_bytes_max` (at most the configured bound)."""
+        wanted = {(x.tp_rank, x.pp_stage, x.layer_group) for x in members}
+        room = self.config.reply_bytes_max
+        if reply_bytes_max is not None:
+            room = min(room, reply_bytes_max)
+        # Reply size: an upper bound per object (integers at their widest, the longest segment id
+        # and address) while it fits easily; once it might not, the encoded sizes themselves.
+        sizes = self._reply_sizes
+        used = sizes.lookup_envelope
+        replica_bytes = (
+            sizes.replica + _str_bytes(self._segment_id_bytes_max) + _str_bytes(self._data_addr_bytes_max)
+        )
+        exact = False
+        objects: list[m.ObjectLocation] = []
+        hit: list[bytes] = []
+        for raw in groups:
+            info = parse_group(raw)
+            located = self._locate(info, wanted, expires_ms)
+            if located is None:
+                break  # fold: never skip a gap
+            grow = sum(sizes.location + len(o.replicas) * replica_bytes for o in located)
+            if not exact and used + grow > room:
+                exact = True
+                used = sizes.lookup_envelope + len(_encode(objects))
+            if exact:
+                grow = len(_encode(located))
+            if used + grow > room:
+                self._count("lookup_hits_cut_to_fit_total")
+                break  # the reply would not fit: the hit ends before this group
+            used += grow
+            objects.extend(located)
+            hit.append(info.group_id)
+        return objects, hit
+
+    def _note_hits(self, hit: Sequence[bytes], effects: list[Effect]) -> None:
+        """Count the hits for the eviction policy (`GroupsAccessed`, batched)."""
+        for gid in hit:
+            if gid not in self._hits and len(self._hits) >= m.ACCESS_BATCH_MAX:
+                self._flush_hits(effects)
+            self._hits[gid] = self._hits.get(gid, 0) + 1
 
     def _flush_hits(self, effects: list[Effect]) -> None:
         """Tell the eviction policy which groups were read (recency and frequency)."""
@@ -1188,8 +1371,8 @@ class DirectoryCore:
         self._check_batch("pin groups", len(req.groups), m.LOOKUP_BATCH_GROUPS_MAX)
         if not 0 < req.ttl_ms <= m.PIN_TTL_MS_MAX:
             raise BadRequest(f"ttl_ms must be in 1..{m.PIN_TTL_MS_MAX}")
+        self._check_rate(req.groups, now_ms, request_tokens(len(req.groups)))
         parsed = [parse_group(g) for g in req.groups]
-        self._check_rate(req.groups, now_ms)
         gids = tuple(g.group_id for g in parsed if self._published_as(g) is not None)
         if not gids:  # nothing to protect: no pin is held (an empty pin would only fill the table)
             return Outcome(m.PinReply(epoch=self.epoch, pin_id=0, pinned_groups=0, expires_ms=0))
@@ -1238,6 +1421,7 @@ class DirectoryCore:
             self._count("evict_refused_pinned_total")
             return "pinned"
         del self.published[gid]
+        self._index.remove(gid)
         self._unreadable.discard(gid)
         group = unpack_group(record)
         self.evicting[gid] = group
@@ -1361,6 +1545,7 @@ class DirectoryCore:
             self.quotas.add(tenant, -dead_bytes)  # replicas on dead incarnations leave the record
             if lost:
                 del self.published[gid]
+                self._index.remove(gid)
                 self._unreadable.discard(gid)
                 self.quotas.add(tenant, 0, -len(members))
                 for mem in members:
@@ -1424,37 +1609,41 @@ class DirectoryCore:
         ]
         return Outcome(m.SegmentList(epoch=self.epoch, segments=segments))
 
+    def _published_summary(
+        self, gid: bytes, group: PublishedGroup, *, with_objects: bool, evicting: bool = False
+    ) -> m.GroupSummary:
+        objects = []
+        if with_objects:
+            for mem in group.members:
+                objects.append(
+                    m.ObjectLocation(
+                        chunk_index=group.chunk_index,
+                        member=m.Member(*mem.member),
+                        size_bytes=mem.size_bytes,
+                        checksum=mem.checksum,
+                        replicas=[
+                            self._replica(r) for r in mem.replicas if self._placement_live(r.placement)
+                        ],
+                    )
+                )
+        return m.GroupSummary(
+            group=chain_of(gid),
+            namespace=self._namespaces[group.namespace],
+            chunk_index=group.chunk_index,
+            state="evicting" if evicting else "published",
+            members=len(group.members),
+            expected_members=len(group.members),
+            degraded=group.degraded,
+            leases=self._lease_count.get(gid, 0),
+            pins=self._pin_count.get(gid, 0),
+            objects=objects,
+        )
+
     def _summary(self, gid: bytes, *, with_objects: bool) -> m.GroupSummary | None:
         record = self.published.get(gid)
         group = unpack_group(record) if record is not None else self.evicting.get(gid)
         if group is not None:
-            namespace = self._namespaces[group.namespace]
-            objects = []
-            if with_objects:
-                for mem in group.members:
-                    objects.append(
-                        m.ObjectLocation(
-                            chunk_index=group.chunk_index,
-                            member=m.Member(*mem.member),
-                            size_bytes=mem.size_bytes,
-                            checksum=mem.checksum,
-                            replicas=[
-                                self._replica(r) for r in mem.replicas if self._placement_live(r.placement)
-                            ],
-                        )
-                    )
-            return m.GroupSummary(
-                group=chain_of(gid),
-                namespace=namespace,
-                chunk_index=group.chunk_index,
-                state="published" if record is not None else "evicting",
-                members=len(group.members),
-                expected_members=len(group.members),
-                degraded=group.degraded,
-                leases=self._lease_count.get(gid, 0),
-                pins=self._pin_count.get(gid, 0),
-                objects=objects,
-            )
+            return self._published_summary(gid, group, with_objects=with_objects, evicting=record is None)
         building = self.building.get(gid)
         if building is None:
             return None
@@ -1468,37 +1657,51 @@ class DirectoryCore:
         )
 
     def _list_groups(self, req: m.ListGroups, now_ms: int) -> Outcome:
+        """A page of published groups in group-key order (domain digest, chain hash) after
+        `req.after`, from the per-domain index: a domain's page touches only that domain's
+        groups, an admin page the domains it crosses. At most `list_scan_groups_max` groups
+        are examined (the `below_target` filter may skip them), and the page ends before its
+        reply could exceed `reply_bytes_max`; `next_after` is then the last group examined, so
+        the caller resumes there. Cost: O(log n + list_scan_groups_max), never the store's size."""
         self._check_epoch(req.epoch)
         if not 0 < req.limit <= m.LIST_LIMIT_MAX:
             raise BadRequest(f"limit must be in 1..{m.LIST_LIMIT_MAX}")
-        # Pages in group-key order (domain digest, then chain hash); a full scan per page (tools only).
-        selected = sorted(
-            g
-            for g in self.published
-            if g > req.after
-            and (
-                not req.domain_digest
-                or self._namespaces[unpack_group(self.published[g]).namespace][4:20] == req.domain_digest
-            )
-        )
-        if req.below_target:
-            selected = [g for g in selected if self._below_target(unpack_group(self.published[g]))]
-        page = selected[: req.limit]
-        summaries = [
-            s for s in (self._summary(g, with_objects=req.with_objects) for g in page) if s is not None
-        ]
-        next_after = page[-1] if len(selected) > req.limit else b""
+        if req.domain_digest:
+            keys = self._index.groups(req.domain_digest, req.after)
+        else:
+            keys = self._index.all_groups(req.after)
+        summaries: list[m.GroupSummary] = []
+        room = self.config.reply_bytes_max - _LIST_ENVELOPE_BYTES
+        next_after = last = b""
+        for scanned, gid in enumerate(keys):
+            if len(summaries) == req.limit or scanned == self.config.list_scan_groups_max:
+                next_after = last  # more remain: the next page resumes after the last one examined
+                break
+            group = unpack_group(self.published[gid])
+            if not req.below_target or self._below_target(group):
+                summary = self._published_summary(gid, group, with_objects=req.with_objects)
+                room -= len(_encode(summary))
+                if room < 0 and summaries:  # a page holds at least one group, else it could not go on
+                    next_after = last
+                    break
+                summaries.append(summary)
+            last = gid
         return Outcome(m.GroupList(epoch=self.epoch, groups=summaries, next_after=next_after))
 
     def _show_group(self, req: m.ShowGroup, now_ms: int) -> Outcome:
+        """One group by chunk group id, group key, or chain hash alone. A chain hash is looked
+        up under each share domain holding something here (O(domains), never O(groups)):
+        every building, published or evicting group counts towards its domain's usage."""
         self._check_epoch(req.epoch)
         keys: Sequence[bytes]
         if len(req.group) == GROUP_KEY_BYTES:  # domain digest + chain hash: the group key itself
             keys = (req.group,)
-        elif len(req.group) == CHAIN_BYTES:  # the published groups with this chain hash, else the
-            # building or evicting ones: full scans (tools only; services name the group key)
-            keys = [k for k in self.published if chain_of(k) == req.group] or [
-                k for k in (*self.building, *self.evicting) if chain_of(k) == req.group
+        elif len(req.group) == CHAIN_BYTES:  # the published groups with this chain hash, else
+            # the building or evicting ones
+            domains = self.quotas.usage.keys() | set(self._index.domains())
+            candidates = [d + req.group for d in sorted(domains)]
+            keys = [k for k in candidates if k in self.published] or [
+                k for k in candidates if k in self.building or k in self.evicting
             ]
         else:
             info = parse_group(req.group)
@@ -1522,7 +1725,8 @@ class DirectoryCore:
                 groups=len(x.groups),
                 expires_ms=x.expires_ms,
             )
-            for i, x in itertools.islice(sorted(self._leases.items()), req.limit)
+            # ids only grow and a lease is inserted once: insertion order is id order
+            for i, x in itertools.islice(self._leases.items(), req.limit)
         ]
         return Outcome(m.LeaseList(epoch=self.epoch, leases=leases))
 
@@ -1758,6 +1962,7 @@ class DirectoryCore:
                 tuple(records),
             )
             self.published[gid] = pack_group(group)
+            self._index.add(gid)
             self.quotas.add(
                 tenant_of(info.namespace),
                 sum(x.size_bytes * len(x.replicas) for x in records),
@@ -1824,6 +2029,7 @@ class DirectoryCore:
         invariant(pending_objects == self._scope_pending_objects, "per-tenant pending objects drift")
         invariant(pending_bytes == self._scope_pending_bytes, "per-tenant pending bytes drift")
         invariant(not (self.published.keys() & self.building.keys()), "group both building and published")
+        self._index.check(set(self.published))
         outstanding: dict[bytes, int] = {}
         for _, gid, _, _ in self._freeing.values():
             if gid:

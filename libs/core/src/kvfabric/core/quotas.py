@@ -19,8 +19,17 @@ recomputes it from scratch in `check_invariants`. A tenant holding nothing has n
 `TenantQuota` (0 = unlimited): `bytes_max`, `objects_max` are checked by `admits` before an
 object is placed (`put_begin` answers `quota_exceeded` for that object); repair and prefetch
 copies are counted but never refused. `requests_per_s` with `burst` is a token bucket per
-tenant, charged one token per request by `charge(tenants, now_ms)`; time only moves forward
+tenant, charged per request by `charge(tenants, now_ms, tokens)`; time only moves forward
 (an older `now_ms` refills nothing).
+
+## Cost-weighted requests
+A request costs tokens in proportion to its size, not one each: a lookup or pin of n chunk
+groups, a put_begin or put_commit of n keys costs `request_tokens(n)` = ceil(n /
+`ITEMS_PER_TOKEN`) (a prefix of up to 64 chunks in one shard: one token; the 4,096-group
+maximum: 64), so a tenant's rate bounds the directory's work for it, not its message count
+(issue 21 row 2: max-size lookups, 16 in flight, took the event loop from every other tenant).
+A request never costs more than the tenant's burst (it would never be admitted): the largest
+ones empty the bucket.
 
 ## Bounds
 Buckets and rejection counts live in an LRU table of at most `tenants_max` entries: the least
@@ -40,17 +49,25 @@ from kvfabric.format.invariant import invariant
 
 __all__ = [
     "DOMAIN_DIGEST",
+    "ITEMS_PER_TOKEN",
     "UNLIMITED",
     "Quotas",
     "Tenant",
     "TenantQuota",
     "TenantStats",
     "TenantUsage",
+    "request_tokens",
     "tenant_of",
 ]
 
 Tenant = NewType("Tenant", bytes)
 DOMAIN_DIGEST: Final = slice(4, 20)  # inside a key, a chunk group id and a namespace alike
+ITEMS_PER_TOKEN: Final = 64  # a request costs one rate token per this many groups or keys it names
+
+
+def request_tokens(items: int) -> int:
+    """The rate tokens a request naming `items` chunk groups or keys costs (at least one)."""
+    return max(1, -(-items // ITEMS_PER_TOKEN))
 
 
 def tenant_of(raw: bytes) -> Tenant:
@@ -145,9 +162,10 @@ class Quotas:
 
     # ---- request rate --------------------------------------------------------------------
 
-    def charge(self, tenants: Iterable[Tenant], now_ms: int) -> int:
-        """Take one token from each tenant's bucket: 0 when every one had a token, else the
-        milliseconds until the emptiest one will have (and nothing is taken)."""
+    def charge(self, tenants: Iterable[Tenant], now_ms: int, tokens: int = 1) -> int:
+        """Take `tokens` (at most its burst) from each tenant's bucket: 0 when every one had
+        them, else the milliseconds until the emptiest one will have (and nothing is taken)."""
+        invariant(tokens >= 1, "a request costs at least one token")
         if not self.rate_limited:
             return 0
         limited = [(t, q) for t in set(tenants) if (q := self.quota(t)).requests_per_s > 0]
@@ -159,15 +177,16 @@ class Quotas:
                 refill = (now_ms - stats.updated_ms) * quota.requests_per_s / 1000
                 stats.tokens = min(float(quota.burst_effective), stats.tokens + refill)
                 stats.updated_ms = now_ms
-            if stats.tokens < 1:
-                wait_ms = max(wait_ms, math.ceil((1 - stats.tokens) * 1000 / quota.requests_per_s))
-            buckets.append(stats)
+            cost = min(tokens, quota.burst_effective)
+            if stats.tokens < cost:
+                wait_ms = max(wait_ms, math.ceil((cost - stats.tokens) * 1000 / quota.requests_per_s))
+            buckets.append((stats, cost))
         if wait_ms:
-            for stats in buckets:
+            for stats, _ in buckets:
                 stats.rate_limited += 1
             return max(1, wait_ms)
-        for stats in buckets:
-            stats.tokens -= 1
+        for stats, cost in buckets:
+            stats.tokens -= cost
         return 0
 
     def _stats(self, tenant: Tenant, quota: TenantQuota | None) -> TenantStats:
