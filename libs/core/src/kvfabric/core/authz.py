@@ -25,8 +25,12 @@ bytes [4:20] (`kvfabric.core.quotas.tenant_of`).
   (`merge_evict_results` puts them back in request order).
 - `list_groups`: a `domain_digest` outside the grant lists nothing; without one, a tenant with
   exactly one domain lists that domain, otherwise it must name one.
-- `show_group`: the core answers, then `check_visible` raises the same `NotFound` a missing
-  group gets when the group is outside the grant.
+- `show_group`: decided before the core sees it (`show_keys`): a chunk group id or group key
+  outside the grant is not shown at all, and the caller answers `not_found_error`, the
+  `NotFound` a missing group gets, without any work that depends on the group (before issue
+  21 the core built the summary first: an existing group of another tenant took +31.6 µs
+  longer than a missing one, z = 11.5). A chain hash alone is looked up as the group key of
+  each granted domain, never under another's. `check_visible` still cuts the answer.
 - `put_begin`, `put_commit`, `put_abort`: any key outside the grant refuses the whole request
   with `Unauthorized` (a write is refused whether or not the object exists, so this answers
   nothing about another tenant's objects).
@@ -41,6 +45,7 @@ from typing import Final
 
 import msgspec
 
+from kvfabric.core.directory_keys import CHAIN_BYTES, GROUP_KEY_BYTES
 from kvfabric.core.quotas import tenant_of
 from kvfabric.format.errors import BadRequest, NotFound, Unauthorized
 from kvfabric.format.invariant import invariant
@@ -57,7 +62,9 @@ __all__ = [
     "check_visible",
     "listing_allowed",
     "merge_evict_results",
+    "not_found_error",
     "scoped_name",
+    "show_keys",
 ]
 
 DOMAIN_DIGEST_BYTES: Final = 16
@@ -147,7 +154,7 @@ def authorize(message: msgspec.Struct, verb: str, grant: TenantGrant) -> msgspec
         case m.ListGroups():
             return _authorize_list(message, grant)
         case m.ShowGroup():
-            return message  # the answer is checked by `check_visible`
+            return message  # the caller shows `show_keys`, before the core sees anything else
     raise Unauthorized(f"{type(message).__name__} is not a tenant operation")
 
 
@@ -184,13 +191,31 @@ def listing_allowed(message: m.ListGroups, grant: TenantGrant) -> bool:
     return message.domain_digest in grant.domains
 
 
+def show_keys(message: m.ShowGroup, grant: TenantGrant) -> tuple[bytes, ...]:
+    """What an authorized `show_group` may ask the core for: its chunk group id (domain at bytes
+    [4:20]) or group key (domain digest first) when it lies in the grant, a chain hash alone as
+    the group key of each granted domain; nothing otherwise (the caller then answers
+    `not_found_error` at once: the same answer, and the same work, whether or not it exists)."""
+    group = message.group
+    if len(group) == CHAIN_BYTES:
+        return tuple(domain + group for domain in sorted(grant.domains))
+    if len(group) == GROUP_KEY_BYTES:
+        return (group,) if group[:DOMAIN_DIGEST_BYTES] in grant.domains else ()
+    return (group,) if grant.owns(group) else ()
+
+
+def not_found_error(group: bytes) -> NotFound:
+    """What `show_group` answers for a group that is missing (the core's words) or not granted."""
+    return NotFound("no such chunk group", group=group[-CHAIN_BYTES:].hex())
+
+
 def check_visible(reply: m.GroupList, grant: TenantGrant, group: bytes) -> m.GroupList:
     """`show_group`'s reply cut to the groups in the grant; when none is, the same `NotFound` a
     missing group gets."""
     own = [summary for summary in reply.groups if grant.owns(summary.namespace)]
     if own:
         return m.GroupList(epoch=reply.epoch, groups=own, next_after=reply.next_after)
-    raise NotFound("no such chunk group", group=group[-32:].hex())
+    raise not_found_error(group)
 
 
 def merge_evict_results(requested: Sequence[bytes], own: m.EvictReply, grant: TenantGrant) -> m.EvictReply:

@@ -52,6 +52,8 @@ from kvfabric.core.directory import DirectoryConfig, DirectoryCore
 from kvfabric.directory.handlers import VERBS, DirectoryShell, now_ms
 from kvfabric.directory.leader import SegmentRegistry
 from kvfabric.directory.rebuild import gather_holdings
+from kvfabric.directory.reply_room import ManyReplyRoom, part_error
+from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.directory.suspects import SUSPECT_VERB, SUSPECTS_TENANT_PER_S, SuspectRelay
 from kvfabric.format.errors import BadRequest, BatchTooLarge, KvfError, Unauthorized, Unavailable, WrongShard
 from kvfabric.proto import directory as m
@@ -339,15 +341,21 @@ class ShardHost:
         return handle
 
     async def _part(
-        self, message: msgspec.Struct, verb: str, grant: authz.TenantGrant | None, shard: int
+        self,
+        message: msgspec.Struct,
+        verb: str,
+        grant: authz.TenantGrant | None,
+        shard: int,
+        reply_bytes_max: int | None = None,
     ) -> msgspec.Struct:
-        """One part of a multi-shard request, exactly as the single-shard request `message`."""
+        """One part of a multi-shard request, exactly as the single-shard request `message`
+        (a lookup's reply within `reply_bytes_max`: `reply_room`)."""
         if shard_of_request(message, self.shards) != shard:
             raise BadRequest("a part must name keys of its own shard", shard=shard)
         shell = self._shell(message)
         if grant is None:
-            return await shell.handle(message)
-        return await shell.handle_tenant(message, verb, grant)
+            return await shell.handle(message, reply_bytes_max=reply_bytes_max)
+        return await shell.handle_tenant(message, verb, grant, reply_bytes_max=reply_bytes_max)
 
     async def release_many(
         self, message: msgspec.Struct, grant: authz.TenantGrant | None
@@ -379,11 +387,13 @@ class ShardHost:
         self, message: msgspec.Struct, grant: authz.TenantGrant | None
     ) -> m.LookupManyReply:
         """Each part exactly as the `Lookup` of its shard (authorized and charged per shard for a
-        tenant), one after another on this loop; a part's failure is its own (`LookupPartReply`)."""
+        tenant), one after another on this loop; a part's failure is its own (`LookupPartReply`).
+        Each part's hit is cut short where the whole reply would no longer fit (`reply_room`)."""
         if not isinstance(message, m.LookupMany):
             raise BadRequest(f"lookup_many takes LookupMany, got {type(message).__name__}")
         check_lookup_many(message)
         replies: list[m.LookupPartReply] = []
+        room = ManyReplyRoom(len(message.parts))
         for part in message.parts:
             lookup = m.Lookup(
                 holder_id=message.holder_id,
@@ -393,13 +403,15 @@ class ShardHost:
                 epoch=part.epoch,
             )
             try:
-                reply = await self._part(lookup, "lookup", grant, part.shard)
+                reply = await self._part(lookup, "lookup", grant, part.shard, room.for_part())
             except KvfError as err:
-                replies.append(m.LookupPartReply(shard=part.shard, error=err.code, message=err.message))
-                continue
-            if not isinstance(reply, m.LookupReply):
-                raise Unavailable(f"unexpected lookup reply {type(reply).__name__}")
-            replies.append(m.LookupPartReply(shard=part.shard, reply=reply))
+                answer = part_error(part.shard, err)
+            else:
+                if not isinstance(reply, m.LookupReply):
+                    raise Unavailable(f"unexpected lookup reply {type(reply).__name__}")
+                answer = m.LookupPartReply(shard=part.shard, reply=reply)
+            room.took(answer)
+            replies.append(answer)
         return m.LookupManyReply(parts=replies)
 
     async def _broadcast(self, message: msgspec.Struct) -> msgspec.Struct:
@@ -577,7 +589,7 @@ class ShardHost:
             self._nc_required(), await self.registry.all(), epoch, shard=shard, shards=self.shards
         )
         core = DirectoryCore(self.core_config, epoch=epoch, shard=shard)
-        effects = core.adopt(holdings, now_ms())
+        effects = CORE_CALLS.timed("adopt", lambda: core.adopt(holdings, now_ms()))  # a stall: measured
         shell = self.make_shell(core)
         shell.may_act = lambda: self.may_act(shard, epoch)
         if not self.may_act(shard, epoch):  # lost (or handed over) while rebuilding

@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvfabric.core.directory import DirectoryCore
 from kvfabric.directory.host import ShardHost
+from kvfabric.directory.stalls import CORE_CALL_BUCKETS_S, CORE_CALLS
 
 __all__ = ["DirectoryCollector"]
 
@@ -19,7 +20,7 @@ class DirectoryCollector(Collector):
     def __init__(self, host: ShardHost) -> None:
         self.host = host
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         shells = list(self.host.shells.items())  # scraped from another thread: a snapshot
         cores = [shell.core for _, shell in shells]
         counters: Counter[str] = Counter()
@@ -90,6 +91,28 @@ class DirectoryCollector(Collector):
         yield up
         yield reserved
         yield from self._tenants(cores)
+        yield from self._core_calls()
+
+    def _core_calls(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
+        """How long synchronous core calls held the event loop (`kvfabric.directory.stalls`)."""
+        counts = list(CORE_CALLS.bucket_counts)  # written by the loop's thread: a snapshot
+        cumulative = 0
+        buckets: list[tuple[str, float]] = []
+        for bound, n in zip((*CORE_CALL_BUCKETS_S, float("inf")), counts, strict=True):
+            cumulative += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        yield HistogramMetricFamily(
+            "kvfabric_directory_core_call_seconds",
+            "Synchronous core calls (requests, ticks, charges): how long each held the event loop.",
+            buckets=buckets,
+            sum_value=CORE_CALLS.sum_s,
+        )
+        longest_s, _ = CORE_CALLS.take_longest()
+        yield GaugeMetricFamily(
+            "kvfabric_directory_core_call_longest_seconds",
+            "The longest synchronous core call since the previous scrape (the worst event-loop stall).",
+            value=longest_s,
+        )
 
     def _tenants(self, cores: list[DirectoryCore]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """Per share domain (hex digest): what it holds and what it was refused."""
