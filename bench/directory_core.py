@@ -8,7 +8,13 @@ Measures, on this machine:
   rate (open loop: requests are issued on a fixed schedule, latency includes queueing behind the
   schedule);
 - directory RAM per object with 1,000,000 published objects (RSS delta and tracemalloc-free:
-  read from /proc/self/statm before and after filling).
+  read from /proc/self/statm before and after filling);
+- the longest synchronous core calls against that core (`core_calls`): listings (a tenant's
+  empty domain, a page of the filled domain, an admin page, a filtered repair page), showing a
+  group by chain hash and by id, a 4,096-group lookup (a hit in one call, the first 128-group
+  slice the service runs it in, a miss), a put_commit and an evict of 4,096 ids, a lease
+  listing, a tick: each one stalls a directory's event loop for as long as it runs (issue 21
+  item 2).
 
 The process is set up like a directory service: it imports the service's modules (their
 objects are what the cyclic GC walks besides the core's state) and applies the service's GC
@@ -22,6 +28,8 @@ would walk: the service holds no such list).
 
 Run: `.venv/bin/python bench/directory_core.py [--objects 1000000] [--gc service|interpreter]`
 (or `make bench`). Writes bench/results/directory_core.json and .md (`--gc service` only).
+`--ram-only` fills the core, prints the RAM per object and the core calls, and writes nothing
+(a short run: no peaks, no timed rounds).
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ SEGMENTS = 16
 OBJECT_BYTES = 2 << 20
 GROUP_ID_BYTES = GROUP_KEY_BYTES + 42  # ChunkGroupId.to_bytes(): namespace, chunk index, chain hash
 SERVICE_MODULE = "kvfabric.directory.__main__"
+FILL_BATCH = 1024  # objects a put_begin while filling
 IDLE_THRESHOLD = 0.85  # a timed round starts once the machine was this idle over 0.5 s
 CPU_SHARE_MIN = 0.97  # a timed round in which the timing thread got less of its core is rerun
 
@@ -205,6 +214,63 @@ def peak_lookups(core: DirectoryCore, groups: Groups, n_msgs: int, now: int, run
     return best
 
 
+def _slowest_ms(call: Callable[[], object], runs: int = 3) -> float:
+    """The slowest of `runs` calls, ms (each call is one synchronous stretch of the loop)."""
+    worst = 0.0
+    for _ in range(runs):
+        began = time.perf_counter()
+        call()
+        worst = max(worst, time.perf_counter() - began)
+    return round(worst * 1e3, 3)
+
+
+def core_calls(core: DirectoryCore, groups: Groups, now: int) -> dict[str, float]:
+    """How long one call of each potentially heavy kind runs against the filled core (ms, the
+    slowest of 3): what it stalls the directory's event loop for."""
+    middle = groups[len(groups) // 2]
+    domain = middle[4:20]
+    group_key = domain + middle[-32:]
+    big = groups[: m.LOOKUP_BATCH_GROUPS_MAX]
+    missing = make_groups(m.LOOKUP_BATCH_GROUPS_MAX, seed=99)[:]
+
+    def lookup_hit(groups_max: int | None = None) -> None:
+        request = m.Lookup(holder_id="r", groups=big, lease_ttl_ms=10_000)
+        reply = core.handle(request, now, groups_max=groups_max).reply
+        assert isinstance(reply, m.LookupReply) and reply.hit_chunks > 0
+        core.handle(m.LeaseRelease(holder_id="r", lease_id=reply.lease_id), now)
+
+    never_begun = [g + b"\x00" * 6 for g in missing]  # keys nobody began: not_found each
+
+    calls: dict[str, Callable[[], object]] = {
+        "list_groups_empty_domain_limit_100": lambda: core.handle(
+            m.ListGroups(domain_digest=b"\x01" * 16, limit=100), now
+        ),
+        "list_groups_domain_page_1000": lambda: core.handle(
+            m.ListGroups(domain_digest=domain, after=group_key, limit=1000), now
+        ),
+        "list_groups_admin_page_1000_with_objects": lambda: core.handle(
+            m.ListGroups(after=group_key, limit=1000, with_objects=True), now
+        ),
+        "list_groups_below_target_page_1000": lambda: core.handle(
+            m.ListGroups(limit=1000, below_target=True, with_objects=True), now
+        ),
+        "show_group_by_chain_hash": lambda: core.handle(m.ShowGroup(group=middle[-32:]), now),
+        "show_group_by_id": lambda: core.handle(m.ShowGroup(group=middle), now),
+        "lookup_4096_groups_hit_one_call": lookup_hit,
+        "lookup_4096_groups_hit_first_slice_of_128": lambda: lookup_hit(128),
+        "lookup_4096_groups_miss": lambda: core.handle(
+            m.Lookup(holder_id="r", groups=missing, lease_ttl_ms=10_000), now
+        ),
+        "put_commit_4096_keys_never_begun": lambda: core.handle(
+            m.PutCommit(writer_id="w", request_id="never", keys=never_begun), now
+        ),
+        "evict_4096_missing_groups": lambda: core.handle(m.Evict(groups=missing, reason="bench"), now),
+        "list_leases_100": lambda: core.handle(m.ListLeases(limit=100), now),
+        "tick": lambda: core.tick(now),
+    }
+    return {name: _slowest_ms(call) for name, call in calls.items()}
+
+
 class PauseLog:
     """Every collection's (generation, pause seconds), in order (a `gc.callbacks` hook)."""
 
@@ -328,6 +394,11 @@ def main() -> None:
     parser.add_argument("--lookups", type=int, default=2_000, help="64-group lookups timed")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds, each once the machine is idle")
     parser.add_argument("--attempts", type=int, default=6, help="runs of a round disturbed by other jobs")
+    parser.add_argument(
+        "--ram-only",
+        action="store_true",
+        help="fill, print the RAM per object and the core calls (ms), write nothing",
+    )
     args = parser.parse_args()
 
     importlib.import_module(SERVICE_MODULE)  # the service's modules: part of what its GC walks
@@ -336,7 +407,7 @@ def main() -> None:
     log = PauseLog()
     gc.callbacks.append(log.callback)
 
-    publishes_per_s = peak_publishes(20_000, runs=3)
+    publishes_per_s = 0.0 if args.ram_only else peak_publishes(20_000, runs=3)
 
     gc.collect()
     groups = make_groups(args.objects, seed=2)
@@ -345,15 +416,30 @@ def main() -> None:
     core = new_core()
     rss0 = rss_bytes()
     now = 0
-    for step, i in enumerate(range(0, len(groups), 4096)):
-        now = step * 100  # simulated time: write deadlines pass and ticks clear them, as in service
-        publish(core, groups[i : i + 4096], f"f{i}", now)
+    # 1,024 a put_begin: a reply for 4,096 could exceed the max payload (the core refuses it).
+    for i in range(0, len(groups), FILL_BATCH):
+        now = i // 4096 * 100  # simulated time: write deadlines pass and ticks clear them, as in service
+        publish(core, groups[i : i + FILL_BATCH], f"f{i}", now)
         core.tick(now)
     gc.collect()
     ram_per_object = (rss_bytes() - rss0) / args.objects
     tracked_after_fill = len(gc.get_objects())
     # What a shard start does once its rebuild is done (a no-op under --gc interpreter).
     freeze_s = gcpolicy.freeze_long_lived("bench_filled")
+    calls_ms = core_calls(core, groups, now)
+    if args.ram_only:
+        print(
+            json.dumps(
+                {
+                    "objects": args.objects,
+                    "gc": args.gc,
+                    "ram_bytes_per_object": round(ram_per_object, 1),
+                    "core_calls_ms": calls_ms,
+                },
+                indent=2,
+            )
+        )
+        return
     # Traffic after the start: single-object publishes until the reply cache holds what it holds
     # in steady state (reply_cache_objects_max objects), not the fill's few big replies.
     warm = make_groups(core.config.reply_cache_objects_max, seed=4)
@@ -418,6 +504,8 @@ def main() -> None:
         "publish_rounds": pub.summary(),
         "lookup_rounds": look.summary(),
         "ram_bytes_per_object": round(ram_per_object, 1),
+        "core_calls_ms": calls_ms,
+        "longest_core_call_ms": max(calls_ms.values()),
         "targets": {
             "lookup_groups_per_s": 50_000,
             "publishes_per_s": 10_000,
@@ -437,6 +525,9 @@ def main() -> None:
         f"| single publish p50 / p99 at half peak, ms | {pub_p50:.3f} / {pub_p99:.3f} | p99 < 5 |",
         f"| 64-group lookup p50 / p99 at half peak, ms | {look_p50:.3f} / {look_p99:.3f} | p99 < 5 |",
         f"| RAM per published object at {args.objects:,} objects, bytes | {ram_per_object:.0f} | ≤ 300 |",
+        "",
+        "Longest synchronous core calls at this size (ms, the slowest of 3; each stalls the event "
+        "loop for that long): " + ", ".join(f"{k} {v:.2f}" for k, v in calls_ms.items()) + ".",
         "",
         f"GC thresholds {tuple(gc.get_threshold())}; objects tracked after the fill: {tracked_after_fill:,}"
         + (f", frozen in {freeze_s * 1e3:.0f} ms" if freeze_s is not None else " (not frozen)")
