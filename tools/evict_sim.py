@@ -22,7 +22,14 @@ Two references run next to the policies, with the same accounting:
   useless without its head and that a request's blocks are worth different token counts.
 - `infinite`: no eviction at all (every block stays once written): the ceiling of any policy.
 Each policy's `gap closed` is the share of the LRU -> reference gap it closes:
-(saved - saved by lru) / (saved by reference - saved by lru).
+(saved - saved by lru) / (saved by reference - saved by lru); not given where the gap is under
+`GAP_MIN_SHARE` of the input tokens (there the share is noise: see `vs LRU`, in points).
+
+Like the live client (`kvfabric.client`: only full chunks are looked up and saved), a request's
+last block is dropped when `input_length` is not a multiple of 512 tokens (a partial chunk, whose
+hash no longer prompt can share): it is neither looked up nor written, by any policy or
+reference, and capacities are shares of the unique full blocks. `--partial-chunks` keeps them
+(the accounting of issue 25's first table).
 
 Reports per trace, capacity and policy: hit rate (requests with any hit), prefill tokens saved
 (share of all input tokens), gap closed, blocks written, evictions; a markdown table, JSON, and a
@@ -48,6 +55,8 @@ NEVER: Final = float("inf")  # next use of a block no later request names
 REFERENCE: Final = "reference"  # Belady's MIN with bypass (offline)
 INFINITE: Final = "infinite"  # no eviction
 BASELINE: Final = "lru"  # the gap is measured from it
+REUSE_CLASSES: Final = 4  # request counts 1, 2, 3, 4 or more (reuse_by_accesses)
+GAP_MIN_SHARE: Final = 0.01  # a smaller LRU -> reference gap (share of input tokens) gets no share
 POLICIES: Final = {
     "lru": EvictionConfig(policy="lru", admission="always"),
     "lru-plain": EvictionConfig(policy="lru", admission="always", prefix_order=False),
@@ -63,6 +72,11 @@ POLICIES: Final = {
 
 def load_trace(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def full_chunks(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each request with its full blocks only (what the client looks up and saves)."""
+    return [{**r, "hash_ids": r["hash_ids"][: r["input_length"] // BLOCK_TOKENS]} for r in requests]
 
 
 def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: EvictionConfig) -> dict[str, float]:
@@ -183,9 +197,10 @@ def _row(
     }
 
 
-def gap_closed(saved: float, lru: float, reference: float) -> float | None:
-    """Share of the LRU -> reference gap that `saved` closes; None when there is no gap."""
-    return (saved - lru) / (reference - lru) if reference > lru else None
+def gap_closed(saved: float, lru: float, reference: float, min_gap: float = 0.0) -> float | None:
+    """Share of the LRU -> reference gap that `saved` closes; None when the gap is not above
+    `min_gap`."""
+    return (saved - lru) / (reference - lru) if reference - lru > max(min_gap, 0) else None
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> None:
@@ -234,11 +249,31 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def reuse_by_accesses(requests: list[dict[str, Any]]) -> dict[int, tuple[int, int]]:
+    """What a reuse predictor could learn from a block's request count alone: for every request
+    naming a block, by how many requests named it so far (1 = its first, capped at
+    `REUSE_CLASSES`), how many such accesses there were and how many a later request followed.
+    (Reads the future: a table of the trace, not a policy.)"""
+    later: set[int] = set()
+    followed: list[tuple[int, bool]] = []
+    for request in reversed(requests):
+        followed.extend((b, b in later) for b in reversed(request["hash_ids"]))
+        later.update(request["hash_ids"])
+    seen: dict[int, int] = {}
+    table: dict[int, list[int]] = {}
+    for block, again in reversed(followed):
+        count = seen[block] = seen.get(block, 0) + 1
+        row = table.setdefault(min(count, REUSE_CLASSES), [0, 0])
+        row[0] += 1
+        row[1] += again
+    return {k: (v[0], v[1]) for k, v in sorted(table.items())}
+
+
 def table(results: list[dict[str, Any]], command: str) -> list[str]:
     lines = [
         command,
         "",
-        "| trace | capacity | policy | prefill tokens saved | gap closed | vs LRU | blocks written"
+        "| trace | capacity | policy | prefill tokens saved | gap closed | vs LRU (points) | blocks written"
         " | evictions | request hit rate |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -246,7 +281,7 @@ def table(results: list[dict[str, Any]], command: str) -> list[str]:
         gap = "—" if r["gap_closed"] is None else f"{100 * r['gap_closed']:.0f}%"
         lines.append(
             f"| {r['trace']} | {r['capacity_pct']}% ({r['capacity_blocks']} blocks) | {r['policy']} | "
-            f"{100 * r['prefill_saved_share']:.2f}% | {gap} | {100 * r['vs_lru']:+.1f}% | "
+            f"{100 * r['prefill_saved_share']:.2f}% | {gap} | {100 * r['vs_lru_points']:+.2f} | "
             f"{r['blocks_written']} | {r['evictions']} | {100 * r['request_hit_rate']:.1f}% |"
         )
     return lines
@@ -264,6 +299,9 @@ def main() -> int:
     parser.add_argument(
         "--max-requests", type=int, default=0, help="replay the first N requests only (0: all)"
     )
+    parser.add_argument(
+        "--partial-chunks", action="store_true", help="keep partial last blocks (the client never saves them)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "eviction")
     args = parser.parse_args()
     if not args.traces:
@@ -272,13 +310,24 @@ def main() -> int:
     capacities = [int(c) for c in args.capacities.split(",")]
     policies = {name: POLICIES[name] for name in args.policies.split(",")}
     results: list[dict[str, Any]] = []
+    reuse_lines = [
+        "",
+        "Blocks named again by a later request, by how many requests named them so far:",
+        "",
+        "| trace | 1st request | 2nd | 3rd | 4th or later |",
+        "|---|---:|---:|---:|---:|",
+    ]
     started = time.perf_counter()
     for trace_path in map(Path, args.traces):
         requests = load_trace(trace_path)
         if args.max_requests:
             requests = requests[: args.max_requests]
+        if not args.partial_chunks:
+            requests = full_chunks(requests)
         unique = len({b for r in requests for b in r["hash_ids"]})
         infinite = simulate_infinite(requests)
+        cells = [f"{100 * again / n:.0f}% of {n}" for n, again in reuse_by_accesses(requests).values()]
+        reuse_lines.append(f"| {trace_path.stem} | {' | '.join(cells)} |")
         for pct in capacities:
             capacity = max(1, unique * pct // 100)
             rows = {name: simulate(requests, capacity, config) for name, config in policies.items()}
@@ -287,6 +336,7 @@ def main() -> int:
             rows[INFINITE] = infinite
             lru = rows[BASELINE]["prefill_tokens_saved"]
             reference = rows[REFERENCE]["prefill_tokens_saved"]
+            input_tokens = sum(r["input_length"] for r in requests)
             for name, row in rows.items():
                 results.append(
                     {
@@ -297,8 +347,11 @@ def main() -> int:
                         "capacity_blocks": capacity,
                         "policy": name,
                         **row,
-                        "gap_closed": gap_closed(row["prefill_tokens_saved"], lru, reference),
+                        "gap_closed": gap_closed(
+                            row["prefill_tokens_saved"], lru, reference, GAP_MIN_SHARE * input_tokens
+                        ),
                         "vs_lru": row["prefill_tokens_saved"] / lru - 1 if lru else 0.0,
+                        "vs_lru_points": (row["prefill_tokens_saved"] - lru) / input_tokens,
                     }
                 )
                 print(
@@ -311,8 +364,10 @@ def main() -> int:
         flags += f" --policies {args.policies}"
     if args.max_requests:
         flags += f" --max-requests {args.max_requests}"
+    if args.partial_chunks:
+        flags += " --partial-chunks"
     command = f"`python tools/evict_sim.py{flags}` ({time.perf_counter() - started:.0f} s)"
-    lines = table(results, command)
+    lines = table(results, command) + reuse_lines
     Path(str(args.out) + ".md").write_text("\n".join(lines) + "\n")
     Path(str(args.out) + ".json").write_text(json.dumps(results, indent=2))
     plot(results, Path(str(args.out) + ".png"))

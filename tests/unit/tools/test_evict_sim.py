@@ -62,3 +62,28 @@ def test_the_infinite_cache_keeps_every_block_and_gap_closed_is_measured_from_lr
     assert row["prefill_tokens_saved"] == 2 * 512 and row["blocks_written"] == 5 and row["evictions"] == 0
     assert sim.gap_closed(30, 20, 40) == 0.5 and sim.gap_closed(20, 20, 40) == 0.0
     assert sim.gap_closed(15, 20, 40) == -0.25 and sim.gap_closed(30, 20, 20) is None
+    assert sim.gap_closed(30, 20, 40, min_gap=20) is None  # a gap this small gives no share
+
+
+def test_the_client_saves_full_chunks_only() -> None:
+    sim = load_tool("evict_sim")
+    requests = [
+        {"timestamp": 0, "input_length": 1500, "hash_ids": [1, 2, 3]},  # 3rd block: 476 tokens
+        {"timestamp": 1, "input_length": 1024, "hash_ids": [1, 2]},
+        {"timestamp": 2, "input_length": 1500, "hash_ids": [1, 2, 3]},
+    ]
+    full = sim.full_chunks(requests)
+    assert [r["hash_ids"] for r in full] == [[1, 2], [1, 2], [1, 2]]
+    row = sim.simulate(full, 100, EvictionConfig(policy="lru"))
+    assert row["blocks_written"] == 2 and row["prefill_tokens_saved"] == 2 * 1024  # never block 3
+
+
+def test_reuse_by_accesses_counts_what_a_later_request_names_again() -> None:
+    sim = load_tool("evict_sim")
+    requests = [
+        {"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]},
+        {"timestamp": 1, "input_length": 512, "hash_ids": [1]},
+        {"timestamp": 2, "input_length": 1024, "hash_ids": [1, 3]},
+    ]
+    # 1st requests: 1 (again), 2 (never), 3 (never); 2nd: 1 at t1 (again); 3rd: 1 at t2 (never)
+    assert sim.reuse_by_accesses(requests) == {1: (3, 1), 2: (1, 1), 3: (1, 0)}
