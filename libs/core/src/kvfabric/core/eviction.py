@@ -73,7 +73,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal, TypeAlias
+from typing import Any, Final, Literal, TypeAlias, get_args
 
 from kvfabric.core.eviction_order import VictimOrder
 from kvfabric.core.eviction_s3fifo import S3Fifo
@@ -83,6 +83,7 @@ from kvfabric.core.eviction_wtinylfu import WTinyLfu
 from kvfabric.format.invariant import invariant
 
 __all__ = [
+    "POLICY_NAMES",
     "Admitted",
     "EvictBatch",
     "EvictionConfig",
@@ -94,6 +95,7 @@ __all__ = [
 
 ObjectId: TypeAlias = Hashable
 PolicyName = Literal["lru", "gdsf", "lru2", "sieve", "s3fifo", "wtinylfu"]
+POLICY_NAMES: Final[tuple[PolicyName, ...]] = get_args(PolicyName)
 AdmissionName = Literal["always", "second_hit"]
 QUEUE_POLICIES: Final[dict[str, type[Sieve] | type[S3Fifo] | type[WTinyLfu]]] = {
     "sieve": Sieve,
@@ -113,7 +115,7 @@ class TenantQuota:
 
 @dataclass(frozen=True, slots=True)
 class EvictionConfig:
-    policy: PolicyName = "gdsf"
+    policy: PolicyName = "lru"  # the best online policy on the traces (docs/eviction-policy.md)
     admission: AdmissionName = "always"
     high_watermark: float = 0.90
     low_watermark: float = 0.80

@@ -4,7 +4,7 @@ The runtime's shared flags (NATS URL, metrics port, logging) come from `kvfabric
 
 | variable | default | meaning |
 |---|---|---|
-| `KVF_EVICTION_POLICY` | `gdsf` | `lru` or `gdsf` (cost-aware GreedyDual-Size-Frequency) |
+| `KVF_EVICTION_POLICY` | `lru` | `lru`, `gdsf`, `lru2`, `sieve`, `s3fifo`, `wtinylfu` (docs/eviction*.md) |
 | `KVF_EVICTION_HIGH_WATERMARK_PCT` | 90 | a segment fuller than this (% of capacity) evicts ... |
 | `KVF_EVICTION_LOW_WATERMARK_PCT` | 80 | ... down to this |
 | `KVF_EVICTION_BATCH_MAX` | 256 | victims per evict request |
@@ -24,7 +24,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvfabric.core.eviction import EvictionConfig, TenantQuota
+from kvfabric.core.eviction import POLICY_NAMES, EvictionConfig, TenantQuota
 from kvfabric.runtime.config import SettingsError, env_int
 
 __all__ = ["EvictionSettings", "load_eviction_settings", "parse_quotas"]
@@ -71,15 +71,16 @@ def parse_quotas(text: str) -> dict[bytes, TenantQuota]:
 
 
 def load_eviction_settings(env: Mapping[str, str]) -> EvictionSettings:
-    policy = env.get("KVF_EVICTION_POLICY", "gdsf")
-    if policy not in ("lru", "gdsf"):
-        raise SettingsError(f"KVF_EVICTION_POLICY must be lru or gdsf, got {policy!r}")
+    name = env.get("KVF_EVICTION_POLICY", "lru")
+    policy = next((p for p in POLICY_NAMES if p == name), None)
+    if policy is None:
+        raise SettingsError(f"KVF_EVICTION_POLICY must be one of {', '.join(POLICY_NAMES)}, got {name!r}")
     high = env_int(env, "KVF_EVICTION_HIGH_WATERMARK_PCT", 90, 1, 100)
     low = env_int(env, "KVF_EVICTION_LOW_WATERMARK_PCT", 80, 1, 100)
     if low >= high:
         raise SettingsError("KVF_EVICTION_LOW_WATERMARK_PCT must be below the high watermark")
     core = EvictionConfig(
-        policy="lru" if policy == "lru" else "gdsf",
+        policy=policy,
         high_watermark=high / 100,
         low_watermark=low / 100,
         batch_max=env_int(env, "KVF_EVICTION_BATCH_MAX", 256, 1, 4096),
