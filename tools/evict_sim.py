@@ -366,7 +366,11 @@ def main() -> int:
         flags += f" --max-requests {args.max_requests}"
     if args.partial_chunks:
         flags += " --partial-chunks"
-    command = f"`python tools/evict_sim.py{flags}` ({time.perf_counter() - started:.0f} s)"
+    elapsed_s = time.perf_counter() - started
+    command = (
+        f"`python tools/evict_sim.py{flags}` ({time.strftime('%Y-%m-%d')}, {elapsed_s:.0f} s on a shared"
+        " 2-core VM)"
+    )
     lines = table(results, command) + reuse_lines
     Path(str(args.out) + ".md").write_text("\n".join(lines) + "\n")
     Path(str(args.out) + ".json").write_text(json.dumps(results, indent=2))
