@@ -13,7 +13,7 @@ Verbs:
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal
 
 import msgspec
 
@@ -22,6 +22,7 @@ from kvfabric.proto.directory import FreedSlot, WriteTicket
 
 __all__ = [
     "REPORT_PAGE_MAX",
+    "SSD_SLOT_BASE",
     "CopyReply",
     "CopyRequest",
     "DrainRequest",
@@ -32,10 +33,24 @@ __all__ = [
     "SegmentMessage",
     "SegmentReport",
     "SegmentState",
+    "Tier",
     "VerifyReply",
     "VerifyRequest",
     "segment_decoder",
+    "tier_of_slot",
 ]
+
+# A segment's slot ids name the tier that holds the object: below this, its DRAM arena; from
+# here up, its disk tier (local slot i is SSD_SLOT_BASE + i). So a replica's (segment,
+# incarnation, slot, generation) says where its bytes are, and every verb that names slots
+# (reads and their tokens, frees, reports, verify, corruption reports) works for both tiers.
+# Below 2**32: the directory's published records keep a slot in 32 bits.
+SSD_SLOT_BASE: Final = 1 << 31
+Tier = Literal["dram", "ssd"]
+
+
+def tier_of_slot(slot: int) -> Tier:
+    return "ssd" if slot >= SSD_SLOT_BASE else "dram"
 
 
 class FreeSlotsRequest(msgspec.Struct, frozen=True, kw_only=True, tag="seg.free.v1", tag_field="t"):

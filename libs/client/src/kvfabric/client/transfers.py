@@ -32,6 +32,7 @@ from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.errors import KvfError
 from kvfabric.proto.dataplane import ObjectResult, ReadRef
 from kvfabric.proto.directory import ObjectLocation, Replica, WriteTicket
+from kvfabric.proto.segment import tier_of_slot
 
 __all__ = ["SegmentPool", "read_ref"]
 
@@ -189,9 +190,14 @@ class SegmentPool:
     def _read(
         self, conn: _Connection, refs: list[ReadRef], views: list[ScatterDest]
     ) -> list[tuple[ObjectResult, bytes]]:
-        """One request on `conn`: over shared memory when it maps the replicas' incarnation,
-        else TCP. Verifying, each object is hashed as it lands (no second pass over it)."""
-        local = conn.shm is not None and {r.incarnation for r in refs} == {conn.shm.incarnation}
+        """One request on `conn`: over shared memory when it maps the replicas' incarnation and
+        they are in its arena, else TCP (a disk replica is read from disk by the segment: GET).
+        Verifying, each object is hashed as it lands (no second pass over it)."""
+        local = (
+            conn.shm is not None
+            and {r.incarnation for r in refs} == {conn.shm.incarnation}
+            and all(tier_of_slot(r.slot) == "dram" for r in refs)
+        )
         reader: ShmReader | TcpDataClient = conn.shm if local and conn.shm is not None else conn.tcp
         if self.verify:
             return reader.get_hashed(refs, views)

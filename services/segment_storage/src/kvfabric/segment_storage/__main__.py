@@ -22,6 +22,7 @@ from kvfabric.segment_storage.arena import SegmentIdInUse
 from kvfabric.segment_storage.metrics import SegmentCollector
 from kvfabric.segment_storage.settings import load_segment_settings
 from kvfabric.segment_storage.shell import EXIT_REREGISTER, SegmentShell
+from kvfabric.segment_storage.ssd import SsdFileRefused
 
 SEGMENT_VERSION: Final = "0.1.0"
 EXIT_USAGE: Final = 2
@@ -38,6 +39,9 @@ async def serve(settings: RuntimeSettings) -> int:
         shell = SegmentShell(config)
     except SegmentIdInUse as exc:
         log.error("segment_id_in_use", error=str(exc))
+        return EXIT_USAGE
+    except SsdFileRefused as exc:  # another segment's, another configuration's, damaged: never served
+        log.error("ssd_file_refused", error=str(exc))
         return EXIT_USAGE
     runtime = ServiceRuntime(
         Service.SEGMENT,
@@ -63,6 +67,10 @@ async def serve(settings: RuntimeSettings) -> int:
         incarnation=shell.incarnation,
         arena=str(shell.arena.path),
         stale_files_removed=[str(p) for p in shell.stale_files_removed],
+        ssd=str(shell.ssd.path) if shell.ssd is not None else None,
+        ssd_created=shell.ssd.created if shell.ssd is not None else None,
+        ssd_recovered_objects=shell.ssd.recovered_objects if shell.ssd is not None else 0,
+        ssd_recovered_bytes=shell.ssd.recovered_bytes if shell.ssd is not None else 0,
     )
     freeze_long_lived("segment_started")
     down = asyncio.create_task(shell.must_reregister.wait())

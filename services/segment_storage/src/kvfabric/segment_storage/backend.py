@@ -24,6 +24,12 @@ Who owns what:
 - The scrubber (`verify_stored`) holds one read reference while it hashes a stored object, so a
   free meanwhile is deferred; a mismatch frees the slot at once (its generation is bumped: no read
   of it succeeds from then on).
+- The disk tier (`ssd`, optional: `kvfabric.segment_storage.ssd`) holds the objects whose slot ids
+  are `SSD_SLOT_BASE` and up. A GET of one reads it from disk into a private buffer (verified
+  there: a mismatch or an I/O error frees it and goes to `report_corrupt`) that the grant owns
+  until `end_get`; a local pin of one answers `not_found` (disk replicas are read with GET).
+  Frees, reports and verifies name disk slots like arena slots. `demote` copies a stored arena
+  object into the disk tier (under a read reference on the arena slot; checksum verified first).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from kvfabric.core.segment_slots import SlotTable
+from kvfabric.core.segment_slots import HeldSlot, SlotTable
 from kvfabric.dataplane.backend import GetGrant, PutSlot
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import (
@@ -59,14 +65,17 @@ from kvfabric.proto.dataplane import (
     ReadRef,
 )
 from kvfabric.proto.directory import WriteTicket
+from kvfabric.proto.segment import SSD_SLOT_BASE
 from kvfabric.proto.tickets import read_token_valid, ticket_signature_valid
 from kvfabric.segment_storage.arena import Arena
+from kvfabric.segment_storage.ssd import SsdRead, SsdTier
 
 __all__ = [
     "AUTH_REFS_CHECKED_MAX",
     "LOCAL_GRANTS_PER_CONNECTION_MAX",
     "ArenaBackend",
     "ConfirmFn",
+    "CorruptFn",
     "FetchFn",
     "ScrubVerdict",
 ]
@@ -87,12 +96,16 @@ FetchFn = Callable[[memoryview], None]
 # verify_stored: "ok" (bytes match), "corrupt" (mismatch: the slot was freed here), "skipped"
 # (freed, rewritten or resized since it was listed; or freed by the directory while being hashed).
 ScrubVerdict = Literal["ok", "corrupt", "skipped"]
+# (key, slot, generation, size) of a disk replica a read found corrupt (already freed here): the
+# shell tells the directory. Called from a transport thread.
+CorruptFn = Callable[[bytes, int, int, int], None]
 
 
 @dataclass(slots=True)
 class _Conn:
     puts: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (slot, generation)
     grants: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # grant id -> refs
+    disk_reads: dict[int, list[SsdRead]] = field(default_factory=dict)  # grant id -> its disk buffers
 
 
 class ArenaBackend:
@@ -107,8 +120,12 @@ class ArenaBackend:
         confirm: ConfirmFn,
         clock_ms: Callable[[], int] | None = None,
         read_tokens_required: bool = False,
+        ssd: SsdTier | None = None,
+        report_corrupt: CorruptFn | None = None,
     ) -> None:
         self.arena = arena
+        self.ssd = ssd
+        self.report_corrupt = report_corrupt
         # Serve a read only with the directory's unexpired token for it (no lease, no bytes).
         self.read_tokens_required = read_tokens_required
         self.slots = slots
@@ -233,8 +250,20 @@ class ArenaBackend:
 
         On a mismatch the slot is freed here and now (generation bumped: every later read of
         (slot, generation) is refused, the extent is reclaimed once other readers let go) and
-        "corrupt" is returned; the caller tells the directory. Blocks while hashing.
+        "corrupt" is returned; the caller tells the directory. Blocks while hashing. A disk slot is
+        read back from the disk tier and checked the same way.
         """
+        if slot >= SSD_SLOT_BASE:
+            status = self.ssd.verify(slot, generation, size) if self.ssd is not None else "not_found"
+            verdict: ScrubVerdict = (
+                "ok" if status == "ok" else "corrupt" if status == "corrupt" else "skipped"
+            )
+            self.count(
+                {"ok": "scrub_objects_total", "corrupt": "scrub_corrupt_total"}.get(
+                    verdict, "scrub_skipped_total"
+                )
+            )
+            return verdict
         with self.lock:
             try:
                 grant = self.slots.acquire(slot, generation, size)
@@ -354,18 +383,73 @@ class ArenaBackend:
             return len(refs)
 
     def begin_get(self, reads: list[ReadRef], conn: int) -> GetGrant:
-        grant_id, acquired = self._pin(reads, conn)
+        disk = [i for i, ref in enumerate(reads) if ref.slot >= SSD_SLOT_BASE] if self.ssd is not None else []
+        disk_reads = self._read_disk([reads[i] for i in disk]) if disk else []
+        try:
+            grant_id, acquired = self._pin(reads, conn)  # disk refs answer not_found here; replaced below
+        except BaseException:
+            for _, done in disk_reads:
+                if done is not None:
+                    done.release()
+            raise
         views: list[memoryview | None] = [
             self.arena.slice(offset, ref.size_bytes).toreadonly() if status == "ok" else None
             for ref, (status, offset, _) in zip(reads, acquired, strict=True)
         ]
-        return GetGrant(grant_id, [a[0] for a in acquired], [a[2] for a in acquired], views)
+        statuses = [a[0] for a in acquired]
+        checksums = [a[2] for a in acquired]
+        for i, (status, read) in zip(disk, disk_reads, strict=True):
+            statuses[i], checksums[i] = status, read.checksum if read is not None else b""
+            views[i] = read.view.toreadonly() if read is not None and read.view is not None else None
+        held = [read for _, read in disk_reads if read is not None]
+        if held:
+            with self.lock:
+                self._conn(conn).disk_reads[grant_id] = held
+        return GetGrant(grant_id, statuses, checksums, views)
+
+    def _read_disk(self, reads: list[ReadRef]) -> list[tuple[ObjectStatus, SsdRead | None]]:
+        """Read disk replicas into private buffers (blocks on the disk). A replica found corrupt
+        (or unreadable) is freed by the tier and reported; the reader sees `stale_generation`
+        (its generation moved on). `Busy` (I/O bounds) gives back whatever was read already."""
+        assert self.ssd is not None
+        out: list[tuple[ObjectStatus, SsdRead | None]] = []
+        try:
+            for ref in reads:
+                if ref.incarnation != self.incarnation:
+                    self.count("stale_incarnation_read_total")
+                    out.append(("stale_incarnation", None))
+                    continue
+                if self.read_tokens_required and not self._token_ok(ref):
+                    self.count("read_token_rejected_total")
+                    out.append(("unauthorized", None))
+                    continue
+                read = self.ssd.read(ref.slot, ref.slot_generation, ref.size_bytes)
+                if read.status == "ok":
+                    out.append(("ok", read))
+                    continue
+                if read.status == "corrupt":
+                    if self.report_corrupt is not None:
+                        self.report_corrupt(read.key, ref.slot, read.generation, ref.size_bytes)
+                    out.append(("stale_generation", None))
+                else:
+                    out.append((read.status, None))
+        except BaseException:
+            for _, done in out:
+                if done is not None:
+                    done.release()
+            raise
+        return out
 
     def end_get(self, grant: GetGrant, conn: int) -> None:
         for view in grant.views:
             if view is not None:
                 view.release()
         self._unpin(grant.grant_id, conn)
+        with self.lock:
+            c = self._conns.get(conn)
+            buffers = c.disk_reads.pop(grant.grant_id, []) if c is not None else []
+        for buffer in buffers:
+            buffer.release()
 
     def map_info(self) -> MapReply:
         return MapReply(
@@ -394,6 +478,9 @@ class ArenaBackend:
             for refs in c.grants.values():
                 for slot, generation in refs:
                     self.slots.release(slot, generation)
+        for buffers in c.disk_reads.values():
+            for buffer in buffers:
+                buffer.release()
 
     # ---- frees and housekeeping --------------------------------------------------------------
 
@@ -415,10 +502,56 @@ class ArenaBackend:
         freed when the last transfer ends. Returns every pair: each is freed now, deferred, was freed
         already, or was never held here — in all cases the directory may stop retrying it."""
         done = []
+        disk = []
         for slot, generation in slots:
+            if slot >= SSD_SLOT_BASE and self.ssd is not None:
+                disk.append((slot, generation))
+                continue
             try:
                 self._free(slot, generation)
             except NotFound:  # never handed out by this incarnation: nothing held, so it counts as freed
-                self._count("free_unknown_slot_total")
+                self.count("free_unknown_slot_total")
             done.append((slot, generation))
+        if disk:  # their free records are durable when this returns (one sync for all)
+            done.extend(self.ssd.free_many(disk) if self.ssd is not None else disk)
         return done
+
+    # ---- the disk tier ---------------------------------------------------------------------
+
+    def held_one(self, slot: int, generation: int) -> HeldSlot | None:
+        """A stored object of either tier, as `SlotTable.held_one` lists it (else None)."""
+        if slot >= SSD_SLOT_BASE:
+            h = self.ssd.held_one(slot, generation) if self.ssd is not None else None
+            return None if h is None else HeldSlot(h.slot, h.generation, h.size, h.checksum, h.key)
+        with self.lock:
+            return self.slots.held_one(slot, generation)
+
+    def demote(self, slot: int, generation: int, size: int) -> tuple[int, int]:
+        """Copy a stored arena object into the disk tier; returns its disk (slot, generation). The
+        arena slot is untouched (the caller frees it once the directory points at the disk
+        replica). Its bytes are verified first: a mismatch frees it (as the scrubber does) and
+        raises `ChecksumMismatch`. `NoCapacity`, `Busy`, `Unavailable` from the disk tier."""
+        if self.ssd is None:
+            raise Conflict("this segment has no disk tier")
+        with self.lock:
+            grant = self.slots.acquire(slot, generation, size)
+            held = self.slots.held_one(slot, generation)
+        key = held.key if held is not None else b""
+        view = self.arena.slice(grant.offset, grant.size)
+        try:
+            if checksum(view) != grant.checksum:
+                with self.lock:
+                    self._count("demote_corrupt_total")
+                    self.slots.release(slot, generation)
+                    self._free_locked(slot, generation)
+                raise ChecksumMismatch("the arena copy no longer matches its checksum: freed", slot=slot)
+            try:
+                placed = self.ssd.write(view, key, grant.checksum)
+            finally:
+                with self.lock:
+                    self.slots.release(slot, generation)
+        finally:
+            view.release()
+        self.count("demotions_total")
+        self.count("demoted_bytes_total", size)
+        return placed

@@ -41,6 +41,30 @@ class SegmentCollector(Collector):
                 "kvfabric_segment_draining": ("1 while refusing new writes.", int(backend.draining)),
             }
             counters = {**slots.counters, **backend.counters}
+        ssd = shell.ssd.stats() if shell.ssd is not None else {}
+        figures.update(
+            {
+                "kvfabric_segment_ssd_capacity_bytes": (
+                    "Disk tier data bytes (0: no disk tier).",
+                    ssd.get("capacity_bytes", 0),
+                ),
+                "kvfabric_segment_ssd_used_bytes": (
+                    "Disk tier bytes of live extents (writing, stored, being unlinked).",
+                    ssd.get("used_bytes", 0),
+                ),
+                "kvfabric_segment_ssd_objects": ("Objects stored in the disk tier.", ssd.get("objects", 0)),
+                "kvfabric_segment_ssd_read_bytes_in_flight": (
+                    "Disk read buffers held (bounded by KVF_SEGMENT_SSD_READ_BYTES_MAX).",
+                    ssd.get("read_bytes_in_flight", 0),
+                ),
+                "kvfabric_segment_ssd_failed": (
+                    "1 once a disk sync failed (no more disk writes until restart).",
+                    ssd.get("failed", 0),
+                ),
+            }
+        )
+        if shell.ssd is not None:
+            counters.update(shell.ssd.all_counters())
         for name, (doc, value) in figures.items():
             yield GaugeMetricFamily(name, doc, value=float(value))
         events = CounterMetricFamily("kvfabric_segment_events", "Segment counters, by name.", labels=["name"])

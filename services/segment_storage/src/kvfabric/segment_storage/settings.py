@@ -24,6 +24,15 @@
 | `KVF_SEGMENT_COPY_TIMEOUT_MS` | 30000 | one copy's read from its source segment, overall |
 | `KVF_SEGMENT_SCRUB_BYTES_PER_S` | 64 MiB | re-verify stored checksums at this rate; 0 disables |
 | `KVF_SEGMENT_SCRUB_PASS_MIN_MS` | 60000 | start a scrub pass over all objects at most this often |
+| `KVF_SEGMENT_SSD_PATH` | unset (no disk tier) | folder of the disk tier file `kvf-<segment id>.ssd` |
+| `KVF_SEGMENT_SSD_BYTES` | 0 | disk tier data bytes (rounded down to 4 KiB); required with the path |
+| `KVF_SEGMENT_SSD_SLOTS_MAX` | one per 64 KiB | disk slot ids (index records of 512 B each) |
+| `KVF_SEGMENT_SSD_DIRECT` | 1 | `O_DIRECT` data I/O (no page cache); 0: buffered |
+| `KVF_SEGMENT_SSD_IO_THREADS` | 4 | I/O engine threads (0: on the calling thread) |
+| `KVF_SEGMENT_SSD_IO_QUEUE_MAX` | 256 | I/O pieces queued or running; more: busy |
+| `KVF_SEGMENT_SSD_IO_CHUNK_BYTES` | 1 MiB | an object's I/O is cut into pieces of this size |
+| `KVF_SEGMENT_SSD_READ_BYTES_MAX` | 256 MiB | buffers of disk reads held at once; more: busy |
+| `KVF_SEGMENT_SSD_VERIFY_ON_START` | 0 | re-hash every recovered object before serving |
 """
 
 from __future__ import annotations
@@ -32,7 +41,9 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
+from kvfabric.core.disk_records import BLOCK_BYTES as SSD_BLOCK_BYTES
 from kvfabric.dataplane.admission import (
     AUTH_DEADLINE_MS_DEFAULT,
     FRAME_TIMEOUT_MS_DEFAULT,
@@ -47,6 +58,10 @@ from kvfabric.proto.tickets import SECRET_BYTES_MIN
 from kvfabric.runtime.config import SettingsError, env_int
 
 __all__ = ["SegmentSettings", "load_segment_settings"]
+
+SSD_BYTES_PER_SLOT_DEFAULT: Final = 64 << 10  # disk slot ids by default: one per 64 KiB of data
+SSD_SLOTS_MIN: Final = 64
+SSD_SLOTS_MAX: Final = 1 << 24
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +95,16 @@ class SegmentSettings:
     idle_timeout_ms: int = IDLE_TIMEOUT_MS_DEFAULT
     frame_timeout_ms: int = FRAME_TIMEOUT_MS_DEFAULT
     transfer_rate_min_bytes_per_s: int = TRANSFER_RATE_MIN_BYTES_PER_S_DEFAULT
+    # The disk tier (kvfabric.segment_storage.ssd); off while ssd_dir is None.
+    ssd_dir: Path | None = None
+    ssd_bytes: int = 0
+    ssd_slots_max: int = 0
+    ssd_direct: bool = True
+    ssd_io_threads: int = 4
+    ssd_io_queue_max: int = 256
+    ssd_io_chunk_bytes: int = 1 << 20
+    ssd_read_bytes_max: int = 256 << 20
+    ssd_verify_on_start: bool = False
 
     @property
     def connection_limits(self) -> ConnectionLimits:
@@ -104,6 +129,13 @@ def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
     secret = env.get("KVF_CLUSTER_SECRET", "").encode()
     if len(secret) < SECRET_BYTES_MIN:
         raise SettingsError(f"KVF_CLUSTER_SECRET must be set to at least {SECRET_BYTES_MIN} bytes")
+    ssd_path = env.get("KVF_SEGMENT_SSD_PATH", "")
+    ssd_bytes = env_int(env, "KVF_SEGMENT_SSD_BYTES", 0, 0, 1 << 50) // SSD_BLOCK_BYTES * SSD_BLOCK_BYTES
+    if bool(ssd_path) != bool(ssd_bytes):
+        raise SettingsError(
+            "KVF_SEGMENT_SSD_PATH and KVF_SEGMENT_SSD_BYTES (>= 4 KiB) go together: set both or neither"
+        )
+    ssd_slots_default = min(SSD_SLOTS_MAX, max(SSD_SLOTS_MIN, ssd_bytes // SSD_BYTES_PER_SLOT_DEFAULT))
     return SegmentSettings(
         segment_id=segment_id,
         arena_bytes=env_int(env, "KVF_SEGMENT_BYTES", 1 << 30, 1 << 20, 1 << 46),
@@ -147,4 +179,17 @@ def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
             1,
             1 << 40,
         ),
+        ssd_dir=Path(ssd_path) if ssd_path else None,
+        ssd_bytes=ssd_bytes,
+        ssd_slots_max=env_int(
+            env, "KVF_SEGMENT_SSD_SLOTS_MAX", ssd_slots_default, SSD_SLOTS_MIN, SSD_SLOTS_MAX
+        ),
+        ssd_direct=bool(env_int(env, "KVF_SEGMENT_SSD_DIRECT", 1, 0, 1)),
+        ssd_io_threads=env_int(env, "KVF_SEGMENT_SSD_IO_THREADS", 4, 0, 64),
+        ssd_io_queue_max=env_int(env, "KVF_SEGMENT_SSD_IO_QUEUE_MAX", 256, 1, 1 << 16),
+        ssd_io_chunk_bytes=env_int(env, "KVF_SEGMENT_SSD_IO_CHUNK_BYTES", 1 << 20, SSD_BLOCK_BYTES, 1 << 30)
+        // SSD_BLOCK_BYTES
+        * SSD_BLOCK_BYTES,
+        ssd_read_bytes_max=env_int(env, "KVF_SEGMENT_SSD_READ_BYTES_MAX", 256 << 20, 1 << 20, 1 << 40),
+        ssd_verify_on_start=bool(env_int(env, "KVF_SEGMENT_SSD_VERIFY_ON_START", 0, 0, 1)),
     )

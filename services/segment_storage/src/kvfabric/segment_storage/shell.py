@@ -25,7 +25,13 @@ Lifecycle:
 - If the directory answers a heartbeat with `not_found` / `stale_generation` (it declared this
   segment down), the segment stops with exit code 75 (EX_TEMPFAIL): it must restart empty under a
   new incarnation; it never serves bytes the directory has forgotten.
-- stop: stop the data server (connections closed, references released), unlink the arena.
+- disk tier (optional, `KVF_SEGMENT_SSD_PATH`/`_BYTES`: `kvfabric.segment_storage.ssd`): opened
+  (or created) at start, before the arena is served; its recovered objects are listed by `report`
+  after the arena's (their slot ids are `SSD_SLOT_BASE` and up) and read over GET. A disk read
+  that finds an object corrupt frees it and reports it like the scrubber does. Free records whose
+  write failed are tried again every `SSD_UNLINK_RETRY_S`.
+- stop: stop the data server (connections closed, references released), unlink the arena, close
+  the disk tier (its file stays: it is what the next start recovers).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from typing import TYPE_CHECKING, Final
 import msgspec
 from nats.aio.client import Client as NatsClient
 
-from kvfabric.core.segment_slots import SlotTable
+from kvfabric.core.segment_slots import HeldSlot, SlotTable
 from kvfabric.dataplane.addresses import join
 from kvfabric.dataplane.tcp import TcpDataServer
 from kvfabric.dataplane.tls import client_context, server_context
@@ -78,6 +84,7 @@ from kvfabric.segment_storage.confirms import ConfirmBatcher
 from kvfabric.segment_storage.copier import fetch_replica
 from kvfabric.segment_storage.scrubber import CorruptObject, Scrubber, ScrubPacer
 from kvfabric.segment_storage.settings import SegmentSettings
+from kvfabric.segment_storage.ssd import SsdIo, SsdTier
 from kvfabric.segment_storage.suspects import SuspectChecker
 
 if TYPE_CHECKING:
@@ -93,6 +100,7 @@ MAP_REFRESH_BEATS: Final = 10  # the shard map is asked again at least every thi
 SCRUB_TICK_S: Final = 0.1
 CORRUPT_REPORT_ATTEMPTS: Final = 3  # a report the directory could not take is retried, then dropped
 CORRUPT_REPORT_BACKOFF_S: Final = 1.0
+SSD_UNLINK_RETRY_S: Final = 1.0
 
 
 def new_incarnation() -> int:
@@ -110,8 +118,30 @@ class SegmentShell:
             self.stale_files_removed = remove_stale_arenas(
                 settings.shm_dir, settings.segment_id, self.incarnation
             )
+            self.ssd: SsdTier | None = None
+            self.ssd_io: SsdIo | None = None
+            if settings.ssd_dir is not None:  # recovers what the file's index names (blocks: at start)
+                self.ssd_io = SsdIo(
+                    settings.ssd_io_threads, settings.ssd_io_queue_max, settings.ssd_io_chunk_bytes
+                )
+                try:
+                    self.ssd = SsdTier(
+                        settings.ssd_dir,
+                        settings.segment_id,
+                        settings.ssd_bytes,
+                        settings.ssd_slots_max,
+                        direct=settings.ssd_direct,
+                        io=self.ssd_io,
+                        read_bytes_max=settings.ssd_read_bytes_max,
+                        verify_on_start=settings.ssd_verify_on_start,
+                    )
+                except BaseException:
+                    self.ssd_io.close()
+                    raise
             self.arena = Arena(settings.shm_dir, settings.segment_id, self.incarnation, settings.arena_bytes)
         except BaseException:
+            if getattr(self, "ssd", None) is not None:
+                self._close_ssd()
             unlock_segment_id(settings.shm_dir, settings.segment_id, self._id_lock_fd)
             raise
         self.slots = SlotTable(settings.arena_bytes)
@@ -123,6 +153,8 @@ class SegmentShell:
             secret=settings.secret,
             confirm=self._confirm,
             read_tokens_required=settings.read_tokens_required,
+            ssd=self.ssd,
+            report_corrupt=self._disk_read_corrupt,
         )
         tls = bool(settings.tls_cert)
         # A connection presents a credential (read token, write ticket) before anything else.
@@ -264,6 +296,8 @@ class SegmentShell:
         self._tasks = [asyncio.create_task(self._heartbeats())]
         if s.scrub_bytes_per_s > 0:
             self._tasks.append(asyncio.create_task(self._scrub()))
+        if self.ssd is not None:
+            self._tasks.append(asyncio.create_task(self._ssd_unlinks()))
         self._log.info(
             "segment_registered",
             data_addr=self.data_addr,
@@ -284,9 +318,18 @@ class SegmentShell:
             await asyncio.to_thread(self.ucx.stop)
         await asyncio.to_thread(self.server.stop)
         self.arena.close()
+        if self.ssd is not None:  # after the data server: no read is using it any more
+            await asyncio.to_thread(self._close_ssd)
         if self._id_lock_fd >= 0:  # the id is free for the next incarnation
             unlock_segment_id(self.settings.shm_dir, self.settings.segment_id, self._id_lock_fd)
             self._id_lock_fd = -1
+
+    def _close_ssd(self) -> None:
+        """Wait for the I/O threads, then close the file (it stays for the next start)."""
+        if self.ssd_io is not None:
+            self.ssd_io.close()
+        if self.ssd is not None:
+            self.ssd.close()
 
     # ---- directory traffic ---------------------------------------------------------------------
 
@@ -385,6 +428,9 @@ class SegmentShell:
         self._saw_epoch(message.shard, message.epoch)
         with self.backend.lock:
             held = self.slots.held(message.after_slot, message.limit + 1)
+        if self.ssd is not None and len(held) <= message.limit:  # disk slots come after the arena's
+            disk = await asyncio.to_thread(self.ssd.held, message.after_slot, message.limit + 1 - len(held))
+            held += [HeldSlot(h.slot, h.generation, h.size, h.checksum, h.key) for h in disk]
         more = len(held) > message.limit
         held = held[: message.limit]
         return SegmentReport(
@@ -484,6 +530,24 @@ class SegmentShell:
                     key=found.key.hex(),
                 )
                 await self._report_corrupt(found)
+
+    def _disk_read_corrupt(self, key: bytes, slot: int, generation: int, size: int) -> None:
+        """From a transport thread: a disk read found this replica corrupt (or unreadable) and the
+        tier freed it; report it like the scrubber does."""
+        self._log.warning("corrupt_replica_freed", slot=slot, slot_generation=generation, tier="ssd")
+        if self._loop is not None:
+            found = CorruptObject(key, slot, generation, size)
+            asyncio.run_coroutine_threadsafe(self._report_corrupt(found), self._loop)
+
+    async def _ssd_unlinks(self) -> None:
+        """Free records whose write failed (an I/O error): their extents stay held until a retry
+        gets them durable."""
+        assert self.ssd is not None
+        while True:
+            await asyncio.sleep(SSD_UNLINK_RETRY_S)
+            if self.ssd.table.pending_unlinks():
+                retried = await asyncio.to_thread(self.ssd.retry_unlinks)
+                self._log.info("ssd_unlinks_retried", slots=retried)
 
     async def _report_corrupt(self, found: CorruptObject) -> None:
         """Tell the directory (bounded retries); the slot is already freed here whatever it says."""

@@ -105,8 +105,7 @@ class SuspectChecker:
 
     def _check(self, slot: Slot, domains: frozenset[bytes]) -> tuple[str, CorruptObject | None]:
         """Blocking (hashes one object): the verdict, and the corrupt object (freed already)."""
-        with self.backend.lock:
-            held = self.backend.slots.held_one(*slot)
+        held = self.backend.held_one(*slot)  # an arena or a disk slot
         if held is None:
             return "skipped", None  # freed or reused meanwhile: nothing of it is served any more
         if domains and tenant_of(held.key) not in domains:

@@ -1,0 +1,628 @@
+"""The segment's disk tier: one preallocated file, a bounded I/O engine, crash-consistent commits.
+
+The file is `<KVF_SEGMENT_SSD_PATH>/kvf-<segment id>.ssd`: header | index | data
+(`kvfabric.core.disk_records`), created at the configured size with `posix_fallocate` (so a
+full disk shows at start, never in the middle of a write) and mode 0600. Unlike the arena it
+outlives the process: a restarted segment (new incarnation) recovers what its index names.
+
+Who decides what: the pure `DiskSlotTable` (`kvfabric.core.disk_slots`) owns slots, extents,
+generations and the order of durable steps; this shell does the I/O it asks for, under one lock
+for the table (never held during I/O).
+
+Write protocol (`write`), each step in order, each sync a real `fdatasync` of the file:
+1. `alloc` an extent and slot; 2. write the bytes (the I/O engine, in pieces); 3. sync;
+4. `begin_commit` -> the commit record; 5. write it (one 512-byte sector); 6. sync;
+7. `end_commit` -> readable. A free (`free_many`) writes free records, syncs once for all of
+them, then `unlinked` each: only then may the extent and slot be reused. A crash between any two
+steps leaves an index from which `recover` returns exactly the objects whose bytes and commit
+record were complete (tests/unit/segment_storage/test_ssd_crash.py tears and drops writes at
+every step; tests/unit/core/test_disk_slots_machine.py checks the protocol against a model).
+Concurrent syncs are shared (`GroupSync`: a sync started after your write covers you).
+
+Reads (`read`) take a read reference on the slot (a free meanwhile is deferred), read the extent
+into a private buffer, release, then hash the bytes: a mismatch (or an I/O error) frees the slot
+at once — its generation moves on, so no later read names it — and is returned as
+`corrupt`, for the shell to report like a scrubbed replica. The buffer is the caller's.
+
+Bounds: the I/O engine runs at most `io_threads` pieces at once and holds at most
+`io_queue_max` pieces queued or running; a request that would exceed it is `Busy` at once. Reads
+hold at most `read_bytes_max` bytes of buffers; past it, `Busy`. A device that never answers an
+I/O holds the thread that issued it (a syscall cannot be cancelled); the bounds then turn the
+rest away. A failed `fdatasync` (the kernel may have dropped the dirty pages) stops the tier
+for writes until restart (`Unavailable`, reason `ssd_failed`): what it committed before stays
+readable.
+
+Slot ids on the wire: local slot i is `SSD_SLOT_BASE + i` (`kvfabric.proto.segment`), so frees,
+reads, read tokens, reports and corruption reports name disk replicas exactly as DRAM ones.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import fcntl
+import mmap
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Literal
+
+import numpy as np
+
+from kvfabric.core.disk_records import (
+    BLOCK_BYTES,
+    RECORD_BYTES,
+    DiskHeader,
+    HeaderError,
+    Record,
+    decode_header,
+    decode_record,
+    encode_header,
+    encode_record,
+    geometry,
+)
+from kvfabric.core.disk_slots import DiskHeld, DiskSlotTable
+from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import BadRequest, Busy, KvfError, NotFound, StaleGeneration, Unavailable
+from kvfabric.format.invariant import invariant
+from kvfabric.proto.segment import SSD_SLOT_BASE
+
+__all__ = [
+    "SSD_FILE_MODE",
+    "GroupSync",
+    "SsdFileRefused",
+    "SsdIo",
+    "SsdRead",
+    "SsdTier",
+    "aligned_buffer",
+    "ssd_file_path",
+]
+
+SSD_FILE_MODE: Final = 0o600
+INDEX_READ_BYTES: Final = 4 << 20  # the index is read at start in pieces of this size
+ReadStatus = Literal["ok", "stale_generation", "not_found", "wrong_size", "corrupt"]
+
+
+class SsdFileRefused(RuntimeError):
+    """The disk tier file exists but is not this segment's as configured, or is damaged or
+    truncated: it is never served. The message says what differs and what to do."""
+
+
+def ssd_file_path(directory: Path, segment_id: str) -> Path:
+    return directory / f"kvf-{segment_id}.ssd"
+
+
+def aligned_buffer(size: int) -> mmap.mmap:
+    """A page-aligned, zero-filled anonymous buffer of `size` rounded up to the block size (what
+    `O_DIRECT` needs for memory); freed when the last view of it goes."""
+    return mmap.mmap(-1, max(BLOCK_BYTES, -(-size // BLOCK_BYTES) * BLOCK_BYTES))
+
+
+class SsdIo:
+    """The I/O engine: `os.preadv`/`os.pwritev` in pieces of at most `chunk_bytes`, run by a pool
+    of `threads` (0: every piece on the calling thread), at most `queue_max` pieces queued or
+    running in all; a call that would exceed it is `Busy` before it starts. A call returns when
+    all its pieces are done (its buffer is free again), and raises the first `OSError`."""
+
+    def __init__(self, threads: int, queue_max: int, chunk_bytes: int) -> None:
+        invariant(threads >= 0 and queue_max >= 1 and chunk_bytes >= BLOCK_BYTES, "bad I/O engine bounds")
+        invariant(chunk_bytes % BLOCK_BYTES == 0, "chunk bytes must be whole blocks", chunk_bytes=chunk_bytes)
+        self.threads = threads
+        self.queue_max = queue_max
+        self.chunk_bytes = chunk_bytes
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kvf-ssd-io")
+            if threads
+            else None
+        )
+        self._lock = threading.Lock()
+        self.pieces_in_flight = 0
+        self.busy_total = 0
+
+    def pwrite(self, fd: int, view: memoryview, offset: int) -> None:
+        self._run(fd, view, offset, write=True)
+
+    def write_record(self, fd: int, view: memoryview, offset: int) -> None:
+        """One index record (a sector), on the calling thread, outside the queue bound."""
+        self._piece(fd, view, offset, True)
+
+    def _piece(self, fd: int, view: memoryview, offset: int, write: bool) -> None:
+        _io_piece(fd, view, offset, write)
+
+    def pread(self, fd: int, view: memoryview, offset: int) -> None:
+        self._run(fd, view, offset, write=False)
+
+    def _run(self, fd: int, view: memoryview, offset: int, *, write: bool) -> None:
+        pieces = [(i, min(self.chunk_bytes, len(view) - i)) for i in range(0, len(view), self.chunk_bytes)]
+        with self._lock:
+            if self.pieces_in_flight + len(pieces) > self.queue_max:
+                self.busy_total += 1
+                raise Busy(
+                    "disk tier I/O queue full", queue_max=self.queue_max, in_flight=self.pieces_in_flight
+                )
+            self.pieces_in_flight += len(pieces)
+        try:
+            if self._pool is None or len(pieces) == 1:
+                for start, length in pieces:
+                    self._piece(fd, view[start : start + length], offset + start, write)
+                return
+            futures = [
+                self._pool.submit(self._piece, fd, view[start : start + length], offset + start, write)
+                for start, length in pieces[1:]
+            ]
+            error: BaseException | None = None
+            try:
+                start, length = pieces[0]
+                self._piece(fd, view[start : start + length], offset + start, write)
+            except BaseException as exc:
+                error = exc
+            for future in futures:  # every piece ends before the buffer is handed back
+                failed = future.exception()
+                if failed is not None and error is None:
+                    error = failed
+            if error is not None:
+                raise error
+        finally:
+            with self._lock:
+                self.pieces_in_flight -= len(pieces)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def _io_piece(fd: int, view: memoryview, offset: int, write: bool) -> None:
+    """All of `view` to/from `offset`, looping over short transfers."""
+    done = 0
+    while done < len(view):
+        part = view[done:]
+        n = os.pwritev(fd, [part], offset + done) if write else os.preadv(fd, [part], offset + done)
+        if n <= 0:
+            raise OSError(f"{'write' if write else 'read'} returned {n} at offset {offset + done}")
+        done += n
+
+
+class GroupSync:
+    """`fdatasync` shared by concurrent callers: `sync()` returns once a sync that *started after
+    the call* has finished, so one sync covers every write completed before it began. After a
+    failed sync every later call raises `Unavailable` (the kernel may have dropped dirty pages)."""
+
+    def __init__(self, fd: int, sync: Callable[[int], None] = os.fdatasync) -> None:
+        self._fd = fd
+        self._sync = sync
+        self._cond = threading.Condition()
+        self._started = 0
+        self._done = 0
+        self._running = False
+        self.failed: OSError | None = None
+        self.syncs_total = 0
+        self.sync_seconds_total = 0.0
+
+    def sync(self) -> None:
+        with self._cond:
+            target = self._started + 1
+            while self._done < target and self.failed is None:
+                if self._running:
+                    self._cond.wait()
+                    continue
+                self._running = True
+                self._started += 1
+                number = self._started
+                self._cond.release()
+                started = time.perf_counter()
+                error: OSError | None = None
+                try:
+                    self._sync(self._fd)
+                except OSError as exc:
+                    error = exc
+                finally:
+                    self._cond.acquire()
+                self._running = False
+                self._done = number
+                self.syncs_total += 1
+                self.sync_seconds_total += time.perf_counter() - started
+                if error is not None:
+                    self.failed = error
+                self._cond.notify_all()
+            if self.failed is not None:
+                raise Unavailable(
+                    f"the disk tier's sync failed: {self.failed!r}; no more writes until restart",
+                    reason="ssd_failed",
+                )
+
+
+@dataclass(slots=True)
+class SsdRead:
+    """One read from the disk tier: `view` (the object's bytes, in a private buffer the caller
+    owns until `release`, which also gives its bytes back to `read_bytes_max`) and the stored
+    `checksum`, when `status` is ok."""
+
+    status: ReadStatus
+    view: memoryview | None = None
+    checksum: bytes = b""
+    key: bytes = b""
+    generation: int = 0
+    on_release: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        if self.view is not None:
+            self.view.release()
+            self.view = None
+        if self.on_release is not None:
+            self.on_release()
+            self.on_release = None
+
+
+class SsdTier:
+    """One segment's disk tier. Thread-safe; every method may block on I/O (call from a thread)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        segment_id: str,
+        data_bytes: int,
+        slots_max: int,
+        *,
+        direct: bool,
+        io: SsdIo,
+        read_bytes_max: int,
+        verify_on_start: bool = False,
+        sync: Callable[[int], None] = os.fdatasync,
+    ) -> None:
+        self.path = ssd_file_path(directory, segment_id)
+        self.segment_id = segment_id
+        self.direct = direct
+        self.io = io
+        self.read_bytes_max = read_bytes_max
+        self.geometry = geometry(slots_max, data_bytes)
+        self.lock = threading.Lock()
+        self.counters: dict[str, int] = {}
+        self.read_bytes_in_flight = 0
+        self.created = False
+        self.stale_removed: list[Path] = []
+        directory.mkdir(parents=True, exist_ok=True)
+        self._fd = -1
+        self._direct_fd = -1
+        try:
+            self._open()
+            self._sync = GroupSync(self._fd, sync)
+            self.table, unlinks = DiskSlotTable.recover(data_bytes, self._read_index())
+            if unlinks:  # dropped commit records: superseded on disk before anything is allocated
+                for record in unlinks:
+                    self._write_record(record)
+                self._sync.sync()
+                for record in unlinks:
+                    self.table.unlinked(record.slot, record.generation)
+            if verify_on_start:
+                self._verify_all()
+        except BaseException:
+            self.close()
+            raise
+        self.recovered_objects = self.table.objects
+        self.recovered_bytes = self.table.stored_bytes
+
+    # ---- the file ------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        g = self.geometry
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, SSD_FILE_MODE)
+            self.created = True
+        except FileExistsError:
+            fd = os.open(self.path, os.O_RDWR)
+        self._fd = fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SsdFileRefused(f"{self.path} is in use by another process") from None
+        if self.created:
+            try:
+                os.posix_fallocate(fd, 0, g.file_bytes)  # the space is ours now, or this fails
+                header = DiskHeader(g, secrets.token_bytes(16), self.segment_id, time.time_ns() // 1_000_000)
+                os.pwrite(fd, encode_header(header), 0)
+                os.fsync(fd)
+                dir_fd = os.open(self.path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)  # the file's name is durable too
+                finally:
+                    os.close(dir_fd)
+            except BaseException:
+                os.close(fd)
+                self._fd = -1
+                self.path.unlink(missing_ok=True)
+                raise
+            self.header = header
+        else:
+            self.header = self._check_header()
+        if self.direct:
+            self._direct_fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+
+    def _check_header(self) -> DiskHeader:
+        g = self.geometry
+        size = os.fstat(self._fd).st_size
+        try:
+            header = decode_header(os.pread(self._fd, 4096, 0))
+        except HeaderError as exc:
+            raise SsdFileRefused(
+                f"{self.path} is not a usable disk tier file: {exc}; move it away or remove it to start empty"
+            ) from None
+        wrong = []
+        if header.segment_id != self.segment_id:
+            wrong.append(f"segment {header.segment_id!r}, this is {self.segment_id!r}")
+        if header.geometry != g:
+            wrong.append(
+                f"{header.geometry.data_bytes} data bytes and {header.geometry.slots_max} slots, configured "
+                f"{g.data_bytes} and {g.slots_max} (KVF_SEGMENT_SSD_BYTES / KVF_SEGMENT_SSD_SLOTS_MAX)"
+            )
+        if size < header.geometry.file_bytes:
+            wrong.append(f"truncated: {size} bytes of {header.geometry.file_bytes}")
+        if wrong:
+            raise SsdFileRefused(
+                f"{self.path} was made for another configuration ({'; '.join(wrong)}): start with the same "
+                "settings, or remove the file to start empty"
+            )
+        return header
+
+    def _read_index(self) -> list[Record | None]:
+        g = self.geometry
+        records: list[Record | None] = []
+        total = g.slots_max * RECORD_BYTES
+        for start in range(0, total, INDEX_READ_BYTES):
+            chunk = os.pread(self._fd, min(INDEX_READ_BYTES, total - start), g.index_offset + start)
+            view = memoryview(chunk)
+            for i in range(0, len(chunk), RECORD_BYTES):
+                slot = (start + i) // RECORD_BYTES
+                records.append(decode_record(view[i : i + RECORD_BYTES], self.header.file_id, slot))
+        return records
+
+    def _verify_all(self) -> None:
+        """Re-hash every recovered object; a mismatch is freed now (start-up, before serving)."""
+        for held in self.table.held():
+            result = self.read(SSD_SLOT_BASE + held.slot, held.generation, held.size)
+            result.release()
+
+    @property
+    def data_fd(self) -> int:
+        return self._direct_fd if self.direct else self._fd
+
+    def close(self) -> None:
+        for fd in (self._direct_fd, self._fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fd = self._direct_fd = -1
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self._count(name, n)
+
+    def _write_record(self, record: Record) -> None:
+        data = encode_record(record, self.header.file_id)
+        offset = self.geometry.index_offset + record.slot * RECORD_BYTES
+        if self.direct:
+            buf = aligned_buffer(RECORD_BYTES)
+            buf[:RECORD_BYTES] = data
+            with memoryview(buf) as view:
+                self.io.write_record(self._direct_fd, view[:RECORD_BYTES], offset)
+        else:
+            self.io.write_record(self._fd, memoryview(data), offset)
+
+    @staticmethod
+    def local(slot: int) -> int:
+        return slot - SSD_SLOT_BASE
+
+    # ---- writes --------------------------------------------------------------------------------
+
+    def write(self, source: memoryview, key: bytes, digest: bytes) -> tuple[int, int]:
+        """Store `source` (its XXH3-128 is `digest`, which the caller vouches for) durably; returns
+        its wire (slot, generation). Raises `NoCapacity` (tier full), `Busy` (I/O queue),
+        `Unavailable` (I/O error: nothing stored, nothing held)."""
+        if self._sync.failed is not None:
+            raise Unavailable(
+                "the disk tier failed a sync earlier: no writes until restart", reason="ssd_failed"
+            )
+        with self.lock:
+            alloc = self.table.alloc(len(source), key)
+        started = time.perf_counter()
+        try:
+            self._write_data(source, alloc.offset, alloc.extent_bytes)
+            self._sync.sync()
+        except (OSError, KvfError) as exc:
+            with self.lock:
+                self.table.abort(alloc.slot, alloc.generation)
+                self._count("writes_failed_total")
+            if isinstance(exc, KvfError):
+                raise
+            raise Unavailable(f"disk tier write failed: {exc!r}") from exc
+        with self.lock:
+            record = self.table.begin_commit(alloc.slot, alloc.generation, digest)
+        if record is None:  # freed while writing (it was never visible): nothing to undo
+            raise StaleGeneration("slot_generation", alloc.generation, alloc.generation + 1)
+        durable = True
+        try:
+            self._write_record(record)
+            self._sync.sync()
+        except (OSError, KvfError):
+            durable = False
+        with self.lock:
+            unlink = self.table.end_commit(alloc.slot, alloc.generation, durable)
+            if unlink is None:
+                self._count("writes_total")
+                self._count("write_bytes_total", len(source))
+                self._count("write_us_total", int((time.perf_counter() - started) * 1e6))
+        if unlink is not None:
+            self._unlink([unlink])
+            if not durable:
+                raise Unavailable("disk tier commit failed: the object was not stored")
+            raise StaleGeneration("slot_generation", alloc.generation, alloc.generation + 1)
+        return SSD_SLOT_BASE + alloc.slot, alloc.generation
+
+    def _write_data(self, source: memoryview, offset: int, extent_bytes: int) -> None:
+        position = self.geometry.data_offset + offset
+        if not self.direct:
+            self.io.pwrite(self._fd, source, position)
+            return
+        # O_DIRECT: memory, offset and length block-aligned. A source that is not (an arena slot
+        # is 64-byte aligned) goes through a bounce buffer; the tail block is zero-padded.
+        address = int(np.frombuffer(source, dtype=np.uint8).ctypes.data) if len(source) else 0
+        if address % BLOCK_BYTES == 0 and len(source) == extent_bytes:
+            self.io.pwrite(self._direct_fd, source, position)
+            return
+        buf = aligned_buffer(extent_bytes)
+        with memoryview(buf) as view:
+            view[: len(source)] = source
+            self.io.pwrite(self._direct_fd, view[:extent_bytes], position)
+
+    # ---- frees ---------------------------------------------------------------------------------
+
+    def free_many(self, slots: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The directory's frees of disk slots (wire ids): each is freed (its free record durable
+        before this returns, one sync for all), deferred, already freed or unknown; all are
+        returned (the directory may stop retrying them)."""
+        records: list[Record] = []
+        with self.lock:
+            for slot, generation in slots:
+                try:
+                    result = self.table.free(self.local(slot), generation)
+                except NotFound:
+                    self._count("free_unknown_slot_total")
+                    continue
+                if result.record is not None:
+                    records.append(result.record)
+        if records:
+            self._unlink(records)
+        return list(slots)
+
+    def _unlink(self, records: list[Record]) -> None:
+        """Write and sync free records, then let the table reuse their extents. On an I/O error
+        the slots stay held (`pending_unlinks`), retried by `retry_unlinks`."""
+        try:
+            for record in records:
+                self._write_record(record)
+            self._sync.sync()
+        except (OSError, KvfError):
+            self.count("unlinks_failed_total")
+            return
+        with self.lock:
+            for record in records:
+                self.table.unlinked(record.slot, record.generation)
+
+    def retry_unlinks(self) -> int:
+        with self.lock:
+            pending = self.table.pending_unlinks()
+        if pending:
+            self._unlink(pending)
+        return len(pending)
+
+    # ---- reads ---------------------------------------------------------------------------------
+
+    def read(self, slot: int, generation: int, size: int) -> SsdRead:
+        """Read a stored object (wire slot id) into a private buffer and verify it. `corrupt`: the
+        bytes (or the device) failed, the slot is freed now; tell the directory."""
+        local = self.local(slot)
+        with self.lock:
+            try:
+                grant = self.table.acquire(local, generation, size)
+            except StaleGeneration:
+                return SsdRead("stale_generation")
+            except BadRequest:
+                return SsdRead("wrong_size")
+            except KvfError:
+                return SsdRead("not_found")
+            in_flight = self.read_bytes_in_flight
+            if in_flight and in_flight + grant.extent_bytes > self.read_bytes_max:  # one read always may
+                self.table.release(local, generation)
+                self._count("reads_busy_total")
+                raise Busy(
+                    "disk tier reads in flight at their byte limit", read_bytes_max=self.read_bytes_max
+                )
+            self.read_bytes_in_flight += grant.extent_bytes
+            held = self.table.held_one(local, generation)
+        key = held.key if held is not None else b""
+        extent = grant.extent_bytes
+
+        def give_back() -> None:
+            with self.lock:
+                self.read_bytes_in_flight -= extent
+
+        started = time.perf_counter()
+        ok = False
+        try:
+            buf = aligned_buffer(extent)
+        except (OSError, MemoryError):
+            with self.lock:
+                self.table.release(local, generation)
+            give_back()
+            raise Busy("no memory for a disk read buffer", size=extent) from None
+        try:
+            with memoryview(buf) as whole:
+                self.io.pread(self.data_fd, whole, self.geometry.data_offset + grant.offset)
+                ok = checksum(whole[:size]) == grant.checksum
+        except OSError:
+            self.count("read_errors_total")
+        except BaseException:  # Busy from the I/O engine, or worse: nothing held afterwards
+            with self.lock:
+                self.table.release(local, generation)
+            give_back()
+            raise
+        with self.lock:
+            self.table.release(local, generation)
+            if ok:
+                self._count("reads_total")
+                self._count("read_bytes_total", size)
+                self._count("read_us_total", int((time.perf_counter() - started) * 1e6))
+        if ok:
+            return SsdRead("ok", memoryview(buf)[:size], grant.checksum, key, generation, give_back)
+        give_back()
+        self.count("read_corrupt_total")
+        self.free_many([(slot, generation)])
+        return SsdRead("corrupt", key=key, generation=generation)
+
+    def verify(self, slot: int, generation: int, size: int) -> ReadStatus:
+        result = self.read(slot, generation, size)
+        result.release()
+        return result.status
+
+    # ---- listing -------------------------------------------------------------------------------
+
+    def held(self, after_slot: int = -1, limit: int = 1 << 30) -> list[DiskHeld]:
+        """STORED objects with wire slot id > `after_slot`, lowest first, as wire ids."""
+        with self.lock:
+            page = self.table.held(max(after_slot - SSD_SLOT_BASE, -1), limit)
+        return [DiskHeld(SSD_SLOT_BASE + h.slot, h.generation, h.size, h.checksum, h.key) for h in page]
+
+    def held_one(self, slot: int, generation: int) -> DiskHeld | None:
+        with self.lock:
+            h = self.table.held_one(self.local(slot), generation)
+        return None if h is None else DiskHeld(slot, h.generation, h.size, h.checksum, h.key)
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            return {
+                "capacity_bytes": self.table.data_bytes,
+                "used_bytes": self.table.used_bytes,
+                "stored_bytes": self.table.stored_bytes,
+                "objects": self.table.objects,
+                "slots_in_use": self.table.slots_in_use,
+                "read_bytes_in_flight": self.read_bytes_in_flight,
+                "io_pieces_in_flight": self.io.pieces_in_flight,
+                "failed": int(self._sync.failed is not None),
+            }
+
+    def all_counters(self) -> dict[str, int]:
+        with self.lock:
+            out = {f"ssd_{k}": v for k, v in self.table.counters.items()}
+            out.update({f"ssd_{k}": v for k, v in self.counters.items()})
+        out["ssd_io_busy_total"] = self.io.busy_total
+        out["ssd_syncs_total"] = self._sync.syncs_total
+        out["ssd_sync_us_total"] = int(self._sync.sync_seconds_total * 1e6)
+        return out

@@ -1,0 +1,308 @@
+"""The disk tier behind the segment's backend, in process: demotion from the arena, reads of disk
+replicas over real TCP (a client loads them like any replica, checksum verified), frees, the
+bounds (busy), a corrupt disk replica (dropped and reported, never served), restart recovery."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvfabric.client.transfers import SegmentPool
+from kvfabric.core.segment_slots import SlotTable
+from kvfabric.dataplane.scatter import ScatterDest, WriteGate
+from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
+from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import Busy, ChecksumMismatch, Conflict, NoCapacity
+from kvfabric.proto.dataplane import ReadRef
+from kvfabric.proto.directory import Member, ObjectLocation, Replica, WriteTicket
+from kvfabric.proto.segment import SSD_SLOT_BASE, tier_of_slot
+from kvfabric.proto.tickets import read_token, sign_ticket
+from kvfabric.runtime.config import SettingsError
+from kvfabric.segment_storage.arena import Arena
+from kvfabric.segment_storage.backend import ArenaBackend
+from kvfabric.segment_storage.settings import load_segment_settings
+from kvfabric.segment_storage.ssd import SsdIo, SsdTier, ssd_file_path
+
+SECRET = b"unit-ssd-secret-0123456789ab"
+ARENA_BYTES = 8 << 20
+SSD_BYTES = 16 << 20
+NOW_MS = 1_000_000
+SEGMENT = "ssdseg"
+INCARNATION = 7
+
+
+@dataclass
+class Seg:
+    backend: ArenaBackend
+    ssd: SsdTier
+    io: SsdIo
+    corrupt: list[tuple[bytes, int, int, int]] = field(default_factory=list)
+
+    def store(self, data: bytes, key: bytes) -> ReadRef:
+        ticket = WriteTicket(
+            ticket_id=1,
+            key=key,
+            segment_id=SEGMENT,
+            incarnation=INCARNATION,
+            size_bytes=len(data),
+            checksum=checksum(data),
+            writer_id="w",
+            deadline_ms=NOW_MS + 30_000,
+            epoch=1,
+        )
+        put = self.backend.begin_put(sign_ticket(ticket, SECRET), conn=0)
+        put.view[:] = data
+        slot, generation = self.backend.finish_put(put, conn=0)
+        return ReadRef(INCARNATION, slot, generation, len(data))
+
+    def demote(self, ref: ReadRef) -> ReadRef:
+        slot, generation = self.backend.demote(ref.slot, ref.slot_generation, ref.size_bytes)
+        return signed(ReadRef(INCARNATION, slot, generation, ref.size_bytes))
+
+
+def signed(ref: ReadRef) -> ReadRef:
+    expires = NOW_MS + 60_000
+    token = read_token(
+        SECRET, SEGMENT, ref.incarnation, ref.slot, ref.slot_generation, ref.size_bytes, expires
+    )
+    return msgspec.structs.replace(ref, token=token, expires_ms=expires)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """The server ends a GET (gives its buffers back) just after the client has all the bytes."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def make(tmp: Path, *, read_bytes_max: int = 64 << 20, direct: bool = True) -> Seg:
+    io = SsdIo(2, 64, 1 << 20)
+    ssd = SsdTier(tmp / "ssd", SEGMENT, SSD_BYTES, 64, direct=direct, io=io, read_bytes_max=read_bytes_max)
+    corrupt: list[tuple[bytes, int, int, int]] = []
+    backend = ArenaBackend(
+        Arena(tmp, SEGMENT, INCARNATION, ARENA_BYTES),
+        SlotTable(ARENA_BYTES),
+        segment_id=SEGMENT,
+        incarnation=INCARNATION,
+        secret=SECRET,
+        confirm=lambda *_: "ok",
+        clock_ms=lambda: NOW_MS,
+        read_tokens_required=True,
+        ssd=ssd,
+        report_corrupt=lambda *a: corrupt.append(a),
+    )
+    return Seg(backend, ssd, io, corrupt)
+
+
+def close(seg: Seg) -> None:
+    seg.backend.arena.close()
+    seg.io.close()
+    seg.ssd.close()
+
+
+@pytest.fixture(params=[True, False], ids=["direct", "buffered"])
+def seg(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Seg]:
+    s = make(tmp_path, direct=request.param)
+    yield s
+    close(s)
+
+
+@pytest.fixture
+def served(seg: Seg) -> Iterator[tuple[Seg, str]]:
+    server = TcpDataServer(seg.backend, authenticate=seg.backend.admits)
+    server.start()
+    try:
+        yield seg, server.address
+    finally:
+        server.stop()
+
+
+def test_demoted_object_loads_over_tcp_with_identical_bytes(served: tuple[Seg, str]) -> None:
+    seg, addr = served
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    dram = seg.store(data, b"key-a")
+    disk = seg.demote(dram)
+    assert tier_of_slot(disk.slot) == "ssd" and disk.slot >= SSD_SLOT_BASE
+    assert tier_of_slot(dram.slot) == "dram"
+    with TcpDataClient.connect(addr) as client:
+        dest = bytearray(len(data))
+        ((result, digest),) = client.get_hashed([disk], [dest])
+        assert result.status == "ok" and digest == checksum(data) == result.checksum
+        assert bytes(dest) == data
+        # Both tiers in one request.
+        other = bytearray(len(data))
+        results = client.get_verified([signed(dram), disk], [other, bytearray(len(data))])
+        assert results == [True, True] and bytes(other) == data
+    wait_for(lambda: seg.ssd.stats()["read_bytes_in_flight"] == 0)  # buffers given back after the send
+    counters = seg.backend.counters
+    assert counters["demotions_total"] == 1 and counters["demoted_bytes_total"] == len(data)
+
+
+def test_client_pool_reads_disk_replicas_over_tcp_even_when_co_located(served: tuple[Seg, str]) -> None:
+    """With shared memory on (the segment's arena is mappable here), a disk replica still loads:
+    the pool sends it as a GET (the local reader cannot see disk slots)."""
+    seg, addr = served
+    data = os.urandom(200_000)
+    disk = seg.demote(seg.store(data, b"key-b"))
+    pool = SegmentPool(connections_per_segment_max=2, timeout_s=5, use_shm=True)
+    try:
+        replica = Replica(
+            segment_id=SEGMENT,
+            incarnation=INCARNATION,
+            slot=disk.slot,
+            slot_generation=disk.slot_generation,
+            data_addr=addr,
+            read_token=disk.token,
+            read_expires_ms=disk.expires_ms,
+        )
+        location = ObjectLocation(
+            chunk_index=0,
+            member=Member(0, 0, 0),
+            size_bytes=len(data),
+            checksum=checksum(data),
+            replicas=[replica],
+        )
+        dest = bytearray(len(data))
+        gate = WriteGate()
+        assert pool.fetch(location, ScatterDest([memoryview(dest)], gate), attempts_max=1) == "ok"
+        gate.close()
+        assert bytes(dest) == data
+    finally:
+        pool.close()
+
+
+def test_frees_of_disk_slots_and_stale_reads(served: tuple[Seg, str]) -> None:
+    seg, addr = served
+    data = os.urandom(10_000)
+    disk = seg.demote(seg.store(data, b"key-c"))
+    assert seg.backend.free_slots([(disk.slot, disk.slot_generation)]) == [(disk.slot, disk.slot_generation)]
+    assert seg.ssd.stats()["used_bytes"] == 0
+    with TcpDataClient.connect(addr) as client:
+        ((result, _),) = client.get_hashed([disk], [bytearray(len(data))])
+    assert result.status == "stale_generation"
+    # Freed again, or never held: the directory may stop retrying.
+    assert seg.backend.free_slots([(disk.slot, disk.slot_generation), (SSD_SLOT_BASE + 9, 1)]) == [
+        (disk.slot, disk.slot_generation),
+        (SSD_SLOT_BASE + 9, 1),
+    ]
+
+
+def test_pin_local_of_a_disk_slot_answers_not_found(seg: Seg) -> None:
+    disk = seg.demote(seg.store(os.urandom(5000), b"key-d"))
+    grants = seg.backend.pin_local([disk], conn=5)
+    assert [g.status for g in grants.grants] == ["not_found"]
+
+
+def test_corrupt_disk_replica_is_dropped_and_reported_never_served(served: tuple[Seg, str]) -> None:
+    seg, addr = served
+    data = os.urandom(64 * 1024)
+    disk = seg.demote(seg.store(data, b"key-e"))
+    grant = seg.ssd.table.acquire(disk.slot - SSD_SLOT_BASE, disk.slot_generation, len(data))
+    seg.ssd.table.release(disk.slot - SSD_SLOT_BASE, disk.slot_generation)
+    path = ssd_file_path(seg.ssd.path.parent, SEGMENT)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        at = seg.ssd.geometry.data_offset + grant.offset + 1000
+        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x40]), at)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.posix_fadvise(seg.ssd._fd, 0, 0, os.POSIX_FADV_DONTNEED)  # buffered mode: read the disk again
+    with TcpDataClient.connect(addr) as client:
+        ((result, _),) = client.get_hashed([disk], [bytearray(len(data))])
+    assert result.status == "stale_generation"  # freed: its generation moved on
+    assert seg.corrupt == [(b"key-e", disk.slot, disk.slot_generation, len(data))]
+    assert seg.ssd.stats()["used_bytes"] == 0 and seg.ssd.counters["read_corrupt_total"] == 1
+
+
+def test_scrub_and_verify_of_disk_slots(seg: Seg) -> None:
+    data = os.urandom(9000)
+    disk = seg.demote(seg.store(data, b"key-f"))
+    assert seg.backend.verify_stored(disk.slot, disk.slot_generation, len(data)) == "ok"
+    held = seg.backend.held_one(disk.slot, disk.slot_generation)
+    assert held is not None and held.key == b"key-f" and held.checksum == checksum(data)
+    assert seg.backend.verify_stored(disk.slot, disk.slot_generation + 1, len(data)) == "skipped"
+
+
+def test_demotion_checks_the_arena_bytes_and_the_tier_bounds(tmp_path: Path) -> None:
+    seg = make(tmp_path, read_bytes_max=1 << 20)
+    try:
+        data = os.urandom(4096)
+        ref = seg.store(data, b"key-g")
+        with seg.backend.lock:  # a bit flips in DRAM after the write was verified
+            g = seg.backend.slots.acquire(ref.slot, ref.slot_generation, ref.size_bytes)
+            seg.backend.slots.release(ref.slot, ref.slot_generation)
+        seg.backend.arena.view[g.offset] ^= 0x01
+        with pytest.raises(ChecksumMismatch):
+            seg.backend.demote(ref.slot, ref.slot_generation, ref.size_bytes)
+        assert (
+            seg.backend.slots.held_one(ref.slot, ref.slot_generation) is None
+        )  # freed, as the scrubber does
+        # Full tier: NoCapacity, nothing held.
+        big = seg.store(os.urandom(6 << 20), b"key-h")
+        first = seg.demote(big)
+        seg.demote(big)
+        with pytest.raises(NoCapacity):
+            seg.demote(big)
+        # Reads hold at most read_bytes_max of buffers: a second read while one is held is busy.
+        held = seg.backend.begin_get([first], conn=1)
+        assert held.statuses == ["ok"]
+        with pytest.raises(Busy):
+            seg.backend.begin_get([first], conn=2)
+        seg.backend.end_get(held, conn=1)
+        again = seg.backend.begin_get([first], conn=2)
+        assert again.statuses == ["ok"]
+        seg.backend.close_connection(2)  # a dead connection gives its buffers back too
+        assert seg.ssd.stats()["read_bytes_in_flight"] == 0
+    finally:
+        close(seg)
+    no_tier = ArenaBackend(
+        Arena(tmp_path, "plain", 1, ARENA_BYTES),
+        SlotTable(ARENA_BYTES),
+        segment_id="plain",
+        incarnation=1,
+        secret=SECRET,
+        confirm=lambda *_: "ok",
+    )
+    with pytest.raises(Conflict):
+        no_tier.demote(0, 1, 10)
+    no_tier.arena.close()
+
+
+def test_restart_recovers_the_disk_tier(tmp_path: Path) -> None:
+    seg = make(tmp_path)
+    data = os.urandom(777_777)
+    disk = seg.demote(seg.store(data, b"key-i"))
+    close(seg)
+    io = SsdIo(2, 64, 1 << 20)
+    ssd = SsdTier(tmp_path / "ssd", SEGMENT, SSD_BYTES, 64, direct=True, io=io, read_bytes_max=64 << 20)
+    try:
+        assert ssd.recovered_objects == 1 and ssd.recovered_bytes == len(data)
+        (held,) = ssd.held()
+        assert (held.slot, held.generation, held.key) == (disk.slot, disk.slot_generation, b"key-i")
+        result = ssd.read(held.slot, held.generation, held.size)
+        assert result.status == "ok" and result.view is not None and bytes(result.view) == data
+        result.release()
+    finally:
+        io.close()
+        ssd.close()
+
+
+def test_disk_tier_settings() -> None:
+    base = {"KVF_SEGMENT_ID": "s1", "KVF_CLUSTER_SECRET": "x" * 32}
+    assert load_segment_settings(base).ssd_dir is None
+    s = load_segment_settings(
+        {**base, "KVF_SEGMENT_SSD_PATH": "/d", "KVF_SEGMENT_SSD_BYTES": str((1 << 30) + 5)}
+    )
+    assert s.ssd_dir == Path("/d") and s.ssd_bytes == 1 << 30  # whole 4 KiB blocks
+    assert s.ssd_slots_max == (1 << 30) // (64 << 10) and s.ssd_direct and s.ssd_io_threads == 4
+    for half in ({"KVF_SEGMENT_SSD_PATH": "/d"}, {"KVF_SEGMENT_SSD_BYTES": str(1 << 30)}):
+        with pytest.raises(SettingsError, match="go together"):
+            load_segment_settings({**base, **half})
