@@ -1,0 +1,273 @@
+"""The SGLang HiCache backend's functional core: SGLang page keys as kvfabric chunks, and the
+table of read-leased hits held from `batch_exists` until `batch_get_v1` (no SGLang, torch or
+I/O here; time is passed in).
+
+## Page keys
+SGLang names an L3 page by a string (`get_hash_str`: SHA-256 over the page's tokens chained with
+the previous page's hash, seeded with the request's namespace). kvfabric keys a chunk by a chain
+over token words, salted with the tenant's share domain and rooted in the model fingerprint and
+layout. One kvfabric chunk is one SGLang page, and its "tokens" are the page key's
+`PAGE_WORDS` words: blake2b-256 of the key string as 8 little-endian u32 (`page_words`), so
+`tokens_per_chunk` is `PAGE_WORDS` and the client's token counters count 8 per page.
+
+- **Chained** (SGLang passes `prefix_keys`, the page hashes before the call's keys, when its
+  extra config has `"hicache_storage_pass_prefix_keys": true`): the chain runs over
+  `prefix_keys + keys` from the sequence start, so one lookup (one lease per directory shard)
+  answers a whole batch, and a page is found by any later call that names the same prefix.
+- **Per page** (no `prefix_keys`): a call's first page may sit anywhere in the sequence, so a
+  chain over the call's keys would name a page differently in each call. Each page is then its
+  own one-chunk chain. SGLang's page hash already commits to every token before it, so the
+  identity is kept, at one directory round trip per page (`docs/engines.md` has the cost).
+
+Writers and readers of one share domain must use the same mode: the two name a page differently.
+
+## Held hits
+`batch_exists` leases what it reports present (`HeldHits.hold`); `batch_get_v1` loads from the
+held hit that covers its pages (`HeldHits.covering`) and then gives back every held hit of that
+chain that the get reached the end of (`HeldHits.finished`). SGLang may never ask for what it
+was told (a prefetch revoked below its threshold, terminated, or cut to the minimum over TP
+ranks): such hits are given back after `hold_ms` (`HeldHits.expired`, checked on every call),
+and the table holds at most `held_max` (the oldest is given back first); the directory expires
+any lease the client never gives back. Invariants: every hit that enters the table leaves it
+exactly once (through `covering`'s caller's `finished`, `expired`, an eviction by `hold`, or
+`drain`), and the table never holds more than `held_max` hits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfabric.client import ClientSettings, EngineSpec, Hit
+from kvfabric.engines.identity import attn_config_digest, weights_digest_of_dir
+from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, digest_config
+
+__all__ = [
+    "HELD_HITS_MAX_DEFAULT",
+    "HOLD_MS_DEFAULT",
+    "PAGE_WORDS",
+    "HeldHits",
+    "PoolGeometry",
+    "StorageIdentity",
+    "chain_words",
+    "engine_spec",
+    "new_pages",
+    "page_words",
+]
+
+PAGE_WORDS: Final = 8  # u32 words per page key: blake2b-256
+# How long a hit leased by `batch_exists` waits for its `batch_get_v1`: SGLang's prefetch gives up
+# after prefetch_timeout_base (1 s) + 0.25 s per 1,024 tokens by default; below the client's
+# lease_ttl_ms (30 s), so the backend gives the lease back before the directory would expire it.
+HOLD_MS_DEFAULT: Final = 10_000
+# Hits held at once: SGLang checks one request's pages at a time per rank (its prefetch thread),
+# in batches of 128 pages, so a few per request in flight are plenty.
+HELD_HITS_MAX_DEFAULT: Final = 64
+
+_P_PAGE: Final = b"kvf1/sglang-page"
+
+
+def page_words(key: str) -> npt.NDArray[np.uint32]:
+    """The `PAGE_WORDS` u32 words that stand for one SGLang page key in a kvfabric chain."""
+    digest = hashlib.blake2b(key.encode(), digest_size=4 * PAGE_WORDS, person=_P_PAGE).digest()
+    return np.frombuffer(digest, dtype="<u4")
+
+
+def chain_words(prefix_keys: Sequence[str], keys: Sequence[str]) -> npt.NDArray[np.uint32]:
+    """The "token" words of a chain over `prefix_keys + keys` (one chunk per page)."""
+    pages = [*prefix_keys, *keys]
+    if not pages:
+        return np.zeros(0, dtype="<u4")
+    return np.concatenate([page_words(k) for k in pages])
+
+
+def new_pages(hit_chunks: int, prefix_pages: int, pages: int) -> int:
+    """How many of a call's `pages` (after `prefix_pages`) a hit of `hit_chunks` covers."""
+    return max(0, min(pages, hit_chunks - prefix_pages))
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    hit: Hit
+    held_ms: int
+
+
+def _on_chain(hit: Hit, chain: Sequence[bytes]) -> bool:
+    """Whether `hit` lies on `chain` (chain hashes from chunk 0): its last chunk's hash, or the
+    chain's last, agree (a chain hash commits to every chunk before it)."""
+    at = min(hit.chunks, len(chain)) - 1
+    return at >= 0 and bytes(hit.groups[at].chain_hash) == chain[at]
+
+
+class HeldHits:
+    """Read-leased hits from `batch_exists`, waiting for their `batch_get_v1` (module docstring).
+    Not thread-safe: the backend calls it under its lock. Returns the hits whose leases the
+    caller must give back."""
+
+    def __init__(self, hold_ms: int = HOLD_MS_DEFAULT, held_max: int = HELD_HITS_MAX_DEFAULT) -> None:
+        if hold_ms < 0 or held_max < 1:
+            raise ValueError(f"hold_ms must be >= 0 and held_max >= 1, got {hold_ms}, {held_max}")
+        self.hold_ms = hold_ms
+        self.held_max = held_max
+        self._held: list[_Held] = []  # oldest first
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, hit: Hit, now_ms: int) -> list[Hit]:
+        """Keep `hit` (it has chunks and a lease); the oldest beyond `held_max` come back."""
+        if hit.chunks == 0:
+            return [hit] if hit.lease_id else []
+        self._held.append(_Held(hit, now_ms))
+        over = len(self._held) - self.held_max
+        if over <= 0:
+            return []
+        out = [h.hit for h in self._held[:over]]
+        del self._held[:over]
+        return out
+
+    def covering(self, chain: Sequence[bytes], end: int) -> Hit | None:
+        """The held hit on `chain` that covers chunks `< end`, the shortest such (it stays held)."""
+        best: Hit | None = None
+        for held in self._held:
+            hit = held.hit
+            if (
+                hit.chunks >= end
+                and _on_chain(hit, chain[:end])
+                and (best is None or hit.chunks < best.chunks)
+            ):
+                best = hit
+        return best
+
+    def finished(self, chain: Sequence[bytes], end: int) -> list[Hit]:
+        """A get of `chain` reached chunk `end`: every held hit on it ending there or before."""
+        done = [h for h in self._held if h.hit.chunks <= end and _on_chain(h.hit, chain)]
+        if done:
+            self._held = [h for h in self._held if all(h is not d for d in done)]
+        return [h.hit for h in done]
+
+    def expired(self, now_ms: int) -> list[Hit]:
+        """Hits held longer than `hold_ms`: no get came for them."""
+        old = [h for h in self._held if now_ms - h.held_ms >= self.hold_ms]
+        if old:
+            self._held = [h for h in self._held if now_ms - h.held_ms < self.hold_ms]
+        return [h.hit for h in old]
+
+    def drain(self) -> list[Hit]:
+        """Every held hit (clear, close)."""
+        out = [h.hit for h in self._held]
+        self._held.clear()
+        return out
+
+
+# ---- identity ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StorageIdentity:
+    """What SGLang's `HiCacheStorageConfig` says about the worker (copied out, so this core
+    needs no SGLang)."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    is_mla_model: bool
+    model_name: str
+    attn_cp_size: int = 1
+    dcp_size: int = 1
+    should_split_heads: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGeometry:
+    """The host pool's page format: what one stored page's bytes are."""
+
+    pool_kind: str  # the host pool's class name
+    layout: str  # SGLang's host layout: layer_first, page_first, page_first_direct, ...
+    page_size: int  # tokens per page
+    layer_num: int
+    head_num: int
+    head_dim: int
+    dtype: str
+    region_bytes: tuple[int, ...]  # one page's regions (get_page_buffer_meta order), bytes each
+    sglang_version: str
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(self.region_bytes)
+
+    def layout_text(self) -> str:
+        regions = f"{len(self.region_bytes)}x{self.region_bytes[0]}" if self.region_bytes else "0"
+        return (
+            f"sglang{self.sglang_version}:hicache:{self.pool_kind}:{self.layout}:page{self.page_size}"
+            f":L{self.layer_num}:kvh{self.head_num}:hd{self.head_dim}:{self.dtype}:regions{regions}"
+            f":pagekey-blake2b256"
+        )[:1000]
+
+
+def engine_spec(
+    who: StorageIdentity,
+    pool: PoolGeometry,
+    extra: Mapping[str, Any],
+    defaults: ClientSettings,
+    *,
+    weights_digest: Callable[[str], str] = weights_digest_of_dir,
+) -> EngineSpec:
+    """The key space of one SGLang worker's L3 pages: share domain (extra config `tenant_id` /
+    `domain_salt_hex`, else the client settings), model (id, weights revision, KV dtype,
+    attention config), layout (TP, PP, the page format). MLA KV is the same on every TP rank:
+    one object per page for all ranks (tp 1 in the key). Raises `ValueError` for what the key
+    cannot name yet (attention context parallel, decode context parallel, split heads) and for a
+    model whose weights cannot be identified."""
+    if who.attn_cp_size > 1 or who.dcp_size > 1 or who.should_split_heads:
+        raise ValueError(
+            "kvfabric: attention/decode context parallel and tp_lcm_size head splits are not "
+            f"supported (attn_cp_size={who.attn_cp_size}, dcp_size={who.dcp_size}, "
+            f"split_heads={who.should_split_heads})"
+        )
+    model_path = str(extra.get("model_path") or who.model_name or "")
+    revision = str(extra.get("weights_revision") or "")
+    if not revision and model_path and os.path.isdir(model_path):
+        revision = weights_digest(model_path)
+    if not revision:
+        raise ValueError(
+            f"kvfabric: model {who.model_name!r} is not a local directory: set weights_revision "
+            "(or model_path) in the extra config"
+        )
+    attn = str(extra.get("attn_config_digest") or "")
+    config_file = os.path.join(model_path, "config.json") if model_path else ""
+    if not attn and config_file and os.path.isfile(config_file):
+        with open(config_file) as f:
+            attn = attn_config_digest(json.load(f))
+    if not attn:  # the weights revision names the model; the geometry is what the pages show
+        attn = digest_config({"layers": pool.layer_num, "kv_heads": pool.head_num, "head_dim": pool.head_dim})
+    replicated = who.is_mla_model
+    fingerprint = ModelFingerprint(
+        model_id=str(extra.get("model_id") or who.model_name or model_path)[:200],
+        weights_revision=revision[:200],
+        kv_dtype=pool.dtype,
+        attn_config_digest=attn,
+    )
+    layout = KVLayout(
+        tp_size=1 if replicated else who.tp_size,
+        tp_rank=0 if replicated else who.tp_rank,
+        pp_stage=who.pp_rank,
+        layer_group=0,
+        layer_group_count=1,
+        tokens_per_chunk=PAGE_WORDS,
+        tensor_layout=str(extra.get("tensor_layout") or pool.layout_text()),
+        pp_size=who.pp_size,
+    )
+    domain = ShareDomain(
+        tenant_id=str(extra.get("tenant_id", defaults.tenant_id)),
+        salt=bytes.fromhex(str(extra.get("domain_salt_hex", defaults.domain_salt_hex))),
+    )
+    return EngineSpec(domain=domain, model=fingerprint, layout=layout)

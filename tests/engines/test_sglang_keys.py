@@ -1,0 +1,145 @@
+"""The SGLang backend's functional core (`kvfabric.engines.sglang_keys`), without SGLang: page
+words, chains, the held-hit table (every hit leaves it once, bounded, matched by chain), and the
+key space an SGLang worker derives (tenant, model revision, dtype, page format, TP/MLA)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvfabric.client import ClientSettings, Hit
+from kvfabric.engines.sglang_keys import (
+    PAGE_WORDS,
+    HeldHits,
+    PoolGeometry,
+    StorageIdentity,
+    chain_words,
+    engine_spec,
+    new_pages,
+    page_words,
+)
+from kvfabric.format.key import chunk_groups_for_prefix
+from kvfabric.proto.directory import Member, ObjectLocation
+
+DEFAULTS = ClientSettings(nats_url="nats://127.0.0.1:1")
+WHO = StorageIdentity(tp_rank=1, tp_size=2, pp_rank=0, pp_size=1, is_mla_model=False, model_name="tiny")
+POOL = PoolGeometry(
+    pool_kind="MHATokenToKVPoolHost",
+    layout="page_first",
+    page_size=16,
+    layer_num=4,
+    head_num=2,
+    head_dim=64,
+    dtype="float32",
+    region_bytes=(32768, 32768),
+    sglang_version="0.5.23",
+)
+EXTRA = {"weights_revision": "rev-a", "tenant_id": "t1", "domain_salt_hex": "11" * 16}
+KEYS = [f"{i:064x}" for i in range(1, 9)]
+
+
+def spec_for(**extra: object):  # type: ignore[no-untyped-def]
+    return engine_spec(WHO, POOL, {**EXTRA, **extra}, DEFAULTS)
+
+
+def hit_of(pages: list[str], chunks: int, lease_id: int = 7) -> Hit:
+    spec = spec_for()
+    groups = chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, chain_words([], pages))
+    loc = ObjectLocation(chunk_index=0, member=Member(0, 0, 0), size_bytes=1, checksum=b"", replicas=[])
+    return Hit(chunks * PAGE_WORDS, PAGE_WORDS, tuple(groups), ((0, 0, 0),), ((loc,),) * chunks, lease_id)  # type: ignore[arg-type]
+
+
+def chain_of(pages: list[str]) -> list[bytes]:
+    return [bytes(g.chain_hash) for g in hit_of(pages, 0).groups]
+
+
+def test_page_words_are_eight_stable_words_per_key() -> None:
+    a = page_words(KEYS[0])
+    assert a.dtype.str == "<u4" and len(a) == PAGE_WORDS
+    assert (page_words(KEYS[0]) == a).all() and not (page_words(KEYS[1]) == a).all()
+    assert len(chain_words(KEYS[:2], KEYS[2:5])) == 5 * PAGE_WORDS
+    assert (chain_words(KEYS[:2], KEYS[2:5]) == chain_words([], KEYS[:5])).all()
+    assert len(chain_words([], [])) == 0
+
+
+def test_new_pages_counts_only_the_calls_own_pages() -> None:
+    assert new_pages(hit_chunks=5, prefix_pages=3, pages=4) == 2
+    assert new_pages(hit_chunks=2, prefix_pages=3, pages=4) == 0  # a hole in the prefix: nothing
+    assert new_pages(hit_chunks=9, prefix_pages=3, pages=4) == 4
+
+
+def test_held_hit_covers_a_get_on_its_chain_and_leaves_once() -> None:
+    table = HeldHits(hold_ms=1000, held_max=4)
+    short, long = hit_of(KEYS[:4], 4), hit_of(KEYS, 8)
+    assert table.hold(long, now_ms=0) == [] and table.hold(short, now_ms=0) == []
+    chain = chain_of(KEYS)
+    assert table.covering(chain[:4], 4) is short  # the shortest covering hit
+    assert table.covering(chain, 8) is long
+    assert table.covering(chain_of(["other", *KEYS[1:]]), 4) is None  # another chain
+    assert table.covering(chain, 9) is None  # nothing covers past the stored pages
+    assert table.finished(chain[:4], 4) == [short]  # the get reached its end
+    assert table.finished(chain[:4], 4) == []  # once only
+    assert table.drain() == [long] and len(table) == 0
+
+
+def test_held_hits_are_bounded_and_expire() -> None:
+    table = HeldHits(hold_ms=100, held_max=2)
+    a, b, c = (hit_of([k], 1) for k in KEYS[:3])
+    assert table.hold(a, 0) == [] and table.hold(b, 50) == []
+    assert table.hold(c, 60) == [a]  # the oldest over held_max comes back at once
+    assert table.expired(149) == [] and table.expired(150) == [b] and table.expired(160) == [c]
+    assert len(table) == 0
+    miss = hit_of([KEYS[0]], 0)
+    assert table.hold(miss, 0) == [miss] and len(table) == 0  # nothing to hold: release it
+    with pytest.raises(ValueError, match="held_max"):
+        HeldHits(hold_ms=10, held_max=0)
+
+
+def test_engine_spec_names_tenant_revision_dtype_and_page_format() -> None:
+    base = spec_for()
+    assert (
+        base.layout.tokens_per_chunk == PAGE_WORDS and base.layout.tp_size == 2 and base.layout.tp_rank == 1
+    )
+    assert "page16" in base.layout.tensor_layout and "page_first" in base.layout.tensor_layout
+    assert base.model.kv_dtype == "float32" and base.model.weights_revision == "rev-a"
+
+    def root(spec) -> bytes:  # type: ignore[no-untyped-def]
+        return bytes(
+            chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, chain_words([], KEYS[:1]))[
+                0
+            ].chain_hash
+        )
+
+    others = [
+        spec_for(tenant_id="t2"),
+        spec_for(domain_salt_hex="22" * 16),
+        spec_for(weights_revision="rev-b"),
+        engine_spec(WHO, replace(POOL, dtype="bfloat16"), EXTRA, DEFAULTS),
+        engine_spec(WHO, replace(POOL, page_size=32), EXTRA, DEFAULTS),
+        engine_spec(WHO, replace(POOL, layout="layer_first"), EXTRA, DEFAULTS),
+        engine_spec(replace(WHO, tp_rank=0, tp_size=1), POOL, EXTRA, DEFAULTS),
+    ]
+    # Every one a key space of its own (the same rank of another TP size too).
+    assert len({root(base), *(root(s) for s in others)}) == 1 + len(others)
+
+
+def test_mla_pages_are_shared_by_every_tp_rank() -> None:
+    mla = StorageIdentity(tp_rank=3, tp_size=4, pp_rank=0, pp_size=1, is_mla_model=True, model_name="m")
+    spec = engine_spec(mla, POOL, EXTRA, DEFAULTS)
+    assert (spec.layout.tp_size, spec.layout.tp_rank) == (1, 0)
+
+
+def test_engine_spec_refuses_what_it_cannot_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="weights_revision"):
+        engine_spec(WHO, POOL, {}, DEFAULTS)  # "tiny" is no directory: the revision is unknown
+    with pytest.raises(ValueError, match="context parallel"):
+        engine_spec(StorageIdentity(0, 1, 0, 1, False, "m", attn_cp_size=2), POOL, EXTRA, DEFAULTS)
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 4}')
+    local = StorageIdentity(0, 1, 0, 1, False, str(tmp_path))
+    spec = engine_spec(local, POOL, {}, DEFAULTS)
+    assert spec.model.weights_revision.startswith("xxh3:")
+    (tmp_path / "model.safetensors").write_bytes(b"other weights")
+    assert engine_spec(local, POOL, {}, DEFAULTS).model.weights_revision != spec.model.weights_revision
