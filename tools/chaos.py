@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests.integration.clientkit
 
 from chaos_checks import FinalState, Op, check_all, check_retry_budget  # type: ignore[import-not-found]
+from chaos_links import Links  # type: ignore[import-not-found]
 
 REPO = Path(__file__).resolve().parents[1]
 DRILLS = REPO / "tests" / "drills"
@@ -55,8 +56,10 @@ def cluster_state(run: Path) -> dict[str, Any]:
     return state
 
 
-def fire(run: Path, fault: dict[str, Any], kv_factory: Any) -> str:
+def fire(run: Path, fault: dict[str, Any], kv_factory: Any, links: Links | None = None) -> str:
     action, target = fault["action"], fault.get("target", "")
+    if action in ("link", "link_clear") and links is not None:  # a lossy link's schedule
+        return str(links.fire(fault))
     if action in ("kill", "stop", "cont"):
         pid = cluster_state(run)["pids"].get(target)
         sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "cont": signal.SIGCONT}[action]
@@ -147,7 +150,10 @@ def run_workload(kv: Any, wl: dict[str, Any], history: list[Op], started: float)
                 hit = kv.lookup(tokens, max_tokens=len(tokens) - 1)
                 op.hit_tokens = hit.tokens
                 dests = [[bytearray(size)] for _ in range(hit.chunks)]
+                load_started = time.monotonic()
                 result = kv.load(hit, dests)
+                if hit.chunks:
+                    op.load_ms = round((time.monotonic() - load_started) * 1000.0, 1)
                 kv.release(hit)
                 loaded = result.tokens // TOKENS_PER_CHUNK
                 groups = kv.aio.chunk_groups(tokens)
@@ -270,7 +276,17 @@ def lost_chunks(history: list[Op], final: FinalState) -> int:
     return lost
 
 
-def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
+def load_p99_ms(history: list[Op]) -> float | None:
+    """p99 of the loads that loaded something (the latency_budget checker's figure)."""
+    loads = sorted(op.load_ms for op in history if op.outcome == "hit")
+    return loads[min(len(loads) - 1, int(0.99 * len(loads)))] if loads else None
+
+
+def run_drill(
+    path: Path, *, verify: bool = True, workload_overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One drill. `verify=False` and `workload_overrides` (e.g. a load deadline far past the
+    drill's latency budget) stand in for a broken client: its checkers must then fail."""
     from prometheus_client import generate_latest
 
     from kvfabric.client import KvClient, settings_from_env
@@ -281,7 +297,9 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
     drill = tomllib.loads(path.read_text())
     name = drill.get("name", path.stem)
     topo, wl, expect = drill.get("topology", {}), drill.get("workload", {}), drill.get("expect", {})
+    wl = dict(wl, **(workload_overrides or {}))
     run = Path(tempfile.mkdtemp(prefix=f"kvf-chaos-{name}-"))
+    links = Links()
     env = dict(os.environ, KVF_DIRECTORY_REPLICAS_DEFAULT=str(topo.get("replicas", 1)))
     up = subprocess.run(
         [
@@ -300,6 +318,8 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
             str(topo.get("directories", 1)),
             "--netns-segments",
             str(topo.get("netns_segments", 0)),
+            "--segment-prefix",  # ids of this run only: other tests' clusters may run meanwhile
+            f"c{links.tag}",
         ],
         env=env,
         capture_output=True,
@@ -317,15 +337,20 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
     prefix, remote = state.get("segment_prefix", "seg"), set(state.get("netns") or {})
     segments = range(1, int(topo.get("segments", 3)) + 1)
     local = [f"{prefix}-{i}" for i in segments if f"segment-{i}" not in remote]
+    if not wl.get("prefer_local", True):  # read replicas in the directory's order, local or not
+        local = []
+    client_nats_url = nats_url
+    if topo.get("lossy_client", False):  # the client dials the host across its link
+        client_nats_url = nats_url.replace("127.0.0.1", f"10.232.{links.client_subnet}.1")
     settings = settings_from_env(
         auth.get("tenants", {}).get("demo", {}),
-        nats_url=nats_url,
+        nats_url=client_nats_url,
         lookup_timeout_ms=int(wl.get("lookup_timeout_ms", 1000)),
         load_timeout_ms=int(wl.get("load_timeout_ms", 2000)),
         save_timeout_ms=int(wl.get("save_timeout_ms", 3000)),
         lease_ttl_ms=int(wl.get("lease_ttl_ms", 4000)),
         use_shm=bool(wl.get("use_shm", True)),
-        local_segments=",".join(local) if remote else "",
+        local_segments=",".join(local) if remote and local else "",
         unsafe_skip_verification_for_tests=not verify,
     )
     SPEC = replace(TEST_SPEC, domain=settings.share_domain()) if auth else TEST_SPEC
@@ -333,8 +358,11 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
     retries = 0
     fired: list[str] = []
     fault_errors: list[str] = []
+    left_behind: list[str] = []
+    link_stats: dict[str, Any] = {}
     try:
-        with KvClient(settings, SPEC) as kv:
+        links.lay(state, topo, seed=name)
+        with links.client_side(), KvClient(settings, SPEC) as kv:  # client_side: its namespace, if any
             started = time.monotonic()
 
             def faults() -> None:
@@ -347,7 +375,8 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
                         return KvClient(msgspec.structs.replace(settings, **overrides), SPEC)
 
                     try:
-                        what = fire(run, fault, factory)
+                        with links.host_side():
+                            what = fire(run, fault, factory, links)
                     except Exception as exc:  # a fault that could not be injected fails the drill
                         fault_errors.append(f"{fault['action']}: {exc!r}")
                         what = f"{fault['action']} FAILED: {exc!r}"
@@ -363,6 +392,7 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
                 )
                 or 0
             )
+        link_stats = links.stats()
         if any(f["action"] == "qdisc" for f in drill.get("faults", [])):
             subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)  # never leave it on
         time.sleep(float(drill.get("settle_s", 6.0)))
@@ -380,6 +410,7 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
                     g.chunk_index for g in groups if bytes(g.chain_hash) in evicted
                 }
     finally:
+        left_behind = links.close()  # before `down`: the segments' traffic goes back to their veths
         subprocess.run(
             [sys.executable, str(LOCALCLUSTER), "down", "--run-dir", str(run)], capture_output=True
         )
@@ -388,6 +419,7 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
         retries, len(history), expect.get("max_retries_per_request")
     )
     violations["faults_injected"] = fault_errors
+    violations["links_removed"] = [f"left behind: {x}" for x in left_behind]
     ended = [op for op in history if op.end_s is not None]
     return {
         "drill": name,
@@ -401,6 +433,8 @@ def run_drill(path: Path, *, verify: bool = True) -> dict[str, Any]:
         "recovery_s": recovery_s(history, drill.get("faults", [])),
         "chunks_evicted": sum(len(v) for v in final.evicted_chunks.values()),
         "retries": retries,
+        "load_p99_ms": load_p99_ms(history),
+        "links": link_stats,
         "faults": fired,
         "violations": violations,
         "history": [asdict(op) for op in history],
@@ -414,7 +448,16 @@ def main() -> int:
     parser.add_argument("drills", nargs="*")
     parser.add_argument("--quick", action="store_true", help="only drills marked quick = true")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--workload",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a workload setting of every drill run (TOML value), e.g. load_timeout_ms=60000: "
+        "a broken client the checkers must catch",
+    )
     args = parser.parse_args()
+    overrides = {k: tomllib.loads(f"v = {v}")["v"] for k, v in (kv.split("=", 1) for kv in args.workload)}
     paths = sorted(DRILLS.glob("*.toml"))
     if args.drills:
         paths = [p for p in paths if p.stem in args.drills]
@@ -426,7 +469,7 @@ def main() -> int:
     results = []
     for path in paths:
         t0 = time.monotonic()
-        result = run_drill(path)
+        result = run_drill(path, workload_overrides=overrides)
         result["duration_s"] = round(time.monotonic() - t0, 1)
         results.append(result)
         print(
@@ -445,6 +488,7 @@ def main() -> int:
         "acked lost",
         "recovery s",
         "retries",
+        "load p99 ms",
         "faults",
         "violations",
     ):
@@ -461,6 +505,7 @@ def main() -> int:
             str(r["acked_chunks_lost"]),
             "-" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}",
             str(r["retries"]),
+            "-" if r["load_p99_ms"] is None else f"{r['load_p99_ms']:.0f}",
             "; ".join(r["faults"]) or "-",
             "; ".join(v for vs in r["violations"].values() for v in vs) or "-",
         )

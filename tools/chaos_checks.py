@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FinalState", "Op", "check_all", "check_retry_budget"]
+__all__ = ["FinalState", "Op", "check_all", "check_latency_budget", "check_retry_budget"]
 
 
 @dataclass(slots=True)
@@ -26,6 +26,7 @@ class Op:
     cause: str = ""
     saved_chunks: int = 0
     acked_chunks: int = 0  # after this request, the store acknowledged chunks 0..acked-1 as published
+    load_ms: float = 0.0  # how long the load took (when the lookup found something to load)
 
 
 @dataclass(slots=True)
@@ -132,6 +133,20 @@ def check_retry_budget(retries: int, requests: int, per_request_max: float | Non
     return []
 
 
+def check_latency_budget(history: list[Op], load_p99_ms_max: float | None) -> list[str]:
+    """(drills with `load_p99_ms_max`) the p99 of the loads that succeeded (loaded something) stays
+    within the budget: a slow link may cost fallbacks, not loads that hang past their deadline."""
+    if load_p99_ms_max is None:
+        return []
+    loads = sorted(op.load_ms for op in history if op.outcome == "hit" and op.end_s is not None)
+    if not loads:
+        return []
+    p99 = loads[min(len(loads) - 1, int(0.99 * len(loads)))]
+    if p99 > float(load_p99_ms_max):
+        return [f"p99 of {len(loads)} successful loads {p99:.0f} ms > budget {float(load_p99_ms_max):.0f} ms"]
+    return []
+
+
 def check_all(history: list[Op], final: FinalState, expect: dict[str, Any]) -> dict[str, list[str]]:
     return {
         "wrong_bytes": check_wrong_bytes(history),
@@ -141,4 +156,5 @@ def check_all(history: list[Op], final: FinalState, expect: dict[str, Any]) -> d
         "no_leaks": check_no_leaks(final),
         "durability": check_durability(history, final, bool(expect.get("may_lose_acknowledged", False))),
         "replicas_restored": check_replicas_restored(final, int(expect.get("replicas_restored", 0))),
+        "latency_budget": check_latency_budget(history, expect.get("load_p99_ms_max")),
     }

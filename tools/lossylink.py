@@ -78,7 +78,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 # --- namespaces -------------------------------------------------------------------------------
 
 
-def _setns(fd: int) -> None:
+def setns_net(fd: int) -> None:
     if _libc.setns(fd, CLONE_NEWNET) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
@@ -92,11 +92,11 @@ def in_netns(name: str | None) -> Iterator[None]:
         yield
         return
     with open("/proc/thread-self/ns/net") as own, open(f"/run/netns/{name}") as target:
-        _setns(target.fileno())
+        setns_net(target.fileno())
         try:
             yield
         finally:
-            _setns(own.fileno())
+            setns_net(own.fileno())
 
 
 def netns_add(name: str) -> None:
