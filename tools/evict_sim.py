@@ -56,6 +56,7 @@ REFERENCE: Final = "reference"  # Belady's MIN with bypass (offline)
 INFINITE: Final = "infinite"  # no eviction
 BASELINE: Final = "lru"  # the gap is measured from it
 REUSE_CLASSES: Final = 4  # request counts 1, 2, 3, 4 or more (reuse_by_accesses)
+GAP_PLOT_MIN_PCT: Final = -100  # the gap plot's floor (a small gap makes shares explode)
 GAP_MIN_SHARE: Final = 0.01  # a smaller LRU -> reference gap (share of input tokens) gets no share
 POLICIES: Final = {
     "lru": EvictionConfig(policy="lru", admission="always"),
@@ -211,6 +212,11 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
 
     traces = sorted({r["trace"] for r in results})
     names = list(dict.fromkeys(r["policy"] for r in results))
+    palette = [f"C{i}" for i in range(10) if i != 7]  # C7 is grey: the references
+    colors = {
+        name: palette[i % len(palette)]
+        for i, name in enumerate(n for n in names if n not in (REFERENCE, INFINITE))
+    }
     fig, axes = plt.subplots(2, len(traces), figsize=(6.5 * len(traces), 8.4), squeeze=False)
     for column, trace in enumerate(traces):
         top, bottom = axes[0][column], axes[1][column]
@@ -219,14 +225,18 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
                 (r for r in results if r["trace"] == trace and r["policy"] == name),
                 key=lambda r: r["capacity_pct"],
             )
-            style = {"linestyle": "--", "color": "black" if name == REFERENCE else "grey"}
             reference = name in (REFERENCE, INFINITE)
+            style: dict[str, Any] = (
+                {"linestyle": "--", "color": "black" if name == REFERENCE else "grey"}
+                if reference
+                else {"color": colors[name]}
+            )
             top.plot(
                 [r["capacity_pct"] for r in rows],
                 [100 * r["prefill_saved_share"] for r in rows],
                 marker="o",
                 label=name,
-                **(style if reference else {}),
+                **style,
             )
             if not reference:
                 bottom.plot(
@@ -234,11 +244,13 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
                     [100 * r["gap_closed"] if r["gap_closed"] is not None else float("nan") for r in rows],
                     marker="o",
                     label=name,
+                    **style,
                 )
         top.set_title(f"{trace}: prefill tokens saved")
         top.set_ylabel("prefill tokens saved, %")
         bottom.set_title(f"{trace}: share of the LRU -> reference gap closed")
-        bottom.set_ylabel("gap closed, % (reference = 100)")
+        bottom.set_ylabel(f"gap closed, % (reference = 100; clipped at {GAP_PLOT_MIN_PCT})")
+        bottom.set_ylim(GAP_PLOT_MIN_PCT, 110)
         bottom.axhline(0, color="grey", linewidth=0.8)
         bottom.axhline(100, color="black", linestyle="--", linewidth=0.8)
         for ax in (top, bottom):
