@@ -64,7 +64,9 @@ rule below): `sieve` (`eviction_sieve`), `s3fifo` (`eviction_s3fifo`), `wtinylfu
 2. Accounting: per pool, used bytes = sum of resident objects' bytes in it; per tenant, the sum
    of their sizes.
 3. Prefix order: a victim never has a resident child.
-4. Bounded: each batch has at most `batch_max` victims; the frequency sketch is fixed-size.
+4. Bounded: each batch has at most `batch_max` victims; the frequency sketch is fixed-size;
+   lru2's history holds at most max(`LRU2_HISTORY_FLOOR`, resident objects) ids; a queue
+   policy's state is checked by its own `check` (its ghost and scan bounds in its module).
 """
 
 from __future__ import annotations
