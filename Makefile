@@ -90,12 +90,18 @@ chaos-quick: setup ## The drills marked quick (what CI runs, ~1 min)
 demo: setup ## Bring the local cluster up (if needed) and run a shared-prefix HF workload on it; prints a table
 	$(PY) tools/demo.py
 
-.PHONY: up down status
-up: setup ## Start a local cluster (nats + directory + 3 segments in 3 failure domains), supervised
-	$(PY) tools/localcluster.py up
+.PHONY: up down status clean
+# Each segment's disk tier (bytes), in .data/ssd: `make down` keeps it (and .data's cluster
+# secret and auth plan), so `make up` again finds the cache; `make clean` removes .data.
+SSD_BYTES ?= 536870912
+up: setup ## Start a local cluster (nats + directory + 3 segments in 3 failure domains, each with a disk tier in .data), supervised
+	$(PY) tools/localcluster.py up --ssd-bytes $(SSD_BYTES)
 
-down: ## Stop the local cluster; leaves no process and no run files
+down: ## Stop the local cluster; leaves no process and no run files (keeps .data: identity, disk tiers)
 	@test -x $(PY) && $(PY) tools/localcluster.py down || echo "kvfabric is not set up"
+
+clean: down ## Stop the local cluster and remove .data (cluster secret, auth plan, disk tiers)
+	rm -rf .data
 
 status: ## Show the local cluster's processes
 	$(PY) tools/localcluster.py status

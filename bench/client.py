@@ -751,7 +751,7 @@ def main() -> int:
     with ExitStack() as stack:
         run = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvf-bench-client-")))
         state = stack.enter_context(local_cluster(run / "cluster"))
-        env = read_env_file(run / "cluster" / "auth" / "env" / "tenant-demo.env")
+        env = read_env_file(Path(state["auth"]["dir"]) / "env" / "tenant-demo.env")
         redis_port: int | None = None
         if plan.redis:
             redis_port, redis_version = stack.enter_context(redis_process())

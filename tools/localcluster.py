@@ -1,6 +1,7 @@
 """A local kvfabric cluster on loopback, no docker: `make up` / `make down` (and `status`).
 
     python tools/localcluster.py up     [--run-dir .run] [--nats-port 4222] [--segments 3]
+                                        [--ssd-bytes N] [--data-dir .data]
     python tools/localcluster.py status [--run-dir .run]
     python tools/localcluster.py down   [--run-dir .run]
 
@@ -32,14 +33,24 @@ passes `LOG_FILE_BYTES_MAX` (copied to `<name>.log.1`, older ones shifted, at mo
 start; lines written during the copy may be lost).
 
 Authenticated by default (issue "Tenancy and security", docs/security.md): `up` runs
-`kvctl auth init` into `auth/` (a NATS user per service kind, `admin`, and one per tenant of
-`--tenants`, default `demo`; subject permissions; share domains), nats-server loads that config,
-and every service gets its own credentials. `--tls` adds TLS to NATS; `--no-auth` runs open.
+`kvctl auth init` into the data folder's `auth/` (below: once, then kept), a NATS user per
+service kind, `admin`, and one per tenant of `--tenants`, default `demo`; subject permissions;
+share domains. nats-server loads that config, and every service gets its own credentials.
+`--tls` adds TLS to NATS; `--no-auth` runs open.
 Clients take their settings from `auth/env/tenant-<name>.env` (KVF_CLIENT_*), kvctl from
 `auth/env/admin.env`; `cluster.json` carries both under `auth`.
 
-Run folder: `cluster.json` (URLs, pids, ready flag), `secret` (the cluster secret, 0600),
-`supervisor.pid`, `logs/<name>.log` (JSON lines), `nats/` (JetStream store), `auth/`.
+Run folder: `cluster.json` (URLs, pids, ready flag), `supervisor.pid`, `logs/<name>.log` (JSON
+lines), `nats/` (JetStream store). `down` deletes it.
+
+Data folder (`--data-dir`; `.data` next to the default run folder `.run`, else `<run>/data`,
+deleted with that run folder): what must outlive the processes. `secret` (the cluster secret,
+0600), `auth/` (the `kvctl auth init` plan: NATS users and passwords, the tenants' share-domain
+salts — new salts would turn every stored key into a miss) and `ssd/` (each segment's disk tier
+file, `kvf-<segment id>.ssd`, with `--ssd-bytes N`; `make up` sets it). `up` reuses what it
+finds there (an auth plan only if it was made for the same tenants and TLS choice; otherwise it
+writes a new one and says so) and creates what is missing. `make down` keeps the data folder;
+`make clean` removes it.
 """
 
 from __future__ import annotations
@@ -277,11 +288,16 @@ def plan_children(
     prefix: str,
     directories: int = 1,
     netns_segments: int = 0,
+    data: Path | None = None,
+    ssd_bytes: int = 0,
+    use_auth: bool = True,
 ) -> tuple[list[Child], dict[str, Any]]:
+    """The children to start. `data`: the data folder (secret, auth, ssd; default: `run`)."""
+    data = data or run
     monitor = nats_monitor_port(netns_segments)
     nats_url = f"nats://127.0.0.1:{nats_port}"
-    base = dict(os.environ, KVF_CLUSTER_SECRET=(run / "secret").read_text(), KVF_LOG_JSON="true")
-    auth = read_auth(run)
+    base = dict(os.environ, KVF_CLUSTER_SECRET=(data / "secret").read_text(), KVF_LOG_JSON="true")
+    auth = read_auth(data) if use_auth else None
 
     def as_user(env: dict[str, str], user: str) -> dict[str, str]:
         return dict(env, **auth["users"][user]["env"]) if auth else env
@@ -332,6 +348,8 @@ def plan_children(
             KVF_SEGMENT_RACK=f"rack-{i}",
             KVF_SEGMENT_HOST=f"host-{i}",
         )
+        if ssd_bytes:  # its disk tier file outlives the process (data folder)
+            env.update(KVF_SEGMENT_SSD_PATH=str(data / "ssd"), KVF_SEGMENT_SSD_BYTES=str(ssd_bytes))
         wrap: list[str] = []
         segment_nats_url = nats_url
         if i <= netns_segments:  # its own network namespace: a host that can be cut off
@@ -366,10 +384,12 @@ def plan_children(
         "segment_prefix": prefix,
         "nats_monitor_port": monitor or None,
         "run_dir": str(run),
+        "data_dir": str(data),
+        "ssd_bytes": ssd_bytes,
         "services": [c.name for c in children],
         "netns": netns,
         "auth": {
-            "dir": str(run / "auth"),
+            "dir": str(data / "auth"),
             "admin_env": auth["users"]["admin"]["env"],
             "tenants": {t: v["env"] for t, v in auth["tenants"].items()},
         }
@@ -379,19 +399,54 @@ def plan_children(
     return children, info
 
 
-def read_auth(run: Path) -> dict[str, Any] | None:
-    """The `kvctl auth init` plan of this run folder; None when the cluster runs without auth."""
-    path = run / "auth" / "auth.json"
+def read_auth(data: Path) -> dict[str, Any] | None:
+    """The `kvctl auth init` plan of this data folder; None when there is none."""
+    path = data / "auth" / "auth.json"
     if not path.exists():
         return None
     doc: dict[str, Any] = json.loads(path.read_text())
     return doc
 
 
-def write_run_auth(run: Path, tenants: list[str], tls: bool) -> None:
+def write_run_auth(data: Path, tenants: list[str], tls: bool) -> None:
     from kvfabric.ctl.auth import plan_auth, write_auth
 
-    write_auth(run / "auth", plan_auth(tenants), tls=tls)
+    write_auth(data / "auth", plan_auth(tenants), tls=tls)
+
+
+def default_data_dir(run: Path) -> Path:
+    """`.data` beside the default run folder `.run` (kept by `down`); inside any other run folder
+    (a test's or a benchmark's: deleted with it, never shared between clusters)."""
+    return run.parent / ".data" if run.name == ".run" else run / "data"
+
+
+def ensure_identity(data: Path, auth: bool, tls: bool, tenants: list[str]) -> str:
+    """The cluster's secret and auth plan in `data`: kept when present (and, for the plan, made for
+    these tenants and this TLS choice), else written. Returns what happened, for the operator."""
+    data.mkdir(parents=True, exist_ok=True)
+    said = []
+    secret = data / "secret"
+    if secret.exists():
+        said.append("secret kept")
+    else:
+        tmp = data / "secret.tmp"
+        tmp.write_text(secrets.token_hex(24))
+        tmp.chmod(0o600)
+        tmp.replace(secret)
+        said.append("new secret")
+    if auth:
+        plan = read_auth(data)
+        if plan is not None and sorted(plan["tenants"]) == sorted(tenants) and bool(plan["tls_ca"]) == tls:
+            said.append("auth plan kept (tenant salts unchanged)")
+        else:
+            shutil.rmtree(data / "auth", ignore_errors=True)
+            write_run_auth(data, tenants, tls)
+            said.append(
+                "new auth plan (new tenant salts: keys stored under the old ones miss)"
+                if plan is not None
+                else "new auth plan"
+            )
+    return ", ".join(said)
 
 
 def write_state(
@@ -419,12 +474,24 @@ def supervise(
     directories: int = 1,
     netns_segments: int = 0,
     ready_timeout_s: float = READY_TIMEOUT_S,
+    data: Path | None = None,
+    ssd_bytes: int = 0,
+    use_auth: bool = True,
 ) -> int:
     """The supervisor's main loop (runs detached): start in order, wait ready, probe reads and
     writes, then restart children that exit (`restart_wait_s`) and rotate their logs."""
     logs = run / "logs"
     children, info = plan_children(
-        run, nats_port, segments, segment_bytes, prefix, directories, netns_segments
+        run,
+        nats_port,
+        segments,
+        segment_bytes,
+        prefix,
+        directories,
+        netns_segments,
+        data,
+        ssd_bytes,
+        use_auth,
     )
     for link in info["netns"].values():
         netns_up(link)
@@ -664,7 +731,10 @@ def up(
     tls: bool = False,
     tenants: tuple[str, ...] = ("demo",),
     ready_timeout_s: float = READY_TIMEOUT_S,
+    data: Path | None = None,
+    ssd_bytes: int = 0,
 ) -> int:
+    data = data or default_data_dir(run)
     if tls and netns_segments:
         print("--tls with --netns-segments is not supported (the certificate names loopback only)")
         return 2
@@ -678,12 +748,7 @@ def up(
         nats_port = free_port()
     run.mkdir(parents=True, exist_ok=True)
     (run / "logs").mkdir(exist_ok=True)
-    secret = run / "secret"
-    secret.write_text(secrets.token_hex(24))
-    secret.chmod(0o600)
-    shutil.rmtree(run / "auth", ignore_errors=True)
-    if auth:
-        write_run_auth(run, list(tenants), tls)
+    identity = ensure_identity(data, auth, tls, list(tenants))
     supervisor = subprocess.Popen(
         [
             sys.executable,
@@ -705,6 +770,11 @@ def up(
             str(netns_segments),
             "--ready-timeout-s",
             str(ready_timeout_s),
+            "--data-dir",
+            str(data),
+            "--ssd-bytes",
+            str(ssd_bytes),
+            *([] if auth else ["--no-auth"]),
         ],
         stdin=subprocess.DEVNULL,
         stdout=(run / "logs" / "supervisor.log").open("ab"),
@@ -720,10 +790,12 @@ def up(
                 f"kvfabric is up (took a save and a load): {state['nats_url']}; services: "
                 f"{', '.join(state['services'])}; logs in {run / 'logs'}"
             )
+            disk = f"; disk tier {ssd_bytes} bytes per segment in {data / 'ssd'}" if ssd_bytes else ""
+            print(f"data folder {data}: {identity}{disk}")
             if auth:
                 print(
-                    f"authenticated: kvctl needs `set -a; . {run / 'auth/env/admin.env'}`; tenant clients "
-                    f"`. {run / 'auth/env'}/tenant-<name>.env` ({', '.join(tenants)})"
+                    f"authenticated: kvctl needs `set -a; . {data / 'auth/env/admin.env'}`; tenant clients "
+                    f"`. {data / 'auth/env'}/tenant-<name>.env` ({', '.join(tenants)})"
                 )
             return 0
         if supervisor.poll() is not None:
@@ -802,8 +874,16 @@ def main() -> int:
         default=READY_TIMEOUT_S,
         help="per child to log its start, then for the probe to save and load",
     )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="what outlives the processes (secret, auth, disk tiers): .data beside .run, else <run>/data",
+    )
+    parser.add_argument("--ssd-bytes", type=int, default=0, help="a disk tier of this many bytes per segment")
     args = parser.parse_args()
     run = args.run_dir.resolve()
+    data = args.data_dir.resolve() if args.data_dir else default_data_dir(run)
     if args.command == "up":
         return up(
             run,
@@ -817,6 +897,8 @@ def main() -> int:
             tls=args.tls,
             tenants=tuple(t for t in args.tenants.split(",") if t),
             ready_timeout_s=args.ready_timeout_s,
+            data=data,
+            ssd_bytes=args.ssd_bytes,
         )
     if args.command == "down":
         return down(run)
@@ -833,6 +915,9 @@ def main() -> int:
         args.directories,
         args.netns_segments,
         args.ready_timeout_s,
+        data,
+        args.ssd_bytes,
+        use_auth=not args.no_auth,
     )
 
 
