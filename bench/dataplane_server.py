@@ -46,7 +46,9 @@ class SegmentInfo:
     prefault_s: float
 
 
-def _confirm_ok(ticket: WriteTicket, slot: int, generation: int, trace_id: str = "") -> str:
+def _confirm_ok(
+    ticket: WriteTicket, slot: int, generation: int, trace_id: str = "", save_writes: int = 0
+) -> str:
     return "ok"
 
 

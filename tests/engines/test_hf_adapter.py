@@ -192,7 +192,7 @@ def test_a_cache_that_cannot_start_leaves_the_engine_generating_uncached(
         adapter = HfKvAdapter(
             load_model(model_dir),
             KvClient(
-                ClientSettings(nats_url=url, **settings),  # type: ignore[arg-type]
+                ClientSettings(nats_url=url, **settings),
                 hf_engine_spec(load_model(model_dir), DOMAIN, tokens_per_chunk=TPC, model_id="tiny-llama"),
             ),
         )
