@@ -101,9 +101,9 @@ async def test_every_command_against_a_live_cluster(
         shown = await ok_json("manifest", "show", form, url=url)
         (obj,) = shown["objects"]
         assert obj["size_bytes"] == 4096 and obj["checksum"] == loc.checksum.hex()
-        assert obj["replicas"][0]["segment_id"] == SEGMENT
+        assert obj["replicas"][0]["segment_id"] == SEGMENT and obj["replicas"][0]["tier"] == "dram"
     text = await ok_text("manifest", "show", str(g), url=url)
-    assert loc.checksum.hex() in text and SEGMENT in text
+    assert loc.checksum.hex() in text and SEGMENT in text and "dram slot" in text
 
     assert (await ok_json("leases", "ls", url=url))["leases"] == []
 

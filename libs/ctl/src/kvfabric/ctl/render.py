@@ -14,7 +14,7 @@ from rich.table import Table
 from kvfabric.ctl.keys import group_from_summary
 from kvfabric.ctl.queries import Event, ServiceInstance, jsonable
 from kvfabric.proto import directory as m
-from kvfabric.proto.segment import SegmentState
+from kvfabric.proto.segment import SegmentState, tier_of_slot
 
 __all__ = [
     "emit_json",
@@ -74,6 +74,9 @@ def group_doc(g: m.GroupSummary) -> dict[str, Any]:
     doc["chain_hash"] = g.group.hex()
     doc["group_id"] = gid.to_bytes().hex() if gid is not None else ""
     doc["readable"] = str(gid) if gid is not None else ""
+    for obj, obj_doc in zip(g.objects, doc.get("objects", []), strict=True):
+        for replica, replica_doc in zip(obj.replicas, obj_doc["replicas"], strict=True):
+            replica_doc["tier"] = tier_of_slot(replica.slot)  # the slot id says (docs/segment.md)
     return doc
 
 
@@ -155,7 +158,8 @@ def print_manifest(g: m.GroupSummary) -> None:
         table.add_column(col, overflow="fold")
     for obj in g.objects:
         replicas = ", ".join(
-            f"{r.segment_id}#{r.incarnation} slot {r.slot} gen {r.slot_generation}" for r in obj.replicas
+            f"{r.segment_id}#{r.incarnation} {tier_of_slot(r.slot)} slot {r.slot} gen {r.slot_generation}"
+            for r in obj.replicas
         )
         table.add_row(
             f"{obj.member.tp_rank}.{obj.member.pp_stage}.{obj.member.layer_group}",
