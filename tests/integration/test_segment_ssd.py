@@ -1,6 +1,8 @@
 """A segment process with a disk tier: it recovers what its file holds at start (after a clean stop
 and after SIGKILL), lists it in its report under its new incarnation, serves it over TCP with
-identical bytes, exports its figures, and refuses a file made for another configuration."""
+identical bytes, exports its figures, and refuses a file made for another configuration. The
+directory adopts what it recovered (the registration says it holds objects: a shard rebuild), so
+a reader's lookup hits the disk replicas and the client's data path loads them."""
 
 from __future__ import annotations
 
@@ -12,14 +14,24 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from kvfabric.client.transfers import SegmentPool
+from kvfabric.dataplane.scatter import ScatterDest, WriteGate
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
-from kvfabric.proto.segment import SSD_SLOT_BASE, ReportRequest, SegmentReport, segment_decoder
+from kvfabric.proto import directory as m
+from kvfabric.proto.segment import SSD_SLOT_BASE, ReportRequest, SegmentReport, segment_decoder, tier_of_slot
 from kvfabric.proto.subjects import segment_subject
 from kvfabric.runtime.client import request
 from kvfabric.segment_storage.ssd import SsdIo, SsdTier
 from kvfabric.testing import NatsServer, ServiceProcess, metric_value, scrape_metrics_async
-from tests.integration.cluster import directory_process, segment_process, service_env, signed_ref
+from tests.integration.cluster import (
+    directory_call,
+    directory_process,
+    segment_process,
+    service_env,
+    signed_ref,
+)
+from tests.unit.core.dirkit import groups, key
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +48,7 @@ def ssd_env(directory: Path, ssd_bytes: int = SSD_BYTES) -> dict[str, str]:
     }
 
 
-def prefill(directory: Path, count: int) -> dict[bytes, bytes]:
+def prefill(directory: Path, count: int, keys: list[bytes] | None = None) -> dict[bytes, bytes]:
     """Objects written into the segment's disk tier file by a tier of its own (as a demotion of an
     earlier incarnation would have left them)."""
     io = SsdIo(0, 64, 1 << 20)
@@ -44,7 +56,7 @@ def prefill(directory: Path, count: int) -> dict[bytes, bytes]:
     objects = {}
     try:
         for i in range(count):
-            key = f"ssd-object-{i}".encode()
+            key = keys[i] if keys is not None else f"ssd-object-{i}".encode()
             data = os.urandom(100_000 * (i + 1))
             tier.write(memoryview(data), key, checksum(data))
             objects[key] = data
@@ -134,3 +146,43 @@ async def test_a_segment_recovers_and_serves_its_disk_tier(
             assert "another configuration" in event["error"] and "KVF_SEGMENT_SSD_BYTES" in event["error"]
         finally:
             refused.stop(timeout_s=5.0)
+
+
+async def test_the_directory_adopts_a_restarted_segment_s_disk_tier(
+    nats_server: NatsServer, nats_client: NatsClient, tmp_path: Path
+) -> None:
+    """Chunk groups whose objects are in the disk tier only (as after a restart): the segment
+    registers with `disk_objects`, the directory rebuilds its shards from the reports, and a
+    lookup hits them with disk replicas that the client's pool loads, checksum verified."""
+    ssd_dir = tmp_path / "ssd"
+    chunk_groups = groups(3, seed=23)
+    objects = prefill(ssd_dir, 3, [key(g) for g in chunk_groups])
+    with directory_process(nats_server), segment_process(nats_server, SEGMENT, 16 << 20, **ssd_env(ssd_dir)):
+        locations: list[m.ObjectLocation] = []
+        for g in chunk_groups:  # one lookup per group: each is its own shard's
+            for _ in range(100):  # the rebuild starts as the segment registers
+                reply = await directory_call(
+                    nats_client, "lookup", m.Lookup(holder_id="reader", groups=[g.to_bytes()])
+                )
+                assert isinstance(reply, m.LookupReply)
+                if reply.hit_chunks == 1:
+                    locations.append(reply.objects[0])
+                    break
+                await asyncio.sleep(0.2)
+        assert len(locations) == 3, "the directory never adopted the disk tier's groups"
+        pool = SegmentPool(connections_per_segment_max=2, timeout_s=10, use_shm=True)
+        try:
+            for location, g in zip(locations, chunk_groups, strict=True):
+                (replica,) = location.replicas
+                assert tier_of_slot(replica.slot) == "ssd" and replica.segment_id == SEGMENT
+                data = objects[key(g)]
+                assert location.size_bytes == len(data) and location.checksum == checksum(data)
+                dest = bytearray(len(data))
+                gate = WriteGate()
+                status = await asyncio.to_thread(
+                    pool.fetch, location, ScatterDest([memoryview(dest)], gate), 1
+                )
+                gate.close()
+                assert status == "ok" and bytes(dest) == data
+        finally:
+            pool.close()

@@ -175,6 +175,10 @@ class RegisterSegment(_Msg, frozen=True, kw_only=True, tag="dir.register.v1"):
     # handed out unchanged in tickets and replica locations.
     data_addr: str = ""
     epoch: int = 0
+    # Objects in the segment's disk tier as it registers: what it recovered after a restart (a new
+    # incarnation). > 0 asks the directory to adopt them: each shard it leads is rebuilt from the
+    # segments' reports (the HA rebuild; docs/segment.md, "Disk tier").
+    disk_objects: int = 0
 
 
 class ShardEpoch(msgspec.Struct, frozen=True, array_like=True):
@@ -195,6 +199,9 @@ class Heartbeat(_Msg, frozen=True, kw_only=True, tag="dir.heartbeat.v1"):
     used_bytes: int
     draining: bool = False
     epoch: int = 0
+    # Objects in its disk tier (`used_bytes` is the arena's): a shard core that never saw this
+    # segment rebuilds to adopt them, as it does for arena bytes (docs/directory-ha.md).
+    disk_objects: int = 0
 
 
 class HeartbeatAck(_Msg, frozen=True, kw_only=True, tag="dir.heartbeat_ack.v1"):

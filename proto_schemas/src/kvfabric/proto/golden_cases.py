@@ -250,6 +250,28 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
         ),
     ),
     "seg.drain.v1": ("segment", segment.DrainRequest(draining=True)),
+    "dir.register.v1.disk_objects": (
+        "directory.request",
+        directory.RegisterSegment(
+            segment_id="seg-1",
+            incarnation=1_700_000_000_000_000,
+            domain=directory.FailureDomain(zone="z1", rack="r1", host="h1"),
+            capacity_bytes=1 << 30,
+            data_addr="tcp://127.0.0.1:7000",
+            disk_objects=12,
+        ),
+    ),
+    "seg.report_reply.v1.ssd": (  # a disk tier's object: its slot id is SSD_SLOT_BASE + 5
+        "segment",
+        segment.SegmentReport(
+            incarnation=9,
+            capacity_bytes=1 << 30,
+            used_bytes=0,
+            draining=False,
+            objects=[segment.HeldObject(bytes(96), segment.SSD_SLOT_BASE + 5, 3, 65536, b"k" * 16)],
+            next_after_slot=-1,
+        ),
+    ),
     "dp.put.v1": (
         "dataplane",
         dataplane.PutRequest(

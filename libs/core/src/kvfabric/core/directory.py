@@ -30,7 +30,8 @@ and checksummed the bytes) → committed (the writer says it is done).
    directory epoch, an older segment incarnation, a confirm for a ticket that no longer exists.
 6. No leaks: when writers die and leases expire, every placement is either published or its
    reservation released and its confirmed slot sent a free; `reserved_bytes` of a segment equals
-   the sum of its live placements.
+   the sum of its live placements in its arena (a replica in its disk tier, slot id from
+   `SSD_SLOT_BASE`, reserves no arena bytes: docs/segment.md, "Disk tier").
 7. The per-domain index (`directory_index`) holds exactly the published group keys.
 
 ## What a call costs (issue 21: the shell runs every call on its one event loop)
@@ -109,6 +110,7 @@ from kvfabric.format.errors import (
 )
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
+from kvfabric.proto.segment import tier_of_slot
 from kvfabric.proto.tickets import read_token, sign_ticket
 
 __all__ = [
@@ -1461,7 +1463,7 @@ class DirectoryCore:
         size, gid, _, tenant = self._freeing.pop(key)
         self.quotas.add(tenant, -size)
         seg = self.segments.get(key[0])
-        if seg is not None and seg.incarnation == key[1] and seg.up:
+        if seg is not None and seg.incarnation == key[1] and seg.up and tier_of_slot(key[2]) == "dram":
             seg.reserved_bytes -= size
             invariant(seg.reserved_bytes >= 0, "negative reservation", segment=seg.segment_id)
         if gid:
@@ -1938,7 +1940,8 @@ class DirectoryCore:
             seg = _Segment(
                 reg.segment_id, reg.incarnation, reg.domain, reg.capacity_bytes, reg.data_addr, now_ms
             )
-            seg.reserved_bytes = sum(o.size_bytes for o in holding.objects)  # freed orphans give it back
+            # freed orphans give it back; disk-tier objects hold no arena bytes (docs/segment.md)
+            seg.reserved_bytes = sum(o.size_bytes for o in holding.objects if tier_of_slot(o.slot) == "dram")
             self.segments[reg.segment_id] = seg
             self._note_segment_text(reg.segment_id, reg.data_addr)
         plan = plan_rebuild(holdings)
@@ -2001,9 +2004,11 @@ class DirectoryCore:
         for record in self.published.values():
             for mem in unpack_group(record).members:
                 for r in mem.replicas:
-                    add(r.placement, mem.size_bytes)
-        for (sid, inc, _, _), (size, _, _, _) in self._freeing.items():
-            add(self._placement_index[(sid, inc)], size)
+                    if tier_of_slot(r.slot) == "dram":  # a disk replica reserves no arena bytes
+                        add(r.placement, mem.size_bytes)
+        for (sid, inc, slot, _), (size, _, _, _) in self._freeing.items():
+            if tier_of_slot(slot) == "dram":
+                add(self._placement_index[(sid, inc)], size)
         for rt in self._replicating.values():
             add(rt.placement, rt.size_bytes)
         for seg in self.segments.values():

@@ -424,9 +424,13 @@ class ShardHost:
         for shard, shell in shells:
             if isinstance(message, m.Heartbeat) and message.segment_id not in shell.core.segments:
                 introduced = await self._introduce(shell, message)
-                if introduced and message.used_bytes > 0:
+                if introduced and (message.used_bytes > 0 or message.disk_objects > 0):
                     self._rebuild_later(shard, shell.core.epoch, message.segment_id)
             reply = await shell.handle(msgspec.structs.replace(message, epoch=0))
+            if isinstance(message, m.RegisterSegment) and message.disk_objects > 0:
+                # A restarted segment brings its disk tier back: adopt what it holds (the rebuild
+                # asks every registered segment, this one included, for its report).
+                self._rebuild_later(shard, shell.core.epoch, message.segment_id)
             epochs.append(m.ShardEpoch(shard, shell.core.epoch))
             first = first or reply
         if isinstance(first, m.SegmentRegistered | m.HeartbeatAck):

@@ -288,6 +288,7 @@ class SegmentShell:
                 capacity_bytes=s.arena_bytes,
                 domain=m.FailureDomain(zone=s.zone, rack=s.rack, host=s.host),
                 data_addr=self.data_addr,
+                disk_objects=self._disk_objects(),  # recovered: the directory adopts them
             ),
         )
         for reply in replies:
@@ -323,6 +324,9 @@ class SegmentShell:
         if self._id_lock_fd >= 0:  # the id is free for the next incarnation
             unlock_segment_id(self.settings.shm_dir, self.settings.segment_id, self._id_lock_fd)
             self._id_lock_fd = -1
+
+    def _disk_objects(self) -> int:
+        return self.ssd.table.objects if self.ssd is not None else 0
 
     def _close_ssd(self) -> None:
         """Wait for the I/O threads, then close the file (it stays for the next start)."""
@@ -382,6 +386,7 @@ class SegmentShell:
                         incarnation=self.incarnation,
                         used_bytes=self.slots.used_bytes,
                         draining=self.backend.draining,
+                        disk_objects=self._disk_objects(),
                     ),
                     timeout_s=min(REQUEST_TIMEOUT_S, max(HEARTBEAT_TIMEOUT_MIN_S, interval_s)),
                 )
