@@ -308,38 +308,54 @@ class SsdTier:
     # ---- the file ------------------------------------------------------------------------------
 
     def _open(self) -> None:
-        g = self.geometry
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, SSD_FILE_MODE)
-            self.created = True
-        except FileExistsError:
-            fd = os.open(self.path, os.O_RDWR)
-        self._fd = fd
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SsdFileRefused(f"{self.path} is in use by another process") from None
-        if self.created:
-            try:
-                os.posix_fallocate(fd, 0, g.file_bytes)  # the space is ours now, or this fails
-                header = DiskHeader(g, secrets.token_bytes(16), self.segment_id, time.time_ns() // 1_000_000)
-                os.pwrite(fd, encode_header(header), 0)
-                os.fsync(fd)
-                dir_fd = os.open(self.path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(dir_fd)  # the file's name is durable too
-                finally:
-                    os.close(dir_fd)
-            except BaseException:
-                os.close(fd)
-                self._fd = -1
-                self.path.unlink(missing_ok=True)
-                raise
-            self.header = header
-        else:
+        """Open the file, or make it: under a temporary name (`.new`), preallocated, its header
+        written and synced, then renamed into place — so a start killed half-way leaves no file
+        the next start would refuse, only a `.new` it removes."""
+        if self.path.exists():
+            self._fd = os.open(self.path, os.O_RDWR)
+            self._lock()
             self.header = self._check_header()
+        else:
+            self._create()
         if self.direct:
             self._direct_fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+
+    def _lock(self) -> None:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SsdFileRefused(f"{self.path} is in use by another process") from None
+
+    def _create(self) -> None:
+        g = self.geometry
+        new = self.path.with_name(self.path.name + ".new")
+        new.unlink(missing_ok=True)  # a start killed while creating (the segment id's lock is ours)
+        self._fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL, SSD_FILE_MODE)
+        try:
+            self._lock()
+            try:
+                os.posix_fallocate(self._fd, 0, g.file_bytes)  # the space is ours now, or this fails
+            except OSError as exc:
+                raise SsdFileRefused(
+                    f"cannot take {g.file_bytes} bytes for the disk tier at {self.path}: {exc.strerror}; "
+                    "free space there or lower KVF_SEGMENT_SSD_BYTES"
+                ) from None
+            header = DiskHeader(g, secrets.token_bytes(16), self.segment_id, time.time_ns() // 1_000_000)
+            os.pwrite(self._fd, encode_header(header), 0)
+            os.fsync(self._fd)
+            os.rename(new, self.path)
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # the file's name is durable too
+            finally:
+                os.close(dir_fd)
+        except BaseException:
+            os.close(self._fd)
+            self._fd = -1
+            new.unlink(missing_ok=True)
+            raise
+        self.header = header
+        self.created = True
 
     def _check_header(self) -> DiskHeader:
         g = self.geometry
