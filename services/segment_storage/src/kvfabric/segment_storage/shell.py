@@ -550,9 +550,10 @@ class SegmentShell:
         assert self.ssd is not None
         while True:
             await asyncio.sleep(SSD_UNLINK_RETRY_S)
-            if self.ssd.table.pending_unlinks():
+            if self.ssd.unlinks_pending:
                 retried = await asyncio.to_thread(self.ssd.retry_unlinks)
-                self._log.info("ssd_unlinks_retried", slots=retried)
+                if retried:
+                    self._log.info("ssd_unlinks_retried", slots=retried)
 
     async def _report_corrupt(self, found: CorruptObject) -> None:
         """Tell the directory (bounded retries); the slot is already freed here whatever it says."""

@@ -282,6 +282,7 @@ class SsdTier:
         self.lock = threading.Lock()
         self.counters: dict[str, int] = {}
         self.read_bytes_in_flight = 0
+        self.unlinks_pending = False  # a free record's write failed: `retry_unlinks` has work
         self.created = False
         self.stale_removed: list[Path] = []
         directory.mkdir(parents=True, exist_ok=True)
@@ -526,14 +527,21 @@ class SsdTier:
                 self._write_record(record)
             self._sync.sync()
         except (OSError, KvfError):
-            self.count("unlinks_failed_total")
+            with self.lock:
+                self._count("unlinks_failed_total")
+                self.unlinks_pending = True
             return
         with self.lock:
             for record in records:
                 self.table.unlinked(record.slot, record.generation)
 
     def retry_unlinks(self) -> int:
+        """Write again the free records whose write failed; 0 once a sync failed (nothing written
+        after that counts: their extents stay held until a restart recovers the file)."""
+        if self._sync.failed is not None or not self.unlinks_pending:
+            return 0
         with self.lock:
+            self.unlinks_pending = False  # set again if this retry fails too
             pending = self.table.pending_unlinks()
         if pending:
             self._unlink(pending)
