@@ -120,6 +120,10 @@ async def test_a_segment_recovers_and_serves_its_disk_tier(
             text = await scrape_metrics_async(started["metrics_port"])
             assert metric_value(text, "kvfabric_segment_ssd_objects") == 5
             assert metric_value(text, "kvfabric_segment_ssd_capacity_bytes") == SSD_BYTES
+            assert (
+                metric_value(text, "kvfabric_segment_ssd_io_seconds_count", op="read") == 5
+            )  # check_served's
+            assert metric_value(text, "kvfabric_segment_ssd_io_seconds_bucket", op="read", le="+Inf") == 5
             segment.send_signal(signal.SIGKILL)  # no clean stop: the file is all there is
             segment.wait(10.0)
         with segment_process(nats_server, SEGMENT, 16 << 20, **ssd_env(ssd_dir)) as segment:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvfabric.segment_storage.shell import SegmentShell
@@ -16,7 +16,7 @@ class SegmentCollector(Collector):
     def __init__(self, shell: SegmentShell) -> None:
         self.shell = shell
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         shell = self.shell
         slots, backend = shell.slots, shell.backend
         with backend.lock:
@@ -65,6 +65,14 @@ class SegmentCollector(Collector):
         )
         if shell.ssd is not None:
             counters.update(shell.ssd.all_counters())
+        latency = HistogramMetricFamily(
+            "kvfabric_segment_ssd_io_seconds",
+            "Disk tier I/O: a write (data, syncs, commit record) or a read (read, checksum), by op.",
+            labels=["op"],
+        )
+        for op, (buckets, total) in (shell.ssd.io_latency() if shell.ssd is not None else {}).items():
+            latency.add_metric([op], [(_le(bound), n) for bound, n in buckets], total)
+        yield latency
         for name, (doc, value) in figures.items():
             yield GaugeMetricFamily(name, doc, value=float(value))
         events = CounterMetricFamily("kvfabric_segment_events", "Segment counters, by name.", labels=["name"])
@@ -76,3 +84,7 @@ class SegmentCollector(Collector):
             "Data connections refused (busy).",
             value=shell.server.rejected_busy,
         )
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)

@@ -38,6 +38,7 @@ reads, read tokens, reports and corruption reports name disk replicas exactly as
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import contextlib
 import fcntl
@@ -83,6 +84,8 @@ __all__ = [
 ]
 
 SSD_FILE_MODE: Final = 0o600
+# Upper bounds (seconds) of the I/O latency histogram's buckets (`io_latency`), +Inf implied.
+IO_SECONDS_BUCKETS: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 INDEX_READ_BYTES: Final = 4 << 20  # the index is read at start in pieces of this size
 ReadStatus = Literal["ok", "stale_generation", "not_found", "wrong_size", "corrupt"]
 
@@ -283,6 +286,10 @@ class SsdTier:
         self.counters: dict[str, int] = {}
         self.read_bytes_in_flight = 0
         self.unlinks_pending = False  # a free record's write failed: `retry_unlinks` has work
+        # op -> (count per bucket of IO_SECONDS_BUCKETS + one for +Inf, sum of seconds)
+        self._latency: dict[str, tuple[list[int], list[float]]] = {
+            op: ([0] * (len(IO_SECONDS_BUCKETS) + 1), [0.0]) for op in ("write", "read")
+        }
         self.created = False
         self.stale_removed: list[Path] = []
         directory.mkdir(parents=True, exist_ok=True)
@@ -422,6 +429,24 @@ class SsdTier:
         with self.lock:
             self._count(name, n)
 
+    def _observe(self, op: str, seconds: float) -> None:
+        """Under the lock: one write (the whole protocol: data, syncs, record) or read."""
+        buckets, total = self._latency[op]
+        buckets[bisect.bisect_left(IO_SECONDS_BUCKETS, seconds)] += 1
+        total[0] += seconds
+
+    def io_latency(self) -> dict[str, tuple[list[tuple[float, int]], float]]:
+        """Per op: cumulative (upper bound, count) pairs ending with +Inf, and the sum of seconds."""
+        out = {}
+        with self.lock:
+            for op, (buckets, total) in self._latency.items():
+                cumulative, running = [], 0
+                for bound, n in zip([*IO_SECONDS_BUCKETS, float("inf")], buckets, strict=True):
+                    running += n
+                    cumulative.append((bound, running))
+                out[op] = (cumulative, total[0])
+        return out
+
     def _write_record(self, record: Record) -> None:
         data = encode_record(record, self.header.file_id)
         offset = self.geometry.index_offset + record.slot * RECORD_BYTES
@@ -476,6 +501,7 @@ class SsdTier:
                 self._count("writes_total")
                 self._count("write_bytes_total", len(source))
                 self._count("write_us_total", int((time.perf_counter() - started) * 1e6))
+                self._observe("write", time.perf_counter() - started)
         if unlink is not None:
             self._unlink([unlink])
             if not durable:
@@ -604,6 +630,7 @@ class SsdTier:
                 self._count("reads_total")
                 self._count("read_bytes_total", size)
                 self._count("read_us_total", int((time.perf_counter() - started) * 1e6))
+                self._observe("read", time.perf_counter() - started)
         if ok:
             return SsdRead("ok", memoryview(buf)[:size], grant.checksum, key, generation, give_back)
         give_back()
