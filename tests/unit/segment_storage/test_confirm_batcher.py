@@ -104,5 +104,7 @@ async def test_a_save_that_says_how_many_writes_come_gets_one_request() -> None:
     directory.requests.clear()
     slow = [late(10, 0.0), late(11, 0.0), late(12, CONFIRM_GATHER_S * 3)]
     await asyncio.gather(*(batcher.confirm(4, 2, confirm(20)),), *slow)  # shard 4: its own request
-    assert sorted(len(msg.confirms) for msg, _ in directory.requests) == [1, 1, 2]
+    # 10 and 11 leave together once the gathering gives up; 12 rides the next request (or, on a
+    # loop so late that its timer fired in the same turn as the gathering's, the same one).
+    assert sorted(len(msg.confirms) for msg, _ in directory.requests) in ([1, 1, 2], [1, 3])
     assert not batcher._senders and not batcher._pending and not batcher._arrived and not batcher._expected
