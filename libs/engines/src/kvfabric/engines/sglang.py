@@ -1,0 +1,540 @@
+"""`KvfabricStorage`: kvfabric as SGLang's HiCache L3 tier (a `HiCacheStorage` subclass; tested
+on SGLang 0.5.23's own classes).
+
+Load it into an unmodified SGLang by module path (SGLang's `StorageBackendFactory`, backend
+"dynamic"):
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvfabric",
+        "module_path": "kvfabric.engines.sglang", "class_name": "KvfabricStorage",
+        "interface_v1": 1, "hicache_storage_pass_prefix_keys": true,
+        "nats_url": "nats://127.0.0.1:4222", "tenant_id": "...", "domain_salt_hex": "..."}'
+
+Extra config keys: `nats_url` (or env KVF_CLIENT_NATS_URL), `tenant_id`, `domain_salt_hex`,
+`weights_revision` (default: a digest of the weight files when the model name is a local
+directory; else required), `model_path`, `model_id`, `attn_config_digest`, `tensor_layout`
+(default: SGLang's version and the host pool's page format), `exists_hold_ms` (10,000),
+`held_hits_max` (64), and any `ClientSettings` field (timeouts, limits); every client setting
+can also come from `KVF_CLIENT_*`. SGLang's own keys (`backend_name`, `module_path`,
+`class_name`, `interface_v1`) are read by SGLang.
+
+## How it maps (the functional core is `kvfabric.engines.sglang_keys`)
+- One kvfabric chunk = one SGLang page; one object = that page's bytes in the host pool's
+  `get_page_buffer_meta` order (page_first: K then V of every layer; layer_first: K, V per
+  layer; MLA: the latent page). Loads write straight into the host pool pages (a scatter list
+  of views of the pool's own tensors: no staging copy); a save reads a one-region page in
+  place and gathers a multi-region page into one buffer (the client takes one buffer per
+  object), and waits for the save, so SGLang may reuse the page once `batch_set_v1` returns.
+- Keys: the share domain, model fingerprint and page format are in every key; the chain runs
+  over SGLang's page hashes (`sglang_keys`: chained with `hicache_storage_pass_prefix_keys`,
+  else one chain per page).
+- `batch_exists` looks the pages up and keeps the read-leased hit until `batch_get_v1` loads
+  from it (`HeldHits`): what exists reported cannot be evicted before the get. A get with no
+  held hit (its hold expired, another instance checked) looks up again. Every page a get
+  cannot fill (gone, corrupt: the client verifies every checksum, timed out, a dead segment) is
+  False, and so is every page after it: SGLang counts the leading True pages and recomputes the
+  rest. Nothing a get reports True holds unverified bytes.
+- Any failure is a miss: `batch_exists` 0, `batch_get_v1` / `batch_set_v1` False, never an
+  exception into SGLang's threads (logged at most once per `_LOG_EVERY_S` per kind).
+- A cache that cannot start (settings, NATS down or refusing) never stops SGLang: the client
+  starts in the background and misses until it has; settings it cannot read leave it
+  disabled (`config_error`), one line logged.
+- `clear()` gives back this backend's leases; it deletes nothing (the store is shared by every
+  engine of the tenant; the directory's eviction frees space). `get_stats()` returns SGLang's
+  `StorageMetrics` (pages and GB/s per prefetch and backup batch since the last call).
+- v2 calls (SGLang's hybrid models: Mamba/SWA/DSA side pools) store only the KV pool: pools
+  other than KV are reported missing and not written, so SGLang recomputes such models' L3
+  hits (correct, no gain). Legacy calls (`get`, `batch_get`, `set`, `batch_set`, `exists`)
+  miss: the constructor sets `interface_v1` when the extra config lacks it, so SGLang's
+  controller picks the zero-copy v1 path.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from kvfabric.client import ClientSettings, EngineSpec, Hit, KvClient, SaveResult, settings_from_env
+from kvfabric.engines.sglang_keys import (
+    HELD_HITS_MAX_DEFAULT,
+    HOLD_MS_DEFAULT,
+    HeldHits,
+    PoolGeometry,
+    StorageIdentity,
+    chain_words,
+    engine_spec,
+    new_pages,
+)
+from kvfabric.format.errors import KvfError
+from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, chain_hashes
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.pool_host import HostKVCache
+
+__all__ = ["KvfabricStorage", "pool_geometry"]
+
+log = logging.getLogger("kvfabric.engines.sglang")
+
+_CLIENT_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(ClientSettings))
+CAUSE_CONFIG_ERROR: Final = "config_error"
+_LOG_EVERY_S: Final = 30.0  # one line per kind of failure at most this often
+# Host pool tensors a page region may lie in (zero-copy views are cut from these only).
+_POOL_TENSORS: Final = ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer")
+
+
+def _now_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+def _sglang_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:
+        return "unknown"
+
+
+def pool_geometry(pool: HostKVCache) -> PoolGeometry:
+    """The page format of SGLang's host pool (one page's regions from `get_page_buffer_meta`)."""
+    page_size = int(pool.page_size)
+    first_page = torch.arange(page_size, dtype=torch.int64)
+    _, sizes = pool.get_page_buffer_meta(first_page)
+    return PoolGeometry(
+        pool_kind=type(pool).__name__,
+        layout=str(pool.layout),
+        page_size=page_size,
+        layer_num=int(getattr(pool, "layer_num", 0)),
+        head_num=int(getattr(pool, "head_num", 0)),
+        head_dim=int(getattr(pool, "head_dim", getattr(pool, "kv_lora_rank", 0))),
+        dtype=str(pool.dtype).removeprefix("torch."),
+        region_bytes=tuple(int(s) for s in sizes),
+        sglang_version=_sglang_version(),
+    )
+
+
+class _PageViews:
+    """Zero-copy byte views of host pool pages: each region `get_page_buffer_meta` names is cut
+    from the pool tensor that holds it (checked: a region outside every pool tensor is an error,
+    never a raw pointer dereference)."""
+
+    def __init__(self, pool: HostKVCache) -> None:
+        self.pool = pool
+        self._spans: list[tuple[int, int, memoryview]] = []  # (start address, end, bytes view)
+        for name in _POOL_TENSORS:
+            tensor = getattr(pool, name, None)
+            if isinstance(tensor, torch.Tensor) and tensor.numel() and tensor.device.type == "cpu":
+                if not tensor.is_contiguous():
+                    continue
+                flat = tensor.reshape(-1).view(torch.uint8).numpy()
+                start = tensor.data_ptr()
+                self._spans.append((start, start + flat.nbytes, flat.data))
+
+    def pages(self, host_indices: torch.Tensor, pages: int) -> list[list[memoryview]]:
+        """One list of region views per page (`pages` pages from `host_indices`)."""
+        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+        if pages == 0 or len(ptrs) % pages:
+            raise ValueError(f"{len(ptrs)} buffer regions for {pages} pages")
+        per = len(ptrs) // pages
+        out: list[list[memoryview]] = []
+        for i in range(pages):
+            regions = []
+            for ptr, size in zip(ptrs[i * per : (i + 1) * per], sizes[i * per : (i + 1) * per], strict=True):
+                regions.append(self._view(int(ptr), int(size)))
+            out.append(regions)
+        return out
+
+    def _view(self, ptr: int, size: int) -> memoryview:
+        for start, end, view in self._spans:
+            if start <= ptr and ptr + size <= end:
+                return view[ptr - start : ptr - start + size]
+        raise ValueError(f"page region {ptr:#x}+{size} lies outside the host pool's tensors")
+
+
+def _unconfigured_spec() -> EngineSpec:
+    """A key space for a client that never starts."""
+    return EngineSpec(
+        domain=ShareDomain("unconfigured", bytes(16)),
+        model=ModelFingerprint(
+            model_id="unconfigured", weights_revision="-", kv_dtype="-", attn_config_digest="-"
+        ),
+        layout=KVLayout(
+            tp_size=1,
+            tp_rank=0,
+            pp_stage=0,
+            layer_group=0,
+            layer_group_count=1,
+            tokens_per_chunk=8,
+            tensor_layout="unconfigured",
+        ),
+    )
+
+
+class KvfabricStorage(HiCacheStorage):
+    """SGLang HiCache L3 storage over the kvfabric client (module docstring). Thread-safe:
+    SGLang calls it from its prefetch, prefetch-IO and backup threads at once."""
+
+    def __init__(
+        self,
+        storage_config: HiCacheStorageConfig,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        client_factory: Callable[[ClientSettings, EngineSpec], KvClient] | None = None,
+    ) -> None:
+        self.storage_config = storage_config
+        extra = storage_config.extra_config
+        if extra is not None and not extra.get("interface_v1"):
+            # SGLang reads this after building the backend: its zero-copy page path calls
+            # batch_get_v1 / batch_set_v1 (the legacy calls miss here).
+            extra["interface_v1"] = 1
+            log.info("kvfabric: interface_v1 set: SGLang calls batch_get_v1 / batch_set_v1")
+        self.extra: dict[str, Any] = dict(extra or {})
+        self._client_factory = client_factory
+        self.client: KvClient | None = None  # made when SGLang registers its host pool
+        self.spec: EngineSpec | None = None
+        self.geometry: PoolGeometry | None = None
+        self._views: _PageViews | None = None
+        self._lock = threading.Lock()
+        try:
+            hold_ms = int(self.extra.get("exists_hold_ms", HOLD_MS_DEFAULT))
+            held_max = int(self.extra.get("held_hits_max", HELD_HITS_MAX_DEFAULT))
+            self._held = HeldHits(hold_ms, held_max)
+        except (TypeError, ValueError) as exc:
+            log.error("kvfabric: exists_hold_ms / held_hits_max: %s: using the defaults", exc)
+            self._held = HeldHits()
+        self._logged: dict[str, float] = {}
+        # SGLang's StorageMetrics lists, since the last get_stats()
+        self._prefetch_pages: list[int] = []
+        self._backup_pages: list[int] = []
+        self._prefetch_gbps: list[float] = []
+        self._backup_gbps: list[float] = []
+        self.enable_storage_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: HostKVCache) -> None:
+        """SGLang hands over its host pool: the page format is known now, so the key space and
+        the client are made here (the client starts in the background)."""
+        super().register_mem_pool_host(mem_pool_host)
+        if self.client is not None:
+            return
+        overrides = {k: v for k, v in self.extra.items() if k in _CLIENT_FIELDS}
+        cfg = self.storage_config
+        try:
+            self.geometry = pool_geometry(mem_pool_host)
+            self._views = _PageViews(mem_pool_host)
+            settings = settings_from_env(**overrides)
+            who = StorageIdentity(
+                tp_rank=cfg.tp_rank,
+                tp_size=cfg.tp_size,
+                pp_rank=cfg.pp_rank,
+                pp_size=cfg.pp_size,
+                is_mla_model=cfg.is_mla_model,
+                model_name=cfg.model_name or "",
+                attn_cp_size=getattr(cfg, "attn_cp_size", 1) or 1,
+                dcp_size=getattr(cfg, "dcp_size", 1) or 1,
+                should_split_heads=bool(getattr(cfg, "should_split_heads", False)),
+            )
+            self.spec = engine_spec(who, self.geometry, self.extra, settings)
+        except (KvfError, ValueError, TypeError, OSError) as exc:
+            detail = exc.message if isinstance(exc, KvfError) else f"{type(exc).__name__}: {exc}"
+            self.client = KvClient.disabled(
+                _unconfigured_spec(),
+                CAUSE_CONFIG_ERROR,
+                f"hicache storage extra config / KVF_CLIENT_*: {detail}",
+            )
+            return
+        if self._client_factory is not None:
+            self.client = self._client_factory(settings, self.spec)
+        else:
+            self.client = KvClient(settings, self.spec, background_start=True)
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _warn(self, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._logged.get(kind, -_LOG_EVERY_S) >= _LOG_EVERY_S:
+            self._logged[kind] = now
+            log.warning("kvfabric: " + message, *args)
+
+    def _release(self, hits: Sequence[Hit]) -> None:
+        if self.client is not None:
+            for hit in hits:
+                self.client.release(hit)
+
+    def _expire_held(self) -> None:
+        with self._lock:
+            old = self._held.expired(_now_ms())
+        self._release(old)
+
+    @staticmethod
+    def _prefix(extra_info: HiCacheStorageExtraInfo | None) -> list[str] | None:
+        return None if extra_info is None or extra_info.prefix_keys is None else list(extra_info.prefix_keys)
+
+    def _serving(self) -> KvClient | None:
+        client = self.client
+        return client if client is not None and client.enabled else None
+
+    # ---- exists ------------------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many of `keys`, from the first, are stored; those stay read-leased until their
+        get (or `exists_hold_ms`)."""
+        if not keys:
+            return 0
+        try:
+            self._expire_held()
+            client = self._serving()
+            if client is None:
+                return 0
+            prefix = self._prefix(extra_info)
+            if prefix is not None:
+                return self._exists_chain(client, prefix, keys)
+            found = 0
+            for key in keys:  # per page: one chain each, stop at the first miss
+                if self._exists_chain(client, [], [key]) == 0:
+                    break
+                found += 1
+            return found
+        except Exception as exc:  # failure = miss, never an error in SGLang's thread
+            self._warn("exists", "batch_exists failed (%s: %s): reported as a miss", type(exc).__name__, exc)
+            return 0
+
+    def _exists_chain(self, client: KvClient, prefix: list[str], keys: list[str]) -> int:
+        hit = client.lookup(chain_words(prefix, keys))
+        found = new_pages(hit.chunks, len(prefix), len(keys))
+        if found == 0:
+            self._release([hit])
+            return 0
+        with self._lock:
+            dropped = self._held.hold(hit, _now_ms())
+        self._release(dropped)
+        return found
+
+    # ---- get ---------------------------------------------------------------------------------
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Load `keys` straight into the host pool pages at `host_indices`; True for each page
+        from the first that was loaded and verified, False from the first that was not."""
+        if not keys:
+            return []
+        started = time.perf_counter()
+        try:
+            self._expire_held()
+            client = self._serving()
+            if client is None or self._views is None:
+                return [False] * len(keys)
+            pages = self._views.pages(host_indices, len(keys))
+            prefix = self._prefix(extra_info)
+            if prefix is not None:
+                loaded = self._get_chain(client, prefix, keys, pages)
+            else:
+                loaded = 0
+                for key, page in zip(keys, pages, strict=True):
+                    if self._get_chain(client, [], [key], [page]) == 0:
+                        break
+                    loaded += 1
+        except Exception as exc:
+            self._warn("get", "batch_get_v1 failed (%s: %s): reported as a miss", type(exc).__name__, exc)
+            return [False] * len(keys)
+        self._record(self._prefetch_pages, self._prefetch_gbps, loaded, started)
+        return [i < loaded for i in range(len(keys))]
+
+    def _get_chain(
+        self, client: KvClient, prefix: list[str], keys: list[str], pages: list[list[memoryview]]
+    ) -> int:
+        """Pages of `keys` loaded and verified, from the first."""
+        words = chain_words(prefix, keys)
+        spec = client.aio.spec
+        chain = [bytes(h) for h in chain_hashes(spec.domain, spec.model, spec.layout, words)]
+        end = len(chain)
+        with self._lock:
+            hit = self._held.covering(chain, end)
+        fresh = hit is None
+        if hit is None:  # nothing held for these pages: look them up now (and give back after)
+            hit = client.lookup(words)
+        try:
+            first = len(prefix)
+            wanted = new_pages(hit.chunks, first, len(keys))
+            if wanted == 0:
+                return 0
+            result = client.load(hit, [[page] for page in pages[:wanted]], first_chunk=first)
+            return new_pages(result.tokens // hit.tokens_per_chunk, first, wanted)
+        finally:
+            if fresh:
+                self._release([hit])
+            with self._lock:
+                done = self._held.finished(chain, end)
+            self._release(done)
+
+    # ---- set ---------------------------------------------------------------------------------
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Save the host pool pages of `keys`; returns once the client no longer reads them.
+        True for a page stored (now or before); a chained batch is all True or all False (the
+        client reports counts, not which chunk failed)."""
+        if not keys:
+            return []
+        started = time.perf_counter()
+        try:
+            self._expire_held()
+            client = self._serving()
+            if client is None or self._views is None:
+                return [False] * len(keys)
+            objects = [[_one_buffer(regions)] for regions in self._views.pages(host_indices, len(keys))]
+            prefix = self._prefix(extra_info)
+            if prefix is not None:
+                result = client.save(chain_words(prefix, keys), objects, first_chunk=len(prefix))
+                ok = [result.chunks_failed == 0] * len(keys)
+            else:
+                ok = self._set_pages(client, keys, objects)
+        except Exception as exc:
+            self._warn("set", "batch_set_v1 failed (%s: %s): pages not stored", type(exc).__name__, exc)
+            return [False] * len(keys)
+        if not all(ok):
+            self._warn("set_failed", "%d of %d pages not stored", ok.count(False), len(ok))
+        self._record(self._backup_pages, self._backup_gbps, ok.count(True), started)
+        return ok
+
+    def _set_pages(self, client: KvClient, keys: list[str], objects: list[list[Any]]) -> list[bool]:
+        """Per-page chains: every page's save in flight at once (the client bounds them)."""
+        futures: list[concurrent.futures.Future[SaveResult] | None] = [
+            client.save_async(chain_words([], [key]), [row]) for key, row in zip(keys, objects, strict=True)
+        ]
+        timeout_s = client.settings.save_timeout_ms / 1000 * 3
+        ok = []
+        for future in futures:
+            try:
+                ok.append(future is not None and future.result(timeout_s).chunks_failed == 0)
+            except Exception:
+                ok.append(False)
+        return ok
+
+    # ---- v2 (hybrid models) ------------------------------------------------------------------
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """KV pages as `batch_exists`; side pools are not stored, so a request that needs one
+        gets no hit (SGLang recomputes)."""
+        if pool_transfers:
+            return PoolTransferResult(0, {}, [])
+        pages = self.batch_exists(keys, extra_info)
+        return PoolTransferResult(pages, {PoolName.KV: pages} if pages else {}, list(range(1, pages + 1)))
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return self._v2(transfers, extra_info, self.batch_get_v1)
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return self._v2(transfers, extra_info, self.batch_set_v1)
+
+    @staticmethod
+    def _v2(
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None,
+        v1: Callable[[list[str], torch.Tensor, HiCacheStorageExtraInfo | None], list[bool]],
+    ) -> dict[str, list[bool]]:
+        out: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            if transfer.name == PoolName.KV and transfer.host_indices is not None:
+                out[str(transfer.name)] = v1(keys, transfer.host_indices, extra_info)
+            else:
+                out[str(transfer.name)] = [False] * len(keys)
+        return out
+
+    # ---- legacy calls (SGLang's generic page path): the zero-copy v1 path is used instead ------
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return None
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        return [None] * len(keys)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return False
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        return False
+
+    def exists(self, key: str) -> bool:
+        return False
+
+    # ---- housekeeping ------------------------------------------------------------------------
+
+    def _record(self, pages_list: list[int], gbps_list: list[float], pages: int, started: float) -> None:
+        if not self.enable_storage_metrics or not pages or self.geometry is None:
+            return
+        seconds = max(time.perf_counter() - started, 1e-9)
+        with self._lock:
+            pages_list.append(pages)
+            gbps_list.append(pages * self.geometry.page_bytes / seconds / 1e9)
+
+    def get_stats(self) -> Any:
+        """SGLang's `StorageMetrics` for the batches since the last call."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._lock:
+            stats = StorageMetrics(
+                prefetch_pgs=self._prefetch_pages[:],
+                backup_pgs=self._backup_pages[:],
+                prefetch_bandwidth=self._prefetch_gbps[:],
+                backup_bandwidth=self._backup_gbps[:],
+            )
+            for values in (self._prefetch_pages, self._backup_pages, self._prefetch_gbps, self._backup_gbps):
+                values.clear()
+        return stats
+
+    def clear(self) -> None:
+        """Give back every lease this backend holds. Stored pages stay: the store is shared by
+        every engine of the tenant (the directory's eviction frees space)."""
+        with self._lock:
+            held = self._held.drain()
+        self._release(held)
+
+    def close(self) -> None:
+        self.clear()
+        if self.client is not None:
+            self.client.close()
+
+
+def _one_buffer(regions: list[memoryview]) -> memoryview | bytes:
+    """A page as one buffer for the client's save: in place when it is one region, else gathered
+    (one copy; the client reads it until the save returns)."""
+    return regions[0] if len(regions) == 1 else b"".join(regions)

@@ -1,0 +1,280 @@
+"""kvfabric as SGLang's HiCache L3 storage, driven through SGLang 0.5.23's own classes on CPU:
+the backend is loaded by module path (`StorageBackendFactory`, backend "dynamic"), pages live in
+SGLang's host pool (`MHATokenToKVPoolHost` over its CPU device pool), page keys are SGLang's
+hashes, and the calls follow SGLang's controller (`sglangkit.prefetch` / `backup`).
+
+Pages written by another process's backend are read byte-identical (chained and per-page keys,
+page_first and layer_first); under SGLang's failure injector every page reported loaded is still
+identical; a corrupted stored byte, a dead segment and a silent directory give a shorter hit or a
+miss, never wrong bytes or an exception; another tenant or model revision sees nothing; leases
+taken by `batch_exists` are given back after the get (or `exists_hold_ms`); a cache that cannot
+start misses.
+
+Needs SGLang (.venv-sglang, `make test-engines`); deselected from `make test`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvfabric.proto import directory as m
+from kvfabric.testing import NatsServer, ServiceProcess
+from kvfabric.testing.ports import free_port
+from tests.engines import sglangkit as kit
+from tests.integration.clientkit import corrupt_stored_byte
+from tests.integration.cluster import directory_call, directory_process, segment_process
+
+pytestmark = [pytest.mark.integration, pytest.mark.sglang, pytest.mark.timeout(300)]
+
+PAGES = 40  # per prompt: two host-pool "nodes" of 24 and 16 pages
+
+
+@pytest.fixture
+def cluster(nats_server: NatsServer) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    with (
+        directory_process(nats_server) as directory,
+        # No scrubbing: a corrupted byte must reach a load, not be dropped by a scrub pass first.
+        segment_process(nats_server, "seg-sglang", KVF_SEGMENT_SCRUB_BYTES_PER_S="0") as segment,
+    ):
+        yield directory, segment
+
+
+def leases_held(nats: NatsServer) -> list[int]:
+    """Group counts of the read leases the directory holds (every shard's)."""
+
+    async def ask() -> list[int]:
+        import nats as nats_py
+
+        nc = await nats_py.connect(nats.url)
+        try:
+            reply = await directory_call(nc, "list_leases", m.ListLeases())
+            assert isinstance(reply, m.LeaseList)
+            return [lease.groups for lease in reply.leases if not lease.is_pin]
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
+def write_elsewhere(nats: NatsServer, pages: int, *args: str) -> int:
+    """Pages written by a backend in another process (SGLang's classes there too)."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.engines.sglangkit",
+            "write",
+            "--nats",
+            nats.url,
+            "--pages",
+            str(pages),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    stored: int = json.loads(out.stdout.strip().splitlines()[-1])["stored"]
+    return stored
+
+
+def reader(nats: NatsServer, layout: str = "page_first", **extra: Any) -> tuple[Any, Any]:
+    pool = kit.host_pool(layout)
+    return kit.backend(kit.extra_config(nats.url, **extra), pool, layout=layout), pool
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_pages_written_by_one_process_are_read_identical_by_another(
+    nats_server: NatsServer, cluster: object, layout: str
+) -> None:
+    from kvfabric.engines.sglang import KvfabricStorage
+
+    assert write_elsewhere(nats_server, PAGES, "--split", "24", "--layout", layout) == PAGES
+    storage, pool = reader(nats_server, layout)
+    assert isinstance(storage, KvfabricStorage)  # loaded by module path, no injector asked for
+    keys = kit.page_keys(PAGES)
+    at = kit.alloc_pages(pool, PAGES + 8)
+    kit.scramble(pool, keys, at)
+    # A prompt longer than what is stored: the stored pages, then a miss.
+    longer = keys + kit.page_keys(PAGES + 8)[PAGES:]
+    assert longer[:PAGES] == keys
+    assert kit.prefetch(storage, longer, at, prefix=[]) == (PAGES, PAGES)
+    assert all(kit.identical_pages(pool, keys, at))
+    # A prefetch that starts past what the host already has (SGLang's usual case).
+    kit.scramble(pool, keys, at)
+    assert kit.prefetch(storage, keys[10:], at, prefix=keys[:10]) == (PAGES - 10, PAGES - 10)
+    assert all(kit.identical_pages(pool, keys[10:], at))
+    assert leases_held(nats_server) == []  # every exists lease given back after its get
+    stats = storage.get_stats()
+    assert sum(stats.prefetch_pgs) == 2 * PAGES - 10 and stats.prefetch_bandwidth
+    storage.close()
+
+
+def test_per_page_keys_without_prefix_keys(nats_server: NatsServer, cluster: object) -> None:
+    """Without SGLang's `hicache_storage_pass_prefix_keys` each page is its own chain: found by
+    any call, wherever it starts."""
+    assert write_elsewhere(nats_server, 12, "--per-page", "--seed", "3") == 12
+    storage, pool = reader(nats_server)
+    keys = kit.page_keys(12, seed=3)
+    at = kit.alloc_pages(pool, 12)
+    kit.scramble(pool, keys, at)
+    assert kit.prefetch(storage, keys[5:], at, prefix=None) == (7, 7)
+    assert all(kit.identical_pages(pool, keys[5:], at))
+    # Chained keys name every page after the first differently (the first page's chain is the
+    # same one-page chain in both modes): a chained reader finds only that one.
+    assert kit.prefetch(storage, keys, at, prefix=[]) == (1, 1)
+    assert leases_held(nats_server) == []
+    storage.close()
+
+
+def test_failure_injector_never_yields_wrong_bytes(
+    nats_server: NatsServer, cluster: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang's own `HiCacheStorageFailureInjector` around the backend (random failures and
+    delays in every call): SGLang sees fewer pages, and every page it is told loaded is right."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.25")
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.005")
+    storage, pool = reader(nats_server)
+    assert isinstance(storage, HiCacheStorageFailureInjector)
+    outcomes = []
+    for seed in range(12):
+        keys = kit.page_keys(10, seed=100 + seed)
+        src = kit.alloc_pages(pool, 10)
+        kit.fill(pool, keys, src)
+        stored = kit.backup(storage, keys, src, prefix=[])
+        dst = kit.alloc_pages(pool, 10)
+        kit.scramble(pool, keys, dst)
+        found, loaded = kit.prefetch(storage, keys, dst, prefix=[])
+        assert loaded <= found <= 10
+        assert all(kit.identical_pages(pool, keys[:loaded], dst)), (
+            f"round {seed}: wrong bytes reported loaded"
+        )
+        outcomes.append((stored, found, loaded))
+        pool.free(src)
+        pool.free(dst)
+    assert any(o[2] == 10 for o in outcomes), outcomes  # the path works through the wrapper
+    assert any(o[0] < 10 or o[2] < 10 for o in outcomes), outcomes  # and failures were injected
+    kit.kvfabric_of(storage).close()
+    deadline = time.monotonic() + 5
+    while leases_held(nats_server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leases_held(nats_server) == []
+
+
+def test_corrupted_byte_is_a_shorter_hit_never_wrong_bytes(nats_server: NatsServer, cluster: object) -> None:
+    assert write_elsewhere(nats_server, 12, "--seed", "7") == 12
+    storage, pool = reader(nats_server)
+    keys = kit.page_keys(12, seed=7)
+    inner = kit.kvfabric_of(storage)
+    hit = inner.client.lookup(kit_chain(keys))
+    assert hit.chunks == 12
+    corrupt_stored_byte(hit, 5)
+    inner.client.release(hit)
+    at = kit.alloc_pages(pool, 12)
+    kit.scramble(pool, keys, at)
+    found, loaded = kit.prefetch(storage, keys, at, prefix=[])
+    assert loaded == 5 and found in (5, 12)  # the bad page and those after it: SGLang recomputes
+    assert all(kit.identical_pages(pool, keys[:5], at))
+    assert inner.client.metrics.fallbacks.labels("checksum")._value.get() >= 1
+    storage.close()
+
+
+def kit_chain(keys: list[str]) -> Any:
+    from kvfabric.engines.sglang_keys import chain_words
+
+    return chain_words([], keys)
+
+
+def test_dead_segment_and_silent_directory_miss_in_bounded_time(
+    nats_server: NatsServer, cluster: tuple[ServiceProcess, ServiceProcess]
+) -> None:
+    directory, segment = cluster
+    assert write_elsewhere(nats_server, 8, "--seed", "11") == 8
+    storage, pool = reader(nats_server, lookup_timeout_ms=500, load_timeout_ms=2000)
+    keys = kit.page_keys(8, seed=11)
+    at = kit.alloc_pages(pool, 8)
+    # Silent directory: a miss within the lookup timeout.
+    directory.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert kit.prefetch(storage, keys, at, prefix=[]) == (0, 0)
+        assert time.monotonic() - started < 3.0
+    finally:
+        directory.send_signal(signal.SIGCONT)
+    # Dead segment: whatever the directory still says, nothing wrong is reported loaded.
+    kit.scramble(pool, keys, at)
+    segment.send_signal(signal.SIGKILL)
+    segment.wait(10)
+    started = time.monotonic()
+    _found, loaded = kit.prefetch(storage, keys, at, prefix=[])
+    assert loaded == 0 and time.monotonic() - started < 10.0
+    storage.close()
+
+
+def test_other_tenant_or_revision_sees_nothing(nats_server: NatsServer, cluster: object) -> None:
+    assert write_elsewhere(nats_server, 6, "--seed", "13") == 6
+    keys = kit.page_keys(6, seed=13)
+    for extra in ({"tenant_id": "tenant-other"}, {"weights_revision": "tiny-sglang-rev-2"}):
+        storage, pool = reader(nats_server, **extra)
+        at = kit.alloc_pages(pool, 6)
+        assert kit.prefetch(storage, keys, at, prefix=[]) == (0, 0)
+        storage.close()
+    storage, pool = reader(nats_server)  # the writer's own key space does
+    assert kit.prefetch(storage, keys, kit.alloc_pages(pool, 6), prefix=[]) == (6, 6)
+    storage.close()
+
+
+def test_exists_lease_given_back_when_no_get_comes(nats_server: NatsServer, cluster: object) -> None:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolTransfer
+
+    assert write_elsewhere(nats_server, 4, "--seed", "17") == 4
+    storage, _pool = reader(nats_server, exists_hold_ms=300)
+    keys = kit.page_keys(4, seed=17)
+    info = HiCacheStorageExtraInfo(prefix_keys=[])
+    assert storage.batch_exists(keys, info) == 4
+    assert leases_held(nats_server) != []  # held for the get
+    time.sleep(0.4)
+    assert storage.batch_exists(keys[:1], info) == 1  # any later call gives back expired holds
+    time.sleep(0.3)
+    storage.clear()  # clear gives back the rest; nothing stored is deleted
+    deadline = time.monotonic() + 5
+    while leases_held(nats_server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leases_held(nats_server) == []
+    # v2 without side pools is v1; a side pool is not stored: no hit (SGLang recomputes).
+    result = storage.batch_exists_v2(keys, None, info)
+    assert result.kv_hit_pages == 4 and result.restorable_prefix_pages == [1, 2, 3, 4]
+    side = PoolTransfer(name="mamba", keys=keys[-1:])
+    assert storage.batch_exists_v2(keys, [side], info).kv_hit_pages == 0
+    storage.clear()
+    # The legacy calls miss (SGLang uses the zero-copy path).
+    assert storage.batch_get(keys, [None] * 4) == [None] * 4 and not storage.exists(keys[0])
+    assert storage.batch_exists(keys, info) == 4
+    storage.close()
+
+
+def test_a_cache_that_cannot_start_misses(nats_server: NatsServer) -> None:
+    pool = kit.host_pool()
+    keys = kit.page_keys(4, seed=19)
+    at = kit.alloc_pages(pool, 4)
+    kit.fill(pool, keys, at)
+    down = kit.backend(kit.extra_config(f"nats://127.0.0.1:{free_port()}"), pool)
+    assert kit.kvfabric_of(down).client.status.cause == "nats_unreachable"
+    unnamed = kit.backend({**kit.extra_config(nats_server.url), "weights_revision": ""}, pool)
+    assert kit.kvfabric_of(unnamed).client.status.cause == "config_error"  # "tiny-sglang" is no directory
+    for storage in (down, unnamed):
+        assert kit.backup(storage, keys, at, prefix=[]) == 0
+        assert kit.prefetch(storage, keys, at, prefix=[]) == (0, 0)
+        storage.close()
