@@ -96,6 +96,8 @@ bench: setup engines-setup mooncake-setup ## Run the benchmarks; JSON + markdown
 
 .PHONY: chaos chaos-quick
 chaos: setup ## Every fault drill in tests/drills on a local cluster; table + bench/results/chaos.json
+	@# clock-skew runs children under libfaketime (Debian package faketime)
+	@test -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 || { DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq faketime; } || echo "faketime could not be installed: the clock-skew drill fails"
 	$(PY) tools/chaos.py --json bench/results/chaos.json
 
 chaos-quick: setup ## The drills marked quick (what CI runs, ~1 min)

@@ -38,11 +38,14 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests.integratio
 
 from chaos_checks import FinalState, Op, check_all, check_retry_budget  # type: ignore[import-not-found]
 from chaos_links import Links  # type: ignore[import-not-found]
+from chaos_skew import Skewed  # type: ignore[import-not-found]
+from chaos_store import StoreDisk  # type: ignore[import-not-found]
 
 REPO = Path(__file__).resolve().parents[1]
 DRILLS = REPO / "tests" / "drills"
 LOCALCLUSTER = REPO / "tools" / "localcluster.py"
 TOKENS_PER_CHUNK = 16
+FRESH_PREFIX_BASE = 1_000_000  # prefixes new each round (`fresh_prefixes_per_round`) start here
 
 
 def expected_payload(group_bytes: bytes, size: int) -> bytes:
@@ -56,10 +59,18 @@ def cluster_state(run: Path) -> dict[str, Any]:
     return state
 
 
-def fire(run: Path, fault: dict[str, Any], kv_factory: Any, links: Links | None = None) -> str:
+def fire(
+    run: Path,
+    fault: dict[str, Any],
+    kv_factory: Any,
+    links: Links | None = None,
+    store: StoreDisk | None = None,
+) -> str:
     action, target = fault["action"], fault.get("target", "")
     if action in ("link", "link_clear") and links is not None:  # a lossy link's schedule
         return str(links.fire(fault))
+    if action in ("fill_store", "free_store") and store is not None:  # the JetStream store's disk
+        return str(store.fire(fault))
     if action in ("kill", "stop", "cont"):
         pid = cluster_state(run)["pids"].get(target)
         sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "cont": signal.SIGCONT}[action]
@@ -142,7 +153,10 @@ def run_workload(kv: Any, wl: dict[str, Any], history: list[Op], started: float)
     while rnd < 2 or time.monotonic() - started < duration_s:  # rounds until the faults are over
         n_prefixes = int(wl.get("prefixes", 10))
         first = rnd * n_prefixes if wl.get("fresh_prefixes_each_round", False) else 0  # all puts
-        for prefix in range(first, first + n_prefixes):
+        # plus `fresh_prefixes_per_round` new ones (saves every round next to the hits)
+        fresh = int(wl.get("fresh_prefixes_per_round", 0))
+        fresh_first = FRESH_PREFIX_BASE + rnd * fresh
+        for prefix in [*range(first, first + n_prefixes), *range(fresh_first, fresh_first + fresh)]:
             tokens = prompt(prefix, chunks * TOKENS_PER_CHUNK + 1)
             op = Op(prefix=prefix, round=rnd, start_s=time.monotonic() - started)
             history.append(op)
@@ -216,8 +230,9 @@ def final_state(nats_url: str, admin: dict[str, str]) -> FinalState:
     return asyncio.run(ask())
 
 
-def evicted_groups(nats_url: str, admin: dict[str, str]) -> set[bytes]:
-    """Chain hashes of every group the directory evicted (its `evicted` events, whole stream)."""
+def evicted_groups(nats_url: str, admin: dict[str, str], kind: str = "evicted") -> set[bytes]:
+    """Chain hashes of every group the directory evicted (its `evicted` events, whole stream;
+    `kind="published"`: every group it published)."""
     import asyncio
 
     import nats
@@ -235,7 +250,7 @@ def evicted_groups(nats_url: str, admin: dict[str, str]) -> set[bytes]:
             js = nc.jetstream(timeout=5.0)
             config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE)
             sub = await js.pull_subscribe(
-                event_subject(Service.DIRECTORY, "evicted"), stream="KVF_DIRECTORY_EVENTS", config=config
+                event_subject(Service.DIRECTORY, kind), stream="KVF_DIRECTORY_EVENTS", config=config
             )
             while True:
                 try:
@@ -244,7 +259,7 @@ def evicted_groups(nats_url: str, admin: dict[str, str]) -> set[bytes]:
                     return out
                 for msg in batch:
                     event = m.event_decoder.decode(msg.data)
-                    if isinstance(event, m.GroupEvicted):
+                    if isinstance(event, m.GroupEvicted | m.GroupPublished):
                         out.add(event.group)
         finally:
             await nc.close()
@@ -300,6 +315,9 @@ def run_drill(
     wl = dict(wl, **(workload_overrides or {}))
     run = Path(tempfile.mkdtemp(prefix=f"kvf-chaos-{name}-"))
     links = Links()
+    skewed = Skewed()
+    store = StoreDisk()
+    store.prepare(run, topo)  # the JetStream store on a small tmpfs, before nats-server starts
     env = dict(os.environ, KVF_DIRECTORY_REPLICAS_DEFAULT=str(topo.get("replicas", 1)))
     up = subprocess.run(
         [
@@ -326,6 +344,7 @@ def run_drill(
         text=True,
     )
     if up.returncode != 0:
+        store.close(run)
         raise RuntimeError(f"cluster for drill {name} did not come up: {up.stdout}{up.stderr}")
     state = cluster_state(run)
     nats_url = state["nats_url"]
@@ -362,6 +381,9 @@ def run_drill(
     link_stats: dict[str, Any] = {}
     try:
         links.lay(state, topo, seed=name)
+        skewed.start(run, state, topo, env)  # extra children with a wall clock off (libfaketime)
+        if skewed.described:
+            fired.append(f"0.0s clock skew: {', '.join(skewed.described)}")
         with links.client_side(), KvClient(settings, SPEC) as kv:  # client_side: its namespace, if any
             started = time.monotonic()
 
@@ -376,7 +398,7 @@ def run_drill(
 
                     try:
                         with links.host_side():
-                            what = fire(run, fault, factory, links)
+                            what = fire(run, fault, factory, links, store)
                     except Exception as exc:  # a fault that could not be injected fails the drill
                         fault_errors.append(f"{fault['action']}: {exc!r}")
                         what = f"{fault['action']} FAILED: {exc!r}"
@@ -398,6 +420,8 @@ def run_drill(
         time.sleep(float(drill.get("settle_s", 6.0)))
         final = final_state(nats_url, admin)
         evicted = evicted_groups(nats_url, admin)
+        since_s = expect.get("events_published_after_s")
+        published = evicted_groups(nats_url, admin, "published") if since_s is not None else set()
         with KvClient(settings, SPEC) as kv:  # what is still served, for the durability checker
             chunks = int(wl.get("chunks_per_prefix", 8))
             for prefix in sorted({op.prefix for op in history}):
@@ -409,17 +433,26 @@ def run_drill(
                 final.evicted_chunks[prefix] = {
                     g.chunk_index for g in groups if bytes(g.chain_hash) in evicted
                 }
+                saved_late = any(
+                    op.prefix == prefix and op.saved_chunks and op.start_s >= float(since_s)
+                    for op in history
+                    if since_s is not None
+                )
+                if saved_late and any(bytes(g.chain_hash) not in published for g in groups):
+                    final.unpublished_prefixes.append(prefix)
     finally:
-        left_behind = links.close()  # before `down`: the segments' traffic goes back to their veths
+        left_behind = skewed.close()
+        left_behind += links.close()  # before `down`: the segments' traffic goes back to their veths
         subprocess.run(
             [sys.executable, str(LOCALCLUSTER), "down", "--run-dir", str(run)], capture_output=True
         )
+        left_behind += store.close(run)  # after `down`: nats-server no longer holds the mount
     violations = check_all(history, final, expect)
     violations["retry_budget"] = check_retry_budget(
         retries, len(history), expect.get("max_retries_per_request")
     )
     violations["faults_injected"] = fault_errors
-    violations["links_removed"] = [f"left behind: {x}" for x in left_behind]
+    violations["nothing_left_behind"] = [f"left behind: {x}" for x in left_behind]
     ended = [op for op in history if op.end_s is not None]
     return {
         "drill": name,

@@ -39,6 +39,9 @@ class FinalState:
     # prefix -> chunk indices the eviction policy evicted (directory `evicted` events)
     evicted_chunks: dict[int, set[int]] = field(default_factory=dict)
     object_replicas: list[int] = field(default_factory=list)  # live replicas of each published object
+    # prefixes saved after the drill's `events_published_after_s` with a chunk whose `published`
+    # event is not in the directory's events stream after settle
+    unpublished_prefixes: list[int] = field(default_factory=list)
 
 
 def check_wrong_bytes(history: list[Op]) -> list[str]:
@@ -147,6 +150,18 @@ def check_latency_budget(history: list[Op], load_p99_ms_max: float | None) -> li
     return []
 
 
+def check_events_published(final: FinalState, since_s: float | None) -> list[str]:
+    """(drills with `events_published_after_s`) every chunk saved after that time has its
+    `published` event in the directory's JetStream stream after settle: the event path recovered
+    (the eviction policy and the router follow that stream)."""
+    if since_s is None or not final.unpublished_prefixes:
+        return []
+    return [
+        f"{len(final.unpublished_prefixes)} prefix(es) saved after {since_s} s have no published event "
+        f"after settle (first: prefix {final.unpublished_prefixes[0]})"
+    ]
+
+
 def check_all(history: list[Op], final: FinalState, expect: dict[str, Any]) -> dict[str, list[str]]:
     return {
         "wrong_bytes": check_wrong_bytes(history),
@@ -157,4 +172,5 @@ def check_all(history: list[Op], final: FinalState, expect: dict[str, Any]) -> d
         "durability": check_durability(history, final, bool(expect.get("may_lose_acknowledged", False))),
         "replicas_restored": check_replicas_restored(final, int(expect.get("replicas_restored", 0))),
         "latency_budget": check_latency_budget(history, expect.get("load_p99_ms_max")),
+        "events_published": check_events_published(final, expect.get("events_published_after_s")),
     }

@@ -29,3 +29,11 @@ def test_only_successful_loads_count_and_no_budget_means_no_check() -> None:
     assert c.check_latency_budget(loads([9000.0] * 10, outcome="recompute"), 1500.0) == []
     assert c.check_latency_budget(loads([9000.0] * 10), None) == []
     assert c.check_all(loads([9000.0] * 10), c.FinalState(read_leases=0), {})["latency_budget"] == []
+
+
+def test_events_published_fails_when_a_late_save_has_no_event() -> None:
+    stuck = c.FinalState(read_leases=0, unpublished_prefixes=[1_000_030, 1_000_031])
+    assert c.check_events_published(stuck, 12.0)
+    assert c.check_all([], stuck, {"events_published_after_s": 12.0})["events_published"]
+    assert c.check_events_published(c.FinalState(read_leases=0), 12.0) == []
+    assert c.check_events_published(stuck, None) == []
