@@ -105,9 +105,14 @@ def signed_ref(
     return ReadRef(incarnation, slot, generation, size, token, expires)
 
 
+TEST_GATHER_S: Final = 1.0
+
+
 async def directory_router(nc: NatsClient, tenant: str = "") -> DirectoryRouter:
-    """A router on `nc` (a tenant's: its tenant subjects) with the shard map loaded."""
-    router = DirectoryRouter(nc, tenant=tenant)
+    """A router on `nc` (a tenant's: its tenant subjects) with the shard map loaded. Tests wait
+    up to `TEST_GATHER_S` for the map (a refresh ends as soon as every shard is covered): on a
+    loaded machine the default 0.25 s missed a directory busy with a vLLM engine beside it."""
+    router = DirectoryRouter(nc, tenant=tenant, gather_s=TEST_GATHER_S)
     await router.known_shards()
     return router
 
