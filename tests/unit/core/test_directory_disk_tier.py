@@ -53,9 +53,7 @@ def test_disk_replicas_are_adopted_served_and_reserve_no_arena_bytes() -> None:
     frees = [e for e in core.tick(1_500) if isinstance(e, FreeSlots)]
     assert [(f.segment_id, s.slot) for f in frees for s in f.slots] == [("s1", SSD_SLOT_BASE + 2)]
     core.handle(
-        m.SlotsFreed(
-            segment_id="s1", incarnation=7, freed=[m.FreedSlot(key(g_disk), SSD_SLOT_BASE + 2, 5)]
-        ),
+        m.SlotsFreed(segment_id="s1", incarnation=7, freed=[m.FreedSlot(key(g_disk), SSD_SLOT_BASE + 2, 5)]),
         1_600,
     )
     assert seg.reserved_bytes == 9_100
