@@ -38,6 +38,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests.integratio
 
 from chaos_checks import FinalState, Op, check_all, check_retry_budget  # type: ignore[import-not-found]
 from chaos_links import Links  # type: ignore[import-not-found]
+from chaos_natscluster import NatsCluster  # type: ignore[import-not-found]
 from chaos_skew import Skewed  # type: ignore[import-not-found]
 from chaos_store import StoreDisk  # type: ignore[import-not-found]
 
@@ -45,7 +46,10 @@ REPO = Path(__file__).resolve().parents[1]
 DRILLS = REPO / "tests" / "drills"
 LOCALCLUSTER = REPO / "tools" / "localcluster.py"
 TOKENS_PER_CHUNK = 16
-FRESH_PREFIX_BASE = 1_000_000  # prefixes new each round (`fresh_prefixes_per_round`) start here
+# Prefixes new each round (`fresh_prefixes_per_round`) start here. `prompt(p)` starts at
+# 3 p mod 50,000 (1,000,003 p mod 50,000), so this base keeps them apart from prefixes 0..n.
+FRESH_PREFIX_BASE = 10_007
+EVENTS_READ_ATTEMPTS = 10  # the checkers' read of the events stream, 1 s apart
 
 
 def expected_payload(group_bytes: bytes, size: int) -> bytes:
@@ -65,8 +69,11 @@ def fire(
     kv_factory: Any,
     links: Links | None = None,
     store: StoreDisk | None = None,
+    natsc: NatsCluster | None = None,
 ) -> str:
     action, target = fault["action"], fault.get("target", "")
+    if action in ("kill", "restart") and target.startswith("nats-") and natsc is not None:
+        return str(natsc.fire(fault))  # a node of the drill's NATS cluster other than node 1
     if action in ("link", "link_clear") and links is not None:  # a lossy link's schedule
         return str(links.fire(fault))
     if action in ("fill_store", "free_store") and store is not None:  # the JetStream store's disk
@@ -237,6 +244,7 @@ def evicted_groups(nats_url: str, admin: dict[str, str], kind: str = "evicted") 
 
     import nats
     import nats.errors
+    import nats.js.errors
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     from kvfabric.proto import directory as m
@@ -264,7 +272,14 @@ def evicted_groups(nats_url: str, admin: dict[str, str], kind: str = "evicted") 
         finally:
             await nc.close()
 
-    return asyncio.run(read())
+    for attempt in range(EVENTS_READ_ATTEMPTS):  # a NATS cluster may still be electing its leader
+        try:
+            return asyncio.run(read())
+        except nats.js.errors.ServiceUnavailableError:
+            if attempt == EVENTS_READ_ATTEMPTS - 1:
+                raise
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
 
 
 def recovery_s(history: list[Op], faults: list[dict[str, Any]]) -> float | None:
@@ -319,31 +334,45 @@ def run_drill(
     store = StoreDisk()
     store.prepare(run, topo)  # the JetStream store on a small tmpfs, before nats-server starts
     env = dict(os.environ, KVF_DIRECTORY_REPLICAS_DEFAULT=str(topo.get("replicas", 1)))
-    up = subprocess.run(
-        [
-            sys.executable,
-            str(LOCALCLUSTER),
-            "up",
-            "--run-dir",
-            str(run),
-            "--nats-port",
-            "0",
-            "--segments",
-            str(topo.get("segments", 3)),
-            "--segment-bytes",
-            str(topo.get("segment_bytes", 256 << 20)),
-            "--directories",
-            str(topo.get("directories", 1)),
-            "--netns-segments",
-            str(topo.get("netns_segments", 0)),
-            "--segment-prefix",  # ids of this run only: other tests' clusters may run meanwhile
-            f"c{links.tag}",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    natsc = NatsCluster()
+    env.update(natsc.env(topo))
+    try:
+        natsc.prepare(run, topo)  # nodes 2..N of a NATS cluster that node 1 (localcluster's) joins
+    except Exception:
+        natsc.close()
+        store.close(run)
+        raise
+    up_argv = [
+        sys.executable,
+        str(LOCALCLUSTER),
+        "up",
+        "--run-dir",
+        str(run),
+        "--nats-port",
+        "0",
+        "--segments",
+        str(topo.get("segments", 3)),
+        "--segment-bytes",
+        str(topo.get("segment_bytes", 256 << 20)),
+        "--directories",
+        str(topo.get("directories", 1)),
+        "--netns-segments",
+        str(topo.get("netns_segments", 0)),
+        "--segment-prefix",  # ids of this run only: other tests' clusters may run meanwhile
+        f"c{links.tag}",
+    ]
+    up = subprocess.run(up_argv, env=env, capture_output=True, text=True)
+    up_attempts = 1
+    if up.returncode != 0 and natsc.nodes > 1:
+        # A directory's first start on a forming NATS cluster can fail creating its R3 buckets
+        # (docs/chaos.md, nats-node-kill): `up` stopped everything but kept the run folder; start
+        # again on it (same auth plan with the cluster block, node 1's store, nodes 2..N running).
+        for stale in ("cluster.json", "supervisor.pid"):
+            (run / stale).unlink(missing_ok=True)
+        up = subprocess.run(up_argv, env=env, capture_output=True, text=True)
+        up_attempts = 2
     if up.returncode != 0:
+        natsc.close()
         store.close(run)
         raise RuntimeError(f"cluster for drill {name} did not come up: {up.stdout}{up.stderr}")
     state = cluster_state(run)
@@ -381,9 +410,10 @@ def run_drill(
     link_stats: dict[str, Any] = {}
     try:
         links.lay(state, topo, seed=name)
-        skewed.start(run, state, topo, env)  # extra children with a wall clock off (libfaketime)
+        nats_urls = {n: natsc.url(n) for n in natsc.client_ports}
+        skewed.start(run, state, topo, env, nats_urls)  # extra children with a wall clock off (libfaketime)
         if skewed.described:
-            fired.append(f"0.0s clock skew: {', '.join(skewed.described)}")
+            fired.append(f"0.0s extra children: {', '.join(skewed.described)}")
         with links.client_side(), KvClient(settings, SPEC) as kv:  # client_side: its namespace, if any
             started = time.monotonic()
 
@@ -398,7 +428,7 @@ def run_drill(
 
                     try:
                         with links.host_side():
-                            what = fire(run, fault, factory, links, store)
+                            what = fire(run, fault, factory, links, store, natsc)
                     except Exception as exc:  # a fault that could not be injected fails the drill
                         fault_errors.append(f"{fault['action']}: {exc!r}")
                         what = f"{fault['action']} FAILED: {exc!r}"
@@ -442,6 +472,7 @@ def run_drill(
                     final.unpublished_prefixes.append(prefix)
     finally:
         left_behind = skewed.close()
+        left_behind += natsc.close()
         left_behind += links.close()  # before `down`: the segments' traffic goes back to their veths
         subprocess.run(
             [sys.executable, str(LOCALCLUSTER), "down", "--run-dir", str(run)], capture_output=True
@@ -467,6 +498,8 @@ def run_drill(
         "chunks_evicted": sum(len(v) for v in final.evicted_chunks.values()),
         "retries": retries,
         "load_p99_ms": load_p99_ms(history),
+        "up_attempts": up_attempts,
+        "extra_restarts": skewed.restarts,
         "links": link_stats,
         "faults": fired,
         "violations": violations,
