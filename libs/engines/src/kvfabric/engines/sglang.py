@@ -193,9 +193,9 @@ class KvfabricStorage(HiCacheStorage):
         self,
         storage_config: HiCacheStorageConfig,
         kwargs: dict[str, Any] | None = None,
-        *,
-        client_factory: Callable[[ClientSettings, EngineSpec], KvClient] | None = None,
     ) -> None:
+        """SGLang's factory calls `cls(storage_config, kwargs)`; the client is made later, in
+        `register_mem_pool_host`, once the page format is known."""
         self.storage_config = storage_config
         extra = storage_config.extra_config
         if extra is not None and not extra.get("interface_v1"):
@@ -204,7 +204,6 @@ class KvfabricStorage(HiCacheStorage):
             extra["interface_v1"] = 1
             log.info("kvfabric: interface_v1 set: SGLang calls batch_get_v1 / batch_set_v1")
         self.extra: dict[str, Any] = dict(extra or {})
-        self._client_factory = client_factory
         self.client: KvClient | None = None  # made when SGLang registers its host pool
         self.spec: EngineSpec | None = None
         self.geometry: PoolGeometry | None = None
@@ -251,7 +250,7 @@ class KvfabricStorage(HiCacheStorage):
                 should_split_heads=bool(getattr(cfg, "should_split_heads", False)),
             )
             self.spec = engine_spec(who, self.geometry, self.extra, settings)
-        except (KvfError, ValueError, TypeError, OSError) as exc:
+        except Exception as exc:  # a pool or setting it cannot use: SGLang still starts, uncached
             detail = exc.message if isinstance(exc, KvfError) else f"{type(exc).__name__}: {exc}"
             self.client = KvClient.disabled(
                 _unconfigured_spec(),
@@ -259,10 +258,7 @@ class KvfabricStorage(HiCacheStorage):
                 f"hicache storage extra config / KVF_CLIENT_*: {detail}",
             )
             return
-        if self._client_factory is not None:
-            self.client = self._client_factory(settings, self.spec)
-        else:
-            self.client = KvClient(settings, self.spec, background_start=True)
+        self.client = KvClient(settings, self.spec, background_start=True)
 
     # ---- helpers -----------------------------------------------------------------------------
 
