@@ -160,14 +160,18 @@ async def open_nats(settings: ClientSettings) -> tuple[NatsClient, DirectoryRout
         router = DirectoryRouter(nc, tenant=settings.nats_tenant)
         await _check_access(settings.nats_url, nc, router, errors, deadline)
     except BaseException:
-        connecting.cancel()
+        # A client closed while starting closes its loop under this coroutine, which is then
+        # finalized: cancelling on a closed loop raises RuntimeError (nothing can run any more).
+        with contextlib.suppress(RuntimeError):
+            connecting.cancel()
         with contextlib.suppress(BaseException):
             await connecting
         with contextlib.suppress(Exception):
             await nc.close()
         raise
     finally:
-        ended.cancel()
+        with contextlib.suppress(RuntimeError):
+            ended.cancel()
     errors.started = True
     return nc, router
 
