@@ -34,9 +34,8 @@ import nats
 from kvfabric.core.leadership import desired_owner
 from kvfabric.runtime.directory_router import DirectoryRouter, ShardRoute
 from kvfabric.testing import NatsServer, ServiceProcess
-from tests.integration.clientkit import TOKENS_PER_CHUNK, client, objects_for, prompt
-from tests.integration.cluster import segment_process, service_env
-from tests.integration.test_directory_ha import load_all
+from kvfabric.testing.clientkit import TOKENS_PER_CHUNK, client, load_all, objects_for, prompt
+from kvfabric.testing.cluster import segment_process, service_env
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CHUNKS = 4

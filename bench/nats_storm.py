@@ -54,8 +54,8 @@ from kvfabric.proto.subjects import tenant_inbox_prefix
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.natsauth import nats_auth_from_env
 from kvfabric.testing import NatsServer
-from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, prompt
-from tests.integration.cluster import directory_process
+from kvfabric.testing.clientkit import SPEC, TOKENS_PER_CHUNK, prompt
+from kvfabric.testing.cluster import directory_process
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

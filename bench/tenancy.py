@@ -36,9 +36,9 @@ from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing import NatsServer
-from tests.integration.clientkit import TOKENS_PER_CHUNK, objects_for, prompt
-from tests.integration.cluster import directory_process, segment_process
-from tests.integration.test_tenancy import Secure, groups_of
+from kvfabric.testing.clientkit import TOKENS_PER_CHUNK, objects_for, prompt
+from kvfabric.testing.cluster import directory_process, segment_process
+from kvfabric.testing.tenants import Secure, groups_of
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CHUNKS = 4

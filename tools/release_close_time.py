@@ -15,12 +15,10 @@ import time
 from pathlib import Path
 from typing import Final
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from kvfabric.client import AsyncKvClient, ClientSettings
 from kvfabric.testing import NatsServer
-from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, objects_for, prompt
-from tests.integration.cluster import directory_process, segment_process
+from kvfabric.testing.clientkit import SPEC, TOKENS_PER_CHUNK, objects_for, prompt
+from kvfabric.testing.cluster import directory_process, segment_process
 
 LEASES: Final = 1_000
 ROUNDS: Final = 5

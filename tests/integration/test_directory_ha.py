@@ -24,6 +24,7 @@ from kvfabric.format.key import ChunkGroupId, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing import NatsServer
+from kvfabric.testing.clientkit import load_all
 from tests.integration.clientkit import (
     CHUNK_BYTES,
     SPEC,
@@ -48,16 +49,6 @@ HA_ENV = {
 PROMPTS = 40
 CHUNKS = 4
 FAILOVER_S_MAX = 5.0
-
-
-def load_all(kv_client: object, tokens: list[int]) -> tuple[int, bool]:
-    """(chunks loaded, all bytes identical)."""
-    hit = kv_client.lookup(tokens)  # type: ignore[attr-defined]
-    out = [[bytearray(CHUNK_BYTES)] for _ in range(hit.chunks)]
-    result = kv_client.load(hit, out)  # type: ignore[attr-defined]
-    kv_client.release(hit)  # type: ignore[attr-defined]
-    n = result.tokens // TOKENS_PER_CHUNK
-    return n, all(bytes(out[c][0]) == chunk_bytes(tokens, c) for c in range(n))
 
 
 def mixed_workload(nats: NatsServer, stop: threading.Event, stats: dict[str, int]) -> None:

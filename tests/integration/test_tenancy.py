@@ -12,12 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import ssl
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import nats
@@ -26,14 +23,13 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from kvfabric.client import ClientSettings, EngineSpec, KvClient
+from kvfabric.client import KvClient
 from kvfabric.client.transfers import read_ref
 from kvfabric.core.authz import SCOPE_SEPARATOR
 from kvfabric.ctl import queries
 from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.dataplane.addresses import split_host_port
 from kvfabric.dataplane.tcp import TcpDataClient
-from kvfabric.dataplane.tls import client_context
 from kvfabric.directory.host import SHARD_MAP_TENANT_PER_S
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import (
@@ -45,7 +41,7 @@ from kvfabric.format.errors import (
     RateLimited,
     Unauthorized,
 )
-from kvfabric.format.key import ChunkGroupId, KVKey, ShareDomain, chunk_groups_for_prefix
+from kvfabric.format.key import ChunkGroupId, KVKey, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.dataplane import ReadRef
@@ -61,7 +57,8 @@ from kvfabric.runtime import request
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.natsauth import NatsAuth, nats_auth_from_env
 from kvfabric.testing import NatsServer
-from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, objects_for, prompt
+from kvfabric.testing.tenants import Secure, groups_of
+from tests.integration.clientkit import TOKENS_PER_CHUNK, objects_for, prompt
 from tests.integration.cluster import (
     TIMEOUT_S,
     ask_directory,
@@ -74,58 +71,6 @@ from tests.integration.cluster import (
 pytestmark = pytest.mark.integration
 
 CHUNKS = 3
-
-
-@dataclass
-class Secure:
-    nats: NatsServer
-    doc: dict[str, Any]
-
-    def env(self, user: str) -> dict[str, str]:
-        return dict(self.doc["users"][user]["env"])
-
-    def client_settings(self, tenant: str, **overrides: Any) -> ClientSettings:
-        env = self.doc["tenants"][tenant]["env"]
-        return ClientSettings(
-            nats_url=self.nats.url,
-            nats_tenant=env["KVF_CLIENT_NATS_TENANT"],
-            nats_user=env["KVF_CLIENT_NATS_USER"],
-            nats_password_file=env["KVF_CLIENT_NATS_PASSWORD_FILE"],
-            nats_tls_ca=env["KVF_CLIENT_NATS_TLS_CA"],
-            data_tls_ca=env["KVF_CLIENT_DATA_TLS_CA"],
-            **overrides,
-        )
-
-    def spec(self, tenant: str, domain: str | None = None) -> EngineSpec:
-        env = self.doc["tenants"][tenant]["env"]
-        salt = (
-            env["KVF_CLIENT_DOMAIN_SALT_HEX"]
-            if domain is None
-            else self.doc["tenants"][tenant]["shared_salts"][domain]
-        )
-        return replace(SPEC, domain=ShareDomain(domain or env["KVF_CLIENT_TENANT_ID"], bytes.fromhex(salt)))
-
-    def client(self, tenant: str, domain: str | None = None) -> KvClient:
-        return KvClient(self.client_settings(tenant), self.spec(tenant, domain))
-
-    def data_tls(self) -> ssl.SSLContext:
-        return client_context(self.doc["tls_ca"])
-
-    def tenant_auth(self, tenant: str) -> NatsAuth:
-        return self.client_settings(tenant).nats_auth()
-
-    async def connect(self, auth: NatsAuth, errors: list[str] | None = None) -> NatsClient:
-        async def on_error(exc: Exception) -> None:
-            if errors is not None:
-                errors.append(str(exc))
-
-        return await nats.connect(
-            self.nats.url,
-            **auth.connect_options(),
-            error_cb=on_error,
-            allow_reconnect=False,
-            connect_timeout=2,
-        )
 
 
 @pytest.fixture
@@ -170,10 +115,6 @@ async def directory_instance(secure: Secure) -> str:
         return (await directory_router(nc)).routes[0].instance
     finally:
         await nc.close()
-
-
-def groups_of(spec: EngineSpec, tokens: list[int]) -> list[bytes]:
-    return [g.to_bytes() for g in chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, tokens)]
 
 
 def group_key(group: ChunkGroupId) -> bytes:
