@@ -53,7 +53,9 @@ async def test_a_late_completion_never_writes_into_a_timed_out_loads_buffers() -
     release = threading.Event()
     refused: list[str] = []
 
-    def slow_fetch(locations: list[m.ObjectLocation], dests: list[ScatterDest], attempts: int) -> list[str]:
+    def slow_fetch(
+        locations: list[m.ObjectLocation], dests: list[ScatterDest], attempts: int, deadline_s: float
+    ) -> list[str]:
         release.wait(10)
         for dest in dests:  # the transport writes into the engine's buffers — too late
             try:
@@ -102,7 +104,9 @@ def test_a_sync_load_whose_loop_stalls_still_takes_its_buffers_back(monkeypatch:
     started, go = threading.Event(), threading.Event()
     refused: list[str] = []
 
-    def stuck_fetch(locations: list[m.ObjectLocation], dests: list[ScatterDest], attempts: int) -> list[str]:
+    def stuck_fetch(
+        locations: list[m.ObjectLocation], dests: list[ScatterDest], attempts: int, deadline_s: float
+    ) -> list[str]:
         started.set()
         go.wait(10)
         for dest in dests:

@@ -132,6 +132,7 @@ T = TypeVar("T")
 class _Waiter:
     future: asyncio.Future[str]
     dest: ScatterDest  # the engine's buffers for this object, under the load's gate
+    deadline_ms: int  # the load's (client monotonic clock, `_now_ms`)
 
 
 @dataclass(slots=True)
@@ -177,6 +178,8 @@ class AsyncKvClient:
             local_segments=frozenset(s for s in settings.local_segments.split(",") if s),
             on_retry=self.metrics.replica_retries.inc,
             tls=client_context(settings.data_tls_ca) if settings.data_tls_ca else None,
+            attempt_share=settings.replica_attempt_share_pct / 100,
+            attempt_min_s=settings.replica_attempt_min_ms / 1000,
         )
         self._executor = ThreadPoolExecutor(  # thread_cpus decided here, in the creating thread
             settings.transfers_max,
@@ -201,7 +204,8 @@ class AsyncKvClient:
         self._saves_running = 0
         self._tasks: set[asyncio.Task[Any]] = set()  # running saves
         self._capacity = asyncio.Event()  # set whenever a transfer ends (ReleaseStaging: room again)
-        self._starting: list[tuple[TransferId, m.ObjectLocation, ScatterDest]] = []  # not dispatched yet
+        # not dispatched yet: (transfer, where, the starter's buffers, the starter's deadline ms)
+        self._starting: list[tuple[TransferId, m.ObjectLocation, ScatterDest, int]] = []
         self._closed = False
         self.suspects: SuspectReporter | None = None  # reports of corrupt replicas (after start)
 
@@ -502,7 +506,7 @@ class AsyncKvClient:
                     object_id = (hit.groups[chunk], hit.members[j])
                     future: asyncio.Future[str] = loop.create_future()
                     outcomes[(chunk, j)] = future
-                    self._waiters[load_id] = _Waiter(future, views[i][j])
+                    self._waiters[load_id] = _Waiter(future, views[i][j], deadline_ms)
                     await self._want(load_id, generation, object_id, dest_id, loc, deadline_ms, waits)
                 if any(f.done() and f.result() != "ok" for f in outcomes.values()):
                     break  # a chunk already failed: later ones would not be used
@@ -642,7 +646,7 @@ class AsyncKvClient:
         location = self._locations.pop(effect.object_id)
         waiter = self._waiters[starter]  # the want that started it: its buffers, its gate
         self._targets[effect.transfer_id] = _Target(starter, waiter.dest)
-        self._starting.append((effect.transfer_id, location, waiter.dest))
+        self._starting.append((effect.transfer_id, location, waiter.dest, waiter.deadline_ms))
 
     def _flush_starts(self) -> None:
         """Dispatch the transfers started since the last flush to the worker threads, batched
@@ -650,7 +654,7 @@ class AsyncKvClient:
         if not self._starting:
             return
         starting, self._starting = self._starting, []
-        by_segment: dict[str, list[tuple[TransferId, m.ObjectLocation, ScatterDest]]] = {}
+        by_segment: dict[str, list[tuple[TransferId, m.ObjectLocation, ScatterDest, int]]] = {}
         for item in starting:
             addr = item[1].replicas[0].data_addr if item[1].replicas else ""
             by_segment.setdefault(addr, []).append(item)
@@ -666,18 +670,21 @@ class AsyncKvClient:
             per_request = max(1, min(FETCH_BATCH_OBJECTS_MAX, FETCH_BATCH_BYTES_TARGET // max(1, largest)))
             for start in range(0, len(items), per_request):
                 batch = items[start : start + per_request]
-                transfer_ids = [transfer_id for transfer_id, _, _ in batch]
+                transfer_ids = [item[0] for item in batch]
 
-                def run(batch: list[tuple[TransferId, m.ObjectLocation, ScatterDest]] = batch) -> None:
-                    ids = [transfer_id for transfer_id, _, _ in batch]
-                    if all(dest.gate is not None and not dest.gate.is_open for _, _, dest in batch):
+                def run(batch: list[tuple[TransferId, m.ObjectLocation, ScatterDest, int]] = batch) -> None:
+                    ids = [item[0] for item in batch]
+                    if all(dest.gate is not None and not dest.gate.is_open for _, _, dest, _ in batch):
                         # Their loads ended before a worker got to them: nothing to read for.
                         with contextlib.suppress(RuntimeError):
                             loop.call_soon_threadsafe(done, ids, ["cancelled"] * len(batch))
                         return
                     try:
                         causes = self.pool.fetch_many(
-                            [loc for _, loc, _ in batch], [st for _, _, st in batch], attempts
+                            [loc for _, loc, _, _ in batch],
+                            [st for _, _, st, _ in batch],
+                            attempts,
+                            max(item[3] for item in batch) / 1000,  # a replica's share of it
                         )
                     except Exception:  # never leave a transfer unanswered
                         causes = ["transport_error"] * len(batch)

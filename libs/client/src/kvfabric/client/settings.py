@@ -55,6 +55,13 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
     save_inflight_bytes_max: int = 512 << 20
     saves_queued_max: int = 64
     replica_attempts_max: int = 2  # replicas tried per object before the load gives up
+    # A replica read that is not the last one tried gets this share of what is left of the load's
+    # deadline, at least `replica_attempt_min_ms` (never more than is left), then the next replica
+    # is tried inside the same load: a slow replica costs part of the deadline, not all of it.
+    # The last replica gets all that is left. 100: no per-attempt budget (the first read may use
+    # the whole deadline).
+    replica_attempt_share_pct: int = 50
+    replica_attempt_min_ms: int = 100
     use_shm: bool = True  # read co-located segments through their shared-memory arena
     # Local reads through the segment's slot board: no round trip, a free during the copy is
     # detected (seqlock). False: each local read pins its slots through the segment first.
@@ -84,9 +91,13 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
             "save_inflight_bytes_max",
             "saves_queued_max",
             "replica_attempts_max",
+            "replica_attempt_min_ms",
         ):
             if getattr(self, name) < 1:
                 raise BadRequest(f"client setting {name} must be at least 1, got {getattr(self, name)}")
+        if not 1 <= self.replica_attempt_share_pct <= 100:
+            share = self.replica_attempt_share_pct
+            raise BadRequest(f"client setting replica_attempt_share_pct must be 1..100, got {share}")
         try:
             salt = bytes.fromhex(self.domain_salt_hex)
         except ValueError:

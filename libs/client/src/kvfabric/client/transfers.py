@@ -8,6 +8,15 @@ opening more, so a client never costs a segment more than that many connections 
 failed is closed, never reused. Every call is bounded by the
 connection's timeout, so a dead segment costs at most one timeout per attempt.
 
+Per-attempt budget: a load's reads carry its deadline (`deadline_s`, monotonic). A replica read
+that is not the last one to try gets `attempt_budget_s` of what is left (by default half, at least
+`attempt_min_s`), then the next replica is tried within the same load; the last one gets all that
+is left. Only an attempt with a budget shorter than what is left is watched: `AttemptWatchdog`
+(one thread per pool, no timer per read) shuts its socket down when the budget runs out, which
+wakes the blocked read at once; the read then fails with `TimeoutError`, its connection is closed
+(never pooled half-read) and its semaphore slot given back. A read that answers in time costs an
+entry in a dict, nothing more.
+
 Ownership: `fetch` writes straight into the engine's buffers it is given (a `ScatterDest`), each
 block under the buffers' `WriteGate`: once their owner closes the gate it stops writing
 ("cancelled") and drops the connection, which is then out of step. Bytes that land are reported
@@ -17,6 +26,9 @@ block under the buffers' `WriteGate`: once their owner closes the gate it stops 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
+import socket
 import ssl
 import threading
 import time
@@ -34,7 +46,7 @@ from kvfabric.proto.dataplane import ObjectResult, ReadRef
 from kvfabric.proto.directory import ObjectLocation, Replica, WriteTicket
 from kvfabric.proto.segment import tier_of_slot
 
-__all__ = ["SegmentPool", "read_ref"]
+__all__ = ["AttemptWatchdog", "SegmentPool", "attempt_budget_s", "read_ref"]
 
 
 def read_ref(replica: Replica, size_bytes: int) -> ReadRef:
@@ -51,6 +63,89 @@ def read_ref(replica: Replica, size_bytes: int) -> ReadRef:
 
 OK: Final = "ok"
 SWEEP_INTERVAL_S: Final = 1.0  # idle connections to removed arenas are closed this often
+ATTEMPT_SHARE_DEFAULT: Final = 0.5  # of the load's time left, for a replica that is not the last
+ATTEMPT_MIN_S_DEFAULT: Final = 0.1  # ... but at least this long (seconds)
+CONNECT_MIN_S: Final = 0.001  # a connect inside an attempt's budget gets at least this long
+
+
+def attempt_budget_s(remaining_s: float, last: bool, share: float, min_s: float) -> float:
+    """Seconds one replica read may take when `remaining_s` are left of its load: the last replica
+    tried gets all of it; an earlier one `share` of it, at least `min_s`, never more than is left."""
+    if last or share >= 1.0:
+        return remaining_s
+    return min(remaining_s, max(min_s, remaining_s * share))
+
+
+def _shutdown_fd(fd: int) -> None:
+    """Shut a socket down by its descriptor (a TLS socket shares its raw socket's fd): a thread
+    blocked reading it returns at once. Never closes the descriptor (its owner does)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+
+
+class AttemptWatchdog:
+    """Cuts replica reads past their attempt deadline (monotonic seconds) by shutting their socket
+    down. One lazily started thread sleeps until the earliest armed deadline; `arm` wakes it only
+    when the new deadline is earlier than that (rare: later attempts have later deadlines).
+
+    Ownership: `arm` → the watchdog may shut the socket's descriptor down until `disarm` returns;
+    the caller must `disarm` before it closes the socket (the descriptor could be reused)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._armed: dict[int, tuple[float, int]] = {}  # id -> (deadline, fd)
+        self._cut: set[int] = set()
+        self._ids = itertools.count(1)
+        self._wake_s = math.inf  # when the thread wakes next by itself
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.cuts = 0
+
+    def arm(self, sock: socket.socket, deadline_s: float) -> int:
+        with self._cond:
+            armed = next(self._ids)
+            self._armed[armed] = (deadline_s, sock.fileno())
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="kvf-attempt-watchdog", daemon=True)
+                self._thread.start()
+            elif deadline_s < self._wake_s:
+                self._cond.notify()
+        return armed
+
+    def disarm(self, armed: int) -> bool:
+        """Stop watching; True when the watchdog already cut this attempt."""
+        with self._cond:
+            if armed in self._cut:
+                self._cut.discard(armed)
+                return True
+            self._armed.pop(armed, None)
+            return False
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                for armed, (deadline_s, fd) in list(self._armed.items()):
+                    if deadline_s <= now:
+                        del self._armed[armed]
+                        _shutdown_fd(fd)  # under the lock: its owner has not disarmed, fd still its
+                        self._cut.add(armed)
+                        self.cuts += 1
+                self._wake_s = min((d for d, _ in self._armed.values()), default=math.inf)
+                self._cond.wait(None if self._wake_s == math.inf else self._wake_s - now)
 
 
 @dataclass(slots=True)
@@ -79,6 +174,8 @@ class SegmentPool:
         local_segments: frozenset[str] = frozenset(),
         on_retry: Callable[[], None] = lambda: None,
         tls: ssl.SSLContext | None = None,
+        attempt_share: float = ATTEMPT_SHARE_DEFAULT,
+        attempt_min_s: float = ATTEMPT_MIN_S_DEFAULT,
     ) -> None:
         self.connections_per_segment_max = connections_per_segment_max
         self.tls = tls  # verifies segments that serve tls:// (data-plane TLS)
@@ -89,6 +186,9 @@ class SegmentPool:
         # Segments on this host (empty: any segment whose arena can be mapped counts as local).
         self.local_segments = local_segments
         self.on_retry = on_retry  # called once per read retried on another replica (metrics)
+        self.attempt_share = attempt_share  # see `attempt_budget_s`
+        self.attempt_min_s = attempt_min_s
+        self.watchdog = AttemptWatchdog()
         # Called (from a transfer thread) with each replica whose bytes failed their checksum:
         # the client reports it (`replica_suspect`) so the segment re-verifies and drops it.
         self.on_corrupt: Callable[[ObjectLocation, Replica], None] = lambda location, replica: None
@@ -99,6 +199,7 @@ class SegmentPool:
         self._closed = False
 
     def close(self) -> None:
+        self.watchdog.close()
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, {}
@@ -133,34 +234,50 @@ class SegmentPool:
         *,
         reads: Sequence[ReadRef] = (),
         ticket: WriteTicket | None = None,
+        cut_at_s: float | None = None,
     ) -> Iterator[_Connection]:
         """A pooled connection to `data_addr`. `reads` / `ticket`: this transfer's credential, which
         a new connection presents with its first request (the segment maps its arena only for
-        token holders)."""
+        token holders). `cut_at_s` (monotonic): this attempt's budget ends then: waiting for a
+        connection and connecting stop there, and the watchdog cuts the request at that time
+        (`TimeoutError`; the connection is closed, never pooled)."""
         self._sweep()
         with self._lock:
             slots = self._in_use.get(data_addr)
             if slots is None:
                 slots = self._in_use[data_addr] = threading.BoundedSemaphore(self.connections_per_segment_max)
-        if not slots.acquire(timeout=self.timeout_s):
+        wait_s = self.timeout_s
+        if cut_at_s is not None:
+            wait_s = min(wait_s, max(0.0, cut_at_s - time.monotonic()))
+        if not slots.acquire(timeout=wait_s):
             raise TimeoutError(
                 f"all {self.connections_per_segment_max} connections to {data_addr} stayed busy"
             )
         try:
-            with self._checked_out(data_addr, shm_ok, reads, ticket) as conn:
+            with self._checked_out(data_addr, shm_ok, reads, ticket, cut_at_s) as conn:
                 yield conn
         finally:
             slots.release()
 
     @contextlib.contextmanager
     def _checked_out(
-        self, data_addr: str, shm_ok: bool, reads: Sequence[ReadRef], ticket: WriteTicket | None
+        self,
+        data_addr: str,
+        shm_ok: bool,
+        reads: Sequence[ReadRef],
+        ticket: WriteTicket | None,
+        cut_at_s: float | None = None,
     ) -> Iterator[_Connection]:
         with self._lock:
             conns = self._idle.get((data_addr, shm_ok))
             conn = conns.pop() if conns else None
         if conn is None:
-            tcp = TcpDataClient.connect(data_addr, timeout_s=self.timeout_s, tls=self.tls)
+            connect_s = self.timeout_s
+            if cut_at_s is not None:
+                connect_s = min(connect_s, max(CONNECT_MIN_S, cut_at_s - time.monotonic()))
+            tcp = TcpDataClient.connect(data_addr, timeout_s=connect_s, tls=self.tls)
+            if connect_s != self.timeout_s:  # the attempt's budget bounded the connect only
+                tcp._sock.settimeout(self.timeout_s)
             shm = None
             if shm_ok:
                 try:
@@ -168,11 +285,20 @@ class SegmentPool:
                 except (KvfError, OSError, ValueError):
                     shm = None  # not co-located (or no arena file): TCP only
             conn = _Connection(tcp, shm)
+        armed = None
         try:
+            if cut_at_s is not None:
+                armed = self.watchdog.arm(conn.tcp._sock, cut_at_s)
             yield conn
-        except BaseException:
+        except BaseException as exc:
+            cut = armed is not None and self.watchdog.disarm(armed)
             conn.close()
+            if cut and not isinstance(exc, GateClosed):
+                raise TimeoutError(f"replica read from {data_addr} past its attempt budget") from exc
             raise
+        if armed is not None and self.watchdog.disarm(armed):
+            conn.close()  # cut right after it answered: its socket is shut down
+            return
         with self._lock:
             pool = self._idle.setdefault((data_addr, shm_ok), [])
             if self._closed or len(pool) >= self.connections_per_segment_max:
@@ -203,19 +329,33 @@ class SegmentPool:
             return reader.get_hashed(refs, views)
         return [(result, b"") for result in reader.get(refs, views)]
 
-    def fetch(self, location: ObjectLocation, dest: ScatterDest, attempts_max: int) -> str:
+    def _cut_at_s(self, deadline_s: float, last: bool) -> float | None:
+        """When this attempt's budget ends (monotonic), or None: it may use all that is left."""
+        if deadline_s == math.inf:
+            return None
+        now = time.monotonic()
+        remaining_s = max(0.0, deadline_s - now)
+        budget_s = attempt_budget_s(remaining_s, last, self.attempt_share, self.attempt_min_s)
+        return None if budget_s >= remaining_s else now + budget_s
+
+    def fetch(
+        self, location: ObjectLocation, dest: ScatterDest, attempts_max: int, deadline_s: float = math.inf
+    ) -> str:
         """Read one object into `dest` from its first reachable replica and verify its
-        checksum against the directory's. Tries at most `attempts_max` replicas."""
+        checksum against the directory's. Tries at most `attempts_max` replicas; each but the
+        last within its share of what is left until `deadline_s` (monotonic; see the module)."""
         cause = "not_found"
-        for attempt, replica in enumerate(location.replicas[:attempts_max]):
+        tries = location.replicas[:attempts_max]
+        for attempt, replica in enumerate(tries):
             if dest.gate is not None and not dest.gate.is_open:
                 return "cancelled"  # the load ended: no connection, no request for nobody
             if attempt:
                 self.on_retry()
             ref = read_ref(replica, location.size_bytes)
+            cut_at_s = self._cut_at_s(deadline_s, attempt == len(tries) - 1)
             try:
                 shm_ok = self._shm_ok(replica.segment_id)
-                with self._connection(replica.data_addr, shm_ok, reads=[ref]) as conn:
+                with self._connection(replica.data_addr, shm_ok, reads=[ref], cut_at_s=cut_at_s) as conn:
                     ((result, digest),) = self._read(conn, [ref], [dest])
             except GateClosed:
                 return "cancelled"  # the engine took its buffers back: nothing more to try
@@ -241,11 +381,17 @@ class SegmentPool:
         return cause
 
     def fetch_many(
-        self, locations: list[ObjectLocation], dests: list[ScatterDest], attempts_max: int
+        self,
+        locations: list[ObjectLocation],
+        dests: list[ScatterDest],
+        attempts_max: int,
+        deadline_s: float = math.inf,
     ) -> list[str]:
         """`fetch` for objects whose first replicas share one segment: one request for all (one
         PIN_LOCAL/UNPIN_LOCAL pair over shared memory, or one GET over TCP), each verified; an
-        object that fails there is retried alone on its next replicas. Returns a cause each."""
+        object that fails there is retried alone on its next replicas. Returns a cause each.
+        `deadline_s`: the loads' deadline (monotonic); the first request gets its share of it
+        when an object has another replica to try."""
         if not locations:
             return []
         firsts = [loc.replicas[0] if loc.replicas else None for loc in locations]
@@ -257,8 +403,12 @@ class SegmentPool:
             addr = first.data_addr
             refs = [read_ref(r, locations[i].size_bytes) for i in live if (r := firsts[i]) is not None]
             views = [dests[i] for i in live]
+            last = attempts_max < 2 or all(len(locations[i].replicas) < 2 for i in live)
+            cut_at_s = self._cut_at_s(deadline_s, last)
             try:
-                with self._connection(addr, self._shm_ok(first.segment_id), reads=refs[:1]) as conn:
+                with self._connection(
+                    addr, self._shm_ok(first.segment_id), reads=refs[:1], cut_at_s=cut_at_s
+                ) as conn:
                     hashed = self._read(conn, refs, views)
                 for i, (result, digest) in zip(live, hashed, strict=True):
                     loc = locations[i]
@@ -279,7 +429,7 @@ class SegmentPool:
             if causes[i] != OK and attempts_max > 1 and len(loc.replicas) > 1:
                 rest = msgspec.structs.replace(loc, replicas=loc.replicas[1:])
                 self.on_retry()
-                retry = self.fetch(rest, dests[i], attempts_max - 1)
+                retry = self.fetch(rest, dests[i], attempts_max - 1, deadline_s)
                 causes[i] = retry if retry == OK else causes[i]
         return causes
 
