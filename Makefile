@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Every installable package of the monorepo, installed editable by `make setup`.
-PACKAGES := libs/format proto_schemas libs/core libs/dataplane libs/client libs/engines libs/runtime libs/testing libs/plan libs/ctl services/directory services/segment_storage services/eviction_policy services/repair services/prefetch services/router
+PACKAGES := libs/format proto_schemas libs/core libs/dataplane libs/cluster libs/client libs/engines libs/runtime libs/testing libs/plan libs/ctl services/directory services/segment_storage services/eviction_policy services/repair services/prefetch services/router
 # What pip installs: every package editable, the data plane with its UCX transport (ucxx), the
 # engines with the HF transformers adapter (torch CPU wheel from local disk + transformers).
 INSTALL_SPECS := $(foreach p,$(PACKAGES),-e '$(p)$(if $(filter libs/dataplane,$(p)),[ucx])$(if $(filter libs/engines,$(p)),[hf])')

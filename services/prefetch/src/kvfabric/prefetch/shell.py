@@ -32,7 +32,7 @@ import msgspec
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from kvfabric.client.replicas import copy_replica
+from kvfabric.cluster.replicas import copy_replica
 from kvfabric.core.prefetch import (
     Accepted,
     Busy,

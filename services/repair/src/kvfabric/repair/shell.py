@@ -13,7 +13,7 @@ The directory is sharded: every request goes through a `DirectoryRouter` (create
   (`replica_corrupt` to the shard of its key, reason `drained`, never a last copy), so the
   segment ends up empty.
 Every `tick_ms` `core.tick` returns copies within the bandwidth budget and in-flight cap; each
-runs as a task: `kvfabric.client.replicas.copy_replica` (the directory's ticket, then the
+runs as a task: `kvfabric.cluster.replicas.copy_replica` (the directory's ticket, then the
 destination reads the bytes from the source over the data plane, verifies and confirms) →
 `copy_ok` / `copy_failed`. No payload crosses NATS.
 """
@@ -29,7 +29,7 @@ from typing import Final
 import msgspec
 from nats.aio.client import Client as NatsClient
 
-from kvfabric.client.replicas import copy_replica
+from kvfabric.cluster.replicas import copy_replica
 from kvfabric.core.repair import DrainComplete, RepairCore, StartCopy
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.proto import directory as m
