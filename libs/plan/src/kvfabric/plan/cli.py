@@ -64,7 +64,7 @@ def render(plan: Plan, console: Console) -> None:
     """Print the plan as rich tables."""
     m, lay, w, c = plan.inputs.model, plan.inputs.layout, plan.inputs.workload, plan.inputs.cluster
     s, md, cap, t = plan.sizes, plan.metadata, plan.capacity, plan.traffic
-    loss, exp, v = plan.domain_loss, plan.expansion, plan.verdict
+    loss, exp, v, ssd = plan.domain_loss, plan.expansion, plan.verdict, plan.ssd
 
     kind = "explicit bytes/token" if m.kv_bytes_per_token else ("MLA" if m.is_mla else "MHA/GQA")
     tab = _table(
@@ -145,8 +145,50 @@ def render(plan: Plan, console: Console) -> None:
     tab.add_row("NIC utilization / fits", f"{t.nic_utilization:.1%} / {_yes(t.fits)}")
     console.print(tab)
 
+    if ssd.enabled:
+        tab = _table(
+            f"SSD tier — {c.ssd_gib:g} GiB per host at {c.ssd_usable_fraction:.0%} usable, "
+            f"{c.demote_share:.0%} of DRAM victims demoted"
+        )
+        tab.add_row(
+            "SSD capacity / per host",
+            f"{fmt_bytes(ssd.capacity_bytes)} / {fmt_bytes(ssd.per_host_capacity_bytes)}",
+        )
+        tab.add_row(
+            "in DRAM / on SSD / SSD used",
+            f"{fmt_bytes(ssd.dram_resident_bytes)} / {fmt_bytes(ssd.ssd_resident_bytes)}"
+            f" / {ssd.utilization:.1%}",
+        )
+        tab.add_row("replicated set fits in DRAM + SSD", _yes(ssd.fits))
+        tab.add_row(
+            "remote reads served by DRAM / SSD",
+            f"{ssd.dram_read_share:.1%} / {ssd.read_share:.1%}"
+            + (" (given)" if w.ssd_read_share is not None else ""),
+        )
+        tab.add_row(
+            "SSD reads: cluster / peak host",
+            f"{fmt_rate(ssd.read_bytes_per_s)} / {fmt_rate(ssd.per_host_read_bytes_per_s)}",
+        )
+        tab.add_row(
+            "demotions: cluster / host",
+            f"{fmt_rate(ssd.demotion_bytes_per_s)} / {fmt_rate(ssd.per_host_demotion_bytes_per_s)}",
+        )
+        tab.add_row(
+            "write amplification / drive writes per day",
+            f"{ssd.write_amplification:.2f} / {ssd.drive_writes_per_day:.2f}",
+        )
+        if c.ssd_read_gib_s or c.ssd_write_gib_s:
+            tab.add_row(
+                "disk read / write utilization",
+                f"{ssd.read_utilization:.1%} / {ssd.write_utilization:.1%} {_yes(ssd.bandwidth_fits)}",
+            )
+        console.print(tab)
+
+    store = "DRAM + SSD" if ssd.enabled else "DRAM"
     tab = _table(f"One failure domain lost ({loss.hosts_lost} hosts)")
-    tab.add_row("hosts left / usable DRAM left", f"{loss.hosts_left} / {fmt_bytes(loss.usable_bytes_left)}")
+    tab.add_row(
+        f"hosts left / usable {store} left", f"{loss.hosts_left} / {fmt_bytes(loss.usable_bytes_left)}"
+    )
     tab.add_row("utilization after", f"{loss.utilization_after:.1%}")
     tab.add_row("replica bytes lost", fmt_bytes(loss.lost_replica_bytes))
     tab.add_row(
@@ -164,7 +206,7 @@ def render(plan: Plan, console: Console) -> None:
     if exp.hosts_added:
         tab = _table(f"Expand by {exp.hosts_added} hosts (to {exp.hosts_after})")
         tab.add_row(
-            "usable DRAM after / utilization",
+            f"usable {store} after / utilization",
             f"{fmt_bytes(exp.usable_bytes_after)} / {exp.utilization_after:.1%}",
         )
         tab.add_row(
@@ -218,6 +260,18 @@ def plan(
     repair_share: Annotated[float, typer.Option(help="NIC share per host for repair/rebalance")] = 0.25,
     expand_hosts: Annotated[int, typer.Option(help="hosts added in the expansion scenario")] = 0,
     directory_shards: Annotated[int, typer.Option(help="directory shards")] = 1,
+    ssd_gib: Annotated[float, typer.Option(help="SSD tier per host, GiB (0: none)")] = 0.0,
+    ssd_usable: Annotated[float, typer.Option(help="usable SSD fraction")] = 0.9,
+    ssd_read_gib_s: Annotated[
+        float, typer.Option(help="SSD read bandwidth per host, GiB/s (0: unchecked)")
+    ] = 0.0,
+    ssd_write_gib_s: Annotated[
+        float, typer.Option(help="SSD write bandwidth per host, GiB/s (0: unchecked)")
+    ] = 0.0,
+    demote_share: Annotated[float, typer.Option(help="share of DRAM victims demoted to the SSD")] = 1.0,
+    ssd_read_share: Annotated[
+        float | None, typer.Option(help="share of remote-load bytes read from the SSD (default: derived)")
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
 ) -> None:
     """Plan memory, objects, metadata and network for a kvfabric cluster."""
@@ -255,6 +309,7 @@ def plan(
                 hot_prefix_share=hot_prefix_share,
                 hot_read_share=hot_read_share,
                 hotspot_factor=hotspot_factor,
+                ssd_read_share=ssd_read_share,
             ),
             Cluster(
                 hosts=hosts,
@@ -267,6 +322,11 @@ def plan(
                 repair_share=repair_share,
                 expand_hosts=expand_hosts,
                 directory_shards=directory_shards,
+                ssd_gib=ssd_gib,
+                ssd_usable_fraction=ssd_usable,
+                ssd_read_gib_s=ssd_read_gib_s,
+                ssd_write_gib_s=ssd_write_gib_s,
+                demote_share=demote_share,
             ),
         )
     except (ValueError, KeyError) as e:

@@ -36,6 +36,8 @@ __all__ = [
     "RECORD_REPLICA_BYTES",
     "directory_ram_bytes",
     "domain_hosts_lost",
+    "dram_read_share",
+    "drive_writes_per_day",
     "full_chunks",
     "gbps_to_bytes_per_s",
     "group_record_bytes",
@@ -174,3 +176,22 @@ def moved_fraction_on_expand(hosts: int, added: int) -> float:
     """Share of stored bytes that move when `added` hosts join a balanced placement (consistent /
     rendezvous hashing moves only what the new hosts take)."""
     return added / (hosts + added) if added > 0 else 0.0
+
+
+def dram_read_share(dram_fraction: float, hot_prefix_share: float, hot_read_share: float) -> float:
+    """Share of the read bytes DRAM serves when it holds `dram_fraction` of the stored bytes, the
+    hottest first (the rest on the SSD tier): `hot_read_share` of the reads go uniformly to the
+    hot `hot_prefix_share` of the prefixes, the rest uniformly to the others. Uniform reads
+    (shares 1, 1): DRAM serves `dram_fraction`."""
+    d = min(max(dram_fraction, 0.0), 1.0)
+    if d >= 1:
+        return 1.0
+    if d < hot_prefix_share:
+        return hot_read_share * d / hot_prefix_share
+    return hot_read_share + (1 - hot_read_share) * (d - hot_prefix_share) / (1 - hot_prefix_share)
+
+
+def drive_writes_per_day(write_bytes_per_s: float, disk_bytes: float) -> float:
+    """Disk writes per day (DWPD, the endurance unit SSDs are rated in): bytes written in 86,400 s
+    over the disk's size."""
+    return write_bytes_per_s * 86_400 / disk_bytes if disk_bytes > 0 else 0.0

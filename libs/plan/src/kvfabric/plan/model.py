@@ -93,7 +93,9 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True):
     `prefix_tokens_max` (0 = fixed length). `remote_share`: requests that load their whole prefix
     from the store; `write_share`: requests that publish a new prefix (replicated). Skew:
     `hot_prefix_share` of the prefixes receives `hot_read_share` of the reads;
-    `hotspot_factor > 0` overrides the derived per-host peak/mean factor."""
+    `hotspot_factor > 0` overrides the derived per-host peak/mean factor. `ssd_read_share`: share
+    of the remote loads' bytes that the SSD tier serves (None: derived from the hot set, assuming
+    DRAM holds the hottest bytes; `kvfabric.plan.formulas.dram_read_share`)."""
 
     prefixes: int
     prefix_tokens: int
@@ -104,8 +106,11 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True):
     hot_prefix_share: float = 1.0
     hot_read_share: float = 1.0
     hotspot_factor: float = 0.0
+    ssd_read_share: float | None = None
 
     def __post_init__(self) -> None:
+        if self.ssd_read_share is not None and not 0 <= self.ssd_read_share <= 1:
+            raise ValueError("ssd_read_share must be within 0..1")
         if self.prefixes < 1 or self.prefix_tokens < 1:
             raise ValueError("prefixes and prefix_tokens must be >= 1")
         if self.prefix_tokens_max and self.prefix_tokens_max < self.prefix_tokens:
@@ -128,7 +133,11 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True):
 class Cluster(msgspec.Struct, frozen=True, kw_only=True):
     """Storage hosts. `domains`: failure domains (racks), hosts spread evenly; each replica of an
     object goes to a different domain. `repair_share`: NIC share per host that repair and
-    rebalancing may use. `expand_hosts`: hosts added in the expansion scenario."""
+    rebalancing may use. `expand_hosts`: hosts added in the expansion scenario.
+    SSD tier (issue 23; `ssd_gib` 0 = none): `ssd_gib` of disk per host of which
+    `ssd_usable_fraction` holds objects; `ssd_read_gib_s` / `ssd_write_gib_s`: what one host's
+    disks sustain, GiB/s (0 = not checked); `demote_share`: share of the DRAM's victims demoted to
+    the SSD (the rest are dropped)."""
 
     hosts: int
     dram_gib: float
@@ -140,8 +149,17 @@ class Cluster(msgspec.Struct, frozen=True, kw_only=True):
     repair_share: float = 0.25
     expand_hosts: int = 0
     directory_shards: int = 1
+    ssd_gib: float = 0.0
+    ssd_usable_fraction: float = 0.9
+    ssd_read_gib_s: float = 0.0
+    ssd_write_gib_s: float = 0.0
+    demote_share: float = 1.0
 
     def __post_init__(self) -> None:
+        if min(self.ssd_gib, self.ssd_read_gib_s, self.ssd_write_gib_s) < 0:
+            raise ValueError("ssd_gib, ssd_read_gib_s and ssd_write_gib_s must be >= 0")
+        if not 0 < self.ssd_usable_fraction <= 1 or not 0 <= self.demote_share <= 1:
+            raise ValueError("ssd_usable_fraction must be within (0, 1], demote_share within 0..1")
         if self.hosts < 1 or self.domains < 1 or self.replicas < 1 or self.directory_shards < 1:
             raise ValueError("hosts, domains, replicas and directory_shards must be >= 1")
         if self.domains > self.hosts:

@@ -18,6 +18,7 @@ __all__ = [
     "Metadata",
     "Plan",
     "Sizes",
+    "SsdTier",
     "Traffic",
     "Verdict",
     "build_plan",
@@ -92,6 +93,33 @@ class Traffic(msgspec.Struct, frozen=True):
     fits: bool
 
 
+class SsdTier(msgspec.Struct, frozen=True):
+    """The disk tier under DRAM (issue 23): DRAM holds the hottest bytes, the SSD the rest.
+    `demotion_bytes_per_s`: while the set spills over DRAM, every byte written into DRAM pushes
+    one out, demoted at `demote_share` (a promoted object keeps its disk copy: no rewrite).
+    `write_amplification`: bytes demoted per byte read from the SSD. Utilizations are 0 where
+    the disk's bandwidth was not given."""
+
+    enabled: bool
+    capacity_bytes: float
+    per_host_capacity_bytes: float
+    dram_resident_bytes: float
+    ssd_resident_bytes: float
+    utilization: float
+    fits: bool
+    dram_read_share: float
+    read_share: float
+    read_bytes_per_s: float
+    per_host_read_bytes_per_s: float
+    demotion_bytes_per_s: float
+    per_host_demotion_bytes_per_s: float
+    write_amplification: float
+    drive_writes_per_day: float
+    read_utilization: float
+    write_utilization: float
+    bandwidth_fits: bool
+
+
 class DomainLoss(msgspec.Struct, frozen=True):
     hosts_lost: int
     hosts_left: int
@@ -143,6 +171,7 @@ class Plan(msgspec.Struct, frozen=True):
     metadata: Metadata
     capacity: Capacity
     traffic: Traffic
+    ssd: SsdTier
     domain_loss: DomainLoss
     expansion: Expansion
     verdict: Verdict
@@ -206,6 +235,8 @@ def build_plan(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluste
     meta = _metadata(s, layout, work, cluster)
     hosts, reps = cluster.hosts, cluster.replicas
     host_usable = cluster.dram_gib * 2**30 * cluster.usable_fraction
+    host_ssd = cluster.ssd_gib * 2**30 * cluster.ssd_usable_fraction
+    host_store = host_usable + host_ssd  # what a host holds, DRAM and SSD tiers together
 
     # Capacity.
     logical = s.chunk_groups * s.chunk_bytes
@@ -257,12 +288,14 @@ def build_plan(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluste
         fits=peak <= nic_usable,
     )
 
+    ssd = _ssd_tier(work, cluster, cap, traffic, hot, host_ssd)
+
     # One failure domain lost: its replicas are re-created from the survivors, copying under the
     # repair budget of the hosts left (sources and targets both among them).
     lost = per_domain_hosts
     left = hosts - lost
     if left > 0:
-        usable_left = left * host_usable
+        usable_left = left * host_store
         lost_bytes = replicated * lost / hosts
         can_keep = max(0.0, usable_left - (replicated - lost_bytes))
         unrepaired = max(0.0, lost_bytes - can_keep)
@@ -296,16 +329,58 @@ def build_plan(model: ModelSpec, layout: Layout, work: Workload, cluster: Cluste
     expansion = Expansion(
         hosts_added=cluster.expand_hosts,
         hosts_after=after,
-        usable_bytes_after=after * host_usable,
-        utilization_after=replicated / (after * host_usable),
+        usable_bytes_after=after * host_store,
+        utilization_after=replicated / (after * host_store),
         moved_bytes=moved,
         move_bytes_per_s=move_rate,
         move_seconds=moved / move_rate if move_rate else 0.0,
-        fits=replicated <= after * host_usable,
+        fits=replicated <= after * host_store,
     )
 
-    verdict = _verdict(s, meta, cap, traffic, loss, cluster, host_usable)
-    return Plan(Inputs(model, layout, work, cluster), s, meta, cap, traffic, loss, expansion, verdict)
+    verdict = _verdict(s, meta, cap, traffic, ssd, loss, cluster, host_store)
+    return Plan(Inputs(model, layout, work, cluster), s, meta, cap, traffic, ssd, loss, expansion, verdict)
+
+
+def _ssd_tier(
+    work: Workload, cluster: Cluster, cap: Capacity, t: Traffic, hot: float, host_ssd: float
+) -> SsdTier:
+    capacity = cluster.hosts * host_ssd
+    replicated = cap.replicated_bytes
+    dram_resident = min(replicated, cap.usable_bytes)
+    ssd_resident = replicated - dram_resident if capacity > 0 else 0.0
+    dram_fraction = dram_resident / replicated if replicated else 1.0
+    dram_share = f.dram_read_share(dram_fraction, work.hot_prefix_share, work.hot_read_share)
+    derived = 1 - dram_share if capacity > 0 else 0.0
+    read_share = derived if work.ssd_read_share is None else work.ssd_read_share
+    reads = t.read_bytes_per_s * read_share
+    # Cold reads spread evenly; the hot-spot factor applies when hot prefixes live on the SSD.
+    peak_reads = reads / cluster.hosts * (hot if dram_fraction < work.hot_prefix_share else 1.0)
+    demotions = t.write_bytes_per_s * cluster.demote_share if ssd_resident > 0 else 0.0
+    per_host_demotions = demotions / cluster.hosts
+    read_bw = cluster.ssd_read_gib_s * 2**30
+    write_bw = cluster.ssd_write_gib_s * 2**30
+    read_util = peak_reads / read_bw if read_bw else 0.0
+    write_util = per_host_demotions / write_bw if write_bw else 0.0
+    return SsdTier(
+        enabled=capacity > 0,
+        capacity_bytes=capacity,
+        per_host_capacity_bytes=host_ssd,
+        dram_resident_bytes=dram_resident,
+        ssd_resident_bytes=ssd_resident,
+        utilization=ssd_resident / capacity if capacity else 0.0,
+        fits=replicated <= cap.usable_bytes + capacity,
+        dram_read_share=dram_share,
+        read_share=read_share,
+        read_bytes_per_s=reads,
+        per_host_read_bytes_per_s=peak_reads,
+        demotion_bytes_per_s=demotions,
+        per_host_demotion_bytes_per_s=per_host_demotions,
+        write_amplification=demotions / reads if reads else (math.inf if demotions else 0.0),
+        drive_writes_per_day=f.drive_writes_per_day(per_host_demotions, cluster.ssd_gib * 2**30),
+        read_utilization=read_util,
+        write_utilization=write_util,
+        bandwidth_fits=read_util <= 1 and write_util <= 1,
+    )
 
 
 def _verdict(
@@ -313,20 +388,33 @@ def _verdict(
     meta: Metadata,
     cap: Capacity,
     t: Traffic,
+    ssd: SsdTier,
     loss: DomainLoss,
     cluster: Cluster,
-    host_usable: float,
+    host_store: float,
 ) -> Verdict:
+    """`host_store`: what one host holds (usable DRAM, plus the SSD tier's share of its disk)."""
     hosts = cluster.hosts
-    need_cap = f.hosts_needed(cap.replicated_bytes, host_usable)
-    need_dom = f.hosts_needed(cap.replicated_bytes, host_usable, domains=cluster.domains, survive=True)
+    need_cap = f.hosts_needed(cap.replicated_bytes, host_store)
+    need_dom = f.hosts_needed(cap.replicated_bytes, host_store, domains=cluster.domains, survive=True)
     peak_total = max(t.peak_host_egress_bytes_per_s, t.peak_host_ingress_bytes_per_s) * hosts
     need_nic = max(1, math.ceil(peak_total / t.nic_usable_bytes_per_s - 1e-9))
     shards = cluster.directory_shards
-    constraints = (
-        Constraint("dram", cap.replicated_bytes, cap.usable_bytes, cap.utilization, cap.fits, "B", need_cap),
+    need_rates = need_nic  # hosts for the NICs and the disks' bandwidth
+    store = "dram_ssd" if ssd.enabled else "dram"  # what holds the replicated set
+    supply = cap.usable_bytes + ssd.capacity_bytes
+    constraints: tuple[Constraint, ...] = (
         Constraint(
-            "dram_after_domain_loss",
+            store,
+            cap.replicated_bytes,
+            supply,
+            cap.replicated_bytes / supply,
+            cap.replicated_bytes <= supply,
+            "B",
+            need_cap,
+        ),
+        Constraint(
+            f"{store}_after_domain_loss",
             cap.replicated_bytes,
             loss.usable_bytes_left,
             loss.utilization_after,
@@ -371,10 +459,18 @@ def _verdict(
             hosts,
         ),
     )
+    for name, util, total, per_host_gib_s in (
+        ("ssd_read_bandwidth", ssd.read_utilization, ssd.read_bytes_per_s, cluster.ssd_read_gib_s),
+        ("ssd_write_bandwidth", ssd.write_utilization, ssd.demotion_bytes_per_s, cluster.ssd_write_gib_s),
+    ):
+        if ssd.enabled and per_host_gib_s > 0:
+            need = max(1, math.ceil(total / (per_host_gib_s * 2**30) - 1e-9))
+            constraints += (Constraint(name, util, 1.0, util, util <= 1, "of the disks", need),)
+            need_rates = max(need_rates, need)
     binding = max(constraints, key=lambda c: c.utilization)
     fits = all(c.ok for c in constraints)
-    hosts_needed = max(need_cap, need_nic)
-    hosts_needed_dom = max(need_dom, need_nic)
+    hosts_needed = max(need_cap, need_rates)
+    hosts_needed_dom = max(need_dom, need_rates)
     if fits:
         summary = (
             f"FITS on {hosts} hosts, also after losing a failure domain; "
