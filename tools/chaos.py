@@ -312,6 +312,36 @@ def load_p99_ms(history: list[Op]) -> float | None:
     return loads[min(len(loads) - 1, int(0.99 * len(loads)))] if loads else None
 
 
+# Log events counted over every child's log after a drill (`log_counts` in the JSON): shard leader
+# leases lost (`leadership_lost`: each moves a shard), the events publisher's retries and stuck
+# streaks, the events stream recreated after a stuck append (kvfabric.directory.events).
+COUNTED_LOG_EVENTS = (
+    "leadership_lost",
+    "lease_renew_failed",
+    "event_publish_retry",
+    "events_publish_stuck",
+    "events_stream_recreated",
+)
+
+
+def count_log_events(logs: Path) -> dict[str, int]:
+    """How often each of `COUNTED_LOG_EVENTS` appears in the run's logs (rotated ones too)."""
+    counts = dict.fromkeys(COUNTED_LOG_EVENTS, 0)
+    for path in sorted(logs.glob("*.log*")) if logs.is_dir() else []:
+        for line in path.read_text(errors="replace").splitlines():
+            for name in COUNTED_LOG_EVENTS:
+                if f'"{name}"' in line:
+                    counts[name] += 1
+    return counts
+
+
+def check_leadership_budget(lost: int, budget: int | None) -> list[str]:
+    """Drills with `max_leadership_lost`: shard leader leases lost stay within the budget."""
+    if budget is None or lost <= int(budget):
+        return []
+    return [f"{lost} shard leader leases lost (leadership_lost in the directory logs) > {budget}"]
+
+
 def run_drill(
     path: Path, *, verify: bool = True, workload_overrides: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -471,6 +501,7 @@ def run_drill(
                 if saved_late and any(bytes(g.chain_hash) not in published for g in groups):
                     final.unpublished_prefixes.append(prefix)
     finally:
+        log_counts = count_log_events(run / "logs")  # before `down` removes the run folder
         left_behind = skewed.close()
         left_behind += natsc.close()
         left_behind += links.close()  # before `down`: the segments' traffic goes back to their veths
@@ -483,6 +514,9 @@ def run_drill(
         retries, len(history), expect.get("max_retries_per_request")
     )
     violations["faults_injected"] = fault_errors
+    violations["leadership_budget"] = check_leadership_budget(
+        log_counts.get("leadership_lost", 0), expect.get("max_leadership_lost")
+    )
     violations["nothing_left_behind"] = [f"left behind: {x}" for x in left_behind]
     ended = [op for op in history if op.end_s is not None]
     return {
@@ -499,6 +533,7 @@ def run_drill(
         "retries": retries,
         "load_p99_ms": load_p99_ms(history),
         "up_attempts": up_attempts,
+        "log_counts": log_counts,
         "extra_restarts": skewed.restarts,
         "links": link_stats,
         "faults": fired,

@@ -31,6 +31,7 @@ import nats
 
 from kvfabric.core.directory import DirectoryCore
 from kvfabric.core.leadership import REASON_HANDOVER, REASON_LEAVING, LeadershipConfig
+from kvfabric.directory.events import EventsStream
 from kvfabric.directory.handlers import DirectoryShell
 from kvfabric.directory.host import ShardHost
 from kvfabric.directory.leader import LeaderElection, SegmentRegistry, agree_on_shards, monotonic_ms
@@ -107,15 +108,25 @@ async def serve(settings: RuntimeSettings) -> int:
     lost = False
     starting: set[asyncio.Task[None]] = set()
 
+    events_stream: EventsStream | None = None  # one per instance: its shells share its repairs
+
     def make_shell(core: DirectoryCore) -> DirectoryShell:
-        return DirectoryShell(
+        nonlocal events_stream
+        shell = DirectoryShell(
             core,
             tick_ms=config.tick_ms,
             events_outbox_max=config.events_outbox_max,
             events_max_age_s=config.events_max_age_s,
             free_timeout_s=config.free_timeout_s,
             events_replicas=config.kv_replicas,
+            events_stream=events_stream,
         )
+        if events_stream is None:
+            events_stream = EventsStream(
+                nc, shell.events_config(), stuck_after_failures=config.events_stuck_after_failures
+            )
+            shell.events_stream = events_stream
+        return shell
 
     host = ShardHost(
         settings.instance_id, config.shards, config.core, registry=registry, make_shell=make_shell

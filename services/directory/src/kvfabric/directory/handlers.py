@@ -7,7 +7,9 @@ effects are performed after it returns:
 - `EmitEvent` → a bounded outbox drained by one publisher task into the JetStream stream
   `KVF_DIRECTORY_EVENTS` (subjects `kvf.v1.events.directory.<kind>`), in order; JetStream gives
   each event a sequence number so consumers detect gaps and replay. When the outbox is full the
-  handler waits (backpressure) rather than dropping an event.
+  handler waits (backpressure) rather than dropping an event. Each event is retried until
+  JetStream takes it; a stream stuck on a store write error (a disk that was full) is recreated
+  with its sequences continued (`kvfabric.directory.events`).
 - `FreeSlots` → a request to `kvf.v1.segment.free.<segment_id>`; the segment's reply is fed back
   to the core as `SlotsFreed`. A lost or failed free is retried by the core's `tick`.
 A tick task calls `core.tick(now_ms)` every `tick_ms` and performs its effects the same way.
@@ -25,13 +27,12 @@ from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
-import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.api import StreamConfig
-from nats.js.errors import BadRequestError
 
 from kvfabric.core import authz
 from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent, FreeSlots, Outcome
+from kvfabric.directory.events import EVENTS_STREAM, EventPublisher, EventsStream
 from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.format.errors import KvfError, NotFound, WrongShard
 from kvfabric.proto import directory as m
@@ -43,9 +44,7 @@ from kvfabric.runtime.logs import get_logger
 
 __all__ = ["EVENTS_STREAM", "LOOKUP_SLICE_GROUPS", "VERBS", "DirectoryShell", "now_ms"]
 
-EVENTS_STREAM: Final = "KVF_DIRECTORY_EVENTS"
 FREES_INFLIGHT_MAX: Final = 256
-PUBLISH_RETRY_S: Final = 0.2
 STOP_TIMEOUT_S: Final = 2.0  # the shell's tasks end within this once cancelled
 # A longer lookup is folded this many groups a core call, the event loop yielded between
 # (`_lookup_in_slices`): ~3-6 ms a slice on a busy 2-core machine, instead of ~100 ms for 4,096.
@@ -93,8 +92,13 @@ class DirectoryShell:
         events_max_age_s: int,
         free_timeout_s: float,
         events_replicas: int = 1,
+        events_stream: EventsStream | None = None,
     ) -> None:
         self.core = core
+        # The instance's events stream (shared by its shells: one repair at a time); a shell
+        # started without one makes its own.
+        self.events_stream = events_stream
+        self.publisher: EventPublisher | None = None
         self.events_replicas = events_replicas  # of the events stream (3 on a NATS cluster)
         self.tick_ms = tick_ms
         self.events_max_age_s = events_max_age_s
@@ -104,7 +108,6 @@ class DirectoryShell:
         self._tasks: list[asyncio.Task[None]] = []
         self._nc: NatsClient | None = None
         self._log = get_logger("kvfabric.directory")
-        self.events_published = 0
         self._publishing = False  # an event taken from the outbox is not in JetStream yet
         self.frees_skipped_busy = 0
         # Whether this instance may act as the leader right now (its lease has not lapsed):
@@ -226,22 +229,29 @@ class DirectoryShell:
 
     async def start(self, nc: NatsClient) -> None:
         self._nc = nc
-        js = nc.jetstream()
-        config = StreamConfig(
+        if self.events_stream is None:
+            self.events_stream = EventsStream(nc, self.events_config())
+        await self.events_stream.ensure()
+        shard = self.core.shard
+        self.publisher = EventPublisher(self.events_stream, name=f"shard-{shard}")
+        self._tasks = [
+            asyncio.create_task(self._publisher(), name=f"directory-publisher-{shard}"),
+            asyncio.create_task(self._ticker(), name=f"directory-ticker-{shard}"),
+        ]
+
+    def events_config(self) -> StreamConfig:
+        """The events stream's configuration (every instance adds or updates it the same)."""
+        return StreamConfig(
             name=EVENTS_STREAM,
             subjects=[events_wildcard(Service.DIRECTORY)],
             max_age=float(self.events_max_age_s),
             num_replicas=self.events_replicas,
         )
-        try:
-            await js.add_stream(config)
-        except BadRequestError:
-            await js.update_stream(config)
-        shard = self.core.shard
-        self._tasks = [
-            asyncio.create_task(self._publisher(), name=f"directory-publisher-{shard}"),
-            asyncio.create_task(self._ticker(), name=f"directory-ticker-{shard}"),
-        ]
+
+    @property
+    def events_published(self) -> int:
+        """Events JetStream acknowledged from this shell."""
+        return self.publisher.published if self.publisher is not None else 0
 
     async def drain_events(self, timeout_s: float) -> None:
         """Wait (at most `timeout_s`) until the events outbox is empty (a handover: no request
@@ -305,20 +315,12 @@ class DirectoryShell:
         await self.perform(outcome.effects)
 
     async def _publisher(self) -> None:
-        assert self._nc is not None
-        js = self._nc.jetstream()
+        assert self.publisher is not None
         while True:
             subject, payload = await self._outbox.get()
-            self._publishing = True
-            while True:  # in order, never dropped: retry until JetStream takes it
-                try:
-                    await js.publish(subject, payload, timeout=2.0)
-                    self.events_published += 1
-                    self._publishing = False
-                    break
-                except (TimeoutError, nats.errors.Error) as exc:
-                    self._log.warning("event_publish_retry", subject=subject, error=type(exc).__name__)
-                    await asyncio.sleep(PUBLISH_RETRY_S)
+            self._publishing = True  # in order, never dropped: retried until JetStream takes it
+            await self.publisher.publish(subject, payload)
+            self._publishing = False
 
     async def _ticker(self) -> None:
         while True:

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvfabric.core.directory import DirectoryCore
+from kvfabric.directory.handlers import DirectoryShell
 from kvfabric.directory.host import ShardHost
 from kvfabric.directory.stalls import CORE_CALL_BUCKETS_S, CORE_CALLS
 
@@ -47,6 +48,7 @@ class DirectoryCollector(Collector):
             "Events JetStream acknowledged.",
             value=sum(shell.events_published for _, shell in shells),
         )
+        yield from self._events_stream([shell for _, shell in shells])
         state = GaugeMetricFamily("kvfabric_directory_groups", "Chunk groups by state.", labels=["state"])
         state.add_metric(["building"], sum(len(c.building) for c in cores))
         state.add_metric(["published"], sum(len(c.published) for c in cores))
@@ -92,6 +94,40 @@ class DirectoryCollector(Collector):
         yield reserved
         yield from self._tenants(cores)
         yield from self._core_calls()
+
+    def _events_stream(
+        self, shells: list[DirectoryShell]
+    ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """The events stream's health (`kvfabric.directory.events`): failed publish attempts by
+        reason, publishers stuck now, recreations of a stuck stream and repairs that failed."""
+        streams = list({id(s.events_stream): s.events_stream for s in shells if s.events_stream}.values())
+        failures = CounterMetricFamily(
+            "kvfabric_directory_events_publish_failures",
+            "Failed attempts to append an event to the events stream, by reason.",
+            labels=["reason"],
+        )
+        by_reason: Counter[str] = Counter()
+        for stream in streams:
+            by_reason.update(stream.failures)
+        for reason in ("timeout", "no_responders", "unavailable", "api_error", "other"):
+            failures.add_metric([reason], by_reason[reason])
+        yield failures
+        yield GaugeMetricFamily(
+            "kvfabric_directory_events_publish_stuck",
+            "Shards whose next event failed KVF_DIRECTORY_EVENTS_STUCK_AFTER_FAILURES times in a row "
+            "(alert when above 0 for a minute: docs/chaos.md, runbook).",
+            value=sum(len(stream.stuck) for stream in streams),
+        )
+        yield CounterMetricFamily(
+            "kvfabric_directory_events_stream_recreated",
+            "Events stream added again by this instance (stuck on a store write error, or missing).",
+            value=sum(stream.recreated for stream in streams),
+        )
+        yield CounterMetricFamily(
+            "kvfabric_directory_events_stream_repairs_failed",
+            "Repairs of a stuck events stream whose delete or add failed.",
+            value=sum(stream.repairs_failed for stream in streams),
+        )
 
     def _core_calls(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
         """How long synchronous core calls held the event loop (`kvfabric.directory.stalls`)."""

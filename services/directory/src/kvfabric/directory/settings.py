@@ -12,6 +12,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TICK_MS` | 100 | how often leases, deadlines and heartbeats are checked |
 | `KVF_DIRECTORY_EVENTS_OUTBOX_MAX` | 10000 | events waiting for JetStream; when full, handlers wait |
 | `KVF_DIRECTORY_EVENTS_MAX_AGE_S` | 86400 | JetStream retention of the events stream |
+| `KVF_DIRECTORY_EVENTS_STUCK_AFTER_FAILURES` | 5 | failed tries at one event: stuck (then recreated) |
 | `KVF_DIRECTORY_LEADER_LEASE_TTL_MS` | 3000 | leader lease (JetStream KV): standby takeover delay |
 | `KVF_DIRECTORY_LEASE_TTL_MS_MAX` | 30000 | longest read lease granted; a new leader's grace period |
 | `KVF_DIRECTORY_TENANT_QUOTAS` | `{}` | JSON `{"<32 hex domain digest>": QUOTA}`: limits of listed tenants |
@@ -84,6 +85,7 @@ class DirectorySettings:
     tick_ms: int = 100
     events_outbox_max: int = 10_000
     events_max_age_s: int = 86_400
+    events_stuck_after_failures: int = 5
     free_timeout_s: float = 2.0
     leader_lease_ttl_ms: int = 3_000
     grants: Mapping[str, TenantGrant] = dataclasses.field(default_factory=dict)
@@ -139,6 +141,7 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         tick_ms=env_int(env, "KVF_DIRECTORY_TICK_MS", 100, 5, 60_000),
         events_outbox_max=env_int(env, "KVF_DIRECTORY_EVENTS_OUTBOX_MAX", 10_000, 1, 1_000_000),
         events_max_age_s=env_int(env, "KVF_DIRECTORY_EVENTS_MAX_AGE_S", 86_400, 60, 365 * 86_400),
+        events_stuck_after_failures=env_int(env, "KVF_DIRECTORY_EVENTS_STUCK_AFTER_FAILURES", 5, 1, 1_000),
         leader_lease_ttl_ms=env_int(env, "KVF_DIRECTORY_LEADER_LEASE_TTL_MS", 3_000, 300, 600_000),
         grants=_grants(env),
         lookup_reply_min_ms=env_int(env, "KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS", 0, 0, 10_000),
