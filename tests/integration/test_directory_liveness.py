@@ -1,4 +1,4 @@
-"""Issue 21 item 1: a directory whose lease lapses always comes back (DESIGN.md: liveness).
+"""Issue 21 item 1: a directory whose lease lapses always comes back (docs/design.md: liveness).
 
 Seen under a flood: the event loop was wedged past the 3 s leader lease, the lease lapsed, and
 the directory hung in its stop — `DirectoryShell._publisher` cancelled but still running —

@@ -1,4 +1,4 @@
-"""Stale leaders are fenced by epoch (DESIGN.md invariant 4) where the bytes and the answers
+"""Stale leaders are fenced by epoch (docs/design.md invariant 4) where the bytes and the answers
 are: a segment that has heard of a newer directory epoch refuses the older epoch's write tickets
 and frees, and a client that has seen a newer epoch ignores replies carrying an older one."""
 

@@ -1,4 +1,4 @@
-"""The client shell keeps the ownership fence (DESIGN.md 3.4): a load that timed out returns with
+"""The client shell keeps the ownership fence (docs/design.md 3.4): a load that timed out returns with
 its buffers untouched, and the transfer that tries to write afterwards finds their gate closed
 and never writes into them. Also: an object that can never fit the in-flight budget ends the
 load at once instead of waiting for room until the deadline."""

@@ -1,4 +1,4 @@
-"""A client lookup over a sharded directory (DESIGN.md 3.1, 3.6, 3.7): the prefix's chunks are
+"""A client lookup over a sharded directory (docs/design.md 3.1, 3.6, 3.7): the prefix's chunks are
 asked of every shard holding some, the hit folds to the first chunk any shard misses (never
 skipping a gap), a shard that fails cuts the hit at its first chunk instead of failing the whole
 lookup, and no lease outlives its use: leases of shards beyond the hit are given back at once,

@@ -22,7 +22,7 @@ Alongside it keeps a model:
   / `mismatch`; a restarted or declared-down incarnation loses its whole arena.
 
 Every reply and effect (frees, events) is compared with the model's prediction. The invariants of
-DESIGN.md section 3 are also checked directly on what the core returns: `check_lookup` (nothing
+docs/design.md section 3 are also checked directly on what the core returns: `check_lookup` (nothing
 unpublished is read, every returned slot is held by its segment, the fold has no gap and is the
 longest published run), `check_frees` (nothing under a live lease or pin is freed),
 `check_begin_winner` (one winner per key), `expect_stale` (stale generations are rejected, counted,
@@ -511,7 +511,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.model_tick()
         self.take_effects(self.core.tick(self.now))
 
-    # ---- checks on outputs (DESIGN.md section 3) ----------------------------------------------
+    # ---- checks on outputs (docs/design.md section 3) ----------------------------------------------
 
     def check_frees(self, frees: Iterable[tuple[str, int, int, int, bytes]]) -> None:
         """Read protection: a free never names a slot under a live lease or pin, nor a live replica

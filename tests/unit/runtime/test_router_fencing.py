@@ -1,4 +1,4 @@
-"""`DirectoryRouter.ask` fences replaced shard leaders (DESIGN.md 3.4): a request leaves with the
+"""`DirectoryRouter.ask` fences replaced shard leaders (docs/design.md 3.4): a request leaves with the
 newest epoch known for its shard, a reply of an older epoch is rejected (`StaleGeneration`), and
 a route that failed (`wrong_shard`, gone) or timed out is forgotten so the map is asked again."""
 

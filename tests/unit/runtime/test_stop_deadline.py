@@ -1,4 +1,4 @@
-"""Bounded stops (`kvfabric.runtime.deadline`, DESIGN.md "liveness is an invariant"): a task whose
+"""Bounded stops (`kvfabric.runtime.deadline`, docs/design.md "liveness is an invariant"): a task whose
 cancellation was swallowed is cancelled again, a task that never ends is reported within the
 deadline, and a process whose stop overruns (or whose loop is wedged) exits with 79 on SIGTERM."""
 

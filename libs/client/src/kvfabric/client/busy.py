@@ -1,4 +1,4 @@
-"""Backing off when the directory answers `busy` (issue 20, DESIGN.md 3.6).
+"""Backing off when the directory answers `busy` (issue 20, docs/design.md 3.6).
 
 A tenant has a share of the directory's in-flight slots (a quarter by default: 16). Several
 engines of one tenant pipelining saves can fill it; the directory then answers `busy` at once

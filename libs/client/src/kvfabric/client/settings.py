@@ -1,6 +1,6 @@
 """Client settings: where the cluster is, who the engine is, and every limit, named with its unit.
 
-Limits (DESIGN.md 3.6): a client never grows without bound. Loads beyond `transfers_max` or
+Limits (docs/design.md 3.6): a client never grows without bound. Loads beyond `transfers_max` or
 `load_inflight_bytes_max` are answered Busy (the engine recomputes), saves beyond
 `save_inflight_bytes_max` or `saves_queued_max` are dropped and counted (the engine never waits).
 """

@@ -35,7 +35,7 @@ answer) is counted and ignored.
 1. Every live waiter is attached to exactly one live (FETCHING/DELIVERING) transfer, which lists
    it; no live transfer is without waiters (it was cancelled or released); at most one live
    transfer per object.
-2. Generations fence stale actors (DESIGN.md 3.4): a destination's generation only grows; a want
+2. Generations fence stale actors (docs/design.md 3.4): a destination's generation only grows; a want
    with an older or equal one is rejected (`StaleGeneration`, counted). `may_write` is True only
    for a DELIVERING waiter named with its own generation and dest, the current one for that dest;
    so a cancelled or timed-out waiter's late completion never writes into its old destination.

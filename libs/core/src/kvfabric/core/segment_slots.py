@@ -29,7 +29,7 @@ the free is accepted, not when the memory is reclaimed: from then on no `acquire
 go of it (readers `release`, the writer `abort`s).
 
 ## Invariants (checked by `check_invariants()` in tests, after every step)
-1. Read protection (DESIGN.md 3.3): an extent with a reader reference, or whose writer may still
+1. Read protection (docs/design.md 3.3): an extent with a reader reference, or whose writer may still
    be writing into it, is never handed out again, and neither is its slot id. A timeout
    (`expire_writes`) fences a write but never lets its memory be reused while the transport may
    still write into it: the extent is reclaimed when the transport lets go (`abort`/`stored`).

@@ -3,7 +3,7 @@
 A client load writes each object straight into the engine's destination (no staging buffer, no
 second copy): one writable view, or a scatter list of views (one paged-KV block of every layer,
 say) whose sizes add up to the object's size. The engine lends those buffers for the length of
-one `load` call and may reuse them the moment it returns (DESIGN.md invariant 3, client side):
+one `load` call and may reuse them the moment it returns (docs/design.md invariant 3, client side):
 
 - **`WriteGate`** is that loan. A transport writes (and hashes) one block of at most
   `BLOCK_BYTES` at a time, each under the gate's lock, and checks the gate is still open first.

@@ -31,7 +31,7 @@ reads as `not_found`. The caller still
 verifies the checksum (of the copy, against the directory's) before handing bytes to an engine.
 
 No segment-side reference is taken: a free during a local read is never deferred by it (the
-read detects the free instead: DESIGN.md invariant 3's "local reference while a transfer runs"
+read detects the free instead: docs/design.md invariant 3's "local reference while a transfer runs"
 is replaced by detection for these reads; the directory still frees nothing under a lease), and
 read tokens are not checked (whoever maps the arena can read all of it anyway; see the arena's
 file mode).

@@ -1,4 +1,4 @@
-"""Object checksums (DESIGN.md invariant 5): every object's manifest entry carries one.
+"""Object checksums (docs/design.md invariant 5): every object's manifest entry carries one.
 
 `checksum()` is XXH3-128 over the object's bytes, as the 16-byte canonical (big-endian) digest.
 It reads any C-contiguous buffer (bytes, bytearray, memoryview, numpy array, mmap) in place,

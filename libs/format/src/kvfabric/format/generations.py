@@ -1,4 +1,4 @@
-"""Generations: monotone counters that fence stale actors (DESIGN.md invariant 4).
+"""Generations: monotone counters that fence stale actors (docs/design.md invariant 4).
 
 Four kinds, as distinct types that cannot be mixed up, neither by mypy nor at run time:
 

@@ -1,6 +1,6 @@
 """KV identity: share domains, model fingerprints, layouts, the chained prefix hash and `KVKey`.
 
-A key must separate everything that changes the KV bytes (DESIGN.md section 2). Two requests may
+A key must separate everything that changes the KV bytes (docs/design.md section 2). Two requests may
 share a cached object only if every field below is equal; a field left out is a silent-garbage
 bug (the engine would attend over KV computed by another model, dtype, sharding or layout).
 

@@ -1,5 +1,5 @@
 """Manifest of one prefix: its chunk groups in order, and per chunk the objects with size and
-checksum (DESIGN.md sections 2-3).
+checksum (docs/design.md sections 2-3).
 
 Structure (msgpack; `Manifest` is a map so that readers can find `v` without knowing the rest;
 `ChunkEntry` and `ObjectEntry` are arrays, for size: a manifest may list thousands of objects):

@@ -1,6 +1,6 @@
 """Bounded stops: tasks cancelled with a deadline, and a process that cannot stop in time exits.
 
-DESIGN.md, "Liveness is an invariant": every task is cancellable and awaited with a deadline; a
+docs/design.md, "Liveness is an invariant": every task is cancellable and awaited with a deadline; a
 process that cannot stop in time exits, and its supervisor restarts it. An instance that hangs
 in its stop path is alive but serves nothing, and no supervisor restarts a live process
 (issue 21: a directory whose lease lapsed waited 4.5 min on a cancelled task).

@@ -19,7 +19,7 @@ shard's index from the segments' reports (only keys of that shard) under the new
 serves; `stop_shard` (a handover) stops serving it at once — its KV key is released only after.
 A lapsed lease stops the whole instance (the caller exits), as before sharding; `stop` ends
 every task of the host within `STOP_TIMEOUT_S` and returns the names of those still running
-(the caller then exits at once: DESIGN.md, liveness). Once the starts
+(the caller then exits at once: docs/design.md, liveness). Once the starts
 of a round are done (`_settled`), what they built is frozen out of the cyclic GC's walk
 (`kvfabric.runtime.gcpolicy.freeze_long_lived`; a no-op unless the process runs the policy).
 
