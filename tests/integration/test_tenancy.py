@@ -56,6 +56,7 @@ from kvfabric.proto.subjects import (
 from kvfabric.runtime import request
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.natsauth import NatsAuth, nats_auth_from_env
+from kvfabric.segment_storage.backend import CLOCK_SKEW_TOLERANCE_MS_DEFAULT
 from kvfabric.testing import NatsServer
 from kvfabric.testing.tenants import Secure, groups_of
 from tests.integration.clientkit import TOKENS_PER_CHUNK, objects_for, prompt
@@ -300,7 +301,8 @@ def test_forged_or_expired_ticket_stores_nothing(secure: Secure) -> None:
                 begun.results[0].tickets[0], deadline_ms=int(time.time() * 1000) + 60_000
             )
             expired = begun.results[1].tickets[0]
-            await asyncio.sleep(0.5)
+            # past its deadline, and past the segments' clock skew tolerance
+            await asyncio.sleep(0.5 + CLOCK_SKEW_TOLERANCE_MS_DEFAULT / 1000)
             # A connection's first request must carry a valid credential (docs/security.md, "Data
             # plane before authentication"): each one is refused, and its connection closed.
             tls = secure.data_tls()
@@ -365,7 +367,9 @@ def test_no_lease_no_bytes_on_the_data_plane(secure: Secure) -> None:
                 grants = data.pin_local([bare, good])
                 assert [g.status for g in grants.grants] == ["unauthorized", "ok"]
                 data.unpin_local(grants.grant_id)
-                time.sleep(max(0.0, (r.read_expires_ms - time.time() * 1000) / 1000) + 0.1)
+                # past the token's expiry and the segment's clock skew tolerance
+                late_ms = r.read_expires_ms + CLOCK_SKEW_TOLERANCE_MS_DEFAULT - time.time() * 1000
+                time.sleep(max(0.0, late_ms / 1000) + 0.1)
                 expired = data.get([good], [bytearray(location.size_bytes)])
                 assert [x.status for x in expired] == ["unauthorized"]
             brief.release(hit)

@@ -31,7 +31,7 @@ from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import sign_ticket
 from kvfabric.segment_storage.arena import Arena
-from kvfabric.segment_storage.backend import ArenaBackend
+from kvfabric.segment_storage.backend import CLOCK_SKEW_TOLERANCE_MS_DEFAULT, ArenaBackend
 from kvfabric.segment_storage.copier import fetch_replica
 from kvfabric.segment_storage.scrubber import Scrubber, ScrubPacer
 
@@ -210,7 +210,7 @@ def test_a_stalled_source_times_out_and_the_slot_goes_back(dest: Seg) -> None:
         ({"segment_id": "other"}, BadRequest),
         ({"incarnation": 21}, StaleGeneration),
         ({"epoch": 0}, StaleGeneration),
-        ({"deadline_ms": NOW_MS}, Conflict),
+        ({"deadline_ms": NOW_MS - CLOCK_SKEW_TOLERANCE_MS_DEFAULT}, Conflict),  # past, and past the skew
         ({"size_bytes": ARENA_BYTES * 2}, NoCapacity),
     ],
 )

@@ -30,6 +30,17 @@ Who owns what:
   until `end_get`; a local pin of one answers `not_found` (disk replicas are read with GET).
   Frees, reports and verifies name disk slots like arena slots. `demote` copies a stored arena
   object into the disk tier (under a read reference on the arena slot; checksum verified first).
+
+Clocks: read tokens and write tickets carry absolute expiries on the issuing directory's wall
+clock, checked here against this segment's (`clock_ms`). Each check honours an expiry up to
+`clock_skew_tolerance_ms` past it (`KVF_CLOCK_SKEW_TOLERANCE_MS`), so clocks that far apart
+refuse nothing that is still valid by the directory's (a repair copy's source token lives only
+the copy timeout: a source ahead of the directory by that much refused every copy). Safe: a
+token names (slot, generation) and a free bumps the generation when the slot table accepts it,
+so a token honoured late never reads a slot the directory freed, let alone one reused (it gets
+`stale_generation`); a ticket honoured late stores a replica whose confirm the directory
+refuses (`unknown_ticket`), and the slot is freed. Tolerance is bounded by
+`CLOCK_SKEW_TOLERANCE_MS_MAX`, below the directory's default lease grace (30 s).
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ from kvfabric.format.errors import (
     StaleGeneration,
     Unauthorized,
 )
+from kvfabric.format.invariant import invariant
 from kvfabric.proto.dataplane import (
     GetRequest,
     LocalGrant,
@@ -72,6 +84,8 @@ from kvfabric.segment_storage.ssd import SsdRead, SsdTier
 
 __all__ = [
     "AUTH_REFS_CHECKED_MAX",
+    "CLOCK_SKEW_TOLERANCE_MS_DEFAULT",
+    "CLOCK_SKEW_TOLERANCE_MS_MAX",
     "LOCAL_GRANTS_PER_CONNECTION_MAX",
     "ArenaBackend",
     "ConfirmFn",
@@ -85,6 +99,10 @@ __all__ = [
 LOCAL_GRANTS_PER_CONNECTION_MAX: Final = 64
 # Read references of a connection's first request whose tokens are checked to admit it.
 AUTH_REFS_CHECKED_MAX: Final = 4
+# How far past a directory-issued expiry (read token, write ticket) this segment's wall clock may
+# be and still honour it (see the module doc): covers clocks this far apart.
+CLOCK_SKEW_TOLERANCE_MS_DEFAULT: Final = 5_000
+CLOCK_SKEW_TOLERANCE_MS_MAX: Final = 10_000
 
 # (ticket, slot, generation) -> the directory's verdict: "ok", "unknown_ticket" or "mismatch".
 # Blocks the calling transport thread; raises KvfError when the directory cannot be reached.
@@ -122,7 +140,13 @@ class ArenaBackend:
         read_tokens_required: bool = False,
         ssd: SsdTier | None = None,
         report_corrupt: CorruptFn | None = None,
+        clock_skew_tolerance_ms: int = CLOCK_SKEW_TOLERANCE_MS_DEFAULT,
     ) -> None:
+        invariant(
+            0 <= clock_skew_tolerance_ms <= CLOCK_SKEW_TOLERANCE_MS_MAX,
+            "clock skew tolerance out of range",
+            tolerance_ms=clock_skew_tolerance_ms,
+        )
         self.arena = arena
         self.ssd = ssd
         self.report_corrupt = report_corrupt
@@ -134,6 +158,7 @@ class ArenaBackend:
         self.secret = secret
         self.confirm = confirm
         self.clock_ms = clock_ms or (lambda: time.time_ns() // 1_000_000)
+        self.clock_skew_tolerance_ms = clock_skew_tolerance_ms
         self.draining = False
         # The newest directory epoch this segment has heard of, per shard: tickets of older
         # epochs were issued by a fenced leader of that shard and store nothing.
@@ -171,13 +196,14 @@ class ArenaBackend:
             self._count("stale_epoch_rejected_total")
             raise StaleGeneration("directory_epoch", ticket.epoch, fence)
         now = self.clock_ms()
-        if now >= ticket.deadline_ms:
+        deadline_ms = self.ticket_deadline_ms(ticket)
+        if now >= deadline_ms:
             self._count("expired_ticket_total")
             raise Conflict("write ticket deadline has passed", deadline_ms=ticket.deadline_ms)
         if self.draining:
             raise Conflict("segment is draining: no new writes")
         with self.lock:
-            alloc = self.slots.alloc(ticket.size_bytes, now, ticket.deadline_ms, ticket.key)
+            alloc = self.slots.alloc(ticket.size_bytes, now, deadline_ms, ticket.key)
             self._conn(conn).puts[alloc.slot] = (alloc.slot, alloc.generation)
         view = self.arena.slice(alloc.offset, alloc.size)
         return PutSlot(alloc.slot, alloc.generation, view, ticket, alloc.offset)
@@ -306,8 +332,12 @@ class ArenaBackend:
             return "not_found", 0, b""
         return "ok", grant.offset, grant.checksum
 
+    def ticket_deadline_ms(self, ticket: WriteTicket) -> int:
+        """The ticket's deadline on this segment's clock: the directory's plus the skew tolerance."""
+        return ticket.deadline_ms + self.clock_skew_tolerance_ms
+
     def _token_ok(self, ref: ReadRef) -> bool:
-        if ref.expires_ms <= self.clock_ms():
+        if ref.expires_ms + self.clock_skew_tolerance_ms <= self.clock_ms():
             return False
         return read_token_valid(
             ref.token,
@@ -346,7 +376,7 @@ class ArenaBackend:
         return (
             ticket.segment_id == self.segment_id
             and ticket.incarnation == self.incarnation
-            and self.clock_ms() < ticket.deadline_ms
+            and self.clock_ms() < self.ticket_deadline_ms(ticket)
             and ticket_signature_valid(ticket, self.secret)
         )
 

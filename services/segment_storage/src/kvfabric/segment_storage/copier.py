@@ -7,13 +7,16 @@ that long, and a watchdog shuts the socket down when the deadline passes, so a s
 or trickles cannot hold the slot. It does not verify the bytes: the caller (`ArenaBackend.copy_in`
 → `finish_put`) checks them against the ticket's checksum.
 
-Errors (all `KvfError`, nothing is written to a buffer the caller may then use):
+Errors (all `KvfError`, nothing is written to a buffer the caller may then use; each carries the
+detail `source_addr`, which tells the copy's caller the source failed, not the destination's
+ticket: another source replica may do):
 - `Unavailable`: the source cannot be reached, dropped the connection, or the deadline passed;
 - `StaleGeneration`: the source no longer holds that generation (kind `source_slot_generation`)
   or is another incarnation (`source_incarnation`); `current` is 0: the source does not say;
 - `NotFound`: the source never stored that slot generation (or it is still being written);
 - `BadRequest`: the size differs from what the source stores, or the address has no TCP transport;
-- `Busy`: the source is at its data-connection limit (retry later).
+- `Busy`: the source is at its data-connection limit (retry later);
+- `Unauthorized`: the source refused the read token (invalid, or expired by its clock).
 """
 
 from __future__ import annotations
@@ -36,6 +39,16 @@ def fetch_replica(
 ) -> None:
     """GET `ref` from the segment at `source_addr` into `dest` (exactly `ref.size_bytes`);
     `tls` verifies a source that serves tls://."""
+    try:
+        _fetch(source_addr, ref, dest, timeout_s, tls)
+    except KvfError as err:
+        err.details.setdefault("source_addr", source_addr)  # the source's fault (see the module)
+        raise
+
+
+def _fetch(
+    source_addr: str, ref: ReadRef, dest: memoryview, timeout_s: float, tls: ssl.SSLContext | None
+) -> None:
     deadline_s = time.monotonic() + timeout_s
     try:
         client = TcpDataClient.connect(source_addr, timeout_s=timeout_s, tls=tls)

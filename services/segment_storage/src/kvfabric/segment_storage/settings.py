@@ -19,6 +19,7 @@
 | `KVF_SEGMENT_TLS_CERT` / `_KEY` / `_CA` | unset | data plane over TLS only (tls://, UCX off); CA for peers |
 | `KVF_SEGMENT_READ_TOKENS_REQUIRED` | 1 | serve reads only with the directory's read token |
 | `KVF_CLUSTER_SECRET` | required, ≥ 16 bytes | verifies the directory's write tickets |
+| `KVF_CLOCK_SKEW_TOLERANCE_MS` | 5000 | token/ticket expiries honoured this long past (clock skew); ≤ 10000 |
 | `KVF_SEGMENT_CONFIRM_TIMEOUT_MS` | 5000 | wait for the directory to accept a stored replica |
 | `KVF_SEGMENT_COPIES_MAX` | 4 | `copy` requests running at once; more are answered busy |
 | `KVF_SEGMENT_COPY_TIMEOUT_MS` | 30000 | one copy's read from its source segment, overall |
@@ -56,6 +57,7 @@ from kvfabric.dataplane.admission import (
 from kvfabric.proto.subjects import check_segment_id
 from kvfabric.proto.tickets import SECRET_BYTES_MIN
 from kvfabric.runtime.config import SettingsError, env_int
+from kvfabric.segment_storage.backend import CLOCK_SKEW_TOLERANCE_MS_DEFAULT, CLOCK_SKEW_TOLERANCE_MS_MAX
 
 __all__ = ["SegmentSettings", "load_segment_settings"]
 
@@ -84,6 +86,7 @@ class SegmentSettings:
     scrub_bytes_per_s: int = 64 << 20
     scrub_pass_min_ms: int = 60_000
     read_tokens_required: bool = True
+    clock_skew_tolerance_ms: int = CLOCK_SKEW_TOLERANCE_MS_DEFAULT  # see ArenaBackend (clocks)
     tls_cert: str = ""  # set (with tls_key): serve the data plane over TLS only (tls://, no UCX)
     tls_key: str = ""
     tls_ca: str = ""  # verifies other segments' certificates when copying from them
@@ -155,6 +158,13 @@ def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
         scrub_bytes_per_s=env_int(env, "KVF_SEGMENT_SCRUB_BYTES_PER_S", 64 << 20, 0, 1 << 40),
         scrub_pass_min_ms=env_int(env, "KVF_SEGMENT_SCRUB_PASS_MIN_MS", 60_000, 0, 86_400_000),
         read_tokens_required=bool(env_int(env, "KVF_SEGMENT_READ_TOKENS_REQUIRED", 1, 0, 1)),
+        clock_skew_tolerance_ms=env_int(
+            env,
+            "KVF_CLOCK_SKEW_TOLERANCE_MS",
+            CLOCK_SKEW_TOLERANCE_MS_DEFAULT,
+            0,
+            CLOCK_SKEW_TOLERANCE_MS_MAX,
+        ),
         tls_cert=env.get("KVF_SEGMENT_TLS_CERT", ""),
         tls_key=env.get("KVF_SEGMENT_TLS_KEY", ""),
         tls_ca=env.get("KVF_SEGMENT_TLS_CA", ""),

@@ -153,6 +153,7 @@ class SegmentShell:
             secret=settings.secret,
             confirm=self._confirm,
             read_tokens_required=settings.read_tokens_required,
+            clock_skew_tolerance_ms=settings.clock_skew_tolerance_ms,
             ssd=self.ssd,
             report_corrupt=self._disk_read_corrupt,
         )
@@ -508,7 +509,9 @@ class SegmentShell:
         )
         # No point reading past the ticket's deadline: the directory no longer takes the replica.
         # (An expired ticket is refused by `begin_put` before anything is read.)
-        timeout_ms = min(self.settings.copy_timeout_ms, ticket.deadline_ms - self.backend.clock_ms())
+        # The deadline as this segment honours it (plus the clock skew tolerance).
+        ticket_left_ms = self.backend.ticket_deadline_ms(ticket) - self.backend.clock_ms()
+        timeout_ms = min(self.settings.copy_timeout_ms, ticket_left_ms)
         timeout_s = max(timeout_ms, 1) / 1000
         return self.backend.copy_in(
             ticket,
