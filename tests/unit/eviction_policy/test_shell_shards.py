@@ -43,7 +43,7 @@ class FakeRouter(DirectoryRouter):
 
 def test_a_batch_is_split_by_shard_in_order_and_a_silent_shard_cools_down_its_own() -> None:
     core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.1))
-    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0, demote=False)
     sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=100), 0)
     sh.apply(published(1, s1=10), 1)
     for i in range(2, 9):  # one chain 1 <- 2 <- ... <- 8: chain(i) is on shard i % SHARDS

@@ -499,6 +499,10 @@ class ReplicateBegin(_Msg, frozen=True, kw_only=True, tag="dir.replicate_begin.v
     segment_id: str
     write_ttl_ms: int = 30_000
     epoch: int = 0
+    # The tier of the new replica: "ssd" puts it in the segment's disk tier (a demotion: the
+    # segment copies its own arena replica, `seg.demote`; the confirmed slot must be a disk slot,
+    # id from SSD_SLOT_BASE). One replica per (segment, tier); a disk replica reserves no arena bytes.
+    tier: Literal["dram", "ssd"] = "dram"
 
 
 ReplicateStatus = Literal["placed", "not_found", "already_there", "no_capacity", "segment_down"]

@@ -9,6 +9,7 @@ Verbs:
 - `report`: a directory leader rebuilding its index asks what is stored (see `ReportRequest`).
 - `copy`: write a ticket's object by reading it from another segment (see `CopyRequest`).
 - `verify`: re-hash named slots now (a reader saw a checksum mismatch: `VerifyRequest`).
+- `demote`: move arena objects into the segment's own disk tier (`DemoteRequest`).
 """
 
 from __future__ import annotations
@@ -21,10 +22,16 @@ from kvfabric.proto.codec import FamilyDecoder
 from kvfabric.proto.directory import FreedSlot, WriteTicket
 
 __all__ = [
+    "DEMOTE_BATCH_MAX",
     "REPORT_PAGE_MAX",
     "SSD_SLOT_BASE",
     "CopyReply",
     "CopyRequest",
+    "DemoteObject",
+    "DemoteReply",
+    "DemoteRequest",
+    "DemoteResult",
+    "DemoteStatus",
     "DrainRequest",
     "FreeSlotsReply",
     "FreeSlotsRequest",
@@ -144,6 +151,44 @@ class VerifyReply(msgspec.Struct, frozen=True, kw_only=True, tag="seg.verify_rep
     queued: bool  # false: another check of it is pending, or the segment's queue is full
 
 
+class DemoteObject(msgspec.Struct, frozen=True, array_like=True):
+    key: bytes
+    slot: int  # its arena replica on this segment (from the directory's `show_group`)
+    slot_generation: int
+
+
+class DemoteRequest(msgspec.Struct, frozen=True, kw_only=True, tag="seg.demote.v1", tag_field="t"):
+    """`kvf.v1.segment.demote.<segment_id>` (from the eviction policy): move these objects from
+    the arena into this segment's disk tier, one after another. Per object the segment asks the
+    directory for a disk replica (`replicate_begin`, tier `ssd`), copies its arena bytes to disk
+    (verified first; data, sync, commit record, sync), confirms the disk replica like any write,
+    then asks the directory to drop the arena replica (`replica_corrupt`, reason `demoted`:
+    refused while a lease or pin holds the group), which frees it. At most `DEMOTE_BATCH_MAX`
+    objects; one request at a time per segment (another is `busy`)."""
+
+    objects: list[DemoteObject]
+
+
+# demoted: on disk, the arena replica dropped; copied: on disk, the arena replica kept (a lease
+# or pin holds the group: a later demote drops it); no_capacity: the disk tier is full, nothing
+# written (and the rest of the request is not tried); not_found: not published, or that arena
+# replica is not this segment's (any more); failed: another error (the object keeps its arena
+# replica).
+DemoteStatus = Literal["demoted", "copied", "no_capacity", "not_found", "failed"]
+
+
+class DemoteResult(msgspec.Struct, frozen=True, array_like=True):
+    status: DemoteStatus
+    slot: int = -1  # the disk replica (demoted, copied)
+    slot_generation: int = -1
+
+
+class DemoteReply(msgspec.Struct, frozen=True, kw_only=True, tag="seg.demoted.v1", tag_field="t"):
+    results: list[DemoteResult]  # one per object, in order
+    ssd_capacity_bytes: int  # the disk tier's figures after the request (its pool, for the policy)
+    ssd_used_bytes: int
+
+
 SegmentMessage = (
     FreeSlotsRequest
     | FreeSlotsReply
@@ -155,7 +200,10 @@ SegmentMessage = (
     | CopyReply
     | VerifyRequest
     | VerifyReply
+    | DemoteRequest
+    | DemoteReply
 )
+DEMOTE_BATCH_MAX: Final = 64
 REPORT_PAGE_MAX: Final = 4096  # objects per report page (≈ 140 B each: well under 1 MiB)
 
 segment_decoder: FamilyDecoder[SegmentMessage] = FamilyDecoder(SegmentMessage, "segment")

@@ -362,6 +362,7 @@ class _ReplicaTicket:
     key: bytes
     deadline_ms: int
     writer_id: str = ""
+    tier: str = "dram"  # "ssd": a copy into the segment's own disk tier (demotion), no arena bytes
 
 
 @dataclass(slots=True)
@@ -490,6 +491,13 @@ class DirectoryCore:
         if seg is not None:
             seg.reserved_bytes -= size_bytes
             invariant(seg.reserved_bytes >= 0, "negative reservation", segment=seg.segment_id)
+
+    def _end_replica_ticket(self, rt: _ReplicaTicket) -> None:
+        """A replica ticket that added nothing: its tenant bytes (and arena reservation) go back."""
+        if rt.tier == "dram":
+            self._release_reservation(rt.placement, rt.size_bytes, tenant_of(rt.key))
+        else:
+            self.quotas.add(tenant_of(rt.key), -rt.size_bytes)
 
     def _pending_add(self, writer_id: str, objects: int, nbytes: int) -> None:
         """Adjust what a tenant's writer holds in building members (negative: given back)."""
@@ -1058,7 +1066,7 @@ class DirectoryCore:
             for ticket_id, rt in list(self._replicating.items()):
                 if rt.key == key and rt.writer_id == req.writer_id:
                     del self._replicating[ticket_id]
-                    self._release_reservation(rt.placement, rt.size_bytes, tenant_of(rt.key))
+                    self._end_replica_ticket(rt)
                     aborted += 1
         self._count("objects_aborted_total", aborted)
         return Outcome(m.PutAbortReply(epoch=self.epoch, aborted=aborted), effects)
@@ -1495,7 +1503,7 @@ class DirectoryCore:
             _, ticket_id = heapq.heappop(self._replica_deadlines)
             rt = self._replicating.pop(ticket_id, None)
             if rt is not None:  # never confirmed: a late confirm gets unknown_ticket, the segment frees
-                self._release_reservation(rt.placement, rt.size_bytes, tenant_of(rt.key))
+                self._end_replica_ticket(rt)
                 self._count("replica_tickets_expired_total")
         self._sweep(effects)
         self._retry_frees(now_ms, effects)
@@ -1799,7 +1807,13 @@ class DirectoryCore:
         if seg is None or not seg.up or seg.draining:
             return Outcome(m.ReplicateBeginReply(epoch=self.epoch, status="segment_down"))
         placement = self._intern_placement(seg.segment_id, seg.incarnation)
-        if any(r.placement == placement for r in mem.replicas) or len(mem.replicas) >= 255:
+        # One replica per (segment, tier): a segment may hold an object in its arena and in its
+        # disk tier at once (demotion copies to disk before the arena replica is dropped;
+        # promotion copies back before the disk one goes).
+        if (
+            any(r.placement == placement and tier_of_slot(r.slot) == req.tier for r in mem.replicas)
+            or len(mem.replicas) >= 255
+        ):
             return Outcome(m.ReplicateBeginReply(epoch=self.epoch, status="already_there"))
         sources = [  # readable by the copying segment until the ticket's deadline
             self._replica(r, mem.size_bytes, now_ms + req.write_ttl_ms)
@@ -1807,25 +1821,34 @@ class DirectoryCore:
             if self._placement_live(r.placement)
         ]
         for ticket_id, rt in self._replicating.items():
-            if (rt.group, rt.member, rt.placement) == (gid, mem.member, placement):
+            if (rt.group, rt.member, rt.placement, rt.tier) == (gid, mem.member, placement, req.tier):
                 # A retry (the first copy failed or its answer was lost): the same ticket again;
                 # whichever copy confirms first wins, a later one gets unknown_ticket and is freed.
                 ticket = self._replica_ticket(ticket_id, rt, seg, req.writer_id)
                 return Outcome(
                     m.ReplicateBeginReply(epoch=self.epoch, status="placed", ticket=ticket, sources=sources)
                 )
-        if seg.capacity_bytes - seg.reserved_bytes < mem.size_bytes:
-            self._count("no_capacity_total")
-            return Outcome(m.ReplicateBeginReply(epoch=self.epoch, status="no_capacity"))
-        seg.reserved_bytes += mem.size_bytes
+        if req.tier == "dram":  # a disk replica reserves no arena bytes (the segment's tier says full)
+            if seg.capacity_bytes - seg.reserved_bytes < mem.size_bytes:
+                self._count("no_capacity_total")
+                return Outcome(m.ReplicateBeginReply(epoch=self.epoch, status="no_capacity"))
+            seg.reserved_bytes += mem.size_bytes
         self.quotas.add(tenant_of(req.key), mem.size_bytes)  # counted, never refused (repair)
         ticket_id = next(self._ids)
         deadline = now_ms + req.write_ttl_ms
         self._replicating[ticket_id] = _ReplicaTicket(
-            gid, mem.member, placement, mem.size_bytes, mem.checksum, req.key, deadline, req.writer_id
+            gid,
+            mem.member,
+            placement,
+            mem.size_bytes,
+            mem.checksum,
+            req.key,
+            deadline,
+            req.writer_id,
+            req.tier,
         )
         heapq.heappush(self._replica_deadlines, (deadline, ticket_id))
-        self._count("replica_tickets_total")
+        self._count("replica_tickets_total" if req.tier == "dram" else "replica_tickets_ssd_total")
         ticket = self._replica_ticket(ticket_id, self._replicating[ticket_id], seg, req.writer_id)
         return Outcome(
             m.ReplicateBeginReply(epoch=self.epoch, status="placed", ticket=ticket, sources=sources)
@@ -1855,13 +1878,14 @@ class DirectoryCore:
             c.key,
             c.size_bytes,
             c.checksum,
-        ) != (rt.key, rt.size_bytes, rt.checksum):
-            self._release_reservation(rt.placement, rt.size_bytes, tenant_of(rt.key))
+            tier_of_slot(c.slot),
+        ) != (rt.key, rt.size_bytes, rt.checksum, rt.tier):
+            self._end_replica_ticket(rt)
             self._count("confirm_mismatch_total")
             return "mismatch"
         found = self._published_member(rt.key)
         if found is None:  # evicted or lost meanwhile: the segment frees the copy
-            self._release_reservation(rt.placement, rt.size_bytes, tenant_of(rt.key))
+            self._end_replica_ticket(rt)
             self._count("replica_confirm_gone_total")
             return "unknown_ticket"
         gid, group, mem = found
@@ -1869,7 +1893,7 @@ class DirectoryCore:
         self._replace_member(
             gid, group, MemberRecord(*mem.member, mem.size_bytes, mem.checksum, (*mem.replicas, replica))
         )
-        self._count("replicas_added_total")
+        self._count("replicas_added_total" if rt.tier == "dram" else "replicas_added_ssd_total")
         return "ok"
 
     def _replica_corrupt(self, req: m.ReplicaCorrupt, now_ms: int) -> Outcome:
@@ -1887,6 +1911,10 @@ class DirectoryCore:
         left = tuple(r for r in mem.replicas if r != bad)
         if req.reason != "corrupt":  # a healthy replica nobody needs (a cold extra): never the last
             if not left:
+                return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=False))
+            if req.reason == "demoted" and (self._lease_count.get(gid) or self._pin_count.get(gid)):
+                # a reader leased it with a lookup that may name only this replica: not under it
+                self._count("demote_drop_refused_leased_total")
                 return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=False))
             self._replace_member(gid, group, MemberRecord(*mem.member, mem.size_bytes, mem.checksum, left))
             self._free_slot(
@@ -2010,7 +2038,8 @@ class DirectoryCore:
             if tier_of_slot(slot) == "dram":
                 add(self._placement_index[(sid, inc)], size)
         for rt in self._replicating.values():
-            add(rt.placement, rt.size_bytes)
+            if rt.tier == "dram":
+                add(rt.placement, rt.size_bytes)
         for seg in self.segments.values():
             if seg.up:
                 invariant(

@@ -37,6 +37,10 @@ async def serve(settings: RuntimeSettings) -> int:
         tick_ms=config.tick_ms,
         segments_refresh_ms=config.segments_refresh_ms,
         request_timeout_s=config.request_timeout_s,
+        demote=config.demote,
+        demote_min_hits=config.demote_min_hits,
+        ssd_high_watermark=config.ssd_high_watermark,
+        demote_timeout_s=config.demote_timeout_s,
     )
     runtime = ServiceRuntime(
         Service.EVICTION,

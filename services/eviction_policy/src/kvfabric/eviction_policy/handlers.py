@@ -20,6 +20,16 @@ Three tasks around one synchronous core (each core call is atomic on the event l
   down) or `not_found`/`not_published` (gone). A request without an answer is indeterminate: its
   groups are treated as refused (cooled down, retried later) and any eviction that did happen
   arrives as an `evicted` event; the other shards' requests of the batch still go.
+- **demotion** (issue 23; `tiers.py`): a watermark batch of a segment's arena pool goes first
+  through `demote_or_drop` (its hits since published): each group to demote is looked up
+  (`show_group`) and its arena replicas on that segment are sent to the segment's
+  `demote.<segment_id>`, which copies them into its disk tier and has the directory drop the
+  arena replicas. A demoted group moves to the pool `<segment>#ssd` (capacity from the
+  segment's reply, pressed at `ssd_high_watermark`), whose victims are evicted (dropped from
+  their last tier). A copy kept under a lease (`copied`) or a failure cools the group down like
+  a refused eviction; a full disk (`no_capacity`) stops demotion for that batch (counted,
+  logged `demotion_stopped`) and its victims are dropped instead, so the arena still gets its
+  room; a segment without a disk tier is remembered and its victims dropped.
 
 The policy's state is rebuilt from the stream at every start, so the stream's retention
 (`KVF_DIRECTORY_EVENTS_MAX_AGE_S`) must outlast the objects (see docs/eviction-policy.md).
@@ -40,10 +50,14 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.core.eviction import EvictBatch, EvictionCore
-from kvfabric.format.errors import BadRequest, KvfError, Unavailable
+from kvfabric.eviction_policy.tiers import demote_or_drop, is_ssd_pool, ssd_pool, ssd_pool_capacity
+from kvfabric.format.errors import BadRequest, Conflict, KvfError, Unavailable
+from kvfabric.format.key import ChunkGroupId, KVKey
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
-from kvfabric.proto.subjects import Service, events_wildcard
+from kvfabric.proto.segment import DemoteObject, DemoteReply, DemoteRequest, segment_decoder, tier_of_slot
+from kvfabric.proto.subjects import Service, events_wildcard, segment_subject
+from kvfabric.runtime import request as nats_request
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
@@ -77,8 +91,21 @@ class EvictionShell:
         tick_ms: int,
         segments_refresh_ms: int,
         request_timeout_s: float,
+        demote: bool = True,
+        demote_min_hits: int = 0,
+        ssd_high_watermark: float = 0.9,
+        demote_timeout_s: float = 30.0,
     ) -> None:
         self.core = core
+        self.demote = demote
+        self.demote_min_hits = demote_min_hits
+        self.ssd_high_watermark = ssd_high_watermark
+        self.demote_timeout_s = demote_timeout_s
+        # group key -> (tenant, chunk index, pool -> bytes): to move a demoted group's bytes
+        self._held: dict[bytes, tuple[bytes, int, dict[str, int]]] = {}
+        self._hits: dict[bytes, int] = {}  # group key -> hits since published (demote_or_drop)
+        self._no_disk: set[str] = set()  # segments that answered "no disk tier"
+        self.demotions: dict[str, int] = {}  # outcome -> groups (status, metrics)
         self.tick_ms = tick_ms
         self.segments_refresh_ms = segments_refresh_ms
         self.request_timeout_s = request_timeout_s
@@ -132,19 +159,30 @@ class EvictionShell:
             )
             if key in core:
                 self._group_ids[key] = group_id_of(event.namespace, event.chunk_index, event.group)
+                self._held[key] = (
+                    domain,
+                    event.chunk_index,
+                    {p.segment_id: p.bytes for p in event.placements},
+                )
         elif isinstance(event, m.GroupsAccessed):
             for hit in event.groups:
                 key = hit.domain + hit.group
+                if key in self._held:
+                    self._hits[key] = self._hits.get(key, 0) + hit.hits
                 for _ in range(min(hit.hits, ACCESS_PER_EVENT_MAX)):
                     core.seen(key)
                     core.access(key, at_ms)
         elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
             self._forget(event.domain + event.group)
         elif isinstance(event, m.SegmentDown):
-            for gid in core.drop_pool(event.segment_id):
-                if isinstance(gid, bytes):
-                    self._group_ids.pop(gid, None)
-            self._capacity.pop(event.segment_id, None)
+            for pool in (event.segment_id, ssd_pool(event.segment_id)):
+                for gid in core.drop_pool(pool):
+                    if isinstance(gid, bytes):
+                        self._group_ids.pop(gid, None)
+                        self._held.pop(gid, None)
+                        self._hits.pop(gid, None)
+                self._capacity.pop(pool, None)
+            self._no_disk.discard(event.segment_id)
         elif isinstance(event, m.SegmentUp) and event.capacity_bytes:
             self._set_capacity(event.segment_id, event.capacity_bytes)
         self.events_applied += 1
@@ -153,6 +191,8 @@ class EvictionShell:
         if gid in self.core:
             self.core.removed(gid)
         self._group_ids.pop(gid, None)
+        self._held.pop(gid, None)
+        self._hits.pop(gid, None)
 
     def _set_capacity(self, segment_id: str, capacity_bytes: int) -> None:
         if self._capacity.get(segment_id) != capacity_bytes:
@@ -230,6 +270,21 @@ class EvictionShell:
 
     async def _evict(self, batch: EvictBatch) -> None:
         chains = [v for v in batch.victims if isinstance(v, bytes)]
+        pool = batch.pool
+        if (
+            self.demote
+            and batch.reason == "watermark"
+            and isinstance(pool, str)
+            and not is_ssd_pool(pool)
+            and pool not in self._no_disk
+        ):
+            chosen = [
+                c for c in chains if demote_or_drop(self._hits.get(c, 0), self.demote_min_hits) == "demote"
+            ]
+            handled = await self._demote_groups(pool, chosen)
+            chains = [c for c in chains if c not in handled]  # dropped: not chosen, or the disk is full
+            if not chains:
+                return
         statuses: dict[str, int] = {}
         try:
             by_shard = await self._by_shard(chains)
@@ -282,6 +337,101 @@ class EvictionShell:
             else:
                 self._forget(chain)
 
+    # ---- demotion ------------------------------------------------------------------------------
+
+    async def _demote_groups(self, segment_id: str, chains: list[bytes]) -> set[bytes]:
+        """Demote these victims of `segment_id`'s arena, one group at a time; returns the ones
+        dealt with (moved to its disk pool, or cooled down). The others are to be dropped: a full
+        disk stops demotion for the rest of the batch, a segment without disk tier for good."""
+        handled: set[bytes] = set()
+        for chain in chains:
+            if not self.core.is_evicting(chain):
+                handled.add(chain)  # an event overtook us (removed, segment down)
+                continue
+            try:
+                outcome = await self._demote_group(segment_id, chain)
+            except Conflict:  # "this segment has no disk tier"
+                self._no_disk.add(segment_id)
+                self._log.info("demotion_off", segment_id=segment_id, reason="no disk tier")
+                return handled
+            except KvfError as exc:
+                outcome = f"error_{exc.code}"
+            self.demotions[outcome] = self.demotions.get(outcome, 0) + 1
+            if outcome == "no_capacity":
+                self._log.warning("demotion_stopped", segment_id=segment_id, reason="disk tier full")
+                return handled
+            handled.add(chain)
+            if outcome != "demoted" and self.core.is_evicting(chain):
+                self.core.refused(chain, now_ms())  # leased (copied) or failed: later again
+        if handled:
+            self._log.info("demoted", segment_id=segment_id, groups=len(handled), **self.demotions)
+        return handled
+
+    async def _demote_group(self, segment_id: str, chain: bytes) -> str:
+        """One victim group: "demoted" (moved to the disk pool), "copied" (a lease kept its arena
+        replicas), "no_capacity", "failed"."""
+        gid = self._group_ids[chain]
+        router = self._dir()
+        listing = await router.ask(
+            router.shard_of(gid), "show_group", m.ShowGroup(group=gid), self.request_timeout_s
+        )
+        objects: list[DemoteObject] = []
+        if isinstance(listing, m.GroupList):
+            group = ChunkGroupId.from_bytes(gid)
+            for summary in listing.groups:
+                for obj in summary.objects:
+                    key = KVKey(
+                        chunk_group=group,
+                        tp_rank=obj.member.tp_rank,
+                        pp_stage=obj.member.pp_stage,
+                        layer_group=obj.member.layer_group,
+                    ).to_bytes()
+                    objects += [
+                        DemoteObject(key, r.slot, r.slot_generation)
+                        for r in obj.replicas
+                        if r.segment_id == segment_id and tier_of_slot(r.slot) == "dram"
+                    ]
+        statuses: set[str] = set()
+        if objects:  # none: its arena replicas there are gone already (an earlier demotion)
+            nc = self._nc
+            assert nc is not None
+            reply = await nats_request(
+                nc,
+                segment_subject(segment_id, "demote"),
+                DemoteRequest(objects=objects),
+                segment_decoder,
+                self.demote_timeout_s,
+            )
+            if not isinstance(reply, DemoteReply):
+                return "failed"
+            statuses = {r.status for r in reply.results}
+            pool = ssd_pool(segment_id)
+            capacity = ssd_pool_capacity(
+                reply.ssd_capacity_bytes, self.ssd_high_watermark, self.core.config.high_watermark
+            )
+            if self._capacity.get(pool) != capacity:
+                self._capacity[pool] = capacity
+                self.core.set_capacity(pool, capacity)
+        for outcome in ("no_capacity", "failed", "copied"):
+            if outcome in statuses:
+                return outcome
+        self._moved(chain, segment_id, now_ms())
+        return "demoted"
+
+    def _moved(self, chain: bytes, segment_id: str, at_ms: int) -> None:
+        """The group's bytes on `segment_id` are in its disk tier now: the same group, another pool."""
+        held = self._held.get(chain)
+        if held is None or chain not in self.core:
+            return
+        tenant, chunk_index, pools = held
+        moved = pools.pop(segment_id, 0)
+        if moved:
+            pools[ssd_pool(segment_id)] = pools.get(ssd_pool(segment_id), 0) + moved
+        self.core.removed(chain)
+        self.core.insert(
+            chain, tenant=tenant, pools=pools, parent=None, chunk_index=chunk_index, now_ms=at_ms
+        )
+
     def _refused(self, chains: list[bytes]) -> None:
         """No answer: indeterminate, so cooled down and retried later (an eviction that did
         happen arrives as an `evicted` event)."""
@@ -333,5 +483,5 @@ class EvictionShell:
             events_applied=self.events_applied,
             pools=pools,
             tenants=tenants,
-            counters=dict(core.counters),
+            counters={**core.counters, **{f"demote_{k}_total": v for k, v in self.demotions.items()}},
         )

@@ -13,6 +13,10 @@ The runtime's shared flags (NATS URL, metrics port, logging) come from `kvfabric
 | `KVF_EVICTION_SEGMENTS_REFRESH_MS` | 5000 | how often segment capacities are re-read from the directory |
 | `KVF_EVICTION_REQUEST_TIMEOUT_MS` | 2000 | per directory request |
 | `KVF_EVICTION_TENANT_QUOTAS` | empty | JSON, see `parse_quotas` |
+| `KVF_EVICTION_DEMOTE` | 1 | a segment's arena victims go to its disk tier when it has one (0: dropped) |
+| `KVF_EVICTION_DEMOTE_MIN_HITS` | 0 | ... read at least this often since published (`demote_or_drop`) |
+| `KVF_EVICTION_SSD_HIGH_WATERMARK_PCT` | 90 | a disk tier fuller than this drops its own victims |
+| `KVF_EVICTION_DEMOTE_TIMEOUT_MS` | 30000 | per demote request (up to 64 objects written to disk) |
 
 Admission (second-hit) is a simulator policy only: in the live cluster the writer has already
 stored the bytes when the policy hears of them (see docs/eviction-policy.md).
@@ -39,6 +43,10 @@ class EvictionSettings:
     tick_ms: int = 200
     segments_refresh_ms: int = 5_000
     request_timeout_s: float = 2.0
+    demote: bool = True
+    demote_min_hits: int = 0
+    ssd_high_watermark: float = 0.9
+    demote_timeout_s: float = 30.0
 
 
 def parse_quotas(text: str) -> dict[bytes, TenantQuota]:
@@ -92,4 +100,8 @@ def load_eviction_settings(env: Mapping[str, str]) -> EvictionSettings:
         tick_ms=env_int(env, "KVF_EVICTION_TICK_MS", 200, 5, 60_000),
         segments_refresh_ms=env_int(env, "KVF_EVICTION_SEGMENTS_REFRESH_MS", 5_000, 50, 3_600_000),
         request_timeout_s=env_int(env, "KVF_EVICTION_REQUEST_TIMEOUT_MS", 2_000, 10, 600_000) / 1000,
+        demote=bool(env_int(env, "KVF_EVICTION_DEMOTE", 1, 0, 1)),
+        demote_min_hits=env_int(env, "KVF_EVICTION_DEMOTE_MIN_HITS", 0, 0, 1_000_000),
+        ssd_high_watermark=env_int(env, "KVF_EVICTION_SSD_HIGH_WATERMARK_PCT", 90, 1, 100) / 100,
+        demote_timeout_s=env_int(env, "KVF_EVICTION_DEMOTE_TIMEOUT_MS", 30_000, 10, 600_000) / 1000,
     )

@@ -30,6 +30,10 @@ Lifecycle:
   after the arena's (their slot ids are `SSD_SLOT_BASE` and up) and read over GET. A disk read
   that finds an object corrupt frees it and reports it like the scrubber does. Free records whose
   write failed are tried again every `SSD_UNLINK_RETRY_S`.
+- `demote.<segment_id>` (from the eviction policy): move named arena objects into the disk tier
+  (`kvfabric.segment_storage.demoter`: a disk replica ticket, the copy, its confirm, then the
+  arena replica dropped by the directory); a full disk stops demotion (`no_capacity`, logged
+  `demotion_stopped`), the arena serves on.
 - stop: stop the data server (connections closed, references released), unlink the arena, close
   the disk tier (its file stays: it is what the next start recovers).
 """
@@ -82,6 +86,7 @@ from kvfabric.segment_storage.arena import Arena, lock_segment_id, remove_stale_
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.confirms import ConfirmBatcher
 from kvfabric.segment_storage.copier import fetch_replica
+from kvfabric.segment_storage.demoter import Demoter
 from kvfabric.segment_storage.scrubber import CorruptObject, Scrubber, ScrubPacer
 from kvfabric.segment_storage.settings import SegmentSettings
 from kvfabric.segment_storage.ssd import SsdIo, SsdTier
@@ -196,6 +201,14 @@ class SegmentShell:
         self._log = get_logger("kvfabric.segment_storage").bind(
             segment_id=settings.segment_id, incarnation=self.incarnation
         )
+        self.demoter = Demoter(
+            self.backend,
+            segment_id=settings.segment_id,
+            incarnation=self.incarnation,
+            ask=self._directory,
+            confirm=self._confirm_async,
+            warn=self._log.warning,
+        )
 
     def attach(self, runtime: ServiceRuntime) -> None:
         runtime.add_endpoint("free", self._on_free, instance=self.settings.segment_id)
@@ -203,12 +216,16 @@ class SegmentShell:
         runtime.add_endpoint("report", self._on_report, instance=self.settings.segment_id)
         runtime.add_endpoint("copy", self._on_copy, instance=self.settings.segment_id)
         runtime.add_endpoint("verify", self.suspects.on_verify, instance=self.settings.segment_id)
+        runtime.add_endpoint("demote", self.demoter.on_demote, instance=self.settings.segment_id)
 
     async def _directory(self, verb: str, message: msgspec.Struct, trace_id: str = "") -> msgspec.Struct:
-        """A keyed request (confirm, replica_corrupt) to the leader of its key's shard."""
+        """A keyed request (confirm, replica_corrupt, replicate_begin, put_abort) to the leader of
+        its key's shard."""
         assert self.router is not None
         if isinstance(message, m.ConfirmReplicas):
             shard = self.router.shard_of(message.confirms[0].key)
+        elif isinstance(message, m.PutAbort):
+            shard = self.router.shard_of(message.keys[0])
         else:
             shard = self.router.shard_of(getattr(message, "key", b""))
         reply = await self.router.ask(
@@ -316,6 +333,7 @@ class SegmentShell:
         # A copy still running holds only its slot (aborted when its fetch fails) and views of
         # the arena (which stays mapped while any exists): nothing to wait for.
         self._copy_pool.shutdown(wait=False, cancel_futures=True)
+        self.demoter.close()
         if self.ucx is not None:
             await asyncio.to_thread(self.ucx.stop)
         await asyncio.to_thread(self.server.stop)
@@ -366,6 +384,27 @@ class SegmentShell:
             ) from None
         except (concurrent.futures.CancelledError, RuntimeError):  # stopping: the slot is freed
             raise Unavailable("the segment stopped confirming") from None
+
+    async def _confirm_async(self, ticket: m.WriteTicket, slot: int, generation: int) -> str:
+        """A demotion's disk replica, confirmed on the loop like a transport's write."""
+        assert self.router is not None
+        confirm = m.ReplicaConfirm(
+            ticket_id=ticket.ticket_id,
+            key=ticket.key,
+            slot=slot,
+            slot_generation=generation,
+            size_bytes=ticket.size_bytes,
+            checksum=ticket.checksum,
+        )
+        try:
+            return await asyncio.wait_for(
+                self.confirms.confirm(self.router.shard_of(ticket.key), ticket.epoch, confirm, ""),
+                self.settings.confirm_timeout_ms / 1000,
+            )
+        except TimeoutError:
+            raise Indeterminate(
+                "no confirm verdict in time", timeout_ms=self.settings.confirm_timeout_ms
+            ) from None
 
     async def _heartbeats(self) -> None:
         """One heartbeat round per interval, on a fixed cadence. A round waits at most one

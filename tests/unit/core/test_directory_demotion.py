@@ -1,0 +1,129 @@
+"""The directory core's part of demotion and promotion (issue 23): one replica per (segment,
+tier), so a segment may get a disk replica of an object its arena holds (`ReplicateBegin` with
+`tier="ssd"`, confirmed with a disk slot) and the other way round; a disk ticket reserves no
+arena bytes; the arena replica is then dropped (`ReplicaCorrupt` reason `demoted`), never while
+a lease or pin holds the group and never the last replica. `check_invariants` after each step."""
+
+from __future__ import annotations
+
+from kvfabric.core.directory import DirectoryCore, FreeSlots
+from kvfabric.proto import directory as m
+from kvfabric.proto.segment import SSD_SLOT_BASE, Tier, tier_of_slot
+from tests.unit.core.dirkit import groups, key, lookup, new_core, put, register
+
+DISK_SLOT = SSD_SLOT_BASE + 4
+
+
+def replicate(core: DirectoryCore, k: bytes, tier: Tier, now: int = 10) -> m.ReplicateBeginReply:
+    reply = core.handle(
+        m.ReplicateBegin(
+            writer_id="demote/s1", request_id=f"rb-{tier}-{now}", key=k, segment_id="s1", tier=tier
+        ),
+        now,
+    ).reply
+    assert isinstance(reply, m.ReplicateBeginReply)
+    core.check_invariants()
+    return reply
+
+
+def confirm(core: DirectoryCore, ticket: m.WriteTicket, slot: int, now: int = 10) -> m.ConfirmStatus:
+    reply = core.handle(
+        m.ConfirmReplicas(
+            segment_id="s1",
+            incarnation=1,
+            confirms=[
+                m.ReplicaConfirm(
+                    ticket_id=ticket.ticket_id,
+                    key=ticket.key,
+                    slot=slot,
+                    slot_generation=1,
+                    size_bytes=ticket.size_bytes,
+                    checksum=ticket.checksum,
+                )
+            ],
+        ),
+        now,
+    ).reply
+    assert isinstance(reply, m.ConfirmReply)
+    core.check_invariants()
+    return reply.results[0].status
+
+
+def drop(core: DirectoryCore, k: bytes, slot: int, now: int = 10) -> tuple[bool, list[FreeSlots]]:
+    out = core.handle(
+        m.ReplicaCorrupt(
+            segment_id="s1", incarnation=1, key=k, slot=slot, slot_generation=1, reason="demoted"
+        ),
+        now,
+    )
+    assert isinstance(out.reply, m.ReplicaCorruptReply)
+    core.check_invariants()
+    return out.reply.dropped, [e for e in out.effects if isinstance(e, FreeSlots)]
+
+
+def test_demote_then_promote_an_object_on_its_own_segment() -> None:
+    core = new_core()
+    register(core, "s1", capacity=1_000)
+    (g,) = groups(1)
+    k = key(g)
+    put(core, [k], size=100)
+    seg = core.segments["s1"]
+    assert seg.reserved_bytes == 100
+
+    placed = replicate(core, k, "ssd")
+    assert placed.status == "placed" and placed.ticket is not None
+    assert [r.slot for r in placed.sources] == [0]  # its own arena replica: the bytes to copy
+    assert seg.reserved_bytes == 100  # a disk ticket reserves no arena bytes
+    assert replicate(core, k, "dram").status == "already_there"  # the arena holds it already
+    assert confirm(core, placed.ticket, DISK_SLOT) == "ok"
+    assert replicate(core, k, "ssd").status == "already_there"  # one disk replica per segment
+
+    hit = lookup(core, [g], now=10)
+    assert [tier_of_slot(r.slot) for r in hit.objects[0].replicas] == ["dram", "ssd"]
+    assert drop(core, k, 0) == (False, [])  # leased: a reader may hold only the arena replica
+    core.handle(m.LeaseRelease(holder_id="reader", lease_id=hit.lease_id), 10)
+
+    dropped, frees = drop(core, k, 0)
+    assert dropped and [(f.segment_id, [s.slot for s in f.slots]) for f in frees] == [("s1", [0])]
+    core.handle(m.SlotsFreed(segment_id="s1", incarnation=1, freed=[m.FreedSlot(k, 0, 1)]), 11)
+    core.check_invariants()
+    assert seg.reserved_bytes == 0
+    hit = lookup(core, [g], now=12)
+    assert [r.slot for r in hit.objects[0].replicas] == [DISK_SLOT]
+    core.handle(m.LeaseRelease(holder_id="reader", lease_id=hit.lease_id), 12)
+    assert drop(core, k, DISK_SLOT) == (False, [])  # never the last replica
+
+    # Promotion: an arena replica again, reserved like any arena write.
+    promoted = replicate(core, k, "dram", now=20)
+    assert promoted.status == "placed" and promoted.ticket is not None
+    assert [r.slot for r in promoted.sources] == [DISK_SLOT]
+    assert seg.reserved_bytes == 100
+    assert confirm(core, promoted.ticket, 7, now=20) == "ok"
+    hit = lookup(core, [g], now=21)
+    assert sorted(r.slot for r in hit.objects[0].replicas) == [7, DISK_SLOT]
+
+
+def test_a_disk_ticket_confirmed_with_an_arena_slot_is_a_mismatch_and_expiry_releases_it() -> None:
+    core = new_core()
+    register(core, "s1", capacity=1_000)
+    g1, g2 = groups(2)
+    put(core, [key(g1), key(g2)], size=100)
+    seg = core.segments["s1"]
+    placed = replicate(core, key(g1), "ssd")
+    assert placed.ticket is not None
+    assert confirm(core, placed.ticket, 9) == "mismatch"  # the tier its slot says is not the ticket's
+    assert seg.reserved_bytes == 200
+    unused = replicate(core, key(g2), "ssd")
+    assert unused.status == "placed"
+    core.handle(m.Heartbeat(segment_id="s1", incarnation=1, used_bytes=200), 30_000)
+    core.tick(10 + 30_001)  # never confirmed: its tenant bytes go back, no arena bytes to give
+    core.check_invariants()
+    assert seg.reserved_bytes == 200
+
+
+def test_a_full_arena_does_not_stop_a_disk_ticket() -> None:
+    core = new_core()
+    register(core, "s1", capacity=100)
+    (g,) = groups(1)
+    put(core, [key(g)], size=100)
+    assert replicate(core, key(g), "ssd").status == "placed"
