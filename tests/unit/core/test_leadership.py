@@ -208,6 +208,29 @@ def test_a_failed_renewal_stops_leading_at_once() -> None:
     a.check_invariants(2005)
 
 
+def test_an_unanswered_renewal_keeps_the_term_to_its_deadline_and_is_retried() -> None:
+    """A renewal that times out (the KV's stream electing a leader) neither ends the term nor
+    moves its deadline: it is sent again after renew_retry_ms; one that lands extends the term."""
+    a = ShardLeadership(LeadershipConfig(shards=1), "a")
+    a.on_members({"a"}, 0)
+    assert a.on_acquired(0, revision=7, sent_ms=0) == [StartLeading(0, 7)]
+    assert a.tick(1000) == [Renew(0, 7), AnnounceMember()]
+    assert a.on_renew_unanswered(0, 2000) == []
+    assert a.epoch(0, now_ms=2000) == 7 and a.deadline_ms(0) == 2500  # unchanged: 0 + 3000 - 500
+    assert a.next_wakeup_ms() == 2000  # the announcement; the retry is due at 2250
+    assert a.tick(2249) == [AnnounceMember()]
+    assert a.tick(2250) == [Renew(0, 7)]
+    assert a.on_renewed(0, revision=9, sent_ms=2250, now_ms=2400) == []
+    assert a.deadline_ms(0) == 4750 and a.epoch(0, now_ms=4000) == 7  # the same term goes on
+    assert a.tick(3249) == [AnnounceMember()]
+    assert a.tick(3250) == [Renew(0, 9)]
+    assert a.on_renew_unanswered(0, 4740) == []
+    # Never past the last successful write's term:
+    assert a.tick(4750) == [StopLeading(0, 7, "lease_expired"), AnnounceMember()]
+    assert a.counters["renew_unanswered_total"] == 2 and a.counters["renew_failed_total"] == 0
+    a.check_invariants(4750)
+
+
 def test_missed_renewals_stop_leading_at_the_conservative_deadline() -> None:
     a = ShardLeadership(LeadershipConfig(shards=1), "a")
     a.on_members({"a"}, 0)

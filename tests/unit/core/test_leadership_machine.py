@@ -202,11 +202,12 @@ class LeadershipMachine(RuleBasedStateMachine):
                 else core.on_acquire_failed(op.shard, self._t(op.slot))
             )
         elif op.kind == "update":
-            effects = (
-                core.on_renewed(op.shard, result, op.sent_ms, now_ms=self._t(op.slot))
-                if result is not None
-                else core.on_renew_failed(op.shard, self._t(op.slot))
-            )
+            if result is not None:
+                effects = core.on_renewed(op.shard, result, op.sent_ms, now_ms=self._t(op.slot))
+            elif timed_out:  # no answer: the term goes on to its deadline, the renewal is retried
+                effects = core.on_renew_unanswered(op.shard, self._t(op.slot))
+            else:  # refused: the key is not ours at that revision
+                effects = core.on_renew_failed(op.shard, self._t(op.slot))
         else:
             effects = core.on_released(op.shard)
         if op.landed:

@@ -26,15 +26,20 @@ them once its leases lapse. Adding or removing a member moves only the shards it
     ACQUIRING --on_acquired, still desired, deadline ahead of now--> LEADING [StartLeading(epoch=revision)]
     ACQUIRING --on_acquired, no longer desired (or leaving, or deadline passed)--> RELEASING [Release]
     ACQUIRING --on_acquire_failed(now)--> IDLE, retry_at = now + renew_every_ms
-    LEADING --tick: written_sent_ms + renew_every_ms reached, no Renew in flight--> LEADING [Renew]
+    LEADING --tick: renew_at_ms reached (written_sent_ms + renew_every_ms), no Renew in flight-->
+        LEADING [Renew]
     LEADING --on_renewed(sent_ms)--> LEADING, deadline moves to sent_ms + ttl - margin (then the
         deadline check below, against the answer's now_ms)
+    LEADING --on_renew_unanswered(now)--> LEADING, deadline unchanged, renew_at = now +
+        renew_retry_ms (timed out, no responders, no stream leader: the KV may be electing one)
     LEADING --on_renew_failed(now)--> IDLE [StopLeading "renew_failed"], retry after renew_every_ms
+        (a definite refusal: the key is not ours at that revision any more)
     LEADING --now >= deadline (tick, or any event carrying now)--> [StopLeading "lease_expired"]
         IDLE (retry at once), or DRAINING when a Renew is in flight
     LEADING --tick: not desired (a member joined, self left the set, `leave`)-->
         [StopLeading "handover" | "leaving"] then RELEASING [Release], or DRAINING (Renew in flight)
-    DRAINING --on_renewed--> RELEASING [Release(new revision)]; --on_renew_failed--> IDLE
+    DRAINING --on_renewed--> RELEASING [Release(new revision)]; --on_renew_failed or
+        on_renew_unanswered--> IDLE
     RELEASING --on_released (deleted or not: an undeleted key lapses after the TTL)--> IDLE
 A result for an operation the core did not ask for is a shell bug (invariant violation).
 
@@ -53,12 +58,19 @@ a stalled loop): the shell passes `now_ms` (when the answer reached it) to `on_a
 a term. Its key lapsed meanwhile and another instance may lead with a greater epoch: starting
 the stale term would hand the shell an epoch lower than one already in use.
 
+A renewal without an answer (`on_renew_unanswered`: a timeout, no responders, the KV's stream
+electing a leader) leaves the deadline where the last *successful* write put it and asks again
+after `renew_retry_ms`: the term never outlives `written_sent_ms + term_ms`, so safety is the
+same as if the renewal had never been sent. If it did land, the next Renew (`last=` the older
+revision) is refused and the term stops: a spurious stop, never a second leader. Only a definite
+refusal (`on_renew_failed`) ends the term before its deadline.
+
 ## Invariants (`check_invariants(now_ms)`, after every step in tests)
 1. At most one KV operation in flight per shard (by construction: one state per shard).
 2. LEADING => desired, not leaving, revision >= epoch > 0, deadline = written_sent_ms + ttl -
    margin > the latest time seen (expired terms were stopped when their time was seen).
 3. Accounting: acquires = acquired + acquire failed + ACQUIRING; renews = renewed + renew
-   failed + Renews in flight; releases = released + RELEASING; started - stopped = LEADING.
+   failed + renew unanswered + Renews in flight; releases = released + RELEASING; started - stopped = LEADING.
 4. desired() = the shards `desired_owner` gives this instance over the member set (empty while
    this instance is not a member or is leaving).
 5. Time never goes backwards; an operation's `sent_ms` is not before the core asked for it.
@@ -113,6 +125,7 @@ class LeadershipConfig:
     renew_every_ms: int = 1_000  # leader rewrites its key this often (also: member announce period)
     safety_margin_ms: int = 500  # a leader stops acting this long before its lease could lapse in KV
     members_ttl_ms: int = 3_000  # liveness of instances in the member registry
+    renew_retry_ms: int = 250  # a renewal left unanswered is sent again this much later
 
     def __post_init__(self) -> None:
         invariant(1 <= self.shards <= SHARDS_MAX, "shards must be in 1..4096", shards=self.shards)
@@ -123,6 +136,7 @@ class LeadershipConfig:
             "need 2 x renew_every_ms <= lease_ttl_ms - safety_margin_ms",
         )
         invariant(2 * self.renew_every_ms <= self.members_ttl_ms, "need 2 x renew_every_ms <= members_ttl_ms")
+        invariant(0 < self.renew_retry_ms <= self.renew_every_ms, "need 0 < renew_retry_ms <= renew_every_ms")
 
     @property
     def term_ms(self) -> int:
@@ -144,7 +158,8 @@ class Acquire:
 @dataclass(frozen=True, slots=True)
 class Renew:
     """kv.update(key_of(shard), instance_id, last=revision) -> on_renewed(shard, new_revision,
-    sent_ms), or on_renew_failed(shard, now_ms) (wrong last revision, unreachable, timed out)."""
+    sent_ms), on_renew_failed(shard, now_ms) (refused: wrong last revision), or
+    on_renew_unanswered(shard, now_ms) (no answer: timed out, no responders, unavailable)."""
 
     shard: int
     revision: int
@@ -235,6 +250,8 @@ class _Shard:
     epoch: int = 0  # leading: revision of the winning create
     revision: int = 0  # leading, draining, releasing: the last revision known to hold our value
     written_sent_ms: int = 0  # leading: sent_ms of the last successful write
+    renew_at_ms: int = 0  # leading: the next Renew is due (written_sent_ms + renew_every_ms, or
+    # renew_retry_ms after an unanswered one)
     deadline_ms: int = 0  # leading: written_sent_ms + term_ms; may act strictly before it
     renewing: bool = False  # leading: a Renew is in flight (draining: always)
     op_emitted_ms: int = 0  # an operation in flight: when the core asked for it
@@ -258,6 +275,7 @@ _COUNTERS: Final = (
     "renews_total",
     "renewed_total",
     "renew_failed_total",
+    "renew_unanswered_total",
     "releases_total",
     "released_total",
     "leading_started_total",
@@ -326,7 +344,7 @@ class ShardLeadership:
             if sh.state == "leading":
                 times.append(sh.deadline_ms)
                 if not sh.renewing:
-                    times.append(sh.written_sent_ms + self.config.renew_every_ms)
+                    times.append(sh.renew_at_ms)
             elif sh.state == "idle" and s in self._desired:
                 times.append(sh.retry_at_ms)
         return min(times) if times else None
@@ -357,7 +375,7 @@ class ShardLeadership:
                         sh.state = "draining"
                     else:
                         self._release(s, sh, out)
-                elif not sh.renewing and now_ms >= sh.written_sent_ms + cfg.renew_every_ms:
+                elif not sh.renewing and now_ms >= sh.renew_at_ms:
                     sh.renewing = True
                     sh.op_emitted_ms = now_ms
                     self._count("renews_total")
@@ -412,6 +430,7 @@ class ShardLeadership:
             sh.state = "leading"
             sh.epoch = revision
             sh.written_sent_ms = sent_ms
+            sh.renew_at_ms = sent_ms + self.config.renew_every_ms
             sh.deadline_ms = deadline_ms
             sh.renewing = False
             self._count("leading_started_total")
@@ -457,12 +476,35 @@ class ShardLeadership:
             # every time seen: a passed one was stopped when its time was seen).
             invariant(sent_ms >= sh.written_sent_ms, "a renewal sent before the write it renews")
             sh.written_sent_ms = sent_ms
+            sh.renew_at_ms = sent_ms + self.config.renew_every_ms
             sh.deadline_ms = sent_ms + self.config.term_ms
         self._expire_all(out)
         return out.effects()
 
+    def on_renew_unanswered(self, shard: int, now_ms: int) -> list[Effect]:
+        """No answer (timed out, no responders, the KV's stream without a leader): the term goes
+        on until its deadline, unchanged, and the renewal is sent again after `renew_retry_ms`
+        (module docstring, Safety). Draining: the key is left to lapse (IDLE)."""
+        sh = self._shards[shard]
+        invariant(
+            sh.state in ("leading", "draining") and sh.renewing,
+            "on_renew_unanswered without a Renew in flight",
+            shard=shard,
+        )
+        self._advance(now_ms)
+        self._count("renew_unanswered_total")
+        sh.renewing = False
+        if sh.state == "leading":
+            sh.renew_at_ms = now_ms + self.config.renew_retry_ms
+        else:
+            sh.state = "idle"
+            sh.retry_at_ms = now_ms + self.config.renew_every_ms
+        out = _Out()
+        self._expire_all(out)
+        return out.effects()
+
     def on_renew_failed(self, shard: int, now_ms: int) -> list[Effect]:
-        """Wrong last revision, unreachable or timed out: the term ends now."""
+        """Refused (wrong last revision: the key expired or is another's): the term ends now."""
         sh = self._shards[shard]
         invariant(
             sh.state in ("leading", "draining") and sh.renewing,
@@ -569,7 +611,8 @@ class ShardLeadership:
             "acquire accounting drifted",
         )
         invariant(
-            c["renews_total"] == c["renewed_total"] + c["renew_failed_total"] + renewing,
+            c["renews_total"]
+            == c["renewed_total"] + c["renew_failed_total"] + c["renew_unanswered_total"] + renewing,
             "renew accounting drifted",
         )
         invariant(
