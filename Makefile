@@ -93,6 +93,9 @@ bench: setup engines-setup mooncake-setup ## Run the benchmarks; JSON + markdown
 	$(PY) -m bench.failover
 	$(PY) -m bench.tenancy
 	$(PY) -m bench.nats_storm
+	$(PY) -m bench.ssd_io
+	$(PY) -m bench.ssd_tier
+	$(PY) tools/evict_sim_tiers.py
 	$(PY) -m bench.engines
 	cat bench/results/*.md > bench/results/SUMMARY.md
 	@echo "wrote bench/results/SUMMARY.md"
