@@ -50,6 +50,7 @@ DIRECTORY_VERSION: Final = "0.2.0"
 EXIT_USAGE: Final = 2
 EXIT_LEADERSHIP_LOST: Final = 75
 SHARD_START_ATTEMPTS: Final = 3
+RENEW_EVERY_MS_MAX: Final = 1_000  # leader lease renewals at least this often
 HANDOVER_DRAIN_S: Final = 1.0
 SHARD_START_RETRY_S: Final = 0.5
 TASKS_STOP_TIMEOUT_S: Final = 2.0  # the election loop and shard starts, once cancelled
@@ -57,13 +58,17 @@ NATS_CLOSE_TIMEOUT_S: Final = 2.0
 
 
 def leadership_config(config: DirectorySettings) -> LeadershipConfig:
+    """Renewals every second (every third of a shorter lease), retried a quarter of that after
+    one goes unanswered; an instance stops acting a sixth of the lease before it could lapse."""
     ttl = config.leader_lease_ttl_ms
+    renew_every_ms = max(1, min(ttl // 3, RENEW_EVERY_MS_MAX))
     return LeadershipConfig(
         shards=config.shards,
         lease_ttl_ms=ttl,
-        renew_every_ms=max(1, ttl // 3),
+        renew_every_ms=renew_every_ms,
         safety_margin_ms=max(1, ttl // 6),
         members_ttl_ms=ttl,
+        renew_retry_ms=max(1, renew_every_ms // 4),
     )
 
 

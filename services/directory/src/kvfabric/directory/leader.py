@@ -12,7 +12,43 @@ Buckets (created by the first instance, file storage, one value per key):
   know which segments to ask for reports. This is the only durable record the directory keeps.
 
 The core decides; this loop only performs effects and feeds results back. Clocks: monotonic
-milliseconds (the core compares its own send times with its own now).
+milliseconds (the core compares its own send times with its own now). Every KV operation runs
+as a task of its own (at most one per shard, the core sees to that), so a slow or unanswered
+one never delays another shard's renewal, and the loop keeps ticking meanwhile.
+
+## Renewals across a JetStream stream-leader election (NATS cluster, R3 buckets)
+When the nats-server that leads the leaders bucket's stream dies, nobody can write the bucket
+until the other replicas elect a leader: nats-server waits a random 4-9 s of silence first
+(server/raft.go `minElectionTimeoutDefault`, `maxElectionTimeoutDefault`). Meanwhile every
+renewal goes unanswered (timeout, no responders). Two clocks decide what happens:
+- the **bucket's TTL** (`max_age` = `lease_ttl_ms`, nats-server's clock): each replica ages the
+  key out `lease_ttl_ms` after the write that renewed it; the new stream leader no longer has it,
+  so the holder's next `update(last=revision)` is refused and anybody's `create` wins (a new
+  epoch);
+- the **holder's deadline** (this process's monotonic clock): `sent_ms` of the last successful
+  write + `lease_ttl_ms - safety_margin_ms`; past it the holder does not act, whatever the KV
+  says (`ShardLeadership`, Safety).
+An unanswered renewal therefore never ends a term early and never extends it: the core retries
+it every `renew_retry_ms` (each try waits at most the term's time left, at least
+`RENEW_TIMEOUT_MIN_S`) and stops at the deadline. While the KV has no leader it is unavailable
+to *everybody*: no standby can take a shard over either, so keeping the term until the deadline
+costs nothing. A partition is the case to mind: the holder may be cut off from a KV that others
+still reach; then the key ages out on the KV's clock no earlier than `lease_ttl_ms` after the
+holder's last successful write was *received*, which is after it was sent, and the holder
+stopped `safety_margin_ms` before that on its own clock: a takeover never overlaps the old term
+(clock-rate drift over one TTL must stay under the margin).
+So a lease rides out an election only when `lease_ttl_ms - safety_margin_ms` exceeds the longest
+election (9 s) plus one renewal interval: on a NATS cluster (`KVF_DIRECTORY_KV_REPLICAS` > 1)
+the default lease is 15 s with renewals every second (`kvfabric.directory.settings`); on a
+single nats-server it stays 3 s (no election; an instance killed outright is taken over 3 s
+later). The cost on a cluster is that: a SIGKILLed instance's shards wait up to 15 s for a
+standby (misses, recomputed by the engine); an orderly stop releases nothing yet (docs/chaos.md).
+
+## Opening the buckets on a forming cluster
+`create_key_value` on a NATS cluster whose peers are still joining is refused (a 400:
+insufficient resources, no suitable peers) or unanswered; `_bucket` tries again with a bounded
+backoff until `BUCKET_OPEN_TIMEOUT_S` has passed, and takes a bucket created meanwhile by
+another instance.
 """
 
 from __future__ import annotations
@@ -62,6 +98,10 @@ SEGMENTS_BUCKET: Final = "KVF_DIRECTORY_SEGMENTS"
 CONFIG_BUCKET: Final = "KVF_DIRECTORY_CONFIG"
 LOOP_MS: Final = 100
 KV_TIMEOUT_S: Final = 2.0
+RENEW_TIMEOUT_MIN_S: Final = 0.2  # a renewal near its deadline still waits this long for an answer
+BUCKET_OPEN_TIMEOUT_S: Final = 30.0  # `_bucket` gives up after this (the instance exits, restarted)
+BUCKET_RETRY_S: Final = 0.2  # first wait between tries, doubled up to BUCKET_RETRY_S_MAX
+BUCKET_RETRY_S_MAX: Final = 2.0
 REGISTRY_GET_ATTEMPTS_MAX: Final = 3
 REGISTRY_GET_RETRY_S: Final = 0.1
 
@@ -75,18 +115,41 @@ def monotonic_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
-async def _bucket(nc: NatsClient, name: str, ttl_s: float | None, replicas: int = 1) -> KeyValue:
+async def _bucket(
+    nc: NatsClient,
+    name: str,
+    ttl_s: float | None,
+    replicas: int = 1,
+    *,
+    timeout_s: float = BUCKET_OPEN_TIMEOUT_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> KeyValue:
+    """Open the bucket, creating it if missing; on a refusal or no answer (a forming cluster)
+    try again with a bounded backoff until `timeout_s` (module docstring)."""
     js = nc.jetstream(timeout=KV_TIMEOUT_S)
-    try:
-        return await js.key_value(name)
-    except nats.js.errors.BucketNotFoundError:
-        config = KeyValueConfig(
-            bucket=name, history=1, ttl=ttl_s, storage=StorageType.FILE, replicas=replicas
-        )
+    config = KeyValueConfig(bucket=name, history=1, ttl=ttl_s, storage=StorageType.FILE, replicas=replicas)
+    deadline = clock() + timeout_s
+    delay = BUCKET_RETRY_S
+    attempt = 0
+    while True:
+        attempt += 1
         try:
-            return await js.create_key_value(config)
-        except nats.js.errors.BadRequestError:  # created meanwhile by another instance
-            return await js.key_value(name)
+            try:
+                return await js.key_value(name)
+            except nats.js.errors.BucketNotFoundError:
+                return await js.create_key_value(config)  # a 400 if created meanwhile: read it next
+        except (nats.js.errors.Error, nats.errors.Error, TimeoutError) as exc:
+            if clock() + delay > deadline:
+                raise
+            _log.warning(
+                "kv_bucket_open_retry",
+                bucket=name,
+                attempt=attempt,
+                error=type(exc).__name__,
+                description=getattr(exc, "description", None),
+            )
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, BUCKET_RETRY_S_MAX)
 
 
 async def agree_on_shards(nc: NatsClient, shards: int, replicas: int = 1) -> int:
@@ -164,6 +227,8 @@ class LeaderElection:
         self.rebalance = rebalance
         self.replicas = replicas  # of the KV buckets it creates (3 on a NATS cluster: survive a node)
         self.core = ShardLeadership(config, instance_id)
+        self._ops: set[asyncio.Task[None]] = set()  # KV operations in flight (one per shard at most)
+        self._op_failed: BaseException | None = None  # raised by `run`: nothing may go unnoticed
         self._leaders: KeyValue | None = None
         self._members: KeyValue | None = None
         self._log = get_logger("kvfabric.directory.leader").bind(instance=instance_id)
@@ -175,14 +240,20 @@ class LeaderElection:
 
     async def run(self, on_start: OnStart, on_stop: OnStop) -> None:
         """Forever: tick the core, perform its effects (StopLeading first), refresh members."""
-        await self._perform(self.core.on_members({self.instance_id}, monotonic_ms()), on_start, on_stop)
-        while True:
-            if self.rebalance:
-                members = await self._live_members()
-                await self._perform(self.core.on_members(members, monotonic_ms()), on_start, on_stop)
-            # Read the clock again: the KV operations just performed fed the core later times.
-            await self._perform(self.core.tick(monotonic_ms()), on_start, on_stop)
-            await asyncio.sleep(LOOP_MS / 1000)
+        try:
+            await self._perform(self.core.on_members({self.instance_id}, monotonic_ms()), on_start, on_stop)
+            while True:
+                if self._op_failed is not None:
+                    raise self._op_failed
+                if self.rebalance:
+                    members = await self._live_members()
+                    await self._perform(self.core.on_members(members, monotonic_ms()), on_start, on_stop)
+                # Read the clock again: answers that came meanwhile fed the core later times.
+                await self._perform(self.core.tick(monotonic_ms()), on_start, on_stop)
+                await asyncio.sleep(LOOP_MS / 1000)
+        finally:
+            for task in self._ops:
+                task.cancel()
 
     async def _live_members(self) -> set[str]:
         assert self._members is not None
@@ -203,8 +274,18 @@ class LeaderElection:
             elif isinstance(effect, StartLeading):
                 self._log.info("leadership_won", shard=effect.shard, epoch=effect.epoch)
                 await on_start(effect.shard, effect.epoch)
-            else:
-                await self._perform(await self._kv(effect), on_start, on_stop)
+            else:  # a KV operation: a task of its own, its answer fed to the core when it comes
+                task = asyncio.create_task(self._operate(effect, on_start, on_stop))
+                self._ops.add(task)
+                task.add_done_callback(self._op_done)
+
+    async def _operate(self, effect: Effect, on_start: OnStart, on_stop: OnStop) -> None:
+        await self._perform(await self._kv(effect), on_start, on_stop)
+
+    def _op_done(self, task: asyncio.Task[None]) -> None:
+        self._ops.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._op_failed is None:
+            self._op_failed = task.exception()
 
     async def _kv(self, effect: Effect) -> list[Effect]:
         assert self._leaders is not None and self._members is not None
@@ -217,7 +298,11 @@ class LeaderElection:
                 # stalled meanwhile, another instance may lead by now) is released, not started.
                 return self.core.on_acquired(effect.shard, revision, sent, now_ms=monotonic_ms())
             if isinstance(effect, Renew):
-                revision = await self._leaders.update(key_of(effect.shard), value, last=effect.revision)
+                deadline_ms = self.core.deadline_ms(effect.shard) or sent  # None: draining
+                wait_s = min(KV_TIMEOUT_S, max(RENEW_TIMEOUT_MIN_S, (deadline_ms - sent) / 1000))
+                revision = await asyncio.wait_for(
+                    self._leaders.update(key_of(effect.shard), value, last=effect.revision), wait_s
+                )
                 return self.core.on_renewed(effect.shard, revision, sent, now_ms=monotonic_ms())
             if isinstance(effect, Release):
                 await self._leaders.delete(key_of(effect.shard), last=effect.revision)
@@ -229,8 +314,11 @@ class LeaderElection:
             if isinstance(effect, Acquire):
                 return self.core.on_acquire_failed(effect.shard, monotonic_ms())
             if isinstance(effect, Renew):
-                self._log.warning("lease_renew_failed", shard=effect.shard, error=type(exc).__name__)
-                return self.core.on_renew_failed(effect.shard, monotonic_ms())
+                if isinstance(exc, nats.js.errors.KeyWrongLastSequenceError):  # refused: not ours
+                    self._log.warning("lease_renew_failed", shard=effect.shard, error=type(exc).__name__)
+                    return self.core.on_renew_failed(effect.shard, monotonic_ms())
+                self._log.info("lease_renew_unanswered", shard=effect.shard, error=type(exc).__name__)
+                return self.core.on_renew_unanswered(effect.shard, monotonic_ms())
             if isinstance(effect, Release):
                 return self.core.on_released(effect.shard)  # it lapses by TTL anyway
             return []

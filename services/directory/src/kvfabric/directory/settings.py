@@ -13,7 +13,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_EVENTS_OUTBOX_MAX` | 10000 | events waiting for JetStream; when full, handlers wait |
 | `KVF_DIRECTORY_EVENTS_MAX_AGE_S` | 86400 | JetStream retention of the events stream |
 | `KVF_DIRECTORY_EVENTS_STUCK_AFTER_FAILURES` | 5 | failed tries at one event: stuck (then recreated) |
-| `KVF_DIRECTORY_LEADER_LEASE_TTL_MS` | 3000 | leader lease (JetStream KV): standby takeover delay |
+| `KVF_DIRECTORY_LEADER_LEASE_TTL_MS` | 3000; 15000 with KV replicas > 1 | leader lease (JetStream KV) |
 | `KVF_DIRECTORY_LEASE_TTL_MS_MAX` | 30000 | longest read lease granted; a new leader's grace period |
 | `KVF_DIRECTORY_TENANT_QUOTAS` | `{}` | JSON `{"<32 hex domain digest>": QUOTA}`: limits of listed tenants |
 | `KVF_DIRECTORY_TENANT_DEFAULT_QUOTA` | `{}` (unlimited) | JSON QUOTA of every tenant not listed |
@@ -31,6 +31,12 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_SHARDS` | 16 | virtual shards (fixed for a cluster's life: every instance must agree) |
 | `KVF_DIRECTORY_KV_REPLICAS` | 1 | replicas of its KV buckets and events stream (3 on a NATS cluster) |
 | `KVF_DIRECTORY_REBALANCE` | 0 | 1: shards move to a joining instance (rendezvous hashing); 0: sticky |
+
+The leader lease is how long a standby waits before it takes over the shards of an instance that
+died without a word (a leader renews every second, or every third of a shorter lease). On a NATS
+cluster it must outlast a JetStream stream-leader election of the leaders bucket (4-9 s in
+nats-server) plus a renewal, or one NATS node lost moves shards that did not need to move:
+hence 15 s there (`kvfabric.directory.leader`, docs/chaos.md nats-node-kill).
 
 With more than one shard, every shard's core enforces a tenant's `bytes_max` and `objects_max`
 divided by the shard count (rounded up; keys spread evenly over shards), and its request rate
@@ -75,6 +81,10 @@ __all__ = [
     "per_shard",
 ]
 
+# Leader lease: one nats-server (no election to ride out) / a NATS cluster (KV replicas > 1: a
+# stream-leader election takes 4-9 s, server/raft.go, and the lease must outlast it).
+LEADER_LEASE_TTL_MS_DEFAULT: Final = 3_000
+LEADER_LEASE_TTL_MS_CLUSTER_DEFAULT: Final = 15_000
 _QUOTA_FIELDS: Final = ("bytes_max", "objects_max", "requests_per_s", "burst")
 _COUNT_MAX: Final = 2**63 - 1
 
@@ -133,16 +143,20 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
             tenant_quota_default=per_shard(core.tenant_quota_default, shards),
             tenant_pending_capacity_fraction=core.tenant_pending_capacity_fraction / shards,
         )
+    kv_replicas = env_int(env, "KVF_DIRECTORY_KV_REPLICAS", 1, 1, 5)
+    lease_default_ms = (
+        LEADER_LEASE_TTL_MS_DEFAULT if kv_replicas == 1 else LEADER_LEASE_TTL_MS_CLUSTER_DEFAULT
+    )
     return DirectorySettings(
         shards=shards,
         rebalance=env_int(env, "KVF_DIRECTORY_REBALANCE", 0, 0, 1) == 1,
-        kv_replicas=env_int(env, "KVF_DIRECTORY_KV_REPLICAS", 1, 1, 5),
+        kv_replicas=kv_replicas,
         core=core,
         tick_ms=env_int(env, "KVF_DIRECTORY_TICK_MS", 100, 5, 60_000),
         events_outbox_max=env_int(env, "KVF_DIRECTORY_EVENTS_OUTBOX_MAX", 10_000, 1, 1_000_000),
         events_max_age_s=env_int(env, "KVF_DIRECTORY_EVENTS_MAX_AGE_S", 86_400, 60, 365 * 86_400),
         events_stuck_after_failures=env_int(env, "KVF_DIRECTORY_EVENTS_STUCK_AFTER_FAILURES", 5, 1, 1_000),
-        leader_lease_ttl_ms=env_int(env, "KVF_DIRECTORY_LEADER_LEASE_TTL_MS", 3_000, 300, 600_000),
+        leader_lease_ttl_ms=env_int(env, "KVF_DIRECTORY_LEADER_LEASE_TTL_MS", lease_default_ms, 300, 600_000),
         grants=_grants(env),
         lookup_reply_min_ms=env_int(env, "KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS", 0, 0, 10_000),
     )

@@ -1,0 +1,193 @@
+"""The directory's leader election against a fake JetStream (kvfabric.directory.leader):
+
+- opening a bucket on a forming NATS cluster: `create_key_value` refused (a 400: too few peers)
+  and the bucket still missing is tried again with a bounded backoff, not taken as "created
+  meanwhile" (the first start failed with BucketNotFoundError, docs/chaos.md nats-node-kill);
+- a renewal without an answer (the KV's stream electing a leader) keeps the term and is retried;
+  a refusal (wrong last sequence) ends it;
+- KV operations run side by side: one that hangs does not hold up another shard's renewal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+import pytest
+
+from kvfabric.core.leadership import LeadershipConfig
+from kvfabric.directory import leader as ld
+
+
+class FakeJs:
+    """key_value / create_key_value answering from scripted outcomes (an exception or a value)."""
+
+    def __init__(self, key_value: list[Any], create: list[Any]) -> None:
+        self.key_value_script = key_value
+        self.create_script = create
+        self.calls: list[str] = []
+
+    async def key_value(self, name: str) -> Any:
+        self.calls.append("key_value")
+        return self._next(self.key_value_script)
+
+    async def create_key_value(self, config: Any) -> Any:
+        self.calls.append("create")
+        return self._next(self.create_script)
+
+    @staticmethod
+    def _next(script: list[Any]) -> Any:
+        outcome = script.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
+class FakeNc:
+    def __init__(self, js: Any) -> None:
+        self.js = js
+
+    def jetstream(self, timeout: float = 5.0) -> Any:
+        return self.js
+
+
+def too_few_peers() -> nats.js.errors.BadRequestError:
+    return nats.js.errors.BadRequestError(code=400, err_code=10005, description="insufficient resources")
+
+
+def test_a_bucket_refused_on_a_forming_cluster_is_created_on_a_later_try(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ld, "BUCKET_RETRY_S", 0.01)
+    missing = nats.js.errors.BucketNotFoundError
+    js = FakeJs(
+        key_value=[missing(), nats.errors.TimeoutError(), missing()],
+        create=[too_few_peers(), "bucket"],
+    )
+    bucket: object = asyncio.run(ld._bucket(FakeNc(js), "KVF_DIRECTORY_LEADERS", 3.0, 3))  # type: ignore[arg-type]
+    assert bucket == "bucket"
+    assert js.calls == ["key_value", "create", "key_value", "key_value", "create"]
+
+
+def test_a_bucket_created_meanwhile_by_another_instance_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ld, "BUCKET_RETRY_S", 0.01)
+    already = nats.js.errors.BadRequestError(
+        code=400, err_code=10058, description="stream name already in use"
+    )
+    js = FakeJs(key_value=[nats.js.errors.BucketNotFoundError(), "theirs"], create=[already])
+    bucket: object = asyncio.run(ld._bucket(FakeNc(js), "B", None))  # type: ignore[arg-type]
+    assert bucket == "theirs"
+
+
+def test_opening_a_bucket_gives_up_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ld, "BUCKET_RETRY_S", 0.01)
+    monkeypatch.setattr(ld, "BUCKET_RETRY_S_MAX", 0.01)
+    js = FakeJs(key_value=[nats.js.errors.BucketNotFoundError()] * 1000, create=[too_few_peers()] * 1000)
+    with pytest.raises(nats.js.errors.BadRequestError):
+        asyncio.run(ld._bucket(FakeNc(js), "B", None, 3, timeout_s=0.1))  # type: ignore[arg-type]
+    assert 3 <= js.calls.count("create") < 1000
+
+
+class FakeLeaders:
+    """The leaders bucket: `create` wins with revision 1; `update` follows a per-shard script
+    (`ok`: the next revision, `hang`: never answers, an exception: raised)."""
+
+    def __init__(self, updates: dict[int, list[Any]]) -> None:
+        self.updates = updates
+        self.revision = 0
+        self.renewed: list[tuple[int, float]] = []
+
+    async def create(self, key: str, value: bytes) -> int:
+        self.revision += 1
+        return self.revision
+
+    async def update(self, key: str, value: bytes, last: int) -> int:
+        shard = int(key.removeprefix("shard-"))
+        outcome = self.updates[shard].pop(0) if self.updates[shard] else "ok"
+        if outcome == "hang":
+            await asyncio.sleep(3600)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        self.revision += 1
+        self.renewed.append((shard, asyncio.get_running_loop().time()))
+        return self.revision
+
+    async def delete(self, key: str, last: int) -> None:
+        return None
+
+    async def put(self, key: str, value: bytes) -> int:
+        return 0
+
+
+async def run_election(updates: dict[int, list[Any]], seconds: float) -> tuple[Any, list[Any], FakeLeaders]:
+    config = LeadershipConfig(
+        shards=2,
+        lease_ttl_ms=1200,
+        renew_every_ms=200,
+        safety_margin_ms=200,
+        members_ttl_ms=1200,
+        renew_retry_ms=50,
+    )
+    election = ld.LeaderElection(FakeNc(None), "a", config)  # type: ignore[arg-type]
+    kv = FakeLeaders(updates)
+    election._leaders = kv  # type: ignore[assignment]
+    election._members = kv  # type: ignore[assignment]
+    stops: list[Any] = []
+
+    async def on_start(shard: int, epoch: int) -> None:
+        return None
+
+    async def on_stop(shard: int, epoch: int, reason: str) -> None:
+        stops.append((shard, reason))
+
+    task = asyncio.create_task(election.run(on_start, on_stop))
+    await asyncio.sleep(seconds)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return election, stops, kv
+
+
+def test_an_unanswered_renewal_is_retried_and_the_term_goes_on() -> None:
+    timeout = nats.errors.TimeoutError()
+    election, stops, _kv = asyncio.run(run_election({0: [timeout, timeout], 1: []}, 1.5))
+    assert stops == []  # two renewals without an answer, then one that lands: nothing lost
+    assert election.core.counters["renew_unanswered_total"] == 2
+    assert set(election.core.leading()) == {0, 1}
+
+
+def test_a_refused_renewal_ends_the_term() -> None:
+    refused = nats.js.errors.KeyWrongLastSequenceError(description="wrong last sequence: 0")
+    _election, stops, _ = asyncio.run(run_election({0: [refused], 1: []}, 0.6))
+    assert (0, "renew_failed") in stops and all(shard == 0 for shard, _ in stops)
+
+
+def test_a_hanging_renewal_does_not_hold_up_another_shards() -> None:
+    """Shard 0's renewal never answers (cut at the term's time left, then retried, and so on);
+    shard 1 renews on schedule all along and is never lost."""
+    _election, stops, kv = asyncio.run(run_election({0: ["hang"] * 100, 1: []}, 2.0))
+    assert [s for s, _ in stops] == [0]  # shard 0 stopped at its deadline (lease_expired) only
+    assert stops == [(0, "lease_expired")]
+    times = [t for shard, t in kv.renewed if shard == 1]
+    assert len(times) >= 6 and max(b - a for a, b in itertools.pairwise(times)) < 0.6
+
+
+def test_on_a_nats_cluster_the_default_lease_outlasts_a_stream_leader_election() -> None:
+    """nats-server elects a stream leader after 4-9 s of silence (server/raft.go): the term (lease
+    minus margin) must exceed 9 s plus one renewal interval; one nats-server keeps 3 s."""
+    from kvfabric.directory.__main__ import leadership_config
+    from kvfabric.directory.settings import load_directory_settings
+
+    base = {"KVF_CLUSTER_SECRET": "0123456789abcdef0123"}
+    single = leadership_config(load_directory_settings(base))
+    assert (single.lease_ttl_ms, single.renew_every_ms, single.term_ms) == (3_000, 1_000, 2_500)
+    cluster = leadership_config(load_directory_settings(dict(base, KVF_DIRECTORY_KV_REPLICAS="3")))
+    assert cluster.lease_ttl_ms == 15_000 and cluster.renew_every_ms == 1_000
+    assert cluster.term_ms > 9_000 + cluster.renew_every_ms and cluster.renew_retry_ms == 250
+    chosen = load_directory_settings(
+        dict(base, KVF_DIRECTORY_KV_REPLICAS="3", KVF_DIRECTORY_LEADER_LEASE_TTL_MS="1000")
+    )
+    assert leadership_config(chosen).renew_every_ms == 333
