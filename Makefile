@@ -26,7 +26,7 @@ $(VENV)/.setup-stamp: requirements-dev.txt $(foreach p,$(PACKAGES),$(p)/pyprojec
 
 setup: $(VENV)/.setup-stamp ## Create .venv and install every package editable + pinned dev tools
 
-lint: setup ## ruff, mypy (strict on libs/), import boundaries
+lint: setup ## ruff, mypy (strict on libs/), import contracts (lint-imports, docs/architecture.md)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy libs/*/src/kvfabric proto_schemas/src/kvfabric services/*/src/kvfabric tools tests bench
@@ -121,7 +121,7 @@ demo: setup ## Bring the local cluster up (if needed) and run a shared-prefix HF
 # Each segment's disk tier (bytes), in .data/ssd: `make down` keeps it (and .data's cluster
 # secret and auth plan), so `make up` again finds the cache; `make clean` removes .data.
 SSD_BYTES ?= 536870912
-up: setup ## Start a local cluster (nats + directory + 3 segments in 3 failure domains, each with a disk tier in .data), supervised
+up: setup ## Start a local cluster (nats + directory + 3 segments in 3 failure domains, each with a disk tier in .data, + eviction, repair, prefetch), supervised
 	$(PY) tools/localcluster.py up --ssd-bytes $(SSD_BYTES)
 
 down: ## Stop the local cluster; leaves no process and no run files (keeps .data: identity, disk tiers)
