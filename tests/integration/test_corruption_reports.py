@@ -18,6 +18,7 @@ from kvfabric.client import Hit, KvClient
 from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.proto import directory as m
 from kvfabric.testing import NatsServer
+from kvfabric.testing.tenants import Secure
 from tests.integration.clientkit import (
     CHUNK_BYTES,
     TOKENS_PER_CHUNK,
@@ -27,7 +28,6 @@ from tests.integration.clientkit import (
     prompt,
 )
 from tests.integration.cluster import directory_process, segment_process
-from tests.integration.test_tenancy import Secure
 
 pytestmark = pytest.mark.integration
 

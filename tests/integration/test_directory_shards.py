@@ -29,6 +29,7 @@ from kvfabric.proto import directory as m
 from kvfabric.proto.shards import shard_of
 from kvfabric.runtime.directory_router import DirectoryRouter, ShardRoute
 from kvfabric.testing import NatsCluster, NatsServer
+from kvfabric.testing.clientkit import load_all
 from tests.integration.clientkit import (
     CHUNK_BYTES,
     TOKENS_PER_CHUNK,
@@ -41,7 +42,6 @@ from tests.integration.test_directory_ha import (
     CHUNKS,
     assert_lease_reads_whole,
     assert_prompts_kept,
-    load_all,
     mixed_workload,
 )
 from tests.integration.test_directory_ha import groups_of as groups_for

@@ -32,9 +32,10 @@ from kvfabric.format.key import KVKey, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing import NatsServer
+from kvfabric.testing.tenants import Secure
 from tests.integration.clientkit import TOKENS_PER_CHUNK, objects_for, prompt
 from tests.integration.cluster import ask_directory, directory_process, directory_router, segment_process
-from tests.integration.test_tenancy import Secure, admin_leases
+from tests.integration.test_tenancy import admin_leases
 
 pytestmark = pytest.mark.integration
 

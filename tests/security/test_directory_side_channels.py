@@ -39,9 +39,9 @@ from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing import NatsServer, ServiceProcess
 from kvfabric.testing.probes import metric_value, scrape_metrics
+from kvfabric.testing.tenants import Secure
 from tests.integration.clientkit import TOKENS_PER_CHUNK, prompt
 from tests.integration.cluster import directory_process, directory_router, segment_process
-from tests.integration.test_tenancy import Secure
 from tests.security.test_directory_budgets import two_tenants
 
 pytestmark = pytest.mark.integration
