@@ -2,7 +2,7 @@
 eviction core (`kvfabric.core.eviction.EvictionCore`, not a copy) at several capacities.
 
     python tools/evict_sim.py [--traces ../shared/traces/*.jsonl] [--capacities 5,10,25,50]
-                              [--out docs/eviction]
+                              [--out bench/results/eviction]
 
 Each trace line is one request: `timestamp` (ms), `input_length` (tokens), `hash_ids` (its
 512-token blocks, prefix-chained: block i depends on blocks 0..i-1). For each request: the hit is
@@ -68,6 +68,8 @@ POLICIES: Final = {
     "sieve": EvictionConfig(policy="sieve", admission="always"),
     "s3fifo": EvictionConfig(policy="s3fifo", admission="always"),
     "wtinylfu": EvictionConfig(policy="wtinylfu", admission="always"),
+    "reuse": EvictionConfig(policy="reuse", admission="always"),
+    "reuse+admission": EvictionConfig(policy="reuse", admission="predicted"),
 }
 
 
@@ -80,7 +82,7 @@ def full_chunks(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**r, "hash_ids": r["hash_ids"][: r["input_length"] // BLOCK_TOKENS]} for r in requests]
 
 
-def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: EvictionConfig) -> dict[str, float]:
+def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: EvictionConfig) -> dict[str, Any]:
     config = EvictionConfig(
         policy=base.policy,
         admission=base.admission,
@@ -90,6 +92,7 @@ def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: Evictio
         tokens_per_chunk=BLOCK_TOKENS,
         position_weight=base.position_weight,
         prefix_order=base.prefix_order,
+        reuse_horizon_ms=base.reuse_horizon_ms,
     )
     core = EvictionCore(config)
     core.set_capacity("pool", capacity_blocks)
@@ -121,6 +124,7 @@ def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: Evictio
                 parent=blocks[i - 1] if i else None,
                 chunk_index=i,
                 now_ms=now,
+                prompt_chunks=len(blocks),
             )
             if effects == [Admitted(block)] and not stored:
                 written += 1
@@ -129,10 +133,16 @@ def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: Evictio
             for victim in effect.victims:
                 core.removed(victim)
                 evicted += 1
-    return _row(requests, hits, saved, total, written, evicted)
+    row = _row(requests, hits, saved, total, written, evicted)
+    row["not_admitted"] = {
+        k.removeprefix("admission_refused_").removesuffix("_total"): v
+        for k, v in sorted(core.counters.items())
+        if k.startswith("admission_refused_") and k != "admission_refused_total"
+    }
+    return row
 
 
-def simulate_reference(requests: list[dict[str, Any]], capacity_blocks: int) -> dict[str, float]:
+def simulate_reference(requests: list[dict[str, Any]], capacity_blocks: int) -> dict[str, Any]:
     """Belady's MIN with bypass (module docstring), same accounting as `simulate`."""
     next_use: list[list[float]] = [[] for _ in requests]
     later: dict[int, float] = {}
@@ -168,7 +178,7 @@ def simulate_reference(requests: list[dict[str, Any]], capacity_blocks: int) -> 
     return _row(requests, hits, saved, total, written, evicted)
 
 
-def simulate_infinite(requests: list[dict[str, Any]]) -> dict[str, float]:
+def simulate_infinite(requests: list[dict[str, Any]]) -> dict[str, Any]:
     """No eviction: every block stays once written."""
     resident: set[int] = set()
     saved = total = hits = 0
@@ -188,7 +198,7 @@ def simulate_infinite(requests: list[dict[str, Any]]) -> dict[str, float]:
 
 def _row(
     requests: list[dict[str, Any]], hits: int, saved: int, total: int, written: int, evicted: int
-) -> dict[str, float]:
+) -> dict[str, Any]:
     return {
         "request_hit_rate": hits / len(requests),
         "prefill_saved_share": saved / total,
@@ -314,7 +324,7 @@ def main() -> int:
     parser.add_argument(
         "--partial-chunks", action="store_true", help="keep partial last blocks (the client never saves them)"
     )
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "eviction")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "eviction")
     args = parser.parse_args()
     if not args.traces:
         print("no traces found", file=sys.stderr)

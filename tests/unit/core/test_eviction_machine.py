@@ -10,6 +10,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvfabric.core.eviction import (
+    ADMIT_REASONS,
+    REFUSE_REASONS,
+    VICTIM_REASONS,
+    AdmissionName,
     Admitted,
     EvictBatch,
     EvictionConfig,
@@ -27,11 +31,18 @@ QUOTAS = {"t1": TenantQuota(hard_bytes=25), "t2": TenantQuota(guaranteed_bytes=8
 
 class EvictionMachine(RuleBasedStateMachine):
     policy: PolicyName = "gdsf"
+    admission: AdmissionName = "always"
 
     def __init__(self) -> None:
         super().__init__()
         self.config = EvictionConfig(
-            policy=self.policy, high_watermark=0.9, low_watermark=0.7, batch_max=6, refused_cooldown_ms=50
+            policy=self.policy,
+            admission=self.admission,
+            high_watermark=0.9,
+            low_watermark=0.7,
+            batch_max=6,
+            refused_cooldown_ms=50,
+            reuse_horizon_ms=40,
         )
         self.core = EvictionCore(self.config, QUOTAS)
         for pool in POOLS:
@@ -50,6 +61,8 @@ class EvictionMachine(RuleBasedStateMachine):
 
     def check_batch(self, batch: EvictBatch) -> None:
         assert len(batch.victims) <= self.config.batch_max
+        assert len(batch.victim_reasons) == len(batch.victims)
+        assert set(batch.victim_reasons) <= set(VICTIM_REASONS)
         for victim in batch.victims:
             assert isinstance(victim, int)
             assert victim in self.resident and victim not in self.evicting, "chosen twice or not resident"
@@ -82,12 +95,21 @@ class EvictionMachine(RuleBasedStateMachine):
         pools = {pool: size}
         if replica_bytes:  # also held in the other pool (a second replica or another member)
             pools[POOLS[1 - POOLS.index(pool)]] = replica_bytes
+        self.core.seen(object_id)
         effects = self.core.insert(
             object_id, tenant=tenant, pools=pools, parent=parent, chunk_index=0, now_ms=self.now
         )
         assert effects == [Admitted(object_id)] or effects == [Refused(object_id)]
-        if effects == [Admitted(object_id)]:
+        (effect,) = effects
+        if isinstance(effect, Admitted):
+            assert effect.reason in ADMIT_REASONS
+            # never a child without its parent under predicted admission
+            assert self.config.admission != "predicted" or parent is None or parent in self.resident
             self.resident[object_id] = (tenant, pools, parent)
+        else:
+            assert isinstance(effect, Refused) and effect.reason in REFUSE_REASONS
+            assert self.config.admission != "always"
+            assert effect.reason != "parent_absent" or parent not in self.resident
 
     @rule(
         tenant=st.sampled_from(TENANTS),
@@ -226,15 +248,25 @@ class WTinyLfuMachine(EvictionMachine):
     policy = "wtinylfu"
 
 
+class ReuseMachine(EvictionMachine):
+    """The reuse predictor with its admission: refusals (parent absent, below the frontier)
+    keep every rule; the predictor's ghost and classes stay bounded (`check_invariants`)."""
+
+    policy = "reuse"
+    admission = "predicted"
+
+
 _OTHER_POLICIES = settings(max_examples=80, stateful_step_count=60, deadline=None)
 Lru2Machine.TestCase.settings = _OTHER_POLICIES
 SieveMachine.TestCase.settings = _OTHER_POLICIES
 S3FifoMachine.TestCase.settings = _OTHER_POLICIES
 WTinyLfuMachine.TestCase.settings = _OTHER_POLICIES
+ReuseMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=60, deadline=None)
 TestLru2Machine = Lru2Machine.TestCase
 TestSieveMachine = SieveMachine.TestCase
 TestS3FifoMachine = S3FifoMachine.TestCase
 TestWTinyLfuMachine = WTinyLfuMachine.TestCase
+TestReuseMachine = ReuseMachine.TestCase
 
 
 def test_a_full_pool_evicts_tail_first_down_to_the_low_watermark() -> None:

@@ -52,9 +52,16 @@ Heap policies (a priority per leaf; lower goes first):
 Queue policies (`kvfabric.core.eviction_order`: the order offers victims, the core keeps every
 rule below): `sieve` (`eviction_sieve`), `s3fifo` (`eviction_s3fifo`), `wtinylfu`
 (`eviction_wtinylfu`), each with its paper and adaptations in its module.
+- `reuse`: a reuse predictor learned online (`kvfabric.core.eviction_reuse`: classes, learning,
+  bounds): last access + `reuse_horizon_ms` x ln(the chunk's class reuse rate).
 - Admission (`admission="second_hit"`): a new object is admitted only when a frequency sketch
   has seen its id before (or the pool has room below its low watermark), so one-off prefixes do
   not flush hot ones.
+- Admission (`admission="predicted"`, policy `reuse` only): a chunk whose parent is not resident
+  is refused; above the low watermark, a chunk that would rank below the lowest evictable leaf
+  is refused (bypass).
+- Every decision carries a reason code (`ADMIT_REASONS`, `REFUSE_REASONS`, `VICTIM_REASONS`)
+  and `explain(id)` shows a resident object's features and priority.
 
 ## Invariants (`check_invariants()`, after every step in tests)
 1. Never chosen: a victim is a resident object whose resident children were all chosen before
@@ -66,7 +73,8 @@ rule below): `sieve` (`eviction_sieve`), `s3fifo` (`eviction_s3fifo`), `wtinylfu
 3. Prefix order: a victim never has a resident child.
 4. Bounded: each batch has at most `batch_max` victims; the frequency sketch is fixed-size;
    lru2's history holds at most max(`LRU2_HISTORY_FLOOR`, resident objects) ids; a queue
-   policy's state is checked by its own `check` (its ghost and scan bounds in its module).
+   policy's state is checked by its own `check` (its ghost and scan bounds in its module);
+   the reuse predictor's ghost and classes by its `check`.
 """
 
 from __future__ import annotations
@@ -74,10 +82,17 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeAlias, get_args
 
 from kvfabric.core.eviction_order import VictimOrder
+from kvfabric.core.eviction_reuse import (
+    REUSE_PRIOR_NAMED,
+    REUSE_PRIOR_REUSED,
+    ReuseClass,
+    ReusePredictor,
+    reuse_class,
+)
 from kvfabric.core.eviction_s3fifo import S3Fifo
 from kvfabric.core.eviction_sieve import Sieve
 from kvfabric.core.eviction_sketch import FrequencySketch
@@ -85,7 +100,11 @@ from kvfabric.core.eviction_wtinylfu import WTinyLfu
 from kvfabric.format.invariant import invariant
 
 __all__ = [
+    "ADMIT_REASONS",
     "POLICY_NAMES",
+    "REFUSE_REASONS",
+    "VICTIM_REASONS",
+    "AdmissionName",
     "Admitted",
     "EvictBatch",
     "EvictionConfig",
@@ -96,9 +115,9 @@ __all__ = [
 ]
 
 ObjectId: TypeAlias = Hashable
-PolicyName = Literal["lru", "gdsf", "lru2", "sieve", "s3fifo", "wtinylfu"]
+PolicyName = Literal["lru", "gdsf", "lru2", "sieve", "s3fifo", "wtinylfu", "reuse"]
 POLICY_NAMES: Final[tuple[PolicyName, ...]] = get_args(PolicyName)
-AdmissionName = Literal["always", "second_hit"]
+AdmissionName = Literal["always", "second_hit", "predicted"]
 QUEUE_POLICIES: Final[dict[str, type[Sieve] | type[S3Fifo] | type[WTinyLfu]]] = {
     "sieve": Sieve,
     "s3fifo": S3Fifo,
@@ -126,6 +145,8 @@ class EvictionConfig:
     position_weight: float = 0.05  # recompute cost per chunk grows by this per preceding chunk
     tokens_per_chunk: int = 512
     sketch_halve_every: int = 1 << 20  # sketch increments between agings (halving)
+    # reuse: a chunk whose class is e times as likely to be reused stays this much longer
+    reuse_horizon_ms: int = 60_000
     # Tail before head within a prefix. False only to measure the plain-LRU baseline peers ship
     # (it evicts heads whose tails stay, which the simulator shows to waste capacity).
     prefix_order: bool = True
@@ -133,28 +154,64 @@ class EvictionConfig:
     def __post_init__(self) -> None:
         invariant(0 < self.low_watermark <= self.high_watermark <= 1.0, "need 0 < low <= high <= 1")
         invariant(self.batch_max >= 1, "batch_max must be at least 1")
+        invariant(
+            self.admission != "predicted" or self.policy == "reuse",
+            "admission 'predicted' needs policy 'reuse' (it compares the reuse priorities)",
+        )
+        invariant(self.reuse_horizon_ms >= 0, "reuse_horizon_ms must not be negative")
 
 
 @dataclass(frozen=True, slots=True)
 class EvictBatch:
     """Ask the directory to evict `victims`, in order (tails before their heads). `pool` is the
-    pool under pressure, or None when a tenant is over its quota; `reason` says why."""
+    pool under pressure, or None when a tenant is over its quota; `reason` says why the batch;
+    `victim_reasons` (one code per victim, `VICTIM_REASONS`) why each was chosen."""
 
     pool: Hashable | None
     victims: tuple[ObjectId, ...]
     reason: str
+    victim_reasons: tuple[str, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
+    """`reason` (`ADMIT_REASONS`) says why; it does not take part in equality."""
+
     object_id: ObjectId
+    reason: str = field(default="always", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """Admission said no: the writer should not store `object_id`."""
+    """Admission said no: the writer should not store `object_id`. `reason`
+    (`REFUSE_REASONS`) says why; it does not take part in equality."""
 
     object_id: ObjectId
+    reason: str = field(default="", compare=False)
+
+
+# Reason codes (what `kvctl` can show for a group; counted as admission_refused_<code>_total)
+ADMIT_REASONS: Final = (
+    "always",  # admission "always"
+    "resident",  # already stored: an access
+    "room",  # the pool is below its low watermark
+    "seen_before",  # second_hit: the sketch saw it before this request
+    "predicted_reuse",  # predicted: it ranks above the lowest evictable leaf
+)
+REFUSE_REASONS: Final = (
+    "first_sighting",  # second_hit: first time seen and the pool is full
+    "parent_absent",  # predicted: its parent is not resident (a prefix hit cannot reach it)
+    "below_frontier",  # predicted: it would rank below the next victim (bypass)
+)
+VICTIM_REASONS: Final = (
+    "least_recent",  # lru
+    "least_recent_second_access",  # lru2 (seen once: "seen_once")
+    "seen_once",
+    "lowest_gdsf",  # gdsf
+    "queue_order",  # sieve, s3fifo, wtinylfu: the queue's own order
+    "low_predicted_reuse",  # reuse: its class's reuse rate is below the prior
+    "idle_longest",  # reuse: a likely class, but idle longest for its rate
+)
 
 
 Effect: TypeAlias = EvictBatch | Admitted | Refused
@@ -175,6 +232,8 @@ class _Object:
     evicting: bool = False
     cooldown_until_ms: int = 0
     version: int = 0  # bumps when its priority entry is stale
+    turn: int = 1  # reuse: the prefix's generation (`kvfabric.core.eviction_reuse`)
+    prompt_chunks: int = 1  # reuse: chunks of the prompt that wrote it
 
 
 @dataclass(slots=True)
@@ -205,11 +264,12 @@ class EvictionCore:
         self._seq = 0
         self._clock = 0.0  # GDSF inflation
         self._now_ms = 0
-        self._sketch = FrequencySketch() if config.admission != "always" else None
+        self._sketch = FrequencySketch() if config.admission == "second_hit" else None
         self._order: VictimOrder | None = (
             QUEUE_POLICIES[config.policy]() if config.policy in QUEUE_POLICIES else None
         )
         self._history: OrderedDict[ObjectId, int] = OrderedDict()  # lru2: removed id -> last access
+        self._predictor = ReusePredictor() if config.policy == "reuse" else None
         self.counters: dict[str, int] = {}
 
     # ---- queries ---------------------------------------------------------------------------
@@ -245,9 +305,39 @@ class EvictionCore:
         self._pools.setdefault(pool, _Usage()).capacity = capacity_bytes
 
     def seen(self, object_id: ObjectId) -> None:
-        """A request asked for `object_id` (hit or miss): feeds the admission sketch."""
+        """A request asked for `object_id` (hit or miss): feeds the admission sketch and the
+        reuse predictor (a naming it remembers was a reuse)."""
         if self._sketch is not None:
             self._sketch.add(object_id, self.config.sketch_halve_every)
+        if self._predictor is not None:
+            self._predictor.named(object_id)
+
+    def explain(self, object_id: ObjectId) -> dict[str, Any] | None:
+        """Why `object_id` ranks where it does (what `kvctl` can show): None if not resident."""
+        obj = self._objects.get(object_id)
+        if obj is None:
+            return None
+        out: dict[str, Any] = {
+            "policy": self.config.policy,
+            "tenant": obj.tenant,
+            "bytes": obj.size,
+            "last_access_ms": obj.last_access_ms,
+            "accesses": obj.frequency,
+            "chunk_index": obj.chunk_index,
+            "leaf": obj.children == obj.children_evicting,
+            "evicting": obj.evicting,
+        }
+        if self._order is None:
+            out["priority"] = self._priority(obj)
+        if self._predictor is not None:
+            cls = self._reuse_class(obj)
+            out.update(
+                turn=obj.turn,
+                prompt_chunks=obj.prompt_chunks,
+                reuse_class=cls,
+                reuse_probability=self._predictor.probability(cls),
+            )
+        return out
 
     def insert(
         self,
@@ -260,22 +350,40 @@ class EvictionCore:
         parent: ObjectId | None,
         chunk_index: int,
         now_ms: int,
+        prompt_chunks: int | None = None,
     ) -> list[Effect]:
         """A new object is (about to be) stored: `size` bytes in `pool`, or `pools` (pool ->
-        bytes) when it spans several. Returns Admitted or Refused (admission, judged on the
-        fullest of its pools)."""
+        bytes) when it spans several; `prompt_chunks`: chunks of the prompt writing it (a reuse
+        feature; default its position + 1). Returns Admitted or Refused with a reason code
+        (admission, judged on each of its pools)."""
         self._advance(now_ms)
         held = dict(pools) if pools is not None else {pool: size}
         invariant(bool(held) and all(b > 0 for b in held.values()), "object bytes must be positive")
         if object_id in self._objects:
             self.access(object_id, now_ms)
-            return [Admitted(object_id)]
+            return [Admitted(object_id, "resident")]
+        prompt = prompt_chunks if prompt_chunks is not None else chunk_index + 1
+        parent_obj = self._objects.get(parent) if parent is not None else None
+        # A chunk written after a parent that had been hit before starts the prefix's next turn.
+        turn = 1 if parent_obj is None else parent_obj.turn + int(parent_obj.frequency > 1)
+        priority = float(now_ms)
+        if self._predictor is not None:
+            cls = reuse_class(1, turn, prompt)
+            self._predictor.named(object_id)
+            self._predictor.track(object_id, cls, len(self._objects))
+            priority += self.config.reuse_horizon_ms * self._predictor.log_probability(cls)
         usages = {p: self._pools.setdefault(p, _Usage()) for p in held}
-        if not all(self._admit(object_id, usages[p], b) for p, b in held.items()):
-            self._count("admission_refused_total")
-            return [Refused(object_id)]
+        reason = "always"
+        for p, b in held.items():
+            verdict, why = self._admit(object_id, usages[p], b, parent, priority)
+            if not verdict:
+                self._count("admission_refused_total")
+                self._count(f"admission_refused_{why}_total")
+                return [Refused(object_id, why)]
+            reason = why if reason in ("always", "room") else reason
         size = sum(held.values())
         obj = _Object(tenant, held, size, parent, chunk_index, now_ms)
+        obj.turn, obj.prompt_chunks = turn, prompt
         if self.config.policy == "lru2":
             obj.previous_access_ms = self._history.pop(object_id, None)
         self._objects[object_id] = obj
@@ -293,7 +401,7 @@ class EvictionCore:
             self._order.inserted(object_id, size)
         self._push(object_id, obj)
         self._count("inserts_total")
-        return [Admitted(object_id)]
+        return [Admitted(object_id, reason)]
 
     def access(self, object_id: ObjectId, now_ms: int) -> None:
         """A hit: bump recency and frequency."""
@@ -304,6 +412,9 @@ class EvictionCore:
         obj.previous_access_ms = obj.last_access_ms
         obj.last_access_ms = now_ms
         obj.frequency += 1
+        if self._predictor is not None:
+            self._predictor.named(object_id)
+            self._predictor.track(object_id, self._reuse_class(obj), len(self._objects))
         if self._order is not None and not obj.evicting:
             self._order.accessed(object_id)
         self._push(object_id, obj)
@@ -316,6 +427,8 @@ class EvictionCore:
             return
         if self._order is not None and not obj.evicting:
             self._order.forgotten(object_id)  # a chosen one left the order when it was taken
+        if self._predictor is not None:
+            self._predictor.trim(len(self._objects))
         if self.config.policy == "lru2":
             self._history[object_id] = obj.last_access_ms
             self._history.move_to_end(object_id)
@@ -429,16 +542,65 @@ class EvictionCore:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _admit(self, object_id: ObjectId, usage: _Usage, size: int) -> bool:
-        if self._sketch is None:
-            return True
+    def _admit(
+        self, object_id: ObjectId, usage: _Usage, size: int, parent: ObjectId | None, priority: float
+    ) -> tuple[bool, str]:
+        """(admit?, reason code) for `size` more bytes in `usage`'s pool."""
+        admission = self.config.admission
+        if admission == "always":
+            return True, "always"
+        if admission == "predicted" and parent is not None and parent not in self._objects:
+            return False, "parent_absent"
         if usage.capacity == 0 or usage.used + size <= self.config.low_watermark * usage.capacity:
-            return True  # room to spare: no reason to refuse
-        return self._sketch.estimate(object_id) >= 2  # seen before this request
+            return True, "room"  # room to spare: no reason to refuse
+        if admission == "second_hit":
+            assert self._sketch is not None
+            seen = self._sketch.estimate(object_id) >= 2  # seen before this request
+            return (True, "seen_before") if seen else (False, "first_sighting")
+        frontier = self._frontier()
+        if frontier is not None and priority < frontier:
+            return False, "below_frontier"  # it would be the next victim: do not write it
+        return True, "predicted_reuse"
+
+    def _frontier(self) -> float | None:
+        """The lowest priority of an evictable leaf (any pool), dropping stale heap entries on
+        the way (as `_evict` would); None when there is none."""
+        while self._heap:
+            _, _, version, object_id = self._heap[0]
+            obj = self._objects.get(object_id)
+            if (
+                obj is None
+                or obj.version != version
+                or obj.evicting
+                or (self.config.prefix_order and obj.children > obj.children_evicting)
+            ):
+                heapq.heappop(self._heap)  # re-pushed when it becomes a leaf again
+                continue
+            return self._heap[0][0]
+        return None
+
+    def _reuse_class(self, obj: _Object) -> ReuseClass:
+        return reuse_class(obj.frequency, obj.turn, obj.prompt_chunks)
+
+    def _victim_reason(self, obj: _Object) -> str:
+        policy = self.config.policy
+        if policy == "lru":
+            return "least_recent"
+        if policy == "lru2":
+            return "seen_once" if obj.previous_access_ms is None else "least_recent_second_access"
+        if policy == "gdsf":
+            return "lowest_gdsf"
+        if self._predictor is not None:
+            p = self._predictor.probability(self._reuse_class(obj))
+            return "low_predicted_reuse" if p < REUSE_PRIOR_REUSED / REUSE_PRIOR_NAMED else "idle_longest"
+        return "queue_order"
 
     def _priority(self, obj: _Object) -> float:
         if self.config.policy == "lru":
             return float(obj.last_access_ms)
+        if self._predictor is not None:
+            log_p = self._predictor.log_probability(self._reuse_class(obj))
+            return obj.last_access_ms + self.config.reuse_horizon_ms * log_p
         if self.config.policy == "lru2":
             if obj.previous_access_ms is None:
                 return float(obj.last_access_ms - LRU2_SINGLE_ACCESS_MS)
@@ -505,7 +667,10 @@ class EvictionCore:
         self._count("victims_total", len(victims))
         # One batch per call, tail before head: a service that applies it in order never leaves
         # a tail without its head, even when they live in different pools.
-        return [EvictBatch(pool, tuple(victims), reason)] if victims else []
+        if not victims:
+            return []
+        why = tuple(self._victim_reason(self._objects[v]) for v in victims)
+        return [EvictBatch(pool, tuple(victims), reason, why)]
 
     def _skipped(self, obj: _Object, now_ms: int, pool: Hashable | None, tenant: Hashable | None) -> bool:
         """Not a victim for this batch: another pool's or tenant's, cooling down, or protected."""
@@ -597,6 +762,8 @@ class EvictionCore:
         invariant(
             len(self._history) <= max(LRU2_HISTORY_FLOOR, len(self._objects) + 1), "lru2 history unbounded"
         )
+        if self._predictor is not None:
+            self._predictor.check(len(self._objects))
         for object_id, obj in self._objects.items():
             invariant(obj.children == children.get(object_id, 0), "child count drifted", object_id=object_id)
             invariant(
