@@ -213,6 +213,34 @@ def test_a_corrupt_source_aborts_its_copy_and_repair_uses_another() -> None:
     core.check_invariants()
 
 
+def test_a_source_that_fails_the_read_is_tried_last_next_time() -> None:
+    """Issue 27 clock-skew drill: a source refused every copy (its clock ahead of the directory's by
+    the copy TTL: the source token expired on arrival) and repair retried the same source until
+    the object was stuck. A copy whose source read failed is retried from another replica."""
+    core = new_core({"a": "z1/r/h", "b": "z2/r/h", "c": "z3/r/h", "d": "z4/r/h"}, retry_backoff_ms=100)
+    core.object_known("o", size_bytes=MB, replica_target=3, segments=["a", "b"])
+    first = only_copy(core.tick(0))
+    core.copy_failed(first.copy_id, 0, source_failed=True)
+    second = only_copy(core.tick(100))
+    assert second.source != first.source and second.source in core.replicas("o")
+    assert core.counters["copies_source_failed_total"] == 1
+    core.copy_failed(second.copy_id, 100)  # a failure that is not the source's: no new preference
+    third = only_copy(core.tick(300))
+    assert third.source == second.source
+    assert core.copy_ok(third.copy_id)
+    core.check_invariants()
+
+
+def test_the_only_source_that_failed_the_read_is_still_tried_with_a_fresh_copy() -> None:
+    core = new_core(retry_backoff_ms=100)
+    core.object_known("o", size_bytes=MB, replica_target=2, segments=["a"])
+    first = only_copy(core.tick(0))
+    core.copy_failed(first.copy_id, 0, source_failed=True)
+    again = only_copy(core.tick(100))  # no other replica: the same source, a fresh ticket
+    assert again.source == "a" and again.copy_id != first.copy_id
+    core.check_invariants()
+
+
 def test_an_evicted_object_cancels_its_copy() -> None:
     core = new_core()
     core.object_known("o", size_bytes=MB, replica_target=2, segments=["a"])

@@ -240,7 +240,7 @@ class RepairMachine(RuleBasedStateMachine):
         self.reported.add(copy_id)
         c = self.live.pop(copy_id, None)
         if not ok:
-            self.core.copy_failed(copy_id, self.now)
+            self.core.copy_failed(copy_id, self.now, source_failed=copy_id % 2 == 0)
             return
         assert self.core.copy_ok(copy_id) == (c is not None), "accepted a stale copy or refused a live one"
         if c is not None:

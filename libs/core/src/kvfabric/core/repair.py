@@ -8,7 +8,7 @@ performs the effects it returns:
              segment_draining(id, draining=True)    segment_down(id)
              object_known(id, size_bytes, replica_target, segments, hot=0)
              replica_lost(id, segment_id, corrupt=False)    object_removed(id)
-             copy_ok(copy_id) -> bool    copy_failed(copy_id, now_ms)
+             copy_ok(copy_id) -> bool    copy_failed(copy_id, now_ms, source_failed=False)
     tick     tick(now_ms) -> [StartCopy | DrainComplete]
     read     counters (plain, monotonic: the shell exports them), gauges(), replicas(id),
              drain_pending(id), tokens_bytes, check_invariants()
@@ -36,7 +36,8 @@ before its replacement is confirmed and registered.
     BELOW --tick picks it--> COPYING (exactly one copy in flight)
     COPYING --copy_ok--> OK | BELOW
     COPYING --source or destination gone or draining, or target met elsewhere--> aborted, no backoff
-    COPYING --copy_failed, or no result within copy_timeout_ms--> BACKOFF (retry_backoff_ms x 2^k,
+    COPYING --copy_failed (source_failed: the next copy reads another replica if it has one),
+        or no result within copy_timeout_ms--> BACKOFF (retry_backoff_ms x 2^k,
         capped) --> BELOW; after attempts_max failures in a row: STUCK (counted) for
         stuck_retry_ms, then BELOW with a fresh set of attempts
     any --its last readable replica gone--> LOST: counted and forgotten (no copy can help)
@@ -48,11 +49,14 @@ Objects BELOW go in order: hotter first, then fewest readable replicas, then fir
 Destination: an UP segment without a replica of the object whose free bytes minus the bytes
 reserved for copies in flight to it fit the object, in the widest failure domain the object's
 healthy replicas do not use yet (placement's `_spread`: new zone, else rack, host, segment),
-then most room. Source: a non-draining replica if any, then the one nearest the destination, then
-the one with fewest copies reading from it. Starting a copy takes `size_bytes` tokens from a
-bucket refilled at `bandwidth_bytes_per_s` and capped at `burst_bytes`; when the next object in
-order does not fit the tokens left, planning stops for this tick (strict priority: a large hot
-object is not starved by small cold ones). At most `copies_in_flight_max` copies run at once.
+then most room. Source: a non-draining replica if any, then not the replica whose read failed
+the object's last copy (the source refused or could not serve it: `copy_failed(...,
+source_failed=True)`; e.g. a source token expired by a skewed source clock), then the one
+nearest the destination, then the one with fewest copies reading from it. Starting a copy takes
+`size_bytes` tokens from a bucket refilled at `bandwidth_bytes_per_s` and capped at
+`burst_bytes`; when the next object in order does not fit the tokens left, planning stops for
+this tick (strict priority: a large hot object is not starved by small cold ones). At most
+`copies_in_flight_max` copies run at once.
 
 ## Invariants (`check_invariants()`, after every step in tests)
 1. Bounded: copies in flight <= copies_in_flight_max; one copy per object at most.
@@ -178,6 +182,7 @@ class _Object:
     failures: int = 0  # failed copies in a row
     retry_at_ms: int = 0
     stuck: bool = False
+    failed_source: str = ""  # the source whose read failed the last copy: tried last next time
 
 
 class RepairCore:
@@ -358,8 +363,10 @@ class RepairCore:
         self._refresh(copy.object_id)
         return True
 
-    def copy_failed(self, copy_id: int, now_ms: int) -> None:
-        """The copy failed (the destination keeps nothing): back off, then retry, bounded."""
+    def copy_failed(self, copy_id: int, now_ms: int, source_failed: bool = False) -> None:
+        """The copy failed (the destination keeps nothing): back off, then retry, bounded.
+        `source_failed`: reading the source failed (refused, unreachable, gone): the retry reads
+        another replica of the object if it has one, instead of the same one again."""
         self._advance(now_ms)
         copy = self._copies.get(copy_id)
         if copy is None:
@@ -367,7 +374,11 @@ class RepairCore:
             return
         self._count("copies_failed_total")
         self._end(copy)
-        self._failed(self._objects[copy.object_id], now_ms)
+        obj = self._objects[copy.object_id]
+        if source_failed:
+            self._count("copies_source_failed_total")
+            obj.failed_source = copy.source
+        self._failed(obj, now_ms)
 
     # ---- tick ------------------------------------------------------------------------------
 
@@ -429,9 +440,15 @@ class RepairCore:
     def _start(self, obj: _Object, destination: Candidate, now_ms: int) -> StartCopy:
         invariant(obj.healthy + 1 <= obj.target, "copy past the replica target", target=obj.target)
 
-        def source_order(segment_id: str) -> tuple[bool, int, int, str]:
+        def source_order(segment_id: str) -> tuple[bool, bool, int, int, str]:
             seg = self._segments[segment_id]
-            return (seg.draining, spread(seg.candidate(segment_id), [destination]), seg.reads, segment_id)
+            return (
+                seg.draining,
+                segment_id == obj.failed_source,
+                spread(seg.candidate(segment_id), [destination]),
+                seg.reads,
+                segment_id,
+            )
 
         source = min(obj.replicas, key=source_order)
         object_id = obj.object_id
@@ -462,7 +479,7 @@ class RepairCore:
             self._below.add(object_id)
         else:
             self._below.discard(object_id)
-            obj.failures, obj.retry_at_ms, obj.stuck = 0, 0, False
+            obj.failures, obj.retry_at_ms, obj.stuck, obj.failed_source = 0, 0, False, ""
 
     def _forget(self, object_id: ObjectId, obj: _Object) -> None:
         if obj.copy is not None:

@@ -207,18 +207,28 @@ class RepairShell:
 
     async def _copy(self, start: StartCopy) -> None:
         assert isinstance(start.object_id, bytes)
+        source_failed = False
         try:
             # The copy's own requests time out first (and abort); this only bounds the whole.
             ok = await asyncio.wait_for(self._copy_once(start), 2 * self.copy_timeout_s + 1)
         except (KvfError, TimeoutError) as exc:
-            self._log.info("copy_failed", copy_id=start.copy_id, error=getattr(exc, "code", "timeout"))
+            # The destination says which failures were its source's (a refused or expired read
+            # token, an unreachable source: `source_addr`): the next copy reads another replica.
+            source_failed = isinstance(exc, KvfError) and "source_addr" in exc.details
+            self._log.info(
+                "copy_failed",
+                copy_id=start.copy_id,
+                error=getattr(exc, "code", "timeout"),
+                source=start.source,
+                source_failed=source_failed,
+            )
             ok = False
         if ok:
             self.bytes_copied += start.size_bytes
             if not self.core.copy_ok(start.copy_id):
                 self._log.info("copy_not_wanted_any_more", copy_id=start.copy_id)  # an extra replica
         else:
-            self.core.copy_failed(start.copy_id, now_ms())
+            self.core.copy_failed(start.copy_id, now_ms(), source_failed=source_failed)
 
     async def _copy_once(self, start: StartCopy) -> bool:
         assert isinstance(start.object_id, bytes)
