@@ -162,6 +162,18 @@ def check_events_published(final: FinalState, since_s: float | None) -> list[str
     ]
 
 
+def check_leadership_budget(lost: int, budget: int | None) -> list[str]:
+    """(drills with `max_leadership_lost`) shard leader leases lost during the drill (each
+    `leadership_lost` line in the directory logs: a shard that stops being served and moves, its
+    index rebuilt under a new epoch) stay within the budget: a fault that leaves every directory
+    instance alive (a NATS node lost) must not move shards."""
+    if budget is None or lost <= int(budget):
+        return []
+    return [
+        f"{lost} shard leader lease(s) lost (leadership_lost in the directory logs) > budget {int(budget)}"
+    ]
+
+
 def check_all(history: list[Op], final: FinalState, expect: dict[str, Any]) -> dict[str, list[str]]:
     return {
         "wrong_bytes": check_wrong_bytes(history),

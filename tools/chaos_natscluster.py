@@ -15,13 +15,18 @@ node it heard of); `extra` directory instances (tools/chaos_skew.py) connect to 
 
 Faults `kill` / `restart` with target `nats-2` or `nats-3` SIGKILL that node or start it again
 (same store: it catches up from its peers); `kill` of `nats` is node 1 (the supervisor restarts
-it). `close()` (the runner's `finally`, before `down`) stops nodes 2 and 3 and returns what is
+it). `stream_leader` (`stream`, `node`) moves a stream's leader to that node first (JetStream's
+leader stepdown with a preferred server), so that a kill hits the worst case on purpose: e.g.
+the leaders bucket `KV_KVF_DIRECTORY_LEADERS`, whose leases then wait out a 4-9 s election.
+`close()` (the runner's `finally`, before `down`) stops nodes 2 and 3 and returns what is
 left (must be nothing).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -41,6 +46,7 @@ READY_TIMEOUT_S: Final = 30.0
 STOP_TIMEOUT_S: Final = 10.0
 POLL_S: Final = 0.1
 CLUSTER_NAME: Final = "kvf-chaos"
+LEADER_MOVE_TIMEOUT_S: Final = 15.0
 
 
 def free_port() -> int:
@@ -149,6 +155,39 @@ class NatsCluster:
         self._start(node)
         self._wait_ready(node)
         return f"restart nats-{node} (pid {self.procs[node].pid})"
+
+    def move_leader(self, nats_url: str, auth_env: dict[str, str], fault: dict[str, Any]) -> str:
+        """`stream_leader`: make node `fault["node"]` lead `fault["stream"]` (admin credentials)."""
+        import nats
+
+        from kvfabric.runtime.natsauth import nats_auth_from_env
+
+        stream, node = str(fault["stream"]), int(fault["node"])
+        wanted = f"kvf-n{node}"
+
+        async def move() -> str:
+            nc = await nats.connect(nats_url, **nats_auth_from_env(auth_env).connect_options())
+            try:
+                js = nc.jetstream(timeout=5.0)
+                started = time.monotonic()
+                before = (await js.stream_info(stream)).cluster
+                was = before.leader if before is not None else None
+                while time.monotonic() - started < LEADER_MOVE_TIMEOUT_S:
+                    info = (await js.stream_info(stream)).cluster
+                    if info is not None and info.leader == wanted:
+                        return (
+                            f"stream_leader {stream}: {was} -> {wanted} ({time.monotonic() - started:.1f} s)"
+                        )
+                    if info is not None and info.leader:
+                        body = json.dumps({"placement": {"preferred": wanted}}).encode()
+                        with contextlib.suppress(Exception):  # asked again until it shows
+                            await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", body, timeout=5.0)
+                    await asyncio.sleep(0.5)
+                raise RuntimeError(f"{stream} still led by {was}, not {wanted}")
+            finally:
+                await nc.close()
+
+        return asyncio.run(move())
 
     def close(self) -> list[str]:
         left = []

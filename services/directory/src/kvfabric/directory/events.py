@@ -24,9 +24,11 @@ bucket holds the live leases) nor its segment registry, so a stuck KV bucket sti
 nats-server restart (docs/chaos.md, runbook).
 
 ## What the directory does
-A shell whose head event failed `stuck_after_failures` times in a row (each attempt waits
-`publish_timeout_s`) asks `EventsStream.repair`: if the stream's last sequence has not moved
-since that streak began (nobody, on any instance, could append meanwhile) and the stream answers
+A shell whose head event failed `stuck_after_failures` times in a row, for at least as long as
+that many attempts take when each waits its whole `publish_timeout_s` (~11 s: an R3 stream
+electing a leader fails fast and for less), asks `EventsStream.repair` (again every ~11 s): if
+the stream's last sequence has not moved since that streak began (nobody, on any instance,
+could append meanwhile) and the stream answers
 `stream_info` (it exists and has a leader), the stream is stuck: it is deleted and added again
 with the same configuration and `first_seq` = its last sequence + 1. Sequences go on where they
 stopped, so the followers (the eviction policy, the router's index) resume after the last event
@@ -103,6 +105,7 @@ class _Streak:
     failures: int = 0
     started_mono: float = 0.0
     last_seq: int | None = None  # the stream's last sequence when the streak began (None: unread)
+    repair_at_mono: float = 0.0  # no repair before this
 
 
 class EventsStream:
@@ -263,11 +266,18 @@ class EventPublisher:
         self._log.warning(
             "event_publish_retry", subject=subject, error=type(exc).__name__, failures=streak.failures
         )
-        if streak.failures < stream.stuck_after_failures:
+        # Stuck: N failures *and* as long as N attempts that each waited their whole timeout (fast
+        # failures, e.g. no responders while an R3 stream elects its leader, do not count sooner).
+        stuck_after_s = stream.stuck_after_failures * (self.publish_timeout_s + self.retry_s)
+        if (
+            streak.failures < stream.stuck_after_failures
+            or stream.clock() - streak.started_mono < stuck_after_s
+        ):
             return
         if self not in stream.stuck:
             stream.stuck.add(self)
             self._log.error("events_publish_stuck", subject=subject, failures=streak.failures, reason=reason)
-        if streak.failures % stream.stuck_after_failures == 0:  # bounded: every N failures
+        if stream.clock() >= streak.repair_at_mono:  # bounded: one repair per stuck_after_s
+            streak.repair_at_mono = stream.clock() + stuck_after_s
             done = await stream.repair(streak)
             self._log.warning("events_stream_repair", outcome=done, failures=streak.failures)
