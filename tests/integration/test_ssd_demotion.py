@@ -97,16 +97,28 @@ def test_dram_pressure_demotes_to_disk_and_every_chunk_loads_from_there(
     ):
         for tokens in prompts:
             assert writer.save(tokens, objects_for(tokens, 0, CHUNKS)).chunks_saved == CHUNKS
+        saved_at = time.monotonic()
         # towards the low watermark (20%: about 25 chunks stay in the arena): the rest on disk
         wait_for(lambda: sum("dram" not in t for p in prompts for t in tiers(reader, p)) >= 40)
+        settled_s = time.monotonic() - saved_at
         time.sleep(1.0)  # let the policy settle: it must not drop anything on its own
         on_disk = 0
+        loads_started = time.monotonic()
         for tokens in prompts:
             found = tiers(reader, tokens)
             assert len(found) == CHUNKS  # demoted, never dropped
             on_disk += sum(t == {"ssd"} for t in found)
             assert loaded_identical(reader, tokens) == CHUNKS  # from disk where the arena let go
+        loads_s = time.monotonic() - loads_started
         assert on_disk >= 40
+        text = scrape_metrics(segment.wait_for_event("segment_started", 1.0)["metrics_port"])
+        writes = metric_value(text, "kvfabric_segment_ssd_io_seconds_count", op="write") or 0.0
+        write_s = metric_value(text, "kvfabric_segment_ssd_io_seconds_sum", op="write") or 0.0
+        print(
+            f"demotion: 40 chunks disk-only {settled_s:.2f} s after the last save; {writes:.0f} disk writes,"
+            f" mean {1000 * write_s / max(writes, 1):.1f} ms; {on_disk} disk-only chunks of 80;"
+            f" lookups + loads of all 80 (with the tier checks) {loads_s:.2f} s"
+        )
         assert segment_counter(segment, "demotions") >= on_disk
         assert segment_counter(segment, "demote_dropped") >= on_disk
         evictor.wait_for_event("demoted", 1.0)

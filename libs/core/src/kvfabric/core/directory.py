@@ -1247,6 +1247,7 @@ class DirectoryCore:
             ]
             if not replicas:
                 return None
+            replicas.sort(key=lambda r: tier_of_slot(r.slot) == "ssd")  # readers try DRAM first
             out.append(
                 m.ObjectLocation(
                     chunk_index=group.chunk_index,

@@ -12,6 +12,12 @@
   target segment reads from the source and confirms) → `copy_finished` → PublishReplica (the
   replica is already published by its confirm) / ReleaseCopy (nothing kept); leases of ended
   hints are released.
+- Promotion (issue 23): a disk replica (slot id from `SSD_SLOT_BASE`) is no copy in DRAM: the
+  core sees it as the source `<segment>#ssd`, never as the segment itself, so a hint whose
+  target holds an object only on its disk copies it into the target's arena (the directory's
+  `replicate_begin` lists the disk replica as the source; the segment reads it from its own
+  disk over TCP). The disk replica stays (it survives a restart); the arena copy is an ordinary
+  replica from then on.
 - Hot objects: lookup hits reach the service as the directory's `accessed` events (live NATS
   subscription, no replay); for the hottest groups of each event (`hot_groups_per_event_max`)
   a `show_group` (to the shard of the group) gives the members and their replicas, fed to
@@ -46,6 +52,7 @@ from kvfabric.core.prefetch import (
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto import prefetch as p
+from kvfabric.proto.segment import tier_of_slot
 from kvfabric.proto.subjects import Service, check_segment_id, event_subject
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
@@ -56,6 +63,7 @@ __all__ = ["PrefetchShell", "now_ms"]
 LEASE_TTL_MS_MAX: Final = 30_000
 READS_PER_HIT_MAX: Final = 16
 WRITER_ID: Final = "prefetch"
+SSD_SOURCE_SUFFIX: Final = "#ssd"  # a disk replica as a copy source (never a segment id: [A-Za-z0-9_-])
 
 
 def now_ms() -> int:
@@ -152,7 +160,7 @@ class PrefetchShell:
             HintObject(
                 by_chunk[o.chunk_index] + _member_bytes(o.member),
                 o.size_bytes,
-                tuple(r.segment_id for r in o.replicas),
+                tuple(_holder(r) for r in o.replicas),
             )
             for o in found
             if o.chunk_index in by_chunk
@@ -405,6 +413,14 @@ class PrefetchShell:
 
     async def _directory(self, shard: int, verb: str, message: msgspec.Struct) -> m.DirectoryReply:
         return await self._dir().ask(shard, verb, message, self.request_timeout_s)
+
+
+def _holder(replica: m.Replica) -> str:
+    """What the core calls a replica's place: its segment, or `<segment>#ssd` for a disk replica
+    (a hint's target that holds only that still wants a DRAM copy: a promotion)."""
+    if tier_of_slot(replica.slot) == "ssd":
+        return replica.segment_id + SSD_SOURCE_SUFFIX
+    return replica.segment_id
 
 
 def _member_bytes(member: m.Member) -> bytes:

@@ -73,6 +73,31 @@ class SegmentCollector(Collector):
         for op, (buckets, total) in (shell.ssd.io_latency() if shell.ssd is not None else {}).items():
             latency.add_metric([op], [(_le(bound), n) for bound, n in buckets], total)
         yield latency
+        tier_bytes = GaugeMetricFamily(
+            "kvfabric_segment_tier_bytes",
+            "Bytes in live slots, by tier (dram: arena, ssd: disk).",
+            labels=["tier"],
+        )
+        tier_objects = GaugeMetricFamily(
+            "kvfabric_segment_tier_objects",
+            "Slots in use (writing, stored, being freed), by tier.",
+            labels=["tier"],
+        )
+        tier_bytes.add_metric(["dram"], figures["kvfabric_segment_used_bytes"][1])
+        tier_objects.add_metric(["dram"], figures["kvfabric_segment_slots_in_use"][1])
+        if shell.ssd is not None:
+            tier_bytes.add_metric(["ssd"], ssd["used_bytes"])
+            tier_objects.add_metric(["ssd"], ssd["slots_in_use"])
+        yield tier_bytes
+        yield tier_objects
+        moves = CounterMetricFamily(
+            "kvfabric_segment_tier_moves",
+            "Objects copied between this segment's tiers: demotion (to disk), promotion (to the arena).",
+            labels=["direction"],
+        )
+        moves.add_metric(["demotion"], counters.get("demotions_total", 0))
+        moves.add_metric(["promotion"], counters.get("promotions_total", 0))
+        yield moves
         for name, (doc, value) in figures.items():
             yield GaugeMetricFamily(name, doc, value=float(value))
         events = CounterMetricFamily("kvfabric_segment_events", "Segment counters, by name.", labels=["name"])

@@ -68,6 +68,7 @@ from kvfabric.proto.common import TRACE_ID_HEADER
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import (
     REPORT_PAGE_MAX,
+    SSD_SLOT_BASE,
     CopyReply,
     CopyRequest,
     DrainRequest,
@@ -529,6 +530,8 @@ class SegmentShell:
                 ticket_id=message.ticket.ticket_id,
             )
             raise
+        if message.source_incarnation == self.incarnation and message.source_slot >= SSD_SLOT_BASE:
+            self.backend.count("promotions_total")  # from its own disk into its arena
         return CopyReply(slot=slot, slot_generation=generation)
 
     def _copy_finished(self, _: object) -> None:
