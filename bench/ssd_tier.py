@@ -207,7 +207,7 @@ def main() -> int:
     parser.add_argument("--p99-size", type=int, default=MiB)
     parser.add_argument("--p99-gets", type=int, default=250, help="DRAM gets per window")
     parser.add_argument(
-        "--p99-windows", type=int, default=5, help="windows per state (quiet, writer, demotion)"
+        "--p99-windows", type=int, default=9, help="windows per state (quiet, writer, demotion)"
     )
     parser.add_argument("--p99-demote-mib", type=int, default=256, help="arena MiB the demotion windows move")
     parser.add_argument(
