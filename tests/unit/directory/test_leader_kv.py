@@ -99,9 +99,12 @@ class FakeLeaders:
         self.updates = updates
         self.revision = 0
         self.renewed: list[tuple[int, float]] = []
+        self.deleted: list[tuple[str, int]] = []
+        self.revisions: dict[str, int] = {}
 
     async def create(self, key: str, value: bytes) -> int:
         self.revision += 1
+        self.revisions[key] = self.revision
         return self.revision
 
     async def update(self, key: str, value: bytes, last: int) -> int:
@@ -112,11 +115,12 @@ class FakeLeaders:
         if isinstance(outcome, BaseException):
             raise outcome
         self.revision += 1
+        self.revisions[key] = self.revision
         self.renewed.append((shard, asyncio.get_running_loop().time()))
         return self.revision
 
     async def delete(self, key: str, last: int) -> None:
-        return None
+        self.deleted.append((key, last))
 
     async def put(self, key: str, value: bytes) -> int:
         return 0
@@ -191,3 +195,16 @@ def test_on_a_nats_cluster_the_default_lease_outlasts_a_stream_leader_election()
         dict(base, KVF_DIRECTORY_KV_REPLICAS="3", KVF_DIRECTORY_LEADER_LEASE_TTL_MS="1000")
     )
     assert leadership_config(chosen).renew_every_ms == 333
+
+
+def test_an_orderly_stop_deletes_the_lease_keys_still_held_at_their_revisions() -> None:
+    """A standby need not wait the TTL after an orderly stop: the keys are deleted with
+    last=revision (so only if still ours); one whose renewal hangs is left to lapse."""
+
+    async def go() -> tuple[int, FakeLeaders]:
+        election, stops, kv = await run_election({0: [], 1: ["hang"]}, 0.5)
+        assert stops == []
+        return await election.release_held(1.0), kv
+
+    released, kv = asyncio.run(go())
+    assert released == 1 and kv.deleted == [("shard-0", kv.revisions["shard-0"])]

@@ -322,6 +322,17 @@ class ShardLeadership:
             if sh.state == "leading" and (now_ms is None or now_ms < sh.deadline_ms)
         }
 
+    def held(self, now_ms: int) -> dict[int, int]:
+        """shard -> its key's revision, for every shard led at `now_ms` with no Renew in flight
+        (a Renew in flight may have moved the revision). An instance that has stopped serving
+        may delete those keys (`kv.delete(last=revision)`) so that a standby takes over at once
+        rather than after the TTL; the others lapse."""
+        return {
+            s: sh.revision
+            for s, sh in enumerate(self._shards)
+            if sh.state == "leading" and not sh.renewing and now_ms < sh.deadline_ms
+        }
+
     def desired(self) -> set[int]:
         """Shards this instance should own under the current member set."""
         return set(self._desired)

@@ -16,7 +16,9 @@ are cancelled and awaited for `TASKS_STOP_TIMEOUT_S`, the shards' tasks for
 for good) makes the process exit at once with 79 (`directory_stop_overran`, naming the tasks),
 and the runtime's watchdog ends it `stop_deadline_ms` after the stop was asked whatever else
 hangs (`kvfabric.runtime.deadline`). A lapsed lease thus always ends in an exit within a bound,
-never in a live process that leads nothing.
+never in a live process that leads nothing. Once every shard stopped serving, the lease keys
+still held are deleted (`LeaderElection.release_held`, within `RELEASE_TIMEOUT_S`) so that
+standbys take over without waiting the lease TTL (15 s on a NATS cluster).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ HANDOVER_DRAIN_S: Final = 1.0
 SHARD_START_RETRY_S: Final = 0.5
 TASKS_STOP_TIMEOUT_S: Final = 2.0  # the election loop and shard starts, once cancelled
 NATS_CLOSE_TIMEOUT_S: Final = 2.0
+RELEASE_TIMEOUT_S: Final = 1.0  # deleting the lease keys still held, at an orderly stop
 
 
 def leadership_config(config: DirectorySettings) -> LeadershipConfig:
@@ -208,6 +211,9 @@ async def serve(settings: RuntimeSettings) -> int:
     reason = await runtime.wait_stop_requested()
     stuck = [t.get_name() for t in await cancel_and_wait([election_task, *starting], TASKS_STOP_TIMEOUT_S)]
     stuck += await host.stop()
+    if not stuck:  # nothing serves any more: hand the leases back (standbys need not wait the TTL)
+        released = await election.release_held(RELEASE_TIMEOUT_S)
+        log.info("leader_leases_released", shards=released, reason=reason)
     if stuck:  # alive but leading nothing is the one outcome not allowed: exit, be restarted
         exit_now(
             EXIT_STOP_OVERRUN,

@@ -42,7 +42,10 @@ election (9 s) plus one renewal interval: on a NATS cluster (`KVF_DIRECTORY_KV_R
 the default lease is 15 s with renewals every second (`kvfabric.directory.settings`); on a
 single nats-server it stays 3 s (no election; an instance killed outright is taken over 3 s
 later). The cost on a cluster is that: a SIGKILLed instance's shards wait up to 15 s for a
-standby (misses, recomputed by the engine); an orderly stop releases nothing yet (docs/chaos.md).
+standby (misses, recomputed by the engine). An orderly stop (SIGTERM, a lost lease, a shard
+that would not start) deletes the keys it still holds once it stopped serving
+(`release_held`), so standbys take over at once: only an instance that dies outright (SIGKILL,
+OOM, its host lost) costs the TTL.
 
 ## Opening the buckets on a forming cluster
 `create_key_value` on a NATS cluster whose peers are still joining is refused (a 400:
@@ -254,6 +257,30 @@ class LeaderElection:
         finally:
             for task in self._ops:
                 task.cancel()
+
+    async def release_held(self, timeout_s: float) -> int:
+        """After this instance stopped serving (its shells are stopped, the election loop is
+        cancelled): delete the lease keys it still holds (`last=revision`: only if nobody else
+        took them), so that standbys take those shards over at once instead of after the TTL.
+        Returns how many were deleted within `timeout_s`; the rest lapse by TTL."""
+        assert self._leaders is not None
+        leaders = self._leaders
+
+        async def release(shard: int, revision: int) -> int:
+            try:
+                await leaders.delete(key_of(shard), last=revision)
+            except (nats.js.errors.Error, nats.errors.Error, TimeoutError):
+                return 0
+            return 1
+
+        held = self.core.held(monotonic_ms())
+        try:
+            done = await asyncio.wait_for(
+                asyncio.gather(*(release(s, r) for s, r in held.items())), timeout_s
+            )
+        except TimeoutError:
+            return 0
+        return sum(done)
 
     async def _live_members(self) -> set[str]:
         assert self._members is not None
