@@ -24,15 +24,15 @@ from kvfabric.format.invariant import InvariantViolation
 
 
 def test_classes_bucket_accesses_turns_and_log2_prompt_length() -> None:
-    assert reuse_class(1, 1, 1) == (1, 1, 0)
-    assert reuse_class(2, 3, 8) == (2, 3, 3)
-    assert reuse_class(9, 9, 15) == (3, 4, 3)  # accesses and turns capped
-    assert reuse_class(1, 1, 10_000) == (1, 1, 7)  # 128 chunks or more
+    assert reuse_class(1, 1, 1, True) == (1, 1, 0, 1)
+    assert reuse_class(2, 3, 8, False) == (2, 3, 3, 0)
+    assert reuse_class(9, 9, 15, False) == (3, 4, 3, 0)  # accesses and turns capped
+    assert reuse_class(1, 1, 10_000, False) == (1, 1, 7, 0)  # 128 chunks or more
 
 
 def test_the_predictor_learns_each_class_rate_from_namings() -> None:
     predictor = ReusePredictor()
-    hot, cold = reuse_class(1, 2, 16), reuse_class(1, 1, 16)
+    hot, cold = reuse_class(1, 2, 16, False), reuse_class(1, 1, 16, False)
     prior = predictor.probability(hot)
     for i in range(200):
         predictor.named(("hot", i))
@@ -48,7 +48,7 @@ def test_the_predictor_learns_each_class_rate_from_namings() -> None:
 
 def test_a_naming_the_ghost_forgot_is_no_reuse_and_the_ghost_is_bounded() -> None:
     predictor = ReusePredictor()
-    cls = reuse_class(1, 1, 1)
+    cls = reuse_class(1, 1, 1, False)
     bound = REUSE_GHOST_PER_OBJECT * REUSE_GHOST_FLOOR
     for i in range(bound + 10):
         predictor.track(i, cls, resident_objects=0)
@@ -116,7 +116,7 @@ def test_a_chunk_of_a_cold_class_goes_before_an_older_chunk_of_a_hot_class() -> 
     assert len(batch.victims) == 3
     assert set(batch.victim_reasons) == {"low_predicted_reuse"}
     why = core.explain(("long", 0))
-    assert why is not None and why["reuse_probability"] > 0.9 and why["reuse_class"] == (1, 1, 6)
+    assert why is not None and why["reuse_probability"] > 0.9 and why["reuse_class"] == (1, 1, 6, 0)
     core.check_invariants()
 
 

@@ -368,7 +368,7 @@ class EvictionCore:
         turn = 1 if parent_obj is None else parent_obj.turn + int(parent_obj.frequency > 1)
         priority = float(now_ms)
         if self._predictor is not None:
-            cls = reuse_class(1, turn, prompt)
+            cls = reuse_class(1, turn, prompt, chunk_index == prompt - 1)
             self._predictor.named(object_id)
             self._predictor.track(object_id, cls, len(self._objects))
             priority += self.config.reuse_horizon_ms * self._predictor.log_probability(cls)
@@ -580,7 +580,9 @@ class EvictionCore:
         return None
 
     def _reuse_class(self, obj: _Object) -> ReuseClass:
-        return reuse_class(obj.frequency, obj.turn, obj.prompt_chunks)
+        return reuse_class(
+            obj.frequency, obj.turn, obj.prompt_chunks, obj.chunk_index == obj.prompt_chunks - 1
+        )
 
     def _victim_reason(self, obj: _Object) -> str:
         policy = self.config.policy

@@ -6,7 +6,7 @@ admission decision. Nothing is trained on a trace beforehand: every class starts
 `REUSE_PRIOR_REUSED / REUSE_PRIOR_NAMED` and follows what the cache sees.
 
 ## Classes (features a KV cache has at `put` time)
-A chunk's class is `(accesses, turn, length)`:
+A chunk's class is `(accesses, turn, length, last)`:
 - `accesses`: requests that named it while resident (1 when written), capped at
   `REUSE_ACCESS_CLASSES`.
 - `turn`: the prefix's generation. A chunk with no parent is turn 1; a chunk written after a
@@ -15,7 +15,9 @@ A chunk's class is `(accesses, turn, length)`:
   its parent's turn. Capped at `REUSE_TURN_CLASSES`.
 - `length`: floor(log2(chunks of the prompt that wrote it)), capped at `REUSE_LENGTH_CLASSES - 1`
   (the writer knows the prompt's length; without it, the chunk's position + 1).
-At most `REUSE_ACCESS_CLASSES x REUSE_TURN_CLASSES x REUSE_LENGTH_CLASSES` classes.
+- `last`: 1 if it is the prompt's last full chunk (the one a longer next prompt may not share
+  the same way), else 0.
+At most `REUSE_ACCESS_CLASSES x REUSE_TURN_CLASSES x REUSE_LENGTH_CLASSES x 2` classes.
 
 ## Learning (labels without the future)
 Every time a request names a chunk (`named`), the predictor first credits the class recorded
@@ -59,7 +61,7 @@ __all__ = [
     "ReusePredictor",
 ]
 
-ReuseClass: TypeAlias = tuple[int, int, int]  # (accesses, turn, length), each capped
+ReuseClass: TypeAlias = tuple[int, int, int, int]  # (accesses, turn, length, last), each capped
 
 REUSE_ACCESS_CLASSES: Final = 3  # accesses 1, 2, 3 or more
 REUSE_TURN_CLASSES: Final = 4  # turns 1, 2, 3, 4 or more
@@ -71,13 +73,14 @@ REUSE_GHOST_PER_OBJECT: Final = 4  # ghost ids kept per resident object ...
 REUSE_GHOST_FLOOR: Final = 256  # ... counting at least this many objects
 
 
-def reuse_class(accesses: int, turn: int, prompt_chunks: int) -> ReuseClass:
+def reuse_class(accesses: int, turn: int, prompt_chunks: int, last: bool) -> ReuseClass:
     """The class of a chunk named `accesses` times, of prefix generation `turn`, written by a
-    prompt of `prompt_chunks` chunks (each at least 1)."""
+    prompt of `prompt_chunks` chunks (each at least 1), `last` if it was that prompt's last."""
     return (
         min(max(accesses, 1), REUSE_ACCESS_CLASSES),
         min(max(turn, 1), REUSE_TURN_CLASSES),
         min(max(prompt_chunks, 1).bit_length() - 1, REUSE_LENGTH_CLASSES - 1),
+        int(last),
     )
 
 
@@ -142,7 +145,7 @@ class ReusePredictor:
             resident=resident_objects,
         )
         invariant(
-            len(self._named) <= REUSE_ACCESS_CLASSES * REUSE_TURN_CLASSES * REUSE_LENGTH_CLASSES,
+            len(self._named) <= REUSE_ACCESS_CLASSES * REUSE_TURN_CLASSES * REUSE_LENGTH_CLASSES * 2,
             "reuse classes unbounded",
         )
         for cls, named in self._named.items():
