@@ -44,8 +44,8 @@ p99 state, **demotion**: the segment demoting a pool of arena objects, a few per
 the gets run.
 
 Run: `.venv/bin/python -m bench.ssd_tier [--dir DIR]` from the repository root (DIR on the disk
-to measure, default `.data/bench-ssd-tier`, removed at the end). Writes bench/results/ssd_tier.json
-and .md.
+to measure, default `.data/bench-ssd-tier`; the run's files go in a folder of its own under it,
+removed at the end). Writes bench/results/ssd_tier.json and .md (`--out` for another prefix).
 """
 
 from __future__ import annotations
@@ -198,6 +198,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--dir", type=Path, default=Path(".data/bench-ssd-tier"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "ssd_tier", help="writes OUT.json and OUT.md")
     parser.add_argument("--sizes", default=",".join(str(s) for s in SIZES))
     parser.add_argument("--mib", type=int, default=32, help="MiB per row, size and round")
     parser.add_argument("--rounds", type=int, default=5)
@@ -217,8 +218,8 @@ def main() -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     direct = bool(args.direct)
     counts = {s: max(8, args.mib * MiB // s) for s in sizes}
-    base = args.dir.resolve()
-    shutil.rmtree(base, ignore_errors=True)
+    args.dir.mkdir(parents=True, exist_ok=True)
+    base = Path(tempfile.mkdtemp(prefix="run-", dir=args.dir)).resolve()  # this run's own, removed at the end
     ssd_dir = base / "ssd"
     ssd_dir.mkdir(parents=True)
     started = time.perf_counter()
@@ -227,10 +228,10 @@ def main() -> int:
     def row(name: str, size: int) -> Row:
         return rows.setdefault((name, size), Row())
 
-    source_buf = aligned_buffer(extent_of(max(sizes)))
+    source_buf = aligned_buffer(extent_of(max(*sizes, args.p99_size)))
     source_buf[:] = os.urandom(len(source_buf))
     source = memoryview(source_buf)
-    digests = {s: checksum(source[:s]) for s in sizes}
+    digests = {s: checksum(source[:s]) for s in {*sizes, args.p99_size}}
 
     # Disk objects: one complete chunk group each (the directory adopts them after the restart).
     total = sum(counts[s] * args.rounds for s in sizes)
@@ -321,11 +322,11 @@ def main() -> int:
     }
     points = [{"row": name, "size": s, **r.summary()} for (name, s), r in rows.items()]
     verdicts = judge(points, sizes, p99, reads)
-    RESULTS.mkdir(exist_ok=True)
     result = {"meta": meta, "points": points, "p99": p99, "verdicts": verdicts}
-    (RESULTS / "ssd_tier.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / "ssd_tier.md").write_text(markdown(result, sizes))
-    print((RESULTS / "ssd_tier.md").read_text())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{args.out}.json").write_text(json.dumps(result, indent=1))
+    Path(f"{args.out}.md").write_text(markdown(result, sizes))
+    print(markdown(result, sizes))
     return 0
 
 
