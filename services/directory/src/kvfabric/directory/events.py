@@ -82,7 +82,7 @@ PUBLISH_RETRY_S: Final = 0.2  # pause between attempts
 STUCK_AFTER_FAILURES: Final = 5  # ~11 s of failed attempts (2.2 s each) before a repair
 REPAIR_INTERVAL_S: Final = 30.0  # at most one deletion of the stream this often per instance
 REPAIR_JITTER_S: Final = 1.0  # random wait before a repair checks the stream (instances apart)
-API_TIMEOUT_S: Final = 2.0
+API_TIMEOUT_S: Final = 5.0  # JetStream API calls (add, update, info, delete of the stream)
 
 
 def failure_reason(exc: BaseException) -> str:
