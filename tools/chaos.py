@@ -320,7 +320,7 @@ def load_p99_ms(history: list[Op]) -> float | None:
 # leases lost (`leadership_lost` with reason lease_expired or renew_failed: each moves a shard;
 # handovers to a joining instance, reason handover or leaving, are counted apart), renewals
 # unanswered or refused, the events publisher's retries and stuck streaks, the events stream
-# recreated after a stuck append (kvfabric.directory.events).
+# recreated after a stuck append (kvfabric.directory.events), its followers resuming.
 COUNTED_LOG_EVENTS = (
     "leadership_lost",
     "leadership_handover",
@@ -330,6 +330,8 @@ COUNTED_LOG_EVENTS = (
     "event_publish_retry",
     "events_publish_stuck",
     "events_stream_recreated",
+    "events_follow_retry",  # a follower of the events stream (eviction policy, router) recreating its consumer
+    "events_gap",
 )
 HANDOVER_REASONS = ("handover", "leaving")
 
@@ -351,6 +353,19 @@ def count_log_events(logs: Path) -> dict[str, int]:
             if event in counts:
                 counts[event] += 1
     return counts
+
+
+UP_FAILURE_CHARS = 2000
+
+
+def first_start_errors(logs: Path) -> list[str]:
+    """Error lines (JSON logs at level error) of every child so far: why a first `up` failed."""
+    found = []
+    for path in sorted(logs.glob("*.log")) if logs.is_dir() else []:
+        for line in path.read_text(errors="replace").splitlines():
+            if '"level": "error"' in line:
+                found.append(f"{path.name}: {line[:400]}")
+    return found[:20]
 
 
 def run_drill(
@@ -410,10 +425,13 @@ def run_drill(
     ]
     up = subprocess.run(up_argv, env=env, capture_output=True, text=True)
     up_attempts = 1
+    up_failures: list[str] = []  # why a first `up` failed (its output, the children's errors)
     if up.returncode != 0 and natsc.nodes > 1:
         # A directory's first start on a forming NATS cluster can fail creating its R3 buckets
         # (docs/chaos.md, nats-node-kill): `up` stopped everything but kept the run folder; start
         # again on it (same auth plan with the cluster block, node 1's store, nodes 2..N running).
+        up_failures.append((up.stdout + up.stderr)[-UP_FAILURE_CHARS:])
+        up_failures.extend(first_start_errors(run / "logs"))
         for stale in ("cluster.json", "supervisor.pid"):
             (run / stale).unlink(missing_ok=True)
         up = subprocess.run(up_argv, env=env, capture_output=True, text=True)
@@ -550,6 +568,7 @@ def run_drill(
         "retries": retries,
         "load_p99_ms": load_p99_ms(history),
         "up_attempts": up_attempts,
+        "up_failures": up_failures,
         "log_counts": log_counts,
         "extra_restarts": skewed.restarts,
         "links": link_stats,
