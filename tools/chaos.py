@@ -330,7 +330,7 @@ COUNTED_LOG_EVENTS = (
     "event_publish_retry",
     "events_publish_stuck",
     "events_stream_recreated",
-    "events_follow_retry",  # a follower of the events stream (eviction policy, router) recreating its consumer
+    "events_follow_retry",  # a follower of the events stream (eviction policy, router): new consumer
     "events_gap",
 )
 HANDOVER_REASONS = ("handover", "leaving")
