@@ -91,6 +91,7 @@ def test_failure_reasons() -> None:
     assert failure_reason(TimeoutError()) == "timeout"
     assert failure_reason(nats.errors.TimeoutError()) == "timeout"
     assert failure_reason(nats.errors.NoRespondersError()) == "no_responders"
+    assert failure_reason(nats.js.errors.NoStreamResponseError()) == "no_responders"
     assert failure_reason(nats.js.errors.ServiceUnavailableError()) == "unavailable"
     assert failure_reason(nats.js.errors.BadRequestError()) == "api_error"
     assert failure_reason(nats.errors.ConnectionClosedError()) == "other"

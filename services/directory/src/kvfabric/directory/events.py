@@ -89,7 +89,7 @@ def failure_reason(exc: BaseException) -> str:
     """A publish failure's reason label: a stuck stream answers nothing (`timeout`)."""
     if isinstance(exc, TimeoutError | nats.errors.TimeoutError):
         return "timeout"
-    if isinstance(exc, nats.errors.NoRespondersError):
+    if isinstance(exc, nats.errors.NoRespondersError | nats.js.errors.NoStreamResponseError):
         return "no_responders"
     if isinstance(exc, nats.js.errors.ServiceUnavailableError):
         return "unavailable"
