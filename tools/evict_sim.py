@@ -53,6 +53,9 @@ REPO: Final = Path(__file__).resolve().parents[1]
 BLOCK_TOKENS: Final = 512
 NEVER: Final = float("inf")  # next use of a block no later request names
 REFERENCE: Final = "reference"  # Belady's MIN with bypass (offline)
+PREDICTOR_ROW: Final = "reuse+admission"  # whose learned classes the table shows ...
+PREDICTOR_ROW_CAPACITY_PCT: Final = 10  # ... at this capacity
+ORACLES: Final = ("oracle-admission", "oracle-order")  # --oracles: the reference's two halves
 INFINITE: Final = "infinite"  # no eviction
 BASELINE: Final = "lru"  # the gap is measured from it
 REUSE_CLASSES: Final = 4  # request counts 1, 2, 3, 4 or more (reuse_by_accesses)
@@ -82,7 +85,15 @@ def full_chunks(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**r, "hash_ids": r["hash_ids"][: r["input_length"] // BLOCK_TOKENS]} for r in requests]
 
 
-def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: EvictionConfig) -> dict[str, Any]:
+def simulate(
+    requests: list[dict[str, Any]],
+    capacity_blocks: int,
+    base: EvictionConfig,
+    oracle: list[list[float]] | None = None,
+) -> dict[str, Any]:
+    """Replay through the core. `oracle` (next uses, `next_uses`): perfect admission, the
+    `oracle-admission` row: a missed block no later request names, or whose parent is not
+    resident, is not written."""
     config = EvictionConfig(
         policy=base.policy,
         admission=base.admission,
@@ -97,7 +108,7 @@ def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: Evictio
     core = EvictionCore(config)
     core.set_capacity("pool", capacity_blocks)
     saved = total = written = evicted = hits = 0
-    for request in requests:
+    for r, request in enumerate(requests):
         now = int(request["timestamp"])
         blocks = request["hash_ids"]
         total += request["input_length"]
@@ -116,6 +127,12 @@ def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: Evictio
                 core.access(block, now)
                 continue
             stored = block in core  # a block already resident (elsewhere in a chain) is not rewritten
+            if (
+                oracle is not None
+                and not stored
+                and (oracle[r][i] == NEVER or (i and blocks[i - 1] not in core))
+            ):
+                continue
             effects = core.insert(
                 block,
                 tenant="t",
@@ -134,6 +151,7 @@ def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: Evictio
                 core.removed(victim)
                 evicted += 1
     row = _row(requests, hits, saved, total, written, evicted)
+    row["reuse_classes"] = [[*cls, reused, named] for cls, (reused, named) in core.reuse_classes().items()]
     row["not_admitted"] = {
         k.removeprefix("admission_refused_").removesuffix("_total"): v
         for k, v in sorted(core.counters.items())
@@ -142,8 +160,8 @@ def simulate(requests: list[dict[str, Any]], capacity_blocks: int, base: Evictio
     return row
 
 
-def simulate_reference(requests: list[dict[str, Any]], capacity_blocks: int) -> dict[str, Any]:
-    """Belady's MIN with bypass (module docstring), same accounting as `simulate`."""
+def next_uses(requests: list[dict[str, Any]]) -> list[list[float]]:
+    """For each request and block: the index of the next request naming the block (or NEVER)."""
     next_use: list[list[float]] = [[] for _ in requests]
     later: dict[int, float] = {}
     for r in range(len(requests) - 1, -1, -1):
@@ -151,6 +169,64 @@ def simulate_reference(requests: list[dict[str, Any]], capacity_blocks: int) -> 
         next_use[r] = [later.get(b, NEVER) for b in blocks]
         for b in blocks:
             later[b] = r
+    return next_use
+
+
+def simulate_next_use_order(requests: list[dict[str, Any]], capacity_blocks: int) -> dict[str, Any]:
+    """The `oracle-order` row: every missed block is written (no bypass); on overflow the leaf
+    (no resident child: tails before heads, as the core) used furthest in the future goes."""
+    next_use = next_uses(requests)
+    resident: dict[int, list[Any]] = {}  # block -> [next use, resident children, parent, version]
+    heap: list[tuple[float, int, int]] = []  # (-next use, version, block) of leaves, stale skipped
+    saved = total = written = evicted = hits = 0
+
+    def push(block: int) -> None:
+        entry = resident[block]
+        entry[3] += 1
+        heapq.heappush(heap, (-entry[0], entry[3], block))
+
+    for r, request in enumerate(requests):
+        blocks = request["hash_ids"]
+        total += request["input_length"]
+        hit = 0
+        for block in blocks:
+            if block not in resident:
+                break
+            hit += 1
+        saved += min(hit * BLOCK_TOKENS, request["input_length"])
+        hits += hit > 0
+        for i, (block, use) in enumerate(zip(blocks, next_use[r], strict=True)):
+            if block in resident:
+                resident[block][0] = use
+                push(block)
+                continue
+            parent = blocks[i - 1] if i else None
+            resident[block] = [use, 0, parent, 0]
+            written += 1
+            if parent is not None and parent in resident:
+                resident[parent][1] += 1
+            push(block)
+        while len(resident) > capacity_blocks:
+            _, version, block = heapq.heappop(heap)
+            entry = resident.get(block)
+            if entry is None or entry[3] != version or entry[1]:
+                continue  # stale, or its tail is resident (pushed again when that goes)
+            del resident[block]
+            evicted += 1
+            parent = entry[2]
+            if parent is not None and parent in resident:
+                resident[parent][1] -= 1
+                if not resident[parent][1]:
+                    push(parent)
+        if len(heap) > 4 * len(resident) + 1024:
+            heap = [e for e in heap if (x := resident.get(e[2])) is not None and x[3] == e[1]]
+            heapq.heapify(heap)
+    return _row(requests, hits, saved, total, written, evicted)
+
+
+def simulate_reference(requests: list[dict[str, Any]], capacity_blocks: int) -> dict[str, Any]:
+    """Belady's MIN with bypass (module docstring), same accounting as `simulate`."""
+    next_use = next_uses(requests)
     resident: dict[int, float] = {}  # block -> its next use
     furthest: list[tuple[float, int]] = []  # (-next use, block), stale entries skipped
     saved = total = written = evicted = hits = 0
@@ -309,6 +385,64 @@ def table(results: list[dict[str, Any]], command: str) -> list[str]:
     return lines
 
 
+def class_marginals(results: list[dict[str, Any]], policy: str, capacity_pct: int) -> list[str]:
+    """What the reuse predictor learned (`policy`'s run at `capacity_pct`): per feature value,
+    the share of namings followed by another naming within the predictor's ghost, over all
+    classes with that value (counts as learned: halved past `REUSE_HALVE_AT`)."""
+    features = ("accesses", "turn", "log2 prompt chunks", "last chunk")
+    lines = [
+        f"What the reuse predictor learned online ({policy}, {capacity_pct}% capacity): share of"
+        " namings of a chunk followed by another within the predictor's ghost, by feature",
+        "",
+        "| trace | feature | " + " | ".join(f"value {v}" for v in range(8)) + " |",
+        "|---|---|" + "---:|" * 8,
+    ]
+    for r in results:
+        if r["policy"] != policy or r["capacity_pct"] != capacity_pct or not r.get("reuse_classes"):
+            continue
+        for f, feature in enumerate(features):
+            sums: dict[int, list[float]] = {}
+            for entry in r["reuse_classes"]:
+                acc = sums.setdefault(int(entry[f]), [0.0, 0.0])
+                acc[0] += entry[-2]
+                acc[1] += entry[-1]
+            cells = [
+                f"{100 * sums[v][0] / sums[v][1]:.0f}% of {sums[v][1]:.0f}"
+                if v in sums and sums[v][1]
+                else ""
+                for v in range(8)
+            ]
+            lines.append(f"| {r['trace'].removesuffix('_trace')} | {feature} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def gap_table(results: list[dict[str, Any]]) -> list[str]:
+    """One row per policy, one column per trace and capacity: prefill saved, share of the
+    LRU -> reference gap closed, blocks written (LRU = 100 %)."""
+    columns = list(dict.fromkeys((r["trace"], r["capacity_pct"]) for r in results))
+    names = list(dict.fromkeys(r["policy"] for r in results))
+    cell = {(r["policy"], r["trace"], r["capacity_pct"]): r for r in results}
+    lru = {(t, c): cell[(BASELINE, t, c)]["blocks_written"] for t, c in columns}
+    lines = [
+        "Prefill saved / gap closed / blocks written (LRU = 100 %), per trace and capacity:",
+        "",
+        "| policy | " + " | ".join(f"{t.removesuffix('_trace')} {c}%" for t, c in columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for name in names:
+        cells = []
+        for t, c in columns:
+            r = cell.get((name, t, c))
+            if r is None:
+                cells.append("")
+                continue
+            gap = "—" if r["gap_closed"] is None else f"{100 * r['gap_closed']:.0f}%"
+            written = 100 * r["blocks_written"] / lru[(t, c)] if lru[(t, c)] else 0.0
+            cells.append(f"{100 * r['prefill_saved_share']:.2f}% / {gap} / {written:.0f}%")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -323,6 +457,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--partial-chunks", action="store_true", help="keep partial last blocks (the client never saves them)"
+    )
+    parser.add_argument(
+        "--oracles",
+        action="store_true",
+        help="add oracle-admission (LRU order, only blocks named again are written) and oracle-order"
+        " (every block written, next-use order): which half of the reference closes the gap",
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "eviction")
     args = parser.parse_args()
@@ -354,6 +494,9 @@ def main() -> int:
             capacity = max(1, unique * pct // 100)
             rows = {name: simulate(requests, capacity, config) for name, config in policies.items()}
             rows[BASELINE] = rows.get(BASELINE) or simulate(requests, capacity, POLICIES[BASELINE])
+            if args.oracles:
+                rows[ORACLES[0]] = simulate(requests, capacity, POLICIES[BASELINE], next_uses(requests))
+                rows[ORACLES[1]] = simulate_next_use_order(requests, capacity)
             rows[REFERENCE] = simulate_reference(requests, capacity)
             rows[INFINITE] = infinite
             lru = rows[BASELINE]["prefill_tokens_saved"]
@@ -388,12 +531,16 @@ def main() -> int:
         flags += f" --max-requests {args.max_requests}"
     if args.partial_chunks:
         flags += " --partial-chunks"
+    if args.oracles:
+        flags += " --oracles"
     elapsed_s = time.perf_counter() - started
     command = (
         f"`python tools/evict_sim.py{flags}` ({time.strftime('%Y-%m-%d')}, {elapsed_s:.0f} s on a shared"
         " 2-core VM)"
     )
-    lines = table(results, command) + reuse_lines
+    lines = table(results, command) + reuse_lines + [""] + gap_table(results)
+    if any(r["policy"] == PREDICTOR_ROW for r in results):
+        lines += ["", *class_marginals(results, PREDICTOR_ROW, PREDICTOR_ROW_CAPACITY_PCT)]
     Path(str(args.out) + ".md").write_text("\n".join(lines) + "\n")
     Path(str(args.out) + ".json").write_text(json.dumps(results, indent=2))
     plot(results, Path(str(args.out) + ".png"))

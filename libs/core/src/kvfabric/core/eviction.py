@@ -312,6 +312,10 @@ class EvictionCore:
         if self._predictor is not None:
             self._predictor.named(object_id)
 
+    def reuse_classes(self) -> dict[ReuseClass, tuple[float, float]]:
+        """The reuse predictor's learned (reused, named) counts per class; empty for other policies."""
+        return self._predictor.classes() if self._predictor is not None else {}
+
     def explain(self, object_id: ObjectId) -> dict[str, Any] | None:
         """Why `object_id` ranks where it does (what `kvctl` can show): None if not resident."""
         obj = self._objects.get(object_id)
