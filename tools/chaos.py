@@ -1,6 +1,8 @@
 """`make chaos` / `make chaos-quick`: fault drills on a local cluster with a verifying workload.
 
-    python tools/chaos.py [--quick] [--json out.json] [drill names...]
+    python tools/chaos.py [--quick] [--json out.json] [--env NAME=VALUE] [drill names...]
+
+(`KVF_CHAOS_KEEP_LOGS=<folder>` keeps a copy of every child's log of each drill there.)
 
 A drill (tests/drills/<name>.toml) names a topology, a workload, a fault schedule, a settle time
 and expected bounds. The runner starts a supervised local cluster (tools/localcluster.py, its
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -341,6 +344,10 @@ def count_log_events(logs: Path) -> dict[str, int]:
     counts = dict.fromkeys(COUNTED_LOG_EVENTS, 0)
     for path in sorted(logs.glob("*.log*")) if logs.is_dir() else []:
         for line in path.read_text(errors="replace").splitlines():
+            if "critical write error" in line:  # nats-server: a stream's store keeps a write error
+                stream = line.split("'")[1].split(" > ")[-1] if line.count("'") >= 2 else "?"
+                key = f"nats_write_error:{stream}"
+                counts[key] = counts.get(key, 0) + 1
             if not line.startswith("{"):
                 continue
             try:
@@ -468,6 +475,8 @@ def run_drill(
     )
     SPEC = replace(TEST_SPEC, domain=settings.share_domain()) if auth else TEST_SPEC
     history: list[Op] = []
+    final = FinalState(read_leases=0)
+    final_error = ""
     retries = 0
     fired: list[str] = []
     fault_errors: list[str] = []
@@ -513,30 +522,36 @@ def run_drill(
         if any(f["action"] == "qdisc" for f in drill.get("faults", [])):
             subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)  # never leave it on
         time.sleep(float(drill.get("settle_s", 6.0)))
-        final = final_state(nats_url, admin)
-        evicted = evicted_groups(nats_url, admin)
-        since_s = expect.get("events_published_after_s")
-        published = evicted_groups(nats_url, admin, "published") if since_s is not None else set()
-        with KvClient(settings, SPEC) as kv:  # what is still served, for the durability checker
-            chunks = int(wl.get("chunks_per_prefix", 8))
-            for prefix in sorted({op.prefix for op in history}):
-                tokens = prompt(prefix, chunks * TOKENS_PER_CHUNK + 1)
-                hit = kv.lookup(tokens, max_tokens=len(tokens) - 1)
-                final.served_chunks[prefix] = hit.chunks
-                kv.release(hit)
-                groups = chunk_groups_for_prefix(SPEC.domain, SPEC.model, SPEC.layout, tokens)
-                final.evicted_chunks[prefix] = {
-                    g.chunk_index for g in groups if bytes(g.chain_hash) in evicted
-                }
-                saved_late = any(
-                    op.prefix == prefix and op.saved_chunks and op.start_s >= float(since_s)
-                    for op in history
-                    if since_s is not None
-                )
-                if saved_late and any(bytes(g.chain_hash) not in published for g in groups):
-                    final.unpublished_prefixes.append(prefix)
+        try:  # a cluster that cannot be read after settle fails the drill, not the runner
+            final = final_state(nats_url, admin)
+            evicted = evicted_groups(nats_url, admin)
+            since_s = expect.get("events_published_after_s")
+            published = evicted_groups(nats_url, admin, "published") if since_s is not None else set()
+            with KvClient(settings, SPEC) as kv:  # what is still served, for the durability checker
+                chunks = int(wl.get("chunks_per_prefix", 8))
+                for prefix in sorted({op.prefix for op in history}):
+                    tokens = prompt(prefix, chunks * TOKENS_PER_CHUNK + 1)
+                    hit = kv.lookup(tokens, max_tokens=len(tokens) - 1)
+                    final.served_chunks[prefix] = hit.chunks
+                    kv.release(hit)
+                    groups = chunk_groups_for_prefix(SPEC.domain, SPEC.model, SPEC.layout, tokens)
+                    final.evicted_chunks[prefix] = {
+                        g.chunk_index for g in groups if bytes(g.chain_hash) in evicted
+                    }
+                    saved_late = any(
+                        op.prefix == prefix and op.saved_chunks and op.start_s >= float(since_s)
+                        for op in history
+                        if since_s is not None
+                    )
+                    if saved_late and any(bytes(g.chain_hash) not in published for g in groups):
+                        final.unpublished_prefixes.append(prefix)
+        except Exception as exc:
+            final_error = repr(exc)
     finally:
         log_counts = count_log_events(run / "logs")  # before `down` removes the run folder
+        keep = os.environ.get("KVF_CHAOS_KEEP_LOGS")  # a folder: every child's log copied there
+        if keep and (run / "logs").is_dir():
+            shutil.copytree(run / "logs", Path(keep) / f"{name}-{links.tag}", dirs_exist_ok=True)
         left_behind = skewed.close()
         left_behind += natsc.close()
         left_behind += links.close()  # before `down`: the segments' traffic goes back to their veths
@@ -545,6 +560,10 @@ def run_drill(
         )
         left_behind += store.close(run)  # after `down`: nats-server no longer holds the mount
     violations = check_all(history, final, expect)
+    if final_error:  # only the checkers of the history stand; the end state is unknown
+        for key in ("no_leaks", "durability", "replicas_restored", "events_published"):
+            violations[key] = []
+        violations["final_state"] = [f"the cluster could not be read after settle: {final_error}"]
     violations["retry_budget"] = check_retry_budget(
         retries, len(history), expect.get("max_retries_per_request")
     )
