@@ -42,9 +42,9 @@ def test_log_events_are_counted_over_every_log_rotated_ones_too(tmp_path: Path) 
         + "\n"
     )
     (tmp_path / "nats.log").write_text(
-        "[1] 2026/12/01 21:26:07.201359 [ERR] JetStream stream '$G > KV_KVF_DIRECTORY_LEADERS' critical write "
+        "[1] 21:26:07.201359 [ERR] JetStream stream '$G > KV_KVF_DIRECTORY_LEADERS' critical write "
         "error: write .../1.blk: no space left on device\n"
-        "[1] 2026/12/01 21:26:07.201300 [ERR] Filestore [KV_KVF_DIRECTORY_LEADERS] Critical write error: ...\n"
+        "[1] 21:26:07.201300 [ERR] Filestore [KV_KVF_DIRECTORY_LEADERS] Critical write error: ...\n"
     )
     counts = chaos.count_log_events(tmp_path)
     assert counts["nats_write_error:KV_KVF_DIRECTORY_LEADERS"] == 1  # one per stream, not per store line
