@@ -104,8 +104,11 @@ def segment(tmp_path: Path) -> Iterator[tuple[ArenaBackend, str]]:
         arena.close()
 
 
-def stored_hit(backend: ArenaBackend, slow_addr: str, good_addr: str) -> tuple[Hit, list[bytes]]:
-    """CHUNKS objects stored on the segment; each has two replicas: the relay first, then direct."""
+def stored_hit(
+    backend: ArenaBackend, slow_addr: str, good_addr: str, slow_only: frozenset[int] = frozenset()
+) -> tuple[Hit, list[bytes]]:
+    """CHUNKS objects stored on the segment; each has two replicas: the relay first, then direct
+    (chunks in `slow_only`: the relay only)."""
     kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1"), SPEC)
     groups = kv.chunk_groups(prompt(CHUNKS * SPEC.layout.tokens_per_chunk))
     payloads, objects = [], []
@@ -134,7 +137,7 @@ def stored_hit(backend: ArenaBackend, slow_addr: str, good_addr: str) -> tuple[H
             member=m.Member(0, 0, 0),
             size_bytes=SIZE,
             checksum=checksum(data),
-            replicas=[replica, good],
+            replicas=[replica] if c in slow_only else [replica, good],
         )
         payloads.append(data)
         objects.append((location,))
@@ -196,6 +199,31 @@ async def test_a_replica_that_answers_is_not_watched_past_its_read(segment: tupl
         assert not kv.pool.watchdog._armed and not kv.pool.watchdog._cut
     finally:
         await kv.close()
+
+
+async def test_an_object_without_another_replica_ends_with_the_cut(segment: tuple[ArenaBackend, str]) -> None:
+    """Chunk 0 has two replicas, chunk 1 only the slow one: one request reads both and is cut at
+    its share; chunk 0 is read from its other replica, chunk 1 ends `timeout` with the cut (the
+    batch reports together: waiting for chunk 1 until the deadline would hold chunk 0 back too)."""
+    backend, good_addr = segment
+    host, port = good_addr.removeprefix("tcp://").rsplit(":", 1)
+    relay = TrickleRelay((host, int(port)))
+    kv = AsyncKvClient(
+        ClientSettings(nats_url="nats://unused:1", load_timeout_ms=LOAD_TIMEOUT_MS, use_shm=False), SPEC
+    )
+    try:
+        hit, payloads = stored_hit(backend, relay.address, good_addr, slow_only=frozenset({1}))
+        dests = [[bytearray(SIZE)] for _ in range(CHUNKS)]
+        started = time.monotonic()
+        result = await kv.load(hit, dests)
+        elapsed_s = time.monotonic() - started
+        assert result.chunks_loaded == 1 and result.cause == "timeout", result
+        assert bytes(dests[0][0]) == payloads[0]
+        assert elapsed_s < LOAD_TIMEOUT_MS / 1000 and relay.accepted == 1
+        assert kv.metrics.replica_retries._value.get() == 1  # only chunk 0 went to another replica
+    finally:
+        await kv.close()
+        relay.close()
 
 
 def test_attempt_budget_is_a_share_of_what_is_left_and_the_last_replica_gets_it_all() -> None:

@@ -391,7 +391,9 @@ class SegmentPool:
         PIN_LOCAL/UNPIN_LOCAL pair over shared memory, or one GET over TCP), each verified; an
         object that fails there is retried alone on its next replicas. Returns a cause each.
         `deadline_s`: the loads' deadline (monotonic); the first request gets its share of it
-        when an object has another replica to try."""
+        when an object has another replica to try. An object of the batch without one ends with
+        the cut (`timeout`): its results are reported with the batch's, so reading it again until
+        the deadline would hold back those of the objects read from their other replicas."""
         if not locations:
             return []
         firsts = [loc.replicas[0] if loc.replicas else None for loc in locations]
