@@ -696,6 +696,11 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool | None, st
     return out
 
 
+def cal_median(cal: dict[str, Any], kind: str, tokens: int) -> float:
+    picked = [s["ttft_s"] for s in cal["samples"] if s["kind"] == kind and s["tokens"] == tokens]
+    return float(statistics.median(picked))
+
+
 def markdown(report: dict[str, Any]) -> str:
     rows: dict[str, dict[str, Any]] = report["configs"]
     w = report["workload"]
@@ -749,7 +754,12 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             "Coefficients fitted on this machine in the same run (misses of 257-3073 tokens on an idle"
             " engine, then the same prompts on the other engine loading from kvfabric), used by (d) and (e):"
-            f" `{json.dumps(cal['coefficients'])}`.",
+            f" `{json.dumps(cal['coefficients'])}`. Median TTFT per prompt length, miss / kvfabric hit: "
+            + ", ".join(
+                f"{n}: {cal_median(cal, 'miss', n):.3f} / {cal_median(cal, 'kvfabric_hit', n):.3f} s"
+                for n in sorted({smp["tokens"] for smp in cal["samples"]})
+            )
+            + ".",
         ]
     if "e" in rows and report.get("timeline_e"):
         ev = report.get("fault_events", [])
@@ -826,7 +836,7 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="a smoke test: 30 requests, short fault")
     parser.add_argument("--requests", type=int, default=240)
-    parser.add_argument("--rate", type=float, default=1.5, help="mean arrival rate, requests/s")
+    parser.add_argument("--rate", type=float, default=1.8, help="mean arrival rate, requests/s")
     parser.add_argument("--blocks-max", type=int, default=24)
     parser.add_argument("--output-max", type=int, default=32)
     parser.add_argument("--slo-ttft-s", type=float, default=1.0)
