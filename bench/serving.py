@@ -828,9 +828,10 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         tw = axes[1].twinx()
         tw.step(t, [b["in_flight_max"] for b in tl], "C2", where="post", label="in flight")
         tw.set_ylabel("requests in flight")
-        for ts, what in report.get("fault_events", []):
+        for n, (ts, what) in enumerate(report.get("fault_events", [])):
             axes[1].axvline(ts, color="grey", ls="--")
-            axes[1].text(ts, axes[1].get_ylim()[1] * 0.9, what, fontsize=7, rotation=90)
+            top = axes[1].get_ylim()[1]
+            axes[1].text(ts + 0.5, top * (0.6 - 0.15 * n), what, fontsize=7, color="grey")
         axes[1].legend(loc="upper left", fontsize=7)
         tw.legend(loc="upper right", fontsize=7)
         axes[1].set_xlabel("replay time, s")
