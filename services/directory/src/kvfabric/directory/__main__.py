@@ -145,7 +145,7 @@ async def serve(settings: RuntimeSettings) -> int:
         not lost and election.core.epoch(shard, now_ms=monotonic_ms()) == epoch
     )
     host.attach(runtime)
-    runtime.metrics.registry.register(DirectoryCollector(host))
+    runtime.metrics.registry.register(DirectoryCollector(host, election.core))
 
     async def start_or_give_up(shard: int, epoch: int) -> None:
         """Rebuild and serve the shard under the epoch this instance leads it with now; a shard

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvfabric.core.directory import DirectoryCore
+from kvfabric.core.leadership import ShardLeadership
 from kvfabric.directory.handlers import DirectoryShell
 from kvfabric.directory.host import ShardHost
 from kvfabric.directory.stalls import CORE_CALL_BUCKETS_S, CORE_CALLS
@@ -18,8 +19,9 @@ __all__ = ["DirectoryCollector"]
 
 
 class DirectoryCollector(Collector):
-    def __init__(self, host: ShardHost) -> None:
+    def __init__(self, host: ShardHost, leadership: ShardLeadership | None = None) -> None:
         self.host = host
+        self.leadership = leadership  # the instance's shard-leadership core (its counters)
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         shells = list(self.host.shells.items())  # scraped from another thread: a snapshot
@@ -49,6 +51,16 @@ class DirectoryCollector(Collector):
             value=sum(shell.events_published for _, shell in shells),
         )
         yield from self._events_stream([shell for _, shell in shells])
+        if self.leadership is not None:
+            leadership = CounterMetricFamily(
+                "kvfabric_directory_leadership_events",
+                "Shard leader lease operations and outcomes, by name (renew_unanswered: a renewal "
+                "without an answer, retried within the term; lease_expired: a lease lost).",
+                labels=["name"],
+            )
+            for name, value in sorted(dict(self.leadership.counters).items()):
+                leadership.add_metric([name.removesuffix("_total")], value)
+            yield leadership
         state = GaugeMetricFamily("kvfabric_directory_groups", "Chunk groups by state.", labels=["state"])
         state.add_metric(["building"], sum(len(c.building) for c in cores))
         state.add_metric(["published"], sum(len(c.published) for c in cores))
