@@ -6,7 +6,7 @@ a lease or pin holds the group and never the last replica. `check_invariants` af
 
 from __future__ import annotations
 
-from kvfabric.core.directory import DirectoryCore, FreeSlots
+from kvfabric.core.directory import DirectoryCore, EmitEvent, FreeSlots
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import SSD_SLOT_BASE, Tier, tier_of_slot
 from tests.unit.core.dirkit import groups, key, lookup, new_core, put, register
@@ -83,8 +83,18 @@ def test_demote_then_promote_an_object_on_its_own_segment() -> None:
     assert drop(core, k, 0) == (False, [])  # leased: a reader may hold only the arena replica
     core.handle(m.LeaseRelease(holder_id="reader", lease_id=hit.lease_id), 10)
 
-    dropped, frees = drop(core, k, 0)
-    assert dropped and [(f.segment_id, [s.slot for s in f.slots]) for f in frees] == [("s1", [0])]
+    out = core.handle(
+        m.ReplicaCorrupt(segment_id="s1", incarnation=1, key=k, slot=0, slot_generation=1, reason="demoted"),
+        10,
+    )
+    core.check_invariants()
+    assert isinstance(out.reply, m.ReplicaCorruptReply) and out.reply.dropped
+    frees = [e for e in out.effects if isinstance(e, FreeSlots)]
+    assert [(f.segment_id, [s.slot for s in f.slots]) for f in frees] == [("s1", [0])]
+    # published again with its bytes on disk now: the eviction policy moves it to the disk pool
+    (event,) = [e.event for e in out.effects if isinstance(e, EmitEvent)]
+    assert isinstance(event, m.GroupPublished) and event.group == g.chain_hash
+    assert event.placements == event.disk_placements == [m.SegmentBytes("s1", 100)]
     core.handle(m.SlotsFreed(segment_id="s1", incarnation=1, freed=[m.FreedSlot(k, 0, 1)]), 11)
     core.check_invariants()
     assert seg.reserved_bytes == 0

@@ -5,7 +5,7 @@ arena alone; evicting one frees its disk slot."""
 
 from __future__ import annotations
 
-from kvfabric.core.directory import FreeSlots
+from kvfabric.core.directory import EmitEvent, FreeSlots
 from kvfabric.core.directory_rebuild import SegmentHolding
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import SSD_SLOT_BASE, HeldObject, tier_of_slot
@@ -30,8 +30,12 @@ def test_disk_replicas_are_adopted_served_and_reserve_no_arena_bytes() -> None:
         HeldObject(key(g_dram), 1, 3, 100, digest),
         HeldObject(key(g_disk), SSD_SLOT_BASE + 2, 5, 50_000, digest),  # 5x the arena: on disk
     ]
-    assert core.adopt([SegmentHolding(registration, held)], now_ms=1_000) == []
+    (republished,) = core.adopt([SegmentHolding(registration, held)], now_ms=1_000)
     core.check_invariants()
+    # the group with a disk replica is published again with its disk share (the policy's pools)
+    assert isinstance(republished, EmitEvent) and isinstance(republished.event, m.GroupPublished)
+    assert republished.event.group == g_disk.chain_hash
+    assert republished.event.placements == republished.event.disk_placements == [m.SegmentBytes("s1", 50_000)]
     (seg,) = core.segments.values()
     assert seg.reserved_bytes == 100  # the arena replica only
 

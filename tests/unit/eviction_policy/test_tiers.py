@@ -3,8 +3,16 @@ shell's bookkeeping when a group moves from a segment's arena pool to its disk p
 
 from __future__ import annotations
 
+import msgspec
+
 from kvfabric.core.eviction import EvictBatch
-from kvfabric.eviction_policy.tiers import demote_or_drop, is_ssd_pool, ssd_pool, ssd_pool_capacity
+from kvfabric.eviction_policy.tiers import (
+    demote_or_drop,
+    is_ssd_pool,
+    ssd_pool,
+    ssd_pool_capacity,
+    tiered_pools,
+)
 from kvfabric.proto import directory as m
 from tests.unit.eviction_policy.test_shell import A, chain, published, shell
 
@@ -13,6 +21,26 @@ def test_demote_or_drop_by_hits() -> None:
     assert demote_or_drop(0, 0) == "demote"  # 0: every arena victim goes to disk
     assert demote_or_drop(0, 1) == "drop"
     assert demote_or_drop(3, 2) == "demote"
+
+
+def test_a_published_group_s_pools_by_tier() -> None:
+    assert tiered_pools({"s1": 100, "s2": 50}, {"s1": 100}) == {"s1#ssd": 100, "s2": 50}
+    assert tiered_pools({"s1": 150}, {"s1": 50}) == {"s1": 100, "s1#ssd": 50}
+
+
+def test_a_republished_group_moves_pools_and_an_adopted_one_lands_in_the_disk_pool() -> None:
+    sh = shell()
+    sh.apply(published(1, s1=30), 1)
+    sh.apply(m.GroupsAccessed(groups=[m.GroupHits(chain(1), 2, A)]), 2)
+    moved = msgspec.structs.replace(published(1, s1=30), disk_placements=[m.SegmentBytes("s1", 30)])
+    sh.apply(moved, 3)  # the directory dropped its arena replica after a demotion
+    assert sh.core.used_bytes("s1") == 0 and sh.core.used_bytes("s1#ssd") == 30
+    assert sh._hits == {A + chain(1): 2}  # the same group: its history stays
+    sh.apply(moved, 4)  # again (a replay): nothing changes
+    assert sh.core.used_bytes("s1#ssd") == 30 and len(sh.core) == 1
+    adopted = msgspec.structs.replace(published(2, s1=40), disk_placements=[m.SegmentBytes("s1", 40)])
+    sh.apply(adopted, 5)  # a restarted cluster's rebuild adopted it from disk
+    assert sh.core.used_bytes("s1#ssd") == 70 and sh.core.used_bytes("s1") == 0
 
 
 def test_disk_pools_and_their_watermark() -> None:
@@ -38,3 +66,20 @@ def test_a_demoted_group_moves_to_the_disk_pool_and_its_victims_are_dropped() ->
     assert [(b.pool, b.victims) for b in batches] == [("s1#ssd", (A + chain(1),))]
     sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 6)
     assert len(sh.core) == 0 and not sh._held and not sh._hits
+
+
+def test_a_dropped_head_takes_its_tails_on_disk_with_it() -> None:
+    """A tail moved to a disk pool lost its parent in the core; the shell drops it before its
+    head (no lookup could find it without the head)."""
+    sh = shell()
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1000), 0)
+    sh.apply(published(1, s1=30), 1)
+    sh.apply(published(2, parent=1, s1=30), 2)
+    sh.apply(published(3, parent=2, s1=30), 3)
+    sh._moved(A + chain(3), "s1", 4)
+    sh._moved(A + chain(2), "s1", 5)
+    assert sh._with_disk_tails([A + chain(1)]) == [A + chain(3), A + chain(2), A + chain(1)]
+    assert sh.demotions == {"tails_dropped": 2}
+    sh.apply(m.GroupEvicted(group=chain(3), reason="policy", domain=A), 6)
+    assert sh._with_disk_tails([A + chain(1)]) == [A + chain(2), A + chain(1)]
+    assert sh._children == {A + chain(1): {A + chain(2)}}

@@ -696,6 +696,10 @@ class GroupPublished(_Msg, frozen=True, kw_only=True, tag="dir.ev.published.v1")
     namespace: bytes = b""  # the chunk group id's leading 54 bytes; [4:20] is the share domain
     parent: bytes = b""  # the previous chunk's chain hash, as the writer told it (may be empty)
     placements: list[SegmentBytes] = msgspec.field(default_factory=list)  # bytes held per segment
+    # Of those, the bytes in each segment's disk tier (issue 23). The same group is published
+    # again when its placements change tier: its arena replicas dropped after a demotion, or its
+    # disk replicas adopted by a rebuild (docs/ssd-tier.md); a consumer updates what it knows.
+    disk_placements: list[SegmentBytes] = msgspec.field(default_factory=list)
 
 
 class GroupHits(msgspec.Struct, frozen=True, array_like=True):

@@ -1929,6 +1929,8 @@ class DirectoryCore:
                 tenant_of(req.key),
             )
             self._count("replicas_dropped_total")
+            if req.reason == "demoted":  # its bytes changed tier: consumers (the policy) follow
+                effects.append(self._republished(gid, unpack_group(self.published[gid])))
             return Outcome(m.ReplicaCorruptReply(epoch=self.epoch, dropped=True), effects)
         self._count("replicas_corrupt_total")
         if not left:  # its only good copy is gone: nobody may read the group any more
@@ -1995,6 +1997,8 @@ class DirectoryCore:
             )
             self.published[gid] = pack_group(group)
             self._index.add(gid)
+            if any(tier_of_slot(r.slot) == "ssd" for x in records for r in x.replicas):
+                effects.append(self._republished(gid, group))  # the policy learns its disk bytes
             self.quotas.add(
                 tenant_of(info.namespace),
                 sum(x.size_bytes * len(x.replicas) for x in records),
@@ -2009,6 +2013,33 @@ class DirectoryCore:
         self._count("adopted_objects_total", sum(len(g[1]) for g in plan.groups.values()))
         self._count("adopted_orphans_total", len(plan.orphans))
         return effects
+
+    def _republished(self, gid: bytes, group: PublishedGroup) -> EmitEvent:
+        """A `published` event for a group already published, with its live placements now and
+        the disk share of them (after a demotion, or adopted with disk replicas)."""
+        held: dict[str, int] = {}
+        disk: dict[str, int] = {}
+        for mem in group.members:
+            for r in mem.replicas:
+                if not self._placement_live(r.placement):
+                    continue
+                segment_id = self._placements[r.placement][0]
+                held[segment_id] = held.get(segment_id, 0) + mem.size_bytes
+                if tier_of_slot(r.slot) == "ssd":
+                    disk[segment_id] = disk.get(segment_id, 0) + mem.size_bytes
+        self._count("groups_republished_total")
+        return EmitEvent(
+            "published",
+            m.GroupPublished(
+                group=chain_of(gid),
+                chunk_index=group.chunk_index,
+                members=len(group.members),
+                degraded=bool(group.flags & FLAG_DEGRADED),
+                namespace=self._namespaces[group.namespace],
+                placements=[m.SegmentBytes(s, b) for s, b in sorted(held.items())],
+                disk_placements=[m.SegmentBytes(s, b) for s, b in sorted(disk.items())],
+            ),
+        )
 
     # ---- checks (tests call this after every step) ---------------------------------------
 

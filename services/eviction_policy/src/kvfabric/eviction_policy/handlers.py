@@ -50,7 +50,13 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.core.eviction import EvictBatch, EvictionCore
-from kvfabric.eviction_policy.tiers import demote_or_drop, is_ssd_pool, ssd_pool, ssd_pool_capacity
+from kvfabric.eviction_policy.tiers import (
+    demote_or_drop,
+    is_ssd_pool,
+    ssd_pool,
+    ssd_pool_capacity,
+    tiered_pools,
+)
 from kvfabric.format.errors import BadRequest, Conflict, KvfError, Unavailable
 from kvfabric.format.key import ChunkGroupId, KVKey
 from kvfabric.proto import directory as m
@@ -104,6 +110,12 @@ class EvictionShell:
         # group key -> (tenant, chunk index, pool -> bytes): to move a demoted group's bytes
         self._held: dict[bytes, tuple[bytes, int, dict[str, int]]] = {}
         self._hits: dict[bytes, int] = {}  # group key -> hits since published (demote_or_drop)
+        # group key -> the keys naming it as parent: a group moved to a disk pool is re-inserted
+        # without its parent (the core's leaves are per object, not per pool), so the shell keeps
+        # the prefix order across tiers itself (`_with_disk_tails`).
+        self._children: dict[bytes, set[bytes]] = {}
+        self._parent: dict[bytes, bytes] = {}
+        self._disk_pools: set[str] = set()  # `<segment>#ssd` pools holding or having held groups
         self._no_disk: set[str] = set()  # segments that answered "no disk tier"
         self.demotions: dict[str, int] = {}  # outcome -> groups (status, metrics)
         self.tick_ms = tick_ms
@@ -149,21 +161,29 @@ class EvictionShell:
                 return  # from a directory too old to say where the bytes are: not ours to evict
             domain = event.namespace[4:20]
             key = domain + event.group
+            pools = tiered_pools(
+                {p.segment_id: p.bytes for p in event.placements},
+                {p.segment_id: p.bytes for p in event.disk_placements},
+            )
+            if key in core:  # published again: its bytes changed tier (a demotion, an adoption)
+                self._republished(key, pools, at_ms)
+                self.events_applied += 1
+                return
             core.insert(
                 key,
                 tenant=domain,
-                pools={p.segment_id: p.bytes for p in event.placements},
+                pools=pools,
                 parent=domain + event.parent if event.parent else None,  # a parent of the same domain
                 chunk_index=event.chunk_index,
                 now_ms=at_ms,
             )
             if key in core:
                 self._group_ids[key] = group_id_of(event.namespace, event.chunk_index, event.group)
-                self._held[key] = (
-                    domain,
-                    event.chunk_index,
-                    {p.segment_id: p.bytes for p in event.placements},
-                )
+                self._held[key] = (domain, event.chunk_index, pools)
+                self._disk_pools.update(p for p in pools if is_ssd_pool(p))
+                if event.parent:
+                    self._parent[key] = domain + event.parent
+                    self._children.setdefault(domain + event.parent, set()).add(key)
         elif isinstance(event, m.GroupsAccessed):
             for hit in event.groups:
                 key = hit.domain + hit.group
@@ -182,10 +202,27 @@ class EvictionShell:
                         self._held.pop(gid, None)
                         self._hits.pop(gid, None)
                 self._capacity.pop(pool, None)
+            self._disk_pools.discard(ssd_pool(event.segment_id))
             self._no_disk.discard(event.segment_id)
         elif isinstance(event, m.SegmentUp) and event.capacity_bytes:
             self._set_capacity(event.segment_id, event.capacity_bytes)
         self.events_applied += 1
+
+    def _republished(self, key: bytes, pools: dict[str, int], at_ms: int) -> None:
+        """A known group with new pools moves there (no access: a republish is not a read). One
+        being demoted right now is left to the demotion's own move."""
+        held = self._held.get(key)
+        if held is None or held[2] == pools or not pools or self.core.is_evicting(key):
+            return
+        tenant, chunk_index, _ = held
+        self.core.removed(key)
+        self.core.insert(key, tenant=tenant, pools=pools, parent=None, chunk_index=chunk_index, now_ms=at_ms)
+        if key in self.core:
+            self._held[key] = (tenant, chunk_index, pools)
+            self._disk_pools.update(p for p in pools if is_ssd_pool(p))
+        else:  # refused by admission: gone from the policy
+            self._group_ids.pop(key, None)
+            self._held.pop(key, None)
 
     def _forget(self, gid: bytes) -> None:
         if gid in self.core:
@@ -193,6 +230,14 @@ class EvictionShell:
         self._group_ids.pop(gid, None)
         self._held.pop(gid, None)
         self._hits.pop(gid, None)
+        self._children.pop(gid, None)
+        parent = self._parent.pop(gid, None)
+        if parent is not None:
+            siblings = self._children.get(parent)
+            if siblings is not None:
+                siblings.discard(gid)
+                if not siblings:
+                    del self._children[parent]
 
     def _set_capacity(self, segment_id: str, capacity_bytes: int) -> None:
         if self._capacity.get(segment_id) != capacity_bytes:
@@ -285,6 +330,7 @@ class EvictionShell:
             chains = [c for c in chains if c not in handled]  # dropped: not chosen, or the disk is full
             if not chains:
                 return
+        chains = self._with_disk_tails(chains)
         statuses: dict[str, int] = {}
         try:
             by_shard = await self._by_shard(chains)
@@ -296,6 +342,27 @@ class EvictionShell:
         for shard, shard_chains in by_shard:
             await self._evict_shard(shard, shard_chains, batch.reason, statuses)
         self._log.info("evicted", reason=batch.reason, pool=str(batch.pool), **statuses)
+
+    def _with_disk_tails(self, chains: list[bytes]) -> list[bytes]:
+        """The groups to drop, each preceded by its resident descendants: only tails moved to a
+        disk pool can be there (the core picks leaves), and without their head no lookup finds
+        them again, so they go first (tails before heads, as the core orders a batch)."""
+        out: list[bytes] = []
+        seen = set(chains)
+        for chain in chains:
+            tails: list[bytes] = []
+            frontier = [chain]
+            while frontier:
+                for child in sorted(self._children.get(frontier.pop(), ())):
+                    if child not in seen and child in self.core and child in self._group_ids:
+                        seen.add(child)
+                        tails.append(child)
+                        frontier.append(child)
+            if tails:
+                self.demotions["tails_dropped"] = self.demotions.get("tails_dropped", 0) + len(tails)
+            out += reversed(tails)  # the deepest first
+            out.append(chain)
+        return out
 
     async def _by_shard(self, chains: list[bytes]) -> list[tuple[int, list[bytes]]]:
         """The victims (group keys) as consecutive runs of one shard each, in the batch's order:
@@ -427,6 +494,7 @@ class EvictionShell:
         moved = pools.pop(segment_id, 0)
         if moved:
             pools[ssd_pool(segment_id)] = pools.get(ssd_pool(segment_id), 0) + moved
+            self._disk_pools.add(ssd_pool(segment_id))
         self.core.removed(chain)
         self.core.insert(
             chain, tenant=tenant, pools=pools, parent=None, chunk_index=chunk_index, now_ms=at_ms
@@ -462,7 +530,7 @@ class EvictionShell:
                 used_bytes=core.used_bytes(pool),
                 evicting_bytes=core.evicting_bytes(pool),
             )
-            for pool, capacity in sorted(self._capacity.items())
+            for pool, capacity in sorted({**dict.fromkeys(self._disk_pools, 0), **self._capacity}.items())
         ]
         tenants = []
         for tenant in sorted(t for t in core.tenants() if isinstance(t, bytes)):

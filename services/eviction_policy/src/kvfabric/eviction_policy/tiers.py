@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
-__all__ = ["SSD_POOL_SUFFIX", "Choice", "demote_or_drop", "is_ssd_pool", "ssd_pool", "ssd_pool_capacity"]
+__all__ = [
+    "SSD_POOL_SUFFIX",
+    "Choice",
+    "demote_or_drop",
+    "is_ssd_pool",
+    "ssd_pool",
+    "ssd_pool_capacity",
+    "tiered_pools",
+]
 
 SSD_POOL_SUFFIX: Final = "#ssd"  # never in a segment id (they are [A-Za-z0-9_-])
 Choice = Literal["demote", "drop"]
@@ -20,6 +28,19 @@ def ssd_pool(segment_id: str) -> str:
 
 def is_ssd_pool(pool: object) -> bool:
     return isinstance(pool, str) and pool.endswith(SSD_POOL_SUFFIX)
+
+
+def tiered_pools(placements: dict[str, int], disk: dict[str, int]) -> dict[str, int]:
+    """A published group's pools: per segment its arena bytes (placements minus the disk share)
+    and `<segment>#ssd` its disk bytes; empty ones left out."""
+    pools: dict[str, int] = {}
+    for segment_id, held in placements.items():
+        on_disk = min(held, disk.get(segment_id, 0))
+        if held > on_disk:
+            pools[segment_id] = held - on_disk
+        if on_disk:
+            pools[ssd_pool(segment_id)] = on_disk
+    return pools
 
 
 def demote_or_drop(hits: int, min_hits: int) -> Choice:
