@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,13 @@ def expected_payload(group_bytes: bytes, size: int) -> bytes:
     """The bytes a chunk must hold: derived from its key, so a mix-up is always visible."""
     seed = xxhash.xxh3_128_digest(group_bytes)
     return (seed * (size // len(seed) + 1))[:size]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def cluster_state(run: Path) -> dict[str, Any]:
@@ -333,6 +341,8 @@ COUNTED_LOG_EVENTS = (
     "event_publish_retry",
     "events_publish_stuck",
     "events_stream_recreated",
+    "kv_stream_write_error",  # the directory's kv_doctor saw a lease (or member) bucket stuck
+    "kv_stream_recreated",
     "events_follow_retry",  # a follower of the events stream (eviction policy, router): new consumer
     "events_gap",
 )
@@ -404,6 +414,10 @@ def run_drill(
     env = dict(os.environ, KVF_DIRECTORY_REPLICAS_DEFAULT=str(topo.get("replicas", 1)))
     natsc = NatsCluster()
     env.update(natsc.env(topo))
+    if topo.get("nats_store_bytes"):  # nats-server's /healthz for the directory's kv_doctor
+        monitor_port = free_port()
+        env["KVF_LOCALCLUSTER_NATS_MONITOR_PORT"] = str(monitor_port)
+        env["KVF_DIRECTORY_NATS_MONITOR_URL"] = f"http://127.0.0.1:{monitor_port}"
     env.update(env_overrides or {})
     try:
         natsc.prepare(run, topo)  # nodes 2..N of a NATS cluster that node 1 (localcluster's) joins

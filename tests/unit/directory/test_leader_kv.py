@@ -38,6 +38,9 @@ class FakeJs:
         self.calls.append("create")
         return self._next(self.create_script)
 
+    async def add_stream(self, config: Any) -> Any:
+        self.calls.append(f"add_stream first_seq={config.first_seq}")
+
     @staticmethod
     def _next(script: list[Any]) -> Any:
         outcome = script.pop(0)
@@ -52,6 +55,16 @@ class FakeNc:
 
     def jetstream(self, timeout: float = 5.0) -> Any:
         return self.js
+
+
+async def no_floor(*args: Any) -> None:
+    return None
+
+
+@pytest.fixture(autouse=True)
+def never_repaired(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No bucket was recreated by kv_doctor (no floor claimed in the config bucket)."""
+    monkeypatch.setattr(ld, "floor_of", no_floor)
 
 
 def too_few_peers() -> nats.js.errors.BadRequestError:
@@ -208,3 +221,19 @@ def test_an_orderly_stop_deletes_the_lease_keys_still_held_at_their_revisions() 
 
     released, kv = asyncio.run(go())
     assert released == 1 and kv.deleted == [("shard-0", kv.revisions["shard-0"])]
+
+
+def test_a_bucket_recreated_after_a_kept_write_error_comes_back_above_its_floor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kv_doctor claimed first_seq 4712 for the lease bucket it recreated; found missing (its add
+    failed), the bucket is made from there, never from revision 1 (epochs already used)."""
+
+    async def floor(nc: Any, stream: str, config_bucket: str) -> int | None:
+        return 4712 if stream == "KV_KVF_DIRECTORY_LEADERS" else None
+
+    monkeypatch.setattr(ld, "floor_of", floor)
+    js = FakeJs(key_value=[nats.js.errors.BucketNotFoundError(), "bucket"], create=[])
+    bucket: object = asyncio.run(ld._bucket(FakeNc(js), "KVF_DIRECTORY_LEADERS", 3.0))  # type: ignore[arg-type]
+    assert bucket == "bucket"
+    assert js.calls == ["key_value", "add_stream first_seq=4712", "key_value"]

@@ -36,7 +36,16 @@ from kvfabric.core.leadership import REASON_HANDOVER, REASON_LEAVING, Leadership
 from kvfabric.directory.events import EventsStream
 from kvfabric.directory.handlers import DirectoryShell
 from kvfabric.directory.host import ShardHost
-from kvfabric.directory.leader import LeaderElection, SegmentRegistry, agree_on_shards, monotonic_ms
+from kvfabric.directory.kv_doctor import TTL_MARGIN_S, KvDoctor
+from kvfabric.directory.leader import (
+    CONFIG_BUCKET,
+    LEADERS_BUCKET,
+    MEMBERS_BUCKET,
+    LeaderElection,
+    SegmentRegistry,
+    agree_on_shards,
+    monotonic_ms,
+)
 from kvfabric.directory.metrics import DirectoryCollector
 from kvfabric.directory.settings import DirectorySettings, load_directory_settings
 from kvfabric.proto.subjects import Service
@@ -195,6 +204,17 @@ async def serve(settings: RuntimeSettings) -> int:
         await nc.close()
         return EXIT_UNAVAILABLE
     election_task = asyncio.create_task(election.run(on_start, on_stop), name="directory-election")
+    doctor_task: asyncio.Task[None] | None = None
+    if config.nats_monitor_url:  # recreate a lease bucket nats-server says is stuck (kv_doctor)
+        wait_s = config.leader_lease_ttl_ms / 1000 + TTL_MARGIN_S
+        doctor = KvDoctor(
+            nc,
+            config.nats_monitor_url,
+            settings.instance_id,
+            {f"KV_{LEADERS_BUCKET}": wait_s, f"KV_{MEMBERS_BUCKET}": wait_s},
+            config_bucket=CONFIG_BUCKET,
+        )
+        doctor_task = asyncio.create_task(doctor.run(), name="directory-kv-doctor")
 
     def election_ended(task: asyncio.Task[None]) -> None:
         # The loop runs forever: if it ends, nothing renews the leases; stop serving at once.
@@ -209,7 +229,8 @@ async def serve(settings: RuntimeSettings) -> int:
     log.info("directory_standby", metrics_port=runtime.metrics_port, shards=config.shards)
     freeze_long_lived("directory_standby")  # and again once led shards are rebuilt (ShardHost)
     reason = await runtime.wait_stop_requested()
-    stuck = [t.get_name() for t in await cancel_and_wait([election_task, *starting], TASKS_STOP_TIMEOUT_S)]
+    tasks = [election_task, *starting, *([doctor_task] if doctor_task else [])]
+    stuck = [t.get_name() for t in await cancel_and_wait(tasks, TASKS_STOP_TIMEOUT_S)]
     stuck += await host.stop()
     if not stuck:  # nothing serves any more: hand the leases back (standbys need not wait the TTL)
         released = await election.release_held(RELEASE_TIMEOUT_S)

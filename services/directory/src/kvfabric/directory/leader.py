@@ -81,6 +81,7 @@ from kvfabric.core.leadership import (
     key_of,
     member_key,
 )
+from kvfabric.directory.kv_doctor import floor_of, kv_stream_config
 from kvfabric.proto import directory as m
 from kvfabric.runtime.logs import get_logger
 
@@ -140,7 +141,14 @@ async def _bucket(
             try:
                 return await js.key_value(name)
             except nats.js.errors.BucketNotFoundError:
-                return await js.create_key_value(config)  # a 400 if created meanwhile: read it next
+                # A bucket recreated after a kept write error starts above its old revisions
+                # (kv_doctor): never again from 1, where epochs already used would come back.
+                floor = await floor_of(nc, f"KV_{name}", CONFIG_BUCKET)
+                if floor is None:
+                    return await js.create_key_value(config)  # a 400 if created meanwhile: read it next
+                _log.warning("kv_bucket_recreated_from_floor", bucket=name, first_seq=floor)
+                await js.add_stream(kv_stream_config(name, ttl_s, replicas, floor))
+                return await js.key_value(name)
         except (nats.js.errors.Error, nats.errors.Error, TimeoutError) as exc:
             if clock() + delay > deadline:
                 raise

@@ -31,6 +31,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_SHARDS` | 16 | virtual shards (fixed for a cluster's life: every instance must agree) |
 | `KVF_DIRECTORY_KV_REPLICAS` | 1 | replicas of its KV buckets and events stream (3 on a NATS cluster) |
 | `KVF_DIRECTORY_REBALANCE` | 0 | 1: shards move to a joining instance (rendezvous hashing); 0: sticky |
+| `KVF_DIRECTORY_NATS_MONITOR_URL` | unset | nats-server monitor: a stuck lease bucket is recreated |
 
 The leader lease is how long a standby waits before it takes over the shards of an instance that
 died without a word (a leader renews every second, or every third of a shorter lease). On a NATS
@@ -103,6 +104,7 @@ class DirectorySettings:
     shards: int = 16
     rebalance: bool = False
     kv_replicas: int = 1
+    nats_monitor_url: str = ""
 
 
 def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
@@ -151,6 +153,7 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         shards=shards,
         rebalance=env_int(env, "KVF_DIRECTORY_REBALANCE", 0, 0, 1) == 1,
         kv_replicas=kv_replicas,
+        nats_monitor_url=env.get("KVF_DIRECTORY_NATS_MONITOR_URL", "").strip(),
         core=core,
         tick_ms=env_int(env, "KVF_DIRECTORY_TICK_MS", 100, 5, 60_000),
         events_outbox_max=env_int(env, "KVF_DIRECTORY_EVENTS_OUTBOX_MAX", 10_000, 1, 1_000_000),
