@@ -60,6 +60,20 @@ async def demote_all(nc: NatsClient, tokens: list[int]) -> list[str]:
     return statuses
 
 
+async def shown_tiers(url: str, tokens: list[int]) -> list[set[str]]:
+    """Per chunk, the tiers of its replicas, from `show_group` (no lease, no hit counted)."""
+    nc = await nats.connect(url)
+    try:
+        out: list[set[str]] = []
+        for g in chunk_groups_for_prefix(SPEC.domain, SPEC.model, SPEC.layout, tokens):
+            shown = await directory_call(nc, "show_group", m.ShowGroup(group=g.to_bytes()))
+            assert isinstance(shown, m.GroupList)
+            out.append({tier_of_slot(r.slot) for o in shown.groups[0].objects for r in o.replicas})
+        return out
+    finally:
+        await nc.close()
+
+
 async def hint(nc: NatsClient, tokens: list[int]) -> p.HintReply:
     groups = chunk_groups_for_prefix(SPEC.domain, SPEC.model, SPEC.layout, tokens)
     message = p.PrefetchHint(
@@ -118,3 +132,45 @@ def test_a_prefetch_hint_promotes_a_demoted_prefix_into_the_arena(
         assert metric_value(text, "kvfabric_segment_tier_moves_total", direction="promotion") == CHUNKS
         assert metric_value(text, "kvfabric_segment_tier_moves_total", direction="demotion") == CHUNKS
         assert metric_value(text, "kvfabric_segment_tier_objects", tier="ssd") == CHUNKS
+
+
+def test_a_hot_prefix_on_disk_gets_an_arena_copy_that_goes_when_it_cools(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Reads of a prefix held on disk only make the prefetch service place hot extra replicas in
+    the segment's own arena; once cold, the extras go and the disk replicas stay."""
+    tokens = prompt(4 * TOKENS_PER_CHUNK, seed=951)
+    with (
+        directory_process(nats_server),
+        segment_process(nats_server, SEGMENT, 64 << 20, **ssd_env(tmp_path / "ssd", 64 << 20)),
+        prefetch_process(
+            nats_server,
+            KVF_PREFETCH_HOT_READS_PER_S="5",
+            KVF_PREFETCH_COLD_READS_PER_S="1",
+            KVF_PREFETCH_HOT_WINDOW_MS="2000",
+            KVF_PREFETCH_SCAN_MS="200",
+        ),
+        client(nats_server) as kv,
+    ):
+        assert kv.save(tokens, objects_for(tokens, 0, 4)).chunks_saved == 4
+
+        async def demote() -> list[str]:
+            nc = await nats.connect(nats_server.url)
+            try:
+                return await demote_all(nc, tokens)
+            finally:
+                await nc.close()
+
+        assert asyncio.run(demote()) == ["demoted"] * 4
+        deadline = time.monotonic() + 20
+        while tiers(kv, tokens) != [{"dram", "ssd"}] * 4:  # hot: read and read again
+            assert time.monotonic() < deadline, tiers(kv, tokens)
+            for _ in range(10):
+                kv.release(kv.lookup(tokens))
+            time.sleep(0.05)
+        assert loaded_identical(kv, tokens) == 4
+        deadline = time.monotonic() + 20
+        while asyncio.run(shown_tiers(nats_server.url, tokens)) != [{"ssd"}] * 4:  # no reads: cold
+            assert time.monotonic() < deadline, asyncio.run(shown_tiers(nats_server.url, tokens))
+            time.sleep(0.2)
+        assert loaded_identical(kv, tokens) == 4  # the disk replicas stayed

@@ -17,7 +17,9 @@
   target holds an object only on its disk copies it into the target's arena (the directory's
   `replicate_begin` lists the disk replica as the source; the segment reads it from its own
   disk over TCP). The disk replica stays (it survives a restart); the arena copy is an ordinary
-  replica from then on.
+  replica from then on. Hot objects are seen the same way: one read from a disk replica only is
+  served from `<segment>#ssd`, so the core may place its hot extra replica in that segment's own
+  arena; a cold extra is dropped by its arena replica, never the segment's disk one.
 - Hot objects: lookup hits reach the service as the directory's `accessed` events (live NATS
   subscription, no replay); for the hottest groups of each event (`hot_groups_per_event_max`)
   a `show_group` (to the shard of the group) gives the members and their replicas, fed to
@@ -331,13 +333,14 @@ class PrefetchShell:
                 if not obj.replicas:
                     continue
                 key = group_id + _member_bytes(obj.member)
-                self._locations[key] = {r.segment_id: r for r in obj.replicas}
+                self._locations[key] = {_holder(r): r for r in obj.replicas}
+                holders = [_holder(r) for r in obj.replicas]  # lookups list arena replicas first
                 for _ in range(min(hit.hits, READS_PER_HIT_MAX)):
                     self.core.read(
                         key,
                         size_bytes=obj.size_bytes,
-                        served_from=obj.replicas[0].segment_id,
-                        replicas=[r.segment_id for r in obj.replicas],
+                        served_from=holders[0],
+                        replicas=holders,
                         now_ms=now,
                     )
 
@@ -366,7 +369,7 @@ class PrefetchShell:
         if isinstance(shown, m.GroupList) and shown.groups:
             for obj in shown.groups[0].objects:
                 if object_id[90:] == _member_bytes(obj.member):
-                    replica = next((r for r in obj.replicas if r.segment_id == segment), None)
+                    replica = next((r for r in obj.replicas if _holder(r) == segment), None)  # arena
         if replica is not None:
             await self._directory(
                 shard,
