@@ -298,7 +298,8 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
 
     traces = sorted({r["trace"] for r in results})
     names = list(dict.fromkeys(r["policy"] for r in results))
-    palette = [f"C{i}" for i in range(10) if i != 7]  # C7 is grey: the references
+    cmap = plt.get_cmap("tab20")
+    palette = [cmap(i) for i in range(20) if i not in (14, 15)]  # greys: the references
     colors = {
         name: palette[i % len(palette)]
         for i, name in enumerate(n for n in names if n not in (REFERENCE, INFINITE))
@@ -315,7 +316,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
             style: dict[str, Any] = (
                 {"linestyle": "--", "color": "black" if name == REFERENCE else "grey"}
                 if reference
-                else {"color": colors[name]}
+                else {"color": colors[name], "linestyle": ":" if name in ORACLES else "-"}
             )
             top.plot(
                 [r["capacity_pct"] for r in rows],
