@@ -87,3 +87,34 @@ def test_reuse_by_accesses_counts_what_a_later_request_names_again() -> None:
     ]
     # 1st requests: 1 (again), 2 (never), 3 (never); 2nd: 1 at t1 (again); 3rd: 1 at t2 (never)
     assert sim.reuse_by_accesses(requests) == {1: (3, 1), 2: (1, 1), 3: (1, 0)}
+
+
+def test_the_oracles_split_the_reference_into_admission_and_victim_order() -> None:
+    sim = load_tool("evict_sim")
+    requests = [
+        {"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]},  # 1 used again at 2, 2 never
+        {"timestamp": 1, "input_length": 512, "hash_ids": [3]},  # used again at 3
+        {"timestamp": 2, "input_length": 512, "hash_ids": [1]},
+        {"timestamp": 3, "input_length": 512, "hash_ids": [3]},
+    ]
+    # capacity 2: over it, the core evicts down to int(0.99 x 2) = 1 block
+    lru = sim.simulate(requests, 2, EvictionConfig(policy="lru"))
+    assert lru["prefill_tokens_saved"] == 512  # 3 pushes out 2 and then 1 (tail first): only 3 hits
+    admission = sim.simulate(requests, 2, EvictionConfig(policy="lru"), sim.next_uses(requests))
+    # 2 (never used again) is not written: 1 and 3 both fit and both hit
+    assert admission["blocks_written"] == 2 and admission["prefill_tokens_saved"] == 1024
+    order = sim.simulate_next_use_order(requests, 2)
+    # everything written; on overflow 2 (never used) goes, not 1 or 3: both hit
+    assert order["blocks_written"] == 3 and order["prefill_tokens_saved"] == 1024
+
+
+def test_the_reuse_policy_reports_refusals_by_reason() -> None:
+    sim = load_tool("evict_sim")
+    requests = [
+        {"timestamp": 1000 * t, "input_length": 2048, "hash_ids": [100 * t + i for i in range(4)]}
+        for t in range(40)
+    ]
+    row = sim.simulate(requests, 6, sim.POLICIES["reuse+admission"])
+    assert set(row["not_admitted"]) <= {"parent_absent", "below_frontier"}
+    assert row["blocks_written"] + sum(row["not_admitted"].values()) == 4 * 40
+    assert row["reuse_classes"]  # what the predictor learned, per class
