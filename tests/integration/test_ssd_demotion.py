@@ -221,8 +221,8 @@ def test_a_segment_killed_mid_demotion_restarts_with_no_torn_object_and_no_leake
             for tokens in prompts:  # no torn object: whatever is found loads intact
                 assert loaded_identical(reader, tokens) == len(tiers(reader, tokens))
 
-            # No leaked space: the disk holds exactly the disk replicas the directory lists (the
-            # orphans, e.g. tails whose head died with the arena, freed after the grace period).
+            # No leaked space: the disk holds exactly the disk replicas the directory lists (orphans,
+            # objects of groups the rebuild found incomplete, freed after the grace period).
             def settled() -> bool:
                 text = scrape_metrics(started["metrics_port"])
                 on_disk = metric_value(text, "kvfabric_segment_tier_objects", tier="ssd")
