@@ -93,6 +93,10 @@ def fire(
         return str(links.fire(fault))
     if action in ("fill_store", "free_store") and store is not None:  # the JetStream store's disk
         return str(store.fire(fault))
+    if action == "stick_kv" and store is not None:  # a KV bucket's append fails on the full store
+        where = cluster_state(run)
+        admin_env = (where.get("auth") or {}).get("admin_env", {})
+        return str(store.stick_kv(where["nats_url"], admin_env, str(fault["bucket"])))
     if action in ("kill", "stop", "cont"):
         pid = cluster_state(run)["pids"].get(target)
         sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "cont": signal.SIGCONT}[action]

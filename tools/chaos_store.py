@@ -8,9 +8,12 @@ A drill puts nats-server's store folder (`<run>/nats`, `-sd`) on a small tmpfs o
 mounted before the cluster comes up. The fault `fill_store` writes a filler file there until
 the file system says ENOSPC (bounded by the mount's size), so every JetStream write fails from
 then on (stream appends, KV updates: events, shard leader leases, the segment registry);
-`free_store` deletes the filler. `StoreDisk.close()`, after the cluster is down (nats-server no
-longer holds files there), unmounts it and removes what `down` could not (it cannot remove a
-mount point); it returns what is left behind (must be nothing).
+`free_store` deletes the filler. `stick_kv` (`bucket`), while the store is full, appends a value
+of `STICK_BYTES` under a key of its own to that JetStream KV bucket, so that its store's append
+fails and nats-server keeps the error (which store needs a fresh page while the disk is full is
+otherwise luck): e.g. the directory's leader-lease bucket. `StoreDisk.close()`, after the
+cluster is down (nats-server no longer holds files there), unmounts it and removes what `down`
+could not (it cannot remove a mount point); it returns what is left behind (must be nothing).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ __all__ = ["StoreDisk"]
 
 FILL_BLOCK_BYTES: Final = 1 << 20
 FILLER: Final = "kvf-chaos-filler"
+STICK_BYTES: Final = 256 << 10
+STICK_KEY: Final = "chaos-stick"
 
 
 def mounted(path: Path) -> bool:
@@ -73,6 +78,29 @@ class StoreDisk:
                         raise
                     break
         return f"store full ({written >> 20} MiB filler, {self.free_bytes()} bytes free)"
+
+    def stick_kv(self, nats_url: str, auth_env: dict[str, str], bucket: str) -> str:
+        """`stick_kv`: an append to `bucket` that cannot fit (the store must be full)."""
+        import asyncio
+
+        import nats
+        import nats.errors
+
+        from kvfabric.runtime.natsauth import nats_auth_from_env
+
+        async def stick() -> str:
+            nc = await nats.connect(nats_url, **nats_auth_from_env(auth_env).connect_options())
+            try:
+                kv = await nc.jetstream(timeout=1.0).key_value(bucket)
+                try:
+                    await kv.put(STICK_KEY, b"\0" * STICK_BYTES)
+                except (TimeoutError, nats.errors.Error) as exc:
+                    return f"stick_kv {bucket}: append refused ({type(exc).__name__})"
+                return f"stick_kv {bucket}: append taken (the store had room)"
+            finally:
+                await nc.close()
+
+        return asyncio.run(stick())
 
     def free_bytes(self) -> int:
         assert self.mount is not None
