@@ -1,11 +1,11 @@
 """A whole-cluster power cycle keeps the disk tier (issue 23 step 5, "Done when"): a local cluster
 (`tools/localcluster.py up`, authenticated, one segment with a disk tier, the data folder of its
 own) takes a tenant's saves; DRAM pressure makes the eviction policy demote most of them to disk;
-then every process (supervisor, nats-server, directory, segment, services) is SIGKILLed, and
-`up` on the same data folder brings the cluster back: the cluster secret and the tenant's salt
-are the data folder's (so the same keys), the segment recovers its disk file, the directory
-adopts what it recovered, and >= 99 % of the objects that were on disk hit through the client's
-lookup and load with identical bytes.
+then every process (supervisor, nats-server, directory, segment, services) is SIGKILLed (or
+the cluster is stopped cleanly with `down`), and `up` on the same data folder brings it back:
+the cluster secret and the tenant's salt are the data folder's (so the same keys), the segment
+recovers its disk file, the directory adopts what it recovered, and >= 99 % of the objects
+that were on disk hit through the client's lookup and load with identical bytes.
 
 A chunk is found only with its whole prefix (a lookup folds from chunk 0), and the arena is gone
 after the cycle: the objects counted are those whose prefix was on disk too (the policy demotes
@@ -125,7 +125,12 @@ def kill_everything(run: Path) -> list[int]:
     return pids
 
 
-def test_every_process_killed_then_up_on_the_same_data_folder_hits_the_disk_tier(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", ["sigkill", "down"])
+def test_every_process_stopped_then_up_on_the_same_data_folder_hits_the_disk_tier(
+    tmp_path: Path, stop: str
+) -> None:
+    """`sigkill`: every process SIGKILLed (a power cycle); `down`: `make down` (a clean stop:
+    the run folder goes, the data folder stays), then `up` again."""
     run, data, prefix = tmp_path / "run", tmp_path / "data", f"p{uuid.uuid4().hex[:6]}"
     up = [
         "up",
@@ -172,7 +177,11 @@ def test_every_process_killed_then_up_on_the_same_data_folder_hits_the_disk_tier
         expected = sum(findable.values())
         assert expected >= 64, f"only {expected} of {on_disk} disk objects have their prefix on disk"
 
-        kill_everything(run)
+        if stop == "sigkill":
+            kill_everything(run)
+        else:
+            stopped = tool("down", "--run-dir", str(run))
+            assert stopped.returncode == 0 and not run.exists(), stopped.stdout + stopped.stderr
         second = tool(*up)  # the run folder of the killed cluster is cleaned, the data folder kept
         assert second.returncode == 0, second.stdout + second.stderr
         assert "secret kept" in second.stdout and "auth plan kept" in second.stdout
@@ -195,7 +204,7 @@ def test_every_process_killed_then_up_on_the_same_data_folder_hits_the_disk_tier
         while disk_pool_bytes(run, f"{prefix}-1") < on_disk * OBJECT_BYTES:
             assert time.monotonic() < deadline, disk_pool_bytes(run, f"{prefix}-1")
             time.sleep(0.5)
-        print(f"power cycle: {on_disk} objects on disk, {expected} findable, hit share {share:.3f}")
+        print(f"power cycle ({stop}): {on_disk} objects on disk, {expected} findable, hit share {share:.3f}")
         assert share >= HIT_SHARE_MIN, (hits, findable)
     finally:
         tool("down", "--run-dir", str(run))
