@@ -104,12 +104,16 @@ class EvictionMachine(RuleBasedStateMachine):
         if isinstance(effect, Admitted):
             assert effect.reason in ADMIT_REASONS
             # never a child without its parent under predicted admission
-            assert self.config.admission != "predicted" or parent is None or parent in self.resident
+            assert (
+                self.config.admission != "predicted"
+                or parent is None
+                or (parent in self.resident and parent not in self.evicting)
+            )
             self.resident[object_id] = (tenant, pools, parent)
         else:
             assert isinstance(effect, Refused) and effect.reason in REFUSE_REASONS
             assert self.config.admission != "always"
-            assert effect.reason != "parent_absent" or parent not in self.resident
+            assert effect.reason != "parent_absent" or parent not in self.resident or parent in self.evicting
 
     @rule(
         tenant=st.sampled_from(TENANTS),

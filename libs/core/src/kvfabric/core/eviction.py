@@ -200,7 +200,7 @@ ADMIT_REASONS: Final = (
 )
 REFUSE_REASONS: Final = (
     "first_sighting",  # second_hit: first time seen and the pool is full
-    "parent_absent",  # predicted: its parent is not resident (a prefix hit cannot reach it)
+    "parent_absent",  # predicted: its parent is not resident or is being evicted (no hit reaches it)
     "below_frontier",  # predicted: it would rank below the next victim (bypass)
 )
 VICTIM_REASONS: Final = (
@@ -553,8 +553,10 @@ class EvictionCore:
         admission = self.config.admission
         if admission == "always":
             return True, "always"
-        if admission == "predicted" and parent is not None and parent not in self._objects:
-            return False, "parent_absent"
+        if admission == "predicted" and parent is not None:
+            parent_obj = self._objects.get(parent)
+            if parent_obj is None or parent_obj.evicting:
+                return False, "parent_absent"  # absent or on its way out: no hit can reach it
         if usage.capacity == 0 or usage.used + size <= self.config.low_watermark * usage.capacity:
             return True, "room"  # room to spare: no reason to refuse
         if admission == "second_hit":
