@@ -58,8 +58,8 @@ rule below): `sieve` (`eviction_sieve`), `s3fifo` (`eviction_s3fifo`), `wtinylfu
   has seen its id before (or the pool has room below its low watermark), so one-off prefixes do
   not flush hot ones.
 - Admission (`admission="predicted"`, policy `reuse` only): a chunk whose parent is not resident
-  is refused; above the low watermark, a chunk that would rank below the lowest evictable leaf
-  is refused (bypass).
+  (or is being evicted) is refused; above the low watermark, a chunk that would rank below the
+  lowest evictable leaf is refused (bypass).
 - Every decision carries a reason code (`ADMIT_REASONS`, `REFUSE_REASONS`, `VICTIM_REASONS`)
   and `explain(id)` shows a resident object's features and priority.
 

@@ -34,10 +34,10 @@ evidence ages out). State: the ghost plus two floats per class.
 - Victim choice: priority = last access (ms) + `reuse_horizon_ms` x ln(p) where p is the class's
   reuse rate: a chunk twice as likely to be reused stays `reuse_horizon_ms` x ln 2 longer than
   LRU would keep it. Leaves only, tails before heads, as every heap policy.
-- Admission (`admission="predicted"`): a chunk whose parent is not resident is refused (a prefix
-  hit can never reach it); when the pool is above its low watermark, a chunk whose priority is
-  below the lowest evictable leaf's (it would be the next victim) is refused (bypass, as the
-  offline reference does).
+- Admission (`admission="predicted"`): a chunk whose parent is not resident, or is being
+  evicted, is refused (a prefix hit can never reach it); when the pool is above its low
+  watermark, a chunk whose priority is below the lowest evictable leaf's (it would be the next
+  victim) is refused (bypass, as the offline reference does).
 - Explanation: `EvictionCore.explain(id)` gives the class, p and priority; every admission and
   every victim carries a reason code.
 """
