@@ -39,6 +39,7 @@ PNG plot. `--max-requests N` replays only the first N requests of each trace.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import heapq
 import json
@@ -460,6 +461,12 @@ def main() -> int:
         "--partial-chunks", action="store_true", help="keep partial last blocks (the client never saves them)"
     )
     parser.add_argument(
+        "--reuse-horizon-ms",
+        type=int,
+        default=EvictionConfig().reuse_horizon_ms,
+        help="the reuse policies' horizon (default %(default)s)",
+    )
+    parser.add_argument(
         "--oracles",
         action="store_true",
         help="add oracle-admission (LRU order, only blocks named again are written) and oracle-order"
@@ -471,7 +478,10 @@ def main() -> int:
         print("no traces found", file=sys.stderr)
         return 2
     capacities = [int(c) for c in args.capacities.split(",")]
-    policies = {name: POLICIES[name] for name in args.policies.split(",")}
+    policies = {
+        name: dataclasses.replace(POLICIES[name], reuse_horizon_ms=args.reuse_horizon_ms)
+        for name in args.policies.split(",")
+    }
     results: list[dict[str, Any]] = []
     reuse_lines = [
         "",
@@ -534,6 +544,8 @@ def main() -> int:
         flags += " --partial-chunks"
     if args.oracles:
         flags += " --oracles"
+    if args.reuse_horizon_ms != parser.get_default("reuse_horizon_ms"):
+        flags += f" --reuse-horizon-ms {args.reuse_horizon_ms}"
     elapsed_s = time.perf_counter() - started
     command = (
         f"`python tools/evict_sim.py{flags}` ({time.strftime('%Y-%m-%d')}, {elapsed_s:.0f} s on a shared"
