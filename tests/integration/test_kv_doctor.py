@@ -54,12 +54,7 @@ async def _stuck_bucket() -> None:
                 break
             with contextlib.suppress(TimeoutError, nats.errors.Error):
                 await leases.put("filler", BIG)
-        store.fire({"action": "free_store"})
         assert STREAM in await stream_write_errors(server.monitor_url)
-        last = (await js.stream_info(STREAM)).state.last_seq
-        with pytest.raises((TimeoutError, nats.errors.Error)):  # sticky: nobody can renew or win
-            await leases.update("shard-0", b"a", last=first)
-
         clock = [0.0]
         doctors = [
             KvDoctor(
@@ -76,6 +71,12 @@ async def _stuck_bucket() -> None:
         clock[0] = 1.0
         assert await doctors[0].check_once() == []
         assert await doctors[1].check_once() == []
+        clock[0] = 1.6  # long enough, but the disk is still full: nothing is deleted
+        assert await doctors[0].check_once() == [] and (await js.stream_info(STREAM)).state.last_seq
+        store.fire({"action": "free_store"})
+        last = (await js.stream_info(STREAM)).state.last_seq
+        with pytest.raises((TimeoutError, nats.errors.Error)):  # sticky: nobody can renew or win
+            await leases.update("shard-0", b"a", last=first)
         clock[0] = 2.0  # both at once: exactly one claims the stuck incarnation and recreates it
         done = await asyncio.gather(*(d.check_once() for d in doctors))
         assert sorted(done) == [[], [STREAM]]

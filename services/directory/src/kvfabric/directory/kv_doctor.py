@@ -25,8 +25,9 @@ keeps epochs (revisions) growing. It is safe when all of these hold, which `chec
 4. **Still stuck right before the delete**: `/healthz` is read again and the stream's `created`
    and last sequence must be the ones claimed (a nats-server restarted meanwhile has cleared the
    error: then nothing is deleted).
-5. **The disk takes writes again**: a scratch stream of this instance takes a message (else the
-   add after the delete could fail on a disk still full); nothing is deleted before.
+5. **The disk takes writes again**: a scratch stream of this instance takes a message before
+   anything else is written (the claim in the config bucket would otherwise catch the full disk
+   itself, and the add after the delete could fail); nothing is claimed or deleted before.
 6. **Never a bucket without its floor**: the claim's value is the `first_seq` the new bucket must
    start at. If the add after the delete fails, the claimant adds it again at every check, and
    an instance that starts meanwhile and finds the bucket missing creates it from the highest
@@ -189,6 +190,9 @@ class KvDoctor:
         info = await js.stream_info(stream)
         created_ns = int(info.created.timestamp() * 1e9) if info.created is not None else 0
         last = info.state.last_seq
+        if not await self._disk_takes_writes(js):  # before any write of ours (the claim) too
+            self._log.info("kv_stream_repair_waits", stream=stream, reason="the store takes no write yet")
+            return False
         config = await js.key_value(self.config_bucket)
         claim = claim_key(stream, created_ns)
         try:
@@ -205,9 +209,6 @@ class KvDoctor:
             last,
         ):
             self._log.warning("kv_stream_repair_skipped", stream=stream, reason="healed or changed")
-            return False
-        if not await self._disk_takes_writes(js):
-            self._log.info("kv_stream_repair_waits", stream=stream, reason="the store takes no write yet")
             return False
         self._log.warning("kv_stream_recreating", stream=stream, last_seq=last)
         try:
