@@ -263,7 +263,7 @@ class LeaderElection:
                 await self._perform(self.core.tick(monotonic_ms()), on_start, on_stop)
                 await asyncio.sleep(LOOP_MS / 1000)
         finally:
-            for task in self._ops:
+            for task in list(self._ops):
                 task.cancel()
 
     async def release_held(self, timeout_s: float) -> int:
