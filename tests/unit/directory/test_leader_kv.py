@@ -237,3 +237,26 @@ def test_a_bucket_recreated_after_a_kept_write_error_comes_back_above_its_floor(
     bucket: object = asyncio.run(ld._bucket(FakeNc(js), "KVF_DIRECTORY_LEADERS", 3.0))  # type: ignore[arg-type]
     assert bucket == "bucket"
     assert js.calls == ["key_value", "add_stream first_seq=4712", "key_value"]
+
+
+def test_agreeing_on_the_shard_count_retries_a_bucket_without_a_stream_leader_yet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The config bucket just made on a forming cluster has no stream leader for a moment: its
+    first `create` gets no stream response (the directory's first start failed on it)."""
+    monkeypatch.setattr(ld, "BUCKET_RETRY_S", 0.01)
+
+    class ConfigKv:
+        def __init__(self) -> None:
+            self.tries = 0
+
+        async def create(self, key: str, value: bytes) -> int:
+            self.tries += 1
+            if self.tries < 3:
+                raise nats.js.errors.NoStreamResponseError()
+            return 1
+
+    kv = ConfigKv()
+    js = FakeJs(key_value=[kv], create=[])
+    assert asyncio.run(ld.agree_on_shards(FakeNc(js), 16, 3)) == 16  # type: ignore[arg-type]
+    assert kv.tries == 3

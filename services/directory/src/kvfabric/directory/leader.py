@@ -59,7 +59,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Final
+from typing import Final, TypeVar
 
 import msgspec
 import nats.errors
@@ -111,6 +111,7 @@ REGISTRY_GET_RETRY_S: Final = 0.1
 
 _log = get_logger("kvfabric.directory.registry")
 
+T = TypeVar("T")
 OnStart = Callable[[int, int], Awaitable[None]]
 OnStop = Callable[[int, int, str], Awaitable[None]]
 
@@ -132,35 +133,21 @@ async def _bucket(
     try again with a bounded backoff until `timeout_s` (module docstring)."""
     js = nc.jetstream(timeout=KV_TIMEOUT_S)
     config = KeyValueConfig(bucket=name, history=1, ttl=ttl_s, storage=StorageType.FILE, replicas=replicas)
-    deadline = clock() + timeout_s
-    delay = BUCKET_RETRY_S
-    attempt = 0
-    while True:
-        attempt += 1
+
+    async def open_or_create() -> KeyValue:
         try:
-            try:
-                return await js.key_value(name)
-            except nats.js.errors.BucketNotFoundError:
-                # A bucket recreated after a kept write error starts above its old revisions
-                # (kv_doctor): never again from 1, where epochs already used would come back.
-                floor = await floor_of(nc, f"KV_{name}", CONFIG_BUCKET)
-                if floor is None:
-                    return await js.create_key_value(config)  # a 400 if created meanwhile: read it next
-                _log.warning("kv_bucket_recreated_from_floor", bucket=name, first_seq=floor)
-                await js.add_stream(kv_stream_config(name, ttl_s, replicas, floor))
-                return await js.key_value(name)
-        except (nats.js.errors.Error, nats.errors.Error, TimeoutError) as exc:
-            if clock() + delay > deadline:
-                raise
-            _log.warning(
-                "kv_bucket_open_retry",
-                bucket=name,
-                attempt=attempt,
-                error=type(exc).__name__,
-                description=getattr(exc, "description", None),
-            )
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, BUCKET_RETRY_S_MAX)
+            return await js.key_value(name)
+        except nats.js.errors.BucketNotFoundError:
+            # A bucket recreated after a kept write error starts above its old revisions
+            # (kv_doctor): never again from 1, where epochs already used would come back.
+            floor = await floor_of(nc, f"KV_{name}", CONFIG_BUCKET)
+            if floor is None:
+                return await js.create_key_value(config)  # a 400 if created meanwhile: read it next
+            _log.warning("kv_bucket_recreated_from_floor", bucket=name, first_seq=floor)
+            await js.add_stream(kv_stream_config(name, ttl_s, replicas, floor))
+            return await js.key_value(name)
+
+    return await _retrying(name, open_or_create, timeout_s=timeout_s, clock=clock)
 
 
 async def agree_on_shards(nc: NatsClient, shards: int, replicas: int = 1) -> int:
@@ -169,12 +156,47 @@ async def agree_on_shards(nc: NatsClient, shards: int, replicas: int = 1) -> int
     make two instances lead the same keys under different shard numbers (and free each other's
     slots as orphans), so the caller refuses to start on a mismatch."""
     kv = await _bucket(nc, CONFIG_BUCKET, None, replicas)
-    try:
-        await kv.create("shards", str(shards).encode())
-        return shards
-    except nats.js.errors.KeyWrongLastSequenceError:
-        entry = await kv.get("shards")
-        return int((entry.value or b"0").decode())
+
+    async def agree() -> int:
+        try:
+            await kv.create("shards", str(shards).encode())
+            return shards
+        except nats.js.errors.KeyWrongLastSequenceError:
+            entry = await kv.get("shards")
+            return int((entry.value or b"0").decode())
+
+    return await _retrying(CONFIG_BUCKET, agree)
+
+
+async def _retrying(
+    what: str,
+    op: Callable[[], Awaitable[T]],
+    *,
+    timeout_s: float = BUCKET_OPEN_TIMEOUT_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """`op()` again with a bounded backoff while it is refused or unanswered, until `timeout_s`:
+    a bucket just made on a forming NATS cluster has no stream leader for a moment
+    (`NoStreamResponseError`)."""
+    deadline = clock() + timeout_s
+    delay = BUCKET_RETRY_S
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await op()
+        except (nats.js.errors.Error, nats.errors.Error, TimeoutError) as exc:
+            if isinstance(exc, nats.js.errors.KeyWrongLastSequenceError) or clock() + delay > deadline:
+                raise
+            _log.warning(
+                "kv_bucket_open_retry",
+                bucket=what,
+                attempt=attempt,
+                error=type(exc).__name__,
+                description=getattr(exc, "description", None),
+            )
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, BUCKET_RETRY_S_MAX)
 
 
 class SegmentRegistry:
