@@ -20,9 +20,18 @@ every step; tests/unit/core/test_disk_slots_machine.py checks the protocol again
 Concurrent syncs are shared (`GroupSync`: a sync started after your write covers you).
 
 Reads (`read`) take a read reference on the slot (a free meanwhile is deferred), read the extent
-into a private buffer, release, then hash the bytes: a mismatch (or an I/O error) frees the slot
-at once — its generation moves on, so no later read names it — and is returned as
-`corrupt`, for the shell to report like a scrubbed replica. The buffer is the caller's.
+into a buffer from the tier's `ReadBufferPool`, release, then hash the bytes: a mismatch (or an
+I/O error) frees the slot at once — its generation moves on, so no later read names it — and is
+returned as `corrupt`, for the shell to report like a scrubbed replica.
+
+Read buffers: page-aligned, pre-faulted, reused (mapping and faulting a fresh buffer per read
+cost about as much as the disk read itself: docs/ssd-tier.md "Figures"). Who holds one: the pool
+lends it to `read`; an `ok` read hands it to its caller inside the `SsdRead`, whose `release`
+gives it back (the backend calls it in `end_get` or when the connection closes, i.e. after the
+transport has sent it — a view of it must not outlive `release`, the next read reuses the
+memory); every other outcome (corrupt, an I/O error, `Busy`, any exception) gives it back before
+`read` returns. The pool holds at most `read_bytes_max` bytes of buffers, lent and idle together
+(idle ones of other sizes are unmapped to make room); a buffer is never lent twice.
 
 Bounds: the I/O engine runs at most `io_threads` pieces at once and holds at most
 `io_queue_max` pieces queued or running; a request that would exceed it is `Busy` at once. Reads
@@ -75,6 +84,7 @@ from kvfabric.proto.segment import SSD_SLOT_BASE
 __all__ = [
     "SSD_FILE_MODE",
     "GroupSync",
+    "ReadBufferPool",
     "SsdFileRefused",
     "SsdIo",
     "SsdRead",
@@ -87,6 +97,7 @@ SSD_FILE_MODE: Final = 0o600
 # Upper bounds (seconds) of the I/O latency histogram's buckets (`io_latency`), +Inf implied.
 IO_SECONDS_BUCKETS: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 INDEX_READ_BYTES: Final = 4 << 20  # the index is read at start in pieces of this size
+MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14: fault a mapping's pages in, writable, now
 ReadStatus = Literal["ok", "stale_generation", "not_found", "wrong_size", "corrupt"]
 
 
@@ -103,6 +114,108 @@ def aligned_buffer(size: int) -> mmap.mmap:
     """A page-aligned, zero-filled anonymous buffer of `size` rounded up to the block size (what
     `O_DIRECT` needs for memory); freed when the last view of it goes."""
     return mmap.mmap(-1, max(BLOCK_BYTES, -(-size // BLOCK_BYTES) * BLOCK_BYTES))
+
+
+def prefaulted_buffer(size: int) -> mmap.mmap:
+    """`aligned_buffer` with every page faulted in (writable) now, so a read into it takes no
+    page faults; one call on Linux >= 5.14, else one write per page."""
+    buf = aligned_buffer(size)
+    try:
+        buf.madvise(MADV_POPULATE_WRITE)
+    except (OSError, ValueError):
+        for offset in range(0, len(buf), mmap.PAGESIZE):
+            buf[offset] = 0
+    return buf
+
+
+class ReadBufferPool:
+    """Pre-faulted, page-aligned read buffers, reused. `take(n)` lends one of `n` bytes (rounded up
+    to whole blocks); `give` takes it back (an idle buffer of that size is reused by the next
+    `take` of that size). Lent and idle buffers together hold at most `bytes_max` bytes: a `take`
+    unmaps idle buffers of other sizes to make room, and past the bound (only when the caller
+    admitted one read above it: `SsdTier.read`'s "one read always may") the buffer is made and
+    unmapped on `give` rather than kept. A buffer is lent to one holder at a time: `give` of a
+    buffer that is not lent is an invariant failure. Thread-safe."""
+
+    def __init__(self, bytes_max: int) -> None:
+        invariant(bytes_max >= BLOCK_BYTES, "read buffer pool bound below one block", bytes_max=bytes_max)
+        self.bytes_max = bytes_max
+        self._lock = threading.Lock()
+        self._idle: dict[int, list[mmap.mmap]] = {}  # buffer bytes -> idle buffers, last given first
+        self._lent: dict[int, mmap.mmap] = {}  # id(buffer) -> buffer
+        self.idle_bytes = 0
+        self.lent_bytes = 0
+        self.made_total = 0
+        self.reused_total = 0
+        self.unmapped_total = 0
+
+    @staticmethod
+    def buffer_bytes(size: int) -> int:
+        return max(BLOCK_BYTES, -(-size // BLOCK_BYTES) * BLOCK_BYTES)
+
+    def take(self, size: int) -> mmap.mmap:
+        n = self.buffer_bytes(size)
+        unmap: list[mmap.mmap] = []
+        with self._lock:
+            stack = self._idle.get(n)
+            if stack:
+                buf = stack.pop()
+                self.idle_bytes -= n
+                self.reused_total += 1
+                self._lend(buf)
+                return buf
+            for other in list(self._idle):  # room for a new one: unmap idle ones of other sizes
+                pile = self._idle[other]
+                while pile and self.lent_bytes + self.idle_bytes + n > self.bytes_max:
+                    unmap.append(pile.pop())
+                    self.idle_bytes -= other
+                if not pile:
+                    del self._idle[other]
+            self.unmapped_total += len(unmap)
+            self.lent_bytes += n  # reserved while it is made (outside the lock)
+        unmap.clear()  # unmapped as their last reference goes (a stray view keeps its memory valid)
+        try:
+            buf = prefaulted_buffer(n)
+        except BaseException:
+            with self._lock:
+                self.lent_bytes -= n
+            raise
+        with self._lock:
+            self.lent_bytes -= n
+            self.made_total += 1
+            self._lend(buf)
+        return buf
+
+    def _lend(self, buf: mmap.mmap) -> None:
+        invariant(id(buf) not in self._lent, "read buffer lent twice")
+        self._lent[id(buf)] = buf
+        self.lent_bytes += len(buf)
+
+    def give(self, buf: mmap.mmap) -> None:
+        n = len(buf)
+        with self._lock:
+            invariant(self._lent.pop(id(buf), None) is buf, "read buffer given back but not lent")
+            self.lent_bytes -= n
+            keep = self.lent_bytes + self.idle_bytes + n <= self.bytes_max
+            if keep:
+                self._idle.setdefault(n, []).append(buf)
+                self.idle_bytes += n
+            else:
+                self.unmapped_total += 1  # unmapped as its last reference goes
+
+    def lent(self) -> int:
+        with self._lock:
+            return len(self._lent)
+
+    def close(self) -> None:
+        """Unmap the idle buffers (lent ones go when their holders give them back)."""
+        with self._lock:
+            idle = [buf for pile in self._idle.values() for buf in pile]
+            self._idle.clear()
+            self.idle_bytes = 0
+        for buf in idle:
+            with contextlib.suppress(BufferError):
+                buf.close()
 
 
 class SsdIo:
@@ -281,6 +394,7 @@ class SsdTier:
         self.direct = direct
         self.io = io
         self.read_bytes_max = read_bytes_max
+        self.read_buffers = ReadBufferPool(read_bytes_max)
         self.geometry = geometry(slots_max, data_bytes)
         self.lock = threading.Lock()
         self.counters: dict[str, int] = {}
@@ -414,6 +528,7 @@ class SsdTier:
         return self._direct_fd if self.direct else self._fd
 
     def close(self) -> None:
+        self.read_buffers.close()
         for fd in (self._direct_fd, self._fd):
             if fd >= 0:
                 with contextlib.suppress(OSError):
@@ -599,24 +714,33 @@ class SsdTier:
             held = self.table.held_one(local, generation)
         key = held.key if held is not None else b""
         extent = grant.extent_bytes
+        pool = self.read_buffers
+        lent: list[mmap.mmap] = []  # the pool's buffer, until given back (once)
 
         def give_back() -> None:
             with self.lock:
                 self.read_bytes_in_flight -= extent
+            if lent:
+                pool.give(lent.pop())
 
         started = time.perf_counter()
         ok = False
         try:
-            buf = aligned_buffer(extent)
+            lent.append(pool.take(extent))
         except (OSError, MemoryError):
             with self.lock:
                 self.table.release(local, generation)
             give_back()
             raise Busy("no memory for a disk read buffer", size=extent) from None
+        buf = lent[0]
         try:
             with memoryview(buf) as whole:
-                self.io.pread(self.data_fd, whole, self.geometry.data_offset + grant.offset)
-                ok = checksum(whole[:size]) == grant.checksum
+                piece = whole[:extent]
+                try:
+                    self.io.pread(self.data_fd, piece, self.geometry.data_offset + grant.offset)
+                    ok = checksum(piece[:size]) == grant.checksum
+                finally:
+                    piece.release()
         except OSError:
             self.count("read_errors_total")
         except BaseException:  # Busy from the I/O engine, or worse: nothing held afterwards
