@@ -1,7 +1,7 @@
 """`demote.<segment_id>`: move arena objects into this segment's own disk tier (issue 23).
 
-The eviction policy picks the victims and asks; the segment runs the protocol, one object at a
-time, each step an existing mechanism:
+The eviction policy picks the victims and asks; the segment runs the protocol for each object,
+each step an existing mechanism, up to `DEMOTE_CONCURRENCY_MAX` objects of a request at once:
 
 1. `replicate_begin(key, this segment, tier="ssd")` at the key's shard leader: a ticket for a
    disk replica (reserves no arena bytes). `already_there`: an earlier demotion copied it (its
@@ -18,10 +18,19 @@ time, each step an existing mechanism:
    (`free.<segment_id>`), unless a lease or pin holds the group (`copied`: both replicas stay,
    a later demotion drops it) or it is the last replica.
 
-One request at a time (another is `busy`); the disk write runs on one thread of its own (the
-I/O engine splits it into pieces on its own threads), never on the default executor that frees
-use. A failure at any step leaves the object readable where it was: the arena replica goes only
-once the disk replica is in the directory's record.
+One request at a time (another is `busy`). Within it, up to `DEMOTE_CONCURRENCY_MAX` objects run
+the four steps at once, each in its own order, so their directory round trips overlap (the
+confirm batcher sends concurrent confirms in one request) and their disk writes share syncs
+(`GroupSync`: a sync that starts after a write covers every write finished by then — a batch of
+writes costs a few syncs, not two each; the write protocol of each object is unchanged: its data
+is durable before its commit record is written). Sequentially each object paid two syncs and three
+round trips, and demotion moved 0.04-0.34 of the raw disk's write rate (docs/ssd-tier.md). The
+disk writes run on threads of their own (the I/O engine splits each into pieces on its threads),
+never on the default executor that frees use. A full tier (`no_capacity`) stops the objects not
+yet started; those in flight finish. An unexpected error in one object lets the others finish
+(none is left half-done: a disk slot written but neither confirmed nor freed), then is raised. A
+failure at any step leaves the object readable where it was: the arena replica goes only once the
+disk replica is in the directory's record.
 """
 
 from __future__ import annotations
@@ -47,9 +56,12 @@ from kvfabric.proto.segment import (
 )
 from kvfabric.segment_storage.backend import ArenaBackend
 
-__all__ = ["DEMOTE_TTL_MS", "Demoter"]
+__all__ = ["DEMOTE_CONCURRENCY_MAX", "DEMOTE_TTL_MS", "Demoter"]
 
 DEMOTE_TTL_MS: Final = 30_000  # the disk replica's ticket: one object's write, well within it
+# Objects of one demote request in flight at once (their disk writes and round trips overlap);
+# with 4 MiB objects: 32 pieces of the I/O engine's queue (KVF_SEGMENT_SSD_IO_QUEUE_MAX, 256).
+DEMOTE_CONCURRENCY_MAX: Final = 8
 
 # (verb, message) -> the directory's reply, from the leader of the message key's shard
 AskFn = Callable[[str, msgspec.Struct], Awaitable[msgspec.Struct]]
@@ -79,7 +91,9 @@ class Demoter:
         self._warn = warn
         self._busy = False
         self._requests = itertools.count(1)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvf-demote")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            DEMOTE_CONCURRENCY_MAX, thread_name_prefix="kvf-demote"
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -97,16 +111,29 @@ class Demoter:
             self.backend.count("demote_busy_total")
             raise Busy("a demotion is running on this segment")
         self._busy = True
-        results: list[DemoteResult] = []
+        results: list[DemoteResult] = [DemoteResult("no_capacity")] * len(message.objects)
+        gate = asyncio.Semaphore(DEMOTE_CONCURRENCY_MAX)
+        full = False
+
+        async def demote(i: int, obj: DemoteObject) -> None:
+            nonlocal full
+            async with gate:
+                if full:  # the tier is full: the rest would not fit either, not tried
+                    return
+                results[i] = await self._one(obj)
+                if results[i].status == "no_capacity":
+                    full = True
+
         try:
-            for obj in message.objects:
-                result = await self._one(obj)
-                results.append(result)
-                if result.status == "no_capacity":  # the rest would not fit either: not tried
-                    results += [DemoteResult("no_capacity")] * (len(message.objects) - len(results))
-                    break
+            # Every object runs to its end (none cancelled half-way by another's error).
+            outcomes = await asyncio.gather(
+                *(demote(i, obj) for i, obj in enumerate(message.objects)), return_exceptions=True
+            )
         finally:
             self._busy = False
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
         stats = ssd.stats()
         return DemoteReply(
             results=results, ssd_capacity_bytes=stats["capacity_bytes"], ssd_used_bytes=stats["used_bytes"]

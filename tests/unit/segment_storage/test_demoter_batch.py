@@ -1,0 +1,253 @@
+"""The demoter runs a request's objects at once (up to DEMOTE_CONCURRENCY_MAX): their directory
+round trips overlap and their disk writes share syncs, each object's write protocol unchanged
+(data durable before its commit record: tests/unit/segment_storage/test_ssd_crash.py). Results
+stay in request order; a full tier stops the objects not yet started; an error in one object
+lets the others finish (no disk slot written but neither confirmed nor freed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvfabric.core.segment_slots import SlotTable
+from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import Unavailable
+from kvfabric.proto import directory as m
+from kvfabric.proto.dataplane import ReadRef
+from kvfabric.proto.segment import SSD_SLOT_BASE, DemoteObject, DemoteReply, DemoteRequest
+from kvfabric.segment_storage.arena import Arena
+from kvfabric.segment_storage.backend import ArenaBackend
+from kvfabric.segment_storage.demoter import DEMOTE_CONCURRENCY_MAX, Demoter
+from kvfabric.segment_storage.ssd import SsdIo, SsdTier
+
+from .test_ssd_backend import INCARNATION, NOW_MS, SECRET, SEGMENT, Seg
+
+ARENA_BYTES = 8 << 20
+SYNC_S = 0.02  # a slow disk's sync: writes that overlap share one
+
+
+class Directory:
+    """The directory's side of demotion, with a round trip of `rtt_s`; records what it saw."""
+
+    def __init__(self, rtt_s: float = 0.01) -> None:
+        self.rtt_s = rtt_s
+        self.in_flight = 0
+        self.in_flight_max = 0
+        self.begun: list[bytes] = []
+        self.dropped: list[bytes] = []
+        self.confirmed: list[tuple[bytes, int, int]] = []
+        self.refs: dict[bytes, ReadRef] = {}
+        self.fail_drop: set[bytes] = set()
+
+    async def _trip(self) -> None:
+        self.in_flight += 1
+        self.in_flight_max = max(self.in_flight_max, self.in_flight)
+        await asyncio.sleep(self.rtt_s)
+        self.in_flight -= 1
+
+    async def ask(self, verb: str, message: msgspec.Struct) -> msgspec.Struct:
+        await self._trip()
+        if isinstance(message, m.ReplicateBegin):
+            self.begun.append(message.key)
+            ref = self.refs[message.key]
+            ticket = m.WriteTicket(
+                ticket_id=len(self.begun),
+                key=message.key,
+                segment_id=SEGMENT,
+                incarnation=INCARNATION,
+                size_bytes=ref.size_bytes,
+                checksum=b"",
+                writer_id=message.writer_id,
+                deadline_ms=NOW_MS + 30_000,
+                epoch=1,
+            )
+            source = m.Replica(
+                segment_id=SEGMENT,
+                incarnation=INCARNATION,
+                slot=ref.slot,
+                slot_generation=ref.slot_generation,
+            )
+            return m.ReplicateBeginReply(epoch=1, status="placed", ticket=ticket, sources=[source])
+        if isinstance(message, m.ReplicaCorrupt):
+            if message.key in self.fail_drop:
+                raise RuntimeError("a bug while dropping")
+            self.dropped.append(message.key)
+            return m.ReplicaCorruptReply(epoch=1, dropped=True)
+        if isinstance(message, m.PutAbort):
+            return m.PutAbortReply(epoch=1, aborted=len(message.keys))
+        raise AssertionError(verb)
+
+    async def confirm(self, ticket: m.WriteTicket, slot: int, generation: int) -> str:
+        await self._trip()
+        self.confirmed.append((ticket.key, slot, generation))
+        return "ok"
+
+
+def make(tmp: Path, ssd_bytes: int, syncs: list[float]) -> Seg:
+    def slow_sync(fd: int) -> None:
+        syncs.append(time.monotonic())
+        time.sleep(SYNC_S)
+        os.fdatasync(fd)
+
+    io = SsdIo(2, 256, 1 << 20)
+    ssd = SsdTier(
+        tmp / "ssd", SEGMENT, ssd_bytes, 64, direct=True, io=io, read_bytes_max=8 << 20, sync=slow_sync
+    )
+    backend = ArenaBackend(
+        Arena(tmp, SEGMENT, INCARNATION, ARENA_BYTES),
+        SlotTable(ARENA_BYTES),
+        segment_id=SEGMENT,
+        incarnation=INCARNATION,
+        secret=SECRET,
+        confirm=lambda *_: "ok",
+        clock_ms=lambda: NOW_MS,
+        ssd=ssd,
+    )
+    return Seg(backend, ssd, io)
+
+
+def demote(seg: Seg, directory: Directory, objects: list[DemoteObject]) -> DemoteReply:
+    demoter = Demoter(
+        seg.backend,
+        segment_id=SEGMENT,
+        incarnation=INCARNATION,
+        ask=directory.ask,
+        confirm=directory.confirm,
+        warn=lambda *a, **k: None,
+    )
+    try:
+        reply = asyncio.run(demoter.on_demote(msgspec.msgpack.encode(DemoteRequest(objects=objects)), {}))
+    finally:
+        demoter.close()
+    assert isinstance(reply, DemoteReply)
+    return reply
+
+
+def stored(seg: Seg, directory: Directory, n: int, size: int) -> tuple[list[bytes], list[DemoteObject]]:
+    datas, objects = [], []
+    for i in range(n):
+        data = os.urandom(size)
+        key = b"key-%02d" % i
+        ref = seg.store(data, key)
+        directory.refs[key] = ref
+        datas.append(data)
+        objects.append(DemoteObject(key, ref.slot, ref.slot_generation))
+    return datas, objects
+
+
+def test_a_request_demotes_its_objects_at_once_sharing_syncs(tmp_path: Path) -> None:
+    syncs: list[float] = []
+    seg = make(tmp_path, 16 << 20, syncs)
+    directory = Directory()
+    try:
+        n = 16
+        datas, objects = stored(seg, directory, n, 64 * 1024)
+        syncs.clear()
+        reply = demote(seg, directory, objects)
+        assert [r.status for r in reply.results] == ["demoted"] * n
+        assert directory.dropped and sorted(directory.dropped) == [o.key for o in objects]
+        # Results in request order: each names the disk replica of its own object's bytes.
+        for data, result in zip(datas, reply.results, strict=True):
+            read = seg.ssd.read(result.slot, result.slot_generation, len(data))
+            assert read.status == "ok" and read.view is not None and bytes(read.view) == data
+            read.release()
+        # One at a time: 2 syncs and 3 round trips per object, none overlapping.
+        assert len(syncs) < n, f"{len(syncs)} syncs for {n} objects: writes did not share them"
+        assert 1 < directory.in_flight_max <= DEMOTE_CONCURRENCY_MAX
+        assert {(k, s, g) for k, s, g in directory.confirmed} == {
+            (o.key, r.slot, r.slot_generation) for o, r in zip(objects, reply.results, strict=True)
+        }
+        assert all(r.slot >= SSD_SLOT_BASE for r in reply.results)
+    finally:
+        seg.backend.arena.close()
+        seg.io.close()
+        seg.ssd.close()
+
+
+def test_a_full_tier_stops_the_objects_not_yet_started(tmp_path: Path) -> None:
+    syncs: list[float] = []
+    seg = make(tmp_path, 1 << 20, syncs)  # room for 4 of the 20 objects
+    directory = Directory()
+    try:
+        n = 20
+        _, objects = stored(seg, directory, n, 256 * 1024)
+        reply = demote(seg, directory, objects)
+        statuses = [r.status for r in reply.results]
+        assert set(statuses) == {"demoted", "no_capacity"}
+        assert 1 <= statuses.count("demoted") <= 4
+        # Not started after the tier said full: never asked for a ticket.
+        assert len(directory.begun) <= statuses.count("demoted") + DEMOTE_CONCURRENCY_MAX
+        assert len(directory.begun) < n
+        held = seg.ssd.stats()
+        assert held["objects"] == statuses.count("demoted")  # nothing written for the rest
+    finally:
+        seg.backend.arena.close()
+        seg.io.close()
+        seg.ssd.close()
+
+
+def test_an_error_in_one_object_lets_the_others_finish(tmp_path: Path) -> None:
+    syncs: list[float] = []
+    seg = make(tmp_path, 16 << 20, syncs)
+    directory = Directory()
+    try:
+        n = 8
+        _, objects = stored(seg, directory, n, 64 * 1024)
+        directory.fail_drop = {objects[0].key}
+        with pytest.raises(RuntimeError, match="a bug while dropping"):
+            demote(seg, directory, objects)
+        # Every other object ran to its end: confirmed and its arena replica dropped; the failed
+        # one's disk replica was confirmed too (both replicas stay, as when a drop fails).
+        assert sorted(directory.dropped) == sorted(o.key for o in objects[1:])
+        assert len(directory.confirmed) == n and seg.ssd.stats()["objects"] == n
+    finally:
+        seg.backend.arena.close()
+        seg.io.close()
+        seg.ssd.close()
+
+
+def test_unavailable_tier_fails_each_object_without_stopping_the_rest(tmp_path: Path) -> None:
+    syncs: list[float] = []
+    seg = make(tmp_path, 16 << 20, syncs)
+    directory = Directory()
+    try:
+        _, objects = stored(seg, directory, 4, 4096)
+        writes = 0
+        real = seg.backend.demote
+
+        def flaky(slot: int, generation: int, size: int) -> tuple[int, int]:
+            nonlocal writes
+            writes += 1
+            if writes == 2:
+                raise Unavailable("disk tier write failed")
+            return real(slot, generation, size)
+
+        seg.backend.demote = flaky  # type: ignore[method-assign]
+        reply = demote(seg, directory, objects)
+        statuses = [r.status for r in reply.results]
+        assert statuses.count("failed") == 1 and statuses.count("demoted") == 3
+    finally:
+        seg.backend.arena.close()
+        seg.io.close()
+        seg.ssd.close()
+
+
+def test_checksum_of_the_demoted_bytes_is_the_arena_one(tmp_path: Path) -> None:
+    syncs: list[float] = []
+    seg = make(tmp_path, 16 << 20, syncs)
+    directory = Directory()
+    try:
+        datas, objects = stored(seg, directory, 3, 10_000)
+        reply = demote(seg, directory, objects)
+        for data, result in zip(datas, reply.results, strict=True):
+            held = seg.ssd.held_one(result.slot, result.slot_generation)
+            assert held is not None and held.checksum == checksum(data)
+    finally:
+        seg.backend.arena.close()
+        seg.io.close()
+        seg.ssd.close()
