@@ -44,6 +44,7 @@ from chaos_checks import FinalState, Op, check_all, check_leadership_budget, che
 from chaos_links import Links  # type: ignore[import-not-found]
 from chaos_natscluster import NatsCluster  # type: ignore[import-not-found]
 from chaos_skew import Skewed  # type: ignore[import-not-found]
+from chaos_ssd import SsdDrill  # type: ignore[import-not-found]
 from chaos_store import StoreDisk  # type: ignore[import-not-found]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,8 +82,11 @@ def fire(
     links: Links | None = None,
     store: StoreDisk | None = None,
     natsc: NatsCluster | None = None,
+    ssd: SsdDrill | None = None,
 ) -> str:
     action, target = fault["action"], fault.get("target", "")
+    if action in ("kill_demoting", "power_cycle") and ssd is not None:  # the disk tier (issue 23)
+        return str(ssd.fire(run, fault, kv_factory))
     if action in ("kill", "restart") and target.startswith("nats-") and natsc is not None:
         return str(natsc.fire(fault))  # a node of the drill's NATS cluster other than node 1
     if action == "stream_leader" and natsc is not None:  # a stream's leader onto a given node
@@ -349,6 +353,8 @@ COUNTED_LOG_EVENTS = (
     "kv_stream_recreated",
     "events_follow_retry",  # a follower of the events stream (eviction policy, router): new consumer
     "events_gap",
+    "demoted",  # the eviction policy moved victims to a segment's disk tier (issue 23)
+    "demotion_stopped",  # a full disk tier stopped demotion (the policy's and the segment's line)
 )
 HANDOVER_REASONS = ("handover", "leaving")
 
@@ -418,10 +424,12 @@ def run_drill(
     env = dict(os.environ, KVF_DIRECTORY_REPLICAS_DEFAULT=str(topo.get("replicas", 1)))
     natsc = NatsCluster()
     env.update(natsc.env(topo))
+    ssd = SsdDrill(name, topo)
     if topo.get("nats_store_bytes"):  # nats-server's /healthz for the directory's kv_doctor
         monitor_port = free_port()
         env["KVF_LOCALCLUSTER_NATS_MONITOR_PORT"] = str(monitor_port)
         env["KVF_DIRECTORY_NATS_MONITOR_URL"] = f"http://127.0.0.1:{monitor_port}"
+    env.update({k: str(v) for k, v in drill.get("env", {}).items()})  # the drill's service settings
     env.update(env_overrides or {})
     try:
         natsc.prepare(run, topo)  # nodes 2..N of a NATS cluster that node 1 (localcluster's) joins
@@ -447,7 +455,9 @@ def run_drill(
         str(topo.get("netns_segments", 0)),
         "--segment-prefix",  # ids of this run only: other tests' clusters may run meanwhile
         f"c{links.tag}",
+        *ssd.up_args(),  # a disk tier per segment, its data folder outside the run folder
     ]
+    ssd.prepare(up_argv, env, wl, prompt, expected_payload, TOKENS_PER_CHUNK)
     up = subprocess.run(up_argv, env=env, capture_output=True, text=True)
     up_attempts = 1
     up_failures: list[str] = []  # why a first `up` failed (its output, the children's errors)
@@ -520,7 +530,7 @@ def run_drill(
 
                     try:
                         with links.host_side():
-                            what = fire(run, fault, factory, links, store, natsc)
+                            what = fire(run, fault, factory, links, store, natsc, ssd)
                     except Exception as exc:  # a fault that could not be injected fails the drill
                         fault_errors.append(f"{fault['action']}: {exc!r}")
                         what = f"{fault['action']} FAILED: {exc!r}"
@@ -542,6 +552,7 @@ def run_drill(
         time.sleep(float(drill.get("settle_s", 6.0)))
         try:  # a cluster that cannot be read after settle fails the drill, not the runner
             final = final_state(nats_url, admin)
+            ssd.read_final(run, nats_url, admin)  # disk objects vs the directory's disk replicas
             evicted = evicted_groups(nats_url, admin)
             since_s = expect.get("events_published_after_s")
             published = evicted_groups(nats_url, admin, "published") if since_s is not None else set()
@@ -577,6 +588,7 @@ def run_drill(
             [sys.executable, str(LOCALCLUSTER), "down", "--run-dir", str(run)], capture_output=True
         )
         left_behind += store.close(run)  # after `down`: nats-server no longer holds the mount
+        ssd.close()
     violations = check_all(history, final, expect)
     if final_error:  # only the checkers of the history stand; the end state is unknown
         for key in ("no_leaks", "durability", "replicas_restored", "events_published"):
@@ -590,6 +602,7 @@ def run_drill(
         log_counts.get("leadership_lost", 0), expect.get("max_leadership_lost")
     )
     violations["nothing_left_behind"] = [f"left behind: {x}" for x in left_behind]
+    violations.update(ssd.violations(bool(final_error), log_counts, expect))  # the disk tier's checkers
     ended = [op for op in history if op.end_s is not None]
     return {
         "drill": name,
@@ -609,6 +622,7 @@ def run_drill(
         "log_counts": log_counts,
         "extra_restarts": skewed.restarts,
         "links": link_stats,
+        "ssd": ssd.summary(),
         "faults": fired,
         "violations": violations,
         "history": [asdict(op) for op in history],

@@ -186,3 +186,56 @@ def check_all(history: list[Op], final: FinalState, expect: dict[str, Any]) -> d
         "latency_budget": check_latency_budget(history, expect.get("load_p99_ms_max")),
         "events_published": check_events_published(final, expect.get("events_published_after_s")),
     }
+
+
+def check_disk_tier(disk: list[dict[str, Any]]) -> list[str]:
+    """(drills with a disk tier) after settle each live segment's disk holds exactly the disk
+    replicas the directory lists on it, objects and bytes (no leaked space: an object recovered
+    after a kill is adopted or freed, never left behind), and no disk read failed its checksum
+    (no torn object read back)."""
+    problems = []
+    for seg in disk:
+        if (seg["ssd_objects"], seg["ssd_bytes"]) != (seg["listed_objects"], seg["listed_bytes"]):
+            problems.append(
+                f"segment {seg['segment_id']}: {seg['ssd_objects']:.0f} objects / "
+                f"{seg['ssd_bytes']:.0f} bytes on disk, the directory lists {seg['listed_objects']} / "
+                f"{seg['listed_bytes']}"
+            )
+        if seg.get("ssd_read_corrupt", 0):
+            problems.append(f"segment {seg['segment_id']}: {seg['ssd_read_corrupt']:.0f} corrupt disk reads")
+    return problems
+
+
+def check_demotion(
+    disk: list[dict[str, Any]], log_counts: dict[str, int], expect: dict[str, Any]
+) -> list[str]:
+    """(drills with `min_demoted`, `min_demotion_stopped`, `min_demote_no_capacity`) the eviction
+    policy demoted (its `demoted` log lines), a full disk stopped demotion (`demotion_stopped`
+    log lines) and the live segments counted it (`demote_no_capacity`)."""
+    problems = []
+    for key, have in (
+        ("min_demoted", log_counts.get("demoted", 0)),
+        ("min_demotion_stopped", log_counts.get("demotion_stopped", 0)),
+        ("min_demote_no_capacity", int(sum(seg.get("demote_no_capacity", 0) for seg in disk))),
+    ):
+        if key in expect and have < int(expect[key]):
+            problems.append(f"{key.removeprefix('min_')}: {have} < {int(expect[key])}")
+    return problems
+
+
+def check_power_cycle(cycle: dict[str, Any], share_min: float | None, findable_min: int = 1) -> list[str]:
+    """(drills with `power_cycle_share_min`) of the chunks findable on disk before the power
+    cycle (a disk replica for the chunk and every chunk before it), at least that share is listed
+    on disk again after `up` and loads with identical bytes; and at least `findable_min` were
+    findable (a cycle of a cache with nothing on disk proves nothing)."""
+    if share_min is None:
+        return []
+    findable, hit = int(cycle.get("findable_before", 0)), int(cycle.get("hit_after", 0))
+    if findable < findable_min:
+        return [f"{findable} chunk(s) findable on disk before the power cycle, expected >= {findable_min}"]
+    if hit / findable < float(share_min):
+        return [
+            f"{hit} of {findable} chunks findable on disk before the power cycle hit from disk after it "
+            f"({hit / findable:.3f} < {float(share_min):.2f})"
+        ]
+    return []
