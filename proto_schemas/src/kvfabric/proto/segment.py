@@ -159,7 +159,8 @@ class DemoteObject(msgspec.Struct, frozen=True, array_like=True):
 
 class DemoteRequest(msgspec.Struct, frozen=True, kw_only=True, tag="seg.demote.v1", tag_field="t"):
     """`kvf.v1.segment.demote.<segment_id>` (from the eviction policy): move these objects from
-    the arena into this segment's disk tier, one after another. Per object the segment asks the
+    the arena into this segment's disk tier, up to 8 at once (the segment's
+    `DEMOTE_CONCURRENCY_MAX`; results in request order). Per object the segment asks the
     directory for a disk replica (`replicate_begin`, tier `ssd`), copies its arena bytes to disk
     (verified first; data, sync, commit record, sync), confirms the disk replica like any write,
     then asks the directory to drop the arena replica (`replica_corrupt`, reason `demoted`:
