@@ -225,9 +225,9 @@ def check_demotion(
 
 def check_power_cycle(cycle: dict[str, Any], share_min: float | None, findable_min: int = 1) -> list[str]:
     """(drills with `power_cycle_share_min`) of the chunks findable on disk before the power
-    cycle (a disk replica for the chunk and every chunk before it), at least that share is listed
-    on disk again after `up` and loads with identical bytes; and at least `findable_min` were
-    findable (a cycle of a cache with nothing on disk proves nothing)."""
+    cycle (a disk replica for the chunk and every chunk before it), at least that share has the
+    same disk replica listed again after `up` (adopted, not demoted anew) and loads with identical
+    bytes; and at least `findable_min` were findable (a cache with nothing on disk proves nothing)."""
     if share_min is None:
         return []
     findable, hit = int(cycle.get("findable_before", 0)), int(cycle.get("hit_after", 0))

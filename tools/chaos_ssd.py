@@ -12,8 +12,9 @@ segment-kill-during-demotion, ssd-full and cluster-power-cycle.
   and every child (nats-server last), wait until the NATS port can be bound again (the workload's
   client reconnects to the same address; localcluster picks another port while a TIME_WAIT
   socket holds it), `up` again on the same run and data folders, then count the chunks noted
-  that a lookup lists with a disk replica again and that load with identical bytes (the
-  workload saves again what it misses, so a chunk hit only from a new arena copy is not counted).
+  whose disk replica (segment, slot, slot generation) a lookup lists again and that load with
+  identical bytes (the workload saves again what it misses and the policy demotes that again: a
+  chunk found only in a new arena or disk copy is not counted).
 - after settle, per live segment: disk objects and bytes (its metrics) against the disk replicas
   the directory lists on it, and its counters (`demotions`, `demote_no_capacity`,
   `ssd_read_corrupt`, `ssd_recovered_objects`).
@@ -129,6 +130,7 @@ class SsdDrill:
         self.prefixes = 0
         self.tokens_per_chunk = 16
         self.findable: dict[int, int] = {}  # power cycle: prefix -> chunks findable on disk before it
+        self.disk_ids: dict[int, list[set[tuple[str, int, int]]]] = {}  # ... their disk replicas
         self.hit_after: dict[int, int] = {}  # ... of them listed on disk and identical after it
         self.cycle: dict[str, Any] = {}
         self.disk: list[dict[str, Any]] = []  # per live segment after settle
@@ -177,16 +179,23 @@ class SsdDrill:
 
     # -- power cycle --------------------------------------------------------------------------
 
-    def _chunks(self, kv: Any, prefix: int) -> tuple[list[bool], int]:
-        """(per chunk a lookup finds: a disk replica listed?, chunks loaded with identical bytes
-        from the first on)."""
+    def _chunks(self, kv: Any, prefix: int) -> tuple[list[set[tuple[str, int, int]]], int]:
+        """(per chunk a lookup finds: its disk replicas (segment, slot, slot generation), chunks
+        loaded with identical bytes from the first on)."""
         from kvfabric.proto.segment import tier_of_slot
 
         assert self.prompt is not None and self.payload is not None
         tokens = self.prompt(prefix, self.chunks * self.tokens_per_chunk + 1)
         hit = kv.lookup(tokens, max_tokens=len(tokens) - 1)
         try:
-            on_disk = [any(tier_of_slot(r.slot) == "ssd" for r in o[0].replicas) for o in hit.objects]
+            on_disk = [
+                {
+                    (r.segment_id, r.slot, r.slot_generation)
+                    for r in o[0].replicas
+                    if tier_of_slot(r.slot) == "ssd"
+                }
+                for o in hit.objects
+            ]
             dests = [[bytearray(self.chunk_bytes)] for _ in range(hit.chunks)]
             loaded = kv.load(hit, dests).tokens // self.tokens_per_chunk
         finally:
@@ -207,7 +216,7 @@ class SsdDrill:
                 while n < len(on_disk) and on_disk[n]:
                     n += 1
                 if n:
-                    self.findable[prefix] = n
+                    self.findable[prefix], self.disk_ids[prefix] = n, on_disk[:n]
         state = json.loads((run / "cluster.json").read_text())
         port = int(state["nats_url"].rsplit(":", 1)[1])
         pids = [int((run / "supervisor.pid").read_text())]  # first: it would restart its children
@@ -249,8 +258,8 @@ class SsdDrill:
             while True:
                 for prefix, n in self.findable.items():
                     on_disk, identical = self._chunks(kv, prefix)
-                    listed = 0
-                    while listed < min(n, identical) and on_disk[listed]:
+                    listed = 0  # the same disk replica (slot and generation) as before: adopted
+                    while listed < min(n, identical) and on_disk[listed] & self.disk_ids[prefix][listed]:
                         listed += 1
                     self.hit_after[prefix] = listed
                 if sum(self.hit_after.values()) >= expected or time.monotonic() > deadline:
