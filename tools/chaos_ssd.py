@@ -114,6 +114,27 @@ def disk_replicas_listed(nats_url: str, admin: dict[str, str]) -> dict[str, tupl
     return asyncio.run(ask())
 
 
+DiskIds = list[set[tuple[str, int, int]]]  # per chunk: its disk replicas (segment, slot, generation)
+
+
+def findable_on_disk(on_disk: DiskIds) -> int:
+    """Chunks a lookup can find on disk alone: from chunk 0, each with a disk replica."""
+    n = 0
+    while n < len(on_disk) and on_disk[n]:
+        n += 1
+    return n
+
+
+def adopted_on_disk(before: DiskIds, after: DiskIds, identical: int) -> int:
+    """Of the chunks findable on disk before (`before`, from chunk 0), how many from chunk 0 are
+    listed after with one of the same disk replicas (adopted, not written anew) and loaded with
+    identical bytes (`identical`: chunks from chunk 0 that did)."""
+    n = 0
+    while n < min(len(before), len(after), identical) and before[n] & after[n]:
+        n += 1
+    return n
+
+
 class SsdDrill:
     """One drill's disk-tier part (nothing for a drill without `topology.ssd_bytes`)."""
 
@@ -130,7 +151,7 @@ class SsdDrill:
         self.prefixes = 0
         self.tokens_per_chunk = 16
         self.findable: dict[int, int] = {}  # power cycle: prefix -> chunks findable on disk before it
-        self.disk_ids: dict[int, list[set[tuple[str, int, int]]]] = {}  # ... their disk replicas
+        self.disk_ids: dict[int, DiskIds] = {}  # ... their disk replicas
         self.hit_after: dict[int, int] = {}  # ... of them listed on disk and identical after it
         self.cycle: dict[str, Any] = {}
         self.disk: list[dict[str, Any]] = []  # per live segment after settle
@@ -179,7 +200,7 @@ class SsdDrill:
 
     # -- power cycle --------------------------------------------------------------------------
 
-    def _chunks(self, kv: Any, prefix: int) -> tuple[list[set[tuple[str, int, int]]], int]:
+    def _chunks(self, kv: Any, prefix: int) -> tuple[DiskIds, int]:
         """(per chunk a lookup finds: its disk replicas (segment, slot, slot generation), chunks
         loaded with identical bytes from the first on)."""
         from kvfabric.proto.segment import tier_of_slot
@@ -212,9 +233,7 @@ class SsdDrill:
         with kv_factory() as kv:
             for prefix in range(self.prefixes):
                 on_disk, _ = self._chunks(kv, prefix)
-                n = 0
-                while n < len(on_disk) and on_disk[n]:
-                    n += 1
+                n = findable_on_disk(on_disk)
                 if n:
                     self.findable[prefix], self.disk_ids[prefix] = n, on_disk[:n]
         state = json.loads((run / "cluster.json").read_text())
@@ -256,12 +275,9 @@ class SsdDrill:
         deadline = time.monotonic() + ADOPT_WAIT_S
         with kv_factory() as kv:
             while True:
-                for prefix, n in self.findable.items():
+                for prefix in self.findable:
                     on_disk, identical = self._chunks(kv, prefix)
-                    listed = 0  # the same disk replica (slot and generation) as before: adopted
-                    while listed < min(n, identical) and on_disk[listed] & self.disk_ids[prefix][listed]:
-                        listed += 1
-                    self.hit_after[prefix] = listed
+                    self.hit_after[prefix] = adopted_on_disk(self.disk_ids[prefix], on_disk, identical)
                 if sum(self.hit_after.values()) >= expected or time.monotonic() > deadline:
                     break
                 time.sleep(POLL_S * 2)

@@ -69,3 +69,17 @@ def test_power_cycle_share_of_what_was_findable_on_disk() -> None:
     assert "0 chunk(s) findable" in c.check_power_cycle({"findable_before": 0, "hit_after": 0}, 0.99, 40)[0]
     assert c.check_power_cycle({}, 0.99, 40)
     assert c.check_power_cycle({"findable_before": 39, "hit_after": 39}, 0.99, 40)
+
+
+def test_findable_and_adopted_chunks_count_from_chunk_0() -> None:
+    s = load_tool("chaos_ssd")
+    a, b, c = ("s-1", 1 << 40, 1), ("s-1", (1 << 40) + 1, 1), ("s-2", 1 << 40, 3)
+    assert s.findable_on_disk([{a}, {b}, set(), {c}]) == 2  # a lookup folds from chunk 0
+    assert s.findable_on_disk([set(), {a}]) == 0
+    before = [{a}, {b}, {c}]
+    assert s.adopted_on_disk(before, [{a}, {b}, {c}], identical=3) == 3
+    assert s.adopted_on_disk(before, [{a}, {b}, {c}], identical=1) == 1  # bytes differ from chunk 1
+    # chunk 1 saved again and demoted anew (another slot or generation): not adopted, nor what follows
+    assert s.adopted_on_disk(before, [{a}, {("s-1", (1 << 40) + 1, 2)}, {c}], identical=3) == 1
+    assert s.adopted_on_disk(before, [{a}, set(), {c}], identical=3) == 1  # only an arena copy now
+    assert s.adopted_on_disk(before, [{a}], identical=1) == 1  # found shorter after the cycle
