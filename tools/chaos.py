@@ -474,6 +474,7 @@ def run_drill(
     if up.returncode != 0:
         natsc.close()
         store.close(run)
+        ssd.close()  # its data folder
         raise RuntimeError(f"cluster for drill {name} did not come up: {up.stdout}{up.stderr}")
     state = cluster_state(run)
     nats_url = state["nats_url"]
