@@ -99,7 +99,10 @@ def free_port() -> int:
 
 
 def port_free(port: int) -> bool:
+    """Whether nats-server could listen on `port` now. With SO_REUSEADDR, as nats-server binds:
+    a connection of the last life left in TIME_WAIT does not count, a listener still does."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
