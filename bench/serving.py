@@ -332,13 +332,12 @@ def router(
         }
         for e in engines
     ]
-    port = free_port()
     env = dict(
         os.environ,
         KVF_ROUTER_ENGINES=json.dumps(spec),
         KVF_ROUTER_KEYSPACE=json.dumps(keyspace),
         KVF_ROUTER_POLICY=policy,
-        KVF_ROUTER_HTTP_PORT=str(port),
+        KVF_ROUTER_HTTP_PORT="0",  # the router binds a free port and logs it (no race for it)
         KVF_ROUTER_ADMITTED_MAX=str(ADMITTED_MAX),
         KVF_ROUTER_TENANT_INFLIGHT_MAX=str(ADMITTED_MAX),
         KVF_LOG_LEVEL="debug",
@@ -350,8 +349,8 @@ def router(
     )
     proc.start()
     try:
-        proc.wait_for_event("router_http_listening", 60.0)
-        url = f"http://127.0.0.1:{port}"
+        listening = proc.wait_for_event("router_http_listening", 60.0)
+        url = f"http://127.0.0.1:{listening['port']}"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # both engines seen healthy
             with contextlib.suppress(httpx.HTTPError):
