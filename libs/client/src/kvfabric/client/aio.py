@@ -1,6 +1,6 @@
 """The asyncio client: lookup (folded hit + read lease), verified loads, two-phase saves.
 
-Rules every method keeps (issue 5, DESIGN.md 3):
+Rules every method keeps (issue 5, docs/design.md 3):
 - **Failures never raise into the engine.** A miss, timeout, partial load, checksum mismatch,
   stale generation, dead segment or unreachable directory shortens the hit or the load to the
   last verified chunk and is counted by cause (`metrics.fallbacks`). Only caller bugs (bad token

@@ -10,7 +10,7 @@ segments' reports under its epoch (`DirectoryCore.adopt`), serves, and frees not
 period as long as the longest read lease. An instance whose lease lapses stops serving at once
 and exits with 75 (EX_TEMPFAIL): its supervisor restarts it (it rejoins as a standby).
 
-The stop is bounded (DESIGN.md: liveness is an invariant): the election loop and shard starts
+The stop is bounded (docs/design.md: liveness is an invariant): the election loop and shard starts
 are cancelled and awaited for `TASKS_STOP_TIMEOUT_S`, the shards' tasks for
 `kvfabric.directory.host.STOP_TIMEOUT_S`; a task still running then (a cancellation swallowed
 for good) makes the process exit at once with 79 (`directory_stop_overran`, naming the tasks),

@@ -11,7 +11,7 @@ Who owns what:
   by the transport's idle timeout, which closes the connection and so aborts the slot.
 - A transfer reference (GET or local pin) belongs to its connection until `end_get`/`unpin_local`
   or the connection closes. While any reference is held, a free from the directory is deferred:
-  the memory is not reused under a reader (DESIGN.md invariant 3). A connection holds at most
+  the memory is not reused under a reader (docs/design.md invariant 3). A connection holds at most
   `LOCAL_GRANTS_PER_CONNECTION_MAX` grants, and a request that pins nothing keeps no grant (no
   state per refused frame).
 - `admits` is the transports' authenticator (`kvfabric.dataplane.admission`): a connection's
