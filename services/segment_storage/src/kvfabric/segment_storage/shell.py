@@ -3,7 +3,8 @@
 Lifecycle:
 - start: pick an incarnation (microseconds since the epoch: grows across restarts), create the
   arena, start the TCP data server, register with the directory (failure domain, capacity, data
-  address), then heartbeat every `heartbeat_interval_ms` with the bytes in use.
+  address; asked again while no instance leads a shard yet, for at most `REGISTER_WAIT_S`), then
+  heartbeat every `heartbeat_interval_ms` with the bytes in use.
 - `free.<segment_id>` (NATS, from the directory): free the named (slot, generation) pairs; a slot
   under a transfer is freed when the transfer ends; an old generation is already freed.
 - `drain.<segment_id>`: refuse new writes, keep serving reads; heartbeats say so.
@@ -107,6 +108,12 @@ SCRUB_TICK_S: Final = 0.1
 CORRUPT_REPORT_ATTEMPTS: Final = 3  # a report the directory could not take is retried, then dropped
 CORRUPT_REPORT_BACKOFF_S: Final = 1.0
 SSD_UNLINK_RETRY_S: Final = 1.0
+# A segment that starts before any directory instance leads a shard (a cluster coming up, a busy
+# directory answering the shard map late) asks again, waiting this long doubling to the max,
+# for at most REGISTER_WAIT_S in all; then its start fails (the supervisor restarts it).
+REGISTER_RETRY_S_MIN: Final = 0.1
+REGISTER_RETRY_S_MAX: Final = 2.0
+REGISTER_WAIT_S: Final = 30.0
 
 
 def new_incarnation() -> int:
@@ -299,17 +306,15 @@ class SegmentShell:
         self.data_addr = join(*addresses)
         s = self.settings
         self.router = DirectoryRouter(nc)
-        replies = await self._every_leader(
-            "register",
-            m.RegisterSegment(
-                segment_id=s.segment_id,
-                incarnation=self.incarnation,
-                capacity_bytes=s.arena_bytes,
-                domain=m.FailureDomain(zone=s.zone, rack=s.rack, host=s.host),
-                data_addr=self.data_addr,
-                disk_objects=self._disk_objects(),  # recovered: the directory adopts them
-            ),
+        registration = m.RegisterSegment(
+            segment_id=s.segment_id,
+            incarnation=self.incarnation,
+            capacity_bytes=s.arena_bytes,
+            domain=m.FailureDomain(zone=s.zone, rack=s.rack, host=s.host),
+            data_addr=self.data_addr,
+            disk_objects=self._disk_objects(),  # recovered: the directory adopts them
         )
+        replies = await self._register(registration)
         for reply in replies:
             if isinstance(reply, m.SegmentRegistered) and reply.heartbeat_interval_ms:
                 self.heartbeat_interval_ms = reply.heartbeat_interval_ms
@@ -325,6 +330,31 @@ class SegmentShell:
             arena_bytes=s.arena_bytes,
             shards_seen=len(self.backend.min_epochs),
         )
+
+    async def _register(
+        self,
+        registration: m.RegisterSegment,
+        *,
+        wait_s: float = REGISTER_WAIT_S,
+        retry_s: float = REGISTER_RETRY_S_MIN,
+    ) -> list[msgspec.Struct]:
+        """`register` with every shard leader; while none answers (`Unavailable`: no leader yet,
+        or a shard map answered too late), asked again with a doubling wait for at most `wait_s`.
+        `NotFound`/`StaleGeneration` (this incarnation declared down) and, once the wait is spent,
+        the last error are raised."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return await self._every_leader("register", registration)
+            except (NotFound, StaleGeneration):
+                raise
+            except (Unavailable, Indeterminate) as err:  # a register is idempotent per incarnation
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                self._log.info("register_retry", error=repr(err), wait_s=round(min(retry_s, left), 3))
+                await asyncio.sleep(min(retry_s, left))
+                retry_s = min(retry_s * 2, REGISTER_RETRY_S_MAX)
 
     async def stop(self) -> None:
         for task in self._tasks:
