@@ -691,7 +691,10 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool | None, st
         out.append(
             (
                 "(d) beats the best of (a)-(c) on goodput",
-                d["goodput_rps"] > best_g["goodput_rps"],
+                # more requests within the SLO (a shorter span alone is no win)
+                d["slo_met_fraction"] * d.get("requests", 1)
+                > best_g["slo_met_fraction"] * best_g.get("requests", 1)
+                and d["goodput_rps"] > best_g["goodput_rps"],
                 f"(d) {d['goodput_rps']:.3f} req/s vs ({best_g['config']}) {best_g['goodput_rps']:.3f} req/s",
             )
         )

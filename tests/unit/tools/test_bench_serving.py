@@ -85,7 +85,17 @@ def test_calibration_fit_recovers_the_terms_and_keeps_them_non_negative() -> Non
 
 
 def row(config: str, p50: float, goodput: float, failed: int = 0) -> dict[str, Any]:
-    return {"config": config, "ttft_p50_s": p50, "goodput_rps": goodput, "failed": failed, "refused": 0}
+    """100 requests over a 200 s replay: goodput x 200 of them within the SLO."""
+    met = goodput * 200
+    return {
+        "config": config,
+        "ttft_p50_s": p50,
+        "goodput_rps": goodput,
+        "slo_met_fraction": met / 100,
+        "requests": 100,
+        "failed": failed,
+        "refused": 0,
+    }
 
 
 def test_verdicts_compare_d_with_the_best_of_a_to_c() -> None:
@@ -101,4 +111,8 @@ def test_verdicts_compare_d_with_the_best_of_a_to_c() -> None:
     rows["d"] = row("d", 0.45, 1.3)
     got = {name: met for name, met, _ in verdicts(rows)}
     assert not got["(d) beats the best of (a)-(c) on TTFT p50 by >= 20%"]
+    assert not got["(d) beats the best of (a)-(c) on goodput"]
+    # as many requests within the SLO, a shorter span: no win
+    rows["d"] = {**row("d", 0.35, 1.3), "goodput_rps": 1.31}
+    got = {name: met for name, met, _ in verdicts(rows)}
     assert not got["(d) beats the best of (a)-(c) on goodput"]
