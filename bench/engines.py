@@ -71,8 +71,8 @@ def hf_bench(nats: NatsServer, model_dir: Path, reps: int) -> dict[str, Any]:
 
     from kvfabric.client import ClientSettings, KvClient
     from kvfabric.engines.hf import HfKvAdapter, hf_engine_spec
+    from kvfabric.engines.tiny import prompt_ids
     from kvfabric.format.key import ShareDomain
-    from tests.engines.tinymodel import prompt_ids
 
     domain = ShareDomain(tenant_id="bench", salt=b"bench-engines-hf")
 
@@ -121,7 +121,7 @@ def hf_bench(nats: NatsServer, model_dir: Path, reps: int) -> dict[str, Any]:
 def vllm_bench(
     nats: NatsServer, model_dir: Path, workdir: Path, reps: int, *, before: bool = False
 ) -> dict[str, Any]:
-    from tests.engines.tinymodel import prompt_ids
+    from kvfabric.engines.tiny import prompt_ids
     from tests.engines.vllmkit import run_engine
 
     steps = [{"name": "warm", "prompt": prompt_ids(2000, seed=5), "max_tokens": 1 + DECODE_TOKENS}]
@@ -357,8 +357,8 @@ def main() -> None:
     args = parser.parse_args()
     results = cast(Path, args.results)
     results.mkdir(parents=True, exist_ok=True)
-    from tests.engines.tinymodel import build_tiny_llama
-    from tests.integration.cluster import directory_process, segment_process
+    from kvfabric.engines.tiny import build_tiny_llama
+    from kvfabric.testing.cluster import directory_process, segment_process
 
     report: dict[str, Any] = {
         "command": "python -m bench.engines"

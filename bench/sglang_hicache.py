@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     from kvfabric.testing import NatsServer
-    from tests.integration.cluster import directory_process, segment_process
+    from kvfabric.testing.cluster import directory_process, segment_process
 
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),

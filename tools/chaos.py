@@ -157,7 +157,7 @@ def cancel_storm(kv_factory: Any, loads: int) -> str:
 
 def corrupt_one(kv_factory: Any, prefix: int, chunk: int) -> str:
     sys.path.insert(0, str(REPO))
-    from tests.integration.clientkit import corrupt_stored_byte
+    from kvfabric.testing.clientkit import corrupt_stored_byte
 
     with kv_factory() as kv:
         tokens = prompt(prefix)
@@ -410,7 +410,7 @@ def run_drill(
     from kvfabric.client import KvClient, settings_from_env
     from kvfabric.format.key import chunk_groups_for_prefix
     from kvfabric.testing import metric_value
-    from tests.integration.clientkit import SPEC as TEST_SPEC
+    from kvfabric.testing.clientkit import SPEC as TEST_SPEC
 
     drill = tomllib.loads(path.read_text())
     name = drill.get("name", path.stem)

@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvfabric.client import ClientSettings, KvClient
+from kvfabric.testing.clientkit import SPEC
 from kvfabric.testing.ports import free_port
-from tests.integration.clientkit import SPEC
 
 
 def main() -> None:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvfabric.engines.tiny import build_tiny_llama, prompt_ids
 from kvfabric.testing import NatsServer
 from kvfabric.testing.ports import free_port
-from tests.engines.tinymodel import build_tiny_llama, prompt_ids
 from tests.engines.vllmkit import by_name, run_engine
 
 
