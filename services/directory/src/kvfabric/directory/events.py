@@ -65,6 +65,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.api import StreamConfig
 from nats.js.errors import BadRequestError
 
+from kvfabric.directory.kv_doctor import add_or_find_stream
 from kvfabric.runtime.logs import get_logger
 
 __all__ = [
@@ -203,9 +204,8 @@ class EventsStream:
         first_seq = self._next_first_seq
         config = dataclasses.replace(self.config, first_seq=first_seq)
         try:
-            await js.add_stream(config)
-        except BadRequestError:
-            return "moving" if missing else done  # added meanwhile by another instance
+            if not await add_or_find_stream(js, config):
+                return "moving" if missing else done  # added meanwhile by another instance
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
             self.repairs_failed += 1
             self._log.error(

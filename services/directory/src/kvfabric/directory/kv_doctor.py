@@ -56,7 +56,13 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
 from kvfabric.runtime.logs import get_logger
 
-__all__ = ["KvDoctor", "floor_of", "kv_stream_config", "stream_write_errors"]
+__all__ = [
+    "KvDoctor",
+    "add_or_find_stream",
+    "floor_of",
+    "kv_stream_config",
+    "stream_write_errors",
+]
 
 POLL_S: Final = 2.0  # /healthz read this often
 TTL_MARGIN_S: Final = 1.0  # on top of the lease TTL before a stuck lease bucket is recreated
@@ -93,6 +99,18 @@ def kv_stream_config(bucket: str, ttl_s: float | None, replicas: int, first_seq:
         storage=StorageType.FILE,
         first_seq=first_seq,
     )
+
+
+async def add_or_find_stream(js: nats.js.JetStreamContext, config: StreamConfig) -> bool:
+    """Add the stream; True when this call added it, False when it already existed (added
+    meanwhile by another instance). A refusal for another reason (a forming cluster without
+    enough peers, a bad configuration) is raised: `BadRequestError` alone does not say "exists"."""
+    try:
+        await js.add_stream(config)
+    except nats.js.errors.BadRequestError:
+        await js.stream_info(config.name or "")  # NotFoundError (raised) when it is not there
+        return False
+    return True
 
 
 async def floor_of(nc: NatsClient, stream: str, config_bucket: str) -> int | None:
@@ -225,9 +243,8 @@ class KvDoctor:
         js = self.nc.jetstream(timeout=API_TIMEOUT_S)
         config = self._pending[stream]
         try:
-            await js.add_stream(config)
-        except nats.js.errors.BadRequestError:
-            pass  # it exists (added meanwhile by an instance that started: from the same floor)
+            # Already there: added meanwhile by an instance that started, from the same floor.
+            await add_or_find_stream(js, config)
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
             self.failed += 1
             self._log.error("kv_stream_repair_failed", stream=stream, step="add", error=type(exc).__name__)
