@@ -40,7 +40,7 @@ import msgspec
 
 from kvfabric.dataplane.scatter import GateClosed, ScatterDest
 from kvfabric.dataplane.shm import ShmReader
-from kvfabric.dataplane.tcp import TcpDataClient
+from kvfabric.dataplane.tcp import TcpDataClient, shutdown_fd
 from kvfabric.format.errors import KvfError
 from kvfabric.proto.dataplane import ObjectResult, ReadRef
 from kvfabric.proto.directory import ObjectLocation, Replica, WriteTicket
@@ -74,21 +74,6 @@ def attempt_budget_s(remaining_s: float, last: bool, share: float, min_s: float)
     if last or share >= 1.0:
         return remaining_s
     return min(remaining_s, max(min_s, remaining_s * share))
-
-
-def _shutdown_fd(fd: int) -> None:
-    """Shut a socket down by its descriptor (a TLS socket shares its raw socket's fd): a thread
-    blocked reading it returns at once. Never closes the descriptor (its owner does)."""
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.detach()
 
 
 class AttemptWatchdog:
@@ -141,7 +126,7 @@ class AttemptWatchdog:
                 for armed, (deadline_s, fd) in list(self._armed.items()):
                     if deadline_s <= now:
                         del self._armed[armed]
-                        _shutdown_fd(fd)  # under the lock: its owner has not disarmed, fd still its
+                        shutdown_fd(fd)  # under the lock: its owner has not disarmed, fd still its
                         self._cut.add(armed)
                         self.cuts += 1
                 self._wake_s = min((d for d, _ in self._armed.values()), default=math.inf)

@@ -73,6 +73,7 @@ __all__ = [
     "Destination",
     "TcpDataClient",
     "TcpDataServer",
+    "shutdown_fd",
     "tune_socket",
     "verified",
 ]
@@ -182,10 +183,12 @@ class _Close(Exception):
         self.request_id = request_id
 
 
-def _shutdown_fd(fd: int) -> None:
-    """Shut a connection down by its descriptor (a TLS socket shares its raw socket's fd): its
-    thread's blocked recv/send returns at once. Caller holds the server lock, so the fd is still
-    the connection's (a connection's entry is dropped under that lock before its socket closes)."""
+def shutdown_fd(fd: int) -> None:
+    """Shut a connection down by its descriptor (a TLS socket shares its raw socket's fd): a
+    thread blocked in recv/send on it returns at once. Never closes the descriptor (its owner
+    does); the caller makes sure the fd is still that connection's (here: the server lock, as a
+    connection's entry is dropped under it before its socket closes; the client's attempt
+    watchdog: armed until its owner disarms)."""
     try:
         sock = socket.socket(fileno=fd)
     except OSError:
@@ -283,7 +286,7 @@ class TcpDataServer:
         self._listener.close()
         with self._lock:
             for fd in self._fds.values():
-                _shutdown_fd(fd)
+                shutdown_fd(fd)
         for thread in self._threads:
             thread.join(timeout=5.0)
 
@@ -304,7 +307,7 @@ class TcpDataServer:
     def _expire_locked(self, conn: int) -> None:
         fd = self._fds.get(conn)
         if fd is not None:
-            _shutdown_fd(fd)
+            shutdown_fd(fd)
         if conn in self._deadlines:
             self._deadlines[conn] = (math.inf, "")
 
