@@ -146,7 +146,8 @@ def test_prefix_stays_on_its_instance_then_spills_to_kvfabric_past_the_break_eve
     assert to_b, f"every request of the burst stayed on A: {where}"
     for i in to_b:
         decision = routed(stack, f"burst-{i}")
-        assert decision["colocated_tokens"] + decision["remote_tokens"] > 0, decision
+        index_log = [ev for ev in stack.router.events() if ev.get("logger") == "kvfabric.router.events"]
+        assert decision["colocated_tokens"] + decision["remote_tokens"] > 0, (decision, index_log)
         # B never computed the prefix: what it did not compute came from kvfabric
         assert burst[i]["cached"] >= PREFIX_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS, burst[i]
     for i, r in enumerate(burst):  # identical tokens: B's kvfabric load vs A's own cache

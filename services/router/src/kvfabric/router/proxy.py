@@ -180,7 +180,8 @@ class Proxy:
         log = self._log.bind(trace_id=trace_id, tenant=tenant)
         tried: list[str] = []
         while True:
-            decision = self.core.route(rid, tenant, keys, prompt_tokens, now_ms(), exclude=tried)
+            routed_at_ms = now_ms()
+            decision = self.core.route(rid, tenant, keys, prompt_tokens, routed_at_ms, exclude=tried)
             if isinstance(decision, Refused):
                 self.metrics.refused(decision.reason)
                 log.info(
@@ -204,6 +205,9 @@ class Proxy:
                 colocated_tokens=decision.estimate.inputs.colocated_tokens,
                 remote_tokens=decision.estimate.inputs.remote_tokens,
                 compute_tokens=decision.estimate.inputs.compute_tokens,
+                # why no kvfabric token may have been counted (the index may miss evictions)
+                index_usable=self.core.index_usable(routed_at_ms),
+                index_groups=len(self.core.index.groups),
             )
             try:
                 upstream = await self._open(iid, request.url.path, raw, trace_id)
