@@ -5,6 +5,8 @@ bounds (busy), a corrupt disk replica (dropped and reported, never served), rest
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -15,11 +17,13 @@ import pytest
 
 from kvfabric.client.transfers import SegmentPool
 from kvfabric.core.segment_slots import SlotTable
+from kvfabric.dataplane.frames import HEADER, Op, pack_header, unpack_header
 from kvfabric.dataplane.scatter import ScatterDest, WriteGate
 from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import Busy, ChecksumMismatch, Conflict, NoCapacity, Unavailable
-from kvfabric.proto.dataplane import ReadRef
+from kvfabric.proto.codec import encode
+from kvfabric.proto.dataplane import GetReply, GetRequest, ReadRef, dataplane_decoder
 from kvfabric.proto.directory import Member, ObjectLocation, Replica, WriteTicket
 from kvfabric.proto.segment import SSD_SLOT_BASE, tier_of_slot
 from kvfabric.proto.tickets import read_token, sign_ticket
@@ -27,7 +31,7 @@ from kvfabric.runtime.config import SettingsError
 from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.settings import load_segment_settings
-from kvfabric.segment_storage.ssd import SsdIo, SsdTier, ssd_file_path
+from kvfabric.segment_storage.ssd import STREAM_PIECES, SsdIo, SsdTier, ssd_file_path
 
 SECRET = b"unit-ssd-secret-0123456789ab"
 ARENA_BYTES = 8 << 20
@@ -82,8 +86,8 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def make(tmp: Path, *, read_bytes_max: int = 64 << 20, direct: bool = True) -> Seg:
-    io = SsdIo(2, 64, 1 << 20)
+def make(tmp: Path, *, read_bytes_max: int = 64 << 20, direct: bool = True, io: SsdIo | None = None) -> Seg:
+    io = io or SsdIo(2, 64, 1 << 20)
     ssd = SsdTier(tmp / "ssd", SEGMENT, SSD_BYTES, 64, direct=direct, io=io, read_bytes_max=read_bytes_max)
     corrupt: list[tuple[bytes, int, int, int]] = []
     backend = ArenaBackend(
@@ -370,3 +374,147 @@ def test_a_failed_sync_stops_disk_writes_and_keeps_reads(tmp_path: Path) -> None
     finally:
         io.close()
         tier.close()
+
+
+# ---- a GET of a disk replica sent as it is read, its verdict after the bytes ----------------------
+
+
+class GatedIo(SsdIo):
+    """The I/O engine, except that a read piece past `first_end` (a file offset) waits for `gate`,
+    and one starting at `fail_at` raises an I/O error."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 64, 1 << 20)
+        self.gate = threading.Event()
+        self.first_end = -1
+        self.fail_at = -1
+
+    def _piece(self, fd: int, view: memoryview, offset: int, write: bool) -> None:
+        if not write and offset == self.fail_at:
+            raise OSError(5, "injected I/O error")
+        if not write and self.first_end >= 0 and offset >= self.first_end:
+            assert self.gate.wait(10), "gate never opened"
+        super()._piece(fd, view, offset, write)
+
+
+def _file_offset(seg: Seg, ref: ReadRef) -> int:
+    grant = seg.ssd.table.acquire(ref.slot - SSD_SLOT_BASE, ref.slot_generation, ref.size_bytes)
+    seg.ssd.table.release(ref.slot - SSD_SLOT_BASE, ref.slot_generation)
+    return seg.ssd.geometry.data_offset + grant.offset
+
+
+def _recv(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, "connection closed"
+        out += chunk
+    return bytes(out)
+
+
+def _reply(sock: socket.socket) -> GetReply:
+    header = unpack_header(_recv(sock, HEADER.size))
+    reply = dataplane_decoder.decode(_recv(sock, header.meta_bytes))
+    assert isinstance(reply, GetReply)
+    return reply
+
+
+def test_disk_get_sends_its_first_bytes_before_the_disk_read_ends(tmp_path: Path) -> None:
+    """With `verdicts_after`, the reply header and the first piece of a disk replica arrive while
+    the rest of it is still being read (its later pieces held back here): reading and sending
+    overlap. The verdict follows the bytes. (Before: the segment read and verified the whole object
+    before its reply header, so nothing arrived until the gate opened.)"""
+    io = GatedIo()
+    seg = make(tmp_path, io=io)
+    server = TcpDataServer(seg.backend, authenticate=seg.backend.admits)
+    server.start()
+    try:
+        data = os.urandom(1 << 20)
+        disk = seg.demote(seg.store(data, b"key-s"))
+        piece = (1 << 20) // STREAM_PIECES
+        io.first_end = _file_offset(seg, disk) + piece  # every piece but the first waits
+        body = encode(GetRequest(reads=[disk], verdicts_after=True))
+        with socket.create_connection((server.host, server.port), timeout=5) as sock:
+            sock.sendall(pack_header(Op.GET, 1, len(body)) + body)
+            head = _reply(sock)  # arrives with the gate still closed
+            assert head.verdicts_after and [r.status for r in head.results] == ["ok"]
+            assert _recv(sock, piece) == data[:piece]
+            assert not io.gate.is_set()
+            io.gate.set()
+            assert _recv(sock, len(data) - piece) == data[piece:]
+            final = _reply(sock)
+            assert [(r.status, r.checksum) for r in final.results] == [("ok", checksum(data))]
+        wait_for(lambda: seg.ssd.stats()["read_bytes_in_flight"] == 0)
+        assert seg.ssd.counters["reads_streamed_total"] == 1
+    finally:
+        io.gate.set()
+        server.stop()
+        close(seg)
+
+
+@pytest.mark.parametrize("fault", ["flipped byte", "I/O error"])
+def test_a_streamed_disk_get_that_fails_after_its_bytes_is_not_ok(tmp_path: Path, fault: str) -> None:
+    """A replica whose bytes fail (a flipped byte on disk, an I/O error in its third piece) is sent
+    (zeros where the read failed), then its verdict says `stale_generation`: the client's result
+    is not ok, the replica is freed and reported once, and the connection stays in step (the next
+    GET on it reads another object intact). Both tiers in one request: the arena one stays ok."""
+    io = GatedIo()
+    seg = make(tmp_path, io=io)
+    server = TcpDataServer(seg.backend, authenticate=seg.backend.admits)
+    server.start()
+    try:
+        data, good = os.urandom(1 << 20), os.urandom(300_000)
+        arena = seg.store(data, b"key-a")
+        disk = seg.demote(seg.store(data, b"key-t"))
+        other = seg.demote(seg.store(good, b"key-u"))
+        at = _file_offset(seg, disk)
+        if fault == "I/O error":
+            io.fail_at = at + 2 * ((1 << 20) // STREAM_PIECES)
+        else:
+            fd = os.open(ssd_file_path(seg.ssd.path.parent, SEGMENT), os.O_RDWR)
+            try:
+                os.pwrite(fd, bytes([os.pread(fd, 1, at + 700_000)[0] ^ 0x08]), at + 700_000)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        with TcpDataClient.connect(server.address) as client:
+            dests = [bytearray(len(data)), bytearray(len(data))]
+            (a, a_digest), (d, d_digest) = client.get_hashed([signed(arena), disk], dests)
+            assert a.status == "ok" and a_digest == checksum(data) and bytes(dests[0]) == data
+            assert d.status == "stale_generation" and d_digest == b""
+            dest = bytearray(len(good))
+            assert client.get_verified([other], [dest]) == [True] and bytes(dest) == good
+        assert seg.corrupt == [(b"key-t", disk.slot, disk.slot_generation, len(data))]
+        assert seg.backend.counters["disk_get_failed_after_bytes_total"] == 1
+        assert seg.ssd.held_one(disk.slot, disk.slot_generation) is None  # freed
+        wait_for(lambda: seg.ssd.stats()["read_bytes_in_flight"] == 0)
+        assert seg.ssd.stats()["io_pieces_in_flight"] == 0
+    finally:
+        server.stop()
+        close(seg)
+
+
+def test_a_streamed_grant_released_early_waits_for_its_pieces(tmp_path: Path) -> None:
+    """A connection that drops while its disk read is still landing: `close_connection` cancels
+    the pieces not started, waits for the running ones, lets go of the slot and the buffer; the
+    replica stays stored and readable (no verdict: nothing was found wrong)."""
+    io = GatedIo()
+    seg = make(tmp_path, io=io)
+    try:
+        data = os.urandom(1 << 20)
+        disk = seg.demote(seg.store(data, b"key-v"))
+        io.first_end = _file_offset(seg, disk) + (1 << 20) // STREAM_PIECES
+        grant = seg.backend.begin_get_streamed([disk], conn=3)
+        assert grant.statuses == ["ok"] and grant.filling is not None
+        threading.Timer(0.2, io.gate.set).start()
+        seg.backend.close_connection(3)
+        assert io.gate.is_set()  # it waited for the running pieces
+        stats = seg.ssd.stats()
+        assert stats["read_bytes_in_flight"] == 0 and stats["io_pieces_in_flight"] == 0
+        assert seg.ssd.read_buffers.lent() == 0
+        result = seg.ssd.read(disk.slot, disk.slot_generation, len(data))
+        assert result.status == "ok" and result.view is not None and bytes(result.view) == data
+        result.release()
+    finally:
+        io.gate.set()
+        close(seg)

@@ -67,8 +67,13 @@ class PutReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put_reply.v1",
     confirmed: bool
 
 
-class GetRequest(msgspec.Struct, frozen=True, kw_only=True, tag="dp.get.v1", tag_field="t"):
+class GetRequest(
+    msgspec.Struct, frozen=True, kw_only=True, tag="dp.get.v1", tag_field="t", omit_defaults=True
+):
     reads: list[ReadRef]
+    # The client takes verdicts after the bytes: a disk replica may be sent as it is read, and
+    # its reply then says `verdicts_after` (a second GetReply, the final results, follows the bytes).
+    verdicts_after: bool = False
 
 
 # `unauthorized`: no valid, unexpired read token (segments that require them).
@@ -82,8 +87,11 @@ class ObjectResult(msgspec.Struct, frozen=True, array_like=True):
     checksum: bytes  # the checksum stored at write time (empty unless ok)
 
 
-class GetReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.get_reply.v1", tag_field="t"):
+class GetReply(
+    msgspec.Struct, frozen=True, kw_only=True, tag="dp.get_reply.v1", tag_field="t", omit_defaults=True
+):
     results: list[ObjectResult]
+    verdicts_after: bool = False  # a GetReply with the final results follows the payload bytes
 
 
 class MapRequest(msgspec.Struct, frozen=True, kw_only=True, tag="dp.map.v1", tag_field="t"):

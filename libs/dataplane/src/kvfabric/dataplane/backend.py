@@ -11,16 +11,22 @@ Ownership, per call (`conn` is an opaque per-connection token; everything it hol
 - `begin_get(reads, conn)` takes a transfer reference on every ok slot (a free arriving meanwhile
   is deferred) and returns, per read, a status, the stored checksum and a read-only view. The
   transport sends the views, then calls `end_get(grant, conn)`; the views are invalid after.
+- `begin_get_streamed(reads, conn)` (optional; a backend without it is always `begin_get`): the
+  same grant, for a GET whose client takes verdicts after the bytes (`GetRequest.verdicts_after`),
+  where a view may still be filling (a disk read in flight). `filling[i](n)` blocks until the
+  first `n` bytes of view i are in place; once every view was sent, `verdicts()` gives each read's
+  final result (an `ok` object whose bytes turned out bad is no longer `ok`).
 - `pin_local` / `unpin_local`: the same references, for a co-located client that copies from its
   own read-only map of the arena; offsets instead of views.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvfabric.proto.dataplane import LocalGrants, MapReply, ObjectStatus, ReadRef
+from kvfabric.proto.dataplane import LocalGrants, MapReply, ObjectResult, ObjectStatus, ReadRef
 from kvfabric.proto.directory import WriteTicket
 
 __all__ = ["GetGrant", "PutSlot", "SegmentBackend"]
@@ -45,6 +51,10 @@ class GetGrant:
     statuses: list[ObjectStatus]
     checksums: list[bytes]
     views: list[memoryview | None]  # read-only; None where status is not ok
+    # `begin_get_streamed` only: per view, None when complete, else a wait for its first n bytes;
+    # with any, `verdicts` gives the final results after the bytes.
+    filling: list[Callable[[int], None] | None] | None = None
+    verdicts: Callable[[], list[ObjectResult]] | None = None
 
 
 class SegmentBackend(Protocol):

@@ -3,8 +3,11 @@
 Bytes move without intermediate copies: the server `recv_into`s a PUT's payload straight into the
 arena slot the backend handed out, and sends a GET's objects straight from arena views with
 `sendmsg`; the client sends from the caller's buffer and `recv_into`s the caller's destination
-buffers. Threads, not asyncio: large `recv_into`/`sendmsg` calls release the GIL, and a thread per
-connection (at most `connections_max`) is the cheapest way to keep both cores busy.
+buffers. A GET whose client asks `verdicts_after` may get objects still being read (a disk
+replica, `begin_get_streamed`): each piece is sent as it lands and a second `GetReply` with the
+final results follows the payload; the client takes those. Threads, not asyncio: large
+`recv_into`/`sendmsg` calls release the GIL, and a thread per connection (at most
+`connections_max`) is the cheapest way to keep both cores busy.
 
 Failure rules:
 - A connection that drops mid-PUT aborts the slot (nothing visible, nothing leaked); any drop
@@ -67,6 +70,7 @@ from kvfabric.proto.dataplane import (
     dataplane_decoder,
 )
 from kvfabric.proto.directory import WriteTicket
+from kvfabric.proto.segment import SSD_SLOT_BASE
 
 __all__ = [
     "CONNECTIONS_MAX_DEFAULT",
@@ -87,6 +91,8 @@ HASH_CHUNK_BYTES: Final = 1 << 20
 WATCHDOG_TICK_S: Final = 0.05
 SOCKET_BUFFER_BYTES: Final = 4 << 20
 IOV_MAX: Final = 512  # buffers per sendmsg call (Linux IOV_MAX is 1024)
+# A view still filling (a disk read in flight) is sent in pieces of this size as they land.
+STREAM_SEND_BYTES: Final = 128 << 10
 _error_decoder: FamilyDecoder[ErrorReply] = FamilyDecoder(ErrorReply, "dataplane error")
 
 
@@ -467,14 +473,30 @@ class TcpDataServer:
         elif op is Op.GET and isinstance(meta, GetRequest):
             if len(meta.reads) > READS_MAX:
                 raise BadRequest(f"{len(meta.reads)} reads exceed {READS_MAX}")
-            grant = self.backend.begin_get(meta.reads, conn)
+            streamed = getattr(self.backend, "begin_get_streamed", None) if meta.verdicts_after else None
+            grant = (streamed or self.backend.begin_get)(meta.reads, conn)
             try:
                 results = [ObjectResult(s, c) for s, c in zip(grant.statuses, grant.checksums, strict=True)]
                 views = [v for v in grant.views if v is not None]
                 self._deadline(conn, limits.transfer_ms(sum(len(v) for v in views)), "transfer_timeout")
-                _send_all(
-                    sock, [*_frame(Op.REPLY, request_id, GetReply(results=results), len(views)), *views]
-                )
+                if grant.filling is None or grant.verdicts is None:
+                    _send_all(
+                        sock, [*_frame(Op.REPLY, request_id, GetReply(results=results), len(views)), *views]
+                    )
+                else:  # views still filling: each piece sent as it lands, the verdicts after the bytes
+                    reply = GetReply(results=results, verdicts_after=True)
+                    _send_all(sock, _frame(Op.REPLY, request_id, reply, len(views)))
+                    for view, fill in zip(grant.views, grant.filling, strict=True):
+                        if view is None:
+                            continue
+                        if fill is None:
+                            _send_all(sock, [view])
+                            continue
+                        for start in range(0, len(view), STREAM_SEND_BYTES):
+                            end = min(start + STREAM_SEND_BYTES, len(view))
+                            fill(end)
+                            _send_all(sock, [view[start:end]])
+                    _send_all(sock, _frame(Op.REPLY, request_id, GetReply(results=grant.verdicts())))
             finally:
                 self.backend.end_get(grant, conn)
         elif op is Op.MAP and isinstance(meta, MapRequest):
@@ -518,6 +540,7 @@ class TcpDataClient:
         self._ids = itertools.count(1)
         self._header = memoryview(bytearray(HEADER.size))
         self._unacked: int | None = None  # request id of a pipelined UNPIN_LOCAL not yet answered
+        self._request_id = 0  # of the last `_call` (a GET's verdicts after its bytes carry it too)
 
     @classmethod
     def connect(
@@ -557,7 +580,7 @@ class TcpDataClient:
         self, op: Op, meta: msgspec.Struct, payload: Sequence[bytes | memoryview] = ()
     ) -> tuple[object, int]:
         self._drain_unacked()
-        request_id = next(self._ids)
+        request_id = self._request_id = next(self._ids)
         try:
             _send_all(self._sock, [*_frame(op, request_id, meta, len(payload)), *payload])
         except OSError as exc:
@@ -625,8 +648,10 @@ class TcpDataClient:
         self, reads: list[ReadRef], dests: Sequence[Destination], digests: list[bytes] | None
     ) -> list[ObjectResult]:
         targets = scatter_dests(dests, [ref.size_bytes for ref in reads])
+        # A disk replica may come as it is read, its verdict after its bytes (GetRequest).
+        streamable = any(ref.slot >= SSD_SLOT_BASE for ref in reads)
         with self._lock:
-            reply, payload_count = self._call(Op.GET, GetRequest(reads=reads))
+            reply, payload_count = self._call(Op.GET, GetRequest(reads=reads, verdicts_after=streamable))
             if not isinstance(reply, GetReply) or len(reply.results) != len(reads):
                 raise Indeterminate("malformed GET reply")
             ok = [t for r, t in zip(reply.results, targets, strict=True) if r.status == "ok"]
@@ -641,6 +666,16 @@ class TcpDataClient:
                     digest = target.recv_from(self._sock, hashed=digests is not None)
                     if digests is not None:
                         digests.append(digest)
+                if reply.verdicts_after:
+                    final, _ = self._reply(self._request_id)
+                    if not isinstance(final, GetReply) or len(final.results) != len(reads):
+                        raise Indeterminate("malformed GET verdicts")
+                    if digests is not None:  # bytes whose verdict is not ok are nobody's
+                        digests[:] = [
+                            d if r.status == "ok" else b""
+                            for r, d in zip(final.results, digests, strict=True)
+                        ]
+                    return final.results
             except (OSError, _Closed) as exc:
                 raise Indeterminate(f"data connection failed during GET payload: {exc!r}") from exc
         return reply.results

@@ -72,6 +72,7 @@ from kvfabric.proto.dataplane import (
     LocalGrants,
     MapReply,
     MapRequest,
+    ObjectResult,
     ObjectStatus,
     PutRequest,
     ReadRef,
@@ -80,7 +81,7 @@ from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.segment import SSD_SLOT_BASE
 from kvfabric.proto.tickets import read_token_valid, ticket_signature_valid
 from kvfabric.segment_storage.arena import Arena
-from kvfabric.segment_storage.ssd import SsdRead, SsdTier
+from kvfabric.segment_storage.ssd import SsdRead, SsdStream, SsdTier
 
 __all__ = [
     "AUTH_REFS_CHECKED_MAX",
@@ -123,7 +124,7 @@ CorruptFn = Callable[[bytes, int, int, int], None]
 class _Conn:
     puts: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (slot, generation)
     grants: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # grant id -> refs
-    disk_reads: dict[int, list[SsdRead]] = field(default_factory=dict)  # grant id -> its disk buffers
+    disk_reads: dict[int, list[SsdRead | SsdStream]] = field(default_factory=dict)  # grant id -> disk buffers
 
 
 class ArenaBackend:
@@ -413,8 +414,19 @@ class ArenaBackend:
             return len(refs)
 
     def begin_get(self, reads: list[ReadRef], conn: int) -> GetGrant:
+        return self._begin_get(reads, conn, stream=False)
+
+    def begin_get_streamed(self, reads: list[ReadRef], conn: int) -> GetGrant:
+        """`begin_get` for a client that takes verdicts after the bytes: a disk replica's read is
+        started, not finished — the transport sends each piece as it lands (`GetGrant.filling`)
+        while the rest is read, so reading the disk and sending overlap; then `verdicts()`: a
+        replica whose bytes failed their checksum (or the device) is freed and reported as with
+        `begin_get`, and answered `stale_generation` after its bytes (the client drops them)."""
+        return self._begin_get(reads, conn, stream=True)
+
+    def _begin_get(self, reads: list[ReadRef], conn: int, *, stream: bool) -> GetGrant:
         disk = [i for i, ref in enumerate(reads) if ref.slot >= SSD_SLOT_BASE] if self.ssd is not None else []
-        disk_reads = self._read_disk([reads[i] for i in disk]) if disk else []
+        disk_reads = self._read_disk([reads[i] for i in disk], stream) if disk else []
         try:
             grant_id, acquired = self._pin(reads, conn)  # disk refs answer not_found here; replaced below
         except BaseException:
@@ -435,14 +447,38 @@ class ArenaBackend:
         if held:
             with self.lock:
                 self._conn(conn).disk_reads[grant_id] = held
-        return GetGrant(grant_id, statuses, checksums, views)
+        streams = {
+            i: read for i, (_, read) in zip(disk, disk_reads, strict=True) if isinstance(read, SsdStream)
+        }
+        if not streams:
+            return GetGrant(grant_id, statuses, checksums, views)
+        filling: list[Callable[[int], None] | None] = [None] * len(reads)
+        for i, read in streams.items():
+            filling[i] = read.wait
+        first = [ObjectResult(s, c) for s, c in zip(statuses, checksums, strict=True)]
 
-    def _read_disk(self, reads: list[ReadRef]) -> list[tuple[ObjectStatus, SsdRead | None]]:
-        """Read disk replicas into private buffers (blocks on the disk). A replica found corrupt
+        def verdicts() -> list[ObjectResult]:
+            out = list(first)
+            for i, read in streams.items():
+                if not read.verdict():  # freed by the tier: reported like a corrupt replica
+                    ref = reads[i]
+                    if self.report_corrupt is not None:
+                        self.report_corrupt(read.key, ref.slot, read.generation, ref.size_bytes)
+                    self.count("disk_get_failed_after_bytes_total")
+                    out[i] = ObjectResult("stale_generation", b"")
+            return out
+
+        return GetGrant(grant_id, statuses, checksums, views, filling, verdicts)
+
+    def _read_disk(
+        self, reads: list[ReadRef], stream: bool = False
+    ) -> list[tuple[ObjectStatus, SsdRead | SsdStream | None]]:
+        """Read disk replicas into private buffers (blocks on the disk), or with `stream` start
+        reading them (`SsdTier.read_stream`: checked after the bytes). A replica found corrupt
         (or unreadable) is freed by the tier and reported; the reader sees `stale_generation`
         (its generation moved on). `Busy` (I/O bounds) gives back whatever was read already."""
         assert self.ssd is not None
-        out: list[tuple[ObjectStatus, SsdRead | None]] = []
+        out: list[tuple[ObjectStatus, SsdRead | SsdStream | None]] = []
         try:
             for ref in reads:
                 if ref.incarnation != self.incarnation:
@@ -453,7 +489,12 @@ class ArenaBackend:
                     self.count("read_token_rejected_total")
                     out.append(("unauthorized", None))
                     continue
-                read = self.ssd.read(ref.slot, ref.slot_generation, ref.size_bytes)
+                if stream:
+                    read: SsdRead | SsdStream = self.ssd.read_stream(
+                        ref.slot, ref.slot_generation, ref.size_bytes
+                    )
+                else:
+                    read = self.ssd.read(ref.slot, ref.slot_generation, ref.size_bytes)
                 if read.status == "ok":
                     out.append(("ok", read))
                     continue

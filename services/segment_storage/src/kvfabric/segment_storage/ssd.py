@@ -76,18 +76,21 @@ from kvfabric.core.disk_records import (
     geometry,
 )
 from kvfabric.core.disk_slots import DiskHeld, DiskSlotTable
-from kvfabric.format.checksum import checksum
+from kvfabric.format.checksum import StreamingChecksum, checksum
 from kvfabric.format.errors import BadRequest, Busy, KvfError, NotFound, StaleGeneration, Unavailable
 from kvfabric.format.invariant import invariant
 from kvfabric.proto.segment import SSD_SLOT_BASE
 
 __all__ = [
     "SSD_FILE_MODE",
+    "STREAM_PIECES",
+    "STREAM_PIECE_BYTES_MIN",
     "GroupSync",
     "ReadBufferPool",
     "SsdFileRefused",
     "SsdIo",
     "SsdRead",
+    "SsdStream",
     "SsdTier",
     "aligned_buffer",
     "ssd_file_path",
@@ -99,6 +102,10 @@ IO_SECONDS_BUCKETS: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
 INDEX_READ_BYTES: Final = 4 << 20  # the index is read at start in pieces of this size
 MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14: fault a mapping's pages in, writable, now
 ReadStatus = Literal["ok", "stale_generation", "not_found", "wrong_size", "corrupt"]
+# A streamed read (`read_stream`) is cut into this many pieces, so the first can be sent while
+# the others are still read; none below STREAM_PIECE_BYTES_MIN (a disk read per 64 KiB).
+STREAM_PIECES: Final = 8
+STREAM_PIECE_BYTES_MIN: Final = 64 << 10
 
 
 class SsdFileRefused(RuntimeError):
@@ -286,6 +293,46 @@ class SsdIo:
             with self._lock:
                 self.pieces_in_flight -= len(pieces)
 
+    def submit_read(
+        self, fd: int, view: memoryview, offset: int, piece_bytes: int
+    ) -> list[tuple[int, int, concurrent.futures.Future[None]]]:
+        """Start reading all of `view` in pieces of `piece_bytes` (whole blocks) and return at
+        once: per piece (start, end, its future), in order. The same bounds as `pread` (`Busy`
+        before anything starts); a piece leaves the bound when it ends or is cancelled. Without
+        threads every piece is read now, on the calling thread."""
+        invariant(piece_bytes >= BLOCK_BYTES and piece_bytes % BLOCK_BYTES == 0, "bad read piece size")
+        spans = [(i, min(i + piece_bytes, len(view))) for i in range(0, len(view), piece_bytes)]
+        with self._lock:
+            if self.pieces_in_flight + len(spans) > self.queue_max:
+                self.busy_total += 1
+                raise Busy(
+                    "disk tier I/O queue full", queue_max=self.queue_max, in_flight=self.pieces_in_flight
+                )
+            self.pieces_in_flight += len(spans)
+
+        def done(_: concurrent.futures.Future[None]) -> None:
+            with self._lock:
+                self.pieces_in_flight -= 1
+
+        out: list[tuple[int, int, concurrent.futures.Future[None]]] = []
+        for start, end in spans:
+            if self._pool is None:
+                future: concurrent.futures.Future[None] = concurrent.futures.Future()
+                try:
+                    self._piece(fd, view[start:end], offset + start, False)
+                    future.set_result(None)
+                except BaseException as exc:  # the reader sees it when it waits for this piece
+                    future.set_exception(exc)
+            else:
+                try:
+                    future = self._pool.submit(self._piece, fd, view[start:end], offset + start, False)
+                except RuntimeError as exc:  # the pool shut down: this piece fails, the bound is kept
+                    future = concurrent.futures.Future()
+                    future.set_exception(exc)
+            future.add_done_callback(done)
+            out.append((start, end, future))
+        return out
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -371,6 +418,103 @@ class SsdRead:
         if self.on_release is not None:
             self.on_release()
             self.on_release = None
+
+
+class SsdStream:
+    """A disk read still landing, for a GET that sends the bytes as they arrive and its verdict
+    after them (`SsdTier.read_stream`). Its pieces are read by the I/O engine at once; `wait(n)`
+    blocks until the first `n` bytes are in `view`, hashing each piece in order as it lands (a
+    piece that failed is zero-filled, so a sender stays in step, and the verdict is then not ok);
+    `verdict()` waits for all of it and says whether the bytes match the stored checksum — a
+    mismatch or an I/O error frees the slot at once and counts it, as `read` does (the caller
+    reports it). `release()` (exactly as `SsdRead.release`, after the transport is done with the
+    view) cancels pieces not started, waits for the running ones, lets go of the slot's read
+    reference if no verdict did, and gives the buffer back. Used by one thread at a time."""
+
+    def __init__(
+        self,
+        tier: SsdTier,
+        slot: int,
+        generation: int,
+        size: int,
+        stored: bytes,
+        key: bytes,
+        buf: mmap.mmap,
+        pieces: list[tuple[int, int, concurrent.futures.Future[None]]],
+        give_back: Callable[[], None],
+    ) -> None:
+        self.status: ReadStatus = "ok"  # the verdict: until `verdict()` says otherwise
+        self.view: memoryview | None = memoryview(buf)[:size]
+        self.checksum = stored
+        self.key = key
+        self.generation = generation
+        self._tier, self._slot, self._size = tier, slot, size
+        self._whole = memoryview(buf)
+        self._pieces = pieces
+        self._next = 0  # pieces hashed so far
+        self._digest = StreamingChecksum()
+        self._failed = False
+        self._held = True  # the slot's read reference
+        self._give_back: Callable[[], None] | None = give_back
+        self._started = time.perf_counter()
+
+    def wait(self, end: int) -> None:
+        """Until bytes [0, end) of `view` are in place (read, or zero-filled after a failure)."""
+        while self._next < len(self._pieces) and self._pieces[self._next][0] < end:
+            start, stop, future = self._pieces[self._next]
+            try:
+                future.result()
+            except Exception as exc:  # an I/O error or a cancelled piece: failed
+                if not self._failed and isinstance(exc, OSError):
+                    self._tier.count("read_errors_total")
+                self._failed = True
+                self._whole[start:stop] = bytes(stop - start)
+            if not self._failed:
+                self._digest.update(self._whole[start : min(stop, self._size)])
+            self._next += 1
+
+    def verdict(self) -> bool:
+        """Whether the whole object was read and matches its checksum (once; later calls repeat
+        it). Not ok: the slot is freed here (its generation moves on) and `status` is `corrupt`."""
+        if not self._held:
+            return self.status == "ok"
+        self.wait(self._size)
+        ok = not self._failed and self._digest.digest() == self.checksum
+        tier = self._tier
+        with tier.lock:
+            tier.table.release(tier.local(self._slot), self.generation)
+            self._held = False
+            if ok:
+                seconds = time.perf_counter() - self._started
+                tier._count("reads_total")
+                tier._count("reads_streamed_total")
+                tier._count("read_bytes_total", self._size)
+                tier._count("read_us_total", int(seconds * 1e6))
+                tier._observe("read", seconds)
+        if not ok:
+            self.status = "corrupt"
+            tier.count("read_corrupt_total")
+            tier.free_many([(self._slot, self.generation)])
+        return ok
+
+    def release(self) -> None:
+        for _, _, future in self._pieces:
+            future.cancel()  # not started: never runs
+        for _, _, future in self._pieces:
+            with contextlib.suppress(BaseException):
+                future.exception()  # running: ends before the buffer goes back
+        if self._held:
+            tier = self._tier
+            with tier.lock:
+                tier.table.release(tier.local(self._slot), self.generation)
+                self._held = False
+        if self.view is not None:
+            self.view.release()
+            self.view = None
+        self._whole.release()
+        if self._give_back is not None:
+            self._give_back()
+            self._give_back = None
 
 
 class SsdTier:
@@ -761,6 +905,58 @@ class SsdTier:
         self.count("read_corrupt_total")
         self.free_many([(slot, generation)])
         return SsdRead("corrupt", key=key, generation=generation)
+
+    def read_stream(self, slot: int, generation: int, size: int) -> SsdRead | SsdStream:
+        """`read`, sent as it lands: the same checks and bounds up front (an `SsdRead` with the
+        status when the slot cannot be read; `Busy`), then an `SsdStream` whose pieces are being
+        read (`STREAM_PIECES` of them, whole blocks, `STREAM_PIECE_BYTES_MIN` at least, the I/O
+        engine's piece size at most). Its verdict comes after the bytes (`SsdStream.verdict`)."""
+        local = self.local(slot)
+        with self.lock:
+            try:
+                grant = self.table.acquire(local, generation, size)
+            except StaleGeneration:
+                return SsdRead("stale_generation")
+            except BadRequest:
+                return SsdRead("wrong_size")
+            except KvfError:
+                return SsdRead("not_found")
+            in_flight = self.read_bytes_in_flight
+            if in_flight and in_flight + grant.extent_bytes > self.read_bytes_max:  # one read always may
+                self.table.release(local, generation)
+                self._count("reads_busy_total")
+                raise Busy(
+                    "disk tier reads in flight at their byte limit", read_bytes_max=self.read_bytes_max
+                )
+            self.read_bytes_in_flight += grant.extent_bytes
+            held = self.table.held_one(local, generation)
+        key = held.key if held is not None else b""
+        extent = grant.extent_bytes
+        pool = self.read_buffers
+        lent: list[mmap.mmap] = []
+
+        def give_back() -> None:
+            with self.lock:
+                self.read_bytes_in_flight -= extent
+            if lent:
+                pool.give(lent.pop())
+
+        try:
+            lent.append(pool.take(extent))
+            piece = -(-extent // STREAM_PIECES // BLOCK_BYTES) * BLOCK_BYTES
+            piece = min(max(piece, STREAM_PIECE_BYTES_MIN), self.io.chunk_bytes)
+            with memoryview(lent[0]) as whole:
+                pieces = self.io.submit_read(
+                    self.data_fd, whole[:extent], self.geometry.data_offset + grant.offset, piece
+                )
+        except BaseException as exc:
+            with self.lock:
+                self.table.release(local, generation)
+            give_back()
+            if isinstance(exc, (OSError, MemoryError)):
+                raise Busy("no memory for a disk read buffer", size=extent) from None
+            raise
+        return SsdStream(self, slot, generation, size, grant.checksum, key, lent[0], pieces, give_back)
 
     def verify(self, slot: int, generation: int, size: int) -> ReadStatus:
         result = self.read(slot, generation, size)
