@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfabric.core import directory
 from kvfabric.core.directory import DirectoryCore
+from kvfabric.core.directory import reads as directory
 from kvfabric.core.directory_keys import parse_group
 from kvfabric.core.directory_records import unpack_group
 from kvfabric.core.quotas import ITEMS_PER_TOKEN, Quotas, Tenant, TenantQuota, request_tokens, tenant_of

@@ -1,0 +1,33 @@
+"""The directory core: object lifecycle, two-phase publish, read leases, pins, placement.
+
+Synchronous and I/O-free. The service shell decodes a request, calls `handle(request, now_ms)`
+(and `tick(now_ms)` periodically), performs the returned effects and sends the reply. Time is
+passed in; nothing here reads a clock, sleeps or does I/O.
+
+`DirectoryCore` (`dispatch`) routes each verb to one of the protocol tables, a module each with
+its states, invariants and `check_invariants`: `segments`, `writes` (two-phase put), `published`
+(readable groups, holds, eviction, the sweep), `leases` (read leases and pins), `frees` (slots
+handed back, grace), `replicas` (extra replica tickets), `reads` (lookups and read-only queries).
+`base` holds the configuration, effects and the context the tables share; `replies` the reply
+bounds and the retried-request cache.
+"""
+
+from kvfabric.core.directory.base import (
+    LIST_SCAN_GROUPS_MAX,
+    DirectoryConfig,
+    Effect,
+    EmitEvent,
+    FreeSlots,
+    Outcome,
+)
+from kvfabric.core.directory.dispatch import DirectoryCore
+
+__all__ = [
+    "LIST_SCAN_GROUPS_MAX",
+    "DirectoryConfig",
+    "DirectoryCore",
+    "Effect",
+    "EmitEvent",
+    "FreeSlots",
+    "Outcome",
+]

@@ -1,0 +1,317 @@
+"""`DirectoryCore`: one directory shard's state machine, a thin dispatcher over its tables.
+
+It routes each request to the table that owns its verb (`handle`), runs the tables' timers in
+order (`tick`), wires the one cascade that crosses every table (a segment incarnation lost), and
+checks what no single table can: the conservation sums across them (`check_invariants`).
+
+## Tables (one module each; states and invariants in their docstrings)
+| table | owns | verbs |
+|---|---|---|
+| `segments` | segments up/down, reservations, placements | register, heartbeat |
+| `writes` | building groups, write tickets, reply cache | put_begin, confirm, put_commit, put_abort |
+| `published` | published records, holds per group, the sweep | evict |
+| `leases` | read leases and pins | lease_release, lease_renew, pin, unpin |
+| `frees` | slots being freed, evicting groups, grace | slots_freed |
+| `replicas` | extra replica tickets | replicate_begin, replica_corrupt |
+| `reads` | the lookup fold, the access batch | lookup (+ `lookup_more`), list_*, show_group |
+Dependencies point one way: segments ← frees ← published ← leases | replicas ← writes ← reads.
+
+## Invariants across tables (checked by `check_invariants()` in tests, after every step)
+1. Nothing is readable before publish: `lookup` only returns published groups, and only their
+   replicas on live segment incarnations; a folded hit never skips a gap.
+2. No leaks: `reserved_bytes` of an up segment equals the sizes of the live placements in its
+   arena across the write, published, free and replica tables (a disk-tier replica, slot id from
+   `SSD_SLOT_BASE`, reserves no arena bytes: docs/segment.md, "Disk tier"); every tenant's usage
+   recomputed from the same tables equals what the quotas hold.
+3. A group under a read lease or a pin is never evicting.
+4. Stale generations are rejected (`StaleGeneration`) and counted, never applied: an older
+   directory epoch, an older segment incarnation, a confirm for a ticket that no longer exists.
+
+## A new leader (`adopt`)
+A directory that takes over a shard rebuilds its tables from the segments' reports
+(`directory_rebuild`) under a new, higher epoch; frees of adopted slots wait out the grace
+period (the frees table), so no slot leased by the old leader is reused under its reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
+from typing import Any
+
+import msgspec
+
+from kvfabric.core.directory.base import Context, DirectoryConfig, Effect, Outcome
+from kvfabric.core.directory.frees import FreeTable, PendingFree, SlotKey
+from kvfabric.core.directory.leases import Lease, LeaseTable
+from kvfabric.core.directory.published import PublishedTable
+from kvfabric.core.directory.reads import Reads
+from kvfabric.core.directory.replicas import ReplicaTable
+from kvfabric.core.directory.replies import ReplyCache
+from kvfabric.core.directory.segments import Segment, SegmentTable
+from kvfabric.core.directory.writes import BuildingGroup, WriteTable
+from kvfabric.core.directory_rebuild import SegmentHolding, plan_rebuild
+from kvfabric.core.directory_records import PublishedGroup, ReplicaRecord
+from kvfabric.core.quotas import Quotas, Tenant, TenantUsage, tenant_of
+from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.format.invariant import invariant
+from kvfabric.proto import directory as m
+
+__all__ = ["DirectoryCore"]
+
+
+class DirectoryCore:
+    """One directory shard's state machine. See the module docstring for its tables."""
+
+    def __init__(self, config: DirectoryConfig, epoch: int = 1, shard: int = 0) -> None:
+        invariant(epoch >= 1, "epoch starts at 1")
+        self._ctx = Context(config, epoch, shard)
+        self.segment_table = SegmentTable(self._ctx, self._segment_lost)
+        self.free_table = FreeTable(self._ctx, self.segment_table)
+        self.published_table = PublishedTable(self._ctx, self.segment_table, self.free_table)
+        self.lease_table = LeaseTable(self._ctx, self.published_table)
+        self.replica_table = ReplicaTable(
+            self._ctx, self.segment_table, self.published_table, self.free_table
+        )
+        self.write_table = WriteTable(
+            self._ctx, self.segment_table, self.published_table, self.free_table, self.replica_table
+        )
+        self.reads = Reads(
+            self._ctx,
+            self.segment_table,
+            self.published_table,
+            self.free_table,
+            self.lease_table,
+            self.write_table,
+        )
+        segs, writes, published, leases = (
+            self.segment_table,
+            self.write_table,
+            self.published_table,
+            self.lease_table,
+        )
+        self._handlers: dict[type[msgspec.Struct], Callable[[Any, int], Outcome]] = {
+            m.RegisterSegment: segs.register,
+            m.Heartbeat: segs.heartbeat,
+            m.PutBegin: writes.begin,
+            m.ConfirmReplicas: writes.confirm,
+            m.PutCommit: writes.commit,
+            m.PutAbort: writes.abort,
+            m.Lookup: self.reads.lookup,
+            m.LeaseRelease: leases.release,
+            m.LeaseRenew: leases.renew,
+            m.Pin: leases.pin,
+            m.Unpin: leases.unpin,
+            m.Evict: lambda req, now_ms: published.evict(req, writes.identity_of),
+            m.SlotsFreed: self.free_table.freed,
+            m.ReplicateBegin: self.replica_table.replicate_begin,
+            m.ReplicaCorrupt: self.replica_table.corrupt,
+            m.ListSegments: self.reads.list_segments,
+            m.ListGroups: self.reads.list_groups,
+            m.ShowGroup: self.reads.show_group,
+            m.ListLeases: self.reads.list_leases,
+            m.ListTenants: self.reads.list_tenants,
+        }
+
+    # ---- requests and time ---------------------------------------------------------------
+
+    def handle(
+        self,
+        request: msgspec.Struct,
+        now_ms: int,
+        *,
+        reply_bytes_max: int | None = None,
+        groups_max: int | None = None,
+    ) -> Outcome:
+        """Apply one request. Raises a `KvfError` for a whole-request error (nothing applied).
+        For a lookup: `reply_bytes_max` lowers its reply bound (a part of a `lookup_many`, whose
+        reply holds every part's), `groups_max` folds only its first groups (the first slice of
+        a lookup the shell runs in slices; `lookup_more` goes on)."""
+        handler = self._handlers.get(type(request))
+        if handler is None:
+            raise BadRequest(f"not a directory request: {type(request).__name__}")
+        try:
+            if isinstance(request, m.Lookup):
+                return self.reads.lookup(request, now_ms, reply_bytes_max, groups_max)
+            return handler(request, now_ms)
+        except KvfError as err:
+            self._ctx.count(f"error_{err.code}_total")
+            raise
+
+    def lookup_more(
+        self, req: m.Lookup, lease_id: int, first: int, now_ms: int, *, reply_bytes_max: int, groups_max: int
+    ) -> Outcome:
+        """Go on with a lookup run in slices (see `Reads.lookup_more`)."""
+        return self.reads.lookup_more(
+            req, lease_id, first, now_ms, reply_bytes_max=reply_bytes_max, groups_max=groups_max
+        )
+
+    def charge_domains(self, domain_digests: Iterable[bytes], now_ms: int) -> None:
+        """Charge one request to these share domains' rate limits (the shell, for tenant requests
+        that name no key); raises `RateLimited` and charges nothing when one is out of tokens."""
+        self._ctx.charge_domains(domain_digests, now_ms)
+
+    def tick(self, now_ms: int) -> list[Effect]:
+        """Expire leases, pins and write deadlines; mark silent segments down; retry frees."""
+        effects: list[Effect] = []
+        self.free_table.end_grace(now_ms)
+        self.lease_table.expire(now_ms)
+        self.write_table.expire(now_ms, effects)
+        self.segment_table.tick(now_ms, effects)
+        self.replica_table.expire(now_ms)
+        self.published_table.sweep(effects)
+        self.free_table.retry(now_ms, effects)
+        self.reads.flush_hits(effects)
+        return effects
+
+    def _segment_lost(self, seg: Segment, reason: str, effects: list[Effect]) -> None:
+        """Its placements die with it: published groups are swept lazily, building ones now."""
+        self.segment_table.mark_down(seg, reason, effects)
+        self.published_table.queue_sweep_all()
+        self.free_table.segment_lost(seg)
+        self.write_table.segment_lost(effects)
+
+    def adopt(self, holdings: Sequence[SegmentHolding], now_ms: int) -> list[Effect]:
+        """Become the index of what `holdings` store (see `directory_rebuild`): their segments are
+        up, complete groups are published, orphans are freed once the grace period
+        (`lease_ttl_ms_max`, the longest lease the old leader could have granted) has passed."""
+        invariant(not self.segments and not self.published and not self.building, "adopt into a used core")
+        self.free_table.begin_grace(
+            now_ms,
+            (
+                (h.registration.segment_id, h.registration.incarnation, o.slot, o.slot_generation)
+                for h in holdings
+                for o in h.objects
+            ),
+        )
+        for holding in holdings:
+            self.segment_table.adopt(holding, now_ms)
+        plan = plan_rebuild(holdings)
+        effects: list[Effect] = []
+        self.published_table.adopt(plan, effects)
+        for r in plan.orphans:
+            replica = ReplicaRecord(
+                self.segment_table.intern(r.segment_id, r.incarnation), r.slot, r.slot_generation
+            )
+            tenant = tenant_of(r.key)
+            self._ctx.quotas.add(tenant, r.size_bytes)  # held until the segment frees it
+            self.free_table.free(replica, r.size_bytes, tenant, effects, key=r.key)
+        self._ctx.count("adopted_groups_total", len(plan.groups))
+        self._ctx.count("adopted_objects_total", sum(len(g[1]) for g in plan.groups.values()))
+        self._ctx.count("adopted_orphans_total", len(plan.orphans))
+        return effects
+
+    # ---- checks (tests call this after every step) ---------------------------------------
+
+    def check_invariants(self) -> None:
+        tables = (self.write_table, self.published_table, self.free_table, self.replica_table)
+        for table in (self.segment_table, *tables, self.lease_table, self.reads):
+            table.check_invariants()
+        reserved: dict[str, int] = {}
+        for placement, size in chain.from_iterable(t.reservations() for t in tables):
+            if self.segment_table.live(placement):
+                sid = self.segment_table.where(placement)[0]
+                reserved[sid] = reserved.get(sid, 0) + size
+        self.segment_table.check_reserved(reserved)
+        usage: dict[Tenant, TenantUsage] = {}
+        for tenant, nbytes, objects in chain.from_iterable(t.usage() for t in tables):
+            use = usage.setdefault(tenant, TenantUsage())
+            use.bytes += nbytes
+            use.objects += objects
+        self._ctx.quotas.check(usage)
+        held = self.published_table.lease_count.keys() | self.published_table.pin_count.keys()
+        invariant(not (held & self.evicting.keys()), "evicting a leased or pinned group")
+
+    # ---- state the shell's metrics, the host and tests read ------------------------------
+
+    @property
+    def config(self) -> DirectoryConfig:
+        return self._ctx.config
+
+    @property
+    def epoch(self) -> int:
+        return self._ctx.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self._ctx.epoch = epoch
+
+    @property
+    def shard(self) -> int:
+        return self._ctx.shard
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self._ctx.counters
+
+    @property
+    def quotas(self) -> Quotas:
+        return self._ctx.quotas
+
+    @property
+    def segments(self) -> dict[str, Segment]:
+        return self.segment_table.segments
+
+    @property
+    def building(self) -> dict[bytes, BuildingGroup]:
+        return self.write_table.building
+
+    @property
+    def pending_objects(self) -> int:
+        return self.write_table.pending_objects
+
+    @property
+    def published(self) -> dict[bytes, bytes]:
+        """Group key -> packed record (`directory_records`) of every published group."""
+        return self.published_table.records
+
+    @published.setter
+    def published(self, records: dict[bytes, bytes]) -> None:  # tests swap in an instrumented dict
+        self.published_table.records = records
+
+    @property
+    def evicting(self) -> dict[bytes, PublishedGroup]:
+        return self.free_table.evicting
+
+    @property
+    def grace_until_ms(self) -> int:
+        return self.free_table.grace_until_ms
+
+    @property
+    def leases_held(self) -> int:
+        """Read leases plus pins held now."""
+        return len(self.lease_table.leases)
+
+    @property
+    def pins_held(self) -> int:
+        return self.lease_table.pins_held
+
+    # Views of the tables' internals that the unit tests read (names as before the split).
+
+    @property
+    def _leases(self) -> dict[int, Lease]:
+        return self.lease_table.leases
+
+    @property
+    def _lease_count(self) -> dict[bytes, int]:
+        return self.published_table.lease_count
+
+    @property
+    def _freeing(self) -> dict[SlotKey, PendingFree]:
+        return self.free_table.pending
+
+    @property
+    def _hits(self) -> dict[bytes, int]:
+        return self.reads.hits
+
+    @property
+    def _reply_cache(self) -> ReplyCache:
+        return self.write_table.replies
+
+    @property
+    def _scope_pending_objects(self) -> dict[str, int]:
+        return self.write_table.scope_pending_objects
+
+    @property
+    def _scope_pending_bytes(self) -> dict[str, int]:
+        return self.write_table.scope_pending_bytes

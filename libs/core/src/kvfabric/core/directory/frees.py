@@ -1,0 +1,201 @@
+"""The frees table: slots handed back to their segments, the groups being evicted until their
+slots are freed, and the grace period of a new leader.
+
+## States of a slot being freed (one entry per (segment id, incarnation, slot, generation))
+    (absent) --free, in grace and adopted--> HELD --grace ends (tick)--> SENT_AT(now)
+    (absent) --free--> SENT (a FreeSlots effect returned now) --next tick--> SENT_AT(now)
+    SENT_AT(t) --tick, free_retry_ms after t: FreeSlots again--> SENT_AT(now)
+    any --SlotsFreed from that incarnation / the incarnation is lost--> (absent)
+A slot on an incarnation already lost is not entered: its memory is gone, its reservation is
+released at once. Once named in a free, a slot belongs to the segment: the directory never hands
+it out again, even if the free is lost (it is retried until acknowledged or the incarnation dies).
+Its arena bytes and the tenant's bytes stay counted until then.
+
+## Evicting groups
+An evicted group leaves the published table at once and is kept here (`evicting`, its record)
+until every free it sent is acknowledged; meanwhile put_begin of its keys answers `exists`.
+
+## Grace (a new leader, `begin_grace`)
+Until `grace_until_ms` (adoption time + `lease_ttl_ms_max`) a free of an adopted slot (one a
+reader leased by the old leader may still read) is HELD, not sent; slots written under the new
+epoch are not held back. The first tick at or after `grace_until_ms` ends the grace and sends
+them.
+
+## Invariants (`check_invariants`)
+1. `evicting_frees[g]` is the number of entries naming group g; `evicting` holds exactly the
+   groups with such entries.
+2. An entry is HELD only during the grace; adopted slots are remembered only during it.
+
+## Bounds
+One entry per slot handed back: at most the slots the segments hold. A retry sends one
+FreeSlots per entry every `free_retry_ms`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from kvfabric.core.directory.base import Context, Effect, FreeSlots, Outcome, check_batch
+from kvfabric.core.directory.segments import Segment, SegmentTable
+from kvfabric.core.directory_records import PublishedGroup, ReplicaRecord
+from kvfabric.core.quotas import Tenant
+from kvfabric.format.invariant import invariant
+from kvfabric.proto import directory as m
+from kvfabric.proto.segment import tier_of_slot
+
+__all__ = ["FreeTable", "PendingFree", "SlotKey"]
+
+SlotKey = tuple[str, int, int, int]  # (segment id, incarnation, slot, slot generation)
+FreeState = Literal["held", "sent", "sent_at"]
+
+
+@dataclass(slots=True)
+class PendingFree:
+    size_bytes: int
+    group: bytes  # the evicting group this slot belongs to, b"" if none
+    tenant: Tenant
+    state: FreeState
+    sent_ms: int = 0  # when state is "sent_at"
+
+
+class FreeTable:
+    def __init__(self, ctx: Context, segments: SegmentTable) -> None:
+        self.ctx = ctx
+        self.segments = segments
+        self.pending: dict[SlotKey, PendingFree] = {}
+        self.evicting: dict[bytes, PublishedGroup] = {}
+        self._evicting_frees: dict[bytes, int] = {}  # evicting group -> frees not yet acknowledged
+        # After a rebuild (`begin_grace`), frees of adopted slots wait until this time.
+        self.grace_until_ms = 0
+        self.in_grace = False
+        self._adopted: set[SlotKey] = set()  # slots a reader of the old leader may hold
+
+    def free(
+        self,
+        replica: ReplicaRecord,
+        size_bytes: int,
+        tenant: Tenant,
+        effects: list[Effect],
+        *,
+        key: bytes = b"",
+        group: bytes = b"",
+    ) -> None:
+        """Hand a confirmed slot back to its segment. The reservation (and the tenant's bytes) is
+        released on `SlotsFreed`. `group`: the evicting group it belongs to."""
+        segment_id, incarnation = self.segments.where(replica.placement)
+        if not self.segments.live(replica.placement):
+            self.segments.release(replica.placement, size_bytes, tenant)  # dead incarnation: memory gone
+            return
+        if group:
+            self._evicting_frees[group] = self._evicting_frees.get(group, 0) + 1
+        slot_key = (segment_id, incarnation, replica.slot, replica.slot_generation)
+        if self.in_grace and slot_key in self._adopted:
+            # a reader leased by the old leader may still read it: not yet
+            self.pending[slot_key] = PendingFree(size_bytes, group, tenant, "held")
+            self.ctx.count("frees_deferred_grace_total")
+            return
+        self.pending[slot_key] = PendingFree(size_bytes, group, tenant, "sent")
+        effects.append(
+            FreeSlots(segment_id, incarnation, (m.FreedSlot(key, replica.slot, replica.slot_generation),))
+        )
+
+    def freed(self, req: m.SlotsFreed, now_ms: int) -> Outcome:
+        """A segment acknowledges frees (unknown ones are ignored: acknowledged already)."""
+        self.ctx.check_epoch(req.epoch)
+        check_batch("freed slots", len(req.freed), m.FREED_BATCH_MAX)
+        self.segments.live_segment(req.segment_id, req.incarnation)
+        accepted = 0
+        for f in req.freed:
+            key = (req.segment_id, req.incarnation, f.slot, f.slot_generation)
+            if key in self.pending:
+                self._finish(key)
+                accepted += 1
+        return Outcome(m.FreedAck(epoch=self.ctx.epoch, accepted=accepted))
+
+    def segment_lost(self, seg: Segment) -> None:
+        """Frees sent to a lost incarnation are done: its memory is gone."""
+        for key in [k for k in self.pending if k[0] == seg.segment_id and k[1] == seg.incarnation]:
+            self._finish(key)
+
+    def _finish(self, key: SlotKey) -> None:
+        pending = self.pending.pop(key)
+        self.ctx.quotas.add(pending.tenant, -pending.size_bytes)
+        self.segments.release_freed(key[0], key[1], key[2], pending.size_bytes)
+        if pending.group:
+            self._evicting_frees[pending.group] -= 1
+            self.forget_if_freed(pending.group)
+
+    # ---- evicting groups -----------------------------------------------------------------
+
+    def start_evicting(self, gid: bytes, group: PublishedGroup) -> None:
+        self.evicting[gid] = group
+
+    def forget_if_freed(self, gid: bytes) -> None:
+        """An evicting group none of whose frees is outstanding is gone."""
+        if not self._evicting_frees.get(gid):
+            self._evicting_frees.pop(gid, None)
+            self.evicting.pop(gid, None)
+
+    # ---- grace and time ------------------------------------------------------------------
+
+    def begin_grace(self, now_ms: int, adopted: Iterable[SlotKey]) -> None:
+        """A new leader: frees of `adopted` slots wait `lease_ttl_ms_max` (the longest lease the
+        old leader could have granted)."""
+        self.grace_until_ms = now_ms + self.ctx.config.lease_ttl_ms_max
+        self.in_grace = True
+        self._adopted.update(adopted)
+
+    def end_grace(self, now_ms: int) -> None:
+        if self.in_grace and now_ms >= self.grace_until_ms:
+            self.in_grace = False  # the old leader's leases have all expired: frees may go
+            self._adopted = set()
+
+    def retry(self, now_ms: int, effects: list[Effect]) -> None:
+        """Send held frees once the grace is over, stamp new ones, resend unacknowledged ones."""
+        for key, pending in self.pending.items():
+            if pending.state == "held":
+                if self.in_grace:
+                    continue
+            elif pending.state == "sent":
+                self._stamp(pending, now_ms)
+                continue
+            elif now_ms - pending.sent_ms < self.ctx.config.free_retry_ms:
+                continue
+            else:
+                self.ctx.count("free_retries_total")
+            self._stamp(pending, now_ms)
+            segment_id, incarnation, slot, generation = key
+            effects.append(FreeSlots(segment_id, incarnation, (m.FreedSlot(b"", slot, generation),)))
+
+    @staticmethod
+    def _stamp(pending: PendingFree, now_ms: int) -> None:
+        """Sent at `now_ms`; a stamp at time 0 counts as none (the next tick stamps it again),
+        as the tables have always treated time 0."""
+        pending.state, pending.sent_ms = ("sent_at" if now_ms else "sent"), now_ms
+
+    # ---- what this table holds, and checks -----------------------------------------------
+
+    def reservations(self) -> Iterator[tuple[int, int]]:
+        """(placement, arena bytes) of every slot not yet acknowledged."""
+        for (sid, inc, slot, _), pending in self.pending.items():
+            placement = self.segments.find(sid, inc)
+            invariant(placement is not None, "a free names a placement never interned")
+            if tier_of_slot(slot) == "dram" and placement is not None:
+                yield placement, pending.size_bytes
+
+    def usage(self) -> Iterator[tuple[Tenant, int, int]]:
+        """(tenant, bytes, objects): a slot being freed holds its bytes, no object."""
+        for pending in self.pending.values():
+            yield pending.tenant, pending.size_bytes, 0
+
+    def check_invariants(self) -> None:
+        outstanding: dict[bytes, int] = {}
+        for pending in self.pending.values():
+            if pending.group:
+                outstanding[pending.group] = outstanding.get(pending.group, 0) + 1
+            invariant(pending.state != "held" or self.in_grace, "a free held back after the grace")
+        invariant(outstanding == self._evicting_frees, "evicting free counts drift")
+        invariant(self.evicting.keys() == outstanding.keys(), "evicting group without outstanding frees")
+        invariant(self.in_grace or not self._adopted, "adopted slots remembered after the grace")

@@ -1,0 +1,376 @@
+"""The published table: the readable chunk groups, who holds them (leases and pins), and how a
+group stops being published (evicted, or invalidated by the sweep).
+
+A published group is one packed `bytes` record (`directory_records`) under its group key, its
+namespace interned; the per-domain index (`directory_index`) orders the keys for listings.
+
+## States of a published group
+    (absent) --publish (writes) / adopt--> PUBLISHED
+    PUBLISHED --replica added or dropped (replicas)--> PUBLISHED (record replaced, degraded flag
+        follows the replica target)
+    PUBLISHED --evict, no lease and no pin--> (absent here; EVICTING in the frees table)
+    PUBLISHED --a member's last good replica corrupt (replicas)--> UNREADABLE (still here: lookups
+        and pins skip it) --sweep--> (absent)
+    PUBLISHED --sweep: replicas on dead incarnations dropped--> PUBLISHED degraded, or, when a
+        member has none left: (absent, its live slots freed; `invalidated` event)
+    a sweep that would remove a held group defers it (DEFERRED) until its last lease or pin ends,
+        then queues it again.
+
+## Invariants (`check_invariants`)
+1. The per-domain index holds exactly the published group keys.
+2. Unreadable, queued and deferred groups are published; a deferred group is leased or pinned.
+3. Lease and pin counts are positive (the lease table checks they match its leases).
+
+## Bounds
+The sweep queue holds each group key at most once (an ordered set; a key leaves it when its group
+leaves the table), so it never exceeds the published table; a tick examines at most
+`sweep_batch_max` of it. Lease and pin counts: one entry per held group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from kvfabric.core.directory.base import Context, Effect, EmitEvent, Outcome, check_batch
+from kvfabric.core.directory.frees import FreeTable
+from kvfabric.core.directory.segments import SegmentTable
+from kvfabric.core.directory_index import DomainIndex
+from kvfabric.core.directory_keys import GroupInfo, chain_of, domain_of, parse_group, parse_key
+from kvfabric.core.directory_rebuild import RebuildPlan
+from kvfabric.core.directory_records import (
+    FLAG_DEGRADED,
+    MemberRecord,
+    PublishedGroup,
+    ReplicaRecord,
+    pack_group,
+    unpack_group,
+)
+from kvfabric.core.quotas import Tenant, tenant_of
+from kvfabric.format.errors import BadRequest
+from kvfabric.format.invariant import invariant
+from kvfabric.proto import directory as m
+from kvfabric.proto.segment import tier_of_slot
+
+__all__ = ["PublishedTable"]
+
+
+class PublishedTable:
+    def __init__(self, ctx: Context, segments: SegmentTable, frees: FreeTable) -> None:
+        self.ctx = ctx
+        self.segments = segments
+        self.frees = frees
+        self.records: dict[bytes, bytes] = {}  # group key -> packed record
+        self._namespaces: list[bytes] = []
+        self._namespace_index: dict[bytes, int] = {}
+        # The published group keys per share domain, in order: listings page through one
+        # domain's keys only (the same key objects as `records`').
+        self.index = DomainIndex()
+        # Published groups a member of which has no good replica left (its last one was corrupt):
+        # unreadable at once, invalidated by the sweep once no lease or pin holds them.
+        self.unreadable: set[bytes] = set()
+        self.lease_count: dict[bytes, int] = {}
+        self.pin_count: dict[bytes, int] = {}
+        self._sweep_queue: dict[bytes, None] = {}  # an ordered set, taken from its end
+        # Groups that lost a member's last replica while leased/pinned: unreadable now, their
+        # remaining slots are freed only once the last lease or pin on them ends.
+        self._sweep_deferred: set[bytes] = set()
+
+    # ---- records -------------------------------------------------------------------------
+
+    def intern_namespace(self, namespace: bytes) -> int:
+        idx = self._namespace_index.get(namespace)
+        if idx is None:
+            idx = len(self._namespaces)
+            self._namespaces.append(namespace)
+            self._namespace_index[namespace] = idx
+        return idx
+
+    def namespace(self, idx: int) -> bytes:
+        return self._namespaces[idx]
+
+    def add(self, gid: bytes, group: PublishedGroup) -> None:
+        self.records[gid] = pack_group(group)
+        self.index.add(gid)
+
+    def replace(self, gid: bytes, group: PublishedGroup) -> None:
+        self.records[gid] = pack_group(group)
+
+    def _remove(self, gid: bytes) -> None:
+        del self.records[gid]
+        self.index.remove(gid)
+        self.unreadable.discard(gid)
+        self._sweep_queue.pop(gid, None)
+
+    def published_as(self, info: GroupInfo) -> PublishedGroup | None:
+        """The published group under `info`'s group key if it has `info`'s identity. A known
+        group key paired with other identity fields (model, layout) is treated as absent by every
+        verb, so such ids answer exactly like missing groups."""
+        record = self.records.get(info.group_id)
+        if record is None:
+            return None
+        group = unpack_group(record)
+        if (
+            self._namespace_index.get(info.namespace) != group.namespace
+            or group.chunk_index != info.chunk_index
+        ):
+            self.ctx.count("lookup_identity_mismatch_total")
+            return None
+        return group
+
+    def published_member(self, key: bytes) -> tuple[bytes, PublishedGroup, MemberRecord] | None:
+        info = parse_key(key)
+        record = self.records.get(info.group.group_id)
+        if record is None:
+            return None
+        group = unpack_group(record)
+        if self._namespaces[group.namespace] != info.group.namespace:
+            return None
+        mem = next((x for x in group.members if x.member == info.member), None)
+        return None if mem is None else (info.group.group_id, group, mem)
+
+    def replace_member(self, gid: bytes, group: PublishedGroup, new: MemberRecord) -> None:
+        """The member's replicas changed: the degraded flag follows the replica target."""
+        members = tuple(new if x.member == new.member else x for x in group.members)
+        target = self.ctx.config.replicas_default
+        degraded = any(len(x.replicas) < target for x in members)
+        flags = (group.flags | FLAG_DEGRADED) if degraded else (group.flags & ~FLAG_DEGRADED)
+        self.replace(gid, PublishedGroup(group.namespace, group.chunk_index, flags, members))
+
+    def is_published_replica(self, placement: int | None, c: m.ReplicaConfirm) -> bool:
+        """Whether this confirm names exactly a replica of a published member (same bytes, slot)."""
+        try:
+            info = parse_key(c.key)
+        except BadRequest:
+            return False
+        record = self.records.get(info.group.group_id)
+        if placement is None or record is None:
+            return False
+        return any(
+            mem.member == info.member
+            and (mem.size_bytes, mem.checksum) == (c.size_bytes, c.checksum)
+            and ReplicaRecord(placement, c.slot, c.slot_generation) in mem.replicas
+            for mem in unpack_group(record).members
+        )
+
+    def republished(self, gid: bytes, group: PublishedGroup) -> EmitEvent:
+        """A `published` event for a group already published, with its live placements now and
+        the disk share of them (after a demotion, or adopted with disk replicas)."""
+        held: dict[str, int] = {}
+        disk: dict[str, int] = {}
+        for mem in group.members:
+            for r in mem.replicas:
+                if not self.segments.live(r.placement):
+                    continue
+                segment_id = self.segments.where(r.placement)[0]
+                held[segment_id] = held.get(segment_id, 0) + mem.size_bytes
+                if tier_of_slot(r.slot) == "ssd":
+                    disk[segment_id] = disk.get(segment_id, 0) + mem.size_bytes
+        self.ctx.count("groups_republished_total")
+        return EmitEvent(
+            "published",
+            m.GroupPublished(
+                group=chain_of(gid),
+                chunk_index=group.chunk_index,
+                members=len(group.members),
+                degraded=bool(group.flags & FLAG_DEGRADED),
+                namespace=self._namespaces[group.namespace],
+                placements=[m.SegmentBytes(s, b) for s, b in sorted(held.items())],
+                disk_placements=[m.SegmentBytes(s, b) for s, b in sorted(disk.items())],
+            ),
+        )
+
+    def adopt(self, plan: RebuildPlan, effects: list[Effect]) -> None:
+        """Publish the complete groups a rebuild found (`directory_rebuild`)."""
+        for gid, (info, members) in plan.groups.items():
+            records = []
+            degraded = False
+            for member, rebuilt in sorted(members.items()):
+                replicas = tuple(
+                    ReplicaRecord(
+                        self.segments.intern(r.segment_id, r.incarnation), r.slot, r.slot_generation
+                    )
+                    for r in rebuilt.replicas
+                )
+                degraded |= len(replicas) < self.ctx.config.replicas_default
+                records.append(MemberRecord(*member, rebuilt.size_bytes, rebuilt.checksum, replicas))
+            group = PublishedGroup(
+                self.intern_namespace(info.namespace),
+                info.chunk_index,
+                FLAG_DEGRADED if degraded else 0,
+                tuple(records),
+            )
+            self.add(gid, group)
+            if any(tier_of_slot(r.slot) == "ssd" for x in records for r in x.replicas):
+                effects.append(self.republished(gid, group))  # the policy learns its disk bytes
+            self.ctx.quotas.add(
+                tenant_of(info.namespace), sum(x.size_bytes * len(x.replicas) for x in records), len(records)
+            )
+
+    # ---- holds (read leases and pins, counted per group by the lease table) ---------------
+
+    def hold(self, gid: bytes, is_pin: bool) -> None:
+        counts = self.pin_count if is_pin else self.lease_count
+        counts[gid] = counts.get(gid, 0) + 1
+
+    def unhold(self, gid: bytes, is_pin: bool) -> None:
+        counts = self.pin_count if is_pin else self.lease_count
+        left = counts[gid] - 1
+        invariant(left >= 0, "negative lease count")
+        if left:
+            counts[gid] = left
+            return
+        del counts[gid]
+        if gid in self._sweep_deferred and not self.held(gid):
+            self._sweep_deferred.discard(gid)
+            self.queue_sweep(gid)
+
+    def held(self, gid: bytes) -> bool:
+        return bool(self.lease_count.get(gid) or self.pin_count.get(gid))
+
+    # ---- eviction (published -> evicting, in the frees table) ------------------------------
+
+    def evict(self, req: m.Evict, building_identity: Callable[[bytes], GroupInfo | None]) -> Outcome:
+        """Evict groups no lease or pin holds. `building_identity`: the identity of a group being
+        written (the write table's), for the statuses of groups not published."""
+        self.ctx.check_epoch(req.epoch)
+        check_batch("evict groups", len(req.groups), m.EVICT_BATCH_GROUPS_MAX)
+        effects: list[Effect] = []
+        results = []
+        for raw in req.groups:
+            info = parse_group(raw)
+            building = building_identity(info.group_id)
+            if (info.group_id in self.records and self.published_as(info) is None) or (
+                building is not None and building != info
+            ):
+                results.append(m.EvictResult(group=raw, status="not_found"))  # forged identity
+                continue
+            status = self._evict_one(info.group_id, req.reason, building is not None, effects)
+            results.append(m.EvictResult(group=raw, status=status))
+        return Outcome(m.EvictReply(epoch=self.ctx.epoch, results=results), effects)
+
+    def _evict_one(self, gid: bytes, reason: str, building: bool, effects: list[Effect]) -> m.EvictStatus:
+        record = self.records.get(gid)
+        if record is None:
+            return "not_published" if building or gid in self.frees.evicting else "not_found"
+        if self.lease_count.get(gid):
+            self.ctx.count("evict_refused_leased_total")
+            return "leased"
+        if self.pin_count.get(gid):
+            self.ctx.count("evict_refused_pinned_total")
+            return "pinned"
+        self._remove(gid)
+        group = unpack_group(record)
+        self.frees.start_evicting(gid, group)
+        tenant = tenant_of(self._namespaces[group.namespace])
+        self.ctx.quotas.add(tenant, 0, -len(group.members))
+        for mem in group.members:
+            for r in mem.replicas:
+                self.frees.free(r, mem.size_bytes, tenant, effects, group=gid)
+        self.ctx.count("groups_evicted_total")
+        effects.append(
+            EmitEvent("evicted", m.GroupEvicted(group=chain_of(gid), reason=reason, domain=domain_of(gid)))
+        )
+        self.frees.forget_if_freed(gid)
+        return "evicting"
+
+    # ---- the sweep (invalidation) ----------------------------------------------------------
+
+    def queue_sweep(self, gid: bytes) -> None:
+        self._sweep_queue.pop(gid, None)  # once, at the end: the next one the sweep examines
+        self._sweep_queue[gid] = None
+
+    def queue_sweep_all(self) -> None:
+        """A segment incarnation died: every group may have lost replicas."""
+        for gid in self.records:
+            self.queue_sweep(gid)
+
+    def mark_unreadable(self, gid: bytes) -> None:
+        """A member has no good replica left: nobody may read the group any more."""
+        self.unreadable.add(gid)
+        self.queue_sweep(gid)
+
+    def sweep(self, effects: list[Effect]) -> None:
+        """Drop replicas on dead incarnations; a group whose member lost every replica is gone."""
+        for _ in range(min(len(self._sweep_queue), self.ctx.config.sweep_batch_max)):
+            gid, _ = self._sweep_queue.popitem()
+            record = self.records.get(gid)
+            if record is None:
+                continue
+            group = unpack_group(record)
+            forced = gid in self.unreadable
+            if not forced and all(
+                self.segments.live(r.placement) for mem in group.members for r in mem.replicas
+            ):
+                continue
+            members = []
+            lost = forced
+            dead_bytes = 0
+            for mem in group.members:
+                live = tuple(r for r in mem.replicas if self.segments.live(r.placement))
+                lost |= not live
+                dead_bytes += mem.size_bytes * (len(mem.replicas) - len(live))
+                members.append(MemberRecord(*mem.member, mem.size_bytes, mem.checksum, live))
+            tenant = tenant_of(self._namespaces[group.namespace])
+            if lost and self.held(gid):
+                self._sweep_deferred.add(gid)  # lookups already skip it: a member has no live replica
+                continue
+            self.ctx.quotas.add(tenant, -dead_bytes)  # replicas on dead incarnations leave the record
+            if lost:
+                self._invalidate(gid, members, tenant, effects)
+            else:
+                self.replace(
+                    gid,
+                    PublishedGroup(
+                        group.namespace, group.chunk_index, group.flags | FLAG_DEGRADED, tuple(members)
+                    ),
+                )
+                effects.append(
+                    EmitEvent(
+                        "under_replicated", m.GroupUnderReplicated(group=chain_of(gid), domain=domain_of(gid))
+                    )
+                )
+
+    def _invalidate(
+        self, gid: bytes, members: list[MemberRecord], tenant: Tenant, effects: list[Effect]
+    ) -> None:
+        self._remove(gid)
+        self.ctx.quotas.add(tenant, 0, -len(members))
+        for mem in members:
+            for r in mem.replicas:
+                self.frees.free(r, mem.size_bytes, tenant, effects)
+        self.ctx.count("groups_invalidated_total")
+        effects.append(
+            EmitEvent(
+                "invalidated",
+                m.GroupInvalidated(group=chain_of(gid), reason="replica_lost", domain=domain_of(gid)),
+            )
+        )
+
+    # ---- what this table holds, and checks -----------------------------------------------
+
+    def reservations(self) -> Iterator[tuple[int, int]]:
+        """(placement, arena bytes) of every replica in the arena (a disk replica reserves none)."""
+        for record in self.records.values():
+            for mem in unpack_group(record).members:
+                for r in mem.replicas:
+                    if tier_of_slot(r.slot) == "dram":
+                        yield r.placement, mem.size_bytes
+
+    def usage(self) -> Iterator[tuple[Tenant, int, int]]:
+        """(tenant, bytes, objects) of every member: its replicas' bytes (dead ones until swept)."""
+        for record in self.records.values():
+            group = unpack_group(record)
+            tenant = tenant_of(self._namespaces[group.namespace])
+            for mem in group.members:
+                yield tenant, mem.size_bytes * len(mem.replicas), 1
+
+    def check_invariants(self) -> None:
+        self.index.check(set(self.records))
+        for name, keys in (
+            ("unreadable", self.unreadable),
+            ("sweep queue", self._sweep_queue.keys()),
+            ("sweep deferred", self._sweep_deferred),
+        ):
+            invariant(all(g in self.records for g in keys), f"{name} group not published")
+        invariant(all(self.held(g) for g in self._sweep_deferred), "a deferred group no longer held")
+        invariant(all(n > 0 for n in (*self.lease_count.values(), *self.pin_count.values())), "lease count")

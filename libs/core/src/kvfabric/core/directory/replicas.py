@@ -1,0 +1,276 @@
+"""The replica table: extra replicas of published objects being copied into place (repair,
+prefetch, drain, demotion to a segment's disk tier), and replicas dropped (corrupt, cold, demoted).
+
+## States of a replica ticket (one per (group, member, segment, tier) being copied)
+    (absent) --replicate_begin--> COPYING(deadline) --replicate_begin again--> the same ticket
+    COPYING --confirm, bytes match--> (absent; the replica joins the published record)
+    COPYING --confirm of other bytes / of an object evicted or lost meanwhile--> (absent; the
+        segment frees its copy: `mismatch` / `unknown_ticket`)
+    COPYING --put_abort by its writer / deadline passed (tick)--> (absent; reservation released)
+A dram ticket reserves the object's size in the target segment's arena; a disk (`ssd`) ticket
+reserves none (the segment's tier says when it is full). Both count the tenant's bytes, never
+refused (a repair must not fail on a quota).
+
+## Dropping a replica (`replica_corrupt`)
+`corrupt`: that replica is freed; a member left without any makes its group unreadable at once
+(the sweep invalidates it). `cold` / `demoted`: a healthy replica nobody needs, never a member's
+last; a demoted one is kept while its group is leased or pinned (a reader may hold only it).
+
+## Invariants (`check_invariants`)
+1. Every ticket's deadline has an entry in the deadline heap.
+2. A ticket's tier is `dram` or `ssd` (the tier its confirmed slot must have).
+
+## Bounds
+One ticket per (group, member, segment, tier): at most the published replicas' count times the
+segments. A member record holds at most MEMBER_REPLICAS_MAX replicas. The deadline heap holds at
+most twice the tickets plus HEAP_SLACK_MIN entries.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Final
+
+from kvfabric.core.directory.base import HEAP_SLACK_MIN, Context, Effect, EmitEvent, Member, Outcome
+from kvfabric.core.directory.frees import FreeTable
+from kvfabric.core.directory.published import PublishedTable
+from kvfabric.core.directory.segments import Segment, SegmentTable
+from kvfabric.core.directory_keys import chain_of, domain_of
+from kvfabric.core.directory_records import MemberRecord, ReplicaRecord, unpack_group
+from kvfabric.core.quotas import Tenant, tenant_of
+from kvfabric.format.errors import BadRequest
+from kvfabric.format.invariant import invariant
+from kvfabric.proto import directory as m
+from kvfabric.proto.segment import tier_of_slot
+from kvfabric.proto.tickets import sign_ticket
+
+__all__ = ["ReplicaTable", "ReplicaTicket"]
+
+MEMBER_REPLICAS_MAX: Final = 255  # a member record counts its replicas in a u8 (directory_records)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaTicket:
+    group: bytes
+    member: Member
+    placement: int
+    size_bytes: int
+    checksum: bytes
+    key: bytes
+    deadline_ms: int
+    writer_id: str = ""
+    tier: str = "dram"  # "ssd": a copy into the segment's own disk tier (demotion), no arena bytes
+
+
+class ReplicaTable:
+    def __init__(
+        self, ctx: Context, segments: SegmentTable, published: PublishedTable, frees: FreeTable
+    ) -> None:
+        self.ctx = ctx
+        self.segments = segments
+        self.published = published
+        self.frees = frees
+        self.tickets: dict[int, ReplicaTicket] = {}
+        self._deadlines: list[tuple[int, int]] = []  # (deadline_ms, ticket id)
+
+    def __contains__(self, ticket_id: int) -> bool:
+        return ticket_id in self.tickets
+
+    def replicate_begin(self, req: m.ReplicateBegin, now_ms: int) -> Outcome:
+        ctx = self.ctx
+        ctx.check_epoch(req.epoch)
+        if not 0 < req.write_ttl_ms <= m.WRITE_TTL_MS_MAX:
+            raise BadRequest(f"write_ttl_ms must be in 1..{m.WRITE_TTL_MS_MAX}")
+        found = self.published.published_member(req.key)
+        if found is None:
+            return Outcome(m.ReplicateBeginReply(epoch=ctx.epoch, status="not_found"))
+        gid, _, mem = found
+        seg = self.segments.segments.get(req.segment_id)
+        if seg is None or not seg.up or seg.draining:
+            return Outcome(m.ReplicateBeginReply(epoch=ctx.epoch, status="segment_down"))
+        placement = self.segments.intern(seg.segment_id, seg.incarnation)
+        # One replica per (segment, tier): a segment may hold an object in its arena and in its
+        # disk tier at once (demotion copies to disk before the arena replica is dropped;
+        # promotion copies back before the disk one goes).
+        if (
+            any(r.placement == placement and tier_of_slot(r.slot) == req.tier for r in mem.replicas)
+            or len(mem.replicas) >= MEMBER_REPLICAS_MAX
+        ):
+            return Outcome(m.ReplicateBeginReply(epoch=ctx.epoch, status="already_there"))
+        sources = [  # readable by the copying segment until the ticket's deadline
+            self.segments.replica(r, mem.size_bytes, now_ms + req.write_ttl_ms)
+            for r in mem.replicas
+            if self.segments.live(r.placement)
+        ]
+        for ticket_id, rt in self.tickets.items():
+            if (rt.group, rt.member, rt.placement, rt.tier) == (gid, mem.member, placement, req.tier):
+                # A retry (the first copy failed or its answer was lost): the same ticket again;
+                # whichever copy confirms first wins, a later one gets unknown_ticket and is freed.
+                ticket = self._ticket(ticket_id, rt, seg, req.writer_id)
+                return Outcome(
+                    m.ReplicateBeginReply(epoch=ctx.epoch, status="placed", ticket=ticket, sources=sources)
+                )
+        if req.tier == "dram":  # a disk replica reserves no arena bytes (the segment's tier says full)
+            if seg.capacity_bytes - seg.reserved_bytes < mem.size_bytes:
+                ctx.count("no_capacity_total")
+                return Outcome(m.ReplicateBeginReply(epoch=ctx.epoch, status="no_capacity"))
+            seg.reserved_bytes += mem.size_bytes
+        ctx.quotas.add(tenant_of(req.key), mem.size_bytes)  # counted, never refused (repair)
+        ticket_id = ctx.next_id()
+        deadline = now_ms + req.write_ttl_ms
+        rt = ReplicaTicket(
+            gid,
+            mem.member,
+            placement,
+            mem.size_bytes,
+            mem.checksum,
+            req.key,
+            deadline,
+            req.writer_id,
+            req.tier,
+        )
+        self.tickets[ticket_id] = rt
+        heapq.heappush(self._deadlines, (deadline, ticket_id))
+        self._bound_heap()
+        ctx.count("replica_tickets_total" if req.tier == "dram" else "replica_tickets_ssd_total")
+        ticket = self._ticket(ticket_id, rt, seg, req.writer_id)
+        return Outcome(
+            m.ReplicateBeginReply(epoch=ctx.epoch, status="placed", ticket=ticket, sources=sources)
+        )
+
+    def _ticket(self, ticket_id: int, rt: ReplicaTicket, seg: Segment, writer_id: str) -> m.WriteTicket:
+        ticket = m.WriteTicket(
+            ticket_id=ticket_id,
+            key=rt.key,
+            segment_id=seg.segment_id,
+            incarnation=seg.incarnation,
+            size_bytes=rt.size_bytes,
+            checksum=rt.checksum,
+            writer_id=writer_id,
+            deadline_ms=rt.deadline_ms,
+            epoch=self.ctx.epoch,
+            data_addr=seg.data_addr,
+            shard=self.ctx.shard,
+        )
+        return sign_ticket(ticket, self.ctx.config.ticket_secret)
+
+    def confirm(self, req: m.ConfirmReplicas, c: m.ReplicaConfirm) -> m.ConfirmStatus:
+        """A segment stored an extra replica under ticket `c.ticket_id` (one this table holds)."""
+        rt = self.tickets.pop(c.ticket_id)
+        if self.segments.where(rt.placement) != (req.segment_id, req.incarnation) or (
+            c.key,
+            c.size_bytes,
+            c.checksum,
+            tier_of_slot(c.slot),
+        ) != (rt.key, rt.size_bytes, rt.checksum, rt.tier):
+            self._end(rt)
+            self.ctx.count("confirm_mismatch_total")
+            return "mismatch"
+        found = self.published.published_member(rt.key)
+        if found is None:  # evicted or lost meanwhile: the segment frees the copy
+            self._end(rt)
+            self.ctx.count("replica_confirm_gone_total")
+            return "unknown_ticket"
+        gid, group, mem = found
+        replica = ReplicaRecord(rt.placement, c.slot, c.slot_generation)
+        self.published.replace_member(
+            gid, group, MemberRecord(*mem.member, mem.size_bytes, mem.checksum, (*mem.replicas, replica))
+        )
+        self.ctx.count("replicas_added_total" if rt.tier == "dram" else "replicas_added_ssd_total")
+        return "ok"
+
+    def abort(self, key: bytes, writer_id: str) -> int:
+        """An extra replica's copy that failed: its reservation goes now, not at its deadline."""
+        aborted = 0
+        for ticket_id, rt in list(self.tickets.items()):
+            if rt.key == key and rt.writer_id == writer_id:
+                del self.tickets[ticket_id]
+                self._end(rt)
+                aborted += 1
+        return aborted
+
+    def _end(self, rt: ReplicaTicket) -> None:
+        """A replica ticket that added nothing: its tenant bytes (and arena reservation) go back."""
+        if rt.tier == "dram":
+            self.segments.release(rt.placement, rt.size_bytes, tenant_of(rt.key))
+        else:
+            self.ctx.quotas.add(tenant_of(rt.key), -rt.size_bytes)
+
+    def expire(self, now_ms: int) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now_ms:
+            _, ticket_id = heapq.heappop(self._deadlines)
+            rt = self.tickets.pop(ticket_id, None)
+            if rt is not None:  # never confirmed: a late confirm gets unknown_ticket, the segment frees
+                self._end(rt)
+                self.ctx.count("replica_tickets_expired_total")
+        self._bound_heap()
+
+    def _bound_heap(self) -> None:
+        if len(self._deadlines) > 2 * len(self.tickets) + HEAP_SLACK_MIN:  # drop the stale entries
+            self._deadlines = [(rt.deadline_ms, i) for i, rt in self.tickets.items()]
+            heapq.heapify(self._deadlines)
+
+    # ---- dropping replicas ---------------------------------------------------------------
+
+    def corrupt(self, req: m.ReplicaCorrupt, now_ms: int) -> Outcome:
+        """A scrubber found bad bytes: that replica goes (freed); a member left without any
+        replica makes its group unreadable at once and it is invalidated (swept)."""
+        ctx = self.ctx
+        ctx.check_epoch(req.epoch)
+        self.segments.live_segment(req.segment_id, req.incarnation)
+        effects: list[Effect] = []
+        placement = self.segments.intern(req.segment_id, req.incarnation)
+        found = self.published.published_member(req.key)
+        bad = ReplicaRecord(placement, req.slot, req.slot_generation)
+        if found is None or bad not in found[2].replicas:
+            return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False))
+        gid, group, mem = found
+        left = tuple(r for r in mem.replicas if r != bad)
+        tenant: Tenant = tenant_of(req.key)
+        if req.reason != "corrupt":  # a healthy replica nobody needs (a cold extra): never the last
+            if not left:
+                return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False))
+            if req.reason == "demoted" and self.published.held(gid):
+                # a reader leased it with a lookup that may name only this replica: not under it
+                ctx.count("demote_drop_refused_leased_total")
+                return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False))
+            self.published.replace_member(
+                gid, group, MemberRecord(*mem.member, mem.size_bytes, mem.checksum, left)
+            )
+            self.frees.free(bad, mem.size_bytes, tenant, effects, key=req.key)
+            ctx.count("replicas_dropped_total")
+            if req.reason == "demoted":  # its bytes changed tier: consumers (the policy) follow
+                effects.append(self.published.republished(gid, unpack_group(self.published.records[gid])))
+            return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=True), effects)
+        ctx.count("replicas_corrupt_total")
+        if not left:  # its only good copy is gone: nobody may read the group any more
+            self.published.mark_unreadable(gid)
+            return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=True), effects)
+        self.published.replace_member(
+            gid, group, MemberRecord(*mem.member, mem.size_bytes, mem.checksum, left)
+        )
+        self.frees.free(bad, mem.size_bytes, tenant, effects, key=req.key)
+        self.published.queue_sweep(gid)  # gone entirely if that was the member's last replica
+        effects.append(
+            EmitEvent("under_replicated", m.GroupUnderReplicated(group=chain_of(gid), domain=domain_of(gid)))
+        )
+        return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=True), effects)
+
+    # ---- what this table holds, and checks -----------------------------------------------
+
+    def reservations(self) -> Iterator[tuple[int, int]]:
+        for rt in self.tickets.values():
+            if rt.tier == "dram":
+                yield rt.placement, rt.size_bytes
+
+    def usage(self) -> Iterator[tuple[Tenant, int, int]]:
+        for rt in self.tickets.values():
+            yield tenant_of(rt.key), rt.size_bytes, 0
+
+    def check_invariants(self) -> None:
+        queued = set(self._deadlines)
+        for ticket_id, rt in self.tickets.items():
+            invariant((rt.deadline_ms, ticket_id) in queued, "a replica ticket never expires")
+            invariant(rt.tier in ("dram", "ssd"), "replica ticket tier", tier=rt.tier)
