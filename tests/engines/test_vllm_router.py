@@ -45,6 +45,7 @@ COEFFICIENTS = {
     "remote_bytes_per_s": 2e7,
 }
 BURST = 6
+SLOW_MACHINE_MS = 60_000  # heartbeat timeout and index staleness bound (see the fixture)
 
 
 @dataclass
@@ -61,15 +62,33 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     model = str(build_tiny_llama(work / "tiny-llama"))
     with contextlib.ExitStack() as es:
         nats = es.enter_context(NatsServer(work / "nats"))
-        es.enter_context(directory_process(nats, KVF_LOG_LEVEL="info"))
-        for sid in ("seg-1", "seg-2"):
-            es.enter_context(segment_process(nats, sid, arena_bytes=1 << 30, KVF_LOG_LEVEL="info"))
-        engines = es.enter_context(vllm_pair(model, work, "t", prefix_caching=True, nats_url=nats.url))
-        proc, url = es.enter_context(
-            router(
-                nats.url, engines, model, policy="cache_aware", cache_chunks=2048, coefficients=COEFFICIENTS
+        # Two vLLM engines saturate both cores here (and on CI's): this test is not about failure
+        # detection, so neither a late segment heartbeat (a segment declared down exits and is not
+        # restarted here) nor a late index fetch may take kvfabric out of the routing it checks.
+        es.enter_context(
+            directory_process(
+                nats, KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS=str(SLOW_MACHINE_MS), KVF_LOG_LEVEL="info"
             )
         )
+        # ids of their own: a segment id is a host-wide lock (/dev/shm), another cluster may hold seg-1
+        segments = (f"rt{os.getpid()}-1", f"rt{os.getpid()}-2")
+        for sid in segments:
+            es.enter_context(segment_process(nats, sid, arena_bytes=1 << 30, KVF_LOG_LEVEL="info"))
+        engines = es.enter_context(
+            vllm_pair(model, work, "t", prefix_caching=True, nats_url=nats.url, segments=segments)
+        )
+        with pytest.MonkeyPatch.context() as mp:  # the router takes its settings from the environment
+            mp.setenv("KVF_ROUTER_INDEX_STALE_MS", str(SLOW_MACHINE_MS))
+            proc, url = es.enter_context(
+                router(
+                    nats.url,
+                    engines,
+                    model,
+                    policy="cache_aware",
+                    cache_chunks=2048,
+                    coefficients=COEFFICIENTS,
+                )
+            )
         yield Stack(engines, url, proc, model)
 
 
