@@ -115,6 +115,9 @@ MOONCAKE_ROWS: Final = tuple(
     (f"mooncake {mode}", op, op, mode) for mode in MOONCAKE_MODES for op in MOONCAKE_OPS
 )
 CLIENT_LABEL: Final = {"remote": "remote", "local": "co-located"}
+OPS: Final = tuple(dict.fromkeys(op for _, _, op, _ in ROWS))  # `--ops` names these
+# Rows that read the working set (saved before the runs of a size); the others need none.
+READ_OPS: Final = frozenset(("lookup_load_release", "load", "tcp_get", "shm_get", "memcpy", "redis_get"))
 
 
 def kind(op: str, client: str) -> str:
@@ -488,6 +491,7 @@ class Plan:
     redis: bool
     idle_wait_max_s: float  # before each round: wait at most this long for an idle machine
     mooncake_engines: list[int]
+    ops: tuple[str, ...] = OPS  # the rows measured (`--ops`): every row whose op is one of these
 
 
 class Bench:
@@ -506,17 +510,19 @@ class Bench:
         print(f"size {size_label(size)}", flush=True)
         started = time.monotonic()
         n = prompts_per_run(size, plan.measure_bytes)
-        count = working_prompts(size, plan.working_set_bytes, max(plan.engines), plan.measure_bytes)
-        reply = self.workers.call(0, ("working", size, count), PREPARE_TIMEOUT_S)
-        sums, failures = reply[1], reply[2]
-        if failures:
-            raise RuntimeError(f"could not save the {size_label(size)} working set: {failures}")
-        self.workers.set_working(size, sums)
-        print(f"  working set: {count} prompts, {count * CHUNKS * size / GiB:.2f} GiB", flush=True)
+        rows = [r for r in ROWS if r[2] in plan.ops and (plan.redis or not r[2].startswith("redis"))]
+        count = 0  # the working set: only rows that read need one
+        if any(op in READ_OPS for _, _, op, _ in rows):
+            count = working_prompts(size, plan.working_set_bytes, max(plan.engines), plan.measure_bytes)
+            reply = self.workers.call(0, ("working", size, count), PREPARE_TIMEOUT_S)
+            sums, failures = reply[1], reply[2]
+            if failures:
+                raise RuntimeError(f"could not save the {size_label(size)} working set: {failures}")
+            self.workers.set_working(size, sums)
+            print(f"  working set: {count} prompts, {count * CHUNKS * size / GiB:.2f} GiB", flush=True)
         points = [
             Point(row, label, kind(op, client), size, e, n)
-            for row, label, op, client in ROWS
-            if plan.redis or not op.startswith("redis")
+            for row, label, op, client in rows
             for e in plan.engines
         ]
         ops = {kind(op, client): (op, client) for _, _, op, client in ROWS}
@@ -530,7 +536,7 @@ class Bench:
                 op, client = ops[p.kind]
                 run_id = next(self.run_ids)
                 tasks = [
-                    Task(op, client, size, n, (cursor + i * n) % count, run_id, p.engines)
+                    Task(op, client, size, n, (cursor + i * n) % max(1, count), run_id, p.engines)
                     for i in range(p.engines)
                 ]
                 cursor += p.engines * n
@@ -539,7 +545,7 @@ class Bench:
                 except PointTimeout as exc:  # a hung engine: record, replace the engine processes
                     p.error = str(exc)
                     self.workers.restart()
-        evicted = self.workers.call(0, ("evict_working", size, count), PREPARE_TIMEOUT_S)[1]
+        evicted = self.workers.call(0, ("evict_working", size, count), PREPARE_TIMEOUT_S)[1] if count else {}
         if self.redis_port is not None:
             import redis
 
@@ -721,8 +727,18 @@ def main() -> int:
     parser.add_argument("--no-redis", action="store_true")
     parser.add_argument("--quick", action="store_true", help="1 repeat, small measurements: a smoke run")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--ops",
+        default=",".join(OPS),
+        help="rows to measure, by op (e.g. save,save_async: no working set is saved; the full table "
+        "needs them all)",
+    )
+    parser.add_argument("--stem", default="client", help="result files: <out>/<stem>.json and .md")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    ops = tuple(o for o in args.ops.split(",") if o)
+    if not ops or set(ops) - set(OPS):
+        parser.error(f"--ops: choose from {', '.join(OPS)}")
     engines = sorted({int(e) for e in args.engines.split(",")})
     if not sizes or min(sizes) < 4 * KiB or engines[0] < 1:
         parser.error("sizes must be ≥ 4096 B and engine counts ≥ 1")
@@ -735,6 +751,7 @@ def main() -> int:
         redis=not args.no_redis,
         idle_wait_max_s=QUICK_IDLE_WAIT_MAX_S if args.quick else IDLE_WAIT_MAX_S,
         mooncake_engines=engines[:1] if args.quick else engines,  # quick: the peer's 1-process runs
+        ops=ops,
     )
     for s in sizes:
         arena = working_prompts(s, plan.working_set_bytes, engines[-1], plan.measure_bytes) * CHUNKS * s
@@ -827,9 +844,9 @@ def main() -> int:
     result["verdicts"] = verdicts(points, sizes, engines)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "client.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{args.stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     md = markdown(result)
-    (out / "client.md").write_text(md)
+    (out / f"{args.stem}.md").write_text(md)
     print(md)
     print(f"elapsed {result['elapsed_s']} s")
     if problems:

@@ -25,7 +25,6 @@ import contextlib
 import itertools
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,7 +38,9 @@ from kvfabric.client.hits import Hit, LoadResult, SaveResult
 from kvfabric.client.lookups import RELEASE_MANY_VERB, lookup_by_instance
 from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.releases import RELEASES_CONCURRENT_MAX, give_back
+from kvfabric.client.saves import SaveTally, confirm_counts, object_specs, plan_save
 from kvfabric.client.settings import ClientSettings
+from kvfabric.client.shared_calls import SharedCalls
 from kvfabric.client.suspects import REPORT_TIMEOUT_S, SuspectReporter
 from kvfabric.client.threads import thread_placement
 from kvfabric.client.transfers import SegmentPool
@@ -97,6 +98,10 @@ FETCH_BATCH_BYTES_TARGET: Final = 2 << 20
 # backoff (`kvfabric.client.busy`) at most SAVE_BUSY_ATTEMPTS_MAX times within the save's timeout.
 SAVE_DIRECTORY_CALLS_MAX: Final = 8
 SAVE_BUSY_ATTEMPTS_MAX: Final = 8
+# A save of at most this many bytes is hashed on the loop thread (xxh3-128: ~0.03 ms for 2 MiB
+# here), not on a save thread: the hop there and back cost 0.05 ms p50, 0.55 ms p90 on this
+# loaded 2-core VM (2026-12-01), more than the hash. Larger saves hash off the loop.
+SAVE_INLINE_CHECKSUM_BYTES_MAX: Final = 4 << 20
 
 Destination: TypeAlias = memoryview | bytearray | Sequence[memoryview]
 """Where one object's bytes go: one writable buffer, or a scatter list of writable byte views
@@ -156,6 +161,14 @@ def _shard_batches(
             yield shard, start, mine[start : start + batch_max]
 
 
+def _spec_key(spec: m.ObjectSpec) -> bytes:
+    return spec.key
+
+
+def _same_key(key: bytes) -> bytes:
+    return key
+
+
 class AsyncKvClient:
     """One engine's client. Create, `await start()`, use, `await close()`; one event loop."""
 
@@ -202,6 +215,29 @@ class AsyncKvClient:
         self._lookup_many_refused: set[str] = set()
         self._save_bytes = 0
         self._saves_running = 0
+        # Writes this client runs at once per segment: what a segment may gather for one confirm.
+        self._writes_at_once = min(max(1, settings.transfers_max // 2), settings.connections_per_segment_max)
+        # The save-path directory requests, shared by the saves in flight (`SharedCalls`).
+        holder = settings.holder_id
+        self._begins = self._save_calls(
+            "put_begin",
+            lambda rid, specs: m.PutBegin(
+                writer_id=holder, request_id=rid, objects=specs, write_ttl_ms=settings.write_ttl_ms
+            ),
+            # a put_begin's reply holds a ticket per replica: batches whose reply always fits NATS's
+            # max_payload (the directory refuses a larger one with batch_too_large, placing nothing)
+            m.PUT_BEGIN_BATCH_OBJECTS_FIT,
+        )
+        self._commits = self._save_calls(
+            "put_commit",
+            lambda rid, keys: m.PutCommit(writer_id=holder, request_id=rid, keys=keys),
+            m.PUT_BATCH_OBJECTS_MAX,
+        )
+        self._aborts = self._save_calls(
+            "put_abort",
+            lambda rid, keys: m.PutAbort(writer_id=holder, request_id=rid, keys=keys),
+            m.PUT_BATCH_OBJECTS_MAX,
+        )
         self._tasks: set[asyncio.Task[Any]] = set()  # running saves
         self._capacity = asyncio.Event()  # set whenever a transfer ends (ReleaseStaging: room again)
         # not dispatched yet: (transfer, where, the starter's buffers, the starter's deadline ms)
@@ -778,176 +814,121 @@ class AsyncKvClient:
         first_chunk: int,
         trace_id: str,
     ) -> SaveResult:
-        loop = asyncio.get_running_loop()
-        data: dict[bytes, memoryview] = {}
-        chunk_of: dict[bytes, int] = {}
-        parent_of: dict[bytes, bytes] = {}  # key -> the previous chunk's chain hash (eviction order)
-        for i, row in enumerate(views):
-            chunk = first_chunk + i
-            group = groups[chunk]
-            parent = bytes(groups[chunk - 1].chain_hash) if chunk else b""
-            for member, view in zip(members, row, strict=True):
-                key = group.member_key(*member).to_bytes()
-                data[key] = view
-                chunk_of[key] = chunk
-                parent_of[key] = parent
-        if not data:
+        """The phases of `kvfabric.client.saves` (which decides), with this client's I/O."""
+        plan = plan_save(groups, members, views, first_chunk)
+        if not plan.keys:
             return SaveResult()
-        digests = await loop.run_in_executor(
-            self._save_executor, lambda: [checksum(v) for v in data.values()]
-        )
-        specs = [
-            m.ObjectSpec(key=k, size_bytes=len(v), checksum=d, parent=parent_of[k])
-            for (k, v), d in zip(data.items(), digests, strict=True)
-        ]
-        causes: dict[str, int] = {}
-        failed_chunks: set[int] = set()
-        existing_chunks: set[int] = set()
-        placed: list[m.BeginResult] = []
-        request_id = uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        if sum(len(v) for v in plan.data.values()) <= SAVE_INLINE_CHECKSUM_BYTES_MAX:
+            digests = [checksum(plan.data[k]) for k in plan.keys]  # cheaper than a thread hop
+        else:
+            digests = await loop.run_in_executor(
+                self._save_executor, lambda: [checksum(plan.data[k]) for k in plan.keys]
+            )
         router = self._router()
         try:
             await router.known_shards()
         except Unavailable:
-            chunks = len(set(chunk_of.values()))
+            chunks = len(plan.chunks)
             return SaveResult(chunks_failed=chunks, causes={"directory_unavailable": chunks})
-        begins = await self._per_shard(
-            specs,
-            lambda spec: router.shard_of(spec.key),
-            "put_begin",
-            lambda shard, start, batch: m.PutBegin(
-                writer_id=self.settings.holder_id,
-                request_id=f"{request_id}-{shard}-{start}",
-                objects=batch,
-                write_ttl_ms=self.settings.write_ttl_ms,
-            ),
-            trace_id,
-        )
-        for batch, reply in begins:
+        tally = SaveTally(plan)
+        specs = object_specs(plan, digests)
+        # Begin: shared with the other saves in flight (`SharedCalls`); each write names the
+        # request's trace id and how many of its writes its segment may confirm together.
+        writes: list[tuple[m.BeginResult, m.WriteTicket, str, int]] = []
+        placed: list[m.BeginResult] = []
+        for batch, (reply, batch_trace) in await self._shared(self._begins, specs, _spec_key, trace_id):
             if not isinstance(reply, m.PutBeginReply):
-                for spec in batch:
-                    failed_chunks.add(chunk_of[spec.key])
-                causes[str(reply)] = causes.get(str(reply), 0) + len(batch)
+                tally.refused([spec.key for spec in batch], str(reply))
                 continue
-            for result in reply.results:
-                if result.status == "placed":
-                    placed.append(result)
-                elif result.status == "exists":
-                    existing_chunks.add(chunk_of[result.key])
-                else:
-                    failed_chunks.add(chunk_of[result.key])
-                    causes[result.status] = causes.get(result.status, 0) + 1
-        # Write every replica of every placed object (bounded by the save executor's threads).
-        # Each write says how many of this save's go to its segment for its shard: the segment
-        # confirms them to the directory together (one round trip, `PutRequest.save_writes`).
-        together = Counter((t.segment_id, router.shard_of(r.key)) for r in placed for t in r.tickets)
-        writes = [
-            loop.run_in_executor(
-                self._save_executor,
-                self.pool.store,
-                ticket,
-                data[result.key],
-                trace_id,
-                together[ticket.segment_id, router.shard_of(result.key)],
+            mine = {spec.key for spec in batch}
+            ours = tally.begun(r for r in reply.results if r.key in mine)
+            together = confirm_counts(
+                (r for r in reply.results if r.status == "placed"), router.shard_of, self._writes_at_once
             )
-            for result in placed
-            for ticket in result.tickets
-        ]
-        write_causes = await asyncio.gather(*writes)
-        ok_keys: list[bytes] = []
-        bad_keys: list[bytes] = []
-        position = 0
-        bytes_written = 0
-        for result in placed:
-            outcomes = write_causes[position : position + len(result.tickets)]
-            position += len(result.tickets)
-            if any(o == "ok" for o in outcomes):
-                ok_keys.append(result.key)
-                bytes_written += sum(len(data[result.key]) for o in outcomes if o == "ok")
-            else:
-                bad_keys.append(result.key)
-                failed_chunks.add(chunk_of[result.key])
-                for o in outcomes:
-                    causes[o] = causes.get(o, 0) + 1
+            placed += ours
+            writes += [
+                (r, t, batch_trace, together[t.segment_id, router.shard_of(r.key)])
+                for r in ours
+                for t in r.tickets
+            ]
+        # Write every replica of every placed object (bounded by the save executor's threads).
+        outcomes = await asyncio.gather(
+            *(
+                loop.run_in_executor(
+                    self._save_executor, self.pool.store, ticket, plan.data[result.key], batch_trace, together
+                )
+                for result, ticket, batch_trace, together in writes
+            )
+        )
+        ok_keys, bad_keys = tally.wrote(placed, outcomes)
         # Aborts and commits go to their shards concurrently (they name different keys). An abort
         # that fails needs nothing more: its placements expire at the directory (write_ttl_ms).
-        _, commits = await asyncio.gather(
-            self._per_shard(
-                bad_keys,
-                router.shard_of,
-                "put_abort",
-                lambda shard, start, keys: m.PutAbort(
-                    writer_id=self.settings.holder_id, request_id=f"{request_id}-a{shard}-{start}", keys=keys
-                ),
-                trace_id,
-            ),
-            self._per_shard(
-                ok_keys,
-                router.shard_of,
-                "put_commit",
-                lambda shard, start, keys: m.PutCommit(
-                    writer_id=self.settings.holder_id, request_id=f"{request_id}-c{shard}-{start}", keys=keys
-                ),
-                trace_id,
-            ),
+        ended: list[list[tuple[list[bytes], tuple[object, str]]]] = await asyncio.gather(
+            self._shared(self._aborts, bad_keys, _same_key, trace_id),
+            self._shared(self._commits, ok_keys, _same_key, trace_id),
         )
-        for batch_keys, reply in commits:
+        for keys, (reply, _) in ended[1]:
             if not isinstance(reply, m.PutCommitReply):
-                for key in batch_keys:
-                    failed_chunks.add(chunk_of[key])
-                causes[str(reply)] = causes.get(str(reply), 0) + len(batch_keys)
+                tally.refused(keys, str(reply))
                 continue
-            for commit in reply.results:
-                if commit.status in ("missing", "not_found"):
-                    failed_chunks.add(chunk_of[commit.key])
-                    causes[commit.status] = causes.get(commit.status, 0) + 1
-        saved_chunks = {chunk_of[k] for k in ok_keys} - failed_chunks
-        tpc = self.spec.layout.tokens_per_chunk
-        self.metrics.saved_tokens.inc(len(saved_chunks) * tpc)
-        self.metrics.saved_bytes.inc(bytes_written)
-        for cause, n in causes.items():
+            mine = set(keys)
+            tally.commits(r for r in reply.results if r.key in mine)
+        result = tally.result()
+        self.metrics.saved_tokens.inc(result.chunks_saved * self.spec.layout.tokens_per_chunk)
+        self.metrics.saved_bytes.inc(result.bytes_written)
+        for cause, n in result.causes.items():
             self.metrics.save_failures.labels(cause).inc(n)
-        return SaveResult(
-            chunks_saved=len(saved_chunks),
-            chunks_existing=len(existing_chunks - failed_chunks - saved_chunks),
-            chunks_failed=len(failed_chunks),
-            bytes_written=bytes_written,
-            causes=causes,
+        return result
+
+    async def _shared(
+        self, calls: SharedCalls[T], items: Sequence[T], key_of: Callable[[T], bytes], trace_id: str
+    ) -> list[tuple[list[T], tuple[object, str]]]:
+        """`calls`' verb for `items`, split per shard in batches (`_shard_batches`), each sharing a
+        request with other saves' (`SharedCalls`), concurrently; (batch, (reply or cause, the
+        request's trace id)) in batch order."""
+        router = self._router()
+        deadline_s = time.monotonic() + self.settings.save_timeout_ms / 1000
+        batches = list(_shard_batches(items, lambda item: router.shard_of(key_of(item)), calls.batch_max))
+        replies = await asyncio.gather(
+            *(
+                calls.call(shard, batch, [key_of(item) for item in batch], trace_id, deadline_s)
+                for shard, _, batch in batches
+            )
         )
+        return [(batch, reply) for (_, _, batch), reply in zip(batches, replies, strict=True)]
 
-    async def _per_shard(
-        self,
-        items: Sequence[T],
-        shard_of: Callable[[T], int],
-        verb: str,
-        message: Callable[[int, int, list[T]], m.DirectoryRequest],
-        trace_id: str,
-    ) -> list[tuple[list[T], object]]:
-        """`verb` for `items`, one request per shard batch (`_shard_batches`), concurrently
-        (the client-wide `SAVE_DIRECTORY_CALLS_MAX` bounds them); (batch, reply or cause) in
-        batch order."""
+    def _save_calls(
+        self, verb: str, message: Callable[[str, list[Any]], m.DirectoryRequest], batch_max: int
+    ) -> SharedCalls[Any]:
+        """The shared requests of one save-path verb: `message(request id, items)`."""
 
-        async def one(shard: int, start: int, batch: list[T]) -> tuple[list[T], object]:
-            return batch, await self._directory(trace_id, verb, message(shard, start, batch), shard)
+        async def send(shard: int, items: list[Any], trace_id: str, deadline_s: float) -> object:
+            return await self._directory(trace_id, verb, message(uuid.uuid4().hex, items), shard, deadline_s)
 
-        # A put_begin's reply holds a ticket per replica: batches whose reply always fits NATS's
-        # max_payload (the directory refuses a larger one with batch_too_large, placing nothing).
-        batch_max = m.PUT_BEGIN_BATCH_OBJECTS_FIT if verb == "put_begin" else m.PUT_BATCH_OBJECTS_MAX
-        return list(await asyncio.gather(*(one(*b) for b in _shard_batches(items, shard_of, batch_max))))
+        return SharedCalls(send, batch_max)
 
     # Bounds this client's save-path directory requests in flight (made on first use, on the loop).
     _save_gate: asyncio.Semaphore | None = None
 
-    async def _directory(self, trace_id: str, verb: str, message: m.DirectoryRequest, shard: int) -> object:
+    async def _directory(
+        self,
+        trace_id: str,
+        verb: str,
+        message: m.DirectoryRequest,
+        shard: int,
+        deadline_s: float | None = None,
+    ) -> object:
         """A directory call for saves: the reply, or a cause string (never raises). At most
-        `SAVE_DIRECTORY_CALLS_MAX` in flight per client; `busy` backs off and asks again."""
+        `SAVE_DIRECTORY_CALLS_MAX` in flight per client; `busy` backs off and asks again, until
+        `deadline_s` (monotonic; by default `save_timeout_ms` from now)."""
         if self.nc is None:
             return "closed"
         if self._save_gate is None:
             self._save_gate = asyncio.Semaphore(SAVE_DIRECTORY_CALLS_MAX)
         gate = self._save_gate
-        timeout_s = self.settings.save_timeout_ms / 1000
-        deadline_s = time.monotonic() + timeout_s
+        if deadline_s is None:
+            deadline_s = time.monotonic() + self.settings.save_timeout_ms / 1000
 
         async def ask() -> m.DirectoryReply:
             # The wait for a slot and the request share the save's deadline (TimeoutError below).

@@ -1,0 +1,221 @@
+"""The save core: what a two-phase save decides, without I/O (the shell is `AsyncKvClient.save`).
+
+A save publishes chunks of one prompt. Each chunk has one object per required member; an object is
+named by its key (`ChunkGroupId.member_key`). The shell runs the phases; this module decides what
+each phase sends and what its answers mean:
+
+1. **Plan** (`plan_save`): the objects in (chunk, member) order, each with its chunk and its
+   parent (the previous chunk's chain hash: eviction drops a prefix's tail first).
+2. **Begin**: one `put_begin` per shard carries the objects' specs (`object_specs`). Concurrent
+   saves of one client share these requests (`take_batch`): per (verb, shard) one request is in
+   flight; what arrives meanwhile rides the next one, whole saves only, never one key twice.
+   Each object comes back `placed` (tickets, one per replica), `exists`, or refused (`SaveTally.begun`).
+3. **Write**: every ticket of every placed object is written to its segment. A segment confirms
+   the replicas it stored to the directory before it answers; a write says how many writes of the
+   same request it may gather into one confirm (`confirm_counts`: never more than can be in
+   flight at once, or the first confirm would wait its whole gather time for writes queued
+   behind it). An object with at least one replica written is committed, the others aborted
+   (`SaveTally.written`).
+4. **Commit / abort**: one `put_commit` and one `put_abort` per shard (shared like begins).
+
+States of an object: planned -> placed | exists | refused; placed -> written (>= 1 replica ok)
+| write_failed; written -> committed | commit_failed. Invariants (`SaveTally.result`):
+- a chunk counts as saved only when none of its objects failed in any phase and at least one was
+  written and committed by this save; as existing when all its objects existed and none failed;
+  else failed. Every chunk of the save is exactly one of the three.
+- every placed object is either committed or aborted by the shell (an abort that is lost
+  expires at the directory after the put's write TTL); nothing half-written becomes visible.
+- `bytes_written` counts replica bytes that reached a segment and were confirmed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from kvfabric.client.hits import SaveResult
+from kvfabric.format.key import ChunkGroupId, MemberId
+from kvfabric.proto import directory as m
+
+__all__ = [
+    "Queued",
+    "SavePlan",
+    "SaveTally",
+    "confirm_counts",
+    "object_specs",
+    "plan_save",
+    "take_batch",
+]
+
+# Outcome of a write ("ok" or a cause), as `SegmentPool.store` returns it.
+OK = "ok"
+# Commit statuses that leave the object readable or on its way (the group completes later).
+COMMITTED: frozenset[str] = frozenset(("published", "degraded", "waiting_group", "exists"))
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """The objects of one save: `keys` in (chunk, member) order, each key's bytes, chunk, parent."""
+
+    keys: tuple[bytes, ...]
+    data: dict[bytes, memoryview]
+    chunk_of: dict[bytes, int]
+    parent_of: dict[bytes, bytes]
+
+    @property
+    def chunks(self) -> list[int]:
+        return sorted(set(self.chunk_of.values()))
+
+
+def plan_save(
+    groups: Sequence[ChunkGroupId],
+    members: Sequence[MemberId],
+    views: Sequence[Sequence[memoryview]],
+    first_chunk: int,
+) -> SavePlan:
+    """`views[i][j]`: chunk first_chunk+i's bytes for members[j] (the caller checked the shapes)."""
+    data: dict[bytes, memoryview] = {}
+    chunk_of: dict[bytes, int] = {}
+    parent_of: dict[bytes, bytes] = {}
+    for i, row in enumerate(views):
+        chunk = first_chunk + i
+        group = groups[chunk]
+        parent = bytes(groups[chunk - 1].chain_hash) if chunk else b""
+        for member, view in zip(members, row, strict=True):
+            key = group.member_key(*member).to_bytes()
+            data[key] = view
+            chunk_of[key] = chunk
+            parent_of[key] = parent
+    return SavePlan(tuple(data), data, chunk_of, parent_of)
+
+
+def object_specs(plan: SavePlan, digests: Sequence[bytes]) -> list[m.ObjectSpec]:
+    """The `put_begin` specs of the plan's objects, `digests` in `plan.keys` order."""
+    return [
+        m.ObjectSpec(key=k, size_bytes=len(plan.data[k]), checksum=d, parent=plan.parent_of[k])
+        for k, d in zip(plan.keys, digests, strict=True)
+    ]
+
+
+def confirm_counts(
+    placed: Iterable[m.BeginResult], shard_of: Callable[[bytes], int], at_once_max: int
+) -> dict[tuple[str, int], int]:
+    """Per (segment, shard): how many writes of one `put_begin` reply a segment may gather into one
+    confirm (`PutRequest.save_writes`): the reply's writes there, at most `at_once_max` (the writes
+    this client runs at once: a segment waiting for more would wait for writes not yet sent)."""
+    together = Counter((t.segment_id, shard_of(r.key)) for r in placed for t in r.tickets)
+    return {where: min(n, max(1, at_once_max)) for where, n in together.items()}
+
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Queued(Generic[T]):
+    """One save's items waiting for a shared directory request (and whatever the shell keeps)."""
+
+    items: list[T]
+    keys: frozenset[Hashable]
+    tag: object = None
+
+
+def take_batch(queue: list[Queued[T]], batch_max: int) -> list[Queued[T]]:
+    """Take the entries the next request carries, from the front of `queue` (removed from it): in
+    order, while their items fit `batch_max` and no key repeats (a key twice in one request would
+    be refused, or answered for one of them only). The first entry always goes (a shell never
+    queues more than `batch_max` items in one entry). An entry that does not fit stays, and so do
+    those behind it (first come, first served)."""
+    taken: list[Queued[T]] = []
+    seen: set[Hashable] = set()
+    count = 0
+    while queue:
+        entry = queue[0]
+        if taken and (count + len(entry.items) > batch_max or not seen.isdisjoint(entry.keys)):
+            break
+        taken.append(queue.pop(0))
+        seen |= entry.keys
+        count += len(entry.items)
+    return taken
+
+
+@dataclass(slots=True)
+class SaveTally:
+    """What one save's phases answered; `result()` is the save's outcome (module invariants)."""
+
+    plan: SavePlan
+    causes: dict[str, int] = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)  # chunks
+    existing: set[int] = field(default_factory=set)  # chunks with an object that already existed
+    committed: set[bytes] = field(default_factory=set)
+    bytes_written: int = 0
+
+    def _fail(self, keys: Iterable[bytes], cause: str) -> None:
+        for key in keys:
+            self.failed.add(self.plan.chunk_of[key])
+            self.causes[cause] = self.causes.get(cause, 0) + 1
+
+    def refused(self, keys: Sequence[bytes], cause: str) -> None:
+        """A whole request (begin or commit) for `keys` got no usable reply: `cause`."""
+        self._fail(keys, cause)
+
+    def begun(self, results: Iterable[m.BeginResult]) -> list[m.BeginResult]:
+        """The `put_begin` results of this save's keys; returns those placed (to write)."""
+        placed: list[m.BeginResult] = []
+        for result in results:
+            if result.status == "placed":
+                placed.append(result)
+            elif result.status == "exists":
+                self.existing.add(self.plan.chunk_of[result.key])
+            else:
+                self._fail((result.key,), result.status)
+        return placed
+
+    def wrote(
+        self, placed: Sequence[m.BeginResult], outcomes: Sequence[str]
+    ) -> tuple[list[bytes], list[bytes]]:
+        """`outcomes`: one per ticket, in (object, ticket) order. Returns (keys to commit, keys to
+        abort): an object is committed when at least one replica was written."""
+        if len(outcomes) != sum(len(r.tickets) for r in placed):
+            raise ValueError("one write outcome per ticket")
+        ok_keys: list[bytes] = []
+        bad_keys: list[bytes] = []
+        position = 0
+        for result in placed:
+            mine = outcomes[position : position + len(result.tickets)]
+            position += len(result.tickets)
+            if any(o == OK for o in mine):
+                ok_keys.append(result.key)
+                self.bytes_written += len(self.plan.data[result.key]) * sum(o == OK for o in mine)
+            else:
+                bad_keys.append(result.key)
+                self.failed.add(self.plan.chunk_of[result.key])
+                for o in mine:
+                    self.causes[o] = self.causes.get(o, 0) + 1
+        return ok_keys, bad_keys
+
+    def commits(self, results: Iterable[m.CommitResult]) -> None:
+        """The `put_commit` results of this save's keys."""
+        for result in results:
+            if result.status in COMMITTED:
+                self.committed.add(result.key)
+            else:
+                self._fail((result.key,), result.status)
+
+    def result(self) -> SaveResult:
+        chunks = set(self.plan.chunk_of.values())
+        saved = {self.plan.chunk_of[k] for k in self.committed} - self.failed
+        existing = (self.existing & chunks) - self.failed - saved
+        causes = dict(self.causes)
+        # A chunk with a written object that no commit result named (a reply without it).
+        unanswered = len(chunks - saved - existing - self.failed)
+        if unanswered:
+            causes["unanswered"] = causes.get("unanswered", 0) + unanswered
+        return SaveResult(
+            chunks_saved=len(saved),
+            chunks_existing=len(existing),
+            chunks_failed=len(chunks - saved - existing),
+            bytes_written=self.bytes_written,
+            causes=causes,
+        )

@@ -1,0 +1,102 @@
+"""Directory requests of one save-path verb, shared by a client's concurrent saves (issue 20).
+
+Saves in flight together (an engine's `save_async` while it computes the next prompt, or several
+engine threads on one client) each needed their own `put_begin`, `put_commit` and `put_abort` per
+shard: with 32 prompts in flight the directory answered 96 requests for what 3 could carry. Here,
+per shard, one request of a verb is in flight at a time; the saves that arrive meanwhile queue
+and ride the next one together (`kvfabric.client.saves.take_batch`: whole saves, in arrival order,
+at most `batch_max` items, never a key twice). A save alone goes at once: nothing waits to fill a
+batch. Each caller gets the whole reply (it picks its own keys' results) and the trace id the
+request went with (the first save's: its writes use it too, so a segment confirms the writes of
+the saves that shared a `put_begin` in one request).
+
+Bounds: one request per (verb, shard) in flight; the queue holds at most one entry per running
+save (bounded by `saves_queued_max`). Deadlines: a request is sent with the latest deadline of the
+saves it carries (their own time left: they arrived within one round trip); a caller whose own
+deadline passes while it waits is answered `directory_timeout` and its items leave the queue if
+they had not gone yet (a begin that went anyway expires at the directory after its write TTL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from kvfabric.client.saves import Queued, take_batch
+
+__all__ = ["SharedCalls"]
+
+T = TypeVar("T")
+
+# (shard, items, trace id, deadline monotonic s) -> the reply, or a cause string (never raises)
+Send = Callable[[int, list[T], str, float], Awaitable[object]]
+
+
+@dataclass(slots=True)
+class _Wait:
+    trace_id: str
+    deadline_s: float
+    future: asyncio.Future[tuple[object, str]]
+
+
+class SharedCalls(Generic[T]):
+    """One verb's requests, per shard one in flight; one event loop."""
+
+    def __init__(self, send: Send[T], batch_max: int) -> None:
+        self._send = send
+        self.batch_max = batch_max
+        self._queues: dict[int, list[Queued[T]]] = {}
+        self._senders: dict[int, asyncio.Task[None]] = {}
+        self.requests = 0  # sent (tests, metrics)
+
+    async def call(
+        self, shard: int, items: Sequence[T], keys: Sequence[Hashable], trace_id: str, deadline_s: float
+    ) -> tuple[object, str]:
+        """(reply or cause, the request's trace id) for `items` (at most `batch_max`) of one shard."""
+        if len(items) > self.batch_max:
+            raise ValueError(f"{len(items)} items exceed a request's {self.batch_max}")
+        future: asyncio.Future[tuple[object, str]] = asyncio.get_running_loop().create_future()
+        entry: Queued[T] = Queued(list(items), frozenset(keys), _Wait(trace_id, deadline_s, future))
+        queue = self._queues.setdefault(shard, [])
+        queue.append(entry)
+        if shard not in self._senders:
+            self._senders[shard] = asyncio.create_task(self._drain(shard))
+        try:
+            async with asyncio.timeout(max(0.0, deadline_s - time.monotonic())):
+                return await asyncio.shield(future)
+        except TimeoutError:
+            if entry in queue:
+                queue.remove(entry)
+            return "directory_timeout", trace_id
+        except asyncio.CancelledError:
+            if entry in queue:
+                queue.remove(entry)
+            raise
+
+    async def _drain(self, shard: int) -> None:
+        queue = self._queues[shard]
+        try:
+            while queue:
+                taken = take_batch(queue, self.batch_max)
+                waits = [e.tag for e in taken if isinstance(e.tag, _Wait)]
+                trace_id = waits[0].trace_id
+                deadline_s = max(w.deadline_s for w in waits)
+                items = [item for e in taken for item in e.items]
+                self.requests += 1
+                try:
+                    reply: object = await self._send(shard, items, trace_id, deadline_s)
+                except Exception as exc:  # `send` never raises; a bug must not strand the waiters
+                    reply = f"client_error:{type(exc).__name__}"
+                for wait in waits:
+                    if not wait.future.done():
+                        wait.future.set_result((reply, trace_id))
+        finally:
+            del self._senders[shard]
+            if queue:  # cancelled (the client closes): nobody sends for the rest
+                for entry in queue:
+                    if isinstance(entry.tag, _Wait) and not entry.tag.future.done():
+                        entry.tag.future.set_result(("closed", entry.tag.trace_id))
+                queue.clear()

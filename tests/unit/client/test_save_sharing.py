@@ -1,0 +1,190 @@
+"""Saves in flight together share their directory requests (issue 20): per shard one `put_begin`,
+`put_commit` and `put_abort` in flight at a time, the saves that arrive meanwhile riding the next
+one; a save alone goes at once; a key never twice in one request; the writes of saves that shared
+a `put_begin` carry its trace id, and a segment is never told to gather more confirms than the
+client writes at once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any, cast
+
+import msgspec
+
+from kvfabric.client import AsyncKvClient, ClientSettings
+from kvfabric.client.aio import SAVE_INLINE_CHECKSUM_BYTES_MAX
+from kvfabric.client.hits import SaveResult
+from kvfabric.proto import directory as m
+from kvfabric.runtime.directory_router import DirectoryRouter
+from tests.integration.clientkit import SPEC
+
+SHARDS = 2
+CHUNKS = 8
+TPC = SPEC.layout.tokens_per_chunk
+EPOCH = 3
+
+
+class SaveRouter(DirectoryRouter):
+    """A directory for saves: places every object (one ticket, segment `seg-a`), publishes every
+    commit; records each request (verb, shard, keys, trace id) and checks no key repeats in one."""
+
+    def __init__(self) -> None:
+        super().__init__(cast(Any, None))
+        self.shards = SHARDS
+        self.requests: list[tuple[str, int, list[bytes], str]] = []
+        self.tickets = 0
+
+    async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any) -> Any:
+        trace = (kw.get("headers") or {}).get("Kvf-Trace-Id", "")
+        await asyncio.sleep(0.002)  # a round trip: saves started meanwhile queue
+        if isinstance(message, m.PutBegin):
+            keys = [o.key for o in message.objects]
+            results = []
+            for spec in message.objects:
+                self.tickets += 1
+                ticket = m.WriteTicket(
+                    ticket_id=self.tickets,
+                    key=spec.key,
+                    segment_id="seg-a",
+                    incarnation=1,
+                    size_bytes=spec.size_bytes,
+                    checksum=spec.checksum,
+                    writer_id="w",
+                    deadline_ms=1 << 40,
+                    epoch=EPOCH,
+                    data_addr="tcp://127.0.0.1:1",
+                )
+                results.append(m.BeginResult(key=spec.key, status="placed", tickets=[ticket]))
+            reply: Any = m.PutBeginReply(epoch=EPOCH, results=results)
+        elif isinstance(message, m.PutCommit):
+            keys = list(message.keys)
+            reply = m.PutCommitReply(
+                epoch=EPOCH, results=[m.CommitResult(key=k, status="published") for k in keys]
+            )
+        else:
+            assert isinstance(message, m.PutAbort)
+            keys = list(message.keys)
+            reply = m.PutAbortReply(epoch=EPOCH, aborted=len(keys))
+        assert len(set(keys)) == len(keys), "a key twice in one request"
+        assert all(self.shard_of(k) == shard for k in keys)
+        self.requests.append((verb, shard, keys, trace))
+        return reply
+
+    def count(self, verb: str) -> Counter[int]:
+        return Counter(shard for v, shard, _, _ in self.requests if v == verb)
+
+
+def client(router: SaveRouter, fail_keys: frozenset[bytes] = frozenset()) -> tuple[AsyncKvClient, list[Any]]:
+    kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1"), SPEC)
+    kv.router = router
+    kv.nc = cast(Any, object())  # "connected": the router does every request
+    writes: list[Any] = []
+
+    def store(ticket: m.WriteTicket, data: memoryview, trace_id: str = "", save_writes: int = 0) -> str:
+        writes.append((ticket.key, trace_id, save_writes))
+        return "segment_unreachable" if ticket.key in fail_keys else "ok"
+
+    kv.pool.store = store  # type: ignore[method-assign]
+    return kv, writes
+
+
+def prompt(n: int) -> list[int]:
+    return [n, *range(1, CHUNKS * TPC)]
+
+
+def objects(n: int) -> list[list[bytes]]:
+    return [[bytes([n, c]) * 64] for c in range(CHUNKS)]
+
+
+def save_all(kv: AsyncKvClient, prompts: list[int]) -> list[SaveResult]:
+    async def run() -> list[SaveResult]:
+        try:
+            return list(
+                await asyncio.gather(*(kv.save(prompt(n), objects(n), trace_id=f"t{n}") for n in prompts))
+            )
+        finally:
+            await kv.close()
+
+    return asyncio.run(run())
+
+
+def test_a_save_alone_sends_one_begin_and_one_commit_per_shard() -> None:
+    router = SaveRouter()
+    kv, writes = client(router)
+    (result,) = save_all(kv, [1])
+    assert result == SaveResult(chunks_saved=CHUNKS, bytes_written=CHUNKS * 128)
+    shards = set(router.count("put_begin"))
+    assert router.count("put_begin") == router.count("put_commit") == Counter(dict.fromkeys(shards, 1))
+    assert not router.count("put_abort")
+    assert {trace for _, trace, _ in writes} == {"t1"}
+
+
+def test_concurrent_saves_share_their_directory_requests() -> None:
+    """8 saves started together: the first goes alone, the other 7 ride one request per shard
+    (before, each save sent its own: 8 per shard and verb)."""
+    router = SaveRouter()
+    kv, writes = client(router)
+    results = save_all(kv, list(range(10, 18)))
+    assert all(r.chunks_saved == CHUNKS and r.chunks_failed == 0 for r in results)
+    assert all(n <= 2 for n in router.count("put_begin").values()), router.count("put_begin")
+    assert all(n <= 2 for n in router.count("put_commit").values()), router.count("put_commit")
+    keys = [k for verb, _, ks, _ in router.requests if verb == "put_commit" for k in ks]
+    assert len(keys) == len(set(keys)) == 8 * CHUNKS
+    # The writes of saves that shared a put_begin carry its trace id: the segment confirms them
+    # together, but never waits for more than the client writes at once.
+    begin_traces = {trace for verb, _, _, trace in router.requests if verb == "put_begin"}
+    assert {trace for _, trace, _ in writes} <= begin_traces
+    assert max(n for _, _, n in writes) == kv._writes_at_once < 7 * CHUNKS
+
+
+def test_the_same_prompt_saved_twice_at_once_never_names_a_key_twice_in_a_request() -> None:
+    router = SaveRouter()
+    kv, _ = client(router)
+    results = save_all(kv, [5, 5, 5])
+    assert all(r.chunks_saved == CHUNKS for r in results)  # the fake directory places every begin
+    begins = [keys for verb, _, keys, _ in router.requests if verb == "put_begin"]
+    assert sum(len(k) for k in begins) == 3 * CHUNKS  # each save's keys went, in separate requests
+
+
+def test_a_failed_write_is_aborted_and_fails_its_chunk_only() -> None:
+    router = SaveRouter()
+    probe, _ = client(SaveRouter())
+    bad = probe.chunk_groups(prompt(7))[2].member_key(*SPEC.required_members()[0]).to_bytes()
+    kv, _ = client(router, frozenset((bad,)))
+    (result,) = save_all(kv, [7])
+    assert result.chunks_saved == CHUNKS - 1 and result.chunks_failed == 1
+    assert result.causes == {"segment_unreachable": 1}
+    aborted = [k for verb, _, keys, _ in router.requests if verb == "put_abort" for k in keys]
+    committed = [k for verb, _, keys, _ in router.requests if verb == "put_commit" for k in keys]
+    assert aborted == [bad] and bad not in committed and len(committed) == CHUNKS - 1
+
+
+def save_thread_jobs(size: int) -> tuple[int, int]:
+    """(jobs the save threads got, writes) for one save of CHUNKS objects of `size` bytes."""
+    kv, writes = client(SaveRouter())
+    submitted = []
+    submit = kv._save_executor.submit
+
+    def counting(fn: Any, *args: Any, **kw: Any) -> Any:
+        submitted.append(fn)
+        return submit(fn, *args, **kw)
+
+    kv._save_executor.submit = counting  # type: ignore[method-assign,assignment]
+
+    async def run() -> SaveResult:
+        try:
+            return await kv.save(prompt(3), [[bytes(size)] for _ in range(CHUNKS)])
+        finally:
+            await kv.close()
+
+    assert asyncio.run(run()).chunks_saved == CHUNKS
+    return len(submitted), len(writes)
+
+
+def test_a_small_save_hashes_on_the_loop_a_large_one_on_a_save_thread() -> None:
+    """Below `SAVE_INLINE_CHECKSUM_BYTES_MAX` the only save-thread jobs are the writes."""
+    jobs, writes = save_thread_jobs(128)
+    assert jobs == writes == CHUNKS
+    jobs, writes = save_thread_jobs(SAVE_INLINE_CHECKSUM_BYTES_MAX // CHUNKS + 1)
+    assert jobs == writes + 1
