@@ -34,8 +34,7 @@ FreeSlots per entry every `free_retry_ms`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from kvfabric.core.directory.base import Context, Effect, FreeSlots, Outcome, check_batch
 from kvfabric.core.directory.segments import Segment, SegmentTable
@@ -51,8 +50,9 @@ SlotKey = tuple[str, int, int, int]  # (segment id, incarnation, slot, slot gene
 FreeState = Literal["held", "sent", "sent_at"]
 
 
-@dataclass(slots=True)
-class PendingFree:
+class PendingFree(NamedTuple):
+    """A tuple of atoms: the cyclic GC does not walk it (docs/directory.md, "Garbage collector")."""
+
     size_bytes: int
     group: bytes  # the evicting group this slot belongs to, b"" if none
     tenant: Tenant
@@ -159,21 +159,21 @@ class FreeTable:
                 if self.in_grace:
                     continue
             elif pending.state == "sent":
-                self._stamp(pending, now_ms)
+                self.pending[key] = self._stamped(pending, now_ms)
                 continue
             elif now_ms - pending.sent_ms < self.ctx.config.free_retry_ms:
                 continue
             else:
                 self.ctx.count("free_retries_total")
-            self._stamp(pending, now_ms)
+            self.pending[key] = self._stamped(pending, now_ms)
             segment_id, incarnation, slot, generation = key
             effects.append(FreeSlots(segment_id, incarnation, (m.FreedSlot(b"", slot, generation),)))
 
     @staticmethod
-    def _stamp(pending: PendingFree, now_ms: int) -> None:
+    def _stamped(pending: PendingFree, now_ms: int) -> PendingFree:
         """Sent at `now_ms`; a stamp at time 0 counts as none (the next tick stamps it again),
         as the tables have always treated time 0."""
-        pending.state, pending.sent_ms = ("sent_at" if now_ms else "sent"), now_ms
+        return pending._replace(state="sent_at" if now_ms else "sent", sent_ms=now_ms)
 
     # ---- what this table holds, and checks -----------------------------------------------
 
