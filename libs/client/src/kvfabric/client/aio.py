@@ -59,6 +59,7 @@ from kvfabric.core.client_loads import (
 from kvfabric.dataplane.scatter import GateClosed, ScatterDest, WriteGate, scatter_dests
 from kvfabric.dataplane.tls import client_context
 from kvfabric.format.checksum import checksum
+from kvfabric.format.clock import monotonic_ms as _now_ms
 from kvfabric.format.errors import (
     BadRequest,
     Indeterminate,
@@ -124,10 +125,6 @@ class EngineSpec:
 
     def required_members(self) -> tuple[MemberId, ...]:
         return self.members or (self.layout.member,)
-
-
-def _now_ms() -> int:
-    return time.monotonic_ns() // 1_000_000
 
 
 T = TypeVar("T")

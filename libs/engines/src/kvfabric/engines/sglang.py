@@ -80,6 +80,7 @@ from kvfabric.engines.sglang_keys import (
     engine_spec,
     new_pages,
 )
+from kvfabric.format.clock import monotonic_ms
 from kvfabric.format.errors import KvfError
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, chain_hashes
 
@@ -95,10 +96,6 @@ CAUSE_CONFIG_ERROR: Final = "config_error"
 _LOG_EVERY_S: Final = 30.0  # one line per kind of failure at most this often
 # Host pool tensors a page region may lie in (zero-copy views are cut from these only).
 _POOL_TENSORS: Final = ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer")
-
-
-def _now_ms() -> int:
-    return time.monotonic_ns() // 1_000_000
 
 
 def _sglang_version() -> str:
@@ -275,7 +272,7 @@ class KvfabricStorage(HiCacheStorage):
 
     def _expire_held(self) -> None:
         with self._lock:
-            old = self._held.expired(_now_ms())
+            old = self._held.expired(monotonic_ms())
         self._release(old)
 
     @staticmethod
@@ -318,7 +315,7 @@ class KvfabricStorage(HiCacheStorage):
             self._release([hit])
             return 0
         with self._lock:
-            dropped = self._held.hold(hit, _now_ms())
+            dropped = self._held.hold(hit, monotonic_ms())
         self._release(dropped)
         return found
 

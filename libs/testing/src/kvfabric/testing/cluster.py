@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
-import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Final
@@ -21,6 +20,7 @@ import msgspec
 from nats.aio.client import Client as NatsClient
 
 from kvfabric.ctl import queries
+from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import KvfError, Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto.dataplane import ReadRef
@@ -102,7 +102,7 @@ def signed_ref(
 ) -> ReadRef:
     """A read reference with a read token signed like the directory signs them (tests know the
     cluster secret): for data-plane tests that build references themselves."""
-    expires = time.time_ns() // 1_000_000 + ttl_ms
+    expires = now_ms() + ttl_ms
     token = read_token(SECRET.encode(), segment_id, incarnation, slot, generation, size, expires)
     return ReadRef(incarnation, slot, generation, size, token, expires)
 

@@ -34,6 +34,7 @@ from kvfabric.core import authz
 from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent, FreeSlots, Outcome
 from kvfabric.directory.events import EVENTS_STREAM, EventPublisher, EventsStream
 from kvfabric.directory.stalls import CORE_CALLS
+from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import KvfError, NotFound, WrongShard
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import FreeSlotsReply, FreeSlotsRequest, segment_decoder
@@ -73,11 +74,6 @@ VERBS: Final[dict[str, type[msgspec.Struct]]] = {
     "list_leases": m.ListLeases,
     "list_tenants": m.ListTenants,
 }
-
-
-def now_ms() -> int:
-    """Wall-clock milliseconds: lease and write deadlines are told to other processes."""
-    return time.time_ns() // 1_000_000
 
 
 class DirectoryShell:

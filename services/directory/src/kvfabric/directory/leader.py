@@ -82,6 +82,7 @@ from kvfabric.core.leadership import (
     member_key,
 )
 from kvfabric.directory.kv_doctor import floor_of, kv_stream_config
+from kvfabric.format.clock import monotonic_ms
 from kvfabric.proto import directory as m
 from kvfabric.runtime.logs import get_logger
 
@@ -114,10 +115,6 @@ _log = get_logger("kvfabric.directory.registry")
 T = TypeVar("T")
 OnStart = Callable[[int, int], Awaitable[None]]
 OnStop = Callable[[int, int, str], Awaitable[None]]
-
-
-def monotonic_ms() -> int:
-    return time.monotonic_ns() // 1_000_000
 
 
 async def _bucket(

@@ -38,7 +38,6 @@ The policy's state is rebuilt from the stream at every start, so the stream's re
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Mapping
 from typing import Final
 
@@ -57,6 +56,7 @@ from kvfabric.eviction_policy.tiers import (
     ssd_pool_capacity,
     tiered_pools,
 )
+from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, Conflict, KvfError, Unavailable
 from kvfabric.format.key import ChunkGroupId, KVKey
 from kvfabric.proto import directory as m
@@ -76,10 +76,6 @@ EVENTS_FETCH_WAIT_S: Final = 1.0
 ACCESS_PER_EVENT_MAX: Final = 16  # hits of one group in one event counted at most this often
 RETRY_S: Final = 0.5
 NAMESPACE_BYTES: Final = 54
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def group_id_of(namespace: bytes, chunk_index: int, chain_hash: bytes) -> bytes:

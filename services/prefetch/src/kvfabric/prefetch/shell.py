@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Mapping
 from typing import Final
 
@@ -51,6 +50,7 @@ from kvfabric.core.prefetch import (
     ReleaseCopy,
     StartCopy,
 )
+from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto import prefetch as p
@@ -66,10 +66,6 @@ LEASE_TTL_MS_MAX: Final = 30_000
 READS_PER_HIT_MAX: Final = 16
 WRITER_ID: Final = "prefetch"
 SSD_SOURCE_SUFFIX: Final = "#ssd"  # a disk replica as a copy source (never a segment id: [A-Za-z0-9_-])
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class PrefetchShell:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Final
 
@@ -31,6 +30,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvfabric.cluster.replicas import copy_replica
 from kvfabric.core.repair import DrainComplete, RepairCore, StartCopy
+from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
@@ -44,10 +44,6 @@ LIST_PAGE: Final = 1000
 SCAN_PAGES_MAX: Final = 10_000  # ≤ 10 M groups per scan (all shards): a bound, not a target
 _MEMBER: Final = struct.Struct("<HHH")
 WRITER_ID: Final = "repair"
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def key_of(summary: m.GroupSummary, member: m.Member) -> bytes:

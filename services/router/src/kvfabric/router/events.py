@@ -25,6 +25,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex
+from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, KvfError
 from kvfabric.proto import directory as m
 from kvfabric.proto.subjects import Service, events_wildcard
@@ -38,10 +39,6 @@ EVENTS_FETCH_MAX: Final = 512
 EVENTS_FETCH_WAIT_S: Final = 0.5
 RETRY_S: Final = 0.5
 LISTING_PAGE_GROUPS: Final = 1000
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class IndexFollower:

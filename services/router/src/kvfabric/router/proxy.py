@@ -40,6 +40,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvfabric.core.routing import Decision, Refused, RoutingCore, prompt_keys
+from kvfabric.format.clock import now_ms
 from kvfabric.router.metrics import RouterMetrics
 from kvfabric.router.settings import RouterSettings
 from kvfabric.runtime.logs import get_logger
@@ -54,10 +55,6 @@ BODY_BYTES_MAX: Final = 16 << 20
 HOP_HEADERS: Final = frozenset(
     {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 )
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class _Failed(Exception):

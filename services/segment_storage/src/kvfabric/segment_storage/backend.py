@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, Literal
@@ -55,6 +54,7 @@ from typing import Final, Literal
 from kvfabric.core.segment_slots import HeldSlot, SlotTable
 from kvfabric.dataplane.backend import GetGrant, PutSlot
 from kvfabric.format.checksum import checksum
+from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import (
     BadRequest,
     Busy,
@@ -158,7 +158,7 @@ class ArenaBackend:
         self.incarnation = incarnation
         self.secret = secret
         self.confirm = confirm
-        self.clock_ms = clock_ms or (lambda: time.time_ns() // 1_000_000)
+        self.clock_ms = clock_ms or now_ms
         self.clock_skew_tolerance_ms = clock_skew_tolerance_ms
         self.draining = False
         # The newest directory epoch this segment has heard of, per shard: tickets of older

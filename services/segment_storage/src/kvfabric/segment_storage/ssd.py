@@ -77,6 +77,7 @@ from kvfabric.core.disk_records import (
 )
 from kvfabric.core.disk_slots import DiskHeld, DiskSlotTable
 from kvfabric.format.checksum import StreamingChecksum, checksum
+from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, Busy, KvfError, NotFound, StaleGeneration, Unavailable
 from kvfabric.format.invariant import invariant
 from kvfabric.proto.segment import SSD_SLOT_BASE
@@ -606,7 +607,7 @@ class SsdTier:
                     f"cannot take {g.file_bytes} bytes for the disk tier at {self.path}: {exc.strerror}; "
                     "free space there or lower KVF_SEGMENT_SSD_BYTES"
                 ) from None
-            header = DiskHeader(g, secrets.token_bytes(16), self.segment_id, time.time_ns() // 1_000_000)
+            header = DiskHeader(g, secrets.token_bytes(16), self.segment_id, now_ms())
             os.pwrite(self._fd, encode_header(header), 0)
             os.fsync(self._fd)
             os.rename(new, self.path)
