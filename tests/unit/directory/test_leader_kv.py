@@ -1,4 +1,5 @@
-"""The directory's leader election against a fake JetStream (kvfabric.directory.leader):
+"""The directory's leader election against a fake JetStream (kvfabric.directory.leader, its buckets
+opened by kvfabric.directory.kv_buckets):
 
 - opening a bucket on a forming NATS cluster: `create_key_value` refused (a 400: too few peers)
   and the bucket still missing is tried again with a bounded backoff, not taken as "created
@@ -19,6 +20,7 @@ import nats.js.errors
 import pytest
 
 from kvfabric.core.leadership import LeadershipConfig
+from kvfabric.directory import kv_buckets as kb
 from kvfabric.directory import leader as ld
 
 
@@ -64,7 +66,7 @@ async def no_floor(*args: Any) -> None:
 @pytest.fixture(autouse=True)
 def never_repaired(monkeypatch: pytest.MonkeyPatch) -> None:
     """No bucket was recreated by kv_doctor (no floor claimed in the config bucket)."""
-    monkeypatch.setattr(ld, "floor_of", no_floor)
+    monkeypatch.setattr(kb, "floor_of", no_floor)
 
 
 def too_few_peers() -> nats.js.errors.BadRequestError:
@@ -74,33 +76,33 @@ def too_few_peers() -> nats.js.errors.BadRequestError:
 def test_a_bucket_refused_on_a_forming_cluster_is_created_on_a_later_try(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(ld, "BUCKET_RETRY_S", 0.01)
+    monkeypatch.setattr(kb, "BUCKET_RETRY_S", 0.01)
     missing = nats.js.errors.BucketNotFoundError
     js = FakeJs(
         key_value=[missing(), nats.errors.TimeoutError(), missing()],
         create=[too_few_peers(), "bucket"],
     )
-    bucket: object = asyncio.run(ld._bucket(FakeNc(js), "KVF_DIRECTORY_LEADERS", 3.0, 3))  # type: ignore[arg-type]
+    bucket: object = asyncio.run(kb.open_bucket(FakeNc(js), "KVF_DIRECTORY_LEADERS", 3.0, 3))  # type: ignore[arg-type]
     assert bucket == "bucket"
     assert js.calls == ["key_value", "create", "key_value", "key_value", "create"]
 
 
 def test_a_bucket_created_meanwhile_by_another_instance_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ld, "BUCKET_RETRY_S", 0.01)
+    monkeypatch.setattr(kb, "BUCKET_RETRY_S", 0.01)
     already = nats.js.errors.BadRequestError(
         code=400, err_code=10058, description="stream name already in use"
     )
     js = FakeJs(key_value=[nats.js.errors.BucketNotFoundError(), "theirs"], create=[already])
-    bucket: object = asyncio.run(ld._bucket(FakeNc(js), "B", None))  # type: ignore[arg-type]
+    bucket: object = asyncio.run(kb.open_bucket(FakeNc(js), "B", None))  # type: ignore[arg-type]
     assert bucket == "theirs"
 
 
 def test_opening_a_bucket_gives_up_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ld, "BUCKET_RETRY_S", 0.01)
-    monkeypatch.setattr(ld, "BUCKET_RETRY_S_MAX", 0.01)
+    monkeypatch.setattr(kb, "BUCKET_RETRY_S", 0.01)
+    monkeypatch.setattr(kb, "BUCKET_RETRY_S_MAX", 0.01)
     js = FakeJs(key_value=[nats.js.errors.BucketNotFoundError()] * 1000, create=[too_few_peers()] * 1000)
     with pytest.raises(nats.js.errors.BadRequestError):
-        asyncio.run(ld._bucket(FakeNc(js), "B", None, 3, timeout_s=0.1))  # type: ignore[arg-type]
+        asyncio.run(kb.open_bucket(FakeNc(js), "B", None, 3, timeout_s=0.1))  # type: ignore[arg-type]
     assert 3 <= js.calls.count("create") < 1000
 
 
@@ -232,9 +234,9 @@ def test_a_bucket_recreated_after_a_kept_write_error_comes_back_above_its_floor(
     async def floor(nc: Any, stream: str, config_bucket: str) -> int | None:
         return 4712 if stream == "KV_KVF_DIRECTORY_LEADERS" else None
 
-    monkeypatch.setattr(ld, "floor_of", floor)
+    monkeypatch.setattr(kb, "floor_of", floor)
     js = FakeJs(key_value=[nats.js.errors.BucketNotFoundError(), "bucket"], create=[])
-    bucket: object = asyncio.run(ld._bucket(FakeNc(js), "KVF_DIRECTORY_LEADERS", 3.0))  # type: ignore[arg-type]
+    bucket: object = asyncio.run(kb.open_bucket(FakeNc(js), "KVF_DIRECTORY_LEADERS", 3.0))  # type: ignore[arg-type]
     assert bucket == "bucket"
     assert js.calls == ["key_value", "add_stream first_seq=4712", "key_value"]
 
@@ -244,7 +246,7 @@ def test_agreeing_on_the_shard_count_retries_a_bucket_without_a_stream_leader_ye
 ) -> None:
     """The config bucket just made on a forming cluster has no stream leader for a moment: its
     first `create` gets no stream response (the directory's first start failed on it)."""
-    monkeypatch.setattr(ld, "BUCKET_RETRY_S", 0.01)
+    monkeypatch.setattr(kb, "BUCKET_RETRY_S", 0.01)
 
     class ConfigKv:
         def __init__(self) -> None:
@@ -258,5 +260,5 @@ def test_agreeing_on_the_shard_count_retries_a_bucket_without_a_stream_leader_ye
 
     kv = ConfigKv()
     js = FakeJs(key_value=[kv], create=[])
-    assert asyncio.run(ld.agree_on_shards(FakeNc(js), 16, 3)) == 16  # type: ignore[arg-type]
+    assert asyncio.run(kb.agree_on_shards(FakeNc(js), 16, 3)) == 16  # type: ignore[arg-type]
     assert kv.tries == 3

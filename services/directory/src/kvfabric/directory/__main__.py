@@ -36,18 +36,13 @@ from kvfabric.core.leadership import REASON_HANDOVER, REASON_LEAVING, Leadership
 from kvfabric.directory.events import EventsStream
 from kvfabric.directory.handlers import DirectoryShell
 from kvfabric.directory.host import ShardHost
+from kvfabric.directory.kv_buckets import CONFIG_BUCKET, LEADERS_BUCKET, MEMBERS_BUCKET, agree_on_shards
 from kvfabric.directory.kv_doctor import TTL_MARGIN_S, KvDoctor
-from kvfabric.directory.leader import (
-    CONFIG_BUCKET,
-    LEADERS_BUCKET,
-    MEMBERS_BUCKET,
-    LeaderElection,
-    SegmentRegistry,
-    agree_on_shards,
-    monotonic_ms,
-)
+from kvfabric.directory.leader import LeaderElection
 from kvfabric.directory.metrics import DirectoryCollector
+from kvfabric.directory.segment_registry import SegmentRegistry
 from kvfabric.directory.settings import DirectorySettings, load_directory_settings
+from kvfabric.format.clock import monotonic_ms
 from kvfabric.proto.subjects import Service
 from kvfabric.runtime.cli import service_cli
 from kvfabric.runtime.config import RuntimeSettings, SettingsError

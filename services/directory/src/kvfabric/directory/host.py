@@ -50,9 +50,9 @@ from kvfabric.core import authz
 from kvfabric.core.authz import GIVEBACK_VERBS, TENANT_VERBS
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore
 from kvfabric.directory.handlers import VERBS, DirectoryShell, now_ms
-from kvfabric.directory.leader import SegmentRegistry
 from kvfabric.directory.rebuild import gather_holdings
 from kvfabric.directory.reply_room import ManyReplyRoom, part_error
+from kvfabric.directory.segment_registry import SegmentRegistry
 from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.directory.suspects import SUSPECT_VERB, SUSPECTS_TENANT_PER_S, SuspectRelay
 from kvfabric.format.errors import BadRequest, BatchTooLarge, KvfError, Unauthorized, Unavailable, WrongShard

@@ -31,7 +31,7 @@ keeps epochs (revisions) growing. It is safe when all of these hold, which `chec
 6. **Never a bucket without its floor**: the claim's value is the `first_seq` the new bucket must
    start at. If the add after the delete fails, the claimant adds it again at every check, and
    an instance that starts meanwhile and finds the bucket missing creates it from the highest
-   claimed `first_seq` (`floor_of`, used by `kvfabric.directory.leader._bucket`), never from 1
+   claimed `first_seq` (`floor_of`, used by `kvfabric.directory.kv_buckets.open_bucket`), never from 1
    (which would hand out epochs already used).
 
 Counted: `recreated`, `claims_lost` (another instance repaired), `failed`.

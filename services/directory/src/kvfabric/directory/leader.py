@@ -1,15 +1,12 @@
 """Leader election for directory shards: `ShardLeadership`'s effects on JetStream KV.
 
-Buckets (created by the first instance, file storage, one value per key):
+Buckets (`kvfabric.directory.kv_buckets`: opened there, retried on a forming cluster):
 - `KVF_DIRECTORY_LEADERS`: key `shard-<n>` = the leading instance id. The bucket's max age is
   the leader lease TTL, so a key not rewritten for `lease_ttl_ms` disappears and a standby's
   `create` wins. The revision of the winning `create` is the shard's **epoch**.
 - `KVF_DIRECTORY_MEMBERS`: key `member-<instance id>`, rewritten while alive (for operators and
   for rebalancing, off by default: with `rebalance=False` every instance desires every shard,
   so leadership is sticky and moves only when a leader dies).
-- `KVF_DIRECTORY_SEGMENTS`: the segment registry (key = segment id, value = its
-  `RegisterSegment`), written by the leader on every registration; a new leader reads it to
-  know which segments to ask for reports. This is the only durable record the directory keeps.
 
 The core decides; this loop only performs effects and feeds results back. Clocks: monotonic
 milliseconds (the core compares its own send times with its own now). Every KV operation runs
@@ -46,26 +43,17 @@ standby (misses, recomputed by the engine). An orderly stop (SIGTERM, a lost lea
 that would not start) deletes the keys it still holds once it stopped serving
 (`release_held`), so standbys take over at once: only an instance that dies outright (SIGKILL,
 OOM, its host lost) costs the TTL.
-
-## Opening the buckets on a forming cluster
-`create_key_value` on a NATS cluster whose peers are still joining is refused (a 400:
-insufficient resources, no suitable peers) or unanswered; `_bucket` tries again with a bounded
-backoff until `BUCKET_OPEN_TIMEOUT_S` has passed, and takes a bucket created meanwhile by
-another instance.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
-from typing import Final, TypeVar
+from typing import Final
 
-import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
-from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from kvfabric.core.leadership import (
@@ -81,162 +69,17 @@ from kvfabric.core.leadership import (
     key_of,
     member_key,
 )
-from kvfabric.directory.kv_doctor import floor_of, kv_stream_config
+from kvfabric.directory.kv_buckets import KV_TIMEOUT_S, LEADERS_BUCKET, MEMBERS_BUCKET, open_bucket
 from kvfabric.format.clock import monotonic_ms
-from kvfabric.proto import directory as m
 from kvfabric.runtime.logs import get_logger
 
-__all__ = [
-    "CONFIG_BUCKET",
-    "LEADERS_BUCKET",
-    "MEMBERS_BUCKET",
-    "SEGMENTS_BUCKET",
-    "LeaderElection",
-    "SegmentRegistry",
-    "agree_on_shards",
-    "monotonic_ms",
-]
+__all__ = ["LeaderElection"]
 
-LEADERS_BUCKET: Final = "KVF_DIRECTORY_LEADERS"
-MEMBERS_BUCKET: Final = "KVF_DIRECTORY_MEMBERS"
-SEGMENTS_BUCKET: Final = "KVF_DIRECTORY_SEGMENTS"
-CONFIG_BUCKET: Final = "KVF_DIRECTORY_CONFIG"
 LOOP_MS: Final = 100
-KV_TIMEOUT_S: Final = 2.0
 RENEW_TIMEOUT_MIN_S: Final = 0.2  # a renewal near its deadline still waits this long for an answer
-BUCKET_OPEN_TIMEOUT_S: Final = 30.0  # `_bucket` gives up after this (the instance exits, restarted)
-BUCKET_RETRY_S: Final = 0.2  # first wait between tries, doubled up to BUCKET_RETRY_S_MAX
-BUCKET_RETRY_S_MAX: Final = 2.0
-REGISTRY_GET_ATTEMPTS_MAX: Final = 3
-REGISTRY_GET_RETRY_S: Final = 0.1
 
-_log = get_logger("kvfabric.directory.registry")
-
-T = TypeVar("T")
 OnStart = Callable[[int, int], Awaitable[None]]
 OnStop = Callable[[int, int, str], Awaitable[None]]
-
-
-async def _bucket(
-    nc: NatsClient,
-    name: str,
-    ttl_s: float | None,
-    replicas: int = 1,
-    *,
-    timeout_s: float = BUCKET_OPEN_TIMEOUT_S,
-    clock: Callable[[], float] = time.monotonic,
-) -> KeyValue:
-    """Open the bucket, creating it if missing; on a refusal or no answer (a forming cluster)
-    try again with a bounded backoff until `timeout_s` (module docstring)."""
-    js = nc.jetstream(timeout=KV_TIMEOUT_S)
-    config = KeyValueConfig(bucket=name, history=1, ttl=ttl_s, storage=StorageType.FILE, replicas=replicas)
-
-    async def open_or_create() -> KeyValue:
-        try:
-            return await js.key_value(name)
-        except nats.js.errors.BucketNotFoundError:
-            # A bucket recreated after a kept write error starts above its old revisions
-            # (kv_doctor): never again from 1, where epochs already used would come back.
-            floor = await floor_of(nc, f"KV_{name}", CONFIG_BUCKET)
-            if floor is None:
-                return await js.create_key_value(config)  # a 400 if created meanwhile: read it next
-            _log.warning("kv_bucket_recreated_from_floor", bucket=name, first_seq=floor)
-            await js.add_stream(kv_stream_config(name, ttl_s, replicas, floor))
-            return await js.key_value(name)
-
-    return await _retrying(name, open_or_create, timeout_s=timeout_s, clock=clock)
-
-
-async def agree_on_shards(nc: NatsClient, shards: int, replicas: int = 1) -> int:
-    """The cluster's shard count, fixed by the first instance that ever started (JetStream KV
-    `KVF_DIRECTORY_CONFIG`, key `shards`, no TTL). Returns it; a different count here would
-    make two instances lead the same keys under different shard numbers (and free each other's
-    slots as orphans), so the caller refuses to start on a mismatch."""
-    kv = await _bucket(nc, CONFIG_BUCKET, None, replicas)
-
-    async def agree() -> int:
-        try:
-            await kv.create("shards", str(shards).encode())
-            return shards
-        except nats.js.errors.KeyWrongLastSequenceError:
-            entry = await kv.get("shards")
-            return int((entry.value or b"0").decode())
-
-    return await _retrying(CONFIG_BUCKET, agree)
-
-
-async def _retrying(
-    what: str,
-    op: Callable[[], Awaitable[T]],
-    *,
-    timeout_s: float = BUCKET_OPEN_TIMEOUT_S,
-    clock: Callable[[], float] = time.monotonic,
-) -> T:
-    """`op()` again with a bounded backoff while it is refused or unanswered, until `timeout_s`:
-    a bucket just made on a forming NATS cluster has no stream leader for a moment
-    (`NoStreamResponseError`)."""
-    deadline = clock() + timeout_s
-    delay = BUCKET_RETRY_S
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return await op()
-        except (nats.js.errors.Error, nats.errors.Error, TimeoutError) as exc:
-            if isinstance(exc, nats.js.errors.KeyWrongLastSequenceError) or clock() + delay > deadline:
-                raise
-            _log.warning(
-                "kv_bucket_open_retry",
-                bucket=what,
-                attempt=attempt,
-                error=type(exc).__name__,
-                description=getattr(exc, "description", None),
-            )
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, BUCKET_RETRY_S_MAX)
-
-
-class SegmentRegistry:
-    """Which segments exist (their latest registration), durable in JetStream KV."""
-
-    def __init__(self, kv: KeyValue) -> None:
-        self.kv = kv
-
-    @classmethod
-    async def open(cls, nc: NatsClient, replicas: int = 1) -> SegmentRegistry:
-        return cls(await _bucket(nc, SEGMENTS_BUCKET, None, replicas))
-
-    async def put(self, registration: m.RegisterSegment) -> None:
-        await self.kv.put(registration.segment_id, msgspec.msgpack.encode(registration))
-
-    async def get(self, segment_id: str) -> m.RegisterSegment | None:
-        """The registration of a segment that heartbeats (so it registered: read as missing only
-        from a lagging replica, asked again); None if it never did."""
-        entry = await self._get_listed(segment_id)
-        return msgspec.msgpack.decode(entry.value, type=m.RegisterSegment) if entry and entry.value else None
-
-    async def all(self) -> list[m.RegisterSegment]:
-        try:
-            keys = await self.kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
-        out = []
-        for key in sorted(keys):
-            entry = await self._get_listed(key)
-            if entry is not None and entry.value:
-                out.append(msgspec.msgpack.decode(entry.value, type=m.RegisterSegment))
-        return out
-
-    async def _get_listed(self, key: str) -> KeyValue.Entry | None:
-        """Registrations are never deleted: a key known to exist that reads as missing came from
-        a replica still catching up (direct gets on a NATS cluster), so ask again a few times."""
-        for attempt in range(REGISTRY_GET_ATTEMPTS_MAX):
-            try:
-                return await self.kv.get(key)
-            except nats.js.errors.KeyNotFoundError:
-                await asyncio.sleep(REGISTRY_GET_RETRY_S * (attempt + 1))
-        _log.warning("registered_segment_unreadable", segment_id=key)
-        return None
 
 
 class LeaderElection:
@@ -265,8 +108,8 @@ class LeaderElection:
 
     async def open(self) -> None:
         config, replicas = self.config, self.replicas
-        self._leaders = await _bucket(self.nc, LEADERS_BUCKET, config.lease_ttl_ms / 1000, replicas)
-        self._members = await _bucket(self.nc, MEMBERS_BUCKET, config.members_ttl_ms / 1000, replicas)
+        self._leaders = await open_bucket(self.nc, LEADERS_BUCKET, config.lease_ttl_ms / 1000, replicas)
+        self._members = await open_bucket(self.nc, MEMBERS_BUCKET, config.members_ttl_ms / 1000, replicas)
 
     async def run(self, on_start: OnStart, on_stop: OnStop) -> None:
         """Forever: tick the core, perform its effects (StopLeading first), refresh members."""
