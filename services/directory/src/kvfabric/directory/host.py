@@ -199,6 +199,10 @@ class ShardHost:
         *,
         registry: SegmentRegistry,
         make_shell: Callable[[DirectoryCore], DirectoryShell],
+        may_act: Callable[[int, int], bool] | None = None,
+        restart_shard: Callable[[int, int], Awaitable[None]] | None = None,
+        grants: Mapping[str, authz.TenantGrant] | None = None,
+        lookup_reply_min_ms: int = 0,
     ) -> None:
         self.instance_id = instance_id
         self.shards = shards
@@ -206,9 +210,11 @@ class ShardHost:
         self.registry = registry
         self.make_shell = make_shell
         self.shells: dict[int, DirectoryShell] = {}
-        self.may_act: Callable[[int, int], bool] = lambda shard, epoch: True
-        self.grants: Mapping[str, authz.TenantGrant] = {}
-        self.lookup_reply_min_ms = 0
+        # Whether this instance may act as the leader of (shard, epoch) now (the service's
+        # `ShardLifecycleShell.may_act`); None: always (in-process tests).
+        self.may_act: Callable[[int, int], bool] = may_act or (lambda shard, epoch: True)
+        self.grants: Mapping[str, authz.TenantGrant] = grants or {}
+        self.lookup_reply_min_ms = lookup_reply_min_ms
         self._nc: NatsClient | None = None
         self._subs: list[object] = []
         self._starting: set[int] = set()
@@ -219,9 +225,9 @@ class ShardHost:
         self._announced: list[int] = []
         self.metrics_port: int | None = None  # logged with `directory_started`
         self._rebuild_ms: dict[int, int] = {}
-        # Starts a shard again after a rebuild for a missing segment; the service sets one that
+        # Starts a shard again after a rebuild for a missing segment; the service passes one that
         # retries and stops the instance when it can't (a led shard is never left unserved).
-        self.restart_shard: Callable[[int, int], Awaitable[None]] = self.start_shard
+        self.restart_shard: Callable[[int, int], Awaitable[None]] = restart_shard or self.start_shard
         self._rebuild_last_s: dict[int, float] = {}  # shard -> when its last rebuild began
         self._rebuild_wait_s: dict[int, float] = {}  # shard -> its backoff (doubles, capped)
         self._rebuild_pending: dict[int, asyncio.Task[None]] = {}
