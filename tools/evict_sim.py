@@ -74,6 +74,8 @@ POLICIES: Final = {
     "wtinylfu": EvictionConfig(policy="wtinylfu", admission="always"),
     "reuse": EvictionConfig(policy="reuse", admission="always"),
     "reuse+admission": EvictionConfig(policy="reuse", admission="predicted"),
+    "density": EvictionConfig(policy="density", admission="always"),
+    "density+admission": EvictionConfig(policy="density", admission="predicted"),
 }
 
 
@@ -91,6 +93,7 @@ def simulate(
     capacity_blocks: int,
     base: EvictionConfig,
     oracle: list[list[float]] | None = None,
+    split_ms: float = NEVER,
 ) -> dict[str, Any]:
     """Replay through the core. `oracle` (next uses, `next_uses`): perfect admission, the
     `oracle-admission` row: a missed block no later request names, or whose parent is not
@@ -109,6 +112,7 @@ def simulate(
     core = EvictionCore(config)
     core.set_capacity("pool", capacity_blocks)
     saved = total = written = evicted = hits = 0
+    late = [0, 0]  # saved, total: requests at or after split_ms (the evaluation half)
     for r, request in enumerate(requests):
         now = int(request["timestamp"])
         blocks = request["hash_ids"]
@@ -120,6 +124,7 @@ def simulate(
             else:
                 break
         saved += min(hit * BLOCK_TOKENS, request["input_length"])
+        _tally(late, request, hit, split_ms)
         hits += hit > 0
         for block in blocks:
             core.seen(block)
@@ -151,7 +156,7 @@ def simulate(
             for victim in effect.victims:
                 core.removed(victim)
                 evicted += 1
-    row = _row(requests, hits, saved, total, written, evicted)
+    row = _row(requests, hits, saved, total, written, evicted, late)
     row["reuse_classes"] = [[*cls, reused, named] for cls, (reused, named) in core.reuse_classes().items()]
     row["not_admitted"] = {
         k.removeprefix("admission_refused_").removesuffix("_total"): v
@@ -173,13 +178,16 @@ def next_uses(requests: list[dict[str, Any]]) -> list[list[float]]:
     return next_use
 
 
-def simulate_next_use_order(requests: list[dict[str, Any]], capacity_blocks: int) -> dict[str, Any]:
+def simulate_next_use_order(
+    requests: list[dict[str, Any]], capacity_blocks: int, split_ms: float = NEVER
+) -> dict[str, Any]:
     """The `oracle-order` row: every missed block is written (no bypass); on overflow the leaf
     (no resident child: tails before heads, as the core) used furthest in the future goes."""
     next_use = next_uses(requests)
     resident: dict[int, list[Any]] = {}  # block -> [next use, resident children, parent, version]
     heap: list[tuple[float, int, int]] = []  # (-next use, version, block) of leaves, stale skipped
     saved = total = written = evicted = hits = 0
+    late = [0, 0]
 
     def push(block: int) -> None:
         entry = resident[block]
@@ -195,6 +203,7 @@ def simulate_next_use_order(requests: list[dict[str, Any]], capacity_blocks: int
                 break
             hit += 1
         saved += min(hit * BLOCK_TOKENS, request["input_length"])
+        _tally(late, request, hit, split_ms)
         hits += hit > 0
         for i, (block, use) in enumerate(zip(blocks, next_use[r], strict=True)):
             if block in resident:
@@ -222,15 +231,18 @@ def simulate_next_use_order(requests: list[dict[str, Any]], capacity_blocks: int
         if len(heap) > 4 * len(resident) + 1024:
             heap = [e for e in heap if (x := resident.get(e[2])) is not None and x[3] == e[1]]
             heapq.heapify(heap)
-    return _row(requests, hits, saved, total, written, evicted)
+    return _row(requests, hits, saved, total, written, evicted, late)
 
 
-def simulate_reference(requests: list[dict[str, Any]], capacity_blocks: int) -> dict[str, Any]:
+def simulate_reference(
+    requests: list[dict[str, Any]], capacity_blocks: int, split_ms: float = NEVER
+) -> dict[str, Any]:
     """Belady's MIN with bypass (module docstring), same accounting as `simulate`."""
     next_use = next_uses(requests)
     resident: dict[int, float] = {}  # block -> its next use
     furthest: list[tuple[float, int]] = []  # (-next use, block), stale entries skipped
     saved = total = written = evicted = hits = 0
+    late = [0, 0]
     for r, request in enumerate(requests):
         blocks = request["hash_ids"]
         total += request["input_length"]
@@ -240,6 +252,7 @@ def simulate_reference(requests: list[dict[str, Any]], capacity_blocks: int) -> 
                 break
             hit += 1
         saved += min(hit * BLOCK_TOKENS, request["input_length"])
+        _tally(late, request, hit, split_ms)
         hits += hit > 0
         for block, use in zip(blocks, next_use[r], strict=True):
             if block not in resident and len(resident) >= capacity_blocks:
@@ -252,13 +265,14 @@ def simulate_reference(requests: list[dict[str, Any]], capacity_blocks: int) -> 
             written += block not in resident
             resident[block] = use
             heapq.heappush(furthest, (-use, block))
-    return _row(requests, hits, saved, total, written, evicted)
+    return _row(requests, hits, saved, total, written, evicted, late)
 
 
-def simulate_infinite(requests: list[dict[str, Any]]) -> dict[str, Any]:
+def simulate_infinite(requests: list[dict[str, Any]], split_ms: float = NEVER) -> dict[str, Any]:
     """No eviction: every block stays once written."""
     resident: set[int] = set()
     saved = total = hits = 0
+    late = [0, 0]
     for request in requests:
         blocks = request["hash_ids"]
         total += request["input_length"]
@@ -268,20 +282,40 @@ def simulate_infinite(requests: list[dict[str, Any]]) -> dict[str, Any]:
                 break
             hit += 1
         saved += min(hit * BLOCK_TOKENS, request["input_length"])
+        _tally(late, request, hit, split_ms)
         hits += hit > 0
         resident.update(blocks)
-    return _row(requests, hits, saved, total, len(resident), 0)
+    return _row(requests, hits, saved, total, len(resident), 0, late)
+
+
+def _tally(late: list[int], request: dict[str, Any], hit: int, split_ms: float) -> None:
+    """Add a request of the evaluation half (at or after `split_ms`) to `late` = [saved, total]."""
+    if request["timestamp"] >= split_ms:
+        late[0] += min(hit * BLOCK_TOKENS, request["input_length"])
+        late[1] += request["input_length"]
 
 
 def _row(
-    requests: list[dict[str, Any]], hits: int, saved: int, total: int, written: int, evicted: int
+    requests: list[dict[str, Any]],
+    hits: int,
+    saved: int,
+    total: int,
+    written: int,
+    evicted: int,
+    late: list[int] | None = None,
 ) -> dict[str, Any]:
+    late_saved, late_total = late or (0, 0)
     return {
         "request_hit_rate": hits / len(requests),
         "prefill_saved_share": saved / total,
         "prefill_tokens_saved": saved,
         "blocks_written": written,
         "evictions": evicted,
+        # the two halves by time (`split_ms`: the median request's timestamp): early = tuning, late = report
+        "early_tokens_saved": saved - late_saved,
+        "early_input_tokens": total - late_total,
+        "late_tokens_saved": late_saved,
+        "late_input_tokens": late_total,
     }
 
 
@@ -445,6 +479,38 @@ def gap_table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def halves_table(results: list[dict[str, Any]]) -> list[str]:
+    """Share of the LRU -> reference gap closed in each half of each trace by time: the first
+    half (requests before the median request's timestamp: where choices were tuned) and the
+    second (the evaluation half), and prefill saved in the second half."""
+    columns = list(dict.fromkeys((r["trace"], r["capacity_pct"]) for r in results))
+    names = list(dict.fromkeys(r["policy"] for r in results))
+    cell = {(r["policy"], r["trace"], r["capacity_pct"]): r for r in results}
+
+    def share(value: float | None) -> str:
+        return "—" if value is None else f"{100 * value:.0f}%"
+
+    lines = [
+        "Gap closed in the first half (tuning) / the second half (evaluation), and prefill saved in"
+        " the second half, per trace and capacity:",
+        "",
+        "| policy | " + " | ".join(f"{t.removesuffix('_trace')} {c}%" for t, c in columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for name in names:
+        cells = []
+        for t, c in columns:
+            r = cell.get((name, t, c))
+            if r is None or not r["late_input_tokens"]:
+                cells.append("")
+                continue
+            late = r["late_tokens_saved"] / r["late_input_tokens"]
+            gaps = f"{share(r['early_gap_closed'])} / {share(r['late_gap_closed'])}"
+            cells.append(f"{gaps} / {100 * late:.2f}%")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -498,17 +564,22 @@ def main() -> int:
         if not args.partial_chunks:
             requests = full_chunks(requests)
         unique = len({b for r in requests for b in r["hash_ids"]})
-        infinite = simulate_infinite(requests)
+        split_ms = float(requests[len(requests) // 2]["timestamp"])  # tuning half | evaluation half
+        infinite = simulate_infinite(requests, split_ms)
         cells = [f"{100 * again / n:.0f}% of {n}" for n, again in reuse_by_accesses(requests).values()]
         reuse_lines.append(f"| {trace_path.stem} | {' | '.join(cells)} |")
         for pct in capacities:
             capacity = max(1, unique * pct // 100)
-            rows = {name: simulate(requests, capacity, config) for name, config in policies.items()}
-            rows[BASELINE] = rows.get(BASELINE) or simulate(requests, capacity, POLICIES[BASELINE])
+            rows = {n: simulate(requests, capacity, cfg, split_ms=split_ms) for n, cfg in policies.items()}
+            rows[BASELINE] = rows.get(BASELINE) or simulate(
+                requests, capacity, POLICIES[BASELINE], split_ms=split_ms
+            )
             if args.oracles:
-                rows[ORACLES[0]] = simulate(requests, capacity, POLICIES[BASELINE], next_uses(requests))
-                rows[ORACLES[1]] = simulate_next_use_order(requests, capacity)
-            rows[REFERENCE] = simulate_reference(requests, capacity)
+                rows[ORACLES[0]] = simulate(
+                    requests, capacity, POLICIES[BASELINE], next_uses(requests), split_ms=split_ms
+                )
+                rows[ORACLES[1]] = simulate_next_use_order(requests, capacity, split_ms)
+            rows[REFERENCE] = simulate_reference(requests, capacity, split_ms)
             rows[INFINITE] = infinite
             lru = rows[BASELINE]["prefill_tokens_saved"]
             reference = rows[REFERENCE]["prefill_tokens_saved"]
@@ -526,6 +597,15 @@ def main() -> int:
                         "gap_closed": gap_closed(
                             row["prefill_tokens_saved"], lru, reference, GAP_MIN_SHARE * input_tokens
                         ),
+                        **{
+                            f"{half}_gap_closed": gap_closed(
+                                row[f"{half}_tokens_saved"],
+                                rows[BASELINE][f"{half}_tokens_saved"],
+                                rows[REFERENCE][f"{half}_tokens_saved"],
+                                GAP_MIN_SHARE * row[f"{half}_input_tokens"],
+                            )
+                            for half in ("early", "late")
+                        },
                         "vs_lru": row["prefill_tokens_saved"] / lru - 1 if lru else 0.0,
                         "vs_lru_points": (row["prefill_tokens_saved"] - lru) / input_tokens,
                     }
@@ -551,7 +631,7 @@ def main() -> int:
         f"`python tools/evict_sim.py{flags}` ({time.strftime('%Y-%m-%d')}, {elapsed_s:.0f} s on a shared"
         " 2-core VM)"
     )
-    lines = table(results, command) + reuse_lines + [""] + gap_table(results)
+    lines = table(results, command) + reuse_lines + [""] + gap_table(results) + [""] + halves_table(results)
     if any(r["policy"] == PREDICTOR_ROW for r in results):
         lines += ["", *class_marginals(results, PREDICTOR_ROW, PREDICTOR_ROW_CAPACITY_PCT)]
     Path(str(args.out) + ".md").write_text("\n".join(lines) + "\n")

@@ -43,6 +43,7 @@ class EvictionMachine(RuleBasedStateMachine):
             batch_max=6,
             refused_cooldown_ms=50,
             reuse_horizon_ms=40,
+            density_recompute_every=4,  # density: learned densities in play within a few steps
         )
         self.core = EvictionCore(self.config, QUOTAS)
         for pool in POOLS:
@@ -260,17 +261,27 @@ class ReuseMachine(EvictionMachine):
     admission = "predicted"
 
 
+class DensityMachine(EvictionMachine):
+    """Hit density with its admission: per-class heaps, age-dependent ranking and refusals
+    keep every rule; the ghost, classes and class heaps stay bounded (`check_invariants`)."""
+
+    policy = "density"
+    admission = "predicted"
+
+
 _OTHER_POLICIES = settings(max_examples=80, stateful_step_count=60, deadline=None)
 Lru2Machine.TestCase.settings = _OTHER_POLICIES
 SieveMachine.TestCase.settings = _OTHER_POLICIES
 S3FifoMachine.TestCase.settings = _OTHER_POLICIES
 WTinyLfuMachine.TestCase.settings = _OTHER_POLICIES
 ReuseMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=60, deadline=None)
+DensityMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=60, deadline=None)
 TestLru2Machine = Lru2Machine.TestCase
 TestSieveMachine = SieveMachine.TestCase
 TestS3FifoMachine = S3FifoMachine.TestCase
 TestWTinyLfuMachine = WTinyLfuMachine.TestCase
 TestReuseMachine = ReuseMachine.TestCase
+TestDensityMachine = DensityMachine.TestCase
 
 
 def test_a_full_pool_evicts_tail_first_down_to_the_low_watermark() -> None:

@@ -54,12 +54,16 @@ rule below): `sieve` (`eviction_sieve`), `s3fifo` (`eviction_s3fifo`), `wtinylfu
 (`eviction_wtinylfu`), each with its paper and adaptations in its module.
 - `reuse`: a reuse predictor learned online (`kvfabric.core.eviction_reuse`: classes, learning,
   bounds): last access + `reuse_horizon_ms` x ln(the chunk's class reuse rate).
+- `density`: hit density learned from reuse gaps (`kvfabric.core.eviction_density`: classes,
+  learning, bounds; after LHD, NSDI 2018): per class a heap of leaves by last access, the victim
+  is the class head with the lowest density per byte at its age. Not a single-heap priority:
+  a chunk's density depends on its age, so classes are compared at eviction time.
 - Admission (`admission="second_hit"`): a new object is admitted only when a frequency sketch
   has seen its id before (or the pool has room below its low watermark), so one-off prefixes do
   not flush hot ones.
-- Admission (`admission="predicted"`, policy `reuse` only): a chunk whose parent is not resident
-  (or is being evicted) is refused; above the low watermark, a chunk that would rank below the
-  lowest evictable leaf is refused (bypass).
+- Admission (`admission="predicted"`, policies `reuse` and `density`): a chunk whose parent is
+  not resident (or is being evicted) is refused; above the low watermark, a chunk that would
+  rank below the lowest evictable leaf is refused (bypass).
 - Every decision carries a reason code (`ADMIT_REASONS`, `REFUSE_REASONS`, `VICTIM_REASONS`)
   and `explain(id)` shows a resident object's features and priority.
 
@@ -74,7 +78,8 @@ rule below): `sieve` (`eviction_sieve`), `s3fifo` (`eviction_s3fifo`), `wtinylfu
 4. Bounded: each batch has at most `batch_max` victims; the frequency sketch is fixed-size;
    lru2's history holds at most max(`LRU2_HISTORY_FLOOR`, resident objects) ids; a queue
    policy's state is checked by its own `check` (its ghost and scan bounds in its module);
-   the reuse predictor's ghost and classes by its `check`.
+   the reuse predictor's ghost and classes by its `check`; the density predictor's likewise, and
+   its class heaps stay within a multiple of the objects (compacted like the heap).
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeAlias, get_args
 
+from kvfabric.core.eviction_density import DENSITY_RECOMPUTE_EVERY, DensityClass, DensityPredictor
 from kvfabric.core.eviction_order import VictimOrder
 from kvfabric.core.eviction_reuse import (
     REUSE_PRIOR_NAMED,
@@ -115,7 +121,7 @@ __all__ = [
 ]
 
 ObjectId: TypeAlias = Hashable
-PolicyName = Literal["lru", "gdsf", "lru2", "sieve", "s3fifo", "wtinylfu", "reuse"]
+PolicyName = Literal["lru", "gdsf", "lru2", "sieve", "s3fifo", "wtinylfu", "reuse", "density"]
 POLICY_NAMES: Final[tuple[PolicyName, ...]] = get_args(PolicyName)
 AdmissionName = Literal["always", "second_hit", "predicted"]
 QUEUE_POLICIES: Final[dict[str, type[Sieve] | type[S3Fifo] | type[WTinyLfu]]] = {
@@ -147,6 +153,8 @@ class EvictionConfig:
     sketch_halve_every: int = 1 << 20  # sketch increments between agings (halving)
     # reuse: a chunk whose class is e times as likely to be reused stays this much longer
     reuse_horizon_ms: int = 60_000
+    # density: namings between two recomputations of the hit densities (`eviction_density`)
+    density_recompute_every: int = DENSITY_RECOMPUTE_EVERY
     # Tail before head within a prefix. False only to measure the plain-LRU baseline peers ship
     # (it evicts heads whose tails stay, which the simulator shows to waste capacity).
     prefix_order: bool = True
@@ -155,10 +163,11 @@ class EvictionConfig:
         invariant(0 < self.low_watermark <= self.high_watermark <= 1.0, "need 0 < low <= high <= 1")
         invariant(self.batch_max >= 1, "batch_max must be at least 1")
         invariant(
-            self.admission != "predicted" or self.policy == "reuse",
-            "admission 'predicted' needs policy 'reuse' (it compares the reuse priorities)",
+            self.admission != "predicted" or self.policy in ("reuse", "density"),
+            "admission 'predicted' needs policy 'reuse' or 'density' (it compares their priorities)",
         )
         invariant(self.reuse_horizon_ms >= 0, "reuse_horizon_ms must not be negative")
+        invariant(self.density_recompute_every >= 1, "density_recompute_every must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +220,7 @@ VICTIM_REASONS: Final = (
     "queue_order",  # sieve, s3fifo, wtinylfu: the queue's own order
     "low_predicted_reuse",  # reuse: its class's reuse rate is below the prior
     "idle_longest",  # reuse: a likely class, but idle longest for its rate
+    "lowest_hit_density",  # density: least expected hits per byte-ms at its age
 )
 
 
@@ -234,6 +244,7 @@ class _Object:
     version: int = 0  # bumps when its priority entry is stale
     turn: int = 1  # reuse: the prefix's generation (`kvfabric.core.eviction_reuse`)
     prompt_chunks: int = 1  # reuse: chunks of the prompt that wrote it
+    density_class: DensityClass = (1, 1)  # density: (namings, length) (`eviction_density`)
 
 
 @dataclass(slots=True)
@@ -270,6 +281,12 @@ class EvictionCore:
         )
         self._history: OrderedDict[ObjectId, int] = OrderedDict()  # lru2: removed id -> last access
         self._predictor = ReusePredictor() if config.policy == "reuse" else None
+        self._density = (
+            DensityPredictor(config.density_recompute_every) if config.policy == "density" else None
+        )
+        # density: per class, a heap of (last access, seq, version, id) of leaves, stale skipped
+        self._class_heaps: dict[DensityClass, list[tuple[float, int, int, ObjectId]]] = {}
+        self._class_entries = 0  # entries pushed since the last compaction, plus those it kept
         self.counters: dict[str, int] = {}
 
     # ---- queries ---------------------------------------------------------------------------
@@ -331,7 +348,13 @@ class EvictionCore:
             "leaf": obj.children == obj.children_evicting,
             "evicting": obj.evicting,
         }
-        if self._order is None:
+        if self._density is not None:
+            out.update(
+                prompt_chunks=obj.prompt_chunks,
+                density_class=obj.density_class,
+                hit_density_per_byte_ms=self._density_score(obj, self._now_ms),
+            )
+        elif self._order is None:
             out["priority"] = self._priority(obj)
         if self._predictor is not None:
             cls = self._reuse_class(obj)
@@ -376,6 +399,11 @@ class EvictionCore:
             self._predictor.named(object_id)
             self._predictor.track(object_id, cls, len(self._objects))
             priority += self.config.reuse_horizon_ms * self._predictor.log_probability(cls)
+        density_cls: DensityClass = (1, 1)
+        if self._density is not None:
+            density_cls = self._density.name(object_id, now_ms, prompt)
+            self._density.trim(len(self._objects))
+            priority = self._density.density(density_cls, 0) / sum(held.values())
         usages = {p: self._pools.setdefault(p, _Usage()) for p in held}
         reason = "always"
         for p, b in held.items():
@@ -387,7 +415,7 @@ class EvictionCore:
             reason = why if reason in ("always", "room") else reason
         size = sum(held.values())
         obj = _Object(tenant, held, size, parent, chunk_index, now_ms)
-        obj.turn, obj.prompt_chunks = turn, prompt
+        obj.turn, obj.prompt_chunks, obj.density_class = turn, prompt, density_cls
         if self.config.policy == "lru2":
             obj.previous_access_ms = self._history.pop(object_id, None)
         self._objects[object_id] = obj
@@ -419,6 +447,9 @@ class EvictionCore:
         if self._predictor is not None:
             self._predictor.named(object_id)
             self._predictor.track(object_id, self._reuse_class(obj), len(self._objects))
+        if self._density is not None:
+            obj.density_class = self._density.name(object_id, now_ms, obj.prompt_chunks, obj.frequency)
+            self._density.trim(len(self._objects))
         if self._order is not None and not obj.evicting:
             self._order.accessed(object_id)
         self._push(object_id, obj)
@@ -433,6 +464,8 @@ class EvictionCore:
             self._order.forgotten(object_id)  # a chosen one left the order when it was taken
         if self._predictor is not None:
             self._predictor.trim(len(self._objects))
+        if self._density is not None:
+            self._density.trim(len(self._objects))
         if self.config.policy == "lru2":
             self._history[object_id] = obj.last_access_ms
             self._history.move_to_end(object_id)
@@ -563,7 +596,7 @@ class EvictionCore:
             assert self._sketch is not None
             seen = self._sketch.estimate(object_id) >= 2  # seen before this request
             return (True, "seen_before") if seen else (False, "first_sighting")
-        frontier = self._frontier()
+        frontier = self._frontier() if self._density is None else self._density_frontier(self._now_ms)
         if frontier is not None and priority < frontier:
             return False, "below_frontier"  # it would be the next victim: do not write it
         return True, "predicted_reuse"
@@ -585,6 +618,38 @@ class EvictionCore:
             return self._heap[0][0]
         return None
 
+    def _density_score(self, obj: _Object, now_ms: int) -> float:
+        """density: expected hits per byte-ms of `obj` at its age (lower goes first)."""
+        assert self._density is not None
+        return self._density.density(obj.density_class, now_ms - obj.last_access_ms) / obj.size
+
+    def _density_lowest(self, now_ms: int) -> tuple[float, DensityClass] | None:
+        """density: the evictable leaf with the lowest density per byte, as (density, class)
+        (its entry heads that class's heap; ties: least recent first), dropping stale heads on
+        the way; None when there is none. O(classes) plus the stale entries dropped."""
+        best: tuple[float, float, DensityClass] | None = None
+        for cls, heap in self._class_heaps.items():
+            while heap:
+                _, _, version, object_id = heap[0]
+                obj = self._objects.get(object_id)
+                if (
+                    obj is None
+                    or obj.version != version
+                    or obj.evicting
+                    or (self.config.prefix_order and obj.children > obj.children_evicting)
+                ):
+                    heapq.heappop(heap)  # re-pushed when it becomes a leaf again
+                    continue
+                candidate = (self._density_score(obj, now_ms), heap[0][0], cls)
+                if best is None or candidate[:2] < best[:2]:
+                    best = candidate
+                break
+        return None if best is None else (best[0], best[2])
+
+    def _density_frontier(self, now_ms: int) -> float | None:
+        lowest = self._density_lowest(now_ms)
+        return None if lowest is None else lowest[0]
+
     def _reuse_class(self, obj: _Object) -> ReuseClass:
         return reuse_class(
             obj.frequency, obj.turn, obj.prompt_chunks, obj.chunk_index == obj.prompt_chunks - 1
@@ -598,6 +663,8 @@ class EvictionCore:
             return "seen_once" if obj.previous_access_ms is None else "least_recent_second_access"
         if policy == "gdsf":
             return "lowest_gdsf"
+        if policy == "density":
+            return "lowest_hit_density"
         if self._predictor is not None:
             p = self._predictor.probability(self._reuse_class(obj))
             return "low_predicted_reuse" if p < REUSE_PRIOR_REUSED / REUSE_PRIOR_NAMED else "idle_longest"
@@ -621,6 +688,13 @@ class EvictionCore:
             return  # a queue policy keeps its own order
         obj.version += 1
         self._seq += 1
+        if self._density is not None:
+            entry = (float(obj.last_access_ms), self._seq, obj.version, object_id)
+            heapq.heappush(self._class_heaps.setdefault(obj.density_class, []), entry)
+            self._class_entries += 1  # pops are not counted: an upper bound, reset by _compact
+            if self._class_entries > 4 * len(self._objects) + 1024:
+                self._compact()
+            return
         heapq.heappush(self._heap, (self._priority(obj), self._seq, obj.version, object_id))
 
     def _evict(
@@ -650,6 +724,22 @@ class EvictionCore:
                 return self._take(object_id, obj, pool, victims)
 
             self._order.choose(take, excess, self.config.batch_max)
+        elif self._density is not None:
+            set_aside: list[tuple[DensityClass, tuple[float, int, int, ObjectId]]] = []
+            freed = 0
+            while freed < excess and len(victims) < self.config.batch_max:
+                lowest = self._density_lowest(now_ms)
+                if lowest is None:
+                    break
+                cls = lowest[1]
+                entry = heapq.heappop(self._class_heaps[cls])
+                candidate = self._objects[entry[3]]
+                if self._skipped(candidate, now_ms, pool, tenant):
+                    set_aside.append((cls, entry))
+                    continue
+                freed += self._take(entry[3], candidate, pool, victims)[0]
+            for cls, entry in set_aside:
+                heapq.heappush(self._class_heaps[cls], entry)
         else:
             skipped: list[tuple[float, int, int, ObjectId]] = []
             freed = 0
@@ -723,6 +813,14 @@ class EvictionCore:
         live = [e for e in self._heap if (o := self._objects.get(e[3])) is not None and o.version == e[2]]
         heapq.heapify(live)
         self._heap = live
+        for cls, heap in list(self._class_heaps.items()):
+            kept = [e for e in heap if (o := self._objects.get(e[3])) is not None and o.version == e[2]]
+            heapq.heapify(kept)
+            if kept:
+                self._class_heaps[cls] = kept
+            else:
+                del self._class_heaps[cls]
+        self._class_entries = sum(map(len, self._class_heaps.values()))
 
     def _advance(self, now_ms: int) -> None:
         invariant(now_ms >= self._now_ms, "time went backwards", now_ms=now_ms, last_ms=self._now_ms)
@@ -772,6 +870,10 @@ class EvictionCore:
         )
         if self._predictor is not None:
             self._predictor.check(len(self._objects))
+        if self._density is not None:
+            self._density.check(len(self._objects))
+            entries = sum(map(len, self._class_heaps.values()))
+            invariant(entries <= self._class_entries, "class heap entries miscounted")
         for object_id, obj in self._objects.items():
             invariant(obj.children == children.get(object_id, 0), "child count drifted", object_id=object_id)
             invariant(
