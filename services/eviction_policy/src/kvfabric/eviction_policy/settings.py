@@ -4,7 +4,7 @@ The runtime's shared flags (NATS URL, metrics port, logging) come from `kvfabric
 
 | variable | default | meaning |
 |---|---|---|
-| `KVF_EVICTION_POLICY` | `lru` | `lru`, `gdsf`, `lru2`, `sieve`, `s3fifo`, `wtinylfu` (docs/eviction*.md) |
+| `KVF_EVICTION_POLICY` | `lru` | `lru`, `gdsf`, `lru2`, `sieve`, `s3fifo`, `wtinylfu`, `reuse`, `density` |
 | `KVF_EVICTION_HIGH_WATERMARK_PCT` | 90 | a segment fuller than this (% of capacity) evicts ... |
 | `KVF_EVICTION_LOW_WATERMARK_PCT` | 80 | ... down to this |
 | `KVF_EVICTION_BATCH_MAX` | 256 | victims per evict request |
