@@ -34,6 +34,7 @@ import nats
 from kvfabric.core.directory import DirectoryCore
 from kvfabric.core.leadership import REASON_HANDOVER, REASON_LEAVING, LeadershipConfig
 from kvfabric.directory.events import EventsStream
+from kvfabric.directory.fair import FairGate
 from kvfabric.directory.handlers import DirectoryShell
 from kvfabric.directory.host import ShardHost
 from kvfabric.directory.kv_buckets import CONFIG_BUCKET, LEADERS_BUCKET, MEMBERS_BUCKET, agree_on_shards
@@ -145,6 +146,7 @@ async def serve(settings: RuntimeSettings) -> int:
     )
     host.grants = config.grants
     host.lookup_reply_min_ms = config.lookup_reply_min_ms
+    host.fair = FairGate(config.fair)  # tenants take turns (kvfabric.directory.fair)
     host.may_act = lambda shard, epoch: (
         not lost and election.core.epoch(shard, now_ms=monotonic_ms()) == epoch
     )

@@ -12,7 +12,10 @@ most `SHARD_MAP_TENANT_PER_S` times a second (burst as many): a tenant flooding 
 answer (its router retries later), counted in `shard_map_rate_limited`. `lookup_many` carries one
 prefix's lookups for several shards led here: each part runs exactly as that shard's `lookup`
 (authorized, charged, leased, fenced by its epoch), and fails on its own; `lease_release_many`
-likewise gives a hit's leases back (a gives-back verb: never refused for load).
+likewise gives a hit's leases back (a gives-back verb: never refused for load). A tenant's
+request other than a give-back waits for its turn at `fair` first (`kvfabric.directory.fair`:
+tenants take turns by ids, one request of each running at a time by default; an empty bucket or
+a full queue is `busy` before the request is decoded).
 
 Shards come and go with leadership (`kvfabric.directory.leader`): `start_shard` rebuilds the
 shard's index from the segments' reports (only keys of that shard) under the new epoch before it
@@ -49,6 +52,7 @@ from nats.aio.msg import Msg
 from kvfabric.core import authz
 from kvfabric.core.authz import GIVEBACK_VERBS, TENANT_VERBS
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore
+from kvfabric.directory.fair import FairGate
 from kvfabric.directory.handlers import VERBS, DirectoryShell, now_ms
 from kvfabric.directory.rebuild import gather_holdings
 from kvfabric.directory.reply_room import ManyReplyRoom, part_error
@@ -203,6 +207,7 @@ class ShardHost:
         restart_shard: Callable[[int, int], Awaitable[None]] | None = None,
         grants: Mapping[str, authz.TenantGrant] | None = None,
         lookup_reply_min_ms: int = 0,
+        fair: FairGate | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.shards = shards
@@ -215,6 +220,9 @@ class ShardHost:
         self.may_act: Callable[[int, int], bool] = may_act or (lambda shard, epoch: True)
         self.grants: Mapping[str, authz.TenantGrant] = grants or {}
         self.lookup_reply_min_ms = lookup_reply_min_ms
+        # Tenants' requests (gives-back excepted) wait for their turn here, tenants taking turns
+        # by ids (`kvfabric.directory.fair`); None: each runs at once (in-process tests).
+        self.fair: FairGate | None = fair
         self._nc: NatsClient | None = None
         self._subs: list[object] = []
         self._starting: set[int] = set()
@@ -253,7 +261,7 @@ class ShardHost:
             pad = self.lookup_reply_min_ms if verb == "lookup" else 0  # hits and misses alike
             runtime.add_tenant_endpoint(
                 verb,
-                self._tenant_endpoint(verb, VERBS[verb]),
+                self._tenant_endpoint(verb, VERBS[verb], fair=verb not in GIVEBACK_VERBS),
                 reply_min_ms=pad,
                 instance=self.instance_id,
                 gives_back=verb in GIVEBACK_VERBS,
@@ -271,7 +279,7 @@ class ShardHost:
             )
             runtime.add_tenant_endpoint(
                 verb,
-                self._many_tenant_endpoint(kind, many),
+                self._many_tenant_endpoint(kind, many, fair=not gives_back),
                 reply_min_ms=pad,
                 instance=self.instance_id,
                 gives_back=gives_back,
@@ -299,13 +307,19 @@ class ShardHost:
 
         return handle
 
-    def _tenant_endpoint(self, verb: str, kind: type[msgspec.Struct]) -> TenantHandler:
+    def _tenant_endpoint(self, verb: str, kind: type[msgspec.Struct], *, fair: bool) -> TenantHandler:
         async def handle(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
             grant = self.grants.get(tenant)
             if grant is None:
                 raise Unauthorized(f"tenant {tenant!r} has no share domains here")
+            gate = self.fair if fair else None
+            if gate is not None:
+                gate.refuse_early(tenant)  # before decoding: a full queue or an empty bucket
             message = self._decode(data, kind)
-            return await self._shell(message).handle_tenant(message, verb, grant)
+            if gate is None:
+                return await self._shell(message).handle_tenant(message, verb, grant)
+            async with gate.turn(tenant, len(_keys_of(message))):
+                return await self._shell(message).handle_tenant(message, verb, grant)
 
         return handle
 
@@ -337,12 +351,20 @@ class ShardHost:
 
         return handle
 
-    def _many_tenant_endpoint(self, kind: type[msgspec.Struct], many: _Many) -> TenantHandler:
+    def _many_tenant_endpoint(self, kind: type[msgspec.Struct], many: _Many, *, fair: bool) -> TenantHandler:
         async def handle(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
             grant = self.grants.get(tenant)
             if grant is None:
                 raise Unauthorized(f"tenant {tenant!r} has no share domains here")
-            return await many(self._decode(data, kind), grant)
+            gate = self.fair if fair else None
+            if gate is not None:
+                gate.refuse_early(tenant)
+            message = self._decode(data, kind)
+            if gate is None:
+                return await many(message, grant)
+            ids = sum(len(p.groups) for p in message.parts) if isinstance(message, m.LookupMany) else 0
+            async with gate.turn(tenant, ids):
+                return await many(message, grant)
 
         return handle
 

@@ -106,6 +106,7 @@ class DirectoryCollector(Collector):
         yield reserved
         yield from self._tenants(cores)
         yield from self._core_calls()
+        yield from self._fair()
 
     def _events_stream(
         self, shells: list[DirectoryShell]
@@ -139,6 +140,37 @@ class DirectoryCollector(Collector):
             "kvfabric_directory_events_stream_repairs_failed",
             "Repairs of a stuck events stream whose delete or add failed.",
             value=sum(stream.repairs_failed for stream in streams),
+        )
+
+    def _fair(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """Fair admission (`kvfabric.directory.fair`): refusals by tenant and bucket, queues."""
+        gate = self.host.fair
+        if gate is None:
+            return
+        core = gate.core
+        refused = CounterMetricFamily(
+            "kvfabric_directory_fair_refused",
+            "Tenant requests refused busy before any work: reason rate (the tenant's ids-a-second "
+            "bucket) or queue (its requests waiting for a turn were at KVF_DIRECTORY_FAIR_TENANT_QUEUE_MAX).",
+            labels=["tenant", "reason"],
+        )
+        for tenant, stats in sorted(list(core.refused.items())):  # written by the loop: a snapshot
+            refused.add_metric([tenant, "rate"], stats.rate)
+            refused.add_metric([tenant, "queue"], stats.queue)
+        yield refused
+        yield CounterMetricFamily(
+            "kvfabric_directory_fair_admitted", "Tenant requests given a turn.", value=core.admitted_total
+        )
+        yield GaugeMetricFamily(
+            "kvfabric_directory_fair_queued", "Tenant requests waiting for their turn now.", value=core.queued
+        )
+        yield GaugeMetricFamily(
+            "kvfabric_directory_fair_running", "Tenant requests running now.", value=core.running
+        )
+        yield GaugeMetricFamily(
+            "kvfabric_directory_fair_longest_wait_seconds",
+            "The longest wait for a turn since the previous scrape (started or still waiting).",
+            value=core.take_longest_wait(gate.clock()),
         )
 
     def _core_calls(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:

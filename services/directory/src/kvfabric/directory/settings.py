@@ -32,6 +32,10 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_KV_REPLICAS` | 1 | replicas of its KV buckets and events stream (3 on a NATS cluster) |
 | `KVF_DIRECTORY_REBALANCE` | 0 | 1: shards move to a joining instance (rendezvous hashing); 0: sticky |
 | `KVF_DIRECTORY_NATS_MONITOR_URL` | unset | nats-server monitor: a stuck lease bucket is recreated |
+| `KVF_DIRECTORY_FAIR_TENANT_IDS_PER_S` | 32768 | fair admission: a tenant's refill, ids/s (per instance) |
+| `KVF_DIRECTORY_FAIR_TENANT_BURST_IDS` | 65536 | … its bucket, ids (≥ 4,096 + the request cost) |
+| `KVF_DIRECTORY_FAIR_REQUEST_COST_IDS` | 16 | … fixed part of each request's cost, ids |
+| `KVF_DIRECTORY_FAIR_TENANT_QUEUE_MAX` | 16 | … a tenant's requests waiting for a turn (more: `busy`) |
 
 The leader lease is how long a standby waits before it takes over the shards of an instance that
 died without a word (a leader renews every second, or every third of a shorter lease). On a NATS
@@ -52,6 +56,13 @@ QUOTA is a JSON object with any of `bytes_max`, `objects_max` (integers ≥ 0), 
 GRANTS name, per authenticated tenant (NATS user `tenant-<name>`, written by `kvctl auth init`),
 the share-domain digests (32 hex) it may use; a tenant not listed is refused. Lookup padding
 hides the hit/miss timing difference (docs/security.md).
+
+FAIR admission (`kvfabric.directory.admission`, `.fair`) is always on: every tenant request
+except a give-back (release, unpin, abort) costs `KVF_DIRECTORY_FAIR_REQUEST_COST_IDS` + the ids
+it names from its tenant's bucket and waits for its turn (tenants take turns by ids: fair
+queueing) before a core sees it; a full bucket or queue is `busy` at once. It is per instance
+(all shards led there share the event loop) and on top of the optional per-domain
+`requests_per_s` quotas above.
 """
 
 from __future__ import annotations
@@ -67,15 +78,18 @@ from typing import Any, Final
 from kvfabric.core.authz import TenantGrant
 from kvfabric.core.directory import DirectoryConfig
 from kvfabric.core.quotas import UNLIMITED, TenantQuota
-from kvfabric.proto.directory import PIN_TTL_MS_MAX, WRITE_TTL_MS_MAX
+from kvfabric.directory.admission import AdmissionConfig
+from kvfabric.proto.directory import LOOKUP_BATCH_GROUPS_MAX, PIN_TTL_MS_MAX, WRITE_TTL_MS_MAX
 from kvfabric.proto.shards import SHARDS_MAX
 from kvfabric.proto.subjects import check_tenant
 from kvfabric.proto.tickets import SECRET_BYTES_MIN
 from kvfabric.runtime.config import SettingsError, env_int
 
 __all__ = [
+    "FAIR_DEFAULT",
     "DirectorySettings",
     "load_directory_settings",
+    "load_fair_admission",
     "parse_grants",
     "parse_quota",
     "parse_tenant_quotas",
@@ -88,6 +102,17 @@ LEADER_LEASE_TTL_MS_DEFAULT: Final = 3_000
 LEADER_LEASE_TTL_MS_CLUSTER_DEFAULT: Final = 15_000
 _QUOTA_FIELDS: Final = ("bytes_max", "objects_max", "requests_per_s", "burst")
 _COUNT_MAX: Final = 2**63 - 1
+# Fair admission's defaults (the module docstring's table; docs/security.md has the measurements):
+# one tenant gets at most ~1 s of this VM's loop for 4-id lookups at 32,768 ids/s (cost 20 each:
+# ~1,600 a second), and one request of its at a time, taking turns with every other tenant.
+FAIR_DEFAULT: Final = AdmissionConfig(
+    ids_per_s=32_768.0,
+    burst_ids=65_536,
+    request_cost_ids=16,
+    queue_max=16,
+    running_max=8,
+    tenant_running_max=1,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +130,7 @@ class DirectorySettings:
     rebalance: bool = False
     kv_replicas: int = 1
     nats_monitor_url: str = ""
+    fair: AdmissionConfig = FAIR_DEFAULT
 
 
 def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
@@ -162,6 +188,31 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         leader_lease_ttl_ms=env_int(env, "KVF_DIRECTORY_LEADER_LEASE_TTL_MS", lease_default_ms, 300, 600_000),
         grants=_grants(env),
         lookup_reply_min_ms=env_int(env, "KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS", 0, 0, 10_000),
+        fair=load_fair_admission(env),
+    )
+
+
+def load_fair_admission(env: Mapping[str, str]) -> AdmissionConfig:
+    """`KVF_DIRECTORY_FAIR_*` (module docstring); the burst must hold a max-size request."""
+    d = FAIR_DEFAULT
+    cost_ids = env_int(env, "KVF_DIRECTORY_FAIR_REQUEST_COST_IDS", d.request_cost_ids, 0, 1_000_000)
+    burst_min = LOOKUP_BATCH_GROUPS_MAX + cost_ids
+    running_max = env_int(env, "KVF_DIRECTORY_FAIR_RUNNING_MAX", d.running_max, 1, 100_000)
+    return AdmissionConfig(
+        ids_per_s=float(env_int(env, "KVF_DIRECTORY_FAIR_TENANT_IDS_PER_S", int(d.ids_per_s), 1, 10**9)),
+        burst_ids=env_int(
+            env, "KVF_DIRECTORY_FAIR_TENANT_BURST_IDS", max(d.burst_ids, burst_min), burst_min, 10**9
+        ),
+        request_cost_ids=cost_ids,
+        queue_max=env_int(env, "KVF_DIRECTORY_FAIR_TENANT_QUEUE_MAX", d.queue_max, 1, 100_000),
+        running_max=running_max,
+        tenant_running_max=env_int(
+            env,
+            "KVF_DIRECTORY_FAIR_TENANT_RUNNING_MAX",
+            min(d.tenant_running_max, running_max),
+            1,
+            running_max,
+        ),
     )
 
 

@@ -1,0 +1,313 @@
+"""Per-tenant fair admission in front of the directory's cores (issue 21 row 2): a pure core.
+
+No I/O, no event loop, no clock: time (`now_s`, seconds on any monotonic clock) is passed in.
+The shell (`kvfabric.directory.fair`) asks it whether a tenant's request may wait for its turn,
+which waiting requests start, and tells it when one is done.
+
+A request costs `request_cost_ids + ids` tokens (`cost_of`): the ids it names (groups of a
+lookup, keys of a put) plus a fixed part for what every request costs the event loop whatever
+its size (receive, decode, reply). So a 4,096-id lookup costs 4,104 tokens and a 4-id one 12.
+
+States, per tenant (a tenant with nothing queued, nothing running and a full bucket holds no
+state: it is forgotten, and comes back as a new one):
+- a token bucket: `tokens` in 0..`burst_ids`, refilled at `ids_per_s` since `updated_s`;
+- a FIFO queue of admitted requests waiting for their turn (ticket, cost, since);
+- `running`: its requests started and not yet done;
+- `tag`: the virtual start time of its head request, and `finish`: the virtual time its last
+  started request ends (`tag` + cost), in ids.
+Globally: `vtime`, the tag of the request started last (never decreases), and `running`.
+
+The turns are start-time fair queueing (Goyal, Vin and Cheng, 1996), the virtual-time form of
+weighted round robin by ids: a tenant's head request is tagged `max(finish, vtime)` when it
+becomes the head, and of the tenants that may start one (fewer than `tenant_running_max` of
+theirs run) the smallest tag starts first (ties: the older ticket). A tenant that was idle joins
+at `vtime` (no credit saved up while idle); one that took much recently waits until the others
+have had as many ids. Deficit round robin was the first choice; with one request of a tenant
+running at a time it serves one request per tenant per round, whatever its size: a 16-id
+tenant got 6,080 ids while a 1,024-id one got 20,480 (`test_turns_share_ids_not_requests`).
+
+Transitions:
+- `offer(tenant, cost, now)`: refused with `Refusal.QUEUE` when the tenant already has
+  `queue_max` requests waiting, with `Refusal.RATE` when its bucket holds fewer than `cost`
+  tokens (a cost above `burst_ids` counts as `burst_ids`, as `quotas.request_tokens` does);
+  otherwise the tokens are taken and the request queued. A refusal takes nothing.
+- `refuse_early(tenant, now)`: what `offer` would refuse whatever the cost (before decoding).
+- `start(now)`: while fewer than `running_max` run, the smallest-tagged head that may start
+  starts; `vtime` becomes its tag.
+- `done(tenant)`: one of its started requests ended (answered, failed or cancelled).
+- `cancel(ticket)`: a queued request given up before it started (its tokens are not returned).
+
+Invariants (`check`): a tenant's queue holds at most `queue_max`; `0 <= tokens <= burst_ids`;
+at most `running_max` requests run, at most `tenant_running_max` of one tenant; `vtime` never
+decreases; a queued head's tag is at least its tenant's `finish`.
+Guarantees, for the shell: a tenant's admitted ids over any interval of length T are at most
+`burst_ids + ids_per_s * T`; after `start` no request waits while a slot it could take is free
+(work conserving); one tenant's requests start in the order they were offered; while a
+tenant's head waits able to start, another tenant starts at most (that head's tag − its own
+head's tag) + one request's ids before it — for a tenant that was idle, one request of each
+other tenant whose tags are not behind: one tenant's backlog delays another's request by one of
+its requests, never by the backlog's length. What one started request then costs the event loop
+is the shell's (a lookup folds 128 groups a core call, yielding between: one slice).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Final
+
+from kvfabric.format.invariant import invariant
+
+__all__ = ["AdmissionConfig", "FairAdmission", "Refusal", "Started", "TenantStats", "cost_of"]
+
+COUNTED_TENANTS_MAX: Final = 10_000  # refusal counts kept (least recently refused go first)
+
+
+def cost_of(ids: int, request_cost_ids: int) -> int:
+    """Tokens a request naming `ids` ids costs: its ids plus the fixed part every request costs."""
+    invariant(ids >= 0 and request_cost_ids >= 0, "negative cost", ids=ids, fixed=request_cost_ids)
+    return request_cost_ids + ids
+
+
+class Refusal(enum.StrEnum):
+    """Why `offer` refused (a label of `kvfabric_directory_fair_refused_total`)."""
+
+    RATE = "rate"  # the tenant's token bucket holds less than the request's cost
+    QUEUE = "queue"  # the tenant already has `queue_max` requests waiting
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionConfig:
+    ids_per_s: float  # each tenant's bucket refill, tokens (ids) a second
+    burst_ids: int  # each tenant's bucket capacity, tokens
+    queue_max: int  # requests one tenant may have waiting for a turn
+    running_max: int  # requests started and not done, all tenants
+    tenant_running_max: int  # of one tenant
+    request_cost_ids: int = 0  # the fixed part of every request's cost (`cost_of`)
+
+    def __post_init__(self) -> None:
+        invariant(self.ids_per_s > 0, "ids_per_s must be > 0", ids_per_s=self.ids_per_s)
+        invariant(self.burst_ids >= 1, "burst_ids must be >= 1", burst_ids=self.burst_ids)
+        invariant(self.queue_max >= 1, "queue_max must be >= 1", queue_max=self.queue_max)
+        invariant(
+            1 <= self.tenant_running_max <= self.running_max,
+            "need 1 <= tenant_running_max <= running_max",
+            tenant_running_max=self.tenant_running_max,
+            running_max=self.running_max,
+        )
+        invariant(self.request_cost_ids >= 0, "request_cost_ids must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A request `start` let run: the shell wakes its waiter."""
+
+    ticket: int
+    tenant: str
+    waited_s: float
+
+
+@dataclass(slots=True)
+class _Waiting:
+    ticket: int
+    cost: int
+    since_s: float
+
+
+@dataclass(slots=True)
+class _Tenant:
+    tokens: float
+    updated_s: float
+    queue: deque[_Waiting] = field(default_factory=deque)
+    running: int = 0
+    tag: int = 0  # virtual start of the head request (meaningful while the queue is not empty)
+    finish: int = 0  # virtual end of the last started request
+
+
+@dataclass(slots=True)
+class TenantStats:
+    """Refusals by reason, for metrics (kept after the tenant's state is forgotten)."""
+
+    rate: int = 0
+    queue: int = 0
+
+
+class FairAdmission:
+    """See the module docstring."""
+
+    def __init__(self, config: AdmissionConfig) -> None:
+        self.config = config
+        self._tenants: dict[str, _Tenant] = {}
+        self.vtime = 0
+        self._tickets: dict[int, str] = {}  # queued ticket -> its tenant
+        self._next_ticket = 1
+        self.running = 0
+        self.refused: dict[str, TenantStats] = {}
+        self.admitted_total = 0
+        self.longest_wait_s = 0.0  # of the requests started since `take_longest_wait`
+
+    # ---- read-only views ---------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for their turn, all tenants."""
+        return len(self._tickets)
+
+    def queue_depth(self, tenant: str) -> int:
+        state = self._tenants.get(tenant)
+        return len(state.queue) if state is not None else 0
+
+    def running_of(self, tenant: str) -> int:
+        state = self._tenants.get(tenant)
+        return state.running if state is not None else 0
+
+    def tokens(self, tenant: str, now_s: float) -> float:
+        state = self._tenants.get(tenant)
+        return self._refilled(state, now_s) if state is not None else float(self.config.burst_ids)
+
+    def head_tag(self, tenant: str) -> int | None:
+        """The virtual start of `tenant`'s head request; None when nothing is queued."""
+        state = self._tenants.get(tenant)
+        return state.tag if state is not None and state.queue else None
+
+    def oldest_wait_s(self, now_s: float) -> float:
+        """How long the longest-waiting queued request has waited so far."""
+        heads = [s.queue[0].since_s for s in self._tenants.values() if s.queue]
+        return max(0.0, now_s - min(heads)) if heads else 0.0
+
+    def take_longest_wait(self, now_s: float) -> float:
+        """The longest wait of a request started since the last call, or of one still waiting
+        (a metric read at scrape time, then reset)."""
+        longest = max(self.longest_wait_s, self.oldest_wait_s(now_s))
+        self.longest_wait_s = 0.0
+        return longest
+
+    def retry_after_s(self, tenant: str, cost: int, now_s: float) -> float:
+        """How long until the tenant's bucket holds `cost` tokens (0 when it does)."""
+        missing = min(cost, self.config.burst_ids) - self.tokens(tenant, now_s)
+        return max(0.0, missing / self.config.ids_per_s)
+
+    # ---- transitions -------------------------------------------------------------------------
+
+    def offer(self, tenant: str, cost: int, now_s: float) -> int | Refusal:
+        """Queue a request of `cost` tokens for a turn: its ticket, or why it was refused."""
+        invariant(cost >= 0, "negative cost", cost=cost)
+        c = self.config
+        cost = min(cost, c.burst_ids)
+        state = self._tenants.get(tenant)
+        if state is None:
+            state = self._tenants[tenant] = _Tenant(tokens=float(c.burst_ids), updated_s=now_s)
+        if len(state.queue) >= c.queue_max:
+            return self._refuse(tenant, Refusal.QUEUE)
+        state.tokens = self._refilled(state, now_s)
+        state.updated_s = max(state.updated_s, now_s)
+        if state.tokens < cost:
+            self._forget_if_idle(tenant, state)
+            return self._refuse(tenant, Refusal.RATE)
+        state.tokens -= cost
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        if not state.queue:
+            state.tag = max(state.finish, self.vtime)  # idle: joins now, no credit saved up
+        state.queue.append(_Waiting(ticket, cost, now_s))
+        self._tickets[ticket] = tenant
+        self.admitted_total += 1
+        return ticket
+
+    def refuse_early(self, tenant: str, now_s: float) -> Refusal | None:
+        """What `offer` would refuse whatever the request's size (its queue is full, or its
+        bucket holds less than the fixed part of a cost), counted as a refusal; None when a
+        request of the smallest cost would be queued. Lets the shell refuse before decoding."""
+        state = self._tenants.get(tenant)
+        if state is None:
+            return None
+        if len(state.queue) >= self.config.queue_max:
+            return self._refuse(tenant, Refusal.QUEUE)
+        if self._refilled(state, now_s) < max(1, self.config.request_cost_ids):
+            return self._refuse(tenant, Refusal.RATE)
+        return None
+
+    def start(self, now_s: float) -> list[Started]:
+        """The queued requests that may run now, smallest tag first (module docstring)."""
+        c = self.config
+        started: list[Started] = []
+        while self.running < c.running_max:  # each pass starts one or ends: bounded
+            pick: tuple[int, int, str] | None = None
+            for tenant, state in self._tenants.items():
+                if state.queue and state.running < c.tenant_running_max:
+                    key = (state.tag, state.queue[0].ticket, tenant)
+                    pick = key if pick is None or key < pick else pick
+            if pick is None:
+                break
+            tag, _, tenant = pick
+            state = self._tenants[tenant]
+            waiting = state.queue.popleft()
+            del self._tickets[waiting.ticket]
+            self.vtime = max(self.vtime, tag)
+            state.finish = tag + waiting.cost
+            state.tag = state.finish  # the next head follows on
+            state.running += 1
+            self.running += 1
+            waited_s = max(0.0, now_s - waiting.since_s)
+            self.longest_wait_s = max(self.longest_wait_s, waited_s)
+            started.append(Started(waiting.ticket, tenant, waited_s))
+        return started
+
+    def done(self, tenant: str, now_s: float) -> None:
+        """One of `tenant`'s started requests ended."""
+        state = self._tenants.get(tenant)
+        invariant(state is not None and state.running > 0, "done without a start", tenant=tenant)
+        assert state is not None
+        state.running -= 1
+        self.running -= 1
+        self._forget_if_idle(tenant, state, now_s)
+
+    def cancel(self, ticket: int, now_s: float) -> bool:
+        """Drop a queued request that will not run (its waiter went away). False when it is not
+        queued (it started meanwhile: the caller then owes a `done`)."""
+        tenant = self._tickets.pop(ticket, None)
+        if tenant is None:
+            return False
+        state = self._tenants[tenant]
+        state.queue = deque(w for w in state.queue if w.ticket != ticket)
+        self._forget_if_idle(tenant, state, now_s)
+        return True
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _refilled(self, state: _Tenant, now_s: float) -> float:
+        elapsed_s = max(0.0, now_s - state.updated_s)
+        return min(float(self.config.burst_ids), state.tokens + elapsed_s * self.config.ids_per_s)
+
+    def _refuse(self, tenant: str, why: Refusal) -> Refusal:
+        stats = self.refused.pop(tenant, None) or TenantStats()
+        self.refused[tenant] = stats  # most recently refused last
+        if why is Refusal.RATE:
+            stats.rate += 1
+        else:
+            stats.queue += 1
+        if len(self.refused) > COUNTED_TENANTS_MAX:
+            del self.refused[next(iter(self.refused))]
+        return why
+
+    def _forget_if_idle(self, tenant: str, state: _Tenant, now_s: float | None = None) -> None:
+        """A tenant with nothing queued or running, a full bucket and no virtual time ahead of
+        `vtime` is the same as a new one."""
+        if state.queue or state.running or state.finish > self.vtime:
+            return
+        tokens = state.tokens if now_s is None else self._refilled(state, now_s)
+        if tokens >= self.config.burst_ids:
+            del self._tenants[tenant]
+
+    def check(self) -> None:
+        """Assert the invariants of the module docstring (tests; cheap enough for debugging)."""
+        c = self.config
+        invariant(0 <= self.running <= c.running_max, "running out of bounds", running=self.running)
+        invariant(sum(s.running for s in self._tenants.values()) == self.running, "running miscounted")
+        invariant(sum(len(s.queue) for s in self._tenants.values()) == len(self._tickets), "tickets lost")
+        for tenant, s in self._tenants.items():
+            invariant(len(s.queue) <= c.queue_max, "queue over its bound", tenant=tenant)
+            invariant(0 <= s.running <= c.tenant_running_max, "tenant running over its bound", tenant=tenant)
+            invariant(-1e-9 <= s.tokens <= c.burst_ids, "tokens out of bounds", tenant=tenant)
+            invariant(not s.queue or s.tag >= s.finish, "a head tagged before its tenant's last end")

@@ -1,0 +1,96 @@
+"""The fair-admission shell: tenants' requests wait for their turn here before any core sees them.
+
+`FairGate.turn(tenant, ids)` is an async context manager around one tenant request's work
+(`kvfabric.directory.host`, after the request is decoded, before the shard's shell runs it):
+it asks the pure core (`kvfabric.directory.admission`) to queue the request, refuses it at
+once with `Busy` (the existing error: every client backs off and asks again,
+`kvfabric.client.busy`) when the tenant's bucket or queue is full, and otherwise waits until
+the core starts it. Leaving the block tells the core the request is done, and starts the next
+ones. Time is `time.monotonic`.
+
+Gives-back (lease release, unpin, put abort) never come here: they are never refused for load
+(`authz.GIVEBACK_VERBS`, their own in-flight lane in `kvfabric.runtime.service`); neither do
+services' requests (segments' heartbeats, kvctl) nor the shard map (its own per-tenant rate).
+A request waiting here holds its runtime in-flight slot, so the runtime's per-tenant share
+(`tenant_inflight_max`) still bounds what one tenant has in the directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+
+from kvfabric.directory.admission import AdmissionConfig, FairAdmission, Refusal, cost_of
+from kvfabric.format.errors import Busy
+
+__all__ = ["FairGate"]
+
+
+class FairGate:
+    """One per directory instance: every shard it leads shares the loop, so one gate for all."""
+
+    def __init__(self, config: AdmissionConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.core = FairAdmission(config)
+        self.clock = clock
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+
+    def refuse_early(self, tenant: str) -> None:
+        """`Busy` when `tenant`'s request would be refused whatever its size (the caller has not
+        decoded it yet: a flood's refusals cost no decoding)."""
+        now_s = self.clock()
+        why = self.core.refuse_early(tenant, now_s)
+        if why is not None:
+            raise self._busy(tenant, max(1, self.core.config.request_cost_ids), why, now_s)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, tenant: str, ids: int) -> AsyncIterator[None]:
+        """Wait for `tenant`'s turn for a request naming `ids` ids; `Busy` when refused."""
+        core = self.core
+        cost = cost_of(ids, core.config.request_cost_ids)
+        now_s = self.clock()
+        ticket = core.offer(tenant, cost, now_s)
+        if isinstance(ticket, Refusal):
+            raise self._busy(tenant, cost, ticket, now_s)
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[ticket] = waiter
+        self._start(now_s)
+        try:
+            await waiter  # done already when it started at once: no suspension
+        except asyncio.CancelledError:
+            self._waiters.pop(ticket, None)
+            if not core.cancel(ticket, self.clock()):  # it started meanwhile: it owes a done
+                self._done(tenant)
+            raise
+        try:
+            yield
+        finally:
+            self._done(tenant)
+
+    def _done(self, tenant: str) -> None:
+        now_s = self.clock()
+        self.core.done(tenant, now_s)
+        self._start(now_s)
+
+    def _start(self, now_s: float) -> None:
+        for started in self.core.start(now_s):
+            waiter = self._waiters.pop(started.ticket)
+            if not waiter.done():  # a cancelled one's task calls `done` itself (`turn`)
+                waiter.set_result(None)
+
+    def _busy(self, tenant: str, cost: int, why: Refusal, now_s: float) -> Busy:
+        c = self.core.config
+        if why is Refusal.QUEUE:
+            return Busy(
+                "tenant's queue of requests waiting for the directory is full",
+                fair_tenant_queue_max=c.queue_max,
+            )
+        retry_after_ms = math.ceil(self.core.retry_after_s(tenant, cost, now_s) * 1000)
+        return Busy(
+            "tenant's directory budget (ids a second) spent",
+            fair_tenant_ids_per_s=c.ids_per_s,
+            cost_ids=cost,
+            retry_after_ms=retry_after_ms,
+        )

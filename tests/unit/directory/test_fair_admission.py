@@ -1,0 +1,330 @@
+"""Fair admission (`kvfabric.directory.admission`, `.fair`): scenarios, then a Hypothesis state
+machine against a simple model (buckets, FIFO queues, running counts) over random interleavings."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvfabric.directory.admission import AdmissionConfig, FairAdmission, Refusal, Started, cost_of
+from kvfabric.directory.fair import FairGate
+from kvfabric.directory.settings import FAIR_DEFAULT, load_fair_admission
+from kvfabric.format.errors import Busy
+from kvfabric.runtime.config import SettingsError
+
+
+def config(**kw: float) -> AdmissionConfig:
+    base: dict[str, float] = {
+        "ids_per_s": 1_000,
+        "burst_ids": 4_200,
+        "queue_max": 4,
+        "running_max": 2,
+        "tenant_running_max": 1,
+        "request_cost_ids": 0,
+    }
+    base.update(kw)
+    return AdmissionConfig(**base)  # type: ignore[arg-type]
+
+
+def tickets(started: list[Started]) -> list[int]:
+    return [s.ticket for s in started]
+
+
+# ---- scenarios -----------------------------------------------------------------------------
+
+
+def test_a_large_request_costs_its_ids() -> None:
+    core = FairAdmission(config(queue_max=100, running_max=100, tenant_running_max=100))
+    assert isinstance(core.offer("bob", cost_of(4096, 8), 0.0), int)  # 4,104 of 4,200
+    assert core.offer("bob", cost_of(4096, 8), 0.0) is Refusal.RATE
+    for _ in range(8):  # 8 small ones fit in the 96 left
+        assert isinstance(core.offer("bob", cost_of(4, 8), 0.0), int)
+    assert core.offer("bob", cost_of(4, 8), 0.0) is Refusal.RATE
+    assert core.refused["bob"].rate == 2
+    assert core.retry_after_s("bob", cost_of(4096, 8), 0.0) == pytest.approx(4.104)
+    assert isinstance(core.offer("bob", cost_of(4096, 8), 4.2), int)  # refilled
+    assert isinstance(core.offer("alice", cost_of(4096, 8), 0.0), int)  # her own bucket
+    core.check()
+
+
+def test_a_full_queue_refuses_before_the_bucket() -> None:
+    core = FairAdmission(config(queue_max=2, running_max=1))
+    first = core.offer("bob", 10, 0.0)
+    assert tickets(core.start(0.0)) == [first]  # running: not queued
+    assert isinstance(core.offer("bob", 10, 0.0), int)
+    assert isinstance(core.offer("bob", 10, 0.0), int)
+    tokens = core.tokens("bob", 0.0)
+    assert core.offer("bob", 10, 0.0) is Refusal.QUEUE
+    assert core.refuse_early("bob", 0.0) is Refusal.QUEUE
+    assert core.tokens("bob", 0.0) == tokens  # a refusal takes nothing
+    assert core.refuse_early("alice", 0.0) is None
+    assert core.refused["bob"].queue == 2
+    core.check()
+
+
+def test_refuse_early_when_the_bucket_cannot_pay_the_fixed_part() -> None:
+    core = FairAdmission(config(burst_ids=4_104, request_cost_ids=8, running_max=9, tenant_running_max=9))
+    assert isinstance(core.offer("bob", 4_100, 0.0), int)
+    assert core.refuse_early("bob", 0.0) is Refusal.RATE  # 4 left < 8
+    assert core.refuse_early("bob", 0.004) is None  # 4 more after 4 ms
+    core.check()
+
+
+def test_another_tenants_backlog_does_not_delay_a_new_request() -> None:
+    """Bob has a request running and a full queue; alice's request starts at once (a free
+    slot), and when slots are scarce she starts before bob's next one."""
+    core = FairAdmission(config(running_max=2, queue_max=8))
+    bob = [core.offer("bob", 4_096 if i == 0 else 16, 0.0) for i in range(5)]
+    assert tickets(core.start(0.0)) == [bob[0]]  # one of his at a time
+    alice = core.offer("alice", 12, 0.001)
+    started = core.start(0.001)
+    assert tickets(started) == [alice] and started[0].waited_s == 0.0
+    core.check()
+
+    scarce = FairAdmission(config(running_max=1, queue_max=8, burst_ids=100_000))
+    bob = [scarce.offer("bob", 4_096, 0.0) for _ in range(5)]
+    assert tickets(scarce.start(0.0)) == [bob[0]]
+    alice = scarce.offer("alice", 12, 0.0)
+    assert scarce.start(0.0) == []  # the one slot is bob's
+    scarce.done("bob", 0.1)
+    assert tickets(scarce.start(0.1)) == [alice]  # before bob's 4 queued ones
+    scarce.done("alice", 0.1)
+    assert tickets(scarce.start(0.1)) == [bob[1]]
+    scarce.check()
+
+
+def test_turns_share_ids_not_requests() -> None:
+    """Both tenants backlogged, one slot: alice's 16-id requests and bob's 1,024-id ones get
+    about the same ids served, so alice gets ~64 times the requests (deficit round robin with
+    one request of a tenant at a time: 6,080 vs 20,480 ids)."""
+    core = FairAdmission(config(running_max=1, queue_max=1_000, burst_ids=10**9, ids_per_s=1.0))
+    for _ in range(1_000):
+        core.offer("alice", 16, 0.0)
+    for _ in range(20):
+        core.offer("bob", 1_024, 0.0)
+    served = {"alice": 0, "bob": 0}
+    for _ in range(400):
+        (s,) = core.start(0.0)
+        served[s.tenant] += 16 if s.tenant == "alice" else 1_024
+        core.done(s.tenant, 0.0)
+        core.check()
+    assert abs(served["alice"] - served["bob"]) <= 1_024, served
+
+
+def test_a_cancelled_request_leaves_no_trace() -> None:
+    core = FairAdmission(config(running_max=1))
+    first = core.offer("bob", 10, 0.0)
+    core.start(0.0)
+    second = core.offer("bob", 10, 0.0)
+    assert isinstance(first, int) and isinstance(second, int)
+    assert core.cancel(second, 0.0)
+    assert not core.cancel(second, 0.0)
+    assert not core.cancel(first, 0.0)  # running, not queued
+    assert core.queued == 0 and core.queue_depth("bob") == 0
+    core.done("bob", 100.0)
+    assert core.running_of("bob") == 0 and core.head_tag("bob") is None
+    core.check()
+
+
+def test_longest_wait_is_read_then_reset() -> None:
+    core = FairAdmission(config(running_max=1))
+    core.offer("bob", 10, 0.0)
+    core.start(0.0)
+    core.offer("alice", 10, 1.0)
+    assert core.take_longest_wait(3.0) == pytest.approx(2.0)  # still waiting
+    core.done("bob", 4.0)
+    assert [s.waited_s for s in core.start(4.0)] == [pytest.approx(3.0)]
+    assert core.take_longest_wait(5.0) == pytest.approx(3.0)
+    assert core.take_longest_wait(5.0) == 0.0
+
+
+def test_settings_defaults_and_bounds() -> None:
+    assert load_fair_admission({}) == FAIR_DEFAULT
+    assert FAIR_DEFAULT.burst_ids >= cost_of(4_096, FAIR_DEFAULT.request_cost_ids)
+    custom = load_fair_admission(
+        {"KVF_DIRECTORY_FAIR_TENANT_IDS_PER_S": "1000", "KVF_DIRECTORY_FAIR_RUNNING_MAX": "3"}
+    )
+    assert custom.ids_per_s == 1000.0 and custom.running_max == 3
+    with pytest.raises(SettingsError, match="KVF_DIRECTORY_FAIR_TENANT_BURST_IDS"):
+        load_fair_admission({"KVF_DIRECTORY_FAIR_TENANT_BURST_IDS": "4000"})  # < a max-size lookup
+    with pytest.raises(SettingsError, match="KVF_DIRECTORY_FAIR_TENANT_RUNNING_MAX"):
+        load_fair_admission(
+            {"KVF_DIRECTORY_FAIR_RUNNING_MAX": "2", "KVF_DIRECTORY_FAIR_TENANT_RUNNING_MAX": "3"}
+        )
+
+
+# ---- the shell -------------------------------------------------------------------------------
+
+
+def test_gate_takes_turns_refuses_busy_and_survives_cancellation() -> None:
+    async def scenario() -> None:
+        now = [0.0]
+        gate = FairGate(config(running_max=1, queue_max=1), clock=lambda: now[0])
+        order: list[str] = []
+        release_bob = asyncio.Event()
+
+        async def bob() -> None:
+            async with gate.turn("bob", 100):
+                order.append("bob")
+                await release_bob.wait()
+
+        async def alice() -> None:
+            async with gate.turn("alice", 4):
+                order.append("alice")
+
+        running = asyncio.create_task(bob())
+        await asyncio.sleep(0)
+        queued = asyncio.create_task(bob())  # waits: bob runs one at a time
+        waiting = asyncio.create_task(alice())
+        await asyncio.sleep(0)
+        with pytest.raises(Busy) as refused:  # bob's queue (1) is full
+            async with gate.turn("bob", 1):
+                pass
+        assert refused.value.details["fair_tenant_queue_max"] == 1
+        with pytest.raises(Busy):
+            gate.refuse_early("bob")
+        queued.cancel()
+        await asyncio.sleep(0)
+        release_bob.set()
+        await asyncio.gather(running, waiting)
+        assert order == ["bob", "alice"]
+        assert queued.cancelled()
+        assert gate.core.running == 0 and gate.core.queued == 0
+        gate.core.check()
+        now[0] = 1.0
+        async with gate.turn("carol", 5_000):  # charged as the whole burst (4,200)
+            pass
+        with pytest.raises(Busy) as spent:
+            gate.refuse_early("carol")
+        with pytest.raises(Busy) as spent:
+            async with gate.turn("carol", 4):
+                pass
+        assert spent.value.details["retry_after_ms"] > 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
+# ---- a state machine against a simple model ----------------------------------------------
+
+TENANTS = ("alice", "bob", "carol")
+
+
+class FairAdmissionMachine(RuleBasedStateMachine):
+    """Random offers, starts, dones, cancels and time steps (whole seconds: exact floats); the
+    model keeps each tenant's bucket, queue of tickets and running count, and checks each
+    decision, the per-tenant FIFO order, work conservation and DRR's bound after every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = config(ids_per_s=10, burst_ids=40, queue_max=3, running_max=2, tenant_running_max=1)
+        self.core = FairAdmission(self.config)
+        self.now_s = 0.0
+        self.tokens = dict.fromkeys(TENANTS, 40.0)
+        self.updated = dict.fromkeys(TENANTS, 0.0)
+        self.queues: dict[str, deque[tuple[int, int]]] = {t: deque() for t in TENANTS}
+        self.running = dict.fromkeys(TENANTS, 0)
+        self.admitted: dict[str, list[tuple[float, int]]] = {t: [] for t in TENANTS}
+        # ticket -> {other tenant: [its head's tag when this head began waiting, ids it started]}
+        # while this ticket was its tenant's head, able to start
+        self.others_started: dict[int, dict[str, list[int]]] = {}
+
+    def model_tokens(self, tenant: str) -> float:
+        return min(40.0, self.tokens[tenant] + (self.now_s - self.updated[tenant]) * 10)
+
+    def head_waiting(self, tenant: str) -> int | None:
+        queue = self.queues[tenant]
+        if queue and self.running[tenant] < self.config.tenant_running_max:
+            return queue[0][0]
+        return None
+
+    @rule(tenant=st.sampled_from(TENANTS), cost=st.integers(0, 45))
+    def offer(self, tenant: str, cost: int) -> None:
+        got = self.core.offer(tenant, cost, self.now_s)
+        charged = min(cost, 40)
+        if len(self.queues[tenant]) >= 3:
+            assert got is Refusal.QUEUE
+            return
+        tokens = self.model_tokens(tenant)
+        if tokens < charged:
+            assert got is Refusal.RATE
+            return
+        assert isinstance(got, int)
+        self.tokens[tenant] = tokens - charged
+        self.updated[tenant] = self.now_s
+        self.queues[tenant].append((got, charged))
+        self.admitted[tenant].append((self.now_s, charged))
+
+    @rule(seconds=st.integers(0, 3))
+    def advance(self, seconds: int) -> None:
+        self.now_s += seconds
+
+    def note_waiting_heads(self) -> None:
+        """Each head able to start, from now on: the other tenants' head tags (or `vtime`)."""
+        for tenant in TENANTS:
+            head = self.head_waiting(tenant)
+            if head is None or head in self.others_started:
+                continue
+            self.others_started[head] = {
+                other: [self.core.head_tag(other) or self.core.vtime, 0]
+                for other in TENANTS
+                if other != tenant
+            }
+
+    @rule()
+    def start(self) -> None:
+        self.note_waiting_heads()
+        for started in self.core.start(self.now_s):
+            tenant = started.tenant
+            ticket, cost = self.queues[tenant].popleft()
+            assert started.ticket == ticket  # FIFO per tenant
+            self.running[tenant] += 1
+            my_tag = self.core.vtime  # the tag it started with
+            for other, (other_tag, ids) in self.others_started.pop(ticket, {}).items():
+                assert ids <= max(0, my_tag - other_tag) + 40, (tenant, other, ids, my_tag, other_tag)
+            for waiting in self.others_started.values():
+                if tenant in waiting:
+                    waiting[tenant][1] += cost
+            self.note_waiting_heads()
+        assert self.core.start(self.now_s) == []  # nothing more can start
+        self.note_waiting_heads()
+        total = sum(self.running.values())
+        for tenant in TENANTS:  # work conserving
+            if self.queues[tenant]:
+                assert total == 2 or self.running[tenant] == 1, (tenant, self.running)
+
+    @precondition(lambda self: any(self.running.values()))
+    @rule(data=st.data())
+    def done(self, data: st.DataObject) -> None:
+        tenant = data.draw(st.sampled_from([t for t in TENANTS if self.running[t]]))
+        self.core.done(tenant, self.now_s)
+        self.running[tenant] -= 1
+
+    @precondition(lambda self: any(self.queues.values()))
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        tenant = data.draw(st.sampled_from([t for t in TENANTS if self.queues[t]]))
+        ticket, _ = data.draw(st.sampled_from(list(self.queues[tenant])))
+        assert self.core.cancel(ticket, self.now_s)
+        self.queues[tenant] = deque(q for q in self.queues[tenant] if q[0] != ticket)
+        self.others_started.pop(ticket, None)
+
+    @invariant()
+    def agrees(self) -> None:
+        self.core.check()
+        assert self.core.running == sum(self.running.values())
+        for tenant in TENANTS:
+            assert self.core.queue_depth(tenant) == len(self.queues[tenant])
+            assert self.core.running_of(tenant) == self.running[tenant]
+            assert self.core.tokens(tenant, self.now_s) == pytest.approx(self.model_tokens(tenant))
+            for since_s, _ in self.admitted[tenant]:  # the bucket's bound, every window
+                window = sum(c for t, c in self.admitted[tenant] if t >= since_s)
+                assert window <= 40 + 10 * (self.now_s - since_s)
+
+
+TestFairAdmissionMachine = FairAdmissionMachine.TestCase
+TestFairAdmissionMachine.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
