@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +31,8 @@ from kvfabric.proto.tickets import read_token, sign_ticket
 from kvfabric.runtime.config import SettingsError
 from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.backend import ArenaBackend
-from kvfabric.segment_storage.settings import load_segment_settings
+from kvfabric.segment_storage.demoter import DEMOTE_THREAD_NICE, Demoter
+from kvfabric.segment_storage.settings import apply_process_settings, load_segment_settings
 from kvfabric.segment_storage.ssd import STREAM_PIECES, SsdIo, SsdTier, ssd_file_path
 
 SECRET = b"unit-ssd-secret-0123456789ab"
@@ -518,3 +520,80 @@ def test_a_streamed_grant_released_early_waits_for_its_pieces(tmp_path: Path) ->
     finally:
         io.gate.set()
         close(seg)
+
+
+# ---- demotion keeps off the read path -------------------------------------------------------
+
+
+def test_demotion_waits_while_a_get_is_served_within_its_bound(tmp_path: Path) -> None:
+    """`demote` runs its steps between GETs: while one is served it waits (here until the GET
+    ends), at most `demote_yield_ms` (then it goes ahead), and a connection that closes ends its
+    GETs too. Before: it wrote at once, beside the read."""
+    seg = make(tmp_path)
+    try:
+        seg.backend.demote_yield_ms = 10_000
+        victim, read = seg.store(os.urandom(300_000), b"key-w"), seg.store(os.urandom(1000), b"key-x")
+        grant = seg.backend.begin_get([signed(read)], conn=4)
+        done = threading.Event()
+
+        def demote() -> None:
+            seg.backend.demote(victim.slot, victim.slot_generation, victim.size_bytes)
+            done.set()
+
+        demoting = threading.Thread(target=demote)
+        demoting.start()
+        assert not done.wait(0.3)  # a GET is being served: the demotion waits
+        assert seg.ssd.counters.get("writes_total", 0) == 0
+        seg.backend.end_get(grant, conn=4)
+        assert done.wait(5)
+        demoting.join()
+        assert seg.ssd.counters["writes_total"] == 1 and seg.backend.counters["demote_yields_total"] >= 1
+        # Bounded: a GET that never ends delays a demotion by at most the bound per step.
+        seg.backend.demote_yield_ms = 50
+        seg.backend.begin_get([signed(read)], conn=5)
+        started = time.monotonic()
+        seg.demote(read)
+        assert 0.05 <= time.monotonic() - started < 2.0
+        seg.backend.close_connection(5)  # its GET ends with it: nothing to wait for any more
+        started = time.monotonic()
+        seg.demote(read)
+        assert time.monotonic() - started < 0.05 or seg.backend.counters["demote_yields_total"] == 3
+    finally:
+        close(seg)
+
+
+async def _never_asked(verb: str, message: msgspec.Struct) -> msgspec.Struct:
+    raise AssertionError(verb)
+
+
+async def _never_confirmed(ticket: WriteTicket, slot: int, generation: int) -> str:
+    raise AssertionError(slot)
+
+
+def test_demotion_threads_run_niced_and_the_gil_switch_interval_is_set(tmp_path: Path) -> None:
+    """The demotion threads run at nice DEMOTE_THREAD_NICE (the transports' threads first when the
+    cores are busy); the segment's process sets its GIL switch interval from its settings."""
+    seg = make(tmp_path)
+    demoter = Demoter(
+        seg.backend,
+        segment_id=SEGMENT,
+        incarnation=INCARNATION,
+        ask=_never_asked,
+        confirm=_never_confirmed,
+        warn=print,
+    )
+    try:
+        nice = demoter._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        assert nice.result(5) == DEMOTE_THREAD_NICE
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0  # the caller's own: unchanged
+    finally:
+        demoter.close()
+        close(seg)
+    settings = load_segment_settings({"KVF_SEGMENT_ID": "s1", "KVF_CLUSTER_SECRET": "x" * 32})
+    assert (settings.gil_switch_us, settings.demote_yield_ms) == (500, 20)
+    before = sys.getswitchinterval()
+    try:
+        apply_process_settings(settings)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)

@@ -92,7 +92,7 @@ WATCHDOG_TICK_S: Final = 0.05
 SOCKET_BUFFER_BYTES: Final = 4 << 20
 IOV_MAX: Final = 512  # buffers per sendmsg call (Linux IOV_MAX is 1024)
 # A view still filling (a disk read in flight) is sent in pieces of this size as they land.
-STREAM_SEND_BYTES: Final = 128 << 10
+STREAM_SEND_BYTES: Final = 256 << 10
 _error_decoder: FamilyDecoder[ErrorReply] = FamilyDecoder(ErrorReply, "dataplane error")
 
 

@@ -20,7 +20,7 @@ from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
 from kvfabric.segment_storage.arena import SegmentIdInUse
 from kvfabric.segment_storage.metrics import SegmentCollector
-from kvfabric.segment_storage.settings import load_segment_settings
+from kvfabric.segment_storage.settings import apply_process_settings, load_segment_settings
 from kvfabric.segment_storage.shell import EXIT_REREGISTER, SegmentShell
 from kvfabric.segment_storage.ssd import SsdFileRefused
 
@@ -35,6 +35,7 @@ async def serve(settings: RuntimeSettings) -> int:
     except SettingsError as exc:
         log.error("settings_invalid", error=str(exc))
         return EXIT_USAGE
+    apply_process_settings(config)
     try:
         shell = SegmentShell(config)
     except SegmentIdInUse as exc:

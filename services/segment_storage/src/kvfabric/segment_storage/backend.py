@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, Literal
@@ -87,6 +88,7 @@ __all__ = [
     "AUTH_REFS_CHECKED_MAX",
     "CLOCK_SKEW_TOLERANCE_MS_DEFAULT",
     "CLOCK_SKEW_TOLERANCE_MS_MAX",
+    "DEMOTE_YIELD_MS_DEFAULT",
     "LOCAL_GRANTS_PER_CONNECTION_MAX",
     "ArenaBackend",
     "ConfirmFn",
@@ -104,6 +106,9 @@ AUTH_REFS_CHECKED_MAX: Final = 4
 # be and still honour it (see the module doc): covers clocks this far apart.
 CLOCK_SKEW_TOLERANCE_MS_DEFAULT: Final = 5_000
 CLOCK_SKEW_TOLERANCE_MS_MAX: Final = 10_000
+# `demote` waits at most this long, before each of its CPU steps (re-hash, disk write), while a
+# GET is being served (KVF_SEGMENT_DEMOTE_YIELD_MS): reads first, demotion in the gaps.
+DEMOTE_YIELD_MS_DEFAULT: Final = 20
 
 # (ticket, slot, generation) -> the directory's verdict: "ok", "unknown_ticket" or "mismatch".
 # Blocks the calling transport thread; raises KvfError when the directory cannot be reached.
@@ -124,6 +129,7 @@ CorruptFn = Callable[[bytes, int, int, int], None]
 class _Conn:
     puts: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (slot, generation)
     grants: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # grant id -> refs
+    gets: set[int] = field(default_factory=set)  # GET grants being served (begin_get .. end_get)
     disk_reads: dict[int, list[SsdRead | SsdStream]] = field(default_factory=dict)  # grant id -> disk buffers
 
 
@@ -142,6 +148,7 @@ class ArenaBackend:
         ssd: SsdTier | None = None,
         report_corrupt: CorruptFn | None = None,
         clock_skew_tolerance_ms: int = CLOCK_SKEW_TOLERANCE_MS_DEFAULT,
+        demote_yield_ms: int = DEMOTE_YIELD_MS_DEFAULT,
     ) -> None:
         invariant(
             0 <= clock_skew_tolerance_ms <= CLOCK_SKEW_TOLERANCE_MS_MAX,
@@ -169,6 +176,9 @@ class ArenaBackend:
         self._grant_ids = itertools.count(1)
         self._copy_conns = itertools.count(-1, -1)  # negative: never a transport's connection id
         self.counters: dict[str, int] = {}
+        self.demote_yield_ms = demote_yield_ms
+        self._gets_served = 0  # GETs between begin_get and end_get (or their connection's close)
+        self._gets_idle = threading.Condition(self.lock)
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -444,9 +454,12 @@ class ArenaBackend:
             statuses[i], checksums[i] = status, read.checksum if read is not None else b""
             views[i] = read.view.toreadonly() if read is not None and read.view is not None else None
         held = [read for _, read in disk_reads if read is not None]
-        if held:
-            with self.lock:
-                self._conn(conn).disk_reads[grant_id] = held
+        with self.lock:
+            c = self._conn(conn)
+            if held:
+                c.disk_reads[grant_id] = held
+            c.gets.add(grant_id)
+            self._gets_served += 1
         streams = {
             i: read for i, (_, read) in zip(disk, disk_reads, strict=True) if isinstance(read, SsdStream)
         }
@@ -519,6 +532,9 @@ class ArenaBackend:
         with self.lock:
             c = self._conns.get(conn)
             buffers = c.disk_reads.pop(grant.grant_id, []) if c is not None else []
+            if c is not None and grant.grant_id in c.gets:
+                c.gets.discard(grant.grant_id)
+                self._gets_ended(1)
         for buffer in buffers:
             buffer.release()
 
@@ -549,9 +565,32 @@ class ArenaBackend:
             for refs in c.grants.values():
                 for slot, generation in refs:
                     self.slots.release(slot, generation)
+            self._gets_ended(len(c.gets))
         for buffers in c.disk_reads.values():
             for buffer in buffers:
                 buffer.release()
+
+    def _gets_ended(self, n: int) -> None:
+        """Under the lock: `n` GETs are no longer served."""
+        if n:
+            self._gets_served -= n
+            if self._gets_served == 0:
+                self._gets_idle.notify_all()
+
+    def yield_to_gets(self) -> float:
+        """Wait while a GET is being served, at most `demote_yield_ms`: demotion's CPU work (the
+        re-hash, the bounce copy, the syscalls of its write) then runs between reads instead of
+        beside them, on a host whose cores the transports need (docs/ssd-tier.md). Returns the
+        seconds waited."""
+        with self.lock:
+            if self._gets_served == 0 or self.demote_yield_ms <= 0:
+                return 0.0
+            started = time.monotonic()
+            self._gets_idle.wait_for(lambda: self._gets_served == 0, self.demote_yield_ms / 1000)
+            waited = time.monotonic() - started
+            self._count("demote_yields_total")
+            self._count("demote_yield_us_total", int(waited * 1e6))
+            return float(waited)
 
     # ---- frees and housekeeping --------------------------------------------------------------
 
@@ -604,6 +643,7 @@ class ArenaBackend:
         raises `ChecksumMismatch`. `NoCapacity`, `Busy`, `Unavailable` from the disk tier."""
         if self.ssd is None:
             raise Conflict("this segment has no disk tier")
+        self.yield_to_gets()
         with self.lock:
             grant = self.slots.acquire(slot, generation, size)
             held = self.slots.held_one(slot, generation)
@@ -617,6 +657,7 @@ class ArenaBackend:
                     self._free_locked(slot, generation)
                 raise ChecksumMismatch("the arena copy no longer matches its checksum: freed", slot=slot)
             try:
+                self.yield_to_gets()
                 placed = self.ssd.write(view, key, grant.checksum)
             finally:
                 with self.lock:

@@ -39,6 +39,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import os
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
@@ -56,12 +58,15 @@ from kvfabric.proto.segment import (
 )
 from kvfabric.segment_storage.backend import ArenaBackend
 
-__all__ = ["DEMOTE_CONCURRENCY_MAX", "DEMOTE_TTL_MS", "Demoter"]
+__all__ = ["DEMOTE_CONCURRENCY_MAX", "DEMOTE_THREAD_NICE", "DEMOTE_TTL_MS", "Demoter"]
 
 DEMOTE_TTL_MS: Final = 30_000  # the disk replica's ticket: one object's write, well within it
 # Objects of one demote request in flight at once (their disk writes and round trips overlap);
 # with 4 MiB objects: 32 pieces of the I/O engine's queue (KVF_SEGMENT_SSD_IO_QUEUE_MAX, 256).
 DEMOTE_CONCURRENCY_MAX: Final = 8
+# The demotion threads' nice value (Linux: per thread): with both cores busy, the transports'
+# threads (nice 0) run first; demotion is background work (docs/ssd-tier.md).
+DEMOTE_THREAD_NICE: Final = 10
 
 # (verb, message) -> the directory's reply, from the leader of the message key's shard
 AskFn = Callable[[str, msgspec.Struct], Awaitable[msgspec.Struct]]
@@ -92,7 +97,7 @@ class Demoter:
         self._busy = False
         self._requests = itertools.count(1)
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            DEMOTE_CONCURRENCY_MAX, thread_name_prefix="kvf-demote"
+            DEMOTE_CONCURRENCY_MAX, thread_name_prefix="kvf-demote", initializer=_lower_priority
         )
 
     def close(self) -> None:
@@ -229,3 +234,9 @@ class Demoter:
         self.backend.count("demote_failed_total")
         self._warn("demotion_failed", step=step, code=err.code, error=err.message, key=obj.key.hex())
         return DemoteResult("failed")
+
+
+def _lower_priority() -> None:
+    """A demotion thread's initializer: nice `DEMOTE_THREAD_NICE` for this thread alone."""
+    with contextlib.suppress(OSError):  # lowering one's own priority is always allowed; be safe
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), DEMOTE_THREAD_NICE)

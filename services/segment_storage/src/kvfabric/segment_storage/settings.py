@@ -34,11 +34,14 @@
 | `KVF_SEGMENT_SSD_IO_CHUNK_BYTES` | 1 MiB | an object's I/O is cut into pieces of this size |
 | `KVF_SEGMENT_SSD_READ_BYTES_MAX` | 256 MiB | buffers of disk reads held at once; more: busy |
 | `KVF_SEGMENT_SSD_VERIFY_ON_START` | 0 | re-hash every recovered object before serving |
+| `KVF_SEGMENT_DEMOTE_YIELD_MS` | 20 | a demotion step waits at most this while a GET is served; 0: never |
+| `KVF_SEGMENT_GIL_SWITCH_US` | 500 | the process's GIL switch interval (Python's default: 5000) |
 """
 
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,13 +60,19 @@ from kvfabric.dataplane.admission import (
 from kvfabric.proto.subjects import check_segment_id
 from kvfabric.proto.tickets import SECRET_BYTES_MIN
 from kvfabric.runtime.config import SettingsError, env_int
-from kvfabric.segment_storage.backend import CLOCK_SKEW_TOLERANCE_MS_DEFAULT, CLOCK_SKEW_TOLERANCE_MS_MAX
+from kvfabric.segment_storage.backend import (
+    CLOCK_SKEW_TOLERANCE_MS_DEFAULT,
+    CLOCK_SKEW_TOLERANCE_MS_MAX,
+    DEMOTE_YIELD_MS_DEFAULT,
+)
 
 __all__ = ["SegmentSettings", "load_segment_settings"]
 
 SSD_BYTES_PER_SLOT_DEFAULT: Final = 64 << 10  # disk slot ids by default: one per 64 KiB of data
 SSD_SLOTS_MIN: Final = 64
 SSD_SLOTS_MAX: Final = 1 << 24
+
+GIL_SWITCH_US_DEFAULT: Final = 500  # KVF_SEGMENT_GIL_SWITCH_US (Python's own default: 5000)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +117,8 @@ class SegmentSettings:
     ssd_io_chunk_bytes: int = 1 << 20
     ssd_read_bytes_max: int = 256 << 20
     ssd_verify_on_start: bool = False
+    demote_yield_ms: int = DEMOTE_YIELD_MS_DEFAULT
+    gil_switch_us: int = GIL_SWITCH_US_DEFAULT
 
     @property
     def connection_limits(self) -> ConnectionLimits:
@@ -202,4 +213,14 @@ def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
         * SSD_BLOCK_BYTES,
         ssd_read_bytes_max=env_int(env, "KVF_SEGMENT_SSD_READ_BYTES_MAX", 256 << 20, 1 << 20, 1 << 40),
         ssd_verify_on_start=bool(env_int(env, "KVF_SEGMENT_SSD_VERIFY_ON_START", 0, 0, 1)),
+        demote_yield_ms=env_int(env, "KVF_SEGMENT_DEMOTE_YIELD_MS", DEMOTE_YIELD_MS_DEFAULT, 0, 10_000),
+        gil_switch_us=env_int(env, "KVF_SEGMENT_GIL_SWITCH_US", GIL_SWITCH_US_DEFAULT, 50, 100_000),
     )
+
+
+def apply_process_settings(settings: SegmentSettings) -> None:
+    """What the segment sets for its whole process at start: the GIL switch interval. A thread
+    that returns from a syscall (a GET's send) needs the GIL back; while another thread runs
+    Python code (the demoter, the NATS loop) it waits for the holder's switch interval, 5 ms by
+    default: a DRAM GET's p99 paid it during demotion (docs/ssd-tier.md "Figures")."""
+    sys.setswitchinterval(settings.gil_switch_us / 1e6)

@@ -169,6 +169,7 @@ class SegmentShell:
             clock_skew_tolerance_ms=settings.clock_skew_tolerance_ms,
             ssd=self.ssd,
             report_corrupt=self._disk_read_corrupt,
+            demote_yield_ms=settings.demote_yield_ms,
         )
         tls = bool(settings.tls_cert)
         # A connection presents a credential (read token, write ticket) before anything else.
