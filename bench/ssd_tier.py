@@ -16,7 +16,8 @@ segment's default `KVF_SEGMENT_SSD_DIRECT`; 0: buffered, caches dropped before e
   process (`kvfabric.testing.cluster`, a test NATS) whose disk tier recovers the objects the
   tier rows wrote (the directory adopts them: they are complete chunk groups, restart path of
   docs/segment.md); `TcpDataClient.get_hashed` with a read token per object, one request at a
-  time: the segment reads the slot from disk (verified), sends it, the client hashes it.
+  time: the segment reads the slot from disk and sends each piece as it lands (the verdict after
+  the bytes: `GetRequest.verdicts_after`), the client hashes it as it arrives.
 - **DRAM get**: the same, for arena objects of the same size saved through `KvClient.save`.
 - **tier read** (beside a raw read of the same objects, in the write phase): `SsdTier.read` in
   this process: a pre-faulted buffer from the tier's pool (`ReadBufferPool`), the disk read into
@@ -93,6 +94,9 @@ IO_THREADS: Final = 4  # the segment's KVF_SEGMENT_SSD_IO_THREADS default
 IO_QUEUE_MAX: Final = 256  # KVF_SEGMENT_SSD_IO_QUEUE_MAX default
 IO_CHUNK_BYTES: Final = MiB  # KVF_SEGMENT_SSD_IO_CHUNK_BYTES default
 ADOPT_TIMEOUT_S: Final = 60.0  # the directory adopts the recovered disk objects (shard rebuild)
+# The bench signs its read tokens itself (it knows the test cluster's secret): valid for the run
+# (60 s, the helper's default, ran out in a run on a loaded machine: `unauthorized`).
+TOKEN_TTL_MS: Final = 3_600_000
 DEMOTE_TIMEOUT_S: Final = 120.0  # one demote request (up to DEMOTE_BATCH_MAX objects, one by one)
 # The segment's `demote` verb (issue 23 step 3), where this tree has it: the demotion rows.
 _SEGMENT_PROTO: Final = importlib.import_module("kvfabric.proto.segment")
@@ -388,14 +392,17 @@ async def cluster_phase(
             for s in [*sizes, args.p99_size]:
                 if s not in dram:
                     saved = await _save(kv, s, counts.get(s, 32), next(seed), source)
-                    dram[s] = [signed_ref(SEGMENT, incarnation, slot, gen, s) for _, slot, gen in saved]
+                    dram[s] = [
+                        signed_ref(SEGMENT, incarnation, slot, gen, s, TOKEN_TTL_MS) for _, slot, gen in saved
+                    ]
             pool: list[tuple[bytes, int, int]] = []  # 1 MiB-class objects the demotion windows move
             if demoting:
                 pool = await _save(
                     kv, args.p99_size, args.p99_demote_mib * MiB // args.p99_size, next(seed), source
                 )
             ssd = {
-                s: [signed_ref(SEGMENT, incarnation, slot, gen, s) for slot, gen, _ in disk[s]] for s in sizes
+                s: [signed_ref(SEGMENT, incarnation, slot, gen, s, TOKEN_TTL_MS) for slot, gen, _ in disk[s]]
+                for s in sizes
             }
             with TcpDataClient.connect(data_addr) as data:
                 dests = {s: bytearray(s) for s in {*sizes, args.p99_size}}
@@ -454,7 +461,10 @@ async def cluster_phase(
                             row("demotion", s).rounds_gbps.append(n * s / (time.perf_counter() - t0) / 1e9)
                             if not direct:
                                 _drop_cache_of(base / "ssd")
-                            drefs = [signed_ref(SEGMENT, incarnation, slot, gen, s) for slot, gen in on_disk]
+                            drefs = [
+                                signed_ref(SEGMENT, incarnation, slot, gen, s, TOKEN_TTL_MS)
+                                for slot, gen in on_disk
+                            ]
                             row("SSD get (demoted)", s).timed(
                                 n,
                                 s,
@@ -665,8 +675,10 @@ def judge(
     in the same round (measured next to each other: a slow spell of the shared machine spans
     both). For the SSD get, the bound its parts set: per object, one after the other, the segment
     reads the disk into a pooled, pre-faulted buffer (`raw read`), then sends it and the client
-    hashes it as a DRAM get does (`DRAM get`): an SSD get cannot beat 1 / (1 / each of the two)
-    (before the buffers were pooled, a third part: `fresh read buffer`)."""
+    hashes it as a DRAM get does (`DRAM get`): read then send, an SSD get cannot beat
+    1 / (1 / each of the two) (`bound_ratio`; before the buffers were pooled, a third part:
+    `fresh read buffer`); streamed (each piece sent as it lands, the verdict after the bytes), the
+    two overlap and the slower bounds it: min(raw read, DRAM get) (`overlap_bound_ratio`)."""
     rounds = {(p["row"], p["size"]): p["rounds_gbps"] for p in points}
 
     def paired(got: str, raw: str, s: int) -> float:
@@ -683,8 +695,9 @@ def judge(
     at_least = f">= {TARGET_SHARE_OF_RAW}"
     for s in sizes:
         row = check("SSD get / raw read", "SSD get", "raw read", s, at_least)
-        parts = zip(rounds[("raw read", s)], rounds[("DRAM get", s)], strict=True)
+        parts = list(zip(rounds[("raw read", s)], rounds[("DRAM get", s)], strict=True))
         row["bound_ratio"] = statistics.median(1 / (1 / raw + 1 / send) / raw for raw, send in parts)
+        row["overlap_bound_ratio"] = statistics.median(min(raw, send) / raw for raw, send in parts)
         out.append(row)
     for name, got, raw, target in (
         ("tier write / raw write", "tier write", "raw write", at_least),
@@ -757,12 +770,14 @@ def markdown(result: dict[str, Any], sizes: list[int]) -> str:
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     out += [
         "",
-        "| check | size | ratio | target | met | bound (serial parts) |",
+        "| check | size | ratio | target | met | bound: read then send / overlapped |",
         "|---|---:|---:|---:|---|---|",
     ]
     for v in result["verdicts"]:
         met = "—" if v["met"] is None else ("yes" if v["met"] else "NO")
         bound = f"{v['bound_ratio']:.2f} of raw" if "bound_ratio" in v else ""
+        if "overlap_bound_ratio" in v:
+            bound += f" / {v['overlap_bound_ratio']:.2f} of raw"
         out.append(
             f"| {v['check']} | {_size(v['size'])} | {v['ratio']:.2f} | {v['target']} | {met} | {bound} |"
         )

@@ -45,6 +45,7 @@ def test_ratios_pair_rounds_and_the_ssd_get_bound_composes_its_parts() -> None:
     get = by[("SSD get / raw read", MiB)]
     assert get["ratio"] == pytest.approx(0.3) and get["met"] is False
     assert get["bound_ratio"] == pytest.approx(1 / (1 / 1 + 1 / 2))  # read, then send: 0.67 of raw
+    assert get["overlap_bound_ratio"] == pytest.approx(1.0)  # streamed: the slower part, the read
     assert by[("tier read / raw read (write phase)", MiB)]["met"] is None  # a part, no target
     assert by[("DRAM get p99 writer / quiet", MiB)]["met"] is True
     assert ("demotion / raw write (demotion phase)", MiB) not in by  # no demote verb: no row
@@ -69,7 +70,7 @@ def test_the_table_states_targets_and_the_bound() -> None:
         "verdicts": judge(_points(), SIZES, P99, {}),
     }  # fmt: skip
     text = markdown(result, SIZES)
-    assert "| SSD get / raw read | 1 MiB | 0.30 | >= 0.8 | NO | 0.67 of raw |" in text
+    assert "| SSD get / raw read | 1 MiB | 0.30 | >= 0.8 | NO | 0.67 of raw / 1.00 of raw |" in text
     assert "| tier write / raw write | 1 MiB | 0.90 | >= 0.8 | yes |" in text
     assert "p99 2.00 / 2.10 ms" in text
 
