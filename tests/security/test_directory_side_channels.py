@@ -33,7 +33,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvfabric.client import ClientSettings
 from kvfabric.ctl.auth import plan_auth, write_auth
-from kvfabric.format.errors import KvfError, NotFound, RateLimited
+from kvfabric.format.errors import Busy, KvfError, NotFound, RateLimited
 from kvfabric.format.key import chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
@@ -228,7 +228,8 @@ def flood(
     out: multiprocessing.Queue[tuple[int, int, int]],
 ) -> None:
     """Bob's flood, in a process of its own: FLOOD_CONCURRENT lookups of all his groups in
-    flight, each sent again at once whatever the answer. Puts (admitted, rate_limited, other)."""
+    flight, each sent again at once whatever the answer. Puts (admitted, refused: rate_limited
+    or busy, other)."""
 
     async def run() -> tuple[int, int, int]:
         auth = settings.nats_auth()
@@ -246,7 +247,7 @@ def flood(
                     if reply.lease_id:
                         release = m.LeaseRelease(holder_id="f", lease_id=reply.lease_id)
                         await router.ask(0, "lease_release", release, TIMEOUT_S)
-                except RateLimited:
+                except (RateLimited, Busy):  # his quota's rate, or fair admission's bucket
                     counts[1] += 1
                 except KvfError:
                     counts[2] += 1
@@ -304,8 +305,10 @@ def slow_core_calls(directory: ServiceProcess) -> list[tuple[str, float, float]]
 
 def test_max_size_lookups_cost_their_size_and_stall_no_one(tmp_path: Path) -> None:
     """Row 2: bob (256 requests/s) floods lookups of his 4,096 groups, 16 in flight, never
-    backing off. Each costs 64 tokens, not 1: about 4 a second are served (before: as many as
-    the directory could, ~10 here), the rest refused before any work. A served one is folded
+    backing off. Each costs 64 tokens, not 1: at most about 4 a second are served (before: as
+    many as the directory could, ~10 here); fair admission also runs one of his at a time and
+    charges it 4,112 of his 8,192 ids a second (`kvfabric.directory.fair`), so the rest wait
+    for their turns or are refused before any work (`rate_limited` or `busy`). A served one is folded
     128 groups a core call (before: one call of ~100-250 ms): no core call takes 50 ms of CPU.
     Alice's lookup p50 stays within 2x of her baseline; her p99 is printed (docs/security.md:
     not within 2x on this 2-core machine)."""
@@ -358,6 +361,5 @@ def test_max_size_lookups_cost_their_size_and_stall_no_one(tmp_path: Path) -> No
         # His rate allows 256 / 64 = 4 max-size lookups a second (+ a burst of 4; the flood's
         # last requests end after its `seconds`).
         assert admitted <= (BOB_RATE_PER_S / 64) * (seconds + 5) + BOB_RATE_PER_S / 64, report
-        assert refused > admitted, report
         assert not [call for call in slow if call[2] >= 50], report  # CPU: preemption is not a stall
         assert p50[1] < 2 * p50[0] + 0.5, report

@@ -32,7 +32,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_KV_REPLICAS` | 1 | replicas of its KV buckets and events stream (3 on a NATS cluster) |
 | `KVF_DIRECTORY_REBALANCE` | 0 | 1: shards move to a joining instance (rendezvous hashing); 0: sticky |
 | `KVF_DIRECTORY_NATS_MONITOR_URL` | unset | nats-server monitor: a stuck lease bucket is recreated |
-| `KVF_DIRECTORY_FAIR_TENANT_IDS_PER_S` | 32768 | fair admission: a tenant's refill, ids/s (per instance) |
+| `KVF_DIRECTORY_FAIR_TENANT_IDS_PER_S` | 8192 | fair admission: a tenant's refill, ids/s (per instance) |
 | `KVF_DIRECTORY_FAIR_TENANT_BURST_IDS` | 65536 | … its bucket, ids (≥ 4,096 + the request cost) |
 | `KVF_DIRECTORY_FAIR_REQUEST_COST_IDS` | 16 | … fixed part of each request's cost, ids |
 | `KVF_DIRECTORY_FAIR_TENANT_QUEUE_MAX` | 16 | … a tenant's requests waiting for a turn (more: `busy`) |
@@ -102,11 +102,12 @@ LEADER_LEASE_TTL_MS_DEFAULT: Final = 3_000
 LEADER_LEASE_TTL_MS_CLUSTER_DEFAULT: Final = 15_000
 _QUOTA_FIELDS: Final = ("bytes_max", "objects_max", "requests_per_s", "burst")
 _COUNT_MAX: Final = 2**63 - 1
-# Fair admission's defaults (the module docstring's table; docs/security.md has the measurements):
-# one tenant gets at most ~1 s of this VM's loop for 4-id lookups at 32,768 ids/s (cost 20 each:
-# ~1,600 a second), and one request of its at a time, taking turns with every other tenant.
+# Fair admission's defaults (docs/security.md has the measurements): a lookup hit costs the
+# shared 2-core VM's loop ~50 us an id, so 8,192 ids/s is about 40 % of it for one tenant's
+# sustained flood of max-size hits (2 a second; 400 4-id lookups at cost 20); the 65,536 burst
+# lets a 20,000-chunk save through at once (its put_begins and commits: ~43,000).
 FAIR_DEFAULT: Final = AdmissionConfig(
-    ids_per_s=32_768.0,
+    ids_per_s=8_192.0,
     burst_ids=65_536,
     request_cost_ids=16,
     queue_max=16,

@@ -1,0 +1,217 @@
+"""A victim tenant's lookups while another floods the directory (issue 21 row 2, fair admission).
+
+On a real authenticated cluster (one directory shard, TLS), the directory pinned to CPU 0 and
+bob's flood process to CPU 1 (this machine has two cores; the previous measurements pinned the
+directory the same way): alice looks up her 8-group prompt 300 times alone, then 300 times
+while bob sends lookups of his own groups (4,096 in the test) from `FLOOD_CONCURRENT` loops that
+never back off. Reported (`-s`):
+alice's p50/p99 alone and during the flood and their ratios, what bob sent, got served and got
+`busy`, and the directory's fair-admission metrics. docs/security.md quotes the figures and the
+2x target, measured with `measure` with admission on (the defaults) and off (`FAIR_OFF`: limits
+so high that nothing waits or is refused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+
+from kvfabric.client import ClientSettings
+from kvfabric.directory.admission import cost_of
+from kvfabric.directory.settings import FAIR_DEFAULT
+from kvfabric.format.errors import Busy, KvfError
+from kvfabric.proto import directory as m
+from kvfabric.runtime.directory_router import DirectoryRouter
+from kvfabric.testing.probes import metric_value, scrape_metrics
+from tests.integration.cluster import directory_router
+from tests.security.test_directory_budgets import two_tenants
+from tests.security.test_directory_side_channels import (
+    group_ids,
+    quantile,
+    save,
+    slow_core_calls,
+    tenant_router,
+)
+
+pytestmark = pytest.mark.integration
+
+TIMEOUT_S = 10.0
+FLOOD_CONCURRENT = 32  # bob's loops: twice his share of the directory's in-flight slots (16)
+BOB_GROUPS = 4_096  # a max-size lookup
+FLOOD_S = 12.0
+ALICE_LOOKUPS = 300
+# Fair admission switched off: every limit so high that no request waits or is refused.
+FAIR_OFF = {
+    "KVF_DIRECTORY_FAIR_TENANT_IDS_PER_S": "1000000000",
+    "KVF_DIRECTORY_FAIR_TENANT_BURST_IDS": "1000000000",
+    "KVF_DIRECTORY_FAIR_TENANT_QUEUE_MAX": "100000",
+    "KVF_DIRECTORY_FAIR_RUNNING_MAX": "100000",
+    "KVF_DIRECTORY_FAIR_TENANT_RUNNING_MAX": "100000",
+}
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Keep `pid` on one CPU when there are two or more (a no-op on one, or with
+    KVF_TEST_NO_PIN=1)."""
+    if len(os.sched_getaffinity(0)) >= 2 and os.environ.get("KVF_TEST_NO_PIN") != "1":
+        os.sched_setaffinity(pid, {cpu})
+
+
+def flood(
+    settings: ClientSettings, groups: list[bytes], seconds: float, out: multiprocessing.Queue[dict[str, int]]
+) -> None:
+    """Bob's flood, in a process of its own: `FLOOD_CONCURRENT` loops each sending a lookup of
+    `groups` again as soon as it is answered, whatever the answer (a hit's lease given back)."""
+
+    async def run() -> dict[str, int]:
+        nc = await nats.connect(
+            settings.nats_url, **settings.nats_auth().connect_options(), allow_reconnect=False
+        )
+        router = await directory_router(nc, "bob")
+        counts = {"sent": 0, "served": 0, "busy": 0, "other": 0}
+        deadline = time.monotonic() + seconds
+
+        async def one() -> None:
+            while time.monotonic() < deadline:
+                counts["sent"] += 1
+                try:
+                    reply = await router.ask(0, "lookup", m.Lookup(holder_id="f", groups=groups), TIMEOUT_S)
+                    counts["served"] += 1
+                    if isinstance(reply, m.LookupReply) and reply.lease_id:
+                        release = m.LeaseRelease(holder_id="f", lease_id=reply.lease_id)
+                        await router.ask(0, "lease_release", release, TIMEOUT_S)
+                except Busy:
+                    counts["busy"] += 1
+                except KvfError:
+                    counts["other"] += 1
+
+        try:
+            await asyncio.gather(*(one() for _ in range(FLOOD_CONCURRENT)))
+        finally:
+            await nc.close()
+        return counts
+
+    pin(0, 1)
+    out.put(asyncio.run(run()))
+
+
+async def alices_lookups(alice: DirectoryRouter, groups: list[bytes], n: int) -> tuple[list[float], int]:
+    """Alice looks up her prompt `n` times (a hit's lease given back, untimed): ms each, and how
+    many were not a whole hit (a `busy` or a shorter hit would be her client's miss)."""
+    out, misses = [], 0
+    for _ in range(n):
+        began = time.perf_counter()
+        try:
+            reply = await alice.ask(0, "lookup", m.Lookup(holder_id="a", groups=groups), TIMEOUT_S)
+        except Busy:
+            out.append((time.perf_counter() - began) * 1e3)
+            misses += 1
+            continue
+        out.append((time.perf_counter() - began) * 1e3)
+        assert isinstance(reply, m.LookupReply)
+        misses += reply.hit_chunks != len(groups)
+        if reply.lease_id:
+            await alice.ask(
+                0, "lease_release", m.LeaseRelease(holder_id="a", lease_id=reply.lease_id), TIMEOUT_S
+            )
+    return out, misses
+
+
+def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One run (module docstring): alice alone, then during bob's flood of `bob_ids`-id lookups."""
+    with two_tenants(tmp_path, env={"KVF_LOG_LEVEL": "info", **(env or {})}) as (secure, directory):
+        port = directory.wait_for_event("directory_started", 1.0)["metrics_port"]
+        pin(directory.pid, 0)
+        save(secure, "alice", 8, seed=4, size=4096)
+        alice = group_ids(secure, "alice", 8, seed=4)
+        save(secure, "bob", bob_ids, seed=5)
+        bob = group_ids(secure, "bob", bob_ids, seed=5)
+        spawn = multiprocessing.get_context("spawn")
+        out: multiprocessing.Queue[dict[str, int]] = spawn.Queue()
+        attacker = spawn.Process(target=flood, args=(secure.client_settings("bob"), bob, FLOOD_S, out))
+
+        async def run() -> tuple[list[float], int, list[float], int, float]:
+            nc, router = await tenant_router(secure, "alice")  # connected before the flood
+            try:
+                baseline, base_misses = await alices_lookups(router, alice, ALICE_LOOKUPS)
+                attacker.start()
+                await asyncio.sleep(2.0)  # the flood under way (the child has connected)
+                began = time.monotonic()
+                during, misses = await alices_lookups(router, alice, ALICE_LOOKUPS)
+                return baseline, base_misses, during, misses, time.monotonic() - began
+            finally:
+                await nc.close()
+
+        try:
+            slow_before = len(slow_core_calls(directory))
+            baseline, base_misses, during, misses, during_s = asyncio.run(run())
+            metrics = scrape_metrics(port)
+            slow = slow_core_calls(directory)[slow_before:]
+            bob_counts = out.get(timeout=FLOOD_S + 30)
+        finally:
+            if attacker.pid is not None:
+                attacker.join(timeout=30)
+                if attacker.is_alive():
+                    attacker.kill()
+    p50 = (statistics.median(baseline), statistics.median(during))
+    p99 = (quantile(baseline, 0.99), quantile(during, 0.99))
+
+    def fair(name: str, **labels: str) -> float | None:
+        return metric_value(metrics, name, **labels)
+
+    gc_total = fair("kvfabric_directory_gc_pause_seconds_bucket", generation="2", le="+Inf") or 0
+    gc_full_over_25 = gc_total - (
+        fair("kvfabric_directory_gc_pause_seconds_bucket", generation="2", le="0.025") or 0
+    )
+
+    return {
+        "bob_ids_per_lookup": bob_ids,
+        "alice_p50_ms_alone_flood": [round(x, 3) for x in p50],
+        "alice_p99_ms_alone_flood": [round(x, 3) for x in p99],
+        "p50_ratio": round(p50[1] / p50[0], 2),
+        "p99_ratio": round(p99[1] / p99[0], 2),
+        "alice_misses_alone_flood": [base_misses, misses],
+        "alice_during_s": round(during_s, 1),  # over FLOOD_S - 2: some of hers after the flood
+        "bob_per_s": {k: round(v / FLOOD_S, 1) for k, v in bob_counts.items()},
+        "fair_refused_bob_rate": fair("kvfabric_directory_fair_refused_total", tenant="bob", reason="rate"),
+        "fair_refused_bob_queue": fair("kvfabric_directory_fair_refused_total", tenant="bob", reason="queue"),
+        "fair_refused_alice": sum(
+            fair("kvfabric_directory_fair_refused_total", tenant="alice", reason=r) or 0
+            for r in ("rate", "queue")
+        ),
+        "fair_longest_wait_ms": round((fair("kvfabric_directory_fair_longest_wait_seconds") or 0) * 1e3, 2),
+        "longest_core_call_ms": round((fair("kvfabric_directory_core_call_longest_seconds") or 0) * 1e3, 1),
+        "gc_full_pauses_over_25_ms": gc_full_over_25,
+        "core_calls_over_50_ms_wall_cpu": slow,
+    }
+
+
+def test_alices_lookups_keep_their_latency_while_bob_floods_max_size_lookups(tmp_path: Path) -> None:
+    """Bob (no quota: the defaults) floods lookups of his 4,096 groups from 32 loops, never
+    backing off. Fair admission runs one of his at a time, taking turns with alice's, and his
+    bucket admits 8,192 ids a second (+ a 65,536 burst): the rest is `busy` before any work.
+    Alice is never refused, every lookup of hers hits, the directory keeps its lease (with
+    admission off, `FAIR_OFF`, it lost it in 2 of 2 runs: alice got `wrong_shard`), bob's
+    requests waited for their turns, and alice's p50 stays within 2x of her baseline (+0.5 ms;
+    0.71-1.2x in 8 runs). Her p99 is reported, not asserted: docs/security.md (the directory
+    descheduled on this shared VM, not bob's backlog, sets it)."""
+    report = measure(tmp_path, bob_ids=BOB_GROUPS)
+    print("\nfair admission, max-size flood:", json.dumps(report))
+    assert report["alice_misses_alone_flood"] == [0, 0], report
+    assert report["fair_refused_alice"] == 0, report
+    # his bucket's bound on what was served (the flood's last requests end after FLOOD_S)
+    served = report["bob_per_s"]["served"] * FLOOD_S
+    cost = cost_of(BOB_GROUPS, FAIR_DEFAULT.request_cost_ids)
+    assert served <= (FAIR_DEFAULT.burst_ids + FAIR_DEFAULT.ids_per_s * (FLOOD_S + 5)) / cost, report
+    assert report["fair_longest_wait_ms"] > 0, report  # his requests waited for their turns
+    p50 = report["alice_p50_ms_alone_flood"]
+    assert p50[1] < 2 * p50[0] + 0.5, report
