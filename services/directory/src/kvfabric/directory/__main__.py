@@ -37,6 +37,7 @@ import nats
 
 from kvfabric.core.leadership import LeadershipConfig
 from kvfabric.core.shard_lifecycle import LifecycleConfig
+from kvfabric.directory.fair import FairGate
 from kvfabric.directory.host import ShardHost
 from kvfabric.directory.kv_buckets import CONFIG_BUCKET, LEADERS_BUCKET, MEMBERS_BUCKET, agree_on_shards
 from kvfabric.directory.kv_doctor import TTL_MARGIN_S, KvDoctor
@@ -133,6 +134,7 @@ async def serve(settings: RuntimeSettings) -> int:
             restart_shard=restart_shard,
             grants=config.grants,
             lookup_reply_min_ms=config.lookup_reply_min_ms,
+            fair=FairGate(config.fair),  # tenants take turns (kvfabric.directory.fair)
         ),
         LifecycleConfig(
             start_attempts_max=SHARD_START_ATTEMPTS,
