@@ -17,7 +17,7 @@ import nats.errors
 import pytest
 from nats.js.api import KeyValueConfig, StorageType
 
-from kvfabric.directory import leader
+from kvfabric.directory import kv_buckets
 from kvfabric.directory.kv_doctor import KvDoctor, stream_write_errors
 from kvfabric.testing.nats_server import NatsServer
 from tests.unit.tools.toolkit import load_tool
@@ -43,7 +43,7 @@ async def _stuck_bucket() -> None:
         server.start()
         nc = await nats.connect(server.url)
         js = nc.jetstream(timeout=2.0)
-        await js.create_key_value(KeyValueConfig(bucket=leader.CONFIG_BUCKET, history=1))
+        await js.create_key_value(KeyValueConfig(bucket=kv_buckets.CONFIG_BUCKET, history=1))
         leases = await js.create_key_value(
             KeyValueConfig(bucket=LEADERS, history=1, ttl=1.0, storage=StorageType.FILE)
         )
@@ -85,7 +85,7 @@ async def _stuck_bucket() -> None:
         # Had the add after the delete failed, the bucket would be missing: an instance that
         # starts then makes it from the claimed floor, never from revision 1.
         await js.delete_stream(STREAM)
-        leases = await leader._bucket(nc, LEADERS, 1.0)
+        leases = await kv_buckets.open_bucket(nc, LEADERS, 1.0)
         revision = await leases.create("shard-0", b"c")  # a new term, its epoch above every old one
         assert revision == last + 1
         clock[0] = 4.0  # healed: nobody deletes the new incarnation
