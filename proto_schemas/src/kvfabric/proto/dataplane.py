@@ -34,6 +34,7 @@ __all__ = [
     "PutReply",
     "PutRequest",
     "ReadRef",
+    "StagedBytes",
     "UnpinLocal",
     "UnpinReply",
     "dataplane_decoder",
@@ -52,12 +53,24 @@ class ReadRef(msgspec.Struct, frozen=True, array_like=True):
     expires_ms: int = 0
 
 
+class StagedBytes(msgspec.Struct, frozen=True, array_like=True):
+    """Where a co-located writer put a PUT's bytes instead of sending them: its own staging file
+    beside the arena, the nonce in that file's header, the offset (kvfabric.dataplane.staging)."""
+
+    path: str
+    nonce: bytes
+    offset: int
+
+
 class PutRequest(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put.v1", tag_field="t"):
     ticket: WriteTicket
     trace_id: str = ""  # the writer's engine request; the segment's confirm carries it to the directory
     # How many writes of the same save go to this segment for keys of this ticket's shard (0 =
     # unknown): the segment gathers their confirms into one directory request (ConfirmBatcher).
     save_writes: int = 0
+    # Set: no payload follows, the bytes are in the writer's staging file (only to a segment whose
+    # MapReply said `staged_puts`).
+    staged: StagedBytes | None = None
 
 
 class PutReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put_reply.v1", tag_field="t"):
@@ -109,6 +122,8 @@ class MapReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.map_reply.v1",
     incarnation: int
     # The slot board (kvfabric.dataplane.slotboard): lock-free local reads. "" = pin every read.
     board_path: str = ""
+    # This segment takes staged puts (PutRequest.staged) from a staging file beside the arena.
+    staged_puts: bool = False
 
 
 class LocalGrant(msgspec.Struct, frozen=True, array_like=True):

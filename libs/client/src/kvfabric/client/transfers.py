@@ -40,9 +40,10 @@ import msgspec
 
 from kvfabric.dataplane.scatter import GateClosed, ScatterDest
 from kvfabric.dataplane.shm import ShmReader
+from kvfabric.dataplane.staging import StagingFile
 from kvfabric.dataplane.tcp import TcpDataClient, shutdown_fd
 from kvfabric.format.errors import KvfError
-from kvfabric.proto.dataplane import ObjectResult, ReadRef
+from kvfabric.proto.dataplane import ObjectResult, ReadRef, StagedBytes
 from kvfabric.proto.directory import ObjectLocation, Replica, WriteTicket
 from kvfabric.proto.segment import tier_of_slot
 
@@ -66,6 +67,12 @@ SWEEP_INTERVAL_S: Final = 1.0  # idle connections to removed arenas are closed t
 ATTEMPT_SHARE_DEFAULT: Final = 0.5  # of the load's time left, for a replica that is not the last
 ATTEMPT_MIN_S_DEFAULT: Final = 0.1  # ... but at least this long (seconds)
 CONNECT_MIN_S: Final = 0.001  # a connect inside an attempt's budget gets at least this long
+# Staged puts (co-located writes through a staging file, `SegmentPool.store`): a connection's
+# staging file holds at least this much (remade larger for a larger object), and objects above
+# the cap are sent instead (a file per pooled connection: at most connections_per_segment_max of
+# them per co-located segment, each removed with its connection).
+STAGING_FILE_BYTES_MIN: Final = 4 << 20
+STAGED_PUT_BYTES_MAX: Final = 256 << 20
 
 
 def attempt_budget_s(remaining_s: float, last: bool, share: float, min_s: float) -> float:
@@ -137,8 +144,12 @@ class AttemptWatchdog:
 class _Connection:
     tcp: TcpDataClient
     shm: ShmReader | None
+    staging: StagingFile | None = None  # this connection's staged puts (co-located writes)
 
     def close(self) -> None:
+        if self.staging is not None:
+            with contextlib.suppress(BufferError, OSError):
+                self.staging.close()
         if self.shm is not None:
             with contextlib.suppress(BufferError, ValueError):
                 self.shm.close()
@@ -182,6 +193,8 @@ class SegmentPool:
         self._swept_s = 0.0
         self._lock = threading.Lock()
         self._closed = False
+        self._staging_refused: set[str] = set()  # data addresses that cannot read our staging files
+        self.staged_puts = 0  # writes that went through a staging file (tests, benchmarks)
 
     def close(self) -> None:
         self.watchdog.close()
@@ -424,14 +437,59 @@ class SegmentPool:
         """Write one replica under its ticket. Returns "ok" (confirmed) or a cause. Writes share
         the segment's connections with loads: measured, capping them at half (so loads always
         find one while the directory confirms slowly) split a save of 8 objects into two waves of
-        segment confirms, 15.0 vs 9.0 ms p50 for 8 × 4 KiB (bench.client_floor, 2026-12-01)."""
+        segment confirms, 15.0 vs 9.0 ms p50 for 8 × 4 KiB (bench.client_floor, 2026-12-01).
+
+        To a co-located segment that takes staged puts (its MapReply), the bytes go through the
+        connection's staging file (`kvfabric.dataplane.staging`: one copy here, one into the slot
+        there, no socket); a segment that refuses the staging file (it cannot open it: another
+        user, another host's /dev/shm) gets the bytes sent, now and from then on."""
         try:
             # The pool loads use too (one idle pool per segment): a PUT only needs its TCP half.
             shm_ok = self._shm_ok(ticket.segment_id)
             with self._connection(ticket.data_addr, shm_ok, ticket=ticket) as conn:
-                reply = conn.tcp.put(ticket, data, trace_id=trace_id, save_writes=save_writes)
+                staged = self._stage(conn, ticket, data)
+                reply = None
+                if staged is not None:
+                    try:
+                        reply = conn.tcp.put(
+                            ticket, data, trace_id=trace_id, save_writes=save_writes, staged=staged
+                        )
+                        self.staged_puts += 1
+                        if conn.staging is not None:
+                            conn.staging.unlink()  # the segment holds it open now
+                    except KvfError as exc:
+                        if not exc.details.get("staging"):
+                            raise
+                        self._staging_refused.add(ticket.data_addr)
+                if reply is None:
+                    reply = conn.tcp.put(ticket, data, trace_id=trace_id, save_writes=save_writes)
         except KvfError as exc:
             return exc.code
         except OSError:
             return "segment_unreachable"
         return OK if reply.confirmed else "unconfirmed"
+
+    def _stage(self, conn: _Connection, ticket: WriteTicket, data: memoryview) -> StagedBytes | None:
+        """`data` copied into `conn`'s staging file (made, or remade larger, on demand), or None
+        when this write is sent instead (not co-located, a segment without staged puts or that
+        refused them, an object over `STAGED_PUT_BYTES_MAX`)."""
+        shm = conn.shm
+        size = len(data)
+        if (
+            shm is None
+            or not shm.staged_puts
+            or shm.incarnation != ticket.incarnation
+            or size > STAGED_PUT_BYTES_MAX
+            or ticket.data_addr in self._staging_refused
+        ):
+            return None
+        if conn.staging is None or conn.staging.data_bytes < size:
+            if conn.staging is not None:
+                conn.staging.close()
+                conn.staging = None
+            try:
+                conn.staging = StagingFile(shm.arena_dir, max(size, STAGING_FILE_BYTES_MIN))
+            except (KvfError, OSError):
+                self._staging_refused.add(ticket.data_addr)
+                return None
+        return conn.staging.stage(data)

@@ -74,6 +74,9 @@ class ShmReader:
         self._fd = fd
         self._view = memoryview(self._map)
         self.incarnation = info.incarnation
+        # Writes may go through a staging file in the arena's folder (kvfabric.dataplane.staging).
+        self.staged_puts = info.staged_puts
+        self.arena_dir = os.path.dirname(info.arena_path)
         self.board: SlotBoardReader | None = None
         if info.board_path and use_board and board_usable():
             try:

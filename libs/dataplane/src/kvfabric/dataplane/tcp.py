@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import socket
 import ssl
 import threading
@@ -51,6 +52,7 @@ from kvfabric.dataplane.admission import (
 from kvfabric.dataplane.backend import PutSlot, SegmentBackend
 from kvfabric.dataplane.frames import HEADER, OBJECT_BYTES_MAX, READS_MAX, Op, pack_header, unpack_header
 from kvfabric.dataplane.scatter import ScatterDest, scatter_dests
+from kvfabric.dataplane.staging import StagingFiles
 from kvfabric.format.checksum import StreamingChecksum
 from kvfabric.format.errors import BadRequest, Busy, Indeterminate, KvfError, Unauthorized, Unavailable
 from kvfabric.proto.codec import FamilyDecoder, encode
@@ -65,6 +67,7 @@ from kvfabric.proto.dataplane import (
     PutReply,
     PutRequest,
     ReadRef,
+    StagedBytes,
     UnpinLocal,
     UnpinReply,
     dataplane_decoder,
@@ -257,6 +260,7 @@ class TcpDataServer:
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self.rejected_busy = 0
+        self._staging: StagingFiles | None = None  # staged puts (made on first use)
 
     @property
     def limits(self) -> ConnectionLimits:
@@ -445,6 +449,8 @@ class TcpDataServer:
                 _send_all(sock, _frame(Op.ERROR, 0, error_reply_from(err)))
         finally:
             self.backend.close_connection(conn)
+            if self._staging is not None:
+                self._staging.close(conn)
             with self._lock:
                 self._conns.pop(conn, None)
                 self._fds.pop(conn, None)
@@ -452,9 +458,38 @@ class TcpDataServer:
                 self.gate.close(conn)
             sock.close()
 
+    def _staging_files(self) -> StagingFiles | None:
+        """Staged puts come from staging files beside the arena (a backend that maps no arena
+        takes none)."""
+        if self._staging is None and hasattr(self.backend, "map_info"):
+            self._staging = StagingFiles(os.path.dirname(self.backend.map_info().arena_path))
+        return self._staging
+
+    def _put_staged(self, conn: int, sock: socket.socket, request_id: int, meta: PutRequest) -> None:
+        """A PUT whose bytes are in the writer's staging file (`kvfabric.dataplane.staging`): the
+        same ticket check, slot and verification as a sent one (`finish_put` hashes the slot)."""
+        files = self._staging_files()
+        if files is None or meta.staged is None:
+            raise BadRequest("this segment takes no staged puts", staging=True)
+        put = self.backend.begin_put(meta.ticket, conn)
+        put.trace_id = meta.trace_id
+        put.save_writes = meta.save_writes
+        try:
+            put.checksum = files.read_into(conn, meta.staged, put.view)  # of the slot's bytes
+        except BaseException:
+            self.backend.abort_put(put, conn)
+            raise
+        self._no_deadline(conn)  # the confirm to the directory, as for a sent PUT
+        slot, generation = self.backend.finish_put(put, conn)
+        self._deadline(conn, self.gate.limits.frame_timeout_ms, "frame_timeout")
+        reply = PutReply(slot=slot, slot_generation=generation, confirmed=True)
+        _send_all(sock, _frame(Op.REPLY, request_id, reply))
+
     def _dispatch(self, conn: int, sock: socket.socket, op: Op, request_id: int, meta: object) -> None:
         limits = self.gate.limits
-        if op is Op.PUT and isinstance(meta, PutRequest):
+        if op is Op.PUT and isinstance(meta, PutRequest) and meta.staged is not None:
+            self._put_staged(conn, sock, request_id, meta)
+        elif op is Op.PUT and isinstance(meta, PutRequest):
             try:
                 put = self.backend.begin_put(meta.ticket, conn)
             except KvfError as err:
@@ -500,7 +535,10 @@ class TcpDataServer:
             finally:
                 self.backend.end_get(grant, conn)
         elif op is Op.MAP and isinstance(meta, MapRequest):
-            _send_all(sock, _frame(Op.REPLY, request_id, self.backend.map_info()))
+            info = self.backend.map_info()
+            if self._staging_files() is not None:
+                info = msgspec.structs.replace(info, staged_puts=True)
+            _send_all(sock, _frame(Op.REPLY, request_id, info))
         elif op is Op.PIN_LOCAL and isinstance(meta, GetRequest):
             if len(meta.reads) > READS_MAX:
                 raise BadRequest(f"{len(meta.reads)} reads exceed {READS_MAX}")
@@ -604,15 +642,18 @@ class TcpDataClient:
         *,
         trace_id: str = "",
         save_writes: int = 0,
+        staged: StagedBytes | None = None,
     ) -> PutReply:
         """Send one object's bytes under a signed ticket. On success the replica is confirmed.
-        `save_writes`: the writes of the same save to this segment and shard (`PutRequest`)."""
+        `save_writes`: the writes of the same save to this segment and shard (`PutRequest`).
+        `staged`: the bytes are in the writer's staging file, not sent (`data` is not read; only
+        to a segment whose MapReply says `staged_puts`)."""
         view = memoryview(data).cast("B")
-        if len(view) != ticket.size_bytes:
+        if staged is None and len(view) != ticket.size_bytes:
             raise BadRequest(f"buffer is {len(view)} bytes, ticket says {ticket.size_bytes}")
         with self._lock:
-            meta = PutRequest(ticket=ticket, trace_id=trace_id, save_writes=save_writes)
-            reply, _ = self._call(Op.PUT, meta, [view])
+            meta = PutRequest(ticket=ticket, trace_id=trace_id, save_writes=save_writes, staged=staged)
+            reply, _ = self._call(Op.PUT, meta, [view] if staged is None else [])
         if not isinstance(reply, PutReply):
             raise Indeterminate(f"unexpected reply {type(reply).__name__} to PUT")
         return reply
