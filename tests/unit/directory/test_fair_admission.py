@@ -5,17 +5,25 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import Any, cast
 
+import msgspec
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvfabric.core import authz
+from kvfabric.core.directory import DirectoryConfig
 from kvfabric.directory.admission import AdmissionConfig, FairAdmission, Refusal, Started, cost_of
 from kvfabric.directory.fair import FairGate
+from kvfabric.directory.host import ShardHost
 from kvfabric.directory.settings import FAIR_DEFAULT, load_fair_admission
-from kvfabric.format.errors import Busy
+from kvfabric.format.errors import Busy, KvfError, WrongShard
+from kvfabric.proto import directory as m
+from kvfabric.proto.codec import encode
 from kvfabric.runtime.config import SettingsError
+from kvfabric.runtime.service import TenantHandler
 
 
 def config(**kw: float) -> AdmissionConfig:
@@ -328,3 +336,65 @@ class FairAdmissionMachine(RuleBasedStateMachine):
 
 TestFairAdmissionMachine = FairAdmissionMachine.TestCase
 TestFairAdmissionMachine.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+
+
+# ---- the host: which requests wait for a turn ------------------------------------------------
+
+
+class _Runtime:
+    """Records the tenant handlers `ShardHost.attach` registers (by verb)."""
+
+    def __init__(self) -> None:
+        self.tenant: dict[str, TenantHandler] = {}
+
+    def add_endpoint(self, verb: str, handler: object, **_: object) -> str:
+        return verb
+
+    def add_tenant_endpoint(self, verb: str, handler: TenantHandler, **_: object) -> str:
+        self.tenant[verb] = handler
+        return verb
+
+
+def test_gives_back_never_wait_for_a_turn_nor_are_refused_for_load() -> None:
+    """Bob's bucket is empty: his lookups, pins and puts are `busy` at the gate, before their
+    bytes are decoded; his releases, unpins and aborts (`authz.GIVEBACK_VERBS`) pass it and
+    reach the shard (here: no shard led, so `wrong_shard`), as before fair admission."""
+    gate = FairGate(config(burst_ids=4_200, request_cost_ids=16), clock=lambda: 0.0)
+    digest = bytes(16)
+    host = ShardHost(
+        "dir-a",
+        1,
+        DirectoryConfig(ticket_secret=b"0123456789abcdef0123"),
+        registry=cast(Any, None),
+        make_shell=cast(Any, None),
+        grants={"bob": authz.TenantGrant("bob", frozenset({digest}), home=digest)},
+        fair=gate,
+    )
+    runtime = _Runtime()
+    host.attach(cast(Any, runtime))
+    assert isinstance(gate.core.offer("bob", 4_200, 0.0), int)  # the whole burst: the bucket is empty
+
+    async def ask(verb: str, message: msgspec.Struct) -> KvfError:
+        with pytest.raises(KvfError) as caught:
+            await runtime.tenant[verb](encode(message), {}, "bob")
+        return caught.value
+
+    async def scenario() -> None:
+        for verb in ("lookup", "pin", "put_commit", "evict", "lookup_many"):
+            err = await ask(verb, m.Lookup(holder_id="b", groups=[]))  # any bytes: not decoded
+            assert isinstance(err, Busy), (verb, err)
+        givebacks = {
+            "lease_release": m.LeaseRelease(holder_id="b", lease_id=1),
+            "unpin": m.Unpin(holder_id="b", pin_id=1),
+            "put_abort": m.PutAbort(writer_id="w", request_id="r", keys=[]),
+            "lease_release_many": m.LeaseReleaseMany(holder_id="b", parts=[]),
+        }
+        assert set(givebacks) >= authz.GIVEBACK_VERBS
+        for verb in authz.GIVEBACK_VERBS:
+            assert isinstance(await ask(verb, givebacks[verb]), WrongShard), verb
+        many = givebacks["lease_release_many"]
+        reply = await runtime.tenant["lease_release_many"](encode(many), {}, "bob")
+        assert isinstance(reply, m.LeaseReleaseManyReply)
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+    assert gate.core.refused["bob"].rate == 5
