@@ -18,6 +18,9 @@ segment's default `KVF_SEGMENT_SSD_DIRECT`; 0: buffered, caches dropped before e
   docs/segment.md); `TcpDataClient.get_hashed` with a read token per object, one request at a
   time: the segment reads the slot from disk and sends each piece as it lands (the verdict after
   the bytes: `GetRequest.verdicts_after`), the client hashes it as it arrives.
+- **SSD get, read then send**: the same objects, object by object alternating with the SSD get,
+  without `verdicts_after`: the segment reads and verifies the whole object, then sends it (what
+  every SSD get did before the streamed GET).
 - **DRAM get**: the same, for arena objects of the same size saved through `KvClient.save`.
 - **tier read** (beside a raw read of the same objects, in the write phase): `SsdTier.read` in
   this process: a pre-faulted buffer from the tier's pool (`ReadBufferPool`), the disk read into
@@ -147,6 +150,23 @@ class Row:
             "p50_ms": percentile(lat, 0.5) * 1e3 if lat else None,
             "p99_ms": percentile(lat, 0.99) * 1e3 if lat else None,
         }
+
+
+def alternate(
+    count: int, size: int, a: tuple[Row, Callable[[int], None]], b: tuple[Row, Callable[[int], None]]
+) -> None:
+    """Two rows over the same `count` objects, object by object, `a` first on even objects and `b`
+    first on odd ones; each row's round is its own seconds summed."""
+    seconds = {id(a[0]): 0.0, id(b[0]): 0.0}
+    for i in range(count):
+        for row, op in (a, b) if i % 2 == 0 else (b, a):
+            t = time.perf_counter()
+            op(i)
+            took = time.perf_counter() - t
+            row.latencies_s.append(took)
+            seconds[id(row)] += took
+    for row, _ in (a, b):
+        row.rounds_gbps.append(count * size / seconds[id(row)] / 1e9)
 
 
 class RawFile:
@@ -407,8 +427,8 @@ async def cluster_phase(
             with TcpDataClient.connect(data_addr) as data:
                 dests = {s: bytearray(s) for s in {*sizes, args.p99_size}}
 
-                def get(ref: ReadRef, s: int) -> None:
-                    ((result, digest),) = data.get_hashed([ref], [memoryview(dests[s])])
+                def get(ref: ReadRef, s: int, streamed: bool = True) -> None:
+                    ((result, digest),) = data.get_hashed([ref], [memoryview(dests[s])], streamed=streamed)
                     if result.status != "ok" or digest != digests.get(s, digest):
                         raise RuntimeError(f"get of a {s} B object: {result.status}")
 
@@ -433,6 +453,9 @@ async def cluster_phase(
                         def ssd_get(i: int, refs: list[ReadRef] = refs, s: int = s) -> None:
                             get(refs[i], s)
 
+                        def ssd_get_whole(i: int, refs: list[ReadRef] = refs, s: int = s) -> None:
+                            get(refs[i], s, streamed=False)
+
                         def dram_get(i: int, refs: list[ReadRef] = drefs, s: int = s) -> None:
                             get(refs[i % len(refs)], s)
 
@@ -442,7 +465,14 @@ async def cluster_phase(
                                 buf[offset] = 1  # fault every page in, as the read into it does
                             buf.close()
 
-                        row("SSD get", s).timed(n, s, ssd_get)
+                        # The same objects both ways, object by object, alternating which goes
+                        # first (a first read may warm the host's cache for the second).
+                        alternate(
+                            n,
+                            s,
+                            (row("SSD get", s), ssd_get),
+                            (row("SSD get, read then send", s), ssd_get_whole),
+                        )
                         row("DRAM get", s).timed(n, s, dram_get)
                         row("fresh read buffer", s).timed(n, s, fresh_buffer)
                         if demoting:  # the segment's demotion of n arena objects, next to raw writes
@@ -702,6 +732,7 @@ def judge(
     for name, got, raw, target in (
         ("tier write / raw write", "tier write", "raw write", at_least),
         ("tier read / raw read (write phase)", "tier read", "raw read (write phase)", None),
+        ("SSD get, read then send / raw read", "SSD get, read then send", "raw read", None),
         ("demotion / raw write (demotion phase)", "demotion", "raw write (demotion phase)", at_least),
         ("SSD get (demoted) / raw read", "SSD get (demoted)", "raw read", at_least),
     ):
@@ -755,6 +786,7 @@ def markdown(result: dict[str, Any], sizes: list[int]) -> str:
         "tier read",
         "raw read",
         "SSD get",
+        "SSD get, read then send",
         "DRAM get",
         "fresh read buffer",
         "raw write (demotion phase)",

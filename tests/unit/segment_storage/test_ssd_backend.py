@@ -33,7 +33,7 @@ from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.demoter import DEMOTE_THREAD_NICE, Demoter
 from kvfabric.segment_storage.settings import apply_process_settings, load_segment_settings
-from kvfabric.segment_storage.ssd import STREAM_PIECES, SsdIo, SsdTier, ssd_file_path
+from kvfabric.segment_storage.ssd import SsdIo, SsdTier, ssd_file_path
 
 SECRET = b"unit-ssd-secret-0123456789ab"
 ARENA_BYTES = 8 << 20
@@ -381,12 +381,15 @@ def test_a_failed_sync_stops_disk_writes_and_keeps_reads(tmp_path: Path) -> None
 # ---- a GET of a disk replica sent as it is read, its verdict after the bytes ----------------------
 
 
+PIECE_BYTES = 256 << 10  # the I/O engine's pieces in these tests: a 1 MiB object is 4
+
+
 class GatedIo(SsdIo):
     """The I/O engine, except that a read piece past `first_end` (a file offset) waits for `gate`,
     and one starting at `fail_at` raises an I/O error."""
 
     def __init__(self) -> None:
-        super().__init__(2, 64, 1 << 20)
+        super().__init__(2, 64, PIECE_BYTES)
         self.gate = threading.Event()
         self.first_end = -1
         self.fail_at = -1
@@ -433,7 +436,7 @@ def test_disk_get_sends_its_first_bytes_before_the_disk_read_ends(tmp_path: Path
     try:
         data = os.urandom(1 << 20)
         disk = seg.demote(seg.store(data, b"key-s"))
-        piece = (1 << 20) // STREAM_PIECES
+        piece = PIECE_BYTES
         io.first_end = _file_offset(seg, disk) + piece  # every piece but the first waits
         body = encode(GetRequest(reads=[disk], verdicts_after=True))
         with socket.create_connection((server.host, server.port), timeout=5) as sock:
@@ -471,7 +474,7 @@ def test_a_streamed_disk_get_that_fails_after_its_bytes_is_not_ok(tmp_path: Path
         other = seg.demote(seg.store(good, b"key-u"))
         at = _file_offset(seg, disk)
         if fault == "I/O error":
-            io.fail_at = at + 2 * ((1 << 20) // STREAM_PIECES)
+            io.fail_at = at + 2 * PIECE_BYTES
         else:
             fd = os.open(ssd_file_path(seg.ssd.path.parent, SEGMENT), os.O_RDWR)
             try:
@@ -505,7 +508,7 @@ def test_a_streamed_grant_released_early_waits_for_its_pieces(tmp_path: Path) ->
     try:
         data = os.urandom(1 << 20)
         disk = seg.demote(seg.store(data, b"key-v"))
-        io.first_end = _file_offset(seg, disk) + (1 << 20) // STREAM_PIECES
+        io.first_end = _file_offset(seg, disk) + PIECE_BYTES
         grant = seg.backend.begin_get_streamed([disk], conn=3)
         assert grant.statuses == ["ok"] and grant.filling is not None
         threading.Timer(0.2, io.gate.set).start()

@@ -14,7 +14,8 @@ Ownership, per call (`conn` is an opaque per-connection token; everything it hol
 - `begin_get_streamed(reads, conn)` (optional; a backend without it is always `begin_get`): the
   same grant, for a GET whose client takes verdicts after the bytes (`GetRequest.verdicts_after`),
   where a view may still be filling (a disk read in flight). `filling[i](n)` blocks until the
-  first `n` bytes of view i are in place; once every view was sent, `verdicts()` gives each read's
+  first `n` bytes of view i are in place and returns how many are (n or more); once every view was
+  sent, `verdicts()` gives each read's
   final result (an `ok` object whose bytes turned out bad is no longer `ok`).
 - `pin_local` / `unpin_local`: the same references, for a co-located client that copies from its
   own read-only map of the arena; offsets instead of views.
@@ -51,9 +52,9 @@ class GetGrant:
     statuses: list[ObjectStatus]
     checksums: list[bytes]
     views: list[memoryview | None]  # read-only; None where status is not ok
-    # `begin_get_streamed` only: per view, None when complete, else a wait for its first n bytes;
-    # with any, `verdicts` gives the final results after the bytes.
-    filling: list[Callable[[int], None] | None] | None = None
+    # `begin_get_streamed` only: per view, None when complete, else a wait for its first n bytes
+    # (returns the bytes in place); with any, `verdicts` gives the final results after the bytes.
+    filling: list[Callable[[int], int] | None] | None = None
     verdicts: Callable[[], list[ObjectResult]] | None = None
 
 

@@ -49,7 +49,7 @@ from kvfabric.dataplane.admission import (
     ConnectionGate,
     ConnectionLimits,
 )
-from kvfabric.dataplane.backend import PutSlot, SegmentBackend
+from kvfabric.dataplane.backend import GetGrant, PutSlot, SegmentBackend
 from kvfabric.dataplane.frames import HEADER, OBJECT_BYTES_MAX, READS_MAX, Op, pack_header, unpack_header
 from kvfabric.dataplane.scatter import ScatterDest, scatter_dests
 from kvfabric.dataplane.staging import StagingFiles
@@ -520,18 +520,9 @@ class TcpDataServer:
                     )
                 else:  # views still filling: each piece sent as it lands, the verdicts after the bytes
                     reply = GetReply(results=results, verdicts_after=True)
-                    _send_all(sock, _frame(Op.REPLY, request_id, reply, len(views)))
-                    for view, fill in zip(grant.views, grant.filling, strict=True):
-                        if view is None:
-                            continue
-                        if fill is None:
-                            _send_all(sock, [view])
-                            continue
-                        for start in range(0, len(view), STREAM_SEND_BYTES):
-                            end = min(start + STREAM_SEND_BYTES, len(view))
-                            fill(end)
-                            _send_all(sock, [view[start:end]])
-                    _send_all(sock, _frame(Op.REPLY, request_id, GetReply(results=grant.verdicts())))
+                    self._send_streamed(
+                        sock, request_id, grant, _frame(Op.REPLY, request_id, reply, len(views))
+                    )
             finally:
                 self.backend.end_get(grant, conn)
         elif op is Op.MAP and isinstance(meta, MapRequest):
@@ -548,6 +539,30 @@ class TcpDataServer:
             _send_all(sock, _frame(Op.REPLY, request_id, UnpinReply(released=released)))
         else:
             raise BadRequest(f"op {op.name} does not take {type(meta).__name__}")
+
+    @staticmethod
+    def _send_streamed(sock: socket.socket, request_id: int, grant: GetGrant, head: list[bytes]) -> None:
+        """A streamed GET's reply: `head` (the reply frame) with the first bytes, then what is in
+        place of each filling view as it lands (at least `STREAM_SEND_BYTES` a time, or its end),
+        and the verdicts frame with the last bytes: an object read whole by then goes in one send
+        with both frames, as a read-then-send reply does."""
+        assert grant.filling is not None and grant.verdicts is not None
+        items = [(v, f) for v, f in zip(grant.views, grant.filling, strict=True) if v is not None]
+        out: list[bytes | memoryview] = list(head)
+        for n, (view, fill) in enumerate(items):
+            sent = 0
+            while True:
+                ready = len(view) if fill is None else fill(min(sent + STREAM_SEND_BYTES, len(view)))
+                out.append(view[sent:ready])
+                sent = ready
+                if sent >= len(view) and n == len(items) - 1:
+                    break  # the last bytes go with the verdicts
+                _send_all(sock, out)
+                out = []
+                if sent >= len(view):
+                    break
+        out += _frame(Op.REPLY, request_id, GetReply(results=grant.verdicts()))
+        _send_all(sock, out)
 
     def _receive_put(self, conn: int, sock: socket.socket, put: PutSlot) -> None:
         try:
@@ -667,7 +682,7 @@ class TcpDataClient:
         return self._get(reads, dests, None)
 
     def get_hashed(
-        self, reads: list[ReadRef], dests: Sequence[Destination]
+        self, reads: list[ReadRef], dests: Sequence[Destination], *, streamed: bool = True
     ) -> list[tuple[ObjectResult, bytes]]:
         """`get`, each object hashed piece by piece as it lands (still in cache, no second pass):
         per read, its result and the checksum of the bytes now in its destination (b"" when the
@@ -675,9 +690,10 @@ class TcpDataClient:
 
         A destination may be a `ScatterDest` with a `WriteGate`: the payload is then written
         under the gate and `GateClosed` ends the call (and this connection's use) once its owner
-        closed it."""
+        closed it. `streamed=False`: disk replicas are read whole before they are sent (no
+        verdicts after the bytes; benchmarks compare the two)."""
         digests: list[bytes] = []
-        results = self._get(reads, dests, digests)
+        results = self._get(reads, dests, digests, streamed)
         return list(zip(results, digests, strict=True))
 
     def get_verified(self, reads: list[ReadRef], dests: Sequence[Destination]) -> list[bool]:
@@ -686,11 +702,15 @@ class TcpDataClient:
         return verified(self.get_hashed(reads, dests))
 
     def _get(
-        self, reads: list[ReadRef], dests: Sequence[Destination], digests: list[bytes] | None
+        self,
+        reads: list[ReadRef],
+        dests: Sequence[Destination],
+        digests: list[bytes] | None,
+        streamed: bool = True,
     ) -> list[ObjectResult]:
         targets = scatter_dests(dests, [ref.size_bytes for ref in reads])
         # A disk replica may come as it is read, its verdict after its bytes (GetRequest).
-        streamable = any(ref.slot >= SSD_SLOT_BASE for ref in reads)
+        streamable = streamed and any(ref.slot >= SSD_SLOT_BASE for ref in reads)
         with self._lock:
             reply, payload_count = self._call(Op.GET, GetRequest(reads=reads, verdicts_after=streamable))
             if not isinstance(reply, GetReply) or len(reply.results) != len(reads):

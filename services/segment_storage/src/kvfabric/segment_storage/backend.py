@@ -465,7 +465,7 @@ class ArenaBackend:
         }
         if not streams:
             return GetGrant(grant_id, statuses, checksums, views)
-        filling: list[Callable[[int], None] | None] = [None] * len(reads)
+        filling: list[Callable[[int], int] | None] = [None] * len(reads)
         for i, read in streams.items():
             filling[i] = read.wait
         first = [ObjectResult(s, c) for s, c in zip(statuses, checksums, strict=True)]

@@ -84,8 +84,6 @@ from kvfabric.proto.segment import SSD_SLOT_BASE
 
 __all__ = [
     "SSD_FILE_MODE",
-    "STREAM_PIECES",
-    "STREAM_PIECE_BYTES_MIN",
     "GroupSync",
     "ReadBufferPool",
     "SsdFileRefused",
@@ -103,11 +101,6 @@ IO_SECONDS_BUCKETS: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
 INDEX_READ_BYTES: Final = 4 << 20  # the index is read at start in pieces of this size
 MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14: fault a mapping's pages in, writable, now
 ReadStatus = Literal["ok", "stale_generation", "not_found", "wrong_size", "corrupt"]
-# A streamed read (`read_stream`) is cut into this many pieces, so the first can be sent while
-# the others are still read; none below STREAM_PIECE_BYTES_MIN (smaller ones cost more in thread
-# hand-offs than the overlap saves on a 2-core host).
-STREAM_PIECES: Final = 4
-STREAM_PIECE_BYTES_MIN: Final = 256 << 10
 
 
 class SsdFileRefused(RuntimeError):
@@ -462,10 +455,12 @@ class SsdStream:
         self._give_back: Callable[[], None] | None = give_back
         self._started = time.perf_counter()
 
-    def wait(self, end: int) -> None:
-        """Until bytes [0, end) of `view` are in place (read, or zero-filled after a failure)."""
-        while self._next < len(self._pieces) and self._pieces[self._next][0] < end:
-            start, stop, future = self._pieces[self._next]
+    def wait(self, end: int) -> int:
+        """Until bytes [0, end) of `view` are in place (read, or zero-filled after a failure);
+        returns how many are (`end` or more: later pieces already read are taken too)."""
+        pieces = self._pieces
+        while self._next < len(pieces) and (pieces[self._next][0] < end or pieces[self._next][2].done()):
+            start, stop, future = pieces[self._next]
             try:
                 future.result()
             except Exception as exc:  # an I/O error or a cancelled piece: failed
@@ -476,6 +471,8 @@ class SsdStream:
             if not self._failed:
                 self._digest.update(self._whole[start : min(stop, self._size)])
             self._next += 1
+        done = pieces[self._next - 1][1] if self._next else 0
+        return min(done, self._size)
 
     def verdict(self) -> bool:
         """Whether the whole object was read and matches its checksum (once; later calls repeat
@@ -912,9 +909,12 @@ class SsdTier:
 
     def read_stream(self, slot: int, generation: int, size: int) -> SsdRead | SsdStream:
         """`read`, sent as it lands: the same checks and bounds up front (an `SsdRead` with the
-        status when the slot cannot be read; `Busy`), then an `SsdStream` whose pieces are being
-        read (`STREAM_PIECES` of them, whole blocks, `STREAM_PIECE_BYTES_MIN` at least, the I/O
-        engine's piece size at most). Its verdict comes after the bytes (`SsdStream.verdict`)."""
+        status when the slot cannot be read; `Busy`), then an `SsdStream` whose pieces (the I/O
+        engine's, `KVF_SEGMENT_SSD_IO_CHUNK_BYTES`) are being read, the first already in place. Its
+        verdict comes after the bytes (`SsdStream.verdict`). An object of one piece is read, then
+        sent with its verdict; a larger one is sent piece by piece while the rest is read. Smaller
+        pieces (4 or 8 per MiB object) measured slower on the shared 2-vCPU VM than read-then-send:
+        each costs thread hand-offs (docs/ssd-tier.md "Figures")."""
         local = self.local(slot)
         with self.lock:
             try:
@@ -947,11 +947,12 @@ class SsdTier:
 
         try:
             lent.append(pool.take(extent))
-            piece = -(-extent // STREAM_PIECES // BLOCK_BYTES) * BLOCK_BYTES
-            piece = min(max(piece, STREAM_PIECE_BYTES_MIN), self.io.chunk_bytes)
             with memoryview(lent[0]) as whole:
                 pieces = self.io.submit_read(
-                    self.data_fd, whole[:extent], self.geometry.data_offset + grant.offset, piece
+                    self.data_fd,
+                    whole[:extent],
+                    self.geometry.data_offset + grant.offset,
+                    self.io.chunk_bytes,
                 )
         except BaseException as exc:
             with self.lock:
