@@ -1,8 +1,11 @@
 """The shard-leadership core: which directory instance leads which virtual shard, and when it may act.
 
-Synchronous and I/O-free. The directory shell calls `tick(now_ms)` often (at least every
-`renew_every_ms / 4`, and at `next_wakeup_ms()`), feeds in the live member set and the results
-of the KV operations it performed, and performs the returned effects in order. Time is passed
+Synchronous and I/O-free, one entry: `step(event, now_ms) -> effects` (events `Tick`,
+`MembersSeen`, `Leave`, `Acquired`, `AcquireFailed`, `Renewed`, `RenewUnanswered`,
+`RenewFailed`, `Released`; each is the method of the same meaning, which the states below
+name). The directory shell steps `Tick` often (at least every `renew_every_ms / 4`, and at
+`next_wakeup_ms()`), feeds in the live member set and the results of the KV operations it
+performed, and performs the returned effects in order. Time is passed
 in (a monotonic clock, in ms); the core never reads a clock, sleeps or does I/O.
 
 ## Model
@@ -81,6 +84,10 @@ or the lease bucket when the TTLs are equal) and the clock; the core owns the de
 The shell serves a shard from StartLeading until StopLeading, and before every act that needs
 leadership (fencing with the epoch) asks `epoch(shard, now_ms=now)`. Every effect list puts
 StopLeading first: the shell performs those before anything else.
+
+## Size
+Over ~600 lines on purpose: a third is this docstring, and the safety argument, the states and
+the events that move them are read together (`kvfabric.core.shard_lifecycle` builds on it).
 """
 
 from __future__ import annotations
@@ -94,14 +101,24 @@ from kvfabric.format.invariant import invariant, unreachable
 
 __all__ = [
     "Acquire",
+    "AcquireFailed",
+    "Acquired",
     "AnnounceMember",
     "Effect",
     "LeadershipConfig",
+    "LeadershipEvent",
+    "Leave",
+    "MembersSeen",
     "Release",
+    "Released",
     "Renew",
+    "RenewFailed",
+    "RenewUnanswered",
+    "Renewed",
     "ShardLeadership",
     "StartLeading",
     "StopLeading",
+    "Tick",
     "desired_owner",
     "key_of",
     "member_key",
@@ -197,6 +214,78 @@ class AnnounceMember:
 
 
 Effect: TypeAlias = Acquire | Renew | Release | StartLeading | StopLeading | AnnounceMember
+
+
+# ---- events (`ShardLeadership.step`: one entry for every event and the time) ----------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time passed (`tick`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MembersSeen:
+    """The live instance ids of the member registry (`on_members`)."""
+
+    members: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """Graceful shutdown (`leave`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Acquired:
+    """An Acquire won at `revision`, sent at `sent_ms` (`on_acquired`; the step's now_ms is when
+    the answer came)."""
+
+    shard: int
+    revision: int
+    sent_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireFailed:
+    """An Acquire lost, failed or timed out (`on_acquire_failed`)."""
+
+    shard: int
+
+
+@dataclass(frozen=True, slots=True)
+class Renewed:
+    """A Renew landed at `revision`, sent at `sent_ms` (`on_renewed`)."""
+
+    shard: int
+    revision: int
+    sent_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class RenewUnanswered:
+    """A Renew got no answer (`on_renew_unanswered`)."""
+
+    shard: int
+
+
+@dataclass(frozen=True, slots=True)
+class RenewFailed:
+    """A Renew was refused (`on_renew_failed`)."""
+
+    shard: int
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """A Release finished, deleted or not (`on_released`)."""
+
+    shard: int
+
+
+LeadershipEvent: TypeAlias = (
+    Tick | MembersSeen | Leave | Acquired | AcquireFailed | Renewed | RenewUnanswered | RenewFailed | Released
+)
 
 
 # ---- pure helpers ------------------------------------------------------------------------------
@@ -369,6 +458,28 @@ class ShardLeadership:
         return all(sh.state == "idle" for sh in self._shards)
 
     # ---- events ----------------------------------------------------------------------------
+
+    def step(self, event: LeadershipEvent, now_ms: int) -> list[Effect]:
+        """The one entry (the shape every core shares): `event` at `now_ms`, the effects to
+        perform. Each event is the method of the same meaning below, given `now_ms`."""
+        if isinstance(event, Tick):
+            return self.tick(now_ms)
+        if isinstance(event, MembersSeen):
+            return self.on_members(set(event.members), now_ms)
+        if isinstance(event, Leave):
+            return self.leave(now_ms)
+        if isinstance(event, Acquired):
+            return self.on_acquired(event.shard, event.revision, event.sent_ms, now_ms=now_ms)
+        if isinstance(event, AcquireFailed):
+            return self.on_acquire_failed(event.shard, now_ms)
+        if isinstance(event, Renewed):
+            return self.on_renewed(event.shard, event.revision, event.sent_ms, now_ms=now_ms)
+        if isinstance(event, RenewUnanswered):
+            return self.on_renew_unanswered(event.shard, now_ms)
+        if isinstance(event, RenewFailed):
+            return self.on_renew_failed(event.shard, now_ms)
+        invariant(now_ms >= self._now_ms, "time went backwards", now_ms=now_ms, last_ms=self._now_ms)
+        return self.on_released(event.shard)  # Released: no time-dependent decision
 
     def tick(self, now_ms: int) -> list[Effect]:
         """Stop expired terms, hand over shards no longer desired, renew, acquire, announce."""

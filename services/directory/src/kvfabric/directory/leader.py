@@ -58,14 +58,22 @@ from nats.js.kv import KeyValue
 
 from kvfabric.core.leadership import (
     Acquire,
+    Acquired,
+    AcquireFailed,
     AnnounceMember,
     Effect,
     LeadershipConfig,
+    MembersSeen,
     Release,
+    Released,
     Renew,
+    Renewed,
+    RenewFailed,
+    RenewUnanswered,
     ShardLeadership,
     StartLeading,
     StopLeading,
+    Tick,
     key_of,
     member_key,
 )
@@ -114,15 +122,16 @@ class LeaderElection:
     async def run(self, on_start: OnStart, on_stop: OnStop) -> None:
         """Forever: tick the core, perform its effects (StopLeading first), refresh members."""
         try:
-            await self._perform(self.core.on_members({self.instance_id}, monotonic_ms()), on_start, on_stop)
+            alone = MembersSeen(frozenset({self.instance_id}))
+            await self._perform(self.core.step(alone, monotonic_ms()), on_start, on_stop)
             while True:
                 if self._op_failed is not None:
                     raise self._op_failed
                 if self.rebalance:
-                    members = await self._live_members()
-                    await self._perform(self.core.on_members(members, monotonic_ms()), on_start, on_stop)
+                    seen = MembersSeen(frozenset(await self._live_members()))
+                    await self._perform(self.core.step(seen, monotonic_ms()), on_start, on_stop)
                 # Read the clock again: answers that came meanwhile fed the core later times.
-                await self._perform(self.core.tick(monotonic_ms()), on_start, on_stop)
+                await self._perform(self.core.step(Tick(), monotonic_ms()), on_start, on_stop)
                 await asyncio.sleep(LOOP_MS / 1000)
         finally:
             for task in list(self._ops):
@@ -193,30 +202,30 @@ class LeaderElection:
                 revision = await self._leaders.create(key_of(effect.shard), value)
                 # When the answer came: a create answered after its term's deadline (this loop
                 # stalled meanwhile, another instance may lead by now) is released, not started.
-                return self.core.on_acquired(effect.shard, revision, sent, now_ms=monotonic_ms())
+                return self.core.step(Acquired(effect.shard, revision, sent), monotonic_ms())
             if isinstance(effect, Renew):
                 deadline_ms = self.core.deadline_ms(effect.shard) or sent  # None: draining
                 wait_s = min(KV_TIMEOUT_S, max(RENEW_TIMEOUT_MIN_S, (deadline_ms - sent) / 1000))
                 revision = await asyncio.wait_for(
                     self._leaders.update(key_of(effect.shard), value, last=effect.revision), wait_s
                 )
-                return self.core.on_renewed(effect.shard, revision, sent, now_ms=monotonic_ms())
+                return self.core.step(Renewed(effect.shard, revision, sent), monotonic_ms())
             if isinstance(effect, Release):
                 await self._leaders.delete(key_of(effect.shard), last=effect.revision)
-                return self.core.on_released(effect.shard)
+                return self.core.step(Released(effect.shard), monotonic_ms())
             if isinstance(effect, AnnounceMember):
                 await self._members.put(member_key(self.instance_id), b"")
                 return []
         except (nats.js.errors.Error, nats.errors.Error, TimeoutError) as exc:
             if isinstance(effect, Acquire):
-                return self.core.on_acquire_failed(effect.shard, monotonic_ms())
+                return self.core.step(AcquireFailed(effect.shard), monotonic_ms())
             if isinstance(effect, Renew):
                 if isinstance(exc, nats.js.errors.KeyWrongLastSequenceError):  # refused: not ours
                     self._log.warning("lease_renew_failed", shard=effect.shard, error=type(exc).__name__)
-                    return self.core.on_renew_failed(effect.shard, monotonic_ms())
+                    return self.core.step(RenewFailed(effect.shard), monotonic_ms())
                 self._log.info("lease_renew_unanswered", shard=effect.shard, error=type(exc).__name__)
-                return self.core.on_renew_unanswered(effect.shard, monotonic_ms())
+                return self.core.step(RenewUnanswered(effect.shard), monotonic_ms())
             if isinstance(effect, Release):
-                return self.core.on_released(effect.shard)  # it lapses by TTL anyway
+                return self.core.step(Released(effect.shard), monotonic_ms())  # it lapses by TTL anyway
             return []
         return []
