@@ -32,8 +32,8 @@ conditioning). Its density is max over k of H / L (hits per ms of cache, for the
 a chunk whose reuse comes late is worth keeping only as long as that pays). A class not yet
 computed has density +inf (kept; ties go least recent first, so an untrained cache is LRU).
 The core divides by the chunk's bytes (hits per byte-ms) and evicts the leaf with the lowest
-density: within a class the least recent leaf is the lowest (the density is read at the
-class's oldest leaf, one per class), so a victim costs O(classes + log n).
+density, read at each class's least recent leaf (exact where a class's density falls with age,
+an approximation where it rises), so a victim costs O(classes + log n).
 
 ## Admission (`admission="predicted"`)
 A chunk whose parent is absent is refused (as for `reuse`); above the low watermark a new chunk
