@@ -69,10 +69,11 @@ ATTEMPT_MIN_S_DEFAULT: Final = 0.1  # ... but at least this long (seconds)
 CONNECT_MIN_S: Final = 0.001  # a connect inside an attempt's budget gets at least this long
 # Staged puts (co-located writes through a staging file, `SegmentPool.store`): a connection's
 # staging file holds at least this much (remade larger for a larger object), and objects above
-# the cap are sent instead (a file per pooled connection: at most connections_per_segment_max of
-# them per co-located segment, each removed with its connection).
+# the cap are sent instead. A file per pooled connection: at most connections_per_segment_max
+# of them per co-located segment (8 × 64 MiB of /dev/shm at most, 8 × 4 MiB for objects up to
+# 4 MiB), each gone with its connection.
 STAGING_FILE_BYTES_MIN: Final = 4 << 20
-STAGED_PUT_BYTES_MAX: Final = 256 << 20
+STAGED_PUT_BYTES_MAX: Final = 64 << 20
 
 
 def attempt_budget_s(remaining_s: float, last: bool, share: float, min_s: float) -> float:
