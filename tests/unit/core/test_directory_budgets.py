@@ -65,11 +65,12 @@ def test_a_tenant_writing_without_end_holds_at_most_its_objects_and_bytes_budget
     assert state(core) == before
     commit = put(core, KEYS[10:12], writer="alice/w", request_id="a")
     assert [r.status for r in commit.results] == ["published", "published"]
-    # A re-begin of what bob already holds is not new: answered, not refused.
+    # A re-begin of what bob already holds is not new: answered (in_flight: another request of
+    # his is writing it), not refused.
     again = core.handle(
         m.PutBegin(writer_id="bob/w", request_id="again", objects=[spec(KEYS[0], 1_000)]), 0
     ).reply
-    assert isinstance(again, m.PutBeginReply) and again.results[0].status == "placed"
+    assert isinstance(again, m.PutBeginReply) and again.results[0].status == "in_flight"
     # Giving back (abort, deadline) gives the budget back.
     core.handle(m.PutAbort(writer_id="bob/w", request_id="x", keys=KEYS[0:2]), 0)
     assert {r.status for r in begin(core, "bob/w", KEYS[4:5], size=1_000).results} == {"placed"}

@@ -155,6 +155,7 @@ class MWrite:
     deadline_ms: int
     target: int
     placements: dict[int, tuple[str, int]]  # ticket id -> (segment, incarnation), placement order
+    request_id: str  # the put_begin that placed it (request ids are never reused here)
     slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # confirmed: ticket -> (slot, gen)
     committed: bool = False
 
@@ -837,11 +838,9 @@ class DirectoryMachine(RuleBasedStateMachine):
                 assert res.status == "exists", res
                 continue
             if held is not None:
-                if held.writer != writer:
-                    assert (res.status, res.deadline_ms) == ("in_flight", held.deadline_ms), res
-                else:
-                    assert (res.status, res.deadline_ms) == ("placed", held.deadline_ms), res
-                    assert [t.ticket_id for t in res.tickets] == list(held.placements)
+                # another writer's, or this writer's from another request (or earlier in this
+                # one: a key twice): never the same tickets twice (two slots for one placement)
+                assert (res.status, res.deadline_ms, res.tickets) == ("in_flight", held.deadline_ms, []), res
                 continue
             candidates = [
                 Candidate(sid, SEGMENTS[sid][0], SEGMENTS[sid][1], sid, self.free_seen(sid))
@@ -873,7 +872,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 self.issued[t.ticket_id] = t
                 placements[t.ticket_id] = (t.segment_id, t.incarnation)
             self.building.setdefault(meta.gid, {})[meta.member] = MWrite(
-                meta, writer, size, deadline, replicas or CONFIG.replicas_default, placements
+                meta, writer, size, deadline, replicas or CONFIG.replicas_default, placements, req.request_id
             )
             self.heap_deadlines.setdefault(meta.gid, []).append(deadline)
             self.begun[writer].append(k)

@@ -540,3 +540,29 @@ def test_an_identity_conflict_refuses_the_whole_put_begin_before_placing_anythin
         core.handle(m.PutBegin(writer_id="w", request_id="r2", objects=[spec(key(b)), spec(other_model)]), 0)
     assert (core.pending_objects, core.segments["s1"].reserved_bytes) == (pending, reserved)  # b not placed
     core.check_invariants()
+
+
+def test_a_second_save_of_a_chunk_by_the_same_writer_is_in_flight_not_handed_the_same_tickets() -> None:
+    """One client (one writer id) saving a chunk twice at once (two prompts sharing a system
+    prompt): were the second put_begin handed the first's tickets, both would write, each into
+    a slot of its own, and the directory would keep one slot and lose track of the other."""
+    core = new_core(replicas_default=1)
+    register(core, "s1")
+    (g,) = groups(1)
+    k = key(g)
+    first = core.handle(m.PutBegin(writer_id="w", request_id="save-a", objects=[spec(k)]), 0).reply
+    second = core.handle(m.PutBegin(writer_id="w", request_id="save-b", objects=[spec(k)]), 0).reply
+    assert isinstance(first, m.PutBeginReply) and isinstance(second, m.PutBeginReply)
+    assert first.results[0].status == "placed"
+    assert second.results[0].status == "in_flight" and not second.results[0].tickets
+    # the same key twice in one request (two saves' items sharing one put_begin): placed once
+    (h,) = groups(1, seed=1)
+    both = core.handle(
+        m.PutBegin(writer_id="w", request_id="shared", objects=[spec(key(h)), spec(key(h))]), 0
+    ).reply
+    assert isinstance(both, m.PutBeginReply)
+    assert [r.status for r in both.results] == ["placed", "in_flight"]
+    # the first save goes on alone: one slot written, confirmed, published
+    confirm_all(core, first, 0)
+    commit = core.handle(m.PutCommit(writer_id="w", request_id="c", keys=[k]), 0).reply
+    assert isinstance(commit, m.PutCommitReply) and commit.results[0].status == "published"

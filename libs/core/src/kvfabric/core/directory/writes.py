@@ -97,6 +97,10 @@ class PendingMember:
     deadline_ms: int
     replicas_target: int
     placements: list[Placement]
+    # the put_begin that placed it: another request of the same writer (a second save of the
+    # same chunk while this one is written) gets `in_flight`, never these tickets (two slots
+    # written for one placement, one of them then tracked by nothing)
+    request_id: str = ""
     committed: bool = False
 
 
@@ -169,8 +173,9 @@ class WriteTable:
             raise Busy("too many objects being written; retry later", limit=ctx.config.pending_objects_max)
         ctx.check_rate((spec.key for spec in req.objects), now_ms, request_tokens(len(req.objects)))
         deadline = now_ms + min(req.write_ttl_ms, ctx.config.write_ttl_ms_max)
+        placed_here: set[tuple[bytes, Member]] = set()  # a key twice in one request: placed once
         results = [
-            self._begin_one(req.writer_id, spec, info, replicas, deadline)
+            self._begin_one(req.writer_id, req.request_id, spec, info, replicas, deadline, placed_here)
             for spec, info in zip(req.objects, infos, strict=True)
         ]
         reply = m.PutBeginReply(epoch=ctx.epoch, results=results)
@@ -237,7 +242,14 @@ class WriteTable:
         return info
 
     def _begin_one(
-        self, writer_id: str, spec: m.ObjectSpec, info: KeyInfo, replicas: int, deadline: int
+        self,
+        writer_id: str,
+        request_id: str,
+        spec: m.ObjectSpec,
+        info: KeyInfo,
+        replicas: int,
+        deadline: int,
+        placed_here: set[tuple[bytes, Member]],
     ) -> m.BeginResult:
         gid = info.group.group_id
         if self._exists(gid):
@@ -247,8 +259,14 @@ class WriteTable:
             raise BadRequest("key conflicts with the identity of its chain hash's chunk group")
         if group is not None and info.member in group.members:
             held = group.members[info.member]
-            if held.writer_id != writer_id:
+            if (
+                held.writer_id != writer_id
+                or held.request_id != request_id
+                or (gid, info.member) in placed_here
+            ):
                 return m.BeginResult(key=spec.key, status="in_flight", deadline_ms=held.deadline_ms)
+            # the same request again (its reply was lost and has left the reply cache)
+            placed_here.add((gid, info.member))
             return m.BeginResult(
                 key=spec.key, status="placed", tickets=self._tickets_of(held), deadline_ms=held.deadline_ms
             )
@@ -271,9 +289,10 @@ class WriteTable:
             placements.append(Placement(ticket_id, self.segments.intern(seg.segment_id, seg.incarnation)))
             self._tickets[ticket_id] = (gid, info.member)
         held = PendingMember(
-            spec.key, writer_id, spec.size_bytes, spec.checksum, deadline, replicas, placements
+            spec.key, writer_id, spec.size_bytes, spec.checksum, deadline, replicas, placements, request_id
         )
         group.members[info.member] = held
+        placed_here.add((gid, info.member))
         self.pending_objects += 1
         self._pending_add(writer_id, 1, spec.size_bytes * len(placements))
         heapq.heappush(self._deadlines, (deadline, gid))
