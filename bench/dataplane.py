@@ -53,6 +53,7 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # before any UCX context
 
 from bench.dataplane_client import ClientSide, Outcome, Spec, Targets, worker_main
 from bench.dataplane_server import SEGMENT_ID, SegmentInfo, raw_sink_main, segment_main
+from kvfabric.format.clock import now_ms
 from kvfabric.proto.tickets import read_token
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
@@ -402,7 +403,7 @@ def run_size(bench: Bench, size: int, have_redis: bool) -> None:
     if working.error:
         raise RuntimeError(f"could not write the working set: {working.error}")
     incarnation = bench.targets.segment.incarnation
-    expires = time.time_ns() // 1_000_000 + 86_400_000  # read tokens, as the directory signs them
+    expires = now_ms() + 86_400_000  # read tokens, as the directory signs them
     refs = tuple(
         (
             incarnation,

@@ -30,6 +30,7 @@ from bench.dataplane_server import RAW_HEADER, SEGMENT_ID, SegmentInfo
 from kvfabric.dataplane.shm import ShmReader, verify
 from kvfabric.dataplane.tcp import TcpDataClient, tune_socket
 from kvfabric.format.checksum import checksum
+from kvfabric.format.clock import now_ms
 from kvfabric.proto.dataplane import ObjectResult, ReadRef
 from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import sign_ticket
@@ -190,7 +191,7 @@ class ClientSide:
                 size_bytes=len(self._src),
                 checksum=self._src_checksum,
                 writer_id=f"bench-{self.index}",
-                deadline_ms=time.time_ns() // 1_000_000 + TICKET_TTL_MS,
+                deadline_ms=now_ms() + TICKET_TTL_MS,
                 epoch=1,
                 data_addr=f"tcp://{seg.host}:{seg.tcp_port}",
             ),

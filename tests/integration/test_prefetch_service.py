@@ -15,6 +15,7 @@ import msgspec
 import nats
 import pytest
 
+from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.key import chunk_groups_for_prefix
 from kvfabric.proto import directory as m
@@ -53,7 +54,7 @@ def hint_for(tokens: list[int], hint_id: str, deadline_s: float = 20.0) -> p.Pre
         tenant="tenant-a",
         groups=[g.to_bytes() for g in groups],
         target_segment=LOCAL,
-        deadline_ms=time.time_ns() // 1_000_000 + int(deadline_s * 1000),
+        deadline_ms=now_ms() + int(deadline_s * 1000),
     )
 
 

@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
+from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import Busy, Conflict, StaleGeneration, Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import CopyReply, CopyRequest, segment_decoder
@@ -106,7 +107,7 @@ async def own_ticket(nc: NatsClient, k: bytes, data: bytes, segment_id: str) -> 
         size_bytes=len(data),
         checksum=checksum(data),
         writer_id="repair-test",
-        deadline_ms=time.time_ns() // 1_000_000 + 30_000,
+        deadline_ms=now_ms() + 30_000,
         epoch=epoch,
         data_addr=segs[segment_id].data_addr,
         shard=shard,
