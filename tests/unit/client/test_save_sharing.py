@@ -15,6 +15,7 @@ import msgspec
 from kvfabric.client import AsyncKvClient, ClientSettings
 from kvfabric.client.aio import SAVE_INLINE_CHECKSUM_BYTES_MAX
 from kvfabric.client.hits import SaveResult
+from kvfabric.format.errors import BadRequest
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
 from tests.integration.clientkit import SPEC
@@ -188,3 +189,38 @@ def test_a_small_save_hashes_on_the_loop_a_large_one_on_a_save_thread() -> None:
     assert jobs == writes == CHUNKS
     jobs, writes = save_thread_jobs(SAVE_INLINE_CHECKSUM_BYTES_MAX // CHUNKS + 1)
     assert jobs == writes + 1
+
+
+class StrictRouter(SaveRouter):
+    """Refuses a whole put_begin naming an empty object, as the directory does (`bad_request`)."""
+
+    async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any) -> Any:
+        if isinstance(message, m.PutBegin) and any(o.size_bytes <= 0 for o in message.objects):
+            await asyncio.sleep(0.002)
+            raise BadRequest("object size 0 out of range")
+        return await super().ask(shard, verb, message, timeout_s, **kw)
+
+
+def test_a_save_the_directory_refuses_as_malformed_does_not_fail_the_saves_sharing_its_request() -> None:
+    router = StrictRouter()
+    kv, _ = client(router)
+
+    async def run() -> list[SaveResult]:
+        try:
+            first = asyncio.ensure_future(kv.save(prompt(9), objects(9), trace_id="t9"))  # busy shards
+            await asyncio.sleep(0)
+            empty: list[list[bytes]] = [[b""] for _ in range(CHUNKS)]
+            bad = asyncio.ensure_future(kv.save(prompt(1), empty, trace_id="bad"))
+            good = asyncio.ensure_future(kv.save(prompt(2), objects(2), trace_id="good"))
+            return list(await asyncio.gather(first, bad, good))
+        finally:
+            await kv.close()
+
+    first, bad, good = asyncio.run(run())
+    assert first.chunks_saved == CHUNKS
+    assert good.chunks_saved == CHUNKS, good
+    assert bad.chunks_saved == 0 and bad.causes == {"bad_request": CHUNKS}, bad
+    shared = [
+        keys for verb, _, keys, _ in router.requests if verb == "put_begin" and len(keys) > CHUNKS // SHARDS
+    ]
+    assert shared, "the bad and the good save never shared a put_begin: the test proves nothing"

@@ -10,6 +10,10 @@ batch. Each caller gets the whole reply (it picks its own keys' results) and the
 request went with (the first save's: its writes use it too, so a segment confirms the writes of
 the saves that shared a `put_begin` in one request).
 
+A request the directory refuses whole as malformed (`bad_request`: one save's bad object, say an
+empty one, refuses every object in it) is sent again save by save, so the refusal reaches only the
+save that caused it, never a neighbour that shared the request.
+
 Bounds: one request per (verb, shard) in flight; the queue holds at most one entry per running
 save (bounded by `saves_queued_max`). Deadlines: a request is sent with the latest deadline of the
 saves it carries (their own time left: they arrived within one round trip); a caller whose own
@@ -33,6 +37,10 @@ T = TypeVar("T")
 
 # (shard, items, trace id, deadline monotonic s) -> the reply, or a cause string (never raises)
 Send = Callable[[int, list[T], str, float], Awaitable[object]]
+
+# Causes of a whole-request refusal that one caller's items may have caused alone: sent again
+# caller by caller (a retry of a bad request costs the directory one decode each).
+SPLIT_CAUSES: frozenset[str] = frozenset({"bad_request"})
 
 
 @dataclass(slots=True)
@@ -76,6 +84,13 @@ class SharedCalls(Generic[T]):
                 queue.remove(entry)
             raise
 
+    async def _send_once(self, shard: int, items: list[T], trace_id: str, deadline_s: float) -> object:
+        self.requests += 1
+        try:
+            return await self._send(shard, items, trace_id, deadline_s)
+        except Exception as exc:  # `send` never raises; a bug must not strand the waiters
+            return f"client_error:{type(exc).__name__}"
+
     async def _drain(self, shard: int) -> None:
         queue = self._queues[shard]
         try:
@@ -85,11 +100,15 @@ class SharedCalls(Generic[T]):
                 trace_id = waits[0].trace_id
                 deadline_s = max(w.deadline_s for w in waits)
                 items = [item for e in taken for item in e.items]
-                self.requests += 1
-                try:
-                    reply: object = await self._send(shard, items, trace_id, deadline_s)
-                except Exception as exc:  # `send` never raises; a bug must not strand the waiters
-                    reply = f"client_error:{type(exc).__name__}"
+                reply = await self._send_once(shard, items, trace_id, deadline_s)
+                if isinstance(reply, str) and reply in SPLIT_CAUSES and len(taken) > 1:
+                    for entry in taken:  # whose items were refused: each save on its own
+                        wait = entry.tag
+                        if isinstance(wait, _Wait) and not wait.future.done():
+                            alone = await self._send_once(shard, entry.items, wait.trace_id, wait.deadline_s)
+                            if not wait.future.done():
+                                wait.future.set_result((alone, wait.trace_id))
+                    continue
                 for wait in waits:
                     if not wait.future.done():
                         wait.future.set_result((reply, trace_id))
