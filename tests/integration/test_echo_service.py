@@ -107,7 +107,7 @@ async def test_bad_requests_are_typed_and_service_stays_up(
 
     with pytest.raises(BadRequest, match="malformed echo message"):
         await request(nats_client, SAY, _Bogus(x=1), echo_decoder, REQUEST_TIMEOUT_S)
-    with pytest.raises(BadRequest, match="expected an echo request"):
+    with pytest.raises(BadRequest, match="expected EchoRequest"):
         await request(nats_client, SAY, EchoReply(text="x", instance_id="y"), echo_decoder, REQUEST_TIMEOUT_S)
     with pytest.raises(BadRequest) as oversize:
         await say(nats_client, "x" * (ECHO_TEXT_BYTES_MAX + 1))

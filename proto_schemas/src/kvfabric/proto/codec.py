@@ -13,9 +13,10 @@ import msgspec
 
 from kvfabric.format.errors import BadRequest
 
-__all__ = ["FamilyDecoder", "encode"]
+__all__ = ["FamilyDecoder", "decode_as", "encode"]
 
 T = TypeVar("T")
+M = TypeVar("M", bound=msgspec.Struct)
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -39,3 +40,16 @@ class FamilyDecoder(Generic[T]):
             raise BadRequest(f"malformed {self.name} message: {exc}", family=self.name) from exc
         except RecursionError:  # a msgpack "bomb" of nested arrays/maps, even in a skipped field
             raise BadRequest(f"malformed {self.name} message: nested too deep", family=self.name) from None
+
+
+def decode_as(
+    decoder: FamilyDecoder[Any], data: bytes | bytearray | memoryview, kind: type[M], verb: str = ""
+) -> M:
+    """`data` decoded by `decoder` as a `kind`, the one message an endpoint takes: any other
+    message of the family, like a malformed one, is `BadRequest` ("<verb> takes <kind>, got
+    <type>"; "expected <kind>, got <type>" without a verb)."""
+    message = decoder.decode(data)
+    if not isinstance(message, kind):
+        wanted = f"{verb} takes {kind.__name__}" if verb else f"expected {kind.__name__}"
+        raise BadRequest(f"{wanted}, got {type(message).__name__}")
+    return message

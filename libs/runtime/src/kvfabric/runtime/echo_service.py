@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from kvfabric.format.errors import BadRequest
+from kvfabric.proto.codec import decode_as
 from kvfabric.proto.echo import ECHO_DELAY_MS_MAX, ECHO_TEXT_BYTES_MAX, EchoReply, EchoRequest, echo_decoder
 from kvfabric.proto.subjects import Service
 from kvfabric.runtime.cli import service_cli
@@ -35,9 +36,7 @@ class EchoHandler:
         self.instance_id = instance_id
 
     async def say(self, data: bytes, headers: Mapping[str, str]) -> EchoReply:
-        message = echo_decoder.decode(data)
-        if not isinstance(message, EchoRequest):
-            raise BadRequest(f"expected an echo request, got {type(message).__name__}")
+        message = decode_as(echo_decoder, data, EchoRequest)
         text_bytes = len(message.text.encode("utf-8"))
         if text_bytes > ECHO_TEXT_BYTES_MAX:
             raise BadRequest(

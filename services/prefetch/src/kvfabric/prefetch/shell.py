@@ -54,6 +54,7 @@ from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto import prefetch as p
+from kvfabric.proto.codec import decode_as
 from kvfabric.proto.segment import tier_of_slot
 from kvfabric.proto.subjects import Service, check_segment_id, event_subject
 from kvfabric.runtime.directory_router import DirectoryRouter
@@ -120,9 +121,7 @@ class PrefetchShell:
     # ---- hints -------------------------------------------------------------------------------
 
     async def _on_hint(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        hint = p.prefetch_decoder.decode(data)
-        if not isinstance(hint, p.PrefetchHint):
-            raise BadRequest(f"hint takes PrefetchHint, got {type(hint).__name__}")
+        hint = decode_as(p.prefetch_decoder, data, p.PrefetchHint, "hint")
         if not hint.groups or len(hint.groups) > p.HINT_GROUPS_MAX:
             raise BadRequest(f"a hint names 1..{p.HINT_GROUPS_MAX} chunk groups")
         try:
@@ -234,14 +233,11 @@ class PrefetchShell:
         return hit_chunks, objects, [lease for lease in leases if lease not in useless]
 
     async def _on_cancel(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        message = p.prefetch_decoder.decode(data)
-        if not isinstance(message, p.CancelHint):
-            raise BadRequest(f"cancel takes CancelHint, got {type(message).__name__}")
+        message = decode_as(p.prefetch_decoder, data, p.CancelHint, "cancel")
         return p.CancelReply(cancelled=self.core.cancel_hint(message.hint_id))
 
     async def _on_status(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        if not isinstance(p.prefetch_decoder.decode(data), p.PrefetchStatusRequest):
-            raise BadRequest("status takes PrefetchStatusRequest")
+        decode_as(p.prefetch_decoder, data, p.PrefetchStatusRequest, "status")
         return self.status()
 
     def status(self) -> p.PrefetchStatus:

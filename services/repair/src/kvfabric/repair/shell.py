@@ -31,8 +31,9 @@ from nats.aio.client import Client as NatsClient
 from kvfabric.cluster.replicas import copy_replica
 from kvfabric.core.repair import DrainComplete, RepairCore, StartCopy
 from kvfabric.format.clock import now_ms
-from kvfabric.format.errors import BadRequest, KvfError, Unavailable
+from kvfabric.format.errors import KvfError, Unavailable
 from kvfabric.proto import directory as m
+from kvfabric.proto.codec import decode_as
 from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
@@ -249,8 +250,7 @@ class RepairShell:
     # ---- status ------------------------------------------------------------------------------
 
     async def _status(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        if not isinstance(repair_decoder.decode(data), RepairStatusRequest):
-            raise BadRequest("status takes RepairStatusRequest")
+        decode_as(repair_decoder, data, RepairStatusRequest, "status")
         return self.status()
 
     def status(self) -> RepairStatus:

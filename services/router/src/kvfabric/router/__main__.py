@@ -28,6 +28,7 @@ from kvfabric.core.routing import Decision, RoutingCore, prompt_keys
 from kvfabric.core.routing_index import RoutingIndex
 from kvfabric.format.errors import BadRequest
 from kvfabric.proto import router as r
+from kvfabric.proto.codec import decode_as
 from kvfabric.proto.subjects import Service
 from kvfabric.router.events import IndexFollower
 from kvfabric.router.metrics import RouterMetrics, StateCollector
@@ -121,9 +122,7 @@ class RouterShell:
             self._sock.close()
 
     async def _on_route(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        message = r.router_decoder.decode(data)
-        if not isinstance(message, r.RouteRequest):
-            raise BadRequest(f"route takes RouteRequest, got {type(message).__name__}")
+        message = decode_as(r.router_decoder, data, r.RouteRequest, "route")
         if not message.tokens:
             raise BadRequest("route needs the prompt's token ids")
         ks = self.settings.keyspace
