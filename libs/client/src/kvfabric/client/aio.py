@@ -130,6 +130,23 @@ class EngineSpec:
 T = TypeVar("T")
 
 
+def directory_cause(exc: KvfError | TimeoutError, other: str = "") -> str:
+    """The cause a failed directory call is counted under (lookup fallbacks, save failures): a
+    replaced leader's reply `directory_stale_epoch`, no leader or no directory
+    `directory_unavailable`, no answer in time `directory_timeout`, the tenant's request rate
+    `rate_limited` (a miss now, recompute); any other error `other` where given (a lookup:
+    `directory_error`), else its wire code (a save: `busy` past its retries, `no_capacity`...)."""
+    if isinstance(exc, StaleGeneration):
+        return "directory_stale_epoch"
+    if isinstance(exc, Unavailable):
+        return "directory_unavailable"
+    if isinstance(exc, Indeterminate | TimeoutError):
+        return "directory_timeout"
+    if isinstance(exc, RateLimited):
+        return RateLimited.code
+    return other or exc.code
+
+
 @dataclass(slots=True)
 class _Waiter:
     future: asyncio.Future[str]
@@ -305,16 +322,8 @@ class AsyncKvClient:
         started = time.perf_counter()
         try:
             hit_chunks, objects, leases, expires = await self._lookup_shards(groups, members, trace_id)
-        except StaleGeneration:
-            return self._fallback(empty, "directory_stale_epoch")
-        except Unavailable:
-            return self._fallback(empty, "directory_unavailable")
-        except Indeterminate:
-            return self._fallback(empty, "directory_timeout")
-        except RateLimited:  # the tenant's request rate: a miss now, recompute
-            return self._fallback(empty, "rate_limited")
-        except KvfError:
-            return self._fallback(empty, "directory_error")
+        except KvfError as exc:
+            return self._fallback(empty, directory_cause(exc, other="directory_error"))
         finally:
             self.metrics.lookup_seconds.observe(time.perf_counter() - started)
         by_position = {
@@ -940,11 +949,5 @@ class AsyncKvClient:
                 deadline_s=deadline_s,
                 on_retry=self.metrics.busy_retries.inc,
             )
-        except StaleGeneration:
-            return "directory_stale_epoch"
-        except Unavailable:
-            return "directory_unavailable"
-        except (Indeterminate, TimeoutError):
-            return "directory_timeout"
-        except KvfError as exc:
-            return exc.code
+        except (KvfError, TimeoutError) as exc:
+            return directory_cause(exc)
