@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvfabric.core import authz
 from kvfabric.core.directory import DirectoryConfig
+from kvfabric.directory import admission
 from kvfabric.directory.admission import AdmissionConfig, FairAdmission, Refusal, Started, cost_of
 from kvfabric.directory.fair import FairGate
 from kvfabric.directory.host import ShardHost
@@ -158,12 +159,86 @@ def test_settings_defaults_and_bounds() -> None:
         {"KVF_DIRECTORY_FAIR_TENANT_IDS_PER_S": "1000", "KVF_DIRECTORY_FAIR_RUNNING_MAX": "3"}
     )
     assert custom.ids_per_s == 1000.0 and custom.running_max == 3
+    givebacks = load_fair_admission(
+        {"KVF_DIRECTORY_GIVEBACK_EMPTY_IDS_PER_S": "100", "KVF_DIRECTORY_GIVEBACK_EMPTY_BURST_IDS": "200"}
+    )
+    assert givebacks.giveback_empty_ids_per_s == 100.0 and givebacks.giveback_empty_burst_ids == 200
+    assert FAIR_DEFAULT.giveback_empty_burst_ids >= 4_096  # one max-size empty abort at least
     with pytest.raises(SettingsError, match="KVF_DIRECTORY_FAIR_TENANT_BURST_IDS"):
         load_fair_admission({"KVF_DIRECTORY_FAIR_TENANT_BURST_IDS": "4000"})  # < a max-size lookup
     with pytest.raises(SettingsError, match="KVF_DIRECTORY_FAIR_TENANT_RUNNING_MAX"):
         load_fair_admission(
             {"KVF_DIRECTORY_FAIR_RUNNING_MAX": "2", "KVF_DIRECTORY_FAIR_TENANT_RUNNING_MAX": "3"}
         )
+
+
+def test_idle_tenants_are_forgotten_and_cost_start_nothing() -> None:
+    """10,000 tenants each make one request (the reviewer's demo, /tmp/rev/fair_mem.py): before,
+    all 10,000 were still tracked an hour later and every `start` walked them all (0.35 ms a
+    call). Now `start` pops only startable heads (work counted, not timed: the same with 10,000
+    idle tenants as with none), and once their buckets are full the sweep forgets them, at most
+    `FORGET_SWEEP_MAX` per call."""
+    c = config(ids_per_s=8_192, burst_ids=65_536, queue_max=16, running_max=64, request_cost_ids=16)
+
+    def start_work(core: FairAdmission, now_s: float) -> int:
+        before = core.examined_total
+        core.offer("x", 20, now_s)
+        started = [s for _ in range(1_000) for s in core.start(now_s)]
+        assert [s.tenant for s in started] == ["x"]
+        core.done("x", now_s)
+        return core.examined_total - before
+
+    alone = FairAdmission(c)
+    crowded = FairAdmission(c)
+    for i in range(10_000):
+        tenant = f"t{i}"
+        crowded.offer(tenant, 20, 0.0)
+        crowded.start(0.0)
+        crowded.done(tenant, 0.0)
+    assert crowded.tracked == 10_000  # buckets not full yet: each still owes its refill
+    crowded.check()
+    assert start_work(crowded, 0.0) == start_work(alone, 0.0) <= 2  # x's one entry, whatever idles
+    later_s = 3_600.0  # every bucket long full
+    for _ in range(10_000 // (2 * admission.FORGET_SWEEP_MAX) + 1):  # offer and done each sweep
+        before = crowded.examined_total
+        assert isinstance(crowded.offer("x", 20, later_s), int)
+        crowded.start(later_s)
+        crowded.done("x", later_s)
+        assert crowded.examined_total - before <= 2 * admission.FORGET_SWEEP_MAX + 1  # bounded per call
+    crowded.check()
+    assert crowded.tracked <= 1  # only x, whose bucket is refilling
+    assert crowded.tokens("t0", later_s) == c.burst_ids and crowded.head_tag("t0") is None
+    returning = crowded.offer("t0", 20, later_s)  # comes back as a new tenant: at `vtime`
+    assert isinstance(returning, int) and crowded.head_tag("t0") == crowded.vtime
+    crowded.check()
+
+
+def test_tenants_tracked_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond `TENANTS_TRACKED_MAX` a new tenant takes the place of the idle one whose bucket
+    fills first; when every tracked tenant has a request queued or running it is refused."""
+    monkeypatch.setattr(admission, "TENANTS_TRACKED_MAX", 3)
+    core = FairAdmission(config(running_max=3, tenant_running_max=1))
+    for tenant in ("a", "b", "c"):
+        assert isinstance(core.offer(tenant, 10, 0.0), int)
+    assert core.offer("d", 10, 0.0) is Refusal.QUEUE  # all three busy
+    core.start(0.0)
+    core.done("b", 0.0)  # b idle, its bucket 10 short
+    assert isinstance(core.offer("d", 10, 0.0), int)
+    assert core.tracked == 3 and core.tokens("b", 0.0) == 4_200  # b forgotten: a full bucket
+    core.check()
+
+
+def test_a_cancelled_head_hands_its_place_to_the_next() -> None:
+    core = FairAdmission(config(running_max=1, queue_max=4))
+    core.offer("bob", 10, 0.0)
+    core.start(0.0)
+    second, third = core.offer("alice", 10, 0.0), core.offer("alice", 10, 0.0)
+    assert isinstance(second, int) and isinstance(third, int)
+    assert core.cancel(second, 0.0)
+    core.check()
+    core.done("bob", 0.0)
+    assert tickets(core.start(0.0)) == [third]
+    core.check()
 
 
 # ---- the shell -------------------------------------------------------------------------------

@@ -8,14 +8,24 @@ A request costs `request_cost_ids + ids` tokens (`cost_of`): the ids it names (g
 lookup, keys of a put) plus a fixed part for what every request costs the event loop whatever
 its size (receive, decode, reply). So a 4,096-id lookup costs 4,104 tokens and a 4-id one 12.
 
-States, per tenant (a tenant with nothing queued, nothing running and a full bucket holds no
-state: it is forgotten, and comes back as a new one):
+States, per tenant (a tenant with nothing queued, nothing running and a bucket full by now holds
+no state: it is forgotten, and comes back as a new one, with a full bucket and joining at
+`vtime` — what its bucket would hold anyway; what is forgiven is at most its last request's
+`finish` ahead of `vtime`, one request's ids, after `burst_ids / ids_per_s` idle at least):
 - a token bucket: `tokens` in 0..`burst_ids`, refilled at `ids_per_s` since `updated_s`;
 - a FIFO queue of admitted requests waiting for their turn (ticket, cost, since);
 - `running`: its requests started and not yet done;
 - `tag`: the virtual start time of its head request, and `finish`: the virtual time its last
   started request ends (`tag` + cost), in ids.
-Globally: `vtime`, the tag of the request started last (never decreases), and `running`.
+Globally: `vtime`, the tag of the request started last (never decreases), and `running`; two
+heaps that keep every call's work independent of how many tenants are tracked: `_ready`, one
+entry `(tag, head ticket, tenant)` per tenant that may start its head (stale entries are skipped
+when popped, and the heap is rebuilt when over twice the tenants tracked), and `_idle`, one entry
+`(when its bucket is full, tenant)` per tenant with nothing queued or running, swept at most
+`FORGET_SWEEP_MAX` due entries per `offer` / `done` / `cancel` (each tenant going idle adds one:
+the sweep keeps up). At most `TENANTS_TRACKED_MAX` tenants are tracked: a new one beyond it takes
+the place of the idle tenant whose bucket fills first (forgiving it the rest of its refill), or
+is refused `Refusal.QUEUE` when none is idle.
 
 The turns are start-time fair queueing (Goyal, Vin and Cheng, 1996), the virtual-time form of
 weighted round robin by ids: a tenant's head request is tagged `max(finish, vtime)` when it
@@ -33,13 +43,15 @@ Transitions:
   otherwise the tokens are taken and the request queued. A refusal takes nothing.
 - `refuse_early(tenant, now)`: what `offer` would refuse whatever the cost (before decoding).
 - `start(now)`: while fewer than `running_max` run, the smallest-tagged head that may start
-  starts; `vtime` becomes its tag.
+  starts (popped from `_ready`); `vtime` becomes its tag.
 - `done(tenant)`: one of its started requests ended (answered, failed or cancelled).
 - `cancel(ticket)`: a queued request given up before it started (its tokens are not returned).
 
 Invariants (`check`): a tenant's queue holds at most `queue_max`; `0 <= tokens <= burst_ids`;
 at most `running_max` requests run, at most `tenant_running_max` of one tenant; `vtime` never
-decreases; a queued head's tag is at least its tenant's `finish`.
+decreases; a queued head's tag is at least its tenant's `finish`; every tenant that may start its
+head has its current `(tag, head ticket)` in `_ready`; every idle tenant is in `_idle`; at most
+`TENANTS_TRACKED_MAX` tenants are tracked and `_ready` holds at most twice as many entries + 64.
 Guarantees, for the shell: a tenant's admitted ids over any interval of length T are at most
 `burst_ids + ids_per_s * T`; after `start` no request waits while a slot it could take is free
 (work conserving); one tenant's requests start in the order they were offered; while a
@@ -53,15 +65,27 @@ is the shell's (a lookup folds 128 groups a core call, yielding between: one sli
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Final
 
 from kvfabric.format.invariant import invariant
 
-__all__ = ["AdmissionConfig", "FairAdmission", "Refusal", "Started", "TenantStats", "cost_of"]
+__all__ = [
+    "AdmissionConfig",
+    "FairAdmission",
+    "GivebackBudget",
+    "Refusal",
+    "Started",
+    "TenantStats",
+    "cost_of",
+]
 
 COUNTED_TENANTS_MAX: Final = 10_000  # refusal counts kept (least recently refused go first)
+TENANTS_TRACKED_MAX: Final = 65_536  # tenants with state (queued, running or refilling), tenants
+FORGET_SWEEP_MAX: Final = 16  # idle tenants examined for forgetting per offer / done / cancel
+READY_SLACK: Final = 64  # `_ready` is rebuilt when over 2 x tenants tracked + this, entries
 
 
 def cost_of(ids: int, request_cost_ids: int) -> int:
@@ -85,6 +109,10 @@ class AdmissionConfig:
     running_max: int  # requests started and not done, all tenants
     tenant_running_max: int  # of one tenant
     request_cost_ids: int = 0  # the fixed part of every request's cost (`cost_of`)
+    # Give-backs are never queued nor charged above; only the ids of theirs that gave nothing
+    # back are, from a separate per-tenant bucket (`GivebackBudget`): refill ids/s and capacity.
+    giveback_empty_ids_per_s: float = 16_384.0
+    giveback_empty_burst_ids: int = 65_536
 
     def __post_init__(self) -> None:
         invariant(self.ids_per_s > 0, "ids_per_s must be > 0", ids_per_s=self.ids_per_s)
@@ -97,6 +125,8 @@ class AdmissionConfig:
             running_max=self.running_max,
         )
         invariant(self.request_cost_ids >= 0, "request_cost_ids must be >= 0")
+        invariant(self.giveback_empty_ids_per_s > 0, "giveback_empty_ids_per_s must be > 0")
+        invariant(self.giveback_empty_burst_ids >= 1, "giveback_empty_burst_ids must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +153,8 @@ class _Tenant:
     running: int = 0
     tag: int = 0  # virtual start of the head request (meaningful while the queue is not empty)
     finish: int = 0  # virtual end of the last started request
+    ready_key: tuple[int, int] | None = None  # (tag, head ticket) of its newest `_ready` entry
+    idle_queued: bool = False  # has an entry in `_idle`
 
 
 @dataclass(slots=True)
@@ -146,6 +178,16 @@ class FairAdmission:
         self.refused: dict[str, TenantStats] = {}
         self.admitted_total = 0
         self.longest_wait_s = 0.0  # of the requests started since `take_longest_wait`
+        self._ready: list[tuple[int, int, str]] = []  # (tag, head ticket, tenant): may start
+        self._idle: list[
+            tuple[float, str]
+        ] = []  # (when its bucket is full, tenant): nothing queued or running
+        self.examined_total = 0  # heap entries popped by start and the sweep (the work, for tests)
+
+    @property
+    def tracked(self) -> int:
+        """Tenants holding state (queued, running, or with a bucket still refilling)."""
+        return len(self._tenants)
 
     # ---- read-only views ---------------------------------------------------------------------
 
@@ -195,16 +237,18 @@ class FairAdmission:
         invariant(cost >= 0, "negative cost", cost=cost)
         c = self.config
         cost = min(cost, c.burst_ids)
+        self._sweep(now_s)
         state = self._tenants.get(tenant)
         if state is None:
+            if len(self._tenants) >= TENANTS_TRACKED_MAX and not self._forget_soonest():
+                return self._refuse(tenant, Refusal.QUEUE)  # every tracked tenant is busy
             state = self._tenants[tenant] = _Tenant(tokens=float(c.burst_ids), updated_s=now_s)
         if len(state.queue) >= c.queue_max:
             return self._refuse(tenant, Refusal.QUEUE)
         state.tokens = self._refilled(state, now_s)
         state.updated_s = max(state.updated_s, now_s)
         if state.tokens < cost:
-            self._forget_if_idle(tenant, state)
-            return self._refuse(tenant, Refusal.RATE)
+            return self._refuse(tenant, Refusal.RATE)  # idle (in `_idle`) or busy: unchanged
         state.tokens -= cost
         ticket = self._next_ticket
         self._next_ticket += 1
@@ -213,6 +257,7 @@ class FairAdmission:
         state.queue.append(_Waiting(ticket, cost, now_s))
         self._tickets[ticket] = tenant
         self.admitted_total += 1
+        self._push_ready(tenant, state)
         return ticket
 
     def refuse_early(self, tenant: str, now_s: float) -> Refusal | None:
@@ -232,17 +277,19 @@ class FairAdmission:
         """The queued requests that may run now, smallest tag first (module docstring)."""
         c = self.config
         started: list[Started] = []
-        while self.running < c.running_max:  # each pass starts one or ends: bounded
-            pick: tuple[int, int, str] | None = None
-            for tenant, state in self._tenants.items():
-                if state.queue and state.running < c.tenant_running_max:
-                    key = (state.tag, state.queue[0].ticket, tenant)
-                    pick = key if pick is None or key < pick else pick
-            if pick is None:
-                break
-            tag, _, tenant = pick
-            state = self._tenants[tenant]
+        # Each pass pops one entry of `_ready` (stale ones skipped) and starts at most one
+        # request: bounded by the heap's size and `running_max`.
+        while self.running < c.running_max and self._ready:
+            tag, ticket, tenant = heapq.heappop(self._ready)
+            self.examined_total += 1
+            state = self._tenants.get(tenant)
+            if state is None or state.ready_key != (tag, ticket):
+                continue  # stale: its tenant's head or tag changed since (or it was forgotten)
+            state.ready_key = None
+            if not state.queue or state.running >= c.tenant_running_max:
+                continue  # pushed again when it may start (`_push_ready`)
             waiting = state.queue.popleft()
+            invariant(waiting.ticket == ticket and state.tag == tag, "ready entry out of date", tenant=tenant)
             del self._tickets[waiting.ticket]
             self.vtime = max(self.vtime, tag)
             state.finish = tag + waiting.cost
@@ -252,6 +299,7 @@ class FairAdmission:
             waited_s = max(0.0, now_s - waiting.since_s)
             self.longest_wait_s = max(self.longest_wait_s, waited_s)
             started.append(Started(waiting.ticket, tenant, waited_s))
+            self._push_ready(tenant, state)
         return started
 
     def done(self, tenant: str, now_s: float) -> None:
@@ -261,7 +309,9 @@ class FairAdmission:
         assert state is not None
         state.running -= 1
         self.running -= 1
-        self._forget_if_idle(tenant, state, now_s)
+        self._push_ready(tenant, state)
+        self._went_idle(tenant, state, now_s)
+        self._sweep(now_s)
 
     def cancel(self, ticket: int, now_s: float) -> bool:
         """Drop a queued request that will not run (its waiter went away). False when it is not
@@ -271,7 +321,9 @@ class FairAdmission:
             return False
         state = self._tenants[tenant]
         state.queue = deque(w for w in state.queue if w.ticket != ticket)
-        self._forget_if_idle(tenant, state, now_s)
+        self._push_ready(tenant, state)
+        self._went_idle(tenant, state, now_s)
+        self._sweep(now_s)
         return True
 
     # ---- internals ---------------------------------------------------------------------------
@@ -291,14 +343,70 @@ class FairAdmission:
             del self.refused[next(iter(self.refused))]
         return why
 
-    def _forget_if_idle(self, tenant: str, state: _Tenant, now_s: float | None = None) -> None:
-        """A tenant with nothing queued or running, a full bucket and no virtual time ahead of
-        `vtime` is the same as a new one."""
-        if state.queue or state.running or state.finish > self.vtime:
+    def _push_ready(self, tenant: str, state: _Tenant) -> None:
+        """`tenant`'s head into `_ready` when it may start and its entry there is not current."""
+        if not state.queue or state.running >= self.config.tenant_running_max:
             return
-        tokens = state.tokens if now_s is None else self._refilled(state, now_s)
-        if tokens >= self.config.burst_ids:
-            del self._tenants[tenant]
+        key = (state.tag, state.queue[0].ticket)
+        if state.ready_key == key:
+            return
+        state.ready_key = key
+        heapq.heappush(self._ready, (key[0], key[1], tenant))
+        if len(self._ready) > 2 * len(self._tenants) + READY_SLACK:  # stale entries: rebuild (amortized)
+            self._ready = [
+                (t.ready_key[0], t.ready_key[1], name)
+                for name, t in self._tenants.items()
+                if t.ready_key is not None
+            ]
+            heapq.heapify(self._ready)
+
+    def _full_at_s(self, state: _Tenant) -> float:
+        """When an idle tenant's bucket is full (its tokens only refill while it is idle)."""
+        missing = float(self.config.burst_ids) - state.tokens
+        return state.updated_s + max(0.0, missing) / self.config.ids_per_s
+
+    def _went_idle(self, tenant: str, state: _Tenant, now_s: float) -> None:
+        """A tenant with nothing queued or running goes into `_idle` (once)."""
+        if state.queue or state.running or state.idle_queued:
+            return
+        state.tokens = self._refilled(state, now_s)
+        state.updated_s = max(state.updated_s, now_s)
+        state.idle_queued = True
+        heapq.heappush(self._idle, (self._full_at_s(state), tenant))
+
+    def _sweep(self, now_s: float) -> None:
+        """Forget at most `FORGET_SWEEP_MAX` idle tenants whose bucket is full by now."""
+        for _ in range(FORGET_SWEEP_MAX):
+            if not self._idle or self._idle[0][0] > now_s:
+                return
+            self._pop_idle(now_s)
+
+    def _forget_soonest(self) -> bool:
+        """Make room for a new tenant: forget the idle one whose bucket fills first (its state is
+        then that of a tenant with a full bucket: a little refill forgiven). False: none idle."""
+        while self._idle:
+            if self._pop_idle(None):
+                return True
+        return False
+
+    def _pop_idle(self, now_s: float | None) -> bool:
+        """Pop `_idle`'s first entry: forget its tenant if still idle (and full by `now_s`, or at
+        once when None), or put it back under its new time. True when a tenant was forgotten."""
+        _, tenant = heapq.heappop(self._idle)
+        self.examined_total += 1
+        state = self._tenants.get(tenant)
+        if state is None:
+            return False
+        state.idle_queued = False
+        if state.queue or state.running:
+            return False  # busy again: back into `_idle` when it is done (`_went_idle`)
+        actual_s = self._full_at_s(state)
+        if now_s is not None and actual_s > now_s:  # went busy and idle again since the entry
+            state.idle_queued = True
+            heapq.heappush(self._idle, (actual_s, tenant))
+            return False
+        del self._tenants[tenant]
+        return True
 
     def check(self) -> None:
         """Assert the invariants of the module docstring (tests; cheap enough for debugging)."""
@@ -311,3 +419,72 @@ class FairAdmission:
             invariant(0 <= s.running <= c.tenant_running_max, "tenant running over its bound", tenant=tenant)
             invariant(-1e-9 <= s.tokens <= c.burst_ids, "tokens out of bounds", tenant=tenant)
             invariant(not s.queue or s.tag >= s.finish, "a head tagged before its tenant's last end")
+            may_start = bool(s.queue) and s.running < c.tenant_running_max
+            invariant(
+                not may_start or s.ready_key == (s.tag, s.queue[0].ticket), "a startable head not ready"
+            )
+            invariant(s.queue or s.running or s.idle_queued, "an idle tenant not in _idle", tenant=tenant)
+        invariant(len(self._tenants) <= TENANTS_TRACKED_MAX, "tenants over their bound")
+        invariant(len(self._ready) <= 2 * len(self._tenants) + READY_SLACK + 1, "_ready over its bound")
+        live = {(tag, ticket, name) for tag, ticket, name in self._ready}
+        for name, s in self._tenants.items():
+            if s.ready_key is not None and s.queue and s.running < c.tenant_running_max:
+                invariant((*s.ready_key, name) in live, "a ready key missing from _ready", tenant=name)
+
+
+class GivebackBudget:
+    """Per tenant, the ids of its give-backs (lease release, unpin, put abort, lease_release_many)
+    that gave nothing back: a token bucket of `giveback_empty_ids_per_s`, capacity
+    `giveback_empty_burst_ids`, charged after the core answered (`charge(named - released)`),
+    never for an id that released something. Pure: time passed in.
+
+    States: per tenant `tokens` in 0..burst and `updated_s`; a tenant whose bucket is full holds
+    no state (forgotten when seen full); at most `TENANTS_TRACKED_MAX` tenants (beyond it the
+    oldest entry is forgotten: that tenant's bucket is full again). `spent(tenant)`: fewer than
+    one token. The shell (`kvfabric.directory.host`) runs a spent tenant's give-back one slice
+    first and refuses the rest `busy` when that slice gave nothing back, so an honest give-back
+    (one that releases) is never refused and a flood of empty ones costs one slice each.
+    Invariants: `0 <= tokens <= burst`; `len(tenants) <= TENANTS_TRACKED_MAX`."""
+
+    def __init__(self, ids_per_s: float, burst_ids: int) -> None:
+        invariant(ids_per_s > 0 and burst_ids >= 1, "bad give-back budget", ids_per_s=ids_per_s)
+        self.ids_per_s = ids_per_s
+        self.burst_ids = burst_ids
+        self._tenants: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, updated_s)
+        self.refused_total = 0  # give-backs of nothing refused while spent
+        self.empty_ids_total = 0  # ids charged
+
+    def tokens(self, tenant: str, now_s: float) -> float:
+        entry = self._tenants.get(tenant)
+        if entry is None:
+            return float(self.burst_ids)
+        tokens, updated_s = entry
+        return min(float(self.burst_ids), tokens + max(0.0, now_s - updated_s) * self.ids_per_s)
+
+    def spent(self, tenant: str, now_s: float) -> bool:
+        """Fewer than one token: the tenant's next give-back is tried one slice first."""
+        tokens = self.tokens(tenant, now_s)
+        if tokens >= self.burst_ids:
+            self._tenants.pop(tenant, None)  # full: the same as no state
+        return tokens < 1
+
+    def charge(self, tenant: str, empty_ids: int, now_s: float) -> None:
+        """`empty_ids` ids of a give-back of `tenant`'s released nothing."""
+        invariant(empty_ids >= 0, "negative charge", empty_ids=empty_ids)
+        if empty_ids == 0:
+            return
+        self.empty_ids_total += empty_ids
+        tokens = max(0.0, self.tokens(tenant, now_s) - empty_ids)
+        self._tenants.pop(tenant, None)
+        self._tenants[tenant] = (tokens, now_s)  # most recently charged last
+        if len(self._tenants) > TENANTS_TRACKED_MAX:
+            del self._tenants[next(iter(self._tenants))]
+
+    def retry_after_s(self, tenant: str, now_s: float) -> float:
+        """How long until the tenant's bucket holds one token again."""
+        return max(0.0, (1.0 - self.tokens(tenant, now_s)) / self.ids_per_s)
+
+    def check(self) -> None:
+        invariant(len(self._tenants) <= TENANTS_TRACKED_MAX, "give-back tenants over their bound")
+        for tenant, (tokens, _) in self._tenants.items():
+            invariant(0 <= tokens <= self.burst_ids, "give-back tokens out of bounds", tenant=tenant)

@@ -8,8 +8,12 @@ once with `Busy` (the existing error: every client backs off and asks again,
 the core starts it. Leaving the block tells the core the request is done, and starts the next
 ones. Time is `time.monotonic`.
 
-Gives-back (lease release, unpin, put abort) never come here: they are never refused for load
-(`authz.GIVEBACK_VERBS`, their own in-flight lane in `kvfabric.runtime.service`); neither do
+Gives-back (lease release, unpin, put abort, lease_release_many) never wait for a turn: they
+are never refused for load (`authz.GIVEBACK_VERBS`, their own in-flight lane in
+`kvfabric.runtime.service`). Only their ids that released nothing are charged, to a separate
+per-tenant budget (`giveback`, `admission.GivebackBudget`); a tenant that spent it has its next
+give-back tried one slice first, refused `busy` when that slice gives nothing back
+(`kvfabric.directory.host`). Neither do
 services' requests (segments' heartbeats, kvctl) nor the shard map (its own per-tenant rate).
 A request waiting here holds its runtime in-flight slot, so the runtime's per-tenant share
 (`tenant_inflight_max`) still bounds what one tenant has in the directory.
@@ -23,7 +27,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 
-from kvfabric.directory.admission import AdmissionConfig, FairAdmission, Refusal, cost_of
+from kvfabric.directory.admission import AdmissionConfig, FairAdmission, GivebackBudget, Refusal, cost_of
 from kvfabric.format.errors import Busy
 
 __all__ = ["FairGate"]
@@ -36,6 +40,25 @@ class FairGate:
         self.core = FairAdmission(config)
         self.clock = clock
         self._waiters: dict[int, asyncio.Future[None]] = {}
+        self.giveback = GivebackBudget(config.giveback_empty_ids_per_s, config.giveback_empty_burst_ids)
+
+    def giveback_spent(self, tenant: str) -> bool:
+        """Whether `tenant` spent its budget of give-back ids that released nothing."""
+        return self.giveback.spent(tenant, self.clock())
+
+    def giveback_charge(self, tenant: str, named: int, released: int) -> None:
+        """A give-back of `tenant`'s named `named` ids and released `released` of them."""
+        self.giveback.charge(tenant, max(0, named - released), self.clock())
+
+    def giveback_busy(self, tenant: str) -> Busy:
+        """The refusal of a spent tenant's give-back whose first slice gave nothing back."""
+        self.giveback.refused_total += 1
+        c = self.core.config
+        return Busy(
+            "tenant's budget of give-backs that release nothing is spent",
+            giveback_empty_ids_per_s=c.giveback_empty_ids_per_s,
+            retry_after_ms=math.ceil(self.giveback.retry_after_s(tenant, self.clock()) * 1000),
+        )
 
     def refuse_early(self, tenant: str) -> None:
         """`Busy` when `tenant`'s request would be refused whatever its size (the caller has not

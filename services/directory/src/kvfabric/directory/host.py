@@ -15,7 +15,14 @@ prefix's lookups for several shards led here: each part runs exactly as that sha
 likewise gives a hit's leases back (a gives-back verb: never refused for load). A tenant's
 request other than a give-back waits for its turn at `fair` first (`kvfabric.directory.fair`:
 tenants take turns by ids, one request of each running at a time by default; an empty bucket or
-a full queue is `busy` before the request is decoded).
+a full queue is `busy` before the request is decoded). A tenant's give-back (lease release,
+unpin, put abort, lease_release_many) never waits and is never refused for load; the ids of it
+that released nothing (the core's reply counts what was released) are charged to the tenant's
+give-back budget (`FairGate.giveback`). A tenant that spent it has its next give-back run
+`GIVEBACK_SLICE_IDS` ids (one part of a `lease_release_many`) first: when that slice released
+nothing the request is `busy` (what it named later untouched), otherwise the rest runs too. So
+an honest give-back is never refused, and a flood of give-backs naming nothing costs, once the
+budget is spent, its decoding and one slice a request.
 
 Shards come and go with leadership (`kvfabric.directory.leader`): `start_shard` rebuilds the
 shard's index from the segments' reports (only keys of that shard) under the new epoch before it
@@ -59,7 +66,15 @@ from kvfabric.directory.reply_room import ManyReplyRoom, part_error
 from kvfabric.directory.segment_registry import SegmentRegistry
 from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.directory.suspects import SUSPECT_VERB, SUSPECTS_TENANT_PER_S, SuspectRelay
-from kvfabric.format.errors import BadRequest, BatchTooLarge, KvfError, Unauthorized, Unavailable, WrongShard
+from kvfabric.format.errors import (
+    BadRequest,
+    BatchTooLarge,
+    KvfError,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+    WrongShard,
+)
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.shards import shard_of
@@ -93,6 +108,9 @@ MISSING_SEGMENT_DRAIN_S: Final = 1.0  # the stopped shell's queued events still 
 # A router refreshes at most every 50 ms (20/s) while failing: 50/s per tenant leaves room for
 # a few engines refreshing at once, and bounds what a flood costs this instance.
 SHARD_MAP_TENANT_PER_S: Final = 50.0
+# A give-back of a tenant that spent its give-back budget: ids run before the rest (one batched
+# lease release's worth); the rest only when these released something.
+GIVEBACK_SLICE_IDS: Final = m.RELEASE_BATCH_LEASES_MAX
 
 
 # `lookup_many` / `release_many`: (request, the tenant's grant or None for a service) -> reply
@@ -134,6 +152,58 @@ def _keys_of(message: msgspec.Struct) -> list[bytes]:
     if isinstance(message, m.ShowGroup):
         return [message.group]
     return []
+
+
+def giveback_ids(message: msgspec.Struct) -> int:
+    """The ids a give-back names (at least 1: an empty one still cost a request)."""
+    if isinstance(message, m.PutAbort):
+        ids = len(message.keys)
+    elif isinstance(message, m.LeaseRelease):
+        ids = len(message.lease_ids)
+    elif isinstance(message, m.LeaseReleaseMany):
+        ids = sum(len(p.lease_ids) for p in message.parts)
+    else:
+        ids = 1
+    return max(1, ids)
+
+
+def giveback_released(reply: msgspec.Struct) -> int:
+    """How many ids a give-back's reply says it released (aborted, ended)."""
+    if isinstance(reply, m.PutAbortReply):
+        return reply.aborted
+    if isinstance(reply, m.LeaseReply):  # a batch lists what it released; a single one ended
+        return len(reply.released) if reply.lease_id == 0 else 1
+    if isinstance(reply, m.LeaseReleaseManyReply):
+        return sum(len(p.released) for p in reply.parts)
+    if isinstance(reply, m.PinReply):  # unpin: the pin ended
+        return 1
+    return 0
+
+
+def giveback_slices(message: msgspec.Struct) -> tuple[msgspec.Struct, msgspec.Struct | None]:
+    """A give-back as its first `GIVEBACK_SLICE_IDS` ids (one part of a `lease_release_many`)
+    and the rest (None when there is none)."""
+    if isinstance(message, m.PutAbort) and len(message.keys) > GIVEBACK_SLICE_IDS:
+        keys = message.keys
+        return (
+            msgspec.structs.replace(message, keys=keys[:GIVEBACK_SLICE_IDS]),
+            msgspec.structs.replace(message, keys=keys[GIVEBACK_SLICE_IDS:]),
+        )
+    if isinstance(message, m.LeaseReleaseMany) and len(message.parts) > 1:
+        parts = message.parts
+        return msgspec.structs.replace(message, parts=parts[:1]), msgspec.structs.replace(
+            message, parts=parts[1:]
+        )
+    return message, None
+
+
+def giveback_merged(first: msgspec.Struct, rest: msgspec.Struct) -> msgspec.Struct:
+    """The reply to a give-back run as `giveback_slices`."""
+    if isinstance(first, m.PutAbortReply) and isinstance(rest, m.PutAbortReply):
+        return msgspec.structs.replace(rest, aborted=first.aborted + rest.aborted)
+    if isinstance(first, m.LeaseReleaseManyReply) and isinstance(rest, m.LeaseReleaseManyReply):
+        return msgspec.structs.replace(rest, parts=[*first.parts, *rest.parts])
+    raise Unavailable(f"unexpected give-back replies {type(first).__name__}, {type(rest).__name__}")
 
 
 def shard_of_request(message: msgspec.Struct, shards: int) -> int:
@@ -316,12 +386,62 @@ class ShardHost:
             if gate is not None:
                 gate.refuse_early(tenant)  # before decoding: a full queue or an empty bucket
             message = self._decode(data, kind)
+
+            async def run(request: msgspec.Struct) -> msgspec.Struct:
+                return await self._shell(request).handle_tenant(request, verb, grant)
+
+            if not fair:
+                return await self._give_back(tenant, message, run)
             if gate is None:
-                return await self._shell(message).handle_tenant(message, verb, grant)
+                return await run(message)
             async with gate.turn(tenant, len(_keys_of(message))):
-                return await self._shell(message).handle_tenant(message, verb, grant)
+                return await run(message)
 
         return handle
+
+    async def _give_back(
+        self, tenant: str, message: msgspec.Struct, run: Callable[[msgspec.Struct], Awaitable[msgspec.Struct]]
+    ) -> msgspec.Struct:
+        """A tenant's give-back, never refused for load: charged only for the ids that released
+        nothing; once the tenant's budget of those is spent, one slice first (module docstring)."""
+        gate = self.fair
+        if gate is None:
+            return await run(message)
+        if not gate.giveback_spent(tenant):
+            return await self._charged(gate, tenant, message, run, spent=False)
+        first, rest = giveback_slices(message)
+        reply = await self._charged(gate, tenant, first, run, spent=True)
+        if rest is None:
+            return reply
+        return giveback_merged(reply, await self._charged(gate, tenant, rest, run, spent=False))
+
+    @staticmethod
+    async def _charged(
+        gate: FairGate,
+        tenant: str,
+        message: msgspec.Struct,
+        run: Callable[[msgspec.Struct], Awaitable[msgspec.Struct]],
+        *,
+        spent: bool,
+    ) -> msgspec.Struct:
+        """`run(message)`, its ids that released nothing charged; when `spent`, `busy` instead
+        of a reply that released nothing (a lease or pin not held: `not_found`, likewise)."""
+        named = giveback_ids(message)
+        try:
+            reply = await run(message)
+        except NotFound:
+            gate.giveback_charge(tenant, named, 0)
+            if spent:
+                raise gate.giveback_busy(tenant) from None
+            raise
+        except KvfError:
+            gate.giveback_charge(tenant, named, 0)
+            raise
+        released = giveback_released(reply)
+        gate.giveback_charge(tenant, named, released)
+        if spent and released == 0:
+            raise gate.giveback_busy(tenant)
+        return reply
 
     async def _on_suspect(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
         message = self._decode(data, m.ReplicaSuspect)
@@ -360,6 +480,10 @@ class ShardHost:
             if gate is not None:
                 gate.refuse_early(tenant)
             message = self._decode(data, kind)
+            if not fair:  # lease_release_many: a give-back
+                if isinstance(message, m.LeaseReleaseMany):
+                    check_release_many(message)  # the whole request's bounds, before any slice
+                return await self._give_back(tenant, message, lambda request: many(request, grant))
             if gate is None:
                 return await many(message, grant)
             ids = sum(len(p.groups) for p in message.parts) if isinstance(message, m.LookupMany) else 0

@@ -172,6 +172,23 @@ class DirectoryCollector(Collector):
             "The longest wait for a turn since the previous scrape (started or still waiting).",
             value=core.take_longest_wait(gate.clock()),
         )
+        yield GaugeMetricFamily(
+            "kvfabric_directory_fair_tenants_tracked",
+            "Tenants fair admission holds state for (idle ones are forgotten once their bucket is full).",
+            value=core.tracked,
+        )
+        yield CounterMetricFamily(
+            "kvfabric_directory_giveback_empty_ids",
+            "Ids of tenants' give-backs (release, unpin, abort) that released nothing, "
+            "charged to their budget.",
+            value=gate.giveback.empty_ids_total,
+        )
+        yield CounterMetricFamily(
+            "kvfabric_directory_giveback_refused",
+            "Tenants' give-backs refused busy: the tenant's budget was spent and the first "
+            "slice released nothing.",
+            value=gate.giveback.refused_total,
+        )
 
     def _core_calls(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
         """How long synchronous core calls held the event loop (`kvfabric.directory.stalls`)."""

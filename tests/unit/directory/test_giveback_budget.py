@@ -1,0 +1,213 @@
+"""A tenant's give-backs (issue 21, review of fair admission): never refused for load, but the
+ids of theirs that released nothing are charged to a per-tenant budget (`GivebackBudget`); once
+it is spent a give-back runs `GIVEBACK_SLICE_IDS` ids first and is `busy` when those released
+nothing. A flood of empty 4,096-key aborts is refused after its budget, costing the core 64 keys
+a request, while the same tenant's real releases and aborts still succeed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, cast
+
+import msgspec
+import pytest
+
+from kvfabric.core import authz
+from kvfabric.core.directory import DirectoryCore
+from kvfabric.directory.admission import AdmissionConfig, GivebackBudget
+from kvfabric.directory.fair import FairGate
+from kvfabric.directory.handlers import DirectoryShell
+from kvfabric.directory.host import GIVEBACK_SLICE_IDS, ShardHost
+from kvfabric.format.errors import Busy, KvfError, NotFound
+from kvfabric.proto import directory as m
+from kvfabric.proto.codec import encode
+from kvfabric.runtime.service import TenantHandler
+from tests.unit.core.dirkit import DOMAIN, groups, key, new_core, put, register, spec
+
+BURST_IDS = 2 * 4_096  # two max-size empty aborts
+
+
+class _Runtime:
+    def __init__(self) -> None:
+        self.tenant: dict[str, TenantHandler] = {}
+
+    def add_endpoint(self, verb: str, handler: object, **_: object) -> str:
+        return verb
+
+    def add_tenant_endpoint(self, verb: str, handler: TenantHandler, **_: object) -> str:
+        self.tenant[verb] = handler
+        return verb
+
+
+class _Counting:
+    """Wraps the core's `handle`: the ids of each give-back the core saw."""
+
+    def __init__(self, core: DirectoryCore) -> None:
+        self.seen: list[int] = []
+        inner = core.handle
+
+        def handle(message: msgspec.Struct, now_ms: int, **kw: Any) -> Any:
+            if isinstance(message, m.PutAbort):
+                self.seen.append(len(message.keys))
+            return inner(message, now_ms, **kw)
+
+        core.handle = handle  # type: ignore[method-assign,assignment]
+
+
+def test_budget_charges_only_what_released_nothing() -> None:
+    budget = GivebackBudget(ids_per_s=10.0, burst_ids=100)
+    assert not budget.spent("bob", 0.0)
+    budget.charge("bob", 0, 0.0)  # everything released: nothing charged, no state kept
+    assert budget.tokens("bob", 0.0) == 100
+    budget.charge("bob", 100, 0.0)
+    assert budget.spent("bob", 0.0) and not budget.spent("alice", 0.0)
+    assert budget.retry_after_s("bob", 0.0) == pytest.approx(0.1)
+    assert not budget.spent("bob", 0.1)
+    assert not budget.spent("bob", 10.0) and budget.tokens("bob", 10.0) == 100  # full: forgotten
+    budget.check()
+
+
+def _gate(now: list[float], empty_ids_per_s: float, burst_ids: int) -> FairGate:
+    config = AdmissionConfig(
+        ids_per_s=1_000,
+        burst_ids=8_192,
+        queue_max=4,
+        running_max=4,
+        tenant_running_max=1,
+        giveback_empty_ids_per_s=empty_ids_per_s,
+        giveback_empty_burst_ids=burst_ids,
+    )
+    return FairGate(config, clock=lambda: now[0])
+
+
+def _host(core: DirectoryCore, gate: FairGate) -> _Runtime:
+    """Bob's tenant endpoints of a host leading shard 0 with `core` (its shell never started:
+    no NATS; nothing here frees a slot)."""
+    host = ShardHost(
+        "dir-a",
+        1,
+        core.config,
+        registry=cast(Any, None),
+        make_shell=cast(Any, None),
+        grants={"bob": authz.TenantGrant("bob", frozenset({DOMAIN.digest()}))},
+        fair=gate,
+    )
+    shell = DirectoryShell(
+        core, tick_ms=100, events_outbox_max=10_000, events_max_age_s=60, free_timeout_s=1.0
+    )
+    host.shells[0] = shell
+    runtime = _Runtime()
+    host.attach(cast(Any, runtime))
+    return runtime
+
+
+def test_a_flood_of_empty_aborts_is_refused_while_real_give_backs_succeed() -> None:
+    core = new_core()
+    register(core, "s1", capacity=10**9)
+    owned = [key(g) for g in groups(8, seed=1)]
+    put(core, owned[:4], writer=authz.scoped_name("bob", "w"))
+    hit = core.handle(
+        m.Lookup(holder_id=authz.scoped_name("bob", "h"), groups=[g.to_bytes() for g in groups(4, seed=1)]), 0
+    ).reply
+    assert isinstance(hit, m.LookupReply) and hit.lease_id
+    leases = [
+        cast(
+            m.LookupReply, core.handle(m.Lookup(holder_id=authz.scoped_name("bob", "h"), groups=[g]), 0).reply
+        )
+        for g in [groups(1, seed=1)[0].to_bytes()] * 2
+    ]
+    begun = core.handle(
+        m.PutBegin(
+            writer_id=authz.scoped_name("bob", "w"), request_id="b2", objects=[spec(k) for k in owned[4:]]
+        ),
+        0,
+    ).reply
+    assert isinstance(begun, m.PutBeginReply)
+    counting = _Counting(core)
+    now = [0.0]
+    gate = _gate(now, 1.0, BURST_IDS)
+    runtime = _host(core, gate)
+    nothing = [key(g) for g in groups(4_096, seed=2)]  # bob's own domain, never written
+
+    async def ask(verb: str, message: msgspec.Struct) -> msgspec.Struct:
+        return await runtime.tenant[verb](encode(message), {}, "bob")
+
+    async def scenario() -> None:
+        answers: list[str] = []
+        for i in range(6):
+            try:
+                reply = await ask("put_abort", m.PutAbort(writer_id="w", request_id=f"f{i}", keys=nothing))
+            except Busy:
+                answers.append("busy")
+            else:
+                assert isinstance(reply, m.PutAbortReply) and reply.aborted == 0
+                answers.append("served")
+        assert answers == ["served", "served", "busy", "busy", "busy", "busy"]
+        assert counting.seen == [4_096, 4_096] + [GIVEBACK_SLICE_IDS] * 4  # busy after one slice
+        assert gate.giveback.refused_total == 4
+        with pytest.raises(Busy):  # a single release of nothing (not_found): busy while spent
+            await ask("lease_release", m.LeaseRelease(holder_id="h", lease_id=999_999))
+        # while the tenant is spent: a real release, release_many and abort succeed
+        released = await ask("lease_release", m.LeaseRelease(holder_id="h", lease_id=hit.lease_id))
+        assert isinstance(released, m.LeaseReply) and released.lease_id == hit.lease_id
+        many = m.LeaseReleaseMany(
+            holder_id="h", parts=[m.ReleasePart(shard=0, lease_ids=[leases[0].lease_id])]
+        )
+        reply = await ask("lease_release_many", many)
+        assert isinstance(reply, m.LeaseReleaseManyReply) and reply.parts[0].released == [leases[0].lease_id]
+        abort = m.PutAbort(writer_id="w", request_id="real", keys=[*owned[4:], *nothing[:200]])
+        aborted = await ask("put_abort", abort)
+        assert isinstance(aborted, m.PutAbortReply) and aborted.aborted == 4  # and its 200 others ran
+        assert counting.seen[-2:] == [GIVEBACK_SLICE_IDS, 4 + 200 - GIVEBACK_SLICE_IDS]
+        with pytest.raises(Busy) as refused:  # a give-back of nothing, while spent
+            await ask("lease_release", m.LeaseRelease(holder_id="h", lease_id=0, lease_ids=[999_998]))
+        assert refused.value.details["retry_after_ms"] > 0
+        now[0] += 1.0  # a token back: the next give-back runs whole again
+        err: KvfError | None = None
+        try:
+            await ask("put_abort", m.PutAbort(writer_id="w", request_id="later", keys=nothing))
+        except KvfError as caught:
+            err = caught
+        assert err is None and counting.seen[-1] == 4_096
+        now[0] += BURST_IDS  # the budget refilled
+        with pytest.raises(NotFound):  # with budget left, a release of nothing answers as before
+            await ask("lease_release", m.LeaseRelease(holder_id="h", lease_id=999_999))
+        released = await ask("lease_release", m.LeaseRelease(holder_id="h", lease_id=leases[1].lease_id))
+        assert isinstance(released, m.LeaseReply)
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+    gate.giveback.check()
+
+
+def measure(requests: int = 40) -> dict[str, float]:
+    """Bob's empty 4,096-key aborts, ms a request through the host: with budget left (each runs
+    whole) and spent (each `busy` after one slice). `python -m tests.unit.directory.test_giveback_budget`."""
+    import time
+
+    nothing = [key(g) for g in groups(4_096, seed=2)]
+    figures: dict[str, float] = {}
+    for label, burst_ids in (("budget_left_ms", 10**9), ("spent_ms", 1)):
+        core = new_core()
+        register(core, "s1", capacity=10**9)
+        now = [0.0]
+        runtime = _host(core, _gate(now, 1.0, burst_ids))
+        abort = encode(m.PutAbort(writer_id="w", request_id="f", keys=nothing))
+
+        async def flood(runtime: _Runtime = runtime, abort: bytes = abort) -> float:
+            began = time.perf_counter()
+            for _ in range(requests):
+                with contextlib.suppress(Busy):
+                    await runtime.tenant["put_abort"](abort, {}, "bob")
+            return (time.perf_counter() - began) * 1000 / requests
+
+        figures[label] = round(asyncio.run(flood()), 2)
+    decode_began = time.perf_counter()
+    for _ in range(requests):
+        m.request_decoder.decode(encode(m.PutAbort(writer_id="w", request_id="f", keys=nothing)))
+    figures["encode_decode_ms"] = round((time.perf_counter() - decode_began) * 1000 / requests, 2)
+    return figures
+
+
+if __name__ == "__main__":
+    print(measure())
