@@ -1,4 +1,4 @@
-"""One prefix's lookup goes to each directory instance once (`kvfabric.client.lookups`, issue
+"""One prefix's lookup goes to each directory instance once (`kvfabric.cluster.lookups`, issue
 20): the shards an instance leads travel in one `lookup_many`, a shard alone on its instance in
 a plain `lookup`; a part refused for a routing reason is asked again alone (its shard's `ask`
 refreshes the map), a part's other error is that shard's result, a stale part is never used, a
@@ -13,7 +13,7 @@ from typing import Any, cast
 import msgspec
 import pytest
 
-from kvfabric.client.lookups import ShardResult, lookup_by_instance
+from kvfabric.cluster.lookups import ShardResult, lookup_by_instance
 from kvfabric.directory.host import check_lookup_many
 from kvfabric.format.errors import (
     BadRequest,

@@ -25,11 +25,11 @@ def test_a_tick_during_the_hint_lookup_does_not_send_time_backwards(monkeypatch:
     clock = {"ms": 1_000_000}
     monkeypatch.setattr(shell_module, "now_ms", lambda: clock["ms"])
     (g,) = groups(1, seed=3)
-    router = DirectoryRouter(cast(Any, None))  # never asked: `_directory` is replaced below
+    router = DirectoryRouter(cast(Any, None))  # never asked: `ask` is replaced below
     router.shards = 1  # the map is known: no refresh
     shell = make_shell(router)
 
-    async def directory(shard: int, verb: str, message: msgspec.Struct) -> Any:
+    async def directory(shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **_: Any) -> Any:
         assert verb == "lookup" and shard == 0
         clock["ms"] += 5
         shell.core.tick(shell._now())  # the ticker ran while the lookup was in flight
@@ -42,7 +42,7 @@ def test_a_tick_during_the_hint_lookup_does_not_send_time_backwards(monkeypatch:
             epoch=1, hit_chunks=1, lease_id=7, lease_expires_ms=clock["ms"] + 60_000, objects=[location]
         )
 
-    monkeypatch.setattr(shell, "_directory", directory)
+    monkeypatch.setattr(router, "ask", directory)
     hint = p.PrefetchHint(
         hint_id="h1", tenant="t", groups=[g.to_bytes()], target_segment="s2", deadline_ms=clock["ms"] + 60_000
     )

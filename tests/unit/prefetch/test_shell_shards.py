@@ -129,10 +129,8 @@ def test_one_lookup_per_shard_the_hit_is_the_common_prefix_and_leases_go_back_by
     assert {s for s, _ in released} >= in_hit and "h1" not in shell._leases
 
 
-def test_a_failing_shard_fails_the_hint_and_the_other_leases_go_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shell_module, "now_ms", lambda: NOW)
-    raws = spread_prefix()
-    bad = shard_of(raws[-1], SHARDS)
+def failing_shard(bad: int) -> Any:
+    """Every shard but `bad` holds the whole prefix and grants lease 7; `bad` is failing over."""
 
     def answer(shard: int, verb: str, message: msgspec.Struct) -> Any:
         if verb == "lease_release":
@@ -149,7 +147,16 @@ def test_a_failing_shard_fails_the_hint_and_the_other_leases_go_back(monkeypatch
             objects=[location(g) for g in message.groups],
         )
 
-    router = FakeRouter(answer)
+    return answer
+
+
+def test_a_failing_shard_holding_the_first_chunk_fails_the_hint_and_the_other_leases_go_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(shell_module, "now_ms", lambda: NOW)
+    raws = spread_prefix()
+    bad = shard_of(raws[0], SHARDS)
+    router = FakeRouter(failing_shard(bad))
     shell = make_shell(router)
     hint = p.PrefetchHint(
         hint_id="h1", tenant="t", groups=raws, target_segment="s2", deadline_ms=NOW + 60_000
@@ -158,4 +165,26 @@ def test_a_failing_shard_fails_the_hint_and_the_other_leases_go_back(monkeypatch
         asyncio.run(shell._add(hint))
     granted = {s for s, verb, _ in router.asked if verb == "lookup" and s != bad}
     released = {(s, msg.shard) for s, verb, msg in router.asked if isinstance(msg, m.LeaseRelease)}
-    assert released == {(s, s) for s in granted} and not shell._leases
+    assert granted and released == {(s, s) for s in granted} and not shell._leases
+
+
+def test_a_failing_shard_cuts_the_hint_at_its_first_chunk_as_in_the_client(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 26: one merge rule for the client and prefetch (`kvfabric.cluster.lookups`): the
+    chunks before the failing shard's first one still hit and are prefetched."""
+    monkeypatch.setattr(shell_module, "now_ms", lambda: NOW)
+    raws = spread_prefix()
+    bad = shard_of(raws[1], SHARDS)  # its first chunk is chunk 1 (chunk 0 lies elsewhere)
+    router = FakeRouter(failing_shard(bad))
+    shell = make_shell(router)
+    hint = p.PrefetchHint(
+        hint_id="h1", tenant="t", groups=raws, target_segment="s2", deadline_ms=NOW + 60_000
+    )
+    reply = asyncio.run(shell._add(hint))
+    assert isinstance(reply, p.HintReply) and reply.status == "accepted" and reply.objects_queued == 1
+    first = shard_of(raws[0], SHARDS)
+    assert shell._leases["h1"] == [(first, 7)]  # the lease protecting chunk 0 is kept
+    granted = {s for s, verb, _ in router.asked if verb == "lookup" and s != bad}
+    released = {s for s, verb, _ in router.asked if verb == "lease_release"}
+    assert released == granted - {first}  # the others protect nothing: given back at once

@@ -35,7 +35,6 @@ from nats.aio.client import Client as NatsClient
 from kvfabric.client.busy import retry_busy
 from kvfabric.client.connect import open_nats
 from kvfabric.client.hits import Hit, LoadResult, SaveResult
-from kvfabric.client.lookups import RELEASE_MANY_VERB, lookup_by_instance
 from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.releases import RELEASES_CONCURRENT_MAX, give_back
 from kvfabric.client.saves import SaveTally, confirm_counts, object_specs, plan_save
@@ -44,6 +43,7 @@ from kvfabric.client.shared_calls import SharedCalls
 from kvfabric.client.suspects import REPORT_TIMEOUT_S, SuspectReporter
 from kvfabric.client.threads import thread_placement
 from kvfabric.client.transfers import SegmentPool
+from kvfabric.cluster.lookups import RELEASE_MANY_VERB, lookup_prefix
 from kvfabric.core.client_loads import (
     Busy,
     CancelTransfer,
@@ -358,73 +358,31 @@ class AsyncKvClient:
     async def _lookup_shards(
         self, groups: list[ChunkGroupId], members: tuple[MemberId, ...], trace_id: str
     ) -> tuple[int, list[m.ObjectLocation], list[tuple[int, int]], int]:
-        """The lookups of every shard holding some of the prefix's chunks, one request per
-        leading instance (`kvfabric.client.lookups`), concurrently. The hit is the
-        first chunk any shard misses (a shard that fails misses from its first chunk); every
+        """The lookups of every shard holding some of the prefix's chunks, merged by
+        `kvfabric.cluster.lookups.lookup_prefix` (one request per leading instance): the hit is
+        the first chunk any shard misses (a shard that fails misses from its first chunk); every
         shard with a chunk inside the hit keeps its lease (released with the hit), the others'
         are given back at once. Raises the first failure only when nothing hit."""
-        router = self._router()
-        await router.known_shards()  # Unavailable: the caller's fallback
-        positions: dict[int, list[int]] = {}
-        raws = [g.to_bytes() for g in groups]
-        for index, raw in enumerate(raws):
-            positions.setdefault(router.shard_of(raw), []).append(index)
-        wanted = [m.Member(*member) for member in members]
 
-        lookups = {
-            shard: m.Lookup(
-                holder_id=self.settings.holder_id,
-                groups=[raws[i] for i in indexes],
-                members=wanted,
-                lease_ttl_ms=self.settings.lease_ttl_ms,
-            )
-            for shard, indexes in positions.items()
-        }
-        results = await lookup_by_instance(
-            router,
-            lookups,
+        async def give_back(leases: list[tuple[int, int]]) -> None:
+            for lease in leases:  # held until given back (`_release_leases` gives back held ones)
+                self._leases[lease] = 0
+            await self._release_leases(leases, trace_id)
+
+        hit = await lookup_prefix(
+            self._router(),
+            [g.to_bytes() for g in groups],
+            holder_id=self.settings.holder_id,
+            members=[m.Member(*member) for member in members],
+            lease_ttl_ms=self.settings.lease_ttl_ms,
             timeout_s=self.settings.lookup_timeout_ms / 1000,
             trace_id=trace_id,
             refused=self._lookup_many_refused,
+            give_back=give_back,
         )
-        hit_chunks = len(groups)
-        objects: list[m.ObjectLocation] = []
-        granted: list[tuple[int, int, int]] = []  # (shard, lease id, expires_ms)
-        failure: BaseException | None = None
-        for shard, indexes in positions.items():
-            reply = results[shard]
-            if not isinstance(reply, m.LookupReply):
-                # A shard that cannot answer (failing over, say) is a miss from its first chunk
-                # on: the chunks before it still hit.
-                failure = failure or (reply if isinstance(reply, BaseException) else KvfError("bad reply"))
-                hit_chunks = min(hit_chunks, indexes[0])
-                continue
-            if reply.hit_chunks < len(indexes):
-                hit_chunks = min(hit_chunks, indexes[reply.hit_chunks])
-            objects.extend(reply.objects)
-            if reply.lease_id:
-                granted.append((shard, reply.lease_id, reply.lease_expires_ms))
-        # Leases of shards with no chunk inside the hit protect nothing: give them back now.
-        leases: list[tuple[int, int]] = []
-        unused: list[tuple[int, int]] = []
-        expires = 0
-        for shard, lease_id, lease_expires in granted:
-            if positions[shard][0] < hit_chunks:
-                leases.append((shard, lease_id))
-                expires = lease_expires if not expires else min(expires, lease_expires)
-            else:
-                self._leases[(shard, lease_id)] = lease_expires
-                unused.append((shard, lease_id))
-        if failure is not None and hit_chunks == 0:
-            for shard, lease_id in leases:
-                self._leases[(shard, lease_id)] = expires
-            await self._release_leases(unused + leases, trace_id)
-            raise failure
-        if unused:
-            await self._release_leases(unused, trace_id)
-        if failure is not None:
+        if hit.failure is not None:
             self.metrics.fallbacks.labels("directory_shard_partial").inc()
-        return hit_chunks, objects, leases, expires
+        return hit.hit_chunks, hit.objects, hit.leases, hit.expires_ms
 
     def _fallback(self, hit: Hit, cause: str) -> Hit:
         self.metrics.fallbacks.labels(cause).inc()

@@ -1,10 +1,12 @@
 """The prefetch shell: hints and reads → `PrefetchCore` → segment-to-segment copies → core.
 
-- `hint` (`PrefetchHint`): resolve the prefix with one directory `lookup` per shard holding some
-  of its chunks, concurrently (the directory is sharded: every request goes through a
-  `DirectoryRouter`, created in `start`). The hit is the longest prefix every shard found; each
-  shard that hit grants a read lease, kept as (shard, lease id), that keeps the sources from
-  being evicted while they are copied (released when the hint ends); then `core.add_hint`; the
+- `hint` (`PrefetchHint`): resolve the prefix as the client resolves its lookups
+  (`kvfabric.cluster.lookups.lookup_prefix`: the shards holding some of its chunks asked
+  concurrently, one `lookup_many` per leading instance, through a `DirectoryRouter` created in
+  `start`). The hit is the longest prefix every shard found (a failing shard misses from its
+  first chunk; the hint fails only when nothing hit); each shard with a chunk inside the hit
+  grants a read lease, kept as (shard, lease id), that keeps the sources from being evicted
+  while they are copied (released when the hint ends; the others at once); then `core.add_hint`; the
   answer (accepted / deduped / busy / refused) is the reply. At most `resolving_max` hints are
   resolved at once: more answer `busy` at once (a flood costs no directory traffic).
 - `cancel`: `core.cancel_hint`; its lease is released on the next tick.
@@ -39,6 +41,7 @@ import msgspec
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from kvfabric.cluster.lookups import lookup_prefix
 from kvfabric.cluster.replicas import copy_replica
 from kvfabric.core.prefetch import (
     Accepted,
@@ -95,6 +98,7 @@ class PrefetchShell:
         self._leases: dict[str, list[tuple[int, int]]] = {}
         self._locations: dict[bytes, dict[str, m.Replica]] = {}  # extra replicas: key -> segment -> where
         self._router: DirectoryRouter | None = None
+        self._lookup_many_refused: set[str] = set()  # instances without `lookup_many` (older directories)
         self._tasks: list[asyncio.Task[None]] = []
         self._copies: set[asyncio.Task[None]] = set()
         self._log = get_logger("kvfabric.prefetch")
@@ -183,54 +187,24 @@ class PrefetchShell:
     async def _lookup(
         self, hint: p.PrefetchHint, ttl_ms: int
     ) -> tuple[int, list[m.ObjectLocation], list[tuple[int, int]]]:
-        """One `lookup` per shard holding some of the hint's chunks, concurrently: (the hit, i.e.
-        the first chunk any shard misses; the objects found; the (shard, lease id) granted). A
-        failing shard fails the whole lookup (the other shards' leases are given back), and so
-        does the lease of a shard none of whose chunks is in the hit."""
-        router = await self._routed()
-        positions: dict[int, list[int]] = {}
-        for index, raw in enumerate(hint.groups):
-            try:
-                shard = router.shard_of(raw)
-            except ValueError as exc:  # not a chunk group id: the caller's mistake
-                raise BadRequest(f"a hint names chunk group ids: {exc}") from None
-            positions.setdefault(shard, []).append(index)
-
-        async def one(shard: int, indexes: list[int]) -> tuple[int, m.DirectoryReply]:
-            message = m.Lookup(
-                holder_id=self.holder_id,
-                groups=[hint.groups[i] for i in indexes],
-                members=hint.members,
-                lease_ttl_ms=ttl_ms,
-            )
-            return shard, await self._directory(shard, "lookup", message)
-
-        results = await asyncio.gather(*(one(s, ix) for s, ix in positions.items()), return_exceptions=True)
-        hit_chunks = len(hint.groups)
-        objects: list[m.ObjectLocation] = []
-        leases: list[tuple[int, int]] = []
-        failure: BaseException | None = None
-        for result in results:
-            if isinstance(result, BaseException):
-                failure = failure or result
-                continue
-            shard, reply = result
-            if not isinstance(reply, m.LookupReply):
-                failure = failure or Unavailable(f"unexpected lookup reply {type(reply).__name__}")
-                continue
-            indexes = positions[shard]
-            if reply.hit_chunks < len(indexes):
-                hit_chunks = min(hit_chunks, indexes[reply.hit_chunks])
-            objects.extend(reply.objects)
-            if reply.lease_id:
-                leases.append((shard, reply.lease_id))
-        if failure is not None:
-            await self._release_leases(leases)
-            raise failure
-        useless = [(s, lease) for s, lease in leases if positions[s][0] >= hit_chunks]
-        if useless:
-            await self._release_leases(useless)
-        return hit_chunks, objects, [lease for lease in leases if lease not in useless]
+        """The hint's prefix looked up on every shard holding some of its chunks, one request per
+        leading instance, merged as the client merges its own lookup
+        (`kvfabric.cluster.lookups.lookup_prefix`): (the hit, i.e. the first chunk any shard
+        misses, a failing shard missing from its first chunk; the objects found; the (shard,
+        lease id) kept: shards with a chunk inside the hit). The other leases are given back at
+        once; the first failure is raised only when nothing hit (every lease given back)."""
+        hit = await lookup_prefix(
+            self._dir(),
+            hint.groups,
+            holder_id=self.holder_id,
+            members=hint.members,
+            lease_ttl_ms=ttl_ms,
+            timeout_s=self.request_timeout_s,
+            trace_id="",
+            refused=self._lookup_many_refused,
+            give_back=self._release_leases,
+        )
+        return hit.hit_chunks, hit.objects, hit.leases
 
     async def _on_cancel(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
         message = decode_as(p.prefetch_decoder, data, p.CancelHint, "cancel")

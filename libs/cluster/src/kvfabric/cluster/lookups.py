@@ -1,0 +1,236 @@
+"""One prefix's lookup over the sharded directory, and the one rule that merges the shards' answers
+(the client's `lookup`, the prefetch service's hints; issue 26).
+
+**Routing** (`lookup_by_instance`). A prefix's chunk groups hash to many shards (8 chunks over 16
+shards: up to 8). One request per shard costs each of them a NATS round trip and the directory's
+per-request work, concurrently on the same instance. So the shards an instance leads go to it in
+one `lookup_many` request; each part is answered as that shard's `lookup` would be (authorized,
+leased, fenced by its epoch), and a part that fails for a routing reason (`wrong_shard`,
+`unavailable`: the map moved) is asked again alone through `DirectoryRouter.ask`, which refreshes
+the map. A shard alone on its instance is asked alone. An instance that has no `lookup_many`
+endpoint (an older directory: `no responders`) is remembered in `refused` and asked shard by
+shard from then on. Leases granted by a part whose reply never arrives (a timeout) expire at the
+directory, as for a single lookup.
+
+**Merging** (`merge_lookups`, pure; `lookup_prefix` runs both and gives leases back):
+- the hit ends at the first chunk any shard misses (never skipping a gap);
+- a shard that fails (no reply, an error, a reply that is no `LookupReply`) misses from its
+  first chunk on: the chunks before it still hit, and the failure is kept (`PrefixHit.failure`);
+  the lookup raises it only when nothing hit;
+- the lease of a shard with a chunk inside the hit is kept (it protects what will be read); the
+  others protect nothing and are given back at once; all of them when the lookup raises.
+
+Which rule won: until issue 26 the prefetch service failed a whole hint when any shard failed.
+The client's rule won: a failed shard says nothing about the chunks before its first one, the
+engine's lookup would hit and load them, and so a prefetch hint now stages exactly what the
+client will load (docs/design.md 3, invariants 1 and 6: fold to the longest complete prefix; a
+failure means recompute for the rest of the prefix, not for all of it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from kvfabric.format.errors import BadRequest, KvfError, Unavailable, error_from_wire
+from kvfabric.proto import directory as m
+from kvfabric.proto.common import TRACE_ID_HEADER
+from kvfabric.runtime.directory_router import DirectoryRouter
+
+__all__ = [
+    "LOOKUP_MANY_VERB",
+    "RELEASE_MANY_VERB",
+    "Lease",
+    "PrefixHit",
+    "ShardResult",
+    "lookup_by_instance",
+    "lookup_prefix",
+    "merge_lookups",
+]
+
+LOOKUP_MANY_VERB: Final = "lookup_many"
+RELEASE_MANY_VERB: Final = "lease_release_many"  # the hit's leases, given back the same way
+
+ShardResult = m.DirectoryReply | BaseException  # a shard's reply, or why it has none
+Lease = tuple[int, int]  # (shard, lease id): a lease id means something only to its shard
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The merged answer of every shard holding some of a prefix's chunks."""
+
+    hit_chunks: int  # the prefix's chunks every shard found, from the first
+    objects: list[m.ObjectLocation]  # what the shards found (callers keep those inside the hit)
+    leases: list[Lease]  # the kept leases: shards with a chunk inside the hit
+    expires_ms: int  # the earliest expiry of the kept leases (0: none kept)
+    failure: BaseException | None  # the first failed shard's error (None: every shard answered)
+
+
+async def lookup_by_instance(
+    router: DirectoryRouter,
+    lookups: Mapping[int, m.Lookup],
+    *,
+    timeout_s: float,
+    trace_id: str,
+    refused: set[str],
+) -> dict[int, ShardResult]:
+    """Every shard's lookup (`lookups`: shard -> its `Lookup`, all of one holder, members and
+    ttl), batched per leading instance; shard -> its reply or its error (never raises)."""
+    headers = {TRACE_ID_HEADER: trace_id} if trace_id else None
+    by_instance: dict[str, list[int]] = {}
+    alone: list[int] = []
+    for shard in lookups:
+        route = router.route(shard)
+        if route is None or route.instance in refused:
+            alone.append(shard)
+        else:
+            by_instance.setdefault(route.instance, []).append(shard)
+    for instance, shards in list(by_instance.items()):
+        if len(shards) == 1:
+            alone.extend(by_instance.pop(instance))
+
+    async def single(shard: int) -> dict[int, ShardResult]:
+        try:
+            return {shard: await router.ask(shard, "lookup", lookups[shard], timeout_s, headers=headers)}
+        except Exception as err:  # a shard's failure is its result
+            return {shard: err}
+
+    async def singles(shards: Sequence[int]) -> dict[int, ShardResult]:
+        out: dict[int, ShardResult] = {}
+        for part in await asyncio.gather(*(single(s) for s in shards)):
+            out.update(part)
+        return out
+
+    async def many(instance: str, shards: list[int]) -> dict[int, ShardResult]:
+        first = lookups[shards[0]]
+        parts = []
+        for shard in shards:
+            route = router.route(shard)
+            epoch = route.epoch if route is not None else 0
+            parts.append(m.LookupPart(shard=shard, groups=lookups[shard].groups, epoch=epoch))
+        message = m.LookupMany(
+            holder_id=first.holder_id, parts=parts, members=first.members, lease_ttl_ms=first.lease_ttl_ms
+        )
+        try:
+            reply = await router.ask_instance(instance, LOOKUP_MANY_VERB, message, timeout_s, headers=headers)
+        except Unavailable as err:
+            if "no responders" in err.message:
+                refused.add(instance)  # a directory without `lookup_many`: shard by shard from now on
+            return await singles(shards)
+        except Exception as err:  # e.g. Indeterminate: every part failed alike
+            return dict.fromkeys(shards, err)
+        if not isinstance(reply, m.LookupManyReply):
+            return dict.fromkeys(shards, KvfError(f"unexpected lookup_many reply {type(reply).__name__}"))
+        answered = {part.shard: part for part in reply.parts}
+        out: dict[int, ShardResult] = {}
+        again: list[int] = []
+        for shard in shards:
+            part = answered.get(shard)
+            if part is None:
+                again.append(shard)
+            elif part.reply is not None:
+                try:
+                    router.saw(shard, part.reply)  # a replaced leader's view is never used
+                    out[shard] = part.reply
+                except KvfError as err:
+                    out[shard] = err
+            else:
+                error = error_from_wire(part.error, part.message)
+                if isinstance(error, Unavailable):  # wrong_shard, stopping: the map moved
+                    again.append(shard)
+                else:
+                    out[shard] = error
+        out.update(await singles(again))
+        return out
+
+    results: dict[int, ShardResult] = {}
+    for part in await asyncio.gather(singles(alone), *(many(i, ss) for i, ss in by_instance.items())):
+        results.update(part)
+    return results
+
+
+def merge_lookups(
+    chunks: int, positions: Mapping[int, Sequence[int]], results: Mapping[int, ShardResult]
+) -> tuple[PrefixHit, list[Lease]]:
+    """Fold the shards' answers (`positions`: shard -> the indexes of its chunks in the prefix,
+    ascending; `results`: shard -> its reply or error) into (the hit, the leases it does not
+    need) by the rules in the module docstring."""
+    hit_chunks = chunks
+    objects: list[m.ObjectLocation] = []
+    granted: list[tuple[int, int, int]] = []  # (shard, lease id, expires_ms)
+    failure: BaseException | None = None
+    for shard, indexes in positions.items():
+        reply = results[shard]
+        if not isinstance(reply, m.LookupReply):
+            if failure is None:
+                failure = (
+                    reply
+                    if isinstance(reply, BaseException)
+                    else KvfError(f"unexpected lookup reply {type(reply).__name__}")
+                )
+            hit_chunks = min(hit_chunks, indexes[0])
+            continue
+        if reply.hit_chunks < len(indexes):
+            hit_chunks = min(hit_chunks, indexes[reply.hit_chunks])
+        objects.extend(reply.objects)
+        if reply.lease_id:
+            granted.append((shard, reply.lease_id, reply.lease_expires_ms))
+    kept: list[Lease] = []
+    unneeded: list[Lease] = []
+    expires = 0
+    for shard, lease_id, lease_expires in granted:
+        if positions[shard][0] < hit_chunks:
+            kept.append((shard, lease_id))
+            expires = lease_expires if not expires else min(expires, lease_expires)
+        else:
+            unneeded.append((shard, lease_id))
+    return PrefixHit(hit_chunks, objects, kept, expires, failure), unneeded
+
+
+async def lookup_prefix(
+    router: DirectoryRouter,
+    groups: Sequence[bytes],
+    *,
+    holder_id: str,
+    members: Sequence[m.Member],
+    lease_ttl_ms: int,
+    timeout_s: float,
+    trace_id: str,
+    refused: set[str],
+    give_back: Callable[[list[Lease]], Awaitable[None]],
+) -> PrefixHit:
+    """Look up a prefix (`groups`: its chunk group ids, in order) on every shard holding some of
+    it, one request per leading instance (`lookup_by_instance`), and merge the answers
+    (`merge_lookups`). The leases not needed go to `give_back` (the caller's way of releasing
+    them) before this returns; when nothing hit and a shard failed, every lease does and the
+    first failure is raised. `BadRequest` for a group that is no chunk group id; the router's
+    error when the shard map is unknown."""
+    await router.known_shards()
+    positions: dict[int, list[int]] = {}
+    for index, raw in enumerate(groups):
+        try:
+            shard = router.shard_of(raw)
+        except ValueError as exc:  # not a chunk group id: the caller's mistake
+            raise BadRequest(f"a lookup names chunk group ids: {exc}") from None
+        positions.setdefault(shard, []).append(index)
+    lookups = {
+        shard: m.Lookup(
+            holder_id=holder_id,
+            groups=[groups[i] for i in indexes],
+            members=list(members),
+            lease_ttl_ms=lease_ttl_ms,
+        )
+        for shard, indexes in positions.items()
+    }
+    results = await lookup_by_instance(
+        router, lookups, timeout_s=timeout_s, trace_id=trace_id, refused=refused
+    )
+    hit, unneeded = merge_lookups(len(groups), positions, results)
+    if hit.failure is not None and hit.hit_chunks == 0:
+        await give_back(unneeded + hit.leases)
+        raise hit.failure
+    if unneeded:
+        await give_back(unneeded)
+    return hit
