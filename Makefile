@@ -113,6 +113,10 @@ chaos: setup ## Every fault drill in tests/drills on a local cluster; table + be
 chaos-quick: setup ## The drills marked quick (what CI runs, ~1 min)
 	$(PY) tools/chaos.py --quick
 
+.PHONY: test-floods
+test-floods: setup ## Hostile-tenant floods judged by the victim's latency ratio (docs/security.md; noisy: run on a quiet machine)
+	$(PY) -m pytest -m flood tests/security $(PYTEST_ARGS)
+
 .PHONY: demo
 demo: setup ## Bring the local cluster up (if needed) and run a shared-prefix HF workload on it; prints a table
 	$(PY) tools/demo.py

@@ -44,7 +44,7 @@ from tests.security.test_directory_side_channels import (
     tenant_router,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.flood]
 
 TIMEOUT_S = 10.0
 FLOOD_CONCURRENT = 32  # bob's loops: twice his share of the directory's in-flight slots (16)

@@ -17,7 +17,7 @@ from kvfabric.core import authz
 from kvfabric.core.directory import DirectoryConfig
 from kvfabric.directory import admission
 from kvfabric.directory.admission import AdmissionConfig, FairAdmission, Refusal, Started, cost_of
-from kvfabric.directory.fair import FairGate
+from kvfabric.directory.fair import REFUSAL_HOLD_S_MAX, FairGate
 from kvfabric.directory.host import ShardHost
 from kvfabric.directory.settings import FAIR_DEFAULT, load_fair_admission
 from kvfabric.format.errors import Busy, KvfError, WrongShard
@@ -270,7 +270,7 @@ def test_gate_takes_turns_refuses_busy_and_survives_cancellation() -> None:
                 pass
         assert refused.value.details["fair_tenant_queue_max"] == 1
         with pytest.raises(Busy):
-            gate.refuse_early("bob")
+            await gate.refuse_early("bob")
         queued.cancel()
         await asyncio.sleep(0)
         release_bob.set()
@@ -282,8 +282,13 @@ def test_gate_takes_turns_refuses_busy_and_survives_cancellation() -> None:
         now[0] = 1.0
         async with gate.turn("carol", 5_000):  # charged as the whole burst (4,200)
             pass
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
         with pytest.raises(Busy) as spent:
-            gate.refuse_early("carol")
+            await gate.refuse_early("carol")
+        # held before it is answered: a flood that never backs off cannot spin on refusals
+        hold_s = min(REFUSAL_HOLD_S_MAX, spent.value.details["retry_after_ms"] / 1000)
+        assert hold_s > 0 and loop.time() - asked >= hold_s * 0.9
         with pytest.raises(Busy) as spent:
             async with gate.turn("carol", 4):
                 pass

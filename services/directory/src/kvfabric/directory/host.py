@@ -384,7 +384,7 @@ class ShardHost:
                 raise Unauthorized(f"tenant {tenant!r} has no share domains here")
             gate = self.fair if fair else None
             if gate is not None:
-                gate.refuse_early(tenant)  # before decoding: a full queue or an empty bucket
+                await gate.refuse_early(tenant)  # before decoding: a full queue or an empty bucket
             message = self._decode(data, kind)
 
             async def run(request: msgspec.Struct) -> msgspec.Struct:
@@ -478,7 +478,7 @@ class ShardHost:
                 raise Unauthorized(f"tenant {tenant!r} has no share domains here")
             gate = self.fair if fair else None
             if gate is not None:
-                gate.refuse_early(tenant)
+                await gate.refuse_early(tenant)
             message = self._decode(data, kind)
             if not fair:  # lease_release_many: a give-back
                 if isinstance(message, m.LeaseReleaseMany):
