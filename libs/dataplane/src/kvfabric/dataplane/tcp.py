@@ -731,12 +731,17 @@ class TcpDataClient:
                     final, _ = self._reply(self._request_id)
                     if not isinstance(final, GetReply) or len(final.results) != len(reads):
                         raise Indeterminate("malformed GET verdicts")
+                    # A verdict after the bytes may only take an ok back, never give one: an
+                    # object whose header said not ok sent no bytes, whatever the verdict says.
+                    results = [
+                        f if first.status == "ok" else first
+                        for first, f in zip(reply.results, final.results, strict=True)
+                    ]
                     if digests is not None:  # bytes whose verdict is not ok are nobody's
                         digests[:] = [
-                            d if r.status == "ok" else b""
-                            for r, d in zip(final.results, digests, strict=True)
+                            d if r.status == "ok" else b"" for r, d in zip(results, digests, strict=True)
                         ]
-                    return final.results
+                    return results
             except (OSError, _Closed) as exc:
                 raise Indeterminate(f"data connection failed during GET payload: {exc!r}") from exc
         return reply.results
