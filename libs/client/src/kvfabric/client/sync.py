@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -40,6 +41,20 @@ log = logging.getLogger("kvfabric.client")
 
 T = TypeVar("T")
 _GRACE_S = 5.0  # beyond a call's own timeout: the loop thread is late only if the process is stuck
+
+
+async def _settle_tasks(timeout_s: float) -> None:
+    """Cancel what still runs on the loop and let it end (what `asyncio.run` does before it closes
+    a loop). A start cancelled by `close` is only *asked* to stop when its future reads cancelled:
+    left pending, it was destroyed with the loop and finalized later, its errors landing in
+    whatever ran then (an unraisable error failing a random later test)."""
+    me = asyncio.current_task()
+    rest = [task for task in asyncio.all_tasks() if task is not me]
+    for task in rest:
+        task.cancel()
+    if rest:
+        await asyncio.wait(rest, timeout=timeout_s)
+
 
 # `status.state` values
 STARTING: Final = "starting"
@@ -315,6 +330,9 @@ class KvClient:
         try:
             self._call(self.aio.close(), self.settings.save_timeout_ms / 1000)
         finally:
+            settling = asyncio.run_coroutine_threadsafe(_settle_tasks(_GRACE_S), self._loop)
+            with contextlib.suppress(Exception):  # a stuck loop thread: close it as it is
+                settling.result(_GRACE_S + 1.0)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=_GRACE_S)
             self._loop.close()
