@@ -71,6 +71,7 @@ from kvfabric.core.quotas import Tenant, request_tokens, tenant_of
 from kvfabric.format.errors import BadRequest, BatchTooLarge, Busy
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
+from kvfabric.proto.segment import tier_of_slot
 from kvfabric.proto.tickets import sign_ticket
 
 __all__ = ["BuildingGroup", "PendingMember", "Placement", "WriteTable"]
@@ -355,6 +356,9 @@ class WriteTable:
             or c.key != held.key
             or c.size_bytes != held.size_bytes
             or c.checksum != held.checksum
+            # a write lands in the arena: a slot in the disk range would publish a replica that
+            # reserves nothing (the tier follows the slot) while its bytes hold arena space
+            or tier_of_slot(c.slot) != "dram"
         ):
             self.ctx.count("confirm_mismatch_total")
             return "mismatch"
