@@ -75,7 +75,7 @@ from kvfabric.core.disk_records import (
     encode_record,
     geometry,
 )
-from kvfabric.core.disk_slots import DiskHeld, DiskSlotTable
+from kvfabric.core.disk_slots import DiskGrant, DiskHeld, DiskSlotTable
 from kvfabric.format.checksum import StreamingChecksum, checksum
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, Busy, KvfError, NotFound, StaleGeneration, Unavailable
@@ -835,9 +835,9 @@ class SsdTier:
 
     # ---- reads ---------------------------------------------------------------------------------
 
-    def read(self, slot: int, generation: int, size: int) -> SsdRead:
-        """Read a stored object (wire slot id) into a private buffer and verify it. `corrupt`: the
-        bytes (or the device) failed, the slot is freed now; tell the directory."""
+    def _begin_read(self, slot: int, generation: int, size: int) -> SsdRead | tuple[int, DiskGrant, bytes]:
+        """A read's grant, its bytes counted in flight: (local slot, grant, key), or the `SsdRead`
+        of a slot that cannot be read; `Busy` at the in-flight byte limit (one read always may)."""
         local = self.local(slot)
         with self.lock:
             try:
@@ -849,7 +849,7 @@ class SsdTier:
             except KvfError:
                 return SsdRead("not_found")
             in_flight = self.read_bytes_in_flight
-            if in_flight and in_flight + grant.extent_bytes > self.read_bytes_max:  # one read always may
+            if in_flight and in_flight + grant.extent_bytes > self.read_bytes_max:
                 self.table.release(local, generation)
                 self._count("reads_busy_total")
                 raise Busy(
@@ -857,7 +857,15 @@ class SsdTier:
                 )
             self.read_bytes_in_flight += grant.extent_bytes
             held = self.table.held_one(local, generation)
-        key = held.key if held is not None else b""
+        return local, grant, held.key if held is not None else b""
+
+    def read(self, slot: int, generation: int, size: int) -> SsdRead:
+        """Read a stored object (wire slot id) into a private buffer and verify it. `corrupt`: the
+        bytes (or the device) failed, the slot is freed now; tell the directory."""
+        begun = self._begin_read(slot, generation, size)
+        if isinstance(begun, SsdRead):
+            return begun
+        local, grant, key = begun
         extent = grant.extent_bytes
         pool = self.read_buffers
         lent: list[mmap.mmap] = []  # the pool's buffer, until given back (once)
@@ -915,26 +923,10 @@ class SsdTier:
         sent with its verdict; a larger one is sent piece by piece while the rest is read. Smaller
         pieces (4 or 8 per MiB object) measured slower on the shared 2-vCPU VM than read-then-send:
         each costs thread hand-offs (docs/ssd-tier.md "Figures")."""
-        local = self.local(slot)
-        with self.lock:
-            try:
-                grant = self.table.acquire(local, generation, size)
-            except StaleGeneration:
-                return SsdRead("stale_generation")
-            except BadRequest:
-                return SsdRead("wrong_size")
-            except KvfError:
-                return SsdRead("not_found")
-            in_flight = self.read_bytes_in_flight
-            if in_flight and in_flight + grant.extent_bytes > self.read_bytes_max:  # one read always may
-                self.table.release(local, generation)
-                self._count("reads_busy_total")
-                raise Busy(
-                    "disk tier reads in flight at their byte limit", read_bytes_max=self.read_bytes_max
-                )
-            self.read_bytes_in_flight += grant.extent_bytes
-            held = self.table.held_one(local, generation)
-        key = held.key if held is not None else b""
+        begun = self._begin_read(slot, generation, size)
+        if isinstance(begun, SsdRead):
+            return begun
+        local, grant, key = begun
         extent = grant.extent_bytes
         pool = self.read_buffers
         lent: list[mmap.mmap] = []
