@@ -205,12 +205,40 @@ def test_idle_tenants_are_forgotten_and_cost_start_nothing() -> None:
         crowded.start(later_s)
         crowded.done("x", later_s)
         assert crowded.examined_total - before <= 2 * admission.FORGET_SWEEP_MAX + 1  # bounded per call
+    # The first sweep found `vtime` (x's first tag) behind their `finish`: looked at a refill later.
+    again_s = later_s + c.burst_ids / c.ids_per_s
+    crowded.offer("x", 20, again_s)
+    crowded.start(again_s)
+    crowded.done("x", again_s)
     crowded.check()
     assert crowded.tracked <= 1  # only x, whose bucket is refilling
-    assert crowded.tokens("t0", later_s) == c.burst_ids and crowded.head_tag("t0") is None
-    returning = crowded.offer("t0", 20, later_s)  # comes back as a new tenant: at `vtime`
+    assert crowded.tokens("t0", again_s) == c.burst_ids and crowded.head_tag("t0") is None
+    returning = crowded.offer("t0", 20, again_s)  # comes back as a new tenant: at `vtime`
     assert isinstance(returning, int) and crowded.head_tag("t0") == crowded.vtime
     crowded.check()
+
+
+def test_a_forgotten_tenant_keeps_its_place_behind_earlier_heads() -> None:
+    """The Hypothesis machine's find (CI of stop 32): alice starts 17 ids at tag 0 while bob's
+    next head waits at tag 1; she goes idle two seconds, her bucket full again, and was forgotten
+    though her `finish` (17) was ahead of `vtime` (0): her next request came back at `vtime` and
+    started before bob's, 42 ids ahead of him for a bound of 41. Now an idle tenant is forgotten
+    only once `vtime` has caught up with her `finish`."""
+    core = FairAdmission(config(ids_per_s=10, burst_ids=40, queue_max=3, running_max=2))
+    core.offer("bob", 1, 0.0)
+    core.offer("bob", 0, 0.0)
+    core.offer("carol", 0, 0.0)
+    core.offer("alice", 17, 0.0)
+    assert [s.tenant for s in core.start(0.0)] == ["bob", "carol"]
+    core.done("bob", 0.0)
+    assert [s.tenant for s in core.start(0.0)] == ["alice"]  # tag 0, before bob's head at 1
+    core.done("alice", 2.0)  # her bucket full again
+    assert core.head_tag("bob") == 1 and core.vtime == 0
+    core.offer("alice", 25, 2.0)
+    assert core.head_tag("alice") == 17  # still tracked: she follows on from her finish
+    core.done("carol", 2.0)
+    assert [s.tenant for s in core.start(2.0)] == ["bob", "alice"]
+    core.check()
 
 
 def test_tenants_tracked_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
