@@ -71,6 +71,9 @@ class PutRequest(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put.v1", tag
     # Set: no payload follows, the bytes are in the writer's staging file (only to a segment whose
     # MapReply said `staged_puts`).
     staged: StagedBytes | None = None
+    # Set: answer with a write receipt (`PutReply.receipt`) as soon as the bytes are stored and
+    # verified; the writer carries it in put_commit and the segment confirms in the background.
+    receipt: bool = False
 
 
 class PutReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put_reply.v1", tag_field="t"):
@@ -78,6 +81,9 @@ class PutReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put_reply.v1",
     slot_generation: int
     # The directory accepted the replica (ticket confirmed) before this reply was sent.
     confirmed: bool
+    # A receipt was asked for: the segment's MAC over what it stored (`tickets.write_receipt`),
+    # for put_commit (`WriteReceipt`); empty otherwise.
+    receipt: bytes = b""
 
 
 class GetRequest(

@@ -270,11 +270,25 @@ class ConfirmReply(_Msg, frozen=True, kw_only=True, tag="dir.confirm_reply.v1"):
     results: list[ConfirmResult]
 
 
+class WriteReceipt(msgspec.Struct, frozen=True, array_like=True):
+    """A segment's proof that it stored and verified one ticket's bytes in (slot, generation):
+    `mac` is `tickets.write_receipt` over them, the ticket and the segment (cluster secret). A
+    writer carries it in put_commit; the directory applies it as that replica's confirm."""
+
+    ticket_id: int
+    slot: int
+    slot_generation: int
+    mac: bytes
+
+
 class PutCommit(_Msg, frozen=True, kw_only=True, tag="dir.put_commit.v1"):
     writer_id: WriterId
     request_id: RequestId
     keys: list[bytes]
     epoch: int = 0
+    # Receipts of replicas written for these keys (at most PUT_BATCH_OBJECTS_MAX): each confirms
+    # its replica before the commit, as the segment's own confirm would.
+    receipts: list[WriteReceipt] = []
 
 
 CommitStatus = Literal["published", "degraded", "waiting_group", "missing", "not_found", "exists"]

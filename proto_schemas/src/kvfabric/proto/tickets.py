@@ -1,4 +1,5 @@
-"""Signing write tickets: the directory signs, segments verify (pure; no I/O).
+"""Signing write tickets: the directory signs, segments verify (pure; no I/O). And the other
+way round for write receipts: a segment signs what it stored, the directory verifies.
 
 A ticket is signed with a keyed BLAKE2b MAC (32 bytes) over the msgpack encoding of the ticket
 with an empty signature, keyed by the cluster secret that the directory and every segment share
@@ -20,10 +21,14 @@ from kvfabric.proto.directory import WriteTicket
 __all__ = [
     "READ_TOKEN_BYTES",
     "SECRET_BYTES_MIN",
+    "WRITE_RECEIPT_BYTES",
     "read_token",
     "read_token_valid",
+    "receipt_mac",
     "sign_ticket",
     "ticket_signature_valid",
+    "write_receipt",
+    "write_receipt_valid",
 ]
 
 SECRET_BYTES_MIN: Final = 16
@@ -81,3 +86,74 @@ def read_token_valid(
 ) -> bool:
     expected = read_token(secret, segment_id, incarnation, slot, generation, size, expires_ms)
     return len(token) == READ_TOKEN_BYTES and hmac.compare_digest(token, expected)
+
+
+# ---- write receipts: what a segment stored, for the writer's put_commit ----------------------
+# A segment that stored a ticket's bytes and found their checksum equal to the ticket's signs a
+# receipt: a keyed BLAKE2b MAC over (ticket id, epoch, shard, segment id, incarnation, slot,
+# slot generation, size, checksum, key). The writer cannot forge one (it holds no secret) nor
+# move one to another ticket, slot or object; the directory recomputes it from its own record of
+# the ticket and the slot the receipt names, so a commit of bytes nobody stored is refused.
+WRITE_RECEIPT_BYTES: Final = 16
+_RECEIPT_PERSON: Final = b"kvf1/receipt"
+_RECEIPT_FIELDS: Final = struct.Struct("<QQQQQQQ")
+
+
+def write_receipt(
+    secret: bytes,
+    ticket: WriteTicket,
+    slot: int,
+    generation: int,
+) -> bytes:
+    """The receipt of `ticket`'s bytes stored in (slot, generation) (the ticket's own fields)."""
+    return receipt_mac(
+        secret,
+        ticket.ticket_id,
+        ticket.epoch,
+        ticket.shard,
+        ticket.segment_id,
+        ticket.incarnation,
+        slot,
+        generation,
+        ticket.size_bytes,
+        ticket.checksum,
+        ticket.key,
+    )
+
+
+def receipt_mac(
+    secret: bytes,
+    ticket_id: int,
+    epoch: int,
+    shard: int,
+    segment_id: str,
+    incarnation: int,
+    slot: int,
+    generation: int,
+    size: int,
+    checksum: bytes,
+    key: bytes,
+) -> bytes:
+    if len(secret) < SECRET_BYTES_MIN:
+        raise ValueError(f"cluster secret must be at least {SECRET_BYTES_MIN} bytes")
+    name = segment_id.encode()
+    body = _RECEIPT_FIELDS.pack(
+        ticket_id & _U64,
+        epoch & _U64,
+        shard & _U64,
+        incarnation & _U64,
+        slot & _U64,
+        generation & _U64,
+        size & _U64,
+    )
+    # length-prefixed variable fields (segment ids are at most 64 ASCII characters, checksums 16
+    # bytes, keys bounded by the key format): no two field tuples encode alike
+    body += len(name).to_bytes(2, "little") + name + len(checksum).to_bytes(2, "little") + checksum + key
+    return hashlib.blake2b(
+        body, key=secret[:64], digest_size=WRITE_RECEIPT_BYTES, person=_RECEIPT_PERSON
+    ).digest()
+
+
+def write_receipt_valid(mac: bytes, expected: bytes) -> bool:
+    """Whether a receipt's `mac` is the one the directory recomputed (`receipt_mac`)."""
+    return len(mac) == WRITE_RECEIPT_BYTES and hmac.compare_digest(mac, expected)
