@@ -31,6 +31,12 @@ maximum: 64), so a tenant's rate bounds the directory's work for it, not its mes
 A request never costs more than the tenant's burst (it would never be admitted): the largest
 ones empty the bucket.
 
+## One token bucket
+`TokenBucket` is the project's one token bucket (issue 26, duplicates): these quotas, the
+directory's fair admission and give-back budget (`kvfabric.directory.admission`) and its
+per-tenant shard-map and suspect-report rates (`kvfabric.directory.host`) all use it. Time is
+passed in (seconds on any monotonic clock; these quotas pass `now_ms / 1000`).
+
 ## Bounds
 Buckets and rejection counts live in an LRU table of at most `tenants_max` entries: the least
 recently used is forgotten first (its tenant starts again with a full bucket). Usage entries
@@ -56,6 +62,7 @@ __all__ = [
     "TenantQuota",
     "TenantStats",
     "TenantUsage",
+    "TokenBucket",
     "request_tokens",
     "tenant_of",
 ]
@@ -73,6 +80,65 @@ def request_tokens(items: int) -> int:
 def tenant_of(raw: bytes) -> Tenant:
     """The tenant of a key, chunk group id (90 B) or namespace (its leading 54 B)."""
     return Tenant(bytes(raw[DOMAIN_DIGEST]))
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """A token bucket, pure: `tokens` refill at `rate_per_s` up to `capacity`, time `now_s` passed
+    in (seconds on any monotonic clock). Time only moves forward: an `now_s` older than the last
+    one refills nothing and leaves `updated_s` where it was.
+
+    `take(n)` takes `n` tokens when the bucket holds them (else takes nothing); `charge(n, floor)`
+    takes `n` whatever it holds, down to `floor` (below zero: a debt that refills before anything
+    is taken again). Invariant: `floor <= tokens <= capacity` for the floors charged with
+    (`check`)."""
+
+    rate_per_s: float
+    capacity: float
+    tokens: float
+    updated_s: float
+
+    def __post_init__(self) -> None:
+        invariant(self.rate_per_s > 0 and self.capacity > 0, "a bucket needs a rate and a capacity")
+
+    @classmethod
+    def full(cls, rate_per_s: float, capacity: float, now_s: float) -> TokenBucket:
+        return cls(rate_per_s, float(capacity), float(capacity), now_s)
+
+    def level(self, now_s: float) -> float:
+        """The tokens it holds at `now_s` (changes nothing)."""
+        refill = max(0.0, now_s - self.updated_s) * self.rate_per_s
+        return min(self.capacity, self.tokens + refill)
+
+    def refill(self, now_s: float) -> float:
+        """Bring the bucket to `now_s`; its tokens."""
+        self.tokens = self.level(now_s)
+        self.updated_s = max(self.updated_s, now_s)
+        return self.tokens
+
+    def take(self, n: float, now_s: float) -> bool:
+        """Take `n` tokens if it holds them (True), else nothing (False)."""
+        if self.refill(now_s) < n:
+            return False
+        self.tokens -= n
+        return True
+
+    def charge(self, n: float, now_s: float, floor: float = 0.0) -> None:
+        """Take `n` tokens whatever it holds, leaving at least `floor`."""
+        self.tokens = max(min(floor, self.refill(now_s)), self.tokens - n)
+
+    def wait_s(self, n: float, now_s: float) -> float:
+        """How long until it holds `n` tokens (0 when it does)."""
+        return max(0.0, (n - self.level(now_s)) / self.rate_per_s)
+
+    def full_at_s(self) -> float:
+        """When it will be full, with nothing taken meanwhile."""
+        return self.updated_s + max(0.0, self.capacity - self.tokens) / self.rate_per_s
+
+    def check(self, floor: float = 0.0) -> None:
+        invariant(
+            floor - 1e-9 <= self.tokens <= self.capacity + 1e-9, "tokens out of bounds", tokens=self.tokens
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +172,7 @@ class TenantUsage:
 class TenantStats:
     """A tenant's token bucket and rejection counts (forgotten when least recently used)."""
 
-    tokens: float
-    updated_ms: int
+    bucket: TokenBucket | None  # None: the tenant has no rate limit
     quota_exceeded: int = 0  # objects refused by put_begin
     rate_limited: int = 0  # requests refused
 
@@ -169,24 +234,23 @@ class Quotas:
         if not self.rate_limited:
             return 0
         limited = [(t, q) for t in set(tenants) if (q := self.quota(t)).requests_per_s > 0]
+        now_s = now_ms / 1000
         wait_ms = 0
-        buckets = []
+        buckets: list[tuple[TenantStats, TokenBucket, int]] = []
         for tenant, quota in limited:
             stats = self._stats(tenant, quota)
-            if now_ms > stats.updated_ms:
-                refill = (now_ms - stats.updated_ms) * quota.requests_per_s / 1000
-                stats.tokens = min(float(quota.burst_effective), stats.tokens + refill)
-                stats.updated_ms = now_ms
+            bucket = stats.bucket
+            assert bucket is not None  # a limited tenant's stats carry its bucket
             cost = min(tokens, quota.burst_effective)
-            if stats.tokens < cost:
-                wait_ms = max(wait_ms, math.ceil((cost - stats.tokens) * 1000 / quota.requests_per_s))
-            buckets.append((stats, cost))
+            if bucket.refill(now_s) < cost:
+                wait_ms = max(wait_ms, math.ceil((cost - bucket.tokens) * 1000 / quota.requests_per_s))
+            buckets.append((stats, bucket, cost))
         if wait_ms:
-            for stats, _ in buckets:
+            for stats, _, _ in buckets:
                 stats.rate_limited += 1
             return max(1, wait_ms)
-        for stats, cost in buckets:
-            stats.tokens -= cost
+        for _, bucket, cost in buckets:
+            bucket.charge(cost, now_s)
         return 0
 
     def _stats(self, tenant: Tenant, quota: TenantQuota | None) -> TenantStats:
@@ -195,7 +259,10 @@ class Quotas:
             self.stats.move_to_end(tenant)
             return stats
         quota = quota or self.quota(tenant)
-        stats = self.stats[tenant] = TenantStats(float(quota.burst_effective), -1)
+        bucket = None
+        if quota.requests_per_s > 0:  # full, refilled from the first request on
+            bucket = TokenBucket.full(quota.requests_per_s, quota.burst_effective, float("-inf"))
+        stats = self.stats[tenant] = TenantStats(bucket)
         while len(self.stats) > self.tenants_max:
             self.stats.popitem(last=False)
             self._count("tenants_forgotten_total", 1)

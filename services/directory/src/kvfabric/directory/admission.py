@@ -15,7 +15,8 @@ be anyway, so forgetting forgives nothing. Only when `TENANTS_TRACKED_MAX` tenan
 may an idle one be forgotten with its `finish` ahead of `vtime`: at most one request's ids
 forgiven. Forgiving it in the sweep let a tenant that was idle two seconds start ahead of a head
 tagged before its next request, 42 ids for a bound of 41, found by the Hypothesis machine):
-- a token bucket: `tokens` in 0..`burst_ids`, refilled at `ids_per_s` since `updated_s`;
+- a token bucket (`kvfabric.core.quotas.TokenBucket`, the project's one): `tokens` in
+  0..`burst_ids`, refilled at `ids_per_s`;
 - a FIFO queue of admitted requests waiting for their turn (ticket, cost, since);
 - `running`: its requests started and not yet done;
 - `tag`: the virtual start time of its head request, and `finish`: the virtual time its last
@@ -73,6 +74,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Final
 
+from kvfabric.core.quotas import TokenBucket
 from kvfabric.format.invariant import invariant
 
 __all__ = [
@@ -150,8 +152,7 @@ class _Waiting:
 
 @dataclass(slots=True)
 class _Tenant:
-    tokens: float
-    updated_s: float
+    bucket: TokenBucket
     queue: deque[_Waiting] = field(default_factory=deque)
     running: int = 0
     tag: int = 0  # virtual start of the head request (meaningful while the queue is not empty)
@@ -209,7 +210,7 @@ class FairAdmission:
 
     def tokens(self, tenant: str, now_s: float) -> float:
         state = self._tenants.get(tenant)
-        return self._refilled(state, now_s) if state is not None else float(self.config.burst_ids)
+        return state.bucket.level(now_s) if state is not None else float(self.config.burst_ids)
 
     def head_tag(self, tenant: str) -> int | None:
         """The virtual start of `tenant`'s head request; None when nothing is queued."""
@@ -245,14 +246,11 @@ class FairAdmission:
         if state is None:
             if len(self._tenants) >= TENANTS_TRACKED_MAX and not self._forget_soonest():
                 return self._refuse(tenant, Refusal.QUEUE)  # every tracked tenant is busy
-            state = self._tenants[tenant] = _Tenant(tokens=float(c.burst_ids), updated_s=now_s)
+            state = self._tenants[tenant] = _Tenant(TokenBucket.full(c.ids_per_s, c.burst_ids, now_s))
         if len(state.queue) >= c.queue_max:
             return self._refuse(tenant, Refusal.QUEUE)
-        state.tokens = self._refilled(state, now_s)
-        state.updated_s = max(state.updated_s, now_s)
-        if state.tokens < cost:
+        if not state.bucket.take(cost, now_s):
             return self._refuse(tenant, Refusal.RATE)  # idle (in `_idle`) or busy: unchanged
-        state.tokens -= cost
         ticket = self._next_ticket
         self._next_ticket += 1
         if not state.queue:
@@ -272,7 +270,7 @@ class FairAdmission:
             return None
         if len(state.queue) >= self.config.queue_max:
             return self._refuse(tenant, Refusal.QUEUE)
-        if self._refilled(state, now_s) < max(1, self.config.request_cost_ids):
+        if state.bucket.level(now_s) < max(1, self.config.request_cost_ids):
             return self._refuse(tenant, Refusal.RATE)
         return None
 
@@ -331,10 +329,6 @@ class FairAdmission:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _refilled(self, state: _Tenant, now_s: float) -> float:
-        elapsed_s = max(0.0, now_s - state.updated_s)
-        return min(float(self.config.burst_ids), state.tokens + elapsed_s * self.config.ids_per_s)
-
     def _refuse(self, tenant: str, why: Refusal) -> Refusal:
         stats = self.refused.pop(tenant, None) or TenantStats()
         self.refused[tenant] = stats  # most recently refused last
@@ -363,19 +357,13 @@ class FairAdmission:
             ]
             heapq.heapify(self._ready)
 
-    def _full_at_s(self, state: _Tenant) -> float:
-        """When an idle tenant's bucket is full (its tokens only refill while it is idle)."""
-        missing = float(self.config.burst_ids) - state.tokens
-        return state.updated_s + max(0.0, missing) / self.config.ids_per_s
-
     def _went_idle(self, tenant: str, state: _Tenant, now_s: float) -> None:
         """A tenant with nothing queued or running goes into `_idle` (once)."""
         if state.queue or state.running or state.idle_queued:
             return
-        state.tokens = self._refilled(state, now_s)
-        state.updated_s = max(state.updated_s, now_s)
+        state.bucket.refill(now_s)
         state.idle_queued = True
-        heapq.heappush(self._idle, (self._full_at_s(state), tenant))
+        heapq.heappush(self._idle, (state.bucket.full_at_s(), tenant))
 
     def _sweep(self, now_s: float) -> None:
         """Forget at most `FORGET_SWEEP_MAX` idle tenants whose bucket is full by now."""
@@ -404,7 +392,7 @@ class FairAdmission:
         state.idle_queued = False
         if state.queue or state.running:
             return False  # busy again: back into `_idle` when it is done (`_went_idle`)
-        actual_s = self._full_at_s(state)
+        actual_s = state.bucket.full_at_s()  # its tokens only refill while it is idle
         if now_s is not None and actual_s > now_s:  # went busy and idle again since the entry
             state.idle_queued = True
             heapq.heappush(self._idle, (actual_s, tenant))
@@ -428,7 +416,7 @@ class FairAdmission:
         for tenant, s in self._tenants.items():
             invariant(len(s.queue) <= c.queue_max, "queue over its bound", tenant=tenant)
             invariant(0 <= s.running <= c.tenant_running_max, "tenant running over its bound", tenant=tenant)
-            invariant(-1e-9 <= s.tokens <= c.burst_ids, "tokens out of bounds", tenant=tenant)
+            s.bucket.check()
             invariant(not s.queue or s.tag >= s.finish, "a head tagged before its tenant's last end")
             may_start = bool(s.queue) and s.running < c.tenant_running_max
             invariant(
@@ -445,39 +433,76 @@ class FairAdmission:
 
 class GivebackBudget:
     """Per tenant, the ids of its give-backs (lease release, unpin, put abort, lease_release_many)
-    that gave nothing back: a token bucket of `giveback_empty_ids_per_s`, capacity
-    `giveback_empty_burst_ids`, charged after the core answered (`charge(named - released)`),
-    never for an id that released something. Pure: time passed in.
+    that gave nothing back: a token bucket (`TokenBucket`) of `giveback_empty_ids_per_s`,
+    capacity `giveback_empty_burst_ids`, charged after the core answered (`charge(named -
+    released)`), never for an id that released something. Pure: time passed in.
 
-    States: per tenant `tokens` in 0..burst and `updated_s`; a tenant whose bucket is full holds
-    no state (forgotten when seen full); at most `TENANTS_TRACKED_MAX` tenants (beyond it the
-    oldest entry is forgotten: that tenant's bucket is full again). `spent(tenant)`: fewer than
-    one token. The shell (`kvfabric.directory.host`) runs a spent tenant's give-back one slice
-    first and refuses the rest `busy` when that slice gave nothing back, so an honest give-back
-    (one that releases) is never refused and a flood of empty ones costs one slice each.
-    Invariants: `0 <= tokens <= burst`; `len(tenants) <= TENANTS_TRACKED_MAX`."""
+    A charge may leave a debt: the bucket goes down to `-burst_ids`, not to 0. Without the debt
+    a tenant was `spent` (fewer than one token) only until one token refilled — 61 µs at the
+    default 16,384 ids/s — so its next 4,096-key give-back of nothing, a millisecond later, ran
+    whole again: the budget bounded nothing at that rate. With it, a tenant that named
+    `burst + n` ids of nothing is spent for `n / ids_per_s`.
+
+    States, per tenant: `bucket` in -burst..burst; `refusing`: spent, and the last give-back it
+    tried while spent (one slice, `kvfabric.directory.host`) released nothing. A tenant whose
+    bucket is full and that is not refusing holds no state (forgotten when seen so); at most
+    `TENANTS_TRACKED_MAX` tenants (beyond it the least recently charged is forgotten: its bucket
+    is full again).
+    Transitions: `charge` (after the core answered); `tried_spent(released)` (a spent slice's
+    outcome: refusing when it released nothing, not when it did); refilling to one token ends
+    `refusing` (`refuses`).
+    The shell: `refuses(tenant)` is checked before a give-back is decoded (a refusing tenant's
+    give-back is `busy` then, costing its receive alone); a spent tenant that is not refusing
+    has its give-back run one slice first, `busy` when that slice released nothing (then it is
+    refusing). So a tenant flooding give-backs of nothing costs, once spent, one slice per
+    refill of a token and a receive per request; a tenant that is spent but gives back is never
+    refused (its slices release: it never becomes `refusing`).
+    Invariants: `-burst <= tokens <= burst`; `refusing` only for a tracked tenant;
+    `len(tenants) <= TENANTS_TRACKED_MAX`."""
 
     def __init__(self, ids_per_s: float, burst_ids: int) -> None:
         invariant(ids_per_s > 0 and burst_ids >= 1, "bad give-back budget", ids_per_s=ids_per_s)
         self.ids_per_s = ids_per_s
         self.burst_ids = burst_ids
-        self._tenants: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, updated_s)
-        self.refused_total = 0  # give-backs of nothing refused while spent
+        self._tenants: dict[str, TokenBucket] = {}  # least recently charged first
+        self._refusing: set[str] = set()
+        self.refused_total = 0  # give-backs of nothing refused while spent (after a slice)
+        self.refused_early_total = 0  # give-backs of a refusing tenant refused before decoding
         self.empty_ids_total = 0  # ids charged
 
+    @property
+    def floor(self) -> float:
+        """The deepest debt a charge leaves (class docstring)."""
+        return -float(self.burst_ids)
+
     def tokens(self, tenant: str, now_s: float) -> float:
-        entry = self._tenants.get(tenant)
-        if entry is None:
-            return float(self.burst_ids)
-        tokens, updated_s = entry
-        return min(float(self.burst_ids), tokens + max(0.0, now_s - updated_s) * self.ids_per_s)
+        bucket = self._tenants.get(tenant)
+        return float(self.burst_ids) if bucket is None else bucket.level(now_s)
 
     def spent(self, tenant: str, now_s: float) -> bool:
         """Fewer than one token: the tenant's next give-back is tried one slice first."""
         tokens = self.tokens(tenant, now_s)
-        if tokens >= self.burst_ids:
+        if tokens >= self.burst_ids and tenant not in self._refusing:
             self._tenants.pop(tenant, None)  # full: the same as no state
         return tokens < 1
+
+    def refuses(self, tenant: str, now_s: float) -> bool:
+        """Whether `tenant`'s next give-back is refused before it is decoded: it is spent and the
+        last slice it tried while spent released nothing (class docstring)."""
+        if tenant not in self._refusing:
+            return False
+        if not self.spent(tenant, now_s):
+            self._refusing.discard(tenant)  # a token refilled: its next give-back is tried again
+            return False
+        self.refused_early_total += 1
+        return True
+
+    def tried_spent(self, tenant: str, released: bool) -> None:
+        """A slice of `tenant`'s, tried while it was spent, released something or nothing."""
+        if released:
+            self._refusing.discard(tenant)
+        elif tenant in self._tenants:
+            self._refusing.add(tenant)
 
     def charge(self, tenant: str, empty_ids: int, now_s: float) -> None:
         """`empty_ids` ids of a give-back of `tenant`'s released nothing."""
@@ -485,17 +510,21 @@ class GivebackBudget:
         if empty_ids == 0:
             return
         self.empty_ids_total += empty_ids
-        tokens = max(0.0, self.tokens(tenant, now_s) - empty_ids)
-        self._tenants.pop(tenant, None)
-        self._tenants[tenant] = (tokens, now_s)  # most recently charged last
+        bucket = self._tenants.pop(tenant, None) or TokenBucket.full(self.ids_per_s, self.burst_ids, now_s)
+        bucket.charge(empty_ids, now_s, floor=self.floor)
+        self._tenants[tenant] = bucket  # most recently charged last
         if len(self._tenants) > TENANTS_TRACKED_MAX:
-            del self._tenants[next(iter(self._tenants))]
+            forgotten = next(iter(self._tenants))
+            del self._tenants[forgotten]
+            self._refusing.discard(forgotten)
 
     def retry_after_s(self, tenant: str, now_s: float) -> float:
         """How long until the tenant's bucket holds one token again."""
-        return max(0.0, (1.0 - self.tokens(tenant, now_s)) / self.ids_per_s)
+        bucket = self._tenants.get(tenant)
+        return 0.0 if bucket is None else bucket.wait_s(1.0, now_s)
 
     def check(self) -> None:
         invariant(len(self._tenants) <= TENANTS_TRACKED_MAX, "give-back tenants over their bound")
-        for tenant, (tokens, _) in self._tenants.items():
-            invariant(0 <= tokens <= self.burst_ids, "give-back tokens out of bounds", tenant=tenant)
+        invariant(self._refusing <= self._tenants.keys(), "a refusing tenant not tracked")
+        for bucket in self._tenants.values():
+            bucket.check(floor=self.floor)

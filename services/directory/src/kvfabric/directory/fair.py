@@ -11,9 +11,11 @@ ones. Time is `time.monotonic`.
 Gives-back (lease release, unpin, put abort, lease_release_many) never wait for a turn: they
 are never refused for load (`authz.GIVEBACK_VERBS`, their own in-flight lane in
 `kvfabric.runtime.service`). Only their ids that released nothing are charged, to a separate
-per-tenant budget (`giveback`, `admission.GivebackBudget`); a tenant that spent it has its next
-give-back tried one slice first, refused `busy` when that slice gives nothing back
-(`kvfabric.directory.host`). Neither do
+per-tenant budget (`giveback`, `admission.GivebackBudget`, which may go into debt); a tenant
+that spent it has its next give-back tried one slice first, refused `busy` when that slice gives
+nothing back (`kvfabric.directory.host`), and from then on, until a token has refilled, its
+give-backs are refused before they are decoded (`giveback_refuse_early`, held like the others
+below). Neither do
 services' requests (segments' heartbeats, kvctl) nor the shard map (its own per-tenant rate).
 A request waiting here holds its runtime in-flight slot, so the runtime's per-tenant share
 (`tenant_inflight_max`) still bounds what one tenant has in the directory.
@@ -60,14 +62,31 @@ class FairGate:
         """A give-back of `tenant`'s named `named` ids and released `released` of them."""
         self.giveback.charge(tenant, max(0, named - released), self.clock())
 
+    def giveback_tried(self, tenant: str, released: bool) -> None:
+        """A spent tenant's first slice released something or (`giveback_busy` follows) nothing."""
+        self.giveback.tried_spent(tenant, released)
+
+    async def giveback_refuse_early(self, tenant: str) -> None:
+        """`Busy` (held, module docstring) for a give-back of a tenant whose last slice tried
+        while spent released nothing, before it is decoded; nothing otherwise."""
+        now_s = self.clock()
+        if self.giveback.refuses(tenant, now_s):
+            busy = self._giveback_busy(tenant, now_s)
+            await asyncio.sleep(min(REFUSAL_HOLD_S_MAX, self.giveback.retry_after_s(tenant, now_s)))
+            raise busy
+
     def giveback_busy(self, tenant: str) -> Busy:
         """The refusal of a spent tenant's give-back whose first slice gave nothing back."""
         self.giveback.refused_total += 1
+        self.giveback.tried_spent(tenant, released=False)
+        return self._giveback_busy(tenant, self.clock())
+
+    def _giveback_busy(self, tenant: str, now_s: float) -> Busy:
         c = self.core.config
         return Busy(
             "tenant's budget of give-backs that release nothing is spent",
             giveback_empty_ids_per_s=c.giveback_empty_ids_per_s,
-            retry_after_ms=math.ceil(self.giveback.retry_after_s(tenant, self.clock()) * 1000),
+            retry_after_ms=math.ceil(self.giveback.retry_after_s(tenant, now_s) * 1000),
         )
 
     async def refuse_early(self, tenant: str) -> None:

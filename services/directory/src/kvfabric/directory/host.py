@@ -18,11 +18,13 @@ tenants take turns by ids, one request of each running at a time by default; an 
 a full queue is `busy` before the request is decoded). A tenant's give-back (lease release,
 unpin, put abort, lease_release_many) never waits and is never refused for load; the ids of it
 that released nothing (the core's reply counts what was released) are charged to the tenant's
-give-back budget (`FairGate.giveback`). A tenant that spent it has its next give-back run
-`GIVEBACK_SLICE_IDS` ids (one part of a `lease_release_many`) first: when that slice released
-nothing the request is `busy` (what it named later untouched), otherwise the rest runs too. So
-an honest give-back is never refused, and a flood of give-backs naming nothing costs, once the
-budget is spent, its decoding and one slice a request.
+give-back budget (`FairGate.giveback`, which goes into debt). A tenant that spent it has its
+next give-back run `GIVEBACK_SLICE_IDS` ids (one part of a `lease_release_many`) first: when that
+slice released nothing the request is `busy` (what it named later untouched), otherwise the rest
+runs too; after such a `busy`, the tenant's give-backs are `busy` before they are decoded until
+a token has refilled (`FairGate.giveback_refuse_early`). So a give-back of a tenant that gives
+back is never refused, and a flood of give-backs naming nothing costs, once the budget is spent,
+a receive a request and one decoded slice per token refilled.
 
 Shards come and go with leadership (`kvfabric.directory.leader`): `start_shard` rebuilds the
 shard's index from the segments' reports (only keys of that shard) under the new epoch before it
@@ -59,6 +61,7 @@ from nats.aio.msg import Msg
 from kvfabric.core import authz
 from kvfabric.core.authz import GIVEBACK_VERBS, TENANT_VERBS
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore
+from kvfabric.core.quotas import TokenBucket
 from kvfabric.directory.fair import FairGate
 from kvfabric.directory.handlers import VERBS, DirectoryShell, now_ms
 from kvfabric.directory.rebuild import gather_holdings
@@ -115,25 +118,6 @@ GIVEBACK_SLICE_IDS: Final = m.RELEASE_BATCH_LEASES_MAX
 
 # `lookup_many` / `release_many`: (request, the tenant's grant or None for a service) -> reply
 _Many = Callable[[msgspec.Struct, "authz.TenantGrant | None"], Awaitable[msgspec.Struct]]
-
-
-class _Bucket:
-    """A token bucket (refill `rate_per_s`, capacity `rate_per_s`), time passed in."""
-
-    __slots__ = ("rate_per_s", "tokens", "updated_s")
-
-    def __init__(self, rate_per_s: float, now_s: float) -> None:
-        self.rate_per_s = rate_per_s
-        self.tokens = rate_per_s
-        self.updated_s = now_s
-
-    def take(self, now_s: float) -> bool:
-        self.tokens = min(self.rate_per_s, self.tokens + (now_s - self.updated_s) * self.rate_per_s)
-        self.updated_s = now_s
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
 
 
 def _keys_of(message: msgspec.Struct) -> list[bytes]:
@@ -312,8 +296,8 @@ class ShardHost:
         self._stopping = False
         self.missing_segment_rebuilds = 0
         # One bucket per granted tenant that asked (bounded by the grants); refused answers.
-        self._shard_map_buckets: dict[str, _Bucket] = {}
-        self._suspect_buckets: dict[str, _Bucket] = {}
+        self._shard_map_buckets: dict[str, TokenBucket] = {}
+        self._suspect_buckets: dict[str, TokenBucket] = {}
         self.suspects = SuspectRelay(lambda: self._nc, self._tenant_may_suspect)
         self.shard_map_rate_limited = 0
         self._log = get_logger("kvfabric.directory.host").bind(instance_id=instance_id)
@@ -385,6 +369,8 @@ class ShardHost:
             gate = self.fair if fair else None
             if gate is not None:
                 await gate.refuse_early(tenant)  # before decoding: a full queue or an empty bucket
+            elif self.fair is not None:  # a give-back: before decoding when its tenant is refusing
+                await self.fair.giveback_refuse_early(tenant)
             message = self._decode(data, kind)
 
             async def run(request: msgspec.Struct) -> msgspec.Struct:
@@ -441,6 +427,8 @@ class ShardHost:
         gate.giveback_charge(tenant, named, released)
         if spent and released == 0:
             raise gate.giveback_busy(tenant)
+        if spent:
+            gate.giveback_tried(tenant, released=True)
         return reply
 
     async def _on_suspect(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
@@ -462,8 +450,9 @@ class ShardHost:
         now_s = time.monotonic()
         bucket = self._suspect_buckets.get(tenant)
         if bucket is None:  # one per granted tenant that reported (bounded by the grants)
-            bucket = self._suspect_buckets[tenant] = _Bucket(SUSPECTS_TENANT_PER_S, now_s)
-        return bucket.take(now_s)
+            rate = SUSPECTS_TENANT_PER_S
+            bucket = self._suspect_buckets[tenant] = TokenBucket.full(rate, rate, now_s)
+        return bucket.take(1, now_s)
 
     def _many_endpoint(self, kind: type[msgspec.Struct], many: _Many) -> Handler:
         async def handle(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
@@ -479,6 +468,8 @@ class ShardHost:
             gate = self.fair if fair else None
             if gate is not None:
                 await gate.refuse_early(tenant)
+            elif self.fair is not None:  # lease_release_many: as every give-back (above)
+                await self.fair.giveback_refuse_early(tenant)
             message = self._decode(data, kind)
             if not fair:  # lease_release_many: a give-back
                 if isinstance(message, m.LeaseReleaseMany):
@@ -702,8 +693,9 @@ class ShardHost:
         now_s = time.monotonic()
         bucket = self._shard_map_buckets.get(tenant)
         if bucket is None:
-            bucket = self._shard_map_buckets[tenant] = _Bucket(SHARD_MAP_TENANT_PER_S, now_s)
-        if bucket.take(now_s):
+            rate = SHARD_MAP_TENANT_PER_S
+            bucket = self._shard_map_buckets[tenant] = TokenBucket.full(rate, rate, now_s)
+        if bucket.take(1, now_s):
             return True
         self.shard_map_rate_limited += 1
         return False
