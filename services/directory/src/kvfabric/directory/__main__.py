@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import sys
 from typing import Final
@@ -37,6 +38,7 @@ import nats
 
 from kvfabric.core.leadership import LeadershipConfig
 from kvfabric.core.shard_lifecycle import LifecycleConfig
+from kvfabric.directory import cpu_priority
 from kvfabric.directory.fair import FairGate
 from kvfabric.directory.host import ShardHost
 from kvfabric.directory.kv_buckets import CONFIG_BUCKET, LEADERS_BUCKET, MEMBERS_BUCKET, agree_on_shards
@@ -89,6 +91,9 @@ async def serve(settings: RuntimeSettings) -> int:
     except SettingsError as exc:
         log.error("settings_invalid", error=str(exc))
         return EXIT_USAGE
+    # Its CPU under a flood (issue 21 row 2), before any thread starts; kept where not permitted.
+    priority = cpu_priority.apply(config.cpu_priority)
+    log.info("directory_cpu_priority", **dataclasses.asdict(priority))
     runtime = ServiceRuntime(
         Service.DIRECTORY,
         settings,

@@ -39,7 +39,8 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_FAIR_RUNNING_MAX` | 8 | … requests started and not done, all tenants |
 | `KVF_DIRECTORY_FAIR_TENANT_RUNNING_MAX` | 1 | … of one tenant (≤ the above) |
 | `KVF_DIRECTORY_GIVEBACK_EMPTY_IDS_PER_S` | 16384 | give-back ids that released nothing, ids/s a tenant |
-| `KVF_DIRECTORY_GIVEBACK_EMPTY_BURST_IDS` | 65536 | … its bucket, ids (spent: 64 ids tried first) |
+| `KVF_DIRECTORY_GIVEBACK_EMPTY_BURST_IDS` | 65536 | … its bucket and deepest debt, ids |
+| `KVF_DIRECTORY_CPU_PRIORITY` | `nice:-10` | CPU priority: `nice:N`, `rr:P` or `off` (`.cpu_priority`) |
 
 The leader lease is how long a standby waits before it takes over the shards of an instance that
 died without a word (a leader renews every second, or every third of a shorter lease). On a NATS
@@ -70,7 +71,8 @@ queueing) before a core sees it; a full bucket or queue is `busy` at once. It is
 waits and is never refused for load: only its ids that released nothing are charged, to the
 tenant's `KVF_DIRECTORY_GIVEBACK_EMPTY_*` bucket; once that is spent, the tenant's give-back runs
 its first 64 ids (one part of a lease_release_many) and is `busy` if they released nothing
-(`kvfabric.directory.host`).
+(`kvfabric.directory.host`); after that, its give-backs are `busy` before they are decoded until
+a token has refilled (the bucket keeps a debt of up to its burst).
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ from kvfabric.core.authz import TenantGrant
 from kvfabric.core.directory import DirectoryConfig
 from kvfabric.core.quotas import UNLIMITED, TenantQuota
 from kvfabric.directory.admission import AdmissionConfig
+from kvfabric.directory.cpu_priority import CPU_PRIORITY_DEFAULT, CpuPriority
+from kvfabric.directory.cpu_priority import parse as parse_cpu_priority
 from kvfabric.proto.directory import LOOKUP_BATCH_GROUPS_MAX, PIN_TTL_MS_MAX, WRITE_TTL_MS_MAX
 from kvfabric.proto.shards import SHARDS_MAX
 from kvfabric.proto.subjects import check_tenant
@@ -144,6 +148,9 @@ class DirectorySettings:
     kv_replicas: int = 1
     nats_monitor_url: str = ""
     fair: AdmissionConfig = FAIR_DEFAULT
+    cpu_priority: CpuPriority = dataclasses.field(
+        default_factory=lambda: parse_cpu_priority(CPU_PRIORITY_DEFAULT)
+    )
 
 
 def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
@@ -202,6 +209,7 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         grants=_grants(env),
         lookup_reply_min_ms=env_int(env, "KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS", 0, 0, 10_000),
         fair=load_fair_admission(env),
+        cpu_priority=parse_cpu_priority(env.get("KVF_DIRECTORY_CPU_PRIORITY", CPU_PRIORITY_DEFAULT)),
     )
 
 

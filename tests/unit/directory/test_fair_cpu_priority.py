@@ -1,0 +1,80 @@
+"""The directory's CPU priority (`kvfabric.directory.cpu_priority`, issue 21 row 2): every thread
+of the process raised where permitted, the priority kept (and said) where not. Each case runs in
+a child process of its own (a priority once raised is the process's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvfabric.directory.cpu_priority import CPU_PRIORITY_DEFAULT, CpuPriority, parse
+from kvfabric.directory.settings import load_directory_settings
+from kvfabric.runtime.config import SettingsError
+
+CHILD = """
+import json, os, sys, threading, time
+from kvfabric.directory.cpu_priority import apply, parse
+if sys.argv[2] == "drop":
+    os.setgid(65534); os.setuid(65534)  # nobody: no CAP_SYS_NICE
+stop = threading.Event()
+worker = threading.Thread(target=stop.wait)  # a thread started before: raised too
+worker.start()
+outcome = apply(parse(sys.argv[1]))
+tasks = sorted(int(t) for t in os.listdir("/proc/self/task"))
+nices = [os.getpriority(os.PRIO_PROCESS, t) for t in tasks]
+policies = [os.sched_getscheduler(t) for t in tasks]
+stop.set(); worker.join()
+print(json.dumps({"outcome": [outcome.applied, outcome.threads, outcome.reason], "nices": nices,
+                  "policies": policies, "rr": os.SCHED_RR}))
+"""
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are Linux's")
+
+
+def _child(priority: str, drop: bool = False) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, priority, "drop" if drop else "keep"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    return dict(json.loads(out.stdout))
+
+
+def test_settings_parse_the_priority_and_default_to_nice_minus_10() -> None:
+    assert parse("nice:-10") == CpuPriority("nice", -10) and parse(" RR:5 ") == CpuPriority("rr", 5)
+    assert parse("off") == CpuPriority("off")
+    for bad in ("nice:-21", "rr:0", "rr:100", "fifo:1", "nice", ""):
+        with pytest.raises(SettingsError, match="KVF_DIRECTORY_CPU_PRIORITY"):
+            parse(bad)
+    env = {"KVF_CLUSTER_SECRET": "x" * 32}
+    assert (
+        load_directory_settings(env).cpu_priority == parse(CPU_PRIORITY_DEFAULT) == CpuPriority("nice", -10)
+    )
+    assert load_directory_settings({**env, "KVF_DIRECTORY_CPU_PRIORITY": "off"}).cpu_priority.kind == "off"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs root (CAP_SYS_NICE)")
+def test_every_thread_is_raised_where_permitted() -> None:
+    nice = _child("nice:-10")
+    threads = len(nice["nices"])  # type: ignore[arg-type]
+    assert threads >= 2 and nice["outcome"] == [True, threads, ""], nice
+    assert nice["nices"] == [-10] * threads, nice
+    rr = _child("rr:3")
+    assert rr["outcome"] == [True, threads, ""] and rr["policies"] == [rr["rr"]] * threads, rr
+    off = _child("off")
+    assert off["outcome"] == [False, 0, "off"] and off["nices"] == [0] * threads, off
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become an unprivileged user")
+def test_not_permitted_keeps_the_priority_and_says_so() -> None:
+    for priority in ("nice:-10", "rr:3"):
+        kept = _child(priority, drop=True)
+        threads = len(kept["nices"])  # type: ignore[arg-type]
+        assert kept["outcome"] == [False, 0, "not_permitted"] and kept["nices"] == [0] * threads, kept
+        assert kept["policies"] == [os.SCHED_OTHER] * threads, kept
