@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -43,6 +44,8 @@ class Directory:
         self.confirmed: list[tuple[bytes, int, int]] = []
         self.refs: dict[bytes, ReadRef] = {}
         self.fail_drop: set[bytes] = set()
+        self.aborted: list[bytes] = []
+        self.requests: list[tuple[str, list[bytes]]] = []  # (verb, the keys of a batched one)
 
     async def _trip(self) -> None:
         self.in_flight += 1
@@ -50,35 +53,48 @@ class Directory:
         await asyncio.sleep(self.rtt_s)
         self.in_flight -= 1
 
+    def _begin(self, writer_id: str, k: bytes) -> m.ReplicateBeginReply:
+        self.begun.append(k)
+        ref = self.refs[k]
+        ticket = m.WriteTicket(
+            ticket_id=len(self.begun),
+            key=k,
+            segment_id=SEGMENT,
+            incarnation=INCARNATION,
+            size_bytes=ref.size_bytes,
+            checksum=b"",
+            writer_id=writer_id,
+            deadline_ms=NOW_MS + 30_000,
+            epoch=1,
+        )
+        source = m.Replica(
+            segment_id=SEGMENT,
+            incarnation=INCARNATION,
+            slot=ref.slot,
+            slot_generation=ref.slot_generation,
+        )
+        return m.ReplicateBeginReply(epoch=1, status="placed", ticket=ticket, sources=[source])
+
+    def _drop(self, k: bytes) -> bool:
+        if k in self.fail_drop:
+            raise RuntimeError("a bug while dropping")
+        self.dropped.append(k)
+        return True
+
     async def ask(self, verb: str, message: msgspec.Struct) -> msgspec.Struct:
+        self.requests.append((verb, [getattr(i, "key", b"") for i in getattr(message, "items", [])]))
         await self._trip()
         if isinstance(message, m.ReplicateBegin):
-            self.begun.append(message.key)
-            ref = self.refs[message.key]
-            ticket = m.WriteTicket(
-                ticket_id=len(self.begun),
-                key=message.key,
-                segment_id=SEGMENT,
-                incarnation=INCARNATION,
-                size_bytes=ref.size_bytes,
-                checksum=b"",
-                writer_id=message.writer_id,
-                deadline_ms=NOW_MS + 30_000,
-                epoch=1,
-            )
-            source = m.Replica(
-                segment_id=SEGMENT,
-                incarnation=INCARNATION,
-                slot=ref.slot,
-                slot_generation=ref.slot_generation,
-            )
-            return m.ReplicateBeginReply(epoch=1, status="placed", ticket=ticket, sources=[source])
+            return self._begin(message.writer_id, message.key)
+        if isinstance(message, m.ReplicateBeginMany):
+            replies = [self._begin(message.writer_id, item.key) for item in message.items]
+            return m.ReplicateBeginManyReply(epoch=1, replies=replies)
         if isinstance(message, m.ReplicaCorrupt):
-            if message.key in self.fail_drop:
-                raise RuntimeError("a bug while dropping")
-            self.dropped.append(message.key)
-            return m.ReplicaCorruptReply(epoch=1, dropped=True)
+            return m.ReplicaCorruptReply(epoch=1, dropped=self._drop(message.key))
+        if isinstance(message, m.ReplicaCorruptMany):
+            return m.ReplicaCorruptManyReply(epoch=1, dropped=[self._drop(i.key) for i in message.items])
         if isinstance(message, m.PutAbort):
+            self.aborted.extend(message.keys)
             return m.PutAbortReply(epoch=1, aborted=len(message.keys))
         raise AssertionError(verb)
 
@@ -111,7 +127,12 @@ def make(tmp: Path, ssd_bytes: int, syncs: list[float]) -> Seg:
     return Seg(backend, ssd, io)
 
 
-def demote(seg: Seg, directory: Directory, objects: list[DemoteObject]) -> DemoteReply:
+def demote(
+    seg: Seg,
+    directory: Directory,
+    objects: list[DemoteObject],
+    shard_of: Callable[[bytes], int] | None = None,
+) -> DemoteReply:
     demoter = Demoter(
         seg.backend,
         segment_id=SEGMENT,
@@ -119,6 +140,7 @@ def demote(seg: Seg, directory: Directory, objects: list[DemoteObject]) -> Demot
         ask=directory.ask,
         confirm=directory.confirm,
         warn=lambda *a, **k: None,
+        shard_of=shard_of,
     )
     try:
         reply = asyncio.run(demoter.on_demote(msgspec.msgpack.encode(DemoteRequest(objects=objects)), {}))
@@ -180,9 +202,12 @@ def test_a_full_tier_stops_the_objects_not_yet_started(tmp_path: Path) -> None:
         statuses = [r.status for r in reply.results]
         assert set(statuses) == {"demoted", "no_capacity"}
         assert 1 <= statuses.count("demoted") <= 4
-        # Not started after the tier said full: never asked for a ticket.
-        assert len(directory.begun) <= statuses.count("demoted") + DEMOTE_CONCURRENCY_MAX
-        assert len(directory.begun) < n
+        # Every ticket asked in one request; those not written go back in one put_abort.
+        assert len(directory.begun) == n
+        assert sorted(directory.aborted) == sorted(
+            o.key for o, r in zip(objects, reply.results, strict=True) if r.status == "no_capacity"
+        )
+        assert [v for v, _ in directory.requests].count("put_abort") == 1
         held = seg.ssd.stats()
         assert held["objects"] == statuses.count("demoted")  # nothing written for the rest
     finally:
@@ -198,13 +223,52 @@ def test_an_error_in_one_object_lets_the_others_finish(tmp_path: Path) -> None:
     try:
         n = 8
         _, objects = stored(seg, directory, n, 64 * 1024)
-        directory.fail_drop = {objects[0].key}
-        with pytest.raises(RuntimeError, match="a bug while dropping"):
+        real = seg.backend.demote
+
+        def buggy(slot: int, generation: int, size: int) -> tuple[int, int]:
+            if slot == objects[0].slot:
+                raise RuntimeError("a bug while writing")
+            return real(slot, generation, size)
+
+        seg.backend.demote = buggy  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="a bug while writing"):
             demote(seg, directory, objects)
-        # Every other object ran to its end: confirmed and its arena replica dropped; the failed
-        # one's disk replica was confirmed too (both replicas stay, as when a drop fails).
+        # Every other object ran to its end: written, confirmed and its arena replica dropped;
+        # the failed one wrote nothing (its ticket expires: an unexpected error is not aborted).
         assert sorted(directory.dropped) == sorted(o.key for o in objects[1:])
-        assert len(directory.confirmed) == n and seg.ssd.stats()["objects"] == n
+        assert len(directory.confirmed) == n - 1 and seg.ssd.stats()["objects"] == n - 1
+    finally:
+        seg.backend.arena.close()
+        seg.io.close()
+        seg.ssd.close()
+
+
+def test_a_request_costs_one_ticket_request_and_one_drop_request_per_shard(tmp_path: Path) -> None:
+    """The directory's steps batched (`replicate_begin_many`, `replica_corrupt_many`): 16 objects
+    cost one request of each per shard, each naming only its shard's keys, not 16 of each."""
+    syncs: list[float] = []
+    seg = make(tmp_path, 16 << 20, syncs)
+    directory = Directory()
+    try:
+        n = 16
+        _, objects = stored(seg, directory, n, 16 * 1024)
+        reply = demote(seg, directory, objects)
+        assert [r.status for r in reply.results] == ["demoted"] * n
+        verbs = [v for v, _ in directory.requests]
+        assert verbs == ["replicate_begin_many", "replica_corrupt_many"]
+        shard = {o.key: int(o.key[-1:]) % 2 for o in objects}  # two shards by the key's last digit
+        directory.requests.clear()
+        directory.dropped.clear()
+        _, more = stored(seg, directory, n, 16 * 1024)
+        reply = demote(seg, directory, more, shard_of=lambda k: int(k[-1:]) % 2)
+        assert [r.status for r in reply.results] == ["demoted"] * n
+        assert (
+            sorted(v for v, _ in directory.requests)
+            == ["replica_corrupt_many"] * 2 + ["replicate_begin_many"] * 2
+        )
+        for _, keys in directory.requests:
+            assert len({shard[k] for k in keys}) == 1 and len(keys) == n // 2
+        assert sorted(directory.dropped) == sorted(o.key for o in more)
     finally:
         seg.backend.arena.close()
         seg.io.close()

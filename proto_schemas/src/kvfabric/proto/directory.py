@@ -25,6 +25,8 @@ Verbs and their request → reply:
 | `freed` | `SlotsFreed` | `FreedAck` |
 | `replicate_begin` | `ReplicateBegin` | `ReplicateBeginReply` |
 | `replica_corrupt` | `ReplicaCorrupt` | `ReplicaCorruptReply` |
+| `replicate_begin_many` | `ReplicateBeginMany` | `ReplicateBeginManyReply` |
+| `replica_corrupt_many` | `ReplicaCorruptMany` | `ReplicaCorruptManyReply` |
 | `replica_suspect` | `ReplicaSuspect` | `ReplicaSuspectReply` |
 | `list_segments` | `ListSegments` | `SegmentList` |
 | `list_groups` / `show_group` | `ListGroups` / `ShowGroup` | `GroupList` |
@@ -69,6 +71,9 @@ ACCESS_BATCH_MAX: Final = 4096  # groups per GroupsAccessed event
 LOOKUP_MANY_PARTS_MAX: Final = 1024  # shards per LookupMany (its groups together <= LOOKUP_BATCH_GROUPS_MAX)
 RELEASE_BATCH_LEASES_MAX: Final = 64  # leases per batched LeaseRelease (each ends O(its groups))
 RELEASE_MANY_LEASES_MAX: Final = 1024  # leases per LeaseReleaseMany, all parts together
+REPLICA_BATCH_MAX: Final = (
+    64  # items per ReplicateBeginMany / ReplicaCorruptMany (a demote request's objects)
+)
 # Names a caller chooses, kept by the directory for as long as what they name (a lease, a pin, a
 # write, a cached reply): longer ones fail to decode (`bad_request`), so no caller can make the
 # directory hold megabytes per entry. Counted in characters (at most 4 bytes each in UTF-8).
@@ -545,6 +550,53 @@ class ReplicaCorrupt(_Msg, frozen=True, kw_only=True, tag="dir.replica_corrupt.v
     reason: str = "corrupt"
 
 
+class ReplicateItem(msgspec.Struct, frozen=True, kw_only=True):
+    key: bytes
+    request_id: RequestId
+
+
+class ReplicateBeginMany(_Msg, frozen=True, kw_only=True, tag="dir.replicate_begin_many.v1"):
+    """`ReplicateBegin` for up to `REPLICA_BATCH_MAX` keys of one shard onto one segment and tier
+    in one round trip (a segment's demotion of a batch of objects): each item is answered exactly
+    as its own `ReplicateBegin` would be, in order, in `ReplicateBeginManyReply.replies`. A
+    whole-request error (epoch, TTL, batch size) applies to none."""
+
+    writer_id: WriterId
+    segment_id: str
+    items: list[ReplicateItem]
+    write_ttl_ms: int = 30_000
+    epoch: int = 0
+    tier: Literal["dram", "ssd"] = "dram"
+
+
+class ReplicateBeginManyReply(_Msg, frozen=True, kw_only=True, tag="dir.replicate_begin_many_reply.v1"):
+    epoch: int
+    replies: list[ReplicateBeginReply]
+
+
+class CorruptItem(msgspec.Struct, frozen=True, kw_only=True):
+    key: bytes
+    slot: int
+    slot_generation: int
+
+
+class ReplicaCorruptMany(_Msg, frozen=True, kw_only=True, tag="dir.replica_corrupt_many.v1"):
+    """`ReplicaCorrupt` for up to `REPLICA_BATCH_MAX` replicas of one shard's keys on one segment
+    incarnation, one `reason` for all (a demotion's arena replicas: "demoted"): each item is
+    dropped or not exactly as its own `ReplicaCorrupt` would be, in order."""
+
+    segment_id: str
+    incarnation: int
+    items: list[CorruptItem]
+    epoch: int = 0
+    reason: str = "corrupt"
+
+
+class ReplicaCorruptManyReply(_Msg, frozen=True, kw_only=True, tag="dir.replica_corrupt_many_reply.v1"):
+    epoch: int
+    dropped: list[bool]  # per item, as `ReplicaCorruptReply.dropped`
+
+
 class ReplicaSuspect(_Msg, frozen=True, kw_only=True, tag="dir.replica_suspect.v1"):
     """A reader's report (`replica_suspect`, any instance): bytes read from this replica did not
     match the object's checksum. The directory only relays it to the segment, which re-verifies
@@ -786,6 +838,8 @@ DirectoryRequest = (
     | SlotsFreed
     | ReplicateBegin
     | ReplicaCorrupt
+    | ReplicateBeginMany
+    | ReplicaCorruptMany
     | ReplicaSuspect
     | ListSegments
     | ListGroups
@@ -810,6 +864,8 @@ DirectoryReply = (
     | FreedAck
     | ReplicateBeginReply
     | ReplicaCorruptReply
+    | ReplicateBeginManyReply
+    | ReplicaCorruptManyReply
     | ReplicaSuspectReply
     | SegmentList
     | GroupList

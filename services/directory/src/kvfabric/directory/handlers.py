@@ -68,6 +68,8 @@ VERBS: Final[dict[str, type[msgspec.Struct]]] = {
     "freed": m.SlotsFreed,
     "replicate_begin": m.ReplicateBegin,
     "replica_corrupt": m.ReplicaCorrupt,
+    "replicate_begin_many": m.ReplicateBeginMany,  # a segment's demotion batch (issue 23)
+    "replica_corrupt_many": m.ReplicaCorruptMany,
     "list_segments": m.ListSegments,
     "list_groups": m.ListGroups,
     "show_group": m.ShowGroup,

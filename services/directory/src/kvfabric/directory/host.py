@@ -133,6 +133,8 @@ def _keys_of(message: msgspec.Struct) -> list[bytes]:
         return [f.key for f in message.freed]
     if isinstance(message, m.ReplicateBegin | m.ReplicaCorrupt):
         return [message.key]
+    if isinstance(message, m.ReplicateBeginMany | m.ReplicaCorruptMany):
+        return [item.key for item in message.items]
     if isinstance(message, m.ShowGroup):
         return [message.group]
     return []

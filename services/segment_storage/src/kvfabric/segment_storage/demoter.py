@@ -1,36 +1,37 @@
 """`demote.<segment_id>`: move arena objects into this segment's own disk tier (issue 23).
 
-The eviction policy picks the victims and asks; the segment runs the protocol for each object,
-each step an existing mechanism, up to `DEMOTE_CONCURRENCY_MAX` objects of a request at once:
+The eviction policy picks the victims and asks; the segment runs the protocol for a request's
+objects, each step an existing mechanism, the directory's steps batched per shard:
 
-1. `replicate_begin(key, this segment, tier="ssd")` at the key's shard leader: a ticket for a
-   disk replica (reserves no arena bytes). `already_there`: an earlier demotion copied it (its
-   arena replica was kept): go to 4. The arena replica named must be one of the directory's
-   live sources (this incarnation, that slot and generation), else `not_found`.
-2. `ArenaBackend.demote`: under a read reference on the arena slot, re-hash its bytes (a
-   mismatch frees it like the scrubber), then the disk tier's write protocol (data, sync, commit
-   record, sync). A full tier is `no_capacity`: nothing is written, the ticket is aborted
-   (`put_abort`), the rest of the request is not tried, and the shell logs `demotion_stopped`
-   and counts `demote_no_capacity`; the arena keeps serving as before.
-3. Confirm the disk replica like any write (the confirm batcher); a refusal or no verdict frees
-   the disk slot (the directory never published it).
-4. `replica_corrupt(reason="demoted")` for the arena replica: the directory drops it and frees it
-   (`free.<segment_id>`), unless a lease or pin holds the group (`copied`: both replicas stay,
-   a later demotion drops it) or it is the last replica.
+1. One `replicate_begin_many` (`ReplicateBeginMany`, tier "ssd") per shard of the request's
+   keys, at that shard's leader: a ticket per object for a disk replica (reserves no arena
+   bytes). `already_there`: an earlier demotion copied it (its arena replica was kept): go to 4.
+   The arena replica named must be one of the directory's live sources (this incarnation, that
+   slot and generation), else `not_found`.
+2. `ArenaBackend.demote`, up to `DEMOTE_CONCURRENCY_MAX` objects at once: under a read reference
+   on the arena slot, re-hash its bytes (a mismatch frees it like the scrubber), then the disk
+   tier's write protocol (data, sync, commit record, sync). A full tier is `no_capacity`:
+   nothing is written, the objects not yet started are not tried, and the shell logs
+   `demotion_stopped` and counts `demote_no_capacity`; the arena keeps serving as before.
+3. Confirm the disk replica like any write (the confirm batcher: concurrent confirms share a
+   request); a refusal or no verdict frees the disk slot (the directory never published it).
+4. One `replica_corrupt_many` (reason "demoted") per shard for the arena replicas of the objects
+   now on disk: the directory drops and frees each (`free.<segment_id>`), unless a lease or pin
+   holds its group (`copied`: both replicas stay, a later demotion drops it) or it is the last
+   replica. Tickets of objects not written (full tier, a failed write, a wrong source) go in one
+   `put_abort` per shard, not at their deadline.
 
-One request at a time (another is `busy`). Within it, up to `DEMOTE_CONCURRENCY_MAX` objects run
-the four steps at once, each in its own order, so their directory round trips overlap (the
-confirm batcher sends concurrent confirms in one request) and their disk writes share syncs
-(`GroupSync`: a sync that starts after a write covers every write finished by then — a batch of
-writes costs a few syncs, not two each; the write protocol of each object is unchanged: its data
-is durable before its commit record is written). Sequentially each object paid two syncs and three
-round trips, and demotion moved 0.04-0.34 of the raw disk's write rate (docs/ssd-tier.md). The
-disk writes run on threads of their own (the I/O engine splits each into pieces on its threads),
-never on the default executor that frees use. A full tier (`no_capacity`) stops the objects not
-yet started; those in flight finish. An unexpected error in one object lets the others finish
-(none is left half-done: a disk slot written but neither confirmed nor freed), then is raised. A
-failure at any step leaves the object readable where it was: the arena replica goes only once the
-disk replica is in the directory's record.
+One request at a time (another is `busy`). Per object two directory requests of its own
+(`replicate_begin`, `replica_corrupt`) cost about as much directory time as a raw 1 MiB write
+(docs/ssd-tier.md): batched, a request of 64 objects costs one of each per shard. The disk
+writes of concurrent objects share syncs (`GroupSync`: a sync that starts after a write covers
+every write finished by then; each object's write protocol is unchanged: its data is durable
+before its commit record is written). The disk writes run on threads of their own at nice
+`DEMOTE_THREAD_NICE` (the I/O engine splits each into pieces on its threads), never on the
+default executor that frees use. An unexpected error in one object lets the others finish
+(none is left half-done: a disk slot written but neither confirmed nor freed), then is raised.
+A failure at any step leaves the object readable where it was: the arena replica goes only once
+the disk replica is in the directory's record.
 """
 
 from __future__ import annotations
@@ -46,7 +47,16 @@ from typing import Final
 
 import msgspec
 
-from kvfabric.format.errors import BadRequest, Busy, Conflict, KvfError, NoCapacity, NotFound, StaleGeneration
+from kvfabric.format.errors import (
+    BadRequest,
+    Busy,
+    Conflict,
+    KvfError,
+    NoCapacity,
+    NotFound,
+    StaleGeneration,
+    Unavailable,
+)
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import (
     DEMOTE_BATCH_MAX,
@@ -86,7 +96,9 @@ class Demoter:
         ask: AskFn,
         confirm: ConfirmAsyncFn,
         warn: LogFn,
+        shard_of: Callable[[bytes], int] | None = None,
     ) -> None:
+        """`shard_of`: a key's directory shard (the segment's router); None: one shard."""
         self.backend = backend
         self.segment_id = segment_id
         self.incarnation = incarnation
@@ -94,6 +106,7 @@ class Demoter:
         self._ask = ask
         self._confirm = confirm
         self._warn = warn
+        self._shard_of: Callable[[bytes], int] = shard_of or (lambda key: 0)
         self._busy = False
         self._requests = itertools.count(1)
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -116,119 +129,191 @@ class Demoter:
             self.backend.count("demote_busy_total")
             raise Busy("a demotion is running on this segment")
         self._busy = True
-        results: list[DemoteResult] = [DemoteResult("no_capacity")] * len(message.objects)
-        gate = asyncio.Semaphore(DEMOTE_CONCURRENCY_MAX)
-        full = False
-
-        async def demote(i: int, obj: DemoteObject) -> None:
-            nonlocal full
-            async with gate:
-                if full:  # the tier is full: the rest would not fit either, not tried
-                    return
-                results[i] = await self._one(obj)
-                if results[i].status == "no_capacity":
-                    full = True
-
         try:
-            # Every object runs to its end (none cancelled half-way by another's error).
-            outcomes = await asyncio.gather(
-                *(demote(i, obj) for i, obj in enumerate(message.objects)), return_exceptions=True
-            )
+            results = await self._demote_all(message.objects)
         finally:
             self._busy = False
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
         stats = ssd.stats()
         return DemoteReply(
             results=results, ssd_capacity_bytes=stats["capacity_bytes"], ssd_used_bytes=stats["used_bytes"]
         )
 
-    async def _one(self, obj: DemoteObject) -> DemoteResult:
+    def _by_shard(self, indexes: list[int], objects: list[DemoteObject]) -> list[list[int]]:
+        """`indexes` grouped by their key's shard, in request order, at most REPLICA_BATCH_MAX a group."""
+        shards: dict[int, list[int]] = {}
+        for i in indexes:
+            shards.setdefault(self._shard_of(objects[i].key), []).append(i)
+        return [
+            group[at : at + m.REPLICA_BATCH_MAX]
+            for group in shards.values()
+            for at in range(0, len(group), m.REPLICA_BATCH_MAX)
+        ]
+
+    async def _demote_all(self, objects: list[DemoteObject]) -> list[DemoteResult]:
+        n = len(objects)
+        results: list[DemoteResult] = [DemoteResult("no_capacity")] * n
+        disks: list[tuple[int, int]] = [(-1, -1)] * n
+        begun: list[m.ReplicateBeginReply | KvfError] = [Unavailable("not asked")] * n
+        await asyncio.gather(
+            *(self._begin(group, objects, begun) for group in self._by_shard(list(range(n)), objects))
+        )
+        gate = asyncio.Semaphore(DEMOTE_CONCURRENCY_MAX)
+        full = False
+        to_drop: list[int] = []  # on disk and in the directory's record: their arena replicas go
+        to_abort: list[int] = []  # a ticket placed, nothing confirmed: it goes now
+
+        async def copy(i: int) -> None:
+            nonlocal full
+            async with gate:
+                reply = begun[i]
+                if full:  # the tier is full: the rest would not fit either, not tried
+                    if isinstance(reply, m.ReplicateBeginReply) and reply.status == "placed":
+                        to_abort.append(i)
+                    return
+                outcome, abort = await self._copy(objects[i], reply)
+                if abort:
+                    to_abort.append(i)
+                if isinstance(outcome, DemoteResult):
+                    results[i] = outcome
+                    full = full or outcome.status == "no_capacity"
+                    return
+                disks[i] = outcome
+                to_drop.append(i)
+
+        # Every object runs to its end (none cancelled half-way by another's error).
+        outcomes = await asyncio.gather(*(copy(i) for i in range(n)), return_exceptions=True)
+        await asyncio.gather(
+            *(self._abort(group, objects) for group in self._by_shard(sorted(to_abort), objects)),
+            *(
+                self._drop(group, objects, disks, results)
+                for group in self._by_shard(sorted(to_drop), objects)
+            ),
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return results
+
+    async def _begin(
+        self, group: list[int], objects: list[DemoteObject], begun: list[m.ReplicateBeginReply | KvfError]
+    ) -> None:
+        """One shard's tickets, one request: each object's reply (or the request's error) in `begun`."""
+        request = m.ReplicateBeginMany(
+            writer_id=self.writer_id,
+            segment_id=self.segment_id,
+            items=[
+                m.ReplicateItem(
+                    key=objects[i].key, request_id=f"demote-{self.incarnation}-{next(self._requests)}"
+                )
+                for i in group
+            ],
+            write_ttl_ms=DEMOTE_TTL_MS,
+            tier="ssd",
+        )
         try:
-            begun = await self._ask(
-                "replicate_begin",
-                m.ReplicateBegin(
-                    writer_id=self.writer_id,
-                    request_id=f"demote-{self.incarnation}-{next(self._requests)}",
-                    key=obj.key,
-                    segment_id=self.segment_id,
-                    write_ttl_ms=DEMOTE_TTL_MS,
-                    tier="ssd",
-                ),
-            )
+            reply = await self._ask("replicate_begin_many", request)
+            if not isinstance(reply, m.ReplicateBeginManyReply) or len(reply.replies) != len(group):
+                raise Unavailable(f"unexpected replicate_begin_many reply {type(reply).__name__}")
         except KvfError as err:
-            return self._failed(obj, "replicate_begin", err)
-        if not isinstance(begun, m.ReplicateBeginReply) or begun.status in ("segment_down", "no_capacity"):
+            for i in group:
+                begun[i] = err
+            return
+        for i, one in zip(group, reply.replies, strict=True):
+            begun[i] = one
+
+    async def _copy(
+        self, obj: DemoteObject, begun: m.ReplicateBeginReply | KvfError
+    ) -> tuple[DemoteResult | tuple[int, int], bool]:
+        """Steps 2-3 for one object: its final result, or its disk replica (slot, generation), or
+        (-1, -1) when an earlier demotion copied it: then its arena replica is to be dropped. And
+        whether its ticket is to be aborted (placed, nothing confirmed)."""
+        if isinstance(begun, KvfError):
+            return self._failed(obj, "replicate_begin", begun), False
+        if begun.status in ("segment_down", "no_capacity"):
             self.backend.count("demote_failed_total")
-            return DemoteResult("failed")
+            return DemoteResult("failed"), False
         if begun.status == "not_found":
             self.backend.count("demote_not_found_total")
-            return DemoteResult("not_found")
-        disk = (-1, -1)
-        if begun.status == "placed":
-            ticket = begun.ticket
-            if ticket is None or not any(
-                (s.segment_id, s.incarnation, s.slot, s.slot_generation)
-                == (self.segment_id, self.incarnation, obj.slot, obj.slot_generation)
-                for s in begun.sources
-            ):
-                await self._abort(obj.key)
-                self.backend.count("demote_not_found_total")
-                return DemoteResult("not_found")
-            loop = asyncio.get_running_loop()
-            try:
-                disk = await loop.run_in_executor(
-                    self._pool, self.backend.demote, obj.slot, obj.slot_generation, ticket.size_bytes
-                )
-            except NoCapacity as err:
-                await self._abort(obj.key)
-                self.backend.count("demote_no_capacity_total")
-                self._warn("demotion_stopped", reason="disk tier full", error=err.message)
-                return DemoteResult("no_capacity")
-            except (NotFound, StaleGeneration):  # freed or rewritten since the policy looked
-                await self._abort(obj.key)
-                self.backend.count("demote_not_found_total")
-                return DemoteResult("not_found")
-            except KvfError as err:
-                await self._abort(obj.key)
-                return self._failed(obj, "write", err)
-            try:
-                verdict = await self._confirm(ticket, *disk)
-            except KvfError as err:
-                verdict = err.code
-            if verdict != "ok":  # never published: nobody reads it, it goes now
-                await loop.run_in_executor(self._pool, self.backend.free_slots, [disk])
-                self.backend.count("demote_failed_total")
-                self._warn("demotion_failed", step="confirm", verdict=verdict, key=obj.key.hex())
-                return DemoteResult("failed")
+            return DemoteResult("not_found"), False
+        if begun.status != "placed":  # already_there: on disk already, the arena replica to drop
+            return (-1, -1), False
+        ticket = begun.ticket
+        if ticket is None or not any(
+            (s.segment_id, s.incarnation, s.slot, s.slot_generation)
+            == (self.segment_id, self.incarnation, obj.slot, obj.slot_generation)
+            for s in begun.sources
+        ):
+            self.backend.count("demote_not_found_total")
+            return DemoteResult("not_found"), True
+        loop = asyncio.get_running_loop()
         try:
-            dropped = await self._ask(
-                "replica_corrupt",
-                m.ReplicaCorrupt(
-                    segment_id=self.segment_id,
-                    incarnation=self.incarnation,
-                    key=obj.key,
-                    slot=obj.slot,
-                    slot_generation=obj.slot_generation,
-                    reason="demoted",
-                ),
+            disk = await loop.run_in_executor(
+                self._pool, self.backend.demote, obj.slot, obj.slot_generation, ticket.size_bytes
             )
-        except KvfError as err:  # both replicas stay: a later demotion drops the arena one
-            self._warn("demotion_drop_failed", code=err.code, key=obj.key.hex())
-            dropped = None
-        if isinstance(dropped, m.ReplicaCorruptReply) and dropped.dropped:
-            self.backend.count("demote_dropped_total")
-            return DemoteResult("demoted", *disk)
-        self.backend.count("demote_kept_total")
-        return DemoteResult("copied", *disk)
+        except NoCapacity as err:
+            self.backend.count("demote_no_capacity_total")
+            self._warn("demotion_stopped", reason="disk tier full", error=err.message)
+            return DemoteResult("no_capacity"), True
+        except (NotFound, StaleGeneration):  # freed or rewritten since the policy looked
+            self.backend.count("demote_not_found_total")
+            return DemoteResult("not_found"), True
+        except KvfError as err:
+            return self._failed(obj, "write", err), True
+        try:
+            verdict = await self._confirm(ticket, *disk)
+        except KvfError as err:
+            verdict = err.code
+        if verdict != "ok":  # never published: nobody reads it, it goes now (its ticket is gone)
+            await loop.run_in_executor(self._pool, self.backend.free_slots, [disk])
+            self.backend.count("demote_failed_total")
+            self._warn("demotion_failed", step="confirm", verdict=verdict, key=obj.key.hex())
+            return DemoteResult("failed"), False  # the confirm consumed its ticket (or it expires)
+        return disk, False
 
-    async def _abort(self, key: bytes) -> None:
-        """The disk replica's ticket goes now (its tenant bytes), not at its deadline."""
+    async def _drop(
+        self,
+        group: list[int],
+        objects: list[DemoteObject],
+        disks: list[tuple[int, int]],
+        results: list[DemoteResult],
+    ) -> None:
+        """Step 4 for one shard's objects, one request."""
+        request = m.ReplicaCorruptMany(
+            segment_id=self.segment_id,
+            incarnation=self.incarnation,
+            items=[
+                m.CorruptItem(
+                    key=objects[i].key, slot=objects[i].slot, slot_generation=objects[i].slot_generation
+                )
+                for i in group
+            ],
+            reason="demoted",
+        )
+        dropped = [False] * len(group)
+        try:
+            reply = await self._ask("replica_corrupt_many", request)
+            if isinstance(reply, m.ReplicaCorruptManyReply) and len(reply.dropped) == len(group):
+                dropped = list(reply.dropped)
+            else:
+                self._warn("demotion_drop_failed", code="unexpected_reply", keys=len(group))
+        except KvfError as err:  # both replicas stay: a later demotion drops the arena one
+            self._warn("demotion_drop_failed", code=err.code, keys=len(group))
+        for i, ok in zip(group, dropped, strict=True):
+            if ok:
+                self.backend.count("demote_dropped_total")
+                results[i] = DemoteResult("demoted", *disks[i])
+            else:
+                self.backend.count("demote_kept_total")
+                results[i] = DemoteResult("copied", *disks[i])
+
+    async def _abort(self, group: list[int], objects: list[DemoteObject]) -> None:
+        """Tickets of one shard that wrote nothing go now (their tenant bytes), not at their deadline."""
         request_id = f"demote-abort-{next(self._requests)}"
-        with contextlib.suppress(KvfError):  # else it expires at its deadline
-            abort = m.PutAbort(writer_id=self.writer_id, request_id=request_id, keys=[key])
-            await self._ask("put_abort", abort)
+        with contextlib.suppress(KvfError):  # else they expire at their deadline
+            keys = [objects[i].key for i in group]
+            await self._ask(
+                "put_abort", m.PutAbort(writer_id=self.writer_id, request_id=request_id, keys=keys)
+            )
 
     def _failed(self, obj: DemoteObject, step: str, err: KvfError) -> DemoteResult:
         self.backend.count("demote_failed_total")

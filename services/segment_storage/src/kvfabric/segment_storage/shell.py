@@ -217,6 +217,7 @@ class SegmentShell:
             ask=self._directory,
             confirm=self._confirm_async,
             warn=self._log.warning,
+            shard_of=lambda key: self.router.shard_of(key) if self.router is not None else 0,
         )
 
     def attach(self, runtime: ServiceRuntime) -> None:
@@ -235,6 +236,8 @@ class SegmentShell:
             shard = self.router.shard_of(message.confirms[0].key)
         elif isinstance(message, m.PutAbort):
             shard = self.router.shard_of(message.keys[0])
+        elif isinstance(message, m.ReplicateBeginMany | m.ReplicaCorruptMany):  # one shard's keys
+            shard = self.router.shard_of(message.items[0].key)
         else:
             shard = self.router.shard_of(getattr(message, "key", b""))
         reply = await self.router.ask(

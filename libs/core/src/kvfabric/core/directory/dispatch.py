@@ -12,7 +12,7 @@ checks what no single table can: the conservation sums across them (`check_invar
 | `published` | published records, holds per group, the sweep | evict |
 | `leases` | read leases and pins | lease_release, lease_renew, pin, unpin |
 | `frees` | slots being freed, evicting groups, grace | slots_freed |
-| `replicas` | extra replica tickets | replicate_begin, replica_corrupt |
+| `replicas` | extra replica tickets | replicate_begin, replica_corrupt (+ `_many`) |
 | `reads` | the lookup fold, the access batch | lookup (+ `lookup_more`), list_*, show_group |
 Dependencies point one way: segments ← frees ← published ← leases | replicas ← writes ← reads.
 
@@ -106,6 +106,8 @@ class DirectoryCore:
             m.SlotsFreed: self.free_table.freed,
             m.ReplicateBegin: self.replica_table.replicate_begin,
             m.ReplicaCorrupt: self.replica_table.corrupt,
+            m.ReplicateBeginMany: self.replica_table.replicate_begin_many,
+            m.ReplicaCorruptMany: self.replica_table.corrupt_many,
             m.ListSegments: self.reads.list_segments,
             m.ListGroups: self.reads.list_groups,
             m.ShowGroup: self.reads.show_group,

@@ -16,6 +16,12 @@ refused (a repair must not fail on a quota).
 (the sweep invalidates it). `cold` / `demoted`: a healthy replica nobody needs, never a member's
 last; a demoted one is kept while its group is leased or pinned (a reader may hold only it).
 
+## Many at once (`replicate_begin_many`, `replica_corrupt_many`)
+Up to `REPLICA_BATCH_MAX` keys of this shard in one request (a segment demotes a batch): the
+whole request's checks (epoch, TTL, batch size, a live segment for a drop) first, then each
+item exactly as its single request, in order, its reply in the same place. One round trip and
+one request's overhead for a batch instead of one per object (docs/ssd-tier.md).
+
 ## Invariants (`check_invariants`)
 1. Every ticket's deadline has an entry in the deadline heap.
 2. A ticket's tier is `dram` or `ssd` (the tier its confirmed slot must have).
@@ -33,7 +39,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
-from kvfabric.core.directory.base import HEAP_SLACK_MIN, Context, Effect, EmitEvent, Member, Outcome
+from kvfabric.core.directory.base import (
+    HEAP_SLACK_MIN,
+    Context,
+    Effect,
+    EmitEvent,
+    Member,
+    Outcome,
+    check_batch,
+)
 from kvfabric.core.directory.frees import FreeTable
 from kvfabric.core.directory.published import PublishedTable
 from kvfabric.core.directory.segments import Segment, SegmentTable
@@ -139,6 +153,30 @@ class ReplicaTable:
         return Outcome(
             m.ReplicateBeginReply(epoch=ctx.epoch, status="placed", ticket=ticket, sources=sources)
         )
+
+    def replicate_begin_many(self, req: m.ReplicateBeginMany, now_ms: int) -> Outcome:
+        """`replicate_begin` for each item, in order (the module docstring, "Many at once")."""
+        ctx = self.ctx
+        check_batch("replicate_begin_many", len(req.items), m.REPLICA_BATCH_MAX)
+        ctx.check_epoch(req.epoch)
+        if not 0 < req.write_ttl_ms <= m.WRITE_TTL_MS_MAX:
+            raise BadRequest(f"write_ttl_ms must be in 1..{m.WRITE_TTL_MS_MAX}")
+        replies: list[m.ReplicateBeginReply] = []
+        for item in req.items:
+            one = m.ReplicateBegin(
+                writer_id=req.writer_id,
+                request_id=item.request_id,
+                key=item.key,
+                segment_id=req.segment_id,
+                write_ttl_ms=req.write_ttl_ms,
+                epoch=req.epoch,
+                tier=req.tier,
+            )
+            reply = self.replicate_begin(one, now_ms).reply
+            invariant(isinstance(reply, m.ReplicateBeginReply), "replicate_begin reply type")
+            assert isinstance(reply, m.ReplicateBeginReply)
+            replies.append(reply)
+        return Outcome(m.ReplicateBeginManyReply(epoch=ctx.epoch, replies=replies))
 
     def _ticket(self, ticket_id: int, rt: ReplicaTicket, seg: Segment, writer_id: str) -> m.WriteTicket:
         ticket = m.WriteTicket(
@@ -257,6 +295,32 @@ class ReplicaTable:
             EmitEvent("under_replicated", m.GroupUnderReplicated(group=chain_of(gid), domain=domain_of(gid)))
         )
         return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=True), effects)
+
+    def corrupt_many(self, req: m.ReplicaCorruptMany, now_ms: int) -> Outcome:
+        """`corrupt` for each item, in order, their effects together (the module docstring)."""
+        ctx = self.ctx
+        check_batch("replica_corrupt_many", len(req.items), m.REPLICA_BATCH_MAX)
+        ctx.check_epoch(req.epoch)
+        self.segments.live_segment(req.segment_id, req.incarnation)
+        dropped: list[bool] = []
+        effects: list[Effect] = []
+        for item in req.items:
+            one = m.ReplicaCorrupt(
+                segment_id=req.segment_id,
+                incarnation=req.incarnation,
+                key=item.key,
+                slot=item.slot,
+                slot_generation=item.slot_generation,
+                epoch=req.epoch,
+                reason=req.reason,
+            )
+            outcome = self.corrupt(one, now_ms)
+            reply = outcome.reply
+            invariant(isinstance(reply, m.ReplicaCorruptReply), "replica_corrupt reply type")
+            assert isinstance(reply, m.ReplicaCorruptReply)
+            dropped.append(reply.dropped)
+            effects.extend(outcome.effects)
+        return Outcome(m.ReplicaCorruptManyReply(epoch=ctx.epoch, dropped=dropped), effects)
 
     # ---- what this table holds, and checks -----------------------------------------------
 
