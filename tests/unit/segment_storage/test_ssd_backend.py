@@ -457,6 +457,51 @@ def test_disk_get_sends_its_first_bytes_before_the_disk_read_ends(tmp_path: Path
         close(seg)
 
 
+class HeldIo(GatedIo):
+    """`GatedIo` holding the read pieces that start at one of `held` (file offsets) for `gate`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: set[int] = set()
+
+    def _piece(self, fd: int, view: memoryview, offset: int, write: bool) -> None:
+        if not write and offset in self.held:
+            assert self.gate.wait(10), "gate never opened"
+        super()._piece(fd, view, offset, write)
+
+
+def test_disk_get_of_many_objects_sends_the_first_while_the_others_are_read(tmp_path: Path) -> None:
+    """A streamed GET of several disk replicas reads the first now and queues the others on the I/O
+    engine's threads: the first object's bytes arrive while the later ones' reads are still held
+    back here. (Before: each object's first piece was read on the connection's thread, one after
+    another, before the reply header, so nothing arrived until every read had ended.)"""
+    io = HeldIo()
+    seg = make(tmp_path, io=io)
+    server = TcpDataServer(seg.backend, authenticate=seg.backend.admits)
+    server.start()
+    try:
+        datas = [os.urandom(PIECE_BYTES) for _ in range(3)]
+        disks = [seg.demote(seg.store(d, b"key-m%d" % i)) for i, d in enumerate(datas)]
+        io.held = {_file_offset(seg, d) for d in disks[1:]}
+        body = encode(GetRequest(reads=disks, verdicts_after=True))
+        with socket.create_connection((server.host, server.port), timeout=5) as sock:
+            sock.sendall(pack_header(Op.GET, 1, len(body)) + body)
+            head = _reply(sock)  # arrives with the later objects' reads still held
+            assert head.verdicts_after and [r.status for r in head.results] == ["ok"] * 3
+            assert _recv(sock, PIECE_BYTES) == datas[0]
+            assert not io.gate.is_set()
+            io.gate.set()
+            assert _recv(sock, 2 * PIECE_BYTES) == datas[1] + datas[2]
+            final = _reply(sock)
+            assert [(r.status, r.checksum) for r in final.results] == [("ok", checksum(d)) for d in datas]
+        wait_for(lambda: seg.ssd.stats()["read_bytes_in_flight"] == 0)
+        assert seg.ssd.counters["reads_streamed_total"] == 3
+    finally:
+        io.gate.set()
+        server.stop()
+        close(seg)
+
+
 @pytest.mark.parametrize("fault", ["flipped byte", "I/O error"])
 def test_a_streamed_disk_get_that_fails_after_its_bytes_is_not_ok(tmp_path: Path, fault: str) -> None:
     """A replica whose bytes fail (a flipped byte on disk, an I/O error in its third piece) is sent

@@ -502,9 +502,10 @@ class ArenaBackend:
                     self.count("read_token_rejected_total")
                     out.append(("unauthorized", None))
                     continue
-                if stream:
+                if stream:  # the first disk object read now, later ones while it is sent
+                    first = not any(done is not None for _, done in out)
                     read: SsdRead | SsdStream = self.ssd.read_stream(
-                        ref.slot, ref.slot_generation, ref.size_bytes
+                        ref.slot, ref.slot_generation, ref.size_bytes, inline_first=first
                     )
                 else:
                     read = self.ssd.read(ref.slot, ref.slot_generation, ref.size_bytes)

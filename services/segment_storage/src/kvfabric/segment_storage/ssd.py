@@ -289,14 +289,16 @@ class SsdIo:
                 self.pieces_in_flight -= len(pieces)
 
     def submit_read(
-        self, fd: int, view: memoryview, offset: int, piece_bytes: int
+        self, fd: int, view: memoryview, offset: int, piece_bytes: int, *, inline_first: bool = True
     ) -> list[tuple[int, int, concurrent.futures.Future[None]]]:
         """Start reading all of `view` in pieces of `piece_bytes` (whole blocks) and return at
         with the first piece read: per piece (start, end, its future), in order. The others are
         queued on the threads first, then the first is read on the calling thread (it is what a
-        sender waits for first; a one-piece read costs no hand-off). The same bounds as `pread`
-        (`Busy` before anything starts); a piece leaves the bound when it ends or is cancelled.
-        Without threads every piece is read now, on the calling thread."""
+        sender waits for first; a one-piece read costs no hand-off). `inline_first=False`: every
+        piece is queued and this returns at once (an object a sender gets to only after others:
+        it is read while they are sent). The same bounds as `pread` (`Busy` before anything
+        starts); a piece leaves the bound when it ends or is cancelled. Without threads every
+        piece is read now, on the calling thread."""
         invariant(piece_bytes >= BLOCK_BYTES and piece_bytes % BLOCK_BYTES == 0, "bad read piece size")
         spans = [(i, min(i + piece_bytes, len(view))) for i in range(0, len(view), piece_bytes)]
         with self._lock:
@@ -312,8 +314,9 @@ class SsdIo:
                 self.pieces_in_flight -= 1
 
         out: list[tuple[int, int, concurrent.futures.Future[None]]] = []
-        for n, (start, end) in enumerate([*spans[1:], spans[0]]):
-            if self._pool is None or n == len(spans) - 1:
+        order = [*spans[1:], spans[0]] if inline_first else spans
+        for n, (start, end) in enumerate(order):
+            if self._pool is None or (inline_first and n == len(spans) - 1):
                 future: concurrent.futures.Future[None] = concurrent.futures.Future()
                 try:
                     self._piece(fd, view[start:end], offset + start, False)
@@ -328,7 +331,7 @@ class SsdIo:
                     future.set_exception(exc)
             future.add_done_callback(done)
             out.append((start, end, future))
-        return [out[-1], *out[:-1]]
+        return [out[-1], *out[:-1]] if inline_first else out
 
     def close(self) -> None:
         if self._pool is not None:
@@ -915,14 +918,18 @@ class SsdTier:
         self.free_many([(slot, generation)])
         return SsdRead("corrupt", key=key, generation=generation)
 
-    def read_stream(self, slot: int, generation: int, size: int) -> SsdRead | SsdStream:
+    def read_stream(
+        self, slot: int, generation: int, size: int, *, inline_first: bool = True
+    ) -> SsdRead | SsdStream:
         """`read`, sent as it lands: the same checks and bounds up front (an `SsdRead` with the
         status when the slot cannot be read; `Busy`), then an `SsdStream` whose pieces (the I/O
         engine's, `KVF_SEGMENT_SSD_IO_CHUNK_BYTES`) are being read, the first already in place. Its
         verdict comes after the bytes (`SsdStream.verdict`). An object of one piece is read, then
         sent with its verdict; a larger one is sent piece by piece while the rest is read. Smaller
         pieces (4 or 8 per MiB object) measured slower on the shared 2-vCPU VM than read-then-send:
-        each costs thread hand-offs (docs/ssd-tier.md "Figures")."""
+        each costs thread hand-offs (docs/ssd-tier.md "Figures"). `inline_first=False` (the second
+        and later disk objects of one GET): every piece goes to the I/O engine's threads and this
+        returns at once, so they are read while the objects before them are sent."""
         begun = self._begin_read(slot, generation, size)
         if isinstance(begun, SsdRead):
             return begun
@@ -945,6 +952,7 @@ class SsdTier:
                     whole[:extent],
                     self.geometry.data_offset + grant.offset,
                     self.io.chunk_bytes,
+                    inline_first=inline_first,
                 )
         except BaseException as exc:
             with self.lock:
