@@ -253,6 +253,14 @@ class WTinyLfuMachine(EvictionMachine):
     policy = "wtinylfu"
 
 
+class SecondHitMachine(EvictionMachine):
+    """LRU with second-hit admission (the `lru+admission` row): refusals of first sightings keep
+    every rule; the sketch stays its fixed size (`check_invariants`)."""
+
+    policy = "lru"
+    admission = "second_hit"
+
+
 class ReuseMachine(EvictionMachine):
     """The reuse predictor with its admission: refusals (parent absent, below the frontier)
     keep every rule; the predictor's ghost and classes stay bounded (`check_invariants`)."""
@@ -274,12 +282,14 @@ Lru2Machine.TestCase.settings = _OTHER_POLICIES
 SieveMachine.TestCase.settings = _OTHER_POLICIES
 S3FifoMachine.TestCase.settings = _OTHER_POLICIES
 WTinyLfuMachine.TestCase.settings = _OTHER_POLICIES
+SecondHitMachine.TestCase.settings = _OTHER_POLICIES
 ReuseMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=60, deadline=None)
 DensityMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=60, deadline=None)
 TestLru2Machine = Lru2Machine.TestCase
 TestSieveMachine = SieveMachine.TestCase
 TestS3FifoMachine = S3FifoMachine.TestCase
 TestWTinyLfuMachine = WTinyLfuMachine.TestCase
+TestSecondHitMachine = SecondHitMachine.TestCase
 TestReuseMachine = ReuseMachine.TestCase
 TestDensityMachine = DensityMachine.TestCase
 

@@ -101,7 +101,7 @@ from kvfabric.core.eviction_reuse import (
 )
 from kvfabric.core.eviction_s3fifo import S3Fifo
 from kvfabric.core.eviction_sieve import Sieve
-from kvfabric.core.eviction_sketch import FrequencySketch
+from kvfabric.core.eviction_sketch import SKETCH_DEPTH, SKETCH_WIDTH, FrequencySketch
 from kvfabric.core.eviction_wtinylfu import WTinyLfu
 from kvfabric.format.invariant import invariant
 
@@ -868,6 +868,12 @@ class EvictionCore:
         invariant(
             len(self._history) <= max(LRU2_HISTORY_FLOOR, len(self._objects) + 1), "lru2 history unbounded"
         )
+        if self._sketch is not None:  # second_hit admission: fixed memory, whatever it was fed
+            rows = self._sketch.rows
+            invariant(
+                len(rows) == SKETCH_DEPTH and all(len(row) == SKETCH_WIDTH for row in rows),
+                "admission sketch resized",
+            )
         if self._predictor is not None:
             self._predictor.check(len(self._objects))
         if self._density is not None:
