@@ -164,7 +164,6 @@ class KvClient:
             daemon=True,
         )
         self._thread.start()
-        self._releases: set[concurrent.futures.Future[None]] = set()  # releases not yet answered
 
     @property
     def enabled(self) -> bool:
@@ -306,11 +305,11 @@ class KvClient:
         return future.result(self.settings.save_timeout_ms / 1000 * 3 + _GRACE_S)
 
     def release(self, hit: Hit) -> None:
-        """Release the hit's lease without waiting (a lost release expires at the directory)."""
-        if hit.lease_id and self.enabled:
-            future = self._submit(self.aio.release(hit))
-            self._releases.add(future)
-            future.add_done_callback(self._releases.discard)
+        """Release the hit's lease without waiting: gathered with other hits' on the loop
+        (`AsyncKvClient.release_soon`); `close` gives back whatever is still held."""
+        if hit.shard_leases and self.enabled:
+            with contextlib.suppress(RuntimeError):  # the loop closed: close gave every lease back
+                self._loop.call_soon_threadsafe(self.aio.release_soon, hit)
 
     def _off_cause(self) -> str:
         return STARTING if self.status.state == STARTING else "closed"
@@ -326,7 +325,6 @@ class KvClient:
             self._loop.call_soon_threadsafe(self._starting.cancel)
             concurrent.futures.wait([self._starting], timeout=_GRACE_S)
             self.status = ClientStatus(DISABLED, "closed", "closed before it started")
-        concurrent.futures.wait(list(self._releases), timeout=self.settings.lookup_timeout_ms / 1000)
         try:
             self._call(self.aio.close(), self.settings.save_timeout_ms / 1000)
         finally:

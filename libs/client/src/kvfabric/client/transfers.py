@@ -196,6 +196,7 @@ class SegmentPool:
         self._closed = False
         self._staging_refused: set[str] = set()  # data addresses that cannot read our staging files
         self.staged_puts = 0  # writes that went through a staging file (tests, benchmarks)
+        self.local_reads_now = 0  # objects read by `fetch_local_now` (tests, benchmarks)
 
     def close(self) -> None:
         self.watchdog.close()
@@ -433,6 +434,77 @@ class SegmentPool:
                 retry = self.fetch(rest, dests[i], attempts_max - 1, deadline_s)
                 causes[i] = retry if retry == OK else causes[i]
         return causes
+
+    def fetch_local_now(self, locations: list[ObjectLocation], dests: list[ScatterDest]) -> list[str] | None:
+        """`fetch_many` for objects whose first replicas share one co-located segment, done now on
+        the calling thread (the client's loop) when it needs no I/O: an idle pooled connection to
+        that segment maps its arena and its slot board covers every first replica (DRAM slots of
+        the mapped incarnation), and a connection slot is free. Then each object is copied from
+        the arena into its `dest` and hashed as it lands (no round trip, no thread hop) and a cause
+        is returned per object, "ok" only when its bytes matched the directory's checksum (and the
+        segment's). None when it would need I/O (a connect, a pin, a wait for a connection) or any
+        object did not read ok: the caller then runs `fetch_many` on a worker thread as before
+        (which reads again, tries the next replicas and reports corrupt ones)."""
+        firsts = [loc.replicas[0] if loc.replicas else None for loc in locations]
+        if not locations or any(r is None for r in firsts):
+            return None
+        addr = firsts[0].data_addr  # type: ignore[union-attr]  # none is None (checked)
+        if any(r.data_addr != addr or tier_of_slot(r.slot) != "dram" for r in firsts if r is not None):
+            return None
+        with self._lock:
+            slots = self._in_use.get(addr)
+            conns = self._idle.get((addr, True))
+            conn = conns.pop() if conns else None
+        if conn is None:
+            return None
+        refs = [
+            read_ref(r, loc.size_bytes) for r, loc in zip(firsts, locations, strict=True) if r is not None
+        ]
+        shm = conn.shm
+        board = shm.board if shm is not None else None
+        usable = (
+            shm is not None
+            and board is not None
+            and all(board.covers(ref) for ref in refs)
+            and slots is not None
+            and slots.acquire(blocking=False)
+        )
+        if not usable:
+            self._put_back(addr, conn)
+            return None
+        assert shm is not None and slots is not None
+        try:
+            hashed = shm.get_hashed(refs, dests)
+        except GateClosed:
+            slots.release()
+            self._put_back(addr, conn)
+            return ["cancelled"] * len(locations)
+        except (OSError, KvfError, ValueError):  # e.g. the arena was removed: the slow path decides
+            slots.release()
+            conn.close()
+            return None
+        slots.release()
+        self._put_back(addr, conn)
+        for loc, (result, digest) in zip(locations, hashed, strict=True):
+            if result.status != OK or (
+                self.verify and (result.checksum != loc.checksum or digest != loc.checksum)
+            ):
+                return None  # never "ok" for bytes that did not verify: the worker's way decides
+        self.local_reads_now += len(locations)
+        return [OK] * len(locations)
+
+    def _put_back(self, data_addr: str, conn: _Connection) -> None:
+        """An idle connection of the shared-memory pool of `data_addr` back into it (closed when
+        the pool is full or closed)."""
+        with self._lock:
+            pool: list[_Connection] | None = self._idle.setdefault((data_addr, True), [])
+            assert pool is not None
+            if self._closed or len(pool) >= self.connections_per_segment_max:
+                pool = None
+            else:
+                pool.append(conn)
+        if pool is None:
+            conn.close()
 
     def store(self, ticket: WriteTicket, data: memoryview, trace_id: str = "", save_writes: int = 0) -> str:
         """Write one replica under its ticket. Returns "ok" (confirmed) or a cause. Writes share

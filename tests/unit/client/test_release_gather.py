@@ -1,0 +1,110 @@
+"""Releases an engine does not wait for are gathered (issue 20, load path): `KvClient.release`
+hands the hit to `AsyncKvClient.release_soon`, which gives leases back together, after at most
+`RELEASE_GATHER_MS` or at once when `RELEASE_GATHER_LEASES_MAX` wait — one directory request for
+many prompts instead of one per prompt — and never loses one: a gathered lease is still held
+until it is sent, and `close` gives back every lease held and waits for the give-backs already
+sent, so a client closing leaves none held."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, cast
+
+import pytest
+
+from kvfabric.client import AsyncKvClient, ClientSettings, Hit, KvClient, aio
+from kvfabric.client.aio import RELEASE_GATHER_LEASES_MAX, RELEASE_GATHER_MS
+from kvfabric.client.sync import ENABLED, ClientStatus
+from tests.integration.clientkit import SPEC
+from tests.unit.client.test_releases import ReleaseRouter
+
+TPC = SPEC.layout.tokens_per_chunk
+
+
+def hit_with(leases: list[tuple[int, int]]) -> Hit:
+    return Hit(TPC, TPC, (), (SPEC.layout.member,), (), leases[0][1], 30_000, shard_leases=tuple(leases))
+
+
+def holding(kv: AsyncKvClient, router: ReleaseRouter, leases: list[tuple[int, int]]) -> None:
+    kv.router = router
+    kv.nc = cast(Any, object())  # "connected": the router does every request
+    for lease in leases:
+        kv._leases[lease] = 30_000
+    router.held |= set(leases)
+
+
+def test_the_sync_release_of_many_prompts_is_one_request() -> None:
+    """Ten prompts released back to back: one `lease_release` of their ten leases (one each before)."""
+    kv = KvClient.disabled(SPEC, "test", "unit", settings=ClientSettings(nats_url="nats://unused:1"))
+    router = ReleaseRouter()
+    leases = [(0, 100 + i) for i in range(10)]
+    holding(kv.aio, router, leases)
+    kv.status = ClientStatus(ENABLED)
+    try:
+        for lease in leases:
+            kv.release(hit_with([lease]))
+        deadline = time.monotonic() + 5
+        while router.held and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert router.held == set() and kv.aio._leases == {}
+        assert len(router.requests) == 1 and sorted(router.requests[0].lease_ids) == [i for _, i in leases]
+    finally:
+        kv.close()
+
+
+def test_a_full_batch_goes_at_once_and_a_lease_goes_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aio, "RELEASE_GATHER_MS", 600_000)  # only a full batch can go within the test
+
+    async def run() -> ReleaseRouter:
+        kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1"), SPEC)
+        router = ReleaseRouter()
+        leases = [(1, 1 + i) for i in range(RELEASE_GATHER_LEASES_MAX)]
+        holding(kv, router, leases)
+        kv.release_soon(hit_with(leases[:1]))
+        kv.release_soon(hit_with(leases[:1]))  # twice: gathered once
+        for lease in leases[1:]:
+            kv.release_soon(hit_with([lease]))
+        assert kv._giving_back and not kv._gathered  # sent at once, not held for the gather time
+        await asyncio.wait(list(kv._giving_back), timeout=10)
+        assert router.held == set()
+        await kv.close()
+        return router
+
+    router = asyncio.run(run())
+    assert [len(r.lease_ids) for r in router.requests] == [RELEASE_GATHER_LEASES_MAX]
+
+
+def test_a_lone_release_still_goes_after_the_gather_time() -> None:
+    async def run() -> ReleaseRouter:
+        kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1"), SPEC)
+        router = ReleaseRouter()
+        holding(kv, router, [(2, 9)])
+        kv.release_soon(hit_with([(2, 9)]))
+        assert router.held == {(2, 9)}  # gathered, not sent yet: still held
+        await asyncio.sleep(RELEASE_GATHER_MS / 1000 * 3)
+        assert kv._leases == {}
+        return router
+
+    router = asyncio.run(run())
+    assert router.held == set() and len(router.requests) == 1
+
+
+def test_closing_with_gathered_and_sent_releases_leaves_none_held() -> None:
+    """1,000 leases: a full batch sent (in flight when close starts), the rest gathered or never
+    released; close gives back all of them and waits for the batch in flight."""
+
+    async def run() -> tuple[ReleaseRouter, AsyncKvClient]:
+        kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1"), SPEC)
+        router = ReleaseRouter()
+        leases = [(i % 3, 1 + i) for i in range(1_000)]
+        holding(kv, router, leases)
+        for lease in leases[: RELEASE_GATHER_LEASES_MAX + 10]:
+            kv.release_soon(hit_with([lease]))
+        assert kv._giving_back  # the first full batch is in flight
+        await kv.close()
+        kv.release_soon(hit_with(leases[-1:]))  # after close: nothing held, nothing sent
+        return router, kv
+
+    router, kv = asyncio.run(run())
+    assert router.held == set() and kv._leases == {} and not kv._giving_back
