@@ -41,3 +41,16 @@ def test_the_directory_runs_every_thread_at_its_raised_priority(tmp_path: Path) 
             off.wait_for_event("directory_started", READY_S)
             assert not said["applied"] and said["reason"] == "off", said
             assert set(thread_nices(off.pid)) == {os.getpriority(os.PRIO_PROCESS, 0)}
+
+
+def test_make_up_runs_its_directories_real_time() -> None:
+    """`make up` (tools/localcluster.py) shares its host with engines and floods: its directories
+    ask for `rr:1` (kept, and said, where not permitted); a value set by the user wins."""
+    from tests.unit.tools.toolkit import load_tool
+
+    lc = load_tool("localcluster")
+    for directories in (1, 3):
+        env = lc.directory_env({"KVF_X": "1"}, "directory", directories)
+        assert env["KVF_DIRECTORY_CPU_PRIORITY"] == "rr:1", env
+    chosen = lc.directory_env({"KVF_DIRECTORY_CPU_PRIORITY": "off"}, "directory", 1)
+    assert chosen["KVF_DIRECTORY_CPU_PRIORITY"] == "off"
