@@ -94,15 +94,18 @@ def simulate(
     base: EvictionConfig,
     oracle: list[list[float]] | None = None,
     split_ms: float = NEVER,
+    watermarks: tuple[float, float] = (1.0, 0.99),
 ) -> dict[str, Any]:
     """Replay through the core. `oracle` (next uses, `next_uses`): perfect admission, the
     `oracle-admission` row: a missed block no later request names, or whose parent is not
-    resident, is not written."""
+    resident, is not written. `watermarks` (high, low): by default a hard capacity (evict as soon
+    as it is exceeded, a little below it, in batches); `bench/evict_replay.py` passes the live
+    service's."""
     config = EvictionConfig(
         policy=base.policy,
         admission=base.admission,
-        high_watermark=1.0,  # a hard capacity: evict as soon as it is exceeded ...
-        low_watermark=0.99,  # ... a little below it, in batches
+        high_watermark=watermarks[0],
+        low_watermark=watermarks[1],
         batch_max=4096,
         tokens_per_chunk=BLOCK_TOKENS,
         position_weight=base.position_weight,
