@@ -104,6 +104,10 @@ bench: setup engines-setup mooncake-setup ## Run the benchmarks; JSON + markdown
 	cat bench/results/*.md > bench/results/SUMMARY.md
 	@echo "wrote bench/results/SUMMARY.md"
 
+.PHONY: bench-evict-replay
+bench-evict-replay: setup ## Live eviction replay: 2000 requests of each trace through the client, lru and density, next to the simulator (~20 min)
+	$(PY) -m bench.evict_replay
+
 .PHONY: chaos chaos-quick
 chaos: setup ## Every fault drill in tests/drills on a local cluster; table + bench/results/chaos.json
 	@# clock-skew runs children under libfaketime (Debian package faketime)
