@@ -24,6 +24,7 @@ SHARDS = 2
 CHUNKS = 8
 TPC = SPEC.layout.tokens_per_chunk
 EPOCH = 3
+RECEIPT_MAC = b"r" * 16
 
 
 class SaveRouter(DirectoryRouter):
@@ -35,6 +36,7 @@ class SaveRouter(DirectoryRouter):
         self.shards = SHARDS
         self.requests: list[tuple[str, int, list[bytes], str]] = []
         self.tickets = 0
+        self.receipts: list[m.WriteReceipt] = []  # carried by put_commits
 
     async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any) -> Any:
         trace = (kw.get("headers") or {}).get("Kvf-Trace-Id", "")
@@ -60,6 +62,7 @@ class SaveRouter(DirectoryRouter):
             reply: Any = m.PutBeginReply(epoch=EPOCH, results=results)
         elif isinstance(message, m.PutCommit):
             keys = list(message.keys)
+            self.receipts += message.receipts
             reply = m.PutCommitReply(
                 epoch=EPOCH, results=[m.CommitResult(key=k, status="published") for k in keys]
             )
@@ -82,11 +85,21 @@ def client(router: SaveRouter, fail_keys: frozenset[bytes] = frozenset()) -> tup
     kv.nc = cast(Any, object())  # "connected": the router does every request
     writes: list[Any] = []
 
-    def store(ticket: m.WriteTicket, data: memoryview, trace_id: str = "", save_writes: int = 0) -> str:
+    def write(
+        ticket: m.WriteTicket,
+        data: memoryview,
+        trace_id: str = "",
+        save_writes: int = 0,
+        *,
+        receipt: bool = False,
+    ) -> tuple[str, m.WriteReceipt | None]:
         writes.append((ticket.key, trace_id, save_writes))
-        return "segment_unreachable" if ticket.key in fail_keys else "ok"
+        if ticket.key in fail_keys:
+            return "segment_unreachable", None
+        # a segment that signs receipts (slot = ticket id here); the router checks them at commit
+        return "ok", (m.WriteReceipt(ticket.ticket_id, ticket.ticket_id, 1, RECEIPT_MAC) if receipt else None)
 
-    kv.pool.store = store  # type: ignore[method-assign]
+    kv.pool.write = write  # type: ignore[method-assign]
     return kv, writes
 
 
@@ -224,3 +237,17 @@ def test_a_save_the_directory_refuses_as_malformed_does_not_fail_the_saves_shari
         keys for verb, _, keys, _ in router.requests if verb == "put_begin" and len(keys) > CHUNKS // SHARDS
     ]
     assert shared, "the bad and the good save never shared a put_begin: the test proves nothing"
+
+
+def test_each_commit_carries_the_receipts_of_its_keys_writes() -> None:
+    """Writes ask for receipts; each put_commit carries those of the keys it commits (none of an
+    aborted key), so the directory confirms the replicas at commit (no confirm round trip)."""
+    router = SaveRouter()
+    probe, _ = client(SaveRouter())
+    bad = probe.chunk_groups(prompt(7))[2].member_key(*SPEC.required_members()[0]).to_bytes()
+    kv, _ = client(router, frozenset((bad,)))
+    save_all(kv, [7, 8])
+    committed = [k for verb, _, keys, _ in router.requests if verb == "put_commit" for k in keys]
+    tickets = {r.ticket_id for r in router.receipts}
+    assert len(router.receipts) == len(tickets) == len(committed) == 2 * CHUNKS - 1
+    assert all(r.mac == RECEIPT_MAC and r.slot == r.ticket_id for r in router.receipts)

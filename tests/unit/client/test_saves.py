@@ -20,6 +20,7 @@ from kvfabric.client.saves import (
     object_specs,
     plan_save,
     take_batch,
+    with_receipts,
 )
 from kvfabric.client.shared_calls import SharedCalls
 from kvfabric.format.key import chunk_groups_for_prefix
@@ -223,3 +224,9 @@ def test_shared_calls_refuse_more_items_than_a_request_takes() -> None:
     calls: SharedCalls[int] = SharedCalls(send, batch_max=2)
     with pytest.raises(ValueError, match="exceed"):
         asyncio.run(calls.call(0, [1, 2, 3], ["a", "b", "c"], "t", time.monotonic() + 1))
+
+
+def test_with_receipts_gives_each_committed_key_its_writes_receipts() -> None:
+    r1, r2, r3 = (m.WriteReceipt(i, i, 1, b"m" * 16) for i in (1, 2, 3))
+    written = [(b"a", r1), (b"a", r2), (b"b", None), (b"c", r3)]  # b: confirmed by its segment
+    assert with_receipts([b"a", b"b"], written) == [(b"a", [r1, r2]), (b"b", [])]  # c was aborted

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import time
 import uuid
@@ -37,7 +38,7 @@ from kvfabric.client.connect import open_nats
 from kvfabric.client.hits import Hit, LoadResult, SaveResult
 from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.releases import RELEASES_CONCURRENT_MAX, give_back
-from kvfabric.client.saves import SaveTally, confirm_counts, object_specs, plan_save
+from kvfabric.client.saves import SaveTally, confirm_counts, object_specs, plan_save, with_receipts
 from kvfabric.client.settings import ClientSettings
 from kvfabric.client.shared_calls import SharedCalls
 from kvfabric.client.suspects import REPORT_TIMEOUT_S, SuspectReporter
@@ -196,6 +197,10 @@ def _same_key(key: bytes) -> bytes:
     return key
 
 
+def _commit_key(item: tuple[bytes, list[m.WriteReceipt]]) -> bytes:
+    return item[0]
+
+
 class AsyncKvClient:
     """One engine's client. Create, `await start()`, use, `await close()`; one event loop."""
 
@@ -257,8 +262,15 @@ class AsyncKvClient:
         )
         self._commits = self._save_calls(
             "put_commit",
-            lambda rid, keys: m.PutCommit(writer_id=holder, request_id=rid, keys=keys),
-            m.PUT_BATCH_OBJECTS_MAX,
+            lambda rid, items: m.PutCommit(
+                writer_id=holder,
+                request_id=rid,
+                keys=[key for key, _ in items],
+                receipts=[r for _, receipts in items for r in receipts],
+            ),
+            # keys with their receipts (up to replicas_max each): the request stays far below
+            # NATS's max_payload and the receipts below PUT_BATCH_OBJECTS_MAX
+            m.PUT_BEGIN_BATCH_OBJECTS_FIT,
         )
         self._aborts = self._save_calls(
             "put_abort",
@@ -880,23 +892,33 @@ class AsyncKvClient:
                 for r in ours
                 for t in r.tickets
             ]
-        # Write every replica of every placed object (bounded by the save executor's threads).
+        # Write every replica of every placed object (bounded by the save executor's threads),
+        # each answered with its segment's write receipt (the commit carries them).
         outcomes = await asyncio.gather(
             *(
                 loop.run_in_executor(
-                    self._save_executor, self.pool.store, ticket, plan.data[result.key], batch_trace, together
+                    self._save_executor,
+                    functools.partial(
+                        self.pool.write, ticket, plan.data[result.key], batch_trace, together, receipt=True
+                    ),
                 )
                 for result, ticket, batch_trace, together in writes
             )
         )
-        ok_keys, bad_keys = tally.wrote(placed, outcomes)
+        ok_keys, bad_keys = tally.wrote(placed, [cause for cause, _ in outcomes])
+        commits = with_receipts(
+            ok_keys,
+            ((result.key, receipt) for (result, *_), (_, receipt) in zip(writes, outcomes, strict=True)),
+        )
         # Aborts and commits go to their shards concurrently (they name different keys). An abort
         # that fails needs nothing more: its placements expire at the directory (write_ttl_ms).
-        ended: list[list[tuple[list[bytes], tuple[object, str]]]] = await asyncio.gather(
+        ended: tuple[Any, list[tuple[list[tuple[bytes, list[m.WriteReceipt]]], tuple[object, str]]]]
+        ended = await asyncio.gather(
             self._shared(self._aborts, bad_keys, _same_key, trace_id),
-            self._shared(self._commits, ok_keys, _same_key, trace_id),
+            self._shared(self._commits, commits, _commit_key, trace_id),
         )
-        for keys, (reply, _) in ended[1]:
+        for items, (reply, _) in ended[1]:
+            keys = [key for key, _ in items]
             if not isinstance(reply, m.PutCommitReply):
                 tally.refused(keys, str(reply))
                 continue

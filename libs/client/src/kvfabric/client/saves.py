@@ -10,13 +10,17 @@ each phase sends and what its answers mean:
    saves of one client share these requests (`take_batch`): per (verb, shard) one request is in
    flight; what arrives meanwhile rides the next one, whole saves only, never one key twice.
    Each object comes back `placed` (tickets, one per replica), `exists`, or refused (`SaveTally.begun`).
-3. **Write**: every ticket of every placed object is written to its segment. A segment confirms
-   the replicas it stored to the directory before it answers; a write says how many writes of the
+3. **Write**: every ticket of every placed object is written to its segment. Each write asks for
+   a write receipt: a segment that signs them answers as soon as the bytes are stored and
+   verified, with its MAC over what it stored, and confirms to the directory in the background.
+   One that does not confirms the replica before it answers; a write says how many writes of the
    same request it may gather into one confirm (`confirm_counts`: never more than can be in
    flight at once, or the first confirm would wait its whole gather time for writes queued
    behind it). An object with at least one replica written is committed, the others aborted
    (`SaveTally.written`).
-4. **Commit / abort**: one `put_commit` and one `put_abort` per shard (shared like begins).
+4. **Commit / abort**: one `put_commit` and one `put_abort` per shard (shared like begins). The
+   commit carries each committed object's receipts (`with_receipts`): the directory checks them
+   and confirms those replicas first, so no confirm round trip sits between writes and commit.
 
 States of an object: planned -> placed | exists | refused; placed -> written (>= 1 replica ok)
 | write_failed; written -> committed | commit_failed. Invariants (`SaveTally.result`):
@@ -47,6 +51,7 @@ __all__ = [
     "object_specs",
     "plan_save",
     "take_batch",
+    "with_receipts",
 ]
 
 # Outcome of a write ("ok" or a cause), as `SegmentPool.store` returns it.
@@ -107,6 +112,18 @@ def confirm_counts(
     this client runs at once: a segment waiting for more would wait for writes not yet sent)."""
     together = Counter((t.segment_id, shard_of(r.key)) for r in placed for t in r.tickets)
     return {where: min(n, max(1, at_once_max)) for where, n in together.items()}
+
+
+def with_receipts(
+    ok_keys: Sequence[bytes], written: Iterable[tuple[bytes, m.WriteReceipt | None]]
+) -> list[tuple[bytes, list[m.WriteReceipt]]]:
+    """The put_commit items of `ok_keys`: each key with the receipts its writes got (`written`:
+    (key, receipt or None) per write; a write without one was confirmed by its segment)."""
+    by_key: dict[bytes, list[m.WriteReceipt]] = {}
+    for key, receipt in written:
+        if receipt is not None:
+            by_key.setdefault(key, []).append(receipt)
+    return [(key, by_key.get(key, [])) for key in ok_keys]
 
 
 T = TypeVar("T")

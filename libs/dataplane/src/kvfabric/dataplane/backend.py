@@ -44,6 +44,8 @@ class PutSlot:
     checksum: bytes | None = None
     trace_id: str = ""  # the writer's trace id (PUT meta): the segment's confirm carries it on
     save_writes: int = 0  # PUT meta: writes of the same save for this segment and shard (confirms)
+    receipt_wanted: bool = False  # PUT meta: answer with a write receipt, confirm in the background
+    receipt: bytes = b""  # set by `finish_put` when it signed one (the reply carries it)
 
 
 @dataclass(slots=True)

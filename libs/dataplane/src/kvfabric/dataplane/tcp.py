@@ -474,6 +474,7 @@ class TcpDataServer:
         put = self.backend.begin_put(meta.ticket, conn)
         put.trace_id = meta.trace_id
         put.save_writes = meta.save_writes
+        put.receipt_wanted = meta.receipt
         try:
             put.checksum = files.read_into(conn, meta.staged, put.view)  # of the slot's bytes
         except BaseException:
@@ -482,7 +483,9 @@ class TcpDataServer:
         self._no_deadline(conn)  # the confirm to the directory, as for a sent PUT
         slot, generation = self.backend.finish_put(put, conn)
         self._deadline(conn, self.gate.limits.frame_timeout_ms, "frame_timeout")
-        reply = PutReply(slot=slot, slot_generation=generation, confirmed=True)
+        reply = PutReply(
+            slot=slot, slot_generation=generation, confirmed=not put.receipt, receipt=put.receipt
+        )
         _send_all(sock, _frame(Op.REPLY, request_id, reply))
 
     def _dispatch(self, conn: int, sock: socket.socket, op: Op, request_id: int, meta: object) -> None:
@@ -496,15 +499,16 @@ class TcpDataServer:
                 raise _PutRefused(err, meta.ticket.size_bytes) from err
             put.trace_id = meta.trace_id
             put.save_writes = meta.save_writes
+            put.receipt_wanted = meta.receipt
             self._deadline(conn, limits.transfer_ms(len(put.view)), "transfer_timeout")
             self._receive_put(conn, sock, put)
             self._no_deadline(conn)
             slot, generation = self.backend.finish_put(put, conn)
             self._deadline(conn, limits.frame_timeout_ms, "frame_timeout")
-            _send_all(
-                sock,
-                _frame(Op.REPLY, request_id, PutReply(slot=slot, slot_generation=generation, confirmed=True)),
+            put_reply = PutReply(
+                slot=slot, slot_generation=generation, confirmed=not put.receipt, receipt=put.receipt
             )
+            _send_all(sock, _frame(Op.REPLY, request_id, put_reply))
         elif op is Op.GET and isinstance(meta, GetRequest):
             if len(meta.reads) > READS_MAX:
                 raise BadRequest(f"{len(meta.reads)} reads exceed {READS_MAX}")
@@ -658,8 +662,11 @@ class TcpDataClient:
         trace_id: str = "",
         save_writes: int = 0,
         staged: StagedBytes | None = None,
+        receipt: bool = False,
     ) -> PutReply:
-        """Send one object's bytes under a signed ticket. On success the replica is confirmed.
+        """Send one object's bytes under a signed ticket. On success the replica is confirmed, or
+        with `receipt` (and a segment that signs them) the reply carries the segment's write
+        receipt for put_commit (`PutReply.receipt`; `confirmed` False: it confirms later).
         `save_writes`: the writes of the same save to this segment and shard (`PutRequest`).
         `staged`: the bytes are in the writer's staging file, not sent (`data` is not read; only
         to a segment whose MapReply says `staged_puts`)."""
@@ -667,7 +674,9 @@ class TcpDataClient:
         if staged is None and len(view) != ticket.size_bytes:
             raise BadRequest(f"buffer is {len(view)} bytes, ticket says {ticket.size_bytes}")
         with self._lock:
-            meta = PutRequest(ticket=ticket, trace_id=trace_id, save_writes=save_writes, staged=staged)
+            meta = PutRequest(
+                ticket=ticket, trace_id=trace_id, save_writes=save_writes, staged=staged, receipt=receipt
+            )
             reply, _ = self._call(Op.PUT, meta, [view] if staged is None else [])
         if not isinstance(reply, PutReply):
             raise Indeterminate(f"unexpected reply {type(reply).__name__} to PUT")

@@ -80,7 +80,7 @@ from kvfabric.proto.dataplane import (
 )
 from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.segment import SSD_SLOT_BASE
-from kvfabric.proto.tickets import read_token_valid, ticket_signature_valid
+from kvfabric.proto.tickets import read_token_valid, ticket_signature_valid, write_receipt
 from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.ssd import SsdRead, SsdStream, SsdTier
 
@@ -92,6 +92,7 @@ __all__ = [
     "LOCAL_GRANTS_PER_CONNECTION_MAX",
     "ArenaBackend",
     "ConfirmFn",
+    "ConfirmLaterFn",
     "CorruptFn",
     "FetchFn",
     "ScrubVerdict",
@@ -114,6 +115,10 @@ DEMOTE_YIELD_MS_DEFAULT: Final = 20
 # Blocks the calling transport thread; raises KvfError when the directory cannot be reached.
 # (ticket, slot, generation, trace id, the save's writes for this segment and shard) -> verdict
 ConfirmFn = Callable[[WriteTicket, int, int, str, int], str]
+# (ticket, slot, generation) of a write answered with a receipt: confirm it in the background and
+# call `ArenaBackend.unconfirmed` if the directory refuses it (or never answers). Never blocks;
+# raises KvfError when it cannot take the confirm (then the write fails as a refused confirm does).
+ConfirmLaterFn = Callable[[WriteTicket, int, int], None]
 # Fills the writable slot view with the object's bytes (a copy from another segment); raises a
 # KvfError when it cannot. Runs on the thread that called `copy_in`.
 FetchFn = Callable[[memoryview], None]
@@ -143,6 +148,7 @@ class ArenaBackend:
         incarnation: int,
         secret: bytes,
         confirm: ConfirmFn,
+        confirm_later: ConfirmLaterFn | None = None,
         clock_ms: Callable[[], int] | None = None,
         read_tokens_required: bool = False,
         ssd: SsdTier | None = None,
@@ -165,6 +171,8 @@ class ArenaBackend:
         self.incarnation = incarnation
         self.secret = secret
         self.confirm = confirm
+        # None: every write is confirmed before its reply (no receipts signed)
+        self.confirm_later = confirm_later
         self.clock_ms = clock_ms or now_ms
         self.clock_skew_tolerance_ms = clock_skew_tolerance_ms
         self.draining = False
@@ -231,6 +239,19 @@ class ArenaBackend:
             self.slots.stored(put.slot, put.slot_generation, stored)
             self._conns[conn].puts.pop(put.slot, None)
             self.arena.board.publish(put.slot, put.slot_generation, put.offset, put.ticket.size_bytes, stored)
+        if put.receipt_wanted and self.confirm_later is not None:
+            # The writer carries the receipt in its put_commit (the directory checks our MAC): the
+            # confirm leaves the write's path. It still goes, in the background: a receipt the
+            # writer never commits (it died, aborted) is refused there and the slot freed here.
+            try:
+                self.confirm_later(put.ticket, put.slot, put.slot_generation)
+            except KvfError:
+                self._free(put.slot, put.slot_generation)
+                raise
+            put.receipt = write_receipt(self.secret, put.ticket, put.slot, put.slot_generation)
+            self._count("puts_total")
+            self._count("puts_receipted_total")
+            return put.slot, put.slot_generation
         try:
             verdict = self.confirm(put.ticket, put.slot, put.slot_generation, put.trace_id, put.save_writes)
         except KvfError:
@@ -242,6 +263,14 @@ class ArenaBackend:
             raise Conflict(f"the directory refused the replica: {verdict}", verdict=verdict)
         self._count("puts_total")
         return put.slot, put.slot_generation
+
+    def unconfirmed(self, slot: int, generation: int, verdict: str) -> None:
+        """The background confirm of a receipted write was refused (`unknown_ticket`,
+        `mismatch`) or got no verdict: the directory will not publish it from this confirm;
+        free it (a free of a slot published meanwhile through its receipt counts as already
+        freed once the directory freed it; docs/segment.md "Write")."""
+        self.count(f"confirm_later_{verdict}_total")
+        self._free(slot, generation)
 
     def abort_put(self, put: PutSlot, conn: int) -> None:
         with self.lock:

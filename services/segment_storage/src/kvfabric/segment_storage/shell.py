@@ -86,7 +86,7 @@ from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.segment_storage.arena import Arena, lock_segment_id, remove_stale_arenas, unlock_segment_id
 from kvfabric.segment_storage.backend import ArenaBackend
-from kvfabric.segment_storage.confirms import ConfirmBatcher
+from kvfabric.segment_storage.confirms import CONFIRM_LATER_LINGER_S, ConfirmBatcher
 from kvfabric.segment_storage.copier import fetch_replica
 from kvfabric.segment_storage.demoter import Demoter
 from kvfabric.segment_storage.scrubber import CorruptObject, Scrubber, ScrubPacer
@@ -108,6 +108,14 @@ SCRUB_TICK_S: Final = 0.1
 CORRUPT_REPORT_ATTEMPTS: Final = 3  # a report the directory could not take is retried, then dropped
 CORRUPT_REPORT_BACKOFF_S: Final = 1.0
 SSD_UNLINK_RETRY_S: Final = 1.0
+# A receipted write's background confirm that got no verdict (directory unreachable, busy) is
+# asked again every this long until one comes; past the ticket's deadline (plus the clock skew
+# tolerance) the directory has committed or dropped the write, so any verdict is final then,
+# and a confirm still without one after CONFIRM_LATER_GIVE_UP_MS more frees the slot.
+CONFIRM_LATER_RETRY_S: Final = 0.5
+CONFIRM_LATER_GIVE_UP_MS: Final = 30_000
+# Refusals that are final: the slot is freed at once (the others are asked again).
+_CONFIRM_FINAL_ERRORS: Final = (NotFound, StaleGeneration)
 # A segment that starts before any directory instance leads a shard (a cluster coming up, a busy
 # directory answering the shard map late) asks again, waiting this long doubling to the max,
 # for at most REGISTER_WAIT_S in all; then its start fails (the supervisor restarts it).
@@ -165,6 +173,7 @@ class SegmentShell:
             incarnation=self.incarnation,
             secret=settings.secret,
             confirm=self._confirm,
+            confirm_later=self._confirm_later,
             read_tokens_required=settings.read_tokens_required,
             clock_skew_tolerance_ms=settings.clock_skew_tolerance_ms,
             ssd=self.ssd,
@@ -205,6 +214,13 @@ class SegmentShell:
             settings.segment_id,
             self.incarnation,
             lambda message, trace_id: self._directory("confirm", message, trace_id),
+        )
+        # Receipted writes' confirms: off the writes' path, so they wait a little to share requests.
+        self.confirms_later = ConfirmBatcher(
+            settings.segment_id,
+            self.incarnation,
+            lambda message, trace_id: self._directory("confirm", message, trace_id),
+            linger_s=CONFIRM_LATER_LINGER_S,
         )
         self.must_reregister = asyncio.Event()
         self._log = get_logger("kvfabric.segment_storage").bind(
@@ -419,6 +435,55 @@ class SegmentShell:
             ) from None
         except (concurrent.futures.CancelledError, RuntimeError):  # stopping: the slot is freed
             raise Unavailable("the segment stopped confirming") from None
+
+    def _confirm_later(self, ticket: m.WriteTicket, slot: int, generation: int) -> None:
+        """Called from a transport thread for a write answered with a receipt: its confirm goes
+        in the background (`_confirm_in_background`); never blocks."""
+        loop = self._loop
+        if loop is None or self.router is None:
+            raise Unavailable("the segment is not connected to the directory")
+        try:
+            asyncio.run_coroutine_threadsafe(self._confirm_in_background(ticket, slot, generation), loop)
+        except RuntimeError:  # the loop is closing
+            raise Unavailable("the segment stopped confirming") from None
+
+    async def _confirm_in_background(self, ticket: m.WriteTicket, slot: int, generation: int) -> None:
+        """Confirm a receipted write until the directory gives a verdict: `ok` keeps the slot
+        (the writer's commit named it, or will), a refusal frees it (the write expired or was
+        aborted uncommitted, or the ticket already names another slot). With no verdict it asks
+        again (`CONFIRM_LATER_RETRY_S`): freeing a slot the writer's receipt may have published
+        would lose a replica. After the ticket's deadline every verdict is final; a directory
+        silent for `CONFIRM_LATER_GIVE_UP_MS` past it gets the slot freed (as a synchronous
+        confirm without a verdict does)."""
+        assert self.router is not None
+        confirm = m.ReplicaConfirm(
+            ticket_id=ticket.ticket_id,
+            key=ticket.key,
+            slot=slot,
+            slot_generation=generation,
+            size_bytes=ticket.size_bytes,
+            checksum=ticket.checksum,
+        )
+        give_up_ms = self.backend.ticket_deadline_ms(ticket) + CONFIRM_LATER_GIVE_UP_MS
+        while True:
+            try:
+                verdict = await asyncio.wait_for(
+                    self.confirms_later.confirm(self.router.shard_of(ticket.key), ticket.epoch, confirm),
+                    self.settings.confirm_timeout_ms / 1000,
+                )
+            except _CONFIRM_FINAL_ERRORS as err:
+                self.backend.unconfirmed(slot, generation, err.code)
+                return
+            except (KvfError, TimeoutError):
+                if self.backend.clock_ms() >= give_up_ms:
+                    self.backend.unconfirmed(slot, generation, "no_verdict")
+                    return
+                self.backend.count("confirm_later_retries_total")
+                await asyncio.sleep(CONFIRM_LATER_RETRY_S)
+                continue
+            if verdict != "ok":
+                self.backend.unconfirmed(slot, generation, verdict)
+            return
 
     async def _confirm_async(self, ticket: m.WriteTicket, slot: int, generation: int) -> str:
         """A demotion's disk replica, confirmed on the loop like a transport's write."""

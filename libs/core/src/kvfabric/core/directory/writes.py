@@ -10,8 +10,13 @@ published as a whole (into the published table) when every one is committed.
 A member: PLACED (tickets issued, bytes reserved on the chosen segments) --a segment stored and
 checksummed the bytes (confirm)--> replicas CONFIRMED --the writer's put_commit--> COMMITTED.
 At commit, unconfirmed tickets die (a late confirm gets `unknown_ticket`); a member with no
-confirmed replica answers `missing`. One writer per member: a second put_begin of a member
-another writer holds gets `in_flight`, of a published (or evicting) key `exists`.
+confirmed replica answers `missing`. A replica is confirmed by its segment (`confirm`) or by the
+segment's write receipt that the writer carries in its put_commit (`WriteReceipt`, verified here
+against this table's own record of the ticket: `tickets.receipt_mac`); whichever comes first
+names the slot, and a later confirm or receipt of another (slot, generation) for the same ticket
+is a `mismatch` (the segment frees that slot: one ticket, one slot). One writer per member: a
+second put_begin of a member another writer holds gets `in_flight`, of a published (or
+evicting) key `exists`.
 
 ## Ownership
 Tickets belong to the writer until its deadline (at most `write_ttl_ms_max`); then the directory
@@ -72,7 +77,7 @@ from kvfabric.format.errors import BadRequest, BatchTooLarge, Busy
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
-from kvfabric.proto.tickets import sign_ticket
+from kvfabric.proto.tickets import receipt_mac, sign_ticket, write_receipt_valid
 
 __all__ = ["BuildingGroup", "PendingMember", "Placement", "WriteTable"]
 
@@ -359,19 +364,73 @@ class WriteTable:
             # a write lands in the arena: a slot in the disk range would publish a replica that
             # reserves nothing (the tier follows the slot) while its bytes hold arena space
             or tier_of_slot(c.slot) != "dram"
+            or not self._settle(placement, c.slot, c.slot_generation)
         ):
             self.ctx.count("confirm_mismatch_total")
             return "mismatch"
-        placement.slot, placement.slot_generation = c.slot, c.slot_generation
         return "ok"
+
+    @staticmethod
+    def _settle(placement: Placement, slot: int, generation: int) -> bool:
+        """Confirm `placement` in (slot, generation): the first confirm or receipt names its slot;
+        the same again is fine, another slot for the same ticket is refused (False)."""
+        if placement.confirmed:
+            return (placement.slot, placement.slot_generation) == (slot, generation)
+        placement.slot, placement.slot_generation = slot, generation
+        return True
+
+    def _apply_receipt(self, writer_id: str, r: m.WriteReceipt) -> None:
+        """A writer's receipt confirms its replica when the segment's MAC over this table's own
+        record of the ticket (segment, incarnation, key, size, checksum, epoch, shard) and the
+        named slot is valid; otherwise it confirms nothing (counted), and a member with no
+        confirmed replica commits as `missing`: no bytes nobody stored are ever published."""
+        where = self._tickets.get(r.ticket_id)
+        if where is None:
+            self.ctx.count("receipt_unknown_ticket_total")  # committed, expired or aborted since
+            return
+        gid, member = where
+        held = self.building[gid].members[member]
+        placement = next(p for p in held.placements if p.ticket_id == r.ticket_id)
+        segment_id, incarnation = self.segments.where(placement.placement)
+        if held.writer_id != writer_id or not self.segments.live(placement.placement):
+            self.ctx.count("receipt_refused_total")
+            return
+        if not (0 <= r.slot <= SLOT_MAX and 1 <= r.slot_generation <= GENERATION_MAX) or (
+            tier_of_slot(r.slot) != "dram"
+        ):
+            self.ctx.count("receipt_refused_total")
+            return
+        expected = receipt_mac(
+            self.ctx.config.ticket_secret,
+            r.ticket_id,
+            self.ctx.epoch,
+            self.ctx.shard,
+            segment_id,
+            incarnation,
+            r.slot,
+            r.slot_generation,
+            held.size_bytes,
+            held.checksum,
+            held.key,
+        )
+        if not write_receipt_valid(r.mac, expected):
+            self.ctx.count("receipt_invalid_total")
+            return
+        if not self._settle(placement, r.slot, r.slot_generation):
+            self.ctx.count("receipt_mismatch_total")
+            return
+        self.ctx.count("receipts_applied_total")
 
     # ---- put_commit ----------------------------------------------------------------------
 
     def commit(self, req: m.PutCommit, now_ms: int) -> Outcome:
         self.ctx.check_epoch(req.epoch)
         check_batch("put_commit keys", len(req.keys), m.PUT_BATCH_OBJECTS_MAX)
+        check_batch("put_commit receipts", len(req.receipts), m.PUT_BATCH_OBJECTS_MAX)
         infos = [parse_key(k) for k in req.keys]
         self.ctx.check_rate(req.keys, now_ms, request_tokens(len(req.keys)))
+        for receipt in req.receipts:  # before the commits: they confirm the replicas written
+            self._apply_receipt(req.writer_id, receipt)
         effects: list[Effect] = []
         results = [
             self._commit_one(req.writer_id, key, info, effects)

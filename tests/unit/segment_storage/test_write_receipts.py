@@ -1,0 +1,247 @@
+"""Write receipts on the segment (issue 20): a PUT that asks for one is answered as soon as its bytes
+are stored and verified, with the segment's MAC over what it stored; the confirm goes in the
+background, and a refused one frees the slot. Bytes that fail the ticket's checksum get no receipt."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from unittest.mock import patch
+
+import msgspec
+import pytest
+
+from kvfabric.core.segment_slots import SlotTable
+from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
+from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import ChecksumMismatch, StaleGeneration, Unavailable
+from kvfabric.proto import directory as m
+from kvfabric.proto.directory import WriteTicket
+from kvfabric.proto.tickets import sign_ticket, write_receipt
+from kvfabric.segment_storage import shell as shell_module
+from kvfabric.segment_storage.arena import Arena
+from kvfabric.segment_storage.backend import ArenaBackend
+from kvfabric.segment_storage.confirms import CONFIRM_LATER_LINGER_S, ConfirmBatcher
+from kvfabric.segment_storage.shell import SegmentShell
+
+SECRET = b"unit-write-receipts-secret-0123456789"
+ARENA_BYTES = 4 << 20
+SIZE = 64 << 10
+
+
+class Directory:
+    """The backend's two confirm paths: synchronous (`confirm`) and background (`later`)."""
+
+    def __init__(self) -> None:
+        self.confirmed: list[tuple[int, int, int]] = []
+        self.later: list[tuple[int, int, int]] = []
+        self.later_error: Unavailable | None = None
+
+    def confirm(
+        self, ticket: WriteTicket, slot: int, generation: int, trace_id: str, save_writes: int
+    ) -> str:
+        self.confirmed.append((ticket.ticket_id, slot, generation))
+        return "ok"
+
+    def confirm_later(self, ticket: WriteTicket, slot: int, generation: int) -> None:
+        if self.later_error is not None:
+            raise self.later_error
+        self.later.append((ticket.ticket_id, slot, generation))
+
+
+@pytest.fixture
+def segment(tmp_path: Path) -> Iterator[tuple[ArenaBackend, Directory, TcpDataServer]]:
+    directory = Directory()
+    backend = ArenaBackend(
+        Arena(tmp_path, "seg-receipts", 5, ARENA_BYTES),
+        SlotTable(ARENA_BYTES),
+        segment_id="seg-receipts",
+        incarnation=5,
+        secret=SECRET,
+        confirm=directory.confirm,
+        confirm_later=directory.confirm_later,
+    )
+    server = TcpDataServer(backend)
+    server.start()
+    yield backend, directory, server
+    server.stop()
+    backend.arena.close()
+
+
+def ticket(
+    backend: ArenaBackend, data: bytes, ticket_id: int = 1, claimed: bytes | None = None
+) -> WriteTicket:
+    return sign_ticket(
+        WriteTicket(
+            ticket_id=ticket_id,
+            key=b"key-%d" % ticket_id,
+            segment_id=backend.segment_id,
+            incarnation=backend.incarnation,
+            size_bytes=len(data),
+            checksum=claimed if claimed is not None else checksum(data),
+            writer_id="w",
+            deadline_ms=backend.clock_ms() + 30_000,
+            epoch=3,
+            shard=2,
+        ),
+        SECRET,
+    )
+
+
+def client(server: TcpDataServer) -> TcpDataClient:
+    return TcpDataClient.connect(server.address, timeout_s=5)
+
+
+def test_a_receipted_put_is_answered_before_its_confirm(
+    segment: tuple[ArenaBackend, Directory, TcpDataServer],
+) -> None:
+    backend, directory, server = segment
+    data = bytes(range(256)) * (SIZE // 256)
+    t = ticket(backend, data)
+    with client(server) as c:
+        reply = c.put(t, data, receipt=True)
+    assert not reply.confirmed
+    assert reply.receipt == write_receipt(SECRET, t, reply.slot, reply.slot_generation)
+    assert directory.confirmed == []  # nothing waited on the directory
+    assert directory.later == [(1, reply.slot, reply.slot_generation)]  # it still confirms, later
+    assert backend.slots.held_one(reply.slot, reply.slot_generation) is not None  # stored
+    assert backend.counters["puts_receipted_total"] == 1
+
+
+def test_without_asking_the_put_is_confirmed_first(
+    segment: tuple[ArenaBackend, Directory, TcpDataServer],
+) -> None:
+    backend, directory, server = segment
+    data = b"a" * SIZE
+    with client(server) as c:
+        reply = c.put(ticket(backend, data), data)
+    assert reply.confirmed and reply.receipt == b""
+    assert directory.confirmed == [(1, reply.slot, reply.slot_generation)] and directory.later == []
+
+
+def test_bytes_that_fail_the_checksum_get_no_receipt(
+    segment: tuple[ArenaBackend, Directory, TcpDataServer],
+) -> None:
+    backend, directory, server = segment
+    data = b"b" * SIZE
+    with client(server) as c, pytest.raises(ChecksumMismatch):
+        c.put(ticket(backend, data, claimed=checksum(b"c" * SIZE)), data, receipt=True)
+    assert directory.later == [] and backend.slots.used_bytes == 0
+
+
+def test_a_refused_background_confirm_frees_the_slot(
+    segment: tuple[ArenaBackend, Directory, TcpDataServer],
+) -> None:
+    backend, _, server = segment
+    data = b"d" * SIZE
+    with client(server) as c:
+        reply = c.put(ticket(backend, data), data, receipt=True)
+    assert backend.slots.used_bytes > 0
+    backend.unconfirmed(reply.slot, reply.slot_generation, "unknown_ticket")  # the shell, on the verdict
+    assert backend.slots.used_bytes == 0
+    assert backend.counters["confirm_later_unknown_ticket_total"] == 1
+
+
+def test_a_segment_that_cannot_confirm_later_refuses_the_write(
+    segment: tuple[ArenaBackend, Directory, TcpDataServer],
+) -> None:
+    backend, directory, server = segment
+    directory.later_error = Unavailable("not connected")
+    data = b"e" * SIZE
+    with client(server) as c, pytest.raises(Unavailable):
+        c.put(ticket(backend, data), data, receipt=True)
+    assert backend.slots.used_bytes == 0  # freed: no receipt for a slot nobody will confirm
+
+
+def test_background_confirms_linger_to_share_a_request() -> None:
+    """Receipted writes' confirms (nobody waits on them) wait `linger_s` before their request:
+    confirms of writes that arrive apart (one save after another) share one request."""
+    sent: list[int] = []
+
+    async def send(message: m.ConfirmReplicas, trace_id: str) -> msgspec.Struct:
+        sent.append(len(message.confirms))
+        return m.ConfirmReply(
+            epoch=1, results=[m.ConfirmResult(ticket_id=c.ticket_id, status="ok") for c in message.confirms]
+        )
+
+    def one(ticket_id: int) -> m.ReplicaConfirm:
+        return m.ReplicaConfirm(
+            ticket_id=ticket_id, key=b"k", slot=ticket_id, slot_generation=1, size_bytes=1, checksum=b"c" * 16
+        )
+
+    async def run(linger_s: float) -> list[str]:
+        batcher = ConfirmBatcher("seg", 1, send, linger_s=linger_s)
+        first = asyncio.ensure_future(batcher.confirm(0, 1, one(1)))
+        await asyncio.sleep(0.01)  # the next save's write, 10 ms later
+        return [*await asyncio.gather(first, batcher.confirm(0, 1, one(2)))]
+
+    assert asyncio.run(run(CONFIRM_LATER_LINGER_S)) == ["ok", "ok"]
+    assert sent == [2]
+    sent.clear()
+    assert asyncio.run(run(0.0)) == ["ok", "ok"]
+    assert sent == [1, 1]  # without the linger: one request each
+
+
+class LaterShell:
+    """What `SegmentShell._confirm_in_background` reads: the router, the batcher, the backend."""
+
+    def __init__(self, backend: ArenaBackend, answers: list[str | Exception]) -> None:
+        self.backend = backend
+        self.router = SimpleNamespace(shard_of=lambda key: 0)
+        self.settings = SimpleNamespace(confirm_timeout_ms=1_000)
+        self.answers = answers
+        self.asked = 0
+        self.confirms_later = self
+
+    async def confirm(self, shard: int, epoch: int, confirm: m.ReplicaConfirm) -> str:
+        self.asked += 1
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+@pytest.mark.parametrize(
+    ("answers", "kept", "asked"),
+    [
+        (["ok"], True, 1),
+        (["unknown_ticket"], False, 1),  # the write expired or was aborted uncommitted
+        (["mismatch"], False, 1),  # the ticket names another slot
+        ([Unavailable("no leader"), "ok"], True, 2),  # no verdict: asked again, never freed blind
+        ([StaleGeneration("directory_epoch", 1, 2)], False, 1),  # final
+    ],
+)
+def test_the_background_confirm_frees_only_on_a_refusal(
+    segment: tuple[ArenaBackend, Directory, TcpDataServer],
+    answers: list[str | Exception],
+    kept: bool,
+    asked: int,
+) -> None:
+    backend, _, server = segment
+    data = b"f" * SIZE
+    t = ticket(backend, data)
+    with client(server) as c:
+        reply = c.put(t, data, receipt=True)
+    shell = LaterShell(backend, answers)
+    with patch.object(shell_module, "CONFIRM_LATER_RETRY_S", 0.001):
+        asyncio.run(SegmentShell._confirm_in_background(shell, t, reply.slot, reply.slot_generation))  # type: ignore[arg-type]
+    assert shell.asked == asked
+    assert (backend.slots.held_one(reply.slot, reply.slot_generation) is not None) == kept
+
+
+def test_a_directory_silent_past_the_deadline_gets_the_slot_freed(
+    segment: tuple[ArenaBackend, Directory, TcpDataServer],
+) -> None:
+    backend, _, server = segment
+    data = b"g" * SIZE
+    t = ticket(backend, data)
+    with client(server) as c:
+        reply = c.put(t, data, receipt=True)
+    now = backend.clock_ms()
+    backend.clock_ms = lambda: now + 30_000 + shell_module.CONFIRM_LATER_GIVE_UP_MS + 10_000
+    shell = LaterShell(backend, [Unavailable("no leader")])
+    asyncio.run(SegmentShell._confirm_in_background(shell, t, reply.slot, reply.slot_generation))  # type: ignore[arg-type]
+    assert backend.slots.held_one(reply.slot, reply.slot_generation) is None
+    assert backend.counters["confirm_later_no_verdict_total"] == 1
