@@ -19,6 +19,7 @@ from kvfabric.directory.admission import AdmissionConfig, GivebackBudget
 from kvfabric.directory.fair import FairGate
 from kvfabric.directory.handlers import DirectoryShell
 from kvfabric.directory.host import GIVEBACK_SLICE_IDS, ShardHost
+from kvfabric.directory.metrics import DirectoryCollector
 from kvfabric.format.errors import Busy, NotFound
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
@@ -29,8 +30,9 @@ BURST_IDS = 2 * 4_096  # two max-size empty aborts
 
 
 class _Runtime:
-    def __init__(self) -> None:
+    def __init__(self, host: ShardHost) -> None:
         self.tenant: dict[str, TenantHandler] = {}
+        self.host = host
 
     def add_endpoint(self, verb: str, handler: object, **_: object) -> str:
         return verb
@@ -97,7 +99,7 @@ def _host(core: DirectoryCore, gate: FairGate) -> _Runtime:
         core, tick_ms=100, events_outbox_max=10_000, events_max_age_s=60, free_timeout_s=1.0
     )
     host.shells[0] = shell
-    runtime = _Runtime()
+    runtime = _Runtime(host)
     host.attach(cast(Any, runtime))
     return runtime
 
@@ -183,6 +185,9 @@ def test_a_flood_of_empty_aborts_is_refused_while_real_give_backs_succeed() -> N
         with pytest.raises(NotFound):  # with budget left, a release of nothing answers as before
             await ask("lease_release", m.LeaseRelease(holder_id="h", lease_id=999_999))
         gate.giveback.check()
+        metrics = {f.name: f for f in DirectoryCollector(runtime.host).collect()}
+        refused = metrics["kvfabric_directory_giveback_refused"].samples[0].value
+        assert refused == 1 + 3 + 2 + 1  # after a slice, and before decoding
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
     gate.giveback.check()

@@ -186,8 +186,8 @@ class DirectoryCollector(Collector):
         yield CounterMetricFamily(
             "kvfabric_directory_giveback_refused",
             "Tenants' give-backs refused busy: the tenant's budget was spent and the first "
-            "slice released nothing.",
-            value=gate.giveback.refused_total,
+            "slice released nothing, or (before decoding) its last spent slice had.",
+            value=gate.giveback.refused_total + gate.giveback.refused_early_total,
         )
 
     def _core_calls(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
