@@ -186,8 +186,8 @@ def test_a_flood_of_empty_aborts_is_refused_while_real_give_backs_succeed() -> N
             await ask("lease_release", m.LeaseRelease(holder_id="h", lease_id=999_999))
         gate.giveback.check()
         metrics = {f.name: f for f in DirectoryCollector(runtime.host).collect()}
-        refused = metrics["kvfabric_directory_giveback_refused"].samples[0].value
-        assert refused == 1 + 3 + 2 + 1  # after a slice, and before decoding
+        counted = metrics["kvfabric_directory_giveback_refused"].samples[0].value
+        assert counted == 1 + 3 + 2 + 1  # after a slice, and before decoding
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
     gate.giveback.check()
