@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any, cast
 
 import msgspec
@@ -79,8 +80,10 @@ class SaveRouter(DirectoryRouter):
         return Counter(shard for v, shard, _, _ in self.requests if v == verb)
 
 
-def client(router: SaveRouter, fail_keys: frozenset[bytes] = frozenset()) -> tuple[AsyncKvClient, list[Any]]:
-    kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1"), SPEC)
+def client(
+    router: SaveRouter, fail_keys: frozenset[bytes] = frozenset(), *, use_shm: bool = True
+) -> tuple[AsyncKvClient, list[Any]]:
+    kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1", use_shm=use_shm), SPEC)
     kv.router = router
     kv.nc = cast(Any, object())  # "connected": the router does every request
     writes: list[Any] = []
@@ -99,7 +102,16 @@ def client(router: SaveRouter, fail_keys: frozenset[bytes] = frozenset()) -> tup
         # a segment that signs receipts (slot = ticket id here); the router checks them at commit
         return "ok", (m.WriteReceipt(ticket.ticket_id, ticket.ticket_id, 1, RECEIPT_MAC) if receipt else None)
 
+    def write_many(
+        quads: Sequence[tuple[m.WriteTicket, memoryview, str, int]], *, receipt: bool = False
+    ) -> list[tuple[str, m.WriteReceipt | None]]:
+        streams.append([t.key for t, *_ in quads])
+        return [write(t, d, trace, n, receipt=receipt) for t, d, trace, n in quads]
+
+    streams: list[list[bytes]] = []
     kv.pool.write = write  # type: ignore[method-assign]
+    kv.pool.write_many = write_many  # type: ignore[method-assign,assignment]
+    kv.streams = streams  # type: ignore[attr-defined]
     return kv, writes
 
 
@@ -251,3 +263,18 @@ def test_each_commit_carries_the_receipts_of_its_keys_writes() -> None:
     tickets = {r.ticket_id for r in router.receipts}
     assert len(router.receipts) == len(tickets) == len(committed) == 2 * CHUNKS - 1
     assert all(r.mac == RECEIPT_MAC and r.slot == r.ticket_id for r in router.receipts)
+
+
+def test_a_remote_client_pipelines_a_saves_writes_to_a_segment_in_one_stream() -> None:
+    """Without shared memory, a save's small writes to one segment go as one pipelined stream
+    (`SegmentPool.write_many`: one thread, one round trip), not one thread each; their receipts
+    still reach the commit. A co-located client writes object by object (staged)."""
+    router = SaveRouter()
+    kv, writes = client(router, use_shm=False)
+    (result,) = save_all(kv, [5])
+    assert result.chunks_saved == CHUNKS and len(writes) == CHUNKS
+    assert [len(s) for s in kv.streams] == [CHUNKS]  # type: ignore[attr-defined]
+    assert len(router.receipts) == CHUNKS
+    local, local_writes = client(SaveRouter())
+    save_all(local, [5])
+    assert local.streams == [] and len(local_writes) == CHUNKS  # type: ignore[attr-defined]

@@ -21,6 +21,7 @@ from kvfabric.client.saves import (
     plan_save,
     take_batch,
     with_receipts,
+    write_streams,
 )
 from kvfabric.client.shared_calls import SharedCalls
 from kvfabric.format.key import chunk_groups_for_prefix
@@ -230,3 +231,19 @@ def test_with_receipts_gives_each_committed_key_its_writes_receipts() -> None:
     r1, r2, r3 = (m.WriteReceipt(i, i, 1, b"m" * 16) for i in (1, 2, 3))
     written = [(b"a", r1), (b"a", r2), (b"b", None), (b"c", r3)]  # b: confirmed by its segment
     assert with_receipts([b"a", b"b"], written) == [(b"a", [r1, r2]), (b"b", [])]  # c was aborted
+
+
+def test_write_streams_pipeline_small_writes_and_split_large_ones() -> None:
+    kib = 1 << 10
+    small = [("seg-a", 256 * kib)] * 8
+    assert write_streams(small, 2 << 20) == [list(range(8))]  # one stream: one round trip
+    large = [("seg-a", 1 << 20)] * 8
+    assert write_streams(large, 2 << 20) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    mixed = [
+        (("seg-a", "t"), 4 * kib),
+        (("seg-b", "t"), 4 * kib),
+        (("seg-a", "t"), 4 * kib),
+        (("seg-a", "u"), 1),
+    ]
+    assert write_streams(mixed, 2 << 20) == [[0, 2], [1], [3]]  # per segment
+    assert write_streams([], 2 << 20) == []

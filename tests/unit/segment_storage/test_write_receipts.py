@@ -245,3 +245,32 @@ def test_a_directory_silent_past_the_deadline_gets_the_slot_freed(
     asyncio.run(SegmentShell._confirm_in_background(shell, t, reply.slot, reply.slot_generation))  # type: ignore[arg-type]
     assert backend.slots.held_one(reply.slot, reply.slot_generation) is None
     assert backend.counters["confirm_later_no_verdict_total"] == 1
+
+
+def test_pipelined_puts_are_answered_in_order_and_a_refusal_stops_none_of_the_others(
+    segment: tuple[ArenaBackend, Directory, TcpDataServer],
+) -> None:
+    """`TcpDataClient.put_many`: a save's writes to one segment, every request sent before any
+    reply is read; the segment answers each in order, a refused one (bytes that fail the
+    ticket's checksum, a ticket not signed by the cluster) with its error, the rest stored."""
+    backend, directory, server = segment
+    blobs = [bytes([i]) * SIZE for i in range(6)]
+    tickets = [ticket(backend, b, ticket_id=i + 1) for i, b in enumerate(blobs)]
+    tickets[2] = ticket(backend, blobs[2], ticket_id=3, claimed=checksum(b"x" * SIZE))  # fails its checksum
+    tickets[4] = msgspec.structs.replace(tickets[4], signature=b"\0" * 32)  # not the cluster's
+    with client(server) as c:
+        replies = c.put_many([(t, b, "trace", 6) for t, b in zip(tickets, blobs, strict=True)], receipt=True)
+        again = c.put(ticket(backend, blobs[0], ticket_id=9), blobs[0], receipt=True)  # still in step
+    assert [type(r).__name__ for r in replies] == [
+        "PutReply",
+        "PutReply",
+        "ChecksumMismatch",
+        "PutReply",
+        "Unauthorized",
+        "PutReply",
+    ]
+    for t, r in zip(tickets, replies, strict=True):
+        if not isinstance(r, Exception):
+            assert r.receipt == write_receipt(SECRET, t, r.slot, r.slot_generation)
+    assert [tid for tid, _, _ in directory.later] == [1, 2, 4, 6, 9]
+    assert again.receipt and backend.counters["puts_receipted_total"] == 5

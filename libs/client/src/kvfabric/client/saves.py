@@ -52,6 +52,7 @@ __all__ = [
     "plan_save",
     "take_batch",
     "with_receipts",
+    "write_streams",
 ]
 
 # Outcome of a write ("ok" or a cause), as `SegmentPool.store` returns it.
@@ -124,6 +125,24 @@ def with_receipts(
         if receipt is not None:
             by_key.setdefault(key, []).append(receipt)
     return [(key, by_key.get(key, [])) for key in ok_keys]
+
+
+def write_streams(writes: Sequence[tuple[Hashable, int]], bytes_target: int) -> list[list[int]]:
+    """The writes of a save grouped into pipelined streams (`SegmentPool.write_many`): `writes`
+    is (where, size) per write, `where` what one stream shares (segment address, trace id, ...).
+    Per `where`, in order, a stream takes writes until it holds `bytes_target` bytes, then the
+    next begins: small objects go in one stream (one thread, one round trip), large ones in
+    several streams side by side. Returns the writes' indexes per stream; each index once."""
+    streams: list[list[int]] = []
+    open_stream: dict[Hashable, tuple[list[int], int]] = {}
+    for i, (where, size) in enumerate(writes):
+        stream, held = open_stream.get(where, ([], bytes_target))
+        if held >= bytes_target:
+            stream, held = [], 0
+            streams.append(stream)
+        stream.append(i)
+        open_stream[where] = (stream, held + size)
+    return streams
 
 
 T = TypeVar("T")

@@ -567,6 +567,39 @@ class SegmentPool:
             return OK, WriteReceipt(ticket.ticket_id, reply.slot, reply.slot_generation, reply.receipt)
         return (OK if reply.confirmed else "unconfirmed"), None
 
+    def write_many(
+        self,
+        writes: Sequence[tuple[WriteTicket, memoryview, str, int]],
+        *,
+        receipt: bool = False,
+    ) -> list[tuple[str, WriteReceipt | None]]:
+        """`write` of several replicas to one segment (one data address), pipelined on one pooled
+        connection (`TcpDataClient.put_many`): one thread and one round trip for all of them, not
+        one each. The bytes are sent (a co-located writer that stages them writes one by one).
+        `writes`: (ticket, bytes, trace id, save_writes) each, as `write` takes them. Per write,
+        as `write` returns; a connection that failed fails every write of the call."""
+        if not writes:
+            return []
+        first = writes[0][0]
+        try:
+            with self._connection(first.data_addr, self._shm_ok(first.segment_id), ticket=first) as conn:
+                replies = conn.tcp.put_many(writes, receipt=receipt)
+        except KvfError as exc:
+            return [(exc.code, None)] * len(writes)
+        except OSError:
+            return [("segment_unreachable", None)] * len(writes)
+        outcomes: list[tuple[str, WriteReceipt | None]] = []
+        for (ticket, *_), reply in zip(writes, replies, strict=True):
+            if isinstance(reply, KvfError):
+                outcomes.append((reply.code, None))
+            elif reply.receipt:
+                outcomes.append(
+                    (OK, WriteReceipt(ticket.ticket_id, reply.slot, reply.slot_generation, reply.receipt))
+                )
+            else:
+                outcomes.append((OK if reply.confirmed else "unconfirmed", None))
+        return outcomes
+
     def _stage(self, conn: _Connection, ticket: WriteTicket, data: memoryview) -> StagedBytes | None:
         """`data` copied into `conn`'s staging file (made, or remade larger, on demand), or None
         when this write is sent instead (not co-located, a segment without staged puts or that

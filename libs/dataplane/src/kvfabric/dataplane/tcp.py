@@ -682,6 +682,56 @@ class TcpDataClient:
             raise Indeterminate(f"unexpected reply {type(reply).__name__} to PUT")
         return reply
 
+    def put_many(
+        self,
+        writes: Sequence[tuple[WriteTicket, bytes | bytearray | memoryview, str, int]],
+        *,
+        receipt: bool = False,
+    ) -> list[PutReply | KvfError]:
+        """Several PUTs pipelined on this connection: every request is sent, then the replies are
+        read in order (a segment serves a connection's requests one after another), so N writes
+        wait one round trip, not N. Per write, its reply or the segment's refusal (one write
+        refused never stops the others). Raises `Indeterminate` when the connection failed (the
+        caller drops it; a write that landed unanswered is settled by its ticket's deadline).
+        `writes`: (ticket, bytes, trace id, save_writes) each, as `put` takes them."""
+        views = [memoryview(data).cast("B") for _, data, _, _ in writes]
+        for (ticket, *_), view in zip(writes, views, strict=True):
+            if len(view) != ticket.size_bytes:
+                raise BadRequest(f"buffer is {len(view)} bytes, ticket says {ticket.size_bytes}")
+        with self._lock:
+            self._drain_unacked()
+            sent: list[int] = []
+            failed: OSError | None = None
+            for (ticket, _, trace_id, save_writes), view in zip(writes, views, strict=True):
+                request_id = self._request_id = next(self._ids)
+                meta = PutRequest(ticket=ticket, trace_id=trace_id, save_writes=save_writes, receipt=receipt)
+                try:
+                    _send_all(self._sock, [*_frame(Op.PUT, request_id, meta, 1), view])
+                except OSError as exc:  # refused and closed? its answers may still be waiting
+                    failed = exc
+                    break
+                sent.append(request_id)
+            replies: list[PutReply | KvfError] = []
+            try:
+                for request_id in sent:
+                    _recv_exact(self._sock, self._header)
+                    header = unpack_header(self._header)
+                    body = _recv_bytes(self._sock, header.meta_bytes)
+                    if header.request_id != request_id:
+                        raise Indeterminate(f"reply for request {header.request_id}, expected {request_id}")
+                    if header.op is Op.ERROR:
+                        replies.append(error_from_reply(_error_decoder.decode(body)))
+                        continue
+                    reply = dataplane_decoder.decode(body)
+                    if not isinstance(reply, PutReply):
+                        raise Indeterminate(f"unexpected reply {type(reply).__name__} to PUT")
+                    replies.append(reply)
+            except (OSError, _Closed) as exc:
+                raise Indeterminate(f"data connection failed during pipelined PUTs: {exc!r}") from exc
+            if failed is not None:
+                raise Indeterminate(f"data connection failed during pipelined PUTs: {failed!r}") from failed
+        return replies
+
     def get(self, reads: list[ReadRef], dests: Sequence[Destination]) -> list[ObjectResult]:
         """Read objects straight into `dests` (one writable buffer of exactly `size_bytes` per read).
 
