@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +24,8 @@ from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import SSD_SLOT_BASE, DemoteObject, DemoteReply, DemoteRequest
 from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.backend import ArenaBackend
-from kvfabric.segment_storage.demoter import DEMOTE_CONCURRENCY_MAX, Demoter
+from kvfabric.segment_storage.confirms import ConfirmBatcher
+from kvfabric.segment_storage.demoter import DEMOTE_CONCURRENCY_MAX, ConfirmAsyncFn, Demoter
 from kvfabric.segment_storage.ssd import SsdIo, SsdTier
 
 from .test_ssd_backend import INCARNATION, NOW_MS, SECRET, SEGMENT, Seg
@@ -132,13 +134,14 @@ def demote(
     directory: Directory,
     objects: list[DemoteObject],
     shard_of: Callable[[bytes], int] | None = None,
+    confirm: ConfirmAsyncFn | None = None,
 ) -> DemoteReply:
     demoter = Demoter(
         seg.backend,
         segment_id=SEGMENT,
         incarnation=INCARNATION,
         ask=directory.ask,
-        confirm=directory.confirm,
+        confirm=confirm or directory.confirm,
         warn=lambda *a, **k: None,
         shard_of=shard_of,
     )
@@ -170,7 +173,22 @@ def test_a_request_demotes_its_objects_at_once_sharing_syncs(tmp_path: Path) -> 
         n = 16
         datas, objects = stored(seg, directory, n, 64 * 1024)
         syncs.clear()
+        real, writing, writing_max = seg.backend.demote, [0], [0]
+        lock = threading.Lock()
+
+        def counted(slot: int, generation: int, size: int) -> tuple[int, int]:
+            with lock:
+                writing[0] += 1
+                writing_max[0] = max(writing_max[0], writing[0])
+            try:
+                return real(slot, generation, size)
+            finally:
+                with lock:
+                    writing[0] -= 1
+
+        seg.backend.demote = counted  # type: ignore[method-assign]
         reply = demote(seg, directory, objects)
+        assert 1 < writing_max[0] <= DEMOTE_CONCURRENCY_MAX  # the disk writes overlap, bounded
         assert [r.status for r in reply.results] == ["demoted"] * n
         assert directory.dropped and sorted(directory.dropped) == [o.key for o in objects]
         # Results in request order: each names the disk replica of its own object's bytes.
@@ -180,7 +198,7 @@ def test_a_request_demotes_its_objects_at_once_sharing_syncs(tmp_path: Path) -> 
             read.release()
         # One at a time: 2 syncs and 3 round trips per object, none overlapping.
         assert len(syncs) < n, f"{len(syncs)} syncs for {n} objects: writes did not share them"
-        assert 1 < directory.in_flight_max <= DEMOTE_CONCURRENCY_MAX
+        assert directory.in_flight_max == n  # the confirms at once (the batcher: one request)
         assert {(k, s, g) for k, s, g in directory.confirmed} == {
             (o.key, r.slot, r.slot_generation) for o, r in zip(objects, reply.results, strict=True)
         }
@@ -269,6 +287,50 @@ def test_a_request_costs_one_ticket_request_and_one_drop_request_per_shard(tmp_p
         for _, keys in directory.requests:
             assert len({shard[k] for k in keys}) == 1 and len(keys) == n // 2
         assert sorted(directory.dropped) == sorted(o.key for o in more)
+    finally:
+        seg.backend.arena.close()
+        seg.io.close()
+        seg.ssd.close()
+
+
+def test_a_request_s_confirms_go_together_through_the_confirm_batcher(tmp_path: Path) -> None:
+    """Every object written first, then all confirms at once: the segment's confirm batcher sends
+    a request's 16 confirms in one `ConfirmReplicas` (before: each confirm as its write ended, in
+    as many requests as the writes' spread let the batcher form)."""
+    syncs: list[float] = []
+    seg = make(tmp_path, 16 << 20, syncs)
+    directory = Directory()
+    requests: list[int] = []
+    writes_at_confirm: list[int] = []
+
+    async def send(message: m.ConfirmReplicas, trace_id: str) -> msgspec.Struct:
+        requests.append(len(message.confirms))
+        await asyncio.sleep(directory.rtt_s)
+        return m.ConfirmReply(
+            epoch=1, results=[m.ConfirmResult(ticket_id=c.ticket_id, status="ok") for c in message.confirms]
+        )
+
+    batcher = ConfirmBatcher(SEGMENT, INCARNATION, send)
+
+    async def confirm(ticket: m.WriteTicket, slot: int, generation: int) -> str:
+        writes_at_confirm.append(seg.ssd.counters.get("writes_total", 0))
+        one = m.ReplicaConfirm(
+            ticket_id=ticket.ticket_id,
+            key=ticket.key,
+            slot=slot,
+            slot_generation=generation,
+            size_bytes=ticket.size_bytes,
+            checksum=ticket.checksum,
+        )
+        return await batcher.confirm(0, ticket.epoch, one)
+
+    try:
+        n = 16
+        _, objects = stored(seg, directory, n, 64 * 1024)
+        reply = demote(seg, directory, objects, confirm=confirm)
+        assert [r.status for r in reply.results] == ["demoted"] * n
+        assert writes_at_confirm == [n] * n  # every write ended before the first confirm
+        assert requests == [n]
     finally:
         seg.backend.arena.close()
         seg.io.close()

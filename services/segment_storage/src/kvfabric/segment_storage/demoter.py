@@ -13,8 +13,9 @@ objects, each step an existing mechanism, the directory's steps batched per shar
    tier's write protocol (data, sync, commit record, sync). A full tier is `no_capacity`:
    nothing is written, the objects not yet started are not tried, and the shell logs
    `demotion_stopped` and counts `demote_no_capacity`; the arena keeps serving as before.
-3. Confirm the disk replica like any write (the confirm batcher: concurrent confirms share a
-   request); a refusal or no verdict frees the disk slot (the directory never published it).
+3. Once every object is written, their confirms at once, like any write's (the confirm batcher:
+   concurrent confirms share a request, up to its batch bound: one for a request's objects per
+   shard); a refusal or no verdict frees the disk slot (the directory never published it).
 4. One `replica_corrupt_many` (reason "demoted") per shard for the arena replicas of the objects
    now on disk: the directory drops and frees each (`free.<segment_id>`), unless a lease or pin
    holds its group (`copied`: both replicas stay, a later demotion drops it) or it is the last
@@ -22,11 +23,11 @@ objects, each step an existing mechanism, the directory's steps batched per shar
    `put_abort` per shard, not at their deadline.
 
 One request at a time (another is `busy`). Per object two directory requests of its own
-(`replicate_begin`, `replica_corrupt`) cost about as much directory time as a raw 1 MiB write
-(docs/ssd-tier.md): batched, a request of 64 objects costs one of each per shard. The disk
-writes of concurrent objects share syncs (`GroupSync`: a sync that starts after a write covers
-every write finished by then; each object's write protocol is unchanged: its data is durable
-before its commit record is written). The disk writes run on threads of their own at nice
+(`replicate_begin`, `replica_corrupt`) and a confirm as its write ended cost about as much
+directory time as a raw 1 MiB write (docs/ssd-tier.md): batched, a request of 64 objects costs
+one of each per shard (its confirms one more). The disk writes of concurrent objects share
+syncs (`GroupSync`: a sync that starts after a write covers every write finished by then; each
+object's write protocol is unchanged: its data is durable before its commit record is written). The disk writes run on threads of their own at nice
 `DEMOTE_THREAD_NICE` (the I/O engine splits each into pieces on its threads), never on the
 default executor that frees use. An unexpected error in one object lets the others finish
 (none is left half-done: a disk slot written but neither confirmed nor freed), then is raised.
@@ -161,6 +162,7 @@ class Demoter:
         full = False
         to_drop: list[int] = []  # on disk and in the directory's record: their arena replicas go
         to_abort: list[int] = []  # a ticket placed, nothing confirmed: it goes now
+        written: list[int] = []  # on disk, to confirm
 
         async def copy(i: int) -> None:
             nonlocal full
@@ -178,10 +180,19 @@ class Demoter:
                     full = full or outcome.status == "no_capacity"
                     return
                 disks[i] = outcome
-                to_drop.append(i)
+                (written if outcome != (-1, -1) else to_drop).append(i)
 
         # Every object runs to its end (none cancelled half-way by another's error).
         outcomes = await asyncio.gather(*(copy(i) for i in range(n)), return_exceptions=True)
+        # Step 3 for every object written, at once: the confirm batcher sends them in shared requests.
+        confirmed = await asyncio.gather(
+            *(self._confirm_one(objects[i], begun[i], disks[i]) for i in written)
+        )
+        for i, ok in zip(written, confirmed, strict=True):
+            if ok:
+                to_drop.append(i)
+            else:
+                results[i] = DemoteResult("failed")
         await asyncio.gather(
             *(self._abort(group, objects) for group in self._by_shard(sorted(to_abort), objects)),
             *(
@@ -224,9 +235,9 @@ class Demoter:
     async def _copy(
         self, obj: DemoteObject, begun: m.ReplicateBeginReply | KvfError
     ) -> tuple[DemoteResult | tuple[int, int], bool]:
-        """Steps 2-3 for one object: its final result, or its disk replica (slot, generation), or
-        (-1, -1) when an earlier demotion copied it: then its arena replica is to be dropped. And
-        whether its ticket is to be aborted (placed, nothing confirmed)."""
+        """Step 2 for one object: its final result, or its disk replica (slot, generation) to
+        confirm, or (-1, -1) when an earlier demotion copied it: then its arena replica is to be
+        dropped. And whether its ticket is to be aborted (placed, nothing written)."""
         if isinstance(begun, KvfError):
             return self._failed(obj, "replicate_begin", begun), False
         if begun.status in ("segment_down", "no_capacity"):
@@ -259,16 +270,24 @@ class Demoter:
             return DemoteResult("not_found"), True
         except KvfError as err:
             return self._failed(obj, "write", err), True
+        return disk, False
+
+    async def _confirm_one(
+        self, obj: DemoteObject, begun: m.ReplicateBeginReply | KvfError, disk: tuple[int, int]
+    ) -> bool:
+        """Step 3 for one written object: whether the directory took its disk replica. A refusal
+        or no verdict frees the disk slot (never published: nobody reads it; its ticket is gone)."""
+        assert isinstance(begun, m.ReplicateBeginReply) and begun.ticket is not None
         try:
-            verdict = await self._confirm(ticket, *disk)
+            verdict = await self._confirm(begun.ticket, *disk)
         except KvfError as err:
             verdict = err.code
-        if verdict != "ok":  # never published: nobody reads it, it goes now (its ticket is gone)
-            await loop.run_in_executor(self._pool, self.backend.free_slots, [disk])
-            self.backend.count("demote_failed_total")
-            self._warn("demotion_failed", step="confirm", verdict=verdict, key=obj.key.hex())
-            return DemoteResult("failed"), False  # the confirm consumed its ticket (or it expires)
-        return disk, False
+        if verdict == "ok":
+            return True
+        await asyncio.get_running_loop().run_in_executor(self._pool, self.backend.free_slots, [disk])
+        self.backend.count("demote_failed_total")
+        self._warn("demotion_failed", step="confirm", verdict=verdict, key=obj.key.hex())
+        return False
 
     async def _drop(
         self,
