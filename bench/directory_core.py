@@ -51,6 +51,7 @@ import xxhash
 
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore
 from kvfabric.core.directory_keys import GROUP_KEY_BYTES
+from kvfabric.format.ids import GroupId, chain_in_id, domain_in_id, group_key_of_id
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.runtime import gcpolicy
@@ -228,8 +229,8 @@ def core_calls(core: DirectoryCore, groups: Groups, now: int) -> dict[str, float
     """How long one call of each potentially heavy kind runs against the filled core (ms, the
     slowest of 3): what it stalls the directory's event loop for."""
     middle = groups[len(groups) // 2]
-    domain = middle[4:20]
-    group_key = domain + middle[-32:]
+    domain = domain_in_id(GroupId(middle))
+    group_key = group_key_of_id(GroupId(middle))
     big = groups[: m.LOOKUP_BATCH_GROUPS_MAX]
     missing = make_groups(m.LOOKUP_BATCH_GROUPS_MAX, seed=99)[:]
 
@@ -254,7 +255,7 @@ def core_calls(core: DirectoryCore, groups: Groups, now: int) -> dict[str, float
         "list_groups_below_target_page_1000": lambda: core.handle(
             m.ListGroups(limit=1000, below_target=True, with_objects=True), now
         ),
-        "show_group_by_chain_hash": lambda: core.handle(m.ShowGroup(group=middle[-32:]), now),
+        "show_group_by_chain_hash": lambda: core.handle(m.ShowGroup(group=chain_in_id(GroupId(middle))), now),
         "show_group_by_id": lambda: core.handle(m.ShowGroup(group=middle), now),
         "lookup_4096_groups_hit_one_call": lookup_hit,
         "lookup_4096_groups_hit_first_slice_of_128": lambda: lookup_hit(128),

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from typing import Final
 
+from kvfabric.format.ids import ChainHash, chain_in_any
+
 __all__ = ["SHARDS_MAX", "chain_hash_of", "shard_of", "shard_of_chain"]
 
 SHARDS_MAX: Final = 4096
-_GROUP_ID_BYTES: Final = 90  # kvfabric.format.key.CHUNK_GROUP_BYTES
-_CHAIN_IN_GROUP_ID: Final = slice(58, 90)
-_CHAIN_BYTES: Final = 32
-_GROUP_KEY_BYTES: Final = 48
 
 
 def shard_of_chain(chain_hash: bytes, shards: int) -> int:
@@ -29,13 +27,10 @@ def shard_of_chain(chain_hash: bytes, shards: int) -> int:
     return int.from_bytes(chain_hash[:4], "little") % shards
 
 
-def chain_hash_of(raw: bytes) -> bytes:
-    """The chain hash inside a group id or key (≥ 90 B), group key (48 B) or chain hash (32 B)."""
-    if len(raw) >= _GROUP_ID_BYTES:
-        return bytes(raw[_CHAIN_IN_GROUP_ID])
-    if len(raw) in (_GROUP_KEY_BYTES, _CHAIN_BYTES):
-        return bytes(raw[-_CHAIN_BYTES:])
-    raise ValueError(f"no chain hash in a {len(raw)}-byte id")
+def chain_hash_of(raw: bytes) -> ChainHash:
+    """The chain hash inside a group id or key (≥ 90 B), group key (48 B) or chain hash (32 B):
+    `kvfabric.format.ids.chain_in_any`. `ValueError` for any other size."""
+    return chain_in_any(raw)
 
 
 def shard_of(raw: bytes, shards: int) -> int:

@@ -48,6 +48,7 @@ import msgspec
 from kvfabric.core.directory_keys import CHAIN_BYTES, GROUP_KEY_BYTES
 from kvfabric.core.quotas import tenant_of
 from kvfabric.format.errors import BadRequest, NotFound, Unauthorized
+from kvfabric.format.ids import DOMAIN_DIGEST_BYTES, DOMAIN_SLICE, GroupKey, domain_in_group_key
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 
@@ -67,7 +68,6 @@ __all__ = [
     "show_keys",
 ]
 
-DOMAIN_DIGEST_BYTES: Final = 16
 TENANT_NAME_MAX_CHARS: Final = 32
 SCOPE_SEPARATOR: Final = "/"
 
@@ -108,7 +108,7 @@ class TenantGrant:
 
     def owns(self, raw: bytes) -> bool:
         """Whether a key, chunk group id or namespace lies in one of the granted domains."""
-        return len(raw) >= 20 and tenant_of(raw) in self.domains
+        return len(raw) >= DOMAIN_SLICE.stop and tenant_of(raw) in self.domains
 
 
 def scoped_name(tenant: str, name: str) -> str:
@@ -200,7 +200,7 @@ def show_keys(message: m.ShowGroup, grant: TenantGrant) -> tuple[bytes, ...]:
     if len(group) == CHAIN_BYTES:
         return tuple(domain + group for domain in sorted(grant.domains))
     if len(group) == GROUP_KEY_BYTES:
-        return (group,) if group[:DOMAIN_DIGEST_BYTES] in grant.domains else ()
+        return (group,) if domain_in_group_key(GroupKey(group)) in grant.domains else ()
     return (group,) if grant.owns(group) else ()
 
 

@@ -26,13 +26,14 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
+from kvfabric.format.ids import DOMAIN_DIGEST_BYTES
 from kvfabric.format.invariant import invariant
 
 __all__ = ["CHUNK_KEYS_MAX", "CHUNK_KEYS_MIN", "DomainIndex", "SortedKeys"]
 
 CHUNK_KEYS_MAX: Final = 128  # a chunk that grows past this splits in two
 CHUNK_KEYS_MIN: Final = 32  # a chunk that shrinks below this merges into a neighbour
-DOMAIN_BYTES: Final = 16  # a group key's leading bytes: its share domain's digest
+DOMAIN_BYTES: Final = DOMAIN_DIGEST_BYTES  # a group key's leading bytes: its share domain's digest
 
 
 class SortedKeys:

@@ -14,7 +14,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvfabric.format.errors import BadRequest
-from kvfabric.format.key import CHUNK_GROUP_BYTES, KEY_BYTES, ChunkGroupId, KVKey
+from kvfabric.format.ids import (
+    CHAIN_HASH_BYTES,
+    GROUP_ID_BYTES,
+    GROUP_KEY_BYTES,
+    OBJECT_KEY_BYTES,
+    ChainHash,
+    DomainDigest,
+    GroupId,
+    GroupKey,
+    Namespace,
+    ObjectKey,
+    chain_in_group_key,
+    chunk_index_in_id,
+    domain_in_group_key,
+    group_id_in_key,
+    group_key_of_id,
+    namespace_in_id,
+)
+from kvfabric.format.key import ChunkGroupId, KVKey
 
 __all__ = [
     "CHAIN_BYTES",
@@ -27,29 +45,24 @@ __all__ = [
     "parse_key",
 ]
 
-# Byte ranges inside ChunkGroupId.to_bytes() (see kvfabric.format.key's layout table).
-_NAMESPACE = slice(0, 54)
-_CHUNK_INDEX = slice(54, 58)
-_CHAIN = slice(58, 90)
-_DOMAIN = slice(4, 20)
-CHAIN_BYTES = 32
-GROUP_KEY_BYTES = 48  # domain digest + chain hash
+# The layout is kvfabric.format.ids' (the one definition); these names are the core's.
+CHAIN_BYTES = CHAIN_HASH_BYTES
 
 
-def chain_of(group_key: bytes) -> bytes:
+def chain_of(group_key: bytes) -> ChainHash:
     """The chain hash of a group key: what events, listings and `show_group` use."""
-    return group_key[-CHAIN_BYTES:]
+    return chain_in_group_key(GroupKey(group_key))
 
 
-def domain_of(group_key: bytes) -> bytes:
+def domain_of(group_key: bytes) -> DomainDigest:
     """The share domain digest of a group key (events carry it next to the chain hash)."""
-    return group_key[:-CHAIN_BYTES]
+    return domain_in_group_key(GroupKey(group_key))
 
 
 @dataclass(frozen=True, slots=True)
 class GroupInfo:
-    group_id: bytes  # the group key: domain digest + chain hash (48 bytes)
-    namespace: bytes
+    group_id: GroupKey  # the group key: domain digest + chain hash (48 bytes)
+    namespace: Namespace
     chunk_index: int
     expected_members: int
 
@@ -60,27 +73,27 @@ class KeyInfo:
     member: tuple[int, int, int]
 
 
-def _group_info(raw: bytes) -> GroupInfo:
+def _group_info(raw: GroupId) -> GroupInfo:
     gid = ChunkGroupId.from_bytes(raw)  # validates versions, sizes and ranges
     return GroupInfo(
-        group_id=bytes(raw[_DOMAIN]) + bytes(raw[_CHAIN]),
-        namespace=bytes(raw[_NAMESPACE]),
-        chunk_index=int.from_bytes(raw[_CHUNK_INDEX], "little"),
+        group_id=group_key_of_id(raw),
+        namespace=namespace_in_id(raw),
+        chunk_index=chunk_index_in_id(raw),
         expected_members=gid.tp_size * gid.pp_size * gid.layer_group_count,
     )
 
 
 def parse_group(raw: bytes) -> GroupInfo:
-    if len(raw) != CHUNK_GROUP_BYTES:
-        raise BadRequest(f"chunk group id must be {CHUNK_GROUP_BYTES} bytes, got {len(raw)}")
-    return _group_info(raw)
+    if len(raw) != GROUP_ID_BYTES:
+        raise BadRequest(f"chunk group id must be {GROUP_ID_BYTES} bytes, got {len(raw)}")
+    return _group_info(GroupId(raw))
 
 
 def parse_key(raw: bytes) -> KeyInfo:
-    if len(raw) != KEY_BYTES:
-        raise BadRequest(f"key must be {KEY_BYTES} bytes, got {len(raw)}")
+    if len(raw) != OBJECT_KEY_BYTES:
+        raise BadRequest(f"key must be {OBJECT_KEY_BYTES} bytes, got {len(raw)}")
     key = KVKey.from_bytes(raw)  # validates rank < size etc.
     return KeyInfo(
-        group=_group_info(raw[:CHUNK_GROUP_BYTES]),
+        group=_group_info(group_id_in_key(ObjectKey(raw))),
         member=(key.tp_rank, key.pp_stage, key.layer_group),
     )

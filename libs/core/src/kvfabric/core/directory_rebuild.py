@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kvfabric.core.directory_keys import GroupInfo, parse_key
 from kvfabric.format.errors import BadRequest
+from kvfabric.format.ids import GroupKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import HeldObject
 
@@ -60,12 +61,12 @@ class RebuiltMember:
 @dataclass(slots=True)
 class RebuildPlan:
     # group key (domain digest + chain hash) -> (identity, member -> replicas), complete groups only
-    groups: dict[bytes, tuple[GroupInfo, dict[tuple[int, int, int], RebuiltMember]]]
+    groups: dict[GroupKey, tuple[GroupInfo, dict[tuple[int, int, int], RebuiltMember]]]
     orphans: list[HeldReplica]
 
 
 def plan_rebuild(holdings: Sequence[SegmentHolding]) -> RebuildPlan:
-    candidates: dict[bytes, tuple[GroupInfo, dict[tuple[int, int, int], RebuiltMember]]] = {}
+    candidates: dict[GroupKey, tuple[GroupInfo, dict[tuple[int, int, int], RebuiltMember]]] = {}
     orphans: list[HeldReplica] = []
     ordered = sorted(holdings, key=lambda h: h.registration.segment_id)
     for holding in ordered:

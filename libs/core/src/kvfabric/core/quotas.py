@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, NewType
 
+from kvfabric.format.ids import DOMAIN_SLICE
 from kvfabric.format.invariant import invariant
 
 __all__ = [
@@ -68,7 +69,7 @@ __all__ = [
 ]
 
 Tenant = NewType("Tenant", bytes)
-DOMAIN_DIGEST: Final = slice(4, 20)  # inside a key, a chunk group id and a namespace alike
+DOMAIN_DIGEST: Final = DOMAIN_SLICE  # [4:20] inside a key, a chunk group id and a namespace alike
 ITEMS_PER_TOKEN: Final = 64  # a request costs one rate token per this many groups or keys it names
 
 

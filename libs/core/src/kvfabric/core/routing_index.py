@@ -58,6 +58,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from kvfabric.format.ids import (
+    CHAIN_HASH_BYTES,
+    DOMAIN_DIGEST_BYTES,
+    NAMESPACE_BYTES,
+    ChainHash,
+    DomainDigest,
+    GroupKey,
+    Namespace,
+    chain_in_group_key,
+    domain_in_id,
+    pack_group_key,
+)
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 
@@ -70,17 +82,16 @@ __all__ = [
     "group_key",
 ]
 
-DOMAIN_BYTES: Final = 16
-CHAIN_BYTES: Final = 32
-NAMESPACE_BYTES: Final = 54
+DOMAIN_BYTES: Final = DOMAIN_DIGEST_BYTES
+CHAIN_BYTES: Final = CHAIN_HASH_BYTES
 
 ApplyResult = Literal["applied", "duplicate", "gap"]
 
 
-def group_key(domain: bytes, chain: bytes) -> bytes:
+def group_key(domain: bytes, chain: bytes) -> GroupKey:
     """The 48-byte name of a group in the events: share domain digest + chain hash."""
     invariant(len(domain) == DOMAIN_BYTES and len(chain) == CHAIN_BYTES, "group key parts", d=len(domain))
-    return domain + chain
+    return pack_group_key(DomainDigest(domain), ChainHash(chain))
 
 
 @dataclass(slots=True)
@@ -110,10 +121,10 @@ class ListedGroup:
 
 class RoutingIndex:
     def __init__(self) -> None:
-        self.groups: dict[bytes, GroupEntry] = {}
+        self.groups: dict[bytes, GroupEntry] = {}  # by group key (looked up with plain bytes too)
         self.segments: dict[str, int] = {}
-        self._by_segment: dict[str, set[bytes]] = {}
-        self._by_chain: dict[bytes, set[bytes]] = {}  # chain hash -> group keys (every domain)
+        self._by_segment: dict[str, set[GroupKey]] = {}
+        self._by_chain: dict[bytes, set[GroupKey]] = {}  # chain hash -> group keys (every domain)
         self.last_seq = 0
         self.synced = False
         self.counters: dict[str, int] = {
@@ -147,15 +158,15 @@ class RoutingIndex:
             if len(event.namespace) != NAMESPACE_BYTES or len(event.group) != CHAIN_BYTES:
                 self.counters["events_foreign"] += 1
                 return
-            key = group_key(event.namespace[4:20], event.group)
+            key = group_key(domain_in_id(Namespace(event.namespace)), event.group)
             copy_bytes = max((p.bytes for p in event.placements), default=0)
             self._set(key, event.chunk_index, copy_bytes, {p.segment_id for p in event.placements})
         elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
             if len(event.domain) == DOMAIN_BYTES:
-                self._remove(event.domain + event.group)
+                self._remove(pack_group_key(DomainDigest(event.domain), ChainHash(event.group)))
             else:
-                for key in list(self._by_chain.get(event.group, ())):
-                    self._remove(key)
+                for known_key in list(self._by_chain.get(event.group, ())):
+                    self._remove(known_key)
         elif isinstance(event, m.SegmentDown):
             known = self.segments.get(event.segment_id)
             if known is not None and event.incarnation >= known:
@@ -168,21 +179,21 @@ class RoutingIndex:
                 self._segment_down(event.segment_id)  # a new incarnation holds nothing yet
             self.segments[event.segment_id] = event.incarnation
 
-    def _set(self, key: bytes, chunk_index: int, copy_bytes: int, segments: set[str]) -> None:
+    def _set(self, key: GroupKey, chunk_index: int, copy_bytes: int, segments: set[str]) -> None:
         self._remove(key)
         live = {s for s in segments if s in self.segments}
         if not live:
             return
         self.groups[key] = GroupEntry(chunk_index, copy_bytes, live)
-        self._by_chain.setdefault(key[DOMAIN_BYTES:], set()).add(key)
+        self._by_chain.setdefault(chain_in_group_key(key), set()).add(key)
         for seg in live:
             self._by_segment.setdefault(seg, set()).add(key)
 
-    def _remove(self, key: bytes) -> None:
+    def _remove(self, key: GroupKey) -> None:
         entry = self.groups.pop(key, None)
         if entry is None:
             return
-        chain = key[DOMAIN_BYTES:]
+        chain = chain_in_group_key(key)
         keys = self._by_chain[chain]
         keys.discard(key)
         if not keys:
@@ -200,7 +211,7 @@ class RoutingIndex:
             entry.replicas.discard(segment_id)
             if not entry.replicas:
                 del self.groups[key]
-                chain = key[DOMAIN_BYTES:]
+                chain = chain_in_group_key(key)
                 self._by_chain[chain].discard(key)
                 if not self._by_chain[chain]:
                     del self._by_chain[chain]

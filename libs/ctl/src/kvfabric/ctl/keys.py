@@ -7,15 +7,13 @@ Bad input raises `BadRequest`.
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 from kvfabric.format.errors import BadRequest
+from kvfabric.format.ids import NAMESPACE_BYTES, ChainHash, Namespace, pack_group_id
 from kvfabric.format.key import CHAIN_HASH_BYTES, CHUNK_GROUP_BYTES, KEY_BYTES, ChunkGroupId, KVKey
 
 __all__ = ["decode_key", "group_from_summary", "group_of", "key_fields"]
-
-_NAMESPACE_BYTES = 54
 
 
 def _hex(text: str) -> bytes:
@@ -57,10 +55,12 @@ def group_of(text: str, *, allow_chain_hash: bool = False) -> bytes:
 
 def group_from_summary(namespace: bytes, chunk_index: int, chain_hash: bytes) -> ChunkGroupId | None:
     """The chunk group id a directory summary describes (None if the parts do not form one)."""
-    if len(namespace) != _NAMESPACE_BYTES or len(chain_hash) != CHAIN_HASH_BYTES:
+    if len(namespace) != NAMESPACE_BYTES or len(chain_hash) != CHAIN_HASH_BYTES:
         return None
     try:
-        return ChunkGroupId.from_bytes(namespace + struct.pack("<I", chunk_index) + chain_hash)
+        return ChunkGroupId.from_bytes(
+            pack_group_id(Namespace(namespace), chunk_index, ChainHash(chain_hash))
+        )
     except BadRequest:
         return None
 

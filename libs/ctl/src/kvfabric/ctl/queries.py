@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.format.errors import BadRequest, Indeterminate, NotFound, Unavailable
+from kvfabric.format.ids import Namespace, domain_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject, events_wildcard, segment_subject
@@ -138,7 +139,7 @@ async def list_segments(routed: DirectoryRouter, timeout_s: float) -> m.SegmentL
 
 
 def _group_order(g: m.GroupSummary) -> tuple[bytes, bytes]:
-    return g.namespace[4:20], g.group  # group-key order: domain digest, then chain hash
+    return domain_in_id(Namespace(g.namespace)), g.group  # group-key order: domain digest, then chain hash
 
 
 async def list_all_groups(

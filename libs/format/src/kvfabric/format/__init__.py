@@ -1,4 +1,5 @@
-"""kvfabric formats: KV keys, manifests, generations, errors. Pure code, no I/O."""
+"""kvfabric formats: KV keys and typed ids (`ids`: the one binary layout), manifests, generations,
+errors. Pure code, no I/O."""
 
 from kvfabric.format.checksum import (
     CHECKSUM_ALGO,
@@ -36,6 +37,16 @@ from kvfabric.format.generations import (
     SegmentIncarnation,
     SlotGeneration,
     is_stale,
+)
+from kvfabric.format.ids import (
+    GROUP_ID_BYTES,
+    GROUP_KEY_BYTES,
+    NAMESPACE_BYTES,
+    OBJECT_KEY_BYTES,
+    GroupId,
+    GroupKey,
+    Namespace,
+    ObjectKey,
 )
 from kvfabric.format.invariant import InvariantViolation, invariant, unreachable
 from kvfabric.format.key import (
@@ -87,11 +98,15 @@ __all__ = [
     "DOMAIN_DIGEST_BYTES",
     "FORMAT_VERSION",
     "GENERATION_MAX",
+    "GROUP_ID_BYTES",
+    "GROUP_KEY_BYTES",
     "KEY_BYTES",
     "KEY_ENCODING_VERSION",
     "LAYOUT_DIGEST_BYTES",
     "MANIFEST_VERSION",
     "MODEL_DIGEST_BYTES",
+    "NAMESPACE_BYTES",
+    "OBJECT_KEY_BYTES",
     "SUPPORTED_CHECKSUM_ALGOS",
     "SUPPORTED_FORMAT_VERSIONS",
     "SUPPORTED_KEY_ENCODINGS",
@@ -109,6 +124,8 @@ __all__ = [
     "DomainDigest",
     "Exists",
     "Generation",
+    "GroupId",
+    "GroupKey",
     "InFlight",
     "Indeterminate",
     "InvariantViolation",
@@ -120,9 +137,11 @@ __all__ = [
     "MemberId",
     "ModelDigest",
     "ModelFingerprint",
+    "Namespace",
     "NoCapacity",
     "NotFound",
     "ObjectEntry",
+    "ObjectKey",
     "QuotaExceeded",
     "RateLimited",
     "RequestGeneration",

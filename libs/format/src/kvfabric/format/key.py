@@ -62,7 +62,9 @@ Binary key (`KVKey.to_bytes()`, fixed 96 bytes, little-endian)
 |     94 |    2 | layer_group, u16                              |
 
 Bytes 0..90 are exactly `ChunkGroupId.to_bytes()`: every member of a chunk group shares that
-prefix (sorted stores keep a chunk group together).
+prefix (sorted stores keep a chunk group together). The layout is defined once, in
+`kvfabric.format.ids` (`GROUP_ID_FIELDS`, `MEMBER_FIELDS`, the typed ids and every pack/unpack
+and slice other packages use); `tests/unit/format/test_format_ids.py` checks this table against it.
 
 Readable forms (canonical: lowercase hex, decimal without leading zeros; round-trip exactly)
 ---------------------------------------------------------------------------------------------
@@ -73,6 +75,9 @@ Readable forms (canonical: lowercase hex, decimal without leading zeros; round-t
 Errors: building a value from bad arguments raises `ValueError`/`TypeError` (a caller bug);
 decoding external input (`from_bytes`, `parse`) raises `BadRequest`, or `UnsupportedVersion`
 for a key encoding or KV data format version this build does not read.
+
+Not split (over 600 lines): one identity, its validation, binary and readable forms and the
+hash chain that makes it; the binary layout alone lives in `ids`.
 """
 
 from __future__ import annotations
@@ -82,13 +87,34 @@ import hashlib
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final, NamedTuple, NewType, Protocol, Self, TypeAlias, runtime_checkable
+from typing import Any, Final, Protocol, Self, TypeAlias, runtime_checkable
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from kvfabric.format.errors import BadRequest, UnsupportedVersion
+from kvfabric.format.ids import (
+    CHAIN_HASH_BYTES,
+    DOMAIN_DIGEST_BYTES,
+    GROUP_ID_BYTES,
+    GROUP_ID_STRUCT,
+    LAYOUT_DIGEST_BYTES,
+    MEMBER_STRUCT,
+    MODEL_DIGEST_BYTES,
+    OBJECT_KEY_BYTES,
+    ChainHash,
+    DomainDigest,
+    GroupId,
+    GroupKey,
+    LayoutDigest,
+    MemberId,
+    ModelDigest,
+    Namespace,
+    ObjectKey,
+    namespace_in_id,
+    pack_group_key,
+)
 
 __all__ = [
     "CHAIN_HASH_BYTES",
@@ -134,11 +160,6 @@ KEY_ENCODING_VERSION: Final = 1
 
 SUPPORTED_KEY_ENCODINGS: Final[tuple[int, ...]] = (1,)
 
-DOMAIN_DIGEST_BYTES: Final = 16
-MODEL_DIGEST_BYTES: Final = 16
-LAYOUT_DIGEST_BYTES: Final = 8
-CHAIN_HASH_BYTES: Final = 32
-
 _U16_MAX: Final = 0xFFFF
 _U32_MAX: Final = 0xFFFF_FFFF
 _MAX_STR_CHARS: Final = 1024
@@ -146,10 +167,11 @@ _MAX_TENANT_CHARS: Final = 256
 _SALT_MIN_BYTES: Final = 16
 _SALT_MAX_BYTES: Final = 64
 
-_GROUP_STRUCT: Final = struct.Struct("<BBH16s16sHHHI8sI32s")
-_MEMBER_STRUCT: Final = struct.Struct("<HHH")
-CHUNK_GROUP_BYTES: Final = _GROUP_STRUCT.size  # 90
-KEY_BYTES: Final = CHUNK_GROUP_BYTES + _MEMBER_STRUCT.size  # 96
+# The binary layout is defined once, in kvfabric.format.ids (its types, offsets, pack/unpack).
+_GROUP_STRUCT: Final = GROUP_ID_STRUCT
+_MEMBER_STRUCT: Final = MEMBER_STRUCT
+CHUNK_GROUP_BYTES: Final = GROUP_ID_BYTES  # 90
+KEY_BYTES: Final = OBJECT_KEY_BYTES  # 96
 
 # BLAKE2b personalization tags (<= 16 bytes). The "1" is the hash scheme generation: a change
 # to any encoding below needs new tags and a new FORMAT_VERSION.
@@ -160,22 +182,6 @@ _P_ROOT: Final = b"kvf1/root"
 _P_CHUNK: Final = b"kvf1/chunk"
 _P_SHARD: Final = b"kvf1/shard"
 _P_CONFIG: Final = b"kvf1/config"
-
-# --- typed hashes --------------------------------------------------------------------------------
-
-DomainDigest = NewType("DomainDigest", bytes)
-ModelDigest = NewType("ModelDigest", bytes)
-LayoutDigest = NewType("LayoutDigest", bytes)
-ChainHash = NewType("ChainHash", bytes)
-
-
-class MemberId(NamedTuple):
-    """One object of a chunk group. A plain `(tp_rank, pp_stage, layer_group)` tuple compares equal."""
-
-    tp_rank: int
-    pp_stage: int
-    layer_group: int
-
 
 # --- canonical encoding helpers ------------------------------------------------------------------
 
@@ -444,6 +450,18 @@ class ChunkGroupId(msgspec.Struct, frozen=True, kw_only=True):
         h = hashlib.blake2b(self.to_bytes(), digest_size=8, person=_P_SHARD)
         return int.from_bytes(h.digest(), "little") % n_shards
 
+    def group_key(self) -> GroupKey:
+        """The directory's name of this group: domain digest + chain hash (`kvfabric.format.ids`)."""
+        return pack_group_key(self.domain_digest, self.chain_hash)
+
+    def group_id(self) -> GroupId:
+        """`to_bytes()` typed as a `GroupId` (`kvfabric.format.ids`)."""
+        return GroupId(self.to_bytes())
+
+    def namespace(self) -> Namespace:
+        """The leading bytes of `to_bytes()` before the chunk index (`kvfabric.format.ids`)."""
+        return namespace_in_id(self.group_id())
+
     def to_bytes(self) -> bytes:
         return _GROUP_STRUCT.pack(
             KEY_ENCODING_VERSION,
@@ -574,6 +592,10 @@ class KVKey(msgspec.Struct, frozen=True, kw_only=True):
         return self.chunk_group.to_bytes() + _MEMBER_STRUCT.pack(
             self.tp_rank, self.pp_stage, self.layer_group
         )
+
+    def object_key(self) -> ObjectKey:
+        """`to_bytes()` typed as an `ObjectKey` (`kvfabric.format.ids`)."""
+        return ObjectKey(self.to_bytes())
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> Self:

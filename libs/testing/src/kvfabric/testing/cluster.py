@@ -22,6 +22,7 @@ from nats.aio.client import Client as NatsClient
 from kvfabric.ctl import queries
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import KvfError, Unavailable
+from kvfabric.format.ids import Namespace, domain_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
@@ -199,7 +200,8 @@ async def ask_directory(
     elif verb == "list_groups":
         assert isinstance(message, m.ListGroups)
         groups = await router.list_groups(message, timeout_s, LIST_PAGES_MAX)
-        groups.sort(key=lambda g: (g.namespace[4:20], g.group))  # group-key order, as one core pages
+        # group-key order (domain digest, then chain hash), as one core pages
+        groups.sort(key=lambda g: (domain_in_id(Namespace(g.namespace)), g.group))
         reply = m.GroupList(epoch=queries.newest_epoch(router), groups=groups)
     elif verb == "list_leases":
         assert isinstance(message, m.ListLeases)

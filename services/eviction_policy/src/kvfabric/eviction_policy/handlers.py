@@ -58,6 +58,16 @@ from kvfabric.eviction_policy.tiers import (
 )
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, Conflict, KvfError, Unavailable
+from kvfabric.format.ids import (
+    NAMESPACE_BYTES,
+    ChainHash,
+    DomainDigest,
+    GroupId,
+    Namespace,
+    domain_in_id,
+    pack_group_id,
+    pack_group_key,
+)
 from kvfabric.format.key import ChunkGroupId, KVKey
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
@@ -75,12 +85,11 @@ EVENTS_FETCH_MAX: Final = 512  # events per fetch: the follower's memory bound
 EVENTS_FETCH_WAIT_S: Final = 1.0
 ACCESS_PER_EVENT_MAX: Final = 16  # hits of one group in one event counted at most this often
 RETRY_S: Final = 0.5
-NAMESPACE_BYTES: Final = 54
 
 
-def group_id_of(namespace: bytes, chunk_index: int, chain_hash: bytes) -> bytes:
+def group_id_of(namespace: bytes, chunk_index: int, chain_hash: bytes) -> GroupId:
     """The 90-byte chunk group id the directory's `evict` takes, from a published event."""
-    return namespace + chunk_index.to_bytes(4, "little") + chain_hash
+    return pack_group_id(Namespace(namespace), chunk_index, ChainHash(chain_hash))
 
 
 class EvictionShell:
@@ -155,8 +164,10 @@ class EvictionShell:
         if isinstance(event, m.GroupPublished):
             if not event.placements or len(event.namespace) != NAMESPACE_BYTES:
                 return  # from a directory too old to say where the bytes are: not ours to evict
-            domain = event.namespace[4:20]
-            key = domain + event.group
+            domain = domain_in_id(Namespace(event.namespace))
+            key = pack_group_key(domain, ChainHash(event.group))
+            # a parent of the same domain
+            parent = pack_group_key(domain, ChainHash(event.parent)) if event.parent else None
             pools = tiered_pools(
                 {p.segment_id: p.bytes for p in event.placements},
                 {p.segment_id: p.bytes for p in event.disk_placements},
@@ -169,7 +180,7 @@ class EvictionShell:
                 key,
                 tenant=domain,
                 pools=pools,
-                parent=domain + event.parent if event.parent else None,  # a parent of the same domain
+                parent=parent,
                 chunk_index=event.chunk_index,
                 now_ms=at_ms,
             )
@@ -177,19 +188,19 @@ class EvictionShell:
                 self._group_ids[key] = group_id_of(event.namespace, event.chunk_index, event.group)
                 self._held[key] = (domain, event.chunk_index, pools)
                 self._disk_pools.update(p for p in pools if is_ssd_pool(p))
-                if event.parent:
-                    self._parent[key] = domain + event.parent
-                    self._children.setdefault(domain + event.parent, set()).add(key)
+                if parent is not None:
+                    self._parent[key] = parent
+                    self._children.setdefault(parent, set()).add(key)
         elif isinstance(event, m.GroupsAccessed):
             for hit in event.groups:
-                key = hit.domain + hit.group
+                key = pack_group_key(DomainDigest(hit.domain), ChainHash(hit.group))
                 if key in self._held:
                     self._hits[key] = self._hits.get(key, 0) + hit.hits
                 for _ in range(min(hit.hits, ACCESS_PER_EVENT_MAX)):
                     core.seen(key)
                     core.access(key, at_ms)
         elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
-            self._forget(event.domain + event.group)
+            self._forget(pack_group_key(DomainDigest(event.domain), ChainHash(event.group)))
         elif isinstance(event, m.SegmentDown):
             for pool in (event.segment_id, ssd_pool(event.segment_id)):
                 for gid in core.drop_pool(pool):

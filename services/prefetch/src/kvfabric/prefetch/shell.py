@@ -55,6 +55,19 @@ from kvfabric.core.prefetch import (
 )
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
+from kvfabric.format.ids import (
+    ChainHash,
+    DomainDigest,
+    GroupId,
+    Namespace,
+    ObjectKey,
+    chunk_index_in_id,
+    domain_in_id,
+    group_id_in_key,
+    pack_group_id,
+    pack_group_key,
+    pack_object_key,
+)
 from kvfabric.proto import directory as m
 from kvfabric.proto import prefetch as p
 from kvfabric.proto.codec import decode_as
@@ -156,10 +169,10 @@ class PrefetchShell:
         if ttl <= 0:
             return p.HintReply(hint_id=hint.hint_id, status="refused", reason="deadline_passed")
         hit_chunks, found, leases = await self._lookup(hint, ttl)
-        by_chunk = {int.from_bytes(g[54:58], "little"): g for g in hint.groups[:hit_chunks]}
+        by_chunk = {chunk_index_in_id(GroupId(g)): GroupId(g) for g in hint.groups[:hit_chunks]}
         objects = tuple(
             HintObject(
-                by_chunk[o.chunk_index] + _member_bytes(o.member),
+                _object_key(by_chunk[o.chunk_index], o.member),
                 o.size_bytes,
                 tuple(_holder(r) for r in o.replicas),
             )
@@ -278,7 +291,8 @@ class PrefetchShell:
         for hit in hottest:
             if hit.hits * 1000 / max(1, self.tick_ms) < self.core.config.cold_reads_per_s:
                 continue  # not worth a directory query
-            key = hit.domain + hit.group  # the 48-byte group key: its chain hash names the shard
+            # the 48-byte group key: its chain hash names the shard
+            key = pack_group_key(DomainDigest(hit.domain), ChainHash(hit.group))
             try:
                 router = await self._routed()
                 shown = await self._directory(router.shard_of(key), "show_group", m.ShowGroup(group=key))
@@ -286,7 +300,7 @@ class PrefetchShell:
                 continue
             # Two domains may hold this chain hash: the one read is named by the event.
             mine = (
-                [g for g in shown.groups if g.namespace[4:20] == hit.domain]
+                [g for g in shown.groups if domain_in_id(Namespace(g.namespace)) == hit.domain]
                 if isinstance(shown, m.GroupList)
                 else []
             )
@@ -294,16 +308,18 @@ class PrefetchShell:
                 continue
             summary = mine[0]
             now = self._now()  # after the show_group await
-            group_id = summary.namespace + summary.chunk_index.to_bytes(4, "little") + summary.group
+            group_id = pack_group_id(
+                Namespace(summary.namespace), summary.chunk_index, ChainHash(summary.group)
+            )
             for obj in summary.objects:
                 if not obj.replicas:
                     continue
-                key = group_id + _member_bytes(obj.member)
-                self._locations[key] = {_holder(r): r for r in obj.replicas}
+                object_id = _object_key(group_id, obj.member)
+                self._locations[object_id] = {_holder(r): r for r in obj.replicas}
                 holders = [_holder(r) for r in obj.replicas]  # lookups list arena replicas first
                 for _ in range(min(hit.hits, READS_PER_HIT_MAX)):
                     self.core.read(
-                        key,
+                        object_id,
                         size_bytes=obj.size_bytes,
                         served_from=holders[0],
                         replicas=holders,
@@ -330,11 +346,12 @@ class PrefetchShell:
     async def _drop_extra(self, object_id: object, segment: str) -> None:
         assert isinstance(object_id, bytes)
         shard = (await self._routed()).shard_of(object_id)  # the group's and the key's
-        shown = await self._directory(shard, "show_group", m.ShowGroup(group=object_id[:90]))
+        group_id = group_id_in_key(ObjectKey(object_id))
+        shown = await self._directory(shard, "show_group", m.ShowGroup(group=group_id))
         replica = None
         if isinstance(shown, m.GroupList) and shown.groups:
             for obj in shown.groups[0].objects:
-                if object_id[90:] == _member_bytes(obj.member):
+                if _object_key(group_id, obj.member) == object_id:
                     replica = next((r for r in obj.replicas if _holder(r) == segment), None)  # arena
         if replica is not None:
             await self._directory(
@@ -392,9 +409,5 @@ def _holder(replica: m.Replica) -> str:
     return replica.segment_id
 
 
-def _member_bytes(member: m.Member) -> bytes:
-    return (
-        member.tp_rank.to_bytes(2, "little")
-        + member.pp_stage.to_bytes(2, "little")
-        + member.layer_group.to_bytes(2, "little")
-    )
+def _object_key(group_id: GroupId, member: m.Member) -> ObjectKey:
+    return pack_object_key(group_id, member.tp_rank, member.pp_stage, member.layer_group)

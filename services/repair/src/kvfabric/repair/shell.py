@@ -21,7 +21,6 @@ destination reads the bytes from the source over the data plane, verifies and co
 from __future__ import annotations
 
 import asyncio
-import struct
 from collections.abc import AsyncIterator, Mapping
 from typing import Final
 
@@ -32,6 +31,7 @@ from kvfabric.cluster.replicas import copy_replica
 from kvfabric.core.repair import DrainComplete, RepairCore, StartCopy
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import KvfError, Unavailable
+from kvfabric.format.ids import ChainHash, Namespace, ObjectKey, pack_group_id, pack_object_key
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import decode_as
 from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
@@ -43,14 +43,13 @@ __all__ = ["RepairShell", "key_of", "now_ms"]
 
 LIST_PAGE: Final = 1000
 SCAN_PAGES_MAX: Final = 10_000  # ≤ 10 M groups per scan (all shards): a bound, not a target
-_MEMBER: Final = struct.Struct("<HHH")
 WRITER_ID: Final = "repair"
 
 
-def key_of(summary: m.GroupSummary, member: m.Member) -> bytes:
+def key_of(summary: m.GroupSummary, member: m.Member) -> ObjectKey:
     """The object's 96-byte key: chunk group id (namespace, chunk index, chain hash) + member."""
-    group_id = summary.namespace + summary.chunk_index.to_bytes(4, "little") + summary.group
-    return group_id + _MEMBER.pack(member.tp_rank, member.pp_stage, member.layer_group)
+    group_id = pack_group_id(Namespace(summary.namespace), summary.chunk_index, ChainHash(summary.group))
+    return pack_object_key(group_id, member.tp_rank, member.pp_stage, member.layer_group)
 
 
 class RepairShell:

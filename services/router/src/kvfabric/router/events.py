@@ -27,6 +27,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.format.ids import NAMESPACE_BYTES, Namespace, domain_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.subjects import Service, events_wildcard
 from kvfabric.runtime.directory_router import DirectoryRouter
@@ -126,12 +127,13 @@ class IndexFollower:
             raise
         groups = []
         for g in summaries:
-            if g.state != "published" or len(g.namespace) != 54:
+            if g.state != "published" or len(g.namespace) != NAMESPACE_BYTES:
                 continue
             replicas = frozenset(r.segment_id for o in g.objects for r in o.replicas)
             if replicas:
                 copy_bytes = sum(o.size_bytes for o in g.objects)
-                groups.append(ListedGroup(g.namespace[4:20], g.group, g.chunk_index, copy_bytes, replicas))
+                domain = domain_in_id(Namespace(g.namespace))
+                groups.append(ListedGroup(domain, g.group, g.chunk_index, copy_bytes, replicas))
         self.index.resync(
             [ListedSegment(s.segment_id, s.incarnation, s.up) for s in segments.segments],
             groups,
