@@ -15,7 +15,7 @@ each version's figure is also given ÷ the transport in the same run.
 - Engines: two spawned processes (`bench/client_save_worker.py`: bench.client's engine with its
   client code from a folder of its own), A with `kvfabric.client` from `git archive <base>`, B with
   this checkout's; everything below the client (format, proto, data plane) is this checkout's.
-  Both use one model id, so they read the same objects: B saves the working set (≥ 512 MiB per
+  Both use one model id, so they read the same objects: A saves the working set (≥ 512 MiB per
   size, rotating reads, bench.client's rule) and both are told its checksums.
 - Per size, op and client (remote: TCP; co-located: the segment's shared memory), each round runs
   N = max(1, 64 MiB / (8 × size)) prompts in each version; the transport rows after them, in B.
@@ -31,8 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,6 +75,25 @@ def call(engine: Engine, msg: tuple[Any, ...], timeout_s: float) -> tuple[Any, .
     return reply
 
 
+def cpu_ticks(pids: list[int]) -> int:
+    """utime + stime of these processes, in clock ticks (a process gone counts 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except OSError:
+            pass
+    return total
+
+
+def paired(a_runs: list[float], b_runs: list[float]) -> float | None:
+    """The median of B ÷ A over the rounds both measured (each pair ran back to back)."""
+    ratios = [b / a for a, b in zip(a_runs, b_runs, strict=False) if a > 0]
+    return statistics.median(ratios) if ratios else None
+
+
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     a, b = result["base"], result["head"]
@@ -84,15 +105,18 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['loadavg_start']} / {result['loadavg_end']} (a shared machine). One cluster, both client "
         f"versions in separate engine processes reading the same objects, rounds interleaved (A then B, "
         f"then B then A, ...), the transport get of the same hits in every round; GB/s = 1e9 B/s, median "
-        f"of {result['repeats']} rounds; a prompt = {CHUNKS} objects of the size; p50 per prompt call "
-        f"in ms. {result['verified_objects']} objects compared, {result['mismatches']} mismatches, "
-        f"{result['short']} chunks short.",
+        f"of {result['repeats']} rounds (and the median of B ÷ A within each round); a prompt = "
+        f"{CHUNKS} objects of the size; p50 per prompt call in ms. {result['verified_objects']} "
+        f"objects compared, {result['mismatches']} mismatches, "
+        f"{result['short']} chunks short. CPU ms/prompt: every cluster process and the engine, per run "
+        "(its untimed lookups, releases and verification included), summed over the rounds.",
         "",
-        "| client | op | size | GB/s A | GB/s B | B ÷ A | p50 ms A | p50 ms B | transport GB/s "
-        "| A ÷ transport | B ÷ transport |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| client | op | size | GB/s A | GB/s B | B ÷ A | B ÷ A per round | p50 ms A | p50 ms B "
+        "| transport GB/s | A ÷ transport | B ÷ transport | CPU ms/prompt A / B |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     pts = result["points"]
+    cpu = result.get("cpu_ms_per_prompt", {})
     for client in CLIENT_LABEL:
         for op in result["ops"]:
             for size in result["sizes"]:
@@ -101,8 +125,11 @@ def markdown(result: dict[str, Any]) -> str:
                 lines.append(
                     f"| {CLIENT_LABEL[client]} | {op} | {size_label(size)} | {fmt(pa['gbps'])} "
                     f"| {fmt(pb['gbps'])} | {fmt(ratio(pb['gbps'], pa['gbps']))} "
+                    f"| {fmt(paired(pa['gbps_runs'], pb['gbps_runs']))} "
                     f"| {fmt(pa['p50_ms'], '.2f')} | {fmt(pb['p50_ms'], '.2f')} | {fmt(pt['gbps'])} "
-                    f"| {fmt(ratio(pa['gbps'], pt['gbps']))} | {fmt(ratio(pb['gbps'], pt['gbps']))} |"
+                    f"| {fmt(ratio(pa['gbps'], pt['gbps']))} | {fmt(ratio(pb['gbps'], pt['gbps']))} "
+                    f"| {fmt(cpu.get(f'A:{client}:{op}:{size}'), '.1f')} / "
+                    f"{fmt(cpu.get(f'B:{client}:{op}:{size}'), '.1f')} |"
                 )
     if result["problems"]:
         lines += ["", "Not verified:", ""] + [f"- {p}" for p in result["problems"]]
@@ -156,10 +183,17 @@ def main() -> int:
             stack.callback(engines[side].close)
         print(f"cluster up ({state['nats_url']}); A = {base} client, B = {head}", flush=True)
         run_ids = iter(range(1, 1 << 40))
+        # CPU of every cluster process and the engine per run (the run's untimed parts too: its
+        # lookups or releases outside the timer, the verification): less moved by other jobs than
+        # wall time on a loaded machine.
+        cluster_pids = [pid for pid in state.get("pids", {}).values() if pid]
+        hz = os.sysconf("SC_CLK_TCK")
+        cpu_s: dict[str, float] = {}
+        prompts: dict[str, int] = {}
         for size in sizes:
             n = prompts_per_run(size, MEASURE_BYTES)
             count = working_prompts(size, args.working_set_mib << 20, 1, MEASURE_BYTES)
-            reply = call(engines["B"], ("working", size, count), PREPARE_TIMEOUT_S)
+            reply = call(engines["A"], ("working", size, count), PREPARE_TIMEOUT_S)
             if reply[2]:
                 raise RuntimeError(f"could not save the {size_label(size)} working set: {reply[2]}")
             for engine in engines.values():
@@ -185,8 +219,12 @@ def main() -> int:
                             op, "" if side == "T" else client, size, n, cursor % count, next(run_ids), 1
                         )
                         cursor += n
+                        before = cpu_ticks([*cluster_pids, engine.proc.pid])
                         point.add([engine.run(task)])
-            call(engines["B"], ("evict_working", size, count), PREPARE_TIMEOUT_S)
+                        spent = (cpu_ticks([*cluster_pids, engine.proc.pid]) - before) / hz
+                        cpu_s[key] = cpu_s.get(key, 0.0) + spent
+                        prompts[key] = prompts.get(key, 0) + n
+            call(engines["A"], ("evict_working", size, count), PREPARE_TIMEOUT_S)
             for key, p in points.items():
                 if key.endswith(f":{size}"):
                     print(f"  {size_label(size)} {key}: {[round(x, 3) for x in p.runs]}", flush=True)
@@ -209,6 +247,7 @@ def main() -> int:
         "short": sum(r["short"] for r in records.values()),
         "problems": problems,
         "points": records,
+        "cpu_ms_per_prompt": {k: round(cpu_s[k] / prompts[k] * 1e3, 3) for k in cpu_s if prompts.get(k)},
         "elapsed_s": round(time.monotonic() - started, 1),
     }
     out = Path(args.out)
