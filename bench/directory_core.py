@@ -50,7 +50,7 @@ from typing import overload
 import xxhash
 
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore
-from kvfabric.core.directory_keys import GROUP_KEY_BYTES
+from kvfabric.core.directory.keys import GROUP_KEY_BYTES
 from kvfabric.format.ids import GroupId, chain_in_id, domain_in_id, group_key_of_id
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m

@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvfabric.core.directory import DirectoryCore, EmitEvent, FreeSlots, Outcome
-from kvfabric.core.directory_keys import chain_of, parse_group, parse_key
+from kvfabric.core.directory.keys import chain_of, parse_group, parse_key
 from kvfabric.format.errors import KvfError
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode

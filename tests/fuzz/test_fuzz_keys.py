@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfabric.core.directory_keys import chain_of, parse_group, parse_key
+from kvfabric.core.directory.keys import chain_of, parse_group, parse_key
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.key import CHUNK_GROUP_BYTES, KEY_BYTES, ChunkGroupId, KVKey
 

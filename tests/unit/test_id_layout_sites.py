@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvfabric.core import quotas, routing_index
-from kvfabric.core.directory_keys import chain_of, domain_of, parse_group, parse_key
+from kvfabric.core.directory.keys import chain_of, domain_of, parse_group, parse_key
 from kvfabric.ctl.keys import group_from_summary
 from kvfabric.eviction_policy.handlers import group_id_of
 from kvfabric.format.key import ChainHash, ChunkGroupId, DomainDigest, KVKey, LayoutDigest, ModelDigest

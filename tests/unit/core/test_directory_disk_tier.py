@@ -6,7 +6,7 @@ arena alone; evicting one frees its disk slot."""
 from __future__ import annotations
 
 from kvfabric.core.directory import EmitEvent, FreeSlots
-from kvfabric.core.directory_rebuild import SegmentHolding
+from kvfabric.core.directory.rebuild import SegmentHolding
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import SSD_SLOT_BASE, HeldObject, tier_of_slot
 from tests.unit.core.dirkit import groups, key, lookup, new_core, put

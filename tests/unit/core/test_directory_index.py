@@ -8,7 +8,7 @@ import gc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfabric.core.directory_index import DOMAIN_BYTES, DomainIndex, SortedKeys
+from kvfabric.core.directory.index import DOMAIN_BYTES, DomainIndex, SortedKeys
 
 # Keys over a small alphabet collide and interleave; short ones test prefixes of longer ones.
 small_keys = st.binary(min_size=0, max_size=3).map(lambda b: bytes(x % 4 for x in b))

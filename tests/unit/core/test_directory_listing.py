@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from kvfabric.core.directory import DirectoryCore
 from kvfabric.core.directory import reads as directory
-from kvfabric.core.directory_keys import parse_group
-from kvfabric.core.directory_records import unpack_group
+from kvfabric.core.directory.keys import parse_group
+from kvfabric.core.directory.records import unpack_group
 from kvfabric.core.quotas import ITEMS_PER_TOKEN, Quotas, Tenant, TenantQuota, request_tokens, tenant_of
 from kvfabric.format.errors import NotFound, RateLimited
 from kvfabric.format.key import ChunkGroupId, ShareDomain, chunk_groups_for_prefix

@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore, Effect, EmitEvent, FreeSlots
-from kvfabric.core.directory_keys import parse_group, parse_key
+from kvfabric.core.directory.keys import parse_group, parse_key
 from kvfabric.core.placement import Candidate, choose_segments
 from kvfabric.format.errors import Busy, KvfError, NotFound, StaleGeneration
 from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix

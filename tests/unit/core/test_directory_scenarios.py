@@ -325,7 +325,7 @@ def test_lookup_hits_are_batched_into_one_accessed_event_per_tick() -> None:
 
 
 def test_a_new_leader_adopts_complete_groups_and_frees_nothing_during_the_grace_period() -> None:
-    from kvfabric.core.directory_rebuild import SegmentHolding
+    from kvfabric.core.directory.rebuild import SegmentHolding
     from kvfabric.proto.segment import HeldObject
 
     core = new_core(lease_ttl_ms_max=500, replicas_default=2)

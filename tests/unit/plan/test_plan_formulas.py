@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.core.directory_records import MemberRecord, PublishedGroup, ReplicaRecord, pack_group
+from kvfabric.core.directory.records import MemberRecord, PublishedGroup, ReplicaRecord, pack_group
 from kvfabric.plan import formulas as f
 from kvfabric.plan.model import PRESETS, Cluster, Layout, ModelSpec, Workload, model_from_config
 from kvfabric.plan.plan import build_plan

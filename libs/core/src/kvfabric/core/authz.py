@@ -45,7 +45,7 @@ from typing import Final
 
 import msgspec
 
-from kvfabric.core.directory_keys import CHAIN_BYTES, GROUP_KEY_BYTES
+from kvfabric.core.directory.keys import CHAIN_BYTES, GROUP_KEY_BYTES
 from kvfabric.core.quotas import tenant_of
 from kvfabric.format.errors import BadRequest, NotFound, Unauthorized
 from kvfabric.format.ids import DOMAIN_DIGEST_BYTES, DOMAIN_SLICE, GroupKey, domain_in_group_key

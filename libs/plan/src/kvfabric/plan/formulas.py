@@ -2,7 +2,7 @@
 
 Metadata sizes come from the real encodings: `KEY_BYTES`/`CHUNK_GROUP_BYTES` of
 `kvfabric.format.key`, `encode_manifest()` of a synthetic manifest of the right shape, and the
-directory's packed record per published chunk group (`kvfabric.core.directory_records`):
+directory's packed record per published chunk group (`kvfabric.core.directory.records`):
 header 10 B + per member 31 B + per replica 16 B. Directory RAM adds the measured overhead per
 record (docs/directory.md: 243 B of RSS per published single-member single-replica object whose
 record is 57 B, so 186 B of dict/`bytes` overhead per group).

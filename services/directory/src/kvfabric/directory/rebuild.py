@@ -15,7 +15,7 @@ from typing import Final
 
 from nats.aio.client import Client as NatsClient
 
-from kvfabric.core.directory_rebuild import SegmentHolding
+from kvfabric.core.directory.rebuild import SegmentHolding
 from kvfabric.format.errors import KvfError
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import (

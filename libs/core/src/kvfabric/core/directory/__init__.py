@@ -9,7 +9,10 @@ its states, invariants and `check_invariants`: `segments`, `writes` (two-phase p
 (readable groups, holds, eviction, the sweep), `leases` (read leases and pins), `frees` (slots
 handed back, grace), `replicas` (extra replica tickets), `reads` (lookups and read-only queries).
 `base` holds the configuration, effects and the context the tables share; `replies` the reply
-bounds and the retried-request cache.
+bounds and the retried-request cache. Pure helpers the tables use: `keys` (what the core needs from
+a binary key or group id, over `kvfabric.format.ids`), `records` (the packed record of a published
+group), `index` (the ordered per-domain index of group keys), `rebuild` (a shard's index rebuilt
+from the segments' reports, `plan_rebuild`).
 """
 
 from kvfabric.core.directory.base import (

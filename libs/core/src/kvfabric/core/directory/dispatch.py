@@ -29,7 +29,7 @@ Dependencies point one way: segments ← frees ← published ← leases | replic
 
 ## A new leader (`adopt`)
 A directory that takes over a shard rebuilds its tables from the segments' reports
-(`directory_rebuild`) under a new, higher epoch; frees of adopted slots wait out the grace
+(`rebuild`) under a new, higher epoch; frees of adopted slots wait out the grace
 period (the frees table), so no slot leased by the old leader is reused under its reader.
 """
 
@@ -46,12 +46,12 @@ from kvfabric.core.directory.frees import FreeTable, PendingFree, SlotKey
 from kvfabric.core.directory.leases import Lease, LeaseTable
 from kvfabric.core.directory.published import PublishedTable
 from kvfabric.core.directory.reads import Reads
+from kvfabric.core.directory.rebuild import SegmentHolding, plan_rebuild
+from kvfabric.core.directory.records import PublishedGroup, ReplicaRecord
 from kvfabric.core.directory.replicas import ReplicaTable
 from kvfabric.core.directory.replies import ReplyCache
 from kvfabric.core.directory.segments import Segment, SegmentTable
 from kvfabric.core.directory.writes import BuildingGroup, WriteTable
-from kvfabric.core.directory_rebuild import SegmentHolding, plan_rebuild
-from kvfabric.core.directory_records import PublishedGroup, ReplicaRecord
 from kvfabric.core.quotas import Quotas, Tenant, TenantUsage, tenant_of
 from kvfabric.format.errors import BadRequest, KvfError
 from kvfabric.format.invariant import invariant
@@ -174,7 +174,7 @@ class DirectoryCore:
         self.write_table.segment_lost(effects)
 
     def adopt(self, holdings: Sequence[SegmentHolding], now_ms: int) -> list[Effect]:
-        """Become the index of what `holdings` store (see `directory_rebuild`): their segments are
+        """Become the index of what `holdings` store (see `rebuild`): their segments are
         up, complete groups are published, orphans are freed once the grace period
         (`lease_ttl_ms_max`, the longest lease the old leader could have granted) has passed."""
         invariant(not self.segments and not self.published and not self.building, "adopt into a used core")
@@ -264,7 +264,7 @@ class DirectoryCore:
 
     @property
     def published(self) -> dict[bytes, bytes]:
-        """Group key -> packed record (`directory_records`) of every published group."""
+        """Group key -> packed record (`records`) of every published group."""
         return self.published_table.records
 
     @published.setter

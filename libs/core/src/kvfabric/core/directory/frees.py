@@ -37,8 +37,8 @@ from collections.abc import Iterable, Iterator
 from typing import Literal, NamedTuple
 
 from kvfabric.core.directory.base import Context, Effect, FreeSlots, Outcome, check_batch
+from kvfabric.core.directory.records import PublishedGroup, ReplicaRecord
 from kvfabric.core.directory.segments import Segment, SegmentTable
-from kvfabric.core.directory_records import PublishedGroup, ReplicaRecord
 from kvfabric.core.quotas import Tenant
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m

@@ -28,8 +28,8 @@ import heapq
 from dataclasses import dataclass
 
 from kvfabric.core.directory.base import HEAP_SLACK_MIN, Context, Outcome, check_batch, scope_of
+from kvfabric.core.directory.keys import parse_group
 from kvfabric.core.directory.published import PublishedTable
-from kvfabric.core.directory_keys import parse_group
 from kvfabric.core.quotas import request_tokens
 from kvfabric.format.errors import BadRequest, Busy, NotFound
 from kvfabric.format.invariant import invariant

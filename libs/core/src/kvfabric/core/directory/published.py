@@ -1,8 +1,8 @@
 """The published table: the readable chunk groups, who holds them (leases and pins), and how a
 group stops being published (evicted, or invalidated by the sweep).
 
-A published group is one packed `bytes` record (`directory_records`) under its group key, its
-namespace interned; the per-domain index (`directory_index`) orders the keys for listings.
+A published group is one packed `bytes` record (`records`) under its group key, its
+namespace interned; the per-domain index (`index`) orders the keys for listings.
 
 ## States of a published group
     (absent) --publish (writes) / adopt--> PUBLISHED
@@ -33,11 +33,10 @@ from collections.abc import Callable, Iterator
 
 from kvfabric.core.directory.base import Context, Effect, EmitEvent, Outcome, check_batch
 from kvfabric.core.directory.frees import FreeTable
-from kvfabric.core.directory.segments import SegmentTable
-from kvfabric.core.directory_index import DomainIndex
-from kvfabric.core.directory_keys import GroupInfo, chain_of, domain_of, parse_group, parse_key
-from kvfabric.core.directory_rebuild import RebuildPlan
-from kvfabric.core.directory_records import (
+from kvfabric.core.directory.index import DomainIndex
+from kvfabric.core.directory.keys import GroupInfo, chain_of, domain_of, parse_group, parse_key
+from kvfabric.core.directory.rebuild import RebuildPlan
+from kvfabric.core.directory.records import (
     FLAG_DEGRADED,
     MemberRecord,
     PublishedGroup,
@@ -45,6 +44,7 @@ from kvfabric.core.directory_records import (
     pack_group,
     unpack_group,
 )
+from kvfabric.core.directory.segments import SegmentTable
 from kvfabric.core.quotas import Tenant, tenant_of
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.invariant import invariant
@@ -180,7 +180,7 @@ class PublishedTable:
         )
 
     def adopt(self, plan: RebuildPlan, effects: list[Effect]) -> None:
-        """Publish the complete groups a rebuild found (`directory_rebuild`)."""
+        """Publish the complete groups a rebuild found (`rebuild`)."""
         for gid, (info, members) in plan.groups.items():
             records = []
             degraded = False

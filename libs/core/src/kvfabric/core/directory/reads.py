@@ -31,12 +31,7 @@ from collections.abc import Sequence
 
 from kvfabric.core.directory.base import Context, Effect, EmitEvent, Member, Outcome, check_batch
 from kvfabric.core.directory.frees import FreeTable
-from kvfabric.core.directory.leases import LeaseTable
-from kvfabric.core.directory.published import PublishedTable
-from kvfabric.core.directory.replies import LIST_ENVELOPE_BYTES, encode, str_bytes
-from kvfabric.core.directory.segments import SegmentTable
-from kvfabric.core.directory.writes import WriteTable
-from kvfabric.core.directory_keys import (
+from kvfabric.core.directory.keys import (
     CHAIN_BYTES,
     GROUP_KEY_BYTES,
     GroupInfo,
@@ -44,7 +39,12 @@ from kvfabric.core.directory_keys import (
     domain_of,
     parse_group,
 )
-from kvfabric.core.directory_records import PublishedGroup, unpack_group
+from kvfabric.core.directory.leases import LeaseTable
+from kvfabric.core.directory.published import PublishedTable
+from kvfabric.core.directory.records import PublishedGroup, unpack_group
+from kvfabric.core.directory.replies import LIST_ENVELOPE_BYTES, encode, str_bytes
+from kvfabric.core.directory.segments import SegmentTable
+from kvfabric.core.directory.writes import WriteTable
 from kvfabric.core.quotas import Tenant, TenantUsage, request_tokens
 from kvfabric.format.errors import BadRequest, NotFound
 from kvfabric.format.invariant import invariant

@@ -49,10 +49,10 @@ from kvfabric.core.directory.base import (
     check_batch,
 )
 from kvfabric.core.directory.frees import FreeTable
+from kvfabric.core.directory.keys import chain_of, domain_of
 from kvfabric.core.directory.published import PublishedTable
+from kvfabric.core.directory.records import MemberRecord, ReplicaRecord, unpack_group
 from kvfabric.core.directory.segments import Segment, SegmentTable
-from kvfabric.core.directory_keys import chain_of, domain_of
-from kvfabric.core.directory_records import MemberRecord, ReplicaRecord, unpack_group
 from kvfabric.core.quotas import Tenant, tenant_of
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.invariant import invariant
@@ -62,7 +62,7 @@ from kvfabric.proto.tickets import sign_ticket
 
 __all__ = ["ReplicaTable", "ReplicaTicket"]
 
-MEMBER_REPLICAS_MAX: Final = 255  # a member record counts its replicas in a u8 (directory_records)
+MEMBER_REPLICAS_MAX: Final = 255  # a member record counts its replicas in a u8 (`records`)
 
 
 @dataclass(frozen=True, slots=True)

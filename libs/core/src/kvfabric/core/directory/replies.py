@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import msgspec
 
-from kvfabric.core.directory_keys import GROUP_KEY_BYTES
+from kvfabric.core.directory.keys import GROUP_KEY_BYTES
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import read_token, sign_ticket

@@ -10,7 +10,7 @@ A DOWN incarnation never comes back: a register or heartbeat naming it, or an ol
 
 ## Placements
 A placement is an index into a list of (segment id, incarnation) pairs, interned once and never
-removed (records store the index: 4 bytes, `directory_records`). A placement is live while its
+removed (records store the index: 4 bytes, `records`). A placement is live while its
 segment's entry is UP with that incarnation; everything stored on a dead one is gone with it.
 
 ## Invariants (`check_invariants`; the core checks the sums across tables)
@@ -29,8 +29,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvfabric.core.directory.base import Context, Effect, EmitEvent, Outcome
-from kvfabric.core.directory_rebuild import SegmentHolding
-from kvfabric.core.directory_records import ReplicaRecord
+from kvfabric.core.directory.rebuild import SegmentHolding
+from kvfabric.core.directory.records import ReplicaRecord
 from kvfabric.core.placement import Candidate
 from kvfabric.core.quotas import Tenant
 from kvfabric.format.errors import BadRequest, NotFound, StaleGeneration

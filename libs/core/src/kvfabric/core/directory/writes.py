@@ -59,18 +59,18 @@ from kvfabric.core.directory.base import (
     scope_of,
 )
 from kvfabric.core.directory.frees import FreeTable
+from kvfabric.core.directory.keys import CHAIN_BYTES, GroupInfo, KeyInfo, chain_of, domain_of, parse_key
 from kvfabric.core.directory.published import PublishedTable
-from kvfabric.core.directory.replicas import ReplicaTable
-from kvfabric.core.directory.replies import ARRAY_HEADER_BYTES, ReplyCache, str_bytes
-from kvfabric.core.directory.segments import SegmentTable
-from kvfabric.core.directory_keys import CHAIN_BYTES, GroupInfo, KeyInfo, chain_of, domain_of, parse_key
-from kvfabric.core.directory_records import (
+from kvfabric.core.directory.records import (
     FLAG_DEGRADED,
     MemberRecord,
     PublishedGroup,
     ReplicaRecord,
     unpack_group,
 )
+from kvfabric.core.directory.replicas import ReplicaTable
+from kvfabric.core.directory.replies import ARRAY_HEADER_BYTES, ReplyCache, str_bytes
+from kvfabric.core.directory.segments import SegmentTable
 from kvfabric.core.placement import choose_segments
 from kvfabric.core.quotas import Tenant, request_tokens, tenant_of
 from kvfabric.format.errors import BadRequest, BatchTooLarge, Busy

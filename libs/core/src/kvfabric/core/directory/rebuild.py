@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvfabric.core.directory_keys import GroupInfo, parse_key
+from kvfabric.core.directory.keys import GroupInfo, parse_key
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.ids import GroupKey
 from kvfabric.proto import directory as m
