@@ -47,6 +47,9 @@ with the shards it leads; callers assemble and cache the map
 (`kvfabric.runtime.directory_router`). An instance that does not lead the shard answers
 `wrong_shard`. `register`, `heartbeat` and the listings go to every instance; their replies
 cover the shards that instance leads.
+
+Not split (over 600 lines): one tagged union per message family (docs/design.md, house style),
+decoded by one typed `Decoder`; the file is the directory's wire schema, message by message.
 """
 
 from __future__ import annotations

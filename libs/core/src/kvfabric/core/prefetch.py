@@ -65,6 +65,9 @@ first. `cold_extra_replicas(now_ms)` lists those below `cold_reads_per_s`; once 
    COPYING want without either is marked release; a marked want has no wanter.
 4. An ended hint leaves nothing: none of its ids remains, no want names it.
 5. Accounting: in-flight bytes, queued objects and the extra budget equal what they count.
+
+Not split (over 600 lines): one core; hint copies and hot-object extras draw on the same copy and
+byte budgets and the same `StartCopy` ownership, checked together by `check_invariants`.
 """
 
 from __future__ import annotations

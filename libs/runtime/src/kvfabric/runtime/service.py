@@ -44,6 +44,9 @@ expected error (sent as a typed error reply, see `replies`). Any other exception
 `internal` reply, logged with its traceback, and the service keeps serving. `InvariantViolation`
 is a bug: logged once, `internal` reply, then the service stops and exits non-zero.
 The handler owns the request bytes only for the duration of the call.
+
+Not split (over 600 lines): `ServiceRuntime` is the one shell every daemon shares; registration,
+bounded lanes, tenant endpoints, request logging and the bounded stop share its lane state.
 """
 
 from __future__ import annotations
