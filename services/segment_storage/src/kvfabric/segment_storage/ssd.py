@@ -33,6 +33,11 @@ memory); every other outcome (corrupt, an I/O error, `Busy`, any exception) give
 `read` returns. The pool holds at most `read_bytes_max` bytes of buffers, lent and idle together
 (idle ones of other sizes are unmapped to make room); a buffer is never lent twice.
 
+Write bounce buffers: an `O_DIRECT` write whose source is not block-aligned (a demotion copies
+from a 64-byte-aligned arena slot) goes through a buffer from a second pool (`write_buffers`,
+`WRITE_BOUNCE_BYTES_MAX`), its tail past the object zeroed (no bytes of an earlier object reach
+the disk), given back when the write returns.
+
 Bounds: the I/O engine runs at most `io_threads` pieces at once and holds at most
 `io_queue_max` pieces queued or running; a request that would exceed it is `Busy` at once. Reads
 hold at most `read_bytes_max` bytes of buffers; past it, `Busy`. A device that never answers an
@@ -99,6 +104,9 @@ SSD_FILE_MODE: Final = 0o600
 # Upper bounds (seconds) of the I/O latency histogram's buckets (`io_latency`), +Inf implied.
 IO_SECONDS_BUCKETS: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 INDEX_READ_BYTES: Final = 4 << 20  # the index is read at start in pieces of this size
+# Pooled O_DIRECT bounce buffers of writes, lent and idle together (8 demotions of 4 MiB at once
+# fit twice); past it a write's buffer is made for it and unmapped after (`ReadBufferPool`).
+WRITE_BOUNCE_BYTES_MAX: Final = 64 << 20
 MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14: fault a mapping's pages in, writable, now
 ReadStatus = Literal["ok", "stale_generation", "not_found", "wrong_size", "corrupt"]
 
@@ -543,6 +551,10 @@ class SsdTier:
         self.io = io
         self.read_bytes_max = read_bytes_max
         self.read_buffers = ReadBufferPool(read_bytes_max)
+        # O_DIRECT bounce buffers of writes whose source is not block-aligned (a demotion's arena
+        # slot): pooled like the read buffers (a fresh mapping faulted in per write cost about as
+        # much as the write of a 4 MiB object: docs/ssd-tier.md)
+        self.write_buffers = ReadBufferPool(WRITE_BOUNCE_BYTES_MAX)
         self.geometry = geometry(slots_max, data_bytes)
         self.lock = threading.Lock()
         self.counters: dict[str, int] = {}
@@ -677,6 +689,7 @@ class SsdTier:
 
     def close(self) -> None:
         self.read_buffers.close()
+        self.write_buffers.close()
         for fd in (self._direct_fd, self._fd):
             if fd >= 0:
                 with contextlib.suppress(OSError):
@@ -783,10 +796,14 @@ class SsdTier:
         if address % BLOCK_BYTES == 0 and len(source) == extent_bytes:
             self.io.pwrite(self._direct_fd, source, position)
             return
-        buf = aligned_buffer(extent_bytes)
-        with memoryview(buf) as view:
-            view[: len(source)] = source
-            self.io.pwrite(self._direct_fd, view[:extent_bytes], position)
+        buf = self.write_buffers.take(extent_bytes)
+        try:
+            with memoryview(buf) as view:
+                view[: len(source)] = source
+                view[len(source) : extent_bytes] = bytes(extent_bytes - len(source))  # no stale bytes
+                self.io.pwrite(self._direct_fd, view[:extent_bytes], position)
+        finally:
+            self.write_buffers.give(buf)
 
     # ---- frees ---------------------------------------------------------------------------------
 
