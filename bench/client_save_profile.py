@@ -84,6 +84,8 @@ def timeline(client: KvClient) -> dict[str, Any]:
     async def timed_gather(*aws: Any, **kw: Any) -> Any:
         result = await gather(*aws, **kw)
         first = result[0] if result else None
+        if isinstance(first, list) and first:  # per stream of pipelined writes, its outcomes
+            first = first[0]
         # the writes' outcomes: (cause, receipt) per write, or a cause each (a client without receipts)
         if isinstance(first, str) or (
             isinstance(first, tuple) and len(first) == 2 and isinstance(first[0], str)

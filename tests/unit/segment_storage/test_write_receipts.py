@@ -5,6 +5,7 @@ background, and a refused one frees the slot. Bytes that fail the ticket's check
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -195,12 +196,15 @@ class LaterShell:
         self.asked = 0
         self.confirms_later = self
 
-    async def confirm(self, shard: int, epoch: int, confirm: m.ReplicaConfirm) -> str:
+    def submit(self, shard: int, epoch: int, confirm: m.ReplicaConfirm) -> asyncio.Future[str]:
         self.asked += 1
+        verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         answer = self.answers.pop(0)
         if isinstance(answer, Exception):
-            raise answer
-        return answer
+            verdict.set_exception(answer)
+        else:
+            verdict.set_result(answer)
+        return verdict
 
 
 @pytest.mark.parametrize(
@@ -226,7 +230,7 @@ def test_the_background_confirm_frees_only_on_a_refusal(
         reply = c.put(t, data, receipt=True)
     shell = LaterShell(backend, answers)
     with patch.object(shell_module, "CONFIRM_LATER_RETRY_S", 0.001):
-        asyncio.run(SegmentShell._confirm_in_background(shell, t, reply.slot, reply.slot_generation))  # type: ignore[arg-type]
+        asyncio.run(SegmentShell._confirm_in_background(shell, [(t, reply.slot, reply.slot_generation)]))  # type: ignore[arg-type]
     assert shell.asked == asked
     assert (backend.slots.held_one(reply.slot, reply.slot_generation) is not None) == kept
 
@@ -242,7 +246,7 @@ def test_a_directory_silent_past_the_deadline_gets_the_slot_freed(
     now = backend.clock_ms()
     backend.clock_ms = lambda: now + 30_000 + shell_module.CONFIRM_LATER_GIVE_UP_MS + 10_000
     shell = LaterShell(backend, [Unavailable("no leader")])
-    asyncio.run(SegmentShell._confirm_in_background(shell, t, reply.slot, reply.slot_generation))  # type: ignore[arg-type]
+    asyncio.run(SegmentShell._confirm_in_background(shell, [(t, reply.slot, reply.slot_generation)]))  # type: ignore[arg-type]
     assert backend.slots.held_one(reply.slot, reply.slot_generation) is None
     assert backend.counters["confirm_later_no_verdict_total"] == 1
 
@@ -274,3 +278,31 @@ def test_pipelined_puts_are_answered_in_order_and_a_refusal_stops_none_of_the_ot
             assert r.receipt == write_receipt(SECRET, t, r.slot, r.slot_generation)
     assert [tid for tid, _, _ in directory.later] == [1, 2, 4, 6, 9]
     assert again.receipt and backend.counters["puts_receipted_total"] == 5
+
+
+def test_receipted_writes_queued_together_wake_the_loop_once() -> None:
+    """A burst of receipted writes (a save's, from transport threads) costs one wake-up of the
+    segment's loop and one task, not one each."""
+    woken: list[object] = []
+    fake = SimpleNamespace(
+        _loop=SimpleNamespace(call_soon_threadsafe=woken.append),
+        router=object(),
+        _later=[],
+        _later_lock=threading.Lock(),
+        _later_woken=False,
+        _start_later=lambda: None,
+    )
+    t = WriteTicket(
+        ticket_id=1,
+        key=b"k",
+        segment_id="s",
+        incarnation=1,
+        size_bytes=1,
+        checksum=b"c" * 16,
+        writer_id="w",
+        deadline_ms=1,
+        epoch=1,
+    )
+    for slot in range(8):
+        SegmentShell._confirm_later(fake, t, slot, 1)  # type: ignore[arg-type]
+    assert len(woken) == 1 and [s for _, s, _ in fake._later] == list(range(8))

@@ -41,7 +41,7 @@ CONFIRM_BATCH_MAX: Final = 64
 CONFIRM_GATHER_S: Final = 0.002
 # How long a background confirm (a receipted write's) waits for others before its request goes:
 # nobody waits on it, and the writer's commit usually lands first (then it is a cheap no-op).
-CONFIRM_LATER_LINGER_S: Final = 0.02
+CONFIRM_LATER_LINGER_S: Final = 0.2
 
 BatchKey = tuple[int, int, str]  # (shard, epoch, trace id)
 SendFn = Callable[[m.ConfirmReplicas, str], Awaitable[msgspec.Struct]]  # (message, trace id) -> reply
@@ -68,6 +68,13 @@ class ConfirmBatcher:
         """The directory's verdict for one replica ("ok", "unknown_ticket", "mismatch"); raises
         the request's `KvfError` when its batch got no reply. `expected`: the confirms of this
         save for the shard (0: unknown; only with a trace id, which tells saves apart)."""
+        return await self.submit(shard, epoch, confirm, trace_id, expected=expected)
+
+    def submit(
+        self, shard: int, epoch: int, confirm: m.ReplicaConfirm, trace_id: str = "", *, expected: int = 0
+    ) -> asyncio.Future[str]:
+        """`confirm` without a coroutine of its own: the future of its verdict (on the loop). A
+        caller that cancels it gives it up (its batch skips it, or drops its late verdict)."""
         key = (shard, epoch, trace_id)
         verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._pending.setdefault(key, []).append((confirm, verdict))
@@ -79,7 +86,7 @@ class ConfirmBatcher:
                 self._expected[key] = min(expected, CONFIRM_BATCH_MAX)
                 self._arrived[key] = asyncio.Event()
             self._senders[key] = asyncio.create_task(self._drain(key))
-        return await verdict
+        return verdict
 
     async def _gather(self, key: BatchKey) -> None:
         """Wait until the confirms a save said to expect are here, or `CONFIRM_GATHER_S`."""

@@ -222,6 +222,10 @@ class SegmentShell:
             lambda message, trace_id: self._directory("confirm", message, trace_id),
             linger_s=CONFIRM_LATER_LINGER_S,
         )
+        self._later: list[tuple[m.WriteTicket, int, int]] = []  # receipted writes not yet on the loop
+        self._later_lock = threading.Lock()
+        self._later_woken = False  # a wake-up of the loop for `_later` is pending
+        self._later_tasks: set[asyncio.Task[None]] = set()
         self.must_reregister = asyncio.Event()
         self._log = get_logger("kvfabric.segment_storage").bind(
             segment_id=settings.segment_id, incarnation=self.incarnation
@@ -438,52 +442,82 @@ class SegmentShell:
 
     def _confirm_later(self, ticket: m.WriteTicket, slot: int, generation: int) -> None:
         """Called from a transport thread for a write answered with a receipt: its confirm goes
-        in the background (`_confirm_in_background`); never blocks."""
+        in the background (`_confirm_in_background`); never blocks. The writes that arrive before
+        the loop runs share one wake-up and one task (not one each)."""
         loop = self._loop
         if loop is None or self.router is None:
             raise Unavailable("the segment is not connected to the directory")
+        with self._later_lock:
+            self._later.append((ticket, slot, generation))
+            if self._later_woken:
+                return
+            self._later_woken = True
         try:
-            asyncio.run_coroutine_threadsafe(self._confirm_in_background(ticket, slot, generation), loop)
+            loop.call_soon_threadsafe(self._start_later)
         except RuntimeError:  # the loop is closing
             raise Unavailable("the segment stopped confirming") from None
 
-    async def _confirm_in_background(self, ticket: m.WriteTicket, slot: int, generation: int) -> None:
-        """Confirm a receipted write until the directory gives a verdict: `ok` keeps the slot
+    def _start_later(self) -> None:
+        """On the loop: the receipted writes queued since the last wake-up, confirmed together."""
+        with self._later_lock:
+            items, self._later = self._later, []
+            self._later_woken = False
+        task = asyncio.ensure_future(self._confirm_in_background(items))
+        self._later_tasks.add(task)
+        task.add_done_callback(self._later_tasks.discard)
+
+    async def _confirm_in_background(self, items: list[tuple[m.WriteTicket, int, int]]) -> None:
+        """Confirm receipted writes until the directory gives each a verdict: `ok` keeps the slot
         (the writer's commit named it, or will), a refusal frees it (the write expired or was
-        aborted uncommitted, or the ticket already names another slot). With no verdict it asks
-        again (`CONFIRM_LATER_RETRY_S`): freeing a slot the writer's receipt may have published
-        would lose a replica. After the ticket's deadline every verdict is final; a directory
-        silent for `CONFIRM_LATER_GIVE_UP_MS` past it gets the slot freed (as a synchronous
-        confirm without a verdict does)."""
+        aborted uncommitted, or the ticket already names another slot). Those without a verdict
+        are asked again (`CONFIRM_LATER_RETRY_S`): freeing a slot the writer's receipt may have
+        published would lose a replica. After a ticket's deadline every verdict is final; a
+        directory silent for `CONFIRM_LATER_GIVE_UP_MS` past it gets the slot freed (as a
+        synchronous confirm without a verdict does)."""
         assert self.router is not None
-        confirm = m.ReplicaConfirm(
-            ticket_id=ticket.ticket_id,
-            key=ticket.key,
-            slot=slot,
-            slot_generation=generation,
-            size_bytes=ticket.size_bytes,
-            checksum=ticket.checksum,
-        )
-        give_up_ms = self.backend.ticket_deadline_ms(ticket) + CONFIRM_LATER_GIVE_UP_MS
-        while True:
-            try:
-                verdict = await asyncio.wait_for(
-                    self.confirms_later.confirm(self.router.shard_of(ticket.key), ticket.epoch, confirm),
-                    self.settings.confirm_timeout_ms / 1000,
+        waiting = items
+        while waiting:
+            asked = [
+                (
+                    (ticket, slot, generation),
+                    self.confirms_later.submit(
+                        self.router.shard_of(ticket.key),
+                        ticket.epoch,
+                        m.ReplicaConfirm(
+                            ticket_id=ticket.ticket_id,
+                            key=ticket.key,
+                            slot=slot,
+                            slot_generation=generation,
+                            size_bytes=ticket.size_bytes,
+                            checksum=ticket.checksum,
+                        ),
+                    ),
                 )
-            except _CONFIRM_FINAL_ERRORS as err:
-                self.backend.unconfirmed(slot, generation, err.code)
-                return
-            except (KvfError, TimeoutError):
-                if self.backend.clock_ms() >= give_up_ms:
+                for ticket, slot, generation in waiting
+            ]
+            await asyncio.wait([f for _, f in asked], timeout=self.settings.confirm_timeout_ms / 1000)
+            waiting = []
+            for (ticket, slot, generation), verdict in asked:
+                if not verdict.done():
+                    verdict.cancel()  # its batch skips it (or drops its late verdict)
+                    err: BaseException | None = TimeoutError()
+                else:
+                    err = verdict.exception()
+                if err is None:
+                    if verdict.result() != "ok":
+                        self.backend.unconfirmed(slot, generation, verdict.result())
+                elif isinstance(err, _CONFIRM_FINAL_ERRORS):
+                    self.backend.unconfirmed(slot, generation, err.code)
+                elif (
+                    self.backend.clock_ms()
+                    >= self.backend.ticket_deadline_ms(ticket) + CONFIRM_LATER_GIVE_UP_MS
+                ):
                     self.backend.unconfirmed(slot, generation, "no_verdict")
-                    return
-                self.backend.count("confirm_later_retries_total")
+                else:
+                    waiting.append((ticket, slot, generation))
+            if waiting:
+                self.backend.count("confirm_later_retries_total", len(waiting))
                 await asyncio.sleep(CONFIRM_LATER_RETRY_S)
-                continue
-            if verdict != "ok":
-                self.backend.unconfirmed(slot, generation, verdict)
-            return
 
     async def _confirm_async(self, ticket: m.WriteTicket, slot: int, generation: int) -> str:
         """A demotion's disk replica, confirmed on the loop like a transport's write."""
