@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvfabric.core import quotas, routing_index
 from kvfabric.core.directory.keys import chain_of, domain_of, parse_group, parse_key
-from kvfabric.ctl.keys import group_from_summary
+from kvfabric.ctl.keys import group_from_summary, key_fields
 from kvfabric.eviction_policy.handlers import group_id_of
 from kvfabric.format.key import ChainHash, ChunkGroupId, DomainDigest, KVKey, LayoutDigest, ModelDigest
 from kvfabric.prefetch.shell import _object_key
@@ -69,8 +69,11 @@ def test_sites_agree_with_the_structured_key(key: KVKey) -> None:
     # repair and prefetch: an object's key from a listing
     assert key_of(_summary(g), member) == raw_key
     assert _object_key(g.group_id(), member) == raw_key
-    # kvctl: a listing's group id
+    # kvctl: a listing's group id, and what `kvctl key decode` shows
     assert group_from_summary(g.namespace(), g.chunk_index, g.chain_hash) == g
+    shown = key_fields(key)
+    assert shown["group_key"] == gk.hex() and shown["namespace"] == g.namespace().hex()
+    assert shown["hex"] == raw_key.hex()
     # shards: the chain hash of every form
     for raw in (raw_key, raw_group, gk, g.chain_hash):
         assert chain_hash_of(raw) == g.chain_hash

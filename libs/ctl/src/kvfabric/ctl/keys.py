@@ -83,6 +83,10 @@ def key_fields(value: KVKey | ChunkGroupId) -> dict[str, Any]:
         "chunk_index": group.chunk_index,
         "chain_hash": group.chain_hash.hex(),
         "chunk_group": str(group),
+        # the typed ids (kvfabric.format.ids): how events and listings (namespace) and the
+        # directory, the eviction policy and the router (group key) name this group
+        "namespace": group.namespace().hex(),
+        "group_key": group.group_key().hex(),
     }
     if isinstance(value, KVKey):
         fields.update(tp_rank=value.tp_rank, pp_stage=value.pp_stage, layer_group=value.layer_group)
