@@ -14,8 +14,11 @@ unique blocks, next to the simulator's figure for the same requests.
   authenticated; segment ids `evr-<random>-1`: other clusters on this host keep theirs), one
   segment whose arena holds `--capacity-pct` % of the replayed unique blocks (at least the
   segment's 1 MiB floor), the eviction-policy service with `KVF_EVICTION_POLICY` = each policy,
-  watermarks `HIGH_PCT` / `LOW_PCT`, ticks of `TICK_MS`; a fresh cluster per policy; `down` at
-  the end, also on an error.
+  watermarks `HIGH_PCT` / `LOW_PCT`, ticks of `TICK_MS`, every service's request lane at
+  `INFLIGHT_MAX` (`--inflight-max`; 0: the default 64, where the segment refuses most of the
+  directory's frees under eviction churn and writes fail `no_capacity`); a fresh cluster per
+  policy; `down` at the end, also on an error (a start that misses the ready timeout on a
+  loaded host is tried again, `CLUSTER_STARTS_MAX` times).
 - **Replay**: one engine (`KvClient`, the `demo` tenant), requests in trace order, each started
   at its timestamp / `--speedup` (late ones at once; the lag is reported): `lookup`, `load` of
   the hit (bytes compared), `release`, then `save` of the chunks past the loaded prefix (already
