@@ -98,6 +98,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal, TypeAlias
 
 from kvfabric.format.invariant import invariant, unreachable
+from kvfabric.proto.shards import SHARDS_MAX, shard_of_chain
 
 __all__ = [
     "Acquire",
@@ -125,7 +126,7 @@ __all__ = [
     "shard_of",
 ]
 
-SHARDS_MAX: Final = 4096
+# SHARDS_MAX (4096) is kvfabric.proto.shards': one bound for the router, the segments and the leaders.
 _HASH_PERSON: Final = b"kvf-shard-hrw"
 
 # StopLeading reasons
@@ -292,10 +293,11 @@ LeadershipEvent: TypeAlias = (
 
 
 def shard_of(chain_hash: bytes, shards: int) -> int:
-    """The shard of a chain hash: the little-endian u32 of its first 4 bytes, mod `shards`."""
+    """The shard of a chain hash: the little-endian u32 of its first 4 bytes, mod `shards`
+    (`kvfabric.proto.shards.shard_of_chain`, the one rule; a bad argument is a bug here)."""
     invariant(len(chain_hash) >= 4, "chain hash shorter than 4 bytes", length=len(chain_hash))
-    invariant(shards >= 1, "shards must be positive", shards=shards)
-    return int.from_bytes(chain_hash[:4], "little") % shards
+    invariant(1 <= shards <= SHARDS_MAX, "shards out of range", shards=shards)
+    return shard_of_chain(chain_hash, shards)
 
 
 def _weight(shard: int, member: str) -> int:
