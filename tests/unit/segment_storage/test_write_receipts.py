@@ -46,7 +46,7 @@ class Directory:
         self.confirmed.append((ticket.ticket_id, slot, generation))
         return "ok"
 
-    def confirm_later(self, ticket: WriteTicket, slot: int, generation: int) -> None:
+    def confirm_later(self, ticket: WriteTicket, slot: int, generation: int, trace_id: str) -> None:
         if self.later_error is not None:
             raise self.later_error
         self.later.append((ticket.ticket_id, slot, generation))
@@ -196,7 +196,9 @@ class LaterShell:
         self.asked = 0
         self.confirms_later = self
 
-    def submit(self, shard: int, epoch: int, confirm: m.ReplicaConfirm) -> asyncio.Future[str]:
+    def submit(
+        self, shard: int, epoch: int, confirm: m.ReplicaConfirm, trace_id: str, *, shared: bool
+    ) -> asyncio.Future[str]:
         self.asked += 1
         verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         answer = self.answers.pop(0)
@@ -230,7 +232,8 @@ def test_the_background_confirm_frees_only_on_a_refusal(
         reply = c.put(t, data, receipt=True)
     shell = LaterShell(backend, answers)
     with patch.object(shell_module, "CONFIRM_LATER_RETRY_S", 0.001):
-        asyncio.run(SegmentShell._confirm_in_background(shell, [(t, reply.slot, reply.slot_generation)]))  # type: ignore[arg-type]
+        later = [(t, reply.slot, reply.slot_generation, "trace")]
+        asyncio.run(SegmentShell._confirm_in_background(shell, later))  # type: ignore[arg-type]
     assert shell.asked == asked
     assert (backend.slots.held_one(reply.slot, reply.slot_generation) is not None) == kept
 
@@ -246,7 +249,7 @@ def test_a_directory_silent_past_the_deadline_gets_the_slot_freed(
     now = backend.clock_ms()
     backend.clock_ms = lambda: now + 30_000 + shell_module.CONFIRM_LATER_GIVE_UP_MS + 10_000
     shell = LaterShell(backend, [Unavailable("no leader")])
-    asyncio.run(SegmentShell._confirm_in_background(shell, [(t, reply.slot, reply.slot_generation)]))  # type: ignore[arg-type]
+    asyncio.run(SegmentShell._confirm_in_background(shell, [(t, reply.slot, reply.slot_generation, "trace")]))  # type: ignore[arg-type]
     assert backend.slots.held_one(reply.slot, reply.slot_generation) is None
     assert backend.counters["confirm_later_no_verdict_total"] == 1
 
@@ -304,5 +307,5 @@ def test_receipted_writes_queued_together_wake_the_loop_once() -> None:
         epoch=1,
     )
     for slot in range(8):
-        SegmentShell._confirm_later(fake, t, slot, 1)  # type: ignore[arg-type]
-    assert len(woken) == 1 and [s for _, s, _ in fake._later] == list(range(8))
+        SegmentShell._confirm_later(fake, t, slot, 1, "trace")  # type: ignore[arg-type]
+    assert len(woken) == 1 and [s for _, s, _, _ in fake._later] == list(range(8))

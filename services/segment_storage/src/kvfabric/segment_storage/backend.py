@@ -115,10 +115,10 @@ DEMOTE_YIELD_MS_DEFAULT: Final = 20
 # Blocks the calling transport thread; raises KvfError when the directory cannot be reached.
 # (ticket, slot, generation, trace id, the save's writes for this segment and shard) -> verdict
 ConfirmFn = Callable[[WriteTicket, int, int, str, int], str]
-# (ticket, slot, generation) of a write answered with a receipt: confirm it in the background and
+# (ticket, slot, generation, trace id) of a write answered with a receipt: confirm it in the background and
 # call `ArenaBackend.unconfirmed` if the directory refuses it (or never answers). Never blocks;
 # raises KvfError when it cannot take the confirm (then the write fails as a refused confirm does).
-ConfirmLaterFn = Callable[[WriteTicket, int, int], None]
+ConfirmLaterFn = Callable[[WriteTicket, int, int, str], None]
 # Fills the writable slot view with the object's bytes (a copy from another segment); raises a
 # KvfError when it cannot. Runs on the thread that called `copy_in`.
 FetchFn = Callable[[memoryview], None]
@@ -244,7 +244,7 @@ class ArenaBackend:
             # confirm leaves the write's path. It still goes, in the background: a receipt the
             # writer never commits (it died, aborted) is refused there and the slot freed here.
             try:
-                self.confirm_later(put.ticket, put.slot, put.slot_generation)
+                self.confirm_later(put.ticket, put.slot, put.slot_generation, put.trace_id)
             except KvfError:
                 self._free(put.slot, put.slot_generation)
                 raise

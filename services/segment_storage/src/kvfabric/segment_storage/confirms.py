@@ -59,6 +59,7 @@ class ConfirmBatcher:
         self._senders: dict[BatchKey, asyncio.Task[None]] = {}
         self._expected: dict[BatchKey, int] = {}  # confirms a save said to expect, while sending
         self._arrived: dict[BatchKey, asyncio.Event] = {}  # set on each confirm of a gathering key
+        self._traces: dict[BatchKey, str] = {}  # a shared key's next request: its first confirm's trace
         self.requests_sent = 0
         self.confirms_sent = 0
 
@@ -71,11 +72,22 @@ class ConfirmBatcher:
         return await self.submit(shard, epoch, confirm, trace_id, expected=expected)
 
     def submit(
-        self, shard: int, epoch: int, confirm: m.ReplicaConfirm, trace_id: str = "", *, expected: int = 0
+        self,
+        shard: int,
+        epoch: int,
+        confirm: m.ReplicaConfirm,
+        trace_id: str = "",
+        *,
+        expected: int = 0,
+        shared: bool = False,
     ) -> asyncio.Future[str]:
         """`confirm` without a coroutine of its own: the future of its verdict (on the loop). A
-        caller that cancels it gives it up (its batch skips it, or drops its late verdict)."""
-        key = (shard, epoch, trace_id)
+        caller that cancels it gives it up (its batch skips it, or drops its late verdict).
+        `shared`: batched with other saves' confirms (key without the trace id); the request
+        carries the trace id of the first confirm waiting for it."""
+        key = (shard, epoch, "" if shared else trace_id)
+        if shared and trace_id:
+            self._traces.setdefault(key, trace_id)
         verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._pending.setdefault(key, []).append((confirm, verdict))
         arrived = self._arrived.get(key)
@@ -129,7 +141,7 @@ class ConfirmBatcher:
                 self.requests_sent += 1
                 self.confirms_sent += len(live)
                 try:
-                    reply = await self._send(message, key[2])
+                    reply = await self._send(message, key[2] or self._traces.pop(key, ""))
                 except KvfError as err:
                     _fail(live, err)
                     continue
@@ -141,6 +153,7 @@ class ConfirmBatcher:
                 batch = []
         finally:
             del self._senders[key]
+            self._traces.pop(key, None)
             # Cancelled (shutdown) or failed unexpectedly: nobody may wait forever.
             stranded = batch + self._pending.pop(key, [])
             _fail(stranded, Unavailable("the segment stopped confirming"))

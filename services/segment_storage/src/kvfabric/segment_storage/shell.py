@@ -222,7 +222,7 @@ class SegmentShell:
             lambda message, trace_id: self._directory("confirm", message, trace_id),
             linger_s=CONFIRM_LATER_LINGER_S,
         )
-        self._later: list[tuple[m.WriteTicket, int, int]] = []  # receipted writes not yet on the loop
+        self._later: list[tuple[m.WriteTicket, int, int, str]] = []  # receipted writes not yet on the loop
         self._later_lock = threading.Lock()
         self._later_woken = False  # a wake-up of the loop for `_later` is pending
         self._later_tasks: set[asyncio.Task[None]] = set()
@@ -440,7 +440,7 @@ class SegmentShell:
         except (concurrent.futures.CancelledError, RuntimeError):  # stopping: the slot is freed
             raise Unavailable("the segment stopped confirming") from None
 
-    def _confirm_later(self, ticket: m.WriteTicket, slot: int, generation: int) -> None:
+    def _confirm_later(self, ticket: m.WriteTicket, slot: int, generation: int, trace_id: str = "") -> None:
         """Called from a transport thread for a write answered with a receipt: its confirm goes
         in the background (`_confirm_in_background`); never blocks. The writes that arrive before
         the loop runs share one wake-up and one task (not one each)."""
@@ -448,7 +448,7 @@ class SegmentShell:
         if loop is None or self.router is None:
             raise Unavailable("the segment is not connected to the directory")
         with self._later_lock:
-            self._later.append((ticket, slot, generation))
+            self._later.append((ticket, slot, generation, trace_id))
             if self._later_woken:
                 return
             self._later_woken = True
@@ -466,7 +466,7 @@ class SegmentShell:
         self._later_tasks.add(task)
         task.add_done_callback(self._later_tasks.discard)
 
-    async def _confirm_in_background(self, items: list[tuple[m.WriteTicket, int, int]]) -> None:
+    async def _confirm_in_background(self, items: list[tuple[m.WriteTicket, int, int, str]]) -> None:
         """Confirm receipted writes until the directory gives each a verdict: `ok` keeps the slot
         (the writer's commit named it, or will), a refusal frees it (the write expired or was
         aborted uncommitted, or the ticket already names another slot). Those without a verdict
@@ -479,7 +479,7 @@ class SegmentShell:
         while waiting:
             asked = [
                 (
-                    (ticket, slot, generation),
+                    (ticket, slot, generation, trace_id),
                     self.confirms_later.submit(
                         self.router.shard_of(ticket.key),
                         ticket.epoch,
@@ -491,13 +491,15 @@ class SegmentShell:
                             size_bytes=ticket.size_bytes,
                             checksum=ticket.checksum,
                         ),
+                        trace_id,
+                        shared=True,
                     ),
                 )
-                for ticket, slot, generation in waiting
+                for ticket, slot, generation, trace_id in waiting
             ]
             await asyncio.wait([f for _, f in asked], timeout=self.settings.confirm_timeout_ms / 1000)
             waiting = []
-            for (ticket, slot, generation), verdict in asked:
+            for (ticket, slot, generation, trace_id), verdict in asked:
                 if not verdict.done():
                     verdict.cancel()  # its batch skips it (or drops its late verdict)
                     err: BaseException | None = TimeoutError()
@@ -514,7 +516,7 @@ class SegmentShell:
                 ):
                     self.backend.unconfirmed(slot, generation, "no_verdict")
                 else:
-                    waiting.append((ticket, slot, generation))
+                    waiting.append((ticket, slot, generation, trace_id))
             if waiting:
                 self.backend.count("confirm_later_retries_total", len(waiting))
                 await asyncio.sleep(CONFIRM_LATER_RETRY_S)
