@@ -3,7 +3,8 @@
 Every id the system passes around is bytes cut from one layout, `ChunkGroupId.to_bytes()` (the
 table in `kvfabric.format.key`). This module is the only place that knows the offsets: every
 other package packs, unpacks and slices through the functions below, so a change of layout is
-one edit here (and `tests/unit/format/test_format_ids.py` fails if a site re-derives it).
+one edit here: `tests/unit/test_id_layout_sites.py` fails if a module re-derives it, and
+`tests/unit/format/test_format_key.py` checks key.py's table against `GROUP_ID_FIELDS`.
 
     ObjectKey     96  one stored object: group id + member (tp_rank, pp_stage, layer_group,
                       u16 LE each)                         KVKey.to_bytes, pack_object_key

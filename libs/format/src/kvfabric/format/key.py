@@ -64,7 +64,7 @@ Binary key (`KVKey.to_bytes()`, fixed 96 bytes, little-endian)
 Bytes 0..90 are exactly `ChunkGroupId.to_bytes()`: every member of a chunk group shares that
 prefix (sorted stores keep a chunk group together). The layout is defined once, in
 `kvfabric.format.ids` (`GROUP_ID_FIELDS`, `MEMBER_FIELDS`, the typed ids and every pack/unpack
-and slice other packages use); `tests/unit/format/test_format_ids.py` checks this table against it.
+and slice other packages use); `tests/unit/format/test_format_key.py` checks this table against it.
 
 Readable forms (canonical: lowercase hex, decimal without leading zeros; round-trip exactly)
 ---------------------------------------------------------------------------------------------
