@@ -26,8 +26,13 @@ NewType as its base type: the wire format and the JSON Schemas are unchanged) co
 they did. Wrapping a value costs one call (about 35 ns on CPython 3.11, measured 2026-12-02:
 `GK(a + b)` 0.166 s vs `a + b` 0.131 s per million in one `timeit` run on the shared 2-core
 VM); small frozen classes would cost an allocation per id and an attribute read per use, on the
-directory's per-group fast path. The pack functions check nothing (callers pass parts they
+directory's per-group fast path. That path as a whole did not move: `parse_group` / `parse_key`
+through these functions over the hand-sliced version they replaced, 0.91 and 1.06 / 1.03 and
+0.77 in two interleaved runs (`.venv/bin/python -m bench.id_layout_cost`, 2026-12-02, shared
+2-core VM at load 6-10: within noise). The pack functions check nothing (callers pass parts they
 already hold typed); decoding external input is `ChunkGroupId.from_bytes` / `KVKey.from_bytes`.
+The wire structs (`kvfabric.proto`) keep `bytes` fields for now: typing them made every producer
+wrap its bytes (206 mypy errors in 65 files, 2026-12-02; docs/architecture.md, identity).
 """
 
 from __future__ import annotations
