@@ -32,13 +32,14 @@ from typing import Any
 import nats
 import pytest
 
-from kvfabric.client import ClientSettings
+from kvfabric.client import ClientSettings, KvClient
 from kvfabric.directory import cpu_priority
 from kvfabric.directory.admission import cost_of
 from kvfabric.directory.settings import FAIR_DEFAULT
 from kvfabric.format.errors import Busy, KvfError
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
+from kvfabric.testing.clientkit import TOKENS_PER_CHUNK, prompt
 from kvfabric.testing.probes import metric_value, scrape_metrics
 from tests.integration.cluster import directory_router
 from tests.security.test_directory_budgets import two_tenants
@@ -59,6 +60,8 @@ FLOOD_CONCURRENT = int(os.environ.get("KVF_TEST_FLOOD_LOOPS", "32"))
 BOB_GROUPS = 4_096  # a max-size lookup
 FLOOD_S = 12.0
 ALICE_LOOKUPS = 300
+ALICE_LOADS = 100  # whole loads through her client (lookup, load, release): the data path too
+ALICE_CHUNKS, ALICE_CHUNK_BYTES = 8, 4096
 # Fair admission switched off: every limit so high that no request waits or is refused.
 FAIR_OFF = {
     "KVF_DIRECTORY_FAIR_TENANT_IDS_PER_S": "1000000000",
@@ -139,6 +142,21 @@ async def alices_lookups(alice: DirectoryRouter, groups: list[bytes], n: int) ->
     return out, misses
 
 
+def alices_loads(client: KvClient, tokens: list[int], n: int) -> tuple[list[float], int]:
+    """Alice loads her prompt through her client `n` times (lookup, load, release): ms each, and
+    how many did not load it whole (her engine would recompute)."""
+    dests = [[bytearray(ALICE_CHUNK_BYTES)] for _ in range(ALICE_CHUNKS)]
+    out, short = [], 0
+    for _ in range(n):
+        began = time.perf_counter()
+        hit = client.lookup(tokens)
+        loaded = client.load(hit, dests).tokens if hit.tokens else 0
+        out.append((time.perf_counter() - began) * 1e3)
+        client.release(hit)
+        short += loaded != len(tokens)
+    return out, short
+
+
 def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) -> dict[str, Any]:
     """One run (module docstring): alice alone, then during bob's flood of `bob_ids`-id lookups."""
     env = dict(env or {})
@@ -153,8 +171,9 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
             assert secure.nats.pid is not None
             for pid in (secure.nats.pid, os.getpid()):
                 raise_priority(pid, cpu_priority.parse(path))
-        save(secure, "alice", 8, seed=4, size=4096)
-        alice = group_ids(secure, "alice", 8, seed=4)
+        save(secure, "alice", ALICE_CHUNKS, seed=4, size=ALICE_CHUNK_BYTES)
+        alice = group_ids(secure, "alice", ALICE_CHUNKS, seed=4)
+        tokens = prompt(ALICE_CHUNKS * TOKENS_PER_CHUNK, seed=4)  # what `save` saved
         save(secure, "bob", bob_ids, seed=5)
         bob = group_ids(secure, "bob", bob_ids, seed=5)
         spawn = multiprocessing.get_context("spawn")
@@ -162,11 +181,13 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
         attacker = spawn.Process(target=flood, args=(secure.client_settings("bob"), bob, FLOOD_S, out))
 
         used: dict[str, float] = {}
+        loads: dict[str, tuple[list[float], int]] = {}
 
         async def run() -> tuple[list[float], int, list[float], int, float]:
             nc, router = await tenant_router(secure, "alice")  # connected before the flood
             try:
                 baseline, base_misses = await alices_lookups(router, alice, ALICE_LOOKUPS)
+                loads["alone"] = await asyncio.to_thread(alices_loads, client, tokens, ALICE_LOADS)
                 attacker.start()
                 await asyncio.sleep(2.0)  # the flood under way (the child has connected)
                 began = time.monotonic()
@@ -174,13 +195,15 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
                 during, misses = await alices_lookups(router, alice, ALICE_LOOKUPS)
                 during_s = time.monotonic() - began
                 used["directory_cpu_share"] = round((cpu_s(directory.pid) - cpu_began) / during_s, 2)
+                loads["flood"] = await asyncio.to_thread(alices_loads, client, tokens, ALICE_LOADS)
                 return baseline, base_misses, during, misses, during_s
             finally:
                 await nc.close()
 
         try:
             slow_before = len(slow_core_calls(directory))
-            baseline, base_misses, during, misses, during_s = asyncio.run(run())
+            with secure.client("alice") as client:  # her engine's client, connected before the flood
+                baseline, base_misses, during, misses, during_s = asyncio.run(run())
             metrics = scrape_metrics(port)
             slow = slow_core_calls(directory)[slow_before:]
             bob_counts = out.get(timeout=FLOOD_S + 30)
@@ -191,6 +214,8 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
                     attacker.kill()
     p50 = (statistics.median(baseline), statistics.median(during))
     p99 = (quantile(baseline, 0.99), quantile(during, 0.99))
+    load_p50 = (statistics.median(loads["alone"][0]), statistics.median(loads["flood"][0]))
+    load_p99 = (quantile(loads["alone"][0], 0.99), quantile(loads["flood"][0], 0.99))
 
     def fair(name: str, **labels: str) -> float | None:
         return metric_value(metrics, name, **labels)
@@ -213,6 +238,11 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
         "p50_ratio": round(p50[1] / p50[0], 2),
         "p99_ratio": round(p99[1] / p99[0], 2),
         "alice_misses_alone_flood": [base_misses, misses],
+        "alice_load_p50_ms_alone_flood": [round(x, 3) for x in load_p50],
+        "alice_load_p99_ms_alone_flood": [round(x, 3) for x in load_p99],
+        "load_p50_ratio": round(load_p50[1] / load_p50[0], 2),
+        "load_p99_ratio": round(load_p99[1] / load_p99[0], 2),
+        "alice_loads_short_alone_flood": [loads["alone"][1], loads["flood"][1]],
         "alice_during_s": round(during_s, 1),  # over FLOOD_S - 2: some of hers after the flood
         "bob_per_s": {k: round(v / FLOOD_S, 1) for k, v in bob_counts.items()},
         "fair_refused_bob_rate": fair("kvfabric_directory_fair_refused_total", tenant="bob", reason="rate"),
