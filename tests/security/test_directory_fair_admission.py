@@ -1,19 +1,19 @@
-"""A victim tenant's lookups while another floods the directory (issue 21 row 2, fair admission).
+"""A victim tenant's lookups and loads while another floods the directory (issue 21 row 2).
 
 On a real authenticated cluster (one directory shard, TLS), the directory pinned to CPU 0 and
 bob's flood process to CPU 1 (this machine has two cores; the previous measurements pinned the
 directory the same way): alice looks up her 8-group prompt 300 times alone, then 300 times
 while bob sends lookups of his own groups (4,096 in the test) from `FLOOD_CONCURRENT` loops that
-never back off. Reported (`-s`):
-alice's p50/p99 alone and during the flood and their ratios, what bob sent, got served and got
-`busy`, and the directory's fair-admission metrics. docs/security.md quotes the figures and the
-2x target, measured with `measure` with admission on (the defaults) and off (`FAIR_OFF`: limits
-so high that nothing waits or is refused). `KVF_TEST_NO_PIN=1` leaves both unpinned;
-`KVF_TEST_DIRECTORY_CPU_PRIORITY=off|nice:N|rr:P` sets the directory's
-`KVF_DIRECTORY_CPU_PRIORITY` (default `rr:1`, as `make up` runs it). `python -m
-tests.security.test_directory_fair_admission [rounds]` runs `compare`
-(`KVF_TEST_PATH_CPU_PRIORITY=rr:1`, a measurement of the bound: nats-server and alice's process
-at that priority too): the flood at each CPU
+never back off; then (`ALICE_LOADS`) she loads the prompt through her client, alone and during
+the flood. Reported (`-s`): alice's lookup and load p50/p99 alone and during the flood and
+their ratios, what bob sent, got served and got `busy`, and the directory's fair-admission
+metrics. docs/security.md quotes the figures and the 2x target, measured with `measure` with
+admission on (the defaults) and off (`FAIR_OFF`: limits so high that nothing waits or is
+refused). `KVF_TEST_NO_PIN=1` leaves both unpinned; `KVF_TEST_DIRECTORY_CPU_PRIORITY=off|nice:N|rr:P`
+sets the directory's `KVF_DIRECTORY_CPU_PRIORITY` (default `rr:1`, as `make up` runs it);
+`KVF_TEST_FLOOD_LOOPS` bob's loops; `KVF_TEST_PATH_CPU_PRIORITY=rr:1` puts nats-server and
+alice's process at that priority too (a measurement of the bound). `python -m
+tests.security.test_directory_fair_admission [rounds]` runs `compare`: the flood at each CPU
 priority, interleaved, one line each (docs/security.md quotes it).
 """
 
