@@ -21,6 +21,9 @@ segment's default `KVF_SEGMENT_SSD_DIRECT`; 0: buffered, caches dropped before e
 - **SSD get, read then send**: the same objects, object by object alternating with the SSD get,
   without `verdicts_after`: the segment reads and verifies the whole object, then sends it (what
   every SSD get did before the streamed GET).
+- **SSD get, 8 a request** (and **, read then send**): the same objects, 8 disk replicas per GET
+  (a prefix's chunks, as a client loads them), request by request alternating the two: streamed,
+  the segment reads the first now and the others on its I/O threads while the first is sent.
 - **DRAM get**: the same, for arena objects of the same size saved through `KvClient.save`.
 - **tier read** (beside a raw read of the same objects, in the write phase): `SsdTier.read` in
   this process: a pre-faulted buffer from the tier's pool (`ReadBufferPool`), the disk read into
@@ -96,6 +99,7 @@ SEGMENT: Final = "bench-ssd-tier"
 IO_THREADS: Final = 4  # the segment's KVF_SEGMENT_SSD_IO_THREADS default
 IO_QUEUE_MAX: Final = 256  # KVF_SEGMENT_SSD_IO_QUEUE_MAX default
 IO_CHUNK_BYTES: Final = MiB  # KVF_SEGMENT_SSD_IO_CHUNK_BYTES default
+GET_BATCH: Final = 8  # disk replicas per request in the "SSD get, 8 a request" rows (a prefix's chunks)
 ADOPT_TIMEOUT_S: Final = 60.0  # the directory adopts the recovered disk objects (shard rebuild)
 # The bench signs its read tokens itself (it knows the test cluster's secret): valid for the run
 # (60 s, the helper's default, ran out in a run on a loaded machine: `unauthorized`).
@@ -432,6 +436,14 @@ async def cluster_phase(
                     if result.status != "ok" or digest != digests.get(s, digest):
                         raise RuntimeError(f"get of a {s} B object: {result.status}")
 
+                batch_dests = {s: [memoryview(bytearray(s)) for _ in range(GET_BATCH)] for s in sizes}
+
+                def get_many(refs: list[ReadRef], s: int, streamed: bool = True) -> None:
+                    got = data.get_hashed(refs, batch_dests[s][: len(refs)], streamed=streamed)
+                    for result, digest in got:
+                        if result.status != "ok" or digest != digests[s]:
+                            raise RuntimeError(f"get of {len(refs)} {s} B objects: {result.status}")
+
                 for rnd in range(args.rounds):
                     for s in sizes:
                         n, raw = counts[s], raws[s]
@@ -473,6 +485,24 @@ async def cluster_phase(
                             (row("SSD get", s), ssd_get),
                             (row("SSD get, read then send", s), ssd_get_whole),
                         )
+                        if n >= GET_BATCH:  # a prefix's chunks: several disk replicas a request
+                            batches = n // GET_BATCH
+
+                            def ssd_get_batch(j: int, refs: list[ReadRef] = refs, s: int = s) -> None:
+                                get_many(refs[j * GET_BATCH : (j + 1) * GET_BATCH], s)
+
+                            def ssd_get_batch_whole(j: int, refs: list[ReadRef] = refs, s: int = s) -> None:
+                                get_many(refs[j * GET_BATCH : (j + 1) * GET_BATCH], s, streamed=False)
+
+                            alternate(
+                                batches,
+                                GET_BATCH * s,
+                                (row(f"SSD get, {GET_BATCH} a request", s), ssd_get_batch),
+                                (
+                                    row(f"SSD get, {GET_BATCH} a request, read then send", s),
+                                    ssd_get_batch_whole,
+                                ),
+                            )
                         row("DRAM get", s).timed(n, s, dram_get)
                         row("fresh read buffer", s).timed(n, s, fresh_buffer)
                         if demoting:  # the segment's demotion of n arena objects, next to raw writes
@@ -733,6 +763,18 @@ def judge(
         ("tier write / raw write", "tier write", "raw write", at_least),
         ("tier read / raw read (write phase)", "tier read", "raw read (write phase)", None),
         ("SSD get, read then send / raw read", "SSD get, read then send", "raw read", None),
+        (
+            f"SSD get, {GET_BATCH} a request / raw read",
+            f"SSD get, {GET_BATCH} a request",
+            "raw read",
+            at_least,
+        ),
+        (
+            f"SSD get, {GET_BATCH} a request, read then send / raw read",
+            f"SSD get, {GET_BATCH} a request, read then send",
+            "raw read",
+            None,
+        ),
         ("demotion / raw write (demotion phase)", "demotion", "raw write (demotion phase)", at_least),
         ("SSD get (demoted) / raw read", "SSD get (demoted)", "raw read", at_least),
     ):
@@ -787,6 +829,8 @@ def markdown(result: dict[str, Any], sizes: list[int]) -> str:
         "raw read",
         "SSD get",
         "SSD get, read then send",
+        f"SSD get, {GET_BATCH} a request",  # p50 / p99: per request of GET_BATCH objects
+        f"SSD get, {GET_BATCH} a request, read then send",
         "DRAM get",
         "fresh read buffer",
         "raw write (demotion phase)",
