@@ -261,6 +261,30 @@ def test_an_error_in_one_object_lets_the_others_finish(tmp_path: Path) -> None:
         seg.ssd.close()
 
 
+def test_an_error_in_one_confirm_lets_the_others_be_dropped(tmp_path: Path) -> None:
+    """The confirms go together: a bug in one (not a verdict) still lets every other object's
+    arena replica be dropped, then is raised; the failed one keeps both replicas."""
+    syncs: list[float] = []
+    seg = make(tmp_path, 16 << 20, syncs)
+    directory = Directory()
+    try:
+        n = 8
+        _, objects = stored(seg, directory, n, 64 * 1024)
+
+        async def confirm(ticket: m.WriteTicket, slot: int, generation: int) -> str:
+            if ticket.key == objects[0].key:
+                raise RuntimeError("a bug while confirming")
+            return await directory.confirm(ticket, slot, generation)
+
+        with pytest.raises(RuntimeError, match="a bug while confirming"):
+            demote(seg, directory, objects, confirm=confirm)
+        assert sorted(directory.dropped) == sorted(o.key for o in objects[1:])
+    finally:
+        seg.backend.arena.close()
+        seg.io.close()
+        seg.ssd.close()
+
+
 def test_a_request_costs_one_ticket_request_and_one_drop_request_per_shard(tmp_path: Path) -> None:
     """The directory's steps batched (`replicate_begin_many`, `replica_corrupt_many`): 16 objects
     cost one request of each per shard, each naming only its shard's keys, not 16 of each."""

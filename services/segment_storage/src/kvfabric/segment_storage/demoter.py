@@ -27,10 +27,12 @@ One request at a time (another is `busy`). Per object two directory requests of 
 directory time as a raw 1 MiB write (docs/ssd-tier.md): batched, a request of 64 objects costs
 one of each per shard (its confirms one more). The disk writes of concurrent objects share
 syncs (`GroupSync`: a sync that starts after a write covers every write finished by then; each
-object's write protocol is unchanged: its data is durable before its commit record is written). The disk writes run on threads of their own at nice
-`DEMOTE_THREAD_NICE` (the I/O engine splits each into pieces on its threads), never on the
-default executor that frees use. An unexpected error in one object lets the others finish
-(none is left half-done: a disk slot written but neither confirmed nor freed), then is raised.
+object's write protocol is unchanged: its data is durable before its commit record is
+written). The disk writes run on threads of their own at nice `DEMOTE_THREAD_NICE` (the I/O
+engine splits each into pieces on its threads), never on the default executor that frees use.
+An unexpected error in one object (its write, its confirm) or in a batched request lets the
+others finish (none is left half-done: a disk slot written but neither confirmed nor freed),
+then is raised.
 A failure at any step leaves the object readable where it was: the arena replica goes only once
 the disk replica is in the directory's record.
 """
@@ -186,23 +188,27 @@ class Demoter:
         outcomes = await asyncio.gather(*(copy(i) for i in range(n)), return_exceptions=True)
         # Step 3 for every object written, at once: the confirm batcher sends them in shared requests.
         confirmed = await asyncio.gather(
-            *(self._confirm_one(objects[i], begun[i], disks[i]) for i in written)
+            *(self._confirm_one(objects[i], begun[i], disks[i]) for i in written), return_exceptions=True
         )
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
         for i, ok in zip(written, confirmed, strict=True):
-            if ok:
+            if isinstance(ok, BaseException):  # its arena replica stays (both replicas, as `copied`)
+                errors.append(ok)
+            elif ok:
                 to_drop.append(i)
             else:
                 results[i] = DemoteResult("failed")
-        await asyncio.gather(
+        ended = await asyncio.gather(
             *(self._abort(group, objects) for group in self._by_shard(sorted(to_abort), objects)),
             *(
                 self._drop(group, objects, disks, results)
                 for group in self._by_shard(sorted(to_drop), objects)
             ),
+            return_exceptions=True,
         )
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
+        errors += [e for e in ended if isinstance(e, BaseException)]
+        if errors:  # after every other object ran to its end
+            raise errors[0]
         return results
 
     async def _begin(
