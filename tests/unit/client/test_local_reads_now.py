@@ -8,6 +8,7 @@ over TCP (no NATS)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from kvfabric.client import AsyncKvClient, ClientSettings, Hit
+from kvfabric.client import AsyncKvClient, ClientSettings, Hit, KvClient
+from kvfabric.client.sync import ENABLED, ClientStatus
 from kvfabric.client.transfers import SegmentPool
 from kvfabric.core.segment_slots import SlotTable
 from kvfabric.dataplane.scatter import WriteGate, scatter_dests
@@ -188,3 +190,40 @@ def test_a_small_co_located_load_needs_no_worker_thread(segment: Segment, use_sh
     submitted, out = asyncio.run(run())
     assert out == blobs
     assert submitted == (0 if use_shm else 3)
+
+
+def test_a_small_co_located_sync_load_runs_on_the_callers_thread(segment: Segment) -> None:
+    """`KvClient.load` of a small co-located hit whose arena a pooled connection maps copies on
+    the calling thread: the client's loop runs nothing for it (no hop there and back); the bytes
+    are verified; a hit it cannot read that way (one object with the wrong checksum) goes the
+    loop's way and is reported failed from that chunk on."""
+    blobs, locations = stored(segment)
+    hit = hit_of(locations)
+    kv = KvClient.disabled(
+        SPEC, "test", "unit", settings=ClientSettings(nats_url="nats://unused:1", use_shm=True)
+    )
+    kv.status = ClientStatus(ENABLED)
+    try:
+        bufs = [bytearray(SIZE) for _ in range(CHUNKS)]
+        assert kv.load(hit, [[b] for b in bufs]).chunks_loaded == CHUNKS  # the first one connects
+        ran: list[str] = []
+        load = kv.aio.load
+
+        async def on_the_loop(*args: Any, **kwargs: Any) -> Any:
+            ran.append("load")
+            return await load(*args, **kwargs)
+
+        kv.aio.load = on_the_loop  # type: ignore[method-assign]
+        for _ in range(3):
+            bufs = [bytearray(SIZE) for _ in range(CHUNKS)]
+            result = kv.load(hit, [[b] for b in bufs])
+            assert result.chunks_loaded == CHUNKS and result.tokens == hit.tokens and bufs == blobs
+        assert ran == []
+        bad = list(hit.objects)
+        bad[2] = (m.ObjectLocation(**{**_fields(bad[2][0]), "checksum": b"x" * 16}),)
+        bufs = [bytearray(SIZE) for _ in range(CHUNKS)]
+        result = kv.load(dataclasses.replace(hit, objects=tuple(bad)), [[b] for b in bufs])
+        assert ran == ["load"] and result.chunks_loaded == 2 and result.failed_chunks[0] == 2
+        assert result.cause == "checksum"
+    finally:
+        kv.close()

@@ -610,6 +610,48 @@ class AsyncKvClient:
                 self.table.forget_dest(dest_id)
         return self._load_result(hit, first_chunk, len(chunks), outcomes, started, waits[0])
 
+    def load_now(
+        self, hit: Hit, dests: Sequence[Sequence[Destination]], *, first_chunk: int = 0
+    ) -> LoadResult | None:
+        """`load` done on the calling thread, when it needs no I/O and no thread hop: every object
+        of chunks `first_chunk ..` lies on a co-located segment that a pooled connection maps,
+        in slots its board covers, at most `LOCAL_INLINE_BYTES_MAX` bytes in all, and every one
+        verifies (`SegmentPool.fetch_local_now`). Then the result (every chunk loaded); None
+        otherwise, and the caller runs `load`, which reads again from the start. Thread-safe (the
+        sync facade calls it from the engine's thread: it touches no load-table state). The
+        copies end before it returns: nothing writes into `dests` afterwards (invariant 3)."""
+        if not self.settings.use_shm or self._closed or not 0 <= first_chunk <= hit.chunks:
+            return None
+        chunks = hit.objects[first_chunk:]
+        if len(dests) > len(chunks) or any(len(d) != len(hit.members) for d in dests):
+            return None  # `load` raises BadRequest for it
+        chunks = chunks[: len(dests)]
+        locations = [loc for row in chunks for loc in row]
+        if not locations or sum(loc.size_bytes for loc in locations) > LOCAL_INLINE_BYTES_MAX:
+            return None
+        started = time.perf_counter()
+        gate = WriteGate()
+        try:
+            views = [
+                view
+                for row, locs in zip(dests, chunks, strict=True)
+                for view in scatter_dests(row, [loc.size_bytes for loc in locs], gate)
+            ]
+            causes = self.pool.fetch_local_now(locations, views)
+        finally:
+            gate.close()
+        if causes is None:
+            return None
+        loaded = len(chunks)
+        tpc = hit.tokens_per_chunk
+        nbytes = sum(loc.size_bytes for loc in locations)
+        self.metrics.load_seconds.observe(time.perf_counter() - started)
+        self.metrics.queued_seconds.observe(0.0)
+        self.metrics.loaded_tokens.inc(loaded * tpc)
+        self.metrics.prefill_tokens_saved.inc(loaded * tpc)
+        self.metrics.loaded_bytes.inc(nbytes)
+        return LoadResult((first_chunk + loaded) * tpc, loaded, nbytes)
+
     async def _want(
         self,
         load_id: Any,

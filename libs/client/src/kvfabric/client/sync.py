@@ -259,7 +259,13 @@ class KvClient:
         first_chunk: int = 0,
         dest_ids: Sequence[Sequence[DestId]] | None = None,
     ) -> LoadResult:
-        """Blocks until the load ended; afterwards nothing writes into `dests` any more."""
+        """Blocks until the load ended; afterwards nothing writes into `dests` any more. A small
+        co-located load whose replicas a pooled connection maps is copied right here, on the
+        calling thread (`AsyncKvClient.load_now`: no hop to the client's loop and back)."""
+        if self.enabled:  # every write into `dests` ends in the call: no fence to keep (dest_ids)
+            done = self.aio.load_now(hit, dests, first_chunk=first_chunk)
+            if done is not None:
+                return done
         gate = WriteGate()  # the loan of `dests`: closed by the load, or here if the loop is late
         future = self._submit(
             self.aio.load(hit, dests, first_chunk=first_chunk, dest_ids=dest_ids, gate=gate)
