@@ -7,6 +7,10 @@ into a chain hash it learned (the chain hash alone is what events and listings s
 `chain_of`). The rest of the identity (format, model, TP/PP/layer-group sizes, chunk size,
 layout) is interned as a "namespace"; a caller that pairs a known group key with other namespace
 fields is refused: every verb compares both.
+
+The bytes are cut by `kvfabric.format.ids` (the one layout): `GroupInfo.group_id` is a
+`GroupKey`, `namespace` a `Namespace`; `chain_of`/`domain_of` are `chain_in_group_key` and
+`domain_in_group_key` under the names the tables use.
 """
 
 from __future__ import annotations
