@@ -48,7 +48,15 @@ import msgspec
 from kvfabric.core.directory.keys import CHAIN_BYTES, GROUP_KEY_BYTES
 from kvfabric.core.quotas import tenant_of
 from kvfabric.format.errors import BadRequest, NotFound, Unauthorized
-from kvfabric.format.ids import DOMAIN_DIGEST_BYTES, DOMAIN_SLICE, GroupKey, domain_in_group_key
+from kvfabric.format.ids import (
+    DOMAIN_DIGEST_BYTES,
+    DOMAIN_SLICE,
+    ChainHash,
+    DomainDigest,
+    GroupKey,
+    domain_in_group_key,
+    pack_group_key,
+)
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 
@@ -198,7 +206,7 @@ def show_keys(message: m.ShowGroup, grant: TenantGrant) -> tuple[bytes, ...]:
     `not_found_error` at once: the same answer, and the same work, whether or not it exists)."""
     group = message.group
     if len(group) == CHAIN_BYTES:
-        return tuple(domain + group for domain in sorted(grant.domains))
+        return tuple(pack_group_key(DomainDigest(d), ChainHash(group)) for d in sorted(grant.domains))
     if len(group) == GROUP_KEY_BYTES:
         return (group,) if domain_in_group_key(GroupKey(group)) in grant.domains else ()
     return (group,) if grant.owns(group) else ()

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from kvfabric.core.routing_index import RoutingIndex
+from kvfabric.format.ids import pack_group_key
 from kvfabric.format.invariant import invariant
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, chain_hashes, tokens_to_u32
 
@@ -94,7 +95,9 @@ def prompt_keys(
 ) -> list[bytes]:
     """Group keys (domain digest + chain hash) of the full chunks of `tokens`."""
     digest = domain.digest()
-    return [digest + h for h in chain_hashes(domain, model, layout, tokens_to_u32(list(tokens)))]
+    return [
+        pack_group_key(digest, h) for h in chain_hashes(domain, model, layout, tokens_to_u32(list(tokens)))
+    ]
 
 
 @dataclass(frozen=True, kw_only=True)
