@@ -180,7 +180,7 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
         out: multiprocessing.Queue[dict[str, int]] = spawn.Queue()
         attacker = spawn.Process(target=flood, args=(secure.client_settings("bob"), bob, FLOOD_S, out))
 
-        used: dict[str, float] = {}
+        used: dict[str, float | bool] = {}
         loads: dict[str, tuple[list[float], int]] = {}
 
         async def run() -> tuple[list[float], int, list[float], int, float]:
@@ -189,6 +189,7 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
                 baseline, base_misses = await alices_lookups(router, alice, ALICE_LOOKUPS)
                 loads["alone"] = await asyncio.to_thread(alices_loads, client, tokens, ALICE_LOADS)
                 attacker.start()
+                flood_began = time.monotonic()
                 await asyncio.sleep(2.0)  # the flood under way (the child has connected)
                 began = time.monotonic()
                 cpu_began = cpu_s(directory.pid)
@@ -196,6 +197,8 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
                 during_s = time.monotonic() - began
                 used["directory_cpu_share"] = round((cpu_s(directory.pid) - cpu_began) / during_s, 2)
                 loads["flood"] = await asyncio.to_thread(alices_loads, client, tokens, ALICE_LOADS)
+                # bob's loops stop FLOOD_S after they connected, so at least this long after start
+                used["loads_within_flood"] = time.monotonic() - flood_began < FLOOD_S
                 return baseline, base_misses, during, misses, during_s
             finally:
                 await nc.close()
