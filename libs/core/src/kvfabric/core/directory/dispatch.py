@@ -42,7 +42,7 @@ from typing import Any
 import msgspec
 
 from kvfabric.core.directory.base import Context, DirectoryConfig, Effect, Outcome
-from kvfabric.core.directory.frees import FreeTable, PendingFree, SlotKey
+from kvfabric.core.directory.frees import FreeTable, PendingFree, SlotKey, batch_frees
 from kvfabric.core.directory.leases import Lease, LeaseTable
 from kvfabric.core.directory.published import PublishedTable
 from kvfabric.core.directory.reads import Reads
@@ -135,7 +135,9 @@ class DirectoryCore:
         try:
             if isinstance(request, m.Lookup):
                 return self.reads.lookup(request, now_ms, reply_bytes_max, groups_max)
-            return handler(request, now_ms)
+            outcome = handler(request, now_ms)
+            outcome.effects = batch_frees(outcome.effects)
+            return outcome
         except KvfError as err:
             self._ctx.count(f"error_{err.code}_total")
             raise
@@ -164,7 +166,7 @@ class DirectoryCore:
         self.published_table.sweep(effects)
         self.free_table.retry(now_ms, effects)
         self.reads.flush_hits(effects)
-        return effects
+        return batch_frees(effects)
 
     def _segment_lost(self, seg: Segment, reason: str, effects: list[Effect]) -> None:
         """Its placements die with it: published groups are swept lazily, building ones now."""
@@ -201,7 +203,7 @@ class DirectoryCore:
         self._ctx.count("adopted_groups_total", len(plan.groups))
         self._ctx.count("adopted_objects_total", sum(len(g[1]) for g in plan.groups.values()))
         self._ctx.count("adopted_orphans_total", len(plan.orphans))
-        return effects
+        return batch_frees(effects)
 
     # ---- checks (tests call this after every step) ---------------------------------------
 

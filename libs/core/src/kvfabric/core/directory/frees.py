@@ -27,14 +27,17 @@ them.
 2. An entry is HELD only during the grace; adopted slots are remembered only during it.
 
 ## Bounds
-One entry per slot handed back: at most the slots the segments hold. A retry sends one
-FreeSlots per entry every `free_retry_ms`.
+One entry per slot handed back: at most the slots the segments hold. A retry names each entry
+again every `free_retry_ms`. What one call returns goes out batched (`batch_frees`): one
+FreeSlots per segment incarnation and `FREE_SLOTS_PER_REQUEST_MAX` slots, not one per slot (an
+eviction of 256 slots sent 256 requests at once; the segment's request lane holds 64 and answered
+the rest `busy`, their bytes reserved until the retry: a third of the live replay's writes failed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Literal, NamedTuple
+from typing import Final, Literal, NamedTuple
 
 from kvfabric.core.directory.base import Context, Effect, FreeSlots, Outcome, check_batch
 from kvfabric.core.directory.records import PublishedGroup, ReplicaRecord
@@ -44,7 +47,11 @@ from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
 
-__all__ = ["FreeTable", "PendingFree", "SlotKey"]
+__all__ = ["FREE_SLOTS_PER_REQUEST_MAX", "FreeTable", "PendingFree", "SlotKey", "batch_frees"]
+
+# Slots one FreeSlots request names: its reply (`SlotsFreed`) stays within `m.FREED_BATCH_MAX`
+# and the request within a NATS message (a slot is ~30 bytes encoded).
+FREE_SLOTS_PER_REQUEST_MAX: Final = 1_024
 
 SlotKey = tuple[str, int, int, int]  # (segment id, incarnation, slot, slot generation)
 FreeState = Literal["held", "sent", "sent_at"]
@@ -58,6 +65,36 @@ class PendingFree(NamedTuple):
     tenant: Tenant
     state: FreeState
     sent_ms: int = 0  # when state is "sent_at"
+
+
+def batch_frees(effects: list[Effect]) -> list[Effect]:
+    """`effects` with its FreeSlots merged: one per (segment id, incarnation) per
+    `FREE_SLOTS_PER_REQUEST_MAX` slots, at the place of that segment's first; other effects keep
+    their order. Pure: what a segment frees and acknowledges is the same slots either way."""
+    if sum(isinstance(e, FreeSlots) for e in effects) < 2:
+        return effects
+    merged: list[Effect] = []
+    open_batch: dict[tuple[str, int], int] = {}  # segment incarnation -> index in `merged`
+    for effect in effects:
+        if not isinstance(effect, FreeSlots):
+            merged.append(effect)
+            continue
+        where = (effect.segment_id, effect.incarnation)
+        slots = effect.slots
+        index = open_batch.get(where)
+        if index is not None:
+            batch = merged[index]
+            assert isinstance(batch, FreeSlots)
+            room = FREE_SLOTS_PER_REQUEST_MAX - len(batch.slots)
+            merged[index] = FreeSlots(batch.segment_id, batch.incarnation, batch.slots + slots[:room])
+            slots = slots[room:]
+        while slots:
+            open_batch[where] = len(merged)
+            merged.append(
+                FreeSlots(effect.segment_id, effect.incarnation, slots[:FREE_SLOTS_PER_REQUEST_MAX])
+            )
+            slots = slots[FREE_SLOTS_PER_REQUEST_MAX:]
+    return merged
 
 
 class FreeTable:
