@@ -39,6 +39,14 @@ sender is that tenant: docs/security.md). A tenant request is dropped unless its
 the tenant's own inbox, and one tenant holds at most `tenant_inflight_max` (a quarter of
 `inflight_max`) slots of a lane: more is `Busy` (docs/security.md).
 
+Held refusals: a tenant request refused because its tenant holds its share is answered after
+`tenant_refusal_hold_ms` (250 ms by default, the directory's fair-admission hold), not at once.
+Answered at once, a flooder that never backs off asks again at once, and each ask costs the
+loop a receive and a reply (issue 21 row 2: 26-253 such refusals a second). Bounded: at most
+`tenant_inflight_max` held refusals per tenant and `inflight_max` in all (each keeps its request
+until answered); past either bound the refusal is answered at once, as are refusals of service
+requests and of a full lane. A stop answers every held refusal at once (`Unavailable`).
+
 Handler contract: `async (request_bytes, headers) -> msgspec.Struct`; raise a `KvfError` for an
 expected error (sent as a typed error reply, see `replies`). Any other exception is a 500
 `internal` reply, logged with its traceback, and the service keeps serving. `InvariantViolation`
@@ -110,6 +118,9 @@ EXIT_UNAVAILABLE: Final = 69  # EX_UNAVAILABLE: NATS unreachable or lost past th
 EXIT_SOFTWARE: Final = 70  # EX_SOFTWARE: an invariant was violated
 STEP_TIMEOUT_S: Final = 5.0  # bound on each shutdown step that talks to NATS
 TENANT_SHARE_DIVISOR: Final = 4  # one tenant holds at most 1/4 of a lane's in-flight slots
+# A tenant's refusal past its share is answered this long after receipt (module docstring).
+TENANT_REFUSAL_HOLD_MS_DEFAULT: Final = 250
+TENANT_REFUSAL_HOLD_MS_MAX: Final = 10_000
 NATS_DRAIN_TIMEOUT_S: Final = 2
 STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
 _OUTCOME_LEVEL: Final = {
@@ -175,8 +186,20 @@ class ServiceRuntime:
     """Runs one service instance; see the module docstring for the lifecycle and contracts."""
 
     def __init__(
-        self, service: Service, settings: RuntimeSettings, *, version: str, description: str
+        self,
+        service: Service,
+        settings: RuntimeSettings,
+        *,
+        version: str,
+        description: str,
+        tenant_refusal_hold_ms: int = TENANT_REFUSAL_HOLD_MS_DEFAULT,
     ) -> None:
+        invariant(
+            0 <= tenant_refusal_hold_ms <= TENANT_REFUSAL_HOLD_MS_MAX,
+            "tenant refusal hold out of range",
+            tenant_refusal_hold_ms=tenant_refusal_hold_ms,
+            max=TENANT_REFUSAL_HOLD_MS_MAX,
+        )
         self.service = service
         self.settings = settings
         self.version = version
@@ -191,6 +214,11 @@ class ServiceRuntime:
         # is never refused because new work is in flight, and new work never waits behind them.
         self.giveback_inflight_max = settings.inflight_max
         self._giveback = TenantLimiter(self.giveback_inflight_max, self.tenant_inflight_max)
+        # Held refusals (module docstring): as many as a lane's slots, a tenant's share of them.
+        self.tenant_refusal_hold_s = tenant_refusal_hold_ms / 1000
+        self._held = TenantLimiter(settings.inflight_max, self.tenant_inflight_max)
+        self._held_tasks: set[asyncio.Task[None]] = set()
+        self._holds_end = asyncio.Event()  # set by `stop`: held refusals are answered at once
         self._endpoints: dict[str, _Endpoint] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._state = RuntimeState.CREATED
@@ -248,6 +276,11 @@ class ServiceRuntime:
     def tenant_rejected_busy(self) -> int:
         """Requests refused because their tenant held its share of a lane."""
         return self._limiter.tenant_rejected_total + self._giveback.tenant_rejected_total
+
+    @property
+    def refusals_held(self) -> int:
+        """Tenant refusals waiting for their hold to end (module docstring)."""
+        return self._held.count
 
     @property
     def subjects(self) -> list[str]:
@@ -442,6 +475,8 @@ class ServiceRuntime:
             await self._reject_busy(endpoint, request, received_s, Admission.FULL)
             return
         admission = lane.try_acquire(tenant)
+        if admission is Admission.TENANT_FULL and self._hold_refusal(endpoint, request, received_s, tenant):
+            return
         if admission is not Admission.ADMITTED:
             await self._reject_busy(endpoint, request, received_s, admission)
             return
@@ -452,6 +487,44 @@ class ServiceRuntime:
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _hold_refusal(
+        self, endpoint: _Endpoint, request: MicroRequest, received_s: float, tenant: str | None
+    ) -> bool:
+        """Answer a tenant's refusal later, in a task of its own, if the bounds on held
+        refusals allow (module docstring); False: the caller answers at once."""
+        if tenant is None or self.tenant_refusal_hold_s <= 0 or self._holds_end.is_set():
+            return False
+        if self._held.try_acquire(tenant) is not Admission.ADMITTED:
+            return False
+        task = asyncio.create_task(
+            self._held_refusal(endpoint, request, received_s, tenant),
+            name=f"kvf-{self.service.value}-{endpoint.verb}-held",
+        )
+        self._held_tasks.add(task)
+        task.add_done_callback(self._held_tasks.discard)
+        return True
+
+    async def _held_refusal(
+        self, endpoint: _Endpoint, request: MicroRequest, received_s: float, tenant: str
+    ) -> None:
+        try:
+            remaining_s = received_s + self.tenant_refusal_hold_s - time.perf_counter()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, remaining_s)):
+                    await self._holds_end.wait()
+            await self._reject_busy(endpoint, request, received_s, Admission.TENANT_FULL)
+        finally:
+            self._held.release(tenant)
+
+    async def _answer_held_refusals(self) -> None:
+        """On stop: every held refusal answered now (`Unavailable`: the service is stopping)."""
+        self._holds_end.set()
+        pending = set(self._held_tasks)
+        if pending:
+            _, stuck = await asyncio.wait(pending, timeout=STEP_TIMEOUT_S)
+            if stuck:
+                await cancel_and_wait(stuck, STEP_TIMEOUT_S)
 
     def _lane(self, endpoint: _Endpoint) -> TenantLimiter:
         return self._giveback if endpoint.gives_back else self._limiter
@@ -692,6 +765,7 @@ class ServiceRuntime:
         if self._stop_reason is None:
             self._stop_reason = "stop_called"
         self._state = RuntimeState.STOPPING
+        await self._answer_held_refusals()
         await self._stop_micro()
         await self._finish_inflight()
         await self._teardown()
