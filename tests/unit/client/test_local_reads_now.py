@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvfabric.client import AsyncKvClient, ClientSettings, Hit, KvClient
+from kvfabric.client import AsyncKvClient, ClientSettings, Hit, KvClient, aio
 from kvfabric.client.sync import ENABLED, ClientStatus
 from kvfabric.client.transfers import SegmentPool
 from kvfabric.core.segment_slots import SlotTable
@@ -192,15 +192,17 @@ def test_a_small_co_located_load_needs_no_worker_thread(segment: Segment, use_sh
     assert submitted == (0 if use_shm else 3)
 
 
-def test_a_small_co_located_sync_load_runs_on_the_callers_thread(segment: Segment) -> None:
-    """`KvClient.load` of a small co-located hit whose arena a pooled connection maps copies on
-    the calling thread: the client's loop runs nothing for it (no hop there and back); the bytes
-    are verified; a hit it cannot read that way (one object with the wrong checksum) goes the
-    loop's way and is reported failed from that chunk on."""
+@pytest.mark.parametrize("use_shm", [True, False])
+def test_a_small_sync_load_runs_on_the_callers_thread(segment: Segment, use_shm: bool) -> None:
+    """`KvClient.load` of a small hit (co-located: copied from the mapped arena; remote: one
+    request on this thread) runs on the calling thread: the client's loop runs nothing for it (no
+    hop there, to a worker and back); the bytes are verified, and a chunk that does not verify
+    (the wrong checksum) fails with the ones after it, never reported loaded; a larger load goes
+    the loop's way."""
     blobs, locations = stored(segment)
     hit = hit_of(locations)
     kv = KvClient.disabled(
-        SPEC, "test", "unit", settings=ClientSettings(nats_url="nats://unused:1", use_shm=True)
+        SPEC, "test", "unit", settings=ClientSettings(nats_url="nats://unused:1", use_shm=use_shm)
     )
     kv.status = ClientStatus(ENABLED)
     try:
@@ -223,7 +225,16 @@ def test_a_small_co_located_sync_load_runs_on_the_callers_thread(segment: Segmen
         bad[2] = (m.ObjectLocation(**{**_fields(bad[2][0]), "checksum": b"x" * 16}),)
         bufs = [bytearray(SIZE) for _ in range(CHUNKS)]
         result = kv.load(dataclasses.replace(hit, objects=tuple(bad)), [[b] for b in bufs])
-        assert ran == ["load"] and result.chunks_loaded == 2 and result.failed_chunks[0] == 2
-        assert result.cause == "checksum"
+        assert result.chunks_loaded == 2 and result.failed_chunks == (2, 3) and result.cause == "checksum"
+        assert result.tokens == 2 * SPEC.layout.tokens_per_chunk and bufs[:2] == blobs[:2]
+        # too large for the engine's thread: the loop's way
+        big = [bytearray(SIZE) for _ in range(CHUNKS)]
+        assert kv.aio.load_now(hit, [[b] for b in big]) is not None
+        aio.LOCAL_INLINE_BYTES_MAX = SIZE  # type: ignore[misc]
+        try:
+            assert kv.load(hit, [[b] for b in big]).chunks_loaded == CHUNKS and big == blobs
+        finally:
+            aio.LOCAL_INLINE_BYTES_MAX = 2 << 20  # type: ignore[misc]
+        assert ran == ["load"]
     finally:
         kv.close()

@@ -613,14 +613,19 @@ class AsyncKvClient:
     def load_now(
         self, hit: Hit, dests: Sequence[Sequence[Destination]], *, first_chunk: int = 0
     ) -> LoadResult | None:
-        """`load` done on the calling thread, when it needs no I/O and no thread hop: every object
-        of chunks `first_chunk ..` lies on a co-located segment that a pooled connection maps,
-        in slots its board covers, at most `LOCAL_INLINE_BYTES_MAX` bytes in all, and every one
-        verifies (`SegmentPool.fetch_local_now`). Then the result (every chunk loaded); None
-        otherwise, and the caller runs `load`, which reads again from the start. Thread-safe (the
-        sync facade calls it from the engine's thread: it touches no load-table state). The
-        copies end before it returns: nothing writes into `dests` afterwards (invariant 3)."""
-        if not self.settings.use_shm or self._closed or not 0 <= first_chunk <= hit.chunks:
+        """`load` done on the calling thread, with no thread hop, for a small hit: chunks
+        `first_chunk ..` of at most `LOCAL_INLINE_BYTES_MAX` bytes in all whose first replicas
+        lie on one segment. Co-located, a pooled connection that maps the arena copies them
+        (`SegmentPool.fetch_local_now`: no I/O); else one data request for all of them on this
+        thread (`SegmentPool.fetch_many`, what a worker thread would run for them, the next
+        replicas tried within `load_timeout_ms`). Returns the verified whole-chunk prefix as
+        `load` does (a chunk that did not verify and the ones after it failed); None when the
+        hit is not such a load (the caller runs `load`). Thread-safe (the sync facade calls it
+        from the engine's thread: it touches no load-table state; concurrent loads of one object
+        are not coalesced here).
+        Every copy and transfer ends before it returns: nothing writes into `dests` afterwards
+        (invariant 3)."""
+        if self._closed or not 0 <= first_chunk <= hit.chunks:
             return None
         chunks = hit.objects[first_chunk:]
         if len(dests) > len(chunks) or any(len(d) != len(hit.members) for d in dests):
@@ -628,6 +633,8 @@ class AsyncKvClient:
         chunks = chunks[: len(dests)]
         locations = [loc for row in chunks for loc in row]
         if not locations or sum(loc.size_bytes for loc in locations) > LOCAL_INLINE_BYTES_MAX:
+            return None
+        if len({loc.replicas[0].data_addr if loc.replicas else "" for loc in locations}) != 1:
             return None
         started = time.perf_counter()
         gate = WriteGate()
@@ -637,20 +644,31 @@ class AsyncKvClient:
                 for row, locs in zip(dests, chunks, strict=True)
                 for view in scatter_dests(row, [loc.size_bytes for loc in locs], gate)
             ]
-            causes = self.pool.fetch_local_now(locations, views)
+            causes = self.pool.fetch_local_now(locations, views) if self.settings.use_shm else None
+            if causes is None:
+                deadline_s = time.monotonic() + self.settings.load_timeout_ms / 1000
+                causes = self.pool.fetch_many(
+                    locations, views, self.settings.replica_attempts_max, deadline_s
+                )
         finally:
             gate.close()
-        if causes is None:
-            return None
-        loaded = len(chunks)
+        # The verified whole-chunk prefix (as `load` reports it); a chunk with an object that did
+        # not read ok, and every chunk after it, failed (recomputed by the engine).
+        width = len(hit.members)
+        rows = [causes[i * width : (i + 1) * width] for i in range(len(chunks))]
+        loaded = next((i for i, row in enumerate(rows) if any(c != "ok" for c in row)), len(rows))
+        cause = next((c for c in rows[loaded] if c != "ok"), "") if loaded < len(rows) else ""
         tpc = hit.tokens_per_chunk
-        nbytes = sum(loc.size_bytes for loc in locations)
+        nbytes = sum(loc.size_bytes for row in chunks[:loaded] for loc in row)
         self.metrics.load_seconds.observe(time.perf_counter() - started)
         self.metrics.queued_seconds.observe(0.0)
         self.metrics.loaded_tokens.inc(loaded * tpc)
         self.metrics.prefill_tokens_saved.inc(loaded * tpc)
         self.metrics.loaded_bytes.inc(nbytes)
-        return LoadResult((first_chunk + loaded) * tpc, loaded, nbytes)
+        if cause:
+            self.metrics.fallbacks.labels(cause).inc()
+        failed = tuple(range(first_chunk + loaded, first_chunk + len(chunks)))
+        return LoadResult((first_chunk + loaded) * tpc, loaded, nbytes, failed, cause)
 
     async def _want(
         self,
