@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from kvfabric.cluster.lookups import ShardResult, lookup_by_instance
-from kvfabric.directory.host import check_lookup_many
+from kvfabric.directory.shard_requests import check_lookup_many
 from kvfabric.format.errors import (
     BadRequest,
     BatchTooLarge,

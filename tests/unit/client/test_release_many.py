@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from kvfabric.client.releases import AskMany, give_back
-from kvfabric.directory.host import check_release_many
+from kvfabric.directory.shard_requests import check_release_many
 from kvfabric.format.errors import BadRequest, BatchTooLarge, Busy, Unavailable
 from kvfabric.proto import directory as m
 

@@ -17,8 +17,9 @@ from kvfabric.core import authz
 from kvfabric.core.directory import DirectoryCore
 from kvfabric.directory.admission import AdmissionConfig, GivebackBudget
 from kvfabric.directory.fair import FairGate
+from kvfabric.directory.giveback import GIVEBACK_SLICE_IDS
 from kvfabric.directory.handlers import DirectoryShell
-from kvfabric.directory.host import GIVEBACK_SLICE_IDS, ShardHost
+from kvfabric.directory.host import ShardHost
 from kvfabric.directory.metrics import DirectoryCollector
 from kvfabric.format.errors import Busy, NotFound
 from kvfabric.proto import directory as m

@@ -10,21 +10,15 @@ the durable segment registry first. `shard_map` (every instance, no queue group)
 the shards led here; a tenant's only into its own inbox, only when it has a grant here, and at
 most `SHARD_MAP_TENANT_PER_S` times a second (burst as many): a tenant flooding it gets no
 answer (its router retries later), counted in `shard_map_rate_limited`. `lookup_many` carries one
-prefix's lookups for several shards led here: each part runs exactly as that shard's `lookup`
-(authorized, charged, leased, fenced by its epoch), and fails on its own; `lease_release_many`
-likewise gives a hit's leases back (a gives-back verb: never refused for load). A tenant's
-request other than a give-back waits for its turn at `fair` first (`kvfabric.directory.fair`:
-tenants take turns by ids, one request of each running at a time by default; an empty bucket or
-a full queue is `busy` before the request is decoded). A tenant's give-back (lease release,
-unpin, put abort, lease_release_many) never waits and is never refused for load; the ids of it
-that released nothing (the core's reply counts what was released) are charged to the tenant's
-give-back budget (`FairGate.giveback`, which goes into debt). A tenant that spent it has its
-next give-back run `GIVEBACK_SLICE_IDS` ids (one part of a `lease_release_many`) first: when that
-slice released nothing the request is `busy` (what it named later untouched), otherwise the rest
-runs too; after such a `busy`, the tenant's give-backs are `busy` before they are decoded until
-a token has refilled (`FairGate.giveback_refuse_early`). So a give-back of a tenant that gives
-back is never refused, and a flood of give-backs naming nothing costs, once the budget is spent,
-a receive a request and one decoded slice per token refilled.
+prefix's lookups for several shards led here, `lease_release_many` a hit's leases: each part runs
+exactly as that shard's single request (`kvfabric.directory.shard_requests`, which also finds a
+request's shard). A tenant's request other than a give-back waits for its turn at `fair` first
+(`kvfabric.directory.fair`: tenants take turns by ids, one request of each running at a time by
+default; an empty bucket or a full queue is `busy` before the request is decoded). A tenant's
+give-back (lease release, unpin, put abort, lease_release_many) never waits and is never refused
+for load: `kvfabric.directory.giveback` charges the ids that released nothing to the tenant's
+give-back budget and, once it is spent, runs one slice first; until a token refills, such a
+tenant's give-backs are `busy` before they are decoded (`FairGate.giveback_refuse_early`).
 
 Shards come and go with leadership (`kvfabric.directory.leader`): `start_shard` rebuilds the
 shard's index from the segments' reports (only keys of that shard) under the new epoch before it
@@ -62,25 +56,23 @@ from kvfabric.core import authz
 from kvfabric.core.authz import GIVEBACK_VERBS, TENANT_VERBS
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore
 from kvfabric.core.quotas import TokenBucket
+from kvfabric.directory import shard_requests
 from kvfabric.directory.fair import FairGate
+from kvfabric.directory.giveback import give_back
 from kvfabric.directory.handlers import VERBS, DirectoryShell, now_ms
 from kvfabric.directory.rebuild import gather_holdings
-from kvfabric.directory.reply_room import ManyReplyRoom, part_error
 from kvfabric.directory.segment_registry import SegmentRegistry
+from kvfabric.directory.shard_requests import check_release_many, keys_of, shard_of_request
 from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.directory.suspects import SUSPECT_VERB, SUSPECTS_TENANT_PER_S, SuspectRelay
 from kvfabric.format.errors import (
     BadRequest,
-    BatchTooLarge,
-    KvfError,
-    NotFound,
     Unauthorized,
     Unavailable,
     WrongShard,
 )
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
-from kvfabric.proto.shards import shard_of
 from kvfabric.proto.subjects import (
     TENANT_TOKEN,
     Service,
@@ -94,7 +86,7 @@ from kvfabric.runtime.gcpolicy import freeze_long_lived
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import Handler, ServiceRuntime, TenantHandler
 
-__all__ = ["BROADCAST_VERBS", "ShardHost", "shard_of_request"]
+__all__ = ["BROADCAST_VERBS", "ShardHost"]
 
 BROADCAST_VERBS: Final = frozenset({"register", "heartbeat"})
 SHARD_MAP_VERB: Final = "shard_map"
@@ -111,141 +103,10 @@ MISSING_SEGMENT_DRAIN_S: Final = 1.0  # the stopped shell's queued events still 
 # A router refreshes at most every 50 ms (20/s) while failing: 50/s per tenant leaves room for
 # a few engines refreshing at once, and bounds what a flood costs this instance.
 SHARD_MAP_TENANT_PER_S: Final = 50.0
-# A give-back of a tenant that spent its give-back budget: ids run before the rest (one batched
-# lease release's worth); the rest only when these released something.
-GIVEBACK_SLICE_IDS: Final = m.RELEASE_BATCH_LEASES_MAX
 
 
 # `lookup_many` / `release_many`: (request, the tenant's grant or None for a service) -> reply
 _Many = Callable[[msgspec.Struct, "authz.TenantGrant | None"], Awaitable[msgspec.Struct]]
-
-
-def _keys_of(message: msgspec.Struct) -> list[bytes]:
-    if isinstance(message, m.PutBegin):
-        return [o.key for o in message.objects]
-    if isinstance(message, m.PutCommit | m.PutAbort):
-        return list(message.keys)
-    if isinstance(message, m.ConfirmReplicas):
-        return [c.key for c in message.confirms]
-    if isinstance(message, m.Lookup | m.Pin | m.Evict):
-        return list(message.groups)
-    if isinstance(message, m.SlotsFreed):
-        return [f.key for f in message.freed]
-    if isinstance(message, m.ReplicateBegin | m.ReplicaCorrupt):
-        return [message.key]
-    if isinstance(message, m.ReplicateBeginMany | m.ReplicaCorruptMany):
-        return [item.key for item in message.items]
-    if isinstance(message, m.ShowGroup):
-        return [message.group]
-    return []
-
-
-def giveback_ids(message: msgspec.Struct) -> int:
-    """The ids a give-back names (at least 1: an empty one still cost a request)."""
-    if isinstance(message, m.PutAbort):
-        ids = len(message.keys)
-    elif isinstance(message, m.LeaseRelease):
-        ids = len(message.lease_ids)
-    elif isinstance(message, m.LeaseReleaseMany):
-        ids = sum(len(p.lease_ids) for p in message.parts)
-    else:
-        ids = 1
-    return max(1, ids)
-
-
-def giveback_released(reply: msgspec.Struct) -> int:
-    """How many ids a give-back's reply says it released (aborted, ended)."""
-    if isinstance(reply, m.PutAbortReply):
-        return reply.aborted
-    if isinstance(reply, m.LeaseReply):  # a batch lists what it released; a single one ended
-        return len(reply.released) if reply.lease_id == 0 else 1
-    if isinstance(reply, m.LeaseReleaseManyReply):
-        return sum(len(p.released) for p in reply.parts)
-    if isinstance(reply, m.PinReply):  # unpin: the pin ended
-        return 1
-    return 0
-
-
-def giveback_slices(message: msgspec.Struct) -> tuple[msgspec.Struct, msgspec.Struct | None]:
-    """A give-back as its first `GIVEBACK_SLICE_IDS` ids (one part of a `lease_release_many`)
-    and the rest (None when there is none)."""
-    if isinstance(message, m.PutAbort) and len(message.keys) > GIVEBACK_SLICE_IDS:
-        keys = message.keys
-        return (
-            msgspec.structs.replace(message, keys=keys[:GIVEBACK_SLICE_IDS]),
-            msgspec.structs.replace(message, keys=keys[GIVEBACK_SLICE_IDS:]),
-        )
-    if isinstance(message, m.LeaseReleaseMany) and len(message.parts) > 1:
-        parts = message.parts
-        return msgspec.structs.replace(message, parts=parts[:1]), msgspec.structs.replace(
-            message, parts=parts[1:]
-        )
-    return message, None
-
-
-def giveback_merged(first: msgspec.Struct, rest: msgspec.Struct) -> msgspec.Struct:
-    """The reply to a give-back run as `giveback_slices`."""
-    if isinstance(first, m.PutAbortReply) and isinstance(rest, m.PutAbortReply):
-        return msgspec.structs.replace(rest, aborted=first.aborted + rest.aborted)
-    if isinstance(first, m.LeaseReleaseManyReply) and isinstance(rest, m.LeaseReleaseManyReply):
-        return msgspec.structs.replace(rest, parts=[*first.parts, *rest.parts])
-    raise Unavailable(f"unexpected give-back replies {type(first).__name__}, {type(rest).__name__}")
-
-
-def shard_of_request(message: msgspec.Struct, shards: int) -> int:
-    """The one shard a keyed request is for (`shard` field when it names no key)."""
-    explicit = getattr(message, "shard", None)
-    if explicit is not None:
-        if not 0 <= explicit < shards:
-            raise BadRequest(f"shard must be in 0..{shards - 1}", shard=explicit)
-        return int(explicit)
-    keys = _keys_of(message)
-    if not keys:
-        return 0
-    try:
-        found = {shard_of(k, shards) for k in keys}
-    except ValueError as exc:
-        raise BadRequest(f"malformed key: {exc}") from None
-    if len(found) != 1:  # a caller bug, not a stale map: not retryable
-        raise BadRequest("a request must name keys of one shard", shards=sorted(found)[:8])
-    return found.pop()
-
-
-def check_lookup_many(message: m.LookupMany) -> None:
-    """The bounds of a `LookupMany` (before any part runs): `batch_too_large`, `bad_request`."""
-    groups = sum(len(part.groups) for part in message.parts)
-    if len(message.parts) > m.LOOKUP_MANY_PARTS_MAX or groups > m.LOOKUP_BATCH_GROUPS_MAX:
-        raise BatchTooLarge(
-            "lookup_many is over its limits",
-            parts=len(message.parts),
-            parts_max=m.LOOKUP_MANY_PARTS_MAX,
-            groups=groups,
-            groups_max=m.LOOKUP_BATCH_GROUPS_MAX,
-        )
-    shards = [part.shard for part in message.parts]
-    if len(set(shards)) != len(shards):
-        raise BadRequest("lookup_many names a shard twice")
-    if any(not part.groups for part in message.parts):
-        raise BadRequest("a lookup part names no group")
-
-
-def check_release_many(message: m.LeaseReleaseMany) -> None:
-    """The bounds of a `LeaseReleaseMany` (before any part runs): `batch_too_large`, `bad_request`."""
-    leases = sum(len(part.lease_ids) for part in message.parts)
-    if leases > m.RELEASE_MANY_LEASES_MAX or any(
-        len(p.lease_ids) > m.RELEASE_BATCH_LEASES_MAX for p in message.parts
-    ):
-        raise BatchTooLarge(
-            "lease_release_many is over its limits",
-            leases=leases,
-            leases_max=m.RELEASE_MANY_LEASES_MAX,
-            part_leases_max=m.RELEASE_BATCH_LEASES_MAX,
-        )
-    shards = [part.shard for part in message.parts]
-    if len(set(shards)) != len(shards):
-        raise BadRequest("lease_release_many names a shard twice")
-    if any(not part.lease_ids for part in message.parts):
-        raise BadRequest("a release part names no lease")
 
 
 class ShardHost:
@@ -379,59 +240,13 @@ class ShardHost:
                 return await self._shell(request).handle_tenant(request, verb, grant)
 
             if not fair:
-                return await self._give_back(tenant, message, run)
+                return await give_back(self.fair, tenant, message, run)
             if gate is None:
                 return await run(message)
-            async with gate.turn(tenant, len(_keys_of(message))):
+            async with gate.turn(tenant, len(keys_of(message))):
                 return await run(message)
 
         return handle
-
-    async def _give_back(
-        self, tenant: str, message: msgspec.Struct, run: Callable[[msgspec.Struct], Awaitable[msgspec.Struct]]
-    ) -> msgspec.Struct:
-        """A tenant's give-back, never refused for load: charged only for the ids that released
-        nothing; once the tenant's budget of those is spent, one slice first (module docstring)."""
-        gate = self.fair
-        if gate is None:
-            return await run(message)
-        if not gate.giveback_spent(tenant):
-            return await self._charged(gate, tenant, message, run, spent=False)
-        first, rest = giveback_slices(message)
-        reply = await self._charged(gate, tenant, first, run, spent=True)
-        if rest is None:
-            return reply
-        return giveback_merged(reply, await self._charged(gate, tenant, rest, run, spent=False))
-
-    @staticmethod
-    async def _charged(
-        gate: FairGate,
-        tenant: str,
-        message: msgspec.Struct,
-        run: Callable[[msgspec.Struct], Awaitable[msgspec.Struct]],
-        *,
-        spent: bool,
-    ) -> msgspec.Struct:
-        """`run(message)`, its ids that released nothing charged; when `spent`, `busy` instead
-        of a reply that released nothing (a lease or pin not held: `not_found`, likewise)."""
-        named = giveback_ids(message)
-        try:
-            reply = await run(message)
-        except NotFound:
-            gate.giveback_charge(tenant, named, 0)
-            if spent:
-                raise gate.giveback_busy(tenant) from None
-            raise
-        except KvfError:
-            gate.giveback_charge(tenant, named, 0)
-            raise
-        released = giveback_released(reply)
-        gate.giveback_charge(tenant, named, released)
-        if spent and released == 0:
-            raise gate.giveback_busy(tenant)
-        if spent:
-            gate.giveback_tried(tenant, released=True)
-        return reply
 
     async def _on_suspect(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
         message = self._decode(data, m.ReplicaSuspect)
@@ -476,7 +291,7 @@ class ShardHost:
             if not fair:  # lease_release_many: a give-back
                 if isinstance(message, m.LeaseReleaseMany):
                     check_release_many(message)  # the whole request's bounds, before any slice
-                return await self._give_back(tenant, message, lambda request: many(request, grant))
+                return await give_back(self.fair, tenant, message, lambda request: many(request, grant))
             if gate is None:
                 return await many(message, grant)
             ids = sum(len(p.groups) for p in message.parts) if isinstance(message, m.LookupMany) else 0
@@ -505,59 +320,14 @@ class ShardHost:
     async def release_many(
         self, message: msgspec.Struct, grant: authz.TenantGrant | None
     ) -> m.LeaseReleaseManyReply:
-        """Each part exactly as the batched `LeaseRelease` of its shard; a part's failure is its own."""
-        if not isinstance(message, m.LeaseReleaseMany):
-            raise BadRequest(f"lease_release_many takes LeaseReleaseMany, got {type(message).__name__}")
-        check_release_many(message)
-        replies: list[m.ReleasePartReply] = []
-        for part in message.parts:
-            release = m.LeaseRelease(
-                holder_id=message.holder_id,
-                lease_id=0,
-                lease_ids=part.lease_ids,
-                shard=part.shard,
-                epoch=part.epoch,
-            )
-            try:
-                reply = await self._part(release, "lease_release", grant, part.shard)
-            except KvfError as err:
-                replies.append(m.ReleasePartReply(shard=part.shard, error=err.code, message=err.message))
-                continue
-            if not isinstance(reply, m.LeaseReply):
-                raise Unavailable(f"unexpected lease_release reply {type(reply).__name__}")
-            replies.append(m.ReleasePartReply(shard=part.shard, released=reply.released))
-        return m.LeaseReleaseManyReply(parts=replies)
+        """Each part exactly as the batched `LeaseRelease` of its shard (`shard_requests`)."""
+        return await shard_requests.release_many(message, grant, self._part)
 
     async def lookup_many(
         self, message: msgspec.Struct, grant: authz.TenantGrant | None
     ) -> m.LookupManyReply:
-        """Each part exactly as the `Lookup` of its shard (authorized and charged per shard for a
-        tenant), one after another on this loop; a part's failure is its own (`LookupPartReply`).
-        Each part's hit is cut short where the whole reply would no longer fit (`reply_room`)."""
-        if not isinstance(message, m.LookupMany):
-            raise BadRequest(f"lookup_many takes LookupMany, got {type(message).__name__}")
-        check_lookup_many(message)
-        replies: list[m.LookupPartReply] = []
-        room = ManyReplyRoom(len(message.parts))
-        for part in message.parts:
-            lookup = m.Lookup(
-                holder_id=message.holder_id,
-                groups=part.groups,
-                members=message.members,
-                lease_ttl_ms=message.lease_ttl_ms,
-                epoch=part.epoch,
-            )
-            try:
-                reply = await self._part(lookup, "lookup", grant, part.shard, room.for_part())
-            except KvfError as err:
-                answer = part_error(part.shard, err)
-            else:
-                if not isinstance(reply, m.LookupReply):
-                    raise Unavailable(f"unexpected lookup reply {type(reply).__name__}")
-                answer = m.LookupPartReply(shard=part.shard, reply=reply)
-            room.took(answer)
-            replies.append(answer)
-        return m.LookupManyReply(parts=replies)
+        """Each part exactly as the `Lookup` of its shard (`shard_requests`)."""
+        return await shard_requests.lookup_many(message, grant, self._part)
 
     async def _broadcast(self, message: msgspec.Struct) -> msgspec.Struct:
         """A segment's registration or heartbeat: every shard core here sees it."""

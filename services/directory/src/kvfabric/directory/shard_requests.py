@@ -1,0 +1,174 @@
+"""Requests by shard: the one shard a keyed request is for, and a multi-shard request
+(`lookup_many`, `lease_release_many`) checked whole, then run as its per-shard parts.
+
+All keys of one request must share a shard (`shard_of_request`; a request that names no key
+says its `shard`). `lookup_many` carries one prefix's lookups for several shards led by one
+instance, `lease_release_many` one hit's leases: each part runs exactly as that shard's
+single request (`Lookup`, batched `LeaseRelease`: authorized, charged, leased, fenced by its
+epoch) through the host's `PartRunner`, and fails on its own. A lookup part's hit is cut short
+where the whole reply would no longer fit (`kvfabric.directory.reply_room`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import msgspec
+
+from kvfabric.core import authz
+from kvfabric.directory.reply_room import ManyReplyRoom, part_error
+from kvfabric.format.errors import BadRequest, BatchTooLarge, KvfError, Unavailable
+from kvfabric.proto import directory as m
+from kvfabric.proto.shards import shard_of
+
+__all__ = [
+    "PartRunner",
+    "check_lookup_many",
+    "check_release_many",
+    "keys_of",
+    "lookup_many",
+    "release_many",
+    "shard_of_request",
+]
+
+# Runs one part on its shard: (request, verb, the tenant's grant or None for a service, shard,
+# reply_bytes_max or None) -> that shard's reply.
+PartRunner = Callable[
+    [msgspec.Struct, str, "authz.TenantGrant | None", int, "int | None"], Awaitable[msgspec.Struct]
+]
+
+
+def keys_of(message: msgspec.Struct) -> list[bytes]:
+    """The keys a request names (empty when it names none: it says its `shard`)."""
+    if isinstance(message, m.PutBegin):
+        return [o.key for o in message.objects]
+    if isinstance(message, m.PutCommit | m.PutAbort):
+        return list(message.keys)
+    if isinstance(message, m.ConfirmReplicas):
+        return [c.key for c in message.confirms]
+    if isinstance(message, m.Lookup | m.Pin | m.Evict):
+        return list(message.groups)
+    if isinstance(message, m.SlotsFreed):
+        return [f.key for f in message.freed]
+    if isinstance(message, m.ReplicateBegin | m.ReplicaCorrupt):
+        return [message.key]
+    if isinstance(message, m.ReplicateBeginMany | m.ReplicaCorruptMany):
+        return [item.key for item in message.items]
+    if isinstance(message, m.ShowGroup):
+        return [message.group]
+    return []
+
+
+def shard_of_request(message: msgspec.Struct, shards: int) -> int:
+    """The one shard a keyed request is for (`shard` field when it names no key)."""
+    explicit = getattr(message, "shard", None)
+    if explicit is not None:
+        if not 0 <= explicit < shards:
+            raise BadRequest(f"shard must be in 0..{shards - 1}", shard=explicit)
+        return int(explicit)
+    keys = keys_of(message)
+    if not keys:
+        return 0
+    try:
+        found = {shard_of(k, shards) for k in keys}
+    except ValueError as exc:
+        raise BadRequest(f"malformed key: {exc}") from None
+    if len(found) != 1:  # a caller bug, not a stale map: not retryable
+        raise BadRequest("a request must name keys of one shard", shards=sorted(found)[:8])
+    return found.pop()
+
+
+def check_lookup_many(message: m.LookupMany) -> None:
+    """The bounds of a `LookupMany` (before any part runs): `batch_too_large`, `bad_request`."""
+    groups = sum(len(part.groups) for part in message.parts)
+    if len(message.parts) > m.LOOKUP_MANY_PARTS_MAX or groups > m.LOOKUP_BATCH_GROUPS_MAX:
+        raise BatchTooLarge(
+            "lookup_many is over its limits",
+            parts=len(message.parts),
+            parts_max=m.LOOKUP_MANY_PARTS_MAX,
+            groups=groups,
+            groups_max=m.LOOKUP_BATCH_GROUPS_MAX,
+        )
+    shards = [part.shard for part in message.parts]
+    if len(set(shards)) != len(shards):
+        raise BadRequest("lookup_many names a shard twice")
+    if any(not part.groups for part in message.parts):
+        raise BadRequest("a lookup part names no group")
+
+
+def check_release_many(message: m.LeaseReleaseMany) -> None:
+    """The bounds of a `LeaseReleaseMany` (before any part runs): `batch_too_large`, `bad_request`."""
+    leases = sum(len(part.lease_ids) for part in message.parts)
+    if leases > m.RELEASE_MANY_LEASES_MAX or any(
+        len(p.lease_ids) > m.RELEASE_BATCH_LEASES_MAX for p in message.parts
+    ):
+        raise BatchTooLarge(
+            "lease_release_many is over its limits",
+            leases=leases,
+            leases_max=m.RELEASE_MANY_LEASES_MAX,
+            part_leases_max=m.RELEASE_BATCH_LEASES_MAX,
+        )
+    shards = [part.shard for part in message.parts]
+    if len(set(shards)) != len(shards):
+        raise BadRequest("lease_release_many names a shard twice")
+    if any(not part.lease_ids for part in message.parts):
+        raise BadRequest("a release part names no lease")
+
+
+async def release_many(
+    message: msgspec.Struct, grant: authz.TenantGrant | None, part: PartRunner
+) -> m.LeaseReleaseManyReply:
+    """Each part exactly as the batched `LeaseRelease` of its shard; a part's failure is its own."""
+    if not isinstance(message, m.LeaseReleaseMany):
+        raise BadRequest(f"lease_release_many takes LeaseReleaseMany, got {type(message).__name__}")
+    check_release_many(message)
+    replies: list[m.ReleasePartReply] = []
+    for each in message.parts:
+        release = m.LeaseRelease(
+            holder_id=message.holder_id,
+            lease_id=0,
+            lease_ids=each.lease_ids,
+            shard=each.shard,
+            epoch=each.epoch,
+        )
+        try:
+            reply = await part(release, "lease_release", grant, each.shard, None)
+        except KvfError as err:
+            replies.append(m.ReleasePartReply(shard=each.shard, error=err.code, message=err.message))
+            continue
+        if not isinstance(reply, m.LeaseReply):
+            raise Unavailable(f"unexpected lease_release reply {type(reply).__name__}")
+        replies.append(m.ReleasePartReply(shard=each.shard, released=reply.released))
+    return m.LeaseReleaseManyReply(parts=replies)
+
+
+async def lookup_many(
+    message: msgspec.Struct, grant: authz.TenantGrant | None, part: PartRunner
+) -> m.LookupManyReply:
+    """Each part exactly as the `Lookup` of its shard (authorized and charged per shard for a
+    tenant), one after another on this loop; a part's failure is its own (`LookupPartReply`).
+    Each part's hit is cut short where the whole reply would no longer fit (`reply_room`)."""
+    if not isinstance(message, m.LookupMany):
+        raise BadRequest(f"lookup_many takes LookupMany, got {type(message).__name__}")
+    check_lookup_many(message)
+    replies: list[m.LookupPartReply] = []
+    room = ManyReplyRoom(len(message.parts))
+    for each in message.parts:
+        lookup = m.Lookup(
+            holder_id=message.holder_id,
+            groups=each.groups,
+            members=message.members,
+            lease_ttl_ms=message.lease_ttl_ms,
+            epoch=each.epoch,
+        )
+        try:
+            reply = await part(lookup, "lookup", grant, each.shard, room.for_part())
+        except KvfError as err:
+            answer = part_error(each.shard, err)
+        else:
+            if not isinstance(reply, m.LookupReply):
+                raise Unavailable(f"unexpected lookup reply {type(reply).__name__}")
+            answer = m.LookupPartReply(shard=each.shard, reply=reply)
+        room.took(answer)
+        replies.append(answer)
+    return m.LookupManyReply(parts=replies)
