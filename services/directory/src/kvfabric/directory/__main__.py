@@ -99,6 +99,7 @@ async def serve(settings: RuntimeSettings) -> int:
         settings,
         version=DIRECTORY_VERSION,
         description="kvfabric directory: object lifecycle, publish, leases, placement",
+        tenant_refusal_hold_ms=config.tenant_refusal_hold_ms,
     )
     runtime.stop_on_signals()
     try:

@@ -41,6 +41,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_GIVEBACK_EMPTY_IDS_PER_S` | 16384 | give-back ids that released nothing, ids/s a tenant |
 | `KVF_DIRECTORY_GIVEBACK_EMPTY_BURST_IDS` | 65536 | … its bucket and deepest debt, ids |
 | `KVF_DIRECTORY_CPU_PRIORITY` | `nice:-10` | CPU priority: `nice:N`, `rr:P` or `off` (`.cpu_priority`) |
+| `KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS` | 250 | a tenant past its in-flight share is refused this late, ms |
 
 The leader lease is how long a standby waits before it takes over the shards of an instance that
 died without a word (a leader renews every second, or every third of a shorter lease). On a NATS
@@ -96,6 +97,7 @@ from kvfabric.proto.shards import SHARDS_MAX
 from kvfabric.proto.subjects import check_tenant
 from kvfabric.proto.tickets import SECRET_BYTES_MIN
 from kvfabric.runtime.config import SettingsError, env_int
+from kvfabric.runtime.service import TENANT_REFUSAL_HOLD_MS_DEFAULT, TENANT_REFUSAL_HOLD_MS_MAX
 
 __all__ = [
     "FAIR_DEFAULT",
@@ -143,6 +145,7 @@ class DirectorySettings:
     leader_lease_ttl_ms: int = 3_000
     grants: Mapping[str, TenantGrant] = dataclasses.field(default_factory=dict)
     lookup_reply_min_ms: int = 0
+    tenant_refusal_hold_ms: int = TENANT_REFUSAL_HOLD_MS_DEFAULT
     shards: int = 16
     rebalance: bool = False
     kv_replicas: int = 1
@@ -208,6 +211,13 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         leader_lease_ttl_ms=env_int(env, "KVF_DIRECTORY_LEADER_LEASE_TTL_MS", lease_default_ms, 300, 600_000),
         grants=_grants(env),
         lookup_reply_min_ms=env_int(env, "KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS", 0, 0, 10_000),
+        tenant_refusal_hold_ms=env_int(
+            env,
+            "KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS",
+            TENANT_REFUSAL_HOLD_MS_DEFAULT,
+            0,
+            TENANT_REFUSAL_HOLD_MS_MAX,
+        ),
         fair=load_fair_admission(env),
         cpu_priority=parse_cpu_priority(env.get("KVF_DIRECTORY_CPU_PRIORITY", CPU_PRIORITY_DEFAULT)),
     )
