@@ -14,7 +14,9 @@ sets the directory's `KVF_DIRECTORY_CPU_PRIORITY` (default `rr:1`, as `make up` 
 `KVF_TEST_FLOOD_LOOPS` bob's loops; `KVF_TEST_PATH_CPU_PRIORITY=rr:1` puts nats-server and
 alice's process at that priority too (a measurement of the bound). `python -m
 tests.security.test_directory_fair_admission [rounds]` runs `compare`: the flood at each CPU
-priority, interleaved, one line each (docs/security.md quotes it).
+priority, interleaved, one line each (docs/security.md quotes it); `... [rounds] hold` compares
+at `rr:1` the runtime's refusals past bob's in-flight share answered at once
+(`KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS=0`) and held (250, the default), interleaved.
 """
 
 from __future__ import annotations
@@ -277,14 +279,21 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def compare(rounds: int = 2, priorities: tuple[str, ...] = ("off", "nice:-10", "rr:1")) -> None:
-    """The max-size flood at each directory CPU priority, interleaved, one JSON line a run."""
+def compare(
+    rounds: int = 2,
+    priorities: tuple[str, ...] = ("off", "nice:-10", "rr:1"),
+    holds_ms: tuple[str | None, ...] = (None,),
+) -> None:
+    """The max-size flood at each directory CPU priority (and runtime refusal hold, None: the
+    default), interleaved, one JSON line a run."""
     import tempfile
 
     for r in range(rounds):
-        for priority in priorities:
+        for priority, hold_ms in ((p, h) for p in priorities for h in holds_ms):
             with tempfile.TemporaryDirectory(prefix="kvf-flood-") as tmp:
                 env = {"KVF_DIRECTORY_CPU_PRIORITY": priority}
+                if hold_ms is not None:
+                    env["KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS"] = hold_ms
                 try:
                     report = measure(Path(tmp), bob_ids=BOB_GROUPS, env=env)
                 except Exception as exc:  # a lost lease, say: that run's outcome
@@ -292,7 +301,8 @@ def compare(rounds: int = 2, priorities: tuple[str, ...] = ("off", "nice:-10", "
                 slow = report.pop("core_calls_over_50_ms_wall_cpu", [])
                 if slow:  # how many, the longest wall and its CPU
                     report["slow_core_calls"] = [len(slow), *max(slow, key=lambda c: c[1])[1:]]
-                print(json.dumps({"round": r, **report}), flush=True)
+                held = {} if hold_ms is None else {"tenant_refusal_hold_ms": int(hold_ms)}
+                print(json.dumps({"round": r, **held, **report}), flush=True)
 
 
 def test_alices_lookups_keep_their_latency_while_bob_floods_max_size_lookups(tmp_path: Path) -> None:
@@ -320,4 +330,8 @@ def test_alices_lookups_keep_their_latency_while_bob_floods_max_size_lookups(tmp
 if __name__ == "__main__":
     import sys
 
-    compare(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    if sys.argv[2:] == ["hold"]:
+        compare(rounds, ("rr:1",), ("0", "250"))
+    else:
+        compare(rounds)
