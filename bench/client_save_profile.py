@@ -22,17 +22,15 @@ import secrets
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import urllib.request
+from io import BytesIO
 from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
-
-from bench.client import local_cluster, read_env_file
-from bench.client_worker import bench_spec
-from kvfabric.client import KvClient, settings_from_env
 
 CLOCK_TICKS_PER_S: Final = os.sysconf("SC_CLK_TCK")
 
@@ -68,7 +66,20 @@ def scrape(pid: int, words: tuple[str, ...]) -> list[str]:
     return []
 
 
-def timeline(client: KvClient) -> dict[str, Any]:
+def client_at(rev: str) -> None:
+    """Import `kvfabric.client` as of `rev` from now on (`git archive`; the services, format,
+    proto and data plane stay this checkout's). Before anything imports it."""
+    repo = Path(__file__).resolve().parents[1]
+    blob = subprocess.run(
+        ["git", "archive", rev, "libs/client/src/kvfabric/client"], cwd=repo, capture_output=True, check=True
+    ).stdout
+    into = Path(tempfile.mkdtemp(prefix="kvf-profile-client-"))
+    with tarfile.open(fileobj=BytesIO(blob)) as tar:
+        tar.extractall(into, filter="data")
+    sys.path.insert(0, str(into / "libs/client/src"))
+
+
+def timeline(client: Any) -> dict[str, Any]:
     """Marks when a save's put_begin, its writes and its put_commit were answered (perf_counter s
     in `marks["now"]`, one save at a time), by wrapping the client's save-path calls."""
     marks: dict[str, Any] = {}
@@ -93,7 +104,7 @@ def timeline(client: KvClient) -> dict[str, Any]:
             marks.setdefault("now", {})["writes"] = time.perf_counter()
         return result
 
-    aio._shared = timed_shared  # type: ignore[method-assign,assignment]
+    aio._shared = timed_shared
     aio_asyncio: Any = vars(sys.modules[type(aio).__module__])["asyncio"]
     aio_asyncio.gather = timed_gather  # the module's asyncio: its gathers are timed
     return marks
@@ -108,7 +119,16 @@ def main() -> int:
     parser.add_argument("--cprofile", default="", help="write the loop thread's cProfile here")
     parser.add_argument("--pyspy", default="", help="cluster process to record with py-spy")
     parser.add_argument("--pyspy-out", default="/tmp/save_pyspy.json")
+    parser.add_argument(
+        "--base", default="", help="git revision of the client to run (default: this checkout's)"
+    )
     args = parser.parse_args()
+    if args.base:
+        client_at(args.base)
+    from bench.client import local_cluster, read_env_file
+    from bench.client_worker import bench_spec
+    from kvfabric.client import KvClient, settings_from_env
+
     with tempfile.TemporaryDirectory(prefix="kvf-save-profile-") as tmp, local_cluster(Path(tmp)) as state:
         env = read_env_file(Path(state["auth"]["dir"]) / "env" / "tenant-demo.env")
         settings = settings_from_env(env, nats_url=state["nats_url"], use_shm=args.shm)
