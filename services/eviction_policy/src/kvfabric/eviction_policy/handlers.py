@@ -23,13 +23,16 @@ Three tasks around one synchronous core (each core call is atomic on the event l
 - **demotion** (issue 23; `tiers.py`): a watermark batch of a segment's arena pool goes first
   through `demote_or_drop` (its hits since published): each group to demote is looked up
   (`show_group`) and its arena replicas on that segment are sent to the segment's
-  `demote.<segment_id>`, which copies them into its disk tier and has the directory drop the
-  arena replicas. A demoted group moves to the pool `<segment>#ssd` (capacity from the
-  segment's reply, pressed at `ssd_high_watermark`), whose victims are evicted (dropped from
-  their last tier). A copy kept under a lease (`copied`) or a failure cools the group down like
-  a refused eviction; a full disk (`no_capacity`) stops demotion for that batch (counted,
-  logged `demotion_stopped`) and its victims are dropped instead, so the arena still gets its
-  room; a segment without a disk tier is remembered and its victims dropped.
+  `demote.<segment_id>`, several groups per request (`demote_request_fits`: up to 64 groups,
+  64 objects, 64 MiB; the segment batches its directory steps per request), which copies them
+  into its disk tier and has the directory drop the arena replicas. Each group's outcome is its
+  own objects' results (`group_outcome`). A demoted group moves to the pool `<segment>#ssd`
+  (capacity from the segment's reply, pressed at `ssd_high_watermark`), whose victims are
+  evicted (dropped from their last tier). A copy kept under a lease (`copied`) or a failure
+  (of its objects, or of the whole request) cools the group down like a refused eviction; a
+  full disk (`no_capacity`) stops demotion for that batch (counted, logged `demotion_stopped`)
+  and the groups it refused and those not yet sent are dropped instead, so the arena still
+  gets its room; a segment without a disk tier is remembered and its victims dropped.
 
 The policy's state is rebuilt from the stream at every start, so the stream's retention
 (`KVF_DIRECTORY_EVENTS_MAX_AGE_S`) must outlast the objects (see docs/eviction-policy.md).
@@ -50,7 +53,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.core.eviction import EvictBatch, EvictionCore
 from kvfabric.eviction_policy.tiers import (
+    DEMOTE_REQUEST_OBJECTS_MAX,
     demote_or_drop,
+    demote_request_fits,
+    group_outcome,
     is_ssd_pool,
     ssd_pool,
     ssd_pool_capacity,
@@ -414,42 +420,50 @@ class EvictionShell:
     # ---- demotion ------------------------------------------------------------------------------
 
     async def _demote_groups(self, segment_id: str, chains: list[bytes]) -> set[bytes]:
-        """Demote these victims of `segment_id`'s arena, one group at a time; returns the ones
-        dealt with (moved to its disk pool, or cooled down). The others are to be dropped: a full
-        disk stops demotion for the rest of the batch, a segment without disk tier for good."""
+        """Demote these victims of `segment_id`'s arena, several groups per demote request (up to
+        `DEMOTE_REQUEST_GROUPS_MAX` groups, `DEMOTE_REQUEST_OBJECTS_MAX` objects and
+        `DEMOTE_REQUEST_BYTES_MAX` bytes, in the batch's order); returns the ones dealt with (moved
+        to its disk pool, or cooled down). The others are to be dropped: a full disk stops
+        demotion for the rest of the batch (and drops the groups it refused), a segment without
+        disk tier for good. Each group's outcome is its own objects' (`group_outcome`)."""
         handled: set[bytes] = set()
+        pending: list[tuple[bytes, list[DemoteObject]]] = []
+        objects_n = bytes_n = 0  # what `pending` names
         for chain in chains:
             if not self.core.is_evicting(chain):
                 handled.add(chain)  # an event overtook us (removed, segment down)
                 continue
             try:
-                outcome = await self._demote_group(segment_id, chain)
-            except Conflict:  # "this segment has no disk tier"
-                self._no_disk.add(segment_id)
-                self._log.info("demotion_off", segment_id=segment_id, reason="no disk tier")
-                return handled
+                objects, nbytes = await self._demote_objects(segment_id, chain)
             except KvfError as exc:
-                outcome = f"error_{exc.code}"
-            self.demotions[outcome] = self.demotions.get(outcome, 0) + 1
-            if outcome == "no_capacity":
-                self._log.warning("demotion_stopped", segment_id=segment_id, reason="disk tier full")
-                return handled
-            handled.add(chain)
-            if outcome != "demoted" and self.core.is_evicting(chain):
-                self.core.refused(chain, now_ms())  # leased (copied) or failed: later again
+                self._demote_outcome(chain, f"error_{exc.code}", handled)
+                continue
+            if not objects:  # its arena replicas there are gone already (an earlier demotion)
+                self._moved(chain, segment_id, now_ms())
+                self._demote_outcome(chain, "demoted", handled)
+                continue
+            if not demote_request_fits(len(pending), objects_n, bytes_n, len(objects), nbytes):
+                if not await self._send_demotes(segment_id, pending, handled):
+                    return handled
+                pending, objects_n, bytes_n = [], 0, 0
+            pending.append((chain, objects))
+            objects_n += len(objects)
+            bytes_n += nbytes
+        if pending and not await self._send_demotes(segment_id, pending, handled):
+            return handled
         if handled:
             self._log.info("demoted", segment_id=segment_id, groups=len(handled), **self.demotions)
         return handled
 
-    async def _demote_group(self, segment_id: str, chain: bytes) -> str:
-        """One victim group: "demoted" (moved to the disk pool), "copied" (a lease kept its arena
-        replicas), "no_capacity", "failed"."""
+    async def _demote_objects(self, segment_id: str, chain: bytes) -> tuple[list[DemoteObject], int]:
+        """A victim group's arena replicas on `segment_id` (`show_group`), and their bytes."""
         gid = self._group_ids[chain]
         router = self._dir()
         listing = await router.ask(
             router.shard_of(gid), "show_group", m.ShowGroup(group=gid), self.request_timeout_s
         )
         objects: list[DemoteObject] = []
+        nbytes = 0
         if isinstance(listing, m.GroupList):
             group = ChunkGroupId.from_bytes(gid)
             for summary in listing.groups:
@@ -460,25 +474,68 @@ class EvictionShell:
                         pp_stage=obj.member.pp_stage,
                         layer_group=obj.member.layer_group,
                     ).to_bytes()
-                    objects += [
-                        DemoteObject(key, r.slot, r.slot_generation)
-                        for r in obj.replicas
-                        if r.segment_id == segment_id and tier_of_slot(r.slot) == "dram"
-                    ]
-        statuses: set[str] = set()
-        if objects:  # none: its arena replicas there are gone already (an earlier demotion)
-            nc = self._nc
-            assert nc is not None
+                    for r in obj.replicas:
+                        if r.segment_id == segment_id and tier_of_slot(r.slot) == "dram":
+                            objects.append(DemoteObject(key, r.slot, r.slot_generation))
+                            nbytes += obj.size_bytes
+        return objects, nbytes
+
+    async def _send_demotes(
+        self, segment_id: str, pending: list[tuple[bytes, list[DemoteObject]]], handled: set[bytes]
+    ) -> bool:
+        """One demote request for these groups, each then dealt with by its own outcome: "demoted"
+        moves it to the disk pool, "copied" (a lease kept its arena replicas) or a failure cools
+        it down; "no_capacity" leaves it to be dropped. False: demotion stops for this batch."""
+        try:
+            outcomes = await self._demote_request(segment_id, [objects for _, objects in pending])
+        except Conflict:  # "this segment has no disk tier"
+            self._no_disk.add(segment_id)
+            self._log.info("demotion_off", segment_id=segment_id, reason="no disk tier")
+            return False
+        except KvfError as exc:
+            outcomes = [f"error_{exc.code}"] * len(pending)
+        at = now_ms()
+        for (chain, _), outcome in zip(pending, outcomes, strict=True):
+            if outcome == "no_capacity":
+                self.demotions[outcome] = self.demotions.get(outcome, 0) + 1
+                continue  # not handled: dropped
+            if outcome == "demoted":
+                self._moved(chain, segment_id, at)
+            self._demote_outcome(chain, outcome, handled)
+        if "no_capacity" in outcomes:
+            self._log.warning("demotion_stopped", segment_id=segment_id, reason="disk tier full")
+            return False
+        return True
+
+    def _demote_outcome(self, chain: bytes, outcome: str, handled: set[bytes]) -> None:
+        self.demotions[outcome] = self.demotions.get(outcome, 0) + 1
+        handled.add(chain)
+        if outcome != "demoted" and self.core.is_evicting(chain):
+            self.core.refused(chain, now_ms())  # leased (copied) or failed: later again
+
+    async def _demote_request(self, segment_id: str, groups: list[list[DemoteObject]]) -> list[str]:
+        """The groups' objects to `demote.<segment_id>` in one request (in parts of
+        `DEMOTE_REQUEST_OBJECTS_MAX` only for one group alone larger than that): each group's
+        outcome. The disk pool's capacity from the reply."""
+        flat = [obj for objects in groups for obj in objects]
+        statuses: list[str] = []
+        nc = self._nc
+        assert nc is not None
+        for at in range(0, len(flat), DEMOTE_REQUEST_OBJECTS_MAX):
+            part = flat[at : at + DEMOTE_REQUEST_OBJECTS_MAX]
+            if "no_capacity" in statuses:  # the disk is full: the rest would not fit either
+                statuses += ["no_capacity"] * len(part)
+                continue
             reply = await nats_request(
                 nc,
                 segment_subject(segment_id, "demote"),
-                DemoteRequest(objects=objects),
+                DemoteRequest(objects=part),
                 segment_decoder,
                 self.demote_timeout_s,
             )
-            if not isinstance(reply, DemoteReply):
-                return "failed"
-            statuses = {r.status for r in reply.results}
+            if not isinstance(reply, DemoteReply) or len(reply.results) != len(part):
+                return ["failed"] * len(groups)
+            statuses += [r.status for r in reply.results]
             pool = ssd_pool(segment_id)
             capacity = ssd_pool_capacity(
                 reply.ssd_capacity_bytes, self.ssd_high_watermark, self.core.config.high_watermark
@@ -486,11 +543,12 @@ class EvictionShell:
             if self._capacity.get(pool) != capacity:
                 self._capacity[pool] = capacity
                 self.core.set_capacity(pool, capacity)
-        for outcome in ("no_capacity", "failed", "copied"):
-            if outcome in statuses:
-                return outcome
-        self._moved(chain, segment_id, now_ms())
-        return "demoted"
+        outcomes: list[str] = []
+        at = 0
+        for objects in groups:
+            outcomes.append(group_outcome(statuses[at : at + len(objects)]))
+            at += len(objects)
+        return outcomes
 
     def _moved(self, chain: bytes, segment_id: str, at_ms: int) -> None:
         """The group's bytes on `segment_id` are in its disk tier now: the same group, another pool."""

@@ -1,17 +1,28 @@
 """Two tiers in the eviction policy (issue 23): a segment's arena is pool `<segment id>`, its disk
 tier is pool `<segment id>#ssd`. A victim of an arena pool is demoted (moved to that segment's
 disk tier) or dropped, by `demote_or_drop`; a victim of a disk pool is dropped (evicted: its
-last tier). Pure functions: the shell (`handlers.py`) does the requests.
+last tier). The groups to demote go to the segment several per request (`demote_request_fits`,
+each group's outcome from its own objects' results: `group_outcome`). Pure functions: the shell
+(`handlers.py`) does the requests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Final, Literal
 
+from kvfabric.proto.segment import DEMOTE_BATCH_MAX
+
 __all__ = [
+    "DEMOTE_REQUEST_BYTES_MAX",
+    "DEMOTE_REQUEST_GROUPS_MAX",
+    "DEMOTE_REQUEST_OBJECTS_MAX",
     "SSD_POOL_SUFFIX",
     "Choice",
+    "DemoteOutcome",
     "demote_or_drop",
+    "demote_request_fits",
+    "group_outcome",
     "is_ssd_pool",
     "ssd_pool",
     "ssd_pool_capacity",
@@ -20,6 +31,17 @@ __all__ = [
 
 SSD_POOL_SUFFIX: Final = "#ssd"  # never in a segment id (they are [A-Za-z0-9_-])
 Choice = Literal["demote", "drop"]
+DemoteOutcome = Literal["demoted", "copied", "no_capacity", "failed"]
+
+# One demote request names up to this many chunk groups, objects and bytes (several groups per
+# request: the segment's directory steps are batched per request, not per group). A group is never
+# split between requests unless it alone has more objects than a request takes (then it goes alone,
+# in parts); one with more bytes goes alone.
+DEMOTE_REQUEST_GROUPS_MAX: Final = 64
+DEMOTE_REQUEST_OBJECTS_MAX: Final = DEMOTE_BATCH_MAX  # the segment's bound per request (64)
+# Within `KVF_EVICTION_DEMOTE_TIMEOUT_MS` (30 s) at 2.3 MB/s of disk writes; 256 one-object
+# groups of 256 KiB are 1 request of 16 MiB.
+DEMOTE_REQUEST_BYTES_MAX: Final = 64 << 20
 
 
 def ssd_pool(segment_id: str) -> str:
@@ -55,3 +77,25 @@ def ssd_pool_capacity(ssd_bytes: int, ssd_high_watermark: float, high_watermark:
     """The capacity the core is told for a disk pool so that its one high watermark presses the
     disk at `ssd_high_watermark` of its bytes (the low one scales with it: low x ssd_high / high)."""
     return int(ssd_bytes * ssd_high_watermark / high_watermark)
+
+
+def demote_request_fits(groups: int, objects: int, nbytes: int, more_objects: int, more_bytes: int) -> bool:
+    """Whether one more group (`more_objects` objects, `more_bytes` bytes) joins a demote request
+    already naming `groups` groups of `objects` objects and `nbytes` bytes. An empty request takes
+    any group."""
+    return groups == 0 or (
+        groups < DEMOTE_REQUEST_GROUPS_MAX
+        and objects + more_objects <= DEMOTE_REQUEST_OBJECTS_MAX
+        and nbytes + more_bytes <= DEMOTE_REQUEST_BYTES_MAX
+    )
+
+
+def group_outcome(statuses: Collection[str]) -> DemoteOutcome:
+    """A group's outcome from its objects' results (whatever else the request named): a full
+    disk first, then a failure, then a lease that kept the arena replicas; "demoted" when every
+    object was (or none was left to demote: an earlier demotion moved them)."""
+    if "no_capacity" in statuses:
+        return "no_capacity"
+    if "failed" in statuses:
+        return "failed"
+    return "copied" if "copied" in statuses else "demoted"

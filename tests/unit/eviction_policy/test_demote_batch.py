@@ -1,0 +1,209 @@
+"""Demotion in the eviction-policy shell (no NATS): the groups of a watermark batch go to the
+segment several per `demote` request (bounded in groups, objects and bytes; a group larger than
+a request alone, in parts), and each group's fate is its own objects' results: demoted → the disk
+pool, copied or failed → cooled down, no_capacity → dropped with the groups not yet sent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, cast
+
+import msgspec
+import pytest
+
+from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
+from kvfabric.eviction_policy import handlers
+from kvfabric.eviction_policy.handlers import EvictionShell
+from kvfabric.eviction_policy.tiers import (
+    DEMOTE_REQUEST_BYTES_MAX,
+    DEMOTE_REQUEST_GROUPS_MAX,
+    DEMOTE_REQUEST_OBJECTS_MAX,
+    demote_request_fits,
+    group_outcome,
+)
+from kvfabric.format.errors import Busy
+from kvfabric.format.ids import ChainHash, DomainDigest, LayoutDigest, ModelDigest
+from kvfabric.format.key import ChunkGroupId, KVKey
+from kvfabric.proto import directory as m
+from kvfabric.proto.segment import DEMOTE_BATCH_MAX, DemoteReply, DemoteRequest, DemoteResult, DemoteStatus
+from kvfabric.runtime.directory_router import DirectoryRouter
+from tests.unit.eviction_policy.test_shell import A, chain, published
+
+MiB = 1 << 20
+# a chunk group id's leading 54 bytes, share domain A, TP 128 (members 0..127)
+NAMESPACE = ChunkGroupId(
+    format_version=1,
+    domain_digest=DomainDigest(A),
+    model_digest=ModelDigest(b"M" * 16),
+    tp_size=128,
+    pp_size=1,
+    layer_group_count=1,
+    tokens_per_chunk=256,
+    layout_digest=LayoutDigest(b"L" * 8),
+    chunk_index=0,
+    chain_hash=ChainHash(bytes(32)),
+).to_bytes()[:54]
+# object key -> its status; default "demoted"
+Answer = Callable[[bytes], DemoteStatus]
+
+
+class FakeDirectory(DirectoryRouter):
+    """One shard: `show_group` lists `members[group]` objects of `size` bytes, each with one
+    arena replica on s1; `evict` evicts."""
+
+    def __init__(self, members: dict[bytes, int], size: int) -> None:
+        super().__init__(cast(Any, None))
+        self.shards = 1
+        self.members = members
+        self.size = size
+        self.evicted: list[bytes] = []
+
+    async def refresh(self) -> None:
+        raise AssertionError("the map is known")
+
+    async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **_: Any) -> Any:
+        if verb == "evict":
+            assert isinstance(message, m.Evict)
+            self.evicted += message.groups
+            return m.EvictReply(
+                epoch=1, results=[m.EvictResult(group=g, status="evicting") for g in message.groups]
+            )
+        assert verb == "show_group" and isinstance(message, m.ShowGroup)
+        group = ChunkGroupId.from_bytes(message.group)
+        n = self.members[message.group]
+        objects = [
+            m.ObjectLocation(
+                chunk_index=group.chunk_index,
+                member=m.Member(rank, 0, 0),
+                size_bytes=self.size,
+                checksum=b"",
+                replicas=[m.Replica(segment_id="s1", incarnation=1, slot=rank, slot_generation=1)],
+            )
+            for rank in range(n)
+        ]
+        summary = m.GroupSummary(
+            group=bytes(group.chain_hash),
+            namespace=message.group[:54],
+            chunk_index=group.chunk_index,
+            state="evicting",
+            members=n,
+            expected_members=n,
+            objects=objects,
+        )
+        return m.GroupList(epoch=1, groups=[summary])
+
+
+class FakeSegment:
+    """`demote.s1`: counts the requests; each object's status from `answer` (or an error)."""
+
+    def __init__(self, answer: Answer | None = None, error: Exception | None = None) -> None:
+        self.requests: list[DemoteRequest] = []
+        self.answer = answer or (lambda key: "demoted")
+        self.error = error
+
+    async def __call__(self, nc: Any, subject: str, message: Any, decoder: Any, timeout_s: float) -> Any:
+        assert subject.endswith("demote.s1") and isinstance(message, DemoteRequest)
+        assert 0 < len(message.objects) <= DEMOTE_BATCH_MAX  # the segment's bound
+        self.requests.append(message)
+        if self.error is not None:
+            raise self.error
+        return DemoteReply(
+            results=[DemoteResult(self.answer(o.key)) for o in message.objects],
+            ssd_capacity_bytes=1 << 40,
+            ssd_used_bytes=0,
+        )
+
+
+def setup(
+    monkeypatch: pytest.MonkeyPatch, groups: int, members: int = 1, size: int = 256 << 10, **segment: Any
+) -> tuple[EvictionShell, EvictBatch, FakeDirectory, FakeSegment]:
+    """`groups` one-chain groups on s1 (10 bytes each in the core), all of them the batch's victims."""
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.01))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=10 * groups), 0)
+    for i in range(1, groups + 1):
+        sh.apply(published(i, NAMESPACE, s1=10), i)
+    (batch,) = core.tick(groups + 1)
+    assert isinstance(batch, EvictBatch) and batch.reason == "watermark" and len(batch.victims) == groups
+    directory = FakeDirectory({sh._group_ids[A + chain(i)]: members for i in range(1, groups + 1)}, size)
+    seg = FakeSegment(**segment)
+    sh._router = directory
+    sh._nc = cast(Any, object())
+    monkeypatch.setattr(handlers, "nats_request", seg)
+    return sh, batch, directory, seg
+
+
+def test_groups_share_a_demote_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    sh, batch, directory, seg = setup(monkeypatch, groups=12)
+    asyncio.run(sh._evict(batch))
+    assert len(seg.requests) == 1  # one per group before (12)
+    assert len(seg.requests[0].objects) == 12
+    assert directory.evicted == []
+    assert sh.core.used_bytes("s1") == 0 and sh.core.used_bytes("s1#ssd") == 120
+    assert sh.demotions == {"demoted": 12}
+    sh.core.check_invariants()
+
+
+def test_a_request_s_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    # objects: 30 members each, two groups per request (60 <= 64), not three
+    sh, batch, _, seg = setup(monkeypatch, groups=5, members=30)
+    asyncio.run(sh._evict(batch))
+    assert [len(r.objects) for r in seg.requests] == [60, 60, 30]
+    # bytes: 20 MiB objects, three per request (60 MiB <= 64 MiB), not four
+    sh, batch, _, seg = setup(monkeypatch, groups=7, size=20 * MiB)
+    asyncio.run(sh._evict(batch))
+    assert [len(r.objects) for r in seg.requests] == [3, 3, 1]
+    # one group larger than a request: alone, in parts of the segment's bound
+    sh, batch, _, seg = setup(monkeypatch, groups=1, members=100)
+    asyncio.run(sh._evict(batch))
+    assert [len(r.objects) for r in seg.requests] == [64, 36]
+    assert sh.demotions == {"demoted": 1}
+
+
+def test_groups_per_request_bounded() -> None:
+    assert DEMOTE_REQUEST_OBJECTS_MAX == DEMOTE_BATCH_MAX
+    assert demote_request_fits(0, 0, 0, 10_000, 1 << 40)  # an empty request takes any group
+    assert demote_request_fits(DEMOTE_REQUEST_GROUPS_MAX - 1, 0, 0, 0, 0)
+    assert not demote_request_fits(DEMOTE_REQUEST_GROUPS_MAX, 0, 0, 0, 0)
+    assert not demote_request_fits(1, DEMOTE_BATCH_MAX, 0, 1, 0)
+    assert not demote_request_fits(1, 1, DEMOTE_REQUEST_BYTES_MAX, 1, 1)
+    assert group_outcome([]) == "demoted"
+    assert group_outcome(["demoted", "not_found"]) == "demoted"
+    assert group_outcome(["demoted", "copied"]) == "copied"
+    assert group_outcome(["copied", "failed"]) == "failed"
+    assert group_outcome(["failed", "no_capacity", "demoted"]) == "no_capacity"
+
+
+def test_each_group_s_fate_is_its_own_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five victims of 30 members, in the batch's order v0..v4: requests (v0, v1), (v2, v3),
+    (v4). In the first, all but one object of v1 are kept under a lease (copied); in the second,
+    v2 is demoted and v3 finds the disk full: demotion stops, v4 is never sent."""
+    sh, batch, directory, seg = setup(monkeypatch, groups=5, members=30)
+    order = [v for v in batch.victims if isinstance(v, bytes)]
+    ids = [sh._group_ids[v] for v in order]
+
+    def answer(key: bytes) -> DemoteStatus:
+        if key[:90] == ids[1] and KVKey.from_bytes(key).tp_rank > 0:
+            return "copied"
+        return "no_capacity" if key[:90] == ids[3] else "demoted"
+
+    seg.answer = answer
+    asyncio.run(sh._evict(batch))
+    assert [len(r.objects) for r in seg.requests] == [60, 60]  # v4 never sent
+    assert sh.demotions == {"demoted": 2, "copied": 1, "no_capacity": 1}
+    for v in (order[0], order[2]):  # demoted: in the disk pool
+        assert sh._held[v][2] == {"s1#ssd": 10} and not sh.core.is_evicting(v)
+    assert sh._held[order[1]][2] == {"s1": 10}  # copied: in the arena pool, cooled down
+    assert order[1] in sh.core and not sh.core.is_evicting(order[1])
+    assert directory.evicted == [ids[3], ids[4]]  # the full disk's and the unsent: dropped
+    sh.core.check_invariants()
+
+
+def test_a_failed_request_cools_down_every_group_it_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    sh, batch, directory, seg = setup(monkeypatch, groups=4, error=Busy("a demotion is running"))
+    asyncio.run(sh._evict(batch))
+    assert len(seg.requests) == 1
+    assert sh.demotions == {"error_busy": 4} and directory.evicted == []
+    for v in batch.victims:
+        assert v in sh.core and not sh.core.is_evicting(v)  # cooled down, retried later
