@@ -8,8 +8,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfabric.core.eviction import LRU2_SINGLE_ACCESS_MS, EvictBatch, EvictionConfig, EvictionCore
+from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
 from kvfabric.core.eviction_order import ObjectId, VictimOrder
+from kvfabric.core.eviction_ranking import LRU2_SINGLE_ACCESS_MS
 from kvfabric.core.eviction_s3fifo import GHOST_FLOOR, GHOST_SHARE, PROMOTE_HITS, SMALL_SHARE, S3Fifo
 from kvfabric.core.eviction_sieve import Sieve
 from kvfabric.core.eviction_sketch import SKETCH_WIDTH, FrequencySketch

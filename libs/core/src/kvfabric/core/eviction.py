@@ -37,27 +37,9 @@ the parent is inserted.
   per tick.
 
 ## Policies
-Heap policies (a priority per leaf; lower goes first):
-- `lru`: last access time.
-- `gdsf`: GreedyDual-Size-Frequency: `clock + frequency x cost / size`, where `cost` is the
-  recompute cost of the chunk, growing with its position in the prompt (attention over a longer
-  prefix costs more): `tokens x (1 + position_weight x chunk_index)`. `clock` rises to the
-  priority of each victim, so old popularity ages out.
-- `lru2`: LRU-K with K = 2 (O'Neil, O'Neil, Weikum, "The LRU-K Page Replacement Algorithm for
-  Database Disk Buffering", SIGMOD 1993): the time of the second-to-last access; an object seen
-  once ranks `LRU2_SINGLE_ACCESS_MS` before its only access, so one-off objects go first, least
-  recent first. Retained information: the last access of removed objects, at most as many as
-  resident objects (`LRU2_HISTORY_FLOOR` at least), so an object asked for again remembers it.
-  No correlated-reference period: the caller reports one access per request.
-Queue policies (`kvfabric.core.eviction_order`: the order offers victims, the core keeps every
-rule below): `sieve` (`eviction_sieve`), `s3fifo` (`eviction_s3fifo`), `wtinylfu`
-(`eviction_wtinylfu`), each with its paper and adaptations in its module.
-- `reuse`: a reuse predictor learned online (`kvfabric.core.eviction_reuse`: classes, learning,
-  bounds): last access + `reuse_horizon_ms` x ln(the chunk's class reuse rate).
-- `density`: hit density learned from reuse gaps (`kvfabric.core.eviction_density`: classes,
-  learning, bounds; after LHD, NSDI 2018): per class a heap of leaves by last access, the victim
-  is the class head with the lowest density per byte at its age. Not a single-heap priority:
-  a chunk's density depends on its age, so classes are compared at eviction time.
+Each policy's ranking of leaves (`lru`, `gdsf`, `lru2`, `reuse`, `density` by priority or hit
+density; `sieve`, `s3fifo`, `wtinylfu` by a victim queue) is `kvfabric.core.eviction_ranking`,
+with its papers and adaptations; this module keeps every rule below whatever the policy ranks.
 - Admission (`admission="second_hit"`): a new object is admitted only when a frequency sketch
   has seen its id before (or the pool has room below its low watermark), so one-off prefixes do
   not flush hot ones.
@@ -87,18 +69,28 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypeAlias, get_args
+from typing import Any, Final
 
-from kvfabric.core.eviction_density import DENSITY_RECOMPUTE_EVERY, DensityClass, DensityPredictor
-from kvfabric.core.eviction_order import VictimOrder
-from kvfabric.core.eviction_reuse import (
-    REUSE_PRIOR_NAMED,
-    REUSE_PRIOR_REUSED,
-    ReuseClass,
-    ReusePredictor,
-    reuse_class,
+from kvfabric.core.eviction_density import DensityClass, DensityPredictor
+from kvfabric.core.eviction_model import (
+    ADMIT_REASONS,
+    POLICY_NAMES,
+    REFUSE_REASONS,
+    VICTIM_REASONS,
+    AdmissionName,
+    Admitted,
+    Effect,
+    EvictBatch,
+    EvictionConfig,
+    ObjectId,
+    PolicyName,
+    PoolUsage,
+    Refused,
+    TenantQuota,
+    Tracked,
 )
+from kvfabric.core.eviction_ranking import LRU2_HISTORY_FLOOR, LeafRanking
+from kvfabric.core.eviction_reuse import ReusePredictor, reuse_class
 from kvfabric.core.eviction_s3fifo import S3Fifo
 from kvfabric.core.eviction_sieve import Sieve
 from kvfabric.core.eviction_sketch import SKETCH_DEPTH, SKETCH_WIDTH, FrequencySketch
@@ -120,172 +112,42 @@ __all__ = [
     "TenantQuota",
 ]
 
-ObjectId: TypeAlias = Hashable
-PolicyName = Literal["lru", "gdsf", "lru2", "sieve", "s3fifo", "wtinylfu", "reuse", "density"]
-POLICY_NAMES: Final[tuple[PolicyName, ...]] = get_args(PolicyName)
-AdmissionName = Literal["always", "second_hit", "predicted"]
 QUEUE_POLICIES: Final[dict[str, type[Sieve] | type[S3Fifo] | type[WTinyLfu]]] = {
     "sieve": Sieve,
     "s3fifo": S3Fifo,
     "wtinylfu": WTinyLfu,
 }
 
-LRU2_SINGLE_ACCESS_MS: Final = 1 << 50  # an object seen once ranks this long before its access
-LRU2_HISTORY_FLOOR: Final = 1024  # removed objects' last accesses kept, at least
 
-
-@dataclass(frozen=True, slots=True)
-class TenantQuota:
-    hard_bytes: int | None = None  # over it, the tenant evicts its own objects
-    guaranteed_bytes: int = 0  # at or below it, other tenants' pressure cannot evict it
-
-
-@dataclass(frozen=True, slots=True)
-class EvictionConfig:
-    policy: PolicyName = "lru"  # the best online policy on the traces (docs/eviction-policy.md)
-    admission: AdmissionName = "always"
-    high_watermark: float = 0.90
-    low_watermark: float = 0.80
-    batch_max: int = 256
-    refused_cooldown_ms: int = 5_000
-    position_weight: float = 0.05  # recompute cost per chunk grows by this per preceding chunk
-    tokens_per_chunk: int = 512
-    sketch_halve_every: int = 1 << 20  # sketch increments between agings (halving)
-    # reuse: a chunk whose class is e times as likely to be reused stays this much longer
-    reuse_horizon_ms: int = 60_000
-    # density: namings between two recomputations of the hit densities (`eviction_density`)
-    density_recompute_every: int = DENSITY_RECOMPUTE_EVERY
-    # Tail before head within a prefix. False only to measure the plain-LRU baseline peers ship
-    # (it evicts heads whose tails stay, which the simulator shows to waste capacity).
-    prefix_order: bool = True
-
-    def __post_init__(self) -> None:
-        invariant(0 < self.low_watermark <= self.high_watermark <= 1.0, "need 0 < low <= high <= 1")
-        invariant(self.batch_max >= 1, "batch_max must be at least 1")
-        invariant(
-            self.admission != "predicted" or self.policy in ("reuse", "density"),
-            "admission 'predicted' needs policy 'reuse' or 'density' (it compares their priorities)",
-        )
-        invariant(self.reuse_horizon_ms >= 0, "reuse_horizon_ms must not be negative")
-        invariant(self.density_recompute_every >= 1, "density_recompute_every must be at least 1")
-
-
-@dataclass(frozen=True, slots=True)
-class EvictBatch:
-    """Ask the directory to evict `victims`, in order (tails before their heads). `pool` is the
-    pool under pressure, or None when a tenant is over its quota; `reason` says why the batch;
-    `victim_reasons` (one code per victim, `VICTIM_REASONS`) why each was chosen."""
-
-    pool: Hashable | None
-    victims: tuple[ObjectId, ...]
-    reason: str
-    victim_reasons: tuple[str, ...] = field(default=(), compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    """`reason` (`ADMIT_REASONS`) says why; it does not take part in equality."""
-
-    object_id: ObjectId
-    reason: str = field(default="always", compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """Admission said no: the writer should not store `object_id`. `reason`
-    (`REFUSE_REASONS`) says why; it does not take part in equality."""
-
-    object_id: ObjectId
-    reason: str = field(default="", compare=False)
-
-
-# Reason codes (what `kvctl` can show for a group; counted as admission_refused_<code>_total)
-ADMIT_REASONS: Final = (
-    "always",  # admission "always"
-    "resident",  # already stored: an access
-    "room",  # the pool is below its low watermark
-    "seen_before",  # second_hit: the sketch saw it before this request
-    "predicted_reuse",  # predicted: it ranks above the lowest evictable leaf
-)
-REFUSE_REASONS: Final = (
-    "first_sighting",  # second_hit: first time seen and the pool is full
-    "parent_absent",  # predicted: its parent is not resident or is being evicted (no hit reaches it)
-    "below_frontier",  # predicted: it would rank below the next victim (bypass)
-)
-VICTIM_REASONS: Final = (
-    "least_recent",  # lru
-    "least_recent_second_access",  # lru2 (seen once: "seen_once")
-    "seen_once",
-    "lowest_gdsf",  # gdsf
-    "queue_order",  # sieve, s3fifo, wtinylfu: the queue's own order
-    "low_predicted_reuse",  # reuse: its class's reuse rate is below the prior
-    "idle_longest",  # reuse: a likely class, but idle longest for its rate
-    "lowest_hit_density",  # density: least expected hits per byte-ms at its age
-)
-
-
-Effect: TypeAlias = EvictBatch | Admitted | Refused
-
-
-@dataclass(slots=True)
-class _Object:
-    tenant: Hashable
-    pools: dict[Hashable, int]  # pool -> bytes held there (> 0 each)
-    size: int  # sum of `pools`
-    parent: ObjectId | None
-    chunk_index: int
-    last_access_ms: int
-    previous_access_ms: int | None = None  # lru2: the access before the last one
-    frequency: int = 1
-    children: int = 0  # resident objects naming this one as parent
-    children_evicting: int = 0  # of those, already chosen as victims
-    evicting: bool = False
-    cooldown_until_ms: int = 0
-    version: int = 0  # bumps when its priority entry is stale
-    turn: int = 1  # reuse: the prefix's generation (`kvfabric.core.eviction_reuse`)
-    prompt_chunks: int = 1  # reuse: chunks of the prompt that wrote it
-    density_class: DensityClass = (1, 1)  # density: (namings, length) (`eviction_density`)
-
-
-@dataclass(slots=True)
-class _Usage:
-    capacity: int = 0
-    used: int = 0
-    evicting: int = 0
-    pressed: bool = False  # crossed the high watermark, not yet back to the low one
-
-
-class EvictionCore:
-    """See the module docstring."""
+class EvictionCore(LeafRanking):
+    """See the module docstring (the ranking of leaves: `LeafRanking`)."""
 
     def __init__(self, config: EvictionConfig, quotas: Mapping[Any, TenantQuota] | None = None) -> None:
         self.config = config
         self.quotas: dict[Hashable, TenantQuota] = dict(quotas or {})
-        self._objects: dict[ObjectId, _Object] = {}
+        self._objects = {}
         # Children inserted before their parent (a sharded directory publishes a prefix's chunks
         # from different shards, so their events may come in any order): counted under the absent
         # parent's id and handed to it when it is inserted. Entries exist only while such children
         # are resident (bounded by the objects).
         self._early_children: dict[ObjectId, int] = {}
         self._early_children_evicting: dict[ObjectId, int] = {}
-        self._pools: dict[Hashable, _Usage] = {}
+        self._pools: dict[Hashable, PoolUsage] = {}
         self._tenants: dict[Hashable, int] = {}  # tenant -> resident bytes
         self._tenant_evicting: dict[Hashable, int] = {}  # tenant -> bytes chosen, not yet removed
-        self._heap: list[tuple[float, int, int, ObjectId]] = []  # (priority, seq, version, id): leaves
+        self._heap = []  # (priority, seq, version, id): leaves
         self._seq = 0
         self._clock = 0.0  # GDSF inflation
         self._now_ms = 0
         self._sketch = FrequencySketch() if config.admission == "second_hit" else None
-        self._order: VictimOrder | None = (
-            QUEUE_POLICIES[config.policy]() if config.policy in QUEUE_POLICIES else None
-        )
+        self._order = QUEUE_POLICIES[config.policy]() if config.policy in QUEUE_POLICIES else None
         self._history: OrderedDict[ObjectId, int] = OrderedDict()  # lru2: removed id -> last access
         self._predictor = ReusePredictor() if config.policy == "reuse" else None
         self._density = (
             DensityPredictor(config.density_recompute_every) if config.policy == "density" else None
         )
         # density: per class, a heap of (last access, seq, version, id) of leaves, stale skipped
-        self._class_heaps: dict[DensityClass, list[tuple[float, int, int, ObjectId]]] = {}
+        self._class_heaps = {}
         self._class_entries = 0  # entries pushed since the last compaction, plus those it kept
         self.counters: dict[str, int] = {}
 
@@ -319,7 +181,7 @@ class EvictionCore:
 
     def set_capacity(self, pool: Hashable, capacity_bytes: int) -> None:
         invariant(capacity_bytes >= 0, "negative capacity")
-        self._pools.setdefault(pool, _Usage()).capacity = capacity_bytes
+        self._pools.setdefault(pool, PoolUsage()).capacity = capacity_bytes
 
     def seen(self, object_id: ObjectId) -> None:
         """A request asked for `object_id` (hit or miss): feeds the admission sketch and the
@@ -328,43 +190,6 @@ class EvictionCore:
             self._sketch.add(object_id, self.config.sketch_halve_every)
         if self._predictor is not None:
             self._predictor.named(object_id)
-
-    def reuse_classes(self) -> dict[ReuseClass, tuple[float, float]]:
-        """The reuse predictor's learned (reused, named) counts per class; empty for other policies."""
-        return self._predictor.classes() if self._predictor is not None else {}
-
-    def explain(self, object_id: ObjectId) -> dict[str, Any] | None:
-        """Why `object_id` ranks where it does (what `kvctl` can show): None if not resident."""
-        obj = self._objects.get(object_id)
-        if obj is None:
-            return None
-        out: dict[str, Any] = {
-            "policy": self.config.policy,
-            "tenant": obj.tenant,
-            "bytes": obj.size,
-            "last_access_ms": obj.last_access_ms,
-            "accesses": obj.frequency,
-            "chunk_index": obj.chunk_index,
-            "leaf": obj.children == obj.children_evicting,
-            "evicting": obj.evicting,
-        }
-        if self._density is not None:
-            out.update(
-                prompt_chunks=obj.prompt_chunks,
-                density_class=obj.density_class,
-                hit_density_per_byte_ms=self._density_score(obj, self._now_ms),
-            )
-        elif self._order is None:
-            out["priority"] = self._priority(obj)
-        if self._predictor is not None:
-            cls = self._reuse_class(obj)
-            out.update(
-                turn=obj.turn,
-                prompt_chunks=obj.prompt_chunks,
-                reuse_class=cls,
-                reuse_probability=self._predictor.probability(cls),
-            )
-        return out
 
     def insert(
         self,
@@ -404,7 +229,7 @@ class EvictionCore:
             density_cls = self._density.name(object_id, now_ms, prompt)
             self._density.trim(len(self._objects))
             priority = self._density.density(density_cls, 0) / sum(held.values())
-        usages = {p: self._pools.setdefault(p, _Usage()) for p in held}
+        usages = {p: self._pools.setdefault(p, PoolUsage()) for p in held}
         reason = "always"
         for p, b in held.items():
             verdict, why = self._admit(object_id, usages[p], b, parent, priority)
@@ -414,7 +239,7 @@ class EvictionCore:
                 return [Refused(object_id, why)]
             reason = why if reason in ("always", "room") else reason
         size = sum(held.values())
-        obj = _Object(tenant, held, size, parent, chunk_index, now_ms)
+        obj = Tracked(tenant, held, size, parent, chunk_index, now_ms)
         obj.turn, obj.prompt_chunks, obj.density_class = turn, prompt, density_cls
         if self.config.policy == "lru2":
             obj.previous_access_ms = self._history.pop(object_id, None)
@@ -580,7 +405,7 @@ class EvictionCore:
     # ---- internals -------------------------------------------------------------------------
 
     def _admit(
-        self, object_id: ObjectId, usage: _Usage, size: int, parent: ObjectId | None, priority: float
+        self, object_id: ObjectId, usage: PoolUsage, size: int, parent: ObjectId | None, priority: float
     ) -> tuple[bool, str]:
         """(admit?, reason code) for `size` more bytes in `usage`'s pool."""
         admission = self.config.admission
@@ -600,102 +425,6 @@ class EvictionCore:
         if frontier is not None and priority < frontier:
             return False, "below_frontier"  # it would be the next victim: do not write it
         return True, "predicted_reuse"
-
-    def _frontier(self) -> float | None:
-        """The lowest priority of an evictable leaf (any pool), dropping stale heap entries on
-        the way (as `_evict` would); None when there is none."""
-        while self._heap:
-            _, _, version, object_id = self._heap[0]
-            obj = self._objects.get(object_id)
-            if (
-                obj is None
-                or obj.version != version
-                or obj.evicting
-                or (self.config.prefix_order and obj.children > obj.children_evicting)
-            ):
-                heapq.heappop(self._heap)  # re-pushed when it becomes a leaf again
-                continue
-            return self._heap[0][0]
-        return None
-
-    def _density_score(self, obj: _Object, now_ms: int) -> float:
-        """density: expected hits per byte-ms of `obj` at its age (lower goes first)."""
-        assert self._density is not None
-        return self._density.density(obj.density_class, now_ms - obj.last_access_ms) / obj.size
-
-    def _density_lowest(self, now_ms: int) -> tuple[float, DensityClass] | None:
-        """density: the evictable leaf with the lowest density per byte, as (density, class)
-        (its entry heads that class's heap; ties: least recent first), dropping stale heads on
-        the way; None when there is none. O(classes) plus the stale entries dropped."""
-        best: tuple[float, float, DensityClass] | None = None
-        for cls, heap in self._class_heaps.items():
-            while heap:
-                _, _, version, object_id = heap[0]
-                obj = self._objects.get(object_id)
-                if (
-                    obj is None
-                    or obj.version != version
-                    or obj.evicting
-                    or (self.config.prefix_order and obj.children > obj.children_evicting)
-                ):
-                    heapq.heappop(heap)  # re-pushed when it becomes a leaf again
-                    continue
-                candidate = (self._density_score(obj, now_ms), heap[0][0], cls)
-                if best is None or candidate[:2] < best[:2]:
-                    best = candidate
-                break
-        return None if best is None else (best[0], best[2])
-
-    def _density_frontier(self, now_ms: int) -> float | None:
-        lowest = self._density_lowest(now_ms)
-        return None if lowest is None else lowest[0]
-
-    def _reuse_class(self, obj: _Object) -> ReuseClass:
-        return reuse_class(
-            obj.frequency, obj.turn, obj.prompt_chunks, obj.chunk_index == obj.prompt_chunks - 1
-        )
-
-    def _victim_reason(self, obj: _Object) -> str:
-        policy = self.config.policy
-        if policy == "lru":
-            return "least_recent"
-        if policy == "lru2":
-            return "seen_once" if obj.previous_access_ms is None else "least_recent_second_access"
-        if policy == "gdsf":
-            return "lowest_gdsf"
-        if policy == "density":
-            return "lowest_hit_density"
-        if self._predictor is not None:
-            p = self._predictor.probability(self._reuse_class(obj))
-            return "low_predicted_reuse" if p < REUSE_PRIOR_REUSED / REUSE_PRIOR_NAMED else "idle_longest"
-        return "queue_order"
-
-    def _priority(self, obj: _Object) -> float:
-        if self.config.policy == "lru":
-            return float(obj.last_access_ms)
-        if self._predictor is not None:
-            log_p = self._predictor.log_probability(self._reuse_class(obj))
-            return obj.last_access_ms + self.config.reuse_horizon_ms * log_p
-        if self.config.policy == "lru2":
-            if obj.previous_access_ms is None:
-                return float(obj.last_access_ms - LRU2_SINGLE_ACCESS_MS)
-            return float(obj.previous_access_ms)
-        cost = self.config.tokens_per_chunk * (1.0 + self.config.position_weight * obj.chunk_index)
-        return self._clock + obj.frequency * cost / obj.size
-
-    def _push(self, object_id: ObjectId, obj: _Object) -> None:
-        if self._order is not None:
-            return  # a queue policy keeps its own order
-        obj.version += 1
-        self._seq += 1
-        if self._density is not None:
-            entry = (float(obj.last_access_ms), self._seq, obj.version, object_id)
-            heapq.heappush(self._class_heaps.setdefault(obj.density_class, []), entry)
-            self._class_entries += 1  # pops are not counted: an upper bound, reset by _compact
-            if self._class_entries > 4 * len(self._objects) + 1024:
-                self._compact()
-            return
-        heapq.heappush(self._heap, (self._priority(obj), self._seq, obj.version, object_id))
 
     def _evict(
         self,
@@ -770,7 +499,7 @@ class EvictionCore:
         why = tuple(self._victim_reason(self._objects[v]) for v in victims)
         return [EvictBatch(pool, tuple(victims), reason, why)]
 
-    def _skipped(self, obj: _Object, now_ms: int, pool: Hashable | None, tenant: Hashable | None) -> bool:
+    def _skipped(self, obj: Tracked, now_ms: int, pool: Hashable | None, tenant: Hashable | None) -> bool:
         """Not a victim for this batch: another pool's or tenant's, cooling down, or protected."""
         return (
             (pool is not None and pool not in obj.pools)
@@ -780,7 +509,7 @@ class EvictionCore:
         )
 
     def _take(
-        self, object_id: ObjectId, obj: _Object, pool: Hashable | None, victims: list[ObjectId]
+        self, object_id: ObjectId, obj: Tracked, pool: Hashable | None, victims: list[ObjectId]
     ) -> tuple[int, ObjectId | None]:
         """Make `obj` EVICTING; returns the bytes it frees (in `pool`, or all) and its parent if
         that just became a leaf (its whole tail is going: it may go in this batch)."""
@@ -807,20 +536,6 @@ class EvictionCore:
             return False
         left = self._tenants.get(tenant, 0) - self._tenant_evicting.get(tenant, 0) - size
         return left < quota.guaranteed_bytes
-
-    def _compact(self) -> None:
-        """Drop stale heap entries (bounded memory: the heap stays within a multiple of objects)."""
-        live = [e for e in self._heap if (o := self._objects.get(e[3])) is not None and o.version == e[2]]
-        heapq.heapify(live)
-        self._heap = live
-        for cls, heap in list(self._class_heaps.items()):
-            kept = [e for e in heap if (o := self._objects.get(e[3])) is not None and o.version == e[2]]
-            heapq.heapify(kept)
-            if kept:
-                self._class_heaps[cls] = kept
-            else:
-                del self._class_heaps[cls]
-        self._class_entries = sum(map(len, self._class_heaps.values()))
 
     def _advance(self, now_ms: int) -> None:
         invariant(now_ms >= self._now_ms, "time went backwards", now_ms=now_ms, last_ms=self._now_ms)

@@ -1,0 +1,222 @@
+"""How each policy of the eviction core ranks leaves (`kvfabric.core.eviction`): the heap
+policies' priorities, density's per-class heaps, the frontier that predicted admission compares
+against, the reason code of a victim, and `explain`.
+
+`LeafRanking` is a mixin of `EvictionCore`: it reads the core's objects and writes only the
+ranking state (the heap, the class heaps, an object's entry version); the core keeps the
+accounting and the rules (leaves only, cooldowns, guaranteed shares, watermarks, lru2's history,
+the GDSF clock's rise), calls `_push` whenever an object's rank may have changed or it became a
+leaf again, and pops these heaps when it chooses victims (`EvictionCore._evict`).
+
+## Policies
+Heap policies (a priority per leaf; lower goes first):
+- `lru`: last access time.
+- `gdsf`: GreedyDual-Size-Frequency: `clock + frequency x cost / size`, where `cost` is the
+  recompute cost of the chunk, growing with its position in the prompt (attention over a longer
+  prefix costs more): `tokens x (1 + position_weight x chunk_index)`. `clock` rises to the
+  priority of each victim, so old popularity ages out.
+- `lru2`: LRU-K with K = 2 (O'Neil, O'Neil, Weikum, "The LRU-K Page Replacement Algorithm for
+  Database Disk Buffering", SIGMOD 1993): the time of the second-to-last access; an object seen
+  once ranks `LRU2_SINGLE_ACCESS_MS` before its only access, so one-off objects go first, least
+  recent first. Retained information: the last access of removed objects, at most as many as
+  resident objects (`LRU2_HISTORY_FLOOR` at least), so an object asked for again remembers it.
+  No correlated-reference period: the caller reports one access per request.
+Queue policies (`kvfabric.core.eviction_order`: the order offers victims, the core keeps every
+rule): `sieve` (`eviction_sieve`), `s3fifo` (`eviction_s3fifo`), `wtinylfu`
+(`eviction_wtinylfu`), each with its paper and adaptations in its module.
+- `reuse`: a reuse predictor learned online (`kvfabric.core.eviction_reuse`: classes, learning,
+  bounds): last access + `reuse_horizon_ms` x ln(the chunk's class reuse rate).
+- `density`: hit density learned from reuse gaps (`kvfabric.core.eviction_density`: classes,
+  learning, bounds; after LHD, NSDI 2018): per class a heap of leaves by last access, the victim
+  is the class head with the lowest density per byte at its age. Not a single-heap priority:
+  a chunk's density depends on its age, so classes are compared at eviction time.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Final
+
+from kvfabric.core.eviction_density import DensityClass, DensityPredictor
+from kvfabric.core.eviction_model import EvictionConfig, ObjectId, Tracked
+from kvfabric.core.eviction_order import VictimOrder
+from kvfabric.core.eviction_reuse import (
+    REUSE_PRIOR_NAMED,
+    REUSE_PRIOR_REUSED,
+    ReuseClass,
+    ReusePredictor,
+    reuse_class,
+)
+
+__all__ = ["LRU2_HISTORY_FLOOR", "LRU2_SINGLE_ACCESS_MS", "LeafRanking"]
+
+LRU2_SINGLE_ACCESS_MS: Final = 1 << 50  # an object seen once ranks this long before its access
+LRU2_HISTORY_FLOOR: Final = 1024  # removed objects' last accesses kept, at least
+
+# A heap entry: (priority, or last access for density's class heaps; seq; version; id)
+HeapEntry = tuple[float, int, int, ObjectId]
+
+
+class LeafRanking:
+    """The ranking half of `EvictionCore` (see the module docstring)."""
+
+    # The core's, read here
+    config: EvictionConfig
+    _objects: dict[ObjectId, Tracked]
+    _now_ms: int
+    _order: VictimOrder | None
+    _predictor: ReusePredictor | None
+    _density: DensityPredictor | None
+    # The ranking's own
+    _heap: list[HeapEntry]  # leaves by priority (heap policies), stale entries skipped
+    _seq: int
+    _clock: float  # GDSF inflation
+    _class_heaps: dict[DensityClass, list[HeapEntry]]
+    _class_entries: int
+
+    def reuse_classes(self) -> dict[ReuseClass, tuple[float, float]]:
+        """The reuse predictor's learned (reused, named) counts per class; empty for other policies."""
+        return self._predictor.classes() if self._predictor is not None else {}
+
+    def explain(self, object_id: ObjectId) -> dict[str, Any] | None:
+        """Why `object_id` ranks where it does (what `kvctl` can show): None if not resident."""
+        obj = self._objects.get(object_id)
+        if obj is None:
+            return None
+        out: dict[str, Any] = {
+            "policy": self.config.policy,
+            "tenant": obj.tenant,
+            "bytes": obj.size,
+            "last_access_ms": obj.last_access_ms,
+            "accesses": obj.frequency,
+            "chunk_index": obj.chunk_index,
+            "leaf": obj.children == obj.children_evicting,
+            "evicting": obj.evicting,
+        }
+        if self._density is not None:
+            out.update(
+                prompt_chunks=obj.prompt_chunks,
+                density_class=obj.density_class,
+                hit_density_per_byte_ms=self._density_score(obj, self._now_ms),
+            )
+        elif self._order is None:
+            out["priority"] = self._priority(obj)
+        if self._predictor is not None:
+            cls = self._reuse_class(obj)
+            out.update(
+                turn=obj.turn,
+                prompt_chunks=obj.prompt_chunks,
+                reuse_class=cls,
+                reuse_probability=self._predictor.probability(cls),
+            )
+        return out
+
+    def _frontier(self) -> float | None:
+        """The lowest priority of an evictable leaf (any pool), dropping stale heap entries on
+        the way (as `_evict` would); None when there is none."""
+        while self._heap:
+            _, _, version, object_id = self._heap[0]
+            obj = self._objects.get(object_id)
+            if (
+                obj is None
+                or obj.version != version
+                or obj.evicting
+                or (self.config.prefix_order and obj.children > obj.children_evicting)
+            ):
+                heapq.heappop(self._heap)  # re-pushed when it becomes a leaf again
+                continue
+            return self._heap[0][0]
+        return None
+
+    def _density_score(self, obj: Tracked, now_ms: int) -> float:
+        """density: expected hits per byte-ms of `obj` at its age (lower goes first)."""
+        assert self._density is not None
+        return self._density.density(obj.density_class, now_ms - obj.last_access_ms) / obj.size
+
+    def _density_lowest(self, now_ms: int) -> tuple[float, DensityClass] | None:
+        """density: the evictable leaf with the lowest density per byte, as (density, class)
+        (its entry heads that class's heap; ties: least recent first), dropping stale heads on
+        the way; None when there is none. O(classes) plus the stale entries dropped."""
+        best: tuple[float, float, DensityClass] | None = None
+        for cls, heap in self._class_heaps.items():
+            while heap:
+                _, _, version, object_id = heap[0]
+                obj = self._objects.get(object_id)
+                if (
+                    obj is None
+                    or obj.version != version
+                    or obj.evicting
+                    or (self.config.prefix_order and obj.children > obj.children_evicting)
+                ):
+                    heapq.heappop(heap)  # re-pushed when it becomes a leaf again
+                    continue
+                candidate = (self._density_score(obj, now_ms), heap[0][0], cls)
+                if best is None or candidate[:2] < best[:2]:
+                    best = candidate
+                break
+        return None if best is None else (best[0], best[2])
+
+    def _density_frontier(self, now_ms: int) -> float | None:
+        lowest = self._density_lowest(now_ms)
+        return None if lowest is None else lowest[0]
+
+    def _reuse_class(self, obj: Tracked) -> ReuseClass:
+        return reuse_class(
+            obj.frequency, obj.turn, obj.prompt_chunks, obj.chunk_index == obj.prompt_chunks - 1
+        )
+
+    def _victim_reason(self, obj: Tracked) -> str:
+        policy = self.config.policy
+        if policy == "lru":
+            return "least_recent"
+        if policy == "lru2":
+            return "seen_once" if obj.previous_access_ms is None else "least_recent_second_access"
+        if policy == "gdsf":
+            return "lowest_gdsf"
+        if policy == "density":
+            return "lowest_hit_density"
+        if self._predictor is not None:
+            p = self._predictor.probability(self._reuse_class(obj))
+            return "low_predicted_reuse" if p < REUSE_PRIOR_REUSED / REUSE_PRIOR_NAMED else "idle_longest"
+        return "queue_order"
+
+    def _priority(self, obj: Tracked) -> float:
+        if self.config.policy == "lru":
+            return float(obj.last_access_ms)
+        if self._predictor is not None:
+            log_p = self._predictor.log_probability(self._reuse_class(obj))
+            return obj.last_access_ms + self.config.reuse_horizon_ms * log_p
+        if self.config.policy == "lru2":
+            if obj.previous_access_ms is None:
+                return float(obj.last_access_ms - LRU2_SINGLE_ACCESS_MS)
+            return float(obj.previous_access_ms)
+        cost = self.config.tokens_per_chunk * (1.0 + self.config.position_weight * obj.chunk_index)
+        return self._clock + obj.frequency * cost / obj.size
+
+    def _push(self, object_id: ObjectId, obj: Tracked) -> None:
+        if self._order is not None:
+            return  # a queue policy keeps its own order
+        obj.version += 1
+        self._seq += 1
+        if self._density is not None:
+            entry = (float(obj.last_access_ms), self._seq, obj.version, object_id)
+            heapq.heappush(self._class_heaps.setdefault(obj.density_class, []), entry)
+            self._class_entries += 1  # pops are not counted: an upper bound, reset by _compact
+            if self._class_entries > 4 * len(self._objects) + 1024:
+                self._compact()
+            return
+        heapq.heappush(self._heap, (self._priority(obj), self._seq, obj.version, object_id))
+
+    def _compact(self) -> None:
+        """Drop stale heap entries (bounded memory: the heap stays within a multiple of objects)."""
+        live = [e for e in self._heap if (o := self._objects.get(e[3])) is not None and o.version == e[2]]
+        heapq.heapify(live)
+        self._heap = live
+        for cls, heap in list(self._class_heaps.items()):
+            kept = [e for e in heap if (o := self._objects.get(e[3])) is not None and o.version == e[2]]
+            heapq.heapify(kept)
+            if kept:
+                self._class_heaps[cls] = kept
+            else:
+                del self._class_heaps[cls]
+        self._class_entries = sum(map(len, self._class_heaps.values()))
