@@ -9,8 +9,8 @@ prompts of 8 objects saved first, then blocks of `--rounds` prompts (lookup, loa
 buffers, release) per client (remote: TCP; co-located: shared memory) with the prefetch service
 running and stopped (SIGSTOP, then SIGCONT), interleaved; utime + stime of each process from
 /proc/<pid>/stat around each block. Every load must load all 8 chunks (verified by the client).
-Then the co-located `load` alone (its lookups outside the timer), by where its copy runs: on a
-worker thread (as before issue 20's load-path work), on the client's loop thread, or on the
+Then `load` alone (its lookups outside the timer), by where its read runs: on a worker thread
+(as before issue 20's load-path work), on the client's loop thread (co-located only), or on the
 engine's thread (as built), blocks of each interleaved.
 
 Run: `.venv/bin/python -m bench.client_load_cpu` (prints a markdown table; nothing written).
@@ -50,13 +50,14 @@ def cpu_ticks(pid: int) -> int:
 def copy_place(
     client: KvClient, tokens: list[list[int]], dests: list[list[memoryview]], rounds: int, blocks: int
 ) -> dict[str, list[float]]:
-    """Co-located `load` alone (hits looked up first), by where its copy runs, blocks interleaved:
-    a worker thread (the loop hands it over: `LOCAL_INLINE_BYTES_MAX` 0, `load_now` off), the
-    loop thread (`load_now` off) and the engine's thread (as built). Seconds per load."""
+    """`load` alone (hits looked up first), by where its read runs, blocks interleaved: a worker
+    thread (the loop hands it over: `LOCAL_INLINE_BYTES_MAX` 0, `load_now` off), the loop thread
+    (co-located only: `load_now` off) and the engine's thread (as built). Seconds per load."""
     load_now = client.aio.load_now
     out: dict[str, list[float]] = {}
+    places = COPY_PLACES if client.settings.use_shm else (COPY_PLACES[0], COPY_PLACES[2])
     for _ in range(blocks):
-        for place in COPY_PLACES:
+        for place in places:
             setattr(aio, "LOCAL_INLINE_BYTES_MAX", 0 if place == "worker thread" else LOCAL_INLINE_BYTES)  # noqa: B010
             client.aio.load_now = (  # type: ignore[method-assign]
                 load_now if place == "engine's thread" else (lambda *a, **k: None)
@@ -139,7 +140,11 @@ def main() -> int:
                         into = cpu.setdefault((name, mode), {})
                         for k, v in spent.items():
                             into[k] = into.get(k, 0.0) + v
-            where = copy_place(clients["co-located"], tokens, dests, args.rounds, args.blocks)
+            where = {
+                (name, place): samples
+                for name, client in clients.items()
+                for place, samples in copy_place(client, tokens, dests, args.rounds, args.blocks).items()
+            }
         finally:
             for client in clients.values():
                 client.close()
@@ -157,13 +162,13 @@ def main() -> int:
         p50 = percentile(sorted(lat[(name, mode)]), 0.5) * 1e3
         cells = " | ".join(f"{per[k]:.2f}" for k in names)
         print(f"| {name} | {mode.split()[1]} | {p50:.2f} | {sum(per.values()):.2f} | {cells} |")
-    print("\nCo-located `load` alone, by where the copy runs (blocks interleaved), ms per load:\n")
-    print("| copy on | p50 | p90 | mean |")
-    print("|---|---:|---:|---:|")
-    for place, samples in where.items():
+    print("\n`load` alone, by where its read runs (blocks interleaved), ms per load:\n")
+    print("| client | read on | p50 | p90 | mean |")
+    print("|---|---|---:|---:|---:|")
+    for (name, place), samples in where.items():
         ordered = sorted(samples)
         p50, p90 = percentile(ordered, 0.5) * 1e3, percentile(ordered, 0.9) * 1e3
-        print(f"| {place} | {p50:.2f} | {p90:.2f} | {sum(ordered) / len(ordered) * 1e3:.2f} |")
+        print(f"| {name} | {place} | {p50:.2f} | {p90:.2f} | {sum(ordered) / len(ordered) * 1e3:.2f} |")
     return 0
 
 
