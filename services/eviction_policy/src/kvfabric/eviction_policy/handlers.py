@@ -41,6 +41,7 @@ The policy's state is rebuilt from the stream at every start, so the stream's re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 from typing import Final
 
@@ -429,6 +430,8 @@ class EvictionShell:
         handled: set[bytes] = set()
         pending: list[tuple[bytes, list[DemoteObject]]] = []
         objects_n = bytes_n = 0  # what `pending` names
+        with contextlib.suppress(KvfError):  # else each lookup fails alone: its group cools down
+            await self._dir().known_shards()  # the lookups' shards (`shard_of` needs the map)
         for chain in chains:
             if not self.core.is_evicting(chain):
                 handled.add(chain)  # an event overtook us (removed, segment down)
