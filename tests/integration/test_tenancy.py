@@ -30,7 +30,7 @@ from kvfabric.ctl import queries
 from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.dataplane.addresses import split_host_port
 from kvfabric.dataplane.tcp import TcpDataClient
-from kvfabric.directory.host import SHARD_MAP_TENANT_PER_S
+from kvfabric.directory.shard_map import SHARD_MAP_TENANT_PER_S
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import (
     BadRequest,

@@ -7,14 +7,13 @@ shard: the shard of their keys (all keys of one request must share it) or their 
 caller refreshes its map (`kvfabric.runtime.directory_router`). `register` and `heartbeat` go to
 every shard core here (each keeps the segment table it places on); registrations are written to
 the durable segment registry first. `shard_map` (every instance, no queue group) answers with
-the shards led here; a tenant's only into its own inbox, only when it has a grant here, and at
-most `SHARD_MAP_TENANT_PER_S` times a second (burst as many): a tenant flooding it gets no
-answer (its router retries later), counted in `shard_map_rate_limited`. `lookup_many` carries one
-prefix's lookups for several shards led here, `lease_release_many` a hit's leases: each part runs
-exactly as that shard's single request (`kvfabric.directory.shard_requests`, which also finds a
-request's shard). A tenant's request other than a give-back waits for its turn at `fair` first
-(`kvfabric.directory.fair`: tenants take turns by ids, one request of each running at a time by
-default; an empty bucket or a full queue is `busy` before the request is decoded). A tenant's
+the shards led here (`kvfabric.directory.shard_map`: a tenant's only into its own inbox, with a
+grant here, at a bounded rate). `lookup_many` carries one prefix's lookups for several shards
+led here, `lease_release_many` a hit's leases: each part runs exactly as that shard's single
+request (`kvfabric.directory.shard_requests`, which also finds a request's shard). A tenant's
+request other than a give-back waits for its turn at `fair` first (`kvfabric.directory.fair`:
+tenants take turns by ids, one request of each running at a time by default; an empty bucket or
+a full queue is `busy` before the request is decoded). A tenant's
 give-back (lease release, unpin, put abort, lease_release_many) never waits and is never refused
 for load: `kvfabric.directory.giveback` charges the ids that released nothing to the tenant's
 give-back budget and, once it is spent, runs one slice first; until a token refills, such a
@@ -50,7 +49,6 @@ from typing import Final
 import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 
 from kvfabric.core import authz
 from kvfabric.core.authz import GIVEBACK_VERBS, TENANT_VERBS
@@ -62,6 +60,7 @@ from kvfabric.directory.giveback import give_back
 from kvfabric.directory.handlers import VERBS, DirectoryShell, now_ms
 from kvfabric.directory.rebuild import gather_holdings
 from kvfabric.directory.segment_registry import SegmentRegistry
+from kvfabric.directory.shard_map import ShardMapServer
 from kvfabric.directory.shard_requests import check_release_many, keys_of, shard_of_request
 from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.directory.suspects import SUSPECT_VERB, SUSPECTS_TENANT_PER_S, SuspectRelay
@@ -72,15 +71,6 @@ from kvfabric.format.errors import (
     WrongShard,
 )
 from kvfabric.proto import directory as m
-from kvfabric.proto.codec import encode
-from kvfabric.proto.subjects import (
-    TENANT_TOKEN,
-    Service,
-    endpoint_subject,
-    service_group,
-    tenant_from_subject,
-    tenant_inbox_prefix,
-)
 from kvfabric.runtime.deadline import cancel_and_wait
 from kvfabric.runtime.gcpolicy import freeze_long_lived
 from kvfabric.runtime.logs import get_logger
@@ -89,7 +79,6 @@ from kvfabric.runtime.service import Handler, ServiceRuntime, TenantHandler
 __all__ = ["BROADCAST_VERBS", "ShardHost"]
 
 BROADCAST_VERBS: Final = frozenset({"register", "heartbeat"})
-SHARD_MAP_VERB: Final = "shard_map"
 LOOKUP_MANY_VERB: Final = "lookup_many"  # one prefix's lookups for every shard led here
 RELEASE_MANY_VERB: Final = "lease_release_many"  # one hit's leases for every shard led here
 SETTLE_S: Final = 0.3
@@ -100,9 +89,6 @@ STOP_TIMEOUT_S: Final = 3.0  # `stop`: every task ended by then (handed-over she
 MISSING_SEGMENT_REBUILD_S_MIN: Final = 10.0
 MISSING_SEGMENT_REBUILD_S_MAX: Final = 300.0
 MISSING_SEGMENT_DRAIN_S: Final = 1.0  # the stopped shell's queued events still go out
-# A router refreshes at most every 50 ms (20/s) while failing: 50/s per tenant leaves room for
-# a few engines refreshing at once, and bounds what a flood costs this instance.
-SHARD_MAP_TENANT_PER_S: Final = 50.0
 
 
 # `lookup_many` / `release_many`: (request, the tenant's grant or None for a service) -> reply
@@ -159,10 +145,9 @@ class ShardHost:
         self._stopping = False
         self.missing_segment_rebuilds = 0
         # One bucket per granted tenant that asked (bounded by the grants); refused answers.
-        self._shard_map_buckets: dict[str, TokenBucket] = {}
         self._suspect_buckets: dict[str, TokenBucket] = {}
         self.suspects = SuspectRelay(lambda: self._nc, self._tenant_may_suspect)
-        self.shard_map_rate_limited = 0
+        self._shard_map = ShardMapServer(self.shard_map, lambda tenant: tenant in self.grants)
         self._log = get_logger("kvfabric.directory.host").bind(instance_id=instance_id)
 
     # ---- endpoints ---------------------------------------------------------------------------
@@ -435,42 +420,13 @@ class ShardHost:
         return m.ShardMapReply(shards=self.shards, instance=self.instance_id, leaders=leaders)
 
     async def serve_shard_map(self, nc: NatsClient) -> None:
-        async def answer(msg: Msg) -> None:
-            if not msg.reply:
-                return
-            if msg.subject != endpoint_subject(Service.DIRECTORY, SHARD_MAP_VERB):
-                try:  # a tenant's: answer only into its own inbox (see ServiceRuntime)
-                    tenant = tenant_from_subject(msg.subject, Service.DIRECTORY)
-                except ValueError:
-                    return
-                if not msg.reply.startswith(tenant_inbox_prefix(tenant) + "."):
-                    return
-                if not self._tenant_may_ask_map(tenant):
-                    return
-            try:
-                await nc.publish(msg.reply, encode(self.shard_map()))
-            except nats.errors.Error:
-                return
-
         self._nc = nc
-        tenants = f"{service_group(Service.DIRECTORY)}.{TENANT_TOKEN}.*.{SHARD_MAP_VERB}"
-        self._subs = [
-            await nc.subscribe(endpoint_subject(Service.DIRECTORY, SHARD_MAP_VERB), cb=answer),
-            await nc.subscribe(tenants, cb=answer),
-        ]
+        self._subs = await self._shard_map.subscribe(nc)
 
-    def _tenant_may_ask_map(self, tenant: str) -> bool:
-        if tenant not in self.grants:  # no share domains here: nothing to route, no bucket kept
-            return False
-        now_s = time.monotonic()
-        bucket = self._shard_map_buckets.get(tenant)
-        if bucket is None:
-            rate = SHARD_MAP_TENANT_PER_S
-            bucket = self._shard_map_buckets[tenant] = TokenBucket.full(rate, rate, now_s)
-        if bucket.take(1, now_s):
-            return True
-        self.shard_map_rate_limited += 1
-        return False
+    @property
+    def shard_map_rate_limited(self) -> int:
+        """Tenants' shard_map requests left unanswered (`kvfabric.directory.shard_map`)."""
+        return self._shard_map.rate_limited
 
     # ---- shards come and go --------------------------------------------------------------------
 
