@@ -207,3 +207,17 @@ def test_a_failed_request_cools_down_every_group_it_named(monkeypatch: pytest.Mo
     assert sh.demotions == {"error_busy": 4} and directory.evicted == []
     for v in batch.victims:
         assert v in sh.core and not sh.core.is_evicting(v)  # cooled down, retried later
+
+
+def test_the_lookups_learn_the_shard_map_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch before the policy knows the directory's shard map (before its first segments
+    refresh): the map is asked for, not every lookup failed `unavailable`."""
+    sh, batch, directory, seg = setup(monkeypatch, groups=3)
+    directory.shards = 0
+
+    async def refresh() -> None:
+        directory.shards = 1
+
+    monkeypatch.setattr(directory, "refresh", refresh)
+    asyncio.run(sh._evict(batch))
+    assert sh.demotions == {"demoted": 3} and len(seg.requests) == 1
