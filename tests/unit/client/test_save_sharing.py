@@ -14,8 +14,9 @@ from typing import Any, cast
 import msgspec
 
 from kvfabric.client import AsyncKvClient, ClientSettings
-from kvfabric.client.aio import SAVE_INLINE_CHECKSUM_BYTES_MAX
+from kvfabric.client.aio import SAVE_INLINE_CHECKSUM_BYTES_MAX, SAVE_WRITE_STREAM_BYTES_TARGET
 from kvfabric.client.hits import SaveResult
+from kvfabric.client.saves import write_streams
 from kvfabric.format.errors import BadRequest
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
@@ -209,11 +210,14 @@ def save_thread_jobs(size: int) -> tuple[int, int]:
 
 
 def test_a_small_save_hashes_on_the_loop_a_large_one_on_a_save_thread() -> None:
-    """Below `SAVE_INLINE_CHECKSUM_BYTES_MAX` the only save-thread jobs are the writes."""
+    """Below `SAVE_INLINE_CHECKSUM_BYTES_MAX` the only save-thread jobs are the write streams (one
+    per ~`SAVE_WRITE_STREAM_BYTES_TARGET` of one segment's writes: `write_streams`)."""
     jobs, writes = save_thread_jobs(128)
-    assert jobs == writes == CHUNKS
-    jobs, writes = save_thread_jobs(SAVE_INLINE_CHECKSUM_BYTES_MAX // CHUNKS + 1)
-    assert jobs == writes + 1
+    assert (jobs, writes) == (1, CHUNKS)
+    size = SAVE_INLINE_CHECKSUM_BYTES_MAX // CHUNKS + 1
+    streams = write_streams([("seg-a", size)] * CHUNKS, SAVE_WRITE_STREAM_BYTES_TARGET)
+    jobs, writes = save_thread_jobs(size)
+    assert (jobs, writes) == (len(streams) + 1, CHUNKS)
 
 
 class StrictRouter(SaveRouter):
@@ -265,16 +269,14 @@ def test_each_commit_carries_the_receipts_of_its_keys_writes() -> None:
     assert all(r.mac == RECEIPT_MAC and r.slot == r.ticket_id for r in router.receipts)
 
 
-def test_a_remote_client_pipelines_a_saves_writes_to_a_segment_in_one_stream() -> None:
-    """Without shared memory, a save's small writes to one segment go as one pipelined stream
-    (`SegmentPool.write_many`: one thread, one round trip), not one thread each; their receipts
-    still reach the commit. A co-located client writes object by object (staged)."""
-    router = SaveRouter()
-    kv, writes = client(router, use_shm=False)
-    (result,) = save_all(kv, [5])
-    assert result.chunks_saved == CHUNKS and len(writes) == CHUNKS
-    assert [len(s) for s in kv.streams] == [CHUNKS]  # type: ignore[attr-defined]
-    assert len(router.receipts) == CHUNKS
-    local, local_writes = client(SaveRouter())
-    save_all(local, [5])
-    assert local.streams == [] and len(local_writes) == CHUNKS  # type: ignore[attr-defined]
+def test_a_saves_writes_to_a_segment_go_in_one_stream() -> None:
+    """A save's small writes to one segment go as one pipelined stream (`SegmentPool.write_many`:
+    one thread, one round trip; staged when co-located), not one thread each; their receipts
+    still reach the commit."""
+    for use_shm in (False, True):
+        router = SaveRouter()
+        kv, writes = client(router, use_shm=use_shm)
+        (result,) = save_all(kv, [5])
+        assert result.chunks_saved == CHUNKS and len(writes) == CHUNKS
+        assert [len(s) for s in kv.streams] == [CHUNKS]  # type: ignore[attr-defined]
+        assert len(router.receipts) == CHUNKS

@@ -116,10 +116,11 @@ SAVE_BUSY_ATTEMPTS_MAX: Final = 8
 # here), not on a save thread: the hop there and back cost 0.05 ms p50, 0.55 ms p90 on this
 # loaded 2-core VM (2026-12-01), more than the hash. Larger saves hash off the loop.
 SAVE_INLINE_CHECKSUM_BYTES_MAX: Final = 4 << 20
-# A remote client's writes of one save to one segment are pipelined on one connection in streams
-# of about this many bytes (`saves.write_streams`): 8 × 256 KiB took 2.1 ms p50 as one stream vs
-# 3.2 ms as 8 threads with a connection each (8 × 1 MiB: 7.0 vs 7.1 ms), one segment process on
-# this loaded 2-core VM (2026-12-02); larger objects keep parallel streams.
+# A save's writes to one segment are pipelined on one connection in streams of about this many
+# bytes (`saves.write_streams`): 8 × 256 KiB took 1.3 ms p50 sent / 1.0 ms staged as one stream vs
+# 2.0 / 1.5 ms as 8 threads with a connection each (8 × 1 MiB: 4.4 / 2.6 vs 4.4 / 3.0 ms), to one
+# segment process below the directory on this loaded 2-core VM (2026-12-02); larger objects keep
+# parallel streams.
 SAVE_WRITE_STREAM_BYTES_TARGET: Final = 2 << 20
 # Releases an engine does not wait for (`release_soon`, what `KvClient.release` does) are gathered
 # for up to `RELEASE_GATHER_MS` and given back together, at once when `RELEASE_GATHER_LEASES_MAX`
@@ -996,17 +997,12 @@ class AsyncKvClient:
     ) -> list[tuple[str, m.WriteReceipt | None]]:
         """Write every replica of every placed object (bounded by the save executor's threads),
         each answered with its segment's write receipt (the commit carries them); per write, its
-        outcome. A remote client (no shared memory) pipelines each segment's writes on one
-        connection (`write_streams`, `SegmentPool.write_many`); a co-located one writes object by
-        object, in parallel, through its staging files (`SegmentPool.write`)."""
+        outcome. Each segment's writes are pipelined on one connection (`write_streams`,
+        `SegmentPool.write_many`; staged through its staging file when co-located)."""
         loop = asyncio.get_running_loop()
-        if self.settings.use_shm:
-            streams = [[i] for i in range(len(writes))]
-        else:
-            streams = write_streams(
-                [(t.data_addr, t.size_bytes) for _, t, _, _ in writes],
-                SAVE_WRITE_STREAM_BYTES_TARGET,
-            )
+        streams = write_streams(
+            [(t.data_addr, t.size_bytes) for _, t, _, _ in writes], SAVE_WRITE_STREAM_BYTES_TARGET
+        )
 
         def run(stream: list[int]) -> list[tuple[str, m.WriteReceipt | None]]:
             (result, ticket, trace, together), *_ = (writes[i] for i in stream)

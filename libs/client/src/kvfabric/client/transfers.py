@@ -43,7 +43,7 @@ from kvfabric.dataplane.shm import ShmReader
 from kvfabric.dataplane.staging import StagingFile
 from kvfabric.dataplane.tcp import TcpDataClient, shutdown_fd
 from kvfabric.format.errors import KvfError
-from kvfabric.proto.dataplane import ObjectResult, ReadRef, StagedBytes
+from kvfabric.proto.dataplane import ObjectResult, PutReply, ReadRef, StagedBytes
 from kvfabric.proto.directory import ObjectLocation, Replica, WriteReceipt, WriteTicket
 from kvfabric.proto.segment import tier_of_slot
 
@@ -575,15 +575,17 @@ class SegmentPool:
     ) -> list[tuple[str, WriteReceipt | None]]:
         """`write` of several replicas to one segment (one data address), pipelined on one pooled
         connection (`TcpDataClient.put_many`): one thread and one round trip for all of them, not
-        one each. The bytes are sent (a co-located writer that stages them writes one by one).
-        `writes`: (ticket, bytes, trace id, save_writes) each, as `write` takes them. Per write,
-        as `write` returns; a connection that failed fails every write of the call."""
+        one each. To a co-located segment that takes staged puts the objects go through the
+        connection's staging file, each at its own offset (`_stage_many`); a staging refusal
+        sends those bytes, as `write` does. `writes`: (ticket, bytes, trace id, save_writes)
+        each, as `write` takes them. Per write, as `write` returns; a connection that failed
+        fails every write of the call."""
         if not writes:
             return []
         first = writes[0][0]
         try:
             with self._connection(first.data_addr, self._shm_ok(first.segment_id), ticket=first) as conn:
-                replies = conn.tcp.put_many(writes, receipt=receipt)
+                replies = self._put_many(conn, writes, receipt)
         except KvfError as exc:
             return [(exc.code, None)] * len(writes)
         except OSError:
@@ -599,6 +601,61 @@ class SegmentPool:
             else:
                 outcomes.append((OK if reply.confirmed else "unconfirmed", None))
         return outcomes
+
+    def _put_many(
+        self, conn: _Connection, writes: Sequence[tuple[WriteTicket, memoryview, str, int]], receipt: bool
+    ) -> list[PutReply | KvfError]:
+        """`put_many` on `conn`, staged when `_stage_many` can; the writes a segment refused to
+        stage (`staging` detail) are sent, and so is everything to that segment from then on."""
+        staged = self._stage_many(conn, writes)
+        if staged is None:
+            return conn.tcp.put_many(writes, receipt=receipt)
+        replies = conn.tcp.put_many(writes, receipt=receipt, staged=staged)
+        refused = [i for i, r in enumerate(replies) if isinstance(r, KvfError) and r.details.get("staging")]
+        landed = len(replies) - len(refused)
+        self.staged_puts += sum(1 for r in replies if not isinstance(r, KvfError))
+        if landed and conn.staging is not None:
+            conn.staging.unlink()  # the segment holds it open now
+        if refused:
+            self._staging_refused.add(writes[0][0].data_addr)
+            again = conn.tcp.put_many([writes[i] for i in refused], receipt=receipt)
+            for i, reply in zip(refused, again, strict=True):
+                replies[i] = reply
+        return replies
+
+    def _stage_many(
+        self, conn: _Connection, writes: Sequence[tuple[WriteTicket, memoryview, str, int]]
+    ) -> list[StagedBytes] | None:
+        """Every write's bytes copied into `conn`'s staging file, one after another (the file made,
+        or remade larger, on demand), or None when they are sent instead (as `_stage` decides,
+        for any of them)."""
+        shm = conn.shm
+        sizes = [len(data) for _, data, _, _ in writes]
+        total = sum(sizes)
+        if (
+            shm is None
+            or not shm.staged_puts
+            or any(t.incarnation != shm.incarnation for t, *_ in writes)
+            or max(sizes) > STAGED_PUT_BYTES_MAX
+            or total > STAGED_PUT_BYTES_MAX
+            or writes[0][0].data_addr in self._staging_refused
+        ):
+            return None
+        if conn.staging is None or conn.staging.data_bytes < total:
+            if conn.staging is not None:
+                conn.staging.close()
+                conn.staging = None
+            try:
+                conn.staging = StagingFile(shm.arena_dir, max(total, STAGING_FILE_BYTES_MIN))
+            except (KvfError, OSError):
+                self._staging_refused.add(writes[0][0].data_addr)
+                return None
+        staged = []
+        at = 0
+        for _, data, _, _ in writes:
+            staged.append(conn.staging.stage(data, at))
+            at += len(data)
+        return staged
 
     def _stage(self, conn: _Connection, ticket: WriteTicket, data: memoryview) -> StagedBytes | None:
         """`data` copied into `conn`'s staging file (made, or remade larger, on demand), or None

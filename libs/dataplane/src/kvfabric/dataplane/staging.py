@@ -91,13 +91,15 @@ class StagingFile:
         self._view[: len(STAGING_MAGIC) + NONCE_BYTES] = STAGING_MAGIC + self.nonce
         self.unlinked = False
 
-    def stage(self, data: memoryview) -> StagedBytes:
-        """Copy `data` in; the reference a PUT carries instead of the bytes."""
+    def stage(self, data: memoryview, at: int = 0) -> StagedBytes:
+        """Copy `data` in, `at` bytes into the data (several objects of pipelined PUTs each at
+        its own place); the reference a PUT carries instead of the bytes."""
         size = len(data)
-        if size > self.data_bytes:
-            raise BadRequest(f"{size} bytes do not fit a {self.data_bytes}-byte staging file")
-        copy_into(self._view[STAGING_HEADER_BYTES : STAGING_HEADER_BYTES + size], data.cast("B"))
-        return StagedBytes(path=self.path, nonce=self.nonce, offset=STAGING_HEADER_BYTES)
+        if at < 0 or at + size > self.data_bytes:
+            raise BadRequest(f"{size} bytes at {at} do not fit a {self.data_bytes}-byte staging file")
+        start = STAGING_HEADER_BYTES + at
+        copy_into(self._view[start : start + size], data.cast("B"))
+        return StagedBytes(path=self.path, nonce=self.nonce, offset=start)
 
     def unlink(self) -> None:
         """Remove the name once the segment holds the file open (after its first staged put on

@@ -687,26 +687,34 @@ class TcpDataClient:
         writes: Sequence[tuple[WriteTicket, bytes | bytearray | memoryview, str, int]],
         *,
         receipt: bool = False,
+        staged: Sequence[StagedBytes] | None = None,
     ) -> list[PutReply | KvfError]:
         """Several PUTs pipelined on this connection: every request is sent, then the replies are
         read in order (a segment serves a connection's requests one after another), so N writes
         wait one round trip, not N. Per write, its reply or the segment's refusal (one write
         refused never stops the others). Raises `Indeterminate` when the connection failed (the
         caller drops it; a write that landed unanswered is settled by its ticket's deadline).
-        `writes`: (ticket, bytes, trace id, save_writes) each, as `put` takes them."""
+        `writes`: (ticket, bytes, trace id, save_writes) each, as `put` takes them; `staged`:
+        where each write's bytes are in the writer's staging file (then none is sent)."""
         views = [memoryview(data).cast("B") for _, data, _, _ in writes]
+        if staged is not None and len(staged) != len(writes):
+            raise BadRequest("one staged reference per write")
         for (ticket, *_), view in zip(writes, views, strict=True):
-            if len(view) != ticket.size_bytes:
+            if staged is None and len(view) != ticket.size_bytes:
                 raise BadRequest(f"buffer is {len(view)} bytes, ticket says {ticket.size_bytes}")
         with self._lock:
             self._drain_unacked()
             sent: list[int] = []
             failed: OSError | None = None
-            for (ticket, _, trace_id, save_writes), view in zip(writes, views, strict=True):
+            for n, ((ticket, _, trace_id, save_writes), view) in enumerate(zip(writes, views, strict=True)):
                 request_id = self._request_id = next(self._ids)
-                meta = PutRequest(ticket=ticket, trace_id=trace_id, save_writes=save_writes, receipt=receipt)
+                where = None if staged is None else staged[n]
+                meta = PutRequest(
+                    ticket=ticket, trace_id=trace_id, save_writes=save_writes, receipt=receipt, staged=where
+                )
                 try:
-                    _send_all(self._sock, [*_frame(Op.PUT, request_id, meta, 1), view])
+                    frame = _frame(Op.PUT, request_id, meta, 1 if where is None else 0)
+                    _send_all(self._sock, [*frame, view] if where is None else frame)
                 except OSError as exc:  # refused and closed? its answers may still be waiting
                     failed = exc
                     break
