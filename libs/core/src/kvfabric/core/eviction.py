@@ -66,7 +66,6 @@ with its papers and adaptations; this module keeps every rule below whatever the
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping
 from typing import Any, Final
@@ -435,62 +434,16 @@ class EvictionCore(LeafRanking):
         pool: Hashable | None = None,
         tenant: Hashable | None = None,
     ) -> list[Effect]:
-        """Choose leaves in the policy's order (skipping other pools/tenants, protected tenants
-        and cooled-down objects) until `excess` bytes are chosen: a heap policy pops its heap
-        (skipped entries are pushed back), a queue policy offers victims to `take`."""
+        """Choose leaves in the policy's order (`LeafRanking._offer`), skipping other
+        pools/tenants, protected tenants and cooled-down objects, until `excess` bytes are chosen."""
         victims: list[ObjectId] = []
-        if self._order is not None:
-
-            def take(object_id: ObjectId) -> tuple[int, ObjectId | None] | None:
-                obj = self._objects.get(object_id)
-                if (
-                    obj is None
-                    or obj.evicting
-                    or (self.config.prefix_order and obj.children > obj.children_evicting)
-                    or self._skipped(obj, now_ms, pool, tenant)
-                ):
-                    return None
-                return self._take(object_id, obj, pool, victims)
-
-            self._order.choose(take, excess, self.config.batch_max)
-        elif self._density is not None:
-            set_aside: list[tuple[DensityClass, tuple[float, int, int, ObjectId]]] = []
-            freed = 0
-            while freed < excess and len(victims) < self.config.batch_max:
-                lowest = self._density_lowest(now_ms)
-                if lowest is None:
-                    break
-                cls = lowest[1]
-                entry = heapq.heappop(self._class_heaps[cls])
-                candidate = self._objects[entry[3]]
-                if self._skipped(candidate, now_ms, pool, tenant):
-                    set_aside.append((cls, entry))
-                    continue
-                freed += self._take(entry[3], candidate, pool, victims)[0]
-            for cls, entry in set_aside:
-                heapq.heappush(self._class_heaps[cls], entry)
-        else:
-            skipped: list[tuple[float, int, int, ObjectId]] = []
-            freed = 0
-            while self._heap and freed < excess and len(victims) < self.config.batch_max:
-                entry = heapq.heappop(self._heap)
-                _, _, version, object_id = entry
-                obj = self._objects.get(object_id)
-                if (
-                    obj is None
-                    or obj.version != version
-                    or obj.evicting
-                    or (self.config.prefix_order and obj.children > obj.children_evicting)
-                ):
-                    continue  # stale entry, already chosen, or its tail stays (re-pushed when it goes)
-                if self._skipped(obj, now_ms, pool, tenant):
-                    skipped.append(entry)
-                    continue
-                freed += self._take(object_id, obj, pool, victims)[0]
-            for entry in skipped:
-                heapq.heappush(self._heap, entry)
-            if len(self._heap) > 4 * len(self._objects) + 1024:
-                self._compact()
+        self._offer(
+            excess,
+            now_ms,
+            victims,
+            skipped=lambda obj: self._skipped(obj, now_ms, pool, tenant),
+            take=lambda object_id, obj: self._take(object_id, obj, pool, victims),
+        )
         self._count("victims_total", len(victims))
         # One batch per call, tail before head: a service that applies it in order never leaves
         # a tail without its head, even when they live in different pools.

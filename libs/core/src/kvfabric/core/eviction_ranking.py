@@ -5,8 +5,9 @@ against, the reason code of a victim, and `explain`.
 `LeafRanking` is a mixin of `EvictionCore`: it reads the core's objects and writes only the
 ranking state (the heap, the class heaps, an object's entry version); the core keeps the
 accounting and the rules (leaves only, cooldowns, guaranteed shares, watermarks, lru2's history,
-the GDSF clock's rise), calls `_push` whenever an object's rank may have changed or it became a
-leaf again, and pops these heaps when it chooses victims (`EvictionCore._evict`).
+the GDSF clock's rise) and calls `_push` whenever an object's rank may have changed or it
+became a leaf again. To choose victims the core asks `_offer` for leaves in the policy's order
+and decides itself which to pass over and what taking one means (`EvictionCore._evict`).
 
 ## Policies
 Heap policies (a priority per leaf; lower goes first):
@@ -35,6 +36,7 @@ rule): `sieve` (`eviction_sieve`), `s3fifo` (`eviction_s3fifo`), `wtinylfu`
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from typing import Any, Final
 
 from kvfabric.core.eviction_density import DensityClass, DensityPredictor
@@ -206,6 +208,72 @@ class LeafRanking:
                 self._compact()
             return
         heapq.heappush(self._heap, (self._priority(obj), self._seq, obj.version, object_id))
+
+    def _offer(
+        self,
+        excess: int,
+        now_ms: int,
+        victims: list[ObjectId],
+        *,
+        skipped: Callable[[Tracked], bool],
+        take: Callable[[ObjectId, Tracked], tuple[int, ObjectId | None]],
+    ) -> None:
+        """Offer evictable leaves in the policy's order to `take` (which appends to `victims` and
+        returns the bytes freed and a parent that became a leaf), passing over those `skipped`,
+        until `excess` bytes are taken or `victims` holds `batch_max`: a heap policy pops its heap
+        (skipped entries are pushed back), density its class heaps, a queue policy its order."""
+        if self._order is not None:
+
+            def offered(object_id: ObjectId) -> tuple[int, ObjectId | None] | None:
+                obj = self._objects.get(object_id)
+                if (
+                    obj is None
+                    or obj.evicting
+                    or (self.config.prefix_order and obj.children > obj.children_evicting)
+                    or skipped(obj)
+                ):
+                    return None
+                return take(object_id, obj)
+
+            self._order.choose(offered, excess, self.config.batch_max)
+        elif self._density is not None:
+            set_aside: list[tuple[DensityClass, HeapEntry]] = []
+            freed = 0
+            while freed < excess and len(victims) < self.config.batch_max:
+                lowest = self._density_lowest(now_ms)
+                if lowest is None:
+                    break
+                cls = lowest[1]
+                entry = heapq.heappop(self._class_heaps[cls])
+                candidate = self._objects[entry[3]]
+                if skipped(candidate):
+                    set_aside.append((cls, entry))
+                    continue
+                freed += take(entry[3], candidate)[0]
+            for cls, entry in set_aside:
+                heapq.heappush(self._class_heaps[cls], entry)
+        else:
+            passed: list[HeapEntry] = []
+            freed = 0
+            while self._heap and freed < excess and len(victims) < self.config.batch_max:
+                entry = heapq.heappop(self._heap)
+                _, _, version, object_id = entry
+                obj = self._objects.get(object_id)
+                if (
+                    obj is None
+                    or obj.version != version
+                    or obj.evicting
+                    or (self.config.prefix_order and obj.children > obj.children_evicting)
+                ):
+                    continue  # stale entry, already chosen, or its tail stays (re-pushed when it goes)
+                if skipped(obj):
+                    passed.append(entry)
+                    continue
+                freed += take(object_id, obj)[0]
+            for entry in passed:
+                heapq.heappush(self._heap, entry)
+            if len(self._heap) > 4 * len(self._objects) + 1024:
+                self._compact()
 
     def _compact(self) -> None:
         """Drop stale heap entries (bounded memory: the heap stays within a multiple of objects)."""
