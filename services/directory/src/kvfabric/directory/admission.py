@@ -444,7 +444,7 @@ class GivebackBudget:
     `burst + n` ids of nothing is spent for `n / ids_per_s`.
 
     States, per tenant: `bucket` in -burst..burst; `refusing`: spent, and the last give-back it
-    tried while spent (one slice, `kvfabric.directory.host`) released nothing. A tenant whose
+    tried while spent (one slice, `kvfabric.directory.giveback`) released nothing. A tenant whose
     bucket is full and that is not refusing holds no state (forgotten when seen so); at most
     `TENANTS_TRACKED_MAX` tenants (beyond it the least recently charged is forgotten: its bucket
     is full again).

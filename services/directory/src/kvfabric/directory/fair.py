@@ -13,7 +13,7 @@ are never refused for load (`authz.GIVEBACK_VERBS`, their own in-flight lane in
 `kvfabric.runtime.service`). Only their ids that released nothing are charged, to a separate
 per-tenant budget (`giveback`, `admission.GivebackBudget`, which may go into debt); a tenant
 that spent it has its next give-back tried one slice first, refused `busy` when that slice gives
-nothing back (`kvfabric.directory.host`), and from then on, until a token has refilled, its
+nothing back (`kvfabric.directory.giveback`), and from then on, until a token has refilled, its
 give-backs are refused before they are decoded (`giveback_refuse_early`, held like the others
 below). Neither do
 services' requests (segments' heartbeats, kvctl) nor the shard map (its own per-tenant rate).

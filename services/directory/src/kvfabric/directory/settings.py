@@ -72,7 +72,7 @@ queueing) before a core sees it; a full bucket or queue is `busy` at once. It is
 waits and is never refused for load: only its ids that released nothing are charged, to the
 tenant's `KVF_DIRECTORY_GIVEBACK_EMPTY_*` bucket; once that is spent, the tenant's give-back runs
 its first 64 ids (one part of a lease_release_many) and is `busy` if they released nothing
-(`kvfabric.directory.host`); after that, its give-backs are `busy` before they are decoded until
+(`kvfabric.directory.giveback`); after that, its give-backs are `busy` before they are decoded until
 a token has refilled (the bucket keeps a debt of up to its burst).
 """
 
