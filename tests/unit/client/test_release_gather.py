@@ -8,6 +8,7 @@ sent, so a client closing leaves none held."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any, cast
 
@@ -16,6 +17,7 @@ import pytest
 from kvfabric.client import AsyncKvClient, ClientSettings, Hit, KvClient, aio
 from kvfabric.client.aio import RELEASE_GATHER_LEASES_MAX, RELEASE_GATHER_MS
 from kvfabric.client.sync import ENABLED, ClientStatus
+from kvfabric.proto.common import TRACE_ID_HEADER
 from tests.integration.clientkit import SPEC
 from tests.unit.client.test_releases import ReleaseRouter
 
@@ -80,10 +82,19 @@ def test_a_lone_release_still_goes_after_the_gather_time() -> None:
         kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1"), SPEC)
         router = ReleaseRouter()
         holding(kv, router, [(2, 9)])
-        kv.release_soon(hit_with([(2, 9)]))
+        traces: list[str] = []
+        ask = router.ask
+
+        async def traced(*args: Any, headers: dict[str, str] | None = None, **kwargs: Any) -> Any:
+            traces.append((headers or {}).get(TRACE_ID_HEADER, ""))
+            return await ask(*args, **kwargs)
+
+        router.ask = traced  # type: ignore[method-assign]
+        kv.release_soon(dataclasses.replace(hit_with([(2, 9)]), trace_id="engine-req-7"))
         assert router.held == {(2, 9)}  # gathered, not sent yet: still held
         await asyncio.sleep(RELEASE_GATHER_MS / 1000 * 3)
         assert kv._leases == {}
+        assert traces == ["engine-req-7"]  # the request carries the hit's trace id
         return router
 
     router = asyncio.run(run())

@@ -299,6 +299,7 @@ class AsyncKvClient:
         # `release_soon`: leases gathered for the next give-back (still in `_leases`), its timer,
         # and the give-backs in flight (`close` waits for them)
         self._gathered: list[tuple[int, int]] = []
+        self._gathered_trace = ""  # the trace id the gathered give-back is sent with
         self._gather_timer: asyncio.TimerHandle | None = None
         self._giving_back: set[asyncio.Task[None]] = set()
 
@@ -324,8 +325,9 @@ class AsyncKvClient:
         if self._gather_timer is not None:
             self._gather_timer.cancel()
             self._gather_timer = None
-        self._gathered = []  # still in `_leases`: given back now with every other one held
-        await self._release_leases(list(self._leases))
+        gathered, self._gathered = self._gathered, []
+        await self._release_leases(gathered, self._gathered_trace)  # with their hit's trace id
+        await self._release_leases(list(self._leases))  # every other one held
         if self._giving_back:  # gathered give-backs already sent: wait for their answers
             await asyncio.wait(list(self._giving_back), timeout=self.settings.lookup_timeout_ms / 1000)
         if self._tasks:
@@ -449,6 +451,8 @@ class AsyncKvClient:
         `close` gives back every lease held."""
         if self._closed:
             return  # close gave back every lease held
+        if not self._gathered:
+            self._gathered_trace = hit.trace_id  # the batch's requests carry its first hit's
         waiting = set(self._gathered)
         for lease in hit.shard_leases:
             if lease in self._leases and lease not in waiting:
@@ -468,7 +472,7 @@ class AsyncKvClient:
         leases, self._gathered = self._gathered, []
         if not leases or self._closed:
             return
-        task = asyncio.get_running_loop().create_task(self._release_leases(leases))
+        task = asyncio.get_running_loop().create_task(self._release_leases(leases, self._gathered_trace))
         self._giving_back.add(task)
         task.add_done_callback(self._giving_back.discard)
 
@@ -615,17 +619,18 @@ class AsyncKvClient:
         self, hit: Hit, dests: Sequence[Sequence[Destination]], *, first_chunk: int = 0
     ) -> LoadResult | None:
         """`load` done on the calling thread, with no thread hop, for a small hit: chunks
-        `first_chunk ..` of at most `LOCAL_INLINE_BYTES_MAX` bytes in all whose first replicas
-        lie on one segment. Co-located, a pooled connection that maps the arena copies them
-        (`SegmentPool.fetch_local_now`: no I/O); else one data request for all of them on this
-        thread (`SegmentPool.fetch_many`, what a worker thread would run for them, the next
-        replicas tried within `load_timeout_ms`). Returns the verified whole-chunk prefix as
-        `load` does (a chunk that did not verify and the ones after it failed); None when the
-        hit is not such a load (the caller runs `load`). Thread-safe (the sync facade calls it
-        from the engine's thread: it touches no load-table state; concurrent loads of one object
-        are not coalesced here).
-        Every copy and transfer ends before it returns: nothing writes into `dests` afterwards
-        (invariant 3)."""
+        `first_chunk ..` of at most `LOCAL_INLINE_BYTES_MAX` bytes in all (and no more than
+        `load_inflight_bytes_max`) whose first replicas lie on one segment. Co-located, a pooled
+        connection that maps the arena copies them (`SegmentPool.fetch_local_now`: no I/O);
+        else one data request for all of them on this thread (`SegmentPool.fetch_many`, what a
+        worker thread would run for them, the next replicas tried within `load_timeout_ms`,
+        through the pool's per-segment connection bound). Returns the verified whole-chunk
+        prefix as `load` does (a chunk that did not verify and the ones after it failed); None
+        when the hit is not such a load (the caller runs `load`). Thread-safe (the sync facade
+        calls it from the engine's thread): it touches no load-table state, so such loads are
+        neither coalesced with concurrent loads of the same objects nor counted in the table's
+        in-flight bounds (they write only into the caller's buffers). Every copy and transfer
+        ends before it returns: nothing writes into `dests` afterwards (invariant 3)."""
         if self._closed or not 0 <= first_chunk <= hit.chunks:
             return None
         chunks = hit.objects[first_chunk:]
@@ -633,8 +638,9 @@ class AsyncKvClient:
             return None  # `load` raises BadRequest for it
         chunks = chunks[: len(dests)]
         locations = [loc for row in chunks for loc in row]
-        if not locations or sum(loc.size_bytes for loc in locations) > LOCAL_INLINE_BYTES_MAX:
-            return None
+        small = min(LOCAL_INLINE_BYTES_MAX, self.settings.load_inflight_bytes_max)
+        if not locations or sum(loc.size_bytes for loc in locations) > small:
+            return None  # the table's way: bounded in flight, waits for room, coalesced
         if len({loc.replicas[0].data_addr if loc.replicas else "" for loc in locations}) != 1:
             return None
         started = time.perf_counter()
