@@ -46,6 +46,11 @@ rest away. A failed `fdatasync` (the kernel may have dropped the dirty pages) st
 for writes until restart (`Unavailable`, reason `ssd_failed`): what it committed before stays
 readable.
 
+Modules: this one holds the tier (file, index, write/free/read protocol); the buffers and their pool
+are `ssd_buffers`, the I/O engine and shared sync `ssd_io`, the read results (`SsdRead`, the
+streamed `SsdStream`) `ssd_reads`; all are re-exported here. `SsdTier` stays one class: its write,
+free and read protocols share one lock, one slot table and one file.
+
 Slot ids on the wire: local slot i is `SSD_SLOT_BASE + i` (`kvfabric.proto.segment`), so frees,
 reads, read tokens, reports and corruption reports name disk replicas exactly as DRAM ones.
 """
@@ -53,7 +58,6 @@ reads, read tokens, reports and corruption reports name disk replicas exactly as
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import contextlib
 import fcntl
 import mmap
@@ -62,9 +66,8 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal
+from typing import Final
 
 import numpy as np
 
@@ -81,11 +84,13 @@ from kvfabric.core.disk_records import (
     geometry,
 )
 from kvfabric.core.disk_slots import DiskGrant, DiskHeld, DiskSlotTable
-from kvfabric.format.checksum import StreamingChecksum, checksum
+from kvfabric.format.checksum import checksum
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, Busy, KvfError, NotFound, StaleGeneration, Unavailable
-from kvfabric.format.invariant import invariant
 from kvfabric.proto.segment import SSD_SLOT_BASE
+from kvfabric.segment_storage.ssd_buffers import ReadBufferPool, aligned_buffer, prefaulted_buffer
+from kvfabric.segment_storage.ssd_io import GroupSync, SsdIo
+from kvfabric.segment_storage.ssd_reads import ReadStatus, SsdRead, SsdStream
 
 __all__ = [
     "SSD_FILE_MODE",
@@ -97,6 +102,7 @@ __all__ = [
     "SsdStream",
     "SsdTier",
     "aligned_buffer",
+    "prefaulted_buffer",
     "ssd_file_path",
 ]
 
@@ -107,8 +113,6 @@ INDEX_READ_BYTES: Final = 4 << 20  # the index is read at start in pieces of thi
 # Pooled O_DIRECT bounce buffers of writes, lent and idle together (8 demotions of 4 MiB at once
 # fit twice); past it a write's buffer is made for it and unmapped after (`ReadBufferPool`).
 WRITE_BOUNCE_BYTES_MAX: Final = 64 << 20
-MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14: fault a mapping's pages in, writable, now
-ReadStatus = Literal["ok", "stale_generation", "not_found", "wrong_size", "corrupt"]
 
 
 class SsdFileRefused(RuntimeError):
@@ -118,415 +122,6 @@ class SsdFileRefused(RuntimeError):
 
 def ssd_file_path(directory: Path, segment_id: str) -> Path:
     return directory / f"kvf-{segment_id}.ssd"
-
-
-def aligned_buffer(size: int) -> mmap.mmap:
-    """A page-aligned, zero-filled anonymous buffer of `size` rounded up to the block size (what
-    `O_DIRECT` needs for memory); freed when the last view of it goes."""
-    return mmap.mmap(-1, max(BLOCK_BYTES, -(-size // BLOCK_BYTES) * BLOCK_BYTES))
-
-
-def prefaulted_buffer(size: int) -> mmap.mmap:
-    """`aligned_buffer` with every page faulted in (writable) now, so a read into it takes no
-    page faults; one call on Linux >= 5.14, else one write per page."""
-    buf = aligned_buffer(size)
-    try:
-        buf.madvise(MADV_POPULATE_WRITE)
-    except (OSError, ValueError):
-        for offset in range(0, len(buf), mmap.PAGESIZE):
-            buf[offset] = 0
-    return buf
-
-
-class ReadBufferPool:
-    """Pre-faulted, page-aligned read buffers, reused. `take(n)` lends one of `n` bytes (rounded up
-    to whole blocks); `give` takes it back (an idle buffer of that size is reused by the next
-    `take` of that size). Lent and idle buffers together hold at most `bytes_max` bytes: a `take`
-    unmaps idle buffers of other sizes to make room, and past the bound (only when the caller
-    admitted one read above it: `SsdTier.read`'s "one read always may") the buffer is made and
-    unmapped on `give` rather than kept. A buffer is lent to one holder at a time: `give` of a
-    buffer that is not lent is an invariant failure. Thread-safe."""
-
-    def __init__(self, bytes_max: int) -> None:
-        invariant(bytes_max >= BLOCK_BYTES, "read buffer pool bound below one block", bytes_max=bytes_max)
-        self.bytes_max = bytes_max
-        self._lock = threading.Lock()
-        self._idle: dict[int, list[mmap.mmap]] = {}  # buffer bytes -> idle buffers, last given first
-        self._lent: dict[int, mmap.mmap] = {}  # id(buffer) -> buffer
-        self.idle_bytes = 0
-        self.lent_bytes = 0
-        self.made_total = 0
-        self.reused_total = 0
-        self.unmapped_total = 0
-
-    @staticmethod
-    def buffer_bytes(size: int) -> int:
-        return max(BLOCK_BYTES, -(-size // BLOCK_BYTES) * BLOCK_BYTES)
-
-    def take(self, size: int) -> mmap.mmap:
-        n = self.buffer_bytes(size)
-        unmap: list[mmap.mmap] = []
-        with self._lock:
-            stack = self._idle.get(n)
-            if stack:
-                buf = stack.pop()
-                self.idle_bytes -= n
-                self.reused_total += 1
-                self._lend(buf)
-                return buf
-            for other in list(self._idle):  # room for a new one: unmap idle ones of other sizes
-                pile = self._idle[other]
-                while pile and self.lent_bytes + self.idle_bytes + n > self.bytes_max:
-                    unmap.append(pile.pop())
-                    self.idle_bytes -= other
-                if not pile:
-                    del self._idle[other]
-            self.unmapped_total += len(unmap)
-            self.lent_bytes += n  # reserved while it is made (outside the lock)
-        unmap.clear()  # unmapped as their last reference goes (a stray view keeps its memory valid)
-        try:
-            buf = prefaulted_buffer(n)
-        except BaseException:
-            with self._lock:
-                self.lent_bytes -= n
-            raise
-        with self._lock:
-            self.lent_bytes -= n
-            self.made_total += 1
-            self._lend(buf)
-        return buf
-
-    def _lend(self, buf: mmap.mmap) -> None:
-        invariant(id(buf) not in self._lent, "read buffer lent twice")
-        self._lent[id(buf)] = buf
-        self.lent_bytes += len(buf)
-
-    def give(self, buf: mmap.mmap) -> None:
-        n = len(buf)
-        with self._lock:
-            invariant(self._lent.pop(id(buf), None) is buf, "read buffer given back but not lent")
-            self.lent_bytes -= n
-            keep = self.lent_bytes + self.idle_bytes + n <= self.bytes_max
-            if keep:
-                self._idle.setdefault(n, []).append(buf)
-                self.idle_bytes += n
-            else:
-                self.unmapped_total += 1  # unmapped as its last reference goes
-
-    def lent(self) -> int:
-        with self._lock:
-            return len(self._lent)
-
-    def close(self) -> None:
-        """Unmap the idle buffers (lent ones go when their holders give them back)."""
-        with self._lock:
-            idle = [buf for pile in self._idle.values() for buf in pile]
-            self._idle.clear()
-            self.idle_bytes = 0
-        for buf in idle:
-            with contextlib.suppress(BufferError):
-                buf.close()
-
-
-class SsdIo:
-    """The I/O engine: `os.preadv`/`os.pwritev` in pieces of at most `chunk_bytes`, run by a pool
-    of `threads` (0: every piece on the calling thread), at most `queue_max` pieces queued or
-    running in all; a call that would exceed it is `Busy` before it starts. A call returns when
-    all its pieces are done (its buffer is free again), and raises the first `OSError`."""
-
-    def __init__(self, threads: int, queue_max: int, chunk_bytes: int) -> None:
-        invariant(threads >= 0 and queue_max >= 1 and chunk_bytes >= BLOCK_BYTES, "bad I/O engine bounds")
-        invariant(chunk_bytes % BLOCK_BYTES == 0, "chunk bytes must be whole blocks", chunk_bytes=chunk_bytes)
-        self.threads = threads
-        self.queue_max = queue_max
-        self.chunk_bytes = chunk_bytes
-        self._pool = (
-            concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kvf-ssd-io")
-            if threads
-            else None
-        )
-        self._lock = threading.Lock()
-        self.pieces_in_flight = 0
-        self.busy_total = 0
-
-    def pwrite(self, fd: int, view: memoryview, offset: int) -> None:
-        self._run(fd, view, offset, write=True)
-
-    def write_record(self, fd: int, view: memoryview, offset: int) -> None:
-        """One index record (a sector), on the calling thread, outside the queue bound."""
-        self._piece(fd, view, offset, True)
-
-    def _piece(self, fd: int, view: memoryview, offset: int, write: bool) -> None:
-        _io_piece(fd, view, offset, write)
-
-    def pread(self, fd: int, view: memoryview, offset: int) -> None:
-        self._run(fd, view, offset, write=False)
-
-    def _run(self, fd: int, view: memoryview, offset: int, *, write: bool) -> None:
-        pieces = [(i, min(self.chunk_bytes, len(view) - i)) for i in range(0, len(view), self.chunk_bytes)]
-        with self._lock:
-            if self.pieces_in_flight + len(pieces) > self.queue_max:
-                self.busy_total += 1
-                raise Busy(
-                    "disk tier I/O queue full", queue_max=self.queue_max, in_flight=self.pieces_in_flight
-                )
-            self.pieces_in_flight += len(pieces)
-        try:
-            if self._pool is None or len(pieces) == 1:
-                for start, length in pieces:
-                    self._piece(fd, view[start : start + length], offset + start, write)
-                return
-            futures = [
-                self._pool.submit(self._piece, fd, view[start : start + length], offset + start, write)
-                for start, length in pieces[1:]
-            ]
-            error: BaseException | None = None
-            try:
-                start, length = pieces[0]
-                self._piece(fd, view[start : start + length], offset + start, write)
-            except BaseException as exc:
-                error = exc
-            for future in futures:  # every piece ends before the buffer is handed back
-                failed = future.exception()
-                if failed is not None and error is None:
-                    error = failed
-            if error is not None:
-                raise error
-        finally:
-            with self._lock:
-                self.pieces_in_flight -= len(pieces)
-
-    def submit_read(
-        self, fd: int, view: memoryview, offset: int, piece_bytes: int, *, inline_first: bool = True
-    ) -> list[tuple[int, int, concurrent.futures.Future[None]]]:
-        """Start reading all of `view` in pieces of `piece_bytes` (whole blocks) and return at
-        with the first piece read: per piece (start, end, its future), in order. The others are
-        queued on the threads first, then the first is read on the calling thread (it is what a
-        sender waits for first; a one-piece read costs no hand-off). `inline_first=False`: every
-        piece is queued and this returns at once (an object a sender gets to only after others:
-        it is read while they are sent). The same bounds as `pread` (`Busy` before anything
-        starts); a piece leaves the bound when it ends or is cancelled. Without threads every
-        piece is read now, on the calling thread."""
-        invariant(piece_bytes >= BLOCK_BYTES and piece_bytes % BLOCK_BYTES == 0, "bad read piece size")
-        spans = [(i, min(i + piece_bytes, len(view))) for i in range(0, len(view), piece_bytes)]
-        with self._lock:
-            if self.pieces_in_flight + len(spans) > self.queue_max:
-                self.busy_total += 1
-                raise Busy(
-                    "disk tier I/O queue full", queue_max=self.queue_max, in_flight=self.pieces_in_flight
-                )
-            self.pieces_in_flight += len(spans)
-
-        def done(_: concurrent.futures.Future[None]) -> None:
-            with self._lock:
-                self.pieces_in_flight -= 1
-
-        out: list[tuple[int, int, concurrent.futures.Future[None]]] = []
-        order = [*spans[1:], spans[0]] if inline_first else spans
-        for n, (start, end) in enumerate(order):
-            if self._pool is None or (inline_first and n == len(spans) - 1):
-                future: concurrent.futures.Future[None] = concurrent.futures.Future()
-                try:
-                    self._piece(fd, view[start:end], offset + start, False)
-                    future.set_result(None)
-                except BaseException as exc:  # the reader sees it when it waits for this piece
-                    future.set_exception(exc)
-            else:
-                try:
-                    future = self._pool.submit(self._piece, fd, view[start:end], offset + start, False)
-                except RuntimeError as exc:  # the pool shut down: this piece fails, the bound is kept
-                    future = concurrent.futures.Future()
-                    future.set_exception(exc)
-            future.add_done_callback(done)
-            out.append((start, end, future))
-        return [out[-1], *out[:-1]] if inline_first else out
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-
-
-def _io_piece(fd: int, view: memoryview, offset: int, write: bool) -> None:
-    """All of `view` to/from `offset`, looping over short transfers."""
-    done = 0
-    while done < len(view):
-        part = view[done:]
-        n = os.pwritev(fd, [part], offset + done) if write else os.preadv(fd, [part], offset + done)
-        if n <= 0:
-            raise OSError(f"{'write' if write else 'read'} returned {n} at offset {offset + done}")
-        done += n
-
-
-class GroupSync:
-    """`fdatasync` shared by concurrent callers: `sync()` returns once a sync that *started after
-    the call* has finished, so one sync covers every write completed before it began. After a
-    failed sync every later call raises `Unavailable` (the kernel may have dropped dirty pages)."""
-
-    def __init__(self, fd: int, sync: Callable[[int], None] = os.fdatasync) -> None:
-        self._fd = fd
-        self._sync = sync
-        self._cond = threading.Condition()
-        self._started = 0
-        self._done = 0
-        self._running = False
-        self.failed: OSError | None = None
-        self.syncs_total = 0
-        self.sync_seconds_total = 0.0
-
-    def sync(self) -> None:
-        with self._cond:
-            target = self._started + 1
-            while self._done < target and self.failed is None:
-                if self._running:
-                    self._cond.wait()
-                    continue
-                self._running = True
-                self._started += 1
-                number = self._started
-                self._cond.release()
-                started = time.perf_counter()
-                error: OSError | None = None
-                try:
-                    self._sync(self._fd)
-                except OSError as exc:
-                    error = exc
-                finally:
-                    self._cond.acquire()
-                self._running = False
-                self._done = number
-                self.syncs_total += 1
-                self.sync_seconds_total += time.perf_counter() - started
-                if error is not None:
-                    self.failed = error
-                self._cond.notify_all()
-            if self.failed is not None:
-                raise Unavailable(
-                    f"the disk tier's sync failed: {self.failed!r}; no more writes until restart",
-                    reason="ssd_failed",
-                )
-
-
-@dataclass(slots=True)
-class SsdRead:
-    """One read from the disk tier: `view` (the object's bytes, in a private buffer the caller
-    owns until `release`, which also gives its bytes back to `read_bytes_max`) and the stored
-    `checksum`, when `status` is ok."""
-
-    status: ReadStatus
-    view: memoryview | None = None
-    checksum: bytes = b""
-    key: bytes = b""
-    generation: int = 0
-    on_release: Callable[[], None] | None = None
-
-    def release(self) -> None:
-        if self.view is not None:
-            self.view.release()
-            self.view = None
-        if self.on_release is not None:
-            self.on_release()
-            self.on_release = None
-
-
-class SsdStream:
-    """A disk read still landing, for a GET that sends the bytes as they arrive and its verdict
-    after them (`SsdTier.read_stream`). Its pieces are read by the I/O engine at once; `wait(n)`
-    blocks until the first `n` bytes are in `view`, hashing each piece in order as it lands (a
-    piece that failed is zero-filled, so a sender stays in step, and the verdict is then not ok);
-    `verdict()` waits for all of it and says whether the bytes match the stored checksum — a
-    mismatch or an I/O error frees the slot at once and counts it, as `read` does (the caller
-    reports it). `release()` (exactly as `SsdRead.release`, after the transport is done with the
-    view) cancels pieces not started, waits for the running ones, lets go of the slot's read
-    reference if no verdict did, and gives the buffer back. Used by one thread at a time."""
-
-    def __init__(
-        self,
-        tier: SsdTier,
-        slot: int,
-        generation: int,
-        size: int,
-        stored: bytes,
-        key: bytes,
-        buf: mmap.mmap,
-        pieces: list[tuple[int, int, concurrent.futures.Future[None]]],
-        give_back: Callable[[], None],
-    ) -> None:
-        self.status: ReadStatus = "ok"  # the verdict: until `verdict()` says otherwise
-        self.view: memoryview | None = memoryview(buf)[:size]
-        self.checksum = stored
-        self.key = key
-        self.generation = generation
-        self._tier, self._slot, self._size = tier, slot, size
-        self._whole = memoryview(buf)
-        self._pieces = pieces
-        self._next = 0  # pieces hashed so far
-        self._digest = StreamingChecksum()
-        self._failed = False
-        self._held = True  # the slot's read reference
-        self._give_back: Callable[[], None] | None = give_back
-        self._started = time.perf_counter()
-
-    def wait(self, end: int) -> int:
-        """Until bytes [0, end) of `view` are in place (read, or zero-filled after a failure);
-        returns how many are (`end` or more: later pieces already read are taken too)."""
-        pieces = self._pieces
-        while self._next < len(pieces) and (pieces[self._next][0] < end or pieces[self._next][2].done()):
-            start, stop, future = pieces[self._next]
-            try:
-                future.result()
-            except Exception as exc:  # an I/O error or a cancelled piece: failed
-                if not self._failed and isinstance(exc, OSError):
-                    self._tier.count("read_errors_total")
-                self._failed = True
-                self._whole[start:stop] = bytes(stop - start)
-            if not self._failed:
-                self._digest.update(self._whole[start : min(stop, self._size)])
-            self._next += 1
-        done = pieces[self._next - 1][1] if self._next else 0
-        return min(done, self._size)
-
-    def verdict(self) -> bool:
-        """Whether the whole object was read and matches its checksum (once; later calls repeat
-        it). Not ok: the slot is freed here (its generation moves on) and `status` is `corrupt`."""
-        if not self._held:
-            return self.status == "ok"
-        self.wait(self._size)
-        ok = not self._failed and self._digest.digest() == self.checksum
-        tier = self._tier
-        with tier.lock:
-            tier.table.release(tier.local(self._slot), self.generation)
-            self._held = False
-            if ok:
-                seconds = time.perf_counter() - self._started
-                tier._count("reads_total")
-                tier._count("reads_streamed_total")
-                tier._count("read_bytes_total", self._size)
-                tier._count("read_us_total", int(seconds * 1e6))
-                tier._observe("read", seconds)
-        if not ok:
-            self.status = "corrupt"
-            tier.count("read_corrupt_total")
-            tier.free_many([(self._slot, self.generation)])
-        return ok
-
-    def release(self) -> None:
-        for _, _, future in self._pieces:
-            future.cancel()  # not started: never runs
-        for _, _, future in self._pieces:
-            with contextlib.suppress(BaseException):
-                future.exception()  # running: ends before the buffer goes back
-        if self._held:
-            tier = self._tier
-            with tier.lock:
-                tier.table.release(tier.local(self._slot), self.generation)
-                self._held = False
-        if self.view is not None:
-            self.view.release()
-            self.view = None
-        self._whole.release()
-        if self._give_back is not None:
-            self._give_back()
-            self._give_back = None
 
 
 class SsdTier:
