@@ -1,0 +1,444 @@
+"""The TCP data plane's server: a thread per connection over a `SegmentBackend`, with admission,
+absolute deadlines (a watchdog thread) and streamed GETs; the rules are in `kvfabric.dataplane.tcp`."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Final
+
+import msgspec
+
+from kvfabric.dataplane.admission import (
+    UNAUTHENTICATED_META_BYTES_MAX,
+    Authenticator,
+    ConnectionGate,
+    ConnectionLimits,
+)
+from kvfabric.dataplane.backend import GetGrant, PutSlot, SegmentBackend
+from kvfabric.dataplane.frames import HEADER, OBJECT_BYTES_MAX, READS_MAX, Op, unpack_header
+from kvfabric.dataplane.staging import StagingFiles
+from kvfabric.dataplane.tcp_wire import (
+    PeerClosed,
+    encode_frame,
+    recv_bytes,
+    recv_discard,
+    recv_exact,
+    recv_hashed,
+    send_all,
+    shutdown_fd,
+    tune_socket,
+)
+from kvfabric.format.errors import BadRequest, Busy, KvfError, Unauthorized
+from kvfabric.proto.common import error_reply_from
+from kvfabric.proto.dataplane import (
+    GetReply,
+    GetRequest,
+    MapRequest,
+    ObjectResult,
+    PutReply,
+    PutRequest,
+    UnpinLocal,
+    UnpinReply,
+    dataplane_decoder,
+)
+
+# How often the watchdog checks deadlines: a connection outlives its deadline by at most this.
+WATCHDOG_TICK_S: Final = 0.05
+# A view still filling (a disk read in flight) is sent in pieces of this size as they land.
+STREAM_SEND_BYTES: Final = 256 << 10
+
+
+class _PutRefused(Exception):
+    """The backend refused a PUT before its payload was read."""
+
+    def __init__(self, error: KvfError, payload_bytes: int) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.payload_bytes = payload_bytes
+
+
+class _Close(Exception):
+    """Answer `error` to the request, then close the connection."""
+
+    def __init__(self, error: KvfError, request_id: int) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.request_id = request_id
+
+
+class TcpDataServer:
+    """Serves a `SegmentBackend` over TCP. `start()` binds and returns; `stop()` closes everything.
+
+    Before authentication (`kvfabric.dataplane.admission`): with an `authenticate` function, a
+    connection must present a valid credential in its first request within the auth deadline, or
+    it is closed; unauthenticated connections are bounded apart from authenticated ones (a flood
+    of them evicts its own oldest, never a token holder's); nothing the backend keeps is created
+    before the credential is accepted. Without one (tests, benchmarks), every connection counts as
+    authenticated from its accept. Deadlines are absolute (a watchdog thread shuts down a
+    connection that overruns its current one), so a trickle of bytes cannot extend them.
+    """
+
+    def __init__(
+        self,
+        backend: SegmentBackend,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        connections_max: int | None = None,
+        idle_timeout_s: float | None = None,
+        tls: ssl.SSLContext | None = None,
+        limits: ConnectionLimits | None = None,
+        authenticate: Authenticator | None = None,
+        count: Callable[[str], None] | None = None,
+    ) -> None:
+        self.backend = backend
+        # A server-side TLS context: every connection is wrapped (handshake on its own thread)
+        # and the address is advertised as tls://, which clients then must use.
+        self.tls = tls
+        limits = limits or ConnectionLimits()
+        if connections_max is not None:
+            limits = replace(limits, connections_max=connections_max)
+        if idle_timeout_s is not None:
+            limits = replace(limits, idle_timeout_ms=max(1, round(idle_timeout_s * 1000)))
+        self.authenticate = authenticate
+        self._count_fn = count  # the segment's event counter (names prefixed `dataplane_tcp_`)
+        self.counters: dict[str, int] = {}
+        self.gate = ConnectionGate(limits, on_event=self._count)
+        self._listener = socket.create_server(
+            (host, port), backlog=limits.connections_max + limits.unauthenticated_max
+        )
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._conns: dict[int, socket.socket] = {}
+        self._fds: dict[int, int] = {}  # connection -> its socket's fd, until the socket closes
+        self._deadlines: dict[int, tuple[float, str]] = {}  # connection -> (monotonic s, reason)
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+        self.rejected_busy = 0
+        self._staging: StagingFiles | None = None  # staged puts (made on first use)
+
+    @property
+    def limits(self) -> ConnectionLimits:
+        return self.gate.limits
+
+    @property
+    def connections_max(self) -> int:
+        return self.gate.limits.connections_max
+
+    @property
+    def idle_timeout_s(self) -> float:
+        return self.gate.limits.idle_timeout_ms / 1000
+
+    @property
+    def address(self) -> str:
+        return f"{'tls' if self.tls is not None else 'tcp'}://{self.host}:{self.port}"
+
+    def _count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+        if self._count_fn is not None:
+            self._count_fn(f"dataplane_tcp_{name}")
+
+    def start(self) -> None:
+        for target, name in ((self._accept_loop, "kvf-tcp-accept"), (self._watchdog, "kvf-tcp-watchdog")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            for fd in self._fds.values():
+                shutdown_fd(fd)
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+
+    # ---- deadlines -----------------------------------------------------------------------------
+
+    def _deadline(self, conn: int, budget_ms: int, reason: str) -> None:
+        """From now, `conn` has `budget_ms` to finish what it does (whatever bytes arrive)."""
+        with self._lock:
+            if conn in self._deadlines:
+                self._deadlines[conn] = (time.monotonic() + budget_ms / 1000, reason)
+
+    def _no_deadline(self, conn: int) -> None:
+        """The backend works for `conn` (a confirm waits on the directory, bounded there)."""
+        with self._lock:
+            if conn in self._deadlines:
+                self._deadlines[conn] = (math.inf, "")
+
+    def _expire_locked(self, conn: int) -> None:
+        fd = self._fds.get(conn)
+        if fd is not None:
+            shutdown_fd(fd)
+        if conn in self._deadlines:
+            self._deadlines[conn] = (math.inf, "")
+
+    def _watchdog(self) -> None:
+        """Shut down every connection past its deadline, every `WATCHDOG_TICK_S`."""
+        while not self._stopping.wait(WATCHDOG_TICK_S):
+            now = time.monotonic()
+            with self._lock:
+                expired = [(c, reason) for c, (at, reason) in self._deadlines.items() if at <= now]
+                for conn, reason in expired:
+                    self._count(f"closed_{reason}_total")
+                    self._expire_locked(conn)
+
+    # ---- connections ---------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                return
+            source = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+            refusal: KvfError | None = None
+            limits = self.gate.limits
+            with self._lock:
+                conn = next(self._ids)
+                for victim in self.gate.open(conn, source):
+                    self._expire_locked(victim)  # the oldest unauthenticated ones make room
+                budget_ms, reason = limits.auth_deadline_ms, "auth_deadline"
+                if self.authenticate is None:  # no credentials in this deployment: admitted as is
+                    refusal = self.gate.authenticate(conn)
+                    budget_ms, reason = limits.idle_timeout_ms, "idle_timeout"
+                if refusal is None:
+                    self._conns[conn] = sock
+                    self._fds[conn] = sock.fileno()
+                    self._deadlines[conn] = (time.monotonic() + budget_ms / 1000, reason)
+                else:
+                    self.gate.close(conn)
+                    self.rejected_busy += 1
+            if refusal is not None:
+                with contextlib.suppress(OSError):
+                    send_all(sock, encode_frame(Op.ERROR, 0, error_reply_from(refusal)))
+                sock.close()
+                continue
+            tune_socket(sock)
+            sock.settimeout(self.idle_timeout_s)  # a backstop: the watchdog enforces the deadlines
+            thread = threading.Thread(
+                target=self._serve, args=(conn, sock), name=f"kvf-tcp-{conn}", daemon=True
+            )
+            thread.start()
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+
+    def _admit(self, conn: int, request_id: int, meta: object) -> None:
+        """The first request of an unauthenticated connection: its credential, then the bounds."""
+        assert self.authenticate is not None
+        if not self.authenticate(meta):
+            with self._lock:
+                self._count("unauthorized_total")
+            raise _Close(
+                Unauthorized("a data connection must first present a valid read token or write ticket"),
+                request_id,
+            )
+        with self._lock:
+            refusal = self.gate.authenticate(conn)
+            if isinstance(refusal, Busy):
+                self.rejected_busy += 1
+        if refusal is not None:
+            raise _Close(refusal, request_id)
+
+    def _serve(self, conn: int, sock: socket.socket) -> None:
+        if self.tls is not None:
+            try:
+                sock = self.tls.wrap_socket(sock, server_side=True)  # owns the fd from here
+            except (OSError, ssl.SSLError):
+                with self._lock:
+                    self._conns.pop(conn, None)
+                    self._fds.pop(conn, None)
+                    self._deadlines.pop(conn, None)
+                    self.gate.close(conn)
+                sock.close()
+                return
+            with self._lock:
+                self._conns[conn] = sock
+        limits = self.gate.limits
+        authenticated = self.authenticate is None
+        header_buf = memoryview(bytearray(HEADER.size))
+        try:
+            while True:
+                if authenticated:
+                    self._deadline(conn, limits.idle_timeout_ms, "idle_timeout")
+                got = sock.recv_into(header_buf)  # the first bytes of the next request
+                if got == 0:
+                    raise PeerClosed
+                if authenticated:
+                    self._deadline(conn, limits.frame_timeout_ms, "frame_timeout")
+                recv_exact(sock, header_buf[got:])
+                header = unpack_header(header_buf)
+                if not authenticated and header.meta_bytes > UNAUTHENTICATED_META_BYTES_MAX:
+                    raise _Close(
+                        BadRequest(
+                            f"a first request's meta may be at most {UNAUTHENTICATED_META_BYTES_MAX} bytes"
+                        ),
+                        header.request_id,
+                    )
+                meta = dataplane_decoder.decode(recv_bytes(sock, header.meta_bytes))
+                if not authenticated:
+                    self._admit(conn, header.request_id, meta)
+                    authenticated = True
+                try:
+                    self._dispatch(conn, sock, header.op, header.request_id, meta)
+                except _PutRefused as refused:
+                    # A size we cannot skip (too large, or negative: the stream is out of step).
+                    if not 0 <= refused.payload_bytes <= OBJECT_BYTES_MAX:
+                        send_all(
+                            sock, encode_frame(Op.ERROR, header.request_id, error_reply_from(refused.error))
+                        )
+                        return
+                    self._deadline(conn, limits.transfer_ms(refused.payload_bytes), "transfer_timeout")
+                    recv_discard(sock, refused.payload_bytes)
+                    send_all(sock, encode_frame(Op.ERROR, header.request_id, error_reply_from(refused.error)))
+                except KvfError as err:
+                    send_all(sock, encode_frame(Op.ERROR, header.request_id, error_reply_from(err)))
+        except (PeerClosed, OSError):
+            return
+        except _Close as close:
+            with contextlib.suppress(OSError):
+                send_all(sock, encode_frame(Op.ERROR, close.request_id, error_reply_from(close.error)))
+        except KvfError as err:  # malformed framing: answer once, then drop the connection
+            with contextlib.suppress(OSError):
+                send_all(sock, encode_frame(Op.ERROR, 0, error_reply_from(err)))
+        finally:
+            self.backend.close_connection(conn)
+            if self._staging is not None:
+                self._staging.close(conn)
+            with self._lock:
+                self._conns.pop(conn, None)
+                self._fds.pop(conn, None)
+                self._deadlines.pop(conn, None)
+                self.gate.close(conn)
+            sock.close()
+
+    def _staging_files(self) -> StagingFiles | None:
+        """Staged puts come from staging files beside the arena (a backend that maps no arena
+        takes none)."""
+        if self._staging is None and hasattr(self.backend, "map_info"):
+            self._staging = StagingFiles(os.path.dirname(self.backend.map_info().arena_path))
+        return self._staging
+
+    def _put_staged(self, conn: int, sock: socket.socket, request_id: int, meta: PutRequest) -> None:
+        """A PUT whose bytes are in the writer's staging file (`kvfabric.dataplane.staging`): the
+        same ticket check, slot and verification as a sent one (`finish_put` hashes the slot)."""
+        files = self._staging_files()
+        if files is None or meta.staged is None:
+            raise BadRequest("this segment takes no staged puts", staging=True)
+        put = self.backend.begin_put(meta.ticket, conn)
+        put.trace_id = meta.trace_id
+        put.save_writes = meta.save_writes
+        put.receipt_wanted = meta.receipt
+        try:
+            put.checksum = files.read_into(conn, meta.staged, put.view)  # of the slot's bytes
+        except BaseException:
+            self.backend.abort_put(put, conn)
+            raise
+        self._no_deadline(conn)  # the confirm to the directory, as for a sent PUT
+        slot, generation = self.backend.finish_put(put, conn)
+        self._deadline(conn, self.gate.limits.frame_timeout_ms, "frame_timeout")
+        reply = PutReply(
+            slot=slot, slot_generation=generation, confirmed=not put.receipt, receipt=put.receipt
+        )
+        send_all(sock, encode_frame(Op.REPLY, request_id, reply))
+
+    def _dispatch(self, conn: int, sock: socket.socket, op: Op, request_id: int, meta: object) -> None:
+        limits = self.gate.limits
+        if op is Op.PUT and isinstance(meta, PutRequest) and meta.staged is not None:
+            self._put_staged(conn, sock, request_id, meta)
+        elif op is Op.PUT and isinstance(meta, PutRequest):
+            try:
+                put = self.backend.begin_put(meta.ticket, conn)
+            except KvfError as err:
+                raise _PutRefused(err, meta.ticket.size_bytes) from err
+            put.trace_id = meta.trace_id
+            put.save_writes = meta.save_writes
+            put.receipt_wanted = meta.receipt
+            self._deadline(conn, limits.transfer_ms(len(put.view)), "transfer_timeout")
+            self._receive_put(conn, sock, put)
+            self._no_deadline(conn)
+            slot, generation = self.backend.finish_put(put, conn)
+            self._deadline(conn, limits.frame_timeout_ms, "frame_timeout")
+            put_reply = PutReply(
+                slot=slot, slot_generation=generation, confirmed=not put.receipt, receipt=put.receipt
+            )
+            send_all(sock, encode_frame(Op.REPLY, request_id, put_reply))
+        elif op is Op.GET and isinstance(meta, GetRequest):
+            if len(meta.reads) > READS_MAX:
+                raise BadRequest(f"{len(meta.reads)} reads exceed {READS_MAX}")
+            streamed = getattr(self.backend, "begin_get_streamed", None) if meta.verdicts_after else None
+            grant = (streamed or self.backend.begin_get)(meta.reads, conn)
+            try:
+                results = [ObjectResult(s, c) for s, c in zip(grant.statuses, grant.checksums, strict=True)]
+                views = [v for v in grant.views if v is not None]
+                self._deadline(conn, limits.transfer_ms(sum(len(v) for v in views)), "transfer_timeout")
+                if grant.filling is None or grant.verdicts is None:
+                    send_all(
+                        sock,
+                        [*encode_frame(Op.REPLY, request_id, GetReply(results=results), len(views)), *views],
+                    )
+                else:  # views still filling: each piece sent as it lands, the verdicts after the bytes
+                    reply = GetReply(results=results, verdicts_after=True)
+                    self._send_streamed(
+                        sock, request_id, grant, encode_frame(Op.REPLY, request_id, reply, len(views))
+                    )
+            finally:
+                self.backend.end_get(grant, conn)
+        elif op is Op.MAP and isinstance(meta, MapRequest):
+            info = self.backend.map_info()
+            if self._staging_files() is not None:
+                info = msgspec.structs.replace(info, staged_puts=True)
+            send_all(sock, encode_frame(Op.REPLY, request_id, info))
+        elif op is Op.PIN_LOCAL and isinstance(meta, GetRequest):
+            if len(meta.reads) > READS_MAX:
+                raise BadRequest(f"{len(meta.reads)} reads exceed {READS_MAX}")
+            send_all(sock, encode_frame(Op.REPLY, request_id, self.backend.pin_local(meta.reads, conn)))
+        elif op is Op.UNPIN_LOCAL and isinstance(meta, UnpinLocal):
+            released = self.backend.unpin_local(meta.grant_id, conn)
+            send_all(sock, encode_frame(Op.REPLY, request_id, UnpinReply(released=released)))
+        else:
+            raise BadRequest(f"op {op.name} does not take {type(meta).__name__}")
+
+    @staticmethod
+    def _send_streamed(sock: socket.socket, request_id: int, grant: GetGrant, head: list[bytes]) -> None:
+        """A streamed GET's reply: `head` (the reply frame) with the first bytes, then what is in
+        place of each filling view as it lands (at least `STREAM_SEND_BYTES` a time, or its end),
+        and the verdicts frame with the last bytes: an object read whole by then goes in one send
+        with both frames, as a read-then-send reply does."""
+        assert grant.filling is not None and grant.verdicts is not None
+        items = [(v, f) for v, f in zip(grant.views, grant.filling, strict=True) if v is not None]
+        out: list[bytes | memoryview] = list(head)
+        for n, (view, fill) in enumerate(items):
+            sent = 0
+            while True:
+                ready = len(view) if fill is None else fill(min(sent + STREAM_SEND_BYTES, len(view)))
+                out.append(view[sent:ready])
+                sent = ready
+                if sent >= len(view) and n == len(items) - 1:
+                    break  # the last bytes go with the verdicts
+                send_all(sock, out)
+                out = []
+                if sent >= len(view):
+                    break
+        out += encode_frame(Op.REPLY, request_id, GetReply(results=grant.verdicts()))
+        send_all(sock, out)
+
+    def _receive_put(self, conn: int, sock: socket.socket, put: PutSlot) -> None:
+        try:
+            put.checksum = recv_hashed(sock, put.view)
+        except BaseException:
+            self.backend.abort_put(put, conn)  # nothing visible, the slot goes back
+            raise
