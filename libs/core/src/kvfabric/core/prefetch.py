@@ -498,9 +498,12 @@ class PrefetchCore:
         served_from: SegmentId,
         replicas: Iterable[SegmentId] = (),
         now_ms: int,
+        reads: int = 1,
     ) -> None:
-        """An engine read `object_id` from `served_from`; `replicas`: other segments holding it.
-        Feeds its read rate; a newly hot object's extra replica is queued (it starts on `tick`)."""
+        """An engine read `object_id` `reads` times from `served_from`; `replicas`: other segments
+        holding it. Feeds its read rate; a newly hot object's extra replica is queued (it starts
+        on `tick`). One call with `reads` n is n calls of one at the same time."""
+        invariant(reads >= 1, "a read counts at least once")
         self._advance(now_ms)
         rate = self._rates.pop(object_id, None) or _Rate(now_ms // self.config.hot_window_ms)
         self._rates[object_id] = rate  # most recently read last
@@ -510,7 +513,7 @@ class PrefetchCore:
         if rate.bucket != bucket:
             rate.previous = rate.current if rate.bucket == bucket - 1 else 0
             rate.bucket, rate.current = bucket, 0
-        rate.current += 1
+        rate.current += reads
         if self.reads_per_s(object_id, now_ms) < self.config.hot_reads_per_s:
             return
         if object_id in self._extras or object_id in self._extra_wants:

@@ -63,6 +63,7 @@ async def serve(settings: RuntimeSettings) -> int:
         hot_groups_per_event_max=32,
         request_timeout_s=config.request_timeout_s,
         copy_timeout_s=config.copy_timeout_s,
+        group_cache_ms=config.group_cache_ms,
     )
     runtime = ServiceRuntime(
         Service.PREFETCH,

@@ -25,9 +25,14 @@
 - Hot objects: lookup hits reach the service as the directory's `accessed` events (live NATS
   subscription, no replay); for the hottest groups of each event (`hot_groups_per_event_max`)
   a `show_group` (to the shard of the group) gives the members and their replicas, fed to
-  `core.read`. Every `scan_ms` `list_segments` of every shard, merged, gives free bytes, and
-  extra replicas gone cold are dropped through the directory (`replica_corrupt` to the shard of
-  the key, reason `cold_extra`, refused for a last replica).
+  `core.read` (one call per object and event, its hits as `reads`). A group shown is remembered
+  for `group_cache_ms` (at most `GROUP_CACHE_MAX` groups, the oldest forgotten; forgotten at
+  once when this service adds or drops one of its replicas): a prefix read again and again costs
+  one `show_group` per group and `group_cache_ms`, not one per event (issue 20: that was up to
+  half again the directory's work per lookup).
+- Every `scan_ms` `list_segments` of every shard, merged, gives free bytes, and extra replicas
+  gone cold are dropped through the directory (`replica_corrupt` to the shard of the key, reason
+  `cold_extra`, refused for a last replica).
 """
 
 from __future__ import annotations
@@ -53,9 +58,10 @@ from kvfabric.core.prefetch import (
     ReleaseCopy,
     StartCopy,
 )
-from kvfabric.format.clock import now_ms
+from kvfabric.format.clock import monotonic_ms, now_ms
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.format.ids import (
+    CHAIN_SLICE,
     ChainHash,
     DomainDigest,
     GroupId,
@@ -81,6 +87,11 @@ __all__ = ["PrefetchShell", "now_ms"]
 
 LEASE_TTL_MS_MAX: Final = 30_000
 READS_PER_HIT_MAX: Final = 16
+GROUP_CACHE_MAX: Final = 4096  # groups whose shown members and holders are remembered
+GROUP_CACHE_MS_DEFAULT: Final = 1000  # how long a shown group is trusted before it is shown again
+
+# a group's readable objects as shown: (object id, size in bytes, holders: the one read first)
+_GroupObjects = tuple[tuple[bytes, int, tuple[str, ...]], ...]
 WRITER_ID: Final = "prefetch"
 SSD_SOURCE_SUFFIX: Final = "#ssd"  # a disk replica as a copy source (never a segment id: [A-Za-z0-9_-])
 
@@ -97,6 +108,7 @@ class PrefetchShell:
         hot_groups_per_event_max: int,
         request_timeout_s: float,
         copy_timeout_s: float,
+        group_cache_ms: int = GROUP_CACHE_MS_DEFAULT,
     ) -> None:
         self.core = core
         self.holder_id = holder_id
@@ -106,10 +118,15 @@ class PrefetchShell:
         self.hot_groups_per_event_max = hot_groups_per_event_max
         self.request_timeout_s = request_timeout_s
         self.copy_timeout_s = copy_timeout_s
+        self.group_cache_ms = group_cache_ms
         self._resolving = 0
         # hint id -> the read leases protecting its sources: (shard, lease id), one per shard
         self._leases: dict[str, list[tuple[int, int]]] = {}
-        self._locations: dict[bytes, dict[str, m.Replica]] = {}  # extra replicas: key -> segment -> where
+        # (domain digest, chain hash) -> (monotonic ms shown, its objects): hot reads without a
+        # show_group per `accessed` event (at most GROUP_CACHE_MAX, insertion order = oldest first)
+        self._groups: dict[tuple[bytes, bytes], tuple[int, _GroupObjects]] = {}
+        self.groups_shown = 0  # show_group requests answered for `accessed` events
+        self.groups_known = 0  # group reads served from `_groups`, no request
         self._router: DirectoryRouter | None = None
         self._lookup_many_refused: set[str] = set()  # instances without `lookup_many` (older directories)
         self._tasks: list[asyncio.Task[None]] = []
@@ -236,6 +253,9 @@ class PrefetchShell:
             "hint_ids_live": core.hint_ids_live,
             "leases_held": sum(len(leases) for leases in self._leases.values()),
             "busy_resolving": self.busy_resolving,
+            "groups_shown": self.groups_shown,
+            "groups_known": self.groups_known,
+            "groups_remembered": len(self._groups),
         }
         return p.PrefetchStatus(gauges=gauges, counters=dict(core.counters))
 
@@ -270,6 +290,7 @@ class PrefetchShell:
         except (KvfError, TimeoutError) as exc:
             self._log.info("copy_failed", copy_id=start.copy_id, error=getattr(exc, "code", "timeout"))
             outcome = "failed"
+        self._forget_group_of(start.object_id)  # a new holder, or a copy's ticket given back
         for effect in self.core.copy_finished(
             start.copy_id, outcome in ("copied", "already_there"), self._now()
         ):
@@ -291,40 +312,76 @@ class PrefetchShell:
         for hit in hottest:
             if hit.hits * 1000 / max(1, self.tick_ms) < self.core.config.cold_reads_per_s:
                 continue  # not worth a directory query
-            # the 48-byte group key: its chain hash names the shard
-            key = pack_group_key(DomainDigest(hit.domain), ChainHash(hit.group))
-            try:
-                router = await self._routed()
-                shown = await self._directory(router.shard_of(key), "show_group", m.ShowGroup(group=key))
-            except (KvfError, ValueError):  # ValueError: a malformed event names no chain hash
-                continue
-            # Two domains may hold this chain hash: the one read is named by the event.
-            mine = (
-                [g for g in shown.groups if domain_in_id(Namespace(g.namespace)) == hit.domain]
-                if isinstance(shown, m.GroupList)
-                else []
-            )
-            if not mine:
-                continue
-            summary = mine[0]
+            known = self._known_group(hit.domain, hit.group)
+            if known is None:
+                known = await self._show_group(hit.domain, hit.group)
+                if known is None:
+                    continue  # the directory did not answer: asked again on the next event
             now = self._now()  # after the show_group await
+            for object_id, size_bytes, holders in known:
+                self.core.read(
+                    object_id,
+                    size_bytes=size_bytes,
+                    served_from=holders[0],
+                    replicas=holders,
+                    now_ms=now,
+                    reads=min(hit.hits, READS_PER_HIT_MAX),
+                )
+
+    def _known_group(self, domain: bytes, group: bytes) -> _GroupObjects | None:
+        """The members of a group shown less than `group_cache_ms` ago (None: ask again)."""
+        entry = self._groups.get((domain, group))
+        if entry is None:
+            return None
+        shown_ms, objects = entry
+        if monotonic_ms() - shown_ms >= self.group_cache_ms:
+            del self._groups[(domain, group)]
+            return None
+        self.groups_known += 1
+        return objects
+
+    async def _show_group(self, domain: bytes, group: bytes) -> _GroupObjects | None:
+        """`show_group` of the group read (domain digest, chain hash), to the shard of the group:
+        its readable objects as (object id, size, holders), remembered for `group_cache_ms`
+        (at most `GROUP_CACHE_MAX` groups, the oldest forgotten). None when the directory did not
+        answer; an empty tuple (remembered too) when it holds nothing of this domain."""
+        # the 48-byte group key: its chain hash names the shard
+        try:
+            key = pack_group_key(DomainDigest(domain), ChainHash(group))
+            router = await self._routed()
+            shown = await self._directory(router.shard_of(key), "show_group", m.ShowGroup(group=key))
+        except (KvfError, ValueError):  # ValueError: a malformed event names no chain hash
+            return None
+        self.groups_shown += 1
+        # Two domains may hold this chain hash: the one read is named by the event.
+        mine = (
+            [g for g in shown.groups if domain_in_id(Namespace(g.namespace)) == domain]
+            if isinstance(shown, m.GroupList)
+            else []
+        )
+        objects: _GroupObjects = ()
+        if mine:
+            summary = mine[0]
             group_id = pack_group_id(
                 Namespace(summary.namespace), summary.chunk_index, ChainHash(summary.group)
             )
-            for obj in summary.objects:
-                if not obj.replicas:
-                    continue
-                object_id = _object_key(group_id, obj.member)
-                self._locations[object_id] = {_holder(r): r for r in obj.replicas}
-                holders = [_holder(r) for r in obj.replicas]  # lookups list arena replicas first
-                for _ in range(min(hit.hits, READS_PER_HIT_MAX)):
-                    self.core.read(
-                        object_id,
-                        size_bytes=obj.size_bytes,
-                        served_from=holders[0],
-                        replicas=holders,
-                        now_ms=now,
-                    )
+            objects = tuple(
+                # lookups list arena replicas first: the first holder is the one read
+                (_object_key(group_id, obj.member), obj.size_bytes, tuple(_holder(r) for r in obj.replicas))
+                for obj in summary.objects
+                if obj.replicas
+            )
+        if self.group_cache_ms > 0:
+            self._groups[(domain, group)] = (monotonic_ms(), objects)
+            while len(self._groups) > GROUP_CACHE_MAX:
+                del self._groups[next(iter(self._groups))]  # the oldest shown
+        return objects
+
+    def _forget_group_of(self, object_id: bytes) -> None:
+        """A replica of `object_id` was added or dropped by this service: its group is shown again
+        on its next read (the holders changed)."""
+        group_id = group_id_in_key(ObjectKey(object_id))
+        self._groups.pop((domain_in_id(group_id), group_id[CHAIN_SLICE]), None)
 
     async def _scanner(self) -> None:
         while True:
@@ -366,6 +423,7 @@ class PrefetchShell:
                     reason="cold_extra",
                 ),
             )
+        self._forget_group_of(object_id)
         self.core.replica_removed(object_id, segment)
 
     # ---- directory ---------------------------------------------------------------------------
