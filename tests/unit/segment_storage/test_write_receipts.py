@@ -21,7 +21,7 @@ from kvfabric.format.errors import ChecksumMismatch, StaleGeneration, Unavailabl
 from kvfabric.proto import directory as m
 from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import sign_ticket, write_receipt
-from kvfabric.segment_storage import shell as shell_module
+from kvfabric.segment_storage import shell_confirms
 from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.confirms import CONFIRM_LATER_LINGER_S, ConfirmBatcher
@@ -231,7 +231,7 @@ def test_the_background_confirm_frees_only_on_a_refusal(
     with client(server) as c:
         reply = c.put(t, data, receipt=True)
     shell = LaterShell(backend, answers)
-    with patch.object(shell_module, "CONFIRM_LATER_RETRY_S", 0.001):
+    with patch.object(shell_confirms, "CONFIRM_LATER_RETRY_S", 0.001):
         later = [(t, reply.slot, reply.slot_generation, "trace")]
         asyncio.run(SegmentShell._confirm_in_background(shell, later))  # type: ignore[arg-type]
     assert shell.asked == asked
@@ -247,7 +247,7 @@ def test_a_directory_silent_past_the_deadline_gets_the_slot_freed(
     with client(server) as c:
         reply = c.put(t, data, receipt=True)
     now = backend.clock_ms()
-    backend.clock_ms = lambda: now + 30_000 + shell_module.CONFIRM_LATER_GIVE_UP_MS + 10_000
+    backend.clock_ms = lambda: now + 30_000 + shell_confirms.CONFIRM_LATER_GIVE_UP_MS + 10_000
     shell = LaterShell(backend, [Unavailable("no leader")])
     asyncio.run(SegmentShell._confirm_in_background(shell, [(t, reply.slot, reply.slot_generation, "trace")]))  # type: ignore[arg-type]
     assert backend.slots.held_one(reply.slot, reply.slot_generation) is None

@@ -37,6 +37,10 @@ Lifecycle:
   `demotion_stopped`), the arena serves on.
 - stop: stop the data server (connections closed, references released), unlink the arena, close
   the disk tier (its file stays: it is what the next start recovers).
+
+Modules: this one holds the lifecycle and the directory's control requests (free, report, drain);
+routing, registration and heartbeats are `shell_directory`, confirms `shell_confirms`, copies,
+scrubbing and corruption reports `shell_repair` (mixins of `SegmentShell`).
 """
 
 from __future__ import annotations
@@ -55,23 +59,10 @@ from kvfabric.core.segment_slots import HeldSlot, SlotTable
 from kvfabric.dataplane.addresses import join
 from kvfabric.dataplane.tcp import TcpDataServer
 from kvfabric.dataplane.tls import client_context, server_context
-from kvfabric.format.errors import (
-    BadRequest,
-    Busy,
-    Indeterminate,
-    KvfError,
-    NotFound,
-    StaleGeneration,
-    Unavailable,
-)
+from kvfabric.format.errors import BadRequest, StaleGeneration
 from kvfabric.proto import directory as m
-from kvfabric.proto.common import TRACE_ID_HEADER
-from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import (
     REPORT_PAGE_MAX,
-    SSD_SLOT_BASE,
-    CopyReply,
-    CopyRequest,
     DrainRequest,
     FreeSlotsReply,
     FreeSlotsRequest,
@@ -87,10 +78,11 @@ from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.segment_storage.arena import Arena, lock_segment_id, remove_stale_arenas, unlock_segment_id
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.confirms import CONFIRM_LATER_LINGER_S, ConfirmBatcher
-from kvfabric.segment_storage.copier import fetch_replica
 from kvfabric.segment_storage.demoter import Demoter
-from kvfabric.segment_storage.scrubber import CorruptObject, Scrubber, ScrubPacer
+from kvfabric.segment_storage.scrubber import Scrubber
 from kvfabric.segment_storage.settings import SegmentSettings
+from kvfabric.segment_storage.shell_confirms import ShellConfirms
+from kvfabric.segment_storage.shell_repair import ShellRepair
 from kvfabric.segment_storage.ssd import SsdIo, SsdTier
 from kvfabric.segment_storage.suspects import SuspectChecker
 
@@ -100,35 +92,17 @@ if TYPE_CHECKING:
 __all__ = ["EXIT_REREGISTER", "SegmentShell", "new_incarnation"]
 
 EXIT_REREGISTER: Final = 75
-REQUEST_TIMEOUT_S: Final = 5.0
-HEARTBEAT_TIMEOUT_MIN_S: Final = 0.2  # a heartbeat request waits one interval, at least this
-HEARTBEATS_FAILED_WARN: Final = 2  # failed rounds in a row logged as a warning
-MAP_REFRESH_BEATS: Final = 10  # the shard map is asked again at least every this many heartbeats
-SCRUB_TICK_S: Final = 0.1
-CORRUPT_REPORT_ATTEMPTS: Final = 3  # a report the directory could not take is retried, then dropped
-CORRUPT_REPORT_BACKOFF_S: Final = 1.0
-SSD_UNLINK_RETRY_S: Final = 1.0
-# A receipted write's background confirm that got no verdict (directory unreachable, busy) is
-# asked again every this long until one comes; past the ticket's deadline (plus the clock skew
-# tolerance) the directory has committed or dropped the write, so any verdict is final then,
-# and a confirm still without one after CONFIRM_LATER_GIVE_UP_MS more frees the slot.
-CONFIRM_LATER_RETRY_S: Final = 0.5
-CONFIRM_LATER_GIVE_UP_MS: Final = 30_000
-# Refusals that are final: the slot is freed at once (the others are asked again).
-_CONFIRM_FINAL_ERRORS: Final = (NotFound, StaleGeneration)
-# A segment that starts before any directory instance leads a shard (a cluster coming up, a busy
-# directory answering the shard map late) asks again, waiting this long doubling to the max,
-# for at most REGISTER_WAIT_S in all; then its start fails (the supervisor restarts it).
-REGISTER_RETRY_S_MIN: Final = 0.1
-REGISTER_RETRY_S_MAX: Final = 2.0
-REGISTER_WAIT_S: Final = 30.0
 
 
 def new_incarnation() -> int:
     return time.time_ns() // 1_000
 
 
-class SegmentShell:
+class SegmentShell(ShellRepair, ShellConfirms):
+    """One segment process: its arena, disk tier, data servers and background tasks, from start to
+    stop; the directory's requests to it (frees, reports, drain) are answered here, the rest by
+    its mixins."""
+
     def __init__(self, settings: SegmentSettings) -> None:
         self.settings = settings
         self.incarnation = new_incarnation()
@@ -248,62 +222,6 @@ class SegmentShell:
         runtime.add_endpoint("verify", self.suspects.on_verify, instance=self.settings.segment_id)
         runtime.add_endpoint("demote", self.demoter.on_demote, instance=self.settings.segment_id)
 
-    async def _directory(self, verb: str, message: msgspec.Struct, trace_id: str = "") -> msgspec.Struct:
-        """A keyed request (confirm, replica_corrupt, replicate_begin, put_abort) to the leader of
-        its key's shard."""
-        assert self.router is not None
-        if isinstance(message, m.ConfirmReplicas):
-            shard = self.router.shard_of(message.confirms[0].key)
-        elif isinstance(message, m.PutAbort):
-            shard = self.router.shard_of(message.keys[0])
-        elif isinstance(message, m.ReplicateBeginMany | m.ReplicaCorruptMany):  # one shard's keys
-            shard = self.router.shard_of(message.items[0].key)
-        else:
-            shard = self.router.shard_of(getattr(message, "key", b""))
-        reply = await self.router.ask(
-            shard,
-            verb,
-            message,
-            REQUEST_TIMEOUT_S,
-            headers={TRACE_ID_HEADER: trace_id} if trace_id else None,
-        )
-        self._saw_epoch(shard, getattr(reply, "epoch", 0))
-        return reply
-
-    async def _every_leader(
-        self, verb: str, message: msgspec.Struct, timeout_s: float = REQUEST_TIMEOUT_S
-    ) -> list[msgspec.Struct]:
-        """Registration and heartbeats: every instance that leads a shard keeps segments. Raises
-        the first error when no instance took it (or `NotFound`/`StaleGeneration` from any: a
-        leader declared this incarnation down)."""
-        assert self.router is not None
-        answers = await self.router.ask_all(verb, message, timeout_s)
-        replies: list[msgspec.Struct] = [a for a in answers if not isinstance(a, KvfError)]
-        errors = [a for a in answers if isinstance(a, KvfError)]
-        for err in errors:
-            if isinstance(err, NotFound | StaleGeneration):
-                raise err
-        covered = {e.shard for r in replies for e in getattr(r, "shard_epochs", [])}
-        self._beats += 1
-        if errors or len(covered) < self.router.shards or self._beats % MAP_REFRESH_BEATS == 0:
-            # A gone or deposed instance, a shard nobody here answered for (it moved: a handover
-            # or a failover), or just time: ask the map again before the next heartbeat, so
-            # every shard's leader hears from this segment before it would declare it down.
-            self.router.forget_all()
-        if not replies:
-            raise errors[0] if errors else Unavailable("no directory instance leads a shard yet")
-        for reply in replies:
-            for shard_epoch in getattr(reply, "shard_epochs", []):
-                self._saw_epoch(shard_epoch.shard, shard_epoch.epoch)
-        return replies
-
-    def _saw_epoch(self, shard: int, epoch: int) -> None:
-        """A leader of `shard` with `epoch` exists: tickets and frees of older epochs are fenced."""
-        # The backend fences tickets with it (`min_epochs`: the one record of epochs seen).
-        if epoch > self.backend.min_epochs.get(shard, 0):
-            self.backend.min_epochs[shard] = epoch
-            self._log.info("directory_epoch_seen", shard=shard, epoch=epoch)
-
     async def start(self, nc: NatsClient) -> None:
         self._nc = nc
         self._loop = asyncio.get_running_loop()
@@ -355,31 +273,6 @@ class SegmentShell:
             shards_seen=len(self.backend.min_epochs),
         )
 
-    async def _register(
-        self,
-        registration: m.RegisterSegment,
-        *,
-        wait_s: float = REGISTER_WAIT_S,
-        retry_s: float = REGISTER_RETRY_S_MIN,
-    ) -> list[msgspec.Struct]:
-        """`register` with every shard leader; while none answers (`Unavailable`: no leader yet,
-        or a shard map answered too late), asked again with a doubling wait for at most `wait_s`.
-        `NotFound`/`StaleGeneration` (this incarnation declared down) and, once the wait is spent,
-        the last error are raised."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                return await self._every_leader("register", registration)
-            except (NotFound, StaleGeneration):
-                raise
-            except (Unavailable, Indeterminate) as err:  # a register is idempotent per incarnation
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                self._log.info("register_retry", error=repr(err), wait_s=round(min(retry_s, left), 3))
-                await asyncio.sleep(min(retry_s, left))
-                retry_s = min(retry_s * 2, REGISTER_RETRY_S_MAX)
-
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
@@ -399,9 +292,6 @@ class SegmentShell:
             unlock_segment_id(self.settings.shm_dir, self.settings.segment_id, self._id_lock_fd)
             self._id_lock_fd = -1
 
-    def _disk_objects(self) -> int:
-        return self.ssd.table.objects if self.ssd is not None else 0
-
     def _close_ssd(self) -> None:
         """Wait for the I/O threads, then close the file (it stays for the next start)."""
         if self.ssd_io is not None:
@@ -409,173 +299,7 @@ class SegmentShell:
         if self.ssd is not None:
             self.ssd.close()
 
-    # ---- directory traffic ---------------------------------------------------------------------
-
-    def _confirm(
-        self, ticket: m.WriteTicket, slot: int, generation: int, trace_id: str = "", save_writes: int = 0
-    ) -> str:
-        """Called from a transport thread: confirm on the event loop (batched with the other
-        replicas of the same save, `ConfirmBatcher`), wait for the verdict."""
-        if self._loop is None or self.router is None:
-            raise Unavailable("the segment is not connected to the directory")
-        confirm = m.ReplicaConfirm(
-            ticket_id=ticket.ticket_id,
-            key=ticket.key,
-            slot=slot,
-            slot_generation=generation,
-            size_bytes=ticket.size_bytes,
-            checksum=ticket.checksum,
-        )
-        shard = self.router.shard_of(ticket.key)
-        future = asyncio.run_coroutine_threadsafe(
-            self.confirms.confirm(shard, ticket.epoch, confirm, trace_id, expected=save_writes), self._loop
-        )
-        try:
-            return future.result(timeout=self.settings.confirm_timeout_ms / 1000)
-        except TimeoutError:  # the caller frees the slot: a late "ok" names a replica that is gone
-            future.cancel()
-            raise Indeterminate(
-                "no confirm verdict in time", timeout_ms=self.settings.confirm_timeout_ms
-            ) from None
-        except (concurrent.futures.CancelledError, RuntimeError):  # stopping: the slot is freed
-            raise Unavailable("the segment stopped confirming") from None
-
-    def _confirm_later(self, ticket: m.WriteTicket, slot: int, generation: int, trace_id: str = "") -> None:
-        """Called from a transport thread for a write answered with a receipt: its confirm goes
-        in the background (`_confirm_in_background`); never blocks. The writes that arrive before
-        the loop runs share one wake-up and one task (not one each)."""
-        loop = self._loop
-        if loop is None or self.router is None:
-            raise Unavailable("the segment is not connected to the directory")
-        with self._later_lock:
-            self._later.append((ticket, slot, generation, trace_id))
-            if self._later_woken:
-                return
-            self._later_woken = True
-        try:
-            loop.call_soon_threadsafe(self._start_later)
-        except RuntimeError:  # the loop is closing
-            raise Unavailable("the segment stopped confirming") from None
-
-    def _start_later(self) -> None:
-        """On the loop: the receipted writes queued since the last wake-up, confirmed together."""
-        with self._later_lock:
-            items, self._later = self._later, []
-            self._later_woken = False
-        task = asyncio.ensure_future(self._confirm_in_background(items))
-        self._later_tasks.add(task)
-        task.add_done_callback(self._later_tasks.discard)
-
-    async def _confirm_in_background(self, items: list[tuple[m.WriteTicket, int, int, str]]) -> None:
-        """Confirm receipted writes until the directory gives each a verdict: `ok` keeps the slot
-        (the writer's commit named it, or will), a refusal frees it (the write expired or was
-        aborted uncommitted, or the ticket already names another slot). Those without a verdict
-        are asked again (`CONFIRM_LATER_RETRY_S`): freeing a slot the writer's receipt may have
-        published would lose a replica. After a ticket's deadline every verdict is final; a
-        directory silent for `CONFIRM_LATER_GIVE_UP_MS` past it gets the slot freed (as a
-        synchronous confirm without a verdict does)."""
-        assert self.router is not None
-        waiting = items
-        while waiting:
-            asked = [
-                (
-                    (ticket, slot, generation, trace_id),
-                    self.confirms_later.submit(
-                        self.router.shard_of(ticket.key),
-                        ticket.epoch,
-                        m.ReplicaConfirm(
-                            ticket_id=ticket.ticket_id,
-                            key=ticket.key,
-                            slot=slot,
-                            slot_generation=generation,
-                            size_bytes=ticket.size_bytes,
-                            checksum=ticket.checksum,
-                        ),
-                        trace_id,
-                        shared=True,
-                    ),
-                )
-                for ticket, slot, generation, trace_id in waiting
-            ]
-            await asyncio.wait([f for _, f in asked], timeout=self.settings.confirm_timeout_ms / 1000)
-            waiting = []
-            for (ticket, slot, generation, trace_id), verdict in asked:
-                if not verdict.done():
-                    verdict.cancel()  # its batch skips it (or drops its late verdict)
-                    err: BaseException | None = TimeoutError()
-                else:
-                    err = verdict.exception()
-                if err is None:
-                    if verdict.result() != "ok":
-                        self.backend.unconfirmed(slot, generation, verdict.result())
-                elif isinstance(err, _CONFIRM_FINAL_ERRORS):
-                    self.backend.unconfirmed(slot, generation, err.code)
-                elif (
-                    self.backend.clock_ms()
-                    >= self.backend.ticket_deadline_ms(ticket) + CONFIRM_LATER_GIVE_UP_MS
-                ):
-                    self.backend.unconfirmed(slot, generation, "no_verdict")
-                else:
-                    waiting.append((ticket, slot, generation, trace_id))
-            if waiting:
-                self.backend.count("confirm_later_retries_total", len(waiting))
-                await asyncio.sleep(CONFIRM_LATER_RETRY_S)
-
-    async def _confirm_async(self, ticket: m.WriteTicket, slot: int, generation: int) -> str:
-        """A demotion's disk replica, confirmed on the loop like a transport's write."""
-        assert self.router is not None
-        confirm = m.ReplicaConfirm(
-            ticket_id=ticket.ticket_id,
-            key=ticket.key,
-            slot=slot,
-            slot_generation=generation,
-            size_bytes=ticket.size_bytes,
-            checksum=ticket.checksum,
-        )
-        try:
-            return await asyncio.wait_for(
-                self.confirms.confirm(self.router.shard_of(ticket.key), ticket.epoch, confirm, ""),
-                self.settings.confirm_timeout_ms / 1000,
-            )
-        except TimeoutError:
-            raise Indeterminate(
-                "no confirm verdict in time", timeout_ms=self.settings.confirm_timeout_ms
-            ) from None
-
-    async def _heartbeats(self) -> None:
-        """One heartbeat round per interval, on a fixed cadence. A round waits at most one
-        interval for its slowest instance: an instance that died with a heartbeat in flight
-        (no reply, no `no responders`) must not hold back the next round to the others, or they
-        declare this segment down (heartbeat timeout) and it restarts empty."""
-        loop = asyncio.get_running_loop()
-        due = loop.time()
-        failed_in_a_row = 0
-        while True:
-            interval_s = self.heartbeat_interval_ms / 1000
-            due = max(due + interval_s, loop.time())
-            await asyncio.sleep(due - loop.time())
-            try:
-                await self._every_leader(
-                    "heartbeat",
-                    m.Heartbeat(
-                        segment_id=self.settings.segment_id,
-                        incarnation=self.incarnation,
-                        used_bytes=self.slots.used_bytes,
-                        draining=self.backend.draining,
-                        disk_objects=self._disk_objects(),
-                    ),
-                    timeout_s=min(REQUEST_TIMEOUT_S, max(HEARTBEAT_TIMEOUT_MIN_S, interval_s)),
-                )
-            except (NotFound, StaleGeneration) as err:
-                self._log.warning("segment_declared_down", code=err.code)
-                self.must_reregister.set()
-                return
-            except KvfError as err:  # directory unreachable: keep trying, keep serving reads
-                failed_in_a_row += 1  # one is routine (a failover); a run of them nears the timeout
-                log = self._log.warning if failed_in_a_row >= HEARTBEATS_FAILED_WARN else self._log.info
-                log("heartbeat_failed", code=err.code, failed_in_a_row=failed_in_a_row)
-            else:
-                failed_in_a_row = 0
+    # ---- the directory's requests: frees, reports, drain -----------------------------------------
 
     async def _on_free(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
         message = segment_decoder.decode(data)
@@ -633,129 +357,3 @@ class SegmentShell:
         return SegmentState(
             incarnation=self.incarnation, draining=self.backend.draining, used_bytes=self.slots.used_bytes
         )
-
-    # ---- repair: copies in, scrub ----------------------------------------------------------------
-
-    async def _on_copy(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        message = segment_decoder.decode(data)
-        if not isinstance(message, CopyRequest):
-            raise BadRequest(f"expected CopyRequest, got {type(message).__name__}")
-        with self._copy_lock:
-            busy = self.copies_in_flight >= self.settings.copies_max
-            if not busy:
-                self.copies_in_flight += 1
-        if busy:
-            self.backend.count("copies_busy_total")
-            raise Busy("copies in flight at the limit", copies_max=self.settings.copies_max)
-        try:
-            future = self._copy_pool.submit(self._copy, message, headers.get(TRACE_ID_HEADER, ""))
-        except RuntimeError:  # the pool is shut down: stopping
-            self._copy_finished(None)
-            raise Unavailable("segment is stopping") from None
-        # The in-flight count drops when the copy thread is done (or the copy never started),
-        # not when this handler returns or is cancelled.
-        future.add_done_callback(self._copy_finished)
-        try:
-            slot, generation = await asyncio.wrap_future(future)
-        except KvfError as err:
-            self._log.warning(
-                "copy_failed",
-                code=err.code,
-                error=err.message,
-                source_addr=message.source_addr,
-                ticket_id=message.ticket.ticket_id,
-            )
-            raise
-        if message.source_incarnation == self.incarnation and message.source_slot >= SSD_SLOT_BASE:
-            self.backend.count("promotions_total")  # from its own disk into its arena
-        return CopyReply(slot=slot, slot_generation=generation)
-
-    def _copy_finished(self, _: object) -> None:
-        with self._copy_lock:
-            self.copies_in_flight -= 1
-
-    def _copy(self, message: CopyRequest, trace_id: str) -> tuple[int, int]:
-        """On a copy thread: the ticket's put, filled from the source replica, within the timeout."""
-        ticket = message.ticket
-        source = ReadRef(
-            message.source_incarnation,
-            message.source_slot,
-            message.source_slot_generation,
-            ticket.size_bytes,
-            message.source_read_token,
-            message.source_read_expires_ms,
-        )
-        # No point reading past the ticket's deadline: the directory no longer takes the replica.
-        # (An expired ticket is refused by `begin_put` before anything is read.)
-        # The deadline as this segment honours it (plus the clock skew tolerance).
-        ticket_left_ms = self.backend.ticket_deadline_ms(ticket) - self.backend.clock_ms()
-        timeout_ms = min(self.settings.copy_timeout_ms, ticket_left_ms)
-        timeout_s = max(timeout_ms, 1) / 1000
-        return self.backend.copy_in(
-            ticket,
-            lambda view: fetch_replica(message.source_addr, source, view, timeout_s, self.peer_tls),
-            trace_id,
-        )
-
-    async def _scrub(self) -> None:
-        """Scrub at `scrub_bytes_per_s`, one bounded step per tick; report what is corrupt."""
-        pacer = ScrubPacer(self.settings.scrub_bytes_per_s, time.monotonic())
-        while True:
-            await asyncio.sleep(SCRUB_TICK_S)
-            budget = pacer.available(time.monotonic())
-            if budget <= 0:
-                continue
-            spent, corrupt = await asyncio.to_thread(self.scrubber.step, budget, self.backend.clock_ms())
-            pacer.spend(spent)
-            for found in corrupt:
-                self._log.warning(
-                    "corrupt_replica_freed",
-                    slot=found.slot,
-                    slot_generation=found.generation,
-                    size_bytes=found.size,
-                    key=found.key.hex(),
-                )
-                await self._report_corrupt(found)
-
-    def _disk_read_corrupt(self, key: bytes, slot: int, generation: int, size: int) -> None:
-        """From a transport thread: a disk read found this replica corrupt (or unreadable) and the
-        tier freed it; report it like the scrubber does."""
-        self._log.warning("corrupt_replica_freed", slot=slot, slot_generation=generation, tier="ssd")
-        if self._loop is not None:
-            found = CorruptObject(key, slot, generation, size)
-            asyncio.run_coroutine_threadsafe(self._report_corrupt(found), self._loop)
-
-    async def _ssd_unlinks(self) -> None:
-        """Free records whose write failed (an I/O error): their extents stay held until a retry
-        gets them durable."""
-        assert self.ssd is not None
-        while True:
-            await asyncio.sleep(SSD_UNLINK_RETRY_S)
-            if self.ssd.unlinks_pending:
-                retried = await asyncio.to_thread(self.ssd.retry_unlinks)
-                if retried:
-                    self._log.info("ssd_unlinks_retried", slots=retried)
-
-    async def _report_corrupt(self, found: CorruptObject) -> None:
-        """Tell the directory (bounded retries); the slot is already freed here whatever it says."""
-        message = m.ReplicaCorrupt(
-            segment_id=self.settings.segment_id,
-            incarnation=self.incarnation,
-            key=found.key,
-            slot=found.slot,
-            slot_generation=found.generation,
-        )
-        for attempt in range(1, CORRUPT_REPORT_ATTEMPTS + 1):
-            try:
-                reply = await self._directory("replica_corrupt", message)
-            except KvfError as err:
-                self._log.info("replica_corrupt_report_failed", code=err.code, attempt=attempt)
-                if not err.retryable or attempt == CORRUPT_REPORT_ATTEMPTS:
-                    self.backend.count("replica_corrupt_unreported_total")
-                    return
-                await asyncio.sleep(CORRUPT_REPORT_BACKOFF_S * attempt)
-                continue
-            dropped = isinstance(reply, m.ReplicaCorruptReply) and reply.dropped
-            self.backend.count("replica_corrupt_reported_total")
-            self._log.info("replica_corrupt_reported", slot=found.slot, dropped=dropped)
-            return

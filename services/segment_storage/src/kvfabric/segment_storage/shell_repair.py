@@ -1,0 +1,180 @@
+"""The segment shell's repair: copies in from another segment (`copy.<segment_id>`), the scrubber's
+paced passes, disk reads found corrupt, retried free records of the disk tier, and the corruption
+reports to the directory.
+
+`ShellRepair` is a mixin of `SegmentShell` (`kvfabric.segment_storage.shell`), over
+`ShellDirectory` (it reports to the directory): it reads the shell's backend, settings, scrubber,
+disk tier and copy pool and writes only `copies_in_flight`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ssl
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Final
+
+import msgspec
+
+from kvfabric.format.errors import BadRequest, Busy, KvfError, Unavailable
+from kvfabric.proto import directory as m
+from kvfabric.proto.common import TRACE_ID_HEADER
+from kvfabric.proto.dataplane import ReadRef
+from kvfabric.proto.segment import SSD_SLOT_BASE, CopyReply, CopyRequest, segment_decoder
+from kvfabric.segment_storage.copier import fetch_replica
+from kvfabric.segment_storage.scrubber import CorruptObject, ScrubPacer
+from kvfabric.segment_storage.shell_directory import ShellDirectory
+
+if TYPE_CHECKING:
+    from kvfabric.segment_storage.scrubber import Scrubber
+
+__all__ = [
+    "CORRUPT_REPORT_ATTEMPTS",
+    "CORRUPT_REPORT_BACKOFF_S",
+    "SCRUB_TICK_S",
+    "SSD_UNLINK_RETRY_S",
+    "ShellRepair",
+]
+
+SCRUB_TICK_S: Final = 0.1
+CORRUPT_REPORT_ATTEMPTS: Final = 3  # a report the directory could not take is retried, then dropped
+CORRUPT_REPORT_BACKOFF_S: Final = 1.0
+SSD_UNLINK_RETRY_S: Final = 1.0
+
+
+class ShellRepair(ShellDirectory):
+    """Copies in, scrubbing and corruption reports."""
+
+    scrubber: Scrubber
+    peer_tls: ssl.SSLContext | None
+    copies_in_flight: int
+    _copy_pool: concurrent.futures.ThreadPoolExecutor
+    _copy_lock: threading.Lock
+    _loop: asyncio.AbstractEventLoop | None
+
+    async def _on_copy(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+        message = segment_decoder.decode(data)
+        if not isinstance(message, CopyRequest):
+            raise BadRequest(f"expected CopyRequest, got {type(message).__name__}")
+        with self._copy_lock:
+            busy = self.copies_in_flight >= self.settings.copies_max
+            if not busy:
+                self.copies_in_flight += 1
+        if busy:
+            self.backend.count("copies_busy_total")
+            raise Busy("copies in flight at the limit", copies_max=self.settings.copies_max)
+        try:
+            future = self._copy_pool.submit(self._copy, message, headers.get(TRACE_ID_HEADER, ""))
+        except RuntimeError:  # the pool is shut down: stopping
+            self._copy_finished(None)
+            raise Unavailable("segment is stopping") from None
+        # The in-flight count drops when the copy thread is done (or the copy never started),
+        # not when this handler returns or is cancelled.
+        future.add_done_callback(self._copy_finished)
+        try:
+            slot, generation = await asyncio.wrap_future(future)
+        except KvfError as err:
+            self._log.warning(
+                "copy_failed",
+                code=err.code,
+                error=err.message,
+                source_addr=message.source_addr,
+                ticket_id=message.ticket.ticket_id,
+            )
+            raise
+        if message.source_incarnation == self.incarnation and message.source_slot >= SSD_SLOT_BASE:
+            self.backend.count("promotions_total")  # from its own disk into its arena
+        return CopyReply(slot=slot, slot_generation=generation)
+
+    def _copy_finished(self, _: object) -> None:
+        with self._copy_lock:
+            self.copies_in_flight -= 1
+
+    def _copy(self, message: CopyRequest, trace_id: str) -> tuple[int, int]:
+        """On a copy thread: the ticket's put, filled from the source replica, within the timeout."""
+        ticket = message.ticket
+        source = ReadRef(
+            message.source_incarnation,
+            message.source_slot,
+            message.source_slot_generation,
+            ticket.size_bytes,
+            message.source_read_token,
+            message.source_read_expires_ms,
+        )
+        # No point reading past the ticket's deadline: the directory no longer takes the replica.
+        # (An expired ticket is refused by `begin_put` before anything is read.)
+        # The deadline as this segment honours it (plus the clock skew tolerance).
+        ticket_left_ms = self.backend.ticket_deadline_ms(ticket) - self.backend.clock_ms()
+        timeout_ms = min(self.settings.copy_timeout_ms, ticket_left_ms)
+        timeout_s = max(timeout_ms, 1) / 1000
+        return self.backend.copy_in(
+            ticket,
+            lambda view: fetch_replica(message.source_addr, source, view, timeout_s, self.peer_tls),
+            trace_id,
+        )
+
+    async def _scrub(self) -> None:
+        """Scrub at `scrub_bytes_per_s`, one bounded step per tick; report what is corrupt."""
+        pacer = ScrubPacer(self.settings.scrub_bytes_per_s, time.monotonic())
+        while True:
+            await asyncio.sleep(SCRUB_TICK_S)
+            budget = pacer.available(time.monotonic())
+            if budget <= 0:
+                continue
+            spent, corrupt = await asyncio.to_thread(self.scrubber.step, budget, self.backend.clock_ms())
+            pacer.spend(spent)
+            for found in corrupt:
+                self._log.warning(
+                    "corrupt_replica_freed",
+                    slot=found.slot,
+                    slot_generation=found.generation,
+                    size_bytes=found.size,
+                    key=found.key.hex(),
+                )
+                await self._report_corrupt(found)
+
+    def _disk_read_corrupt(self, key: bytes, slot: int, generation: int, size: int) -> None:
+        """From a transport thread: a disk read found this replica corrupt (or unreadable) and the
+        tier freed it; report it like the scrubber does."""
+        self._log.warning("corrupt_replica_freed", slot=slot, slot_generation=generation, tier="ssd")
+        if self._loop is not None:
+            found = CorruptObject(key, slot, generation, size)
+            asyncio.run_coroutine_threadsafe(self._report_corrupt(found), self._loop)
+
+    async def _ssd_unlinks(self) -> None:
+        """Free records whose write failed (an I/O error): their extents stay held until a retry
+        gets them durable."""
+        assert self.ssd is not None
+        while True:
+            await asyncio.sleep(SSD_UNLINK_RETRY_S)
+            if self.ssd.unlinks_pending:
+                retried = await asyncio.to_thread(self.ssd.retry_unlinks)
+                if retried:
+                    self._log.info("ssd_unlinks_retried", slots=retried)
+
+    async def _report_corrupt(self, found: CorruptObject) -> None:
+        """Tell the directory (bounded retries); the slot is already freed here whatever it says."""
+        message = m.ReplicaCorrupt(
+            segment_id=self.settings.segment_id,
+            incarnation=self.incarnation,
+            key=found.key,
+            slot=found.slot,
+            slot_generation=found.generation,
+        )
+        for attempt in range(1, CORRUPT_REPORT_ATTEMPTS + 1):
+            try:
+                reply = await self._directory("replica_corrupt", message)
+            except KvfError as err:
+                self._log.info("replica_corrupt_report_failed", code=err.code, attempt=attempt)
+                if not err.retryable or attempt == CORRUPT_REPORT_ATTEMPTS:
+                    self.backend.count("replica_corrupt_unreported_total")
+                    return
+                await asyncio.sleep(CORRUPT_REPORT_BACKOFF_S * attempt)
+                continue
+            dropped = isinstance(reply, m.ReplicaCorruptReply) and reply.dropped
+            self.backend.count("replica_corrupt_reported_total")
+            self._log.info("replica_corrupt_reported", slot=found.slot, dropped=dropped)
+            return
