@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from kvfabric.client import AsyncKvClient, ClientSettings, Hit
-from kvfabric.client.transfers import attempt_budget_s
+from kvfabric.client.attempts import attempt_budget_s
 from kvfabric.core.segment_slots import SlotTable
 from kvfabric.dataplane.tcp import TcpDataServer
 from kvfabric.format.checksum import checksum

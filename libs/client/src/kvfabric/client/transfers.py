@@ -8,27 +8,22 @@ opening more, so a client never costs a segment more than that many connections 
 failed is closed, never reused. Every call is bounded by the
 connection's timeout, so a dead segment costs at most one timeout per attempt.
 
-Per-attempt budget: a load's reads carry its deadline (`deadline_s`, monotonic). A replica read
-that is not the last one to try gets `attempt_budget_s` of what is left (by default half, at least
-`attempt_min_s`), then the next replica is tried within the same load; the last one gets all that
-is left. Only an attempt with a budget shorter than what is left is watched: `AttemptWatchdog`
-(one thread per pool, no timer per read) shuts its socket down when the budget runs out, which
-wakes the blocked read at once; the read then fails with `TimeoutError`, its connection is closed
-(never pooled half-read) and its semaphore slot given back. A read that answers in time costs an
-entry in a dict, nothing more.
+Per-attempt budget: a replica read that is not the last one to try gets part of what is left of
+its load's deadline, and is cut when that runs out (`kvfabric.client.attempts`).
 
 Ownership: `fetch` writes straight into the engine's buffers it is given (a `ScatterDest`), each
 block under the buffers' `WriteGate`: once their owner closes the gate it stops writing
 ("cancelled") and drops the connection, which is then out of step. Bytes that land are reported
 "ok" only after their checksum matched. `store` reads the caller's buffer until it returns.
+
+Why one module of ~600 lines: `SegmentPool`'s reads and writes share its connections, their
+semaphores and idle lists under one lock; split apart, each half would reach into the other's state.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
-import socket
 import ssl
 import threading
 import time
@@ -38,10 +33,16 @@ from typing import Final
 
 import msgspec
 
+from kvfabric.client.attempts import (
+    ATTEMPT_MIN_S_DEFAULT,
+    ATTEMPT_SHARE_DEFAULT,
+    AttemptWatchdog,
+    attempt_budget_s,
+)
 from kvfabric.dataplane.scatter import GateClosed, ScatterDest
 from kvfabric.dataplane.shm import ShmReader
 from kvfabric.dataplane.staging import StagingFile
-from kvfabric.dataplane.tcp import TcpDataClient, shutdown_fd
+from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.errors import KvfError
 from kvfabric.proto.dataplane import ObjectResult, PutReply, ReadRef, StagedBytes
 from kvfabric.proto.directory import ObjectLocation, Replica, WriteReceipt, WriteTicket
@@ -64,8 +65,6 @@ def read_ref(replica: Replica, size_bytes: int) -> ReadRef:
 
 OK: Final = "ok"
 SWEEP_INTERVAL_S: Final = 1.0  # idle connections to removed arenas are closed this often
-ATTEMPT_SHARE_DEFAULT: Final = 0.5  # of the load's time left, for a replica that is not the last
-ATTEMPT_MIN_S_DEFAULT: Final = 0.1  # ... but at least this long (seconds)
 CONNECT_MIN_S: Final = 0.001  # a connect inside an attempt's budget gets at least this long
 # Staged puts (co-located writes through a staging file, `SegmentPool.store`): a connection's
 # staging file holds at least this much (remade larger for a larger object), and objects above
@@ -74,71 +73,6 @@ CONNECT_MIN_S: Final = 0.001  # a connect inside an attempt's budget gets at lea
 # 4 MiB), each gone with its connection.
 STAGING_FILE_BYTES_MIN: Final = 4 << 20
 STAGED_PUT_BYTES_MAX: Final = 64 << 20
-
-
-def attempt_budget_s(remaining_s: float, last: bool, share: float, min_s: float) -> float:
-    """Seconds one replica read may take when `remaining_s` are left of its load: the last replica
-    tried gets all of it; an earlier one `share` of it, at least `min_s`, never more than is left."""
-    if last or share >= 1.0:
-        return remaining_s
-    return min(remaining_s, max(min_s, remaining_s * share))
-
-
-class AttemptWatchdog:
-    """Cuts replica reads past their attempt deadline (monotonic seconds) by shutting their socket
-    down. One lazily started thread sleeps until the earliest armed deadline; `arm` wakes it only
-    when the new deadline is earlier than that (rare: later attempts have later deadlines).
-
-    Ownership: `arm` → the watchdog may shut the socket's descriptor down until `disarm` returns;
-    the caller must `disarm` before it closes the socket (the descriptor could be reused)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._armed: dict[int, tuple[float, int]] = {}  # id -> (deadline, fd)
-        self._cut: set[int] = set()
-        self._ids = itertools.count(1)
-        self._wake_s = math.inf  # when the thread wakes next by itself
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self.cuts = 0
-
-    def arm(self, sock: socket.socket, deadline_s: float) -> int:
-        with self._cond:
-            armed = next(self._ids)
-            self._armed[armed] = (deadline_s, sock.fileno())
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._run, name="kvf-attempt-watchdog", daemon=True)
-                self._thread.start()
-            elif deadline_s < self._wake_s:
-                self._cond.notify()
-        return armed
-
-    def disarm(self, armed: int) -> bool:
-        """Stop watching; True when the watchdog already cut this attempt."""
-        with self._cond:
-            if armed in self._cut:
-                self._cut.discard(armed)
-                return True
-            self._armed.pop(armed, None)
-            return False
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-
-    def _run(self) -> None:
-        with self._cond:
-            while not self._closed:
-                now = time.monotonic()
-                for armed, (deadline_s, fd) in list(self._armed.items()):
-                    if deadline_s <= now:
-                        del self._armed[armed]
-                        shutdown_fd(fd)  # under the lock: its owner has not disarmed, fd still its
-                        self._cut.add(armed)
-                        self.cuts += 1
-                self._wake_s = min((d for d, _ in self._armed.values()), default=math.inf)
-                self._cond.wait(None if self._wake_s == math.inf else self._wake_s - now)
 
 
 @dataclass(slots=True)
