@@ -1,0 +1,134 @@
+"""The segment backend's writes: a PUT's slot from its ticket to its confirm (or receipt), its
+abort, and a copy from another segment as a PUT whose transport is a fetch. A mixin over
+`BackendCore`; who owns a WRITING slot is told in `kvfabric.segment_storage.backend`.
+"""
+
+from __future__ import annotations
+
+from kvfabric.dataplane.backend import PutSlot
+from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import (
+    BadRequest,
+    ChecksumMismatch,
+    Conflict,
+    KvfError,
+    StaleGeneration,
+    Unauthorized,
+)
+from kvfabric.proto.directory import WriteTicket
+from kvfabric.proto.tickets import ticket_signature_valid, write_receipt
+from kvfabric.segment_storage.backend_core import BackendCore, FetchFn
+
+__all__ = ["BackendWrites"]
+
+
+class BackendWrites(BackendCore):
+    """PUTs and copies in (`ArenaBackend`)."""
+
+    def begin_put(self, ticket: WriteTicket, conn: int) -> PutSlot:
+        if not ticket_signature_valid(ticket, self.secret):
+            self._count("bad_ticket_signature_total")
+            raise Unauthorized("write ticket signature is not valid")
+        if ticket.segment_id != self.segment_id:
+            raise BadRequest(f"ticket is for segment {ticket.segment_id!r}, this is {self.segment_id!r}")
+        if ticket.incarnation != self.incarnation:
+            self._count("stale_incarnation_rejected_total")
+            raise StaleGeneration("segment_incarnation", ticket.incarnation, self.incarnation)
+        fence = self.min_epochs.get(ticket.shard, 0)
+        if ticket.epoch < fence:
+            self._count("stale_epoch_rejected_total")
+            raise StaleGeneration("directory_epoch", ticket.epoch, fence)
+        now = self.clock_ms()
+        deadline_ms = self.ticket_deadline_ms(ticket)
+        if now >= deadline_ms:
+            self._count("expired_ticket_total")
+            raise Conflict("write ticket deadline has passed", deadline_ms=ticket.deadline_ms)
+        if self.draining:
+            raise Conflict("segment is draining: no new writes")
+        with self.lock:
+            alloc = self.slots.alloc(ticket.size_bytes, now, deadline_ms, ticket.key)
+            self._conn(conn).puts[alloc.slot] = (alloc.slot, alloc.generation)
+        view = self.arena.slice(alloc.offset, alloc.size)
+        return PutSlot(alloc.slot, alloc.generation, view, ticket, alloc.offset)
+
+    def finish_put(self, put: PutSlot, conn: int) -> tuple[int, int]:
+        # Hashed on arrival by the transport, or now (nobody else can see a WRITING slot: no lock).
+        stored = put.checksum if put.checksum is not None else checksum(put.view)
+        put.view.release()
+        if stored != put.ticket.checksum:
+            self._count("checksum_mismatch_total")
+            self.abort_put(put, conn)
+            raise ChecksumMismatch("bytes received do not match the ticket's checksum")
+        with self.lock:
+            self.slots.stored(put.slot, put.slot_generation, stored)
+            self._conns[conn].puts.pop(put.slot, None)
+            self.arena.board.publish(put.slot, put.slot_generation, put.offset, put.ticket.size_bytes, stored)
+        if put.receipt_wanted and self.confirm_later is not None:
+            # The writer carries the receipt in its put_commit (the directory checks our MAC): the
+            # confirm leaves the write's path. It still goes, in the background: a receipt the
+            # writer never commits (it died, aborted) is refused there and the slot freed here.
+            try:
+                self.confirm_later(put.ticket, put.slot, put.slot_generation, put.trace_id)
+            except KvfError:
+                self._free(put.slot, put.slot_generation)
+                raise
+            put.receipt = write_receipt(self.secret, put.ticket, put.slot, put.slot_generation)
+            self._count("puts_total")
+            self._count("puts_receipted_total")
+            return put.slot, put.slot_generation
+        try:
+            verdict = self.confirm(put.ticket, put.slot, put.slot_generation, put.trace_id, put.save_writes)
+        except KvfError:
+            self._free(put.slot, put.slot_generation)  # not confirmed: never readable via the directory
+            raise
+        if verdict != "ok":
+            self._count(f"confirm_{verdict}_total")
+            self._free(put.slot, put.slot_generation)
+            raise Conflict(f"the directory refused the replica: {verdict}", verdict=verdict)
+        self._count("puts_total")
+        return put.slot, put.slot_generation
+
+    def unconfirmed(self, slot: int, generation: int, verdict: str) -> None:
+        """The background confirm of a receipted write was refused (`unknown_ticket`,
+        `mismatch`) or got no verdict: the directory will not publish it from this confirm;
+        free it (a free of a slot published meanwhile through its receipt counts as already
+        freed once the directory freed it; docs/segment.md "Write")."""
+        self.count(f"confirm_later_{verdict}_total")
+        self._free(slot, generation)
+
+    def abort_put(self, put: PutSlot, conn: int) -> None:
+        with self.lock:
+            c = self._conns.get(conn)
+            if c is not None and c.puts.pop(put.slot, None) is not None:
+                self.slots.abort(put.slot, put.slot_generation)
+                self._count("puts_aborted_total")
+
+    def copy_in(self, ticket: WriteTicket, fetch: FetchFn, trace_id: str = "") -> tuple[int, int]:
+        """Store `ticket`'s object by letting `fetch` fill the slot (a copy from another segment).
+
+        The same path as a PUT: `begin_put` checks the ticket (signature, segment, incarnation,
+        epoch, deadline, drain, size) and allocates; `fetch` writes straight into the slot;
+        `finish_put` verifies the ticket's checksum, stores and confirms to the directory. Any
+        failure (fetch error, mismatch, refusal) leaves nothing stored and nothing held, and is
+        raised. Blocks: call it from a worker thread (the confirm waits on the event loop).
+        """
+        conn = next(self._copy_conns)
+        try:
+            put = self.begin_put(ticket, conn)
+            put.trace_id = trace_id
+            try:
+                fetch(put.view)
+            except BaseException:
+                put.view.release()
+                self.abort_put(put, conn)
+                raise
+            slot, generation = self.finish_put(put, conn)
+        except BaseException:
+            self.count("copies_failed_total")
+            raise
+        finally:
+            self.close_connection(conn)  # whatever this copy still held (nothing, normally)
+        with self.lock:
+            self._count("copies_total")
+            self._count("bytes_copied_total", ticket.size_bytes)
+        return slot, generation
