@@ -17,7 +17,7 @@ import pytest
 from kvfabric.core.segment_slots import SlotTable
 from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
 from kvfabric.format.checksum import checksum
-from kvfabric.format.errors import ChecksumMismatch, StaleGeneration, Unavailable
+from kvfabric.format.errors import ChecksumMismatch, NotFound, StaleGeneration, Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import sign_ticket, write_receipt
@@ -216,7 +216,10 @@ class LaterShell:
         (["unknown_ticket"], False, 1),  # the write expired or was aborted uncommitted
         (["mismatch"], False, 1),  # the ticket names another slot
         ([Unavailable("no leader"), "ok"], True, 2),  # no verdict: asked again, never freed blind
-        ([StaleGeneration("directory_epoch", 1, 2)], False, 1),  # final
+        # A newer leader: it adopted the slot from the segment's report and decides (publishes
+        # it, or frees it after its grace); freeing it here lost a published replica.
+        ([StaleGeneration("directory_epoch", 1, 2)], True, 1),
+        ([NotFound("segment s1 is not registered")], False, 1),  # the incarnation is down: final
     ],
 )
 def test_the_background_confirm_frees_only_on_a_refusal(

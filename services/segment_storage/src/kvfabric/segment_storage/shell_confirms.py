@@ -32,8 +32,13 @@ __all__ = ["CONFIRM_LATER_GIVE_UP_MS", "CONFIRM_LATER_RETRY_S", "ShellConfirms"]
 # and a confirm still without one after CONFIRM_LATER_GIVE_UP_MS more frees the slot.
 CONFIRM_LATER_RETRY_S: Final = 0.5
 CONFIRM_LATER_GIVE_UP_MS: Final = 30_000
-# Refusals that are final: the slot is freed at once (the others are asked again).
-_CONFIRM_FINAL_ERRORS: Final = (NotFound, StaleGeneration)
+# Refusals that are final: the slot is freed at once (the others are asked again). Not
+# `StaleGeneration`: the leader that issued the ticket was replaced, and its successor adopted
+# this slot from this segment's report (a write of an older epoch is fenced once the successor
+# is seen, and the successor asks for the report only after; `kvfabric.core.directory.rebuild`):
+# it publishes the slot (the writer's commit may have, at the old epoch) or frees it after its
+# grace. Freeing it here lost a published replica (the reviewer's failover repro, stop 33).
+_CONFIRM_FINAL_ERRORS: Final = (NotFound,)
 
 
 class ShellConfirms:
@@ -108,7 +113,8 @@ class ShellConfirms:
     async def _confirm_in_background(self, items: list[tuple[m.WriteTicket, int, int, str]]) -> None:
         """Confirm receipted writes until the directory gives each a verdict: `ok` keeps the slot
         (the writer's commit named it, or will), a refusal frees it (the write expired or was
-        aborted uncommitted, or the ticket already names another slot). Those without a verdict
+        aborted uncommitted, or the ticket already names another slot); a newer leader
+        (`StaleGeneration`) leaves it to that leader, which adopted it from this segment's report. Those without a verdict
         are asked again (`CONFIRM_LATER_RETRY_S`): freeing a slot the writer's receipt may have
         published would lose a replica. After a ticket's deadline every verdict is final; a
         directory silent for `CONFIRM_LATER_GIVE_UP_MS` past it gets the slot freed (as a
@@ -149,6 +155,8 @@ class ShellConfirms:
                         self.backend.unconfirmed(slot, generation, verdict.result())
                 elif isinstance(err, _CONFIRM_FINAL_ERRORS):
                     self.backend.unconfirmed(slot, generation, err.code)
+                elif isinstance(err, StaleGeneration):  # the successor owns the slot's fate
+                    self.backend.count("confirm_later_superseded_total")
                 elif (
                     self.backend.clock_ms()
                     >= self.backend.ticket_deadline_ms(ticket) + CONFIRM_LATER_GIVE_UP_MS
