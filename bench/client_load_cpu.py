@@ -30,11 +30,11 @@ import numpy as np
 
 from bench.client import local_cluster, percentile, read_env_file
 from bench.client_worker import CHUNKS, bench_spec, prompt_tokens
-from kvfabric.client import KvClient, aio, settings_from_env
+from kvfabric.client import KvClient, aio_loads, settings_from_env
 
 MODES: Final = ("prefetch running", "prefetch stopped")
 COPY_PLACES: Final = ("worker thread", "loop thread", "engine's thread")
-LOCAL_INLINE_BYTES: Final = aio.LOCAL_INLINE_BYTES_MAX
+LOCAL_INLINE_BYTES: Final = aio_loads.LOCAL_INLINE_BYTES_MAX
 WARMUP_PROMPTS: Final = 5
 
 
@@ -58,7 +58,8 @@ def copy_place(
     places = COPY_PLACES if client.settings.use_shm else (COPY_PLACES[0], COPY_PLACES[2])
     for _ in range(blocks):
         for place in places:
-            setattr(aio, "LOCAL_INLINE_BYTES_MAX", 0 if place == "worker thread" else LOCAL_INLINE_BYTES)  # noqa: B010
+            inline_max = 0 if place == "worker thread" else LOCAL_INLINE_BYTES
+            setattr(aio_loads, "LOCAL_INLINE_BYTES_MAX", inline_max)  # noqa: B010
             client.aio.load_now = (  # type: ignore[method-assign]
                 load_now if place == "engine's thread" else (lambda *a, **k: None)
             )
@@ -71,7 +72,7 @@ def copy_place(
                     raise RuntimeError(f"a load fell short: {result}")
             for hit in hits:
                 client.release(hit)
-    setattr(aio, "LOCAL_INLINE_BYTES_MAX", LOCAL_INLINE_BYTES)  # noqa: B010  # a Final, patched here
+    setattr(aio_loads, "LOCAL_INLINE_BYTES_MAX", LOCAL_INLINE_BYTES)  # noqa: B010  # a Final, patched here
     client.aio.load_now = load_now  # type: ignore[method-assign]
     return out
 

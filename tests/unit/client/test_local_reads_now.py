@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvfabric.client import AsyncKvClient, ClientSettings, Hit, KvClient, aio
+from kvfabric.client import AsyncKvClient, ClientSettings, Hit, KvClient, aio_loads
 from kvfabric.client.sync import ENABLED, ClientStatus
 from kvfabric.client.transfers import SegmentPool
 from kvfabric.core.segment_slots import SlotTable
@@ -230,11 +230,11 @@ def test_a_small_sync_load_runs_on_the_callers_thread(segment: Segment, use_shm:
         # too large for the engine's thread: the loop's way
         big = [bytearray(SIZE) for _ in range(CHUNKS)]
         assert kv.aio.load_now(hit, [[b] for b in big]) is not None
-        aio.LOCAL_INLINE_BYTES_MAX = SIZE  # type: ignore[misc]
+        aio_loads.LOCAL_INLINE_BYTES_MAX = SIZE  # type: ignore[misc]
         try:
             assert kv.load(hit, [[b] for b in big]).chunks_loaded == CHUNKS and big == blobs
         finally:
-            aio.LOCAL_INLINE_BYTES_MAX = 2 << 20  # type: ignore[misc]
+            aio_loads.LOCAL_INLINE_BYTES_MAX = 2 << 20  # type: ignore[misc]
         assert ran == ["load"]
     finally:
         kv.close()

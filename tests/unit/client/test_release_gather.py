@@ -14,8 +14,8 @@ from typing import Any, cast
 
 import pytest
 
-from kvfabric.client import AsyncKvClient, ClientSettings, Hit, KvClient, aio
-from kvfabric.client.aio import RELEASE_GATHER_LEASES_MAX, RELEASE_GATHER_MS
+from kvfabric.client import AsyncKvClient, ClientSettings, Hit, KvClient, aio_lookups
+from kvfabric.client.aio_lookups import RELEASE_GATHER_LEASES_MAX, RELEASE_GATHER_MS
 from kvfabric.client.sync import ENABLED, ClientStatus
 from kvfabric.proto.common import TRACE_ID_HEADER
 from tests.integration.clientkit import SPEC
@@ -56,7 +56,7 @@ def test_the_sync_release_of_many_prompts_is_one_request() -> None:
 
 
 def test_a_full_batch_goes_at_once_and_a_lease_goes_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(aio, "RELEASE_GATHER_MS", 600_000)  # only a full batch can go within the test
+    monkeypatch.setattr(aio_lookups, "RELEASE_GATHER_MS", 600_000)  # only a full batch can go within the test
 
     async def run() -> ReleaseRouter:
         kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1"), SPEC)
