@@ -1,0 +1,204 @@
+"""put_begin: a request's objects checked (batch, identity, reply size, tenant budgets, rate),
+then each member placed on segments with signed tickets, or answered `exists` / `in_flight`.
+A mixin of `WriteTable` (`kvfabric.core.directory.writes`) over `WriteState`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from kvfabric.core.directory.base import CHECKSUM_BYTES, Member, Outcome, check_batch, scope_of
+from kvfabric.core.directory.keys import CHAIN_BYTES, GroupInfo, KeyInfo, parse_key
+from kvfabric.core.directory.replies import ARRAY_HEADER_BYTES, str_bytes
+from kvfabric.core.directory.writes_state import BuildingGroup, PendingMember, Placement, WriteState
+from kvfabric.core.placement import choose_segments
+from kvfabric.core.quotas import request_tokens, tenant_of
+from kvfabric.format.errors import BadRequest, BatchTooLarge, Busy
+from kvfabric.proto import directory as m
+from kvfabric.proto.tickets import sign_ticket
+
+__all__ = ["WriteBegin"]
+
+
+class WriteBegin(WriteState):
+    """The put_begin phase of `WriteTable`."""
+
+    # ---- put_begin -----------------------------------------------------------------------
+
+    def begin(self, req: m.PutBegin, now_ms: int) -> Outcome:
+        ctx = self.ctx
+        ctx.check_epoch(req.epoch)
+        cached = self.replies.get("begin", req.writer_id, req.request_id)
+        if cached is not None:
+            return Outcome(cached)
+        check_batch("put_begin objects", len(req.objects), m.PUT_BATCH_OBJECTS_MAX)
+        if not 0 < req.write_ttl_ms <= m.WRITE_TTL_MS_MAX:
+            raise BadRequest(f"write_ttl_ms must be in 1..{m.WRITE_TTL_MS_MAX}")
+        replicas = req.replicas or ctx.config.replicas_default
+        if not 1 <= replicas <= ctx.config.replicas_max:
+            raise BadRequest(f"replicas must be in 1..{ctx.config.replicas_max}")
+        infos = [self._validate_spec(spec) for spec in req.objects]
+        # Identity conflicts refuse the whole request before anything is placed (not half of it).
+        seen: dict[bytes, GroupInfo] = {}
+        for info in infos:
+            building = self.building.get(info.group.group_id)
+            known = seen.setdefault(info.group.group_id, building.info if building else info.group)
+            if known != info.group:
+                raise BadRequest("key conflicts with the identity of its chain hash's chunk group")
+        self._check_reply_fits(req, replicas)
+        # Before the rate charge: a refused request did not run, and a writer backing off and
+        # asking again (kvfabric.client.busy) must not spend the tenant's tokens each time.
+        self._check_tenant_pending(req, infos, replicas)
+        if self.pending_objects + len(infos) > ctx.config.pending_objects_max:
+            ctx.count("busy_pending_total")
+            raise Busy("too many objects being written; retry later", limit=ctx.config.pending_objects_max)
+        ctx.check_rate((spec.key for spec in req.objects), now_ms, request_tokens(len(req.objects)))
+        deadline = now_ms + min(req.write_ttl_ms, ctx.config.write_ttl_ms_max)
+        placed_here: set[tuple[bytes, Member]] = set()  # a key twice in one request: placed once
+        results = [
+            self._begin_one(req.writer_id, req.request_id, spec, info, replicas, deadline, placed_here)
+            for spec, info in zip(req.objects, infos, strict=True)
+        ]
+        reply = m.PutBeginReply(epoch=ctx.epoch, results=results)
+        self.replies.remember("begin", req.writer_id, req.request_id, reply, len(results))
+        return Outcome(reply)
+
+    def _check_tenant_pending(self, req: m.PutBegin, infos: Sequence[KeyInfo], replicas: int) -> None:
+        """A tenant's writes in progress stay within its budgets (`tenant_pending_*`): the
+        members this request would newly begin, and their bytes at `replicas` each (an upper
+        bound: fewer may fit), or the whole request is `busy` and nothing is placed."""
+        scope = scope_of(req.writer_id)
+        if scope is None:
+            return
+        new: dict[tuple[bytes, Member], int] = {}
+        for spec, info in zip(req.objects, infos, strict=True):
+            gid = info.group.group_id
+            if self._exists(gid):
+                continue
+            group = self.building.get(gid)
+            if group is None or info.member not in group.members:
+                new[(gid, info.member)] = spec.size_bytes
+        if not new:
+            return
+        objects_max = self.ctx.config.tenant_pending_objects_max
+        if self.scope_pending_objects.get(scope, 0) + len(new) > objects_max:
+            self.ctx.count("busy_tenant_pending_objects_total")
+            raise Busy("this tenant has its share of objects being written; retry later", limit=objects_max)
+        bytes_max = int(self.segments.capacity_up_bytes() * self.ctx.config.tenant_pending_capacity_fraction)
+        if self.scope_pending_bytes.get(scope, 0) + sum(new.values()) * replicas > bytes_max:
+            self.ctx.count("busy_tenant_pending_bytes_total")
+            raise Busy("this tenant has its share of bytes being written; retry later")
+
+    def _check_reply_fits(self, req: m.PutBegin, replicas: int) -> None:
+        """Refuse (`batch_too_large`, nothing placed) a put_begin whose reply could exceed
+        `reply_bytes_max`: every object placed with `replicas` tickets naming the longest segment
+        id and data address ever registered here, every integer at its widest (`ReplySizes`)."""
+        if not req.objects:
+            return
+        key_bytes = max(len(spec.key) for spec in req.objects)
+        sizes = self.ctx.reply_sizes
+        ticket = sizes.ticket + str_bytes(key_bytes) + str_bytes(len(req.writer_id.encode()))
+        ticket += str_bytes(self.segments.segment_id_bytes_max) + str_bytes(self.segments.data_addr_bytes_max)
+        per_object = sizes.result + str_bytes(key_bytes) + ARRAY_HEADER_BYTES + replicas * ticket
+        reply_bytes_max = self.ctx.config.reply_bytes_max
+        fits = max(0, (reply_bytes_max - sizes.envelope) // per_object)
+        if len(req.objects) > fits:
+            self.ctx.count("put_begin_reply_too_large_total")
+            raise BatchTooLarge(
+                f"put_begin objects: a reply for {len(req.objects)} objects could exceed "
+                f"{reply_bytes_max} bytes; send at most {fits} a request",
+                n=len(req.objects),
+                limit=fits,
+            )
+
+    def _validate_spec(self, spec: m.ObjectSpec) -> KeyInfo:
+        info = parse_key(spec.key)
+        object_bytes_max = self.ctx.config.object_bytes_max
+        if not 0 < spec.size_bytes <= object_bytes_max:
+            raise BadRequest(f"object size {spec.size_bytes} out of range 1..{object_bytes_max}")
+        if len(spec.checksum) != CHECKSUM_BYTES:
+            raise BadRequest(f"checksum must be {CHECKSUM_BYTES} bytes (xxh3-128)")
+        if len(spec.parent) not in (0, CHAIN_BYTES):
+            raise BadRequest("parent must be empty or a 32-byte chain hash")
+        return info
+
+    def _begin_one(
+        self,
+        writer_id: str,
+        request_id: str,
+        spec: m.ObjectSpec,
+        info: KeyInfo,
+        replicas: int,
+        deadline: int,
+        placed_here: set[tuple[bytes, Member]],
+    ) -> m.BeginResult:
+        gid = info.group.group_id
+        if self._exists(gid):
+            return m.BeginResult(key=spec.key, status="exists")
+        group = self.building.get(gid)
+        if group is not None and group.info != info.group:
+            raise BadRequest("key conflicts with the identity of its chain hash's chunk group")
+        if group is not None and info.member in group.members:
+            held = group.members[info.member]
+            if (
+                held.writer_id != writer_id
+                or held.request_id != request_id
+                or (gid, info.member) in placed_here
+            ):
+                return m.BeginResult(key=spec.key, status="in_flight", deadline_ms=held.deadline_ms)
+            # the same request again (its reply was lost and has left the reply cache)
+            placed_here.add((gid, info.member))
+            return m.BeginResult(
+                key=spec.key, status="placed", tickets=self._tickets_of(held), deadline_ms=held.deadline_ms
+            )
+        chosen = choose_segments(self.segments.candidates(), replicas, spec.size_bytes, spec.key)
+        if not chosen:
+            self.ctx.count("no_capacity_total")
+            return m.BeginResult(key=spec.key, status="no_capacity")
+        tenant = tenant_of(spec.key)
+        if not self.ctx.quotas.admits(tenant, spec.size_bytes * len(chosen), 1):
+            self.ctx.count("quota_exceeded_objects_total")
+            return m.BeginResult(key=spec.key, status="quota_exceeded")
+        self.ctx.quotas.add(tenant, spec.size_bytes * len(chosen), 1)
+        if group is None:
+            group = self.building[gid] = BuildingGroup(info.group, parent=spec.parent)
+        placements = []
+        for cand in chosen:
+            seg = self.segments.segments[cand.segment_id]
+            seg.reserved_bytes += spec.size_bytes
+            ticket_id = self.ctx.next_id()
+            placements.append(Placement(ticket_id, self.segments.intern(seg.segment_id, seg.incarnation)))
+            self._tickets[ticket_id] = (gid, info.member)
+        held = PendingMember(
+            spec.key, writer_id, spec.size_bytes, spec.checksum, deadline, replicas, placements, request_id
+        )
+        group.members[info.member] = held
+        placed_here.add((gid, info.member))
+        self.pending_objects += 1
+        self._pending_add(writer_id, 1, spec.size_bytes * len(placements))
+        heapq.heappush(self._deadlines, (deadline, gid))
+        self._bound_heap()
+        return m.BeginResult(
+            key=spec.key, status="placed", tickets=self._tickets_of(held), deadline_ms=deadline
+        )
+
+    def _tickets_of(self, held: PendingMember) -> list[m.WriteTicket]:
+        tickets = []
+        for p in held.placements:
+            segment_id, incarnation = self.segments.where(p.placement)
+            ticket = m.WriteTicket(
+                ticket_id=p.ticket_id,
+                key=held.key,
+                segment_id=segment_id,
+                incarnation=incarnation,
+                size_bytes=held.size_bytes,
+                checksum=held.checksum,
+                writer_id=held.writer_id,
+                deadline_ms=held.deadline_ms,
+                epoch=self.ctx.epoch,
+                data_addr=self.segments.segments[segment_id].data_addr,
+                shard=self.ctx.shard,
+            )
+            tickets.append(sign_ticket(ticket, self.ctx.config.ticket_secret))
+        return tickets
