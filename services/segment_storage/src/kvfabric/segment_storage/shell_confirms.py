@@ -114,11 +114,11 @@ class ShellConfirms:
         """Confirm receipted writes until the directory gives each a verdict: `ok` keeps the slot
         (the writer's commit named it, or will), a refusal frees it (the write expired or was
         aborted uncommitted, or the ticket already names another slot); a newer leader
-        (`StaleGeneration`) leaves it to that leader, which adopted it from this segment's report. Those without a verdict
-        are asked again (`CONFIRM_LATER_RETRY_S`): freeing a slot the writer's receipt may have
-        published would lose a replica. After a ticket's deadline every verdict is final; a
-        directory silent for `CONFIRM_LATER_GIVE_UP_MS` past it gets the slot freed (as a
-        synchronous confirm without a verdict does)."""
+        (`StaleGeneration`) leaves it to that leader, which adopted it from this segment's
+        report. Those without a verdict are asked again (`CONFIRM_LATER_RETRY_S`): freeing a slot
+        the writer's receipt may have published would lose a replica. After a ticket's deadline
+        every verdict is final; a directory silent for `CONFIRM_LATER_GIVE_UP_MS` past it gets
+        the slot freed (as a synchronous confirm without a verdict does)."""
         assert self.router is not None
         waiting = items
         while waiting:
