@@ -272,11 +272,12 @@ def directory_env(env: dict[str, str], name: str, directories: int) -> dict[str,
     """A directory instance's environment: a stable instance id (a restarted instance gets its
     shards back) and, with several instances, the default 16 shards spread by rendezvous hashing
     (each leads its share; a dead one's shards move to the others, and come back by handover);
-    a single instance runs one shard. The directory runs real-time round robin (`rr:1`, where
-    permitted: kvfabric.directory.cpu_priority) since it shares this host with the engines and
-    whatever floods it (docs/security.md: a tenant's flood took its CPU, not its turns)."""
+    a single instance runs one shard. The directory runs at the service's default priority
+    (`nice:-10` where permitted, kvfabric.directory.cpu_priority); real time (`rr:1`, which held
+    a tenant's flood best, docs/security.md) is opt-in through `KVF_DIRECTORY_CPU_PRIORITY`: on
+    a shared host a real-time directory can starve its segments' heartbeats and every other
+    process, and this tool also starts the chaos drills' and benches' clusters."""
     out = dict(env, KVF_INSTANCE_ID=name)
-    out.setdefault("KVF_DIRECTORY_CPU_PRIORITY", "rr:1")
     if directories > 1:
         out.setdefault("KVF_DIRECTORY_REBALANCE", "1")
     else:
