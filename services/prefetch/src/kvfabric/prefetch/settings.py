@@ -13,7 +13,7 @@
 | `KVF_PREFETCH_HOT_WINDOW_MS` | 10000 | read rates are measured over this window |
 | `KVF_PREFETCH_TICK_MS` / `_SCAN_MS` | 20 / 2000 | planning period / segment refresh + cold sweep |
 | `KVF_PREFETCH_COPY_TIMEOUT_MS` | 10000 | one copy, ticket to confirm |
-| `KVF_PREFETCH_GROUP_CACHE_MS` | 1000 | a group shown for hot reads is trusted this long (0: never) |
+| `KVF_PREFETCH_GROUP_CACHE_MS` | 10000 | a group shown for hot reads is trusted this long (0: never) |
 """
 
 from __future__ import annotations
@@ -57,5 +57,5 @@ def load_prefetch_settings(env: Mapping[str, str]) -> PrefetchSettings:
         resolving_max=env_int(env, "KVF_PREFETCH_RESOLVING_MAX", 64, 1, 10_000),
         copy_timeout_s=env_int(env, "KVF_PREFETCH_COPY_TIMEOUT_MS", 10_000, 100, 600_000) / 1000,
         request_timeout_s=2.0,
-        group_cache_ms=env_int(env, "KVF_PREFETCH_GROUP_CACHE_MS", 1000, 0, 600_000),
+        group_cache_ms=env_int(env, "KVF_PREFETCH_GROUP_CACHE_MS", 10_000, 0, 600_000),
     )

@@ -88,7 +88,7 @@ __all__ = ["PrefetchShell", "now_ms"]
 LEASE_TTL_MS_MAX: Final = 30_000
 READS_PER_HIT_MAX: Final = 16
 GROUP_CACHE_MAX: Final = 4096  # groups whose shown members and holders are remembered
-GROUP_CACHE_MS_DEFAULT: Final = 1000  # how long a shown group is trusted before it is shown again
+GROUP_CACHE_MS_DEFAULT: Final = 10_000  # how long a shown group is trusted (the default hot window)
 
 # a group's readable objects as shown: (object id, size in bytes, holders: the one read first)
 _GroupObjects = tuple[tuple[bytes, int, tuple[str, ...]], ...]
