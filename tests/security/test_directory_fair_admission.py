@@ -10,7 +10,8 @@ their ratios, what bob sent, got served and got `busy`, and the directory's fair
 metrics. docs/security.md quotes the figures and the 2x target, measured with `measure` with
 admission on (the defaults) and off (`FAIR_OFF`: limits so high that nothing waits or is
 refused). `KVF_TEST_NO_PIN=1` leaves both unpinned; `KVF_TEST_DIRECTORY_CPU_PRIORITY=off|nice:N|rr:P`
-sets the directory's `KVF_DIRECTORY_CPU_PRIORITY` (default here `rr:1`, opt-in elsewhere: `make up` runs the service default `nice:-10`);
+sets the directory's `KVF_DIRECTORY_CPU_PRIORITY` (default here `rr:1`, opt-in elsewhere:
+`make up` runs the service default `nice:-10`);
 `KVF_TEST_FLOOD_LOOPS` bob's loops; `KVF_TEST_PATH_CPU_PRIORITY=rr:1` puts nats-server and
 alice's process at that priority too (a measurement of the bound). `python -m
 tests.security.test_directory_fair_admission [rounds]` runs `compare`: the flood at each CPU
