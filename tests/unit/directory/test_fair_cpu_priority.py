@@ -103,3 +103,19 @@ def test_not_permitted_keeps_the_priority_and_says_so() -> None:
         assert kept["outcome"] == [False, 0, "not_permitted"], kept
         assert kept["nices"] == [os.getpriority(os.PRIO_PROCESS, 0)] * threads, kept
         assert kept["policies"] == [os.SCHED_OTHER] * threads, kept
+
+
+def test_a_higher_real_time_priority_is_never_lowered() -> None:
+    """`rr:1` on a process already real time at 5 leaves it at 5 (it lowered it to 1: review)."""
+    if not (MAY_RAISE and _real_time_allowed()):
+        test_not_permitted_keeps_the_priority_and_says_so()
+        return
+    code = (
+        "import os\n"
+        "os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(5))\n"
+        "from kvfabric.directory.cpu_priority import apply, parse\n"
+        "outcome = apply(parse('rr:1'))\n"
+        "print(outcome.reason, os.sched_getparam(0).sched_priority)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=30)
+    assert out.stdout.split() == ["already_higher", "5"], out

@@ -106,6 +106,10 @@ def apply(priority: CpuPriority) -> Outcome:
                     continue  # already at this priority or a higher one: never lowered
                 os.setpriority(os.PRIO_PROCESS, tid, priority.value)
             else:
+                policy = os.sched_getscheduler(tid) & ~getattr(os, "SCHED_RESET_ON_FORK", 0)
+                realtime = policy in (os.SCHED_RR, os.SCHED_FIFO)
+                if realtime and os.sched_getparam(tid).sched_priority >= priority.value:
+                    continue  # already real time at this priority or a higher one: never lowered
                 os.sched_setscheduler(tid, os.SCHED_RR, os.sched_param(priority.value))
         except PermissionError:
             return Outcome(wanted, applied=done > 0, threads=done, reason="not_permitted")
