@@ -192,6 +192,44 @@ def test_a_small_co_located_load_needs_no_worker_thread(segment: Segment, use_sh
     assert submitted == (0 if use_shm else 3)
 
 
+def test_the_loop_copies_at_most_its_budget_a_flush(
+    segment: Segment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A co-located load larger than `LOCAL_INLINE_BYTES_MAX` copies that much on the loop and
+    sends the rest to the worker threads (before: every batch under the bound was copied on the
+    loop, a 16 MiB load whole, holding the loop 3-19 ms; review of stop 33)."""
+    monkeypatch.setattr(aio_loads, "FETCH_BATCH_OBJECTS_MAX", 1)  # one object a request
+    monkeypatch.setattr(aio_loads, "LOCAL_INLINE_BYTES_MAX", 2 * SIZE)
+    blobs, locations = stored(segment)
+    hit = hit_of(locations)
+
+    async def run() -> tuple[int, list[bytes]]:
+        kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1", use_shm=True), SPEC)
+        submitted = 0
+        submit = kv._executor.submit
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            nonlocal submitted
+            submitted += 1
+            return submit(*args, **kwargs)
+
+        kv._executor.submit = counting  # type: ignore[method-assign]
+        try:
+            first = [bytearray(SIZE) for _ in range(CHUNKS)]
+            assert (await kv.load(hit, [[b] for b in first])).chunks_loaded == CHUNKS  # connects
+            submitted = 0
+            bufs = [bytearray(SIZE) for _ in range(CHUNKS)]
+            result = await kv.load(hit, [[b] for b in bufs])
+            assert result.chunks_loaded == CHUNKS and result.cause == ""
+            return submitted, [bytes(b) for b in bufs]
+        finally:
+            await kv.close()
+
+    submitted, out = asyncio.run(run())
+    assert out == blobs
+    assert submitted == CHUNKS - 2  # two copied on the loop, the others on workers
+
+
 @pytest.mark.parametrize("use_shm", [True, False])
 def test_a_small_sync_load_runs_on_the_callers_thread(segment: Segment, use_shm: bool) -> None:
     """`KvClient.load` of a small hit (co-located: copied from the mapped arena; remote: one
