@@ -217,7 +217,7 @@ def test_a_stalled_source_times_out_and_the_slot_goes_back(dest: Seg) -> None:
 def test_the_ticket_is_checked_like_a_put_before_anything_is_read(
     dest: Seg, fields: dict[str, Any], error: type[Exception]
 ) -> None:
-    dest.backend.min_epochs[0] = 1
+    dest.backend.saw_epoch(0, 1)
     data = b"abc"
     signature = fields.pop("signature", None)
     ticket = dest.ticket(data, **fields)

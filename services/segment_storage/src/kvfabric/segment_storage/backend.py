@@ -24,6 +24,9 @@ Who owns what:
 - The scrubber (`verify_stored`) holds one read reference while it hashes a stored object, so a
   free meanwhile is deferred; a mismatch frees the slot at once (its generation is bumped: no read
   of it succeeds from then on).
+- The gate (`gate`: `kvfabric.segment_storage.gate`, pure) holds the epoch fence per directory
+  shard and the drain flag; it changes only under the lock (`admit_directory`, `saw_epoch`, the
+  `draining` setter, called by the shell); `begin_put` checks a ticket against it.
 - The disk tier (`ssd`, optional: `kvfabric.segment_storage.ssd`) holds the objects whose slot ids
   are `SSD_SLOT_BASE` and up. A GET of one reads it from disk into a private buffer (verified
   there: a mismatch or an I/O error frees it and goes to `report_corrupt`) that the grant owns

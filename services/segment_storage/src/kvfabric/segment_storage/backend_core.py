@@ -21,6 +21,7 @@ from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.segment import SSD_SLOT_BASE
 from kvfabric.proto.tickets import read_token_valid, ticket_signature_valid
 from kvfabric.segment_storage.arena import Arena
+from kvfabric.segment_storage.gate import SegmentGate
 from kvfabric.segment_storage.ssd import SsdRead, SsdStream, SsdTier
 
 __all__ = [
@@ -108,10 +109,9 @@ class BackendCore:
         self.confirm_later = confirm_later
         self.clock_ms = clock_ms or now_ms
         self.clock_skew_tolerance_ms = clock_skew_tolerance_ms
-        self.draining = False
-        # The newest directory epoch this segment has heard of, per shard: tickets of older
-        # epochs were issued by a fenced leader of that shard and store nothing.
-        self.min_epochs: dict[int, int] = {}
+        # Epoch fences per directory shard and the drain flag: tickets, frees and reports of a
+        # replaced leader's epoch store and free nothing; a draining segment takes no writes.
+        self.gate = SegmentGate()
         self.lock = threading.Lock()
         self._conns: dict[int, _Conn] = {}
         self._grant_ids = itertools.count(1)
@@ -131,6 +131,27 @@ class BackendCore:
 
     def _conn(self, conn: int) -> _Conn:
         return self._conns.setdefault(conn, _Conn())
+
+    @property
+    def draining(self) -> bool:
+        return self.gate.draining
+
+    @draining.setter
+    def draining(self, draining: bool) -> None:
+        with self.lock:
+            self.gate.draining = draining
+
+    def admit_directory(self, shard: int, epoch: int) -> bool:
+        """A free or report from the leader of `shard` at `epoch`: `StaleGeneration` if a newer
+        leader has been heard of, else the shard's fence rises to `epoch` (returns whether it rose)."""
+        with self.lock:
+            return self.gate.admit(shard, epoch)
+
+    def saw_epoch(self, shard: int, epoch: int) -> bool:
+        """A leader of `shard` with `epoch` exists (a reply, a heartbeat's shard epochs): tickets,
+        frees and reports of older epochs are fenced from now on. Returns whether the fence rose."""
+        with self.lock:
+            return self.gate.saw(shard, epoch)
 
     def ticket_deadline_ms(self, ticket: WriteTicket) -> int:
         """The ticket's deadline on this segment's clock: the directory's plus the skew tolerance."""

@@ -34,17 +34,17 @@ class BackendWrites(BackendCore):
         if ticket.incarnation != self.incarnation:
             self._count("stale_incarnation_rejected_total")
             raise StaleGeneration("segment_incarnation", ticket.incarnation, self.incarnation)
-        fence = self.min_epochs.get(ticket.shard, 0)
-        if ticket.epoch < fence:
+        try:
+            self.gate.check(ticket.shard, ticket.epoch)
+        except StaleGeneration:
             self._count("stale_epoch_rejected_total")
-            raise StaleGeneration("directory_epoch", ticket.epoch, fence)
+            raise
         now = self.clock_ms()
         deadline_ms = self.ticket_deadline_ms(ticket)
         if now >= deadline_ms:
             self._count("expired_ticket_total")
             raise Conflict("write ticket deadline has passed", deadline_ms=ticket.deadline_ms)
-        if self.draining:
-            raise Conflict("segment is draining: no new writes")
+        self.gate.check_writes()
         with self.lock:
             alloc = self.slots.alloc(ticket.size_bytes, now, deadline_ms, ticket.key)
             self._conn(conn).puts[alloc.slot] = (alloc.slot, alloc.generation)

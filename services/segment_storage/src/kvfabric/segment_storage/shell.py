@@ -270,7 +270,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
             data_addr=self.data_addr,
             arena=str(self.arena.path),
             arena_bytes=s.arena_bytes,
-            shards_seen=len(self.backend.min_epochs),
+            shards_seen=len(self.backend.gate.fences),
         )
 
     async def stop(self) -> None:
@@ -307,10 +307,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
             raise BadRequest(f"expected FreeSlotsRequest, got {type(message).__name__}")
         if message.incarnation != self.incarnation:
             raise StaleGeneration("segment_incarnation", message.incarnation, self.incarnation)
-        fence = self.backend.min_epochs.get(message.shard, 0)
-        if message.epoch < fence:  # from a leader of the shard that has been replaced: fenced
-            raise StaleGeneration("directory_epoch", message.epoch, fence)
-        self._saw_epoch(message.shard, message.epoch)
+        self._admit(message.shard, message.epoch)  # a replaced leader's: fenced
         done = await asyncio.to_thread(
             self.backend.free_slots, [(f.slot, f.slot_generation) for f in message.slots]
         )
@@ -326,12 +323,9 @@ class SegmentShell(ShellRepair, ShellConfirms):
         message = segment_decoder.decode(data)
         if not isinstance(message, ReportRequest):
             raise BadRequest(f"expected ReportRequest, got {type(message).__name__}")
-        fence = self.backend.min_epochs.get(message.shard, 0)
-        if message.epoch < fence:
-            raise StaleGeneration("directory_epoch", message.epoch, fence)
+        self._admit(message.shard, message.epoch)  # a replaced leader's: fenced
         if not 0 < message.limit <= REPORT_PAGE_MAX:
             raise BadRequest(f"limit must be in 1..{REPORT_PAGE_MAX}")
-        self._saw_epoch(message.shard, message.epoch)
         with self.backend.lock:
             held = self.slots.held(message.after_slot, message.limit + 1)
         if self.ssd is not None and len(held) <= message.limit:  # disk slots come after the arena's
@@ -352,7 +346,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
         message = segment_decoder.decode(data)
         if not isinstance(message, DrainRequest):
             raise BadRequest(f"expected DrainRequest, got {type(message).__name__}")
-        self.backend.draining = message.draining
+        self.backend.draining = message.draining  # under the backend's lock (its gate)
         self._log.info("segment_drain_set", draining=message.draining)
         return SegmentState(
             incarnation=self.incarnation, draining=self.backend.draining, used_bytes=self.slots.used_bytes

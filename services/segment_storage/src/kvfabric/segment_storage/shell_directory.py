@@ -114,10 +114,15 @@ class ShellDirectory:
         return replies
 
     def _saw_epoch(self, shard: int, epoch: int) -> None:
-        """A leader of `shard` with `epoch` exists: tickets and frees of older epochs are fenced."""
-        # The backend fences tickets with it (`min_epochs`: the one record of epochs seen).
-        if epoch > self.backend.min_epochs.get(shard, 0):
-            self.backend.min_epochs[shard] = epoch
+        """A leader of `shard` with `epoch` exists: tickets and frees of older epochs are fenced
+        (the backend's gate, `kvfabric.segment_storage.gate`, is the one record of epochs seen)."""
+        if self.backend.saw_epoch(shard, epoch):
+            self._log.info("directory_epoch_seen", shard=shard, epoch=epoch)
+
+    def _admit(self, shard: int, epoch: int) -> None:
+        """A free or report from the leader of `shard` at `epoch`: `StaleGeneration` if that leader
+        has been replaced, else its epoch is the oldest accepted from now on."""
+        if self.backend.admit_directory(shard, epoch):
             self._log.info("directory_epoch_seen", shard=shard, epoch=epoch)
 
     async def _register(
