@@ -157,3 +157,21 @@ def test_receipts_bounded() -> None:
             ),
             1,
         )
+
+
+def test_receipts_are_bounded_by_the_keys_committed_and_must_name_them() -> None:
+    """A put_commit is charged by its keys (rate, fair admission): it may carry at most one
+    receipt a replica of them (`replicas_max`), and a receipt of a ticket whose key the commit
+    does not name confirms nothing. A commit of no key with 4,096 receipts cost the directory
+    12-54 ms uncharged (review of stop 33)."""
+    core, keys, tickets = setup(2)
+    r = receipt(tickets[0], 7)
+    with pytest.raises(BatchTooLarge):  # no key: no receipt
+        core.handle(m.PutCommit(writer_id="w1", request_id="c", keys=[], receipts=[r]), 1)
+    too_many = [r] * (core.config.replicas_max + 1)
+    with pytest.raises(BatchTooLarge):
+        core.handle(m.PutCommit(writer_id="w1", request_id="c", keys=keys[:1], receipts=too_many), 1)
+    # the second key's receipt carried by a commit of the first key only: confirms nothing
+    assert commit(core, keys[:1], [receipt(tickets[1], 8), r]) == ["published"]
+    assert core.counters["receipt_refused_total"] == 1
+    assert commit(core, keys[1:], []) == ["missing"]  # its replica was never confirmed

@@ -69,11 +69,12 @@ class WriteConfirm(WriteState):
         placement.slot, placement.slot_generation = slot, generation
         return True
 
-    def _apply_receipt(self, writer_id: str, r: m.WriteReceipt) -> None:
+    def _apply_receipt(self, writer_id: str, r: m.WriteReceipt, committed: set[bytes]) -> None:
         """A writer's receipt confirms its replica when the segment's MAC over this table's own
         record of the ticket (segment, incarnation, key, size, checksum, epoch, shard) and the
-        named slot is valid; otherwise it confirms nothing (counted), and a member with no
-        confirmed replica commits as `missing`: no bytes nobody stored are ever published."""
+        named slot is valid and the ticket's key is one of `committed` (the keys of the same
+        put_commit); otherwise it confirms nothing (counted), and a member with no confirmed
+        replica commits as `missing`: no bytes nobody stored are ever published."""
         where = self._tickets.get(r.ticket_id)
         if where is None:
             self.ctx.count("receipt_unknown_ticket_total")  # committed, expired or aborted since
@@ -82,7 +83,11 @@ class WriteConfirm(WriteState):
         held = self.building[gid].members[member]
         placement = next(p for p in held.placements if p.ticket_id == r.ticket_id)
         segment_id, incarnation = self.segments.where(placement.placement)
-        if held.writer_id != writer_id or not self.segments.live(placement.placement):
+        if (
+            held.writer_id != writer_id
+            or held.key not in committed
+            or not self.segments.live(placement.placement)
+        ):
             self.ctx.count("receipt_refused_total")
             return
         if not (0 <= r.slot <= SLOT_MAX and 1 <= r.slot_generation <= GENERATION_MAX) or (
