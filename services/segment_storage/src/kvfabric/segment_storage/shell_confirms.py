@@ -41,6 +41,19 @@ CONFIRM_LATER_GIVE_UP_MS: Final = 30_000
 _CONFIRM_FINAL_ERRORS: Final = (NotFound,)
 
 
+def _replica_confirm(ticket: m.WriteTicket, slot: int, generation: int) -> m.ReplicaConfirm:
+    """The confirm of a replica written under `ticket` into `slot` at `generation`: the one
+    shape every confirm path (synchronous, background, demotion) sends."""
+    return m.ReplicaConfirm(
+        ticket_id=ticket.ticket_id,
+        key=ticket.key,
+        slot=slot,
+        slot_generation=generation,
+        size_bytes=ticket.size_bytes,
+        checksum=ticket.checksum,
+    )
+
+
 class ShellConfirms:
     """Confirms of written replicas, answered on the shell's event loop."""
 
@@ -62,14 +75,7 @@ class ShellConfirms:
         replicas of the same save, `ConfirmBatcher`), wait for the verdict."""
         if self._loop is None or self.router is None:
             raise Unavailable("the segment is not connected to the directory")
-        confirm = m.ReplicaConfirm(
-            ticket_id=ticket.ticket_id,
-            key=ticket.key,
-            slot=slot,
-            slot_generation=generation,
-            size_bytes=ticket.size_bytes,
-            checksum=ticket.checksum,
-        )
+        confirm = _replica_confirm(ticket, slot, generation)
         shard = self.router.shard_of(ticket.key)
         future = asyncio.run_coroutine_threadsafe(
             self.confirms.confirm(shard, ticket.epoch, confirm, trace_id, expected=save_writes), self._loop
@@ -128,14 +134,7 @@ class ShellConfirms:
                     self.confirms_later.submit(
                         self.router.shard_of(ticket.key),
                         ticket.epoch,
-                        m.ReplicaConfirm(
-                            ticket_id=ticket.ticket_id,
-                            key=ticket.key,
-                            slot=slot,
-                            slot_generation=generation,
-                            size_bytes=ticket.size_bytes,
-                            checksum=ticket.checksum,
-                        ),
+                        _replica_confirm(ticket, slot, generation),
                         trace_id,
                         shared=True,
                     ),
@@ -171,14 +170,7 @@ class ShellConfirms:
     async def _confirm_async(self, ticket: m.WriteTicket, slot: int, generation: int) -> str:
         """A demotion's disk replica, confirmed on the loop like a transport's write."""
         assert self.router is not None
-        confirm = m.ReplicaConfirm(
-            ticket_id=ticket.ticket_id,
-            key=ticket.key,
-            slot=slot,
-            slot_generation=generation,
-            size_bytes=ticket.size_bytes,
-            checksum=ticket.checksum,
-        )
+        confirm = _replica_confirm(ticket, slot, generation)
         try:
             return await asyncio.wait_for(
                 self.confirms.confirm(self.router.shard_of(ticket.key), ticket.epoch, confirm, ""),
