@@ -13,7 +13,7 @@ import select
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Generic, Self, TypeVar
 
 import msgspec
 
@@ -61,6 +61,8 @@ from kvfabric.proto.directory import WriteTicket
 
 # one logger for the whole UCX transport, as before its split
 _log = logging.getLogger("kvfabric.dataplane.ucx")
+
+_LockT = TypeVar("_LockT", asyncio.Lock, threading.Lock)
 
 _error_decoder: FamilyDecoder[ErrorReply] = FamilyDecoder(ErrorReply, "dataplane error")
 
@@ -138,14 +140,9 @@ def _ok_views(
     return ok
 
 
-class UcxClient:
-    """One UCX connection to a segment's data port; one request at a time (an asyncio lock).
-
-    Connects on first use (or `await connect()`); after a transport failure the next call
-    reconnects. Errors: the segment's typed `KvfError`; `Unavailable` when it cannot be reached;
-    `Indeterminate` when the connection failed mid-request (a PUT may or may not have landed).
-    Cancelling a call aborts the connection (UCX stops writing the caller's buffers first).
-    """
+class _UcxClientBase(Generic[_LockT]):
+    """What both UCX clients hold alike: the segment's address, the timeouts, the request ids,
+    the reply buffer and a lock (an asyncio one for `UcxClient`, a thread's for `UcxSyncClient`)."""
 
     def __init__(
         self,
@@ -159,14 +156,16 @@ class UcxClient:
         self.port = port
         self.io_timeout_s = io_timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self._link: Link | None = None
-        self._lock = asyncio.Lock()
+        self._lock: _LockT = self._new_lock()
         self._ids = itertools.count(1)
         self._buf = mmap.mmap(-1, FRAME_BYTES_MAX)
         self._closed = False
 
+    def _new_lock(self) -> _LockT:
+        raise NotImplementedError
+
     @classmethod
-    def from_address(cls, address: str, **kwargs: Any) -> UcxClient:
+    def from_address(cls, address: str, **kwargs: Any) -> Self:
         """`ucx://host:port`."""
         if not address.startswith("ucx://"):
             raise BadRequest(f"not a ucx data address: {address!r}")
@@ -176,6 +175,21 @@ class UcxClient:
     @property
     def address(self) -> str:
         return f"ucx://{self.host}:{self.port}"
+
+
+class UcxClient(_UcxClientBase[asyncio.Lock]):
+    """One UCX connection to a segment's data port; one request at a time (an asyncio lock).
+
+    Connects on first use (or `await connect()`); after a transport failure the next call
+    reconnects. Errors: the segment's typed `KvfError`; `Unavailable` when it cannot be reached;
+    `Indeterminate` when the connection failed mid-request (a PUT may or may not have landed).
+    Cancelling a call aborts the connection (UCX stops writing the caller's buffers first).
+    """
+
+    _link: Link | None = None
+
+    def _new_lock(self) -> asyncio.Lock:
+        return asyncio.Lock()
 
     async def connect(self) -> None:
         async with self._lock:
@@ -397,7 +411,7 @@ class _SyncLink:
 _stuck_sync_links: list[_SyncLink] = []  # links whose transfers UCX never confirmed (not observed)
 
 
-class UcxSyncClient:
+class UcxSyncClient(_UcxClientBase[threading.Lock]):
     """A blocking UCX client (the API of `TcpDataClient`: `put`, `get`, `close`), for callers on
     threads. It owns a UCX context and worker that the calling thread progresses during a call and
     sleeps on (epoll) when UCX has nothing to do: no event loop, no threads, no hand-off between
@@ -407,35 +421,10 @@ class UcxSyncClient:
     `UcxClient`: the segment's typed `KvfError`, `Unavailable`, `Indeterminate`.
     """
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        *,
-        io_timeout_s: float = IO_TIMEOUT_S_DEFAULT,
-        connect_timeout_s: float = CONNECT_TIMEOUT_S_DEFAULT,
-    ) -> None:
-        self.host = host
-        self.port = port
-        self.io_timeout_s = io_timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self._link: _SyncLink | None = None
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._buf = mmap.mmap(-1, FRAME_BYTES_MAX)
-        self._closed = False
+    _link: _SyncLink | None = None
 
-    @classmethod
-    def from_address(cls, address: str, **kwargs: Any) -> UcxSyncClient:
-        """`ucx://host:port`."""
-        if not address.startswith("ucx://"):
-            raise BadRequest(f"not a ucx data address: {address!r}")
-        host, _, port = address.removeprefix("ucx://").rpartition(":")
-        return cls(host, int(port), **kwargs)
-
-    @property
-    def address(self) -> str:
-        return f"ucx://{self.host}:{self.port}"
+    def _new_lock(self) -> threading.Lock:
+        return threading.Lock()
 
     def connect(self) -> None:
         with self._lock:
