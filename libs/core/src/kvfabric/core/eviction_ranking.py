@@ -113,18 +113,23 @@ class LeafRanking:
             )
         return out
 
+    def _evictable(self, obj: Tracked) -> bool:
+        """`obj` may be taken now: not already chosen, and (prefix order) no child stays."""
+        return not obj.evicting and not (self.config.prefix_order and obj.children > obj.children_evicting)
+
+    def _live_leaf(self, entry: HeapEntry) -> Tracked | None:
+        """The object a heap entry names when the entry is current (not stale: the object is
+        tracked at the entry's version) and the object `_evictable`; None otherwise."""
+        obj = self._objects.get(entry[3])
+        if obj is None or obj.version != entry[2] or not self._evictable(obj):
+            return None
+        return obj
+
     def _frontier(self) -> float | None:
         """The lowest priority of an evictable leaf (any pool), dropping stale heap entries on
         the way (as `_evict` would); None when there is none."""
         while self._heap:
-            _, _, version, object_id = self._heap[0]
-            obj = self._objects.get(object_id)
-            if (
-                obj is None
-                or obj.version != version
-                or obj.evicting
-                or (self.config.prefix_order and obj.children > obj.children_evicting)
-            ):
+            if self._live_leaf(self._heap[0]) is None:
                 heapq.heappop(self._heap)  # re-pushed when it becomes a leaf again
                 continue
             return self._heap[0][0]
@@ -142,14 +147,8 @@ class LeafRanking:
         best: tuple[float, float, DensityClass] | None = None
         for cls, heap in self._class_heaps.items():
             while heap:
-                _, _, version, object_id = heap[0]
-                obj = self._objects.get(object_id)
-                if (
-                    obj is None
-                    or obj.version != version
-                    or obj.evicting
-                    or (self.config.prefix_order and obj.children > obj.children_evicting)
-                ):
+                obj = self._live_leaf(heap[0])
+                if obj is None:
                     heapq.heappop(heap)  # re-pushed when it becomes a leaf again
                     continue
                 candidate = (self._density_score(obj, now_ms), heap[0][0], cls)
@@ -226,12 +225,7 @@ class LeafRanking:
 
             def offered(object_id: ObjectId) -> tuple[int, ObjectId | None] | None:
                 obj = self._objects.get(object_id)
-                if (
-                    obj is None
-                    or obj.evicting
-                    or (self.config.prefix_order and obj.children > obj.children_evicting)
-                    or skipped(obj)
-                ):
+                if obj is None or not self._evictable(obj) or skipped(obj):
                     return None
                 return take(object_id, obj)
 
@@ -257,19 +251,13 @@ class LeafRanking:
             freed = 0
             while self._heap and freed < excess and len(victims) < self.config.batch_max:
                 entry = heapq.heappop(self._heap)
-                _, _, version, object_id = entry
-                obj = self._objects.get(object_id)
-                if (
-                    obj is None
-                    or obj.version != version
-                    or obj.evicting
-                    or (self.config.prefix_order and obj.children > obj.children_evicting)
-                ):
+                obj = self._live_leaf(entry)
+                if obj is None:
                     continue  # stale entry, already chosen, or its tail stays (re-pushed when it goes)
                 if skipped(obj):
                     passed.append(entry)
                     continue
-                freed += take(object_id, obj)[0]
+                freed += take(entry[3], obj)[0]
             for entry in passed:
                 heapq.heappush(self._heap, entry)
             if len(self._heap) > 4 * len(self._objects) + 1024:
