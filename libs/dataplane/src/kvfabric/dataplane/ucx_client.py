@@ -37,6 +37,7 @@ from kvfabric.dataplane.ucx_link import (
     handshake,
     hash64bits,
     libucxx,
+    transfer_failure,
     ucx_array,
     worker_for_running_loop,
 )
@@ -176,6 +177,35 @@ class _UcxClientBase(Generic[_LockT]):
     def address(self) -> str:
         return f"ucx://{self.host}:{self.port}"
 
+    def _drop(self) -> None:
+        raise NotImplementedError
+
+    def _frame(self, op: Op, meta: msgspec.Struct, payload_count: int) -> tuple[int, bytes]:
+        """A request's id and frame (`BadRequest` when the frame is over `FRAME_BYTES_MAX`)."""
+        request_id = next(self._ids)
+        frame = encode_frame(op, request_id, meta, payload_count)
+        if len(frame) > FRAME_BYTES_MAX:
+            raise BadRequest(f"request frame of {len(frame)} bytes exceeds {FRAME_BYTES_MAX}")
+        return request_id, frame
+
+    def _lost(self, op: Op, exc: Truncated | LinkDown) -> Indeterminate:
+        """A request's transfers failed: the connection is dropped, and the request may or may
+        not have landed."""
+        self._drop()
+        if isinstance(exc, Truncated):  # only a receive truncates: the reply
+            return Indeterminate(f"reply frame exceeds {FRAME_BYTES_MAX} bytes")
+        return Indeterminate(f"ucx connection failed during {op.name}: {exc}")
+
+    def _reply(self, request_id: int) -> tuple[object, int]:
+        """The reply in the buffer and its payload count; a bad reply raises its error (and drops
+        the connection where it leaves it out of step)."""
+        try:
+            return _decode_reply(self._buf, request_id)
+        except _BadReply as bad:
+            if bad.drop:
+                self._drop()
+            raise bad.err from None
+
 
 class UcxClient(_UcxClientBase[asyncio.Lock]):
     """One UCX connection to a segment's data port; one request at a time (an asyncio lock).
@@ -233,25 +263,13 @@ class UcxClient(_UcxClientBase[asyncio.Lock]):
     ) -> tuple[object, int, Link]:
         """Send the request (and its payload) with the reply's receive posted alongside."""
         link = await self._ensure()
-        request_id = next(self._ids)
-        frame = encode_frame(op, request_id, meta, len(payload))
-        if len(frame) > FRAME_BYTES_MAX:
-            raise BadRequest(f"request frame of {len(frame)} bytes exceeds {FRAME_BYTES_MAX}")
+        request_id, frame = self._frame(op, meta, len(payload))
         transfers = [link.send(frame), *(link.send(p) for p in payload), link.recv(self._buf)]
         try:
             await link.complete(transfers, self.io_timeout_s)
-        except Truncated as exc:  # only a receive truncates: the reply
-            self._drop()
-            raise Indeterminate(f"reply frame exceeds {FRAME_BYTES_MAX} bytes") from exc
-        except LinkDown as exc:
-            self._drop()
-            raise Indeterminate(f"ucx connection failed during {op.name}: {exc}") from exc
-        try:
-            reply, payload_count = _decode_reply(self._buf, request_id)
-        except _BadReply as bad:
-            if bad.drop:
-                self._drop()
-            raise bad.err from None
+        except (Truncated, LinkDown) as exc:
+            raise self._lost(op, exc) from exc
+        reply, payload_count = self._reply(request_id)
         return reply, payload_count, link
 
     async def put(self, ticket: WriteTicket, data: Any) -> PutReply:
@@ -367,13 +385,11 @@ class _SyncLink:
                 request.check_error()
             except Exception as exc:
                 failures.append(exc)
-        if not failures:
-            return
-        truncated = libucxx().UCXMessageTruncatedError
-        if all(isinstance(e, truncated) for e in failures):
-            raise Truncated(str(failures[0]))
-        self.abort()
-        raise LinkDown(repr(next(e for e in failures if not isinstance(e, truncated))))
+        failure = transfer_failure(failures)
+        if isinstance(failure, LinkDown):
+            self.abort()
+        if failure is not None:
+            raise failure
 
     def _abort_and_settle(self, posted: list[tuple[Any, Any]]) -> None:
         self.abort()
@@ -467,26 +483,14 @@ class UcxSyncClient(_UcxClientBase[threading.Lock]):
 
     def _call(self, op: Op, meta: msgspec.Struct, payload: Sequence[memoryview] = ()) -> tuple[object, int]:
         link = self._ensure()
-        request_id = next(self._ids)
-        frame = encode_frame(op, request_id, meta, len(payload))
-        if len(frame) > FRAME_BYTES_MAX:
-            raise BadRequest(f"request frame of {len(frame)} bytes exceeds {FRAME_BYTES_MAX}")
+        request_id, frame = self._frame(op, meta, len(payload))
         try:
             link.complete(
                 [(True, frame), *((True, p) for p in payload), (False, self._buf)], self.io_timeout_s
             )
-        except Truncated as exc:
-            self._drop()
-            raise Indeterminate(f"reply frame exceeds {FRAME_BYTES_MAX} bytes") from exc
-        except LinkDown as exc:
-            self._drop()
-            raise Indeterminate(f"ucx connection failed during {op.name}: {exc}") from exc
-        try:
-            return _decode_reply(self._buf, request_id)
-        except _BadReply as bad:
-            if bad.drop:
-                self._drop()
-            raise bad.err from None
+        except (Truncated, LinkDown) as exc:
+            raise self._lost(op, exc) from exc
+        return self._reply(request_id)
 
     def put(self, ticket: WriteTicket, data: Any) -> PutReply:
         """Send one object's bytes (any C-contiguous buffer) under a signed ticket."""

@@ -296,6 +296,18 @@ class LinkDown(Exception):
     """The endpoint failed, was closed by the peer, or a transfer timed out (endpoint aborted)."""
 
 
+def transfer_failure(failures: Sequence[BaseException]) -> Truncated | LinkDown | None:
+    """What a request's failed transfers mean: None when none failed; `Truncated` when each was
+    a receive larger than its buffer (the endpoint stays usable); `LinkDown` otherwise (the
+    caller aborts the endpoint)."""
+    if not failures:
+        return None
+    truncated = libucxx().UCXMessageTruncatedError
+    if all(isinstance(e, truncated) for e in failures):
+        return Truncated(str(failures[0]))
+    return LinkDown(repr(next(e for e in failures if not isinstance(e, truncated))))
+
+
 LinkOp = tuple[bool, Any]  # (is a send, buffer): a transfer to post on a link
 
 
@@ -371,14 +383,11 @@ class Link:
             await self._settle(futs)
             failed = [f.exception() for f in futs if f.done() and f.exception()]
             raise LinkDown(repr(failed[0]) if failed else f"transfer did not finish within {timeout_s} s")
-        failures = [e for e in (f.exception() for f in futs) if e is not None]
-        if not failures:
-            return
-        truncated = libucxx().UCXMessageTruncatedError
-        if all(isinstance(e, truncated) for e in failures):
-            raise Truncated(str(failures[0]))
-        self.abort()
-        raise LinkDown(repr(next(e for e in failures if not isinstance(e, truncated))))
+        failure = transfer_failure([e for e in (f.exception() for f in futs) if e is not None])
+        if isinstance(failure, LinkDown):
+            self.abort()
+        if failure is not None:
+            raise failure
 
     async def _settle(self, futs: Sequence[asyncio.Future[None]]) -> None:
         if not futs:
