@@ -253,16 +253,20 @@ class TcpDataServer:
         if refusal is not None:
             raise _Close(refusal, request_id)
 
+    def _forget(self, conn: int) -> None:
+        """A connection's entries dropped (its socket, fd, deadline, and its place at the gate)."""
+        with self._lock:
+            self._conns.pop(conn, None)
+            self._fds.pop(conn, None)
+            self._deadlines.pop(conn, None)
+            self.gate.close(conn)
+
     def _serve(self, conn: int, sock: socket.socket) -> None:
         if self.tls is not None:
             try:
                 sock = self.tls.wrap_socket(sock, server_side=True)  # owns the fd from here
             except (OSError, ssl.SSLError):
-                with self._lock:
-                    self._conns.pop(conn, None)
-                    self._fds.pop(conn, None)
-                    self._deadlines.pop(conn, None)
-                    self.gate.close(conn)
+                self._forget(conn)
                 sock.close()
                 return
             with self._lock:
@@ -318,11 +322,7 @@ class TcpDataServer:
             self.backend.close_connection(conn)
             if self._staging is not None:
                 self._staging.close(conn)
-            with self._lock:
-                self._conns.pop(conn, None)
-                self._fds.pop(conn, None)
-                self._deadlines.pop(conn, None)
-                self.gate.close(conn)
+            self._forget(conn)
             sock.close()
 
     def _staging_files(self) -> StagingFiles | None:
