@@ -51,15 +51,19 @@ class SsdIo:
     def pread(self, fd: int, view: memoryview, offset: int) -> None:
         self._run(fd, view, offset, write=False)
 
-    def _run(self, fd: int, view: memoryview, offset: int, *, write: bool) -> None:
-        pieces = [(i, min(self.chunk_bytes, len(view) - i)) for i in range(0, len(view), self.chunk_bytes)]
+    def _admit(self, pieces: int) -> None:
+        """`pieces` more in flight, or `Busy` (counted) when that would go over `queue_max`."""
         with self._lock:
-            if self.pieces_in_flight + len(pieces) > self.queue_max:
+            if self.pieces_in_flight + pieces > self.queue_max:
                 self.busy_total += 1
                 raise Busy(
                     "disk tier I/O queue full", queue_max=self.queue_max, in_flight=self.pieces_in_flight
                 )
-            self.pieces_in_flight += len(pieces)
+            self.pieces_in_flight += pieces
+
+    def _run(self, fd: int, view: memoryview, offset: int, *, write: bool) -> None:
+        pieces = [(i, min(self.chunk_bytes, len(view) - i)) for i in range(0, len(view), self.chunk_bytes)]
+        self._admit(len(pieces))
         try:
             if self._pool is None or len(pieces) == 1:
                 for start, length in pieces:
@@ -98,13 +102,7 @@ class SsdIo:
         piece is read now, on the calling thread."""
         invariant(piece_bytes >= BLOCK_BYTES and piece_bytes % BLOCK_BYTES == 0, "bad read piece size")
         spans = [(i, min(i + piece_bytes, len(view))) for i in range(0, len(view), piece_bytes)]
-        with self._lock:
-            if self.pieces_in_flight + len(spans) > self.queue_max:
-                self.busy_total += 1
-                raise Busy(
-                    "disk tier I/O queue full", queue_max=self.queue_max, in_flight=self.pieces_in_flight
-                )
-            self.pieces_in_flight += len(spans)
+        self._admit(len(spans))
 
         def done(_: concurrent.futures.Future[None]) -> None:
             with self._lock:
