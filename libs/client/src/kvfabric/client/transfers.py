@@ -557,6 +557,23 @@ class SegmentPool:
                 replies[i] = reply
         return replies
 
+    def _staging_file(
+        self, conn: _Connection, arena_dir: str, data_addr: str, size: int
+    ) -> StagingFile | None:
+        """`conn`'s staging file, made (or remade larger) to hold `size` bytes; None when it
+        cannot be made (`data_addr` is then remembered as refusing staged puts: its writes are
+        sent)."""
+        if conn.staging is None or conn.staging.data_bytes < size:
+            if conn.staging is not None:
+                conn.staging.close()
+                conn.staging = None
+            try:
+                conn.staging = StagingFile(arena_dir, max(size, STAGING_FILE_BYTES_MIN))
+            except (KvfError, OSError):
+                self._staging_refused.add(data_addr)
+                return None
+        return conn.staging
+
     def _stage_many(
         self, conn: _Connection, writes: Sequence[tuple[WriteTicket, memoryview, str, int]]
     ) -> list[StagedBytes] | None:
@@ -575,19 +592,13 @@ class SegmentPool:
             or writes[0][0].data_addr in self._staging_refused
         ):
             return None
-        if conn.staging is None or conn.staging.data_bytes < total:
-            if conn.staging is not None:
-                conn.staging.close()
-                conn.staging = None
-            try:
-                conn.staging = StagingFile(shm.arena_dir, max(total, STAGING_FILE_BYTES_MIN))
-            except (KvfError, OSError):
-                self._staging_refused.add(writes[0][0].data_addr)
-                return None
+        staging = self._staging_file(conn, shm.arena_dir, writes[0][0].data_addr, total)
+        if staging is None:
+            return None
         staged = []
         at = 0
         for _, data, _, _ in writes:
-            staged.append(conn.staging.stage(data, at))
+            staged.append(staging.stage(data, at))
             at += len(data)
         return staged
 
@@ -605,13 +616,7 @@ class SegmentPool:
             or ticket.data_addr in self._staging_refused
         ):
             return None
-        if conn.staging is None or conn.staging.data_bytes < size:
-            if conn.staging is not None:
-                conn.staging.close()
-                conn.staging = None
-            try:
-                conn.staging = StagingFile(shm.arena_dir, max(size, STAGING_FILE_BYTES_MIN))
-            except (KvfError, OSError):
-                self._staging_refused.add(ticket.data_addr)
-                return None
-        return conn.staging.stage(data)
+        staging = self._staging_file(conn, shm.arena_dir, ticket.data_addr, size)
+        if staging is None:
+            return None
+        return staging.stage(data)
