@@ -129,6 +129,12 @@ def _put_view(ticket: WriteTicket, data: Any) -> memoryview:
     return view
 
 
+def _put_reply(reply: object) -> PutReply:
+    if not isinstance(reply, PutReply):
+        raise Indeterminate(f"unexpected reply {type(reply).__name__} to PUT")
+    return reply
+
+
 def _ok_views(
     reply: object, reads: list[ReadRef], views: list[memoryview], payload_count: int
 ) -> list[memoryview]:
@@ -195,6 +201,21 @@ class _UcxClientBase(Generic[_LockT]):
         if isinstance(exc, Truncated):  # only a receive truncates: the reply
             return Indeterminate(f"reply frame exceeds {FRAME_BYTES_MAX} bytes")
         return Indeterminate(f"ucx connection failed during {op.name}: {exc}")
+
+    def _payload_views(
+        self, reply: object, reads: list[ReadRef], views: list[memoryview], payload_count: int
+    ) -> list[memoryview]:
+        """`_ok_views`; a malformed GET reply drops the connection and raises its error."""
+        try:
+            return _ok_views(reply, reads, views, payload_count)
+        except _BadReply as bad:
+            self._drop()
+            raise bad.err from None
+
+    def _payload_lost(self, exc: Truncated | LinkDown) -> Indeterminate:
+        """A GET's payload transfers failed: the connection is dropped."""
+        self._drop()
+        return Indeterminate(f"ucx connection failed during GET payload: {exc}")
 
     def _reply(self, request_id: int) -> tuple[object, int]:
         """The reply in the buffer and its payload count; a bad reply raises its error (and drops
@@ -277,9 +298,7 @@ class UcxClient(_UcxClientBase[asyncio.Lock]):
         view = _put_view(ticket, data)
         async with self._lock:
             reply, _, _ = await self._call(Op.PUT, PutRequest(ticket=ticket), [view])
-        if not isinstance(reply, PutReply):
-            raise Indeterminate(f"unexpected reply {type(reply).__name__} to PUT")
-        return reply
+        return _put_reply(reply)
 
     async def get(self, reads: list[ReadRef], dests: Sequence[Any]) -> list[ObjectResult]:
         """Read objects straight into `dests` (one writable buffer of at least `size_bytes` per
@@ -288,17 +307,12 @@ class UcxClient(_UcxClientBase[asyncio.Lock]):
         views = _get_views(reads, dests)
         async with self._lock:
             reply, payload_count, link = await self._call(Op.GET, GetRequest(reads=reads))
-            try:
-                ok = _ok_views(reply, reads, views, payload_count)
-            except _BadReply as bad:
-                self._drop()
-                raise bad.err from None
+            ok = self._payload_views(reply, reads, views, payload_count)
             if ok:
                 try:
                     await link.complete([link.recv(v) for v in ok], self.io_timeout_s)
                 except (LinkDown, Truncated) as exc:
-                    self._drop()
-                    raise Indeterminate(f"ucx connection failed during GET payload: {exc}") from exc
+                    raise self._payload_lost(exc) from exc
         assert isinstance(reply, GetReply)
         return reply.results
 
@@ -497,27 +511,20 @@ class UcxSyncClient(_UcxClientBase[threading.Lock]):
         view = _put_view(ticket, data)
         with self._lock:
             reply, _ = self._call(Op.PUT, PutRequest(ticket=ticket), [view])
-        if not isinstance(reply, PutReply):
-            raise Indeterminate(f"unexpected reply {type(reply).__name__} to PUT")
-        return reply
+        return _put_reply(reply)
 
     def get(self, reads: list[ReadRef], dests: Sequence[Any]) -> list[ObjectResult]:
         """Read objects straight into `dests` (as `UcxClient.get`); the caller verifies checksums."""
         views = _get_views(reads, dests)
         with self._lock:
             reply, payload_count = self._call(Op.GET, GetRequest(reads=reads))
-            try:
-                ok = _ok_views(reply, reads, views, payload_count)
-            except _BadReply as bad:
-                self._drop()
-                raise bad.err from None
+            ok = self._payload_views(reply, reads, views, payload_count)
             if ok:
                 link = self._link
                 assert link is not None
                 try:
                     link.complete([(False, v) for v in ok], self.io_timeout_s)
                 except (LinkDown, Truncated) as exc:
-                    self._drop()
-                    raise Indeterminate(f"ucx connection failed during GET payload: {exc}") from exc
+                    raise self._payload_lost(exc) from exc
         assert isinstance(reply, GetReply)
         return reply.results
