@@ -32,7 +32,7 @@ from bench.ssd_tier import _cpu_s, _save, extent_of
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
 from kvfabric.eviction_policy import handlers, tiers
 from kvfabric.eviction_policy.handlers import EvictionShell
-from kvfabric.format.ids import pack_group_key
+from kvfabric.format.ids import ObjectKey, group_id_in_key, pack_group_key
 from kvfabric.format.key import ChunkGroupId
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.segment_storage.ssd import aligned_buffer
@@ -61,7 +61,8 @@ async def demote_with_policy(
     sh._router = DirectoryRouter(nc)
     sh._set_capacity(segment_id, len(victims) * size)
     for i, (key, _, _) in enumerate(victims):
-        group = ChunkGroupId.from_bytes(key[:90])
+        group_id = group_id_in_key(ObjectKey(key))
+        group = ChunkGroupId.from_bytes(group_id)
         chain = pack_group_key(group.domain_digest, group.chain_hash)
         pools = {segment_id: size}
         core.insert(
@@ -72,7 +73,7 @@ async def demote_with_policy(
             chunk_index=group.chunk_index,
             now_ms=i,
         )
-        sh._group_ids[chain] = key[:90]
+        sh._group_ids[chain] = group_id
         sh._held[chain] = (group.domain_digest, group.chunk_index, dict(pools))
     chains = [
         v
