@@ -17,7 +17,12 @@ alice's process at that priority too (a measurement of the bound). `python -m
 tests.security.test_directory_fair_admission [rounds]` runs `compare`: the flood at each CPU
 priority, interleaved, one line each (docs/security.md quotes it); `... [rounds] hold` compares
 at `rr:1` the runtime's refusals past bob's in-flight share answered at once
-(`KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS=0`) and held (250, the default), interleaved.
+(`KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS=0`) and held (250, the default), interleaved;
+`... [rounds] code BEFORE` compares at `rr:1` a directory running the code of the source tree
+BEFORE (its `services/directory/src` and `libs/runtime/src` first on the directory's
+PYTHONPATH, e.g. `git archive <commit> services/directory/src libs/runtime/src | tar -x -C
+BEFORE`) with this checkout's, interleaved. `KVF_TEST_PYSPY_DIR=DIR` records the directory
+with py-spy (raw stacks) while alice looks up during the flood, one file a run.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ import contextlib
 import json
 import multiprocessing
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -184,6 +192,8 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
         attacker = spawn.Process(target=flood, args=(secure.client_settings("bob"), bob, FLOOD_S, out))
 
         used: dict[str, float | bool] = {}
+        gc_before: dict[str, float] = {}
+        gc_during: dict[str, float] = {}
         loads: dict[str, tuple[list[float], int]] = {}
 
         async def run() -> tuple[list[float], int, list[float], int, float]:
@@ -194,10 +204,16 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
                 attacker.start()
                 flood_began = time.monotonic()
                 await asyncio.sleep(2.0)  # the flood under way (the child has connected)
+                gc_before.update(gc_pauses(await asyncio.to_thread(scrape_metrics, port)))
+                spy = profiler(directory.pid)
                 began = time.monotonic()
                 cpu_began = cpu_s(directory.pid)
                 during, misses = await alices_lookups(router, alice, ALICE_LOOKUPS)
                 during_s = time.monotonic() - began
+                gc_during.update(gc_pauses(await asyncio.to_thread(scrape_metrics, port)))
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                    await asyncio.to_thread(spy.wait, 30)
                 used["directory_cpu_share"] = round((cpu_s(directory.pid) - cpu_began) / during_s, 2)
                 loads["flood"] = await asyncio.to_thread(alices_loads, client, tokens, ALICE_LOADS)
                 # bob's loops stop FLOOD_S after they connected, so at least this long after start
@@ -243,6 +259,19 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
         "alice_p99_ms_alone_flood": [round(x, 3) for x in p99],
         "p50_ratio": round(p50[1] / p50[0], 2),
         "p99_ratio": round(p99[1] / p99[0], 2),
+        "alice_p90_p95_ms_flood": [round(quantile(during, q), 3) for q in (0.90, 0.95)],
+        # the directory's GC while alice looked up during the flood: per generation, how many
+        # collections, their total ms, and how many took over 5 ms
+        "gc_during_lookups": {
+            g: [round(gc_during[f"{g}{k}"] - gc_before.get(f"{g}{k}", 0), 1) for k in ("n", "ms", "over5")]
+            for g in ("0", "1", "2")
+        },
+        # core calls meanwhile (bob's slices, mostly): how many, their mean ms, how many over 1 ms
+        "core_calls_during_lookups": [
+            round(d_calls := gc_during["calls"] - gc_before.get("calls", 0)),
+            round((gc_during["calls_ms"] - gc_before.get("calls_ms", 0)) / max(1, d_calls), 3),
+            round(gc_during["calls_over_1ms"] - gc_before.get("calls_over_1ms", 0)),
+        ],
         "alice_misses_alone_flood": [base_misses, misses],
         "alice_load_p50_ms_alone_flood": [round(x, 3) for x in load_p50],
         "alice_load_p99_ms_alone_flood": [round(x, 3) for x in load_p99],
@@ -262,6 +291,37 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
         "gc_full_pauses_over_25_ms": gc_full_over_25,
         "core_calls_over_50_ms_wall_cpu": slow,
     }
+
+
+def gc_pauses(metrics: str) -> dict[str, float]:
+    """The directory's GC pauses so far, per generation g: `gn` collections, `gms` their total
+    ms, `gover5` those over 5 ms (from `kvfabric_directory_gc_pause_seconds`)."""
+    name = "kvfabric_directory_gc_pause_seconds"
+    out: dict[str, float] = {}
+    for g in ("0", "1", "2"):
+        n = metric_value(metrics, f"{name}_bucket", generation=g, le="+Inf") or 0
+        out[f"{g}n"] = n
+        out[f"{g}ms"] = (metric_value(metrics, f"{name}_sum", generation=g) or 0) * 1e3
+        out[f"{g}over5"] = n - (metric_value(metrics, f"{name}_bucket", generation=g, le="0.005") or 0)
+    out["calls"] = metric_value(metrics, "kvfabric_directory_core_call_seconds_count") or 0
+    out["calls_ms"] = (metric_value(metrics, "kvfabric_directory_core_call_seconds_sum") or 0) * 1e3
+    out["calls_over_1ms"] = out["calls"] - (
+        metric_value(metrics, "kvfabric_directory_core_call_seconds_bucket", le="0.001") or 0
+    )
+    return out
+
+
+def profiler(pid: int) -> subprocess.Popen[bytes] | None:
+    """py-spy recording process `pid` (raw stacks, 250 Hz, not pausing it) into
+    `KVF_TEST_PYSPY_DIR`, one file a run; None when that is not set."""
+    out = os.environ.get("KVF_TEST_PYSPY_DIR")
+    if not out:
+        return None
+    Path(out).mkdir(parents=True, exist_ok=True)
+    spy = Path(sys.executable).with_name("py-spy")
+    path = Path(out) / f"directory-{pid}-{int(time.time())}.txt"
+    command = [str(spy), "record", "--pid", str(pid), "--rate", "250", "--nonblocking", "--format", "raw"]
+    return subprocess.Popen([*command, "-o", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def raise_priority(pid: int, priority: cpu_priority.CpuPriority) -> None:
@@ -284,17 +344,21 @@ def compare(
     rounds: int = 2,
     priorities: tuple[str, ...] = ("off", "nice:-10", "rr:1"),
     holds_ms: tuple[str | None, ...] = (None,),
+    trees: tuple[str | None, ...] = (None,),
 ) -> None:
     """The max-size flood at each directory CPU priority (and runtime refusal hold, None: the
-    default), interleaved, one JSON line a run."""
+    default; and the directory's code: a source tree first on its PYTHONPATH, None: this
+    checkout), interleaved, one JSON line a run."""
     import tempfile
 
     for r in range(rounds):
-        for priority, hold_ms in ((p, h) for p in priorities for h in holds_ms):
+        for priority, hold_ms, tree in ((p, h, t) for p in priorities for h in holds_ms for t in trees):
             with tempfile.TemporaryDirectory(prefix="kvf-flood-") as tmp:
                 env = {"KVF_DIRECTORY_CPU_PRIORITY": priority}
                 if hold_ms is not None:
                     env["KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS"] = hold_ms
+                if tree is not None:
+                    env["PYTHONPATH"] = f"{tree}/services/directory/src:{tree}/libs/runtime/src"
                 try:
                     report = measure(Path(tmp), bob_ids=BOB_GROUPS, env=env)
                 except Exception as exc:  # a lost lease, say: that run's outcome
@@ -303,7 +367,8 @@ def compare(
                 if slow:  # how many, the longest wall and its CPU
                     report["slow_core_calls"] = [len(slow), *max(slow, key=lambda c: c[1])[1:]]
                 held = {} if hold_ms is None else {"tenant_refusal_hold_ms": int(hold_ms)}
-                print(json.dumps({"round": r, **held, **report}), flush=True)
+                code = {} if trees == (None,) else {"code": tree or "this checkout"}
+                print(json.dumps({"round": r, **code, **held, **report}), flush=True)
 
 
 def test_alices_lookups_keep_their_latency_while_bob_floods_max_size_lookups(tmp_path: Path) -> None:
@@ -329,10 +394,10 @@ def test_alices_lookups_keep_their_latency_while_bob_floods_max_size_lookups(tmp
 
 
 if __name__ == "__main__":
-    import sys
-
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     if sys.argv[2:] == ["hold"]:
         compare(rounds, ("rr:1",), ("0", "250"))
+    elif sys.argv[2:3] == ["code"]:
+        compare(rounds, ("rr:1",), trees=(sys.argv[3], None))
     else:
         compare(rounds)

@@ -43,13 +43,19 @@ from kvfabric.runtime.client import request
 from kvfabric.runtime.deadline import cancel_and_wait
 from kvfabric.runtime.logs import get_logger
 
-__all__ = ["EVENTS_STREAM", "LOOKUP_SLICE_GROUPS", "VERBS", "DirectoryShell", "now_ms"]
+__all__ = ["EVENTS_STREAM", "LOOKUP_SLICE_GROUPS", "LOOKUP_SLICE_YIELDS", "VERBS", "DirectoryShell", "now_ms"]
 
 FREES_INFLIGHT_MAX: Final = 256
 STOP_TIMEOUT_S: Final = 2.0  # the shell's tasks end within this once cancelled
 # A longer lookup is folded this many groups a core call, the event loop yielded between
 # (`_lookup_in_slices`): ~3-6 ms a slice on a busy 2-core machine, instead of ~100 ms for 4,096.
 LOOKUP_SLICE_GROUPS: Final = 128
+# Event-loop iterations yielded between two slices. A request passes ~5 iterations in this
+# process before its reply is on the wire (the socket's read callback, nats-py's read loop, the
+# subscription's task, the handler's task, nats-py's flusher), and a slice that yields once runs
+# again in every one of them: a request arriving during a long lookup waited one slice per
+# stage, ~5 slices (issue 21 row 2, docs/security.md). Yielding this many, it waits for one.
+LOOKUP_SLICE_YIELDS: Final = 8
 
 # verb -> the request type it accepts
 VERBS: Final[dict[str, type[msgspec.Struct]]] = {
@@ -150,7 +156,8 @@ class DirectoryShell:
         asked = min(LOOKUP_SLICE_GROUPS, len(lookup.groups))
         folded = reply.hit_chunks
         while folded == asked < len(lookup.groups):  # every group so far hit: the next slice
-            await asyncio.sleep(0)  # let every other request that is ready run
+            for _ in range(LOOKUP_SLICE_YIELDS):  # every other request in progress goes on, whole
+                await asyncio.sleep(0)
             if not self.may_act():
                 raise WrongShard("this directory instance no longer leads the shard", shard=self.core.shard)
             more = CORE_CALLS.timed(
