@@ -230,7 +230,9 @@ class PutBegin(_Msg, frozen=True, kw_only=True, tag="dir.put_begin.v1"):
 
 
 # quota_exceeded: this object would take its tenant (share domain) over its bytes or objects quota.
-BeginStatus = Literal["placed", "exists", "in_flight", "no_capacity", "quota_exceeded"]
+# not_admitted: the eviction policy's admission filter refuses it (nothing reserved; the writer
+# does not write it and recomputes it next time, as on a miss).
+BeginStatus = Literal["placed", "exists", "in_flight", "no_capacity", "quota_exceeded", "not_admitted"]
 
 
 class BeginResult(msgspec.Struct, frozen=True, kw_only=True):

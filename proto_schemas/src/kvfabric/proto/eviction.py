@@ -3,18 +3,31 @@
 The eviction-policy service follows the directory's events and asks the directory to evict;
 it serves one verb for operators: `status` (`EvictionStatusRequest` → `EvictionStatus`), what
 it tracks per pool (segment) and tenant (share domain) and its counters.
+
+It also publishes (plain NATS, no reply) its admission filter on `kvf.v1.eviction.admission_filter`
+(`ADMISSION_FILTER_VERB`) every `KVF_EVICTION_ADMISSION_PUBLISH_MS`; every directory instance
+applies the latest one at `put_begin` while it is fresh (`kvfabric.core.eviction_admission`).
 """
 
 from __future__ import annotations
+
+from typing import Final
 
 import msgspec
 
 from kvfabric.proto.codec import FamilyDecoder
 
 __all__ = [
+    "ADMISSION_FILTER_DOMAINS_MAX",
+    "ADMISSION_FILTER_POOLS_MAX",
+    "ADMISSION_FILTER_VERB",
+    "ADMISSION_LENGTH_CLASSES",
+    "ADMISSION_UNLIMITED",
+    "AdmissionFilter",
     "EvictionMessage",
     "EvictionStatus",
     "EvictionStatusRequest",
+    "PoolAdmission",
     "PoolUsage",
     "TenantUsage",
     "eviction_decoder",
@@ -50,6 +63,37 @@ class EvictionStatus(msgspec.Struct, frozen=True, kw_only=True, tag="evict.statu
     counters: dict[str, int]
 
 
-EvictionMessage = EvictionStatusRequest | EvictionStatus
+ADMISSION_FILTER_VERB: Final = "admission_filter"  # kvf.v1.eviction.admission_filter (published)
+ADMISSION_LENGTH_CLASSES: Final = 8  # per pool, one limit per prompt-length class (bit length 0..7)
+ADMISSION_FILTER_POOLS_MAX: Final = 1_024  # pools (segments) one filter lists at most
+ADMISSION_FILTER_DOMAINS_MAX: Final = 1_024  # protected share domains one filter lists at most
+ADMISSION_UNLIMITED: Final = -1  # a class's limit when every group size is admitted
+
+
+class PoolAdmission(msgspec.Struct, frozen=True, kw_only=True):
+    """One pool (segment) past its low watermark: a first-named chunk group of length class `c`
+    (bit length of its chunk index + 1, capped at 7) whose bytes (all members and replicas)
+    exceed `group_bytes_max[c]` would rank below the eviction frontier: not admitted."""
+
+    segment_id: str
+    group_bytes_max: list[int]  # ADMISSION_LENGTH_CLASSES entries; ADMISSION_UNLIMITED = no limit
+
+
+class AdmissionFilter(
+    msgspec.Struct, frozen=True, kw_only=True, tag="evict.admission_filter.v1", tag_field="t"
+):
+    """What the policy admits, published on a bounded cadence (bounded size: at most
+    `ADMISSION_FILTER_POOLS_MAX` pools and `ADMISSION_FILTER_DOMAINS_MAX` domains). A pool not
+    listed admits everything; a listed protected domain (below its guaranteed share) is always
+    admitted. The directory judges age by its own clock, from when it received the filter."""
+
+    generated_ms: int  # the policy's clock when it built the filter
+    events_seq: int  # the last directory event (stream sequence) the policy had applied
+    policy: str
+    pools: list[PoolAdmission]
+    protected_domains: list[bytes] = msgspec.field(default_factory=list)  # 16-byte digests
+
+
+EvictionMessage = EvictionStatusRequest | EvictionStatus | AdmissionFilter
 
 eviction_decoder: FamilyDecoder[EvictionMessage] = FamilyDecoder(EvictionMessage, "eviction")

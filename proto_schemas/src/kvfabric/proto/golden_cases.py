@@ -138,6 +138,18 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             counters={"victims_total": 3},
         ),
     ),
+    "evict.admission_filter.v1": (
+        "eviction",
+        eviction.AdmissionFilter(
+            generated_ms=1_700_000_000_000,
+            events_seq=42,
+            policy="density",
+            pools=[
+                eviction.PoolAdmission(segment_id="s1", group_bytes_max=[-1, -1, 4096, 0, -1, -1, -1, -1])
+            ],
+            protected_domains=[b"d" * 16],
+        ),
+    ),
     "dir.replicate_begin.v1": (
         "directory.request",
         directory.ReplicateBegin(
