@@ -7,7 +7,8 @@ One `Context` per core, handed to every table: its `epoch` may be raised by the 
 steps (a new term), its `counters` are plain counts the shell exports, its `ids` number write
 tickets, replica tickets, leases and pins from one sequence (an id is never reused by another
 table), and its `quotas` hold per-tenant usage every table adjusts at each change of its own
-records (`kvfabric.core.quotas`).
+records (`kvfabric.core.quotas`); its `admission` gate holds the eviction policy's latest
+admission filter (`kvfabric.core.eviction_admission`), which put_begin consults.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Final
 import msgspec
 
 from kvfabric.core.directory.replies import ReplySizes
+from kvfabric.core.eviction_admission import ADMISSION_STALE_MS_DEFAULT, AdmissionGate
 from kvfabric.core.quotas import UNLIMITED, Quotas, Tenant, TenantQuota, tenant_of
 from kvfabric.format.errors import BatchTooLarge, RateLimited, StaleGeneration, Unavailable
 from kvfabric.proto import directory as m
@@ -111,6 +113,9 @@ class DirectoryConfig:
     # segment's free space is then its capacity minus the larger of this core's reservations
     # and the usage the segment reports (all shards'; a heartbeat old).
     segments_shared: bool = False
+    # The eviction policy's admission filter decides at put_begin only while it arrived at most
+    # this long ago (0 = admission off); `kvfabric.core.eviction_admission`.
+    admission_stale_ms: int = ADMISSION_STALE_MS_DEFAULT
 
 
 # ---- effects -------------------------------------------------------------------------------
@@ -158,6 +163,7 @@ class Context:
             config.tenant_quota_default, config.tenant_quotas, config.tenants_max, self.count
         )
         self.reply_sizes = ReplySizes.measure(config.ticket_secret)
+        self.admission = AdmissionGate(config.admission_stale_ms, self.count)  # put_begin's filter
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n

@@ -52,6 +52,7 @@ from kvfabric.core.directory.replicas import ReplicaTable
 from kvfabric.core.directory.replies import ReplyCache
 from kvfabric.core.directory.segments import Segment, SegmentTable
 from kvfabric.core.directory.writes import BuildingGroup, WriteTable
+from kvfabric.core.eviction_admission import AdmissionGate, AdmissionView
 from kvfabric.core.quotas import Quotas, Tenant, TenantUsage, tenant_of
 from kvfabric.format.errors import BadRequest, KvfError
 from kvfabric.format.invariant import invariant
@@ -155,6 +156,15 @@ class DirectoryCore:
         that name no key); raises `RateLimited` and charges nothing when one is out of tokens."""
         self._ctx.charge_domains(domain_digests, now_ms)
 
+    def set_admission_filter(self, view: AdmissionView, now_ms: int) -> bool:
+        """The eviction policy's latest admission filter, received at `now_ms`: put_begin applies
+        it while fresh (`kvfabric.core.eviction_admission`). False: older than the one held."""
+        return self._ctx.admission.install(view, now_ms)
+
+    @property
+    def admission(self) -> AdmissionGate:
+        return self._ctx.admission
+
     def tick(self, now_ms: int) -> list[Effect]:
         """Expire leases, pins and write deadlines; mark silent segments down; retry frees."""
         effects: list[Effect] = []
@@ -223,6 +233,7 @@ class DirectoryCore:
             use.bytes += nbytes
             use.objects += objects
         self._ctx.quotas.check(usage)
+        self._ctx.admission.check()
         held = self.published_table.lease_count.keys() | self.published_table.pin_count.keys()
         invariant(not (held & self.evicting.keys()), "evicting a leased or pinned group")
 

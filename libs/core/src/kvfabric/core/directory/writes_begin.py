@@ -1,5 +1,7 @@
 """put_begin: a request's objects checked (batch, identity, reply size, tenant budgets, rate),
-then each member placed on segments with signed tickets, or answered `exists` / `in_flight`.
+then each member placed on segments with signed tickets, or answered `exists` / `in_flight` /
+`no_capacity` / `not_admitted` (the eviction policy's admission filter, while fresh, refuses it
+on its chosen segments: `kvfabric.core.eviction_admission`; nothing reserved) / `quota_exceeded`.
 A mixin of `WriteTable` (`kvfabric.core.directory.writes`) over `WriteState`.
 """
 
@@ -57,7 +59,9 @@ class WriteBegin(WriteState):
         deadline = now_ms + min(req.write_ttl_ms, ctx.config.write_ttl_ms_max)
         placed_here: set[tuple[bytes, Member]] = set()  # a key twice in one request: placed once
         results = [
-            self._begin_one(req.writer_id, req.request_id, spec, info, replicas, deadline, placed_here)
+            self._begin_one(
+                req.writer_id, req.request_id, spec, info, replicas, deadline, placed_here, now_ms
+            )
             for spec, info in zip(req.objects, infos, strict=True)
         ]
         reply = m.PutBeginReply(epoch=ctx.epoch, results=results)
@@ -132,6 +136,7 @@ class WriteBegin(WriteState):
         replicas: int,
         deadline: int,
         placed_here: set[tuple[bytes, Member]],
+        now_ms: int,
     ) -> m.BeginResult:
         gid = info.group.group_id
         if self._exists(gid):
@@ -157,6 +162,13 @@ class WriteBegin(WriteState):
             self.ctx.count("no_capacity_total")
             return m.BeginResult(key=spec.key, status="no_capacity")
         tenant = tenant_of(spec.key)
+        # The eviction policy's filter, while fresh: refused = nothing reserved, nothing charged.
+        group_bytes = spec.size_bytes * info.group.expected_members * len(chosen)
+        admitted, _ = self.ctx.admission.decide(
+            [c.segment_id for c in chosen], tenant, info.group.chunk_index, group_bytes, now_ms
+        )
+        if not admitted:
+            return m.BeginResult(key=spec.key, status="not_admitted")
         if not self.ctx.quotas.admits(tenant, spec.size_bytes * len(chosen), 1):
             self.ctx.count("quota_exceeded_objects_total")
             return m.BeginResult(key=spec.key, status="quota_exceeded")

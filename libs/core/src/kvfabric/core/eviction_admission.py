@@ -1,0 +1,253 @@
+"""Live admission at `put_begin` (issue 25, item 4): the filter the eviction policy publishes and
+the gate each directory shard applies. Pure: no I/O, time passed in (ms).
+
+The policy service cannot be asked synchronously at `put_begin` (the directory never waits on
+it), so the policy publishes what it would decide as a compact filter on a bounded cadence
+(`AdmissionFilter`, `kvf.v1.eviction.admission_filter`) and the directory applies the latest one
+while it is fresh. A refused key is answered `not_admitted`: nothing is reserved, no bytes move,
+the writer counts it and the engine recomputes the chunk next time, as on a miss.
+
+## The rule (`build_filter`, policy `density` with `KVF_EVICTION_ADMISSION=predicted`)
+The core's predicted admission for `density` (`kvfabric.core.eviction`, `_admit`): above the low
+watermark, a new chunk whose hit density at age 0, per byte, is below the lowest evictable leaf's
+(the *frontier*) is refused: it would be the next victim. For a first-named chunk of length class
+`c` (the service's class: bit length of chunk index + 1, capped) with density `d_c` and a frontier
+`F > 0`, "d_c / bytes < F" is "bytes > d_c / F", so the filter carries per class the largest
+group size admitted, `floor(d_c / F)` (`ADMISSION_UNLIMITED` for an untrained class, d = +inf),
+for each pool at or past its low watermark; pools with room are not listed (admit). Share
+domains below their guaranteed share are listed as protected (always admitted: another tenant's
+scan cannot starve them, issue 25 item 5). Other policies, or admission `off` (the default):
+no filter is published, so the directory admits everything.
+Not carried (the filter's approximation of the core): the policy's ghost (a chunk evicted and
+written again is judged as first-named, the lowest-density class of its length) and the
+parent rule (`parent_absent`: the client drops the rest of a prompt after a refused chunk).
+
+## The gate (`AdmissionGate`, one per directory shard core)
+States: EMPTY (no filter yet) --install--> FRESH --(now - received > stale_ms)--> STALE
+--install--> FRESH. A filter is installed when it is valid (`AdmissionView.of`: at most
+`ADMISSION_FILTER_POOLS_MAX` pools and `ADMISSION_FILTER_DOMAINS_MAX` domains, one limit per
+class) and not older (`generated_ms`) than a FRESH one held; else it is dropped (counted).
+`decide` for one key placed on some segments, in order:
+1. `stale_ms` = 0 (admission off) -> admit `off`; EMPTY -> admit `no_filter`; STALE -> admit `stale`;
+2. the key's share domain is protected -> admit `guaranteed`;
+3. a target segment listed with `group_bytes > limit[class]` -> refuse `below_frontier`;
+4. else admit `filter`.
+
+## Invariants
+- Never waits and never fails: `decide` is O(segments) dict reads; no filter, a stale one or
+  an invalid one admits.
+- Bounded memory: one filter per gate, its pools and domains within the bounds above, each
+  pool with exactly `ADMISSION_LENGTH_CLASSES` limits.
+- Never refuses a key the filter admits: a refusal names a listed pool whose limit for the
+  key's class is below the key's group bytes, and only while the filter is fresh.
+- Bounded staleness: a filter received more than `stale_ms` ago decides nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from kvfabric.core.eviction_density import DENSITY_LENGTH_CLASSES, density_class
+from kvfabric.format.errors import BadRequest
+from kvfabric.format.invariant import invariant
+from kvfabric.proto.eviction import (
+    ADMISSION_FILTER_DOMAINS_MAX,
+    ADMISSION_FILTER_POOLS_MAX,
+    ADMISSION_LENGTH_CLASSES,
+    ADMISSION_UNLIMITED,
+    AdmissionFilter,
+    PoolAdmission,
+)
+
+if TYPE_CHECKING:
+    from kvfabric.core.eviction import EvictionCore
+
+__all__ = [
+    "ADMISSION_ADMIT_REASONS",
+    "ADMISSION_GROUP_BYTES_LIMIT_MAX",
+    "ADMISSION_REFUSE_REASONS",
+    "ADMISSION_STALE_MS_DEFAULT",
+    "AdmissionGate",
+    "AdmissionView",
+    "build_filter",
+    "length_class",
+]
+
+ADMISSION_STALE_MS_DEFAULT: Final = 5_000  # a filter older than this (directory clock) admits all
+ADMISSION_GROUP_BYTES_LIMIT_MAX: Final = 1 << 62  # a larger computed limit is ADMISSION_UNLIMITED
+ADMISSION_ADMIT_REASONS: Final = ("off", "no_filter", "stale", "guaranteed", "filter")
+ADMISSION_REFUSE_REASONS: Final = ("below_frontier",)
+SEGMENT_ID_BYTES_MAX: Final = 64  # as `kvfabric.proto.subjects.check_segment_id`
+DOMAIN_DIGEST_BYTES: Final = 16
+
+invariant(DENSITY_LENGTH_CLASSES == ADMISSION_LENGTH_CLASSES, "admission classes follow density's")
+
+
+def length_class(chunk_index: int) -> int:
+    """The length class the service's density policy gives a chunk (it passes no prompt length:
+    the prompt's chunks count as chunk index + 1)."""
+    return density_class(1, chunk_index + 1)[1]
+
+
+# ---- the policy side ---------------------------------------------------------------------------
+
+
+def build_filter(
+    core: EvictionCore, capacities: Mapping[str, int], now_ms: int, events_seq: int
+) -> AdmissionFilter:
+    """The filter of `core` (policy `density`) now: its pools (of `capacities`, segment id ->
+    bytes) at or past the low watermark with the per-class group byte limits, and the protected
+    domains (module docstring). Bounded: the first `ADMISSION_FILTER_POOLS_MAX` pressed pools and
+    `ADMISSION_FILTER_DOMAINS_MAX` protected domains by sorted id (the rest: admitted)."""
+    invariant(core.config.policy == "density", "admission filters are built for the density policy")
+    density = core._density  # the core's own predictor and frontier: this module mirrors `_admit`
+    assert density is not None
+    frontier = core._density_frontier(now_ms)
+    pools: list[PoolAdmission] = []
+    if frontier is not None:
+        limits = [_limit(density.density((1, c), 0), frontier) for c in range(ADMISSION_LENGTH_CLASSES)]
+        if any(limit != ADMISSION_UNLIMITED for limit in limits):
+            low = core.config.low_watermark
+            for pool in sorted(capacities):
+                capacity = capacities[pool]
+                if capacity > 0 and core.used_bytes(pool) >= low * capacity:
+                    pools.append(PoolAdmission(segment_id=pool, group_bytes_max=list(limits)))
+                    if len(pools) == ADMISSION_FILTER_POOLS_MAX:
+                        break
+    protected: list[bytes] = []
+    for tenant in sorted(t for t in core.quotas if isinstance(t, bytes)):
+        quota = core.quotas[tenant]
+        if quota.guaranteed_bytes and core.tenant_bytes(tenant) < quota.guaranteed_bytes:
+            protected.append(tenant)
+            if len(protected) == ADMISSION_FILTER_DOMAINS_MAX:
+                break
+    return AdmissionFilter(
+        generated_ms=now_ms,
+        events_seq=events_seq,
+        policy=core.config.policy,
+        pools=pools,
+        protected_domains=protected,
+    )
+
+
+def _limit(class_density: float, frontier: float) -> int:
+    """The largest group bytes b with class_density / b >= frontier (admitted), or unlimited."""
+    if math.isinf(class_density) or frontier <= 0:
+        return ADMISSION_UNLIMITED
+    limit = class_density / frontier
+    return ADMISSION_UNLIMITED if limit >= ADMISSION_GROUP_BYTES_LIMIT_MAX else math.floor(limit)
+
+
+# ---- the directory side ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionView:
+    """A validated filter as the gate reads it (built once, shared by every shard's gate)."""
+
+    generated_ms: int
+    events_seq: int
+    policy: str
+    limits: Mapping[str, tuple[int, ...]]  # segment id -> group bytes max per length class
+    protected: frozenset[bytes]
+    encoded_bytes: int  # the filter's size on the wire (metrics, status)
+
+    @classmethod
+    def of(cls, message: AdmissionFilter, encoded_bytes: int) -> AdmissionView:
+        """Validate `message` (`BadRequest` when over a bound or malformed)."""
+        if len(message.pools) > ADMISSION_FILTER_POOLS_MAX:
+            raise BadRequest(
+                f"admission filter lists {len(message.pools)} pools, over {ADMISSION_FILTER_POOLS_MAX}"
+            )
+        if len(message.protected_domains) > ADMISSION_FILTER_DOMAINS_MAX:
+            raise BadRequest(f"admission filter lists over {ADMISSION_FILTER_DOMAINS_MAX} domains")
+        limits: dict[str, tuple[int, ...]] = {}
+        for pool in message.pools:
+            if not 0 < len(pool.segment_id.encode()) <= SEGMENT_ID_BYTES_MAX:
+                raise BadRequest("admission filter: bad segment id")
+            if len(pool.group_bytes_max) != ADMISSION_LENGTH_CLASSES or any(
+                b < ADMISSION_UNLIMITED for b in pool.group_bytes_max
+            ):
+                raise BadRequest(f"admission filter: want {ADMISSION_LENGTH_CLASSES} limits >= -1 a pool")
+            limits[pool.segment_id] = tuple(pool.group_bytes_max)
+        if any(len(d) != DOMAIN_DIGEST_BYTES for d in message.protected_domains):
+            raise BadRequest("admission filter: a protected domain is not a 16-byte digest")
+        return cls(
+            message.generated_ms,
+            message.events_seq,
+            message.policy,
+            limits,
+            frozenset(message.protected_domains),
+            encoded_bytes,
+        )
+
+
+class AdmissionGate:
+    """See the module docstring. One per directory shard core; `count` is its counter sink."""
+
+    def __init__(self, stale_ms: int, count: Callable[[str], None] | None = None) -> None:
+        invariant(stale_ms >= 0, "stale_ms must be >= 0")
+        self.stale_ms = stale_ms
+        self.view: AdmissionView | None = None
+        self.received_ms = 0
+        self._count = count or (lambda name: None)
+
+    def install(self, view: AdmissionView, now_ms: int) -> bool:
+        """Hold `view` from now on (received at `now_ms`), unless a fresh one held is newer."""
+        if self.view is not None and self.fresh(now_ms) and view.generated_ms < self.view.generated_ms:
+            self._count("admission_filter_out_of_order_total")
+            return False
+        self.view, self.received_ms = view, now_ms
+        return True
+
+    def fresh(self, now_ms: int) -> bool:
+        return self.view is not None and now_ms - self.received_ms <= self.stale_ms
+
+    def age_ms(self, now_ms: int) -> int | None:
+        """How long ago the held filter arrived; None without one."""
+        return None if self.view is None else max(0, now_ms - self.received_ms)
+
+    def decide(
+        self, segment_ids: Sequence[str], domain: bytes, chunk_index: int, group_bytes: int, now_ms: int
+    ) -> tuple[bool, str]:
+        """(admit?, reason) for a key of `domain` whose group (all members and replicas) holds
+        `group_bytes`, to be placed on `segment_ids` (rules in the module docstring)."""
+        verdict = self._decide(segment_ids, domain, chunk_index, group_bytes, now_ms)
+        self._count(f"admission_{'admitted' if verdict[0] else 'refused'}_{verdict[1]}_total")
+        return verdict
+
+    def _decide(
+        self, segment_ids: Sequence[str], domain: bytes, chunk_index: int, group_bytes: int, now_ms: int
+    ) -> tuple[bool, str]:
+        view = self.view
+        if self.stale_ms == 0:
+            return True, "off"
+        if view is None:
+            return True, "no_filter"
+        if now_ms - self.received_ms > self.stale_ms:
+            return True, "stale"
+        if not view.limits:
+            return True, "filter"
+        if domain in view.protected:
+            return True, "guaranteed"
+        cls = length_class(chunk_index)
+        for segment_id in segment_ids:
+            limits = view.limits.get(segment_id)
+            if limits is not None and limits[cls] != ADMISSION_UNLIMITED and group_bytes > limits[cls]:
+                return False, "below_frontier"
+        return True, "filter"
+
+    def check(self) -> None:
+        """Bounded memory (module invariants)."""
+        view = self.view
+        if view is None:
+            return
+        invariant(len(view.limits) <= ADMISSION_FILTER_POOLS_MAX, "admission filter pools unbounded")
+        invariant(len(view.protected) <= ADMISSION_FILTER_DOMAINS_MAX, "admission filter domains unbounded")
+        invariant(
+            all(len(v) == ADMISSION_LENGTH_CLASSES for v in view.limits.values()),
+            "admission limits malformed",
+        )

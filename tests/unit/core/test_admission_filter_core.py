@@ -1,0 +1,256 @@
+"""Live admission (issue 25 item 4; `kvfabric.core.eviction_admission`): the gate a directory
+shard applies at put_begin, the filter the density policy builds, and put_begin's `not_admitted`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvfabric.core.eviction import EvictionConfig, EvictionCore, Refused, TenantQuota
+from kvfabric.core.eviction_admission import AdmissionGate, AdmissionView, build_filter, length_class
+from kvfabric.format.errors import BadRequest
+from kvfabric.proto import directory as m
+from kvfabric.proto.codec import encode
+from kvfabric.proto.eviction import (
+    ADMISSION_FILTER_POOLS_MAX,
+    ADMISSION_LENGTH_CLASSES,
+    ADMISSION_UNLIMITED,
+    AdmissionFilter,
+    PoolAdmission,
+)
+
+from .dirkit import DOMAIN, groups, key, new_core, register, spec
+
+U = ADMISSION_UNLIMITED
+A = bytes(DOMAIN.digest())
+
+
+def view(pools: dict[str, list[int]], *, at: int = 0, protected: tuple[bytes, ...] = ()) -> AdmissionView:
+    message = AdmissionFilter(
+        generated_ms=at,
+        events_seq=0,
+        policy="density",
+        pools=[PoolAdmission(segment_id=s, group_bytes_max=v) for s, v in pools.items()],
+        protected_domains=list(protected),
+    )
+    return AdmissionView.of(message, len(encode(message)))
+
+
+def limits(**by_class: int) -> list[int]:
+    out = [U] * ADMISSION_LENGTH_CLASSES
+    for name, value in by_class.items():
+        out[int(name[1:])] = value
+    return out
+
+
+# ---- the gate ------------------------------------------------------------------------------------
+
+
+def test_no_filter_admits_and_a_fresh_one_refuses_what_it_lists() -> None:
+    counts: dict[str, int] = {}
+    gate = AdmissionGate(1_000, lambda n: counts.__setitem__(n, counts.get(n, 0) + 1))
+    assert gate.decide(["s1"], A, 3, 100, 0) == (True, "no_filter")
+    gate.install(view({"s1": limits(c2=50)}), 10)
+    # chunk 3 -> 4 chunks -> bit length 3; chunk 1 -> 2 chunks -> class 2
+    assert length_class(1) == 2 and length_class(3) == 3
+    assert gate.decide(["s1"], A, 1, 100, 20) == (False, "below_frontier")
+    assert gate.decide(["s1"], A, 1, 50, 20) == (True, "filter")  # at the limit: admitted
+    assert gate.decide(["s1"], A, 3, 10**9, 20) == (True, "filter")  # class 3 unlimited
+    assert gate.decide(["s2"], A, 1, 100, 20) == (True, "filter")  # s2 not listed: room
+    assert gate.decide(["s2", "s1"], A, 1, 100, 20) == (False, "below_frontier")  # any replica's pool
+    assert counts["admission_refused_below_frontier_total"] == 2
+    assert counts["admission_admitted_no_filter_total"] == 1
+
+
+def test_a_stale_filter_admits_and_a_new_one_applies_again() -> None:
+    gate = AdmissionGate(1_000)
+    gate.install(view({"s1": limits(c1=0)}), 0)
+    assert gate.decide(["s1"], A, 0, 1, 1_000) == (False, "below_frontier")  # age = bound: fresh
+    assert gate.decide(["s1"], A, 0, 1, 1_001) == (True, "stale")
+    assert gate.age_ms(1_001) == 1_001
+    gate.install(view({"s1": limits(c1=0)}, at=5), 2_000)
+    assert gate.decide(["s1"], A, 0, 1, 2_500) == (False, "below_frontier")
+
+
+def test_admission_off_and_protected_domains_always_admit() -> None:
+    off = AdmissionGate(0)
+    off.install(view({"s1": limits(c1=0)}), 0)
+    assert off.decide(["s1"], A, 0, 1, 0) == (True, "off")
+    gate = AdmissionGate(1_000)
+    gate.install(view({"s1": limits(c1=0)}, protected=(A,)), 0)
+    assert gate.decide(["s1"], A, 0, 1, 0) == (True, "guaranteed")
+    assert gate.decide(["s1"], bytes(16), 0, 1, 0) == (False, "below_frontier")
+
+
+def test_an_older_filter_does_not_replace_a_fresh_newer_one() -> None:
+    gate = AdmissionGate(1_000)
+    assert gate.install(view({"s1": limits(c1=0)}, at=100), 0)
+    assert not gate.install(view({}, at=50), 10)
+    assert gate.decide(["s1"], A, 0, 1, 20) == (False, "below_frontier")
+    assert gate.install(view({}, at=50), 2_000)  # the held one is stale: any filter replaces it
+
+
+def test_a_filter_over_its_bounds_is_refused_before_it_is_held() -> None:
+    with pytest.raises(BadRequest):
+        view({f"s{i}": limits() for i in range(ADMISSION_FILTER_POOLS_MAX + 1)})
+    with pytest.raises(BadRequest):
+        view({"s1": [U] * (ADMISSION_LENGTH_CLASSES + 1)})
+    with pytest.raises(BadRequest):
+        view({"s1": limits(c1=-2)})
+    with pytest.raises(BadRequest):
+        view({}, protected=(b"short",))
+
+
+class GateMachine(RuleBasedStateMachine):
+    """Filters arrive at any time (some out of order), time moves on, keys are judged: the gate
+    refuses exactly what the freshest filter it holds refuses, admits everything once it is stale,
+    and holds one bounded filter."""
+
+    STALE_MS = 500
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = AdmissionGate(self.STALE_MS)
+        self.now = 0
+        self.model: tuple[AdmissionView, int] | None = None  # (view, received)
+
+    @rule(
+        pools=st.dictionaries(
+            st.sampled_from(["s1", "s2", "s3"]),
+            st.lists(
+                st.integers(U, 300), min_size=ADMISSION_LENGTH_CLASSES, max_size=ADMISSION_LENGTH_CLASSES
+            ),
+            max_size=3,
+        ),
+        generated=st.integers(0, 10_000),
+        protected=st.booleans(),
+    )
+    def arrive(self, pools: dict[str, list[int]], generated: int, protected: bool) -> None:
+        v = view(pools, at=generated, protected=(A,) if protected else ())
+        held_fresh = self.model is not None and self.now - self.model[1] <= self.STALE_MS
+        installed = self.gate.install(v, self.now)
+        expected = not (held_fresh and self.model is not None and generated < self.model[0].generated_ms)
+        assert installed == expected
+        if installed:
+            self.model = (v, self.now)
+
+    @rule(ms=st.integers(0, 400))
+    def advance(self, ms: int) -> None:
+        self.now += ms
+
+    @rule(
+        segments=st.lists(st.sampled_from(["s1", "s2", "s3", "s4"]), min_size=1, max_size=3, unique=True),
+        chunk=st.integers(0, 200),
+        nbytes=st.integers(1, 400),
+        domain=st.sampled_from([A, bytes(16)]),
+    )
+    def judge(self, segments: list[str], chunk: int, nbytes: int, domain: bytes) -> None:
+        admitted, reason = self.gate.decide(segments, domain, chunk, nbytes, self.now)
+        if self.model is None or self.now - self.model[1] > self.STALE_MS:
+            assert admitted, "no filter or a stale one must admit"
+            return
+        v = self.model[0]
+        cls = length_class(chunk)
+        refuses = domain not in v.protected and any(
+            s in v.limits and v.limits[s][cls] != U and nbytes > v.limits[s][cls] for s in segments
+        )
+        assert admitted == (not refuses), reason  # never refuses what the filter admits
+
+    @invariant()
+    def bounded(self) -> None:
+        self.gate.check()
+
+
+TestGateMachine = GateMachine.TestCase
+TestGateMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+# ---- the directory: put_begin answers not_admitted -----------------------------------------------
+
+
+def test_put_begin_answers_not_admitted_and_reserves_nothing() -> None:
+    core = new_core(admission_stale_ms=1_000)
+    register(core, "s1", capacity=100_000)
+    gs = groups(3, seed=7)
+    core.set_admission_filter(view({"s1": limits(c2=50)}), 0)  # chunks 1 and 2: class 2
+    reply = core.handle(
+        m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g), 100) for g in gs]), 10
+    ).reply
+    assert isinstance(reply, m.PutBeginReply)
+    assert [r.status for r in reply.results] == ["placed", "not_admitted", "not_admitted"]
+    assert reply.results[1].tickets == []
+    assert core.segments["s1"].reserved_bytes == 100  # only chunk 0's
+    assert core.pending_objects == 1
+    assert core.counters["admission_refused_below_frontier_total"] == 2
+    core.check_invariants()
+    # Stale (no newer filter within the bound): admitted.
+    again = core.handle(
+        m.PutBegin(writer_id="w", request_id="r2", objects=[spec(key(g), 100) for g in gs[1:]]), 1_011
+    ).reply
+    assert isinstance(again, m.PutBeginReply)
+    assert [r.status for r in again.results] == ["placed", "placed"]
+    assert core.counters["admission_admitted_stale_total"] == 2
+    core.check_invariants()
+
+
+# ---- the policy: the filter mirrors the density core's own admission ---------------------------
+
+
+def trained_core(seed: int, capacity: int) -> tuple[EvictionCore, int]:
+    """A density core (predicted admission) fed a random history with reuses, densities
+    computed, its pool `seg` at or past its low watermark; returns it and the time now."""
+    rng = random.Random(seed)
+    core = EvictionCore(
+        EvictionConfig(policy="density", admission="predicted", density_recompute_every=10**9),
+        {b"p" * 16: TenantQuota(guaranteed_bytes=10**9)},
+    )
+    core.set_capacity("seg", capacity)
+    now = 0
+    ids: list[int] = []
+    for i in range(300):
+        now += rng.randint(1, 3_000)
+        if ids and rng.random() < 0.4:
+            core.access(rng.choice(ids), now)
+        else:
+            effects = core.insert(
+                i,
+                tenant=b"t" * 16,
+                pool="seg",
+                size=rng.randint(1, 20),
+                parent=None,
+                chunk_index=rng.randint(0, 100),
+                now_ms=now,
+            )
+            if not any(isinstance(e, Refused) for e in effects):
+                ids.append(i)
+    assert core._density is not None
+    core._density.recompute()
+    return core, now
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), chunk=st.integers(0, 200), size=st.integers(1, 40))
+def test_the_filter_refuses_a_first_named_chunk_exactly_when_the_core_would(
+    seed: int, chunk: int, size: int
+) -> None:
+    core, now = trained_core(seed, capacity=200)
+    assert core.used_bytes("seg") >= 0.8 * 200  # pressed: the pool is listed when limits bite
+    message = build_filter(core, {"seg": 200}, now, events_seq=0)
+    gate = AdmissionGate(1_000)
+    gate.install(AdmissionView.of(message, len(encode(message))), now)
+    filter_admits, _ = gate.decide(["seg"], b"t" * 16, chunk, size, now)
+    (effect,) = core.insert(
+        10_000, tenant=b"t" * 16, pool="seg", size=size, parent=None, chunk_index=chunk, now_ms=now
+    )
+    core_admits = not isinstance(effect, Refused)
+    assert filter_admits == core_admits
+    assert message.protected_domains == [b"p" * 16]  # below its guaranteed share: always admitted
+
+
+def test_a_pool_with_room_is_not_listed() -> None:
+    core, now = trained_core(3, capacity=10**9)
+    assert build_filter(core, {"seg": 10**9}, now, events_seq=5).pools == []
