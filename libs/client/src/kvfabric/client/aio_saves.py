@@ -184,8 +184,13 @@ class SaveMixin(ClientBase):
                 for r in ours
                 for t in r.tickets
             ]
+        placed, unwritten = tally.unreachable(placed)  # past a not-admitted chunk: not written
+        if unwritten:
+            kept = {id(r) for r in placed}
+            writes = [w for w in writes if id(w[0]) in kept]
         outcomes = await self._write_all(plan, writes)
         ok_keys, bad_keys = tally.wrote(placed, [cause for cause, _ in outcomes])
+        bad_keys += unwritten
         commits = with_receipts(
             ok_keys,
             ((result.key, receipt) for (result, *_), (_, receipt) in zip(writes, outcomes, strict=True)),

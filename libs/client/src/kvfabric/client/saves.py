@@ -10,6 +10,11 @@ each phase sends and what its answers mean:
    saves of one client share these requests (`take_batch`): per (verb, shard) one request is in
    flight; what arrives meanwhile rides the next one, whole saves only, never one key twice.
    Each object comes back `placed` (tickets, one per replica), `exists`, or refused (`SaveTally.begun`).
+   `not_admitted` (the eviction policy's admission filter refused it; nothing was reserved): the
+   chunk is not stored, and neither is any later chunk of the save (`SaveTally.unreachable`: a
+   prefix hit can never reach past a chunk that is not stored), so their placed objects are
+   aborted without a byte written; each counts under cause `not_admitted`, and the engine
+   recomputes them next time, as on a miss.
 3. **Write**: every ticket of every placed object is written to its segment. Each write asks for
    a write receipt: a segment that signs them answers as soon as the bytes are stored and
    verified, with its MAC over what it stored, and confirms to the directory in the background.
@@ -22,8 +27,9 @@ each phase sends and what its answers mean:
    commit carries each committed object's receipts (`with_receipts`): the directory checks them
    and confirms those replicas first, so no confirm round trip sits between writes and commit.
 
-States of an object: planned -> placed | exists | refused; placed -> written (>= 1 replica ok)
-| write_failed; written -> committed | commit_failed. Invariants (`SaveTally.result`):
+States of an object: planned -> placed | exists | refused (incl. not_admitted); placed ->
+unreachable (after a not-admitted chunk: aborted unwritten) | written (>= 1 replica ok) |
+write_failed; written -> committed | commit_failed. Invariants (`SaveTally.result`):
 - a chunk counts as saved only when none of its objects failed in any phase and at least one was
   written and committed by this save; as existing when all its objects existed and none failed;
   else failed. Every chunk of the save is exactly one of the three.
@@ -186,6 +192,7 @@ class SaveTally:
     existing: set[int] = field(default_factory=set)  # chunks with an object that already existed
     committed: set[bytes] = field(default_factory=set)
     bytes_written: int = 0
+    not_admitted: set[int] = field(default_factory=set)  # chunks the admission filter refused
 
     def _fail(self, keys: Iterable[bytes], cause: str) -> None:
         for key in keys:
@@ -205,8 +212,22 @@ class SaveTally:
             elif result.status == "exists":
                 self.existing.add(self.plan.chunk_of[result.key])
             else:
+                if result.status == "not_admitted":
+                    self.not_admitted.add(self.plan.chunk_of[result.key])
                 self._fail((result.key,), result.status)
         return placed
+
+    def unreachable(self, placed: Sequence[m.BeginResult]) -> tuple[list[m.BeginResult], list[bytes]]:
+        """After every begin reply: (placed objects to write, keys to abort unwritten). Those of
+        the first not-admitted chunk and every later one are not written: without that chunk no
+        prefix hit reaches them (counted under cause `not_admitted`)."""
+        if not self.not_admitted:
+            return list(placed), []
+        first = min(self.not_admitted)
+        keep = [r for r in placed if self.plan.chunk_of[r.key] < first]
+        dropped = [r.key for r in placed if self.plan.chunk_of[r.key] >= first]
+        self._fail(dropped, "not_admitted")
+        return keep, dropped
 
     def wrote(
         self, placed: Sequence[m.BeginResult], outcomes: Sequence[str]
