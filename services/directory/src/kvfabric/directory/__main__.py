@@ -39,6 +39,7 @@ import nats
 from kvfabric.core.leadership import LeadershipConfig
 from kvfabric.core.shard_lifecycle import LifecycleConfig
 from kvfabric.directory import cpu_priority
+from kvfabric.directory.admission_filter import AdmissionFilterCollector, AdmissionFilterFeed
 from kvfabric.directory.fair import FairGate
 from kvfabric.directory.host import ShardHost
 from kvfabric.directory.kv_buckets import CONFIG_BUCKET, LEADERS_BUCKET, MEMBERS_BUCKET, agree_on_shards
@@ -151,9 +152,12 @@ async def serve(settings: RuntimeSettings) -> int:
     host = lifecycle.host
     host.attach(runtime)
     runtime.metrics.registry.register(DirectoryCollector(host, election.core))
+    admission = AdmissionFilterFeed(host)  # the eviction policy's filter, applied at put_begin
+    runtime.metrics.registry.register(AdmissionFilterCollector(admission))
     try:
         await runtime.start()
         await host.serve_shard_map(runtime.nc)
+        await admission.subscribe(runtime.nc)
         host.metrics_port = runtime.metrics_port
     except Exception as exc:
         log.error("directory_start_failed", error=repr(exc))

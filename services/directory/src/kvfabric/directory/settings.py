@@ -25,6 +25,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TENANT_PENDING_CAPACITY_PCT` | 25 | % of capacity one tenant may hold reserved (writes) |
 | `KVF_DIRECTORY_WRITE_TTL_MS_MAX` | 30000 | longest write deadline granted (a longer one is shortened) |
 | `KVF_DIRECTORY_FREE_BYTES_GRANULES` | 64 | placement sees free space in 1/N of capacity (0 = exact) |
+| `KVF_DIRECTORY_ADMISSION_STALE_MS` | 5000 | eviction admission filter applies while this fresh (0 = off) |
 | `KVF_DIRECTORY_TENANT_GRANTS` | `{}` | JSON `{"<tenant>": [DIGEST, ...]}` (see below) |
 | `KVF_DIRECTORY_TENANT_GRANTS_FILE` | unset | a file holding the GRANTS JSON (wins over the variable) |
 | `KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS` | 0 (off) | pad tenant lookup replies to this many ms |
@@ -184,6 +185,7 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         / 100,
         write_ttl_ms_max=env_int(env, "KVF_DIRECTORY_WRITE_TTL_MS_MAX", 30_000, 100, WRITE_TTL_MS_MAX),
         free_bytes_granules=env_int(env, "KVF_DIRECTORY_FREE_BYTES_GRANULES", 64, 0, 1_000_000),
+        admission_stale_ms=env_int(env, "KVF_DIRECTORY_ADMISSION_STALE_MS", 5_000, 0, 600_000),
     )
     shards = env_int(env, "KVF_DIRECTORY_SHARDS", 16, 1, SHARDS_MAX)
     if shards > 1:
