@@ -41,6 +41,7 @@ async def serve(settings: RuntimeSettings) -> int:
         demote_min_hits=config.demote_min_hits,
         ssd_high_watermark=config.ssd_high_watermark,
         demote_timeout_s=config.demote_timeout_s,
+        admission_publish_ms=config.admission_publish_ms if config.admission else 0,
     )
     runtime = ServiceRuntime(
         Service.EVICTION,

@@ -34,6 +34,12 @@ Three tasks around one synchronous core (each core call is atomic on the event l
   and the groups it refused and those not yet sent are dropped instead, so the arena still
   gets its room; a segment without a disk tier is remembered and its victims dropped.
 
+- **admission** (issue 25 item 4; `KVF_EVICTION_ADMISSION=predicted`, policy `density`): once
+  caught up, every `admission_publish_ms` the core's admission filter (`build_filter`: per pool
+  past its low watermark, the largest group admitted per length class; protected domains) is
+  published on `kvf.v1.eviction.admission_filter`; every directory instance applies the latest
+  while fresh at `put_begin` and never waits for it (`kvfabric.core.eviction_admission`).
+
 The policy's state is rebuilt from the stream at every start, so the stream's retention
 (`KVF_DIRECTORY_EVENTS_MAX_AGE_S`) must outlast the objects (see docs/eviction-policy.md).
 """
@@ -53,6 +59,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.core.eviction import EvictBatch, EvictionCore
+from kvfabric.core.eviction_admission import build_filter
 from kvfabric.eviction_policy.tiers import (
     DEMOTE_REQUEST_OBJECTS_MAX,
     demote_or_drop,
@@ -78,8 +85,9 @@ from kvfabric.format.ids import (
 from kvfabric.format.key import ChunkGroupId, KVKey
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
+from kvfabric.proto.codec import encode
 from kvfabric.proto.segment import DemoteObject, DemoteReply, DemoteRequest, segment_decoder, tier_of_slot
-from kvfabric.proto.subjects import Service, events_wildcard, segment_subject
+from kvfabric.proto.subjects import Service, endpoint_subject, events_wildcard, segment_subject
 from kvfabric.runtime import request as nats_request
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
@@ -113,8 +121,12 @@ class EvictionShell:
         demote_min_hits: int = 0,
         ssd_high_watermark: float = 0.9,
         demote_timeout_s: float = 30.0,
+        admission_publish_ms: int = 0,
     ) -> None:
         self.core = core
+        self.admission_publish_ms = admission_publish_ms  # 0: no admission filter published
+        self.admission_published = 0
+        self.admission_filter_bytes = 0  # the last one's encoded size
         self.demote = demote
         self.demote_min_hits = demote_min_hits
         self.ssd_high_watermark = ssd_high_watermark
@@ -155,6 +167,8 @@ class EvictionShell:
             asyncio.create_task(self._refresh_segments()),
             asyncio.create_task(self._ticker()),
         ]
+        if self.admission_publish_ms:
+            self._tasks.append(asyncio.create_task(self._publish_admission()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -418,6 +432,28 @@ class EvictionShell:
             else:
                 self._forget(chain)
 
+    # ---- admission ----------------------------------------------------------------------------
+
+    def admission_filter(self, at_ms: int) -> bytes:
+        """The encoded admission filter of the core now (public for tests)."""
+        capacities = {p: c for p, c in self._capacity.items() if not is_ssd_pool(p)}
+        data = encode(build_filter(self.core, capacities, at_ms, self.last_seq))
+        self.admission_filter_bytes = len(data)
+        return data
+
+    async def _publish_admission(self) -> None:
+        await self.caught_up.wait()  # a half-replayed history would refuse on stale pressure
+        subject = endpoint_subject(Service.EVICTION, e.ADMISSION_FILTER_VERB)
+        while True:
+            nc = self._nc
+            assert nc is not None
+            try:
+                await nc.publish(subject, self.admission_filter(now_ms()))
+                self.admission_published += 1
+            except nats.errors.Error as exc:  # the directory's filter goes stale: it admits
+                self._log.info("admission_publish_failed", error=type(exc).__name__)
+            await asyncio.sleep(self.admission_publish_ms / 1000)
+
     # ---- demotion ------------------------------------------------------------------------------
 
     async def _demote_groups(self, segment_id: str, chains: list[bytes]) -> set[bytes]:
@@ -619,5 +655,10 @@ class EvictionShell:
             events_applied=self.events_applied,
             pools=pools,
             tenants=tenants,
-            counters={**core.counters, **{f"demote_{k}_total": v for k, v in self.demotions.items()}},
+            counters={
+                **core.counters,
+                **{f"demote_{k}_total": v for k, v in self.demotions.items()},
+                "admission_filters_published_total": self.admission_published,
+                "admission_filter_bytes": self.admission_filter_bytes,
+            },
         )

@@ -17,9 +17,12 @@ The runtime's shared flags (NATS URL, metrics port, logging) come from `kvfabric
 | `KVF_EVICTION_DEMOTE_MIN_HITS` | 0 | ... read at least this often since published (`demote_or_drop`) |
 | `KVF_EVICTION_SSD_HIGH_WATERMARK_PCT` | 90 | a disk tier fuller than this drops its own victims |
 | `KVF_EVICTION_DEMOTE_TIMEOUT_MS` | 30000 | per demote request (up to 64 objects written to disk) |
+| `KVF_EVICTION_ADMISSION` | `off` | `predicted` (`density` only): publish an admission filter |
+| `KVF_EVICTION_ADMISSION_PUBLISH_MS` | 1000 | how often (below the directory's staleness bound) |
 
-Admission (second-hit) is a simulator policy only: in the live cluster the writer has already
-stored the bytes when the policy hears of them (see docs/eviction-policy.md).
+Live admission (`predicted`) is published as a filter (`kvfabric.core.eviction_admission`); the
+policy's own core keeps admission `always` (what it hears of is stored already). Second-hit
+admission stays a simulator policy: the policy hears of no miss (docs/eviction-policy.md).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class EvictionSettings:
     demote_min_hits: int = 0
     ssd_high_watermark: float = 0.9
     demote_timeout_s: float = 30.0
+    admission: bool = False  # publish the density policy's admission filter
+    admission_publish_ms: int = 1_000
 
 
 def parse_quotas(text: str) -> dict[bytes, TenantQuota]:
@@ -94,8 +99,15 @@ def load_eviction_settings(env: Mapping[str, str]) -> EvictionSettings:
         batch_max=env_int(env, "KVF_EVICTION_BATCH_MAX", 256, 1, 4096),
         refused_cooldown_ms=env_int(env, "KVF_EVICTION_REFUSED_COOLDOWN_MS", 5_000, 0, 3_600_000),
     )
+    admission = env.get("KVF_EVICTION_ADMISSION", "off")
+    if admission not in ("off", "predicted"):
+        raise SettingsError(f"KVF_EVICTION_ADMISSION must be off or predicted, got {admission!r}")
+    if admission == "predicted" and policy != "density":
+        raise SettingsError("KVF_EVICTION_ADMISSION=predicted needs KVF_EVICTION_POLICY=density")
     return EvictionSettings(
         core=core,
+        admission=admission == "predicted",
+        admission_publish_ms=env_int(env, "KVF_EVICTION_ADMISSION_PUBLISH_MS", 1_000, 10, 600_000),
         quotas=parse_quotas(env.get("KVF_EVICTION_TENANT_QUOTAS", "")),
         tick_ms=env_int(env, "KVF_EVICTION_TICK_MS", 200, 5, 60_000),
         segments_refresh_ms=env_int(env, "KVF_EVICTION_SEGMENTS_REFRESH_MS", 5_000, 50, 3_600_000),

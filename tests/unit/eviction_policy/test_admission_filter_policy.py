@@ -1,0 +1,59 @@
+"""The policy's side of live admission (issue 25 item 4): settings, and the filter it publishes
+(decodable, bounded, pools past the low watermark only), in status."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfabric.core.eviction import EvictionConfig, EvictionCore, TenantQuota
+from kvfabric.eviction_policy.handlers import EvictionShell
+from kvfabric.eviction_policy.settings import load_eviction_settings
+from kvfabric.proto import directory as m
+from kvfabric.proto import eviction as e
+from kvfabric.runtime.config import SettingsError
+
+NAMESPACE = bytes(4) + b"A" * 16 + bytes(34)
+
+
+def test_admission_is_off_by_default_and_predicted_needs_density() -> None:
+    assert not load_eviction_settings({}).admission
+    on = load_eviction_settings({"KVF_EVICTION_POLICY": "density", "KVF_EVICTION_ADMISSION": "predicted"})
+    assert on.admission and on.admission_publish_ms == 1_000
+    with pytest.raises(SettingsError):
+        load_eviction_settings({"KVF_EVICTION_ADMISSION": "predicted"})  # lru
+    with pytest.raises(SettingsError):
+        load_eviction_settings({"KVF_EVICTION_POLICY": "density", "KVF_EVICTION_ADMISSION": "second_hit"})
+
+
+def test_the_published_filter_decodes_and_lists_pressed_pools_only() -> None:
+    core = EvictionCore(
+        EvictionConfig(policy="density", high_watermark=0.9, low_watermark=0.5, density_recompute_every=4),
+        {b"B" * 16: TenantQuota(guaranteed_bytes=100)},
+    )
+    shell = EvictionShell(
+        core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0, admission_publish_ms=50
+    )
+    shell.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=100), 0)
+    shell.apply(m.SegmentUp(segment_id="s2", incarnation=1, capacity_bytes=10_000), 0)
+    for i in range(12):
+        shell.apply(
+            m.GroupPublished(
+                group=i.to_bytes(32, "little"),
+                chunk_index=0,
+                members=1,
+                namespace=NAMESPACE,
+                placements=[m.SegmentBytes("s1", 6), m.SegmentBytes("s2", 6)],
+            ),
+            1_000 * i,
+        )
+    shell.last_seq = 12
+    message = e.eviction_decoder.decode(shell.admission_filter(20_000))
+    assert isinstance(message, e.AdmissionFilter)
+    assert message.policy == "density" and message.events_seq == 12 and message.generated_ms == 20_000
+    # s1 holds 72 of 100 bytes (past 50 %), s2 72 of 10 000: only s1 can refuse.
+    assert [p.segment_id for p in message.pools] in ([], ["s1"])
+    for pool in message.pools:
+        assert len(pool.group_bytes_max) == e.ADMISSION_LENGTH_CLASSES
+    assert message.protected_domains == [b"B" * 16]
+    status = shell.status()
+    assert status.counters["admission_filter_bytes"] == shell.admission_filter_bytes > 0
