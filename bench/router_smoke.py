@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import httpx
 from kvfabric.engines.tiny import build_tiny_llama, prompt_ids
 from kvfabric.router.settings import keyspace_for_model_dir
 from kvfabric.testing.ports import free_port
+from kvfabric.testing.terminate import terminate_session
 
 CONNECTOR_DEFAULT_SALT_HEX = "6b7666616272696364656661756c7400"  # KVF_CLIENT_DOMAIN_SALT_HEX's default
 BLOCK_TOKENS = 128
@@ -60,6 +60,7 @@ def main() -> int:
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_CPU_NUM_OF_RESERVED_CPU="1",
         VLLM_HOST_IP="127.0.0.1",
+        VLLM_RPC_BASE_PATH=str(work),  # its ZMQ socket files, which it leaves behind, go here
     )
     procs: list[subprocess.Popen[bytes]] = []
     vllm: subprocess.Popen[bytes] | None = None
@@ -126,12 +127,12 @@ def main() -> int:
                     raise SystemExit(f"{trace}: HTTP {resp.status_code}")
     finally:
         for proc in reversed(procs):
-            with contextlib.suppress(ProcessLookupError):
-                if proc is vllm:  # its engine-core process too: its own session
-                    os.killpg(proc.pid, signal.SIGKILL)
-                else:
+            if proc is vllm:  # its engine-core process too: its own session
+                terminate_session(proc, 30)
+            else:
+                with contextlib.suppress(ProcessLookupError):
                     proc.terminate()
-            proc.wait(30)
+                proc.wait(30)
     done: list[dict[str, Any]] = []
     for line in (work / "router.log").read_text().splitlines():
         with contextlib.suppress(json.JSONDecodeError):

@@ -68,6 +68,7 @@ import numpy as np
 
 from kvfabric.testing import ServiceProcess
 from kvfabric.testing.ports import free_port
+from kvfabric.testing.terminate import terminate_session
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
 LOCALCLUSTER: Final = Path(__file__).resolve().parents[1] / "tools" / "localcluster.py"
@@ -83,6 +84,7 @@ KV_CACHE_GIB: Final = 1
 ENGINE_KV_BLOCKS: Final = (KV_CACHE_GIB << 30) // (BLOCK_TOKENS * 4096)  # tiny model: 4 KiB/token
 SEGMENT_ARENA_BYTES: Final = 3 << 30
 ENGINE_START_TIMEOUT_S: Final = 400.0
+ENGINE_STOP_TIMEOUT_S: Final = 15.0  # SIGTERM to SIGKILL: a vLLM server shuts down in a few seconds
 SEGMENT_RESTART_TIMEOUT_S: Final = 60.0
 REQUEST_TIMEOUT_S: Final = 300.0
 QUEUE_MAX: Final = 16  # per engine, in the router
@@ -215,9 +217,11 @@ def vllm_pair(
     nats_url: str | None,
     segments: Sequence[str] = ("seg-1", "seg-2"),
 ) -> Iterator[list[EngineProc]]:
-    """Two vLLM OpenAI servers (CPU 0 and 1), started together; killed (their sessions) after.
+    """Two vLLM OpenAI servers (CPU 0 and 1), started together; stopped (their sessions: SIGTERM, then SIGKILL) after.
     Engine n's connector reads `segments[n - 1]` as its co-located segment."""
     engines: list[EngineProc] = []
+    # vLLM's ZMQ socket files: it leaves them behind; a short path (a socket's is at most 107 bytes).
+    rpc_dir = tempfile.mkdtemp(prefix="kvf-vllm-rpc-")
     try:
         for n, segment in zip((1, 2), segments, strict=True):
             port = free_port()
@@ -255,6 +259,7 @@ def vllm_pair(
                 VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
                 VLLM_CPU_OMP_THREADS_BIND=str(n - 1),
                 VLLM_HOST_IP="127.0.0.1",
+                VLLM_RPC_BASE_PATH=rpc_dir,
             )
             with open(work / f"{name}-e{n}.log", "w") as log:
                 proc = subprocess.Popen(
@@ -265,10 +270,9 @@ def vllm_pair(
             wait_http(f"{e.url}/health", ENGINE_START_TIMEOUT_S, e.proc)
         yield engines
     finally:
-        for e in engines:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(e.proc.pid, signal.SIGKILL)
-            e.proc.wait(30)
+        for e in engines:  # SIGTERM first: vLLM then unlinks its /dev/shm queues
+            terminate_session(e.proc, ENGINE_STOP_TIMEOUT_S)
+        shutil.rmtree(rpc_dir, ignore_errors=True)
 
 
 def warm_up(engines: Sequence[EngineProc], model: str, vocab: int) -> None:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvfabric.testing.terminate import terminate_session
+
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_TIMEOUT_S = 300.0
+ENGINE_STOP_TIMEOUT_S = 15.0  # SIGTERM to SIGKILL for what the runner leaves (its engine core)
 
 
 def run_engine(
@@ -52,15 +55,17 @@ def run_engine(
     with open(log, "w") as log_file:  # a file, not a pipe: vLLM writes a lot
         # Its own session: vLLM's engine-core and worker processes are killed with it afterwards
         # (the runner exits with os._exit, which does not wait for them).
+        # vLLM's ZMQ socket files, which it leaves behind: a short path (at most 107 bytes).
+        rpc_dir = tempfile.mkdtemp(prefix="kvf-vllm-rpc-")
+        env = dict(os.environ, VLLM_RPC_BASE_PATH=rpc_dir)
         proc = subprocess.Popen(
-            argv, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            argv, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
             proc.wait(ENGINE_TIMEOUT_S)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        finally:  # SIGTERM first: vLLM's processes then unlink their /dev/shm queues
+            terminate_session(proc, ENGINE_STOP_TIMEOUT_S)
+            shutil.rmtree(rpc_dir, ignore_errors=True)
     if proc.returncode != 0 or not out.exists():
         tail = log.read_text()[-6000:]
         raise AssertionError(f"engine {name} exited {proc.returncode}:\n{tail}")

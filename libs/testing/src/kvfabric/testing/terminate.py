@@ -1,11 +1,16 @@
-"""Ending a child process: the one way the harness stops nats-server and service processes."""
+"""Ending a child process: the one way the harness stops nats-server and service processes, and
+the engines (vLLM servers) benchmarks and tests start in their own sessions."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import time
 
-__all__ = ["terminate"]
+__all__ = ["live_members", "terminate", "terminate_session"]
+
+SESSION_POLL_S = 0.1
 
 
 def terminate(proc: subprocess.Popen[bytes], timeout_s: float, *, kill: bool = False) -> int:
@@ -18,3 +23,51 @@ def terminate(proc: subprocess.Popen[bytes], timeout_s: float, *, kill: bool = F
             proc.kill()
             proc.wait(timeout=timeout_s)
     return proc.returncode
+
+
+def terminate_session(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """SIGTERM every process of the session `proc` leads (started with `start_new_session=True`),
+    wait until none is left alive, SIGKILL what is left after `timeout_s`. Returns `proc`'s exit code.
+
+    Why not SIGKILL at once: vLLM's engine-core and worker processes then leave their shared-memory
+    queues (`/dev/shm/psm_*`, up to 250 MB each) and ZMQ socket files (`/tmp/<uuid>`) behind; on
+    SIGTERM they unlink them. The whole group is polled (/proc), not only the leader: the engine
+    core can outlive the process that started it."""
+    pgid = proc.pid
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        if _group_gone(proc, time.monotonic() + timeout_s):
+            break
+    return proc.wait(timeout=timeout_s)
+
+
+def _group_gone(proc: subprocess.Popen[bytes], deadline: float) -> bool:
+    """Poll until no live process of `proc`'s group is left (True) or `deadline` passes (False).
+    A zombie is not live: an orphan's is reaped by pid 1 at its own pace (seconds in a sandbox)."""
+    while True:
+        proc.poll()
+        if not live_members(proc.pid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(SESSION_POLL_S)
+
+
+def live_members(pgid: int) -> list[int]:
+    """The pids in process group `pgid` that are not zombies (from /proc: Linux)."""
+    live = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # it ended meanwhile
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            live.append(int(entry))
+    return live
