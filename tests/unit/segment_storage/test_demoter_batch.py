@@ -1,7 +1,8 @@
-"""The demoter runs a request's objects at once (up to DEMOTE_CONCURRENCY_MAX): their directory
-round trips overlap and their disk writes share syncs, each object's write protocol unchanged
+"""The demoter runs a request's objects in write batches at once (up to DEMOTE_CONCURRENCY_MAX):
+their directory round trips are batched and a batch's disk writes share syncs and one write of
+their commit records, each object's write protocol unchanged
 (data durable before its commit record: tests/unit/segment_storage/test_ssd_crash.py). Results
-stay in request order; a full tier stops the objects not yet started; an error in one object
+stay in request order; a full tier stops the objects not yet started; an error in one write batch
 lets the others finish (no disk slot written but neither confirmed nor freed)."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 
 from kvfabric.core.segment_slots import SlotTable
 from kvfabric.format.checksum import checksum
-from kvfabric.format.errors import Unavailable
+from kvfabric.format.errors import KvfError
 from kvfabric.proto import directory as m
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import SSD_SLOT_BASE, DemoteObject, DemoteReply, DemoteRequest
@@ -173,22 +174,30 @@ def test_a_request_demotes_its_objects_at_once_sharing_syncs(tmp_path: Path) -> 
         n = 16
         datas, objects = stored(seg, directory, n, 64 * 1024)
         syncs.clear()
-        real, writing, writing_max = seg.backend.demote, [0], [0]
+        real, writing, writing_max = seg.backend.demote_many, [0], [0]
         lock = threading.Lock()
+        record_writes = [0]
+        real_record = seg.io.write_record
 
-        def counted(slot: int, generation: int, size: int) -> tuple[int, int]:
+        def counted(refs: list[tuple[int, int, int]]) -> list[tuple[int, int] | KvfError]:
             with lock:
                 writing[0] += 1
                 writing_max[0] = max(writing_max[0], writing[0])
             try:
-                return real(slot, generation, size)
+                return real(refs)
             finally:
                 with lock:
                     writing[0] -= 1
 
-        seg.backend.demote = counted  # type: ignore[method-assign]
+        def record(fd: int, view: memoryview, offset: int) -> None:
+            with lock:
+                record_writes[0] += 1
+            real_record(fd, view, offset)
+
+        seg.backend.demote_many = counted  # type: ignore[method-assign]
+        seg.io.write_record = record  # type: ignore[method-assign]
         reply = demote(seg, directory, objects)
-        assert 1 < writing_max[0] <= DEMOTE_CONCURRENCY_MAX  # the disk writes overlap, bounded
+        assert 1 < writing_max[0] <= DEMOTE_CONCURRENCY_MAX  # the write batches overlap, bounded
         assert [r.status for r in reply.results] == ["demoted"] * n
         assert directory.dropped and sorted(directory.dropped) == [o.key for o in objects]
         # Results in request order: each names the disk replica of its own object's bytes.
@@ -196,8 +205,11 @@ def test_a_request_demotes_its_objects_at_once_sharing_syncs(tmp_path: Path) -> 
             read = seg.ssd.read(result.slot, result.slot_generation, len(data))
             assert read.status == "ok" and read.view is not None and bytes(read.view) == data
             read.release()
-        # One at a time: 2 syncs and 3 round trips per object, none overlapping.
-        assert len(syncs) < n, f"{len(syncs)} syncs for {n} objects: writes did not share them"
+        # One at a time: 2 syncs, 1 record write and 3 round trips per object, none overlapping.
+        # A write batch: 2 syncs and one write of its (adjacent) commit records, whatever its size
+        # (before: each object its own record write, and 10-15 syncs for these 16 objects).
+        assert len(syncs) <= 2 * DEMOTE_CONCURRENCY_MAX, f"{len(syncs)} syncs for {n} objects"
+        assert record_writes[0] <= DEMOTE_CONCURRENCY_MAX, f"{record_writes[0]} record writes"
         assert directory.in_flight_max == n  # the confirms at once (the batcher: one request)
         assert {(k, s, g) for k, s, g in directory.confirmed} == {
             (o.key, r.slot, r.slot_generation) for o, r in zip(objects, reply.results, strict=True)
@@ -241,20 +253,21 @@ def test_an_error_in_one_object_lets_the_others_finish(tmp_path: Path) -> None:
     try:
         n = 8
         _, objects = stored(seg, directory, n, 64 * 1024)
-        real = seg.backend.demote
+        real = seg.backend.demote_many
+        first = n // DEMOTE_CONCURRENCY_MAX  # the objects of the first write batch
 
-        def buggy(slot: int, generation: int, size: int) -> tuple[int, int]:
-            if slot == objects[0].slot:
+        def buggy(refs: list[tuple[int, int, int]]) -> list[tuple[int, int] | KvfError]:
+            if any(slot == objects[0].slot for slot, _, _ in refs):
                 raise RuntimeError("a bug while writing")
-            return real(slot, generation, size)
+            return real(refs)
 
-        seg.backend.demote = buggy  # type: ignore[method-assign]
+        seg.backend.demote_many = buggy  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="a bug while writing"):
             demote(seg, directory, objects)
-        # Every other object ran to its end: written, confirmed and its arena replica dropped;
-        # the failed one wrote nothing (its ticket expires: an unexpected error is not aborted).
-        assert sorted(directory.dropped) == sorted(o.key for o in objects[1:])
-        assert len(directory.confirmed) == n - 1 and seg.ssd.stats()["objects"] == n - 1
+        # Every other batch ran to its end: written, confirmed and its arena replicas dropped;
+        # the failed one wrote nothing (its tickets expire: an unexpected error is not aborted).
+        assert sorted(directory.dropped) == sorted(o.key for o in objects[first:])
+        assert len(directory.confirmed) == n - first and seg.ssd.stats()["objects"] == n - first
     finally:
         seg.backend.arena.close()
         seg.io.close()
@@ -368,16 +381,16 @@ def test_unavailable_tier_fails_each_object_without_stopping_the_rest(tmp_path: 
     try:
         _, objects = stored(seg, directory, 4, 4096)
         writes = 0
-        real = seg.backend.demote
+        real = seg.ssd._write_data
 
-        def flaky(slot: int, generation: int, size: int) -> tuple[int, int]:
+        def flaky(source: memoryview, offset: int, extent_bytes: int) -> None:
             nonlocal writes
             writes += 1
             if writes == 2:
-                raise Unavailable("disk tier write failed")
-            return real(slot, generation, size)
+                raise OSError(5, "injected I/O error")
+            real(source, offset, extent_bytes)
 
-        seg.backend.demote = flaky  # type: ignore[method-assign]
+        seg.ssd._write_data = flaky  # type: ignore[method-assign]
         reply = demote(seg, directory, objects)
         statuses = [r.status for r in reply.results]
         assert statuses.count("failed") == 1 and statuses.count("demoted") == 3

@@ -33,7 +33,7 @@ from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.demoter import DEMOTE_THREAD_NICE, Demoter
 from kvfabric.segment_storage.settings import apply_process_settings, load_segment_settings
-from kvfabric.segment_storage.ssd import SsdIo, SsdTier, ssd_file_path
+from kvfabric.segment_storage.ssd import STREAM_INLINE_PIECE_BYTES, SsdIo, SsdTier, ssd_file_path
 
 SECRET = b"unit-ssd-secret-0123456789ab"
 ARENA_BYTES = 8 << 20
@@ -451,6 +451,61 @@ def test_disk_get_sends_its_first_bytes_before_the_disk_read_ends(tmp_path: Path
             assert [(r.status, r.checksum) for r in final.results] == [("ok", checksum(data))]
         wait_for(lambda: seg.ssd.stats()["read_bytes_in_flight"] == 0)
         assert seg.ssd.counters["reads_streamed_total"] == 1
+    finally:
+        io.gate.set()
+        server.stop()
+        close(seg)
+
+
+class PartGatedIo(SsdIo):
+    """The I/O engine with 1 MiB pieces, except that a read ending past `first_end` (a file
+    offset) waits for `gate`; the name of each thread that reads is kept in `readers`."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 64, 1 << 20)
+        self.gate = threading.Event()
+        self.first_end = -1
+        self.readers: list[str] = []
+
+    def _piece(self, fd: int, view: memoryview, offset: int, write: bool) -> None:
+        if not write:
+            self.readers.append(threading.current_thread().name)
+            if self.first_end >= 0 and offset + len(view) > self.first_end:
+                assert self.gate.wait(10), "gate never opened"
+        super()._piece(fd, view, offset, write)
+
+
+def test_a_one_piece_disk_get_is_read_by_its_sender_part_by_part(tmp_path: Path) -> None:
+    """An object of one I/O piece (1 MiB) is read by the connection's own thread in parts of
+    `STREAM_INLINE_PIECE_BYTES`, each sent before the next is read: the reply header and the
+    first part arrive while the read of the second is held back, and no I/O thread reads any of
+    it (no hand-off). (Before: the whole piece was read before the reply header, so nothing
+    arrived until the gate opened.)"""
+    io = PartGatedIo()
+    seg = make(tmp_path, io=io)
+    server = TcpDataServer(seg.backend, authenticate=seg.backend.admits)
+    server.start()
+    try:
+        data = os.urandom(1 << 20)
+        disk = seg.demote(seg.store(data, b"key-p"))
+        part = STREAM_INLINE_PIECE_BYTES
+        io.first_end = _file_offset(seg, disk) + part
+        io.readers.clear()
+        body = encode(GetRequest(reads=[disk], verdicts_after=True))
+        with socket.create_connection((server.host, server.port), timeout=2) as sock:
+            sock.sendall(pack_header(Op.GET, 1, len(body)) + body)
+            head = _reply(sock)  # arrives with the second part's read held back
+            assert head.verdicts_after and [r.status for r in head.results] == ["ok"]
+            assert _recv(sock, part) == data[:part]
+            assert not io.gate.is_set()
+            io.gate.set()
+            assert _recv(sock, len(data) - part) == data[part:]
+            final = _reply(sock)
+            assert [(r.status, r.checksum) for r in final.results] == [("ok", checksum(data))]
+        assert len(io.readers) == len(data) // part
+        assert not [name for name in io.readers if name.startswith("kvf-ssd-io")]
+        wait_for(lambda: seg.ssd.stats()["read_bytes_in_flight"] == 0)
+        assert seg.ssd.stats()["io_pieces_in_flight"] == 0
     finally:
         io.gate.set()
         server.stop()

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.core.disk_records import RECORD_BYTES
+from kvfabric.core.disk_records import RECORD_BYTES, geometry
 from kvfabric.format.checksum import checksum
 from kvfabric.proto.segment import SSD_SLOT_BASE
 from kvfabric.segment_storage.ssd import SsdIo, SsdTier, ssd_file_path
@@ -114,7 +114,7 @@ def run_workload(directory: Path) -> tuple[bytes, list[Event], list[Outcome], di
         while len(outcomes) <= len(io.events):
             outcomes.append(Outcome(dict(live), set(written)))
 
-    for step in range(14):
+    for step in range(14):  # with 16 slots and 256 KiB: frees make room for what follows
         if live and (step % 3 == 2):
             victims = rng.sample(sorted(live), k=min(len(live), rng.choice((1, 2))))
             pairs = [(live[key][0], live[key][1]) for key in victims]
@@ -124,15 +124,25 @@ def run_workload(directory: Path) -> tuple[bytes, list[Event], list[Outcome], di
             tier.free_many(pairs)
             mark()
             continue
-        key = f"object-{step}".encode()
-        size = rng.choice((1, 4000, 4096, 9000, 20_000))
-        data = content(key, size)
-        sizes[key] = size
-        written.add(key)
+        # Every fourth step writes three objects at once (`write_many`: data, one sync, their
+        # commit records in one write, one sync), the others one (`write`).
+        keys = [f"object-{step}-{k}".encode() for k in range(3 if step % 4 == 1 else 1)]
+        batch = []
+        for key in keys:
+            size = rng.choice((1, 4000, 4096, 9000, 20_000))
+            data = content(key, size)
+            sizes[key] = size
+            written.add(key)
+            batch.append((memoryview(data), key, checksum(data)))
         mark()
-        slot, generation = tier.write(memoryview(data), key, checksum(data))
+        if len(batch) == 1:
+            results: list[object] = [tier.write(*batch[0])]
+        else:
+            results = list(tier.write_many(batch))
         mark()
-        live[key] = (slot, generation, size)
+        for (view, key, _), result in zip(batch, results, strict=True):
+            assert isinstance(result, tuple), result
+            live[key] = (result[0], result[1], len(view))
     io.recording = False
     tier.close()
     return before, io.events, outcomes, sizes
@@ -198,6 +208,10 @@ def test_every_crash_point_recovers_exactly_the_complete_objects(tmp_path: Path)
     work = tmp_path / "work"
     before, events, outcomes, sizes = run_workload(work)
     assert sum(e.kind == "sync" for e in events) >= 10 and len(events) >= 40  # the workload did things
+    index_end = geometry(SLOTS, DATA_BYTES).data_offset
+    assert any(  # commit records of adjacent slots went in one write, which a crash may tear too
+        e.kind == "write" and e.offset < index_end and len(e.data) > RECORD_BYTES for e in events
+    )
     rng = random.Random(11)
     crash_dir = tmp_path / "crash"
     crash_dir.mkdir()

@@ -167,29 +167,57 @@ class ArenaBackend(BackendWrites, BackendReads):
         arena slot is untouched (the caller frees it once the directory points at the disk
         replica). Its bytes are verified first: a mismatch frees it (as the scrubber does) and
         raises `ChecksumMismatch`. `NoCapacity`, `Busy`, `Unavailable` from the disk tier."""
-        if self.ssd is None:
+        (done,) = self.demote_many([(slot, generation, size)])
+        if isinstance(done, BaseException):
+            raise done
+        return done
+
+    def demote_many(self, objects: list[tuple[int, int, int]]) -> list[tuple[int, int] | KvfError]:
+        """`demote` for several arena objects (slot, generation, size), their disk writes sharing
+        syncs and commit-record writes (`SsdTier.write_many`); per object, in order, its disk
+        (slot, generation) or the error `demote` would raise (an unexpected one is raised once
+        every object's read reference is let go). Each object is verified just before it is
+        written (waiting first while a GET is served, as `demote` does)."""
+        ssd = self.ssd
+        if ssd is None:
             raise Conflict("this segment has no disk tier")
-        self.yield_to_gets()
-        with self.lock:
-            grant = self.slots.acquire(slot, generation, size)
-            held = self.slots.held_one(slot, generation)
-        key = held.key if held is not None else b""
-        view = self.arena.slice(grant.offset, grant.size)
+        out: list[tuple[int, int] | KvfError | None] = [None] * len(objects)
+        held: list[tuple[int, memoryview, bytes, bytes]] = []  # (index, arena view, key, checksum)
         try:
-            if checksum(view) != grant.checksum:
-                with self.lock:
-                    self._count("demote_corrupt_total")
-                    self.slots.release(slot, generation)
-                    self._free_locked(slot, generation)
-                raise ChecksumMismatch("the arena copy no longer matches its checksum: freed", slot=slot)
-            try:
+            for i, (slot, generation, size) in enumerate(objects):
                 self.yield_to_gets()
-                placed = self.ssd.write(view, key, grant.checksum)
-            finally:
-                with self.lock:
-                    self.slots.release(slot, generation)
+                try:
+                    with self.lock:
+                        grant = self.slots.acquire(slot, generation, size)
+                        one = self.slots.held_one(slot, generation)
+                except KvfError as exc:
+                    out[i] = exc
+                    continue
+                view = self.arena.slice(grant.offset, grant.size)
+                if checksum(view) != grant.checksum:
+                    view.release()
+                    with self.lock:
+                        self._count("demote_corrupt_total")
+                        self.slots.release(slot, generation)
+                        self._free_locked(slot, generation)
+                    out[i] = ChecksumMismatch(
+                        "the arena copy no longer matches its checksum: freed", slot=slot
+                    )
+                    continue
+                held.append((i, view, one.key if one is not None else b"", grant.checksum))
+            if held:
+                placed = ssd.write_many([(v, k, c) for _, v, k, c in held], before_each=self.yield_to_gets)
+                for (i, *_), done in zip(held, placed, strict=True):
+                    out[i] = done
         finally:
-            view.release()
-        self.count("demotions_total")
-        self.count("demoted_bytes_total", size)
-        return placed
+            for i, view, _, _ in held:
+                view.release()
+                with self.lock:
+                    self.slots.release(objects[i][0], objects[i][1])
+        demoted = [o for o in out if isinstance(o, tuple)]
+        self.count("demotions_total", len(demoted))
+        self.count(
+            "demoted_bytes_total",
+            sum(size for (_, _, size), o in zip(objects, out, strict=True) if isinstance(o, tuple)),
+        )
+        return [o if o is not None else Conflict("not demoted") for o in out]

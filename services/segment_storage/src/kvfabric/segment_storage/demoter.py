@@ -8,11 +8,13 @@ objects, each step an existing mechanism, the directory's steps batched per shar
    bytes). `already_there`: an earlier demotion copied it (its arena replica was kept): go to 4.
    The arena replica named must be one of the directory's live sources (this incarnation, that
    slot and generation), else `not_found`.
-2. `ArenaBackend.demote`, up to `DEMOTE_CONCURRENCY_MAX` objects at once: under a read reference
-   on the arena slot, re-hash its bytes (a mismatch frees it like the scrubber), then the disk
-   tier's write protocol (data, sync, commit record, sync). A full tier is `no_capacity`:
-   nothing is written, the objects not yet started are not tried, and the shell logs
-   `demotion_stopped` and counts `demote_no_capacity`; the arena keeps serving as before.
+2. `ArenaBackend.demote_many`, the objects split into up to `DEMOTE_CONCURRENCY_MAX` write
+   batches at once: under a read reference on each arena slot, re-hash its bytes (a mismatch
+   frees it like the scrubber), then the disk tier's write protocol for the batch
+   (`SsdTier.write_many`: every object's data, one sync, their commit records in one write,
+   one sync). A full tier is `no_capacity`: nothing is written for it, the batch's objects after
+   it are not tried, and the shell logs `demotion_stopped` and counts `demote_no_capacity`; the
+   arena keeps serving as before.
 3. Once every object is written, their confirms at once, like any write's (the confirm batcher:
    concurrent confirms share a request, up to its batch bound: one for a request's objects per
    shard); a refusal or no verdict frees the disk slot (the directory never published it).
@@ -25,14 +27,16 @@ objects, each step an existing mechanism, the directory's steps batched per shar
 One request at a time (another is `busy`). Per object two directory requests of its own
 (`replicate_begin`, `replica_corrupt`) and a confirm as its write ended cost about as much
 directory time as a raw 1 MiB write (docs/ssd-tier.md): batched, a request of 64 objects costs
-one of each per shard (its confirms one more). The disk writes of concurrent objects share
-syncs (`GroupSync`: a sync that starts after a write covers every write finished by then; each
-object's write protocol is unchanged: its data is durable before its commit record is
-written). The disk writes run on threads of their own at nice `DEMOTE_THREAD_NICE` (the I/O
-engine splits each into pieces on its threads), never on the default executor that frees use.
-An unexpected error in one object (its write, its confirm) or in a batched request lets the
-others finish (none is left half-done: a disk slot written but neither confirmed nor freed),
-then is raised.
+one of each per shard (its confirms one more). A write batch shares its syncs and writes its
+commit records together (adjacent slot ids: one write), and concurrent batches share syncs
+(`GroupSync`: a sync that starts after a write covers every write finished by then); each
+object's write protocol is unchanged: its data is durable before its commit record is written.
+Before (one object a thread, 8 at once) the waits for syncs and the one-sector record writes
+took most of a demotion's write time (py-spy: docs/ssd-tier.md). The disk writes run on
+threads of their own at nice `DEMOTE_THREAD_NICE` (the I/O engine splits each into pieces on
+its threads), never on the default executor that frees use.
+An unexpected error in one write batch, one confirm or a batched request lets the others finish
+(none is left half-done: a disk slot written but neither confirmed nor freed), then is raised.
 A failure at any step leaves the object readable where it was: the arena replica goes only once
 the disk replica is in the directory's record.
 """
@@ -74,9 +78,11 @@ from kvfabric.segment_storage.backend import ArenaBackend
 __all__ = ["DEMOTE_CONCURRENCY_MAX", "DEMOTE_THREAD_NICE", "DEMOTE_TTL_MS", "Demoter"]
 
 DEMOTE_TTL_MS: Final = 30_000  # the disk replica's ticket: one object's write, well within it
-# Objects of one demote request in flight at once (their disk writes and round trips overlap);
-# with 4 MiB objects: 32 pieces of the I/O engine's queue (KVF_SEGMENT_SSD_IO_QUEUE_MAX, 256).
-DEMOTE_CONCURRENCY_MAX: Final = 8
+# Write batches of one demote request in flight at once (a request's objects split among them):
+# a batch writes its objects one after another, then one sync, one commit-record write, one sync
+# (docs/ssd-tier.md: per-object syncs and records waited out most of a demotion's writes); with
+# 4 MiB objects: 16 pieces of the I/O engine's queue (KVF_SEGMENT_SSD_IO_QUEUE_MAX, 256).
+DEMOTE_CONCURRENCY_MAX: Final = 4
 # The demotion threads' nice value (Linux: per thread): with both cores busy, the transports'
 # threads (nice 0) run first; demotion is background work (docs/ssd-tier.md).
 DEMOTE_THREAD_NICE: Final = 10
@@ -160,32 +166,29 @@ class Demoter:
         await asyncio.gather(
             *(self._begin(group, objects, begun) for group in self._by_shard(list(range(n)), objects))
         )
-        gate = asyncio.Semaphore(DEMOTE_CONCURRENCY_MAX)
-        full = False
         to_drop: list[int] = []  # on disk and in the directory's record: their arena replicas go
         to_abort: list[int] = []  # a ticket placed, nothing confirmed: it goes now
         written: list[int] = []  # on disk, to confirm
-
-        async def copy(i: int) -> None:
-            nonlocal full
-            async with gate:
-                reply = begun[i]
-                if full:  # the tier is full: the rest would not fit either, not tried
-                    if isinstance(reply, m.ReplicateBeginReply) and reply.status == "placed":
-                        to_abort.append(i)
-                    return
-                outcome, abort = await self._copy(objects[i], reply)
-                if abort:
-                    to_abort.append(i)
-                if isinstance(outcome, DemoteResult):
-                    results[i] = outcome
-                    full = full or outcome.status == "no_capacity"
-                    return
-                disks[i] = outcome
-                (written if outcome != (-1, -1) else to_drop).append(i)
-
-        # Every object runs to its end (none cancelled half-way by another's error).
-        outcomes = await asyncio.gather(*(copy(i) for i in range(n)), return_exceptions=True)
+        to_write: list[tuple[int, int]] = []  # (index, size) of the objects to write
+        for i in range(n):
+            checked, abort = self._check(objects[i], begun[i])
+            if abort:
+                to_abort.append(i)
+            if isinstance(checked, DemoteResult):
+                results[i] = checked
+            elif checked is None:
+                to_drop.append(i)  # on disk already (an earlier demotion copied it)
+            else:
+                to_write.append((i, checked))
+        # Step 2 in write batches, up to DEMOTE_CONCURRENCY_MAX at once: each batch's objects are
+        # written one after another, then share one sync, one commit-record write and one sync.
+        per_batch = -(-len(to_write) // DEMOTE_CONCURRENCY_MAX) if to_write else 1
+        batches = [to_write[at : at + per_batch] for at in range(0, len(to_write), per_batch)]
+        # Every batch runs to its end (none cancelled half-way by another's error).
+        outcomes = await asyncio.gather(
+            *(self._write(batch, objects, results, disks, written, to_abort) for batch in batches),
+            return_exceptions=True,
+        )
         # Step 3 for every object written, at once: the confirm batcher sends them in shared requests.
         confirmed = await asyncio.gather(
             *(self._confirm_one(objects[i], begun[i], disks[i]) for i in written), return_exceptions=True
@@ -238,12 +241,12 @@ class Demoter:
         for i, one in zip(group, reply.replies, strict=True):
             begun[i] = one
 
-    async def _copy(
+    def _check(
         self, obj: DemoteObject, begun: m.ReplicateBeginReply | KvfError
-    ) -> tuple[DemoteResult | tuple[int, int], bool]:
-        """Step 2 for one object: its final result, or its disk replica (slot, generation) to
-        confirm, or (-1, -1) when an earlier demotion copied it: then its arena replica is to be
-        dropped. And whether its ticket is to be aborted (placed, nothing written)."""
+    ) -> tuple[DemoteResult | int | None, bool]:
+        """Before step 2, one object: its final result, or its size to write (a placed ticket
+        naming this segment's arena replica), or None when an earlier demotion copied it (its
+        arena replica is to be dropped). And whether its ticket is to be aborted."""
         if isinstance(begun, KvfError):
             return self._failed(obj, "replicate_begin", begun), False
         if begun.status in ("segment_down", "no_capacity"):
@@ -253,7 +256,7 @@ class Demoter:
             self.backend.count("demote_not_found_total")
             return DemoteResult("not_found"), False
         if begun.status != "placed":  # already_there: on disk already, the arena replica to drop
-            return (-1, -1), False
+            return None, False
         ticket = begun.ticket
         if ticket is None or not any(
             (s.segment_id, s.incarnation, s.slot, s.slot_generation)
@@ -262,21 +265,46 @@ class Demoter:
         ):
             self.backend.count("demote_not_found_total")
             return DemoteResult("not_found"), True
+        return ticket.size_bytes, False
+
+    async def _write(
+        self,
+        batch: list[tuple[int, int]],
+        objects: list[DemoteObject],
+        results: list[DemoteResult],
+        disks: list[tuple[int, int]],
+        written: list[int],
+        to_abort: list[int],
+    ) -> None:
+        """Step 2 for one write batch (index, size): `ArenaBackend.demote_many` on a demotion
+        thread; each object's disk replica into `disks` and `written`, or its result (and its
+        ticket to abort). An unexpected error leaves nothing half-made and is raised."""
         loop = asyncio.get_running_loop()
+        refs = [(objects[i].slot, objects[i].slot_generation, size) for i, size in batch]
         try:
-            disk = await loop.run_in_executor(
-                self._pool, self.backend.demote, obj.slot, obj.slot_generation, ticket.size_bytes
+            done: list[tuple[int, int] | KvfError] = await loop.run_in_executor(
+                self._pool, self.backend.demote_many, refs
             )
-        except NoCapacity as err:
-            self.backend.count("demote_no_capacity_total")
-            self._warn("demotion_stopped", reason="disk tier full", error=err.message)
-            return DemoteResult("no_capacity"), True
-        except (NotFound, StaleGeneration):  # freed or rewritten since the policy looked
-            self.backend.count("demote_not_found_total")
-            return DemoteResult("not_found"), True
-        except KvfError as err:
-            return self._failed(obj, "write", err), True
-        return disk, False
+        except KvfError as err:  # the whole batch (no disk tier, a failed sync)
+            done = [err] * len(batch)
+        stopped = False
+        for (i, _), one in zip(batch, done, strict=True):
+            if not isinstance(one, KvfError):
+                disks[i] = one
+                written.append(i)
+                continue
+            to_abort.append(i)
+            if isinstance(one, NoCapacity):
+                self.backend.count("demote_no_capacity_total")
+                if not stopped:  # once a batch: the objects after it were not tried
+                    self._warn("demotion_stopped", reason="disk tier full", error=one.message)
+                    stopped = True
+                results[i] = DemoteResult("no_capacity")
+            elif isinstance(one, (NotFound, StaleGeneration)):  # freed or rewritten since the policy looked
+                self.backend.count("demote_not_found_total")
+                results[i] = DemoteResult("not_found")
+            else:
+                results[i] = self._failed(objects[i], "write", one)
 
     async def _confirm_one(
         self, obj: DemoteObject, begun: m.ReplicateBeginReply | KvfError, disk: tuple[int, int]

@@ -83,10 +83,18 @@ from kvfabric.core.disk_records import (
     encode_record,
     geometry,
 )
-from kvfabric.core.disk_slots import DiskGrant, DiskHeld, DiskSlotTable
+from kvfabric.core.disk_slots import DiskAlloc, DiskGrant, DiskHeld, DiskSlotTable
 from kvfabric.format.checksum import checksum
 from kvfabric.format.clock import now_ms
-from kvfabric.format.errors import BadRequest, Busy, KvfError, NotFound, StaleGeneration, Unavailable
+from kvfabric.format.errors import (
+    BadRequest,
+    Busy,
+    KvfError,
+    NoCapacity,
+    NotFound,
+    StaleGeneration,
+    Unavailable,
+)
 from kvfabric.proto.segment import SSD_SLOT_BASE
 from kvfabric.segment_storage.ssd_buffers import ReadBufferPool, aligned_buffer, prefaulted_buffer
 from kvfabric.segment_storage.ssd_io import GroupSync, SsdIo
@@ -94,6 +102,7 @@ from kvfabric.segment_storage.ssd_reads import ReadStatus, SsdRead, SsdStream
 
 __all__ = [
     "SSD_FILE_MODE",
+    "STREAM_INLINE_PIECE_BYTES",
     "GroupSync",
     "ReadBufferPool",
     "SsdFileRefused",
@@ -113,6 +122,10 @@ INDEX_READ_BYTES: Final = 4 << 20  # the index is read at start in pieces of thi
 # Pooled O_DIRECT bounce buffers of writes, lent and idle together (8 demotions of 4 MiB at once
 # fit twice); past it a write's buffer is made for it and unmapped after (`ReadBufferPool`).
 WRITE_BOUNCE_BYTES_MAX: Final = 64 << 20
+# A streamed read's first I/O piece is read by the sending thread in parts of this size, each
+# sent before the next is read (the transport sends at least 256 KiB a time: `STREAM_SEND_BYTES`):
+# the disk read of part k+1 overlaps the receiver taking part k, with no thread hand-off.
+STREAM_INLINE_PIECE_BYTES: Final = 256 << 10
 
 
 class SsdFileRefused(RuntimeError):
@@ -150,6 +163,8 @@ class SsdTier:
         # slot): pooled like the read buffers (a fresh mapping faulted in per write cost about as
         # much as the write of a 4 MiB object: docs/ssd-tier.md)
         self.write_buffers = ReadBufferPool(WRITE_BOUNCE_BYTES_MAX)
+        # O_DIRECT commit and free records: one aligned sector per writing thread, kept (4 KiB each)
+        self._record_buffers = threading.local()
         self.geometry = geometry(slots_max, data_bytes)
         self.lock = threading.Lock()
         self.counters: dict[str, int] = {}
@@ -321,13 +336,41 @@ class SsdTier:
     def _write_record(self, record: Record) -> None:
         data = encode_record(record, self.header.file_id)
         offset = self.geometry.index_offset + record.slot * RECORD_BYTES
-        if self.direct:
-            buf = aligned_buffer(RECORD_BYTES)
+        if self.direct:  # from this thread's own aligned sector (was: a fresh mapping per record)
+            buf: mmap.mmap | None = getattr(self._record_buffers, "buf", None)
+            if buf is None:
+                buf = self._record_buffers.buf = prefaulted_buffer(RECORD_BYTES)
             buf[:RECORD_BYTES] = data
             with memoryview(buf) as view:
                 self.io.write_record(self._direct_fd, view[:RECORD_BYTES], offset)
         else:
             self.io.write_record(self._fd, memoryview(data), offset)
+
+    def _write_records(self, records: list[Record]) -> None:
+        """Records of adjacent slots in one write each run (each record its own sector, with its
+        own checksum: a torn run leaves whole records before the tear and none after)."""
+        runs: list[list[Record]] = []
+        for record in sorted(records, key=lambda r: r.slot):
+            if runs and runs[-1][-1].slot + 1 == record.slot:
+                runs[-1].append(record)
+            else:
+                runs.append([record])
+        for run in runs:
+            if len(run) == 1:
+                self._write_record(run[0])
+                continue
+            data = b"".join(encode_record(r, self.header.file_id) for r in run)
+            offset = self.geometry.index_offset + run[0].slot * RECORD_BYTES
+            if not self.direct:
+                self.io.write_record(self._fd, memoryview(data), offset)
+                continue
+            buf = self.write_buffers.take(len(data))
+            try:
+                with memoryview(buf) as view:
+                    view[: len(data)] = data
+                    self.io.write_record(self._direct_fd, view[: len(data)], offset)
+            finally:
+                self.write_buffers.give(buf)
 
     @staticmethod
     def local(slot: int) -> int:
@@ -339,46 +382,117 @@ class SsdTier:
         """Store `source` (its XXH3-128 is `digest`, which the caller vouches for) durably; returns
         its wire (slot, generation). Raises `NoCapacity` (tier full), `Busy` (I/O queue),
         `Unavailable` (I/O error: nothing stored, nothing held)."""
+        (done,) = self.write_many([(source, key, digest)])
+        if isinstance(done, KvfError):
+            raise done
+        return done
+
+    def write_many(
+        self,
+        items: Sequence[tuple[memoryview, bytes, bytes]],
+        before_each: Callable[[], object] | None = None,
+    ) -> list[tuple[int, int] | KvfError]:
+        """`write` for several objects (source, key, digest), their steps shared: their slots taken
+        at once (adjacent ids), every object's data written one after another (each through the
+        I/O engine), one sync, every commit record (adjacent slots' records in one write), one
+        sync. Per object, in order, its wire (slot, generation) or its error, as `write` would
+        raise it; a `NoCapacity` leaves the objects after it untried (the same error: the rest
+        would not fit either). Each object's protocol
+        is `write`'s: its data durable before its commit record is written, readable once that
+        record is durable. `before_each` runs before each object's data is written (the
+        backend's yield to GETs). `Unavailable` for all, raised, once a sync has failed."""
         if self._sync.failed is not None:
             raise Unavailable(
                 "the disk tier failed a sync earlier: no writes until restart", reason="ssd_failed"
             )
-        with self.lock:
-            alloc = self.table.alloc(len(source), key)
+        out: list[tuple[int, int] | KvfError | None] = [None] * len(items)
         started = time.perf_counter()
+        allocs: list[tuple[int, DiskAlloc]] = []
+        with self.lock:  # all at once: adjacent slot ids, so their commit records go in one write
+            for i, (source, key, _) in enumerate(items):
+                try:
+                    allocs.append((i, self.table.alloc(len(source), key)))
+                except NoCapacity as exc:
+                    out[i:] = [exc] * (len(items) - i)
+                    break
+                except KvfError as exc:
+                    out[i] = exc
+        written: list[tuple[int, DiskAlloc]] = []
+        for n, (i, alloc) in enumerate(allocs):
+            try:
+                if before_each is not None:
+                    before_each()
+                self._write_data(items[i][0], alloc.offset, alloc.extent_bytes)
+            except (OSError, KvfError) as exc:
+                with self.lock:
+                    self.table.abort(alloc.slot, alloc.generation)
+                    self._count("writes_failed_total")
+                out[i] = exc if isinstance(exc, KvfError) else Unavailable(f"disk tier write failed: {exc!r}")
+                continue
+            except BaseException:  # nothing left held: the others allocated are aborted too
+                with self.lock:
+                    for _, other in [*written, *allocs[n:]]:
+                        self.table.abort(other.slot, other.generation)
+                raise
+            written.append((i, alloc))
+        if written:
+            self._commit_many(items, written, out, started)
+        return [o if o is not None else Unavailable("not written") for o in out]
+
+    def _commit_many(
+        self,
+        items: Sequence[tuple[memoryview, bytes, bytes]],
+        written: list[tuple[int, DiskAlloc]],
+        out: list[tuple[int, int] | KvfError | None],
+        started: float,
+    ) -> None:
+        """Steps 3-7 of the write protocol for objects whose data is written: sync, commit records,
+        sync, readable; each object's outcome into `out`."""
         try:
-            self._write_data(source, alloc.offset, alloc.extent_bytes)
             self._sync.sync()
         except (OSError, KvfError) as exc:
             with self.lock:
-                self.table.abort(alloc.slot, alloc.generation)
-                self._count("writes_failed_total")
-            if isinstance(exc, KvfError):
-                raise
-            raise Unavailable(f"disk tier write failed: {exc!r}") from exc
+                for _, alloc in written:
+                    self.table.abort(alloc.slot, alloc.generation)
+                    self._count("writes_failed_total")
+            error = exc if isinstance(exc, KvfError) else Unavailable(f"disk tier write failed: {exc!r}")
+            for i, _ in written:
+                out[i] = error
+            return
+        committing: list[tuple[int, DiskAlloc, Record]] = []
         with self.lock:
-            record = self.table.begin_commit(alloc.slot, alloc.generation, digest)
-        if record is None:  # freed while writing (it was never visible): nothing to undo
-            raise StaleGeneration("slot_generation", alloc.generation, alloc.generation + 1)
+            for i, alloc in written:
+                record = self.table.begin_commit(alloc.slot, alloc.generation, items[i][2])
+                if record is None:  # freed while writing (it was never visible): nothing to undo
+                    out[i] = StaleGeneration("slot_generation", alloc.generation, alloc.generation + 1)
+                else:
+                    committing.append((i, alloc, record))
         durable = True
         try:
-            self._write_record(record)
+            self._write_records([record for _, _, record in committing])
             self._sync.sync()
         except (OSError, KvfError):
             durable = False
+        unlinks: list[Record] = []
+        seconds = time.perf_counter() - started
         with self.lock:
-            unlink = self.table.end_commit(alloc.slot, alloc.generation, durable)
-            if unlink is None:
-                self._count("writes_total")
-                self._count("write_bytes_total", len(source))
-                self._count("write_us_total", int((time.perf_counter() - started) * 1e6))
-                self._observe("write", time.perf_counter() - started)
-        if unlink is not None:
-            self._unlink([unlink])
-            if not durable:
-                raise Unavailable("disk tier commit failed: the object was not stored")
-            raise StaleGeneration("slot_generation", alloc.generation, alloc.generation + 1)
-        return SSD_SLOT_BASE + alloc.slot, alloc.generation
+            for i, alloc, _ in committing:
+                unlink = self.table.end_commit(alloc.slot, alloc.generation, durable)
+                if unlink is None:
+                    self._count("writes_total")
+                    self._count("write_bytes_total", len(items[i][0]))
+                    self._count("write_us_total", int(seconds * 1e6))
+                    self._observe("write", seconds)
+                    out[i] = (SSD_SLOT_BASE + alloc.slot, alloc.generation)
+                    continue
+                unlinks.append(unlink)
+                out[i] = (
+                    Unavailable("disk tier commit failed: the object was not stored")
+                    if not durable
+                    else StaleGeneration("slot_generation", alloc.generation, alloc.generation + 1)
+                )
+        if unlinks:
+            self._unlink(unlinks)
 
     def _write_data(self, source: memoryview, offset: int, extent_bytes: int) -> None:
         position = self.geometry.data_offset + offset
@@ -535,13 +649,15 @@ class SsdTier:
     ) -> SsdRead | SsdStream:
         """`read`, sent as it lands: the same checks and bounds up front (an `SsdRead` with the
         status when the slot cannot be read; `Busy`), then an `SsdStream` whose pieces (the I/O
-        engine's, `KVF_SEGMENT_SSD_IO_CHUNK_BYTES`) are being read, the first already in place. Its
-        verdict comes after the bytes (`SsdStream.verdict`). An object of one piece is read, then
-        sent with its verdict; a larger one is sent piece by piece while the rest is read. Smaller
-        pieces (4 or 8 per MiB object) measured slower on the shared 2-vCPU VM than read-then-send:
-        each costs thread hand-offs (docs/ssd-tier.md "Figures"). `inline_first=False` (the second
-        and later disk objects of one GET): every piece goes to the I/O engine's threads and this
-        returns at once, so they are read while the objects before them are sent."""
+        engine's, `KVF_SEGMENT_SSD_IO_CHUNK_BYTES`) are being read. Its verdict comes after the
+        bytes (`SsdStream.verdict`). The first piece is read by the sender itself, in parts of
+        `STREAM_INLINE_PIECE_BYTES`, each as the sender asks for it (after sending the one
+        before: the receiver takes that part from the socket's buffer while this one is read);
+        the others go to the I/O engine's threads at once. Pieces cut that fine *on the threads*
+        measured slower than read-then-send on the shared 2-vCPU VM (a hand-off each); read by the
+        sender they cost no hand-off (docs/ssd-tier.md "Figures"). `inline_first=False` (the
+        second and later disk objects of one GET): every piece goes to the I/O engine's threads
+        and this returns at once, so they are read while the objects before them are sent."""
         begun = self._begin_read(slot, generation, size)
         if isinstance(begun, SsdRead):
             return begun
@@ -565,6 +681,7 @@ class SsdTier:
                     self.geometry.data_offset + grant.offset,
                     self.io.chunk_bytes,
                     inline_first=inline_first,
+                    inline_piece_bytes=min(STREAM_INLINE_PIECE_BYTES, self.io.chunk_bytes),
                 )
         except BaseException as exc:
             with self.lock:

@@ -9,12 +9,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from kvfabric.core.disk_records import BLOCK_BYTES
 from kvfabric.format.errors import Busy, Unavailable
 from kvfabric.format.invariant import invariant
 
-__all__ = ["GroupSync", "SsdIo"]
+__all__ = ["GroupSync", "InlinePiece", "ReadPiece", "SsdIo"]
 
 
 class SsdIo:
@@ -90,29 +91,49 @@ class SsdIo:
                 self.pieces_in_flight -= len(pieces)
 
     def submit_read(
-        self, fd: int, view: memoryview, offset: int, piece_bytes: int, *, inline_first: bool = True
-    ) -> list[tuple[int, int, concurrent.futures.Future[None]]]:
-        """Start reading all of `view` in pieces of `piece_bytes` (whole blocks) and return at
-        with the first piece read: per piece (start, end, its future), in order. The others are
-        queued on the threads first, then the first is read on the calling thread (it is what a
-        sender waits for first; a one-piece read costs no hand-off). `inline_first=False`: every
-        piece is queued and this returns at once (an object a sender gets to only after others:
-        it is read while they are sent). The same bounds as `pread` (`Busy` before anything
-        starts); a piece leaves the bound when it ends or is cancelled. Without threads every
+        self,
+        fd: int,
+        view: memoryview,
+        offset: int,
+        piece_bytes: int,
+        *,
+        inline_first: bool = True,
+        inline_piece_bytes: int = 0,
+    ) -> list[tuple[int, int, ReadPiece]]:
+        """Start reading all of `view` in pieces of `piece_bytes` (whole blocks): per piece (start,
+        end, its `ReadPiece`), in order. Every piece but the first is queued on the threads at
+        once. The first (`inline_first`) is the caller's own, read on its thread when it asks
+        for it (`ReadPiece.result`): a sender that waits for it reads it, sends it, then reads
+        the next — no thread hand-off, and the socket's buffer lets the receiver take one piece
+        while the next is read. `inline_piece_bytes` (whole blocks, 0: `piece_bytes`) cuts that
+        first piece finer, so its sends start sooner and overlap its own later reads.
+        `inline_first=False`: every piece is queued and this returns at once (an object a
+        sender gets to only after others: it is read while they are sent). The same bounds as
+        `pread` (`Busy` before anything starts; the first piece counts once, however finely it
+        is cut); a piece leaves the bound when it ends or is cancelled. Without threads every
         piece is read now, on the calling thread."""
         invariant(piece_bytes >= BLOCK_BYTES and piece_bytes % BLOCK_BYTES == 0, "bad read piece size")
+        invariant(inline_piece_bytes % BLOCK_BYTES == 0, "bad inline read piece size")
         spans = [(i, min(i + piece_bytes, len(view))) for i in range(0, len(view), piece_bytes)]
         self._admit(len(spans))
 
-        def done(_: concurrent.futures.Future[None]) -> None:
+        def done(_: object = None) -> None:
             with self._lock:
                 self.pieces_in_flight -= 1
 
-        out: list[tuple[int, int, concurrent.futures.Future[None]]] = []
-        order = [*spans[1:], spans[0]] if inline_first else spans
-        for n, (start, end) in enumerate(order):
-            if self._pool is None or (inline_first and n == len(spans) - 1):
-                future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        out: list[tuple[int, int, ReadPiece]] = []
+        lazy = inline_first and self._pool is not None
+        if lazy:  # the first piece: read by its caller, in parts, as it asks
+            first_end = spans[0][1]
+            step = inline_piece_bytes or piece_bytes
+            parts = [(i, min(i + step, first_end)) for i in range(0, first_end, step)]
+            shared = _InlineGroup(len(parts), done)
+            for start, end in parts:
+                out.append((start, end, InlinePiece(self, fd, view[start:end], offset + start, shared)))
+        for start, end in spans[1:] if lazy else spans:
+            future: concurrent.futures.Future[None]
+            if self._pool is None:
+                future = concurrent.futures.Future()
                 try:
                     self._piece(fd, view[start:end], offset + start, False)
                     future.set_result(None)
@@ -126,11 +147,81 @@ class SsdIo:
                     future.set_exception(exc)
             future.add_done_callback(done)
             out.append((start, end, future))
-        return [out[-1], *out[:-1]] if inline_first else out
+        return out
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+class ReadPiece(Protocol):
+    """What `SsdIo.submit_read` hands back per piece: a `concurrent.futures.Future` (a queued
+    piece) or an `InlinePiece` (read by whoever asks for its result)."""
+
+    def result(self, timeout: float | None = None) -> None: ...
+    def done(self) -> bool: ...
+    def cancel(self) -> bool: ...
+    def exception(self, timeout: float | None = None) -> BaseException | None: ...
+
+
+class _InlineGroup:
+    """The parts of one inline piece: it leaves the I/O bound (`release`, once) when its last
+    part is read or cancelled."""
+
+    def __init__(self, parts: int, release: Callable[[], None]) -> None:
+        self.left = parts
+        self._release: Callable[[], None] | None = release
+
+    def part_ended(self) -> None:
+        self.left -= 1
+        if self.left == 0 and self._release is not None:
+            self._release()
+            self._release = None
+
+
+class InlinePiece:
+    """A read piece done on the thread that asks for its result (`result`), once; `cancel` before
+    that means it is never read. Used by one thread at a time (the GET's connection thread)."""
+
+    def __init__(self, io: SsdIo, fd: int, view: memoryview, offset: int, group: _InlineGroup) -> None:
+        self._io, self._fd, self._view, self._offset, self._group = io, fd, view, offset, group
+        self._ended = False
+        self._error: BaseException | None = None
+        self._cancelled = False
+
+    def _end(self) -> None:
+        self._ended = True
+        self._view.release()
+        self._group.part_ended()
+
+    def result(self, timeout: float | None = None) -> None:
+        if not self._ended:
+            if self._cancelled:
+                raise concurrent.futures.CancelledError
+            try:
+                self._io._piece(self._fd, self._view, self._offset, False)
+            except BaseException as exc:
+                self._error = exc
+            self._end()
+        if self._cancelled:
+            raise concurrent.futures.CancelledError
+        if self._error is not None:
+            raise self._error
+
+    def done(self) -> bool:
+        return self._ended
+
+    def cancel(self) -> bool:
+        if self._ended:
+            return False
+        self._cancelled = True
+        self._end()
+        return True
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if self._cancelled:
+            raise concurrent.futures.CancelledError
+        return self._error if self._ended else None
 
 
 def _io_piece(fd: int, view: memoryview, offset: int, write: bool) -> None:

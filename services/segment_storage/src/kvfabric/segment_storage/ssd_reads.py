@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import mmap
 import time
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from kvfabric.format.checksum import StreamingChecksum
+from kvfabric.segment_storage.ssd_io import ReadPiece
 
 if TYPE_CHECKING:
     from kvfabric.segment_storage.ssd import SsdTier
@@ -65,7 +65,7 @@ class SsdStream:
         stored: bytes,
         key: bytes,
         buf: mmap.mmap,
-        pieces: list[tuple[int, int, concurrent.futures.Future[None]]],
+        pieces: list[tuple[int, int, ReadPiece]],
         give_back: Callable[[], None],
     ) -> None:
         self.status: ReadStatus = "ok"  # the verdict: until `verdict()` says otherwise
