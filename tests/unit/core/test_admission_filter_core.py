@@ -11,7 +11,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvfabric.core.eviction import EvictionConfig, EvictionCore, Refused, TenantQuota
-from kvfabric.core.eviction_admission import AdmissionGate, AdmissionView, build_filter, length_class
+from kvfabric.core.eviction_admission import (
+    ADMISSION_BLOOM_HASHES,
+    AdmissionGate,
+    AdmissionView,
+    bloom_has,
+    bloom_of,
+    build_filter,
+    length_class,
+)
 from kvfabric.format.errors import BadRequest
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
@@ -26,16 +34,25 @@ from kvfabric.proto.eviction import (
 from .dirkit import DOMAIN, groups, key, new_core, register, spec
 
 U = ADMISSION_UNLIMITED
-A = bytes(DOMAIN.digest())
+A = bytes(DOMAIN.digest()) + b"c" * 32  # a group key of DOMAIN (domain digest, chain hash)
+OTHER = bytes(48)  # a group key of another domain
 
 
-def view(pools: dict[str, list[int]], *, at: int = 0, protected: tuple[bytes, ...] = ()) -> AdmissionView:
+def view(
+    pools: dict[str, list[int]],
+    *,
+    at: int = 0,
+    protected: tuple[bytes, ...] = (),
+    seen: tuple[bytes, ...] = (),
+) -> AdmissionView:
     message = AdmissionFilter(
         generated_ms=at,
         events_seq=0,
         policy="density",
         pools=[PoolAdmission(segment_id=s, group_bytes_max=v) for s, v in pools.items()],
-        protected_domains=list(protected),
+        protected_domains=[p[:16] for p in protected],
+        seen_bloom=bloom_of(seen) if seen else b"",
+        seen_bloom_hashes=ADMISSION_BLOOM_HASHES if seen else 0,
     )
     return AdmissionView.of(message, len(encode(message)))
 
@@ -83,7 +100,21 @@ def test_admission_off_and_protected_domains_always_admit() -> None:
     gate = AdmissionGate(1_000)
     gate.install(view({"s1": limits(c1=0)}, protected=(A,)), 0)
     assert gate.decide(["s1"], A, 0, 1, 0) == (True, "guaranteed")
-    assert gate.decide(["s1"], bytes(16), 0, 1, 0) == (False, "below_frontier")
+    assert gate.decide(["s1"], OTHER, 0, 1, 0) == (False, "below_frontier")
+
+
+def test_a_group_the_policy_named_before_passes_the_bloom() -> None:
+    gate = AdmissionGate(1_000)
+    gate.install(view({"s1": limits(c1=0)}, seen=(OTHER,)), 0)
+    assert gate.decide(["s1"], OTHER, 0, 1, 0) == (True, "seen_before")
+    assert gate.decide(["s1"], A, 0, 1, 0) == (False, "below_frontier")
+
+
+@given(st.lists(st.binary(min_size=1, max_size=48), min_size=1, max_size=200))
+def test_the_bloom_never_forgets_a_key_put_in(keys: list[bytes]) -> None:
+    bloom = bloom_of(keys, nbytes=256)
+    assert all(bloom_has(bloom, ADMISSION_BLOOM_HASHES, k) for k in keys)
+    assert not bloom_has(b"", ADMISSION_BLOOM_HASHES, keys[0])
 
 
 def test_an_older_filter_does_not_replace_a_fresh_newer_one() -> None:
@@ -102,7 +133,21 @@ def test_a_filter_over_its_bounds_is_refused_before_it_is_held() -> None:
     with pytest.raises(BadRequest):
         view({"s1": limits(c1=-2)})
     with pytest.raises(BadRequest):
-        view({}, protected=(b"short",))
+        AdmissionView.of(
+            AdmissionFilter(generated_ms=0, events_seq=0, policy="d", pools=[], protected_domains=[b"x"]), 0
+        )
+    with pytest.raises(BadRequest):
+        AdmissionView.of(
+            AdmissionFilter(
+                generated_ms=0,
+                events_seq=0,
+                policy="d",
+                pools=[],
+                seen_bloom=bytes(65_537),
+                seen_bloom_hashes=4,
+            ),
+            0,
+        )
 
 
 class GateMachine(RuleBasedStateMachine):
@@ -128,9 +173,10 @@ class GateMachine(RuleBasedStateMachine):
         ),
         generated=st.integers(0, 10_000),
         protected=st.booleans(),
+        seen=st.booleans(),
     )
-    def arrive(self, pools: dict[str, list[int]], generated: int, protected: bool) -> None:
-        v = view(pools, at=generated, protected=(A,) if protected else ())
+    def arrive(self, pools: dict[str, list[int]], generated: int, protected: bool, seen: bool) -> None:
+        v = view(pools, at=generated, protected=(A,) if protected else (), seen=(OTHER,) if seen else ())
         held_fresh = self.model is not None and self.now - self.model[1] <= self.STALE_MS
         installed = self.gate.install(v, self.now)
         expected = not (held_fresh and self.model is not None and generated < self.model[0].generated_ms)
@@ -146,7 +192,7 @@ class GateMachine(RuleBasedStateMachine):
         segments=st.lists(st.sampled_from(["s1", "s2", "s3", "s4"]), min_size=1, max_size=3, unique=True),
         chunk=st.integers(0, 200),
         nbytes=st.integers(1, 400),
-        domain=st.sampled_from([A, bytes(16)]),
+        domain=st.sampled_from([A, OTHER]),
     )
     def judge(self, segments: list[str], chunk: int, nbytes: int, domain: bytes) -> None:
         admitted, reason = self.gate.decide(segments, domain, chunk, nbytes, self.now)
@@ -155,8 +201,11 @@ class GateMachine(RuleBasedStateMachine):
             return
         v = self.model[0]
         cls = length_class(chunk)
-        refuses = domain not in v.protected and any(
-            s in v.limits and v.limits[s][cls] != U and nbytes > v.limits[s][cls] for s in segments
+        seen = bloom_has(v.seen_bloom, v.seen_hashes, domain)
+        refuses = (
+            domain[:16] not in v.protected
+            and not seen
+            and any(s in v.limits and v.limits[s][cls] != U and nbytes > v.limits[s][cls] for s in segments)
         )
         assert admitted == (not refuses), reason  # never refuses what the filter admits
 
@@ -242,12 +291,21 @@ def test_the_filter_refuses_a_first_named_chunk_exactly_when_the_core_would(
     message = build_filter(core, {"seg": 200}, now, events_seq=0)
     gate = AdmissionGate(1_000)
     gate.install(AdmissionView.of(message, len(encode(message))), now)
-    filter_admits, _ = gate.decide(["seg"], b"t" * 16, chunk, size, now)
+    filter_admits, reason = gate.decide(["seg"], repr(10_000).encode(), chunk, size, now)
     (effect,) = core.insert(
         10_000, tenant=b"t" * 16, pool="seg", size=size, parent=None, chunk_index=chunk, now_ms=now
     )
     core_admits = not isinstance(effect, Refused)
-    assert filter_admits == core_admits
+    assert filter_admits or not core_admits  # the filter never refuses what the core admits
+    if reason != "seen_before":  # a bloom false positive admits a first-named chunk
+        assert filter_admits == core_admits
+
+
+def test_the_filters_bloom_holds_the_groups_the_policy_named() -> None:
+    core, now = trained_core(5, capacity=200)
+    message = build_filter(core, {"seg": 200}, now, events_seq=0)
+    if message.pools:
+        assert all(bloom_has(message.seen_bloom, message.seen_bloom_hashes, repr(i).encode()) for i in (0, 1))
     assert message.protected_domains == [b"p" * 16]  # below its guaranteed share: always admitted
 
 

@@ -50,8 +50,8 @@ def test_a_filter_reaches_every_core_led_here() -> None:
     assert ADMISSION_FILTER_SUBJECT == "kvf.v1.eviction.admission_filter"
     assert feed.on_filter(message(), 1_000)
     for shell in host.shells.values():
-        assert shell.core.admission.decide(["s0"], bytes(16), 0, 1, 1_500) == (False, "below_frontier")
-        assert shell.core.admission.decide(["s0"], bytes(16), 0, 1, 7_000) == (True, "stale")
+        assert shell.core.admission.decide(["s0"], bytes(48), 0, 1, 1_500) == (False, "below_frontier")
+        assert shell.core.admission.decide(["s0"], bytes(48), 0, 1, 7_000) == (True, "stale")
     assert feed.age_ms(1_250) == 250 and feed.received == 1
 
 

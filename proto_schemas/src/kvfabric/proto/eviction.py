@@ -18,6 +18,7 @@ import msgspec
 from kvfabric.proto.codec import FamilyDecoder
 
 __all__ = [
+    "ADMISSION_BLOOM_BYTES_MAX",
     "ADMISSION_FILTER_DOMAINS_MAX",
     "ADMISSION_FILTER_POOLS_MAX",
     "ADMISSION_FILTER_VERB",
@@ -68,6 +69,7 @@ ADMISSION_LENGTH_CLASSES: Final = 8  # per pool, one limit per prompt-length cla
 ADMISSION_FILTER_POOLS_MAX: Final = 1_024  # pools (segments) one filter lists at most
 ADMISSION_FILTER_DOMAINS_MAX: Final = 1_024  # protected share domains one filter lists at most
 ADMISSION_UNLIMITED: Final = -1  # a class's limit when every group size is admitted
+ADMISSION_BLOOM_BYTES_MAX: Final = 65_536  # the seen-ids bloom filter's size bound
 
 
 class PoolAdmission(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,14 +86,20 @@ class AdmissionFilter(
 ):
     """What the policy admits, published on a bounded cadence (bounded size: at most
     `ADMISSION_FILTER_POOLS_MAX` pools and `ADMISSION_FILTER_DOMAINS_MAX` domains). A pool not
-    listed admits everything; a listed protected domain (below its guaranteed share) is always
-    admitted. The directory judges age by its own clock, from when it received the filter."""
+    listed admits everything; a listed protected domain (below its guaranteed share), or a group
+    in `seen_bloom`, is always admitted. The directory judges age by its own clock, from when it
+    received the filter."""
 
     generated_ms: int  # the policy's clock when it built the filter
     events_seq: int  # the last directory event (stream sequence) the policy had applied
     policy: str
     pools: list[PoolAdmission]
     protected_domains: list[bytes] = msgspec.field(default_factory=list)  # 16-byte digests
+    # A bloom filter of the chunk groups the policy named recently (its ghost: resident, or
+    # evicted and remembered): such a group is not first-named, so the limits do not apply to
+    # it. Empty: none. `seen_bloom_hashes` bit positions per group key.
+    seen_bloom: bytes = b""
+    seen_bloom_hashes: int = 0
 
 
 EvictionMessage = EvictionStatusRequest | EvictionStatus | AdmissionFilter

@@ -16,20 +16,26 @@ watermark, a new chunk whose hit density at age 0, per byte, is below the lowest
 group size admitted, `floor(d_c / F)` (`ADMISSION_UNLIMITED` for an untrained class, d = +inf),
 for each pool at or past its low watermark; pools with room are not listed (admit). Share
 domains below their guaranteed share are listed as protected (always admitted: another tenant's
-scan cannot starve them, issue 25 item 5). Other policies, or admission `off` (the default):
+scan cannot starve them, issue 25 item 5). The groups the policy's ghost remembers (named
+before: resident, or evicted and remembered) are not first-named: a bloom filter of the
+`ADMISSION_BLOOM_IDS_MAX` most recent of them (`ADMISSION_BLOOM_BYTES` bytes,
+`ADMISSION_BLOOM_HASHES` bit positions each: about 2 % false positives when full) exempts them.
+Other policies, or admission `off` (the default):
 no filter is published, so the directory admits everything.
-Not carried (the filter's approximation of the core): the policy's ghost (a chunk evicted and
-written again is judged as first-named, the lowest-density class of its length) and the
-parent rule (`parent_absent`: the client drops the rest of a prompt after a refused chunk).
+Not carried (the filter's approximation of the core): a re-named group's own class (the bloom
+admits it whatever its class's density; a false positive admits a first-named one too), ghost
+ids beyond the bloom's most recent ones (judged first-named), and the parent rule
+(`parent_absent`: the client drops the rest of a prompt after a refused chunk).
 
 ## The gate (`AdmissionGate`, one per directory shard core)
 States: EMPTY (no filter yet) --install--> FRESH --(now - received > stale_ms)--> STALE
 --install--> FRESH. A filter is installed when it is valid (`AdmissionView.of`: at most
 `ADMISSION_FILTER_POOLS_MAX` pools and `ADMISSION_FILTER_DOMAINS_MAX` domains, one limit per
 class) and not older (`generated_ms`) than a FRESH one held; else it is dropped (counted).
-`decide` for one key placed on some segments, in order:
+`decide` for one key (its chunk group key) placed on some segments, in order:
 1. `stale_ms` = 0 (admission off) -> admit `off`; EMPTY -> admit `no_filter`; STALE -> admit `stale`;
-2. the key's share domain is protected -> admit `guaranteed`;
+2. the key's share domain is protected -> admit `guaranteed`; its group key is in the seen
+   bloom -> admit `seen_before`;
 3. a target segment listed with `group_bytes > limit[class]` -> refuse `below_frontier`;
 4. else admit `filter`.
 
@@ -37,7 +43,9 @@ class) and not older (`generated_ms`) than a FRESH one held; else it is dropped 
 - Never waits and never fails: `decide` is O(segments) dict reads; no filter, a stale one or
   an invalid one admits.
 - Bounded memory: one filter per gate, its pools and domains within the bounds above, each
-  pool with exactly `ADMISSION_LENGTH_CLASSES` limits.
+  pool with exactly `ADMISSION_LENGTH_CLASSES` limits, its bloom at most
+  `ADMISSION_BLOOM_BYTES_MAX` bytes (the policy builds it from at most `ADMISSION_BLOOM_IDS_MAX`
+  ids a publish).
 - Never refuses a key the filter admits: a refusal names a listed pool whose limit for the
   key's class is below the key's group bytes, and only while the filter is fresh.
 - Bounded staleness: a filter received more than `stale_ms` ago decides nothing.
@@ -45,15 +53,20 @@ class) and not older (`generated_ms`) than a FRESH one held; else it is dropped 
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+import xxhash
+
 from kvfabric.core.eviction_density import DENSITY_LENGTH_CLASSES, density_class
 from kvfabric.format.errors import BadRequest
+from kvfabric.format.ids import DOMAIN_DIGEST_BYTES, GroupKey, domain_in_group_key
 from kvfabric.format.invariant import invariant
 from kvfabric.proto.eviction import (
+    ADMISSION_BLOOM_BYTES_MAX,
     ADMISSION_FILTER_DOMAINS_MAX,
     ADMISSION_FILTER_POOLS_MAX,
     ADMISSION_LENGTH_CLASSES,
@@ -67,21 +80,29 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADMISSION_ADMIT_REASONS",
+    "ADMISSION_BLOOM_BYTES",
+    "ADMISSION_BLOOM_HASHES",
+    "ADMISSION_BLOOM_IDS_MAX",
     "ADMISSION_GROUP_BYTES_LIMIT_MAX",
     "ADMISSION_REFUSE_REASONS",
     "ADMISSION_STALE_MS_DEFAULT",
     "AdmissionGate",
     "AdmissionView",
+    "bloom_has",
+    "bloom_of",
     "build_filter",
     "length_class",
 ]
 
 ADMISSION_STALE_MS_DEFAULT: Final = 5_000  # a filter older than this (directory clock) admits all
 ADMISSION_GROUP_BYTES_LIMIT_MAX: Final = 1 << 62  # a larger computed limit is ADMISSION_UNLIMITED
-ADMISSION_ADMIT_REASONS: Final = ("off", "no_filter", "stale", "guaranteed", "filter")
+ADMISSION_ADMIT_REASONS: Final = ("off", "no_filter", "stale", "guaranteed", "seen_before", "filter")
+ADMISSION_BLOOM_BYTES: Final = ADMISSION_BLOOM_BYTES_MAX  # the bloom the policy publishes ...
+ADMISSION_BLOOM_IDS_MAX: Final = 65_536  # ... of at most this many recent ghost ids (8 bits each)
+ADMISSION_BLOOM_HASHES: Final = 4  # bit positions per id (at most BLOOM_HASHES_MAX)
+BLOOM_HASHES_MAX: Final = 4  # one 32-bit slice of a 128-bit hash each
 ADMISSION_REFUSE_REASONS: Final = ("below_frontier",)
 SEGMENT_ID_BYTES_MAX: Final = 64  # as `kvfabric.proto.subjects.check_segment_id`
-DOMAIN_DIGEST_BYTES: Final = 16
 
 invariant(DENSITY_LENGTH_CLASSES == ADMISSION_LENGTH_CLASSES, "admission classes follow density's")
 
@@ -90,6 +111,35 @@ def length_class(chunk_index: int) -> int:
     """The length class the service's density policy gives a chunk (it passes no prompt length:
     the prompt's chunks count as chunk index + 1)."""
     return density_class(1, chunk_index + 1)[1]
+
+
+def _positions(key: bytes, nbits: int, hashes: int) -> Iterable[int]:
+    h = xxhash.xxh3_128_intdigest(key)
+    return (((h >> (32 * i)) & 0xFFFF_FFFF) % nbits for i in range(hashes))
+
+
+def bloom_of(
+    keys: Iterable[bytes], nbytes: int = ADMISSION_BLOOM_BYTES, hashes: int = ADMISSION_BLOOM_HASHES
+) -> bytes:
+    """A bloom filter of `keys`: `nbytes` bytes, `hashes` bit positions per key."""
+    bits = bytearray(nbytes)
+    nbits = nbytes * 8
+    for key in keys:
+        for p in _positions(key, nbits, hashes):
+            bits[p >> 3] |= 1 << (p & 7)
+    return bytes(bits)
+
+
+def bloom_has(bloom: bytes, hashes: int, key: bytes) -> bool:
+    """Whether `key` may be in `bloom` (never False for a key put in; an empty bloom: False)."""
+    if not bloom:
+        return False
+    return all(bloom[p >> 3] >> (p & 7) & 1 for p in _positions(key, len(bloom) * 8, hashes))
+
+
+def id_bytes(object_id: Hashable) -> bytes:
+    """An eviction object id as the bloom hashes it: the service's group keys as they are."""
+    return object_id if isinstance(object_id, bytes) else repr(object_id).encode()
 
 
 # ---- the policy side ---------------------------------------------------------------------------
@@ -124,12 +174,15 @@ def build_filter(
             protected.append(tenant)
             if len(protected) == ADMISSION_FILTER_DOMAINS_MAX:
                 break
+    recent = itertools.islice(reversed(density._ghost), ADMISSION_BLOOM_IDS_MAX) if pools else ()
     return AdmissionFilter(
         generated_ms=now_ms,
         events_seq=events_seq,
         policy=core.config.policy,
         pools=pools,
         protected_domains=protected,
+        seen_bloom=bloom_of(id_bytes(k) for k in recent) if pools else b"",
+        seen_bloom_hashes=ADMISSION_BLOOM_HASHES if pools else 0,
     )
 
 
@@ -153,6 +206,8 @@ class AdmissionView:
     policy: str
     limits: Mapping[str, tuple[int, ...]]  # segment id -> group bytes max per length class
     protected: frozenset[bytes]
+    seen_bloom: bytes  # recently named group keys (`bloom_has`); empty: none
+    seen_hashes: int
     encoded_bytes: int  # the filter's size on the wire (metrics, status)
 
     @classmethod
@@ -175,12 +230,20 @@ class AdmissionView:
             limits[pool.segment_id] = tuple(pool.group_bytes_max)
         if any(len(d) != DOMAIN_DIGEST_BYTES for d in message.protected_domains):
             raise BadRequest("admission filter: a protected domain is not a 16-byte digest")
+        if len(message.seen_bloom) > ADMISSION_BLOOM_BYTES_MAX or (
+            message.seen_bloom and not 1 <= message.seen_bloom_hashes <= BLOOM_HASHES_MAX
+        ):
+            raise BadRequest(
+                f"admission filter: a bloom of at most {ADMISSION_BLOOM_BYTES_MAX} bytes, 1-4 hashes"
+            )
         return cls(
             message.generated_ms,
             message.events_seq,
             message.policy,
             limits,
             frozenset(message.protected_domains),
+            message.seen_bloom,
+            message.seen_bloom_hashes,
             encoded_bytes,
         )
 
@@ -211,16 +274,22 @@ class AdmissionGate:
         return None if self.view is None else max(0, now_ms - self.received_ms)
 
     def decide(
-        self, segment_ids: Sequence[str], domain: bytes, chunk_index: int, group_bytes: int, now_ms: int
+        self,
+        segment_ids: Sequence[str],
+        group_key: bytes,
+        chunk_index: int,
+        group_bytes: int,
+        now_ms: int,
     ) -> tuple[bool, str]:
-        """(admit?, reason) for a key of `domain` whose group (all members and replicas) holds
-        `group_bytes`, to be placed on `segment_ids` (rules in the module docstring)."""
-        verdict = self._decide(segment_ids, domain, chunk_index, group_bytes, now_ms)
+        """(admit?, reason) for a key of the chunk group `group_key` (its share domain digest, then
+        its chain hash) that holds `group_bytes` (all members and replicas), to be placed on
+        `segment_ids` (rules in the module docstring)."""
+        verdict = self._decide(segment_ids, group_key, chunk_index, group_bytes, now_ms)
         self._count(f"admission_{'admitted' if verdict[0] else 'refused'}_{verdict[1]}_total")
         return verdict
 
     def _decide(
-        self, segment_ids: Sequence[str], domain: bytes, chunk_index: int, group_bytes: int, now_ms: int
+        self, segment_ids: Sequence[str], group_key: bytes, chunk_index: int, group_bytes: int, now_ms: int
     ) -> tuple[bool, str]:
         view = self.view
         if self.stale_ms == 0:
@@ -231,8 +300,10 @@ class AdmissionGate:
             return True, "stale"
         if not view.limits:
             return True, "filter"
-        if domain in view.protected:
+        if domain_in_group_key(GroupKey(group_key)) in view.protected:
             return True, "guaranteed"
+        if bloom_has(view.seen_bloom, view.seen_hashes, group_key):
+            return True, "seen_before"
         cls = length_class(chunk_index)
         for segment_id in segment_ids:
             limits = view.limits.get(segment_id)
@@ -247,6 +318,7 @@ class AdmissionGate:
             return
         invariant(len(view.limits) <= ADMISSION_FILTER_POOLS_MAX, "admission filter pools unbounded")
         invariant(len(view.protected) <= ADMISSION_FILTER_DOMAINS_MAX, "admission filter domains unbounded")
+        invariant(len(view.seen_bloom) <= ADMISSION_BLOOM_BYTES_MAX, "admission bloom unbounded")
         invariant(
             all(len(v) == ADMISSION_LENGTH_CLASSES for v in view.limits.values()),
             "admission limits malformed",

@@ -165,7 +165,7 @@ class WriteBegin(WriteState):
         # The eviction policy's filter, while fresh: refused = nothing reserved, nothing charged.
         group_bytes = spec.size_bytes * info.group.expected_members * len(chosen)
         admitted, _ = self.ctx.admission.decide(
-            [c.segment_id for c in chosen], tenant, info.group.chunk_index, group_bytes, now_ms
+            [c.segment_id for c in chosen], gid, info.group.chunk_index, group_bytes, now_ms
         )
         if not admitted:
             return m.BeginResult(key=spec.key, status="not_admitted")
