@@ -24,7 +24,7 @@ from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import Busy, ChecksumMismatch, Conflict, NoCapacity, Unavailable
 from kvfabric.proto.codec import encode
-from kvfabric.proto.dataplane import GetReply, GetRequest, ReadRef, dataplane_decoder
+from kvfabric.proto.dataplane import GetReply, GetRequest, ObjectResult, ReadRef, dataplane_decoder
 from kvfabric.proto.directory import Member, ObjectLocation, Replica, WriteTicket
 from kvfabric.proto.segment import SSD_SLOT_BASE, tier_of_slot
 from kvfabric.proto.tickets import read_token, sign_ticket
@@ -33,7 +33,7 @@ from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.demoter import DEMOTE_THREAD_NICE, Demoter
 from kvfabric.segment_storage.settings import apply_process_settings, load_segment_settings
-from kvfabric.segment_storage.ssd import STREAM_INLINE_PIECE_BYTES, SsdIo, SsdTier, ssd_file_path
+from kvfabric.segment_storage.ssd import SsdIo, SsdTier, ssd_file_path
 
 SECRET = b"unit-ssd-secret-0123456789ab"
 ARENA_BYTES = 8 << 20
@@ -457,53 +457,53 @@ def test_disk_get_sends_its_first_bytes_before_the_disk_read_ends(tmp_path: Path
         close(seg)
 
 
-class PartGatedIo(SsdIo):
-    """The I/O engine with 1 MiB pieces, except that a read ending past `first_end` (a file
-    offset) waits for `gate`; the name of each thread that reads is kept in `readers`."""
+class FirstHeldIo(SsdIo):
+    """The I/O engine, except that a read piece starting at `held` (a file offset) waits for
+    `gate`; the offsets of the read pieces, in the order they end, are kept in `read`."""
 
     def __init__(self) -> None:
         super().__init__(2, 64, 1 << 20)
         self.gate = threading.Event()
-        self.first_end = -1
-        self.readers: list[str] = []
+        self.held = -1
+        self.read: list[int] = []
 
     def _piece(self, fd: int, view: memoryview, offset: int, write: bool) -> None:
-        if not write:
-            self.readers.append(threading.current_thread().name)
-            if self.first_end >= 0 and offset + len(view) > self.first_end:
-                assert self.gate.wait(10), "gate never opened"
+        if not write and offset == self.held:
+            assert self.gate.wait(10), "gate never opened"
         super()._piece(fd, view, offset, write)
+        if not write:
+            self.read.append(offset)
 
 
-def test_a_one_piece_disk_get_is_read_by_its_sender_part_by_part(tmp_path: Path) -> None:
-    """An object of one I/O piece (1 MiB) is read by the connection's own thread in parts of
-    `STREAM_INLINE_PIECE_BYTES`, each sent before the next is read: the reply header and the
-    first part arrive while the read of the second is held back, and no I/O thread reads any of
-    it (no hand-off). (Before: the whole piece was read before the reply header, so nothing
-    arrived until the gate opened.)"""
-    io = PartGatedIo()
+def test_a_streamed_get_reads_its_later_disk_objects_while_the_first_is_read(tmp_path: Path) -> None:
+    """A streamed GET of several disk replicas queues the later ones' reads on the I/O engine's
+    threads before its own thread reads the first (when it comes to send it): with the first
+    object's read held back here, the later two are read meanwhile. (Before: the first object's
+    first piece was read while the GET began, before the later ones were queued, so nothing else
+    was read until the gate opened.)"""
+    io = FirstHeldIo()
     seg = make(tmp_path, io=io)
     server = TcpDataServer(seg.backend, authenticate=seg.backend.admits)
     server.start()
     try:
-        data = os.urandom(1 << 20)
-        disk = seg.demote(seg.store(data, b"key-p"))
-        part = STREAM_INLINE_PIECE_BYTES
-        io.first_end = _file_offset(seg, disk) + part
-        io.readers.clear()
-        body = encode(GetRequest(reads=[disk], verdicts_after=True))
-        with socket.create_connection((server.host, server.port), timeout=2) as sock:
-            sock.sendall(pack_header(Op.GET, 1, len(body)) + body)
-            head = _reply(sock)  # arrives with the second part's read held back
-            assert head.verdicts_after and [r.status for r in head.results] == ["ok"]
-            assert _recv(sock, part) == data[:part]
-            assert not io.gate.is_set()
-            io.gate.set()
-            assert _recv(sock, len(data) - part) == data[part:]
-            final = _reply(sock)
-            assert [(r.status, r.checksum) for r in final.results] == [("ok", checksum(data))]
-        assert len(io.readers) == len(data) // part
-        assert not [name for name in io.readers if name.startswith("kvf-ssd-io")]
+        datas = [os.urandom(300_000) for _ in range(3)]
+        disks = [seg.demote(seg.store(d, b"key-q%d" % i)) for i, d in enumerate(datas)]
+        offsets = [_file_offset(seg, d) for d in disks]
+        io.read.clear()
+        io.held = offsets[0]
+        got: list[list[tuple[ObjectResult, bytes]]] = []
+        dests = [bytearray(len(d)) for d in datas]
+        with TcpDataClient.connect(server.address) as client:
+            getter = threading.Thread(target=lambda: got.append(client.get_hashed(disks, dests)))
+            getter.start()
+            try:
+                wait_for(lambda: set(offsets[1:]) <= set(io.read))  # while the first is held
+                assert offsets[0] not in io.read
+            finally:
+                io.gate.set()
+                getter.join(10)
+        assert [(r.status, digest) for r, digest in got[0]] == [("ok", checksum(d)) for d in datas]
+        assert [bytes(d) for d in dests] == datas
         wait_for(lambda: seg.ssd.stats()["read_bytes_in_flight"] == 0)
         assert seg.ssd.stats()["io_pieces_in_flight"] == 0
     finally:

@@ -102,7 +102,6 @@ from kvfabric.segment_storage.ssd_reads import ReadStatus, SsdRead, SsdStream
 
 __all__ = [
     "SSD_FILE_MODE",
-    "STREAM_INLINE_PIECE_BYTES",
     "GroupSync",
     "ReadBufferPool",
     "SsdFileRefused",
@@ -122,10 +121,6 @@ INDEX_READ_BYTES: Final = 4 << 20  # the index is read at start in pieces of thi
 # Pooled O_DIRECT bounce buffers of writes, lent and idle together (8 demotions of 4 MiB at once
 # fit twice); past it a write's buffer is made for it and unmapped after (`ReadBufferPool`).
 WRITE_BOUNCE_BYTES_MAX: Final = 64 << 20
-# A streamed read's first I/O piece is read by the sending thread in parts of this size, each
-# sent before the next is read (the transport sends at least 256 KiB a time: `STREAM_SEND_BYTES`):
-# the disk read of part k+1 overlaps the receiver taking part k, with no thread hand-off.
-STREAM_INLINE_PIECE_BYTES: Final = 256 << 10
 
 
 class SsdFileRefused(RuntimeError):
@@ -650,14 +645,15 @@ class SsdTier:
         """`read`, sent as it lands: the same checks and bounds up front (an `SsdRead` with the
         status when the slot cannot be read; `Busy`), then an `SsdStream` whose pieces (the I/O
         engine's, `KVF_SEGMENT_SSD_IO_CHUNK_BYTES`) are being read. Its verdict comes after the
-        bytes (`SsdStream.verdict`). The first piece is read by the sender itself, in parts of
-        `STREAM_INLINE_PIECE_BYTES`, each as the sender asks for it (after sending the one
-        before: the receiver takes that part from the socket's buffer while this one is read);
-        the others go to the I/O engine's threads at once. Pieces cut that fine *on the threads*
-        measured slower than read-then-send on the shared 2-vCPU VM (a hand-off each); read by the
-        sender they cost no hand-off (docs/ssd-tier.md "Figures"). `inline_first=False` (the
-        second and later disk objects of one GET): every piece goes to the I/O engine's threads
-        and this returns at once, so they are read while the objects before them are sent."""
+        bytes (`SsdStream.verdict`). The first piece is read by the sender itself when it first
+        waits for it (no hand-off), the others on the I/O engine's threads at once: a GET's later
+        disk objects (`inline_first=False`, queued before the sender reads the first) are read
+        while the first is read and sent. Pieces smaller than the engine's measured slower than
+        read-then-send on the shared 2-vCPU VM, read on the threads (a hand-off each) and read by
+        the sender in 256 KiB parts too (the disk's reads of 256 KiB are slower per byte than of
+        1 MiB; docs/ssd-tier.md "Figures"). `inline_first=False` (the second and later disk
+        objects of one GET): every piece goes to the I/O engine's threads and this returns at
+        once, so they are read while the objects before them are sent."""
         begun = self._begin_read(slot, generation, size)
         if isinstance(begun, SsdRead):
             return begun
@@ -681,7 +677,6 @@ class SsdTier:
                     self.geometry.data_offset + grant.offset,
                     self.io.chunk_bytes,
                     inline_first=inline_first,
-                    inline_piece_bytes=min(STREAM_INLINE_PIECE_BYTES, self.io.chunk_bytes),
                 )
         except BaseException as exc:
             with self.lock:

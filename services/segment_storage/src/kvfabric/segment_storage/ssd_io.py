@@ -91,29 +91,18 @@ class SsdIo:
                 self.pieces_in_flight -= len(pieces)
 
     def submit_read(
-        self,
-        fd: int,
-        view: memoryview,
-        offset: int,
-        piece_bytes: int,
-        *,
-        inline_first: bool = True,
-        inline_piece_bytes: int = 0,
+        self, fd: int, view: memoryview, offset: int, piece_bytes: int, *, inline_first: bool = True
     ) -> list[tuple[int, int, ReadPiece]]:
         """Start reading all of `view` in pieces of `piece_bytes` (whole blocks): per piece (start,
         end, its `ReadPiece`), in order. Every piece but the first is queued on the threads at
-        once. The first (`inline_first`) is the caller's own, read on its thread when it asks
-        for it (`ReadPiece.result`): a sender that waits for it reads it, sends it, then reads
-        the next — no thread hand-off, and the socket's buffer lets the receiver take one piece
-        while the next is read. `inline_piece_bytes` (whole blocks, 0: `piece_bytes`) cuts that
-        first piece finer, so its sends start sooner and overlap its own later reads.
-        `inline_first=False`: every piece is queued and this returns at once (an object a
-        sender gets to only after others: it is read while they are sent). The same bounds as
-        `pread` (`Busy` before anything starts; the first piece counts once, however finely it
-        is cut); a piece leaves the bound when it ends or is cancelled. Without threads every
-        piece is read now, on the calling thread."""
+        once; the first (`inline_first`) is the caller's own, read on its thread when it first
+        asks for it (`ReadPiece.result`: no thread hand-off), so whatever the caller queues after
+        this call (a GET's later objects) is read while it reads this one. `inline_first=False`:
+        every piece is queued (an object a sender gets to only after others: it is read while
+        they are sent). The same bounds as `pread` (`Busy` before anything starts); a piece leaves
+        the bound when it ends or is cancelled. Without threads every piece is read now, on the
+        calling thread."""
         invariant(piece_bytes >= BLOCK_BYTES and piece_bytes % BLOCK_BYTES == 0, "bad read piece size")
-        invariant(inline_piece_bytes % BLOCK_BYTES == 0, "bad inline read piece size")
         spans = [(i, min(i + piece_bytes, len(view))) for i in range(0, len(view), piece_bytes)]
         self._admit(len(spans))
 
@@ -123,13 +112,9 @@ class SsdIo:
 
         out: list[tuple[int, int, ReadPiece]] = []
         lazy = inline_first and self._pool is not None
-        if lazy:  # the first piece: read by its caller, in parts, as it asks
-            first_end = spans[0][1]
-            step = inline_piece_bytes or piece_bytes
-            parts = [(i, min(i + step, first_end)) for i in range(0, first_end, step)]
-            shared = _InlineGroup(len(parts), done)
-            for start, end in parts:
-                out.append((start, end, InlinePiece(self, fd, view[start:end], offset + start, shared)))
+        if lazy:  # the first piece: read by its caller when it asks
+            start, end = spans[0]
+            out.append((start, end, InlinePiece(self, fd, view[start:end], offset + start, done)))
         for start, end in spans[1:] if lazy else spans:
             future: concurrent.futures.Future[None]
             if self._pool is None:
@@ -164,27 +149,12 @@ class ReadPiece(Protocol):
     def exception(self, timeout: float | None = None) -> BaseException | None: ...
 
 
-class _InlineGroup:
-    """The parts of one inline piece: it leaves the I/O bound (`release`, once) when its last
-    part is read or cancelled."""
-
-    def __init__(self, parts: int, release: Callable[[], None]) -> None:
-        self.left = parts
-        self._release: Callable[[], None] | None = release
-
-    def part_ended(self) -> None:
-        self.left -= 1
-        if self.left == 0 and self._release is not None:
-            self._release()
-            self._release = None
-
-
 class InlinePiece:
     """A read piece done on the thread that asks for its result (`result`), once; `cancel` before
     that means it is never read. Used by one thread at a time (the GET's connection thread)."""
 
-    def __init__(self, io: SsdIo, fd: int, view: memoryview, offset: int, group: _InlineGroup) -> None:
-        self._io, self._fd, self._view, self._offset, self._group = io, fd, view, offset, group
+    def __init__(self, io: SsdIo, fd: int, view: memoryview, offset: int, ended: Callable[[], None]) -> None:
+        self._io, self._fd, self._view, self._offset, self._ended_cb = io, fd, view, offset, ended
         self._ended = False
         self._error: BaseException | None = None
         self._cancelled = False
@@ -192,7 +162,7 @@ class InlinePiece:
     def _end(self) -> None:
         self._ended = True
         self._view.release()
-        self._group.part_ended()
+        self._ended_cb()  # it leaves the I/O bound
 
     def result(self, timeout: float | None = None) -> None:
         if not self._ended:
