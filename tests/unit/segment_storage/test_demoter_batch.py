@@ -179,12 +179,12 @@ def test_a_request_demotes_its_objects_at_once_sharing_syncs(tmp_path: Path) -> 
         record_writes = [0]
         real_record = seg.io.write_record
 
-        def counted(refs: list[tuple[int, int, int]]) -> list[tuple[int, int] | KvfError]:
+        def counted(objects: list[tuple[int, int, int]]) -> list[tuple[int, int] | KvfError]:
             with lock:
                 writing[0] += 1
                 writing_max[0] = max(writing_max[0], writing[0])
             try:
-                return real(refs)
+                return real(objects)
             finally:
                 with lock:
                     writing[0] -= 1
@@ -256,10 +256,12 @@ def test_an_error_in_one_object_lets_the_others_finish(tmp_path: Path) -> None:
         real = seg.backend.demote_many
         first = n // DEMOTE_CONCURRENCY_MAX  # the objects of the first write batch
 
-        def buggy(refs: list[tuple[int, int, int]]) -> list[tuple[int, int] | KvfError]:
-            if any(slot == objects[0].slot for slot, _, _ in refs):
+        first_slot = objects[0].slot
+
+        def buggy(objects: list[tuple[int, int, int]]) -> list[tuple[int, int] | KvfError]:
+            if any(slot == first_slot for slot, _, _ in objects):
                 raise RuntimeError("a bug while writing")
-            return real(refs)
+            return real(objects)
 
         seg.backend.demote_many = buggy  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="a bug while writing"):
