@@ -124,9 +124,13 @@ def bloom_of(
     """A bloom filter of `keys`: `nbytes` bytes, `hashes` bit positions per key."""
     bits = bytearray(nbytes)
     nbits = nbytes * 8
-    for key in keys:
-        for p in _positions(key, nbits, hashes):
+    digest = xxhash.xxh3_128_intdigest
+    for key in keys:  # `_positions` inlined: the policy hashes up to ADMISSION_BLOOM_IDS_MAX a publish
+        h = digest(key)
+        for _ in range(hashes):
+            p = (h & 0xFFFF_FFFF) % nbits
             bits[p >> 3] |= 1 << (p & 7)
+            h >>= 32
     return bytes(bits)
 
 
