@@ -33,7 +33,7 @@ from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.demoter import DEMOTE_THREAD_NICE, Demoter
 from kvfabric.segment_storage.settings import apply_process_settings, load_segment_settings
-from kvfabric.segment_storage.ssd import SsdIo, SsdTier, ssd_file_path
+from kvfabric.segment_storage.ssd import SsdIo, SsdRead, SsdTier, ssd_file_path
 
 SECRET = b"unit-ssd-secret-0123456789ab"
 ARENA_BYTES = 8 << 20
@@ -509,6 +509,41 @@ def test_a_streamed_get_reads_its_later_disk_objects_while_the_first_is_read(tmp
     finally:
         io.gate.set()
         server.stop()
+        close(seg)
+
+
+def test_a_first_piece_cancelled_while_its_reader_reads_it_waits_for_the_read(tmp_path: Path) -> None:
+    """A streamed read's first piece is read by the thread that waits for it; a cancel from another
+    thread meanwhile waits until that read ends (its buffer is in use) and then cancels nothing;
+    afterwards the piece, the I/O bound and the buffer are all given back by `release`."""
+    io = GatedIo()
+    seg = make(tmp_path, io=io)
+    try:
+        data = os.urandom(2 * PIECE_BYTES)
+        disk = seg.demote(seg.store(data, b"key-c"))
+        io.first_end = _file_offset(seg, disk)  # every read piece of it waits for the gate
+        stream = seg.ssd.read_stream(disk.slot, disk.slot_generation, len(data))
+        assert not isinstance(stream, SsdRead)
+        first = stream._pieces[0][2]
+        reader = threading.Thread(target=stream.wait, args=(PIECE_BYTES,))
+        reader.start()
+        time.sleep(0.1)  # the reader is in the first piece's read, held by the gate
+        cancelled: list[bool] = []
+        canceller = threading.Thread(target=lambda: cancelled.append(first.cancel()))
+        canceller.start()
+        time.sleep(0.1)
+        assert canceller.is_alive()  # it waits for the read in progress
+        io.gate.set()
+        reader.join(5)
+        canceller.join(5)
+        assert cancelled == [False] and first.done()
+        assert stream.verdict() and stream.view is not None and bytes(stream.view) == data
+        stream.release()
+        stats = seg.ssd.stats()
+        assert stats["io_pieces_in_flight"] == 0 and stats["read_bytes_in_flight"] == 0
+        assert seg.ssd.read_buffers.lent() == 0
+    finally:
+        io.gate.set()
         close(seg)
 
 

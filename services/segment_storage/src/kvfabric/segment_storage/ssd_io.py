@@ -151,10 +151,12 @@ class ReadPiece(Protocol):
 
 class InlinePiece:
     """A read piece done on the thread that asks for its result (`result`), once; `cancel` before
-    that means it is never read. Used by one thread at a time (the GET's connection thread)."""
+    that means it is never read, and a `cancel` from another thread while it is being read waits
+    for the read to end (its buffer is in use), as a running future's does."""
 
     def __init__(self, io: SsdIo, fd: int, view: memoryview, offset: int, ended: Callable[[], None]) -> None:
         self._io, self._fd, self._view, self._offset, self._ended_cb = io, fd, view, offset, ended
+        self._lock = threading.Lock()
         self._ended = False
         self._error: BaseException | None = None
         self._cancelled = False
@@ -165,14 +167,13 @@ class InlinePiece:
         self._ended_cb()  # it leaves the I/O bound
 
     def result(self, timeout: float | None = None) -> None:
-        if not self._ended:
-            if self._cancelled:
-                raise concurrent.futures.CancelledError
-            try:
-                self._io._piece(self._fd, self._view, self._offset, False)
-            except BaseException as exc:
-                self._error = exc
-            self._end()
+        with self._lock:
+            if not self._ended:
+                try:
+                    self._io._piece(self._fd, self._view, self._offset, False)
+                except BaseException as exc:
+                    self._error = exc
+                self._end()
         if self._cancelled:
             raise concurrent.futures.CancelledError
         if self._error is not None:
@@ -182,11 +183,12 @@ class InlinePiece:
         return self._ended
 
     def cancel(self) -> bool:
-        if self._ended:
-            return False
-        self._cancelled = True
-        self._end()
-        return True
+        with self._lock:
+            if self._ended:
+                return False
+            self._cancelled = True
+            self._end()
+            return True
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if self._cancelled:
