@@ -32,6 +32,8 @@ from kvfabric.proto.eviction import (
 )
 
 from .dirkit import DOMAIN, groups, key, new_core, register, spec
+from .test_directory_quotas import B as OTHER_DOMAIN
+from .test_directory_quotas import groups_b
 
 U = ADMISSION_UNLIMITED
 A = bytes(DOMAIN.digest()) + b"c" * 32  # a group key of DOMAIN (domain digest, chain hash)
@@ -312,3 +314,20 @@ def test_the_filters_bloom_holds_the_groups_the_policy_named() -> None:
 def test_a_pool_with_room_is_not_listed() -> None:
     core, now = trained_core(3, capacity=10**9)
     assert build_filter(core, {"seg": 10**9}, now, events_seq=5).pools == []
+
+
+def test_a_tenant_below_its_guaranteed_share_is_admitted_while_a_scanner_is_refused() -> None:
+    """Issue 25 item 5 with admission: the filter lists the protected domain (built from the
+    policy's guarantees), so put_begin admits its chunks where another tenant's are refused."""
+    core = new_core(admission_stale_ms=1_000)
+    register(core, "s1", capacity=100_000)
+    core.set_admission_filter(view({"s1": limits(c2=0)}, protected=(A,)), 0)  # A: DOMAIN's group key
+    mine, scan = groups(2, seed=3), groups_b(2, seed=4)
+    reply = core.handle(
+        m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g), 100) for g in (*mine, *scan)]), 5
+    ).reply
+    assert isinstance(reply, m.PutBeginReply)
+    assert [r.status for r in reply.results] == ["placed", "placed", "placed", "not_admitted"]
+    assert A[:16] != OTHER_DOMAIN
+    assert core.counters["admission_admitted_guaranteed_total"] == 2
+    core.check_invariants()
