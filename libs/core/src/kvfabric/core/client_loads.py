@@ -2,8 +2,10 @@
 
 Synchronous and I/O-free: no clock, no asyncio, no memory. The client shell owns the transports,
 the staging buffers and the copies; it feeds events in (`want`, `transfer_done`, `delivered`,
-`cancel`, `expire`), performs the returned effects in order, and asks `may_write` right before
-every copy into an engine buffer. Time is passed in (`now_ms`, `deadline_ms`).
+`cancel`, `expire`, or all through one entry: `step(event, now_ms)`, `kvfabric.core.step`, the
+events in `kvfabric.core.client_loads_events`, `Tick` for `expire`), performs the returned
+effects in order, and asks `may_write` right before every copy into an engine buffer. Time is
+passed in (`now_ms`, `deadline_ms`).
 
 ## Model
 An engine *load* (a waiter) is (load id, `RequestGeneration`, destination buffer id, deadline): it
@@ -68,6 +70,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Final, Literal, NewType, TypeAlias
 
+from kvfabric.core import client_loads_events
+from kvfabric.core.client_loads_events import LoadEvent
+from kvfabric.core.step import not_before
 from kvfabric.format.errors import BadRequest, StaleGeneration
 from kvfabric.format.generations import RequestGeneration
 from kvfabric.format.invariant import invariant
@@ -187,8 +192,15 @@ class LoadTable:
         self._next_transfer = 1
         self._seq = 0
         self._now_ms = 0
+        self._step_ms = 0  # the latest time given to `step` (events without a time included)
         self._held_bytes = 0
         self.counters: dict[str, int] = {}
+
+    def step(self, event: LoadEvent, now_ms: int) -> list[Effect]:
+        """The one entry (`kvfabric.core.step`): `event` at `now_ms` as the method of the same
+        meaning (`Tick`: `expire`). Time going backwards is refused first."""
+        self._step_ms = not_before(max(self._step_ms, self._now_ms), now_ms)
+        return client_loads_events.dispatch(self, event, now_ms)
 
     # ---- stats -------------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ Synchronous and I/O-free: no clock, no threads, no files. The segment's disk tie
 (`kvfabric.segment_storage.ssd`) owns the file and does every read, write and sync; it asks this
 table where an object goes, which index record to write when, and whether a read naming
 (slot, generation) may touch the bytes. The on-disk encodings are `kvfabric.core.disk_records`.
+Besides the methods, one entry stands for them all: `step(event, now_ms)` (`kvfabric.core.step`;
+the events in `kvfabric.core.disk_slots_events`, each answer a `Reply`).
 
 ## Slots
 A local slot id is below `slots_max` and has one index record on disk; an object is (slot,
@@ -69,8 +71,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from kvfabric.core import disk_slots_events
 from kvfabric.core.disk_records import BLOCK_BYTES, KEY_BYTES_MAX, Record
+from kvfabric.core.disk_slots_events import DiskSlotEvent, DiskSlotOutput
 from kvfabric.core.extents import ExtentAllocator, round_up
+from kvfabric.core.step import not_before
 from kvfabric.format.errors import BadRequest, NoCapacity, NotFound, StaleGeneration
 from kvfabric.format.generations import GENERATION_MAX
 from kvfabric.format.invariant import invariant
@@ -152,6 +157,14 @@ class DiskSlotTable:
         self._stored_bytes = 0
         self._recovery_unlinks = 0  # dropped records whose free records are not durable yet
         self.counters: dict[str, int] = {}
+        self._step_ms = 0  # the latest time given to `step`
+
+    def step(self, event: DiskSlotEvent, now_ms: int) -> list[DiskSlotOutput]:
+        """The one entry (`kvfabric.core.step`): `event` as the method of the same meaning, its
+        answer as one `Reply`. Nothing here depends on the time, but time going backwards is
+        refused as by every core."""
+        self._step_ms = not_before(self._step_ms, now_ms)
+        return disk_slots_events.dispatch(self, event)
 
     # ---- recovery ----------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """The eviction-policy core: which chunk groups go when a pool (segment) or a tenant fills.
 
 Synchronous and I/O-free: the service (or the trace simulator, `tools/evict_sim.py`) feeds
-events in and performs the returned effects. Time is passed in (`now_ms`). Sizes are bytes (the
+events in and performs the returned effects, through the methods below or the one entry
+`step(event, now_ms) -> effects` (`kvfabric.core.step`; the events in
+`kvfabric.core.eviction_events`). Time is passed in (`now_ms`). Sizes are bytes (the
 simulator uses 1 per block).
 
 ## Model
@@ -70,7 +72,9 @@ from collections import OrderedDict
 from collections.abc import Hashable, Mapping
 from typing import Any, Final
 
+from kvfabric.core import eviction_events
 from kvfabric.core.eviction_density import DensityClass, DensityPredictor
+from kvfabric.core.eviction_events import EvictionEvent, EvictionOutput
 from kvfabric.core.eviction_model import (
     ADMIT_REASONS,
     POLICY_NAMES,
@@ -94,6 +98,7 @@ from kvfabric.core.eviction_s3fifo import S3Fifo
 from kvfabric.core.eviction_sieve import Sieve
 from kvfabric.core.eviction_sketch import SKETCH_DEPTH, SKETCH_WIDTH, FrequencySketch
 from kvfabric.core.eviction_wtinylfu import WTinyLfu
+from kvfabric.core.step import not_before
 from kvfabric.format.invariant import invariant
 
 __all__ = [
@@ -138,6 +143,7 @@ class EvictionCore(LeafRanking):
         self._seq = 0
         self._clock = 0.0  # GDSF inflation
         self._now_ms = 0
+        self._step_ms = 0  # the latest time given to `step` (events without a time included)
         self._sketch = FrequencySketch() if config.admission == "second_hit" else None
         self._order = QUEUE_POLICIES[config.policy]() if config.policy in QUEUE_POLICIES else None
         self._history: OrderedDict[ObjectId, int] = OrderedDict()  # lru2: removed id -> last access
@@ -149,6 +155,12 @@ class EvictionCore(LeafRanking):
         self._class_heaps = {}
         self._class_entries = 0  # entries pushed since the last compaction, plus those it kept
         self.counters: dict[str, int] = {}
+
+    def step(self, event: EvictionEvent, now_ms: int) -> list[EvictionOutput]:
+        """The one entry (`kvfabric.core.step`): `event` at `now_ms` as the method of the same
+        meaning (`kvfabric.core.eviction_events`). Time going backwards is refused first."""
+        self._step_ms = not_before(max(self._step_ms, self._now_ms), now_ms)
+        return eviction_events.dispatch(self, event, now_ms)
 
     # ---- queries ---------------------------------------------------------------------------
 

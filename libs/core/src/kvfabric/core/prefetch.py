@@ -4,8 +4,10 @@ hot objects get one extra replica.
 Synchronous and I/O-free: the prefetch service decodes hints, reads and copy results, calls the
 core with the time (`now_ms`) and performs the effects it returns. Sizes are bytes.
 Events: `add_hint`, `cancel_hint`, `tick`, `copy_finished`, `read`, `set_segments`,
-`replica_added`, `replica_removed`. Effects (`tick`, `copy_finished`): StartCopy, PublishReplica,
-ReleaseCopy. Queries: `cold_extra_replicas`, gauges (`bytes_in_flight`, ...), `counters`.
+`replica_added`, `replica_removed`, all through one entry too: `step(event, now_ms) -> effects`
+(`kvfabric.core.step`; the events in `kvfabric.core.prefetch_events`). Effects (`tick`,
+`copy_finished`): StartCopy, PublishReplica, ReleaseCopy. Queries: `cold_extra_replicas`,
+gauges (`bytes_in_flight`, ...), `counters`.
 
 ## Hints
 A `Hint` says: request `hint_id` of `tenant` will soon load the prefix `objects` (head first,
@@ -77,6 +79,9 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal, TypeAlias
 
+from kvfabric.core import prefetch_events
+from kvfabric.core.prefetch_events import PrefetchEvent, PrefetchOutput
+from kvfabric.core.step import not_before
 from kvfabric.format.invariant import invariant
 
 __all__ = [
@@ -312,7 +317,14 @@ class PrefetchCore:
         self._seq = 0
         self._next_copy_id = 1
         self._now_ms = 0
+        self._step_ms = 0  # the latest time given to `step` (events without a time included)
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+
+    def step(self, event: PrefetchEvent, now_ms: int) -> list[PrefetchOutput]:
+        """The one entry (`kvfabric.core.step`): `event` at `now_ms` as the method of the same
+        meaning (`kvfabric.core.prefetch_events`). Time going backwards is refused first."""
+        self._step_ms = not_before(max(self._step_ms, self._now_ms), now_ms)
+        return prefetch_events.dispatch(self, event, now_ms)
 
     # ---- queries ---------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Synchronous and I/O-free: time is passed in (`now_ms`), sizes are bytes. The repair service
 feeds in what the directory and the segments report, calls `tick(now_ms)` periodically and
-performs the effects it returns:
+performs the effects it returns. One entry takes them all: `step(event, now_ms) -> effects`
+(`kvfabric.core.step`; the events, one per method below, in `kvfabric.core.repair_events`):
 
     events   segment_up(id, incarnation, zone, rack, host, free_bytes, draining=None)
              segment_draining(id, draining=True)    segment_down(id)
@@ -91,8 +92,11 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from kvfabric.core import repair_events
 from kvfabric.core.placement import Candidate
 from kvfabric.core.placement import _spread as spread
+from kvfabric.core.repair_events import RepairEvent, RepairOutput
+from kvfabric.core.step import not_before
 from kvfabric.format.invariant import invariant, unreachable
 
 __all__ = ["DrainComplete", "Effect", "RepairConfig", "RepairCore", "StartCopy"]
@@ -197,9 +201,16 @@ class RepairCore:
         self._copies: dict[int, _Copy] = {}
         self._tokens_milli = config.burst_bytes * 1000  # thousandths of a byte: exact integer refill
         self._now_ms = now_ms
+        self._step_ms = now_ms  # the latest time given to `step` (events without a time included)
         self._seq = 0
         self._next_copy_id = 1
         self.counters: dict[str, int] = {}
+
+    def step(self, event: RepairEvent, now_ms: int) -> list[RepairOutput]:
+        """The one entry (`kvfabric.core.step`): `event` at `now_ms` as the method of the same
+        meaning; `CopyOk` answers `[Reply(wanted)]`. Time going backwards is refused first."""
+        self._step_ms = not_before(max(self._step_ms, self._now_ms), now_ms)
+        return repair_events.dispatch(self, event, now_ms)
 
     # ---- queries ---------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """Cache-aware routing: which engine instance gets a prompt, from one estimate of its TTFT.
 
-Synchronous and I/O-free; the router service (`kvfabric.router`) calls it with the time. Sizes
-are bytes, times seconds unless the name says `_ms`.
+Synchronous and I/O-free; the router service (`kvfabric.router`) calls it with the time, through
+the one entry `step(event, now_ms)` (`kvfabric.core.step`; the events in
+`kvfabric.core.routing_events`) or the methods it stands for. Sizes are bytes, times seconds
+unless the name says `_ms`.
 
 ## Inputs
 - `prompt_keys(spec, tokens)`: the 48-byte group keys (share domain digest + chain hash) of the
@@ -66,7 +68,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from kvfabric.core import routing_events
+from kvfabric.core.routing_events import RoutingEvent, RoutingOutput
 from kvfabric.core.routing_index import RoutingIndex
+from kvfabric.core.step import not_before
 from kvfabric.format.ids import pack_group_key
 from kvfabric.format.invariant import invariant
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, chain_hashes, tokens_to_u32
@@ -227,6 +232,7 @@ class RoutingCore:
         self._tenants: dict[str, int] = {}
         self._rr = 0
         self._index_heard_ms: int | None = None
+        self._step_ms = 0  # the latest time given to `step`
         self.counters: dict[str, int] = {
             "routed": 0,
             "refused": 0,
@@ -234,6 +240,13 @@ class RoutingCore:
             "unknown_request": 0,
             "instance_down": 0,
         }
+
+    def step(self, event: RoutingEvent, now_ms: int) -> list[RoutingOutput]:
+        """The one entry (`kvfabric.core.step`): `event` at `now_ms` as the method of the same
+        meaning; `Route` and `Failed` answer one `Reply`. Time going backwards is refused first
+        (the methods themselves take any time: a wall clock may step back)."""
+        self._step_ms = not_before(self._step_ms, now_ms)
+        return routing_events.dispatch(self, event, now_ms)
 
     # ---- inputs from the shell -----------------------------------------------------------
 

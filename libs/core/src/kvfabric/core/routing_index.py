@@ -2,7 +2,9 @@
 
 Synchronous and I/O-free. The router's shell reads the directory's JetStream event stream
 (`KVF_DIRECTORY_EVENTS`, every subject of it, so stream sequences arrive contiguous) and calls
-`apply(seq, event)`; on a gap it lists the directory and calls `resync`.
+`apply(seq, event)`; on a gap it lists the directory and calls `resync`. One entry stands for
+them all: `step(event, now_ms)` (`kvfabric.core.step`; the events in
+`kvfabric.core.routing_index_events`).
 
 ## What it holds
 - `groups`: group key (16-byte share domain digest + 32-byte chain hash, as the events name a
@@ -58,6 +60,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from kvfabric.core import routing_index_events
+from kvfabric.core.routing_index_events import RoutingIndexEvent, RoutingIndexOutput
+from kvfabric.core.step import not_before
 from kvfabric.format.ids import (
     CHAIN_HASH_BYTES,
     DOMAIN_DIGEST_BYTES,
@@ -134,6 +139,14 @@ class RoutingIndex:
             "resyncs": 0,
             "events_foreign": 0,  # published events without a namespace (old directories)
         }
+        self._step_ms = 0  # the latest time given to `step`
+
+    def step(self, event: RoutingIndexEvent, now_ms: int) -> list[RoutingIndexOutput]:
+        """The one entry (`kvfabric.core.step`): `event` as the method of the same meaning
+        (`Apply` and `CheckStream` answer one `Reply`). Nothing here depends on the time, but
+        time going backwards is refused as by every core."""
+        self._step_ms = not_before(self._step_ms, now_ms)
+        return routing_index_events.dispatch(self, event)
 
     # ---- events --------------------------------------------------------------------------
 

@@ -2,7 +2,9 @@
 
 Synchronous and I/O-free: no clock, no threads, no memory. The segment shell owns the arena and
 the transports; it asks this table *where* an object goes and *whether* a read or write naming
-(slot, generation) may touch it. Time is passed in (`now_ms`, `deadline_ms`).
+(slot, generation) may touch it. Time is passed in (`now_ms`, `deadline_ms`). Besides the methods,
+one entry stands for them all: `step(event, now_ms)` (`kvfabric.core.step`; the events in
+`kvfabric.core.segment_slots_events`, each answer a `Reply`).
 
 ## Slots
 A slot is (slot id, generation, offset, size): one object in one extent of the arena. Every call
@@ -63,6 +65,9 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from kvfabric.core import segment_slots_events
+from kvfabric.core.segment_slots_events import SlotEvent, SlotOutput
+from kvfabric.core.step import not_before
 from kvfabric.format.errors import BadRequest, NoCapacity, NotFound, StaleGeneration
 from kvfabric.format.generations import GENERATION_MAX
 from kvfabric.format.invariant import invariant
@@ -154,7 +159,15 @@ class SlotTable:
         self._writing = 0
         self._used_bytes = 0
         self._deferred_frees = 0
+        self._step_ms = 0  # the latest time given to `step`
         self.counters: dict[str, int] = {}
+
+    def step(self, event: SlotEvent, now_ms: int) -> list[SlotOutput]:
+        """The one entry (`kvfabric.core.step`): `event` at `now_ms` as the method of the same
+        meaning, its answer as one `Reply` (`Tick`: `expire_writes`). Time going backwards is
+        refused first."""
+        self._step_ms = not_before(self._step_ms, now_ms)
+        return segment_slots_events.dispatch(self, event, now_ms)
 
     # ---- stats ---------------------------------------------------------------------------
 

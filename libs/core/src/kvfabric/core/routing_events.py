@@ -1,0 +1,111 @@
+"""The events of `RoutingCore.step(event, now_ms)` (the shape of `kvfabric.core.step`): one per
+entry point of `kvfabric.core.routing`, each the method of the same meaning. The core has no
+effects: its answers are replies.
+
+    Health -> health(now_ms)    IndexHeard -> index_heard(now_ms)
+    Route -> route(now_ms): [Reply(Decision | Refused)]
+    FirstToken -> first_token    Finished -> finished    Failed -> failed: [Reply(instance or None)]
+
+(The index's events, `apply`, `check_stream` and `resync`, are `RoutingIndex.step`'s:
+`kvfabric.core.routing_index_events`.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
+
+from kvfabric.core.step import Reply
+
+if TYPE_CHECKING:
+    from kvfabric.core.routing import Decision, Refused, RoutingCore
+
+__all__ = [
+    "Failed",
+    "Finished",
+    "FirstToken",
+    "Health",
+    "IndexHeard",
+    "Route",
+    "RoutingEvent",
+    "RoutingOutput",
+    "dispatch",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """A health check's outcome (`health`)."""
+
+    instance_id: str
+    ok: bool
+
+
+@dataclass(frozen=True, slots=True)
+class IndexHeard:
+    """The event stream answered (`index_heard`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Which instance gets this prompt (`route`; answers `Reply(Decision | Refused)`)."""
+
+    request_id: str
+    tenant: str
+    keys: Sequence[bytes]
+    prompt_tokens: int
+    exclude: tuple[str, ...] = ()
+    admit: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """The request's first token came back (`first_token`)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The request ended (`finished`)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The instance failed the request before its first byte (`failed`; answers
+    `Reply(instance id or None)`)."""
+
+    request_id: str
+
+
+RoutingEvent: TypeAlias = Health | IndexHeard | Route | FirstToken | Finished | Failed
+RoutingOutput: TypeAlias = "Reply[Decision | Refused] | Reply[str | None]"
+
+
+def dispatch(core: RoutingCore, event: RoutingEvent, now_ms: int) -> list[RoutingOutput]:
+    """`event` as the method of the same meaning (`RoutingCore.step` checked the time)."""
+    if isinstance(event, Route):
+        decision = core.route(
+            event.request_id,
+            event.tenant,
+            event.keys,
+            event.prompt_tokens,
+            now_ms,
+            exclude=event.exclude,
+            admit=event.admit,
+        )
+        return [Reply(decision)]
+    if isinstance(event, Failed):
+        return [Reply(core.failed(event.request_id))]
+    if isinstance(event, Health):
+        core.health(event.instance_id, event.ok, now_ms)
+    elif isinstance(event, IndexHeard):
+        core.index_heard(now_ms)
+    elif isinstance(event, FirstToken):
+        core.first_token(event.request_id)
+    else:
+        core.finished(event.request_id)
+    return []
