@@ -6,11 +6,14 @@
   `start`). The hit is the longest prefix every shard found (a failing shard misses from its
   first chunk; the hint fails only when nothing hit); each shard with a chunk inside the hit
   grants a read lease, kept as (shard, lease id), that keeps the sources from being evicted
-  while they are copied (released when the hint ends; the others at once); then `core.add_hint`; the
-  answer (accepted / deduped / busy / refused) is the reply. At most `resolving_max` hints are
+  while they are copied (released when the hint ends; the others at once); then the core's
+  `AddHint`; its answer (accepted / deduped / busy / refused) is the reply. At most `resolving_max` hints are
   resolved at once: more answer `busy` at once (a flood costs no directory traffic).
 - `cancel`: `core.cancel_hint`; its lease is released on the next tick.
-- Every `tick_ms`: `core.tick` → StartCopy tasks (`copy_replica`: ticket from the directory, the
+- The core is stepped through a `CoreDriver` (`kvfabric.runtime.core_driver`) on the wall clock
+  (hint deadlines are wall clock), never earlier than a time it already gave the core: every
+  event that carries the time (`AddHint`, `Tick`, `CopyFinished`, `Read`, `ColdExtraReplicas`).
+- Every `tick_ms`: the core's `Tick` → StartCopy tasks (`copy_replica`: ticket from the directory, the
   target segment reads from the source and confirms) → `copy_finished` → PublishReplica (the
   replica is already published by its confirm) / ReleaseCopy (nothing kept); leases of ended
   hints are released.
@@ -55,9 +58,20 @@ from kvfabric.core.prefetch import (
     Hint,
     HintObject,
     PrefetchCore,
+    Refused,
     ReleaseCopy,
     StartCopy,
 )
+from kvfabric.core.prefetch_events import (
+    AddHint,
+    ColdExtraReplicas,
+    CopyFinished,
+    PrefetchEvent,
+    PrefetchOutput,
+    Read,
+    Tick,
+)
+from kvfabric.core.step import reply_of
 from kvfabric.format.clock import monotonic_ms, now_ms
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.format.ids import (
@@ -79,6 +93,7 @@ from kvfabric.proto import prefetch as p
 from kvfabric.proto.codec import decode_as
 from kvfabric.proto.segment import tier_of_slot
 from kvfabric.proto.subjects import Service, check_segment_id, event_subject
+from kvfabric.runtime.core_driver import CoreDriver
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
@@ -111,6 +126,10 @@ class PrefetchShell:
         group_cache_ms: int = GROUP_CACHE_MS_DEFAULT,
     ) -> None:
         self.core = core
+        # wall-clock ms (read through this module's `now_ms`), never earlier than a time the core had
+        self._driver: CoreDriver[PrefetchEvent, PrefetchOutput] = CoreDriver(
+            core, self._perform, clock=lambda: now_ms()
+        )
         self.holder_id = holder_id
         self.tick_ms = tick_ms
         self.scan_ms = scan_ms
@@ -133,7 +152,6 @@ class PrefetchShell:
         self._copies: set[asyncio.Task[None]] = set()
         self._log = get_logger("kvfabric.prefetch")
         self.busy_resolving = 0
-        self._last_ms = 0  # the latest time given to the core (it refuses time going backwards)
 
     def attach(self, runtime: ServiceRuntime) -> None:
         runtime.add_endpoint("hint", self._on_hint)
@@ -174,11 +192,9 @@ class PrefetchShell:
             self._resolving -= 1
 
     def _now(self) -> int:
-        """Wall-clock ms for the core (hint deadlines are wall clock), never earlier than a time
-        already given to it: read right before each core call, never across an await (the
-        ticker may have advanced the core meanwhile)."""
-        self._last_ms = max(self._last_ms, now_ms())
-        return self._last_ms
+        """Wall-clock ms for the core's queries, never earlier than a time already given to it
+        (the driver's clock: read right before each step, never across an await)."""
+        return self._driver.now_ms()
 
     async def _add(self, hint: p.PrefetchHint) -> p.HintReply:
         now = now_ms()
@@ -199,9 +215,12 @@ class PrefetchShell:
         if not objects:
             await self._release_leases(leases)
             return p.HintReply(hint_id=hint.hint_id, status="accepted", objects_queued=0)
-        result = self.core.add_hint(
-            Hint(hint.hint_id, hint.tenant, hint.target_segment, objects, hint.deadline_ms), self._now()
+        result = reply_of(
+            await self._driver.feed(
+                AddHint(Hint(hint.hint_id, hint.tenant, hint.target_segment, objects, hint.deadline_ms))
+            )
         )
+        assert isinstance(result, Accepted | Deduped | Busy | Refused)
         if isinstance(result, Accepted) and result.objects_queued:
             self._leases[hint.hint_id] = leases
         else:
@@ -261,13 +280,20 @@ class PrefetchShell:
 
     # ---- copies ------------------------------------------------------------------------------
 
+    async def _perform(self, effect: PrefetchOutput) -> None:
+        """One effect of `Tick` (StartCopy) or `CopyFinished` (PublishReplica, ReleaseCopy)."""
+        if isinstance(effect, StartCopy):
+            task = asyncio.create_task(self._copy(effect))
+            self._copies.add(task)
+            task.add_done_callback(self._copies.discard)
+        elif isinstance(effect, ReleaseCopy) and effect.reason == "unwanted":
+            # Published by its confirm although nobody waits for it any more: an ordinary
+            # replica now, evicted like any other when it goes cold.
+            self._log.info("copy_unwanted", copy_id=effect.copy_id)
+
     async def _ticker(self) -> None:
         while True:
-            for effect in self.core.tick(self._now()):
-                if isinstance(effect, StartCopy):
-                    task = asyncio.create_task(self._copy(effect))
-                    self._copies.add(task)
-                    task.add_done_callback(self._copies.discard)
+            await self._driver.feed(Tick())
             for hint_id in [h for h in self._leases if not self.core.has_hint(h)]:
                 await self._release(hint_id)  # ended: completed, cancelled, expired or failed
             await asyncio.sleep(self.tick_ms / 1000)
@@ -291,13 +317,7 @@ class PrefetchShell:
             self._log.info("copy_failed", copy_id=start.copy_id, error=getattr(exc, "code", "timeout"))
             outcome = "failed"
         self._forget_group_of(start.object_id)  # a new holder, or a copy's ticket given back
-        for effect in self.core.copy_finished(
-            start.copy_id, outcome in ("copied", "already_there"), self._now()
-        ):
-            if isinstance(effect, ReleaseCopy) and effect.reason == "unwanted":
-                # Published by its confirm although nobody waits for it any more: an ordinary
-                # replica now, evicted like any other when it goes cold.
-                self._log.info("copy_unwanted", copy_id=effect.copy_id)
+        await self._driver.feed(CopyFinished(start.copy_id, outcome in ("copied", "already_there")))
 
     # ---- hot objects -------------------------------------------------------------------------
 
@@ -317,15 +337,15 @@ class PrefetchShell:
                 known = await self._show_group(hit.domain, hit.group)
                 if known is None:
                     continue  # the directory did not answer: asked again on the next event
-            now = self._now()  # after the show_group await
-            for object_id, size_bytes, holders in known:
-                self.core.read(
-                    object_id,
-                    size_bytes=size_bytes,
-                    served_from=holders[0],
-                    replicas=holders,
-                    now_ms=now,
-                    reads=min(hit.hits, READS_PER_HIT_MAX),
+            for object_id, size_bytes, holders in known:  # each step reads the clock: after the await
+                await self._driver.feed(
+                    Read(
+                        object_id,
+                        size_bytes=size_bytes,
+                        served_from=holders[0],
+                        replicas=holders,
+                        reads=min(hit.hits, READS_PER_HIT_MAX),
+                    )
                 )
 
     def _known_group(self, domain: bytes, group: bytes) -> _GroupObjects | None:
@@ -394,7 +414,9 @@ class PrefetchShell:
                         if s.up and not s.draining
                     }
                 )
-                for cold in self.core.cold_extra_replicas(self._now()):
+                cold_extras = reply_of(await self._driver.feed(ColdExtraReplicas()))
+                assert isinstance(cold_extras, list)
+                for cold in cold_extras:
                     await self._drop_extra(cold.object_id, cold.segment)
             except KvfError as exc:
                 self._log.info("scan_failed", code=exc.code)

@@ -12,10 +12,11 @@ The directory is sharded: every request goes through a `DirectoryRouter` (create
 - while a segment drains: every replica on it whose object has its target elsewhere is dropped
   (`replica_corrupt` to the shard of its key, reason `drained`, never a last copy), so the
   segment ends up empty.
-Every `tick_ms` `core.tick` returns copies within the bandwidth budget and in-flight cap; each
-runs as a task: `kvfabric.cluster.replicas.copy_replica` (the directory's ticket, then the
+Every `tick_ms` the core's `Tick` (through its `CoreDriver`, `kvfabric.runtime.core_driver`, on
+the wall clock) returns copies within the bandwidth budget and in-flight cap; each runs as a
+task: `kvfabric.cluster.replicas.copy_replica` (the directory's ticket, then the
 destination reads the bytes from the source over the data plane, verifies and confirms) →
-`copy_ok` / `copy_failed`. No payload crosses NATS.
+`copy_ok` / `CopyFailed` (fed through the driver: it carries the time). No payload crosses NATS.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from nats.aio.client import Client as NatsClient
 
 from kvfabric.cluster.replicas import copy_replica
 from kvfabric.core.repair import DrainComplete, RepairCore, StartCopy
+from kvfabric.core.repair_events import CopyFailed, RepairEvent, RepairOutput, Tick
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import KvfError, Unavailable
 from kvfabric.format.ids import ChainHash, Namespace, ObjectKey, pack_group_id, pack_object_key
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import decode_as
 from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
+from kvfabric.runtime.core_driver import CoreDriver
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
@@ -64,6 +67,10 @@ class RepairShell:
         copy_timeout_s: float,
     ) -> None:
         self.core = core
+        # The core's time is the wall clock, as before (read through this module's `now_ms`).
+        self._driver: CoreDriver[RepairEvent, RepairOutput] = CoreDriver(
+            core, self._perform, clock=lambda: now_ms()
+        )
         self.replicas_target = replicas_target
         self.scan_ms = scan_ms
         self.tick_ms = tick_ms
@@ -86,9 +93,11 @@ class RepairShell:
 
     async def start(self, nc: NatsClient) -> None:
         self._router = DirectoryRouter(nc)
-        self._tasks = [asyncio.create_task(self._scanner()), asyncio.create_task(self._ticker())]
+        self._tasks = [asyncio.create_task(self._scanner())]
+        self._driver.start_ticker(Tick(), self.tick_ms)
 
     async def stop(self) -> None:
+        await self._driver.stop()
         for task in [*self._tasks, *self._copies]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._copies, return_exceptions=True)
@@ -189,17 +198,15 @@ class RepairShell:
 
     # ---- copies ------------------------------------------------------------------------------
 
-    async def _ticker(self) -> None:
-        while True:
-            for effect in self.core.tick(now_ms()):
-                if isinstance(effect, StartCopy):
-                    task = asyncio.create_task(self._copy(effect))
-                    self._copies.add(task)
-                    task.add_done_callback(self._copies.discard)
-                elif isinstance(effect, DrainComplete):
-                    self.drains_complete.append(effect.segment_id)
-                    self._log.info("drain_complete", segment_id=effect.segment_id)
-            await asyncio.sleep(self.tick_ms / 1000)
+    async def _perform(self, effect: RepairOutput) -> None:
+        """One effect of the core's `Tick`, in order."""
+        if isinstance(effect, StartCopy):
+            task = asyncio.create_task(self._copy(effect))
+            self._copies.add(task)
+            task.add_done_callback(self._copies.discard)
+        elif isinstance(effect, DrainComplete):
+            self.drains_complete.append(effect.segment_id)
+            self._log.info("drain_complete", segment_id=effect.segment_id)
 
     async def _copy(self, start: StartCopy) -> None:
         assert isinstance(start.object_id, bytes)
@@ -224,7 +231,7 @@ class RepairShell:
             if not self.core.copy_ok(start.copy_id):
                 self._log.info("copy_not_wanted_any_more", copy_id=start.copy_id)  # an extra replica
         else:
-            self.core.copy_failed(start.copy_id, now_ms(), source_failed=source_failed)
+            await self._driver.feed(CopyFailed(start.copy_id, source_failed=source_failed))
 
     async def _copy_once(self, start: StartCopy) -> bool:
         assert isinstance(start.object_id, bytes)

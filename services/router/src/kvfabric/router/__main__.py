@@ -24,8 +24,10 @@ import msgspec
 import uvicorn
 from nats.aio.client import Client as NatsClient
 
-from kvfabric.core.routing import Decision, RoutingCore, prompt_keys
+from kvfabric.core.routing import Decision, Refused, RoutingCore, prompt_keys
+from kvfabric.core.routing_events import IndexHeard, Route, RoutingEvent, RoutingOutput
 from kvfabric.core.routing_index import RoutingIndex
+from kvfabric.core.step import reply_of
 from kvfabric.format.errors import BadRequest
 from kvfabric.proto import router as r
 from kvfabric.proto.codec import decode_as
@@ -36,6 +38,7 @@ from kvfabric.router.proxy import Proxy, now_ms
 from kvfabric.router.settings import RouterSettings, load_router_settings
 from kvfabric.runtime.cli import service_cli
 from kvfabric.runtime.config import RuntimeSettings, SettingsError
+from kvfabric.runtime.core_driver import CoreDriver
 from kvfabric.runtime.deadline import cancel_and_wait
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
@@ -57,6 +60,8 @@ class RouterShell:
         self.settings = settings
         self.index = RoutingIndex()
         self.core = RoutingCore(settings.routing, [e.spec for e in settings.engines], self.index)
+        # Its events carry the wall clock (`now_ms`), as before; it has no effects, only replies.
+        self.driver: CoreDriver[RoutingEvent, RoutingOutput] = CoreDriver(self.core, clock=lambda: now_ms())
         self._tasks: list[asyncio.Task[None]] = []
         self._server: _Server | None = None
         self._sock: socket.socket | None = None
@@ -68,7 +73,7 @@ class RouterShell:
         runtime.add_endpoint("route", self._on_route)
         registry = runtime.metrics.registry
         self.metrics = RouterMetrics(registry)
-        self.proxy = Proxy(self.settings, self.core, self.metrics, registry)
+        self.proxy = Proxy(self.settings, self.core, self.metrics, registry, self.driver)
 
     def extra_state(self) -> dict[str, float]:
         f = self.follower
@@ -90,7 +95,7 @@ class RouterShell:
             nc,
             self.index,
             domain_digest=self.settings.keyspace.domain.digest(),
-            heard=self.core.index_heard,
+            heard=self._index_heard,
             request_timeout_s=self.settings.request_timeout_s,
             listing_pages_max=self.settings.listing_pages_max,
         )
@@ -121,6 +126,9 @@ class RouterShell:
         if self._sock is not None:
             self._sock.close()
 
+    async def _index_heard(self) -> None:
+        await self.driver.feed(IndexHeard())
+
     async def _on_route(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
         message = decode_as(r.router_decoder, data, r.RouteRequest, "route")
         if not message.tokens:
@@ -130,14 +138,18 @@ class RouterShell:
             keys = prompt_keys(ks.domain, ks.model, ks.layout, message.tokens)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        decision = self.core.route(
-            f"route-{uuid.uuid4().hex}",
-            message.tenant or "default",
-            keys,
-            len(message.tokens),
-            now_ms(),
-            admit=False,
+        decision = reply_of(
+            await self.driver.feed(
+                Route(
+                    f"route-{uuid.uuid4().hex}",
+                    message.tenant or "default",
+                    keys,
+                    len(message.tokens),
+                    admit=False,
+                )
+            )
         )
+        assert isinstance(decision, Decision | Refused)
         if not isinstance(decision, Decision):
             return r.RouteReply(instance="", reason=decision.reason)
         return r.RouteReply(

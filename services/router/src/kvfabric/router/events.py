@@ -9,14 +9,15 @@
   sequences arrive contiguous; when it is lost (NATS restart) it is recreated after the last
   sequence applied (`index.last_seq + 1`): resume, not replay.
 - Every fetch that answers (events, or none at the end) tells the core the stream was heard
-  from (`index_heard`); without that for `index_stale_ms` the router counts no kvfabric tokens.
+  from (`heard`: the shell feeds the core's `IndexHeard`, with the time); without that for
+  `index_stale_ms` the router counts no kvfabric tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 import nats.errors
@@ -25,7 +26,6 @@ from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex
-from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, KvfError
 from kvfabric.format.ids import NAMESPACE_BYTES, Namespace, domain_in_id
 from kvfabric.proto import directory as m
@@ -49,7 +49,7 @@ class IndexFollower:
         index: RoutingIndex,
         *,
         domain_digest: bytes,
-        heard: Callable[[int], None],
+        heard: Callable[[], Awaitable[None]],
         request_timeout_s: float,
         listing_pages_max: int,
     ) -> None:
@@ -83,18 +83,18 @@ class IndexFollower:
                 sub = await js.pull_subscribe(
                     events_wildcard(Service.DIRECTORY), stream=EVENTS_STREAM, config=config
                 )
-                self.heard(now_ms())
+                await self.heard()
                 while self.index.synced:
                     try:
                         batch = await sub.fetch(EVENTS_FETCH_MAX, timeout=EVENTS_FETCH_WAIT_S)
                     except TimeoutError:  # nothing new: at the end of the stream
-                        self.heard(now_ms())
+                        await self.heard()
                         continue
                     for msg in batch:
                         self._on_message(msg.metadata.sequence.stream, msg.data)
                         if not self.index.synced:
                             break  # a gap: resync before anything else
-                    self.heard(now_ms())
+                    await self.heard()
                 await sub.unsubscribe()
             except asyncio.CancelledError:
                 raise

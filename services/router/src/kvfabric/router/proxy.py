@@ -39,10 +39,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvfabric.core import routing_events
 from kvfabric.core.routing import Decision, Refused, RoutingCore, prompt_keys
+from kvfabric.core.routing_events import RoutingEvent, RoutingOutput
+from kvfabric.core.step import reply_of
 from kvfabric.format.clock import now_ms
 from kvfabric.router.metrics import RouterMetrics
 from kvfabric.router.settings import RouterSettings
+from kvfabric.runtime.core_driver import CoreDriver
 from kvfabric.runtime.logs import get_logger
 
 __all__ = ["Proxy", "now_ms"]
@@ -72,10 +76,16 @@ class _Upstream:
 
 class Proxy:
     def __init__(
-        self, settings: RouterSettings, core: RoutingCore, metrics: RouterMetrics, registry: CollectorRegistry
+        self,
+        settings: RouterSettings,
+        core: RoutingCore,
+        metrics: RouterMetrics,
+        registry: CollectorRegistry,
+        driver: CoreDriver[RoutingEvent, RoutingOutput],
     ) -> None:
         self.settings = settings
-        self.core = core
+        self.core = core  # read directly (queries); its events go through `driver` (they carry the time)
+        self.driver = driver
         self.metrics = metrics
         self.registry = registry
         self.urls = {e.spec.instance_id: e.url for e in settings.engines}
@@ -114,7 +124,7 @@ class Proxy:
         except httpx.HTTPError:
             ok = False
         was = self.core.eligible(iid, now_ms())
-        self.core.health(iid, ok, now_ms())
+        await self.driver.feed(routing_events.Health(iid, ok))
         if was and not ok:
             self._log.warning("engine_down", instance=iid, via="health")
         elif ok and not was:
@@ -177,8 +187,13 @@ class Proxy:
         log = self._log.bind(trace_id=trace_id, tenant=tenant)
         tried: list[str] = []
         while True:
-            routed_at_ms = now_ms()
-            decision = self.core.route(rid, tenant, keys, prompt_tokens, routed_at_ms, exclude=tried)
+            decision = reply_of(
+                await self.driver.feed(
+                    routing_events.Route(rid, tenant, keys, prompt_tokens, exclude=tuple(tried))
+                )
+            )
+            routed_at_ms = self.driver.now_ms()  # the time the route was stepped at (or a ms later)
+            assert isinstance(decision, Decision | Refused)
             if isinstance(decision, Refused):
                 self.metrics.refused(decision.reason)
                 log.info(
