@@ -424,3 +424,38 @@ def test_a_method_call_moves_the_time_step_checks() -> None:
     core.tick(5_000)
     with pytest.raises(AssertionError, match="time went backwards"):
         core.step(rp.SegmentDown("s0"), 4_999)
+
+
+def test_every_core_has_the_one_shape() -> None:
+    """Each core is a `Core[its events, its outputs]` (mypy checks these assignments in `make
+    lint`), so the one shell driver runs any of them; each steps an event of its own."""
+    from kvfabric.core import disk_slots_events as dk
+    from kvfabric.core.client_loads import Effect as LoadEffect
+    from kvfabric.core.client_loads import LoadTable
+    from kvfabric.core.client_loads_events import LoadEvent
+    from kvfabric.core.disk_slots import DiskSlotTable
+    from kvfabric.core.segment_slots import SlotTable
+    from kvfabric.core.segment_slots_events import SlotEvent, SlotOutput
+    from kvfabric.core.step import Core
+
+    repair: Core[rp.RepairEvent, rp.RepairOutput] = RepairCore(rpm.CONFIG)
+    prefetch: Core[pf.PrefetchEvent, pf.PrefetchOutput] = PrefetchCore(pfm.CONFIG, pfm.SEGMENTS_FREE)
+    eviction: Core[ev.EvictionEvent, ev.EvictionOutput] = eviction_core("lru", "always")
+    routing: Core[ro.RoutingEvent, ro.RoutingOutput] = routing_core()
+    index: Core[ri.RoutingIndexEvent, ri.RoutingIndexOutput] = RoutingIndex()
+    loads: Core[LoadEvent, LoadEffect] = LoadTable(transfers_max=2)
+    slots: Core[SlotEvent, SlotOutput] = SlotTable(128)
+    disk: Core[dk.DiskSlotEvent, dk.DiskSlotOutput] = DiskSlotTable(48, 4, block_bytes=1)
+    stepped: list[tuple[Core[Any, Any], object]] = [
+        (repair, Tick()),
+        (prefetch, Tick()),
+        (eviction, Tick()),
+        (routing, ro.IndexHeard()),
+        (index, ri.CheckStream(1, 0)),
+        (loads, Tick()),
+        (slots, Tick()),
+        (disk, dk.AllocSlot(4, b"k")),
+    ]
+    for core, event in stepped:
+        assert isinstance(core.step(event, 10), list)
+        core.check_invariants()
