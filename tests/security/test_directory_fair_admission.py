@@ -18,6 +18,8 @@ tests.security.test_directory_fair_admission [rounds]` runs `compare`: the flood
 priority, interleaved, one line each (docs/security.md quotes it); `... [rounds] hold` compares
 at `rr:1` the runtime's refusals past bob's in-flight share answered at once
 (`KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS=0`) and held (250, the default), interleaved;
+`... [rounds] served` compares at `rr:1` bob's flood as is and with nothing of his served once
+his burst is spent (his refill 1 id a second: what is left is receiving and refusing him);
 `... [rounds] code BEFORE` compares at `rr:1` a directory running the code of the source tree
 BEFORE (its `services/directory/src` and `libs/runtime/src` first on the directory's
 PYTHONPATH, e.g. `git archive <commit> services/directory/src libs/runtime/src | tar -x -C
@@ -209,7 +211,7 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
                 gc_before.update(gc_pauses(scrapes[-1]))
                 spy = profiler(directory.pid)
                 began = time.monotonic()
-                cpu_began = cpu_s(directory.pid)
+                cpu_began, sys_began = cpu_s(directory.pid), cpu_s(directory.pid, user=False)
                 during, misses = await alices_lookups(router, alice, ALICE_LOOKUPS)
                 during_s = time.monotonic() - began
                 scrapes.append(await asyncio.to_thread(scrape_metrics, port))
@@ -218,6 +220,8 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
                     spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
                     await asyncio.to_thread(spy.wait, 30)
                 used["directory_cpu_share"] = round((cpu_s(directory.pid) - cpu_began) / during_s, 2)
+                sys_s = cpu_s(directory.pid, user=False) - sys_began  # of which in the kernel
+                used["directory_cpu_system_share"] = round(sys_s / during_s, 2)
                 loads["flood"] = await asyncio.to_thread(alices_loads, client, tokens, ALICE_LOADS)
                 # bob's loops stop FLOOD_S after they connected, so at least this long after start
                 used["loads_within_flood"] = time.monotonic() - flood_began < FLOOD_S
@@ -341,10 +345,10 @@ def raise_priority(pid: int, priority: cpu_priority.CpuPriority) -> None:
                 os.setpriority(os.PRIO_PROCESS, tid, priority.value)
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds process `pid` used so far (user + system, from /proc)."""
+def cpu_s(pid: int, *, user: bool = True) -> float:
+    """CPU seconds process `pid` used so far (user + system, from /proc; `user=False`: system)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) * user + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def compare(
@@ -352,16 +356,20 @@ def compare(
     priorities: tuple[str, ...] = ("off", "nice:-10", "rr:1"),
     holds_ms: tuple[str | None, ...] = (None,),
     trees: tuple[str | None, ...] = (None,),
+    arms: dict[str, dict[str, str]] | None = None,
 ) -> None:
     """The max-size flood at each directory CPU priority (and runtime refusal hold, None: the
     default; and the directory's code: a source tree first on its PYTHONPATH, None: this
-    checkout), interleaved, one JSON line a run."""
+    checkout; and each of `arms`, more directory settings by name), interleaved, one JSON line
+    a run."""
     import tempfile
 
+    arms = arms or {"": {}}
+    runs = [(p, h, t, a) for p in priorities for h in holds_ms for t in trees for a in arms]
     for r in range(rounds):
-        for priority, hold_ms, tree in ((p, h, t) for p in priorities for h in holds_ms for t in trees):
+        for priority, hold_ms, tree, arm in runs:
             with tempfile.TemporaryDirectory(prefix="kvf-flood-") as tmp:
-                env = {"KVF_DIRECTORY_CPU_PRIORITY": priority}
+                env = {"KVF_DIRECTORY_CPU_PRIORITY": priority, **arms[arm]}
                 if hold_ms is not None:
                     env["KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS"] = hold_ms
                 if tree is not None:
@@ -375,7 +383,8 @@ def compare(
                     report["slow_core_calls"] = [len(slow), *max(slow, key=lambda c: c[1])[1:]]
                 held = {} if hold_ms is None else {"tenant_refusal_hold_ms": int(hold_ms)}
                 code = {} if trees == (None,) else {"code": tree or "this checkout"}
-                print(json.dumps({"round": r, **code, **held, **report}), flush=True)
+                named = {"arm": arm} if arm else {}
+                print(json.dumps({"round": r, **code, **named, **held, **report}), flush=True)
 
 
 def test_alices_lookups_keep_their_latency_while_bob_floods_max_size_lookups(tmp_path: Path) -> None:
@@ -406,5 +415,9 @@ if __name__ == "__main__":
         compare(rounds, ("rr:1",), ("0", "250"))
     elif sys.argv[2:3] == ["code"]:
         compare(rounds, ("rr:1",), trees=(sys.argv[3], None))
+    elif sys.argv[2:] == ["served"]:  # bob's flood as is, and with nothing of his served after
+        # his burst (1 id a second: what is left is receiving and refusing him)
+        starved = {"KVF_DIRECTORY_FAIR_TENANT_IDS_PER_S": "1"}
+        compare(rounds, ("rr:1",), arms={"default": {}, "bob_served_nothing": starved})
     else:
         compare(rounds)
