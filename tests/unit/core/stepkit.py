@@ -72,12 +72,14 @@ def run_both(
     draw_event: Callable[[st.DataObject, list[object], Any], object],
     by_method: Callable[[Any, Any, int], Sequence[object]],
     steps_max: int = 60,
+    steps_min: int = 1,
 ) -> int:
     """One random run through both cores; returns the steps taken. `draw_event` sees what came
-    out so far (effects and replies: ids to answer) and the stepped core (to read, not to change)."""
+    out so far (effects and replies: ids to answer) and the stepped core (to read, not to change);
+    `steps_min`: for a protocol that needs a few steps in a row to get anywhere (a write)."""
     stepped, called = make(), make()
     now, out = 0, list[object]()
-    steps = data.draw(st.integers(min_value=1, max_value=steps_max))
+    steps = data.draw(st.integers(min_value=steps_min, max_value=steps_max))
     for n in range(steps):
         now += data.draw(st.sampled_from(DELTAS_MS))
         event = draw_event(data, out, stepped)

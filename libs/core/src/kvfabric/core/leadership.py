@@ -68,7 +68,7 @@ same as if the renewal had never been sent. If it did land, the next Renew (`las
 revision) is refused and the term stops: a spurious stop, never a second leader. Only a definite
 refusal (`on_renew_failed`) ends the term before its deadline.
 
-## Invariants (`check_invariants(now_ms)`, after every step in tests)
+## Invariants (`check_invariants(now_ms)`, after every step in tests; without a time: as of the latest)
 1. At most one KV operation in flight per shard (by construction: one state per shard).
 2. LEADING => desired, not leaving, revision >= epoch > 0, deadline = written_sent_ms + ttl -
    margin > the latest time seen (expired terms were stopped when their time was seen).
@@ -97,6 +97,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final, Literal, TypeAlias
 
+from kvfabric.core.step import Tick, not_before
 from kvfabric.format.invariant import invariant, unreachable
 from kvfabric.proto.shards import SHARDS_MAX, shard_of_chain
 
@@ -218,11 +219,7 @@ Effect: TypeAlias = Acquire | Renew | Release | StartLeading | StopLeading | Ann
 
 
 # ---- events (`ShardLeadership.step`: one entry for every event and the time) ----------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Tick:
-    """Time passed (`tick`)."""
+# `Tick` (time passed: `tick`) is the one every core shares (`kvfabric.core.step`).
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,8 +459,10 @@ class ShardLeadership:
     # ---- events ----------------------------------------------------------------------------
 
     def step(self, event: LeadershipEvent, now_ms: int) -> list[Effect]:
-        """The one entry (the shape every core shares): `event` at `now_ms`, the effects to
-        perform. Each event is the method of the same meaning below, given `now_ms`."""
+        """The one entry (the shape every core shares, `kvfabric.core.step`): `event` at `now_ms`,
+        the effects to perform. Each event is the method of the same meaning below, given
+        `now_ms`. Time going backwards is refused first, before any method changes anything."""
+        not_before(self._now_ms, now_ms)
         if isinstance(event, Tick):
             return self.tick(now_ms)
         if isinstance(event, MembersSeen):
@@ -480,7 +479,6 @@ class ShardLeadership:
             return self.on_renew_unanswered(event.shard, now_ms)
         if isinstance(event, RenewFailed):
             return self.on_renew_failed(event.shard, now_ms)
-        invariant(now_ms >= self._now_ms, "time went backwards", now_ms=now_ms, last_ms=self._now_ms)
         return self.on_released(event.shard)  # Released: no time-dependent decision
 
     def tick(self, now_ms: int) -> list[Effect]:
@@ -707,9 +705,11 @@ class ShardLeadership:
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
 
-    def check_invariants(self, now_ms: int) -> None:
-        """O(shards x members): for tests and debugging."""
+    def check_invariants(self, now_ms: int | None = None) -> None:
+        """O(shards x members): for tests and debugging. `now_ms`: checked as of then (not before
+        the latest event); without it, as of the latest event (the `Core` protocol's check)."""
         cfg = self.config
+        now_ms = self._now_ms if now_ms is None else now_ms
         invariant(now_ms >= self._now_ms, "checked at a time before the latest event", now_ms=now_ms)
         invariant(len(self._shards) == cfg.shards, "shard table resized")
         expected_desired = frozenset() if self._leaving else self._compute_desired()

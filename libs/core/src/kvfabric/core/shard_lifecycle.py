@@ -50,7 +50,7 @@ False for every shard, no StartShard is emitted, and StopInstance is emitted onc
 reason). `may_act(shard, epoch, now_ms)` = not LOST and `ShardLeadership.epoch(shard, now_ms)`
 is `epoch`: the term is ours and its deadline is ahead.
 
-## Invariants (`check_invariants(now_ms)`, after every step in tests)
+## Invariants (`check_invariants(now_ms)`, after every step in tests; without a time: as of the latest)
 1. At most one start in flight or waiting per shard (one state per shard); STARTING and BACKOFF
    have 1 <= attempt <= attempts_max; BACKOFF's retry_at = failed_at + retry_ms x attempt.
 2. SERVING and STARTING shards carry an epoch > 0 (the one their StartShard named).
@@ -72,6 +72,7 @@ from dataclasses import dataclass
 from typing import Final, Literal, TypeAlias
 
 from kvfabric.core.leadership import REASON_HANDOVER, REASON_LEAVING, ShardLeadership
+from kvfabric.core.step import not_before
 from kvfabric.format.invariant import invariant
 
 __all__ = [
@@ -277,8 +278,8 @@ class ShardLifecycle:
     # ---- the one entry -----------------------------------------------------------------------
 
     def step(self, event: Event, now_ms: int) -> list[LifecycleEffect]:
-        invariant(now_ms >= self._now_ms, "time went backwards", now_ms=now_ms, last_ms=self._now_ms)
-        self._now_ms = now_ms
+        """The one entry (`kvfabric.core.step`): time going backwards is refused first."""
+        self._now_ms = not_before(self._now_ms, now_ms)
         if isinstance(event, Led | RestartAsked):
             self._count("led_total" if isinstance(event, Led) else "restarts_asked_total")
             return self._want_start(event.shard)
@@ -369,9 +370,11 @@ class ShardLifecycle:
             self.counters["starts_after_lost_total"] += 1
         self.counters[name] += 1
 
-    def check_invariants(self, now_ms: int) -> None:
-        """O(shards): for tests and debugging."""
+    def check_invariants(self, now_ms: int | None = None) -> None:
+        """O(shards): for tests and debugging. `now_ms`: checked as of then (not before the latest
+        event); without it, as of the latest event (the `Core` protocol's check)."""
         cfg = self.config
+        now_ms = self._now_ms if now_ms is None else now_ms
         invariant(now_ms >= self._now_ms, "checked at a time before the latest event", now_ms=now_ms)
         invariant(len(self._shards) == self.leadership.config.shards, "shard table resized")
         by_state: dict[str, int] = {}

@@ -2,7 +2,9 @@
 
 It routes each request to the table that owns its verb (`handle`), runs the tables' timers in
 order (`tick`), wires the one cascade that crosses every table (a segment incarnation lost), and
-checks what no single table can: the conservation sums across them (`check_invariants`).
+checks what no single table can: the conservation sums across them (`check_invariants`). It has
+the one entry every core shares, `step(event, now_ms) -> effects` (`kvfabric.core.step`): its
+events, each one of the methods below, are in `kvfabric.core.directory.events`.
 
 ## Tables (one module each; states and invariants in their docstrings)
 | table | owns | verbs |
@@ -41,7 +43,9 @@ from typing import Any
 
 import msgspec
 
+from kvfabric.core.directory import events
 from kvfabric.core.directory.base import Context, DirectoryConfig, Effect, Outcome
+from kvfabric.core.directory.events import DirectoryCoreEvent, DirectoryOutput
 from kvfabric.core.directory.frees import FreeTable, PendingFree, SlotKey, batch_frees
 from kvfabric.core.directory.leases import Lease, LeaseTable
 from kvfabric.core.directory.published import PublishedTable
@@ -54,6 +58,7 @@ from kvfabric.core.directory.segments import Segment, SegmentTable
 from kvfabric.core.directory.writes import BuildingGroup, WriteTable
 from kvfabric.core.eviction_admission import AdmissionGate, AdmissionView
 from kvfabric.core.quotas import Quotas, Tenant, TenantUsage, tenant_of
+from kvfabric.core.step import not_before
 from kvfabric.format.errors import BadRequest, KvfError
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
@@ -67,6 +72,7 @@ class DirectoryCore:
     def __init__(self, config: DirectoryConfig, epoch: int = 1, shard: int = 0) -> None:
         invariant(epoch >= 1, "epoch starts at 1")
         self._ctx = Context(config, epoch, shard)
+        self._step_ms = 0  # the latest time given to `step` (the methods keep no time of their own)
         self.segment_table = SegmentTable(self._ctx, self._segment_lost)
         self.free_table = FreeTable(self._ctx, self.segment_table)
         self.published_table = PublishedTable(self._ctx, self.segment_table, self.free_table)
@@ -117,6 +123,12 @@ class DirectoryCore:
         }
 
     # ---- requests and time ---------------------------------------------------------------
+
+    def step(self, event: DirectoryCoreEvent, now_ms: int) -> list[DirectoryOutput]:
+        """The one entry (`kvfabric.core.step`): `event` at `now_ms` as the method of the same
+        meaning (`kvfabric.core.directory.events`). Time going backwards is refused first."""
+        self._step_ms = not_before(self._step_ms, now_ms)
+        return events.dispatch(self, event, now_ms)
 
     def handle(
         self,
