@@ -12,7 +12,9 @@ Three tasks around one synchronous core (each core call is atomic on the event l
   order, each once.
 - **segments**: every `segments_refresh_ms`, `list_segments` of every directory shard, merged,
   re-reads capacities (and drops the pools of segments the directory no longer reports up).
-- **ticker**: every `tick_ms`, `core.tick` returns victim batches (tails before heads); each
+- **ticker**: every `tick_ms`, the core's `Tick` (stepped through its `CoreDriver`,
+  `kvfabric.runtime.core_driver`, on the wall clock, never backwards) returns victim batches
+  (tails before heads), which the driver has performed in order (`_perform`); each
   goes to the directory as one `evict` request per run of consecutive groups of one shard (the
   directory is sharded: requests go through a `DirectoryRouter`, created in `start`), in the
   batch's order (so tails go before their heads, across shards too). Per group the directory answers
@@ -40,6 +42,17 @@ Three tasks around one synchronous core (each core call is atomic on the event l
   published on `kvf.v1.eviction.admission_filter`; every directory instance applies the latest
   while fresh at `put_begin` and never waits for it (`kvfabric.core.eviction_admission`).
 
+Time: every time the core is given comes from the driver (`self._driver.now_ms()`: the wall
+clock, never earlier than a time already given), so the core's "time never goes backwards"
+holds across the follower and the ticker. Only the ticker goes through `feed`; the other call
+sites call the core's methods directly, for these reasons: the follower's `apply` is the hot
+path (every directory event, up to `ACCESS_PER_EVENT_MAX` accesses each) and synchronous (one
+event atomic on the event loop; tests call it with their own times), so a `feed` (an await and
+the driver's lock per event) would add latency for no change in meaning; and what a victim
+batch's answers do to the core (`refused`, `removed`, a demoted group's re-insert) happens while
+the driver performs that Tick's effects, which must never feed the same driver (it would wait
+for itself: `kvfabric.runtime.core_driver`).
+
 The policy's state is rebuilt from the stream at every start, so the stream's retention
 (`KVF_DIRECTORY_EVENTS_MAX_AGE_S`) must outlast the objects (see docs/eviction-policy.md).
 """
@@ -60,6 +73,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.core.eviction import EvictBatch, EvictionCore
 from kvfabric.core.eviction_admission import build_filter
+from kvfabric.core.eviction_events import EvictionEvent, EvictionOutput, Tick
 from kvfabric.eviction_policy.tiers import (
     DEMOTE_REQUEST_OBJECTS_MAX,
     demote_or_drop,
@@ -89,6 +103,7 @@ from kvfabric.proto.codec import encode
 from kvfabric.proto.segment import DemoteObject, DemoteReply, DemoteRequest, segment_decoder, tier_of_slot
 from kvfabric.proto.subjects import Service, endpoint_subject, events_wildcard, segment_subject
 from kvfabric.runtime import request as nats_request
+from kvfabric.runtime.core_driver import CoreDriver
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
@@ -124,6 +139,10 @@ class EvictionShell:
         admission_publish_ms: int = 0,
     ) -> None:
         self.core = core
+        # The core's time is the wall clock, as before (read through this module's `now_ms`).
+        self._driver: CoreDriver[EvictionEvent, EvictionOutput] = CoreDriver(
+            core, self._perform, clock=lambda: now_ms()
+        )
         self.admission_publish_ms = admission_publish_ms  # 0: no admission filter published
         self.admission_published = 0
         self.admission_filter_bytes = 0  # the last one's encoded size
@@ -171,6 +190,7 @@ class EvictionShell:
             self._tasks.append(asyncio.create_task(self._publish_admission()))
 
     async def stop(self) -> None:
+        await self._driver.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -316,7 +336,7 @@ class EvictionShell:
         except BadRequest as exc:
             self._log.warning("event_undecodable", seq=seq, error=exc.message)
             return
-        self.apply(event, now_ms())
+        self.apply(event, self._driver.now_ms())
 
     # ---- segments ----------------------------------------------------------------------------
 
@@ -335,11 +355,12 @@ class EvictionShell:
 
     async def _ticker(self) -> None:
         await self.caught_up.wait()  # never judge pressure on a half-replayed history
-        while True:
-            for effect in self.core.tick(now_ms()):
-                if isinstance(effect, EvictBatch):
-                    await self._evict(effect)
-            await asyncio.sleep(self.tick_ms / 1000)
+        self._driver.start_ticker(Tick(), self.tick_ms)
+
+    async def _perform(self, effect: EvictionOutput) -> None:
+        """One effect of the core's `Tick`, in order (the driver performs them)."""
+        if isinstance(effect, EvictBatch):
+            await self._evict(effect)
 
     async def _evict(self, batch: EvictBatch) -> None:
         chains = [v for v in batch.victims if isinstance(v, bytes)]
@@ -422,7 +443,7 @@ class EvictionShell:
         if not isinstance(reply, m.EvictReply):
             self._refused(chains)
             return
-        at = now_ms()
+        at = self._driver.now_ms()
         for chain, result in zip(chains, reply.results, strict=True):
             statuses[result.status] = statuses.get(result.status, 0) + 1
             if not self.core.is_evicting(chain):
@@ -448,7 +469,7 @@ class EvictionShell:
             nc = self._nc
             assert nc is not None
             try:
-                await nc.publish(subject, self.admission_filter(now_ms()))
+                await nc.publish(subject, self.admission_filter(self._driver.now_ms()))
                 self.admission_published += 1
             except nats.errors.Error as exc:  # the directory's filter goes stale: it admits
                 self._log.info("admission_publish_failed", error=type(exc).__name__)
@@ -478,7 +499,7 @@ class EvictionShell:
                 self._demote_outcome(chain, f"error_{exc.code}", handled)
                 continue
             if not objects:  # its arena replicas there are gone already (an earlier demotion)
-                self._moved(chain, segment_id, now_ms())
+                self._moved(chain, segment_id, self._driver.now_ms())
                 self._demote_outcome(chain, "demoted", handled)
                 continue
             if not demote_request_fits(len(pending), objects_n, bytes_n, len(objects), nbytes):
@@ -533,7 +554,7 @@ class EvictionShell:
             return False
         except KvfError as exc:
             outcomes = [f"error_{exc.code}"] * len(pending)
-        at = now_ms()
+        at = self._driver.now_ms()
         for (chain, _), outcome in zip(pending, outcomes, strict=True):
             if outcome == "no_capacity":
                 self.demotions[outcome] = self.demotions.get(outcome, 0) + 1
@@ -550,7 +571,7 @@ class EvictionShell:
         self.demotions[outcome] = self.demotions.get(outcome, 0) + 1
         handled.add(chain)
         if outcome != "demoted" and self.core.is_evicting(chain):
-            self.core.refused(chain, now_ms())  # leased (copied) or failed: later again
+            self.core.refused(chain, self._driver.now_ms())  # leased (copied) or failed: later again
 
     async def _demote_request(self, segment_id: str, groups: list[list[DemoteObject]]) -> list[str]:
         """The groups' objects to `demote.<segment_id>` in one request (in parts of
@@ -607,7 +628,7 @@ class EvictionShell:
     def _refused(self, chains: list[bytes]) -> None:
         """No answer: indeterminate, so cooled down and retried later (an eviction that did
         happen arrives as an `evicted` event)."""
-        at = now_ms()
+        at = self._driver.now_ms()
         for chain in chains:
             if self.core.is_evicting(chain):
                 self.core.refused(chain, at)
