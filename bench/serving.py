@@ -217,8 +217,8 @@ def vllm_pair(
     nats_url: str | None,
     segments: Sequence[str] = ("seg-1", "seg-2"),
 ) -> Iterator[list[EngineProc]]:
-    """Two vLLM OpenAI servers (CPU 0 and 1), started together; stopped (their sessions: SIGTERM, then SIGKILL) after.
-    Engine n's connector reads `segments[n - 1]` as its co-located segment."""
+    """Two vLLM OpenAI servers (CPU 0 and 1), started together; stopped after (their sessions:
+    SIGTERM, then SIGKILL). Engine n's connector reads `segments[n - 1]` as its co-located segment."""
     engines: list[EngineProc] = []
     # vLLM's ZMQ socket files: it leaves them behind; a short path (a socket's is at most 107 bytes).
     rpc_dir = tempfile.mkdtemp(prefix="kvf-vllm-rpc-")
