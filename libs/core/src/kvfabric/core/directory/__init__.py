@@ -1,8 +1,10 @@
 """The directory core: object lifecycle, two-phase publish, read leases, pins, placement.
 
 Synchronous and I/O-free. The service shell decodes a request, calls `handle(request, now_ms)`
-(and `tick(now_ms)` periodically), performs the returned effects and sends the reply. Time is
-passed in; nothing here reads a clock, sleeps or does I/O.
+(and `tick(now_ms)` periodically), performs the returned effects and sends the reply. The same
+entries as events: `DirectoryCore.step(event, now_ms)` (the shape every core shares,
+`kvfabric.core.step`; the events in `events`). Time is passed in; nothing here reads a clock,
+sleeps or does I/O.
 
 `DirectoryCore` (`dispatch`) routes each verb to one of the protocol tables, a module each with
 its states, invariants and `check_invariants`: `segments`, `writes` (two-phase put), `published`
