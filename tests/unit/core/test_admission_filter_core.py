@@ -24,6 +24,7 @@ from kvfabric.format.errors import BadRequest
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.eviction import (
+    ADMISSION_FILTER_DOMAINS_MAX,
     ADMISSION_FILTER_POOLS_MAX,
     ADMISSION_LENGTH_CLASSES,
     ADMISSION_UNLIMITED,
@@ -331,3 +332,44 @@ def test_a_tenant_below_its_guaranteed_share_is_admitted_while_a_scanner_is_refu
     assert A[:16] != OTHER_DOMAIN
     assert core.counters["admission_admitted_guaranteed_total"] == 2
     core.check_invariants()
+
+
+def test_a_later_rank_of_a_building_group_is_admitted_by_a_newer_filter() -> None:
+    """Admission is decided per chunk group, by its first member: rank 0 placed before a filter
+    arrived, rank 1 after it (the filter refuses every class) is placed too, so the group can
+    publish instead of holding rank 0's reservation until its write deadline."""
+    core = new_core(admission_stale_ms=1_000)
+    register(core, "s1", capacity=100_000)
+    (g,) = groups(1, seed=11, tp_size=2)
+    first = core.handle(
+        m.PutBegin(writer_id="w", request_id="r0", objects=[spec(key(g, rank=0), 100)]), 5
+    ).reply
+    assert isinstance(first, m.PutBeginReply) and first.results[0].status == "placed"
+    core.set_admission_filter(view({"s1": [0] * ADMISSION_LENGTH_CLASSES}, at=6), 6)
+    second = core.handle(
+        m.PutBegin(writer_id="w", request_id="r1", objects=[spec(key(g, rank=1), 100)]), 7
+    ).reply
+    assert isinstance(second, m.PutBeginReply)
+    assert second.results[0].status == "placed"
+    (other,) = groups(1, seed=12, tp_size=2)  # a new group is still judged by the filter
+    third = core.handle(
+        m.PutBegin(writer_id="w", request_id="r2", objects=[spec(key(other, rank=0), 100)]), 8
+    ).reply
+    assert isinstance(third, m.PutBeginReply) and third.results[0].status == "not_admitted"
+    core.check_invariants()
+
+
+def test_more_protected_domains_than_a_filter_names_lists_no_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A domain left out of the filter would lose its guarantee: past the bound the filter lists
+    no pool (everything admitted) and no domain."""
+    core, now = trained_core(1, capacity=200)
+    # A frontier that bites (trained cores keep a leaf of density 0, so their limits never do).
+    monkeypatch.setattr(core, "_density_frontier", lambda _now_ms: 1e9)
+    assert build_filter(core, {"seg": 200}, now, events_seq=0).pools  # listed within the bound
+    for i in range(ADMISSION_FILTER_DOMAINS_MAX):  # with b"p" * 16: one over the bound
+        core.quotas[i.to_bytes(16, "big")] = TenantQuota(guaranteed_bytes=10**9)
+    message = build_filter(core, {"seg": 200}, now, events_seq=0)
+    assert message.pools == [] and message.protected_domains == []
+    del core.quotas[(0).to_bytes(16, "big")]  # back at the bound: pools and every domain listed
+    message = build_filter(core, {"seg": 200}, now, events_seq=0)
+    assert message.pools and len(message.protected_domains) == ADMISSION_FILTER_DOMAINS_MAX

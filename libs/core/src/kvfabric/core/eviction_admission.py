@@ -155,7 +155,8 @@ def build_filter(
     """The filter of `core` (policy `density`) now: its pools (of `capacities`, segment id ->
     bytes) at or past the low watermark with the per-class group byte limits, and the protected
     domains (module docstring). Bounded: the first `ADMISSION_FILTER_POOLS_MAX` pressed pools and
-    `ADMISSION_FILTER_DOMAINS_MAX` protected domains by sorted id (the rest: admitted)."""
+    `ADMISSION_FILTER_DOMAINS_MAX` protected domains (more than that protected: no pool listed,
+    everything admitted: a domain left out would lose its guarantee; pools past the bound: admitted)."""
     invariant(core.config.policy == "density", "admission filters are built for the density policy")
     density = core._density  # the core's own predictor and frontier: this module mirrors `_admit`
     assert density is not None
@@ -176,8 +177,10 @@ def build_filter(
         quota = core.quotas[tenant]
         if quota.guaranteed_bytes and core.tenant_bytes(tenant) < quota.guaranteed_bytes:
             protected.append(tenant)
-            if len(protected) == ADMISSION_FILTER_DOMAINS_MAX:
-                break
+    if len(protected) > ADMISSION_FILTER_DOMAINS_MAX:
+        # More protected domains than a filter can name: one left out would lose its guarantee,
+        # so the filter lists no pool (admits everything) until the count is back under the bound.
+        pools, protected = [], []
     recent = itertools.islice(reversed(density._ghost), ADMISSION_BLOOM_IDS_MAX) if pools else ()
     return AdmissionFilter(
         generated_ms=now_ms,

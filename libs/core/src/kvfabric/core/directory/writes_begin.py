@@ -163,12 +163,16 @@ class WriteBegin(WriteState):
             return m.BeginResult(key=spec.key, status="no_capacity")
         tenant = tenant_of(spec.key)
         # The eviction policy's filter, while fresh: refused = nothing reserved, nothing charged.
-        group_bytes = spec.size_bytes * info.group.expected_members * len(chosen)
-        admitted, _ = self.ctx.admission.decide(
-            [c.segment_id for c in chosen], gid, info.group.chunk_index, group_bytes, now_ms
-        )
-        if not admitted:
-            return m.BeginResult(key=spec.key, status="not_admitted")
+        # Decided once per chunk group, by its first member: a later member (another TP rank) of
+        # a group already building is admitted, so a newer filter cannot strand the placed ranks
+        # of a group that could then never publish.
+        if group is None:
+            group_bytes = spec.size_bytes * info.group.expected_members * len(chosen)
+            admitted, _ = self.ctx.admission.decide(
+                [c.segment_id for c in chosen], gid, info.group.chunk_index, group_bytes, now_ms
+            )
+            if not admitted:
+                return m.BeginResult(key=spec.key, status="not_admitted")
         if not self.ctx.quotas.admits(tenant, spec.size_bytes * len(chosen), 1):
             self.ctx.count("quota_exceeded_objects_total")
             return m.BeginResult(key=spec.key, status="quota_exceeded")
