@@ -6,8 +6,9 @@ comes back. What `step` promises, for every core that has it (`Core`):
 
 - Time is passed in, never read: `now_ms` is the shell's clock in integer milliseconds (each
   shell says which clock: `kvfabric.format.clock`). It never goes backwards: a `step` with an
-  earlier `now_ms` than the core was already given (through `step` or a method taking `now_ms`)
-  is a shell bug and raises `InvariantViolation` before anything changes.
+  earlier `now_ms` than a `step` before it is a shell bug and raises `InvariantViolation` before
+  anything changes. (Times given through the methods directly are checked where the method
+  checks them; some cores, e.g. `SlotTable` and `DirectoryCore`, remember only `step`'s.)
 - Effects come back in the order the shell must perform them (a list; empty when there is
   nothing to do). The core has already moved to its next state: the results of what the shell
   performs come back later as events of their own.
