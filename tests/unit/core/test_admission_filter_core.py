@@ -304,11 +304,13 @@ def test_the_filter_refuses_a_first_named_chunk_exactly_when_the_core_would(
         assert filter_admits == core_admits
 
 
-def test_the_filters_bloom_holds_the_groups_the_policy_named() -> None:
+def test_the_filters_bloom_holds_the_groups_the_policy_named(monkeypatch: pytest.MonkeyPatch) -> None:
     core, now = trained_core(5, capacity=200)
+    # A frontier that bites (trained cores keep a leaf of density 0, so their limits never do).
+    monkeypatch.setattr(core, "_density_frontier", lambda _now_ms: 1e9)
     message = build_filter(core, {"seg": 200}, now, events_seq=0)
-    if message.pools:
-        assert all(bloom_has(message.seen_bloom, message.seen_bloom_hashes, repr(i).encode()) for i in (0, 1))
+    assert message.pools  # the bloom is built only while a pool is listed
+    assert all(bloom_has(message.seen_bloom, message.seen_bloom_hashes, repr(i).encode()) for i in (0, 1))
     assert message.protected_domains == [b"p" * 16]  # below its guaranteed share: always admitted
 
 
