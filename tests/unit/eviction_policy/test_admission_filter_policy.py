@@ -25,7 +25,7 @@ def test_admission_is_off_by_default_and_predicted_needs_density() -> None:
         load_eviction_settings({"KVF_EVICTION_POLICY": "density", "KVF_EVICTION_ADMISSION": "second_hit"})
 
 
-def test_the_published_filter_decodes_and_lists_pressed_pools_only() -> None:
+def test_the_published_filter_decodes_and_lists_pressed_pools_only(monkeypatch: pytest.MonkeyPatch) -> None:
     core = EvictionCore(
         EvictionConfig(policy="density", high_watermark=0.9, low_watermark=0.5, density_recompute_every=4),
         {b"B" * 16: TenantQuota(guaranteed_bytes=100)},
@@ -47,11 +47,13 @@ def test_the_published_filter_decodes_and_lists_pressed_pools_only() -> None:
             1_000 * i,
         )
     shell.last_seq = 12
+    # A frontier that bites (this history leaves a leaf of density 0: no limit would bite).
+    monkeypatch.setattr(core, "_density_frontier", lambda _now_ms: 1e9)
     message = e.eviction_decoder.decode(shell.admission_filter(20_000))
     assert isinstance(message, e.AdmissionFilter)
     assert message.policy == "density" and message.events_seq == 12 and message.generated_ms == 20_000
     # s1 holds 72 of 100 bytes (past 50 %), s2 72 of 10 000: only s1 can refuse.
-    assert [p.segment_id for p in message.pools] in ([], ["s1"])
+    assert [p.segment_id for p in message.pools] == ["s1"]
     for pool in message.pools:
         assert len(pool.group_bytes_max) == e.ADMISSION_LENGTH_CLASSES
     assert message.protected_domains == [b"B" * 16]
