@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kvfabric.core.eviction import EvictionConfig, EvictionCore, TenantQuota
+from kvfabric.core.eviction_admission import ADMISSION_BLOOM_IDS_MAX, bloom_has
 from kvfabric.eviction_policy.handlers import EvictionShell
 from kvfabric.eviction_policy.settings import load_eviction_settings
 from kvfabric.proto import directory as m
@@ -25,7 +28,8 @@ def test_admission_is_off_by_default_and_predicted_needs_density() -> None:
         load_eviction_settings({"KVF_EVICTION_POLICY": "density", "KVF_EVICTION_ADMISSION": "second_hit"})
 
 
-def test_the_published_filter_decodes_and_lists_pressed_pools_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def pressed_shell(monkeypatch: pytest.MonkeyPatch) -> tuple[EvictionCore, EvictionShell]:
+    """A density core whose pool s1 is pressed (s2 has room), with a frontier that bites."""
     core = EvictionCore(
         EvictionConfig(policy="density", high_watermark=0.9, low_watermark=0.5, density_recompute_every=4),
         {b"B" * 16: TenantQuota(guaranteed_bytes=100)},
@@ -49,7 +53,14 @@ def test_the_published_filter_decodes_and_lists_pressed_pools_only(monkeypatch: 
     shell.last_seq = 12
     # A frontier that bites (this history leaves a leaf of density 0: no limit would bite).
     monkeypatch.setattr(core, "_density_frontier", lambda _now_ms: 1e9)
-    message = e.eviction_decoder.decode(shell.admission_filter(20_000))
+    return core, shell
+
+
+async def test_the_published_filter_decodes_and_lists_pressed_pools_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _core, shell = pressed_shell(monkeypatch)
+    message = e.eviction_decoder.decode(await shell.admission_filter(20_000))
     assert isinstance(message, e.AdmissionFilter)
     assert message.policy == "density" and message.events_seq == 12 and message.generated_ms == 20_000
     # s1 holds 72 of 100 bytes (past 50 %), s2 72 of 10 000: only s1 can refuse.
@@ -59,3 +70,33 @@ def test_the_published_filter_decodes_and_lists_pressed_pools_only(monkeypatch: 
     assert message.protected_domains == [b"B" * 16]
     status = shell.status()
     assert status.counters["admission_filter_bytes"] == shell.admission_filter_bytes > 0
+
+
+async def test_the_loop_keeps_running_while_the_bloom_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bloom of the ghost's 65,536 most recent ids (100-440 ms of hashing) is built off the
+    event loop: a task on the loop gets turns meanwhile (none when it was built on the loop)."""
+    core, shell = pressed_shell(monkeypatch)
+    density = core._density
+    assert density is not None
+    for i in range(ADMISSION_BLOOM_IDS_MAX):
+        density._ghost[(1_000 + i).to_bytes(32, "little")] = ((1, 0), 0, 1)
+    turns = 0
+    building = True
+
+    async def other_work() -> None:
+        nonlocal turns
+        while building:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other_work())
+    await asyncio.sleep(0)
+    before = turns
+    data = await shell.admission_filter(20_000)
+    during = turns - before
+    building = False
+    await task
+    message = e.eviction_decoder.decode(data)
+    assert isinstance(message, e.AdmissionFilter) and message.pools
+    assert bloom_has(message.seen_bloom, message.seen_bloom_hashes, (1_000).to_bytes(32, "little"))
+    assert during > 0

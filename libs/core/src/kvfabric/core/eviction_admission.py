@@ -59,6 +59,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+import msgspec
 import xxhash
 
 from kvfabric.core.eviction_density import DENSITY_LENGTH_CLASSES, density_class
@@ -91,7 +92,9 @@ __all__ = [
     "bloom_has",
     "bloom_of",
     "build_filter",
+    "filter_parts",
     "length_class",
+    "with_bloom",
 ]
 
 ADMISSION_STALE_MS_DEFAULT: Final = 5_000  # a filter older than this (directory clock) admits all
@@ -152,7 +155,16 @@ def id_bytes(object_id: Hashable) -> bytes:
 def build_filter(
     core: EvictionCore, capacities: Mapping[str, int], now_ms: int, events_seq: int
 ) -> AdmissionFilter:
-    """The filter of `core` (policy `density`) now: its pools (of `capacities`, segment id ->
+    """The filter of `core` now, bloom included: `with_bloom(*filter_parts(...))` in one call."""
+    return with_bloom(*filter_parts(core, capacities, now_ms, events_seq))
+
+
+def filter_parts(
+    core: EvictionCore, capacities: Mapping[str, int], now_ms: int, events_seq: int
+) -> tuple[AdmissionFilter, list[Hashable]]:
+    """The filter of `core` (policy `density`) now without its bloom, and the ids the bloom must
+    hold (the ghost's most recent, copied: the core may change while the bloom is built elsewhere,
+    e.g. off the event loop, by `with_bloom`). The filter: its pools (of `capacities`, segment id ->
     bytes) at or past the low watermark with the per-class group byte limits, and the protected
     domains (module docstring). Bounded: the first `ADMISSION_FILTER_POOLS_MAX` pressed pools and
     `ADMISSION_FILTER_DOMAINS_MAX` protected domains (more than that protected: no pool listed,
@@ -181,15 +193,28 @@ def build_filter(
         # More protected domains than a filter can name: one left out would lose its guarantee,
         # so the filter lists no pool (admits everything) until the count is back under the bound.
         pools, protected = [], []
-    recent = itertools.islice(reversed(density._ghost), ADMISSION_BLOOM_IDS_MAX) if pools else ()
-    return AdmissionFilter(
+    recent = list(itertools.islice(reversed(density._ghost), ADMISSION_BLOOM_IDS_MAX)) if pools else []
+    message = AdmissionFilter(
         generated_ms=now_ms,
         events_seq=events_seq,
         policy=core.config.policy,
         pools=pools,
         protected_domains=protected,
-        seen_bloom=bloom_of(id_bytes(k) for k in recent) if pools else b"",
-        seen_bloom_hashes=ADMISSION_BLOOM_HASHES if pools else 0,
+        seen_bloom=b"",
+        seen_bloom_hashes=0,
+    )
+    return message, recent
+
+
+def with_bloom(message: AdmissionFilter, recent: list[Hashable]) -> AdmissionFilter:
+    """`message` with the bloom of `recent` (only while it lists a pool: the bloom only exempts
+    groups from a pool's limit). Pure and independent of the core: safe on another thread."""
+    if not message.pools:
+        return message
+    return msgspec.structs.replace(
+        message,
+        seen_bloom=bloom_of(id_bytes(k) for k in recent),
+        seen_bloom_hashes=ADMISSION_BLOOM_HASHES,
     )
 
 
