@@ -11,6 +11,7 @@ heartbeats; the real directory must keep the segment up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import nats
@@ -23,13 +24,17 @@ from kvfabric.testing import NatsServer
 from tests.integration.cluster import directory_call, directory_process, segment_process
 
 GHOST_EPOCH = 1 << 40  # newer than any real epoch: routers send shard 1's traffic to the ghost
-WATCH_S = 14.0  # > 10 heartbeats: a segment that missed the ghost at start finds it at its periodic refresh
+SWALLOW_WANTED = 6  # heartbeats the ghost must swallow: 6 s of it, past the 4 s heartbeat timeout
+WATCH_S_MAX = 60.0  # the segment finds the ghost at a map refresh (every 10 beats); the real
+# directory can answer the map first and alone cover both shards, so a refresh may miss the ghost
 
 
-async def ghost_instance(url: str, seconds: float, ready: threading.Event) -> int:
-    """Claims shard 1 for `seconds` (`ready` once it answers); returns the heartbeats it swallowed."""
+async def ghost_instance(url: str, seconds_max: float, ready: threading.Event) -> int:
+    """Claims shard 1 (`ready` once it answers) until it swallowed `SWALLOW_WANTED` heartbeats, at
+    most `seconds_max`; returns the heartbeats it swallowed."""
     nc = await nats.connect(url)
     swallowed = 0
+    enough = asyncio.Event()
 
     async def shard_map(msg: Msg) -> None:
         leaders = [m.ShardLeader(1, "ghost", GHOST_EPOCH)]
@@ -38,13 +43,16 @@ async def ghost_instance(url: str, seconds: float, ready: threading.Event) -> in
     async def heartbeat(msg: Msg) -> None:
         nonlocal swallowed
         swallowed += 1  # no reply: as an instance killed with the request in flight
+        if swallowed >= SWALLOW_WANTED:
+            enough.set()
 
     try:
         await nc.subscribe(endpoint_subject(Service.DIRECTORY, "shard_map"), cb=shard_map)
         await nc.subscribe(instance_subject(Service.DIRECTORY, "heartbeat", "ghost"), cb=heartbeat)
         await nc.flush()
         ready.set()
-        await asyncio.sleep(seconds)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(enough.wait(), seconds_max)
         return swallowed
     finally:
         await nc.close()
@@ -70,14 +78,14 @@ def test_a_silent_instance_does_not_hold_back_heartbeats_to_the_others(nats_serv
         swallowed: list[int] = []
         ready = threading.Event()
         ghost = threading.Thread(
-            target=lambda: swallowed.append(asyncio.run(ghost_instance(nats_server.url, WATCH_S, ready))),
+            target=lambda: swallowed.append(asyncio.run(ghost_instance(nats_server.url, WATCH_S_MAX, ready))),
             daemon=True,
         )
         ghost.start()
         assert ready.wait(30.0)  # the ghost is in the map before the segment first asks for it
         with segment_process(nats_server, "seg-hb") as segment:
-            ghost.join(WATCH_S + 10)
-            assert swallowed and swallowed[0] >= 1, "the segment never heartbeated the ghost: proves nothing"
+            ghost.join(WATCH_S_MAX + 10)
+            assert swallowed and swallowed[0] >= SWALLOW_WANTED, f"the ghost swallowed {swallowed}: proves nothing"
             assert "segment_declared_down" not in segment.output_tail(200)
             assert segment.returncode is None, segment.output_tail(20)
             assert asyncio.run(segments_up(nats_server.url)) == [("seg-hb", True)]

@@ -391,6 +391,7 @@ class GatedIo(SsdIo):
     def __init__(self) -> None:
         super().__init__(2, 64, PIECE_BYTES)
         self.gate = threading.Event()
+        self.waiting = threading.Event()  # set once a read piece waits at the gate (it is running)
         self.first_end = -1
         self.fail_at = -1
 
@@ -398,6 +399,7 @@ class GatedIo(SsdIo):
         if not write and offset == self.fail_at:
             raise OSError(5, "injected I/O error")
         if not write and self.first_end >= 0 and offset >= self.first_end:
+            self.waiting.set()
             assert self.gate.wait(10), "gate never opened"
         super()._piece(fd, view, offset, write)
 
@@ -646,6 +648,9 @@ def test_a_streamed_grant_released_early_waits_for_its_pieces(tmp_path: Path) ->
         io.first_end = _file_offset(seg, disk) + PIECE_BYTES
         grant = seg.backend.begin_get_streamed([disk], conn=3)
         assert grant.statuses == ["ok"] and grant.filling is not None
+        # a piece must be running when the connection closes (on a loaded machine the I/O threads
+        # may not have started one yet: then every piece is cancelled and nothing is waited for)
+        assert io.waiting.wait(10), "no read piece ever reached the gate"
         threading.Timer(0.2, io.gate.set).start()
         seg.backend.close_connection(3)
         assert io.gate.is_set()  # it waited for the running pieces
