@@ -1,11 +1,14 @@
 """The eviction-policy shell: directory events → `EvictionCore` → evict requests → core.
 
-Three tasks around one synchronous core (each core call is atomic on the event loop):
+Three tasks (four with admission) around one synchronous core (each core call is atomic on the
+event loop):
 
 - **follower**: reads the directory's JetStream event stream from its first message with an
   ephemeral pull consumer (no acks; batches of `EVENTS_FETCH_MAX`, so memory stays bounded and a
-  slow policy just lags). `published` → `core.insert` (object = chunk group, pools = the
-  segments holding its bytes, tenant = its share domain, parent = the previous chunk);
+  slow policy just lags). Each event goes through `apply` (`GroupRecords`, `group_records.py`:
+  the per-group records kept beside the core). `published` → `core.insert` (object = chunk
+  group, pools = the segments holding its bytes, tenant = its share domain, parent = the
+  previous chunk);
   `accessed` → `core.seen` + `core.access`; `evicted`/`invalidated` → `core.removed`;
   `segment_down` → `core.drop_pool`; `segment_up` → the pool's capacity. When the consumer is
   lost (NATS restart) it is recreated after the last sequence applied: events are applied in
@@ -74,6 +77,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from kvfabric.core.eviction import EvictBatch, EvictionCore
 from kvfabric.core.eviction_admission import filter_parts, with_bloom
 from kvfabric.core.eviction_events import EvictionEvent, EvictionOutput, Tick
+from kvfabric.eviction_policy.group_records import GroupRecords, group_id_of
 from kvfabric.eviction_policy.tiers import (
     DEMOTE_REQUEST_OBJECTS_MAX,
     demote_or_drop,
@@ -82,20 +86,10 @@ from kvfabric.eviction_policy.tiers import (
     is_ssd_pool,
     ssd_pool,
     ssd_pool_capacity,
-    tiered_pools,
 )
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, Conflict, KvfError, Unavailable
-from kvfabric.format.ids import (
-    NAMESPACE_BYTES,
-    ChainHash,
-    DomainDigest,
-    GroupId,
-    Namespace,
-    domain_in_id,
-    pack_group_id,
-    pack_group_key,
-)
+from kvfabric.format.ids import DomainDigest
 from kvfabric.format.key import ChunkGroupId, KVKey
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
@@ -113,17 +107,12 @@ __all__ = ["EVENTS_STREAM", "EvictionShell", "group_id_of", "now_ms"]
 EVENTS_STREAM: Final = "KVF_DIRECTORY_EVENTS"  # owned by the directory
 EVENTS_FETCH_MAX: Final = 512  # events per fetch: the follower's memory bound
 EVENTS_FETCH_WAIT_S: Final = 1.0
-ACCESS_PER_EVENT_MAX: Final = 16  # hits of one group in one event counted at most this often
 RETRY_S: Final = 0.5
 
 
-def group_id_of(namespace: bytes, chunk_index: int, chain_hash: bytes) -> GroupId:
-    """The 90-byte chunk group id the directory's `evict` takes, from a published event."""
-    return pack_group_id(Namespace(namespace), chunk_index, ChainHash(chain_hash))
-
-
-class EvictionShell:
-    """Owns the core and the follower, segments and ticker tasks of one policy instance."""
+class EvictionShell(GroupRecords):
+    """Owns the core and the follower, segments and ticker tasks of one policy instance; its
+    per-group records and `apply` are `GroupRecords` (`group_records.py`)."""
 
     def __init__(
         self,
@@ -196,101 +185,6 @@ class EvictionShell:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # ---- events ------------------------------------------------------------------------------
-
-    def apply(self, event: msgspec.Struct, at_ms: int) -> None:
-        """One directory event into the core (pure bookkeeping; public for tests)."""
-        core = self.core
-        # A group is (share domain, chain hash): two domains may hold the same chain hash (one
-        # of them forged it), and the directory keeps them apart, so the policy must too.
-        if isinstance(event, m.GroupPublished):
-            if not event.placements or len(event.namespace) != NAMESPACE_BYTES:
-                return  # from a directory too old to say where the bytes are: not ours to evict
-            domain = domain_in_id(Namespace(event.namespace))
-            key = pack_group_key(domain, ChainHash(event.group))
-            # a parent of the same domain
-            parent = pack_group_key(domain, ChainHash(event.parent)) if event.parent else None
-            pools = tiered_pools(
-                {p.segment_id: p.bytes for p in event.placements},
-                {p.segment_id: p.bytes for p in event.disk_placements},
-            )
-            if key in core:  # published again: its bytes changed tier (a demotion, an adoption)
-                self._republished(key, pools, at_ms)
-                self.events_applied += 1
-                return
-            core.insert(
-                key,
-                tenant=domain,
-                pools=pools,
-                parent=parent,
-                chunk_index=event.chunk_index,
-                now_ms=at_ms,
-            )
-            if key in core:
-                self._group_ids[key] = group_id_of(event.namespace, event.chunk_index, event.group)
-                self._held[key] = (domain, event.chunk_index, pools)
-                self._disk_pools.update(p for p in pools if is_ssd_pool(p))
-                if parent is not None:
-                    self._parent[key] = parent
-                    self._children.setdefault(parent, set()).add(key)
-        elif isinstance(event, m.GroupsAccessed):
-            for hit in event.groups:
-                key = pack_group_key(DomainDigest(hit.domain), ChainHash(hit.group))
-                if key in self._held:
-                    self._hits[key] = self._hits.get(key, 0) + hit.hits
-                for _ in range(min(hit.hits, ACCESS_PER_EVENT_MAX)):
-                    core.seen(key)
-                    core.access(key, at_ms)
-        elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
-            self._forget(pack_group_key(DomainDigest(event.domain), ChainHash(event.group)))
-        elif isinstance(event, m.SegmentDown):
-            for pool in (event.segment_id, ssd_pool(event.segment_id)):
-                for gid in core.drop_pool(pool):
-                    if isinstance(gid, bytes):
-                        self._group_ids.pop(gid, None)
-                        self._held.pop(gid, None)
-                        self._hits.pop(gid, None)
-                self._capacity.pop(pool, None)
-            self._disk_pools.discard(ssd_pool(event.segment_id))
-            self._no_disk.discard(event.segment_id)
-        elif isinstance(event, m.SegmentUp) and event.capacity_bytes:
-            self._set_capacity(event.segment_id, event.capacity_bytes)
-        self.events_applied += 1
-
-    def _republished(self, key: bytes, pools: dict[str, int], at_ms: int) -> None:
-        """A known group with new pools moves there (no access: a republish is not a read). One
-        being demoted right now is left to the demotion's own move."""
-        held = self._held.get(key)
-        if held is None or held[2] == pools or not pools or self.core.is_evicting(key):
-            return
-        tenant, chunk_index, _ = held
-        self.core.removed(key)
-        self.core.insert(key, tenant=tenant, pools=pools, parent=None, chunk_index=chunk_index, now_ms=at_ms)
-        if key in self.core:
-            self._held[key] = (tenant, chunk_index, pools)
-            self._disk_pools.update(p for p in pools if is_ssd_pool(p))
-        else:  # refused by admission: gone from the policy
-            self._group_ids.pop(key, None)
-            self._held.pop(key, None)
-
-    def _forget(self, gid: bytes) -> None:
-        if gid in self.core:
-            self.core.removed(gid)
-        self._group_ids.pop(gid, None)
-        self._held.pop(gid, None)
-        self._hits.pop(gid, None)
-        self._children.pop(gid, None)
-        parent = self._parent.pop(gid, None)
-        if parent is not None:
-            siblings = self._children.get(parent)
-            if siblings is not None:
-                siblings.discard(gid)
-                if not siblings:
-                    del self._children[parent]
-
-    def _set_capacity(self, segment_id: str, capacity_bytes: int) -> None:
-        if self._capacity.get(segment_id) != capacity_bytes:
-            self._capacity[segment_id] = capacity_bytes
-            self.core.set_capacity(segment_id, capacity_bytes)
 
     async def _follow(self) -> None:
         assert self._nc is not None
@@ -391,27 +285,6 @@ class EvictionShell:
         for shard, shard_chains in by_shard:
             await self._evict_shard(shard, shard_chains, batch.reason, statuses)
         self._log.info("evicted", reason=batch.reason, pool=str(batch.pool), **statuses)
-
-    def _with_disk_tails(self, chains: list[bytes]) -> list[bytes]:
-        """The groups to drop, each preceded by its resident descendants: only tails moved to a
-        disk pool can be there (the core picks leaves), and without their head no lookup finds
-        them again, so they go first (tails before heads, as the core orders a batch)."""
-        out: list[bytes] = []
-        seen = set(chains)
-        for chain in chains:
-            tails: list[bytes] = []
-            frontier = [chain]
-            while frontier:
-                for child in sorted(self._children.get(frontier.pop(), ())):
-                    if child not in seen and child in self.core and child in self._group_ids:
-                        seen.add(child)
-                        tails.append(child)
-                        frontier.append(child)
-            if tails:
-                self.demotions["tails_dropped"] = self.demotions.get("tails_dropped", 0) + len(tails)
-            out += reversed(tails)  # the deepest first
-            out.append(chain)
-        return out
 
     async def _by_shard(self, chains: list[bytes]) -> list[tuple[int, list[bytes]]]:
         """The victims (group keys) as consecutive runs of one shard each, in the batch's order:
@@ -614,21 +487,6 @@ class EvictionShell:
             at += len(objects)
         return outcomes
 
-    def _moved(self, chain: bytes, segment_id: str, at_ms: int) -> None:
-        """The group's bytes on `segment_id` are in its disk tier now: the same group, another pool."""
-        held = self._held.get(chain)
-        if held is None or chain not in self.core:
-            return
-        tenant, chunk_index, pools = held
-        moved = pools.pop(segment_id, 0)
-        if moved:
-            pools[ssd_pool(segment_id)] = pools.get(ssd_pool(segment_id), 0) + moved
-            self._disk_pools.add(ssd_pool(segment_id))
-        self.core.removed(chain)
-        self.core.insert(
-            chain, tenant=tenant, pools=pools, parent=None, chunk_index=chunk_index, now_ms=at_ms
-        )
-
     def _refused(self, chains: list[bytes]) -> None:
         """No answer: indeterminate, so cooled down and retried later (an eviction that did
         happen arrives as an `evicted` event)."""
@@ -666,7 +524,7 @@ class EvictionShell:
             quota = core.quotas.get(tenant)
             tenants.append(
                 e.TenantUsage(
-                    domain_digest=tenant,
+                    domain_digest=DomainDigest(tenant),  # the core's tenants: share domain digests
                     used_bytes=core.tenant_bytes(tenant),
                     hard_bytes=(quota.hard_bytes or 0) if quota else 0,
                     guaranteed_bytes=quota.guaranteed_bytes if quota else 0,

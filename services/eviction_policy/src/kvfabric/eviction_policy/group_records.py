@@ -1,0 +1,199 @@
+"""The eviction policy's record of the directory's chunk groups, kept from its events.
+
+What the shell knows of each group besides what its `EvictionCore` holds, all synchronous (no
+I/O, no awaits; each call atomic on the event loop), and what the directory's events do to both:
+
+- `apply`: one directory event into the core and these records: `published` inserts the group
+  (or, published again, moves it to its new pools: `_republished`), `accessed` counts hits,
+  `evicted`/`invalidated` forget it (`_forget`), `segment_down` drops the segment's pools and
+  their groups, `segment_up` sets a pool's capacity (`_set_capacity`).
+- the records, per group key (share domain + chain hash): its 90-byte group id (`_group_ids`,
+  what `evict` and `show_group` take), its tenant, chunk index and bytes per pool (`_held`), its
+  hits since published (`_hits`, for `demote_or_drop`), its parent and children (`_parent`,
+  `_children`: a group moved to a disk pool is re-inserted without its parent, so the prefix
+  order across tiers is kept here); per pool its capacity (`_capacity`) and the disk pools seen
+  (`_disk_pools`).
+- what a victim batch needs from them: a demoted group moved to its segment's disk pool
+  (`_moved`) and the resident disk tails dropped before their head (`_with_disk_tails`).
+
+`GroupRecords` is a mixin of `EvictionShell` (`kvfabric.eviction_policy.handlers`), which
+creates these attributes and owns the tasks that call in (the follower, the ticker's batches,
+demotion); it reads the shell's `_no_disk` and counts into its `demotions`.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from kvfabric.core.eviction import EvictionCore
+from kvfabric.eviction_policy.tiers import is_ssd_pool, ssd_pool, tiered_pools
+from kvfabric.format.ids import (
+    NAMESPACE_BYTES,
+    ChainHash,
+    DomainDigest,
+    GroupId,
+    Namespace,
+    domain_in_id,
+    pack_group_id,
+    pack_group_key,
+)
+from kvfabric.proto import directory as m
+
+__all__ = ["ACCESS_PER_EVENT_MAX", "GroupRecords", "group_id_of"]
+
+ACCESS_PER_EVENT_MAX: Final = 16  # hits of one group in one event counted at most this often
+
+
+def group_id_of(namespace: bytes, chunk_index: int, chain_hash: bytes) -> GroupId:
+    """The 90-byte chunk group id the directory's `evict` takes, from a published event."""
+    return pack_group_id(Namespace(namespace), chunk_index, ChainHash(chain_hash))
+
+
+class GroupRecords:
+    """The shell's per-group records and what directory events do to them and to the core."""
+
+    core: EvictionCore
+    events_applied: int
+    demotions: dict[str, int]  # outcome -> groups (status, metrics)
+    # group key -> (tenant, chunk index, pool -> bytes): to move a demoted group's bytes
+    _held: dict[bytes, tuple[bytes, int, dict[str, int]]]
+    _hits: dict[bytes, int]  # group key -> hits since published (demote_or_drop)
+    _children: dict[bytes, set[bytes]]  # group key -> the keys naming it as parent
+    _parent: dict[bytes, bytes]
+    _disk_pools: set[str]  # `<segment>#ssd` pools holding or having held groups
+    _no_disk: set[str]  # segments that answered "no disk tier"
+    _group_ids: dict[bytes, bytes]  # domain + chain hash -> 90-byte group id (tracked)
+    _capacity: dict[str, int]
+
+    def apply(self, event: msgspec.Struct, at_ms: int) -> None:
+        """One directory event into the core (pure bookkeeping; public for tests)."""
+        core = self.core
+        # A group is (share domain, chain hash): two domains may hold the same chain hash (one
+        # of them forged it), and the directory keeps them apart, so the policy must too.
+        if isinstance(event, m.GroupPublished):
+            if not event.placements or len(event.namespace) != NAMESPACE_BYTES:
+                return  # from a directory too old to say where the bytes are: not ours to evict
+            domain = domain_in_id(Namespace(event.namespace))
+            key = pack_group_key(domain, ChainHash(event.group))
+            # a parent of the same domain
+            parent = pack_group_key(domain, ChainHash(event.parent)) if event.parent else None
+            pools = tiered_pools(
+                {p.segment_id: p.bytes for p in event.placements},
+                {p.segment_id: p.bytes for p in event.disk_placements},
+            )
+            if key in core:  # published again: its bytes changed tier (a demotion, an adoption)
+                self._republished(key, pools, at_ms)
+                self.events_applied += 1
+                return
+            core.insert(
+                key,
+                tenant=domain,
+                pools=pools,
+                parent=parent,
+                chunk_index=event.chunk_index,
+                now_ms=at_ms,
+            )
+            if key in core:
+                self._group_ids[key] = group_id_of(event.namespace, event.chunk_index, event.group)
+                self._held[key] = (domain, event.chunk_index, pools)
+                self._disk_pools.update(p for p in pools if is_ssd_pool(p))
+                if parent is not None:
+                    self._parent[key] = parent
+                    self._children.setdefault(parent, set()).add(key)
+        elif isinstance(event, m.GroupsAccessed):
+            for hit in event.groups:
+                key = pack_group_key(DomainDigest(hit.domain), ChainHash(hit.group))
+                if key in self._held:
+                    self._hits[key] = self._hits.get(key, 0) + hit.hits
+                for _ in range(min(hit.hits, ACCESS_PER_EVENT_MAX)):
+                    core.seen(key)
+                    core.access(key, at_ms)
+        elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
+            self._forget(pack_group_key(DomainDigest(event.domain), ChainHash(event.group)))
+        elif isinstance(event, m.SegmentDown):
+            for pool in (event.segment_id, ssd_pool(event.segment_id)):
+                for gid in core.drop_pool(pool):
+                    if isinstance(gid, bytes):
+                        self._group_ids.pop(gid, None)
+                        self._held.pop(gid, None)
+                        self._hits.pop(gid, None)
+                self._capacity.pop(pool, None)
+            self._disk_pools.discard(ssd_pool(event.segment_id))
+            self._no_disk.discard(event.segment_id)
+        elif isinstance(event, m.SegmentUp) and event.capacity_bytes:
+            self._set_capacity(event.segment_id, event.capacity_bytes)
+        self.events_applied += 1
+
+    def _republished(self, key: bytes, pools: dict[str, int], at_ms: int) -> None:
+        """A known group with new pools moves there (no access: a republish is not a read). One
+        being demoted right now is left to the demotion's own move."""
+        held = self._held.get(key)
+        if held is None or held[2] == pools or not pools or self.core.is_evicting(key):
+            return
+        tenant, chunk_index, _ = held
+        self.core.removed(key)
+        self.core.insert(key, tenant=tenant, pools=pools, parent=None, chunk_index=chunk_index, now_ms=at_ms)
+        if key in self.core:
+            self._held[key] = (tenant, chunk_index, pools)
+            self._disk_pools.update(p for p in pools if is_ssd_pool(p))
+        else:  # refused by admission: gone from the policy
+            self._group_ids.pop(key, None)
+            self._held.pop(key, None)
+
+    def _forget(self, gid: bytes) -> None:
+        if gid in self.core:
+            self.core.removed(gid)
+        self._group_ids.pop(gid, None)
+        self._held.pop(gid, None)
+        self._hits.pop(gid, None)
+        self._children.pop(gid, None)
+        parent = self._parent.pop(gid, None)
+        if parent is not None:
+            siblings = self._children.get(parent)
+            if siblings is not None:
+                siblings.discard(gid)
+                if not siblings:
+                    del self._children[parent]
+
+    def _set_capacity(self, segment_id: str, capacity_bytes: int) -> None:
+        if self._capacity.get(segment_id) != capacity_bytes:
+            self._capacity[segment_id] = capacity_bytes
+            self.core.set_capacity(segment_id, capacity_bytes)
+
+    def _with_disk_tails(self, chains: list[bytes]) -> list[bytes]:
+        """The groups to drop, each preceded by its resident descendants: only tails moved to a
+        disk pool can be there (the core picks leaves), and without their head no lookup finds
+        them again, so they go first (tails before heads, as the core orders a batch)."""
+        out: list[bytes] = []
+        seen = set(chains)
+        for chain in chains:
+            tails: list[bytes] = []
+            frontier = [chain]
+            while frontier:
+                for child in sorted(self._children.get(frontier.pop(), ())):
+                    if child not in seen and child in self.core and child in self._group_ids:
+                        seen.add(child)
+                        tails.append(child)
+                        frontier.append(child)
+            if tails:
+                self.demotions["tails_dropped"] = self.demotions.get("tails_dropped", 0) + len(tails)
+            out += reversed(tails)  # the deepest first
+            out.append(chain)
+        return out
+
+    def _moved(self, chain: bytes, segment_id: str, at_ms: int) -> None:
+        """The group's bytes on `segment_id` are in its disk tier now: the same group, another pool."""
+        held = self._held.get(chain)
+        if held is None or chain not in self.core:
+            return
+        tenant, chunk_index, pools = held
+        moved = pools.pop(segment_id, 0)
+        if moved:
+            pools[ssd_pool(segment_id)] = pools.get(ssd_pool(segment_id), 0) + moved
+            self._disk_pools.add(ssd_pool(segment_id))
+        self.core.removed(chain)
+        self.core.insert(
+            chain, tenant=tenant, pools=pools, parent=None, chunk_index=chunk_index, now_ms=at_ms
+        )
