@@ -51,7 +51,7 @@ import xxhash
 
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore
 from kvfabric.core.directory.keys import GROUP_KEY_BYTES
-from kvfabric.format.ids import GroupId, chain_in_id, domain_in_id, group_key_of_id
+from kvfabric.format.ids import DomainDigest, GroupId, chain_in_id, domain_in_id, group_key_of_id
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.runtime import gcpolicy
@@ -244,7 +244,7 @@ def core_calls(core: DirectoryCore, groups: Groups, now: int) -> dict[str, float
 
     calls: dict[str, Callable[[], object]] = {
         "list_groups_empty_domain_limit_100": lambda: core.handle(
-            m.ListGroups(domain_digest=b"\x01" * 16, limit=100), now
+            m.ListGroups(domain_digest=DomainDigest(b"\x01" * 16), limit=100), now
         ),
         "list_groups_domain_page_1000": lambda: core.handle(
             m.ListGroups(domain_digest=domain, after=group_key, limit=1000), now

@@ -12,6 +12,7 @@ import nats
 import pytest
 
 from kvfabric.client import Hit, KvClient
+from kvfabric.format.ids import GroupKey
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
 from kvfabric.proto.subjects import Service, endpoint_subject
@@ -73,7 +74,7 @@ async def published_chunks(nats_url: str) -> dict[bytes, set[int]]:
     nc = await nats.connect(nats_url)
     out: dict[bytes, set[int]] = {}
     try:
-        after = b""
+        after = GroupKey(b"")
         while True:
             reply = await directory_call(nc, "list_groups", m.ListGroups(after=after, limit=1000))
             assert isinstance(reply, m.GroupList)

@@ -15,6 +15,7 @@ import time
 import nats
 import pytest
 
+from kvfabric.format.ids import GroupKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject
@@ -60,7 +61,7 @@ async def replica_counts(url: str) -> list[int]:
     nc = await nats.connect(url)
     counts: list[int] = []
     try:
-        after = b""
+        after = GroupKey(b"")
         while True:
             page = await directory_call(
                 nc, "list_groups", m.ListGroups(after=after, limit=1000, with_objects=True)

@@ -254,3 +254,38 @@ def test_router_admission_refuses_with_retry_after(nats_server: NatsServer) -> N
         metrics = httpx.get(f"{base}/metrics", timeout=5).text
         assert 'kvfabric_router_refused_total{reason="tenant_inflight_max"} 1.0' in metrics
         assert 'kvfabric_router_refused_total{reason="admitted_max"} 1.0' in metrics
+
+
+def test_router_refits_coefficients_from_realised_ttft(nats_server: NatsServer) -> None:
+    """With `KVF_ROUTER_REFIT` on, each request's realised TTFT (engines answering after 0.3 s,
+    30x the configured overhead) is an observation: after a few the `route` endpoint estimates
+    about 0.3 s and /metrics shows the refitted coefficients; without the proxy reporting
+    realised TTFTs nothing would be observed and the estimate would stay at the prior (0.05 s)."""
+    ports = {"A": free_port(), "B": free_port()}
+    tokens = [5] * 40
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(directory_process(nats_server))
+        stack.enter_context(fake_engine("A", ports["A"]))
+        stack.enter_context(fake_engine("B", ports["B"]))
+        _, http_port = stack.enter_context(
+            router(nats_server, ports, KVF_ROUTER_REFIT='{"min_observations": 4, "refit_every": 1}')
+        )
+        base = f"http://127.0.0.1:{http_port}"
+        wait_until(
+            "engines up", lambda: len(httpx.get(f"{base}/health", timeout=5).json()["engines_up"]) == 2, 10
+        )
+        prior = by_instance(asyncio.run(ask_route(nats_server.url, tokens)))
+        assert all(abs(e.ttft_s - 0.05) < 0.001 for e in prior.values())  # 0.01 + 40 / 1000
+        for _ in range(6):
+            resp = httpx.post(
+                f"{base}/v1/completions",
+                json={"prompt": tokens, "max_tokens": 2, "stream": True, "fake_first_byte_s": 0.3},
+                timeout=30,
+            )
+            assert resp.status_code == 200
+        metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        assert 'kvfabric_router_state{name="refit_fitted"} 1.0' in metrics
+        assert 'kvfabric_router_state{name="refit_observations"} 6.0' in metrics
+        assert 'kvfabric_router_coefficient{name="overhead_s"}' in metrics
+        fitted = by_instance(asyncio.run(ask_route(nats_server.url, tokens)))
+        assert all(0.28 <= e.ttft_s <= 0.6 for e in fitted.values()), fitted  # 0.3 s + the relay

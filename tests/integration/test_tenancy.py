@@ -41,6 +41,7 @@ from kvfabric.format.errors import (
     RateLimited,
     Unauthorized,
 )
+from kvfabric.format.ids import DomainDigest, GroupId, domain_in_id
 from kvfabric.format.key import ChunkGroupId, KVKey, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
@@ -132,7 +133,7 @@ def without_epoch(reply: msgspec.Struct) -> bytes:
 
 
 async def _bob_probes(secure: Secure, alice_groups: list[bytes], alice_keys: list[bytes]) -> None:
-    bob_digest = bytes(secure.spec("bob").domain.digest())
+    bob_digest = secure.spec("bob").domain.digest()
     never = groups_of(secure.spec("bob"), prompt(CHUNKS * TOKENS_PER_CHUNK, seed=99))
     forged = [forge(g, bob_digest) for g in alice_groups]
     nc = await secure.connect(secure.tenant_auth("bob"))
@@ -156,7 +157,7 @@ async def _bob_probes(secure: Secure, alice_groups: list[bytes], alice_keys: lis
         missing = await as_tenant(nc, "bob", "evict", m.Evict(groups=never))
         assert isinstance(missing, m.EvictReply) and {r.status for r in missing.results} == {"not_found"}
 
-        alice_digest = alice_groups[0][4:20]
+        alice_digest = domain_in_id(GroupId(alice_groups[0]))
         listed = await as_tenant(nc, "bob", "list_groups", m.ListGroups(domain_digest=alice_digest))
         assert isinstance(listed, m.GroupList) and listed.groups == []
         own = await as_tenant(nc, "bob", "list_groups", m.ListGroups(domain_digest=bob_digest))
@@ -466,7 +467,10 @@ def test_requests_that_name_no_key_are_rate_limited_by_the_tenants_home_domain(t
                     for _ in range(3):
                         try:
                             await as_tenant(
-                                nc, "bob", "list_groups", m.ListGroups(domain_digest=bytes.fromhex(bob_home))
+                                nc,
+                                "bob",
+                                "list_groups",
+                                m.ListGroups(domain_digest=DomainDigest(bytes.fromhex(bob_home))),
                             )
                             outcomes.append("ok")
                         except RateLimited:

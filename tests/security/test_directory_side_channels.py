@@ -97,7 +97,7 @@ async def bobs_own_queries(secure: Secure, n: int) -> dict[str, list[float]]:
     """Bob lists his own (empty) domain and shows a missing group of his, `n` times each
     (alternating), ms per call."""
     nc, bob = await tenant_router(secure, "bob")
-    digest = bytes(secure.spec("bob").domain.digest())
+    digest = secure.spec("bob").domain.digest()
     missing = group_ids(secure, "bob", 1, seed=99)[0]
     out: dict[str, list[float]] = {"list_groups": [], "show_group": []}
     try:

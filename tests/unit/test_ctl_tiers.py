@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvfabric.ctl.render import group_doc
+from kvfabric.format.ids import ChainHash, Namespace
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import SSD_SLOT_BASE, tier_of_slot
 
@@ -15,8 +16,8 @@ def test_tier_of_slot_and_kvctl_manifest_json() -> None:
         m.Replica(segment_id="seg-1", incarnation=5, slot=SSD_SLOT_BASE + 3, slot_generation=2),
     ]
     summary = m.GroupSummary(
-        group=b"\x01" * 32,
-        namespace=b"\x00" * 54,
+        group=ChainHash(b"\x01" * 32),
+        namespace=Namespace(b"\x00" * 54),
         chunk_index=0,
         state="published",
         members=1,

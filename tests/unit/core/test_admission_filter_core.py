@@ -21,6 +21,7 @@ from kvfabric.core.eviction_admission import (
     length_class,
 )
 from kvfabric.format.errors import BadRequest
+from kvfabric.format.ids import DomainDigest, GroupKey, domain_in_group_key
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.eviction import (
@@ -53,7 +54,7 @@ def view(
         events_seq=0,
         policy="density",
         pools=[PoolAdmission(segment_id=s, group_bytes_max=v) for s, v in pools.items()],
-        protected_domains=[p[:16] for p in protected],
+        protected_domains=[domain_in_group_key(GroupKey(p)) for p in protected],
         seen_bloom=bloom_of(seen) if seen else b"",
         seen_bloom_hashes=ADMISSION_BLOOM_HASHES if seen else 0,
     )
@@ -137,7 +138,10 @@ def test_a_filter_over_its_bounds_is_refused_before_it_is_held() -> None:
         view({"s1": limits(c1=-2)})
     with pytest.raises(BadRequest):
         AdmissionView.of(
-            AdmissionFilter(generated_ms=0, events_seq=0, policy="d", pools=[], protected_domains=[b"x"]), 0
+            AdmissionFilter(
+                generated_ms=0, events_seq=0, policy="d", pools=[], protected_domains=[DomainDigest(b"x")]
+            ),
+            0,
         )
     with pytest.raises(BadRequest):
         AdmissionView.of(

@@ -10,12 +10,13 @@ from hypothesis import strategies as st
 
 from kvfabric.core.authz import TENANT_VERBS, TenantGrant, authorize, check_visible, merge_evict_results
 from kvfabric.format.errors import BadRequest, Busy, NotFound, Unauthorized
+from kvfabric.format.ids import GroupId, chain_in_id, namespace_in_id
 from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from tests.unit.core.dirkit import MODEL, key, layout, new_core, put, register, spec
 
 DOMAINS = [ShareDomain(tenant_id=f"d{i}", salt=bytes([65 + i]) * 16) for i in range(3)]
-DIGESTS = [bytes(d.digest()) for d in DOMAINS]
+DIGESTS = [d.digest() for d in DOMAINS]
 GROUPS = {
     i: [g.to_bytes() for g in chunk_groups_for_prefix(d, MODEL, layout(), list(range(i, i + 12)))]
     for i, d in enumerate(DOMAINS)
@@ -92,8 +93,8 @@ def test_listing_needs_a_granted_domain() -> None:
 
 def test_show_group_outside_the_grant_is_not_found() -> None:
     summary = m.GroupSummary(
-        group=GROUPS[1][0][58:90],
-        namespace=GROUPS[1][0][:54],
+        group=chain_in_id(GroupId(GROUPS[1][0])),
+        namespace=namespace_in_id(GroupId(GROUPS[1][0])),
         chunk_index=0,
         state="published",
         members=1,

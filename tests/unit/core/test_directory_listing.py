@@ -20,6 +20,7 @@ from kvfabric.core.directory.keys import parse_group
 from kvfabric.core.directory.records import unpack_group
 from kvfabric.core.quotas import ITEMS_PER_TOKEN, Quotas, Tenant, TenantQuota, request_tokens, tenant_of
 from kvfabric.format.errors import NotFound, RateLimited
+from kvfabric.format.ids import DomainDigest, GroupKey
 from kvfabric.format.key import ChunkGroupId, ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 
@@ -125,7 +126,7 @@ def test_a_tenants_listing_touches_only_its_own_domain(
     groups they answer with; before the index, every one of alice's 2,000 per call."""
     bob = tenant_of(key(bob_groups(1)[0]))
     with unpacks(monkeypatch) as seen:
-        empty = shared.handle(m.ListGroups(domain_digest=b"\x07" * 16, limit=100), 0).reply
+        empty = shared.handle(m.ListGroups(domain_digest=DomainDigest(b"\x07" * 16), limit=100), 0).reply
         assert isinstance(empty, m.GroupList) and not empty.groups and not empty.next_after
         assert seen == []
         own = shared.handle(m.ListGroups(domain_digest=bob, limit=100), 0).reply
@@ -143,8 +144,8 @@ def test_show_by_chain_hash_looks_under_each_domain_not_each_group(
 ) -> None:
     g = bob_groups(3)[1]
 
-    class NoScan(dict[bytes, bytes]):
-        def __iter__(self) -> Iterator[bytes]:
+    class NoScan(dict[GroupKey, bytes]):
+        def __iter__(self) -> Iterator[GroupKey]:
             raise AssertionError("show_group iterated every published group")
 
         def keys(self) -> Any:
@@ -192,7 +193,7 @@ def test_a_filtered_scan_examines_a_bounded_number_of_groups(monkeypatch: pytest
     publish(core, full[103:])
     below = sorted(group_key(g) for g in full[100:103])
     with unpacks(monkeypatch) as seen:
-        after = b""
+        after = GroupKey(b"")
         found: list[bytes] = []
         while True:
             seen.clear()
@@ -210,7 +211,7 @@ def test_a_listing_page_fits_the_reply_bound() -> None:
     bound = 6_000
     core = big_core(reply_bytes_max=bound)
     publish(core, groups(120, seed=5), replicas=2, batch=4)  # put_begin replies within the bound too
-    after = b""
+    after = GroupKey(b"")
     total = 0
     while True:
         page = core.handle(m.ListGroups(limit=10_000, with_objects=True, after=after), 0).reply

@@ -53,6 +53,7 @@ from kvfabric.core.directory import DirectoryConfig, DirectoryCore, Effect, Emit
 from kvfabric.core.directory.keys import parse_group, parse_key
 from kvfabric.core.placement import Candidate, choose_segments
 from kvfabric.format.errors import Busy, KvfError, NotFound, StaleGeneration
+from kvfabric.format.ids import DomainDigest, GroupKey
 from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import read_token, ticket_signature_valid
@@ -100,7 +101,7 @@ PREFIXES = [
     groups(2, seed=3),
     chunk_groups_for_prefix(OTHER_DOMAIN, MODEL, layout(), list(range(4_000, 4_008))),
 ]
-DIGESTS = (bytes(DOMAIN.digest()), bytes(OTHER_DOMAIN.digest()))
+DIGESTS = (DOMAIN.digest(), OTHER_DOMAIN.digest())
 
 
 @dataclass(frozen=True)
@@ -1216,7 +1217,12 @@ class DirectoryMachine(RuleBasedStateMachine):
         """Every page (followed by `next_after`) of a listing, 2 groups examined a call at most:
         together exactly the model's published groups of that domain (all, one, a domain with
         none), filtered, each once, in group-key order; each page within its limit; nothing changes."""
-        digest = {"all": b"", "own": DIGESTS[0], "other": DIGESTS[1], "none": b"\x07" * 16}[which]
+        digest = {
+            "all": DomainDigest(b""),
+            "own": DIGESTS[0],
+            "other": DIGESTS[1],
+            "none": DomainDigest(b"\x07" * 16),
+        }[which]
         want = [
             gid
             for gid in sorted(self.published)
@@ -1224,7 +1230,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         ]
         before = self.snapshot()
         got: list[bytes] = []
-        after = b""
+        after = GroupKey(b"")
         for _ in range(len(self.published) + 2):
             query = m.ListGroups(
                 domain_digest=digest,

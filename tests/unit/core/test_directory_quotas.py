@@ -15,8 +15,8 @@ from kvfabric.proto import directory as m
 from .dirkit import DOMAIN, MODEL, SECRET, confirm_all, groups, key, layout, lookup, put, register, spec
 
 OTHER = ShareDomain(tenant_id="tenant-b", salt=b"o" * 16)
-A = bytes(DOMAIN.digest())
-B = bytes(OTHER.digest())
+A = DOMAIN.digest()
+B = OTHER.digest()
 
 
 def groups_b(n_chunks: int, seed: int = 0) -> list[ChunkGroupId]:

@@ -6,6 +6,7 @@ import pytest
 
 from kvfabric.core.directory import DirectoryCore, EmitEvent, FreeSlots, Outcome
 from kvfabric.format.errors import BadRequest, BatchTooLarge, NotFound, StaleGeneration
+from kvfabric.format.ids import ChainHash, DomainDigest
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import ticket_signature_valid
 
@@ -228,7 +229,7 @@ def test_queries_list_without_granting_leases() -> None:
     page2 = core.handle(m.ListGroups(limit=2, after=page1.next_after), 0).reply
     assert isinstance(page2, m.GroupList)
     assert len(page2.groups) == 1 and not page2.next_after
-    other = core.handle(m.ListGroups(domain_digest=b"\x00" * 16), 0).reply
+    other = core.handle(m.ListGroups(domain_digest=DomainDigest(b"\x00" * 16)), 0).reply
     assert isinstance(other, m.GroupList) and not other.groups
     shown = core.handle(m.ShowGroup(group=gs[1].to_bytes()), 0).reply
     assert isinstance(shown, m.GroupList)
@@ -275,7 +276,7 @@ def test_published_event_tells_eviction_the_parent_tenant_and_bytes_per_segment(
     register(core, "s1", zone="z1")
     register(core, "s2", zone="z2")
     g0, g1 = groups(2)
-    parent = bytes(g0.chain_hash)
+    parent = g0.chain_hash
     begin = core.handle(
         m.PutBegin(
             writer_id="w",
@@ -297,7 +298,9 @@ def test_published_event_tells_eviction_the_parent_tenant_and_bytes_per_segment(
             m.PutBegin(
                 writer_id="w",
                 request_id="r2",
-                objects=[m.ObjectSpec(key=key(g0), size_bytes=1, checksum=b"c" * 16, parent=b"short")],
+                objects=[
+                    m.ObjectSpec(key=key(g0), size_bytes=1, checksum=b"c" * 16, parent=ChainHash(b"short"))
+                ],
             ),
             0,
         )
@@ -315,9 +318,9 @@ def test_lookup_hits_are_batched_into_one_accessed_event_per_tick() -> None:
     assert events == [
         m.GroupsAccessed(
             groups=[
-                m.GroupHits(bytes(gs[0].chain_hash), 2, bytes(gs[0].domain_digest)),
-                m.GroupHits(bytes(gs[1].chain_hash), 1, bytes(gs[1].domain_digest)),
-                m.GroupHits(bytes(gs[2].chain_hash), 1, bytes(gs[2].domain_digest)),
+                m.GroupHits(gs[0].chain_hash, 2, gs[0].domain_digest),
+                m.GroupHits(gs[1].chain_hash, 1, gs[1].domain_digest),
+                m.GroupHits(gs[2].chain_hash, 1, gs[2].domain_digest),
             ]
         )
     ]

@@ -23,15 +23,23 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex
 from kvfabric.proto import directory as m
+from kvfabric.format.ids import (
+    ChainHash,
+    DomainDigest,
+    GroupKey,
+    Namespace,
+    chain_in_group_key,
+    domain_in_group_key,
+)
 
 SEGMENTS = ("s0", "s1", "s2")
-DOMAINS = (b"\x01" * 16, b"\x02" * 16)
-CHAINS = tuple(bytes([i]) * 32 for i in range(1, 6))
+DOMAINS = (DomainDigest(b"\x01" * 16), DomainDigest(b"\x02" * 16))
+CHAINS = tuple(ChainHash(bytes([i]) * 32) for i in range(1, 6))
 SHARDS = 2
 
 
-def namespace(domain: bytes) -> bytes:
-    return b"\x00" * 4 + domain + b"\x00" * 34
+def namespace(domain: DomainDigest) -> Namespace:
+    return Namespace(b"\x00" * 4 + domain + b"\x00" * 34)
 
 
 class IndexMachine(RuleBasedStateMachine):
@@ -58,7 +66,13 @@ class IndexMachine(RuleBasedStateMachine):
             replicas.discard(seg)
             if not replicas:
                 del self.groups[key]
-                self.emit(m.GroupInvalidated(group=key[16:], reason="replica_lost", domain=key[:16]))
+                self.emit(
+                    m.GroupInvalidated(
+                        group=chain_in_group_key(GroupKey(key)),
+                        reason="replica_lost",
+                        domain=domain_in_group_key(GroupKey(key)),
+                    )
+                )
 
     @rule(seg=st.sampled_from(SEGMENTS))
     def segment_start(self, seg: str) -> None:
@@ -81,7 +95,7 @@ class IndexMachine(RuleBasedStateMachine):
         chain=st.sampled_from(CHAINS),
         placed=st.sets(st.sampled_from(SEGMENTS), min_size=1, max_size=2),
     )
-    def publish(self, domain: bytes, chain: bytes, placed: set[str]) -> None:
+    def publish(self, domain: DomainDigest, chain: ChainHash, placed: set[str]) -> None:
         live = {s for s in placed if s in self.segments}
         key = domain + chain
         if not live or key in self.groups:
@@ -98,7 +112,7 @@ class IndexMachine(RuleBasedStateMachine):
         )
 
     @rule(domain=st.sampled_from(DOMAINS), chain=st.sampled_from(CHAINS), evict=st.booleans())
-    def remove(self, domain: bytes, chain: bytes, evict: bool) -> None:
+    def remove(self, domain: DomainDigest, chain: ChainHash, evict: bool) -> None:
         if self.groups.pop(domain + chain, None) is None:
             return
         if evict:
@@ -107,7 +121,7 @@ class IndexMachine(RuleBasedStateMachine):
             self.emit(m.GroupInvalidated(group=chain, reason="corrupt", domain=domain))
 
     @rule(groups=st.lists(st.tuples(st.sampled_from(CHAINS), st.integers(1, 9)), max_size=3))
-    def accessed(self, groups: list[tuple[bytes, int]]) -> None:
+    def accessed(self, groups: list[tuple[ChainHash, int]]) -> None:
         self.emit(m.GroupsAccessed(groups=[m.GroupHits(c, h, DOMAINS[0]) for c, h in groups]))
 
     # ---- the follower -----------------------------------------------------------------------
@@ -138,7 +152,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.lost or not self.index.synced)
     @rule(ops=st.lists(st.sampled_from(SEGMENTS), max_size=2), chain=st.sampled_from(CHAINS))
-    def resync(self, ops: list[str], chain: bytes) -> None:
+    def resync(self, ops: list[str], chain: ChainHash) -> None:
         at_seq = len(self.log)
         for seg in ops:  # the directory moves on while the listing is taken
             self.segment_start(seg)

@@ -26,6 +26,7 @@ from kvfabric.core.repair import StartCopy as RepairCopy
 from kvfabric.core.routing import RoutingCore, prompt_keys
 from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex
 from kvfabric.core.step import Reply, Tick
+from kvfabric.format.ids import DomainDigest
 from kvfabric.proto import directory as m
 from tests.unit.core import test_eviction_machine as evm
 from tests.unit.core import test_prefetch_machine as pfm
@@ -350,7 +351,7 @@ def directory_event(data: st.DataObject) -> m.DirectoryEvent:
         return m.GroupEvicted(group=chain, reason="pressure", domain=domain)
     if kind == "invalidated":
         return m.GroupInvalidated(
-            group=chain, reason="corrupt", domain=data.draw(st.sampled_from([domain, b""]))
+            group=chain, reason="corrupt", domain=data.draw(st.sampled_from([domain, DomainDigest(b"")]))
         )
     return m.GroupsAccessed(groups=[m.GroupHits(chain, 2, domain)])
 

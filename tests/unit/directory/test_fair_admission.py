@@ -21,6 +21,7 @@ from kvfabric.directory.fair import REFUSAL_HOLD_S_MAX, FairGate
 from kvfabric.directory.host import ShardHost
 from kvfabric.directory.settings import FAIR_DEFAULT, load_fair_admission
 from kvfabric.format.errors import Busy, KvfError, WrongShard
+from kvfabric.format.ids import DomainDigest
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.runtime.config import SettingsError
@@ -468,7 +469,7 @@ def test_gives_back_never_wait_for_a_turn_nor_are_refused_for_load() -> None:
     bytes are decoded; his releases, unpins and aborts (`authz.GIVEBACK_VERBS`) pass it and
     reach the shard (here: no shard led, so `wrong_shard`), as before fair admission."""
     gate = FairGate(config(burst_ids=4_200, request_cost_ids=16), clock=lambda: 0.0)
-    digest = bytes(16)
+    digest = DomainDigest(bytes(16))
     host = ShardHost(
         "dir-a",
         1,

@@ -11,11 +11,12 @@ from kvfabric.core.eviction import EvictionConfig, EvictionCore, TenantQuota
 from kvfabric.core.eviction_admission import ADMISSION_BLOOM_IDS_MAX, bloom_has
 from kvfabric.eviction_policy.handlers import EvictionShell
 from kvfabric.eviction_policy.settings import load_eviction_settings
+from kvfabric.format.ids import ChainHash, Namespace
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
 from kvfabric.runtime.config import SettingsError
 
-NAMESPACE = bytes(4) + b"A" * 16 + bytes(34)
+NAMESPACE = Namespace(bytes(4) + b"A" * 16 + bytes(34))
 
 
 def test_admission_is_off_by_default_and_predicted_needs_density() -> None:
@@ -42,7 +43,7 @@ def pressed_shell(monkeypatch: pytest.MonkeyPatch) -> tuple[EvictionCore, Evicti
     for i in range(12):
         shell.apply(
             m.GroupPublished(
-                group=i.to_bytes(32, "little"),
+                group=ChainHash(i.to_bytes(32, "little")),
                 chunk_index=0,
                 members=1,
                 namespace=NAMESPACE,

@@ -23,7 +23,7 @@ from kvfabric.eviction_policy.tiers import (
     group_outcome,
 )
 from kvfabric.format.errors import Busy
-from kvfabric.format.ids import ChainHash, DomainDigest, LayoutDigest, ModelDigest
+from kvfabric.format.ids import ChainHash, DomainDigest, GroupId, LayoutDigest, ModelDigest, namespace_in_id
 from kvfabric.format.key import ChunkGroupId, KVKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import DEMOTE_BATCH_MAX, DemoteReply, DemoteRequest, DemoteResult, DemoteStatus
@@ -32,18 +32,20 @@ from tests.unit.eviction_policy.test_shell import A, chain, published
 
 MiB = 1 << 20
 # a chunk group id's leading 54 bytes, share domain A, TP 128 (members 0..127)
-NAMESPACE = ChunkGroupId(
-    format_version=1,
-    domain_digest=DomainDigest(A),
-    model_digest=ModelDigest(b"M" * 16),
-    tp_size=128,
-    pp_size=1,
-    layer_group_count=1,
-    tokens_per_chunk=256,
-    layout_digest=LayoutDigest(b"L" * 8),
-    chunk_index=0,
-    chain_hash=ChainHash(bytes(32)),
-).to_bytes()[:54]
+NAMESPACE = namespace_in_id(
+    ChunkGroupId(
+        format_version=1,
+        domain_digest=DomainDigest(A),
+        model_digest=ModelDigest(b"M" * 16),
+        tp_size=128,
+        pp_size=1,
+        layer_group_count=1,
+        tokens_per_chunk=256,
+        layout_digest=LayoutDigest(b"L" * 8),
+        chunk_index=0,
+        chain_hash=ChainHash(bytes(32)),
+    ).group_id()
+)
 # object key -> its status; default "demoted"
 Answer = Callable[[bytes], DemoteStatus]
 
@@ -83,8 +85,8 @@ class FakeDirectory(DirectoryRouter):
             for rank in range(n)
         ]
         summary = m.GroupSummary(
-            group=bytes(group.chain_hash),
-            namespace=message.group[:54],
+            group=group.chain_hash,
+            namespace=namespace_in_id(GroupId(message.group)),
             chunk_index=group.chunk_index,
             state="evicting",
             members=n,

@@ -8,11 +8,12 @@ import pytest
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore, TenantQuota
 from kvfabric.eviction_policy.handlers import EvictionShell, group_id_of
 from kvfabric.eviction_policy.settings import load_eviction_settings, parse_quotas
+from kvfabric.format.ids import ChainHash, DomainDigest, Namespace
 from kvfabric.proto import directory as m
 from kvfabric.runtime.config import SettingsError
 
-NAMESPACE_A = bytes(4) + b"A" * 16 + bytes(34)
-NAMESPACE_B = bytes(4) + b"B" * 16 + bytes(34)
+NAMESPACE_A = Namespace(bytes(4) + b"A" * 16 + bytes(34))
+NAMESPACE_B = Namespace(bytes(4) + b"B" * 16 + bytes(34))
 
 
 def shell(**quotas: TenantQuota) -> EvictionShell:
@@ -23,22 +24,22 @@ def shell(**quotas: TenantQuota) -> EvictionShell:
     return EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
 
 
-A = b"A" * 16  # NAMESPACE_A's share domain digest
+A = DomainDigest(b"A" * 16)  # NAMESPACE_A's share domain digest
 
 
-def chain(i: int) -> bytes:
-    return i.to_bytes(32, "little")
+def chain(i: int) -> ChainHash:
+    return ChainHash(i.to_bytes(32, "little"))
 
 
 def published(
-    i: int, namespace: bytes = NAMESPACE_A, parent: int | None = None, **held: int
+    i: int, namespace: Namespace = NAMESPACE_A, parent: int | None = None, **held: int
 ) -> m.GroupPublished:
     return m.GroupPublished(
         group=chain(i),
         chunk_index=0 if parent is None else 1,
         members=1,
         namespace=namespace,
-        parent=b"" if parent is None else chain(parent),
+        parent=ChainHash(b"") if parent is None else chain(parent),
         placements=[m.SegmentBytes(s, b) for s, b in held.items()],
     )
 
@@ -130,5 +131,5 @@ def test_two_domains_with_one_chain_hash_stay_two_groups() -> None:
     sh.apply(published(1, s1=40), 1)
     sh.apply(published(1, namespace=NAMESPACE_B, s1=5), 2)  # B's group, same chain hash
     assert len(sh.core) == 2 and sh.core.tenant_bytes(b"B" * 16) == 5
-    sh.apply(m.GroupEvicted(group=chain(1), reason="policy", domain=b"B" * 16), 3)
+    sh.apply(m.GroupEvicted(group=chain(1), reason="policy", domain=DomainDigest(b"B" * 16)), 3)
     assert A + chain(1) in sh.core and sh._group_ids[A + chain(1)] == group_id_of(NAMESPACE_A, 0, chain(1))

@@ -12,7 +12,7 @@ from typing import Any, cast
 import pytest
 
 from kvfabric.core.prefetch import PrefetchConfig, PrefetchCore
-from kvfabric.format.ids import DOMAIN_SLICE
+from kvfabric.format.ids import DOMAIN_SLICE, GroupId, chain_in_id, domain_in_id, namespace_in_id
 from kvfabric.prefetch import shell as shell_module
 from kvfabric.prefetch.shell import PrefetchShell
 from kvfabric.proto import directory as m
@@ -24,10 +24,11 @@ EVENTS = 50
 
 
 def summary(raw: bytes) -> m.GroupSummary:
+    gid = GroupId(raw)
     replica = m.Replica(segment_id="s1", incarnation=1, slot=3, slot_generation=1)
     return m.GroupSummary(
-        group=raw[58:90],
-        namespace=raw[:54],
+        group=chain_in_id(gid),
+        namespace=namespace_in_id(gid),
         chunk_index=int.from_bytes(raw[54:58], "little"),
         state="published",
         members=1,
@@ -59,7 +60,8 @@ def directory(raws: list[bytes]) -> FakeRouter:
 
 
 def accessed(raws: list[bytes], hits: int = 1) -> Any:
-    event = m.GroupsAccessed(groups=[m.GroupHits(raw[58:90], hits, raw[DOMAIN_SLICE]) for raw in raws])
+    ids = [GroupId(raw) for raw in raws]
+    event = m.GroupsAccessed(groups=[m.GroupHits(chain_in_id(g), hits, domain_in_id(g)) for g in ids])
     return cast(Any, SimpleNamespace(data=encode(event)))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from kvfabric.format.ids import namespace_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import SSD_SLOT_BASE
 from tests.unit.core.dirkit import groups, key
@@ -20,7 +21,7 @@ def test_a_cold_extra_is_dropped_by_its_arena_replica_not_the_disk_one() -> None
     arena = m.Replica(segment_id="s1", incarnation=1, slot=7, slot_generation=2)
     summary = m.GroupSummary(
         group=g.chain_hash,
-        namespace=g.to_bytes()[:54],
+        namespace=namespace_in_id(g.group_id()),
         chunk_index=0,
         state="published",
         members=1,

@@ -10,12 +10,13 @@ import threading
 from typing import Any, cast
 
 from kvfabric.core.segment_slots import HeldSlot
+from kvfabric.format.ids import DomainDigest
 from kvfabric.proto.segment import VerifyRequest
 from kvfabric.segment_storage.scrubber import CorruptObject
 from kvfabric.segment_storage.suspects import SUSPECTS_PENDING_MAX, VERIFIED_OK_HOLD_S, SuspectChecker
 
-ALICE = bytes(range(16))
-BOB = bytes(range(1, 17))
+ALICE = DomainDigest(bytes(range(16)))
+BOB = DomainDigest(bytes(range(1, 17)))
 
 
 def key_of(domain: bytes) -> bytes:
@@ -49,7 +50,7 @@ def checker(backend: Backend, now: list[float]) -> tuple[SuspectChecker, list[Co
     return SuspectChecker(cast(Any, backend), 7, report, clock_s=lambda: now[0]), reported
 
 
-def request(slot: int, domains: tuple[bytes, ...] = (ALICE,), incarnation: int = 7) -> VerifyRequest:
+def request(slot: int, domains: tuple[DomainDigest, ...] = (ALICE,), incarnation: int = 7) -> VerifyRequest:
     return VerifyRequest(incarnation=incarnation, slot=slot, slot_generation=1, domains=list(domains))
 
 

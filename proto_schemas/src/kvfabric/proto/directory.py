@@ -58,6 +58,7 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from kvfabric.format.ids import ChainHash, DomainDigest, GroupKey, Namespace
 from kvfabric.proto.codec import FamilyDecoder
 
 # Batch limits (per message). Named once; the directory core enforces them.
@@ -124,7 +125,7 @@ class ObjectSpec(msgspec.Struct, frozen=True, kw_only=True):
     checksum: bytes
     # The chain hash (32 bytes) of the previous chunk of the same prefix, empty for the first
     # chunk: eviction evicts a prefix tail first (a chunk is useless without its parent).
-    parent: bytes = b""
+    parent: ChainHash = ChainHash(b"")
 
 
 class WriteTicket(msgspec.Struct, frozen=True, kw_only=True):
@@ -654,10 +655,10 @@ class SegmentList(_Msg, frozen=True, kw_only=True, tag="dir.segment_list.v1"):
 
 class ListGroups(_Msg, frozen=True, kw_only=True, tag="dir.list_groups.v1"):
     """Published chunk groups, optionally of one share domain (its 16-byte digest), paged by
-    `after` (the last group id of the previous page)."""
+    `after` (the last group key of the previous page: `GroupList.next_after`)."""
 
-    domain_digest: bytes = b""
-    after: bytes = b""
+    domain_digest: DomainDigest = DomainDigest(b"")
+    after: GroupKey = GroupKey(b"")
     limit: int = 100
     epoch: int = 0
     shard: int = 0  # the shard this lease / listing belongs to (one core each)
@@ -675,8 +676,8 @@ class ShowGroup(_Msg, frozen=True, kw_only=True, tag="dir.show_group.v1"):
 
 
 class GroupSummary(msgspec.Struct, frozen=True, kw_only=True):
-    group: bytes  # chain hash
-    namespace: bytes  # the chunk group id's leading 54 bytes (format, domain, model, layout)
+    group: ChainHash
+    namespace: Namespace  # the chunk group id's leading 54 bytes (format, domain, model, layout)
     chunk_index: int
     state: Literal["building", "published", "evicting"]
     members: int
@@ -690,7 +691,7 @@ class GroupSummary(msgspec.Struct, frozen=True, kw_only=True):
 class GroupList(_Msg, frozen=True, kw_only=True, tag="dir.group_list.v1"):
     epoch: int
     groups: list[GroupSummary]
-    next_after: bytes = b""  # empty: no more pages
+    next_after: GroupKey = GroupKey(b"")  # empty: no more pages
 
 
 class ListLeases(_Msg, frozen=True, kw_only=True, tag="dir.list_leases.v1"):
@@ -721,7 +722,7 @@ class ListTenants(_Msg, frozen=True, kw_only=True, tag="dir.list_tenants.v1"):
 
 
 class TenantInfo(msgspec.Struct, frozen=True, kw_only=True):
-    domain_digest: bytes  # 16 bytes
+    domain_digest: DomainDigest
     used_bytes: int  # size × replicas of what it holds (building, published, copying, freeing)
     objects: int  # members of its building and published chunk groups
     bytes_max: int = 0  # 0 = unlimited
@@ -760,12 +761,12 @@ class SegmentBytes(msgspec.Struct, frozen=True, array_like=True):
 
 
 class GroupPublished(_Msg, frozen=True, kw_only=True, tag="dir.ev.published.v1"):
-    group: bytes  # chain hash
+    group: ChainHash
     chunk_index: int
     members: int
     degraded: bool = False
-    namespace: bytes = b""  # the chunk group id's leading 54 bytes; [4:20] is the share domain
-    parent: bytes = b""  # the previous chunk's chain hash, as the writer told it (may be empty)
+    namespace: Namespace = Namespace(b"")  # the group id's leading 54 bytes; [4:20]: the share domain
+    parent: ChainHash = ChainHash(b"")  # the previous chunk's chain hash, as its writer told it
     placements: list[SegmentBytes] = msgspec.field(default_factory=list)  # bytes held per segment
     # Of those, the bytes in each segment's disk tier (issue 23). The same group is published
     # again when its placements change tier: its arena replicas dropped after a demotion, or its
@@ -774,9 +775,9 @@ class GroupPublished(_Msg, frozen=True, kw_only=True, tag="dir.ev.published.v1")
 
 
 class GroupHits(msgspec.Struct, frozen=True, array_like=True):
-    group: bytes  # chain hash
+    group: ChainHash
     hits: int
-    domain: bytes = b""  # the share domain digest: (domain, chain hash) names the group
+    domain: DomainDigest = DomainDigest(b"")  # the share domain digest: (domain, chain hash) names the group
 
 
 class GroupsAccessed(_Msg, frozen=True, kw_only=True, tag="dir.ev.accessed.v1"):
@@ -787,20 +788,20 @@ class GroupsAccessed(_Msg, frozen=True, kw_only=True, tag="dir.ev.accessed.v1"):
 
 
 class GroupUnderReplicated(_Msg, frozen=True, kw_only=True, tag="dir.ev.under_replicated.v1"):
-    group: bytes
-    domain: bytes = b""  # share domain digest: two domains may hold the same chain hash
+    group: ChainHash
+    domain: DomainDigest = DomainDigest(b"")  # two domains may hold the same chain hash
 
 
 class GroupEvicted(_Msg, frozen=True, kw_only=True, tag="dir.ev.evicted.v1"):
-    group: bytes
+    group: ChainHash
     reason: str
-    domain: bytes = b""  # share domain digest: two domains may hold the same chain hash
+    domain: DomainDigest = DomainDigest(b"")  # two domains may hold the same chain hash
 
 
 class GroupInvalidated(_Msg, frozen=True, kw_only=True, tag="dir.ev.invalidated.v1"):
-    group: bytes
+    group: ChainHash
     reason: str
-    domain: bytes = b""  # share domain digest: two domains may hold the same chain hash
+    domain: DomainDigest = DomainDigest(b"")  # two domains may hold the same chain hash
 
 
 # ---- shard map -----------------------------------------------------------------------------

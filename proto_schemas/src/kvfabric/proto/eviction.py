@@ -15,6 +15,7 @@ from typing import Final
 
 import msgspec
 
+from kvfabric.format.ids import DomainDigest
 from kvfabric.proto.codec import FamilyDecoder
 
 __all__ = [
@@ -47,7 +48,7 @@ class PoolUsage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TenantUsage(msgspec.Struct, frozen=True, kw_only=True):
-    domain_digest: bytes  # 16 bytes
+    domain_digest: DomainDigest
     used_bytes: int
     hard_bytes: int = 0  # 0 = no quota
     guaranteed_bytes: int = 0
@@ -94,7 +95,7 @@ class AdmissionFilter(
     events_seq: int  # the last directory event (stream sequence) the policy had applied
     policy: str
     pools: list[PoolAdmission]
-    protected_domains: list[bytes] = msgspec.field(default_factory=list)  # 16-byte digests
+    protected_domains: list[DomainDigest] = msgspec.field(default_factory=list)
     # A bloom filter of the chunk groups the policy named recently (its ghost: resident, or
     # evicted and remembered): such a group is not first-named, so the limits do not apply to
     # it. Empty: none. `seen_bloom_hashes` bit positions per group key.

@@ -12,6 +12,7 @@ from typing import Final
 
 import msgspec
 
+from kvfabric.format.ids import ChainHash, DomainDigest, Namespace
 from kvfabric.proto import common, dataplane, directory, echo, eviction, prefetch, repair, router, segment
 
 __all__ = ["GOLDEN_CASES"]
@@ -108,22 +109,22 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
     ),
     "dir.ev.published.v1": (
         "directory.event",
-        directory.GroupPublished(group=b"g" * 32, chunk_index=5, members=2, degraded=True),
+        directory.GroupPublished(group=ChainHash(b"g" * 32), chunk_index=5, members=2, degraded=True),
     ),
     "dir.ev.published.v1.placements": (
         "directory.event",
         directory.GroupPublished(
-            group=b"g" * 32,
+            group=ChainHash(b"g" * 32),
             chunk_index=5,
             members=1,
-            namespace=b"n" * 54,
-            parent=b"p" * 32,
+            namespace=Namespace(b"n" * 54),
+            parent=ChainHash(b"p" * 32),
             placements=[directory.SegmentBytes("s1", 4096), directory.SegmentBytes("s2", 4096)],
         ),
     ),
     "dir.ev.accessed.v1": (
         "directory.event",
-        directory.GroupsAccessed(groups=[directory.GroupHits(b"g" * 32, 3)]),
+        directory.GroupsAccessed(groups=[directory.GroupHits(ChainHash(b"g" * 32), 3)]),
     ),
     "evict.status_reply.v1": (
         "eviction",
@@ -134,7 +135,9 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             objects=2,
             events_applied=7,
             pools=[eviction.PoolUsage(segment_id="s1", capacity_bytes=100, used_bytes=50, evicting_bytes=0)],
-            tenants=[eviction.TenantUsage(domain_digest=b"d" * 16, used_bytes=50, hard_bytes=80)],
+            tenants=[
+                eviction.TenantUsage(domain_digest=DomainDigest(b"d" * 16), used_bytes=50, hard_bytes=80)
+            ],
             counters={"victims_total": 3},
         ),
     ),
@@ -147,7 +150,7 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             pools=[
                 eviction.PoolAdmission(segment_id="s1", group_bytes_max=[-1, -1, 4096, 0, -1, -1, -1, -1])
             ],
-            protected_domains=[b"d" * 16],
+            protected_domains=[DomainDigest(b"d" * 16)],
         ),
     ),
     "dir.replicate_begin.v1": (
@@ -169,7 +172,7 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             epoch=3,
             tenants=[
                 directory.TenantInfo(
-                    domain_digest=b"d" * 16,
+                    domain_digest=DomainDigest(b"d" * 16),
                     used_bytes=4096,
                     objects=2,
                     bytes_max=8192,
@@ -180,7 +183,9 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
                     rate_limited=3,
                 )
             ],
-            default=directory.TenantInfo(domain_digest=b"", used_bytes=0, objects=0, bytes_max=1024),
+            default=directory.TenantInfo(
+                domain_digest=DomainDigest(b""), used_bytes=0, objects=0, bytes_max=1024
+            ),
         ),
     ),
     "dir.put_begin_reply.v1.quota_exceeded": (

@@ -18,6 +18,7 @@ from typing import Final, Literal
 
 import msgspec
 
+from kvfabric.format.ids import DomainDigest
 from kvfabric.proto.codec import FamilyDecoder
 from kvfabric.proto.directory import FreedSlot, WriteTicket
 
@@ -144,7 +145,7 @@ class VerifyRequest(msgspec.Struct, frozen=True, kw_only=True, tag="seg.verify.v
     slot_generation: int
     # The reporting tenant's share domains (16-byte digests): a slot holding an object of none of
     # them is left alone. Empty: a service's report, any object.
-    domains: list[bytes] = msgspec.field(default_factory=list)
+    domains: list[DomainDigest] = msgspec.field(default_factory=list)
 
 
 class VerifyReply(msgspec.Struct, frozen=True, kw_only=True, tag="seg.verify_reply.v1", tag_field="t"):

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from kvfabric.client.hits import SaveResult
+from kvfabric.format.ids import ChainHash
 from kvfabric.format.key import ChunkGroupId, MemberId
 from kvfabric.proto import directory as m
 
@@ -74,7 +75,7 @@ class SavePlan:
     keys: tuple[bytes, ...]
     data: dict[bytes, memoryview]
     chunk_of: dict[bytes, int]
-    parent_of: dict[bytes, bytes]
+    parent_of: dict[bytes, ChainHash]
 
     @property
     def chunks(self) -> list[int]:
@@ -90,11 +91,11 @@ def plan_save(
     """`views[i][j]`: chunk first_chunk+i's bytes for members[j] (the caller checked the shapes)."""
     data: dict[bytes, memoryview] = {}
     chunk_of: dict[bytes, int] = {}
-    parent_of: dict[bytes, bytes] = {}
+    parent_of: dict[bytes, ChainHash] = {}
     for i, row in enumerate(views):
         chunk = first_chunk + i
         group = groups[chunk]
-        parent = bytes(groups[chunk - 1].chain_hash) if chunk else b""
+        parent = groups[chunk - 1].chain_hash if chunk else ChainHash(b"")
         for member, view in zip(members, row, strict=True):
             key = group.member_key(*member).to_bytes()
             data[key] = view

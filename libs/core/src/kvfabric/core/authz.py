@@ -78,6 +78,7 @@ __all__ = [
 
 TENANT_NAME_MAX_CHARS: Final = 32
 SCOPE_SEPARATOR: Final = "/"
+NO_HOME: Final = DomainDigest(b"")  # a grant without a home domain
 
 # The directory verbs a tenant may call (on its tenant subjects); every other verb is a service's.
 TENANT_VERBS: Final[frozenset[str]] = frozenset(
@@ -102,8 +103,8 @@ class TenantGrant:
     """What one authenticated tenant may touch."""
 
     tenant: str
-    domains: frozenset[bytes]
-    home: bytes = b""  # the tenant's own domain: charged for requests that name none (rate limit)
+    domains: frozenset[DomainDigest]
+    home: DomainDigest = NO_HOME  # the tenant's own domain: charged for requests that name none (rate limit)
 
     def __post_init__(self) -> None:
         invariant(

@@ -64,7 +64,7 @@ import xxhash
 
 from kvfabric.core.eviction_density import DENSITY_LENGTH_CLASSES, density_class
 from kvfabric.format.errors import BadRequest
-from kvfabric.format.ids import DOMAIN_DIGEST_BYTES, GroupKey, domain_in_group_key
+from kvfabric.format.ids import DOMAIN_DIGEST_BYTES, DomainDigest, GroupKey, domain_in_group_key
 from kvfabric.format.invariant import invariant
 from kvfabric.proto.eviction import (
     ADMISSION_BLOOM_BYTES_MAX,
@@ -184,11 +184,11 @@ def filter_parts(
                     pools.append(PoolAdmission(segment_id=pool, group_bytes_max=list(limits)))
                     if len(pools) == ADMISSION_FILTER_POOLS_MAX:
                         break
-    protected: list[bytes] = []
+    protected: list[DomainDigest] = []
     for tenant in sorted(t for t in core.quotas if isinstance(t, bytes)):
         quota = core.quotas[tenant]
         if quota.guaranteed_bytes and core.tenant_bytes(tenant) < quota.guaranteed_bytes:
-            protected.append(tenant)
+            protected.append(DomainDigest(tenant))  # the core's tenants: share domain digests
     if len(protected) > ADMISSION_FILTER_DOMAINS_MAX:
         # More protected domains than a filter can name: one left out would lose its guarantee,
         # so the filter lists no pool (admits everything) until the count is back under the bound.

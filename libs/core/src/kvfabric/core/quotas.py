@@ -49,9 +49,9 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final, NewType
+from typing import Final, TypeAlias
 
-from kvfabric.format.ids import DOMAIN_SLICE
+from kvfabric.format.ids import DOMAIN_SLICE, DomainDigest
 from kvfabric.format.invariant import invariant
 
 __all__ = [
@@ -68,7 +68,7 @@ __all__ = [
     "tenant_of",
 ]
 
-Tenant = NewType("Tenant", bytes)
+Tenant: TypeAlias = DomainDigest  # a tenant is its share domain (the module docstring)
 DOMAIN_DIGEST: Final = DOMAIN_SLICE  # [4:20] inside a key, a chunk group id and a namespace alike
 ITEMS_PER_TOKEN: Final = 64  # a request costs one rate token per this many groups or keys it names
 

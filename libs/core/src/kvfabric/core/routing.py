@@ -32,6 +32,12 @@ co-located segments counts as co-located, else remote), the rest `compute_tokens
 Monotone: never lower when the queue, the running requests, the tokens to compute or the bytes
 to load grow (Hypothesis-tested).
 
+Coefficients: `config.coefficients`, or with `config.refit` set, an online refit of them from
+the realised TTFTs (`kvfabric.core.routing_refit`): each request's chosen inputs and its
+realised TTFT (given with `first_token`; failovers left out: their TTFT holds the failed
+attempt) are one observation; `coefficients_at(now_ms)` is what every estimate uses. The refit
+keeps every coefficient within bounds that are never negative, so the estimate stays monotone.
+
 ## Decision (`route`)
 Policies: `cache_aware` (lowest estimate), `round_robin`, `least_loaded` (fewest in flight):
 the benchmark runs every configuration through the same router.
@@ -71,6 +77,7 @@ from typing import Final, Literal
 from kvfabric.core import routing_events
 from kvfabric.core.routing_events import RoutingEvent, RoutingOutput
 from kvfabric.core.routing_index import RoutingIndex
+from kvfabric.core.routing_refit import CoefficientRefit, RefitConfig, features, theta_of
 from kvfabric.core.step import not_before
 from kvfabric.format.ids import pack_group_key
 from kvfabric.format.invariant import invariant
@@ -84,6 +91,7 @@ __all__ = [
     "Estimate",
     "InstanceSpec",
     "Policy",
+    "RefitConfig",
     "Refused",
     "RoutingConfig",
     "RoutingCore",
@@ -165,6 +173,7 @@ class RoutingConfig:
     admitted_max: int = 64
     tenant_inflight_max: int = 32
     retry_after_s_max: int = 30
+    refit: RefitConfig | None = None  # None: the coefficients as configured
 
     def __post_init__(self) -> None:
         invariant(self.tokens_per_chunk >= 1, "chunks hold tokens")
@@ -204,6 +213,7 @@ class _Request:
     instance_id: str
     keys: tuple[bytes, ...]
     compute_tokens: int
+    inputs: CostInputs | None = None  # the chosen estimate's (None after a failover: not observed)
     first_token: bool = False
 
 
@@ -233,6 +243,17 @@ class RoutingCore:
         self._rr = 0
         self._index_heard_ms: int | None = None
         self._step_ms = 0  # the latest time given to `step`
+        self.refit: CoefficientRefit | None = None
+        if config.refit is not None:
+            c = config.coefficients
+            prior = theta_of(
+                c.overhead_s,
+                c.prefill_tokens_per_s,
+                c.colocated_bytes_per_s,
+                c.remote_bytes_per_s,
+                c.running_s,
+            )
+            self.refit = CoefficientRefit(config.refit, prior)
         self.counters: dict[str, int] = {
             "routed": 0,
             "refused": 0,
@@ -278,6 +299,26 @@ class RoutingCore:
 
     # ---- estimates -----------------------------------------------------------------------
 
+    def coefficients_at(self, now_ms: int) -> Coefficients:
+        """The configured coefficients, or the refit's as of `now_ms` (its observations older
+        than its window dropped first)."""
+        if self.refit is not None:
+            self.refit.coefficients(now_ms)
+        return self.current_coefficients()
+
+    def current_coefficients(self) -> Coefficients:
+        """The coefficients as of the latest time given (a view: changes nothing)."""
+        if self.refit is None or self.refit.state == "prior":
+            return self.config.coefficients
+        t = self.refit.current
+        return Coefficients(
+            overhead_s=t[0],
+            prefill_tokens_per_s=1.0 / t[1],
+            colocated_bytes_per_s=1.0 / t[2],
+            remote_bytes_per_s=1.0 / t[3],
+            running_s=t[4],
+        )
+
     def usable_chunks(self, keys: Sequence[bytes], prompt_tokens: int) -> int:
         return max(0, min(len(keys), (prompt_tokens - 1) // self.config.tokens_per_chunk))
 
@@ -316,12 +357,13 @@ class RoutingCore:
     ) -> list[Estimate]:
         """Every eligible instance's estimate, best first (ties as `route` breaks them)."""
         skip = set(exclude)
+        coefficients = self.coefficients_at(now_ms)
         out = []
         for iid in self.instances:
             if iid in skip or not self.eligible(iid, now_ms):
                 continue
             inputs = self.inputs_for(iid, keys, prompt_tokens, now_ms)
-            out.append(Estimate(iid, ttft_estimate_s(inputs, self.config.coefficients), inputs))
+            out.append(Estimate(iid, ttft_estimate_s(inputs, coefficients), inputs))
         first = keys[0] if keys else b""
         out.sort(
             key=lambda e: (e.ttft_s, self.instances[e.instance_id].queue, -_rendezvous(first, e.instance_id))
@@ -367,7 +409,11 @@ class RoutingCore:
             inst = self.instances[chosen.instance_id]
             compute = chosen.inputs.compute_tokens
             self._requests[request_id] = _Request(
-                tenant, chosen.instance_id, tuple(keys[: self.usable_chunks(keys, prompt_tokens)]), compute
+                tenant,
+                chosen.instance_id,
+                tuple(keys[: self.usable_chunks(keys, prompt_tokens)]),
+                compute,
+                None if failover else chosen.inputs,
             )
             self._tenants[tenant] = self._tenants.get(tenant, 0) + 1
             inst.queue += 1
@@ -406,8 +452,9 @@ class RoutingCore:
     def _refuse(self, request_id: str, reason: RefusedReason, now_ms: int) -> Refused:
         self.counters["refused"] += 1
         # Retry after the shortest queue's prefill work would be done (at least 1 s).
+        rate = self.coefficients_at(now_ms).prefill_tokens_per_s
         drains = [
-            inst.queued_prefill_tokens / self.config.coefficients.prefill_tokens_per_s
+            inst.queued_prefill_tokens / rate
             for iid, inst in self.instances.items()
             if self.eligible(iid, now_ms)
         ]
@@ -416,12 +463,20 @@ class RoutingCore:
 
     # ---- request lifecycle ---------------------------------------------------------------
 
-    def first_token(self, request_id: str) -> None:
+    def first_token(self, request_id: str, ttft_s: float | None = None, now_ms: int | None = None) -> None:
+        """The request's first token; with `ttft_s` (realised, seconds) and `now_ms`, and a
+        refit configured, its chosen inputs and TTFT are an observation (not after a failover)."""
         req = self._requests.get(request_id)
         if req is None or req.first_token:
             self.counters["unknown_request"] += 1
             return
         req.first_token = True
+        if self.refit is not None and req.inputs is not None and ttft_s is not None and now_ms is not None:
+            i = req.inputs
+            x = features(
+                i.queued_prefill_tokens, i.compute_tokens, i.colocated_bytes, i.remote_bytes, i.running
+            )
+            self.refit.observe(x, ttft_s, now_ms)
         inst = self.instances[req.instance_id]
         inst.queued_prefill_tokens -= req.compute_tokens
         inst.running += 1
@@ -484,6 +539,8 @@ class RoutingCore:
             tenants[r.tenant] = tenants.get(r.tenant, 0) + 1
         invariant(tenants == self._tenants, "tenant counts")
         self.index.check_invariants()
+        if self.refit is not None:
+            self.refit.check_invariants()
 
 
 def _rendezvous(first_key: bytes, instance_id: str) -> int:

@@ -61,9 +61,11 @@ class Route:
 
 @dataclass(frozen=True, slots=True)
 class FirstToken:
-    """The request's first token came back (`first_token`)."""
+    """The request's first token came back (`first_token`); `ttft_s`: its realised TTFT (an
+    observation for the coefficients' refit, at the step's time)."""
 
     request_id: str
+    ttft_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +107,7 @@ def dispatch(core: RoutingCore, event: RoutingEvent, now_ms: int) -> list[Routin
     elif isinstance(event, IndexHeard):
         core.index_heard(now_ms)
     elif isinstance(event, FirstToken):
-        core.first_token(event.request_id)
+        core.first_token(event.request_id, event.ttft_s, now_ms)
     else:
         core.finished(event.request_id)
     return []

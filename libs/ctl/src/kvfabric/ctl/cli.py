@@ -15,6 +15,7 @@ from kvfabric.ctl import auth, render
 from kvfabric.ctl import queries as q
 from kvfabric.ctl.keys import decode_key, group_of, key_fields
 from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.format.ids import DomainDigest
 from kvfabric.proto import directory as m
 from kvfabric.proto.subjects import check_segment_id
 
@@ -139,9 +140,9 @@ def objects_ls(
     """Published chunk groups (read-only: grants no lease)."""
     env = Env(nats_url, timeout_s)
 
-    def digest() -> bytes:
+    def digest() -> DomainDigest:
         try:
-            raw = bytes.fromhex(domain)
+            raw = DomainDigest(bytes.fromhex(domain))
         except ValueError:
             raise BadRequest(f"--domain is not hex: {domain[:40]!r}") from None
         if raw and len(raw) != 16:

@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.format.errors import BadRequest, Indeterminate, NotFound, Unavailable
-from kvfabric.format.ids import Namespace, domain_in_id
+from kvfabric.format.ids import DomainDigest, domain_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject, events_wildcard, segment_subject
@@ -139,11 +139,11 @@ async def list_segments(routed: DirectoryRouter, timeout_s: float) -> m.SegmentL
 
 
 def _group_order(g: m.GroupSummary) -> tuple[bytes, bytes]:
-    return domain_in_id(Namespace(g.namespace)), g.group  # group-key order: domain digest, then chain hash
+    return domain_in_id(g.namespace), g.group  # group-key order: domain digest, then chain hash
 
 
 async def list_all_groups(
-    routed: DirectoryRouter, domain_digest: bytes, limit: int, timeout_s: float
+    routed: DirectoryRouter, domain_digest: DomainDigest, limit: int, timeout_s: float
 ) -> list[m.GroupSummary]:
     """Published chunk groups in group-key order (domain digest, chain hash), at most `limit`:
     the first `limit` of every shard (following `next_after` pages), merged."""
@@ -194,7 +194,7 @@ def _limit_sum(limits: list[int]) -> int:
 
 
 def _merge_tenant(
-    digest: bytes, rows: Sequence[m.TenantInfo | None], defaults: Sequence[m.TenantInfo]
+    digest: DomainDigest, rows: Sequence[m.TenantInfo | None], defaults: Sequence[m.TenantInfo]
 ) -> m.TenantInfo:
     """One tenant over every shard: usage and refusals summed; a shard's byte/object quota is
     its part of the tenant's (the default's where the shard does not list the tenant)."""
@@ -222,12 +222,14 @@ async def list_tenants(routed: DirectoryRouter, limit: int, timeout_s: float) ->
             "list_tenants", lambda s: m.ListTenants(limit=limit, shard=s), timeout_s
         )
     ]
-    unlimited = m.TenantInfo(domain_digest=b"", used_bytes=0, objects=0)
+    unlimited = m.TenantInfo(domain_digest=DomainDigest(b""), used_bytes=0, objects=0)
     defaults = [r.default or unlimited for r in replies]
     by_shard = [{t.domain_digest: t for t in r.tenants} for r in replies]
     digests = sorted({d for rows in by_shard for d in rows})[:limit]
     tenants = [_merge_tenant(d, [rows.get(d) for rows in by_shard], defaults) for d in digests]
-    default = _merge_tenant(b"", defaults, defaults) if any(r.default for r in replies) else None
+    default = (
+        _merge_tenant(DomainDigest(b""), defaults, defaults) if any(r.default for r in replies) else None
+    )
     return m.TenantList(epoch=newest_epoch(routed), tenants=tenants, default=default)
 
 

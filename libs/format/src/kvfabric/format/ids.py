@@ -31,9 +31,14 @@ through these functions over the hand-sliced version they replaced, 0.91 and 1.0
 0.77 in two interleaved runs (`.venv/bin/python -m bench.id_layout_cost`, 2026-12-02, shared
 2-core VM at load 6-10: within noise). The pack functions check nothing (callers pass parts they
 already hold typed); decoding external input is `ChunkGroupId.from_bytes` / `KVKey.from_bytes`.
-The wire structs (`kvfabric.proto`) keep `bytes` fields for now: typing them made every producer
-wrap its bytes (keys and group lists: 206 mypy errors in 65 files; the event and listing fields
-alone: 47 in 11, 2026-12-02; docs/architecture.md, identity).
+The wire structs (`kvfabric.proto`) carry these types in their event and listing fields: the
+events' chain hash, namespace, parent and domain (`GroupPublished`, `GroupHits`, the evicted,
+invalidated and under-replicated events), `GroupSummary`, the listing's `domain_digest` and its
+`after` / `next_after` cursor (a `GroupKey`), tenant rows, the admission filter's and a verify
+request's domains, and `ObjectSpec.parent`; the directory core names its groups by `GroupKey`
+throughout (its tables, index, leases, frees). Object keys and group-id lists in requests and
+replies are still `bytes` (docs/architecture.md, identity). `ShowGroup.group` stays `bytes` by
+design: it takes a group id, a group key or a chain hash.
 """
 
 from __future__ import annotations

@@ -93,6 +93,7 @@ from kvfabric.core.quotas import UNLIMITED, TenantQuota
 from kvfabric.directory.admission import AdmissionConfig
 from kvfabric.directory.cpu_priority import CPU_PRIORITY_DEFAULT, CpuPriority
 from kvfabric.directory.cpu_priority import parse as parse_cpu_priority
+from kvfabric.format.ids import DomainDigest
 from kvfabric.proto.directory import LOOKUP_BATCH_GROUPS_MAX, PIN_TTL_MS_MAX, WRITE_TTL_MS_MAX
 from kvfabric.proto.shards import SHARDS_MAX
 from kvfabric.proto.subjects import check_tenant
@@ -291,16 +292,16 @@ def parse_grants(name: str, raw: str) -> dict[str, TenantGrant]:
             raise SettingsError(f"{name}: {exc}") from None
         if not isinstance(digests, list) or not digests:
             raise SettingsError(f"{name}[{tenant}]: want a non-empty list of domain digests")
-        domains = set()
+        domains: set[DomainDigest] = set()
         for digest_hex in digests:
             try:
-                digest = bytes.fromhex(digest_hex) if isinstance(digest_hex, str) else b""
+                digest = DomainDigest(bytes.fromhex(digest_hex) if isinstance(digest_hex, str) else b"")
             except ValueError:
-                digest = b""
+                digest = DomainDigest(b"")
             if len(digest) != 16:
                 raise SettingsError(f"{name}[{tenant}]: {digest_hex!r} is not a domain digest (32 hex)")
             domains.add(digest)
-        home = bytes.fromhex(digests[0])  # the tenant's own domain is listed first
+        home = DomainDigest(bytes.fromhex(digests[0]))  # the tenant's own domain is listed first
         grants[tenant] = TenantGrant(tenant=tenant, domains=frozenset(domains), home=home)
     return grants
 

@@ -27,6 +27,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvfabric.core import authz
 from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.format.ids import DomainDigest
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.segment import VerifyRequest
@@ -75,7 +76,7 @@ class SuspectRelay:
         return m.ReplicaSuspectReply(relayed=True)
 
     async def _relay(
-        self, nc: NatsClient, subject: str, message: m.ReplicaSuspect, domains: list[bytes]
+        self, nc: NatsClient, subject: str, message: m.ReplicaSuspect, domains: list[DomainDigest]
     ) -> None:
         request = VerifyRequest(
             incarnation=message.incarnation,

@@ -27,7 +27,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex
 from kvfabric.format.errors import BadRequest, KvfError
-from kvfabric.format.ids import NAMESPACE_BYTES, Namespace, domain_in_id
+from kvfabric.format.ids import NAMESPACE_BYTES, DomainDigest, Namespace, domain_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.subjects import Service, events_wildcard
 from kvfabric.runtime.directory_router import DirectoryRouter
@@ -48,7 +48,7 @@ class IndexFollower:
         nc: NatsClient,
         index: RoutingIndex,
         *,
-        domain_digest: bytes,
+        domain_digest: DomainDigest,
         heard: Callable[[], Awaitable[None]],
         request_timeout_s: float,
         listing_pages_max: int,

@@ -12,12 +12,17 @@ HTTP front's `/metrics`.
 | `kvfabric_router_ttft_error_seconds` | | abs(realised - estimate) per request |
 | `kvfabric_router_e2e_seconds` | instance | request received -> its last byte |
 | `kvfabric_router_estimated_tokens_total` | instance, tier | engine, colocated, remote, compute |
-| `kvfabric_router_state` | name | in flight, queue_<id>, index sequence/groups/synced/gaps |
+| `kvfabric_router_state` | name | in flight, queue_<id>, index sequence/groups/synced/gaps, refit_* |
+| `kvfabric_router_coefficient` | name | the cost model's coefficients in use (configured or refitted) |
+
+`refit_*` (with `KVF_ROUTER_REFIT` on): refit_fitted (0: the configured coefficients are in use),
+refit_observations (in its window), refit_fits, refit_rejected (TTFTs not finite or negative).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -121,6 +126,18 @@ class StateCollector(Collector):
         }
         for iid in core.instances:
             values[f"queue_{iid}"] = core.queue_of(iid)
+        refit = core.refit
+        if refit is not None:
+            values["refit_fitted"] = int(refit.state == "fitted")
+            values["refit_observations"] = len(refit.window)
+            values["refit_fits"] = refit.fits
+            values["refit_rejected"] = refit.rejected
         for name, value in sorted(values.items()):
             g.add_metric([name], float(value))
         yield g
+        coef = GaugeMetricFamily(
+            "kvfabric_router_coefficient", "Cost model coefficients in use, by name.", labels=["name"]
+        )
+        for name, value in sorted(asdict(core.current_coefficients()).items()):
+            coef.add_metric([name], float(value))
+        yield coef

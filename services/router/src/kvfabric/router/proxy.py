@@ -234,7 +234,8 @@ class Proxy:
             break
         ttft_s = time.monotonic() - received
         if upstream.response.status_code < 400:
-            self.core.first_token(rid)
+            # the realised TTFT is an observation for the coefficients' refit (when configured)
+            self.core.first_token(rid, ttft_s, self.driver.now_ms())
             self.metrics.first_byte(iid, decision, ttft_s)
         headers = {k: v for k, v in upstream.response.headers.items() if k.lower() not in HOP_HEADERS}
         headers["x-kvf-trace-id"] = trace_id

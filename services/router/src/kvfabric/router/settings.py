@@ -7,6 +7,7 @@ service with a `SettingsError` naming the variable).
 | `KVF_ROUTER_KEYSPACE` | (required) | JSON: the engines' kvfabric key space (below) |
 | `KVF_ROUTER_POLICY` | `cache_aware` | or `round_robin`, `least_loaded` |
 | `KVF_ROUTER_COEFFICIENTS` | built-in | JSON of `Coefficients` fields (docs/router.md) |
+| `KVF_ROUTER_REFIT` | `off` | `on`: refit coefficients from realised TTFTs (below); or `RefitConfig` JSON |
 | `KVF_ROUTER_HTTP_HOST` / `_PORT` | 127.0.0.1 / 8080 | the OpenAI-compatible front (0: a free port) |
 | `KVF_ROUTER_ADMITTED_MAX` | 64 | requests in flight through the router; more get 429 |
 | `KVF_ROUTER_TENANT_INFLIGHT_MAX` | 32 | in flight per tenant (header `X-Kvf-Tenant`); more get 429 |
@@ -23,6 +24,10 @@ prefix cache holds (0: prefix caching off), "queue_max": 16}`. The key space: `t
 `domain_salt_hex`, `model_id`, `weights_revision`, `kv_dtype`, `attn_config_digest`,
 `tensor_layout`, `tokens_per_chunk`, as the engines' connector derives them
 (`keyspace_for_model_dir` builds it for a local model).
+
+The refit (`kvfabric.core.routing_refit`): the configured coefficients are its prior, used until
+it holds enough observations (each request's chosen estimate inputs and realised TTFT); then
+its fit over a bounded window, every coefficient within bounds around the prior.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvfabric.core.routing import POLICIES, Coefficients, InstanceSpec, RoutingConfig
+from kvfabric.core.routing import POLICIES, Coefficients, InstanceSpec, RefitConfig, RoutingConfig
+from kvfabric.format.invariant import InvariantViolation
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
 from kvfabric.runtime.config import SettingsError, env_int
 
@@ -134,6 +140,23 @@ def keyspace_for_model_dir(
     }
 
 
+def refit_from(text: str) -> RefitConfig | None:
+    """`off`, `on` (the defaults) or a JSON object of `RefitConfig` fields."""
+    if text == "off":
+        return None
+    if text == "on":
+        return RefitConfig()
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise TypeError("not a JSON object")
+        return RefitConfig(**raw)
+    except (json.JSONDecodeError, TypeError, ValueError, InvariantViolation) as exc:
+        raise SettingsError(
+            f"KVF_ROUTER_REFIT: off, on or a JSON object of RefitConfig fields ({exc})"
+        ) from None
+
+
 def load_router_settings(env: Mapping[str, str]) -> RouterSettings:
     engines_raw = _json(env, "KVF_ROUTER_ENGINES")
     if not isinstance(engines_raw, list) or not engines_raw:
@@ -164,6 +187,7 @@ def load_router_settings(env: Mapping[str, str]) -> RouterSettings:
         coefficients = Coefficients(**_json(env, "KVF_ROUTER_COEFFICIENTS", {}))
     except (TypeError, ValueError) as exc:
         raise SettingsError(f"KVF_ROUTER_COEFFICIENTS: {exc}") from None
+    refit = refit_from(env.get("KVF_ROUTER_REFIT", "off"))
     admitted = env_int(env, "KVF_ROUTER_ADMITTED_MAX", 64, 1, 1_000_000)
     routing = RoutingConfig(
         tokens_per_chunk=keyspace.layout.tokens_per_chunk,
@@ -173,6 +197,7 @@ def load_router_settings(env: Mapping[str, str]) -> RouterSettings:
         index_stale_ms=env_int(env, "KVF_ROUTER_INDEX_STALE_MS", 5_000, 100, 3_600_000),
         admitted_max=admitted,
         tenant_inflight_max=min(admitted, env_int(env, "KVF_ROUTER_TENANT_INFLIGHT_MAX", 32, 1, 1_000_000)),
+        refit=refit,
     )
     return RouterSettings(
         engines=tuple(engines),

@@ -60,6 +60,7 @@ from kvfabric.core.eviction_admission import AdmissionGate, AdmissionView
 from kvfabric.core.quotas import Quotas, Tenant, TenantUsage, tenant_of
 from kvfabric.core.step import not_before
 from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.format.ids import GroupKey
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 
@@ -280,7 +281,7 @@ class DirectoryCore:
         return self.segment_table.segments
 
     @property
-    def building(self) -> dict[bytes, BuildingGroup]:
+    def building(self) -> dict[GroupKey, BuildingGroup]:
         return self.write_table.building
 
     @property
@@ -288,16 +289,16 @@ class DirectoryCore:
         return self.write_table.pending_objects
 
     @property
-    def published(self) -> dict[bytes, bytes]:
+    def published(self) -> dict[GroupKey, bytes]:
         """Group key -> packed record (`records`) of every published group."""
         return self.published_table.records
 
     @published.setter
-    def published(self, records: dict[bytes, bytes]) -> None:  # tests swap in an instrumented dict
+    def published(self, records: dict[GroupKey, bytes]) -> None:  # tests swap in an instrumented dict
         self.published_table.records = records
 
     @property
-    def evicting(self) -> dict[bytes, PublishedGroup]:
+    def evicting(self) -> dict[GroupKey, PublishedGroup]:
         return self.free_table.evicting
 
     @property
@@ -320,7 +321,7 @@ class DirectoryCore:
         return self.lease_table.leases
 
     @property
-    def _lease_count(self) -> dict[bytes, int]:
+    def _lease_count(self) -> dict[GroupKey, int]:
         return self.published_table.lease_count
 
     @property
@@ -328,7 +329,7 @@ class DirectoryCore:
         return self.free_table.pending
 
     @property
-    def _hits(self) -> dict[bytes, int]:
+    def _hits(self) -> dict[GroupKey, int]:
         return self.reads.hits
 
     @property

@@ -43,6 +43,7 @@ from kvfabric.core.directory.base import Context, Effect, FreeSlots, Outcome, ch
 from kvfabric.core.directory.records import PublishedGroup, ReplicaRecord
 from kvfabric.core.directory.segments import Segment, SegmentTable
 from kvfabric.core.quotas import Tenant
+from kvfabric.format.ids import GroupKey
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
@@ -55,13 +56,14 @@ FREE_SLOTS_PER_REQUEST_MAX: Final = 1_024
 
 SlotKey = tuple[str, int, int, int]  # (segment id, incarnation, slot, slot generation)
 FreeState = Literal["held", "sent", "sent_at"]
+NO_GROUP: Final = GroupKey(b"")  # a free of no evicting group
 
 
 class PendingFree(NamedTuple):
     """A tuple of atoms: the cyclic GC does not walk it (docs/directory.md, "Garbage collector")."""
 
     size_bytes: int
-    group: bytes  # the evicting group this slot belongs to, b"" if none
+    group: GroupKey  # the evicting group this slot belongs to, empty if none
     tenant: Tenant
     state: FreeState
     sent_ms: int = 0  # when state is "sent_at"
@@ -102,8 +104,8 @@ class FreeTable:
         self.ctx = ctx
         self.segments = segments
         self.pending: dict[SlotKey, PendingFree] = {}
-        self.evicting: dict[bytes, PublishedGroup] = {}
-        self._evicting_frees: dict[bytes, int] = {}  # evicting group -> frees not yet acknowledged
+        self.evicting: dict[GroupKey, PublishedGroup] = {}
+        self._evicting_frees: dict[GroupKey, int] = {}  # evicting group -> frees not yet acknowledged
         # After a rebuild (`begin_grace`), frees of adopted slots wait until this time.
         self.grace_until_ms = 0
         self.in_grace = False
@@ -117,7 +119,7 @@ class FreeTable:
         effects: list[Effect],
         *,
         key: bytes = b"",
-        group: bytes = b"",
+        group: GroupKey = NO_GROUP,
     ) -> None:
         """Hand a confirmed slot back to its segment. The reservation (and the tenant's bytes) is
         released on `SlotsFreed`. `group`: the evicting group it belongs to."""
@@ -166,10 +168,10 @@ class FreeTable:
 
     # ---- evicting groups -----------------------------------------------------------------
 
-    def start_evicting(self, gid: bytes, group: PublishedGroup) -> None:
+    def start_evicting(self, gid: GroupKey, group: PublishedGroup) -> None:
         self.evicting[gid] = group
 
-    def forget_if_freed(self, gid: bytes) -> None:
+    def forget_if_freed(self, gid: GroupKey) -> None:
         """An evicting group none of whose frees is outstanding is gone."""
         if not self._evicting_frees.get(gid):
             self._evicting_frees.pop(gid, None)
@@ -228,7 +230,7 @@ class FreeTable:
             yield pending.tenant, pending.size_bytes, 0
 
     def check_invariants(self) -> None:
-        outstanding: dict[bytes, int] = {}
+        outstanding: dict[GroupKey, int] = {}
         for pending in self.pending.values():
             if pending.group:
                 outstanding[pending.group] = outstanding.get(pending.group, 0) + 1

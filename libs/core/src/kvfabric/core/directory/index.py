@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator, Sequence
-from typing import Final
+from typing import Final, Generic, TypeVar
 
-from kvfabric.format.ids import DOMAIN_DIGEST_BYTES
+from kvfabric.format.ids import DOMAIN_DIGEST_BYTES, DomainDigest, GroupKey
 from kvfabric.format.invariant import invariant
 
 __all__ = ["CHUNK_KEYS_MAX", "CHUNK_KEYS_MIN", "DomainIndex", "SortedKeys"]
@@ -35,9 +35,13 @@ CHUNK_KEYS_MAX: Final = 128  # a chunk that grows past this splits in two
 CHUNK_KEYS_MIN: Final = 32  # a chunk that shrinks below this merges into a neighbour
 DOMAIN_BYTES: Final = DOMAIN_DIGEST_BYTES  # a group key's leading bytes: its share domain's digest
 
+K = TypeVar("K", bound=bytes)  # the keys of one `SortedKeys`: group keys or domain digests
+FIRST: Final = GroupKey(b"")  # the `after` cursor before every group key
 
-class SortedKeys:
-    """A sorted set of distinct `bytes` keys (see the module docstring)."""
+
+class SortedKeys(Generic[K]):
+    """A sorted set of distinct keys, each a `bytes` (or a `NewType` of it: `K`; see the module
+    docstring)."""
 
     __slots__ = ("_chunk_max", "_chunk_min", "_chunks", "_len", "_maxes")
 
@@ -45,14 +49,14 @@ class SortedKeys:
         invariant(1 <= chunk_min <= chunk_max // 2, "chunk bounds: 1 <= min <= max / 2")
         self._chunk_max = chunk_max  # parameters for tests (small chunks split and merge often)
         self._chunk_min = chunk_min
-        self._chunks: list[tuple[bytes, ...]] = []
-        self._maxes: list[bytes] = []
+        self._chunks: list[tuple[K, ...]] = []
+        self._maxes: list[K] = []
         self._len = 0
 
     def __len__(self) -> int:
         return self._len
 
-    def __contains__(self, key: bytes) -> bool:
+    def __contains__(self, key: K) -> bool:
         i = bisect_left(self._maxes, key)
         if i == len(self._maxes):
             return False
@@ -60,7 +64,7 @@ class SortedKeys:
         j = bisect_left(chunk, key)
         return j < len(chunk) and chunk[j] == key
 
-    def add(self, key: bytes) -> None:
+    def add(self, key: K) -> None:
         """Insert `key`, which must not be present (the caller's dict says so)."""
         maxes, chunks = self._maxes, self._chunks
         if not chunks:
@@ -86,7 +90,7 @@ class SortedKeys:
         else:
             chunks[i] = chunk
 
-    def remove(self, key: bytes) -> None:
+    def remove(self, key: K) -> None:
         """Remove `key`, which must be present."""
         maxes, chunks = self._maxes, self._chunks
         i = bisect_left(maxes, key)
@@ -113,16 +117,16 @@ class SortedKeys:
                 chunks[k] = merged
                 maxes[k] = merged[-1]
 
-    def iter_after(self, after: bytes) -> Iterator[bytes]:
+    def iter_after(self, after: K) -> Iterator[K]:
         """The keys greater than `after`, in order: O(log n) to the first, then O(1) each. The
         caller must not change the set while it iterates."""
         return self._iter(after, bisect_right)
 
-    def iter_from(self, first: bytes) -> Iterator[bytes]:
+    def iter_from(self, first: K) -> Iterator[K]:
         """The keys from `first` on (greater or equal), in order; as `iter_after`."""
         return self._iter(first, bisect_left)
 
-    def _iter(self, bound: bytes, bisect: Callable[[Sequence[bytes], bytes], int]) -> Iterator[bytes]:
+    def _iter(self, bound: K, bisect: Callable[[Sequence[K], K], int]) -> Iterator[K]:
         maxes, chunks = self._maxes, self._chunks
         i = bisect(maxes, bound)
         if i == len(maxes):
@@ -132,7 +136,7 @@ class SortedKeys:
         for k in range(i + 1, len(chunks)):
             yield from chunks[k]
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator[K]:
         for chunk in self._chunks:
             yield from chunk
 
@@ -154,22 +158,22 @@ class DomainIndex:
 
     def __init__(self, chunk_max: int = CHUNK_KEYS_MAX, chunk_min: int = CHUNK_KEYS_MIN) -> None:
         self._chunk_max, self._chunk_min = chunk_max, chunk_min
-        self._by_domain: dict[bytes, SortedKeys] = {}
-        self._domains = SortedKeys(chunk_max, chunk_min)
+        self._by_domain: dict[DomainDigest, SortedKeys[GroupKey]] = {}
+        self._domains: SortedKeys[DomainDigest] = SortedKeys(chunk_max, chunk_min)
 
     def __len__(self) -> int:
         return sum(len(keys) for keys in self._by_domain.values())
 
-    def add(self, group_key: bytes) -> None:
-        domain = group_key[:DOMAIN_BYTES]
+    def add(self, group_key: GroupKey) -> None:
+        domain = DomainDigest(group_key[:DOMAIN_BYTES])
         keys = self._by_domain.get(domain)
         if keys is None:
             keys = self._by_domain[domain] = SortedKeys(self._chunk_max, self._chunk_min)
             self._domains.add(domain)
         keys.add(group_key)
 
-    def remove(self, group_key: bytes) -> None:
-        domain = group_key[:DOMAIN_BYTES]
+    def remove(self, group_key: GroupKey) -> None:
+        domain = DomainDigest(group_key[:DOMAIN_BYTES])
         keys = self._by_domain.get(domain)
         invariant(keys is not None, "group key of a domain not indexed")
         assert keys is not None
@@ -178,26 +182,26 @@ class DomainIndex:
             del self._by_domain[domain]
             self._domains.remove(domain)
 
-    def domains(self) -> Iterator[bytes]:
+    def domains(self) -> Iterator[DomainDigest]:
         """Every domain holding a published group, in order."""
         return iter(self._domains)
 
-    def groups(self, domain: bytes, after: bytes = b"") -> Iterator[bytes]:
+    def groups(self, domain: DomainDigest, after: GroupKey = FIRST) -> Iterator[GroupKey]:
         """One domain's group keys greater than `after`, in order; no other domain is touched."""
         keys = self._by_domain.get(domain)
         return keys.iter_after(after) if keys is not None else iter(())
 
-    def all_groups(self, after: bytes = b"") -> Iterator[bytes]:
+    def all_groups(self, after: GroupKey = FIRST) -> Iterator[GroupKey]:
         """Every group key greater than `after`, in order: the domains from `after`'s on (a
         domain before it holds only smaller keys, since a key starts with its domain)."""
-        for domain in self._domains.iter_from(after[:DOMAIN_BYTES]):
+        for domain in self._domains.iter_from(DomainDigest(after[:DOMAIN_BYTES])):
             yield from self._by_domain[domain].iter_after(after)
 
-    def check(self, group_keys: set[bytes]) -> None:
+    def check(self, group_keys: set[GroupKey]) -> None:
         """The index holds exactly `group_keys` (tests call this after every step)."""
         self._domains.check()
         invariant(list(self._domains) == sorted(self._by_domain), "index domains drift")
-        indexed: set[bytes] = set()
+        indexed: set[GroupKey] = set()
         for domain, keys in self._by_domain.items():
             keys.check()
             invariant(len(keys) > 0, "empty domain kept in the index")

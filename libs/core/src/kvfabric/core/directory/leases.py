@@ -32,6 +32,7 @@ from kvfabric.core.directory.keys import parse_group
 from kvfabric.core.directory.published import PublishedTable
 from kvfabric.core.quotas import request_tokens
 from kvfabric.format.errors import BadRequest, Busy, NotFound
+from kvfabric.format.ids import GroupKey
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 
@@ -41,7 +42,7 @@ __all__ = ["Lease", "LeaseTable"]
 @dataclass(slots=True)
 class Lease:
     holder_id: str
-    groups: tuple[bytes, ...]
+    groups: tuple[GroupKey, ...]
     expires_ms: int
     is_pin: bool
 
@@ -57,7 +58,7 @@ class LeaseTable:
         self._scope_held: dict[tuple[str, bool], int] = {}
 
     def grant(
-        self, holder_id: str, groups: tuple[bytes, ...], expires_ms: int, *, is_pin: bool
+        self, holder_id: str, groups: tuple[GroupKey, ...], expires_ms: int, *, is_pin: bool
     ) -> tuple[int, int]:
         config = self.ctx.config
         limit = config.pins_max if is_pin else config.leases_max
@@ -87,7 +88,7 @@ class LeaseTable:
             return None
         return lease
 
-    def extend(self, lease_id: int, groups: tuple[bytes, ...]) -> None:
+    def extend(self, lease_id: int, groups: tuple[GroupKey, ...]) -> None:
         """More groups under a lease (a lookup's later slice), its expiry unchanged."""
         lease = self.leases[lease_id]
         lease.groups += groups
@@ -197,7 +198,7 @@ class LeaseTable:
 
     def check_invariants(self) -> None:
         scoped: dict[tuple[str, bool], int] = {}
-        counts: tuple[dict[bytes, int], dict[bytes, int]] = ({}, {})  # leases, pins
+        counts: tuple[dict[GroupKey, int], dict[GroupKey, int]] = ({}, {})  # leases, pins
         for lease in self.leases.values():
             if (scope := scope_of(lease.holder_id)) is not None:
                 scoped[(scope, lease.is_pin)] = scoped.get((scope, lease.is_pin), 0) + 1

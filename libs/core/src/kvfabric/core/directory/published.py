@@ -47,6 +47,7 @@ from kvfabric.core.directory.records import (
 from kvfabric.core.directory.segments import SegmentTable
 from kvfabric.core.quotas import Tenant, tenant_of
 from kvfabric.format.errors import BadRequest
+from kvfabric.format.ids import GroupKey, Namespace
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
@@ -59,25 +60,25 @@ class PublishedTable:
         self.ctx = ctx
         self.segments = segments
         self.frees = frees
-        self.records: dict[bytes, bytes] = {}  # group key -> packed record
-        self._namespaces: list[bytes] = []
-        self._namespace_index: dict[bytes, int] = {}
+        self.records: dict[GroupKey, bytes] = {}  # group key -> packed record
+        self._namespaces: list[Namespace] = []
+        self._namespace_index: dict[Namespace, int] = {}
         # The published group keys per share domain, in order: listings page through one
         # domain's keys only (the same key objects as `records`').
         self.index = DomainIndex()
         # Published groups a member of which has no good replica left (its last one was corrupt):
         # unreadable at once, invalidated by the sweep once no lease or pin holds them.
-        self.unreadable: set[bytes] = set()
-        self.lease_count: dict[bytes, int] = {}
-        self.pin_count: dict[bytes, int] = {}
-        self._sweep_queue: dict[bytes, None] = {}  # an ordered set, taken from its end
+        self.unreadable: set[GroupKey] = set()
+        self.lease_count: dict[GroupKey, int] = {}
+        self.pin_count: dict[GroupKey, int] = {}
+        self._sweep_queue: dict[GroupKey, None] = {}  # an ordered set, taken from its end
         # Groups that lost a member's last replica while leased/pinned: unreadable now, their
         # remaining slots are freed only once the last lease or pin on them ends.
-        self._sweep_deferred: set[bytes] = set()
+        self._sweep_deferred: set[GroupKey] = set()
 
     # ---- records -------------------------------------------------------------------------
 
-    def intern_namespace(self, namespace: bytes) -> int:
+    def intern_namespace(self, namespace: Namespace) -> int:
         idx = self._namespace_index.get(namespace)
         if idx is None:
             idx = len(self._namespaces)
@@ -85,17 +86,17 @@ class PublishedTable:
             self._namespace_index[namespace] = idx
         return idx
 
-    def namespace(self, idx: int) -> bytes:
+    def namespace(self, idx: int) -> Namespace:
         return self._namespaces[idx]
 
-    def add(self, gid: bytes, group: PublishedGroup) -> None:
+    def add(self, gid: GroupKey, group: PublishedGroup) -> None:
         self.records[gid] = pack_group(group)
         self.index.add(gid)
 
-    def replace(self, gid: bytes, group: PublishedGroup) -> None:
+    def replace(self, gid: GroupKey, group: PublishedGroup) -> None:
         self.records[gid] = pack_group(group)
 
-    def _remove(self, gid: bytes) -> None:
+    def _remove(self, gid: GroupKey) -> None:
         del self.records[gid]
         self.index.remove(gid)
         self.unreadable.discard(gid)
@@ -117,7 +118,7 @@ class PublishedTable:
             return None
         return group
 
-    def published_member(self, key: bytes) -> tuple[bytes, PublishedGroup, MemberRecord] | None:
+    def published_member(self, key: bytes) -> tuple[GroupKey, PublishedGroup, MemberRecord] | None:
         info = parse_key(key)
         record = self.records.get(info.group.group_id)
         if record is None:
@@ -128,7 +129,7 @@ class PublishedTable:
         mem = next((x for x in group.members if x.member == info.member), None)
         return None if mem is None else (info.group.group_id, group, mem)
 
-    def replace_member(self, gid: bytes, group: PublishedGroup, new: MemberRecord) -> None:
+    def replace_member(self, gid: GroupKey, group: PublishedGroup, new: MemberRecord) -> None:
         """The member's replicas changed: the degraded flag follows the replica target."""
         members = tuple(new if x.member == new.member else x for x in group.members)
         target = self.ctx.config.replicas_default
@@ -152,7 +153,7 @@ class PublishedTable:
             for mem in unpack_group(record).members
         )
 
-    def republished(self, gid: bytes, group: PublishedGroup) -> EmitEvent:
+    def republished(self, gid: GroupKey, group: PublishedGroup) -> EmitEvent:
         """A `published` event for a group already published, with its live placements now and
         the disk share of them (after a demotion, or adopted with disk replicas)."""
         held: dict[str, int] = {}
@@ -208,11 +209,11 @@ class PublishedTable:
 
     # ---- holds (read leases and pins, counted per group by the lease table) ---------------
 
-    def hold(self, gid: bytes, is_pin: bool) -> None:
+    def hold(self, gid: GroupKey, is_pin: bool) -> None:
         counts = self.pin_count if is_pin else self.lease_count
         counts[gid] = counts.get(gid, 0) + 1
 
-    def unhold(self, gid: bytes, is_pin: bool) -> None:
+    def unhold(self, gid: GroupKey, is_pin: bool) -> None:
         counts = self.pin_count if is_pin else self.lease_count
         left = counts[gid] - 1
         invariant(left >= 0, "negative lease count")
@@ -224,12 +225,12 @@ class PublishedTable:
             self._sweep_deferred.discard(gid)
             self.queue_sweep(gid)
 
-    def held(self, gid: bytes) -> bool:
+    def held(self, gid: GroupKey) -> bool:
         return bool(self.lease_count.get(gid) or self.pin_count.get(gid))
 
     # ---- eviction (published -> evicting, in the frees table) ------------------------------
 
-    def evict(self, req: m.Evict, building_identity: Callable[[bytes], GroupInfo | None]) -> Outcome:
+    def evict(self, req: m.Evict, building_identity: Callable[[GroupKey], GroupInfo | None]) -> Outcome:
         """Evict groups no lease or pin holds. `building_identity`: the identity of a group being
         written (the write table's), for the statuses of groups not published."""
         self.ctx.check_epoch(req.epoch)
@@ -248,7 +249,7 @@ class PublishedTable:
             results.append(m.EvictResult(group=raw, status=status))
         return Outcome(m.EvictReply(epoch=self.ctx.epoch, results=results), effects)
 
-    def _evict_one(self, gid: bytes, reason: str, building: bool, effects: list[Effect]) -> m.EvictStatus:
+    def _evict_one(self, gid: GroupKey, reason: str, building: bool, effects: list[Effect]) -> m.EvictStatus:
         record = self.records.get(gid)
         if record is None:
             return "not_published" if building or gid in self.frees.evicting else "not_found"
@@ -275,7 +276,7 @@ class PublishedTable:
 
     # ---- the sweep (invalidation) ----------------------------------------------------------
 
-    def queue_sweep(self, gid: bytes) -> None:
+    def queue_sweep(self, gid: GroupKey) -> None:
         self._sweep_queue.pop(gid, None)  # once, at the end: the next one the sweep examines
         self._sweep_queue[gid] = None
 
@@ -284,7 +285,7 @@ class PublishedTable:
         for gid in self.records:
             self.queue_sweep(gid)
 
-    def mark_unreadable(self, gid: bytes) -> None:
+    def mark_unreadable(self, gid: GroupKey) -> None:
         """A member has no good replica left: nobody may read the group any more."""
         self.unreadable.add(gid)
         self.queue_sweep(gid)
@@ -331,7 +332,7 @@ class PublishedTable:
                 )
 
     def _invalidate(
-        self, gid: bytes, members: list[MemberRecord], tenant: Tenant, effects: list[Effect]
+        self, gid: GroupKey, members: list[MemberRecord], tenant: Tenant, effects: list[Effect]
     ) -> None:
         self._remove(gid)
         self.ctx.quotas.add(tenant, 0, -len(members))

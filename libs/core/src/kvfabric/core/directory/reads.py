@@ -47,6 +47,7 @@ from kvfabric.core.directory.segments import SegmentTable
 from kvfabric.core.directory.writes import WriteTable
 from kvfabric.core.quotas import Tenant, TenantUsage, request_tokens
 from kvfabric.format.errors import BadRequest, NotFound
+from kvfabric.format.ids import ChainHash, GroupKey, pack_group_key
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
@@ -71,7 +72,7 @@ class Reads:
         self.leases = leases
         self.writes = writes
         # Lookup hits since the last GroupsAccessed event (≤ ACCESS_BATCH_MAX groups).
-        self.hits: dict[bytes, int] = {}
+        self.hits: dict[GroupKey, int] = {}
 
     # ---- lookups -------------------------------------------------------------------------
 
@@ -148,7 +149,7 @@ class Reads:
         members: Sequence[m.Member],
         expires_ms: int,
         reply_bytes_max: int | None,
-    ) -> tuple[list[m.ObjectLocation], list[bytes]]:
+    ) -> tuple[list[m.ObjectLocation], list[GroupKey]]:
         """The readable run of `groups` from the first (their objects, with read tokens until
         `expires_ms`, and group keys), cut where a lookup reply holding them would exceed
         `reply_bytes_max` (at most the configured bound)."""
@@ -167,7 +168,7 @@ class Reads:
         )
         exact = False
         objects: list[m.ObjectLocation] = []
-        hit: list[bytes] = []
+        hit: list[GroupKey] = []
         for raw in groups:
             info = parse_group(raw)
             located = self._locate(info, wanted, expires_ms)
@@ -218,7 +219,7 @@ class Reads:
             return None  # a required member this group does not have
         return out
 
-    def _note_hits(self, hit: Sequence[bytes], effects: list[Effect]) -> None:
+    def _note_hits(self, hit: Sequence[GroupKey], effects: list[Effect]) -> None:
         """Count the hits for the eviction policy (`GroupsAccessed`, batched)."""
         for gid in hit:
             if gid not in self.hits and len(self.hits) >= m.ACCESS_BATCH_MAX:
@@ -254,7 +255,7 @@ class Reads:
         return Outcome(m.SegmentList(epoch=self.ctx.epoch, segments=segments))
 
     def _published_summary(
-        self, gid: bytes, group: PublishedGroup, *, with_objects: bool, evicting: bool = False
+        self, gid: GroupKey, group: PublishedGroup, *, with_objects: bool, evicting: bool = False
     ) -> m.GroupSummary:
         objects = []
         if with_objects:
@@ -283,7 +284,7 @@ class Reads:
             objects=objects,
         )
 
-    def _summary(self, gid: bytes, *, with_objects: bool) -> m.GroupSummary | None:
+    def _summary(self, gid: GroupKey, *, with_objects: bool) -> m.GroupSummary | None:
         record = self.published.records.get(gid)
         group = unpack_group(record) if record is not None else self.frees.evicting.get(gid)
         if group is not None:
@@ -327,7 +328,7 @@ class Reads:
         )
         summaries: list[m.GroupSummary] = []
         room = self.ctx.config.reply_bytes_max - LIST_ENVELOPE_BYTES
-        next_after = last = b""
+        next_after = last = GroupKey(b"")
         for scanned, gid in enumerate(keys):
             if len(summaries) == req.limit or scanned == self.ctx.config.list_scan_groups_max:
                 next_after = last  # more remain: the next page resumes after the last one examined
@@ -348,14 +349,14 @@ class Reads:
         up under each share domain holding something here (O(domains), never O(groups)):
         every building, published or evicting group counts towards its domain's usage."""
         self.ctx.check_epoch(req.epoch)
-        keys: Sequence[bytes]
+        keys: Sequence[GroupKey]
         records = self.published.records
         if len(req.group) == GROUP_KEY_BYTES:  # domain digest + chain hash: the group key itself
-            keys = (req.group,)
+            keys = (GroupKey(req.group),)
         elif len(req.group) == CHAIN_BYTES:  # the published groups with this chain hash, else
             # the building or evicting ones
             domains = self.ctx.quotas.usage.keys() | set(self.published.index.domains())
-            candidates = [d + req.group for d in sorted(domains)]
+            candidates = [pack_group_key(d, ChainHash(req.group)) for d in sorted(domains)]
             keys = [k for k in candidates if k in records] or [
                 k for k in candidates if k in self.writes.building or k in self.frees.evicting
             ]

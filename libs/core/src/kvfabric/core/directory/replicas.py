@@ -55,6 +55,7 @@ from kvfabric.core.directory.records import MemberRecord, ReplicaRecord, unpack_
 from kvfabric.core.directory.segments import Segment, SegmentTable
 from kvfabric.core.quotas import Tenant, tenant_of
 from kvfabric.format.errors import BadRequest
+from kvfabric.format.ids import GroupKey
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
@@ -67,7 +68,7 @@ MEMBER_REPLICAS_MAX: Final = 255  # a member record counts its replicas in a u8 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaTicket:
-    group: bytes
+    group: GroupKey
     member: Member
     placement: int
     size_bytes: int

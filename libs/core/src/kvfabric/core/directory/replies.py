@@ -20,6 +20,7 @@ from typing import Any, Final
 import msgspec
 
 from kvfabric.core.directory.keys import GROUP_KEY_BYTES
+from kvfabric.format.ids import GroupKey
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import read_token, sign_ticket
@@ -38,7 +39,8 @@ _CHECKSUM_BYTES: Final = 16
 ARRAY_HEADER_BYTES: Final = 5  # msgpack array32 header: the widest a list's length takes
 encode: Final = msgspec.msgpack.Encoder().encode
 LIST_ENVELOPE_BYTES: Final = (
-    len(encode(m.GroupList(epoch=_U64, groups=[], next_after=bytes(GROUP_KEY_BYTES)))) + ARRAY_HEADER_BYTES
+    len(encode(m.GroupList(epoch=_U64, groups=[], next_after=GroupKey(bytes(GROUP_KEY_BYTES)))))
+    + ARRAY_HEADER_BYTES
 )
 
 

@@ -67,6 +67,7 @@ from kvfabric.proto import directory as m
 
 __all__ = ["BuildingGroup", "PendingMember", "Placement", "WriteTable"]
 
+from kvfabric.format.ids import GroupKey
 
 class WriteTable(WriteBegin, WriteConfirm):
     """Two-phase publish of chunk groups (see the module doc)."""
@@ -131,7 +132,7 @@ class WriteTable(WriteBegin, WriteConfirm):
             key=key, status="waiting_group", replicas_confirmed=n, replicas_target=held.replicas_target
         )
 
-    def _publish(self, gid: bytes, building: BuildingGroup, effects: list[Effect]) -> bool:
+    def _publish(self, gid: GroupKey, building: BuildingGroup, effects: list[Effect]) -> bool:
         """BUILDING -> PUBLISHED: the group moves to the published table as one record."""
         members = []
         degraded = False
@@ -200,7 +201,9 @@ class WriteTable(WriteBegin, WriteConfirm):
         self.ctx.count("objects_aborted_total", aborted)
         return Outcome(m.PutAbortReply(epoch=self.ctx.epoch, aborted=aborted), effects)
 
-    def _drop_member(self, gid: bytes, group: BuildingGroup, member: Member, effects: list[Effect]) -> None:
+    def _drop_member(
+        self, gid: GroupKey, group: BuildingGroup, member: Member, effects: list[Effect]
+    ) -> None:
         """Reclaim one member of a building group: free confirmed slots, release the rest."""
         held = group.members.pop(member)
         self.pending_objects -= 1
@@ -224,7 +227,7 @@ class WriteTable(WriteBegin, WriteConfirm):
             self._expire_group(gid, now_ms, effects)
         self._bound_heap()
 
-    def _expire_group(self, gid: bytes, now_ms: int, effects: list[Effect]) -> None:
+    def _expire_group(self, gid: GroupKey, now_ms: int, effects: list[Effect]) -> None:
         group = self.building.get(gid)
         if group is None:
             return

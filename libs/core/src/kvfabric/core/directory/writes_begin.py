@@ -17,6 +17,7 @@ from kvfabric.core.directory.writes_state import BuildingGroup, PendingMember, P
 from kvfabric.core.placement import choose_segments
 from kvfabric.core.quotas import request_tokens, tenant_of
 from kvfabric.format.errors import BadRequest, BatchTooLarge, Busy
+from kvfabric.format.ids import GroupKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import sign_ticket
 
@@ -42,7 +43,7 @@ class WriteBegin(WriteState):
             raise BadRequest(f"replicas must be in 1..{ctx.config.replicas_max}")
         infos = [self._validate_spec(spec) for spec in req.objects]
         # Identity conflicts refuse the whole request before anything is placed (not half of it).
-        seen: dict[bytes, GroupInfo] = {}
+        seen: dict[GroupKey, GroupInfo] = {}
         for info in infos:
             building = self.building.get(info.group.group_id)
             known = seen.setdefault(info.group.group_id, building.info if building else info.group)
@@ -57,7 +58,7 @@ class WriteBegin(WriteState):
             raise Busy("too many objects being written; retry later", limit=ctx.config.pending_objects_max)
         ctx.check_rate((spec.key for spec in req.objects), now_ms, request_tokens(len(req.objects)))
         deadline = now_ms + min(req.write_ttl_ms, ctx.config.write_ttl_ms_max)
-        placed_here: set[tuple[bytes, Member]] = set()  # a key twice in one request: placed once
+        placed_here: set[tuple[GroupKey, Member]] = set()  # a key twice in one request: placed once
         results = [
             self._begin_one(
                 req.writer_id, req.request_id, spec, info, replicas, deadline, placed_here, now_ms
@@ -75,7 +76,7 @@ class WriteBegin(WriteState):
         scope = scope_of(req.writer_id)
         if scope is None:
             return
-        new: dict[tuple[bytes, Member], int] = {}
+        new: dict[tuple[GroupKey, Member], int] = {}
         for spec, info in zip(req.objects, infos, strict=True):
             gid = info.group.group_id
             if self._exists(gid):
@@ -135,7 +136,7 @@ class WriteBegin(WriteState):
         info: KeyInfo,
         replicas: int,
         deadline: int,
-        placed_here: set[tuple[bytes, Member]],
+        placed_here: set[tuple[GroupKey, Member]],
         now_ms: int,
     ) -> m.BeginResult:
         gid = info.group.group_id

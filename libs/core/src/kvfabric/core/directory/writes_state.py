@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Final
 
 from kvfabric.core.directory.base import HEAP_SLACK_MIN, Context, Member, scope_of
 from kvfabric.core.directory.frees import FreeTable
@@ -16,6 +17,7 @@ from kvfabric.core.directory.published import PublishedTable
 from kvfabric.core.directory.replicas import ReplicaTable
 from kvfabric.core.directory.replies import ReplyCache
 from kvfabric.core.directory.segments import SegmentTable
+from kvfabric.format.ids import ChainHash, GroupKey
 from kvfabric.format.invariant import invariant
 
 __all__ = ["BuildingGroup", "PendingMember", "Placement", "WriteState"]
@@ -49,11 +51,14 @@ class PendingMember:
     committed: bool = False
 
 
+NO_PARENT: Final = ChainHash(b"")  # the first chunk of a prefix has no parent
+
+
 @dataclass(slots=True)
 class BuildingGroup:
     info: GroupInfo
     members: dict[Member, PendingMember] = field(default_factory=dict)
-    parent: bytes = b""  # the previous chunk's chain hash, as the first writer told it
+    parent: ChainHash = NO_PARENT  # the previous chunk's chain hash, as the first writer told it
 
 
 class WriteState:
@@ -72,21 +77,21 @@ class WriteState:
         self.published = published
         self.frees = frees
         self.replicas = replicas
-        self.building: dict[bytes, BuildingGroup] = {}
-        self._tickets: dict[int, tuple[bytes, Member]] = {}
-        self._deadlines: list[tuple[int, bytes]] = []  # (deadline_ms, group key), one per member begun
+        self.building: dict[GroupKey, BuildingGroup] = {}
+        self._tickets: dict[int, tuple[GroupKey, Member]] = {}
+        self._deadlines: list[tuple[int, GroupKey]] = []  # (deadline_ms, group key), one per member begun
         self.pending_objects = 0
         # tenant scope of the writer id -> its building members / the bytes they hold reserved
         self.scope_pending_objects: dict[str, int] = {}
         self.scope_pending_bytes: dict[str, int] = {}
         self.replies = ReplyCache(ctx.config.reply_cache_objects_max, ctx.count)
 
-    def identity_of(self, gid: bytes) -> GroupInfo | None:
+    def identity_of(self, gid: GroupKey) -> GroupInfo | None:
         """The identity of a group being written, if one is."""
         group = self.building.get(gid)
         return None if group is None else group.info
 
-    def _exists(self, gid: bytes) -> bool:
+    def _exists(self, gid: GroupKey) -> bool:
         return gid in self.published.records or gid in self.frees.evicting
 
     def _bound_heap(self) -> None:
