@@ -21,7 +21,10 @@ Configurations (every one through the same router, so the HTTP hop is in every f
 - (c) `round_robin`, prefix caching + the kvfabric connector (one segment co-located per engine);
 - (d) `cache_aware` (the router's cost model, coefficients fitted in the calibration phase);
 - (e) (d) with both segments SIGKILLed for `--fault-s` seconds at 40 % of the replay, then
-  restarted (empty) by the cluster's supervisor (`Cluster.kill_segments`).
+  restarted (empty) by the cluster's supervisor (`Cluster.kill_segments`);
+- (f) (d) with the router refitting its coefficients from realised TTFTs (`KVF_ROUTER_REFIT=on`;
+  not in the default `--configs`). `--configs` runs the configurations of one engine set in the
+  order given (`--configs cfd`: c, then f, then d); `--name` names the result files.
 kvfabric runs as deployed (`Cluster`): `tools/localcluster.py up` (NATS, directory, two segments,
 eviction, repair, prefetch) under its supervisor, which restarts a segment that exits (a segment
 the directory declared down exits 75 and comes back empty); directory settings at their defaults.
@@ -97,6 +100,7 @@ CONFIGS: Final = {
     "c": "round robin, vLLM prefix cache + kvfabric",
     "d": "cache-aware router + kvfabric",
     "e": "(d), segments killed mid-run",
+    "f": "(d) + online refit of the coefficients",
 }
 
 
@@ -438,6 +442,7 @@ def router(
     policy: str,
     cache_chunks: int,
     coefficients: dict[str, float] | None,
+    refit: bool = False,
 ) -> Iterator[tuple[ServiceProcess, str]]:
     from kvfabric.router.settings import keyspace_for_model_dir
 
@@ -471,6 +476,8 @@ def router(
     )
     if coefficients:
         env["KVF_ROUTER_COEFFICIENTS"] = json.dumps(coefficients)
+    if refit:
+        env["KVF_ROUTER_REFIT"] = "on"
     proc = ServiceProcess.python_module(
         "kvfabric.router", "--nats-url", nats_url, "--metrics-port", "-1", "--log-json", env=env
     )
@@ -771,6 +778,23 @@ def summarise(
     }
 
 
+def coefficients_in_use(url: str) -> dict[str, float]:
+    """The router's `kvfabric_router_coefficient` gauges and refit state at the end of a replay."""
+    with contextlib.suppress(httpx.HTTPError):
+        return coefficients_from_metrics(httpx.get(f"{url}/metrics", timeout=5).text)
+    return {}
+
+
+def coefficients_from_metrics(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for prefix in ('kvfabric_router_coefficient{name="', 'kvfabric_router_state{name="refit_'):
+            if line.startswith(prefix):
+                label, value = line.split("} ")
+                out[label.split('name="')[1].rstrip('"')] = float(value)
+    return out
+
+
 def timeline(rep: Replay, bin_s: float = 1.0) -> list[dict[str, Any]]:
     bins: dict[int, list[Outcome]] = {}
     for o in rep.outcomes:
@@ -801,7 +825,7 @@ def flags_of(name: str, row: dict[str, Any]) -> list[str]:
     which kvfabric loaded no token (vLLM's external prefix-cache hits 0), a segment declared down
     or restarted outside (e)'s fault, or in (e) more than the two it killed."""
     out = []
-    if name in "cde" and row["vllm_counters"].get("external_hit_tokens", 0) <= 0:
+    if name in "cdef" and row["vllm_counters"].get("external_hit_tokens", 0) <= 0:
         out.append(f"({name}): kvfabric loaded 0 tokens (vLLM external prefix-cache hits 0)")
     ev = row.get("cluster_events") or {}
     expected = 2 if name == "e" else 0  # (e) kills both segments once
@@ -859,6 +883,19 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool | None, st
                 > best_g["slo_met_fraction"] * best_g.get("requests", 1)
                 and d["goodput_rps"] > best_g["goodput_rps"],
                 f"(d) {d['goodput_rps']:.3f} req/s vs ({best_g['config']}) {best_g['goodput_rps']:.3f} req/s",
+            )
+        )
+    f = rows.get("f")
+    if f and base and f["ttft_p50_s"] is not None:
+        best = min(base, key=lambda r: r["ttft_p50_s"])
+        gain = 1 - f["ttft_p50_s"] / best["ttft_p50_s"]
+        flagged = [fl for k in "cf" if k in rows for fl in rows[k].get("flags", [])]
+        out.append(
+            (
+                "(f) = (d) + refit beats the best of (a)-(c) on TTFT p50 by >= 20%",
+                None if flagged else gain >= 0.20,
+                f"(f) {f['ttft_p50_s']:.3f} s vs ({best['config']}) {best['ttft_p50_s']:.3f} s: {gain:+.0%}"
+                + (f" (no verdict: {'; '.join(flagged)})" if flagged else ""),
             )
         )
     e = rows.get("e")
@@ -1036,6 +1073,7 @@ def main() -> int:
     parser.add_argument("--configs", default="abcde")
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--name", default="serving", help="result files: NAME.{json,md,png}")
     parser.add_argument(
         "--work",
         type=Path,
@@ -1045,7 +1083,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.requests = min(args.requests, 30)
-    configs = [c for c in "abcde" if c in args.configs]
+    configs = [c for c in args.configs if c in CONFIGS]
     results: Path = args.results
     results.mkdir(parents=True, exist_ok=True)
     rows_raw = [json.loads(line) for line in args.trace.read_text().splitlines() if line.strip()]
@@ -1089,7 +1127,7 @@ def main() -> int:
         "configs": {},
     }
     print(json.dumps(report["workload"]), flush=True)
-    partial = results / "serving.partial.json"
+    partial = results / f"{args.name}.partial.json"
     with contextlib.ExitStack() as stack:
         if args.work is None:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvf-bench-serving-")))
@@ -1107,7 +1145,7 @@ def main() -> int:
         sets = [
             ("plain", [c for c in configs if c == "a"], False, None),
             ("prefix", [c for c in configs if c == "b"], True, None),
-            ("kvfabric", [c for c in configs if c in "cde"], True, cluster.nats_url),
+            ("kvfabric", [c for c in configs if c in "cdef"], True, cluster.nats_url),
         ]
         for set_name, names, prefix_caching, nats_url in sets:
             if not names:
@@ -1123,21 +1161,21 @@ def main() -> int:
             ) as engines:
                 warm_up(engines, model, VOCAB)
                 coefficients = None
-                if any(c in "de" for c in names):
+                if any(c in "def" for c in names):
                     mark = cluster.mark()
                     report["calibration"] = calibrate(engines, model, VOCAB, args.quick)
                     report["calibration"]["cluster_events"] = cluster.since(mark)
                     coefficients = report["calibration"]["coefficients"]
                     print("calibration", json.dumps(report["calibration"]), flush=True)
                 for name in names:
-                    policy = "cache_aware" if name in "de" else "round_robin"
+                    policy = "cache_aware" if name in "def" else "round_robin"
                     cache_chunks = ENGINE_KV_BLOCKS if prefix_caching else 0
                     load = loadavg()
                     before = vllm_counters(engines)
                     mark = cluster.mark()
                     with router(
                         cluster.nats_url, engines, model, policy=policy, cache_chunks=cache_chunks,
-                        coefficients=coefficients if name in "de" else None,
+                        coefficients=coefficients if name in "def" else None, refit=name == "f",
                     ) as (rproc, url):  # fmt: skip
                         fault = None
                         if name == "e":
@@ -1154,6 +1192,7 @@ def main() -> int:
                         after = vllm_counters(engines)
                         counters = {k: after[k] - before.get(k, 0.0) for k in after}
                         row = summarise(name, rep, counters, rproc, args.slo_ttft_s, load)
+                        row["coefficients_in_use"] = coefficients_in_use(url)
                     row["cluster_events"] = cluster.since(mark)
                     row["flags"] = flags_of(name, row)
                     report["configs"][name] = row
@@ -1165,9 +1204,9 @@ def main() -> int:
                     partial.write_text(json.dumps(report, indent=1))
     report["flags"] = run_flags(report)
     report["verdicts"] = verdicts(report["configs"])
-    (results / "serving.json").write_text(json.dumps(report, indent=1))
-    (results / "serving.md").write_text(markdown(report))
-    plot(report, results / "serving.png")
+    (results / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+    (results / f"{args.name}.md").write_text(markdown(report))
+    plot(report, results / f"{args.name}.png")
     partial.unlink(missing_ok=True)
     print(markdown(report))
     for flag in report["flags"]:

@@ -11,6 +11,7 @@ import pytest
 from bench.serving import (
     BLOCK_TOKENS,
     block_tokens,
+    coefficients_from_metrics,
     nonnegative_fit,
     prompt_of,
     select_workload,
@@ -116,3 +117,20 @@ def test_verdicts_compare_d_with_the_best_of_a_to_c() -> None:
     rows["d"] = {**row("d", 0.35, 1.3), "goodput_rps": 1.31}
     got = {name: met for name, met, _ in verdicts(rows)}
     assert not got["(d) beats the best of (a)-(c) on goodput"]
+
+
+def test_verdict_for_d_with_the_refit_and_its_coefficients() -> None:
+    rows = {"c": row("c", 0.5, 1.3), "d": row("d", 0.45, 1.3), "f": row("f", 0.38, 1.3)}
+    got = {name: met for name, met, _ in verdicts(rows)}
+    assert got["(f) = (d) + refit beats the best of (a)-(c) on TTFT p50 by >= 20%"]  # -24 %
+    assert not got["(d) beats the best of (a)-(c) on TTFT p50 by >= 20%"]
+    rows["f"] = row("f", 0.45, 1.3)
+    got = {name: met for name, met, _ in verdicts(rows)}
+    assert not got["(f) = (d) + refit beats the best of (a)-(c) on TTFT p50 by >= 20%"]
+    text = (
+        "# TYPE kvfabric_router_coefficient gauge\n"
+        'kvfabric_router_coefficient{name="running_s"} 0.075\n'
+        'kvfabric_router_state{name="refit_fits"} 12.0\n'
+        'kvfabric_router_state{name="queue_e1"} 1.0\n'
+    )
+    assert coefficients_from_metrics(text) == {"running_s": 0.075, "refit_fits": 12.0}
