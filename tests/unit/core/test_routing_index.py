@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex
-from kvfabric.proto import directory as m
 from kvfabric.format.ids import (
     ChainHash,
     DomainDigest,
@@ -31,6 +30,7 @@ from kvfabric.format.ids import (
     chain_in_group_key,
     domain_in_group_key,
 )
+from kvfabric.proto import directory as m
 
 SEGMENTS = ("s0", "s1", "s2")
 DOMAINS = (DomainDigest(b"\x01" * 16), DomainDigest(b"\x02" * 16))

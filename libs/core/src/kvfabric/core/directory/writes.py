@@ -62,12 +62,12 @@ from kvfabric.core.directory.writes_begin import WriteBegin
 from kvfabric.core.directory.writes_confirm import WriteConfirm
 from kvfabric.core.directory.writes_state import BuildingGroup, PendingMember, Placement
 from kvfabric.core.quotas import Tenant, request_tokens, tenant_of
+from kvfabric.format.ids import GroupKey
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 
 __all__ = ["BuildingGroup", "PendingMember", "Placement", "WriteTable"]
 
-from kvfabric.format.ids import GroupKey
 
 class WriteTable(WriteBegin, WriteConfirm):
     """Two-phase publish of chunk groups (see the module doc)."""
