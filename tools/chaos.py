@@ -292,6 +292,8 @@ def evicted_groups(nats_url: str, admin: dict[str, str], kind: str = "evicted") 
                     event = m.event_decoder.decode(msg.data)
                     if isinstance(event, m.GroupEvicted | m.GroupPublished):
                         out.add(event.group)
+                    elif isinstance(event, m.GroupsPublished):  # one commit's groups
+                        out.update(g.group for g in event.groups)
         finally:
             await nc.close()
 

@@ -6,7 +6,7 @@ hostile: wrong ids, stale/future epochs and incarnations, any int msgpack carrie
 groups that are real, mutated or noise, ticket ids that exist or not. After every step:
 - only `KvfError` subclasses escaped (an `InvariantViolation` or any other exception is a bug);
 - `check_invariants()` holds;
-- nothing became published except by a `PutCommit` that says so (no `GroupPublished` either);
+- nothing became published except by a `PutCommit` that says so (no published event either);
 - the reply and the events encode, as the service shell will have to.
 Every request is first encoded and decoded with the service's decoder, so it is a value the
 directory can really receive.
@@ -372,13 +372,18 @@ def apply(core: DirectoryCore, step: Step) -> tuple[Outcome | None, list[Any]]:
     published_now = set(core.published) - before
     events = {
         e.event.group for e in effects if isinstance(e, EmitEvent) and isinstance(e.event, m.GroupPublished)
+    } | {
+        g.group
+        for e in effects
+        if isinstance(e, EmitEvent) and isinstance(e.event, m.GroupsPublished)
+        for g in e.event.groups
     }
     allowed = (
         _published_by(outcome) if isinstance(step.request, m.PutCommit) and outcome is not None else set()
     )
     assert published_now <= allowed, f"{type(step.request).__name__} published {len(published_now)} group(s)"
     assert events <= {chain_of(g) for g in allowed}, (
-        "a GroupPublished event without a commit that published it"
+        "a published event (GroupPublished, GroupsPublished) without a commit that published it"
     )
     _check_encodable(outcome, effects)
     return outcome, effects

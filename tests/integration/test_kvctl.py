@@ -134,12 +134,12 @@ async def test_every_command_against_a_live_cluster(
     # events tail
     events = (await ok_json("events", "tail", "--n", "50", url=url))["events"]
     kinds = [e["kind"] for e in events]
-    assert "SegmentUp" in kinds and "GroupPublished" in kinds
-    published = next(e for e in events if e["kind"] == "GroupPublished")
-    assert published["event"]["group"] == g.chain_hash.hex()
+    assert "SegmentUp" in kinds and "GroupsPublished" in kinds  # one event per put_commit
+    published = next(e for e in events if e["kind"] == "GroupsPublished")
+    assert [p["group"] for p in published["event"]["groups"]] == [g.chain_hash.hex()]
     assert len((await ok_json("events", "tail", "-n", "1", url=url))["events"]) == 1
     text = await ok_text("events", "tail", url=url)
-    assert "SegmentUp" in text and "GroupPublished" in text
+    assert "SegmentUp" in text and "GroupsPublished" in text
 
     # unknown group: not_found, exit 1
     (other,) = groups(1, seed=33)

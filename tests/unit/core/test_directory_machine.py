@@ -266,12 +266,24 @@ class DirectoryMachine(RuleBasedStateMachine):
     def take_effects(self, effects: list[Effect]) -> None:
         frees: Counter[tuple[str, int, int, int, bytes]] = Counter()
         events: Counter[tuple[Any, ...]] = Counter()
+        # One event per commit: its published groups in GroupsPublished events of at most
+        # PUBLISHED_BATCH_MAX groups, as few as they fit in.
+        batches = [
+            e.event for e in effects if isinstance(e, EmitEvent) and isinstance(e.event, m.GroupsPublished)
+        ]
+        published = sum(len(b.groups) for b in batches)
+        assert len(batches) == -(-published // m.PUBLISHED_BATCH_MAX)
+        assert all(1 <= len(b.groups) <= m.PUBLISHED_BATCH_MAX for b in batches)
         for eff in effects:
             if isinstance(eff, FreeSlots):
                 assert len(eff.slots) >= 1
                 for f in eff.slots:
                     frees[(eff.segment_id, eff.incarnation, f.slot, f.slot_generation, f.key)] += 1
                 self.mailbox.append(eff)
+            elif isinstance(eff.event, m.GroupsPublished):
+                assert eff.kind == "published"
+                for group in eff.event.groups:
+                    events[event_tuple(EmitEvent("published", group))] += 1
             elif isinstance(eff.event, m.GroupsAccessed):
                 assert eff.kind == "accessed" and eff.event.groups
                 assert len(eff.event.groups) <= m.ACCESS_BATCH_MAX

@@ -288,8 +288,9 @@ def test_published_event_tells_eviction_the_parent_tenant_and_bytes_per_segment(
     assert isinstance(begin, m.PutBeginReply)
     confirm_all(core, begin, 0)
     out = core.handle(m.PutCommit(writer_id="w", request_id="c", keys=[key(g1)]), 0)
-    (event,) = [e.event for e in out.effects if isinstance(e, EmitEvent)]
-    assert isinstance(event, m.GroupPublished)
+    (batch,) = [e.event for e in out.effects if isinstance(e, EmitEvent)]
+    assert isinstance(batch, m.GroupsPublished)  # one commit, one event
+    (event,) = batch.groups
     assert event.parent == parent and event.chunk_index == 1
     assert event.namespace == g1.to_bytes()[:54] and event.namespace[4:20] == bytes(g1.domain_digest)
     assert event.placements == [m.SegmentBytes("s1", 300), m.SegmentBytes("s2", 300)]

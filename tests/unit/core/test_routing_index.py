@@ -2,9 +2,10 @@
 
 The model is the directory's published state: segments up (with incarnations) and groups with
 their live replicas. Each directory operation appends its events to a log, numbered as
-JetStream numbers a stream (publish; evict; invalidate; a segment down, which strips it from
-every group and invalidates a group left without replicas, as the directory's sweep does; a
-segment restart: down then up with a new incarnation, announced once per shard). The index is
+JetStream numbers a stream (publish; a commit's groups in one event; evict; invalidate; a
+segment down, which strips it from every group and invalidates a group left without replicas,
+as the directory's sweep does; a segment restart: down then up with a new incarnation,
+announced once per shard). The index is
 fed from that log by a follower that may deliver the next event, redeliver old ones
 (duplicates) or lose some (a gap). On a gap the shell's resync runs: S = the log's length, a few
 more directory operations happen while the listing is taken, the listing is the model's state
@@ -82,6 +83,38 @@ class IndexMachine(RuleBasedStateMachine):
         self.segments[seg] = self.incarnation[seg]
         for _ in range(SHARDS):  # every shard core announces the registration
             self.emit(m.SegmentUp(segment_id=seg, incarnation=self.incarnation[seg], capacity_bytes=1))
+
+    @precondition(lambda self: self.segments)
+    @rule(
+        commit=st.lists(
+            st.tuples(
+                st.sampled_from(DOMAINS),
+                st.sampled_from(CHAINS),
+                st.sets(st.sampled_from(SEGMENTS), min_size=1, max_size=2),
+            ),
+            min_size=1,
+            max_size=4,
+        )
+    )
+    def publish_many(self, commit: list[tuple[DomainDigest, ChainHash, set[str]]]) -> None:
+        """One put_commit's groups: one `GroupsPublished`, one sequence (issue 20)."""
+        published = []
+        for domain, chain, placed in commit:
+            live = {s for s in placed if s in self.segments}
+            if not live or domain + chain in self.groups:
+                continue
+            self.groups[domain + chain] = live
+            published.append(
+                m.GroupPublished(
+                    group=chain,
+                    chunk_index=CHAINS.index(chain),
+                    members=1,
+                    namespace=namespace(domain),
+                    placements=[m.SegmentBytes(s, 100) for s in sorted(live)],
+                )
+            )
+        if published:
+            self.emit(m.GroupsPublished(groups=published))
 
     @precondition(lambda self: self.segments)
     @rule(seg=st.sampled_from(SEGMENTS))

@@ -72,6 +72,10 @@ LEASE_TTL_MS_MAX: Final = 600_000
 PIN_TTL_MS_MAX: Final = 86_400_000
 WRITE_TTL_MS_MAX: Final = 600_000
 ACCESS_BATCH_MAX: Final = 4096  # groups per GroupsAccessed event
+# Groups per GroupsPublished event (one put_commit's groups; more go in several events). One
+# group is at most ~0.7 KB (5 placements of 64-char segment ids): 256 stay < 200 KB, far under
+# NATS' 1 MiB payload limit.
+PUBLISHED_BATCH_MAX: Final = 256
 LOOKUP_MANY_PARTS_MAX: Final = 1024  # shards per LookupMany (its groups together <= LOOKUP_BATCH_GROUPS_MAX)
 RELEASE_BATCH_LEASES_MAX: Final = 64  # leases per batched LeaseRelease (each ends O(its groups))
 RELEASE_MANY_LEASES_MAX: Final = 1024  # leases per LeaseReleaseMany, all parts together
@@ -774,6 +778,17 @@ class GroupPublished(_Msg, frozen=True, kw_only=True, tag="dir.ev.published.v1")
     disk_placements: list[SegmentBytes] = msgspec.field(default_factory=list)
 
 
+class GroupsPublished(_Msg, frozen=True, kw_only=True, tag="dir.ev.published_many.v1"):
+    """The groups one `put_commit` published, in the order it published them (at most
+    `PUBLISHED_BATCH_MAX`; a larger commit emits several, in order): one JetStream event per
+    commit, not per group. Each is what a `GroupPublished` of its own says; consumers apply
+    them in order as such. A group published again (a demotion, a rebuild's adoption) still
+    comes as a single `GroupPublished`, and so did every publish of a directory before this
+    event existed: consumers handle both."""
+
+    groups: Annotated[list[GroupPublished], msgspec.Meta(max_length=PUBLISHED_BATCH_MAX)]
+
+
 class GroupHits(msgspec.Struct, frozen=True, array_like=True):
     group: ChainHash
     hits: int
@@ -883,6 +898,7 @@ DirectoryEvent = (
     SegmentUp
     | SegmentDown
     | GroupPublished
+    | GroupsPublished
     | GroupUnderReplicated
     | GroupEvicted
     | GroupInvalidated

@@ -122,6 +122,30 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             placements=[directory.SegmentBytes("s1", 4096), directory.SegmentBytes("s2", 4096)],
         ),
     ),
+    "dir.ev.published_many.v1": (
+        "directory.event",
+        directory.GroupsPublished(
+            groups=[
+                directory.GroupPublished(
+                    group=ChainHash(b"g" * 32),
+                    chunk_index=5,
+                    members=1,
+                    namespace=Namespace(b"n" * 54),
+                    parent=ChainHash(b"p" * 32),
+                    placements=[directory.SegmentBytes("s1", 4096)],
+                ),
+                directory.GroupPublished(
+                    group=ChainHash(b"h" * 32),
+                    chunk_index=6,
+                    members=2,
+                    degraded=True,
+                    namespace=Namespace(b"n" * 54),
+                    parent=ChainHash(b"g" * 32),
+                    placements=[directory.SegmentBytes("s2", 8192)],
+                ),
+            ]
+        ),
+    ),
     "dir.ev.accessed.v1": (
         "directory.event",
         directory.GroupsAccessed(groups=[directory.GroupHits(ChainHash(b"g" * 32), 3)]),

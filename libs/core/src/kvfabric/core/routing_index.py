@@ -19,6 +19,8 @@ the next resync only (it under-counts, never over-counts, a replica that exists)
 ## Events (`apply`)
     published(domain, chain, placements) --> the group, replicas = the segments of `placements`
                                               on segments up (set, not union: the latest wins)
+    published_many(groups)                --> each as a `published`, in order (one commit's
+                                              groups: one event, one sequence)
     evicted / invalidated(domain, chain)  --> the group is gone (an empty domain: every domain's
                                               group with that chain hash)
     segment_down(segment, incarnation)    --> the segment leaves `segments` and every group; a
@@ -137,7 +139,7 @@ class RoutingIndex:
             "events_duplicate": 0,
             "gaps": 0,
             "resyncs": 0,
-            "events_foreign": 0,  # published events without a namespace (old directories)
+            "events_foreign": 0,  # published groups without a namespace (old directories)
         }
         self._step_ms = 0  # the latest time given to `step`
 
@@ -168,12 +170,10 @@ class RoutingIndex:
 
     def _apply(self, event: m.DirectoryEvent) -> None:
         if isinstance(event, m.GroupPublished):
-            if len(event.namespace) != NAMESPACE_BYTES or len(event.group) != CHAIN_BYTES:
-                self.counters["events_foreign"] += 1
-                return
-            key = group_key(domain_in_id(Namespace(event.namespace)), event.group)
-            copy_bytes = max((p.bytes for p in event.placements), default=0)
-            self._set(key, event.chunk_index, copy_bytes, {p.segment_id for p in event.placements})
+            self._published(event)
+        elif isinstance(event, m.GroupsPublished):  # one commit's groups, under one sequence
+            for published in event.groups:
+                self._published(published)
         elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
             if len(event.domain) == DOMAIN_BYTES:
                 self._remove(pack_group_key(DomainDigest(event.domain), ChainHash(event.group)))
@@ -191,6 +191,14 @@ class RoutingIndex:
             if known is not None:
                 self._segment_down(event.segment_id)  # a new incarnation holds nothing yet
             self.segments[event.segment_id] = event.incarnation
+
+    def _published(self, event: m.GroupPublished) -> None:
+        if len(event.namespace) != NAMESPACE_BYTES or len(event.group) != CHAIN_BYTES:
+            self.counters["events_foreign"] += 1
+            return
+        key = group_key(domain_in_id(Namespace(event.namespace)), event.group)
+        copy_bytes = max((p.bytes for p in event.placements), default=0)
+        self._set(key, event.chunk_index, copy_bytes, {p.segment_id for p in event.placements})
 
     def _set(self, key: GroupKey, chunk_index: int, copy_bytes: int, segments: set[str]) -> None:
         self._remove(key)

@@ -4,7 +4,8 @@ What the shell knows of each group besides what its `EvictionCore` holds, all sy
 I/O, no awaits; each call atomic on the event loop), and what the directory's events do to both:
 
 - `apply`: one directory event into the core and these records: `published` inserts the group
-  (or, published again, moves it to its new pools: `_republished`), `accessed` counts hits,
+  (or, published again, moves it to its new pools: `_republished`), a `GroupsPublished` (one
+  put_commit's groups) does so for each of its groups in order, `accessed` counts hits,
   `evicted`/`invalidated` forget it (`_forget`), `segment_down` drops the segment's pools and
   their groups, `segment_up` sets a pool's capacity (`_set_capacity`).
 - the records, per group key (share domain + chain hash): its 90-byte group id (`_group_ids`,
@@ -73,35 +74,11 @@ class GroupRecords:
         # A group is (share domain, chain hash): two domains may hold the same chain hash (one
         # of them forged it), and the directory keeps them apart, so the policy must too.
         if isinstance(event, m.GroupPublished):
-            if not event.placements or len(event.namespace) != NAMESPACE_BYTES:
+            if not self._published(event, at_ms):
                 return  # from a directory too old to say where the bytes are: not ours to evict
-            domain = domain_in_id(Namespace(event.namespace))
-            key = pack_group_key(domain, ChainHash(event.group))
-            # a parent of the same domain
-            parent = pack_group_key(domain, ChainHash(event.parent)) if event.parent else None
-            pools = tiered_pools(
-                {p.segment_id: p.bytes for p in event.placements},
-                {p.segment_id: p.bytes for p in event.disk_placements},
-            )
-            if key in core:  # published again: its bytes changed tier (a demotion, an adoption)
-                self._republished(key, pools, at_ms)
-                self.events_applied += 1
-                return
-            core.insert(
-                key,
-                tenant=domain,
-                pools=pools,
-                parent=parent,
-                chunk_index=event.chunk_index,
-                now_ms=at_ms,
-            )
-            if key in core:
-                self._group_ids[key] = group_id_of(event.namespace, event.chunk_index, event.group)
-                self._held[key] = (domain, event.chunk_index, pools)
-                self._disk_pools.update(p for p in pools if is_ssd_pool(p))
-                if parent is not None:
-                    self._parent[key] = parent
-                    self._children.setdefault(parent, set()).add(key)
+        elif isinstance(event, m.GroupsPublished):  # one put_commit's groups, in order (issue 20)
+            for published in event.groups:
+                self._published(published, at_ms)
         elif isinstance(event, m.GroupsAccessed):
             for hit in event.groups:
                 key = pack_group_key(DomainDigest(hit.domain), ChainHash(hit.group))
@@ -125,6 +102,40 @@ class GroupRecords:
         elif isinstance(event, m.SegmentUp) and event.capacity_bytes:
             self._set_capacity(event.segment_id, event.capacity_bytes)
         self.events_applied += 1
+
+    def _published(self, event: m.GroupPublished, at_ms: int) -> bool:
+        """One published group into the core and the records (published again: `_republished`).
+        False for one without placements or namespace (a directory too old to say them)."""
+        core = self.core
+        if not event.placements or len(event.namespace) != NAMESPACE_BYTES:
+            return False
+        domain = domain_in_id(Namespace(event.namespace))
+        key = pack_group_key(domain, ChainHash(event.group))
+        # a parent of the same domain
+        parent = pack_group_key(domain, ChainHash(event.parent)) if event.parent else None
+        pools = tiered_pools(
+            {p.segment_id: p.bytes for p in event.placements},
+            {p.segment_id: p.bytes for p in event.disk_placements},
+        )
+        if key in core:  # published again: its bytes changed tier (a demotion, an adoption)
+            self._republished(key, pools, at_ms)
+            return True
+        core.insert(
+            key,
+            tenant=domain,
+            pools=pools,
+            parent=parent,
+            chunk_index=event.chunk_index,
+            now_ms=at_ms,
+        )
+        if key in core:
+            self._group_ids[key] = group_id_of(event.namespace, event.chunk_index, event.group)
+            self._held[key] = (domain, event.chunk_index, pools)
+            self._disk_pools.update(p for p in pools if is_ssd_pool(p))
+            if parent is not None:
+                self._parent[key] = parent
+                self._children.setdefault(parent, set()).add(key)
+        return True
 
     def _republished(self, key: bytes, pools: dict[str, int], at_ms: int) -> None:
         """A known group with new pools moves there (no access: a republish is not a read). One

@@ -8,7 +8,8 @@ event loop):
   slow policy just lags). Each event goes through `apply` (`GroupRecords`, `group_records.py`:
   the per-group records kept beside the core). `published` → `core.insert` (object = chunk
   group, pools = the segments holding its bytes, tenant = its share domain, parent = the
-  previous chunk);
+  previous chunk; a put_commit's groups come as one `GroupsPublished`, a republish or an older
+  directory's as one `GroupPublished` each);
   `accessed` → `core.seen` + `core.access`; `evicted`/`invalidated` → `core.removed`;
   `segment_down` → `core.drop_pool`; `segment_up` → the pool's capacity. When the consumer is
   lost (NATS restart) it is recreated after the last sequence applied: events are applied in

@@ -38,6 +38,11 @@ writer's deadline has passed.
 Retried put_begins are answered from a reply cache of `reply_cache_objects_max` objects. The
 deadline heap holds at most twice the building members plus HEAP_SLACK_MIN entries.
 
+## Events
+A commit that publishes groups emits them as one `GroupsPublished` event, not a `GroupPublished`
+each (`one_event_per_commit`; over `PUBLISHED_BATCH_MAX` groups, several in order), then an
+`under_replicated` for each degraded one.
+
 ## Modules
 The state and its count/heap helpers are `writes_state`; put_begin `writes_begin`; confirms and
 receipts `writes_confirm`; this one holds `WriteTable` (their union) with put_commit, publish,
@@ -66,7 +71,24 @@ from kvfabric.format.ids import GroupKey
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 
-__all__ = ["BuildingGroup", "PendingMember", "Placement", "WriteTable"]
+__all__ = ["BuildingGroup", "PendingMember", "Placement", "WriteTable", "one_event_per_commit"]
+
+
+def one_event_per_commit(effects: list[Effect]) -> list[Effect]:
+    """A commit's effects with its `published` events as one `GroupsPublished` (a JetStream
+    publish, and a delivery to every follower, per commit rather than per group; issue 20): the
+    groups in the order published, at most `PUBLISHED_BATCH_MAX` an event, where the first was;
+    every other effect (an `under_replicated` of a degraded group among them) after, in order."""
+    groups = [e.event for e in effects if isinstance(e, EmitEvent) and isinstance(e.event, m.GroupPublished)]
+    if not groups:
+        return effects
+    batches: list[Effect] = [
+        EmitEvent("published", m.GroupsPublished(groups=groups[i : i + m.PUBLISHED_BATCH_MAX]))
+        for i in range(0, len(groups), m.PUBLISHED_BATCH_MAX)
+    ]
+    first = next(i for i, e in enumerate(effects) if isinstance(e, EmitEvent) and e.event is groups[0])
+    rest = [e for e in effects if not (isinstance(e, EmitEvent) and isinstance(e.event, m.GroupPublished))]
+    return [*rest[:first], *batches, *rest[first:]]
 
 
 class WriteTable(WriteBegin, WriteConfirm):
@@ -95,7 +117,7 @@ class WriteTable(WriteBegin, WriteConfirm):
             self._commit_one(req.writer_id, key, info, effects)
             for key, info in zip(req.keys, infos, strict=True)
         ]
-        return Outcome(m.PutCommitReply(epoch=self.ctx.epoch, results=results), effects)
+        return Outcome(m.PutCommitReply(epoch=self.ctx.epoch, results=results), one_event_per_commit(effects))
 
     def _commit_one(self, writer_id: str, key: bytes, info: KeyInfo, effects: list[Effect]) -> m.CommitResult:
         gid = info.group.group_id
