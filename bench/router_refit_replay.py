@@ -148,6 +148,7 @@ def replay_config(
     picks_static: list[str] = []
     picks_refit: list[str] = []
     ties_static = ties_refit = differ = 0
+    ties_went_to = dict.fromkeys(INSTANCES, 0)  # where the run sent the calibrated estimate's ties
     for t, kind, i in events:
         now_ms = round(t * 1000)
         chosen = out[i]["instance"]
@@ -164,6 +165,8 @@ def replay_config(
         picks_static.append(ps)
         picks_refit.append(pr)
         ties_static += ts
+        if ts:
+            ties_went_to[chosen] += 1
         ties_refit += tr
         differ += ps != pr
     # batch fit over the whole run: which term is off
@@ -193,6 +196,7 @@ def replay_config(
         "rebuilt_cached_agrees": round(agree / n, 3),
         "tie_fraction_static": round(ties_static / n, 3),
         "tie_fraction_refit": round(ties_refit / n, 3),
+        "ties_went_to": ties_went_to,
         "estimate_abs_error_p50_s": {
             "calibrated": round(statistics.median(err_static), 4),
             "refit_online": round(statistics.median(err_refit), 4),

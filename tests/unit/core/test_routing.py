@@ -175,6 +175,37 @@ def test_ties_break_by_load_then_by_rendezvous() -> None:
     assert isinstance(d, Decision) and d.instance_id != busy.instance_id and d.reason == "tie_load"
 
 
+def test_ties_spread_prompts_that_share_only_a_system_prompt() -> None:
+    """Every prompt opens with the same 128-token block (a system prompt; every request of the
+    serving benchmark's trace does): when tied they still spread, by their own last chunk. (A
+    rendezvous on the first chunk sent all 104 of the 105 ties of one benchmark run to one engine.)"""
+    c = core()
+    system = list(range(TPC))
+    chosen = []
+    for i in range(30):
+        prompt = system + [10_000 + i] * (5 * TPC)
+        d = c.route(f"s{i}", "t", prompt_keys(DOMAIN, MODEL, LAYOUT, prompt), len(prompt), 0, admit=False)
+        assert isinstance(d, Decision) and d.reason == "tie_hash"
+        chosen.append(d.instance_id)
+    assert set(chosen) == {"a", "b"}
+
+
+def test_tie_goes_where_the_engine_cache_holds_the_prompt() -> None:
+    """a holds the prompt in its own cache and decodes one request; b is idle and could load
+    it from kvfabric about as fast (within tie_s): the conversation stays on a."""
+    c = core(tie_s=0.05)
+    warm = c.route("warm", "t", KEYS, len(PROMPT), 0, exclude=("b",))
+    assert isinstance(warm, Decision) and warm.instance_id == "a"
+    c.first_token("warm")  # a: the prefix in its cache, one request decoding
+    publish(c, KEYS, "seg-b")
+    d = c.route("next", "t", KEYS, len(PROMPT), 0, admit=False)
+    assert isinstance(d, Decision)
+    by_id = {e.instance_id: e for e in d.estimates}
+    assert by_id["b"].inputs.colocated_tokens == 2944 and by_id["a"].inputs.engine_tokens == 2944
+    assert c.queue_of("a") == 1 and c.queue_of("b") == 0
+    assert d.instance_id == "a" and d.reason == "tie_cache"
+
+
 def test_stale_index_counts_no_kvfabric_tokens() -> None:
     c = core(index_stale_ms=2000)
     publish(c, KEYS, "seg-a")

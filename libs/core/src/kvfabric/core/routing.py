@@ -43,8 +43,12 @@ Policies: `cache_aware` (lowest estimate), `round_robin`, `least_loaded` (fewest
 the benchmark runs every configuration through the same router.
 - Eligible: healthy, last health check within `health_stale_ms` (stale health = down: a dead
   instance is never chosen), not excluded (failover), its queue below `queue_max`.
-- Ties: estimates within `tie_s` of the lowest are equal; among them fewer requests in flight
-  wins, then rendezvous hashing of (first chunk key, instance id), so one prefix keeps going to one instance.
+- Ties: estimates within `tie_s` of the lowest are equal; among them the instance whose own
+  cache holds more of the prompt wins (a conversation stays where its cache is, when loading it
+  elsewhere looks as cheap), then fewer requests in flight, then rendezvous hashing of (the
+  prompt's last usable chunk key, instance id): one prompt keeps going to one instance, and
+  prompts that share only a system prompt spread (hashing the first chunk sent every tie of a
+  trace whose prompts all open with one block to one instance: docs/router.md).
 - Stale cache data: while the index is not `synced`, or the event stream has not been heard
   from for `index_stale_ms`, no kvfabric token is counted (only the engine's own cache and the
   load): a router that may have missed evictions never promises a load.
@@ -194,7 +198,7 @@ class Decision:
     instance_id: str
     estimate: Estimate
     estimates: tuple[Estimate, ...]  # every eligible instance's, best first
-    reason: str  # cache_aware | tie_load | tie_hash | round_robin | least_loaded | failover
+    reason: str  # cache_aware | tie_cache | tie_load | tie_hash | round_robin | least_loaded | failover
 
 
 RefusedReason = Literal["admitted_max", "tenant_inflight_max", "no_instance", "queues_full"]
@@ -364,11 +368,21 @@ class RoutingCore:
                 continue
             inputs = self.inputs_for(iid, keys, prompt_tokens, now_ms)
             out.append(Estimate(iid, ttft_estimate_s(inputs, coefficients), inputs))
-        first = keys[0] if keys else b""
-        out.sort(
-            key=lambda e: (e.ttft_s, self.instances[e.instance_id].queue, -_rendezvous(first, e.instance_id))
-        )
+        tie_key = self._tie_key(keys, prompt_tokens)
+        out.sort(key=lambda e: (e.ttft_s, *self._tie_order(e, tie_key)))
         return out
+
+    def _tie_key(self, keys: Sequence[bytes], prompt_tokens: int) -> bytes:
+        usable = self.usable_chunks(keys, prompt_tokens)
+        return keys[usable - 1] if usable else (keys[0] if keys else b"")
+
+    def _tie_order(self, e: Estimate, tie_key: bytes) -> tuple[int, int, int]:
+        """Among equal estimates: more in the instance's own cache, fewer in flight, rendezvous."""
+        return (
+            -e.inputs.engine_tokens,
+            self.instances[e.instance_id].queue,
+            -_rendezvous(tie_key, e.instance_id),
+        )
 
     # ---- decisions -----------------------------------------------------------------------
 
@@ -404,7 +418,7 @@ class RoutingCore:
         ]
         if not with_room:
             return self._refuse(request_id, "queues_full", now_ms)
-        chosen, reason = self._choose(with_room, keys, failover)
+        chosen, reason = self._choose(with_room, self._tie_key(keys, prompt_tokens), failover)
         if admit:
             inst = self.instances[chosen.instance_id]
             compute = chosen.inputs.compute_tokens
@@ -424,7 +438,7 @@ class RoutingCore:
         others = tuple(e for e in ranked if e is not chosen)
         return Decision(request_id, chosen.instance_id, chosen, (chosen, *others), reason)
 
-    def _choose(self, ranked: list[Estimate], keys: Sequence[bytes], failover: bool) -> tuple[Estimate, str]:
+    def _choose(self, ranked: list[Estimate], tie_key: bytes, failover: bool) -> tuple[Estimate, str]:
         policy = self.config.policy
         if policy == "round_robin":
             order = list(self.instances)
@@ -437,15 +451,14 @@ class RoutingCore:
         if policy == "least_loaded":
             best = min(ranked, key=lambda e: (self.instances[e.instance_id].queue, e.ttft_s))
             return best, "failover" if failover else "least_loaded"
-        first = keys[0] if keys else b""
         tied = [e for e in ranked if e.ttft_s <= ranked[0].ttft_s + self.config.tie_s]
-        best = min(
-            tied, key=lambda e: (self.instances[e.instance_id].queue, -_rendezvous(first, e.instance_id))
-        )
+        best = min(tied, key=lambda e: self._tie_order(e, tie_key))
         if failover:
             return best, "failover"
         if len(tied) == 1:
             return best, "cache_aware"
+        if len({e.inputs.engine_tokens for e in tied}) > 1:
+            return best, "tie_cache"
         queues = {self.instances[e.instance_id].queue for e in tied}
         return best, "tie_hash" if len(queues) == 1 else "tie_load"
 
@@ -543,6 +556,6 @@ class RoutingCore:
             self.refit.check_invariants()
 
 
-def _rendezvous(first_key: bytes, instance_id: str) -> int:
-    digest = hashlib.blake2b(first_key + instance_id.encode(), digest_size=8).digest()
+def _rendezvous(key: bytes, instance_id: str) -> int:
+    digest = hashlib.blake2b(key + instance_id.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
