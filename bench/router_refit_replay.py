@@ -192,6 +192,7 @@ def replay_config(
         }
     n = len(ok)
     return {
+        "balance_bound": balance_bound(out, ok, seen),
         "requests": n,
         "rebuilt_cached_agrees": round(agree / n, 3),
         "tie_fraction_static": round(ties_static / n, 3),
@@ -213,6 +214,44 @@ def replay_config(
         "refit_state": refit.state,
         "batch_fit": coefficients_of(batch.current),
         "terms": terms,
+    }
+
+
+def balance_bound(
+    out: list[dict[str, Any]], ok: list[int], seen: dict[int, dict[str, Seen]]
+) -> dict[str, Any]:
+    """What a perfect balancer could have won, one decision at a time: requests that met a busy
+    engine (something queued or running) while the other was idle, given the TTFT an idle
+    engine gives their computed tokens (overhead + tokens / rate, least squares over the
+    requests that did meet an idle engine), if lower. Optimistic: the moved request would also
+    have had to load its prefix there, and nothing after it changes."""
+
+    def idle(s: Seen) -> bool:
+        return s.queued == 0 and s.running == 0
+
+    def computed(i: int) -> int:
+        return int(out[i]["prompt_tokens"] - out[i]["cached_tokens"])
+
+    free = [i for i in ok if idle(seen[i][out[i]["instance"]])]
+    busy = [i for i in ok if i not in free]
+    movable = [i for i in busy if any(idle(seen[i][x]) for x in INSTANCES if x != out[i]["instance"])]
+    xs = [float(computed(i)) for i in free]
+    ys = [float(out[i]["ttft_s"]) for i in free]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    base = my - slope * mx
+    moved = [
+        min(out[i]["ttft_s"], base + slope * computed(i)) if i in movable else out[i]["ttft_s"] for i in ok
+    ]
+    return {
+        "met_idle_engine": len(free),
+        "ttft_p50_met_idle_s": round(statistics.median(ys), 4),
+        "met_busy_engine": len(busy),
+        "ttft_p50_met_busy_s": round(statistics.median(out[i]["ttft_s"] for i in busy), 4) if busy else None,
+        "idle_engine_fit": {"overhead_s": round(base, 4), "prefill_tokens_per_s": round(1 / slope, 1)},
+        "busy_while_other_idle": len(movable),
+        "ttft_p50_s": round(statistics.median(out[i]["ttft_s"] for i in ok), 4),
+        "ttft_p50_if_moved_s": round(statistics.median(moved), 4),
     }
 
 
