@@ -24,10 +24,15 @@ chosen instance's estimate against the realised TTFT, the pick each would make (
 `tie_s` is a tie: broken as the run broke it), and a batch fit over the whole run with every
 term's seconds on the median request (which coefficient is off, and by how much).
 
-Caveats: the realised TTFT is the client's (the router's own is 10-60 ms less: the relay and the
-client's connection), the features are rebuilt, not logged (the rebuilt cached tokens agree
-with vLLM's `cached_tokens` per request: printed), and a different pick would have changed
-what came after (the replay scores one decision at a time, not the counterfactual run).
+With the router's own records (`router_<config>` in `bench.serving` runs from 2026-12-02 on: the inputs of
+the chosen engine's estimate as logged, and the router's realised TTFT) it also replays those
+exactly (`logged`: no rebuilt features, the router's TTFT).
+
+Caveats (of the rebuilt replay): the realised TTFT is the client's (the router's own is 10-60
+ms less: the relay and the client's connection), the features are rebuilt, not logged (the
+rebuilt cached tokens agree with vLLM's `cached_tokens` per request: printed), and a different
+pick would have changed what came after (the replay scores one decision at a time, not the
+counterfactual run).
 """
 
 from __future__ import annotations
@@ -217,6 +222,50 @@ def replay_config(
     }
 
 
+def replay_logged(
+    out: list[dict[str, Any]], logged: list[dict[str, Any]], prior: tuple[float, ...], config: RefitConfig
+) -> dict[str, Any] | None:
+    """With the router's own per-request records (`bench.serving`'s `router_<config>`: the chosen
+    engine's inputs as the router saw them and its realised TTFT), the error of its estimate
+    with the calibrated coefficients and with the refit, exactly as the router would observe
+    (no rebuilt features; arrivals and first tokens ordered by the client's times)."""
+    rows = {r["index"]: r for r in logged if r.get("outcome") == "ok" and r.get("router_ttft_s") is not None}
+    rows = {i: r for i, r in rows.items() if i < len(out) and out[i]["ttft_s"] is not None}
+    if not rows:
+        return None
+    xs: dict[int, Vector] = {
+        i: features(
+            int(r.get("queued_prefill_tokens", 0)),
+            int(r["compute_tokens"]),
+            int(r.get("colocated_bytes", 0)),
+            int(r.get("remote_bytes", 0)),
+            int(r.get("running", 0)),
+        )
+        for i, r in rows.items()
+    }
+    refit = CoefficientRefit(config, prior)  # type: ignore[arg-type]
+    events = sorted(
+        [(out[i]["sent_s"], 0, i) for i in rows] + [(out[i]["sent_s"] + out[i]["ttft_s"], 1, i) for i in rows]
+    )
+    err_static: list[float] = []
+    err_refit: list[float] = []
+    for t, kind, i in events:
+        y = float(rows[i]["router_ttft_s"])
+        if kind == 1:
+            refit.observe(xs[i], y, round(t * 1000))
+            continue
+        err_static.append(abs(estimate(prior, xs[i]) - y))
+        err_refit.append(abs(estimate(refit.coefficients(round(t * 1000)), xs[i]) - y))
+    return {
+        "requests": len(rows),
+        "estimate_abs_error_p50_s": {
+            "calibrated": round(statistics.median(err_static), 4),
+            "refit_online": round(statistics.median(err_refit), 4),
+        },
+        "refit_final": coefficients_of(refit.current),
+    }
+
+
 def balance_bound(
     out: list[dict[str, Any]], ok: list[int], seen: dict[int, dict[str, Seen]]
 ) -> dict[str, Any]:
@@ -308,6 +357,9 @@ def main() -> int:
             print(f"({name}): the workload does not match the run's requests", file=sys.stderr)
             return 1
         result["configs"][name] = replay_config(out, reqs, prior, RefitConfig())
+        logged = report.get(f"router_{name}")
+        if logged:
+            result["configs"][name]["logged"] = replay_logged(out, logged, prior, RefitConfig())
     text = json.dumps(result, indent=1)
     if args.json is not None:
         args.json.write_text(text)

@@ -795,6 +795,41 @@ def coefficients_from_metrics(text: str) -> dict[str, float]:
     return out
 
 
+ROUTED_FIELDS: Final = (
+    "instance",
+    "reason",
+    "estimate_s",
+    "engine_tokens",
+    "colocated_tokens",
+    "remote_tokens",
+    "compute_tokens",
+    "colocated_bytes",
+    "remote_bytes",
+    "queued_prefill_tokens",
+    "running",
+)
+
+
+def router_records(events: Sequence[dict[str, Any]], tag: str) -> list[dict[str, Any]]:
+    """Per request of the replay tagged `tag` (trace ids `{tag}-{index}`), what the router decided
+    and estimated from (its last `request_routed`: after a failover, the last engine's) and the
+    TTFT it realised (`request_done`: received -> the engine's first byte), by index: the cost
+    model's inputs as logged, for `bench.router_refit_replay` and refits offline."""
+    out: dict[int, dict[str, Any]] = {}
+    for ev in events:
+        trace = str(ev.get("trace_id", ""))
+        head, _, index = trace.rpartition("-")
+        if head != tag or not index.isdigit():
+            continue
+        row = out.setdefault(int(index), {"index": int(index)})
+        if ev.get("event") == "request_routed":
+            row.update({k: ev[k] for k in ROUTED_FIELDS if k in ev})
+        elif ev.get("event") == "request_done":
+            row["router_ttft_s"] = ev.get("ttft_s")
+            row["outcome"] = ev.get("outcome")
+    return [out[i] for i in sorted(out)]
+
+
 def timeline(rep: Replay, bin_s: float = 1.0) -> list[dict[str, Any]]:
     bins: dict[int, list[Outcome]] = {}
     for o in rep.outcomes:
@@ -1193,6 +1228,7 @@ def main() -> int:
                         counters = {k: after[k] - before.get(k, 0.0) for k in after}
                         row = summarise(name, rep, counters, rproc, args.slo_ttft_s, load)
                         row["coefficients_in_use"] = coefficients_in_use(url)
+                        report[f"router_{name}"] = router_records(rproc.events(), name)
                     row["cluster_events"] = cluster.since(mark)
                     row["flags"] = flags_of(name, row)
                     report["configs"][name] = row

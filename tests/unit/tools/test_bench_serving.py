@@ -14,6 +14,7 @@ from bench.serving import (
     coefficients_from_metrics,
     nonnegative_fit,
     prompt_of,
+    router_records,
     select_workload,
     verdicts,
 )
@@ -134,3 +135,27 @@ def test_verdict_for_d_with_the_refit_and_its_coefficients() -> None:
         'kvfabric_router_state{name="queue_e1"} 1.0\n'
     )
     assert coefficients_from_metrics(text) == {"running_s": 0.075, "refit_fits": 12.0}
+
+
+def test_router_records_per_request_from_the_routers_log() -> None:
+    """The last `request_routed` (after a failover: the engine that answered) and the
+    `request_done` of each trace id `{tag}-{index}`; other tags and lines ignored."""
+    events = [
+        {"event": "request_routed", "trace_id": "d-1", "instance": "e1", "estimate_s": 0.2, "running": 0},
+        {"event": "request_routed", "trace_id": "d-0", "instance": "e2", "estimate_s": 0.3, "running": 1},
+        {"event": "request_routed", "trace_id": "d-1", "instance": "e2", "estimate_s": 0.25, "running": 2},
+        {"event": "request_done", "trace_id": "d-1", "ttft_s": 0.4, "outcome": "ok"},
+        {"event": "request_done", "trace_id": "c-1", "ttft_s": 9.0, "outcome": "ok"},
+        {"event": "router_http_listening", "port": 1},
+    ]
+    assert router_records(events, "d") == [
+        {"index": 0, "instance": "e2", "estimate_s": 0.3, "running": 1},
+        {
+            "index": 1,
+            "instance": "e2",
+            "estimate_s": 0.25,
+            "running": 2,
+            "router_ttft_s": 0.4,
+            "outcome": "ok",
+        },
+    ]

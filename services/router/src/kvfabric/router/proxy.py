@@ -217,6 +217,10 @@ class Proxy:
                 colocated_tokens=decision.estimate.inputs.colocated_tokens,
                 remote_tokens=decision.estimate.inputs.remote_tokens,
                 compute_tokens=decision.estimate.inputs.compute_tokens,
+                colocated_bytes=decision.estimate.inputs.colocated_bytes,
+                remote_bytes=decision.estimate.inputs.remote_bytes,
+                queued_prefill_tokens=decision.estimate.inputs.queued_prefill_tokens,
+                running=decision.estimate.inputs.running,
                 # why no kvfabric token may have been counted (the index may miss evictions)
                 index_usable=self.core.index_usable(routed_at_ms),
                 index_groups=len(self.core.index.groups),
