@@ -6,8 +6,12 @@ Starts `bench.client.local_cluster` (one segment, eviction policy, repair, prefe
 of `--objects` × `--size` back to back and reports, per process of the cluster and for this one,
 the CPU it spent per save (`/proc/<pid>/stat` user + system before and after) and the save's p50 /
 p90 wall time. `--cprofile FILE` profiles this process's event loop thread (cProfile of the
-saves; the save threads are not in it). `--pyspy NAME` records the named cluster process with
-py-spy (`--pyspy-out`, a speedscope file) during the saves.
+saves; the save threads are not in it). `--cprofile-service MODULE` profiles the event loop
+of the cluster process run as `python -m MODULE` (e.g. `kvfabric.directory`) during the saves
+(bench/service_profile_hook on the cluster's `PYTHONPATH`, SIGUSR1/SIGUSR2), written to
+`--cprofile-service-out`. `--pyspy NAME` records the named cluster process with
+py-spy (`--pyspy-out`, a speedscope file) during the saves. `--json FILE` writes the figures
+(bench.save_ab runs this for two revisions, interleaved).
 
 Run: `.venv/bin/python -m bench.client_save_profile [--size 262144] [--saves 200] [--shm]`.
 """
@@ -17,8 +21,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import json
 import os
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,6 +48,15 @@ def cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return sum(int(f) for f in fields[11:13]) / CLOCK_TICKS_PER_S
+
+
+def runs(pid: int, module: str) -> bool:
+    """Whether `pid` is `python -m module` (the one bench/service_profile_hook profiles)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return bool(module) and b"-m" in argv[:-1] and argv[argv.index(b"-m") + 1] == module.encode()
 
 
 # Counters of the save path shown after the run (segment, directory metrics).
@@ -117,6 +132,9 @@ def main() -> int:
     parser.add_argument("--saves", type=int, default=200)
     parser.add_argument("--shm", action="store_true", help="co-located client (use_shm=True)")
     parser.add_argument("--cprofile", default="", help="write the loop thread's cProfile here")
+    parser.add_argument("--cprofile-service", default="", help="cluster module to cProfile")
+    parser.add_argument("--cprofile-service-out", default="/tmp/save_service.prof")
+    parser.add_argument("--json", default="", help="also write the figures to this JSON file")
     parser.add_argument("--pyspy", default="", help="cluster process to record with py-spy")
     parser.add_argument("--pyspy-out", default="/tmp/save_pyspy.json")
     parser.add_argument(
@@ -125,6 +143,11 @@ def main() -> int:
     args = parser.parse_args()
     if args.base:
         client_at(args.base)
+    if args.cprofile_service:  # the cluster's processes inherit this environment
+        hook = Path(__file__).resolve().parent / "service_profile_hook"
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+        os.environ["KVF_PROFILE_SERVICE"] = args.cprofile_service
+        os.environ["KVF_PROFILE_SERVICE_OUT"] = str(Path(args.cprofile_service_out).resolve())
     from bench.client import local_cluster, read_env_file
     from bench.client_worker import bench_spec
     from kvfabric.client import KvClient, settings_from_env
@@ -175,6 +198,11 @@ def main() -> int:
                 stderr=subprocess.DEVNULL,
             )
             time.sleep(1.0)
+        profiled = [
+            pid for name, pid in pids.items() if name != "client" and runs(pid, args.cprofile_service)
+        ]
+        for pid in profiled:
+            os.kill(pid, signal.SIGUSR1)
         before = {name: cpu_s(pid) for name, pid in pids.items()}
         load_before = os.getloadavg()
         prof = cProfile.Profile() if args.cprofile else None
@@ -195,6 +223,8 @@ def main() -> int:
             failed += result.chunks_failed
         elapsed = time.perf_counter() - t0
         after = {name: cpu_s(pid) for name, pid in pids.items()}
+        for pid in profiled:
+            os.kill(pid, signal.SIGUSR2)
         counters = {name: scrape(pids[name], COUNTER_WORDS) for name in ("segment-1", "directory")}
         if spy is not None:
             spy.send_signal(2)
@@ -222,6 +252,19 @@ def main() -> int:
             print(f"  {name:8} answered at p50 {statistics.median(marks):6.2f} ms from the call")
     for name, lines in counters.items():
         print(f"  {name}: " + "; ".join(lines))
+    if args.json:
+        figures = {
+            "saves": args.saves,
+            "objects": args.objects,
+            "size": args.size,
+            "shm": args.shm,
+            "p50_ms": statistics.median(walls) * 1e3,
+            "p90_ms": walls[int(0.9 * len(walls))] * 1e3,
+            "cpu_ms_per_save": {n: (after[n] - before[n]) / args.saves * 1e3 for n in pids},
+            "chunks_failed": failed,
+            "load": [load_before[0], os.getloadavg()[0]],
+        }
+        Path(args.json).write_text(json.dumps(figures, indent=1))
     return 1 if failed else 0
 
 
