@@ -53,8 +53,10 @@ from kvfabric.proto.dataplane import (
 
 # How often the watchdog checks deadlines: a connection outlives its deadline by at most this.
 WATCHDOG_TICK_S: Final = 0.05
-# A view still filling (a disk read in flight) is sent in pieces of this size as they land.
-STREAM_SEND_BYTES: Final = 256 << 10
+# A view still filling (a disk read in flight) is sent as its pieces land, at least this many
+# bytes a time (or its end): the smallest piece a segment cuts a streamed disk read into
+# (`kvfabric.segment_storage.ssd_io.STREAM_PIECE_MIN_BYTES`), so each piece goes as it lands.
+STREAM_SEND_BYTES: Final = 64 << 10
 
 
 class _PutRefused(Exception):

@@ -157,7 +157,11 @@ class BackendReads(BackendCore):
                 if stream:  # the first disk object read now, later ones while it is sent
                     first = not any(done is not None for _, done in out)
                     read: SsdRead | SsdStream = self.ssd.read_stream(
-                        ref.slot, ref.slot_generation, ref.size_bytes, inline_first=first
+                        ref.slot,
+                        ref.slot_generation,
+                        ref.size_bytes,
+                        inline_first=first,
+                        alone=len(reads) == 1,
                     )
                 else:
                     read = self.ssd.read(ref.slot, ref.slot_generation, ref.size_bytes)

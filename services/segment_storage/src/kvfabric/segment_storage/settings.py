@@ -32,6 +32,7 @@
 | `KVF_SEGMENT_SSD_IO_THREADS` | 4 | I/O engine threads (0: on the calling thread) |
 | `KVF_SEGMENT_SSD_IO_QUEUE_MAX` | 256 | I/O pieces queued or running; more: busy |
 | `KVF_SEGMENT_SSD_IO_CHUNK_BYTES` | 1 MiB | an object's I/O is cut into pieces of this size |
+| `KVF_SEGMENT_SSD_STREAM_HEAD_DIVISOR` | 1 (off) | N > 1: a lone disk object's 1/N head sent, the rest read |
 | `KVF_SEGMENT_SSD_READ_BYTES_MAX` | 256 MiB | buffers of disk reads held at once; more: busy |
 | `KVF_SEGMENT_SSD_VERIFY_ON_START` | 0 | re-hash every recovered object before serving |
 | `KVF_SEGMENT_DEMOTE_YIELD_MS` | 20 | a demotion step waits at most this while a GET is served; 0: never |
@@ -65,6 +66,7 @@ from kvfabric.segment_storage.backend import (
     CLOCK_SKEW_TOLERANCE_MS_MAX,
     DEMOTE_YIELD_MS_DEFAULT,
 )
+from kvfabric.segment_storage.ssd_io import STREAM_HEAD_DIVISOR_DEFAULT
 
 __all__ = ["SegmentSettings", "load_segment_settings"]
 
@@ -115,6 +117,7 @@ class SegmentSettings:
     ssd_io_threads: int = 4
     ssd_io_queue_max: int = 256
     ssd_io_chunk_bytes: int = 1 << 20
+    ssd_stream_head_divisor: int = STREAM_HEAD_DIVISOR_DEFAULT
     ssd_read_bytes_max: int = 256 << 20
     ssd_verify_on_start: bool = False
     demote_yield_ms: int = DEMOTE_YIELD_MS_DEFAULT
@@ -211,6 +214,9 @@ def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
         ssd_io_chunk_bytes=env_int(env, "KVF_SEGMENT_SSD_IO_CHUNK_BYTES", 1 << 20, SSD_BLOCK_BYTES, 1 << 30)
         // SSD_BLOCK_BYTES
         * SSD_BLOCK_BYTES,
+        ssd_stream_head_divisor=env_int(
+            env, "KVF_SEGMENT_SSD_STREAM_HEAD_DIVISOR", STREAM_HEAD_DIVISOR_DEFAULT, 1, 64
+        ),
         ssd_read_bytes_max=env_int(env, "KVF_SEGMENT_SSD_READ_BYTES_MAX", 256 << 20, 1 << 20, 1 << 40),
         ssd_verify_on_start=bool(env_int(env, "KVF_SEGMENT_SSD_VERIFY_ON_START", 0, 0, 1)),
         demote_yield_ms=env_int(env, "KVF_SEGMENT_DEMOTE_YIELD_MS", DEMOTE_YIELD_MS_DEFAULT, 0, 10_000),

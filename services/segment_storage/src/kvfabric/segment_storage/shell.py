@@ -129,6 +129,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
                         io=self.ssd_io,
                         read_bytes_max=settings.ssd_read_bytes_max,
                         verify_on_start=settings.ssd_verify_on_start,
+                        stream_head_divisor=settings.ssd_stream_head_divisor,
                     )
                 except BaseException:
                     self.ssd_io.close()

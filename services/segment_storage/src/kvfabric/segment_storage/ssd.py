@@ -51,6 +51,12 @@ are `ssd_buffers`, the I/O engine and shared sync `ssd_io`, the read results (`S
 streamed `SsdStream`) `ssd_reads`; all are re-exported here. `SsdTier` stays one class: its write,
 free and read protocols share one lock, one slot table and one file.
 
+Not split (over 600 lines): what is left here is `SsdTier` alone, and each of its protocols
+(create/recover, write, free, read) takes and releases slots of the one `DiskSlotTable` under
+the one lock, around I/O on the one file; split into mixins, every part would reach into the
+others' state (the lock, the table, the in-flight read bytes, the counters) and the order of
+durable steps, which this module's docstring tells in one place, would be spread over several.
+
 Slot ids on the wire: local slot i is `SSD_SLOT_BASE + i` (`kvfabric.proto.segment`), so frees,
 reads, read tokens, reports and corruption reports name disk replicas exactly as DRAM ones.
 """
@@ -97,7 +103,7 @@ from kvfabric.format.errors import (
 )
 from kvfabric.proto.segment import SSD_SLOT_BASE
 from kvfabric.segment_storage.ssd_buffers import ReadBufferPool, aligned_buffer, prefaulted_buffer
-from kvfabric.segment_storage.ssd_io import GroupSync, SsdIo
+from kvfabric.segment_storage.ssd_io import STREAM_HEAD_DIVISOR_DEFAULT, GroupSync, SsdIo, stream_head_bytes
 from kvfabric.segment_storage.ssd_reads import ReadStatus, SsdRead, SsdStream
 
 __all__ = [
@@ -147,11 +153,13 @@ class SsdTier:
         read_bytes_max: int,
         verify_on_start: bool = False,
         sync: Callable[[int], None] = os.fdatasync,
+        stream_head_divisor: int = STREAM_HEAD_DIVISOR_DEFAULT,
     ) -> None:
         self.path = ssd_file_path(directory, segment_id)
         self.segment_id = segment_id
         self.direct = direct
         self.io = io
+        self.stream_head_divisor = stream_head_divisor  # a GET's only disk object: its head, 1/N
         self.read_bytes_max = read_bytes_max
         self.read_buffers = ReadBufferPool(read_bytes_max)
         # O_DIRECT bounce buffers of writes whose source is not block-aligned (a demotion's arena
@@ -640,7 +648,7 @@ class SsdTier:
         return SsdRead("corrupt", key=key, generation=generation)
 
     def read_stream(
-        self, slot: int, generation: int, size: int, *, inline_first: bool = True
+        self, slot: int, generation: int, size: int, *, inline_first: bool = True, alone: bool = False
     ) -> SsdRead | SsdStream:
         """`read`, sent as it lands: the same checks and bounds up front (an `SsdRead` with the
         status when the slot cannot be read; `Busy`), then an `SsdStream` whose pieces (the I/O
@@ -648,12 +656,17 @@ class SsdTier:
         bytes (`SsdStream.verdict`). The first piece is read by the sender itself when it first
         waits for it (no hand-off), the others on the I/O engine's threads at once: a GET's later
         disk objects (`inline_first=False`, queued before the sender reads the first) are read
-        while the first is read and sent. Pieces smaller than the engine's measured slower than
-        read-then-send on the shared 2-vCPU VM, read on the threads (a hand-off each) and read by
-        the sender in 256 KiB parts too (the disk's reads of 256 KiB are slower per byte than of
-        1 MiB; docs/ssd-tier.md "Figures"). `inline_first=False` (the second and later disk
+        while the first is read and sent. `inline_first=False` (the second and later disk
         objects of one GET): every piece goes to the I/O engine's threads and this returns at
-        once, so they are read while the objects before them are sent."""
+        once, so they are read while the objects before them are sent.
+
+        `alone` (a GET's only disk object, of at most one chunk, with `stream_head_divisor` N > 1):
+        two pieces, both read by the sender — a head of about 1/N of it (`stream_head_bytes`:
+        whole 64 KiB), which it sends before it reads the rest, so the client takes the head off
+        the socket while the disk reads the rest (no thread hand-off; two reads instead of one).
+        Not queued together: pieces queued at once land together on this VM's disk. Not for
+        several disk objects: their later objects are read while the first is sent already. Off
+        by default: measured no gain on the shared VM (docs/ssd-tier.md "Figures")"""
         begun = self._begin_read(slot, generation, size)
         if isinstance(begun, SsdRead):
             return begun
@@ -671,12 +684,15 @@ class SsdTier:
         try:
             lent.append(pool.take(extent))
             with memoryview(lent[0]) as whole:
+                chunk = self.io.chunk_bytes
+                split = alone and inline_first and self.stream_head_divisor > 1 and extent <= chunk
                 pieces = self.io.submit_read(
                     self.data_fd,
                     whole[:extent],
                     self.geometry.data_offset + grant.offset,
-                    self.io.chunk_bytes,
+                    chunk,
                     inline_first=inline_first,
+                    head_bytes=stream_head_bytes(extent, chunk, self.stream_head_divisor) if split else 0,
                 )
         except BaseException as exc:
             with self.lock:

@@ -9,13 +9,38 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Final, Protocol
 
 from kvfabric.core.disk_records import BLOCK_BYTES
 from kvfabric.format.errors import Busy, Unavailable
 from kvfabric.format.invariant import invariant
 
-__all__ = ["GroupSync", "InlinePiece", "ReadPiece", "SsdIo"]
+__all__ = [
+    "STREAM_HEAD_DIVISOR_DEFAULT",
+    "STREAM_PIECE_MIN_BYTES",
+    "GroupSync",
+    "InlinePiece",
+    "ReadPiece",
+    "SsdIo",
+    "stream_head_bytes",
+]
+
+# The smallest piece a streamed read is cut into (a head, `stream_head_bytes`); the data server
+# sends a filling view in steps of this size (`kvfabric.dataplane.tcp_server`).
+STREAM_PIECE_MIN_BYTES: Final = 64 << 10
+# `KVF_SEGMENT_SSD_STREAM_HEAD_DIVISOR`: a GET's only disk object is read as a head of 1/N of it,
+# then the rest; 1 (off): read whole. Off by default: on the shared 2-vCPU VM a head gained nothing
+# at 1 MiB and lost at 256 KiB (docs/ssd-tier.md "Figures", 2026-12-02 11:25).
+STREAM_HEAD_DIVISOR_DEFAULT: Final = 1
+
+
+def stream_head_bytes(extent: int, chunk_bytes: int, divisor: int) -> int:
+    """The head of an object's `extent` cut at about 1/`divisor` of it: whole multiples of
+    `STREAM_PIECE_MIN_BYTES`, never more than the engine's `chunk_bytes`. At least `extent` (no
+    head: read whole) when `divisor` is 1 or the object is at most `STREAM_PIECE_MIN_BYTES`."""
+    want = -(-extent // max(divisor, 1))
+    want = -(-want // STREAM_PIECE_MIN_BYTES) * STREAM_PIECE_MIN_BYTES
+    return min(chunk_bytes, want)
 
 
 class SsdIo:
@@ -91,7 +116,14 @@ class SsdIo:
                 self.pieces_in_flight -= len(pieces)
 
     def submit_read(
-        self, fd: int, view: memoryview, offset: int, piece_bytes: int, *, inline_first: bool = True
+        self,
+        fd: int,
+        view: memoryview,
+        offset: int,
+        piece_bytes: int,
+        *,
+        inline_first: bool = True,
+        head_bytes: int = 0,
     ) -> list[tuple[int, int, ReadPiece]]:
         """Start reading all of `view` in pieces of `piece_bytes` (whole blocks): per piece (start,
         end, its `ReadPiece`), in order. Every piece but the first is queued on the threads at
@@ -99,11 +131,20 @@ class SsdIo:
         asks for it (`ReadPiece.result`: no thread hand-off), so whatever the caller queues after
         this call (a GET's later objects) is read while it reads this one. `inline_first=False`:
         every piece is queued (an object a sender gets to only after others: it is read while
-        they are sent). The same bounds as `pread` (`Busy` before anything starts); a piece leaves
-        the bound when it ends or is cancelled. Without threads every piece is read now, on the
-        calling thread."""
+        they are sent). `head_bytes` (with `inline_first`; `view` of at most `piece_bytes`): two
+        pieces, the head and the rest, both the caller's own, read in order as it asks for them
+        — it can send the head before it reads the rest, so the rest is read while the head is
+        taken off the socket. The same bounds as `pread` (`Busy` before anything starts); a piece
+        leaves the bound when it ends or is cancelled. Without threads every piece is read now,
+        on the calling thread."""
         invariant(piece_bytes >= BLOCK_BYTES and piece_bytes % BLOCK_BYTES == 0, "bad read piece size")
-        spans = [(i, min(i + piece_bytes, len(view))) for i in range(0, len(view), piece_bytes)]
+        lazy = inline_first and self._pool is not None
+        head = head_bytes if lazy and 0 < head_bytes < len(view) else 0
+        invariant(not head or (head % BLOCK_BYTES == 0 and len(view) <= piece_bytes), "bad read head")
+        if head:
+            spans = [(0, head), (head, len(view))]
+        else:
+            spans = [(i, min(i + piece_bytes, len(view))) for i in range(0, len(view), piece_bytes)]
         self._admit(len(spans))
 
         def done(_: object = None) -> None:
@@ -111,11 +152,10 @@ class SsdIo:
                 self.pieces_in_flight -= 1
 
         out: list[tuple[int, int, ReadPiece]] = []
-        lazy = inline_first and self._pool is not None
-        if lazy:  # the first piece: read by its caller when it asks
-            start, end = spans[0]
-            out.append((start, end, InlinePiece(self, fd, view[start:end], offset + start, done)))
-        for start, end in spans[1:] if lazy else spans:
+        if lazy:  # the first piece (with a head, both): read by its caller when it asks
+            for start, end in spans[: 2 if head else 1]:
+                out.append((start, end, InlinePiece(self, fd, view[start:end], offset + start, done)))
+        for start, end in spans[len(out) :]:
             future: concurrent.futures.Future[None]
             if self._pool is None:
                 future = concurrent.futures.Future()
