@@ -99,21 +99,28 @@ async def bobs_own_queries(secure: Secure, n: int) -> dict[str, list[float]]:
     nc, bob = await tenant_router(secure, "bob")
     digest = secure.spec("bob").domain.digest()
     missing = group_ids(secure, "bob", 1, seed=99)[0]
-    out: dict[str, list[float]] = {"list_groups": [], "show_group": []}
+    out: dict[str, list[float]] = {"list_groups": [], "show_group": [], "lookup": []}
     try:
         for _ in range(n):
             listing = m.ListGroups(domain_digest=digest, limit=1000)
             out["list_groups"].append(await timed_ms(bob, "list_groups", listing))
             out["show_group"].append(await timed_ms(bob, "show_group", m.ShowGroup(group=missing)))
     finally:
+            # the control: a one-group lookup (a miss) costs the same whatever anyone holds; it
+            # shares the directory's loop and the machine with the two above, so a loaded
+            # machine or a busy loop (alice's 20,000 events still being published) slows it too
+            out["lookup"].append(await timed_ms(bob, "lookup", m.Lookup(holder_id="b", groups=[missing])))
         await nc.close()
     return out
 
 
 def test_bobs_listings_cost_the_same_whatever_alice_holds(tmp_path: Path) -> None:
     """Rows 1 and 10: bob's list_groups and show_group of his own empty domain, 300 each, with
-    alice holding no group and then 20,000: the medians stay within 2x (+0.5 ms). Before the
-    per-domain index: 0.96 vs 62.6 ms."""
+    alice holding no group and then 20,000: each median over that of a one-group lookup timed
+    beside it (the control) stays within 2x (+0.5). Before the per-domain index: 0.96 vs 62.6 ms
+    (a ratio to the control of ~2 vs ~100). The control, not the raw medians: on a loaded CI
+    machine everything on the directory slowed ~4x between the two phases (0.54 -> 2.20 ms, the
+    core calls themselves 0.14 ms at most), which said nothing about alice's data."""
     info = {"KVF_LOG_LEVEL": "info"}  # the slow-call warnings, not a debug line per request
     with two_tenants(tmp_path, arena_bytes=64 << 20, env=info) as (secure, directory):
         port = directory.wait_for_event("directory_started", 1.0)["metrics_port"]
@@ -150,7 +157,12 @@ def test_bobs_listings_cost_the_same_whatever_alice_holds(tmp_path: Path) -> Non
             ),
         )
         for verb, row in report.items():
-            assert row["p50_ms_alice_20k"] < 2 * row["p50_ms_alice_none"] + 0.5, (verb, row)
+        control = report["lookup"]
+            if verb == "lookup":
+                continue
+            ratio_none = row["p50_ms_alice_none"] / control["p50_ms_alice_none"]
+            ratio_20k = row["p50_ms_alice_20k"] / control["p50_ms_alice_20k"]
+            assert ratio_20k < 2 * ratio_none + 0.5, (verb, row, control)
         assert longest_after_ms < 50, "a listing of an empty domain held the event loop"
 
 
