@@ -34,6 +34,7 @@ from bench.dataplane_server import segment_main
 from kvfabric.client.transfers import SegmentPool
 from kvfabric.dataplane import tcp as dtcp
 from kvfabric.format.checksum import checksum
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import sign_ticket
 
@@ -84,7 +85,7 @@ def main() -> int:
                 sign_ticket(
                     WriteTicket(
                         ticket_id=i,
-                        key=b"k%d" % i,
+                        key=ObjectKey(b"k%d" % i),
                         segment_id=SEGMENT_ID,
                         incarnation=info.incarnation,
                         size_bytes=size,

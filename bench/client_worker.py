@@ -47,6 +47,7 @@ from kvfabric.client.transfers import read_ref
 from kvfabric.dataplane.shm import ShmReader
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
+from kvfabric.format.ids import GroupId
 from kvfabric.format.key import KVLayout, ModelFingerprint
 from kvfabric.proto.directory import EVICT_BATCH_GROUPS_MAX, Evict, EvictReply
 
@@ -274,7 +275,7 @@ class Worker:
         """Evict the chunk groups of these prompts (a tenant may evict its own): status counts.
         Groups still leased (a release not yet applied) are asked again, a bounded number of times."""
         client = self.clients["remote"]
-        raws = [g.to_bytes() for t in tokens for g in client.aio.chunk_groups(t)]
+        raws = [g.group_id() for t in tokens for g in client.aio.chunk_groups(t)]
         statuses: Counter[str] = Counter()
         for attempt in range(EVICT_LEASED_RETRIES + 1):
             leased = asyncio.run_coroutine_threadsafe(
@@ -288,15 +289,15 @@ class Worker:
             time.sleep(EVICT_RETRY_WAIT_S)
         return dict(statuses)
 
-    async def _evict(self, client: KvClient, raws: list[bytes], statuses: Counter[str]) -> list[bytes]:
+    async def _evict(self, client: KvClient, raws: list[GroupId], statuses: Counter[str]) -> list[GroupId]:
         router = client.aio.router
         if router is None:
             raise RuntimeError("client not started")
         await router.known_shards()
-        by_shard: dict[int, list[bytes]] = {}
+        by_shard: dict[int, list[GroupId]] = {}
         for raw in raws:
             by_shard.setdefault(router.shard_of(raw), []).append(raw)
-        leased: list[bytes] = []
+        leased: list[GroupId] = []
         for shard, groups in by_shard.items():
             for i in range(0, len(groups), EVICT_BATCH_GROUPS_MAX):
                 batch = groups[i : i + EVICT_BATCH_GROUPS_MAX]

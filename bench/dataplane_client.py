@@ -31,6 +31,7 @@ from kvfabric.dataplane.shm import ShmReader, verify
 from kvfabric.dataplane.tcp import TcpDataClient, tune_socket
 from kvfabric.format.checksum import checksum
 from kvfabric.format.clock import now_ms
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto.dataplane import ObjectResult, ReadRef
 from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import sign_ticket
@@ -185,7 +186,7 @@ class ClientSide:
         return sign_ticket(
             WriteTicket(
                 ticket_id=ticket_id,
-                key=ticket_id.to_bytes(8, "big") * 4,
+                key=ObjectKey(ticket_id.to_bytes(8, "big") * 4),
                 segment_id=SEGMENT_ID,
                 incarnation=seg.incarnation,
                 size_bytes=len(self._src),

@@ -51,7 +51,14 @@ import xxhash
 
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore
 from kvfabric.core.directory.keys import GROUP_KEY_BYTES
-from kvfabric.format.ids import DomainDigest, GroupId, chain_in_id, domain_in_id, group_key_of_id
+from kvfabric.format.ids import (
+    DomainDigest,
+    GroupId,
+    chain_in_id,
+    domain_in_id,
+    group_key_of_id,
+    pack_object_key,
+)
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.runtime import gcpolicy
@@ -84,10 +91,10 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class Groups(Sequence[bytes]):
+class Groups(Sequence[GroupId]):
     """Chunk group ids of a fixed size, kept as one `bytes` (untracked by the GC)."""
 
-    def __init__(self, ids: list[bytes]) -> None:
+    def __init__(self, ids: list[GroupId]) -> None:
         assert all(len(g) == GROUP_ID_BYTES for g in ids)
         self._blob = b"".join(ids)
         self._n = len(ids)
@@ -96,29 +103,29 @@ class Groups(Sequence[bytes]):
         return self._n
 
     @overload
-    def __getitem__(self, i: int) -> bytes: ...
+    def __getitem__(self, i: int) -> GroupId: ...
 
     @overload
-    def __getitem__(self, i: slice) -> list[bytes]: ...
+    def __getitem__(self, i: slice) -> list[GroupId]: ...
 
-    def __getitem__(self, i: int | slice) -> bytes | list[bytes]:
+    def __getitem__(self, i: int | slice) -> GroupId | list[GroupId]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self._n))]
         if not -self._n <= i < self._n:
             raise IndexError(i)
         i %= self._n
-        return self._blob[i * GROUP_ID_BYTES : (i + 1) * GROUP_ID_BYTES]
+        return GroupId(self._blob[i * GROUP_ID_BYTES : (i + 1) * GROUP_ID_BYTES])
 
 
 def make_groups(n: int, seed: int) -> Groups:
     """n chunk group ids: prefixes of 64 chunks each (chain-hashed like real prompts)."""
-    out: list[bytes] = []
+    out: list[GroupId] = []
     prefix = 0
     while len(out) < n:
         chunks = min(64, n - len(out))
         tokens = [(seed * 7_919 + prefix * 104_729 + i) % 50_000 for i in range(16 * chunks)]
         tokens[:3] = [seed, prefix % 50_000, prefix // 50_000]  # no two (seed, prefix) share a group
-        out.extend(g.to_bytes() for g in chunk_groups_for_prefix(DOMAIN, MODEL, LAYOUT, tokens))
+        out.extend(g.group_id() for g in chunk_groups_for_prefix(DOMAIN, MODEL, LAYOUT, tokens))
         prefix += 1
     return Groups(out)
 
@@ -145,8 +152,8 @@ def new_core() -> DirectoryCore:
     return core
 
 
-def publish(core: DirectoryCore, group_ids: Sequence[bytes], req: str, now: int = 0) -> None:
-    keys = [g + b"\x00" * 6 for g in group_ids]  # member (0, 0, 0): KVKey bytes = group id + 3 × u16
+def publish(core: DirectoryCore, group_ids: Sequence[GroupId], req: str, now: int = 0) -> None:
+    keys = [pack_object_key(g, 0, 0, 0) for g in group_ids]  # member (0, 0, 0)
     specs = [m.ObjectSpec(key=k, size_bytes=OBJECT_BYTES, checksum=xxhash.xxh3_128_digest(k)) for k in keys]
     begin = core.handle(
         m.PutBegin(writer_id="w", request_id=req, objects=specs, write_ttl_ms=1000), now
@@ -173,7 +180,7 @@ def publish(core: DirectoryCore, group_ids: Sequence[bytes], req: str, now: int 
     assert all(r.status == "published" for r in commit.results)
 
 
-def lookup(core: DirectoryCore, group_ids: Sequence[bytes], now: int = 0) -> None:
+def lookup(core: DirectoryCore, group_ids: Sequence[GroupId], now: int = 0) -> None:
     reply = core.handle(m.Lookup(holder_id="r", groups=list(group_ids), lease_ttl_ms=10_000), now).reply
     assert isinstance(reply, m.LookupReply) and reply.hit_chunks == len(group_ids)
     core.handle(m.LeaseRelease(holder_id="r", lease_id=reply.lease_id), now)
@@ -196,7 +203,7 @@ def peak_publishes(n: int, runs: int) -> float:
     return best
 
 
-def window(groups: Groups, start: int, n: int) -> list[bytes]:
+def window(groups: Groups, start: int, n: int) -> list[GroupId]:
     i = start % (len(groups) - n)
     return groups[i : i + n]
 
@@ -240,7 +247,7 @@ def core_calls(core: DirectoryCore, groups: Groups, now: int) -> dict[str, float
         assert isinstance(reply, m.LookupReply) and reply.hit_chunks > 0
         core.handle(m.LeaseRelease(holder_id="r", lease_id=reply.lease_id), now)
 
-    never_begun = [g + b"\x00" * 6 for g in missing]  # keys nobody began: not_found each
+    never_begun = [pack_object_key(g, 0, 0, 0) for g in missing]  # keys nobody began: not_found each
 
     calls: dict[str, Callable[[], object]] = {
         "list_groups_empty_domain_limit_100": lambda: core.handle(

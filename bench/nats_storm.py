@@ -48,6 +48,7 @@ import nats
 
 from bench.nats_storm_peer import new_nkey
 from kvfabric.ctl.auth import BCRYPT_COST, plan_auth, write_auth
+from kvfabric.format.ids import GroupId
 from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto.subjects import tenant_inbox_prefix
@@ -154,7 +155,7 @@ def summary(samples: list[float]) -> dict[str, Any]:
 class Victim:
     """Alice's lookups, one at a time, timestamped (monotonic s at send, ms taken)."""
 
-    def __init__(self, router: DirectoryRouter, group: bytes) -> None:
+    def __init__(self, router: DirectoryRouter, group: GroupId) -> None:
         self.router = router
         self.group = group
         self.shard = router.shard_of(group)
@@ -212,7 +213,7 @@ async def measure(cluster: Cluster, server: NatsServer, args: argparse.Namespace
         alice_env["KVF_CLIENT_TENANT_ID"], bytes.fromhex(alice_env["KVF_CLIENT_DOMAIN_SALT_HEX"])
     )
     tokens = prompt(TOKENS_PER_CHUNK, seed=4242)
-    group = chunk_groups_for_prefix(domain, SPEC.model, SPEC.layout, tokens)[0].to_bytes()
+    group = chunk_groups_for_prefix(domain, SPEC.model, SPEC.layout, tokens)[0].group_id()
     try:
         await router.known_shards()
         victim = Victim(router, group)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from bench.ssd_tier import RawFile, _cpu_s, _save, extent_of
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto.segment import DEMOTE_BATCH_MAX, DemoteObject, DemoteReply, DemoteRequest, segment_decoder
 from kvfabric.proto.subjects import segment_subject
 from kvfabric.runtime import request
@@ -45,7 +46,7 @@ RESULTS: Final = Path(__file__).resolve().parent / "results"
 
 async def demote(nc: Any, segment_id: str, objects: list[tuple[bytes, int, int]]) -> None:
     for i in range(0, len(objects), DEMOTE_BATCH_MAX):
-        batch = [DemoteObject(k, slot, gen) for k, slot, gen in objects[i : i + DEMOTE_BATCH_MAX]]
+        batch = [DemoteObject(ObjectKey(k), slot, gen) for k, slot, gen in objects[i : i + DEMOTE_BATCH_MAX]]
         reply = await request(
             nc,
             segment_subject(segment_id, "demote"),

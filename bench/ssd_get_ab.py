@@ -35,6 +35,7 @@ from typing import Any, Final
 from bench.ssd_tier import GET_BATCH, TOKEN_TTL_MS, RawFile, _cpu_s, _save, extent_of
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import DEMOTE_BATCH_MAX, DemoteObject, DemoteReply, DemoteRequest, segment_decoder
 from kvfabric.proto.subjects import segment_subject
@@ -54,7 +55,7 @@ async def demote(nc: Any, segment_id: str, objects: list[tuple[bytes, int, int]]
     """`objects` (key, arena slot, generation) onto the segment's disk: their disk (slot, generation)."""
     out: list[tuple[int, int]] = []
     for i in range(0, len(objects), DEMOTE_BATCH_MAX):
-        batch = [DemoteObject(k, slot, gen) for k, slot, gen in objects[i : i + DEMOTE_BATCH_MAX]]
+        batch = [DemoteObject(ObjectKey(k), slot, gen) for k, slot, gen in objects[i : i + DEMOTE_BATCH_MAX]]
         reply = await request(
             nc,
             segment_subject(segment_id, "demote"),

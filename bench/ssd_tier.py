@@ -641,7 +641,7 @@ async def _wait_adopted(nc: Any, keys: list[bytes]) -> None:
     segment's report), or `ADOPT_TIMEOUT_S`."""
     deadline = time.monotonic() + ADOPT_TIMEOUT_S
     for key in keys:
-        group = KVKey.from_bytes(key).chunk_group.to_bytes()
+        group = KVKey.from_bytes(key).chunk_group.group_id()
         while True:
             reply = await directory_call(nc, "lookup", m.Lookup(holder_id="bench-ssd-tier", groups=[group]))
             if isinstance(reply, m.LookupReply) and reply.hit_chunks == 1:

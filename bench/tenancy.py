@@ -33,6 +33,7 @@ import nats
 
 from kvfabric.client import KvClient
 from kvfabric.ctl.auth import plan_auth, write_auth
+from kvfabric.format.ids import GroupId
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing import NatsServer
@@ -50,7 +51,7 @@ def quantile(xs: list[float], q: float) -> float:
 
 
 async def measure(
-    secure: Secure, hits: list[list[bytes]], misses: list[list[bytes]], n: int
+    secure: Secure, hits: list[list[GroupId]], misses: list[list[GroupId]], n: int
 ) -> dict[str, Any]:
     nc = await nats.connect(secure.nats.url, **secure.tenant_auth("alice").connect_options())
     router = DirectoryRouter(nc, tenant="alice")
@@ -59,7 +60,7 @@ async def measure(
         await router.refresh()
         for i in range(n):
             kind = "hit" if i % 2 == 0 else "miss"
-            by_shard: dict[int, list[bytes]] = {}
+            by_shard: dict[int, list[GroupId]] = {}
             for group in (hits if kind == "hit" else misses)[i // 2 % len(hits)]:
                 by_shard.setdefault(router.shard_of(group), []).append(group)
             started = time.perf_counter()

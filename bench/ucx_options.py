@@ -55,6 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from kvfabric.format.ids import ObjectKey
+
 RESULTS: Final = Path(__file__).resolve().parent / "results"
 REPO: Final = Path(__file__).resolve().parent.parent
 KiB: Final = 1 << 10
@@ -708,7 +710,7 @@ def _ticket(size: int) -> Any:
 
     return WriteTicket(
         ticket_id=1,
-        key=b"k" * 16,
+        key=ObjectKey(b"k" * 16),
         segment_id="bench",
         incarnation=1,
         size_bytes=size,

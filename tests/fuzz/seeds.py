@@ -17,6 +17,7 @@ import msgspec
 
 from kvfabric.core.directory import DirectoryCore
 from kvfabric.dataplane.frames import HEADER, MAGIC, META_BYTES_MAX, OBJECT_BYTES_MAX, READS_MAX, Op
+from kvfabric.format.ids import GroupId, ObjectKey
 from kvfabric.format.key import KVKey
 from kvfabric.format.manifest import MANIFEST_VERSION
 from kvfabric.proto import dataplane as dp
@@ -47,7 +48,7 @@ def ticket(size_bytes: int, *, signed: bool = True, **fields: object) -> m.Write
     """A write ticket for the fuzzed segment (valid signature unless `signed=False`)."""
     base = m.WriteTicket(
         ticket_id=1,
-        key=bytes(96),
+        key=ObjectKey(bytes(96)),
         segment_id=SEGMENT_ID,
         incarnation=INCARNATION,
         size_bytes=size_bytes,
@@ -222,7 +223,7 @@ class DirectoryWorld:
     building: m.WriteTicket  # placed, not confirmed
 
 
-def _begin(core: DirectoryCore, writer: str, request_id: str, k: bytes) -> m.WriteTicket:
+def _begin(core: DirectoryCore, writer: str, request_id: str, k: ObjectKey) -> m.WriteTicket:
     spec = m.ObjectSpec(key=k, size_bytes=100, checksum=checksum_of(k))
     reply = core.handle(m.PutBegin(writer_id=writer, request_id=request_id, objects=[spec]), 0).reply
     assert isinstance(reply, m.PutBeginReply) and reply.results[0].status == "placed"
@@ -280,16 +281,26 @@ def _directory_core() -> dict[str, bytes]:
         {
             "confirm-commit-publishes.msgpack": steps(Step(10, confirm(7)), Step(20, commit), Step(30)),
             "evict-published-then-freed.msgpack": steps(
-                Step(10, m.Evict(groups=[PUBLISHED_GROUP.to_bytes()])),
-                Step(20, m.SlotsFreed(segment_id="s1", incarnation=1, freed=[m.FreedSlot(b"", 0, 1)])),
-                Step(30, m.SlotsFreed(segment_id="s2", incarnation=1, freed=[m.FreedSlot(b"", 0, 1)])),
-                Step(40, m.SlotsFreed(segment_id="s3", incarnation=1, freed=[m.FreedSlot(b"", 0, 1)])),
+                Step(10, m.Evict(groups=[PUBLISHED_GROUP.group_id()])),
+                Step(
+                    20,
+                    m.SlotsFreed(segment_id="s1", incarnation=1, freed=[m.FreedSlot(ObjectKey(b""), 0, 1)]),
+                ),
+                Step(
+                    30,
+                    m.SlotsFreed(segment_id="s2", incarnation=1, freed=[m.FreedSlot(ObjectKey(b""), 0, 1)]),
+                ),
+                Step(
+                    40,
+                    m.SlotsFreed(segment_id="s3", incarnation=1, freed=[m.FreedSlot(ObjectKey(b""), 0, 1)]),
+                ),
             ),
             "lookup-identity-mismatch.msgpack": steps(
                 Step(
                     10,
                     m.Lookup(
-                        holder_id="h", groups=[BUILDING_GROUP.to_bytes()[:58] + PUBLISHED_GROUP.chain_hash]
+                        holder_id="h",
+                        groups=[GroupId(BUILDING_GROUP.group_id()[:58] + PUBLISHED_GROUP.chain_hash)],
                     ),
                 )
             ),

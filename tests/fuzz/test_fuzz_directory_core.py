@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from kvfabric.core.directory import DirectoryCore, EmitEvent, FreeSlots, Outcome
 from kvfabric.core.directory.keys import chain_of, parse_group, parse_key
 from kvfabric.format.errors import KvfError
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.segment import FreeSlotsRequest
@@ -45,7 +46,7 @@ from .seeds import (
 )
 
 OTHER_GROUPS: Final = [groups(1, seed=3)[0], groups(1, seed=4, tp_size=2)[0]]
-GROUP_IDS: Final = [g.to_bytes() for g in (PUBLISHED_GROUP, BUILDING_GROUP, *OTHER_GROUPS)]
+GROUP_IDS: Final = [g.group_id() for g in (PUBLISHED_GROUP, BUILDING_GROUP, *OTHER_GROUPS)]
 CHAINS: Final = [g.chain_hash for g in (PUBLISHED_GROUP, BUILDING_GROUP, *OTHER_GROUPS)]
 KEYS: Final = [PUBLISHED_KEY, BUILDING_KEY, key(OTHER_GROUPS[0]), key(OTHER_GROUPS[1], rank=1)]
 STEPS_MAX: Final = 8
@@ -303,7 +304,7 @@ def near_valid(draw: st.DrawFn, seen: Seen) -> Any:
         message = m.ReplicaCorrupt(
             segment_id=segment_id,
             incarnation=incarnation,
-            key=k,
+            key=ObjectKey(k),
             slot=slot,
             slot_generation=generation,
             reason=draw(st.sampled_from(["corrupt", "cold_extra"])),

@@ -20,6 +20,7 @@ from kvfabric.client import Hit
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import KvfError, StaleGeneration
+from kvfabric.format.ids import GroupId
 from kvfabric.format.key import ChunkGroupId, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
@@ -106,7 +107,7 @@ def ask(url: str, verb: str, message: m.DirectoryRequest) -> object:
     return asyncio.run(go())
 
 
-def wait_new_leader(url: str, group: bytes, old_epoch: int, timeout_s: float) -> int:
+def wait_new_leader(url: str, group: GroupId, old_epoch: int, timeout_s: float) -> int:
     """Poll lookups (to the leader of `group`'s shard) until one is answered under a newer
     epoch; returns that epoch."""
 
@@ -153,7 +154,7 @@ def test_leader_sigkill_standby_takes_over_with_the_cache_intact(nats_server: Na
         # A write ticket of the old leader, not used yet.
         spare = groups_of(prompt(CHUNKS * TOKENS_PER_CHUNK, seed=999))[0]
         ticket_data = b"t" * 4096
-        stale_key = spare.member_key(0, 0, 0).to_bytes()
+        stale_key = spare.member_key(0, 0, 0).object_key()
         spec = m.ObjectSpec(key=stale_key, size_bytes=len(ticket_data), checksum=checksum(ticket_data))
         begun = ask(
             nats_server.url,
@@ -171,7 +172,7 @@ def test_leader_sigkill_standby_takes_over_with_the_cache_intact(nats_server: Na
         killed_at = time.monotonic()
         leader.send_signal(signal.SIGKILL)
 
-        new_epoch = wait_new_leader(nats_server.url, groups_of(prompts[1])[0].to_bytes(), old_epoch, 15.0)
+        new_epoch = wait_new_leader(nats_server.url, groups_of(prompts[1])[0].group_id(), old_epoch, 15.0)
         failover_s = time.monotonic() - killed_at
         assert failover_s <= FAILOVER_S_MAX, f"failover took {failover_s:.2f} s"
         deadline = time.monotonic() + 2.0  # logged once the new leader's shards settled (0.3 s)
@@ -192,7 +193,7 @@ def test_leader_sigkill_standby_takes_over_with_the_cache_intact(nats_server: Na
 
         # The new leader evicts the leased prompt at once; the old lease still reads whole bytes
         # because no adopted slot is freed before the grace period ends.
-        groups = [g.to_bytes() for g in groups_of(prompts[0])]
+        groups = [g.group_id() for g in groups_of(prompts[0])]
         evicted = ask(nats_server.url, "evict", m.Evict(groups=groups))
         assert isinstance(evicted, m.EvictReply)
         assert [r.status for r in evicted.results] == ["evicting"] * CHUNKS

@@ -95,7 +95,7 @@ def test_quota_holds_under_concurrent_writers_and_spares_other_tenants(nats_serv
 
         # Tenant C: 0.5 requests/s, burst 1: the second lookup at once is refused.
         (group,) = chunk_groups_for_prefix(SPEC_C.domain, SPEC_C.model, SPEC_C.layout, prompt(16))
-        lookup = m.Lookup(holder_id="c", groups=[group.to_bytes()])
+        lookup = m.Lookup(holder_id="c", groups=[group.group_id()])
         first = asyncio.run(ask(nats_server.url, "lookup", lookup))
         assert isinstance(first, m.LookupReply) and first.hit_chunks == 0
         with pytest.raises(RateLimited) as caught:

@@ -23,6 +23,7 @@ from kvfabric.format.errors import (
     Unavailable,
     UnsupportedVersion,
 )
+from kvfabric.format.ids import GroupId, ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.segment import FreeSlotsReply, FreeSlotsRequest, segment_decoder
@@ -125,7 +126,7 @@ async def test_publish_lookup_release_evict_free_with_events(
     assert isinstance(begin, m.PutBeginReply)
     tickets = [r.tickets[0] for r in begin.results]
     assert all(ticket_signature_valid(t, SECRET.encode()) for t in tickets)
-    miss = await call(nats_client, "lookup", m.Lookup(holder_id="h", groups=[g.to_bytes() for g in gs]))
+    miss = await call(nats_client, "lookup", m.Lookup(holder_id="h", groups=[g.group_id() for g in gs]))
     assert isinstance(miss, m.LookupReply) and miss.hit_chunks == 0
     confirm = await call(
         nats_client,
@@ -150,19 +151,19 @@ async def test_publish_lookup_release_evict_free_with_events(
     commit = await call(nats_client, "put_commit", m.PutCommit(writer_id="w", request_id="r2", keys=keys))
     assert isinstance(commit, m.PutCommitReply) and {r.status for r in commit.results} == {"published"}
 
-    hit = await call(nats_client, "lookup", m.Lookup(holder_id="h", groups=[g.to_bytes() for g in gs]))
+    hit = await call(nats_client, "lookup", m.Lookup(holder_id="h", groups=[g.group_id() for g in gs]))
     assert isinstance(hit, m.LookupReply) and hit.hit_chunks == 2
     assert [o.replicas[0].slot for o in hit.objects] == [0, 1]
     renewed = await call(nats_client, "lease_renew", m.LeaseRenew(holder_id="h", lease_id=hit.lease_id))
     assert isinstance(renewed, m.LeaseReply) and renewed.expires_ms >= hit.lease_expires_ms
     leases = await call(nats_client, "list_leases", m.ListLeases())
     assert isinstance(leases, m.LeaseList) and [x.lease_id for x in leases.leases] == [hit.lease_id]
-    refused = await call(nats_client, "evict", m.Evict(groups=[gs[1].to_bytes()]))
+    refused = await call(nats_client, "evict", m.Evict(groups=[gs[1].group_id()]))
     assert isinstance(refused, m.EvictReply) and refused.results[0].status == "leased"
     await call(nats_client, "lease_release", m.LeaseRelease(holder_id="h", lease_id=hit.lease_id))
-    pin = await call(nats_client, "pin", m.Pin(holder_id="admin", groups=[gs[0].to_bytes()], ttl_ms=60_000))
+    pin = await call(nats_client, "pin", m.Pin(holder_id="admin", groups=[gs[0].group_id()], ttl_ms=60_000))
     assert isinstance(pin, m.PinReply) and pin.pinned_groups == 1
-    evicted = await call(nats_client, "evict", m.Evict(groups=[g.to_bytes() for g in gs]))
+    evicted = await call(nats_client, "evict", m.Evict(groups=[g.group_id() for g in gs]))
     assert isinstance(evicted, m.EvictReply)
     assert [r.status for r in evicted.results] == ["pinned", "evicting"]
     await call(nats_client, "unpin", m.Unpin(holder_id="admin", pin_id=pin.pin_id))
@@ -214,7 +215,7 @@ async def test_bad_input_gets_typed_errors_and_service_stays_up(
         await call(
             nats_client,
             "lookup",
-            m.Lookup(holder_id="h", groups=[bytes(90)] * (m.LOOKUP_BATCH_GROUPS_MAX + 1)),
+            m.Lookup(holder_id="h", groups=[GroupId(bytes(90))] * (m.LOOKUP_BATCH_GROUPS_MAX + 1)),
         )
     with pytest.raises(NotFound):
         await call(nats_client, "heartbeat", m.Heartbeat(segment_id="ghost", incarnation=1, used_bytes=0))
@@ -239,7 +240,7 @@ async def test_bad_input_gets_typed_errors_and_service_stays_up(
             m.PutBegin(
                 writer_id="w",
                 request_id="r",
-                objects=[m.ObjectSpec(key=bytes(bad_key), size_bytes=1, checksum=b"0" * 16)],
+                objects=[m.ObjectSpec(key=ObjectKey(bytes(bad_key)), size_bytes=1, checksum=b"0" * 16)],
             ),
         )
     ping = await micro_control(nats_client, "PING", "directory")
@@ -284,7 +285,7 @@ async def test_silent_segment_goes_down_and_its_objects_stop_being_readable(
         ),
     )
     await call(nats_client, "put_commit", m.PutCommit(writer_id="w", request_id="q2", keys=[k]))
-    hit = await call(nats_client, "lookup", m.Lookup(holder_id="h", groups=[g.to_bytes()]))
+    hit = await call(nats_client, "lookup", m.Lookup(holder_id="h", groups=[g.group_id()]))
     assert isinstance(hit, m.LookupReply) and hit.hit_chunks == 1
 
     async def until_down() -> None:
@@ -296,7 +297,7 @@ async def test_silent_segment_goes_down_and_its_objects_stop_being_readable(
             await asyncio.sleep(0.05)
 
     await asyncio.wait_for(until_down(), TIMEOUT_S)  # no heartbeats: down after 600 ms
-    after = await call(nats_client, "lookup", m.Lookup(holder_id="h", groups=[g.to_bytes()]))
+    after = await call(nats_client, "lookup", m.Lookup(holder_id="h", groups=[g.group_id()]))
     assert isinstance(after, m.LookupReply) and after.hit_chunks == 0
     with pytest.raises(NotFound):  # a down segment must register again (with a new incarnation)
         await seg.heartbeat()

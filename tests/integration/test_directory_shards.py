@@ -210,7 +210,7 @@ def test_shards_spread_by_handover_and_survive_a_leader_kill(nodes: list[NatsSer
             if shard_of(g.to_bytes(), SHARDS) in victim_shards
         )
         data = b"t" * 4096
-        key = spare.member_key(0, 0, 0).to_bytes()
+        key = spare.member_key(0, 0, 0).object_key()
         spec = m.ObjectSpec(key=key, size_bytes=len(data), checksum=checksum(data))
         begun = ask(url, key, "put_begin", m.PutBegin(writer_id="late", request_id="late", objects=[spec]))
         assert isinstance(begun, m.PutBeginReply) and begun.results[0].status == "placed"
@@ -241,7 +241,7 @@ def test_shards_spread_by_handover_and_survive_a_leader_kill(nodes: list[NatsSer
         # The new leaders evict the leased prompt's groups they took over at once (they never saw
         # the lease); the surviving leaders still hold it. The old lease still reads whole bytes.
         for group in groups_for(prompts[0]):
-            raw = group.to_bytes()
+            raw = group.group_id()
             evicted = ask(url, raw, "evict", m.Evict(groups=[raw]))
             expected = "evicting" if shard_of(raw, SHARDS) in victim_shards else "leased"
             assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == expected

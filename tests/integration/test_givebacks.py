@@ -28,6 +28,7 @@ from kvfabric.core.authz import SCOPE_SEPARATOR
 from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import Busy, KvfError
+from kvfabric.format.ids import GroupId, ObjectKey
 from kvfabric.format.key import KVKey, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
@@ -43,15 +44,15 @@ PAD_MS = 3_000  # how long a lookup holds its in-flight slot in the saturated te
 LEASES = 1_000
 
 
-def keys_of(secure: Secure, tenant: str, tokens: list[int]) -> list[bytes]:
+def keys_of(secure: Secure, tenant: str, tokens: list[int]) -> list[ObjectKey]:
     spec = secure.spec(tenant)
     groups = chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, tokens)
-    return [KVKey(chunk_group=g, tp_rank=0, pp_stage=0, layer_group=0).to_bytes() for g in groups]
+    return [KVKey(chunk_group=g, tp_rank=0, pp_stage=0, layer_group=0).object_key() for g in groups]
 
 
-def groups_of(secure: Secure, tenant: str, tokens: list[int]) -> list[bytes]:
+def groups_of(secure: Secure, tenant: str, tokens: list[int]) -> list[GroupId]:
     spec = secure.spec(tenant)
-    return [g.to_bytes() for g in chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, tokens)]
+    return [g.group_id() for g in chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, tokens)]
 
 
 def put_begin(secure: Secure, tenant: str, seed: int, writer: str = "w") -> m.PutBegin:

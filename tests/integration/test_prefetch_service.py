@@ -52,7 +52,7 @@ def hint_for(tokens: list[int], hint_id: str, deadline_s: float = 20.0) -> p.Pre
     return p.PrefetchHint(
         hint_id=hint_id,
         tenant="tenant-a",
-        groups=[g.to_bytes() for g in groups],
+        groups=[g.group_id() for g in groups],
         target_segment=LOCAL,
         deadline_ms=now_ms() + int(deadline_s * 1000),
     )

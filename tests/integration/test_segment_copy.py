@@ -22,6 +22,7 @@ from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import Busy, Conflict, StaleGeneration, Unavailable
+from kvfabric.format.ids import ObjectKey, group_id_in_key
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import CopyReply, CopyRequest, segment_decoder
 from kvfabric.proto.subjects import Service, segment_subject, service_group
@@ -86,7 +87,9 @@ async def shard_epoch(nc: NatsClient, k: bytes) -> tuple[int, int]:
     return shard, router.routes[shard].epoch
 
 
-async def published(nc: NatsClient, seed: int, size: int = 1 << 20) -> tuple[bytes, bytes, m.ObjectLocation]:
+async def published(
+    nc: NatsClient, seed: int, size: int = 1 << 20
+) -> tuple[ObjectKey, bytes, m.ObjectLocation]:
     (g,) = groups(1, seed=seed)
     data = os.urandom(size)
     loc = await put_and_commit(nc, key(g), data)
@@ -94,7 +97,7 @@ async def published(nc: NatsClient, seed: int, size: int = 1 << 20) -> tuple[byt
     return key(g), data, loc
 
 
-async def own_ticket(nc: NatsClient, k: bytes, data: bytes, segment_id: str) -> m.WriteTicket:
+async def own_ticket(nc: NatsClient, k: ObjectKey, data: bytes, segment_id: str) -> m.WriteTicket:
     """A ticket the directory never issued (signed with the cluster secret): the segment accepts
     it, so the copy runs for real, and the directory refuses the confirm (`unknown_ticket`)."""
     segs = await segments(nc)
@@ -196,7 +199,7 @@ async def test_a_copy_from_a_stale_source_generation_fails_cleanly(nc: NatsClien
     k, data, loc = await published(nc, seed=93)
     source = loc.replicas[0]
     dest = other(source.segment_id)
-    evicted = await directory_call(nc, "evict", m.Evict(groups=[k[:90]]))
+    evicted = await directory_call(nc, "evict", m.Evict(groups=[group_id_in_key(k)]))
     assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == "evicting"
     await settled(nc, source.segment_id)  # freed at the source: its generation moved on
     ticket = await own_ticket(nc, k, data, dest)

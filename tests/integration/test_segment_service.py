@@ -20,6 +20,7 @@ from kvfabric.dataplane.shm import ShmReader, verify
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import BadRequest, ChecksumMismatch, Unauthorized
+from kvfabric.format.ids import ObjectKey, group_id_in_key
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.dataplane import PutRequest, ReadRef
@@ -53,7 +54,7 @@ def placed(nats_client: NatsClient, cluster: ServiceProcess) -> NatsClient:
 
 
 async def begin(
-    nc: NatsClient, k: bytes, data: bytes, *, writer: str = "w", digest: bytes | None = None
+    nc: NatsClient, k: ObjectKey, data: bytes, *, writer: str = "w", digest: bytes | None = None
 ) -> m.WriteTicket:
     reply = await directory_call(
         nc,
@@ -68,7 +69,7 @@ async def begin(
     return reply.results[0].tickets[0]
 
 
-async def put_and_commit(nc: NatsClient, k: bytes, data: bytes) -> m.ObjectLocation:
+async def put_and_commit(nc: NatsClient, k: ObjectKey, data: bytes) -> m.ObjectLocation:
     ticket = await begin(nc, k, data)
     with TcpDataClient.connect(ticket.data_addr) as client:
         await asyncio.to_thread(client.put, ticket, data)
@@ -79,8 +80,8 @@ async def put_and_commit(nc: NatsClient, k: bytes, data: bytes) -> m.ObjectLocat
     return await locate(nc, k)
 
 
-async def locate(nc: NatsClient, k: bytes) -> m.ObjectLocation:
-    group = k[:90]
+async def locate(nc: NatsClient, k: ObjectKey) -> m.ObjectLocation:
+    group = group_id_in_key(k)
     hit = await directory_call(nc, "lookup", m.Lookup(holder_id="reader", groups=[group]))
     assert isinstance(hit, m.LookupReply) and hit.hit_chunks == 1
     shard = (await directory_router(nc)).shard_of(group)
@@ -142,7 +143,7 @@ async def test_writer_killed_mid_put_leaves_nothing(placed: NatsClient) -> None:
         placed, "put_commit", m.PutCommit(writer_id="w", request_id="c", keys=[key(g)])
     )
     assert isinstance(commit, m.PutCommitReply) and commit.results[0].status == "missing"
-    hit = await directory_call(placed, "lookup", m.Lookup(holder_id="r", groups=[g.to_bytes()]))
+    hit = await directory_call(placed, "lookup", m.Lookup(holder_id="r", groups=[g.group_id()]))
     assert isinstance(hit, m.LookupReply) and hit.hit_chunks == 0
 
 
@@ -206,7 +207,7 @@ async def test_eviction_frees_the_slot_and_old_generation_reads_fail(placed: Nat
     data = os.urandom(2 << 20)
     loc = await put_and_commit(placed, key(g), data)
     addr, ref = ref_of(loc)
-    evicted = await directory_call(placed, "evict", m.Evict(groups=[g.to_bytes()]))
+    evicted = await directory_call(placed, "evict", m.Evict(groups=[g.group_id()]))
     assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == "evicting"
 
     async def freed() -> None:
@@ -288,7 +289,7 @@ async def test_local_reads_use_the_slot_board_and_a_freed_slot_reads_stale(place
             dest = bytearray(len(data))
             ((result, digest),) = reader.get_hashed([ref], [dest])
             assert result.status == "ok" and digest == result.checksum == loc.checksum and dest == data
-            evicted = await directory_call(placed, "evict", m.Evict(groups=[g.to_bytes()]))
+            evicted = await directory_call(placed, "evict", m.Evict(groups=[g.group_id()]))
             assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == "evicting"
 
             async def freed() -> None:
@@ -314,7 +315,7 @@ async def test_pinned_local_read_unpins_without_waiting(placed: NatsClient) -> N
         try:
             assert reader.board is None
             assert reader.get_verified([ref], [bytearray(len(data))]) == [True]
-            evicted = await directory_call(placed, "evict", m.Evict(groups=[g.to_bytes()]))
+            evicted = await directory_call(placed, "evict", m.Evict(groups=[g.group_id()]))
             assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == "evicting"
 
             async def space_returned() -> None:
@@ -340,7 +341,7 @@ async def test_free_during_a_local_read_is_deferred_until_the_pin_ends(placed: N
         reader = ShmReader(client, reads=[ref])
         try:
             pinned = client.pin_local([ref])  # as ShmReader.get does, but held across the eviction
-            evicted = await directory_call(placed, "evict", m.Evict(groups=[g.to_bytes()]))
+            evicted = await directory_call(placed, "evict", m.Evict(groups=[g.group_id()]))
             assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == "evicting"
 
             async def directory_released() -> None:

@@ -166,7 +166,7 @@ async def test_the_directory_adopts_a_restarted_segment_s_disk_tier(
         for g in chunk_groups:  # one lookup per group: each is its own shard's
             for _ in range(100):  # the rebuild starts as the segment registers
                 reply = await directory_call(
-                    nats_client, "lookup", m.Lookup(holder_id="reader", groups=[g.to_bytes()])
+                    nats_client, "lookup", m.Lookup(holder_id="reader", groups=[g.group_id()])
                 )
                 assert isinstance(reply, m.LookupReply)
                 if reply.hit_chunks == 1:

@@ -44,7 +44,7 @@ async def demote_all(nc: NatsClient, tokens: list[int]) -> list[str]:
                     tp_rank=o.member.tp_rank,
                     pp_stage=o.member.pp_stage,
                     layer_group=o.member.layer_group,
-                ).to_bytes(),
+                ).object_key(),
                 r.slot,
                 r.slot_generation,
             )
@@ -79,7 +79,7 @@ async def hint(nc: NatsClient, tokens: list[int]) -> p.HintReply:
     message = p.PrefetchHint(
         hint_id="promote-1",
         tenant="tenant-a",
-        groups=[g.to_bytes() for g in groups],
+        groups=[g.group_id() for g in groups],
         target_segment=SEGMENT,
         deadline_ms=time.time_ns() // 1_000_000 + 20_000,
     )

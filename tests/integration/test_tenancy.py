@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import nats
@@ -41,7 +42,7 @@ from kvfabric.format.errors import (
     RateLimited,
     Unauthorized,
 )
-from kvfabric.format.ids import DomainDigest, GroupId, domain_in_id
+from kvfabric.format.ids import DomainDigest, GroupId, ObjectKey, domain_in_id
 from kvfabric.format.key import ChunkGroupId, KVKey, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
@@ -119,20 +120,23 @@ async def directory_instance(secure: Secure) -> str:
         await nc.close()
 
 
-def group_key(group: ChunkGroupId) -> bytes:
-    return KVKey(chunk_group=group, tp_rank=0, pp_stage=0, layer_group=0).to_bytes()
+G = TypeVar("G", GroupId, ObjectKey)
 
 
-def forge(group_or_key: bytes, digest: bytes) -> bytes:
+def group_key(group: ChunkGroupId) -> ObjectKey:
+    return KVKey(chunk_group=group, tp_rank=0, pp_stage=0, layer_group=0).object_key()
+
+
+def forge(group_or_key: G, digest: bytes) -> G:
     """Alice's id with bob's domain digest written over hers (bytes [4:20])."""
-    return group_or_key[:4] + digest + group_or_key[20:]
+    return type(group_or_key)(group_or_key[:4] + digest + group_or_key[20:])
 
 
 def without_epoch(reply: msgspec.Struct) -> bytes:
     return encode(msgspec.structs.replace(reply, epoch=0))
 
 
-async def _bob_probes(secure: Secure, alice_groups: list[bytes], alice_keys: list[bytes]) -> None:
+async def _bob_probes(secure: Secure, alice_groups: list[GroupId], alice_keys: list[ObjectKey]) -> None:
     bob_digest = secure.spec("bob").domain.digest()
     never = groups_of(secure.spec("bob"), prompt(CHUNKS * TOKENS_PER_CHUNK, seed=99))
     forged = [forge(g, bob_digest) for g in alice_groups]
@@ -157,7 +161,7 @@ async def _bob_probes(secure: Secure, alice_groups: list[bytes], alice_keys: lis
         missing = await as_tenant(nc, "bob", "evict", m.Evict(groups=never))
         assert isinstance(missing, m.EvictReply) and {r.status for r in missing.results} == {"not_found"}
 
-        alice_digest = domain_in_id(GroupId(alice_groups[0]))
+        alice_digest = domain_in_id(alice_groups[0])
         listed = await as_tenant(nc, "bob", "list_groups", m.ListGroups(domain_digest=alice_digest))
         assert isinstance(listed, m.GroupList) and listed.groups == []
         own = await as_tenant(nc, "bob", "list_groups", m.ListGroups(domain_digest=bob_digest))

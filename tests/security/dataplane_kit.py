@@ -19,6 +19,7 @@ from kvfabric.dataplane.addresses import pick_stream, split_host_port
 from kvfabric.dataplane.frames import HEADER, Op, pack_header, unpack_header
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
+from kvfabric.format.ids import ObjectKey, group_id_in_key
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import FamilyDecoder, encode
 from kvfabric.proto.common import ErrorReply
@@ -111,7 +112,7 @@ def anon_rss_bytes(pid: int) -> int:
     raise AssertionError(f"no RssAnon for pid {pid}")
 
 
-async def save(nc: NatsClient, seed: int, size: int = OBJECT_BYTES) -> tuple[bytes, bytes]:
+async def save(nc: NatsClient, seed: int, size: int = OBJECT_BYTES) -> tuple[ObjectKey, bytes]:
     """The victim saves one object (put_begin, PUT over a new data connection, put_commit).
     Returns (key, bytes)."""
     (g,) = groups(1, seed=seed)
@@ -141,9 +142,9 @@ async def save(nc: NatsClient, seed: int, size: int = OBJECT_BYTES) -> tuple[byt
     return k, data
 
 
-async def lookup(nc: NatsClient, k: bytes) -> tuple[str, ReadRef]:
+async def lookup(nc: NatsClient, k: ObjectKey) -> tuple[str, ReadRef]:
     """The victim's lookup: (data address, reference with the directory's read token)."""
-    group = k[:90]
+    group = group_id_in_key(k)
     hit = await directory_call(nc, "lookup", m.Lookup(holder_id="victim", groups=[group]))
     assert isinstance(hit, m.LookupReply) and hit.hit_chunks == 1, hit
     shard = (await directory_router(nc)).shard_of(group)
@@ -155,7 +156,7 @@ async def lookup(nc: NatsClient, k: bytes) -> tuple[str, ReadRef]:
     return replica.data_addr, read_ref(replica, location.size_bytes)
 
 
-async def load(nc: NatsClient, k: bytes, data: bytes) -> None:
+async def load(nc: NatsClient, k: ObjectKey, data: bytes) -> None:
     """The victim loads `k` over a new data connection and checks the bytes."""
     addr, ref = await lookup(nc, k)
 

@@ -29,6 +29,7 @@ import pytest
 from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import BadRequest, BatchTooLarge, KvfError
+from kvfabric.format.ids import ObjectKey
 from kvfabric.format.key import KVKey, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
@@ -75,15 +76,15 @@ async def as_bob(secure: Secure) -> AsyncIterator[DirectoryRouter]:
         await nc.close()
 
 
-def bob_keys(secure: Secure, n: int, seed: int) -> list[bytes]:
+def bob_keys(secure: Secure, n: int, seed: int) -> list[ObjectKey]:
     spec = secure.spec("bob")
     tokens = prompt(n * spec.layout.tokens_per_chunk, seed=seed)
     groups = chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, tokens)
-    return [KVKey(chunk_group=g, tp_rank=0, pp_stage=0, layer_group=0).to_bytes() for g in groups]
+    return [KVKey(chunk_group=g, tp_rank=0, pp_stage=0, layer_group=0).object_key() for g in groups]
 
 
 async def bob_begins(
-    bob: DirectoryRouter, keys: list[bytes], size: int, batch: int, writer: str = "bob-w"
+    bob: DirectoryRouter, keys: list[ObjectKey], size: int, batch: int, writer: str = "bob-w"
 ) -> tuple[list[m.BeginResult], str]:
     """Bob begins `keys` (asking the longest write deadline) and never writes; stops at his
     first refusal. Returns the results he got and the refusal's code ("" if none)."""
@@ -170,7 +171,7 @@ def test_huge_holder_ids_are_refused_and_a_tenants_pin_lasts_an_hour(tmp_path: P
             assert bob.save(tokens, objects_for(tokens, 0, 1)).chunks_saved == 1
         group = chunk_groups_for_prefix(
             secure.spec("bob").domain, secure.spec("bob").model, secure.spec("bob").layout, tokens
-        )[0].to_bytes()
+        )[0].group_id()
 
         async def attack() -> tuple[int, m.PinReply, float]:
             async with as_bob(secure) as bob:

@@ -50,6 +50,7 @@ from kvfabric.directory import cpu_priority
 from kvfabric.directory.admission import cost_of
 from kvfabric.directory.settings import FAIR_DEFAULT
 from kvfabric.format.errors import Busy, KvfError
+from kvfabric.format.ids import GroupId
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing.clientkit import TOKENS_PER_CHUNK, prompt
@@ -93,7 +94,10 @@ def pin(pid: int, cpu: int) -> None:
 
 
 def flood(
-    settings: ClientSettings, groups: list[bytes], seconds: float, out: multiprocessing.Queue[dict[str, int]]
+    settings: ClientSettings,
+    groups: list[GroupId],
+    seconds: float,
+    out: multiprocessing.Queue[dict[str, int]],
 ) -> None:
     """Bob's flood, in a process of its own: `FLOOD_CONCURRENT` loops each sending a lookup of
     `groups` again as soon as it is answered, whatever the answer (a hit's lease given back)."""
@@ -133,7 +137,7 @@ def flood(
     out.put(asyncio.run(run()))
 
 
-async def alices_lookups(alice: DirectoryRouter, groups: list[bytes], n: int) -> tuple[list[float], int]:
+async def alices_lookups(alice: DirectoryRouter, groups: list[GroupId], n: int) -> tuple[list[float], int]:
     """Alice looks up her prompt `n` times (a hit's lease given back, untimed): ms each, and how
     many were not a whole hit (a `busy` or a shorter hit would be her client's miss)."""
     out, misses = [], 0

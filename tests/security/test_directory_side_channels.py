@@ -34,6 +34,7 @@ from nats.aio.client import Client as NatsClient
 from kvfabric.client import ClientSettings
 from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.format.errors import Busy, KvfError, NotFound, RateLimited
+from kvfabric.format.ids import GroupId
 from kvfabric.format.key import chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
@@ -50,10 +51,10 @@ ALICE_GROUPS = 20_000
 TIMEOUT_S = 10.0
 
 
-def group_ids(secure: Secure, tenant: str, n: int, seed: int) -> list[bytes]:
+def group_ids(secure: Secure, tenant: str, n: int, seed: int) -> list[GroupId]:
     spec = secure.spec(tenant)
     tokens = prompt(n * spec.layout.tokens_per_chunk, seed=seed)
-    return [g.to_bytes() for g in chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, tokens)]
+    return [g.group_id() for g in chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, tokens)]
 
 
 def save(secure: Secure, tenant: str, chunks: int, seed: int, size: int = 256) -> None:
@@ -235,7 +236,7 @@ FLOOD_CONCURRENT = 16
 
 def flood(
     settings: ClientSettings,
-    groups: list[bytes],
+    groups: list[GroupId],
     seconds: float,
     out: multiprocessing.Queue[tuple[int, int, int]],
 ) -> None:
@@ -273,7 +274,7 @@ def flood(
     out.put(asyncio.run(run()))
 
 
-async def alices_lookups(alice: DirectoryRouter, groups: list[bytes], n: int) -> list[float]:
+async def alices_lookups(alice: DirectoryRouter, groups: list[GroupId], n: int) -> list[float]:
     """Alice looks up her prompt `n` times (each hit's lease given back, untimed): ms each."""
     out = []
     for _ in range(n):

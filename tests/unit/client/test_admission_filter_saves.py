@@ -7,11 +7,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvfabric.client.saves import SaveTally
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from tests.unit.client.test_saves import plan, ticket
 
 
-def begin(keys: list[bytes], statuses: list[str]) -> list[m.BeginResult]:
+def begin(keys: list[ObjectKey], statuses: list[str]) -> list[m.BeginResult]:
     return [
         m.BeginResult(key=k, status=s, tickets=[ticket(k, "a")] if s == "placed" else [])  # type: ignore[arg-type]
         for k, s in zip(keys, statuses, strict=True)

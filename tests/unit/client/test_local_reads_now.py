@@ -24,6 +24,7 @@ from kvfabric.core.segment_slots import SlotTable
 from kvfabric.dataplane.scatter import WriteGate, scatter_dests
 from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
 from kvfabric.format.checksum import checksum
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import read_token, sign_ticket
 from kvfabric.segment_storage.arena import Arena
@@ -48,7 +49,7 @@ class Segment:
         """Stored through a sent PUT; where it lies, as a lookup would name it (with its read token)."""
         ticket = m.WriteTicket(
             ticket_id=1,
-            key=key,
+            key=ObjectKey(key),
             segment_id=SEGMENT,
             incarnation=INCARNATION,
             size_bytes=len(data),

@@ -23,6 +23,7 @@ from kvfabric.format.errors import (
     StaleGeneration,
     Unavailable,
 )
+from kvfabric.format.ids import GroupId
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter, ShardRoute
 
@@ -74,7 +75,7 @@ class Router(DirectoryRouter):
 
 
 def lookups(shards: list[int]) -> dict[int, m.Lookup]:
-    return {s: m.Lookup(holder_id="h", groups=[bytes([s]) * 90]) for s in shards}
+    return {s: m.Lookup(holder_id="h", groups=[GroupId(bytes([s]) * 90)]) for s in shards}
 
 
 def run(router: Router, shards: list[int], refused: set[str] | None = None) -> dict[int, ShardResult]:
@@ -127,15 +128,17 @@ def test_an_instance_without_lookup_many_is_asked_shard_by_shard_from_then_on() 
 
 
 def test_lookup_many_bounds_are_checked_before_any_part_runs() -> None:
-    part = m.LookupPart(shard=0, groups=[bytes(90)])
+    part = m.LookupPart(shard=0, groups=[GroupId(bytes(90))])
     with pytest.raises(BadRequest, match="twice"):
         check_lookup_many(m.LookupMany(holder_id="h", parts=[part, part]))
     with pytest.raises(BadRequest, match="no group"):
         check_lookup_many(m.LookupMany(holder_id="h", parts=[m.LookupPart(shard=0, groups=[])]))
-    too_many = [m.LookupPart(shard=s, groups=[bytes(90)]) for s in range(m.LOOKUP_MANY_PARTS_MAX + 1)]
+    too_many = [
+        m.LookupPart(shard=s, groups=[GroupId(bytes(90))]) for s in range(m.LOOKUP_MANY_PARTS_MAX + 1)
+    ]
     with pytest.raises(BatchTooLarge):
         check_lookup_many(m.LookupMany(holder_id="h", parts=too_many))
     half = m.LOOKUP_BATCH_GROUPS_MAX // 2 + 1
-    heavy = [m.LookupPart(shard=s, groups=[bytes(90)] * half) for s in range(2)]
+    heavy = [m.LookupPart(shard=s, groups=[GroupId(bytes(90))] * half) for s in range(2)]
     with pytest.raises(BatchTooLarge):
         check_lookup_many(m.LookupMany(holder_id="h", parts=heavy))

@@ -22,6 +22,7 @@ from kvfabric.client.attempts import attempt_budget_s
 from kvfabric.core.segment_slots import SlotTable
 from kvfabric.dataplane.tcp import TcpDataServer
 from kvfabric.format.checksum import checksum
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import sign_ticket
 from kvfabric.segment_storage.arena import Arena
@@ -116,7 +117,7 @@ def stored_hit(
         data = bytes([c + 1]) * SIZE
         ticket = m.WriteTicket(
             ticket_id=c + 1,
-            key=b"k%d" % c,
+            key=ObjectKey(b"k%d" % c),
             segment_id="seg",
             incarnation=5,
             size_bytes=SIZE,

@@ -18,6 +18,7 @@ from kvfabric.client.aio import SAVE_INLINE_CHECKSUM_BYTES_MAX, SAVE_WRITE_STREA
 from kvfabric.client.hits import SaveResult
 from kvfabric.client.saves import write_streams
 from kvfabric.format.errors import BadRequest
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.runtime.directory_router import DirectoryRouter
 from tests.integration.clientkit import SPEC
@@ -36,7 +37,7 @@ class SaveRouter(DirectoryRouter):
     def __init__(self) -> None:
         super().__init__(cast(Any, None))
         self.shards = SHARDS
-        self.requests: list[tuple[str, int, list[bytes], str]] = []
+        self.requests: list[tuple[str, int, list[ObjectKey], str]] = []
         self.tickets = 0
         self.receipts: list[m.WriteReceipt] = []  # carried by put_commits
 

@@ -15,6 +15,7 @@ from kvfabric.client.transfers import SegmentPool
 from kvfabric.core.segment_slots import SlotTable
 from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
 from kvfabric.format.checksum import checksum
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import sign_ticket, write_receipt
@@ -55,7 +56,7 @@ def ticket(tcp: TcpDataServer, data: bytes, ticket_id: int, digest: bytes | None
     return sign_ticket(
         WriteTicket(
             ticket_id=ticket_id,
-            key=b"k%d" % ticket_id,
+            key=ObjectKey(b"k%d" % ticket_id),
             segment_id=SEGMENT,
             incarnation=INCARNATION,
             size_bytes=len(data),

@@ -24,6 +24,7 @@ from kvfabric.client.saves import (
     write_streams,
 )
 from kvfabric.client.shared_calls import SharedCalls
+from kvfabric.format.ids import ObjectKey
 from kvfabric.format.key import chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from tests.integration.clientkit import SPEC
@@ -32,7 +33,7 @@ TPC = SPEC.layout.tokens_per_chunk
 MEMBERS = SPEC.required_members()
 
 
-def plan(chunks: int) -> tuple[list[bytes], SavePlan]:
+def plan(chunks: int) -> tuple[list[ObjectKey], SavePlan]:
     groups = chunk_groups_for_prefix(SPEC.domain, SPEC.model, SPEC.layout, list(range(1, chunks * TPC + 1)))
     views = [[memoryview(bytes([c]) * (10 + c))] for c in range(chunks)]
     p = plan_save(groups, MEMBERS, views, 0)
@@ -88,7 +89,7 @@ def test_take_batch_drains_every_entry_once_in_order(lists: list[list[int]], bat
     assert seen == lists
 
 
-def ticket(key: bytes, segment: str) -> m.WriteTicket:
+def ticket(key: ObjectKey, segment: str) -> m.WriteTicket:
     return m.WriteTicket(
         ticket_id=1,
         key=key,
@@ -104,9 +105,13 @@ def ticket(key: bytes, segment: str) -> m.WriteTicket:
 
 def test_confirm_counts_never_exceed_the_writes_run_at_once() -> None:
     placed = [
-        m.BeginResult(key=bytes([k]), status="placed", tickets=[ticket(bytes([k]), "a")]) for k in range(20)
+        m.BeginResult(
+            key=ObjectKey(bytes([k])), status="placed", tickets=[ticket(ObjectKey(bytes([k])), "a")]
+        )
+        for k in range(20)
     ]
-    placed += [m.BeginResult(key=b"z", status="placed", tickets=[ticket(b"z", "b"), ticket(b"z", "a")])]
+    z = ObjectKey(b"z")
+    placed += [m.BeginResult(key=z, status="placed", tickets=[ticket(z, "b"), ticket(z, "a")])]
     counts = confirm_counts(placed, lambda key: key[0] % 2, at_once_max=8)
     assert counts == {("a", 0): 8, ("a", 1): 8, ("b", 0): 1}
     assert confirm_counts(placed[:3], lambda key: 0, at_once_max=8) == {("a", 0): 3}
@@ -229,8 +234,9 @@ def test_shared_calls_refuse_more_items_than_a_request_takes() -> None:
 
 def test_with_receipts_gives_each_committed_key_its_writes_receipts() -> None:
     r1, r2, r3 = (m.WriteReceipt(i, i, 1, b"m" * 16) for i in (1, 2, 3))
-    written = [(b"a", r1), (b"a", r2), (b"b", None), (b"c", r3)]  # b: confirmed by its segment
-    assert with_receipts([b"a", b"b"], written) == [(b"a", [r1, r2]), (b"b", [])]  # c was aborted
+    a, b, c = ObjectKey(b"a"), ObjectKey(b"b"), ObjectKey(b"c")
+    written = [(a, r1), (a, r2), (b, None), (c, r3)]  # b: confirmed by its segment
+    assert with_receipts([a, b], written) == [(a, [r1, r2]), (b, [])]  # c was aborted
 
 
 def test_write_streams_pipeline_small_writes_and_split_large_ones() -> None:

@@ -20,6 +20,7 @@ from kvfabric.dataplane.staging import STAGING_HEADER_BYTES, StagingFile, Stagin
 from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import BadRequest, ChecksumMismatch, KvfError, Unauthorized
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto.dataplane import MapReply, ReadRef, StagedBytes, dataplane_decoder
 from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import sign_ticket
@@ -42,7 +43,7 @@ class Segment:
     def ticket(self, data: bytes, *, key: bytes = b"k", digest: bytes | None = None) -> WriteTicket:
         ticket = WriteTicket(
             ticket_id=1,
-            key=key,
+            key=ObjectKey(key),
             segment_id=SEGMENT,
             incarnation=INCARNATION,
             size_bytes=len(data),

@@ -12,6 +12,7 @@ import msgspec
 
 from kvfabric.cluster.lookups import Lease, lookup_prefix, merge_lookups
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
+from kvfabric.format.ids import GroupId
 from kvfabric.proto import directory as m
 from kvfabric.proto.shards import shard_of
 from kvfabric.runtime.directory_router import DirectoryRouter
@@ -63,7 +64,7 @@ class Router(DirectoryRouter):
         return found(len(message.groups), 100 + shard)
 
 
-def run(router: Router, raws: list[bytes]) -> tuple[Any, list[Lease]]:
+def run(router: Router, raws: list[GroupId]) -> tuple[Any, list[Lease]]:
     given: list[Lease] = []
 
     async def give_back(leases: list[Lease]) -> None:
@@ -89,7 +90,7 @@ def run(router: Router, raws: list[bytes]) -> tuple[Any, list[Lease]]:
 
 
 def test_when_nothing_hits_because_a_shard_failed_every_lease_goes_back_and_it_raises() -> None:
-    raws = [g.to_bytes() for g in groups(8, seed=1)]
+    raws = [g.group_id() for g in groups(8, seed=1)]
     shards = {shard_of(r, SHARDS) for r in raws}
     outcome, given = run(Router(down=shard_of(raws[0], SHARDS)), raws)
     assert isinstance(outcome, Unavailable)
@@ -99,7 +100,7 @@ def test_when_nothing_hits_because_a_shard_failed_every_lease_goes_back_and_it_r
 def test_a_partial_hit_keeps_the_leases_inside_it_and_gives_back_the_others() -> None:
     raws = next(
         rs
-        for rs in ([g.to_bytes() for g in groups(8, seed=s)] for s in range(100))
+        for rs in ([g.group_id() for g in groups(8, seed=s)] for s in range(100))
         if shard_of(rs[0], SHARDS) != shard_of(rs[1], SHARDS) and len({shard_of(r, SHARDS) for r in rs}) >= 3
     )
     first, down = shard_of(raws[0], SHARDS), shard_of(raws[1], SHARDS)
@@ -111,5 +112,5 @@ def test_a_partial_hit_keeps_the_leases_inside_it_and_gives_back_the_others() ->
 
 
 def test_a_group_that_is_no_chunk_group_id_is_a_bad_request() -> None:
-    outcome, given = run(Router(down=-1), [b"short"])
+    outcome, given = run(Router(down=-1), [GroupId(b"short")])
     assert isinstance(outcome, BadRequest) and "chunk group ids" in outcome.message and given == []

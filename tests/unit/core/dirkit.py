@@ -7,6 +7,7 @@ from typing import Any
 import xxhash
 
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore, Outcome
+from kvfabric.format.ids import ObjectKey
 from kvfabric.format.key import (
     ChunkGroupId,
     KVKey,
@@ -41,15 +42,15 @@ def groups(n_chunks: int, seed: int = 0, tp_size: int = 1, layer_group_count: in
     return chunk_groups_for_prefix(DOMAIN, MODEL, layout(tp_size, layer_group_count), tokens)
 
 
-def key(group: ChunkGroupId, rank: int = 0, lgroup: int = 0) -> bytes:
-    return KVKey(chunk_group=group, tp_rank=rank, pp_stage=0, layer_group=lgroup).to_bytes()
+def key(group: ChunkGroupId, rank: int = 0, lgroup: int = 0) -> ObjectKey:
+    return KVKey(chunk_group=group, tp_rank=rank, pp_stage=0, layer_group=lgroup).object_key()
 
 
 def checksum_of(k: bytes) -> bytes:
     return xxhash.xxh3_128_digest(k)
 
 
-def spec(k: bytes, size: int = 100) -> m.ObjectSpec:
+def spec(k: ObjectKey, size: int = 100) -> m.ObjectSpec:
     return m.ObjectSpec(key=k, size_bytes=size, checksum=checksum_of(k))
 
 
@@ -103,7 +104,7 @@ def confirm_all(core: DirectoryCore, reply: m.PutBeginReply, now: int, slot_base
 
 def put(
     core: DirectoryCore,
-    keys: list[bytes],
+    keys: list[ObjectKey],
     writer: str = "w1",
     now: int = 0,
     request_id: str = "r1",
@@ -123,7 +124,7 @@ def lookup(
     core: DirectoryCore, gs: list[ChunkGroupId], now: int = 0, holder: str = "reader", ttl: int = 1000
 ) -> m.LookupReply:
     reply = core.handle(
-        m.Lookup(holder_id=holder, groups=[g.to_bytes() for g in gs], lease_ttl_ms=ttl), now
+        m.Lookup(holder_id=holder, groups=[g.group_id() for g in gs], lease_ttl_ms=ttl), now
     ).reply
     assert isinstance(reply, m.LookupReply)
     return reply

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvfabric.core.authz import TENANT_VERBS, TenantGrant, authorize, check_visible, merge_evict_results
 from kvfabric.format.errors import BadRequest, Busy, NotFound, Unauthorized
-from kvfabric.format.ids import GroupId, chain_in_id, namespace_in_id
+from kvfabric.format.ids import GroupId, ObjectKey, chain_in_id, group_id_in_key, namespace_in_id
 from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from tests.unit.core.dirkit import MODEL, key, layout, new_core, put, register, spec
@@ -18,7 +18,7 @@ from tests.unit.core.dirkit import MODEL, key, layout, new_core, put, register, 
 DOMAINS = [ShareDomain(tenant_id=f"d{i}", salt=bytes([65 + i]) * 16) for i in range(3)]
 DIGESTS = [d.digest() for d in DOMAINS]
 GROUPS = {
-    i: [g.to_bytes() for g in chunk_groups_for_prefix(d, MODEL, layout(), list(range(i, i + 12)))]
+    i: [g.group_id() for g in chunk_groups_for_prefix(d, MODEL, layout(), list(range(i, i + 12)))]
     for i, d in enumerate(DOMAINS)
 }
 ALICE = TenantGrant(tenant="alice", domains=frozenset({DIGESTS[0], DIGESTS[2]}))  # d2 is shared
@@ -30,7 +30,7 @@ group_lists = st.lists(
 
 @settings(max_examples=200)
 @given(groups=group_lists, holder=st.text(min_size=1, max_size=20))
-def test_lookup_keeps_the_granted_prefix_and_scopes_the_holder(groups: list[bytes], holder: str) -> None:
+def test_lookup_keeps_the_granted_prefix_and_scopes_the_holder(groups: list[GroupId], holder: str) -> None:
     out = authorize(m.Lookup(holder_id=holder, groups=groups), "lookup", ALICE)
     assert isinstance(out, m.Lookup)
     assert out.groups == groups[: len(out.groups)]  # a prefix: the fold never skips a gap
@@ -42,7 +42,7 @@ def test_lookup_keeps_the_granted_prefix_and_scopes_the_holder(groups: list[byte
 
 @settings(max_examples=200)
 @given(groups=group_lists)
-def test_pin_and_evict_see_only_granted_groups(groups: list[bytes]) -> None:
+def test_pin_and_evict_see_only_granted_groups(groups: list[GroupId]) -> None:
     pin = authorize(m.Pin(holder_id="h", groups=groups, ttl_ms=1), "pin", ALICE)
     assert isinstance(pin, m.Pin) and pin.groups == [g for g in groups if ALICE.owns(g)]
     evict = authorize(m.Evict(groups=groups), "evict", ALICE)
@@ -93,8 +93,8 @@ def test_listing_needs_a_granted_domain() -> None:
 
 def test_show_group_outside_the_grant_is_not_found() -> None:
     summary = m.GroupSummary(
-        group=chain_in_id(GroupId(GROUPS[1][0])),
-        namespace=namespace_in_id(GroupId(GROUPS[1][0])),
+        group=chain_in_id(GROUPS[1][0]),
+        namespace=namespace_in_id(GROUPS[1][0]),
         chunk_index=0,
         state="published",
         members=1,
@@ -104,7 +104,7 @@ def test_show_group_outside_the_grant_is_not_found() -> None:
         check_visible(m.GroupList(epoch=1, groups=[summary]), ALICE, GROUPS[1][0])
 
 
-def key_of(domain: int) -> bytes:
+def key_of(domain: int) -> ObjectKey:
     groups = chunk_groups_for_prefix(DOMAINS[domain], MODEL, layout(), [1, 2, 3, 4])
     return key(groups[0])
 
@@ -117,7 +117,7 @@ def test_core_treats_a_forged_domain_digest_like_a_missing_group() -> None:
     groups = chunk_groups_for_prefix(DOMAINS[0], MODEL, layout(), [1, 2, 3, 4])
     real = groups[0].to_bytes()
     assert put(core, [key(groups[0])]).results[0].status == "published"
-    forged = real[:4] + DIGESTS[1] + real[20:]
+    forged = GroupId(real[:4] + DIGESTS[1] + real[20:])
     pin = core.handle(m.Pin(holder_id="x", groups=[forged], ttl_ms=1000), 0).reply
     assert isinstance(pin, m.PinReply) and pin.pinned_groups == 0
     evicted = core.handle(m.Evict(groups=[forged]), 0).reply
@@ -138,7 +138,7 @@ def test_a_forged_domain_can_neither_claim_nor_probe_another_domains_chain_hash(
     register(core, "s1")
     alice_a, alice_b = chunk_groups_for_prefix(DOMAINS[0], MODEL, layout(), [1, 2, 3, 4, 5, 6, 7, 8])[:2]
     assert put(core, [key(alice_a)], writer="alice").results[0].status == "published"
-    cached, absent = (key(g)[:4] + DIGESTS[1] + key(g)[20:] for g in (alice_a, alice_b))
+    cached, absent = (ObjectKey(key(g)[:4] + DIGESTS[1] + key(g)[20:]) for g in (alice_a, alice_b))
     commits = [
         core.handle(m.PutCommit(writer_id="bob", request_id=f"c{i}", keys=[k]), 0).reply
         for i, k in enumerate((cached, absent))
@@ -155,11 +155,11 @@ def test_a_forged_domain_can_neither_claim_nor_probe_another_domains_chain_hash(
     register(core2, "s1")
     assert put(core2, [absent], writer="bob").results[0].status == "published"
     assert put(core2, [key(alice_b)], writer="alice", request_id="r2").results[0].status == "published"
-    looked = core2.handle(m.Lookup(holder_id="a", groups=[alice_b.to_bytes()]), 0).reply
+    looked = core2.handle(m.Lookup(holder_id="a", groups=[alice_b.group_id()]), 0).reply
     assert isinstance(looked, m.LookupReply) and looked.hit_chunks == 1
-    evicted = core2.handle(m.Evict(groups=[absent[:90]]), 0).reply  # bob evicts only his own
+    evicted = core2.handle(m.Evict(groups=[group_id_in_key(absent)]), 0).reply  # bob evicts only his own
     assert isinstance(evicted, m.EvictReply) and evicted.results[0].status == "evicting"
-    looked = core2.handle(m.Lookup(holder_id="a", groups=[alice_b.to_bytes()]), 0).reply
+    looked = core2.handle(m.Lookup(holder_id="a", groups=[alice_b.group_id()]), 0).reply
     assert isinstance(looked, m.LookupReply) and looked.hit_chunks == 1  # alice's is untouched
     shown = core2.handle(m.ShowGroup(group=alice_b.to_bytes()[58:90]), 0).reply
     assert isinstance(shown, m.GroupList) and [s.namespace[4:20] for s in shown.groups] == [DIGESTS[0]]
@@ -194,17 +194,17 @@ def test_one_tenant_cannot_fill_the_shared_lease_and_pin_tables() -> None:
     register(core, "s1")
     g = chunk_groups_for_prefix(DOMAINS[0], MODEL, layout(), [1, 2, 3, 4])[0]
     put(core, [key(g)])
-    lookup = m.Lookup(holder_id="alice/engine", groups=[g.to_bytes()])
+    lookup = m.Lookup(holder_id="alice/engine", groups=[g.group_id()])
     leases = [core.handle(lookup, 0).reply for _ in range(2)]
     with pytest.raises(Busy):
         core.handle(lookup, 0)  # alice's share is full ...
-    other = core.handle(m.Lookup(holder_id="bob/engine", groups=[g.to_bytes()]), 0).reply
+    other = core.handle(m.Lookup(holder_id="bob/engine", groups=[g.group_id()]), 0).reply
     assert isinstance(other, m.LookupReply) and other.lease_id  # ... bob's is not
     first = leases[0]
     assert isinstance(first, m.LookupReply)
     core.handle(m.LeaseRelease(holder_id="alice/engine", lease_id=first.lease_id), 0)
     assert isinstance(core.handle(lookup, 0).reply, m.LookupReply)  # a release gives the slot back
-    pin = m.Pin(holder_id="alice/engine", groups=[g.to_bytes()], ttl_ms=1000)
+    pin = m.Pin(holder_id="alice/engine", groups=[g.group_id()], ttl_ms=1000)
     core.handle(pin, 0)
     with pytest.raises(Busy):
         core.handle(pin, 0)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from kvfabric.core.directory import DirectoryCore
 from kvfabric.format.errors import BadRequest, BatchTooLarge, Busy
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 
@@ -29,7 +30,7 @@ REQUEST_IDS = itertools.count()
 
 
 def begin(
-    core: DirectoryCore, writer: str, keys: list[bytes], size: int = 100, now: int = 0, **kw: int
+    core: DirectoryCore, writer: str, keys: list[ObjectKey], size: int = 100, now: int = 0, **kw: int
 ) -> m.PutBeginReply:
     request = m.PutBegin(
         writer_id=writer, request_id=f"r{next(REQUEST_IDS)}", objects=[spec(k, size) for k in keys], **kw
@@ -120,7 +121,7 @@ def test_a_tenants_pin_lasts_at_most_the_tenant_maximum() -> None:
     core = new_core()
     register(core, "s1")
     put(core, KEYS[0:1])
-    pin = m.Pin(holder_id="bob/h", groups=[GS[0].to_bytes()], ttl_ms=m.PIN_TTL_MS_MAX)
+    pin = m.Pin(holder_id="bob/h", groups=[GS[0].group_id()], ttl_ms=m.PIN_TTL_MS_MAX)
     reply = core.handle(pin, 5).reply
     assert isinstance(reply, m.PinReply) and reply.expires_ms == 5 + 3_600_000
     admin = core.handle(msgspec.structs.replace(pin, holder_id="kvctl"), 5).reply

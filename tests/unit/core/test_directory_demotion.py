@@ -7,6 +7,7 @@ a lease or pin holds the group and never the last replica. `check_invariants` af
 from __future__ import annotations
 
 from kvfabric.core.directory import DirectoryCore, EmitEvent, FreeSlots
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import SSD_SLOT_BASE, Tier, tier_of_slot
 from tests.unit.core.dirkit import groups, key, lookup, new_core, put, register
@@ -14,7 +15,7 @@ from tests.unit.core.dirkit import groups, key, lookup, new_core, put, register
 DISK_SLOT = SSD_SLOT_BASE + 4
 
 
-def replicate(core: DirectoryCore, k: bytes, tier: Tier, now: int = 10) -> m.ReplicateBeginReply:
+def replicate(core: DirectoryCore, k: ObjectKey, tier: Tier, now: int = 10) -> m.ReplicateBeginReply:
     reply = core.handle(
         m.ReplicateBegin(
             writer_id="demote/s1", request_id=f"rb-{tier}-{now}", key=k, segment_id="s1", tier=tier
@@ -49,7 +50,7 @@ def confirm(core: DirectoryCore, ticket: m.WriteTicket, slot: int, now: int = 10
     return reply.results[0].status
 
 
-def drop(core: DirectoryCore, k: bytes, slot: int, now: int = 10) -> tuple[bool, list[FreeSlots]]:
+def drop(core: DirectoryCore, k: ObjectKey, slot: int, now: int = 10) -> tuple[bool, list[FreeSlots]]:
     out = core.handle(
         m.ReplicaCorrupt(
             segment_id="s1", incarnation=1, key=k, slot=slot, slot_generation=1, reason="demoted"

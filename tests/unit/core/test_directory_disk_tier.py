@@ -53,7 +53,7 @@ def test_disk_replicas_are_adopted_served_and_reserve_no_arena_bytes() -> None:
 
     # Evicting the disk-resident group frees its disk slot (after the grace period) and gives
     # nothing back to the arena's reservation when the segment confirms the free.
-    core.handle(m.Evict(groups=[g_disk.to_bytes()]), 1_100)
+    core.handle(m.Evict(groups=[g_disk.group_id()]), 1_100)
     frees = [e for e in core.tick(1_500) if isinstance(e, FreeSlots)]
     assert [(f.segment_id, s.slot) for f in frees for s in f.slots] == [("s1", SSD_SLOT_BASE + 2)]
     core.handle(

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore, Effect, EmitEvent, FreeSlots
 from kvfabric.core.directory.frees import FREE_SLOTS_PER_REQUEST_MAX, batch_frees
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 
 from .dirkit import SECRET, groups, key, put, register
 
 
 def slot(n: int) -> m.FreedSlot:
-    return m.FreedSlot(b"", n, 1)
+    return m.FreedSlot(ObjectKey(b""), n, 1)
 
 
 def test_an_eviction_frees_each_segment_in_one_request() -> None:
@@ -21,7 +22,7 @@ def test_an_eviction_frees_each_segment_in_one_request() -> None:
     register(core, "s2")
     gs = groups(40)
     assert {r.status for r in put(core, [key(g) for g in gs]).results} == {"published"}
-    evicted = core.handle(m.Evict(groups=[g.to_bytes() for g in gs]), 10)
+    evicted = core.handle(m.Evict(groups=[g.group_id() for g in gs]), 10)
     frees = [e for e in evicted.effects if isinstance(e, FreeSlots)]
     assert sorted(f.segment_id for f in frees) == ["s1", "s2"]  # was 80 requests
     assert all(len(f.slots) == 40 for f in frees)
@@ -36,7 +37,7 @@ def test_retries_after_a_lost_batch_come_batched_too() -> None:
     register(core, "s1")
     gs = groups(30)
     put(core, [key(g) for g in gs])
-    core.handle(m.Evict(groups=[g.to_bytes() for g in gs]), 10)  # its FreeSlots lost
+    core.handle(m.Evict(groups=[g.group_id() for g in gs]), 10)  # its FreeSlots lost
     core.tick(100)  # stamps them sent
     retried = [e for e in core.tick(1_200) if isinstance(e, FreeSlots)]
     assert len(retried) == 1 and len(retried[0].slots) == 30

@@ -174,7 +174,7 @@ def test_pages_of_every_domain_and_of_one_cover_each_group_once(monkeypatch: pyt
     page = core.handle(m.ListGroups(domain_digest=bob, limit=100), 0).reply
     assert isinstance(page, m.GroupList) and len(page.groups) == 16
     # evicted and re-published groups leave and re-enter the index
-    evicted = [g.to_bytes() for g in bob_groups(40, seed=3)[:5]]
+    evicted = [g.group_id() for g in bob_groups(40, seed=3)[:5]]
     core.handle(m.Evict(groups=evicted, reason="test"), 0)
     got, _ = listed(core, m.ListGroups(domain_digest=bob, limit=100))
     assert got == [
@@ -251,7 +251,7 @@ def test_a_max_size_lookup_costs_64_tokens_and_a_refusal_parses_nothing(
     parsed (a refusal costs a slice per id, not a parse)."""
     core = big_core(tenant_quota_default=TenantQuota(requests_per_s=100, burst=100))
     gs = groups(4096, seed=6)
-    big = m.Lookup(holder_id="r", groups=[g.to_bytes() for g in gs])
+    big = m.Lookup(holder_id="r", groups=[g.group_id() for g in gs])
     assert core.handle(big, 0).reply == m.LookupReply(epoch=1, hit_chunks=0)
     for _ in range(36):
         lookup(core, gs[:4])
@@ -315,7 +315,7 @@ def test_a_lookups_hit_is_cut_where_its_reply_would_not_fit(
     gs = groups(40, seed=9)
     publish(core, gs, replicas=replicas)
     wanted = [] if members is None else [m.Member(0, 0, 0)]
-    request = m.Lookup(holder_id="r", groups=[g.to_bytes() for g in gs], members=wanted)
+    request = m.Lookup(holder_id="r", groups=[g.group_id() for g in gs], members=wanted)
     reply = core.handle(request, 0, reply_bytes_max=bound).reply
     assert isinstance(reply, m.LookupReply)
     size = len(msgspec.msgpack.encode(reply))
@@ -337,7 +337,7 @@ def test_a_lookup_in_slices_is_the_lookup_whole() -> None:
     core = big_core()
     gs = groups(300, seed=10)
     publish(core, gs)
-    request = m.Lookup(holder_id="r", groups=[g.to_bytes() for g in gs], lease_ttl_ms=5_000)
+    request = m.Lookup(holder_id="r", groups=[g.group_id() for g in gs], lease_ttl_ms=5_000)
     whole = core.handle(request, 0).reply
     assert isinstance(whole, m.LookupReply) and whole.hit_chunks == 300
     first = core.handle(request, 0, groups_max=128).reply
@@ -361,7 +361,7 @@ def test_a_slice_after_its_lease_ended_hits_nothing() -> None:
     core = big_core()
     gs = groups(200, seed=11)
     publish(core, gs)
-    request = m.Lookup(holder_id="r", groups=[g.to_bytes() for g in gs], lease_ttl_ms=100)
+    request = m.Lookup(holder_id="r", groups=[g.group_id() for g in gs], lease_ttl_ms=100)
     first = core.handle(request, 0, groups_max=128).reply
     assert isinstance(first, m.LookupReply) and first.hit_chunks == 128
     other = m.Lookup(holder_id="someone else", groups=request.groups)

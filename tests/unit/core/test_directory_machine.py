@@ -53,7 +53,7 @@ from kvfabric.core.directory import DirectoryConfig, DirectoryCore, Effect, Emit
 from kvfabric.core.directory.keys import parse_group, parse_key
 from kvfabric.core.placement import Candidate, choose_segments
 from kvfabric.format.errors import Busy, KvfError, NotFound, StaleGeneration
-from kvfabric.format.ids import DomainDigest, GroupKey
+from kvfabric.format.ids import DomainDigest, GroupId, GroupKey, ObjectKey
 from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import read_token, ticket_signature_valid
@@ -113,17 +113,17 @@ class KeyMeta:
     expected_members: int
 
 
-KEYS: list[bytes] = [key(g, rank=r) for p in PREFIXES for g in p for r in range(g.tp_size)]
+KEYS: list[ObjectKey] = [key(g, rank=r) for p in PREFIXES for g in p for r in range(g.tp_size)]
 META: dict[bytes, KeyMeta] = {}
 for _k in KEYS:
     _info = parse_key(_k)
     META[_k] = KeyMeta(
         _k, _info.group.group_id, _info.member, _info.group.chunk_index, _info.group.expected_members
     )
-GROUP_IDS: dict[bytes, bytes] = {
-    g.to_bytes(): parse_group(g.to_bytes()).group_id for p in PREFIXES for g in p
+GROUP_IDS: dict[GroupId, bytes] = {
+    g.group_id(): parse_group(g.to_bytes()).group_id for p in PREFIXES for g in p
 }
-ALL_GROUPS: list[bytes] = list(GROUP_IDS)
+ALL_GROUPS: list[GroupId] = list(GROUP_IDS)
 # Events and listings name a group by its chain hash; the core and this model key it by group key.
 KEY_OF_CHAIN: dict[bytes, bytes] = {gid[-32:]: gid for gid in GROUP_IDS.values()}
 
@@ -234,7 +234,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.stored: dict[int, Stored] = {}
         self.seen_tickets: set[int] = set()
         self.mailbox: list[FreeSlots] = []  # FreeSlots effects not yet delivered to their segment
-        self.begun: dict[str, list[bytes]] = {w: [] for w in WRITERS}
+        self.begun: dict[str, list[ObjectKey]] = {w: [] for w in WRITERS}
         self.begin_log: dict[str, list[tuple[m.PutBegin, m.PutBeginReply]]] = {w: [] for w in WRITERS}
         # Predictions for the effects of the step being run.
         self.exp_frees: Counter[tuple[str, int, int, int, bytes]] = Counter()
@@ -546,7 +546,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         holder = self.building.get(meta.gid, {}).get(meta.member)
         assert holder is None or holder.writer == w_id, f"two winners for a key: {holder.writer} and {w_id}"
 
-    def check_lookup(self, asked: list[bytes], wanted: set[Member], reply: m.LookupReply) -> None:
+    def check_lookup(self, asked: list[GroupId], wanted: set[Member], reply: m.LookupReply) -> None:
         """No read of an unpublished object; no freed or reused slot; no gap in the fold."""
         hit = reply.hit_chunks
         assert 0 <= hit <= len(asked)
@@ -749,7 +749,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         ttl=st.sampled_from(WRITE_TTLS_MS),
     )
     @step
-    def put_begin(self, writer: str, keys: list[bytes], size: int, replicas: int, ttl: int) -> None:
+    def put_begin(self, writer: str, keys: list[ObjectKey], size: int, replicas: int, ttl: int) -> None:
         self.begin_keys(writer, keys, size, replicas, ttl)
 
     @precondition(lambda self: bool(self.issued))
@@ -818,7 +818,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         assert self.handle(msgspec.structs.replace(req, epoch=self.epoch())) == first
         assert self.snapshot() == before
 
-    def begin_keys(self, writer: str, keys: list[bytes], size: int, replicas: int, ttl: int) -> None:
+    def begin_keys(self, writer: str, keys: list[ObjectKey], size: int, replicas: int, ttl: int) -> None:
         req = m.PutBegin(
             writer_id=writer,
             request_id=f"b{next(self.request_ids)}",
@@ -898,7 +898,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         grain = seg.capacity_bytes // CONFIG.free_bytes_granules
         return (seg.capacity_bytes - self.reserved(sid)) // grain * grain
 
-    def over_tenant_budget(self, writer: str, keys: list[bytes], size: int, replicas: int) -> bool:
+    def over_tenant_budget(self, writer: str, keys: list[ObjectKey], size: int, replicas: int) -> bool:
         """Whether the keys this put_begin would newly begin take its writer's tenant over its
         budgets: members being written, and their bytes (size × replicas asked, an upper bound)
         against a fraction of the live segments' capacity."""
@@ -999,7 +999,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         else:
             self.segment_free(*ref)
 
-    def commit_keys(self, writer: str, keys: list[bytes]) -> None:
+    def commit_keys(self, writer: str, keys: list[ObjectKey]) -> None:
         results = []
         for k in keys:
             meta = META[k]
@@ -1047,9 +1047,9 @@ class DirectoryMachine(RuleBasedStateMachine):
     def lookup(self, reader: str, prefix: int, n: int, rank: int | None, ttl: int, aim: str) -> None:
         """A reader looks up the first `n` chunks of a prefix: any, one whose chunk 0 is published
         (`warm`), or one with a published group that lost a replica and is not swept yet (`hurt`)."""
-        warm = [i for i, p in enumerate(PREFIXES) if GROUP_IDS[p[0].to_bytes()] in self.published]
+        warm = [i for i, p in enumerate(PREFIXES) if GROUP_IDS[p[0].group_id()] in self.published]
         hurt = [
-            i for i, p in enumerate(PREFIXES) if any(self.lost_a_replica(GROUP_IDS[g.to_bytes()]) for g in p)
+            i for i, p in enumerate(PREFIXES) if any(self.lost_a_replica(GROUP_IDS[g.group_id()]) for g in p)
         ]
         chosen = (hurt or warm) if aim == "hurt" else warm if aim == "warm" else []
         if chosen:
@@ -1058,7 +1058,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.lookup_prefix(reader, prefix, n, rank, ttl)
 
     def lookup_prefix(self, reader: str, prefix: int, n: int, rank: int | None, ttl: int) -> None:
-        asked = [g.to_bytes() for g in PREFIXES[prefix][:n]]
+        asked = [g.group_id() for g in PREFIXES[prefix][:n]]
         wanted = {(rank, 0, 0)} if rank is not None else set()
         req = m.Lookup(
             holder_id=reader,
@@ -1433,7 +1433,10 @@ class DirectoryMachine(RuleBasedStateMachine):
             req = m.Evict(groups=ALL_GROUPS, epoch=epoch)
         else:
             req = m.SlotsFreed(
-                segment_id=ref[0], incarnation=ref[1], freed=[m.FreedSlot(b"", ref[2], ref[3])], epoch=epoch
+                segment_id=ref[0],
+                incarnation=ref[1],
+                freed=[m.FreedSlot(ObjectKey(b""), ref[2], ref[3])],
+                epoch=epoch,
             )
         self.expect_stale(req, "stale_epoch_rejected_total")
 
@@ -1463,7 +1466,10 @@ class DirectoryMachine(RuleBasedStateMachine):
             refs = [r for r in self.freeing if r[0] == sid] or [(sid, old, 0, 1)]
             r = refs[pick % len(refs)]
             req = m.SlotsFreed(
-                segment_id=sid, incarnation=old, freed=[m.FreedSlot(b"", r[2], r[3])], epoch=self.epoch()
+                segment_id=sid,
+                incarnation=old,
+                freed=[m.FreedSlot(ObjectKey(b""), r[2], r[3])],
+                epoch=self.epoch(),
             )
         self.expect_stale(req, "stale_incarnation_rejected_total")
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from kvfabric.core.directory import DirectoryCore, EmitEvent, Outcome
 from kvfabric.core.directory.keys import chain_of
 from kvfabric.core.directory.writes import one_event_per_commit
-from kvfabric.format.ids import ChainHash
+from kvfabric.format.ids import ChainHash, ObjectKey
 from kvfabric.proto import directory as m
 
 from .dirkit import confirm_all, groups, key, new_core, register, spec
 
 
-def commit(core: DirectoryCore, keys: list[bytes]) -> Outcome:
+def commit(core: DirectoryCore, keys: list[ObjectKey]) -> Outcome:
     begin = core.handle(m.PutBegin(writer_id="w", request_id="r", objects=[spec(k) for k in keys]), 0)
     assert isinstance(begin.reply, m.PutBeginReply)
     confirm_all(core, begin.reply, 0)

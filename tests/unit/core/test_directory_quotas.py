@@ -9,6 +9,7 @@ import pytest
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore, FreeSlots
 from kvfabric.core.quotas import Quotas, TenantQuota, tenant_of
 from kvfabric.format.errors import Busy, RateLimited
+from kvfabric.format.ids import ObjectKey
 from kvfabric.format.key import ChunkGroupId, ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 
@@ -35,7 +36,7 @@ def core_with(quota_a: TenantQuota, default: TenantQuota | None = None, **kw: An
 
 
 def begin(
-    core: DirectoryCore, keys: list[bytes], now: int = 0, rid: str = "r", size: int = 100
+    core: DirectoryCore, keys: list[ObjectKey], now: int = 0, rid: str = "r", size: int = 100
 ) -> m.PutBeginReply:
     reply = core.handle(
         m.PutBegin(writer_id="w", request_id=rid, objects=[spec(k, size) for k in keys]), now
@@ -77,7 +78,7 @@ def test_objects_quota_counts_members_and_freeing_gives_room_back() -> None:
     gs = groups(3)
     assert [r.status for r in put(core, [key(gs[0]), key(gs[1])]).results] == ["published", "published"]
     assert begin(core, [key(gs[2])], rid="x").results[0].status == "quota_exceeded"
-    evicted = core.handle(m.Evict(groups=[gs[0].to_bytes()]), 10)
+    evicted = core.handle(m.Evict(groups=[gs[0].group_id()]), 10)
     assert usage(core, A) == (200, 1)  # the object is gone, its bytes are held until freed
     assert begin(core, [key(gs[2])], now=10, rid="y").results[0].status == "placed"
     (free,) = [e for e in evicted.effects if isinstance(e, FreeSlots)]
@@ -126,7 +127,7 @@ def test_rate_limit_answers_rate_limited_with_retry_after_from_passed_in_time() 
     assert core.quotas.stats[tenant_of(key(ga))].rate_limited == 3
     assert core.counters["error_rate_limited_total"] == 3
     # evict (the policy's) and tool queries are never charged
-    core.handle(m.Evict(groups=[ga.to_bytes()]), 1120)
+    core.handle(m.Evict(groups=[ga.group_id()]), 1120)
     listed = core.handle(m.ListTenants(), 1120).reply
     assert isinstance(listed, m.TenantList)
     (row,) = [t for t in listed.tenants if t.domain_digest == A]

@@ -86,7 +86,7 @@ class QuotaMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, len(GROUPS) - 1))
     def evict(self, i: int) -> None:
-        self._step(m.Evict(groups=[GROUPS[i].to_bytes()]))
+        self._step(m.Evict(groups=[GROUPS[i].group_id()]))
 
     @precondition(lambda self: self.frees)
     @rule(n=st.integers(1, 4))
@@ -125,7 +125,7 @@ class QuotaMachine(RuleBasedStateMachine):
         for seg in SEGMENTS:
             self._step(m.Heartbeat(segment_id=seg, incarnation=self.incarnation[seg], used_bytes=0))
         self._effects(self.core.tick(self.now))
-        self._step(m.Evict(groups=[g.to_bytes() for g in GROUPS]))
+        self._step(m.Evict(groups=[g.group_id() for g in GROUPS]))
         for _ in range(3):
             frees, self.frees = self.frees, []
             for free in frees:

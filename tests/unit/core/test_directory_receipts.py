@@ -8,6 +8,7 @@ import pytest
 
 from kvfabric.core.directory import DirectoryCore
 from kvfabric.format.errors import BatchTooLarge
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import write_receipt
 from tests.unit.core.dirkit import SECRET, groups, key, lookup, new_core, register, spec
@@ -15,7 +16,9 @@ from tests.unit.core.dirkit import SECRET, groups, key, lookup, new_core, regist
 WRITE_TTL_MS = 2_000  # below the heartbeat timeout: the segment stays up
 
 
-def begin(core: DirectoryCore, keys: list[bytes], writer: str = "w1", rid: str = "r1") -> list[m.WriteTicket]:
+def begin(
+    core: DirectoryCore, keys: list[ObjectKey], writer: str = "w1", rid: str = "r1"
+) -> list[m.WriteTicket]:
     reply = core.handle(
         m.PutBegin(
             writer_id=writer, request_id=rid, objects=[spec(k) for k in keys], write_ttl_ms=WRITE_TTL_MS
@@ -32,7 +35,7 @@ def receipt(t: m.WriteTicket, slot: int, gen: int = 1, secret: bytes = SECRET) -
 
 
 def commit(
-    core: DirectoryCore, keys: list[bytes], receipts: list[m.WriteReceipt], writer: str = "w1"
+    core: DirectoryCore, keys: list[ObjectKey], receipts: list[m.WriteReceipt], writer: str = "w1"
 ) -> list[str]:
     reply = core.handle(m.PutCommit(writer_id=writer, request_id="c", keys=keys, receipts=receipts), 1).reply
     assert isinstance(reply, m.PutCommitReply)
@@ -62,7 +65,7 @@ def confirm(core: DirectoryCore, t: m.WriteTicket, slot: int, gen: int = 1) -> s
     return reply.results[0].status
 
 
-def setup(n: int = 2) -> tuple[DirectoryCore, list[bytes], list[m.WriteTicket]]:
+def setup(n: int = 2) -> tuple[DirectoryCore, list[ObjectKey], list[m.WriteTicket]]:
     core = new_core()
     register(core, "s1")
     gs = groups(n)

@@ -10,6 +10,7 @@ import pytest
 from kvfabric.core.directory import DirectoryCore, FreeSlots
 from kvfabric.core.directory.frees import batch_frees
 from kvfabric.format.errors import BadRequest, BatchTooLarge, StaleGeneration
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import SSD_SLOT_BASE
 from tests.unit.core.dirkit import groups, key, lookup, new_core, put, register
@@ -17,7 +18,7 @@ from tests.unit.core.dirkit import groups, key, lookup, new_core, put, register
 N = 6
 
 
-def setup() -> tuple[DirectoryCore, list[bytes]]:
+def setup() -> tuple[DirectoryCore, list[ObjectKey]]:
     core = new_core()
     register(core, "s1", capacity=10_000)
     keys = [key(g) for g in groups(N)]
@@ -25,7 +26,7 @@ def setup() -> tuple[DirectoryCore, list[bytes]]:
     return core, keys
 
 
-def begin_one(core: DirectoryCore, k: bytes, i: int) -> m.ReplicateBeginReply:
+def begin_one(core: DirectoryCore, k: ObjectKey, i: int) -> m.ReplicateBeginReply:
     reply = core.handle(
         m.ReplicateBegin(writer_id="demote:s1", request_id=f"r{i}", key=k, segment_id="s1", tier="ssd"), 10
     ).reply
@@ -33,7 +34,7 @@ def begin_one(core: DirectoryCore, k: bytes, i: int) -> m.ReplicateBeginReply:
     return reply
 
 
-def begin_many(core: DirectoryCore, keys: list[bytes]) -> m.ReplicateBeginManyReply:
+def begin_many(core: DirectoryCore, keys: list[ObjectKey]) -> m.ReplicateBeginManyReply:
     reply = core.handle(
         m.ReplicateBeginMany(
             writer_id="demote:s1",

@@ -6,7 +6,7 @@ import pytest
 
 from kvfabric.core.directory import DirectoryCore, EmitEvent, FreeSlots, Outcome
 from kvfabric.format.errors import BadRequest, BatchTooLarge, NotFound, StaleGeneration
-from kvfabric.format.ids import ChainHash, DomainDigest
+from kvfabric.format.ids import ChainHash, DomainDigest, GroupId, ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import ticket_signature_valid
 
@@ -124,7 +124,7 @@ def test_confirmed_then_expired_slot_is_freed_and_accounted_on_ack() -> None:
     frees = [e for e in effects if isinstance(e, FreeSlots)]
     assert len(frees) == 1 and frees[0].slots[0].slot == 0
     assert core.segments["s1"].reserved_bytes == 100  # until the segment says it freed it
-    core.handle(m.SlotsFreed(segment_id="s1", incarnation=1, freed=[m.FreedSlot(b"", 0, 1)]), 160)
+    core.handle(m.SlotsFreed(segment_id="s1", incarnation=1, freed=[m.FreedSlot(ObjectKey(b""), 0, 1)]), 160)
     assert core.segments["s1"].reserved_bytes == 0
     core.check_invariants()
 
@@ -135,11 +135,11 @@ def test_leased_group_is_not_evicted_until_released() -> None:
     (g,) = groups(1)
     put(core, [key(g)])
     hit = lookup(core, [g])
-    evict = core.handle(m.Evict(groups=[g.to_bytes()]), 0).reply
+    evict = core.handle(m.Evict(groups=[g.group_id()]), 0).reply
     assert isinstance(evict, m.EvictReply)
     assert evict.results[0].status == "leased"
     core.handle(m.LeaseRelease(holder_id="reader", lease_id=hit.lease_id), 0)
-    out = core.handle(m.Evict(groups=[g.to_bytes()]), 0)
+    out = core.handle(m.Evict(groups=[g.group_id()]), 0)
     assert isinstance(out.reply, m.EvictReply)
     assert out.reply.results[0].status == "evicting"
     assert any(isinstance(e, FreeSlots) for e in out.effects)
@@ -205,12 +205,12 @@ def test_bad_input_is_typed() -> None:
             m.PutBegin(
                 writer_id="w",
                 request_id="r",
-                objects=[m.ObjectSpec(key=b"x", size_bytes=1, checksum=b"0" * 16)],
+                objects=[m.ObjectSpec(key=ObjectKey(b"x"), size_bytes=1, checksum=b"0" * 16)],
             ),
             0,
         )
     with pytest.raises(BatchTooLarge):
-        core.handle(m.Lookup(holder_id="h", groups=[b"x"] * (m.LOOKUP_BATCH_GROUPS_MAX + 1)), 0)
+        core.handle(m.Lookup(holder_id="h", groups=[GroupId(b"x")] * (m.LOOKUP_BATCH_GROUPS_MAX + 1)), 0)
     with pytest.raises(NotFound):
         core.handle(m.Heartbeat(segment_id="nope", incarnation=1, used_bytes=0), 0)
 
@@ -353,7 +353,7 @@ def test_a_new_leader_adopts_complete_groups_and_frees_nothing_during_the_grace_
                 HeldObject(key(g0), 1, 3, 100, good),
                 HeldObject(key(g1), 2, 1, 100, good),
                 HeldObject(key(half, rank=0), 3, 1, 50, good),  # its group never completed
-                HeldObject(b"not a key", 4, 1, 10, good),
+                HeldObject(ObjectKey(b"not a key"), 4, 1, 10, good),
             ],
         ),
         SegmentHolding(
@@ -372,7 +372,7 @@ def test_a_new_leader_adopts_complete_groups_and_frees_nothing_during_the_grace_
     assert [r.segment_id for r in hit.objects[1].replicas] == ["s1"]  # the disagreeing copy is dropped
     assert lookup(core, [half]).hit_chunks == 0
     core.handle(m.LeaseRelease(holder_id="reader", lease_id=hit.lease_id), 1_000)
-    evicted = core.handle(m.Evict(groups=[g0.to_bytes()]), 1_100)
+    evicted = core.handle(m.Evict(groups=[g0.group_id()]), 1_100)
     assert evicted.effects and not [e for e in evicted.effects if isinstance(e, FreeSlots)]
     assert not [e for e in core.tick(1_499) if isinstance(e, FreeSlots)]
     frees = [e for e in core.tick(1_500) if isinstance(e, FreeSlots)]
@@ -538,7 +538,8 @@ def test_an_identity_conflict_refuses_the_whole_put_begin_before_placing_anythin
     a, b = groups(2, seed=91)
     first = core.handle(m.PutBegin(writer_id="w", request_id="r1", objects=[spec(key(a))]), 0).reply
     assert isinstance(first, m.PutBeginReply) and first.results[0].status == "placed"
-    other_model = key(a)[:20] + bytes(b ^ 0xFF for b in key(a)[20:36]) + key(a)[36:]  # same domain + chain
+    # same domain + chain, another model
+    other_model = ObjectKey(key(a)[:20] + bytes(b ^ 0xFF for b in key(a)[20:36]) + key(a)[36:])
     pending, reserved = core.pending_objects, core.segments["s1"].reserved_bytes
     with pytest.raises(BadRequest, match="conflicts"):
         core.handle(m.PutBegin(writer_id="w", request_id="r2", objects=[spec(key(b)), spec(other_model)]), 0)

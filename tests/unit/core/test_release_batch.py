@@ -9,6 +9,7 @@ import pytest
 
 from kvfabric.core.directory import DirectoryCore
 from kvfabric.format.errors import BadRequest, BatchTooLarge, NotFound
+from kvfabric.format.ids import GroupId
 from kvfabric.proto import directory as m
 
 from .dirkit import groups, key, lookup, new_core, put, register
@@ -20,7 +21,7 @@ def release(core: DirectoryCore, holder: str, lease_ids: list[int]) -> m.LeaseRe
     return reply
 
 
-def evict_status(core: DirectoryCore, group: bytes) -> str:
+def evict_status(core: DirectoryCore, group: GroupId) -> str:
     reply = core.handle(m.Evict(groups=[group]), 0).reply
     assert isinstance(reply, m.EvictReply)
     return reply.results[0].status
@@ -33,20 +34,20 @@ def test_a_batch_releases_the_holders_leases_and_skips_the_rest() -> None:
     put(core, [key(g)])
     mine = [lookup(core, [g]).lease_id for _ in range(3)]
     theirs = lookup(core, [g], holder="other").lease_id
-    pin = core.handle(m.Pin(holder_id="reader", groups=[g.to_bytes()], ttl_ms=1000), 0).reply
+    pin = core.handle(m.Pin(holder_id="reader", groups=[g.group_id()], ttl_ms=1000), 0).reply
     assert isinstance(pin, m.PinReply) and pin.pin_id
 
     asked = [mine[0], theirs, mine[1], 10**9, pin.pin_id, mine[1]]  # foreign, unknown, a pin, twice
     assert release(core, "reader", asked).released == [mine[0], mine[1]]
     core.check_invariants()
-    assert evict_status(core, g.to_bytes()) == "leased"  # mine[2] and theirs still hold it
+    assert evict_status(core, g.group_id()) == "leased"  # mine[2] and theirs still hold it
 
     assert release(core, "reader", [mine[2]]).released == [mine[2]]
     assert release(core, "reader", mine).released == []  # retried: nothing left, no error
     assert release(core, "other", [theirs]).released == [theirs]
-    assert evict_status(core, g.to_bytes()) == "pinned"  # a batch of leases never ends a pin
+    assert evict_status(core, g.group_id()) == "pinned"  # a batch of leases never ends a pin
     core.handle(m.Unpin(holder_id="reader", pin_id=pin.pin_id), 0)
-    assert evict_status(core, g.to_bytes()) == "evicting"  # nothing holds it any more
+    assert evict_status(core, g.group_id()) == "evicting"  # nothing holds it any more
     core.check_invariants()
 
 

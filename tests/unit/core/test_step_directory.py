@@ -51,7 +51,7 @@ SEGMENT_IDS = sorted(dm.SEGMENTS)
 HOLDERS = (*dm.READERS, "stranger")
 # group key -> the ids of its prefix's groups from it on (a lookup that may hit from its start)
 RUN_FROM = {
-    dm.GROUP_IDS[g.to_bytes()]: [h.to_bytes() for h in prefix[i:]]
+    dm.GROUP_IDS[g.group_id()]: [h.group_id() for h in prefix[i:]]
     for prefix in dm.PREFIXES
     for i, g in enumerate(prefix)
 }
@@ -83,7 +83,7 @@ def replies(out: list[object], kind: type[Any]) -> list[Any]:
 
 def a_lookup(data: st.DataObject, core: DirectoryCore) -> m.Lookup:
     """A prefix's first groups, or groups published now (so that some lookups hit)."""
-    groups = [g.to_bytes() for g in data.draw(st.sampled_from(dm.PREFIXES))]
+    groups = [g.group_id() for g in data.draw(st.sampled_from(dm.PREFIXES))]
     if core.published and data.draw(st.sampled_from([True, True, False])):
         groups = RUN_FROM[data.draw(st.sampled_from(sorted(core.published)))]
     return m.Lookup(
@@ -174,7 +174,7 @@ def directory_event(data: st.DataObject, out: list[object], core: DirectoryCore)
         else:
             request = m.LeaseRenew(holder_id=holder, lease_id=lease_id, lease_ttl_ms=500)
     elif kind == "evict":
-        request = m.Evict(groups=[g.to_bytes() for g in data.draw(st.sampled_from(dm.PREFIXES))[:2]])
+        request = m.Evict(groups=[g.group_id() for g in data.draw(st.sampled_from(dm.PREFIXES))[:2]])
     elif kind == "freed" and any(isinstance(e, FreeSlots) for e in out):
         free = data.draw(st.sampled_from([e for e in out if isinstance(e, FreeSlots)]))
         request = m.SlotsFreed(
@@ -265,7 +265,7 @@ def test_directory_step_passes_a_lookups_slice_bounds() -> None:
         register(core, seg, now=1)
     prefix = dm.PREFIXES[0][:2]
     put(core, [key(g) for g in prefix], writer="w", now=2)
-    lookup = m.Lookup(holder_id="r", groups=[g.to_bytes() for g in prefix], lease_ttl_ms=500)
+    lookup = m.Lookup(holder_id="r", groups=[g.group_id() for g in prefix], lease_ttl_ms=500)
     first = reply_of(core.step(de.Request(lookup, reply_bytes_max=m.REPLY_BYTES_MAX, groups_max=1), 3))
     assert isinstance(first, m.LookupReply) and first.hit_chunks == 1
     more = de.LookupMore(lookup, first.lease_id, 1, reply_bytes_max=m.REPLY_BYTES_MAX, groups_max=1)

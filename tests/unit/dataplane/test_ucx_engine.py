@@ -23,6 +23,7 @@ import pytest
 from kvfabric.dataplane.backend import GetGrant, PutSlot
 from kvfabric.dataplane.ucx import UcxClient, UcxServer, UcxSyncClient
 from kvfabric.format.errors import BadRequest, Busy, Indeterminate, Unavailable
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto.dataplane import LocalGrants, MapReply, ObjectStatus, ReadRef
 from kvfabric.proto.directory import WriteTicket
 
@@ -82,7 +83,7 @@ class OneSlot:
 def ticket(size: int, writer_id: str = "w") -> WriteTicket:
     return WriteTicket(
         ticket_id=1,
-        key=b"k" * 16,
+        key=ObjectKey(b"k" * 16),
         segment_id="s",
         incarnation=1,
         size_bytes=size,

@@ -24,6 +24,7 @@ from kvfabric.format.errors import (
     NoCapacity,
     Unavailable,
 )
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto.codec import encode
 from kvfabric.proto.common import ErrorReply
 from kvfabric.proto.dataplane import (
@@ -167,7 +168,7 @@ class FakeBackend:
 def ticket_for(data: bytes, *, signature: bytes = GOOD_SIGNATURE, size: int | None = None) -> WriteTicket:
     return WriteTicket(
         ticket_id=1,
-        key=b"k" * 16,
+        key=ObjectKey(b"k" * 16),
         segment_id="seg-a",
         incarnation=INCARNATION,
         size_bytes=len(data) if size is None else size,

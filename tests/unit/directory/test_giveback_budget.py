@@ -111,14 +111,14 @@ def test_a_flood_of_empty_aborts_is_refused_while_real_give_backs_succeed() -> N
     owned = [key(g) for g in groups(8, seed=1)]
     put(core, owned[:4], writer=authz.scoped_name("bob", "w"))
     hit = core.handle(
-        m.Lookup(holder_id=authz.scoped_name("bob", "h"), groups=[g.to_bytes() for g in groups(4, seed=1)]), 0
+        m.Lookup(holder_id=authz.scoped_name("bob", "h"), groups=[g.group_id() for g in groups(4, seed=1)]), 0
     ).reply
     assert isinstance(hit, m.LookupReply) and hit.lease_id
     leases = [
         cast(
             m.LookupReply, core.handle(m.Lookup(holder_id=authz.scoped_name("bob", "h"), groups=[g]), 0).reply
         )
-        for g in [groups(1, seed=1)[0].to_bytes()] * 2
+        for g in [groups(1, seed=1)[0].group_id()] * 2
     ]
     begun = core.handle(
         m.PutBegin(

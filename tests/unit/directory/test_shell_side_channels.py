@@ -18,6 +18,7 @@ from kvfabric.directory.host import ShardHost
 from kvfabric.directory.metrics import DirectoryCollector
 from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.format.errors import KvfError
+from kvfabric.format.ids import GroupId, pack_object_key
 from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
@@ -34,14 +35,14 @@ GRANTS = {
 }
 
 
-def ids(domain: ShareDomain, n: int, seed: int = 0) -> list[bytes]:
+def ids(domain: ShareDomain, n: int, seed: int = 0) -> list[GroupId]:
     tokens = [seed * 100_000 + i for i in range(4 * n)]
-    return [g.to_bytes() for g in chunk_groups_for_prefix(domain, MODEL, layout(), tokens)]
+    return [g.group_id() for g in chunk_groups_for_prefix(domain, MODEL, layout(), tokens)]
 
 
-def publish(core: DirectoryCore, groups: list[bytes], batch: int = 128) -> None:
+def publish(core: DirectoryCore, groups: list[GroupId], batch: int = 128) -> None:
     for start in range(0, len(groups), batch):
-        keys = [g + b"\x00" * 6 for g in groups[start : start + batch]]  # member (0, 0, 0)
+        keys = [pack_object_key(g, 0, 0, 0) for g in groups[start : start + batch]]  # member (0, 0, 0)
         begin = core.handle(
             m.PutBegin(writer_id="w", request_id=f"b{start}{keys[0].hex()}", objects=[spec(k) for k in keys]),
             0,
@@ -143,7 +144,7 @@ def test_a_lookup_many_reply_fits_the_max_payload_whatever_its_parts_hit() -> No
         registry=cast(Any, None),
         make_shell=cast(Any, None),
     )
-    by_shard: dict[int, list[bytes]] = {0: [], 1: []}
+    by_shard: dict[int, list[GroupId]] = {0: [], 1: []}
     for g in ids(ALICE, 3_000, seed=3):
         shard = shard_of(g, 2)
         if len(by_shard[shard]) < 1_200:

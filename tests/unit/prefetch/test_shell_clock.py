@@ -44,7 +44,7 @@ def test_a_tick_during_the_hint_lookup_does_not_send_time_backwards(monkeypatch:
 
     monkeypatch.setattr(router, "ask", directory)
     hint = p.PrefetchHint(
-        hint_id="h1", tenant="t", groups=[g.to_bytes()], target_segment="s2", deadline_ms=clock["ms"] + 60_000
+        hint_id="h1", tenant="t", groups=[g.group_id()], target_segment="s2", deadline_ms=clock["ms"] + 60_000
     )
     reply = asyncio.run(shell._add(hint))  # raised InvariantViolation before the fix
     assert isinstance(reply, p.HintReply) and reply.status == "accepted"

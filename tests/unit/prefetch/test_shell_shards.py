@@ -12,6 +12,7 @@ import pytest
 
 from kvfabric.core.prefetch import PrefetchConfig, PrefetchCore
 from kvfabric.format.errors import Unavailable
+from kvfabric.format.ids import GroupId
 from kvfabric.prefetch import shell as shell_module
 from kvfabric.prefetch.shell import PrefetchShell
 from kvfabric.proto import directory as m
@@ -59,10 +60,10 @@ def make_shell(router: FakeRouter | DirectoryRouter) -> PrefetchShell:
     return shell
 
 
-def spread_prefix() -> list[bytes]:
+def spread_prefix() -> list[GroupId]:
     """A prefix whose chunks 0 and 1 lie on two shards and a later chunk on a third."""
     for seed in range(100):
-        raws = [g.to_bytes() for g in groups(6, seed=seed)]
+        raws = [g.group_id() for g in groups(6, seed=seed)]
         first, second = shard_of(raws[0], SHARDS), shard_of(raws[1], SHARDS)
         if first != second and {shard_of(r, SHARDS) for r in raws[2:]} - {first, second}:
             return raws

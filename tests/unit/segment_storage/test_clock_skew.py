@@ -17,6 +17,7 @@ from kvfabric.dataplane.tcp import TcpDataServer
 from kvfabric.directory.settings import load_directory_settings
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import Conflict, Unauthorized
+from kvfabric.format.ids import ObjectKey
 from kvfabric.format.invariant import InvariantViolation
 from kvfabric.proto.dataplane import GetRequest, PutRequest, ReadRef
 from kvfabric.proto.directory import WriteTicket
@@ -65,7 +66,7 @@ def make_backend(tmp: Path, segment_id: str, clock: Clock, tolerance_ms: int | N
 def ticket_for(backend: ArenaBackend, data: bytes, deadline_ms: int, ticket_id: int = 1) -> WriteTicket:
     ticket = WriteTicket(
         ticket_id=ticket_id,
-        key=b"k%d" % ticket_id,
+        key=ObjectKey(b"k%d" % ticket_id),
         segment_id=backend.segment_id,
         incarnation=backend.incarnation,
         size_bytes=len(data),

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from kvfabric.format.errors import Unavailable
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.segment_storage.confirms import CONFIRM_GATHER_S, ConfirmBatcher
 
@@ -17,7 +18,7 @@ from kvfabric.segment_storage.confirms import CONFIRM_GATHER_S, ConfirmBatcher
 def confirm(ticket_id: int) -> m.ReplicaConfirm:
     return m.ReplicaConfirm(
         ticket_id=ticket_id,
-        key=b"k%d" % ticket_id,
+        key=ObjectKey(b"k%d" % ticket_id),
         slot=ticket_id,
         slot_generation=1,
         size_bytes=1,

@@ -27,6 +27,7 @@ from kvfabric.format.errors import (
     Unauthorized,
     Unavailable,
 )
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import sign_ticket
@@ -53,7 +54,7 @@ class Seg:
     ) -> WriteTicket:
         ticket = WriteTicket(
             ticket_id=len(self.confirmed) + 100,
-            key=key,
+            key=ObjectKey(key),
             segment_id=self.backend.segment_id,
             incarnation=self.backend.incarnation,
             size_bytes=len(data),

@@ -20,6 +20,7 @@ import pytest
 from kvfabric.core.segment_slots import SlotTable
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import KvfError
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import SSD_SLOT_BASE, DemoteObject, DemoteReply, DemoteRequest
@@ -56,7 +57,7 @@ class Directory:
         await asyncio.sleep(self.rtt_s)
         self.in_flight -= 1
 
-    def _begin(self, writer_id: str, k: bytes) -> m.ReplicateBeginReply:
+    def _begin(self, writer_id: str, k: ObjectKey) -> m.ReplicateBeginReply:
         self.begun.append(k)
         ref = self.refs[k]
         ticket = m.WriteTicket(
@@ -158,7 +159,7 @@ def stored(seg: Seg, directory: Directory, n: int, size: int) -> tuple[list[byte
     datas, objects = [], []
     for i in range(n):
         data = os.urandom(size)
-        key = b"key-%02d" % i
+        key = ObjectKey(b"key-%02d" % i)
         ref = seg.store(data, key)
         directory.refs[key] = ref
         datas.append(data)
@@ -313,7 +314,8 @@ def test_a_request_costs_one_ticket_request_and_one_drop_request_per_shard(tmp_p
         assert [r.status for r in reply.results] == ["demoted"] * n
         verbs = [v for v, _ in directory.requests]
         assert verbs == ["replicate_begin_many", "replica_corrupt_many"]
-        shard = {o.key: int(o.key[-1:]) % 2 for o in objects}  # two shards by the key's last digit
+        # two shards by the key's last digit
+        shard: dict[bytes, int] = {o.key: int(o.key[-1:]) % 2 for o in objects}
         directory.requests.clear()
         directory.dropped.clear()
         _, more = stored(seg, directory, n, 16 * 1024)

@@ -23,6 +23,7 @@ from kvfabric.dataplane.scatter import ScatterDest, WriteGate
 from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import Busy, ChecksumMismatch, Conflict, NoCapacity, Unavailable
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto.codec import encode
 from kvfabric.proto.dataplane import GetReply, GetRequest, ObjectResult, ReadRef, dataplane_decoder
 from kvfabric.proto.directory import Member, ObjectLocation, Replica, WriteTicket
@@ -53,7 +54,7 @@ class Seg:
     def store(self, data: bytes, key: bytes) -> ReadRef:
         ticket = WriteTicket(
             ticket_id=1,
-            key=key,
+            key=ObjectKey(key),
             segment_id=SEGMENT,
             incarnation=INCARNATION,
             size_bytes=len(data),

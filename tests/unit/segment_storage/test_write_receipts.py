@@ -18,6 +18,7 @@ from kvfabric.core.segment_slots import SlotTable
 from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import ChecksumMismatch, NotFound, StaleGeneration, Unavailable
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import sign_ticket, write_receipt
@@ -77,7 +78,7 @@ def ticket(
     return sign_ticket(
         WriteTicket(
             ticket_id=ticket_id,
-            key=b"key-%d" % ticket_id,
+            key=ObjectKey(b"key-%d" % ticket_id),
             segment_id=backend.segment_id,
             incarnation=backend.incarnation,
             size_bytes=len(data),
@@ -169,7 +170,12 @@ def test_background_confirms_linger_to_share_a_request() -> None:
 
     def one(ticket_id: int) -> m.ReplicaConfirm:
         return m.ReplicaConfirm(
-            ticket_id=ticket_id, key=b"k", slot=ticket_id, slot_generation=1, size_bytes=1, checksum=b"c" * 16
+            ticket_id=ticket_id,
+            key=ObjectKey(b"k"),
+            slot=ticket_id,
+            slot_generation=1,
+            size_bytes=1,
+            checksum=b"c" * 16,
         )
 
     async def run(linger_s: float) -> list[str]:
@@ -300,7 +306,7 @@ def test_receipted_writes_queued_together_wake_the_loop_once() -> None:
     )
     t = WriteTicket(
         ticket_id=1,
-        key=b"k",
+        key=ObjectKey(b"k"),
         segment_id="s",
         incarnation=1,
         size_bytes=1,

@@ -1,10 +1,11 @@
 """Messages of the `directory` service (subjects `kvf.v1.directory.<verb>`).
 
-Keys travel in their compact binary form (`KVKey.to_bytes()`), chunk groups as
-`ChunkGroupId.to_bytes()`. Every reply carries the directory `epoch`; every request may carry
-the `epoch` its sender last saw (0 = none yet) and is rejected with `stale_generation` when it is
-older than the current one. Batches are bounded by the limits below; a larger batch gets
-`batch_too_large`.
+Keys travel in their compact binary form, typed `ObjectKey` (`KVKey.object_key()`), chunk groups
+as `GroupId` (`ChunkGroupId.group_id()`); events and listings name a group by `ChainHash` and
+`DomainDigest` (`kvfabric.format.ids`: `NewType`s that msgspec encodes as `bytes`). Every reply
+carries the directory `epoch`; every request may carry the `epoch` its sender last saw (0 = none
+yet) and is rejected with `stale_generation` when it is older than the current one. Batches are
+bounded by the limits below; a larger batch gets `batch_too_large`.
 
 Verbs and their request → reply:
 
@@ -58,7 +59,7 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
-from kvfabric.format.ids import ChainHash, DomainDigest, GroupKey, Namespace
+from kvfabric.format.ids import ChainHash, DomainDigest, GroupId, GroupKey, Namespace, ObjectKey
 from kvfabric.proto.codec import FamilyDecoder
 
 # Batch limits (per message). Named once; the directory core enforces them.
@@ -124,7 +125,7 @@ class Member(msgspec.Struct, frozen=True, array_like=True):
 
 
 class ObjectSpec(msgspec.Struct, frozen=True, kw_only=True):
-    key: bytes
+    key: ObjectKey
     size_bytes: int
     checksum: bytes
     # The chain hash (32 bytes) of the previous chunk of the same prefix, empty for the first
@@ -140,7 +141,7 @@ class WriteTicket(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     ticket_id: int
-    key: bytes
+    key: ObjectKey
     segment_id: str
     incarnation: int
     size_bytes: int
@@ -241,7 +242,7 @@ BeginStatus = Literal["placed", "exists", "in_flight", "no_capacity", "quota_exc
 
 
 class BeginResult(msgspec.Struct, frozen=True, kw_only=True):
-    key: bytes
+    key: ObjectKey
     status: BeginStatus
     tickets: list[WriteTicket] = msgspec.field(default_factory=list)
     # placed: this writer's deadline; in_flight: the other writer's deadline.
@@ -255,7 +256,7 @@ class PutBeginReply(_Msg, frozen=True, kw_only=True, tag="dir.put_begin_reply.v1
 
 class ReplicaConfirm(msgspec.Struct, frozen=True, kw_only=True):
     ticket_id: int
-    key: bytes
+    key: ObjectKey
     slot: int
     slot_generation: int
     size_bytes: int
@@ -299,7 +300,7 @@ class WriteReceipt(msgspec.Struct, frozen=True, array_like=True):
 class PutCommit(_Msg, frozen=True, kw_only=True, tag="dir.put_commit.v1"):
     writer_id: WriterId
     request_id: RequestId
-    keys: list[bytes]
+    keys: list[ObjectKey]
     epoch: int = 0
     # Receipts of replicas written for these keys (at most PUT_BATCH_OBJECTS_MAX): each confirms
     # its replica before the commit, as the segment's own confirm would.
@@ -310,7 +311,7 @@ CommitStatus = Literal["published", "degraded", "waiting_group", "missing", "not
 
 
 class CommitResult(msgspec.Struct, frozen=True, kw_only=True):
-    key: bytes
+    key: ObjectKey
     # published: the whole chunk group is readable; degraded: readable with fewer replicas than
     # the target (flagged for repair); waiting_group: this object is committed but other members
     # of its chunk group are not yet; missing: no replica confirmed yet (retry commit later).
@@ -327,7 +328,7 @@ class PutCommitReply(_Msg, frozen=True, kw_only=True, tag="dir.put_commit_reply.
 class PutAbort(_Msg, frozen=True, kw_only=True, tag="dir.put_abort.v1"):
     writer_id: WriterId
     request_id: RequestId
-    keys: list[bytes]
+    keys: list[ObjectKey]
     epoch: int = 0
 
 
@@ -344,7 +345,7 @@ class Lookup(_Msg, frozen=True, kw_only=True, tag="dir.lookup.v1"):
     caller needs (empty = every member). The reply folds to the longest complete run."""
 
     holder_id: HolderId
-    groups: list[bytes]
+    groups: list[GroupId]
     members: list[Member] = msgspec.field(default_factory=list)
     lease_ttl_ms: int = 30_000
     epoch: int = 0
@@ -362,7 +363,7 @@ class LookupPart(msgspec.Struct, frozen=True, kw_only=True):
     """One shard's groups of a `LookupMany`, in prefix order, under that shard's `epoch`."""
 
     shard: int
-    groups: list[bytes]
+    groups: list[GroupId]
     epoch: int = 0
 
 
@@ -455,7 +456,7 @@ class LeaseReply(_Msg, frozen=True, kw_only=True, tag="dir.lease_reply.v1"):
 
 class Pin(_Msg, frozen=True, kw_only=True, tag="dir.pin.v1"):
     holder_id: HolderId
-    groups: list[bytes]
+    groups: list[GroupId]
     ttl_ms: int
     epoch: int = 0
 
@@ -478,7 +479,7 @@ class PinReply(_Msg, frozen=True, kw_only=True, tag="dir.pin_reply.v1"):
 
 
 class Evict(_Msg, frozen=True, kw_only=True, tag="dir.evict.v1"):
-    groups: list[bytes]
+    groups: list[GroupId]
     reason: str = "policy"
     epoch: int = 0
 
@@ -487,7 +488,7 @@ EvictStatus = Literal["evicting", "leased", "pinned", "not_found", "not_publishe
 
 
 class EvictResult(msgspec.Struct, frozen=True, kw_only=True):
-    group: bytes
+    group: GroupId
     status: EvictStatus
 
 
@@ -497,7 +498,7 @@ class EvictReply(_Msg, frozen=True, kw_only=True, tag="dir.evict_reply.v1"):
 
 
 class FreedSlot(msgspec.Struct, frozen=True, array_like=True):
-    key: bytes
+    key: ObjectKey
     slot: int
     slot_generation: int
 
@@ -524,7 +525,7 @@ class ReplicateBegin(_Msg, frozen=True, kw_only=True, tag="dir.replicate_begin.v
 
     writer_id: WriterId
     request_id: RequestId
-    key: bytes
+    key: ObjectKey
     segment_id: str
     write_ttl_ms: int = 30_000
     epoch: int = 0
@@ -551,7 +552,7 @@ class ReplicaCorrupt(_Msg, frozen=True, kw_only=True, tag="dir.replica_corrupt.v
 
     segment_id: str
     incarnation: int
-    key: bytes
+    key: ObjectKey
     slot: int
     slot_generation: int
     epoch: int = 0
@@ -561,7 +562,7 @@ class ReplicaCorrupt(_Msg, frozen=True, kw_only=True, tag="dir.replica_corrupt.v
 
 
 class ReplicateItem(msgspec.Struct, frozen=True, kw_only=True):
-    key: bytes
+    key: ObjectKey
     request_id: RequestId
 
 
@@ -585,7 +586,7 @@ class ReplicateBeginManyReply(_Msg, frozen=True, kw_only=True, tag="dir.replicat
 
 
 class CorruptItem(msgspec.Struct, frozen=True, kw_only=True):
-    key: bytes
+    key: ObjectKey
     slot: int
     slot_generation: int
 

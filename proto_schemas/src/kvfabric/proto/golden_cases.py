@@ -12,7 +12,7 @@ from typing import Final
 
 import msgspec
 
-from kvfabric.format.ids import ChainHash, DomainDigest, Namespace
+from kvfabric.format.ids import ChainHash, DomainDigest, GroupId, Namespace, ObjectKey
 from kvfabric.proto import common, dataplane, directory, echo, eviction, prefetch, repair, router, segment
 
 __all__ = ["GOLDEN_CASES"]
@@ -35,13 +35,15 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             replicas=2,
             write_ttl_ms=5000,
             epoch=3,
-            objects=[directory.ObjectSpec(key=bytes(range(96)), size_bytes=1 << 20, checksum=b"c" * 16)],
+            objects=[
+                directory.ObjectSpec(key=ObjectKey(bytes(range(96))), size_bytes=1 << 20, checksum=b"c" * 16)
+            ],
         ),
     ),
     "dir.lookup.v1": (
         "directory.request",
         directory.Lookup(
-            holder_id="h", groups=[bytes(90)], members=[directory.Member(1, 0, 2)], lease_ttl_ms=900
+            holder_id="h", groups=[GroupId(bytes(90))], members=[directory.Member(1, 0, 2)], lease_ttl_ms=900
         ),
     ),
     "dir.lookup_reply.v1": (
@@ -74,7 +76,7 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
         "directory.request",
         directory.LookupMany(
             holder_id="h",
-            parts=[directory.LookupPart(shard=3, groups=[bytes(90)], epoch=5)],
+            parts=[directory.LookupPart(shard=3, groups=[GroupId(bytes(90))], epoch=5)],
             members=[directory.Member(0, 0, 0)],
             lease_ttl_ms=900,
         ),
@@ -180,13 +182,18 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
     "dir.replicate_begin.v1": (
         "directory.request",
         directory.ReplicateBegin(
-            writer_id="repair", request_id="r1", key=bytes(96), segment_id="s2", write_ttl_ms=5000, epoch=3
+            writer_id="repair",
+            request_id="r1",
+            key=ObjectKey(bytes(96)),
+            segment_id="s2",
+            write_ttl_ms=5000,
+            epoch=3,
         ),
     ),
     "dir.replica_corrupt.v1": (
         "directory.request",
         directory.ReplicaCorrupt(
-            segment_id="s1", incarnation=9, key=bytes(96), slot=4, slot_generation=2, epoch=3
+            segment_id="s1", incarnation=9, key=ObjectKey(bytes(96)), slot=4, slot_generation=2, epoch=3
         ),
     ),
     "dir.list_tenants.v1": ("directory.request", directory.ListTenants(limit=50, epoch=3)),
@@ -215,7 +222,7 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
     "dir.put_begin_reply.v1.quota_exceeded": (
         "directory.reply",
         directory.PutBeginReply(
-            epoch=3, results=[directory.BeginResult(key=bytes(96), status="quota_exceeded")]
+            epoch=3, results=[directory.BeginResult(key=ObjectKey(bytes(96)), status="quota_exceeded")]
         ),
     ),
     "dir.lease_release.v1.batch": (
@@ -234,7 +241,7 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             capacity_bytes=1 << 30,
             used_bytes=4096,
             draining=False,
-            objects=[segment.HeldObject(bytes(96), 4, 2, 4096, b"k" * 16)],
+            objects=[segment.HeldObject(ObjectKey(bytes(96)), 4, 2, 4096, b"k" * 16)],
             next_after_slot=-1,
         ),
     ),
@@ -254,7 +261,7 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
         prefetch.PrefetchHint(
             hint_id="req-1",
             tenant="tenant-a",
-            groups=[bytes(90)],
+            groups=[GroupId(bytes(90))],
             members=[directory.Member(0, 0, 0)],
             target_segment="s2",
             deadline_ms=1_000_000,
@@ -287,7 +294,7 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
     "seg.free.v1": (
         "segment",
         segment.FreeSlotsRequest(
-            segment_id="s1", incarnation=9, slots=[directory.FreedSlot(b"", 4, 2)], epoch=3
+            segment_id="s1", incarnation=9, slots=[directory.FreedSlot(ObjectKey(b""), 4, 2)], epoch=3
         ),
     ),
     "seg.drain.v1": ("segment", segment.DrainRequest(draining=True)),
@@ -309,7 +316,9 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             capacity_bytes=1 << 30,
             used_bytes=0,
             draining=False,
-            objects=[segment.HeldObject(bytes(96), segment.SSD_SLOT_BASE + 5, 3, 65536, b"k" * 16)],
+            objects=[
+                segment.HeldObject(ObjectKey(bytes(96)), segment.SSD_SLOT_BASE + 5, 3, 65536, b"k" * 16)
+            ],
             next_after_slot=-1,
         ),
     ),
@@ -318,7 +327,7 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
         dataplane.PutRequest(
             ticket=directory.WriteTicket(
                 ticket_id=5,
-                key=bytes(96),
+                key=ObjectKey(bytes(96)),
                 segment_id="s1",
                 incarnation=9,
                 size_bytes=1 << 20,

@@ -19,6 +19,7 @@ from typing import Final, Literal
 
 import msgspec
 
+from kvfabric.format.ids import GroupId
 from kvfabric.proto.codec import FamilyDecoder
 from kvfabric.proto.directory import Member
 
@@ -40,7 +41,7 @@ HINT_GROUPS_MAX: Final = 1024  # chunks per hint
 class PrefetchHint(msgspec.Struct, frozen=True, kw_only=True, tag="prefetch.hint.v1", tag_field="t"):
     hint_id: str  # e.g. the engine request id; cancel with it
     tenant: str
-    groups: list[bytes]  # chunk group ids (90 bytes) of the prefix, head first
+    groups: list[GroupId]  # chunk group ids (90 bytes) of the prefix, head first
     members: list[Member] = msgspec.field(default_factory=list)  # empty: every member
     target_segment: str  # the segment on the engine's host
     deadline_ms: int  # wall-clock ms: the copies are useless after it

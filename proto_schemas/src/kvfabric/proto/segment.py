@@ -18,7 +18,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from kvfabric.format.ids import DomainDigest
+from kvfabric.format.ids import DomainDigest, ObjectKey
 from kvfabric.proto.codec import FamilyDecoder
 from kvfabric.proto.directory import FreedSlot, WriteTicket
 
@@ -92,7 +92,7 @@ class ReportRequest(msgspec.Struct, frozen=True, kw_only=True, tag="seg.report.v
 
 
 class HeldObject(msgspec.Struct, frozen=True, array_like=True):
-    key: bytes
+    key: ObjectKey
     slot: int
     slot_generation: int
     size_bytes: int
@@ -153,7 +153,7 @@ class VerifyReply(msgspec.Struct, frozen=True, kw_only=True, tag="seg.verify_rep
 
 
 class DemoteObject(msgspec.Struct, frozen=True, array_like=True):
-    key: bytes
+    key: ObjectKey
     slot: int  # its arena replica on this segment (from the directory's `show_group`)
     slot_generation: int
 

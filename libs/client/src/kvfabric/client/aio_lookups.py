@@ -111,7 +111,7 @@ class LookupMixin(ClientBase):
 
         hit = await lookup_prefix(
             self._router(),
-            [g.to_bytes() for g in groups],
+            [g.group_id() for g in groups],
             holder_id=self.settings.holder_id,
             members=[m.Member(*member) for member in members],
             lease_ttl_ms=self.settings.lease_ttl_ms,

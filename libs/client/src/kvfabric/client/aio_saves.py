@@ -25,6 +25,7 @@ from kvfabric.client.saves import (
 from kvfabric.client.shared_calls import SharedCalls
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
+from kvfabric.format.ids import ObjectKey
 from kvfabric.format.key import ChunkExtras, ChunkGroupId, MemberId, TokenIds
 from kvfabric.proto import directory as m
 
@@ -65,11 +66,11 @@ def _spec_key(spec: m.ObjectSpec) -> bytes:
     return spec.key
 
 
-def _same_key(key: bytes) -> bytes:
+def _same_key(key: ObjectKey) -> bytes:
     return key
 
 
-def _commit_key(item: tuple[bytes, list[m.WriteReceipt]]) -> bytes:
+def _commit_key(item: tuple[ObjectKey, list[m.WriteReceipt]]) -> bytes:
     return item[0]
 
 
@@ -197,7 +198,7 @@ class SaveMixin(ClientBase):
         )
         # Aborts and commits go to their shards concurrently (they name different keys). An abort
         # that fails needs nothing more: its placements expire at the directory (write_ttl_ms).
-        ended: tuple[Any, list[tuple[list[tuple[bytes, list[m.WriteReceipt]]], tuple[object, str]]]]
+        ended: tuple[Any, list[tuple[list[tuple[ObjectKey, list[m.WriteReceipt]]], tuple[object, str]]]]
         ended = await asyncio.gather(
             self._shared(self._aborts, bad_keys, _same_key, trace_id),
             self._shared(self._commits, commits, _commit_key, trace_id),

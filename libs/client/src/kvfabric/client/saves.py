@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from kvfabric.client.hits import SaveResult
-from kvfabric.format.ids import ChainHash
+from kvfabric.format.ids import ChainHash, ObjectKey
 from kvfabric.format.key import ChunkGroupId, MemberId
 from kvfabric.proto import directory as m
 
@@ -72,10 +72,10 @@ COMMITTED: frozenset[str] = frozenset(("published", "degraded", "waiting_group",
 class SavePlan:
     """The objects of one save: `keys` in (chunk, member) order, each key's bytes, chunk, parent."""
 
-    keys: tuple[bytes, ...]
-    data: dict[bytes, memoryview]
-    chunk_of: dict[bytes, int]
-    parent_of: dict[bytes, ChainHash]
+    keys: tuple[ObjectKey, ...]
+    data: dict[ObjectKey, memoryview]
+    chunk_of: dict[ObjectKey, int]
+    parent_of: dict[ObjectKey, ChainHash]
 
     @property
     def chunks(self) -> list[int]:
@@ -89,15 +89,15 @@ def plan_save(
     first_chunk: int,
 ) -> SavePlan:
     """`views[i][j]`: chunk first_chunk+i's bytes for members[j] (the caller checked the shapes)."""
-    data: dict[bytes, memoryview] = {}
-    chunk_of: dict[bytes, int] = {}
-    parent_of: dict[bytes, ChainHash] = {}
+    data: dict[ObjectKey, memoryview] = {}
+    chunk_of: dict[ObjectKey, int] = {}
+    parent_of: dict[ObjectKey, ChainHash] = {}
     for i, row in enumerate(views):
         chunk = first_chunk + i
         group = groups[chunk]
         parent = groups[chunk - 1].chain_hash if chunk else ChainHash(b"")
         for member, view in zip(members, row, strict=True):
-            key = group.member_key(*member).to_bytes()
+            key = group.member_key(*member).object_key()
             data[key] = view
             chunk_of[key] = chunk
             parent_of[key] = parent
@@ -123,11 +123,11 @@ def confirm_counts(
 
 
 def with_receipts(
-    ok_keys: Sequence[bytes], written: Iterable[tuple[bytes, m.WriteReceipt | None]]
-) -> list[tuple[bytes, list[m.WriteReceipt]]]:
+    ok_keys: Sequence[ObjectKey], written: Iterable[tuple[ObjectKey, m.WriteReceipt | None]]
+) -> list[tuple[ObjectKey, list[m.WriteReceipt]]]:
     """The put_commit items of `ok_keys`: each key with the receipts its writes got (`written`:
     (key, receipt or None) per write; a write without one was confirmed by its segment)."""
-    by_key: dict[bytes, list[m.WriteReceipt]] = {}
+    by_key: dict[ObjectKey, list[m.WriteReceipt]] = {}
     for key, receipt in written:
         if receipt is not None:
             by_key.setdefault(key, []).append(receipt)
@@ -191,16 +191,16 @@ class SaveTally:
     causes: dict[str, int] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)  # chunks
     existing: set[int] = field(default_factory=set)  # chunks with an object that already existed
-    committed: set[bytes] = field(default_factory=set)
+    committed: set[ObjectKey] = field(default_factory=set)
     bytes_written: int = 0
     not_admitted: set[int] = field(default_factory=set)  # chunks the admission filter refused
 
-    def _fail(self, keys: Iterable[bytes], cause: str) -> None:
+    def _fail(self, keys: Iterable[ObjectKey], cause: str) -> None:
         for key in keys:
             self.failed.add(self.plan.chunk_of[key])
             self.causes[cause] = self.causes.get(cause, 0) + 1
 
-    def refused(self, keys: Sequence[bytes], cause: str) -> None:
+    def refused(self, keys: Sequence[ObjectKey], cause: str) -> None:
         """A whole request (begin or commit) for `keys` got no usable reply: `cause`."""
         self._fail(keys, cause)
 
@@ -218,7 +218,7 @@ class SaveTally:
                 self._fail((result.key,), result.status)
         return placed
 
-    def unreachable(self, placed: Sequence[m.BeginResult]) -> tuple[list[m.BeginResult], list[bytes]]:
+    def unreachable(self, placed: Sequence[m.BeginResult]) -> tuple[list[m.BeginResult], list[ObjectKey]]:
         """After every begin reply: (placed objects to write, keys to abort unwritten). Those of
         the first not-admitted chunk and every later one are not written: without that chunk no
         prefix hit reaches them (counted under cause `not_admitted`)."""
@@ -232,13 +232,13 @@ class SaveTally:
 
     def wrote(
         self, placed: Sequence[m.BeginResult], outcomes: Sequence[str]
-    ) -> tuple[list[bytes], list[bytes]]:
+    ) -> tuple[list[ObjectKey], list[ObjectKey]]:
         """`outcomes`: one per ticket, in (object, ticket) order. Returns (keys to commit, keys to
         abort): an object is committed when at least one replica was written."""
         if len(outcomes) != sum(len(r.tickets) for r in placed):
             raise ValueError("one write outcome per ticket")
-        ok_keys: list[bytes] = []
-        bad_keys: list[bytes] = []
+        ok_keys: list[ObjectKey] = []
+        bad_keys: list[ObjectKey] = []
         position = 0
         for result in placed:
             mine = outcomes[position : position + len(result.tickets)]

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable, error_from_wire
+from kvfabric.format.ids import GroupId
 from kvfabric.proto import directory as m
 from kvfabric.proto.common import TRACE_ID_HEADER
 from kvfabric.runtime.directory_router import DirectoryRouter
@@ -191,7 +192,7 @@ def merge_lookups(
 
 async def lookup_prefix(
     router: DirectoryRouter,
-    groups: Sequence[bytes],
+    groups: Sequence[GroupId],
     *,
     holder_id: str,
     members: Sequence[m.Member],

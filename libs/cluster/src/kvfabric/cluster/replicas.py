@@ -15,6 +15,7 @@ from typing import Literal
 
 from kvfabric.dataplane.addresses import pick_stream
 from kvfabric.format.errors import KvfError
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import CopyReply, CopyRequest, SegmentMessage, segment_decoder
 from kvfabric.proto.subjects import segment_subject
@@ -29,7 +30,7 @@ CopyOutcome = Literal["copied", "already_there", "not_found", "no_capacity", "se
 async def copy_replica(
     router: DirectoryRouter,
     *,
-    key: bytes,
+    key: ObjectKey,
     destination: str,
     writer_id: str,
     request_id: str,
@@ -83,7 +84,7 @@ async def copy_replica(
 
 
 async def _abort(
-    router: DirectoryRouter, key: bytes, writer_id: str, request_id: str, timeout_s: float
+    router: DirectoryRouter, key: ObjectKey, writer_id: str, request_id: str, timeout_s: float
 ) -> None:
     """Give the destination's reservation back at once (else it lasts until the ticket's deadline).
     Best effort: if the copy did land after all, its confirm already made it a replica."""

@@ -53,6 +53,7 @@ from kvfabric.format.ids import (
     DOMAIN_SLICE,
     ChainHash,
     DomainDigest,
+    GroupId,
     GroupKey,
     domain_in_group_key,
     pack_group_key,
@@ -227,7 +228,7 @@ def check_visible(reply: m.GroupList, grant: TenantGrant, group: bytes) -> m.Gro
     raise not_found_error(group)
 
 
-def merge_evict_results(requested: Sequence[bytes], own: m.EvictReply, grant: TenantGrant) -> m.EvictReply:
+def merge_evict_results(requested: Sequence[GroupId], own: m.EvictReply, grant: TenantGrant) -> m.EvictReply:
     """The core's results for the granted groups, with `not_found` for the others, in request order."""
     by_group = {r.group: r for r in own.results}
     results = [

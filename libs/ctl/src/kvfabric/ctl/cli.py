@@ -13,7 +13,7 @@ import typer
 
 from kvfabric.ctl import auth, render
 from kvfabric.ctl import queries as q
-from kvfabric.ctl.keys import decode_key, group_of, key_fields
+from kvfabric.ctl.keys import decode_key, group_id_of, group_of, key_fields
 from kvfabric.format.errors import BadRequest, KvfError
 from kvfabric.format.ids import DomainDigest
 from kvfabric.proto import directory as m
@@ -264,7 +264,7 @@ def pins_add(
     """Pin published chunk groups against eviction for --ttl-ms (one pin per directory shard
     the groups fall in: pin ids are per shard)."""
     env = Env(nats_url, timeout_s)
-    raws = _parse(lambda: [group_of(g) for g in groups])
+    raws = _parse(lambda: [group_id_of(g) for g in groups])
 
     async def body(nc: q.NatsClient) -> list[tuple[int, m.PinReply]]:
         return await q.pin(await q.router(nc), holder, raws, ttl_ms, env.timeout_s)

@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvfabric.format.errors import BadRequest
-from kvfabric.format.ids import NAMESPACE_BYTES, ChainHash, Namespace, pack_group_id
+from kvfabric.format.ids import NAMESPACE_BYTES, ChainHash, GroupId, Namespace, pack_group_id
 from kvfabric.format.key import CHAIN_HASH_BYTES, CHUNK_GROUP_BYTES, KEY_BYTES, ChunkGroupId, KVKey
 
-__all__ = ["decode_key", "group_from_summary", "group_of", "key_fields"]
+__all__ = ["decode_key", "group_from_summary", "group_id_of", "group_of", "key_fields"]
 
 
 def _hex(text: str) -> bytes:
@@ -41,16 +41,21 @@ def decode_key(text: str) -> KVKey | ChunkGroupId:
     )
 
 
-def group_of(text: str, *, allow_chain_hash: bool = False) -> bytes:
+def group_id_of(text: str) -> GroupId:
+    """The binary chunk group id that `text` (a key or chunk group id) names."""
+    value = decode_key(text.strip())
+    group = value.chunk_group if isinstance(value, KVKey) else value
+    return group.group_id()
+
+
+def group_of(text: str, *, allow_chain_hash: bool = False) -> GroupId | ChainHash:
     """The binary chunk group id (or, if allowed, a 32-byte chain hash) that `text` names."""
     stripped = text.strip()
     if allow_chain_hash and not stripped.startswith(("kvf", "kvg")):
         raw = _hex(stripped)
         if len(raw) == CHAIN_HASH_BYTES:
-            return raw
-    value = decode_key(stripped)
-    group = value.chunk_group if isinstance(value, KVKey) else value
-    return group.to_bytes()
+            return ChainHash(raw)
+    return group_id_of(stripped)
 
 
 def group_from_summary(namespace: bytes, chunk_index: int, chain_hash: bytes) -> ChunkGroupId | None:

@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.format.errors import BadRequest, Indeterminate, NotFound, Unavailable
-from kvfabric.format.ids import DomainDigest, domain_in_id
+from kvfabric.format.ids import DomainDigest, GroupId, domain_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject, events_wildcard, segment_subject
@@ -234,10 +234,10 @@ async def list_tenants(routed: DirectoryRouter, limit: int, timeout_s: float) ->
 
 
 async def pin(
-    routed: DirectoryRouter, holder: str, groups: list[bytes], ttl_ms: int, timeout_s: float
+    routed: DirectoryRouter, holder: str, groups: list[GroupId], ttl_ms: int, timeout_s: float
 ) -> list[tuple[int, m.PinReply]]:
     """Pin `groups`: one pin per shard they fall in, (shard, reply) in shard order."""
-    by_shard: dict[int, list[bytes]] = {}
+    by_shard: dict[int, list[GroupId]] = {}
     for group in groups:
         by_shard.setdefault(routed.shard_of(group), []).append(group)
 

@@ -31,14 +31,18 @@ through these functions over the hand-sliced version they replaced, 0.91 and 1.0
 0.77 in two interleaved runs (`.venv/bin/python -m bench.id_layout_cost`, 2026-12-02, shared
 2-core VM at load 6-10: within noise). The pack functions check nothing (callers pass parts they
 already hold typed); decoding external input is `ChunkGroupId.from_bytes` / `KVKey.from_bytes`.
-The wire structs (`kvfabric.proto`) carry these types in their event and listing fields: the
-events' chain hash, namespace, parent and domain (`GroupPublished`, `GroupHits`, the evicted,
-invalidated and under-replicated events), `GroupSummary`, the listing's `domain_digest` and its
-`after` / `next_after` cursor (a `GroupKey`), tenant rows, the admission filter's and a verify
-request's domains, and `ObjectSpec.parent`; the directory core names its groups by `GroupKey`
-throughout (its tables, index, leases, frees). Object keys and group-id lists in requests and
-replies are still `bytes` (docs/architecture.md, identity). `ShowGroup.group` stays `bytes` by
-design: it takes a group id, a group key or a chain hash.
+The wire structs (`kvfabric.proto`) carry these types in every field that holds an id: object
+keys (`ObjectSpec`, `WriteTicket`, begin/commit results and `put_commit`/`put_abort` lists,
+confirms, frees, replica requests, a segment's held and demoted objects), group-id lists
+(`Lookup`, `LookupPart`, `Pin`, `Evict`, `EvictResult`, `PrefetchHint`), the events' chain hash,
+namespace, parent and domain, `GroupSummary`, the listing's `domain_digest` and its `after` /
+`next_after` cursor (a `GroupKey`), tenant rows, the admission filter's and a verify request's
+domains. A decoded message's ids are therefore typed as they arrive (not checked: decoding
+external input is still `ChunkGroupId.from_bytes` / `KVKey.from_bytes` or the directory's
+`parse_key`); a producer packs them here, takes them from `KVKey.object_key()` /
+`ChunkGroupId.group_id()`, or wraps what it holds. `ShowGroup.group` stays `bytes` by design: it
+takes a group id, a group key or a chain hash. The directory core names its groups by
+`GroupKey` throughout (its tables, index, leases, frees).
 """
 
 from __future__ import annotations

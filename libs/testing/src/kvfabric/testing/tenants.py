@@ -18,6 +18,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvfabric.client import ClientSettings, EngineSpec, KvClient
 from kvfabric.dataplane.tls import client_context
+from kvfabric.format.ids import GroupId
 from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix
 from kvfabric.runtime.natsauth import NatsAuth
 from kvfabric.testing.clientkit import SPEC
@@ -78,5 +79,5 @@ class Secure:
         )
 
 
-def groups_of(spec: EngineSpec, tokens: list[int]) -> list[bytes]:
-    return [g.to_bytes() for g in chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, tokens)]
+def groups_of(spec: EngineSpec, tokens: list[int]) -> list[GroupId]:
+    return [g.group_id() for g in chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, tokens)]

@@ -65,7 +65,7 @@ class GroupRecords:
     _parent: dict[bytes, bytes]
     _disk_pools: set[str]  # `<segment>#ssd` pools holding or having held groups
     _no_disk: set[str]  # segments that answered "no disk tier"
-    _group_ids: dict[bytes, bytes]  # domain + chain hash -> 90-byte group id (tracked)
+    _group_ids: dict[bytes, GroupId]  # domain + chain hash -> 90-byte group id (tracked)
     _capacity: dict[str, int]
 
     def apply(self, event: msgspec.Struct, at_ms: int) -> None:

@@ -90,7 +90,7 @@ from kvfabric.eviction_policy.tiers import (
 )
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, Conflict, KvfError, Unavailable
-from kvfabric.format.ids import DomainDigest
+from kvfabric.format.ids import DomainDigest, GroupId
 from kvfabric.format.key import ChunkGroupId, KVKey
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
@@ -154,7 +154,7 @@ class EvictionShell(GroupRecords):
         self.tick_ms = tick_ms
         self.segments_refresh_ms = segments_refresh_ms
         self.request_timeout_s = request_timeout_s
-        self._group_ids: dict[bytes, bytes] = {}  # domain + chain hash -> 90-byte group id (tracked)
+        self._group_ids: dict[bytes, GroupId] = {}  # domain + chain hash -> 90-byte group id (tracked)
         self._capacity: dict[str, int] = {}
         self._nc: NatsClient | None = None
         self._router: DirectoryRouter | None = None
@@ -411,7 +411,7 @@ class EvictionShell(GroupRecords):
                         tp_rank=obj.member.tp_rank,
                         pp_stage=obj.member.pp_stage,
                         layer_group=obj.member.layer_group,
-                    ).to_bytes()
+                    ).object_key()
                     for r in obj.replicas:
                         if r.segment_id == segment_id and tier_of_slot(r.slot) == "dram":
                             objects.append(DemoteObject(key, r.slot, r.slot_generation))

@@ -304,7 +304,7 @@ class PrefetchShell:
             outcome = await asyncio.wait_for(
                 copy_replica(
                     self._dir(),
-                    key=start.object_id,
+                    key=ObjectKey(start.object_id),  # the core's object ids are object keys
                     destination=start.target,
                     writer_id=WRITER_ID,
                     request_id=f"prefetch-{start.copy_id}",
@@ -439,7 +439,7 @@ class PrefetchShell:
                 m.ReplicaCorrupt(
                     segment_id=replica.segment_id,
                     incarnation=replica.incarnation,
-                    key=object_id,
+                    key=ObjectKey(object_id),
                     slot=replica.slot,
                     slot_generation=replica.slot_generation,
                     reason="cold_extra",

@@ -237,7 +237,7 @@ class RepairShell:
         assert isinstance(start.object_id, bytes)
         outcome = await copy_replica(
             self._dir(),
-            key=start.object_id,
+            key=ObjectKey(start.object_id),  # the core's object ids are object keys
             destination=start.destination,
             writer_id=WRITER_ID,
             request_id=f"copy-{start.copy_id}",

@@ -60,6 +60,7 @@ from kvfabric.dataplane.addresses import join
 from kvfabric.dataplane.tcp import TcpDataServer
 from kvfabric.dataplane.tls import client_context, server_context
 from kvfabric.format.errors import BadRequest, StaleGeneration
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import (
     REPORT_PAGE_MAX,
@@ -339,7 +340,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
             capacity_bytes=self.settings.arena_bytes,
             used_bytes=self.slots.used_bytes,
             draining=self.backend.draining,
-            objects=[HeldObject(h.key, h.slot, h.generation, h.size, h.checksum) for h in held],
+            objects=[HeldObject(ObjectKey(h.key), h.slot, h.generation, h.size, h.checksum) for h in held],
             next_after_slot=held[-1].slot if more else -1,
         )
 

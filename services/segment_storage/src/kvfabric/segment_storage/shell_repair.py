@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Final
 import msgspec
 
 from kvfabric.format.errors import BadRequest, Busy, KvfError, Unavailable
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.common import TRACE_ID_HEADER
 from kvfabric.proto.dataplane import ReadRef
@@ -160,7 +161,7 @@ class ShellRepair(ShellDirectory):
         message = m.ReplicaCorrupt(
             segment_id=self.settings.segment_id,
             incarnation=self.incarnation,
-            key=found.key,
+            key=ObjectKey(found.key),
             slot=found.slot,
             slot_generation=found.generation,
         )

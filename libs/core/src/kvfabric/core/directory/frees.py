@@ -43,7 +43,7 @@ from kvfabric.core.directory.base import Context, Effect, FreeSlots, Outcome, ch
 from kvfabric.core.directory.records import PublishedGroup, ReplicaRecord
 from kvfabric.core.directory.segments import Segment, SegmentTable
 from kvfabric.core.quotas import Tenant
-from kvfabric.format.ids import GroupKey
+from kvfabric.format.ids import GroupKey, ObjectKey
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
@@ -57,6 +57,7 @@ FREE_SLOTS_PER_REQUEST_MAX: Final = 1_024
 SlotKey = tuple[str, int, int, int]  # (segment id, incarnation, slot, slot generation)
 FreeState = Literal["held", "sent", "sent_at"]
 NO_GROUP: Final = GroupKey(b"")  # a free of no evicting group
+NO_KEY: Final = ObjectKey(b"")  # a free that does not name its key (a retry names only the slot)
 
 
 class PendingFree(NamedTuple):
@@ -118,7 +119,7 @@ class FreeTable:
         tenant: Tenant,
         effects: list[Effect],
         *,
-        key: bytes = b"",
+        key: ObjectKey = NO_KEY,
         group: GroupKey = NO_GROUP,
     ) -> None:
         """Hand a confirmed slot back to its segment. The reservation (and the tenant's bytes) is
@@ -206,7 +207,7 @@ class FreeTable:
                 self.ctx.count("free_retries_total")
             self.pending[key] = self._stamped(pending, now_ms)
             segment_id, incarnation, slot, generation = key
-            effects.append(FreeSlots(segment_id, incarnation, (m.FreedSlot(b"", slot, generation),)))
+            effects.append(FreeSlots(segment_id, incarnation, (m.FreedSlot(NO_KEY, slot, generation),)))
 
     @staticmethod
     def _stamped(pending: PendingFree, now_ms: int) -> PendingFree:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from kvfabric.core.directory.keys import GroupInfo, parse_key
 from kvfabric.format.errors import BadRequest
-from kvfabric.format.ids import GroupKey
+from kvfabric.format.ids import GroupKey, ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import HeldObject
 
@@ -48,7 +48,7 @@ class HeldReplica:
     slot: int
     slot_generation: int
     size_bytes: int
-    key: bytes
+    key: ObjectKey
 
 
 @dataclass(slots=True)

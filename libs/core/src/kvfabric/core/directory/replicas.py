@@ -55,7 +55,7 @@ from kvfabric.core.directory.records import MemberRecord, ReplicaRecord, unpack_
 from kvfabric.core.directory.segments import Segment, SegmentTable
 from kvfabric.core.quotas import Tenant, tenant_of
 from kvfabric.format.errors import BadRequest
-from kvfabric.format.ids import GroupKey
+from kvfabric.format.ids import GroupKey, ObjectKey
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
@@ -73,7 +73,7 @@ class ReplicaTicket:
     placement: int
     size_bytes: int
     checksum: bytes
-    key: bytes
+    key: ObjectKey
     deadline_ms: int
     writer_id: str = ""
     tier: str = "dram"  # "ssd": a copy into the segment's own disk tier (demotion), no arena bytes

@@ -20,7 +20,7 @@ from typing import Any, Final
 import msgspec
 
 from kvfabric.core.directory.keys import GROUP_KEY_BYTES
-from kvfabric.format.ids import GroupKey
+from kvfabric.format.ids import GroupKey, ObjectKey
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import read_token, sign_ticket
@@ -36,6 +36,7 @@ __all__ = [
 
 _U64: Final = 2**64 - 1  # the widest integer msgpack encodes (9 bytes): reply size bounds
 _CHECKSUM_BYTES: Final = 16
+_NO_KEY: Final = ObjectKey(b"")  # sizes are measured keyless; a request adds its keys' bytes
 ARRAY_HEADER_BYTES: Final = 5  # msgpack array32 header: the widest a list's length takes
 encode: Final = msgspec.msgpack.Encoder().encode
 LIST_ENVELOPE_BYTES: Final = (
@@ -67,7 +68,7 @@ class ReplySizes:
     def measure(cls, secret: bytes) -> ReplySizes:
         ticket = m.WriteTicket(
             ticket_id=_U64,
-            key=b"",
+            key=_NO_KEY,
             segment_id="",
             incarnation=_U64,
             size_bytes=_U64,
@@ -79,7 +80,7 @@ class ReplySizes:
         )
         return cls(
             ticket=len(encode(sign_ticket(ticket, secret))),
-            result=len(encode(m.BeginResult(key=b"", status="quota_exceeded", deadline_ms=_U64))),
+            result=len(encode(m.BeginResult(key=_NO_KEY, status="quota_exceeded", deadline_ms=_U64))),
             envelope=len(encode(m.PutBeginReply(epoch=_U64, results=[]))) + ARRAY_HEADER_BYTES,
             lookup_envelope=len(
                 encode(

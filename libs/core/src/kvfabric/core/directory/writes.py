@@ -67,7 +67,7 @@ from kvfabric.core.directory.writes_begin import WriteBegin
 from kvfabric.core.directory.writes_confirm import WriteConfirm
 from kvfabric.core.directory.writes_state import BuildingGroup, PendingMember, Placement
 from kvfabric.core.quotas import Tenant, request_tokens, tenant_of
-from kvfabric.format.ids import GroupKey
+from kvfabric.format.ids import GroupKey, ObjectKey
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 
@@ -119,7 +119,9 @@ class WriteTable(WriteBegin, WriteConfirm):
         ]
         return Outcome(m.PutCommitReply(epoch=self.ctx.epoch, results=results), one_event_per_commit(effects))
 
-    def _commit_one(self, writer_id: str, key: bytes, info: KeyInfo, effects: list[Effect]) -> m.CommitResult:
+    def _commit_one(
+        self, writer_id: str, key: ObjectKey, info: KeyInfo, effects: list[Effect]
+    ) -> m.CommitResult:
         gid = info.group.group_id
         record = self.published.records.get(gid)
         if record is not None:

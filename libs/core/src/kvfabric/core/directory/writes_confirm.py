@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from kvfabric.core.directory.base import GENERATION_MAX, SLOT_MAX, Outcome, check_batch
 from kvfabric.core.directory.writes_state import Placement, WriteState
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
 from kvfabric.proto.tickets import receipt_mac, write_receipt_valid
@@ -69,7 +70,7 @@ class WriteConfirm(WriteState):
         placement.slot, placement.slot_generation = slot, generation
         return True
 
-    def _apply_receipt(self, writer_id: str, r: m.WriteReceipt, committed: set[bytes]) -> None:
+    def _apply_receipt(self, writer_id: str, r: m.WriteReceipt, committed: set[ObjectKey]) -> None:
         """A writer's receipt confirms its replica when the segment's MAC over this table's own
         record of the ticket (segment, incarnation, key, size, checksum, epoch, shard) and the
         named slot is valid and the ticket's key is one of `committed` (the keys of the same

@@ -17,7 +17,7 @@ from kvfabric.core.directory.published import PublishedTable
 from kvfabric.core.directory.replicas import ReplicaTable
 from kvfabric.core.directory.replies import ReplyCache
 from kvfabric.core.directory.segments import SegmentTable
-from kvfabric.format.ids import ChainHash, GroupKey
+from kvfabric.format.ids import ChainHash, GroupKey, ObjectKey
 from kvfabric.format.invariant import invariant
 
 __all__ = ["BuildingGroup", "PendingMember", "Placement", "WriteState"]
@@ -37,7 +37,7 @@ class Placement:
 
 @dataclass(slots=True)
 class PendingMember:
-    key: bytes
+    key: ObjectKey
     writer_id: str
     size_bytes: int
     checksum: bytes
