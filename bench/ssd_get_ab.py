@@ -1,7 +1,11 @@
 """SSD get A/B in one run (issue 23): two clusters side by side, each a NATS, a directory and a
 segment with a disk tier, segment A running the segment code found under `--a-src` (a copy of
 `services/segment_storage/src` of an older commit: `git archive <commit>
-services/segment_storage/src | tar -x -C DIR`), segment B this tree's.
+services/segment_storage/src | tar -x -C DIR`; default: this tree's), segment B this tree's
+(or `--b-src`); `--a-env` / `--b-env KEY=VALUE,...` add settings to one segment's environment
+(a switch: `--b-env KVF_SEGMENT_SSD_STREAM_HEAD_DIVISOR=4` reads a one-object get head first).
+Segment B comes out ahead of A on this VM whatever it runs (docs/ssd-tier.md, 2026-12-02 11:10):
+run both orders and take the geometric mean.
 
 Per size, n objects are saved into each cluster by a client and demoted to its segment's disk
 (`demote.<segment>`); then, per round, object by object, a raw read (`os.preadv` of the object
@@ -9,7 +13,11 @@ from a preallocated file on the same disk, the `O_DIRECT` choice of the segments
 B's SSD get of that object, in an order that rotates per object (`TcpDataClient.get_hashed`, one
 object a request, streamed: the verdict after the bytes, as `bench.ssd_tier`'s "SSD get" row);
 then the same with `GET_BATCH` objects a request (a prefix's chunks) next to raw reads of the same
-objects. Each row's round is its own seconds summed; a ratio is a row's GB/s over the raw read's
+objects. In the same rotation, a DRAM get (arena objects of the same size, saved and not
+demoted; from segment A and B in turn, so that neither is warmed by it more often): an SSD get
+cannot beat it, so min(raw, DRAM get) / raw is the overlapped bound (disk read and send fully
+overlapped) and 1 / (1/raw + 1/DRAM get) / raw the read-then-send one.
+Each row's round is its own seconds summed; a ratio is a row's GB/s over the raw read's
 of the same round, the median over rounds. The segments' CPU seconds per GB served beside them.
 
 Run: `.venv/bin/python -m bench.ssd_get_ab --a-src DIR [--sizes ...] [--rounds N]`; writes
@@ -48,7 +56,7 @@ from kvfabric.testing.cluster import directory_process, segment_process, signed_
 MiB: Final = 1 << 20
 DEMOTE_TIMEOUT_S: Final = 120.0
 RESULTS: Final = Path(__file__).resolve().parent / "results"
-ROWS: Final = ("raw", "A", "B")
+ROWS: Final = ("raw", "A", "B", "dram")
 
 
 async def demote(nc: Any, segment_id: str, objects: list[tuple[bytes, int, int]]) -> list[tuple[int, int]]:
@@ -69,10 +77,21 @@ async def demote(nc: Any, segment_id: str, objects: list[tuple[bytes, int, int]]
     return out
 
 
+def parse_env(text: str) -> dict[str, str]:
+    """`KEY=VALUE,KEY=VALUE` (empty: none) as a dict."""
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(p) != 2 or not p[0] for p in pairs):
+        raise SystemExit(f"bad KEY=VALUE list: {text!r}")
+    return {k: v for k, v in pairs}
+
+
 def rotate(ops: list[tuple[str, Callable[[], None]]], k: int, seconds: dict[str, float]) -> None:
-    """Run each op once, starting at op k % len(ops); add each one's seconds to its row."""
-    for j in range(len(ops)):
-        name, op = ops[(k + j) % len(ops)]
+    """Run each op once, starting at op k % len(ops), in the list's order for even k // len(ops)
+    and reversed for odd (so each op follows every other as often: which op runs just before
+    another biased a row by up to 1.6x on the shared VM); add each one's seconds to its row."""
+    order = ops if (k // len(ops)) % 2 == 0 else ops[::-1]
+    for j in range(len(order)):
+        name, op = order[(k + j) % len(order)]
         t = time.perf_counter()
         op()
         seconds[name] += time.perf_counter() - t
@@ -84,7 +103,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(s) for s in args.sizes.split(",")]
     counts = {s: max(GET_BATCH, args.mib * MiB // s // GET_BATCH * GET_BATCH) for s in sizes}
     stored = sum(extent_of(s) * counts[s] for s in sizes)
-    arena, ssd_bytes = stored + 64 * MiB, stored + 64 * MiB
+    arena, ssd_bytes = 2 * stored + 64 * MiB, stored + 64 * MiB
     source_buf = aligned_buffer(max(sizes))
     source_buf[:] = os.urandom(len(source_buf))
     source = memoryview(source_buf)
@@ -109,6 +128,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             segment_id = f"bench-gab-{name.lower()}-{os.getpid()}"
             src = args.a_src if name == "A" else args.b_src
             env = {"PYTHONPATH": str(src.resolve())} if src is not None else {}
+            env |= parse_env(args.a_env if name == "A" else args.b_env)
             segment = stack.enter_context(
                 segment_process(
                     nats_server,
@@ -134,6 +154,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         signed_ref(segment_id, started["incarnation"], slot, gen, s, TOKEN_TTL_MS)
                         for slot, gen in on_disk
                     ]
+                refs[f"dram-{name}"] = {}  # arena objects for the DRAM row, the same sizes and counts
+                for k, s in enumerate(sizes):
+                    saved = await _save(kv, s, counts[s], 101 + k, source)
+                    refs[f"dram-{name}"][s] = [
+                        signed_ref(segment_id, started["incarnation"], slot, gen, s, TOKEN_TTL_MS)
+                        for _, slot, gen in saved
+                    ]
             finally:
                 await nc.close()
             addrs[name] = started["data_addr"]
@@ -154,7 +181,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 raw_view = memoryview(buf)[: extent_of(s) if args.direct else s]
 
                 def get(name: str, batch: list[ReadRef], s: int = s, dests: list[memoryview] = dests) -> None:
-                    got = conns[name].get_hashed(batch, dests[: len(batch)])
+                    got = conns[name.removeprefix("dram-")].get_hashed(batch, dests[: len(batch)])
                     if any(r.status != "ok" or d != digests[s] for r, d in got):
                         raise RuntimeError(f"{name}: get of {len(batch)} {s} B objects: {got[0][0].status}")
 
@@ -166,17 +193,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     seconds = dict.fromkeys(ROWS, 0.0)
                     cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
                     for k, at in enumerate(range(0, n, step)):
+                        dram = f"dram-{'AB'[(k + rnd) % 2]}"
                         ops: list[tuple[str, Callable[[], None]]] = [
                             ("raw", functools.partial(raw_read, at, step)),
                             *(
                                 (name, functools.partial(get, name, refs[name][s][at : at + step]))
                                 for name in ("A", "B")
                             ),
+                            ("dram", functools.partial(get, dram, refs[dram][s][at : at + step])),
                         ]
                         rotate(ops, k + rnd, seconds)
                     for name, pid in pids.items():
                         cpu[name][0] += _cpu_s(pid) - cpu0[name]
-                        cpu[name][1] += n * s
+                        cpu[name][1] += n * s * 3 // 2  # each serves half the DRAM row too
                     for r in ROWS:
                         gbps[mode][r][s].append(n * s / seconds[r] / 1e9)
             print(f"round {rnd + 1}/{args.rounds} done", flush=True)
@@ -192,7 +221,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for mode, rows in gbps.items()
         },
         "ratio_median": {
-            mode: {name: {s: statistics.median(ratios(mode, name, s)) for s in sizes} for name in ("A", "B")}
+            mode: {
+                name: {s: statistics.median(ratios(mode, name, s)) for s in sizes}
+                for name in ("A", "B", "dram")
+            }
+            for mode in modes
+        },
+        "bound_median": {
+            mode: {
+                s: {
+                    "overlapped": statistics.median(min(1.0, d) for d in ratios(mode, "dram", s)),
+                    "read_then_send": statistics.median(1 / (1 + 1 / d) for d in ratios(mode, "dram", s)),
+                }
+                for s in sizes
+            }
             for mode in modes
         },
         "b_over_a_median": {
@@ -232,11 +274,22 @@ def markdown(result: dict[str, Any]) -> str:
             out.append(f"| {name}: SSD get / raw read, {label} | {cells} |")
         cells = " | ".join(f"{result['b_over_a_median'][mode][s]:.2f}" for s in sizes)
         out.append(f"| B / A, {label}, paired per round | {cells} |")
+        cells = " | ".join(f"{result['ratio_median'][mode]['dram'][s]:.2f}" for s in sizes)
+        out.append(f"| DRAM get / raw read, {label} | {cells} |")
+        bounds = result["bound_median"][mode]
+        cells = " | ".join(
+            f"{bounds[s]['read_then_send']:.2f} / {bounds[s]['overlapped']:.2f}" for s in sizes
+        )
+        out.append(f"| bound of an SSD get: read then send / overlapped, {label} | {cells} |")
         for name in ROWS:
             cells = " | ".join(f"{result['gbps_median'][mode][name][s]:.3f}" for s in sizes)
             out.append(f"| {name}, GB/s (median round), {label} | {cells} |")
     cpu = result["segment_cpu_s_per_gb"]
-    out += ["", f"Segment CPU s per GB served (all sizes and rounds): A {cpu['A']:.2f}, B {cpu['B']:.2f}."]
+    out += [
+        "",
+        f"Segment CPU s per GB served (all sizes and rounds): A {cpu['A']:.2f}, B {cpu['B']:.2f}"
+        " (its SSD gets and half the DRAM gets).",
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -245,8 +298,10 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--a-src", type=Path, required=True, help="PYTHONPATH of segment A (older segment code)"
+        "--a-src", type=Path, default=None, help="PYTHONPATH of segment A (default: this tree)"
     )
+    parser.add_argument("--a-env", default="", help="KEY=VALUE,... added to segment A's environment")
+    parser.add_argument("--b-env", default="", help="KEY=VALUE,... added to segment B's environment")
     parser.add_argument(
         "--b-src", type=Path, default=None, help="PYTHONPATH of segment B (default: this tree)"
     )
@@ -261,10 +316,11 @@ def main() -> int:
     result = asyncio.run(run(args))
     result["meta"] = {
         "date": time.strftime("%Y-%m-%d"),
-        "command": f"python -m bench.ssd_get_ab --a-src A --sizes {args.sizes} --mib {args.mib}"
-        f" --rounds {args.rounds} --direct {args.direct}",
-        "a_src": str(args.a_src),
-        "b_src": str(args.b_src or "this tree"),
+        "command": f"python -m bench.ssd_get_ab{' --a-src A' if args.a_src else ''}"
+        f"{f' --a-env {args.a_env}' if args.a_env else ''}{f' --b-env {args.b_env}' if args.b_env else ''}"
+        f" --sizes {args.sizes} --mib {args.mib} --rounds {args.rounds} --direct {args.direct}",
+        "a_src": f"{args.a_src or 'this tree'}{f' with {args.a_env}' if args.a_env else ''}",
+        "b_src": f"{args.b_src or 'this tree'}{f' with {args.b_env}' if args.b_env else ''}",
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
         "elapsed_s": time.perf_counter() - started,
