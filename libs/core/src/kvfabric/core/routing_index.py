@@ -72,7 +72,6 @@ from kvfabric.format.ids import (
     ChainHash,
     DomainDigest,
     GroupKey,
-    Namespace,
     chain_in_group_key,
     domain_in_id,
     pack_group_key,
@@ -176,7 +175,7 @@ class RoutingIndex:
                 self._published(published)
         elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
             if len(event.domain) == DOMAIN_BYTES:
-                self._remove(pack_group_key(DomainDigest(event.domain), ChainHash(event.group)))
+                self._remove(pack_group_key(event.domain, event.group))
             else:
                 for known_key in list(self._by_chain.get(event.group, ())):
                     self._remove(known_key)
@@ -196,7 +195,7 @@ class RoutingIndex:
         if len(event.namespace) != NAMESPACE_BYTES or len(event.group) != CHAIN_BYTES:
             self.counters["events_foreign"] += 1
             return
-        key = group_key(domain_in_id(Namespace(event.namespace)), event.group)
+        key = group_key(domain_in_id(event.namespace), event.group)
         copy_bytes = max((p.bytes for p in event.placements), default=0)
         self._set(key, event.chunk_index, copy_bytes, {p.segment_id for p in event.placements})
 

@@ -22,7 +22,7 @@ from nats.aio.client import Client as NatsClient
 from kvfabric.ctl import queries
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import KvfError, Unavailable
-from kvfabric.format.ids import Namespace, domain_in_id
+from kvfabric.format.ids import domain_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
@@ -201,7 +201,7 @@ async def ask_directory(
         assert isinstance(message, m.ListGroups)
         groups = await router.list_groups(message, timeout_s, LIST_PAGES_MAX)
         # group-key order (domain digest, then chain hash), as one core pages
-        groups.sort(key=lambda g: (domain_in_id(Namespace(g.namespace)), g.group))
+        groups.sort(key=lambda g: (domain_in_id(g.namespace), g.group))
         reply = m.GroupList(epoch=queries.newest_epoch(router), groups=groups)
     elif verb == "list_leases":
         assert isinstance(message, m.ListLeases)

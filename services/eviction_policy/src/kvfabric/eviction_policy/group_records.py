@@ -33,7 +33,6 @@ from kvfabric.eviction_policy.tiers import is_ssd_pool, ssd_pool, tiered_pools
 from kvfabric.format.ids import (
     NAMESPACE_BYTES,
     ChainHash,
-    DomainDigest,
     GroupId,
     Namespace,
     domain_in_id,
@@ -47,9 +46,9 @@ __all__ = ["ACCESS_PER_EVENT_MAX", "GroupRecords", "group_id_of"]
 ACCESS_PER_EVENT_MAX: Final = 16  # hits of one group in one event counted at most this often
 
 
-def group_id_of(namespace: bytes, chunk_index: int, chain_hash: bytes) -> GroupId:
+def group_id_of(namespace: Namespace, chunk_index: int, chain_hash: ChainHash) -> GroupId:
     """The 90-byte chunk group id the directory's `evict` takes, from a published event."""
-    return pack_group_id(Namespace(namespace), chunk_index, ChainHash(chain_hash))
+    return pack_group_id(namespace, chunk_index, chain_hash)
 
 
 class GroupRecords:
@@ -81,14 +80,14 @@ class GroupRecords:
                 self._published(published, at_ms)
         elif isinstance(event, m.GroupsAccessed):
             for hit in event.groups:
-                key = pack_group_key(DomainDigest(hit.domain), ChainHash(hit.group))
+                key = pack_group_key(hit.domain, hit.group)
                 if key in self._held:
                     self._hits[key] = self._hits.get(key, 0) + hit.hits
                 for _ in range(min(hit.hits, ACCESS_PER_EVENT_MAX)):
                     core.seen(key)
                     core.access(key, at_ms)
         elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
-            self._forget(pack_group_key(DomainDigest(event.domain), ChainHash(event.group)))
+            self._forget(pack_group_key(event.domain, event.group))
         elif isinstance(event, m.SegmentDown):
             for pool in (event.segment_id, ssd_pool(event.segment_id)):
                 for gid in core.drop_pool(pool):
@@ -109,10 +108,10 @@ class GroupRecords:
         core = self.core
         if not event.placements or len(event.namespace) != NAMESPACE_BYTES:
             return False
-        domain = domain_in_id(Namespace(event.namespace))
-        key = pack_group_key(domain, ChainHash(event.group))
+        domain = domain_in_id(event.namespace)
+        key = pack_group_key(domain, event.group)
         # a parent of the same domain
-        parent = pack_group_key(domain, ChainHash(event.parent)) if event.parent else None
+        parent = pack_group_key(domain, event.parent) if event.parent else None
         pools = tiered_pools(
             {p.segment_id: p.bytes for p in event.placements},
             {p.segment_id: p.bytes for p in event.disk_placements},

@@ -79,7 +79,6 @@ from kvfabric.format.ids import (
     ChainHash,
     DomainDigest,
     GroupId,
-    Namespace,
     ObjectKey,
     chunk_index_in_id,
     domain_in_id,
@@ -375,16 +374,14 @@ class PrefetchShell:
         self.groups_shown += 1
         # Two domains may hold this chain hash: the one read is named by the event.
         mine = (
-            [g for g in shown.groups if domain_in_id(Namespace(g.namespace)) == domain]
+            [g for g in shown.groups if domain_in_id(g.namespace) == domain]
             if isinstance(shown, m.GroupList)
             else []
         )
         objects: _GroupObjects = ()
         if mine:
             summary = mine[0]
-            group_id = pack_group_id(
-                Namespace(summary.namespace), summary.chunk_index, ChainHash(summary.group)
-            )
+            group_id = pack_group_id(summary.namespace, summary.chunk_index, summary.group)
             objects = tuple(
                 # lookups list arena replicas first: the first holder is the one read
                 (_object_key(group_id, obj.member), obj.size_bytes, tuple(_holder(r) for r in obj.replicas))

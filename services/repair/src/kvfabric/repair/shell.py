@@ -33,7 +33,7 @@ from kvfabric.core.repair import DrainComplete, RepairCore, StartCopy
 from kvfabric.core.repair_events import CopyFailed, RepairEvent, RepairOutput, Tick
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import KvfError, Unavailable
-from kvfabric.format.ids import ChainHash, Namespace, ObjectKey, pack_group_id, pack_object_key
+from kvfabric.format.ids import ObjectKey, pack_group_id, pack_object_key
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import decode_as
 from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
@@ -51,7 +51,7 @@ WRITER_ID: Final = "repair"
 
 def key_of(summary: m.GroupSummary, member: m.Member) -> ObjectKey:
     """The object's 96-byte key: chunk group id (namespace, chunk index, chain hash) + member."""
-    group_id = pack_group_id(Namespace(summary.namespace), summary.chunk_index, ChainHash(summary.group))
+    group_id = pack_group_id(summary.namespace, summary.chunk_index, summary.group)
     return pack_object_key(group_id, member.tp_rank, member.pp_stage, member.layer_group)
 
 

@@ -27,7 +27,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex
 from kvfabric.format.errors import BadRequest, KvfError
-from kvfabric.format.ids import NAMESPACE_BYTES, DomainDigest, Namespace, domain_in_id
+from kvfabric.format.ids import NAMESPACE_BYTES, DomainDigest, domain_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.subjects import Service, events_wildcard
 from kvfabric.runtime.directory_router import DirectoryRouter
@@ -132,7 +132,7 @@ class IndexFollower:
             replicas = frozenset(r.segment_id for o in g.objects for r in o.replicas)
             if replicas:
                 copy_bytes = sum(o.size_bytes for o in g.objects)
-                domain = domain_in_id(Namespace(g.namespace))
+                domain = domain_in_id(g.namespace)
                 groups.append(ListedGroup(domain, g.group, g.chunk_index, copy_bytes, replicas))
         self.index.resync(
             [ListedSegment(s.segment_id, s.incarnation, s.up) for s in segments.segments],
