@@ -2,7 +2,8 @@
 
 Contract: any bytes (or text) parse to a value that encodes back to exactly the input, or raise
 `BadRequest` (`UnsupportedVersion` is one) — never another exception. The directory's
-`parse_key`/`parse_group` agree with the full parsers on what they accept.
+`parse_key`/`parse_group` agree with the full parsers on what they accept (`parse_key` also when
+it parses a key it remembers).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def check_binary(data: bytes) -> None:
     except BadRequest:
         info = None
     assert (key is None) == (info is None), "parse_key and KVKey.from_bytes disagree"
+    if info is not None:
+        assert parse_key(data) == info, "a remembered key answers what its first parse did"
     if key is not None and info is not None:
         assert key.to_bytes() == data
         assert info.member == tuple(key.member)

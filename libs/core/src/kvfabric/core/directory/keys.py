@@ -11,11 +11,21 @@ fields is refused: every verb compares both.
 The bytes are cut by `kvfabric.format.ids` (the one layout): `GroupInfo.group_id` is a
 `GroupKey`, `namespace` a `Namespace`; `chain_of`/`domain_of` are `chain_in_group_key` and
 `domain_in_group_key` under the names the tables use.
+
+`parse_key` validates a key in full once (`KVKey.from_bytes`: versions, sizes, ranges) and derives
+its group from that one parse. A save names each key three times (put_begin, the segment's
+confirm, put_commit), so the last `KEY_CACHE_MAX` accepted keys are remembered by their bytes: a
+memo of a pure function (same bytes, same answer; only accepted keys are kept, so a refused key
+is refused again in full every time). The KV data format version is checked again on every hit:
+it is the one input of the validation outside the bytes (`SUPPORTED_FORMAT_VERSIONS`). Entries are
+tuples of bytes and ints, which CPython's cyclic GC stops tracking after their first collection
+(docs/directory.md, garbage collector): the memo adds no tracked objects. Full, it is emptied.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.ids import (
@@ -36,11 +46,12 @@ from kvfabric.format.ids import (
     group_key_of_id,
     namespace_in_id,
 )
-from kvfabric.format.key import ChunkGroupId, KVKey
+from kvfabric.format.key import ChunkGroupId, KVKey, check_format_version
 
 __all__ = [
     "CHAIN_BYTES",
     "GROUP_KEY_BYTES",
+    "KEY_CACHE_MAX",
     "GroupInfo",
     "KeyInfo",
     "chain_of",
@@ -93,11 +104,45 @@ def parse_group(raw: bytes) -> GroupInfo:
     return _group_info(GroupId(raw))
 
 
+KEY_CACHE_MAX: Final = 4096
+"""Accepted keys `parse_key` remembers (~0.5 KB each): a save's keys are named again within
+milliseconds, by its confirms and its put_commit."""
+
+# key bytes -> (format version, group key, namespace, chunk index, expected members, tp rank,
+# pp stage, layer group): flat, so that one collection finds it holds nothing tracked
+_KeyEntry = tuple[int, GroupKey, Namespace, int, int, int, int, int]
+_key_cache: dict[bytes, _KeyEntry] = {}
+
+
 def parse_key(raw: bytes) -> KeyInfo:
     if len(raw) != OBJECT_KEY_BYTES:
         raise BadRequest(f"key must be {OBJECT_KEY_BYTES} bytes, got {len(raw)}")
-    key = KVKey.from_bytes(raw)  # validates rank < size etc.
+    data = raw if type(raw) is bytes else bytes(raw)
+    entry = _key_cache.get(data)
+    if entry is None:
+        entry = _key_entry(data)
+        if len(_key_cache) >= KEY_CACHE_MAX:
+            _key_cache.clear()
+        _key_cache[data] = entry
+    else:
+        check_format_version(entry[0])
+    _, group_key, namespace, chunk_index, expected, tp_rank, pp_stage, layer_group = entry
     return KeyInfo(
-        group=_group_info(group_id_in_key(ObjectKey(raw))),
-        member=(key.tp_rank, key.pp_stage, key.layer_group),
+        group=GroupInfo(group_key, namespace, chunk_index, expected), member=(tp_rank, pp_stage, layer_group)
+    )
+
+
+def _key_entry(data: bytes) -> _KeyEntry:
+    key = KVKey.from_bytes(data)  # validates versions, sizes and ranges (rank < size etc.), once
+    gid = key.chunk_group
+    raw_group = group_id_in_key(ObjectKey(data))
+    return (
+        gid.format_version,
+        group_key_of_id(raw_group),
+        namespace_in_id(raw_group),
+        gid.chunk_index,
+        gid.tp_size * gid.pp_size * gid.layer_group_count,
+        key.tp_rank,
+        key.pp_stage,
+        key.layer_group,
     )
