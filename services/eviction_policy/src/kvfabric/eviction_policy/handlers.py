@@ -5,10 +5,11 @@ event loop):
 
 - **follower**: reads the directory's JetStream event stream from its first message with an
   ephemeral pull consumer (no acks; batches of `EVENTS_FETCH_MAX`, so memory stays bounded and a
-  slow policy just lags). Each event goes through `apply` (`GroupRecords`, `group_records.py`:
-  the per-group records kept beside the core). `published` → `core.insert` (object = chunk
-  group, pools = the segments holding its bytes, tenant = its share domain, parent = the
-  previous chunk; a put_commit's groups come as one `GroupsPublished`, a republish or an older
+  slow policy just lags; at the stream's end it waits `EVENTS_LINGER_S` after a short batch, so
+  events a save apart share one pull request). Each event goes through `apply` (`GroupRecords`,
+  `group_records.py`: the per-group records kept beside the core). `published` → `core.insert`
+  (object = chunk group, pools = the segments holding its bytes, tenant = its share domain,
+  parent = the previous chunk; a put_commit's groups come as one `GroupsPublished`, a republish or an older
   directory's as one `GroupPublished` each);
   `accessed` → `core.seen` + `core.access`; `evicted`/`invalidated` → `core.removed`;
   `segment_down` → `core.drop_pool`; `segment_up` → the pool's capacity. When the consumer is
@@ -66,7 +67,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Mapping
-from typing import Final
+from typing import Final, Protocol
 
 import msgspec
 import nats.errors
@@ -108,7 +109,14 @@ __all__ = ["EVENTS_STREAM", "EvictionShell", "group_id_of", "now_ms"]
 EVENTS_STREAM: Final = "KVF_DIRECTORY_EVENTS"  # owned by the directory
 EVENTS_FETCH_MAX: Final = 512  # events per fetch: the follower's memory bound
 EVENTS_FETCH_WAIT_S: Final = 1.0
+EVENTS_LINGER_S: Final = 0.05  # at the stream's end, events gather this long into one pull
 RETRY_S: Final = 0.5
+
+
+class _Fetcher(Protocol):
+    """What the follower uses of a JetStream pull subscription."""
+
+    async def fetch(self, batch: int = 1, timeout: float | None = 5) -> list[Msg]: ...  # noqa: ASYNC109
 
 
 class EvictionShell(GroupRecords):
@@ -205,21 +213,30 @@ class EvictionShell(GroupRecords):
                 )
                 if self.last_seq >= end_seq:
                     self.caught_up.set()
-                while True:
-                    try:
-                        batch = await sub.fetch(EVENTS_FETCH_MAX, timeout=EVENTS_FETCH_WAIT_S)
-                    except TimeoutError:  # nats-py raises a bare asyncio one too (fetch deadline)
-                        self.caught_up.set()  # nothing new for a while: we are at the end
-                        continue
-                    for msg in batch:
-                        self._on_message(msg)
-                    if self.last_seq >= end_seq:
-                        self.caught_up.set()
+                await self._read_events(sub, end_seq)
             except asyncio.CancelledError:
                 raise
             except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
                 self._log.info("events_follow_retry", error=type(exc).__name__, last_seq=self.last_seq)
                 await asyncio.sleep(RETRY_S)
+
+    async def _read_events(self, sub: _Fetcher, end_seq: int) -> None:
+        """Fetch and apply events until cancelled or the consumer fails (raises). At the stream's
+        end a pull is answered as soon as one event is there, so a directory publishing one event
+        a save cost one pull request (and its reply) an event (issue 20): after a batch short of
+        `EVENTS_FETCH_MAX` the follower waits `EVENTS_LINGER_S`, and one pull takes what gathered."""
+        while True:
+            try:
+                batch = await sub.fetch(EVENTS_FETCH_MAX, timeout=EVENTS_FETCH_WAIT_S)
+            except TimeoutError:  # nats-py raises a bare asyncio one too (fetch deadline)
+                self.caught_up.set()  # nothing new for a while: we are at the end
+                continue
+            for msg in batch:
+                self._on_message(msg)
+            if self.last_seq >= end_seq:
+                self.caught_up.set()
+            if len(batch) < EVENTS_FETCH_MAX:
+                await asyncio.sleep(EVENTS_LINGER_S)
 
     def _on_message(self, msg: Msg) -> None:
         seq = msg.metadata.sequence.stream
