@@ -7,6 +7,7 @@ from kvfabric.core.directory.keys import chain_of
 from kvfabric.core.directory.writes import one_event_per_commit
 from kvfabric.format.ids import ChainHash, ObjectKey
 from kvfabric.proto import directory as m
+from kvfabric.proto.codec import encode
 
 from .dirkit import confirm_all, groups, key, new_core, register, spec
 
@@ -77,3 +78,31 @@ def test_one_event_per_commit_keeps_the_other_effects_in_order_after_the_batch()
     out = one_event_per_commit(list(effects))
     assert out == [EmitEvent("published", m.GroupsPublished(groups=[published(0), published(1)])), under]
     assert one_event_per_commit([under]) == [under]
+
+
+def wide_group(i: int, segments: int) -> m.GroupPublished:
+    """A group whose members' replicas lie on `segments` segments with 64-char ids (~5 KB at 78)."""
+    placements = [m.SegmentBytes(f"segment-{s:02d}-" + "x" * 53, 1 << 20) for s in range(segments)]
+    group = ChainHash(i.to_bytes(32, "little"))
+    return m.GroupPublished(group=group, chunk_index=i, members=64, placements=placements)
+
+
+def test_a_commits_events_stay_under_nats_payload_limit_however_wide_its_groups() -> None:
+    """Review: 256 groups of 64 members on 96 segments (2 replicas: ~78 segments a group) made one
+    1.3 MB event; nats-py refuses a publish over 1 MiB and the shard's ordered outbox retried it
+    forever. Events are cut by encoded size too; groups stay whole and in order."""
+    groups_in = [wide_group(i, 78) for i in range(256)]
+    assert len(encode(m.GroupsPublished(groups=groups_in))) > 1 << 20  # one event would not fit
+    out = one_event_per_commit([EmitEvent("published", g) for g in groups_in])
+    events = [e.event for e in out if isinstance(e, EmitEvent)]
+    assert all(isinstance(e, m.GroupsPublished) for e in events) and len(events) > 1
+    assert [g for e in events if isinstance(e, m.GroupsPublished) for g in e.groups] == groups_in
+    assert max(len(encode(e)) for e in events) <= m.PUBLISHED_BATCH_BYTES_MAX
+
+
+def test_a_group_larger_than_the_byte_bound_goes_alone() -> None:
+    small, big, small_too = wide_group(0, 1), wide_group(1, 8000), wide_group(2, 1)
+    assert len(encode(big)) > m.PUBLISHED_BATCH_BYTES_MAX
+    out = one_event_per_commit([EmitEvent("published", g) for g in (small, big, small_too)])
+    events = [e.event for e in out if isinstance(e, EmitEvent)]
+    assert [e.groups for e in events if isinstance(e, m.GroupsPublished)] == [[small], [big], [small_too]]

@@ -73,10 +73,13 @@ LEASE_TTL_MS_MAX: Final = 600_000
 PIN_TTL_MS_MAX: Final = 86_400_000
 WRITE_TTL_MS_MAX: Final = 600_000
 ACCESS_BATCH_MAX: Final = 4096  # groups per GroupsAccessed event
-# Groups per GroupsPublished event (one put_commit's groups; more go in several events). One
-# group is at most ~0.7 KB (5 placements of 64-char segment ids): 256 stay < 200 KB, far under
-# NATS' 1 MiB payload limit.
+# Groups per GroupsPublished event (one put_commit's groups; more go in several events), and
+# its encoded bytes: a group names every segment that holds a replica of any of its members (up
+# to members x replicas), so 256 groups can pass NATS' 1 MiB payload limit (64 members, 96
+# segments with 64-char ids, 2 replicas: 1.3 MB in one event; review). An event over it is never
+# sent: nats-py refuses it, the ordered outbox retries it forever and the shard's events stop.
 PUBLISHED_BATCH_MAX: Final = 256
+PUBLISHED_BATCH_BYTES_MAX: Final = 512 * 1024
 LOOKUP_MANY_PARTS_MAX: Final = 1024  # shards per LookupMany (its groups together <= LOOKUP_BATCH_GROUPS_MAX)
 RELEASE_BATCH_LEASES_MAX: Final = 64  # leases per batched LeaseRelease (each ends O(its groups))
 RELEASE_MANY_LEASES_MAX: Final = 1024  # leases per LeaseReleaseMany, all parts together

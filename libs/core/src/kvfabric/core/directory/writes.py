@@ -70,6 +70,7 @@ from kvfabric.core.quotas import Tenant, request_tokens, tenant_of
 from kvfabric.format.ids import GroupKey, ObjectKey
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
+from kvfabric.proto.codec import encode
 
 __all__ = ["BuildingGroup", "PendingMember", "Placement", "WriteTable", "one_event_per_commit"]
 
@@ -77,18 +78,37 @@ __all__ = ["BuildingGroup", "PendingMember", "Placement", "WriteTable", "one_eve
 def one_event_per_commit(effects: list[Effect]) -> list[Effect]:
     """A commit's effects with its `published` events as one `GroupsPublished` (a JetStream
     publish, and a delivery to every follower, per commit rather than per group; issue 20): the
-    groups in the order published, at most `PUBLISHED_BATCH_MAX` an event, where the first was;
-    every other effect (an `under_replicated` of a degraded group among them) after, in order."""
+    groups in the order published, at most `PUBLISHED_BATCH_MAX` groups and about
+    `PUBLISHED_BATCH_BYTES_MAX` encoded bytes an event (a group over it goes alone), where the
+    first was; every other effect (an `under_replicated` of a degraded group among them) after,
+    in order."""
     groups = [e.event for e in effects if isinstance(e, EmitEvent) and isinstance(e.event, m.GroupPublished)]
     if not groups:
         return effects
     batches: list[Effect] = [
-        EmitEvent("published", m.GroupsPublished(groups=groups[i : i + m.PUBLISHED_BATCH_MAX]))
-        for i in range(0, len(groups), m.PUBLISHED_BATCH_MAX)
+        EmitEvent("published", m.GroupsPublished(groups=batch)) for batch in _published_batches(groups)
     ]
     first = next(i for i, e in enumerate(effects) if isinstance(e, EmitEvent) and e.event is groups[0])
     rest = [e for e in effects if not (isinstance(e, EmitEvent) and isinstance(e.event, m.GroupPublished))]
     return [*rest[:first], *batches, *rest[first:]]
+
+
+def _published_batches(groups: list[m.GroupPublished]) -> Iterator[list[m.GroupPublished]]:
+    """`groups` cut in order into runs of at most `PUBLISHED_BATCH_MAX` groups whose encoded
+    sizes add up to at most `PUBLISHED_BATCH_BYTES_MAX` (a single larger group makes a run of
+    its own). Encoding a group to size it costs ~1 us, a few per commit."""
+    batch: list[m.GroupPublished] = []
+    batch_bytes = 0
+    for group in groups:
+        size = len(encode(group))
+        full = len(batch) >= m.PUBLISHED_BATCH_MAX or batch_bytes + size > m.PUBLISHED_BATCH_BYTES_MAX
+        if batch and full:
+            yield batch
+            batch, batch_bytes = [], 0
+        batch.append(group)
+        batch_bytes += size
+    if batch:
+        yield batch
 
 
 class WriteTable(WriteBegin, WriteConfirm):
