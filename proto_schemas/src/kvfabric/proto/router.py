@@ -48,7 +48,8 @@ class InstanceEstimate(msgspec.Struct, frozen=True, kw_only=True):
 
 class RouteReply(msgspec.Struct, frozen=True, kw_only=True, tag="router.route_reply.v1", tag_field="t"):
     instance: str  # empty: none eligible
-    reason: str  # cache_aware | tie_load | tie_hash | round_robin | least_loaded | no_instance | queues_full
+    # cache_aware | tie_cache | tie_load | tie_hash | round_robin | least_loaded | no_instance | queues_full
+    reason: str
     estimates: list[InstanceEstimate] = msgspec.field(default_factory=list)
 
 
