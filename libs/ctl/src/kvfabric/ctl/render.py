@@ -233,12 +233,25 @@ def print_drain(segment_id: str, state: SegmentState) -> None:
     )
 
 
+def event_fields(event: dict[str, Any]) -> str:
+    """An event's fields as `k=v` words; a batch's `groups` (a `GroupsPublished` holds up to 256,
+    a `GroupsAccessed` up to 4,096) one line each under a count, not one run-on line."""
+    words = [f"{k}={v}" for k, v in event.items() if k not in ("t", "groups")]
+    groups = event.get("groups")
+    if not isinstance(groups, list):
+        return " ".join(words)
+    lines = [" ".join([*words, f"groups={len(groups)}:"]).strip()]
+    for group in groups:
+        items = group.items() if isinstance(group, dict) else [("", group)]
+        lines.append("  " + " ".join(f"{k}={v}" if k else str(v) for k, v in items))
+    return "\n".join(lines)
+
+
 def print_events(events: Sequence[Event]) -> None:
     console = _console()
     table = Table(title=f"directory events ({len(events)})")
     for col in ("seq", "time", "kind", "fields"):
         table.add_column(col, overflow="fold")
     for ev in events:
-        fields = " ".join(f"{k}={v}" for k, v in ev.event.items() if k != "t")
-        table.add_row(str(ev.seq), ev.time, ev.kind, fields)
+        table.add_row(str(ev.seq), ev.time, ev.kind, event_fields(ev.event))
     console.print(table)
