@@ -9,7 +9,7 @@ For prompts of 1K, 4K and 8K tokens (`--reps` distinct prompts each, medians quo
   fresh process generating 1 + `DECODE_TOKENS` tokens per prompt. Baseline without a connector
   (recompute); kvfabric writer (every prompt a miss: computes and saves), then a fresh kvfabric
   reader (hit); vLLM's built-in `ExampleConnector` (local safetensors files) writer, then a fresh
-  reader, in the same run. Per request (`tests.engines.vllm_run.timings`): prefill =
+  reader, in the same run. Per request (`kvfabric.testing.vllm_run.timings`): prefill =
   first_token_ts - scheduled_ts; TTFT = arrival -> first token (vLLM's frontend); queued =
   queued -> scheduled (kvfabric's lookup wait when the connector answers "ask again"); decode =
   first -> last token. `--before` adds a kvfabric reader whose lookups are never waited for, as
@@ -46,7 +46,7 @@ HF_TOKENS_PER_CHUNK: Final = 128
 MAX_BATCHED_TOKENS: Final = 10_240
 EXAMPLE_TOKENS_MAX: Final = 4096
 DECODE_TOKENS: Final = 7  # generated after the first token: decode time after a hit / miss
-TIMINGS: Final = ("ttft_s", "queued_s", "prefill_s", "decode_s")  # tests.engines.vllm_run.timings
+TIMINGS: Final = ("ttft_s", "queued_s", "prefill_s", "decode_s")  # kvfabric.testing.vllm_run.timings
 # run -> row label: recompute (no connector), kvfabric miss (first sight: computes and saves),
 # kvfabric hit (fresh engine), ExampleConnector hit (fresh engine, local files)
 RUN_LABELS: Final = {
@@ -122,7 +122,7 @@ def vllm_bench(
     nats: NatsServer, model_dir: Path, workdir: Path, reps: int, *, before: bool = False
 ) -> dict[str, Any]:
     from kvfabric.engines.tiny import prompt_ids
-    from tests.engines.vllmkit import run_engine
+    from kvfabric.testing.vllmkit import run_engine
 
     steps = [{"name": "warm", "prompt": prompt_ids(2000, seed=5), "max_tokens": 1 + DECODE_TOKENS}]
     for size in SIZES:

@@ -78,7 +78,7 @@ def measure_kvfabric(nats_url: str, page: int, pages: int, repeats: int) -> dict
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
     from kvfabric.engines.sglang_keys import chain_words
-    from tests.engines import sglangkit as kit
+    from kvfabric.testing import sglangkit as kit
 
     pool = pool_for(page, 2 * pages)
     kit.PAGE = page  # the kit's page helpers read it

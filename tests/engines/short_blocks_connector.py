@@ -2,7 +2,7 @@
 allocated (the block-list/hit mismatch of issue 20, item 6, forced). The scheduler side writes
 its client's fallback counters to `$KVF_TEST_CONNECTOR_REPORT` when vLLM shuts it down.
 
-Loaded by `tests.engines.vllm_run --kvfabric-class
+Loaded by `kvfabric.testing.vllm_run --kvfabric-class
 tests.engines.short_blocks_connector:ShortBlocksConnector` (vLLM's engine processes import it:
 they inherit the runner's sys.path, which holds the repository root).
 """

@@ -3,7 +3,7 @@ appends one JSON line to `$KVF_TEST_STATUS_REPORT` when it is built (`role`, `in
 the connector took to build, i.e. what it adds to vLLM's start-up) and one more when vLLM shuts
 it down (`status` of its client, `fallbacks` by cause: the worker's count failed loads).
 
-Loaded by `tests.engines.vllm_run --kvfabric-class tests.engines.status_connector:StatusConnector`.
+Loaded by `kvfabric.testing.vllm_run --kvfabric-class tests.engines.status_connector:StatusConnector`.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ import pytest
 
 from kvfabric.proto import directory as m
 from kvfabric.testing import NatsServer, ServiceProcess
+from kvfabric.testing import sglangkit as kit
 from kvfabric.testing.ports import free_port
-from tests.engines import sglangkit as kit
 from tests.integration.clientkit import corrupt_stored_byte
 from tests.integration.cluster import directory_call, directory_process, segment_process
 
@@ -81,7 +81,7 @@ def write_elsewhere(nats: NatsServer, pages: int, *args: str) -> int:
         [
             sys.executable,
             "-m",
-            "tests.engines.sglangkit",
+            "kvfabric.testing.sglangkit",
             "write",
             "--nats",
             nats.url,

@@ -32,8 +32,8 @@ from kvfabric.engines.vllm_plan import POLICY_SETTING
 from kvfabric.proto import directory as m
 from kvfabric.testing import NatsServer, ServiceProcess
 from kvfabric.testing.ports import free_port
+from kvfabric.testing.vllmkit import by_name, run_engine
 from tests.engines.tinymodel import build_tiny_llama, prompt_ids
-from tests.engines.vllmkit import by_name, run_engine
 from tests.integration.clientkit import corrupt_stored_byte
 from tests.integration.cluster import directory_call, directory_process, segment_process
 

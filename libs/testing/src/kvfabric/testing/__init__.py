@@ -7,6 +7,9 @@
 - `free_port()`: a TCP port on 127.0.0.1 that was free a moment ago.
 - probes: `micro_control` (`$SRV.PING/INFO/STATS`), `scrape_metrics`, `metric_value`, `wait_until`.
 - `kvfabric.testing.pytest_plugin`: fixtures `nats_server` and `nats_client`.
+- `kvfabric.testing.vllmkit` / `vllm_run`: fresh vLLM engine processes over a plan of prompts;
+  `kvfabric.testing.sglangkit`: SGLang's own HiCache classes driving the backend (not imported
+  here: they need vLLM / torch and SGLang).
 """
 
 from kvfabric.testing.nats_cluster import NatsCluster

@@ -1,4 +1,9 @@
-"""Running fresh vLLM engine processes (tests.engines.vllm_run) from tests and benchmarks."""
+"""Running fresh vLLM engine processes (`kvfabric.testing.vllm_run`) from tests, benchmarks and
+tools.
+
+The runner starts in the caller's working directory, which is on its `sys.path` (`python -m`):
+a `--kvfabric-class` module outside the installed packages (the tests' connectors,
+`tests.engines.status_connector`) is found there, so run from the repository root."""
 
 from __future__ import annotations
 
@@ -13,7 +18,6 @@ from typing import Any
 
 from kvfabric.testing.terminate import terminate_session
 
-REPO = Path(__file__).resolve().parents[2]
 ENGINE_TIMEOUT_S = 300.0
 ENGINE_STOP_TIMEOUT_S = 15.0  # SIGTERM to SIGKILL for what the runner leaves (its engine core)
 
@@ -37,7 +41,7 @@ def run_engine(
     argv = [
         sys.executable,
         "-m",
-        "tests.engines.vllm_run",
+        "kvfabric.testing.vllm_run",
         "--model",
         str(model_dir),
         "--plan",
@@ -59,7 +63,7 @@ def run_engine(
         rpc_dir = tempfile.mkdtemp(prefix="kvf-vllm-rpc-")
         env = dict(os.environ, VLLM_RPC_BASE_PATH=rpc_dir)
         proc = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            argv, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
             proc.wait(ENGINE_TIMEOUT_S)

@@ -1,6 +1,6 @@
 """Run one fresh vLLM engine over a plan of prompts; write what it produced as JSON.
 
-    python -m tests.engines.vllm_run --model DIR --plan plan.json --out out.json \
+    python -m kvfabric.testing.vllm_run --model DIR --plan plan.json --out out.json \
         [--connector none|kvfabric|example] [--nats-url URL] [--example-dir DIR]
 
 A plan is {"steps": [{"name", "prompt": [ids], "max_tokens", "before": [actions],

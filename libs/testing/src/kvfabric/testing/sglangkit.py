@@ -12,7 +12,7 @@ where SGLang is installed: .venv-sglang, `make test-engines`).
   host pool's own page accessors (`set_from_flat_data_page`, `get_data_page`), so a byte that
   differs from what was saved is seen whatever the backend's region handling.
 
-`python -m tests.engines.sglangkit write ...` writes pages from a separate process.
+`python -m kvfabric.testing.sglangkit write ...` writes pages from a separate process.
 """
 
 from __future__ import annotations
