@@ -45,6 +45,7 @@ COEFFICIENTS = {
     "remote_bytes_per_s": 2e7,
 }
 BURST = 6
+BURST_TRIES = 3
 SLOW_MACHINE_MS = 60_000  # heartbeat timeout and index staleness bound (see the fixture)
 
 
@@ -155,23 +156,34 @@ def test_prefix_stays_on_its_instance_then_spills_to_kvfabric_past_the_break_eve
     assert again["cached"] >= PREFIX_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
     assert again["tokens"] == first["tokens"]
 
-    # A burst sharing the prefix, sent at once: A until its queue passes the break-even, then B
-    prompts = [prefix + prompt_ids(SUFFIX_TOKENS, 2500 + i) for i in range(BURST)]
-    with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
-        burst = list(pool.map(lambda ip: complete(stack, ip[1], trace=f"burst-{ip[0]}"), enumerate(prompts)))
-    where = [r["instance"] for r in burst]
-    assert where[0] == a, where
-    to_b = [i for i, r in enumerate(burst) if r["instance"] == b]
-    assert to_b, f"every request of the burst stayed on A: {where}"
+    # A burst sharing the prefix, sent at once: A until its queue passes the break-even, then B.
+    # How far A's queue gets depends on how the burst's requests overlap at the router (an idle
+    # machine finishes each fast; CI once saw all six on A): up to BURST_TRIES bursts, each of
+    # fresh suffixes, and one must spill; each decision's queue inputs are in the message.
+    seen: list[list[tuple[str, Any]]] = []
+    for attempt in range(BURST_TRIES):
+        tag = f"burst{attempt}"
+        prompts = [prefix + prompt_ids(SUFFIX_TOKENS, 2500 + 100 * attempt + i) for i in range(BURST)]
+        traces = [f"{tag}-{i}" for i in range(BURST)]
+        with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
+            burst = list(pool.map(lambda p, t: complete(stack, p, trace=t), prompts, traces))
+        where = [r["instance"] for r in burst]
+        assert where[0] == a, where
+        to_b = [i for i, r in enumerate(burst) if r["instance"] == b]
+        queued = [routed(stack, t).get("queued_prefill_tokens") for t in traces]
+        seen.append(list(zip(where, queued, strict=True)))
+        if to_b:
+            break
+    assert to_b, f"every request of {BURST_TRIES} bursts stayed on A (instance, queued prefill): {seen}"
     for i in to_b:
-        decision = routed(stack, f"burst-{i}")
+        decision = routed(stack, f"{tag}-{i}")
         index_log = [ev for ev in stack.router.events() if ev.get("logger") == "kvfabric.router.events"]
         assert decision["colocated_tokens"] + decision["remote_tokens"] > 0, (decision, index_log)
         # B never computed the prefix: what it did not compute came from kvfabric
         assert burst[i]["cached"] >= PREFIX_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS, burst[i]
     for i, r in enumerate(burst):  # identical tokens: B's kvfabric load vs A's own cache
         other = next(e for e in stack.engines if e.id != r["instance"])
-        assert direct(stack, other, prompts[i]) == r["tokens"], f"burst-{i}"
+        assert direct(stack, other, prompts[i]) == r["tokens"], f"{tag}-{i}"
     # the prefix itself on B (loaded there or in its cache now) gives what A computed
     assert direct(stack, next(e for e in stack.engines if e.id == b), prefix) == first["tokens"]
 
