@@ -44,8 +44,8 @@ LAYOUT = KVLayout(
 CHUNK_BYTES = 512 * 1024
 
 
-def core(policy: str = "cache_aware", **kw: object) -> RoutingCore:
-    config = RoutingConfig(tokens_per_chunk=TPC, coefficients=COEF, policy=policy, **kw)  # type: ignore[arg-type]
+def core(policy: str = "cache_aware", coefficients: Coefficients = COEF, **kw: object) -> RoutingCore:
+    config = RoutingConfig(tokens_per_chunk=TPC, coefficients=coefficients, policy=policy, **kw)  # type: ignore[arg-type]
     specs = [
         InstanceSpec(instance_id="a", colocated_segments=frozenset({"seg-a"}), engine_cache_chunks_max=64),
         InstanceSpec(instance_id="b", colocated_segments=frozenset({"seg-b"}), engine_cache_chunks_max=64),

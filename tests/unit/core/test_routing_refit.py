@@ -16,16 +16,13 @@ from kvfabric.core.routing import (
     Coefficients,
     CostInputs,
     Decision,
-    InstanceSpec,
-    RoutingConfig,
     RoutingCore,
     prompt_keys,
     ttft_estimate_s,
 )
-from kvfabric.core.routing_index import RoutingIndex
 from kvfabric.core.routing_refit import CoefficientRefit, RefitConfig, Vector, features, theta_of
 
-from .test_routing import DOMAIN, FIELDS, KEYS, LAYOUT, MODEL, PROMPT, TPC, inputs_st
+from .test_routing import DOMAIN, FIELDS, KEYS, LAYOUT, MODEL, PROMPT, core, inputs_st
 
 PRIOR = Coefficients(
     overhead_s=0.09,
@@ -168,16 +165,7 @@ QUICK = RefitConfig(min_observations=8, refit_every=1)
 
 
 def refit_core(refit: RefitConfig | None = QUICK) -> RoutingCore:
-    config = RoutingConfig(tokens_per_chunk=TPC, coefficients=PRIOR, refit=refit)
-    specs = [
-        InstanceSpec(instance_id="a", colocated_segments=frozenset({"seg-a"}), engine_cache_chunks_max=64),
-        InstanceSpec(instance_id="b", colocated_segments=frozenset({"seg-b"}), engine_cache_chunks_max=64),
-    ]
-    c = RoutingCore(config, specs, RoutingIndex())
-    c.index_heard(0)
-    for iid in c.instances:
-        c.health(iid, True, 0)
-    return c
+    return core(coefficients=PRIOR, refit=refit)
 
 
 def busy_a_with_the_prefix(c: RoutingCore, now: int) -> Decision:
