@@ -31,8 +31,8 @@ from typing import Any
 
 import nats
 
+from kvfabric.cluster.directory_router import DirectoryRouter, ShardRoute
 from kvfabric.core.leadership import desired_owner
-from kvfabric.runtime.directory_router import DirectoryRouter, ShardRoute
 from kvfabric.testing import NatsServer, ServiceProcess
 from kvfabric.testing.clientkit import TOKENS_PER_CHUNK, client, load_all, objects_for, prompt
 from kvfabric.testing.cluster import segment_process, service_env

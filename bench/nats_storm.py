@@ -47,13 +47,13 @@ from typing import Any, Final
 import nats
 
 from bench.nats_storm_peer import new_nkey
+from kvfabric.cluster.directory_router import DirectoryRouter
+from kvfabric.cluster.natsauth import nats_auth_from_env
 from kvfabric.ctl.auth import BCRYPT_COST, plan_auth, write_auth
 from kvfabric.format.ids import GroupId
 from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto.subjects import tenant_inbox_prefix
-from kvfabric.runtime.directory_router import DirectoryRouter
-from kvfabric.runtime.natsauth import nats_auth_from_env
 from kvfabric.testing import NatsServer
 from kvfabric.testing.clientkit import SPEC, TOKENS_PER_CHUNK, prompt
 from kvfabric.testing.cluster import directory_process

@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any, Final
 
 from bench.ssd_tier import _cpu_s, _save, extent_of
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
 from kvfabric.eviction_policy import handlers, tiers
 from kvfabric.eviction_policy.handlers import EvictionShell
 from kvfabric.format.ids import ObjectKey, group_id_in_key, pack_group_key
 from kvfabric.format.key import ChunkGroupId
-from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.segment_storage.ssd import aligned_buffer
 from kvfabric.testing import NatsServer
 from kvfabric.testing.clientkit import client

@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any, Final
 
 from bench.ssd_tier import RawFile, _cpu_s, _save, extent_of
+from kvfabric.cluster.requests import request
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto.segment import DEMOTE_BATCH_MAX, DemoteObject, DemoteReply, DemoteRequest, segment_decoder
 from kvfabric.proto.subjects import segment_subject
-from kvfabric.runtime import request
 from kvfabric.segment_storage.ssd import aligned_buffer
 from kvfabric.testing import NatsServer
 from kvfabric.testing.clientkit import client

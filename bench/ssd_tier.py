@@ -76,6 +76,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Final
 
+from kvfabric.cluster.requests import request
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
 from kvfabric.format.key import KVKey, KVLayout, ModelFingerprint, ShareDomain, chunk_groups_for_prefix
@@ -83,7 +84,6 @@ from kvfabric.proto import directory as m
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import segment_decoder
 from kvfabric.proto.subjects import segment_subject
-from kvfabric.runtime import request
 from kvfabric.segment_storage.ssd import SsdIo, SsdTier, aligned_buffer
 from kvfabric.testing import NatsServer
 from kvfabric.testing.clientkit import TOKENS_PER_CHUNK, client, prompt

@@ -32,10 +32,10 @@ import msgspec
 import nats
 
 from kvfabric.client import KvClient
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.format.ids import GroupId
 from kvfabric.proto import directory as m
-from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing import NatsServer
 from kvfabric.testing.clientkit import TOKENS_PER_CHUNK, objects_for, prompt
 from kvfabric.testing.cluster import directory_process, segment_process

@@ -226,9 +226,9 @@ def final_state(nats_url: str, admin: dict[str, str]) -> FinalState:
 
     import nats
 
+    from kvfabric.cluster.natsauth import nats_auth_from_env
     from kvfabric.ctl import queries
     from kvfabric.proto import directory as m
-    from kvfabric.runtime.natsauth import nats_auth_from_env
 
     async def ask() -> FinalState:
         """Every directory shard's view, merged: leases of all shards, the segment table with
@@ -270,9 +270,9 @@ def evicted_groups(nats_url: str, admin: dict[str, str], kind: str = "evicted") 
     import nats.js.errors
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+    from kvfabric.cluster.natsauth import nats_auth_from_env
     from kvfabric.proto import directory as m
     from kvfabric.proto.subjects import Service, event_subject
-    from kvfabric.runtime.natsauth import nats_auth_from_env
 
     async def read() -> set[bytes]:
         nc = await nats.connect(nats_url, **nats_auth_from_env(admin).connect_options())

@@ -160,7 +160,7 @@ class NatsCluster:
         """`stream_leader`: make node `fault["node"]` lead `fault["stream"]` (admin credentials)."""
         import nats
 
-        from kvfabric.runtime.natsauth import nats_auth_from_env
+        from kvfabric.cluster.natsauth import nats_auth_from_env
 
         stream, node = str(fault["stream"]), int(fault["node"])
         wanted = f"kvf-n{node}"

@@ -154,8 +154,8 @@ class Skewed:
         """'' once every segment is up and every instance in `instances` leads a shard."""
         import nats
 
-        from kvfabric.runtime.directory_router import DirectoryRouter
-        from kvfabric.runtime.natsauth import nats_auth_from_env
+        from kvfabric.cluster.directory_router import DirectoryRouter
+        from kvfabric.cluster.natsauth import nats_auth_from_env
 
         admin = (state.get("auth") or {}).get("admin_env") or {}
         nc = await nats.connect(state["nats_url"], **nats_auth_from_env(admin).connect_options())

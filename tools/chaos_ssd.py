@@ -90,10 +90,10 @@ def disk_replicas_listed(nats_url: str, admin: dict[str, str]) -> dict[str, tupl
 
     import nats
 
+    from kvfabric.cluster.natsauth import nats_auth_from_env
     from kvfabric.ctl import queries
     from kvfabric.proto import directory as m
     from kvfabric.proto.segment import tier_of_slot
-    from kvfabric.runtime.natsauth import nats_auth_from_env
 
     async def ask() -> dict[str, tuple[int, int]]:
         nc = await nats.connect(nats_url, **nats_auth_from_env(admin).connect_options())

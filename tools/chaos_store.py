@@ -86,7 +86,7 @@ class StoreDisk:
         import nats
         import nats.errors
 
-        from kvfabric.runtime.natsauth import nats_auth_from_env
+        from kvfabric.cluster.natsauth import nats_auth_from_env
 
         async def stick() -> str:
             nc = await nats.connect(nats_url, **nats_auth_from_env(auth_env).connect_options())

@@ -603,8 +603,8 @@ async def probe_directory(state: dict[str, Any], segments: int) -> str | None:
     import nats
     import nats.errors
 
-    from kvfabric.runtime.directory_router import DirectoryRouter
-    from kvfabric.runtime.natsauth import nats_auth_from_env
+    from kvfabric.cluster.directory_router import DirectoryRouter
+    from kvfabric.cluster.natsauth import nats_auth_from_env
 
     async def quiet(_exc: Exception) -> None:
         return None

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvfabric.cluster.requests import error_from_response
 from kvfabric.format.errors import BadRequest, KvfError
 from kvfabric.format.manifest import complete_prefix_len, decode_manifest, encode_manifest
 from kvfabric.proto.codec import FamilyDecoder, encode
@@ -31,7 +32,6 @@ from kvfabric.proto.common import (
     error_from_reply,
 )
 from kvfabric.proto.registry import FAMILIES
-from kvfabric.runtime.replies import error_from_response
 
 from .fuzzkit import corpus, corpus_params, fuzz_settings, mutated, saving_crash
 

@@ -25,7 +25,7 @@ lc = load_tool("localcluster")
 
 
 async def r3_stream_works(url: str, user_env: dict[str, str]) -> int:
-    from kvfabric.runtime.natsauth import nats_auth_from_env
+    from kvfabric.cluster.natsauth import nats_auth_from_env
 
     nc = await nats.connect(url, **nats_auth_from_env(user_env).connect_options())
     try:

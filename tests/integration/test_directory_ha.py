@@ -17,13 +17,13 @@ import nats
 import pytest
 
 from kvfabric.client import Hit
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import KvfError, StaleGeneration
 from kvfabric.format.ids import GroupId
 from kvfabric.format.key import ChunkGroupId, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
-from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing import NatsServer
 from kvfabric.testing.clientkit import load_all
 from tests.integration.clientkit import (

@@ -27,8 +27,8 @@ from typing import Any
 import nats
 import pytest
 
+from kvfabric.cluster.natsauth import nats_auth_from_env
 from kvfabric.proto import directory as m
-from kvfabric.runtime.natsauth import nats_auth_from_env
 from tests.integration.cluster import directory_call
 
 pytestmark = pytest.mark.integration

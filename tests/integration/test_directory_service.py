@@ -15,6 +15,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from kvfabric.cluster.requests import error_from_response
 from kvfabric.format.errors import (
     BadRequest,
     BatchTooLarge,
@@ -29,7 +30,6 @@ from kvfabric.proto.codec import encode
 from kvfabric.proto.segment import FreeSlotsReply, FreeSlotsRequest, segment_decoder
 from kvfabric.proto.subjects import Service, instance_subject, segment_subject
 from kvfabric.proto.tickets import ticket_signature_valid
-from kvfabric.runtime.replies import error_from_response
 from kvfabric.testing import NatsServer, ServiceProcess, metric_value, micro_control, scrape_metrics_async
 from tests.integration.cluster import ask_directory, directory_router
 from tests.unit.core.dirkit import checksum_of, groups, key

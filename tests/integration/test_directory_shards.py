@@ -20,6 +20,7 @@ from pathlib import Path
 import nats
 import pytest
 
+from kvfabric.cluster.directory_router import DirectoryRouter, ShardRoute
 from kvfabric.core.leadership import desired_owner
 from kvfabric.ctl.queries import EVENTS_STREAM
 from kvfabric.dataplane.tcp import TcpDataClient
@@ -27,7 +28,6 @@ from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import StaleGeneration
 from kvfabric.proto import directory as m
 from kvfabric.proto.shards import shard_of
-from kvfabric.runtime.directory_router import DirectoryRouter, ShardRoute
 from kvfabric.testing import NatsCluster, NatsServer
 from kvfabric.testing.clientkit import load_all
 from tests.integration.clientkit import (

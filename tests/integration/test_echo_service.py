@@ -13,11 +13,10 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from kvfabric.cluster.requests import error_from_response, request
 from kvfabric.format.errors import BadRequest, Busy, Unavailable
 from kvfabric.proto.echo import ECHO_DELAY_MS_MAX, ECHO_TEXT_BYTES_MAX, EchoReply, EchoRequest, echo_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject, service_group
-from kvfabric.runtime import request
-from kvfabric.runtime.replies import error_from_response
 from kvfabric.testing import ServiceProcess, metric_value, micro_control, scrape_metrics_async
 
 pytestmark = pytest.mark.integration

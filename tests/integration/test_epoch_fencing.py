@@ -14,6 +14,7 @@ from nats.aio.msg import Msg
 from prometheus_client import generate_latest
 
 from kvfabric.client import AsyncKvClient, ClientSettings
+from kvfabric.cluster.requests import request
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import StaleGeneration
@@ -21,7 +22,6 @@ from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.segment import FreeSlotsRequest, ReportRequest, SegmentReport, segment_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject, instance_subject, segment_subject
-from kvfabric.runtime import request
 from kvfabric.testing import NatsServer, ServiceProcess, metric_value
 from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, prompt
 from tests.integration.cluster import TIMEOUT_S, directory_call, directory_process, segment_process

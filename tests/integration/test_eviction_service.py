@@ -12,11 +12,11 @@ import nats
 import pytest
 
 from kvfabric.client import Hit, KvClient
+from kvfabric.cluster.requests import request as nats_request
 from kvfabric.format.ids import GroupKey
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
 from kvfabric.proto.subjects import Service, endpoint_subject
-from kvfabric.runtime import request as nats_request
 from kvfabric.testing import NatsServer, ServiceProcess
 from tests.integration.clientkit import (
     CHUNK_BYTES,

@@ -24,6 +24,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvfabric.client import AsyncKvClient
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.core.authz import SCOPE_SEPARATOR
 from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.format.checksum import checksum
@@ -31,7 +32,6 @@ from kvfabric.format.errors import Busy, KvfError
 from kvfabric.format.ids import GroupId, ObjectKey
 from kvfabric.format.key import KVKey, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
-from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing import NatsServer
 from kvfabric.testing.tenants import Secure
 from tests.integration.clientkit import TOKENS_PER_CHUNK, objects_for, prompt

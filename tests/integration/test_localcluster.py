@@ -18,8 +18,8 @@ import nats.errors
 import pytest
 
 from kvfabric.client import KvClient, settings_from_env
+from kvfabric.cluster.natsauth import nats_auth_from_env
 from kvfabric.proto import directory as m
-from kvfabric.runtime.natsauth import nats_auth_from_env
 from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, objects_for, prompt
 from tests.integration.cluster import directory_call
 

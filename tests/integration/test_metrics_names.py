@@ -13,11 +13,11 @@ import nats
 import pytest
 from prometheus_client import generate_latest
 
+from kvfabric.cluster.requests import request
 from kvfabric.proto.eviction import EvictionStatus, EvictionStatusRequest, eviction_decoder
 from kvfabric.proto.prefetch import PrefetchStatusRequest, prefetch_decoder
 from kvfabric.proto.repair import RepairStatusRequest, repair_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject
-from kvfabric.runtime import request
 from kvfabric.testing import NatsServer, scrape_metrics
 from tests.integration.clientkit import client, objects_for, prompt
 from tests.integration.cluster import (

@@ -15,13 +15,13 @@ import msgspec
 import nats
 import pytest
 
+from kvfabric.cluster.requests import request as nats_request
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.key import chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto import prefetch as p
 from kvfabric.proto.subjects import Service, endpoint_subject
-from kvfabric.runtime import request as nats_request
 from kvfabric.testing import NatsServer
 from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, chunk_bytes, client, objects_for, prompt
 from tests.integration.cluster import directory_call, directory_process, prefetch_process, segment_process

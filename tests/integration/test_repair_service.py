@@ -15,11 +15,11 @@ import time
 import nats
 import pytest
 
+from kvfabric.cluster.requests import request as nats_request
 from kvfabric.format.ids import GroupKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject
-from kvfabric.runtime import request as nats_request
 from kvfabric.testing import NatsServer
 from tests.integration.clientkit import (
     CHUNK_BYTES,

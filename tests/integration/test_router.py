@@ -19,9 +19,9 @@ import httpx
 import nats
 import pytest
 
+from kvfabric.cluster.requests import request as nats_request
 from kvfabric.proto import router as r
 from kvfabric.proto.subjects import Service, endpoint_subject
-from kvfabric.runtime import request as nats_request
 from kvfabric.testing import NatsServer, ServiceProcess
 from kvfabric.testing.ports import free_port
 from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, client, objects_for, prompt

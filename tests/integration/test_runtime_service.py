@@ -16,6 +16,7 @@ import pytest_asyncio
 import structlog
 from nats.aio.client import Client as NatsClient
 
+from kvfabric.cluster.requests import request
 from kvfabric.format.errors import Indeterminate, KvfError, NotFound, Unavailable
 from kvfabric.format.invariant import invariant
 from kvfabric.proto.common import TRACE_ID_HEADER
@@ -27,7 +28,6 @@ from kvfabric.runtime import (
     EXIT_UNAVAILABLE,
     RuntimeSettings,
     ServiceRuntime,
-    request,
 )
 from kvfabric.runtime.echo_service import EchoHandler
 from kvfabric.runtime.service import RuntimeState

@@ -18,6 +18,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from kvfabric.cluster.requests import request
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
 from kvfabric.format.clock import now_ms
@@ -27,7 +28,6 @@ from kvfabric.proto import directory as m
 from kvfabric.proto.segment import CopyReply, CopyRequest, segment_decoder
 from kvfabric.proto.subjects import Service, segment_subject, service_group
 from kvfabric.proto.tickets import sign_ticket
-from kvfabric.runtime import request
 from kvfabric.testing import NatsServer, ServiceProcess, metric_value, scrape_metrics_async
 from tests.integration.cluster import (
     SECRET,

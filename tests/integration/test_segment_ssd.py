@@ -15,13 +15,13 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvfabric.client.transfers import SegmentPool
+from kvfabric.cluster.requests import request
 from kvfabric.dataplane.scatter import ScatterDest, WriteGate
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.checksum import checksum
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import SSD_SLOT_BASE, ReportRequest, SegmentReport, segment_decoder, tier_of_slot
 from kvfabric.proto.subjects import segment_subject
-from kvfabric.runtime.client import request
 from kvfabric.segment_storage.ssd import SsdIo, SsdTier
 from kvfabric.testing import NatsServer, ServiceProcess, metric_value, scrape_metrics_async
 from tests.integration.cluster import (

@@ -14,12 +14,12 @@ import nats
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from kvfabric.cluster.requests import request as nats_request
 from kvfabric.format.key import KVKey, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 from kvfabric.proto import prefetch as p
 from kvfabric.proto.segment import DemoteObject, DemoteReply, DemoteRequest, segment_decoder, tier_of_slot
 from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject
-from kvfabric.runtime import request as nats_request
 from kvfabric.testing import NatsServer, metric_value, scrape_metrics
 from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, client, objects_for, prompt
 from tests.integration.cluster import directory_call, directory_process, prefetch_process, segment_process

@@ -26,6 +26,9 @@ from nats.aio.msg import Msg
 
 from kvfabric.client import KvClient
 from kvfabric.client.transfers import read_ref
+from kvfabric.cluster.directory_router import DirectoryRouter
+from kvfabric.cluster.natsauth import NatsAuth, nats_auth_from_env
+from kvfabric.cluster.requests import request
 from kvfabric.core.authz import SCOPE_SEPARATOR
 from kvfabric.ctl import queries
 from kvfabric.ctl.auth import plan_auth, write_auth
@@ -55,9 +58,6 @@ from kvfabric.proto.subjects import (
     tenant_instance_subject,
     tenant_subject,
 )
-from kvfabric.runtime import request
-from kvfabric.runtime.directory_router import DirectoryRouter
-from kvfabric.runtime.natsauth import NatsAuth, nats_auth_from_env
 from kvfabric.segment_storage.backend import CLOCK_SKEW_TOLERANCE_MS_DEFAULT
 from kvfabric.testing import NatsServer
 from kvfabric.testing.tenants import Secure, groups_of

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import pytest
 
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import BadRequest, BatchTooLarge, KvfError
 from kvfabric.format.ids import ObjectKey
 from kvfabric.format.key import KVKey, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
-from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing import NatsServer, ServiceProcess
 from kvfabric.testing.tenants import Secure
 from tests.integration.clientkit import TOKENS_PER_CHUNK, objects_for, prompt

@@ -46,13 +46,13 @@ import nats
 import pytest
 
 from kvfabric.client import ClientSettings, KvClient
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.directory import cpu_priority
 from kvfabric.directory.admission import cost_of
 from kvfabric.directory.settings import FAIR_DEFAULT
 from kvfabric.format.errors import Busy, KvfError
 from kvfabric.format.ids import GroupId
 from kvfabric.proto import directory as m
-from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing.clientkit import TOKENS_PER_CHUNK, prompt
 from kvfabric.testing.probes import metric_value, scrape_metrics
 from tests.integration.cluster import directory_router

@@ -32,12 +32,12 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvfabric.client import ClientSettings
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.ctl.auth import plan_auth, write_auth
 from kvfabric.format.errors import Busy, KvfError, NotFound, RateLimited
 from kvfabric.format.ids import GroupId
 from kvfabric.format.key import chunk_groups_for_prefix
 from kvfabric.proto import directory as m
-from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing import NatsServer, ServiceProcess
 from kvfabric.testing.probes import metric_value, scrape_metrics
 from kvfabric.testing.tenants import Secure

@@ -22,8 +22,8 @@ import nats
 import nats.errors
 import pytest
 
+from kvfabric.cluster.natsauth import nats_auth_from_env
 from kvfabric.ctl.auth import PASSWORD_BYTES, plan_auth, write_auth
-from kvfabric.runtime.natsauth import nats_auth_from_env
 from kvfabric.testing import NatsServer
 
 CONNECT_TIMEOUT_S = 5.0

@@ -13,6 +13,7 @@ from typing import Any, cast
 import msgspec
 import pytest
 
+from kvfabric.cluster.directory_router import DirectoryRouter, ShardRoute
 from kvfabric.cluster.lookups import ShardResult, lookup_by_instance
 from kvfabric.directory.shard_requests import check_lookup_many
 from kvfabric.format.errors import (
@@ -25,7 +26,6 @@ from kvfabric.format.errors import (
 )
 from kvfabric.format.ids import GroupId
 from kvfabric.proto import directory as m
-from kvfabric.runtime.directory_router import DirectoryRouter, ShardRoute
 
 EPOCH = 5
 

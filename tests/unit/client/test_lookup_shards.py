@@ -13,10 +13,10 @@ from typing import Any, cast
 import msgspec
 
 from kvfabric.client import AsyncKvClient, ClientSettings
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.format.errors import Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto.shards import shard_of
-from kvfabric.runtime.directory_router import DirectoryRouter
 from tests.integration.clientkit import SPEC, prompt
 
 SHARDS = 4

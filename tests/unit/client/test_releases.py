@@ -21,9 +21,9 @@ from kvfabric.client.releases import (
     give_back,
     release_batches,
 )
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.format.errors import Busy, Indeterminate, NotFound
 from kvfabric.proto import directory as m
-from kvfabric.runtime.directory_router import DirectoryRouter
 from tests.integration.clientkit import SPEC
 
 SHARDS = 3

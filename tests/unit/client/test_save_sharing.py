@@ -17,10 +17,10 @@ from kvfabric.client import AsyncKvClient, ClientSettings
 from kvfabric.client.aio import SAVE_INLINE_CHECKSUM_BYTES_MAX, SAVE_WRITE_STREAM_BYTES_TARGET
 from kvfabric.client.hits import SaveResult
 from kvfabric.client.saves import write_streams
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
-from kvfabric.runtime.directory_router import DirectoryRouter
 from tests.integration.clientkit import SPEC
 
 SHARDS = 2

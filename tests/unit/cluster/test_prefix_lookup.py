@@ -10,12 +10,12 @@ from typing import Any, cast
 
 import msgspec
 
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.cluster.lookups import Lease, lookup_prefix, merge_lookups
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.format.ids import GroupId
 from kvfabric.proto import directory as m
 from kvfabric.proto.shards import shard_of
-from kvfabric.runtime.directory_router import DirectoryRouter
 from tests.unit.core.dirkit import groups
 
 SHARDS = 4

@@ -12,6 +12,7 @@ from typing import Any, cast
 import msgspec
 import pytest
 
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
 from kvfabric.eviction_policy import handlers
 from kvfabric.eviction_policy.handlers import EvictionShell
@@ -27,7 +28,6 @@ from kvfabric.format.ids import ChainHash, DomainDigest, GroupId, LayoutDigest, 
 from kvfabric.format.key import ChunkGroupId, KVKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import DEMOTE_BATCH_MAX, DemoteReply, DemoteRequest, DemoteResult, DemoteStatus
-from kvfabric.runtime.directory_router import DirectoryRouter
 from tests.unit.eviction_policy.test_shell import A, chain, published
 
 MiB = 1 << 20

@@ -9,12 +9,12 @@ from typing import Any, cast
 
 import msgspec
 
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
 from kvfabric.eviction_policy.handlers import EvictionShell
 from kvfabric.format.errors import Indeterminate
 from kvfabric.proto import directory as m
 from kvfabric.proto.shards import shard_of
-from kvfabric.runtime.directory_router import DirectoryRouter
 from tests.unit.eviction_policy.test_shell import A, published
 
 SHARDS = 3

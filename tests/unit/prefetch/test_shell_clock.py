@@ -13,10 +13,10 @@ from typing import Any, cast
 import msgspec
 import pytest
 
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.prefetch import shell as shell_module
 from kvfabric.proto import directory as m
 from kvfabric.proto import prefetch as p
-from kvfabric.runtime.directory_router import DirectoryRouter
 from tests.unit.core.dirkit import groups
 from tests.unit.prefetch.test_shell_shards import make_shell
 

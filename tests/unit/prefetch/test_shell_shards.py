@@ -10,6 +10,7 @@ from typing import Any, cast
 import msgspec
 import pytest
 
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.core.prefetch import PrefetchConfig, PrefetchCore
 from kvfabric.format.errors import Unavailable
 from kvfabric.format.ids import GroupId
@@ -18,7 +19,6 @@ from kvfabric.prefetch.shell import PrefetchShell
 from kvfabric.proto import directory as m
 from kvfabric.proto import prefetch as p
 from kvfabric.proto.shards import shard_of
-from kvfabric.runtime.directory_router import DirectoryRouter
 from tests.unit.core.dirkit import groups
 
 SHARDS = 4

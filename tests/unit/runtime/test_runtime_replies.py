@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvfabric.cluster.requests import error_from_response
 from kvfabric.format.errors import (
     BadRequest,
     BatchTooLarge,
@@ -21,7 +22,6 @@ from kvfabric.proto.codec import encode
 from kvfabric.proto.common import ErrorReply
 from kvfabric.runtime.replies import (
     DESCRIPTION_CHARS_MAX,
-    error_from_response,
     error_response,
     header_safe,
     internal_error,

@@ -45,7 +45,7 @@ shard's. A request must name keys of one shard only, except `lookup_many` and
 leads, each part under its shard's epoch and answered (or refused) on its own (one round trip
 per instance, not per shard). `shard_map` is answered by every instance (standbys included)
 with the shards it leads; callers assemble and cache the map
-(`kvfabric.runtime.directory_router`). An instance that does not lead the shard answers
+(`kvfabric.cluster.directory_router`). An instance that does not lead the shard answers
 `wrong_shard`. `register`, `heartbeat` and the listings go to every instance; their replies
 cover the shards that instance leads.
 

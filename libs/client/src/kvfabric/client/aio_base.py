@@ -12,6 +12,7 @@ from nats.aio.client import Client as NatsClient
 from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.settings import ClientSettings
 from kvfabric.client.transfers import SegmentPool
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.format.errors import Indeterminate, KvfError, RateLimited, StaleGeneration, Unavailable
 from kvfabric.format.key import (
     ChunkExtras,
@@ -25,7 +26,6 @@ from kvfabric.format.key import (
 )
 from kvfabric.proto import directory as m
 from kvfabric.proto.common import TRACE_ID_HEADER
-from kvfabric.runtime.directory_router import DirectoryRouter
 
 Destination: TypeAlias = memoryview | bytearray | Sequence[memoryview]
 """Where one object's bytes go: one writable buffer, or a scatter list of writable byte views

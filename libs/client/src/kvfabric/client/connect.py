@@ -35,8 +35,8 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from kvfabric.client.settings import ClientSettings
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, Unauthorized, Unavailable
-from kvfabric.runtime.directory_router import DirectoryRouter
 
 __all__ = ["ERROR_LOG_INTERVAL_S", "RETRY_WAIT_S", "NatsErrors", "open_nats", "start_error"]
 

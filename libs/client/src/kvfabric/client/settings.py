@@ -16,10 +16,10 @@ from typing import Final
 import msgspec
 
 from kvfabric.client.threads import parse_cpu_list
+from kvfabric.cluster.natsauth import NatsAuth
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.key import ShareDomain
 from kvfabric.proto.subjects import check_tenant, tenant_inbox_prefix
-from kvfabric.runtime.natsauth import NatsAuth
 
 __all__ = ["ClientSettings", "settings_from_env"]
 

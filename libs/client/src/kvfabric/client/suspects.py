@@ -23,9 +23,9 @@ from typing import Final
 
 from prometheus_client import Counter
 
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.format.errors import KvfError
 from kvfabric.proto import directory as m
-from kvfabric.runtime.directory_router import DirectoryRouter
 
 __all__ = ["REPORTED_MAX", "REPORTS_INFLIGHT_MAX", "REPORT_TIMEOUT_S", "SuspectReporter"]
 

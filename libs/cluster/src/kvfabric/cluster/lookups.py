@@ -34,11 +34,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable, error_from_wire
 from kvfabric.format.ids import GroupId
 from kvfabric.proto import directory as m
 from kvfabric.proto.common import TRACE_ID_HEADER
-from kvfabric.runtime.directory_router import DirectoryRouter
 
 __all__ = [
     "LOOKUP_MANY_VERB",

@@ -13,14 +13,14 @@ import asyncio
 import contextlib
 from typing import Literal
 
+from kvfabric.cluster.directory_router import DirectoryRouter
+from kvfabric.cluster.requests import request
 from kvfabric.dataplane.addresses import pick_stream
 from kvfabric.format.errors import KvfError
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import CopyReply, CopyRequest, SegmentMessage, segment_decoder
 from kvfabric.proto.subjects import segment_subject
-from kvfabric.runtime.client import request
-from kvfabric.runtime.directory_router import DirectoryRouter
 
 __all__ = ["CopyOutcome", "copy_replica"]
 

@@ -25,14 +25,14 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from kvfabric.cluster.directory_router import DirectoryRouter
+from kvfabric.cluster.natsauth import nats_auth_from_env
+from kvfabric.cluster.requests import request
 from kvfabric.format.errors import BadRequest, Indeterminate, NotFound, Unavailable
 from kvfabric.format.ids import DomainDigest, GroupId, domain_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject, events_wildcard, segment_subject
-from kvfabric.runtime.client import request
-from kvfabric.runtime.directory_router import DirectoryRouter
-from kvfabric.runtime.natsauth import nats_auth_from_env
 
 __all__ = [
     "EVENTS_STREAM",

@@ -79,6 +79,7 @@ from nats.micro.request import Request as MicroRequest
 from nats.micro.service import EndpointStats, ServiceVerb, control_subject
 from nats.micro.service import Service as MicroService
 
+from kvfabric.cluster.natsauth import nats_auth_from_env
 from kvfabric.format.errors import BadRequest, Busy, KvfError, Unavailable
 from kvfabric.format.invariant import InvariantViolation, invariant
 from kvfabric.proto.codec import encode
@@ -96,7 +97,6 @@ from kvfabric.runtime.deadline import EXIT_STOP_OVERRUN, StopWatchdog, cancel_an
 from kvfabric.runtime.inflight import Admission, TenantLimiter
 from kvfabric.runtime.logs import get_logger, request_context
 from kvfabric.runtime.metrics import MetricsServer, Outcome, ServiceMetrics
-from kvfabric.runtime.natsauth import nats_auth_from_env
 from kvfabric.runtime.replies import error_response, internal_error
 
 __all__ = [

@@ -19,6 +19,8 @@ from typing import Any, Final
 import msgspec
 from nats.aio.client import Client as NatsClient
 
+from kvfabric.cluster.directory_router import DirectoryRouter
+from kvfabric.cluster.requests import request
 from kvfabric.ctl import queries
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import KvfError, Unavailable
@@ -28,8 +30,6 @@ from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
 from kvfabric.proto.subjects import segment_subject
 from kvfabric.proto.tickets import read_token
-from kvfabric.runtime import request
-from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.testing.nats_server import NatsServer
 from kvfabric.testing.process import ServiceProcess
 

@@ -17,10 +17,10 @@ import nats
 from nats.aio.client import Client as NatsClient
 
 from kvfabric.client import ClientSettings, EngineSpec, KvClient
+from kvfabric.cluster.natsauth import NatsAuth
 from kvfabric.dataplane.tls import client_context
 from kvfabric.format.ids import GroupId
 from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix
-from kvfabric.runtime.natsauth import NatsAuth
 from kvfabric.testing.clientkit import SPEC
 from kvfabric.testing.nats_server import NatsServer
 

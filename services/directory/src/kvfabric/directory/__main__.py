@@ -36,6 +36,7 @@ from typing import Final
 
 import nats
 
+from kvfabric.cluster.natsauth import nats_auth_from_env
 from kvfabric.core.leadership import LeadershipConfig
 from kvfabric.core.shard_lifecycle import LifecycleConfig
 from kvfabric.directory import cpu_priority
@@ -55,7 +56,6 @@ from kvfabric.runtime.config import RuntimeSettings, SettingsError
 from kvfabric.runtime.deadline import EXIT_STOP_OVERRUN, cancel_and_wait, exit_now
 from kvfabric.runtime.gcpolicy import freeze_long_lived
 from kvfabric.runtime.logs import get_logger
-from kvfabric.runtime.natsauth import nats_auth_from_env
 from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
 
 DIRECTORY_VERSION: Final = "0.2.0"

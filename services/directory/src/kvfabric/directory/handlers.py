@@ -30,6 +30,7 @@ import msgspec
 from nats.aio.client import Client as NatsClient
 from nats.js.api import StreamConfig
 
+from kvfabric.cluster.requests import request
 from kvfabric.core import authz
 from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent, FreeSlots, Outcome
 from kvfabric.directory.events import EVENTS_STREAM, EventPublisher, EventsStream
@@ -39,7 +40,6 @@ from kvfabric.format.errors import KvfError, NotFound, WrongShard
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import FreeSlotsReply, FreeSlotsRequest, segment_decoder
 from kvfabric.proto.subjects import Service, event_subject, events_wildcard, segment_subject
-from kvfabric.runtime.client import request
 from kvfabric.runtime.deadline import cancel_and_wait
 from kvfabric.runtime.logs import get_logger
 

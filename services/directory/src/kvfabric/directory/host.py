@@ -4,7 +4,7 @@ Requests arrive on this instance's subjects (`kvf.v1.directory.<verb>.<instance>
 `kvf.v1.directory.t.<tenant>.<verb>.<instance>`), are decoded, and go to the shell of their
 shard: the shard of their keys (all keys of one request must share it) or their `shard` field
 (leases, pins, listings). A shard this instance does not lead (any more) → `wrong_shard`: the
-caller refreshes its map (`kvfabric.runtime.directory_router`). `register` and `heartbeat` go to
+caller refreshes its map (`kvfabric.cluster.directory_router`). `register` and `heartbeat` go to
 every shard core here (each keeps the segment table it places on); registrations are written to
 the durable segment registry first. `shard_map` (every instance, no queue group) answers with
 the shards led here (`kvfabric.directory.shard_map`: a tenant's only into its own inbox, with a

@@ -15,6 +15,7 @@ from typing import Final
 
 from nats.aio.client import Client as NatsClient
 
+from kvfabric.cluster.requests import request
 from kvfabric.core.directory.rebuild import SegmentHolding
 from kvfabric.format.errors import KvfError
 from kvfabric.proto import directory as m
@@ -28,7 +29,6 @@ from kvfabric.proto.segment import (
 )
 from kvfabric.proto.shards import shard_of
 from kvfabric.proto.subjects import segment_subject
-from kvfabric.runtime.client import request
 from kvfabric.runtime.logs import get_logger
 
 __all__ = ["gather_holdings"]

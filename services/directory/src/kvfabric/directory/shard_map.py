@@ -2,7 +2,7 @@
 
 `kvf.v1.directory.shard_map` (and per tenant `kvf.v1.directory.t.<tenant>.shard_map`) is not a
 queue group: every instance answers with the shards it leads (`ShardHost.shard_map`), so a
-router (`kvfabric.runtime.directory_router`) merges all answers into its map. A tenant's request
+router (`kvfabric.cluster.directory_router`) merges all answers into its map. A tenant's request
 is answered only into its own inbox, only when it has a grant on this instance, and at most
 `SHARD_MAP_TENANT_PER_S` times a second (burst as many): a tenant flooding it gets no answer (its
 router retries later), counted in `rate_limited`.

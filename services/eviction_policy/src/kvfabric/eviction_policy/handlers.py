@@ -76,6 +76,8 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from kvfabric.cluster.directory_router import DirectoryRouter
+from kvfabric.cluster.requests import request as nats_request
 from kvfabric.core.eviction import EvictBatch, EvictionCore
 from kvfabric.core.eviction_admission import filter_parts, with_bloom
 from kvfabric.core.eviction_events import EvictionEvent, EvictionOutput, Tick
@@ -98,9 +100,7 @@ from kvfabric.proto import eviction as e
 from kvfabric.proto.codec import encode
 from kvfabric.proto.segment import DemoteObject, DemoteReply, DemoteRequest, segment_decoder, tier_of_slot
 from kvfabric.proto.subjects import Service, endpoint_subject, events_wildcard, segment_subject
-from kvfabric.runtime import request as nats_request
 from kvfabric.runtime.core_driver import CoreDriver
-from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 

@@ -49,6 +49,7 @@ import msgspec
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.cluster.lookups import lookup_prefix
 from kvfabric.cluster.replicas import copy_replica
 from kvfabric.core.prefetch import (
@@ -93,7 +94,6 @@ from kvfabric.proto.codec import decode_as
 from kvfabric.proto.segment import tier_of_slot
 from kvfabric.proto.subjects import Service, check_segment_id, event_subject
 from kvfabric.runtime.core_driver import CoreDriver
-from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 

@@ -28,6 +28,7 @@ from typing import Final
 import msgspec
 from nats.aio.client import Client as NatsClient
 
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.cluster.replicas import copy_replica
 from kvfabric.core.repair import DrainComplete, RepairCore, StartCopy
 from kvfabric.core.repair_events import CopyFailed, RepairEvent, RepairOutput, Tick
@@ -38,7 +39,6 @@ from kvfabric.proto import directory as m
 from kvfabric.proto.codec import decode_as
 from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
 from kvfabric.runtime.core_driver import CoreDriver
-from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 

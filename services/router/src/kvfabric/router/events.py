@@ -25,12 +25,12 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex
 from kvfabric.format.errors import BadRequest, KvfError
 from kvfabric.format.ids import NAMESPACE_BYTES, DomainDigest, domain_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.subjects import Service, events_wildcard
-from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 
 __all__ = ["EVENTS_STREAM", "IndexFollower"]

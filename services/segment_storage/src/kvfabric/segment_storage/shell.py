@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Final
 import msgspec
 from nats.aio.client import Client as NatsClient
 
+from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.core.segment_slots import HeldSlot, SlotTable
 from kvfabric.dataplane.addresses import join
 from kvfabric.dataplane.tcp import TcpDataServer
@@ -73,7 +74,6 @@ from kvfabric.proto.segment import (
     SegmentState,
     segment_decoder,
 )
-from kvfabric.runtime.directory_router import DirectoryRouter
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.segment_storage.arena import Arena, lock_segment_id, remove_stale_arenas, unlock_segment_id

@@ -19,7 +19,7 @@ from kvfabric.format.errors import Indeterminate, NotFound, StaleGeneration, Una
 from kvfabric.proto import directory as m
 
 if TYPE_CHECKING:
-    from kvfabric.runtime.directory_router import DirectoryRouter
+    from kvfabric.cluster.directory_router import DirectoryRouter
     from kvfabric.segment_storage.backend import ArenaBackend
     from kvfabric.segment_storage.confirms import ConfirmBatcher
     from kvfabric.segment_storage.settings import SegmentSettings

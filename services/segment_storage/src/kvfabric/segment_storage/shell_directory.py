@@ -21,8 +21,8 @@ from kvfabric.proto.common import TRACE_ID_HEADER
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
+    from kvfabric.cluster.directory_router import DirectoryRouter
     from kvfabric.core.segment_slots import SlotTable
-    from kvfabric.runtime.directory_router import DirectoryRouter
     from kvfabric.segment_storage.backend import ArenaBackend
     from kvfabric.segment_storage.settings import SegmentSettings
     from kvfabric.segment_storage.ssd import SsdTier

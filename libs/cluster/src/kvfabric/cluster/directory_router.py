@@ -37,6 +37,7 @@ from typing import Final
 import msgspec
 from nats.aio.client import Client as NatsClient
 
+from kvfabric.cluster.requests import request
 from kvfabric.format.errors import Indeterminate, KvfError, StaleGeneration, Unavailable
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
@@ -49,7 +50,6 @@ from kvfabric.proto.subjects import (
     tenant_instance_subject,
     tenant_subject,
 )
-from kvfabric.runtime.client import request
 
 __all__ = ["DirectoryRouter", "ShardRoute", "merge_map"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvfabric.cluster.directory_router import merge_map
 from kvfabric.proto import directory as m
-from kvfabric.runtime.directory_router import merge_map
 
 SHARDS = 4
 INSTANCES = ("a", "b", "c")

@@ -1,5 +1,8 @@
 """Calling a kvfabric endpoint: one request, a typed reply or a typed `KvfError`.
 
+Caller side, shared by the client, kvctl and the services when they call another service (the
+server side, `KvfError` -> ADR-32 service error, is `kvfabric.runtime.replies`).
+
 Outcomes of `request`:
 - a reply: decoded with `reply_decoder` and returned;
 - an error reply: the `KvfError` subclass it names (`BadRequest`, `Busy`, ...) is raised;
@@ -8,6 +11,10 @@ Outcomes of `request`:
 - no reply in `timeout_s`, a connection failure after sending, or a reply that cannot be
   decoded: `Indeterminate`: the request may or may not have taken effect. Resolve it by a read
   or by an idempotent retry with the same request id, never by assuming it failed.
+
+`error_from_response` rebuilds the right `KvfError` subclass from an error reply's body, falling
+back to the headers when the body is not an `ErrorReply` (a non-kvfabric micro service, or a
+500 sent by `nats.micro` itself), and returns None for a success reply.
 """
 
 from __future__ import annotations
@@ -19,15 +26,23 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from kvfabric.format.errors import BadRequest, Indeterminate, Unavailable
+from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, Unavailable, error_from_wire
 from kvfabric.format.invariant import invariant
 from kvfabric.proto.codec import FamilyDecoder, encode
-from kvfabric.proto.common import REQUEST_ID_HEADER
-from kvfabric.runtime.replies import error_from_response
+from kvfabric.proto.common import (
+    ERROR_CODE_HEADER,
+    NATS_SERVICE_ERROR_CODE_HEADER,
+    NATS_SERVICE_ERROR_HEADER,
+    REQUEST_ID_HEADER,
+    ErrorReply,
+    error_from_reply,
+)
 
-__all__ = ["request"]
+__all__ = ["error_from_response", "request"]
 
 T = TypeVar("T")
+
+_error_reply_decoder: FamilyDecoder[ErrorReply] = FamilyDecoder(ErrorReply, "common.error")
 
 
 async def request(
@@ -72,3 +87,20 @@ async def request(
         return reply_decoder.decode(reply.data)
     except BadRequest as exc:
         raise Indeterminate(f"undecodable reply from {subject}: {exc.message}", subject=subject) from None
+
+
+def error_from_response(headers: Mapping[str, str] | None, data: bytes) -> KvfError | None:
+    """The error a reply carries, or None when it is a success reply."""
+    if not headers or NATS_SERVICE_ERROR_CODE_HEADER not in headers:
+        return None
+    status = headers[NATS_SERVICE_ERROR_CODE_HEADER]
+    description = headers.get(NATS_SERVICE_ERROR_HEADER, "")
+    if data:
+        try:
+            return error_from_reply(_error_reply_decoder.decode(data))
+        except BadRequest:
+            pass  # not our body: fall back to the headers
+    code = headers.get(ERROR_CODE_HEADER)
+    if code:
+        return error_from_wire(code, description or code, {"status": status})
+    return KvfError(f"service error {status}: {description}", status=status)

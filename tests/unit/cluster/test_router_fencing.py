@@ -10,10 +10,10 @@ from typing import Any, cast
 import msgspec
 import pytest
 
+from kvfabric.cluster import directory_router
+from kvfabric.cluster.directory_router import DirectoryRouter, ShardRoute
 from kvfabric.format.errors import Indeterminate, StaleGeneration, WrongShard
 from kvfabric.proto import directory as m
-from kvfabric.runtime import directory_router
-from kvfabric.runtime.directory_router import DirectoryRouter, ShardRoute
 
 
 class MapRouter(DirectoryRouter):
