@@ -22,21 +22,38 @@ REPO: Final = Path(__file__).resolve().parents[2]
 CONFIG: Final = REPO / "pyproject.toml"
 LINT_TIMEOUT_S: Final = 120.0
 
-LAYERS = "Library layers: format <- proto <- core | dataplane <- cluster : runtime <- client <- engines"
+LAYERS = (
+    "Library layers: format <- proto <- core | dataplane <- cluster <- client | runtime; client <- engines"
+)
 SERVICES = (
     "Services never import the client library (what engines link): shared caller code lives in "
     "kvfabric.cluster"
 )
+RUNTIME = "The client and engines do not import the service runtime, not even indirectly"
 TESTS = "Nothing imports tests (helpers shared with bench and tools live in kvfabric.testing)"
 
 # (contract, file of the copy, relative to the copy's root, that gets the import, the import, the
-# import as the report names it); "nothing imports tests" once from each of bench/, tools/ and a lib.
+# import as the report names it); the layers once downwards (format -> client) and once from cluster
+# into the runtime beside the client; "nothing imports tests" once from each of bench/, tools/ and a
+# lib.
 VIOLATIONS: Final = (
     (
         LAYERS,
         "src/kvfabric/format/errors.py",
         "import kvfabric.client",
         "kvfabric.format.errors -> kvfabric.client",
+    ),
+    (
+        LAYERS,
+        "src/kvfabric/cluster/replicas.py",
+        "import kvfabric.runtime.service",
+        "kvfabric.cluster.replicas -> kvfabric.runtime.service",
+    ),
+    (
+        RUNTIME,
+        "src/kvfabric/client/settings.py",
+        "import kvfabric.runtime.service",
+        "kvfabric.client.settings -> kvfabric.runtime.service",
     ),
     (
         SERVICES,
