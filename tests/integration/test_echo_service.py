@@ -106,7 +106,7 @@ async def test_bad_requests_are_typed_and_service_stays_up(
 
     with pytest.raises(BadRequest, match="malformed echo message"):
         await request(nats_client, SAY, _Bogus(x=1), echo_decoder, REQUEST_TIMEOUT_S)
-    with pytest.raises(BadRequest, match="expected EchoRequest"):
+    with pytest.raises(BadRequest, match="say takes EchoRequest, got EchoReply"):
         await request(nats_client, SAY, EchoReply(text="x", instance_id="y"), echo_decoder, REQUEST_TIMEOUT_S)
     with pytest.raises(BadRequest) as oversize:
         await say(nats_client, "x" * (ECHO_TEXT_BYTES_MAX + 1))

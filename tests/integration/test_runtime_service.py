@@ -68,7 +68,7 @@ def make_runtime(server: NatsServer, **overrides: Any) -> ServiceRuntime:
     }
     values.update(overrides)
     runtime = ServiceRuntime(Service.ECHO, RuntimeSettings(**values), version="1.2.3", description="test")
-    runtime.add_endpoint("say", EchoHandler("rt-1").say)
+    runtime.add_endpoint("say", EchoHandler("rt-1").say, request=EchoRequest, decoder=echo_decoder)
     runtime.add_endpoint("boom", boom)
     runtime.add_endpoint("bug", bug)
     runtime.add_endpoint("missing", missing)

@@ -5,7 +5,8 @@ Run: `python -m kvfabric.runtime.echo_service --nats-url nats://127.0.0.1:4222 -
 carries the bound `metrics_port`.
 
 Validation: text ≤ `ECHO_TEXT_BYTES_MAX` UTF-8 bytes and 0 ≤ delay_ms ≤ `ECHO_DELAY_MS_MAX`,
-else `BadRequest`; a reply-type message sent as a request is a `BadRequest` too. The handler
+else `BadRequest`; a reply-type message sent as a request is a `BadRequest` too (the runtime's:
+`say` is registered with its request type, so the handler gets an `EchoRequest`). The handler
 sleeps `delay_ms` before replying (a test aid to fill the in-flight limit).
 """
 
@@ -16,7 +17,6 @@ from collections.abc import Mapping
 from typing import Final
 
 from kvfabric.format.errors import BadRequest
-from kvfabric.proto.codec import decode_as
 from kvfabric.proto.echo import ECHO_DELAY_MS_MAX, ECHO_TEXT_BYTES_MAX, EchoReply, EchoRequest, echo_decoder
 from kvfabric.proto.subjects import Service
 from kvfabric.runtime.cli import service_cli
@@ -30,13 +30,12 @@ SAY_VERB: Final = "say"
 
 
 class EchoHandler:
-    """`say`: decode, validate, sleep `delay_ms`, echo the text with this instance's id."""
+    """`say`: validate, sleep `delay_ms`, echo the text with this instance's id."""
 
     def __init__(self, instance_id: str) -> None:
         self.instance_id = instance_id
 
-    async def say(self, data: bytes, headers: Mapping[str, str]) -> EchoReply:
-        message = decode_as(echo_decoder, data, EchoRequest)
+    async def say(self, message: EchoRequest, headers: Mapping[str, str]) -> EchoReply:
         text_bytes = len(message.text.encode("utf-8"))
         if text_bytes > ECHO_TEXT_BYTES_MAX:
             raise BadRequest(
@@ -62,7 +61,9 @@ def build_echo_runtime(settings: RuntimeSettings) -> ServiceRuntime:
         version=ECHO_SERVICE_VERSION,
         description="Echo: the minimal kvfabric service, exercising the runtime.",
     )
-    runtime.add_endpoint(SAY_VERB, EchoHandler(settings.instance_id).say)
+    runtime.add_endpoint(
+        SAY_VERB, EchoHandler(settings.instance_id).say, request=EchoRequest, decoder=echo_decoder
+    )
     return runtime
 
 

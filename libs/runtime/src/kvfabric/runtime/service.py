@@ -1,7 +1,8 @@
 """`ServiceRuntime`: one service instance as a `nats.micro` service, with the shell every daemon needs.
 
 Lifecycle (`state`): created → starting → running → stopping → stopped.
-- created: `add_endpoint(verb, handler)` registers handlers (only in this state).
+- created: `add_endpoint(verb, handler, request=Kind, decoder=family_decoder)` registers handlers
+  (only in this state; see "Typed endpoints" below).
 - starting: the metrics server binds, NATS connects (bounded reconnects), the micro service is
   registered (name = `Service` value, SemVer version, queue group = `service_group(service)`
   so instances share load; `$SRV.PING/INFO/STATS` answered by nats.micro), endpoints subscribe.
@@ -47,7 +48,18 @@ loop a receive and a reply (issue 21 row 2: 26-253 such refusals a second). Boun
 until answered); past either bound the refusal is answered at once, as are refusals of service
 requests and of a full lane. A stop answers every held refusal at once (`Unavailable`).
 
-Handler contract: `async (request_bytes, headers) -> msgspec.Struct`; raise a `KvfError` for an
+Typed endpoints: an endpoint registered with its request type (`request=Kind` and the
+`decoder` of Kind's message family) has its request decoded and checked by the runtime, once,
+in the request's task: a malformed message is the decoder's `BadRequest` ("malformed <family>
+message"), another message of the family is `BadRequest` ("<verb> takes <Kind>, got <Type>"),
+both answered as any handler's error (reply pad included) without calling the handler; the
+handler gets the typed message: `async (message: Kind, headers) -> msgspec.Struct`
+(`RequestHandler[Kind]`; `TenantRequestHandler[Kind]` adds the tenant). Registered without a
+request type, a handler gets the request bytes and decodes them itself (the directory host: a
+tenant's request is refused, when its share is spent, before it is decoded).
+
+Handler contract: `async (request_bytes, headers) -> msgspec.Struct`, or the typed message for a
+typed endpoint; raise a `KvfError` for an
 expected error (sent as a typed error reply, see `replies`). Any other exception is a 500
 `internal` reply, logged with its traceback, and the service keeps serving. `InvariantViolation`
 is a bug: logged once, `internal` reply, then the service stops and exits non-zero.
@@ -68,7 +80,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Final, TypeAlias
+from typing import Any, Final, TypeAlias, TypeVar, overload
 
 import msgspec
 import nats
@@ -82,7 +94,7 @@ from nats.micro.service import Service as MicroService
 from kvfabric.cluster.natsauth import nats_auth_from_env
 from kvfabric.format.errors import BadRequest, Busy, KvfError, Unavailable
 from kvfabric.format.invariant import InvariantViolation, invariant
-from kvfabric.proto.codec import encode
+from kvfabric.proto.codec import FamilyDecoder, decode_as, encode
 from kvfabric.proto.subjects import (
     TENANT_TOKEN,
     Service,
@@ -105,13 +117,20 @@ __all__ = [
     "EXIT_STOP_OVERRUN",
     "EXIT_UNAVAILABLE",
     "Handler",
+    "RequestHandler",
     "RuntimeState",
     "ServiceRuntime",
     "TenantHandler",
+    "TenantRequestHandler",
 ]
+
+M = TypeVar("M", bound=msgspec.Struct)
 
 Handler: TypeAlias = Callable[[bytes, Mapping[str, str]], Awaitable[msgspec.Struct]]
 TenantHandler: TypeAlias = Callable[[bytes, Mapping[str, str], str], Awaitable[msgspec.Struct]]
+# A typed endpoint's handler (module docstring): the runtime decoded and checked the message.
+RequestHandler: TypeAlias = Callable[[M, Mapping[str, str]], Awaitable[msgspec.Struct]]
+TenantRequestHandler: TypeAlias = Callable[[M, Mapping[str, str], str], Awaitable[msgspec.Struct]]
 
 EXIT_OK: Final = 0
 EXIT_UNAVAILABLE: Final = 69  # EX_UNAVAILABLE: NATS unreachable or lost past the reconnect budget
@@ -161,6 +180,24 @@ async def _tenant_only(data: bytes, headers: Mapping[str, str]) -> msgspec.Struc
     raise BadRequest("tenant endpoint called without a tenant")
 
 
+def _decoding(verb: str, decoder: FamilyDecoder[Any], kind: type[M], handler: RequestHandler[M]) -> Handler:
+    """`handler` behind the one decode and type check of its endpoint (module docstring)."""
+
+    async def handle(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+        return await handler(decode_as(decoder, data, kind, verb), headers)
+
+    return handle
+
+
+def _tenant_decoding(
+    verb: str, decoder: FamilyDecoder[Any], kind: type[M], handler: TenantRequestHandler[M]
+) -> TenantHandler:
+    async def handle(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
+        return await handler(decode_as(decoder, data, kind, verb), headers, tenant)
+
+    return handle
+
+
 class RuntimeState(enum.StrEnum):
     CREATED = "created"
     STARTING = "starting"
@@ -178,6 +215,7 @@ class _Endpoint:
     # addressed to one instance (e.g. `kvf.v1.segment.free.<segment_id>`), or `t.*.<verb>`.
     relative: str
     tenant_handler: TenantHandler | None = None
+    request: type[msgspec.Struct] | None = None  # a typed endpoint's message (module docstring)
     reply_min_s: float = 0.0  # no reply (answer or error) leaves before this long after receipt
     gives_back: bool = False  # only gives resources back: slots from the give-back lane
 
@@ -294,24 +332,57 @@ class ServiceRuntime:
 
     # ---- setup -----------------------------------------------------------------------------
 
+    @overload
     def add_endpoint(
         self, verb: str, handler: Handler, *, instance: str | None = None, gives_back: bool = False
+    ) -> str: ...
+
+    @overload
+    def add_endpoint(
+        self,
+        verb: str,
+        handler: RequestHandler[M],
+        *,
+        request: type[M],
+        decoder: FamilyDecoder[Any],
+        instance: str | None = None,
+        gives_back: bool = False,
+    ) -> str: ...
+
+    def add_endpoint(
+        self,
+        verb: str,
+        handler: Callable[..., Awaitable[msgspec.Struct]],  # as the overload's
+        *,
+        request: type[msgspec.Struct] | None = None,
+        decoder: FamilyDecoder[Any] | None = None,
+        instance: str | None = None,
+        gives_back: bool = False,
     ) -> str:
         """Register `handler` for `kvf.v1.<service>.<verb>`, or `kvf.v1.<service>.<verb>.<instance>`
-        when the endpoint is addressed to this instance only (before `start`). `gives_back`: its
+        when the endpoint is addressed to this instance only (before `start`). `request` (with
+        its family's `decoder`): the runtime decodes and checks the message, and `handler` gets
+        it typed (module docstring); without, `handler` gets the bytes. `gives_back`: its
         requests only give resources back (module docstring). Returns the subject."""
         invariant(self._state is RuntimeState.CREATED, "endpoints are added before start", state=self._state)
         invariant(verb not in self._endpoints, "endpoint registered twice", verb=verb)
+        invariant((request is None) == (decoder is None), "a request type needs its decoder", verb=verb)
         subject = endpoint_subject(self.service, verb)
         relative = verb
         if instance is not None:
             subject = f"{subject}.{check_segment_id(instance)}"
             relative = f"{verb}.{instance}"
+        raw: Handler
+        if request is not None and decoder is not None:
+            raw = _decoding(verb, decoder, request, handler)
+        else:
+            raw = handler  # the untyped overload: a bytes handler
         self._endpoints[verb] = _Endpoint(
-            verb=verb, subject=subject, handler=handler, relative=relative, gives_back=gives_back
+            verb=verb, subject=subject, handler=raw, relative=relative, request=request, gives_back=gives_back
         )
         return subject
 
+    @overload
     def add_tenant_endpoint(
         self,
         verb: str,
@@ -320,24 +391,57 @@ class ServiceRuntime:
         reply_min_ms: int = 0,
         instance: str | None = None,
         gives_back: bool = False,
+    ) -> str: ...
+
+    @overload
+    def add_tenant_endpoint(
+        self,
+        verb: str,
+        handler: TenantRequestHandler[M],
+        *,
+        request: type[M],
+        decoder: FamilyDecoder[Any],
+        reply_min_ms: int = 0,
+        instance: str | None = None,
+        gives_back: bool = False,
+    ) -> str: ...
+
+    def add_tenant_endpoint(
+        self,
+        verb: str,
+        handler: Callable[..., Awaitable[msgspec.Struct]],  # as the overload's
+        *,
+        request: type[msgspec.Struct] | None = None,
+        decoder: FamilyDecoder[Any] | None = None,
+        reply_min_ms: int = 0,
+        instance: str | None = None,
+        gives_back: bool = False,
     ) -> str:
         """Register `handler` for every tenant's `kvf.v1.<service>.t.<tenant>.<verb>` (or
         `...<verb>.<instance>` for this instance only) before `start`; it is called with the tenant
-        token as third argument. `reply_min_ms` > 0 holds every reply until that long after
+        token as third argument. `request`/`decoder`: a typed endpoint, as `add_endpoint`.
+        `reply_min_ms` > 0 holds every reply until that long after
         receipt (hides how long the handler took: a timing side channel). `gives_back`: its
         requests only give resources back (module docstring). Returns the subject."""
         invariant(self._state is RuntimeState.CREATED, "endpoints are added before start", state=self._state)
         name = f"tenant_{verb}"
         invariant(name not in self._endpoints, "endpoint registered twice", verb=name)
+        invariant((request is None) == (decoder is None), "a request type needs its decoder", verb=name)
         relative = f"{TENANT_TOKEN}.*.{endpoint_subject(self.service, verb).rsplit('.', 1)[1]}"
         if instance is not None:
             relative = f"{relative}.{check_segment_id(instance)}"
+        raw: TenantHandler
+        if request is not None and decoder is not None:
+            raw = _tenant_decoding(verb, decoder, request, handler)
+        else:
+            raw = handler  # the untyped overload: a bytes handler
         self._endpoints[name] = _Endpoint(
             verb=name,
             subject=f"{self.group}.{relative}",
             handler=_tenant_only,
             relative=relative,
-            tenant_handler=handler,
+            tenant_handler=raw,
+            request=request,
             reply_min_s=reply_min_ms / 1000,
             gives_back=gives_back,
         )
