@@ -42,37 +42,6 @@ GROUP_PAGES: Final = 4
 SEGMENT_BYTES: Final = 4 << 30
 
 
-def pool_for(page: int, pages: int) -> Any:
-    import torch
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-
-    device = MHATokenToKVPool(
-        pages * page,
-        page,
-        torch.float16,
-        HEADS,
-        HEAD_DIM,
-        LAYERS,
-        "cpu",
-        False,
-        start_layer=0,
-        end_layer=LAYERS,
-    )
-    return MHATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info,
-        2.0,
-        0,
-        page,
-        "page_first",
-        pin_memory=False,
-        device_capacity_tokens=device.size,
-        start_layer=0,
-        end_layer=LAYERS,
-        write_back_staging=device.hicache_write_back_staging,
-    )
-
-
 def measure_kvfabric(nats_url: str, page: int, pages: int, repeats: int) -> dict[str, Any]:
     import torch
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
@@ -80,7 +49,14 @@ def measure_kvfabric(nats_url: str, page: int, pages: int, repeats: int) -> dict
     from kvfabric.engines.sglang_keys import chain_words
     from kvfabric.testing import sglangkit as kit
 
-    pool = pool_for(page, 2 * pages)
+    pool = kit.host_pool(
+        page=page,
+        device_tokens=2 * pages * page,
+        dtype=torch.float16,
+        layers=LAYERS,
+        heads=HEADS,
+        head_dim=HEAD_DIM,
+    )
     kit.PAGE = page  # the kit's page helpers read it
     storage = kit.backend(kit.extra_config(nats_url, save_timeout_ms=60_000), pool)
     inner = kit.kvfabric_of(storage)

@@ -48,32 +48,44 @@ def extra_config(nats_url: str, *, prefix_keys: bool = True, **more: Any) -> dic
     }
 
 
-def host_pool(layout: str = "page_first") -> Any:
+def host_pool(
+    layout: str = "page_first",
+    *,
+    page: int = PAGE,
+    device_tokens: int = HOST_PAGES * PAGE // 2,
+    dtype: torch.dtype = torch.float32,
+    layers: int = LAYERS,
+    heads: int = HEADS,
+    head_dim: int = HEAD_DIM,
+) -> Any:
+    """SGLang's device KV pool on CPU (`device_tokens` tokens) and its host pool over it, twice
+    as large (SGLang's host-to-device ratio 2.0). The tests take the defaults; `bench.sglang_hicache`
+    passes its own shapes."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     device = MHATokenToKVPool(
-        HOST_PAGES * PAGE // 2,
-        PAGE,
-        torch.float32,
-        HEADS,
-        HEAD_DIM,
-        LAYERS,
+        device_tokens,
+        page,
+        dtype,
+        heads,
+        head_dim,
+        layers,
         "cpu",
         False,
         start_layer=0,
-        end_layer=LAYERS,
+        end_layer=layers,
     )
     return MHATokenToKVPoolHost(
         device.get_device_pool_infos()[0].buffer_info,
         2.0,
         0,
-        PAGE,
+        page,
         layout,
         pin_memory=False,
         device_capacity_tokens=device.size,
         start_layer=0,
-        end_layer=LAYERS,
+        end_layer=layers,
         write_back_staging=device.hicache_write_back_staging,
     )
 
