@@ -43,7 +43,16 @@ from kvfabric.proto.subjects import Service, event_subject, events_wildcard, seg
 from kvfabric.runtime.deadline import cancel_and_wait
 from kvfabric.runtime.logs import get_logger
 
-__all__ = ["EVENTS_STREAM", "LOOKUP_SLICE_GROUPS", "LOOKUP_SLICE_YIELDS", "VERBS", "DirectoryShell", "now_ms"]
+__all__ = [
+    "EVENTS_STREAM",
+    "LOOKUP_SLICE_GROUPS",
+    "LOOKUP_SLICE_YIELDS",
+    "VERBS",
+    "WRITE_SLICE_IDS",
+    "DirectoryShell",
+    "now_ms",
+    "slice_ids",
+]
 
 FREES_INFLIGHT_MAX: Final = 256
 STOP_TIMEOUT_S: Final = 2.0  # the shell's tasks end within this once cancelled
@@ -56,6 +65,10 @@ LOOKUP_SLICE_GROUPS: Final = 128
 # again in every one of them: a request arriving during a long lookup waited one slice per
 # stage, ~5 slices (issue 21 row 2, docs/security.md). Yielding this many, it waits for one.
 LOOKUP_SLICE_YIELDS: Final = 8
+# A put_begin, put_commit or evict naming more ids than this runs as the core's steps of this
+# many (`_in_steps`; `KVF_DIRECTORY_WRITE_SLICE_IDS`, 0 = whole): one 4,096-id request held the
+# loop 180-250 ms in one call (bench/results/directory_big_requests.md), ~3-5 ms a step.
+WRITE_SLICE_IDS: Final = 64
 
 # verb -> the request type it accepts
 VERBS: Final[dict[str, type[msgspec.Struct]]] = {
@@ -87,6 +100,17 @@ VERBS: Final[dict[str, type[msgspec.Struct]]] = {
 _ENCODER: Final = msgspec.msgpack.Encoder()
 
 
+def slice_ids(message: msgspec.Struct) -> int:
+    """The ids a request the shell may run in steps names (0: not such a request)."""
+    if isinstance(message, m.PutBegin):
+        return len(message.objects)
+    if isinstance(message, m.PutCommit):
+        return max(len(message.keys), len(message.receipts))
+    if isinstance(message, m.Evict):
+        return len(message.groups)
+    return 0
+
+
 def _encoded(objects: list[m.ObjectLocation]) -> list[msgspec.Raw]:
     """`objects` each encoded (what `encode` of the reply writes for it: `msgspec.Raw`)."""
     encode = _ENCODER.encode
@@ -106,8 +130,11 @@ class DirectoryShell:
         free_timeout_s: float,
         events_replicas: int = 1,
         events_stream: EventsStream | None = None,
+        write_slice_ids: int = WRITE_SLICE_IDS,
     ) -> None:
         self.core = core
+        # A put_begin, put_commit or evict of more ids runs in steps of this many (0: whole).
+        self.write_slice_ids = write_slice_ids
         # The instance's events stream (shared by its shells: one repair at a time); a shell
         # started without one makes its own.
         self.events_stream = events_stream
@@ -138,9 +165,39 @@ class DirectoryShell:
         """The core's reply to `message` once its effects are performed; a long lookup in slices."""
         if isinstance(message, m.Lookup) and len(message.groups) > LOOKUP_SLICE_GROUPS:
             return await self._lookup_in_slices(message, reply_bytes_max)
+        if 0 < self.write_slice_ids < slice_ids(message):
+            return await self._in_steps(message)
         outcome = self._core_handle(message, reply_bytes_max)
         await self.perform(outcome.effects)
         return outcome.reply
+
+    async def _in_steps(self, message: msgspec.Struct) -> msgspec.Struct:
+        """A put_begin, put_commit or evict of more than `write_slice_ids` ids, run as the core's
+        steps of that many (`DirectoryCore.steps`: every whole-request check in the first, so a
+        refusal still applies nothing), each one core call whose effects are performed before
+        the loop is yielded (`LOOKUP_SLICE_YIELDS`) to whatever else is in progress. One such
+        request of 4,096 ids held the loop for 180-250 ms (issue 21 item 2: every other
+        tenant's lookup waited behind it); a step is ~3-5 ms (docs/security.md). A shard lost
+        between two steps ends the request (`wrong_shard`) with the earlier steps applied and
+        their effects performed, as a request cut by a failover."""
+        what = type(message).__name__
+        steps = self.core.steps(message, now_ms(), self.write_slice_ids)
+        try:
+            while True:
+                try:
+                    effects = CORE_CALLS.timed(what, functools.partial(next, steps))
+                except StopIteration as done:
+                    reply: msgspec.Struct = done.value
+                    return reply
+                await self.perform(effects)
+                for _ in range(LOOKUP_SLICE_YIELDS):  # every other request in progress goes on
+                    await asyncio.sleep(0)
+                if not self.may_act():
+                    raise WrongShard(
+                        "this directory instance no longer leads the shard", shard=self.core.shard
+                    )
+        finally:
+            steps.close()
 
     async def _lookup_in_slices(self, lookup: m.Lookup, reply_bytes_max: int | None) -> m.LookupReply:
         """A lookup of more than `LOOKUP_SLICE_GROUPS` groups, folded one slice per core call

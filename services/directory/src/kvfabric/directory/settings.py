@@ -29,6 +29,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TENANT_GRANTS` | `{}` | JSON `{"<tenant>": [DIGEST, ...]}` (see below) |
 | `KVF_DIRECTORY_TENANT_GRANTS_FILE` | unset | a file holding the GRANTS JSON (wins over the variable) |
 | `KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS` | 0 (off) | pad tenant lookup replies to this many ms |
+| `KVF_DIRECTORY_WRITE_SLICE_IDS` | 64 | longer put_begin/commit, evict: steps of this many ids (0 = whole) |
 | `KVF_DIRECTORY_SHARDS` | 16 | virtual shards (fixed for a cluster's life: every instance must agree) |
 | `KVF_DIRECTORY_KV_REPLICAS` | 1 | replicas of its KV buckets and events stream (3 on a NATS cluster) |
 | `KVF_DIRECTORY_REBALANCE` | 0 | 1: shards move to a joining instance (rendezvous hashing); 0: sticky |
@@ -93,8 +94,14 @@ from kvfabric.core.quotas import UNLIMITED, TenantQuota
 from kvfabric.directory.admission import AdmissionConfig
 from kvfabric.directory.cpu_priority import CPU_PRIORITY_DEFAULT, CpuPriority
 from kvfabric.directory.cpu_priority import parse as parse_cpu_priority
+from kvfabric.directory.handlers import WRITE_SLICE_IDS as WRITE_SLICE_IDS_DEFAULT
 from kvfabric.format.ids import DomainDigest
-from kvfabric.proto.directory import LOOKUP_BATCH_GROUPS_MAX, PIN_TTL_MS_MAX, WRITE_TTL_MS_MAX
+from kvfabric.proto.directory import (
+    LOOKUP_BATCH_GROUPS_MAX,
+    PIN_TTL_MS_MAX,
+    PUT_BATCH_OBJECTS_MAX,
+    WRITE_TTL_MS_MAX,
+)
 from kvfabric.proto.shards import SHARDS_MAX
 from kvfabric.proto.subjects import check_tenant
 from kvfabric.proto.tickets import SECRET_BYTES_MIN
@@ -147,6 +154,7 @@ class DirectorySettings:
     leader_lease_ttl_ms: int = 3_000
     grants: Mapping[str, TenantGrant] = dataclasses.field(default_factory=dict)
     lookup_reply_min_ms: int = 0
+    write_slice_ids: int = WRITE_SLICE_IDS_DEFAULT
     tenant_refusal_hold_ms: int = TENANT_REFUSAL_HOLD_MS_DEFAULT
     shards: int = 16
     rebalance: bool = False
@@ -214,6 +222,9 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         leader_lease_ttl_ms=env_int(env, "KVF_DIRECTORY_LEADER_LEASE_TTL_MS", lease_default_ms, 300, 600_000),
         grants=_grants(env),
         lookup_reply_min_ms=env_int(env, "KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS", 0, 0, 10_000),
+        write_slice_ids=env_int(
+            env, "KVF_DIRECTORY_WRITE_SLICE_IDS", WRITE_SLICE_IDS_DEFAULT, 0, PUT_BATCH_OBJECTS_MAX
+        ),
         tenant_refusal_hold_ms=env_int(
             env,
             "KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS",

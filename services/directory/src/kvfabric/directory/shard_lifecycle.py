@@ -79,6 +79,7 @@ class ShellFactory:
             free_timeout_s=config.free_timeout_s,
             events_replicas=config.kv_replicas,
             events_stream=self.events_stream,
+            write_slice_ids=config.write_slice_ids,
         )
         if self.events_stream is None:
             self.events_stream = EventsStream(

@@ -1,7 +1,9 @@
 """The directory core: object lifecycle, two-phase publish, read leases, pins, placement.
 
 Synchronous and I/O-free. The service shell decodes a request, calls `handle(request, now_ms)`
-(and `tick(now_ms)` periodically), performs the returned effects and sends the reply. The same
+(and `tick(now_ms)` periodically), performs the returned effects and sends the reply; a large
+put_begin, put_commit or evict it runs as `steps(request, now_ms, ids_max)` instead, one bounded
+call a slice (`base.Steps`). The same
 entries as events: `DirectoryCore.step(event, now_ms)` (the shape every core shares,
 `kvfabric.core.step`; the events in `events`). Time is passed in; nothing here reads a clock,
 sleeps or does I/O.
@@ -24,6 +26,7 @@ from kvfabric.core.directory.base import (
     EmitEvent,
     FreeSlots,
     Outcome,
+    Steps,
 )
 from kvfabric.core.directory.dispatch import DirectoryCore
 
@@ -35,4 +38,5 @@ __all__ = [
     "EmitEvent",
     "FreeSlots",
     "Outcome",
+    "Steps",
 ]

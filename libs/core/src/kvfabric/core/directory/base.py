@@ -14,7 +14,7 @@ admission filter (`kvfabric.core.eviction_admission`), which put_begin consults.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -39,7 +39,9 @@ __all__ = [
     "FreeSlots",
     "Member",
     "Outcome",
+    "Steps",
     "check_batch",
+    "run_whole",
     "scope_of",
 ]
 
@@ -145,6 +147,22 @@ Effect = EmitEvent | FreeSlots
 class Outcome:
     reply: msgspec.Struct
     effects: list[Effect] = field(default_factory=list)
+
+
+# A request run in steps (put_begin, put_commit, evict: `DirectoryCore.steps`): each `next()` is
+# one bounded stretch of work and yields that stretch's effects; the generator returns the reply.
+# The first step runs every whole-request check (a refusal raises there, nothing applied).
+Steps = Generator[list[Effect], None, msgspec.Struct]
+
+
+def run_whole(steps: Steps) -> Outcome:
+    """A request's steps run one after another, as one call: its reply and all their effects."""
+    effects: list[Effect] = []
+    while True:
+        try:
+            effects += next(steps)
+        except StopIteration as done:
+            return Outcome(done.value, effects)
 
 
 # ---- the shared context --------------------------------------------------------------------

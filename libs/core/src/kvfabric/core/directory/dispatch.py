@@ -44,7 +44,7 @@ from typing import Any
 import msgspec
 
 from kvfabric.core.directory import events
-from kvfabric.core.directory.base import Context, DirectoryConfig, Effect, Outcome
+from kvfabric.core.directory.base import Context, DirectoryConfig, Effect, Outcome, Steps
 from kvfabric.core.directory.events import DirectoryCoreEvent, DirectoryOutput
 from kvfabric.core.directory.frees import FreeTable, PendingFree, SlotKey, batch_frees
 from kvfabric.core.directory.leases import Lease, LeaseTable
@@ -152,6 +152,33 @@ class DirectoryCore:
             outcome = handler(request, now_ms)
             outcome.effects = batch_frees(outcome.effects)
             return outcome
+        except KvfError as err:
+            self._ctx.count(f"error_{err.code}_total")
+            raise
+
+    def steps(self, request: msgspec.Struct, now_ms: int, ids_max: int) -> Steps:
+        """A put_begin, put_commit or evict in steps of at most `ids_max` ids each (the shell
+        runs each step as its own call, the event loop yielded between; `base.Steps`): what
+        `handle` does for it, the same whole-request checks first (a refusal raises at the first
+        step, nothing applied), then each slice's work, its effects yielded with it (frees
+        batched per step); the generator returns the reply. How each verb's later slices see
+        what ran between: `WriteTable.begin_steps`, `commit_steps`, `PublishedTable.evict_steps`."""
+        if isinstance(request, m.PutBegin):
+            steps = self.write_table.begin_steps(request, now_ms, ids_max)
+        elif isinstance(request, m.PutCommit):
+            steps = self.write_table.commit_steps(request, now_ms, ids_max)
+        elif isinstance(request, m.Evict):
+            steps = self.published_table.evict_steps(request, self.write_table.identity_of, ids_max)
+        else:
+            raise BadRequest(f"not a request run in steps: {type(request).__name__}")
+        try:
+            while True:
+                try:
+                    effects = next(steps)
+                except StopIteration as done:
+                    reply: msgspec.Struct = done.value
+                    return reply
+                yield batch_frees(effects)
         except KvfError as err:
             self._ctx.count(f"error_{err.code}_total")
             raise

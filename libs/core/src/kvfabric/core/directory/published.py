@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from kvfabric.core.directory.base import Context, Effect, EmitEvent, Outcome, check_batch
+from kvfabric.core.directory.base import Context, Effect, EmitEvent, Outcome, Steps, check_batch, run_whole
 from kvfabric.core.directory.frees import FreeTable
 from kvfabric.core.directory.index import DomainIndex
 from kvfabric.core.directory.keys import GroupInfo, chain_of, domain_of, parse_group, parse_key
@@ -231,23 +231,37 @@ class PublishedTable:
     # ---- eviction (published -> evicting, in the frees table) ------------------------------
 
     def evict(self, req: m.Evict, building_identity: Callable[[GroupKey], GroupInfo | None]) -> Outcome:
-        """Evict groups no lease or pin holds. `building_identity`: the identity of a group being
-        written (the write table's), for the statuses of groups not published."""
+        return run_whole(self.evict_steps(req, building_identity, None))
+
+    def evict_steps(
+        self, req: m.Evict, building_identity: Callable[[GroupKey], GroupInfo | None], ids_max: int | None
+    ) -> Steps:
+        """Evict groups no lease or pin holds, in steps of at most `ids_max` groups (None: one;
+        `Steps`): every id parsed first, a slice a step (a malformed one refuses the request
+        whole, nothing evicted), then a slice evicted a step, each group's result its own.
+        `building_identity`: the identity of a group being written (the write table's), for the
+        statuses of groups not published."""
         self.ctx.check_epoch(req.epoch)
         check_batch("evict groups", len(req.groups), m.EVICT_BATCH_GROUPS_MAX)
-        effects: list[Effect] = []
+        step = ids_max or max(1, len(req.groups))
+        infos: list[GroupInfo] = []
+        for start in range(0, len(req.groups), step):
+            infos += [parse_group(raw) for raw in req.groups[start : start + step]]
+            yield []
         results = []
-        for raw in req.groups:
-            info = parse_group(raw)
-            building = building_identity(info.group_id)
-            if (info.group_id in self.records and self.published_as(info) is None) or (
-                building is not None and building != info
-            ):
-                results.append(m.EvictResult(group=raw, status="not_found"))  # forged identity
-                continue
-            status = self._evict_one(info.group_id, req.reason, building is not None, effects)
-            results.append(m.EvictResult(group=raw, status=status))
-        return Outcome(m.EvictReply(epoch=self.ctx.epoch, results=results), effects)
+        for start in range(0, len(req.groups), step):
+            effects: list[Effect] = []
+            for raw, info in zip(req.groups[start : start + step], infos[start : start + step], strict=True):
+                building = building_identity(info.group_id)
+                if (info.group_id in self.records and self.published_as(info) is None) or (
+                    building is not None and building != info
+                ):
+                    results.append(m.EvictResult(group=raw, status="not_found"))  # forged identity
+                    continue
+                status = self._evict_one(info.group_id, req.reason, building is not None, effects)
+                results.append(m.EvictResult(group=raw, status=status))
+            yield effects
+        return m.EvictReply(epoch=self.ctx.epoch, results=results)
 
     def _evict_one(self, gid: GroupKey, reason: str, building: bool, effects: list[Effect]) -> m.EvictStatus:
         record = self.records.get(gid)

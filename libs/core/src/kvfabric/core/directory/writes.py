@@ -54,7 +54,16 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
-from kvfabric.core.directory.base import Effect, EmitEvent, Member, Outcome, check_batch, scope_of
+from kvfabric.core.directory.base import (
+    Effect,
+    EmitEvent,
+    Member,
+    Outcome,
+    Steps,
+    check_batch,
+    run_whole,
+    scope_of,
+)
 from kvfabric.core.directory.keys import KeyInfo, chain_of, domain_of, parse_key
 from kvfabric.core.directory.records import (
     FLAG_DEGRADED,
@@ -117,6 +126,16 @@ class WriteTable(WriteBegin, WriteConfirm):
     # ---- put_commit ----------------------------------------------------------------------
 
     def commit(self, req: m.PutCommit, now_ms: int) -> Outcome:
+        return run_whole(self.commit_steps(req, now_ms, None))
+
+    def commit_steps(self, req: m.PutCommit, now_ms: int, ids_max: int | None) -> Steps:
+        """put_commit as steps of at most `ids_max` keys or receipts each (None: one of each
+        kind; `Steps`): the keys parsed a slice a step (a malformed one refuses the request
+        whole, nothing applied) and the rate charged for all, then the receipts applied a slice
+        a step, all before the first commit (as whole), then the keys committed a slice a step,
+        each slice's published groups as its own `GroupsPublished` (in order with whatever ran
+        between). Each key's result is its own: what ran between two steps is seen by the later
+        keys as if it had run first (a member aborted or expired meanwhile is `not_found`)."""
         self.ctx.check_epoch(req.epoch)
         check_batch("put_commit keys", len(req.keys), m.PUT_BATCH_OBJECTS_MAX)
         # At most one receipt a replica of the keys committed: what a request is charged (by its
@@ -127,17 +146,29 @@ class WriteTable(WriteBegin, WriteConfirm):
             len(req.receipts),
             min(m.PUT_BATCH_OBJECTS_MAX, len(req.keys) * self.ctx.config.replicas_max),
         )
-        infos = [parse_key(k) for k in req.keys]
+        keys_step = ids_max or max(1, len(req.keys))
+        infos: list[KeyInfo] = []
+        for start in range(0, len(req.keys), keys_step):
+            infos += [parse_key(k) for k in req.keys[start : start + keys_step]]
+            yield []
         self.ctx.check_rate(req.keys, now_ms, request_tokens(len(req.keys)))
         committed = set(req.keys) if req.receipts else set()
-        for receipt in req.receipts:  # before the commits: they confirm the replicas written
-            self._apply_receipt(req.writer_id, receipt, committed)
-        effects: list[Effect] = []
-        results = [
-            self._commit_one(req.writer_id, key, info, effects)
-            for key, info in zip(req.keys, infos, strict=True)
-        ]
-        return Outcome(m.PutCommitReply(epoch=self.ctx.epoch, results=results), one_event_per_commit(effects))
+        receipts_step = ids_max or max(1, len(req.receipts))
+        for start in range(0, len(req.receipts), receipts_step):
+            for receipt in req.receipts[start : start + receipts_step]:  # before the commits
+                self._apply_receipt(req.writer_id, receipt, committed)
+            yield []
+        results: list[m.CommitResult] = []
+        for start in range(0, len(req.keys), keys_step):
+            effects: list[Effect] = []
+            results += [
+                self._commit_one(req.writer_id, key, info, effects)
+                for key, info in zip(
+                    req.keys[start : start + keys_step], infos[start : start + keys_step], strict=True
+                )
+            ]
+            yield one_event_per_commit(effects)
+        return m.PutCommitReply(epoch=self.ctx.epoch, results=results)
 
     def _commit_one(
         self, writer_id: str, key: ObjectKey, info: KeyInfo, effects: list[Effect]

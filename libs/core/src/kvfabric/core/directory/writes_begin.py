@@ -10,7 +10,15 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from kvfabric.core.directory.base import CHECKSUM_BYTES, Member, Outcome, check_batch, scope_of
+from kvfabric.core.directory.base import (
+    CHECKSUM_BYTES,
+    Member,
+    Outcome,
+    Steps,
+    check_batch,
+    run_whole,
+    scope_of,
+)
 from kvfabric.core.directory.keys import CHAIN_BYTES, GroupInfo, KeyInfo, parse_key
 from kvfabric.core.directory.replies import ARRAY_HEADER_BYTES, str_bytes
 from kvfabric.core.directory.writes_state import BuildingGroup, PendingMember, Placement, WriteState
@@ -30,18 +38,37 @@ class WriteBegin(WriteState):
     # ---- put_begin -----------------------------------------------------------------------
 
     def begin(self, req: m.PutBegin, now_ms: int) -> Outcome:
+        return run_whole(self.begin_steps(req, now_ms, None))
+
+    def begin_steps(self, req: m.PutBegin, now_ms: int, ids_max: int | None) -> Steps:
+        """put_begin as steps of at most `ids_max` objects each (None: one step; `Steps`). Every
+        whole-request check runs before anything is placed — the reply's size, the objects
+        validated a slice a step, then identity conflicts, the tenant's budgets, the pending table
+        and the rate charged for all of it — so a refused request places nothing, as whole. Then
+        each step places a slice. What ran between two steps is seen by the later ones as if it
+        had run first: a member another writer began meanwhile is `in_flight`, and so is one whose
+        chain hash another writer began under another identity (refused whole before the first
+        step); the budgets and the pending bound were checked for the whole request at its start.
+        The reply is remembered (retries answered from it) once the last object is placed."""
         ctx = self.ctx
         ctx.check_epoch(req.epoch)
         cached = self.replies.get("begin", req.writer_id, req.request_id)
         if cached is not None:
-            return Outcome(cached)
+            return cached
         check_batch("put_begin objects", len(req.objects), m.PUT_BATCH_OBJECTS_MAX)
         if not 0 < req.write_ttl_ms <= m.WRITE_TTL_MS_MAX:
             raise BadRequest(f"write_ttl_ms must be in 1..{m.WRITE_TTL_MS_MAX}")
         replicas = req.replicas or ctx.config.replicas_default
         if not 1 <= replicas <= ctx.config.replicas_max:
             raise BadRequest(f"replicas must be in 1..{ctx.config.replicas_max}")
-        infos = [self._validate_spec(spec) for spec in req.objects]
+        self._check_reply_fits(req, replicas)  # by the keys' lengths: before parsing any
+        step = ids_max or max(1, len(req.objects))
+        infos: list[KeyInfo] = []
+        for start in range(
+            0, len(req.objects), step
+        ):  # nothing applied yet: a malformed one refuses it whole
+            infos += [self._validate_spec(spec) for spec in req.objects[start : start + step]]
+            yield []
         # Identity conflicts refuse the whole request before anything is placed (not half of it).
         seen: dict[GroupKey, GroupInfo] = {}
         for info in infos:
@@ -49,7 +76,6 @@ class WriteBegin(WriteState):
             known = seen.setdefault(info.group.group_id, building.info if building else info.group)
             if known != info.group:
                 raise BadRequest("key conflicts with the identity of its chain hash's chunk group")
-        self._check_reply_fits(req, replicas)
         # Before the rate charge: a refused request did not run, and a writer backing off and
         # asking again (kvfabric.client.busy) must not spend the tenant's tokens each time.
         self._check_tenant_pending(req, infos, replicas)
@@ -59,15 +85,28 @@ class WriteBegin(WriteState):
         ctx.check_rate((spec.key for spec in req.objects), now_ms, request_tokens(len(req.objects)))
         deadline = now_ms + min(req.write_ttl_ms, ctx.config.write_ttl_ms_max)
         placed_here: set[tuple[GroupKey, Member]] = set()  # a key twice in one request: placed once
-        results = [
-            self._begin_one(
-                req.writer_id, req.request_id, spec, info, replicas, deadline, placed_here, now_ms
-            )
-            for spec, info in zip(req.objects, infos, strict=True)
-        ]
+        results: list[m.BeginResult] = []
+        for start in range(0, len(req.objects), step):  # later slices see what ran between
+            results += [
+                self._begin_one(
+                    req.writer_id,
+                    req.request_id,
+                    spec,
+                    info,
+                    replicas,
+                    deadline,
+                    placed_here,
+                    now_ms,
+                    resumed=start > 0,
+                )
+                for spec, info in zip(
+                    req.objects[start : start + step], infos[start : start + step], strict=True
+                )
+            ]
+            yield []
         reply = m.PutBeginReply(epoch=ctx.epoch, results=results)
         self.replies.remember("begin", req.writer_id, req.request_id, reply, len(results))
-        return Outcome(reply)
+        return reply
 
     def _check_tenant_pending(self, req: m.PutBegin, infos: Sequence[KeyInfo], replicas: int) -> None:
         """A tenant's writes in progress stay within its budgets (`tenant_pending_*`): the
@@ -138,12 +177,21 @@ class WriteBegin(WriteState):
         deadline: int,
         placed_here: set[tuple[GroupKey, Member]],
         now_ms: int,
+        *,
+        resumed: bool = False,
     ) -> m.BeginResult:
+        """One object placed (or why not). `resumed`: a later step of a request run in steps,
+        where another writer may have begun the chain hash's group under another identity since
+        the request was checked: that object is `in_flight` (the whole request was refused when
+        the conflict was there before the first step)."""
         gid = info.group.group_id
         if self._exists(gid):
             return m.BeginResult(key=spec.key, status="exists")
         group = self.building.get(gid)
         if group is not None and group.info != info.group:
+            if resumed:
+                held_until = max((pm.deadline_ms for pm in group.members.values()), default=deadline)
+                return m.BeginResult(key=spec.key, status="in_flight", deadline_ms=held_until)
             raise BadRequest("key conflicts with the identity of its chain hash's chunk group")
         if group is not None and info.member in group.members:
             held = group.members[info.member]
