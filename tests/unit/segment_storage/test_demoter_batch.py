@@ -148,7 +148,7 @@ def demote(
         shard_of=shard_of,
     )
     try:
-        reply = asyncio.run(demoter.on_demote(msgspec.msgpack.encode(DemoteRequest(objects=objects)), {}))
+        reply = asyncio.run(demoter.on_demote(DemoteRequest(objects=objects), {}))
     finally:
         demoter.close()
     assert isinstance(reply, DemoteReply)

@@ -31,6 +31,7 @@ from kvfabric.core.directory import DirectoryCore
 from kvfabric.core.eviction_admission import AdmissionView
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest
+from kvfabric.proto.codec import decode_as
 from kvfabric.proto.eviction import ADMISSION_FILTER_VERB, AdmissionFilter, eviction_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject
 from kvfabric.runtime.logs import get_logger
@@ -78,9 +79,7 @@ class AdmissionFilterFeed:
     def on_filter(self, data: bytes, at_ms: int) -> bool:
         """One published filter (public for tests): installed into every core led here."""
         try:
-            message = eviction_decoder.decode(data)
-            if not isinstance(message, AdmissionFilter):
-                raise BadRequest(f"expected AdmissionFilter, got {type(message).__name__}")
+            message = decode_as(eviction_decoder, data, AdmissionFilter)
             view = AdmissionView.of(message, len(data))
         except BadRequest as exc:
             self.rejected += 1

@@ -174,7 +174,9 @@ class EvictionShell(GroupRecords):
         self.caught_up = asyncio.Event()  # set once the follower has read to the stream's end
 
     def attach(self, runtime: ServiceRuntime) -> None:
-        runtime.add_endpoint("status", self._status)
+        runtime.add_endpoint(
+            "status", self._status, request=e.EvictionStatusRequest, decoder=e.eviction_decoder
+        )
 
     async def start(self, nc: NatsClient) -> None:
         self._nc = nc
@@ -520,10 +522,7 @@ class EvictionShell(GroupRecords):
 
     # ---- status ------------------------------------------------------------------------------
 
-    async def _status(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        message = e.eviction_decoder.decode(data)
-        if not isinstance(message, e.EvictionStatusRequest):
-            raise BadRequest(f"status takes EvictionStatusRequest, got {type(message).__name__}")
+    async def _status(self, message: e.EvictionStatusRequest, headers: Mapping[str, str]) -> msgspec.Struct:
         return self.status()
 
     def status(self) -> e.EvictionStatus:

@@ -90,7 +90,6 @@ from kvfabric.format.ids import (
 )
 from kvfabric.proto import directory as m
 from kvfabric.proto import prefetch as p
-from kvfabric.proto.codec import decode_as
 from kvfabric.proto.segment import tier_of_slot
 from kvfabric.proto.subjects import Service, check_segment_id, event_subject
 from kvfabric.runtime.core_driver import CoreDriver
@@ -153,9 +152,12 @@ class PrefetchShell:
         self.busy_resolving = 0
 
     def attach(self, runtime: ServiceRuntime) -> None:
-        runtime.add_endpoint("hint", self._on_hint)
-        runtime.add_endpoint("cancel", self._on_cancel)
-        runtime.add_endpoint("status", self._on_status)
+        # Each decoded and checked by the runtime (`ServiceRuntime` typed endpoints).
+        runtime.add_endpoint("hint", self._on_hint, request=p.PrefetchHint, decoder=p.prefetch_decoder)
+        runtime.add_endpoint("cancel", self._on_cancel, request=p.CancelHint, decoder=p.prefetch_decoder)
+        runtime.add_endpoint(
+            "status", self._on_status, request=p.PrefetchStatusRequest, decoder=p.prefetch_decoder
+        )
 
     async def start(self, nc: NatsClient) -> None:
         self._router = DirectoryRouter(nc)
@@ -171,8 +173,7 @@ class PrefetchShell:
 
     # ---- hints -------------------------------------------------------------------------------
 
-    async def _on_hint(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        hint = decode_as(p.prefetch_decoder, data, p.PrefetchHint, "hint")
+    async def _on_hint(self, hint: p.PrefetchHint, headers: Mapping[str, str]) -> msgspec.Struct:
         if not hint.groups or len(hint.groups) > p.HINT_GROUPS_MAX:
             raise BadRequest(f"a hint names 1..{p.HINT_GROUPS_MAX} chunk groups")
         try:
@@ -254,12 +255,12 @@ class PrefetchShell:
         )
         return hit.hit_chunks, hit.objects, hit.leases
 
-    async def _on_cancel(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        message = decode_as(p.prefetch_decoder, data, p.CancelHint, "cancel")
+    async def _on_cancel(self, message: p.CancelHint, headers: Mapping[str, str]) -> msgspec.Struct:
         return p.CancelReply(cancelled=self.core.cancel_hint(message.hint_id))
 
-    async def _on_status(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        decode_as(p.prefetch_decoder, data, p.PrefetchStatusRequest, "status")
+    async def _on_status(
+        self, message: p.PrefetchStatusRequest, headers: Mapping[str, str]
+    ) -> msgspec.Struct:
         return self.status()
 
     def status(self) -> p.PrefetchStatus:

@@ -36,7 +36,6 @@ from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import KvfError, Unavailable
 from kvfabric.format.ids import ObjectKey, pack_group_id, pack_object_key
 from kvfabric.proto import directory as m
-from kvfabric.proto.codec import decode_as
 from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
 from kvfabric.runtime.core_driver import CoreDriver
 from kvfabric.runtime.logs import get_logger
@@ -89,7 +88,7 @@ class RepairShell:
         self.replicas_retired = 0  # replicas dropped from draining segments
 
     def attach(self, runtime: ServiceRuntime) -> None:
-        runtime.add_endpoint("status", self._status)
+        runtime.add_endpoint("status", self._status, request=RepairStatusRequest, decoder=repair_decoder)
 
     async def start(self, nc: NatsClient) -> None:
         self._router = DirectoryRouter(nc)
@@ -255,8 +254,7 @@ class RepairShell:
 
     # ---- status ------------------------------------------------------------------------------
 
-    async def _status(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        decode_as(repair_decoder, data, RepairStatusRequest, "status")
+    async def _status(self, message: RepairStatusRequest, headers: Mapping[str, str]) -> msgspec.Struct:
         return self.status()
 
     def status(self) -> RepairStatus:

@@ -30,7 +30,6 @@ from kvfabric.core.routing_index import RoutingIndex
 from kvfabric.core.step import reply_of
 from kvfabric.format.errors import BadRequest
 from kvfabric.proto import router as r
-from kvfabric.proto.codec import decode_as
 from kvfabric.proto.subjects import Service
 from kvfabric.router.events import IndexFollower
 from kvfabric.router.metrics import RouterMetrics, StateCollector
@@ -70,7 +69,7 @@ class RouterShell:
         self._log = get_logger("kvfabric.router")
 
     def attach(self, runtime: ServiceRuntime) -> None:
-        runtime.add_endpoint("route", self._on_route)
+        runtime.add_endpoint("route", self._on_route, request=r.RouteRequest, decoder=r.router_decoder)
         registry = runtime.metrics.registry
         self.metrics = RouterMetrics(registry)
         self.proxy = Proxy(self.settings, self.core, self.metrics, registry, self.driver)
@@ -129,8 +128,7 @@ class RouterShell:
     async def _index_heard(self) -> None:
         await self.driver.feed(IndexHeard())
 
-    async def _on_route(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        message = decode_as(r.router_decoder, data, r.RouteRequest, "route")
+    async def _on_route(self, message: r.RouteRequest, headers: Mapping[str, str]) -> msgspec.Struct:
         if not message.tokens:
             raise BadRequest("route needs the prompt's token ids")
         ks = self.settings.keyspace

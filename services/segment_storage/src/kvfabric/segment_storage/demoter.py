@@ -71,7 +71,6 @@ from kvfabric.proto.segment import (
     DemoteReply,
     DemoteRequest,
     DemoteResult,
-    segment_decoder,
 )
 from kvfabric.segment_storage.backend import ArenaBackend
 
@@ -125,10 +124,7 @@ class Demoter:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def on_demote(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        message = segment_decoder.decode(data)
-        if not isinstance(message, DemoteRequest):
-            raise BadRequest(f"expected DemoteRequest, got {type(message).__name__}")
+    async def on_demote(self, message: DemoteRequest, headers: Mapping[str, str]) -> msgspec.Struct:
         if not 0 < len(message.objects) <= DEMOTE_BATCH_MAX:
             raise BadRequest(f"objects must be 1..{DEMOTE_BATCH_MAX}")
         ssd = self.backend.ssd

@@ -65,6 +65,8 @@ from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import (
     REPORT_PAGE_MAX,
+    CopyRequest,
+    DemoteRequest,
     DrainRequest,
     FreeSlotsReply,
     FreeSlotsRequest,
@@ -72,6 +74,7 @@ from kvfabric.proto.segment import (
     ReportRequest,
     SegmentReport,
     SegmentState,
+    VerifyRequest,
     segment_decoder,
 )
 from kvfabric.runtime.logs import get_logger
@@ -217,12 +220,15 @@ class SegmentShell(ShellRepair, ShellConfirms):
         )
 
     def attach(self, runtime: ServiceRuntime) -> None:
-        runtime.add_endpoint("free", self._on_free, instance=self.settings.segment_id)
-        runtime.add_endpoint("drain", self._on_drain, instance=self.settings.segment_id)
-        runtime.add_endpoint("report", self._on_report, instance=self.settings.segment_id)
-        runtime.add_endpoint("copy", self._on_copy, instance=self.settings.segment_id)
-        runtime.add_endpoint("verify", self.suspects.on_verify, instance=self.settings.segment_id)
-        runtime.add_endpoint("demote", self.demoter.on_demote, instance=self.settings.segment_id)
+        # Each decoded and checked by the runtime (`ServiceRuntime` typed endpoints).
+        segment = self.settings.segment_id
+        add, family = runtime.add_endpoint, segment_decoder
+        add("free", self._on_free, request=FreeSlotsRequest, decoder=family, instance=segment)
+        add("drain", self._on_drain, request=DrainRequest, decoder=family, instance=segment)
+        add("report", self._on_report, request=ReportRequest, decoder=family, instance=segment)
+        add("copy", self._on_copy, request=CopyRequest, decoder=family, instance=segment)
+        add("verify", self.suspects.on_verify, request=VerifyRequest, decoder=family, instance=segment)
+        add("demote", self.demoter.on_demote, request=DemoteRequest, decoder=family, instance=segment)
 
     async def start(self, nc: NatsClient) -> None:
         self._nc = nc
@@ -303,10 +309,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
 
     # ---- the directory's requests: frees, reports, drain -----------------------------------------
 
-    async def _on_free(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        message = segment_decoder.decode(data)
-        if not isinstance(message, FreeSlotsRequest):
-            raise BadRequest(f"expected FreeSlotsRequest, got {type(message).__name__}")
+    async def _on_free(self, message: FreeSlotsRequest, headers: Mapping[str, str]) -> msgspec.Struct:
         if message.incarnation != self.incarnation:
             raise StaleGeneration("segment_incarnation", message.incarnation, self.incarnation)
         self._admit(message.shard, message.epoch)  # a replaced leader's: fenced
@@ -321,10 +324,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
         ]
         return FreeSlotsReply(incarnation=self.incarnation, freed=freed)
 
-    async def _on_report(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        message = segment_decoder.decode(data)
-        if not isinstance(message, ReportRequest):
-            raise BadRequest(f"expected ReportRequest, got {type(message).__name__}")
+    async def _on_report(self, message: ReportRequest, headers: Mapping[str, str]) -> msgspec.Struct:
         self._admit(message.shard, message.epoch)  # a replaced leader's: fenced
         if not 0 < message.limit <= REPORT_PAGE_MAX:
             raise BadRequest(f"limit must be in 1..{REPORT_PAGE_MAX}")
@@ -344,10 +344,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
             next_after_slot=held[-1].slot if more else -1,
         )
 
-    async def _on_drain(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        message = segment_decoder.decode(data)
-        if not isinstance(message, DrainRequest):
-            raise BadRequest(f"expected DrainRequest, got {type(message).__name__}")
+    async def _on_drain(self, message: DrainRequest, headers: Mapping[str, str]) -> msgspec.Struct:
         self.backend.draining = message.draining  # under the backend's lock (its gate)
         self._log.info("segment_drain_set", draining=message.draining)
         return SegmentState(

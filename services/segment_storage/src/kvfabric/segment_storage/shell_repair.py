@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Final
 
 import msgspec
 
-from kvfabric.format.errors import BadRequest, Busy, KvfError, Unavailable
+from kvfabric.format.errors import Busy, KvfError, Unavailable
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.common import TRACE_ID_HEADER
 from kvfabric.proto.dataplane import ReadRef
-from kvfabric.proto.segment import SSD_SLOT_BASE, CopyReply, CopyRequest, segment_decoder
+from kvfabric.proto.segment import SSD_SLOT_BASE, CopyReply, CopyRequest
 from kvfabric.segment_storage.copier import fetch_replica
 from kvfabric.segment_storage.scrubber import CorruptObject, ScrubPacer
 from kvfabric.segment_storage.shell_directory import ShellDirectory
@@ -56,10 +56,7 @@ class ShellRepair(ShellDirectory):
     _copy_lock: threading.Lock
     _loop: asyncio.AbstractEventLoop | None
 
-    async def _on_copy(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        message = segment_decoder.decode(data)
-        if not isinstance(message, CopyRequest):
-            raise BadRequest(f"expected CopyRequest, got {type(message).__name__}")
+    async def _on_copy(self, message: CopyRequest, headers: Mapping[str, str]) -> msgspec.Struct:
         with self._copy_lock:
             busy = self.copies_in_flight >= self.settings.copies_max
             if not busy:

@@ -27,8 +27,7 @@ from typing import Final
 import msgspec
 
 from kvfabric.core.quotas import tenant_of
-from kvfabric.format.errors import BadRequest
-from kvfabric.proto.segment import VerifyReply, VerifyRequest, segment_decoder
+from kvfabric.proto.segment import VerifyReply, VerifyRequest
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.scrubber import CorruptObject
 
@@ -64,10 +63,7 @@ class SuspectChecker:
         self.corrupt_found = 0
         self.refused = 0
 
-    async def on_verify(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        request = segment_decoder.decode(data)
-        if not isinstance(request, VerifyRequest):
-            raise BadRequest(f"verify takes VerifyRequest, got {type(request).__name__}")
+    async def on_verify(self, request: VerifyRequest, headers: Mapping[str, str]) -> msgspec.Struct:
         return VerifyReply(queued=self.suspect(request))
 
     def suspect(self, request: VerifyRequest) -> bool:
