@@ -6,26 +6,40 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 from kvfabric.client.aio_base import ClientBase, Source, directory_cause
 from kvfabric.client.busy import retry_busy
 from kvfabric.client.hits import SaveResult
-from kvfabric.client.saves import (
-    SavePlan,
-    SaveTally,
-    confirm_counts,
-    object_specs,
-    plan_save,
-    with_receipts,
-    write_streams,
+from kvfabric.client.save_table import (
+    Effect,
+    Finished,
+    PrepareBegins,
+    SaveBatches,
+    SaveTable,
+    SendAbort,
+    SendBegin,
+    SendCommit,
+    Write,
+    WriteReplicas,
 )
+from kvfabric.client.save_table_events import (
+    BeginAnswered,
+    EndAnswered,
+    Open,
+    Prepared,
+    SaveEvent,
+    ShardMapUnknown,
+    WritesDone,
+)
+from kvfabric.client.saves import SavePlan, plan_save, write_streams
 from kvfabric.client.shared_calls import SharedCalls
 from kvfabric.format.checksum import checksum
+from kvfabric.format.clock import monotonic_ms
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
-from kvfabric.format.ids import ObjectKey
+from kvfabric.format.invariant import invariant, unreachable
 from kvfabric.format.key import ChunkExtras, ChunkGroupId, MemberId, TokenIds
 from kvfabric.proto import directory as m
 
@@ -45,33 +59,6 @@ SAVE_INLINE_CHECKSUM_BYTES_MAX: Final = 4 << 20
 # segment process below the directory on this loaded 2-core VM (2026-12-02); larger objects keep
 # parallel streams.
 SAVE_WRITE_STREAM_BYTES_TARGET: Final = 2 << 20
-
-T = TypeVar("T")
-
-
-def _shard_batches(
-    items: Sequence[T], shard_of: Callable[[T], int], batch_max: int = m.PUT_BATCH_OBJECTS_MAX
-) -> Iterator[tuple[int, int, list[T]]]:
-    """(shard, offset, batch): the items split by shard (first-seen order, each shard's in the
-    original order), in batches of at most `batch_max` (a request takes one shard)."""
-    by_shard: dict[int, list[T]] = {}
-    for item in items:
-        by_shard.setdefault(shard_of(item), []).append(item)
-    for shard, mine in by_shard.items():
-        for start in range(0, len(mine), batch_max):
-            yield shard, start, mine[start : start + batch_max]
-
-
-def _spec_key(spec: m.ObjectSpec) -> bytes:
-    return spec.key
-
-
-def _same_key(key: ObjectKey) -> bytes:
-    return key
-
-
-def _commit_key(item: tuple[ObjectKey, list[m.WriteReceipt]]) -> bytes:
-    return item[0]
 
 
 class SaveMixin(ClientBase):
@@ -147,70 +134,68 @@ class SaveMixin(ClientBase):
         first_chunk: int,
         trace_id: str,
     ) -> SaveResult:
-        """The phases of `kvfabric.client.saves` (which decides), with this client's I/O."""
+        """The save's `SaveTable` (which decides) fed this client's I/O: each step's effects run
+        together, their answers go back in the effects' order, until `Finished`."""
         plan = plan_save(groups, members, views, first_chunk)
-        if not plan.keys:
-            return SaveResult()
-        loop = asyncio.get_running_loop()
-        if sum(len(v) for v in plan.data.values()) <= SAVE_INLINE_CHECKSUM_BYTES_MAX:
-            digests = [checksum(plan.data[k]) for k in plan.keys]  # cheaper than a thread hop
-        else:
-            digests = await loop.run_in_executor(
-                self._save_executor, lambda: [checksum(plan.data[k]) for k in plan.keys]
-            )
-        router = self._router()
-        try:
-            await router.known_shards()
-        except Unavailable:
-            chunks = len(plan.chunks)
-            return SaveResult(chunks_failed=chunks, causes={"directory_unavailable": chunks})
-        tally = SaveTally(plan)
-        specs = object_specs(plan, digests)
-        # Begin: shared with the other saves in flight (`SharedCalls`); each write names the
-        # request's trace id and how many of its writes its segment may confirm together.
-        writes: list[tuple[m.BeginResult, m.WriteTicket, str, int]] = []
-        placed: list[m.BeginResult] = []
-        for batch, (reply, batch_trace) in await self._shared(self._begins, specs, _spec_key, trace_id):
-            if not isinstance(reply, m.PutBeginReply):
-                tally.refused([spec.key for spec in batch], str(reply))
-                continue
-            mine = {spec.key for spec in batch}
-            ours = tally.begun(r for r in reply.results if r.key in mine)
-            together = confirm_counts(
-                (r for r in reply.results if r.status == "placed"), router.shard_of, self._writes_at_once
-            )
-            placed += ours
-            writes += [
-                (r, t, batch_trace, together[t.segment_id, router.shard_of(r.key)])
-                for r in ours
-                for t in r.tickets
-            ]
-        placed, unwritten = tally.unreachable(placed)  # past a not-admitted chunk: not written
-        if unwritten:
-            kept = {id(r) for r in placed}
-            writes = [w for w in writes if id(w[0]) in kept]
-        outcomes = await self._write_all(plan, writes)
-        ok_keys, bad_keys = tally.wrote(placed, [cause for cause, _ in outcomes])
-        bad_keys += unwritten
-        commits = with_receipts(
-            ok_keys,
-            ((result.key, receipt) for (result, *_), (_, receipt) in zip(writes, outcomes, strict=True)),
+        table = SaveTable(
+            plan,
+            lambda raw: self._router().shard_of(raw),  # the router's map at the time of asking
+            self._writes_at_once,
+            self.settings.save_timeout_ms,
+            SaveBatches(self._begins.batch_max, self._commits.batch_max, self._aborts.batch_max),
         )
-        # Aborts and commits go to their shards concurrently (they name different keys). An abort
-        # that fails needs nothing more: its placements expire at the directory (write_ttl_ms).
-        ended: tuple[Any, list[tuple[list[tuple[ObjectKey, list[m.WriteReceipt]]], tuple[object, str]]]]
-        ended = await asyncio.gather(
-            self._shared(self._aborts, bad_keys, _same_key, trace_id),
-            self._shared(self._commits, commits, _commit_key, trace_id),
-        )
-        for items, (reply, _) in ended[1]:
-            keys = [key for key, _ in items]
-            if not isinstance(reply, m.PutCommitReply):
-                tally.refused(keys, str(reply))
-                continue
-            mine = set(keys)
-            tally.commits(r for r in reply.results if r.key in mine)
-        result = tally.result()
+        effects = table.step(Open(), monotonic_ms())
+        while True:
+            for effect in effects:
+                if isinstance(effect, Finished):
+                    return self._saved(effect.result) if effect.begun else effect.result
+            invariant(effects, "a save step left nothing to do before Finished", state=table.state)
+            if len(effects) == 1:  # most steps (hash, write): no task for it
+                events = [await self._perform_save(effects[0], plan, trace_id)]
+            else:
+                events = await asyncio.gather(*(self._perform_save(e, plan, trace_id) for e in effects))
+            effects = [e for event in events for e in table.step(event, monotonic_ms())]
+
+    async def _perform_save(self, effect: Effect, plan: SavePlan, trace_id: str) -> SaveEvent:
+        """One effect of the save's table, answered with its event (never raises for the cluster)."""
+        if isinstance(effect, PrepareBegins):
+            if sum(len(v) for v in plan.data.values()) <= SAVE_INLINE_CHECKSUM_BYTES_MAX:
+                digests = [checksum(plan.data[k]) for k in plan.keys]  # cheaper than a thread hop
+            else:
+                digests = await asyncio.get_running_loop().run_in_executor(
+                    self._save_executor, lambda: [checksum(plan.data[k]) for k in plan.keys]
+                )
+            router = self._router()
+            try:
+                await router.known_shards()
+            except Unavailable:
+                return ShardMapUnknown()
+            return Prepared(tuple(digests))
+        if isinstance(effect, SendBegin):
+            # Shared with the other saves in flight (`SharedCalls`): the answer names the trace id
+            # the request went with (its writes name it too).
+            keys = [spec.key for spec in effect.specs]
+            reply, trace = await self._begins.call(
+                effect.shard, effect.specs, keys, trace_id, effect.deadline_ms / 1000
+            )
+            return BeginAnswered(effect.request, reply, trace)
+        if isinstance(effect, WriteReplicas):
+            return WritesDone(tuple(await self._write_all(plan, effect.writes)))
+        if isinstance(effect, SendCommit):
+            keys = [key for key, _ in effect.items]
+            reply, _ = await self._commits.call(
+                effect.shard, effect.items, keys, trace_id, effect.deadline_ms / 1000
+            )
+            return EndAnswered(effect.request, reply)
+        if isinstance(effect, SendAbort):
+            # An abort that fails needs nothing more: its placements expire at the directory.
+            reply, _ = await self._aborts.call(
+                effect.shard, effect.keys, effect.keys, trace_id, effect.deadline_ms / 1000
+            )
+            return EndAnswered(effect.request, reply)
+        unreachable("an effect the save shell does not perform", effect=effect)
+
+    def _saved(self, result: SaveResult) -> SaveResult:
         self.metrics.saved_tokens.inc(result.chunks_saved * self.spec.layout.tokens_per_chunk)
         self.metrics.saved_bytes.inc(result.bytes_written)
         for cause, n in result.causes.items():
@@ -218,7 +203,7 @@ class SaveMixin(ClientBase):
         return result
 
     async def _write_all(
-        self, plan: SavePlan, writes: Sequence[tuple[m.BeginResult, m.WriteTicket, str, int]]
+        self, plan: SavePlan, writes: Sequence[Write]
     ) -> list[tuple[str, m.WriteReceipt | None]]:
         """Write every replica of every placed object (bounded by the save executor's threads),
         each answered with its segment's write receipt (the commit carries them); per write, its
@@ -226,18 +211,17 @@ class SaveMixin(ClientBase):
         `SegmentPool.write_many`; staged through its staging file when co-located)."""
         loop = asyncio.get_running_loop()
         streams = write_streams(
-            [(t.data_addr, t.size_bytes) for _, t, _, _ in writes], SAVE_WRITE_STREAM_BYTES_TARGET
+            [(w.ticket.data_addr, w.ticket.size_bytes) for w in writes], SAVE_WRITE_STREAM_BYTES_TARGET
         )
 
         def run(stream: list[int]) -> list[tuple[str, m.WriteReceipt | None]]:
-            (result, ticket, trace, together), *_ = (writes[i] for i in stream)
-            if len(stream) == 1:  # on its own connection: staged when co-located
-                return [self.pool.write(ticket, plan.data[result.key], trace, together, receipt=True)]
-            mine = [
-                (t, plan.data[r.key], trace, together)
-                for r, t, trace, together in (writes[i] for i in stream)
-            ]
-            return self.pool.write_many(mine, receipt=True)
+            mine = [writes[i] for i in stream]
+            if len(mine) == 1:  # on its own connection: staged when co-located
+                w = mine[0]
+                return [self.pool.write(w.ticket, plan.data[w.key], w.trace_id, w.together, receipt=True)]
+            return self.pool.write_many(
+                [(w.ticket, plan.data[w.key], w.trace_id, w.together) for w in mine], receipt=True
+            )
 
         answers = await asyncio.gather(*(loop.run_in_executor(self._save_executor, run, s) for s in streams))
         outcomes: list[tuple[str, m.WriteReceipt | None]] = [("unanswered", None)] * len(writes)
@@ -245,23 +229,6 @@ class SaveMixin(ClientBase):
             for i, outcome in zip(stream, answer, strict=True):
                 outcomes[i] = outcome
         return outcomes
-
-    async def _shared(
-        self, calls: SharedCalls[T], items: Sequence[T], key_of: Callable[[T], bytes], trace_id: str
-    ) -> list[tuple[list[T], tuple[object, str]]]:
-        """`calls`' verb for `items`, split per shard in batches (`_shard_batches`), each sharing a
-        request with other saves' (`SharedCalls`), concurrently; (batch, (reply or cause, the
-        request's trace id)) in batch order."""
-        router = self._router()
-        deadline_s = time.monotonic() + self.settings.save_timeout_ms / 1000
-        batches = list(_shard_batches(items, lambda item: router.shard_of(key_of(item)), calls.batch_max))
-        replies = await asyncio.gather(
-            *(
-                calls.call(shard, batch, [key_of(item) for item in batch], trace_id, deadline_s)
-                for shard, _, batch in batches
-            )
-        )
-        return [(batch, reply) for (_, _, batch), reply in zip(batches, replies, strict=True)]
 
     def _save_calls(
         self, verb: str, message: Callable[[str, list[Any]], m.DirectoryRequest], batch_max: int
