@@ -48,6 +48,13 @@ FETCH_BATCH_BYTES_TARGET: Final = 2 << 20
 # flush (a 16 MiB load was copied whole on the loop, 3-19 ms, review of stop 33); the rest of a
 # larger load still goes to the worker threads and overlaps.
 LOCAL_INLINE_BYTES_MAX: Final = 2 << 20
+# A co-located load of at most this many bytes in all is copied on the engine's own thread by
+# `load_now` (the engine waits for it anyway: its thread is idle) when the arena is mapped, not
+# only one of at most `LOCAL_INLINE_BYTES_MAX`: a whole prompt's hit in vLLM (bench.hit_floor:
+# 1-3K tokens of the tiny Llama are 4-12 MiB) no longer takes the hops engine -> loop -> worker
+# threads -> loop -> engine (measured in vLLM: bench.hit_floor, bench/results/hit_floor.md).
+# Larger ones still go to the worker threads, whose copies overlap where there are cores.
+LOCAL_NOW_BYTES_MAX: Final = 16 << 20
 
 
 @dataclass(slots=True)
@@ -173,7 +180,9 @@ class LoadMixin(ClientBase):
         connection that maps the arena copies them (`SegmentPool.fetch_local_now`: no I/O);
         else one data request for all of them on this thread (`SegmentPool.fetch_many`, what a
         worker thread would run for them, the next replicas tried within `load_timeout_ms`,
-        through the pool's per-segment connection bound). Returns the verified whole-chunk
+        through the pool's per-segment connection bound). A co-located hit of up to
+        `LOCAL_NOW_BYTES_MAX` is copied here too when the arena is mapped (else, or when an
+        object does not verify, None: the loop's way reads it again). Returns the verified whole-chunk
         prefix as `load` does (a chunk that did not verify and the ones after it failed); None
         when the hit is not such a load (the caller runs `load`). Thread-safe (the sync facade
         calls it from the engine's thread): it touches no load-table state, so such loads are
@@ -188,7 +197,11 @@ class LoadMixin(ClientBase):
         chunks = chunks[: len(dests)]
         locations = [loc for row in chunks for loc in row]
         small = min(LOCAL_INLINE_BYTES_MAX, self.settings.load_inflight_bytes_max)
-        if not locations or sum(loc.size_bytes for loc in locations) > small:
+        mapped = (
+            min(LOCAL_NOW_BYTES_MAX, self.settings.load_inflight_bytes_max) if self.settings.use_shm else 0
+        )
+        total = sum(loc.size_bytes for loc in locations)
+        if not locations or total > max(small, mapped):
             return None  # the table's way: bounded in flight, waits for room, coalesced
         if len({loc.replicas[0].data_addr if loc.replicas else "" for loc in locations}) != 1:
             return None
@@ -201,6 +214,8 @@ class LoadMixin(ClientBase):
                 for view in scatter_dests(row, [loc.size_bytes for loc in locs], gate)
             ]
             causes = self.pool.fetch_local_now(locations, views) if self.settings.use_shm else None
+            if causes is None and total > small:
+                return None  # not mapped (or not verified): larger reads overlap on the workers
             if causes is None:
                 deadline_s = time.monotonic() + self.settings.load_timeout_ms / 1000
                 causes = self.pool.fetch_many(
