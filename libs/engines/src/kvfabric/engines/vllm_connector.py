@@ -26,7 +26,10 @@ docs/engines.md says why it is left to inherit vLLM's pinned compute CPU by defa
   until it is back, so the scheduler blocks on the cluster for at most that; it keeps the
   read-leased hit; `build_connector_meta` turns it into a load
   of the request's blocks past what vLLM already has, and schedules saves of every block that
-  becomes full in this step. Leases are released when the request finishes or is aborted.
+  becomes full in this step and is not in kvfabric yet (a hit vLLM's own prefix cache covered
+  is not saved again: that was a 4-12 MiB copy on vLLM's thread in each such request's first
+  step, and a save's work beside it; bench.hit_floor). Leases are released when the request
+  finishes or is aborted.
 - Worker side: `start_load_kv` loads synchronously into the paged blocks; blocks past the
   verified prefix are reported by `get_block_ids_with_load_errors`, so vLLM recomputes them.
   So are the blocks of a hit the scheduler could not plan a load for (`vllm_plan.plan_load`:
@@ -249,6 +252,9 @@ class KvfabricConnector(KVConnectorBase_V1):
             self._lookup_wait_s = LOOKUP_WAIT_MS_DEFAULT / 1000
         self._lookups_fast = True  # false from a wait that ran out until a lookup is back in time
         self._pending_loads: dict[str, tuple[Hit, int]] = {}  # req id -> (hit, chunks vLLM had)
+        # req id -> chunks its lookup found in kvfabric, until the request is scheduled: also for a
+        # hit vLLM's own prefix cache covers (nothing to load), whose blocks are then not saved again
+        self._found_chunks: dict[str, int] = {}
         self._requests: dict[str, _Request] = {}
         # worker side
         self._kv_caches: list[torch.Tensor] = []
@@ -325,6 +331,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         hit = pending.result()
         if hit.lease_id:
             self._hits[rid] = hit
+        self._found_chunks[rid] = hit.chunks
         if hit.tokens <= num_computed_tokens:
             return 0, False
         self._pending_loads[rid] = (hit, num_computed_tokens // self.block_size)
@@ -365,7 +372,8 @@ class KvfabricConnector(KVConnectorBase_V1):
         meta = KvfabricMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            state = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]), 0)
+            found = self._found_chunks.pop(new.req_id, 0)  # in kvfabric already: never saved again
+            state = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]), found)
             self._requests[new.req_id] = state
             self._plan_load(meta, new.req_id, state)
             self._plan_save(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -436,6 +444,7 @@ class KvfabricConnector(KVConnectorBase_V1):
             pending.add_done_callback(lambda f: self.client.release(f.result()))
         self._release(request.request_id)
         self._pending_loads.pop(request.request_id, None)
+        self._found_chunks.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
         return False, None  # saves copy blocks out in wait_for_save: vLLM may free them now
 

@@ -1,0 +1,122 @@
+"""The vLLM connector's scheduler side, without an engine running (vLLM imported for its config
+and connector base): a prompt whose blocks vLLM's own prefix cache already has, and whose
+lookup found them in kvfabric, is not saved again (issue 20, the hit floor: before, every such
+request copied its whole prompt out of vLLM's cache in its first step, 4-12 MiB on vLLM's thread
+for 1-3K tokens of the tiny Llama, and saved it again beside the forward; bench.hit_floor).
+Blocks kvfabric does not have are still saved."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvfabric.client import Hit
+from tests.engines.tinymodel import build_tiny_llama, prompt_ids
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+BLOCK = 128  # vLLM's CPU block size
+
+
+class FakeClient:
+    """Answers every lookup with a hit of `chunks` chunks (already back: no wait)."""
+
+    def __init__(self, chunks: int) -> None:
+        self.chunks = chunks
+        self.released: list[Hit] = []
+
+    def lookup_async(self, tokens: list[int], **_: Any) -> concurrent.futures.Future[Hit]:
+        done: concurrent.futures.Future[Hit] = concurrent.futures.Future()
+        done.set_result(Hit(self.chunks * BLOCK, BLOCK, (), (), objects=((),) * self.chunks))
+        return done
+
+    def release(self, hit: Hit) -> None:
+        self.released.append(hit)
+
+    def close(self) -> None:
+        return None
+
+
+@pytest.fixture(scope="module")
+def scheduler_side(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvfabric.engines.vllm_connector import KvfabricConnector
+
+    model_dir: Path = build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+    config = EngineArgs(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        max_model_len=8192,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvfabricConnector",
+            kv_connector_module_path="kvfabric.engines.vllm_connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            # a client that never starts (no cluster here): replaced by FakeClient below
+            kv_connector_extra_config={"nats_url": "nats://127.0.0.1:1", "connect_timeout_ms": 1},
+        ),
+    ).create_engine_config()
+
+    def make(chunks: int) -> Any:
+        connector = KvfabricConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config=None)
+        connector.client.close()
+        connector.client = FakeClient(chunks)  # type: ignore[assignment]
+        return connector
+
+    return make
+
+
+def schedule(connector: Any, rid: str, tokens: list[int], local_tokens: int) -> Any:
+    """vLLM's scheduler: asks the connector with `local_tokens` of the prompt in its own prefix
+    cache, then schedules the rest of the prompt in one step; the step's connector metadata."""
+    request = SimpleNamespace(request_id=rid, prompt_token_ids=tokens)
+    external, load_async = connector.get_num_new_matched_tokens(request, local_tokens)
+    assert external is not None and not load_async
+    if external == 0:
+        connector.update_state_after_alloc(request, None, 0)
+    blocks = list(range(100, 100 + (len(tokens) + BLOCK - 1) // BLOCK))
+    new = SimpleNamespace(
+        req_id=rid, prompt_token_ids=tokens, block_ids=(blocks,), num_computed_tokens=local_tokens + external
+    )
+    output = SimpleNamespace(
+        scheduled_new_reqs=[new],
+        num_scheduled_tokens={rid: len(tokens) - local_tokens - external},
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+    )
+    connector._policy_checked = True  # the policy check reads vLLM's scheduler frame
+    return connector.build_connector_meta(output)
+
+
+def test_a_hit_vllms_prefix_cache_covers_is_not_saved_again(scheduler_side: Any) -> None:
+    tokens = prompt_ids(3 * BLOCK + 1, seed=11)
+    connector = scheduler_side(3)  # kvfabric has the 3 full blocks
+    meta = schedule(connector, "r1", tokens, local_tokens=3 * BLOCK)  # vLLM has them too
+    assert meta.loads == [] and meta.saves == []
+
+
+def test_blocks_kvfabric_lacks_are_saved_after_a_local_hit(scheduler_side: Any) -> None:
+    tokens = prompt_ids(3 * BLOCK + 1, seed=12)
+    connector = scheduler_side(1)  # kvfabric has only the first block
+    meta = schedule(connector, "r2", tokens, local_tokens=3 * BLOCK)
+    assert meta.loads == []
+    assert [(s.first_chunk, s.block_ids) for s in meta.saves] == [(1, [101, 102])]
+
+
+def test_a_miss_saves_every_full_block(scheduler_side: Any) -> None:
+    tokens = prompt_ids(3 * BLOCK + 1, seed=13)
+    connector = scheduler_side(0)
+    meta = schedule(connector, "r3", tokens, local_tokens=0)
+    assert meta.loads == []
+    assert [(s.first_chunk, s.block_ids) for s in meta.saves] == [(0, [100, 101, 102])]
