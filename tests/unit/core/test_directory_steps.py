@@ -98,7 +98,7 @@ def test_each_verb_in_steps_answers_and_leaves_what_it_does_whole() -> None:
 
 
 @pytest.mark.parametrize("ids_max", [None, 1])
-@pytest.mark.parametrize("verb", ["put_begin", "put_commit", "evict"])
+@pytest.mark.parametrize("verb", ["put_begin", "put_commit", "put_abort", "evict"])
 def test_a_malformed_id_in_the_last_slice_refuses_the_request_whole(verb: str, ids_max: int | None) -> None:
     """Every id is parsed before the first is applied: a bad one at the end refuses the request
     with nothing placed, committed or evicted, whole (`handle`; an evict used to evict the
@@ -118,12 +118,29 @@ def test_a_malformed_id_in_the_last_slice_refuses_the_request_whole(verb: str, i
         )
     elif verb == "put_commit":
         request = msgspec.structs.replace(commit, keys=[*keys[3:6], bad])
+    elif verb == "put_abort":
+        request = m.PutAbort(writer_id="w", request_id="a", keys=[*keys[3:6], bad])
     else:
         request = m.Evict(groups=[GroupId(k[:GROUP_ID_BYTES]) for k in keys[:3]] + [GroupId(b"x" * 10)])
     with pytest.raises(BadRequest):
         core.handle(request, 0) if ids_max is None else run_whole(core.steps(request, 0, ids_max))
     assert state(core)[:4] == before[:4]
     core.check_invariants()
+
+
+def test_an_abort_in_steps_answers_and_leaves_what_it_does_whole() -> None:
+    whole, stepped, keys = twins(10, seed=11)
+    replies = []
+    for core, ids_max in ((whole, None), (stepped, STEP)):
+        begun(core, keys)
+        abort = m.PutAbort(writer_id="w", request_id="a", keys=keys)
+        outcome = core.handle(abort, 0) if ids_max is None else run_whole(core.steps(abort, 0, ids_max))
+        assert isinstance(outcome.reply, m.PutAbortReply) and outcome.reply.aborted == len(keys)
+        assert core.pending_objects == 0
+        core.check_invariants()
+        replies.append(outcome.reply)
+    assert replies[0] == replies[1]
+    assert state(whole) == state(stepped)
 
 
 def test_a_begin_in_steps_sees_what_ran_between_them() -> None:

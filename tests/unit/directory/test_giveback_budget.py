@@ -44,18 +44,25 @@ class _Runtime:
 
 
 class _Counting:
-    """Wraps the core's `handle`: the ids of each give-back the core saw."""
+    """Wraps the core's `handle` and `steps` (an abort of more than `WRITE_SLICE_IDS` keys runs
+    in steps): the ids of each give-back the core saw."""
 
     def __init__(self, core: DirectoryCore) -> None:
         self.seen: list[int] = []
-        inner = core.handle
+        inner, inner_steps = core.handle, core.steps
 
         def handle(message: msgspec.Struct, now_ms: int, **kw: Any) -> Any:
             if isinstance(message, m.PutAbort):
                 self.seen.append(len(message.keys))
             return inner(message, now_ms, **kw)
 
+        def steps(message: msgspec.Struct, now_ms: int, ids_max: int) -> Any:
+            if isinstance(message, m.PutAbort):
+                self.seen.append(len(message.keys))
+            return inner_steps(message, now_ms, ids_max)
+
         core.handle = handle  # type: ignore[method-assign,assignment]
+        core.steps = steps  # type: ignore[method-assign,assignment]
 
 
 def test_budget_charges_only_what_released_nothing() -> None:

@@ -1,4 +1,4 @@
-"""Issue 21 item 2 at the directory shell, without NATS: a put_commit or evict of 4,096 ids runs
+"""Issue 21 item 2 at the directory shell, without NATS: a put_commit, put_abort or evict of 4,096 ids runs
 as the core's steps of `WRITE_SLICE_IDS` (`DirectoryShell._in_steps`), the event loop yielded
 between, so another tenant's lookup that arrives meanwhile is answered before it ends; no core
 call does more than one slice's work (what the stall metric times); a shard lost between two
@@ -70,18 +70,20 @@ def setup() -> tuple[DirectoryCore, list[GroupId], list[GroupId], m.PutCommit]:
 
 
 class Work:
-    """Per core call (`CORE_CALLS.timed`): how many groups it published or evicted."""
+    """Per core call (`CORE_CALLS.timed`): how many groups it published or evicted, or how many
+    objects being written it began or aborted."""
 
     def __init__(self, core: DirectoryCore, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[str, int]] = []
         timed = CORE_CALLS.timed
 
         def counted(what: str, call: Callable[[], T]) -> T:
-            before = len(core.published)
+            before = len(core.published), core.pending_objects
             try:
                 return timed(what, call)
             finally:
-                self.calls.append((what, abs(len(core.published) - before)))
+                changed = abs(len(core.published) - before[0]) + abs(core.pending_objects - before[1])
+                self.calls.append((what, changed))
 
         monkeypatch.setattr(CORE_CALLS, "timed", counted)
 
@@ -121,8 +123,23 @@ def test_a_max_size_commit_and_evict_run_in_steps_and_a_lookup_is_answered_betwe
     # each core call published or evicted one slice at most: 64 of them did the 4,096 (whole:
     # one call of 4,096 each)
     for what in ("PutCommit", "Evict"):
-        assert max(work.of(what)) == WRITE_SLICE_IDS
+        assert max(work.of(what)) <= 2 * WRITE_SLICE_IDS  # a commit's slice: 64 out of pending, 64 published
         assert sum(n > 0 for n in work.of(what)) == BIG // WRITE_SLICE_IDS
+    core.check_invariants()
+
+
+def test_a_max_size_abort_runs_in_steps_and_a_lookup_is_answered_between(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core, alice, _, commit = setup()
+    shell = shell_of(core)
+    work = Work(core, monkeypatch)
+    abort = m.PutAbort(writer_id="w", request_id="a", keys=commit.keys)
+    reply = asyncio.run(lookup_between(shell, abort, alice))
+    assert isinstance(reply, m.PutAbortReply) and reply.aborted == BIG
+    assert core.pending_objects == 0
+    assert max(work.of("PutAbort")) == WRITE_SLICE_IDS
+    assert sum(n > 0 for n in work.of("PutAbort")) == BIG // WRITE_SLICE_IDS
     core.check_invariants()
 
 

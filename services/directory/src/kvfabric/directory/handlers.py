@@ -65,9 +65,9 @@ LOOKUP_SLICE_GROUPS: Final = 128
 # again in every one of them: a request arriving during a long lookup waited one slice per
 # stage, ~5 slices (issue 21 row 2, docs/security.md). Yielding this many, it waits for one.
 LOOKUP_SLICE_YIELDS: Final = 8
-# A put_begin, put_commit or evict naming more ids than this runs as the core's steps of this
-# many (`_in_steps`; `KVF_DIRECTORY_WRITE_SLICE_IDS`, 0 = whole): one 4,096-id request held the
-# loop 180-250 ms in one call (bench/results/directory_big_requests.md), ~3-5 ms a step.
+# A put_begin, put_commit, put_abort or evict naming more ids than this runs as the core's steps
+# of this many (`_in_steps`; `KVF_DIRECTORY_WRITE_SLICE_IDS`, 0 = whole): one 4,096-id request
+# held the loop 180-250 ms in one call (bench/results/directory_big_requests.md), ~3-5 ms a step.
 WRITE_SLICE_IDS: Final = 64
 
 # verb -> the request type it accepts
@@ -106,6 +106,8 @@ def slice_ids(message: msgspec.Struct) -> int:
         return len(message.objects)
     if isinstance(message, m.PutCommit):
         return max(len(message.keys), len(message.receipts))
+    if isinstance(message, m.PutAbort):
+        return len(message.keys)
     if isinstance(message, m.Evict):
         return len(message.groups)
     return 0
@@ -133,7 +135,7 @@ class DirectoryShell:
         write_slice_ids: int = WRITE_SLICE_IDS,
     ) -> None:
         self.core = core
-        # A put_begin, put_commit or evict of more ids runs in steps of this many (0: whole).
+        # A put_begin, put_commit, put_abort or evict of more ids runs in steps of this many (0: whole).
         self.write_slice_ids = write_slice_ids
         # The instance's events stream (shared by its shells: one repair at a time); a shell
         # started without one makes its own.
@@ -172,7 +174,7 @@ class DirectoryShell:
         return outcome.reply
 
     async def _in_steps(self, message: msgspec.Struct) -> msgspec.Struct:
-        """A put_begin, put_commit or evict of more than `write_slice_ids` ids, run as the core's
+        """A put_begin, put_commit, put_abort or evict of more than `write_slice_ids` ids, run as the core's
         steps of that many (`DirectoryCore.steps`: every whole-request check in the first, so a
         refusal still applies nothing), each one core call whose effects are performed before
         the loop is yielded (`LOOKUP_SLICE_YIELDS`) to whatever else is in progress. One such

@@ -2,7 +2,7 @@
 
 Synchronous and I/O-free. The service shell decodes a request, calls `handle(request, now_ms)`
 (and `tick(now_ms)` periodically), performs the returned effects and sends the reply; a large
-put_begin, put_commit or evict it runs as `steps(request, now_ms, ids_max)` instead, one bounded
+put_begin, put_commit, put_abort or evict it runs as `steps(request, now_ms, ids_max)` instead, one bounded
 call a slice (`base.Steps`). The same
 entries as events: `DirectoryCore.step(event, now_ms)` (the shape every core shares,
 `kvfabric.core.step`; the events in `events`). Time is passed in; nothing here reads a clock,

@@ -157,16 +157,19 @@ class DirectoryCore:
             raise
 
     def steps(self, request: msgspec.Struct, now_ms: int, ids_max: int) -> Steps:
-        """A put_begin, put_commit or evict in steps of at most `ids_max` ids each (the shell
+        """A put_begin, put_commit, put_abort or evict in steps of at most `ids_max` ids each (the shell
         runs each step as its own call, the event loop yielded between; `base.Steps`): what
         `handle` does for it, the same whole-request checks first (a refusal raises at the first
         step, nothing applied), then each slice's work, its effects yielded with it (frees
         batched per step); the generator returns the reply. How each verb's later slices see
-        what ran between: `WriteTable.begin_steps`, `commit_steps`, `PublishedTable.evict_steps`."""
+        what ran between: `WriteTable.begin_steps`, `commit_steps`, `abort_steps`,
+        `PublishedTable.evict_steps`."""
         if isinstance(request, m.PutBegin):
             steps = self.write_table.begin_steps(request, now_ms, ids_max)
         elif isinstance(request, m.PutCommit):
             steps = self.write_table.commit_steps(request, now_ms, ids_max)
+        elif isinstance(request, m.PutAbort):
+            steps = self.write_table.abort_steps(request, now_ms, ids_max)
         elif isinstance(request, m.Evict):
             steps = self.published_table.evict_steps(request, self.write_table.identity_of, ids_max)
         else:

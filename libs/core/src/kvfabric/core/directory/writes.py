@@ -260,21 +260,33 @@ class WriteTable(WriteBegin, WriteConfirm):
     # ---- abort, deadlines, lost segments ------------------------------------------------
 
     def abort(self, req: m.PutAbort, now_ms: int) -> Outcome:
+        return run_whole(self.abort_steps(req, now_ms, None))
+
+    def abort_steps(self, req: m.PutAbort, now_ms: int, ids_max: int | None) -> Steps:
+        """put_abort in steps of at most `ids_max` keys (None: one; `Steps`): every key parsed
+        first, a slice a step (a malformed one refuses the request whole, nothing aborted), then
+        a slice aborted a step."""
         self.ctx.check_epoch(req.epoch)
         check_batch("put_abort keys", len(req.keys), m.PUT_BATCH_OBJECTS_MAX)
-        effects: list[Effect] = []
+        step = ids_max or max(1, len(req.keys))
+        infos: list[KeyInfo] = []
+        for start in range(0, len(req.keys), step):
+            infos += [parse_key(k) for k in req.keys[start : start + step]]
+            yield []
         aborted = 0
-        for key in req.keys:
-            info = parse_key(key)
-            group = self.building.get(info.group.group_id)
-            held = group.members.get(info.member) if group is not None else None
-            if group is not None and held is not None and held.writer_id == req.writer_id:
-                self._drop_member(info.group.group_id, group, info.member, effects)
-                aborted += 1
-                continue
-            aborted += self.replicas.abort(key, req.writer_id)
+        for start in range(0, len(req.keys), step):
+            effects: list[Effect] = []
+            for key, info in zip(req.keys[start : start + step], infos[start : start + step], strict=True):
+                group = self.building.get(info.group.group_id)
+                held = group.members.get(info.member) if group is not None else None
+                if group is not None and held is not None and held.writer_id == req.writer_id:
+                    self._drop_member(info.group.group_id, group, info.member, effects)
+                    aborted += 1
+                    continue
+                aborted += self.replicas.abort(key, req.writer_id)
+            yield effects
         self.ctx.count("objects_aborted_total", aborted)
-        return Outcome(m.PutAbortReply(epoch=self.ctx.epoch, aborted=aborted), effects)
+        return m.PutAbortReply(epoch=self.ctx.epoch, aborted=aborted)
 
     def _drop_member(
         self, gid: GroupKey, group: BuildingGroup, member: Member, effects: list[Effect]
