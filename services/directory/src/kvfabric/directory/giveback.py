@@ -14,7 +14,7 @@ costs, once the budget is spent, a receive a request and one decoded slice per t
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Final
+from typing import Final, TypeVar
 
 import msgspec
 
@@ -35,8 +35,9 @@ __all__ = [
 # lease release's worth); the rest only when these released something.
 GIVEBACK_SLICE_IDS: Final = m.RELEASE_BATCH_LEASES_MAX
 
+M = TypeVar("M", bound=msgspec.Struct)
 # Runs one (part of a) give-back on its shard: request -> the core's reply.
-Run = Callable[[msgspec.Struct], Awaitable[msgspec.Struct]]
+Run = Callable[[M], Awaitable[msgspec.Struct]]
 
 
 def giveback_ids(message: msgspec.Struct) -> int:
@@ -65,7 +66,7 @@ def giveback_released(reply: msgspec.Struct) -> int:
     return 0
 
 
-def giveback_slices(message: msgspec.Struct) -> tuple[msgspec.Struct, msgspec.Struct | None]:
+def giveback_slices(message: M) -> tuple[M, M | None]:
     """A give-back as its first `GIVEBACK_SLICE_IDS` ids (one part of a `lease_release_many`)
     and the rest (None when there is none)."""
     if isinstance(message, m.PutAbort) and len(message.keys) > GIVEBACK_SLICE_IDS:
@@ -91,7 +92,7 @@ def giveback_merged(first: msgspec.Struct, rest: msgspec.Struct) -> msgspec.Stru
     raise Unavailable(f"unexpected give-back replies {type(first).__name__}, {type(rest).__name__}")
 
 
-async def give_back(gate: FairGate | None, tenant: str, message: msgspec.Struct, run: Run) -> msgspec.Struct:
+async def give_back(gate: FairGate | None, tenant: str, message: M, run: Run[M]) -> msgspec.Struct:
     """A tenant's give-back, never refused for load: charged only for the ids that released
     nothing; once the tenant's budget of those is spent, one slice first (module docstring).
     `gate` None: run at once (in-process tests)."""
@@ -106,9 +107,7 @@ async def give_back(gate: FairGate | None, tenant: str, message: msgspec.Struct,
     return giveback_merged(reply, await _charged(gate, tenant, rest, run, spent=False))
 
 
-async def _charged(
-    gate: FairGate, tenant: str, message: msgspec.Struct, run: Run, *, spent: bool
-) -> msgspec.Struct:
+async def _charged(gate: FairGate, tenant: str, message: M, run: Run[M], *, spent: bool) -> msgspec.Struct:
     """`run(message)`, its ids that released nothing charged; when `spent`, `busy` instead
     of a reply that released nothing (a lease or pin not held: `not_found`, likewise)."""
     named = giveback_ids(message)

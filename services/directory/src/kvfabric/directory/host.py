@@ -44,7 +44,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Final
+from typing import Final, TypeVar
 
 import msgspec
 import nats.errors
@@ -91,8 +91,9 @@ MISSING_SEGMENT_REBUILD_S_MAX: Final = 300.0
 MISSING_SEGMENT_DRAIN_S: Final = 1.0  # the stopped shell's queued events still go out
 
 
+M = TypeVar("M", bound=msgspec.Struct)
 # `lookup_many` / `release_many`: (request, the tenant's grant or None for a service) -> reply
-_Many = Callable[[msgspec.Struct, "authz.TenantGrant | None"], Awaitable[msgspec.Struct]]
+_Many = Callable[[M, "authz.TenantGrant | None"], Awaitable[msgspec.Struct]]
 
 
 class ShardHost:
@@ -172,24 +173,35 @@ class ShardHost:
         runtime.add_endpoint(SUSPECT_VERB, self._on_suspect)
         runtime.add_tenant_endpoint(SUSPECT_VERB, self._on_tenant_suspect)
         # One prefix's lookups / one hit's releases for every shard led here (`lookup_many`).
-        for verb, kind, many, pad, gives_back in (
-            (LOOKUP_MANY_VERB, m.LookupMany, self.lookup_many, self.lookup_reply_min_ms, False),
-            (RELEASE_MANY_VERB, m.LeaseReleaseMany, self.release_many, 0, True),
-        ):
-            runtime.add_endpoint(
-                verb, self._many_endpoint(kind, many), instance=self.instance_id, gives_back=gives_back
-            )
-            runtime.add_tenant_endpoint(
-                verb,
-                self._many_tenant_endpoint(kind, many, fair=not gives_back),
-                reply_min_ms=pad,
-                instance=self.instance_id,
-                gives_back=gives_back,
-            )
+        self._attach_many(runtime, LOOKUP_MANY_VERB, m.LookupMany, self.lookup_many, self.lookup_reply_min_ms)
+        self._attach_many(
+            runtime, RELEASE_MANY_VERB, m.LeaseReleaseMany, self.release_many, 0, gives_back=True
+        )
 
-    def _decode(self, data: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
+    def _attach_many(
+        self,
+        runtime: ServiceRuntime,
+        verb: str,
+        kind: type[M],
+        many: _Many[M],
+        pad: int,
+        *,
+        gives_back: bool = False,
+    ) -> None:
+        runtime.add_endpoint(
+            verb, self._many_endpoint(kind, many), instance=self.instance_id, gives_back=gives_back
+        )
+        runtime.add_tenant_endpoint(
+            verb,
+            self._many_tenant_endpoint(kind, many, fair=not gives_back),
+            reply_min_ms=pad,
+            instance=self.instance_id,
+            gives_back=gives_back,
+        )
+
+    def _decode(self, data: bytes, kind: type[M]) -> M:
         message = m.request_decoder.decode(data)
-        if type(message) is not kind:
+        if not isinstance(message, kind):
             raise BadRequest(f"this endpoint takes {kind.__name__}, got {type(message).__name__}")
         return message
 
@@ -234,9 +246,7 @@ class ShardHost:
         return handle
 
     async def _on_suspect(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        message = self._decode(data, m.ReplicaSuspect)
-        assert isinstance(message, m.ReplicaSuspect)
-        return await self.suspects.handle(message, None)
+        return await self.suspects.handle(self._decode(data, m.ReplicaSuspect), None)
 
     async def _on_tenant_suspect(
         self, data: bytes, headers: Mapping[str, str], tenant: str
@@ -244,9 +254,7 @@ class ShardHost:
         grant = self.grants.get(tenant)
         if grant is None:
             raise Unauthorized(f"tenant {tenant!r} has no share domains here")
-        message = self._decode(data, m.ReplicaSuspect)
-        assert isinstance(message, m.ReplicaSuspect)
-        return await self.suspects.handle(message, grant)
+        return await self.suspects.handle(self._decode(data, m.ReplicaSuspect), grant)
 
     def _tenant_may_suspect(self, tenant: str) -> bool:
         now_s = time.monotonic()
@@ -256,13 +264,13 @@ class ShardHost:
             bucket = self._suspect_buckets[tenant] = TokenBucket.full(rate, rate, now_s)
         return bucket.take(1, now_s)
 
-    def _many_endpoint(self, kind: type[msgspec.Struct], many: _Many) -> Handler:
+    def _many_endpoint(self, kind: type[M], many: _Many[M]) -> Handler:
         async def handle(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
             return await many(self._decode(data, kind), None)
 
         return handle
 
-    def _many_tenant_endpoint(self, kind: type[msgspec.Struct], many: _Many, *, fair: bool) -> TenantHandler:
+    def _many_tenant_endpoint(self, kind: type[M], many: _Many[M], *, fair: bool) -> TenantHandler:
         async def handle(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
             grant = self.grants.get(tenant)
             if grant is None:
@@ -303,14 +311,12 @@ class ShardHost:
         return await shell.handle_tenant(message, verb, grant, reply_bytes_max=reply_bytes_max)
 
     async def release_many(
-        self, message: msgspec.Struct, grant: authz.TenantGrant | None
+        self, message: m.LeaseReleaseMany, grant: authz.TenantGrant | None
     ) -> m.LeaseReleaseManyReply:
         """Each part exactly as the batched `LeaseRelease` of its shard (`shard_requests`)."""
         return await shard_requests.release_many(message, grant, self._part)
 
-    async def lookup_many(
-        self, message: msgspec.Struct, grant: authz.TenantGrant | None
-    ) -> m.LookupManyReply:
+    async def lookup_many(self, message: m.LookupMany, grant: authz.TenantGrant | None) -> m.LookupManyReply:
         """Each part exactly as the `Lookup` of its shard (`shard_requests`)."""
         return await shard_requests.lookup_many(message, grant, self._part)
 

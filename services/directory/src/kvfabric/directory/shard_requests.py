@@ -116,11 +116,9 @@ def check_release_many(message: m.LeaseReleaseMany) -> None:
 
 
 async def release_many(
-    message: msgspec.Struct, grant: authz.TenantGrant | None, part: PartRunner
+    message: m.LeaseReleaseMany, grant: authz.TenantGrant | None, part: PartRunner
 ) -> m.LeaseReleaseManyReply:
     """Each part exactly as the batched `LeaseRelease` of its shard; a part's failure is its own."""
-    if not isinstance(message, m.LeaseReleaseMany):
-        raise BadRequest(f"lease_release_many takes LeaseReleaseMany, got {type(message).__name__}")
     check_release_many(message)
     replies: list[m.ReleasePartReply] = []
     for each in message.parts:
@@ -143,13 +141,11 @@ async def release_many(
 
 
 async def lookup_many(
-    message: msgspec.Struct, grant: authz.TenantGrant | None, part: PartRunner
+    message: m.LookupMany, grant: authz.TenantGrant | None, part: PartRunner
 ) -> m.LookupManyReply:
     """Each part exactly as the `Lookup` of its shard (authorized and charged per shard for a
     tenant), one after another on this loop; a part's failure is its own (`LookupPartReply`).
     Each part's hit is cut short where the whole reply would no longer fit (`reply_room`)."""
-    if not isinstance(message, m.LookupMany):
-        raise BadRequest(f"lookup_many takes LookupMany, got {type(message).__name__}")
     check_lookup_many(message)
     replies: list[m.LookupPartReply] = []
     room = ManyReplyRoom(len(message.parts))
