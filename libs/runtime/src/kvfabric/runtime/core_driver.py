@@ -15,8 +15,10 @@ long as the core gets its time from the driver only.
 `now_ms()` is that time, for the shell's queries of the core between steps.
 
 Ticker: `start_ticker(event, interval_ms)` feeds `event` (the core's `Tick`) now and then every
-`interval_ms` after the previous feed returned. `stop(deadline_s)` cancels it and waits at most
-`deadline_s`: a ticker still running then is a liveness bug (`InvariantViolation`), never a hang.
+`interval_ms` after the previous feed returned (`kvfabric.runtime.ticker.every`); `then`, if
+given, is awaited after each such feed (the shell's follow-up on the core's new state).
+`stop(deadline_s)` cancels it and waits at most `deadline_s`: a ticker still running then is a
+liveness bug (`InvariantViolation`), never a hang.
 (A ticker that died of an exception meanwhile, as a shell's own ticker loop could, is not
 restarted; `stop` retrieves the exception without raising it.)
 """
@@ -31,6 +33,7 @@ from kvfabric.core.step import Core, Reply
 from kvfabric.format.clock import monotonic_ms
 from kvfabric.format.invariant import invariant, unreachable
 from kvfabric.runtime.deadline import cancel_and_wait
+from kvfabric.runtime.ticker import every
 
 __all__ = ["TICKER_STOP_DEADLINE_S", "CoreDriver", "perform_nothing"]
 
@@ -80,16 +83,19 @@ class CoreDriver(Generic[EventT, EffectT]):
                     await self._perform(effect)
         return effects
 
-    def start_ticker(self, event: EventT, interval_ms: int) -> None:
-        """Feed `event` now and every `interval_ms` after each feed returned, until `stop`."""
+    def start_ticker(
+        self, event: EventT, interval_ms: int, *, then: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """Feed `event` now and every `interval_ms` after each feed (and `then`) returned, until `stop`."""
         invariant(interval_ms > 0, "a ticker needs a positive interval", interval_ms=interval_ms)
         invariant(self._ticker is None or self._ticker.done(), "one ticker per driver")
-        self._ticker = asyncio.create_task(self._tick(event, interval_ms / 1000))
 
-    async def _tick(self, event: EventT, interval_s: float) -> None:
-        while True:
+        async def tick() -> None:
             await self.feed(event)
-            await asyncio.sleep(interval_s)
+            if then is not None:
+                await then()
+
+        self._ticker = asyncio.create_task(every(interval_ms / 1000, tick))
 
     @property
     def ticking(self) -> bool:

@@ -103,6 +103,7 @@ from kvfabric.proto.subjects import Service, endpoint_subject, events_wildcard, 
 from kvfabric.runtime.core_driver import CoreDriver
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
+from kvfabric.runtime.ticker import every
 
 __all__ = ["EVENTS_STREAM", "EvictionShell", "group_id_of", "now_ms"]
 
@@ -183,7 +184,9 @@ class EvictionShell(GroupRecords):
         self._router = DirectoryRouter(nc)
         self._tasks = [
             asyncio.create_task(self._follow()),
-            asyncio.create_task(self._refresh_segments()),
+            asyncio.create_task(
+                every(self.segments_refresh_ms / 1000, self._refresh_segments, self._refresh_failed)
+            ),
             asyncio.create_task(self._ticker()),
         ]
         if self.admission_publish_ms:
@@ -255,15 +258,14 @@ class EvictionShell(GroupRecords):
     # ---- segments ----------------------------------------------------------------------------
 
     async def _refresh_segments(self) -> None:
-        while True:
-            try:
-                reply = await self._dir().segments(self.request_timeout_s)
-                for seg in reply.segments:
-                    if seg.up:
-                        self._set_capacity(seg.segment_id, seg.capacity_bytes)
-            except KvfError as exc:
-                self._log.info("segments_refresh_failed", code=exc.code)
-            await asyncio.sleep(self.segments_refresh_ms / 1000)
+        """Every `segments_refresh_ms` (`every`): each up segment's capacity."""
+        reply = await self._dir().segments(self.request_timeout_s)
+        for seg in reply.segments:
+            if seg.up:
+                self._set_capacity(seg.segment_id, seg.capacity_bytes)
+
+    def _refresh_failed(self, exc: KvfError) -> None:
+        self._log.info("segments_refresh_failed", code=exc.code)
 
     # ---- eviction ----------------------------------------------------------------------------
 
@@ -361,16 +363,17 @@ class EvictionShell(GroupRecords):
 
     async def _publish_admission(self) -> None:
         await self.caught_up.wait()  # a half-replayed history would refuse on stale pressure
+        await every(self.admission_publish_ms / 1000, self._publish_admission_once)
+
+    async def _publish_admission_once(self) -> None:
+        nc = self._nc
+        assert nc is not None
         subject = endpoint_subject(Service.EVICTION, e.ADMISSION_FILTER_VERB)
-        while True:
-            nc = self._nc
-            assert nc is not None
-            try:
-                await nc.publish(subject, await self.admission_filter(self._driver.now_ms()))
-                self.admission_published += 1
-            except nats.errors.Error as exc:  # the directory's filter goes stale: it admits
-                self._log.info("admission_publish_failed", error=type(exc).__name__)
-            await asyncio.sleep(self.admission_publish_ms / 1000)
+        try:
+            await nc.publish(subject, await self.admission_filter(self._driver.now_ms()))
+            self.admission_published += 1
+        except nats.errors.Error as exc:  # the directory's filter goes stale: it admits
+            self._log.info("admission_publish_failed", error=type(exc).__name__)
 
     # ---- demotion ------------------------------------------------------------------------------
 

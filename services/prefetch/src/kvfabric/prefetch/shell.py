@@ -95,6 +95,7 @@ from kvfabric.proto.subjects import Service, check_segment_id, event_subject
 from kvfabric.runtime.core_driver import CoreDriver
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
+from kvfabric.runtime.ticker import every
 
 __all__ = ["PrefetchShell", "now_ms"]
 
@@ -162,9 +163,11 @@ class PrefetchShell:
     async def start(self, nc: NatsClient) -> None:
         self._router = DirectoryRouter(nc)
         await nc.subscribe(event_subject(Service.DIRECTORY, "accessed"), cb=self._on_accessed)
-        self._tasks = [asyncio.create_task(self._ticker()), asyncio.create_task(self._scanner())]
+        self._driver.start_ticker(Tick(), self.tick_ms, then=self._release_ended)
+        self._tasks = [asyncio.create_task(every(self.scan_ms / 1000, self.scan, self._scan_failed))]
 
     async def stop(self) -> None:
+        await self._driver.stop()
         for task in [*self._tasks, *self._copies]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._copies, return_exceptions=True)
@@ -291,12 +294,10 @@ class PrefetchShell:
             # replica now, evicted like any other when it goes cold.
             self._log.info("copy_unwanted", copy_id=effect.copy_id)
 
-    async def _ticker(self) -> None:
-        while True:
-            await self._driver.feed(Tick())
-            for hint_id in [h for h in self._leases if not self.core.has_hint(h)]:
-                await self._release(hint_id)  # ended: completed, cancelled, expired or failed
-            await asyncio.sleep(self.tick_ms / 1000)
+    async def _release_ended(self) -> None:
+        """After each `Tick`: the leases of hints that ended (completed, cancelled, expired or failed)."""
+        for hint_id in [h for h in self._leases if not self.core.has_hint(h)]:
+            await self._release(hint_id)
 
     async def _copy(self, start: StartCopy) -> None:
         assert isinstance(start.object_id, bytes)
@@ -401,24 +402,23 @@ class PrefetchShell:
         group_id = group_id_in_key(ObjectKey(object_id))
         self._groups.pop((domain_in_id(group_id), group_id[CHAIN_SLICE]), None)
 
-    async def _scanner(self) -> None:
-        while True:
-            try:
-                segments = await self._dir().segments(self.request_timeout_s)
-                self.core.set_segments(
-                    {
-                        s.segment_id: max(0, s.capacity_bytes - s.reserved_bytes)
-                        for s in segments.segments
-                        if s.up and not s.draining
-                    }
-                )
-                cold_extras = reply_of(await self._driver.feed(ColdExtraReplicas()))
-                assert isinstance(cold_extras, list)
-                for cold in cold_extras:
-                    await self._drop_extra(cold.object_id, cold.segment)
-            except KvfError as exc:
-                self._log.info("scan_failed", code=exc.code)
-            await asyncio.sleep(self.scan_ms / 1000)
+    async def scan(self) -> None:
+        """Every `scan_ms` (`every`): the segments' free room into the core, cold extra replicas dropped."""
+        segments = await self._dir().segments(self.request_timeout_s)
+        self.core.set_segments(
+            {
+                s.segment_id: max(0, s.capacity_bytes - s.reserved_bytes)
+                for s in segments.segments
+                if s.up and not s.draining
+            }
+        )
+        cold_extras = reply_of(await self._driver.feed(ColdExtraReplicas()))
+        assert isinstance(cold_extras, list)
+        for cold in cold_extras:
+            await self._drop_extra(cold.object_id, cold.segment)
+
+    def _scan_failed(self, exc: KvfError) -> None:
+        self._log.info("scan_failed", code=exc.code)
 
     async def _drop_extra(self, object_id: object, segment: str) -> None:
         assert isinstance(object_id, bytes)

@@ -40,6 +40,7 @@ from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_deco
 from kvfabric.runtime.core_driver import CoreDriver
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
+from kvfabric.runtime.ticker import every
 
 __all__ = ["RepairShell", "key_of", "now_ms"]
 
@@ -92,7 +93,7 @@ class RepairShell:
 
     async def start(self, nc: NatsClient) -> None:
         self._router = DirectoryRouter(nc)
-        self._tasks = [asyncio.create_task(self._scanner())]
+        self._tasks = [asyncio.create_task(every(self.scan_ms / 1000, self.scan, self._scan_failed))]
         self._driver.start_ticker(Tick(), self.tick_ms)
 
     async def stop(self) -> None:
@@ -103,13 +104,8 @@ class RepairShell:
 
     # ---- scan --------------------------------------------------------------------------------
 
-    async def _scanner(self) -> None:
-        while True:
-            try:
-                await self.scan()
-            except KvfError as exc:
-                self._log.info("scan_failed", code=exc.code)
-            await asyncio.sleep(self.scan_ms / 1000)
+    def _scan_failed(self, exc: KvfError) -> None:
+        self._log.info("scan_failed", code=exc.code)
 
     async def scan(self) -> None:
         """One anti-entropy pass (public for tests)."""

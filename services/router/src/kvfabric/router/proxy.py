@@ -48,6 +48,7 @@ from kvfabric.router.metrics import RouterMetrics
 from kvfabric.router.settings import RouterSettings
 from kvfabric.runtime.core_driver import CoreDriver
 from kvfabric.runtime.logs import get_logger
+from kvfabric.runtime.ticker import every
 
 __all__ = ["Proxy", "now_ms"]
 
@@ -113,9 +114,10 @@ class Proxy:
     # ---- health --------------------------------------------------------------------------
 
     async def health_loop(self) -> None:
-        while True:
-            await asyncio.gather(*(self._check(iid, url) for iid, url in self.urls.items()))
-            await asyncio.sleep(self.settings.health_interval_s)
+        await every(self.settings.health_interval_s, self._check_all)
+
+    async def _check_all(self) -> None:
+        await asyncio.gather(*(self._check(iid, url) for iid, url in self.urls.items()))
 
     async def _check(self, iid: str, url: str) -> None:
         try:
