@@ -31,8 +31,8 @@ from typing import Any, Final
 from bench.ssd_tier import _cpu_s, _save, extent_of
 from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
-from kvfabric.eviction_policy import handlers, tiers
-from kvfabric.eviction_policy.handlers import EvictionShell
+from kvfabric.eviction_policy import shell, tiers
+from kvfabric.eviction_policy.shell import EvictionShell
 from kvfabric.format.ids import ObjectKey, group_id_in_key, pack_group_key
 from kvfabric.format.key import ChunkGroupId
 from kvfabric.segment_storage.ssd import aligned_buffer
@@ -85,7 +85,7 @@ async def demote_with_policy(
     if len(chains) != len(victims):
         raise RuntimeError(f"{len(chains)} victims of {len(victims)}")
     sent = 0
-    real_request = vars(handlers)["nats_request"]
+    real_request = vars(shell)["nats_request"]
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
         nonlocal sent
@@ -93,12 +93,12 @@ async def demote_with_policy(
         return await real_request(*args, **kwargs)
 
     saved_max = tiers.DEMOTE_REQUEST_GROUPS_MAX
-    setattr(handlers, "nats_request", counted)  # noqa: B010
+    setattr(shell, "nats_request", counted)  # noqa: B010
     setattr(tiers, "DEMOTE_REQUEST_GROUPS_MAX", groups_max)  # noqa: B010
     try:
         handled = await sh._demote_groups(segment_id, chains)
     finally:
-        setattr(handlers, "nats_request", real_request)  # noqa: B010
+        setattr(shell, "nats_request", real_request)  # noqa: B010
         setattr(tiers, "DEMOTE_REQUEST_GROUPS_MAX", saved_max)  # noqa: B010
     if len(handled) != len(chains) or sh.demotions != {"demoted": len(chains)}:
         raise RuntimeError(f"demotion on {segment_id}: {sh.demotions}")

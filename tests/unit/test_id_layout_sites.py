@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvfabric.core import quotas, routing_index
 from kvfabric.core.directory.keys import chain_of, domain_of, parse_group, parse_key
 from kvfabric.ctl.keys import group_from_summary, key_fields
-from kvfabric.eviction_policy.handlers import group_id_of
+from kvfabric.eviction_policy.shell import group_id_of
 from kvfabric.format.key import ChainHash, ChunkGroupId, DomainDigest, KVKey, LayoutDigest, ModelDigest
 from kvfabric.prefetch.shell import _object_key
 from kvfabric.proto import directory as m

@@ -9,8 +9,8 @@ import pytest
 
 from kvfabric.core.eviction import EvictionConfig, EvictionCore, TenantQuota
 from kvfabric.core.eviction_admission import ADMISSION_BLOOM_IDS_MAX, bloom_has
-from kvfabric.eviction_policy.handlers import EvictionShell
 from kvfabric.eviction_policy.settings import load_eviction_settings
+from kvfabric.eviction_policy.shell import EvictionShell
 from kvfabric.format.ids import ChainHash, Namespace
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e

@@ -14,8 +14,8 @@ import pytest
 
 from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
-from kvfabric.eviction_policy import handlers
-from kvfabric.eviction_policy.handlers import EvictionShell
+from kvfabric.eviction_policy import shell
+from kvfabric.eviction_policy.shell import EvictionShell
 from kvfabric.eviction_policy.tiers import (
     DEMOTE_REQUEST_BYTES_MAX,
     DEMOTE_REQUEST_GROUPS_MAX,
@@ -132,7 +132,7 @@ def setup(
     seg = FakeSegment(**segment)
     sh._router = directory
     sh._nc = cast(Any, object())
-    monkeypatch.setattr(handlers, "nats_request", seg)
+    monkeypatch.setattr(shell, "nats_request", seg)
     return sh, batch, directory, seg
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvfabric.core.eviction import EvictionConfig, EvictionCore
-from kvfabric.eviction_policy.handlers import EVENTS_FETCH_MAX, EVENTS_LINGER_S, EvictionShell
+from kvfabric.eviction_policy.shell import EVENTS_FETCH_MAX, EVENTS_LINGER_S, EvictionShell
 from kvfabric.format.ids import ChainHash, Namespace
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode

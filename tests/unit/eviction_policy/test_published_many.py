@@ -4,7 +4,7 @@ does to the core and the records what its groups as single `GroupPublished` even
 from __future__ import annotations
 
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
-from kvfabric.eviction_policy.handlers import EvictionShell, group_id_of
+from kvfabric.eviction_policy.shell import EvictionShell, group_id_of
 from kvfabric.format.ids import ChainHash, DomainDigest, Namespace
 from kvfabric.proto import directory as m
 

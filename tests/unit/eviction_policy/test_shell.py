@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore, TenantQuota
-from kvfabric.eviction_policy.handlers import EvictionShell, group_id_of
 from kvfabric.eviction_policy.settings import load_eviction_settings, parse_quotas
+from kvfabric.eviction_policy.shell import EvictionShell, group_id_of
 from kvfabric.format.ids import ChainHash, DomainDigest, Namespace
 from kvfabric.proto import directory as m
 from kvfabric.runtime.config import SettingsError

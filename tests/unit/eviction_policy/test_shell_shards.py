@@ -11,7 +11,7 @@ import msgspec
 
 from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
-from kvfabric.eviction_policy.handlers import EvictionShell
+from kvfabric.eviction_policy.shell import EvictionShell
 from kvfabric.format.errors import Indeterminate
 from kvfabric.proto import directory as m
 from kvfabric.proto.shards import shard_of

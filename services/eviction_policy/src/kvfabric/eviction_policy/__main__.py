@@ -11,9 +11,9 @@ import sys
 from typing import Final
 
 from kvfabric.core.eviction import EvictionCore
-from kvfabric.eviction_policy.handlers import EvictionShell
 from kvfabric.eviction_policy.metrics import EvictionCollector
 from kvfabric.eviction_policy.settings import load_eviction_settings
+from kvfabric.eviction_policy.shell import EvictionShell
 from kvfabric.proto.subjects import Service
 from kvfabric.runtime.cli import service_cli
 from kvfabric.runtime.config import RuntimeSettings, SettingsError

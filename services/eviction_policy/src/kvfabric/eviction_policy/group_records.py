@@ -17,7 +17,7 @@ I/O, no awaits; each call atomic on the event loop), and what the directory's ev
 - what a victim batch needs from them: a demoted group moved to its segment's disk pool
   (`_moved`) and the resident disk tails dropped before their head (`_with_disk_tails`).
 
-`GroupRecords` is a mixin of `EvictionShell` (`kvfabric.eviction_policy.handlers`), which
+`GroupRecords` is a mixin of `EvictionShell` (`kvfabric.eviction_policy.shell`), which
 creates these attributes and owns the tasks that call in (the follower, the ticker's batches,
 demotion); it reads the shell's `_no_disk` and counts into its `demotions`.
 """

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvfabric.eviction_policy.handlers import EvictionShell
+from kvfabric.eviction_policy.shell import EvictionShell
 
 __all__ = ["EvictionCollector"]
 

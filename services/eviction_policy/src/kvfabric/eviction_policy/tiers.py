@@ -3,7 +3,7 @@ tier is pool `<segment id>#ssd`. A victim of an arena pool is demoted (moved to 
 disk tier) or dropped, by `demote_or_drop`; a victim of a disk pool is dropped (evicted: its
 last tier). The groups to demote go to the segment several per request (`demote_request_fits`,
 each group's outcome from its own objects' results: `group_outcome`). Pure functions: the shell
-(`handlers.py`) does the requests.
+(`shell.py`) does the requests.
 """
 
 from __future__ import annotations
