@@ -7,6 +7,7 @@ import pytest
 
 from kvfabric.client.hits import SaveResult
 from kvfabric.client.save_table import (
+    Effect,
     Finished,
     PrepareBegins,
     SaveBatches,
@@ -22,9 +23,11 @@ from kvfabric.client.save_table_events import (
     EndAnswered,
     Open,
     Prepared,
+    SaveEvent,
     ShardMapUnknown,
     WritesDone,
 )
+from kvfabric.core.step import Core
 from kvfabric.format.ids import ChainHash, ObjectKey
 from kvfabric.format.invariant import InvariantViolation
 from kvfabric.proto import directory as m
@@ -148,3 +151,11 @@ def test_caller_bugs_are_refused() -> None:
     t2.step(Open(), 0)
     with pytest.raises(InvariantViolation, match="one digest per object"):
         t2.step(Prepared((b"d",)), 0)
+
+
+def test_the_save_table_has_the_one_core_shape() -> None:
+    """`SaveTable` is a `Core[SaveEvent, Effect]` (mypy checks the assignment in `make lint`), like
+    `LoadTable`: the shell steps events with its clock and performs the effects."""
+    core: Core[SaveEvent, Effect] = table(1)
+    assert core.step(Open(), 10) == [PrepareBegins()]
+    core.check_invariants()

@@ -1,5 +1,7 @@
-"""`AsyncKvClient`'s saves: admission, then the phases of `kvfabric.client.saves` with this client's
-I/O (checksums, shared directory requests per shard, pipelined writes); see `kvfabric.client.aio`."""
+"""`AsyncKvClient`'s saves: admission, then the shell of the save's pure core
+(`kvfabric.client.save_table.SaveTable`, which decides): it performs the table's effects with this
+client's I/O (checksums, the shard map, shared directory requests per shard, pipelined writes) and
+feeds their answers back; see `kvfabric.client.aio`."""
 
 from __future__ import annotations
 

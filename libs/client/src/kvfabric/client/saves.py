@@ -1,7 +1,9 @@
-"""The save core: what a two-phase save decides, without I/O (the shell is `AsyncKvClient.save`).
+"""The save phases: what each phase of a two-phase save sends and what its answers mean, without
+I/O. `kvfabric.client.save_table.SaveTable` (one save's state machine) runs them; its shell is
+`AsyncKvClient.save`.
 
 A save publishes chunks of one prompt. Each chunk has one object per required member; an object is
-named by its key (`ChunkGroupId.member_key`). The shell runs the phases; this module decides what
+named by its key (`ChunkGroupId.member_key`). The table runs the phases; this module decides what
 each phase sends and what its answers mean:
 
 1. **Plan** (`plan_save`): the objects in (chunk, member) order, each with its chunk and its
@@ -33,7 +35,7 @@ write_failed; written -> committed | commit_failed. Invariants (`SaveTally.resul
 - a chunk counts as saved only when none of its objects failed in any phase and at least one was
   written and committed by this save; as existing when all its objects existed and none failed;
   else failed. Every chunk of the save is exactly one of the three.
-- every placed object is either committed or aborted by the shell (an abort that is lost
+- every placed object is either committed or aborted (`SaveTable`; an abort that is lost
   expires at the directory after the put's write TTL); nothing half-written becomes visible.
 - `bytes_written` counts replica bytes that reached a segment and were confirmed.
 """
