@@ -271,52 +271,49 @@ def test_a_small_sync_load_runs_on_the_callers_thread(
         # too large for the engine's thread: the loop's way
         big = [bytearray(SIZE) for _ in range(CHUNKS)]
         assert kv.aio.load_now(hit, [[b] for b in big]) is not None
-        monkeypatch.setattr(aio_loads, "LOCAL_INLINE_BYTES_MAX", SIZE)
-        monkeypatch.setattr(aio_loads, "LOCAL_NOW_BYTES_MAX", SIZE)
+        monkeypatch.setattr(aio_loads, "LOAD_NOW_BYTES_MAX", SIZE)
         assert kv.load(hit, [[b] for b in big]).chunks_loaded == CHUNKS and big == blobs
         assert ran == ["load"]
     finally:
         kv.close()
 
 
-def test_a_co_located_sync_load_up_to_local_now_bytes_runs_on_the_callers_thread(
-    segment: Segment, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("use_shm", [True, False])
+def test_a_sync_load_up_to_load_now_bytes_runs_on_the_callers_thread(
+    segment: Segment, use_shm: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A co-located hit larger than `LOCAL_INLINE_BYTES_MAX` but within `LOCAL_NOW_BYTES_MAX` is
-    copied from the mapped arena on the engine's thread too (issue 20, the hit floor: a vLLM
-    prompt's 4-12 MiB hit took the hops engine -> loop -> workers -> loop -> engine, ~8 ms of its
-    TTFT); one that does not verify goes the loop's way, which reads it again and fails the bad
-    chunk with those after it; remote, it goes the loop's way (parallel requests)."""
+    """A hit larger than `LOCAL_INLINE_BYTES_MAX` (once the bound of the caller's-thread way) but
+    within `LOAD_NOW_BYTES_MAX` is read on the engine's thread too (issue 20, the hit floor: a
+    vLLM prompt's 4-12 MiB hit took the hops engine -> loop -> workers -> loop -> engine;
+    bench/results/hit_floor.md): co-located copied from the mapped arena, remote as one data
+    request. Bytes verified: a chunk that does not verify fails with those after it."""
     monkeypatch.setattr(aio_loads, "LOCAL_INLINE_BYTES_MAX", SIZE)  # the hit is "large"
     blobs, locations = stored(segment)
     hit = hit_of(locations)
-    for use_shm in (True, False):
-        kv = KvClient.disabled(
-            SPEC, "test", "unit", settings=ClientSettings(nats_url="nats://unused:1", use_shm=use_shm)
-        )
-        kv.status = ClientStatus(ENABLED)
-        try:
-            bufs = [bytearray(SIZE) for _ in range(CHUNKS)]
-            assert kv.load(hit, [[b] for b in bufs]).chunks_loaded == CHUNKS  # connects, maps
-            ran: list[str] = []
-            load = kv.aio.load
+    kv = KvClient.disabled(
+        SPEC, "test", "unit", settings=ClientSettings(nats_url="nats://unused:1", use_shm=use_shm)
+    )
+    kv.status = ClientStatus(ENABLED)
+    try:
+        bufs = [bytearray(SIZE) for _ in range(CHUNKS)]
+        assert kv.load(hit, [[b] for b in bufs]).chunks_loaded == CHUNKS  # connects, maps
+        ran: list[str] = []
+        load = kv.aio.load
 
-            async def on_the_loop(*args: Any, _load: Any = load, _ran: list[str] = ran, **kwargs: Any) -> Any:
-                _ran.append("load")
-                return await _load(*args, **kwargs)
+        async def on_the_loop(*args: Any, **kwargs: Any) -> Any:
+            ran.append("load")
+            return await load(*args, **kwargs)
 
-            kv.aio.load = on_the_loop  # type: ignore[method-assign]
-            bufs = [bytearray(SIZE) for _ in range(CHUNKS)]
-            result = kv.load(hit, [[b] for b in bufs])
-            assert result.chunks_loaded == CHUNKS and result.tokens == hit.tokens and bufs == blobs
-            assert ran == ([] if use_shm else ["load"]), use_shm
-            if not use_shm:
-                continue
-            bad = list(hit.objects)
-            bad[2] = (m.ObjectLocation(**{**_fields(bad[2][0]), "checksum": b"x" * 16}),)
-            bufs = [bytearray(SIZE) for _ in range(CHUNKS)]
-            result = kv.load(dataclasses.replace(hit, objects=tuple(bad)), [[b] for b in bufs])
-            assert result.chunks_loaded == 2 and result.failed_chunks == (2, 3) and result.cause == "checksum"
-            assert bufs[:2] == blobs[:2] and ran == ["load"]
-        finally:
-            kv.close()
+        kv.aio.load = on_the_loop  # type: ignore[method-assign]
+        bufs = [bytearray(SIZE) for _ in range(CHUNKS)]
+        result = kv.load(hit, [[b] for b in bufs])
+        assert result.chunks_loaded == CHUNKS and result.tokens == hit.tokens and bufs == blobs
+        bad = list(hit.objects)
+        bad[2] = (m.ObjectLocation(**{**_fields(bad[2][0]), "checksum": b"x" * 16}),)
+        bufs = [bytearray(SIZE) for _ in range(CHUNKS)]
+        result = kv.load(dataclasses.replace(hit, objects=tuple(bad)), [[b] for b in bufs])
+        assert result.chunks_loaded == 2 and result.failed_chunks == (2, 3) and result.cause == "checksum"
+        assert bufs[:2] == blobs[:2]
+        assert ran == []
+    finally:
+        kv.close()

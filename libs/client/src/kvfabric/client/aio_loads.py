@@ -27,6 +27,7 @@ from kvfabric.core.client_loads import (
     StartTransfer,
     TransferId,
 )
+from kvfabric.dataplane.frames import READS_MAX
 from kvfabric.dataplane.scatter import GateClosed, ScatterDest, WriteGate, scatter_dests
 from kvfabric.format.clock import monotonic_ms as _now_ms
 from kvfabric.format.errors import BadRequest, StaleGeneration
@@ -48,13 +49,16 @@ FETCH_BATCH_BYTES_TARGET: Final = 2 << 20
 # flush (a 16 MiB load was copied whole on the loop, 3-19 ms, review of stop 33); the rest of a
 # larger load still goes to the worker threads and overlaps.
 LOCAL_INLINE_BYTES_MAX: Final = 2 << 20
-# A co-located load of at most this many bytes in all is copied on the engine's own thread by
-# `load_now` (the engine waits for it anyway: its thread is idle) when the arena is mapped, not
-# only one of at most `LOCAL_INLINE_BYTES_MAX`: a whole prompt's hit in vLLM (bench.hit_floor:
-# 1-3K tokens of the tiny Llama are 4-12 MiB) no longer takes the hops engine -> loop -> worker
-# threads -> loop -> engine (measured in vLLM: bench.hit_floor, bench/results/hit_floor.md).
-# Larger ones still go to the worker threads, whose copies overlap where there are cores.
-LOCAL_NOW_BYTES_MAX: Final = 16 << 20
+# A load of at most this many bytes in all (and at most `READS_MAX` objects) whose first replicas
+# lie on one segment runs on the engine's own thread (`load_now`; the engine waits for it anyway:
+# its thread is idle): co-located, copied from the mapped arena; otherwise one data request,
+# streamed and verified as it lands. A whole prompt's hit in vLLM (bench.hit_floor: 1-3K tokens
+# of the tiny Llama are 4-12 MiB) then no longer takes the hops engine -> loop -> worker threads
+# -> loop -> engine: co-located 2.3-5.6 -> 1.3-3.5 ms, remote 4.8-14.9 -> 3.4-8.1 ms (one
+# request beat 2 MiB requests on parallel connections on this 2-core VM; bench/results/
+# hit_floor.md). Larger loads still go to the worker threads, whose reads overlap where there
+# are cores.
+LOAD_NOW_BYTES_MAX: Final = 16 << 20
 
 
 @dataclass(slots=True)
@@ -174,17 +178,16 @@ class LoadMixin(ClientBase):
     def load_now(
         self, hit: Hit, dests: Sequence[Sequence[Destination]], *, first_chunk: int = 0
     ) -> LoadResult | None:
-        """`load` done on the calling thread, with no thread hop, for a small hit: chunks
-        `first_chunk ..` of at most `LOCAL_INLINE_BYTES_MAX` bytes in all (and no more than
-        `load_inflight_bytes_max`) whose first replicas lie on one segment. Co-located, a pooled
-        connection that maps the arena copies them (`SegmentPool.fetch_local_now`: no I/O);
-        else one data request for all of them on this thread (`SegmentPool.fetch_many`, what a
-        worker thread would run for them, the next replicas tried within `load_timeout_ms`,
-        through the pool's per-segment connection bound). A co-located hit of up to
-        `LOCAL_NOW_BYTES_MAX` is copied here too when the arena is mapped (else, or when an
-        object does not verify, None: the loop's way reads it again). Returns the verified whole-chunk
-        prefix as `load` does (a chunk that did not verify and the ones after it failed); None
-        when the hit is not such a load (the caller runs `load`). Thread-safe (the sync facade
+        """`load` done on the calling thread, with no thread hop, for a hit of chunks
+        `first_chunk ..` of at most `LOAD_NOW_BYTES_MAX` bytes in all (and no more than
+        `load_inflight_bytes_max`, at most `READS_MAX` objects) whose first replicas lie on one
+        segment. Co-located, a pooled connection that maps the arena copies them
+        (`SegmentPool.fetch_local_now`: no I/O); else one data request for all of them on this
+        thread (`SegmentPool.fetch_many`, what a worker thread would run for them, the next
+        replicas tried within `load_timeout_ms`, through the pool's per-segment connection
+        bound). Returns the verified whole-chunk prefix as `load` does (a chunk that did not
+        verify and the ones after it failed); None when the hit is not such a load (the caller
+        runs `load`). Thread-safe (the sync facade
         calls it from the engine's thread): it touches no load-table state, so such loads are
         neither coalesced with concurrent loads of the same objects nor counted in the table's
         in-flight bounds (they write only into the caller's buffers). Every copy and transfer
@@ -196,12 +199,8 @@ class LoadMixin(ClientBase):
             return None  # `load` raises BadRequest for it
         chunks = chunks[: len(dests)]
         locations = [loc for row in chunks for loc in row]
-        small = min(LOCAL_INLINE_BYTES_MAX, self.settings.load_inflight_bytes_max)
-        mapped = (
-            min(LOCAL_NOW_BYTES_MAX, self.settings.load_inflight_bytes_max) if self.settings.use_shm else 0
-        )
-        total = sum(loc.size_bytes for loc in locations)
-        if not locations or total > max(small, mapped):
+        small = min(LOAD_NOW_BYTES_MAX, self.settings.load_inflight_bytes_max)
+        if not locations or len(locations) > READS_MAX or sum(loc.size_bytes for loc in locations) > small:
             return None  # the table's way: bounded in flight, waits for room, coalesced
         if len({loc.replicas[0].data_addr if loc.replicas else "" for loc in locations}) != 1:
             return None
@@ -214,8 +213,6 @@ class LoadMixin(ClientBase):
                 for view in scatter_dests(row, [loc.size_bytes for loc in locs], gate)
             ]
             causes = self.pool.fetch_local_now(locations, views) if self.settings.use_shm else None
-            if causes is None and total > small:
-                return None  # not mapped (or not verified): larger reads overlap on the workers
             if causes is None:
                 deadline_s = time.monotonic() + self.settings.load_timeout_ms / 1000
                 causes = self.pool.fetch_many(

@@ -260,9 +260,9 @@ class KvClient:
         dest_ids: Sequence[Sequence[DestId]] | None = None,
     ) -> LoadResult:
         """Blocks until the load ended; afterwards nothing writes into `dests` any more. A small
-        load (at most 2 MiB, one segment), or a co-located one of at most 16 MiB from a mapped
-        arena, is read right here, on the calling thread (`AsyncKvClient.load_now`: no hop to the
-        client's loop, a worker and back)."""
+        load (at most 16 MiB, one segment: `LOAD_NOW_BYTES_MAX`) is read right here, on the
+        calling thread (`AsyncKvClient.load_now`: no hop to the client's loop, a worker and
+        back)."""
         if self.enabled:  # every write into `dests` ends in the call: no fence to keep (dest_ids)
             done = self.aio.load_now(hit, dests, first_chunk=first_chunk)
             if done is not None:
