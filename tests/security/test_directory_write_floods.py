@@ -62,7 +62,7 @@ ALICE_LOOKUPS = 1_000
 ALICE_CHUNKS = 8
 KEY_SETS = 6  # distinct 4,096-key sets bob cycles through (the directory remembers 4,096 keys)
 BEGIN_OBJECTS = 1_500  # under what a put_begin's reply fits at one replica here
-WHOLE_REQUEST_CPU_MS = 20.0
+WHOLE_REQUEST_CPU_MS = 40.0
 QUIET = ("core_call_slow", "request_handled")  # slow calls and slow requests: reported apart
 FLOOD_ENV = (
     {"KVF_DIRECTORY_FAIR_TENANT_IDS_PER_S": os.environ["KVF_TEST_FLOOD_IDS_PER_S"]}
@@ -195,9 +195,10 @@ def measure(tmp_path: Path, slice_ids: int) -> dict[str, Any]:
 def test_bobs_max_size_writes_run_in_slices_while_alice_looks_up(tmp_path: Path) -> None:
     """With the default slices: bob's big requests were served, alice was never refused, the
     directory warned of nothing (its lease kept), and none of its core calls over 50 ms (logged
-    with their CPU time) took `WHOLE_REQUEST_CPU_MS` of CPU: whole, bob's requests took 23-60 ms
-    of CPU a core call in this flood (docs/security.md), a slice takes 1-5 ms, so one that long
-    is a whole request (a call preempted for 50 ms but short of CPU is the machine's load).
+    with their CPU time) took `WHOLE_REQUEST_CPU_MS` of CPU: whole, every run of this flood had
+    core calls of 46-63 ms of CPU (docs/security.md); a step takes 1-5 ms, 21 ms at most seen
+    at load average 15, so one that long is a whole request (a call preempted for 50 ms but short
+    of CPU is the machine's load).
     Alice's latency is reported, not asserted (it depends on the machine's load)."""
     result = measure(tmp_path, WRITE_SLICE_IDS)
     print(json.dumps(result))
