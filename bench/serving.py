@@ -397,7 +397,7 @@ async def read_segment_downs(nats_url: str) -> list[dict[str, Any]]:
 
     from kvfabric.proto import directory as m
     from kvfabric.proto.subjects import Service, event_subject
-    from kvfabric.router.events import EVENTS_STREAM
+    from kvfabric.router.index_follower import EVENTS_STREAM
 
     nc = await nats.connect(nats_url, allow_reconnect=False, connect_timeout=5)
     out: list[dict[str, Any]] = []

@@ -182,7 +182,9 @@ def test_prefix_stays_on_its_instance_then_spills_to_kvfabric_past_the_break_eve
     assert to_b, f"every request of {BURST_TRIES} bursts stayed on A (instance, queued prefill): {seen}"
     for i in to_b:
         decision = routed(stack, f"{tag}-{i}")
-        index_log = [ev for ev in stack.router.events() if ev.get("logger") == "kvfabric.router.events"]
+        index_log = [
+            ev for ev in stack.router.events() if ev.get("logger") == "kvfabric.router.index_follower"
+        ]
         assert decision["colocated_tokens"] + decision["remote_tokens"] > 0, (decision, index_log)
         # B never computed the prefix: what it did not compute came from kvfabric
         assert burst[i]["cached"] >= PREFIX_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS, burst[i]

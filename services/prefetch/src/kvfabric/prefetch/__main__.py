@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from typing import Final
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
-
 from kvfabric.core.prefetch import PrefetchCore
+from kvfabric.prefetch.metrics import PrefetchCollector
 from kvfabric.prefetch.settings import load_prefetch_settings
 from kvfabric.prefetch.shell import PrefetchShell
 from kvfabric.proto.subjects import Service
@@ -27,24 +24,6 @@ from kvfabric.runtime.shells import serve_shell
 
 PREFETCH_VERSION: Final = "0.1.0"
 EXIT_USAGE: Final = 2
-
-
-class PrefetchCollector(Collector):
-    def __init__(self, shell: PrefetchShell) -> None:
-        self.shell = shell
-
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        status = self.shell.status()
-        events = CounterMetricFamily(
-            "kvfabric_prefetch_core_events", "Core counters, by name.", labels=["name"]
-        )
-        for name, value in sorted(status.counters.items()):
-            events.add_metric([name.removesuffix("_total")], value)
-        yield events
-        state = GaugeMetricFamily("kvfabric_prefetch_state", "Queues and copies, by name.", labels=["name"])
-        for name, value in sorted(status.gauges.items()):
-            state.add_metric([name], value)
-        yield state
 
 
 async def serve(settings: RuntimeSettings) -> int:

@@ -5,168 +5,30 @@ Settings come from the environment (`kvfabric.router.settings`). One process ser
   the engines of `KVF_ROUTER_ENGINES`, with its own `/metrics`;
 - the NATS micro service `router` with the endpoint `route` (`RouteRequest` -> `RouteReply`:
   answer only, nothing admitted), `$SRV.PING/INFO/STATS`, and the runtime's `/metrics`;
-- the index follower (`kvfabric.router.events`) and the engines' health checks.
+- the index follower (`kvfabric.router.index_follower`) and the engines' health checks.
+
+All of it is `RouterShell` (`kvfabric.router.shell`); this module builds it and runs it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
-import socket
 import sys
-import uuid
-from collections.abc import Iterator, Mapping
 from typing import Final
 
-import msgspec
-import uvicorn
-from nats.aio.client import Client as NatsClient
-
-from kvfabric.core.routing import Decision, Refused, RoutingCore, prompt_keys
-from kvfabric.core.routing_events import IndexHeard, Route, RoutingEvent, RoutingOutput
-from kvfabric.core.routing_index import RoutingIndex
-from kvfabric.core.step import reply_of
-from kvfabric.format.errors import BadRequest
-from kvfabric.proto import router as r
 from kvfabric.proto.subjects import Service
-from kvfabric.router.events import IndexFollower
-from kvfabric.router.metrics import RouterMetrics, StateCollector
-from kvfabric.router.proxy import Proxy, now_ms
-from kvfabric.router.settings import RouterSettings, load_router_settings
+from kvfabric.router.metrics import StateCollector
+from kvfabric.router.settings import load_router_settings
+from kvfabric.router.shell import RouterShell
 from kvfabric.runtime.cli import service_cli
 from kvfabric.runtime.config import RuntimeSettings, SettingsError
-from kvfabric.runtime.core_driver import CoreDriver
-from kvfabric.runtime.deadline import cancel_and_wait
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.runtime.shells import serve_shell
 
 ROUTER_VERSION: Final = "0.1.0"
 EXIT_USAGE: Final = 2
-STOP_TIMEOUT_S: Final = 5.0
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # the service runtime owns SIGTERM/SIGINT (bounded stop)
-
-
-class RouterShell:
-    def __init__(self, settings: RouterSettings) -> None:
-        self.settings = settings
-        self.index = RoutingIndex()
-        self.core = RoutingCore(settings.routing, [e.spec for e in settings.engines], self.index)
-        # Its events carry the wall clock (`now_ms`), as before; it has no effects, only replies.
-        self.driver: CoreDriver[RoutingEvent, RoutingOutput] = CoreDriver(self.core, clock=lambda: now_ms())
-        self._tasks: list[asyncio.Task[None]] = []
-        self._server: _Server | None = None
-        self._sock: socket.socket | None = None
-        self.proxy: Proxy | None = None
-        self.follower: IndexFollower | None = None
-        self._log = get_logger("kvfabric.router")
-
-    def attach(self, runtime: ServiceRuntime) -> None:
-        runtime.add_endpoint("route", self._on_route, request=r.RouteRequest, decoder=r.router_decoder)
-        registry = runtime.metrics.registry
-        self.metrics = RouterMetrics(registry)
-        self.proxy = Proxy(self.settings, self.core, self.metrics, registry, self.driver)
-
-    def extra_state(self) -> dict[str, float]:
-        f = self.follower
-        return {
-            "resync_failures": f.resync_failures if f else 0,
-            "resync_seconds_last": f.resync_seconds_last if f else 0,
-            "index_usable": int(self.core.index_usable(now_ms())),
-        }
-
-    @property
-    def http_port(self) -> int:
-        assert self._sock is not None
-        port: int = self._sock.getsockname()[1]
-        return port
-
-    async def start(self, nc: NatsClient) -> None:
-        assert self.proxy is not None
-        self.follower = IndexFollower(
-            nc,
-            self.index,
-            domain_digest=self.settings.keyspace.domain.digest(),
-            heard=self._index_heard,
-            request_timeout_s=self.settings.request_timeout_s,
-            listing_pages_max=self.settings.listing_pages_max,
-        )
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((self.settings.http_host, self.settings.http_port))
-        self._sock.listen(
-            self.settings.routing.admitted_max + 64
-        )  # connections wait in the backlog until served
-        config = uvicorn.Config(self.proxy.app, log_level="warning", lifespan="off", access_log=False)
-        self._server = _Server(config)
-        self._tasks = [
-            asyncio.create_task(self.follower.run(), name="router-events"),
-            asyncio.create_task(self.proxy.health_loop(), name="router-health"),
-            asyncio.create_task(self._server.serve(sockets=[self._sock]), name="router-http"),
-        ]
-        self._log.info("router_http_listening", host=self.settings.http_host, port=self.http_port)
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-            http = self._tasks[-1]
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(http), STOP_TIMEOUT_S)
-        await cancel_and_wait(self._tasks, STOP_TIMEOUT_S)
-        if self.proxy is not None:
-            await self.proxy.close()
-        if self._sock is not None:
-            self._sock.close()
-
-    async def _index_heard(self) -> None:
-        await self.driver.feed(IndexHeard())
-
-    async def _on_route(self, message: r.RouteRequest, headers: Mapping[str, str]) -> msgspec.Struct:
-        if not message.tokens:
-            raise BadRequest("route needs the prompt's token ids")
-        ks = self.settings.keyspace
-        try:
-            keys = prompt_keys(ks.domain, ks.model, ks.layout, message.tokens)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
-        decision = reply_of(
-            await self.driver.feed(
-                Route(
-                    f"route-{uuid.uuid4().hex}",
-                    message.tenant or "default",
-                    keys,
-                    len(message.tokens),
-                    admit=False,
-                )
-            )
-        )
-        assert isinstance(decision, Decision | Refused)
-        if not isinstance(decision, Decision):
-            return r.RouteReply(instance="", reason=decision.reason)
-        return r.RouteReply(
-            instance=decision.instance_id,
-            reason=decision.reason,
-            estimates=[
-                r.InstanceEstimate(
-                    instance=e.instance_id,
-                    ttft_s=e.ttft_s,
-                    engine_tokens=e.inputs.engine_tokens,
-                    colocated_tokens=e.inputs.colocated_tokens,
-                    remote_tokens=e.inputs.remote_tokens,
-                    compute_tokens=e.inputs.compute_tokens,
-                    queued_prefill_tokens=e.inputs.queued_prefill_tokens,
-                    queue=self.core.queue_of(e.instance_id),
-                )
-                for e in decision.estimates
-            ],
-        )
 
 
 async def serve(settings: RuntimeSettings) -> int:

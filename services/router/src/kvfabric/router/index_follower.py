@@ -62,7 +62,7 @@ class IndexFollower:
         self.router = DirectoryRouter(nc)
         self.resync_failures = 0
         self.resync_seconds_last = 0.0
-        self._log = get_logger("kvfabric.router.events")
+        self._log = get_logger("kvfabric.router.index_follower")
 
     async def run(self) -> None:
         js = self.nc.jetstream(timeout=self.request_timeout_s)

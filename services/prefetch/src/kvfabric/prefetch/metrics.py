@@ -1,0 +1,31 @@
+"""Exports the prefetch core's counters and its queues and copies as Prometheus metrics (read at
+scrape time)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvfabric.prefetch.shell import PrefetchShell
+
+__all__ = ["PrefetchCollector"]
+
+
+class PrefetchCollector(Collector):
+    def __init__(self, shell: PrefetchShell) -> None:
+        self.shell = shell
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        status = self.shell.status()
+        events = CounterMetricFamily(
+            "kvfabric_prefetch_core_events", "Core counters, by name.", labels=["name"]
+        )
+        for name, value in sorted(status.counters.items()):
+            events.add_metric([name.removesuffix("_total")], value)
+        yield events
+        state = GaugeMetricFamily("kvfabric_prefetch_state", "Queues and copies, by name.", labels=["name"])
+        for name, value in sorted(status.gauges.items()):
+            state.add_metric([name], value)
+        yield state
