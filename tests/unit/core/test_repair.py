@@ -92,6 +92,20 @@ def test_an_idle_bucket_holds_no_more_than_the_burst() -> None:
     assert len(copies(core.tick(3_600_000))) == 2  # 80 of 100 bytes, not an hour's worth
 
 
+def test_the_budget_refills_from_the_last_tick_whatever_events_came_between() -> None:
+    # A copy result with a time (copy_failed at 500) between two ticks does not lose the refill
+    # before it: by 1,000 the bucket holds a second's worth again (100 bytes), not half of it.
+    core = new_core(bandwidth_bytes_per_s=100, burst_bytes=100, copies_in_flight_max=100)
+    for i in range(2):
+        core.object_known(i, size_bytes=100, replica_target=2, segments=["a"])
+    first = only_copy(core.tick(0))
+    assert core.tokens_bytes == 0
+    core.copy_failed(first.copy_id, 500)  # object 0 backs off past 1,000
+    assert [c[0] for c in copies(core.tick(1_000))] == [1]
+    assert core.tokens_bytes == 0
+    core.check_invariants()
+
+
 def test_copies_in_flight_are_capped() -> None:
     core = new_core(copies_in_flight_max=2)
     for i in range(5):

@@ -55,9 +55,12 @@ the object's last copy (the source refused or could not serve it: `copy_failed(.
 source_failed=True)`; e.g. a source token expired by a skewed source clock), then the one
 nearest the destination, then the one with fewest copies reading from it. Starting a copy takes
 `size_bytes` tokens from a bucket refilled at `bandwidth_bytes_per_s` and capped at
-`burst_bytes`; when the next object in order does not fit the tokens left, planning stops for
-this tick (strict priority: a large hot object is not starved by small cold ones). At most
-`copies_in_flight_max` copies run at once.
+`burst_bytes` (the project's one `kvfabric.core.quotas.TokenBucket`, kept in milli-bytes with
+time in ms: its rate, bytes/s, is then milli-bytes/ms and every level an integer-valued float, so
+refill is exact; it refills from the last tick whatever events came between); when the next
+object in order does not fit the tokens left, planning stops for this tick (strict priority: a
+large hot object is not starved by small cold ones). At most `copies_in_flight_max` copies run
+at once.
 
 ## Invariants (`check_invariants()`, after every step in tests)
 1. Bounded: copies in flight <= copies_in_flight_max; one copy per object at most.
@@ -95,6 +98,7 @@ from typing import TypeAlias
 from kvfabric.core import repair_events
 from kvfabric.core.placement import Candidate
 from kvfabric.core.placement import _spread as spread
+from kvfabric.core.quotas import TokenBucket
 from kvfabric.core.repair_events import RepairEvent, RepairOutput
 from kvfabric.core.step import not_before
 from kvfabric.format.invariant import invariant, unreachable
@@ -199,7 +203,8 @@ class RepairCore:
         self._on_segment: dict[str, set[ObjectId]] = {}  # segment id -> objects with a replica there
         self._below: set[ObjectId] = set()  # objects with healthy < target
         self._copies: dict[int, _Copy] = {}
-        self._tokens_milli = config.burst_bytes * 1000  # thousandths of a byte: exact integer refill
+        # Milli-bytes, time in ms (rate: bytes/s = milli-bytes/ms): integer-valued floats, exact.
+        self._budget = TokenBucket.full(config.bandwidth_bytes_per_s, config.burst_bytes * 1000, now_ms)
         self._now_ms = now_ms
         self._step_ms = now_ms  # the latest time given to `step` (events without a time included)
         self._seq = 0
@@ -229,7 +234,7 @@ class RepairCore:
 
     @property
     def tokens_bytes(self) -> int:
-        return self._tokens_milli // 1000
+        return int(self._budget.tokens) // 1000
 
     def gauges(self) -> dict[str, int]:
         """Current levels, for the shell to export next to `counters`."""
@@ -395,10 +400,8 @@ class RepairCore:
 
     def tick(self, now_ms: int) -> list[Effect]:
         """Time out copies, refill the budget, start copies in priority order, report drains."""
-        elapsed_ms = now_ms - self._now_ms
         self._advance(now_ms)
-        cap = self.config.burst_bytes * 1000
-        self._tokens_milli = min(cap, self._tokens_milli + elapsed_ms * self.config.bandwidth_bytes_per_s)
+        self._budget.refill(now_ms)
         for copy in [
             c for c in self._copies.values() if now_ms - c.started_ms >= self.config.copy_timeout_ms
         ]:
@@ -429,7 +432,7 @@ class RepairCore:
             destination = self._destination(obj)
             if destination is None:
                 continue  # no room in any domain: stays BELOW, looked at again next tick
-            if obj.size_bytes * 1000 > self._tokens_milli:
+            if not self._budget.take(obj.size_bytes * 1000, now_ms):
                 self._count("budget_waits_total")
                 break
             started.append(self._start(obj, destination, now_ms))
@@ -468,7 +471,6 @@ class RepairCore:
         self._copies[copy.copy_id] = obj.copy = copy
         self._segments[source].reads += 1
         self._segments[destination.segment_id].reserved_bytes += obj.size_bytes
-        self._tokens_milli -= obj.size_bytes * 1000
         self._count("copies_started_total")
         self._count("bytes_started_total", obj.size_bytes)
         return StartCopy(copy.copy_id, object_id, source, copy.destination, copy.size_bytes)
@@ -542,7 +544,8 @@ class RepairCore:
     def check_invariants(self) -> None:
         cfg = self.config
         invariant(len(self._copies) <= cfg.copies_in_flight_max, "too many copies in flight")
-        invariant(0 <= self._tokens_milli <= cfg.burst_bytes * 1000, "token bucket out of bounds")
+        invariant(self._budget.capacity == cfg.burst_bytes * 1000, "token bucket out of bounds")
+        self._budget.check()
         reserved: dict[str, int] = {}
         reads: dict[str, int] = {}
         for copy in self._copies.values():
