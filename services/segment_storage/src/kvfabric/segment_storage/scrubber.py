@@ -10,17 +10,20 @@ by `ArenaBackend.verify_stored` under a read reference: an object freed or rewri
 was listed is skipped; a mismatch frees the slot at once and is returned for the shell to report
 (`ReplicaCorrupt`). Blocking (it hashes): the shell runs it on a worker thread.
 
-`ScrubPacer` is the rate: a token bucket of bytes refilled at `bytes_per_s`, capped at one
-second's worth (at least one object), with time passed in. Over any window of w seconds the
-scrubber reads at most bytes_per_s × (w + 1) + the largest object.
+`ScrubPacer` is the rate: the project's one token bucket (`kvfabric.core.quotas.TokenBucket`) of
+bytes, starting empty, refilled at `bytes_per_s`, capped at one second's worth, with time passed
+in; a step's overshoot is a debt (`charge` with no floor) paid back before the next step. Over
+any window of w seconds the scrubber reads at most bytes_per_s × (w + 1) + the largest object.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Final
 
+from kvfabric.core.quotas import TokenBucket
 from kvfabric.core.segment_slots import HeldSlot
 from kvfabric.segment_storage.backend import ArenaBackend
 
@@ -94,15 +97,12 @@ class ScrubPacer:
     def __init__(self, bytes_per_s: int, now_s: float) -> None:
         assert bytes_per_s > 0
         self.bytes_per_s = bytes_per_s
-        self.tokens = 0.0
-        self._last_s = now_s
+        self.bucket = TokenBucket(float(bytes_per_s), float(bytes_per_s), 0.0, now_s)
 
     def available(self, now_s: float) -> int:
-        elapsed = max(0.0, now_s - self._last_s)
-        self._last_s = now_s
-        self.tokens = min(float(self.bytes_per_s), self.tokens + elapsed * self.bytes_per_s)
-        return int(self.tokens) if self.tokens > 0 else 0
+        return max(0, int(self.bucket.refill(now_s)))
 
     def spend(self, n: int) -> None:
-        """Debt is allowed (one large object): nothing is available until it is paid back."""
-        self.tokens -= n
+        """Debt is allowed (one large object): nothing is available until it is paid back.
+        Charged at the last `available` time (the bytes were read since)."""
+        self.bucket.charge(n, self.bucket.updated_s, floor=-math.inf)
