@@ -10,7 +10,7 @@ import pytest
 
 from kvfabric.core.directory import DirectoryCore, Effect, Outcome
 from kvfabric.core.directory.base import run_whole
-from kvfabric.format.errors import BadRequest
+from kvfabric.format.errors import BadRequest, Busy
 from kvfabric.format.ids import GROUP_ID_BYTES, GroupId, ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import write_receipt
@@ -179,3 +179,41 @@ def test_a_commit_in_steps_applies_every_receipt_before_its_first_commit() -> No
     assert isinstance(outcome.reply, m.PutCommitReply)
     assert [r.status for r in outcome.reply.results] == ["published"] * 9
     core.check_invariants()
+
+
+def _two_begins(limit: str) -> tuple[DirectoryCore, m.PutBegin, m.PutBegin]:
+    core = new_core(replicas_default=1, **{limit: 100})
+    register(core, "s1", capacity=1 << 30)
+    first = m.PutBegin(writer_id="t1/w1", request_id="a", objects=[spec(key(g)) for g in groups(80, seed=1)])
+    second = m.PutBegin(writer_id="t1/w2", request_id="b", objects=[spec(key(g)) for g in groups(80, seed=2)])
+    return core, first, second
+
+
+@pytest.mark.parametrize("limit", ["tenant_pending_objects_max", "pending_objects_max"])
+def test_begins_in_steps_at_once_share_the_pending_bounds(limit: str) -> None:
+    """Review finding: the bounds were checked for the whole request but not held, so a second
+    put_begin run between two steps of the first passed a bound only one of them fits in (160
+    pending of 100). What the first was admitted for stays reserved until its slices are placed."""
+    core, first, second = _two_begins(limit)
+    steps = core.steps(first, 0, 8)
+    for _ in range(80 // 8 + 1):  # its objects validated, its bounds checked, its first slice placed
+        next(steps)
+    with pytest.raises(Busy):
+        run_whole(core.steps(second, 0, 8))
+    reply = run_whole(steps).reply
+    assert isinstance(reply, m.PutBeginReply) and all(r.status == "placed" for r in reply.results)
+    assert core.pending_objects == 80
+    assert core.write_table.reserved_objects == 0 and not core.write_table.scope_reserved_objects
+    assert not core.write_table.scope_reserved_bytes
+
+
+def test_a_begin_in_steps_ended_early_gives_its_reservation_back() -> None:
+    core, first, second = _two_begins("pending_objects_max")
+    steps = core.steps(first, 0, 8)
+    for _ in range(80 // 8 + 2):  # two slices placed
+        next(steps)
+    steps.close()  # the shell stops it (wrong_shard, a cancelled request)
+    assert core.pending_objects == 16
+    assert core.write_table.reserved_objects == 0 and not core.write_table.scope_reserved_objects
+    reply = run_whole(core.steps(second, 0, 8)).reply  # 16 + 80 fit in 100
+    assert isinstance(reply, m.PutBeginReply) and all(r.status == "placed" for r in reply.results)

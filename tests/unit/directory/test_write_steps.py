@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from kvfabric.core.directory import DirectoryCore, FreeSlots
-from kvfabric.directory.handlers import WRITE_SLICE_IDS, DirectoryShell
+from kvfabric.directory.handlers import WRITE_SLICE_IDS, WRITE_WHOLE_IDS_MAX, DirectoryShell
 from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.format.errors import WrongShard
 from kvfabric.format.ids import GroupId, ObjectKey, pack_object_key
@@ -170,3 +170,25 @@ def test_a_write_slice_of_zero_runs_the_request_whole() -> None:
 
     assert asyncio.run(go())  # done within one turn of the loop: one core call
     assert len(core.published) == len(alice) + BIG
+
+
+def test_a_client_sized_commit_runs_whole_and_publishes_one_event() -> None:
+    """Review of 71ae4e6: the client's own put_commit of 256 keys ran in 4 steps and published 4
+    `GroupsPublished` events instead of one (issue 20's one event per commit); it runs whole."""
+    core = new_core()
+    commit = begun(core, ids(BOB, WRITE_WHOLE_IDS_MAX, seed=3))
+    shell = shell_of(core)
+
+    async def go() -> tuple[bool, msgspec.Struct]:
+        task = asyncio.create_task(shell.handle(commit))
+        await asyncio.sleep(0)
+        done = task.done()
+        return done, await task
+
+    done, reply = asyncio.run(go())
+    assert done  # one core call, no yield between steps
+    assert isinstance(reply, m.PutCommitReply)
+    assert [r.status for r in reply.results] == ["published"] * WRITE_WHOLE_IDS_MAX
+    events = [msgspec.msgpack.decode(raw) for _, raw in list(shell._outbox._queue)]  # type: ignore[attr-defined]
+    assert len(events) == 1, len(events)
+    core.check_invariants()

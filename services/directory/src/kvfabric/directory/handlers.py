@@ -49,6 +49,7 @@ __all__ = [
     "LOOKUP_SLICE_YIELDS",
     "VERBS",
     "WRITE_SLICE_IDS",
+    "WRITE_WHOLE_IDS_MAX",
     "DirectoryShell",
     "now_ms",
     "slice_ids",
@@ -69,6 +70,11 @@ LOOKUP_SLICE_YIELDS: Final = 8
 # of this many (`_in_steps`; `KVF_DIRECTORY_WRITE_SLICE_IDS`, 0 = whole): one 4,096-id request
 # held the loop 180-250 ms in one call (bench/results/directory_big_requests.md), ~3-5 ms a step.
 WRITE_SLICE_IDS: Final = 64
+# ...but one of at most this many ids runs whole: the client's own batches (its put_begin and
+# put_commit carry up to 256 keys: `PUT_BEGIN_BATCH_OBJECTS_FIT` in kvfabric.client) keep one
+# `GroupsPublished` event per commit (issue 20) and one core call (~3-14 ms); only the larger
+# requests a hostile or odd writer sends (up to 4,096 ids) are cut (review of 71ae4e6).
+WRITE_WHOLE_IDS_MAX: Final = 256
 
 # verb -> the request type it accepts
 VERBS: Final[dict[str, type[msgspec.Struct]]] = {
@@ -167,14 +173,15 @@ class DirectoryShell:
         """The core's reply to `message` once its effects are performed; a long lookup in slices."""
         if isinstance(message, m.Lookup) and len(message.groups) > LOOKUP_SLICE_GROUPS:
             return await self._lookup_in_slices(message, reply_bytes_max)
-        if 0 < self.write_slice_ids < slice_ids(message):
+        if self.write_slice_ids > 0 and slice_ids(message) > max(self.write_slice_ids, WRITE_WHOLE_IDS_MAX):
             return await self._in_steps(message)
         outcome = self._core_handle(message, reply_bytes_max)
         await self.perform(outcome.effects)
         return outcome.reply
 
     async def _in_steps(self, message: msgspec.Struct) -> msgspec.Struct:
-        """A put_begin, put_commit, put_abort or evict of more than `write_slice_ids` ids, run as the core's
+        """A put_begin, put_commit, put_abort or evict of more than `write_slice_ids` ids (and more
+        than `WRITE_WHOLE_IDS_MAX`), run as the core's
         steps of that many (`DirectoryCore.steps`: every whole-request check in the first, so a
         refusal still applies nothing), each one core call whose effects are performed before
         the loop is yielded (`LOOKUP_SLICE_YIELDS`) to whatever else is in progress. One such

@@ -41,7 +41,8 @@ deadline heap holds at most twice the building members plus HEAP_SLACK_MIN entri
 ## Events
 A commit that publishes groups emits them as one `GroupsPublished` event, not a `GroupPublished`
 each (`one_event_per_commit`; over `PUBLISHED_BATCH_MAX` groups, several in order), then an
-`under_replicated` for each degraded one.
+`under_replicated` for each degraded one. A commit run in steps (`commit_steps`; the directory
+shell steps only requests larger than the client's 256-key batch) emits that a step.
 
 ## Modules
 The state and its count/heap helpers are `writes_state`; put_begin `writes_begin`; confirms and

@@ -48,7 +48,9 @@ class WriteBegin(WriteState):
         each step places a slice. What ran between two steps is seen by the later ones as if it
         had run first: a member another writer began meanwhile is `in_flight`, and so is one whose
         chain hash another writer began under another identity (refused whole before the first
-        step); the budgets and the pending bound were checked for the whole request at its start.
+        step); the budgets and the pending bound were checked for the whole request at its start,
+        and what they admitted stays reserved (`reserved_objects`, the scope's reserved objects and
+        bytes, counted by every later check) until its slice is placed or the steps end early.
         The reply is remembered (retries answered from it) once the last object is placed."""
         ctx = self.ctx
         ctx.check_epoch(req.epoch)
@@ -78,44 +80,62 @@ class WriteBegin(WriteState):
                 raise BadRequest("key conflicts with the identity of its chain hash's chunk group")
         # Before the rate charge: a refused request did not run, and a writer backing off and
         # asking again (kvfabric.client.busy) must not spend the tenant's tokens each time.
-        self._check_tenant_pending(req, infos, replicas)
-        if self.pending_objects + len(infos) > ctx.config.pending_objects_max:
+        new = self._check_tenant_pending(req, infos, replicas)
+        if self.pending_objects + self.reserved_objects + len(infos) > ctx.config.pending_objects_max:
             ctx.count("busy_pending_total")
             raise Busy("too many objects being written; retry later", limit=ctx.config.pending_objects_max)
         ctx.check_rate((spec.key for spec in req.objects), now_ms, request_tokens(len(req.objects)))
         deadline = now_ms + min(req.write_ttl_ms, ctx.config.write_ttl_ms_max)
         placed_here: set[tuple[GroupKey, Member]] = set()  # a key twice in one request: placed once
         results: list[m.BeginResult] = []
-        for start in range(0, len(req.objects), step):  # later slices see what ran between
-            results += [
-                self._begin_one(
-                    req.writer_id,
-                    req.request_id,
-                    spec,
-                    info,
-                    replicas,
-                    deadline,
-                    placed_here,
-                    now_ms,
-                    resumed=start > 0,
-                )
-                for spec, info in zip(
-                    req.objects[start : start + step], infos[start : start + step], strict=True
-                )
-            ]
-            yield []
+        # What the checks above admitted stays reserved until its slice is placed (or the request
+        # ends early: wrong_shard, a closed generator), so requests stepping at once share the bounds.
+        scope = scope_of(req.writer_id)
+        reserved = [len(infos), len(new), sum(new.values()) * replicas]
+        self._reserve_add(scope, reserved[0], reserved[1], reserved[2])
+        try:
+            for start in range(0, len(req.objects), step):  # later slices see what ran between
+                chunk = list(zip(req.objects[start : start + step], infos[start : start + step], strict=True))
+                mine = [
+                    new.pop((i.group.group_id, i.member))
+                    for _, i in chunk
+                    if (i.group.group_id, i.member) in new
+                ]
+                release = [len(chunk), len(mine), sum(mine) * replicas]
+                self._reserve_add(scope, -release[0], -release[1], -release[2])
+                reserved = [a - b for a, b in zip(reserved, release, strict=True)]
+                results += [
+                    self._begin_one(
+                        req.writer_id,
+                        req.request_id,
+                        spec,
+                        info,
+                        replicas,
+                        deadline,
+                        placed_here,
+                        now_ms,
+                        resumed=start > 0,
+                    )
+                    for spec, info in chunk
+                ]
+                yield []
+        finally:
+            self._reserve_add(scope, -reserved[0], -reserved[1], -reserved[2])
         reply = m.PutBeginReply(epoch=ctx.epoch, results=results)
         self.replies.remember("begin", req.writer_id, req.request_id, reply, len(results))
         return reply
 
-    def _check_tenant_pending(self, req: m.PutBegin, infos: Sequence[KeyInfo], replicas: int) -> None:
-        """A tenant's writes in progress stay within its budgets (`tenant_pending_*`): the
-        members this request would newly begin, and their bytes at `replicas` each (an upper
-        bound: fewer may fit), or the whole request is `busy` and nothing is placed."""
+    def _check_tenant_pending(
+        self, req: m.PutBegin, infos: Sequence[KeyInfo], replicas: int
+    ) -> dict[tuple[GroupKey, Member], int]:
+        """A tenant's writes in progress (placed, and admitted to a put_begin still in steps) stay
+        within its budgets (`tenant_pending_*`): the members this request would newly begin, and
+        their bytes at `replicas` each (an upper bound: fewer may fit), or the whole request is
+        `busy` and nothing is placed. Returns those members and their sizes (none without a scope)."""
+        new: dict[tuple[GroupKey, Member], int] = {}
         scope = scope_of(req.writer_id)
         if scope is None:
-            return
-        new: dict[tuple[GroupKey, Member], int] = {}
+            return new
         for spec, info in zip(req.objects, infos, strict=True):
             gid = info.group.group_id
             if self._exists(gid):
@@ -124,15 +144,18 @@ class WriteBegin(WriteState):
             if group is None or info.member not in group.members:
                 new[(gid, info.member)] = spec.size_bytes
         if not new:
-            return
+            return new
         objects_max = self.ctx.config.tenant_pending_objects_max
-        if self.scope_pending_objects.get(scope, 0) + len(new) > objects_max:
+        objects = self.scope_pending_objects.get(scope, 0) + self.scope_reserved_objects.get(scope, 0)
+        if objects + len(new) > objects_max:
             self.ctx.count("busy_tenant_pending_objects_total")
             raise Busy("this tenant has its share of objects being written; retry later", limit=objects_max)
         bytes_max = int(self.segments.capacity_up_bytes() * self.ctx.config.tenant_pending_capacity_fraction)
-        if self.scope_pending_bytes.get(scope, 0) + sum(new.values()) * replicas > bytes_max:
+        nbytes = self.scope_pending_bytes.get(scope, 0) + self.scope_reserved_bytes.get(scope, 0)
+        if nbytes + sum(new.values()) * replicas > bytes_max:
             self.ctx.count("busy_tenant_pending_bytes_total")
             raise Busy("this tenant has its share of bytes being written; retry later")
+        return new
 
     def _check_reply_fits(self, req: m.PutBegin, replicas: int) -> None:
         """Refuse (`batch_too_large`, nothing placed) a put_begin whose reply could exceed

@@ -84,6 +84,13 @@ class WriteState:
         # tenant scope of the writer id -> its building members / the bytes they hold reserved
         self.scope_pending_objects: dict[str, int] = {}
         self.scope_pending_bytes: dict[str, int] = {}
+        # Admitted by a put_begin running in steps (its bounds checked for the whole request at its
+        # start) but not placed yet: every later request's bound checks count them too, so two
+        # requests stepping at once cannot both pass a bound only one fits in. Zero between calls
+        # of a whole request.
+        self.reserved_objects = 0
+        self.scope_reserved_objects: dict[str, int] = {}
+        self.scope_reserved_bytes: dict[str, int] = {}
         self.replies = ReplyCache(ctx.config.reply_cache_objects_max, ctx.count)
 
     def identity_of(self, gid: GroupKey) -> GroupInfo | None:
@@ -100,6 +107,20 @@ class WriteState:
                 (pm.deadline_ms, gid) for gid, g in self.building.items() for pm in g.members.values()
             ]
             heapq.heapify(self._deadlines)
+
+    def _reserve_add(self, scope: str | None, objects: int, scope_objects: int, nbytes: int) -> None:
+        """Adjust what put_begins in steps hold admitted but not placed (negative: placed or ended)."""
+        self.reserved_objects += objects
+        invariant(self.reserved_objects >= 0, "negative reserved objects")
+        if scope is None:
+            return
+        for table, n in ((self.scope_reserved_objects, scope_objects), (self.scope_reserved_bytes, nbytes)):
+            left = table.get(scope, 0) + n
+            invariant(left >= 0, "negative tenant reserved count", scope=scope)
+            if left:
+                table[scope] = left
+            else:
+                table.pop(scope, None)
 
     def _pending_add(self, writer_id: str, objects: int, nbytes: int) -> None:
         """Adjust what a tenant's writer holds in building members (negative: given back)."""
