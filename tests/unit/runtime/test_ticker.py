@@ -1,7 +1,7 @@
-"""`kvfabric.runtime.ticker.every`, the one periodic loop of the shells: runs now and after each
-run, a `KvfError` of one run goes to `failed` and the loop goes on, without `failed` (or for any
-other exception) the loop ends with it; and `CoreDriver.start_ticker(then=)` runs the shell's
-follow-up after each tick."""
+"""`kvfabric.runtime.ticker.every`, the one periodic loop of the shells: runs now (or one interval
+from now with `delay_first`) and after each run, a `KvfError` of one run goes to `failed` and
+the loop goes on, without `failed` (or for any other exception) the loop ends with it; and
+`CoreDriver.start_ticker(then=)` runs the shell's follow-up after each tick."""
 
 from __future__ import annotations
 
@@ -94,6 +94,24 @@ async def test_the_first_run_is_at_once_and_runs_never_overlap() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not overlapped
+
+
+async def test_delay_first_waits_one_interval_before_the_first_run() -> None:
+    loop = asyncio.get_running_loop()
+    first_run = asyncio.Event()
+    ran_at: list[float] = []
+
+    async def step() -> None:
+        ran_at.append(loop.time())
+        first_run.set()
+
+    started = loop.time()
+    task = asyncio.create_task(every(0.2, step, delay_first=True))
+    await asyncio.wait_for(first_run.wait(), DEADLINE_S)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ran_at[0] - started >= 0.2 - 0.001  # a sleep never ends early (only late, under load)
 
 
 class Counter:

@@ -154,7 +154,12 @@ class ShellDirectory:
         """One heartbeat round per interval, on a fixed cadence. A round waits at most one
         interval for its slowest instance: an instance that died with a heartbeat in flight
         (no reply, no `no responders`) must not hold back the next round to the others, or they
-        declare this segment down (heartbeat timeout) and it restarts empty."""
+        declare this segment down (heartbeat timeout) and it restarts empty.
+
+        Not `kvfabric.runtime.ticker.every` (which sleeps an interval after each run returned):
+        rounds keep a fixed cadence (`due += interval`), the interval is re-read each round (the
+        directory's `SegmentRegistered` sets it), a success resets the failure run, and the loop
+        ends (returns) when the segment is declared down."""
         loop = asyncio.get_running_loop()
         due = loop.time()
         failed_in_a_row = 0

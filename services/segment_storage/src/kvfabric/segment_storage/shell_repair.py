@@ -25,6 +25,7 @@ from kvfabric.proto import directory as m
 from kvfabric.proto.common import TRACE_ID_HEADER
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import SSD_SLOT_BASE, CopyReply, CopyRequest
+from kvfabric.runtime.ticker import every
 from kvfabric.segment_storage.copier import fetch_replica
 from kvfabric.segment_storage.scrubber import CorruptObject, ScrubPacer
 from kvfabric.segment_storage.shell_directory import ShellDirectory
@@ -117,11 +118,11 @@ class ShellRepair(ShellDirectory):
     async def _scrub(self) -> None:
         """Scrub at `scrub_bytes_per_s`, one bounded step per tick; report what is corrupt."""
         pacer = ScrubPacer(self.settings.scrub_bytes_per_s, time.monotonic())
-        while True:
-            await asyncio.sleep(SCRUB_TICK_S)
+
+        async def tick() -> None:
             budget = pacer.available(time.monotonic())
             if budget <= 0:
-                continue
+                return
             spent, corrupt = await asyncio.to_thread(self.scrubber.step, budget, self.backend.clock_ms())
             pacer.spend(spent)
             for found in corrupt:
@@ -134,6 +135,8 @@ class ShellRepair(ShellDirectory):
                 )
                 await self._report_corrupt(found)
 
+        await every(SCRUB_TICK_S, tick, delay_first=True)
+
     def _disk_read_corrupt(self, key: bytes, slot: int, generation: int, size: int) -> None:
         """From a transport thread: a disk read found this replica corrupt (or unreadable) and the
         tier freed it; report it like the scrubber does."""
@@ -145,13 +148,16 @@ class ShellRepair(ShellDirectory):
     async def _ssd_unlinks(self) -> None:
         """Free records whose write failed (an I/O error): their extents stay held until a retry
         gets them durable."""
-        assert self.ssd is not None
-        while True:
-            await asyncio.sleep(SSD_UNLINK_RETRY_S)
-            if self.ssd.unlinks_pending:
-                retried = await asyncio.to_thread(self.ssd.retry_unlinks)
+        ssd = self.ssd
+        assert ssd is not None
+
+        async def retry() -> None:
+            if ssd.unlinks_pending:
+                retried = await asyncio.to_thread(ssd.retry_unlinks)
                 if retried:
                     self._log.info("ssd_unlinks_retried", slots=retried)
+
+        await every(SSD_UNLINK_RETRY_S, retry, delay_first=True)
 
     async def _report_corrupt(self, found: CorruptObject) -> None:
         """Tell the directory (bounded retries); the slot is already freed here whatever it says."""
