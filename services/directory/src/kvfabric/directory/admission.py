@@ -1,4 +1,5 @@
-"""Per-tenant fair admission in front of the directory's cores (issue 21 row 2): a pure core.
+"""Per-tenant fair admission in front of the directory's cores (issue 21 row 2): pure, called by
+method (no `step`: see "Why methods" below).
 
 No I/O, no event loop, no clock: time (`now_s`, seconds on any monotonic clock) is passed in.
 The shell (`kvfabric.directory.fair`) asks it whether a tenant's request may wait for its turn,
@@ -64,6 +65,19 @@ head's tag) + one request's ids before it — for a tenant that was idle, one re
 other tenant whose tags are not behind: one tenant's backlog delays another's request by one of
 its requests, never by the backlog's length. What one started request then costs the event loop
 is the shell's (a lookup folds 128 groups a core call, yielding between: one slice).
+
+## Why methods, not `step(event, now_ms)`
+Unlike the protocol cores (`kvfabric.core.step.Core`), `FairAdmission` and `GivebackBudget` are
+called by their one shell, `FairGate` (`fair.py`), method by method, with `now_s` (float seconds
+of the gate's clock, a fake one in tests) — like the segment's and client's tables
+(docs/architecture.md, the shells table): a tenant's request offers, and on a refusal reads
+`retry_after_s` for its `Busy`, in one synchronous call on the directory's event loop with no
+await between; `start`'s `Started` are woken by the gate in the same call, and `done` is called
+from the request's `finally`. The answers are the whole output (there are no effects to
+perform), and `CoreDriver.feed` would put an await and a lock in front of every tenant request.
+It lives in the directory service, beside its one shell, though it imports only
+`kvfabric.core.quotas` and `kvfabric.format.invariant`: moving it into `libs/core` is a rename
+not done.
 """
 
 from __future__ import annotations
