@@ -47,7 +47,7 @@ import xxhash
 
 from bench.directory_core import OBJECT_BYTES, make_groups, new_core, publish
 from kvfabric.core.directory import DirectoryCore, FreeSlots
-from kvfabric.directory.handlers import DirectoryShell
+from kvfabric.directory.shell import DirectoryShell
 from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.format.errors import BatchTooLarge
 from kvfabric.format.ids import GroupId, ObjectKey, pack_object_key

@@ -43,9 +43,9 @@ SWALLOW_FIRST_CANCEL = textwrap.dedent(
     import asyncio, os
 
     if os.environ.get("KVF_INSTANCE_ID", "").startswith("directory"):
-        from kvfabric.directory import handlers
+        from kvfabric.directory import shell
 
-        original = handlers.DirectoryShell._publisher
+        original = shell.DirectoryShell._publisher
 
         async def publisher(self):
             try:
@@ -54,7 +54,7 @@ SWALLOW_FIRST_CANCEL = textwrap.dedent(
                 pass  # swallowed, as wait_for does when a reply lands with the cancel
             await original(self)  # and the loop runs on
 
-        handlers.DirectoryShell._publisher = publisher
+        shell.DirectoryShell._publisher = publisher
     """
 )
 

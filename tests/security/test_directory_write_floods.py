@@ -36,7 +36,7 @@ import nats
 import pytest
 
 from kvfabric.client import ClientSettings
-from kvfabric.directory.handlers import WRITE_SLICE_IDS
+from kvfabric.directory.shell import WRITE_SLICE_IDS
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import Busy, KvfError
 from kvfabric.format.ids import GroupId, ObjectKey, group_id_in_key

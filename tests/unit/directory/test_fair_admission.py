@@ -18,8 +18,8 @@ from kvfabric.core.directory import DirectoryConfig
 from kvfabric.directory import admission
 from kvfabric.directory.admission import AdmissionConfig, FairAdmission, Refusal, Started, cost_of
 from kvfabric.directory.fair import REFUSAL_HOLD_S_MAX, FairGate
-from kvfabric.directory.host import ShardHost
 from kvfabric.directory.settings import FAIR_DEFAULT, load_fair_admission
+from kvfabric.directory.shard_host import ShardHost
 from kvfabric.format.errors import Busy, KvfError, WrongShard
 from kvfabric.format.ids import DomainDigest
 from kvfabric.proto import directory as m

@@ -5,7 +5,7 @@ slices, costs a request that arrives meanwhile.
   wire (the socket's read callback, nats-py's read loop, the subscription's task, the handler's
   task, nats-py's flusher: `REQUEST_STAGES`). A lookup that yielded once between its slices was
   ready again in each of those iterations, so such a request waited about one slice per stage
-  (`handlers.LOOKUP_SLICE_YIELDS`).
+  (`kvfabric.directory.shell.LOOKUP_SLICE_YIELDS`).
 - A sliced lookup's reply objects are encoded as they are folded (`msgspec.Raw`): the cyclic GC
   has nothing of them to walk. As Structs, a 4,096-group hit kept ~12,000 tracked objects alive
   until its reply was sent, and every young collection meanwhile walked them.
@@ -23,8 +23,8 @@ import json
 import sys
 import time
 
-from kvfabric.directory import handlers
-from kvfabric.directory.handlers import LOOKUP_SLICE_GROUPS, LOOKUP_SLICE_YIELDS
+from kvfabric.directory import shell as directory_shell
+from kvfabric.directory.shell import LOOKUP_SLICE_GROUPS, LOOKUP_SLICE_YIELDS
 from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
@@ -137,7 +137,7 @@ def gc_pauses_of_sliced_lookups(lookups: int, groups: int = 4_096) -> dict[str, 
         gc.callbacks.remove(timed)
         gcpolicy.uninstall()
     return {
-        "handlers": handlers.__file__,
+        "shell": directory_shell.__file__,
         "lookups": lookups,
         "reply_bytes": size,
         "cpu_ms_per_lookup": round(cpu_s * 1e3 / lookups, 1),

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvfabric.core.quotas import TokenBucket
-from kvfabric.directory import admission, host
+from kvfabric.directory import admission, shard_host
 
 
 def test_take_refill_and_wait() -> None:
@@ -51,5 +51,5 @@ def test_taken_over_any_window_is_at_most_burst_plus_rate(ops: list[tuple[float,
 
 
 def test_the_directorys_buckets_are_this_one() -> None:
-    assert vars(admission)["TokenBucket"] is TokenBucket and vars(host)["TokenBucket"] is TokenBucket
-    assert "_Bucket" not in vars(host)
+    assert vars(admission)["TokenBucket"] is TokenBucket and vars(shard_host)["TokenBucket"] is TokenBucket
+    assert "_Bucket" not in vars(shard_host)

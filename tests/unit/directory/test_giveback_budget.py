@@ -18,9 +18,9 @@ from kvfabric.core.directory import DirectoryCore
 from kvfabric.directory.admission import AdmissionConfig, GivebackBudget
 from kvfabric.directory.fair import FairGate
 from kvfabric.directory.giveback import GIVEBACK_SLICE_IDS
-from kvfabric.directory.handlers import DirectoryShell
-from kvfabric.directory.host import ShardHost
 from kvfabric.directory.metrics import DirectoryCollector
+from kvfabric.directory.shard_host import ShardHost
+from kvfabric.directory.shell import DirectoryShell
 from kvfabric.format.errors import Busy, NotFound
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode

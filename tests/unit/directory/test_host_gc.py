@@ -10,7 +10,7 @@ from typing import Any, cast
 import pytest
 
 from kvfabric.core.directory import DirectoryConfig
-from kvfabric.directory.host import ShardHost
+from kvfabric.directory.shard_host import ShardHost
 from kvfabric.runtime import gcpolicy
 
 

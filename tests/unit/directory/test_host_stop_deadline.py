@@ -10,8 +10,8 @@ import time
 from typing import Any, cast
 
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore
-from kvfabric.directory.handlers import DirectoryShell
-from kvfabric.directory.host import ShardHost
+from kvfabric.directory.shard_host import ShardHost
+from kvfabric.directory.shell import DirectoryShell
 
 CONFIG = DirectoryConfig(ticket_secret=b"s" * 32)
 

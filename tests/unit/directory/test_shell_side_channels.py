@@ -13,9 +13,9 @@ import pytest
 
 from kvfabric.core import authz
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore, Outcome
-from kvfabric.directory.handlers import LOOKUP_SLICE_GROUPS, DirectoryShell
-from kvfabric.directory.host import ShardHost
 from kvfabric.directory.metrics import DirectoryCollector
+from kvfabric.directory.shard_host import ShardHost
+from kvfabric.directory.shell import LOOKUP_SLICE_GROUPS, DirectoryShell
 from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.format.errors import KvfError
 from kvfabric.format.ids import GroupId, pack_object_key

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from kvfabric.core.directory import DirectoryCore, FreeSlots
-from kvfabric.directory.handlers import WRITE_SLICE_IDS, WRITE_WHOLE_IDS_MAX, DirectoryShell
+from kvfabric.directory.shell import WRITE_SLICE_IDS, WRITE_WHOLE_IDS_MAX, DirectoryShell
 from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.format.errors import WrongShard
 from kvfabric.format.ids import GroupId, ObjectKey, pack_object_key

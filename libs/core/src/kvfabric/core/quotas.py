@@ -34,7 +34,7 @@ ones empty the bucket.
 ## One token bucket
 `TokenBucket` is the project's one token bucket (issue 26, duplicates): these quotas, the
 directory's fair admission and give-back budget (`kvfabric.directory.admission`) and its
-per-tenant shard-map and suspect-report rates (`kvfabric.directory.host`), the repair core's
+per-tenant shard-map and suspect-report rates (`kvfabric.directory.shard_host`), the repair core's
 copy budget (`kvfabric.core.repair`) and the segment scrubber's pacer
 (`kvfabric.segment_storage.scrubber`) all use it. Time is passed in (seconds on any monotonic
 clock; these quotas pass `now_ms / 1000`; the repair core passes ms with milli-byte tokens, so

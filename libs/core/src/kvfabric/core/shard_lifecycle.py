@@ -6,7 +6,7 @@ Synchronous and I/O-free, one entry: `step(event, now_ms) -> list[Effect]`; time
 `ShardLeadership` (`kvfabric.core.leadership`) decides *which* shards this instance leads and
 under which epoch (leases in JetStream KV, driven by `kvfabric.directory.leader`); this core
 reads it (never changes it) and decides what follows: a won shard is rebuilt from the segments'
-reports and served (`StartShard`, `kvfabric.directory.host.ShardHost.start_shard`), a start that
+reports and served (`StartShard`, `kvfabric.directory.shard_host.ShardHost.start_shard`), a start that
 fails is tried again a bounded number of times and then the instance gives up, a shard handed
 over stops serving before its lease key is released (`StopShard`), and a lapsed lease, a
 refused renewal or a dead election loop stops the whole instance (`StopInstance`: it exits 75

@@ -4,7 +4,7 @@ Directory-specific settings come from the environment (see `kvfabric.directory.s
 `KVF_CLUSTER_SECRET` is required. Any number of instances may run. Keys belong to
 `KVF_DIRECTORY_SHARDS` virtual shards; every shard has a leader lease in JetStream KV
 (`kvfabric.directory.leader`): an instance leads the shards whose lease it holds, each under its
-own epoch, and serves them on its own subjects (`kvfabric.directory.host`); the others are led
+own epoch, and serves them on its own subjects (`kvfabric.directory.shard_host`); the others are led
 elsewhere or wait for a lapse. A new shard leader rebuilds that shard's index from the
 segments' reports under its epoch (`DirectoryCore.adopt`), serves, and frees nothing for a grace
 period as long as the longest read lease. An instance whose lease lapses stops serving at once
@@ -16,7 +16,7 @@ only wires the pieces and runs the bounded stop.
 
 The stop is bounded (docs/design.md: liveness is an invariant): the election loop and shard starts
 are cancelled and awaited for `TASKS_STOP_TIMEOUT_S`, the shards' tasks for
-`kvfabric.directory.host.STOP_TIMEOUT_S`; a task still running then (a cancellation swallowed
+`kvfabric.directory.shard_host.STOP_TIMEOUT_S`; a task still running then (a cancellation swallowed
 for good) makes the process exit at once with 79 (`directory_stop_overran`, naming the tasks),
 and the runtime's watchdog ends it `stop_deadline_ms` after the stop was asked whatever else
 hangs (`kvfabric.runtime.deadline`). A lapsed lease thus always ends in an exit within a bound,
@@ -42,13 +42,13 @@ from kvfabric.core.shard_lifecycle import LifecycleConfig
 from kvfabric.directory import cpu_priority
 from kvfabric.directory.admission_filter import AdmissionFilterCollector, AdmissionFilterFeed
 from kvfabric.directory.fair import FairGate
-from kvfabric.directory.host import ShardHost
 from kvfabric.directory.kv_buckets import CONFIG_BUCKET, LEADERS_BUCKET, MEMBERS_BUCKET, agree_on_shards
 from kvfabric.directory.kv_doctor import TTL_MARGIN_S, KvDoctor
 from kvfabric.directory.leader import LeaderElection
 from kvfabric.directory.metrics import DirectoryCollector
 from kvfabric.directory.segment_registry import SegmentRegistry
 from kvfabric.directory.settings import DirectorySettings, load_directory_settings
+from kvfabric.directory.shard_host import ShardHost
 from kvfabric.directory.shard_lifecycle import ShardLifecycleShell, ShellFactory
 from kvfabric.proto.subjects import Service
 from kvfabric.runtime.cli import service_cli

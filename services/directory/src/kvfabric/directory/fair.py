@@ -1,7 +1,7 @@
 """The fair-admission shell: tenants' requests wait for their turn here before any core sees them.
 
 `FairGate.turn(tenant, ids)` is an async context manager around one tenant request's work
-(`kvfabric.directory.host`, after the request is decoded, before the shard's shell runs it):
+(`kvfabric.directory.shard_host`, after the request is decoded, before the shard's shell runs it):
 it asks the pure core (`kvfabric.directory.admission`) to queue the request, refuses it at
 once with `Busy` (the existing error: every client backs off and asks again,
 `kvfabric.client.busy`) when the tenant's bucket or queue is full, and otherwise waits until

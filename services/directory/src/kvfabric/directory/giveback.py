@@ -6,7 +6,7 @@ give-back budget (`FairGate.giveback`, which goes into debt). A tenant that spen
 next give-back run `GIVEBACK_SLICE_IDS` ids (one part of a `lease_release_many`) first: when that
 slice released nothing the request is `busy` (what it named later untouched), otherwise the rest
 runs too; after such a `busy`, the tenant's give-backs are `busy` before they are decoded until
-a token has refilled (`FairGate.giveback_refuse_early`, asked by `kvfabric.directory.host`). So a
+a token has refilled (`FairGate.giveback_refuse_early`, asked by `kvfabric.directory.shard_host`). So a
 give-back of a tenant that gives back is never refused, and a flood of give-backs naming nothing
 costs, once the budget is spent, a receive a request and one decoded slice per token refilled.
 """

@@ -11,8 +11,8 @@ from prometheus_client.registry import Collector
 
 from kvfabric.core.directory import DirectoryCore
 from kvfabric.core.leadership import ShardLeadership
-from kvfabric.directory.handlers import DirectoryShell
-from kvfabric.directory.host import ShardHost
+from kvfabric.directory.shard_host import ShardHost
+from kvfabric.directory.shell import DirectoryShell
 from kvfabric.directory.stalls import CORE_CALL_BUCKETS_S, CORE_CALLS
 
 __all__ = ["DirectoryCollector"]

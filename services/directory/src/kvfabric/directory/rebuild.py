@@ -5,7 +5,7 @@ old leader's tickets and frees. A segment that does not answer in time, or whose
 changed since it registered, is left out. A restarted one is then unknown to the new leader: its
 next heartbeat is answered `not_found` and it restarts empty (what it held is lost, never served
 stale). One that was only slow is introduced at its next heartbeat, and the shard rebuilt again
-if it holds bytes (`kvfabric.directory.host`).
+if it holds bytes (`kvfabric.directory.shard_host`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TENANT_GRANTS` | `{}` | JSON `{"<tenant>": [DIGEST, ...]}` (see below) |
 | `KVF_DIRECTORY_TENANT_GRANTS_FILE` | unset | a file holding the GRANTS JSON (wins over the variable) |
 | `KVF_DIRECTORY_LOOKUP_REPLY_MIN_MS` | 0 (off) | pad tenant lookup replies to this many ms |
-| `KVF_DIRECTORY_WRITE_SLICE_IDS` | 64 | a put_begin/commit/abort or evict of over 256 ids: steps of this many (0 = whole) |
+| `KVF_DIRECTORY_WRITE_SLICE_IDS` | 64 | writes of over 256 ids: steps of this many ids (0 = whole) |
 | `KVF_DIRECTORY_SHARDS` | 16 | virtual shards (fixed for a cluster's life: every instance must agree) |
 | `KVF_DIRECTORY_KV_REPLICAS` | 1 | replicas of its KV buckets and events stream (3 on a NATS cluster) |
 | `KVF_DIRECTORY_REBALANCE` | 0 | 1: shards move to a joining instance (rendezvous hashing); 0: sticky |
@@ -94,7 +94,7 @@ from kvfabric.core.quotas import UNLIMITED, TenantQuota
 from kvfabric.directory.admission import AdmissionConfig
 from kvfabric.directory.cpu_priority import CPU_PRIORITY_DEFAULT, CpuPriority
 from kvfabric.directory.cpu_priority import parse as parse_cpu_priority
-from kvfabric.directory.handlers import WRITE_SLICE_IDS as WRITE_SLICE_IDS_DEFAULT
+from kvfabric.directory.shell import WRITE_SLICE_IDS as WRITE_SLICE_IDS_DEFAULT
 from kvfabric.format.ids import DomainDigest
 from kvfabric.proto.directory import (
     LOOKUP_BATCH_GROUPS_MAX,

@@ -44,10 +44,10 @@ from kvfabric.core.shard_lifecycle import (
     Unled,
 )
 from kvfabric.directory.events import EventsStream
-from kvfabric.directory.handlers import DirectoryShell
-from kvfabric.directory.host import ShardHost
 from kvfabric.directory.leader import LeaderElection
 from kvfabric.directory.settings import DirectorySettings
+from kvfabric.directory.shard_host import ShardHost
+from kvfabric.directory.shell import DirectoryShell
 from kvfabric.format.clock import monotonic_ms
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime

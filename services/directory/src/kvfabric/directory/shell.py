@@ -1,6 +1,6 @@
 """The directory shell of one shard: `DirectoryCore.handle(request, now_ms)` → perform effects → reply.
 
-An instance runs one shell per shard it leads; `kvfabric.directory.host` decodes requests and
+An instance runs one shell per shard it leads; `kvfabric.directory.shard_host` decodes requests and
 routes them here by shard. The core is synchronous, so each call is atomic on the event loop;
 effects are performed after it returns:
 

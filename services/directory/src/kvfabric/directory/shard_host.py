@@ -57,11 +57,11 @@ from kvfabric.core.quotas import TokenBucket
 from kvfabric.directory import shard_requests
 from kvfabric.directory.fair import FairGate
 from kvfabric.directory.giveback import give_back
-from kvfabric.directory.handlers import VERBS, DirectoryShell, now_ms
 from kvfabric.directory.rebuild import gather_holdings
 from kvfabric.directory.segment_registry import SegmentRegistry
 from kvfabric.directory.shard_map import ShardMapServer
 from kvfabric.directory.shard_requests import check_release_many, keys_of, shard_of_request
+from kvfabric.directory.shell import VERBS, DirectoryShell, now_ms
 from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.directory.suspects import SUSPECT_VERB, SUSPECTS_TENANT_PER_S, SuspectRelay
 from kvfabric.format.errors import (
@@ -149,7 +149,7 @@ class ShardHost:
         self._suspect_buckets: dict[str, TokenBucket] = {}
         self.suspects = SuspectRelay(lambda: self._nc, self._tenant_may_suspect)
         self._shard_map = ShardMapServer(self.shard_map, lambda tenant: tenant in self.grants)
-        self._log = get_logger("kvfabric.directory.host").bind(instance_id=instance_id)
+        self._log = get_logger("kvfabric.directory.shard_host").bind(instance_id=instance_id)
 
     # ---- endpoints ---------------------------------------------------------------------------
 
