@@ -74,7 +74,7 @@ from kvfabric.proto import directory as m
 from kvfabric.runtime.deadline import cancel_and_wait
 from kvfabric.runtime.gcpolicy import freeze_long_lived
 from kvfabric.runtime.logs import get_logger
-from kvfabric.runtime.service import Handler, ServiceRuntime, TenantHandler
+from kvfabric.runtime.service import RequestHandler, ServiceRuntime, TenantHandler
 
 __all__ = ["BROADCAST_VERBS", "ShardHost"]
 
@@ -158,7 +158,12 @@ class ShardHost:
         # (`ServiceRuntime`), never refused because lookups or puts fill the service.
         for verb, kind in VERBS.items():
             runtime.add_endpoint(
-                verb, self._endpoint(verb, kind), instance=self.instance_id, gives_back=verb in GIVEBACK_VERBS
+                verb,
+                self._endpoint(verb),
+                request=kind,
+                decoder=m.request_decoder,
+                instance=self.instance_id,
+                gives_back=verb in GIVEBACK_VERBS,
             )
         for verb in sorted(TENANT_VERBS):
             pad = self.lookup_reply_min_ms if verb == "lookup" else 0  # hits and misses alike
@@ -170,7 +175,9 @@ class ShardHost:
                 gives_back=verb in GIVEBACK_VERBS,
             )
         # A reader's corruption report, relayed to the segment (`kvfabric.directory.suspects`).
-        runtime.add_endpoint(SUSPECT_VERB, self._on_suspect)
+        runtime.add_endpoint(
+            SUSPECT_VERB, self._on_suspect, request=m.ReplicaSuspect, decoder=m.request_decoder
+        )
         runtime.add_tenant_endpoint(SUSPECT_VERB, self._on_tenant_suspect)
         # One prefix's lookups / one hit's releases for every shard led here (`lookup_many`).
         self._attach_many(runtime, LOOKUP_MANY_VERB, m.LookupMany, self.lookup_many, self.lookup_reply_min_ms)
@@ -189,7 +196,12 @@ class ShardHost:
         gives_back: bool = False,
     ) -> None:
         runtime.add_endpoint(
-            verb, self._many_endpoint(kind, many), instance=self.instance_id, gives_back=gives_back
+            verb,
+            self._many_endpoint(many),
+            request=kind,
+            decoder=m.request_decoder,
+            instance=self.instance_id,
+            gives_back=gives_back,
         )
         runtime.add_tenant_endpoint(
             verb,
@@ -200,10 +212,27 @@ class ShardHost:
         )
 
     def _decode(self, data: bytes, kind: type[M]) -> M:
+        """A tenant's request, decoded by hand (the service plane's are decoded by the runtime:
+        `request=` at registration): its fair turn, or its give-back's early refusal, is taken
+        before decoding, so a tenant past its share costs no decode (`_tenant_admitted`)."""
         message = m.request_decoder.decode(data)
         if not isinstance(message, kind):
             raise BadRequest(f"this endpoint takes {kind.__name__}, got {type(message).__name__}")
         return message
+
+    async def _tenant_admitted(self, tenant: str, *, fair: bool) -> authz.TenantGrant:
+        """The tenant's grant once it may be decoded: refused `unauthorized` without one; a fair
+        verb refused early when its queue is full or its bucket empty, a give-back when its
+        tenant's give-backs are refusing (`kvfabric.directory.fair`) — before any decoding."""
+        grant = self.grants.get(tenant)
+        if grant is None:
+            raise Unauthorized(f"tenant {tenant!r} has no share domains here")
+        if self.fair is not None:
+            if fair:
+                await self.fair.refuse_early(tenant)
+            else:
+                await self.fair.giveback_refuse_early(tenant)
+        return grant
 
     def _shell(self, message: msgspec.Struct) -> DirectoryShell:
         shard = shard_of_request(message, self.shards)
@@ -212,9 +241,8 @@ class ShardHost:
             raise WrongShard(f"instance {self.instance_id} does not lead shard {shard}", shard=shard)
         return shell
 
-    def _endpoint(self, verb: str, kind: type[msgspec.Struct]) -> Handler:
-        async def handle(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-            message = self._decode(data, kind)
+    def _endpoint(self, verb: str) -> RequestHandler[msgspec.Struct]:
+        async def handle(message: msgspec.Struct, headers: Mapping[str, str]) -> msgspec.Struct:
             if verb in BROADCAST_VERBS:
                 return await self._broadcast(message)
             return await self._shell(message).handle(message)
@@ -223,14 +251,8 @@ class ShardHost:
 
     def _tenant_endpoint(self, verb: str, kind: type[msgspec.Struct], *, fair: bool) -> TenantHandler:
         async def handle(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
-            grant = self.grants.get(tenant)
-            if grant is None:
-                raise Unauthorized(f"tenant {tenant!r} has no share domains here")
+            grant = await self._tenant_admitted(tenant, fair=fair)
             gate = self.fair if fair else None
-            if gate is not None:
-                await gate.refuse_early(tenant)  # before decoding: a full queue or an empty bucket
-            elif self.fair is not None:  # a give-back: before decoding when its tenant is refusing
-                await self.fair.giveback_refuse_early(tenant)
             message = self._decode(data, kind)
 
             async def run(request: msgspec.Struct) -> msgspec.Struct:
@@ -245,8 +267,8 @@ class ShardHost:
 
         return handle
 
-    async def _on_suspect(self, data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-        return await self.suspects.handle(self._decode(data, m.ReplicaSuspect), None)
+    async def _on_suspect(self, message: m.ReplicaSuspect, headers: Mapping[str, str]) -> msgspec.Struct:
+        return await self.suspects.handle(message, None)
 
     async def _on_tenant_suspect(
         self, data: bytes, headers: Mapping[str, str], tenant: str
@@ -264,22 +286,16 @@ class ShardHost:
             bucket = self._suspect_buckets[tenant] = TokenBucket.full(rate, rate, now_s)
         return bucket.take(1, now_s)
 
-    def _many_endpoint(self, kind: type[M], many: _Many[M]) -> Handler:
-        async def handle(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
-            return await many(self._decode(data, kind), None)
+    def _many_endpoint(self, many: _Many[M]) -> RequestHandler[M]:
+        async def handle(message: M, headers: Mapping[str, str]) -> msgspec.Struct:
+            return await many(message, None)
 
         return handle
 
     def _many_tenant_endpoint(self, kind: type[M], many: _Many[M], *, fair: bool) -> TenantHandler:
         async def handle(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
-            grant = self.grants.get(tenant)
-            if grant is None:
-                raise Unauthorized(f"tenant {tenant!r} has no share domains here")
+            grant = await self._tenant_admitted(tenant, fair=fair)
             gate = self.fair if fair else None
-            if gate is not None:
-                await gate.refuse_early(tenant)
-            elif self.fair is not None:  # lease_release_many: as every give-back (above)
-                await self.fair.giveback_refuse_early(tenant)
             message = self._decode(data, kind)
             if not fair:  # lease_release_many: a give-back
                 if isinstance(message, m.LeaseReleaseMany):
