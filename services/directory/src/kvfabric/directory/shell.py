@@ -42,6 +42,7 @@ from kvfabric.proto.segment import FreeSlotsReply, FreeSlotsRequest, segment_dec
 from kvfabric.proto.subjects import Service, event_subject, events_wildcard, segment_subject
 from kvfabric.runtime.deadline import cancel_and_wait
 from kvfabric.runtime.logs import get_logger
+from kvfabric.runtime.ticker import every
 
 __all__ = [
     "EVENTS_STREAM",
@@ -408,7 +409,10 @@ class DirectoryShell:
             self._publishing = False
 
     async def _ticker(self) -> None:
-        while True:
-            await asyncio.sleep(self.tick_ms / 1000)
-            if self.may_act():
-                await self.perform(CORE_CALLS.timed("tick", lambda: self.core.tick(now_ms())))
+        """The core's tick every `tick_ms` (the first one interval after the start), while this
+        instance may act for the shard; an exception ends it, as before the shared ticker."""
+        await every(self.tick_ms / 1000, self._tick, delay_first=True)
+
+    async def _tick(self) -> None:
+        if self.may_act():
+            await self.perform(CORE_CALLS.timed("tick", lambda: self.core.tick(now_ms())))
