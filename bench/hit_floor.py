@@ -130,14 +130,6 @@ def _install_timers() -> type:
         # step is planned, as the connector did before it kept it: a hit vLLM's own prefix cache
         # covers is then saved again (its blocks copied out, in its first step)
         resave_local_hits = False
-        # `--ab always_look_up=true,false`: true looks up every new prompt, as the connector did
-        # before it skipped prompts vLLM's own prefix cache covers as far as a lookup could reach
-        always_look_up = False
-
-        def _local_covers(self, prompt_tokens: int, num_computed_tokens: int) -> bool:
-            if self.always_look_up:
-                return False
-            return bool(super()._local_covers(prompt_tokens, num_computed_tokens))
 
         def build_connector_meta(self, scheduler_output: Any) -> Any:
             if self.resave_local_hits:

@@ -22,9 +22,7 @@ docs/engines.md says why it is left to inherit vLLM's pinned compute CPU by defa
   every attention layer, as opaque bytes in layer order (the paged layout is not per token, so
   blocks move whole; the layout string is in the key, so other layouts never share).
 - Scheduler side: `get_num_new_matched_tokens` looks up the prompt (never its last token: its
-  logits are needed; no lookup when vLLM's own prefix cache has every chunk a lookup could
-  return: those blocks were saved when computed here, or loaded), waits for it at most
-  `lookup_wait_ms`, then answers None ("ask again")
+  logits are needed), waits for it at most `lookup_wait_ms`, then answers None ("ask again")
   until it is back, so the scheduler blocks on the cluster for at most that; it keeps the
   read-leased hit; `build_connector_meta` turns it into a load
   of the request's blocks past what vLLM already has, and schedules saves of every block that
@@ -316,8 +314,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         loop for the GIL); a later one answers None ("ask again") until it is back, so a silent
         directory costs one request at most `lookup_wait_ms` of scheduler time and a miss after
         `lookup_timeout_ms`. After a wait that ran out, requests do not wait (pure asynchronous)
-        until a lookup comes back within the wait again. Never the whole prompt. No lookup when
-        vLLM's own prefix cache already has every chunk one could return (`_local_covers`)."""
+        until a lookup comes back within the wait again. Never the whole prompt."""
         rid = request.request_id
         tokens = list(request.prompt_token_ids or [])
         if len(tokens) <= self.block_size:
@@ -325,10 +322,6 @@ class KvfabricConnector(KVConnectorBase_V1):
         pending = self._lookups.get(rid)
         if pending is None:
             self._release(rid)
-            if self._local_covers(len(tokens), num_computed_tokens):
-                # Its blocks were saved when this engine computed them, or loaded from kvfabric.
-                self._found_chunks[rid] = (len(tokens) - 1) // self.block_size
-                return 0, False
             pending = self._lookups[rid] = self._start_lookup(tokens, rid)
             if not self._wait_for(pending):
                 return None, False
@@ -343,12 +336,6 @@ class KvfabricConnector(KVConnectorBase_V1):
             return 0, False
         self._pending_loads[rid] = (hit, num_computed_tokens // self.block_size)
         return hit.tokens - num_computed_tokens, False
-
-    def _local_covers(self, prompt_tokens: int, num_computed_tokens: int) -> bool:
-        """Whether vLLM's prefix cache has every chunk a lookup could return (a lookup never
-        covers the prompt's last token): then a lookup would only cost the request its round
-        trip (bench.hit_floor: 3.5-4 ms of each such request's time to first token here)."""
-        return num_computed_tokens >= (prompt_tokens - 1) // self.block_size * self.block_size
 
     def _start_lookup(self, tokens: list[int], rid: str) -> concurrent.futures.Future[Hit]:
         started = time.monotonic()
