@@ -20,6 +20,7 @@ from kvfabric.format.errors import WrongShard
 from kvfabric.format.ids import GroupId, ObjectKey, pack_object_key
 from kvfabric.proto import directory as m
 from kvfabric.proto.tickets import write_receipt
+from tests.unit.core import dirkit
 from tests.unit.core.dirkit import SECRET, spec
 from tests.unit.directory.test_shell_side_channels import ALICE, BOB, ids, new_core, publish
 
@@ -191,4 +192,30 @@ def test_a_client_sized_commit_runs_whole_and_publishes_one_event() -> None:
     assert [r.status for r in reply.results] == ["published"] * WRITE_WHOLE_IDS_MAX
     events = [msgspec.msgpack.decode(raw) for _, raw in list(shell._outbox._queue)]  # type: ignore[attr-defined]
     assert len(events) == 1, len(events)
+    core.check_invariants()
+
+
+def test_a_client_sized_commit_at_two_replicas_runs_whole_too() -> None:
+    """Review of 0b40369: at 2 replicas the client's 256-key commit carries 512 receipts; its
+    receipts count per replica, so it is still one batch, run whole: one published event."""
+    core = dirkit.new_core(replicas_default=2)
+    for name in ("s1", "s2", "s3"):
+        dirkit.register(core, name, capacity=1 << 30, host=name, rack=name)
+    keys = [dirkit.key(g) for g in dirkit.groups(WRITE_WHOLE_IDS_MAX, seed=41)]
+    begun = core.handle(m.PutBegin(writer_id="w", request_id="b", objects=[spec(k) for k in keys]), 0).reply
+    assert isinstance(begun, m.PutBeginReply)
+    receipts = [
+        m.WriteReceipt(t.ticket_id, 2 * i + j, 1, write_receipt(SECRET, t, 2 * i + j, 1))
+        for i, r in enumerate(begun.results)
+        for j, t in enumerate(r.tickets)
+    ]
+    assert len(receipts) == 2 * len(keys)
+    shell = shell_of(core)
+    reply = asyncio.run(
+        shell.handle(m.PutCommit(writer_id="w", request_id="c", keys=keys, receipts=receipts))
+    )
+    assert isinstance(reply, m.PutCommitReply)
+    assert [r.status for r in reply.results] == ["published"] * len(keys)
+    events = [msgspec.msgpack.decode(raw) for _, raw in list(shell._outbox._queue)]  # type: ignore[attr-defined]
+    assert len([e for e in events if e.get("t") == "dir.ev.published_many.v1"]) == 1
     core.check_invariants()

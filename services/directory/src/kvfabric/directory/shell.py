@@ -107,12 +107,14 @@ VERBS: Final[dict[str, type[msgspec.Struct]]] = {
 _ENCODER: Final = msgspec.msgpack.Encoder()
 
 
-def slice_ids(message: msgspec.Struct) -> int:
-    """The ids a request the shell may run in steps names (0: not such a request)."""
+def slice_ids(message: msgspec.Struct, replicas_max: int) -> int:
+    """The ids a request the shell may run in steps names (0: not such a request); a commit's
+    receipts count per replica (the client's commit of 256 keys at 2 replicas carries 512: it is
+    still one client batch, run whole)."""
     if isinstance(message, m.PutBegin):
         return len(message.objects)
     if isinstance(message, m.PutCommit):
-        return max(len(message.keys), len(message.receipts))
+        return max(len(message.keys), -(-len(message.receipts) // max(1, replicas_max)))
     if isinstance(message, m.PutAbort):
         return len(message.keys)
     if isinstance(message, m.Evict):
@@ -174,7 +176,9 @@ class DirectoryShell:
         """The core's reply to `message` once its effects are performed; a long lookup in slices."""
         if isinstance(message, m.Lookup) and len(message.groups) > LOOKUP_SLICE_GROUPS:
             return await self._lookup_in_slices(message, reply_bytes_max)
-        if self.write_slice_ids > 0 and slice_ids(message) > max(self.write_slice_ids, WRITE_WHOLE_IDS_MAX):
+        if self.write_slice_ids > 0 and slice_ids(message, self.core.config.replicas_max) > max(
+            self.write_slice_ids, WRITE_WHOLE_IDS_MAX
+        ):
             return await self._in_steps(message)
         outcome = self._core_handle(message, reply_bytes_max)
         await self.perform(outcome.effects)

@@ -185,6 +185,8 @@ class DirectoryCore:
         except KvfError as err:
             self._ctx.count(f"error_{err.code}_total")
             raise
+        finally:  # ended early (the shell closed us): the table's steps give back what they hold
+            steps.close()
 
     def lookup_more(
         self, req: m.Lookup, lease_id: int, first: int, now_ms: int, *, reply_bytes_max: int, groups_max: int
