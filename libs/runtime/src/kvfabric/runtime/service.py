@@ -215,7 +215,6 @@ class _Endpoint:
     # addressed to one instance (e.g. `kvf.v1.segment.free.<segment_id>`), or `t.*.<verb>`.
     relative: str
     tenant_handler: TenantHandler | None = None
-    request: type[msgspec.Struct] | None = None  # a typed endpoint's message (module docstring)
     reply_min_s: float = 0.0  # no reply (answer or error) leaves before this long after receipt
     gives_back: bool = False  # only gives resources back: slots from the give-back lane
 
@@ -378,7 +377,7 @@ class ServiceRuntime:
         else:
             raw = handler  # the untyped overload: a bytes handler
         self._endpoints[verb] = _Endpoint(
-            verb=verb, subject=subject, handler=raw, relative=relative, request=request, gives_back=gives_back
+            verb=verb, subject=subject, handler=raw, relative=relative, gives_back=gives_back
         )
         return subject
 
@@ -441,7 +440,6 @@ class ServiceRuntime:
             handler=_tenant_only,
             relative=relative,
             tenant_handler=raw,
-            request=request,
             reply_min_s=reply_min_ms / 1000,
             gives_back=gives_back,
         )

@@ -8,7 +8,8 @@ request timed out) goes to `failed` (the shell logs it) and the loop goes on, so
 scan and never ends the loop; without `failed`, and for any other exception, the loop ends with it
 (the task's exception, which the shell's stop retrieves). Used by `CoreDriver`'s ticker, the
 prefetch and repair scans, the eviction policy's segment refresh and admission-filter publication,
-the router's health checks, and the segment's scrubber and SSD unlink retries (both delayed first).
+the router's health checks, and, delayed first, the directory shell's core tick and the segment's
+scrubber and SSD unlink retries.
 Not by the segment's heartbeats: they keep a fixed cadence (`due += interval`, a round never delays
 the next), re-read the interval each round and end on `segment_declared_down` (see
 `ShellDirectory._heartbeats`).
