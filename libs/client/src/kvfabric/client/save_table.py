@@ -157,8 +157,9 @@ class SendAbort:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """The save's outcome; the table is DONE. `begun`: it sent a begin (only such a save is in
-    the client's save metrics: an empty one, or one without a shard map, is not)."""
+    """The save's outcome; the table is DONE. `begun`: it sent a begin (only such a save counts in
+    the client's saved tokens/bytes and save failures: an empty one, or one without a shard map,
+    does not; every admitted save is in `save_seconds` and the in-flight bytes)."""
 
     result: SaveResult
     begun: bool = True
@@ -371,8 +372,10 @@ class SaveTable:
                 for t in r.tickets
             ]
         self._placed, self._unreachable = self._tally.unreachable(placed)
-        kept = {id(r) for r in self._placed}
-        self._writes = tuple(w for r, w in writes if id(r) in kept)
+        if self._unreachable:  # drop the writes of what is not reachable (most saves: none)
+            kept = {id(r) for r in self._placed}
+            writes = [(r, w) for r, w in writes if id(r) in kept]
+        self._writes = tuple(w for _, w in writes)
         self.state = "writing"
         if not self._writes:
             return self._end((), now_ms)
