@@ -198,6 +198,8 @@ def test_begins_in_steps_at_once_share_the_pending_bounds(limit: str) -> None:
     steps = core.steps(first, 0, 8)
     for _ in range(80 // 8 + 1):  # its objects validated, its bounds checked, its first slice placed
         next(steps)
+    core.check_invariants()  # suspended between steps: its reservation held
+    assert core.write_table.reserved_objects == 80 - 8
     with pytest.raises(Busy):
         run_whole(core.steps(second, 0, 8))
     reply = run_whole(steps).reply
@@ -213,6 +215,7 @@ def test_a_begin_in_steps_ended_early_gives_its_reservation_back() -> None:
     for _ in range(80 // 8 + 2):  # two slices placed
         next(steps)
     steps.close()  # the shell stops it (wrong_shard, a cancelled request)
+    core.check_invariants()
     assert core.pending_objects == 16
     assert core.write_table.reserved_objects == 0 and not core.write_table.scope_reserved_objects
     reply = run_whole(core.steps(second, 0, 8)).reply  # 16 + 80 fit in 100

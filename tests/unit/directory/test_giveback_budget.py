@@ -44,8 +44,8 @@ class _Runtime:
 
 
 class _Counting:
-    """Wraps the core's `handle` and `steps` (an abort of more than `WRITE_SLICE_IDS` keys runs
-    in steps): the ids of each give-back the core saw."""
+    """Wraps the core's `handle` and `steps` (an abort of more than `WRITE_WHOLE_IDS_MAX`
+    keys runs in steps of `WRITE_SLICE_IDS`): the ids of each give-back the core saw."""
 
     def __init__(self, core: DirectoryCore) -> None:
         self.seen: list[int] = []

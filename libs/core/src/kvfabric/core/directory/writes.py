@@ -384,6 +384,21 @@ class WriteTable(WriteBegin, WriteConfirm):
         )
         invariant(pending_objects == self.scope_pending_objects, "per-tenant pending objects drift")
         invariant(pending_bytes == self.scope_pending_bytes, "per-tenant pending bytes drift")
+        # Reservations exist only while a put_begin in steps is suspended between them.
+        invariant(self.begins_in_steps >= 0, "negative begins in steps")
+        invariant(
+            self.begins_in_steps > 0
+            or (
+                self.reserved_objects == 0
+                and not self.scope_reserved_objects
+                and not self.scope_reserved_bytes
+            ),
+            "a reservation outlived its put_begin",
+        )
+        invariant(
+            self.reserved_objects >= sum(self.scope_reserved_objects.values()),
+            "tenant reservations exceed the total",
+        )
         invariant(
             not (self.published.records.keys() & self.building.keys()), "group both building and published"
         )

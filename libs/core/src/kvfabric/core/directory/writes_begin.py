@@ -89,21 +89,25 @@ class WriteBegin(WriteState):
         placed_here: set[tuple[GroupKey, Member]] = set()  # a key twice in one request: placed once
         results: list[m.BeginResult] = []
         # What the checks above admitted stays reserved until its slice is placed (or the request
-        # ends early: wrong_shard, a closed generator), so requests stepping at once share the bounds.
+        # ends early: wrong_shard, a closed generator), so requests stepping at once share the
+        # bounds. Run whole (one slice), nothing runs between the checks and the placements.
+        held = step < len(req.objects)
         scope = scope_of(req.writer_id)
-        reserved = [len(infos), len(new), sum(new.values()) * replicas]
+        reserved = [len(infos), len(new), sum(new.values()) * replicas] if held else [0, 0, 0]
         self._reserve_add(scope, reserved[0], reserved[1], reserved[2])
+        self.begins_in_steps += held
         try:
             for start in range(0, len(req.objects), step):  # later slices see what ran between
                 chunk = list(zip(req.objects[start : start + step], infos[start : start + step], strict=True))
-                mine = [
-                    new.pop((i.group.group_id, i.member))
-                    for _, i in chunk
-                    if (i.group.group_id, i.member) in new
-                ]
-                release = [len(chunk), len(mine), sum(mine) * replicas]
-                self._reserve_add(scope, -release[0], -release[1], -release[2])
-                reserved = [a - b for a, b in zip(reserved, release, strict=True)]
+                if held:
+                    mine = [
+                        new.pop((i.group.group_id, i.member))
+                        for _, i in chunk
+                        if (i.group.group_id, i.member) in new
+                    ]
+                    release = [len(chunk), len(mine), sum(mine) * replicas]
+                    self._reserve_add(scope, -release[0], -release[1], -release[2])
+                    reserved = [a - b for a, b in zip(reserved, release, strict=True)]
                 results += [
                     self._begin_one(
                         req.writer_id,
@@ -121,6 +125,7 @@ class WriteBegin(WriteState):
                 yield []
         finally:
             self._reserve_add(scope, -reserved[0], -reserved[1], -reserved[2])
+            self.begins_in_steps -= held
         reply = m.PutBeginReply(epoch=ctx.epoch, results=results)
         self.replies.remember("begin", req.writer_id, req.request_id, reply, len(results))
         return reply

@@ -89,6 +89,7 @@ class WriteState:
         # requests stepping at once cannot both pass a bound only one fits in. Zero between calls
         # of a whole request.
         self.reserved_objects = 0
+        self.begins_in_steps = 0  # put_begins in steps holding a reservation (suspended between steps)
         self.scope_reserved_objects: dict[str, int] = {}
         self.scope_reserved_bytes: dict[str, int] = {}
         self.replies = ReplyCache(ctx.config.reply_cache_objects_max, ctx.count)
