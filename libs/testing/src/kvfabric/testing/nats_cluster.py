@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import Final
 
 from kvfabric.testing.nats_server import NatsServer, NatsServerError
-from kvfabric.testing.ports import free_port
+from kvfabric.testing.ports import free_ports
 
 __all__ = ["NatsCluster"]
 
@@ -30,7 +30,7 @@ class NatsCluster:
     def __init__(self, store_dir: Path, size: int = 3, host: str = "127.0.0.1") -> None:
         if size < 3:
             raise ValueError("a JetStream cluster needs at least 3 nodes")
-        cluster_ports = [free_port(host) for _ in range(size)]
+        cluster_ports = free_ports(size, host)  # distinct (free_port twice may repeat one)
         routes = ",".join(f"nats://{host}:{p}" for p in cluster_ports)
         self.nodes = [
             NatsServer(

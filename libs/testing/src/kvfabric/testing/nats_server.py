@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Final
 
-from kvfabric.testing.ports import free_port
+from kvfabric.testing.ports import free_ports
 from kvfabric.testing.terminate import terminate
 
 __all__ = ["NatsServer", "NatsServerError", "find_nats_server"]
@@ -69,8 +69,11 @@ class NatsServer:
         self.extra_args = tuple(extra_args)
         self.ready_timeout_s = ready_timeout_s
         # Chosen once and kept across restarts.
-        self.port = port if port is not None else free_port(host)
-        self.monitor_port = monitor_port if monitor_port is not None else free_port(host)
+        picked = free_ports(2, host)  # distinct: one port for both and the server cannot start
+        self.port = port if port is not None else next(p for p in picked if p != monitor_port)
+        self.monitor_port = (
+            monitor_port if monitor_port is not None else next(p for p in picked if p != self.port)
+        )
         self.log_path = self.store_dir / "nats-server.log"
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
