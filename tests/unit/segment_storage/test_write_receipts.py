@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,6 +27,7 @@ from kvfabric.segment_storage import shell_confirms
 from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.confirms import CONFIRM_LATER_LINGER_S, ConfirmBatcher
+from kvfabric.segment_storage.settings import CONFIRM_LATER_GATHER_MS_DEFAULT
 from kvfabric.segment_storage.shell import SegmentShell
 
 SECRET = b"unit-write-receipts-secret-0123456789"
@@ -297,7 +299,8 @@ def test_receipted_writes_queued_together_wake_the_loop_once() -> None:
     segment's loop and one task, not one each."""
     woken: list[object] = []
     fake = SimpleNamespace(
-        _loop=SimpleNamespace(call_soon_threadsafe=woken.append),
+        _loop=SimpleNamespace(call_soon_threadsafe=lambda *args: woken.append(args), call_later=None),
+        settings=SimpleNamespace(confirm_later_gather_ms=CONFIRM_LATER_GATHER_MS_DEFAULT),
         router=object(),
         _later=[],
         _later_lock=threading.Lock(),
@@ -318,3 +321,55 @@ def test_receipted_writes_queued_together_wake_the_loop_once() -> None:
     for slot in range(8):
         SegmentShell._confirm_later(fake, t, slot, 1, "trace")  # type: ignore[arg-type]
     assert len(woken) == 1 and [s for _, s, _, _ in fake._later] == list(range(8))
+
+
+def test_receipted_writes_are_confirmed_after_the_gather_not_while_the_save_writes() -> None:
+    """The loop starts a receipted write's background confirm `confirm_later_gather_ms` after it
+    was queued, not at once: that work (a task, futures, the request) delayed the same save's
+    next writes (their transport thread waited for the GIL and a core). Writes queued within the
+    window (a save's, several saves') are confirmed in one start."""
+    started: list[tuple[float, int]] = []
+    settings = SimpleNamespace(confirm_later_gather_ms=CONFIRM_LATER_GATHER_MS_DEFAULT)
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        fake = SimpleNamespace(
+            _loop=loop, settings=settings, router=object(), _later=[], _later_lock=threading.Lock()
+        )
+        fake._later_woken = False
+        confirmed = asyncio.Event()
+
+        def start_later() -> None:
+            with fake._later_lock:
+                items, fake._later = fake._later, []
+                fake._later_woken = False
+            started.append((time.monotonic(), len(items)))
+            confirmed.set()
+
+        fake._start_later = start_later
+        t = WriteTicket(
+            ticket_id=1,
+            key=ObjectKey(b"k"),
+            segment_id="s",
+            incarnation=1,
+            size_bytes=1,
+            checksum=b"c" * 16,
+            writer_id="w",
+            deadline_ms=1,
+            epoch=1,
+        )
+
+        def writes() -> None:  # a transport thread: one save's 8 writes, then another save's
+            for slot in range(16):
+                SegmentShell._confirm_later(fake, t, slot, 1, "trace")  # type: ignore[arg-type]
+
+        queued = time.monotonic()
+        await asyncio.to_thread(writes)
+        await asyncio.sleep(0.02)  # what the loop runs right after the writes: no confirm yet
+        assert started == []
+        await asyncio.wait_for(confirmed.wait(), 30)
+        return queued
+
+    queued = asyncio.run(run())
+    assert len(started) == 1 and started[0][1] == 16
+    assert started[0][0] - queued >= 0.9 * settings.confirm_later_gather_ms / 1000 > 0

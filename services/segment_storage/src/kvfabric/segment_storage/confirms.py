@@ -12,8 +12,10 @@ confirms arrived, for at most `CONFIRM_GATHER_S` (a save of 8 objects: one direc
 not two). Nothing else waits for a batch to fill.
 
 Receipted writes (the writer carries the segment's receipt in put_commit) are confirmed in the
-background, off the write's path: their batcher lingers `CONFIRM_LATER_LINGER_S` before each
-request, so the confirms of several saves share one (the directory's cost per save falls).
+background, off the write's path: they are gathered on a queue first
+(`KVF_SEGMENT_CONFIRM_LATER_GATHER_MS`), and their batcher lingers `CONFIRM_LATER_LINGER_S`
+before each request, so the confirms of several saves share one (the directory's cost per save
+falls).
 
 Bounds: at most `CONFIRM_BATCH_MAX` confirms a request, one request in flight per key; the
 confirms waiting are bounded by the transport threads waiting on them (one each). A confirm whose

@@ -74,6 +74,9 @@ SSD_BYTES_PER_SLOT_DEFAULT: Final = 64 << 10  # disk slot ids by default: one pe
 SSD_SLOTS_MIN: Final = 64
 SSD_SLOTS_MAX: Final = 1 << 24
 
+# KVF_SEGMENT_CONFIRM_LATER_GATHER_MS: how long receipted writes wait on their queue before the
+# loop confirms them together (`shell_confirms`; 0: at once).
+CONFIRM_LATER_GATHER_MS_DEFAULT: Final = 200
 GIL_SWITCH_US_DEFAULT: Final = 500  # KVF_SEGMENT_GIL_SWITCH_US (Python's own default: 5000)
 
 
@@ -122,6 +125,7 @@ class SegmentSettings:
     ssd_verify_on_start: bool = False
     demote_yield_ms: int = DEMOTE_YIELD_MS_DEFAULT
     gil_switch_us: int = GIL_SWITCH_US_DEFAULT
+    confirm_later_gather_ms: int = CONFIRM_LATER_GATHER_MS_DEFAULT
 
     @property
     def connection_limits(self) -> ConnectionLimits:
@@ -221,6 +225,9 @@ def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
         ssd_verify_on_start=bool(env_int(env, "KVF_SEGMENT_SSD_VERIFY_ON_START", 0, 0, 1)),
         demote_yield_ms=env_int(env, "KVF_SEGMENT_DEMOTE_YIELD_MS", DEMOTE_YIELD_MS_DEFAULT, 0, 10_000),
         gil_switch_us=env_int(env, "KVF_SEGMENT_GIL_SWITCH_US", GIL_SWITCH_US_DEFAULT, 50, 100_000),
+        confirm_later_gather_ms=env_int(
+            env, "KVF_SEGMENT_CONFIRM_LATER_GATHER_MS", CONFIRM_LATER_GATHER_MS_DEFAULT, 0, 5_000
+        ),
     )
 
 

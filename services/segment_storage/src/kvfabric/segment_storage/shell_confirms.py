@@ -92,8 +92,12 @@ class ShellConfirms:
 
     def _confirm_later(self, ticket: m.WriteTicket, slot: int, generation: int, trace_id: str = "") -> None:
         """Called from a transport thread for a write answered with a receipt: its confirm goes
-        in the background (`_confirm_in_background`); never blocks. The writes that arrive before
-        the loop runs share one wake-up and one task (not one each)."""
+        in the background (`_confirm_in_background`); never blocks. The writes that arrive within
+        `confirm_later_gather_ms` of the first share one wake-up, one task and one request. Not
+        at once: that loop work (a task, a future per write, the request) ran while the same
+        save's later writes were served, and its GIL holds and CPU delayed them (docs/segment.md,
+        "Receipted writes"). Nobody waits on these confirms: the writer's put_commit carries the
+        receipts and usually lands first (the confirm is then a no-op)."""
         loop = self._loop
         if loop is None or self.router is None:
             raise Unavailable("the segment is not connected to the directory")
@@ -103,12 +107,14 @@ class ShellConfirms:
                 return
             self._later_woken = True
         try:
-            loop.call_soon_threadsafe(self._start_later)
+            gather_s = self.settings.confirm_later_gather_ms / 1000
+            loop.call_soon_threadsafe(loop.call_later, gather_s, self._start_later)
         except RuntimeError:  # the loop is closing
             raise Unavailable("the segment stopped confirming") from None
 
     def _start_later(self) -> None:
-        """On the loop: the receipted writes queued since the last wake-up, confirmed together."""
+        """On the loop, `confirm_later_gather_ms` after the first of them: the receipted writes
+        queued since, confirmed together."""
         with self._later_lock:
             items, self._later = self._later, []
             self._later_woken = False
