@@ -54,6 +54,7 @@ from kvfabric.core.directory.keys import GROUP_KEY_BYTES
 from kvfabric.format.ids import (
     DomainDigest,
     GroupId,
+    GroupKey,
     chain_in_id,
     domain_in_id,
     group_key_of_id,
@@ -249,6 +250,26 @@ def core_calls(core: DirectoryCore, groups: Groups, now: int) -> dict[str, float
 
     never_begun = [pack_object_key(g, 0, 0, 0) for g in missing]  # keys nobody began: not_found each
 
+    def repair_pass(walk_every_group: bool = False) -> None:
+        """What the repair service asks every `KVF_REPAIR_SCAN_MS` (2 s): every page of the
+        groups below target. `walk_every_group`: as before the `short` index (every group
+        examined a pass), for the comparison."""
+        covers = core.published_table.short_covers_below_target
+        if walk_every_group:
+            core.published_table.short_covers_below_target = lambda: False  # type: ignore[method-assign]
+        try:
+            after = GroupKey(b"")
+            while True:
+                page = core.handle(
+                    m.ListGroups(limit=1000, below_target=True, with_objects=True, after=after), now
+                )
+                assert isinstance(page.reply, m.GroupList)
+                if not page.reply.next_after:
+                    return
+                after = page.reply.next_after
+        finally:
+            core.published_table.short_covers_below_target = covers  # type: ignore[method-assign]
+
     calls: dict[str, Callable[[], object]] = {
         "list_groups_empty_domain_limit_100": lambda: core.handle(
             m.ListGroups(domain_digest=DomainDigest(b"\x01" * 16), limit=100), now
@@ -274,6 +295,8 @@ def core_calls(core: DirectoryCore, groups: Groups, now: int) -> dict[str, float
         ),
         "evict_4096_missing_groups": lambda: core.handle(m.Evict(groups=missing, reason="bench"), now),
         "list_leases_100": lambda: core.handle(m.ListLeases(limit=100), now),
+        "repair_pass_below_target_all_pages": repair_pass,
+        "repair_pass_below_target_all_pages_walking_every_group": lambda: repair_pass(walk_every_group=True),
         "tick": lambda: core.tick(now),
     }
     return {name: _slowest_ms(call) for name, call in calls.items()}

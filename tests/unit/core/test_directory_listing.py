@@ -373,3 +373,44 @@ def test_a_slice_after_its_lease_ended_hits_nothing() -> None:
     core.tick(100)
     assert not core._lease_count
     core.check_invariants()
+
+
+def test_a_below_target_listing_walks_only_the_groups_short_of_replicas_while_they_cover_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The repair service asks for the groups below target every few seconds. In a healthy store
+    (no segment drains, nothing waits for the sweep) the directory walks only the groups with
+    fewer replicas in their records than the target: 3 of 300 examined, not 300. While a segment
+    drains, or a lost incarnation's groups wait for the sweep, those records do not say which
+    groups are below target: the listing examines every group again and finds them."""
+    core = big_core(replicas_default=2)
+    full = groups(300, seed=6)
+    publish(core, full[:100])
+    publish(core, full[100:103], replicas=1)  # below the target of 2
+    publish(core, full[103:])
+    core.check_invariants()
+
+    def below_target_listing() -> tuple[list[bytes], int]:
+        with unpacks(monkeypatch) as seen:
+            page = core.handle(m.ListGroups(limit=1000, below_target=True), 0).reply
+        assert isinstance(page, m.GroupList) and not page.next_after
+        return [g.namespace[4:20] + g.group for g in page.groups], len(seen)
+
+    found, examined = below_target_listing()
+    assert found == sorted(group_key(g) for g in full[100:103])
+    assert examined == 3
+
+    core.handle(m.Heartbeat(segment_id="s1", incarnation=1, used_bytes=0, draining=True), 0)
+    found, examined = below_target_listing()
+    assert len(found) == 300 and examined == 300  # every group has a replica on s1, which drains
+    core.handle(m.Heartbeat(segment_id="s1", incarnation=1, used_bytes=0), 0)
+    assert below_target_listing() == (sorted(group_key(g) for g in full[100:103]), 3)
+
+    register(core, "s1", incarnation=2, capacity=1 << 40)  # restarted: its replicas are gone
+    found, examined = below_target_listing()
+    assert len(found) == 300 and examined == 300  # before the sweep dropped them
+    for _ in range(300):
+        core.tick(0)
+    core.check_invariants()
+    found, examined = below_target_listing()
+    assert len(found) == 300 and examined == 300  # short now: one replica left in each record

@@ -182,6 +182,10 @@ class DomainIndex:
             del self._by_domain[domain]
             self._domains.remove(domain)
 
+    def __contains__(self, group_key: GroupKey) -> bool:
+        keys = self._by_domain.get(DomainDigest(group_key[:DOMAIN_BYTES]))
+        return keys is not None and group_key in keys
+
     def domains(self) -> Iterator[DomainDigest]:
         """Every domain holding a published group, in order."""
         return iter(self._domains)

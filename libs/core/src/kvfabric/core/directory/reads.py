@@ -318,11 +318,17 @@ class Reads:
         groups, an admin page the domains it crosses. At most `list_scan_groups_max` groups
         are examined (the `below_target` filter may skip them), and the page ends before its
         reply could exceed `reply_bytes_max`; `next_after` is then the last group examined, so
-        the caller resumes there. Cost: O(log n + list_scan_groups_max), never the store's size."""
+        the caller resumes there. Cost: O(log n + list_scan_groups_max), never the store's size.
+        A `below_target` listing walks only the groups short of replicas in their records
+        whenever those cover every group below target (`PublishedTable.short_covers_below_target`):
+        the repair service asks for one every few seconds, and a healthy store then costs it
+        one short page, not a walk through every group."""
         self.ctx.check_epoch(req.epoch)
         if not 0 < req.limit <= m.LIST_LIMIT_MAX:
             raise BadRequest(f"limit must be in 1..{m.LIST_LIMIT_MAX}")
         index = self.published.index
+        if req.below_target and self.published.short_covers_below_target():
+            index = self.published.short
         keys = (
             index.groups(req.domain_digest, req.after) if req.domain_digest else index.all_groups(req.after)
         )

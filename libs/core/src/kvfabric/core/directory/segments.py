@@ -178,6 +178,10 @@ class SegmentTable:
         """(segment id, incarnation) of a placement."""
         return self._placements[placement]
 
+    def any_draining(self) -> bool:
+        """Some segment that is up drains (its replicas are readable but do not count)."""
+        return any(seg.up and seg.draining for seg in self.segments.values())
+
     def live(self, placement: int) -> bool:
         return self.segment_of(placement) is not None
 
