@@ -10,7 +10,10 @@ segment). Per call, p50 / p99 over `--calls` calls (after 20 untimed ones):
 - `load`: a hit's 8 objects, remote (TCP) and co-located (shared memory): the client's own
   per-call work (load table, worker thread hop, one data request, checksums).
 - `save`: put_begin, the 8 writes (each confirmed by the segment to the directory), put_commit.
-- the directory round trips of a save, timed inside the client loop (`put_begin`, `put_commit`).
+- the directory round trips of a save, timed inside the client loop (`put_begin`, `put_commit`);
+- their floor, in the same run (`bench.nats_floor`): a NATS request/reply of the same size to a
+  `nats.micro` echo endpoint in a process of its own, in the client loop and from a calling
+  thread — what is left of a directory call with no directory work behind it.
 
 Run: `.venv/bin/python -m bench.client_floor` (writes bench/results/client_floor.{json,md}).
 """
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
+from bench import nats_floor
 from bench.client import RESULTS, local_cluster, percentile, read_env_file
 from bench.client_worker import TOKENS_PER_CHUNK, bench_spec
 from kvfabric.client import KvClient, settings_from_env
@@ -111,6 +115,7 @@ def measure(state: dict[str, Any], calls: int) -> dict[str, dict[str, float]]:
             out[f"load, {name} (8 × 4 KiB)"] = stats_ms(loads[WARMUP_CALLS:])
         for verb, times in verb_times(remote, ("put_begin", "put_commit"), base + 500_000, calls).items():
             out[f"directory {verb}, in the client loop"] = stats_ms(times)
+        out.update(nats_floor.measure(max(calls, 1000)))
     finally:
         remote.close()
         local.close()
