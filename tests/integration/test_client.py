@@ -204,7 +204,8 @@ def test_a_load_larger_than_the_transfer_limit_waits_for_room_instead_of_failing
     nats_server: NatsServer, cluster: object
 ) -> None:
     tokens = prompt(12 * TOKENS_PER_CHUNK, seed=9)
-    with client(nats_server, transfers_max=2, load_inflight_bytes_max=2 * CHUNK_BYTES) as kv:
+    # Remote: a co-located load of any size is copied on the engine's thread, past the table.
+    with client(nats_server, transfers_max=2, load_inflight_bytes_max=2 * CHUNK_BYTES, use_shm=False) as kv:
         assert kv.save(tokens, objects_for(tokens, 0, 12)).chunks_saved == 12
         hit = kv.lookup(tokens)
         out = dests(12)

@@ -59,6 +59,12 @@ LOCAL_INLINE_BYTES_MAX: Final = 2 << 20
 # hit_floor.md). Larger loads still go to the worker threads, whose reads overlap where there
 # are cores.
 LOAD_NOW_BYTES_MAX: Final = 16 << 20
+# A larger load whose first replicas are all in one co-located segment's mapped arena is copied on
+# the engine's thread too, up to this many bytes: the worker threads' reads do not overlap on
+# this 2-core VM (one thread copying 8 × 4 MiB: 5.7 ms p50 vs 9.3 ms the table's way; 8 × 16 MiB
+# 16.1 vs 21.6 ms; 40 alternating loads each, one process, 2026-12-02, docs/engines.md "Sixth
+# pass"). A remote load past `LOAD_NOW_BYTES_MAX` keeps the table's parallel requests.
+LOAD_NOW_LOCAL_BYTES_MAX: Final = 1 << 30
 
 
 @dataclass(slots=True)
@@ -181,14 +187,15 @@ class LoadMixin(ClientBase):
         """`load` done on the calling thread, with no thread hop, for a hit of chunks
         `first_chunk ..` of at most `LOAD_NOW_BYTES_MAX` bytes in all (and no more than
         `load_inflight_bytes_max`, at most `READS_MAX` objects) whose first replicas lie on one
-        segment. Co-located, a pooled connection that maps the arena copies them
-        (`SegmentPool.fetch_local_now`: no I/O); else one data request for all of them on this
-        thread (`SegmentPool.fetch_many`, what a worker thread would run for them, the next
-        replicas tried within `load_timeout_ms`, through the pool's per-segment connection
-        bound). Returns the verified whole-chunk prefix as `load` does (a chunk that did not
-        verify and the ones after it failed); None when the hit is not such a load (the caller
-        runs `load`). Thread-safe (the sync facade
-        calls it from the engine's thread): it touches no load-table state, so such loads are
+        segment, or of at most `LOAD_NOW_LOCAL_BYTES_MAX` when that segment's mapped arena holds
+        them all (copied here, or else the table's way). Co-located, a pooled connection that
+        maps the arena copies them (`SegmentPool.fetch_local_now`: no I/O); else one data
+        request for all of them on this thread (`SegmentPool.fetch_many`, what a worker thread
+        would run for them, the next replicas tried within `load_timeout_ms`, through the pool's
+        per-segment connection bound). Returns the verified whole-chunk prefix as `load` does (a
+        chunk that did not verify and the ones after it failed); None when the hit is not such a
+        load (the caller runs `load`). Thread-safe (the sync facade calls it from the engine's
+        thread): it touches no load-table state, so such loads are
         neither coalesced with concurrent loads of the same objects nor counted in the table's
         in-flight bounds (they write only into the caller's buffers). Every copy and transfer
         ends before it returns: nothing writes into `dests` afterwards (invariant 3)."""
@@ -199,9 +206,12 @@ class LoadMixin(ClientBase):
             return None  # `load` raises BadRequest for it
         chunks = chunks[: len(dests)]
         locations = [loc for row in chunks for loc in row]
-        small = min(LOAD_NOW_BYTES_MAX, self.settings.load_inflight_bytes_max)
-        if not locations or len(locations) > READS_MAX or sum(loc.size_bytes for loc in locations) > small:
+        total = sum(loc.size_bytes for loc in locations)
+        if not locations or len(locations) > READS_MAX:
             return None  # the table's way: bounded in flight, waits for room, coalesced
+        local_only = total > min(LOAD_NOW_BYTES_MAX, self.settings.load_inflight_bytes_max)
+        if local_only and (not self.settings.use_shm or total > LOAD_NOW_LOCAL_BYTES_MAX):
+            return None
         if len({loc.replicas[0].data_addr if loc.replicas else "" for loc in locations}) != 1:
             return None
         started = time.perf_counter()
@@ -213,6 +223,8 @@ class LoadMixin(ClientBase):
                 for view in scatter_dests(row, [loc.size_bytes for loc in locs], gate)
             ]
             causes = self.pool.fetch_local_now(locations, views) if self.settings.use_shm else None
+            if causes is None and local_only:
+                return None  # not all in a mapped arena (or not all read ok): the table's way
             if causes is None:
                 deadline_s = time.monotonic() + self.settings.load_timeout_ms / 1000
                 causes = self.pool.fetch_many(

@@ -260,8 +260,9 @@ class KvClient:
         dest_ids: Sequence[Sequence[DestId]] | None = None,
     ) -> LoadResult:
         """Blocks until the load ended; afterwards nothing writes into `dests` any more. A small
-        load (at most 16 MiB, one segment: `LOAD_NOW_BYTES_MAX`) is read right here, on the
-        calling thread (`AsyncKvClient.load_now`: no hop to the client's loop, a worker and
+        load (at most 16 MiB, one segment: `LOAD_NOW_BYTES_MAX`), or a co-located one of any
+        size up to `LOAD_NOW_LOCAL_BYTES_MAX` (1 GiB) in one mapped arena, is read right here, on
+        the calling thread (`AsyncKvClient.load_now`: no hop to the client's loop, a worker and
         back)."""
         if self.enabled:  # every write into `dests` ends in the call: no fence to keep (dest_ids)
             done = self.aio.load_now(hit, dests, first_chunk=first_chunk)
