@@ -178,3 +178,35 @@ def test_receipts_are_bounded_by_the_keys_committed_and_must_name_them() -> None
     assert commit(core, keys[:1], [receipt(tickets[1], 8), r]) == ["published"]
     assert core.counters["receipt_refused_total"] == 1
     assert commit(core, keys[1:], []) == ["missing"]  # its replica was never confirmed
+
+
+def test_confirms_bounded() -> None:
+    """A confirm is one core call (not run in steps): at most `CONFIRM_BATCH_MAX` replicas a
+    request bound its stall of the directory's loop (issue 21; 4,096 were taken before). The
+    segments send at most 64."""
+    core, _, tickets = setup(1)
+    t = tickets[0]
+    one = m.ReplicaConfirm(
+        ticket_id=t.ticket_id,
+        key=t.key,
+        slot=7,
+        slot_generation=1,
+        size_bytes=t.size_bytes,
+        checksum=t.checksum,
+    )
+    with pytest.raises(BatchTooLarge):
+        core.handle(
+            m.ConfirmReplicas(
+                segment_id=t.segment_id, incarnation=t.incarnation, confirms=[one] * (m.CONFIRM_BATCH_MAX + 1)
+            ),
+            1,
+        )
+    reply = core.handle(
+        m.ConfirmReplicas(
+            segment_id=t.segment_id, incarnation=t.incarnation, confirms=[one] * m.CONFIRM_BATCH_MAX
+        ),
+        1,
+    ).reply
+    assert isinstance(reply, m.ConfirmReply) and len(reply.results) == m.CONFIRM_BATCH_MAX
+    assert m.CONFIRM_BATCH_MAX < m.PUT_BATCH_OBJECTS_MAX
+    core.check_invariants()

@@ -83,6 +83,9 @@ PUBLISHED_BATCH_BYTES_MAX: Final = 512 * 1024
 LOOKUP_MANY_PARTS_MAX: Final = 1024  # shards per LookupMany (its groups together <= LOOKUP_BATCH_GROUPS_MAX)
 RELEASE_BATCH_LEASES_MAX: Final = 64  # leases per batched LeaseRelease (each ends O(its groups))
 RELEASE_MANY_LEASES_MAX: Final = 1024  # leases per LeaseReleaseMany, all parts together
+# Confirms per ConfirmReplicas: a segment's confirm batcher sends at most 64; a request is one
+# core call (never in steps), so its stall of the directory's loop is bounded by this (issue 21).
+CONFIRM_BATCH_MAX: Final = 256
 REPLICA_BATCH_MAX: Final = (
     64  # items per ReplicateBeginMany / ReplicaCorruptMany (a demote request's objects)
 )
@@ -267,7 +270,8 @@ class ReplicaConfirm(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ConfirmReplicas(_Msg, frozen=True, kw_only=True, tag="dir.confirm.v1"):
-    """Sent by a segment after it stored and checksummed the bytes of each ticket."""
+    """Sent by a segment after it stored and checksummed the bytes of each ticket (at most
+    `CONFIRM_BATCH_MAX`)."""
 
     segment_id: str
     incarnation: int

@@ -37,7 +37,7 @@ from kvfabric.proto import directory as m
 
 __all__ = ["CONFIRM_BATCH_MAX", "CONFIRM_LATER_LINGER_S", "ConfirmBatcher"]
 
-CONFIRM_BATCH_MAX: Final = 64
+CONFIRM_BATCH_MAX: Final = 64  # within the directory's bound, m.CONFIRM_BATCH_MAX
 # How long a save's first confirm waits for the rest of its writes (they arrive within a
 # fraction of a millisecond when they were sent together; a straggler rides the next request).
 CONFIRM_GATHER_S: Final = 0.002

@@ -22,7 +22,7 @@ class WriteConfirm(WriteState):
 
     def confirm(self, req: m.ConfirmReplicas, now_ms: int) -> Outcome:
         self.ctx.check_epoch(req.epoch)
-        check_batch("confirms", len(req.confirms), m.PUT_BATCH_OBJECTS_MAX)
+        check_batch("confirms", len(req.confirms), m.CONFIRM_BATCH_MAX)
         self.segments.live_segment(req.segment_id, req.incarnation)
         results = [
             m.ConfirmResult(ticket_id=c.ticket_id, status=self._confirm_one(req, c)) for c in req.confirms
