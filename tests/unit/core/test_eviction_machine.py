@@ -142,6 +142,17 @@ class EvictionMachine(RuleBasedStateMachine):
         if self.resident:
             self.core.access(sorted(self.resident)[pick % len(self.resident)], self.now)
 
+    @rule(pick=st.integers(0, 1000), pool=st.sampled_from(POOLS), nbytes=st.integers(1, 3))
+    def copied_to_a_pool(self, pick: int, pool: str, nbytes: int) -> None:
+        """A copy of a resident object's bytes lands in a pool, its other replicas kept (the
+        disk copy of a demoted tail's head: `add_pool`), being evicted or not."""
+        if self.resident:
+            object_id = sorted(self.resident)[pick % len(self.resident)]
+            assert self.core.add_pool(object_id, pool, nbytes)
+            pools = self.resident[object_id][1]
+            pools[pool] = pools.get(pool, 0) + nbytes
+        assert not self.core.add_pool(self.next_id, pool, nbytes)  # not resident: nothing counted
+
     @rule(pick=st.integers(0, 1000))
     def toggle_lease(self, pick: int) -> None:
         if self.resident:

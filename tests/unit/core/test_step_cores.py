@@ -202,7 +202,7 @@ def test_prefetch_step_is_the_method_of_the_same_meaning(data: st.DataObject) ->
 
 def eviction_event(data: st.DataObject, out: list[object], core: object) -> ev.EvictionEvent:
     kind = data.draw(st.sampled_from(["insert", "insert", "insert", "access", "removed", "refused", "seen",
-                                      "tick", "tick", "capacity", "drop"]))  # fmt: skip
+                                      "tick", "tick", "capacity", "drop", "add_pool"]))  # fmt: skip
     obj = data.draw(st.integers(0, 9))
     pool = data.draw(st.sampled_from(evm.POOLS))
     if kind == "insert":
@@ -230,6 +230,8 @@ def eviction_event(data: st.DataObject, out: list[object], core: object) -> ev.E
         return ev.SetCapacity(pool, data.draw(st.sampled_from([0, 8, evm.CAPACITY, 40])))
     if kind == "drop":
         return ev.DropPool(pool)
+    if kind == "add_pool":
+        return ev.AddPool(obj, pool, data.draw(st.integers(1, 6)))
     return Tick()
 
 
@@ -250,6 +252,8 @@ def eviction_by_method(core: EvictionCore, event: ev.EvictionEvent, now_ms: int)
         core.access(event.object_id, now_ms)
     elif isinstance(event, ev.Removed):
         core.removed(event.object_id)
+    elif isinstance(event, ev.AddPool):
+        core.add_pool(event.object_id, event.pool, event.nbytes)
     else:
         assert isinstance(event, ev.EvictRefused)
         core.refused(event.object_id, now_ms)

@@ -156,6 +156,10 @@ class DemoteObject(msgspec.Struct, frozen=True, array_like=True):
     key: ObjectKey
     slot: int  # its arena replica on this segment (from the directory's `show_group`)
     slot_generation: int
+    # Copy only: the arena replica stays (no `replica_corrupt`), the result is `copied`. The
+    # policy copies a demoted tail's DRAM-only ancestors so that the disk holds whole prefixes
+    # (a power cycle loses the arena: a tail without its head on disk is never found again).
+    keep_arena: bool = False
 
 
 class DemoteRequest(msgspec.Struct, frozen=True, kw_only=True, tag="seg.demote.v1", tag_field="t"):
@@ -165,17 +169,18 @@ class DemoteRequest(msgspec.Struct, frozen=True, kw_only=True, tag="seg.demote.v
     directory for a disk replica (`replicate_begin`, tier `ssd`), copies its arena bytes to disk
     (verified first; data, sync, commit record, sync), confirms the disk replica like any write,
     then asks the directory to drop the arena replica (`replica_corrupt`, reason `demoted`:
-    refused while a lease or pin holds the group), which frees it. At most `DEMOTE_BATCH_MAX`
-    objects; one request at a time per segment (another is `busy`)."""
+    refused while a lease or pin holds the group), which frees it; an object with `keep_arena`
+    keeps its arena replica (a copy: `copied`). At most `DEMOTE_BATCH_MAX` objects; one request
+    at a time per segment (another is `busy`)."""
 
     objects: list[DemoteObject]
 
 
 # demoted: on disk, the arena replica dropped; copied: on disk, the arena replica kept (a lease
-# or pin holds the group: a later demote drops it); no_capacity: the disk tier is full, nothing
-# written (and the rest of the request is not tried); not_found: not published, or that arena
-# replica is not this segment's (any more); failed: another error (the object keeps its arena
-# replica).
+# or pin holds the group: a later demote drops it; or `keep_arena` asked it); no_capacity: the
+# disk tier is full, nothing written (and the rest of the request is not tried); not_found: not
+# published, or that arena replica is not this segment's (any more); failed: another error (the
+# object keeps its arena replica).
 DemoteStatus = Literal["demoted", "copied", "no_capacity", "not_found", "failed"]
 
 

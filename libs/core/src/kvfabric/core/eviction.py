@@ -9,7 +9,8 @@ simulator uses 1 per block).
 ## Model
 An *object* is one chunk group: (id, tenant, pools, parent id or None, chunk index), where
 `pools` maps each pool (segment) holding a replica or member of it to the bytes it holds there;
-its *size* is the sum (what it costs its tenant). Evicting an object frees it in every pool. Its
+its *size* is the sum (what it costs its tenant); a copy of its bytes in another pool adds to
+them (`add_pool`: a disk copy beside its arena replica). Evicting an object frees it in every pool. Its
 parent is the previous chunk of the same prefix: a chunk is useless without its parent, so the
 policy only ever picks **leaves** (objects no resident object names as parent). Eviction walks a
 prefix from its tail to its head, and a head never goes while its tail stays.
@@ -334,6 +335,29 @@ class EvictionCore(LeafRanking):
                 _bump(self._early_children, obj.parent, -1)
                 if obj.evicting:
                     _bump(self._early_children_evicting, obj.parent, -1)
+
+    def add_pool(self, object_id: ObjectId, pool: Hashable, nbytes: int) -> bool:
+        """`nbytes` more of the object in `pool`: a copy of its bytes in another tier (the disk
+        copy of a demoted tail's head, whose arena replica stays), counted in that pool and in its
+        tenant's bytes like a replica. Its rank, history, parent and children are unchanged (not
+        an access, not a new object). False when it is not resident."""
+        invariant(nbytes > 0, "object bytes must be positive")
+        obj = self._objects.get(object_id)
+        if obj is None:
+            return False
+        obj.pools[pool] = obj.pools.get(pool, 0) + nbytes
+        obj.size += nbytes
+        usage = self._pools.setdefault(pool, PoolUsage())
+        usage.used += nbytes
+        self._tenants[obj.tenant] += nbytes
+        if obj.evicting:  # chosen in a batch still being performed: its bytes go with it
+            usage.evicting += nbytes
+            self._tenant_evicting[obj.tenant] += nbytes
+        else:
+            if self._order is not None:
+                self._order.resized(object_id, obj.size)
+            self._push(object_id, obj)  # a size-aware rank (gdsf) changes
+        return True
 
     def refused(self, object_id: ObjectId, now_ms: int) -> None:
         """The directory would not evict it (leased or pinned): resident again, cooled down."""

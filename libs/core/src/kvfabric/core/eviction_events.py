@@ -4,6 +4,7 @@ entry point of `kvfabric.core.eviction`, each the method of the same meaning.
     SetCapacity -> set_capacity    Seen -> seen    Removed -> removed
     Insert -> insert(now_ms): [Admitted | Refused]    Access -> access(now_ms)
     EvictRefused -> refused(now_ms)    DropPool -> drop_pool: [Reply([removed ids])]
+    AddPool -> add_pool
     Tick -> tick(now_ms): [EvictBatch, ...]
 """
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Access",
+    "AddPool",
     "DropPool",
     "EvictRefused",
     "EvictionEvent",
@@ -91,7 +93,18 @@ class DropPool:
     pool: Hashable
 
 
-EvictionEvent: TypeAlias = SetCapacity | Seen | Insert | Access | Removed | EvictRefused | DropPool | Tick
+@dataclass(frozen=True, slots=True)
+class AddPool:
+    """A copy of an object's bytes in another pool, its other replicas kept (`add_pool`)."""
+
+    object_id: ObjectId
+    pool: Hashable
+    nbytes: int
+
+
+EvictionEvent: TypeAlias = (
+    SetCapacity | Seen | Insert | Access | Removed | EvictRefused | DropPool | AddPool | Tick
+)
 EvictionOutput: TypeAlias = "Effect | Reply[list[ObjectId]]"
 
 
@@ -123,6 +136,8 @@ def dispatch(core: EvictionCore, event: EvictionEvent, now_ms: int) -> list[Evic
         core.access(event.object_id, now_ms)
     elif isinstance(event, Removed):
         core.removed(event.object_id)
+    elif isinstance(event, AddPool):
+        core.add_pool(event.object_id, event.pool, event.nbytes)
     else:
         core.refused(event.object_id, now_ms)
     return []

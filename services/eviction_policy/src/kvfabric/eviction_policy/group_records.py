@@ -15,7 +15,8 @@ I/O, no awaits; each call atomic on the event loop), and what the directory's ev
   order across tiers is kept here); per pool its capacity (`_capacity`) and the disk pools seen
   (`_disk_pools`).
 - what a victim batch needs from them: a demoted group moved to its segment's disk pool
-  (`_moved`) and the resident disk tails dropped before their head (`_with_disk_tails`).
+  (`_moved`), a demoted tail's ancestor copied to disk counted there too (`_copied`), and the
+  resident disk tails dropped before their head (`_with_disk_tails`).
 
 `GroupRecords` is a mixin of `EvictionShell` (`kvfabric.eviction_policy.shell`), which
 creates these attributes and owns the tasks that call in (the follower, the ticker's batches,
@@ -144,7 +145,10 @@ class GroupRecords:
             return
         tenant, chunk_index, _ = held
         self.core.removed(key)
-        self.core.insert(key, tenant=tenant, pools=pools, parent=None, chunk_index=chunk_index, now_ms=at_ms)
+        parent = self._core_parent(key, pools)
+        self.core.insert(
+            key, tenant=tenant, pools=pools, parent=parent, chunk_index=chunk_index, now_ms=at_ms
+        )
         if key in self.core:
             self._held[key] = (tenant, chunk_index, pools)
             self._disk_pools.update(p for p in pools if is_ssd_pool(p))
@@ -193,6 +197,17 @@ class GroupRecords:
             out.append(chain)
         return out
 
+    def _copied(self, chain: bytes, segment_id: str, nbytes: int) -> None:
+        """The group's bytes on `segment_id` have a disk copy too (its arena replica kept: the
+        ancestor of a demoted tail): `nbytes` more in the disk pool, the same group (`add_pool`:
+        its rank, parent and children unchanged). Known already: nothing changes."""
+        held = self._held.get(chain)
+        pool = ssd_pool(segment_id)
+        if held is None or pool in held[2] or not nbytes or not self.core.add_pool(chain, pool, nbytes):
+            return
+        held[2][pool] = nbytes
+        self._disk_pools.add(pool)
+
     def _moved(self, chain: bytes, segment_id: str, at_ms: int) -> None:
         """The group's bytes on `segment_id` are in its disk tier now: the same group, another pool."""
         held = self._held.get(chain)
@@ -200,10 +215,18 @@ class GroupRecords:
             return
         tenant, chunk_index, pools = held
         moved = pools.pop(segment_id, 0)
-        if moved:
-            pools[ssd_pool(segment_id)] = pools.get(ssd_pool(segment_id), 0) + moved
+        if moved:  # a disk copy it had already (`_copied`) is the same replica, not more bytes
+            pools[ssd_pool(segment_id)] = max(pools.get(ssd_pool(segment_id), 0), moved)
             self._disk_pools.add(ssd_pool(segment_id))
         self.core.removed(chain)
+        parent = self._core_parent(chain, pools)
         self.core.insert(
-            chain, tenant=tenant, pools=pools, parent=None, chunk_index=chunk_index, now_ms=at_ms
+            chain, tenant=tenant, pools=pools, parent=parent, chunk_index=chunk_index, now_ms=at_ms
         )
+
+    def _core_parent(self, key: bytes, pools: dict[str, int]) -> bytes | None:
+        """The parent a group re-inserted with `pools` has in the core: its own while it keeps
+        an arena replica (a head in DRAM is no leaf while its tail is in DRAM too); none when it
+        is on disk only (the core's leaves are per object, not per pool: a disk tail naming its
+        head would keep the head in the arena; `_with_disk_tails` keeps that order instead)."""
+        return self._parent.get(key) if any(not is_ssd_pool(p) for p in pools) else None

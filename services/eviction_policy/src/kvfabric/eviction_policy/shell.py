@@ -39,7 +39,10 @@ event loop):
   (of its objects, or of the whole request) cools the group down like a refused eviction; a
   full disk (`no_capacity`) stops demotion for that batch (counted, logged `demotion_stopped`)
   and the groups it refused and those not yet sent are dropped instead, so the arena still
-  gets its room; a segment without a disk tier is remembered and its victims dropped.
+  gets its room; a segment without a disk tier is remembered and its victims dropped. Before
+  the victims go, their ancestors on no disk are copied there (`_heads_on_disk`: `keep_arena`,
+  the arena replica stays), so the disk tier holds whole prefixes and a power cycle, which loses
+  the arena, leaves every disk object findable (docs/ssd-tier.md, "Whole prefixes on disk").
 
 - **admission** (issue 25 item 4; `KVF_EVICTION_ADMISSION=predicted`, policy `density`): once
   caught up, every `admission_publish_ms` the core's admission filter (`build_filter`: per pool
@@ -66,7 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Final, Protocol
 
 import msgspec
@@ -84,6 +87,8 @@ from kvfabric.core.eviction_events import EvictionEvent, EvictionOutput, Tick
 from kvfabric.eviction_policy.group_records import GroupRecords, group_id_of
 from kvfabric.eviction_policy.tiers import (
     DEMOTE_REQUEST_OBJECTS_MAX,
+    DemoteOutcome,
+    copy_outcome,
     demote_or_drop,
     demote_request_fits,
     group_outcome,
@@ -93,7 +98,7 @@ from kvfabric.eviction_policy.tiers import (
 )
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, Conflict, KvfError, Unavailable
-from kvfabric.format.ids import DomainDigest, GroupId
+from kvfabric.format.ids import DomainDigest, GroupId, ObjectKey
 from kvfabric.format.key import ChunkGroupId, KVKey
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
@@ -389,7 +394,11 @@ class EvictionShell(GroupRecords):
         objects_n = bytes_n = 0  # what `pending` names
         with contextlib.suppress(KvfError):  # else each lookup fails alone: its group cools down
             await self._dir().known_shards()  # the lookups' shards (`shard_of` needs the map)
+        if not await self._heads_on_disk(segment_id, chains, handled):
+            return handled  # the disk is full: the rest is dropped
         for chain in chains:
+            if chain in handled:
+                continue  # an ancestor could not be copied: cooled down
             if not self.core.is_evicting(chain):
                 handled.add(chain)  # an event overtook us (removed, segment down)
                 continue
@@ -415,15 +424,14 @@ class EvictionShell(GroupRecords):
             self._log.info("demoted", segment_id=segment_id, groups=len(handled), **self.demotions)
         return handled
 
-    async def _demote_objects(self, segment_id: str, chain: bytes) -> tuple[list[DemoteObject], int]:
-        """A victim group's arena replicas on `segment_id` (`show_group`), and their bytes."""
+    async def _show(self, chain: bytes) -> list[tuple[ObjectKey, m.ObjectLocation]]:
+        """A group's objects (object key, where its replicas are), from `show_group`."""
         gid = self._group_ids[chain]
         router = self._dir()
         listing = await router.ask(
             router.shard_of(gid), "show_group", m.ShowGroup(group=gid), self.request_timeout_s
         )
-        objects: list[DemoteObject] = []
-        nbytes = 0
+        out: list[tuple[ObjectKey, m.ObjectLocation]] = []
         if isinstance(listing, m.GroupList):
             group = ChunkGroupId.from_bytes(gid)
             for summary in listing.groups:
@@ -434,11 +442,141 @@ class EvictionShell(GroupRecords):
                         pp_stage=obj.member.pp_stage,
                         layer_group=obj.member.layer_group,
                     ).object_key()
-                    for r in obj.replicas:
-                        if r.segment_id == segment_id and tier_of_slot(r.slot) == "dram":
-                            objects.append(DemoteObject(key, r.slot, r.slot_generation))
-                            nbytes += obj.size_bytes
+                    out.append((key, obj))
+        return out
+
+    async def _demote_objects(self, segment_id: str, chain: bytes) -> tuple[list[DemoteObject], int]:
+        """A victim group's arena replicas on `segment_id` (`show_group`), and their bytes."""
+        objects: list[DemoteObject] = []
+        nbytes = 0
+        for key, obj in await self._show(chain):
+            for r in obj.replicas:
+                if r.segment_id == segment_id and tier_of_slot(r.slot) == "dram":
+                    objects.append(DemoteObject(key, r.slot, r.slot_generation))
+                    nbytes += obj.size_bytes
         return objects, nbytes
+
+    # ---- whole prefixes on disk ------------------------------------------------------------------
+
+    def _ancestors_off_disk(self, chains: list[bytes]) -> dict[bytes, list[bytes]]:
+        """The victims' ancestors that the records do not know on a disk, other than victims
+        (of this batch, demoted with it or dropped with their disk tails, or of another of this
+        tick): each with the victims below it, nearest ancestor first per victim."""
+        needed: dict[bytes, list[bytes]] = {}
+        for chain in chains:
+            if not self.core.is_evicting(chain):
+                continue
+            ancestor = self._parent.get(chain)
+            seen: set[bytes] = set()
+            while ancestor is not None and ancestor in self._held and ancestor not in seen:
+                seen.add(ancestor)
+                on_disk = any(is_ssd_pool(p) for p in self._held[ancestor][2])
+                if not on_disk and not self.core.is_evicting(ancestor):
+                    needed.setdefault(ancestor, []).append(chain)
+                ancestor = self._parent.get(ancestor)
+        return needed
+
+    async def _heads_on_disk(self, segment_id: str, chains: list[bytes], handled: set[bytes]) -> bool:
+        """Before the victims of `segment_id`'s arena go to its disk: their ancestors not on any
+        disk (a tail demoted before its head; a shared hot head never leaves DRAM) are copied
+        there with `keep_arena` (the arena replica stays), each on a segment holding its arena
+        replica, so the disk tier holds whole prefixes and a power cycle (the arena lost) leaves
+        every disk object findable. A victim whose ancestor's copy failed is cooled down (into
+        `handled`); one whose ancestor's segment has no disk tier (or a full one) is demoted as
+        before, counted `head_not_copied`. False: this segment's disk is full (demotion stops)."""
+        needed = self._ancestors_off_disk(chains)
+        if not needed:
+            return True
+        copies: dict[str, list[tuple[bytes, list[DemoteObject]]]] = {}  # segment -> (ancestor, objects)
+        sizes: dict[bytes, int] = {}  # ancestor -> its bytes copied
+        outcome: dict[bytes, str] = {}  # ancestor -> its copy's outcome
+        for ancestor in needed:
+            try:
+                listing = await self._show(ancestor)
+            except KvfError as exc:
+                outcome[ancestor] = f"error_{exc.code}"
+                continue
+            if self._learn_disk_copies(ancestor, listing):
+                outcome[ancestor] = "on_disk"  # a copy the records missed (a replayed stream)
+                continue
+            where = self._copy_sources(segment_id, listing)
+            if where is None:
+                outcome[ancestor] = "failed"
+                continue
+            seg, objects = where
+            if seg in self._no_disk:
+                outcome[ancestor] = "no_disk"
+                continue
+            copies.setdefault(seg, []).append((ancestor, objects))
+            sizes[ancestor] = sum(obj.size_bytes for _, obj in listing)
+        for seg, groups in copies.items():
+            try:
+                results = await self._demote_request(seg, [objects for _, objects in groups], copy_outcome)
+            except Conflict:  # "this segment has no disk tier"
+                self._no_disk.add(seg)
+                results = ["no_disk"] * len(groups)
+            except KvfError as exc:
+                results = [f"error_{exc.code}"] * len(groups)
+            for (ancestor, _), result in zip(groups, results, strict=True):
+                outcome[ancestor] = result
+                if result == "copied":
+                    self._copied(ancestor, seg, sizes[ancestor])
+        for ancestor, below in needed.items():
+            result = outcome[ancestor]
+            self.demotions[f"head_{result}"] = self.demotions.get(f"head_{result}", 0) + 1
+            if result in ("copied", "on_disk"):
+                continue
+            if result in ("no_disk", "no_capacity"):  # that disk cannot hold it: demoted as before
+                self.demotions["head_not_copied"] = self.demotions.get("head_not_copied", 0) + len(below)
+                continue
+            for chain in below:  # failed: tried again later, with its ancestor
+                if chain not in handled and self.core.is_evicting(chain):
+                    self._demote_outcome(chain, "waits_for_head", handled)
+        if any(outcome[ancestor] == "no_capacity" for ancestor, _ in copies.get(segment_id, [])):
+            self._log.warning("demotion_stopped", segment_id=segment_id, reason="disk tier full")
+            return False
+        return True
+
+    def _learn_disk_copies(self, chain: bytes, listing: list[tuple[ObjectKey, m.ObjectLocation]]) -> bool:
+        """Whether the group has a disk replica of every object; the disk bytes the records
+        lack are added (a copy made before this policy replayed the stream)."""
+        disk: dict[str, int] = {}
+        for _, obj in listing:
+            segments = {r.segment_id for r in obj.replicas if tier_of_slot(r.slot) == "ssd"}
+            if not segments:
+                return False
+            for seg in segments:
+                disk[seg] = disk.get(seg, 0) + obj.size_bytes
+        if not listing:
+            return False
+        for seg, nbytes in disk.items():
+            self._copied(chain, seg, nbytes)
+        return True
+
+    @staticmethod
+    def _copy_sources(
+        segment_id: str, listing: list[tuple[ObjectKey, m.ObjectLocation]]
+    ) -> tuple[str, list[DemoteObject]] | None:
+        """Where a group's objects are copied to disk from: one segment holding an arena
+        replica of each (`segment_id` first), with those replicas (`keep_arena`). None: no
+        segment holds them all."""
+        holders: list[str] = []
+        for _, obj in listing:
+            for r in obj.replicas:
+                if tier_of_slot(r.slot) == "dram" and r.segment_id not in holders:
+                    holders.append(r.segment_id)
+        holders.sort(key=lambda seg: seg != segment_id)
+        for seg in holders:
+            objects: list[DemoteObject] = []
+            for key, obj in listing:
+                arena = [r for r in obj.replicas if r.segment_id == seg and tier_of_slot(r.slot) == "dram"]
+                if not arena:
+                    break
+                objects.append(DemoteObject(key, arena[0].slot, arena[0].slot_generation, keep_arena=True))
+            else:
+                if objects:
+                    return seg, objects
+        return None
 
     async def _send_demotes(
         self, segment_id: str, pending: list[tuple[bytes, list[DemoteObject]]], handled: set[bytes]
@@ -473,7 +611,12 @@ class EvictionShell(GroupRecords):
         if outcome != "demoted" and self.core.is_evicting(chain):
             self.core.refused(chain, self._driver.now_ms())  # leased (copied) or failed: later again
 
-    async def _demote_request(self, segment_id: str, groups: list[list[DemoteObject]]) -> list[str]:
+    async def _demote_request(
+        self,
+        segment_id: str,
+        groups: list[list[DemoteObject]],
+        outcome_of: Callable[[Collection[str]], DemoteOutcome] = group_outcome,
+    ) -> list[str]:
         """The groups' objects to `demote.<segment_id>` in one request (in parts of
         `DEMOTE_REQUEST_OBJECTS_MAX` only for one group alone larger than that): each group's
         outcome. The disk pool's capacity from the reply."""
@@ -506,7 +649,7 @@ class EvictionShell(GroupRecords):
         outcomes: list[str] = []
         at = 0
         for objects in groups:
-            outcomes.append(group_outcome(statuses[at : at + len(objects)]))
+            outcomes.append(outcome_of(statuses[at : at + len(objects)]))
             at += len(objects)
         return outcomes
 

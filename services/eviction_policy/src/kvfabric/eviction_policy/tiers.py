@@ -20,6 +20,7 @@ __all__ = [
     "SSD_POOL_SUFFIX",
     "Choice",
     "DemoteOutcome",
+    "copy_outcome",
     "demote_or_drop",
     "demote_request_fits",
     "group_outcome",
@@ -99,3 +100,12 @@ def group_outcome(statuses: Collection[str]) -> DemoteOutcome:
     if "failed" in statuses:
         return "failed"
     return "copied" if "copied" in statuses else "demoted"
+
+
+def copy_outcome(statuses: Collection[str]) -> DemoteOutcome:
+    """A group copied with `keep_arena` (a demoted tail's ancestor), from its objects' results:
+    "copied" only when every object is on disk now (a copy moves no replica, so an object not
+    found was not copied), a full disk first, anything else "failed"."""
+    if "no_capacity" in statuses:
+        return "no_capacity"
+    return "copied" if statuses and all(s == "copied" for s in statuses) else "failed"

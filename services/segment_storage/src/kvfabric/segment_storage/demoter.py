@@ -21,7 +21,10 @@ objects, each step an existing mechanism, the directory's steps batched per shar
 4. One `replica_corrupt_many` (reason "demoted") per shard for the arena replicas of the objects
    now on disk: the directory drops and frees each (`free.<segment_id>`), unless a lease or pin
    holds its group (`copied`: both replicas stay, a later demotion drops it) or it is the last
-   replica. Tickets of objects not written (full tier, a failed write, a wrong source) go in one
+   replica. An object asked with `keep_arena` skips this step: it is `copied` once confirmed
+   (or at once when a disk replica is there already) — the policy copies a demoted tail's
+   DRAM-only ancestors that way, so the disk holds whole prefixes (docs/ssd-tier.md). Tickets
+   of objects not written (full tier, a failed write, a wrong source) go in one
    `put_abort` per shard, not at their deadline.
 
 One request at a time (another is `busy`). Per object two directory requests of its own
@@ -172,6 +175,8 @@ class Demoter:
                 to_abort.append(i)
             if isinstance(checked, DemoteResult):
                 results[i] = checked
+            elif checked is None and objects[i].keep_arena:
+                results[i] = DemoteResult("copied")  # on disk already, and its arena replica stays
             elif checked is None:
                 to_drop.append(i)  # on disk already (an earlier demotion copied it)
             else:
@@ -193,6 +198,9 @@ class Demoter:
         for i, ok in zip(written, confirmed, strict=True):
             if isinstance(ok, BaseException):  # its arena replica stays (both replicas, as `copied`)
                 errors.append(ok)
+            elif ok and objects[i].keep_arena:  # a copy asked for: both replicas stay
+                self.backend.count("demote_kept_total")
+                results[i] = DemoteResult("copied", *disks[i])
             elif ok:
                 to_drop.append(i)
             else:

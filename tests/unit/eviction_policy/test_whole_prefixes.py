@@ -1,0 +1,206 @@
+"""Whole prefixes on disk (issue 23, a power cycle): before the policy demotes a tail, the
+ancestors of it that are on no disk are copied to disk with `keep_arena` (their arena replicas
+stay), so the disk tier never holds a tail without its head and a power cycle, which loses the
+arena, leaves every disk object findable. The shared hot head case: a head (system prompt) that
+stays in DRAM while its tails are demoted. No NATS: a directory and a segment with state."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import msgspec
+import pytest
+
+from kvfabric.cluster.directory_router import DirectoryRouter
+from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
+from kvfabric.eviction_policy import shell
+from kvfabric.eviction_policy.shell import EvictionShell
+from kvfabric.format.key import ChunkGroupId
+from kvfabric.proto import directory as m
+from kvfabric.proto.segment import SSD_SLOT_BASE, DemoteReply, DemoteRequest, DemoteResult, DemoteStatus
+from tests.unit.eviction_policy.test_demote_batch import NAMESPACE
+from tests.unit.eviction_policy.test_shell import A, chain, published
+
+SIZE = 10  # bytes of each group (one object) in the core and in the directory
+
+
+@dataclass
+class Cluster:
+    """One shard, one segment s1 with a disk tier: per group id its replicas' tiers."""
+
+    tiers: dict[bytes, set[str]] = field(default_factory=dict)
+    parent: dict[bytes, bytes] = field(default_factory=dict)
+    requests: list[DemoteRequest] = field(default_factory=list)
+    evicted: list[bytes] = field(default_factory=list)
+    answer: dict[bytes, DemoteStatus] = field(default_factory=dict)  # group id -> forced status
+
+    def on_disk_without_its_head(self) -> list[bytes]:
+        """Groups with a disk replica whose parent has none: unfindable after a power cycle."""
+        return [g for g, t in self.tiers.items() if "ssd" in t and g in self.parent
+                and "ssd" not in self.tiers.get(self.parent[g], set())]  # fmt: skip
+
+
+class FakeDirectory(DirectoryRouter):
+    def __init__(self, cluster: Cluster) -> None:
+        super().__init__(cast(Any, None))
+        self.shards = 1
+        self.cluster = cluster
+
+    async def refresh(self) -> None:
+        raise AssertionError("the map is known")
+
+    async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **_: Any) -> Any:
+        if verb == "evict":
+            assert isinstance(message, m.Evict)
+            self.cluster.evicted += message.groups
+            for g in message.groups:
+                self.cluster.tiers.pop(g, None)
+            return m.EvictReply(
+                epoch=1, results=[m.EvictResult(group=g, status="evicting") for g in message.groups]
+            )
+        assert verb == "show_group" and isinstance(message, m.ShowGroup)
+        group = ChunkGroupId.from_bytes(message.group)
+        tiers = self.cluster.tiers[message.group]
+        replicas = [
+            m.Replica(segment_id="s1", incarnation=1, slot=(SSD_SLOT_BASE if t == "ssd" else 0) + 1,
+                      slot_generation=1)
+            for t in sorted(tiers)
+        ]  # fmt: skip
+        obj = m.ObjectLocation(
+            chunk_index=group.chunk_index, member=m.Member(0, 0, 0), size_bytes=SIZE, checksum=b"",
+            replicas=replicas,
+        )  # fmt: skip
+        summary = m.GroupSummary(
+            group=group.chain_hash, namespace=NAMESPACE, chunk_index=group.chunk_index, state="published",
+            members=1, expected_members=1, objects=[obj],
+        )  # fmt: skip
+        return m.GroupList(epoch=1, groups=[summary])
+
+
+def segment(cluster: Cluster) -> Any:
+    """`demote.s1`: a keep_arena object gains a disk replica (copied), another moves there."""
+
+    async def demote(nc: Any, subject: str, message: Any, decoder: Any, timeout_s: float) -> Any:
+        assert subject.endswith("demote.s1") and isinstance(message, DemoteRequest)
+        cluster.requests.append(message)
+        results = []
+        for o in message.objects:
+            gid = bytes(o.key[:90])
+            status = cluster.answer.get(gid)
+            if status is None:
+                tiers = cluster.tiers[gid]
+                assert "dram" in tiers, "only an arena replica is demoted or copied"
+                tiers.add("ssd")
+                if not o.keep_arena:
+                    tiers.discard("dram")
+                status = "copied" if o.keep_arena else "demoted"
+            results.append(DemoteResult(status))
+        return DemoteReply(results=results, ssd_capacity_bytes=1 << 40, ssd_used_bytes=0)
+
+    return demote
+
+
+def setup(monkeypatch: pytest.MonkeyPatch, tails: int = 5) -> tuple[EvictionShell, Cluster]:
+    """A head (chain 1) with `tails` tails (chains 2..) under it, all in s1's arena."""
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.25))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=100), 0)
+    cluster = Cluster()
+    sh.apply(published(1, NAMESPACE, s1=SIZE), 1)
+    for i in range(2, tails + 2):
+        sh.apply(published(i, NAMESPACE, parent=1, s1=SIZE), i)
+    for i in range(1, tails + 2):
+        cluster.tiers[sh._group_ids[A + chain(i)]] = {"dram"}
+        if i > 1:
+            cluster.parent[sh._group_ids[A + chain(i)]] = sh._group_ids[A + chain(1)]
+    sh._router = FakeDirectory(cluster)
+    sh._nc = cast(Any, object())
+    monkeypatch.setattr(shell, "nats_request", segment(cluster))
+    return sh, cluster
+
+
+def watermark_batch(sh: EvictionShell, at: int) -> EvictBatch:
+    (batch,) = sh.core.tick(at)
+    assert isinstance(batch, EvictBatch) and batch.pool == "s1" and batch.reason == "watermark"
+    return batch
+
+
+def test_a_head_that_stays_in_dram_is_copied_to_disk_before_its_tails_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sh, cluster = setup(monkeypatch)
+    head = A + chain(1)
+    batch = watermark_batch(sh, 10)  # 60 of 100 > 50 %: down to 25 %, four tails, not the head
+    assert head not in batch.victims and len(batch.victims) == 4
+    asyncio.run(sh._evict(batch))
+    copy, move = cluster.requests
+    assert [(bytes(o.key[:90]), o.keep_arena) for o in copy.objects] == [(sh._group_ids[head], True)]
+    assert len(move.objects) == 4 and not any(o.keep_arena for o in move.objects)
+    assert cluster.on_disk_without_its_head() == []  # every disk object findable after a cycle
+    assert cluster.tiers[sh._group_ids[head]] == {"dram", "ssd"}
+    # exact accounting: the head counts in both pools, like a replica; its tenant pays both
+    assert sh.core.used_bytes("s1") == 2 * SIZE and sh.core.used_bytes("s1#ssd") == 5 * SIZE
+    assert sh.core.tenant_bytes(A) == 7 * SIZE
+    assert sh.demotions == {"head_copied": 1, "demoted": 4}
+    sh.core.check_invariants()
+    # the head keeps its place: no leaf while its last tail is in DRAM, so no disk-pool victim
+    sh.core.set_capacity("s1#ssd", 40)
+    now = sh._driver.now_ms()  # the shell's clock: the core's time never goes back
+    (disk_batch,) = sh.core.tick(now)
+    assert isinstance(disk_batch, EvictBatch) and disk_batch.pool == "s1#ssd"
+    assert head not in disk_batch.victims
+    for v in disk_batch.victims:
+        sh.core.refused(v, now)
+    # later the last tail and the head are demoted: the head's disk copy is already there
+    sh.core.set_capacity("s1#ssd", 1 << 40)
+    sh.core.set_capacity("s1", 30)
+    batch = watermark_batch(sh, sh._driver.now_ms())
+    assert batch.victims == (A + chain(6), head)
+    asyncio.run(sh._evict(batch))
+    assert len(cluster.requests) == 3 and not any(o.keep_arena for o in cluster.requests[2].objects)
+    assert sh.core.used_bytes("s1") == 0 and sh.core.used_bytes("s1#ssd") == 6 * SIZE  # not 7
+    assert cluster.on_disk_without_its_head() == []
+    sh.core.check_invariants()
+
+
+def test_a_head_whose_copy_failed_keeps_its_tails_in_dram(monkeypatch: pytest.MonkeyPatch) -> None:
+    sh, cluster = setup(monkeypatch)
+    cluster.answer[sh._group_ids[A + chain(1)]] = "failed"
+    batch = watermark_batch(sh, 10)
+    asyncio.run(sh._evict(batch))
+    assert len(cluster.requests) == 1  # the copy only: no tail is demoted without its head
+    assert cluster.on_disk_without_its_head() == [] and cluster.evicted == []
+    for v in batch.victims:  # cooled down, tried again later
+        assert v in sh.core and not sh.core.is_evicting(v)
+    assert sh.demotions == {"head_failed": 1, "waits_for_head": 4}
+    assert sh.core.used_bytes("s1#ssd") == 0
+    sh.core.check_invariants()
+
+
+def test_a_full_disk_refusing_the_head_stops_demotion(monkeypatch: pytest.MonkeyPatch) -> None:
+    sh, cluster = setup(monkeypatch)
+    cluster.answer[sh._group_ids[A + chain(1)]] = "no_capacity"
+    batch = watermark_batch(sh, 10)
+    ids = [sh._group_ids[v] for v in batch.victims if isinstance(v, bytes)]
+    asyncio.run(sh._evict(batch))
+    assert len(cluster.requests) == 1
+    assert cluster.evicted == ids  # dropped: the arena gets its room
+    assert cluster.on_disk_without_its_head() == []
+    assert sh.core.used_bytes("s1") == 2 * SIZE
+    sh.core.check_invariants()
+
+
+def test_a_copy_the_records_missed_is_learned_not_made_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A policy that replayed the stream does not know a head's disk copy (no event says it):
+    the directory's listing shows it, the disk pool counts it, nothing is copied again."""
+    sh, cluster = setup(monkeypatch)
+    cluster.tiers[sh._group_ids[A + chain(1)]] = {"dram", "ssd"}
+    batch = watermark_batch(sh, 10)
+    asyncio.run(sh._evict(batch))
+    (move,) = cluster.requests
+    assert not any(o.keep_arena for o in move.objects)
+    assert sh.core.used_bytes("s1#ssd") == 5 * SIZE and sh.core.used_bytes("s1") == 2 * SIZE
+    assert sh.demotions == {"head_on_disk": 1, "demoted": 4}
+    sh.core.check_invariants()
