@@ -231,8 +231,8 @@ def test_a_trace_id_follows_one_engine_request_through_directory_and_segment(
         handled = [e for e in directory.events() if e.get("event") == "request_handled"]
         by_trace = {(e.get("trace_id"), e.get("endpoint")) for e in handled}
         released = {("engine-req-43", "lease_release"), ("engine-req-43", "lease_release_many")} & by_trace
-        # The segment's confirm goes in the background since write receipts (batched, lingering
-        # up to 200 ms, possibly after the commit): wait for it as for the release.
+        # The segment's confirm goes in the background since write receipts (gathered for 200 ms,
+        # `KVF_SEGMENT_CONFIRM_LATER_GATHER_MS`, so after the commit): wait for it as for the release.
         if released and ("engine-req-42", "confirm") in by_trace:
             break
         time.sleep(0.1)

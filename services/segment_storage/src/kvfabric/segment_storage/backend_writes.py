@@ -60,9 +60,24 @@ class BackendWrites(BackendCore):
             self.abort_put(put, conn)
             raise ChecksumMismatch("bytes received do not match the ticket's checksum")
         with self.lock:
-            self.slots.stored(put.slot, put.slot_generation, stored)
-            self._conns[conn].puts.pop(put.slot, None)
-            self.arena.board.publish(put.slot, put.slot_generation, put.offset, put.ticket.size_bytes, stored)
+            # The ticket's epoch again, now: a successor leader of its shard may have asked for
+            # this segment's report while the bytes were landing. Its report (taken after its
+            # fence rose) did not list this WRITING slot, so it will never adopt it, and it
+            # refuses the writer's commit at the old epoch: stored now, the slot would have no
+            # owner (a receipted write's background confirm leaves a `stale_generation` slot to
+            # the successor). Fenced here, under the lock the report's fence takes, the slot is
+            # either in the report or never stored (review of 2026-12-02).
+            fenced = put.ticket.epoch < self.gate.fence(put.ticket.shard)
+            if not fenced:
+                self.slots.stored(put.slot, put.slot_generation, stored)
+                self._conns[conn].puts.pop(put.slot, None)
+                self.arena.board.publish(
+                    put.slot, put.slot_generation, put.offset, put.ticket.size_bytes, stored
+                )
+        if fenced:
+            self._count("stale_epoch_rejected_total")
+            self.abort_put(put, conn)
+            raise StaleGeneration("directory_epoch", put.ticket.epoch, self.gate.fence(put.ticket.shard))
         if put.receipt_wanted and self.confirm_later is not None:
             # The writer carries the receipt in its put_commit (the directory checks our MAC): the
             # confirm leaves the write's path. It still goes, in the background: a receipt the

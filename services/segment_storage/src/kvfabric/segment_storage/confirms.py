@@ -12,13 +12,13 @@ confirms arrived, for at most `CONFIRM_GATHER_S` (a save of 8 objects: one direc
 not two). Nothing else waits for a batch to fill.
 
 Receipted writes (the writer carries the segment's receipt in put_commit) are confirmed in the
-background, off the write's path: they are gathered on a queue first
-(`KVF_SEGMENT_CONFIRM_LATER_GATHER_MS`), and their batcher lingers `CONFIRM_LATER_LINGER_S`
-before each request, so the confirms of several saves share one (the directory's cost per save
-falls).
+background, off the write's path, by a batcher of their own: the shell gathers them on a queue
+for `KVF_SEGMENT_CONFIRM_LATER_GATHER_MS` first and submits them together, so the confirms of
+several saves share one request (the directory's cost per save falls).
 
 Bounds: at most `CONFIRM_BATCH_MAX` confirms a request, one request in flight per key; the
-confirms waiting are bounded by the transport threads waiting on them (one each). A confirm whose
+confirms waiting are bounded by the transport threads waiting on them (one each), and the
+background ones by the receipted writes stored (one each, a stored slot). A confirm whose
 caller gave up (cancelled) is still sent if its batch already left, and its verdict dropped:
 the caller then frees the slot, as it does for any confirm without a verdict in time.
 """
@@ -35,15 +35,12 @@ import msgspec
 from kvfabric.format.errors import KvfError, Unavailable
 from kvfabric.proto import directory as m
 
-__all__ = ["CONFIRM_BATCH_MAX", "CONFIRM_LATER_LINGER_S", "ConfirmBatcher"]
+__all__ = ["CONFIRM_BATCH_MAX", "ConfirmBatcher"]
 
 CONFIRM_BATCH_MAX: Final = 64  # within the directory's bound, m.CONFIRM_BATCH_MAX
 # How long a save's first confirm waits for the rest of its writes (they arrive within a
 # fraction of a millisecond when they were sent together; a straggler rides the next request).
 CONFIRM_GATHER_S: Final = 0.002
-# How long a background confirm (a receipted write's) waits for others before its request goes:
-# nobody waits on it, and the writer's commit usually lands first (then it is a cheap no-op).
-CONFIRM_LATER_LINGER_S: Final = 0.2
 
 BatchKey = tuple[int, int, str]  # (shard, epoch, trace id)
 SendFn = Callable[[m.ConfirmReplicas, str], Awaitable[msgspec.Struct]]  # (message, trace id) -> reply
@@ -52,11 +49,10 @@ SendFn = Callable[[m.ConfirmReplicas, str], Awaitable[msgspec.Struct]]  # (messa
 class ConfirmBatcher:
     """Batches confirms per (shard, epoch, trace id); one event loop."""
 
-    def __init__(self, segment_id: str, incarnation: int, send: SendFn, *, linger_s: float = 0.0) -> None:
+    def __init__(self, segment_id: str, incarnation: int, send: SendFn) -> None:
         self.segment_id = segment_id
         self.incarnation = incarnation
         self._send = send
-        self.linger_s = linger_s  # every request waits this long for more confirms first
         self._pending: dict[BatchKey, list[tuple[m.ReplicaConfirm, asyncio.Future[str]]]] = {}
         self._senders: dict[BatchKey, asyncio.Task[None]] = {}
         self._expected: dict[BatchKey, int] = {}  # confirms a save said to expect, while sending
@@ -124,8 +120,6 @@ class ConfirmBatcher:
         batch: list[tuple[m.ReplicaConfirm, asyncio.Future[str]]] = []
         try:
             await self._gather(key)
-            if self.linger_s > 0:
-                await asyncio.sleep(self.linger_s)
             while self._pending.get(key):
                 waiting = self._pending.pop(key)
                 batch, rest = waiting[:CONFIRM_BATCH_MAX], waiting[CONFIRM_BATCH_MAX:]

@@ -37,6 +37,7 @@
 | `KVF_SEGMENT_SSD_VERIFY_ON_START` | 0 | re-hash every recovered object before serving |
 | `KVF_SEGMENT_DEMOTE_YIELD_MS` | 20 | a demotion step waits at most this while a GET is served; 0: never |
 | `KVF_SEGMENT_GIL_SWITCH_US` | 500 | the process's GIL switch interval (Python's default: 5000) |
+| `KVF_SEGMENT_CONFIRM_LATER_GATHER_MS` | 200 | receipted writes queue this long, then confirm together |
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.segment_storage.arena import Arena, lock_segment_id, remove_stale_arenas, unlock_segment_id
 from kvfabric.segment_storage.backend import ArenaBackend
-from kvfabric.segment_storage.confirms import CONFIRM_LATER_LINGER_S, ConfirmBatcher
+from kvfabric.segment_storage.confirms import ConfirmBatcher
 from kvfabric.segment_storage.demoter import Demoter
 from kvfabric.segment_storage.scrubber import Scrubber
 from kvfabric.segment_storage.settings import SegmentSettings
@@ -194,17 +194,17 @@ class SegmentShell(ShellRepair, ShellConfirms):
             self.incarnation,
             lambda message, trace_id: self._directory("confirm", message, trace_id),
         )
-        # Receipted writes' confirms: off the writes' path, so they wait a little to share requests.
+        # Receipted writes' confirms: off the writes' path, gathered first (`_confirm_later`).
         self.confirms_later = ConfirmBatcher(
             settings.segment_id,
             self.incarnation,
             lambda message, trace_id: self._directory("confirm", message, trace_id),
-            linger_s=CONFIRM_LATER_LINGER_S,
         )
         self._later: list[tuple[m.WriteTicket, int, int, str]] = []  # receipted writes not yet on the loop
         self._later_lock = threading.Lock()
         self._later_woken = False  # a wake-up of the loop for `_later` is pending
         self._later_tasks: set[asyncio.Task[None]] = set()
+        self._later_timer: asyncio.TimerHandle | None = None  # the gather's, while one runs
         self.must_reregister = asyncio.Event()
         self._log = get_logger("kvfabric.segment_storage").bind(
             segment_id=settings.segment_id, incarnation=self.incarnation
@@ -285,6 +285,13 @@ class SegmentShell(ShellRepair, ShellConfirms):
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Receipted writes' confirms: none may start or run once the arena closes below (their
+        # slots die with this incarnation; the directory frees what no commit named).
+        if self._later_timer is not None:
+            self._later_timer.cancel()
+        for later in self._later_tasks:
+            later.cancel()
+        await asyncio.gather(*self._later_tasks, return_exceptions=True)
         await self.suspects.stop()
         # A copy still running holds only its slot (aborted when its fetch fails) and views of
         # the arena (which stays mapped while any exists): nothing to wait for.

@@ -5,7 +5,7 @@ write answered with a receipt (`_confirm_later`, `_confirm_in_background`).
 `ShellConfirms` is a mixin of `SegmentShell` (`kvfabric.segment_storage.shell`): it reads the
 shell's loop, router, settings, backend and batchers (`kvfabric.segment_storage.confirms`) and
 writes only the queue of receipted writes not yet on the loop (`_later`, `_later_woken`,
-`_later_tasks`).
+`_later_timer`, `_later_tasks`).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class ShellConfirms:
     _later_lock: threading.Lock
     _later_woken: bool
     _later_tasks: set[asyncio.Task[None]]
+    _later_timer: asyncio.TimerHandle | None
 
     def _confirm(
         self, ticket: m.WriteTicket, slot: int, generation: int, trace_id: str = "", save_writes: int = 0
@@ -107,14 +108,19 @@ class ShellConfirms:
                 return
             self._later_woken = True
         try:
-            gather_s = self.settings.confirm_later_gather_ms / 1000
-            loop.call_soon_threadsafe(loop.call_later, gather_s, self._start_later)
+            loop.call_soon_threadsafe(self._gather_later)
         except RuntimeError:  # the loop is closing
             raise Unavailable("the segment stopped confirming") from None
+
+    def _gather_later(self) -> None:
+        """On the loop: start the queued writes' confirms `confirm_later_gather_ms` from now."""
+        gather_s = self.settings.confirm_later_gather_ms / 1000
+        self._later_timer = asyncio.get_running_loop().call_later(gather_s, self._start_later)
 
     def _start_later(self) -> None:
         """On the loop, `confirm_later_gather_ms` after the first of them: the receipted writes
         queued since, confirmed together."""
+        self._later_timer = None
         with self._later_lock:
             items, self._later = self._later, []
             self._later_woken = False

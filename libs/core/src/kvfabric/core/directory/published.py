@@ -20,6 +20,10 @@ namespace interned; the per-domain index (`index`) orders the keys for listings.
 1. The per-domain index holds exactly the published group keys.
 2. Unreadable, queued and deferred groups are published; a deferred group is leased or pinned.
 3. Lease and pin counts are positive (the lease table checks they match its leases).
+4. `short` (the repair listing's index) holds exactly the groups with a member short of the
+   default replica target in its record; a group with a replica on a dead incarnation is queued
+   for the sweep or deferred (so `short` covers every group below target when neither waits
+   and no segment drains).
 
 ## Bounds
 The sweep queue holds each group key at most once (an ordered set; a key leaves it when its group
@@ -410,6 +414,15 @@ class PublishedTable:
     def check_invariants(self) -> None:
         self.index.check(set(self.records))
         self.short.check({g for g, r in self.records.items() if self._short(unpack_group(r))})
+        waiting = self._sweep_queue.keys() | self._sweep_deferred
+        for gid, record in self.records.items():  # what `short_covers_below_target` relies on
+            invariant(
+                gid in waiting
+                or all(
+                    self.segments.live(r.placement) for x in unpack_group(record).members for r in x.replicas
+                ),
+                "a replica on a dead incarnation in a group the sweep will not examine",
+            )
         for name, keys in (
             ("unreadable", self.unreadable),
             ("sweep queue", self._sweep_queue.keys()),
