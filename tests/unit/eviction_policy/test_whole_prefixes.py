@@ -204,3 +204,61 @@ def test_a_copy_the_records_missed_is_learned_not_made_again(monkeypatch: pytest
     assert sh.core.used_bytes("s1#ssd") == 5 * SIZE and sh.core.used_bytes("s1") == 2 * SIZE
     assert sh.demotions == {"head_on_disk": 1, "demoted": 4}
     sh.core.check_invariants()
+
+
+def test_a_head_no_one_segment_holds_whole_lets_its_tails_go_as_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A head whose members the directory placed on different segments (TP > 1, several layer
+    groups) has no one segment to copy it from: its tails are demoted as before this copy
+    existed (counted `head_not_copied`), not cooled down for good, which kept them in DRAM over
+    the high watermark (review of 434d328)."""
+    sh, cluster = setup(monkeypatch)
+    head = sh._group_ids[A + chain(1)]
+    directory = cast(FakeDirectory, sh._router)
+    ask = directory.ask
+
+    async def spread_head(shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any) -> Any:
+        if verb != "show_group" or not isinstance(message, m.ShowGroup) or message.group != head:
+            return await ask(shard, verb, message, timeout_s, **kw)
+        group = ChunkGroupId.from_bytes(head)
+        objects = [
+            m.ObjectLocation(
+                chunk_index=group.chunk_index, member=m.Member(0, 0, 0), size_bytes=SIZE // 2, checksum=b"",
+                replicas=[m.Replica(segment_id=seg, incarnation=1, slot=1, slot_generation=1)],
+            )
+            # two members on two segments (this fake layout has one member: the same fields twice)
+            for seg in ("s1", "s2")
+        ]  # fmt: skip
+        summary = m.GroupSummary(
+            group=group.chain_hash, namespace=NAMESPACE, chunk_index=group.chunk_index, state="published",
+            members=2, expected_members=2, objects=objects,
+        )  # fmt: skip
+        return m.GroupList(epoch=1, groups=[summary])
+
+    directory.ask = spread_head  # type: ignore[method-assign]
+    batch = watermark_batch(sh, 10)
+    asyncio.run(sh._evict(batch))
+    (move,) = cluster.requests  # no copy: the tails' demotion only
+    assert len(move.objects) == 4 and not any(o.keep_arena for o in move.objects)
+    assert sh.demotions == {"head_spread": 1, "head_not_copied": 4, "demoted": 4}
+    assert sh.core.used_bytes("s1#ssd") == 4 * SIZE
+    sh.core.check_invariants()
+
+
+def test_a_tail_demoted_from_one_of_its_arenas_keeps_its_head_from_being_a_leaf() -> None:
+    """A tail held in two arenas, demoted from one of them, still has DRAM bytes: re-inserted
+    into the core it keeps its parent, so its head (in DRAM) is no leaf and cannot be chosen
+    before it (heads never before tails). Without its parent the head became a leaf."""
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.25))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    for seg in ("s1", "s2"):
+        sh.apply(m.SegmentUp(segment_id=seg, incarnation=1, capacity_bytes=100), 0)
+    sh.apply(published(1, NAMESPACE, s2=SIZE), 1)
+    sh.apply(published(2, NAMESPACE, parent=1, s1=SIZE, s2=SIZE), 2)
+    head = A + chain(1)
+    assert core._objects[head].children == 1
+    sh._moved(A + chain(2), "s1", 3)
+    assert core.used_bytes("s1#ssd") == SIZE and core.used_bytes("s2") == 2 * SIZE
+    assert core._objects[head].children == 1
+    core.check_invariants()

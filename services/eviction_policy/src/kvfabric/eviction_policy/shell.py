@@ -482,8 +482,9 @@ class EvictionShell(GroupRecords):
         there with `keep_arena` (the arena replica stays), each on a segment holding its arena
         replica, so the disk tier holds whole prefixes and a power cycle (the arena lost) leaves
         every disk object findable. A victim whose ancestor's copy failed is cooled down (into
-        `handled`); one whose ancestor's segment has no disk tier (or a full one) is demoted as
-        before, counted `head_not_copied`. False: this segment's disk is full (demotion stops)."""
+        `handled`); one whose ancestor's segment has no disk tier (or a full one), or whose
+        ancestor no one segment holds whole in its arena (`spread`), is demoted as before,
+        counted `head_not_copied`. False: this segment's disk is full (demotion stops)."""
         needed = self._ancestors_off_disk(chains)
         if not needed:
             return True
@@ -500,8 +501,8 @@ class EvictionShell(GroupRecords):
                 outcome[ancestor] = "on_disk"  # a copy the records missed (a replayed stream)
                 continue
             where = self._copy_sources(segment_id, listing)
-            if where is None:
-                outcome[ancestor] = "failed"
+            if where is None:  # no one segment holds all its arena replicas (members placed apart)
+                outcome[ancestor] = "spread"
                 continue
             seg, objects = where
             if seg in self._no_disk:
@@ -526,7 +527,10 @@ class EvictionShell(GroupRecords):
             self.demotions[f"head_{result}"] = self.demotions.get(f"head_{result}", 0) + 1
             if result in ("copied", "on_disk"):
                 continue
-            if result in ("no_disk", "no_capacity"):  # that disk cannot hold it: demoted as before
+            # That disk cannot hold it, or no one segment can copy it whole (a copy per member's
+            # segment is not built): demoted as before. Cooling them down instead left a spread
+            # head's tails in DRAM for good (review of 434d328).
+            if result in ("no_disk", "no_capacity", "spread"):
                 self.demotions["head_not_copied"] = self.demotions.get("head_not_copied", 0) + len(below)
                 continue
             for chain in below:  # failed: tried again later, with its ancestor
