@@ -262,3 +262,23 @@ def test_a_tail_demoted_from_one_of_its_arenas_keeps_its_head_from_being_a_leaf(
     assert core.used_bytes("s1#ssd") == SIZE and core.used_bytes("s2") == 2 * SIZE
     assert core._objects[head].children == 1
     core.check_invariants()
+
+
+def test_a_lost_segment_leaves_the_records_of_the_groups_it_shared() -> None:
+    """A head in two arenas, copied to s1's disk; s1 goes down: the records no longer say the
+    head is on a disk (its next tail's demotion copies it again), and a later move of its s2
+    replica counts its bytes once (the stale pools came back into the core: 3x its bytes)."""
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.25))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    for seg in ("s1", "s2"):
+        sh.apply(m.SegmentUp(segment_id=seg, incarnation=1, capacity_bytes=100), 0)
+    sh.apply(published(1, NAMESPACE, s1=SIZE, s2=SIZE), 1)
+    sh.apply(published(2, NAMESPACE, parent=1, s2=SIZE), 2)
+    head = A + chain(1)
+    sh._copied(head, "s1", SIZE)
+    assert sh._held[head][2] == {"s1": SIZE, "s2": SIZE, "s1#ssd": SIZE}
+    sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 3)
+    assert sh._held[head][2] == {"s2": SIZE}
+    sh._moved(head, "s2", 4)
+    assert core.used_bytes("s2#ssd") == SIZE and core.tenant_bytes(A) == 2 * SIZE
+    core.check_invariants()

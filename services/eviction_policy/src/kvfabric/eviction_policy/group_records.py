@@ -90,13 +90,20 @@ class GroupRecords:
         elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
             self._forget(pack_group_key(event.domain, event.group))
         elif isinstance(event, m.SegmentDown):
-            for pool in (event.segment_id, ssd_pool(event.segment_id)):
+            lost = (event.segment_id, ssd_pool(event.segment_id))
+            for pool in lost:
                 for gid in core.drop_pool(pool):
                     if isinstance(gid, bytes):
                         self._group_ids.pop(gid, None)
                         self._held.pop(gid, None)
                         self._hits.pop(gid, None)
                 self._capacity.pop(pool, None)
+            # The groups it shared with other segments lose those pools in the records too (as in
+            # the core): a stale pool said a head was on a disk that is gone, and a later re-insert
+            # (`_moved`) put its bytes back into the core. O(records), on a segment's loss only.
+            for _, _, pools in self._held.values():
+                for pool in lost:
+                    pools.pop(pool, None)
             self._disk_pools.discard(ssd_pool(event.segment_id))
             self._no_disk.discard(event.segment_id)
         elif isinstance(event, m.SegmentUp) and event.capacity_bytes:
