@@ -15,7 +15,7 @@ import pytest
 
 from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
-from kvfabric.eviction_policy import shell
+from kvfabric.eviction_policy import shell, tiers
 from kvfabric.eviction_policy.shell import EvictionShell
 from kvfabric.format.key import ChunkGroupId
 from kvfabric.proto import directory as m
@@ -282,3 +282,29 @@ def test_a_lost_segment_leaves_the_records_of_the_groups_it_shared() -> None:
     sh._moved(head, "s2", 4)
     assert core.used_bytes("s2#ssd") == SIZE and core.tenant_bytes(A) == 2 * SIZE
     core.check_invariants()
+
+
+def test_head_copies_are_cut_into_requests_within_the_demote_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two heads to copy, a request bound of one head's bytes: two copy requests, as the
+    victims' own requests are cut (`demote_request_fits`); one request of every copy could run
+    past the demote timeout (review of 434d328)."""
+    sh, cluster = setup(monkeypatch)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=200), 20)
+    sh.apply(published(7, NAMESPACE, s1=SIZE), 21)
+    for i in range(8, 13):
+        sh.apply(published(i, NAMESPACE, parent=7, s1=SIZE), 14 + i)
+    for i in range(7, 13):
+        cluster.tiers[sh._group_ids[A + chain(i)]] = {"dram"}
+        if i > 7:
+            cluster.parent[sh._group_ids[A + chain(i)]] = sh._group_ids[A + chain(7)]
+    sh.apply(m.GroupsAccessed(groups=[m.GroupHits(chain(1), 1, A), m.GroupHits(chain(7), 1, A)]), 30)
+    monkeypatch.setattr(tiers, "DEMOTE_REQUEST_BYTES_MAX", SIZE + SIZE // 2)
+    (batch,) = sh.core.tick(40)
+    assert isinstance(batch, EvictBatch)
+    assert {A + chain(1), A + chain(7)}.isdisjoint(batch.victims)
+    assert {sh._parent.get(v) for v in batch.victims} == {A + chain(1), A + chain(7)}
+    asyncio.run(sh._evict(batch))
+    copies = [r for r in cluster.requests if any(o.keep_arena for o in r.objects)]
+    assert [len(r.objects) for r in copies] == [1, 1]
+    assert cluster.on_disk_without_its_head() == []
+    sh.core.check_invariants()

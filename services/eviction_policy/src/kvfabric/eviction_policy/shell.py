@@ -511,17 +511,18 @@ class EvictionShell(GroupRecords):
             copies.setdefault(seg, []).append((ancestor, objects))
             sizes[ancestor] = sum(obj.size_bytes for _, obj in listing)
         for seg, groups in copies.items():
-            try:
-                results = await self._demote_request(seg, [objects for _, objects in groups], copy_outcome)
-            except Conflict:  # "this segment has no disk tier"
-                self._no_disk.add(seg)
-                results = ["no_disk"] * len(groups)
-            except KvfError as exc:
-                results = [f"error_{exc.code}"] * len(groups)
-            for (ancestor, _), result in zip(groups, results, strict=True):
-                outcome[ancestor] = result
-                if result == "copied":
-                    self._copied(ancestor, seg, sizes[ancestor])
+            for part in _request_parts(groups, sizes):  # each within the demote request's bounds
+                try:
+                    results = await self._demote_request(seg, [objects for _, objects in part], copy_outcome)
+                except Conflict:  # "this segment has no disk tier"
+                    self._no_disk.add(seg)
+                    results = ["no_disk"] * len(part)
+                except KvfError as exc:
+                    results = [f"error_{exc.code}"] * len(part)
+                for (ancestor, _), result in zip(part, results, strict=True):
+                    outcome[ancestor] = result
+                    if result == "copied":
+                        self._copied(ancestor, seg, sizes[ancestor])
         for ancestor, below in needed.items():
             result = outcome[ancestor]
             self.demotions[f"head_{result}"] = self.demotions.get(f"head_{result}", 0) + 1
@@ -712,3 +713,24 @@ class EvictionShell(GroupRecords):
                 "admission_filter_bytes": self.admission_filter_bytes,
             },
         )
+
+
+def _request_parts(
+    groups: list[tuple[bytes, list[DemoteObject]]], sizes: dict[bytes, int]
+) -> list[list[tuple[bytes, list[DemoteObject]]]]:
+    """Head copies cut into demote requests as the victims' are (`demote_request_fits`: at most
+    64 groups, 64 objects, 64 MiB each): one request of every copy could run past the demote
+    timeout (256 MiB of 4 MiB objects; review of 434d328)."""
+    parts: list[list[tuple[bytes, list[DemoteObject]]]] = []
+    part: list[tuple[bytes, list[DemoteObject]]] = []
+    objects_n = bytes_n = 0
+    for ancestor, objects in groups:
+        if not demote_request_fits(len(part), objects_n, bytes_n, len(objects), sizes[ancestor]):
+            parts.append(part)
+            part, objects_n, bytes_n = [], 0, 0
+        part.append((ancestor, objects))
+        objects_n += len(objects)
+        bytes_n += sizes[ancestor]
+    if part:
+        parts.append(part)
+    return parts
