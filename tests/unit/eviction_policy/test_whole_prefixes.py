@@ -302,7 +302,7 @@ def test_head_copies_are_cut_into_requests_within_the_demote_bounds(monkeypatch:
     (batch,) = sh.core.tick(40)
     assert isinstance(batch, EvictBatch)
     assert {A + chain(1), A + chain(7)}.isdisjoint(batch.victims)
-    assert {sh._parent.get(v) for v in batch.victims} == {A + chain(1), A + chain(7)}
+    assert {sh._parent.get(v) for v in batch.victims if isinstance(v, bytes)} == {A + chain(1), A + chain(7)}
     asyncio.run(sh._evict(batch))
     copies = [r for r in cluster.requests if any(o.keep_arena for o in r.objects)]
     assert [len(r.objects) for r in copies] == [1, 1]
