@@ -258,6 +258,21 @@ def test_pipelined_puts_are_answered_in_order_and_a_refusal_stops_none_of_the_ot
     assert again.receipt and backend.counters["puts_receipted_total"] == 5
 
 
+def queued_ticket() -> WriteTicket:
+    """A ticket for the receipted-write queue's tests (nothing checks its signature there)."""
+    return WriteTicket(
+        ticket_id=1,
+        key=ObjectKey(b"k"),
+        segment_id="s",
+        incarnation=1,
+        size_bytes=1,
+        checksum=b"c" * 16,
+        writer_id="w",
+        deadline_ms=1,
+        epoch=1,
+    )
+
+
 def test_receipted_writes_queued_together_wake_the_loop_once() -> None:
     """A burst of receipted writes (a save's, from transport threads) costs one wake-up of the
     segment's loop and one task, not one each."""
@@ -272,17 +287,7 @@ def test_receipted_writes_queued_together_wake_the_loop_once() -> None:
         _gather_later=lambda: None,
         _start_later=lambda: None,
     )
-    t = WriteTicket(
-        ticket_id=1,
-        key=ObjectKey(b"k"),
-        segment_id="s",
-        incarnation=1,
-        size_bytes=1,
-        checksum=b"c" * 16,
-        writer_id="w",
-        deadline_ms=1,
-        epoch=1,
-    )
+    t = queued_ticket()
     for slot in range(8):
         SegmentShell._confirm_later(fake, t, slot, 1, "trace")  # type: ignore[arg-type]
     assert len(woken) == 1 and [s for _, s, _, _ in fake._later] == list(range(8))
@@ -314,17 +319,7 @@ def test_receipted_writes_are_confirmed_after_the_gather_not_while_the_save_writ
             fired.set()
 
         fake._start_later = start_later
-        t = WriteTicket(
-            ticket_id=1,
-            key=ObjectKey(b"k"),
-            segment_id="s",
-            incarnation=1,
-            size_bytes=1,
-            checksum=b"c" * 16,
-            writer_id="w",
-            deadline_ms=1,
-            epoch=1,
-        )
+        t = queued_ticket()
         before = loop.time()
         for slot in range(16):  # one save's 8 writes, then another save's
             SegmentShell._confirm_later(fake, t, slot, 1, "trace")  # type: ignore[arg-type]
