@@ -400,7 +400,8 @@ def local_cluster(run: Path, extra_env: Mapping[str, str] | None = None) -> Iter
     tool = [sys.executable, str(REPO / "tools" / "localcluster.py")]
     up = [*tool, "up", "--run-dir", str(run), "--nats-port", "0", "--segments", "1"]
     # a segment id of its own: other clusters on this host may run a `seg-1`
-    up += ["--segment-bytes", str(SEGMENT_BYTES), "--segment-prefix", f"bench-client-{secrets.token_hex(3)}"]
+    prefix = f"bench-client-{secrets.token_hex(3)}"
+    up += ["--segment-bytes", str(SEGMENT_BYTES), "--segment-prefix", prefix]
     # Each engine process holds two clients (remote and co-located) and the transport readers.
     env = dict(os.environ, KVF_SEGMENT_CONNECTIONS_MAX=str(SEGMENT_CONNECTIONS_MAX), **(extra_env or {}))
     try:
@@ -410,11 +411,33 @@ def local_cluster(run: Path, extra_env: Mapping[str, str] | None = None) -> Iter
         state = json.loads((run / "cluster.json").read_text()) if (run / "cluster.json").exists() else {}
         if proc.returncode != 0 or not state.get("ready"):
             raise RuntimeError(f"the local cluster did not start: {(proc.stdout + proc.stderr)[-2000:]}")
+        wait_arena_faulted(Path("/dev/shm"), f"kvf-{prefix}-1-", SEGMENT_BYTES)
         yield state
     finally:
         subprocess.run(
             [*tool, "down", "--run-dir", str(run)], capture_output=True, timeout=CLUSTER_TIMEOUT_S, cwd=REPO
         )
+
+
+STILL_S: Final = 1.0
+
+
+def wait_arena_faulted(shm_dir: Path, name_prefix: str, size_bytes: int, timeout_s: float = 60.0) -> None:
+    """Until the segment's arena file holds all its pages (its prefault thread, on by default, is
+    done: KVF_SEGMENT_ARENA_PREFAULT), so that no measurement shares the CPU with it; or until
+    its pages stopped growing for `STILL_S` (a segment with the prefault off), or `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    held, still_since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        arenas = [p for p in shm_dir.glob(name_prefix + "*") if not p.name.endswith(".slots")]
+        now_held = sum(p.stat().st_blocks * 512 for p in arenas)
+        if arenas and now_held >= size_bytes * len(arenas):
+            return
+        if now_held != held:
+            held, still_since = now_held, time.monotonic()
+        elif time.monotonic() - still_since > STILL_S:
+            return
+        time.sleep(0.1)
 
 
 class Workers:

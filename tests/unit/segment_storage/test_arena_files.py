@@ -1,15 +1,19 @@
 """Arena files: a segment's start removes what its killed earlier incarnations left in tmpfs
 (arena + slot board), and nothing of another segment or of its own newer/current incarnation;
-one process per segment id and host holds the id's lock, so no live segment's files are removed."""
+one process per segment id and host holds the id's lock, so no live segment's files are removed;
+the prefault thread faults every page in without changing a byte, and stops before the unmap."""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from kvfabric.segment_storage.arena import (
+    PREFAULT_JOIN_S,
     Arena,
     SegmentIdInUse,
     lock_path,
@@ -81,3 +85,47 @@ def test_a_lock_on_a_file_unlinked_meanwhile_is_taken_again(
     with pytest.raises(SegmentIdInUse):
         lock_segment_id(tmp_path, "seg-1")
     unlock_segment_id(tmp_path, "seg-1", fd)
+
+
+def _shm_arena(size_bytes: int) -> Arena:
+    # tmpfs, as deployed: a page there exists only once something faulted it in
+    return Arena(Path("/dev/shm"), f"test-prefault-{os.getpid()}-{time.monotonic_ns()}", 1, size_bytes, 16)
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_prefault_faults_every_page_in_and_changes_no_byte() -> None:
+    size = 64 << 20
+    arena = _shm_arena(size)
+    try:
+        assert arena.path.stat().st_blocks * 512 < size  # lazily allocated until touched
+        arena.slice(0, 4096)[:] = b"a" * 4096  # written before the prefault starts
+        arena.start_prefault()
+        arena.slice(size - (1 << 20), 4096)[:] = b"z" * 4096  # and while it runs (a write landing)
+        _wait(lambda: arena.prefaulted_bytes == size)
+        assert arena.path.stat().st_blocks * 512 >= size
+        assert bytes(arena.slice(0, 4096)) == b"a" * 4096
+        assert bytes(arena.slice(size - (1 << 20), 4096)) == b"z" * 4096
+        assert bytes(arena.slice(1 << 20, 4096)) == bytes(4096)  # untouched pages stay zero
+    finally:
+        arena.close()
+    assert not arena.path.exists()
+
+
+def test_close_stops_a_prefault_midway_and_waits_for_it() -> None:
+    size = 1 << 30  # ~0.7 s of one core to fault in: close() comes long before
+    arena = _shm_arena(size)
+    arena.start_prefault()
+    thread = arena._prefault_thread
+    assert thread is not None
+    started = time.monotonic()
+    arena.close()
+    assert time.monotonic() - started < PREFAULT_JOIN_S
+    assert not thread.is_alive()  # joined before the unmap: no madvise can outlive the mapping
+    assert arena.prefaulted_bytes < size
+    assert not arena.path.exists()

@@ -15,20 +15,38 @@ its whole life, and a second one started with the same id is refused (`SegmentId
 it touches any file. Its slot board
 (`kvfabric.dataplane.slotboard`: where each stored slot is, for lock-free local reads) lives
 and dies with it.
+
+Prefault (`start_prefault`, `KVF_SEGMENT_ARENA_PREFAULT`, on by default): a write into a page
+nobody has touched yet makes the kernel allocate and zero it first — on this machine a 4 MiB
+write into fresh arena pages took 2.9 ms, into faulted ones 0.2 ms, so a new segment's first
+fill ran every save at a fraction of memcpy speed. A thread of the segment's own faults every page
+in with `MADV_POPULATE_WRITE` (Linux >= 5.14; elsewhere it logs and stops), lowest offset first —
+the order the slot table hands extents out (best fit, lowest offset on a tie) — in
+`PREFAULT_PIECE_BYTES` pieces, at the lowest CPU priority, with the GIL released (libc's `madvise`
+through ctypes). Populating never changes a page's bytes, so it runs while writes land. The
+arena then holds its whole size in memory from the start instead of as it fills (it would at the
+first full fill anyway). `close()` stops the thread between two pieces and waits for it before
+unmapping (a madvise on an unmapped range could land in whatever maps there next).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import mmap
 import os
+import threading
+import time
 from pathlib import Path
+from typing import Final
 
 from kvfabric.dataplane.slotboard import BOARD_SUFFIX, SlotBoard, board_path_of
+from kvfabric.runtime.logs import get_logger
 
 __all__ = [
     "ARENA_FILE_MODE",
+    "PREFAULT_JOIN_S",
     "Arena",
     "SegmentIdInUse",
     "lock_path",
@@ -39,6 +57,9 @@ __all__ = [
 
 ARENA_FILE_MODE = 0o600
 LOCK_ATTEMPTS_MAX = 5
+MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14: fault a mapping's pages in, writable, now
+PREFAULT_PIECE_BYTES: Final = 32 << 20  # one madvise (~20 ms of a core): close() waits for one
+PREFAULT_JOIN_S: Final = 5.0
 
 
 def arena_name(segment_id: str, incarnation: int) -> str:
@@ -120,6 +141,9 @@ class Arena:
         finally:
             os.close(fd)
         self.view = memoryview(self._map)
+        self.prefaulted_bytes = 0  # pages faulted in by the prefault thread so far (metrics, tests)
+        self._prefault_stop = threading.Event()
+        self._prefault_thread: threading.Thread | None = None
         try:
             self.board = SlotBoard(board_path_of(self.path), incarnation, board_slots, ARENA_FILE_MODE)
         except BaseException:
@@ -129,12 +153,47 @@ class Arena:
     def slice(self, offset: int, size: int) -> memoryview:
         return self.view[offset : offset + size]
 
+    def start_prefault(self) -> None:
+        """Fault the whole arena in on a thread of its own (module docstring: Prefault)."""
+        if self._prefault_thread is not None:
+            return
+        anchor = ctypes.c_char.from_buffer(self._map)  # an export of the map only for this line
+        address = ctypes.addressof(anchor)
+        del anchor
+        self._prefault_thread = threading.Thread(
+            target=self._prefault, args=(address,), name="kvf-arena-prefault", daemon=True
+        )
+        self._prefault_thread.start()
+
+    def _prefault(self, address: int) -> None:
+        with contextlib.suppress(OSError):  # lowest priority: serving threads go first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        libc = ctypes.CDLL(None, use_errno=True)  # CDLL: the GIL is released during the call
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        started = time.monotonic()
+        offset = 0
+        while offset < self.size_bytes and not self._prefault_stop.is_set():
+            piece = min(PREFAULT_PIECE_BYTES, self.size_bytes - offset)
+            if libc.madvise(address + offset, piece, MADV_POPULATE_WRITE) != 0:
+                error = os.strerror(ctypes.get_errno())
+                get_logger(__name__).warning("arena_prefault_stopped", at_bytes=offset, error=error)
+                return
+            offset += piece
+            self.prefaulted_bytes = offset
+        seconds = round(time.monotonic() - started, 3)
+        get_logger(__name__).info("arena_prefaulted", bytes=offset, seconds=seconds)
+
     def close(self) -> None:
         """Unmap and unlink. Callers make sure no transfer still uses a view of the arena."""
         self.path.unlink(missing_ok=True)
         board = getattr(self, "board", None)
         if board is not None:
             board.close()
+        if self._prefault_thread is not None:
+            self._prefault_stop.set()
+            self._prefault_thread.join(PREFAULT_JOIN_S)
+            if self._prefault_thread.is_alive():  # still in a madvise: the map dies with the process
+                return
         try:
             self.view.release()
             self._map.close()

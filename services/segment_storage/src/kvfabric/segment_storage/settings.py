@@ -38,6 +38,7 @@
 | `KVF_SEGMENT_DEMOTE_YIELD_MS` | 20 | a demotion step waits at most this while a GET is served; 0: never |
 | `KVF_SEGMENT_GIL_SWITCH_US` | 500 | the process's GIL switch interval (Python's default: 5000) |
 | `KVF_SEGMENT_CONFIRM_LATER_GATHER_MS` | 200 | receipted writes queue this long, then confirm together |
+| `KVF_SEGMENT_ARENA_PREFAULT` | 1 | fault the arena in at start (a low-priority thread); 0: on first use |
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class SegmentSettings:
     demote_yield_ms: int = DEMOTE_YIELD_MS_DEFAULT
     gil_switch_us: int = GIL_SWITCH_US_DEFAULT
     confirm_later_gather_ms: int = CONFIRM_LATER_GATHER_MS_DEFAULT
+    arena_prefault: bool = True  # fault the arena's pages in at start (arena.py: Prefault)
 
     @property
     def connection_limits(self) -> ConnectionLimits:
@@ -229,6 +231,7 @@ def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
         confirm_later_gather_ms=env_int(
             env, "KVF_SEGMENT_CONFIRM_LATER_GATHER_MS", CONFIRM_LATER_GATHER_MS_DEFAULT, 0, 5_000
         ),
+        arena_prefault=bool(env_int(env, "KVF_SEGMENT_ARENA_PREFAULT", 1, 0, 1)),
     )
 
 

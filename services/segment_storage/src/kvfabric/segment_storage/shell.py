@@ -233,6 +233,8 @@ class SegmentShell(ShellRepair, ShellConfirms):
     async def start(self, nc: NatsClient) -> None:
         self._nc = nc
         self._loop = asyncio.get_running_loop()
+        if self.settings.arena_prefault:  # before the first write could touch a page (arena.py)
+            self.arena.start_prefault()
         self.server.start()
         addresses = [self.server.address]
         if self.settings.ucx and self.server.tls is not None:
