@@ -284,6 +284,7 @@ def test_receipted_writes_queued_together_wake_the_loop_once() -> None:
         _later=[],
         _later_lock=threading.Lock(),
         _later_woken=False,
+        _later_stopped=False,
         _gather_later=lambda: None,
         _start_later=lambda: None,
     )
@@ -310,6 +311,7 @@ def test_receipted_writes_are_confirmed_after_the_gather_not_while_the_save_writ
             _later_lock=threading.Lock(),
             _later_woken=False,
             _later_timer=None,
+            _later_stopped=False,
         )
         fake._gather_later = lambda: SegmentShell._gather_later(fake)  # type: ignore[arg-type]
         fired = asyncio.Event()
@@ -332,6 +334,51 @@ def test_receipted_writes_are_confirmed_after_the_gather_not_while_the_save_writ
     before, when = asyncio.run(run())
     assert when - before >= CONFIRM_LATER_GATHER_MS_DEFAULT / 1000 > 0
     assert started == [16]
+
+
+def test_stop_cancels_the_gather_and_the_background_confirms_and_refuses_later_writes() -> None:
+    """At stop, before the arena closes, nothing of the receipted writes' confirms is left: the
+    gather's timer is cancelled (it would start confirms on a closed arena), a running background
+    confirm is cancelled and awaited, and a write landing afterwards (its transport still serves
+    until the server stops) is refused: its slot is freed, nothing is queued or started."""
+    started: list[int] = []
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        fake = SimpleNamespace(
+            _loop=loop,
+            settings=SimpleNamespace(confirm_later_gather_ms=CONFIRM_LATER_GATHER_MS_DEFAULT),
+            router=object(),
+            _later=[],
+            _later_lock=threading.Lock(),
+            _later_woken=False,
+            _later_timer=None,
+            _later_tasks=set(),
+            _later_stopped=False,
+        )
+        fake._gather_later = lambda: SegmentShell._gather_later(fake)  # type: ignore[arg-type]
+        fake._start_later = lambda: started.append(len(fake._later))
+        running = asyncio.ensure_future(asyncio.sleep(3600))  # a background confirm still asking
+        fake._later_tasks.add(running)
+        t = queued_ticket()
+        for slot in range(8):
+            SegmentShell._confirm_later(fake, t, slot, 1, "trace")  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # the wake-up ran: the gather's timer is set
+        timer = fake._later_timer
+        assert timer is not None
+        await SegmentShell._stop_confirming_later(fake)  # type: ignore[arg-type]
+        assert timer.cancelled() and fake._later_timer is None
+        assert running.cancelled() and fake._later == []
+        with pytest.raises(Unavailable):
+            SegmentShell._confirm_later(fake, t, 9, 1, "trace")  # type: ignore[arg-type]
+        SegmentShell._gather_later(fake)  # type: ignore[arg-type]  # a wake-up queued before the stop
+        assert fake._later_timer is None
+        fake._later.append((t, 10, 1, "trace"))  # whatever a late timer would find: not started
+        SegmentShell._start_later(fake)  # type: ignore[arg-type]
+        assert fake._later_tasks == {running} or not fake._later_tasks
+
+    asyncio.run(run())
+    assert started == []
 
 
 @pytest.mark.parametrize("receipt", [True, False])

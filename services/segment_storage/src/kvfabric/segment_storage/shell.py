@@ -205,6 +205,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
         self._later_woken = False  # a wake-up of the loop for `_later` is pending
         self._later_tasks: set[asyncio.Task[None]] = set()
         self._later_timer: asyncio.TimerHandle | None = None  # the gather's, while one runs
+        self._later_stopped = False  # set at stop: receipted writes refused, nothing starts
         self.must_reregister = asyncio.Event()
         self._log = get_logger("kvfabric.segment_storage").bind(
             segment_id=settings.segment_id, incarnation=self.incarnation
@@ -287,13 +288,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        # Receipted writes' confirms: none may start or run once the arena closes below (their
-        # slots die with this incarnation; the directory frees what no commit named).
-        if self._later_timer is not None:
-            self._later_timer.cancel()
-        for later in self._later_tasks:
-            later.cancel()
-        await asyncio.gather(*self._later_tasks, return_exceptions=True)
+        await self._stop_confirming_later()  # none may start or run once the arena closes below
         await self.suspects.stop()
         # A copy still running holds only its slot (aborted when its fetch fails) and views of
         # the arena (which stays mapped while any exists): nothing to wait for.

@@ -5,7 +5,9 @@ write answered with a receipt (`_confirm_later`, `_confirm_in_background`).
 `ShellConfirms` is a mixin of `SegmentShell` (`kvfabric.segment_storage.shell`): it reads the
 shell's loop, router, settings, backend and batchers (`kvfabric.segment_storage.confirms`) and
 writes only the queue of receipted writes not yet on the loop (`_later`, `_later_woken`,
-`_later_timer`, `_later_tasks`).
+`_later_timer`, `_later_tasks`, `_later_stopped`). At stop, `_stop_confirming_later` ends them
+before the arena closes: no gather timer or background confirm is left, and a receipted write
+that lands afterwards (its transport still serving) is refused instead of queued.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class ShellConfirms:
     _later_woken: bool
     _later_tasks: set[asyncio.Task[None]]
     _later_timer: asyncio.TimerHandle | None
+    _later_stopped: bool
 
     def _confirm(
         self, ticket: m.WriteTicket, slot: int, generation: int, trace_id: str = "", save_writes: int = 0
@@ -103,6 +106,8 @@ class ShellConfirms:
         if loop is None or self.router is None:
             raise Unavailable("the segment is not connected to the directory")
         with self._later_lock:
+            if self._later_stopped:
+                raise Unavailable("the segment stopped confirming")
             self._later.append((ticket, slot, generation, trace_id))
             if self._later_woken:
                 return
@@ -114,6 +119,8 @@ class ShellConfirms:
 
     def _gather_later(self) -> None:
         """On the loop: start the queued writes' confirms `confirm_later_gather_ms` from now."""
+        if self._later_stopped:
+            return
         gather_s = self.settings.confirm_later_gather_ms / 1000
         self._later_timer = asyncio.get_running_loop().call_later(gather_s, self._start_later)
 
@@ -124,9 +131,26 @@ class ShellConfirms:
         with self._later_lock:
             items, self._later = self._later, []
             self._later_woken = False
+        if self._later_stopped or not items:
+            return
         task = asyncio.ensure_future(self._confirm_in_background(items))
         self._later_tasks.add(task)
         task.add_done_callback(self._later_tasks.discard)
+
+    async def _stop_confirming_later(self) -> None:
+        """At stop, before the arena closes: no receipted write is queued from now on, the
+        gather's timer is cancelled, and every background confirm is cancelled and awaited, so
+        none starts or runs on a closed arena (their slots die with this incarnation; the
+        directory frees what no commit named)."""
+        with self._later_lock:
+            self._later_stopped = True
+            self._later = []
+        if self._later_timer is not None:
+            self._later_timer.cancel()
+            self._later_timer = None
+        for later in self._later_tasks:
+            later.cancel()
+        await asyncio.gather(*self._later_tasks, return_exceptions=True)
 
     async def _confirm_in_background(self, items: list[tuple[m.WriteTicket, int, int, str]]) -> None:
         """Confirm receipted writes until the directory gives each a verdict: `ok` keeps the slot
