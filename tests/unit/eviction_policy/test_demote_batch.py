@@ -223,3 +223,59 @@ def test_the_lookups_learn_the_shard_map_first(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(directory, "refresh", refresh)
     asyncio.run(sh._evict(batch))
     assert sh.demotions == {"demoted": 3} and len(seg.requests) == 1
+
+
+class SlowDirectory(FakeDirectory):
+    """`show_group` answered after a pause; counts the most requests in flight at once."""
+
+    def __init__(self, members: dict[bytes, int], size: int) -> None:
+        super().__init__(members, size)
+        self.in_flight = self.most_in_flight = self.shown = 0
+
+    async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any) -> Any:
+        if verb != "show_group":
+            return await super().ask(shard, verb, message, timeout_s, **kw)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(0.005)
+            self.shown += 1
+            return await super().ask(shard, verb, message, timeout_s, **kw)
+        finally:
+            self.in_flight -= 1
+
+
+def test_a_batch_s_victims_are_listed_concurrently_and_boundedly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's `show_group` requests go SHOW_IN_FLIGHT_MAX at a time, not one round trip after
+    another (20 victims: 20 sequential round trips before); every victim still demoted once."""
+    sh, batch, directory, seg = setup(monkeypatch, groups=20)
+    slow = SlowDirectory(directory.members, directory.size)
+    sh._router = slow
+    asyncio.run(sh._evict(batch))
+    assert slow.shown == 20
+    assert 1 < slow.most_in_flight <= shell.SHOW_IN_FLIGHT_MAX
+    assert sh.demotions == {"demoted": 20}
+    assert sum(len(r.objects) for r in seg.requests) == 20
+    sh.core.check_invariants()
+
+
+def test_a_listing_that_fails_cools_only_its_own_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One victim's `show_group` answered `busy` while the others' are listed concurrently: that
+    victim is cooled down (`error_busy`), the rest demoted."""
+    sh, batch, directory, _seg = setup(monkeypatch, groups=6)
+    order = [v for v in batch.victims if isinstance(v, bytes)]
+    failing = sh._group_ids[order[2]]
+
+    class Failing(SlowDirectory):
+        async def ask(
+            self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any
+        ) -> Any:
+            if verb == "show_group" and isinstance(message, m.ShowGroup) and message.group == failing:
+                raise Busy("try later")
+            return await super().ask(shard, verb, message, timeout_s, **kw)
+
+    sh._router = Failing(directory.members, directory.size)
+    asyncio.run(sh._evict(batch))
+    assert sh.demotions == {"demoted": 5, "error_busy": 1}
+    assert order[2] in sh.core and not sh.core.is_evicting(order[2])
+    sh.core.check_invariants()

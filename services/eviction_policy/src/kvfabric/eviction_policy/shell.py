@@ -117,6 +117,9 @@ EVENTS_FETCH_MAX: Final = 512  # events per fetch: the follower's memory bound
 EVENTS_FETCH_WAIT_S: Final = 1.0
 EVENTS_LINGER_S: Final = 0.05  # at the stream's end, events gather this long into one pull
 RETRY_S: Final = 0.5
+# `show_group` requests of one demotion pass in flight (a batch's victims and their ancestors are
+# listed concurrently, not one round trip after another; the directory bounds each tenant's too).
+SHOW_IN_FLIGHT_MAX: Final = 8
 
 
 class _Fetcher(Protocol):
@@ -396,17 +399,18 @@ class EvictionShell(GroupRecords):
             await self._dir().known_shards()  # the lookups' shards (`shard_of` needs the map)
         if not await self._heads_on_disk(segment_id, chains, handled):
             return handled  # the disk is full: the rest is dropped
+        listings = await self._show_many([c for c in chains if c not in handled and self.core.is_evicting(c)])
         for chain in chains:
             if chain in handled:
                 continue  # an ancestor could not be copied: cooled down
-            if not self.core.is_evicting(chain):
+            if not self.core.is_evicting(chain) or chain not in listings:
                 handled.add(chain)  # an event overtook us (removed, segment down)
                 continue
-            try:
-                objects, nbytes = await self._demote_objects(segment_id, chain)
-            except KvfError as exc:
-                self._demote_outcome(chain, f"error_{exc.code}", handled)
+            listing = listings[chain]
+            if isinstance(listing, KvfError):
+                self._demote_outcome(chain, f"error_{listing.code}", handled)
                 continue
+            objects, nbytes = _arena_objects(segment_id, listing)
             if not objects:  # its arena replicas there are gone already (an earlier demotion)
                 self._moved(chain, segment_id, self._driver.now_ms())
                 self._demote_outcome(chain, "demoted", handled)
@@ -445,16 +449,28 @@ class EvictionShell(GroupRecords):
                     out.append((key, obj))
         return out
 
-    async def _demote_objects(self, segment_id: str, chain: bytes) -> tuple[list[DemoteObject], int]:
-        """A victim group's arena replicas on `segment_id` (`show_group`), and their bytes."""
-        objects: list[DemoteObject] = []
-        nbytes = 0
-        for key, obj in await self._show(chain):
-            for r in obj.replicas:
-                if r.segment_id == segment_id and tier_of_slot(r.slot) == "dram":
-                    objects.append(DemoteObject(key, r.slot, r.slot_generation))
-                    nbytes += obj.size_bytes
-        return objects, nbytes
+    async def _show_many(
+        self, chains: list[bytes]
+    ) -> dict[bytes, list[tuple[ObjectKey, m.ObjectLocation]] | KvfError]:
+        """`_show` of every chain, at most `SHOW_IN_FLIGHT_MAX` at once: per chain its listing,
+        or the `KvfError` it got. Every request ends before this returns (any other error is
+        raised once all have)."""
+        gate = asyncio.Semaphore(SHOW_IN_FLIGHT_MAX)
+
+        async def one(chain: bytes) -> list[tuple[ObjectKey, m.ObjectLocation]] | KvfError:
+            async with gate:
+                try:
+                    return await self._show(chain)
+                except KvfError as exc:
+                    return exc
+
+        answers = await asyncio.gather(*(one(c) for c in chains), return_exceptions=True)
+        out: dict[bytes, list[tuple[ObjectKey, m.ObjectLocation]] | KvfError] = {}
+        for chain, answer in zip(chains, answers, strict=True):
+            if isinstance(answer, BaseException) and not isinstance(answer, KvfError):
+                raise answer
+            out[chain] = answer
+        return out
 
     # ---- whole prefixes on disk ------------------------------------------------------------------
 
@@ -491,11 +507,11 @@ class EvictionShell(GroupRecords):
         copies: dict[str, list[tuple[bytes, list[DemoteObject]]]] = {}  # segment -> (ancestor, objects)
         sizes: dict[bytes, int] = {}  # ancestor -> its bytes copied
         outcome: dict[bytes, str] = {}  # ancestor -> its copy's outcome
+        listings = await self._show_many(list(needed))
         for ancestor in needed:
-            try:
-                listing = await self._show(ancestor)
-            except KvfError as exc:
-                outcome[ancestor] = f"error_{exc.code}"
+            listing = listings[ancestor]
+            if isinstance(listing, KvfError):
+                outcome[ancestor] = f"error_{listing.code}"
                 continue
             if self._learn_disk_copies(ancestor, listing):
                 outcome[ancestor] = "on_disk"  # a copy the records missed (a replayed stream)
@@ -734,3 +750,18 @@ def _request_parts(
     if part:
         parts.append(part)
     return parts
+
+
+def _arena_objects(
+    segment_id: str, listing: list[tuple[ObjectKey, m.ObjectLocation]]
+) -> tuple[list[DemoteObject], int]:
+    """A victim group's arena replicas on `segment_id` (from its `show_group` listing), and
+    their bytes."""
+    objects: list[DemoteObject] = []
+    nbytes = 0
+    for key, obj in listing:
+        for r in obj.replicas:
+            if r.segment_id == segment_id and tier_of_slot(r.slot) == "dram":
+                objects.append(DemoteObject(key, r.slot, r.slot_generation))
+                nbytes += obj.size_bytes
+    return objects, nbytes
