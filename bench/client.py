@@ -436,8 +436,14 @@ def wait_arena_faulted(shm_dir: Path, name_prefix: str, size_bytes: int, timeout
         if now_held != held:
             held, still_since = now_held, time.monotonic()
         elif time.monotonic() - still_since > STILL_S:
+            if not arenas:
+                print(
+                    f"warning: no arena {shm_dir}/{name_prefix}*: not waiting for its prefault",
+                    file=sys.stderr,
+                )
             return
         time.sleep(0.1)
+    print(f"warning: the arena's prefault did not end within {timeout_s:.0f} s", file=sys.stderr)
 
 
 class Workers:

@@ -32,9 +32,8 @@ def test_a_segment_started_first_registers_once_a_directory_leads(nats_server: N
     try:
         segment.wait_for_event("register_retry", 20.0)  # no directory yet: it waits
         with directory_process(nats_server):
-            segment.wait_for_event("segment_started", 30.0)
+            started = segment.wait_for_event("segment_started", 30.0)
         segment.wait_for_event("arena_prefaulted", 30.0)
-        (arena,) = [p for p in Path("/dev/shm").glob(f"kvf-{segment_id}-*") if not p.name.endswith(".slots")]
-        assert arena.stat().st_blocks * 512 >= ARENA_BYTES
+        assert Path(started["arena"]).stat().st_blocks * 512 >= ARENA_BYTES
     finally:
         segment.stop(timeout_s=10.0)

@@ -5,14 +5,17 @@ the prefault thread faults every page in without changing a byte, and stops befo
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from kvfabric.runtime.config import SettingsError
+from kvfabric.segment_storage import arena as arena_module
 from kvfabric.segment_storage.arena import (
+    MADV_POPULATE_WRITE,
     PREFAULT_JOIN_S,
     Arena,
     SegmentIdInUse,
@@ -21,6 +24,7 @@ from kvfabric.segment_storage.arena import (
     remove_stale_arenas,
     unlock_segment_id,
 )
+from kvfabric.segment_storage.settings import load_segment_settings
 
 
 def test_start_removes_only_this_segments_older_incarnations(tmp_path: Path) -> None:
@@ -92,22 +96,40 @@ def _shm_arena(size_bytes: int) -> Arena:
     return Arena(Path("/dev/shm"), f"test-prefault-{os.getpid()}-{time.monotonic_ns()}", 1, size_bytes, 16)
 
 
-def _wait(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+def _populate_supported() -> bool:
+    """MADV_POPULATE_WRITE on one page of a tmpfs map (Linux >= 5.14; not in some sandboxes)."""
+    with mmap.mmap(-1, mmap.PAGESIZE) as probe:
+        try:
+            probe.madvise(MADV_POPULATE_WRITE, 0, mmap.PAGESIZE)
+        except OSError:
+            return False
+    return True
+
+
+needs_populate = pytest.mark.skipif(not _populate_supported(), reason="no MADV_POPULATE_WRITE here")
+
+
+def _wait_prefaulted(arena: Arena, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    thread = arena._prefault_thread
+    while arena.prefaulted_bytes < arena.size_bytes:
+        assert thread is not None and (thread.is_alive() or arena.prefaulted_bytes == arena.size_bytes), (
+            "the prefault thread stopped early (see its log line)"
+        )
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
 
 
+@needs_populate
 def test_prefault_faults_every_page_in_and_changes_no_byte() -> None:
-    size = 64 << 20
+    size = 16 << 20
     arena = _shm_arena(size)
     try:
         assert arena.path.stat().st_blocks * 512 < size  # lazily allocated until touched
         arena.slice(0, 4096)[:] = b"a" * 4096  # written before the prefault starts
         arena.start_prefault()
         arena.slice(size - (1 << 20), 4096)[:] = b"z" * 4096  # and while it runs (a write landing)
-        _wait(lambda: arena.prefaulted_bytes == size)
+        _wait_prefaulted(arena)
         assert arena.path.stat().st_blocks * 512 >= size
         assert bytes(arena.slice(0, 4096)) == b"a" * 4096
         assert bytes(arena.slice(size - (1 << 20), 4096)) == b"z" * 4096
@@ -117,6 +139,7 @@ def test_prefault_faults_every_page_in_and_changes_no_byte() -> None:
     assert not arena.path.exists()
 
 
+@needs_populate
 def test_close_stops_a_prefault_midway_and_waits_for_it() -> None:
     size = 1 << 30  # ~0.7 s of one core to fault in: close() comes long before
     arena = _shm_arena(size)
@@ -129,3 +152,32 @@ def test_close_stops_a_prefault_midway_and_waits_for_it() -> None:
     assert not thread.is_alive()  # joined before the unmap: no madvise can outlive the mapping
     assert arena.prefaulted_bytes < size
     assert not arena.path.exists()
+
+
+def test_no_prefault_when_the_folder_cannot_hold_the_arena(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An arena larger than its folder's free space is not faulted in (that would fill the
+    folder and starve its other users, e.g. co-located clients' staging files): skipped, logged."""
+    arena = Arena(tmp_path, "seg-big", 1, 1 << 20, board_slots=16)
+    full = os.statvfs_result((4096, 4096, 1 << 20, 10, 10, 100, 10, 10, 0, 255))  # 40 KiB free
+    monkeypatch.setattr(arena_module.os, "statvfs", lambda _: full)  # type: ignore[attr-defined]
+    try:
+        arena.start_prefault()
+        assert arena._prefault_thread is None and arena.prefaulted_bytes == 0
+    finally:
+        arena.close()
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, True), ("1", True), ("0", False)])
+def test_the_prefault_setting(value: str | None, expected: bool) -> None:
+    env = {"KVF_SEGMENT_ID": "seg-a", "KVF_CLUSTER_SECRET": "s" * 32}
+    if value is not None:
+        env["KVF_SEGMENT_ARENA_PREFAULT"] = value
+    assert load_segment_settings(env).arena_prefault is expected
+
+
+def test_the_prefault_setting_refuses_other_values() -> None:
+    env = {"KVF_SEGMENT_ID": "seg-a", "KVF_CLUSTER_SECRET": "s" * 32, "KVF_SEGMENT_ARENA_PREFAULT": "2"}
+    with pytest.raises(SettingsError):
+        load_segment_settings(env)

@@ -22,6 +22,10 @@ class SegmentCollector(Collector):
         with backend.lock:
             figures = {
                 "kvfabric_segment_arena_bytes": ("Arena size.", slots.arena_bytes),
+                "kvfabric_segment_arena_prefaulted_bytes": (
+                    "Arena bytes faulted in by the start's prefault so far (KVF_SEGMENT_ARENA_PREFAULT).",
+                    shell.arena.prefaulted_bytes,
+                ),
                 "kvfabric_segment_used_bytes": (
                     "Bytes of live extents (writing, stored, freeing).",
                     slots.used_bytes,
