@@ -279,3 +279,32 @@ def test_a_listing_that_fails_cools_only_its_own_group(monkeypatch: pytest.Monke
     assert sh.demotions == {"demoted": 5, "error_busy": 1}
     assert order[2] in sh.core and not sh.core.is_evicting(order[2])
     sh.core.check_invariants()
+
+
+def test_a_victim_forgotten_while_earlier_listings_are_in_flight_is_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The event follower forgets a later victim (evicted, invalidated) while the first listings
+    are in flight: that victim is dealt with as overtaken, the others demoted. Before, its listing
+    read its group id only once the semaphore let it run: a KeyError ended the policy's ticker,
+    and the batch stayed evicting."""
+    sh, batch, directory, _seg = setup(monkeypatch, groups=12)
+    order = [v for v in batch.victims if isinstance(v, bytes)]
+    late = order[10]  # queued behind the semaphore (8 in flight)
+
+    class Forgetting(SlowDirectory):
+        fired = False
+
+        async def ask(
+            self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any
+        ) -> Any:
+            if verb == "show_group" and not self.fired:
+                self.fired = True
+                sh._forget(late)  # what the follower does for GroupEvicted / GroupInvalidated
+            return await super().ask(shard, verb, message, timeout_s, **kw)
+
+    sh._router = Forgetting(directory.members, directory.size)
+    asyncio.run(sh._evict(batch))
+    assert sh.demotions == {"demoted": 11}
+    assert late not in sh.core
+    sh.core.check_invariants()

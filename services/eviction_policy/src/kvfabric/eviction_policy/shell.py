@@ -97,7 +97,7 @@ from kvfabric.eviction_policy.tiers import (
     ssd_pool_capacity,
 )
 from kvfabric.format.clock import now_ms
-from kvfabric.format.errors import BadRequest, Conflict, KvfError, Unavailable
+from kvfabric.format.errors import BadRequest, Conflict, KvfError, NotFound, Unavailable
 from kvfabric.format.ids import DomainDigest, GroupId, ObjectKey
 from kvfabric.format.key import ChunkGroupId, KVKey
 from kvfabric.proto import directory as m
@@ -428,9 +428,8 @@ class EvictionShell(GroupRecords):
             self._log.info("demoted", segment_id=segment_id, groups=len(handled), **self.demotions)
         return handled
 
-    async def _show(self, chain: bytes) -> list[tuple[ObjectKey, m.ObjectLocation]]:
+    async def _show(self, gid: bytes) -> list[tuple[ObjectKey, m.ObjectLocation]]:
         """A group's objects (object key, where its replicas are), from `show_group`."""
-        gid = self._group_ids[chain]
         router = self._dir()
         listing = await router.ask(
             router.shard_of(gid), "show_group", m.ShowGroup(group=gid), self.request_timeout_s
@@ -453,14 +452,20 @@ class EvictionShell(GroupRecords):
         self, chains: list[bytes]
     ) -> dict[bytes, list[tuple[ObjectKey, m.ObjectLocation]] | KvfError]:
         """`_show` of every chain, at most `SHOW_IN_FLIGHT_MAX` at once: per chain its listing,
-        or the `KvfError` it got. Every request ends before this returns (any other error is
-        raised once all have)."""
+        or the `KvfError` it got (`NotFound` for a chain the records no longer hold). Each chain's
+        group id is read now: the event follower may forget a chain while earlier listings are
+        in flight, and the caller re-checks each chain when it uses the listing. Every request
+        ends before this returns (any other error is raised once all have)."""
         gate = asyncio.Semaphore(SHOW_IN_FLIGHT_MAX)
+        gids = {c: self._group_ids.get(c) for c in chains}
 
         async def one(chain: bytes) -> list[tuple[ObjectKey, m.ObjectLocation]] | KvfError:
+            gid = gids[chain]
+            if gid is None:
+                return NotFound("the group is no longer held")
             async with gate:
                 try:
-                    return await self._show(chain)
+                    return await self._show(gid)
                 except KvfError as exc:
                     return exc
 
