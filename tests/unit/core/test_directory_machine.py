@@ -82,7 +82,6 @@ CONFIG = DirectoryConfig(
     free_bytes_granules=8,
     list_scan_groups_max=2,  # listings page often: a page examines at most 2 groups
 )
-TIMEOUT_MS = CONFIG.heartbeat_timeout_ms
 SEGMENTS = {"s0": ("za", "r0"), "s1": ("zb", "r0"), "s2": ("za", "r1")}  # id -> (zone, rack)
 WRITERS = ("a/w0", "a/w1", "b/w2")  # tenant a's two writers share its budgets
 READERS = ("a/r0", "r1")  # a tenant's pins are shortened to tenant_pin_ttl_ms_max
@@ -498,7 +497,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 for mem in list(members):
                     self.drop_member(gid, mem)
         for sid, seg in self.segs.items():
-            if seg.up and now - seg.last_heartbeat_ms > TIMEOUT_MS:
+            if seg.up and now - seg.last_heartbeat_ms > self.config.heartbeat_timeout_ms:
                 self.segment_lost(sid, "heartbeat_timeout")
         for gid, pub in list(self.published.items()):
             if all(self.live(r[0], r[1]) for pm in pub.members.values() for r in pm.replicas):
@@ -632,7 +631,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         assert reply == m.SegmentRegistered(
             epoch=EPOCH,
             heartbeat_interval_ms=self.config.heartbeat_interval_ms,
-            heartbeat_timeout_ms=TIMEOUT_MS,
+            heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
         )
 
     @rule(
@@ -672,7 +671,7 @@ class DirectoryMachine(RuleBasedStateMachine):
     def lose_heartbeat(self, sid: str) -> None:
         """Advance past the heartbeat timeout of one segment while the others keep beating; tick."""
         ups = [x for x, s in self.segs.items() if s.up]
-        self.now = max(self.now, self.segs[sid].last_heartbeat_ms + TIMEOUT_MS + 1)
+        self.now = max(self.now, self.segs[sid].last_heartbeat_ms + self.config.heartbeat_timeout_ms + 1)
         for other in ups:
             if other != sid:
                 self.beat(other, draining=self.segs[other].draining)
@@ -1521,9 +1520,9 @@ class DirectoryMachine(RuleBasedStateMachine):
             + [lz.expires_ms for lz in self.leases.values()]
             + [d for ds in self.heap_deadlines.values() for d in ds]
         )
-        horizon += TIMEOUT_MS + 2 * self.config.free_retry_ms + 1
+        horizon += self.config.heartbeat_timeout_ms + 2 * self.config.free_retry_ms + 1
         for _ in range(100):
-            self.now = min(self.now + TIMEOUT_MS // 2, horizon)
+            self.now = min(self.now + self.config.heartbeat_timeout_ms // 2, horizon)
             for sid, seg in self.segs.items():
                 if seg.up:
                     self.beat(sid, draining=False)
