@@ -1722,3 +1722,30 @@ def test_retried_confirm_of_a_published_replica_is_ok() -> None:
         epoch=EPOCH, results=[m.ConfirmResult(ticket_id=ticket.ticket_id, status="unknown_ticket")]
     )
     core.check_invariants()
+
+
+def test_a_group_whose_latest_writer_aborted_still_expires() -> None:
+    """Found by the machine (fresh-clone CI, 2026-12-02): a group with a member committed late
+    (after its own deadline, before the expiry tick) and a member with a later deadline. The tick
+    pops the early entry; then the later member aborts. The group's members left now have only
+    the early deadline, whose entry is gone: the invariant wanted exactly that entry. The later
+    entry still examines the group at the aborted member's deadline, and it goes then."""
+    state = DirectoryMachine()
+    state.start()
+    state.put_begin(keys=[KEYS[0], KEYS[4]], replicas=0, size=100, ttl=400, writer="a/w0")
+    state.confirm(how="good", pick=0)
+    state.put(
+        first=0, n=1, partial=False, prefix=1, read=False, replicas=0, share="race",
+        size=100, stop="confirm", ttl=100, writers=["a/w0"],
+    )  # fmt: skip
+    state.put_abort(picks=[0], writer="a/w0")
+    state.advance(drain=None, dt=150, renew_ttl=None, skip=None, then_tick=False)
+    state.put_commit(foreign=False, picks=[0], writer="a/w0")  # past its deadline, before the tick
+    state.advance(drain=None, dt=0, renew_ttl=None, skip=None, then_tick=True)
+    state.put_abort(picks=[1], writer="a/w0")  # the member with the later deadline
+    state.check_model()  # the invariant held before too strictly: InvariantViolation here
+    assert len(state.core.building) == 1
+    state.advance(drain=None, dt=300, renew_ttl=None, skip=None, then_tick=True)  # past 400
+    state.check_model()
+    assert len(state.core.building) == 0
+    state.teardown()

@@ -22,13 +22,14 @@ evicting) key `exists`.
 Tickets belong to the writer until its deadline (at most `write_ttl_ms_max`); then the directory
 reclaims them: confirmed slots are freed (the frees table), other reservations released. A group
 whose present members all committed but which never completed is reclaimed once the latest
-writer's deadline has passed.
+writer's deadline has passed (if that writer aborted, at its deadline all the same).
 
 ## Invariants (`check_invariants`)
 1. Every placement of a building member has its ticket, and every ticket names one.
 2. `pending_objects` is the number of building members; the per-tenant pending objects and
    bytes are those of the scoped writers' members (`<tenant>/<writer>`).
-3. Every building member's deadline has an entry in the deadline heap.
+3. Every building group has an entry in the deadline heap at or after its members' latest
+   deadline (so it is examined once they all passed; an aborted member's later entry counts).
 4. No group is both building and published.
 
 ## Bounds
@@ -363,13 +364,18 @@ class WriteTable(WriteBegin, WriteConfirm):
         tickets = set()
         pending_objects: dict[str, int] = {}
         pending_bytes: dict[str, int] = {}
-        queued = set(self._deadlines)
+        queued_until: dict[GroupKey, int] = {}  # group -> its latest queued deadline
+        for deadline, queued_gid in self._deadlines:
+            queued_until[queued_gid] = max(deadline, queued_until.get(queued_gid, deadline))
         for gid, group in self.building.items():
-            # The group's latest deadline is queued: when it passes, every member left has expired
-            # or committed, and the group goes (`_expire_group`). An earlier member's entry may be
-            # gone already: a member that committed before its deadline waits for the others.
+            # An entry at or after the group's latest deadline is queued: when it pops, every
+            # member left has expired or committed, and the group goes (`_expire_group`). An
+            # earlier member's entry may be gone already: a member that committed before its
+            # deadline waits for the others. The entry may be later than the latest deadline of
+            # the members left: one that held it aborted (the group then goes at that deadline,
+            # at most a write lease after its own; found by the directory machine, 2026-12-02).
             latest = max(pm.deadline_ms for pm in group.members.values())
-            invariant((latest, gid) in queued, "a building group never expires")
+            invariant(queued_until.get(gid, latest - 1) >= latest, "a building group never expires")
             for pm in group.members.values():
                 for p in pm.placements:
                     invariant(p.ticket_id in self._tickets, "placement without ticket")
