@@ -132,10 +132,10 @@ def index_groups(s: Stack) -> float:
 
 
 def routed(s: Stack, trace: str) -> dict[str, Any]:
-    for ev in s.router.events():
-        if ev.get("event") == "request_routed" and ev.get("trace_id") == trace:
-            return ev
-    raise AssertionError(f"no request_routed line for {trace}")
+    """The router's `request_routed` line of `trace`: waited for, since the router's log reaches
+    the test through a reader thread that may not have read it when the response is back (a
+    fresh-clone CI run, 2026-12-02, failed on reading it at once)."""
+    return s.router.wait_for_event("request_routed", 10.0, trace_id=trace)
 
 
 def test_prefix_stays_on_its_instance_then_spills_to_kvfabric_past_the_break_even(stack: Stack) -> None:
