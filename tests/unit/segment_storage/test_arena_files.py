@@ -5,7 +5,6 @@ the prefault thread faults every page in without changing a byte, and stops befo
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
 from pathlib import Path
@@ -15,7 +14,6 @@ import pytest
 from kvfabric.runtime.config import SettingsError
 from kvfabric.segment_storage import arena as arena_module
 from kvfabric.segment_storage.arena import (
-    MADV_POPULATE_WRITE,
     PREFAULT_JOIN_S,
     Arena,
     SegmentIdInUse,
@@ -96,19 +94,6 @@ def _shm_arena(size_bytes: int) -> Arena:
     return Arena(Path("/dev/shm"), f"test-prefault-{os.getpid()}-{time.monotonic_ns()}", 1, size_bytes, 16)
 
 
-def _populate_supported() -> bool:
-    """MADV_POPULATE_WRITE on one page of a tmpfs map (Linux >= 5.14; not in some sandboxes)."""
-    with mmap.mmap(-1, mmap.PAGESIZE) as probe:
-        try:
-            probe.madvise(MADV_POPULATE_WRITE, 0, mmap.PAGESIZE)
-        except OSError:
-            return False
-    return True
-
-
-needs_populate = pytest.mark.skipif(not _populate_supported(), reason="no MADV_POPULATE_WRITE here")
-
-
 def _wait_prefaulted(arena: Arena, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     thread = arena._prefault_thread
@@ -120,7 +105,6 @@ def _wait_prefaulted(arena: Arena, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-@needs_populate
 def test_prefault_faults_every_page_in_and_changes_no_byte() -> None:
     size = 16 << 20
     arena = _shm_arena(size)
@@ -139,7 +123,6 @@ def test_prefault_faults_every_page_in_and_changes_no_byte() -> None:
     assert not arena.path.exists()
 
 
-@needs_populate
 def test_close_stops_a_prefault_midway_and_waits_for_it() -> None:
     size = 1 << 30  # ~0.7 s of one core to fault in: close() comes long before
     arena = _shm_arena(size)

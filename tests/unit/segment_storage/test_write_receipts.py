@@ -294,6 +294,24 @@ def test_receipted_writes_queued_together_wake_the_loop_once() -> None:
     assert len(woken) == 1 and [s for _, s, _, _ in fake._later] == list(range(8))
 
 
+def queue_of_a_shell(loop: asyncio.AbstractEventLoop) -> SimpleNamespace:
+    """What `SegmentShell`'s receipted-write queue reads and writes, on `loop` (its gather the
+    shell's own; `_start_later` left to the test)."""
+    fake = SimpleNamespace(
+        _loop=loop,
+        settings=SimpleNamespace(confirm_later_gather_ms=CONFIRM_LATER_GATHER_MS_DEFAULT),
+        router=object(),
+        _later=[],
+        _later_lock=threading.Lock(),
+        _later_woken=False,
+        _later_timer=None,
+        _later_tasks=set(),
+        _later_stopped=False,
+    )
+    fake._gather_later = lambda: SegmentShell._gather_later(fake)  # type: ignore[arg-type]
+    return fake
+
+
 def test_receipted_writes_are_confirmed_after_the_gather_not_while_the_save_writes() -> None:
     """The loop starts a receipted write's background confirm `confirm_later_gather_ms` after the
     first write of a burst, not at once: that work (a task, futures, the request) delayed the same
@@ -303,17 +321,7 @@ def test_receipted_writes_are_confirmed_after_the_gather_not_while_the_save_writ
 
     async def run() -> tuple[float, float]:
         loop = asyncio.get_running_loop()
-        fake = SimpleNamespace(
-            _loop=loop,
-            settings=SimpleNamespace(confirm_later_gather_ms=CONFIRM_LATER_GATHER_MS_DEFAULT),
-            router=object(),
-            _later=[],
-            _later_lock=threading.Lock(),
-            _later_woken=False,
-            _later_timer=None,
-            _later_stopped=False,
-        )
-        fake._gather_later = lambda: SegmentShell._gather_later(fake)  # type: ignore[arg-type]
+        fake = queue_of_a_shell(loop)
         fired = asyncio.Event()
 
         def start_later() -> None:
@@ -345,18 +353,7 @@ def test_stop_cancels_the_gather_and_the_background_confirms_and_refuses_later_w
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        fake = SimpleNamespace(
-            _loop=loop,
-            settings=SimpleNamespace(confirm_later_gather_ms=CONFIRM_LATER_GATHER_MS_DEFAULT),
-            router=object(),
-            _later=[],
-            _later_lock=threading.Lock(),
-            _later_woken=False,
-            _later_timer=None,
-            _later_tasks=set(),
-            _later_stopped=False,
-        )
-        fake._gather_later = lambda: SegmentShell._gather_later(fake)  # type: ignore[arg-type]
+        fake = queue_of_a_shell(loop)
         fake._start_later = lambda: started.append(len(fake._later))
         running = asyncio.ensure_future(asyncio.sleep(3600))  # a background confirm still asking
         fake._later_tasks.add(running)

@@ -43,10 +43,10 @@ from typing import Final
 
 from kvfabric.dataplane.slotboard import BOARD_SUFFIX, SlotBoard, board_path_of
 from kvfabric.runtime.logs import get_logger
+from kvfabric.segment_storage.ssd_buffers import MADV_POPULATE_WRITE
 
 __all__ = [
     "ARENA_FILE_MODE",
-    "MADV_POPULATE_WRITE",
     "PREFAULT_JOIN_S",
     "Arena",
     "SegmentIdInUse",
@@ -58,7 +58,6 @@ __all__ = [
 
 ARENA_FILE_MODE = 0o600
 LOCK_ATTEMPTS_MAX = 5
-MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14: fault a mapping's pages in, writable, now
 # One madvise: ~3 ms of a core, so close() waits for little even when a busy machine gives the
 # thread (nice 19) a sliver of a core.
 PREFAULT_PIECE_BYTES: Final = 4 << 20
