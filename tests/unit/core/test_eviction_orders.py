@@ -241,3 +241,44 @@ def test_the_sketch_rows_index_independently() -> None:
     for _ in range(5):
         sketch.add(7, halve_every=1 << 20)
     assert sketch.estimate(7) == 5 and sketch.estimate(7 + SKETCH_WIDTH) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["insert", "insert", "hit", "remove"]), st.integers(0, 10_000)),
+        max_size=200,
+    ),
+    capacity=st.integers(1, 12),
+)
+def test_lru_ranks_an_id_that_came_back_by_its_new_life(ops: list[tuple[str, int]], capacity: int) -> None:
+    """LRU through the core with objects also removed outside eviction (invalidated, or moved:
+    the policy shell removes and inserts a group again when its tier changes) and ids coming
+    back: the victim is always the least recently used resident. An id inserted again once
+    carried its previous life's heap entries as live (a per-record version restarting at 1)."""
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=1.0, low_watermark=1.0, batch_max=100))
+    core.set_capacity("p", capacity)
+    last: dict[int, int] = {}
+    for now, (op, pick) in enumerate(ops):
+        if op == "insert":
+            object_id = pick % 20  # ids come back
+            if object_id in last:
+                continue
+            core.insert(object_id, tenant="t", pool="p", size=1, parent=None, chunk_index=0, now_ms=now)
+            last[object_id] = now
+        elif op == "hit" and last:
+            object_id = sorted(last)[pick % len(last)]
+            core.access(object_id, now)
+            last[object_id] = now
+        elif op == "remove" and last:
+            object_id = sorted(last)[pick % len(last)]
+            core.removed(object_id)
+            del last[object_id]
+        expected = sorted(last, key=lambda o: last[o])[: max(0, len(last) - capacity)]
+        effects = core.tick(now)
+        victims = [v for e in effects if isinstance(e, EvictBatch) for v in e.victims]
+        assert victims == expected
+        for victim in expected:
+            core.removed(victim)
+            del last[victim]
+        core.check_invariants()

@@ -146,7 +146,7 @@ class Tracked:
     children_evicting: int = 0  # of those, already chosen as victims
     evicting: bool = False
     cooldown_until_ms: int = 0
-    version: int = 0  # bumps when its priority entry is stale
+    version: int = 0  # its latest heap entry's sequence number (older entries are stale)
     turn: int = 1  # reuse: the prefix's generation (`kvfabric.core.eviction_reuse`)
     prompt_chunks: int = 1  # reuse: chunks of the prompt that wrote it
     density_class: DensityClass = (1, 1)  # density: (namings, length) (`eviction_density`)

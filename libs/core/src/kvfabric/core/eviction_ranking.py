@@ -197,8 +197,12 @@ class LeafRanking:
     def _push(self, object_id: ObjectId, obj: Tracked) -> None:
         if self._order is not None:
             return  # a queue policy keeps its own order
-        obj.version += 1
+        # The version is the push's sequence number, unique over the core's life: an id removed
+        # and inserted again (a republish, a demoted group's move) starts a new record, and its
+        # old entries, still in the heap, must never match it (a per-record count restarting at
+        # 1 did: the record was then ranked by its previous life's priority).
         self._seq += 1
+        obj.version = self._seq
         if self._density is not None:
             entry = (float(obj.last_access_ms), self._seq, obj.version, object_id)
             heapq.heappush(self._class_heaps.setdefault(obj.density_class, []), entry)
