@@ -138,3 +138,54 @@ def test_a_full_arena_does_not_stop_a_disk_ticket() -> None:
     (g,) = groups(1)
     put(core, [key(g)], size=100)
     assert replicate(core, key(g), "ssd").status == "placed"
+
+
+def test_a_copy_that_keeps_its_source_publishes_its_group_again_on_confirm() -> None:
+    """A head copied to disk with its arena replica kept (`keep_source`): no drop follows to
+    publish the group again, so the confirm does, once per group of the request; a demotion's
+    copy (a drop follows) does not, so a demotion still publishes once, at its drop."""
+    core = new_core()
+    register(core, "s1", capacity=1_000)
+    g_copy, g_demote = groups(2)
+    put(core, [key(g_copy), key(g_demote)], size=100)
+    tickets = []
+    for g, keep in ((g_copy, True), (g_demote, False)):
+        reply = core.handle(
+            m.ReplicateBeginMany(
+                writer_id="demote/s1",
+                segment_id="s1",
+                items=[m.ReplicateItem(key=key(g), request_id=f"rb-{keep}", keep_source=keep)],
+                tier="ssd",
+            ),
+            10,
+        ).reply
+        assert isinstance(reply, m.ReplicateBeginManyReply)
+        (placed,) = reply.replies
+        assert placed.ticket is not None
+        tickets.append(placed.ticket)
+    core.check_invariants()
+    out = core.handle(
+        m.ConfirmReplicas(
+            segment_id="s1",
+            incarnation=1,
+            confirms=[
+                m.ReplicaConfirm(
+                    ticket_id=t.ticket_id,
+                    key=t.key,
+                    slot=DISK_SLOT + i,
+                    slot_generation=1,
+                    size_bytes=t.size_bytes,
+                    checksum=t.checksum,
+                )
+                for i, t in enumerate(tickets)
+            ],
+        ),
+        11,
+    )
+    core.check_invariants()
+    assert isinstance(out.reply, m.ConfirmReply) and [r.status for r in out.reply.results] == ["ok", "ok"]
+    (event,) = [e.event for e in out.effects if isinstance(e, EmitEvent)]
+    assert isinstance(event, m.GroupPublished) and event.group == g_copy.chain_hash
+    # both replicas on s1: 200 bytes there, 100 of them on its disk (the policy's two pools)
+    assert event.placements == [m.SegmentBytes("s1", 200)]
+    assert event.disk_placements == [m.SegmentBytes("s1", 100)]

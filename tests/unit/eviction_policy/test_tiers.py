@@ -43,6 +43,27 @@ def test_a_republished_group_moves_pools_and_an_adopted_one_lands_in_the_disk_po
     assert sh.core.used_bytes("s1#ssd") == 70 and sh.core.used_bytes("s1") == 0
 
 
+def test_a_head_copied_to_disk_republished_keeps_its_rank_in_the_arena_pool() -> None:
+    """The directory publishes a copied head again on the copy's confirm (its arena replica
+    kept): the group gains the disk pool and nothing else moves — its place in the arena
+    pool's order included (a re-insert would make the oldest group the newest)."""
+    sh = shell()
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=100), 0)
+    sh.apply(published(1, s1=20), 1)
+    sh.apply(published(2, s1=20), 2)
+    copied = msgspec.structs.replace(
+        published(1, s1=40), disk_placements=[m.SegmentBytes("s1", 20)]
+    )  # both replicas on s1, one on its disk
+    sh.apply(copied, 3)
+    assert sh.core.used_bytes("s1") == 40 and sh.core.used_bytes("s1#ssd") == 20
+    assert sh._held[A + chain(1)][2] == {"s1": 20, "s1#ssd": 20}
+    sh._copied(A + chain(1), "s1", 20)  # the policy's own outcome after the event: no change
+    assert sh.core.used_bytes("s1#ssd") == 20
+    sh.apply(published(3, s1=20), 4)  # 60 > 50 % of 100: the arena pool's victims, oldest first
+    (batch,) = [b for b in sh.core.tick(5) if isinstance(b, EvictBatch) and b.pool == "s1"]
+    assert batch.victims[0] == A + chain(1)
+
+
 def test_disk_pools_and_their_watermark() -> None:
     assert ssd_pool("s1") == "s1#ssd" and is_ssd_pool("s1#ssd") and not is_ssd_pool("s1")
     # the core's high watermark (0.5) of this capacity is 90 % of the disk's bytes

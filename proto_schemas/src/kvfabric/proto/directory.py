@@ -540,6 +540,10 @@ class ReplicateBegin(_Msg, frozen=True, kw_only=True, tag="dir.replicate_begin.v
     # segment copies its own arena replica, `seg.demote`; the confirmed slot must be a disk slot,
     # id from SSD_SLOT_BASE). One replica per (segment, tier); a disk replica reserves no arena bytes.
     tier: Literal["dram", "ssd"] = "dram"
+    # A copy that keeps the replica it was made from (`seg.demote`'s `keep_arena`: a demoted tail's
+    # head copied to disk). No drop follows it to publish the group again, so its confirm does: a
+    # `published` event with the group's tiers now (consumers such as the eviction policy follow).
+    keep_source: bool = False
 
 
 ReplicateStatus = Literal["placed", "not_found", "already_there", "no_capacity", "segment_down"]
@@ -571,6 +575,7 @@ class ReplicaCorrupt(_Msg, frozen=True, kw_only=True, tag="dir.replica_corrupt.v
 class ReplicateItem(msgspec.Struct, frozen=True, kw_only=True):
     key: ObjectKey
     request_id: RequestId
+    keep_source: bool = False  # as `ReplicateBegin.keep_source`
 
 
 class ReplicateBeginMany(_Msg, frozen=True, kw_only=True, tag="dir.replicate_begin_many.v1"):

@@ -23,7 +23,9 @@ objects, each step an existing mechanism, the directory's steps batched per shar
    holds its group (`copied`: both replicas stay, a later demotion drops it) or it is the last
    replica. An object asked with `keep_arena` skips this step: it is `copied` once confirmed
    (or at once when a disk replica is there already) — the policy copies a demoted tail's
-   DRAM-only ancestors that way, so the disk holds whole prefixes (docs/ssd-tier.md). Tickets
+   DRAM-only ancestors that way, so the disk holds whole prefixes (docs/ssd-tier.md). Its
+   ticket says `keep_source`, so its confirm has the directory publish the group again with its
+   disk bytes (no drop follows to do it: a policy that replays the event stream knows the copy). Tickets
    of objects not written (full tier, a failed write, a wrong source) go in one
    `put_abort` per shard, not at their deadline.
 
@@ -227,7 +229,9 @@ class Demoter:
             segment_id=self.segment_id,
             items=[
                 m.ReplicateItem(
-                    key=objects[i].key, request_id=f"demote-{self.incarnation}-{next(self._requests)}"
+                    key=objects[i].key,
+                    request_id=f"demote-{self.incarnation}-{next(self._requests)}",
+                    keep_source=objects[i].keep_arena,  # its confirm then publishes the group again
                 )
                 for i in group
             ],

@@ -3,7 +3,8 @@ prefetch, drain, demotion to a segment's disk tier), and replicas dropped (corru
 
 ## States of a replica ticket (one per (group, member, segment, tier) being copied)
     (absent) --replicate_begin--> COPYING(deadline) --replicate_begin again--> the same ticket
-    COPYING --confirm, bytes match--> (absent; the replica joins the published record)
+    COPYING --confirm, bytes match--> (absent; the replica joins the published record; a
+        `keep_source` copy, which no drop follows, publishes its group again: `republished`)
     COPYING --confirm of other bytes / of an object evicted or lost meanwhile--> (absent; the
         segment frees its copy: `mismatch` / `unknown_ticket`)
     COPYING --put_abort by its writer / deadline passed (tick)--> (absent; reservation released)
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 from kvfabric.core.directory.base import (
@@ -77,6 +78,7 @@ class ReplicaTicket:
     deadline_ms: int
     writer_id: str = ""
     tier: str = "dram"  # "ssd": a copy into the segment's own disk tier (demotion), no arena bytes
+    keep_source: bool = False  # a copy no drop follows: its confirm publishes the group again
 
 
 class ReplicaTable:
@@ -123,6 +125,8 @@ class ReplicaTable:
             if (rt.group, rt.member, rt.placement, rt.tier) == (gid, mem.member, placement, req.tier):
                 # A retry (the first copy failed or its answer was lost): the same ticket again;
                 # whichever copy confirms first wins, a later one gets unknown_ticket and is freed.
+                if req.keep_source and not rt.keep_source:
+                    self.tickets[ticket_id] = rt = replace(rt, keep_source=True)
                 ticket = self._ticket(ticket_id, rt, seg, req.writer_id)
                 return Outcome(
                     m.ReplicateBeginReply(epoch=ctx.epoch, status="placed", ticket=ticket, sources=sources)
@@ -145,6 +149,7 @@ class ReplicaTable:
             deadline,
             req.writer_id,
             req.tier,
+            req.keep_source,
         )
         self.tickets[ticket_id] = rt
         heapq.heappush(self._deadlines, (deadline, ticket_id))
@@ -172,6 +177,7 @@ class ReplicaTable:
                 write_ttl_ms=req.write_ttl_ms,
                 epoch=req.epoch,
                 tier=req.tier,
+                keep_source=item.keep_source,
             )
             reply = self.replicate_begin(one, now_ms).reply
             invariant(isinstance(reply, m.ReplicateBeginReply), "replicate_begin reply type")
@@ -195,8 +201,12 @@ class ReplicaTable:
         )
         return sign_ticket(ticket, self.ctx.config.ticket_secret)
 
-    def confirm(self, req: m.ConfirmReplicas, c: m.ReplicaConfirm) -> m.ConfirmStatus:
-        """A segment stored an extra replica under ticket `c.ticket_id` (one this table holds)."""
+    def confirm(
+        self, req: m.ConfirmReplicas, c: m.ReplicaConfirm, republish: dict[GroupKey, None]
+    ) -> m.ConfirmStatus:
+        """A segment stored an extra replica under ticket `c.ticket_id` (one this table holds). A
+        `keep_source` copy's group goes into `republish` (the caller publishes each once: no drop
+        follows such a copy, so nothing else tells consumers about the group's new tier)."""
         rt = self.tickets.pop(c.ticket_id)
         if self.segments.where(rt.placement) != (req.segment_id, req.incarnation) or (
             c.key,
@@ -218,6 +228,8 @@ class ReplicaTable:
             gid, group, MemberRecord(*mem.member, mem.size_bytes, mem.checksum, (*mem.replicas, replica))
         )
         self.ctx.count("replicas_added_total" if rt.tier == "dram" else "replicas_added_ssd_total")
+        if rt.keep_source:
+            republish[gid] = None
         return "ok"
 
     def abort(self, key: bytes, writer_id: str) -> int:

@@ -5,9 +5,10 @@ A mixin of `WriteTable` (`kvfabric.core.directory.writes`) over `WriteState`.
 
 from __future__ import annotations
 
-from kvfabric.core.directory.base import GENERATION_MAX, SLOT_MAX, Outcome, check_batch
+from kvfabric.core.directory.base import GENERATION_MAX, SLOT_MAX, Effect, Outcome, check_batch
+from kvfabric.core.directory.records import unpack_group
 from kvfabric.core.directory.writes_state import Placement, WriteState
-from kvfabric.format.ids import ObjectKey
+from kvfabric.format.ids import GroupKey, ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
 from kvfabric.proto.tickets import receipt_mac, write_receipt_valid
@@ -24,18 +25,27 @@ class WriteConfirm(WriteState):
         self.ctx.check_epoch(req.epoch)
         check_batch("confirms", len(req.confirms), m.CONFIRM_BATCH_MAX)
         self.segments.live_segment(req.segment_id, req.incarnation)
+        republish: dict[GroupKey, None] = {}  # groups a kept-source copy gave a tier (in order)
         results = [
-            m.ConfirmResult(ticket_id=c.ticket_id, status=self._confirm_one(req, c)) for c in req.confirms
+            m.ConfirmResult(ticket_id=c.ticket_id, status=self._confirm_one(req, c, republish))
+            for c in req.confirms
         ]
-        return Outcome(m.ConfirmReply(epoch=self.ctx.epoch, results=results))
+        effects: list[Effect] = [
+            self.published.republished(gid, unpack_group(self.published.records[gid]))
+            for gid in republish
+            if gid in self.published.records
+        ]
+        return Outcome(m.ConfirmReply(epoch=self.ctx.epoch, results=results), effects)
 
-    def _confirm_one(self, req: m.ConfirmReplicas, c: m.ReplicaConfirm) -> m.ConfirmStatus:
+    def _confirm_one(
+        self, req: m.ConfirmReplicas, c: m.ReplicaConfirm, republish: dict[GroupKey, None]
+    ) -> m.ConfirmStatus:
         if not (0 <= c.slot <= SLOT_MAX and 1 <= c.slot_generation <= GENERATION_MAX):
             self.ctx.count("confirm_mismatch_total")  # no segment hands these out: refuse, keep nothing
             return "mismatch"
         where = self._tickets.get(c.ticket_id)
         if where is None and c.ticket_id in self.replicas:
-            return self.replicas.confirm(req, c)
+            return self.replicas.confirm(req, c, republish)
         if where is None:
             if self.published.is_published_replica(self.segments.find(req.segment_id, req.incarnation), c):
                 # A retried confirm (its first reply was lost) of a replica published since: its
