@@ -248,8 +248,9 @@ class LeafRanking:
                     set_aside.append((cls, entry))
                     continue
                 freed += take(entry[3], candidate)[0]
-            for cls, entry in set_aside:
-                heapq.heappush(self._class_heaps[cls], entry)
+            for cls, entry in set_aside:  # a `take` may have compacted the heaps: its class gone
+                heapq.heappush(self._class_heaps.setdefault(cls, []), entry)
+                self._class_entries += 1
         else:
             passed: list[HeapEntry] = []
             freed = 0
