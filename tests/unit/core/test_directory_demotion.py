@@ -189,3 +189,57 @@ def test_a_copy_that_keeps_its_source_publishes_its_group_again_on_confirm() -> 
     # both replicas on s1: 200 bytes there, 100 of them on its disk (the policy's two pools)
     assert event.placements == [m.SegmentBytes("s1", 200)]
     assert event.disk_placements == [m.SegmentBytes("s1", 100)]
+
+
+def _copy_begin(core: DirectoryCore, k: ObjectKey, tag: str) -> m.WriteTicket:
+    reply = core.handle(
+        m.ReplicateBeginMany(
+            writer_id="demote/s1",
+            segment_id="s1",
+            items=[m.ReplicateItem(key=k, request_id=f"rb-{tag}", keep_source=True)],
+            tier="ssd",
+        ),
+        10,
+    ).reply
+    assert isinstance(reply, m.ReplicateBeginManyReply) and reply.replies[0].ticket is not None
+    return reply.replies[0].ticket
+
+
+def _confirm_events(core: DirectoryCore, ticket: m.WriteTicket, slot: int) -> list[m.GroupPublished]:
+    out = core.handle(
+        m.ConfirmReplicas(
+            segment_id="s1",
+            incarnation=1,
+            confirms=[
+                m.ReplicaConfirm(
+                    ticket_id=ticket.ticket_id,
+                    key=ticket.key,
+                    slot=slot,
+                    slot_generation=1,
+                    size_bytes=ticket.size_bytes,
+                    checksum=ticket.checksum,
+                )
+            ],
+        ),
+        11,
+    )
+    core.check_invariants()
+    assert isinstance(out.reply, m.ConfirmReply) and [r.status for r in out.reply.results] == ["ok"]
+    events = [e.event for e in out.effects if isinstance(e, EmitEvent)]
+    return [e for e in events if isinstance(e, m.GroupPublished)]
+
+
+def test_a_kept_source_copy_is_published_again_only_once_every_member_is_on_that_disk() -> None:
+    """A group of two members (two TP ranks) copied one member at a time: the first confirm
+    leaves the group partly on disk and publishes nothing (a consumer would count a head on
+    disk that a power cycle would not bring back whole); the second publishes it, once."""
+    core = new_core()
+    register(core, "s1", capacity=1_000)
+    (g,) = groups(1, tp_size=2)
+    first, second = key(g, rank=0), key(g, rank=1)
+    put(core, [first, second], size=100)
+    assert _confirm_events(core, _copy_begin(core, first, "a"), DISK_SLOT) == []
+    (event,) = _confirm_events(core, _copy_begin(core, second, "b"), DISK_SLOT + 1)
+    assert event.group == g.chain_hash
+    assert event.placements == [m.SegmentBytes("s1", 400)]
+    assert event.disk_placements == [m.SegmentBytes("s1", 200)]

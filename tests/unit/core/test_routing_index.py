@@ -282,3 +282,31 @@ def test_check_stream_sees_aged_out_and_recreated_streams() -> None:
     assert index.check_stream(12, 20)  # 11 aged out before we read it
     index.resync([], [], at_seq=20)
     assert index.check_stream(1, 4)  # recreated: its sequences restarted below ours
+
+
+def test_a_group_in_a_segments_arena_and_on_its_disk_counts_one_copy() -> None:
+    """A head copied to disk is published again with its segment's placement counting both
+    replicas (arena + disk) and the disk share beside it: one copy's bytes is still the
+    object's size (a doubled figure doubled its transfer time in the TTFT estimate)."""
+    index = RoutingIndex()
+    index.resync([ListedSegment("s0", 1, True), ListedSegment("s1", 1, True)], [], at_seq=0)
+    key = DOMAINS[0] + CHAINS[0]
+
+    def one(placements: dict[str, int], disk: dict[str, int]) -> m.GroupPublished:
+        return m.GroupPublished(
+            group=CHAINS[0],
+            chunk_index=0,
+            members=1,
+            namespace=namespace(DOMAINS[0]),
+            placements=[m.SegmentBytes(s, b) for s, b in placements.items()],
+            disk_placements=[m.SegmentBytes(s, b) for s, b in disk.items()],
+        )
+
+    index.apply(1, one({"s0": 100}, {}))
+    assert [e.copy_bytes for e in index.available_run([key], 0)] == [100]
+    index.apply(2, one({"s0": 200}, {"s0": 100}))  # in s0's arena and on its disk
+    assert [e.copy_bytes for e in index.available_run([key], 0)] == [100]
+    index.apply(3, one({"s0": 100, "s1": 100}, {"s0": 100}))  # on s0's disk only, in s1's arena
+    (entry,) = index.available_run([key], 0)
+    assert (entry.copy_bytes, sorted(entry.replicas)) == (100, ["s0", "s1"])
+    index.check_invariants()

@@ -541,7 +541,8 @@ class ReplicateBegin(_Msg, frozen=True, kw_only=True, tag="dir.replicate_begin.v
     # id from SSD_SLOT_BASE). One replica per (segment, tier); a disk replica reserves no arena bytes.
     tier: Literal["dram", "ssd"] = "dram"
     # A copy that keeps the replica it was made from (`seg.demote`'s `keep_arena`: a demoted tail's
-    # head copied to disk). No drop follows it to publish the group again, so its confirm does: a
+    # head copied to disk; tier "ssd"). No drop follows it to publish the group again, so its
+    # confirm does once every member of the group has its disk replica on that segment: a
     # `published` event with the group's tiers now (consumers such as the eviction policy follow).
     keep_source: bool = False
 

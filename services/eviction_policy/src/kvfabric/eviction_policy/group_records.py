@@ -146,16 +146,19 @@ class GroupRecords:
 
     def _republished(self, key: bytes, pools: dict[str, int], at_ms: int) -> None:
         """A known group with new pools moves there (no access: a republish is not a read). One
-        being demoted right now is left to the demotion's own move. One that only gained disk
-        pools, its others unchanged (a head copied to disk, its arena replica kept: the
-        directory publishes it again on the copy's confirm) is counted there as `_copied` does:
-        the same group, its rank kept."""
+        being demoted right now is left to the demotion's own move. One that only gained whole
+        disk copies, its other pools unchanged (a head copied to disk, its arena replica kept:
+        the directory publishes it again once the copy is whole), is counted there as `_copied`
+        does: the same group, its rank kept."""
         held = self._held.get(key)
         if held is None or held[2] == pools or not pools or self.core.is_evicting(key):
             return
         tenant, chunk_index, before = held
         added = {p: n for p, n in pools.items() if p not in before}
-        if added and all(is_ssd_pool(p) for p in added) and all(pools.get(p) == n for p, n in before.items()):
+        whole_copies = all(
+            is_ssd_pool(p) and before.get(p.removesuffix(SSD_POOL_SUFFIX)) == n for p, n in added.items()
+        )
+        if added and whole_copies and all(pools.get(p) == n for p, n in before.items()):
             for pool, nbytes in added.items():
                 self._copied(key, pool.removesuffix(SSD_POOL_SUFFIX), nbytes)
             return

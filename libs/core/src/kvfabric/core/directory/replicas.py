@@ -4,7 +4,8 @@ prefetch, drain, demotion to a segment's disk tier), and replicas dropped (corru
 ## States of a replica ticket (one per (group, member, segment, tier) being copied)
     (absent) --replicate_begin--> COPYING(deadline) --replicate_begin again--> the same ticket
     COPYING --confirm, bytes match--> (absent; the replica joins the published record; a
-        `keep_source` copy, which no drop follows, publishes its group again: `republished`)
+        `keep_source` copy, which no drop follows, publishes its group again once every member
+        has a replica of that tier on that segment: `republished`, never for a partial copy)
     COPYING --confirm of other bytes / of an object evicted or lost meanwhile--> (absent; the
         segment frees its copy: `mismatch` / `unknown_ticket`)
     COPYING --put_abort by its writer / deadline passed (tick)--> (absent; reservation released)
@@ -202,11 +203,12 @@ class ReplicaTable:
         return sign_ticket(ticket, self.ctx.config.ticket_secret)
 
     def confirm(
-        self, req: m.ConfirmReplicas, c: m.ReplicaConfirm, republish: dict[GroupKey, None]
+        self, req: m.ConfirmReplicas, c: m.ReplicaConfirm, republish: dict[GroupKey, int]
     ) -> m.ConfirmStatus:
         """A segment stored an extra replica under ticket `c.ticket_id` (one this table holds). A
-        `keep_source` copy's group goes into `republish` (the caller publishes each once: no drop
-        follows such a copy, so nothing else tells consumers about the group's new tier)."""
+        `keep_source` copy's group goes into `republish` with the copy's placement (the caller
+        publishes the group once it is whole there: no drop follows such a copy, so nothing
+        else tells consumers about the group's new tier)."""
         rt = self.tickets.pop(c.ticket_id)
         if self.segments.where(rt.placement) != (req.segment_id, req.incarnation) or (
             c.key,
@@ -228,8 +230,8 @@ class ReplicaTable:
             gid, group, MemberRecord(*mem.member, mem.size_bytes, mem.checksum, (*mem.replicas, replica))
         )
         self.ctx.count("replicas_added_total" if rt.tier == "dram" else "replicas_added_ssd_total")
-        if rt.keep_source:
-            republish[gid] = None
+        if rt.keep_source and rt.tier == "ssd":  # a disk copy (the only kind that keeps its source)
+            republish[gid] = rt.placement
         return "ok"
 
     def abort(self, key: bytes, writer_id: str) -> int:

@@ -25,20 +25,29 @@ class WriteConfirm(WriteState):
         self.ctx.check_epoch(req.epoch)
         check_batch("confirms", len(req.confirms), m.CONFIRM_BATCH_MAX)
         self.segments.live_segment(req.segment_id, req.incarnation)
-        republish: dict[GroupKey, None] = {}  # groups a kept-source copy gave a tier (in order)
+        republish: dict[GroupKey, int] = {}  # group -> placement a kept-source copy added to
         results = [
             m.ConfirmResult(ticket_id=c.ticket_id, status=self._confirm_one(req, c, republish))
             for c in req.confirms
         ]
-        effects: list[Effect] = [
-            self.published.republished(gid, unpack_group(self.published.records[gid]))
-            for gid in republish
-            if gid in self.published.records
-        ]
+        effects: list[Effect] = []
+        for gid, placement in republish.items():
+            record = self.published.records.get(gid)
+            if record is None:
+                continue
+            group = unpack_group(record)
+            # Published again only once the copy is whole on that segment's disk: a consumer
+            # (the eviction policy) then counts the group there, and a partial copy is not a
+            # head a tail may be demoted under (its confirms may also come in several requests).
+            if all(
+                any(r.placement == placement and tier_of_slot(r.slot) == "ssd" for r in mem.replicas)
+                for mem in group.members
+            ):
+                effects.append(self.published.republished(gid, group))
         return Outcome(m.ConfirmReply(epoch=self.ctx.epoch, results=results), effects)
 
     def _confirm_one(
-        self, req: m.ConfirmReplicas, c: m.ReplicaConfirm, republish: dict[GroupKey, None]
+        self, req: m.ConfirmReplicas, c: m.ReplicaConfirm, republish: dict[GroupKey, int]
     ) -> m.ConfirmStatus:
         if not (0 <= c.slot <= SLOT_MAX and 1 <= c.slot_generation <= GENERATION_MAX):
             self.ctx.count("confirm_mismatch_total")  # no segment hands these out: refuse, keep nothing
