@@ -189,6 +189,7 @@ def test_a_copy_that_keeps_its_source_publishes_its_group_again_on_confirm() -> 
     # both replicas on s1: 200 bytes there, 100 of them on its disk (the policy's two pools)
     assert event.placements == [m.SegmentBytes("s1", 200)]
     assert event.disk_placements == [m.SegmentBytes("s1", 100)]
+    assert event.group_bytes == 100  # one copy (the placement counts both replicas)
 
 
 def _copy_begin(core: DirectoryCore, k: ObjectKey, tag: str) -> m.WriteTicket:
@@ -243,3 +244,39 @@ def test_a_kept_source_copy_is_published_again_only_once_every_member_is_on_that
     assert event.group == g.chain_hash
     assert event.placements == [m.SegmentBytes("s1", 400)]
     assert event.disk_placements == [m.SegmentBytes("s1", 200)]
+    assert event.group_bytes == 200
+
+
+def test_a_disk_tier_victim_held_in_an_arena_too_loses_only_its_disk_replica() -> None:
+    """`evict` with tier "ssd" (a disk pool's victims): a head copied to disk keeps its arena
+    replica and stays published (`disk_dropped`, its disk slot freed, published again without
+    a disk share); a group on disk only is evicted as ever; a leased one stays whole."""
+    core = new_core()
+    register(core, "s1", capacity=1_000)
+    g_copy, g_disk, g_leased = groups(3)
+    put(core, [key(g_copy), key(g_disk), key(g_leased)], size=100)
+    for i, g in enumerate((g_copy, g_leased)):
+        assert _confirm_events(core, _copy_begin(core, key(g), f"c{i}"), DISK_SLOT + i)
+    demoted = replicate(core, key(g_disk), "ssd")
+    assert demoted.ticket is not None and confirm(core, demoted.ticket, DISK_SLOT + 2) == "ok"
+    listed = lookup(core, [g_disk], now=10, holder="lister")
+    (arena_slot,) = [r.slot for r in listed.objects[0].replicas if tier_of_slot(r.slot) == "dram"]
+    core.handle(m.LeaseRelease(holder_id="lister", lease_id=listed.lease_id), 10)
+    assert drop(core, key(g_disk), arena_slot)[0]  # g_disk: on disk only now
+    lease = lookup(core, [g_leased], now=10, holder="reader-2")
+    out = core.handle(
+        m.Evict(groups=[g_copy.group_id(), g_disk.group_id(), g_leased.group_id()], tier="ssd"), 12
+    )
+    core.check_invariants()
+    assert isinstance(out.reply, m.EvictReply)
+    assert [r.status for r in out.reply.results] == ["disk_dropped", "evicting", "leased"]
+    frees = sorted(s.slot for e in out.effects if isinstance(e, FreeSlots) for s in e.slots)
+    assert frees == [DISK_SLOT, DISK_SLOT + 2]  # the copy's disk slot and the disk-only group's
+    events = [e.event for e in out.effects if isinstance(e, EmitEvent)]
+    (republished,) = [e for e in events if isinstance(e, m.GroupPublished)]
+    assert republished.group == g_copy.chain_hash
+    assert republished.placements == [m.SegmentBytes("s1", 100)] and republished.disk_placements == []
+    assert [e.group for e in events if isinstance(e, m.GroupEvicted)] == [g_disk.chain_hash]
+    hit = lookup(core, [g_copy], now=13)
+    assert [tier_of_slot(r.slot) for r in hit.objects[0].replicas] == ["dram"]  # still readable
+    assert lease.objects and hit.objects

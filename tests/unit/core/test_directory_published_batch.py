@@ -32,6 +32,7 @@ def test_a_commit_of_several_groups_emits_one_event_naming_them_in_order() -> No
     assert [g.group for g in effect.event.groups] == [chain_of(g.to_bytes()) for g in gs]
     assert [g.chunk_index for g in effect.event.groups] == [g.chunk_index for g in gs]
     assert [g.placements for g in effect.event.groups] == [[m.SegmentBytes("s1", 100)]] * 5
+    assert [g.group_bytes for g in effect.event.groups] == [100] * 5  # one copy of each
 
 
 def test_degraded_groups_are_announced_under_replicated_after_the_commits_event() -> None:

@@ -284,29 +284,40 @@ def test_check_stream_sees_aged_out_and_recreated_streams() -> None:
     assert index.check_stream(1, 4)  # recreated: its sequences restarted below ours
 
 
-def test_a_group_in_a_segments_arena_and_on_its_disk_counts_one_copy() -> None:
-    """A head copied to disk is published again with its segment's placement counting both
-    replicas (arena + disk) and the disk share beside it: one copy's bytes is still the
-    object's size (a doubled figure doubled its transfer time in the TTFT estimate)."""
+def test_a_groups_copy_bytes_come_from_the_event_not_a_placement() -> None:
+    """One copy's bytes are the group's (`group_bytes`), not a segment's placement: a head copied
+    to disk counts both its replicas there (200 for a 100-byte group), a group split across a
+    segment's tiers (one member in the arena, one on disk) counts each member once (200 for a
+    200-byte group: the placements alone cannot tell the two apart), and a group whose members
+    were placed apart holds less than a copy on each segment. An older directory's event (no
+    `group_bytes`) falls back to the largest placement."""
     index = RoutingIndex()
     index.resync([ListedSegment("s0", 1, True), ListedSegment("s1", 1, True)], [], at_seq=0)
     key = DOMAINS[0] + CHAINS[0]
 
-    def one(placements: dict[str, int], disk: dict[str, int]) -> m.GroupPublished:
+    def event(placements: dict[str, int], disk: dict[str, int], group_bytes: int) -> m.GroupPublished:
         return m.GroupPublished(
             group=CHAINS[0],
             chunk_index=0,
-            members=1,
+            members=2,
             namespace=namespace(DOMAINS[0]),
             placements=[m.SegmentBytes(s, b) for s, b in placements.items()],
             disk_placements=[m.SegmentBytes(s, b) for s, b in disk.items()],
+            group_bytes=group_bytes,
         )
 
-    index.apply(1, one({"s0": 100}, {}))
-    assert [e.copy_bytes for e in index.available_run([key], 0)] == [100]
-    index.apply(2, one({"s0": 200}, {"s0": 100}))  # in s0's arena and on its disk
-    assert [e.copy_bytes for e in index.available_run([key], 0)] == [100]
-    index.apply(3, one({"s0": 100, "s1": 100}, {"s0": 100}))  # on s0's disk only, in s1's arena
-    (entry,) = index.available_run([key], 0)
-    assert (entry.copy_bytes, sorted(entry.replicas)) == (100, ["s0", "s1"])
+    def copy_bytes() -> int:
+        (entry,) = index.available_run([key], 0)
+        return entry.copy_bytes
+
+    index.apply(1, event({"s0": 100}, {}, 100))
+    assert copy_bytes() == 100
+    index.apply(2, event({"s0": 200}, {"s0": 100}, 100))  # in s0's arena and on its disk
+    assert copy_bytes() == 100
+    index.apply(3, event({"s0": 200}, {"s0": 100}, 200))  # one member in the arena, one on disk
+    assert copy_bytes() == 200
+    index.apply(4, event({"s0": 100, "s1": 100}, {}, 200))  # its two members on two segments
+    assert copy_bytes() == 200
+    index.apply(5, event({"s0": 300}, {}, 0))  # an older directory: the largest placement
+    assert copy_bytes() == 300
     index.check_invariants()

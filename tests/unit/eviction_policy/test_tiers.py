@@ -64,6 +64,23 @@ def test_a_head_copied_to_disk_republished_keeps_its_rank_in_the_arena_pool() ->
     assert batch.victims[0] == A + chain(1)
 
 
+def test_a_copied_heads_republish_that_shows_an_unannounced_arena_copy_keeps_its_rank() -> None:
+    """A prefetch's arena copy is never announced; the copy's republish then shows it too: the
+    group gains both pools, its rank kept."""
+    sh = shell()
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=100), 0)
+    sh.apply(m.SegmentUp(segment_id="s2", incarnation=1, capacity_bytes=1000), 0)
+    sh.apply(published(1, s1=20), 1)
+    sh.apply(published(2, s1=20), 2)
+    copied = msgspec.structs.replace(published(1, s1=40, s2=20), disk_placements=[m.SegmentBytes("s1", 20)])
+    sh.apply(copied, 3)
+    assert sh._held[A + chain(1)][2] == {"s1": 20, "s2": 20, "s1#ssd": 20}
+    assert sh.core.used_bytes("s2") == 20 and sh.core.used_bytes("s1#ssd") == 20
+    sh.apply(published(3, s1=20), 4)
+    (batch,) = [b for b in sh.core.tick(5) if isinstance(b, EvictBatch) and b.pool == "s1"]
+    assert batch.victims[0] == A + chain(1)
+
+
 def test_disk_pools_and_their_watermark() -> None:
     assert ssd_pool("s1") == "s1#ssd" and is_ssd_pool("s1#ssd") and not is_ssd_pool("s1")
     # the core's high watermark (0.5) of this capacity is 90 % of the disk's bytes

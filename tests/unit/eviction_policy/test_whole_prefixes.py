@@ -52,14 +52,19 @@ class FakeDirectory(DirectoryRouter):
         raise AssertionError("the map is known")
 
     async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **_: Any) -> Any:
-        if verb == "evict":
+        if verb == "evict":  # tier "ssd": a group in the arena too loses only its disk replica
             assert isinstance(message, m.Evict)
-            self.cluster.evicted += message.groups
+            results = []
             for g in message.groups:
+                tiers = self.cluster.tiers.get(g, set())
+                if message.tier == "ssd" and tiers == {"dram", "ssd"}:
+                    tiers.discard("ssd")
+                    results.append(m.EvictResult(group=g, status="disk_dropped"))
+                    continue
+                self.cluster.evicted.append(g)
                 self.cluster.tiers.pop(g, None)
-            return m.EvictReply(
-                epoch=1, results=[m.EvictResult(group=g, status="evicting") for g in message.groups]
-            )
+                results.append(m.EvictResult(group=g, status="evicting"))
+            return m.EvictReply(epoch=1, results=results)
         assert verb == "show_group" and isinstance(message, m.ShowGroup)
         group = ChunkGroupId.from_bytes(message.group)
         tiers = self.cluster.tiers[message.group]
@@ -162,6 +167,36 @@ def test_a_head_that_stays_in_dram_is_copied_to_disk_before_its_tails_go(
     assert len(cluster.requests) == 3 and not any(o.keep_arena for o in cluster.requests[2].objects)
     assert sh.core.used_bytes("s1") == 0 and sh.core.used_bytes("s1#ssd") == 6 * SIZE  # not 7
     assert cluster.on_disk_without_its_head() == []
+    sh.core.check_invariants()
+
+
+def test_a_copied_head_chosen_by_its_disk_pool_keeps_its_arena_replica(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once every tail of a copied head is on disk the head is a leaf of the disk pool too, and
+    may be its victim: its disk tails go (evicted) and so does its disk copy, but its arena
+    replica stays (`evict` tier "ssd" -> `disk_dropped`): the head is resident in its arena pool
+    as before (it was evicted from both tiers)."""
+    sh, cluster = setup(monkeypatch)
+    head = A + chain(1)
+    sh.core.set_capacity("s1", 40)  # 60 > 20: down to 10, all five tails
+    batch = watermark_batch(sh, 10)
+    assert head not in batch.victims and len(batch.victims) == 5
+    asyncio.run(sh._evict(batch))
+    assert cluster.tiers[sh._group_ids[head]] == {"dram", "ssd"}
+    sh.core.set_capacity("s1#ssd", 40)  # 60 > 20: the disk pool's own victims
+    now = sh._driver.now_ms()
+    (disk_batch,) = sh.core.tick(now)
+    assert isinstance(disk_batch, EvictBatch) and disk_batch.pool == "s1#ssd" and head in disk_batch.victims
+    asyncio.run(sh._evict(disk_batch))
+    assert cluster.tiers == {sh._group_ids[head]: {"dram"}}  # the tails evicted, the head in DRAM
+    assert cluster.evicted[-1] != sh._group_ids[head]
+    assert head in sh.core and not sh.core.is_evicting(head)
+    assert sh._held[head][2] == {"s1": SIZE}
+    for i in range(2, 7):  # the directory's events for the tails (one the core had not chosen)
+        sh.apply(m.GroupEvicted(group=chain(i), reason="watermark", domain=A), now)
+    assert sh.core.used_bytes("s1") == SIZE and sh.core.used_bytes("s1#ssd") == 0
+    assert sh.demotions["disk_dropped"] == 1
     sh.core.check_invariants()
 
 

@@ -489,9 +489,13 @@ class Evict(_Msg, frozen=True, kw_only=True, tag="dir.evict.v1"):
     groups: list[GroupId]
     reason: str = "policy"
     epoch: int = 0
+    # "ssd": a disk tier's victims (the eviction policy's `<segment>#ssd` pools). A group that
+    # every member also holds in a live arena loses only its disk replicas (`disk_dropped`: it
+    # stays published, and is published again with its tiers); any other group is evicted.
+    tier: Literal["all", "ssd"] = "all"
 
 
-EvictStatus = Literal["evicting", "leased", "pinned", "not_found", "not_published"]
+EvictStatus = Literal["evicting", "leased", "pinned", "not_found", "not_published", "disk_dropped"]
 
 
 class EvictResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -790,6 +794,9 @@ class GroupPublished(_Msg, frozen=True, kw_only=True, tag="dir.ev.published.v1")
     # again when its placements change tier: its arena replicas dropped after a demotion, or its
     # disk replicas adopted by a rebuild (docs/ssd-tier.md); a consumer updates what it knows.
     disk_placements: list[SegmentBytes] = msgspec.field(default_factory=list)
+    # One copy of the group: its members' sizes summed (a segment's placement may count two
+    # replicas of a member, arena and disk, or hold some members only). 0: an older directory.
+    group_bytes: int = 0
 
 
 class GroupsPublished(_Msg, frozen=True, kw_only=True, tag="dir.ev.published_many.v1"):

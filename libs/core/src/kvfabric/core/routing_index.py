@@ -100,14 +100,6 @@ def group_key(domain: bytes, chain: bytes) -> GroupKey:
     return pack_group_key(DomainDigest(domain), ChainHash(chain))
 
 
-def _one_copy(placement: m.SegmentBytes, disk_placements: list[m.SegmentBytes]) -> int:
-    """One copy's bytes of a group on `placement`'s segment: it may hold the group in its arena
-    and on its disk at once (a head copied to disk), and its placement then counts both."""
-    disk = sum(d.bytes for d in disk_placements if d.segment_id == placement.segment_id)
-    on_disk = min(placement.bytes, disk)
-    return max(placement.bytes - on_disk, on_disk)
-
-
 @dataclass(slots=True)
 class GroupEntry:
     chunk_index: int
@@ -204,7 +196,9 @@ class RoutingIndex:
             self.counters["events_foreign"] += 1
             return
         key = group_key(domain_in_id(event.namespace), event.group)
-        copy_bytes = max((_one_copy(p, event.disk_placements) for p in event.placements), default=0)
+        # One copy's bytes (an older directory sends none: the largest placement, which a
+        # segment holding a member twice, arena and disk, overstates)
+        copy_bytes = event.group_bytes or max((p.bytes for p in event.placements), default=0)
         self._set(key, event.chunk_index, copy_bytes, {p.segment_id for p in event.placements})
 
     def _set(self, key: GroupKey, chunk_index: int, copy_bytes: int, segments: set[str]) -> None:

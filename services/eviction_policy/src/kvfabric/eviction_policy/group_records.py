@@ -146,21 +146,25 @@ class GroupRecords:
 
     def _republished(self, key: bytes, pools: dict[str, int], at_ms: int) -> None:
         """A known group with new pools moves there (no access: a republish is not a read). One
-        being demoted right now is left to the demotion's own move. One that only gained whole
-        disk copies, its other pools unchanged (a head copied to disk, its arena replica kept:
-        the directory publishes it again once the copy is whole), is counted there as `_copied`
-        does: the same group, its rank kept."""
+        being demoted right now is left to the demotion's own move. One that only gained pools,
+        its others unchanged — a head copied to disk, its arena replica kept (the directory
+        publishes it again once the copy is whole), and maybe an arena copy the policy was not
+        told of (a prefetch's) — is counted in them as `_copied` does: the same group, its rank
+        kept. A disk pool is such only when it holds the whole of that segment's arena bytes."""
         held = self._held.get(key)
         if held is None or held[2] == pools or not pools or self.core.is_evicting(key):
             return
         tenant, chunk_index, before = held
         added = {p: n for p, n in pools.items() if p not in before}
         whole_copies = all(
-            is_ssd_pool(p) and before.get(p.removesuffix(SSD_POOL_SUFFIX)) == n for p, n in added.items()
+            not is_ssd_pool(p) or pools.get(p.removesuffix(SSD_POOL_SUFFIX)) == n for p, n in added.items()
         )
         if added and whole_copies and all(pools.get(p) == n for p, n in before.items()):
             for pool, nbytes in added.items():
-                self._copied(key, pool.removesuffix(SSD_POOL_SUFFIX), nbytes)
+                if is_ssd_pool(pool):
+                    self._copied(key, pool.removesuffix(SSD_POOL_SUFFIX), nbytes)
+                elif self.core.add_pool(key, pool, nbytes):
+                    before[pool] = nbytes
             return
         self.core.removed(key)
         parent = self._core_parent(key, pools)
@@ -240,6 +244,30 @@ class GroupRecords:
         parent = self._core_parent(chain, pools)
         self.core.insert(
             chain, tenant=tenant, pools=pools, parent=parent, chunk_index=chunk_index, now_ms=at_ms
+        )
+
+    def _disk_dropped(self, chain: bytes, at_ms: int) -> None:
+        """A disk pool's victim that kept its arena replicas (a head copied to disk, evicted with
+        tier "ssd": the directory freed only its disk replicas): the same group, in its arena
+        pools only, resident again (its rank starts anew, as a demoted group's does)."""
+        held = self._held.get(chain)
+        if held is None or chain not in self.core:
+            return
+        tenant, chunk_index, pools = held
+        for pool in [p for p in pools if is_ssd_pool(p)]:
+            del pools[pool]
+        self.demotions["disk_dropped"] = self.demotions.get("disk_dropped", 0) + 1
+        self.core.removed(chain)
+        if not pools:  # no arena pool known (the records lagged): the event will say where it is
+            self._forget(chain)
+            return
+        self.core.insert(
+            chain,
+            tenant=tenant,
+            pools=pools,
+            parent=self._core_parent(chain, pools),
+            chunk_index=chunk_index,
+            now_ms=at_ms,
         )
 
     def _core_parent(self, key: bytes, pools: dict[str, int]) -> bytes | None:

@@ -35,7 +35,9 @@ event loop):
   into its disk tier and has the directory drop the arena replicas. Each group's outcome is its
   own objects' results (`group_outcome`). A demoted group moves to the pool `<segment>#ssd`
   (capacity from the segment's reply, pressed at `ssd_high_watermark`), whose victims are
-  evicted (dropped from their last tier). A copy kept under a lease (`copied`) or a failure
+  evicted (dropped from their last tier; `evict` tier "ssd": a head copied there that is still
+  in an arena loses only its disk replica, `disk_dropped`, `_disk_dropped`). A copy kept
+  under a lease (`copied`) or a failure
   (of its objects, or of the whole request) cools the group down like a refused eviction; a
   full disk (`no_capacity`) stops demotion for that batch (counted, logged `demotion_stopped`)
   and the groups it refused and those not yet sent are dropped instead, so the arena still
@@ -312,8 +314,10 @@ class EvictionShell(GroupRecords):
             self._log.info("evict_failed", code=exc.code, victims=len(chains))
             self._refused(chains)
             return
+        # A disk pool's victims lose their disk replicas: a head copied there keeps its arena one
+        tier = "ssd" if is_ssd_pool(pool) else "all"
         for shard, shard_chains in by_shard:
-            await self._evict_shard(shard, shard_chains, batch.reason, statuses)
+            await self._evict_shard(shard, shard_chains, batch.reason, statuses, tier)
         self._log.info("evicted", reason=batch.reason, pool=str(batch.pool), **statuses)
 
     async def _by_shard(self, chains: list[bytes]) -> list[tuple[int, list[bytes]]]:
@@ -332,13 +336,12 @@ class EvictionShell(GroupRecords):
         return runs
 
     async def _evict_shard(
-        self, shard: int, chains: list[bytes], reason: str, statuses: dict[str, int]
+        self, shard: int, chains: list[bytes], reason: str, statuses: dict[str, int], tier: str = "all"
     ) -> None:
         groups = [self._group_ids[c] for c in chains]
+        request = m.Evict(groups=groups, reason=reason, tier="ssd" if tier == "ssd" else "all")
         try:
-            reply = await self._dir().ask(
-                shard, "evict", m.Evict(groups=groups, reason=reason), self.request_timeout_s
-            )
+            reply = await self._dir().ask(shard, "evict", request, self.request_timeout_s)
         except KvfError as exc:
             self.evict_requests_failed += 1
             self._log.info("evict_failed", code=exc.code, victims=len(chains), shard=shard)
@@ -353,6 +356,8 @@ class EvictionShell(GroupRecords):
                 continue  # an event overtook the reply (e.g. its segment went down)
             if result.status in ("leased", "pinned"):
                 self.core.refused(chain, at)
+            elif result.status == "disk_dropped":  # in its arena pools only now
+                self._disk_dropped(chain, at)
             else:
                 self._forget(chain)
 

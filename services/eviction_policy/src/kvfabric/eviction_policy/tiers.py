@@ -1,9 +1,10 @@
 """Two tiers in the eviction policy (issue 23): a segment's arena is pool `<segment id>`, its disk
 tier is pool `<segment id>#ssd`. A victim of an arena pool is demoted (moved to that segment's
 disk tier) or dropped, by `demote_or_drop`; a victim of a disk pool is dropped (evicted: its
-last tier). The groups to demote go to the segment several per request (`demote_request_fits`,
-each group's outcome from its own objects' results: `group_outcome`). Pure functions: the shell
-(`shell.py`) does the requests.
+last tier; one still in an arena, a head copied to disk, loses only its disk replica). The
+groups to demote go to the segment several per request (`demote_request_fits`, each group's
+outcome from its own objects' results: `group_outcome`). Pure functions: the shell (`shell.py`)
+does the requests.
 """
 
 from __future__ import annotations

@@ -196,6 +196,7 @@ class PublishedTable:
                 namespace=self._namespaces[group.namespace],
                 placements=[m.SegmentBytes(s, b) for s, b in sorted(held.items())],
                 disk_placements=[m.SegmentBytes(s, b) for s, b in sorted(disk.items())],
+                group_bytes=sum(mem.size_bytes for mem in group.members),
             ),
         )
 
@@ -277,12 +278,14 @@ class PublishedTable:
                 ):
                     results.append(m.EvictResult(group=raw, status="not_found"))  # forged identity
                     continue
-                status = self._evict_one(info.group_id, req.reason, building is not None, effects)
+                status = self._evict_one(info.group_id, req.reason, building is not None, effects, req.tier)
                 results.append(m.EvictResult(group=raw, status=status))
             yield effects
         return m.EvictReply(epoch=self.ctx.epoch, results=results)
 
-    def _evict_one(self, gid: GroupKey, reason: str, building: bool, effects: list[Effect]) -> m.EvictStatus:
+    def _evict_one(
+        self, gid: GroupKey, reason: str, building: bool, effects: list[Effect], tier: str = "all"
+    ) -> m.EvictStatus:
         record = self.records.get(gid)
         if record is None:
             return "not_published" if building or gid in self.frees.evicting else "not_found"
@@ -292,8 +295,10 @@ class PublishedTable:
         if self.pin_count.get(gid):
             self.ctx.count("evict_refused_pinned_total")
             return "pinned"
-        self._remove(gid)
         group = unpack_group(record)
+        if tier == "ssd" and self._drop_disk_replicas(gid, group, effects):
+            return "disk_dropped"
+        self._remove(gid)
         self.frees.start_evicting(gid, group)
         tenant = tenant_of(self._namespaces[group.namespace])
         self.ctx.quotas.add(tenant, 0, -len(group.members))
@@ -306,6 +311,30 @@ class PublishedTable:
         )
         self.frees.forget_if_freed(gid)
         return "evicting"
+
+    def _drop_disk_replicas(self, gid: GroupKey, group: PublishedGroup, effects: list[Effect]) -> bool:
+        """A disk tier's victim that every member also holds in a live arena (a head copied to
+        disk): its disk replicas are freed, the group stays published with the others and is
+        published again with its tiers now. False (nothing changed) when a member has no live
+        arena replica or no disk one: then the group is evicted as a whole."""
+        kept = [tuple(r for r in mem.replicas if tier_of_slot(r.slot) != "ssd") for mem in group.members]
+        if all(len(k) == len(mem.replicas) for k, mem in zip(kept, group.members, strict=True)) or not all(
+            any(self.segments.live(r.placement) for r in k) for k in kept
+        ):
+            return False
+        tenant = tenant_of(self._namespaces[group.namespace])
+        for mem, replicas in zip(group.members, kept, strict=True):
+            for r in mem.replicas:
+                if r not in replicas:
+                    self.frees.free(r, mem.size_bytes, tenant, effects)
+            self.replace_member(
+                gid,
+                unpack_group(self.records[gid]),
+                MemberRecord(*mem.member, mem.size_bytes, mem.checksum, replicas),
+            )
+        self.ctx.count("disk_replicas_evicted_total")
+        effects.append(self.republished(gid, unpack_group(self.records[gid])))
+        return True
 
     # ---- the sweep (invalidation) ----------------------------------------------------------
 

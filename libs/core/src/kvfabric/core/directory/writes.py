@@ -247,6 +247,7 @@ class WriteTable(WriteBegin, WriteConfirm):
                     namespace=building.info.namespace,
                     parent=building.parent,
                     placements=[m.SegmentBytes(s, b) for s, b in sorted(held.items())],
+                    group_bytes=sum(mem.size_bytes for mem in members),
                 ),
             )
         )
