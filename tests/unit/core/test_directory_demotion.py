@@ -253,29 +253,37 @@ def test_a_disk_tier_victim_held_in_an_arena_too_loses_only_its_disk_replica() -
     a disk share); a group on disk only is evicted as ever; a leased one stays whole."""
     core = new_core()
     register(core, "s1", capacity=1_000)
-    g_copy, g_disk, g_leased = groups(3)
-    put(core, [key(g_copy), key(g_disk), key(g_leased)], size=100)
-    for i, g in enumerate((g_copy, g_leased)):
+    g_copy, g_disk, g_leased, g_corrupt = groups(4)
+    put(core, [key(g_copy), key(g_disk), key(g_leased), key(g_corrupt)], size=100)
+    for i, g in enumerate((g_copy, g_leased, g_corrupt)):
         assert _confirm_events(core, _copy_begin(core, key(g), f"c{i}"), DISK_SLOT + i)
+    # g_corrupt's disk copy is found corrupt: no disk replica left, no event the policy follows
+    core.handle(
+        m.ReplicaCorrupt(
+            segment_id="s1", incarnation=1, key=key(g_corrupt), slot=DISK_SLOT + 2, slot_generation=1
+        ),
+        10,
+    )
+    core.check_invariants()
     demoted = replicate(core, key(g_disk), "ssd")
-    assert demoted.ticket is not None and confirm(core, demoted.ticket, DISK_SLOT + 2) == "ok"
+    assert demoted.ticket is not None and confirm(core, demoted.ticket, DISK_SLOT + 3) == "ok"
     listed = lookup(core, [g_disk], now=10, holder="lister")
     (arena_slot,) = [r.slot for r in listed.objects[0].replicas if tier_of_slot(r.slot) == "dram"]
     core.handle(m.LeaseRelease(holder_id="lister", lease_id=listed.lease_id), 10)
     assert drop(core, key(g_disk), arena_slot)[0]  # g_disk: on disk only now
     lease = lookup(core, [g_leased], now=10, holder="reader-2")
-    out = core.handle(
-        m.Evict(groups=[g_copy.group_id(), g_disk.group_id(), g_leased.group_id()], tier="ssd"), 12
-    )
+    victims = [g_copy.group_id(), g_disk.group_id(), g_leased.group_id(), g_corrupt.group_id()]
+    out = core.handle(m.Evict(groups=victims, tier="ssd"), 12)
     core.check_invariants()
     assert isinstance(out.reply, m.EvictReply)
-    assert [r.status for r in out.reply.results] == ["disk_dropped", "evicting", "leased"]
+    assert [r.status for r in out.reply.results] == ["disk_dropped", "evicting", "leased", "disk_dropped"]
     frees = sorted(s.slot for e in out.effects if isinstance(e, FreeSlots) for s in e.slots)
-    assert frees == [DISK_SLOT, DISK_SLOT + 2]  # the copy's disk slot and the disk-only group's
+    assert frees == [DISK_SLOT, DISK_SLOT + 3]  # the copy's disk slot and the disk-only group's
     events = [e.event for e in out.effects if isinstance(e, EmitEvent)]
-    (republished,) = [e for e in events if isinstance(e, m.GroupPublished)]
-    assert republished.group == g_copy.chain_hash
-    assert republished.placements == [m.SegmentBytes("s1", 100)] and republished.disk_placements == []
+    republished = [e for e in events if isinstance(e, m.GroupPublished)]
+    # g_corrupt stays in its arena (nothing to free) and is published again: the policy learns
+    assert [e.group for e in republished] == [g_copy.chain_hash, g_corrupt.chain_hash]
+    assert all(e.placements == [m.SegmentBytes("s1", 100)] and e.disk_placements == [] for e in republished)
     assert [e.group for e in events if isinstance(e, m.GroupEvicted)] == [g_disk.chain_hash]
     hit = lookup(core, [g_copy], now=13)
     assert [tier_of_slot(r.slot) for r in hit.objects[0].replicas] == ["dram"]  # still readable

@@ -81,6 +81,28 @@ def test_a_copied_heads_republish_that_shows_an_unannounced_arena_copy_keeps_its
     assert batch.victims[0] == A + chain(1)
 
 
+def test_a_tail_on_disk_given_an_arena_copy_again_takes_its_parent_back() -> None:
+    """A tail on disk only has no parent in the core (`_core_parent`); a republish that adds an
+    arena pool to it (a promotion, a rebuild) is a move, not an addition: its parent comes back,
+    so its head is no arena victim before it (review of 5301453)."""
+    sh = shell()
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=100), 0)
+    sh.apply(published(1, s1=20), 1)
+    sh.apply(published(2, parent=1, s1=20), 2)
+    tail = A + chain(2)
+    on_disk = msgspec.structs.replace(
+        published(2, parent=1, s1=20), disk_placements=[m.SegmentBytes("s1", 20)]
+    )
+    sh.apply(on_disk, 3)  # demoted
+    both = msgspec.structs.replace(published(2, parent=1, s1=40), disk_placements=[m.SegmentBytes("s1", 20)])
+    sh.apply(both, 4)  # an arena copy again
+    assert sh._held[tail][2] == {"s1": 20, "s1#ssd": 20}
+    sh.apply(published(3, s1=20), 5)
+    sh.apply(published(4, s1=20), 6)  # 80 > 50 % of 100: the arena pool's victims
+    (batch,) = [b for b in sh.core.tick(7) if isinstance(b, EvictBatch) and b.pool == "s1"]
+    assert batch.victims.index(tail) < batch.victims.index(A + chain(1))
+
+
 def test_disk_pools_and_their_watermark() -> None:
     assert ssd_pool("s1") == "s1#ssd" and is_ssd_pool("s1#ssd") and not is_ssd_pool("s1")
     # the core's high watermark (0.5) of this capacity is 90 % of the disk's bytes

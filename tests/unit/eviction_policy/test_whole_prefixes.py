@@ -34,6 +34,7 @@ class Cluster:
     parent: dict[bytes, bytes] = field(default_factory=dict)
     requests: list[DemoteRequest] = field(default_factory=list)
     evicted: list[bytes] = field(default_factory=list)
+    evict_tiers: dict[bytes, str] = field(default_factory=dict)  # group id -> the evict's tier
     answer: dict[bytes, DemoteStatus] = field(default_factory=dict)  # group id -> forced status
 
     def on_disk_without_its_head(self) -> list[bytes]:
@@ -56,6 +57,7 @@ class FakeDirectory(DirectoryRouter):
             assert isinstance(message, m.Evict)
             results = []
             for g in message.groups:
+                self.cluster.evict_tiers[g] = message.tier
                 tiers = self.cluster.tiers.get(g, set())
                 if message.tier == "ssd" and tiers == {"dram", "ssd"}:
                     tiers.discard("ssd")
@@ -190,6 +192,9 @@ def test_a_copied_head_chosen_by_its_disk_pool_keeps_its_arena_replica(
     assert isinstance(disk_batch, EvictBatch) and disk_batch.pool == "s1#ssd" and head in disk_batch.victims
     asyncio.run(sh._evict(disk_batch))
     assert cluster.tiers == {sh._group_ids[head]: {"dram"}}  # the tails evicted, the head in DRAM
+    # only the head, which the records know in an arena, is asked to keep it; its tails go whole
+    assert {g: t for g, t in cluster.evict_tiers.items() if t == "ssd"} == {sh._group_ids[head]: "ssd"}
+    assert len(cluster.evict_tiers) == 6
     assert cluster.evicted[-1] != sh._group_ids[head]
     assert head in sh.core and not sh.core.is_evicting(head)
     assert sh._held[head][2] == {"s1": SIZE}

@@ -103,7 +103,7 @@ def group_key(domain: bytes, chain: bytes) -> GroupKey:
 @dataclass(slots=True)
 class GroupEntry:
     chunk_index: int
-    copy_bytes: int  # bytes of one copy of the group (largest placement)
+    copy_bytes: int  # bytes of one copy of the group (its members' sizes summed)
     replicas: set[str] = field(default_factory=set)
 
 

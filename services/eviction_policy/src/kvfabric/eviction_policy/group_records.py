@@ -159,7 +159,11 @@ class GroupRecords:
         whole_copies = all(
             not is_ssd_pool(p) or pools.get(p.removesuffix(SSD_POOL_SUFFIX)) == n for p, n in added.items()
         )
-        if added and whole_copies and all(pools.get(p) == n for p, n in before.items()):
+        # An arena pool added to a group on disk only would give it back its parent in the core
+        # (`_core_parent`): that is a move, not an addition.
+        in_arena = any(not is_ssd_pool(p) for p in before)
+        additions = all(is_ssd_pool(p) or in_arena for p in added)
+        if added and whole_copies and additions and all(pools.get(p) == n for p, n in before.items()):
             for pool, nbytes in added.items():
                 if is_ssd_pool(pool):
                     self._copied(key, pool.removesuffix(SSD_POOL_SUFFIX), nbytes)
@@ -258,17 +262,18 @@ class GroupRecords:
             del pools[pool]
         self.demotions["disk_dropped"] = self.demotions.get("disk_dropped", 0) + 1
         self.core.removed(chain)
-        if not pools:  # no arena pool known (the records lagged): the event will say where it is
-            self._forget(chain)
-            return
-        self.core.insert(
-            chain,
-            tenant=tenant,
-            pools=pools,
-            parent=self._core_parent(chain, pools),
-            chunk_index=chunk_index,
-            now_ms=at_ms,
-        )
+        if pools:  # (the shell asks tier "ssd" only for a group its records know in an arena)
+            self.core.insert(
+                chain,
+                tenant=tenant,
+                pools=pools,
+                parent=self._core_parent(chain, pools),
+                chunk_index=chunk_index,
+                now_ms=at_ms,
+            )
+        if chain not in self.core:  # refused by admission: gone from the policy, as in `_republished`
+            self._group_ids.pop(chain, None)
+            self._held.pop(chain, None)
 
     def _core_parent(self, key: bytes, pools: dict[str, int]) -> bytes | None:
         """The parent a group re-inserted with `pools` has in the core: its own while it keeps

@@ -305,34 +305,44 @@ class EvictionShell(GroupRecords):
             chains = [c for c in chains if c not in handled]  # dropped: not chosen, or the disk is full
             if not chains:
                 return
+        # A disk pool's victim the records know in an arena too (a head copied to disk) loses
+        # only its disk replicas (`evict` tier "ssd"); the rest, and the disk tails a dropped
+        # head takes with it, are evicted whole.
+        keep_arena = (
+            {c for c in chains if c in self._held and any(not is_ssd_pool(p) for p in self._held[c][2])}
+            if is_ssd_pool(pool)
+            else set()
+        )
         chains = self._with_disk_tails(chains)
         statuses: dict[str, int] = {}
         try:
-            by_shard = await self._by_shard(chains)
+            by_shard = await self._by_shard(chains, keep_arena)
         except KvfError as exc:  # no shard map: nothing was asked, the whole batch cools down
             self.evict_requests_failed += 1
             self._log.info("evict_failed", code=exc.code, victims=len(chains))
             self._refused(chains)
             return
-        # A disk pool's victims lose their disk replicas: a head copied there keeps its arena one
-        tier = "ssd" if is_ssd_pool(pool) else "all"
-        for shard, shard_chains in by_shard:
+        for shard, tier, shard_chains in by_shard:
             await self._evict_shard(shard, shard_chains, batch.reason, statuses, tier)
         self._log.info("evicted", reason=batch.reason, pool=str(batch.pool), **statuses)
 
-    async def _by_shard(self, chains: list[bytes]) -> list[tuple[int, list[bytes]]]:
-        """The victims (group keys) as consecutive runs of one shard each, in the batch's order:
-        a tail (earlier in the batch) is asked before its head even when they live in different
-        shards, so a refused tail never outlives its evicted head."""
+    async def _by_shard(
+        self, chains: list[bytes], keep_arena: Collection[bytes] = ()
+    ) -> list[tuple[int, str, list[bytes]]]:
+        """The victims (group keys) as consecutive runs of one shard and one `evict` tier each
+        ("ssd" for those in `keep_arena`, else "all"), in the batch's order: a tail (earlier in
+        the batch) is asked before its head even when they live in different shards, so a
+        refused tail never outlives its evicted head."""
         router = self._dir()
         await router.known_shards()
-        runs: list[tuple[int, list[bytes]]] = []
+        runs: list[tuple[int, str, list[bytes]]] = []
         for chain in chains:
             shard = router.shard_of(self._group_ids[chain])
-            if runs and runs[-1][0] == shard:
-                runs[-1][1].append(chain)
+            tier = "ssd" if chain in keep_arena else "all"
+            if runs and runs[-1][:2] == (shard, tier):
+                runs[-1][2].append(chain)
             else:
-                runs.append((shard, [chain]))
+                runs.append((shard, tier, [chain]))
         return runs
 
     async def _evict_shard(

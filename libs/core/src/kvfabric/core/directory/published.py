@@ -315,12 +315,12 @@ class PublishedTable:
     def _drop_disk_replicas(self, gid: GroupKey, group: PublishedGroup, effects: list[Effect]) -> bool:
         """A disk tier's victim that every member also holds in a live arena (a head copied to
         disk): its disk replicas are freed, the group stays published with the others and is
-        published again with its tiers now. False (nothing changed) when a member has no live
-        arena replica or no disk one: then the group is evicted as a whole."""
+        published again with its tiers now — also when it has no disk replica left (one found
+        corrupt since: the policy still counts it on disk and learns otherwise from the event;
+        evicting it would drop the arena replica this verb keeps). False (nothing changed) when a
+        member has no live arena replica: then the group is evicted as a whole."""
         kept = [tuple(r for r in mem.replicas if tier_of_slot(r.slot) != "ssd") for mem in group.members]
-        if all(len(k) == len(mem.replicas) for k, mem in zip(kept, group.members, strict=True)) or not all(
-            any(self.segments.live(r.placement) for r in k) for k in kept
-        ):
+        if not all(any(self.segments.live(r.placement) for r in k) for k in kept):
             return False
         tenant = tenant_of(self._namespaces[group.namespace])
         for mem, replicas in zip(group.members, kept, strict=True):
