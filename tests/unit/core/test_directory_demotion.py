@@ -288,3 +288,22 @@ def test_a_disk_tier_victim_held_in_an_arena_too_loses_only_its_disk_replica() -
     hit = lookup(core, [g_copy], now=13)
     assert [tier_of_slot(r.slot) for r in hit.objects[0].replicas] == ["dram"]  # still readable
     assert lease.objects and hit.objects
+
+
+def test_an_unreadable_group_is_evicted_whole_under_tier_ssd() -> None:
+    """A member whose last replica was found corrupt leaves the group unreadable; that replica
+    stays in its record until the sweep, but it is no arena copy to keep: `evict` tier "ssd"
+    evicts the group (review of fe59409: it answered disk_dropped and kept it)."""
+    core = new_core()
+    register(core, "s1", capacity=1_000)
+    (g,) = groups(1)
+    put(core, [key(g)], size=100)
+    assert _confirm_events(core, _copy_begin(core, key(g), "c"), DISK_SLOT)
+    for slot in (DISK_SLOT, 0):  # the disk copy, then the arena replica: found corrupt
+        core.handle(
+            m.ReplicaCorrupt(segment_id="s1", incarnation=1, key=key(g), slot=slot, slot_generation=1), 10
+        )
+        core.check_invariants()
+    out = core.handle(m.Evict(groups=[g.group_id()], tier="ssd"), 11)
+    core.check_invariants()
+    assert isinstance(out.reply, m.EvictReply) and [r.status for r in out.reply.results] == ["evicting"]

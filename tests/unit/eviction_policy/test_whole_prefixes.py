@@ -35,6 +35,8 @@ class Cluster:
     requests: list[DemoteRequest] = field(default_factory=list)
     evicted: list[bytes] = field(default_factory=list)
     evict_tiers: dict[bytes, str] = field(default_factory=dict)  # group id -> the evict's tier
+    evict_asks: list[list[bytes]] = field(default_factory=list)  # each evict request's groups
+    leased: set[bytes] = field(default_factory=set)  # group ids `evict` answers "leased"
     answer: dict[bytes, DemoteStatus] = field(default_factory=dict)  # group id -> forced status
 
     def on_disk_without_its_head(self) -> list[bytes]:
@@ -56,8 +58,12 @@ class FakeDirectory(DirectoryRouter):
         if verb == "evict":  # tier "ssd": a group in the arena too loses only its disk replica
             assert isinstance(message, m.Evict)
             results = []
+            self.cluster.evict_asks.append(list(message.groups))
             for g in message.groups:
                 self.cluster.evict_tiers[g] = message.tier
+                if g in self.cluster.leased:
+                    results.append(m.EvictResult(group=g, status="leased"))
+                    continue
                 tiers = self.cluster.tiers.get(g, set())
                 if message.tier == "ssd" and tiers == {"dram", "ssd"}:
                     tiers.discard("ssd")
@@ -202,6 +208,30 @@ def test_a_copied_head_chosen_by_its_disk_pool_keeps_its_arena_replica(
         sh.apply(m.GroupEvicted(group=chain(i), reason="watermark", domain=A), now)
     assert sh.core.used_bytes("s1") == SIZE and sh.core.used_bytes("s1#ssd") == 0
     assert sh.demotions["disk_dropped"] == 1
+    sh.core.check_invariants()
+
+
+def test_a_disk_batch_naming_a_head_first_asks_its_tails_first_and_a_leased_tail_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A disk tail has no parent in the core, so a disk pool's batch may name a head before its
+    tails: they are asked first all the same, and a tail that stays (leased) keeps its head
+    from being asked (the head would lose its disk copy, leaving the tail on disk without its
+    head after a power cycle). Review of fe59409."""
+    sh, cluster = setup(monkeypatch)
+    head = A + chain(1)
+    sh.core.set_capacity("s1", 40)
+    asyncio.run(sh._evict(watermark_batch(sh, 10)))  # all five tails to disk, the head copied
+    cluster.leased = {sh._group_ids[A + chain(2)]}
+    sh.core.set_capacity("s1#ssd", 40)
+    (disk_batch,) = sh.core.tick(sh._driver.now_ms())
+    assert isinstance(disk_batch, EvictBatch) and disk_batch.victims[0] == head  # the head first
+    asyncio.run(sh._evict(disk_batch))
+    asked = [g for request in cluster.evict_asks for g in request]
+    assert sh._group_ids[head] not in asked  # a tail of it stayed
+    assert cluster.on_disk_without_its_head() == []
+    assert cluster.tiers[sh._group_ids[head]] == {"dram", "ssd"}
+    assert head in sh.core and not sh.core.is_evicting(head)  # cooled down, tried again later
     sh.core.check_invariants()
 
 

@@ -205,22 +205,29 @@ class GroupRecords:
     def _with_disk_tails(self, chains: list[bytes]) -> list[bytes]:
         """The groups to drop, each preceded by its resident descendants: only tails moved to a
         disk pool can be there (the core picks leaves), and without their head no lookup finds
-        them again, so they go first (tails before heads, as the core orders a batch)."""
+        them again, so they go first (tails before heads). Tails the batch names itself move up
+        before their head too: a disk tail has no parent in the core, so a disk pool's batch may
+        name a head before its tails."""
         out: list[bytes] = []
-        seen = set(chains)
+        batch = set(chains)
+        placed: set[bytes] = set()
         for chain in chains:
+            if chain in placed:
+                continue
             tails: list[bytes] = []
             frontier = [chain]
             while frontier:
                 for child in sorted(self._children.get(frontier.pop(), ())):
-                    if child not in seen and child in self.core and child in self._group_ids:
-                        seen.add(child)
+                    if child not in placed and child in self.core and child in self._group_ids:
+                        placed.add(child)
                         tails.append(child)
                         frontier.append(child)
-            if tails:
-                self.demotions["tails_dropped"] = self.demotions.get("tails_dropped", 0) + len(tails)
+            added = sum(1 for t in tails if t not in batch)
+            if added:
+                self.demotions["tails_dropped"] = self.demotions.get("tails_dropped", 0) + added
             out += reversed(tails)  # the deepest first
             out.append(chain)
+            placed.add(chain)
         return out
 
     def _copied(self, chain: bytes, segment_id: str, nbytes: int) -> None:

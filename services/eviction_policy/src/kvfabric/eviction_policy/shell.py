@@ -26,7 +26,9 @@ event loop):
   `evicting` (gone: `core.removed`), `leased`/`pinned` (it stays: `core.refused`, which cools it
   down) or `not_found`/`not_published` (gone). A request without an answer is indeterminate: its
   groups are treated as refused (cooled down, retried later) and any eviction that did happen
-  arrives as an `evicted` event; the other shards' requests of the batch still go.
+  arrives as an `evicted` event; the other shards' requests of the batch still go, except for
+  the ancestors of a group that stayed (leased, pinned, unanswered): those are not asked but
+  cooled down, so no tail outlives its head (counted `waits_for_tail`).
 - **demotion** (issue 23; `tiers.py`): a watermark batch of a segment's arena pool goes first
   through `demote_or_drop` (its hits since published): each group to demote is looked up
   (`show_group`) and its arena replicas on that segment are sent to the segment's
@@ -322,8 +324,23 @@ class EvictionShell(GroupRecords):
             self._log.info("evict_failed", code=exc.code, victims=len(chains))
             self._refused(chains)
             return
+        # A group that stays (leased, pinned, no answer) keeps its ancestors: a later run does
+        # not ask them (cooled down instead), so no tail outlives its head (on disk: a power
+        # cycle would leave it unfindable).
+        stays_above: set[bytes] = set()
         for shard, tier, shard_chains in by_shard:
-            await self._evict_shard(shard, shard_chains, batch.reason, statuses, tier)
+            held_back = [c for c in shard_chains if c in stays_above]
+            if held_back:
+                statuses["waits_for_tail"] = statuses.get("waits_for_tail", 0) + len(held_back)
+                self._refused(held_back)
+            ask = [c for c in shard_chains if c not in stays_above]
+            if not ask:
+                continue
+            for chain in await self._evict_shard(shard, ask, batch.reason, statuses, tier):
+                ancestor = self._parent.get(chain)
+                while ancestor is not None and ancestor not in stays_above:
+                    stays_above.add(ancestor)
+                    ancestor = self._parent.get(ancestor)
         self._log.info("evicted", reason=batch.reason, pool=str(batch.pool), **statuses)
 
     async def _by_shard(
@@ -347,7 +364,8 @@ class EvictionShell(GroupRecords):
 
     async def _evict_shard(
         self, shard: int, chains: list[bytes], reason: str, statuses: dict[str, int], tier: str = "all"
-    ) -> None:
+    ) -> list[bytes]:
+        """One `evict` request; returns the groups that stay (leased, pinned, or no answer)."""
         groups = [self._group_ids[c] for c in chains]
         request = m.Evict(groups=groups, reason=reason, tier="ssd" if tier == "ssd" else "all")
         try:
@@ -358,10 +376,13 @@ class EvictionShell(GroupRecords):
             reply = None
         if not isinstance(reply, m.EvictReply):
             self._refused(chains)
-            return
+            return chains
         at = self._driver.now_ms()
+        stayed = []
         for chain, result in zip(chains, reply.results, strict=True):
             statuses[result.status] = statuses.get(result.status, 0) + 1
+            if result.status in ("leased", "pinned"):
+                stayed.append(chain)
             if not self.core.is_evicting(chain):
                 continue  # an event overtook the reply (e.g. its segment went down)
             if result.status in ("leased", "pinned"):
@@ -370,6 +391,7 @@ class EvictionShell(GroupRecords):
                 self._disk_dropped(chain, at)
             else:
                 self._forget(chain)
+        return stayed
 
     # ---- admission ----------------------------------------------------------------------------
 

@@ -320,8 +320,8 @@ class PublishedTable:
         evicting it would drop the arena replica this verb keeps). False (nothing changed) when a
         member has no live arena replica: then the group is evicted as a whole."""
         kept = [tuple(r for r in mem.replicas if tier_of_slot(r.slot) != "ssd") for mem in group.members]
-        if not all(any(self.segments.live(r.placement) for r in k) for k in kept):
-            return False
+        if gid in self.unreadable or not all(any(self.segments.live(r.placement) for r in k) for k in kept):
+            return False  # (an unreadable group's corrupt last replica is still in its record)
         tenant = tenant_of(self._namespaces[group.namespace])
         for mem, replicas in zip(group.members, kept, strict=True):
             for r in mem.replicas:
