@@ -1,7 +1,7 @@
 """The eviction-policy shell against a sharded directory (no NATS): a victim batch goes out as
 one `evict` per shard holding some of its groups, in the batch's order, and a shard that does not
 answer cools down its own victims and, since they may still be there, the heads above them (never
-asked: no tail outlives its head)."""
+asked, so a tail the silent shard may still hold keeps them)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ event loop):
   groups are treated as refused (cooled down, retried later) and any eviction that did happen
   arrives as an `evicted` event; the other shards' requests of the batch still go, except for
   the ancestors of a group that stayed (leased, pinned, unanswered): those are not asked but
-  cooled down, so no tail outlives its head (counted `waits_for_tail`).
+  cooled down (counted `waits_for_tail`). Within one request the directory judges each group
+  alone: a leased tail and its head named in the same request still part (the head goes).
 - **demotion** (issue 23; `tiers.py`): a watermark batch of a segment's arena pool goes first
   through `demote_or_drop` (its hits since published): each group to demote is looked up
   (`show_group`) and its arena replicas on that segment are sent to the segment's
@@ -325,8 +326,9 @@ class EvictionShell(GroupRecords):
             self._refused(chains)
             return
         # A group that stays (leased, pinned, no answer) keeps its ancestors: a later run does
-        # not ask them (cooled down instead), so no tail outlives its head (on disk: a power
-        # cycle would leave it unfindable).
+        # not ask them (cooled down instead), so such a tail does not outlive its head (on disk:
+        # a power cycle would leave it unfindable). Not within one run: the directory judges
+        # each group of a request alone.
         stays_above: set[bytes] = set()
         for shard, tier, shard_chains in by_shard:
             held_back = [c for c in shard_chains if c in stays_above]
@@ -348,8 +350,8 @@ class EvictionShell(GroupRecords):
     ) -> list[tuple[int, str, list[bytes]]]:
         """The victims (group keys) as consecutive runs of one shard and one `evict` tier each
         ("ssd" for those in `keep_arena`, else "all"), in the batch's order: a tail (earlier in
-        the batch) is asked before its head even when they live in different shards, so a
-        refused tail never outlives its evicted head."""
+        the batch) is asked before its head even when they live in different shards, so a tail
+        refused in one run keeps its head in a later one (`_evict`)."""
         router = self._dir()
         await router.known_shards()
         runs: list[tuple[int, str, list[bytes]]] = []
