@@ -6,7 +6,10 @@ a lease or pin holds the group and never the last replica. `check_invariants` af
 
 from __future__ import annotations
 
+import pytest
+
 from kvfabric.core.directory import DirectoryCore, EmitEvent, FreeSlots
+from kvfabric.format.errors import BadRequest
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import SSD_SLOT_BASE, Tier, tier_of_slot
@@ -307,3 +310,21 @@ def test_an_unreadable_group_is_evicted_whole_under_tier_ssd() -> None:
     out = core.handle(m.Evict(groups=[g.group_id()], tier="ssd"), 11)
     core.check_invariants()
     assert isinstance(out.reply, m.EvictReply) and [r.status for r in out.reply.results] == ["evicting"]
+
+
+def test_a_group_whose_tail_in_the_same_evict_stays_stays_too() -> None:
+    """`Evict.tails` names each group's tails earlier in the request: a head whose tail stays
+    (leased) is answered `tail_stays` and kept, up the chain; a malformed list is refused whole."""
+    core = new_core()
+    register(core, "s1", capacity=1_000)
+    head, middle, tail = groups(3)
+    put(core, [key(head), key(middle), key(tail)], size=100)
+    lookup(core, [tail], now=10, holder="reader")  # leases the tail
+    ids = [tail.group_id(), middle.group_id(), head.group_id()]
+    with pytest.raises(BadRequest):
+        core.handle(m.Evict(groups=ids, tails=[[], [1], [1]]), 11)  # index not earlier
+    out = core.handle(m.Evict(groups=ids, tails=[[], [0], [1]]), 11)
+    core.check_invariants()
+    assert isinstance(out.reply, m.EvictReply)
+    assert [r.status for r in out.reply.results] == ["leased", "tail_stays", "tail_stays"]
+    assert len(lookup(core, [head, middle, tail], now=12, holder="r2").objects) == 3  # all there

@@ -59,10 +59,13 @@ class FakeDirectory(DirectoryRouter):
             assert isinstance(message, m.Evict)
             results = []
             self.cluster.evict_asks.append(list(message.groups))
-            for g in message.groups:
+            for i, g in enumerate(message.groups):
                 self.cluster.evict_tiers[g] = message.tier
                 if g in self.cluster.leased:
                     results.append(m.EvictResult(group=g, status="leased"))
+                    continue
+                if message.tails and any(results[j].status != "evicting" for j in message.tails[i]):
+                    results.append(m.EvictResult(group=g, status="tail_stays"))  # as the directory
                     continue
                 tiers = self.cluster.tiers.get(g, set())
                 if message.tier == "ssd" and tiers == {"dram", "ssd"}:
@@ -232,6 +235,24 @@ def test_a_disk_batch_naming_a_head_first_asks_its_tails_first_and_a_leased_tail
     assert cluster.on_disk_without_its_head() == []
     assert cluster.tiers[sh._group_ids[head]] == {"dram", "ssd"}
     assert head in sh.core and not sh.core.is_evicting(head)  # cooled down, tried again later
+    sh.core.check_invariants()
+
+
+def test_a_leased_tail_keeps_its_head_in_the_same_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tail and its head of one shard go in one `evict` request; the request names the head's
+    tails (`Evict.tails`), so the head stays when its tail does (review of 0097ecb: the
+    directory judged each group alone and evicted the head)."""
+    sh, cluster = setup(monkeypatch, tails=1)
+    sh.demote = False
+    head, tail = A + chain(1), A + chain(2)
+    cluster.leased = {sh._group_ids[tail]}
+    sh.core.set_capacity("s1", 20)  # 20 > 50 % of 20: down to 5, both
+    batch = watermark_batch(sh, 100)
+    assert batch.victims == (tail, head)
+    asyncio.run(sh._evict(batch))
+    assert cluster.evict_asks == [[sh._group_ids[tail], sh._group_ids[head]]]  # one request
+    assert set(cluster.tiers) == {sh._group_ids[tail], sh._group_ids[head]}  # both still there
+    assert head in sh.core and tail in sh.core and not sh.core.is_evicting(head)
     sh.core.check_invariants()
 
 

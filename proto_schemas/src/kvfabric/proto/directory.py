@@ -493,9 +493,15 @@ class Evict(_Msg, frozen=True, kw_only=True, tag="dir.evict.v1"):
     # every member also holds in a live arena loses only its disk replicas (`disk_dropped`: it
     # stays published, and is published again with its tiers); any other group is evicted.
     tier: Literal["all", "ssd"] = "all"
+    # Per group, the indexes of earlier groups of this request that are its tails (empty: none
+    # said). A group one of whose tails stays (answered `leased`, `pinned` or `tail_stays`) stays
+    # too, answered `tail_stays`: a tail never outlives its head within a request either.
+    tails: list[list[int]] = msgspec.field(default_factory=list)
 
 
-EvictStatus = Literal["evicting", "leased", "pinned", "not_found", "not_published", "disk_dropped"]
+EvictStatus = Literal[
+    "evicting", "leased", "pinned", "not_found", "not_published", "disk_dropped", "tail_stays"
+]
 
 
 class EvictResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -28,8 +28,8 @@ event loop):
   groups are treated as refused (cooled down, retried later) and any eviction that did happen
   arrives as an `evicted` event; the other shards' requests of the batch still go, except for
   the ancestors of a group that stayed (leased, pinned, unanswered): those are not asked but
-  cooled down (counted `waits_for_tail`). Within one request the directory judges each group
-  alone: a leased tail and its head named in the same request still part (the head goes).
+  cooled down (counted `waits_for_tail`); within one request the directory keeps a group one of
+  whose tails (`Evict.tails`) stayed, answered `tail_stays`.
 - **demotion** (issue 23; `tiers.py`): a watermark batch of a segment's arena pool goes first
   through `demote_or_drop` (its hits since published): each group to demote is looked up
   (`show_group`) and its arena replicas on that segment are sent to the segment's
@@ -327,8 +327,8 @@ class EvictionShell(GroupRecords):
             return
         # A group that stays (leased, pinned, no answer) keeps its ancestors: a later run does
         # not ask them (cooled down instead), so such a tail does not outlive its head (on disk:
-        # a power cycle would leave it unfindable). Not within one run: the directory judges
-        # each group of a request alone.
+        # a power cycle would leave it unfindable). Within a run the directory does the same
+        # (`Evict.tails`, `tail_stays`).
         stays_above: set[bytes] = set()
         for shard, tier, shard_chains in by_shard:
             held_back = [c for c in shard_chains if c in stays_above]
@@ -369,7 +369,19 @@ class EvictionShell(GroupRecords):
     ) -> list[bytes]:
         """One `evict` request; returns the groups that stay (leased, pinned, or no answer)."""
         groups = [self._group_ids[c] for c in chains]
-        request = m.Evict(groups=groups, reason=reason, tier="ssd" if tier == "ssd" else "all")
+        # each group's tails in this request, so that one that stays keeps its head here too
+        position = {c: i for i, c in enumerate(chains)}
+        tails: list[list[int]] = [[] for _ in chains]
+        for j, chain in enumerate(chains):
+            head = position.get(self._parent.get(chain, b""))
+            if head is not None and head > j:
+                tails[head].append(j)
+        request = m.Evict(
+            groups=groups,
+            reason=reason,
+            tier="ssd" if tier == "ssd" else "all",
+            tails=tails if any(tails) else [],
+        )
         try:
             reply = await self._dir().ask(shard, "evict", request, self.request_timeout_s)
         except KvfError as exc:
@@ -383,11 +395,11 @@ class EvictionShell(GroupRecords):
         stayed = []
         for chain, result in zip(chains, reply.results, strict=True):
             statuses[result.status] = statuses.get(result.status, 0) + 1
-            if result.status in ("leased", "pinned"):
+            if result.status in ("leased", "pinned", "tail_stays"):
                 stayed.append(chain)
             if not self.core.is_evicting(chain):
                 continue  # an event overtook the reply (e.g. its segment went down)
-            if result.status in ("leased", "pinned"):
+            if result.status in ("leased", "pinned", "tail_stays"):
                 self.core.refused(chain, at)
             elif result.status == "disk_dropped":  # in its arena pools only now
                 self._disk_dropped(chain, at)

@@ -56,7 +56,9 @@ from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
 
-__all__ = ["PublishedTable"]
+__all__ = ["STAYS", "PublishedTable"]
+
+STAYS: frozenset[str] = frozenset({"leased", "pinned", "tail_stays"})  # evict answers: still here
 
 
 class PublishedTable:
@@ -263,6 +265,14 @@ class PublishedTable:
         statuses of groups not published."""
         self.ctx.check_epoch(req.epoch)
         check_batch("evict groups", len(req.groups), m.EVICT_BATCH_GROUPS_MAX)
+        if req.tails and (
+            len(req.tails) != len(req.groups)
+            or sum(map(len, req.tails)) > len(req.groups)
+            or any(not 0 <= j < i for i, tails in enumerate(req.tails) for j in tails)
+        ):
+            raise BadRequest(
+                "evict tails: one list per group, of earlier groups' indexes, as many in all as groups"
+            )
         step = ids_max or max(1, len(req.groups))
         infos: list[GroupInfo] = []
         for start in range(0, len(req.groups), step):
@@ -277,6 +287,11 @@ class PublishedTable:
                     building is not None and building != info
                 ):
                     results.append(m.EvictResult(group=raw, status="not_found"))  # forged identity
+                    continue
+                tails = req.tails[len(results)] if req.tails else ()
+                if any(results[j].status in STAYS for j in tails):
+                    self.ctx.count("evict_refused_tail_stays_total")
+                    results.append(m.EvictResult(group=raw, status="tail_stays"))
                     continue
                 status = self._evict_one(info.group_id, req.reason, building is not None, effects, req.tier)
                 results.append(m.EvictResult(group=raw, status=status))
