@@ -53,6 +53,15 @@ def test_pin_and_evict_see_only_granted_groups(groups: list[GroupId]) -> None:
     merged = merge_evict_results(groups, core_reply, ALICE)
     assert [r.group for r in merged.results] == groups
     assert all(r.status == ("evicting" if ALICE.owns(r.group) else "not_found") for r in merged.results)
+    # each group's tails (the one before it), renumbered to the groups kept: foreign ones drop
+    chained = authorize(
+        m.Evict(groups=groups, tails=[[i - 1] if i else [] for i in range(len(groups))]), "evict", ALICE
+    )
+    assert isinstance(chained, m.Evict) and len(chained.tails) == len(chained.groups)
+    kept = [i for i, g in enumerate(groups) if ALICE.owns(g)]
+    for new, old in enumerate(kept):
+        expected = [kept.index(old - 1)] if old and old - 1 in kept else []
+        assert chained.tails[new] == expected
 
 
 def test_writes_with_a_foreign_key_are_refused_whole() -> None:

@@ -159,8 +159,13 @@ def authorize(message: msgspec.Struct, verb: str, grant: TenantGrant) -> msgspec
                 raise _refuse(grant, "a key")
             return msgspec.structs.replace(message, writer_id=scoped_name(t, message.writer_id))
         case m.Evict():
-            own = [g for g in message.groups if grant.owns(g)]
-            return msgspec.structs.replace(message, groups=own, reason="tenant")
+            granted = [i for i, g in enumerate(message.groups) if grant.owns(g)]
+            tails = message.tails
+            if len(tails) == len(message.groups):  # renumbered to the groups kept (else refused)
+                position = {old: new for new, old in enumerate(granted)}
+                tails = [[position[j] for j in tails[i] if j in position] for i in granted]
+            own = [message.groups[i] for i in granted]
+            return msgspec.structs.replace(message, groups=own, reason="tenant", tails=tails)
         case m.ListGroups():
             return _authorize_list(message, grant)
         case m.ShowGroup():
