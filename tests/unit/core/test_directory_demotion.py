@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric.core.directory import DirectoryCore, EmitEvent, FreeSlots
+from kvfabric.core.directory import DirectoryCore, EmitEvent, FreeSlots, Outcome
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
@@ -30,26 +30,34 @@ def replicate(core: DirectoryCore, k: ObjectKey, tier: Tier, now: int = 10) -> m
     return reply
 
 
-def confirm(core: DirectoryCore, ticket: m.WriteTicket, slot: int, now: int = 10) -> m.ConfirmStatus:
-    reply = core.handle(
+def confirm_many(core: DirectoryCore, stored: list[tuple[m.WriteTicket, int]], now: int = 10) -> Outcome:
+    """s1 confirms each (ticket, slot) in one request; the invariants hold after it."""
+    out = core.handle(
         m.ConfirmReplicas(
             segment_id="s1",
             incarnation=1,
             confirms=[
                 m.ReplicaConfirm(
-                    ticket_id=ticket.ticket_id,
-                    key=ticket.key,
+                    ticket_id=t.ticket_id,
+                    key=t.key,
                     slot=slot,
                     slot_generation=1,
-                    size_bytes=ticket.size_bytes,
-                    checksum=ticket.checksum,
+                    size_bytes=t.size_bytes,
+                    checksum=t.checksum,
                 )
+                for t, slot in stored
             ],
         ),
         now,
-    ).reply
-    assert isinstance(reply, m.ConfirmReply)
+    )
+    assert isinstance(out.reply, m.ConfirmReply)
     core.check_invariants()
+    return out
+
+
+def confirm(core: DirectoryCore, ticket: m.WriteTicket, slot: int, now: int = 10) -> m.ConfirmStatus:
+    reply = confirm_many(core, [(ticket, slot)], now).reply
+    assert isinstance(reply, m.ConfirmReply)
     return reply.results[0].status
 
 
@@ -63,6 +71,22 @@ def drop(core: DirectoryCore, k: ObjectKey, slot: int, now: int = 10) -> tuple[b
     assert isinstance(out.reply, m.ReplicaCorruptReply)
     core.check_invariants()
     return out.reply.dropped, [e for e in out.effects if isinstance(e, FreeSlots)]
+
+
+def _copy_begin(core: DirectoryCore, k: ObjectKey, tag: str, keep_source: bool = True) -> m.WriteTicket:
+    """A disk ticket on s1 for `k` through `replicate_begin_many`, as the demoter asks it."""
+    reply = core.handle(
+        m.ReplicateBeginMany(
+            writer_id="demote/s1",
+            segment_id="s1",
+            items=[m.ReplicateItem(key=k, request_id=f"rb-{tag}", keep_source=keep_source)],
+            tier="ssd",
+        ),
+        10,
+    ).reply
+    assert isinstance(reply, m.ReplicateBeginManyReply) and reply.replies[0].ticket is not None
+    core.check_invariants()
+    return reply.replies[0].ticket
 
 
 def test_demote_then_promote_an_object_on_its_own_segment() -> None:
@@ -151,41 +175,11 @@ def test_a_copy_that_keeps_its_source_publishes_its_group_again_on_confirm() -> 
     register(core, "s1", capacity=1_000)
     g_copy, g_demote = groups(2)
     put(core, [key(g_copy), key(g_demote)], size=100)
-    tickets = []
-    for g, keep in ((g_copy, True), (g_demote, False)):
-        reply = core.handle(
-            m.ReplicateBeginMany(
-                writer_id="demote/s1",
-                segment_id="s1",
-                items=[m.ReplicateItem(key=key(g), request_id=f"rb-{keep}", keep_source=keep)],
-                tier="ssd",
-            ),
-            10,
-        ).reply
-        assert isinstance(reply, m.ReplicateBeginManyReply)
-        (placed,) = reply.replies
-        assert placed.ticket is not None
-        tickets.append(placed.ticket)
-    core.check_invariants()
-    out = core.handle(
-        m.ConfirmReplicas(
-            segment_id="s1",
-            incarnation=1,
-            confirms=[
-                m.ReplicaConfirm(
-                    ticket_id=t.ticket_id,
-                    key=t.key,
-                    slot=DISK_SLOT + i,
-                    slot_generation=1,
-                    size_bytes=t.size_bytes,
-                    checksum=t.checksum,
-                )
-                for i, t in enumerate(tickets)
-            ],
-        ),
-        11,
-    )
-    core.check_invariants()
+    tickets = [
+        _copy_begin(core, key(g_copy), "copy"),
+        _copy_begin(core, key(g_demote), "demote", keep_source=False),
+    ]
+    out = confirm_many(core, [(t, DISK_SLOT + i) for i, t in enumerate(tickets)], now=11)
     assert isinstance(out.reply, m.ConfirmReply) and [r.status for r in out.reply.results] == ["ok", "ok"]
     (event,) = [e.event for e in out.effects if isinstance(e, EmitEvent)]
     assert isinstance(event, m.GroupPublished) and event.group == g_copy.chain_hash
@@ -195,39 +189,8 @@ def test_a_copy_that_keeps_its_source_publishes_its_group_again_on_confirm() -> 
     assert event.group_bytes == 100  # one copy (the placement counts both replicas)
 
 
-def _copy_begin(core: DirectoryCore, k: ObjectKey, tag: str) -> m.WriteTicket:
-    reply = core.handle(
-        m.ReplicateBeginMany(
-            writer_id="demote/s1",
-            segment_id="s1",
-            items=[m.ReplicateItem(key=k, request_id=f"rb-{tag}", keep_source=True)],
-            tier="ssd",
-        ),
-        10,
-    ).reply
-    assert isinstance(reply, m.ReplicateBeginManyReply) and reply.replies[0].ticket is not None
-    return reply.replies[0].ticket
-
-
 def _confirm_events(core: DirectoryCore, ticket: m.WriteTicket, slot: int) -> list[m.GroupPublished]:
-    out = core.handle(
-        m.ConfirmReplicas(
-            segment_id="s1",
-            incarnation=1,
-            confirms=[
-                m.ReplicaConfirm(
-                    ticket_id=ticket.ticket_id,
-                    key=ticket.key,
-                    slot=slot,
-                    slot_generation=1,
-                    size_bytes=ticket.size_bytes,
-                    checksum=ticket.checksum,
-                )
-            ],
-        ),
-        11,
-    )
-    core.check_invariants()
+    out = confirm_many(core, [(ticket, slot)], now=11)
     assert isinstance(out.reply, m.ConfirmReply) and [r.status for r in out.reply.results] == ["ok"]
     events = [e.event for e in out.effects if isinstance(e, EmitEvent)]
     return [e for e in events if isinstance(e, m.GroupPublished)]

@@ -14,7 +14,6 @@ import msgspec
 import pytest
 
 from kvfabric.cluster.directory_router import DirectoryRouter
-from kvfabric.core.directory.published import STAYS
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
 from kvfabric.eviction_policy import shell, tiers
 from kvfabric.eviction_policy.shell import EvictionShell
@@ -65,7 +64,7 @@ class FakeDirectory(DirectoryRouter):
                 if g in self.cluster.leased:
                     results.append(m.EvictResult(group=g, status="leased"))
                     continue
-                if message.tails and any(results[j].status in STAYS for j in message.tails[i]):
+                if message.tails and any(results[j].status in m.EVICT_STAYS for j in message.tails[i]):
                     results.append(m.EvictResult(group=g, status="tail_stays"))  # as the directory
                     continue
                 tiers = self.cluster.tiers.get(g, set())

@@ -485,6 +485,9 @@ class PinReply(_Msg, frozen=True, kw_only=True, tag="dir.pin_reply.v1"):
 # ---- eviction and frees --------------------------------------------------------------------
 
 
+EvictTier = Literal["all", "ssd"]
+
+
 class Evict(_Msg, frozen=True, kw_only=True, tag="dir.evict.v1"):
     groups: list[GroupId]
     reason: str = "policy"
@@ -492,7 +495,7 @@ class Evict(_Msg, frozen=True, kw_only=True, tag="dir.evict.v1"):
     # "ssd": a disk tier's victims (the eviction policy's `<segment>#ssd` pools). A group that
     # every member also holds in a live arena loses only its disk replicas (`disk_dropped`: it
     # stays published, and is published again with its tiers); any other group is evicted.
-    tier: Literal["all", "ssd"] = "all"
+    tier: EvictTier = "all"
     # Per group, the indexes of earlier groups of this request that are its tails (empty: none
     # said). A group one of whose tails stays (answered `leased`, `pinned` or `tail_stays`) stays
     # too, answered `tail_stays`: a tail never outlives its head within a request either.
@@ -502,6 +505,8 @@ class Evict(_Msg, frozen=True, kw_only=True, tag="dir.evict.v1"):
 EvictStatus = Literal[
     "evicting", "leased", "pinned", "not_found", "not_published", "disk_dropped", "tail_stays"
 ]
+# The answers that leave a group where it was (its head, named with it, stays too).
+EVICT_STAYS: Final[frozenset[str]] = frozenset({"leased", "pinned", "tail_stays"})
 
 
 class EvictResult(msgspec.Struct, frozen=True, kw_only=True):

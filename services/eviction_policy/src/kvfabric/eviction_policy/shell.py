@@ -347,17 +347,17 @@ class EvictionShell(GroupRecords):
 
     async def _by_shard(
         self, chains: list[bytes], keep_arena: Collection[bytes] = ()
-    ) -> list[tuple[int, str, list[bytes]]]:
+    ) -> list[tuple[int, m.EvictTier, list[bytes]]]:
         """The victims (group keys) as consecutive runs of one shard and one `evict` tier each
         ("ssd" for those in `keep_arena`, else "all"), in the batch's order: a tail (earlier in
         the batch) is asked before its head even when they live in different shards, so a tail
         refused in one run keeps its head in a later one (`_evict`)."""
         router = self._dir()
         await router.known_shards()
-        runs: list[tuple[int, str, list[bytes]]] = []
+        runs: list[tuple[int, m.EvictTier, list[bytes]]] = []
         for chain in chains:
             shard = router.shard_of(self._group_ids[chain])
-            tier = "ssd" if chain in keep_arena else "all"
+            tier: m.EvictTier = "ssd" if chain in keep_arena else "all"
             if runs and runs[-1][:2] == (shard, tier):
                 runs[-1][2].append(chain)
             else:
@@ -365,7 +365,12 @@ class EvictionShell(GroupRecords):
         return runs
 
     async def _evict_shard(
-        self, shard: int, chains: list[bytes], reason: str, statuses: dict[str, int], tier: str = "all"
+        self,
+        shard: int,
+        chains: list[bytes],
+        reason: str,
+        statuses: dict[str, int],
+        tier: m.EvictTier = "all",
     ) -> list[bytes]:
         """One `evict` request; returns the groups that stay (leased, pinned, or no answer)."""
         groups = [self._group_ids[c] for c in chains]
@@ -376,12 +381,7 @@ class EvictionShell(GroupRecords):
             head = position.get(self._parent.get(chain, b""))
             if head is not None and head > j:
                 tails[head].append(j)
-        request = m.Evict(
-            groups=groups,
-            reason=reason,
-            tier="ssd" if tier == "ssd" else "all",
-            tails=tails if any(tails) else [],
-        )
+        request = m.Evict(groups=groups, reason=reason, tier=tier, tails=tails if any(tails) else [])
         try:
             reply = await self._dir().ask(shard, "evict", request, self.request_timeout_s)
         except KvfError as exc:
@@ -395,11 +395,11 @@ class EvictionShell(GroupRecords):
         stayed = []
         for chain, result in zip(chains, reply.results, strict=True):
             statuses[result.status] = statuses.get(result.status, 0) + 1
-            if result.status in ("leased", "pinned", "tail_stays"):
+            if result.status in m.EVICT_STAYS:
                 stayed.append(chain)
             if not self.core.is_evicting(chain):
                 continue  # an event overtook the reply (e.g. its segment went down)
-            if result.status in ("leased", "pinned", "tail_stays"):
+            if result.status in m.EVICT_STAYS:
                 self.core.refused(chain, at)
             elif result.status == "disk_dropped":  # in its arena pools only now
                 self._disk_dropped(chain, at)

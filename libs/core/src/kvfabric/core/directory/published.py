@@ -56,9 +56,7 @@ from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
 
-__all__ = ["STAYS", "PublishedTable"]
-
-STAYS: frozenset[str] = frozenset({"leased", "pinned", "tail_stays"})  # evict answers: still here
+__all__ = ["PublishedTable"]
 
 
 class PublishedTable:
@@ -289,7 +287,7 @@ class PublishedTable:
                     results.append(m.EvictResult(group=raw, status="not_found"))  # forged identity
                     continue
                 tails = req.tails[len(results)] if req.tails else ()
-                if any(results[j].status in STAYS for j in tails):
+                if any(results[j].status in m.EVICT_STAYS for j in tails):
                     self.ctx.count("evict_refused_tail_stays_total")
                     results.append(m.EvictResult(group=raw, status="tail_stays"))
                     continue
