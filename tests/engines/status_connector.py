@@ -1,7 +1,9 @@
 """Test connector: `KvfabricConnector` reporting what the engine sees of its cache. Each side
 appends one JSON line to `$KVF_TEST_STATUS_REPORT` when it is built (`role`, `init_s`: how long
-the connector took to build, i.e. what it adds to vLLM's start-up) and one more when vLLM shuts
-it down (`status` of its client, `fallbacks` by cause: the worker's count failed loads).
+the connector took to build, i.e. what it adds to vLLM's start-up), the scheduler one more after
+a finished request when its client's status or fallbacks changed (`seen`, `seen_fallbacks`), and
+each one more when vLLM shuts it down (`status` of its client, `fallbacks` by cause: the worker's
+count failed loads).
 
 Loaded by `kvfabric.testing.vllm_run --kvfabric-class tests.engines.status_connector:StatusConnector`.
 """
@@ -31,15 +33,29 @@ class StatusConnector(KvfabricConnector):
         started = time.perf_counter()
         super().__init__(*args, **kwargs)
         _append({"role": self.role.name.lower(), "init_s": time.perf_counter() - started})
+        self._seen: tuple[dict[str, Any], dict[str, float]] | None = None
 
-    def shutdown(self) -> None:
+    def _snapshot(self) -> tuple[dict[str, Any], dict[str, float]]:
         fallbacks = {
             sample.labels["cause"]: sample.value
             for metric in self.client.metrics.fallbacks.collect()
             for sample in metric.samples
             if sample.name.endswith("_total")
         }
-        status = dataclasses.asdict(self.client.status)
+        return dataclasses.asdict(self.client.status), fallbacks
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # the scheduler's status as of each finished request, when it changed: the shutdown
+        # line may never come (vLLM kills an engine core not stopped within its timeout)
+        answer = super().request_finished(request, block_ids)
+        snapshot = self._snapshot()
+        if snapshot != self._seen:
+            self._seen = snapshot
+            _append({"role": self.role.name.lower(), "seen": snapshot[0], "seen_fallbacks": snapshot[1]})
+        return answer
+
+    def shutdown(self) -> None:
+        status, fallbacks = self._snapshot()
         _append({"role": self.role.name.lower(), "status": status, "fallbacks": fallbacks})
         super().shutdown()
 

@@ -315,7 +315,17 @@ def test_a_cache_that_cannot_start_leaves_vllm_serving_uncached(
     built = {line["role"]: line["init_s"] for line in lines if "init_s" in line}
     assert set(built) == {"scheduler", "worker"}
     assert sum(built.values()) <= CONNECTOR_START_S_MAX, built
-    (final,) = [line for line in lines if "status" in line and line["role"] == "scheduler"]
+    seen = [line for line in lines if "seen" in line and line["role"] == "scheduler"]
+    assert seen, lines  # one line at least, after the first request
+    stopped = [line for line in lines if "status" in line and line["role"] == "scheduler"]
+    if stopped:
+        (final,) = stopped
+    else:  # its engine core did not stop in vLLM's shutdown timeout (CI, 2026-12-03): as last seen
+        final = {"status": seen[-1]["seen"], "fallbacks": seen[-1]["seen_fallbacks"]}
+        shutdown_log = [
+            ln for ln in (tmp_path / f"{case}.log").read_text().splitlines() if "[shutdown]" in ln
+        ]
+        print(f"{case}: no shutdown report from the scheduler; its vLLM shutdown:", *shutdown_log, sep="\n")
     assert final["status"]["state"] == "disabled" and final["status"]["cause"] == cause, final
     assert final["fallbacks"].get(cause) == 1.0, final
     log = (tmp_path / f"{case}.log").read_text()
