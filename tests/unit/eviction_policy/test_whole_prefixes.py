@@ -238,6 +238,43 @@ def test_a_disk_batch_naming_a_head_first_asks_its_tails_first_and_a_leased_tail
     sh.core.check_invariants()
 
 
+def test_a_copied_head_whose_own_head_goes_whole_goes_whole_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk pool's batch of a chain H <- M <- T where H and T are on disk only and M, a head
+    copied to disk, is in the arena too: H goes whole, so M keeping its arena replica
+    (`disk_dropped`) would leave it in DRAM where no lookup reaches it (its head gone) until
+    the arena evicted it. It goes whole as well (review of stop 39)."""
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.25))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=100), 0)
+    cluster = Cluster()
+    disk = [m.SegmentBytes("s1", SIZE)]
+    for i, (parent, placed) in enumerate([(None, SIZE), (1, 2 * SIZE), (2, SIZE)], start=1):
+        event = msgspec.structs.replace(
+            published(i, NAMESPACE, parent=parent, s1=placed), disk_placements=disk
+        )
+        sh.apply(event, i)
+    head, middle, tail = (A + chain(i) for i in (1, 2, 3))
+    assert sh._held[head][2] == {"s1#ssd": SIZE} and sh._held[middle][2] == {"s1": SIZE, "s1#ssd": SIZE}
+    ids = {k: sh._group_ids[k] for k in (head, middle, tail)}
+    cluster.tiers = {ids[head]: {"ssd"}, ids[middle]: {"dram", "ssd"}, ids[tail]: {"ssd"}}
+    cluster.parent = {ids[middle]: ids[head], ids[tail]: ids[middle]}
+    sh._router = FakeDirectory(cluster)
+    sh._nc = cast(Any, object())
+    monkeypatch.setattr(shell, "nats_request", segment(cluster))
+    sh.core.set_capacity("s1#ssd", 20)  # 30 > 50 % of 20: down to 5, all three
+    (batch,) = sh.core.tick(10)
+    assert (
+        isinstance(batch, EvictBatch)
+        and batch.pool == "s1#ssd"
+        and set(batch.victims) == {head, middle, tail}
+    )
+    asyncio.run(sh._evict(batch))
+    assert cluster.tiers == {}  # before: {M: {"dram"}}, M in DRAM without its head
+    assert cluster.evict_tiers[ids[middle]] == "all"
+    assert not {head, middle, tail} & set(sh._held)
+    sh.core.check_invariants()
+
+
 def test_a_leased_tail_keeps_its_head_in_the_same_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tail and its head of one shard go in one `evict` request; the request names the head's
     tails (`Evict.tails`), so the head stays when its tail does (review of 0097ecb: the

@@ -39,7 +39,8 @@ event loop):
   own objects' results (`group_outcome`). A demoted group moves to the pool `<segment>#ssd`
   (capacity from the segment's reply, pressed at `ssd_high_watermark`), whose victims are
   evicted (dropped from their last tier; `evict` tier "ssd": a head copied there that is still
-  in an arena loses only its disk replica, `disk_dropped`, `_disk_dropped`). A copy kept
+  in an arena loses only its disk replica, `disk_dropped`, `_disk_dropped`, unless an ancestor
+  of it in the batch goes whole: then no lookup would reach it in the arena). A copy kept
   under a lease (`copied`) or a failure
   (of its objects, or of the whole request) cools the group down like a refused eviction; a
   full disk (`no_capacity`) stops demotion for that batch (counted, logged `demotion_stopped`)
@@ -316,6 +317,9 @@ class EvictionShell(GroupRecords):
             if is_ssd_pool(pool)
             else set()
         )
+        if keep_arena:  # one whose ancestor goes whole goes whole too: no lookup would reach it
+            whole = set(chains) - keep_arena
+            keep_arena -= {c for c in keep_arena if self._has_ancestor_in(c, whole)}
         chains = self._with_disk_tails(chains)
         statuses: dict[str, int] = {}
         try:
@@ -344,6 +348,16 @@ class EvictionShell(GroupRecords):
                     stays_above.add(ancestor)
                     ancestor = self._parent.get(ancestor)
         self._log.info("evicted", reason=batch.reason, pool=str(batch.pool), **statuses)
+
+    def _has_ancestor_in(self, chain: bytes, groups: Collection[bytes]) -> bool:
+        seen = {chain}
+        ancestor = self._parent.get(chain)
+        while ancestor is not None and ancestor not in seen:
+            if ancestor in groups:
+                return True
+            seen.add(ancestor)
+            ancestor = self._parent.get(ancestor)
+        return False
 
     async def _by_shard(
         self, chains: list[bytes], keep_arena: Collection[bytes] = ()
