@@ -11,6 +11,8 @@ segment) and every drain completes."""
 
 from __future__ import annotations
 
+import copy
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -262,7 +264,14 @@ class RepairMachine(RuleBasedStateMachine):
         self.now += step_ms
         for copy_id in [i for i in self.live if self.now - self.started_ms[i] >= CONFIG.copy_timeout_ms]:
             del self.live[copy_id]  # timed out: a failed attempt
+        # The queues kept as objects change plan what sorting every object below target plans
+        # (a twin with both queues rebuilt from scratch: the order before they were kept).
+        twin = copy.deepcopy(self.core)
+        twin._rebuild_queues()
+        expected = twin.tick(self.now)
         effects = self.core.tick(self.now)
+        assert effects == expected
+        assert self.core.counters == twin.counters and self.core.gauges() == twin.gauges()
         self.apply(effects)
         return effects
 
