@@ -158,9 +158,12 @@ class RepairMachine(RuleBasedStateMachine):
     # ---- rules -----------------------------------------------------------------------------
 
     @initialize(
-        free=st.lists(st.sampled_from([15, 60, ROOMY]), min_size=len(SEGMENTS), max_size=len(SEGMENTS))
+        free=st.lists(st.sampled_from([15, 60, ROOMY]), min_size=len(SEGMENTS), max_size=len(SEGMENTS)),
+        rebuild_often=st.booleans(),
     )
-    def cluster(self, free: list[int]) -> None:
+    def cluster(self, free: list[int], rebuild_often: bool) -> None:
+        if rebuild_often:  # the core's own rebuilds too (its slack, 1024, is never reached here)
+            self.core.queue_slack = 0
         for segment, segment_free in zip(SEGMENTS, free, strict=True):
             self.segment_up(segment, segment_free, restart=False)
 

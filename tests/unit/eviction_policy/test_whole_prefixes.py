@@ -275,6 +275,41 @@ def test_a_copied_head_whose_own_head_goes_whole_goes_whole_too(monkeypatch: pyt
     sh.core.check_invariants()
 
 
+def test_a_copied_head_under_a_disk_tail_the_batch_takes_goes_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """B <- A <- C <- D: A was demoted (its head B copied), C written under A later and copied
+    when its tail D was demoted. The core knows A and D without a parent (on disk only), so the
+    disk pool's batch is B and C, both in an arena too; A and D come in as disk tails of B and
+    C and go whole, so C, under A, must go whole too (review of fec783e: the check ran on the
+    batch before its disk tails were added, and C stayed in DRAM without its parent)."""
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.9, low_watermark=0.6))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1000), 0)
+    b, a, c, d = (A + chain(i) for i in (1, 2, 3, 4))
+    sh.apply(published(1, NAMESPACE, s1=SIZE), 1)
+    sh.apply(published(2, NAMESPACE, parent=1, s1=SIZE), 2)
+    sh._copied(b, "s1", SIZE)  # the demotion flow's own record updates
+    sh._moved(a, "s1", 3)
+    sh.apply(published(3, NAMESPACE, parent=2, s1=SIZE), 4)
+    sh.apply(published(4, NAMESPACE, parent=3, s1=SIZE), 5)
+    sh._copied(c, "s1", SIZE)
+    sh._moved(d, "s1", 6)
+    ids = {k: sh._group_ids[k] for k in (b, a, c, d)}
+    cluster = Cluster(
+        tiers={ids[b]: {"dram", "ssd"}, ids[a]: {"ssd"}, ids[c]: {"dram", "ssd"}, ids[d]: {"ssd"}},
+        parent={ids[a]: ids[b], ids[c]: ids[a], ids[d]: ids[c]},
+    )
+    sh._router = FakeDirectory(cluster)
+    sh._nc = cast(Any, object())
+    monkeypatch.setattr(shell, "nats_request", segment(cluster))
+    sh.core.set_capacity("s1#ssd", 40)
+    batch = next(x for x in sh.core.tick(10) if isinstance(x, EvictBatch) and x.pool == "s1#ssd")
+    assert set(batch.victims) == {b, c}
+    asyncio.run(sh._evict(batch))
+    assert cluster.evict_tiers[ids[c]] == "all" and cluster.evict_tiers[ids[b]] == "ssd"
+    assert cluster.tiers == {ids[b]: {"dram"}}  # before: C in DRAM too, A (its parent) gone
+    sh.core.check_invariants()
+
+
 def test_a_leased_tail_keeps_its_head_in_the_same_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tail and its head of one shard go in one `evict` request; the request names the head's
     tails (`Evict.tails`), so the head stays when its tail does (review of 0097ecb: the

@@ -220,6 +220,7 @@ class RepairCore:
         self._ready: list[_ReadyEntry] = []
         self._waiting: list[_WaitingEntry] = []
         self._pushes = 0  # unique per entry: ties never compare object ids
+        self.queue_slack = QUEUE_SLACK  # (tests set 0: rebuilds at every chance)
         self._copies: dict[int, _Copy] = {}
         # Milli-bytes, time in ms (rate: bytes/s = milli-bytes/ms): integer-valued floats, exact.
         self._budget = TokenBucket.full(config.bandwidth_bytes_per_s, config.burst_bytes * 1000, now_ms)
@@ -441,7 +442,7 @@ class RepairCore:
         order and choices as sorting every eligible object each tick, at the cost of the
         entries looked at (and of a rebuild, O(objects below), once stale entries outnumber
         them: the objects queued reached their target)."""
-        if max(len(self._ready), len(self._waiting)) > 2 * len(self._below) + QUEUE_SLACK:
+        if max(len(self._ready), len(self._waiting)) > 2 * len(self._below) + self.queue_slack:
             self._rebuild_queues()
         while self._waiting and self._waiting[0][0] <= now_ms:
             retry_at, seq, _, object_id = heapq.heappop(self._waiting)
@@ -490,7 +491,7 @@ class RepairCore:
         if obj.copy is not None or obj.object_id not in self._below:
             return
         heapq.heappush(self._ready, (-obj.hot, len(obj.replicas), obj.seq, self._push(), obj.object_id))
-        if len(self._ready) > 2 * len(self._below) + QUEUE_SLACK:
+        if len(self._ready) > 2 * len(self._below) + self.queue_slack:
             self._rebuild_queues()
 
     def _push(self) -> int:
@@ -500,7 +501,7 @@ class RepairCore:
     def _wait(self, obj: _Object) -> None:
         """`obj` failed a copy: planning takes it up again at its retry time."""
         heapq.heappush(self._waiting, (obj.retry_at_ms, obj.seq, self._push(), obj.object_id))
-        if len(self._waiting) > 2 * len(self._below) + QUEUE_SLACK:
+        if len(self._waiting) > 2 * len(self._below) + self.queue_slack:
             self._rebuild_queues()
 
     def _rebuild_queues(self) -> None:
@@ -510,7 +511,10 @@ class RepairCore:
         self._ready = [
             (-o.hot, len(o.replicas), o.seq, self._push(), o.object_id) for o in below if o.copy is None
         ]
-        self._waiting = [(o.retry_at_ms, o.seq, self._push(), o.object_id) for o in below if o.retry_at_ms]
+        # (a stuck object's retry time can be 0: a failure at time 0 with stuck_retry_ms 0)
+        self._waiting = [
+            (o.retry_at_ms, o.seq, self._push(), o.object_id) for o in below if o.retry_at_ms or o.stuck
+        ]
         heapq.heapify(self._ready)
         heapq.heapify(self._waiting)
 
@@ -667,7 +671,7 @@ class RepairCore:
             obj = self._objects[object_id]
             if obj.copy is None and obj.size_bytes <= cfg.burst_bytes and object_id not in ready:
                 invariant(
-                    obj.retry_at_ms > 0 and (object_id, obj.retry_at_ms) in waiting,
+                    (object_id, obj.retry_at_ms) in waiting,
                     "an object below target is in no planning queue",
                     object_id=object_id,
                 )

@@ -317,10 +317,13 @@ class EvictionShell(GroupRecords):
             if is_ssd_pool(pool)
             else set()
         )
-        if keep_arena:  # one whose ancestor goes whole goes whole too: no lookup would reach it
+        chains = self._with_disk_tails(chains)
+        # One whose ancestor goes whole (a victim, or a disk tail of one) goes whole too: in the
+        # arena without it, no lookup would reach it. (Even when that ancestor then stays,
+        # leased: the tail is asked first, so it goes then.)
+        if keep_arena:
             whole = set(chains) - keep_arena
             keep_arena -= {c for c in keep_arena if self._has_ancestor_in(c, whole)}
-        chains = self._with_disk_tails(chains)
         statuses: dict[str, int] = {}
         try:
             by_shard = await self._by_shard(chains, keep_arena)
