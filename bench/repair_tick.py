@@ -67,9 +67,7 @@ def main() -> None:
         for arm in ("kept", "rebuilt", "kept"):  # interleaved: the machine's noise shows
             took, now = ticks(core, args.ticks, arm == "rebuilt", now)
             copies = core.counters.get("copies_started_total", 0)
-            print(
-                f"| {objects:,} | {arm} | {statistics.median(took):.1f} | {max(took):.1f} | {copies} |"
-            )
+            print(f"| {objects:,} | {arm} | {statistics.median(took):.1f} | {max(took):.1f} | {copies} |")
         for i in range(10, objects):  # the drain's tail: all but 10 have their target elsewhere
             core.object_known(i, size_bytes=SIZE, replica_target=2, segments=("s1", "s2", "s3"))
         took, now = ticks(core, 1, False, now)
