@@ -300,3 +300,30 @@ def test_a_bad_config_or_time_going_backwards_is_a_bug() -> None:
     core.tick(10)
     with pytest.raises(InvariantViolation):
         core.tick(9)
+
+
+class _NoIteration(set[object]):
+    """A set the metrics thread must not walk: the event loop changes it meanwhile."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("gauges() iterated the objects below target")
+
+
+def test_gauges_never_walk_the_objects_below_target() -> None:
+    """`gauges()` is read from the metrics server's thread: walking the set of objects below
+    target while the event loop changes it can raise "Set changed size during iteration" (and
+    cost O(objects) a scrape). Stuck and oversize counts are kept as objects change."""
+    core = new_core(attempts_max=1, burst_bytes=2 * MB)
+    core.object_known("big", size_bytes=4 * MB, replica_target=2, segments=["a"])
+    core.object_known("o", size_bytes=MB, replica_target=2, segments=["a"])
+    failed = only_copy(core.tick(10))
+    core.copy_failed(failed.copy_id, 20)  # attempts_max 1: stuck
+    core.check_invariants()
+    core._below = _NoIteration(core._below)
+    assert core.gauges()["objects_stuck"] == 1 and core.gauges()["objects_oversize"] == 1
+    core._below = set(core._below)
+    core.object_known("o", size_bytes=MB, replica_target=2, segments=["a", "b"])  # at target
+    core.object_removed("big")
+    core.check_invariants()
+    core._below = _NoIteration(core._below)
+    assert core.gauges()["objects_stuck"] == 0 and core.gauges()["objects_oversize"] == 0

@@ -195,6 +195,8 @@ class _Object:
     retry_at_ms: int = 0
     stuck: bool = False
     failed_source: str = ""  # the source whose read failed the last copy: tried last next time
+    gauged_stuck: bool = False  # what this object adds to the core's gauges now (`_gauge`)
+    gauged_oversize: bool = False
 
 
 # (-hot, readable replicas, seq, push number, object id): the planning order of `_plan`.
@@ -221,6 +223,10 @@ class RepairCore:
         self._waiting: list[_WaitingEntry] = []
         self._pushes = 0  # unique per entry: ties never compare object ids
         self.queue_slack = QUEUE_SLACK  # (tests set 0: rebuilds at every chance)
+        # Kept as objects change (`_gauge`): `gauges()` is read from the metrics thread, which
+        # must not iterate sets the event loop changes (nor walk every object below target).
+        self._stuck_below = 0
+        self._oversize_below = 0
         self._copies: dict[int, _Copy] = {}
         # Milli-bytes, time in ms (rate: bytes/s = milli-bytes/ms): integer-valued floats, exact.
         self._budget = TokenBucket.full(config.bandwidth_bytes_per_s, config.burst_bytes * 1000, now_ms)
@@ -256,16 +262,19 @@ class RepairCore:
         return int(self._budget.tokens) // 1000
 
     def gauges(self) -> dict[str, int]:
-        """Current levels, for the shell to export next to `counters`."""
-        cfg = self.config
+        """Current levels, for the shell to export next to `counters`. Safe to call from another
+        thread (the metrics server's): counts kept as objects change, and copies of the two
+        small tables (copies in flight, segments) taken whole under the GIL."""
+        copies = list(self._copies.values())
+        segments = list(self._segments.values())
         return {
             "objects": len(self._objects),
             "objects_below_target": len(self._below),
-            "objects_stuck": sum(1 for o in self._below if self._objects[o].stuck),
-            "objects_oversize": sum(1 for o in self._below if self._objects[o].size_bytes > cfg.burst_bytes),
-            "copies_in_flight": len(self._copies),
-            "copy_bytes_in_flight": sum(c.size_bytes for c in self._copies.values()),
-            "segments_draining": sum(1 for s in self._segments.values() if s.draining),
+            "objects_stuck": self._stuck_below,
+            "objects_oversize": self._oversize_below,
+            "copies_in_flight": len(copies),
+            "copy_bytes_in_flight": sum(c.size_bytes for c in copies),
+            "segments_draining": sum(1 for seg in segments if seg.draining),
         }
 
     # ---- events: segments ------------------------------------------------------------------
@@ -449,6 +458,7 @@ class RepairCore:
             obj = self._objects.get(object_id)
             if obj is not None and obj.seq == seq and obj.retry_at_ms == retry_at and obj.copy is None:
                 obj.stuck = False
+                self._gauge(obj)
                 self._queue(obj)
         started: list[StartCopy] = []
         looked_at: set[ObjectId] = set()  # a duplicate entry of one already looked at is dropped
@@ -574,6 +584,16 @@ class RepairCore:
         else:
             self._below.discard(object_id)
             obj.failures, obj.retry_at_ms, obj.stuck, obj.failed_source = 0, 0, False, ""
+        self._gauge(obj)
+
+    def _gauge(self, obj: _Object) -> None:
+        """Bring what `obj` adds to the stuck and oversize gauges in line with its state (an
+        object counts while it is below target; one forgotten counts for nothing)."""
+        below = obj.object_id in self._below and self._objects.get(obj.object_id) is obj
+        stuck, oversize = below and obj.stuck, below and obj.size_bytes > self.config.burst_bytes
+        self._stuck_below += stuck - obj.gauged_stuck
+        self._oversize_below += oversize - obj.gauged_oversize
+        obj.gauged_stuck, obj.gauged_oversize = stuck, oversize
 
     def _forget(self, object_id: ObjectId, obj: _Object) -> None:
         if obj.copy is not None:
@@ -581,6 +601,7 @@ class RepairCore:
         for segment_id in obj.replicas:
             self._on_segment[segment_id].discard(object_id)
         self._below.discard(object_id)
+        self._gauge(obj)
 
     def _failed(self, obj: _Object, now_ms: int) -> None:
         obj.failures += 1
@@ -591,6 +612,7 @@ class RepairCore:
         else:
             backoff = self.config.retry_backoff_ms << (obj.failures - 1)
             obj.retry_at_ms = now_ms + min(backoff, self.config.retry_backoff_max_ms)
+        self._gauge(obj)
         self._wait(obj)
 
     def _abort(self, copy: _Copy) -> None:
@@ -663,6 +685,9 @@ class RepairCore:
             invariant(
                 (object_id in self._below) == (healthy < obj.target), "below set drifted", obj=object_id
             )
+        stuck = sum(1 for o in self._below if self._objects[o].stuck)
+        oversize = sum(1 for o in self._below if self._objects[o].size_bytes > cfg.burst_bytes)
+        invariant((self._stuck_below, self._oversize_below) == (stuck, oversize), "gauges drifted")
         # Planning sees every object below target that can start: a current ready entry, or a
         # waiting one at its retry time (it backs off).
         ready = {e[4] for e in self._ready if e[4] in self._objects and self._current(self._objects[e[4]], e)}
