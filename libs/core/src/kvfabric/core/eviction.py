@@ -180,9 +180,7 @@ class EvictionCore(LeafRanking):
         return usage.evicting if usage else 0
 
     def tenants(self) -> list[Hashable]:
-        # copied whole first (C-level, under the GIL): the metrics thread calls this while the
-        # event loop may add a tenant
-        return [t for t, used in list(self._tenants.items()) if used]
+        return [t for t, used in self._tenants.items() if used]
 
     def tenant_bytes(self, tenant: Hashable) -> int:
         return self._tenants.get(tenant, 0)

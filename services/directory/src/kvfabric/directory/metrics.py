@@ -27,8 +27,8 @@ class DirectoryCollector(Collector):
         shells = list(self.host.shells.items())  # scraped from another thread: a snapshot
         cores = [shell.core for _, shell in shells]
         counters: Counter[str] = Counter()
-        for core in cores:  # each copied whole first: Counter.update walks a live dict in Python
-            counters.update(dict(core.counters))
+        for core in cores:
+            counters.update(core.counters)
         events = CounterMetricFamily(
             "kvfabric_directory_core_events", "Core counters, by name.", labels=["name"]
         )
@@ -121,7 +121,7 @@ class DirectoryCollector(Collector):
         )
         by_reason: Counter[str] = Counter()
         for stream in streams:
-            by_reason.update(dict(stream.failures))
+            by_reason.update(stream.failures)
         for reason in ("timeout", "no_responders", "unavailable", "api_error", "other"):
             failures.add_metric([reason], by_reason[reason])
         yield failures
