@@ -451,8 +451,7 @@ class RepairCore:
         order and choices as sorting every eligible object each tick, at the cost of the
         entries looked at (and of a rebuild, O(objects below), once stale entries outnumber
         them: the objects queued reached their target)."""
-        if max(len(self._ready), len(self._waiting)) > 2 * len(self._below) + self.queue_slack:
-            self._rebuild_queues()
+        self._rebuild_queues_if_stale()
         while self._waiting and self._waiting[0][0] <= now_ms:
             retry_at, seq, _, object_id = heapq.heappop(self._waiting)
             obj = self._objects.get(object_id)
@@ -501,8 +500,7 @@ class RepairCore:
         if obj.copy is not None or obj.object_id not in self._below:
             return
         heapq.heappush(self._ready, (-obj.hot, len(obj.replicas), obj.seq, self._push(), obj.object_id))
-        if len(self._ready) > 2 * len(self._below) + self.queue_slack:
-            self._rebuild_queues()
+        self._rebuild_queues_if_stale()
 
     def _push(self) -> int:
         self._pushes += 1
@@ -511,7 +509,10 @@ class RepairCore:
     def _wait(self, obj: _Object) -> None:
         """`obj` failed a copy: planning takes it up again at its retry time."""
         heapq.heappush(self._waiting, (obj.retry_at_ms, obj.seq, self._push(), obj.object_id))
-        if len(self._waiting) > 2 * len(self._below) + self.queue_slack:
+        self._rebuild_queues_if_stale()
+
+    def _rebuild_queues_if_stale(self) -> None:
+        if max(len(self._ready), len(self._waiting)) > 2 * len(self._below) + self.queue_slack:
             self._rebuild_queues()
 
     def _rebuild_queues(self) -> None:

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Final, Protocol
 
 import msgspec
@@ -346,21 +346,24 @@ class EvictionShell(GroupRecords):
             if not ask:
                 continue
             for chain in await self._evict_shard(shard, ask, batch.reason, statuses, tier):
-                ancestor = self._parent.get(chain)
-                while ancestor is not None and ancestor not in stays_above:
+                for ancestor in self._ancestors(chain):
+                    if ancestor in stays_above:
+                        break
                     stays_above.add(ancestor)
-                    ancestor = self._parent.get(ancestor)
         self._log.info("evicted", reason=batch.reason, pool=str(batch.pool), **statuses)
 
     def _has_ancestor_in(self, chain: bytes, groups: Collection[bytes]) -> bool:
+        return any(ancestor in groups for ancestor in self._ancestors(chain))
+
+    def _ancestors(self, chain: bytes) -> Iterator[bytes]:
+        """`chain`'s parent, its parent's, ... as the records know them, nearest first (each
+        once: a cycle of chain hashes cannot be made, but a walk never trusts that)."""
         seen = {chain}
         ancestor = self._parent.get(chain)
         while ancestor is not None and ancestor not in seen:
-            if ancestor in groups:
-                return True
+            yield ancestor
             seen.add(ancestor)
             ancestor = self._parent.get(ancestor)
-        return False
 
     async def _by_shard(
         self, chains: list[bytes], keep_arena: Collection[bytes] = ()
@@ -555,14 +558,12 @@ class EvictionShell(GroupRecords):
         for chain in chains:
             if not self.core.is_evicting(chain):
                 continue
-            ancestor = self._parent.get(chain)
-            seen: set[bytes] = set()
-            while ancestor is not None and ancestor in self._held and ancestor not in seen:
-                seen.add(ancestor)
+            for ancestor in self._ancestors(chain):
+                if ancestor not in self._held:
+                    break
                 on_disk = any(is_ssd_pool(p) for p in self._held[ancestor][2])
                 if not on_disk and not self.core.is_evicting(ancestor):
                     needed.setdefault(ancestor, []).append(chain)
-                ancestor = self._parent.get(ancestor)
         return needed
 
     async def _heads_on_disk(self, segment_id: str, chains: list[bytes], handled: set[bytes]) -> bool:
