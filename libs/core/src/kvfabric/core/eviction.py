@@ -180,7 +180,10 @@ class EvictionCore(LeafRanking):
         return usage.evicting if usage else 0
 
     def tenants(self) -> list[Hashable]:
-        return [t for t, used in self._tenants.items() if used]
+        # Read by the metrics thread while the event loop adds tenants: `dict()` copies in C with
+        # no allocation mid-walk (`list(d.items())` makes tuples, which can start the cyclic GC,
+        # whose finalizers run Python code and let the loop's thread in; docs/metrics.md).
+        return [t for t, used in dict(self._tenants).items() if used]
 
     def tenant_bytes(self, tenant: Hashable) -> int:
         return self._tenants.get(tenant, 0)

@@ -24,11 +24,13 @@ class DirectoryCollector(Collector):
         self.leadership = leadership  # the instance's shard-leadership core (its counters)
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
-        shells = list(self.host.shells.items())  # scraped from another thread: a snapshot
+        # Scraped from another thread: every live dict of the loop's is copied whole with dict()
+        # (in C, no allocation mid-walk) before Python walks it (docs/metrics.md)
+        shells = list(dict(self.host.shells).items())
         cores = [shell.core for _, shell in shells]
         counters: Counter[str] = Counter()
         for core in cores:
-            counters.update(core.counters)
+            counters.update(dict(core.counters))
         events = CounterMetricFamily(
             "kvfabric_directory_core_events", "Core counters, by name.", labels=["name"]
         )
@@ -96,7 +98,7 @@ class DirectoryCollector(Collector):
         seen_up: dict[str, bool] = {}
         placed: Counter[str] = Counter()
         for core in cores:
-            for seg in list(core.segments.values()):
+            for seg in dict(core.segments).values():
                 seen_up[seg.segment_id] = seen_up.get(seg.segment_id, True) and seg.up
                 placed[seg.segment_id] += seg.reserved_bytes
         for segment_id, is_up in sorted(seen_up.items()):
@@ -121,7 +123,7 @@ class DirectoryCollector(Collector):
         )
         by_reason: Counter[str] = Counter()
         for stream in streams:
-            by_reason.update(stream.failures)
+            by_reason.update(dict(stream.failures))
         for reason in ("timeout", "no_responders", "unavailable", "api_error", "other"):
             failures.add_metric([reason], by_reason[reason])
         yield failures
@@ -154,7 +156,7 @@ class DirectoryCollector(Collector):
             "bucket) or queue (its requests waiting for a turn were at KVF_DIRECTORY_FAIR_TENANT_QUEUE_MAX).",
             labels=["tenant", "reason"],
         )
-        for tenant, stats in sorted(list(core.refused.items())):  # written by the loop: a snapshot
+        for tenant, stats in sorted(dict(core.refused).items()):  # written by the loop: a copy
             refused.add_metric([tenant, "rate"], stats.rate)
             refused.add_metric([tenant, "queue"], stats.queue)
         yield refused
@@ -226,10 +228,10 @@ class DirectoryCollector(Collector):
         quota_exceeded: Counter[bytes] = Counter()
         rate_limited: Counter[bytes] = Counter()
         for core in cores:
-            for domain, use in list(core.quotas.usage.items()):
+            for domain, use in dict(core.quotas.usage).items():
                 used_bytes[domain] += use.bytes
                 used_objects[domain] += use.objects
-            for domain, stats in list(core.quotas.stats.items()):
+            for domain, stats in dict(core.quotas.stats).items():
                 quota_exceeded[domain] += stats.quota_exceeded
                 rate_limited[domain] += stats.rate_limited
         for tenant in sorted(used_bytes):

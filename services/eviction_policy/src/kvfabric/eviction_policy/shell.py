@@ -798,7 +798,7 @@ class EvictionShell(GroupRecords):
             tenants=tenants,
             counters={
                 **core.counters,
-                **{f"demote_{k}_total": v for k, v in self.demotions.items()},
+                **{f"demote_{k}_total": v for k, v in dict(self.demotions).items()},
                 "admission_filters_published_total": self.admission_published,
                 "admission_filter_bytes": self.admission_filter_bytes,
             },

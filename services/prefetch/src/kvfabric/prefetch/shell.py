@@ -273,7 +273,7 @@ class PrefetchShell:
             "copies_in_flight": core.copies_in_flight,
             "objects_queued": core.objects_queued,
             "hint_ids_live": core.hint_ids_live,
-            "leases_held": sum(len(leases) for leases in self._leases.values()),
+            "leases_held": sum(len(leases) for leases in dict(self._leases).values()),
             "busy_resolving": self.busy_resolving,
             "groups_shown": self.groups_shown,
             "groups_known": self.groups_known,
