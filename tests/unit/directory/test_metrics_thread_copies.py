@@ -21,6 +21,7 @@ from typing import Any, cast
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore
 from kvfabric.core.eviction import EvictionConfig, EvictionCore
 from kvfabric.core.quotas import TenantUsage
+from kvfabric.directory.admission import AdmissionConfig, FairAdmission
 from kvfabric.directory.metrics import DirectoryCollector
 from kvfabric.directory.shard_host import ShardHost
 from kvfabric.directory.shell import DirectoryShell
@@ -171,3 +172,45 @@ def test_the_directory_collector_reads_tables_changed_at_every_step_of_its_walk(
     names = {f.name: f for f in collector.collect()}
     assert len(names["kvfabric_directory_tenant_used_bytes"].samples) == len(live)
     assert len(names["kvfabric_directory_segment_up"].samples) == LIVE
+
+
+def test_the_fair_admission_wait_gauge_reads_tenants_changed_at_every_call() -> None:
+    """`take_longest_wait` (the directory collector's `fair_longest_wait_seconds`) walks the
+    tenants' queue heads while the loop offers, starts and ends requests: at every call it makes,
+    a profile hook adds a tenant with a queued request and serves one (emptying its queue)."""
+    core = FairAdmission(
+        AdmissionConfig(
+            ids_per_s=1_000_000, burst_ids=1_000_000, queue_max=4, running_max=1, tenant_running_max=1
+        )
+    )
+    changes = 0
+    changing = False
+
+    def change() -> None:
+        nonlocal changes, changing
+        if changing:
+            return
+        changing = True
+        try:
+            core.offer(f"tenant-{changes}", 1, float(changes))  # a new tenant's request waits
+            for started in core.start(float(changes)):  # one runs and ends: its queue empties
+                core.done(started.tenant, float(changes))
+        finally:
+            changes += 1
+            changing = False
+
+    def hook(frame: object, event: str, arg: object) -> None:
+        if event in ("call", "c_call"):
+            change()
+
+    for i in range(LIVE):  # a backlog: each change then adds one request and serves one
+        core.offer(f"waiting-{i}", 1, 0.0)
+    for _ in range(20):
+        sys.setprofile(hook)
+        try:
+            waited = core.take_longest_wait(1e9)
+        finally:
+            sys.setprofile(None)
+        assert waited > 0
+    core.check()
+    assert changes > 20 and core.queued == LIVE

@@ -232,8 +232,16 @@ class FairAdmission:
         return state.tag if state is not None and state.queue else None
 
     def oldest_wait_s(self, now_s: float) -> float:
-        """How long the longest-waiting queued request has waited so far."""
-        heads = [s.queue[0].since_s for s in self._tenants.values() if s.queue]
+        """How long the longest-waiting queued request has waited so far. Also read by the
+        metrics thread (`take_longest_wait`) while the loop adds, drops and serves tenants: the
+        tenants are copied whole first (`dict()`, one C call), and a queue emptied meanwhile is
+        skipped (docs/metrics.md)."""
+        heads = []
+        for state in dict(self._tenants).values():
+            try:
+                heads.append(state.queue[0].since_s)
+            except IndexError:  # nothing queued (or served since the copy)
+                continue
         return max(0.0, now_s - min(heads)) if heads else 0.0
 
     def take_longest_wait(self, now_s: float) -> float:

@@ -231,7 +231,8 @@ class DirectoryCollector(Collector):
             for domain, use in dict(core.quotas.usage).items():
                 used_bytes[domain] += use.bytes
                 used_objects[domain] += use.objects
-            for domain, stats in dict(core.quotas.stats).items():
+            # an OrderedDict: its copy() is one C walk (dict() of it is a keys list, then lookups)
+            for domain, stats in core.quotas.stats.copy().items():
                 quota_exceeded[domain] += stats.quota_exceeded
                 rate_limited[domain] += stats.rate_limited
         for tenant in sorted(used_bytes):

@@ -122,6 +122,8 @@ class BackendCore:
         self._gets_idle = threading.Condition(self.lock)
 
     def _count(self, name: str, n: int = 1) -> None:
+        # The caller holds self.lock: a read then a write, from many threads (else `count`;
+        # tests/unit/segment_storage/test_counters_under_lock.py checks every call site).
         self.counters[name] = self.counters.get(name, 0) + n
 
     def count(self, name: str, n: int = 1) -> None:

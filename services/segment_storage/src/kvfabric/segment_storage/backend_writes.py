@@ -27,22 +27,22 @@ class BackendWrites(BackendCore):
 
     def begin_put(self, ticket: WriteTicket, conn: int) -> PutSlot:
         if not ticket_signature_valid(ticket, self.secret):
-            self._count("bad_ticket_signature_total")
+            self.count("bad_ticket_signature_total")
             raise Unauthorized("write ticket signature is not valid")
         if ticket.segment_id != self.segment_id:
             raise BadRequest(f"ticket is for segment {ticket.segment_id!r}, this is {self.segment_id!r}")
         if ticket.incarnation != self.incarnation:
-            self._count("stale_incarnation_rejected_total")
+            self.count("stale_incarnation_rejected_total")
             raise StaleGeneration("segment_incarnation", ticket.incarnation, self.incarnation)
         try:
             self.gate.check(ticket.shard, ticket.epoch)
         except StaleGeneration:
-            self._count("stale_epoch_rejected_total")
+            self.count("stale_epoch_rejected_total")
             raise
         now = self.clock_ms()
         deadline_ms = self.ticket_deadline_ms(ticket)
         if now >= deadline_ms:
-            self._count("expired_ticket_total")
+            self.count("expired_ticket_total")
             raise Conflict("write ticket deadline has passed", deadline_ms=ticket.deadline_ms)
         self.gate.check_writes()
         with self.lock:
@@ -56,7 +56,7 @@ class BackendWrites(BackendCore):
         stored = put.checksum if put.checksum is not None else checksum(put.view)
         put.view.release()
         if stored != put.ticket.checksum:
-            self._count("checksum_mismatch_total")
+            self.count("checksum_mismatch_total")
             self.abort_put(put, conn)
             raise ChecksumMismatch("bytes received do not match the ticket's checksum")
         with self.lock:
@@ -75,7 +75,7 @@ class BackendWrites(BackendCore):
                     put.slot, put.slot_generation, put.offset, put.ticket.size_bytes, stored
                 )
         if fenced:
-            self._count("stale_epoch_rejected_total")
+            self.count("stale_epoch_rejected_total")
             self.abort_put(put, conn)
             raise StaleGeneration("directory_epoch", put.ticket.epoch, self.gate.fence(put.ticket.shard))
         if put.receipt_wanted and self.confirm_later is not None:
@@ -88,8 +88,8 @@ class BackendWrites(BackendCore):
                 self._free(put.slot, put.slot_generation)
                 raise
             put.receipt = write_receipt(self.secret, put.ticket, put.slot, put.slot_generation)
-            self._count("puts_total")
-            self._count("puts_receipted_total")
+            self.count("puts_total")
+            self.count("puts_receipted_total")
             return put.slot, put.slot_generation
         try:
             verdict = self.confirm(put.ticket, put.slot, put.slot_generation, put.trace_id, put.save_writes)
@@ -97,10 +97,10 @@ class BackendWrites(BackendCore):
             self._free(put.slot, put.slot_generation)  # not confirmed: never readable via the directory
             raise
         if verdict != "ok":
-            self._count(f"confirm_{verdict}_total")
+            self.count(f"confirm_{verdict}_total")
             self._free(put.slot, put.slot_generation)
             raise Conflict(f"the directory refused the replica: {verdict}", verdict=verdict)
-        self._count("puts_total")
+        self.count("puts_total")
         return put.slot, put.slot_generation
 
     def unconfirmed(self, slot: int, generation: int, verdict: str) -> None:
