@@ -232,7 +232,13 @@ def test_shards_spread_by_handover_and_survive_a_leader_kill(nodes: list[NatsSer
                 assert after[shard].epoch > old_epochs[shard]  # a new term, fencing the victim
             else:
                 assert after[shard] == spread[shard]  # untouched: same leader, same epoch
-        assert all(after[s].instance == desired_owner(s, members - {victim}) for s in after)
+        # Each survivor acquires the shards it desires over the members it sees: one that missed
+        # another's announcement for a moment may take a lapsed shard first, then hand it over
+        # when it sees that member again (CI, nats-cluster: a victim's shard was led by the other
+        # survivor when the victim left the map). The map settles on the survivors' rendezvous
+        # owners, each shard led throughout.
+        survivors = members - {victim}
+        wait_map(url, 15.0, lambda r: all(r[s].instance == desired_owner(s, survivors) for s in r))
 
         # The victim's ticket is fenced by (shard, epoch) at the segment: nothing is stored.
         with TcpDataClient.connect(ticket.data_addr) as plane, pytest.raises(StaleGeneration):
