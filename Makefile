@@ -44,13 +44,8 @@ test-fast: setup ## Run the test suite only
 compose-check: setup ## Static checks of compose/ (services, modules, mounts, Prometheus, Grafana dashboard)
 	$(PY) tools/compose_check.py
 
-# The unit and fuzz tests start no cluster and keep no timing budget: they run on two workers
-# (pytest-xdist), then the rest (integration, security, engines) one at a time, whose budgets
-# assume the cores are theirs. Exit 5 (nothing collected, e.g. a -k for one half) is no failure.
-PARALLEL_TESTS := tests/unit tests/fuzz
 test: setup lint schemas-check compose-check ## Set up if needed, lint, check schemas and compose, run the suite (what CI runs)
-	$(PY) -m pytest -n 2 $(PARALLEL_TESTS) $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(PY) -m pytest $(foreach p,$(PARALLEL_TESTS),--ignore=$(p)) $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 .PHONY: engines-setup sglang-setup test-engines bench-engines bench-sglang
 $(VENV)/.engines-stamp: $(VENV)/.setup-stamp
