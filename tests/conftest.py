@@ -7,6 +7,11 @@
   health check. Both measure the machine, not the code: on the shared 2-core VMs one draw can
   take a second while other jobs run (a fresh-clone CI failed that check once). Correctness
   properties and example counts are unchanged.
+- `_no_gc_policy_leaks` (autouse): a test that ran a service CLI in-process (`service_cli` installs
+  the services' GC policy for the process) leaves no policy behind for the next test in the same
+  worker. A leaked pause-recording `gc.callbacks` hook once failed a later fuzz test: a
+  collection that ran near the recursion limit raised RecursionError inside the hook, which pytest
+  reports as an unraisable exception (a fresh-clone CI, xdist worker gw1).
 """
 
 from __future__ import annotations
@@ -31,6 +36,16 @@ pytest_plugins = ["kvfabric.testing.pytest_plugin"]
 # suite's hundreds of segments. tests/unit/segment_storage/test_arena_files.py runs the prefault
 # itself, and test_segment_starts_first.py a segment with it on.
 os.environ.setdefault("KVF_SEGMENT_ARENA_PREFAULT", "0")
+
+
+@pytest.fixture(autouse=True)
+def _no_gc_policy_leaks() -> Iterator[None]:
+    from kvfabric.runtime import gcpolicy
+
+    yield
+    if gcpolicy.installed() is not None or gcpolicy.pauses() is not None:
+        gcpolicy.uninstall()
+
 
 LogRecords = Callable[[], list[dict[str, Any]]]
 
