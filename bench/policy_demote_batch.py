@@ -74,7 +74,7 @@ async def demote_with_policy(
             now_ms=i,
         )
         sh._group_ids[chain] = group_id
-        sh._held[chain] = (group.domain_digest, group.chunk_index, dict(pools))
+        sh._held[chain] = (group.domain_digest, group.chunk_index, dict(pools), 0)
     chains = [
         v
         for b in core.tick(len(victims))

@@ -57,6 +57,24 @@ class EvictionMachine(RuleBasedStateMachine):
         self.cooldown: dict[int, int] = {}
         self.batches = 0
 
+    def rank(self, object_id: int) -> dict[str, object]:
+        """What ranks a resident object, which a tier move keeps (its place in a queue policy's
+        order is checked by the order's own `check`)."""
+        explained = self.core.explain(object_id)
+        assert explained is not None
+        kept = (
+            "last_access_ms",
+            "accesses",
+            "chunk_index",
+            "tenant",
+            "turn",
+            "prompt_chunks",
+            "density_class",
+        )
+        rank = {k: v for k, v in explained.items() if k in kept}
+        rank["cooldown_until_ms"] = self.core._objects[object_id].cooldown_until_ms
+        return rank
+
     def children(self, object_id: int) -> list[int]:
         return [o for o, (_, _, parent) in self.resident.items() if parent == object_id]
 
@@ -152,6 +170,30 @@ class EvictionMachine(RuleBasedStateMachine):
             pools = self.resident[object_id][1]
             pools[pool] = pools.get(pool, 0) + nbytes
         assert not self.core.add_pool(self.next_id, pool, nbytes)  # not resident: nothing counted
+
+    @rule(pick=st.integers(0, 1000), nbytes=st.integers(1, 4), keep_parent=st.booleans())
+    def moved_to_another_tier(self, pick: int, nbytes: int, keep_parent: bool) -> None:
+        """A resident object's bytes move to the other pool (a demotion to disk, answered for a
+        victim or not): the same object, neither an eviction nor an insert counted; on disk
+        only it may lose its parent in the core (`retiered`)."""
+        if not self.resident:
+            assert not self.core.retiered(self.next_id, pools={"p0": 1}, parent=None, now_ms=self.now)
+            return
+        object_id = sorted(self.resident)[pick % len(self.resident)]
+        tenant, pools, parent = self.resident[object_id]
+        moved_to = {POOLS[1 - POOLS.index(p)] for p in pools} if len(pools) == 1 else {POOLS[0]}
+        new_pools = {pool: nbytes for pool in moved_to}
+        new_parent = parent if keep_parent else None
+        before = dict(self.core.counters)
+        rank = self.rank(object_id)
+        assert self.core.retiered(object_id, pools=new_pools, parent=new_parent, now_ms=self.now)
+        assert before.get("evicted_total", 0) == self.core.counters.get("evicted_total", 0)
+        assert before.get("inserts_total", 0) == self.core.counters.get("inserts_total", 0)
+        assert self.core.counters["retiered_total"] == before.get("retiered_total", 0) + 1
+        assert self.rank(object_id) == rank, "a tier move changed what ranks the object"
+        self.resident[object_id] = (tenant, new_pools, new_parent)
+        self.evicting.discard(object_id)
+        assert not self.core.is_evicting(object_id)
 
     @rule(pick=st.integers(0, 1000))
     def toggle_lease(self, pick: int) -> None:

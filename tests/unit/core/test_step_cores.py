@@ -202,7 +202,8 @@ def test_prefetch_step_is_the_method_of_the_same_meaning(data: st.DataObject) ->
 
 def eviction_event(data: st.DataObject, out: list[object], core: object) -> ev.EvictionEvent:
     kind = data.draw(st.sampled_from(["insert", "insert", "insert", "access", "removed", "refused", "seen",
-                                      "tick", "tick", "capacity", "drop", "add_pool"]))  # fmt: skip
+                                      "tick", "tick", "capacity", "drop", "add_pool",
+                                      "retiered"]))  # fmt: skip
     obj = data.draw(st.integers(0, 9))
     pool = data.draw(st.sampled_from(evm.POOLS))
     if kind == "insert":
@@ -232,6 +233,10 @@ def eviction_event(data: st.DataObject, out: list[object], core: object) -> ev.E
         return ev.DropPool(pool)
     if kind == "add_pool":
         return ev.AddPool(obj, pool, data.draw(st.integers(1, 6)))
+    if kind == "retiered":
+        return ev.Retiered(
+            obj, {pool: data.draw(st.integers(1, 6))}, data.draw(st.sampled_from([None, *range(obj)]))
+        )
     return Tick()
 
 
@@ -254,6 +259,8 @@ def eviction_by_method(core: EvictionCore, event: ev.EvictionEvent, now_ms: int)
         core.removed(event.object_id)
     elif isinstance(event, ev.AddPool):
         core.add_pool(event.object_id, event.pool, event.nbytes)
+    elif isinstance(event, ev.Retiered):
+        core.retiered(event.object_id, pools=event.pools, parent=event.parent, now_ms=now_ms)
     else:
         assert isinstance(event, ev.EvictRefused)
         core.refused(event.object_id, now_ms)

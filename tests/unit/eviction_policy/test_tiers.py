@@ -6,14 +6,18 @@ from __future__ import annotations
 import msgspec
 
 from kvfabric.core.eviction import EvictBatch
+from kvfabric.eviction_policy.shell import EvictionShell, _disk_bytes_after_copy
 from kvfabric.eviction_policy.tiers import (
     demote_or_drop,
     is_ssd_pool,
+    on_disk_whole,
     ssd_pool,
     ssd_pool_capacity,
     tiered_pools,
 )
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
+from kvfabric.proto.segment import SSD_SLOT_BASE
 from tests.unit.eviction_policy.test_shell import A, chain, published, shell
 
 
@@ -128,6 +132,37 @@ def test_a_demoted_group_moves_to_the_disk_pool_and_its_victims_are_dropped() ->
     assert len(sh.core) == 0 and not sh._held and not sh._hits
 
 
+def test_a_tier_move_is_no_eviction_and_keeps_the_groups_rank() -> None:
+    """A demotion (`_moved`), a disk copy dropped (`_disk_dropped`) and a republish that moves a
+    group are the same group in other pools: `evicted_total` and `inserts_total` do not move
+    (a demotion counted as an eviction inflated the metric), and its recency stays, so a group
+    read before a newer one is still the older one's victim order (a re-insert made the moved
+    group the newest)."""
+    sh = shell()
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1000), 0)
+    sh.apply(published(1, s1=30), 1)
+    sh.apply(published(2, s1=30), 2)
+    sh.apply(published(3, s1=30), 3)
+    before = dict(sh.core.counters)
+    moved = msgspec.structs.replace(published(3, s1=30), disk_placements=[m.SegmentBytes("s1", 30)])
+    sh.apply(moved, 10)  # a republish: demoted by an earlier policy
+    sh.core.set_capacity("s1", 100)  # 60 > 50 %: chain 1 is the arena's victim
+    (batch,) = [b for b in sh.core.tick(11) if isinstance(b, EvictBatch)]
+    assert batch.pool == "s1" and batch.victims[0] == A + chain(1)
+    sh.core.set_capacity("s1", 1000)
+    sh._moved(A + chain(1), "s1", 11)  # the victim demoted after chain 3: still last read at t=1
+    assert not sh.core.is_evicting(A + chain(1))
+    sh._copied(A + chain(2), "s1", 30)
+    sh._disk_dropped(A + chain(2), 12)  # its disk copy dropped, its arena replica kept
+    assert sh.core.counters.get("evicted_total", 0) == before.get("evicted_total", 0)
+    assert sh.core.counters["inserts_total"] == before["inserts_total"] == 3
+    assert sh.core.counters["retiered_total"] == 3
+    assert sh._held[A + chain(1)][2] == {"s1#ssd": 30} and sh._held[A + chain(2)][2] == {"s1": 30}
+    sh.core.set_capacity("s1#ssd", 100)  # 60 > 50 %: the disk pool's victims, by their reads
+    (batch,) = [b for b in sh.core.tick(13) if isinstance(b, EvictBatch) and b.pool == "s1#ssd"]
+    assert batch.victims[0] == A + chain(1)  # read at 1, before chain 3 (read at 3)
+
+
 def test_a_dropped_head_takes_its_tails_on_disk_with_it() -> None:
     """A tail moved to a disk pool lost its parent in the core; the shell drops it before its
     head (no lookup could find it without the head)."""
@@ -143,3 +178,83 @@ def test_a_dropped_head_takes_its_tails_on_disk_with_it() -> None:
     sh.apply(m.GroupEvicted(group=chain(3), reason="policy", domain=A), 6)
     assert sh._with_disk_tails([A + chain(1)]) == [A + chain(2), A + chain(1)]
     assert sh._children == {A + chain(1): {A + chain(2)}}
+
+
+def test_a_partially_demoted_head_is_no_head_on_disk() -> None:
+    """A group whose disk pools hold part of its bytes (a demote request that moved one member
+    and failed for the other; a rebuild after a kill mid-demotion) is no whole head on disk: a
+    tail demoted under it would be unfindable after a power cycle, so it is copied first. Known
+    as on disk before (any disk pool counted)."""
+    assert on_disk_whole({"s1#ssd": 20}, 20) and on_disk_whole({"s1": 20, "s1#ssd": 20}, 20)
+    assert not on_disk_whole({"s1": 10, "s1#ssd": 10}, 20) and not on_disk_whole({"s1": 20}, 20)
+    assert on_disk_whole({"s1": 10, "s1#ssd": 10}, 0)  # a directory too old to say its bytes: as before
+    # Two replicas, each partly demoted (the same member moved on both): not whole on any disk.
+    assert not on_disk_whole({"s1": 10, "s1#ssd": 10, "s2": 10, "s2#ssd": 10}, 20)
+    assert on_disk_whole({"s1#ssd": 20, "s2": 20}, 20)  # one replica moved whole
+    sh = shell()
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=40), 0)
+    head = msgspec.structs.replace(
+        published(1, s1=20), disk_placements=[m.SegmentBytes("s1", 10)], members=2, group_bytes=20
+    )
+    sh.apply(head, 1)  # two members of 10 bytes, one on s1's disk only
+    sh.apply(published(2, parent=1, s1=20), 2)  # 30 > 50 % of 40: the tail is the arena's victim
+    (batch,) = [b for b in sh.core.tick(3) if isinstance(b, EvictBatch)]
+    assert A + chain(2) in batch.victims
+    assert sh._ancestors_off_disk([A + chain(2)]) == {A + chain(1): [A + chain(2)]}
+
+
+def _location(size: int, *replicas: tuple[str, int]) -> m.ObjectLocation:
+    return m.ObjectLocation(
+        chunk_index=0, member=m.Member(0, 0, 0), size_bytes=size, checksum=b"",
+        replicas=[m.Replica(segment_id=s, incarnation=1, slot=n, slot_generation=1) for s, n in replicas],
+    )  # fmt: skip
+
+
+def test_a_partial_heads_copy_takes_only_its_members_on_no_disk_and_completes_its_disk_pool() -> None:
+    """The copy of a partially demoted head sends only the members on no disk (the moved one has
+    no arena replica left, so asking for all of them found no source: `spread`, and the tail went
+    to disk without its head); its disk pool then counts the whole group on that segment."""
+    on_disk = (ObjectKey(b"k1"), _location(10, ("s1", SSD_SLOT_BASE + 3)))
+    in_arena = (ObjectKey(b"k2"), _location(10, ("s1", 4), ("s2", 5)))
+    elsewhere = (ObjectKey(b"k3"), _location(10, ("s2", SSD_SLOT_BASE + 6), ("s1", 7)))
+    listing = [on_disk, in_arena, elsewhere]
+    where = EvictionShell._copy_sources("s1", listing)
+    assert where is not None
+    seg, objects = where
+    assert seg == "s1" and [(o.key, o.slot, o.keep_arena) for o in objects] == [(b"k2", 4, True)]
+    assert _disk_bytes_after_copy("s1", listing) == 20  # k1 there already, k2 copied; k3 on s2's disk
+    sh = shell()
+    head = msgspec.structs.replace(
+        published(1, s1=20), disk_placements=[m.SegmentBytes("s1", 10)], members=2, group_bytes=20
+    )
+    sh.apply(head, 1)
+    sh._copied(A + chain(1), "s1", 20)  # the copy's outcome: the disk pool tops up to the group
+    assert sh._held[A + chain(1)][2] == {"s1": 10, "s1#ssd": 20}
+    assert sh.core.used_bytes("s1#ssd") == 20
+    assert sh._ancestors_off_disk([]) == {}
+    assert on_disk_whole(sh._held[A + chain(1)][2], 20)
+    sh._copied(A + chain(1), "s1", 20)  # again: known with as many, nothing changes
+    assert sh.core.used_bytes("s1#ssd") == 20
+
+
+def test_a_partial_groups_rest_demoted_counts_its_whole_bytes_on_disk() -> None:
+    """`_moved` of a group whose other members a partial demotion moved before adds the bytes
+    (the disk pool holds the whole group); of a copied head it counts the same replica once.
+    A republish carrying `group_bytes` is kept even when it changes no pool."""
+    sh = shell()
+    partial = msgspec.structs.replace(
+        published(1, s1=20), disk_placements=[m.SegmentBytes("s1", 10)], members=2, group_bytes=20
+    )
+    sh.apply(partial, 1)
+    sh._moved(A + chain(1), "s1", 2)
+    assert sh._held[A + chain(1)][2] == {"s1#ssd": 20} and sh.core.used_bytes("s1#ssd") == 20
+    copied = msgspec.structs.replace(
+        published(2, s1=40), disk_placements=[m.SegmentBytes("s1", 20)], members=2, group_bytes=20
+    )
+    sh.apply(copied, 3)
+    sh._moved(A + chain(2), "s1", 4)
+    assert sh._held[A + chain(2)][2] == {"s1#ssd": 20}
+    sh.apply(published(3, s1=20), 5)  # an old directory's event: no group bytes
+    assert sh._held[A + chain(3)][3] == 0
+    sh.apply(msgspec.structs.replace(published(3, s1=20), group_bytes=20), 6)  # the same pools
+    assert sh._held[A + chain(3)][3] == 20

@@ -22,6 +22,8 @@ prefix from its tail to its head, and a head never goes while its tail stays.
     EVICTING --removed--> (absent)
     EVICTING --refused (leased/pinned)--> RESIDENT, skipped until `now + refused_cooldown_ms`
     RESIDENT --removed (freed elsewhere: segment down, repair, ...)--> (absent)
+    RESIDENT or EVICTING --retiered (its bytes moved to other pools: a demotion)--> RESIDENT
+        (the same object: its rank's features kept, neither an eviction nor an insert counted)
     any --its last pool dropped (`drop_pool`: segment down)--> (absent)
 Removing an object whose children are resident is allowed (the directory decided); the children
 then have no parent and are ordinary leaves-to-be. A child inserted before its parent (a sharded
@@ -253,27 +255,52 @@ class EvictionCore(LeafRanking):
                 self._count(f"admission_refused_{why}_total")
                 return [Refused(object_id, why)]
             reason = why if reason in ("always", "room") else reason
-        size = sum(held.values())
-        obj = Tracked(tenant, held, size, parent, chunk_index, now_ms)
+        obj = Tracked(tenant, held, sum(held.values()), parent, chunk_index, now_ms)
         obj.turn, obj.prompt_chunks, obj.density_class = turn, prompt, density_cls
         if self.config.policy == "lru2":
             obj.previous_access_ms = self._history.pop(object_id, None)
-        self._objects[object_id] = obj
-        for p, b in held.items():
-            usages[p].used += b
-        self._tenants[tenant] = self._tenants.get(tenant, 0) + size
-        obj.children = self._early_children.pop(object_id, 0)
-        obj.children_evicting = self._early_children_evicting.pop(object_id, 0)
-        parent_obj = self._objects.get(parent) if parent is not None else None
-        if parent_obj is not None:
-            parent_obj.children += 1  # no longer a leaf: its heap entry is ignored while children live
-        elif parent is not None:
-            _bump(self._early_children, parent, 1)
+        self._attach(object_id, obj)
         if self._order is not None:
-            self._order.inserted(object_id, size)
-        self._push(object_id, obj)
+            self._order.inserted(object_id, obj.size)
         self._count("inserts_total")
         return [Admitted(object_id, reason)]
+
+    def retiered(
+        self, object_id: ObjectId, *, pools: Mapping[Any, int], parent: ObjectId | None, now_ms: int
+    ) -> bool:
+        """The same object, its bytes in other pools now (a tier move: a chunk group demoted to its
+        segment's disk, or a disk copy of it dropped while its arena replica stays), under
+        `parent` (a group on disk only has none in the core: `GroupRecords._core_parent`).
+        Neither an eviction nor an insert: no counter of either moves, no admission, no history
+        or ghost entry, and what ranks it (last access, frequency, turn, prompt length, density
+        class, cooldown, a queue policy's place) is kept. Resident afterwards, also when it was
+        EVICTING (the move was the answer for it: a queue policy takes it back as a refused
+        victim, and a pool it stays in is pressed again if it is still above its low watermark,
+        as after a refusal). False when it is not resident."""
+        self._advance(now_ms)
+        held = dict(pools)
+        invariant(bool(held) and all(b > 0 for b in held.values()), "object bytes must be positive")
+        old = self._objects.get(object_id)
+        if old is None:
+            return False
+        self._detach(object_id, old)
+        obj = Tracked(old.tenant, held, sum(held.values()), parent, old.chunk_index, old.last_access_ms)
+        obj.previous_access_ms, obj.frequency = old.previous_access_ms, old.frequency
+        obj.turn, obj.prompt_chunks, obj.density_class = old.turn, old.prompt_chunks, old.density_class
+        obj.cooldown_until_ms = old.cooldown_until_ms
+        for p in held:
+            self._pools.setdefault(p, PoolUsage())
+        self._attach(object_id, obj)
+        if self._order is not None:
+            if old.evicting:
+                self._order.returned(object_id, obj.size)
+            else:
+                self._order.resized(object_id, obj.size)
+        if old.evicting:
+            for p in held:
+                self._press_if_above_low(self._pools[p])
+        self._count("retiered_total")
+        return True
 
     def access(self, object_id: ObjectId, now_ms: int) -> None:
         """A hit: bump recency and frequency."""
@@ -296,10 +323,11 @@ class EvictionCore(LeafRanking):
 
     def removed(self, object_id: ObjectId) -> None:
         """The object is gone (evicted as asked, or freed for another reason)."""
-        obj = self._objects.pop(object_id, None)
+        obj = self._objects.get(object_id)
         if obj is None:
             self._count("removed_unknown_total")
             return
+        self._detach(object_id, obj)
         if self._order is not None and not obj.evicting:
             self._order.forgotten(object_id)  # a chosen one left the order when it was taken
         if self._predictor is not None:
@@ -311,6 +339,35 @@ class EvictionCore(LeafRanking):
             self._history.move_to_end(object_id)
             while len(self._history) > max(LRU2_HISTORY_FLOOR, len(self._objects)):
                 self._history.popitem(last=False)
+        if obj.evicting:
+            self._count("evicted_total")
+            if self.config.policy == "gdsf":
+                self._clock = max(self._clock, self._priority(obj))
+
+    def _press_if_above_low(self, usage: PoolUsage) -> None:
+        """A victim's bytes stay in this pool after all (refused, or moved to another tier while
+        kept here): pressed again if it is still above its low watermark, so others are chosen."""
+        if usage.capacity and usage.used - usage.evicting > self.config.low_watermark * usage.capacity:
+            usage.pressed = True
+
+    def _attach(self, object_id: ObjectId, obj: Tracked) -> None:
+        """`obj` resident: counted in its pools and tenant, linked to its parent and children."""
+        self._objects[object_id] = obj
+        for p, b in obj.pools.items():
+            self._pools[p].used += b
+        self._tenants[obj.tenant] = self._tenants.get(obj.tenant, 0) + obj.size
+        obj.children = self._early_children.pop(object_id, 0)
+        obj.children_evicting = self._early_children_evicting.pop(object_id, 0)
+        parent_obj = self._objects.get(obj.parent) if obj.parent is not None else None
+        if parent_obj is not None:
+            parent_obj.children += 1  # no longer a leaf: its heap entry is ignored while children live
+        elif obj.parent is not None:
+            _bump(self._early_children, obj.parent, 1)
+        self._push(object_id, obj)
+
+    def _detach(self, object_id: ObjectId, obj: Tracked) -> None:
+        """`obj` no longer resident: `_attach` undone (its children wait for it like early ones)."""
+        del self._objects[object_id]
         for p, b in obj.pools.items():
             usage = self._pools[p]
             usage.used -= b
@@ -318,9 +375,6 @@ class EvictionCore(LeafRanking):
                 usage.evicting -= b
         if obj.evicting:
             self._tenant_evicting[obj.tenant] -= obj.size
-            self._count("evicted_total")
-            if self.config.policy == "gdsf":
-                self._clock = max(self._clock, self._priority(obj))
         self._tenants[obj.tenant] -= obj.size
         if obj.children:  # its resident children now wait for it like early ones
             _bump(self._early_children, object_id, obj.children)
@@ -373,8 +427,7 @@ class EvictionCore(LeafRanking):
         for p, b in obj.pools.items():
             usage = self._pools[p]
             usage.evicting -= b
-            if usage.capacity and usage.used - usage.evicting > self.config.low_watermark * usage.capacity:
-                usage.pressed = True  # the bytes it was counting on stay: choose others
+            self._press_if_above_low(usage)
         self._tenant_evicting[obj.tenant] -= obj.size
         parent = self._objects.get(obj.parent) if obj.parent is not None else None
         if parent is not None:

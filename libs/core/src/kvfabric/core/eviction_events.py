@@ -4,7 +4,7 @@ entry point of `kvfabric.core.eviction`, each the method of the same meaning.
     SetCapacity -> set_capacity    Seen -> seen    Removed -> removed
     Insert -> insert(now_ms): [Admitted | Refused]    Access -> access(now_ms)
     EvictRefused -> refused(now_ms)    DropPool -> drop_pool: [Reply([removed ids])]
-    AddPool -> add_pool
+    AddPool -> add_pool    Retiered -> retiered(now_ms)
     Tick -> tick(now_ms): [EvictBatch, ...]
 """
 
@@ -29,6 +29,7 @@ __all__ = [
     "EvictionOutput",
     "Insert",
     "Removed",
+    "Retiered",
     "Seen",
     "SetCapacity",
     "Tick",
@@ -102,8 +103,17 @@ class AddPool:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class Retiered:
+    """The same object, its bytes in other pools now: a tier move (`retiered`)."""
+
+    object_id: ObjectId
+    pools: Mapping[Any, int]
+    parent: ObjectId | None
+
+
 EvictionEvent: TypeAlias = (
-    SetCapacity | Seen | Insert | Access | Removed | EvictRefused | DropPool | AddPool | Tick
+    SetCapacity | Seen | Insert | Access | Removed | EvictRefused | DropPool | AddPool | Retiered | Tick
 )
 EvictionOutput: TypeAlias = "Effect | Reply[list[ObjectId]]"
 
@@ -138,6 +148,8 @@ def dispatch(core: EvictionCore, event: EvictionEvent, now_ms: int) -> list[Evic
         core.removed(event.object_id)
     elif isinstance(event, AddPool):
         core.add_pool(event.object_id, event.pool, event.nbytes)
+    elif isinstance(event, Retiered):
+        core.retiered(event.object_id, pools=event.pools, parent=event.parent, now_ms=now_ms)
     else:
         core.refused(event.object_id, now_ms)
     return []

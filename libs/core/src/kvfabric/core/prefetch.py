@@ -46,9 +46,9 @@ first listed. A tick costs O(live hints x log + queued objects), both bounded.
 `hot_tracked_max` objects, the least recently read forgotten). At `hot_reads_per_s` an object
 without an extra replica gets one queued on the known segment (`set_segments`) with most free
 bytes that does not hold it, within `hot_extra_replicas_max` / `hot_extra_bytes_max` (counting
-queued, copying and stored extras). It is published with `extra=True`: eviction removes extras
-first. `cold_extra_replicas(now_ms)` lists those below `cold_reads_per_s`; once one is removed,
-`replica_removed` gives its budget back.
+queued, copying and stored extras). The eviction policy does not know which replicas are extras:
+the prefetch service drops them itself once cold. `cold_extra_replicas(now_ms)` lists those below
+`cold_reads_per_s`; once one is removed, `replica_removed` gives its budget back.
 
 ## Ownership
 - StartCopy: the shell reserves a slot on the target, copies, enforces its own transfer timeout
@@ -232,7 +232,8 @@ class StartCopy:
 
 @dataclass(frozen=True, slots=True)
 class PublishReplica:
-    """Commit the reservation of `copy_id`: publish the replica on `target` (extra: evict first)."""
+    """Commit the reservation of `copy_id`: publish the replica on `target` (extra: a hot
+    object's extra replica, which the prefetch service drops itself once cold)."""
 
     copy_id: int
     object_id: ObjectId

@@ -9,11 +9,12 @@ I/O, no awaits; each call atomic on the event loop), and what the directory's ev
   `evicted`/`invalidated` forget it (`_forget`), `segment_down` drops the segment's pools and
   their groups, `segment_up` sets a pool's capacity (`_set_capacity`).
 - the records, per group key (share domain + chain hash): its 90-byte group id (`_group_ids`,
-  what `evict` and `show_group` take), its tenant, chunk index and bytes per pool (`_held`), its
+  what `evict` and `show_group` take), its tenant, chunk index, bytes per pool and its members'
+  bytes (`_held`; the directory's `group_bytes`, 0 from a directory too old to say), its
   hits since published (`_hits`, for `demote_or_drop`), its parent and children (`_parent`,
-  `_children`: a group moved to a disk pool is re-inserted without its parent, so the prefix
-  order across tiers is kept here); per pool its capacity (`_capacity`) and the disk pools seen
-  (`_disk_pools`).
+  `_children`: a group moved to a disk pool loses its parent in the core
+  (`EvictionCore.retiered`), so the prefix order across tiers is kept here); per pool its
+  capacity (`_capacity`) and the disk pools seen (`_disk_pools`).
 - what a victim batch needs from them: a demoted group moved to its segment's disk pool
   (`_moved`), a demoted tail's ancestor copied to disk counted there too (`_copied`), and the
   resident disk tails dropped before their head (`_with_disk_tails`).
@@ -58,8 +59,9 @@ class GroupRecords:
     core: EvictionCore
     events_applied: int
     demotions: dict[str, int]  # outcome -> groups (status, metrics)
-    # group key -> (tenant, chunk index, pool -> bytes): to move a demoted group's bytes
-    _held: dict[bytes, tuple[bytes, int, dict[str, int]]]
+    # group key -> (tenant, chunk index, pool -> bytes, group bytes (0: not known)): to move a
+    # demoted group's bytes, and to tell a group whole on a disk from a partly demoted one
+    _held: dict[bytes, tuple[bytes, int, dict[str, int], int]]
     _hits: dict[bytes, int]  # group key -> hits since published (demote_or_drop)
     _children: dict[bytes, set[bytes]]  # group key -> the keys naming it as parent
     _parent: dict[bytes, bytes]
@@ -99,9 +101,9 @@ class GroupRecords:
                         self._hits.pop(gid, None)
                 self._capacity.pop(pool, None)
             # The groups it shared with other segments lose those pools in the records too (as in
-            # the core): a stale pool said a head was on a disk that is gone, and a later re-insert
+            # the core): a stale pool said a head was on a disk that is gone, and a later move
             # (`_moved`) put its bytes back into the core. O(records), on a segment's loss only.
-            for _, _, pools in self._held.values():
+            for _, _, pools, _ in self._held.values():
                 for pool in lost:
                     pools.pop(pool, None)
             self._disk_pools.discard(ssd_pool(event.segment_id))
@@ -125,7 +127,7 @@ class GroupRecords:
             {p.segment_id: p.bytes for p in event.disk_placements},
         )
         if key in core:  # published again: its bytes changed tier (a demotion, an adoption)
-            self._republished(key, pools, at_ms)
+            self._republished(key, pools, at_ms, event.group_bytes)
             return True
         core.insert(
             key,
@@ -137,24 +139,27 @@ class GroupRecords:
         )
         if key in core:
             self._group_ids[key] = group_id_of(event.namespace, event.chunk_index, event.group)
-            self._held[key] = (domain, event.chunk_index, pools)
+            self._held[key] = (domain, event.chunk_index, pools, event.group_bytes)
             self._disk_pools.update(p for p in pools if is_ssd_pool(p))
             if parent is not None:
                 self._parent[key] = parent
                 self._children.setdefault(parent, set()).add(key)
         return True
 
-    def _republished(self, key: bytes, pools: dict[str, int], at_ms: int) -> None:
-        """A known group with new pools moves there (no access: a republish is not a read). One
-        being demoted right now is left to the demotion's own move. One that only gained pools,
+    def _republished(self, key: bytes, pools: dict[str, int], at_ms: int, event_group_bytes: int = 0) -> None:
+        """A known group with new pools moves there (no access: a republish is not a read; its
+        rank kept, `EvictionCore.retiered`). One being demoted right now is left to the
+        demotion's own move (its `group_bytes` are kept all the same). One that only gained pools,
         its others unchanged — a head copied to disk, its arena replica kept (the directory
         publishes it again once the copy is whole), and maybe an arena copy the policy was not
         told of (a prefetch's) — is counted in them as `_copied` does: the same group, its rank
         kept. A disk pool is such only when it holds the whole of that segment's arena bytes."""
         held = self._held.get(key)
+        if held is not None and event_group_bytes and held[3] != event_group_bytes:
+            held = self._held[key] = (*held[:3], event_group_bytes)  # before any early return
         if held is None or held[2] == pools or not pools or self.core.is_evicting(key):
             return
-        tenant, chunk_index, before = held
+        tenant, chunk_index, before, group_bytes = held
         added = {p: n for p, n in pools.items() if p not in before}
         whole_copies = all(
             not is_ssd_pool(p) or pools.get(p.removesuffix(SSD_POOL_SUFFIX)) == n for p, n in added.items()
@@ -170,17 +175,9 @@ class GroupRecords:
                 elif self.core.add_pool(key, pool, nbytes):
                     before[pool] = nbytes
             return
-        self.core.removed(key)
-        parent = self._core_parent(key, pools)
-        self.core.insert(
-            key, tenant=tenant, pools=pools, parent=parent, chunk_index=chunk_index, now_ms=at_ms
-        )
-        if key in self.core:
-            self._held[key] = (tenant, chunk_index, pools)
-            self._disk_pools.update(p for p in pools if is_ssd_pool(p))
-        else:  # refused by admission: gone from the policy
-            self._group_ids.pop(key, None)
-            self._held.pop(key, None)
+        self.core.retiered(key, pools=pools, parent=self._core_parent(key, pools), now_ms=at_ms)
+        self._held[key] = (tenant, chunk_index, pools, group_bytes)
+        self._disk_pools.update(p for p in pools if is_ssd_pool(p))
 
     def _forget(self, gid: bytes) -> None:
         if gid in self.core:
@@ -231,59 +228,55 @@ class GroupRecords:
         return out
 
     def _copied(self, chain: bytes, segment_id: str, nbytes: int) -> None:
-        """The group's bytes on `segment_id` have a disk copy too (its arena replica kept: the
-        ancestor of a demoted tail): `nbytes` more in the disk pool, the same group (`add_pool`:
-        its rank, parent and children unchanged). Known already: nothing changes."""
+        """The group has `nbytes` on `segment_id`'s disk now (a copy, its arena replica kept: the
+        ancestor of a demoted tail): the disk pool holds them, the same group (`add_pool`: its
+        rank, parent and children unchanged). Known already with as many: nothing changes; with
+        fewer (a partial demotion's members, completed by this copy): the difference is added."""
         held = self._held.get(chain)
         pool = ssd_pool(segment_id)
-        if held is None or pool in held[2] or not nbytes or not self.core.add_pool(chain, pool, nbytes):
+        known = held[2].get(pool, 0) if held is not None else 0
+        if held is None or nbytes <= known or not self.core.add_pool(chain, pool, nbytes - known):
             return
         held[2][pool] = nbytes
         self._disk_pools.add(pool)
 
     def _moved(self, chain: bytes, segment_id: str, at_ms: int) -> None:
-        """The group's bytes on `segment_id` are in its disk tier now: the same group, another pool."""
+        """The group's bytes on `segment_id` are in its disk tier now: the same group, another pool
+        (`EvictionCore.retiered`: its rank kept, no eviction counted)."""
         held = self._held.get(chain)
         if held is None or chain not in self.core:
             return
-        tenant, chunk_index, pools = held
+        pools, group_bytes = held[2], held[3]
         moved = pools.pop(segment_id, 0)
-        if moved:  # a disk copy it had already (`_copied`) is the same replica, not more bytes
-            pools[ssd_pool(segment_id)] = max(pools.get(ssd_pool(segment_id), 0), moved)
-            self._disk_pools.add(ssd_pool(segment_id))
-        self.core.removed(chain)
-        parent = self._core_parent(chain, pools)
-        self.core.insert(
-            chain, tenant=tenant, pools=pools, parent=parent, chunk_index=chunk_index, now_ms=at_ms
-        )
+        if not moved:  # not in that arena (any more): nothing moved
+            return
+        # A disk copy it had already (`_copied`) is the same replica, not more bytes; members
+        # a partial demotion moved before are other bytes (one segment holds each member once).
+        disk = pools.get(ssd_pool(segment_id), 0)
+        pools[ssd_pool(segment_id)] = min(disk + moved, group_bytes) if group_bytes else max(disk, moved)
+        self._disk_pools.add(ssd_pool(segment_id))
+        self.core.retiered(chain, pools=pools, parent=self._core_parent(chain, pools), now_ms=at_ms)
 
     def _disk_dropped(self, chain: bytes, at_ms: int) -> None:
         """A disk pool's victim that kept its arena replicas (a head copied to disk, evicted with
         tier "ssd": the directory freed only its disk replicas): the same group, in its arena
-        pools only, resident again (its rank starts anew, as a demoted group's does)."""
+        pools only, resident again (`EvictionCore.retiered`: its rank kept, no eviction counted)."""
         held = self._held.get(chain)
         if held is None or chain not in self.core:
             return
-        tenant, chunk_index, pools = held
+        pools = held[2]
         for pool in [p for p in pools if is_ssd_pool(p)]:
             del pools[pool]
         self.demotions["disk_dropped"] = self.demotions.get("disk_dropped", 0) + 1
-        self.core.removed(chain)
         if pools:  # (the shell asks tier "ssd" only for a group its records know in an arena)
-            self.core.insert(
-                chain,
-                tenant=tenant,
-                pools=pools,
-                parent=self._core_parent(chain, pools),
-                chunk_index=chunk_index,
-                now_ms=at_ms,
-            )
-        if chain not in self.core:  # refused by admission: gone from the policy, as in `_republished`
+            self.core.retiered(chain, pools=pools, parent=self._core_parent(chain, pools), now_ms=at_ms)
+        else:  # nothing left anywhere: gone from the policy
+            self.core.removed(chain)
             self._group_ids.pop(chain, None)
             self._held.pop(chain, None)
 
     def _core_parent(self, key: bytes, pools: dict[str, int]) -> bytes | None:
-        """The parent a group re-inserted with `pools` has in the core: its own while it keeps
+        """The parent a group moved to `pools` has in the core: its own while it keeps
         an arena replica (a head in DRAM is no leaf while its tail is in DRAM too); none when it
         is on disk only (the core's leaves are per object, not per pool: a disk tail naming its
         head would keep the head in the arena; `_with_disk_tails` keeps that order instead)."""

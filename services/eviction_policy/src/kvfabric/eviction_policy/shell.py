@@ -63,7 +63,7 @@ sites call the core's methods directly, for these reasons: the follower's `apply
 path (every directory event, up to `ACCESS_PER_EVENT_MAX` accesses each) and synchronous (one
 event atomic on the event loop; tests call it with their own times), so a `feed` (an await and
 the driver's lock per event) would add latency for no change in meaning; and what a victim
-batch's answers do to the core (`refused`, `removed`, a demoted group's re-insert) happens while
+batch's answers do to the core (`refused`, `removed`, a demoted group's move) happens while
 the driver performs that Tick's effects, which must never feed the same driver (it would wait
 for itself: `kvfabric.runtime.core_driver`).
 
@@ -99,6 +99,7 @@ from kvfabric.eviction_policy.tiers import (
     demote_request_fits,
     group_outcome,
     is_ssd_pool,
+    on_disk_whole,
     ssd_pool,
     ssd_pool_capacity,
 )
@@ -163,11 +164,11 @@ class EvictionShell(GroupRecords):
         self.demote_min_hits = demote_min_hits
         self.ssd_high_watermark = ssd_high_watermark
         self.demote_timeout_s = demote_timeout_s
-        # group key -> (tenant, chunk index, pool -> bytes): to move a demoted group's bytes
-        self._held: dict[bytes, tuple[bytes, int, dict[str, int]]] = {}
+        # group key -> (tenant, chunk index, pool -> bytes, group bytes): see `GroupRecords`
+        self._held: dict[bytes, tuple[bytes, int, dict[str, int], int]] = {}
         self._hits: dict[bytes, int] = {}  # group key -> hits since published (demote_or_drop)
-        # group key -> the keys naming it as parent: a group moved to a disk pool is re-inserted
-        # without its parent (the core's leaves are per object, not per pool), so the shell keeps
+        # group key -> the keys naming it as parent: a group moved to a disk pool loses its parent
+        # in the core (the core's leaves are per object, not per pool), so the shell keeps
         # the prefix order across tiers itself (`_with_disk_tails`).
         self._children: dict[bytes, set[bytes]] = {}
         self._parent: dict[bytes, bytes] = {}
@@ -561,7 +562,8 @@ class EvictionShell(GroupRecords):
             for ancestor in self._ancestors(chain):
                 if ancestor not in self._held:
                     break
-                on_disk = any(is_ssd_pool(p) for p in self._held[ancestor][2])
+                _, _, pools, group_bytes = self._held[ancestor]
+                on_disk = on_disk_whole(pools, group_bytes)  # a partial demotion is no head on disk
                 if not on_disk and not self.core.is_evicting(ancestor):
                     needed.setdefault(ancestor, []).append(chain)
         return needed
@@ -599,7 +601,7 @@ class EvictionShell(GroupRecords):
                 outcome[ancestor] = "no_disk"
                 continue
             copies.setdefault(seg, []).append((ancestor, objects))
-            sizes[ancestor] = sum(obj.size_bytes for _, obj in listing)
+            sizes[ancestor] = _disk_bytes_after_copy(seg, listing)
         for seg, groups in copies.items():
             for part in _request_parts(groups, sizes):  # each within the demote request's bounds
                 try:
@@ -652,18 +654,20 @@ class EvictionShell(GroupRecords):
     def _copy_sources(
         segment_id: str, listing: list[tuple[ObjectKey, m.ObjectLocation]]
     ) -> tuple[str, list[DemoteObject]] | None:
-        """Where a group's objects are copied to disk from: one segment holding an arena
-        replica of each (`segment_id` first), with those replicas (`keep_arena`). None: no
-        segment holds them all."""
+        """Where a group's objects on no disk are copied to disk from: one segment holding an
+        arena replica of each (`segment_id` first), with those replicas (`keep_arena`); objects
+        with a disk replica already (a partial demotion's moved members) are not copied again.
+        None: no segment holds them all."""
+        todo = [(key, obj) for key, obj in listing if not _on_a_disk(obj)]
         holders: list[str] = []
-        for _, obj in listing:
+        for _, obj in todo:
             for r in obj.replicas:
                 if tier_of_slot(r.slot) == "dram" and r.segment_id not in holders:
                     holders.append(r.segment_id)
         holders.sort(key=lambda seg: seg != segment_id)
         for seg in holders:
             objects: list[DemoteObject] = []
-            for key, obj in listing:
+            for key, obj in todo:
                 arena = [r for r in obj.replicas if r.segment_id == seg and tier_of_slot(r.slot) == "dram"]
                 if not arena:
                     break
@@ -803,6 +807,21 @@ class EvictionShell(GroupRecords):
                 "admission_filter_bytes": self.admission_filter_bytes,
             },
         )
+
+
+def _on_a_disk(obj: m.ObjectLocation) -> bool:
+    return any(tier_of_slot(r.slot) == "ssd" for r in obj.replicas)
+
+
+def _disk_bytes_after_copy(segment_id: str, listing: list[tuple[ObjectKey, m.ObjectLocation]]) -> int:
+    """A group's bytes on `segment_id`'s disk once its objects on no disk are copied there: those
+    and the ones on that disk already (not those on another segment's disk)."""
+    return sum(
+        obj.size_bytes
+        for _, obj in listing
+        if not _on_a_disk(obj)
+        or any(r.segment_id == segment_id and tier_of_slot(r.slot) == "ssd" for r in obj.replicas)
+    )
 
 
 def _request_parts(

@@ -26,6 +26,7 @@ __all__ = [
     "demote_request_fits",
     "group_outcome",
     "is_ssd_pool",
+    "on_disk_whole",
     "ssd_pool",
     "ssd_pool_capacity",
     "tiered_pools",
@@ -65,6 +66,18 @@ def tiered_pools(placements: dict[str, int], disk: dict[str, int]) -> dict[str, 
         if on_disk:
             pools[ssd_pool(segment_id)] = on_disk
     return pools
+
+
+def on_disk_whole(pools: dict[str, int], group_bytes: int) -> bool:
+    """Whether one segment's disk holds all of a group's bytes (`group_bytes`, one copy of each
+    member), so a power cycle, which loses the arenas, leaves it findable: a tail may be demoted
+    under it. A partial demotion (some members moved, the request failed for the others; a
+    rebuild after a kill mid-demotion) is not: its disk bytes fall short on every segment, also
+    when its replicas on two segments are each partly on disk (a sum over segments would count
+    one member twice). A group whose members sit on different segments' disks is not either:
+    the policy looks it up (`_learn_disk_copies`), as it does a head on no disk. Without
+    `group_bytes` (0: a directory too old to say) any disk bytes count, as before."""
+    return any(is_ssd_pool(p) and n >= group_bytes for p, n in pools.items())
 
 
 def demote_or_drop(hits: int, min_hits: int) -> Choice:

@@ -88,8 +88,9 @@ class BackendWrites(BackendCore):
                 self._free(put.slot, put.slot_generation)
                 raise
             put.receipt = write_receipt(self.secret, put.ticket, put.slot, put.slot_generation)
-            self.count("puts_total")
-            self.count("puts_receipted_total")
+            with self.lock:  # both counters in one hold (the transports' threads count too)
+                self._count("puts_total")
+                self._count("puts_receipted_total")
             return put.slot, put.slot_generation
         try:
             verdict = self.confirm(put.ticket, put.slot, put.slot_generation, put.trace_id, put.save_writes)
