@@ -12,8 +12,20 @@ run, per size:
 Then the drain's tail: every object but 10 reached its target elsewhere (`object_known` with a
 third replica), one tick, which finds its queues mostly stale and rebuilds them once.
 
-Run: `.venv/bin/python -m bench.repair_tick [--objects 100000,1000000] [--ticks 5]`. Prints a table
-(ms of wall time per tick, median and max); nothing written.
+Then the drain flag itself (`--flag`, on by default), per size, on a fresh core with every
+object at its target: `segment_draining` as the core does it (recounts `recounts_per_step` of
+the segment's objects, 5,000 by default, and leaves the rest to the ticks: the event's ms, then
+the ticks' p50 / max until no recount is pending and nothing stale is left, each copy reported
+ok at once), next to the same core with an allowance as large as the segment's objects (every
+recount in the event: what the core did before 2026-12-03). Both directions: a drain started
+(every object at target), and a drain stopped once all its objects were below target.
+
+Last, the scan's re-sync: the repair service's scan calls `object_known` for every object below
+target each pass (every 2 s by default); one pass over the draining core's objects, every view
+unchanged (ms per pass).
+
+Run: `.venv/bin/python -m bench.repair_tick [--objects 100000,1000000] [--ticks 5] [--no-flag]`.
+Prints tables (ms of wall time per tick or event, median and max); nothing written.
 """
 
 from __future__ import annotations
@@ -28,14 +40,42 @@ from kvfabric.core.repair import RepairConfig, RepairCore, StartCopy
 SIZE = 4096
 
 
-def draining_core(objects: int) -> RepairCore:
-    core = RepairCore(RepairConfig())
+def core_at_target(objects: int, recounts_per_step: int = RepairConfig().recounts_per_step) -> RepairCore:
+    core = RepairCore(RepairConfig(recounts_per_step=recounts_per_step))
     for s in ("s1", "s2", "s3"):
         core.segment_up(s, incarnation=1, zone=s, rack=s, host=s, free_bytes=1 << 50)
     for i in range(objects):
         core.object_known(i, size_bytes=SIZE, replica_target=2, segments=("s1", "s2"))
+    return core
+
+
+def draining_core(objects: int) -> RepairCore:
+    """s1 drains and every object is below target (its recounts done, outside the timing)."""
+    core = core_at_target(objects, recounts_per_step=objects)
     core.segment_draining("s1")
     return core
+
+
+def flag_change(objects: int, all_at_once: bool, stop: bool) -> tuple[float, list[float]]:
+    """ms of `segment_draining("s1", not stop)`, then of each tick until no recount is pending
+    and no object is below target by a stale count."""
+    allowance = objects if all_at_once else RepairConfig().recounts_per_step
+    core = core_at_target(objects, recounts_per_step=allowance)
+    now = 1
+    if stop:  # drained until every object is below target (its recounts not timed)
+        core.segment_draining("s1")
+        while core.gauges()["recounts_pending"]:
+            now += 100
+            core.tick(now)
+    gc.collect()
+    started = time.perf_counter()
+    core.segment_draining("s1", not stop)
+    event_ms = (time.perf_counter() - started) * 1000
+    took: list[float] = []
+    while core.gauges()["recounts_pending"] or (stop and core.gauges()["objects_below_target"]):
+        more, now = ticks(core, 1, False, now)
+        took += more
+    return event_ms, took
 
 
 def ticks(core: RepairCore, n: int, rebuilt: bool, now_ms: int) -> tuple[list[float], int]:
@@ -57,6 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--objects", default="100000,1000000")
     parser.add_argument("--ticks", type=int, default=5)
+    parser.add_argument("--flag", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     print("| objects below target | arm | tick ms p50 | tick ms max | copies started so far |")
     print("|---:|---|---:|---:|---:|")
@@ -73,6 +114,30 @@ def main() -> None:
         took, now = ticks(core, 1, False, now)
         more, _ = ticks(core, args.ticks, False, now)
         print(f"| {objects:,} | kept, drain's tail (first tick / next) | {took[0]:.1f} | {max(more):.1f} | |")
+    print()
+    print("| objects below target | one scan's re-sync, views unchanged: ms |")
+    print("|---:|---:|")
+    for objects in (int(x) for x in args.objects.split(",")):
+        core = draining_core(objects)
+        gc.collect()
+        started = time.perf_counter()
+        for i in range(objects):
+            core.object_known(i, size_bytes=SIZE, replica_target=2, segments=("s1", "s2"))
+        print(f"| {objects:,} | {(time.perf_counter() - started) * 1000:.0f} |")
+    if not args.flag:
+        return
+    print()
+    print("| objects on the segment | flag | recounts | event ms | ticks recounting | their ms p50 | max |")
+    print("|---:|---|---|---:|---:|---:|---:|")
+    for objects in (int(x) for x in args.objects.split(",")):
+        for stop in (False, True):
+            for all_at_once in (False, True, False):  # interleaved
+                event_ms, took = flag_change(objects, all_at_once, stop)
+                arm = "all in the event (the old cost)" if all_at_once else "bounded per step"
+                p50 = f"{statistics.median(took):.1f}" if took else "-"
+                worst = f"{max(took):.1f}" if took else "-"
+                flag = "drain stopped" if stop else "drain started"
+                print(f"| {objects:,} | {flag} | {arm} | {event_ms:.1f} | {len(took)} | {p50} | {worst} |")
 
 
 if __name__ == "__main__":

@@ -155,6 +155,139 @@ def test_drain_moves_everything_off_then_reports_complete_once() -> None:
     core.check_invariants()
 
 
+def test_a_drain_recounts_a_bounded_number_of_objects_per_step_and_completes_after() -> None:
+    """A drain flag change recounts `recounts_per_step` of the segment's objects at once and as
+    many per tick (2 s of the service's loop at 1,000,000 objects when it recounted them all):
+    the rest keep their old count until then, planning recounts what it pops, and the drain
+    completes only once every recount is done."""
+    core = new_core(recounts_per_step=3)
+    for i in range(10):
+        core.object_known(i, size_bytes=MB, replica_target=2, segments=["a", "b"])
+    core.segment_draining("a")
+    gauges = core.gauges()
+    assert (gauges["recounts_pending"], gauges["objects_below_target"]) == (7, 3)
+    assert core.drain_pending("a") == 10  # counted now, not from the stale counts
+    core.check_invariants()
+    started: list[StartCopy] = []
+    for now in range(1, 10):
+        effects = core.tick(now)
+        core.check_invariants()
+        assert DrainComplete("a") not in effects or core.gauges()["recounts_pending"] == 0
+        started += [e for e in effects if isinstance(e, StartCopy)]
+        if DrainComplete("a") in effects:
+            break
+        for copy in started:
+            core.copy_ok(copy.copy_id)
+    ids = [c.object_id for c in started]
+    assert len(ids) == 10 and set(ids) == set(range(10))  # each once, from b
+    assert {(c.source, c.destination) for c in started} == {("b", "c")}
+    # ticks 1-3 recount 3, 3 and 1 (planning each); tick 4 finds every copy done
+    assert effects == [DrainComplete("a")] and now == 4
+    assert core.drain_pending("a") == 0
+
+
+def test_a_drain_stopped_aborts_its_copies_at_once_whatever_waits_for_a_recount() -> None:
+    core = new_core(recounts_per_step=1)
+    for i in range(10):
+        core.object_known(i, size_bytes=MB, replica_target=2, segments=["a", "b"])
+    core.segment_draining("a")  # object 0 recounted: below target
+    first = [e for e in core.tick(0) if isinstance(e, StartCopy)]  # object 1 too
+    assert {c.object_id for c in first} == {0, 1} and len(first) == 2
+    core.segment_draining("a", False)  # a counts again: both copies are redundant now
+    assert core.counters["copies_aborted_total"] == 2
+    assert not any(core.copy_ok(c.copy_id) for c in first)
+    core.check_invariants()
+    for now in range(1, 40):
+        assert core.tick(now) == []
+    assert core.gauges()["recounts_pending"] == 0 and core.gauges()["objects_below_target"] == 0
+    core.check_invariants()
+
+
+def test_planning_recounts_a_stale_object_before_it_copies_it() -> None:
+    """A drain started and stopped again before the FIFO reached object 0: its count says 1
+    (below target) and its entry is queued, but a counts again. Planning recounts it instead of
+    copying it past its target."""
+    core = new_core(recounts_per_step=1)
+    for i in range(3):
+        core.object_known(i, size_bytes=MB, replica_target=2, segments=["a", "b"])
+    core.segment_draining("a")  # object 0 recounted: below target, queued
+    core.segment_draining("a", False)  # object 1 recounted; 0 waits in the FIFO with its old count
+    assert core.tick(1) == []
+    core.check_invariants()
+
+
+def test_no_drain_completes_while_a_recount_is_pending() -> None:
+    """Objects 0 and 1 have their target elsewhere; object 2 needs a copy, and its stale count
+    (at target) would let the drain complete if the FIFO were not waited for."""
+    core = new_core(recounts_per_step=1)
+    core.object_known(0, size_bytes=MB, replica_target=2, segments=["a", "b", "c"])
+    core.object_known(1, size_bytes=MB, replica_target=2, segments=["a", "b", "c"])
+    core.object_known(2, size_bytes=MB, replica_target=2, segments=["a", "b"])
+    core.segment_draining("a")  # one recount now: 2 waits behind 0 or 1
+    assert core.drain_pending("a") == 1
+    assert core.tick(1) == []  # a tick's allowance (1) recounts the other
+    started = core.tick(2)  # object 2 recounted and copied
+    assert copies(started) == [(2, "b", "c")]
+    core.check_invariants()
+
+
+def test_stopping_a_drain_recounts_no_more_than_the_allowance_per_tick() -> None:
+    """Every object was below target with a stale entry once a drain stops: planning, which
+    recounts what it pops, shares the tick's allowance with the FIFO instead of recounting the
+    whole ready queue in one tick."""
+    core = new_core(recounts_per_step=4, copies_in_flight_max=1)
+    for i in range(40):
+        core.object_known(i, size_bytes=MB, replica_target=2, segments=["a", "b"])
+    core.segment_draining("a")
+    now = 0
+    while core.gauges()["recounts_pending"]:
+        now += 1
+        core.tick(now)  # one copy in flight, never answered: the rest stay below target
+    assert core.gauges()["objects_below_target"] == 40
+    before = core.counters.get("recounts_total", 0)
+    core.segment_draining("a", False)
+    assert core.counters["recounts_total"] - before <= 4
+    ticks = 0
+    while core.gauges()["recounts_pending"] or core.gauges()["objects_below_target"]:
+        before = core.counters["recounts_total"]
+        now += 1
+        assert copies(core.tick(now)) == []
+        assert core.counters["recounts_total"] - before <= 4
+        ticks += 1
+        core.check_invariants()
+    assert ticks >= 9  # 40 objects, 4 a step
+
+
+def test_a_resync_with_the_same_view_changes_nothing() -> None:
+    """The scan re-syncs every object below target each pass: an unchanged view is a
+    comparison (counted), and plans what re-applying it did (a twin that recounts the object)."""
+    import copy as copying
+
+    core = new_core(attempts_max=5)
+    core.object_known("copying", size_bytes=MB, replica_target=2, segments=["a"])
+    core.object_known("backing_off", size_bytes=MB, replica_target=2, segments=["b"])
+    core.object_known("waiting", size_bytes=MB, replica_target=3, segments=["a"], hot=1)
+    started = {c.object_id: c for c in core.tick(0) if isinstance(c, StartCopy)}
+    core.copy_failed(started["backing_off"].copy_id, 1)
+    twin = copying.deepcopy(core)
+    for object_id, segments, hot in (("copying", ["a"], 0), ("backing_off", ["b"], 0), ("waiting", ["a"], 1)):
+        core.object_known(object_id, size_bytes=MB, replica_target=2 + hot, segments=segments, hot=hot)
+        twin._refresh(object_id)
+    assert core.counters["objects_known_unchanged_total"] == 3
+    core.check_invariants()
+    for now in (2, 500, 5_000):
+        assert core.tick(now) == twin.tick(now)
+    core.object_known("waiting", size_bytes=MB, replica_target=3, segments=["a", "b"], hot=1)  # changed
+    core.object_known("waiting", size_bytes=MB, replica_target=3, segments=["a", "b"], hot=2)
+    core.object_known("waiting", size_bytes=MB, replica_target=2, segments=["a", "b"], hot=2)
+    core.object_known("waiting", size_bytes=2 * MB, replica_target=2, segments=["a", "b"], hot=2)
+    core.object_known("waiting", size_bytes=2 * MB, replica_target=2, segments=["a", "b", "x"], hot=2)
+    assert core.counters["objects_known_unchanged_total"] == 3  # each of those changed something
+    assert core.counters["replicas_on_unknown_segment_total"] == 1  # (x) counted as before
+    assert core.replicas("waiting") == {"a", "b"}
+    core.check_invariants()
+
+
 def test_a_draining_segment_is_never_a_destination_and_aborts_copies_to_it() -> None:
     core = new_core()
     core.object_known("o", size_bytes=MB, replica_target=2, segments=["a"])

@@ -25,9 +25,27 @@ segment is only *readable*: a copy source that no longer counts.
     (unknown) --segment_up--> UP <--segment_draining(True / False)--> DRAINING
     UP | DRAINING --segment_down, or segment_up with a newer incarnation--> (gone: its replicas
         are lost; copies from or to it are aborted)
-    DRAINING --tick: every object on it has its target elsewhere (so no copy touches it)-->
-        DrainComplete (once per drain); the shell retires the segment, then sends segment_down.
+    DRAINING --tick: every object on it has its target elsewhere (so no copy touches it) and
+        no recount is pending--> DrainComplete (once per drain); the shell retires the
+        segment, then sends segment_down.
 A drain waits while an object cannot reach its target elsewhere (`drain_pending` counts them).
+
+## Recounts (a drain flag that changes under many objects)
+A segment starting or stopping a drain changes the healthy count of every object on it. The
+objects with a copy in flight are recounted at once (O(copies in flight): a copy stays within
+its target); the others join a FIFO of *recounts*. The event recounts at most
+`recounts_per_step` of them, and each tick as many in all: first from the FIFO, then whatever
+planning finds stale among the objects it pops (while recounts are pending it recounts each
+before use, so a copy is never started on a stale count; once the tick's allowance is spent
+it stops planning until the next tick, keeping the order). Until an object is recounted its
+healthy count and its place below target are those before the flag changed: a drain's objects
+are planned up to `objects / recounts_per_step` ticks later (a hot one after colder ones
+already recounted), `gauges()` counts below target what has been recounted, and a drain
+completes only once no recount is pending. (Before: the event recounted every object on the
+segment at once: 1.0-2.4 s of the repair service's loop at 1,000,000 objects, docs/repair.md.)
+A flag that flaps adds an object again; when entries are added past twice the objects (plus
+`recount_slack`) the FIFO is rebuilt without duplicates and objects gone, so it holds at most
+twice the objects known at its last addition, plus that slack.
 The core never removes single replicas: one DrainComplete lets the shell retire the segment
 whole (the directory then drops its replicas like a segment down), so a replica is never freed
 before its replacement is confirmed and registered.
@@ -76,6 +94,9 @@ at once.
    unless a later report lowered free (then nothing more is planned there until it fits).
 6. Every copy reads from a readable replica of its object and writes to an UP segment without
    one; every object the core keeps has at least one readable replica.
+   An object waiting for a recount (in the FIFO) may hold a stale healthy count; its place
+   below target always follows the count it holds. An object with a copy never holds a stale
+   count (invariant 3 is on the true count).
 7. Planning misses no object: every object below target without a copy (and not oversize) has
    a current entry in the ready queue, or one in the waiting queue at its retry time.
 
@@ -95,6 +116,7 @@ copy that fails are not refunded. Scrub reports a corrupt replica with
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -122,12 +144,14 @@ class RepairConfig:
     retry_backoff_ms: int = 1_000  # after the k-th failure in a row: this x 2^(k-1) ...
     retry_backoff_max_ms: int = 30_000  # ... capped here
     stuck_retry_ms: int = 600_000  # a STUCK object gets a fresh set of attempts after this
+    recounts_per_step: int = 5_000  # objects a drain flag change recounts per event or tick
 
     def __post_init__(self) -> None:
         invariant(self.bandwidth_bytes_per_s > 0 and self.burst_bytes > 0, "budget must be positive")
         invariant(self.copies_in_flight_max >= 1 and self.attempts_max >= 1, "bounds must be >= 1")
         invariant(self.copy_timeout_ms > 0, "copy_timeout_ms must be positive")
         invariant(0 <= self.retry_backoff_ms <= self.retry_backoff_max_ms, "need 0 <= backoff <= max")
+        invariant(self.recounts_per_step >= 1, "recounts_per_step must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +247,10 @@ class RepairCore:
         self._waiting: list[_WaitingEntry] = []
         self._pushes = 0  # unique per entry: ties never compare object ids
         self.queue_slack = QUEUE_SLACK  # (tests set 0: rebuilds at every chance)
+        # Objects whose healthy count a drain flag change left stale (module docstring,
+        # "Recounts"); an id may repeat, or name an object gone since (skipped).
+        self._recounts: deque[ObjectId] = deque()
+        self.recount_slack = QUEUE_SLACK  # (tests set 0: deduplicated at every chance)
         # Kept as objects change (`_gauge`): `gauges()` is read from the metrics thread, which
         # must not iterate sets the event loop changes (nor walk every object below target).
         self._stuck_below = 0
@@ -253,9 +281,10 @@ class RepairCore:
         return frozenset(obj.replicas) if obj else frozenset()
 
     def drain_pending(self, segment_id: str) -> int:
-        """Objects on draining `segment_id` still short of their target elsewhere."""
+        """Objects on draining `segment_id` still short of their target elsewhere (counted
+        now, recounts pending or not)."""
         objects = (self._objects[o] for o in self._on_segment.get(segment_id, ()))
-        return sum(1 for obj in objects if obj.healthy < obj.target)
+        return sum(1 for obj in objects if self._healthy_now(obj) < obj.target)
 
     @property
     def tokens_bytes(self) -> int:
@@ -275,6 +304,7 @@ class RepairCore:
             "copies_in_flight": len(copies),
             "copy_bytes_in_flight": sum(c.size_bytes for c in copies),
             "segments_draining": sum(1 for seg in segments if seg.draining),
+            "recounts_pending": len(self._recounts),
         }
 
     # ---- events: segments ------------------------------------------------------------------
@@ -312,7 +342,8 @@ class RepairCore:
             self.segment_draining(segment_id, draining)
 
     def segment_draining(self, segment_id: str, draining: bool = True) -> None:
-        """Move everything off `segment_id` (its replicas stay readable sources), or stop that."""
+        """Move everything off `segment_id` (its replicas stay readable sources), or stop that.
+        Its objects are recounted `recounts_per_step` at a time (module docstring, "Recounts")."""
         seg = self._segments.get(segment_id)
         if seg is None or seg.draining == draining:
             return
@@ -320,8 +351,14 @@ class RepairCore:
         if draining:
             for copy in [c for c in self._copies.values() if c.destination == segment_id]:
                 self._abort(copy)  # a replica landing there would not count
-        for object_id in list(self._on_segment[segment_id]):
-            self._refresh(object_id)
+        on_segment = self._on_segment[segment_id]
+        for copy in list(self._copies.values()):  # a copy's object is never left to a recount
+            if copy.object_id in on_segment and copy.copy_id in self._copies:
+                self._refresh(copy.object_id)
+        self._recounts.extend(on_segment)
+        if len(self._recounts) > 2 * len(self._objects) + self.recount_slack:
+            self._recounts = deque(o for o in dict.fromkeys(self._recounts) if o in self._objects)
+        self._recount(self.config.recounts_per_step)
 
     def segment_down(self, segment_id: str) -> None:
         """The segment (this incarnation) is gone: its replicas are lost, its copies aborted."""
@@ -345,9 +382,22 @@ class RepairCore:
         segments: Iterable[str],
         hot: int = 0,
     ) -> None:
-        """The directory's view of one object (published, or re-synced): replaces the core's."""
+        """The directory's view of one object (published, or re-synced): replaces the core's.
+        A view equal to the core's changes nothing and costs a comparison (the scan re-syncs
+        every object below target each pass: 3.0-3.2 s of this method per pass at 1,000,000 when
+        each view was applied again, 0.48 s now; docs/repair.md)."""
         invariant(size_bytes > 0 and replica_target >= 1, "bad object", object_id=object_id)
+        segments = tuple(segments)
         obj = self._objects.get(object_id)
+        if (
+            obj is not None
+            and obj.size_bytes == size_bytes
+            and obj.target == replica_target
+            and obj.hot == hot
+            and obj.replicas == set(segments)  # (replicas are all on known segments)
+        ):
+            self._count("objects_known_unchanged_total")
+            return
         if obj is None:
             self._seq += 1
             obj = self._objects[object_id] = _Object(
@@ -436,15 +486,16 @@ class RepairCore:
             self._count("copies_timed_out_total")
             self._end(copy)
             self._failed(self._objects[copy.object_id], now_ms)
-        effects: list[Effect] = list(self._plan(now_ms))
+        allowance = self.config.recounts_per_step - self._recount(self.config.recounts_per_step)
+        effects: list[Effect] = list(self._plan(now_ms, allowance))
         for segment_id, seg in self._segments.items():
-            if seg.draining and not seg.drain_reported and self._drained(segment_id):
+            if seg.draining and not seg.drain_reported and not self._recounts and self._drained(segment_id):
                 seg.drain_reported = True
                 self._count("drains_complete_total")
                 effects.append(DrainComplete(segment_id))
         return effects
 
-    def _plan(self, now_ms: int) -> list[StartCopy]:
+    def _plan(self, now_ms: int, recounts_left: int) -> list[StartCopy]:
         """Objects below target in priority order, from the ready queue: those in backoff whose
         retry time came are queued first; each popped entry is checked (stale ones dropped);
         those without a destination or past the budget go back for the next tick. The same
@@ -469,6 +520,14 @@ class RepairCore:
                 continue  # stale: the object changed (and was queued again), or is gone
             if obj.retry_at_ms > now_ms:
                 continue  # in backoff: its waiting entry queues it again
+            if self._recounts and obj.healthy != self._healthy_now(obj):
+                if recounts_left <= 0:  # the tick's recounts are spent: the rest next tick
+                    put_back.append(entry)
+                    break
+                recounts_left -= 1
+                self._count("recounts_total")
+                self._refresh(obj.object_id)  # queued again if still below: popped in this loop
+                continue
             looked_at.add(obj.object_id)
             if obj.size_bytes > self.config.burst_bytes:
                 continue  # can never start (gauge objects_oversize): not queued again
@@ -543,7 +602,7 @@ class RepairCore:
         return max(fitting, key=lambda c: (spread(c, chosen), c.free_bytes, c.segment_id))
 
     def _start(self, obj: _Object, destination: Candidate, now_ms: int) -> StartCopy:
-        invariant(obj.healthy + 1 <= obj.target, "copy past the replica target", target=obj.target)
+        invariant(self._healthy_now(obj) + 1 <= obj.target, "copy past the replica target", target=obj.target)
 
         def source_order(segment_id: str) -> tuple[bool, bool, int, int, str]:
             seg = self._segments[segment_id]
@@ -568,6 +627,22 @@ class RepairCore:
 
     # ---- internals -------------------------------------------------------------------------
 
+    def _recount(self, limit: int) -> int:
+        """Recount up to `limit` objects from the front of the recounts (module docstring);
+        returns how many it took from the FIFO."""
+        recounts = self._recounts
+        taken = min(limit, len(recounts))
+        for _ in range(taken):
+            object_id = recounts.popleft()
+            if object_id in self._objects:
+                self._refresh(object_id)
+        if taken:
+            self._count("recounts_total", taken)
+        return taken
+
+    def _healthy_now(self, obj: _Object) -> int:
+        return sum(1 for s in obj.replicas if not self._segments[s].draining)
+
     def _refresh(self, object_id: ObjectId) -> None:
         """Recount one object's healthy replicas; LOST if none is readable; abort a redundant copy."""
         obj = self._objects[object_id]
@@ -576,7 +651,7 @@ class RepairCore:
             self._forget(object_id, obj)
             self._count("objects_lost_total")
             return
-        obj.healthy = sum(1 for s in obj.replicas if not self._segments[s].draining)
+        obj.healthy = self._healthy_now(obj)
         if obj.copy is not None and obj.healthy + 1 > obj.target:
             self._abort(obj.copy)
         if obj.healthy < obj.target:
@@ -678,13 +753,18 @@ class RepairCore:
             on = {o for o, obj in self._objects.items() if segment_id in obj.replicas}
             invariant(self._on_segment[segment_id] == on, "segment index drifted", seg=segment_id)
         invariant(set(self._on_segment) == set(self._segments), "segment index has stale segments")
+        recounting = set(self._recounts)
         for object_id, obj in self._objects.items():
             invariant(obj.replicas and obj.replicas <= set(self._segments), "replicas drifted", obj=object_id)
-            healthy = sum(1 for s in obj.replicas if not self._segments[s].draining)
-            invariant(obj.healthy == healthy, "healthy count drifted", object_id=object_id)
+            healthy = self._healthy_now(obj)
             invariant(obj.copy is None or healthy < obj.target, "copy past the target", object_id=object_id)
+            invariant(obj.copy is None or obj.healthy == healthy, "a copy's object recount", obj=object_id)
+            # Stale only while waiting for a recount (a drain flag changed under it).
             invariant(
-                (object_id in self._below) == (healthy < obj.target), "below set drifted", obj=object_id
+                obj.healthy == healthy or object_id in recounting, "healthy count drifted", obj=object_id
+            )
+            invariant(
+                (object_id in self._below) == (obj.healthy < obj.target), "below set drifted", obj=object_id
             )
         stuck = sum(1 for o in self._below if self._objects[o].stuck)
         oversize = sum(1 for o in self._below if self._objects[o].size_bytes > cfg.burst_bytes)
