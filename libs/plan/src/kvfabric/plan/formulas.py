@@ -58,8 +58,9 @@ DIRECTORY_MEASURED_RAM_PER_OBJECT: Final = 243  # docs/directory.md, 1 member x 
 DIRECTORY_RAM_OVERHEAD_PER_GROUP: Final = DIRECTORY_MEASURED_RAM_PER_OBJECT - (
     RECORD_HEADER_BYTES + RECORD_MEMBER_BYTES + RECORD_REPLICA_BYTES
 )
-DIRECTORY_LOOKUP_GROUPS_PER_S: Final = 170_482  # per shard, batched lookups (docs/directory.md)
-DIRECTORY_PUBLISH_OBJECTS_PER_S: Final = 28_206  # per shard, begin+confirm+commit
+# Per shard, measured with the service's GC policy (docs/directory.md, `make bench`):
+DIRECTORY_LOOKUP_GROUPS_PER_S: Final = 73_516  # batched lookups
+DIRECTORY_PUBLISH_OBJECTS_PER_S: Final = 15_469  # begin+confirm+commit
 
 
 def kv_elements_per_token_per_layer(model: ModelSpec) -> int:
