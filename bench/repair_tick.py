@@ -20,11 +20,16 @@ ok at once), next to the same core with an allowance as large as the segment's o
 recount in the event: what the core did before 2026-12-03). Both directions: a drain started
 (every object at target), and a drain stopped once all its objects were below target.
 
+Then a segment lost (`--down`, on by default), per size: `segment_down` of a segment holding a
+replica of every object, either one of two (each object then below target and copied) or its
+last (each LOST): the event's ms, then the ticks' p50 / max until no recount is pending, next
+to the same core recounting every object in the event (what the core did before 2026-12-03).
+
 Last, the scan's re-sync: the repair service's scan calls `object_known` for every object below
 target each pass (every 2 s by default); one pass over the draining core's objects, every view
 unchanged (ms per pass).
 
-Run: `.venv/bin/python -m bench.repair_tick [--objects 100000,1000000] [--ticks 5] [--no-flag]`.
+Run: `.venv/bin/python -m bench.repair_tick [--objects 100000,1000000] [--ticks 5] [--no-flag] [--no-down]`.
 Prints tables (ms of wall time per tick or event, median and max); nothing written.
 """
 
@@ -78,6 +83,29 @@ def flag_change(objects: int, all_at_once: bool, stop: bool) -> tuple[float, lis
     return event_ms, took
 
 
+def segment_lost(objects: int, all_at_once: bool, last_replica: bool) -> tuple[float, list[float]]:
+    """ms of `segment_down("s1")`, then of each tick until no recount is pending. Every object
+    has a replica on s1 and on s2 (target 2: each is below target afterwards and copied, each
+    copy reported ok at once), or only the one on s1 (`last_replica`, target 1: each is LOST)."""
+    allowance = objects if all_at_once else RepairConfig().recounts_per_step
+    core = RepairCore(RepairConfig(recounts_per_step=allowance))
+    for s in ("s1", "s2", "s3"):
+        core.segment_up(s, incarnation=1, zone=s, rack=s, host=s, free_bytes=1 << 50)
+    segments, target = (("s1",), 1) if last_replica else (("s1", "s2"), 2)
+    for i in range(objects):
+        core.object_known(i, size_bytes=SIZE, replica_target=target, segments=segments)
+    gc.collect()
+    started = time.perf_counter()
+    core.segment_down("s1")
+    event_ms = (time.perf_counter() - started) * 1000
+    took: list[float] = []
+    now = 1
+    while core.gauges()["recounts_pending"]:
+        more, now = ticks(core, 1, False, now)
+        took += more
+    return event_ms, took
+
+
 def ticks(core: RepairCore, n: int, rebuilt: bool, now_ms: int) -> tuple[list[float], int]:
     took = []
     for _ in range(n):
@@ -98,6 +126,7 @@ def main() -> None:
     parser.add_argument("--objects", default="100000,1000000")
     parser.add_argument("--ticks", type=int, default=5)
     parser.add_argument("--flag", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--down", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     print("| objects below target | arm | tick ms p50 | tick ms max | copies started so far |")
     print("|---:|---|---:|---:|---:|")
@@ -124,6 +153,21 @@ def main() -> None:
         for i in range(objects):
             core.object_known(i, size_bytes=SIZE, replica_target=2, segments=("s1", "s2"))
         print(f"| {objects:,} | {(time.perf_counter() - started) * 1000:.0f} |")
+    if args.down:
+        print()
+        print("| objects on the segment | its replica was | recounts | event ms | ticks | p50 | max |")
+        print("|---:|---|---|---:|---:|---:|---:|")
+        for objects in (int(x) for x in args.objects.split(",")):
+            for last_replica in (False, True):
+                for all_at_once in (False, True, False):  # interleaved
+                    event_ms, took = segment_lost(objects, all_at_once, last_replica)
+                    arm = "all in the event (the old cost)" if all_at_once else "bounded per step"
+                    p50 = f"{statistics.median(took):.1f}" if took else "-"
+                    worst = f"{max(took):.1f}" if took else "-"
+                    shape = "the last one (lost)" if last_replica else "one of two (copied)"
+                    print(
+                        f"| {objects:,} | {shape} | {arm} | {event_ms:.1f} | {len(took)} | {p50} | {worst} |"
+                    )
     if not args.flag:
         return
     print()
