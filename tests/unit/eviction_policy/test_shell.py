@@ -66,6 +66,23 @@ def test_events_drive_the_core_and_victims_map_back_to_group_ids() -> None:
     sh.core.check_invariants()
 
 
+def test_groups_lost_with_their_segment_leave_no_records_behind() -> None:
+    """A prefix lost with its only segment: its groups' records go, their parent and children
+    links included (they stayed once, one entry per group a lost segment held)."""
+    sh = shell()
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1_000), 0)
+    sh.apply(m.SegmentUp(segment_id="s2", incarnation=1, capacity_bytes=1_000), 0)
+    sh.apply(published(1, s1=10), 1)
+    sh.apply(published(2, parent=1, s1=10), 2)
+    sh.apply(published(3, parent=2, s1=10), 3)
+    sh.apply(published(4, s2=10), 4)
+    sh.apply(published(5, parent=4, s2=10), 5)
+    sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 6)
+    assert set(sh._group_ids) == {A + chain(4), A + chain(5)}
+    assert sh._parent == {A + chain(5): A + chain(4)} and sh._children == {A + chain(4): {A + chain(5)}}
+    sh.core.check_invariants()
+
+
 def test_an_event_without_placements_is_ignored_not_misfiled() -> None:
     sh = shell()
     sh.apply(m.GroupPublished(group=chain(1), chunk_index=0, members=1), 0)  # an old directory

@@ -444,10 +444,14 @@ class EvictionCore(LeafRanking):
         """The pool is gone (segment down or restarted): its bytes went with it. Objects left
         with no pool are removed (returned); the others keep their other pools. O(objects)."""
         gone: list[ObjectId] = []
-        for object_id, obj in list(self._objects.items()):
-            held = obj.pools.get(pool)
-            if held is None:
-                continue
+        objects = self._objects
+        # The ids listed, not (id, object) pairs: a million new tuples set off the cyclic GC
+        # over every object several times (dropping a third of 1,000,000 objects: 2.0-2.8 s
+        # before, 0.54-0.58 s now, mostly the removals; docs/eviction.md).
+        held_here = [object_id for object_id in objects if pool in objects[object_id].pools]
+        for object_id in held_here:
+            obj = objects[object_id]
+            held = obj.pools[pool]
             if len(obj.pools) == 1:
                 self.removed(object_id)
                 gone.append(object_id)
