@@ -3,6 +3,7 @@ from the environment, and status."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore, TenantQuota
@@ -66,20 +67,25 @@ def test_events_drive_the_core_and_victims_map_back_to_group_ids() -> None:
     sh.core.check_invariants()
 
 
-def test_groups_lost_with_their_segment_leave_no_records_behind() -> None:
-    """A prefix lost with its only segment: its groups' records go, their parent and children
-    links included (they stayed once, one entry per group a lost segment held)."""
+def test_a_head_lost_with_its_segment_and_adopted_again_still_takes_its_disk_tail_with_it() -> None:
+    """Head P on s1's disk, its disk-only tail C on s2's. s1 is lost, comes back with its disk
+    tier and the directory adopts P and publishes it again, with no parent or children in the
+    event: the links kept from before the loss still make C go before P (a review found that
+    forgetting them at the loss, to save one entry per lost group, broke this)."""
     sh = shell()
-    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1_000), 0)
-    sh.apply(m.SegmentUp(segment_id="s2", incarnation=1, capacity_bytes=1_000), 0)
-    sh.apply(published(1, s1=10), 1)
-    sh.apply(published(2, parent=1, s1=10), 2)
-    sh.apply(published(3, parent=2, s1=10), 3)
-    sh.apply(published(4, s2=10), 4)
-    sh.apply(published(5, parent=4, s2=10), 5)
-    sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 6)
-    assert set(sh._group_ids) == {A + chain(4), A + chain(5)}
-    assert sh._parent == {A + chain(5): A + chain(4)} and sh._children == {A + chain(4): {A + chain(5)}}
+    for segment in ("s1", "s2"):
+        sh.apply(m.SegmentUp(segment_id=segment, incarnation=1, capacity_bytes=1_000), 0)
+    head, tail = A + chain(1), A + chain(2)
+    sh.apply(msgspec.structs.replace(published(1, s1=10), disk_placements=[m.SegmentBytes("s1", 10)]), 1)
+    sh.apply(
+        msgspec.structs.replace(published(2, parent=1, s2=10), disk_placements=[m.SegmentBytes("s2", 10)]), 2
+    )
+    sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 3)
+    assert head not in sh.core and head not in sh._group_ids
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=2, capacity_bytes=1_000), 4)
+    sh.apply(msgspec.structs.replace(published(1, s1=10), disk_placements=[m.SegmentBytes("s1", 10)]), 5)
+    assert head in sh.core and tail in sh.core
+    assert sh._with_disk_tails([head]) == [tail, head]
     sh.core.check_invariants()
 
 

@@ -447,7 +447,7 @@ class EvictionCore(LeafRanking):
         objects = self._objects
         # The ids listed, not (id, object) pairs: a million new tuples set off the cyclic GC
         # over every object several times (dropping a third of 1,000,000 objects: 2.0-2.8 s
-        # before, 0.54-0.58 s now, mostly the removals; docs/eviction.md).
+        # before, 0.44-0.58 s now, mostly the removals; docs/eviction-policy.md).
         held_here = [object_id for object_id in objects if pool in objects[object_id].pools]
         for object_id in held_here:
             obj = objects[object_id]

@@ -96,7 +96,12 @@ class GroupRecords:
             for pool in lost:
                 for gid in core.drop_pool(pool):
                     if isinstance(gid, bytes):
-                        self._forget_records(gid)  # (its parent and children links too)
+                        # Its `_parent` and `_children` links stay: a chain hash fixes its parent,
+                        # and a segment back with its disk tier has its groups adopted and
+                        # published again without one (the order across tiers needs them then).
+                        self._group_ids.pop(gid, None)
+                        self._held.pop(gid, None)
+                        self._hits.pop(gid, None)
                 self._capacity.pop(pool, None)
             # The groups it shared with other segments lose those pools in the records too (as in
             # the core): a stale pool said a head was on a disk that is gone, and a later move
@@ -180,11 +185,6 @@ class GroupRecords:
     def _forget(self, gid: bytes) -> None:
         if gid in self.core:
             self.core.removed(gid)
-        self._forget_records(gid)
-
-    def _forget_records(self, gid: bytes) -> None:
-        """The group's records, its links to its parent and children included, gone (the core
-        no longer holds it)."""
         self._group_ids.pop(gid, None)
         self._held.pop(gid, None)
         self._hits.pop(gid, None)
