@@ -39,6 +39,7 @@ import argparse
 import gc
 import statistics
 import time
+from collections.abc import Callable
 
 from kvfabric.core.repair import RepairConfig, RepairCore, StartCopy
 
@@ -156,32 +157,38 @@ def main() -> None:
     if args.down:
         print()
         print("| objects on the segment | its replica was | recounts | event ms | ticks | p50 | max |")
-        print("|---:|---|---|---:|---:|---:|---:|")
-        for objects in (int(x) for x in args.objects.split(",")):
-            for last_replica in (False, True):
-                for all_at_once in (False, True, False):  # interleaved
-                    event_ms, took = segment_lost(objects, all_at_once, last_replica)
-                    arm = "all in the event (the old cost)" if all_at_once else "bounded per step"
-                    p50 = f"{statistics.median(took):.1f}" if took else "-"
-                    worst = f"{max(took):.1f}" if took else "-"
-                    shape = "the last one (lost)" if last_replica else "one of two (copied)"
-                    print(
-                        f"| {objects:,} | {shape} | {arm} | {event_ms:.1f} | {len(took)} | {p50} | {worst} |"
-                    )
+        event_table(
+            args.objects,
+            {
+                "one of two (copied)": lambda n, all_at_once: segment_lost(n, all_at_once, False),
+                "the last one (lost)": lambda n, all_at_once: segment_lost(n, all_at_once, True),
+            },
+        )
     if not args.flag:
         return
     print()
     print("| objects on the segment | flag | recounts | event ms | ticks recounting | their ms p50 | max |")
+    event_table(
+        args.objects,
+        {
+            "drain started": lambda n, all_at_once: flag_change(n, all_at_once, False),
+            "drain stopped": lambda n, all_at_once: flag_change(n, all_at_once, True),
+        },
+    )
+
+
+def event_table(sizes: str, cases: dict[str, Callable[[int, bool], tuple[float, list[float]]]]) -> None:
+    """The rows under a printed header: per size and case, the event's ms and its ticks' p50 /
+    max, bounded per step and all in the event, interleaved (the machine's noise shows)."""
     print("|---:|---|---|---:|---:|---:|---:|")
-    for objects in (int(x) for x in args.objects.split(",")):
-        for stop in (False, True):
-            for all_at_once in (False, True, False):  # interleaved
-                event_ms, took = flag_change(objects, all_at_once, stop)
+    for objects in (int(x) for x in sizes.split(",")):
+        for case, measure in cases.items():
+            for all_at_once in (False, True, False):
+                event_ms, took = measure(objects, all_at_once)
                 arm = "all in the event (the old cost)" if all_at_once else "bounded per step"
                 p50 = f"{statistics.median(took):.1f}" if took else "-"
                 worst = f"{max(took):.1f}" if took else "-"
-                flag = "drain stopped" if stop else "drain started"
-                print(f"| {objects:,} | {flag} | {arm} | {event_ms:.1f} | {len(took)} | {p50} | {worst} |")
+                print(f"| {objects:,} | {case} | {arm} | {event_ms:.1f} | {len(took)} | {p50} | {worst} |")
 
 
 if __name__ == "__main__":

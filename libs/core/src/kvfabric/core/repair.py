@@ -33,7 +33,7 @@ A drain waits while an object cannot reach its target elsewhere (`drain_pending`
 ## Recounts (a drain flag that changes, or a segment lost, under many objects)
 A segment starting or stopping a drain, or going down, changes the healthy count of every
 object on it. A segment down drops its replicas from its objects at once, in one pass (the
-event: 0.12-0.22 s at 1,000,000 objects, 0.66-2.45 s when it recounted each too;
+event: 0.12-0.28 s at 1,000,000 objects, 0.66-2.45 s when it recounted each too;
 docs/repair.md), so no replica on a segment gone is ever read or counted and a segment id
 that comes back starts empty. The objects with a copy in flight are recounted at once
 (O(copies in flight): a copy stays within its target); the others join a FIFO of *recounts*
@@ -365,7 +365,8 @@ class RepairCore:
         if draining:
             for copy in [c for c in self._copies.values() if c.destination == segment_id]:
                 self._abort(copy)  # a replica landing there would not count
-        self._defer_recounts(self._on_segment[segment_id])
+        on_segment = self._on_segment[segment_id]
+        self._defer_recounts(on_segment, [on_segment])
 
     def segment_down(self, segment_id: str) -> None:
         """The segment (this incarnation) is gone: its replicas are lost at once, its copies
@@ -402,20 +403,15 @@ class RepairCore:
         order = [hot[key] for key in sorted(hot)] + [cold[left] for left in sorted(cold)] + [lost]
         self._defer_recounts(on_segment, order)
 
-    def _defer_recounts(
-        self, object_ids: set[ObjectId], order: Iterable[list[ObjectId]] | None = None
-    ) -> None:
-        """`object_ids` join the recounts (in `order`'s lists when given), the objects with a copy
-        in flight among them recounted now (a copy stays within its target on the true count),
-        then the event's `recounts_per_step` are taken from the front."""
+    def _defer_recounts(self, object_ids: set[ObjectId], order: Iterable[Iterable[ObjectId]]) -> None:
+        """`object_ids` join the recounts, in `order` (runs of them, each in its own order), the
+        objects with a copy in flight among them recounted now (a copy stays within its target on
+        the true count), then the event's `recounts_per_step` are taken from the front."""
         for copy in list(self._copies.values()):
             if copy.object_id in object_ids and copy.copy_id in self._copies:
                 self._refresh(copy.object_id)
-        if order is not None:
-            for ids in order:
-                self._recounts.extend(ids)
-        else:
-            self._recounts.extend(object_ids)
+        for ids in order:
+            self._recounts.extend(ids)
         if len(self._recounts) > 2 * len(self._objects) + self.recount_slack:
             self._recounts = deque(o for o in dict.fromkeys(self._recounts) if o in self._objects)
         self._recount(self.config.recounts_per_step)
