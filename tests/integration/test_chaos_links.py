@@ -40,15 +40,25 @@ def echo_server(ns: str | None, ip: str, port: int) -> socket.socket:
     with ll.in_netns(ns):
         server = socket.create_server((ip, port))
 
+    def echo(conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(30)
+            try:
+                while data := conn.recv(65536):
+                    conn.sendall(data)
+            except OSError:
+                return
+
     def serve() -> None:
+        # A thread per connection: a round trip over the lossy link whose FIN was lost, its client
+        # namespace then deleted by close(), leaves that connection open for good; answered in
+        # turn, it kept the next round trip waiting (the test's one flake, recv timed out).
         while True:
             try:
                 conn, _ = server.accept()
             except OSError:
                 return
-            with conn:
-                while data := conn.recv(65536):
-                    conn.sendall(data)
+            threading.Thread(target=echo, args=(conn,), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
     return server
