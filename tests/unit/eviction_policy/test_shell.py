@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore, TenantQuota
+from kvfabric.eviction_policy.group_records import LOST_DISK_LINKS_KEEP_MS
 from kvfabric.eviction_policy.settings import load_eviction_settings, parse_quotas
 from kvfabric.eviction_policy.shell import EvictionShell, group_id_of
 from kvfabric.format.ids import ChainHash, DomainDigest, Namespace
@@ -86,6 +87,39 @@ def test_a_head_lost_with_its_segment_and_adopted_again_still_takes_its_disk_tai
     sh.apply(msgspec.structs.replace(published(1, s1=10), disk_placements=[m.SegmentBytes("s1", 10)]), 5)
     assert head in sh.core and tail in sh.core
     assert sh._with_disk_tails([head]) == [tail, head]
+    sh.core.check_invariants()
+
+
+def test_links_of_lost_groups_go_at_once_from_an_arena_and_after_the_keep_time_from_a_disk() -> None:
+    """A group lost with its segment's arena cannot come back (a segment returns with an empty
+    arena): its parent link goes at once. One lost from a disk tier keeps its links for its
+    adoption, `LOST_DISK_LINKS_KEEP_MS`; then they go, unless it is back. So lost groups leave
+    nothing behind, however many segments are lost over time."""
+    sh = shell()
+    for segment in ("s1", "s2", "s3"):
+        sh.apply(m.SegmentUp(segment_id=segment, incarnation=1, capacity_bytes=1_000), 0)
+    on_disk = msgspec.structs.replace
+    sh.apply(published(1, s3=10), 1)  # the shared head, on s3 (lives on)
+    sh.apply(published(2, parent=1, s1=10), 1)  # s1's arena only
+    sh.apply(published(3, parent=2, s1=10), 1)
+    sh.apply(on_disk(published(4, parent=1, s2=10), disk_placements=[m.SegmentBytes("s2", 10)]), 1)
+    sh.apply(on_disk(published(5, parent=1, s2=10), disk_placements=[m.SegmentBytes("s2", 10)]), 1)
+    sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 10)
+    assert sh._parent == {A + chain(4): A + chain(1), A + chain(5): A + chain(1)}
+    assert sh._children == {A + chain(1): {A + chain(4), A + chain(5)}}
+    sh.apply(m.SegmentDown(segment_id="s2", incarnation=1, reason="heartbeat_timeout"), 20)
+    assert A + chain(4) not in sh.core and set(sh._parent) == {A + chain(4), A + chain(5)}  # kept
+    sh.apply(m.SegmentUp(segment_id="s2", incarnation=2, capacity_bytes=1_000), 30)
+    sh.apply(on_disk(published(4, s2=10), disk_placements=[m.SegmentBytes("s2", 10)]), 31)  # adopted
+    assert sh._with_disk_tails([A + chain(1)]) == [A + chain(4), A + chain(1)]
+    sh.apply(m.GroupsAccessed(groups=[]), 20 + LOST_DISK_LINKS_KEEP_MS - 1)
+    assert A + chain(5) in sh._parent
+    sh.apply(m.GroupsAccessed(groups=[]), 20 + LOST_DISK_LINKS_KEEP_MS)
+    assert sh._parent == {A + chain(4): A + chain(1)}  # 5 never came back; 4 did
+    assert sh._children == {A + chain(1): {A + chain(4)}} and not sh._lost_disk_links
+    sh.apply(m.GroupEvicted(group=chain(4), reason="policy", domain=A), 40 + LOST_DISK_LINKS_KEEP_MS)
+    sh.apply(m.GroupEvicted(group=chain(1), reason="policy", domain=A), 41 + LOST_DISK_LINKS_KEEP_MS)
+    assert not sh._parent and not sh._children and len(sh.core) == 0
     sh.core.check_invariants()
 
 

@@ -15,6 +15,13 @@ I/O, no awaits; each call atomic on the event loop), and what the directory's ev
   `_children`: a group moved to a disk pool loses its parent in the core
   (`EvictionCore.retiered`), so the prefix order across tiers is kept here); per pool its
   capacity (`_capacity`) and the disk pools seen (`_disk_pools`).
+- the links of groups lost with their segment: one lost from an arena only is gone for good (a
+  segment comes back with an empty arena), so its `_parent` entry and its place among its
+  parent's `_children` go at once; one lost from a disk tier may be adopted again, published
+  with no parent, and needs them then (a head adopted again must still take its disk tail with
+  it), so they stay `LOST_DISK_LINKS_KEEP_MS` after the loss (`_lost_disk_links`), then go for
+  those not back. A lost group's own `_children` stay while any child does (a child's
+  `_forget` shrinks them). So lost groups cost nothing after an hour, whatever the churn.
 - what a victim batch needs from them: a demoted group moved to its segment's disk pool
   (`_moved`), a demoted tail's ancestor copied to disk counted there too (`_copied`), and the
   resident disk tails dropped before their head (`_with_disk_tails`).
@@ -26,6 +33,7 @@ demotion); it reads the shell's `_no_disk` and counts into its `demotions`.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Final
 
 import msgspec
@@ -46,6 +54,11 @@ from kvfabric.proto import directory as m
 __all__ = ["ACCESS_PER_EVENT_MAX", "GroupRecords", "group_id_of"]
 
 ACCESS_PER_EVENT_MAX: Final = 16  # hits of one group in one event counted at most this often
+# How long the links of a group lost from a disk tier are kept for its adoption: a segment back
+# within it with its disk tier (a restart takes seconds to minutes) has its groups' order across
+# tiers as before; one back later has them adopted unlinked (a disk tail then goes as a leaf of its
+# own, not with its head: bytes unreachable until then, never wrong ones).
+LOST_DISK_LINKS_KEEP_MS: Final = 3_600_000
 
 
 def group_id_of(namespace: Namespace, chunk_index: int, chain_hash: ChainHash) -> GroupId:
@@ -69,10 +82,17 @@ class GroupRecords:
     _no_disk: set[str]  # segments that answered "no disk tier"
     _group_ids: dict[bytes, GroupId]  # domain + chain hash -> 90-byte group id (tracked)
     _capacity: dict[str, int]
+    # (until when, group keys) per segment loss, oldest first: links of groups lost from a disk
+    # tier, kept for their adoption (`LOST_DISK_LINKS_KEEP_MS`)
+    _lost_disk_links: deque[tuple[int, list[bytes]]]
 
     def apply(self, event: msgspec.Struct, at_ms: int) -> None:
         """One directory event into the core (pure bookkeeping; public for tests)."""
         core = self.core
+        while self._lost_disk_links and self._lost_disk_links[0][0] <= at_ms:
+            for key in self._lost_disk_links.popleft()[1]:
+                if key not in core:  # not adopted (nor saved) again since: gone for good
+                    self._unlink(key)
         # A group is (share domain, chain hash): two domains may hold the same chain hash (one
         # of them forged it), and the directory keeps them apart, so the policy must too.
         if isinstance(event, m.GroupPublished):
@@ -94,14 +114,18 @@ class GroupRecords:
         elif isinstance(event, m.SegmentDown):
             lost = (event.segment_id, ssd_pool(event.segment_id))
             for pool in lost:
+                on_disk: list[bytes] = []
                 for gid in core.drop_pool(pool):
                     if isinstance(gid, bytes):
-                        # Its `_parent` and `_children` links stay: a chain hash fixes its parent,
-                        # and a segment back with its disk tier has its groups adopted and
-                        # published again without one (the order across tiers needs them then).
                         self._group_ids.pop(gid, None)
                         self._held.pop(gid, None)
                         self._hits.pop(gid, None)
+                        if is_ssd_pool(pool):
+                            on_disk.append(gid)  # may be adopted again: linked a while longer
+                        else:
+                            self._unlink(gid)  # in that arena only (its disk pool goes next)
+                if on_disk:
+                    self._lost_disk_links.append((at_ms + LOST_DISK_LINKS_KEEP_MS, on_disk))
                 self._capacity.pop(pool, None)
             # The groups it shared with other segments lose those pools in the records too (as in
             # the core): a stale pool said a head was on a disk that is gone, and a later move
@@ -189,6 +213,11 @@ class GroupRecords:
         self._held.pop(gid, None)
         self._hits.pop(gid, None)
         self._children.pop(gid, None)
+        self._unlink(gid)
+
+    def _unlink(self, gid: bytes) -> None:
+        """Forget `gid`'s parent and its place among that parent's children (its own children
+        stay: they name it still)."""
         parent = self._parent.pop(gid, None)
         if parent is not None:
             siblings = self._children.get(parent)

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Final, Protocol
 
@@ -172,6 +173,7 @@ class EvictionShell(GroupRecords):
         # the prefix order across tiers itself (`_with_disk_tails`).
         self._children: dict[bytes, set[bytes]] = {}
         self._parent: dict[bytes, bytes] = {}
+        self._lost_disk_links: deque[tuple[int, list[bytes]]] = deque()  # see `GroupRecords`
         self._disk_pools: set[str] = set()  # `<segment>#ssd` pools holding or having held groups
         self._no_disk: set[str] = set()  # segments that answered "no disk tier"
         self.demotions: dict[str, int] = {}  # outcome -> groups (status, metrics)
