@@ -23,6 +23,7 @@ import nats.errors
 import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from typer.testing import CliRunner
 
 from kvfabric.client import KvClient
 from kvfabric.client.transfers import read_ref
@@ -32,6 +33,7 @@ from kvfabric.cluster.requests import request
 from kvfabric.core.authz import SCOPE_SEPARATOR
 from kvfabric.ctl import queries
 from kvfabric.ctl.auth import plan_auth, write_auth
+from kvfabric.ctl.cli import app as kvctl_app
 from kvfabric.dataplane.addresses import split_host_port
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.directory.shard_map import SHARD_MAP_TENANT_PER_S
@@ -255,6 +257,11 @@ def test_nats_refuses_missing_credentials_and_foreign_subjects(secure: Secure) -
             await secure.connect(wrong)
 
     asyncio.run(no_credentials())
+    # kvctl without credentials says so, and where a local cluster's operator ones are
+    unset = {"KVF_NATS_TLS_CA": secure.doc["tls_ca"], "KVF_NATS_USER": "", "KVF_NATS_PASSWORD_FILE": ""}
+    result = CliRunner().invoke(kvctl_app, ["status", "--nats-url", secure.nats.url], env=unset)
+    assert result.exit_code == 1 and result.stderr.startswith("unauthorized: "), result.output
+    assert "none are set (KVF_NATS_USER" in result.stderr
     bob = secure.tenant_auth("bob")
     instance = asyncio.run(directory_instance(secure))
     for subject in (

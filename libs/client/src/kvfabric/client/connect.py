@@ -36,6 +36,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvfabric.client.settings import ClientSettings
 from kvfabric.cluster.directory_router import DirectoryRouter
+from kvfabric.cluster.natsauth import is_nats_refusal
 from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, Unauthorized, Unavailable
 
 __all__ = ["ERROR_LOG_INTERVAL_S", "RETRY_WAIT_S", "NatsErrors", "open_nats", "start_error"]
@@ -44,18 +45,12 @@ log = logging.getLogger("kvfabric.client")
 
 RETRY_WAIT_S: Final = 0.5  # between connect attempts while starting, and between reconnects
 ERROR_LOG_INTERVAL_S: Final = 30.0  # once started: at most one logged connection error per interval
-# Server answers that retrying cannot change (nats-py reports them as `nats.errors.Error`).
-_REFUSALS: Final = ("authorization violation", "permissions violation", "authentication")
 _URL_SCHEMES: Final = ("nats", "tls", "ws", "wss")
-
-
-def _refusal(exc: BaseException) -> bool:
-    return isinstance(exc, nats.errors.Error) and any(r in str(exc).lower() for r in _REFUSALS)
 
 
 def _final(exc: BaseException) -> bool:
     """An error another attempt cannot fix: end the start at once."""
-    return _refusal(exc) or isinstance(exc, ssl.SSLError | socket.gaierror)
+    return is_nats_refusal(exc) or isinstance(exc, ssl.SSLError | socket.gaierror)
 
 
 class NatsErrors:
@@ -111,7 +106,7 @@ def start_error(url: str, exc: BaseException | None, timeout_ms: int) -> BaseExc
         return BadRequest(f"cannot resolve the host of {where} (client setting nats_url): {exc}")
     if isinstance(exc, ssl.SSLError):
         return BadRequest(f"TLS to {where} failed (client settings nats_tls_*): {exc}")
-    if exc is not None and _refusal(exc):
+    if exc is not None and is_nats_refusal(exc):
         return Unauthorized(
             f"{where} refused this client ({_describe(exc)}): check the user, password and tenant"
             " (client settings nats_user, nats_password_file, nats_tenant)"

@@ -22,9 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["NATS_ENV_PREFIX", "NatsAuth", "nats_auth_from_env"]
+import nats.errors
+
+__all__ = ["NATS_ENV_PREFIX", "NatsAuth", "is_nats_refusal", "nats_auth_from_env"]
 
 NATS_ENV_PREFIX: Final = "KVF_NATS_"
+# Server answers that another attempt cannot change (nats-py reports them as `nats.errors.Error`).
+_REFUSALS: Final = ("authorization violation", "permissions violation", "authentication")
+
+
+def is_nats_refusal(exc: BaseException) -> bool:
+    """Whether `exc` is the server refusing this connection's credentials or permissions."""
+    return isinstance(exc, nats.errors.Error) and any(r in str(exc).lower() for r in _REFUSALS)
 
 
 @dataclass(frozen=True, slots=True)

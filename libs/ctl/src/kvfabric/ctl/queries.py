@@ -26,9 +26,9 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.cluster.directory_router import DirectoryRouter
-from kvfabric.cluster.natsauth import nats_auth_from_env
+from kvfabric.cluster.natsauth import NATS_ENV_PREFIX, is_nats_refusal, nats_auth_from_env
 from kvfabric.cluster.requests import request
-from kvfabric.format.errors import BadRequest, Indeterminate, NotFound, Unavailable
+from kvfabric.format.errors import BadRequest, Indeterminate, NotFound, Unauthorized, Unavailable
 from kvfabric.format.ids import DomainDigest, GroupId, domain_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
@@ -85,10 +85,11 @@ async def connect(url: str, timeout_s: float) -> AsyncIterator[NatsClient]:
     async def quiet(_exc: Exception) -> None:
         return None
 
+    auth = nats_auth_from_env(os.environ)
     try:
         connecting = nc.connect(
             servers=[url],
-            **nats_auth_from_env(os.environ).connect_options(),
+            **auth.connect_options(),
             connect_timeout=max(1, int(timeout_s)),
             allow_reconnect=False,
             max_reconnect_attempts=0,
@@ -97,11 +98,34 @@ async def connect(url: str, timeout_s: float) -> AsyncIterator[NatsClient]:
         )
         await asyncio.wait_for(connecting, timeout_s)
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        raise Unavailable(f"cannot connect to nats at {url}: {type(exc).__name__}", url=url) from None
+        raise connect_error(url, exc, auth.user, timeout_s) from None
     try:
         yield nc
     finally:
         await nc.close()
+
+
+def connect_error(url: str, exc: BaseException, user: str, timeout_s: float) -> Unauthorized | Unavailable:
+    """What kvctl says when it cannot connect (pure): a refusal names the credentials it used and
+    where an operator's come from; anything else names the error, not only its type."""
+    if isinstance(exc, TimeoutError):  # also a refused port: the connect retries it quietly
+        return Unavailable(
+            f"cannot connect to nats at {url}: no connection within {timeout_s:g} s (is the cluster up?)",
+            url=url,
+        )
+    text = str(exc) or type(exc).__name__
+    if is_nats_refusal(exc):
+        if user:
+            used = f"{NATS_ENV_PREFIX}USER={user} and its password were refused"
+        else:
+            used = (
+                f"none are set ({NATS_ENV_PREFIX}USER, {NATS_ENV_PREFIX}PASSWORD_FILE); a local"
+                " cluster's operator credentials: `set -a; . .data/auth/env/admin.env; set +a`"
+            )
+        return Unauthorized(f"nats at {url} refused this connection ({text}): {used}", url=url)
+    if not isinstance(exc, nats.errors.Error):
+        text = f"{type(exc).__name__}: {text}" if str(exc) else text
+    return Unavailable(f"cannot connect to nats at {url}: {text}", url=url)
 
 
 async def router(nc: NatsClient) -> DirectoryRouter:
