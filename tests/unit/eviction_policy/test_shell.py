@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore, TenantQuota
-from kvfabric.eviction_policy.group_records import LOST_DISK_LINKS_KEEP_MS
+from kvfabric.eviction_policy.group_records import LOST_LINKS_EXPIRED_PER_EVENT, LOST_LINKS_KEEP_MS
 from kvfabric.eviction_policy.settings import load_eviction_settings, parse_quotas
 from kvfabric.eviction_policy.shell import EvictionShell, group_id_of
 from kvfabric.format.ids import ChainHash, DomainDigest, Namespace
@@ -90,37 +90,100 @@ def test_a_head_lost_with_its_segment_and_adopted_again_still_takes_its_disk_tai
     sh.core.check_invariants()
 
 
-def test_links_of_lost_groups_go_at_once_from_an_arena_and_after_the_keep_time_from_a_disk() -> None:
-    """A group lost with its segment's arena cannot come back (a segment returns with an empty
-    arena): its parent link goes at once. One lost from a disk tier keeps its links for its
-    adoption, `LOST_DISK_LINKS_KEEP_MS`; then they go, unless it is back. So lost groups leave
-    nothing behind, however many segments are lost over time."""
+def lost_and_adopted_setup() -> EvictionShell:
     sh = shell()
     for segment in ("s1", "s2", "s3"):
         sh.apply(m.SegmentUp(segment_id=segment, incarnation=1, capacity_bytes=1_000), 0)
-    on_disk = msgspec.structs.replace
+    return sh
+
+
+def on_disk(event: m.GroupPublished, segment: str) -> m.GroupPublished:
+    return msgspec.structs.replace(event, disk_placements=[m.SegmentBytes(segment, 10)])
+
+
+def test_links_of_lost_groups_go_after_the_keep_time_unless_they_are_back() -> None:
+    """A lost group may be adopted again from a disk tier, published with no parent: its links
+    stay `LOST_LINKS_KEEP_MS` after the loss, then go unless it is back. So lost groups leave
+    nothing behind, however many segments are lost over time."""
+    sh = lost_and_adopted_setup()
     sh.apply(published(1, s3=10), 1)  # the shared head, on s3 (lives on)
     sh.apply(published(2, parent=1, s1=10), 1)  # s1's arena only
     sh.apply(published(3, parent=2, s1=10), 1)
-    sh.apply(on_disk(published(4, parent=1, s2=10), disk_placements=[m.SegmentBytes("s2", 10)]), 1)
-    sh.apply(on_disk(published(5, parent=1, s2=10), disk_placements=[m.SegmentBytes("s2", 10)]), 1)
+    sh.apply(on_disk(published(4, parent=1, s2=10), "s2"), 1)
+    sh.apply(on_disk(published(5, parent=1, s2=10), "s2"), 1)
     sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 10)
-    assert sh._parent == {A + chain(4): A + chain(1), A + chain(5): A + chain(1)}
-    assert sh._children == {A + chain(1): {A + chain(4), A + chain(5)}}
     sh.apply(m.SegmentDown(segment_id="s2", incarnation=1, reason="heartbeat_timeout"), 20)
-    assert A + chain(4) not in sh.core and set(sh._parent) == {A + chain(4), A + chain(5)}  # kept
+    assert A + chain(4) not in sh.core and set(sh._parent) == {A + chain(k) for k in (2, 3, 4, 5)}
     sh.apply(m.SegmentUp(segment_id="s2", incarnation=2, capacity_bytes=1_000), 30)
-    sh.apply(on_disk(published(4, s2=10), disk_placements=[m.SegmentBytes("s2", 10)]), 31)  # adopted
+    sh.apply(on_disk(published(4, s2=10), "s2"), 31)  # adopted: no parent in the event
     assert sh._with_disk_tails([A + chain(1)]) == [A + chain(4), A + chain(1)]
-    sh.apply(m.GroupsAccessed(groups=[]), 20 + LOST_DISK_LINKS_KEEP_MS - 1)
-    assert A + chain(5) in sh._parent
-    sh.apply(m.GroupsAccessed(groups=[]), 20 + LOST_DISK_LINKS_KEEP_MS)
-    assert sh._parent == {A + chain(4): A + chain(1)}  # 5 never came back; 4 did
-    assert sh._children == {A + chain(1): {A + chain(4)}} and not sh._lost_disk_links
-    sh.apply(m.GroupEvicted(group=chain(4), reason="policy", domain=A), 40 + LOST_DISK_LINKS_KEEP_MS)
-    sh.apply(m.GroupEvicted(group=chain(1), reason="policy", domain=A), 41 + LOST_DISK_LINKS_KEEP_MS)
+    sh.apply(m.GroupsAccessed(groups=[]), 10 + LOST_LINKS_KEEP_MS - 1)
+    assert set(sh._parent) == {A + chain(k) for k in (2, 3, 4, 5)}
+    sh.apply(m.GroupsAccessed(groups=[]), 10 + LOST_LINKS_KEEP_MS)  # s1's hour is over
+    assert set(sh._parent) == {A + chain(4), A + chain(5)}
+    sh.apply(m.GroupsAccessed(groups=[]), 20 + LOST_LINKS_KEEP_MS)  # s2's: 5 never came back
+    assert sh._parent == {A + chain(4): A + chain(1)}
+    assert sh._children == {A + chain(1): {A + chain(4)}} and not sh._lost_links and not sh._lost_until
+    sh.apply(m.GroupEvicted(group=chain(4), reason="policy", domain=A), 40 + LOST_LINKS_KEEP_MS)
+    sh.apply(m.GroupEvicted(group=chain(1), reason="policy", domain=A), 41 + LOST_LINKS_KEEP_MS)
     assert not sh._parent and not sh._children and len(sh.core) == 0
     sh.core.check_invariants()
+
+
+def test_a_tail_last_seen_in_an_arena_keeps_its_links_for_its_disk_replica_elsewhere() -> None:
+    """Tail in s1's arena and on s2's disk; s2 is lost first (the records drop its disk pool),
+    then s1: the tail leaves the core from an arena, but s2 comes back with its disk tier and
+    the directory adopts the tail again, with no parent: it must still go before its head (a
+    review's repro: unlinked at once, the head went first)."""
+    sh = lost_and_adopted_setup()
+    head, tail = A + chain(1), A + chain(2)
+    sh.apply(published(1, s3=10), 1)
+    sh.apply(on_disk(published(2, parent=1, s1=10, s2=10), "s2"), 2)
+    sh.apply(m.SegmentDown(segment_id="s2", incarnation=1, reason="heartbeat_timeout"), 3)
+    sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 4)
+    sh.apply(m.SegmentUp(segment_id="s2", incarnation=2, capacity_bytes=1_000), 5)
+    sh.apply(on_disk(published(2, s2=10), "s2"), 6)
+    assert sh._with_disk_tails([head]) == [tail, head]
+
+
+def test_a_group_lost_twice_keeps_its_links_for_its_second_loss_too() -> None:
+    """Lost, adopted again, lost again within the hour: the first loss's hour ending does not
+    unlink it (a review's repro), the second's does, if it is not back by then."""
+    sh = lost_and_adopted_setup()
+    head, tail = A + chain(1), A + chain(2)
+    adopted = on_disk(published(2, s1=10), "s1")
+    sh.apply(published(1, s2=10), 1)
+    sh.apply(on_disk(published(2, parent=1, s1=10), "s1"), 2)
+    sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 10)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=2, capacity_bytes=1_000), 20)
+    sh.apply(adopted, 21)
+    sh.apply(
+        m.SegmentDown(segment_id="s1", incarnation=2, reason="heartbeat_timeout"), 10 + LOST_LINKS_KEEP_MS - 5
+    )
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=3, capacity_bytes=1_000), 10 + LOST_LINKS_KEEP_MS + 1)
+    sh.apply(adopted, 10 + LOST_LINKS_KEEP_MS + 2)
+    assert sh._with_disk_tails([head]) == [tail, head]
+    sh.apply(
+        m.SegmentDown(segment_id="s1", incarnation=3, reason="heartbeat_timeout"), 10 + LOST_LINKS_KEEP_MS + 3
+    )
+    sh.apply(m.GroupsAccessed(groups=[]), 10 + 3 * LOST_LINKS_KEEP_MS)
+    assert not sh._parent and not sh._lost_until and not sh._lost_links
+
+
+def test_lost_links_expire_a_bounded_number_per_event() -> None:
+    """A big segment's hour ending unlinks `LOST_LINKS_EXPIRED_PER_EVENT` groups per event,
+    not all of them in one (no stall of the policy's loop)."""
+    sh = lost_and_adopted_setup()
+    n = LOST_LINKS_EXPIRED_PER_EVENT + 10
+    sh.apply(published(1, s2=1), 1)
+    for i in range(2, n + 2):
+        sh.apply(published(i, parent=1, s1=1), 1)
+    sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 2)
+    assert len(sh._parent) == n
+    sh.apply(m.GroupsAccessed(groups=[]), 2 + LOST_LINKS_KEEP_MS)
+    assert len(sh._parent) == 10 and len(sh._lost_until) == 10
+    sh.apply(m.GroupsAccessed(groups=[]), 3 + LOST_LINKS_KEEP_MS)
+    assert not sh._parent and not sh._children and not sh._lost_links and not sh._lost_until
 
 
 def test_an_event_without_placements_is_ignored_not_misfiled() -> None:

@@ -15,13 +15,15 @@ I/O, no awaits; each call atomic on the event loop), and what the directory's ev
   `_children`: a group moved to a disk pool loses its parent in the core
   (`EvictionCore.retiered`), so the prefix order across tiers is kept here); per pool its
   capacity (`_capacity`) and the disk pools seen (`_disk_pools`).
-- the links of groups lost with their segment: one lost from an arena only is gone for good (a
-  segment comes back with an empty arena), so its `_parent` entry and its place among its
-  parent's `_children` go at once; one lost from a disk tier may be adopted again, published
-  with no parent, and needs them then (a head adopted again must still take its disk tail with
-  it), so they stay `LOST_DISK_LINKS_KEEP_MS` after the loss (`_lost_disk_links`), then go for
-  those not back. A lost group's own `_children` stay while any child does (a child's
-  `_forget` shrinks them). So lost groups cost nothing after an hour, whatever the churn.
+- the links of groups lost with their segment (`_lost_until`, `_lost_links`): a lost group may
+  be adopted again from a disk tier — this segment's, or another's that the records no longer
+  showed (lost before it, or a copy made as the segment died) — and the directory publishes it
+  again with no parent, when a head adopted again must still take its disk tail with it. So
+  its `_parent` entry and its place among its parent's `_children` stay `LOST_LINKS_KEEP_MS`
+  after its latest loss, then go unless it is back; at most `LOST_LINKS_EXPIRED_PER_EVENT` go
+  per event (no stall of the loop when a big segment's hour ends). A lost group's own
+  `_children` stay while a child names it (a child's `_forget` or unlink shrinks them). So a
+  group lost for good costs nothing past the hour but what its live children name.
 - what a victim batch needs from them: a demoted group moved to its segment's disk pool
   (`_moved`), a demoted tail's ancestor copied to disk counted there too (`_copied`), and the
   resident disk tails dropped before their head (`_with_disk_tails`).
@@ -54,11 +56,13 @@ from kvfabric.proto import directory as m
 __all__ = ["ACCESS_PER_EVENT_MAX", "GroupRecords", "group_id_of"]
 
 ACCESS_PER_EVENT_MAX: Final = 16  # hits of one group in one event counted at most this often
-# How long the links of a group lost from a disk tier are kept for its adoption: a segment back
+# How long the links of a group lost with its segment are kept for its adoption: a segment back
 # within it with its disk tier (a restart takes seconds to minutes) has its groups' order across
 # tiers as before; one back later has them adopted unlinked (a disk tail then goes as a leaf of its
 # own, not with its head: bytes unreachable until then, never wrong ones).
-LOST_DISK_LINKS_KEEP_MS: Final = 3_600_000
+LOST_LINKS_KEEP_MS: Final = 3_600_000
+# Links of lost groups forgotten at most per event applied (1,000,000 took ~0.6 s at once).
+LOST_LINKS_EXPIRED_PER_EVENT: Final = 5_000
 
 
 def group_id_of(namespace: Namespace, chunk_index: int, chain_hash: ChainHash) -> GroupId:
@@ -82,17 +86,16 @@ class GroupRecords:
     _no_disk: set[str]  # segments that answered "no disk tier"
     _group_ids: dict[bytes, GroupId]  # domain + chain hash -> 90-byte group id (tracked)
     _capacity: dict[str, int]
-    # (until when, group keys) per segment loss, oldest first: links of groups lost from a disk
-    # tier, kept for their adoption (`LOST_DISK_LINKS_KEEP_MS`)
-    _lost_disk_links: deque[tuple[int, list[bytes]]]
+    # group key -> when its links go (`LOST_LINKS_KEEP_MS` after its latest loss), and per segment
+    # loss (that time, its lost groups not yet looked at), oldest first
+    _lost_until: dict[bytes, int]
+    _lost_links: deque[tuple[int, list[bytes]]]
 
     def apply(self, event: msgspec.Struct, at_ms: int) -> None:
         """One directory event into the core (pure bookkeeping; public for tests)."""
         core = self.core
-        while self._lost_disk_links and self._lost_disk_links[0][0] <= at_ms:
-            for key in self._lost_disk_links.popleft()[1]:
-                if key not in core:  # not adopted (nor saved) again since: gone for good
-                    self._unlink(key)
+        if self._lost_links and self._lost_links[0][0] <= at_ms:
+            self._expire_lost_links(at_ms)
         # A group is (share domain, chain hash): two domains may hold the same chain hash (one
         # of them forged it), and the directory keeps them apart, so the policy must too.
         if isinstance(event, m.GroupPublished):
@@ -113,20 +116,19 @@ class GroupRecords:
             self._forget(pack_group_key(event.domain, event.group))
         elif isinstance(event, m.SegmentDown):
             lost = (event.segment_id, ssd_pool(event.segment_id))
+            gone: list[bytes] = []  # may be adopted again: linked a while longer
+            until = at_ms + LOST_LINKS_KEEP_MS
             for pool in lost:
-                on_disk: list[bytes] = []
                 for gid in core.drop_pool(pool):
                     if isinstance(gid, bytes):
                         self._group_ids.pop(gid, None)
                         self._held.pop(gid, None)
                         self._hits.pop(gid, None)
-                        if is_ssd_pool(pool):
-                            on_disk.append(gid)  # may be adopted again: linked a while longer
-                        else:
-                            self._unlink(gid)  # in that arena only (its disk pool goes next)
-                if on_disk:
-                    self._lost_disk_links.append((at_ms + LOST_DISK_LINKS_KEEP_MS, on_disk))
+                        self._lost_until[gid] = until
+                        gone.append(gid)
                 self._capacity.pop(pool, None)
+            if gone:
+                self._lost_links.append((until, gone))
             # The groups it shared with other segments lose those pools in the records too (as in
             # the core): a stale pool said a head was on a disk that is gone, and a later move
             # (`_moved`) put its bytes back into the core. O(records), on a segment's loss only.
@@ -214,6 +216,24 @@ class GroupRecords:
         self._hits.pop(gid, None)
         self._children.pop(gid, None)
         self._unlink(gid)
+
+    def _expire_lost_links(self, at_ms: int) -> None:
+        """Unlink the lost groups whose keep time ended by `at_ms` and that are not back, at most
+        `LOST_LINKS_EXPIRED_PER_EVENT` (the rest at the next events). A group lost again since
+        has a later time of its own, and its later loss's entry looks at it then."""
+        budget = LOST_LINKS_EXPIRED_PER_EVENT
+        while self._lost_links and self._lost_links[0][0] <= at_ms and budget > 0:
+            keys = self._lost_links[0][1]
+            while keys and budget > 0:
+                key = keys.pop()
+                budget -= 1
+                until = self._lost_until.get(key)
+                if until is not None and until <= at_ms:
+                    del self._lost_until[key]
+                    if key not in self.core:  # not adopted (nor saved) again since
+                        self._unlink(key)
+            if not keys:
+                self._lost_links.popleft()
 
     def _unlink(self, gid: bytes) -> None:
         """Forget `gid`'s parent and its place among that parent's children (its own children

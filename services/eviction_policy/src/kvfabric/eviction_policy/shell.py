@@ -173,7 +173,8 @@ class EvictionShell(GroupRecords):
         # the prefix order across tiers itself (`_with_disk_tails`).
         self._children: dict[bytes, set[bytes]] = {}
         self._parent: dict[bytes, bytes] = {}
-        self._lost_disk_links: deque[tuple[int, list[bytes]]] = deque()  # see `GroupRecords`
+        self._lost_until: dict[bytes, int] = {}  # see `GroupRecords`
+        self._lost_links: deque[tuple[int, list[bytes]]] = deque()
         self._disk_pools: set[str] = set()  # `<segment>#ssd` pools holding or having held groups
         self._no_disk: set[str] = set()  # segments that answered "no disk tier"
         self.demotions: dict[str, int] = {}  # outcome -> groups (status, metrics)
