@@ -1,12 +1,18 @@
 """What kvctl says when it cannot reach NATS (`kvfabric.ctl.queries.connect_error`): a refusal
 names the credentials it used and where a local cluster's operator credentials are, a timeout
-says so, anything else names the error's text, not only its type."""
+says so, anything else names the error's text, not only its type; a password in the URL is never
+printed; an unreadable password file is one line."""
 
 from __future__ import annotations
 
-import nats.errors
+import socket
+from pathlib import Path
 
-from kvfabric.ctl.queries import connect_error
+import nats.errors
+from typer.testing import CliRunner
+
+from kvfabric.ctl.cli import app
+from kvfabric.ctl.queries import connect_error, without_userinfo
 from kvfabric.format.errors import Unauthorized, Unavailable
 
 URL = "nats://127.0.0.1:4222"
@@ -38,3 +44,39 @@ def test_a_timeout_and_other_errors_are_unavailable_with_their_text() -> None:
         URL, nats.errors.Error("nats: 'Maximum Connections Exceeded'"), user="u", timeout_s=5
     )
     assert isinstance(other, Unavailable) and other.message.endswith("nats: 'Maximum Connections Exceeded'")
+
+
+def test_a_password_in_the_url_is_never_printed_and_its_user_is_named() -> None:
+    url = "nats://admin:s3cretPW@127.0.0.1:4222"
+    refused = connect_error(url, REFUSED, user="", timeout_s=5)
+    assert "s3cretPW" not in refused.message and "nats://127.0.0.1:4222" in refused.message
+    assert "the user admin of the URL and its password were refused" in refused.message
+    for other in (TimeoutError(), OSError("boom")):
+        assert "s3cretPW" not in connect_error(url, other, user="", timeout_s=5).message
+    assert without_userinfo("nats://u:p@h:1") == ("nats://h:1", "u")
+    assert without_userinfo("h:1") == ("h:1", "")
+
+
+def test_kvctl_says_an_unreadable_password_file_in_one_line(tmp_path: Path) -> None:
+    missing = str(tmp_path / "none")
+    result = CliRunner().invoke(
+        app, ["status", "--nats-url", "nats://127.0.0.1:1"], env={"KVF_NATS_PASSWORD_FILE": missing}
+    )
+    assert (
+        result.exit_code == 1
+        and result.stderr == "bad_request: cannot read KVF_NATS_PASSWORD_FILE: No such file or directory\n"
+    )
+
+
+def test_kvctl_names_the_connect_error_it_saw_not_a_timeout() -> None:
+    """A refused port: the connect retries it quietly until the timeout; the error it saw is
+    what kvctl says."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+        result = CliRunner().invoke(
+            app,
+            ["status", "--nats-url", f"nats://127.0.0.1:{port}", "--timeout-s", "1"],
+            env={"KVF_NATS_USER": ""},
+        )
+    assert result.exit_code == 1 and "ConnectionRefusedError" in result.stderr, result.output

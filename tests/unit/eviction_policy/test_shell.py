@@ -82,12 +82,18 @@ def test_a_head_lost_with_its_segment_and_adopted_again_still_takes_its_disk_tai
         msgspec.structs.replace(published(2, parent=1, s2=10), disk_placements=[m.SegmentBytes("s2", 10)]), 2
     )
     sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 3)
+    sh.apply(invalidated(1), 3)  # the directory's in the same tick: no replica left
     assert head not in sh.core and head not in sh._group_ids
     sh.apply(m.SegmentUp(segment_id="s1", incarnation=2, capacity_bytes=1_000), 4)
     sh.apply(msgspec.structs.replace(published(1, s1=10), disk_placements=[m.SegmentBytes("s1", 10)]), 5)
     assert head in sh.core and tail in sh.core
     assert sh._with_disk_tails([head]) == [tail, head]
     sh.core.check_invariants()
+
+
+def invalidated(i: int) -> m.GroupInvalidated:
+    """What the directory emits right after a `segment_down` for a group left with no replica."""
+    return m.GroupInvalidated(group=chain(i), reason="replica_lost", domain=A)
 
 
 def lost_and_adopted_setup() -> EvictionShell:
@@ -112,7 +118,11 @@ def test_links_of_lost_groups_go_after_the_keep_time_unless_they_are_back() -> N
     sh.apply(on_disk(published(4, parent=1, s2=10), "s2"), 1)
     sh.apply(on_disk(published(5, parent=1, s2=10), "s2"), 1)
     sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 10)
+    sh.apply(invalidated(2), 10)
+    sh.apply(invalidated(3), 10)
     sh.apply(m.SegmentDown(segment_id="s2", incarnation=1, reason="heartbeat_timeout"), 20)
+    sh.apply(invalidated(4), 20)
+    sh.apply(invalidated(5), 20)
     assert A + chain(4) not in sh.core and set(sh._parent) == {A + chain(k) for k in (2, 3, 4, 5)}
     sh.apply(m.SegmentUp(segment_id="s2", incarnation=2, capacity_bytes=1_000), 30)
     sh.apply(on_disk(published(4, s2=10), "s2"), 31)  # adopted: no parent in the event
@@ -141,6 +151,7 @@ def test_a_tail_last_seen_in_an_arena_keeps_its_links_for_its_disk_replica_elsew
     sh.apply(on_disk(published(2, parent=1, s1=10, s2=10), "s2"), 2)
     sh.apply(m.SegmentDown(segment_id="s2", incarnation=1, reason="heartbeat_timeout"), 3)
     sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 4)
+    sh.apply(invalidated(2), 4)
     sh.apply(m.SegmentUp(segment_id="s2", incarnation=2, capacity_bytes=1_000), 5)
     sh.apply(on_disk(published(2, s2=10), "s2"), 6)
     assert sh._with_disk_tails([head]) == [tail, head]
@@ -155,11 +166,13 @@ def test_a_group_lost_twice_keeps_its_links_for_its_second_loss_too() -> None:
     sh.apply(published(1, s2=10), 1)
     sh.apply(on_disk(published(2, parent=1, s1=10), "s1"), 2)
     sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 10)
+    sh.apply(invalidated(2), 10)
     sh.apply(m.SegmentUp(segment_id="s1", incarnation=2, capacity_bytes=1_000), 20)
     sh.apply(adopted, 21)
     sh.apply(
         m.SegmentDown(segment_id="s1", incarnation=2, reason="heartbeat_timeout"), 10 + LOST_LINKS_KEEP_MS - 5
     )
+    sh.apply(invalidated(2), 10 + LOST_LINKS_KEEP_MS - 4)
     sh.apply(m.SegmentUp(segment_id="s1", incarnation=3, capacity_bytes=1_000), 10 + LOST_LINKS_KEEP_MS + 1)
     sh.apply(adopted, 10 + LOST_LINKS_KEEP_MS + 2)
     assert sh._with_disk_tails([head]) == [tail, head]

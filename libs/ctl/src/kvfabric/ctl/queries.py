@@ -79,13 +79,20 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
 
 @asynccontextmanager
 async def connect(url: str, timeout_s: float) -> AsyncIterator[NatsClient]:
-    """A NATS connection that fails fast (no reconnect loop) with `Unavailable`."""
+    """A NATS connection that fails fast (no reconnect loop) with `Unavailable` (`Unauthorized`
+    when the server refuses it, `BadRequest` for an unreadable password file)."""
     nc = NatsClient()
+    seen: list[Exception] = []  # the connect's own errors: a refused port or a name not found
 
-    async def quiet(_exc: Exception) -> None:
-        return None
+    async def keep(exc: Exception) -> None:
+        seen[:] = [exc]
 
-    auth = nats_auth_from_env(os.environ)
+    try:
+        auth = nats_auth_from_env(os.environ)
+    except OSError as exc:
+        raise BadRequest(
+            f"cannot read {NATS_ENV_PREFIX}PASSWORD_FILE: {exc.strerror or type(exc).__name__}"
+        ) from None
     try:
         connecting = nc.connect(
             servers=[url],
@@ -93,29 +100,46 @@ async def connect(url: str, timeout_s: float) -> AsyncIterator[NatsClient]:
             connect_timeout=max(1, int(timeout_s)),
             allow_reconnect=False,
             max_reconnect_attempts=0,
-            error_cb=quiet,
+            error_cb=keep,
             name="kvctl",
         )
         await asyncio.wait_for(connecting, timeout_s)
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        raise connect_error(url, exc, auth.user, timeout_s) from None
+        last = seen[0] if isinstance(exc, TimeoutError) and seen else exc
+        raise connect_error(url, last, auth.user, timeout_s) from None
     try:
         yield nc
     finally:
         await nc.close()
 
 
+def without_userinfo(url: str) -> tuple[str, str]:
+    """`url` without a `user:password@` part, and that user ("" if none): messages never print a
+    password."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    userinfo, at, host = rest.rpartition("@")
+    if not at:
+        return url, ""
+    return f"{scheme}{sep}{host}", userinfo.partition(":")[0]
+
+
 def connect_error(url: str, exc: BaseException, user: str, timeout_s: float) -> Unauthorized | Unavailable:
     """What kvctl says when it cannot connect (pure): a refusal names the credentials it used and
-    where an operator's come from; anything else names the error, not only its type."""
-    if isinstance(exc, TimeoutError):  # also a refused port: the connect retries it quietly
+    where an operator's come from; anything else names the error, not only its type. A password
+    in the URL is never printed."""
+    url, url_user = without_userinfo(url)
+    if isinstance(exc, TimeoutError):  # no error seen: the server did not answer
         return Unavailable(
             f"cannot connect to nats at {url}: no connection within {timeout_s:g} s (is the cluster up?)",
             url=url,
         )
     text = str(exc) or type(exc).__name__
     if is_nats_refusal(exc):
-        if user:
+        if url_user:
+            used = f"the user {url_user} of the URL and its password were refused"
+        elif user:
             used = f"{NATS_ENV_PREFIX}USER={user} and its password were refused"
         else:
             used = (

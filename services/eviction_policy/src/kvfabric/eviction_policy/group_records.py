@@ -20,7 +20,8 @@ I/O, no awaits; each call atomic on the event loop), and what the directory's ev
   showed (lost before it, or a copy made as the segment died) — and the directory publishes it
   again with no parent, when a head adopted again must still take its disk tail with it. So
   its `_parent` entry and its place among its parent's `_children` stay `LOST_LINKS_KEEP_MS`
-  after its latest loss, then go unless it is back; at most `LOST_LINKS_EXPIRED_PER_EVENT` go
+  after its latest loss (the directory's `invalidated` of it, `replica_lost`, sent in the same
+  tick, does not forget them: `_forget`), then go unless it is back; at most `LOST_LINKS_EXPIRED_PER_EVENT` go
   per event (no stall of the loop when a big segment's hour ends). A lost group's own
   `_children` stay while a child names it (a child's `_forget` or unlink shrinks them). So a
   group lost for good costs nothing past the hour but what its live children name.
@@ -209,6 +210,10 @@ class GroupRecords:
         self._disk_pools.update(p for p in pools if is_ssd_pool(p))
 
     def _forget(self, gid: bytes) -> None:
+        if gid not in self.core and gid in self._lost_until:
+            # Lost with its segment: the directory invalidates it (`replica_lost`) in the same
+            # tick, but its links wait for its adoption from a disk tier like any lost group's.
+            return
         if gid in self.core:
             self.core.removed(gid)
         self._group_ids.pop(gid, None)
