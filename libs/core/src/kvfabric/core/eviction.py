@@ -440,10 +440,15 @@ class EvictionCore(LeafRanking):
         self._push(object_id, obj)
         self._count("evict_refused_total")
 
-    def drop_pool(self, pool: Hashable) -> list[ObjectId]:
+    def drop_pool(self, pool: Hashable, kept: list[ObjectId] | None = None) -> list[ObjectId]:
         """The pool is gone (segment down or restarted): its bytes went with it. Objects left
-        with no pool are removed (returned); the others keep their other pools. O(objects)."""
+        with no pool are removed (returned); the others keep their other pools (appended to
+        `kept`, when given). O(objects); nothing for a pool no object was ever in (every pool an
+        object holds has its usage in `_pools`: a disk pool of a segment without disk groups)."""
         gone: list[ObjectId] = []
+        if pool not in self._pools:
+            self._count("pools_dropped_total")
+            return gone
         objects = self._objects
         # The ids listed, not (id, object) pairs: a million new tuples set off the cyclic GC
         # over every object several times (dropping a third of 1,000,000 objects: 2.0-2.8 s
@@ -457,6 +462,8 @@ class EvictionCore(LeafRanking):
                 gone.append(object_id)
                 continue
             del obj.pools[pool]
+            if kept is not None:
+                kept.append(object_id)
             obj.size -= held
             if self._order is not None and not obj.evicting:
                 self._order.resized(object_id, obj.size)

@@ -120,22 +120,24 @@ class GroupRecords:
             gone: list[bytes] = []  # may be adopted again: linked a while longer
             until = at_ms + LOST_LINKS_KEEP_MS
             for pool in lost:
-                for gid in core.drop_pool(pool):
+                kept: list[object] = []
+                for gid in core.drop_pool(pool, kept):
                     if isinstance(gid, bytes):
                         self._group_ids.pop(gid, None)
                         self._held.pop(gid, None)
                         self._hits.pop(gid, None)
                         self._lost_until[gid] = until
                         gone.append(gid)
+                # The groups it shared with other segments lose that pool in the records too (as
+                # in the core, whose pools these mirror): a stale pool said a head was on a disk
+                # that is gone, and a later move (`_moved`) put its bytes back into the core.
+                for gid in kept:
+                    held = self._held.get(gid) if isinstance(gid, bytes) else None
+                    if held is not None:
+                        held[2].pop(pool, None)
                 self._capacity.pop(pool, None)
             if gone:
                 self._lost_links.append((until, gone))
-            # The groups it shared with other segments lose those pools in the records too (as in
-            # the core): a stale pool said a head was on a disk that is gone, and a later move
-            # (`_moved`) put its bytes back into the core. O(records), on a segment's loss only.
-            for _, _, pools, _ in self._held.values():
-                for pool in lost:
-                    pools.pop(pool, None)
             self._disk_pools.discard(ssd_pool(event.segment_id))
             self._no_disk.discard(event.segment_id)
         elif isinstance(event, m.SegmentUp) and event.capacity_bytes:
