@@ -53,8 +53,18 @@ def test_a_password_in_the_url_is_never_printed_and_its_user_is_named() -> None:
     assert "the user admin of the URL and its password were refused" in refused.message
     for other in (TimeoutError(), OSError("boom")):
         assert "s3cretPW" not in connect_error(url, other, user="", timeout_s=5).message
-    assert without_userinfo("nats://u:p@h:1") == ("nats://h:1", "u")
-    assert without_userinfo("h:1") == ("h:1", "")
+    assert without_userinfo("nats://u:p@h:1") == ("nats://h:1", "u", True)
+    assert without_userinfo("h:1") == ("h:1", "", False)
+    assert without_userinfo("nats://u:p@ss@[::1]:4222") == ("nats://[::1]:4222", "u", True)
+    assert without_userinfo("admin:x://y@h:4222") == ("h:4222", "admin", True)  # no scheme
+    assert without_userinfo("tls://h:1/p@q") == ("tls://h:1/p@q", "", False)  # not the authority
+
+
+def test_a_token_in_the_url_is_never_printed_and_the_environment_s_user_is_named_first() -> None:
+    token = connect_error("nats://s3cretTOKEN@127.0.0.1:4222", REFUSED, user="", timeout_s=5)
+    assert "s3cretTOKEN" not in token.message and "the token in the URL was refused" in token.message
+    both = connect_error("nats://urluser:pw@h:1", REFUSED, user="envuser", timeout_s=5)
+    assert "KVF_NATS_USER=envuser" in both.message and "pw" not in both.message.split("refused this")[0]
 
 
 def test_kvctl_says_an_unreadable_password_file_in_one_line(tmp_path: Path) -> None:
@@ -66,6 +76,16 @@ def test_kvctl_says_an_unreadable_password_file_in_one_line(tmp_path: Path) -> N
         result.exit_code == 1
         and result.stderr == "bad_request: cannot read KVF_NATS_PASSWORD_FILE: No such file or directory\n"
     )
+
+
+def test_kvctl_says_a_password_file_not_in_utf8_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "pw"
+    bad.write_bytes(b"\xff\xfe")
+    result = CliRunner().invoke(
+        app, ["status", "--nats-url", "nats://127.0.0.1:1"], env={"KVF_NATS_PASSWORD_FILE": str(bad)}
+    )
+    assert result.exit_code == 1
+    assert result.stderr == "bad_request: cannot read KVF_NATS_PASSWORD_FILE: UnicodeDecodeError\n"
 
 
 def test_kvctl_names_the_connect_error_it_saw_not_a_timeout() -> None:

@@ -229,12 +229,20 @@ class EvictionMachine(RuleBasedStateMachine):
             del self.resident[object_id]
             self.leased.discard(object_id)
 
-    @rule(pool=st.sampled_from(POOLS))
-    def pool_lost(self, pool: str) -> None:
-        """A segment died: its bytes went; objects held only there are gone."""
-        gone = self.core.drop_pool(pool)
+    @rule(pool=st.sampled_from(POOLS), back=st.booleans())
+    def pool_lost(self, pool: str, back: bool) -> None:
+        """A segment died: its bytes went; objects held only there are gone, those held
+        elsewhere too are listed as kept. Back at once, or lost again first (a pool no object
+        is in any more: nothing gone, nothing kept)."""
+        kept: list[object] = []
+        gone = self.core.drop_pool(pool, kept)
         expected = [o for o, (_, ps, _) in self.resident.items() if set(ps) == {pool}]
         assert sorted(int(str(g)) for g in gone) == sorted(expected)
+        survivors = [o for o, (_, ps, _) in self.resident.items() if pool in ps and len(ps) > 1]
+        assert sorted(int(str(k)) for k in kept) == sorted(survivors)
+        if not back:
+            again: list[object] = []
+            assert self.core.drop_pool(pool, again) == [] and again == []
         for object_id in expected:
             del self.resident[object_id]
             self.evicting.discard(object_id)

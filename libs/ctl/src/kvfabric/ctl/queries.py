@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final, TypeVar
@@ -89,10 +90,9 @@ async def connect(url: str, timeout_s: float) -> AsyncIterator[NatsClient]:
 
     try:
         auth = nats_auth_from_env(os.environ)
-    except OSError as exc:
-        raise BadRequest(
-            f"cannot read {NATS_ENV_PREFIX}PASSWORD_FILE: {exc.strerror or type(exc).__name__}"
-        ) from None
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise BadRequest(f"cannot read {NATS_ENV_PREFIX}PASSWORD_FILE: {reason}") from None
     try:
         connecting = nc.connect(
             servers=[url],
@@ -113,23 +113,32 @@ async def connect(url: str, timeout_s: float) -> AsyncIterator[NatsClient]:
         await nc.close()
 
 
-def without_userinfo(url: str) -> tuple[str, str]:
-    """`url` without a `user:password@` part, and that user ("" if none): messages never print a
-    password."""
+URL_SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+
+
+def without_userinfo(url: str) -> tuple[str, str, bool]:
+    """`url` without the `user:password@` (or `token@`) of its authority, that user ("" if
+    none) and whether the URL carries credentials: messages never print a password or a token
+    (nats-py sends a URL's user without a password as a token)."""
     scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    userinfo, at, host = rest.rpartition("@")
+    if sep and URL_SCHEME.fullmatch(scheme):
+        cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+        authority, path = rest[:cut], rest[cut:]
+        prefix = scheme + sep
+    else:  # no scheme (or a password with "://" in it): everything up to the last "@"
+        authority, path, prefix = url, "", ""
+    userinfo, at, host = authority.rpartition("@")
     if not at:
-        return url, ""
-    return f"{scheme}{sep}{host}", userinfo.partition(":")[0]
+        return url, "", False
+    user, colon, _ = userinfo.partition(":")
+    return f"{prefix}{host}{path}", user if colon else "", True
 
 
 def connect_error(url: str, exc: BaseException, user: str, timeout_s: float) -> Unauthorized | Unavailable:
     """What kvctl says when it cannot connect (pure): a refusal names the credentials it used and
     where an operator's come from; anything else names the error, not only its type. A password
     in the URL is never printed."""
-    url, url_user = without_userinfo(url)
+    url, url_user, url_credentials = without_userinfo(url)
     if isinstance(exc, TimeoutError):  # no error seen: the server did not answer
         return Unavailable(
             f"cannot connect to nats at {url}: no connection within {timeout_s:g} s (is the cluster up?)",
@@ -137,10 +146,12 @@ def connect_error(url: str, exc: BaseException, user: str, timeout_s: float) -> 
         )
     text = str(exc) or type(exc).__name__
     if is_nats_refusal(exc):
-        if url_user:
-            used = f"the user {url_user} of the URL and its password were refused"
-        elif user:
+        if user:  # nats-py sends these before the URL's own
             used = f"{NATS_ENV_PREFIX}USER={user} and its password were refused"
+        elif url_user:
+            used = f"the user {url_user} of the URL and its password were refused"
+        elif url_credentials:
+            used = "the token in the URL was refused"
         else:
             used = (
                 f"none are set ({NATS_ENV_PREFIX}USER, {NATS_ENV_PREFIX}PASSWORD_FILE); a local"
