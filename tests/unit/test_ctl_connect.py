@@ -11,8 +11,9 @@ from pathlib import Path
 import nats.errors
 from typer.testing import CliRunner
 
+from kvfabric.cluster.natsauth import url_without_userinfo as without_userinfo
 from kvfabric.ctl.cli import app
-from kvfabric.ctl.queries import connect_error, without_userinfo
+from kvfabric.ctl.queries import connect_error
 from kvfabric.format.errors import Unauthorized, Unavailable
 
 URL = "nats://127.0.0.1:4222"

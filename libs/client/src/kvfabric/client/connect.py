@@ -36,7 +36,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvfabric.client.settings import ClientSettings
 from kvfabric.cluster.directory_router import DirectoryRouter
-from kvfabric.cluster.natsauth import is_nats_refusal
+from kvfabric.cluster.natsauth import describe_nats_error, is_nats_refusal, url_without_userinfo
 from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, Unauthorized, Unavailable
 
 __all__ = ["ERROR_LOG_INTERVAL_S", "RETRY_WAIT_S", "NatsErrors", "open_nats", "start_error"]
@@ -78,27 +78,25 @@ class NatsErrors:
             self._unlogged += 1
             return
         more = f" ({self._unlogged} more since the last line)" if self._unlogged else ""
-        log.warning("kvfabric client: NATS connection error: %s%s", _describe(exc), more)
+        log.warning("kvfabric client: NATS connection error: %s%s", describe_nats_error(exc), more)
         self._logged_s, self._unlogged = now, 0
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if isinstance(exc, nats.errors.Error) else f"{type(exc).__name__}: {text}"
 
 
 def _check_url(url: str) -> None:
     scheme, sep, rest = url.partition("://")
     if not url.strip() or (sep and scheme not in _URL_SCHEMES) or "://" in rest:
         raise BadRequest(
-            f"client setting nats_url {url!r} is not nats://host:port (or tls://, ws://, wss://)"
+            f"client setting nats_url {url_without_userinfo(url)[0]!r} is not nats://host:port (or"
+            " tls://, ws://, wss://)"
         )
 
 
 def start_error(url: str, exc: BaseException | None, timeout_ms: int) -> BaseException:
     """What a failed start raises (pure): `exc` is the connect's own error, else the last error
     its callback saw, else None (no attempt ended within the time). An error of no kind known
-    here is raised as it is (a bug: the client logs its traceback)."""
+    here is raised as it is (a bug: the client logs its traceback). A password in `url` is never
+    in the message."""
+    url = url_without_userinfo(url)[0]
     where = f"NATS at {url}"
     if isinstance(exc, KvfError):
         return exc
@@ -108,13 +106,13 @@ def start_error(url: str, exc: BaseException | None, timeout_ms: int) -> BaseExc
         return BadRequest(f"TLS to {where} failed (client settings nats_tls_*): {exc}")
     if exc is not None and is_nats_refusal(exc):
         return Unauthorized(
-            f"{where} refused this client ({_describe(exc)}): check the user, password and tenant"
+            f"{where} refused this client ({describe_nats_error(exc)}): check the user, password and tenant"
             " (client settings nats_user, nats_password_file, nats_tenant)"
         )
     if isinstance(exc, nats.errors.Error) and "url" in str(exc).lower():
         return BadRequest(f"client setting nats_url {url!r}: {exc}")
     if isinstance(exc, OSError) and not isinstance(exc, TimeoutError):
-        return Unavailable(f"cannot connect to {where}: {_describe(exc)}")
+        return Unavailable(f"cannot connect to {where}: {describe_nats_error(exc)}")
     if exc is None or isinstance(exc, TimeoutError | nats.errors.Error):
         return Indeterminate(f"no answer from {where} within {timeout_ms} ms (a stopped server?)")
     return exc

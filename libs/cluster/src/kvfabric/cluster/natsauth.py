@@ -16,6 +16,7 @@ Unset: no credentials, plain TCP (a development server without authorization).
 
 from __future__ import annotations
 
+import re
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,7 +25,14 @@ from typing import Any, Final
 
 import nats.errors
 
-__all__ = ["NATS_ENV_PREFIX", "NatsAuth", "is_nats_refusal", "nats_auth_from_env"]
+__all__ = [
+    "NATS_ENV_PREFIX",
+    "NatsAuth",
+    "describe_nats_error",
+    "is_nats_refusal",
+    "nats_auth_from_env",
+    "url_without_userinfo",
+]
 
 NATS_ENV_PREFIX: Final = "KVF_NATS_"
 # Server answers that another attempt cannot change (nats-py reports them as `nats.errors.Error`).
@@ -34,6 +42,33 @@ _REFUSALS: Final = ("authorization violation", "permissions violation", "authent
 def is_nats_refusal(exc: BaseException) -> bool:
     """Whether `exc` is the server refusing this connection's credentials or permissions."""
     return isinstance(exc, nats.errors.Error) and any(r in str(exc).lower() for r in _REFUSALS)
+
+
+def describe_nats_error(exc: BaseException) -> str:
+    """A connect error for a message: nats-py's own text, or the error's type and text."""
+    text = str(exc) or type(exc).__name__
+    return text if isinstance(exc, nats.errors.Error) else f"{type(exc).__name__}: {text}"
+
+
+_URL_SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+
+
+def url_without_userinfo(url: str) -> tuple[str, str, bool]:
+    """`url` without the `user:password@` (or `token@`) of its authority, that user ("" if
+    none) and whether the URL carries credentials: messages never print a password or a token
+    (nats-py sends a URL's user without a password as a token)."""
+    scheme, sep, rest = url.partition("://")
+    if sep and _URL_SCHEME.fullmatch(scheme):
+        cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+        authority, path = rest[:cut], rest[cut:]
+        prefix = scheme + sep
+    else:  # no scheme (or a password with "://" in it): everything up to the last "@"
+        authority, path, prefix = url, "", ""
+    userinfo, at, host = authority.rpartition("@")
+    if not at:
+        return url, "", False
+    user, colon, _ = userinfo.partition(":")
+    return f"{prefix}{host}{path}", user if colon else "", True
 
 
 @dataclass(frozen=True, slots=True)

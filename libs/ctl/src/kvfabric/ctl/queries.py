@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final, TypeVar
@@ -27,7 +26,13 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.cluster.directory_router import DirectoryRouter
-from kvfabric.cluster.natsauth import NATS_ENV_PREFIX, is_nats_refusal, nats_auth_from_env
+from kvfabric.cluster.natsauth import (
+    NATS_ENV_PREFIX,
+    describe_nats_error,
+    is_nats_refusal,
+    nats_auth_from_env,
+    url_without_userinfo,
+)
 from kvfabric.cluster.requests import request
 from kvfabric.format.errors import BadRequest, Indeterminate, NotFound, Unauthorized, Unavailable
 from kvfabric.format.ids import DomainDigest, GroupId, domain_in_id
@@ -113,38 +118,17 @@ async def connect(url: str, timeout_s: float) -> AsyncIterator[NatsClient]:
         await nc.close()
 
 
-URL_SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
-
-
-def without_userinfo(url: str) -> tuple[str, str, bool]:
-    """`url` without the `user:password@` (or `token@`) of its authority, that user ("" if
-    none) and whether the URL carries credentials: messages never print a password or a token
-    (nats-py sends a URL's user without a password as a token)."""
-    scheme, sep, rest = url.partition("://")
-    if sep and URL_SCHEME.fullmatch(scheme):
-        cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
-        authority, path = rest[:cut], rest[cut:]
-        prefix = scheme + sep
-    else:  # no scheme (or a password with "://" in it): everything up to the last "@"
-        authority, path, prefix = url, "", ""
-    userinfo, at, host = authority.rpartition("@")
-    if not at:
-        return url, "", False
-    user, colon, _ = userinfo.partition(":")
-    return f"{prefix}{host}{path}", user if colon else "", True
-
-
 def connect_error(url: str, exc: BaseException, user: str, timeout_s: float) -> Unauthorized | Unavailable:
     """What kvctl says when it cannot connect (pure): a refusal names the credentials it used and
     where an operator's come from; anything else names the error, not only its type. A password
     in the URL is never printed."""
-    url, url_user, url_credentials = without_userinfo(url)
+    url, url_user, url_credentials = url_without_userinfo(url)
     if isinstance(exc, TimeoutError):  # no error seen: the server did not answer
         return Unavailable(
             f"cannot connect to nats at {url}: no connection within {timeout_s:g} s (is the cluster up?)",
             url=url,
         )
-    text = str(exc) or type(exc).__name__
+    text = describe_nats_error(exc)
     if is_nats_refusal(exc):
         if user:  # nats-py sends these before the URL's own
             used = f"{NATS_ENV_PREFIX}USER={user} and its password were refused"
@@ -158,8 +142,6 @@ def connect_error(url: str, exc: BaseException, user: str, timeout_s: float) -> 
                 " cluster's operator credentials: `set -a; . .data/auth/env/admin.env; set +a`"
             )
         return Unauthorized(f"nats at {url} refused this connection ({text}): {used}", url=url)
-    if not isinstance(exc, nats.errors.Error):
-        text = f"{type(exc).__name__}: {text}" if str(exc) else text
     return Unavailable(f"cannot connect to nats at {url}: {text}", url=url)
 
 
