@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import nats
 import pytest
+from typer.testing import CliRunner
 
 from kvfabric.client import Hit, KvClient
 from kvfabric.cluster.requests import request as nats_request
+from kvfabric.ctl.cli import app
 from kvfabric.format.ids import GroupKey
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
@@ -126,6 +130,8 @@ def test_past_the_high_watermark_it_evicts_to_the_low_one_and_leased_reads_stay_
         for tokens in prompts[1:]:
             saved = writer.save(tokens, objects_for(tokens, 0, CHUNKS_PER_PROMPT))
             assert saved.chunks_failed == 0
+        saved_groups = group_ids(nats_server.url)
+        assert len(saved_groups) == len(prompts) * CHUNKS_PER_PROMPT
         stack.enter_context(policy_process(nats_server, policy))
 
         last: list[e.EvictionStatus] = []
@@ -171,3 +177,42 @@ def test_past_the_high_watermark_it_evicts_to_the_low_one_and_leased_reads_stay_
         if final.policy == "lru":  # the leased prompt is the least recently looked up: asked, refused
             assert final.counters.get("evict_refused_total", 0) >= 1, final.counters
         assert sum(kept) * CHUNK_BYTES == pool.used_bytes, f"a tail outlived its head: kept {kept}"
+        if policy == "lru":
+            explained_by_kvctl(nats_server.url, saved_groups)
+
+
+def group_ids(url: str) -> set[str]:
+    """Every published chunk group's id (hex), as `kvctl objects ls` lists them."""
+    result = CliRunner().invoke(app, ["objects", "ls", "--json", "--limit", "1000", "--nats-url", url])
+    assert result.exit_code == 0, result.output
+    return {g["group_id"] for g in json.loads(result.stdout)["groups"]}
+
+
+def explained_by_kvctl(url: str, saved: set[str]) -> None:
+    """`kvctl eviction explain` says why a group was evicted (chosen as least recent at the
+    watermark, then evicted) and what the policy ranks a kept one by; `status` shows the pool."""
+    kept = group_ids(url)
+    evicted = saved - kept
+    assert kept and evicted
+
+    def kvctl(*args: str) -> Any:
+        result = CliRunner().invoke(app, [*args, "--json", "--nats-url", url])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    gone = kvctl("eviction", "explain", sorted(evicted)[0])
+    assert gone["policy"] == "lru" and not gone["tracked"] and not gone["features"]
+    assert [(d["what"], d["reason"], d["cause"]) for d in gone["decisions"]] == [
+        ("tracked", "always", ""),
+        ("chosen", "least_recent", "watermark"),
+        ("evicted", "evicting", ""),
+    ]
+    stays = kvctl("eviction", "explain", sorted(kept)[0])
+    assert stays["tracked"] and stays["features"]["bytes"] == CHUNK_BYTES
+    assert stays["decisions"][0]["what"] == "tracked" and stays["decisions"][0]["pool"] == "seg-ev"
+    status = kvctl("eviction", "status")
+    assert status["policy"] == "lru" and status["pools"][0]["segment_id"] == "seg-ev"
+    text = CliRunner().invoke(app, ["eviction", "explain", sorted(evicted)[0], "--nats-url", url])
+    assert text.exit_code == 0 and "least_recent" in text.stdout and "watermark" in text.stdout, text.output
+    missing = CliRunner().invoke(app, ["eviction", "explain", "kvg1:nonsense", "--nats-url", url])
+    assert missing.exit_code == 2, missing.output

@@ -1,8 +1,12 @@
 """Messages of the `eviction` service (subjects `kvf.v1.eviction.<verb>`).
 
 The eviction-policy service follows the directory's events and asks the directory to evict;
-it serves one verb for operators: `status` (`EvictionStatusRequest` → `EvictionStatus`), what
-it tracks per pool (segment) and tenant (share domain) and its counters.
+it serves two verbs for operators (`kvctl eviction status|explain`): `status`
+(`EvictionStatusRequest` → `EvictionStatus`), what it tracks per pool (segment) and tenant
+(share domain) and its counters; `explain` (`EvictionExplainRequest` → `EvictionExplain`), why
+it holds, held or dropped one chunk group: the core's features and rank of it while tracked,
+its latest decisions (`EvictionDecision`, what in `DECISION_KINDS`, with their reason codes)
+and, with live admission, what the policy's latest admission filter says of it.
 
 It also publishes (plain NATS, no reply) its admission filter on `kvf.v1.eviction.admission_filter`
 (`ADMISSION_FILTER_VERB`) every `KVF_EVICTION_ADMISSION_PUBLISH_MS`; every directory instance
@@ -15,7 +19,7 @@ from typing import Final
 
 import msgspec
 
-from kvfabric.format.ids import DomainDigest
+from kvfabric.format.ids import DomainDigest, GroupId
 from kvfabric.proto.codec import FamilyDecoder
 
 __all__ = [
@@ -25,7 +29,13 @@ __all__ = [
     "ADMISSION_FILTER_VERB",
     "ADMISSION_LENGTH_CLASSES",
     "ADMISSION_UNLIMITED",
+    "DECISIONS_PER_GROUP_MAX",
+    "DECISION_KINDS",
+    "AdmissionExplain",
     "AdmissionFilter",
+    "EvictionDecision",
+    "EvictionExplain",
+    "EvictionExplainRequest",
     "EvictionMessage",
     "EvictionStatus",
     "EvictionStatusRequest",
@@ -63,6 +73,61 @@ class EvictionStatus(msgspec.Struct, frozen=True, kw_only=True, tag="evict.statu
     pools: list[PoolUsage]
     tenants: list[TenantUsage]
     counters: dict[str, int]
+
+
+# What an `EvictionDecision` records of a chunk group (its `reason` code in brackets):
+DECISION_KINDS: Final = (
+    "tracked",  # a published event took it into the core (`ADMIT_REASONS`: always, resident)
+    "moved",  # published again with its bytes on other pools (a demotion, an adoption)
+    "chosen",  # a victim (`VICTIM_REASONS`; `cause`: watermark | tenant_quota)
+    "evicted",  # the directory answered `evicting` (or sent `evicted`: its reason)
+    "stays",  # the directory kept it (`EVICT_STAYS` status, `waits_for_tail`, `no_answer`)
+    "demoted",  # its arena replicas copied to the segment's disk tier (`pool`: the disk pool)
+    "not_demoted",  # a demotion that did not happen (the segment's outcome: copied, failed ...)
+    "disk_dropped",  # only its disk replicas dropped (its arena copy stays)
+    "invalidated",  # the directory invalidated it (its reason, e.g. replica_lost)
+    "lost",  # its segment went down (`pool`)
+)
+DECISIONS_PER_GROUP_MAX: Final = 8  # an explain lists at most this many, newest last
+
+
+class EvictionExplainRequest(
+    msgspec.Struct, frozen=True, kw_only=True, tag="evict.explain.v1", tag_field="t"
+):
+    """Why the policy holds, held or dropped the chunk group `group_id` (90 bytes)."""
+
+    group_id: GroupId
+
+
+class EvictionDecision(msgspec.Struct, frozen=True, kw_only=True):
+    at_ms: int  # the policy's clock (wall, ms since the epoch)
+    what: str  # DECISION_KINDS
+    reason: str = ""  # its reason code
+    pool: str = ""  # the pool (segment, `<segment>#ssd` for a disk tier) it concerns
+    cause: str = ""  # a victim's batch: watermark | tenant_quota
+
+
+class AdmissionExplain(msgspec.Struct, frozen=True, kw_only=True):
+    """What the policy's latest admission filter (`AdmissionFilter`) says of a group of this id
+    when first named: admitted whatever its size if `protected` or `seen`, else refused on a
+    listed pool if its bytes exceed that pool's limit for its length class."""
+
+    generated_ms: int  # when the policy built that filter
+    length_class: int  # of the group's chunk index
+    protected: bool  # its share domain is below its guaranteed share
+    seen: bool  # in the filter's bloom of recently named groups
+    limits: dict[str, int]  # listed pool -> largest group bytes admitted (ADMISSION_UNLIMITED)
+
+
+class EvictionExplain(msgspec.Struct, frozen=True, kw_only=True, tag="evict.explain_reply.v1", tag_field="t"):
+    policy: str
+    tracked: bool  # the core holds it now
+    # The core's `explain` while tracked: its features (tenant, bytes, accesses, chunk index,
+    # leaf, evicting; per policy its priority, class, predicted reuse or hit density)
+    features: dict[str, str | int | float | bool] = msgspec.field(default_factory=dict)
+    decisions: list[EvictionDecision] = msgspec.field(default_factory=list)  # oldest first
+    decisions_kept: bool = True  # False: the policy keeps no decisions (`KVF_EVICTION_DECISIONS_MAX=0`)
+    admission: AdmissionExplain | None = None  # None: no live admission filter built
 
 
 ADMISSION_FILTER_VERB: Final = "admission_filter"  # kvf.v1.eviction.admission_filter (published)
@@ -103,6 +168,8 @@ class AdmissionFilter(
     seen_bloom_hashes: int = 0
 
 
-EvictionMessage = EvictionStatusRequest | EvictionStatus | AdmissionFilter
+EvictionMessage = (
+    EvictionStatusRequest | EvictionStatus | AdmissionFilter | EvictionExplainRequest | EvictionExplain
+)
 
 eviction_decoder: FamilyDecoder[EvictionMessage] = FamilyDecoder(EvictionMessage, "eviction")

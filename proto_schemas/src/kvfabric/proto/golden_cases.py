@@ -179,6 +179,34 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
             protected_domains=[DomainDigest(b"d" * 16)],
         ),
     ),
+    "evict.explain_reply.v1": (
+        "eviction",
+        eviction.EvictionExplain(
+            policy="density",
+            tracked=True,
+            features={"tenant": "64" * 16, "bytes": 4096, "leaf": True, "hit_density_per_byte_ms": 1.5e-9},
+            decisions=[
+                eviction.EvictionDecision(
+                    at_ms=1_700_000_000_000, what="tracked", reason="always", pool="s1"
+                ),
+                eviction.EvictionDecision(
+                    at_ms=1_700_000_000_500,
+                    what="chosen",
+                    reason="lowest_hit_density",
+                    pool="s1",
+                    cause="watermark",
+                ),
+                eviction.EvictionDecision(at_ms=1_700_000_000_510, what="stays", reason="leased"),
+            ],
+            admission=eviction.AdmissionExplain(
+                generated_ms=1_700_000_000_000,
+                length_class=2,
+                protected=False,
+                seen=True,
+                limits={"s1": 4096},
+            ),
+        ),
+    ),
     "dir.replicate_begin.v1": (
         "directory.request",
         directory.ReplicateBegin(

@@ -35,6 +35,9 @@ leases_app = typer.Typer(help="Leases and pins held at the directory.", no_args_
 pins_app = typer.Typer(help="Pin chunk groups against eviction.", no_args_is_help=True)
 segment_app = typer.Typer(help="Segment operations.", no_args_is_help=True)
 events_app = typer.Typer(help="The directory's JetStream event stream.", no_args_is_help=True)
+eviction_app = typer.Typer(
+    help="The eviction policy: its state, and why it keeps or drops a group.", no_args_is_help=True
+)
 tenants_app = typer.Typer(help="Tenants (share domains): usage against quotas.", no_args_is_help=True)
 auth_app = typer.Typer(help="NATS users, permissions, share domains and TLS.", no_args_is_help=True)
 for _name, _sub in (
@@ -46,6 +49,7 @@ for _name, _sub in (
     ("segment", segment_app),
     ("events", events_app),
     ("tenants", tenants_app),
+    ("eviction", eviction_app),
     ("auth", auth_app),
 ):
     app.add_typer(_sub, name=_name)
@@ -349,6 +353,41 @@ def events_tail(
         render.emit_json({"events": [q.jsonable(e) for e in events]})
     else:
         render.print_events(events)
+
+
+# ---- eviction policy -------------------------------------------------------------------------
+
+
+@eviction_app.command("status")
+def eviction_status(
+    json: JsonOpt = False, nats_url: UrlOpt = DEFAULT_NATS_URL, timeout_s: TimeoutOpt = 5.0
+) -> None:
+    """What the eviction policy tracks per pool (segment, disk tier) and tenant, and its counters."""
+    env = Env(nats_url, timeout_s)
+    status = _run(env, lambda nc: q.eviction_status(nc, env.timeout_s))
+    if json:
+        render.emit_json(q.jsonable(status))
+    else:
+        render.print_eviction_status(status)
+
+
+@eviction_app.command("explain")
+def eviction_explain(
+    group: Annotated[str, typer.Argument(help="Key or chunk group: kvf1:..., kvg1:..., or hex.")],
+    json: JsonOpt = False,
+    nats_url: UrlOpt = DEFAULT_NATS_URL,
+    timeout_s: TimeoutOpt = 5.0,
+) -> None:
+    """Why the eviction policy holds, held or dropped a chunk group: the features it ranks it by,
+    its latest decisions with their reason codes (tracked, chosen as a victim and why, evicted,
+    stays leased, demoted ...), and what the live admission filter says of it."""
+    env = Env(nats_url, timeout_s)
+    raw = _parse(lambda: group_id_of(group))
+    reply = _run(env, lambda nc: q.eviction_explain(nc, raw, env.timeout_s))
+    if json:
+        render.emit_json({"group_id": raw.hex(), **q.jsonable(reply)})
+    else:
+        render.print_explain(group.strip(), reply)
 
 
 @auth_app.command("init")

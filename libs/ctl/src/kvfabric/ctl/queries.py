@@ -37,6 +37,7 @@ from kvfabric.cluster.requests import request
 from kvfabric.format.errors import BadRequest, Indeterminate, NotFound, Unauthorized, Unavailable
 from kvfabric.format.ids import DomainDigest, GroupId, domain_in_id
 from kvfabric.proto import directory as m
+from kvfabric.proto import eviction as e
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
 from kvfabric.proto.subjects import Service, endpoint_subject, events_wildcard, segment_subject
 
@@ -319,6 +320,22 @@ async def drain_segment(nc: NatsClient, segment_id: str, draining: bool, timeout
     if not isinstance(reply, SegmentState):
         raise Indeterminate(f"drain answered {type(reply).__name__}")
     return reply
+
+
+async def eviction_status(nc: NatsClient, timeout_s: float) -> e.EvictionStatus:
+    """The eviction policy's pools, tenants and counters (`kvf.v1.eviction.status`)."""
+    subject = endpoint_subject(Service.EVICTION, "status")
+    reply = await request(nc, subject, e.EvictionStatusRequest(), e.eviction_decoder, timeout_s)
+    return _expect(reply, e.EvictionStatus)
+
+
+async def eviction_explain(nc: NatsClient, group: GroupId, timeout_s: float) -> e.EvictionExplain:
+    """Why the eviction policy holds, held or dropped `group` (`kvf.v1.eviction.explain`)."""
+    subject = endpoint_subject(Service.EVICTION, "explain")
+    reply = await request(
+        nc, subject, e.EvictionExplainRequest(group_id=group), e.eviction_decoder, timeout_s
+    )
+    return _expect(reply, e.EvictionExplain)
 
 
 async def ping_services(nc: NatsClient, window_s: float = PING_WINDOW_S) -> list[ServiceInstance]:

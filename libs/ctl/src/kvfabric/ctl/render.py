@@ -14,6 +14,7 @@ from rich.table import Table
 from kvfabric.ctl.keys import group_from_summary
 from kvfabric.ctl.queries import Event, ServiceInstance, jsonable
 from kvfabric.proto import directory as m
+from kvfabric.proto import eviction as e
 from kvfabric.proto.segment import SegmentState, tier_of_slot
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "group_doc",
     "print_drain",
     "print_events",
+    "print_eviction_status",
+    "print_explain",
     "print_fields",
     "print_groups",
     "print_leases",
@@ -255,3 +258,81 @@ def print_events(events: Sequence[Event]) -> None:
     for ev in events:
         table.add_row(str(ev.seq), ev.time, ev.kind, event_fields(ev.event))
     console.print(table)
+
+
+def print_eviction_status(status: e.EvictionStatus) -> None:
+    console = _console()
+    console.print(
+        f"eviction policy {status.policy}: {status.objects} chunk group(s) tracked, "
+        f"watermarks {status.high_watermark:.0%} / {status.low_watermark:.0%}, "
+        f"{status.events_applied} events applied",
+        highlight=False,
+    )
+    pools = Table(title=f"pools ({len(status.pools)}); a disk tier is <segment>#ssd")
+    for col in ("pool", "used / capacity", "evicting"):
+        pools.add_column(col)
+    for p in status.pools:
+        pools.add_row(p.segment_id, _of(p.used_bytes, p.capacity_bytes, _bytes), _bytes(p.evicting_bytes))
+    console.print(pools)
+    if status.tenants:
+        tenants = Table(title=f"tenants ({len(status.tenants)}); - = no quota")
+        for col in ("domain", "used / hard quota", "guaranteed"):
+            tenants.add_column(col)
+        for t in status.tenants:
+            guaranteed = _bytes(t.guaranteed_bytes) if t.guaranteed_bytes else "-"
+            tenants.add_row(t.domain_digest.hex(), _of(t.used_bytes, t.hard_bytes, _bytes), guaranteed)
+        console.print(tenants)
+    counters = Table(title="counters (non-zero)", show_header=False)
+    counters.add_column("name", style="bold")
+    counters.add_column("value")
+    for name, value in sorted(status.counters.items()):
+        if value:
+            counters.add_row(name, str(value))
+    console.print(counters)
+
+
+def _limit_text(limit: int) -> str:
+    return "any size" if limit == e.ADMISSION_UNLIMITED else f"up to {_bytes(limit)}"
+
+
+def print_explain(group: str, reply: e.EvictionExplain) -> None:
+    """Why the policy holds, held or dropped one chunk group: its features, decisions, admission."""
+    console = _console()
+    held = "tracked (resident)" if reply.tracked else "not tracked now"
+    console.print(f"chunk group {group}\npolicy {reply.policy}: {held}", highlight=False)
+    if reply.features:
+        features = Table(title="what the policy ranks it by", show_header=False)
+        features.add_column("feature", style="bold")
+        features.add_column("value", overflow="fold")
+        for name, value in reply.features.items():
+            text = _ms(value) if name.endswith("_ms") and isinstance(value, int) and value > 0 else str(value)
+            features.add_row(name, text)
+        console.print(features)
+    if reply.decisions:
+        decisions = Table(title=f"its latest decisions ({len(reply.decisions)}, oldest first)")
+        for col in ("time", "decision", "reason", "pool", "cause"):
+            decisions.add_column(col)
+        for d in reply.decisions:
+            decisions.add_row(_ms(d.at_ms), d.what, d.reason or "-", d.pool or "-", d.cause or "-")
+        console.print(decisions)
+    elif not reply.decisions_kept:
+        console.print("no decisions kept (KVF_EVICTION_DECISIONS_MAX=0)", highlight=False)
+    else:
+        console.print("no decision about it remembered (never seen, or older than the policy's log)")
+    a = reply.admission
+    if a is None:
+        console.print("admission: no live admission filter (KVF_EVICTION_ADMISSION off, or none built yet)")
+        return
+    if a.protected or a.seen:
+        why = "its share domain is below its guaranteed share" if a.protected else "it was named recently"
+        verdict = f"admitted whatever its size: {why}"
+    elif not a.limits:
+        verdict = "admitted: no pool is past its low watermark"
+    else:
+        verdict = "if named for the first time: " + "; ".join(
+            f"{pool} admits {_limit_text(limit)}" for pool, limit in sorted(a.limits.items())
+        )
+    console.print(
+        f"admission (filter of {_ms(a.generated_ms)}, length class {a.length_class}): {verdict}",
+        highlight=False,
+    )

@@ -42,6 +42,7 @@ async def serve(settings: RuntimeSettings) -> int:
         ssd_high_watermark=config.ssd_high_watermark,
         demote_timeout_s=config.demote_timeout_s,
         admission_publish_ms=config.admission_publish_ms if config.admission else 0,
+        decisions_max=config.decisions_max,
     )
     runtime = ServiceRuntime(
         Service.EVICTION,

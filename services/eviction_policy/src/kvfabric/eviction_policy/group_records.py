@@ -37,12 +37,14 @@ demotion); it reads the shell's `_no_disk` and counts into its `demotions`.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from typing import Final
 
 import msgspec
 
-from kvfabric.core.eviction import EvictionCore
+from kvfabric.core.eviction import Admitted, EvictionCore
+from kvfabric.eviction_policy.decisions import DecisionLog
 from kvfabric.eviction_policy.tiers import SSD_POOL_SUFFIX, is_ssd_pool, ssd_pool, tiered_pools
 from kvfabric.format.ids import (
     NAMESPACE_BYTES,
@@ -55,7 +57,7 @@ from kvfabric.format.ids import (
 )
 from kvfabric.proto import directory as m
 
-__all__ = ["ACCESS_PER_EVENT_MAX", "GroupRecords", "group_id_of"]
+__all__ = ["ACCESS_PER_EVENT_MAX", "GroupRecords", "group_id_of", "pools_text"]
 
 ACCESS_PER_EVENT_MAX: Final = 16  # hits of one group in one event counted at most this often
 # How long the links of a group lost with its segment are kept for its adoption: a segment back
@@ -65,6 +67,11 @@ ACCESS_PER_EVENT_MAX: Final = 16  # hits of one group in one event counted at mo
 LOST_LINKS_KEEP_MS: Final = 3_600_000
 # Links of lost groups forgotten at most per event applied (300,000 at once took 0.18 s in review).
 LOST_LINKS_EXPIRED_PER_EVENT: Final = 5_000
+
+
+def pools_text(pools: dict[str, int]) -> str:
+    """The pools a group's bytes are on, as one (interned) string for its decisions."""
+    return sys.intern(",".join(sorted(pools)))
 
 
 def group_id_of(namespace: Namespace, chunk_index: int, chain_hash: ChainHash) -> GroupId:
@@ -92,6 +99,7 @@ class GroupRecords:
     # loss (that time, its lost groups not yet looked at), oldest first
     _lost_until: dict[bytes, int]
     _lost_links: deque[tuple[int, list[bytes]]]
+    _decisions: DecisionLog  # the latest decisions per group (`kvctl eviction explain`)
 
     def apply(self, event: msgspec.Struct, at_ms: int) -> None:
         """One directory event into the core (pure bookkeeping; public for tests)."""
@@ -115,7 +123,11 @@ class GroupRecords:
                     core.seen(key)
                     core.access(key, at_ms)
         elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
-            self._forget(pack_group_key(event.domain, event.group))
+            key = pack_group_key(event.domain, event.group)
+            if key in core or key in self._lost_until:  # (an eviction it asked for is recorded already)
+                what = "evicted" if isinstance(event, m.GroupEvicted) else "invalidated"
+                self._decisions.record(key, at_ms, what, event.reason)
+            self._forget(key)
         elif isinstance(event, m.SegmentDown):
             lost = (event.segment_id, ssd_pool(event.segment_id))
             gone: list[bytes] = []  # may be adopted again: linked a while longer
@@ -129,6 +141,9 @@ class GroupRecords:
                         self._hits.pop(gid, None)
                         self._lost_until[gid] = until
                         gone.append(gid)
+                        if gid in self._decisions:  # (not every lost group: a big segment's loss
+                            # would churn the whole log)
+                            self._decisions.record(gid, at_ms, "lost", event.reason, str(pool))
                 # The groups it shared with other segments lose that pool in the records too (as
                 # in the core, whose pools these mirror): a stale pool said a head was on a disk
                 # that is gone, and a later move (`_moved`) put its bytes back into the core.
@@ -162,7 +177,7 @@ class GroupRecords:
         if key in core:  # published again: its bytes changed tier (a demotion, an adoption)
             self._republished(key, pools, at_ms, event.group_bytes)
             return True
-        core.insert(
+        verdicts = core.insert(
             key,
             tenant=domain,
             pools=pools,
@@ -171,6 +186,8 @@ class GroupRecords:
             now_ms=at_ms,
         )
         if key in core:
+            reason = next((v.reason for v in verdicts if isinstance(v, Admitted)), "")
+            self._decisions.record(key, at_ms, "tracked", reason, pools_text(pools))
             self._group_ids[key] = group_id_of(event.namespace, event.chunk_index, event.group)
             self._held[key] = (domain, event.chunk_index, pools, event.group_bytes)
             self._disk_pools.update(p for p in pools if is_ssd_pool(p))
@@ -209,6 +226,7 @@ class GroupRecords:
                     before[pool] = nbytes
             return
         self.core.retiered(key, pools=pools, parent=self._core_parent(key, pools), now_ms=at_ms)
+        self._decisions.record(key, at_ms, "moved", "published", pools_text(pools))
         self._held[key] = (tenant, chunk_index, pools, group_bytes)
         self._disk_pools.update(p for p in pools if is_ssd_pool(p))
 
@@ -328,6 +346,7 @@ class GroupRecords:
         for pool in [p for p in pools if is_ssd_pool(p)]:
             del pools[pool]
         self.demotions["disk_dropped"] = self.demotions.get("disk_dropped", 0) + 1
+        self._decisions.record(chain, at_ms, "disk_dropped", "evicting", pools_text(pools))
         if pools:  # (the shell asks tier "ssd" only for a group its records know in an arena)
             self.core.retiered(chain, pools=pools, parent=self._core_parent(chain, pools), now_ms=at_ms)
         else:  # nothing left anywhere: gone from the policy

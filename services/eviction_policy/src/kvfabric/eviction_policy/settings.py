@@ -19,6 +19,7 @@ The runtime's shared flags (NATS URL, metrics port, logging) come from `kvfabric
 | `KVF_EVICTION_DEMOTE_TIMEOUT_MS` | 30000 | per demote request (up to 64 objects written to disk) |
 | `KVF_EVICTION_ADMISSION` | `off` | `predicted` (`density` only): publish an admission filter |
 | `KVF_EVICTION_ADMISSION_PUBLISH_MS` | 1000 | how often (below the directory's staleness bound) |
+| `KVF_EVICTION_DECISIONS_MAX` | 16384 | groups whose decisions `kvctl eviction explain` shows (0: none) |
 
 Live admission (`predicted`) is published as a filter (`kvfabric.core.eviction_admission`); the
 policy's own core keeps admission `always` (what it hears of is stored already). Second-hit
@@ -32,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvfabric.core.eviction import POLICY_NAMES, EvictionConfig, TenantQuota
+from kvfabric.eviction_policy.decisions import DECISIONS_GROUPS_DEFAULT
 from kvfabric.runtime.config import SettingsError, env_int
 
 __all__ = ["EvictionSettings", "load_eviction_settings", "parse_quotas"]
@@ -52,6 +54,7 @@ class EvictionSettings:
     demote_timeout_s: float = 30.0
     admission: bool = False  # publish the density policy's admission filter
     admission_publish_ms: int = 1_000
+    decisions_max: int = DECISIONS_GROUPS_DEFAULT
 
 
 def parse_quotas(text: str) -> dict[bytes, TenantQuota]:
@@ -116,4 +119,5 @@ def load_eviction_settings(env: Mapping[str, str]) -> EvictionSettings:
         demote_min_hits=env_int(env, "KVF_EVICTION_DEMOTE_MIN_HITS", 0, 0, 1_000_000),
         ssd_high_watermark=env_int(env, "KVF_EVICTION_SSD_HIGH_WATERMARK_PCT", 90, 1, 100) / 100,
         demote_timeout_s=env_int(env, "KVF_EVICTION_DEMOTE_TIMEOUT_MS", 30_000, 10, 600_000) / 1000,
+        decisions_max=env_int(env, "KVF_EVICTION_DECISIONS_MAX", DECISIONS_GROUPS_DEFAULT, 0, 1_048_576),
     )

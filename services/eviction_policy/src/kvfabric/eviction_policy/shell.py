@@ -89,8 +89,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.cluster.requests import request as nats_request
 from kvfabric.core.eviction import EvictBatch, EvictionCore
-from kvfabric.core.eviction_admission import filter_parts, with_bloom
+from kvfabric.core.eviction_admission import bloom_has, filter_parts, length_class, with_bloom
 from kvfabric.core.eviction_events import EvictionEvent, EvictionOutput, Tick
+from kvfabric.eviction_policy.decisions import DECISIONS_GROUPS_DEFAULT, DecisionLog
 from kvfabric.eviction_policy.group_records import GroupRecords, group_id_of
 from kvfabric.eviction_policy.tiers import (
     DEMOTE_REQUEST_OBJECTS_MAX,
@@ -106,7 +107,15 @@ from kvfabric.eviction_policy.tiers import (
 )
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import BadRequest, Conflict, KvfError, NotFound, Unavailable
-from kvfabric.format.ids import DomainDigest, GroupId, ObjectKey
+from kvfabric.format.ids import (
+    GROUP_ID_BYTES,
+    DomainDigest,
+    GroupId,
+    ObjectKey,
+    chunk_index_in_id,
+    domain_in_id,
+    group_key_of_id,
+)
 from kvfabric.format.key import ChunkGroupId, KVKey
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
@@ -152,6 +161,7 @@ class EvictionShell(GroupRecords):
         ssd_high_watermark: float = 0.9,
         demote_timeout_s: float = 30.0,
         admission_publish_ms: int = 0,
+        decisions_max: int = DECISIONS_GROUPS_DEFAULT,
     ) -> None:
         self.core = core
         # The core's time is the wall clock, as before (read through this module's `now_ms`).
@@ -161,6 +171,8 @@ class EvictionShell(GroupRecords):
         self.admission_publish_ms = admission_publish_ms  # 0: no admission filter published
         self.admission_published = 0
         self.admission_filter_bytes = 0  # the last one's encoded size
+        self._admission: e.AdmissionFilter | None = None  # the last one built (`explain`)
+        self._decisions = DecisionLog(decisions_max)
         self.demote = demote
         self.demote_min_hits = demote_min_hits
         self.ssd_high_watermark = ssd_high_watermark
@@ -195,6 +207,9 @@ class EvictionShell(GroupRecords):
     def attach(self, runtime: ServiceRuntime) -> None:
         runtime.add_endpoint(
             "status", self._status, request=e.EvictionStatusRequest, decoder=e.eviction_decoder
+        )
+        runtime.add_endpoint(
+            "explain", self._explain, request=e.EvictionExplainRequest, decoder=e.eviction_decoder
         )
 
     async def start(self, nc: NatsClient) -> None:
@@ -299,6 +314,10 @@ class EvictionShell(GroupRecords):
     async def _evict(self, batch: EvictBatch) -> None:
         chains = [v for v in batch.victims if isinstance(v, bytes)]
         pool = batch.pool
+        at, pool_name = self._driver.now_ms(), "" if pool is None else str(pool)
+        for victim, why in zip(batch.victims, batch.victim_reasons or [""] * len(batch.victims), strict=True):
+            if isinstance(victim, bytes):
+                self._decisions.record(victim, at, "chosen", why, pool_name, batch.reason)
         if (
             self.demote
             and batch.reason == "watermark"
@@ -334,7 +353,7 @@ class EvictionShell(GroupRecords):
         except KvfError as exc:  # no shard map: nothing was asked, the whole batch cools down
             self.evict_requests_failed += 1
             self._log.info("evict_failed", code=exc.code, victims=len(chains))
-            self._refused(chains)
+            self._refused(chains, "no_answer")
             return
         # A group that stays (leased, pinned, no answer) keeps its ancestors: a later run does
         # not ask them (cooled down instead), so such a tail does not outlive its head (on disk:
@@ -345,7 +364,7 @@ class EvictionShell(GroupRecords):
             held_back = [c for c in shard_chains if c in stays_above]
             if held_back:
                 statuses["waits_for_tail"] = statuses.get("waits_for_tail", 0) + len(held_back)
-                self._refused(held_back)
+                self._refused(held_back, "waits_for_tail")
             ask = [c for c in shard_chains if c not in stays_above]
             if not ask:
                 continue
@@ -413,7 +432,7 @@ class EvictionShell(GroupRecords):
             self._log.info("evict_failed", code=exc.code, victims=len(chains), shard=shard)
             reply = None
         if not isinstance(reply, m.EvictReply):
-            self._refused(chains)
+            self._refused(chains, "no_answer")
             return chains
         at = self._driver.now_ms()
         stayed = []
@@ -424,10 +443,12 @@ class EvictionShell(GroupRecords):
             if not self.core.is_evicting(chain):
                 continue  # an event overtook the reply (e.g. its segment went down)
             if result.status in m.EVICT_STAYS:
+                self._decisions.record(chain, at, "stays", result.status)
                 self.core.refused(chain, at)
             elif result.status == "disk_dropped":  # in its arena pools only now
                 self._disk_dropped(chain, at)
             else:
+                self._decisions.record(chain, at, "evicted", result.status)
                 self._forget(chain)
         return stayed
 
@@ -440,7 +461,8 @@ class EvictionShell(GroupRecords):
         event follower and the evict ticker keep running meanwhile."""
         capacities = {p: c for p, c in self._capacity.items() if not is_ssd_pool(p)}
         message, recent = filter_parts(self.core, capacities, at_ms, self.last_seq)
-        data = encode(await asyncio.to_thread(with_bloom, message, recent))
+        self._admission = await asyncio.to_thread(with_bloom, message, recent)
+        data = encode(self._admission)
         self.admission_filter_bytes = len(data)
         return data
 
@@ -698,6 +720,7 @@ class EvictionShell(GroupRecords):
         for (chain, _), outcome in zip(pending, outcomes, strict=True):
             if outcome == "no_capacity":
                 self.demotions[outcome] = self.demotions.get(outcome, 0) + 1
+                self._decisions.record(chain, at, "not_demoted", outcome, ssd_pool(segment_id))
                 continue  # not handled: dropped
             if outcome == "demoted":
                 self._moved(chain, segment_id, at)
@@ -710,6 +733,8 @@ class EvictionShell(GroupRecords):
     def _demote_outcome(self, chain: bytes, outcome: str, handled: set[bytes]) -> None:
         self.demotions[outcome] = self.demotions.get(outcome, 0) + 1
         handled.add(chain)
+        what = "demoted" if outcome == "demoted" else "not_demoted"
+        self._decisions.record(chain, self._driver.now_ms(), what, outcome)
         if outcome != "demoted" and self.core.is_evicting(chain):
             self.core.refused(chain, self._driver.now_ms())  # leased (copied) or failed: later again
 
@@ -755,18 +780,55 @@ class EvictionShell(GroupRecords):
             at += len(objects)
         return outcomes
 
-    def _refused(self, chains: list[bytes]) -> None:
-        """No answer: indeterminate, so cooled down and retried later (an eviction that did
-        happen arrives as an `evicted` event)."""
+    def _refused(self, chains: list[bytes], why: str) -> None:
+        """No answer (`why`: no_answer), or held back above a tail that stays (waits_for_tail):
+        indeterminate, so cooled down and retried later (an eviction that did happen arrives as
+        an `evicted` event)."""
         at = self._driver.now_ms()
         for chain in chains:
             if self.core.is_evicting(chain):
+                self._decisions.record(chain, at, "stays", why)
                 self.core.refused(chain, at)
 
     def _dir(self) -> DirectoryRouter:
         if self._router is None:
             raise Unavailable("eviction policy not started")
         return self._router
+
+    # ---- explain -----------------------------------------------------------------------------
+
+    async def _explain(self, message: e.EvictionExplainRequest, headers: Mapping[str, str]) -> msgspec.Struct:
+        return self.explain(message.group_id)
+
+    def explain(self, group_id: bytes) -> e.EvictionExplain:
+        """Why the policy holds, held or dropped the chunk group `group_id` (90 bytes): what
+        `kvctl eviction explain` prints (public for tests)."""
+        if len(group_id) != GROUP_ID_BYTES:
+            raise BadRequest(f"group_id must be {GROUP_ID_BYTES} bytes, got {len(group_id)}")
+        key = bytes(group_key_of_id(GroupId(group_id)))
+        features = self.core.explain(key) or {}
+        return e.EvictionExplain(
+            policy=self.core.config.policy,
+            tracked=key in self.core,
+            features={name: _feature(value) for name, value in features.items() if name != "policy"},
+            decisions=self._decisions.of(key),
+            decisions_kept=self._decisions.groups_max > 0,
+            admission=self._admission_of(GroupId(group_id), key),
+        )
+
+    def _admission_of(self, group_id: GroupId, key: bytes) -> e.AdmissionExplain | None:
+        """What the last admission filter built says of a group of this id, first named."""
+        built = self._admission
+        if built is None:
+            return None
+        cls = length_class(chunk_index_in_id(group_id))
+        return e.AdmissionExplain(
+            generated_ms=built.generated_ms,
+            length_class=cls,
+            protected=domain_in_id(group_id) in built.protected_domains,
+            seen=bloom_has(built.seen_bloom, built.seen_bloom_hashes, key),
+            limits={p.segment_id: p.group_bytes_max[cls] for p in built.pools},
+        )
 
     # ---- status ------------------------------------------------------------------------------
 
@@ -810,6 +872,16 @@ class EvictionShell(GroupRecords):
                 "admission_filter_bytes": self.admission_filter_bytes,
             },
         )
+
+
+def _feature(value: object) -> str | int | float | bool:
+    """One of the core's `explain` values as the wire carries it (a tenant's digest as hex, a
+    class tuple as text)."""
+    if isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
 
 
 def _on_a_disk(obj: m.ObjectLocation) -> bool:
