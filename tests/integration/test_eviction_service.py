@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from kvfabric.client import Hit, KvClient
 from kvfabric.cluster.requests import request as nats_request
 from kvfabric.ctl.cli import app
+from kvfabric.ctl.queries import EVENTS_STREAM
 from kvfabric.format.ids import GroupKey
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
@@ -216,3 +217,49 @@ def explained_by_kvctl(url: str, saved: set[str]) -> None:
     assert text.exit_code == 0 and "least_recent" in text.stdout and "watermark" in text.stdout, text.output
     missing = CliRunner().invoke(app, ["eviction", "explain", "kvg1:nonsense", "--nats-url", url])
     assert missing.exit_code == 2, missing.output
+
+
+def test_a_policy_started_after_its_events_aged_out_adopts_the_directorys_listing(
+    nats_server: NatsServer, cluster: None
+) -> None:
+    """The stream lost every event (purged, as its retention would): the policy adopts the
+    published groups from the directory's listing and evicts them down to the low watermark
+    (before this, it tracked nothing and the segment stayed full for good)."""
+    prompts = [prompt(CHUNKS_PER_PROMPT * TOKENS_PER_CHUNK, seed=300 + i) for i in range(10)]
+    with contextlib.ExitStack() as stack:
+        writer = stack.enter_context(client(nats_server))
+        for tokens in prompts:  # 62.5 % of the arena
+            assert writer.save(tokens, objects_for(tokens, 0, CHUNKS_PER_PROMPT)).chunks_failed == 0
+        saved = group_ids(nats_server.url)
+        assert len(saved) == len(prompts) * CHUNKS_PER_PROMPT
+
+        async def purge() -> None:
+            nc = await nats.connect(nats_server.url)
+            try:
+                await nc.jetstream().purge_stream(EVENTS_STREAM)
+            finally:
+                await nc.close()
+
+        asyncio.run(purge())
+        stack.enter_context(policy_process(nats_server, "lru"))
+
+        async def settled() -> e.EvictionStatus:
+            while True:
+                st = await status(nats_server.url)
+                if st.pools and st.counters.get("evicted_total", 0):
+                    chunks = await published_chunks(nats_server.url)
+                    if sum(len(c) for c in chunks.values()) * CHUNK_BYTES == st.pools[0].used_bytes:
+                        return st
+                await asyncio.sleep(0.1)
+
+        final = asyncio.run(asyncio.wait_for(settled(), 30.0))
+        assert final.counters["groups_adopted_total"] == len(saved), final.counters
+        (pool,) = final.pools
+        assert LOW_PCT / 100 * ARENA_BYTES - CHUNK_BYTES < pool.used_bytes <= LOW_PCT / 100 * ARENA_BYTES
+        kept = group_ids(nats_server.url)
+        assert kept < saved and kept
+        result = CliRunner().invoke(
+            app, ["eviction", "explain", sorted(kept)[0], "--json", "--nats-url", nats_server.url]
+        )
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["decisions"][0]["reason"] == "listed"

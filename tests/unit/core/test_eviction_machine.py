@@ -105,8 +105,12 @@ class EvictionMachine(RuleBasedStateMachine):
         size=st.integers(1, 5),
         extend=st.integers(0, 30),
         replica_bytes=st.integers(0, 4),
+        older=st.integers(0, 40),
     )
-    def insert(self, tenant: str, pool: str, size: int, extend: int, replica_bytes: int) -> None:
+    def insert(
+        self, tenant: str, pool: str, size: int, extend: int, replica_bytes: int, older: int = 0
+    ) -> None:
+        """`older`: found stored, last used that long before now (0: used now)."""
         parents = [o for o, (t, ps, _) in self.resident.items() if t == tenant and pool in ps]
         parent = parents[extend % len(parents)] if parents and extend < 20 else None
         object_id = self.next_id
@@ -116,7 +120,13 @@ class EvictionMachine(RuleBasedStateMachine):
             pools[POOLS[1 - POOLS.index(pool)]] = replica_bytes
         self.core.seen(object_id)
         effects = self.core.insert(
-            object_id, tenant=tenant, pools=pools, parent=parent, chunk_index=0, now_ms=self.now
+            object_id,
+            tenant=tenant,
+            pools=pools,
+            parent=parent,
+            chunk_index=0,
+            now_ms=self.now,
+            last_access_ms=self.now - older if older else None,
         )
         assert effects == [Admitted(object_id)] or effects == [Refused(object_id)]
         (effect,) = effects

@@ -220,12 +220,16 @@ class EvictionCore(LeafRanking):
         chunk_index: int,
         now_ms: int,
         prompt_chunks: int | None = None,
+        last_access_ms: int | None = None,
     ) -> list[Effect]:
         """A new object is (about to be) stored: `size` bytes in `pool`, or `pools` (pool ->
         bytes) when it spans several; `prompt_chunks`: chunks of the prompt writing it (a reuse
-        feature; default its position + 1). Returns Admitted or Refused with a reason code
-        (admission, judged on each of its pools)."""
+        feature; default its position + 1); `last_access_ms`: when it was last used, if before
+        now (an object found stored, its history unknown: it ranks as used then; the queue
+        policies, which rank by arrival, take it as new). Returns Admitted or Refused with a
+        reason code (admission, judged on each of its pools)."""
         self._advance(now_ms)
+        invariant(last_access_ms is None or last_access_ms <= now_ms, "last access after now")
         held = dict(pools) if pools is not None else {pool: size}
         invariant(bool(held) and all(b > 0 for b in held.values()), "object bytes must be positive")
         if object_id in self._objects:
@@ -255,7 +259,8 @@ class EvictionCore(LeafRanking):
                 self._count(f"admission_refused_{why}_total")
                 return [Refused(object_id, why)]
             reason = why if reason in ("always", "room") else reason
-        obj = Tracked(tenant, held, sum(held.values()), parent, chunk_index, now_ms)
+        accessed = now_ms if last_access_ms is None else last_access_ms
+        obj = Tracked(tenant, held, sum(held.values()), parent, chunk_index, accessed)
         obj.turn, obj.prompt_chunks, obj.density_class = turn, prompt, density_cls
         if self.config.policy == "lru2":
             obj.previous_access_ms = self._history.pop(object_id, None)

@@ -56,8 +56,9 @@ from kvfabric.format.ids import (
     pack_group_key,
 )
 from kvfabric.proto import directory as m
+from kvfabric.proto.segment import tier_of_slot
 
-__all__ = ["ACCESS_PER_EVENT_MAX", "GroupRecords", "group_id_of", "pools_text"]
+__all__ = ["ACCESS_PER_EVENT_MAX", "GroupRecords", "group_id_of", "pools_text", "published_of_summary"]
 
 ACCESS_PER_EVENT_MAX: Final = 16  # hits of one group in one event counted at most this often
 # How long the links of a group lost with its segment are kept for its adoption: a segment back
@@ -72,6 +73,35 @@ LOST_LINKS_EXPIRED_PER_EVENT: Final = 5_000
 def pools_text(pools: dict[str, int]) -> str:
     """The pools a group's bytes are on, as one (interned) string for its decisions."""
     return sys.intern(",".join(sorted(pools)))
+
+
+def published_of_summary(summary: m.GroupSummary) -> m.GroupPublished | None:
+    """A listed group (`list_groups` with objects) as the `published` event that would have told
+    the policy of it: bytes per segment (all replicas there) and of those in its disk tier (a
+    replica's slot says its tier), one copy's bytes; no parent (a listing does not say it). None
+    for one not published, or with no live replica."""
+    if summary.state != "published" or len(summary.namespace) != NAMESPACE_BYTES:
+        return None
+    placements: dict[str, int] = {}
+    on_disk: dict[str, int] = {}
+    for obj in summary.objects:
+        for replica in obj.replicas:
+            sid = replica.segment_id
+            placements[sid] = placements.get(sid, 0) + obj.size_bytes
+            if tier_of_slot(replica.slot) == "ssd":
+                on_disk[sid] = on_disk.get(sid, 0) + obj.size_bytes
+    if not placements:
+        return None
+    return m.GroupPublished(
+        group=summary.group,
+        chunk_index=summary.chunk_index,
+        members=summary.members,
+        degraded=summary.degraded,
+        namespace=summary.namespace,
+        placements=[m.SegmentBytes(sid, n) for sid, n in sorted(placements.items())],
+        disk_placements=[m.SegmentBytes(sid, n) for sid, n in sorted(on_disk.items())],
+        group_bytes=sum(obj.size_bytes for obj in summary.objects),
+    )
 
 
 def group_id_of(namespace: Namespace, chunk_index: int, chain_hash: ChainHash) -> GroupId:
@@ -100,6 +130,9 @@ class GroupRecords:
     _lost_until: dict[bytes, int]
     _lost_links: deque[tuple[int, list[bytes]]]
     _decisions: DecisionLog  # the latest decisions per group (`kvctl eviction explain`)
+    # groups adopted from a listing whose `published` event the follower may still reach
+    # (`_published`); emptied once it has read past the listing (`EvictionShell._adopt_listed`)
+    _adopted: set[bytes]
 
     def apply(self, event: msgspec.Struct, at_ms: int) -> None:
         """One directory event into the core (pure bookkeeping; public for tests)."""
@@ -160,14 +193,21 @@ class GroupRecords:
             self._set_capacity(event.segment_id, event.capacity_bytes)
         self.events_applied += 1
 
-    def _published(self, event: m.GroupPublished, at_ms: int) -> bool:
+    def _published(self, event: m.GroupPublished, at_ms: int, *, listed_ms: int | None = None) -> bool:
         """One published group into the core and the records (published again: `_republished`).
-        False for one without placements or namespace (a directory too old to say them)."""
+        False for one without placements or namespace (a directory too old to say them).
+        `listed_ms`: adopted from the directory's listing (`published_of_summary`), ranked as
+        last used then; an adopted group's own `published` event, when the follower reaches it,
+        takes it again from the event (its parent, its time)."""
         core = self.core
         if not event.placements or len(event.namespace) != NAMESPACE_BYTES:
             return False
         domain = domain_in_id(event.namespace)
         key = pack_group_key(domain, event.group)
+        if listed_ms is None and key in self._adopted:
+            self._adopted.discard(key)
+            if key in core and not core.is_evicting(key):
+                self._forget(key)
         # a parent of the same domain
         parent = pack_group_key(domain, event.parent) if event.parent else None
         pools = tiered_pools(
@@ -184,9 +224,13 @@ class GroupRecords:
             parent=parent,
             chunk_index=event.chunk_index,
             now_ms=at_ms,
+            last_access_ms=listed_ms,
         )
         if key in core:
             reason = next((v.reason for v in verdicts if isinstance(v, Admitted)), "")
+            if listed_ms is not None:
+                reason = "listed"
+                self._adopted.add(key)
             self._decisions.record(key, at_ms, "tracked", reason, pools_text(pools))
             self._group_ids[key] = group_id_of(event.namespace, event.chunk_index, event.group)
             self._held[key] = (domain, event.chunk_index, pools, event.group_bytes)

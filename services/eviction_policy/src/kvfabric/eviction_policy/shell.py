@@ -1,6 +1,6 @@
 """The eviction-policy shell: directory events → `EvictionCore` → evict requests → core.
 
-Three tasks (four with admission) around one synchronous core (each core call is atomic on the
+Four tasks (five with admission) around one synchronous core (each core call is atomic on the
 event loop):
 
 - **follower**: reads the directory's JetStream event stream from its first message with an
@@ -17,6 +17,11 @@ event loop):
   order, each once.
 - **segments**: every `segments_refresh_ms`, `list_segments` of every directory shard, merged,
   re-reads capacities (and drops the pools of segments the directory no longer reports up).
+- **adopter**: when the stream has lost events this policy never applied (aged out, purged:
+  its first sequence past the last applied one, seen by the follower), once caught up, every
+  published group not tracked is adopted from the directory's listing (`adopt_listed`: ranked
+  as last used before the policy started, no parent), so a cluster older than the stream's
+  retention is still evicted.
 - **ticker**: every `tick_ms`, the core's `Tick` (stepped through its `CoreDriver`,
   `kvfabric.runtime.core_driver`, on the wall clock, never backwards) returns victim batches
   (tails before heads), which the driver has performed in order (`_perform`); each
@@ -67,8 +72,8 @@ batch's answers do to the core (`refused`, `removed`, a demoted group's move) ha
 the driver performs that Tick's effects, which must never feed the same driver (it would wait
 for itself: `kvfabric.runtime.core_driver`).
 
-The policy's state is rebuilt from the stream at every start, so the stream's retention
-(`KVF_DIRECTORY_EVENTS_MAX_AGE_S`) must outlast the objects (see docs/eviction-policy.md).
+The policy's state is rebuilt from the stream at every start; what the stream no longer holds
+comes from the directory's listing (the adopter; docs/eviction-policy.md).
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ from kvfabric.core.eviction import EvictBatch, EvictionCore
 from kvfabric.core.eviction_admission import bloom_has, filter_parts, length_class, with_bloom
 from kvfabric.core.eviction_events import EvictionEvent, EvictionOutput, Tick
 from kvfabric.eviction_policy.decisions import DECISIONS_GROUPS_DEFAULT, DecisionLog
-from kvfabric.eviction_policy.group_records import GroupRecords, group_id_of
+from kvfabric.eviction_policy.group_records import GroupRecords, group_id_of, published_of_summary
 from kvfabric.eviction_policy.tiers import (
     DEMOTE_REQUEST_OBJECTS_MAX,
     DemoteOutcome,
@@ -134,6 +139,10 @@ EVENTS_FETCH_MAX: Final = 512  # events per fetch: the follower's memory bound
 EVENTS_FETCH_WAIT_S: Final = 1.0
 EVENTS_LINGER_S: Final = 0.05  # at the stream's end, events gather this long into one pull
 RETRY_S: Final = 0.5
+ADOPT_PAGE_GROUPS: Final = 1_000  # groups per `list_groups` page when adopting a listing
+ADOPT_PAGES_MAX: Final = 1_000_000  # pages per shard (each bounded by the directory's reply size)
+ADOPT_RETRY_S: Final = 2.0
+ADOPT_READ_PAST_S: Final = 60.0  # the longest wait for the follower to read past the listing
 # `show_group` requests of one demotion pass in flight (a batch's victims and their ancestors are
 # listed concurrently, not one round trip after another; the directory bounds each tenant's too).
 SHOW_IN_FLIGHT_MAX: Final = 8
@@ -173,6 +182,13 @@ class EvictionShell(GroupRecords):
         self.admission_filter_bytes = 0  # the last one's encoded size
         self._admission: e.AdmissionFilter | None = None  # the last one built (`explain`)
         self._decisions = DecisionLog(decisions_max)
+        self._adopted: set[bytes] = set()  # see `GroupRecords`
+        self._adopt_wanted = asyncio.Event()  # the stream lost events the policy never applied
+        self._started_ms = 0  # what adopted groups rank as last used (before any replayed event)
+        self._past_seq = 0  # `_past` is set once the follower applied this sequence
+        self._past = asyncio.Event()
+        self.groups_adopted = 0
+        self.adoptions = 0
         self.demote = demote
         self.demote_min_hits = demote_min_hits
         self.ssd_high_watermark = ssd_high_watermark
@@ -215,8 +231,10 @@ class EvictionShell(GroupRecords):
     async def start(self, nc: NatsClient) -> None:
         self._nc = nc
         self._router = DirectoryRouter(nc)
+        self._started_ms = self._driver.now_ms() - 1
         self._tasks = [
             asyncio.create_task(self._follow()),
+            asyncio.create_task(self._adopter()),
             asyncio.create_task(
                 every(self.segments_refresh_ms / 1000, self._refresh_segments, self._refresh_failed)
             ),
@@ -240,6 +258,13 @@ class EvictionShell(GroupRecords):
             try:
                 info = await js.stream_info(EVENTS_STREAM)
                 end_seq = info.state.last_seq
+                if info.state.first_seq > self.last_seq + 1:
+                    # Events this policy never applied are gone (aged out of the stream, purged):
+                    # the groups they published are adopted from the directory's listing.
+                    self._log.warning(
+                        "events_lost", first_seq=info.state.first_seq, last_applied=self.last_seq
+                    )
+                    self._adopt_wanted.set()
                 config = ConsumerConfig(
                     deliver_policy=(DeliverPolicy.BY_START_SEQUENCE if self.last_seq else DeliverPolicy.ALL),
                     opt_start_seq=self.last_seq + 1 if self.last_seq else None,
@@ -281,12 +306,80 @@ class EvictionShell(GroupRecords):
         if seq <= self.last_seq:
             return  # a redelivery after a consumer restart: applied already
         self.last_seq = seq
+        if seq >= self._past_seq:
+            self._past.set()
         try:
             event = m.event_decoder.decode(msg.data)
         except BadRequest as exc:
             self._log.warning("event_undecodable", seq=seq, error=exc.message)
             return
         self.apply(event, self._driver.now_ms())
+
+    # ---- adoption ----------------------------------------------------------------------------
+
+    async def _adopter(self) -> None:
+        """When the stream has lost events the policy never applied (`_follow`), and once the
+        follower has caught up: adopt every published group the policy does not track from the
+        directory's listing (`adopt_listed`), retried until it succeeds. Without this, a policy
+        started after the stream's retention (`KVF_DIRECTORY_EVENTS_MAX_AGE_S`) never evicts
+        what was published before it: its segments fill for good."""
+        while True:
+            await self._adopt_wanted.wait()
+            await self.caught_up.wait()
+            self._adopt_wanted.clear()
+            while True:
+                try:
+                    await self.adopt_listed()
+                    break
+                except KvfError as exc:
+                    self._log.info("adoption_retry", code=exc.code)
+                    await asyncio.sleep(ADOPT_RETRY_S)
+
+    async def adopt_listed(self) -> int:
+        """Every shard's published groups, page by page (the loop runs between pages); each one
+        not tracked goes into the core as if published then, ranked as last used before this
+        policy started (its history is lost: it goes before anything the policy saw used), with
+        no parent (a listing does not say it). An adopted group whose own `published` event the
+        follower reaches afterwards is taken again from it (`GroupRecords._published`); once
+        the follower has read past the stream's end as of the listing, none can come. Returns
+        the groups adopted (public for tests)."""
+        router = self._dir()
+        query = m.ListGroups(limit=ADOPT_PAGE_GROUPS, with_objects=True)
+        adopted = 0
+        for shard in range(await router.known_shards()):
+            async for page in router.shard_pages(shard, query, self.request_timeout_s, ADOPT_PAGES_MAX):
+                at = self._driver.now_ms()
+                for summary in page.groups:
+                    event = published_of_summary(summary)
+                    if event is None or group_key_of_id(self._group_id_of(event)) in self.core:
+                        continue
+                    self._published(event, at, listed_ms=self._started_ms)
+                    adopted += 1
+        self.groups_adopted += adopted
+        self.adoptions += 1
+        self._log.info("adopted", groups=adopted, tracked=len(self.core))
+        await self._forget_adopted()
+        return adopted
+
+    async def _forget_adopted(self) -> None:
+        """Once the follower has applied the stream up to its end as of now, no `published` event
+        of an adopted group can come any more: the set of them is emptied. (Early, when the
+        stream cannot be asked or the follower is stuck: an adopted group published meanwhile
+        then keeps its listed rank, the safe side: it goes early, never stays for good.)"""
+        if self._nc is None:  # (a test's shell, not started)
+            return
+        js = self._nc.jetstream(timeout=self.request_timeout_s)
+        with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            end = (await js.stream_info(EVENTS_STREAM)).state.last_seq
+            if self.last_seq < end:
+                self._past_seq = end
+                self._past.clear()
+                await asyncio.wait_for(self._past.wait(), ADOPT_READ_PAST_S)
+        self._adopted.clear()
+
+    @staticmethod
+    def _group_id_of(event: m.GroupPublished) -> GroupId:
+        return group_id_of(event.namespace, event.chunk_index, event.group)
 
     # ---- segments ----------------------------------------------------------------------------
 
@@ -870,6 +963,8 @@ class EvictionShell(GroupRecords):
                 **{f"demote_{k}_total": v for k, v in dict(self.demotions).items()},
                 "admission_filters_published_total": self.admission_published,
                 "admission_filter_bytes": self.admission_filter_bytes,
+                "groups_adopted_total": self.groups_adopted,
+                "adoptions_total": self.adoptions,
             },
         )
 
