@@ -199,6 +199,11 @@ def test_each_group_s_fate_is_its_own_objects(monkeypatch: pytest.MonkeyPatch) -
     assert sh._held[order[1]][2] == {"s1": 10}  # copied: in the arena pool, cooled down
     assert order[1] in sh.core and not sh.core.is_evicting(order[1])
     assert directory.evicted == [ids[3], ids[4]]  # the full disk's and the unsent: dropped
+    # What `kvctl eviction explain` shows of each (after `tracked` and `chosen`)
+    fates = [[(d.what, d.reason, d.pool) for d in sh._decisions.of(v)[2:]] for v in order]
+    assert fates[0] == fates[2] == [("demoted", "demoted", "s1#ssd")]
+    assert fates[1] == [("not_demoted", "copied", "s1#ssd")]
+    assert fates[3][0] == ("not_demoted", "no_capacity", "s1#ssd")
     sh.core.check_invariants()
 
 

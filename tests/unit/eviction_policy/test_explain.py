@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, cast
 
 import msgspec
@@ -11,10 +12,12 @@ import pytest
 
 from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
+from kvfabric.ctl.queries import jsonable
 from kvfabric.eviction_policy.decisions import DecisionLog
 from kvfabric.eviction_policy.group_records import group_id_of
-from kvfabric.eviction_policy.shell import EvictionShell
+from kvfabric.eviction_policy.shell import EvictionShell, now_ms
 from kvfabric.format.errors import BadRequest, Indeterminate
+from kvfabric.format.ids import chain_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
 from kvfabric.proto.codec import encode
@@ -156,3 +159,70 @@ def test_a_batch_without_an_answer_stays_with_no_answer() -> None:
         ("chosen", "least_recent"),
         ("stays", "no_answer"),
     ]
+
+
+class EventFirst(Directory):
+    """Applies the directory's `evicted` event to the policy before it answers (the directory
+    publishes a slice's events before its reply, so the follower may see them first)."""
+
+    def __init__(self, shell: EvictionShell) -> None:
+        super().__init__([])
+        self.shell = shell
+
+    async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **_: Any) -> Any:
+        assert isinstance(message, m.Evict)
+        for gid in message.groups:
+            self.shell.apply(
+                m.GroupEvicted(group=chain_in_id(gid), reason=message.reason, domain=A), now_ms()
+            )
+        return await super().ask(shard, verb, message, timeout_s)
+
+
+def test_an_eviction_reads_the_same_whether_its_event_or_its_answer_comes_first() -> None:
+    fates = []
+    for directory in (lambda sh: Directory([]), EventFirst):
+        core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.1))
+        sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0, demote=False)
+        t = now_ms()
+        sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=100), t)
+        sh.apply(published(1, s1=60), t)
+        (batch,) = core.tick(t)
+        assert isinstance(batch, EvictBatch)
+        sh._router = directory(sh)
+        asyncio.run(sh._evict(batch))
+        decisions = sh.explain(group_id_of(NAMESPACE_A, 0, chain(1))).decisions
+        fates.append([(d.what, d.reason, d.cause) for d in decisions])
+    assert (
+        fates[0]
+        == fates[1]
+        == [
+            ("tracked", "always", ""),
+            ("chosen", "least_recent", "watermark"),
+            ("evicted", "evicting", "watermark"),
+        ]
+    )
+
+
+def test_a_big_segment_s_loss_does_not_push_other_groups_out_of_the_log() -> None:
+    core = EvictionCore(EvictionConfig(policy="lru"))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0, decisions_max=2)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1_000), 0)
+    for i in range(1, 6):
+        sh.apply(published(i, s1=10), i)
+    sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), 10)
+    for i in range(1, 6):  # the directory's, in the same tick: no replica left
+        sh.apply(m.GroupInvalidated(group=chain(i), reason="replica_lost", domain=A), 10)
+    for i in range(1, 6):
+        kept = [d.what for d in sh.explain(group_id_of(NAMESPACE_A, 0, chain(i))).decisions]
+        assert kept == ([] if i < 4 else ["tracked", "lost", "invalidated"]), (i, kept)
+    sh._decisions.check_invariants()
+
+
+def test_a_density_not_computed_yet_goes_out_as_text_json_can_carry() -> None:
+    core = EvictionCore(EvictionConfig(policy="density"))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=100), 0)
+    sh.apply(published(1, s1=30), 1)
+    reply = sh.explain(group_id_of(NAMESPACE_A, 0, chain(1)))
+    assert reply.features["hit_density_per_byte_ms"] == "inf"
+    json.dumps(jsonable(reply), allow_nan=False)  # what `kvctl eviction explain --json` prints

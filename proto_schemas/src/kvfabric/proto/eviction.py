@@ -79,14 +79,14 @@ class EvictionStatus(msgspec.Struct, frozen=True, kw_only=True, tag="evict.statu
 DECISION_KINDS: Final = (
     "tracked",  # a published event took it into the core (`ADMIT_REASONS`: always, resident)
     "moved",  # published again with its bytes on other pools (a demotion, an adoption)
-    "chosen",  # a victim (`VICTIM_REASONS`; `cause`: watermark | tenant_quota)
-    "evicted",  # the directory answered `evicting` (or sent `evicted`: its reason)
+    "chosen",  # a victim (`VICTIM_REASONS`, or tail_of_victim; `cause`: watermark | tenant_quota)
+    "evicted",  # the directory answered `evicting` ... (cause: the batch's), or sent `evicted`
     "stays",  # the directory kept it (`EVICT_STAYS` status, `waits_for_tail`, `no_answer`)
     "demoted",  # its arena replicas copied to the segment's disk tier (`pool`: the disk pool)
     "not_demoted",  # a demotion that did not happen (the segment's outcome: copied, failed ...)
     "disk_dropped",  # only its disk replicas dropped (its arena copy stays)
     "invalidated",  # the directory invalidated it (its reason, e.g. replica_lost)
-    "lost",  # its segment went down (`pool`)
+    "lost",  # its segment went down (`pool`); this and its invalidation only if already logged
 )
 DECISIONS_PER_GROUP_MAX: Final = 8  # an explain lists at most this many, newest last
 

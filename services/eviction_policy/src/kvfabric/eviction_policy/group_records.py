@@ -157,9 +157,7 @@ class GroupRecords:
                     core.access(key, at_ms)
         elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
             key = pack_group_key(event.domain, event.group)
-            if key in core or key in self._lost_until:  # (an eviction it asked for is recorded already)
-                what = "evicted" if isinstance(event, m.GroupEvicted) else "invalidated"
-                self._decisions.record(key, at_ms, what, event.reason)
+            self._record_gone(key, event, at_ms)
             self._forget(key)
         elif isinstance(event, m.SegmentDown):
             lost = (event.segment_id, ssd_pool(event.segment_id))
@@ -192,6 +190,19 @@ class GroupRecords:
         elif isinstance(event, m.SegmentUp) and event.capacity_bytes:
             self._set_capacity(event.segment_id, event.capacity_bytes)
         self.events_applied += 1
+
+    def _record_gone(self, key: bytes, event: m.GroupEvicted | m.GroupInvalidated, at_ms: int) -> None:
+        """The decision a directory `evicted` / `invalidated` event records. One of the policy's
+        own victims (still evicting: the directory publishes a slice's events before it answers)
+        reads as the answer would (`evicted evicting`, its batch's reason as the cause); once
+        the answer came, it is forgotten here and not recorded twice. A group lost with its
+        segment is recorded only if the log knows it already (as its `lost`): a big segment's
+        invalidations would otherwise push every other group out of the log."""
+        if isinstance(event, m.GroupEvicted) and self.core.is_evicting(key):
+            self._decisions.record(key, at_ms, "evicted", "evicting", cause=event.reason)
+        elif key in self.core or (key in self._lost_until and key in self._decisions):
+            what = "evicted" if isinstance(event, m.GroupEvicted) else "invalidated"
+            self._decisions.record(key, at_ms, what, event.reason)
 
     def _published(self, event: m.GroupPublished, at_ms: int, *, listed_ms: int | None = None) -> bool:
         """One published group into the core and the records (published again: `_republished`).

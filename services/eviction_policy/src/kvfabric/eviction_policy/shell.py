@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Final, Protocol
@@ -434,6 +435,10 @@ class EvictionShell(GroupRecords):
             else set()
         )
         chains = self._with_disk_tails(chains)
+        victims = set(batch.victims)
+        for tail in chains:  # the disk tails a dropped head takes with it
+            if tail not in victims:
+                self._decisions.record(tail, at, "chosen", "tail_of_victim", pool_name, batch.reason)
         # One whose ancestor goes whole (a victim, or a disk tail of one) goes whole too: in the
         # arena without it, no lookup would reach it. (Even when that ancestor then stays,
         # leased: the tail is asked first, so it goes then.)
@@ -541,7 +546,7 @@ class EvictionShell(GroupRecords):
             elif result.status == "disk_dropped":  # in its arena pools only now
                 self._disk_dropped(chain, at)
             else:
-                self._decisions.record(chain, at, "evicted", result.status)
+                self._decisions.record(chain, at, "evicted", result.status, cause=reason)
                 self._forget(chain)
         return stayed
 
@@ -598,12 +603,12 @@ class EvictionShell(GroupRecords):
                 continue
             listing = listings[chain]
             if isinstance(listing, KvfError):
-                self._demote_outcome(chain, f"error_{listing.code}", handled)
+                self._demote_outcome(chain, f"error_{listing.code}", handled, segment_id)
                 continue
             objects, nbytes = _arena_objects(segment_id, listing)
             if not objects:  # its arena replicas there are gone already (an earlier demotion)
                 self._moved(chain, segment_id, self._driver.now_ms())
-                self._demote_outcome(chain, "demoted", handled)
+                self._demote_outcome(chain, "demoted", handled, segment_id)
                 continue
             if not demote_request_fits(len(pending), objects_n, bytes_n, len(objects), nbytes):
                 if not await self._send_demotes(segment_id, pending, handled):
@@ -746,7 +751,7 @@ class EvictionShell(GroupRecords):
                 continue
             for chain in below:  # failed: tried again later, with its ancestor
                 if chain not in handled and self.core.is_evicting(chain):
-                    self._demote_outcome(chain, "waits_for_head", handled)
+                    self._demote_outcome(chain, "waits_for_head", handled, segment_id)
         if any(outcome[ancestor] == "no_capacity" for ancestor, _ in copies.get(segment_id, [])):
             self._log.warning("demotion_stopped", segment_id=segment_id, reason="disk tier full")
             return False
@@ -817,17 +822,17 @@ class EvictionShell(GroupRecords):
                 continue  # not handled: dropped
             if outcome == "demoted":
                 self._moved(chain, segment_id, at)
-            self._demote_outcome(chain, outcome, handled)
+            self._demote_outcome(chain, outcome, handled, segment_id)
         if "no_capacity" in outcomes:
             self._log.warning("demotion_stopped", segment_id=segment_id, reason="disk tier full")
             return False
         return True
 
-    def _demote_outcome(self, chain: bytes, outcome: str, handled: set[bytes]) -> None:
+    def _demote_outcome(self, chain: bytes, outcome: str, handled: set[bytes], segment_id: str) -> None:
         self.demotions[outcome] = self.demotions.get(outcome, 0) + 1
         handled.add(chain)
         what = "demoted" if outcome == "demoted" else "not_demoted"
-        self._decisions.record(chain, self._driver.now_ms(), what, outcome)
+        self._decisions.record(chain, self._driver.now_ms(), what, outcome, ssd_pool(segment_id))
         if outcome != "demoted" and self.core.is_evicting(chain):
             self.core.refused(chain, self._driver.now_ms())  # leased (copied) or failed: later again
 
@@ -972,6 +977,8 @@ class EvictionShell(GroupRecords):
 def _feature(value: object) -> str | int | float | bool:
     """One of the core's `explain` values as the wire carries it (a tenant's digest as hex, a
     class tuple as text)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "inf" (a density class not computed yet): JSON has no infinity
     if isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, bytes):
