@@ -105,13 +105,18 @@ async def connect(url: str, timeout_s: float) -> AsyncIterator[NatsClient]:
             **auth.connect_options(),
             connect_timeout=max(1, int(timeout_s)),
             allow_reconnect=False,
-            max_reconnect_attempts=0,
+            # One try: nats-py reads 0 as "no limit" on a first connect and retries a refused
+            # port every `reconnect_time_wait` until the deadline (kvctl then waited its whole
+            # timeout to say "refused"); with 1 it gives up after a second try, at once.
+            max_reconnect_attempts=1,
+            reconnect_time_wait=0,
             error_cb=keep,
             name="kvctl",
         )
         await asyncio.wait_for(connecting, timeout_s)
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        last = seen[0] if isinstance(exc, TimeoutError) and seen else exc
+        gave_up = isinstance(exc, TimeoutError | nats.errors.NoServersError)
+        last = seen[0] if gave_up and seen else exc
         raise connect_error(url, last, auth.user, timeout_s) from None
     try:
         yield nc
