@@ -5,15 +5,18 @@ used, so a cluster older than the stream's retention is still evicted (no NATS h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import msgspec
+import pytest
 
 from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
 from kvfabric.eviction_policy.group_records import group_id_of, published_of_summary
 from kvfabric.eviction_policy.shell import EvictionShell, now_ms
+from kvfabric.format.errors import Unavailable
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import SSD_SLOT_BASE
 from tests.unit.eviction_policy.test_shell import NAMESPACE_A, A, chain, published
@@ -102,3 +105,161 @@ def test_untracked_groups_are_adopted_ranked_first_and_taken_again_from_their_ow
     assert sh.explain(group_id_of(NAMESPACE_A, 0, chain(3))).features["last_access_ms"] == t + 10_004
     assert len(core) == 5
     core.check_invariants()
+
+
+def test_an_adopted_head_taken_again_from_its_event_keeps_the_links_it_had_before_its_loss() -> None:
+    """Head 1 on s1's disk, its disk-only tail 2 on s2's; s1 is lost, comes back, and the policy
+    (its stream having lost events meanwhile) adopts 1 from the listing; then the follower reads
+    the directory's republish of 1 (no parent, as adopted from a disk tier). The re-take must
+    not forget 1's links (a review found it did): its tail still goes before it."""
+    sh = EvictionShell(
+        EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.1)),
+        tick_ms=10,
+        segments_refresh_ms=100,
+        request_timeout_s=1.0,
+    )
+    t = now_ms()
+    sh._started_ms = t - 900
+    for segment in ("s1", "s2"):
+        sh.apply(m.SegmentUp(segment_id=segment, incarnation=1, capacity_bytes=1_000), t - 800)
+    head, tail = A + chain(1), A + chain(2)
+    sh.apply(
+        msgspec.structs.replace(published(1, s1=10), disk_placements=[m.SegmentBytes("s1", 10)]), t - 800
+    )
+    sh.apply(
+        msgspec.structs.replace(published(2, parent=1, s2=10), disk_placements=[m.SegmentBytes("s2", 10)]),
+        t - 800,
+    )
+    sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"), t - 700)
+    sh.apply(m.GroupInvalidated(group=chain(1), reason="replica_lost", domain=A), t - 700)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=2, capacity_bytes=1_000), t - 600)
+    sh._router = Listing([summary(1, ("s1", SSD_SLOT_BASE)), summary(2, ("s2", SSD_SLOT_BASE))])
+    assert asyncio.run(sh.adopt_listed()) == 1 and head in sh._adopted
+    assert sh._with_disk_tails([head]) == [tail, head]
+    sh.apply(msgspec.structs.replace(published(1, s1=10), disk_placements=[m.SegmentBytes("s1", 10)]), t)
+    assert head in sh.core and head not in sh._adopted
+    assert sh.explain(group_id_of(NAMESPACE_A, 0, chain(1))).features["last_access_ms"] == t
+    assert sh._with_disk_tails([head]) == [tail, head]
+    assert sh._parent == {tail: head} and sh._children == {head: {tail}}
+    sh.core.check_invariants()
+
+
+class StaleListing(Listing):
+    """A listing whose second page was read before events the follower applies while it is on
+    its way: group 2 evicted, segment s2 down (each page is older than what came since)."""
+
+    def __init__(self, groups: list[m.GroupSummary], shell: EvictionShell, at_ms: int) -> None:
+        super().__init__(groups)
+        self.shell, self.at_ms = shell, at_ms
+
+    async def shard_pages(
+        self, shard: int, query: m.ListGroups, timeout_s: float, pages_max: int
+    ) -> AsyncIterator[m.GroupList]:
+        first = True
+        async for page in super().shard_pages(shard, query, timeout_s, pages_max):
+            if not first:
+                self.shell.apply(m.GroupEvicted(group=chain(3), reason="policy", domain=A), self.at_ms)
+                self.shell.apply(m.SegmentDown(segment_id="s2", incarnation=1, reason="drained"), self.at_ms)
+            first = False
+            yield page
+
+
+def test_a_listing_page_older_than_the_events_applied_since_adds_no_phantom() -> None:
+    """Group 3 evicted and segment s2 gone while the listing was on its way: the page naming
+    them must not put 3 back, nor count 4's bytes on s2 (a review found both did: phantoms that
+    press a pool until the directory answers not_found)."""
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.9, low_watermark=0.1))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0, demote=False)
+    t = now_ms()
+    sh._started_ms = t - 900
+    for segment in ("s1", "s2"):
+        sh.apply(m.SegmentUp(segment_id=segment, incarnation=1, capacity_bytes=1_000), t - 800)
+    listing = [
+        summary(1, ("s1", 1)),
+        summary(2, ("s1", 2)),
+        summary(3, ("s1", 3)),
+        summary(4, ("s1", 4), ("s2", 4)),
+    ]
+    listing.append(summary(5, ("s2", 5)))
+    sh._router = StaleListing(listing, sh, t)
+    assert asyncio.run(sh.adopt_listed()) == 3  # 1, 2, and 4 on s1 only
+    assert A + chain(3) not in core and A + chain(5) not in core
+    assert core.used_bytes("s1") == 30 and core.used_bytes("s2") == 0
+    assert sh._held[A + chain(4)][2] == {"s1": 10}
+    assert sh._gone_while_adopting is None and sh._down_while_adopting is None
+    core.check_invariants()
+
+
+def test_the_stream_is_found_short_once_and_the_follower_goes_on_from_its_first_event() -> None:
+    core = EvictionCore(EvictionConfig(policy="lru"))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    assert not sh.check_stream(0, 0)  # a new, empty stream
+    assert not sh.check_stream(1, 40) and sh.last_seq == 0  # all there: read from the start
+    assert sh.check_stream(101, 100)  # purged while nothing was applied: 1..100 are lost
+    assert sh.last_seq == 100 and sh._adopt_after_seq == 100 and sh._adopt_wanted.is_set()
+    sh._adopt_wanted.clear()
+    assert not sh.check_stream(101, 100)  # a reconnect to the same empty stream: nothing more lost
+    sh.last_seq = 150
+    assert not sh.check_stream(120, 170)  # aged out, but only events applied already
+    assert sh.check_stream(0, 0) and sh.last_seq == 0  # recreated: sequences restart below ours
+    assert sh.check_stream(1, 30) is False and sh._adopt_wanted.is_set()
+
+
+def test_adoption_waits_for_the_follower_while_it_makes_progress_and_not_past_a_stall(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvfabric.eviction_policy.shell as shell_module
+
+    monkeypatch.setattr(shell_module, "ADOPT_FOLLOWER_STALL_S", 0.3)
+    core = EvictionCore(EvictionConfig(policy="lru"))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+
+    async def follower(steps: int) -> None:
+        for _ in range(steps):  # slower in all than one stall, never stalled that long
+            await asyncio.sleep(0.03)
+            sh.last_seq += 1
+            if sh.last_seq >= sh._past_seq:
+                sh._past.set()
+
+    async def scenario() -> tuple[bool, int, bool, int]:
+        task = asyncio.create_task(follower(20))  # 0.6 s in all
+        reached = await sh._reach(20)
+        at = sh.last_seq
+        await task
+        stalled = await sh._reach(30)  # nothing more comes
+        return reached, at, stalled, sh.last_seq
+
+    assert asyncio.run(scenario()) == (True, 20, False, 20)
+
+
+def test_the_adopter_retries_a_listing_that_fails_in_any_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvfabric.eviction_policy.shell as shell_module
+
+    monkeypatch.setattr(shell_module, "ADOPT_RETRY_S", 0.0)
+    core = EvictionCore(EvictionConfig(policy="lru"))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1_000), now_ms() - 10)
+    failures = [Unavailable("directory away"), ValueError("a bug somewhere")]
+
+    class Flaky(Listing):
+        async def known_shards(self) -> int:
+            if failures:
+                raise failures.pop(0)
+            return 1
+
+    sh._router = Flaky([summary(1, ("s1", 1))])
+
+    async def scenario() -> None:
+        sh.caught_up.set()
+        sh._adopt_wanted.set()
+        task = asyncio.create_task(sh._adopter())
+        for _ in range(200):
+            if sh.adoptions:
+                break
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert sh.adoptions == 1 and sh.groups_adopted == 1 and not failures

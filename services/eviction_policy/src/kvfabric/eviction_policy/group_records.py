@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Collection
 from typing import Final
 
 import msgspec
@@ -75,11 +76,14 @@ def pools_text(pools: dict[str, int]) -> str:
     return sys.intern(",".join(sorted(pools)))
 
 
-def published_of_summary(summary: m.GroupSummary) -> m.GroupPublished | None:
+def published_of_summary(
+    summary: m.GroupSummary, *, without: Collection[str] = ()
+) -> m.GroupPublished | None:
     """A listed group (`list_groups` with objects) as the `published` event that would have told
-    the policy of it: bytes per segment (all replicas there) and of those in its disk tier (a
-    replica's slot says its tier), one copy's bytes; no parent (a listing does not say it). None
-    for one not published, or with no live replica."""
+    the policy of it: bytes per segment (all replicas there but on the segments `without`: gone
+    since the listing) and of those in its disk tier (a replica's slot says its tier), one
+    copy's bytes; no parent (a listing does not say it). None for one not published, or with no
+    live replica."""
     if summary.state != "published" or len(summary.namespace) != NAMESPACE_BYTES:
         return None
     placements: dict[str, int] = {}
@@ -87,6 +91,8 @@ def published_of_summary(summary: m.GroupSummary) -> m.GroupPublished | None:
     for obj in summary.objects:
         for replica in obj.replicas:
             sid = replica.segment_id
+            if sid in without:
+                continue
             placements[sid] = placements.get(sid, 0) + obj.size_bytes
             if tier_of_slot(replica.slot) == "ssd":
                 on_disk[sid] = on_disk.get(sid, 0) + obj.size_bytes
@@ -131,8 +137,13 @@ class GroupRecords:
     _lost_links: deque[tuple[int, list[bytes]]]
     _decisions: DecisionLog  # the latest decisions per group (`kvctl eviction explain`)
     # groups adopted from a listing whose `published` event the follower may still reach
-    # (`_published`); emptied once it has read past the listing (`EvictionShell._adopt_listed`)
+    # (`_published`); emptied once it has read past the listing (`EvictionShell.adopt_listed`,
+    # `_forget_adopted`); one the policy moved itself since is no longer (its records are newer)
     _adopted: set[bytes]
+    # while a listing is adopted: the groups forgotten and the segments gone down since it began
+    # (a page may be older than the events applied meanwhile: `EvictionShell.adopt_listed`)
+    _gone_while_adopting: set[bytes] | None
+    _down_while_adopting: set[str] | None
 
     def apply(self, event: msgspec.Struct, at_ms: int) -> None:
         """One directory event into the core (pure bookkeeping; public for tests)."""
@@ -160,6 +171,8 @@ class GroupRecords:
             self._record_gone(key, event, at_ms)
             self._forget(key)
         elif isinstance(event, m.SegmentDown):
+            if self._down_while_adopting is not None:
+                self._down_while_adopting.add(event.segment_id)
             lost = (event.segment_id, ssd_pool(event.segment_id))
             gone: list[bytes] = []  # may be adopted again: linked a while longer
             until = at_ms + LOST_LINKS_KEEP_MS
@@ -167,6 +180,7 @@ class GroupRecords:
                 kept: list[object] = []
                 for gid in core.drop_pool(pool, kept):
                     if isinstance(gid, bytes):
+                        self._adopted.discard(gid)
                         self._group_ids.pop(gid, None)
                         self._held.pop(gid, None)
                         self._hits.pop(gid, None)
@@ -218,7 +232,7 @@ class GroupRecords:
         if listed_ms is None and key in self._adopted:
             self._adopted.discard(key)
             if key in core and not core.is_evicting(key):
-                self._forget(key)
+                self._untrack(key)  # its links stay: children published since name it
         # a parent of the same domain
         parent = pack_group_key(domain, event.parent) if event.parent else None
         pools = tiered_pools(
@@ -286,17 +300,26 @@ class GroupRecords:
         self._disk_pools.update(p for p in pools if is_ssd_pool(p))
 
     def _forget(self, gid: bytes) -> None:
+        if self._gone_while_adopting is not None:
+            self._gone_while_adopting.add(gid)
         if gid not in self.core and gid in self._lost_until:
             # Lost with its segment: the directory invalidates it (`replica_lost`) in the same
             # tick, but its links wait for its adoption from a disk tier like any lost group's.
             return
+        self._untrack(gid)
+        self._children.pop(gid, None)
+        self._unlink(gid)
+
+    def _untrack(self, gid: bytes) -> None:
+        """Out of the core and the per-group records but its links (`_parent`, `_children`)."""
+        if self._gone_while_adopting is not None:
+            self._gone_while_adopting.add(gid)
         if gid in self.core:
             self.core.removed(gid)
+        self._adopted.discard(gid)
         self._group_ids.pop(gid, None)
         self._held.pop(gid, None)
         self._hits.pop(gid, None)
-        self._children.pop(gid, None)
-        self._unlink(gid)
 
     def _expire_lost_links(self, at_ms: int) -> None:
         """Unlink the lost groups whose keep time ended by `at_ms` and that are not back, at most
@@ -370,6 +393,7 @@ class GroupRecords:
         known = held[2].get(pool, 0) if held is not None else 0
         if held is None or nbytes <= known or not self.core.add_pool(chain, pool, nbytes - known):
             return
+        self._adopted.discard(chain)  # (see `_adopted`)
         held[2][pool] = nbytes
         self._disk_pools.add(pool)
 
@@ -383,6 +407,7 @@ class GroupRecords:
         moved = pools.pop(segment_id, 0)
         if not moved:  # not in that arena (any more): nothing moved
             return
+        self._adopted.discard(chain)
         # A disk copy it had already (`_copied`) is the same replica, not more bytes; members
         # a partial demotion moved before are other bytes (one segment holds each member once).
         disk = pools.get(ssd_pool(segment_id), 0)
@@ -398,6 +423,7 @@ class GroupRecords:
         if held is None or chain not in self.core:
             return
         pools = held[2]
+        self._adopted.discard(chain)
         for pool in [p for p in pools if is_ssd_pool(p)]:
             del pools[pool]
         self.demotions["disk_dropped"] = self.demotions.get("disk_dropped", 0) + 1
@@ -405,9 +431,7 @@ class GroupRecords:
         if pools:  # (the shell asks tier "ssd" only for a group its records know in an arena)
             self.core.retiered(chain, pools=pools, parent=self._core_parent(chain, pools), now_ms=at_ms)
         else:  # nothing left anywhere: gone from the policy
-            self.core.removed(chain)
-            self._group_ids.pop(chain, None)
-            self._held.pop(chain, None)
+            self._untrack(chain)
 
     def _core_parent(self, key: bytes, pools: dict[str, int]) -> bytes | None:
         """The parent a group moved to `pools` has in the core: its own while it keeps

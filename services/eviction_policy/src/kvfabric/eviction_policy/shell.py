@@ -17,11 +17,12 @@ event loop):
   order, each once.
 - **segments**: every `segments_refresh_ms`, `list_segments` of every directory shard, merged,
   re-reads capacities (and drops the pools of segments the directory no longer reports up).
-- **adopter**: when the stream has lost events this policy never applied (aged out, purged:
-  its first sequence past the last applied one, seen by the follower), once caught up, every
-  published group not tracked is adopted from the directory's listing (`adopt_listed`: ranked
-  as last used before the policy started, no parent), so a cluster older than the stream's
-  retention is still evicted.
+- **adopter**: when the stream has lost events this policy never applied (aged out, purged,
+  recreated: `check_stream`, seen by the follower), once the follower has applied what the
+  stream held then, every published group not tracked is adopted from the directory's listing
+  (`adopt_listed`: ranked as last used before the policy started, no parent), so a cluster
+  older than the stream's retention is still evicted. Only publications are recovered: the
+  lost events' hits and recency are gone.
 - **ticker**: every `tick_ms`, the core's `Tick` (stepped through its `CoreDriver`,
   `kvfabric.runtime.core_driver`, on the wall clock, never backwards) returns victim batches
   (tails before heads), which the driver has performed in order (`_perform`); each
@@ -72,8 +73,9 @@ batch's answers do to the core (`refused`, `removed`, a demoted group's move) ha
 the driver performs that Tick's effects, which must never feed the same driver (it would wait
 for itself: `kvfabric.runtime.core_driver`).
 
-The policy's state is rebuilt from the stream at every start; what the stream no longer holds
-comes from the directory's listing (the adopter; docs/eviction-policy.md).
+The policy's state is rebuilt from the stream at every start; the groups published by events
+the stream no longer holds come from the directory's listing (the adopter;
+docs/eviction-policy.md).
 """
 
 from __future__ import annotations
@@ -143,7 +145,9 @@ RETRY_S: Final = 0.5
 ADOPT_PAGE_GROUPS: Final = 1_000  # groups per `list_groups` page when adopting a listing
 ADOPT_PAGES_MAX: Final = 1_000_000  # pages per shard (each bounded by the directory's reply size)
 ADOPT_RETRY_S: Final = 2.0
-ADOPT_READ_PAST_S: Final = 60.0  # the longest wait for the follower to read past the listing
+# Adoption waits for the follower to apply the stream (before the listing, and past it) as long
+# as it applies an event at least this often.
+ADOPT_FOLLOWER_STALL_S: Final = 60.0
 # `show_group` requests of one demotion pass in flight (a batch's victims and their ancestors are
 # listed concurrently, not one round trip after another; the directory bounds each tenant's too).
 SHOW_IN_FLIGHT_MAX: Final = 8
@@ -184,6 +188,9 @@ class EvictionShell(GroupRecords):
         self._admission: e.AdmissionFilter | None = None  # the last one built (`explain`)
         self._decisions = DecisionLog(decisions_max)
         self._adopted: set[bytes] = set()  # see `GroupRecords`
+        self._gone_while_adopting: set[bytes] | None = None  # see `GroupRecords`
+        self._down_while_adopting: set[str] | None = None
+        self._adopt_after_seq = 0  # the stream's end when events were found lost
         self._adopt_wanted = asyncio.Event()  # the stream lost events the policy never applied
         self._started_ms = 0  # what adopted groups rank as last used (before any replayed event)
         self._past_seq = 0  # `_past` is set once the follower applied this sequence
@@ -259,13 +266,7 @@ class EvictionShell(GroupRecords):
             try:
                 info = await js.stream_info(EVENTS_STREAM)
                 end_seq = info.state.last_seq
-                if info.state.first_seq > self.last_seq + 1:
-                    # Events this policy never applied are gone (aged out of the stream, purged):
-                    # the groups they published are adopted from the directory's listing.
-                    self._log.warning(
-                        "events_lost", first_seq=info.state.first_seq, last_applied=self.last_seq
-                    )
-                    self._adopt_wanted.set()
+                self.check_stream(info.state.first_seq, end_seq)
                 config = ConsumerConfig(
                     deliver_policy=(DeliverPolicy.BY_START_SEQUENCE if self.last_seq else DeliverPolicy.ALL),
                     opt_start_seq=self.last_seq + 1 if self.last_seq else None,
@@ -283,6 +284,20 @@ class EvictionShell(GroupRecords):
             except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
                 self._log.info("events_follow_retry", error=type(exc).__name__, last_seq=self.last_seq)
                 await asyncio.sleep(RETRY_S)
+
+    def check_stream(self, first_seq: int, end_seq: int) -> bool:
+        """The stream's bounds as the follower (re)subscribes. True when events this policy never
+        applied are gone (aged out of the stream, purged, or the stream was recreated: its
+        sequences restarted below ours): the groups they published are adopted from the
+        directory's listing, once the follower has applied what the stream holds now
+        (`_adopter`); the follower goes on from the stream's first event (public for tests)."""
+        if first_seq <= self.last_seq + 1 and end_seq >= self.last_seq:
+            return False
+        self._log.warning("events_lost", first_seq=first_seq, end_seq=end_seq, last_applied=self.last_seq)
+        self.last_seq = max(first_seq - 1, 0)  # (so a reconnect does not find them lost again)
+        self._adopt_after_seq = end_seq
+        self._adopt_wanted.set()
+        return True
 
     async def _read_events(self, sub: _Fetcher, end_seq: int) -> None:
         """Fetch and apply events until cancelled or the consumer fails (raises). At the stream's
@@ -320,42 +335,69 @@ class EvictionShell(GroupRecords):
 
     async def _adopter(self) -> None:
         """When the stream has lost events the policy never applied (`_follow`), and once the
-        follower has caught up: adopt every published group the policy does not track from the
-        directory's listing (`adopt_listed`), retried until it succeeds. Without this, a policy
-        started after the stream's retention (`KVF_DIRECTORY_EVENTS_MAX_AGE_S`) never evicts
-        what was published before it: its segments fill for good."""
+        follower has applied what the stream held then (`_reach`): adopt every published group
+        the policy does not track from the directory's listing (`adopt_listed`), retried until
+        it succeeds (any failure: logged). Without this, a policy started after the stream's
+        retention (`KVF_DIRECTORY_EVENTS_MAX_AGE_S`) never evicts what was published before it:
+        its segments fill for good."""
         while True:
             await self._adopt_wanted.wait()
             await self.caught_up.wait()
             self._adopt_wanted.clear()
+            await self._reach(self._adopt_after_seq)
             while True:
                 try:
                     await self.adopt_listed()
                     break
                 except KvfError as exc:
                     self._log.info("adoption_retry", code=exc.code)
-                    await asyncio.sleep(ADOPT_RETRY_S)
+                except Exception as exc:  # (not cancellation): the adopter must not die
+                    self._log.exception("adoption_failed", error=type(exc).__name__)
+                await asyncio.sleep(ADOPT_RETRY_S)
+
+    async def _reach(self, seq: int) -> bool:
+        """Wait until the follower has applied stream sequence `seq`, as long as it keeps
+        applying events (none for `ADOPT_FOLLOWER_STALL_S`: False, it is stuck or cut off)."""
+        while self.last_seq < seq:
+            before = self.last_seq
+            self._past_seq = seq
+            self._past.clear()
+            try:
+                await asyncio.wait_for(self._past.wait(), ADOPT_FOLLOWER_STALL_S)
+            except TimeoutError:
+                if self.last_seq == before:
+                    return False
+        return True
 
     async def adopt_listed(self) -> int:
         """Every shard's published groups, page by page (the loop runs between pages); each one
         not tracked goes into the core as if published then, ranked as last used before this
         policy started (its history is lost: it goes before anything the policy saw used), with
-        no parent (a listing does not say it). An adopted group whose own `published` event the
-        follower reaches afterwards is taken again from it (`GroupRecords._published`); once
-        the follower has read past the stream's end as of the listing, none can come. Returns
-        the groups adopted (public for tests)."""
+        no parent (a listing does not say it). A page may be older than events the follower
+        applied meanwhile: a group forgotten (evicted, invalidated, lost) since the adoption
+        began is not taken from it, nor a replica on a segment gone down since. An adopted
+        group whose own `published` event the follower reaches afterwards is taken again from
+        it (`GroupRecords._published`); once the follower has read past the stream's end as of
+        the listing, none can come. Returns the groups adopted (public for tests)."""
         router = self._dir()
         query = m.ListGroups(limit=ADOPT_PAGE_GROUPS, with_objects=True)
         adopted = 0
-        for shard in range(await router.known_shards()):
-            async for page in router.shard_pages(shard, query, self.request_timeout_s, ADOPT_PAGES_MAX):
-                at = self._driver.now_ms()
-                for summary in page.groups:
-                    event = published_of_summary(summary)
-                    if event is None or group_key_of_id(self._group_id_of(event)) in self.core:
-                        continue
-                    self._published(event, at, listed_ms=self._started_ms)
-                    adopted += 1
+        self._gone_while_adopting, self._down_while_adopting = set(), set()
+        try:
+            for shard in range(await router.known_shards()):
+                async for page in router.shard_pages(shard, query, self.request_timeout_s, ADOPT_PAGES_MAX):
+                    at = self._driver.now_ms()
+                    for summary in page.groups:
+                        event = published_of_summary(summary, without=self._down_while_adopting)
+                        if event is None:
+                            continue
+                        key = group_key_of_id(self._group_id_of(event))
+                        if key in self.core or key in self._gone_while_adopting:
+                            continue
+                        self._published(event, at, listed_ms=self._started_ms)
+                        adopted += 1
+        finally:
+            self._gone_while_adopting = self._down_while_adopting = None
         self.groups_adopted += adopted
         self.adoptions += 1
         self._log.info("adopted", groups=adopted, tracked=len(self.core))
@@ -365,17 +407,14 @@ class EvictionShell(GroupRecords):
     async def _forget_adopted(self) -> None:
         """Once the follower has applied the stream up to its end as of now, no `published` event
         of an adopted group can come any more: the set of them is emptied. (Early, when the
-        stream cannot be asked or the follower is stuck: an adopted group published meanwhile
-        then keeps its listed rank, the safe side: it goes early, never stays for good.)"""
+        stream cannot be asked or the follower is stuck (`_reach`): an adopted group published
+        meanwhile then keeps its listed rank, the safe side: it goes early, never stays for
+        good.)"""
         if self._nc is None:  # (a test's shell, not started)
             return
         js = self._nc.jetstream(timeout=self.request_timeout_s)
         with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
-            end = (await js.stream_info(EVENTS_STREAM)).state.last_seq
-            if self.last_seq < end:
-                self._past_seq = end
-                self._past.clear()
-                await asyncio.wait_for(self._past.wait(), ADOPT_READ_PAST_S)
+            await self._reach((await js.stream_info(EVENTS_STREAM)).state.last_seq)
         self._adopted.clear()
 
     @staticmethod
