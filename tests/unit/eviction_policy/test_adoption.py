@@ -136,9 +136,10 @@ def test_an_adopted_head_taken_again_from_its_event_keeps_the_links_it_had_befor
     sh._router = Listing([summary(1, ("s1", SSD_SLOT_BASE)), summary(2, ("s2", SSD_SLOT_BASE))])
     assert asyncio.run(sh.adopt_listed()) == 1 and head in sh._adopted
     assert sh._with_disk_tails([head]) == [tail, head]
-    sh.apply(msgspec.structs.replace(published(1, s1=10), disk_placements=[m.SegmentBytes("s1", 10)]), t)
+    later = t + 10_000  # (after the adoption's own clock readings)
+    sh.apply(msgspec.structs.replace(published(1, s1=10), disk_placements=[m.SegmentBytes("s1", 10)]), later)
     assert head in sh.core and head not in sh._adopted
-    assert sh.explain(group_id_of(NAMESPACE_A, 0, chain(1))).features["last_access_ms"] == t
+    assert sh.explain(group_id_of(NAMESPACE_A, 0, chain(1))).features["last_access_ms"] == later
     assert sh._with_disk_tails([head]) == [tail, head]
     assert sh._parent == {tail: head} and sh._children == {head: {tail}}
     sh.core.check_invariants()
@@ -148,18 +149,19 @@ class StaleListing(Listing):
     """A listing whose second page was read before events the follower applies while it is on
     its way: group 2 evicted, segment s2 down (each page is older than what came since)."""
 
-    def __init__(self, groups: list[m.GroupSummary], shell: EvictionShell, at_ms: int) -> None:
+    def __init__(self, groups: list[m.GroupSummary], shell: EvictionShell) -> None:
         super().__init__(groups)
-        self.shell, self.at_ms = shell, at_ms
+        self.shell = shell
 
     async def shard_pages(
         self, shard: int, query: m.ListGroups, timeout_s: float, pages_max: int
     ) -> AsyncIterator[m.GroupList]:
         first = True
         async for page in super().shard_pages(shard, query, timeout_s, pages_max):
-            if not first:
-                self.shell.apply(m.GroupEvicted(group=chain(3), reason="policy", domain=A), self.at_ms)
-                self.shell.apply(m.SegmentDown(segment_id="s2", incarnation=1, reason="drained"), self.at_ms)
+            if not first:  # (on the adoption's clock: the core's time never goes back)
+                at = self.shell._driver.now_ms()
+                self.shell.apply(m.GroupEvicted(group=chain(3), reason="policy", domain=A), at)
+                self.shell.apply(m.SegmentDown(segment_id="s2", incarnation=1, reason="drained"), at)
             first = False
             yield page
 
@@ -181,7 +183,7 @@ def test_a_listing_page_older_than_the_events_applied_since_adds_no_phantom() ->
         summary(4, ("s1", 4), ("s2", 4)),
     ]
     listing.append(summary(5, ("s2", 5)))
-    sh._router = StaleListing(listing, sh, t)
+    sh._router = StaleListing(listing, sh)
     assert asyncio.run(sh.adopt_listed()) == 3  # 1, 2, and 4 on s1 only
     assert A + chain(3) not in core and A + chain(5) not in core
     assert core.used_bytes("s1") == 30 and core.used_bytes("s2") == 0
