@@ -34,9 +34,10 @@ unique blocks, next to the simulator's figure for the same requests.
   raise no event), of a chunk's prompt length not at all (`density` classes by position), and
   it evicts on a tick after the fact, between the watermarks.
 
-The default policy is `lru` (`KVF_EVICTION_POLICY`'s default), so "default" and "LRU" are one
-row. Writes `--out`.json and .md. Takes about (requests / speedup) x policies x traces of wall
-time plus a cluster start each, more when the client cannot keep the compressed pace (lag).
+The service's default policy (`KVF_EVICTION_POLICY`'s, `density` since 2026-12-04; `lru`
+before, when "default" and "LRU" were one row) is marked "(default)". Writes `--out`.json and
+.md. Takes about (requests / speedup) x policies x traces of wall time plus a cluster start
+each, more when the client cannot keep the compressed pace (lag).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvfabric.client import EngineSpec, KvClient, settings_from_env
+from kvfabric.eviction_policy.settings import load_eviction_settings
 from kvfabric.format.key import KVLayout, ModelFingerprint
 
 REPO: Final = Path(__file__).resolve().parents[1]
@@ -252,6 +254,7 @@ def report(results: Sequence[Mapping[str, Any]], command: str) -> list[str]:
         " saved / written | sim, hard capacity: saved / written | live gap | sim gap | lag p50 / max (ms) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    default = load_eviction_settings({}).core.policy
     for res in results:
         sims = res["sim"]
         lru = sims["lru (same watermarks)"]["prefill_tokens_saved"]
@@ -261,7 +264,7 @@ def report(results: Sequence[Mapping[str, Any]], command: str) -> list[str]:
             live_gap = gap_closed(live["tokens_saved"], lru, ref)
             sim_gap = gap_closed(same["prefill_tokens_saved"], lru, ref)
             lines.append(
-                f"| {res['trace']} | `{policy}`{' (default)' if policy == 'lru' else ''} "
+                f"| {res['trace']} | `{policy}`{' (default)' if policy == default else ''} "
                 f"| {100 * live['prefill_saved_share']:.2f} % "
                 f"| {live['chunks_saved']} ({live['bytes_written'] / 2**20:.1f}) "
                 f"| {live['chunks_failed']} {_causes(live['failed_causes'])}"

@@ -109,7 +109,7 @@ def read_loop(reader: KvClient, hit: Hit, tokens: list[int], stop: threading.Eve
     return loads
 
 
-@pytest.mark.parametrize("policy", ["lru", "gdsf", "lru2", "sieve", "s3fifo", "wtinylfu"])
+@pytest.mark.parametrize("policy", ["lru", "gdsf", "lru2", "sieve", "s3fifo", "wtinylfu", "reuse", "density"])
 def test_past_the_high_watermark_it_evicts_to_the_low_one_and_leased_reads_stay_intact(
     nats_server: NatsServer, cluster: None, policy: str
 ) -> None:

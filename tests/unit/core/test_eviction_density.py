@@ -6,13 +6,19 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvfabric.core.eviction import Admitted, EvictBatch, EvictionConfig, EvictionCore, Refused
 from kvfabric.core.eviction_density import (
     DENSITY_AGE_BUCKETS,
     DENSITY_GHOST_FLOOR,
     DENSITY_GHOST_PER_OBJECT,
+    DENSITY_LENGTH_CLASSES,
+    DENSITY_NAMING_CLASSES,
     DensityPredictor,
+    _pack,
+    _unpack,
     age_bucket,
     density_class,
 )
@@ -209,3 +215,16 @@ def test_a_class_set_aside_while_a_take_compacts_the_heaps_is_pushed_back() -> N
     core.check_invariants()
     core.set_capacity("q", 1)  # A, set aside above, is still ranked: q's victim now
     assert [b.victims for b in core.tick(now + 1) if isinstance(b, EvictBatch)] == [("A",)]
+
+
+@given(
+    st.integers(1, DENSITY_NAMING_CLASSES),
+    st.integers(0, DENSITY_LENGTH_CLASSES - 1),
+    st.integers(-(2**45), 2**45),
+    st.integers(1, DENSITY_NAMING_CLASSES),
+)
+def test_a_ghost_entry_packs_into_one_int_and_back(
+    namings_cls: int, length_cls: int, ms: int, namings: int
+) -> None:
+    packed = _pack((namings_cls, length_cls), ms, namings)
+    assert isinstance(packed, int) and _unpack(packed) == ((namings_cls, length_cls), ms, namings)

@@ -21,10 +21,10 @@ NAMESPACE = Namespace(bytes(4) + b"A" * 16 + bytes(34))
 
 def test_admission_is_off_by_default_and_predicted_needs_density() -> None:
     assert not load_eviction_settings({}).admission
-    on = load_eviction_settings({"KVF_EVICTION_POLICY": "density", "KVF_EVICTION_ADMISSION": "predicted"})
-    assert on.admission and on.admission_publish_ms == 1_000
+    on = load_eviction_settings({"KVF_EVICTION_ADMISSION": "predicted"})  # the default policy: density
+    assert on.admission and on.admission_publish_ms == 1_000 and on.core.policy == "density"
     with pytest.raises(SettingsError):
-        load_eviction_settings({"KVF_EVICTION_ADMISSION": "predicted"})  # lru
+        load_eviction_settings({"KVF_EVICTION_POLICY": "lru", "KVF_EVICTION_ADMISSION": "predicted"})
     with pytest.raises(SettingsError):
         load_eviction_settings({"KVF_EVICTION_POLICY": "density", "KVF_EVICTION_ADMISSION": "second_hit"})
 
@@ -80,7 +80,7 @@ async def test_the_loop_keeps_running_while_the_bloom_is_built(monkeypatch: pyte
     density = core._density
     assert density is not None
     for i in range(ADMISSION_BLOOM_IDS_MAX):
-        density._ghost[(1_000 + i).to_bytes(32, "little")] = ((1, 0), 0, 1)
+        density._ghost[(1_000 + i).to_bytes(32, "little")] = 0  # (any packed entry)
     turns = 0
     building = True
 

@@ -252,7 +252,7 @@ def test_settings_reject_inverted_watermarks_and_unknown_policies() -> None:
         )
     with pytest.raises(SettingsError):
         load_eviction_settings({"KVF_EVICTION_POLICY": "fifo"})
-    assert load_eviction_settings({}).core.policy == "lru"  # the default (docs/eviction-policy.md)
+    assert load_eviction_settings({}).core.policy == "density"  # the default (docs/eviction-policy.md)
     assert load_eviction_settings({"KVF_EVICTION_POLICY": "s3fifo"}).core.policy == "s3fifo"
 
 

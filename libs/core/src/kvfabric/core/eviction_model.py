@@ -47,7 +47,8 @@ class TenantQuota:
 
 @dataclass(frozen=True, slots=True)
 class EvictionConfig:
-    policy: PolicyName = "lru"  # the best online policy on the traces (docs/eviction-policy.md)
+    # The core's default (tests, tools); the service's is `density` (KVF_EVICTION_POLICY).
+    policy: PolicyName = "lru"
     admission: AdmissionName = "always"
     high_watermark: float = 0.90
     low_watermark: float = 0.80

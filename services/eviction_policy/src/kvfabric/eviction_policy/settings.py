@@ -4,7 +4,7 @@ The runtime's shared flags (NATS URL, metrics port, logging) come from `kvfabric
 
 | variable | default | meaning |
 |---|---|---|
-| `KVF_EVICTION_POLICY` | `lru` | `lru`, `gdsf`, `lru2`, `sieve`, `s3fifo`, `wtinylfu`, `reuse`, `density` |
+| `KVF_EVICTION_POLICY` | `density` | `lru`, `gdsf`, `lru2`, `sieve`, `s3fifo`, `wtinylfu`, `reuse` |
 | `KVF_EVICTION_HIGH_WATERMARK_PCT` | 90 | a segment fuller than this (% of capacity) evicts ... |
 | `KVF_EVICTION_LOW_WATERMARK_PCT` | 80 | ... down to this |
 | `KVF_EVICTION_BATCH_MAX` | 256 | victims per evict request |
@@ -87,7 +87,8 @@ def parse_quotas(text: str) -> dict[bytes, TenantQuota]:
 
 
 def load_eviction_settings(env: Mapping[str, str]) -> EvictionSettings:
-    name = env.get("KVF_EVICTION_POLICY", "lru")
+    # density: the best online policy on the traces, never 1 point below lru (docs/eviction-policy.md)
+    name = env.get("KVF_EVICTION_POLICY", "density")
     policy = next((p for p in POLICY_NAMES if p == name), None)
     if policy is None:
         raise SettingsError(f"KVF_EVICTION_POLICY must be one of {', '.join(POLICY_NAMES)}, got {name!r}")
