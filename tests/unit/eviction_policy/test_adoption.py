@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any, cast
 
 import msgspec
@@ -18,6 +19,7 @@ from kvfabric.eviction_policy.group_records import group_id_of, published_of_sum
 from kvfabric.eviction_policy.shell import EvictionShell, now_ms
 from kvfabric.format.errors import Unavailable
 from kvfabric.proto import directory as m
+from kvfabric.proto.codec import encode
 from kvfabric.proto.segment import SSD_SLOT_BASE
 from tests.unit.eviction_policy.test_shell import NAMESPACE_A, A, chain, published
 
@@ -195,16 +197,43 @@ def test_a_listing_page_older_than_the_events_applied_since_adds_no_phantom() ->
 def test_the_stream_is_found_short_once_and_the_follower_goes_on_from_its_first_event() -> None:
     core = EvictionCore(EvictionConfig(policy="lru"))
     sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
-    assert not sh.check_stream(0, 0)  # a new, empty stream
-    assert not sh.check_stream(1, 40) and sh.last_seq == 0  # all there: read from the start
-    assert sh.check_stream(101, 100)  # purged while nothing was applied: 1..100 are lost
+    assert sh._adopt_wanted.is_set()  # at every start, once the stream is replayed
+    sh._adopt_wanted.clear()
+    assert not sh.check_stream(0, 0, "t0")  # a new, empty stream
+    assert not sh.check_stream(1, 40, "t0") and sh.last_seq == 0  # all there: read from the start
+    assert not sh._adopt_wanted.is_set()
+    assert sh.check_stream(101, 100, "t0")  # purged while nothing was applied: 1..100 are lost
     assert sh.last_seq == 100 and sh._adopt_after_seq == 100 and sh._adopt_wanted.is_set()
     sh._adopt_wanted.clear()
-    assert not sh.check_stream(101, 100)  # a reconnect to the same empty stream: nothing more lost
+    assert not sh.check_stream(101, 100, "t0")  # a reconnect to the same empty stream: nothing more lost
     sh.last_seq = 150
-    assert not sh.check_stream(120, 170)  # aged out, but only events applied already
-    assert sh.check_stream(0, 0) and sh.last_seq == 0  # recreated: sequences restart below ours
-    assert sh.check_stream(1, 30) is False and sh._adopt_wanted.is_set()
+    assert not sh.check_stream(120, 170, "t0")  # aged out, but only events applied already
+    assert not sh.check_stream(151, 150, "t1")  # the directory's repair: recreated at our end + 1
+    assert not sh._adopt_wanted.is_set()
+    assert sh.check_stream(1, 170, "t2") and sh.last_seq == 0  # recreated from 1, already past us
+    assert sh._adopt_after_seq == 170 and sh._adopt_wanted.is_set()
+    sh._adopt_wanted.clear()
+    sh.last_seq = 150
+    assert sh.check_stream(0, 0, "t2") and sh.last_seq == 0  # recreated: its end below ours
+    assert sh.check_stream(1, 30, "t2") is False and sh._adopt_wanted.is_set()
+
+
+def event_msg(seq: int) -> SimpleNamespace:
+    """A JetStream message of the directory's events as the follower reads it."""
+    meta = SimpleNamespace(sequence=SimpleNamespace(stream=seq))
+    return SimpleNamespace(data=encode(m.GroupsAccessed(groups=[])), metadata=meta)
+
+
+def test_a_gap_in_the_sequences_read_is_events_lost_while_subscribed() -> None:
+    sh = EvictionShell(
+        EvictionCore(EvictionConfig(policy="lru")), tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0
+    )
+    sh._adopt_wanted.clear()
+    for seq in (1, 2, 3):
+        sh._on_message(cast(Any, event_msg(seq)))
+    assert not sh._adopt_wanted.is_set()
+    sh._on_message(cast(Any, event_msg(9)))  # 4..8 aged out ahead of a lagging follower
+    assert sh._adopt_wanted.is_set() and sh._adopt_after_seq == 9 and sh.last_seq == 9
 
 
 def test_adoption_waits_for_the_follower_while_it_makes_progress_and_not_past_a_stall(
@@ -219,9 +248,7 @@ def test_adoption_waits_for_the_follower_while_it_makes_progress_and_not_past_a_
     async def follower(steps: int) -> None:
         for _ in range(steps):  # slower in all than one stall, never stalled that long
             await asyncio.sleep(0.03)
-            sh.last_seq += 1
-            if sh.last_seq >= sh._past_seq:
-                sh._past.set()
+            sh._on_message(cast(Any, event_msg(sh.last_seq + 1)))
 
     async def scenario() -> tuple[bool, int, bool, int]:
         task = asyncio.create_task(follower(20))  # 0.6 s in all
@@ -232,6 +259,74 @@ def test_adoption_waits_for_the_follower_while_it_makes_progress_and_not_past_a_
         return reached, at, stalled, sh.last_seq
 
     assert asyncio.run(scenario()) == (True, 20, False, 20)
+
+
+def test_a_wait_for_the_follower_ends_when_the_stream_is_recreated_under_it() -> None:
+    sh = EvictionShell(
+        EvictionCore(EvictionConfig(policy="lru")), tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0
+    )
+    sh.last_seq = 500
+
+    async def scenario() -> tuple[bool, float]:
+        start = asyncio.get_running_loop().time()
+        waiter = asyncio.create_task(sh._reach(1_000))
+        await asyncio.sleep(0.05)
+        sh.check_stream(1, 40, "new")  # sequences from 1 again: 1 000 names another event now
+        for seq in range(1, 41):  # the new stream keeps the follower busy
+            sh._on_message(cast(Any, event_msg(seq)))
+        return await asyncio.wait_for(waiter, 5.0), asyncio.get_running_loop().time() - start
+
+    reached, took = asyncio.run(scenario())
+    assert reached is False and took < 1.0
+
+
+def test_the_adopter_lists_only_once_the_follower_applied_what_the_stream_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sh = EvictionShell(
+        EvictionCore(EvictionConfig(policy="lru")), tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0
+    )
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1_000), now_ms() - 10)
+    listed_at: list[int] = []
+
+    class Recording(Listing):
+        async def known_shards(self) -> int:
+            listed_at.append(sh.last_seq)
+            return 1
+
+    sh._router = Recording([summary(1, ("s1", 1))])
+    sh.caught_up.set()
+    sh.check_stream(101, 105, "t0")  # 1..100 lost; 101..105 still to read
+
+    async def scenario() -> None:
+        task = asyncio.create_task(sh._adopter())
+        for seq in range(101, 106):
+            await asyncio.sleep(0.02)
+            assert not listed_at, "listed before the follower applied the stream"
+            sh._on_message(cast(Any, event_msg(seq)))
+        for _ in range(200):
+            if sh.adoptions:
+                break
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert listed_at == [105] and sh.groups_adopted == 1
+
+
+def test_an_adopted_group_forgotten_leaves_the_adopted_set() -> None:
+    sh = EvictionShell(
+        EvictionCore(EvictionConfig(policy="lru")), tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0
+    )
+    t = now_ms()
+    sh._started_ms = t - 900
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1_000), t - 800)
+    sh._router = Listing([summary(1, ("s1", 1)), summary(2, ("s1", 2))])
+    assert asyncio.run(sh.adopt_listed()) == 2 and sh._adopted == {A + chain(1), A + chain(2)}
+    sh.apply(m.GroupEvicted(group=chain(1), reason="policy", domain=A), t + 10_000)
+    assert sh._adopted == {A + chain(2)}
 
 
 def test_the_adopter_retries_a_listing_that_fails_in_any_way(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,11 +37,12 @@ they applied: their ephemeral consumers died with the old stream, their next fet
 checks the stream's first/last sequence and resyncs on a gap). What the deletion costs: the old
 stream's events (a follower that starts later rebuilds from the new stream only; one still behind
 the old stream's end misses what it had not read: the router notices the gap and resyncs, the
-eviction policy does not). Repairs are bounded: at most one deletion per `repair_interval_s` per
-instance; a stream found missing is added again at once (after a deletion whose add failed, e.g.
-the disk still full). Two instances repairing at the same moment can at worst delete the other's
-fresh stream (events published to it in between are lost to followers that had not read them):
-each instance waits a random part of a second before it checks again, so that is unlikely.
+eviction policy adopts the published groups it does not track from the directory's listing).
+Repairs are bounded: at most one deletion per `repair_interval_s` per instance; a stream found
+missing is added again at once (after a deletion whose add failed, e.g. the disk still full).
+Two instances repairing at the same moment can at worst delete the other's fresh stream (events
+published to it in between are lost to followers that had not read them): each instance waits a
+random part of a second before it checks again, so that is unlikely.
 
 Counted (`kvfabric.directory.metrics`): publish failures by reason (`timeout`, `no_responders`,
 `unavailable`, `api_error`, `other`), shells stuck right now (head event failed at least

@@ -83,12 +83,14 @@ def published_of_summary(
     the policy of it: bytes per segment (all replicas there but on the segments `without`: gone
     since the listing) and of those in its disk tier (a replica's slot says its tier), one
     copy's bytes; no parent (a listing does not say it). None for one not published, or with no
-    live replica."""
+    live replica of a positive size."""
     if summary.state != "published" or len(summary.namespace) != NAMESPACE_BYTES:
         return None
     placements: dict[str, int] = {}
     on_disk: dict[str, int] = {}
     for obj in summary.objects:
+        if obj.size_bytes <= 0:  # (a directory never lists one; the core refuses empty bytes)
+            continue
         for replica in obj.replicas:
             sid = replica.segment_id
             if sid in without:
@@ -106,7 +108,7 @@ def published_of_summary(
         namespace=summary.namespace,
         placements=[m.SegmentBytes(sid, n) for sid, n in sorted(placements.items())],
         disk_placements=[m.SegmentBytes(sid, n) for sid, n in sorted(on_disk.items())],
-        group_bytes=sum(obj.size_bytes for obj in summary.objects),
+        group_bytes=sum(obj.size_bytes for obj in summary.objects if obj.size_bytes > 0),
     )
 
 
@@ -138,7 +140,9 @@ class GroupRecords:
     _decisions: DecisionLog  # the latest decisions per group (`kvctl eviction explain`)
     # groups adopted from a listing whose `published` event the follower may still reach
     # (`_published`); emptied once it has read past the listing (`EvictionShell.adopt_listed`,
-    # `_forget_adopted`); one the policy moved itself since is no longer (its records are newer)
+    # `_forget_adopted`), a forgotten one at once. (One the policy demoted meanwhile is taken
+    # again into its old event's arena pools: stale until the directory's republish after the
+    # demotion, later in the stream, is applied, as for any group the follower is behind on.)
     _adopted: set[bytes]
     # while a listing is adopted: the groups forgotten and the segments gone down since it began
     # (a page may be older than the events applied meanwhile: `EvictionShell.adopt_listed`)
@@ -393,7 +397,6 @@ class GroupRecords:
         known = held[2].get(pool, 0) if held is not None else 0
         if held is None or nbytes <= known or not self.core.add_pool(chain, pool, nbytes - known):
             return
-        self._adopted.discard(chain)  # (see `_adopted`)
         held[2][pool] = nbytes
         self._disk_pools.add(pool)
 
@@ -407,7 +410,6 @@ class GroupRecords:
         moved = pools.pop(segment_id, 0)
         if not moved:  # not in that arena (any more): nothing moved
             return
-        self._adopted.discard(chain)
         # A disk copy it had already (`_copied`) is the same replica, not more bytes; members
         # a partial demotion moved before are other bytes (one segment holds each member once).
         disk = pools.get(ssd_pool(segment_id), 0)
@@ -423,7 +425,6 @@ class GroupRecords:
         if held is None or chain not in self.core:
             return
         pools = held[2]
-        self._adopted.discard(chain)
         for pool in [p for p in pools if is_ssd_pool(p)]:
             del pools[pool]
         self.demotions["disk_dropped"] = self.demotions.get("disk_dropped", 0) + 1

@@ -17,12 +17,13 @@ event loop):
   order, each once.
 - **segments**: every `segments_refresh_ms`, `list_segments` of every directory shard, merged,
   re-reads capacities (and drops the pools of segments the directory no longer reports up).
-- **adopter**: when the stream has lost events this policy never applied (aged out, purged,
-  recreated: `check_stream`, seen by the follower), once the follower has applied what the
-  stream held then, every published group not tracked is adopted from the directory's listing
-  (`adopt_listed`: ranked as last used before the policy started, no parent), so a cluster
-  older than the stream's retention is still evicted. Only publications are recovered: the
-  lost events' hits and recency are gone.
+- **adopter**: once the follower has replayed the stream at start, and whenever the stream
+  has lost events this policy never applied (aged out, purged, recreated: `check_stream` at
+  (re)subscribe, a gap in the sequences while subscribed), once the follower has applied what
+  the stream held then, every published group not tracked is adopted from the directory's
+  listing (`adopt_listed`: ranked as last used before the policy started, no parent), so a
+  cluster older than the stream's retention is still evicted. Only publications are
+  recovered: the lost events' hits and recency are gone.
 - **ticker**: every `tick_ms`, the core's `Tick` (stepped through its `CoreDriver`,
   `kvfabric.runtime.core_driver`, on the wall clock, never backwards) returns victim batches
   (tails before heads), which the driver has performed in order (`_perform`); each
@@ -144,7 +145,8 @@ EVENTS_LINGER_S: Final = 0.05  # at the stream's end, events gather this long in
 RETRY_S: Final = 0.5
 ADOPT_PAGE_GROUPS: Final = 1_000  # groups per `list_groups` page when adopting a listing
 ADOPT_PAGES_MAX: Final = 1_000_000  # pages per shard (each bounded by the directory's reply size)
-ADOPT_RETRY_S: Final = 2.0
+ADOPT_RETRY_S: Final = 2.0  # a failed listing is tried again after this, doubling up to ...
+ADOPT_RETRY_MAX_S: Final = 120.0
 # Adoption waits for the follower to apply the stream (before the listing, and past it) as long
 # as it applies an event at least this often.
 ADOPT_FOLLOWER_STALL_S: Final = 60.0
@@ -191,7 +193,12 @@ class EvictionShell(GroupRecords):
         self._gone_while_adopting: set[bytes] | None = None  # see `GroupRecords`
         self._down_while_adopting: set[str] | None = None
         self._adopt_after_seq = 0  # the stream's end when events were found lost
-        self._adopt_wanted = asyncio.Event()  # the stream lost events the policy never applied
+        self._stream_created: object = None  # the events stream's creation time, as last seen
+        # The stream lost events the policy never applied. Set from the start: once the stream
+        # is replayed, the listing's groups it did not tell of are adopted (a stream recreated
+        # before this policy started, sequences from 1 again, lost events nothing in it shows).
+        self._adopt_wanted = asyncio.Event()
+        self._adopt_wanted.set()
         self._started_ms = 0  # what adopted groups rank as last used (before any replayed event)
         self._past_seq = 0  # `_past` is set once the follower applied this sequence
         self._past = asyncio.Event()
@@ -266,7 +273,7 @@ class EvictionShell(GroupRecords):
             try:
                 info = await js.stream_info(EVENTS_STREAM)
                 end_seq = info.state.last_seq
-                self.check_stream(info.state.first_seq, end_seq)
+                self.check_stream(info.state.first_seq, end_seq, info.created)
                 config = ConsumerConfig(
                     deliver_policy=(DeliverPolicy.BY_START_SEQUENCE if self.last_seq else DeliverPolicy.ALL),
                     opt_start_seq=self.last_seq + 1 if self.last_seq else None,
@@ -285,19 +292,43 @@ class EvictionShell(GroupRecords):
                 self._log.info("events_follow_retry", error=type(exc).__name__, last_seq=self.last_seq)
                 await asyncio.sleep(RETRY_S)
 
-    def check_stream(self, first_seq: int, end_seq: int) -> bool:
-        """The stream's bounds as the follower (re)subscribes. True when events this policy never
-        applied are gone (aged out of the stream, purged, or the stream was recreated: its
-        sequences restarted below ours): the groups they published are adopted from the
-        directory's listing, once the follower has applied what the stream holds now
-        (`_adopter`); the follower goes on from the stream's first event (public for tests)."""
-        if first_seq <= self.last_seq + 1 and end_seq >= self.last_seq:
+    def check_stream(self, first_seq: int, end_seq: int, created: object = None) -> bool:
+        """The stream's bounds (and creation time) as the follower (re)subscribes. True when
+        events this policy never applied are gone: aged out of the stream or purged (its first
+        sequence past ours + 1), or the stream was recreated with its sequences restarted below
+        ours (its end below ours, or a new creation time and its first sequence not past ours;
+        the directory's own repair recreates it at its last sequence + 1, which loses nothing
+        the policy applied). The groups they published are adopted from the directory's
+        listing, once the follower has applied what the stream holds now (`_adopter`); the
+        follower goes on from the stream's first event (public for tests)."""
+        recreated = (
+            created is not None and self._stream_created is not None and created != self._stream_created
+        )
+        if created is not None:
+            self._stream_created = created
+        if (
+            first_seq <= self.last_seq + 1
+            and end_seq >= self.last_seq
+            and not (recreated and first_seq <= self.last_seq)
+        ):
             return False
-        self._log.warning("events_lost", first_seq=first_seq, end_seq=end_seq, last_applied=self.last_seq)
+        self._log.warning(
+            "events_lost",
+            first_seq=first_seq,
+            end_seq=end_seq,
+            last_applied=self.last_seq,
+            recreated=recreated,
+        )
         self.last_seq = max(first_seq - 1, 0)  # (so a reconnect does not find them lost again)
+        self._events_lost(end_seq)
+        return True
+
+    def _events_lost(self, end_seq: int) -> None:
+        """Adopt the listing once the follower has applied `end_seq`; a waiter on the follower
+        (`_reach`) looks again (the sequences may have moved back)."""
         self._adopt_after_seq = end_seq
         self._adopt_wanted.set()
-        return True
+        self._past.set()
 
     async def _read_events(self, sub: _Fetcher, end_seq: int) -> None:
         """Fetch and apply events until cancelled or the consumer fails (raises). At the stream's
@@ -321,6 +352,11 @@ class EvictionShell(GroupRecords):
         seq = msg.metadata.sequence.stream
         if seq <= self.last_seq:
             return  # a redelivery after a consumer restart: applied already
+        if self.last_seq and seq > self.last_seq + 1:
+            # The stream holds the directory's events only: a gap is events aged out ahead of
+            # a follower that lags (it stayed subscribed, so `check_stream` did not run).
+            self._log.warning("events_lost", first_seq=seq, last_applied=self.last_seq)
+            self._events_lost(seq)
         self.last_seq = seq
         if seq >= self._past_seq:
             self._past.set()
@@ -344,16 +380,20 @@ class EvictionShell(GroupRecords):
             await self._adopt_wanted.wait()
             await self.caught_up.wait()
             self._adopt_wanted.clear()
-            await self._reach(self._adopt_after_seq)
+            await self._reach(self._adopt_after_seq)  # (stalled: adopt all the same, the safe side)
+            retry_s = ADOPT_RETRY_S
             while True:
                 try:
                     await self.adopt_listed()
                     break
                 except KvfError as exc:
-                    self._log.info("adoption_retry", code=exc.code)
+                    self._log.info("adoption_retry", code=exc.code, retry_s=retry_s)
                 except Exception as exc:  # (not cancellation): the adopter must not die
-                    self._log.exception("adoption_failed", error=type(exc).__name__)
-                await asyncio.sleep(ADOPT_RETRY_S)
+                    self._log.error("adoption_failed", error=repr(exc), retry_s=retry_s)
+                # A listing is every shard's groups: a failure that repeats must not re-list
+                # them every 2 s.
+                await asyncio.sleep(retry_s)
+                retry_s = min(retry_s * 2, ADOPT_RETRY_MAX_S)
 
     async def _reach(self, seq: int) -> bool:
         """Wait until the follower has applied stream sequence `seq`, as long as it keeps
@@ -367,6 +407,8 @@ class EvictionShell(GroupRecords):
             except TimeoutError:
                 if self.last_seq == before:
                     return False
+            if self.last_seq < before:  # the stream was recreated: `seq` names another event
+                return False
         return True
 
     async def adopt_listed(self) -> int:
