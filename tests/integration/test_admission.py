@@ -6,21 +6,24 @@ after the staleness bound. The eviction policy publishes filters the directory i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
 
+import msgspec
 import nats
 import pytest
 
-from kvfabric.client import KvClient
+from kvfabric.client import ClientSettings, KvClient
 from kvfabric.format.clock import now_ms
+from kvfabric.format.key import ShareDomain
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
 from kvfabric.proto.codec import encode
 from kvfabric.proto.subjects import Service, endpoint_subject
 from kvfabric.testing import NatsServer, ServiceProcess, metric_value, scrape_metrics_async
-from tests.integration.clientkit import CHUNK_BYTES, TOKENS_PER_CHUNK, client, objects_for, prompt
+from tests.integration.clientkit import CHUNK_BYTES, SPEC, TOKENS_PER_CHUNK, client, objects_for, prompt
 from tests.integration.cluster import directory_call, directory_process, eviction_process, segment_process
 
 pytestmark = pytest.mark.integration
@@ -110,6 +113,26 @@ def test_a_refused_chunk_is_not_written_counted_and_admitted_once_the_filter_is_
         hit = kv.lookup(tokens)
         assert hit.chunks == 4
         kv.release(hit)
+
+
+def test_a_protected_share_domain_is_admitted_where_the_filter_refuses_another(
+    nats_server: NatsServer, directory: ServiceProcess
+) -> None:
+    """A domain below its guaranteed share is listed as protected (issue 25 item 5): the gate
+    admits all its chunks where the same filter refuses another domain's."""
+    other = dataclasses.replace(SPEC, domain=ShareDomain(tenant_id="tenant-b", salt=b"client-test-salt"))
+    filt = msgspec.structs.replace(
+        refusing([U, U, 0, U, U, U, U, U]), protected_domains=[SPEC.domain.digest()]
+    )
+    with client(nats_server) as kv, KvClient(ClientSettings(nats_url=nats_server.url), other) as kv_b:
+        asyncio.run(publish(nats_server.url, filt))
+        time.sleep(0.2)  # the directory installs it from its own subscription
+        tokens = prompt(4 * TOKENS_PER_CHUNK, seed=4545)
+        protected = kv.save(tokens, objects_for(tokens, 0, 4))
+        assert (protected.chunks_saved, protected.chunks_failed) == (4, 0), protected
+        refused = kv_b.save(tokens, objects_for(tokens, 0, 4))
+        assert (refused.chunks_saved, refused.causes) == (1, {"not_admitted": 3}), refused
+    assert asyncio.run(core_event(directory, "admission_admitted_guaranteed")) == 4
 
 
 def test_the_policy_publishes_filters_and_puts_are_admitted_once_it_stops(

@@ -254,6 +254,11 @@ def test_settings_reject_inverted_watermarks_and_unknown_policies() -> None:
         load_eviction_settings({"KVF_EVICTION_POLICY": "fifo"})
     assert load_eviction_settings({}).core.policy == "density"  # the default (docs/eviction-policy.md)
     assert load_eviction_settings({"KVF_EVICTION_POLICY": "s3fifo"}).core.policy == "s3fifo"
+    assert load_eviction_settings({}).core.density_recompute_every == 2048
+    tuned = load_eviction_settings({"KVF_EVICTION_DENSITY_RECOMPUTE_EVERY": "64"})
+    assert tuned.core.density_recompute_every == 64
+    with pytest.raises(SettingsError):
+        load_eviction_settings({"KVF_EVICTION_DENSITY_RECOMPUTE_EVERY": "0"})
 
 
 def test_two_domains_with_one_chain_hash_stay_two_groups() -> None:

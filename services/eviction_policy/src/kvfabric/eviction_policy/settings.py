@@ -4,7 +4,7 @@ The runtime's shared flags (NATS URL, metrics port, logging) come from `kvfabric
 
 | variable | default | meaning |
 |---|---|---|
-| `KVF_EVICTION_POLICY` | `density` | `lru`, `gdsf`, `lru2`, `sieve`, `s3fifo`, `wtinylfu`, `reuse` |
+| `KVF_EVICTION_POLICY` | `density` | or `lru`, `gdsf`, `lru2`, `sieve`, `s3fifo`, `wtinylfu`, `reuse` |
 | `KVF_EVICTION_HIGH_WATERMARK_PCT` | 90 | a segment fuller than this (% of capacity) evicts ... |
 | `KVF_EVICTION_LOW_WATERMARK_PCT` | 80 | ... down to this |
 | `KVF_EVICTION_BATCH_MAX` | 256 | victims per evict request |
@@ -17,6 +17,7 @@ The runtime's shared flags (NATS URL, metrics port, logging) come from `kvfabric
 | `KVF_EVICTION_DEMOTE_MIN_HITS` | 0 | ... read at least this often since published (`demote_or_drop`) |
 | `KVF_EVICTION_SSD_HIGH_WATERMARK_PCT` | 90 | a disk tier fuller than this drops its own victims |
 | `KVF_EVICTION_DEMOTE_TIMEOUT_MS` | 30000 | per demote request (up to 64 objects written to disk) |
+| `KVF_EVICTION_DENSITY_RECOMPUTE_EVERY` | 2048 | `density`: namings between two density recomputations |
 | `KVF_EVICTION_ADMISSION` | `off` | `predicted` (`density` only): publish an admission filter |
 | `KVF_EVICTION_ADMISSION_PUBLISH_MS` | 1000 | how often (below the directory's staleness bound) |
 | `KVF_EVICTION_DECISIONS_MAX` | 16384 | groups whose decisions `kvctl eviction explain` shows (0: none) |
@@ -33,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvfabric.core.eviction import POLICY_NAMES, EvictionConfig, TenantQuota
+from kvfabric.core.eviction_density import DENSITY_RECOMPUTE_EVERY
 from kvfabric.eviction_policy.decisions import DECISIONS_GROUPS_DEFAULT
 from kvfabric.runtime.config import SettingsError, env_int
 
@@ -102,6 +104,9 @@ def load_eviction_settings(env: Mapping[str, str]) -> EvictionSettings:
         low_watermark=low / 100,
         batch_max=env_int(env, "KVF_EVICTION_BATCH_MAX", 256, 1, 4096),
         refused_cooldown_ms=env_int(env, "KVF_EVICTION_REFUSED_COOLDOWN_MS", 5_000, 0, 3_600_000),
+        density_recompute_every=env_int(
+            env, "KVF_EVICTION_DENSITY_RECOMPUTE_EVERY", DENSITY_RECOMPUTE_EVERY, 1, 1 << 20
+        ),
     )
     admission = env.get("KVF_EVICTION_ADMISSION", "off")
     if admission not in ("off", "predicted"):
