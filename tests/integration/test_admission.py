@@ -24,7 +24,13 @@ from kvfabric.proto.codec import encode
 from kvfabric.proto.subjects import Service, endpoint_subject
 from kvfabric.testing import NatsServer, ServiceProcess, metric_value, scrape_metrics_async
 from tests.integration.clientkit import CHUNK_BYTES, SPEC, TOKENS_PER_CHUNK, client, objects_for, prompt
-from tests.integration.cluster import directory_call, directory_process, eviction_process, segment_process
+from tests.integration.cluster import (
+    directory_call,
+    directory_process,
+    eviction_process,
+    next_admission_filter,
+    segment_process,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -120,7 +126,7 @@ def test_a_protected_share_domain_is_admitted_where_the_filter_refuses_another(
 ) -> None:
     """A domain below its guaranteed share is listed as protected (issue 25 item 5): the gate
     admits all its chunks where the same filter refuses another domain's."""
-    other = dataclasses.replace(SPEC, domain=ShareDomain(tenant_id="tenant-b", salt=b"client-test-salt"))
+    other = dataclasses.replace(SPEC, domain=ShareDomain(tenant_id="tenant-b", salt=SPEC.domain.salt))
     filt = msgspec.structs.replace(
         refusing([U, U, 0, U, U, U, U, U]), protected_domains=[SPEC.domain.digest()]
     )
@@ -138,17 +144,6 @@ def test_a_protected_share_domain_is_admitted_where_the_filter_refuses_another(
 def test_the_policy_publishes_filters_and_puts_are_admitted_once_it_stops(
     nats_server: NatsServer, directory: ServiceProcess
 ) -> None:
-    async def one_filter() -> e.AdmissionFilter:
-        nc = await nats.connect(nats_server.url)
-        try:
-            sub = await nc.subscribe(SUBJECT)
-            msg = await sub.next_msg(timeout=10.0)
-            decoded = e.eviction_decoder.decode(msg.data)
-            assert isinstance(decoded, e.AdmissionFilter)
-            return decoded
-        finally:
-            await nc.close()
-
     port = directory.wait_for_event("directory_started", 1.0)["metrics_port"]
     with eviction_process(
         nats_server,
@@ -157,7 +152,7 @@ def test_the_policy_publishes_filters_and_puts_are_admitted_once_it_stops(
         KVF_EVICTION_ADMISSION_PUBLISH_MS="100",
         KVF_EVICTION_SEGMENTS_REFRESH_MS="200",
     ):
-        filt = asyncio.run(one_filter())
+        filt = asyncio.run(next_admission_filter(nats_server.url))
         assert filt.policy == "density"
         time.sleep(0.3)
         text = asyncio.run(scrape_metrics_async(port))

@@ -23,17 +23,19 @@ import os
 import time
 from collections.abc import Iterator
 
-import nats
 import pytest
 
 from kvfabric.client import ClientSettings, KvClient
-from kvfabric.cluster.requests import request as nats_request
 from kvfabric.format.key import ShareDomain
-from kvfabric.proto import eviction as e
-from kvfabric.proto.subjects import Service, endpoint_subject
 from kvfabric.testing import NatsServer
 from tests.integration.clientkit import CHUNK_BYTES, SPEC, TOKENS_PER_CHUNK, chunk_bytes, objects_for, prompt
-from tests.integration.cluster import directory_process, eviction_process, segment_process
+from tests.integration.cluster import (
+    directory_process,
+    eviction_process,
+    eviction_status,
+    next_admission_filter,
+    segment_process,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +49,7 @@ GUARANTEED_BYTES = 5 << 20  # its ten prompts and a new one a round: 4 MiB
 
 
 def share_domain(tenant_id: str) -> ShareDomain:
-    return ShareDomain(tenant_id=tenant_id, salt=b"client-test-salt")
+    return ShareDomain(tenant_id=tenant_id, salt=SPEC.domain.salt)
 
 
 def tenant(nats_server: NatsServer, tenant_id: str) -> KvClient:
@@ -61,33 +63,6 @@ def tenant(nats_server: NatsServer, tenant_id: str) -> KvClient:
 def cluster(nats_server: NatsServer) -> Iterator[None]:
     with directory_process(nats_server), segment_process(nats_server, SEGMENT, arena_bytes=ARENA_BYTES):
         yield
-
-
-async def eviction_status(url: str) -> e.EvictionStatus:
-    nc = await nats.connect(url)
-    try:
-        reply = await nats_request(
-            nc,
-            endpoint_subject(Service.EVICTION, "status"),
-            e.EvictionStatusRequest(),
-            e.eviction_decoder,
-            5.0,
-        )
-        assert isinstance(reply, e.EvictionStatus)
-        return reply
-    finally:
-        await nc.close()
-
-
-async def next_filter(url: str) -> e.AdmissionFilter:
-    nc = await nats.connect(url)
-    try:
-        sub = await nc.subscribe(endpoint_subject(Service.EVICTION, e.ADMISSION_FILTER_VERB))
-        decoded = e.eviction_decoder.decode((await sub.next_msg(timeout=10.0)).data)
-        assert isinstance(decoded, e.AdmissionFilter)
-        return decoded
-    finally:
-        await nc.close()
 
 
 def evicted_below_high(url: str) -> None:
@@ -178,7 +153,7 @@ def test_a_scanning_tenant_does_not_push_out_a_tenant_with_a_guaranteed_share(
             new = reader.save(tokens, objects_for(tokens, 0, READER_CHUNKS))
             assert new.chunks_saved == READER_CHUNKS, (case, new)
         if "KVF_EVICTION_ADMISSION" in env:  # the filter the directory applies protects the reader
-            filt = asyncio.run(next_filter(nats_server.url))
+            filt = asyncio.run(next_admission_filter(nats_server.url))
             assert filt.protected_domains == [share_domain("reader").digest()], filt
     print(f"{case}: reader hit rate by round {rates}; scan chunks saved {scan_saved}, refused {scan_refused}")
     second_half = rates[ROUNDS // 2 :]

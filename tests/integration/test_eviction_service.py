@@ -32,7 +32,13 @@ from tests.integration.clientkit import (
     objects_for,
     prompt,
 )
-from tests.integration.cluster import directory_call, directory_process, eviction_process, segment_process
+from tests.integration.cluster import (
+    directory_call,
+    directory_process,
+    eviction_process,
+    eviction_status,
+    segment_process,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -57,22 +63,6 @@ def policy_process(nats_server: NatsServer, policy: str) -> contextlib.AbstractC
         KVF_EVICTION_SEGMENTS_REFRESH_MS="200",
         KVF_EVICTION_REFUSED_COOLDOWN_MS="200",
     )
-
-
-async def status(nats_url: str) -> e.EvictionStatus:
-    nc = await nats.connect(nats_url)
-    try:
-        reply = await nats_request(
-            nc,
-            endpoint_subject(Service.EVICTION, "status"),
-            e.EvictionStatusRequest(),
-            e.eviction_decoder,
-            5.0,
-        )
-        assert isinstance(reply, e.EvictionStatus)
-        return reply
-    finally:
-        await nc.close()
 
 
 async def published_chunks(nats_url: str) -> dict[bytes, set[int]]:
@@ -140,7 +130,7 @@ def test_past_the_high_watermark_it_evicts_to_the_low_one_and_leased_reads_stay_
 
         async def settled() -> e.EvictionStatus:
             while True:
-                st = await status(nats_server.url)
+                st = await eviction_status(nats_server.url)
                 last[:] = [st]
                 if not st.pools:  # still replaying the stream / learning the segment
                     await asyncio.sleep(0.1)
@@ -262,7 +252,7 @@ def test_a_policy_started_after_its_events_aged_out_adopts_the_directorys_listin
 
         async def settled() -> e.EvictionStatus:
             while True:
-                st = await status(nats_server.url)
+                st = await eviction_status(nats_server.url)
                 if st.pools and st.counters.get("evicted_total", 0):
                     chunks = await published_chunks(nats_server.url)
                     if sum(len(c) for c in chunks.values()) * CHUNK_BYTES == st.pools[0].used_bytes:

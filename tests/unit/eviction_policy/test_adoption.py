@@ -75,9 +75,30 @@ class Listing(DirectoryRouter):
             yield m.GroupList(epoch=1, groups=self.groups[at : at + 2])
 
 
-def test_untracked_groups_are_adopted_ranked_first_and_taken_again_from_their_own_event() -> None:
+def lru_shell(**kwargs: Any) -> EvictionShell:
+    """A shell around a fresh `lru` core (no NATS)."""
     core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.1))
-    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0, demote=False)
+    return EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0, **kwargs)
+
+
+async def run_adopter_until_one_adoption(sh: EvictionShell, meanwhile: Any = None) -> None:
+    """Run the adopter task (and the coroutine `meanwhile`, if given) until it has adopted once
+    (at most about a second), then cancel it."""
+    task = asyncio.create_task(sh._adopter())
+    if meanwhile is not None:
+        await meanwhile
+    for _ in range(200):
+        if sh.adoptions:
+            break
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def test_untracked_groups_are_adopted_ranked_first_and_taken_again_from_their_own_event() -> None:
+    sh = lru_shell(demote=False)
+    core = sh.core
     t = now_ms()  # the adoption runs on the wall clock
     sh._started_ms = t - 900  # the policy started then; the events it replays come later
     sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=100), t - 800)
@@ -114,12 +135,7 @@ def test_an_adopted_head_taken_again_from_its_event_keeps_the_links_it_had_befor
     (its stream having lost events meanwhile) adopts 1 from the listing; then the follower reads
     the directory's republish of 1 (no parent, as adopted from a disk tier). The re-take must
     not forget 1's links (a review found it did): its tail still goes before it."""
-    sh = EvictionShell(
-        EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.1)),
-        tick_ms=10,
-        segments_refresh_ms=100,
-        request_timeout_s=1.0,
-    )
+    sh = lru_shell()
     t = now_ms()
     sh._started_ms = t - 900
     for segment in ("s1", "s2"):
@@ -195,8 +211,7 @@ def test_a_listing_page_older_than_the_events_applied_since_adds_no_phantom() ->
 
 
 def test_the_stream_is_found_short_once_and_the_follower_goes_on_from_its_first_event() -> None:
-    core = EvictionCore(EvictionConfig(policy="lru"))
-    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh = lru_shell()
     assert sh._adopt_wanted.is_set()  # at every start, once the stream is replayed
     sh._adopt_wanted.clear()
     assert not sh.check_stream(0, 0, "t0")  # a new, empty stream
@@ -225,9 +240,7 @@ def event_msg(seq: int) -> SimpleNamespace:
 
 
 def test_a_gap_in_the_sequences_read_is_events_lost_while_subscribed() -> None:
-    sh = EvictionShell(
-        EvictionCore(EvictionConfig(policy="lru")), tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0
-    )
+    sh = lru_shell()
     sh._adopt_wanted.clear()
     for seq in (1, 2, 3):
         sh._on_message(cast(Any, event_msg(seq)))
@@ -242,8 +255,7 @@ def test_adoption_waits_for_the_follower_while_it_makes_progress_and_not_past_a_
     import kvfabric.eviction_policy.shell as shell_module
 
     monkeypatch.setattr(shell_module, "ADOPT_FOLLOWER_STALL_S", 0.3)
-    core = EvictionCore(EvictionConfig(policy="lru"))
-    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh = lru_shell()
 
     async def follower(steps: int) -> None:
         for _ in range(steps):  # slower in all than one stall, never stalled that long
@@ -262,9 +274,7 @@ def test_adoption_waits_for_the_follower_while_it_makes_progress_and_not_past_a_
 
 
 def test_a_wait_for_the_follower_ends_when_the_stream_is_recreated_under_it() -> None:
-    sh = EvictionShell(
-        EvictionCore(EvictionConfig(policy="lru")), tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0
-    )
+    sh = lru_shell()
     sh.last_seq = 500
 
     async def scenario() -> tuple[bool, float]:
@@ -283,9 +293,7 @@ def test_a_wait_for_the_follower_ends_when_the_stream_is_recreated_under_it() ->
 def test_the_adopter_lists_only_once_the_follower_applied_what_the_stream_held(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    sh = EvictionShell(
-        EvictionCore(EvictionConfig(policy="lru")), tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0
-    )
+    sh = lru_shell()
     sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1_000), now_ms() - 10)
     listed_at: list[int] = []
 
@@ -298,28 +306,18 @@ def test_the_adopter_lists_only_once_the_follower_applied_what_the_stream_held(
     sh.caught_up.set()
     sh.check_stream(101, 105, "t0")  # 1..100 lost; 101..105 still to read
 
-    async def scenario() -> None:
-        task = asyncio.create_task(sh._adopter())
+    async def follower() -> None:
         for seq in range(101, 106):
             await asyncio.sleep(0.02)
             assert not listed_at, "listed before the follower applied the stream"
             sh._on_message(cast(Any, event_msg(seq)))
-        for _ in range(200):
-            if sh.adoptions:
-                break
-            await asyncio.sleep(0.005)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
-    asyncio.run(scenario())
+    asyncio.run(run_adopter_until_one_adoption(sh, follower()))
     assert listed_at == [105] and sh.groups_adopted == 1
 
 
 def test_an_adopted_group_forgotten_leaves_the_adopted_set() -> None:
-    sh = EvictionShell(
-        EvictionCore(EvictionConfig(policy="lru")), tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0
-    )
+    sh = lru_shell()
     t = now_ms()
     sh._started_ms = t - 900
     sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1_000), t - 800)
@@ -333,8 +331,7 @@ def test_the_adopter_retries_a_listing_that_fails_in_any_way(monkeypatch: pytest
     import kvfabric.eviction_policy.shell as shell_module
 
     monkeypatch.setattr(shell_module, "ADOPT_RETRY_S", 0.0)
-    core = EvictionCore(EvictionConfig(policy="lru"))
-    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh = lru_shell()
     sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1_000), now_ms() - 10)
     failures = [Unavailable("directory away"), ValueError("a bug somewhere")]
 
@@ -346,17 +343,6 @@ def test_the_adopter_retries_a_listing_that_fails_in_any_way(monkeypatch: pytest
 
     sh._router = Flaky([summary(1, ("s1", 1))])
 
-    async def scenario() -> None:
-        sh.caught_up.set()
-        sh._adopt_wanted.set()
-        task = asyncio.create_task(sh._adopter())
-        for _ in range(200):
-            if sh.adoptions:
-                break
-            await asyncio.sleep(0.005)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    asyncio.run(scenario())
+    sh.caught_up.set()
+    asyncio.run(run_adopter_until_one_adoption(sh))
     assert sh.adoptions == 1 and sh.groups_adopted == 1 and not failures

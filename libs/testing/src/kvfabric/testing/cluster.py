@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Final
 
 import msgspec
+import nats
 from nats.aio.client import Client as NatsClient
 
 from kvfabric.cluster.directory_router import DirectoryRouter
@@ -26,9 +27,10 @@ from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import KvfError, Unavailable
 from kvfabric.format.ids import domain_in_id
 from kvfabric.proto import directory as m
+from kvfabric.proto import eviction as e
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import DrainRequest, SegmentState, segment_decoder
-from kvfabric.proto.subjects import segment_subject
+from kvfabric.proto.subjects import Service, endpoint_subject, segment_subject
 from kvfabric.proto.tickets import read_token
 from kvfabric.testing.nats_server import NatsServer
 from kvfabric.testing.process import ServiceProcess
@@ -229,6 +231,35 @@ async def ask_directory(
 async def directory_call(nc: NatsClient, verb: str, message: msgspec.Struct) -> msgspec.Struct:
     """`ask_directory` on a router of its own (the shard map asked afresh)."""
     return await ask_directory(await directory_router(nc), verb, message)
+
+
+async def eviction_status(nats_url: str) -> e.EvictionStatus:
+    """The eviction policy's `status` (on a connection of its own)."""
+    nc = await nats.connect(nats_url)
+    try:
+        reply = await request(
+            nc,
+            endpoint_subject(Service.EVICTION, "status"),
+            e.EvictionStatusRequest(),
+            e.eviction_decoder,
+            5.0,
+        )
+        assert isinstance(reply, e.EvictionStatus)
+        return reply
+    finally:
+        await nc.close()
+
+
+async def next_admission_filter(nats_url: str, timeout_s: float = 10.0) -> e.AdmissionFilter:
+    """The next admission filter the eviction policy publishes."""
+    nc = await nats.connect(nats_url)
+    try:
+        sub = await nc.subscribe(endpoint_subject(Service.EVICTION, e.ADMISSION_FILTER_VERB))
+        decoded = e.eviction_decoder.decode((await sub.next_msg(timeout=timeout_s)).data)
+        assert isinstance(decoded, e.AdmissionFilter)
+        return decoded
+    finally:
+        await nc.close()
 
 
 async def segment_state(nc: NatsClient, segment_id: str, draining: bool = False) -> SegmentState:
