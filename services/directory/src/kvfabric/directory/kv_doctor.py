@@ -54,6 +54,7 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
+from kvfabric.directory.kv_keys import bucket_keys
 from kvfabric.runtime.logs import get_logger
 
 __all__ = [
@@ -119,9 +120,9 @@ async def floor_of(nc: NatsClient, stream: str, config_bucket: str) -> int | Non
     js = nc.jetstream(timeout=API_TIMEOUT_S)
     try:
         config = await js.key_value(config_bucket)
-        keys = await config.keys()
-    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
+    except nats.js.errors.BucketNotFoundError:
         return None
+    keys = await bucket_keys(js, config_bucket)  # not `config.keys()`: it can end early (kv_keys)
     floors = []
     for key in keys:
         if key.startswith(f"{CLAIM_PREFIX}{stream}-"):

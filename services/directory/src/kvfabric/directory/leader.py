@@ -78,6 +78,7 @@ from kvfabric.core.leadership import (
     member_key,
 )
 from kvfabric.directory.kv_buckets import KV_TIMEOUT_S, LEADERS_BUCKET, MEMBERS_BUCKET, open_bucket
+from kvfabric.directory.kv_keys import KeyListingTruncated, bucket_keys
 from kvfabric.format.clock import monotonic_ms
 from kvfabric.runtime.logs import get_logger
 
@@ -162,10 +163,11 @@ class LeaderElection:
         return sum(done)
 
     async def _live_members(self) -> set[str]:
-        assert self._members is not None
+        # From the stream's subjects (`kv_keys`: nats-py's `keys()` can end a listing early, and
+        # a member missed here is handed fewer shards than its share).
         try:
-            keys = await self._members.keys()
-        except (nats.js.errors.NoKeysError, nats.errors.Error, TimeoutError):
+            keys = await bucket_keys(self.nc.jetstream(timeout=KV_TIMEOUT_S), MEMBERS_BUCKET)
+        except (nats.errors.Error, TimeoutError, KeyListingTruncated):
             return {self.instance_id}
         return {k.removeprefix("member-") for k in keys} | {self.instance_id}
 

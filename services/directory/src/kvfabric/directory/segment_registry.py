@@ -3,6 +3,11 @@ the JetStream KV bucket `KVF_DIRECTORY_SEGMENTS` (key = segment id). The leader 
 it on every registration, before acknowledging it; a new leader reads it to know which segments
 to ask for reports (`kvfabric.directory.rebuild`). This is the only durable record the directory
 keeps.
+
+`all()` lists the bucket from its stream's subjects (`kvfabric.directory.kv_keys`: nats-py's
+`keys()` can end a listing early), and adds every registration this process wrote or read that
+the listing did not name (registrations are never deleted: a listing only grows). Each is kept
+with its revision, so a read from a lagging replica never replaces a newer one.
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ from typing import Final
 import msgspec
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from kvfabric.directory.kv_buckets import SEGMENTS_BUCKET, open_bucket
+from kvfabric.directory.kv_buckets import KV_TIMEOUT_S, SEGMENTS_BUCKET, open_bucket
+from kvfabric.directory.kv_keys import bucket_keys
 from kvfabric.proto import directory as m
 from kvfabric.runtime.logs import get_logger
 
@@ -30,33 +37,47 @@ _log = get_logger("kvfabric.directory.registry")
 class SegmentRegistry:
     """Which segments exist (their latest registration), durable in JetStream KV."""
 
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KeyValue, js: JetStreamContext, bucket: str = SEGMENTS_BUCKET) -> None:
         self.kv = kv
+        self.js = js
+        self.bucket = bucket
+        # segment id -> (revision, registration): the newest this process wrote or read. Bounded
+        # by the segments ever registered, as the bucket is (nothing is deleted from either).
+        self._seen: dict[str, tuple[int, m.RegisterSegment]] = {}
 
     @classmethod
     async def open(cls, nc: NatsClient, replicas: int = 1) -> SegmentRegistry:
-        return cls(await open_bucket(nc, SEGMENTS_BUCKET, None, replicas))
+        kv = await open_bucket(nc, SEGMENTS_BUCKET, None, replicas)
+        return cls(kv, nc.jetstream(timeout=KV_TIMEOUT_S))
 
     async def put(self, registration: m.RegisterSegment) -> None:
-        await self.kv.put(registration.segment_id, msgspec.msgpack.encode(registration))
+        revision = await self.kv.put(registration.segment_id, msgspec.msgpack.encode(registration))
+        self._remember(revision, registration)
 
     async def get(self, segment_id: str) -> m.RegisterSegment | None:
         """The registration of a segment that heartbeats (so it registered: read as missing only
         from a lagging replica, asked again); None if it never did."""
-        entry = await self._get_listed(segment_id)
-        return msgspec.msgpack.decode(entry.value, type=m.RegisterSegment) if entry and entry.value else None
+        return await self._read(segment_id)
 
     async def all(self) -> list[m.RegisterSegment]:
-        try:
-            keys = await self.kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
-        out = []
-        for key in sorted(keys):
-            entry = await self._get_listed(key)
-            if entry is not None and entry.value:
-                out.append(msgspec.msgpack.decode(entry.value, type=m.RegisterSegment))
-        return out
+        """Every registration: the bucket's, and any this process saw that it did not name."""
+        for key in await bucket_keys(self.js, self.bucket):
+            await self._read(key)
+        return [self._seen[segment_id][1] for segment_id in sorted(self._seen)]
+
+    async def _read(self, segment_id: str) -> m.RegisterSegment | None:
+        """The newest of what the bucket holds now and what this process saw before."""
+        entry = await self._get_listed(segment_id)
+        if entry is not None and entry.value:
+            registration = msgspec.msgpack.decode(entry.value, type=m.RegisterSegment)
+            self._remember(entry.revision or 0, registration)
+        seen = self._seen.get(segment_id)
+        return seen[1] if seen is not None else None
+
+    def _remember(self, revision: int, registration: m.RegisterSegment) -> None:
+        seen = self._seen.get(registration.segment_id)
+        if seen is None or seen[0] <= revision:
+            self._seen[registration.segment_id] = (revision, registration)
 
     async def _get_listed(self, key: str) -> KeyValue.Entry | None:
         """Registrations are never deleted: a key known to exist that reads as missing came from

@@ -34,7 +34,9 @@ from the durable registry (`_introduce`). When it holds bytes, some may be of th
 are invisible to it (a miss where the cache holds the prompt, and slots no one frees): the
 shard is rebuilt under the same epoch — stopped, then started from the segments' reports like
 after a failover (fencing, grace period): at once, then with a per-shard backoff
-(`MISSING_SEGMENT_REBUILD_S_MIN` doubling to `_MAX`). The old core stops acting before the new
+(`MISSING_SEGMENT_REBUILD_S_MIN` doubling to `_MAX`). A rebuild asked for while the shard is
+still starting (its shell serves before the start has ended) waits for that start, then runs:
+the start asked the segments before the introduction. The old core stops acting before the new
 one is built, so no two cores of one shard and epoch ever act together.
 """
 
@@ -112,8 +114,10 @@ class ShardHost:
         grants: Mapping[str, authz.TenantGrant] | None = None,
         lookup_reply_min_ms: int = 0,
         fair: FairGate | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.instance_id = instance_id
+        self._clock = clock  # seconds: the missing-segment rebuilds' backoff
         self.shards = shards
         self.core_config = core_config
         self.registry = registry
@@ -129,7 +133,7 @@ class ShardHost:
         self.fair: FairGate | None = fair
         self._nc: NatsClient | None = None
         self._subs: list[object] = []
-        self._starting: set[int] = set()
+        self._starting: dict[int, asyncio.Event] = {}  # shard -> set once its start has ended
         self._wanted: dict[int, int] = {}  # shard -> newest epoch a start was asked for
         self._retiring: set[asyncio.Task[None]] = set()  # handed-over shells draining their events
         self._retiring_shells: set[DirectoryShell] = set()  # theirs: `stop` stops them too
@@ -142,7 +146,10 @@ class ShardHost:
         self.restart_shard: Callable[[int, int], Awaitable[None]] = restart_shard or self.start_shard
         self._rebuild_last_s: dict[int, float] = {}  # shard -> when its last rebuild began
         self._rebuild_wait_s: dict[int, float] = {}  # shard -> its backoff (doubles, capped)
+        # shard -> its rebuild scheduled and not begun yet (covers every segment introduced
+        # meanwhile); every rebuild task, begun or not, is in `_rebuilds` (`stop` cancels them).
         self._rebuild_pending: dict[int, asyncio.Task[None]] = {}
+        self._rebuilds: set[asyncio.Task[None]] = set()
         self._stopping = False
         self.missing_segment_rebuilds = 0
         # One bucket per granted tenant that asked (bounded by the grants); refused answers.
@@ -381,15 +388,16 @@ class ShardHost:
 
     def _rebuild_later(self, shard: int, epoch: int, segment_id: str) -> None:
         """Rebuild `shard` once its backoff allows (never dropped: the segment is known to the
-        core from now on, so no later heartbeat would ask again). One pending rebuild per
-        shard covers every segment missed meanwhile: it asks all registered segments."""
+        core from now on, so no later heartbeat would ask again). One rebuild per shard not yet
+        begun covers every segment missed meanwhile: it asks all registered segments."""
         pending = self._rebuild_pending.get(shard)
         if self._stopping or (pending is not None and not pending.done()):
             return
-        now_s = time.monotonic()
+        now_s = self._clock()
         last_s = self._rebuild_last_s.get(shard)
-        if last_s is None or now_s - last_s > MISSING_SEGMENT_REBUILD_S_MAX:
-            self._rebuild_wait_s[shard] = MISSING_SEGMENT_REBUILD_S_MIN  # quiet for long: reset
+        quiet = last_s is None or now_s - last_s > MISSING_SEGMENT_REBUILD_S_MAX
+        if quiet:  # the first rebuild in a while: at once, and the next one after the shortest wait
+            self._rebuild_wait_s[shard] = MISSING_SEGMENT_REBUILD_S_MIN
         delay_s = 0.0 if last_s is None else max(0.0, last_s + self._rebuild_wait_s[shard] - now_s)
         self._log.warning(
             "shard_rebuild_for_missing_segment",
@@ -398,23 +406,39 @@ class ShardHost:
             segment_id=segment_id,
             delay_s=round(delay_s, 1),
         )
-        task = asyncio.create_task(self._rebuild(shard, epoch, delay_s), name=f"directory-rebuild-{shard}")
-        self._rebuild_pending[shard] = task  # owned here until done (stop() cancels it)
+        task = asyncio.create_task(
+            self._rebuild(shard, epoch, delay_s, backoff=not quiet), name=f"directory-rebuild-{shard}"
+        )
+        self._rebuild_pending[shard] = task
+        self._rebuilds.add(task)  # owned here until done (stop() cancels it)
 
         def done(finished: asyncio.Task[None]) -> None:
+            self._rebuilds.discard(finished)
             if self._rebuild_pending.get(shard) is finished:
                 del self._rebuild_pending[shard]
 
         task.add_done_callback(done)
 
-    async def _rebuild(self, shard: int, epoch: int, delay_s: float) -> None:
+    async def _rebuild(self, shard: int, epoch: int, delay_s: float, *, backoff: bool) -> None:
+        """The rebuild `_rebuild_later` scheduled; with `backoff`, the wait before the next one
+        doubles (the first after a quiet spell is at once, the second `_MIN` later, ...)."""
         await asyncio.sleep(delay_s)
+        # A start of this shard still running (its shell may already serve: the heartbeat that
+        # introduced the segment reached it) asked the segments before that introduction, so
+        # it may not cover it: wait for it to end, then rebuild (cancelled by `stop`).
+        while (start := self._starting.get(shard)) is not None and not self._stopping:
+            await start.wait()
         shell = self.shells.get(shard)
-        if self._stopping or shell is None or shell.core.epoch != epoch or shard in self._starting:
-            return  # handed over, lost, or a start is already rebuilding it
-        self._rebuild_last_s[shard] = time.monotonic()
-        wait_s = self._rebuild_wait_s.get(shard, MISSING_SEGMENT_REBUILD_S_MIN)
-        self._rebuild_wait_s[shard] = min(wait_s * 2, MISSING_SEGMENT_REBUILD_S_MAX)
+        if self._stopping or shell is None or shell.core.epoch != epoch:
+            return  # handed over or lost: the next start asks every segment anyway
+        if self._rebuild_pending.get(shard) is asyncio.current_task():
+            # Begun: its start asks the segments from now on, and a segment introduced to the new
+            # core during that start was missed by it; such a one schedules the next rebuild.
+            del self._rebuild_pending[shard]
+        self._rebuild_last_s[shard] = self._clock()
+        if backoff:
+            wait_s = self._rebuild_wait_s.get(shard, MISSING_SEGMENT_REBUILD_S_MIN)
+            self._rebuild_wait_s[shard] = min(wait_s * 2, MISSING_SEGMENT_REBUILD_S_MAX)
         self.missing_segment_rebuilds += 1
         # The old core stops acting before the new one exists: no tick, request or free of it
         # overlaps the new core (same epoch: segments could not tell their frees apart), and its
@@ -460,7 +484,7 @@ class ShardHost:
         self._wanted[shard] = epoch
         if shard in self._starting:
             return
-        self._starting.add(shard)
+        ended = self._starting[shard] = asyncio.Event()
         try:
             while True:
                 wanted = self._wanted[shard]
@@ -468,8 +492,9 @@ class ShardHost:
                 if self._wanted[shard] == wanted:
                     break
         finally:
-            self._starting.discard(shard)
+            del self._starting[shard]
             self._wanted.pop(shard, None)
+            ended.set()
         if not self._starting and not self._settling:
             self._settling = True  # shards won in one election round start together: wait for them
             asyncio.get_running_loop().call_later(SETTLE_S, self._settled)
@@ -572,7 +597,7 @@ class ShardHost:
             return max(0.0, deadline_s - loop.time())
 
         self._stopping = True  # no rebuild starts (or restarts a shard) from now on
-        stuck = await cancel_and_wait(self._rebuild_pending.values(), left_s())
+        stuck = await cancel_and_wait(list(self._rebuilds), left_s())
         stuck |= await cancel_and_wait(self.suspects.in_flight(), left_s())  # corruption reports in flight
         for sub in self._subs:
             with contextlib.suppress(nats.errors.Error, TimeoutError):

@@ -1,0 +1,144 @@
+"""`ShardHost`'s rebuilds for a missing segment (a segment heartbeating to a shard core that never
+saw it, `_introduce`): at once, then 10 s later, doubling to 5 min; never dropped, neither when
+the shard is still starting (its shell already serves) nor when a segment is introduced to the
+new core while a rebuild's own start runs (a CI run found a shard serving without both segments
+for 20 s, docs/directory-ha.md)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any, cast
+
+from kvfabric.core.directory import DirectoryConfig
+from kvfabric.directory import shard_host
+from kvfabric.directory.shard_host import ShardHost
+
+SHARD = 3
+EPOCH = 7
+
+
+class FakeShell:
+    def __init__(self) -> None:
+        self.core = SimpleNamespace(epoch=EPOCH, shard=SHARD)
+        self.may_act: Callable[[], bool] = lambda: True
+
+    async def drain_events(self, timeout_s: float) -> None:
+        await asyncio.sleep(0)
+
+    async def stop(self, timeout_s: float = 0.0) -> set[asyncio.Task[None]]:
+        return set()
+
+
+class Harness:
+    """A host whose clock is ours and whose rebuilds run at once, the clock moved to when each
+    was due; `restart_shard` records the time (`begun`) and installs a new shell, running
+    `during_restart` while the shard counts as starting (as `start_shard` does)."""
+
+    def __init__(self) -> None:
+        self.now_s = 1_000.0
+        self.begun: list[float] = []
+        self.during_restart: Callable[[], None] = lambda: None
+        self.host = ShardHost(
+            "dir-a",
+            8,
+            DirectoryConfig(ticket_secret=b"s" * 32),
+            registry=cast(Any, None),
+            make_shell=cast(Any, None),
+            restart_shard=self.restart,
+            clock=lambda: self.now_s,
+        )
+        self.host.shells[SHARD] = cast(Any, FakeShell())
+        real_rebuild = self.host._rebuild
+
+        async def due_at_once(shard: int, epoch: int, delay_s: float, *, backoff: bool) -> None:
+            self.now_s += delay_s
+            await real_rebuild(shard, epoch, 0.0, backoff=backoff)
+
+        self.host._rebuild = due_at_once  # type: ignore[method-assign]
+
+    async def restart(self, shard: int, epoch: int) -> None:
+        self.begun.append(self.now_s)
+        ended = self.host._starting[shard] = asyncio.Event()
+        try:
+            self.host.shells[shard] = cast(Any, FakeShell())
+            self.during_restart()
+            await asyncio.sleep(0)
+        finally:
+            del self.host._starting[shard]
+            ended.set()
+
+    async def introduce(self) -> None:
+        """A segment introduced to the shard's core now; returns once no rebuild is left."""
+        self.host._rebuild_later(SHARD, EPOCH, "seg-x")
+        while self.host._rebuilds:
+            await asyncio.gather(*self.host._rebuilds)
+
+
+def test_rebuilds_wait_10_s_then_double_up_to_5_min_and_start_over_after_a_quiet_spell() -> None:
+    h = Harness()
+
+    async def go() -> None:
+        for _ in range(8):
+            await h.introduce()
+            h.now_s += 1.0  # the next introduction comes a second after the last rebuild began
+        h.now_s += shard_host.MISSING_SEGMENT_REBUILD_S_MAX + 1.0
+        await h.introduce()
+        await h.introduce()
+
+    asyncio.run(go())
+    gaps = [round(b - a) for a, b in zip(h.begun, h.begun[1:], strict=False)]
+    assert gaps[:7] == [10, 20, 40, 80, 160, 300, 300]
+    assert gaps[7] > shard_host.MISSING_SEGMENT_REBUILD_S_MAX  # quiet: at once ...
+    assert gaps[8] == 10  # ... and the shortest wait again
+
+
+def test_a_rebuild_asked_while_the_shard_starts_runs_once_that_start_ends() -> None:
+    h = Harness()
+
+    async def go() -> None:
+        ended = h.host._starting[SHARD] = asyncio.Event()  # its shell serves: the heartbeat reached it
+        h.host._rebuild_later(SHARD, EPOCH, "seg-x")
+        for _ in range(5):
+            await asyncio.sleep(0.01)
+        assert h.begun == []  # waits for the start: no two starts of one shard at once
+        del h.host._starting[SHARD]
+        ended.set()
+        await asyncio.gather(*h.host._rebuilds)
+
+    asyncio.run(go())
+    assert len(h.begun) == 1
+
+
+def test_a_segment_introduced_while_a_rebuild_restarts_the_shard_gets_a_rebuild_of_its_own() -> None:
+    h = Harness()
+    introduced: list[str] = []
+
+    def heartbeat_of_another_segment() -> None:
+        if not introduced:  # the new core missed seg-y in its start's reports (once)
+            introduced.append("seg-y")
+            h.host._rebuild_later(SHARD, EPOCH, "seg-y")
+
+    h.during_restart = heartbeat_of_another_segment
+
+    async def go() -> None:
+        await h.introduce()
+
+    asyncio.run(go())
+    assert introduced == ["seg-y"]
+    assert len(h.begun) == 2
+    assert round(h.begun[1] - h.begun[0]) == shard_host.MISSING_SEGMENT_REBUILD_S_MIN
+
+
+def test_a_rebuild_of_a_shard_started_again_under_another_epoch_is_dropped() -> None:
+    h = Harness()
+    shell = FakeShell()
+    shell.core.epoch = EPOCH + 1
+    h.host.shells[SHARD] = cast(Any, shell)
+
+    async def go() -> None:
+        await h.introduce()
+
+    asyncio.run(go())
+    assert h.begun == []  # the newer epoch's start asked every segment; its own heartbeats follow
