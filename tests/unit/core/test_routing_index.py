@@ -284,6 +284,18 @@ def test_check_stream_sees_aged_out_and_recreated_streams() -> None:
     assert index.check_stream(1, 4)  # recreated: its sequences restarted below ours
 
 
+def test_check_stream_sees_a_purge_and_a_stream_recreated_past_us() -> None:
+    index = RoutingIndex()
+    assert index.check_stream(1, 0, "t0")  # not synced: list first (the creation time is kept)
+    index.resync([], [], at_seq=10)
+    assert not index.check_stream(11, 10, "t0")  # purged right after our last event: nothing lost
+    assert index.check_stream(31, 30, "t0")  # purged (empty now) with 11..30 unread
+    index.resync([], [], at_seq=30)
+    assert not index.check_stream(31, 30, "t1")  # the directory's repair: recreated at its end + 1
+    assert index.check_stream(1, 50, "t2")  # recreated from 1 and already past us
+    assert index.counters["gaps"] == 2
+
+
 def test_a_groups_copy_bytes_come_from_the_event_not_a_placement() -> None:
     """One copy's bytes are the group's (`group_bytes`), not a segment's placement: a head copied
     to disk counts both its replicas there (200 for a 100-byte group), a group split across a

@@ -44,9 +44,9 @@ Replaying S+1.. over a listing taken at or after S converges to the directory's 
 event sets (published), removes (evicted, invalidated, segment_down) or marks (segment_up),
 so applying one whose effect the listing already shows changes nothing once the later events
 for the same group or segment are applied too (tested against a model: `test_routing_index`).
-`check_stream(first_seq, last_seq)` catches what no delivery shows: events aged out before the
-follower read them, and a recreated stream (sequences restarted: new events would look like
-duplicates).
+`check_stream(first_seq, last_seq, created)` catches what no delivery shows: events aged out or
+purged before the follower read them, and a recreated stream (sequences restarted: new events
+would look like duplicates, or name another stream's events; `kvfabric.core.stream_bounds`).
 Until the first `resync` (or an `apply` of seq 1 on a fresh index) `synced` is False and the
 router counts no kvfabric tokens at all (`available_run` answers 0): an index that may miss
 evictions never promises a load.
@@ -65,6 +65,7 @@ from typing import Final, Literal
 from kvfabric.core import routing_index_events
 from kvfabric.core.routing_index_events import RoutingIndexEvent, RoutingIndexOutput
 from kvfabric.core.step import not_before
+from kvfabric.core.stream_bounds import StreamBounds
 from kvfabric.format.ids import (
     CHAIN_HASH_BYTES,
     DOMAIN_DIGEST_BYTES,
@@ -133,6 +134,7 @@ class RoutingIndex:
         self._by_chain: dict[bytes, set[GroupKey]] = {}  # chain hash -> group keys (every domain)
         self.last_seq = 0
         self.synced = False
+        self.bounds = StreamBounds()  # the stream's creation time as last seen
         self.counters: dict[str, int] = {
             "events_applied": 0,
             "events_duplicate": 0,
@@ -238,14 +240,12 @@ class RoutingIndex:
                 if not self._by_chain[chain]:
                     del self._by_chain[chain]
 
-    def check_stream(self, first_seq: int, last_seq: int) -> bool:
-        """The stream's bounds (read when the shell (re)subscribes): True, and not `synced`,
-        when events after ours are gone (aged out: `first_seq` past `last_seq + 1`) or the
-        stream was recreated (its `last_seq` below ours: sequences restarted, and new events
-        would look like duplicates)."""
-        lost = first_seq > self.last_seq + 1 and last_seq >= first_seq
-        reset = last_seq < self.last_seq
-        if lost or reset:
+    def check_stream(self, first_seq: int, last_seq: int, created: object = None) -> bool:
+        """The stream's bounds and creation time (read whenever the shell (re)subscribes, so a
+        recreation is seen): True, and not `synced`, when events after ours are gone (aged out,
+        purged, or the stream recreated with its sequences restarted: `kvfabric.core.
+        stream_bounds`), or when not synced yet (list first)."""
+        if self.bounds.lost(self.last_seq, first_seq, last_seq, created) and self.synced:
             self.counters["gaps"] += 1
             self.synced = False
         return not self.synced

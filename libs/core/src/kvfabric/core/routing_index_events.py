@@ -36,6 +36,7 @@ class CheckStream:
 
     first_seq: int
     last_seq: int
+    created: object = None  # the stream's creation time (None: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,6 @@ def dispatch(index: RoutingIndex, event: RoutingIndexEvent) -> list[RoutingIndex
     if isinstance(event, Apply):
         return [Reply(index.apply(event.seq, event.event))]
     if isinstance(event, CheckStream):
-        return [Reply(index.check_stream(event.first_seq, event.last_seq))]
+        return [Reply(index.check_stream(event.first_seq, event.last_seq, event.created))]
     index.resync(event.segments, event.groups, at_seq=event.at_seq)
     return []

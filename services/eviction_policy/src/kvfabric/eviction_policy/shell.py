@@ -100,6 +100,7 @@ from kvfabric.cluster.requests import request as nats_request
 from kvfabric.core.eviction import EvictBatch, EvictionCore
 from kvfabric.core.eviction_admission import bloom_has, filter_parts, length_class, with_bloom
 from kvfabric.core.eviction_events import EvictionEvent, EvictionOutput, Tick
+from kvfabric.core.stream_bounds import StreamBounds
 from kvfabric.eviction_policy.decisions import DECISIONS_GROUPS_DEFAULT, DecisionLog
 from kvfabric.eviction_policy.group_records import GroupRecords, group_id_of, published_of_summary
 from kvfabric.eviction_policy.tiers import (
@@ -193,7 +194,7 @@ class EvictionShell(GroupRecords):
         self._gone_while_adopting: set[bytes] | None = None  # see `GroupRecords`
         self._down_while_adopting: set[str] | None = None
         self._adopt_after_seq = 0  # the stream's end when events were found lost
-        self._stream_created: object = None  # the events stream's creation time, as last seen
+        self._stream_bounds = StreamBounds()  # the events stream's creation time, as last seen
         # The stream lost events the policy never applied. Set from the start: once the stream
         # is replayed, the listing's groups it did not tell of are adopted (a stream recreated
         # before this policy started, sequences from 1 again, lost events nothing in it shows).
@@ -294,30 +295,19 @@ class EvictionShell(GroupRecords):
 
     def check_stream(self, first_seq: int, end_seq: int, created: object = None) -> bool:
         """The stream's bounds (and creation time) as the follower (re)subscribes. True when
-        events this policy never applied are gone: aged out of the stream or purged (its first
-        sequence past ours + 1), or the stream was recreated with its sequences restarted below
-        ours (its end below ours, or a new creation time and its first sequence not past ours;
-        the directory's own repair recreates it at its last sequence + 1, which loses nothing
-        the policy applied). The groups they published are adopted from the directory's
+        events this policy never applied are gone: aged out or purged, or the stream recreated
+        with its sequences restarted (`kvfabric.core.stream_bounds`). The groups they published are adopted from the directory's
         listing, once the follower has applied what the stream holds now (`_adopter`); the
         follower goes on from the stream's first event (public for tests)."""
-        recreated = (
-            created is not None and self._stream_created is not None and created != self._stream_created
-        )
-        if created is not None:
-            self._stream_created = created
-        if (
-            first_seq <= self.last_seq + 1
-            and end_seq >= self.last_seq
-            and not (recreated and first_seq <= self.last_seq)
-        ):
+        created_before = self._stream_bounds.created
+        if not self._stream_bounds.lost(self.last_seq, first_seq, end_seq, created):
             return False
         self._log.warning(
             "events_lost",
             first_seq=first_seq,
             end_seq=end_seq,
             last_applied=self.last_seq,
-            recreated=recreated,
+            recreated=created_before is not None and created != created_before,
         )
         self.last_seq = max(first_seq - 1, 0)  # (so a reconnect does not find them lost again)
         self._events_lost(end_seq)

@@ -1,7 +1,7 @@
 """The index follower: the directory's JetStream event stream into the routing index.
 
-- At start, and whenever the index reports a gap (or `check_stream` sees events aged out or a
-  recreated stream): read the stream's last sequence S, list the directory (every shard's
+- At start, and whenever the index reports a gap (or `check_stream` sees events aged out,
+  purged, or a recreated stream: `kvfabric.core.stream_bounds`): read the stream's last sequence S, list the directory (every shard's
   segments, and every shard's published groups of the router's share domain with their
   replicas, paged), `index.resync(listing, at_seq=S)`, then read the stream from S + 1 (replayed
   events converge: `kvfabric.core.routing_index`).
@@ -69,9 +69,8 @@ class IndexFollower:
         while True:
             try:
                 info = await js.stream_info(EVENTS_STREAM)
-                if not self.index.synced or self.index.check_stream(
-                    info.state.first_seq, info.state.last_seq
-                ):
+                # Asked even when not synced: it remembers the stream's creation time.
+                if self.index.check_stream(info.state.first_seq, info.state.last_seq, info.created):
                     await self.resync(info.state.last_seq)
                 start = self.index.last_seq + 1
                 config = ConsumerConfig(
