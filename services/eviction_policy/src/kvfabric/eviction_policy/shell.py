@@ -296,9 +296,10 @@ class EvictionShell(GroupRecords):
     def check_stream(self, first_seq: int, end_seq: int, created: object = None) -> bool:
         """The stream's bounds (and creation time) as the follower (re)subscribes. True when
         events this policy never applied are gone: aged out or purged, or the stream recreated
-        with its sequences restarted (`kvfabric.core.stream_bounds`). The groups they published are adopted from the directory's
-        listing, once the follower has applied what the stream holds now (`_adopter`); the
-        follower goes on from the stream's first event (public for tests)."""
+        with its sequences restarted (`kvfabric.core.stream_bounds`). The groups they published
+        are adopted from the directory's listing, once the follower has applied what the stream
+        holds now (`_adopter`); the follower goes on from the stream's first event (public for
+        tests)."""
         created_before = self._stream_bounds.created
         if not self._stream_bounds.lost(self.last_seq, first_seq, end_seq, created):
             return False

@@ -1,10 +1,10 @@
 """The index follower: the directory's JetStream event stream into the routing index.
 
 - At start, and whenever the index reports a gap (or `check_stream` sees events aged out,
-  purged, or a recreated stream: `kvfabric.core.stream_bounds`): read the stream's last sequence S, list the directory (every shard's
-  segments, and every shard's published groups of the router's share domain with their
-  replicas, paged), `index.resync(listing, at_seq=S)`, then read the stream from S + 1 (replayed
-  events converge: `kvfabric.core.routing_index`).
+  purged, or a recreated stream: `kvfabric.core.stream_bounds`): read the stream's last
+  sequence S, list the directory (every shard's segments, and every shard's published groups of
+  the router's share domain with their replicas, paged), `index.resync(listing, at_seq=S)`,
+  then read the stream from S + 1 (replayed events converge: `kvfabric.core.routing_index`).
 - Otherwise an ephemeral pull consumer (no acks) over every subject of the stream, so its
   sequences arrive contiguous; when it is lost (NATS restart) it is recreated after the last
   sequence applied (`index.last_seq + 1`): resume, not replay.
