@@ -7,9 +7,12 @@ for 20 s, docs/directory-ha.md)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, cast
+
+import pytest
 
 from kvfabric.core.directory import DirectoryConfig
 from kvfabric.directory import shard_host
@@ -142,3 +145,71 @@ def test_a_rebuild_of_a_shard_started_again_under_another_epoch_is_dropped() -> 
 
     asyncio.run(go())
     assert h.begun == []  # the newer epoch's start asked every segment; its own heartbeats follow
+
+
+class BlockingShell(FakeShell):
+    """Never ends its drain or its start: only a cancellation gets past them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = asyncio.Event()
+        self.stopped = False
+
+    async def drain_events(self, timeout_s: float) -> None:
+        self.entered.set()
+        await asyncio.Event().wait()
+
+    async def start(self, nc: object) -> None:
+        self.entered.set()
+        await asyncio.Event().wait()
+
+    async def stop(self, timeout_s: float = 0.0) -> set[asyncio.Task[None]]:
+        self.stopped = True
+        return set()
+
+
+def test_a_shell_whose_rebuild_is_cancelled_while_it_drains_is_stopped_by_the_hosts_stop() -> None:
+    h = Harness()
+    shell = BlockingShell()
+    h.host.shells[SHARD] = cast(Any, shell)
+
+    async def go() -> None:
+        h.host._rebuild_later(SHARD, EPOCH, "seg-x")
+        await asyncio.wait_for(shell.entered.wait(), 5.0)
+        assert await h.host.stop(timeout_s=1.0) == []
+
+    asyncio.run(go())
+    assert shell.stopped  # its tasks would run on, serving nothing, after the host stopped
+
+
+def test_a_shell_whose_start_is_cancelled_is_stopped_by_the_hosts_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shell = BlockingShell()
+
+    async def no_holdings(*args: object, **kwargs: object) -> list[object]:
+        return []
+
+    async def no_segments() -> list[object]:
+        return []
+
+    monkeypatch.setattr(shard_host, "gather_holdings", no_holdings)
+    host = ShardHost(
+        "dir-a",
+        8,
+        DirectoryConfig(ticket_secret=b"s" * 32),
+        registry=cast(Any, SimpleNamespace(all=no_segments)),
+        make_shell=lambda core: cast(Any, shell),
+    )
+    host._nc = cast(Any, object())
+
+    async def go() -> None:
+        start = asyncio.create_task(host.start_shard(SHARD, EPOCH))
+        await asyncio.wait_for(shell.entered.wait(), 5.0)
+        start.cancel()  # the instance's lifecycle ends the start (it is stopping)
+        with contextlib.suppress(asyncio.CancelledError):
+            await start
+        assert await host.stop(timeout_s=1.0) == []
+
+    asyncio.run(go())
+    assert shell.stopped and SHARD not in host.shells

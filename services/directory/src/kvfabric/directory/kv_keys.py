@@ -14,8 +14,9 @@ stream's own state: every subject that holds a message. In the buckets listed he
 key with a value: none of them deletes a key (a deleted key's tombstone is a message, and would
 be listed), and a key past the bucket's max age is gone from the stream.
 
-Bound: the server sends at most `SUBJECT_DETAILS_MAX` subjects in one answer; a bucket that
-reaches it is refused (`KeyListingTruncated`), never read in part.
+Bound: the server sends at most `SUBJECT_DETAILS_MAX` subjects in one answer; a listing of that
+many is refused (`KeyListingTruncated`), never read in part (the buckets here hold a few keys
+per segment, member or repair).
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ keeps.
 
 `all()` lists the bucket from its stream's subjects (`kvfabric.directory.kv_keys`: nats-py's
 `keys()` can end a listing early), and adds every registration this process wrote or read that
-the listing did not name (registrations are never deleted: a listing only grows). Each is kept
-with its revision, so a read from a lagging replica never replaces a newer one.
+the listing did not name (registrations are never deleted: a listing only grows). A segment's
+incarnations only grow (the directory refuses an older one), so of two registrations of one
+segment the higher incarnation is kept: a read from a lagging replica, or from a bucket
+recreated since (its revisions start again), never replaces a newer one.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ class SegmentRegistry:
         self.kv = kv
         self.js = js
         self.bucket = bucket
-        # segment id -> (revision, registration): the newest this process wrote or read. Bounded
-        # by the segments ever registered, as the bucket is (nothing is deleted from either).
-        self._seen: dict[str, tuple[int, m.RegisterSegment]] = {}
+        # segment id -> the newest registration this process wrote or read. Bounded by the
+        # segments ever registered, as the bucket is (nothing is deleted from either).
+        self._seen: dict[str, m.RegisterSegment] = {}
 
     @classmethod
     async def open(cls, nc: NatsClient, replicas: int = 1) -> SegmentRegistry:
@@ -51,8 +53,8 @@ class SegmentRegistry:
         return cls(kv, nc.jetstream(timeout=KV_TIMEOUT_S))
 
     async def put(self, registration: m.RegisterSegment) -> None:
-        revision = await self.kv.put(registration.segment_id, msgspec.msgpack.encode(registration))
-        self._remember(revision, registration)
+        await self.kv.put(registration.segment_id, msgspec.msgpack.encode(registration))
+        self._remember(registration)
 
     async def get(self, segment_id: str) -> m.RegisterSegment | None:
         """The registration of a segment that heartbeats (so it registered: read as missing only
@@ -63,21 +65,19 @@ class SegmentRegistry:
         """Every registration: the bucket's, and any this process saw that it did not name."""
         for key in await bucket_keys(self.js, self.bucket):
             await self._read(key)
-        return [self._seen[segment_id][1] for segment_id in sorted(self._seen)]
+        return [self._seen[segment_id] for segment_id in sorted(self._seen)]
 
     async def _read(self, segment_id: str) -> m.RegisterSegment | None:
         """The newest of what the bucket holds now and what this process saw before."""
         entry = await self._get_listed(segment_id)
         if entry is not None and entry.value:
-            registration = msgspec.msgpack.decode(entry.value, type=m.RegisterSegment)
-            self._remember(entry.revision or 0, registration)
-        seen = self._seen.get(segment_id)
-        return seen[1] if seen is not None else None
+            self._remember(msgspec.msgpack.decode(entry.value, type=m.RegisterSegment))
+        return self._seen.get(segment_id)
 
-    def _remember(self, revision: int, registration: m.RegisterSegment) -> None:
+    def _remember(self, registration: m.RegisterSegment) -> None:
         seen = self._seen.get(registration.segment_id)
-        if seen is None or seen[0] <= revision:
-            self._seen[registration.segment_id] = (revision, registration)
+        if seen is None or seen.incarnation <= registration.incarnation:
+            self._seen[registration.segment_id] = registration
 
     async def _get_listed(self, key: str) -> KeyValue.Entry | None:
         """Registrations are never deleted: a key known to exist that reads as missing came from

@@ -136,7 +136,9 @@ class ShardHost:
         self._starting: dict[int, asyncio.Event] = {}  # shard -> set once its start has ended
         self._wanted: dict[int, int] = {}  # shard -> newest epoch a start was asked for
         self._retiring: set[asyncio.Task[None]] = set()  # handed-over shells draining their events
-        self._retiring_shells: set[DirectoryShell] = set()  # theirs: `stop` stops them too
+        # Shells neither serving (in `shells`) nor stopped: draining after a handover, or still
+        # starting. `stop` stops them too, also when it cancelled the task that owned one.
+        self._loose_shells: set[DirectoryShell] = set()
         self._settling = False
         self._announced: list[int] = []
         self.metrics_port: int | None = None  # logged with `directory_started`
@@ -353,10 +355,13 @@ class ShardHost:
         for shard, shell in shells:
             if isinstance(message, m.Heartbeat) and message.segment_id not in shell.core.segments:
                 introduced = await self._introduce(shell, message)
-                if introduced and (message.used_bytes > 0 or message.disk_objects > 0):
+                # (Not when a rebuild replaced the shell meanwhile: its start asks the registry.)
+                holds = message.used_bytes > 0 or message.disk_objects > 0
+                if introduced and holds and self.shells.get(shard) is shell:
                     self._rebuild_later(shard, shell.core.epoch, message.segment_id)
             reply = await shell.handle(msgspec.structs.replace(message, epoch=0))
-            if isinstance(message, m.RegisterSegment) and message.disk_objects > 0:
+            current = self.shells.get(shard) is shell
+            if isinstance(message, m.RegisterSegment) and message.disk_objects > 0 and current:
                 # A restarted segment brings its disk tier back: adopt what it holds (the rebuild
                 # asks every registered segment, this one included, for its report).
                 self._rebuild_later(shard, shell.core.epoch, message.segment_id)
@@ -518,12 +523,15 @@ class ShardHost:
         if not self.may_act(shard, epoch):  # lost (or handed over) while rebuilding
             self._log.info("shard_start_abandoned", shard=shard, epoch=epoch)
             return
+        self._loose_shells.add(shell)  # until it serves or is stopped (a cancelled start)
         await shell.start(self._nc_required())
         if not self.may_act(shard, epoch):
             await shell.stop()
+            self._loose_shells.discard(shell)
             self._log.info("shard_start_abandoned", shard=shard, epoch=epoch)
             return
         self.shells[shard] = shell
+        self._loose_shells.discard(shell)
         self._rebuild_ms[shard] = round((time.monotonic() - began) * 1000)
         await shell.perform(effects)
         self._log.info(
@@ -578,12 +586,10 @@ class ShardHost:
         self._log.info("shard_stopped", shard=shard, epoch=shell.core.epoch)
 
     async def _retire(self, shell: DirectoryShell, drain_s: float) -> None:
-        self._retiring_shells.add(shell)
-        try:
-            await shell.drain_events(drain_s)
-            await shell.stop()
-        finally:
-            self._retiring_shells.discard(shell)
+        self._loose_shells.add(shell)
+        await shell.drain_events(drain_s)
+        await shell.stop()
+        self._loose_shells.discard(shell)  # not on a cancellation or failure: `stop` stops it
 
     async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
         """Stop serving and end every task of the host within `timeout_s`: rebuilds cancelled,
@@ -609,7 +615,7 @@ class ShardHost:
         if self._retiring:
             await asyncio.wait(self._retiring, timeout=left_s() / 2)
         stuck |= await cancel_and_wait(self._retiring, left_s())
-        for shell in [*shells, *self._retiring_shells]:
+        for shell in [*shells, *self._loose_shells]:
             stuck |= await shell.stop(left_s())
         return sorted(task.get_name() for task in stuck)
 
