@@ -375,8 +375,9 @@ def index_event(data: st.DataObject, out: list[object], index: RoutingIndex) -> 
         )
         return ri.Apply(seq, directory_event(data))
     if kind == "check":
-        first = data.draw(st.integers(1, index.last_seq + 3))
-        return ri.CheckStream(first, data.draw(st.integers(0, index.last_seq + 3)))
+        first = data.draw(st.integers(0, index.last_seq + 3))
+        created = data.draw(st.none() | st.sampled_from(["t0", "t1"]))  # the stream's creation time
+        return ri.CheckStream(first, data.draw(st.integers(0, index.last_seq + 3)), created)
     segments = [
         ListedSegment(s, data.draw(st.integers(1, 3)), data.draw(st.booleans())) for s in rim.SEGMENTS
     ]
@@ -394,7 +395,7 @@ def index_by_method(index: RoutingIndex, event: ri.RoutingIndexEvent, now_ms: in
     if isinstance(event, ri.Apply):
         return [Reply(index.apply(event.seq, event.event))]
     if isinstance(event, ri.CheckStream):
-        return [Reply(index.check_stream(event.first_seq, event.last_seq))]
+        return [Reply(index.check_stream(event.first_seq, event.last_seq, event.created))]
     index.resync(event.segments, event.groups, at_seq=event.at_seq)
     return []
 

@@ -31,7 +31,7 @@ class Apply:
 
 @dataclass(frozen=True, slots=True)
 class CheckStream:
-    """The stream's bounds when the shell (re)subscribes (`check_stream`; answers
+    """The stream's bounds and creation time when the shell (re)subscribes (`check_stream`; answers
     `Reply(True)` when a resync is needed)."""
 
     first_seq: int

@@ -308,7 +308,7 @@ class EvictionShell(GroupRecords):
             first_seq=first_seq,
             end_seq=end_seq,
             last_applied=self.last_seq,
-            recreated=created_before is not None and created != created_before,
+            recreated=None not in (created, created_before) and created != created_before,
         )
         self.last_seq = max(first_seq - 1, 0)  # (so a reconnect does not find them lost again)
         self._events_lost(end_seq)
