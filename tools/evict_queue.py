@@ -16,9 +16,12 @@ policy alone. Waits of 1-5 s are a loaded serving system; 30 and 120 s are not a
 `tools/evict_sim.py`: same replay, accounting and capacities in full blocks); a victim it picks
 that a pending request names is refused (`EvictionCore.refused`, as a lease or pin makes the
 directory refuse it live: resident again, cooled down, another victim chosen on the next tick),
-at most `TICKS_PER_REQUEST_MAX` ticks per request (the cache may stay over its capacity until
-the next request, as it does live while evictions are refused). A pending block that is already
-gone is not brought back.
+at most `TICKS_PER_REQUEST_MAX` ticks per request (mode `pin`). Refused blocks (and their heads:
+only leaves go) can keep the cache over its capacity, as pins do live: that is a bigger cache,
+so the rows say by how much (mean and peak, after each request's ticks). Mode `touch` keeps the
+capacity hard: when a request is queued, the router looks it up, and the resident prefix it
+names is accessed then (a lookup on enqueue, no pin). A pending block that is already gone is
+not brought back. L = 0 is no queue at all (the simulator's figures, tested).
 
 Reported per trace, capacity, policy and L: prefill saved, the share of the LRU -> reference gap
 closed (LRU and the reference as `tools/evict_sim.py` computes them, same requests), evictions
@@ -51,9 +54,11 @@ from evict_sim import (  # type: ignore[import-not-found]
 )
 
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
+from kvfabric.format.invariant import invariant
 
 REPO: Final = Path(__file__).resolve().parents[1]
 TICKS_PER_REQUEST_MAX: Final = 8  # refused victims are replaced on the next tick, this many times
+MODES: Final = ("pin", "touch")
 
 
 def simulate_queue(
@@ -62,9 +67,12 @@ def simulate_queue(
     base: EvictionConfig,
     lookahead_ms: float,
     split_ms: float = NEVER,
+    mode: str = "pin",
 ) -> dict[str, Any]:
-    """`tools/evict_sim.simulate` (hard capacity, no admission oracle) with every block of the
-    requests in (now, now + `lookahead_ms`] kept: a victim among them is refused."""
+    """`tools/evict_sim.simulate` (no admission oracle) with the requests in (now, now +
+    `lookahead_ms`] queued: `pin`, every block they name is refused as a victim; `touch`, the
+    resident prefix of each is looked up (accessed) when it is queued (module docstring)."""
+    invariant(mode in MODES, "a mode", mode=mode)
     config = EvictionConfig(
         policy=base.policy,
         admission=base.admission,
@@ -81,15 +89,25 @@ def simulate_queue(
     pending: Counter[Hashable] = Counter()  # block -> queued requests naming it
     queued: deque[int] = deque()  # indexes of the queued requests, in order
     next_in = 0  # the first request not queued yet
-    saved = total = written = evicted = hits = refused = 0
+    saved = total = written = evicted = hits = refused = over_sum = over_max = 0
     late = [0, 0]
     for r, request in enumerate(requests):
         now = int(request["timestamp"])
         while queued and queued[0] <= r:  # served now (or before): no longer pending
             pending.subtract(set(requests[queued.popleft()]["hash_ids"]))
         next_in = max(next_in, r + 1)
-        while next_in < len(requests) and requests[next_in]["timestamp"] <= now + lookahead_ms:
-            pending.update(set(requests[next_in]["hash_ids"]))
+        while (
+            lookahead_ms > 0
+            and next_in < len(requests)
+            and requests[next_in]["timestamp"] <= now + lookahead_ms
+        ):
+            if mode == "pin":
+                pending.update(set(requests[next_in]["hash_ids"]))
+            else:  # the router looks the queued prompt up: its resident prefix is accessed now
+                for block in requests[next_in]["hash_ids"]:
+                    if block not in core or core.is_evicting(block):
+                        break
+                    core.access(block, now)
             queued.append(next_in)
             next_in += 1
         blocks = request["hash_ids"]
@@ -134,8 +152,13 @@ def simulate_queue(
                     else:
                         core.removed(victim)
                         evicted += 1
+        over = max(0, core.used_bytes("pool") - capacity_blocks)  # pins kept it over: a bigger cache
+        over_sum += over
+        over_max = max(over_max, over)
     row: dict[str, Any] = _row(list(requests), hits, saved, total, written, evicted, late)
     row["evictions_refused"] = refused
+    row["over_capacity_mean"] = over_sum / max(1, len(requests)) / capacity_blocks
+    row["over_capacity_max"] = over_max / capacity_blocks
     return row
 
 
@@ -147,6 +170,7 @@ def main() -> int:
     parser.add_argument("--capacities", default="5,10")
     parser.add_argument("--lookahead-s", default="0,1,5,30,120", help="the queue wait L, seconds")
     parser.add_argument("--policies", default="lru,density")
+    parser.add_argument("--modes", default="pin,touch")
     parser.add_argument("--max-requests", type=int, default=0, help="only the first N requests (0: all)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "eviction_queue")
     args = parser.parse_args()
@@ -164,13 +188,17 @@ def main() -> int:
             reference = simulate_reference(requests, capacity, split_ms)["prefill_tokens_saved"]
             lru = simulate(requests, capacity, POLICIES["lru"], split_ms=split_ms)["prefill_tokens_saved"]
             for name in args.policies.split(","):
-                for lookahead_s in lookaheads:
-                    row = simulate_queue(requests, capacity, POLICIES[name], lookahead_s * 1000, split_ms)
+                for mode, lookahead_s in [(m, x) for m in args.modes.split(",") for x in lookaheads]:
+                    if lookahead_s == 0 and mode != MODES[0]:
+                        continue  # no queue: one row
+                    ms = lookahead_s * 1000
+                    row = simulate_queue(requests, capacity, POLICIES[name], ms, split_ms, mode)
                     rows.append(
                         {
                             "trace": path.stem,
                             "capacity_pct": pct,
                             "policy": name,
+                            "mode": mode if lookahead_s else "none",
                             "lookahead_s": lookahead_s,
                             **row,
                             "gap_closed": gap_closed(row["prefill_tokens_saved"], lru, reference),
@@ -180,19 +208,20 @@ def main() -> int:
                     )
     lines = [
         f"`python tools/evict_queue.py --capacities {args.capacities} --lookahead-s {args.lookahead_s}"
-        f" --policies {args.policies}` ({time.strftime('%Y-%m-%d', time.gmtime())},"
+        f" --policies {args.policies} --modes {args.modes}` ({time.strftime('%Y-%m-%d', time.gmtime())},"
         f" {time.perf_counter() - started:.0f} s, shared 2-core VM)",
         "",
-        "| trace | capacity | policy | queue wait L | prefill saved | gap closed | evictions refused"
-        " | blocks written |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| trace | capacity | policy | hint | queue wait L | prefill saved | gap closed | evictions refused"
+        " | over capacity, mean / peak | blocks written |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         gap = "—" if row["gap_closed"] is None else f"{100 * row['gap_closed']:.0f} %"
         lines.append(
             f"| {row['trace'].removesuffix('_trace')} | {row['capacity_pct']} % | {row['policy']}"
-            f" | {row['lookahead_s']:g} s | {100 * row['prefill_saved_share']:.2f} % | {gap}"
-            f" | {row['evictions_refused']} | {row['blocks_written']} |"
+            f" | {row['mode']} | {row['lookahead_s']:g} s | {100 * row['prefill_saved_share']:.2f} % | {gap}"
+            f" | {row['evictions_refused']} | {100 * row['over_capacity_mean']:.1f} %"
+            f" / {100 * row['over_capacity_max']:.0f} % | {row['blocks_written']} |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     Path(str(args.out) + ".md").write_text("\n".join(lines) + "\n")

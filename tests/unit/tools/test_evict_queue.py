@@ -34,3 +34,14 @@ def test_a_queued_requests_blocks_are_kept_and_it_hits() -> None:
     too_late = queue.simulate_queue(requests, 4, sim.POLICIES["lru"], 400.0)  # not queued yet at 2000
     assert alone["prefill_tokens_saved"] == too_late["prefill_tokens_saved"] == 0
     assert queued["prefill_tokens_saved"] == 2 * 512 and queued["evictions_refused"] == 2
+    assert queued["over_capacity_max"] == 0.0  # [3, 4] went instead
+
+
+def test_a_queued_request_looked_up_on_enqueue_keeps_its_prefix_recent() -> None:
+    queue, sim = load_tool("evict_queue"), load_tool("evict_sim")
+    requests = [req(0, [1, 2]), req(1000, [3, 4]), req(2000, [5, 6]), req(2500, [1, 2])]
+    alone = queue.simulate_queue(requests, 5, sim.POLICIES["lru"], 0.0, mode="touch")
+    touched = queue.simulate_queue(requests, 5, sim.POLICIES["lru"], 1000.0, mode="touch")
+    assert alone["prefill_tokens_saved"] == 0  # [1, 2] was the least recent: it went
+    assert touched["prefill_tokens_saved"] == 2 * 512 and touched["evictions_refused"] == 0
+    assert touched["over_capacity_max"] == 0.0
