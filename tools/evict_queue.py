@@ -8,7 +8,8 @@ core, with every block a queued request names kept from eviction, on both traces
 **The hint.** A router that queues requests before an engine takes them knows, at time t, every
 request that arrived before t and is not served yet. Here a request is served at its trace
 timestamp, so "queued at t" is modelled as *arriving within the next L seconds* (L = the queue
-wait): the blocks of every request with a timestamp in (t, t + L] are pending at t. L = 0 is the
+wait): the blocks of every later request with a timestamp up to t + L (one at t itself too,
+after this one in the trace) are pending at t. L = 0 is the
 policy alone. Waits of 1-5 s are a loaded serving system; 30 and 120 s are not a queue any more
 (they bound what a longer-lived "keep for N seconds" hint from the application could do).
 
@@ -16,11 +17,13 @@ policy alone. Waits of 1-5 s are a loaded serving system; 30 and 120 s are not a
 `tools/evict_sim.py`: same replay, accounting and capacities in full blocks); a victim it picks
 that a pending request names is refused (`EvictionCore.refused`, as a lease or pin makes the
 directory refuse it live: resident again, cooled down, another victim chosen on the next tick),
-at most `TICKS_PER_REQUEST_MAX` ticks per request (mode `pin`). Refused blocks (and their heads:
+at most `TICKS_PER_REQUEST_MAX` ticks per request (mode `pin`); its refusal cooldown is 1 ms, so
+a block is kept only while a queued request names it. Refused blocks (and their heads:
 only leaves go) can keep the cache over its capacity, as pins do live: that is a bigger cache,
 so the rows say by how much (mean and peak, after each request's ticks). Mode `touch` keeps the
 capacity hard: when a request is queued, the router looks it up, and the resident prefix it
-names is accessed then (a lookup on enqueue, no pin). A pending block that is already gone is
+names is accessed then (a lookup on enqueue, no pin; as a live lookup, it is a naming the
+`density` predictor learns from). A pending block that is already gone is
 not brought back. L = 0 is no queue at all (the simulator's figures, tested).
 
 Reported per trace, capacity, policy and L: prefill saved, the share of the LRU -> reference gap
@@ -83,6 +86,9 @@ def simulate_queue(
         position_weight=base.position_weight,
         prefix_order=base.prefix_order,
         reuse_horizon_ms=base.reuse_horizon_ms,
+        # A refused block is chosen again at the next request's tick: pinned while it is queued,
+        # not the live 5 s after a refusal (every tick of one request runs at the same `now`).
+        refused_cooldown_ms=1,
     )
     core = EvictionCore(config)
     core.set_capacity("pool", capacity_blocks)
@@ -94,7 +100,9 @@ def simulate_queue(
     for r, request in enumerate(requests):
         now = int(request["timestamp"])
         while queued and queued[0] <= r:  # served now (or before): no longer pending
-            pending.subtract(set(requests[queued.popleft()]["hash_ids"]))
+            served = queued.popleft()
+            if mode == "pin":
+                pending.subtract(set(requests[served]["hash_ids"]))
         next_in = max(next_in, r + 1)
         while (
             lookahead_ms > 0

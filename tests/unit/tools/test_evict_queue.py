@@ -45,3 +45,18 @@ def test_a_queued_request_looked_up_on_enqueue_keeps_its_prefix_recent() -> None
     assert alone["prefill_tokens_saved"] == 0  # [1, 2] was the least recent: it went
     assert touched["prefill_tokens_saved"] == 2 * 512 and touched["evictions_refused"] == 0
     assert touched["over_capacity_max"] == 0.0
+
+
+def test_a_block_is_kept_only_while_a_queued_request_names_it() -> None:
+    queue, sim = load_tool("evict_queue"), load_tool("evict_sim")
+    requests = [
+        req(0, [1, 2]),
+        req(1000, [3, 4]),
+        req(2000, [5, 6]),  # [1, 2] queued: [3, 4] goes instead
+        req(2500, [1, 2]),  # served: no longer pinned
+        req(2600, [7, 8]),  # [5, 6] is the least recent now ...
+        req(2700, [9, 10]),  # ... then [1, 2]: nothing queued names it (no 5 s after a refusal)
+        req(10_000, [1, 2]),  # too late to be queued at 2700
+    ]
+    row = queue.simulate_queue(requests, 4, sim.POLICIES["lru"], 1000.0)
+    assert row["prefill_tokens_saved"] == 2 * 512  # the fourth request hit, the last did not
