@@ -2,7 +2,7 @@
 core, with every block a queued request names kept from eviction, on both traces.
 
     python tools/evict_queue.py [--traces ../shared/traces/*.jsonl] [--capacities 5,10]
-                                [--lookahead-s 0,1,5,30,120] [--policies lru,density]
+                                [--lookahead-s 0,1,5,30] [--policies lru,density]
                                 [--out bench/results/eviction_queue]
 
 **The hint.** A router that queues requests before an engine takes them knows, at time t, every
@@ -10,8 +10,10 @@ request that arrived before t and is not served yet. Here a request is served at
 timestamp, so "queued at t" is modelled as *arriving within the next L seconds* (L = the queue
 wait): the blocks of every later request with a timestamp up to t + L (one at t itself too,
 after this one in the trace) are pending at t. L = 0 is the
-policy alone. Waits of 1-5 s are a loaded serving system; 30 and 120 s are not a queue any more
-(they bound what a longer-lived "keep for N seconds" hint from the application could do).
+policy alone. Waits of 1-5 s are a loaded serving system; 30 s is not a queue any more (it
+bounds what a "keep for N seconds" hint from the application could do). Longer L is slow here
+(a pinned block at the head of the order is refused again at every request) and pins more
+than the cache holds.
 
 **The policy.** The production core (`kvfabric.core.eviction.EvictionCore`, as in
 `tools/evict_sim.py`: same replay, accounting and capacities in full blocks); a victim it picks
@@ -176,7 +178,7 @@ def main() -> int:
     )
     parser.add_argument("--traces", default=str(REPO.parent / "shared" / "traces" / "*.jsonl"))
     parser.add_argument("--capacities", default="5,10")
-    parser.add_argument("--lookahead-s", default="0,1,5,30,120", help="the queue wait L, seconds")
+    parser.add_argument("--lookahead-s", default="0,1,5,30", help="the queue wait L, seconds")
     parser.add_argument("--policies", default="lru,density")
     parser.add_argument("--modes", default="pin,touch")
     parser.add_argument("--max-requests", type=int, default=0, help="only the first N requests (0: all)")
