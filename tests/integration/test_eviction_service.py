@@ -22,7 +22,7 @@ from kvfabric.format.errors import BadRequest
 from kvfabric.format.ids import GroupId, GroupKey
 from kvfabric.proto import directory as m
 from kvfabric.proto import eviction as e
-from kvfabric.proto.subjects import Service, endpoint_subject
+from kvfabric.proto.subjects import Service, endpoint_subject, event_subject
 from kvfabric.testing import NatsServer, ServiceProcess
 from tests.integration.clientkit import (
     CHUNK_BYTES,
@@ -83,6 +83,22 @@ async def published_chunks(nats_url: str) -> dict[bytes, set[int]]:
         await nc.close()
 
 
+async def accessed_in_stream(url: str, timeout_s: float = 10.0) -> None:
+    """Until the events stream holds a lookup's hit (`accessed`, batched: the directory's next
+    tick sends it). Saved before it, other prompts would be older than the looked-up one in the
+    policy's view, and LRU would never ask for the leased prompt (a CI run under load)."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        subject = event_subject(Service.DIRECTORY, "accessed")
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not (await js.stream_info(EVENTS_STREAM, subjects_filter=subject)).state.subjects:
+            assert asyncio.get_running_loop().time() < deadline, "no accessed event in the stream"
+            await asyncio.sleep(0.05)
+    finally:
+        await nc.close()
+
+
 def read_loop(reader: KvClient, hit: Hit, tokens: list[int], stop: threading.Event, errors: list[str]) -> int:
     """Load the leased prefix again and again; every byte must match. Returns loads done."""
     loads = 0
@@ -110,6 +126,7 @@ def test_past_the_high_watermark_it_evicts_to_the_low_one_and_leased_reads_stay_
         assert writer.save(prompts[0], objects_for(prompts[0], 0, CHUNKS_PER_PROMPT)).chunks_saved == 8
         leased = reader.lookup(prompts[0])  # leased, and looked up before the others are written
         assert leased.chunks == CHUNKS_PER_PROMPT
+        asyncio.run(accessed_in_stream(nats_server.url))
         stop, errors = threading.Event(), list[str]()
         loads: list[int] = []
         thread = threading.Thread(
