@@ -67,12 +67,12 @@ def test_a_buckets_keys_are_listed_on_a_single_server(nats_server: NatsServer) -
 
 def test_a_buckets_keys_are_listed_from_every_node_of_a_cluster() -> None:
     with tempfile.TemporaryDirectory(prefix="kvf-kv-keys-") as store:
-        cluster = NatsCluster(Path(store)).start()
-        try:
+        cluster = NatsCluster(Path(store))
+        try:  # (a start that fails part-way leaves nodes running too)
+            cluster.start()
             seen = asyncio.run(_keys_of_each_node(cluster.urls, 3))
         finally:
-            for node in cluster.nodes:
-                node.stop()
+            cluster.stop()
     assert seen == [["member-x", "seg-a", "seg-b"]] * 3
 
 
