@@ -54,6 +54,7 @@ from evict_sim import (  # type: ignore[import-not-found]
     full_chunks,
     gap_closed,
     load_trace,
+    replay_config,
     simulate,
     simulate_reference,
 )
@@ -78,21 +79,9 @@ def simulate_queue(
     `lookahead_ms`] queued: `pin`, every block they name is refused as a victim; `touch`, the
     resident prefix of each is looked up (accessed) when it is queued (module docstring)."""
     invariant(mode in MODES, "a mode", mode=mode)
-    config = EvictionConfig(
-        policy=base.policy,
-        admission=base.admission,
-        high_watermark=1.0,
-        low_watermark=0.99,
-        batch_max=4096,
-        tokens_per_chunk=BLOCK_TOKENS,
-        position_weight=base.position_weight,
-        prefix_order=base.prefix_order,
-        reuse_horizon_ms=base.reuse_horizon_ms,
-        # A refused block is chosen again at the next request's tick: pinned while it is queued,
-        # not the live 5 s after a refusal (every tick of one request runs at the same `now`).
-        refused_cooldown_ms=1,
-    )
-    core = EvictionCore(config)
+    # A refused block is chosen again at the next request's tick: pinned while it is queued, not
+    # the live 5 s after a refusal (every tick of one request runs at the same `now`).
+    core = EvictionCore(replay_config(base, (1.0, 0.99), refused_cooldown_ms=1))
     core.set_capacity("pool", capacity_blocks)
     pending: Counter[Hashable] = Counter()  # block -> queued requests naming it
     queued: deque[int] = deque()  # indexes of the queued requests, in order

@@ -101,18 +101,7 @@ def simulate(
     resident, is not written. `watermarks` (high, low): by default a hard capacity (evict as soon
     as it is exceeded, a little below it, in batches); `bench/evict_replay.py` passes the live
     service's."""
-    config = EvictionConfig(
-        policy=base.policy,
-        admission=base.admission,
-        high_watermark=watermarks[0],
-        low_watermark=watermarks[1],
-        batch_max=4096,
-        tokens_per_chunk=BLOCK_TOKENS,
-        position_weight=base.position_weight,
-        prefix_order=base.prefix_order,
-        reuse_horizon_ms=base.reuse_horizon_ms,
-    )
-    core = EvictionCore(config)
+    core = EvictionCore(replay_config(base, watermarks))
     core.set_capacity("pool", capacity_blocks)
     saved = total = written = evicted = hits = 0
     late = [0, 0]  # saved, total: requests at or after split_ms (the evaluation half)
@@ -167,6 +156,23 @@ def simulate(
         if k.startswith("admission_refused_") and k != "admission_refused_total"
     }
     return row
+
+
+def replay_config(base: EvictionConfig, watermarks: tuple[float, float], **extra: Any) -> EvictionConfig:
+    """`base`'s policy (and its tuning) for a replay: the given watermarks, batches of up to 4096,
+    512-token chunks, the core's defaults otherwise (`extra`: overrides)."""
+    return EvictionConfig(
+        policy=base.policy,
+        admission=base.admission,
+        position_weight=base.position_weight,
+        prefix_order=base.prefix_order,
+        reuse_horizon_ms=base.reuse_horizon_ms,
+        high_watermark=watermarks[0],
+        low_watermark=watermarks[1],
+        batch_max=4096,
+        tokens_per_chunk=BLOCK_TOKENS,
+        **extra,
+    )
 
 
 def next_uses(requests: list[dict[str, Any]]) -> list[list[float]]:
