@@ -5,7 +5,6 @@ registry's listing that only grows (`SegmentRegistry.all`), against a real nats-
 from __future__ import annotations
 
 import asyncio
-import tempfile
 from pathlib import Path
 
 import msgspec
@@ -65,14 +64,9 @@ def test_a_buckets_keys_are_listed_on_a_single_server(nats_server: NatsServer) -
     assert asyncio.run(_keys_of_each_node([nats_server.url], 1)) == [["member-x", "seg-a", "seg-b"]]
 
 
-def test_a_buckets_keys_are_listed_from_every_node_of_a_cluster() -> None:
-    with tempfile.TemporaryDirectory(prefix="kvf-kv-keys-") as store:
-        cluster = NatsCluster(Path(store))
-        try:  # (a start that fails part-way leaves nodes running too)
-            cluster.start()
-            seen = asyncio.run(_keys_of_each_node(cluster.urls, 3))
-        finally:
-            cluster.stop()
+def test_a_buckets_keys_are_listed_from_every_node_of_a_cluster(tmp_path: Path) -> None:
+    with NatsCluster(tmp_path) as cluster:  # (a start that fails part-way stops its nodes)
+        seen = asyncio.run(_keys_of_each_node(cluster.urls, 3))
     assert seen == [["member-x", "seg-a", "seg-b"]] * 3
 
 

@@ -5,7 +5,8 @@ server name, and routes to every node (`--cluster_name kvf`). JetStream assets c
 `replicas=3` survive one node. `url` lists every node, so a client fails over between them;
 `urls[i]` pins a process to node i.
 
-Owns: the node processes. The store dir belongs to the caller.
+Owns: the node processes (stopped by `stop`, or by `start` itself when it fails). The store dir
+belongs to the caller.
 """
 
 from __future__ import annotations
@@ -60,9 +61,15 @@ class NatsCluster:
         return ",".join(self.urls)
 
     def start(self) -> NatsCluster:
-        for node in self.nodes:
-            node.start()
-        self.wait_meta_leader(META_TIMEOUT_S)
+        """Start every node and wait for the meta leader; a start that fails part-way (a node
+        that will not start, no leader in time, an interrupt) stops the nodes it started."""
+        try:
+            for node in self.nodes:
+                node.start()
+            self.wait_meta_leader(META_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def wait_meta_leader(self, timeout_s: float) -> None:
