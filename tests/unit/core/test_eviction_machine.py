@@ -5,6 +5,8 @@ pressure is resolved, accounting never drifts."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -22,6 +24,7 @@ from kvfabric.core.eviction import (
     Refused,
     TenantQuota,
 )
+from kvfabric.core.eviction_model import ObjectId
 
 POOLS = ("p0", "p1")
 CAPACITY = 16
@@ -56,6 +59,9 @@ class EvictionMachine(RuleBasedStateMachine):
         self.leased: set[int] = set()
         self.cooldown: dict[int, int] = {}
         self.batches = 0
+        # a pool lost and dropped in steps (`drop_pool_steps`), other rules running between them
+        self.dropping: Iterator[tuple[list[ObjectId], list[ObjectId]]] | None = None
+        self.dropping_pool = ""
 
     def rank(self, object_id: int) -> dict[str, object]:
         """What ranks a resident object, which a tier move keeps (its place in a queue policy's
@@ -239,6 +245,7 @@ class EvictionMachine(RuleBasedStateMachine):
             del self.resident[object_id]
             self.leased.discard(object_id)
 
+    @precondition(lambda self: self.dropping is None)
     @rule(pool=st.sampled_from(POOLS), back=st.booleans())
     def pool_lost(self, pool: str, back: bool) -> None:
         """A segment died: its bytes went; objects held only there are gone, those held
@@ -261,6 +268,40 @@ class EvictionMachine(RuleBasedStateMachine):
             ps.pop(pool, None)
         self.core.set_capacity(pool, CAPACITY)  # it came back, empty
 
+    @precondition(lambda self: self.dropping is None)
+    @rule(pool=st.sampled_from(POOLS), step_cost=st.sampled_from([1, 20, 60]))
+    def pool_lost_in_steps(self, pool: str, step_cost: int) -> None:
+        """A segment died and the service drops its pool in steps (`drop_pool_steps`, a step
+        of `step_cost`: an object looked at costs 1, one dropped `DROP_POOL_OBJECT_COST`);
+        every other rule runs between the steps, adding to this pool too."""
+        self.dropping = self.core.drop_pool_steps(pool, step_cost)
+        self.dropping_pool = pool
+
+    @precondition(lambda self: self.dropping is not None)
+    @rule()
+    def drop_step(self) -> None:
+        """One step: what it removed held bytes in the pool only, what it kept elsewhere too
+        (as the model stands now); once done, no object holds the pool and it is back, empty."""
+        assert self.dropping is not None
+        pool = self.dropping_pool
+        step = next(self.dropping, None)
+        if step is None:
+            self.dropping = None
+            assert not [o for o, (_, ps, _) in self.resident.items() if pool in ps]
+            assert self.core.used_bytes(pool) == 0
+            self.core.set_capacity(pool, CAPACITY)
+            return
+        gone, kept = step
+        for object_id in (int(str(g)) for g in gone):
+            assert set(self.resident[object_id][1]) == {pool}
+            del self.resident[object_id]
+            self.evicting.discard(object_id)
+            self.leased.discard(object_id)
+        for object_id in (int(str(k)) for k in kept):
+            pools = self.resident[object_id][1]
+            assert pool in pools and len(pools) > 1
+            del pools[pool]
+
     @invariant()
     def consistent(self) -> None:
         self.core.check_invariants()
@@ -276,6 +317,8 @@ class EvictionMachine(RuleBasedStateMachine):
             assert self.core.is_evicting(object_id)
 
     def teardown(self) -> None:
+        while self.dropping is not None:  # a stepped drop under way ends first
+            self.drop_step()
         # Pressure resolves once leases go: watermarks and quotas hold.
         self.leased.clear()
         for _ in range(200):

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from typing import Final
 
 import msgspec
@@ -150,7 +150,15 @@ class GroupRecords:
     _down_while_adopting: set[str] | None
 
     def apply(self, event: msgspec.Struct, at_ms: int) -> None:
-        """One directory event into the core (pure bookkeeping; public for tests)."""
+        """One directory event into the core, whole (pure bookkeeping; public for tests)."""
+        for _ in self.apply_in_steps(event, at_ms):
+            pass
+
+    def apply_in_steps(self, event: msgspec.Struct, at_ms: int) -> Iterator[None]:
+        """`apply`, yielding between the steps of a `segment_down` (its pools dropped in steps,
+        `EvictionCore.drop_pool_steps`), so that the shell's loop runs meanwhile; every other
+        event is applied before the first `next` returns. The caller applies no other event
+        until this one is done."""
         core = self.core
         if self._lost_links and self._lost_links[0][0] <= at_ms:
             self._expire_lost_links(at_ms)
@@ -175,14 +183,21 @@ class GroupRecords:
             self._record_gone(key, event, at_ms)
             self._forget(key)
         elif isinstance(event, m.SegmentDown):
-            if self._down_while_adopting is not None:
-                self._down_while_adopting.add(event.segment_id)
-            lost = (event.segment_id, ssd_pool(event.segment_id))
-            gone: list[bytes] = []  # may be adopted again: linked a while longer
-            until = at_ms + LOST_LINKS_KEEP_MS
-            for pool in lost:
-                kept: list[object] = []
-                for gid in core.drop_pool(pool, kept):
+            yield from self._segment_down(event, at_ms)
+        elif isinstance(event, m.SegmentUp) and event.capacity_bytes:
+            self._set_capacity(event.segment_id, event.capacity_bytes)
+        self.events_applied += 1
+
+    def _segment_down(self, event: m.SegmentDown, at_ms: int) -> Iterator[None]:
+        """Its arena and disk pools dropped from the core and these records, a step at a time
+        (yields between steps). What is lost may be adopted again: linked a while longer."""
+        if self._down_while_adopting is not None:
+            self._down_while_adopting.add(event.segment_id)
+        gone: list[bytes] = []
+        until = at_ms + LOST_LINKS_KEEP_MS
+        for pool in (event.segment_id, ssd_pool(event.segment_id)):
+            for step_gone, step_kept in self.core.drop_pool_steps(pool):
+                for gid in step_gone:
                     if isinstance(gid, bytes):
                         self._adopted.discard(gid)
                         self._group_ids.pop(gid, None)
@@ -196,18 +211,16 @@ class GroupRecords:
                 # The groups it shared with other segments lose that pool in the records too (as
                 # in the core, whose pools these mirror): a stale pool said a head was on a disk
                 # that is gone, and a later move (`_moved`) put its bytes back into the core.
-                for gid in kept:
+                for gid in step_kept:
                     held = self._held.get(gid) if isinstance(gid, bytes) else None
                     if held is not None:
                         held[2].pop(pool, None)
-                self._capacity.pop(pool, None)
-            if gone:
-                self._lost_links.append((until, gone))
-            self._disk_pools.discard(ssd_pool(event.segment_id))
-            self._no_disk.discard(event.segment_id)
-        elif isinstance(event, m.SegmentUp) and event.capacity_bytes:
-            self._set_capacity(event.segment_id, event.capacity_bytes)
-        self.events_applied += 1
+                yield
+            self._capacity.pop(pool, None)
+        if gone:
+            self._lost_links.append((until, gone))
+        self._disk_pools.discard(ssd_pool(event.segment_id))
+        self._no_disk.discard(event.segment_id)
 
     def _record_gone(self, key: bytes, event: m.GroupEvicted | m.GroupInvalidated, at_ms: int) -> None:
         """The decision a directory `evicted` / `invalidated` event records. One of the policy's

@@ -12,11 +12,13 @@ event loop):
   parent = the previous chunk; a put_commit's groups come as one `GroupsPublished`, a republish or an older
   directory's as one `GroupPublished` each);
   `accessed` → `core.seen` + `core.access`; `evicted`/`invalidated` → `core.removed`;
-  `segment_down` → `core.drop_pool`; `segment_up` → the pool's capacity. When the consumer is
-  lost (NATS restart) it is recreated after the last sequence applied: events are applied in
-  order, each once.
+  `segment_down` → `core.drop_pool_steps` (`apply_in_steps`: a lost segment's groups go in
+  steps of about a thousand, the loop running between steps, no later event applied until all
+  are dropped: at once, 300,000 groups stalled the loop ~0.7 s); `segment_up` → the pool's
+  capacity. When the consumer is lost (NATS restart) it is recreated after the last sequence
+  applied: events are applied in order, each once.
 - **segments**: every `segments_refresh_ms`, `list_segments` of every directory shard, merged,
-  re-reads capacities (and drops the pools of segments the directory no longer reports up).
+  re-reads the capacities of the segments up.
 - **adopter**: once the follower has replayed the stream at start, and whenever the stream
   has lost events this policy never applied (aged out, purged, recreated: `check_stream` at
   (re)subscribe, a gap in the sequences while subscribed), once the follower has applied what
@@ -333,16 +335,30 @@ class EvictionShell(GroupRecords):
                 self.caught_up.set()  # nothing new for a while: we are at the end
                 continue
             for msg in batch:
-                self._on_message(msg)
+                event = self._decoded(msg)
+                if event is None:
+                    continue
+                # A segment lost is dropped in steps (a third of a million groups took ~0.7 s
+                # in one go); the loop runs between them. No other event is applied meanwhile.
+                for _ in self.apply_in_steps(event, self._driver.now_ms()):
+                    await asyncio.sleep(0)
             if self.last_seq >= end_seq:
                 self.caught_up.set()
             if len(batch) < EVENTS_FETCH_MAX:
                 await asyncio.sleep(EVENTS_LINGER_S)
 
     def _on_message(self, msg: Msg) -> None:
+        """One event message applied whole (`_read_events` applies it in steps)."""
+        event = self._decoded(msg)
+        if event is not None:
+            self.apply(event, self._driver.now_ms())
+
+    def _decoded(self, msg: Msg) -> msgspec.Struct | None:
+        """The event to apply from `msg` (None: applied already, or undecodable), its sequence
+        taken as applied: the follower's bookkeeping of gaps and of how far it has read."""
         seq = msg.metadata.sequence.stream
         if seq <= self.last_seq:
-            return  # a redelivery after a consumer restart: applied already
+            return None  # a redelivery after a consumer restart: applied already
         if self.last_seq and seq > self.last_seq + 1:
             # The stream holds the directory's events only: a gap is events aged out ahead of
             # a follower that lags (it stayed subscribed, so `check_stream` did not run).
@@ -352,11 +368,11 @@ class EvictionShell(GroupRecords):
         if seq >= self._past_seq:
             self._past.set()
         try:
-            event = m.event_decoder.decode(msg.data)
+            event: msgspec.Struct = m.event_decoder.decode(msg.data)
         except BadRequest as exc:
             self._log.warning("event_undecodable", seq=seq, error=exc.message)
-            return
-        self.apply(event, self._driver.now_ms())
+            return None
+        return event
 
     # ---- adoption ----------------------------------------------------------------------------
 
