@@ -25,17 +25,33 @@ import argparse
 import glob
 import sys
 import time
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Final
 
-from evict_sim import BLOCK_TOKENS, full_chunks, load_trace  # type: ignore[import-not-found]
+from evict_sim import BLOCK_TOKENS, full_chunks, load_trace, serve  # type: ignore[import-not-found]
 
-from kvfabric.core.eviction import Admitted, EvictBatch, EvictionConfig, EvictionCore
+from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
 from kvfabric.core.eviction_admission import AdmissionGate, AdmissionView, build_filter
 from kvfabric.proto.codec import encode
 
 REPO: Final = Path(__file__).resolve().parents[1]
 VARIANTS: Final = ("density", "density+admission", "density+filter")
+
+
+class _Refusals:
+    """The gate's decisions for one request's chunks: nothing is written past a refused one (as
+    the client does)."""
+
+    def __init__(self, gate: AdmissionGate, now: int) -> None:
+        self.gate, self.now = gate, now
+        self.stopped = False
+        self.count = 0
+
+    def __call__(self, i: int, block: Hashable) -> bool:
+        self.stopped = self.stopped or not self.gate.decide(["pool"], repr(block).encode(), i, 1, self.now)[0]
+        self.count += self.stopped
+        return self.stopped
 
 
 def replay(requests: list[dict[str, Any]], capacity: int, variant: str, publish_ms: int) -> dict[str, Any]:
@@ -60,41 +76,11 @@ def replay(requests: list[dict[str, Any]], capacity: int, variant: str, publish_
             message = build_filter(core, {"pool": capacity}, now, 0)
             gate.install(AdmissionView.of(message, len(encode(message))), now)
             next_publish = now + publish_ms
-        hit = 0
-        for block in blocks:
-            if block in core and not core.is_evicting(block):
-                hit += 1
-            else:
-                break
+        refusals = None if gate is None else _Refusals(gate, now)
+        hit, wrote = serve(core, blocks, now, skip=refusals, prompt_chunks=variant != "density+filter")
+        refused += refusals.count if refusals is not None else 0
+        written += wrote
         saved += min(hit * BLOCK_TOKENS, request["input_length"])
-        for block in blocks:
-            core.seen(block)
-        stop = False
-        for i, block in enumerate(blocks):
-            if i < hit:
-                core.access(block, now)
-                continue
-            stored = block in core
-            if (
-                gate is not None
-                and not stored
-                and (stop or not gate.decide(["pool"], repr(block).encode(), i, 1, now)[0])
-            ):
-                stop = True  # the client writes nothing past a refused chunk
-                refused += 1
-                continue
-            effects = core.insert(
-                block,
-                tenant="t",
-                pool="pool",
-                size=1,
-                parent=blocks[i - 1] if i else None,
-                chunk_index=i,
-                now_ms=now,
-                prompt_chunks=None if variant == "density+filter" else len(blocks),
-            )
-            if effects == [Admitted(block)] and not stored:
-                written += 1
         for effect in core.tick(now):
             assert isinstance(effect, EvictBatch)
             for victim in effect.victims:

@@ -55,6 +55,8 @@ from evict_sim import (  # type: ignore[import-not-found]
     gap_closed,
     load_trace,
     replay_config,
+    resident_prefix,
+    serve,
     simulate,
     simulate_reference,
 )
@@ -103,41 +105,18 @@ def simulate_queue(
             if mode == "pin":
                 pending.update(set(requests[next_in]["hash_ids"]))
             else:  # the router looks the queued prompt up: its resident prefix is accessed now
-                for block in requests[next_in]["hash_ids"]:
-                    if block not in core or core.is_evicting(block):
-                        break
+                queued_blocks = requests[next_in]["hash_ids"]
+                for block in queued_blocks[: resident_prefix(core, queued_blocks)]:
                     core.access(block, now)
             queued.append(next_in)
             next_in += 1
         blocks = request["hash_ids"]
         total += request["input_length"]
-        hit = 0
-        for block in blocks:
-            if block in core and not core.is_evicting(block):
-                hit += 1
-            else:
-                break
+        hit, wrote = serve(core, blocks, now)
+        written += wrote
         saved += min(hit * BLOCK_TOKENS, request["input_length"])
         _tally(late, request, hit, split_ms)
         hits += hit > 0
-        for block in blocks:
-            core.seen(block)
-        for i, block in enumerate(blocks):
-            if i < hit:
-                core.access(block, now)
-                continue
-            stored = block in core
-            core.insert(
-                block,
-                tenant="t",
-                pool="pool",
-                size=1,
-                parent=blocks[i - 1] if i else None,
-                chunk_index=i,
-                now_ms=now,
-                prompt_chunks=len(blocks),
-            )
-            written += not stored and block in core
         for _ in range(TICKS_PER_REQUEST_MAX):
             effects = core.tick(now)
             if not effects:

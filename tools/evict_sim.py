@@ -45,6 +45,7 @@ import heapq
 import json
 import sys
 import time
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -109,40 +110,12 @@ def simulate(
         now = int(request["timestamp"])
         blocks = request["hash_ids"]
         total += request["input_length"]
-        hit = 0
-        for block in blocks:
-            if block in core and not core.is_evicting(block):
-                hit += 1
-            else:
-                break
+        skip = None if oracle is None else _oracle_skip(core, blocks, oracle[r])
+        hit, wrote = serve(core, blocks, now, skip=skip)
+        written += wrote
         saved += min(hit * BLOCK_TOKENS, request["input_length"])
         _tally(late, request, hit, split_ms)
         hits += hit > 0
-        for block in blocks:
-            core.seen(block)
-        for i, block in enumerate(blocks):
-            if i < hit:
-                core.access(block, now)
-                continue
-            stored = block in core  # a block already resident (elsewhere in a chain) is not rewritten
-            if (
-                oracle is not None
-                and not stored
-                and (oracle[r][i] == NEVER or (i and blocks[i - 1] not in core))
-            ):
-                continue
-            effects = core.insert(
-                block,
-                tenant="t",
-                pool="pool",
-                size=1,
-                parent=blocks[i - 1] if i else None,
-                chunk_index=i,
-                now_ms=now,
-                prompt_chunks=len(blocks),
-            )
-            if effects == [Admitted(block)] and not stored:
-                written += 1
         for effect in core.tick(now):
             assert isinstance(effect, EvictBatch)
             for victim in effect.victims:
@@ -156,6 +129,65 @@ def simulate(
         if k.startswith("admission_refused_") and k != "admission_refused_total"
     }
     return row
+
+
+def resident_prefix(core: EvictionCore, blocks: Sequence[Hashable]) -> int:
+    """How many of `blocks` a lookup finds: the longest resident prefix (a block being evicted
+    is gone already)."""
+    hit = 0
+    for block in blocks:
+        if block not in core or core.is_evicting(block):
+            break
+        hit += 1
+    return hit
+
+
+def serve(
+    core: EvictionCore,
+    blocks: list[Hashable],
+    now: int,
+    *,
+    skip: Callable[[int, Hashable], bool] | None = None,
+    prompt_chunks: bool = True,
+) -> tuple[int, int]:
+    """One request as an engine serves it, the simulators' one place for it: the lookup names
+    every block (`seen`), the resident prefix hits (accessed), every block past it is written
+    (inserted; one resident elsewhere in the chain is not rewritten) unless `skip(i, block)`,
+    asked for a block not resident, says not. `prompt_chunks`: the prompt's length passed to
+    the core (False: the chunk's position, as the live service has it). Returns (blocks hit,
+    blocks written)."""
+    hit = resident_prefix(core, blocks)
+    for block in blocks:
+        core.seen(block)
+    written = 0
+    for i, block in enumerate(blocks):
+        if i < hit:
+            core.access(block, now)
+            continue
+        stored = block in core
+        if skip is not None and not stored and skip(i, block):
+            continue
+        effects = core.insert(
+            block,
+            tenant="t",
+            pool="pool",
+            size=1,
+            parent=blocks[i - 1] if i else None,
+            chunk_index=i,
+            now_ms=now,
+            prompt_chunks=len(blocks) if prompt_chunks else None,
+        )
+        if effects == [Admitted(block)] and not stored:
+            written += 1
+    return hit, written
+
+
+def _oracle_skip(
+    core: EvictionCore, blocks: list[Hashable], uses: list[float]
+) -> Callable[[int, Hashable], bool]:
+    """Perfect admission (`oracle-admission`): a block no later request names, or whose parent
+    is not resident, is not written."""
+    return lambda i, _block: uses[i] == NEVER or bool(i and blocks[i - 1] not in core)
 
 
 def replay_config(base: EvictionConfig, watermarks: tuple[float, float], **extra: Any) -> EvictionConfig:

@@ -45,9 +45,9 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Final
 
-from evict_sim import BLOCK_TOKENS, full_chunks, load_trace  # type: ignore[import-not-found]
+from evict_sim import BLOCK_TOKENS, full_chunks, load_trace, serve  # type: ignore[import-not-found]
 
-from kvfabric.core.eviction import Admitted, EvictBatch, EvictionConfig, EvictionCore
+from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore
 
 REPO: Final = Path(__file__).resolve().parents[1]
 DEMOTE_POLICIES: Final = ("all", "reused", "none")
@@ -105,24 +105,7 @@ def simulate_tiers(
         for block in set(blocks):
             named[block] = named.get(block, 0) + 1
         # DRAM: exactly evict_sim.simulate's calls (they depend on DRAM alone).
-        for block in blocks:
-            core.seen(block)
-        for i, block in enumerate(blocks):
-            if i < hit_dram_only:
-                core.access(block, now)
-                continue
-            stored = block in core
-            effects = core.insert(
-                block,
-                tenant="t",
-                pool="pool",
-                size=1,
-                parent=blocks[i - 1] if i else None,
-                chunk_index=i,
-                now_ms=now,
-            )
-            if effects == [Admitted(block)] and not stored:
-                written += 1
+        written += serve(core, blocks, now)[1]
         for effect in core.tick(now):
             assert isinstance(effect, EvictBatch)
             for victim in effect.victims:
