@@ -7,22 +7,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
-from kvfabric.core.eviction import EvictionConfig, EvictionCore
+from kvfabric.cluster.directory_router import DirectoryRouter
+from kvfabric.core.eviction import EvictionConfig, EvictionCore, TenantQuota
 from kvfabric.eviction_policy.group_records import group_id_of
 from kvfabric.eviction_policy.shell import EvictionShell
 from kvfabric.format.ids import ChainHash, Namespace, group_key_of_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
+from tests.unit.eviction_policy.test_shell import A, published
 
 NAMESPACE = Namespace(bytes(4) + b"A" * 16 + bytes(34))
 GROUPS = 12_000  # a third on s1 only, a third on s2 only, a third on both
 
 
-def published(seq: int, segments: list[str]) -> m.GroupPublished:
+def published_on(seq: int, segments: list[str]) -> m.GroupPublished:
     return m.GroupPublished(
         group=ChainHash(seq.to_bytes(32, "little")),
         chunk_index=0,
@@ -39,7 +41,7 @@ def filled_shell() -> EvictionShell:
     for segment in ("s1", "s2"):
         shell.apply(m.SegmentUp(segment_id=segment, incarnation=1, capacity_bytes=1 << 30), 0)
     where = (["s1"], ["s2"], ["s1", "s2"])
-    shell.apply(m.GroupsPublished(groups=[published(i, where[i % 3]) for i in range(GROUPS)]), 1)
+    shell.apply(m.GroupsPublished(groups=[published_on(i, where[i % 3]) for i in range(GROUPS)]), 1)
     return shell
 
 
@@ -64,7 +66,7 @@ class OneBatch:
 
 
 def test_a_segment_lost_is_dropped_in_steps_with_the_loop_running_between_them() -> None:
-    later = published(GROUPS, ["s1"])  # published after the loss (the segment back)
+    later = published_on(GROUPS, ["s1"])  # published after the loss (the segment back)
     later_key = bytes(group_key_of_id(group_id_of(later.namespace, later.chunk_index, later.group)))
     events: list[msgspec.Struct] = [
         m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"),
@@ -105,3 +107,102 @@ def test_a_segment_lost_is_dropped_in_steps_with_the_loop_running_between_them()
     assert shell.events_applied == whole.events_applied
     assert shell._capacity == whole._capacity and shell._held == whole._held
     shell.core.check_invariants()
+
+
+class YieldingRouter(DirectoryRouter):
+    """Three shards; every `evict` answered `evicting` after a few turns of the loop (the steps
+    of a lost segment run meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__(cast(Any, None))
+        self.shards = 3
+        self.asked: list[bytes] = []
+
+    async def refresh(self) -> None:
+        raise AssertionError("the map is known")
+
+    async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **_: Any) -> Any:
+        assert isinstance(message, m.Evict)
+        self.asked += message.groups
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return m.EvictReply(
+            epoch=1, results=[m.EvictResult(group=g, status="evicting") for g in message.groups]
+        )
+
+
+def test_victims_chosen_during_the_drop_are_evicted_or_skipped_and_the_ticker_lives() -> None:
+    """A tenant over its hard quota picks victims on both segments while s1's groups are dropped
+    in steps; requests to other shards go out meanwhile. A victim dropped before its request
+    is not asked (it raised KeyError and ended the ticker), the rest are evicted."""
+    groups = 6_000
+    core = EvictionCore(
+        EvictionConfig(policy="lru", high_watermark=0.9, low_watermark=0.5, batch_max=4_000),
+        {A: TenantQuota(hard_bytes=5_000)},
+    )
+    shell = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0, demote=False)
+    router = YieldingRouter()
+    shell._router = router
+    for segment in ("s1", "s2"):
+        shell.apply(m.SegmentUp(segment_id=segment, incarnation=1, capacity_bytes=1 << 30), 0)
+    for i in range(1, groups + 1):
+        shell.apply(published(i, s1=10) if i % 2 else published(i, s2=10), 1)
+
+    async def run() -> None:
+        sub = OneBatch([m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout")])
+        follower = asyncio.create_task(shell._read_events(sub, end_seq=0))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert 0 < core.used_bytes("s1") < 10 * groups // 2, "not part-way through the drop"
+        batches = core.tick(shell._driver.now_ms())
+        victims = {v for b in batches for v in b.victims}
+        assert any(core.used_bytes("s1") and v in core and shell._held[v][2].get("s1") for v in victims)
+        for batch in batches:
+            await shell._evict(batch)  # raised KeyError
+        await sub.done.wait()
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+
+    asyncio.run(run())
+    assert core.used_bytes("s1") == 0 and core.tenant_bytes(A) <= 5_000
+    assert len(router.asked) == len(set(router.asked))
+    core.check_invariants()
+
+
+def test_a_capacity_set_during_the_drop_waits_until_the_pool_is_gone() -> None:
+    """The segment listing (or a demotion's reply) says the pool's capacity while it is being
+    dropped: it stays 0 (no watermark victims among groups about to go) until the drop ends."""
+    shell = filled_shell()
+    steps = shell.apply_in_steps(m.SegmentDown(segment_id="s1", incarnation=1, reason="drained"), 2)
+    next(steps)
+    assert shell.core.used_bytes("s1") > 0
+    shell._set_capacity("s1", 10)  # far below what s1 still holds
+    assert not [b for b in shell.core.tick(3) if b.pool == "s1"]
+    for _ in steps:
+        pass
+    shell._set_capacity("s1", 1 << 20)  # back, once dropped
+    assert shell._capacity["s1"] == 1 << 20
+
+
+def test_the_follower_counts_a_segment_down_applied_only_once_it_is_whole() -> None:
+    """`last_seq` (what `_reach`, and so the adopter, waits on) moves past a `segment_down` only
+    when its last step is done: an adoption started part-way took groups about to be dropped as
+    tracked."""
+
+    async def run() -> list[tuple[int, int]]:
+        shell = filled_shell()
+        sub = OneBatch([m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout")])
+        follower = asyncio.create_task(shell._read_events(sub, end_seq=0))
+        seen: list[tuple[int, int]] = []
+        while not sub.done.is_set():
+            seen.append((shell.core.used_bytes("s1"), shell.last_seq))
+            await asyncio.sleep(0)
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+        return seen
+
+    seen = asyncio.run(run())
+    assert [seq for used, seq in seen if used] and all(seq == 0 for used, seq in seen if used)
+    assert seen[-1] == (0, 1)

@@ -1,7 +1,8 @@
 """The eviction policy's record of the directory's chunk groups, kept from its events.
 
 What the shell knows of each group besides what its `EvictionCore` holds, all synchronous (no
-I/O, no awaits; each call atomic on the event loop), and what the directory's events do to both:
+I/O, no awaits; each call atomic on the event loop, but for a `segment_down` through
+`apply_in_steps`: its steps are), and what the directory's events do to both:
 
 - `apply`: one directory event into the core and these records: `published` inserts the group
   (or, published again, moves it to its new pools: `_republished`), a `GroupsPublished` (one
@@ -133,6 +134,7 @@ class GroupRecords:
     _no_disk: set[str]  # segments that answered "no disk tier"
     _group_ids: dict[bytes, GroupId]  # domain + chain hash -> 90-byte group id (tracked)
     _capacity: dict[str, int]
+    _dropping: set[str]  # the pools of a lost segment while they are dropped in steps
     # group key -> when its links go (`LOST_LINKS_KEEP_MS` after its latest loss), and per segment
     # loss (that time, its lost groups not yet looked at), oldest first
     _lost_until: dict[bytes, int]
@@ -195,32 +197,47 @@ class GroupRecords:
             self._down_while_adopting.add(event.segment_id)
         gone: list[bytes] = []
         until = at_ms + LOST_LINKS_KEEP_MS
-        for pool in (event.segment_id, ssd_pool(event.segment_id)):
-            for step_gone, step_kept in self.core.drop_pool_steps(pool):
-                for gid in step_gone:
-                    if isinstance(gid, bytes):
-                        self._adopted.discard(gid)
-                        self._group_ids.pop(gid, None)
-                        self._held.pop(gid, None)
-                        self._hits.pop(gid, None)
-                        self._lost_until[gid] = until
-                        gone.append(gid)
-                        if gid in self._decisions:  # (not every lost group: a big segment's loss
-                            # would churn the whole log)
-                            self._decisions.record(gid, at_ms, "lost", event.reason, str(pool))
-                # The groups it shared with other segments lose that pool in the records too (as
-                # in the core, whose pools these mirror): a stale pool said a head was on a disk
-                # that is gone, and a later move (`_moved`) put its bytes back into the core.
-                for gid in step_kept:
-                    held = self._held.get(gid) if isinstance(gid, bytes) else None
-                    if held is not None:
-                        held[2].pop(pool, None)
-                yield
-            self._capacity.pop(pool, None)
+        pools = (event.segment_id, ssd_pool(event.segment_id))
+        self._dropping.update(pools)
+        try:
+            for pool in pools:  # both at capacity 0 from the first step: no watermark victims there
+                if pool in self._capacity:
+                    self.core.set_capacity(pool, 0)
+            for pool in pools:
+                for step_gone, step_kept in self.core.drop_pool_steps(pool):
+                    self._lost_step(step_gone, step_kept, pool, until, event.reason, at_ms)
+                    gone += (gid for gid in step_gone if isinstance(gid, bytes))
+                    yield
+                self._capacity.pop(pool, None)
+        finally:  # (also when the follower stops mid-way: the event is applied again on restart)
+            self._dropping.difference_update(pools)
         if gone:
             self._lost_links.append((until, gone))
         self._disk_pools.discard(ssd_pool(event.segment_id))
         self._no_disk.discard(event.segment_id)
+
+    def _lost_step(
+        self, step_gone: list[object], step_kept: list[object], pool: str, until: int, reason: str, at_ms: int
+    ) -> None:
+        """One step of a lost pool in these records: the groups it removed from the core are
+        forgotten but for their links (kept `until`); those it kept lose the pool."""
+        for gid in step_gone:
+            if isinstance(gid, bytes):
+                self._adopted.discard(gid)
+                self._group_ids.pop(gid, None)
+                self._held.pop(gid, None)
+                self._hits.pop(gid, None)
+                self._lost_until[gid] = until
+                if gid in self._decisions:  # (not every lost group: a big segment's loss would
+                    # churn the whole log)
+                    self._decisions.record(gid, at_ms, "lost", reason, str(pool))
+        # The groups it shared with other segments lose that pool in the records too (as in the
+        # core, whose pools these mirror): a stale pool said a head was on a disk that is gone,
+        # and a later move (`_moved`) put its bytes back into the core.
+        for gid in step_kept:
+            held = self._held.get(gid) if isinstance(gid, bytes) else None
+            if held is not None:
+                held[2].pop(pool, None)
 
     def _record_gone(self, key: bytes, event: m.GroupEvicted | m.GroupInvalidated, at_ms: int) -> None:
         """The decision a directory `evicted` / `invalidated` event records. One of the policy's
@@ -367,10 +384,15 @@ class GroupRecords:
                 if not siblings:
                     del self._children[parent]
 
-    def _set_capacity(self, segment_id: str, capacity_bytes: int) -> None:
-        if self._capacity.get(segment_id) != capacity_bytes:
-            self._capacity[segment_id] = capacity_bytes
-            self.core.set_capacity(segment_id, capacity_bytes)
+    def _set_capacity(self, pool: str, capacity_bytes: int) -> None:
+        """A pool's capacity as a `segment_up`, the segment listing or a demotion's reply says;
+        not for a pool being dropped (its capacity stays 0 until it is gone: no watermark victims
+        among groups about to be dropped; the next listing or reply sets it again)."""
+        if pool in self._dropping:
+            return
+        if self._capacity.get(pool) != capacity_bytes:
+            self._capacity[pool] = capacity_bytes
+            self.core.set_capacity(pool, capacity_bytes)
 
     def _with_disk_tails(self, chains: list[bytes]) -> list[bytes]:
         """The groups to drop, each preceded by its resident descendants: only tails moved to a

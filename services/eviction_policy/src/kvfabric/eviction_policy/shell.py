@@ -70,7 +70,8 @@ clock, never earlier than a time already given), so the core's "time never goes 
 holds across the follower and the ticker. Only the ticker goes through `feed`; the other call
 sites call the core's methods directly, for these reasons: the follower's `apply` is the hot
 path (every directory event, up to `ACCESS_PER_EVENT_MAX` accesses each) and synchronous (one
-event atomic on the event loop; tests call it with their own times), so a `feed` (an await and
+event atomic on the event loop, a `segment_down` one step at a time: `apply_in_steps`; tests
+call it with their own times), so a `feed` (an await and
 the driver's lock per event) would add latency for no change in meaning; and what a victim
 batch's answers do to the core (`refused`, `removed`, a demoted group's move) happens while
 the driver performs that Tick's effects, which must never feed the same driver (it would wait
@@ -221,6 +222,7 @@ class EvictionShell(GroupRecords):
         self._parent: dict[bytes, bytes] = {}
         self._lost_until: dict[bytes, int] = {}  # see `GroupRecords`
         self._lost_links: deque[tuple[int, list[bytes]]] = deque()
+        self._dropping: set[str] = set()  # pools of a lost segment being dropped (see `GroupRecords`)
         self._disk_pools: set[str] = set()  # `<segment>#ssd` pools holding or having held groups
         self._no_disk: set[str] = set()  # segments that answered "no disk tier"
         self.demotions: dict[str, int] = {}  # outcome -> groups (status, metrics)
@@ -339,9 +341,11 @@ class EvictionShell(GroupRecords):
                 if event is None:
                     continue
                 # A segment lost is dropped in steps (a third of a million groups took ~0.7 s
-                # in one go); the loop runs between them. No other event is applied meanwhile.
+                # in one go); the loop runs between them. No other event is applied meanwhile,
+                # and the event counts as applied (`_reach`) once it is whole.
                 for _ in self.apply_in_steps(event, self._driver.now_ms()):
                     await asyncio.sleep(0)
+                self._applied(msg.metadata.sequence.stream)
             if self.last_seq >= end_seq:
                 self.caught_up.set()
             if len(batch) < EVENTS_FETCH_MAX:
@@ -352,10 +356,12 @@ class EvictionShell(GroupRecords):
         event = self._decoded(msg)
         if event is not None:
             self.apply(event, self._driver.now_ms())
+            self._applied(msg.metadata.sequence.stream)
 
     def _decoded(self, msg: Msg) -> msgspec.Struct | None:
-        """The event to apply from `msg` (None: applied already, or undecodable), its sequence
-        taken as applied: the follower's bookkeeping of gaps and of how far it has read."""
+        """The event to apply from `msg`, after the follower's check for a gap before it. None:
+        applied already (a redelivery), or undecodable (then taken as applied); the caller
+        marks the event `_applied` once it is whole."""
         seq = msg.metadata.sequence.stream
         if seq <= self.last_seq:
             return None  # a redelivery after a consumer restart: applied already
@@ -364,15 +370,19 @@ class EvictionShell(GroupRecords):
             # a follower that lags (it stayed subscribed, so `check_stream` did not run).
             self._log.warning("events_lost", first_seq=seq, last_applied=self.last_seq)
             self._events_lost(seq)
-        self.last_seq = seq
-        if seq >= self._past_seq:
-            self._past.set()
         try:
             event: msgspec.Struct = m.event_decoder.decode(msg.data)
         except BadRequest as exc:
             self._log.warning("event_undecodable", seq=seq, error=exc.message)
+            self._applied(seq)
             return None
         return event
+
+    def _applied(self, seq: int) -> None:
+        """Stream sequence `seq` is applied whole (a waiter on the follower, `_reach`, looks)."""
+        self.last_seq = seq
+        if seq >= self._past_seq:
+            self._past.set()
 
     # ---- adoption ----------------------------------------------------------------------------
 
@@ -585,7 +595,10 @@ class EvictionShell(GroupRecords):
         await router.known_shards()
         runs: list[tuple[int, m.EvictTier, list[bytes]]] = []
         for chain in chains:
-            shard = router.shard_of(self._group_ids[chain])
+            group_id = self._group_ids.get(chain)
+            if group_id is None:  # forgotten meanwhile (an event, or a lost segment's step): gone
+                continue
+            shard = router.shard_of(group_id)
             tier: m.EvictTier = "ssd" if chain in keep_arena else "all"
             if runs and runs[-1][:2] == (shard, tier):
                 runs[-1][2].append(chain)
@@ -601,7 +614,12 @@ class EvictionShell(GroupRecords):
         statuses: dict[str, int],
         tier: m.EvictTier = "all",
     ) -> list[bytes]:
-        """One `evict` request; returns the groups that stay (leased, pinned, or no answer)."""
+        """One `evict` request; returns the groups that stay (leased, pinned, or no answer).
+        Groups forgotten while earlier requests of the batch were out (an `evicted` event, a lost
+        segment's step) are gone: not asked."""
+        chains = [c for c in chains if c in self._group_ids]
+        if not chains:
+            return []
         groups = [self._group_ids[c] for c in chains]
         # each group's tails in this request, so that one that stays keeps its head here too
         position = {c: i for i, c in enumerate(chains)}
@@ -956,9 +974,7 @@ class EvictionShell(GroupRecords):
             capacity = ssd_pool_capacity(
                 reply.ssd_capacity_bytes, self.ssd_high_watermark, self.core.config.high_watermark
             )
-            if self._capacity.get(pool) != capacity:
-                self._capacity[pool] = capacity
-                self.core.set_capacity(pool, capacity)
+            self._set_capacity(pool, capacity)
         outcomes: list[str] = []
         at = 0
         for objects in groups:
