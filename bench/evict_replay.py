@@ -14,11 +14,10 @@ unique blocks, next to the simulator's figure for the same requests.
   authenticated; segment ids `evr-<random>-1`: other clusters on this host keep theirs), one
   segment whose arena holds `--capacity-pct` % of the replayed unique blocks (at least the
   segment's 1 MiB floor), the eviction-policy service with `KVF_EVICTION_POLICY` = each policy,
-  watermarks `HIGH_PCT` / `LOW_PCT`, ticks of `TICK_MS`, every service's request lane at
-  `INFLIGHT_MAX` (`--inflight-max`; 0: the default 64, where the segment refuses most of the
-  directory's frees under eviction churn and writes fail `no_capacity`); a fresh cluster per
-  policy; `down` at the end, also on an error (a start that misses the ready timeout on a
-  loaded host is tried again, `CLUSTER_STARTS_MAX` times).
+  watermarks `--watermarks` (80 / 70 % unless given; the service's defaults are 90 / 80), ticks
+  of `TICK_MS`, every service's request lane at its default (`--inflight-max N`: N instead); a
+  fresh cluster per policy; `down` at the end, also on an error (a start that misses the ready
+  timeout on a loaded host is tried again, `CLUSTER_STARTS_MAX` times).
 - **Replay**: one engine (`KvClient`, the `demo` tenant), requests in trace order, each started
   at its timestamp / `--speedup` (late ones at once; the lag is reported): `lookup`, `load` of
   the hit (bytes compared), `release`, then `save` of the chunks past the loaded prefix (already
@@ -76,19 +75,20 @@ from evict_sim import (  # type: ignore[import-not-found]  # noqa: E402
     simulate_reference,
 )
 
-HIGH_PCT: Final = 80  # the service's watermarks (% of the segment's capacity) in the replay
-LOW_PCT: Final = 70
+# The service's watermarks (% of the segment's capacity) in the replay unless --watermarks (the
+# service's own defaults are 90 / 80)
+WATERMARKS_PCT: Final = (80, 70)
 TICK_MS: Final = 20  # the service checks watermarks this often
 SEGMENTS_REFRESH_MS: Final = 1_000
 SEGMENT_BYTES_MIN: Final = 1 << 20  # the segment's floor (KVF_SEGMENT_BYTES)
 SEGMENT_ALIGNMENT_BYTES: Final = 64  # arena sizes are multiples of the slot alignment
 CLUSTER_TIMEOUT_S: Final = 120.0
 MODEL_ID: Final = "evict-replay"
-# Every service's in-flight lane in the replay (`KVF_INFLIGHT_MAX`; default 64): the directory sends
-# one free per evicted slot, up to 256 at once, and a segment at 64 answers the rest `busy`; their
-# bytes stay reserved until the retry (2 s later), and the arena fills (`no_capacity`). See
-# docs/eviction-policy.md, "Live replay".
-INFLIGHT_MAX: Final = 1024
+# Every service's in-flight lane in the replay (`KVF_INFLIGHT_MAX`), 0: the services' own (64).
+# Replays before 2026-12-04 ran at 1024: at 64 a segment refused most of the directory's frees,
+# one request per evicted slot then, and the arena filled (`no_capacity`); batched since
+# (docs/eviction-policy.md, "Live replay").
+INFLIGHT_MAX: Final = 0
 TENANT: Final = "demo"
 
 
@@ -224,7 +224,10 @@ def replay(
 
 
 def sim_rows(
-    requests: Sequence[Mapping[str, Any]], capacity_blocks: int, policies: Sequence[str]
+    requests: Sequence[Mapping[str, Any]],
+    capacity_blocks: int,
+    policies: Sequence[str],
+    watermarks_pct: tuple[int, int] = WATERMARKS_PCT,
 ) -> dict[str, dict[str, Any]]:
     """The simulator on the same (compressed) requests at the segment's capacity: each policy with
     the service's watermarks and with the simulator's hard capacity, LRU, reference, infinite."""
@@ -232,7 +235,10 @@ def sim_rows(
     rows: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(["lru", *policies]):
         rows[f"{name} (same watermarks)"] = simulate(
-            reqs, capacity_blocks, POLICIES[name], watermarks=(HIGH_PCT / 100, LOW_PCT / 100)
+            reqs,
+            capacity_blocks,
+            POLICIES[name],
+            watermarks=(watermarks_pct[0] / 100, watermarks_pct[1] / 100),
         )
         rows[f"{name} (hard capacity)"] = simulate(reqs, capacity_blocks, POLICIES[name])
     rows["reference"] = simulate_reference(reqs, capacity_blocks)
@@ -286,7 +292,7 @@ def report(results: Sequence[Mapping[str, Any]], command: str) -> list[str]:
             f" {res['unique_blocks']} unique blocks, segment {res['segment_bytes']} B ="
             f" {res['capacity_blocks']} chunks of {res['object_bytes']} B"
             f" ({100 * res['capacity_blocks'] / res['unique_blocks']:.1f} %), watermarks"
-            f" {HIGH_PCT} / {LOW_PCT} %"
+            f" {res['watermarks_pct'][0]} / {res['watermarks_pct'][1]} %"
         )
     return lines
 
@@ -323,7 +329,11 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 @contextmanager
 def local_cluster(
-    run: Path, arena_bytes: int, policy: str, inflight_max: int = 0
+    run: Path,
+    arena_bytes: int,
+    policy: str,
+    inflight_max: int = 0,
+    watermarks_pct: tuple[int, int] = WATERMARKS_PCT,
 ) -> Iterator[dict[str, Any]]:
     """`tools/localcluster.py up` in `run` with one segment of `arena_bytes` (an id of its own)
     and the eviction service on `policy`; `down` however the block ends."""
@@ -333,8 +343,8 @@ def local_cluster(
     env = dict(
         os.environ,
         KVF_EVICTION_POLICY=policy,
-        KVF_EVICTION_HIGH_WATERMARK_PCT=str(HIGH_PCT),
-        KVF_EVICTION_LOW_WATERMARK_PCT=str(LOW_PCT),
+        KVF_EVICTION_HIGH_WATERMARK_PCT=str(watermarks_pct[0]),
+        KVF_EVICTION_LOW_WATERMARK_PCT=str(watermarks_pct[1]),
         KVF_EVICTION_TICK_MS=str(TICK_MS),
         KVF_EVICTION_SEGMENTS_REFRESH_MS=str(SEGMENTS_REFRESH_MS),
         KVF_EVICTION_DEMOTE="0",  # no disk tier here
@@ -370,10 +380,11 @@ def live(
     policy: str,
     object_bytes: int,
     inflight_max: int = 0,
+    watermarks_pct: tuple[int, int] = WATERMARKS_PCT,
 ) -> LiveRun:
     for attempt in range(CLUSTER_STARTS_MAX):
         try:
-            return _live_once(requests, arena_bytes, policy, object_bytes, inflight_max)
+            return _live_once(requests, arena_bytes, policy, object_bytes, inflight_max, watermarks_pct)
         except ClusterDown as exc:  # a start on a loaded host can miss the ready timeout
             print(f"cluster start {attempt + 1} failed: {exc}", file=sys.stderr, flush=True)
     raise RuntimeError(f"the local cluster did not start {CLUSTER_STARTS_MAX} times")
@@ -385,10 +396,11 @@ def _live_once(
     policy: str,
     object_bytes: int,
     inflight_max: int,
+    watermarks_pct: tuple[int, int],
 ) -> LiveRun:
     with (
         tempfile.TemporaryDirectory(prefix="kvf-evict-replay-") as tmp,
-        local_cluster(Path(tmp) / "run", arena_bytes, policy, inflight_max) as state,
+        local_cluster(Path(tmp) / "run", arena_bytes, policy, inflight_max, watermarks_pct) as state,
     ):
         client_env = read_env_file(Path(state["auth"]["dir"]) / "env" / f"tenant-{TENANT}.env")
         settings = settings_from_env(client_env, nats_url=state["nats_url"])
@@ -419,10 +431,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--inflight-max",
         type=int,
         default=INFLIGHT_MAX,
-        help="KVF_INFLIGHT_MAX of every service (0: their default, 64; see the module docstring)",
+        help="KVF_INFLIGHT_MAX of every service (0: their default, 64)",
+    )
+    parser.add_argument(
+        "--watermarks",
+        default=",".join(map(str, WATERMARKS_PCT)),
+        help="the eviction service's high,low watermarks in %% (the simulator's 'same watermarks' too)",
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "eviction_replay")
     args = parser.parse_args(argv)
+    try:
+        high, low = (int(x) for x in args.watermarks.split(","))
+    except ValueError:
+        parser.error("--watermarks takes HIGH,LOW (integers)")
+    if not 0 < low < high <= 100:
+        parser.error("--watermarks: 0 < LOW < HIGH <= 100")
+    watermarks_pct = (high, low)
     if not args.traces:
         print("no traces found", file=sys.stderr)
         return 2
@@ -445,13 +469,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "object_bytes": args.object_bytes,
             "segment_bytes": arena,
             "capacity_blocks": capacity_blocks,
-            "watermarks_pct": [HIGH_PCT, LOW_PCT],
+            "watermarks_pct": list(watermarks_pct),
             "inflight_max": args.inflight_max,
-            "sim": sim_rows(requests, capacity_blocks, policies),
+            "sim": sim_rows(requests, capacity_blocks, policies, watermarks_pct),
             "live": {},
         }
         for policy in policies:
-            run = live(requests, arena, policy, args.object_bytes, args.inflight_max)
+            run = live(requests, arena, policy, args.object_bytes, args.inflight_max, watermarks_pct)
             res["live"][policy] = run.summary()
             print(
                 f"{trace.stem} {policy}: live saved {100 * res['live'][policy]['prefill_saved_share']:.2f} %,"
@@ -465,6 +489,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags += f" --policies {args.policies}"
     if args.inflight_max != parser.get_default("inflight_max"):
         flags += f" --inflight-max {args.inflight_max}"
+    if watermarks_pct != WATERMARKS_PCT:
+        flags += f" --watermarks {high},{low}"
     if args.object_bytes != parser.get_default("object_bytes"):
         flags += f" --object-bytes {args.object_bytes}"
     command = (
