@@ -1,20 +1,22 @@
-"""What a segment lost costs the eviction policy's event loop, whole and in steps.
+"""What a segment lost costs the event followers' loops (eviction policy, router), whole and in steps.
 
-Two layers, each with `--objects` groups of 4 KiB spread round robin over three segments' pools
+Three layers, each with `--objects` groups of 4 KiB spread round robin over three segments' pools
 (the service's default policy, `density`, and its GC policy installed; a collection and a freeze
 after the fill, as in the service's steady state), then one segment lost (a third of the groups
 go):
 - `core`: `EvictionCore.drop_pool` in one call against `drop_pool_steps` (the loop would run
   between steps);
 - `shell`: the policy service's `segment_down` (`GroupRecords.apply` whole against
-  `apply_in_steps`: the core's drop plus the shell's records of each group).
+  `apply_in_steps`: the core's drop plus the shell's records of each group);
+- `router`: the router's `RoutingIndex` (`segment_down` walked whole against `apply` plus its
+  follower's `sweep` slices: `sweep_per_apply` 0 for whole, the default after).
 Per case: the whole call's ms, and for the stepped one its steps, the longest step and the sum
 (the loop is stalled at most one step at a time). Rounds alternate whole / stepped on fresh
 fills.
 
 Run: `.venv/bin/python -m bench.eviction_segment_down [--objects 100000,300000] [--rounds 2]
-[--layers core,shell] [--policy density]`. Prints a table; nothing written. Figures: docs/eviction-policy.md,
-"Garbage collector".
+[--layers core,shell,router] [--policy density]`. Prints a table; nothing written. Figures:
+docs/eviction-policy.md, "Garbage collector" (core, shell); docs/router.md (router).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Callable, Iterator
 
 from kvfabric.core.eviction import EvictionCore
 from kvfabric.core.eviction_model import EvictionConfig, PolicyName
+from kvfabric.core.routing_index import RoutingIndex
 from kvfabric.eviction_policy.shell import EvictionShell
 from kvfabric.format.ids import ChainHash, Namespace
 from kvfabric.proto import directory as m
@@ -55,19 +58,50 @@ def filled_shell(objects: int, policy: PolicyName) -> EvictionShell:
     for pool in POOLS:
         shell.apply(m.SegmentUp(segment_id=pool, incarnation=1, capacity_bytes=1 << 50), 0)
     for start in range(0, objects, PUBLISH_BATCH):
-        groups = [
-            m.GroupPublished(
-                group=ChainHash(i.to_bytes(32, "little")),
-                chunk_index=0,
-                members=1,
-                namespace=NAMESPACE,
-                parent=ChainHash(b""),
-                placements=[m.SegmentBytes(POOLS[i % 3], 4096)],
-            )
-            for i in range(start, min(start + PUBLISH_BATCH, objects))
-        ]
-        shell.apply(m.GroupsPublished(groups=groups), 1)
+        shell.apply(m.GroupsPublished(groups=published_batch(start, objects)), 1)
     return shell
+
+
+def published_batch(start: int, objects: int) -> list[m.GroupPublished]:
+    """Groups `start`.. of `objects` (one put_commit's worth), group i on pool i % 3."""
+    return [
+        m.GroupPublished(
+            group=ChainHash(i.to_bytes(32, "little")),
+            chunk_index=0,
+            members=1,
+            namespace=NAMESPACE,
+            parent=ChainHash(b""),
+            placements=[m.SegmentBytes(POOLS[i % 3], 4096)],
+        )
+        for i in range(start, min(start + PUBLISH_BATCH, objects))
+    ]
+
+
+def filled_index(objects: int) -> RoutingIndex:
+    index = RoutingIndex()
+    seq = 0
+    for pool in POOLS:
+        seq += 1
+        index.apply(seq, m.SegmentUp(segment_id=pool, incarnation=1, capacity_bytes=1 << 50))
+    for start in range(0, objects, PUBLISH_BATCH):
+        seq += 1
+        index.apply(seq, m.GroupsPublished(groups=published_batch(start, objects)))
+    return index
+
+
+def index_whole(index: RoutingIndex, seq: int, lost: m.SegmentDown) -> None:
+    """As before the sweep: the event applied and every group of the segment walked at once."""
+    index.apply(seq, lost)
+    index.sweep(len(index.groups))
+
+
+def index_steps(index: RoutingIndex, seq: int, lost: m.SegmentDown) -> Iterator[None]:
+    """The router follower's way: the event applied (its segment down at once), then `sweep`
+    slices until none is left, the loop running between them."""
+    index.apply(seq, lost)
+    yield
+    while index.sweep():
+        yield
 
 
 def timed_steps(steps: Iterator[object]) -> tuple[int, float, float]:
@@ -91,9 +125,13 @@ def one_round(layer: str, objects: int, stepped: bool, policy: PolicyName) -> tu
     if layer == "core":
         core = filled_core(objects, policy)
         whole, steps = (lambda: core.drop_pool("s1")), (lambda: core.drop_pool_steps("s1"))
-    else:
+    elif layer == "shell":
         shell = filled_shell(objects, policy)
         whole, steps = (lambda: shell.apply(lost, 2)), (lambda: shell.apply_in_steps(lost, 2))
+    else:
+        index = filled_index(objects)
+        seq = index.last_seq + 1
+        whole, steps = (lambda: index_whole(index, seq, lost)), (lambda: index_steps(index, seq, lost))
     gc.collect()
     gc.freeze()
     if stepped:
@@ -111,7 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--objects", default="100000,300000")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--layers", default="core,shell")
+    parser.add_argument("--layers", default="core,shell,router")
     parser.add_argument("--policy", default="density", help="the service's default")
     args = parser.parse_args()
     gcpolicy.install()

@@ -10,7 +10,15 @@ them all: `step(event, now_ms)` (`kvfabric.core.step`; the events in
 - `groups`: group key (16-byte share domain digest + 32-byte chain hash, as the events name a
   group) -> `GroupEntry` (chunk index, bytes of one copy, the segments holding a replica).
 - `segments`: segment id -> incarnation of the segments known to be up.
-- A reverse index segment -> group keys, so a `segment_down` costs O(its groups).
+- A reverse index segment -> group keys of its live replicas, so a `segment_down` costs
+  O(its groups), and that is spent in slices: the segment leaves `segments` at once and its
+  keys move to `_dead[segment]` (its *dead* replicas); `sweep` takes them out of their groups
+  `SWEEP_KEYS_PER_CALL` at a time, called by the shell between event batches until none is
+  left (100,000 groups walked at once stalled the router's loop 230-290 ms). Meanwhile a dead
+  replica counts for nothing (`live_replicas`, `available_run`: a group with no live one is
+  not available). A segment back up under the same id (a restart: a new incarnation, its
+  `segment_down` and `segment_up` one after the other) needs no sweep first: a dead replica is
+  (segment, key), so a group published again on the new incarnation is live there.
 
 A chunk is *available* when its group is published and one of its replicas is on a segment
 that is up. Replicas added later by repair or prefetch have no event: the index learns them at
@@ -25,7 +33,8 @@ the next resync only (it under-counts, never over-counts, a replica that exists)
                                               group with that chain hash)
     segment_down(segment, incarnation)    --> the segment leaves `segments` and every group; a
                                               group left without replicas is gone (ignored for
-                                              an incarnation older than the one known up)
+                                              an incarnation older than the one known up; the
+                                              groups in slices, `sweep`: above)
     segment_up(segment, incarnation)      --> known up; a newer incarnation holds nothing until
                                               events say so (a segment comes back empty,
                                               docs/directory.md); the same one again (every
@@ -52,8 +61,10 @@ router counts no kvfabric tokens at all (`available_run` answers 0): an index th
 evictions never promises a load.
 
 ## Invariants (`check_invariants`)
-- every replica of every group is on a segment in `segments`; every group has >= 1 replica;
-- the reverse index holds exactly the (segment, group) pairs of `groups`.
+- every group has >= 1 replica; a replica is dead (its key in `_dead[segment]`) or on a
+  segment in `segments` and in the reverse index, never both;
+- the reverse index holds exactly the live (segment, group) pairs of `groups`; every dead key
+  names a group holding that replica.
 """
 
 from __future__ import annotations
@@ -93,6 +104,9 @@ DOMAIN_BYTES: Final = DOMAIN_DIGEST_BYTES
 CHAIN_BYTES: Final = CHAIN_HASH_BYTES
 
 ApplyResult = Literal["applied", "duplicate", "gap"]
+# Dead replicas taken out per `sweep` call (the shell's slice between turns of its loop): ~2.5 us
+# each.
+SWEEP_KEYS_PER_CALL: Final = 1_024
 
 
 def group_key(domain: bytes, chain: bytes) -> GroupKey:
@@ -132,6 +146,9 @@ class RoutingIndex:
         self.segments: dict[str, int] = {}
         self._by_segment: dict[str, set[GroupKey]] = {}
         self._by_chain: dict[bytes, set[GroupKey]] = {}  # chain hash -> group keys (every domain)
+        # dead replicas not swept yet: segment (down, or up again under a new incarnation) ->
+        # keys of groups still naming it from before
+        self._dead: dict[str, set[GroupKey]] = {}
         self.last_seq = 0
         self.synced = False
         self.bounds = StreamBounds()  # the stream's creation time as last seen
@@ -223,22 +240,58 @@ class RoutingIndex:
         if not keys:
             del self._by_chain[chain]
         for seg in entry.replicas:
+            dead = self._dead.get(seg)
+            if dead is not None and key in dead:  # a dead replica: not in the reverse index
+                dead.discard(key)
+                if not dead:
+                    del self._dead[seg]
+                continue
             held = self._by_segment[seg]
             held.discard(key)
             if not held:
                 del self._by_segment[seg]
 
     def _segment_down(self, segment_id: str) -> None:
+        """The segment leaves `segments` now; its replicas are dead, swept later (`sweep`)."""
         self.segments.pop(segment_id, None)
-        for key in self._by_segment.pop(segment_id, set()):
-            entry = self.groups[key]
-            entry.replicas.discard(segment_id)
-            if not entry.replicas:
-                del self.groups[key]
-                chain = chain_in_group_key(key)
-                self._by_chain[chain].discard(key)
-                if not self._by_chain[chain]:
-                    del self._by_chain[chain]
+        keys = self._by_segment.pop(segment_id, None)
+        if keys:
+            self._dead.setdefault(segment_id, set()).update(keys)
+
+    def live_replicas(self, key: bytes) -> set[str]:
+        """The segments holding a live replica of group `key` (none: not available)."""
+        entry = self.groups.get(key)
+        if entry is None:
+            return set()
+        if not self._dead:
+            return set(entry.replicas)
+        return {s for s in entry.replicas if key not in self._dead.get(s, ())}
+
+    @property
+    def dead_replicas(self) -> int:
+        """Replicas on lost segments still to sweep."""
+        return sum(len(keys) for keys in self._dead.values())
+
+    def sweep(self, keys_max: int = SWEEP_KEYS_PER_CALL) -> bool:
+        """Up to `keys_max` dead replicas leave their groups (a group left with none is gone).
+        True while any is left."""
+        budget = keys_max
+        for seg in list(self._dead):
+            dead = self._dead.get(seg)
+            if dead is None:
+                continue
+            while dead and budget > 0:
+                key = dead.pop()
+                budget -= 1
+                entry = self.groups[key]  # (a dead key always names a group holding that replica)
+                entry.replicas.discard(seg)
+                if not entry.replicas:
+                    self._remove(key)
+            if not dead:
+                self._dead.pop(seg, None)
+            if budget <= 0:
+                break
+        return bool(self._dead)
 
     def check_stream(self, first_seq: int, last_seq: int, created: object = None) -> bool:
         """The stream's bounds and creation time (read whenever the shell (re)subscribes, so a
@@ -261,6 +314,7 @@ class RoutingIndex:
         self.groups.clear()
         self._by_segment.clear()
         self._by_chain.clear()
+        self._dead.clear()
         self.segments = {s.segment_id: s.incarnation for s in segments if s.up}
         for g in groups:
             self._set(group_key(g.domain, g.chain), g.chunk_index, g.copy_bytes, set(g.segments))
@@ -280,6 +334,11 @@ class RoutingIndex:
             entry = self.groups.get(key)
             if entry is None:
                 break
+            if self._dead and any(key in self._dead.get(seg, ()) for seg in entry.replicas):
+                live = self.live_replicas(key)
+                if not live:
+                    break
+                entry = GroupEntry(entry.chunk_index, entry.copy_bytes, live)
             out.append(entry)
         return out
 
@@ -288,8 +347,15 @@ class RoutingIndex:
         for key, entry in self.groups.items():
             invariant(bool(entry.replicas), "a group without replicas is gone", key=key.hex())
             for seg in entry.replicas:
-                invariant(seg in self.segments, "a replica on a segment not up", segment=seg)
+                if key in self._dead.get(seg, ()):
+                    continue  # dead, not yet swept
+                invariant(seg in self.segments, "a live replica on a segment not up", segment=seg)
                 pairs.add((seg, key))
+        for seg, dead in self._dead.items():
+            invariant(bool(dead), "no empty dead set", segment=seg)
+            for key in dead:
+                named = self.groups.get(key)
+                invariant(named is not None and seg in named.replicas, "a dead key names its group")
         reverse = {(seg, key) for seg, keys in self._by_segment.items() for key in keys}
         invariant(pairs == reverse, "reverse index matches", missing=len(pairs ^ reverse))
         chains = {(key[DOMAIN_BYTES:], key) for key in self.groups}

@@ -93,6 +93,10 @@ class IndexFollower:
                         self._on_message(msg.metadata.sequence.stream, msg.data)
                         if not self.index.synced:
                             break  # a gap: resync before anything else
+                    # A lost segment's groups leave the index in slices, routes served between
+                    # them (`RoutingIndex.sweep`; its replicas count for nothing meanwhile).
+                    while self.index.sweep():  # noqa: ASYNC110 (each turn sweeps a slice: work, no wait)
+                        await asyncio.sleep(0)
                     await self.heard()
                 await sub.unsubscribe()
             except asyncio.CancelledError:
