@@ -6,7 +6,8 @@ event loop):
 - **follower**: reads the directory's JetStream event stream from its first message with an
   ephemeral pull consumer (no acks; batches of `EVENTS_FETCH_MAX`, so memory stays bounded and a
   slow policy just lags; at the stream's end it waits `EVENTS_LINGER_S` after a short batch, so
-  events a save apart share one pull request). Each event goes through `apply` (`GroupRecords`,
+  events a save apart share one pull request), one event a turn of the loop. Each event goes
+  through `apply` (`GroupRecords`,
   `group_records.py`: the per-group records kept beside the core). `published` → `core.insert`
   (object = chunk group, pools = the segments holding its bytes, tenant = its share domain,
   parent = the previous chunk; a put_commit's groups come as one `GroupsPublished`, a republish or an older
@@ -346,6 +347,8 @@ class EvictionShell(GroupRecords):
                 for _ in self.apply_in_steps(event, self._driver.now_ms()):
                     await asyncio.sleep(0)
                 self._applied(msg.metadata.sequence.stream)
+                # One event a turn of the loop: 512 commits of 256 groups held it ~2 s at once.
+                await asyncio.sleep(0)
             if self.last_seq >= end_seq:
                 self.caught_up.set()
             if len(batch) < EVENTS_FETCH_MAX:

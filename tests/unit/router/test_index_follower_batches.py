@@ -1,0 +1,80 @@
+"""The router's index follower lets the loop (routes) run while it applies a batch: one event a
+turn (512 commits of 256 groups at once held it ~1 s), then a lost segment's groups leave the
+index in slices (`RoutingIndex.sweep`)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any, cast
+
+import msgspec
+
+from kvfabric.core.routing_index import ListedSegment, RoutingIndex
+from kvfabric.format.ids import ChainHash, DomainDigest, Namespace
+from kvfabric.proto import directory as m
+from kvfabric.proto.codec import encode
+from kvfabric.router.index_follower import IndexFollower
+
+DOMAIN = DomainDigest(b"A" * 16)
+NAMESPACE = Namespace(bytes(4) + DOMAIN + bytes(34))
+
+
+def message(seq: int, event: msgspec.Struct) -> Any:
+    return SimpleNamespace(data=encode(event), metadata=SimpleNamespace(sequence=SimpleNamespace(stream=seq)))
+
+
+def published(first: int, count: int, segment: str) -> m.GroupsPublished:
+    return m.GroupsPublished(
+        groups=[
+            m.GroupPublished(
+                group=ChainHash(i.to_bytes(32, "little")),
+                chunk_index=0,
+                members=1,
+                namespace=NAMESPACE,
+                placements=[m.SegmentBytes(segment, 10)],
+            )
+            for i in range(first, first + count)
+        ]
+    )
+
+
+async def no_op() -> None:
+    return None
+
+
+def follower_of(index: RoutingIndex) -> IndexFollower:
+    return IndexFollower(
+        cast(Any, None),
+        index,
+        domain_digest=DOMAIN,
+        heard=no_op,
+        request_timeout_s=1.0,
+        listing_pages_max=1,
+    )
+
+
+def test_a_batch_is_applied_one_event_a_turn_then_a_lost_segment_is_swept_in_slices() -> None:
+    index = RoutingIndex()
+    index.resync([ListedSegment("s1", 1, True), ListedSegment("s2", 1, True)], [], at_seq=0)
+    events: list[msgspec.Struct] = [published(i * 256, 256, "s1" if i % 2 else "s2") for i in range(20)]
+    events.append(m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout"))
+    batch = [message(seq, event) for seq, event in enumerate(events, start=1)]
+
+    async def run() -> list[tuple[int, int]]:
+        follower = follower_of(index)
+        applying = asyncio.create_task(follower.apply_batch(batch))
+        seen: list[tuple[int, int]] = []  # per loop turn: events applied, dead replicas left
+        while not applying.done():
+            seen.append((index.last_seq, index.dead_replicas))
+            await asyncio.sleep(0)
+        await applying
+        return seen
+
+    seen = asyncio.run(run())
+    assert len({seq for seq, _ in seen if 0 < seq < len(events)}) >= 10, "the batch ran in one turn"
+    sweeping = {dead for seq, dead in seen if seq == len(events) and dead}
+    assert len(sweeping) >= 2, "the lost segment was swept in one turn"
+    assert index.last_seq == len(events) and index.dead_replicas == 0
+    assert len(index.groups) == 10 * 256  # those on s2
+    index.check_invariants()
