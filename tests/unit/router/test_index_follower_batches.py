@@ -10,11 +10,14 @@ from typing import Any, cast
 
 import msgspec
 
+from kvfabric.core.routing import RoutingCore
 from kvfabric.core.routing_index import ListedSegment, RoutingIndex
 from kvfabric.format.ids import ChainHash, DomainDigest, Namespace
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.router.index_follower import IndexFollower
+from kvfabric.router.settings import load_router_settings
+from tests.unit.router.test_settings_refit import ENV, scrape
 
 DOMAIN = DomainDigest(b"A" * 16)
 NAMESPACE = Namespace(bytes(4) + DOMAIN + bytes(34))
@@ -78,3 +81,17 @@ def test_a_batch_is_applied_one_event_a_turn_then_a_lost_segment_is_swept_in_sli
     assert index.last_seq == len(events) and index.dead_replicas == 0
     assert len(index.groups) == 10 * 256  # those on s2
     index.check_invariants()
+
+
+def test_metrics_show_the_replicas_of_a_lost_segment_left_to_sweep() -> None:
+    settings = load_router_settings(ENV)
+    index = RoutingIndex()
+    index.resync([ListedSegment("s1", 1, True)], [], at_seq=0)
+    core = RoutingCore(settings.routing, [e.spec for e in settings.engines], index)
+    assert index.apply(1, published(0, 3, "s1")) == "applied"
+    assert index.apply(2, m.SegmentDown(segment_id="s1", incarnation=1, reason="drained")) == "applied"
+    assert 'kvfabric_router_state{name="index_dead_replicas"} 3.0' in scrape(core)
+    while index.sweep(1):
+        pass
+    assert 'kvfabric_router_state{name="index_dead_replicas"} 0.0' in scrape(core)
+    assert 'kvfabric_router_state{name="index_groups"} 0.0' in scrape(core)

@@ -117,7 +117,8 @@ class StateCollector(Collector):
         values: dict[str, float] = {
             "in_flight": core.in_flight,
             "index_last_seq": index.last_seq,
-            "index_groups": len(index.groups),
+            "index_groups": len(index.groups),  # (with those whose replicas are dead, until swept)
+            "index_dead_replicas": index.dead_replicas,  # of lost segments, not swept yet
             "index_segments_up": len(index.segments),
             "index_synced": int(index.synced),
             **{f"index_{k}": v for k, v in index.counters.items()},
