@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -21,6 +22,7 @@ from kvfabric.proto.codec import encode
 from tests.unit.eviction_policy.test_shell import A, published
 
 NAMESPACE = Namespace(bytes(4) + b"A" * 16 + bytes(34))
+T = TypeVar("T")
 GROUPS = 12_000  # a third on s1 only, a third on s2 only, a third on both
 
 
@@ -65,6 +67,27 @@ class OneBatch:
         return []
 
 
+def observed_while_following(
+    shell: EvictionShell, events: list[msgspec.Struct], observe: Callable[[], T]
+) -> list[T]:
+    """`observe()` at every turn of the loop while the shell's follower applies `events` (one
+    pull), until it asks for more."""
+
+    async def run() -> list[T]:
+        sub = OneBatch(events)
+        follower = asyncio.create_task(shell._read_events(sub, end_seq=0))
+        seen: list[T] = []
+        while not sub.done.is_set():
+            seen.append(observe())
+            await asyncio.sleep(0)
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+        return seen
+
+    return asyncio.run(run())
+
+
 def test_a_segment_lost_is_dropped_in_steps_with_the_loop_running_between_them() -> None:
     later = published_on(GROUPS, ["s1"])  # published after the loss (the segment back)
     later_key = bytes(group_key_of_id(group_id_of(later.namespace, later.chunk_index, later.group)))
@@ -74,21 +97,11 @@ def test_a_segment_lost_is_dropped_in_steps_with_the_loop_running_between_them()
         m.GroupsPublished(groups=[later]),
     ]
 
-    async def run() -> tuple[EvictionShell, list[tuple[int, bool, int]]]:
-        shell = filled_shell()
-        seen: list[tuple[int, bool, int]] = []  # per loop turn: groups followed, the later group
-        # in, events applied
-        sub = OneBatch(events)
-        follower = asyncio.create_task(shell._read_events(sub, end_seq=0))
-        while not sub.done.is_set():
-            seen.append((len(shell.core), later_key in shell.core, shell.events_applied))
-            await asyncio.sleep(0)
-        follower.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await follower
-        return shell, seen
-
-    shell, seen = asyncio.run(run())
+    shell = filled_shell()
+    # per loop turn: groups followed, the later group in, events applied
+    seen = observed_while_following(
+        shell, events, lambda: (len(shell.core), later_key in shell.core, shell.events_applied)
+    )
     remaining = GROUPS - GROUPS // 3  # (those on s2)
     before = seen[0][2]
     partway = [n for n, _, applied in seen if applied == before and remaining < n < GROUPS]
@@ -190,20 +203,9 @@ def test_the_follower_counts_a_segment_down_applied_only_once_it_is_whole() -> N
     when its last step is done: an adoption started part-way took groups about to be dropped as
     tracked."""
 
-    async def run() -> list[tuple[int, int]]:
-        shell = filled_shell()
-        sub = OneBatch([m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout")])
-        follower = asyncio.create_task(shell._read_events(sub, end_seq=0))
-        seen: list[tuple[int, int]] = []
-        while not sub.done.is_set():
-            seen.append((shell.core.used_bytes("s1"), shell.last_seq))
-            await asyncio.sleep(0)
-        follower.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await follower
-        return seen
-
-    seen = asyncio.run(run())
+    shell = filled_shell()
+    lost = m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout")
+    seen = observed_while_following(shell, [lost], lambda: (shell.core.used_bytes("s1"), shell.last_seq))
     assert [seq for used, seq in seen if used] and all(seq == 0 for used, seq in seen if used)
     assert seen[-1] == (0, 1)
 
@@ -212,23 +214,11 @@ def test_a_batch_of_events_is_applied_one_event_a_turn_of_the_loop() -> None:
     """512 commits of 256 groups applied at once held the policy's loop ~2 s: the follower lets
     the loop run after every event of a batch, in order."""
 
-    async def run() -> list[int]:
-        shell = filled_shell()
-        start = shell.events_applied
-        events: list[msgspec.Struct] = [
-            m.GroupsPublished(groups=[published_on(GROUPS + i, ["s2"])]) for i in range(20)
-        ]
-        sub = OneBatch(events)
-        follower = asyncio.create_task(shell._read_events(sub, end_seq=0))
-        seen: list[int] = []
-        while not sub.done.is_set():
-            seen.append(shell.events_applied - start)
-            await asyncio.sleep(0)
-        follower.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await follower
-        return seen
-
-    seen = asyncio.run(run())
+    shell = filled_shell()
+    start = shell.events_applied
+    events: list[msgspec.Struct] = [
+        m.GroupsPublished(groups=[published_on(GROUPS + i, ["s2"])]) for i in range(20)
+    ]
+    seen = observed_while_following(shell, events, lambda: shell.events_applied - start)
     assert seen == sorted(seen) and seen[-1] == 20
     assert len({n for n in seen if 0 < n < 20}) >= 10, "the batch ran in one turn of the loop"
