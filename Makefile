@@ -70,8 +70,16 @@ SGLANG_SPECS := $(foreach p,$(PACKAGES),-e '$(p)$(if $(filter libs/engines,$(p))
 $(SGLANG_VENV)/.sglang-stamp: $(VENV)/.setup-stamp libs/engines/pyproject.toml
 	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_PY) -m pip install -q --upgrade "pip>=24"
-	@# --no-cache-dir: the wheels (~4 GB) would stay in pip's cache beside the ~10 GB they unpack to.
-	$(SGLANG_PY) -m pip install -q --no-cache-dir -r requirements-dev.txt $(SGLANG_SPECS) --config-settings editable_mode=compat
+	@# --no-cache-dir: the wheels (~4 GB) would stay in pip's cache beside the ~11 GB they unpack to.
+	@# pip keeps the downloaded wheels in TMPDIR until the whole install ends: in RAM (/dev/shm)
+	@# when it has 8 GiB free, so the disk's peak is the ~11 GB installed, not ~15 GB (a CI
+	@# machine ran out of disk here).
+	@pip_tmp=""; if [ "$$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1)" -ge 8 ] 2>/dev/null; then \
+	  pip_tmp=$$(mktemp -d /dev/shm/kvf-sglang-pip-XXXXXX); fi; \
+	echo "pip's temporary files in $${pip_tmp:-the default TMPDIR}"; \
+	TMPDIR=$${pip_tmp:-$${TMPDIR:-/tmp}} $(SGLANG_PY) -m pip install -q --no-cache-dir -r requirements-dev.txt \
+	  $(SGLANG_SPECS) --config-settings editable_mode=compat; rc=$$?; \
+	[ -z "$$pip_tmp" ] || rm -rf "$$pip_tmp"; exit $$rc
 	touch $@
 
 sglang-setup: $(SGLANG_VENV)/.sglang-stamp ## SGLang 0.5.23 into .venv-sglang (its own pins: torch 2.14.1; ~11 GB, once)
