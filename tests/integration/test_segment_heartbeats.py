@@ -4,8 +4,10 @@ An instance killed with a heartbeat in flight gives no reply and no "no responde
 runs into its timeout. If a heartbeat round waited that long (5 s) for it, the next round to the
 other instances came too late, they declared the segment down (heartbeat timeout), and it
 restarted empty: every shard's objects on it lost by one directory kill (seen in the
-leader-failover drill). A "ghost" instance here claims one of two shards in the map and swallows
-heartbeats; the real directory must keep the segment up.
+leader-failover drill). A "ghost" instance here holds shard 1's leader lease (taken in the
+leaders bucket before the real directory starts, so the real one leads shard 0 only and every
+shard map the segment gathers names the ghost) and swallows heartbeats; the real directory must
+keep the segment up.
 """
 
 from __future__ import annotations
@@ -13,55 +15,72 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 
 import nats
 from nats.aio.msg import Msg
+from nats.js.api import KeyValueConfig, StorageType
 
+from kvfabric.core.leadership import key_of
+from kvfabric.directory.kv_buckets import LEADERS_BUCKET
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.subjects import Service, endpoint_subject, instance_subject
 from kvfabric.testing import NatsServer
-from tests.integration.cluster import directory_call, directory_process, segment_process
+from tests.integration.cluster import directory_process, directory_router, segment_process
 
-GHOST_EPOCH = 1 << 40  # newer than any real epoch: routers send shard 1's traffic to the ghost
+GHOST_SHARD = 1
+LEASE_TTL_S = 3.0  # the directory's leader lease on one nats-server (KVF_DIRECTORY_LEADER_LEASE_TTL_MS)
+RENEW_S = 0.5
 SWALLOW_WANTED = 6  # heartbeats the ghost must swallow: 6 s of it, past the 4 s heartbeat timeout
-WATCH_S_MAX = 60.0  # the segment finds the ghost at a map refresh (every 10 beats); the real
-# directory can answer the map first and alone cover both shards, so a refresh may miss the ghost
+WATCH_S_MAX = 60.0
 
 
-async def ghost_instance(url: str, seconds_max: float, ready: threading.Event) -> int:
-    """Claims shard 1 (`ready` once it answers) until it swallowed `SWALLOW_WANTED` heartbeats, at
-    most `seconds_max`; returns the heartbeats it swallowed."""
+class Ghost:
+    """Holds shard 1's leader lease and answers the shard map for it, but swallows every heartbeat
+    (no reply: as an instance killed with the request in flight) until `stop`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.swallowed = 0
+        self.ready = threading.Event()  # the lease is held and the shard map answered
+        self.stop = threading.Event()
+
+    async def run(self) -> None:
+        nc = await nats.connect(self.url)
+        try:
+            kv = await nc.jetstream().create_key_value(
+                KeyValueConfig(bucket=LEADERS_BUCKET, history=1, ttl=LEASE_TTL_S, storage=StorageType.FILE)
+            )
+            epoch = revision = await kv.create(key_of(GHOST_SHARD), b"ghost")
+
+            async def shard_map(msg: Msg) -> None:
+                leaders = [m.ShardLeader(GHOST_SHARD, "ghost", epoch)]
+                reply = m.ShardMapReply(shards=2, instance="ghost", leaders=leaders)
+                await nc.publish(msg.reply, encode(reply))
+
+            async def heartbeat(msg: Msg) -> None:
+                self.swallowed += 1
+
+            await nc.subscribe(endpoint_subject(Service.DIRECTORY, "shard_map"), cb=shard_map)
+            await nc.subscribe(instance_subject(Service.DIRECTORY, "heartbeat", "ghost"), cb=heartbeat)
+            await nc.flush()
+            self.ready.set()
+            while not self.stop.is_set():
+                await asyncio.sleep(RENEW_S)
+                revision = await kv.update(key_of(GHOST_SHARD), b"ghost", last=revision)
+            with contextlib.suppress(nats.errors.Error):
+                await kv.delete(key_of(GHOST_SHARD))
+        finally:
+            await nc.close()
+
+
+async def segments_up_on_shard_0(url: str) -> list[tuple[str, bool]]:
+    """The real directory's view (the ghost answers no listing)."""
     nc = await nats.connect(url)
-    swallowed = 0
-    enough = asyncio.Event()
-
-    async def shard_map(msg: Msg) -> None:
-        leaders = [m.ShardLeader(1, "ghost", GHOST_EPOCH)]
-        await nc.publish(msg.reply, encode(m.ShardMapReply(shards=2, instance="ghost", leaders=leaders)))
-
-    async def heartbeat(msg: Msg) -> None:
-        nonlocal swallowed
-        swallowed += 1  # no reply: as an instance killed with the request in flight
-        if swallowed >= SWALLOW_WANTED:
-            enough.set()
-
     try:
-        await nc.subscribe(endpoint_subject(Service.DIRECTORY, "shard_map"), cb=shard_map)
-        await nc.subscribe(instance_subject(Service.DIRECTORY, "heartbeat", "ghost"), cb=heartbeat)
-        await nc.flush()
-        ready.set()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(enough.wait(), seconds_max)
-        return swallowed
-    finally:
-        await nc.close()
-
-
-async def segments_up(url: str) -> list[tuple[str, bool]]:
-    nc = await nats.connect(url)
-    try:
-        reply = await directory_call(nc, "list_segments", m.ListSegments(shard=0))
+        router = await directory_router(nc)
+        reply = await router.ask(0, "list_segments", m.ListSegments(shard=0), 5.0)
         assert isinstance(reply, m.SegmentList)
         return [(s.segment_id, s.up) for s in reply.segments]
     finally:
@@ -69,25 +88,29 @@ async def segments_up(url: str) -> list[tuple[str, bool]]:
 
 
 def test_a_silent_instance_does_not_hold_back_heartbeats_to_the_others(nats_server: NatsServer) -> None:
-    with directory_process(
-        nats_server,
-        KVF_DIRECTORY_SHARDS="2",
-        KVF_DIRECTORY_HEARTBEAT_INTERVAL_MS="1000",
-        KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS="4000",
-    ) as directory:
-        swallowed: list[int] = []
-        ready = threading.Event()
-        ghost = threading.Thread(
-            target=lambda: swallowed.append(asyncio.run(ghost_instance(nats_server.url, WATCH_S_MAX, ready))),
-            daemon=True,
-        )
-        ghost.start()
-        assert ready.wait(30.0)  # the ghost is in the map before the segment first asks for it
-        with segment_process(nats_server, "seg-hb") as segment:
-            ghost.join(WATCH_S_MAX + 10)
-            got = swallowed[0] if swallowed else None
-            assert got is not None and got >= SWALLOW_WANTED, f"the ghost swallowed {got}: proves nothing"
-            assert "segment_declared_down" not in segment.output_tail(200)
-            assert segment.returncode is None, segment.output_tail(20)
-            assert asyncio.run(segments_up(nats_server.url)) == [("seg-hb", True)]
-        assert directory.returncode is None
+    ghost = Ghost(nats_server.url)
+    thread = threading.Thread(target=lambda: asyncio.run(ghost.run()), daemon=True)
+    thread.start()
+    try:
+        assert ghost.ready.wait(30.0)  # shard 1 is the ghost's before the real directory starts
+        with directory_process(
+            nats_server,
+            KVF_DIRECTORY_SHARDS="2",
+            KVF_DIRECTORY_HEARTBEAT_INTERVAL_MS="1000",
+            KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS="4000",
+            KVF_DIRECTORY_LEADER_LEASE_TTL_MS=str(int(LEASE_TTL_S * 1000)),
+        ) as directory:
+            assert '"shards_led": 1' in directory.output_tail(200), directory.output_tail(20)
+            with segment_process(nats_server, "seg-hb") as segment:
+                deadline = time.monotonic() + WATCH_S_MAX
+                while ghost.swallowed < SWALLOW_WANTED and time.monotonic() < deadline:
+                    assert "segment_declared_down" not in segment.output_tail(200), segment.output_tail(20)
+                    time.sleep(0.2)
+                assert ghost.swallowed >= SWALLOW_WANTED, f"the ghost swallowed {ghost.swallowed}"
+                assert "segment_declared_down" not in segment.output_tail(200)
+                assert segment.returncode is None, segment.output_tail(20)
+                assert asyncio.run(segments_up_on_shard_0(nats_server.url)) == [("seg-hb", True)]
+            assert directory.returncode is None
+    finally:
+        ghost.stop.set()
+        thread.join(10.0)
