@@ -50,6 +50,24 @@ def test_the_log_keeps_the_latest_decisions_of_the_latest_groups() -> None:
     assert len(off) == 0 and off.of(b"g0") == []
 
 
+def test_a_decision_that_arrives_late_takes_its_place_in_time() -> None:
+    """An event applied after the ticker decided about the group (a follower behind, a lost
+    segment dropped in steps) is older than what the log keeps: shown in time order."""
+    log = DecisionLog(groups_max=4)
+    log.record(b"g0", 100, "tracked", "always")
+    log.record(b"g0", 300, "chosen", "watermark", "s1")
+    log.record(b"g0", 200, "lost", "heartbeat_timeout", "s2")
+    log.record(b"g0", 300, "evicted", "evicting", "s1")  # the same instant: after, as it came
+    assert [(d.at_ms, d.what) for d in log.of(b"g0")] == [
+        (100, "tracked"), (200, "lost"), (300, "chosen"), (300, "evicted"),
+    ]  # fmt: skip
+    for i in range(e.DECISIONS_PER_GROUP_MAX):
+        log.record(b"g0", 1_000 + i, "tracked", "always")
+    log.record(b"g0", 50, "lost", "heartbeat_timeout", "s2")  # older than every kept one: dropped
+    assert [d.at_ms for d in log.of(b"g0")] == [1_000 + i for i in range(e.DECISIONS_PER_GROUP_MAX)]
+    log.check_invariants()
+
+
 class Directory(DirectoryRouter):
     """One shard that answers each evict with `statuses` in order (then `evicting`)."""
 
@@ -70,7 +88,10 @@ class Directory(DirectoryRouter):
         return m.EvictReply(epoch=1, results=results)
 
 
-def test_explain_shows_features_victim_reasons_and_the_directorys_answers() -> None:
+def test_explain_shows_features_victim_reasons_and_the_directorys_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("kvfabric.eviction_policy.shell.now_ms", lambda: 5)  # the answers' time
     core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.1))
     sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0, demote=False)
     sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=100), 0)

@@ -1,14 +1,14 @@
 """The eviction policy's latest decisions per chunk group, for `kvctl eviction explain`.
 
 Pure and bounded: a `DecisionLog` keeps, for at most `groups_max` group keys (share domain +
-chain hash), the last `DECISIONS_PER_GROUP_MAX` decisions of each (`what` in `DECISION_KINDS`, a
-reason code, the pool, a victim batch's cause), each a plain tuple (no GC tracking past the
-first collection). Recording moves the group to the newest end; past `groups_max` groups the
-one least recently decided about is forgotten, so a busy policy remembers the latest
-`groups_max` groups it touched and memory stays bounded whatever the store holds: measured
-with `tracemalloc`, 11 MiB for the default 16,384 groups with four decisions each (~0.7 KiB a
-group; eight, the most, ~1.2 KiB: under 20 MiB), 0.8 µs a record. `groups_max = 0` keeps
-nothing.
+chain hash), the latest `DECISIONS_PER_GROUP_MAX` decisions of each by time, oldest first
+(`what` in `DECISION_KINDS`, a reason code, the pool, a victim batch's cause), each a plain
+tuple (no GC tracking past the first collection). Recording moves the group to the newest
+end; past `groups_max` groups the one least recently decided about is forgotten, so a busy
+policy remembers the latest `groups_max` groups it touched and memory stays bounded whatever
+the store holds: measured with `tracemalloc`, 11 MiB for the default 16,384 groups with four
+decisions each (~0.7 KiB a group; eight, the most, ~1.2 KiB: under 20 MiB), 0.8-0.9 µs a record.
+`groups_max = 0` keeps nothing.
 
 Who calls it: the shell (`EvictionShell`) and its records (`GroupRecords`), on the event loop,
 once per decision: a published group taken into the core, a victim chosen and the directory's
@@ -17,6 +17,7 @@ answer, a demotion's outcome, an `evicted` / `invalidated` event, a segment lost
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Final, TypeAlias
 
@@ -51,8 +52,15 @@ class DecisionLog:
             return
         entry: Entry = (at_ms, what, reason, pool, cause)
         groups = self._groups
-        before = groups.pop(key, ())
-        groups[key] = (*before[-(DECISIONS_PER_GROUP_MAX - 1) :], entry)
+        entries = list(groups.pop(key, ()))
+        # In time order, not arrival order: an event is applied after its time (a follower
+        # behind, a segment's loss dropped in steps while the ticker decides about the group's
+        # other replicas), so a decision can arrive older than one already kept.
+        at = len(entries)
+        while at and entries[at - 1][0] > at_ms:
+            at -= 1
+        entries.insert(at, entry)
+        groups[key] = tuple(entries[-DECISIONS_PER_GROUP_MAX:])
         if len(groups) > self.groups_max:
             groups.popitem(last=False)
 
@@ -68,3 +76,5 @@ class DecisionLog:
         for entries in self._groups.values():
             invariant(0 < len(entries) <= DECISIONS_PER_GROUP_MAX, "decisions per group unbounded")
             invariant(all(e[1] in DECISION_KINDS for e in entries), "unknown decision kind")
+            ordered = all(a[0] <= b[0] for a, b in itertools.pairwise(entries))
+            invariant(ordered, "decisions out of time order")
