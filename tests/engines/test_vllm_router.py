@@ -32,6 +32,7 @@ from bench.serving import BLOCK_TOKENS, EngineProc, router, vllm_pair
 from kvfabric.engines.tiny import build_tiny_llama, prompt_ids
 from kvfabric.testing import NatsServer, ServiceProcess
 from kvfabric.testing.cluster import directory_process, segment_process
+from kvfabric.testing.terminate import kill_session, session_shm_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -241,8 +242,10 @@ def test_killing_an_instance_loses_no_request_that_had_not_started_streaming(sta
     deadline = time.monotonic() + 10
     while routed_so_far() < before + n and time.monotonic() < deadline:
         time.sleep(0.02)
+    shm_files = session_shm_files(victim.proc.pid)  # killed, its processes cannot unlink them
     os.killpg(victim.proc.pid, signal.SIGKILL)
     killed_at.append(time.monotonic())
+    kill_session(victim.proc, 10.0, shm_files)  # gone: its /dev/shm queues unlinked
     for t in threads:
         t.join(300)
     not_streaming = [i for i in range(n) if first_byte.get(i, float("inf")) > killed_at[0]]

@@ -1,13 +1,16 @@
-"""`terminate_session`: every process of the session ends, politely first, by force after the timeout."""
+"""`terminate_session`: every process of the session ends, politely first, by force after the timeout;
+`kill_session`: by force at once, and the multiprocessing files its processes mapped are unlinked."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from kvfabric.testing.terminate import live_members, terminate_session
+from kvfabric.testing.terminate import kill_session, live_members, session_shm_files, terminate_session
 
 # The leader starts a child that outlives it (as vLLM's engine core outlives its runner), then
 # waits. A child that exits on SIGTERM writes a marker first: the polite path was taken.
@@ -66,3 +69,43 @@ def test_a_session_already_gone_returns_its_exit_code() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], start_new_session=True)
     proc.wait()
     assert terminate_session(proc, timeout_s=1.0) == 3
+
+
+# The leader maps a multiprocessing queue's file and a file of another name (a segment's arena,
+# say); its child maps a second queue's file. Both then wait to be killed.
+MAPS = """
+import mmap, os, subprocess, sys, time
+def hold(path):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, 4096)
+    return mmap.mmap(fd, 4096)
+held = [hold(sys.argv[1]), hold(sys.argv[2])]
+child = subprocess.Popen([sys.executable, "-c", sys.argv[4], sys.argv[3]])
+time.sleep(60)
+"""
+CHILD_MAPS = """
+import mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 4096)
+held = mmap.mmap(fd, 4096)
+time.sleep(60)
+"""
+
+
+def test_a_killed_session_s_multiprocessing_files_are_unlinked_and_nothing_else() -> None:
+    tag = f"kvf-test-{os.getpid()}-{time.monotonic_ns()}"
+    queue, child_queue, other = (f"/dev/shm/psm_{tag}", f"/dev/shm/sem.mp-{tag}", f"/dev/shm/{tag}")
+    unmapped = f"/dev/shm/psm_{tag}-not-mapped"  # another run's, say: nobody here maps it
+    Path(unmapped).write_bytes(b"x")
+    try:
+        proc = _start(MAPS, queue, other, child_queue, CHILD_MAPS)
+        assert {queue, child_queue} <= session_shm_files(proc.pid)
+        unlinked = kill_session(proc, timeout_s=5.0)
+        assert not _group_alive(proc.pid)
+        assert sorted(unlinked) == sorted([queue, child_queue])
+        assert not os.path.exists(queue) and not os.path.exists(child_queue)
+        assert os.path.exists(other) and os.path.exists(unmapped)
+    finally:
+        for path in (queue, child_queue, other, unmapped):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
