@@ -61,7 +61,9 @@ def kill_session(
     until none is left, then unlink the Python multiprocessing files they had mapped
     (`/dev/shm/psm_*` queues, `sem.mp-*` semaphores: killed, vLLM's processes cannot). Returns the
     files unlinked. Only those names, and only files this session's processes mapped: another
-    run's on the same host, and a segment's arena a vLLM client maps, are never touched.
+    run's on the same host, and a segment's arena a vLLM client maps, are never touched. What no
+    process maps any longer at the kill is not found: a killed vLLM server leaves one 32-byte
+    `sem.mp-*` (a semaphore of its start-up; its resource tracker would have unlinked it).
     `shm_files`: what `session_shm_files` read before a kill of the caller's own (timed to the
     instant); the group is then killed again (a no-op if it is gone) and those unlinked."""
     mapped = session_shm_files(proc.pid) if shm_files is None else shm_files
