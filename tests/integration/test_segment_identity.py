@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvfabric.testing import NatsServer, ServiceProcess
-from tests.integration.cluster import directory_process, segment_process, service_env
+from tests.integration.cluster import directory_process, run_shm_dir, segment_process, service_env
 
 pytestmark = pytest.mark.integration
 
@@ -19,7 +19,7 @@ EXIT_USAGE = 2
 
 
 def test_a_second_process_with_the_same_segment_id_is_refused(nats_server: NatsServer) -> None:
-    shm = Path("/dev/shm")
+    shm = run_shm_dir()  # where this run's segments keep their files (KVF_SEGMENT_SHM_DIR)
     with contextlib.ExitStack() as stack:
         stack.enter_context(directory_process(nats_server))
         first = stack.enter_context(segment_process(nats_server, SEGMENT_ID, arena_bytes=8 << 20))

@@ -10,10 +10,13 @@ every shard (merged), and a segment's `register` / `heartbeat` to every leading 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import glob
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import Any, Final
 
 import msgspec
@@ -40,10 +43,27 @@ TIMEOUT_S = 10.0
 LIST_PAGES_MAX: Final = 10_000
 
 
+_run_shm_dir: Path | None = None
+
+
+def run_shm_dir() -> Path:
+    """This process's folder for the arenas, slot boards and id locks of the segments it starts
+    (`KVF_SEGMENT_SHM_DIR`), removed when it exits. A segment id is a lock per folder, so another
+    test run or benchmark on the same host with the same ids (`seg-a`) never collides with this
+    one, nor does its cleanup unlink this one's files."""
+    global _run_shm_dir
+    if _run_shm_dir is None:
+        _run_shm_dir = Path(f"/dev/shm/kvf-run-{os.getpid()}")
+        _run_shm_dir.mkdir(mode=0o700, exist_ok=True)
+        atexit.register(shutil.rmtree, _run_shm_dir, True)
+    return _run_shm_dir
+
+
 def service_env(**extra: str) -> dict[str, str]:
     # Debug logs: tests read every request's `request_handled` line (default: errors and slow only).
     env = dict(os.environ, KVF_CLUSTER_SECRET=SECRET, **extra)
     env.setdefault("KVF_LOG_LEVEL", "debug")
+    env.setdefault("KVF_SEGMENT_SHM_DIR", str(run_shm_dir()))
     return env
 
 
@@ -84,7 +104,8 @@ def segment_process(
         ) as proc:
             yield proc
     finally:
-        for leftover in glob.glob(f"/dev/shm/kvf-{segment_id}[-.]*"):  # only after a SIGKILL
+        shm_dir = env.get("KVF_SEGMENT_SHM_DIR") or os.environ.get("KVF_SEGMENT_SHM_DIR") or run_shm_dir()
+        for leftover in glob.glob(f"{glob.escape(str(shm_dir))}/kvf-{segment_id}[-.]*"):  # after a SIGKILL
             os.unlink(leftover)
 
 
