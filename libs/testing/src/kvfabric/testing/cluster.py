@@ -55,8 +55,13 @@ def run_shm_dir() -> Path:
     if _run_shm_dir is None:
         _run_shm_dir = Path(f"/dev/shm/kvf-run-{os.getpid()}")
         _run_shm_dir.mkdir(mode=0o700, exist_ok=True)
-        atexit.register(shutil.rmtree, _run_shm_dir, True)
+        atexit.register(_remove_run_shm_dir, os.getpid(), _run_shm_dir)
     return _run_shm_dir
+
+
+def _remove_run_shm_dir(owner_pid: int, path: Path) -> None:
+    if os.getpid() == owner_pid:  # not in a forked child that exits normally: the folder is ours
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def service_env(**extra: str) -> dict[str, str]:
