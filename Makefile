@@ -72,14 +72,19 @@ $(SGLANG_VENV)/.sglang-stamp: $(VENV)/.setup-stamp libs/engines/pyproject.toml
 	$(SGLANG_PY) -m pip install -q --upgrade "pip>=24"
 	@# --no-cache-dir: the wheels (~4 GB) would stay in pip's cache beside the ~11 GB they unpack to.
 	@# pip keeps the downloaded wheels in TMPDIR until the whole install ends: in RAM (/dev/shm)
-	@# when it has 8 GiB free, so the disk's peak is the ~11 GB installed, not ~15 GB (a CI
-	@# machine ran out of disk here).
-	@pip_tmp=""; if [ "$$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1)" -ge 8 ] 2>/dev/null; then \
-	  pip_tmp=$$(mktemp -d /dev/shm/kvf-sglang-pip-XXXXXX); fi; \
+	@# when it has 8 GiB free and the machine 10 GiB available, so the disk's peak is the ~11 GB
+	@# installed, not ~13 (a CI machine ran out of disk here). The folder is named by this shell's
+	@# pid and removed on any exit, a signal included; one a killed install left is removed next time.
+	@for old in /dev/shm/kvf-sglang-pip-*; do pid=$${old#/dev/shm/kvf-sglang-pip-}; pid=$${pid%%-*}; \
+	  [ -e "$$old" ] && ! kill -0 "$$pid" 2>/dev/null && rm -rf "$$old"; done; \
+	shm_mib=$$(df --output=avail -B1M /dev/shm 2>/dev/null | tail -1); \
+	avail_kib=$$(awk '/^MemAvailable:/ {print $$2}' /proc/meminfo 2>/dev/null); pip_tmp=""; \
+	if [ "$${shm_mib:-0}" -ge 8192 ] 2>/dev/null && [ "$${avail_kib:-0}" -ge 10485760 ] 2>/dev/null; then \
+	  pip_tmp=$$(mktemp -d "/dev/shm/kvf-sglang-pip-$$$$-XXXXXX") || pip_tmp=""; fi; \
+	trap '[ -z "$$pip_tmp" ] || rm -rf "$$pip_tmp"' EXIT; trap 'exit 130' INT TERM HUP; \
 	echo "pip's temporary files in $${pip_tmp:-the default TMPDIR}"; \
 	TMPDIR=$${pip_tmp:-$${TMPDIR:-/tmp}} $(SGLANG_PY) -m pip install -q --no-cache-dir -r requirements-dev.txt \
-	  $(SGLANG_SPECS) --config-settings editable_mode=compat; rc=$$?; \
-	[ -z "$$pip_tmp" ] || rm -rf "$$pip_tmp"; exit $$rc
+	  $(SGLANG_SPECS) --config-settings editable_mode=compat
 	touch $@
 
 sglang-setup: $(SGLANG_VENV)/.sglang-stamp ## SGLang 0.5.23 into .venv-sglang (its own pins: torch 2.14.1; ~11 GB, once)
