@@ -73,7 +73,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 nats, KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS=str(SLOW_MACHINE_MS), KVF_LOG_LEVEL="info"
             )
         )
-        # ids of their own: a segment id is a host-wide lock (/dev/shm), another cluster may hold seg-1
+        # ids of their own (the harness keeps each run's segment files and id locks apart:
+        # kvfabric.testing.cluster.run_shm_dir; ids that say whose they are help reading logs)
         segments = (f"rt{os.getpid()}-1", f"rt{os.getpid()}-2")
         for sid in segments:
             es.enter_context(segment_process(nats, sid, arena_bytes=1 << 30, KVF_LOG_LEVEL="info"))

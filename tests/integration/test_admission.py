@@ -34,7 +34,7 @@ from tests.integration.cluster import (
 
 pytestmark = pytest.mark.integration
 
-SEGMENT = f"seg-adm-{os.getpid()}"  # a segment id of its own (/dev/shm locks are per id)
+SEGMENT = f"seg-adm-{os.getpid()}"  # an id of its own (locks are per id and folder: run_shm_dir)
 STALE_MS = 2_000
 SUBJECT = endpoint_subject(Service.EVICTION, e.ADMISSION_FILTER_VERB)
 U = e.ADMISSION_UNLIMITED

@@ -39,7 +39,7 @@ from tests.integration.cluster import (
 
 pytestmark = pytest.mark.integration
 
-SEGMENT = f"seg-scan-{os.getpid()}"  # a segment id of its own (/dev/shm locks are per id)
+SEGMENT = f"seg-scan-{os.getpid()}"  # an id of its own (locks are per id and folder: run_shm_dir)
 ARENA_BYTES = 16 << 20  # 256 chunks of 64 KiB
 HIGH_PCT, LOW_PCT = 50, 30
 READER_PROMPTS, READER_CHUNKS = 10, 4  # 40 chunks, 2.5 MiB: within its guarantee

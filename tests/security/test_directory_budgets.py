@@ -43,7 +43,7 @@ pytestmark = pytest.mark.integration
 
 ARENA_BYTES = 32 << 20
 MIB = 1 << 20
-SEGMENT_IDS = itertools.count()  # distinct per test and per process (other checkouts share /dev/shm)
+SEGMENT_IDS = itertools.count()  # distinct per test and per process (locks are per id and folder)
 
 
 @contextmanager

@@ -14,6 +14,7 @@ import atexit
 import glob
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -44,17 +45,20 @@ LIST_PAGES_MAX: Final = 10_000
 
 
 _run_shm_dir: Path | None = None
+RUN_SHM_PREFIX: Final = "kvf-run-"
 
 
 def run_shm_dir() -> Path:
     """This process's folder for the arenas, slot boards and id locks of the segments it starts
-    (`KVF_SEGMENT_SHM_DIR`), removed when it exits. A segment id is a lock per folder, so another
-    test run or benchmark on the same host with the same ids (`seg-a`) never collides with this
-    one, nor does its cleanup unlink this one's files."""
+    (`KVF_SEGMENT_SHM_DIR`: /dev/shm/kvf-run-<pid>-<random>, made exclusively, 0700), removed when
+    it exits. A segment id is a lock per folder, so another test run or benchmark on the same host
+    with the same ids (`seg-a`) never collides with this one, nor does its cleanup unlink this
+    one's files. Folders of processes that died without removing theirs (SIGKILL, a CI timeout)
+    are removed by the next process that makes one."""
     global _run_shm_dir
     if _run_shm_dir is None:
-        _run_shm_dir = Path(f"/dev/shm/kvf-run-{os.getpid()}")
-        _run_shm_dir.mkdir(mode=0o700, exist_ok=True)
+        _remove_dead_runs_shm_dirs(Path("/dev/shm"))
+        _run_shm_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_SHM_PREFIX}{os.getpid()}-", dir="/dev/shm"))
         atexit.register(_remove_run_shm_dir, os.getpid(), _run_shm_dir)
     return _run_shm_dir
 
@@ -64,11 +68,32 @@ def _remove_run_shm_dir(owner_pid: int, path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _remove_dead_runs_shm_dirs(parent: Path) -> list[Path]:
+    """Remove the run folders under `parent` whose process is gone (a pid that was reused since
+    keeps its folder: only a live process's is ever spared). Returns those removed."""
+    removed = []
+    for folder in parent.glob(f"{RUN_SHM_PREFIX}*-*"):
+        pid = folder.name.removeprefix(RUN_SHM_PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or folder.is_symlink() or not folder.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
 def service_env(**extra: str) -> dict[str, str]:
     # Debug logs: tests read every request's `request_handled` line (default: errors and slow only).
     env = dict(os.environ, KVF_CLUSTER_SECRET=SECRET, **extra)
     env.setdefault("KVF_LOG_LEVEL", "debug")
-    env.setdefault("KVF_SEGMENT_SHM_DIR", str(run_shm_dir()))
+    if "KVF_SEGMENT_SHM_DIR" not in env:
+        env["KVF_SEGMENT_SHM_DIR"] = str(run_shm_dir())
     return env
 
 
