@@ -97,8 +97,13 @@ def test_a_killed_session_s_multiprocessing_files_are_unlinked_and_nothing_else(
     queue, child_queue, other = (f"/dev/shm/psm_{tag}", f"/dev/shm/sem.mp-{tag}", f"/dev/shm/{tag}")
     unmapped = f"/dev/shm/psm_{tag}-not-mapped"  # another run's, say: nobody here maps it
     Path(unmapped).write_bytes(b"x")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MAPS, queue, other, child_queue, CHILD_MAPS], start_new_session=True
+    )
     try:
-        proc = _start(MAPS, queue, other, child_queue, CHILD_MAPS)
+        deadline = time.monotonic() + 30.0  # both processes up and mapped (a busy CI: seconds)
+        while not {queue, child_queue} <= session_shm_files(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert {queue, child_queue} <= session_shm_files(proc.pid)
         unlinked = kill_session(proc, timeout_s=5.0)
         assert not _group_alive(proc.pid)
@@ -106,6 +111,7 @@ def test_a_killed_session_s_multiprocessing_files_are_unlinked_and_nothing_else(
         assert not os.path.exists(queue) and not os.path.exists(child_queue)
         assert os.path.exists(other) and os.path.exists(unmapped)
     finally:
+        kill_session(proc, timeout_s=5.0)  # (a no-op once killed)
         for path in (queue, child_queue, other, unmapped):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

@@ -44,6 +44,8 @@ def terminate_session(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
     SIGTERM they unlink them. The whole group is polled (/proc), not only the leader: the engine
     core can outlive the process that started it."""
     pgid = proc.pid
+    if proc.returncode is not None and not live_members(pgid):
+        return proc.returncode  # reaped and its group gone: its pid may be another's by now
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pgid, sig)
