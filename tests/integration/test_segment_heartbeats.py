@@ -45,6 +45,14 @@ class Ghost:
         self.swallowed = 0
         self.ready = threading.Event()  # the lease is held and the shard map answered
         self.stop = threading.Event()
+        self.error: BaseException | None = None  # what ended it early (said by the test)
+
+    def run_in_thread(self) -> None:
+        try:
+            asyncio.run(self.run())
+        except BaseException as exc:
+            self.error = exc
+            raise
 
     async def run(self) -> None:
         nc = await nats.connect(self.url)
@@ -89,10 +97,11 @@ async def segments_up_on_shard_0(url: str) -> list[tuple[str, bool]]:
 
 def test_a_silent_instance_does_not_hold_back_heartbeats_to_the_others(nats_server: NatsServer) -> None:
     ghost = Ghost(nats_server.url)
-    thread = threading.Thread(target=lambda: asyncio.run(ghost.run()), daemon=True)
+    thread = threading.Thread(target=ghost.run_in_thread, daemon=True)
     thread.start()
     try:
-        assert ghost.ready.wait(30.0)  # shard 1 is the ghost's before the real directory starts
+        # shard 1 is the ghost's before the real directory starts
+        assert ghost.ready.wait(30.0), f"the ghost did not start: {ghost.error!r}"
         with directory_process(
             nats_server,
             KVF_DIRECTORY_SHARDS="2",
@@ -104,6 +113,7 @@ def test_a_silent_instance_does_not_hold_back_heartbeats_to_the_others(nats_serv
             with segment_process(nats_server, "seg-hb") as segment:
                 deadline = time.monotonic() + WATCH_S_MAX
                 while ghost.swallowed < SWALLOW_WANTED and time.monotonic() < deadline:
+                    assert ghost.error is None, f"the ghost stopped: {ghost.error!r}"
                     assert "segment_declared_down" not in segment.output_tail(200), segment.output_tail(20)
                     time.sleep(0.2)
                 assert ghost.swallowed >= SWALLOW_WANTED, f"the ghost swallowed {ghost.swallowed}"

@@ -51,8 +51,8 @@ def test_the_log_keeps_the_latest_decisions_of_the_latest_groups() -> None:
 
 
 def test_a_decision_that_arrives_late_takes_its_place_in_time() -> None:
-    """An event applied after the ticker decided about the group (a follower behind, a lost
-    segment dropped in steps) is older than what the log keeps: shown in time order."""
+    """A lost segment dropped in steps records `lost` at its event's time, after the ticker
+    decided about the group's other replicas meanwhile: shown in time order."""
     log = DecisionLog(groups_max=4)
     log.record(b"g0", 100, "tracked", "always")
     log.record(b"g0", 300, "chosen", "watermark", "s1")

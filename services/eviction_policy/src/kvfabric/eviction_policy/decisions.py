@@ -53,9 +53,10 @@ class DecisionLog:
         entry: Entry = (at_ms, what, reason, pool, cause)
         groups = self._groups
         entries = list(groups.pop(key, ()))
-        # In time order, not arrival order: an event is applied after its time (a follower
-        # behind, a segment's loss dropped in steps while the ticker decides about the group's
-        # other replicas), so a decision can arrive older than one already kept.
+        # In time order, not arrival order: a segment's loss is dropped in steps, all stamped
+        # with the time its event was applied, while the ticker and the directory's answers go
+        # on deciding about the group's other replicas: its `lost` can arrive older than what
+        # is kept.
         at = len(entries)
         while at and entries[at - 1][0] > at_ms:
             at -= 1
