@@ -235,6 +235,10 @@ def test_killing_an_instance_loses_no_request_that_had_not_started_streaming(sta
     def routed_so_far() -> int:
         return sum(1 for ev in stack.router.events() if ev.get("event") == "request_routed")
 
+    # Read now, not at the kill: vLLM made its queues at its start, and reading four processes'
+    # maps with the requests' threads waiting for the GIL delays their first-byte stamps past the
+    # kill (a request that streamed from A then reads as not started: CI, 12-04).
+    shm_files = session_shm_files(victim.proc.pid)  # killed, its processes cannot unlink them
     before = routed_so_far()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
@@ -243,12 +247,11 @@ def test_killing_an_instance_loses_no_request_that_had_not_started_streaming(sta
     deadline = time.monotonic() + 10
     while routed_so_far() < before + n and time.monotonic() < deadline:
         time.sleep(0.02)
-    shm_files = session_shm_files(victim.proc.pid)  # killed, its processes cannot unlink them
     os.killpg(victim.proc.pid, signal.SIGKILL)
     killed_at.append(time.monotonic())
-    kill_session(victim.proc, 10.0, shm_files)  # gone: its /dev/shm queues unlinked
     for t in threads:
         t.join(300)
+    kill_session(victim.proc, 10.0, shm_files)  # gone: its /dev/shm queues unlinked
     not_streaming = [i for i in range(n) if first_byte.get(i, float("inf")) > killed_at[0]]
     assert not_streaming, "every request streamed before the kill: the test proved nothing"
     for i in not_streaming:
