@@ -41,6 +41,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900
 
 BLOCK = 128  # vLLM's CPU block size = kvfabric tokens per chunk
 CONNECTOR_START_S_MAX = 2.0  # what the connector (both sides) may add to vLLM's start-up
+SETTLE_S = 3.0  # past the client's connect timeout (2 s): a start that fails has failed by then
 STATUS_CONNECTOR = ("--kvfabric-class", "tests.engines.status_connector:StatusConnector")
 
 
@@ -298,9 +299,13 @@ def test_a_cache_that_cannot_start_leaves_vllm_serving_uncached(
             url = server.url
         report = tmp_path / "status.jsonl"
         monkeypatch.setenv(REPORT_ENV, str(report))
+        # A last request once the client's start is surely over (its connect timeout, 2 s): the
+        # status it sees is final even when vLLM's shutdown does not reach the connector (below).
+        settled = {"name": "settled", "prompt": prompt_ids(200, seed=10), "max_tokens": 2}
+        settled["before"] = [["sleep", SETTLE_S]]
         out = run_engine(
             model_dir,
-            steps,
+            [*steps, settled],
             tmp_path,
             case,
             connector="kvfabric",
@@ -320,7 +325,8 @@ def test_a_cache_that_cannot_start_leaves_vllm_serving_uncached(
     stopped = [line for line in lines if "status" in line and line["role"] == "scheduler"]
     if stopped:
         (final,) = stopped
-    else:  # its engine core did not stop in vLLM's shutdown timeout (CI, 2026-12-03): as last seen
+    else:  # its engine core did not stop in vLLM's shutdown timeout (CI, 2026-12-03): as last seen,
+        # after the settled request (without it a stopped cluster still read `starting`: CI, 12-04)
         final = {"status": seen[-1]["seen"], "fallbacks": seen[-1]["seen_fallbacks"]}
         shutdown_log = [
             ln for ln in (tmp_path / f"{case}.log").read_text().splitlines() if "[shutdown]" in ln
