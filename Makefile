@@ -75,6 +75,7 @@ $(SGLANG_VENV)/.sglang-stamp: $(VENV)/.setup-stamp libs/engines/pyproject.toml
 	@# when it has 8 GiB free and the machine 10 GiB available, so the disk's peak is the ~11 GB
 	@# installed, not ~13 (a CI machine ran out of disk here). The folder is named by this shell's
 	@# pid and removed on any exit, a signal included; one a killed install left is removed next time.
+	@# Without room (or if mktemp fails) pip uses the default TMPDIR, as before.
 	@for old in /dev/shm/kvf-sglang-pip-*; do pid=$${old#/dev/shm/kvf-sglang-pip-}; pid=$${pid%%-*}; \
 	  [ -e "$$old" ] && ! kill -0 "$$pid" 2>/dev/null && rm -rf "$$old"; done; \
 	shm_mib=$$(df --output=avail -B1M /dev/shm 2>/dev/null | tail -1); \

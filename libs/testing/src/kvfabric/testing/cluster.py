@@ -74,18 +74,20 @@ def _remove_dead_runs_shm_dirs(parent: Path) -> list[Path]:
     removed = []
     for folder in parent.glob(f"{RUN_SHM_PREFIX}*-*"):
         pid = folder.name.removeprefix(RUN_SHM_PREFIX).split("-", 1)[0]
-        if not pid.isdigit() or folder.is_symlink() or not folder.is_dir():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # alive
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # alive, another user's
-        shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)
+        if pid.isdigit() and not folder.is_symlink() and folder.is_dir() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
     return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 def service_env(**extra: str) -> dict[str, str]:
