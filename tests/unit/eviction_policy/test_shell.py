@@ -259,11 +259,6 @@ def test_settings_reject_inverted_watermarks_and_unknown_policies() -> None:
     assert tuned.core.density_recompute_every == 64
     with pytest.raises(SettingsError):
         load_eviction_settings({"KVF_EVICTION_DENSITY_RECOMPUTE_EVERY": "0"})
-    # 4 batches of 256 a tick: one, 1,280 groups a second, failed saves (docs/eviction-policy.md)
-    assert load_eviction_settings({}).core.tick_batches_max == 4
-    assert load_eviction_settings({"KVF_EVICTION_TICK_BATCHES_MAX": "1"}).core.tick_batches_max == 1
-    with pytest.raises(SettingsError):
-        load_eviction_settings({"KVF_EVICTION_TICK_BATCHES_MAX": "0"})
 
 
 def test_two_domains_with_one_chain_hash_stay_two_groups() -> None:

@@ -38,10 +38,8 @@ the parent is inserted.
 - A tenant over its hard quota evicts its own leaves first (any pool) down to the quota.
 - Pool pressure never takes a tenant below its guaranteed share (`guaranteed_bytes`, counting
   bytes already being evicted); its own hard quota may.
-- At most `batch_max` victims per EvictBatch; at most `tick_batches_max` batches per pool (and
-  per over-quota tenant) per tick, each chosen after the previous one's victims are EVICTING,
-  while the pool (tenant) is still above its target. What a tick chooses is bounded, so the
-  rate eviction can keep up with is `tick_batches_max` x `batch_max` objects a tick.
+- At most `batch_max` victims per EvictBatch; one batch per pool (and per over-quota tenant)
+  per tick.
 
 ## Policies
 Each policy's ranking of leaves (`lru`, `gdsf`, `lru2`, `reuse`, `density` by priority or hit
@@ -536,17 +534,11 @@ class EvictionCore(LeafRanking):
         self._advance(now_ms)
         effects: list[Effect] = []
         for tenant, quota in self.quotas.items():
-            if quota.hard_bytes is None:
-                continue
-            for _ in range(self.config.tick_batches_max):  # each batch after the last one's EVICTING
+            if quota.hard_bytes is not None:
                 pending = self._tenant_evicting.get(tenant, 0)
                 excess = self._tenants.get(tenant, 0) - pending - quota.hard_bytes
-                batch = (
-                    self._evict(excess, now_ms, reason="tenant_quota", tenant=tenant) if excess > 0 else []
-                )
-                if not batch:
-                    break
-                effects += batch
+                if excess > 0:
+                    effects += self._evict(excess, now_ms, reason="tenant_quota", tenant=tenant)
         for pool, usage in self._pools.items():
             if not usage.capacity:
                 continue
@@ -555,12 +547,9 @@ class EvictionCore(LeafRanking):
             if not usage.pressed:
                 continue
             target = int(self.config.low_watermark * usage.capacity)
-            for _ in range(self.config.tick_batches_max):
-                excess = usage.used - usage.evicting - target
-                batch = self._evict(excess, now_ms, reason="watermark", pool=pool) if excess > 0 else []
-                if not batch:
-                    break
-                effects += batch
+            excess = usage.used - usage.evicting - target
+            if excess > 0:
+                effects += self._evict(excess, now_ms, reason="watermark", pool=pool)
             # Done once enough is chosen; a refusal (`refused`) re-arms it, so refused victims
             # are replaced on a later tick until the pool is really at its low watermark.
             usage.pressed = usage.used - usage.evicting > target

@@ -53,12 +53,6 @@ class EvictionConfig:
     high_watermark: float = 0.90
     low_watermark: float = 0.80
     batch_max: int = 256
-    # Batches one pool (or one over-quota tenant) may get per tick while it is still above its
-    # target: what bounds eviction's rate (tick_batches_max x batch_max victims a tick). 1 in
-    # the core (the simulators tick after every request); the service's is larger
-    # (KVF_EVICTION_TICK_BATCHES_MAX): one batch of 256 a 200 ms tick was 1,280 groups a second,
-    # less than one co-located client saves (docs/eviction-policy.md, "Keeping up").
-    tick_batches_max: int = 1
     refused_cooldown_ms: int = 5_000
     position_weight: float = 0.05  # recompute cost per chunk grows by this per preceding chunk
     tokens_per_chunk: int = 512
@@ -74,7 +68,6 @@ class EvictionConfig:
     def __post_init__(self) -> None:
         invariant(0 < self.low_watermark <= self.high_watermark <= 1.0, "need 0 < low <= high <= 1")
         invariant(self.batch_max >= 1, "batch_max must be at least 1")
-        invariant(self.tick_batches_max >= 1, "tick_batches_max must be at least 1")
         invariant(
             self.admission != "predicted" or self.policy in ("reuse", "density"),
             "admission 'predicted' needs policy 'reuse' or 'density' (it compares their priorities)",

@@ -8,7 +8,6 @@ The runtime's shared flags (NATS URL, metrics port, logging) come from `kvfabric
 | `KVF_EVICTION_HIGH_WATERMARK_PCT` | 90 | a segment fuller than this (% of capacity) evicts ... |
 | `KVF_EVICTION_LOW_WATERMARK_PCT` | 80 | ... down to this |
 | `KVF_EVICTION_BATCH_MAX` | 256 | victims per evict request |
-| `KVF_EVICTION_TICK_BATCHES_MAX` | 4 | evict requests per pool or over-quota tenant a tick (above target) |
 | `KVF_EVICTION_REFUSED_COOLDOWN_MS` | 5000 | a victim the directory refused (leased/pinned) waits this long |
 | `KVF_EVICTION_TICK_MS` | 200 | how often watermarks and quotas are checked |
 | `KVF_EVICTION_SEGMENTS_REFRESH_MS` | 5000 | how often segment capacities are re-read from the directory |
@@ -38,8 +37,6 @@ from kvfabric.core.eviction import POLICY_NAMES, EvictionConfig, TenantQuota
 from kvfabric.core.eviction_density import DENSITY_RECOMPUTE_EVERY
 from kvfabric.eviction_policy.decisions import DECISIONS_GROUPS_DEFAULT
 from kvfabric.runtime.config import SettingsError, env_int
-
-TICK_BATCHES_MAX_DEFAULT = 4  # KVF_EVICTION_TICK_BATCHES_MAX
 
 __all__ = ["EvictionSettings", "load_eviction_settings", "parse_quotas"]
 
@@ -106,9 +103,6 @@ def load_eviction_settings(env: Mapping[str, str]) -> EvictionSettings:
         high_watermark=high / 100,
         low_watermark=low / 100,
         batch_max=env_int(env, "KVF_EVICTION_BATCH_MAX", 256, 1, 4096),
-        # 4 x 256 a 200 ms tick: 5,120 groups a second (one a tick, 1,280, failed a co-located
-        # client's saves of 8 x 256 KiB with no_capacity: docs/eviction-policy.md, "Keeping up").
-        tick_batches_max=env_int(env, "KVF_EVICTION_TICK_BATCHES_MAX", TICK_BATCHES_MAX_DEFAULT, 1, 64),
         refused_cooldown_ms=env_int(env, "KVF_EVICTION_REFUSED_COOLDOWN_MS", 5_000, 0, 3_600_000),
         density_recompute_every=env_int(
             env, "KVF_EVICTION_DENSITY_RECOMPUTE_EVERY", DENSITY_RECOMPUTE_EVERY, 1, 1 << 20
