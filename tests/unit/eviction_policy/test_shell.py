@@ -259,6 +259,12 @@ def test_settings_reject_inverted_watermarks_and_unknown_policies() -> None:
     assert tuned.core.density_recompute_every == 64
     with pytest.raises(SettingsError):
         load_eviction_settings({"KVF_EVICTION_DENSITY_RECOMPUTE_EVERY": "0"})
+    # 1,024 victims a tick: 256 (1,280 groups a second) failed saves (docs/eviction-policy.md)
+    assert load_eviction_settings({}).core.batch_max == 1024
+    assert load_eviction_settings({"KVF_EVICTION_BATCH_MAX": "256"}).core.batch_max == 256
+    for bad in ("0", "4097"):  # the protocol's bound on one evict request
+        with pytest.raises(SettingsError):
+            load_eviction_settings({"KVF_EVICTION_BATCH_MAX": bad})
 
 
 def test_two_domains_with_one_chain_hash_stay_two_groups() -> None:
