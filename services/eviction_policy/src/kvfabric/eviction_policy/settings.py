@@ -38,9 +38,9 @@ from kvfabric.core.eviction_density import DENSITY_RECOMPUTE_EVERY
 from kvfabric.eviction_policy.decisions import DECISIONS_GROUPS_DEFAULT
 from kvfabric.runtime.config import SettingsError, env_int
 
-BATCH_MAX_DEFAULT = 1024  # KVF_EVICTION_BATCH_MAX: victims a tick (5,120 groups a second at 200 ms)
-
 __all__ = ["EvictionSettings", "load_eviction_settings", "parse_quotas"]
+
+BATCH_MAX_DEFAULT = 1024  # KVF_EVICTION_BATCH_MAX: victims a tick (5,120 groups a second at 200 ms)
 
 DOMAIN_DIGEST_BYTES = 16
 
