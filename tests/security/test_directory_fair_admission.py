@@ -20,6 +20,9 @@ at `rr:1` the runtime's refusals past bob's in-flight share answered at once
 (`KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS=0`) and held (250, the default), interleaved;
 `... [rounds] served` compares at `rr:1` bob's flood as is and with nothing of his served once
 his burst is spent (his refill 1 id a second: what is left is receiving and refusing him);
+`... [rounds] nobody` compares at `rr:1` bob's flood as is and sent where no directory serves
+it (nats-server answers "no responders"), asking again at once and paced as held refusals pace
+him (the bound of refusing him at the server);
 `... [rounds] code BEFORE` compares at `rr:1` a directory running the code of the source tree
 BEFORE (its `services/directory/src` and `libs/runtime/src` first on the directory's
 PYTHONPATH, e.g. `git archive <commit> services/directory/src libs/runtime/src | tar -x -C
@@ -47,12 +50,14 @@ import pytest
 
 from kvfabric.client import ClientSettings, KvClient
 from kvfabric.cluster.directory_router import DirectoryRouter
+from kvfabric.cluster.requests import request
 from kvfabric.directory import cpu_priority
 from kvfabric.directory.admission import cost_of
 from kvfabric.directory.settings import FAIR_DEFAULT
 from kvfabric.format.errors import Busy, KvfError
 from kvfabric.format.ids import GroupId
 from kvfabric.proto import directory as m
+from kvfabric.proto.subjects import Service, tenant_instance_subject
 from kvfabric.testing.clientkit import TOKENS_PER_CHUNK, prompt
 from kvfabric.testing.probes import metric_value, scrape_metrics
 from tests.integration.cluster import directory_router
@@ -72,6 +77,7 @@ TIMEOUT_S = 10.0
 # measure another (16: none refused by the runtime's in-flight bound, docs/security.md)
 FLOOD_CONCURRENT = int(os.environ.get("KVF_TEST_FLOOD_LOOPS", "32"))
 BOB_GROUPS = 4_096  # a max-size lookup
+HOLD_S = 0.25  # the directory's held refusal (KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS default)
 FLOOD_S = 12.0
 ALICE_LOOKUPS = 300
 ALICE_LOADS = 100  # whole loads through her client (lookup, load, release): the data path too
@@ -98,9 +104,14 @@ def flood(
     groups: list[GroupId],
     seconds: float,
     out: multiprocessing.Queue[dict[str, int]],
+    nobody: str = "",
 ) -> None:
     """Bob's flood, in a process of its own: `FLOOD_CONCURRENT` loops each sending a lookup of
-    `groups` again as soon as it is answered, whatever the answer (a hit's lease given back)."""
+    `groups` again as soon as it is answered, whatever the answer (a hit's lease given back).
+    `nobody`: to a subject of his that no directory serves (nats-server answers "no responders"
+    without delivering it): the bound of a directory that stops taking a flooding tenant's
+    requests at the server; "fast" asks again at once, "paced" after `HOLD_S` (as the
+    directory's held refusals pace him)."""
 
     async def run() -> dict[str, int]:
         nc = await nats.connect(
@@ -114,6 +125,14 @@ def flood(
             while time.monotonic() < deadline:
                 counts["sent"] += 1
                 try:
+                    if nobody:
+                        subject = tenant_instance_subject(Service.DIRECTORY, "bob", "lookup", "nobody")
+                        lookup = m.Lookup(holder_id="f", groups=groups)
+                        with contextlib.suppress(KvfError):
+                            await request(nc, subject, lookup, m.reply_decoder, 1.0)
+                        counts["other"] += 1
+                        await asyncio.sleep(HOLD_S if nobody == "paced" else 0)
+                        continue
                     reply = await router.ask(0, "lookup", m.Lookup(holder_id="f", groups=groups), TIMEOUT_S)
                     counts["served"] += 1
                     if isinstance(reply, m.LookupReply) and reply.lease_id:
@@ -174,7 +193,9 @@ def alices_loads(client: KvClient, tokens: list[int], n: int) -> tuple[list[floa
     return out, short
 
 
-def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) -> dict[str, Any]:
+def measure(
+    tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None, flood_nobody: str = ""
+) -> dict[str, Any]:
     """One run (module docstring): alice alone, then during bob's flood of `bob_ids`-id lookups."""
     env = dict(env or {})
     # The directory as `make up` runs it (tools/localcluster.py: real-time round robin), unless
@@ -195,7 +216,9 @@ def measure(tmp_path: Path, *, bob_ids: int, env: dict[str, str] | None = None) 
         bob = group_ids(secure, "bob", bob_ids, seed=5)
         spawn = multiprocessing.get_context("spawn")
         out: multiprocessing.Queue[dict[str, int]] = spawn.Queue()
-        attacker = spawn.Process(target=flood, args=(secure.client_settings("bob"), bob, FLOOD_S, out))
+        attacker = spawn.Process(
+            target=flood, args=(secure.client_settings("bob"), bob, FLOOD_S, out, flood_nobody)
+        )
 
         used: dict[str, float | bool] = {}
         gc_before: dict[str, float] = {}
@@ -379,7 +402,8 @@ def compare(
                 if tree is not None:
                     env["PYTHONPATH"] = f"{tree}/services/directory/src:{tree}/libs/runtime/src"
                 try:
-                    report = measure(Path(tmp), bob_ids=BOB_GROUPS, env=env)
+                    nobody = arm.removeprefix("bob_at_nobody_") if arm.startswith("bob_at_nobody") else ""
+                    report = measure(Path(tmp), bob_ids=BOB_GROUPS, env=env, flood_nobody=nobody)
                 except Exception as exc:  # a lost lease, say: that run's outcome
                     report = {"directory_cpu_priority": priority, "failed": repr(exc)[:300]}
                 slow = report.pop("core_calls_over_50_ms_wall_cpu", [])
@@ -423,5 +447,8 @@ if __name__ == "__main__":
         # his burst (1 id a second: what is left is receiving and refusing him)
         starved = {"KVF_DIRECTORY_FAIR_TENANT_IDS_PER_S": "1"}
         compare(rounds, ("rr:1",), arms={"default": {}, "bob_served_nothing": starved})
+    elif sys.argv[2:] == ["nobody"]:  # bob's flood as is, and sent where nobody serves it
+        arms: dict[str, dict[str, str]] = {"default": {}, "bob_at_nobody_fast": {}, "bob_at_nobody_paced": {}}
+        compare(rounds, ("rr:1",), arms=arms)
     else:
         compare(rounds)
