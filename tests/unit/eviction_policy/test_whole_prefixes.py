@@ -471,3 +471,54 @@ def test_head_copies_are_cut_into_requests_within_the_demote_bounds(monkeypatch:
     assert [len(r.objects) for r in copies] == [1, 1]
     assert cluster.on_disk_without_its_head() == []
     sh.core.check_invariants()
+
+
+def one_group_a_request(monkeypatch: pytest.MonkeyPatch) -> tuple[EvictionShell, Cluster, bytes, bytes]:
+    """A head and its one tail, both victims of one batch, each in a demote request of its own."""
+    monkeypatch.setattr(tiers, "DEMOTE_REQUEST_GROUPS_MAX", 1)
+    sh, cluster = setup(monkeypatch, tails=1)
+    head, tail = A + chain(1), A + chain(2)
+    sh.core.set_capacity("s1", 20)  # 20 > 50 % of 20: down to 5, both
+    return sh, cluster, head, tail
+
+
+def test_a_batchs_head_is_demoted_before_its_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    sh, cluster, head, tail = one_group_a_request(monkeypatch)
+    batch = watermark_batch(sh, 100)
+    assert batch.victims == (tail, head)  # the core's order: tails first
+    asyncio.run(sh._evict(batch))
+    asked = [bytes(o.key[:90]) for r in cluster.requests for o in r.objects]
+    assert asked == [sh._group_ids[head], sh._group_ids[tail]]
+    assert cluster.tiers == {sh._group_ids[head]: {"ssd"}, sh._group_ids[tail]: {"ssd"}}
+    assert sh.core.used_bytes("s1") == 0 and sh.core.used_bytes("s1#ssd") == 2 * SIZE
+    sh.core.check_invariants()
+
+
+def test_a_tail_whose_head_failed_in_an_earlier_request_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tails first, the tail reached the disk in one request and its head failed in the next:
+    the tail on disk without its head (unfindable after a power cycle)."""
+    sh, cluster, head, tail = one_group_a_request(monkeypatch)
+    cluster.answer[sh._group_ids[head]] = "failed"
+    batch = watermark_batch(sh, 100)
+    asyncio.run(sh._evict(batch))
+    assert len(cluster.requests) == 1  # the head's only
+    assert cluster.on_disk_without_its_head() == []
+    assert cluster.tiers == {sh._group_ids[head]: {"dram"}, sh._group_ids[tail]: {"dram"}}
+    for v in (head, tail):  # cooled down, tried again later
+        assert v in sh.core and not sh.core.is_evicting(v)
+    assert sh.demotions == {"failed": 1, "waits_for_head": 1}
+    sh.core.check_invariants()
+
+
+def test_a_full_disk_refusing_a_batchs_head_leaves_no_tail_on_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tails first, the tail reached the disk and the head, refused by the full disk, was dropped:
+    the tail on disk without its head at once. Heads first, both are dropped."""
+    sh, cluster, head, tail = one_group_a_request(monkeypatch)
+    ids = [sh._group_ids[tail], sh._group_ids[head]]
+    cluster.answer[ids[1]] = "no_capacity"
+    batch = watermark_batch(sh, 100)
+    asyncio.run(sh._evict(batch))
+    assert len(cluster.requests) == 1
+    assert cluster.on_disk_without_its_head() == []
+    assert cluster.evicted == ids  # the tail first, as always
+    sh.core.check_invariants()

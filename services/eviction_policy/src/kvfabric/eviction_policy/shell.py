@@ -108,12 +108,14 @@ from kvfabric.core.stream_bounds import StreamBounds
 from kvfabric.eviction_policy.decisions import DECISIONS_GROUPS_DEFAULT, DecisionLog
 from kvfabric.eviction_policy.group_records import GroupRecords, group_id_of, published_of_summary
 from kvfabric.eviction_policy.tiers import (
+    DEMOTE_ON_DISK,
     DEMOTE_REQUEST_OBJECTS_MAX,
     DemoteOutcome,
     copy_outcome,
     demote_or_drop,
     demote_request_fits,
     group_outcome,
+    heads_first,
     is_ssd_pool,
     on_disk_whole,
     ssd_pool,
@@ -692,17 +694,24 @@ class EvictionShell(GroupRecords):
     async def _demote_groups(self, segment_id: str, chains: list[bytes]) -> set[bytes]:
         """Demote these victims of `segment_id`'s arena, several groups per demote request (up to
         `DEMOTE_REQUEST_GROUPS_MAX` groups, `DEMOTE_REQUEST_OBJECTS_MAX` objects and
-        `DEMOTE_REQUEST_BYTES_MAX` bytes, in the batch's order); returns the ones dealt with (moved
-        to its disk pool, or cooled down). The others are to be dropped: a full disk stops
-        demotion for the rest of the batch (and drops the groups it refused), a segment without
-        disk tier for good. Each group's outcome is its own objects' (`group_outcome`)."""
+        `DEMOTE_REQUEST_BYTES_MAX` bytes), heads before their tails (`heads_first`); returns the
+        ones dealt with (moved to its disk pool, or cooled down). The others are to be dropped:
+        a full disk stops demotion for the rest of the batch (and drops the groups it refused),
+        a segment without disk tier for good. Each group's outcome is its own objects'
+        (`group_outcome`). A victim whose parent, a victim of this batch, went in an earlier
+        request and is not on disk after it (failed, or waiting for its own head) waits for it
+        (cooled down, `waits_for_head`): in the batch's own order (tails first) a tail reached
+        the disk in one request and its head failed in a later one, or was refused by a full
+        disk and dropped, leaving the tail on disk without its head."""
         handled: set[bytes] = set()
+        outcomes: dict[bytes, str] = {}  # victim -> its outcome, once its request has answered
         pending: list[tuple[bytes, list[DemoteObject]]] = []
         objects_n = bytes_n = 0  # what `pending` names
         with contextlib.suppress(KvfError):  # else each lookup fails alone: its group cools down
             await self._dir().known_shards()  # the lookups' shards (`shard_of` needs the map)
         if not await self._heads_on_disk(segment_id, chains, handled):
             return handled  # the disk is full: the rest is dropped
+        chains = heads_first(chains, self._parent)
         listings = await self._show_many([c for c in chains if c not in handled and self.core.is_evicting(c)])
         for chain in chains:
             if chain in handled:
@@ -712,7 +721,8 @@ class EvictionShell(GroupRecords):
                 continue
             listing = listings[chain]
             if isinstance(listing, KvfError):
-                self._demote_outcome(chain, f"error_{listing.code}", handled, segment_id)
+                outcomes[chain] = f"error_{listing.code}"
+                self._demote_outcome(chain, outcomes[chain], handled, segment_id)
                 continue
             objects, nbytes = _arena_objects(segment_id, listing)
             if not objects:  # its arena replicas there are gone already (an earlier demotion)
@@ -720,13 +730,18 @@ class EvictionShell(GroupRecords):
                 self._demote_outcome(chain, "demoted", handled, segment_id)
                 continue
             if not demote_request_fits(len(pending), objects_n, bytes_n, len(objects), nbytes):
-                if not await self._send_demotes(segment_id, pending, handled):
+                if not await self._send_demotes(segment_id, pending, handled, outcomes):
                     return handled
                 pending, objects_n, bytes_n = [], 0, 0
+            # its head in an earlier request (answered by now), and not on disk after it
+            if outcomes.get(self._parent.get(chain, b""), "demoted") not in DEMOTE_ON_DISK:
+                outcomes[chain] = "waits_for_head"
+                self._demote_outcome(chain, "waits_for_head", handled, segment_id)
+                continue
             pending.append((chain, objects))
             objects_n += len(objects)
             bytes_n += nbytes
-        if pending and not await self._send_demotes(segment_id, pending, handled):
+        if pending and not await self._send_demotes(segment_id, pending, handled, outcomes):
             return handled
         if handled:
             self._log.info("demoted", segment_id=segment_id, groups=len(handled), **self.demotions)
@@ -910,21 +925,27 @@ class EvictionShell(GroupRecords):
         return None
 
     async def _send_demotes(
-        self, segment_id: str, pending: list[tuple[bytes, list[DemoteObject]]], handled: set[bytes]
+        self,
+        segment_id: str,
+        pending: list[tuple[bytes, list[DemoteObject]]],
+        handled: set[bytes],
+        outcomes: dict[bytes, str],
     ) -> bool:
-        """One demote request for these groups, each then dealt with by its own outcome: "demoted"
-        moves it to the disk pool, "copied" (a lease kept its arena replicas) or a failure cools
-        it down; "no_capacity" leaves it to be dropped. False: demotion stops for this batch."""
+        """One demote request for these groups, each then dealt with by its own outcome (also
+        into `outcomes`): "demoted" moves it to the disk pool, "copied" (a lease kept its arena
+        replicas) or a failure cools it down; "no_capacity" leaves it to be dropped. False:
+        demotion stops for this batch."""
         try:
-            outcomes = await self._demote_request(segment_id, [objects for _, objects in pending])
+            results = await self._demote_request(segment_id, [objects for _, objects in pending])
         except Conflict:  # "this segment has no disk tier"
             self._no_disk.add(segment_id)
             self._log.info("demotion_off", segment_id=segment_id, reason="no disk tier")
             return False
         except KvfError as exc:
-            outcomes = [f"error_{exc.code}"] * len(pending)
+            results = [f"error_{exc.code}"] * len(pending)
         at = self._driver.now_ms()
-        for (chain, _), outcome in zip(pending, outcomes, strict=True):
+        for (chain, _), outcome in zip(pending, results, strict=True):
+            outcomes[chain] = outcome
             if outcome == "no_capacity":
                 self.demotions[outcome] = self.demotions.get(outcome, 0) + 1
                 self._decisions.record(chain, at, "not_demoted", outcome, ssd_pool(segment_id))
@@ -932,7 +953,7 @@ class EvictionShell(GroupRecords):
             if outcome == "demoted":
                 self._moved(chain, segment_id, at)
             self._demote_outcome(chain, outcome, handled, segment_id)
-        if "no_capacity" in outcomes:
+        if "no_capacity" in results:
             self._log.warning("demotion_stopped", segment_id=segment_id, reason="disk tier full")
             return False
         return True

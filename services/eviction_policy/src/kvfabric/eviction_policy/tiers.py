@@ -9,12 +9,13 @@ does the requests.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from typing import Final, Literal
 
 from kvfabric.proto.segment import DEMOTE_BATCH_MAX
 
 __all__ = [
+    "DEMOTE_ON_DISK",
     "DEMOTE_REQUEST_BYTES_MAX",
     "DEMOTE_REQUEST_GROUPS_MAX",
     "DEMOTE_REQUEST_OBJECTS_MAX",
@@ -25,6 +26,7 @@ __all__ = [
     "demote_or_drop",
     "demote_request_fits",
     "group_outcome",
+    "heads_first",
     "is_ssd_pool",
     "on_disk_whole",
     "ssd_pool",
@@ -35,6 +37,8 @@ __all__ = [
 SSD_POOL_SUFFIX: Final = "#ssd"  # never in a segment id (they are [A-Za-z0-9_-])
 Choice = Literal["demote", "drop"]
 DemoteOutcome = Literal["demoted", "copied", "no_capacity", "failed"]
+# The outcomes after which a group has a disk replica: its tails may follow it there.
+DEMOTE_ON_DISK: Final = frozenset({"demoted", "copied"})
 
 # One demote request names up to this many chunk groups, objects and bytes (several groups per
 # request: the segment's directory steps are batched per request, not per group). A group is never
@@ -123,3 +127,27 @@ def copy_outcome(statuses: Collection[str]) -> DemoteOutcome:
     if "no_capacity" in statuses:
         return "no_capacity"
     return "copied" if statuses and all(s == "copied" for s in statuses) else "failed"
+
+
+def heads_first(chains: Sequence[bytes], parent: Mapping[bytes, bytes]) -> list[bytes]:
+    """`chains` (a batch's victims, tails before heads as the core chooses them) reordered so that
+    each comes after every ancestor of it among them, however far up (`parent`: chain -> its
+    parent), otherwise in the order given: demoted in this order, a head reaches the disk in the
+    same or an earlier request than its tails. Each chain once. Sorted by how many of its
+    ancestors are among them, each ancestor walked once (a walk stops at a repeat: a cycle of
+    chain hashes cannot be made, but nothing here trusts that)."""
+    among = set(chains)
+    above: dict[bytes, int] = {}  # chain -> how many of its ancestors are among `chains`
+    for chain in chains:
+        walk: list[bytes] = []
+        walked: set[bytes] = set()
+        at: bytes | None = chain
+        while at is not None and at not in above and at not in walked:
+            walk.append(at)
+            walked.add(at)
+            at = parent.get(at)
+        count = above[at] + (at in among) if at is not None and at in above else 0
+        for node in reversed(walk):
+            above[node] = count
+            count += node in among
+    return sorted(dict.fromkeys(chains), key=lambda c: above[c])  # stable: ties keep their order
