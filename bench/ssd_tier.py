@@ -244,6 +244,8 @@ def main() -> int:
         "--no-demote", action="store_true", help="no demotion rows (the segment's demote verb)"
     )
     args = parser.parse_args()
+    if min(args.rounds, args.mib, args.p99_windows, args.p99_gets) < 1:  # an empty row has no median
+        parser.error("--rounds, --mib, --p99-windows and --p99-gets take 1 or more")
     sizes = [int(s) for s in args.sizes.split(",")]
     direct = bool(args.direct)
     counts = {s: max(8, args.mib * MiB // s) for s in sizes}
