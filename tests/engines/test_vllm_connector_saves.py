@@ -120,3 +120,62 @@ def test_a_miss_saves_every_full_block(scheduler_side: Any) -> None:
     meta = schedule(connector, "r3", tokens, local_tokens=0)
     assert meta.loads == []
     assert [(s.first_chunk, s.block_ids) for s in meta.saves] == [(0, [100, 101, 102])]
+
+
+class SlowClient(FakeClient):
+    """Lookups that come back only when the test says (`back`)."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.lookups: list[concurrent.futures.Future[Hit]] = []
+
+    def lookup_async(self, tokens: list[int], **_: Any) -> concurrent.futures.Future[Hit]:
+        self.lookups.append(concurrent.futures.Future())
+        return self.lookups[-1]
+
+    def back(self, chunks: int) -> Hit:
+        hit = Hit(chunks * BLOCK, BLOCK, (), (), objects=((),) * chunks, lease_id=7 if chunks else 0)
+        self.lookups[-1].set_result(hit)
+        return hit
+
+
+def next_step(connector: Any, rid: str, computed: int) -> Any:
+    """A later scheduler step of running request `rid` (one decode token), `computed` tokens done."""
+    output = SimpleNamespace(
+        scheduled_new_reqs=[],
+        num_scheduled_tokens={rid: 1},
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[rid], new_block_ids=[None], resumed_req_ids=set(), num_computed_tokens=[computed]
+        ),
+    )
+    return connector.build_connector_meta(output)
+
+
+def test_a_prompt_vllms_cache_covers_is_answered_at_once_and_backfilled_when_its_lookup_is_back(
+    scheduler_side: Any,
+) -> None:
+    """vLLM's own cache holds every chunk kvfabric could add: the connector does not wait for the
+    lookup (it used to, up to `lookup_wait_ms`: the full-hit floor over vLLM's own cache); the
+    lookup only says which blocks kvfabric lacks, saved at a step after it is back."""
+    tokens = prompt_ids(3 * BLOCK + 1, seed=14)
+    connector = scheduler_side(0)
+    client = connector.client = SlowClient()
+    meta = schedule(connector, "r4", tokens, local_tokens=3 * BLOCK)  # asserts an answer, not None
+    assert meta.loads == [] and meta.saves == [] and len(client.lookups) == 1
+    assert next_step(connector, "r4", len(tokens)).saves == []  # still out: nothing saved yet
+    hit = client.back(1)  # kvfabric has only the first block
+    meta = next_step(connector, "r4", len(tokens) + 1)
+    assert [(s.first_chunk, s.block_ids) for s in meta.saves] == [(1, [101, 102])]
+    assert client.released == [hit]  # its lease given back at once: nothing to load
+    assert next_step(connector, "r4", len(tokens) + 2).saves == []  # saved once
+
+
+def test_a_request_that_ends_before_its_backfill_lookup_releases_it_when_back(scheduler_side: Any) -> None:
+    tokens = prompt_ids(3 * BLOCK + 1, seed=15)
+    connector = scheduler_side(0)
+    client = connector.client = SlowClient()
+    schedule(connector, "r5", tokens, local_tokens=3 * BLOCK)
+    connector.request_finished(SimpleNamespace(request_id="r5"), [])
+    assert client.released == []
+    hit = client.back(3)
+    assert client.released == [hit] and connector._requests == {}

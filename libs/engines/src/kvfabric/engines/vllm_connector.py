@@ -130,6 +130,9 @@ class _Request:
     token_ids: list[int]
     block_ids: list[int]
     stored_chunks: int  # chunks known to be in kvfabric (hit, loaded or saved)
+    # A lookup vLLM's own cache made moot for loading (it holds every chunk kvfabric could add):
+    # not waited for, it only tells which blocks kvfabric lacks; none is saved until it is back.
+    saves_wait_for: concurrent.futures.Future[Hit] | None = None
 
 
 def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
@@ -255,6 +258,8 @@ class KvfabricConnector(KVConnectorBase_V1):
         # req id -> chunks its lookup found in kvfabric, until the request is scheduled: also for a
         # hit vLLM's own prefix cache covers (nothing to load), whose blocks are then not saved again
         self._found_chunks: dict[str, int] = {}
+        # req id -> the lookup of a prompt vLLM's own cache covers, until the request is scheduled
+        self._backfills: dict[str, concurrent.futures.Future[Hit]] = {}
         self._requests: dict[str, _Request] = {}
         # worker side
         self._kv_caches: list[torch.Tensor] = []
@@ -314,12 +319,23 @@ class KvfabricConnector(KVConnectorBase_V1):
         loop for the GIL); a later one answers None ("ask again") until it is back, so a silent
         directory costs one request at most `lookup_wait_ms` of scheduler time and a miss after
         `lookup_timeout_ms`. After a wait that ran out, requests do not wait (pure asynchronous)
-        until a lookup comes back within the wait again. Never the whole prompt."""
+        until a lookup comes back within the wait again. Never the whole prompt.
+
+        A prompt whose every chunk kvfabric could add is in vLLM's own prefix cache already
+        (`num_computed_tokens`) is answered 0 at once: its lookup still goes, but only to learn
+        which of its blocks kvfabric lacks (saved once it is back, `_plan_save`), never waited
+        for: that wait was the whole of the 10-11 ms a full local hit paid over vLLM's own
+        cache (docs/router.md)."""
         rid = request.request_id
         tokens = list(request.prompt_token_ids or [])
         if len(tokens) <= self.block_size:
             return 0, False
         pending = self._lookups.get(rid)
+        if pending is None and num_computed_tokens >= (len(tokens) - 1) // self.block_size * self.block_size:
+            self._release(rid)
+            self._drop_backfill(rid)
+            self._backfills[rid] = self._start_lookup(tokens, rid)
+            return 0, False
         if pending is None:
             self._release(rid)
             pending = self._lookups[rid] = self._start_lookup(tokens, rid)
@@ -374,6 +390,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             found = self._found_chunks.pop(new.req_id, 0)  # in kvfabric already: never saved again
             state = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]), found)
+            state.saves_wait_for = self._backfills.pop(new.req_id, None)
             self._requests[new.req_id] = state
             self._plan_load(meta, new.req_id, state)
             self._plan_save(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -426,6 +443,15 @@ class KvfabricConnector(KVConnectorBase_V1):
             )
 
     def _plan_save(self, meta: KvfabricMetadata, req_id: str, state: _Request, computed: int) -> None:
+        lookup = state.saves_wait_for
+        if lookup is not None:
+            if not lookup.done():
+                return  # asked again at the request's next step (its blocks stay until it ends)
+            state.saves_wait_for = None
+            hit = lookup.result()
+            state.stored_chunks = max(state.stored_chunks, hit.chunks)
+            if hit.lease_id:
+                self.client.release(hit)  # nothing to load: vLLM's cache had it all
         full = min(computed, len(state.token_ids), len(state.block_ids) * self.block_size) // self.block_size
         if full > state.stored_chunks:
             meta.saves.append(
@@ -443,15 +469,27 @@ class KvfabricConnector(KVConnectorBase_V1):
         if pending is not None:  # aborted while its lookup was in flight: release what it leases
             pending.add_done_callback(lambda f: self.client.release(f.result()))
         self._release(request.request_id)
+        self._drop_backfill(request.request_id)
         self._pending_loads.pop(request.request_id, None)
         self._found_chunks.pop(request.request_id, None)
-        self._requests.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
+        if state is not None and state.saves_wait_for is not None:  # ended before its lookup did
+            self._release_when_back(state.saves_wait_for)
         return False, None  # saves copy blocks out in wait_for_save: vLLM may free them now
 
     def _release(self, req_id: str) -> None:
         hit = self._hits.pop(req_id, None)
         if hit is not None:
             self.client.release(hit)
+
+    def _drop_backfill(self, req_id: str) -> None:
+        lookup = self._backfills.pop(req_id, None)
+        if lookup is not None:
+            self._release_when_back(lookup)
+
+    def _release_when_back(self, lookup: concurrent.futures.Future[Hit]) -> None:
+        """A lookup no one will use: whatever it leases goes back once it is in."""
+        lookup.add_done_callback(lambda f: self.client.release(f.result()))
 
     # ---- worker side -----------------------------------------------------------------------
 
