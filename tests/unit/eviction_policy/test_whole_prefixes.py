@@ -511,8 +511,9 @@ def test_a_tail_whose_head_failed_in_an_earlier_request_waits_for_it(monkeypatch
 
 
 def test_a_full_disk_refusing_a_batchs_head_leaves_no_tail_on_disk(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tails first, the tail reached the disk and the head, refused by the full disk, was dropped:
-    the tail on disk without its head at once. Heads first, both are dropped."""
+    """Tails first, the tail was written to disk, then the head, refused by the full disk, was
+    dropped and took the tail with it: a disk write for nothing. Heads first, the tail is never
+    written; both are dropped, the tail first."""
     sh, cluster, head, tail = one_group_a_request(monkeypatch)
     ids = [sh._group_ids[tail], sh._group_ids[head]]
     cluster.answer[ids[1]] = "no_capacity"
@@ -521,4 +522,28 @@ def test_a_full_disk_refusing_a_batchs_head_leaves_no_tail_on_disk(monkeypatch: 
     assert len(cluster.requests) == 1
     assert cluster.on_disk_without_its_head() == []
     assert cluster.evicted == ids  # the tail first, as always
+    sh.core.check_invariants()
+
+
+def test_a_failed_head_holds_back_its_whole_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1 <- 2 <- 3, all victims of one batch, a request each: 1 fails, so 2 waits, so 3 waits."""
+    monkeypatch.setattr(tiers, "DEMOTE_REQUEST_GROUPS_MAX", 1)
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.25))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=20), 0)
+    cluster = Cluster()
+    for i in (1, 2, 3):
+        sh.apply(published(i, NAMESPACE, parent=i - 1 or None, s1=SIZE), i)
+        cluster.tiers[sh._group_ids[A + chain(i)]] = {"dram"}
+        if i > 1:
+            cluster.parent[sh._group_ids[A + chain(i)]] = sh._group_ids[A + chain(i - 1)]
+    sh._router = FakeDirectory(cluster)
+    sh._nc = cast(Any, object())
+    monkeypatch.setattr(shell, "nats_request", segment(cluster))
+    cluster.answer[sh._group_ids[A + chain(1)]] = "failed"
+    batch = watermark_batch(sh, 100)
+    assert batch.victims == (A + chain(3), A + chain(2), A + chain(1))
+    asyncio.run(sh._evict(batch))
+    assert len(cluster.requests) == 1 and all(t == {"dram"} for t in cluster.tiers.values())
+    assert sh.demotions == {"failed": 1, "waits_for_head": 2}
     sh.core.check_invariants()

@@ -58,7 +58,9 @@ event loop):
   gets its room; a segment without a disk tier is remembered and its victims dropped. Before
   the victims go, their ancestors on no disk are copied there (`_heads_on_disk`: `keep_arena`,
   the arena replica stays), so the disk tier holds whole prefixes and a power cycle, which loses
-  the arena, leaves every disk object findable (docs/ssd-tier.md, "Whole prefixes on disk").
+  the arena, leaves every disk object findable (docs/ssd-tier.md, "Whole prefixes on disk"). The
+  victims themselves go heads first (`heads_first`), and one whose parent, a victim sent in an
+  earlier request, is not on disk after it waits (`waits_for_head`, cooled down).
 
 - **admission** (issue 25 item 4; `KVF_EVICTION_ADMISSION=predicted`, policy `density`): once
   caught up, every `admission_publish_ms` the core's admission filter (`build_filter`: per pool
@@ -699,10 +701,12 @@ class EvictionShell(GroupRecords):
         a full disk stops demotion for the rest of the batch (and drops the groups it refused),
         a segment without disk tier for good. Each group's outcome is its own objects'
         (`group_outcome`). A victim whose parent, a victim of this batch, went in an earlier
-        request and is not on disk after it (failed, or waiting for its own head) waits for it
-        (cooled down, `waits_for_head`): in the batch's own order (tails first) a tail reached
-        the disk in one request and its head failed in a later one, or was refused by a full
-        disk and dropped, leaving the tail on disk without its head."""
+        request and is not on disk after it (failed, an error, or waiting for its own head)
+        waits for it (cooled down, `waits_for_head`): in the batch's own order (tails first) a
+        tail reached the disk in one request and its head failed in a later one, leaving the
+        tail on disk without its head (and a head a full disk refused took its tail, written
+        for nothing, with it). A head and its tail in one request are not ordered: the segment
+        writes a request's objects in concurrent batches (docs/ssd-tier.md)."""
         handled: set[bytes] = set()
         outcomes: dict[bytes, str] = {}  # victim -> its outcome, once its request has answered
         pending: list[tuple[bytes, list[DemoteObject]]] = []
@@ -726,6 +730,7 @@ class EvictionShell(GroupRecords):
                 continue
             objects, nbytes = _arena_objects(segment_id, listing)
             if not objects:  # its arena replicas there are gone already (an earlier demotion)
+                outcomes[chain] = "demoted"
                 self._moved(chain, segment_id, self._driver.now_ms())
                 self._demote_outcome(chain, "demoted", handled, segment_id)
                 continue

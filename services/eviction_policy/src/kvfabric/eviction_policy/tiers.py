@@ -132,10 +132,11 @@ def copy_outcome(statuses: Collection[str]) -> DemoteOutcome:
 def heads_first(chains: Sequence[bytes], parent: Mapping[bytes, bytes]) -> list[bytes]:
     """`chains` (a batch's victims, tails before heads as the core chooses them) reordered so that
     each comes after every ancestor of it among them, however far up (`parent`: chain -> its
-    parent), otherwise in the order given: demoted in this order, a head reaches the disk in the
-    same or an earlier request than its tails. Each chain once. Sorted by how many of its
-    ancestors are among them, each ancestor walked once (a walk stops at a repeat: a cycle of
-    chain hashes cannot be made, but nothing here trusts that)."""
+    parent): demoted in this order, a head reaches the disk in the same or an earlier request
+    than its tails. Each chain once. Sorted by how many of its ancestors are among them (so all
+    the roots first, then their children, ...; ties in the order given), each ancestor walked
+    once (a walk stops at a repeat: a cycle of chain hashes cannot be made, but nothing here
+    trusts that)."""
     among = set(chains)
     above: dict[bytes, int] = {}  # chain -> how many of its ancestors are among `chains`
     for chain in chains:
