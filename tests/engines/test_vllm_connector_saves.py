@@ -179,3 +179,36 @@ def test_a_request_that_ends_before_its_backfill_lookup_releases_it_when_back(sc
     assert client.released == []
     hit = client.back(3)
     assert client.released == [hit] and connector._requests == {}
+
+
+def test_one_backfill_lookup_while_vllm_asks_again_and_an_abort_releases_it(scheduler_side: Any) -> None:
+    """vLLM asks again at every step for a request it cannot schedule yet: one lookup, not one
+    per ask; aborted before it was scheduled, the lookup's lease goes back once it is in."""
+    tokens = prompt_ids(3 * BLOCK + 1, seed=16)
+    connector = scheduler_side(0)
+    client = connector.client = SlowClient()
+    request = SimpleNamespace(request_id="r6", prompt_token_ids=tokens)
+    for _ in range(3):
+        assert connector.get_num_new_matched_tokens(request, 3 * BLOCK) == (0, False)
+    assert len(client.lookups) == 1
+    connector.request_finished(request, [])
+    hit = client.back(3)
+    assert client.released == [hit] and connector._backfills == {}
+
+
+def test_a_local_hit_one_block_short_still_waits_for_its_lookup(scheduler_side: Any) -> None:
+    tokens = prompt_ids(3 * BLOCK + 1, seed=17)
+    connector = scheduler_side(3)  # kvfabric has all three full blocks, vLLM two
+    meta = schedule(connector, "r7", tokens, local_tokens=2 * BLOCK)
+    assert [(load.first_chunk, load.block_ids) for load in meta.loads] == [(2, [102])]
+
+
+def test_a_lookup_cancelled_by_a_closing_client_is_saved_as_after_a_miss(scheduler_side: Any) -> None:
+    tokens = prompt_ids(3 * BLOCK + 1, seed=18)
+    connector = scheduler_side(0)
+    client = connector.client = SlowClient()
+    schedule(connector, "r8", tokens, local_tokens=3 * BLOCK)
+    client.lookups[-1].cancel()
+    meta = next_step(connector, "r8", len(tokens) + 1)
+    assert [(s.first_chunk, s.block_ids) for s in meta.saves] == [(0, [100, 101, 102])]
+    assert client.released == []

@@ -24,7 +24,9 @@ docs/engines.md says why it is left to inherit vLLM's pinned compute CPU by defa
 - Scheduler side: `get_num_new_matched_tokens` looks up the prompt (never its last token: its
   logits are needed), waits for it at most `lookup_wait_ms`, then answers None ("ask again")
   until it is back, so the scheduler blocks on the cluster for at most that; it keeps the
-  read-leased hit; `build_connector_meta` turns it into a load
+  read-leased hit (a prompt vLLM's own cache covers whole is answered 0 at once: its lookup
+  only tells which blocks to save, at a step after it is back, and is not waited for);
+  `build_connector_meta` turns it into a load
   of the request's blocks past what vLLM already has, and schedules saves of every block that
   becomes full in this step and is not in kvfabric yet (a hit vLLM's own prefix cache covered
   is not saved again: that was a 4-12 MiB copy on vLLM's thread in each such request's first
@@ -123,6 +125,14 @@ class KvfabricMetadata(KVConnectorMetadata):
     # Blocks of external tokens the scheduler could not plan a load for: the worker reports
     # them through get_block_ids_with_load_errors, so vLLM recomputes them.
     load_errors: list[int] = field(default_factory=list)
+
+
+def _result(lookup: concurrent.futures.Future[Hit]) -> Hit | None:
+    """A finished lookup's hit; None when it was cancelled or failed (a client closing cancels
+    its lookups; a lookup's own failures come back as a miss, never raised)."""
+    if lookup.cancelled() or lookup.exception() is not None:
+        return None
+    return lookup.result()
 
 
 @dataclass
@@ -332,12 +342,15 @@ class KvfabricConnector(KVConnectorBase_V1):
             return 0, False
         pending = self._lookups.get(rid)
         if pending is None and num_computed_tokens >= (len(tokens) - 1) // self.block_size * self.block_size:
-            self._release(rid)
-            self._drop_backfill(rid)
-            self._backfills[rid] = self._start_lookup(tokens, rid)
+            # One backfill lookup per request: not again while vLLM cannot schedule it yet and
+            # asks again, nor for a request resumed after preemption (its saves are planned).
+            if rid not in self._backfills and rid not in self._requests:
+                self._release(rid)
+                self._backfills[rid] = self._start_lookup(tokens, rid)
             return 0, False
         if pending is None:
             self._release(rid)
+            self._drop_backfill(rid)  # vLLM's cache no longer covers it: this lookup decides
             pending = self._lookups[rid] = self._start_lookup(tokens, rid)
             if not self._wait_for(pending):
                 return None, False
@@ -448,9 +461,9 @@ class KvfabricConnector(KVConnectorBase_V1):
             if not lookup.done():
                 return  # asked again at the request's next step (its blocks stay until it ends)
             state.saves_wait_for = None
-            hit = lookup.result()
-            state.stored_chunks = max(state.stored_chunks, hit.chunks)
-            if hit.lease_id:
+            hit = _result(lookup)  # None: cancelled (the client closed), saved as after a miss
+            if hit is not None:
+                state.stored_chunks = max(state.stored_chunks, hit.chunks)
                 self.client.release(hit)  # nothing to load: vLLM's cache had it all
         full = min(computed, len(state.token_ids), len(state.block_ids) * self.block_size) // self.block_size
         if full > state.stored_chunks:
@@ -467,7 +480,7 @@ class KvfabricConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         pending = self._lookups.pop(request.request_id, None)
         if pending is not None:  # aborted while its lookup was in flight: release what it leases
-            pending.add_done_callback(lambda f: self.client.release(f.result()))
+            self._release_when_back(pending)
         self._release(request.request_id)
         self._drop_backfill(request.request_id)
         self._pending_loads.pop(request.request_id, None)
@@ -489,7 +502,13 @@ class KvfabricConnector(KVConnectorBase_V1):
 
     def _release_when_back(self, lookup: concurrent.futures.Future[Hit]) -> None:
         """A lookup no one will use: whatever it leases goes back once it is in."""
-        lookup.add_done_callback(lambda f: self.client.release(f.result()))
+
+        def back(done: concurrent.futures.Future[Hit]) -> None:
+            hit = _result(done)
+            if hit is not None:
+                self.client.release(hit)
+
+        lookup.add_done_callback(back)
 
     # ---- worker side -----------------------------------------------------------------------
 
