@@ -212,3 +212,16 @@ def test_a_lookup_cancelled_by_a_closing_client_is_saved_as_after_a_miss(schedul
     meta = next_step(connector, "r8", len(tokens) + 1)
     assert [(s.first_chunk, s.block_ids) for s in meta.saves] == [(0, [100, 101, 102])]
     assert client.released == []
+
+
+def test_a_lookup_cancelled_while_vllm_waits_for_it_is_a_miss(scheduler_side: Any) -> None:
+    """A closing client cancels its lookups: the scheduler's next ask gets 0 (recompute), not a
+    `CancelledError` raised into vLLM's step."""
+    tokens = prompt_ids(3 * BLOCK + 1, seed=19)
+    connector = scheduler_side(0)
+    connector._lookup_wait_s = 0  # answered "ask again" while the lookup is out
+    client = connector.client = SlowClient()
+    request = SimpleNamespace(request_id="r9", prompt_token_ids=tokens)
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
+    client.lookups[-1].cancel()
+    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)

@@ -357,7 +357,9 @@ class KvfabricConnector(KVConnectorBase_V1):
         elif not pending.done():
             return None, False
         del self._lookups[rid]
-        hit = pending.result()
+        hit = _result(pending)
+        if hit is None:  # cancelled: the client is closing; a miss, never an error in vLLM's step
+            return 0, False
         if hit.lease_id:
             self._hits[rid] = hit
         self._found_chunks[rid] = hit.chunks
