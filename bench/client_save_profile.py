@@ -252,10 +252,12 @@ def main() -> int:
         if prof is not None:
             prof.dump_stats(args.cprofile)
     walls.sort()
-    saved = args.saves * args.objects * args.size
+    offered = args.saves * args.objects * args.size
+    stored = (args.saves * args.objects - failed) * args.size  # a failed chunk moved no bytes
     print(
         f"{args.saves} saves of {args.objects} x {args.size} B ({'co-located' if args.shm else 'remote'}): "
-        f"{elapsed:.2f} s, {saved / elapsed / 1e9:.3f} GB/s, p50 {statistics.median(walls) * 1e3:.2f} ms, "
+        f"{elapsed:.2f} s, {offered / elapsed / 1e9:.3f} GB/s offered, {stored / elapsed / 1e9:.3f} stored, "
+        f"p50 {statistics.median(walls) * 1e3:.2f} ms, "
         f"p90 {walls[int(0.9 * len(walls))] * 1e3:.2f} ms, chunks failed {failed}; "
         f"load {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}"
     )
@@ -281,6 +283,8 @@ def main() -> int:
             "p90_ms": walls[int(0.9 * len(walls))] * 1e3,
             "cpu_ms_per_save": {n: (after[n] - before[n]) / args.saves * 1e3 for n in pids},
             "chunks_failed": failed,
+            "elapsed_s": elapsed,
+            "stored_gb_per_s": stored / elapsed / 1e9,
             "load": [load_before[0], os.getloadavg()[0]],
         }
         Path(args.json).write_text(json.dumps(figures, indent=1))

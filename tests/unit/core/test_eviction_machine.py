@@ -35,6 +35,7 @@ QUOTAS = {"t1": TenantQuota(hard_bytes=25), "t2": TenantQuota(guaranteed_bytes=8
 class EvictionMachine(RuleBasedStateMachine):
     policy: PolicyName = "gdsf"
     admission: AdmissionName = "always"
+    inflow_horizon_ms = 0
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,6 +48,7 @@ class EvictionMachine(RuleBasedStateMachine):
             refused_cooldown_ms=50,
             reuse_horizon_ms=40,
             density_recompute_every=4,  # density: learned densities in play within a few steps
+            inflow_horizon_ms=self.inflow_horizon_ms,
         )
         self.core = EvictionCore(self.config, QUOTAS)
         for pool in POOLS:
@@ -391,6 +393,15 @@ class DensityMachine(EvictionMachine):
     admission = "predicted"
 
 
+class InflowMachine(EvictionMachine):
+    """Watermarks lowered for fast writers (the service's default): a margin that moves with
+    every tick keeps every rule (leases win, tails before heads, exact accounting, watermarks
+    reached once leases go) and stays within half the low watermark (`check_invariants`)."""
+
+    policy = "density"
+    inflow_horizon_ms = 5  # ticks 1-60 ms apart: margins from 0 to the cap (5) on a 16-byte pool
+
+
 _OTHER_POLICIES = settings(max_examples=80, stateful_step_count=60, deadline=None)
 Lru2Machine.TestCase.settings = _OTHER_POLICIES
 SieveMachine.TestCase.settings = _OTHER_POLICIES
@@ -406,6 +417,8 @@ TestWTinyLfuMachine = WTinyLfuMachine.TestCase
 TestSecondHitMachine = SecondHitMachine.TestCase
 TestReuseMachine = ReuseMachine.TestCase
 TestDensityMachine = DensityMachine.TestCase
+InflowMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=60, deadline=None)
+TestInflowMachine = InflowMachine.TestCase
 
 
 def test_a_full_pool_evicts_tail_first_down_to_the_low_watermark() -> None:

@@ -267,6 +267,18 @@ def test_settings_reject_inverted_watermarks_and_unknown_policies() -> None:
             load_eviction_settings({"KVF_EVICTION_BATCH_MAX": bad})
 
 
+def test_the_inflow_horizon_is_two_ticks_unless_set_and_zero_turns_it_off() -> None:
+    # 8 x 16 MiB saves into a 4 GiB segment lost 70 % of their chunks without it
+    # (docs/eviction-policy.md, "Writers faster than the ticks")
+    assert load_eviction_settings({}).core.inflow_horizon_ms == 400
+    assert load_eviction_settings({"KVF_EVICTION_TICK_MS": "50"}).core.inflow_horizon_ms == 100
+    assert load_eviction_settings({"KVF_EVICTION_INFLOW_HORIZON_MS": "0"}).core.inflow_horizon_ms == 0
+    assert load_eviction_settings({"KVF_EVICTION_INFLOW_HORIZON_MS": "1500"}).core.inflow_horizon_ms == 1500
+    for bad in ("-1", "600001", "soon"):
+        with pytest.raises(SettingsError):
+            load_eviction_settings({"KVF_EVICTION_INFLOW_HORIZON_MS": bad})
+
+
 def test_two_domains_with_one_chain_hash_stay_two_groups() -> None:
     """A tenant that forged another domain's chain hash gets its own directory group; the policy
     must keep the two apart (review finding: it conflated them and lost track of the real one)."""

@@ -33,13 +33,25 @@ the parent is inserted.
 ## When to evict (`tick`)
 - A pool whose used bytes exceed `high_watermark` x capacity is *pressed*: it evicts leaves of
   that pool until its used bytes minus the bytes already EVICTING reach `low_watermark` x
-  capacity; a victim the directory refuses re-arms the pool, so it is replaced by another on a
-  later tick until the pool is really at its low watermark.
+  capacity (both watermarks lowered by the pool's margin, below); a victim the directory
+  refuses re-arms the pool, so it is replaced by another on a later tick until the pool is
+  really at its low watermark.
 - A tenant over its hard quota evicts its own leaves first (any pool) down to the quota.
 - Pool pressure never takes a tenant below its guaranteed share (`guaranteed_bytes`, counting
   bytes already being evicted); its own hard quota may.
 - At most `batch_max` victims per EvictBatch; one batch per pool (and per over-quota tenant)
   per tick.
+- **Writers faster than the ticks** (`inflow_horizon_ms` > 0; the service's default): victims
+  go some time after a pool crosses its high watermark (the next tick, the events' way to the
+  policy, the evict request), and a writer can fill what lies above it before then: the
+  directory then refuses its saves (`no_capacity`). So each tick measures every pool's
+  *inflow*, the bytes of new objects since the tick before (an object found stored,
+  `last_access_ms` given, is not inflow), per second, taken at once when higher than the
+  estimate and followed with a half-life of `INFLOW_HALF_LIFE_MS` when lower; both watermarks
+  of the pool are lowered by its *margin*, what that inflow stores in `inflow_horizon_ms`,
+  at most half the low watermark's bytes. The first tick only starts the count (a service
+  ticks once it has replayed its history: what it replayed is not a writer's rate). With no
+  writer the margin decays to nothing and the watermarks are the configured ones.
 
 ## Policies
 Each policy's ranking of leaves (`lru`, `gdsf`, `lru2`, `reuse`, `density` by priority or hit
@@ -62,7 +74,9 @@ with its papers and adaptations; this module keeps every rule below whatever the
 2. Accounting: per pool, used bytes = sum of resident objects' bytes in it; per tenant, the sum
    of their sizes.
 3. Prefix order: a victim never has a resident child.
-4. Bounded: each batch has at most `batch_max` victims; the frequency sketch is fixed-size;
+4. Margin: a pool's margin is between 0 and half its low watermark's bytes, its inflow and
+   the bytes counted toward it are not negative.
+5. Bounded: each batch has at most `batch_max` victims; the frequency sketch is fixed-size;
    lru2's history holds at most max(`LRU2_HISTORY_FLOOR`, resident objects) ids; a queue
    policy's state is checked by its own `check` (its ghost and scan bounds in its module);
    the reuse predictor's ghost and classes by its `check`; the density predictor's likewise, and
@@ -122,6 +136,8 @@ __all__ = [
 # A stepped `drop_pool_steps`: what one step may cost, an object looked at costing 1 and one of
 # the pool's objects dropped `DROP_POOL_OBJECT_COST` (~0.1 us against ~1.3-2.4 us): a step is
 # at most ~1,000 removals or ~16,000 objects looked at (docs/eviction-policy.md).
+# How fast a pool's inflow estimate follows a rate lower than it (a higher one is taken at once).
+INFLOW_HALF_LIFE_MS: Final = 1_000
 DROP_POOL_STEP_COST: Final = 16_384
 DROP_POOL_OBJECT_COST: Final = 15
 QUEUE_POLICIES: Final[dict[str, type[Sieve] | type[S3Fifo] | type[WTinyLfu]]] = {
@@ -152,6 +168,7 @@ class EvictionCore(LeafRanking):
         self._clock = 0.0  # GDSF inflation
         self._now_ms = 0
         self._step_ms = 0  # the latest time given to `step` (events without a time included)
+        self._inflow_ms: int | None = None  # the tick that last measured the pools' inflow
         self._sketch = FrequencySketch() if config.admission == "second_hit" else None
         self._order = QUEUE_POLICIES[config.policy]() if config.policy in QUEUE_POLICIES else None
         self._history: OrderedDict[ObjectId, int] = OrderedDict()  # lru2: removed id -> last access
@@ -185,6 +202,16 @@ class EvictionCore(LeafRanking):
     def evicting_bytes(self, pool: Hashable) -> int:
         usage = self._pools.get(pool)
         return usage.evicting if usage else 0
+
+    def inflow(self, pool: Hashable) -> float:
+        """Bytes a second new objects bring to `pool`, as the last tick measured it."""
+        usage = self._pools.get(pool)
+        return usage.inflow if usage else 0.0
+
+    def margin_bytes(self, pool: Hashable) -> int:
+        """How far below the configured ones `pool`'s watermarks are (its writers' headroom)."""
+        usage = self._pools.get(pool)
+        return self._margin(usage) if usage else 0
 
     def tenants(self) -> list[Hashable]:
         # Read by the metrics thread while the event loop adds tenants: `dict()` copies in C with
@@ -270,6 +297,9 @@ class EvictionCore(LeafRanking):
         if self.config.policy == "lru2":
             obj.previous_access_ms = self._history.pop(object_id, None)
         self._attach(object_id, obj)
+        if last_access_ms is None:  # a writer's new bytes (one found stored is no writer's rate)
+            for p, b in held.items():
+                usages[p].inserted += b
         if self._order is not None:
             self._order.inserted(object_id, obj.size)
         self._count("inserts_total")
@@ -357,8 +387,32 @@ class EvictionCore(LeafRanking):
     def _press_if_above_low(self, usage: PoolUsage) -> None:
         """A victim's bytes stay in this pool after all (refused, or moved to another tier while
         kept here): pressed again if it is still above its low watermark, so others are chosen."""
-        if usage.capacity and usage.used - usage.evicting > self.config.low_watermark * usage.capacity:
+        if usage.capacity and usage.used - usage.evicting > self._low_target(usage):
             usage.pressed = True
+
+    def _margin(self, usage: PoolUsage) -> int:
+        """What the pool's writers store in `inflow_horizon_ms` at their measured rate, at most
+        half the low watermark's bytes: how much earlier and further the pool evicts."""
+        if not self.config.inflow_horizon_ms:
+            return 0
+        most = int(self.config.low_watermark * usage.capacity) // 2
+        return min(int(usage.inflow * self.config.inflow_horizon_ms / 1000), most)
+
+    def _low_target(self, usage: PoolUsage) -> int:
+        return int(self.config.low_watermark * usage.capacity) - self._margin(usage)
+
+    def _measure_inflow(self, now_ms: int) -> None:
+        """Each pool's inflow since the last tick that measured it (none before the first)."""
+        since = self._inflow_ms
+        if since is not None and now_ms <= since:
+            return  # no time passed: the bytes count toward the next tick
+        self._inflow_ms = now_ms
+        for usage in self._pools.values():
+            if since is not None:
+                measured = usage.inserted * 1000 / (now_ms - since)
+                kept = 0.5 ** ((now_ms - since) / INFLOW_HALF_LIFE_MS)
+                usage.inflow = max(measured, usage.inflow * kept + measured * (1 - kept))
+            usage.inserted = 0
 
     def _attach(self, object_id: ObjectId, obj: Tracked) -> None:
         """`obj` resident: counted in its pools and tenant, linked to its parent and children."""
@@ -532,6 +586,7 @@ class EvictionCore(LeafRanking):
     def tick(self, now_ms: int) -> list[Effect]:
         """Batches of victims for every pool over its high watermark and every tenant over quota."""
         self._advance(now_ms)
+        self._measure_inflow(now_ms)
         effects: list[Effect] = []
         for tenant, quota in self.quotas.items():
             if quota.hard_bytes is not None:
@@ -542,11 +597,11 @@ class EvictionCore(LeafRanking):
         for pool, usage in self._pools.items():
             if not usage.capacity:
                 continue
-            if usage.used > self.config.high_watermark * usage.capacity:
+            if usage.used > self.config.high_watermark * usage.capacity - self._margin(usage):
                 usage.pressed = True
             if not usage.pressed:
                 continue
-            target = int(self.config.low_watermark * usage.capacity)
+            target = self._low_target(usage)
             excess = usage.used - usage.evicting - target
             if excess > 0:
                 effects += self._evict(excess, now_ms, reason="watermark", pool=pool)
@@ -666,6 +721,14 @@ class EvictionCore(LeafRanking):
         for pool, usage in self._pools.items():
             invariant(
                 (usage.used, usage.evicting) == pools.get(pool, (0, 0)), "pool accounting drifted", pool=pool
+            )
+            margin = self._margin(usage)
+            invariant(
+                0 <= margin <= int(self.config.low_watermark * usage.capacity) // 2
+                and usage.inflow >= 0
+                and usage.inserted >= 0,
+                "inflow margin out of bounds",
+                pool=pool,
             )
         for tenant, used in self._tenants.items():
             invariant(used == tenants.get(tenant, 0), "tenant accounting drifted", tenant=tenant)

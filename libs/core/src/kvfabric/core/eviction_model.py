@@ -64,6 +64,10 @@ class EvictionConfig:
     # Tail before head within a prefix. False only to measure the plain-LRU baseline peers ship
     # (it evicts heads whose tails stay, which the simulator shows to waste capacity).
     prefix_order: bool = True
+    # Headroom for writers (0: off, the simulator's and the tests' default): a pool's watermarks
+    # are lowered by what its writers store in this long at their recent rate (`eviction`
+    # module doc, "Writers faster than the ticks"); the service passes KVF_EVICTION_INFLOW_HORIZON_MS.
+    inflow_horizon_ms: int = 0
 
     def __post_init__(self) -> None:
         invariant(0 < self.low_watermark <= self.high_watermark <= 1.0, "need 0 < low <= high <= 1")
@@ -74,6 +78,7 @@ class EvictionConfig:
         )
         invariant(self.reuse_horizon_ms >= 0, "reuse_horizon_ms must not be negative")
         invariant(self.density_recompute_every >= 1, "density_recompute_every must be at least 1")
+        invariant(self.inflow_horizon_ms >= 0, "inflow_horizon_ms must not be negative")
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,3 +164,5 @@ class PoolUsage:
     used: int = 0
     evicting: int = 0
     pressed: bool = False  # crossed the high watermark, not yet back to the low one
+    inserted: int = 0  # bytes of new objects since the last tick that measured the inflow
+    inflow: float = 0.0  # bytes a second new objects bring, as last measured (`EvictionCore.tick`)

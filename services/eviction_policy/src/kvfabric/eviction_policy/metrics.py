@@ -39,11 +39,26 @@ class EvictionCollector(Collector):
         capacity = GaugeMetricFamily(
             "kvfabric_eviction_pool_capacity_bytes", "Segment capacity.", labels=["segment"]
         )
+        inflow = GaugeMetricFamily(
+            "kvfabric_eviction_pool_inflow_bytes_per_second",
+            "New objects' bytes a second per segment, as the last tick measured them.",
+            labels=["segment"],
+        )
+        margin = GaugeMetricFamily(
+            "kvfabric_eviction_pool_margin_bytes",
+            "How far below the configured ones a segment's watermarks are (its writers' headroom).",
+            labels=["segment"],
+        )
+        core = self.shell.core
         for pool in status.pools:
             used.add_metric([pool.segment_id], pool.used_bytes)
             capacity.add_metric([pool.segment_id], pool.capacity_bytes)
+            inflow.add_metric([pool.segment_id], core.inflow(pool.segment_id))
+            margin.add_metric([pool.segment_id], core.margin_bytes(pool.segment_id))
         yield used
         yield capacity
+        yield inflow
+        yield margin
         tenants = GaugeMetricFamily(
             "kvfabric_eviction_tenant_used_bytes", "Tracked bytes per share domain.", labels=["domain"]
         )

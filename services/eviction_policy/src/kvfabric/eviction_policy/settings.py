@@ -10,6 +10,7 @@ The runtime's shared flags (NATS URL, metrics port, logging) come from `kvfabric
 | `KVF_EVICTION_BATCH_MAX` | 1024 | victims a tick per pool or over-quota tenant (one batch) |
 | `KVF_EVICTION_REFUSED_COOLDOWN_MS` | 5000 | a victim the directory refused (leased/pinned) waits this long |
 | `KVF_EVICTION_TICK_MS` | 200 | how often watermarks and quotas are checked |
+| `KVF_EVICTION_INFLOW_HORIZON_MS` | 2 x tick | watermarks lowered by what writers store in this (0: off) |
 | `KVF_EVICTION_SEGMENTS_REFRESH_MS` | 5000 | how often segment capacities are re-read from the directory |
 | `KVF_EVICTION_REQUEST_TIMEOUT_MS` | 2000 | per directory request |
 | `KVF_EVICTION_TENANT_QUOTAS` | empty | JSON, see `parse_quotas` |
@@ -100,6 +101,7 @@ def load_eviction_settings(env: Mapping[str, str]) -> EvictionSettings:
     low = env_int(env, "KVF_EVICTION_LOW_WATERMARK_PCT", 80, 1, 100)
     if low >= high:
         raise SettingsError("KVF_EVICTION_LOW_WATERMARK_PCT must be below the high watermark")
+    tick_ms = env_int(env, "KVF_EVICTION_TICK_MS", 200, 5, 60_000)
     core = EvictionConfig(
         policy=policy,
         high_watermark=high / 100,
@@ -112,6 +114,11 @@ def load_eviction_settings(env: Mapping[str, str]) -> EvictionSettings:
         density_recompute_every=env_int(
             env, "KVF_EVICTION_DENSITY_RECOMPUTE_EVERY", DENSITY_RECOMPUTE_EVERY, 1, 1 << 20
         ),
+        # Victims land a tick and the events' lag after a pool crosses its high watermark; a
+        # writer faster than that filled the rest first (8 x 16 MiB saves into a 4 GiB segment
+        # lost 70 % of their chunks to no_capacity: docs/eviction-policy.md, "Writers faster
+        # than the ticks").
+        inflow_horizon_ms=env_int(env, "KVF_EVICTION_INFLOW_HORIZON_MS", 2 * tick_ms, 0, 600_000),
     )
     admission = env.get("KVF_EVICTION_ADMISSION", "off")
     if admission not in ("off", "predicted"):
@@ -123,7 +130,7 @@ def load_eviction_settings(env: Mapping[str, str]) -> EvictionSettings:
         admission=admission == "predicted",
         admission_publish_ms=env_int(env, "KVF_EVICTION_ADMISSION_PUBLISH_MS", 1_000, 10, 600_000),
         quotas=parse_quotas(env.get("KVF_EVICTION_TENANT_QUOTAS", "")),
-        tick_ms=env_int(env, "KVF_EVICTION_TICK_MS", 200, 5, 60_000),
+        tick_ms=tick_ms,
         segments_refresh_ms=env_int(env, "KVF_EVICTION_SEGMENTS_REFRESH_MS", 5_000, 50, 3_600_000),
         request_timeout_s=env_int(env, "KVF_EVICTION_REQUEST_TIMEOUT_MS", 2_000, 10, 600_000) / 1000,
         demote=bool(env_int(env, "KVF_EVICTION_DEMOTE", 1, 0, 1)),
