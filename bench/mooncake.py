@@ -47,6 +47,7 @@ from bench.peerstats import (
 REPO: Final = Path(__file__).resolve().parents[1]
 VENV: Final = REPO / ".venv-mooncake"
 PEER: Final = REPO / "bench" / "mooncake_peer.py"
+FILL: Final = REPO / "bench" / "mooncake_fill.py"
 PINS: Final = ("mooncake-transfer-engine-non-cuda==0.3.13.post1", "numpy==2.4.6")
 STAMP_NAME: Final = ".mooncake-stamp"
 APT_TIMEOUT_S: Final = 300
@@ -179,6 +180,38 @@ def measure(
         except (OSError, ValueError) as e:
             return f"Mooncake peer wrote no readable JSON ({e}): {stdout[-REASON_CHARS:]}"
         return result
+
+
+def measure_fill(
+    args: Sequence[str], timeout_s: float = 300.0, *, python: Path | None = None
+) -> dict[str, Any] | str:
+    """Run `bench/mooncake_fill.py` with `args` in its own network namespace (as `measure`): its JSON,
+    or why there is none (never raises for an operating error)."""
+    python = python or VENV / "bin" / "python"
+    if not python.exists():
+        return f"{python} is missing (run `make mooncake-setup`)"
+    if os.geteuid() != 0:
+        return "the peer runs in its own network namespace (unshare -n), which needs root"
+    inner = shlex.join([str(python), str(FILL), *args])
+    argv = ["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {inner}"]
+    proc = subprocess.Popen(
+        argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _kill_group(proc)
+        return f"Mooncake fill timed out after {timeout_s:.0f} s: {_reason(stderr)}"
+    except BaseException:
+        _kill_group(proc)
+        raise
+    if proc.returncode != 0:
+        return f"Mooncake fill exited with {proc.returncode}: {_reason(stderr) or stdout[-REASON_CHARS:]}"
+    try:
+        result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError) as e:
+        return f"Mooncake fill printed no JSON ({e}): {stdout[-REASON_CHARS:]}"
+    return result
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> tuple[str, str]:
