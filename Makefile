@@ -114,6 +114,7 @@ bench: setup engines-setup mooncake-setup ## Run the benchmarks; JSON + markdown
 	$(PY) -m bench.dataplane
 	$(PY) -m bench.client
 	$(PY) -m bench.client_floor
+	$(PY) -m bench.fill
 	$(PY) -m bench.failover
 	$(PY) -m bench.tenancy
 	$(PY) -m bench.nats_storm
