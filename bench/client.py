@@ -394,11 +394,16 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 
 @contextmanager
-def local_cluster(run: Path, extra_env: Mapping[str, str] | None = None) -> Iterator[dict[str, Any]]:
+def local_cluster(
+    run: Path, extra_env: Mapping[str, str] | None = None, ssd_bytes: int = 0
+) -> Iterator[dict[str, Any]]:
     """`tools/localcluster.py up` with one 4 GiB segment (`extra_env` for every process, e.g. the
-    directory's shard count); `down` however the block ends."""
+    directory's shard count; `ssd_bytes` > 0: a disk tier of that size, its files in `run`/data);
+    `down` however the block ends."""
     tool = [sys.executable, str(REPO / "tools" / "localcluster.py")]
     up = [*tool, "up", "--run-dir", str(run), "--nats-port", "0", "--segments", "1"]
+    if ssd_bytes > 0:
+        up += ["--ssd-bytes", str(ssd_bytes), "--data-dir", str(run / "data")]
     # a segment id of its own: other clusters on this host may run a `seg-1`
     prefix = f"bench-client-{secrets.token_hex(3)}"
     up += ["--segment-bytes", str(SEGMENT_BYTES), "--segment-prefix", prefix]

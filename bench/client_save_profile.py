@@ -150,6 +150,7 @@ def main() -> int:
     parser.add_argument("--objects", type=int, default=8, help="objects (chunks) per save")
     parser.add_argument("--saves", type=int, default=200)
     parser.add_argument("--shm", action="store_true", help="co-located client (use_shm=True)")
+    parser.add_argument("--ssd-bytes", type=int, default=0, help="a disk tier of this size under the segment")
     parser.add_argument("--cprofile", default="", help="write the loop thread's cProfile here")
     parser.add_argument("--cprofile-service", default="", help="cluster module to cProfile")
     parser.add_argument("--cprofile-service-out", default="/tmp/save_service.prof")
@@ -171,7 +172,10 @@ def main() -> int:
     from bench.client_worker import bench_spec
     from kvfabric.client import KvClient, settings_from_env
 
-    with tempfile.TemporaryDirectory(prefix="kvf-save-profile-") as tmp, local_cluster(Path(tmp)) as state:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvf-save-profile-") as tmp,
+        local_cluster(Path(tmp), ssd_bytes=args.ssd_bytes) as state,
+    ):
         env = read_env_file(Path(state["auth"]["dir"]) / "env" / "tenant-demo.env")
         settings = settings_from_env(env, nats_url=state["nats_url"], use_shm=args.shm)
         spec = bench_spec(env, state["nats_url"], f"profile-{secrets.token_hex(4)}")

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -128,7 +129,7 @@ def fill(args: argparse.Namespace, master_address: str) -> dict[str, Any]:
         "chunks_failed": failed,
         "elapsed_s": elapsed,
         "stored_gb_per_s": stored / elapsed / 1e9,
-        "p50_ms": walls[len(walls) // 2] * 1e3,
+        "p50_ms": statistics.median(walls) * 1e3,
         "p90_ms": walls[int(0.9 * len(walls))] * 1e3,
         "verified": verified,
         "version": mooncake_version(),

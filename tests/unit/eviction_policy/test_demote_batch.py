@@ -313,3 +313,66 @@ def test_a_victim_forgotten_while_earlier_listings_are_in_flight_is_skipped(
     assert sh.demotions == {"demoted": 11}
     assert late not in sh.core
     sh.core.check_invariants()
+
+
+# ---- a writer faster than the disk (`_room_until_ms`, `dropped_for_room`) ----------------------
+
+
+def with_writer(sh: EvictionShell, bytes_per_s: float, free: int) -> None:
+    """The core measured a writer of `bytes_per_s` on s1, whose arena has `free` bytes left."""
+    sh.core.inflow = lambda pool: bytes_per_s if pool == "s1" else 0.0  # type: ignore[method-assign]
+    sh._capacity["s1"] = sh.core.used_bytes("s1") + free
+
+
+def test_no_writer_every_victim_is_demoted(monkeypatch: pytest.MonkeyPatch) -> None:
+    sh, batch, directory, _ = setup(monkeypatch, groups=12, size=20 * MiB)
+    with_writer(sh, 0.0, 0)  # full, but nobody writes: the disk takes its time
+    asyncio.run(sh._evict(batch))
+    assert sh.demotions == {"demoted": 12} and directory.evicted == []
+
+
+def test_an_arena_a_writer_is_filling_drops_what_the_disk_cannot_take_in_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sh, batch, directory, seg = setup(monkeypatch, groups=12, size=20 * MiB)
+    with_writer(sh, 1e9, 0)  # full already: nothing can be demoted before the writer needs room
+    asyncio.run(sh._evict(batch))
+    assert seg.requests == [] and sh.demotions == {"dropped_for_room": 12}
+    assert len(directory.evicted) == 12  # dropped: the arena gets its room at once
+    order = [v for v in batch.victims if isinstance(v, bytes)]
+    assert [(d.what, d.reason) for d in sh._decisions.of(order[0])[2:3]] == [
+        ("not_demoted", "dropped_for_room")
+    ]
+    sh.core.check_invariants()
+
+
+def test_what_the_disk_takes_before_the_room_runs_out_is_demoted_and_the_rest_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Requests of 3 x 20 MiB (the bytes bound) at a disk speed of 60 MiB per 100 ms; the room
+    lasts 150 ms at the writer's rate: one request goes, the next would end past it."""
+    sh, batch, directory, seg = setup(monkeypatch, groups=12, size=20 * MiB)
+    sh._demote_bytes_per_ms = 60 * MiB / 100
+    clock = [10_000]
+    monkeypatch.setattr(sh._driver, "now_ms", lambda: clock[0])
+    answer = seg.answer
+
+    def slow(key: bytes) -> str:
+        clock[0] += 100 // 3  # a request of three objects takes ~100 ms
+        return answer(key)
+
+    seg.answer = slow  # type: ignore[assignment]
+    with_writer(sh, 1e9, int(1e9 * 0.150))
+    asyncio.run(sh._evict(batch))
+    assert [len(r.objects) for r in seg.requests] == [3]
+    assert sh.demotions == {"demoted": 3, "dropped_for_room": 9}
+    assert len(directory.evicted) == 9
+    sh.core.check_invariants()
+
+
+def test_the_cut_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    sh, batch, directory, _ = setup(monkeypatch, groups=12, size=20 * MiB)
+    sh.demote_cut_for_room = False  # KVF_EVICTION_DEMOTE_CUT_FOR_ROOM=0: the writer waits instead
+    with_writer(sh, 1e9, 0)
+    asyncio.run(sh._evict(batch))
+    assert sh.demotions == {"demoted": 12} and directory.evicted == []

@@ -268,7 +268,7 @@ def test_settings_reject_inverted_watermarks_and_unknown_policies() -> None:
 
 
 def test_the_inflow_horizon_is_two_ticks_unless_set_and_zero_turns_it_off() -> None:
-    # 8 x 16 MiB saves into a 4 GiB segment lost 70 % of their chunks without it
+    # 8 x 16 MiB saves into a 4 GiB segment lost 46-70 % of their chunks without it
     # (docs/eviction-policy.md, "Writers faster than the ticks")
     assert load_eviction_settings({}).core.inflow_horizon_ms == 400
     assert load_eviction_settings({"KVF_EVICTION_TICK_MS": "50"}).core.inflow_horizon_ms == 100
@@ -277,6 +277,11 @@ def test_the_inflow_horizon_is_two_ticks_unless_set_and_zero_turns_it_off() -> N
     for bad in ("-1", "600001", "soon"):
         with pytest.raises(SettingsError):
             load_eviction_settings({"KVF_EVICTION_INFLOW_HORIZON_MS": bad})
+    # victims the disk cannot take before a writer fills the arena are dropped (shell._room_until_ms)
+    assert load_eviction_settings({}).demote_cut_for_room
+    assert not load_eviction_settings({"KVF_EVICTION_DEMOTE_CUT_FOR_ROOM": "0"}).demote_cut_for_room
+    with pytest.raises(SettingsError):
+        load_eviction_settings({"KVF_EVICTION_DEMOTE_CUT_FOR_ROOM": "2"})
 
 
 def test_two_domains_with_one_chain_hash_stay_two_groups() -> None:

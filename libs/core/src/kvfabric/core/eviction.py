@@ -46,8 +46,9 @@ the parent is inserted.
   policy, the evict request), and a writer can fill what lies above it before then: the
   directory then refuses its saves (`no_capacity`). So each tick measures every pool's
   *inflow*, the bytes of new objects since the tick before (an object found stored,
-  `last_access_ms` given, is not inflow), per second, taken at once when higher than the
-  estimate and followed with a half-life of `INFLOW_HALF_LIFE_MS` when lower; both watermarks
+  `last_access_ms` given, or inserted with `counts_as_inflow=False`, is not inflow), per
+  second, taken at once when higher than the estimate and followed with a half-life of
+  `INFLOW_HALF_LIFE_MS` when lower; both watermarks
   of the pool are lowered by its *margin*, what that inflow stores in `inflow_horizon_ms`,
   at most half the low watermark's bytes. The first tick only starts the count (a service
   ticks once it has replayed its history: what it replayed is not a writer's rate). With no
@@ -136,10 +137,10 @@ __all__ = [
 # A stepped `drop_pool_steps`: what one step may cost, an object looked at costing 1 and one of
 # the pool's objects dropped `DROP_POOL_OBJECT_COST` (~0.1 us against ~1.3-2.4 us): a step is
 # at most ~1,000 removals or ~16,000 objects looked at (docs/eviction-policy.md).
-# How fast a pool's inflow estimate follows a rate lower than it (a higher one is taken at once).
-INFLOW_HALF_LIFE_MS: Final = 1_000
 DROP_POOL_STEP_COST: Final = 16_384
 DROP_POOL_OBJECT_COST: Final = 15
+# How fast a pool's inflow estimate follows a rate lower than it (a higher one is taken at once).
+INFLOW_HALF_LIFE_MS: Final = 1_000
 QUEUE_POLICIES: Final[dict[str, type[Sieve] | type[S3Fifo] | type[WTinyLfu]]] = {
     "sieve": Sieve,
     "s3fifo": S3Fifo,
@@ -253,13 +254,16 @@ class EvictionCore(LeafRanking):
         now_ms: int,
         prompt_chunks: int | None = None,
         last_access_ms: int | None = None,
+        counts_as_inflow: bool = True,
     ) -> list[Effect]:
         """A new object is (about to be) stored: `size` bytes in `pool`, or `pools` (pool ->
         bytes) when it spans several; `prompt_chunks`: chunks of the prompt writing it (a reuse
         feature; default its position + 1); `last_access_ms`: when it was last used, if before
         now (an object found stored, its history unknown: it ranks as used then; the queue
         policies, which rank by arrival, take it as new). Returns Admitted or Refused with a
-        reason code (admission, judged on each of its pools)."""
+        reason code (admission, judged on each of its pools). `counts_as_inflow`: False for
+        bytes no writer just brought (a shell replaying a backlog, a republish), which are not
+        a writer's rate (`tick`); neither is an object with `last_access_ms`."""
         self._advance(now_ms)
         invariant(last_access_ms is None or last_access_ms <= now_ms, "last access after now")
         held = dict(pools) if pools is not None else {pool: size}
@@ -297,7 +301,7 @@ class EvictionCore(LeafRanking):
         if self.config.policy == "lru2":
             obj.previous_access_ms = self._history.pop(object_id, None)
         self._attach(object_id, obj)
-        if last_access_ms is None:  # a writer's new bytes (one found stored is no writer's rate)
+        if last_access_ms is None and counts_as_inflow:  # a writer's new bytes
             for p, b in held.items():
                 usages[p].inserted += b
         if self._order is not None:

@@ -39,6 +39,7 @@ async def serve(settings: RuntimeSettings) -> int:
         request_timeout_s=config.request_timeout_s,
         demote=config.demote,
         demote_min_hits=config.demote_min_hits,
+        demote_cut_for_room=config.demote_cut_for_room,
         ssd_high_watermark=config.ssd_high_watermark,
         demote_timeout_s=config.demote_timeout_s,
         admission_publish_ms=config.admission_publish_ms if config.admission else 0,

@@ -134,6 +134,9 @@ class GroupRecords:
     _no_disk: set[str]  # segments that answered "no disk tier"
     _group_ids: dict[bytes, GroupId]  # domain + chain hash -> 90-byte group id (tracked)
     _capacity: dict[str, int]
+    # the event being applied was stored moments ago (the follower sets it; a backlog is not a
+    # writer's rate: `EvictionShell._fresh`)
+    _events_fresh: bool
     _dropping: set[str]  # the pools of a lost segment while they are dropped in steps
     # group key -> when its links go (`LOST_LINKS_KEEP_MS` after its latest loss), and per segment
     # loss (that time, its lost groups not yet looked at), oldest first
@@ -170,8 +173,8 @@ class GroupRecords:
             if not self._published(event, at_ms):
                 return  # from a directory too old to say where the bytes are: not ours to evict
         elif isinstance(event, m.GroupsPublished):  # one put_commit's groups, in order (issue 20)
-            for published in event.groups:
-                self._published(published, at_ms)
+            for published in event.groups:  # a writer's bytes, unless read from a backlog
+                self._published(published, at_ms, writer=self._events_fresh)
         elif isinstance(event, m.GroupsAccessed):
             for hit in event.groups:
                 key = pack_group_key(hit.domain, hit.group)
@@ -252,18 +255,23 @@ class GroupRecords:
             what = "evicted" if isinstance(event, m.GroupEvicted) else "invalidated"
             self._decisions.record(key, at_ms, what, event.reason)
 
-    def _published(self, event: m.GroupPublished, at_ms: int, *, listed_ms: int | None = None) -> bool:
+    def _published(
+        self, event: m.GroupPublished, at_ms: int, *, listed_ms: int | None = None, writer: bool = False
+    ) -> bool:
         """One published group into the core and the records (published again: `_republished`).
         False for one without placements or namespace (a directory too old to say them).
         `listed_ms`: adopted from the directory's listing (`published_of_summary`), ranked as
         last used then; an adopted group's own `published` event, when the follower reaches it,
-        takes it again from the event (its parent, its time)."""
+        takes it again from the event (its parent, its time). `writer`: a put_commit's fresh
+        bytes, the core's inflow (`EvictionCore.tick`): not a republish, nor an adopted group's
+        own event (its bytes were there already)."""
         core = self.core
         if not event.placements or len(event.namespace) != NAMESPACE_BYTES:
             return False
         domain = domain_in_id(event.namespace)
         key = pack_group_key(domain, event.group)
         if listed_ms is None and key in self._adopted:
+            writer = False
             self._adopted.discard(key)
             if key in core and not core.is_evicting(key):
                 self._untrack(key)  # its links stay: children published since name it
@@ -284,6 +292,7 @@ class GroupRecords:
             chunk_index=event.chunk_index,
             now_ms=at_ms,
             last_access_ms=listed_ms,
+            counts_as_inflow=writer,
         )
         if key in core:
             reason = next((v.reason for v in verdicts if isinstance(v, Admitted)), "")

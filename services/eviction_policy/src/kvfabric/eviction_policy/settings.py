@@ -16,6 +16,7 @@ The runtime's shared flags (NATS URL, metrics port, logging) come from `kvfabric
 | `KVF_EVICTION_TENANT_QUOTAS` | empty | JSON, see `parse_quotas` |
 | `KVF_EVICTION_DEMOTE` | 1 | a segment's arena victims go to its disk tier when it has one (0: dropped) |
 | `KVF_EVICTION_DEMOTE_MIN_HITS` | 0 | ... read at least this often since published (`demote_or_drop`) |
+| `KVF_EVICTION_DEMOTE_CUT_FOR_ROOM` | 1 | drop victims the disk cannot take before writers fill the arena |
 | `KVF_EVICTION_SSD_HIGH_WATERMARK_PCT` | 90 | a disk tier fuller than this drops its own victims |
 | `KVF_EVICTION_DEMOTE_TIMEOUT_MS` | 30000 | per demote request (up to 64 objects written to disk) |
 | `KVF_EVICTION_DENSITY_RECOMPUTE_EVERY` | 2048 | `density`: namings between two density recomputations |
@@ -55,6 +56,7 @@ class EvictionSettings:
     request_timeout_s: float = 2.0
     demote: bool = True
     demote_min_hits: int = 0
+    demote_cut_for_room: bool = True
     ssd_high_watermark: float = 0.9
     demote_timeout_s: float = 30.0
     admission: bool = False  # publish the density policy's admission filter
@@ -116,7 +118,7 @@ def load_eviction_settings(env: Mapping[str, str]) -> EvictionSettings:
         ),
         # Victims land a tick and the events' lag after a pool crosses its high watermark; a
         # writer faster than that filled the rest first (8 x 16 MiB saves into a 4 GiB segment
-        # lost 70 % of their chunks to no_capacity: docs/eviction-policy.md, "Writers faster
+        # lost 46-70 % of their chunks to no_capacity: docs/eviction-policy.md, "Writers faster
         # than the ticks").
         inflow_horizon_ms=env_int(env, "KVF_EVICTION_INFLOW_HORIZON_MS", 2 * tick_ms, 0, 600_000),
     )
@@ -135,6 +137,7 @@ def load_eviction_settings(env: Mapping[str, str]) -> EvictionSettings:
         request_timeout_s=env_int(env, "KVF_EVICTION_REQUEST_TIMEOUT_MS", 2_000, 10, 600_000) / 1000,
         demote=bool(env_int(env, "KVF_EVICTION_DEMOTE", 1, 0, 1)),
         demote_min_hits=env_int(env, "KVF_EVICTION_DEMOTE_MIN_HITS", 0, 0, 1_000_000),
+        demote_cut_for_room=bool(env_int(env, "KVF_EVICTION_DEMOTE_CUT_FOR_ROOM", 1, 0, 1)),
         ssd_high_watermark=env_int(env, "KVF_EVICTION_SSD_HIGH_WATERMARK_PCT", 90, 1, 100) / 100,
         demote_timeout_s=env_int(env, "KVF_EVICTION_DEMOTE_TIMEOUT_MS", 30_000, 10, 600_000) / 1000,
         decisions_max=env_int(env, "KVF_EVICTION_DECISIONS_MAX", DECISIONS_GROUPS_DEFAULT, 0, 1_048_576),

@@ -111,6 +111,7 @@ from kvfabric.eviction_policy.decisions import DECISIONS_GROUPS_DEFAULT, Decisio
 from kvfabric.eviction_policy.group_records import GroupRecords, group_id_of, published_of_summary
 from kvfabric.eviction_policy.tiers import (
     DEMOTE_ON_DISK,
+    DEMOTE_REQUEST_BYTES_MAX,
     DEMOTE_REQUEST_OBJECTS_MAX,
     DemoteOutcome,
     copy_outcome,
@@ -151,6 +152,9 @@ EVENTS_STREAM: Final = "KVF_DIRECTORY_EVENTS"  # owned by the directory
 EVENTS_FETCH_MAX: Final = 512  # events per fetch: the follower's memory bound
 EVENTS_FETCH_WAIT_S: Final = 1.0
 EVENTS_LINGER_S: Final = 0.05  # at the stream's end, events gather this long into one pull
+# A put_commit's event older than this when applied is a backlog (a replay, a stalled follower),
+# not a writer's rate: its bytes are not the core's inflow (docs/eviction-policy.md).
+INFLOW_EVENT_AGE_MAX_MS: Final = 1_000
 RETRY_S: Final = 0.5
 ADOPT_PAGE_GROUPS: Final = 1_000  # groups per `list_groups` page when adopting a listing
 ADOPT_PAGES_MAX: Final = 1_000_000  # pages per shard (each bounded by the directory's reply size)
@@ -183,6 +187,7 @@ class EvictionShell(GroupRecords):
         request_timeout_s: float,
         demote: bool = True,
         demote_min_hits: int = 0,
+        demote_cut_for_room: bool = True,
         ssd_high_watermark: float = 0.9,
         demote_timeout_s: float = 30.0,
         admission_publish_ms: int = 0,
@@ -199,6 +204,7 @@ class EvictionShell(GroupRecords):
         self._admission: e.AdmissionFilter | None = None  # the last one built (`explain`)
         self._decisions = DecisionLog(decisions_max)
         self._adopted: set[bytes] = set()  # see `GroupRecords`
+        self._events_fresh = True  # see `GroupRecords`: tests apply events as they come
         self._gone_while_adopting: set[bytes] | None = None  # see `GroupRecords`
         self._down_while_adopting: set[str] | None = None
         self._adopt_after_seq = 0  # the stream's end when events were found lost
@@ -215,6 +221,7 @@ class EvictionShell(GroupRecords):
         self.adoptions = 0
         self.demote = demote
         self.demote_min_hits = demote_min_hits
+        self.demote_cut_for_room = demote_cut_for_room  # drop what the disk cannot take in time
         self.ssd_high_watermark = ssd_high_watermark
         self.demote_timeout_s = demote_timeout_s
         # group key -> (tenant, chunk index, pool -> bytes, group bytes): see `GroupRecords`
@@ -231,6 +238,7 @@ class EvictionShell(GroupRecords):
         self._disk_pools: set[str] = set()  # `<segment>#ssd` pools holding or having held groups
         self._no_disk: set[str] = set()  # segments that answered "no disk tier"
         self.demotions: dict[str, int] = {}  # outcome -> groups (status, metrics)
+        self._demote_bytes_per_ms = 0.0  # the disk speed demote requests had (0: none yet)
         self.tick_ms = tick_ms
         self.segments_refresh_ms = segments_refresh_ms
         self.request_timeout_s = request_timeout_s
@@ -348,7 +356,9 @@ class EvictionShell(GroupRecords):
                 # A segment lost is dropped in steps (a third of a million groups took ~0.7 s
                 # in one go); the loop runs between them. No other event is applied meanwhile,
                 # and the event counts as applied (`_reach`) once it is whole.
-                for _ in self.apply_in_steps(event, self._driver.now_ms()):
+                now = self._driver.now_ms()
+                self._events_fresh = _fresh(msg, now)
+                for _ in self.apply_in_steps(event, now):
                     await asyncio.sleep(0)
                 self._applied(msg.metadata.sequence.stream)
                 # One event a turn of the loop: 512 commits of 256 groups held it ~2 s at once.
@@ -527,7 +537,7 @@ class EvictionShell(GroupRecords):
             chosen = [
                 c for c in chains if demote_or_drop(self._hits.get(c, 0), self.demote_min_hits) == "demote"
             ]
-            handled = await self._demote_groups(pool, chosen)
+            handled = await self._demote_groups(pool, chosen, self._room_until_ms(pool))
             chains = [c for c in chains if c not in handled]  # dropped: not chosen, or the disk is full
             if not chains:
                 return
@@ -693,7 +703,53 @@ class EvictionShell(GroupRecords):
 
     # ---- demotion ------------------------------------------------------------------------------
 
-    async def _demote_groups(self, segment_id: str, chains: list[bytes]) -> set[bytes]:
+    def _room_until_ms(self, pool: str) -> int | None:
+        """When `pool`'s arena would be full at its writers' measured inflow (the core's), if
+        nothing of it were freed; None without a writer. Demotion copies at the disk's speed
+        while the victims' bytes stay in the arena: past this time a writer faster than the disk
+        would have its saves refused, so the rest of the batch is dropped instead
+        (`_demote_groups`, `dropped_for_room`). None too when `demote_cut_for_room` is off."""
+        inflow = self.core.inflow(pool)
+        capacity = self._capacity.get(pool, 0)
+        if inflow <= 0 or not capacity or not self.demote_cut_for_room:
+            return None
+        free = max(0, capacity - self.core.used_bytes(pool))
+        return self._driver.now_ms() + int(free * 1000 / inflow)
+
+    def _out_of_room(self, room_until_ms: int | None, next_request_bytes: int) -> bool:
+        """Would a demote request of `next_request_bytes` end past `room_until_ms` (at the disk
+        speed the last requests had; at once before any)?"""
+        if room_until_ms is None:
+            return False
+        takes_ms = next_request_bytes / self._demote_bytes_per_ms if self._demote_bytes_per_ms else 0.0
+        return self._driver.now_ms() + takes_ms >= room_until_ms
+
+    def _demote_timed(self, nbytes: int, took_ms: int) -> None:
+        """A demote request of `nbytes` took `took_ms`: the disk speed `_out_of_room` expects
+        (each request weighs half)."""
+        if nbytes <= 0:
+            return
+        speed = nbytes / max(took_ms, 1)
+        known = self._demote_bytes_per_ms
+        self._demote_bytes_per_ms = speed if not known else (known + speed) / 2
+
+    def _dropped_for_room(self, segment_id: str, chains: list[bytes], handled: set[bytes]) -> None:
+        """The victims not dealt with yet are dropped, not demoted: the arena needs their room
+        before the disk could take them."""
+        rest = [c for c in chains if c not in handled]
+        if not rest:
+            return
+        at = self._driver.now_ms()
+        for chain in rest:
+            self._decisions.record(chain, at, "not_demoted", "dropped_for_room", ssd_pool(segment_id))
+        self.demotions["dropped_for_room"] = self.demotions.get("dropped_for_room", 0) + len(rest)
+        self._log.info(
+            "demotion_cut", segment_id=segment_id, dropped=len(rest), reason="writer faster than disk"
+        )
+
+    async def _demote_groups(
+        self, segment_id: str, chains: list[bytes], room_until_ms: int | None = None
+    ) -> set[bytes]:
         """Demote these victims of `segment_id`'s arena, several groups per demote request (up to
         `DEMOTE_REQUEST_GROUPS_MAX` groups, `DEMOTE_REQUEST_OBJECTS_MAX` objects and
         `DEMOTE_REQUEST_BYTES_MAX` bytes), heads before their tails (`heads_first`); returns the
@@ -706,11 +762,22 @@ class EvictionShell(GroupRecords):
         tail reached the disk in one request and its head failed in a later one, leaving the
         tail on disk without its head (and a head a full disk refused took its tail, written
         for nothing, with it). A head and its tail in one request are not ordered: the segment
-        writes a request's objects in concurrent batches (docs/ssd-tier.md)."""
+        writes a request's objects in concurrent batches (docs/ssd-tier.md). A request that would
+        end past `room_until_ms` (`_room_until_ms`: a writer would find the arena full; at the
+        disk speed of the requests before, `_out_of_room`) is not sent: the victims not dealt
+        with are dropped
+        (`dropped_for_room`; heads first, so what is dropped is never an ancestor of what
+        reached the disk in this batch)."""
         handled: set[bytes] = set()
         outcomes: dict[bytes, str] = {}  # victim -> its outcome, once its request has answered
         pending: list[tuple[bytes, list[DemoteObject]]] = []
         objects_n = bytes_n = 0  # what `pending` names
+        # The first request before anything is asked (its listings take time too): at most
+        # a request's bytes of what the records hold of these victims in this arena.
+        held = sum(self._held[c][2].get(segment_id, 0) for c in chains if c in self._held)
+        if self._out_of_room(room_until_ms, min(held, DEMOTE_REQUEST_BYTES_MAX)):
+            self._dropped_for_room(segment_id, chains, handled)
+            return handled
         with contextlib.suppress(KvfError):  # else each lookup fails alone: its group cools down
             await self._dir().known_shards()  # the lookups' shards (`shard_of` needs the map)
         if not await self._heads_on_disk(segment_id, chains, handled):
@@ -735,7 +802,10 @@ class EvictionShell(GroupRecords):
                 self._demote_outcome(chain, "demoted", handled, segment_id)
                 continue
             if not demote_request_fits(len(pending), objects_n, bytes_n, len(objects), nbytes):
-                if not await self._send_demotes(segment_id, pending, handled, outcomes):
+                if self._out_of_room(room_until_ms, bytes_n):
+                    self._dropped_for_room(segment_id, chains, handled)
+                    return handled
+                if not await self._send_demotes(segment_id, pending, handled, outcomes, bytes_n):
                     return handled
                 pending, objects_n, bytes_n = [], 0, 0
             # its head in an earlier request (answered by now), and not on disk after it
@@ -746,7 +816,10 @@ class EvictionShell(GroupRecords):
             pending.append((chain, objects))
             objects_n += len(objects)
             bytes_n += nbytes
-        if pending and not await self._send_demotes(segment_id, pending, handled, outcomes):
+        if pending and self._out_of_room(room_until_ms, bytes_n):
+            self._dropped_for_room(segment_id, chains, handled)
+            return handled
+        if pending and not await self._send_demotes(segment_id, pending, handled, outcomes, bytes_n):
             return handled
         if handled:
             self._log.info("demoted", segment_id=segment_id, groups=len(handled), **self.demotions)
@@ -935,13 +1008,16 @@ class EvictionShell(GroupRecords):
         pending: list[tuple[bytes, list[DemoteObject]]],
         handled: set[bytes],
         outcomes: dict[bytes, str],
+        nbytes: int = 0,
     ) -> bool:
-        """One demote request for these groups, each then dealt with by its own outcome (also
-        into `outcomes`): "demoted" moves it to the disk pool, "copied" (a lease kept its arena
-        replicas) or a failure cools it down; "no_capacity" leaves it to be dropped. False:
-        demotion stops for this batch."""
+        """One demote request for these groups (`nbytes` in all: timed, `_demote_timed`), each
+        then dealt with by its own outcome (also into `outcomes`): "demoted" moves it to the disk
+        pool, "copied" (a lease kept its arena replicas) or a failure cools it down;
+        "no_capacity" leaves it to be dropped. False: demotion stops for this batch."""
+        started = self._driver.now_ms()
         try:
             results = await self._demote_request(segment_id, [objects for _, objects in pending])
+            self._demote_timed(nbytes, self._driver.now_ms() - started)
         except Conflict:  # "this segment has no disk tier"
             self._no_disk.add(segment_id)
             self._log.info("demotion_off", segment_id=segment_id, reason="no disk tier")
@@ -1105,6 +1181,16 @@ class EvictionShell(GroupRecords):
                 "adoptions_total": self.adoptions,
             },
         )
+
+
+def _fresh(msg: Msg, now_ms: int) -> bool:
+    """Was `msg` stored in the stream at most `INFLOW_EVENT_AGE_MAX_MS` before `now_ms`? (No
+    stream metadata: not known fresh.)"""
+    try:
+        stored_ms = msg.metadata.timestamp.timestamp() * 1000
+    except (AttributeError, ValueError, TypeError, nats.errors.Error):
+        return False
+    return now_ms - stored_ms <= INFLOW_EVENT_AGE_MAX_MS
 
 
 def _feature(value: object) -> str | int | float | bool:
