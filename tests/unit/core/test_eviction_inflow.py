@@ -76,12 +76,29 @@ def test_a_fast_writer_makes_the_pool_evict_earlier_and_further() -> None:
 def test_the_margin_is_the_inflow_over_the_horizon() -> None:
     core = core_with(200)
     writer = Writer(core)
+    writer.write(560, 0)  # before the first tick: not a rate
     core.tick(0)
-    writer.write(700, 100)  # 700 B in 0.5 s: 1,400 B/s, 280 B in 200 ms
-    effects = core.tick(500)
+    writer.write(140, 50)  # 140 B in 0.1 s: 1,400 B/s, 280 B in the 200 ms horizon
+    effects = core.tick(100)
     assert core.margin_bytes("p") == 280
     # 700 > 900 - 280 = 620: evicts down to 800 - 280 = 520
     assert victims_bytes(effects) == 180
+    core.check_invariants()
+
+
+def test_ticks_further_apart_than_the_horizon_stretch_it() -> None:
+    """A service performs a tick's victims before the next tick: a slow batch (a demotion)
+    spaces the ticks, and victims then land later: twice the interval is the horizon."""
+    core = core_with(200)
+    writer = Writer(core)
+    core.tick(0)
+    writer.write(100, 100)
+    core.tick(500)  # 200 B/s over ticks 500 ms apart: a horizon of 1 s, not 200 ms
+    assert core.inflow("p") == pytest.approx(200)
+    assert core.margin_bytes("p") == 200
+    writer.write(20, 550)
+    core.tick(600)  # 100 ms apart again: the configured 200 ms
+    assert core.margin_bytes("p") == int(core.inflow("p") * 0.2)
     core.check_invariants()
 
 

@@ -376,3 +376,35 @@ def test_the_cut_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     with_writer(sh, 1e9, 0)
     asyncio.run(sh._evict(batch))
     assert sh.demotions == {"demoted": 12} and directory.evicted == []
+
+
+def test_what_the_disk_cannot_take_in_half_the_room_left_is_dropped_before_any_demotion(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """12 victims of 20 MiB, the disk at 60 MiB per 100 ms, the room for 150 ms of the writer:
+    half of it takes 45 MiB, so two victims (heads first) are demoted; the other ten are dropped
+    first, before the disk is asked anything, so the writer gets their room at once."""
+    sh, batch, directory, seg = setup(monkeypatch, groups=12, size=20 * MiB)
+    for chain in sh._held:
+        held = sh._held[chain]
+        sh._held[chain] = (held[0], held[1], {"s1": 20 * MiB}, held[3])
+    sh._demote_bytes_per_ms = 60 * MiB / 100
+    clock = [10_000]
+    monkeypatch.setattr(sh._driver, "now_ms", lambda: clock[0])
+    steps: list[str] = []
+    ask = directory.ask
+
+    async def asked(shard: int, verb: str, message: Any, timeout_s: float, **kw: Any) -> Any:
+        steps.append(verb)
+        return await ask(shard, verb, message, timeout_s, **kw)
+
+    monkeypatch.setattr(directory, "ask", asked)
+    with_writer(sh, 1e9, int(1e9 * 0.150))
+    asyncio.run(sh._evict(batch))
+    assert steps[0] == "evict" and "show_group" in steps  # dropped first, then the demotions' lookups
+    assert [len(r.objects) for r in seg.requests] == [2]
+    assert sh.demotions == {"dropped_for_room": 10, "demoted": 2}
+    order = [v for v in batch.victims if isinstance(v, bytes)]
+    demoted = {v for v in order if sh._held.get(v, ("", 0, {}, 0))[2].get("s1#ssd")}
+    assert len(demoted) == 2 and len(directory.evicted) == 10
+    sh.core.check_invariants()

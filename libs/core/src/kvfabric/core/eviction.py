@@ -48,11 +48,13 @@ the parent is inserted.
   *inflow*, the bytes of new objects since the tick before (an object found stored,
   `last_access_ms` given, or inserted with `counts_as_inflow=False`, is not inflow), per
   second, taken at once when higher than the estimate and followed with a half-life of
-  `INFLOW_HALF_LIFE_MS` when lower; both watermarks
-  of the pool are lowered by its *margin*, what that inflow stores in `inflow_horizon_ms`,
-  at most half the low watermark's bytes. The first tick only starts the count (a service
-  ticks once it has replayed its history: what it replayed is not a writer's rate). With no
-  writer the margin decays to nothing and the watermarks are the configured ones.
+  `INFLOW_HALF_LIFE_MS` when lower; both watermarks of the pool are lowered by its *margin*,
+  what that inflow stores in `inflow_horizon_ms` or in twice the time between the last two
+  ticks, whichever is longer (a service performs a tick's victims before it ticks again: a
+  slow batch, a demotion, delays the next), at most half the low watermark's bytes. The first
+  tick only starts the count (a service ticks once it has replayed its history: what it
+  replayed is not a writer's rate). With no writer the margin decays to nothing and the
+  watermarks are the configured ones.
 
 ## Policies
 Each policy's ranking of leaves (`lru`, `gdsf`, `lru2`, `reuse`, `density` by priority or hit
@@ -170,6 +172,7 @@ class EvictionCore(LeafRanking):
         self._now_ms = 0
         self._step_ms = 0  # the latest time given to `step` (events without a time included)
         self._inflow_ms: int | None = None  # the tick that last measured the pools' inflow
+        self._tick_interval_ms = 0  # between the last two ticks that measured it
         self._sketch = FrequencySketch() if config.admission == "second_hit" else None
         self._order = QUEUE_POLICIES[config.policy]() if config.policy in QUEUE_POLICIES else None
         self._history: OrderedDict[ObjectId, int] = OrderedDict()  # lru2: removed id -> last access
@@ -400,7 +403,9 @@ class EvictionCore(LeafRanking):
         if not self.config.inflow_horizon_ms:
             return 0
         most = int(self.config.low_watermark * usage.capacity) // 2
-        return min(int(usage.inflow * self.config.inflow_horizon_ms / 1000), most)
+        # A tick whose victims took long (a demotion) delays the next: the horizon stretches.
+        horizon_ms = max(self.config.inflow_horizon_ms, 2 * self._tick_interval_ms)
+        return min(int(usage.inflow * horizon_ms / 1000), most)
 
     def _low_target(self, usage: PoolUsage) -> int:
         return int(self.config.low_watermark * usage.capacity) - self._margin(usage)
@@ -411,6 +416,7 @@ class EvictionCore(LeafRanking):
         if since is not None and now_ms <= since:
             return  # no time passed: the bytes count toward the next tick
         self._inflow_ms = now_ms
+        self._tick_interval_ms = 0 if since is None else now_ms - since
         for usage in self._pools.values():
             if since is not None:
                 measured = usage.inserted * 1000 / (now_ms - since)

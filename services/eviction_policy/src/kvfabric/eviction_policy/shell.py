@@ -17,7 +17,10 @@ event loop):
   steps of about a thousand, the loop running between steps, no later event applied until all
   are dropped: at once, 300,000 groups stalled the loop ~0.7 s); `segment_up` → the pool's
   capacity. When the consumer is lost (NATS restart) it is recreated after the last sequence
-  applied: events are applied in order, each once.
+  applied: events are applied in order, each once. A `GroupsPublished` stored in the stream
+  at most `INFLOW_EVENT_AGE_MAX_MS` before it is applied is a writer's: its bytes are the
+  core's inflow (`EvictionCore.tick`); a backlog's, a republish's and an adopted group's own
+  event are not.
 - **segments**: every `segments_refresh_ms`, `list_segments` of every directory shard, merged,
   re-reads the capacities of the segments up.
 - **adopter**: once the follower has replayed the stream at start, and whenever the stream
@@ -60,7 +63,11 @@ event loop):
   the arena replica stays), so the disk tier holds whole prefixes and a power cycle, which loses
   the arena, leaves every disk object findable (docs/ssd-tier.md, "Whole prefixes on disk"). The
   victims themselves go heads first (`heads_first`), and one whose parent, a victim sent in an
-  earlier request, is not on disk after it waits (`waits_for_head`, cooled down).
+  earlier request, is not on disk after it waits (`waits_for_head`, cooled down). While a
+  writer fills the arena (the core's measured inflow), a request that would end after the
+  arena is full at that rate (`_room_until_ms`, at the disk speed of the requests before) is
+  not sent: the batch's victims not dealt with are dropped (`dropped_for_room`,
+  `demote_cut_for_room`), so the writer's saves are not refused while the disk lags.
 
 - **admission** (issue 25 item 4; `KVF_EVICTION_ADMISSION=predicted`, policy `density`): once
   caught up, every `admission_publish_ms` the core's admission filter (`build_filter`: per pool
@@ -537,10 +544,46 @@ class EvictionShell(GroupRecords):
             chosen = [
                 c for c in chains if demote_or_drop(self._hits.get(c, 0), self.demote_min_hits) == "demote"
             ]
-            handled = await self._demote_groups(pool, chosen, self._room_until_ms(pool))
+            room_until_ms = self._room_until_ms(pool)
+            chosen, first = self._split_for_room(pool, chosen, room_until_ms)
+            if first:  # a writer needs their room before the disk could take them: dropped now
+                self._dropped_for_room(pool, first, set())
+                dropped = set(first)
+                await self._drop(batch, [c for c in chains if c in dropped], at, pool_name)
+                chains = [c for c in chains if c not in dropped]
+            handled = await self._demote_groups(pool, chosen, room_until_ms)
             chains = [c for c in chains if c not in handled]  # dropped: not chosen, or the disk is full
             if not chains:
                 return
+        await self._drop(batch, chains, at, pool_name)
+
+    def _split_for_room(
+        self, pool: str, chosen: list[bytes], room_until_ms: int | None
+    ) -> tuple[list[bytes], list[bytes]]:
+        """(to demote, to drop first): with a writer filling the arena (`_room_until_ms`), only
+        the victims the disk takes in half the time left, at the speed of the demote requests
+        before (one request's bytes before any), heads first; the rest (their tails, never an
+        ancestor of one demoted) are dropped before the demotion starts, so the writer gets
+        their room at once."""
+        if room_until_ms is None:
+            return chosen, []
+        ordered = heads_first(chosen, self._parent)
+        left_ms = max(0, room_until_ms - self._driver.now_ms())
+        budget = (
+            left_ms * self._demote_bytes_per_ms / 2 if self._demote_bytes_per_ms else DEMOTE_REQUEST_BYTES_MAX
+        )
+        taken, keep = 0, 0
+        for chain in ordered:
+            nbytes = self._held[chain][2].get(pool, 0) if chain in self._held else 0
+            if taken + nbytes > budget:
+                break
+            taken += nbytes
+            keep += 1
+        return ordered[:keep], ordered[keep:]
+
+    async def _drop(self, batch: EvictBatch, chains: list[bytes], at: int, pool_name: str) -> None:
+        """Evict these victims of `batch` (in its order: tails before heads) from every tier."""
+        pool = batch.pool
         # A disk pool's victim the records know in an arena too (a head copied to disk) loses
         # only its disk replicas (`evict` tier "ssd"); the rest, and the disk tails a dropped
         # head takes with it, are evicted whole.
@@ -744,7 +787,11 @@ class EvictionShell(GroupRecords):
             self._decisions.record(chain, at, "not_demoted", "dropped_for_room", ssd_pool(segment_id))
         self.demotions["dropped_for_room"] = self.demotions.get("dropped_for_room", 0) + len(rest)
         self._log.info(
-            "demotion_cut", segment_id=segment_id, dropped=len(rest), reason="writer faster than disk"
+            "demotion_cut",
+            segment_id=segment_id,
+            dropped=len(rest),
+            disk_mb_per_s=round(self._demote_bytes_per_ms / 1000, 1),
+            reason="writer faster than disk",
         )
 
     async def _demote_groups(
@@ -768,6 +815,7 @@ class EvictionShell(GroupRecords):
         with are dropped
         (`dropped_for_room`; heads first, so what is dropped is never an ancestor of what
         reached the disk in this batch)."""
+        began = self._driver.now_ms()
         handled: set[bytes] = set()
         outcomes: dict[bytes, str] = {}  # victim -> its outcome, once its request has answered
         pending: list[tuple[bytes, list[DemoteObject]]] = []
@@ -822,7 +870,10 @@ class EvictionShell(GroupRecords):
         if pending and not await self._send_demotes(segment_id, pending, handled, outcomes, bytes_n):
             return handled
         if handled:
-            self._log.info("demoted", segment_id=segment_id, groups=len(handled), **self.demotions)
+            took_ms = self._driver.now_ms() - began
+            self._log.info(
+                "demoted", segment_id=segment_id, groups=len(handled), took_ms=took_ms, **self.demotions
+            )
         return handled
 
     async def _show(self, gid: bytes) -> list[tuple[ObjectKey, m.ObjectLocation]]:
