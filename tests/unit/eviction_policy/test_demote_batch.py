@@ -385,9 +385,8 @@ def test_what_the_disk_cannot_take_in_half_the_room_left_is_dropped_before_any_d
     half of it takes 45 MiB, so two victims (heads first) are demoted; the other ten are dropped
     first, before the disk is asked anything, so the writer gets their room at once."""
     sh, batch, directory, seg = setup(monkeypatch, groups=12, size=20 * MiB)
-    for chain in sh._held:
-        held = sh._held[chain]
-        sh._held[chain] = (held[0], held[1], {"s1": 20 * MiB}, held[3])
+    for key, held in list(sh._held.items()):
+        sh._held[key] = (held[0], held[1], {"s1": 20 * MiB}, held[3])
     sh._demote_bytes_per_ms = 60 * MiB / 100
     clock = [10_000]
     monkeypatch.setattr(sh._driver, "now_ms", lambda: clock[0])
