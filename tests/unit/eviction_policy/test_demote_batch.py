@@ -407,3 +407,75 @@ def test_what_the_disk_cannot_take_in_half_the_room_left_is_dropped_before_any_d
     demoted = {v for v in order if sh._held.get(v, ("", 0, {}, 0))[2].get("s1#ssd")}
     assert len(demoted) == 2 and len(directory.evicted) == 10
     sh.core.check_invariants()
+
+
+def held_as(sh: EvictionShell, nbytes: int) -> None:
+    """The records hold each victim as `nbytes` in s1's arena (what `_split_for_room` weighs)."""
+    for key, held in list(sh._held.items()):
+        sh._held[key] = (held[0], held[1], {"s1": nbytes}, held[3])
+
+
+def chain_setup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[EvictionShell, EvictBatch, FakeDirectory, FakeSegment]:
+    """One prefix of 12 chunks on s1 (1 the head, 12 the tail), all of them the batch's victims."""
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.01))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=120), 0)
+    for i in range(1, 13):
+        sh.apply(published(i, NAMESPACE, parent=i - 1 if i > 1 else None, s1=10), i)
+    (batch,) = core.tick(13)
+    assert isinstance(batch, EvictBatch) and len(batch.victims) == 12
+    directory = FakeDirectory({sh._group_ids[A + chain(i)]: 1 for i in range(1, 13)}, 20 * MiB)
+    seg = FakeSegment()
+    sh._router = directory
+    sh._nc = cast(Any, object())
+    monkeypatch.setattr(shell, "nats_request", seg)
+    return sh, batch, directory, seg
+
+
+def test_what_is_dropped_first_is_the_tails_of_what_is_demoted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Budget for three of twelve chunks of one prefix: the head and the next two are demoted,
+    the nine after them dropped first, tail first (never an ancestor of one demoted)."""
+    sh, batch, directory, seg = chain_setup(monkeypatch)
+    ids: dict[bytes, int] = {bytes(sh._group_ids[A + chain(i)]): i for i in range(1, 13)}
+    held_as(sh, 20 * MiB)
+    sh._demote_bytes_per_ms = 60 * MiB / 100  # 60 MiB in half the room (200 ms) takes three
+    monkeypatch.setattr(sh._driver, "now_ms", lambda: 10_000)
+    with_writer(sh, 1e9, int(1e9 * 0.200))
+    asyncio.run(sh._evict(batch))
+    assert [ids.get(bytes(g)) for g in directory.evicted] == list(range(12, 3, -1))  # tails first
+    assert sum(len(r.objects) for r in seg.requests) == 3  # chunks 1, 2, 3 to disk
+    assert sh.demotions == {"dropped_for_room": 9, "demoted": 3}
+    sh.core.check_invariants()
+
+
+def test_the_first_head_goes_to_disk_whatever_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group larger than the budget (or a request) still goes first, so the disk's speed keeps
+    being measured: a writer never makes every batch drop whole."""
+    sh, batch, _, seg = setup(monkeypatch, groups=4, size=20 * MiB)
+    held_as(sh, 80 * MiB)
+    sh._demote_bytes_per_ms = 1.0  # a slow disk: 80 MiB would take minutes
+    with_writer(sh, 1e9, int(1e9 * 10.0))
+    asyncio.run(sh._evict(batch))
+    assert len(seg.requests) == 1 and sh.demotions == {"demoted": 1, "dropped_for_room": 3}
+
+
+def test_before_the_disk_speed_is_known_nothing_is_dropped_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
+    sh, batch, directory, _ = setup(monkeypatch, groups=12, size=20 * MiB)
+    held_as(sh, 20 * MiB)
+    assert sh._demote_bytes_per_ms == 0
+    with_writer(sh, 1e9, int(1e9 * 10.0))  # room for 10 s: the requests go, and are timed
+    asyncio.run(sh._evict(batch))
+    assert sh.demotions == {"demoted": 12} and directory.evicted == []
+    assert sh._demote_bytes_per_ms > 0
+
+
+def test_a_writer_long_gone_is_no_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    sh, _, _, _ = setup(monkeypatch, groups=2)
+    with_writer(sh, shell.ROOM_WRITER_MIN_BYTES_PER_S - 1, 0)  # what a decayed estimate leaves
+    assert sh._room_until_ms("s1") is None
+    with_writer(sh, 1e-300, 1 << 40)  # no overflow however small the rate, were it counted
+    monkeypatch.setattr(shell, "ROOM_WRITER_MIN_BYTES_PER_S", 0)
+    until = sh._room_until_ms("s1")
+    assert until is not None and until <= sh._driver.now_ms() + shell.ROOM_MS_MAX

@@ -422,6 +422,8 @@ class EvictionCore(LeafRanking):
                 measured = usage.inserted * 1000 / (now_ms - since)
                 kept = 0.5 ** ((now_ms - since) / INFLOW_HALF_LIFE_MS)
                 usage.inflow = max(measured, usage.inflow * kept + measured * (1 - kept))
+                if usage.inflow < 1.0:  # a byte a second: what is left of a writer gone long ago
+                    usage.inflow = 0.0
             usage.inserted = 0
 
     def _attach(self, object_id: ObjectId, obj: Tracked) -> None:

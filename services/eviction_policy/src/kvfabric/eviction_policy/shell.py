@@ -64,10 +64,12 @@ event loop):
   the arena, leaves every disk object findable (docs/ssd-tier.md, "Whole prefixes on disk"). The
   victims themselves go heads first (`heads_first`), and one whose parent, a victim sent in an
   earlier request, is not on disk after it waits (`waits_for_head`, cooled down). While a
-  writer fills the arena (the core's measured inflow), a request that would end after the
-  arena is full at that rate (`_room_until_ms`, at the disk speed of the requests before) is
-  not sent: the batch's victims not dealt with are dropped (`dropped_for_room`,
-  `demote_cut_for_room`), so the writer's saves are not refused while the disk lags.
+  writer fills the arena (the core's measured inflow, at least `ROOM_WRITER_MIN_BYTES_PER_S`),
+  only the victims the disk takes in half the time until the arena is full at that rate
+  (`_room_until_ms`, at the disk speed of the demote requests before) are demoted; the rest
+  are dropped first (`_split_for_room`), and a request that would still end past that time is
+  not sent, its victims and those after it dropped (`dropped_for_room`; `demote_cut_for_room`
+  turns both off): the writer's saves are not refused while the disk lags.
 
 - **admission** (issue 25 item 4; `KVF_EVICTION_ADMISSION=predicted`, policy `density`): once
   caught up, every `admission_publish_ms` the core's admission filter (`build_filter`: per pool
@@ -162,6 +164,9 @@ EVENTS_LINGER_S: Final = 0.05  # at the stream's end, events gather this long in
 # A put_commit's event older than this when applied is a backlog (a replay, a stalled follower),
 # not a writer's rate: its bytes are not the core's inflow (docs/eviction-policy.md).
 INFLOW_EVENT_AGE_MAX_MS: Final = 1_000
+# An inflow below this is no writer the disk could lag behind (a decayed estimate of one gone).
+ROOM_WRITER_MIN_BYTES_PER_S: Final = 1 << 20
+ROOM_MS_MAX: Final = 3_600_000
 RETRY_S: Final = 0.5
 ADOPT_PAGE_GROUPS: Final = 1_000  # groups per `list_groups` page when adopting a listing
 ADOPT_PAGES_MAX: Final = 1_000_000  # pages per shard (each bounded by the directory's reply size)
@@ -257,6 +262,7 @@ class EvictionShell(GroupRecords):
         self._log = get_logger("kvfabric.eviction_policy")
         self.last_seq = 0  # stream sequence of the last event applied
         self.events_applied = 0
+        self.events_stale = 0  # applied past INFLOW_EVENT_AGE_MAX_MS: not counted as inflow
         self.evict_requests_failed = 0
         self.caught_up = asyncio.Event()  # set once the follower has read to the stream's end
 
@@ -365,6 +371,7 @@ class EvictionShell(GroupRecords):
                 # and the event counts as applied (`_reach`) once it is whole.
                 now = self._driver.now_ms()
                 self._events_fresh = _fresh(msg, now)
+                self.events_stale += not self._events_fresh
                 for _ in self.apply_in_steps(event, now):
                     await asyncio.sleep(0)
                 self._applied(msg.metadata.sequence.stream)
@@ -545,13 +552,15 @@ class EvictionShell(GroupRecords):
                 c for c in chains if demote_or_drop(self._hits.get(c, 0), self.demote_min_hits) == "demote"
             ]
             room_until_ms = self._room_until_ms(pool)
+            judged = room_until_ms is not None and bool(self._demote_bytes_per_ms)  # (`_split_for_room`)
             chosen, first = self._split_for_room(pool, chosen, room_until_ms)
             if first:  # a writer needs their room before the disk could take them: dropped now
                 self._dropped_for_room(pool, first, set())
                 dropped = set(first)
                 await self._drop(batch, [c for c in chains if c in dropped], at, pool_name)
                 chains = [c for c in chains if c not in dropped]
-            handled = await self._demote_groups(pool, chosen, room_until_ms)
+                room_until_ms = self._room_until_ms(pool)  # their room is free now
+            handled = await self._demote_groups(pool, chosen, room_until_ms, judged)
             chains = [c for c in chains if c not in handled]  # dropped: not chosen, or the disk is full
             if not chains:
                 return
@@ -560,22 +569,20 @@ class EvictionShell(GroupRecords):
     def _split_for_room(
         self, pool: str, chosen: list[bytes], room_until_ms: int | None
     ) -> tuple[list[bytes], list[bytes]]:
-        """(to demote, to drop first): with a writer filling the arena (`_room_until_ms`), only
-        the victims the disk takes in half the time left, at the speed of the demote requests
-        before (one request's bytes before any), heads first; the rest (their tails, never an
+        """(to demote, to drop first): with a writer filling the arena (`_room_until_ms`) and the
+        disk's speed known from the demote requests before, only the victims the disk takes in
+        half the time left (at least the first), heads first; the rest (their tails, never an
         ancestor of one demoted) are dropped before the demotion starts, so the writer gets
         their room at once."""
-        if room_until_ms is None:
-            return chosen, []
+        if room_until_ms is None or not self._demote_bytes_per_ms:
+            return chosen, []  # no writer, or no speed known yet: `_demote_groups` cuts if need be
         ordered = heads_first(chosen, self._parent)
         left_ms = max(0, room_until_ms - self._driver.now_ms())
-        budget = (
-            left_ms * self._demote_bytes_per_ms / 2 if self._demote_bytes_per_ms else DEMOTE_REQUEST_BYTES_MAX
-        )
+        budget = left_ms * self._demote_bytes_per_ms / 2
         taken, keep = 0, 0
         for chain in ordered:
             nbytes = self._held[chain][2].get(pool, 0) if chain in self._held else 0
-            if taken + nbytes > budget:
+            if keep and taken + nbytes > budget:  # the first always goes: the speed stays known
                 break
             taken += nbytes
             keep += 1
@@ -750,14 +757,15 @@ class EvictionShell(GroupRecords):
         """When `pool`'s arena would be full at its writers' measured inflow (the core's), if
         nothing of it were freed; None without a writer. Demotion copies at the disk's speed
         while the victims' bytes stay in the arena: past this time a writer faster than the disk
-        would have its saves refused, so the rest of the batch is dropped instead
-        (`_demote_groups`, `dropped_for_room`). None too when `demote_cut_for_room` is off."""
+        would have its saves refused, so what the disk cannot take in time is dropped instead
+        (`_split_for_room`, `_demote_groups`: `dropped_for_room`). None too when
+        `demote_cut_for_room` is off."""
         inflow = self.core.inflow(pool)
         capacity = self._capacity.get(pool, 0)
-        if inflow <= 0 or not capacity or not self.demote_cut_for_room:
-            return None
+        if inflow < ROOM_WRITER_MIN_BYTES_PER_S or not capacity or not self.demote_cut_for_room:
+            return None  # (what is left of a writer gone long ago is none)
         free = max(0, capacity - self.core.used_bytes(pool))
-        return self._driver.now_ms() + int(free * 1000 / inflow)
+        return self._driver.now_ms() + int(min(free * 1000 / inflow, ROOM_MS_MAX))
 
     def _out_of_room(self, room_until_ms: int | None, next_request_bytes: int) -> bool:
         """Would a demote request of `next_request_bytes` end past `room_until_ms` (at the disk
@@ -795,7 +803,7 @@ class EvictionShell(GroupRecords):
         )
 
     async def _demote_groups(
-        self, segment_id: str, chains: list[bytes], room_until_ms: int | None = None
+        self, segment_id: str, chains: list[bytes], room_until_ms: int | None = None, judged: bool = False
     ) -> set[bytes]:
         """Demote these victims of `segment_id`'s arena, several groups per demote request (up to
         `DEMOTE_REQUEST_GROUPS_MAX` groups, `DEMOTE_REQUEST_OBJECTS_MAX` objects and
@@ -812,18 +820,20 @@ class EvictionShell(GroupRecords):
         writes a request's objects in concurrent batches (docs/ssd-tier.md). A request that would
         end past `room_until_ms` (`_room_until_ms`: a writer would find the arena full; at the
         disk speed of the requests before, `_out_of_room`) is not sent: the victims not dealt
-        with are dropped
-        (`dropped_for_room`; heads first, so what is dropped is never an ancestor of what
-        reached the disk in this batch)."""
+        with are dropped (`dropped_for_room`; heads first, so what is dropped is never an
+        ancestor of what reached the disk in this batch). `judged`: `_split_for_room` chose
+        these to fit already, so the first request goes whatever it weighs (the disk's speed
+        stays measured); the later ones are checked."""
         began = self._driver.now_ms()
         handled: set[bytes] = set()
         outcomes: dict[bytes, str] = {}  # victim -> its outcome, once its request has answered
         pending: list[tuple[bytes, list[DemoteObject]]] = []
         objects_n = bytes_n = 0  # what `pending` names
+        sent = False
         # The first request before anything is asked (its listings take time too): at most
         # a request's bytes of what the records hold of these victims in this arena.
         held = sum(self._held[c][2].get(segment_id, 0) for c in chains if c in self._held)
-        if self._out_of_room(room_until_ms, min(held, DEMOTE_REQUEST_BYTES_MAX)):
+        if not judged and self._out_of_room(room_until_ms, min(held, DEMOTE_REQUEST_BYTES_MAX)):
             self._dropped_for_room(segment_id, chains, handled)
             return handled
         with contextlib.suppress(KvfError):  # else each lookup fails alone: its group cools down
@@ -850,12 +860,12 @@ class EvictionShell(GroupRecords):
                 self._demote_outcome(chain, "demoted", handled, segment_id)
                 continue
             if not demote_request_fits(len(pending), objects_n, bytes_n, len(objects), nbytes):
-                if self._out_of_room(room_until_ms, bytes_n):
+                if (sent or not judged) and self._out_of_room(room_until_ms, bytes_n):
                     self._dropped_for_room(segment_id, chains, handled)
                     return handled
                 if not await self._send_demotes(segment_id, pending, handled, outcomes, bytes_n):
                     return handled
-                pending, objects_n, bytes_n = [], 0, 0
+                pending, objects_n, bytes_n, sent = [], 0, 0, True
             # its head in an earlier request (answered by now), and not on disk after it
             if outcomes.get(self._parent.get(chain, b""), "demoted") not in DEMOTE_ON_DISK:
                 outcomes[chain] = "waits_for_head"
@@ -864,7 +874,7 @@ class EvictionShell(GroupRecords):
             pending.append((chain, objects))
             objects_n += len(objects)
             bytes_n += nbytes
-        if pending and self._out_of_room(room_until_ms, bytes_n):
+        if pending and (sent or not judged) and self._out_of_room(room_until_ms, bytes_n):
             self._dropped_for_room(segment_id, chains, handled)
             return handled
         if pending and not await self._send_demotes(segment_id, pending, handled, outcomes, bytes_n):
@@ -1230,6 +1240,7 @@ class EvictionShell(GroupRecords):
                 "admission_filter_bytes": self.admission_filter_bytes,
                 "groups_adopted_total": self.groups_adopted,
                 "adoptions_total": self.adoptions,
+                "events_stale_total": self.events_stale,
             },
         )
 
