@@ -172,3 +172,19 @@ def test_a_refused_victim_rearms_the_pool_against_its_lowered_target() -> None:
 def test_a_negative_horizon_is_refused() -> None:
     with pytest.raises(AssertionError, match="inflow_horizon_ms"):
         EvictionConfig(inflow_horizon_ms=-1)
+
+
+def test_how_long_a_pool_has_been_written_at_every_tick() -> None:
+    core = core_with(400)
+    writer = Writer(core)
+    core.tick(0)
+    assert core.writing_for_ms("p", 0) == 0
+    writer.write(10, 50)
+    core.tick(200)
+    assert core.writing_for_ms("p", 200) == 200  # since the tick before the one that saw it
+    writer.write(10, 250)
+    core.tick(400)
+    assert core.writing_for_ms("p", 500) == 500
+    core.tick(600)  # a tick without a new object ends the run
+    assert core.writing_for_ms("p", 600) == 0
+    assert core.writing_for_ms("absent", 600) == 0

@@ -318,10 +318,21 @@ def test_a_victim_forgotten_while_earlier_listings_are_in_flight_is_skipped(
 # ---- a writer faster than the disk (`_room_until_ms`, `dropped_for_room`) ----------------------
 
 
-def with_writer(sh: EvictionShell, bytes_per_s: float, free: int) -> None:
-    """The core measured a writer of `bytes_per_s` on s1, whose arena has `free` bytes left."""
+def with_writer(sh: EvictionShell, bytes_per_s: float, free: int, for_ms: int = 60_000) -> None:
+    """The core measured a writer of `bytes_per_s` on s1 at every tick for `for_ms`, whose arena
+    has `free` bytes left."""
     sh.core.inflow = lambda pool: bytes_per_s if pool == "s1" else 0.0  # type: ignore[method-assign]
+    sh.core.writing_for_ms = lambda pool, now_ms: for_ms if pool == "s1" else 0  # type: ignore[method-assign]
     sh._capacity["s1"] = sh.core.used_bytes("s1") + free
+
+
+def test_a_burst_shorter_than_the_sustained_time_is_all_demoted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of prompts saved at once and then no more (the power-cycle test's 160 saves):
+    the disk catches up once it ends, so nothing is dropped for room."""
+    sh, batch, directory, _ = setup(monkeypatch, groups=12, size=20 * MiB)
+    with_writer(sh, 1e9, 0, for_ms=shell.ROOM_WRITER_SUSTAINED_MS - 1)
+    asyncio.run(sh._evict(batch))
+    assert sh.demotions == {"demoted": 12} and directory.evicted == []
 
 
 def test_no_writer_every_victim_is_demoted(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -212,6 +212,12 @@ class EvictionCore(LeafRanking):
         usage = self._pools.get(pool)
         return usage.inflow if usage else 0.0
 
+    def writing_for_ms(self, pool: Hashable, now_ms: int) -> int:
+        """How long new objects have come to `pool` in every tick's measure (0: none in the last)."""
+        usage = self._pools.get(pool)
+        since = usage.writing_since_ms if usage else None
+        return 0 if since is None else max(0, now_ms - since)
+
     def margin_bytes(self, pool: Hashable) -> int:
         """How far below the configured ones `pool`'s watermarks are (its writers' headroom)."""
         usage = self._pools.get(pool)
@@ -424,6 +430,10 @@ class EvictionCore(LeafRanking):
                 usage.inflow = max(measured, usage.inflow * kept + measured * (1 - kept))
                 if usage.inflow < 1.0:  # a byte a second: what is left of a writer gone long ago
                     usage.inflow = 0.0
+                if not usage.inserted:
+                    usage.writing_since_ms = None
+                elif usage.writing_since_ms is None:
+                    usage.writing_since_ms = since
             usage.inserted = 0
 
     def _attach(self, object_id: ObjectId, obj: Tracked) -> None:

@@ -166,6 +166,10 @@ EVENTS_LINGER_S: Final = 0.05  # at the stream's end, events gather this long in
 INFLOW_EVENT_AGE_MAX_MS: Final = 1_000
 # An inflow below this is no writer the disk could lag behind (a decayed estimate of one gone).
 ROOM_WRITER_MIN_BYTES_PER_S: Final = 1 << 20
+# ... and one that has written at every tick for this long: a burst that ends sooner (a batch of
+# prompts) leaves the disk time to catch up, its victims are all demoted (as the power-cycle
+# test's 160 saves are).
+ROOM_WRITER_SUSTAINED_MS: Final = 2_000
 ROOM_MS_MAX: Final = 3_600_000
 RETRY_S: Final = 0.5
 ADOPT_PAGE_GROUPS: Final = 1_000  # groups per `list_groups` page when adopting a listing
@@ -762,8 +766,13 @@ class EvictionShell(GroupRecords):
         `demote_cut_for_room` is off."""
         inflow = self.core.inflow(pool)
         capacity = self._capacity.get(pool, 0)
-        if inflow < ROOM_WRITER_MIN_BYTES_PER_S or not capacity or not self.demote_cut_for_room:
-            return None  # (what is left of a writer gone long ago is none)
+        if (
+            inflow < ROOM_WRITER_MIN_BYTES_PER_S
+            or not capacity
+            or not self.demote_cut_for_room
+            or self.core.writing_for_ms(pool, self._driver.now_ms()) < ROOM_WRITER_SUSTAINED_MS
+        ):
+            return None  # no writer, or a burst the disk catches up with once it ends
         free = max(0, capacity - self.core.used_bytes(pool))
         return self._driver.now_ms() + int(min(free * 1000 / inflow, ROOM_MS_MAX))
 
