@@ -8,7 +8,13 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvfabric.core.eviction import INFLOW_HALF_LIFE_MS, EvictBatch, EvictionConfig, EvictionCore
+from kvfabric.core.eviction import (
+    INFLOW_HALF_LIFE_MS,
+    WRITER_GAP_MS,
+    EvictBatch,
+    EvictionConfig,
+    EvictionCore,
+)
 
 CAPACITY = 1_000
 
@@ -185,6 +191,8 @@ def test_how_long_a_pool_has_been_written_at_every_tick() -> None:
     writer.write(10, 250)
     core.tick(400)
     assert core.writing_for_ms("p", 500) == 500
-    core.tick(600)  # a tick without a new object ends the run
-    assert core.writing_for_ms("p", 600) == 0
+    core.tick(600)  # a tick without a new object: a gap, not yet an end
+    assert core.writing_for_ms("p", 600) == 600
+    core.tick(400 + WRITER_GAP_MS)  # nothing new for WRITER_GAP_MS: stopped
+    assert core.writing_for_ms("p", 400 + WRITER_GAP_MS) == 0
     assert core.writing_for_ms("absent", 600) == 0

@@ -330,9 +330,21 @@ def test_a_burst_shorter_than_the_sustained_time_is_all_demoted(monkeypatch: pyt
     """A batch of prompts saved at once and then no more (the power-cycle test's 160 saves):
     the disk catches up once it ends, so nothing is dropped for room."""
     sh, batch, directory, _ = setup(monkeypatch, groups=12, size=20 * MiB)
-    with_writer(sh, 1e9, 0, for_ms=shell.ROOM_WRITER_SUSTAINED_MS - 1)
+    # half full (below the danger line): the room lasts no time at the burst's rate, but it ends
+    with_writer(sh, 1e9, sh.core.used_bytes("s1"), for_ms=shell.ROOM_WRITER_SUSTAINED_MS - 1)
     asyncio.run(sh._evict(batch))
     assert sh.demotions == {"demoted": 12} and directory.evicted == []
+
+
+def test_an_arena_past_the_danger_line_with_a_writer_drops_whatever_the_writer_s_age(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Halfway from the high watermark (50 %) to full, a writer (however new) finds the arena
+    full before a demotion ends: the batch is dropped. Nobody writing, it is demoted."""
+    sh, batch, directory, _ = setup(monkeypatch, groups=12, size=20 * MiB)
+    with_writer(sh, 1e9, 0, for_ms=0)  # full: past 75 %
+    asyncio.run(sh._evict(batch))
+    assert sh.demotions == {"dropped_for_room": 12} and len(directory.evicted) == 12
 
 
 def test_no_writer_every_victim_is_demoted(monkeypatch: pytest.MonkeyPatch) -> None:

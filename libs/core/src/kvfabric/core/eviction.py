@@ -143,6 +143,9 @@ DROP_POOL_STEP_COST: Final = 16_384
 DROP_POOL_OBJECT_COST: Final = 15
 # How fast a pool's inflow estimate follows a rate lower than it (a higher one is taken at once).
 INFLOW_HALF_LIFE_MS: Final = 1_000
+# A writer that stored nothing this long has stopped (`writing_for_ms`); shorter gaps (its saves
+# refused while the pool was full, so no new object) do not end it.
+WRITER_GAP_MS: Final = 1_000
 QUEUE_POLICIES: Final[dict[str, type[Sieve] | type[S3Fifo] | type[WTinyLfu]]] = {
     "sieve": Sieve,
     "s3fifo": S3Fifo,
@@ -213,7 +216,7 @@ class EvictionCore(LeafRanking):
         return usage.inflow if usage else 0.0
 
     def writing_for_ms(self, pool: Hashable, now_ms: int) -> int:
-        """How long new objects have come to `pool` in every tick's measure (0: none in the last)."""
+        """How long new objects have come to `pool` with no gap of `WRITER_GAP_MS` (0: none)."""
         usage = self._pools.get(pool)
         since = usage.writing_since_ms if usage else None
         return 0 if since is None else max(0, now_ms - since)
@@ -430,10 +433,12 @@ class EvictionCore(LeafRanking):
                 usage.inflow = max(measured, usage.inflow * kept + measured * (1 - kept))
                 if usage.inflow < 1.0:  # a byte a second: what is left of a writer gone long ago
                     usage.inflow = 0.0
-                if not usage.inserted:
+                if usage.inserted:
+                    usage.inflow_seen_ms = now_ms
+                    if usage.writing_since_ms is None:
+                        usage.writing_since_ms = since
+                elif usage.inflow_seen_ms is None or now_ms - usage.inflow_seen_ms >= WRITER_GAP_MS:
                     usage.writing_since_ms = None
-                elif usage.writing_since_ms is None:
-                    usage.writing_since_ms = since
             usage.inserted = 0
 
     def _attach(self, object_id: ObjectId, obj: Tracked) -> None:

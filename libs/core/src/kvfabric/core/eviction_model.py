@@ -166,4 +166,5 @@ class PoolUsage:
     pressed: bool = False  # crossed the high watermark, not yet back to the low one
     inserted: int = 0  # bytes of new objects since the last tick that measured the inflow
     inflow: float = 0.0  # bytes a second new objects bring, as last measured (`EvictionCore.tick`)
-    writing_since_ms: int | None = None  # the first of the latest ticks in a row that saw inflow
+    writing_since_ms: int | None = None  # since when ticks saw inflow, no gap of WRITER_GAP_MS
+    inflow_seen_ms: int | None = None  # the latest tick that saw inflow

@@ -776,9 +776,24 @@ class EvictionShell(GroupRecords):
         free = max(0, capacity - self.core.used_bytes(pool))
         return self._driver.now_ms() + int(min(free * 1000 / inflow, ROOM_MS_MAX))
 
-    def _out_of_room(self, room_until_ms: int | None, next_request_bytes: int) -> bool:
+    def _arena_in_danger(self, pool: str) -> bool:
+        """Is a writer filling `pool`'s arena (the core's inflow), and is it (as the events
+        applied so far tell) past halfway from its high watermark to full? A demotion under way
+        is then too slow for that writer, however long it has written (`demote_cut_for_room`)."""
+        capacity = self._capacity.get(pool, 0)
+        if (
+            not capacity
+            or not self.demote_cut_for_room
+            or self.core.inflow(pool) < ROOM_WRITER_MIN_BYTES_PER_S
+        ):
+            return False  # nobody writes: a full arena waits for its demotions
+        return self.core.used_bytes(pool) >= capacity * (1 + self.core.config.high_watermark) / 2
+
+    def _out_of_room(self, room_until_ms: int | None, next_request_bytes: int, pool: str = "") -> bool:
         """Would a demote request of `next_request_bytes` end past `room_until_ms` (at the disk
-        speed the last requests had; at once before any)?"""
+        speed the last requests had; at once before any)? Or is `pool`'s arena in danger now?"""
+        if pool and self._arena_in_danger(pool):
+            return True
         if room_until_ms is None:
             return False
         takes_ms = next_request_bytes / self._demote_bytes_per_ms if self._demote_bytes_per_ms else 0.0
@@ -842,7 +857,7 @@ class EvictionShell(GroupRecords):
         # The first request before anything is asked (its listings take time too): at most
         # a request's bytes of what the records hold of these victims in this arena.
         held = sum(self._held[c][2].get(segment_id, 0) for c in chains if c in self._held)
-        if not judged and self._out_of_room(room_until_ms, min(held, DEMOTE_REQUEST_BYTES_MAX)):
+        if not judged and self._out_of_room(room_until_ms, min(held, DEMOTE_REQUEST_BYTES_MAX), segment_id):
             self._dropped_for_room(segment_id, chains, handled)
             return handled
         with contextlib.suppress(KvfError):  # else each lookup fails alone: its group cools down
@@ -869,7 +884,7 @@ class EvictionShell(GroupRecords):
                 self._demote_outcome(chain, "demoted", handled, segment_id)
                 continue
             if not demote_request_fits(len(pending), objects_n, bytes_n, len(objects), nbytes):
-                if (sent or not judged) and self._out_of_room(room_until_ms, bytes_n):
+                if (sent or not judged) and self._out_of_room(room_until_ms, bytes_n, segment_id):
                     self._dropped_for_room(segment_id, chains, handled)
                     return handled
                 if not await self._send_demotes(segment_id, pending, handled, outcomes, bytes_n):
@@ -883,7 +898,7 @@ class EvictionShell(GroupRecords):
             pending.append((chain, objects))
             objects_n += len(objects)
             bytes_n += nbytes
-        if pending and (sent or not judged) and self._out_of_room(room_until_ms, bytes_n):
+        if pending and (sent or not judged) and self._out_of_room(room_until_ms, bytes_n, segment_id):
             self._dropped_for_room(segment_id, chains, handled)
             return handled
         if pending and not await self._send_demotes(segment_id, pending, handled, outcomes, bytes_n):
