@@ -5,9 +5,13 @@ tier change) or an adopted group's own event (its bytes were there already)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
 from types import SimpleNamespace
 from typing import Any, cast
+
+import pytest
 
 from kvfabric.core.eviction import EvictionConfig, EvictionCore
 from kvfabric.eviction_policy.shell import INFLOW_EVENT_AGE_MAX_MS, EvictionShell, _fresh
@@ -66,3 +70,48 @@ def test_an_event_is_fresh_when_stored_moments_before() -> None:
     assert _fresh(msg(INFLOW_EVENT_AGE_MAX_MS - 50), now_ms)
     assert not _fresh(msg(INFLOW_EVENT_AGE_MAX_MS + 50), now_ms)
     assert not _fresh(cast(Any, SimpleNamespace()), now_ms)  # no stream metadata: not known fresh
+
+
+def test_the_follower_judges_each_event_by_when_the_stream_stored_it() -> None:
+    """A put_commit stored 5 s before the follower applies it (a backlog) is tracked but not
+    counted as inflow; one stored just now is (`_read_events` sets `_events_fresh` per event)."""
+    from kvfabric.proto.codec import encode
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def stored(seq: int, age_s: float, group: int) -> Any:
+        event = m.GroupsPublished(groups=[published(group, s1=100)])
+        meta = SimpleNamespace(
+            sequence=SimpleNamespace(stream=seq), timestamp=now - datetime.timedelta(seconds=age_s)
+        )
+        return SimpleNamespace(data=encode(event), metadata=meta)
+
+    class OneBatch:
+        def __init__(self) -> None:
+            self.given = False
+            self.done = asyncio.Event()
+
+        async def fetch(self, batch: int = 1, timeout: float | None = 5) -> list[Any]:  # noqa: ASYNC109
+            if self.given:
+                self.done.set()
+                await asyncio.sleep(3600)
+            self.given = True
+            return [stored(1, 5.0, 1), stored(2, 0.0, 2)]
+
+    async def run() -> tuple[EvictionShell, int]:
+        sh = shell()
+        started = sh._driver.now_ms()
+        sh.core.tick(started)  # the count from here (the follower applies at the wall clock)
+        sub = OneBatch()
+        follower = asyncio.create_task(sh._read_events(cast(Any, sub), end_seq=0))
+        await asyncio.wait_for(sub.done.wait(), 30)
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+        return sh, started
+
+    sh, started = asyncio.run(run())
+    assert sh.last_seq == 2 and sh.core.used_bytes("s1") == 200 and sh.events_stale == 1
+    ended = max(sh._driver.now_ms(), started + 1_000)
+    sh.core.tick(ended)
+    assert sh.core.inflow("s1") * (ended - started) / 1000 == pytest.approx(100)  # the fresh one only
