@@ -375,7 +375,7 @@ def test_what_the_disk_takes_before_the_room_runs_out_is_demoted_and_the_rest_dr
     """Requests of 3 x 20 MiB (the bytes bound) at a disk speed of 60 MiB per 100 ms; the room
     lasts 150 ms at the writer's rate: one request goes, the next would end past it."""
     sh, batch, directory, seg = setup(monkeypatch, groups=12, size=20 * MiB)
-    sh._demote_bytes_per_ms = 60 * MiB / 100
+    sh._demote_bytes_per_ms["s1"] = 60 * MiB / 100
     clock = [10_000]
     monkeypatch.setattr(sh._driver, "now_ms", lambda: clock[0])
     answer = seg.answer
@@ -410,7 +410,7 @@ def test_what_the_disk_cannot_take_in_half_the_room_left_is_dropped_before_any_d
     sh, batch, directory, seg = setup(monkeypatch, groups=12, size=20 * MiB)
     for key, held in list(sh._held.items()):
         sh._held[key] = (held[0], held[1], {"s1": 20 * MiB}, held[3])
-    sh._demote_bytes_per_ms = 60 * MiB / 100
+    sh._demote_bytes_per_ms["s1"] = 60 * MiB / 100
     clock = [10_000]
     monkeypatch.setattr(sh._driver, "now_ms", lambda: clock[0])
     steps: list[str] = []
@@ -463,7 +463,7 @@ def test_what_is_dropped_first_is_the_tails_of_what_is_demoted(monkeypatch: pyte
     sh, batch, directory, seg = chain_setup(monkeypatch)
     ids: dict[bytes, int] = {bytes(sh._group_ids[A + chain(i)]): i for i in range(1, 13)}
     held_as(sh, 20 * MiB)
-    sh._demote_bytes_per_ms = 60 * MiB / 100  # 60 MiB in half the room (200 ms) takes three
+    sh._demote_bytes_per_ms["s1"] = 60 * MiB / 100  # 60 MiB in half the room (200 ms) takes three
     monkeypatch.setattr(sh._driver, "now_ms", lambda: 10_000)
     with_writer(sh, 1e9, int(1e9 * 0.200))
     asyncio.run(sh._evict(batch))
@@ -478,7 +478,7 @@ def test_the_first_head_goes_to_disk_whatever_its_size(monkeypatch: pytest.Monke
     being measured: a writer never makes every batch drop whole."""
     sh, batch, _, seg = setup(monkeypatch, groups=4, size=20 * MiB)
     held_as(sh, 80 * MiB)
-    sh._demote_bytes_per_ms = 1.0  # a slow disk: 80 MiB would take minutes
+    sh._demote_bytes_per_ms["s1"] = 1.0  # a slow disk: 80 MiB would take minutes
     with_writer(sh, 1e9, int(1e9 * 10.0))
     asyncio.run(sh._evict(batch))
     assert len(seg.requests) == 1 and sh.demotions == {"demoted": 1, "dropped_for_room": 3}
@@ -487,11 +487,11 @@ def test_the_first_head_goes_to_disk_whatever_its_size(monkeypatch: pytest.Monke
 def test_before_the_disk_speed_is_known_nothing_is_dropped_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
     sh, batch, directory, _ = setup(monkeypatch, groups=12, size=20 * MiB)
     held_as(sh, 20 * MiB)
-    assert sh._demote_bytes_per_ms == 0
+    assert "s1" not in sh._demote_bytes_per_ms
     with_writer(sh, 1e9, int(1e9 * 10.0))  # room for 10 s: the requests go, and are timed
     asyncio.run(sh._evict(batch))
     assert sh.demotions == {"demoted": 12} and directory.evicted == []
-    assert sh._demote_bytes_per_ms > 0
+    assert sh._demote_bytes_per_ms["s1"] > 0 and set(sh._demote_bytes_per_ms) == {"s1"}  # its own disk
 
 
 def test_a_writer_long_gone_is_no_writer(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -254,7 +254,8 @@ class EvictionShell(GroupRecords):
         self._disk_pools: set[str] = set()  # `<segment>#ssd` pools holding or having held groups
         self._no_disk: set[str] = set()  # segments that answered "no disk tier"
         self.demotions: dict[str, int] = {}  # outcome -> groups (status, metrics)
-        self._demote_bytes_per_ms = 0.0  # the disk speed demote requests had (0: none yet)
+        # per segment, the disk speed its demote requests had (absent: none yet; each disk its own)
+        self._demote_bytes_per_ms: dict[str, float] = {}
         self.tick_ms = tick_ms
         self.segments_refresh_ms = segments_refresh_ms
         self.request_timeout_s = request_timeout_s
@@ -556,7 +557,7 @@ class EvictionShell(GroupRecords):
                 c for c in chains if demote_or_drop(self._hits.get(c, 0), self.demote_min_hits) == "demote"
             ]
             room_until_ms = self._room_until_ms(pool)
-            judged = room_until_ms is not None and bool(self._demote_bytes_per_ms)  # (`_split_for_room`)
+            judged = room_until_ms is not None and pool in self._demote_bytes_per_ms  # (`_split_for_room`)
             chosen, first = self._split_for_room(pool, chosen, room_until_ms)
             if first:  # a writer needs their room before the disk could take them: dropped now
                 self._dropped_for_room(pool, first, set())
@@ -578,11 +579,12 @@ class EvictionShell(GroupRecords):
         half the time left (at least the first), heads first; the rest (their tails, never an
         ancestor of one demoted) are dropped before the demotion starts, so the writer gets
         their room at once."""
-        if room_until_ms is None or not self._demote_bytes_per_ms:
+        speed = self._demote_bytes_per_ms.get(pool, 0.0)
+        if room_until_ms is None or not speed:
             return chosen, []  # no writer, or no speed known yet: `_demote_groups` cuts if need be
         ordered = heads_first(chosen, self._parent)
         left_ms = max(0, room_until_ms - self._driver.now_ms())
-        budget = left_ms * self._demote_bytes_per_ms / 2
+        budget = left_ms * speed / 2
         taken, keep = 0, 0
         for chain in ordered:
             nbytes = self._held[chain][2].get(pool, 0) if chain in self._held else 0
@@ -789,24 +791,25 @@ class EvictionShell(GroupRecords):
             return False  # nobody writes: a full arena waits for its demotions
         return self.core.used_bytes(pool) >= capacity * (1 + self.core.config.high_watermark) / 2
 
-    def _out_of_room(self, room_until_ms: int | None, next_request_bytes: int, pool: str = "") -> bool:
-        """Would a demote request of `next_request_bytes` end past `room_until_ms` (at the disk
-        speed the last requests had; at once before any)? Or is `pool`'s arena in danger now?"""
-        if pool and self._arena_in_danger(pool):
+    def _out_of_room(self, room_until_ms: int | None, next_request_bytes: int, pool: str) -> bool:
+        """Would a demote request of `next_request_bytes` end past `room_until_ms` (at the speed
+        `pool`'s earlier requests had; at once before any)? Or is `pool`'s arena in danger now?"""
+        if self._arena_in_danger(pool):
             return True
         if room_until_ms is None:
             return False
-        takes_ms = next_request_bytes / self._demote_bytes_per_ms if self._demote_bytes_per_ms else 0.0
+        speed = self._demote_bytes_per_ms.get(pool, 0.0)
+        takes_ms = next_request_bytes / speed if speed else 0.0
         return self._driver.now_ms() + takes_ms >= room_until_ms
 
-    def _demote_timed(self, nbytes: int, took_ms: int) -> None:
-        """A demote request of `nbytes` took `took_ms`: the disk speed `_out_of_room` expects
-        (each request weighs half)."""
+    def _demote_timed(self, segment_id: str, nbytes: int, took_ms: int) -> None:
+        """A demote request of `nbytes` to `segment_id` took `took_ms`: the speed `_out_of_room`
+        expects of that segment's disk (each request weighs half)."""
         if nbytes <= 0:
             return
         speed = nbytes / max(took_ms, 1)
-        known = self._demote_bytes_per_ms
-        self._demote_bytes_per_ms = speed if not known else (known + speed) / 2
+        known = self._demote_bytes_per_ms.get(segment_id)
+        self._demote_bytes_per_ms[segment_id] = speed if not known else (known + speed) / 2
 
     def _dropped_for_room(self, segment_id: str, chains: list[bytes], handled: set[bytes]) -> None:
         """The victims not dealt with yet are dropped, not demoted: the arena needs their room
@@ -822,7 +825,7 @@ class EvictionShell(GroupRecords):
             "demotion_cut",
             segment_id=segment_id,
             dropped=len(rest),
-            disk_mb_per_s=round(self._demote_bytes_per_ms / 1000, 1),
+            disk_mb_per_s=round(self._demote_bytes_per_ms.get(segment_id, 0.0) / 1000, 1),
             reason="writer faster than disk",
         )
 
@@ -1102,7 +1105,7 @@ class EvictionShell(GroupRecords):
         started = self._driver.now_ms()
         try:
             results = await self._demote_request(segment_id, [objects for _, objects in pending])
-            self._demote_timed(nbytes, self._driver.now_ms() - started)
+            self._demote_timed(segment_id, nbytes, self._driver.now_ms() - started)
         except Conflict:  # "this segment has no disk tier"
             self._no_disk.add(segment_id)
             self._log.info("demotion_off", segment_id=segment_id, reason="no disk tier")
