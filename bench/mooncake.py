@@ -140,13 +140,9 @@ def measure(
     if mode not in MODES or not 1 <= procs <= MAX_PROCS or timeout_s <= PEER_TIMEOUT_MARGIN_S:
         raise ValueError(f"mode={mode!r} procs={procs} timeout_s={timeout_s}")
     python = python or VENV / "bin" / "python"
-    if not python.exists():
-        return f"{python} is missing (run `make mooncake-setup`)"
-    if os.geteuid() != 0:
-        return "the peer runs in its own network namespace (unshare -n), which needs root"
-    for tool in ("unshare", "ip"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is not installed"
+    missing = _cannot_run(python)
+    if missing:
+        return missing
     with tempfile.TemporaryDirectory(prefix="mooncake-measure-") as tmp:
         out = Path(tmp) / "mooncake.json"
         args = peer_argv(
@@ -160,21 +156,9 @@ def measure(
             int(timeout_s) - PEER_TIMEOUT_MARGIN_S,
         )
         parse_args(args)  # the peer would refuse them too (SystemExit): fail here, before any process
-        inner = shlex.join([str(python), str(PEER), *args])
-        argv = ["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {inner}"]
-        proc = subprocess.Popen(
-            argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            stdout, stderr = _kill_group(proc)
-            return f"Mooncake peer timed out after {timeout_s:.0f} s: {_reason(stderr)}"
-        except BaseException:  # interrupted (Ctrl-C, SIGTERM turned into an exception): no orphans
-            _kill_group(proc)
-            raise
-        if proc.returncode != 0:
-            return f"Mooncake peer exited with {proc.returncode}: {_reason(stderr) or stdout[-REASON_CHARS:]}"
+        stdout, failed = _run_in_netns(python, PEER, args, timeout_s, "Mooncake peer")
+        if failed:
+            return failed
         try:
             result: dict[str, Any] = json.loads(out.read_text())
         except (OSError, ValueError) as e:
@@ -188,11 +172,38 @@ def measure_fill(
     """Run `bench/mooncake_fill.py` with `args` in its own network namespace (as `measure`): its JSON,
     or why there is none (never raises for an operating error)."""
     python = python or VENV / "bin" / "python"
+    missing = _cannot_run(python)
+    if missing:
+        return missing
+    stdout, failed = _run_in_netns(python, FILL, args, timeout_s, "Mooncake fill")
+    if failed:
+        return failed
+    try:
+        result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError) as e:
+        return f"Mooncake fill printed no JSON ({e}): {stdout[-REASON_CHARS:]}"
+    return result
+
+
+def _cannot_run(python: Path) -> str | None:
+    """Why a peer script cannot run here (None: it can)."""
     if not python.exists():
         return f"{python} is missing (run `make mooncake-setup`)"
     if os.geteuid() != 0:
         return "the peer runs in its own network namespace (unshare -n), which needs root"
-    inner = shlex.join([str(python), str(FILL), *args])
+    for tool in ("unshare", "ip"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed"
+    return None
+
+
+def _run_in_netns(
+    python: Path, script: Path, args: Sequence[str], timeout_s: float, what: str
+) -> tuple[str, str | None]:
+    """`script` with `args` in a fresh network namespace holding only `lo` (every Mooncake
+    transfer engine listens on 0.0.0.0 and [::]): (its stdout, None), or (what it printed, why it
+    failed); killed as a group on timeout or interruption, so no orphan stays."""
+    inner = shlex.join([str(python), str(script), *args])
     argv = ["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {inner}"]
     proc = subprocess.Popen(
         argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -201,17 +212,13 @@ def measure_fill(
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         stdout, stderr = _kill_group(proc)
-        return f"Mooncake fill timed out after {timeout_s:.0f} s: {_reason(stderr)}"
-    except BaseException:
+        return stdout, f"{what} timed out after {timeout_s:.0f} s: {_reason(stderr)}"
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM turned into an exception): no orphans
         _kill_group(proc)
         raise
     if proc.returncode != 0:
-        return f"Mooncake fill exited with {proc.returncode}: {_reason(stderr) or stdout[-REASON_CHARS:]}"
-    try:
-        result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError) as e:
-        return f"Mooncake fill printed no JSON ({e}): {stdout[-REASON_CHARS:]}"
-    return result
+        return stdout, f"{what} exited with {proc.returncode}: {_reason(stderr) or stdout[-REASON_CHARS:]}"
+    return stdout, None
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> tuple[str, str]:

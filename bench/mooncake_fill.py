@@ -40,9 +40,8 @@ from bench.mooncake_peer import (
     LOCAL_BUFFER_SLACK_BYTES,
     METADATA_SERVER,
     PROTOCOL,
-    free_port,
     mooncake_version,
-    service,
+    start_store,
 )
 
 GiB: Final = 1 << 30
@@ -138,45 +137,9 @@ def fill(args: argparse.Namespace, master_address: str) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    bindir = Path(sys.executable).parent
-    master_port, metrics_port, store_port, store_http_port = (free_port() for _ in range(4))
-    master_address = f"{HOST}:{master_port}"
     with contextlib.ExitStack() as stack:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mooncake-fill-")))
-        stack.enter_context(
-            service(
-                [
-                    str(bindir / "mooncake_master"),
-                    f"-rpc_address={HOST}",
-                    f"-rpc_port={master_port}",
-                    f"-metrics_host={HOST}",
-                    f"-metrics_port={metrics_port}",
-                    "-logtostderr",
-                ],
-                logs / "master.log",
-                master_port,
-                "mooncake_master",
-            )
-        )
-        if args.mode == "remote":
-            stack.enter_context(
-                service(
-                    [
-                        str(bindir / "mooncake_client"),
-                        f"-host={HOST}",
-                        f"-port={store_port}",
-                        f"-http_port={store_http_port}",
-                        f"-metadata_server={METADATA_SERVER}",
-                        f"-master_server_address={master_address}",
-                        f"-global_segment_size={args.segment_bytes}",
-                        f"-protocol={PROTOCOL}",
-                        "-logtostderr",
-                    ],
-                    logs / "store.log",
-                    store_port,
-                    "mooncake_client (store)",
-                )
-            )
+        master_address = start_store(stack, logs, args.segment_bytes if args.mode == "remote" else 0)
         print(json.dumps(fill(args, master_address)))
     return 0
 

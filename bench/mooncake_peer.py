@@ -407,10 +407,53 @@ def mooncake_version() -> str:
     return "unknown"
 
 
+def start_store(stack: contextlib.ExitStack, logs: Path, store_segment_bytes: int) -> str:
+    """`mooncake_master` (127.0.0.1, free ports, P2P handshake metadata) and, with
+    `store_segment_bytes` > 0, a `mooncake_client` store process holding a segment of that size,
+    each stopped when `stack` closes; the master's address."""
+    bindir = Path(sys.executable).parent
+    master_port, metrics_port, store_port, store_http_port = (free_port() for _ in range(4))
+    master_address = f"{HOST}:{master_port}"
+    stack.enter_context(
+        service(
+            [
+                str(bindir / "mooncake_master"),
+                f"-rpc_address={HOST}",
+                f"-rpc_port={master_port}",
+                f"-metrics_host={HOST}",
+                f"-metrics_port={metrics_port}",
+                "-logtostderr",
+            ],
+            logs / "master.log",
+            master_port,
+            "mooncake_master",
+        )
+    )
+    if store_segment_bytes > 0:
+        stack.enter_context(
+            service(
+                [
+                    str(bindir / "mooncake_client"),
+                    f"-host={HOST}",
+                    f"-port={store_port}",
+                    f"-http_port={store_http_port}",
+                    f"-metadata_server={METADATA_SERVER}",
+                    f"-master_server_address={master_address}",
+                    f"-global_segment_size={store_segment_bytes}",
+                    f"-protocol={PROTOCOL}",
+                    "-logtostderr",
+                ],
+                logs / "store.log",
+                store_port,
+                "mooncake_client (store)",
+            )
+        )
+    return master_address
+
+
 def run(args: PeerArgs, timeout_s: float) -> dict[str, Any]:
     started = time.monotonic()
     deadline = started + timeout_s
-    bindir = Path(sys.executable).parent
     max_prompt_bytes = args.objects * max(args.sizes)
     per_proc_set = max(
         plan(s, args.objects, args.procs, args.working_set_bytes) * args.objects * s for s in args.sizes
@@ -418,45 +461,10 @@ def run(args: PeerArgs, timeout_s: float) -> dict[str, Any]:
     store_segment_bytes = max(STORE_SEGMENT_MIN_BYTES, 2 * args.procs * per_proc_set)
     client_segment_bytes = 0 if args.mode == "remote" else 2 * per_proc_set + max_prompt_bytes
     local_buffer_bytes = max_prompt_bytes + LOCAL_BUFFER_SLACK_BYTES  # put_batch/get_batch stage through it
-    master_port, metrics_port, store_port, store_http_port = (free_port() for _ in range(4))
-    master_address = f"{HOST}:{master_port}"
     messages: list[tuple[Any, ...]] = []
     with contextlib.ExitStack() as stack:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mooncake-peer-")))
-        stack.enter_context(
-            service(
-                [
-                    str(bindir / "mooncake_master"),
-                    f"-rpc_address={HOST}",
-                    f"-rpc_port={master_port}",
-                    f"-metrics_host={HOST}",
-                    f"-metrics_port={metrics_port}",
-                    "-logtostderr",
-                ],
-                logs / "master.log",
-                master_port,
-                "mooncake_master",
-            )
-        )
-        if args.mode == "remote":
-            stack.enter_context(
-                service(
-                    [
-                        str(bindir / "mooncake_client"),
-                        f"-host={HOST}",
-                        f"-port={store_port}",
-                        f"-http_port={store_http_port}",
-                        f"-metadata_server={METADATA_SERVER}",
-                        f"-master_server_address={master_address}",
-                        f"-global_segment_size={store_segment_bytes}",
-                        f"-protocol={PROTOCOL}",
-                        "-logtostderr",
-                    ],
-                    logs / "store.log",
-                    store_port,
-                    "mooncake_client (store)",
-                )
-            )
+        master_address = start_store(stack, logs, store_segment_bytes if args.mode == "remote" else 0)
         configs = [
             WorkerConfig(i, args, master_address, client_segment_bytes, local_buffer_bytes)
             for i in range(args.procs)
