@@ -16,7 +16,7 @@ import pytest
 from kvfabric.client.transfers import SegmentPool
 from kvfabric.core.segment_slots import SlotTable
 from kvfabric.dataplane.shm import ShmReader
-from kvfabric.dataplane.staging import STAGING_HEADER_BYTES, StagingFile, StagingFiles
+from kvfabric.dataplane.staging import STAGING_HEADER_BYTES, StagingFile, StagingFiles, _Held
 from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import BadRequest, ChecksumMismatch, KvfError, Unauthorized
@@ -97,8 +97,9 @@ def test_a_co_located_write_goes_through_the_staging_file_and_reads_back(segment
         pool.close()
 
 
-def test_a_staging_file_is_the_writers_own() -> None:
-    staging = StagingFile("/dev/shm", 4096)
+@pytest.mark.parametrize("memfd", [True, False])
+def test_a_staging_file_is_the_writers_own(memfd: bool) -> None:
+    staging = StagingFile("/dev/shm", 4096, memfd=memfd)
     try:
         info = os.stat(staging.path)
         assert info.st_mode & 0o777 == 0o600 and info.st_uid == os.getuid()
@@ -151,8 +152,8 @@ def test_files_the_segment_must_not_read_are_refused(
     segment: Segment, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     elsewhere = tmp_path_factory.mktemp("elsewhere")
-    outside = StagingFile(str(elsewhere), 4096)
-    mine = StagingFile(str(segment.dir), 4096)
+    outside = StagingFile(str(elsewhere), 4096, memfd=False)
+    mine = StagingFile(str(segment.dir), 4096, memfd=False)
     link = segment.dir / ("kvf-stage-" + "ab" * 16)
     os.symlink(mine.path, link)
     try:
@@ -173,17 +174,48 @@ def test_files_the_segment_must_not_read_are_refused(
         mine.close()
 
 
-def test_a_segment_that_refuses_staging_gets_the_bytes_sent(segment: Segment) -> None:
-    """The segment offers staged puts but cannot read the client's staging files (another user,
-    say: here it looks in another folder): the write is sent instead, and that segment's writes
-    are not staged again."""
-    segment.server._staging = StagingFiles(str(segment.dir / "not-here"))
+class NoMemfds(StagingFiles):
+    """A segment that cannot open its writers' `/proc` links (another pid namespace sharing the
+    arena's folder, say), as an older segment refuses a memfd's path."""
+
+    def _open_memfd(self, staged: StagedBytes) -> _Held:
+        raise BadRequest("not beside the arena", staging=True)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_segment_that_refuses_memfds_reads_files_beside_the_arena(segment: Segment, streamed: bool) -> None:
+    """A refused memfd: that write is sent, the next ones are staged in a file beside the arena
+    (`write` one at a time, or a stream of them, `write_many`)."""
+    segment.server._staging = NoMemfds(str(segment.dir))
     pool = SegmentPool(connections_per_segment_max=2, timeout_s=5.0, use_shm=True)
     try:
-        for key in (b"a", b"b"):
+        for round_ in range(3):
+            blobs = [os.urandom(5000) for _ in range(2)]
+            tickets = [segment.ticket(data, key=b"%d-%d" % (round_, i)) for i, data in enumerate(blobs)]
+            if streamed:
+                writes = [(t, memoryview(d), "", 0) for t, d in zip(tickets, blobs, strict=True)]
+                assert [code for code, _ in pool.write_many(writes)] == ["ok", "ok"]
+            else:
+                for ticket, data in zip(tickets, blobs, strict=True):
+                    assert pool.store(ticket, memoryview(data)) == "ok"
+        assert pool._memfd_refused == {segment.server.address} and not pool._staging_refused
+        assert pool.staged_puts == (4 if streamed else 5)  # all but the first round / first write
+    finally:
+        pool.close()
+
+
+def test_a_segment_that_refuses_staging_gets_the_bytes_sent(segment: Segment) -> None:
+    """The segment offers staged puts but can read neither kind of the client's staging files
+    (another user, say: here it refuses memfds and looks in another folder): the writes are
+    sent instead, and that segment's writes are not staged again."""
+    segment.server._staging = NoMemfds(str(segment.dir / "not-here"))
+    pool = SegmentPool(connections_per_segment_max=2, timeout_s=5.0, use_shm=True)
+    try:
+        for key in (b"a", b"b", b"c"):
             data = os.urandom(5000)
             assert pool.store(segment.ticket(data, key=key), memoryview(data)) == "ok"
-        assert pool.staged_puts == 0 and pool._staging_refused == {segment.server.address}
+        assert pool.staged_puts == 0
+        assert pool._memfd_refused == pool._staging_refused == {segment.server.address}
     finally:
         pool.close()
 

@@ -129,6 +129,7 @@ class SegmentPool:
         self._lock = threading.Lock()
         self._closed = False
         self._staging_refused: set[str] = set()  # data addresses that cannot read our staging files
+        self._memfd_refused: set[str] = set()  # ... nor our staging memfds (they read files beside the arena)
         self.staged_puts = 0  # writes that went through a staging file (tests, benchmarks)
         self.local_reads_now = 0  # objects read by `fetch_local_now` (tests, benchmarks)
 
@@ -464,7 +465,8 @@ class SegmentPool:
 
         To a co-located segment that takes staged puts (its MapReply), the bytes go through the
         connection's staging file (`kvfabric.dataplane.staging`: one copy here, one into the slot
-        there, no socket); a segment that refuses the staging file (it cannot open it: another
+        there, no socket): a sealed memfd first, a file beside the arena once the segment refused
+        a memfd (`_refused_staging`). A segment that refuses the file (it cannot open it: another
         user, another host's /dev/shm) gets the bytes sent, now and from then on."""
         try:
             # The pool loads use too (one idle pool per segment): a PUT only needs its TCP half.
@@ -488,7 +490,7 @@ class SegmentPool:
                     except KvfError as exc:
                         if not exc.details.get("staging"):
                             raise
-                        self._staging_refused.add(ticket.data_addr)
+                        self._refused_staging(conn, ticket.data_addr)
                 if reply is None:
                     reply = conn.tcp.put(
                         ticket, data, trace_id=trace_id, save_writes=save_writes, receipt=receipt
@@ -551,26 +553,36 @@ class SegmentPool:
         if landed and conn.staging is not None:
             conn.staging.unlink()  # the segment holds it open now
         if refused:
-            self._staging_refused.add(writes[0][0].data_addr)
+            self._refused_staging(conn, writes[0][0].data_addr)
             again = conn.tcp.put_many([writes[i] for i in refused], receipt=receipt)
             for i, reply in zip(refused, again, strict=True):
                 replies[i] = reply
         return replies
 
+    def _refused_staging(self, conn: _Connection, data_addr: str) -> None:
+        """The segment at `data_addr` refused `conn`'s staging file: a memfd one (it cannot open
+        our `/proc` links: another pid namespace or user, an older segment) makes its writes go
+        through a file beside the arena from now on; a refused file beside the arena, sent."""
+        if conn.staging is not None and conn.staging.memfd:
+            self._memfd_refused.add(data_addr)
+        else:
+            self._staging_refused.add(data_addr)
+
     def _staging_file(
         self, conn: _Connection, arena_dir: str, data_addr: str, size: int
     ) -> StagingFile | None:
-        """`conn`'s staging file, made (or remade larger) to hold `size` bytes; None when it
-        cannot be made (`data_addr` is then remembered as refusing staged puts: its writes are
-        sent)."""
-        if conn.staging is None or conn.staging.data_bytes < size:
+        """`conn`'s staging file, made (or remade larger, or of the other kind) to hold `size`
+        bytes; None when it cannot be made (`data_addr` is then remembered as refusing staged
+        puts: its writes are sent)."""
+        memfd = data_addr not in self._memfd_refused
+        if conn.staging is None or conn.staging.data_bytes < size or conn.staging.memfd != memfd:
             if conn.staging is not None:
                 conn.staging.close()
                 conn.staging = None
             try:
-                conn.staging = StagingFile(arena_dir, max(size, STAGING_FILE_BYTES_MIN))
-            except (KvfError, OSError):
-                self._staging_refused.add(data_addr)
+                conn.staging = StagingFile(arena_dir, max(size, STAGING_FILE_BYTES_MIN), memfd=memfd)
+            except (KvfError, OSError):  # none made: as if the segment had refused that kind
+                (self._memfd_refused if memfd else self._staging_refused).add(data_addr)
                 return None
         return conn.staging
 
