@@ -3,7 +3,8 @@ per save, over N sync `KvClient.save` calls of 8 objects against a local cluster
 
 Starts `bench.client.local_cluster` (one segment, eviction policy, repair, prefetch), builds one
 `KvClient` as the demo tenant (remote: TCP, or `--shm`: co-located), saves `--saves` fresh prompts
-of `--objects` × `--size` back to back and reports, per process of the cluster and for this one,
+of `--objects` × `--size` (from the client's save memory with `--save-memory`) back to back and
+reports, per process of the cluster and for this one,
 the CPU it spent per save (`/proc/<pid>/stat` user + system before and after) and the save's p50 /
 p90 wall time. `--cprofile FILE` profiles this process's event loop thread (cProfile of the
 saves; the save threads are not in it). `--cprofile-service MODULE` profiles the event loop
@@ -150,6 +151,9 @@ def main() -> int:
     parser.add_argument("--objects", type=int, default=8, help="objects (chunks) per save")
     parser.add_argument("--saves", type=int, default=200)
     parser.add_argument("--shm", action="store_true", help="co-located client (use_shm=True)")
+    parser.add_argument(
+        "--save-memory", action="store_true", help="save from the client's save memory (KvClient.save_memory)"
+    )
     parser.add_argument("--ssd-bytes", type=int, default=0, help="a disk tier of this size under the segment")
     parser.add_argument("--cprofile", default="", help="write the loop thread's cProfile here")
     parser.add_argument("--cprofile-service", default="", help="cluster module to cProfile")
@@ -184,6 +188,10 @@ def main() -> int:
             raise RuntimeError("the client could not reach the cluster")
         rng = np.random.default_rng(7)
         pool = rng.integers(0, 255, args.size * args.objects * 4, dtype=np.uint8)
+        if args.save_memory:  # the engine gathers its KV into the client's save memory
+            memory = client.save_memory(pool.nbytes)
+            memory.view[:] = pool.data
+            pool = np.frombuffer(memory.view, np.uint8)
         tokens_per_chunk = spec.layout.tokens_per_chunk
 
         def prompt(i: int) -> tuple[list[int], list[list[memoryview]]]:
@@ -257,9 +265,10 @@ def main() -> int:
             prof.dump_stats(args.cprofile)
     walls.sort()
     offered = args.saves * args.objects * args.size
+    where = ("co-located" if args.shm else "remote") + (", save memory" if args.save_memory else "")
     stored = (args.saves * args.objects - failed) * args.size  # a failed chunk moved no bytes
     print(
-        f"{args.saves} saves of {args.objects} x {args.size} B ({'co-located' if args.shm else 'remote'}): "
+        f"{args.saves} saves of {args.objects} x {args.size} B ({where}): "
         f"{elapsed:.2f} s, {offered / elapsed / 1e9:.3f} GB/s offered, {stored / elapsed / 1e9:.3f} stored, "
         f"p50 {statistics.median(walls) * 1e3:.2f} ms, "
         f"p90 {walls[int(0.9 * len(walls))] * 1e3:.2f} ms, chunks failed {failed}; "
@@ -283,6 +292,7 @@ def main() -> int:
             "objects": args.objects,
             "size": args.size,
             "shm": args.shm,
+            "save_memory": args.save_memory,
             "p50_ms": statistics.median(walls) * 1e3,
             "p90_ms": walls[int(0.9 * len(walls))] * 1e3,
             "cpu_ms_per_save": {n: (after[n] - before[n]) / args.saves * 1e3 for n in pids},

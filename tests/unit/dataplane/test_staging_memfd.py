@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvfabric.dataplane.staging import (
+    FILES_PER_CONNECTION_MAX,
     STAGING_BYTES_MAX,
     STAGING_HEADER_BYTES,
     STAGING_MAGIC,
@@ -86,7 +87,7 @@ def refused(files: StagingFiles, staged: StagedBytes, size: int = 10) -> KvfErro
     with pytest.raises(KvfError) as caught:
         files.read_into(CONN, staged, memoryview(bytearray(size)))
     assert caught.value.details.get("staging") is True
-    assert CONN not in files._files  # nothing kept open
+    assert not files._files.get(CONN)  # nothing kept open
     return caught.value
 
 
@@ -162,7 +163,7 @@ def test_the_mapping_goes_with_the_connection(files: StagingFiles) -> None:
     staging = StagingFile("/dev/shm", 8192)
     try:
         files.read_into(CONN, staging.stage(memoryview(b"y" * 10)), memoryview(bytearray(10)))
-        held = files._files[CONN]
+        (held,) = files._files[CONN].values()
         mapping = held.mapping
         assert isinstance(mapping, mmap.mmap)
         files.close(CONN)
@@ -211,3 +212,24 @@ def test_a_link_swapped_after_its_check_is_refused(
         assert isinstance(refused(files, staged), BadRequest)
     finally:
         os.close(fd)
+
+
+def test_a_connection_holds_a_bounded_number_of_files(files: StagingFiles) -> None:
+    """Save memory and the connection's own file are each opened once and kept; past the bound
+    the least recently used is closed (and opened again when named again)."""
+    stagings = [StagingFile("/dev/shm", 8192) for _ in range(FILES_PER_CONNECTION_MAX + 1)]
+    try:
+        for round_ in range(2):
+            for i, staging in enumerate(stagings[:FILES_PER_CONNECTION_MAX]):
+                data = bytes([round_, i]) * 50
+                got = files.read_into(CONN, staging.stage(memoryview(data)), memoryview(bytearray(100)))
+                assert got == checksum(data)
+        held = files._files[CONN]
+        first = held[stagings[0].path]
+        assert list(held) == [s.path for s in stagings[:FILES_PER_CONNECTION_MAX]]  # opened once each
+        files.read_into(CONN, stagings[-1].stage(memoryview(b"z" * 10)), memoryview(bytearray(10)))
+        assert len(held) == FILES_PER_CONNECTION_MAX and stagings[0].path not in held
+        assert first.mapping is not None and first.mapping.closed
+    finally:
+        for staging in stagings:
+            staging.close()

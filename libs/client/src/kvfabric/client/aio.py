@@ -49,6 +49,7 @@ from kvfabric.client.aio_saves import (
 )
 from kvfabric.client.connect import open_nats
 from kvfabric.client.metrics import ClientMetrics
+from kvfabric.client.save_memory import SaveMemory
 from kvfabric.client.settings import ClientSettings
 from kvfabric.client.suspects import REPORT_TIMEOUT_S, SuspectReporter
 from kvfabric.client.threads import thread_placement
@@ -166,6 +167,14 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
         self._giving_back: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
+
+    def save_memory(self, nbytes: int) -> SaveMemory:
+        """`nbytes` of memory (`SaveMemory.view`, writable) for the engine to gather KV into
+        before it saves it: a co-located segment reads an object saved from it straight out of
+        it (no copy into a staging file here; `kvfabric.client.save_memory`); anywhere else it
+        is saved as any memory is. The engine owns it (`close`), at most `SAVE_MEMORY_MAX` open;
+        `bad_request` past either bound or for a size outside 1..1 GiB."""
+        return self.pool.save_memory.allocate(nbytes)
 
     async def start(self) -> None:
         """Connect to NATS and check access, within `connect_timeout_ms` (`kvfabric.client.connect`):

@@ -28,6 +28,7 @@ from typing import Any, Final, TypeVar
 from kvfabric.client.aio import AsyncKvClient, Destination, EngineSpec, Source
 from kvfabric.client.hits import Hit, LoadResult, SaveResult
 from kvfabric.client.metrics import ClientMetrics
+from kvfabric.client.save_memory import SaveMemory
 from kvfabric.client.settings import ClientSettings
 from kvfabric.client.threads import thread_placement
 from kvfabric.core.client_loads import DestId
@@ -311,6 +312,10 @@ class KvClient:
         if future is None:
             return SaveResult(chunks_failed=len(objects), causes={"closed": len(objects)})
         return future.result(self.settings.save_timeout_ms / 1000 * 3 + _GRACE_S)
+
+    def save_memory(self, nbytes: int) -> SaveMemory:
+        """Memory for the engine to gather KV into before it saves it (`AsyncKvClient.save_memory`)."""
+        return self.aio.save_memory(nbytes)
 
     def release(self, hit: Hit) -> None:
         """Release the hit's lease without waiting: gathered with other hits' on the loop

@@ -39,11 +39,13 @@ from kvfabric.client.attempts import (
     AttemptWatchdog,
     attempt_budget_s,
 )
+from kvfabric.client.save_memory import SaveMemoryRegistry
 from kvfabric.dataplane.scatter import GateClosed, ScatterDest
 from kvfabric.dataplane.shm import ShmReader
-from kvfabric.dataplane.staging import StagingFile
+from kvfabric.dataplane.staging import MEMFD_PATH, StagingFile
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.errors import KvfError
+from kvfabric.format.invariant import unreachable
 from kvfabric.proto.dataplane import ObjectResult, PutReply, ReadRef, StagedBytes
 from kvfabric.proto.directory import ObjectLocation, Replica, WriteReceipt, WriteTicket
 from kvfabric.proto.segment import tier_of_slot
@@ -131,6 +133,10 @@ class SegmentPool:
         self._staging_refused: set[str] = set()  # data addresses that cannot read our staging files
         self._memfd_refused: set[str] = set()  # ... nor our staging memfds (they read files beside the arena)
         self.staged_puts = 0  # writes that went through a staging file (tests, benchmarks)
+        # The engine's save memory (`kvfabric.client.save_memory`): writes from it are staged by
+        # reference, not copied, to a segment that maps memfds.
+        self.save_memory = SaveMemoryRegistry()
+        self.save_memory_puts = 0  # writes staged by reference to save memory (tests, benchmarks)
         self.local_reads_now = 0  # objects read by `fetch_local_now` (tests, benchmarks)
 
     def close(self) -> None:
@@ -141,6 +147,7 @@ class SegmentPool:
         for conns in idle.values():
             for conn in conns:
                 conn.close()
+        self.save_memory.close()
 
     def _shm_ok(self, segment_id: str) -> bool:
         return self.use_shm and (not self.local_segments or segment_id in self.local_segments)
@@ -484,13 +491,11 @@ class SegmentPool:
                             staged=staged,
                             receipt=receipt,
                         )
-                        self.staged_puts += 1
-                        if conn.staging is not None:
-                            conn.staging.unlink()  # the segment holds it open now
+                        self._staged_landed(conn, [staged])
                     except KvfError as exc:
                         if not exc.details.get("staging"):
                             raise
-                        self._refused_staging(conn, ticket.data_addr)
+                        self._refused_staging(ticket.data_addr, staged)
                 if reply is None:
                     reply = conn.tcp.put(
                         ticket, data, trace_id=trace_id, save_writes=save_writes, receipt=receipt
@@ -548,22 +553,31 @@ class SegmentPool:
             return conn.tcp.put_many(writes, receipt=receipt)
         replies = conn.tcp.put_many(writes, receipt=receipt, staged=staged)
         refused = [i for i, r in enumerate(replies) if isinstance(r, KvfError) and r.details.get("staging")]
-        landed = len(replies) - len(refused)
-        self.staged_puts += sum(1 for r in replies if not isinstance(r, KvfError))
-        if landed and conn.staging is not None:
-            conn.staging.unlink()  # the segment holds it open now
+        self._staged_landed(
+            conn, [s for s, r in zip(staged, replies, strict=True) if not isinstance(r, KvfError)]
+        )
         if refused:
-            self._refused_staging(conn, writes[0][0].data_addr)
+            self._refused_staging(writes[0][0].data_addr, staged[refused[0]])
             again = conn.tcp.put_many([writes[i] for i in refused], receipt=receipt)
             for i, reply in zip(refused, again, strict=True):
                 replies[i] = reply
         return replies
 
-    def _refused_staging(self, conn: _Connection, data_addr: str) -> None:
-        """The segment at `data_addr` refused `conn`'s staging file: a memfd one (it cannot open
-        our `/proc` links: another pid namespace or user, an older segment) makes its writes go
-        through a file beside the arena from now on; a refused file beside the arena, sent."""
-        if conn.staging is not None and conn.staging.memfd:
+    def _staged_landed(self, conn: _Connection, landed: Sequence[StagedBytes]) -> None:
+        """Count staged writes the segment took, those by reference to save memory apart; the
+        connection's file beside the arena loses its name (the segment holds it open now)."""
+        own = conn.staging.path if conn.staging is not None else None
+        self.staged_puts += len(landed)
+        self.save_memory_puts += sum(1 for s in landed if s.path != own)
+        if landed and conn.staging is not None:
+            conn.staging.unlink()
+
+    def _refused_staging(self, data_addr: str, refused: StagedBytes) -> None:
+        """The segment at `data_addr` refused a staged write: a memfd (the connection's, or save
+        memory: it cannot open our `/proc` links, another pid namespace or user, or it is older
+        than memfds) makes its writes go through a file beside the arena from now on; a refused
+        file beside the arena, sent."""
+        if MEMFD_PATH.match(refused.path):
             self._memfd_refused.add(data_addr)
         else:
             self._staging_refused.add(data_addr)
@@ -589,46 +603,43 @@ class SegmentPool:
     def _stage_many(
         self, conn: _Connection, writes: Sequence[tuple[WriteTicket, memoryview, str, int]]
     ) -> list[StagedBytes] | None:
-        """Every write's bytes copied into `conn`'s staging file, one after another (the file made,
-        or remade larger, on demand), or None when they are sent instead (as `_stage` decides,
-        for any of them)."""
+        """Every write's bytes staged: by reference where they lie in save memory (and the segment
+        maps memfds), the others copied into `conn`'s staging file one after another (the file
+        made, or remade larger, on demand); or None when they are all sent instead (not
+        co-located, a segment without staged puts or that refused them, copies over
+        `STAGED_PUT_BYTES_MAX`)."""
         shm = conn.shm
-        sizes = [len(data) for _, data, _, _ in writes]
-        total = sum(sizes)
+        data_addr = writes[0][0].data_addr
         if (
             shm is None
             or not shm.staged_puts
             or any(t.incarnation != shm.incarnation for t, *_ in writes)
-            or max(sizes) > STAGED_PUT_BYTES_MAX
-            or total > STAGED_PUT_BYTES_MAX
-            or writes[0][0].data_addr in self._staging_refused
+            or data_addr in self._staging_refused
         ):
             return None
-        staging = self._staging_file(conn, shm.arena_dir, writes[0][0].data_addr, total)
-        if staging is None:
-            return None
+        by_reference = data_addr not in self._memfd_refused
+        refs = [self.save_memory.staged(data) if by_reference else None for _, data, _, _ in writes]
+        copied = [len(data) for (_, data, _, _), ref in zip(writes, refs, strict=True) if ref is None]
+        staging = None
+        if copied:
+            if max(copied) > STAGED_PUT_BYTES_MAX or sum(copied) > STAGED_PUT_BYTES_MAX:
+                return None
+            staging = self._staging_file(conn, shm.arena_dir, data_addr, sum(copied))
+            if staging is None:
+                return None
         staged = []
         at = 0
-        for _, data, _, _ in writes:
-            staged.append(staging.stage(data, at))
-            at += len(data)
+        for (_, data, _, _), ref in zip(writes, refs, strict=True):
+            if ref is not None:
+                staged.append(ref)
+            else:
+                if staging is None:
+                    unreachable("a copied write without a staging file")
+                staged.append(staging.stage(data, at))
+                at += len(data)
         return staged
 
     def _stage(self, conn: _Connection, ticket: WriteTicket, data: memoryview) -> StagedBytes | None:
-        """`data` copied into `conn`'s staging file (made, or remade larger, on demand), or None
-        when this write is sent instead (not co-located, a segment without staged puts or that
-        refused them, an object over `STAGED_PUT_BYTES_MAX`)."""
-        shm = conn.shm
-        size = len(data)
-        if (
-            shm is None
-            or not shm.staged_puts
-            or shm.incarnation != ticket.incarnation
-            or size > STAGED_PUT_BYTES_MAX
-            or ticket.data_addr in self._staging_refused
-        ):
-            return None
-        staging = self._staging_file(conn, shm.arena_dir, ticket.data_addr, size)
-        if staging is None:
-            return None
-        return staging.stage(data)
+        """`data` staged (as `_stage_many` does for one write), or None when it is sent."""
+        staged = self._stage_many(conn, [(ticket, data, "", 0)])
+        return staged[0] if staged is not None else None

@@ -33,10 +33,11 @@ the staging file here and one copy from it into the slot there, instead of a soc
 copies and its stack. Nobody maps the arena writable outside the segment: a tenant can only
 offer bytes, never place them.
 
-Bounds: one open staging file per connection (a new file replaces the old one: the writer grows
-its file by making a new one), at most `STAGING_BYTES_MAX` of data in it (a larger memfd is
-refused, so a mapping costs the segment at most that much address space per connection); the
-descriptor and mapping go with the connection. A segment that offers staged puts says so in its
+Bounds: at most `FILES_PER_CONNECTION_MAX` open staging files per connection (the connection's
+own, which the writer grows by making a new one, and the client's save memory: a further one
+closes the least recently used), at most `STAGING_BYTES_MAX` of data in each (a larger memfd is
+refused, so mappings cost the segment at most that much address space per file); descriptors
+and mappings go with the connection. A segment that offers staged puts says so in its
 `MapReply` (`staged_puts`); an older one never sees a staged PUT (it would wait for payload
 bytes that never come). A refusal about the file carries the detail `staging=True`: the client
 sends that write's bytes, and then stages that segment's writes in the other kind of file, or
@@ -54,6 +55,7 @@ import re
 import secrets
 import stat
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Final
 
@@ -79,6 +81,9 @@ STAGING_NAME: Final = re.compile(r"kvf-stage-[0-9a-f]{32}\Z")
 # A memfd staging file as the writer names it, and as the segment's own link to it reads.
 MEMFD_PATH: Final = re.compile(r"/proc/[1-9][0-9]{0,9}/fd/[0-9]{1,9}\Z")
 MEMFD_LINK: Final = re.compile(r"/memfd:kvf-stage-[0-9a-f]{32} \(deleted\)\Z")
+# Staging files one connection holds open at the segment: its own, and save memory the client's
+# engine fills (`kvfabric.client.transfers.SaveMemory`); more are closed least recently used first.
+FILES_PER_CONNECTION_MAX: Final = 8
 READ_PIECE_BYTES: Final = 1 << 20  # read, then hashed while in cache (the TCP receive's piece size)
 
 
@@ -149,15 +154,23 @@ class StagingFile:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
+    def data_view(self) -> memoryview:
+        """The data bytes (after the header), writable: save memory's view for its engine."""
+        return self._view[STAGING_HEADER_BYTES : STAGING_HEADER_BYTES + self.data_bytes]
+
     def close(self) -> None:
+        """Unmap and close; `BufferError` (still open, usable) while views of it are held."""
+        self._view.release()
         try:
-            self._view.release()
             self._map.close()
+        except BufferError:
+            self._view = memoryview(self._map)
+            raise
         finally:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
             self.unlink()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 @dataclass(slots=True)
@@ -189,7 +202,8 @@ class StagingFiles:
 
     def __init__(self, directory: str) -> None:
         self.directory = os.path.realpath(directory)
-        self._files: dict[int, _Held] = {}
+        # conn -> its open files by path, least recently used first (at most FILES_PER_CONNECTION_MAX)
+        self._files: dict[int, OrderedDict[str, _Held]] = {}
         self._lock = threading.Lock()
 
     def read_into(self, conn: int, staged: StagedBytes, dest: memoryview) -> bytes:
@@ -199,13 +213,7 @@ class StagingFiles:
         change): returns the digest of what `dest` now holds. `bad_request` for a file the
         segment will not read or bytes it does not hold, `unauthorized` for a wrong nonce; both
         with the detail `staging=True` (the writer then sends its bytes instead)."""
-        with self._lock:
-            held = self._files.get(conn)
-        if held is None or held.path != staged.path or not hmac.compare_digest(held.nonce, staged.nonce):
-            self.close(conn)
-            held = self._open(staged)
-            with self._lock:
-                self._files[conn] = held
+        held = self._held(conn, staged)
         if staged.offset < STAGING_HEADER_BYTES or staged.offset + len(dest) > min(
             held.size, STAGING_HEADER_BYTES + STAGING_BYTES_MAX
         ):
@@ -227,6 +235,26 @@ class StagingFiles:
             digest.update(dest[done : done + got])
             done += got
         return digest.digest()
+
+    def _held(self, conn: int, staged: StagedBytes) -> _Held:
+        """The connection's open file `staged` names, opened (and checked) if it is not yet; the
+        least recently used one closed when the connection would hold more than
+        `FILES_PER_CONNECTION_MAX` (a client's save memory and its connection's own file)."""
+        with self._lock:
+            files = self._files.setdefault(conn, OrderedDict())
+            held = files.get(staged.path)
+            if held is not None and hmac.compare_digest(held.nonce, staged.nonce):
+                files.move_to_end(staged.path)
+                return held
+            stale = [files.pop(staged.path)] if held is not None else []
+            while len(files) >= FILES_PER_CONNECTION_MAX:
+                stale.append(files.popitem(last=False)[1])
+        for old in stale:
+            old.close()
+        held = self._open(staged)
+        with self._lock:
+            self._files.setdefault(conn, OrderedDict())[staged.path] = held
+        return held
 
     def _open(self, staged: StagedBytes) -> _Held:
         if MEMFD_PATH.match(staged.path):
@@ -294,8 +322,8 @@ class StagingFiles:
 
     def close(self, conn: int) -> None:
         with self._lock:
-            held = self._files.pop(conn, None)
-        if held is not None:
+            files = self._files.pop(conn, None)
+        for held in (files or {}).values():
             held.close()
 
 

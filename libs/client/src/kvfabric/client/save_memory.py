@@ -1,0 +1,123 @@
+"""Save memory: memory an engine fills with KV before it saves it (issue 20).
+
+A co-located save goes through a staging file: the client copies each object into it and the
+segment copies it from there into the slot (`kvfabric.dataplane.staging`). When the engine
+writes its KV into memory the segment can map in the first place, the first copy goes: a
+`SaveMemory` is a sealed memfd of this client's (a staging file the segment maps, as the
+connection's own), and a write whose bytes lie inside one is staged by reference
+(`StagedBytes` naming the memfd and the object's offset), not copied. Mooncake Store's
+`register_buffer` + `batch_put_from` and LMCache's allocator-owned memory objects are the same
+idea: the cache hands out the memory the engine gathers KV into.
+
+Everything else is unchanged: the client still hashes the object for its ticket, the segment
+copies and hashes the slot and checks the ticket's checksum; a remote segment, or one that
+cannot map the memfd (`SegmentPool._memfd_refused`), gets the bytes sent or staged by copy, as
+for any other memory. So save memory is only ever faster, never required.
+
+Ownership: the engine owns a `SaveMemory`. It must not change an object's bytes until the save
+of them has finished (the rule for any save: a changed object fails its checksum at the
+segment and is not stored). `close` gives the memory back; it refuses (`BufferError`) while a
+save still holds views of it. The client's `close` closes what its engine left open.
+
+Bounds: each is 1..`STAGING_BYTES_MAX` bytes, at most `SAVE_MEMORY_MAX` open per client; a
+segment holds a bounded number of staging files per connection (`FILES_PER_CONNECTION_MAX`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Final
+
+import numpy as np
+
+from kvfabric.dataplane.staging import STAGING_BYTES_MAX, STAGING_HEADER_BYTES, StagingFile
+from kvfabric.format.errors import BadRequest
+from kvfabric.proto.dataplane import StagedBytes
+
+__all__ = ["SAVE_MEMORY_MAX", "SaveMemory", "SaveMemoryRegistry"]
+
+# Save memories one client holds open at once: a connection's segment keeps at most
+# FILES_PER_CONNECTION_MAX (8) staging files open, one of them the connection's own.
+SAVE_MEMORY_MAX: Final = 4
+
+
+def address_of(data: memoryview) -> int:
+    """Where `data`'s first byte is in this process (a C-contiguous byte view)."""
+    return int(np.frombuffer(data, np.uint8).ctypes.data)
+
+
+class SaveMemory:
+    """`nbytes` of memory for an engine to fill and save from (`view`, writable)."""
+
+    def __init__(self, registry: SaveMemoryRegistry, nbytes: int) -> None:
+        if not 0 < nbytes <= STAGING_BYTES_MAX:
+            raise BadRequest(f"save memory is 1..{STAGING_BYTES_MAX} bytes, not {nbytes}")
+        self._registry = registry
+        self._file = StagingFile("", nbytes, memfd=True)
+        self.nbytes = nbytes
+        self.view = self._file.data_view()
+        self.start = address_of(self.view)  # the temporary array's export is gone after this line
+        self.closed = False
+
+    def staged(self, data: memoryview) -> StagedBytes | None:
+        """`data` by reference if it lies wholly in this memory, else None."""
+        at = address_of(data) - self.start
+        if at < 0 or at + len(data) > self.nbytes:
+            return None
+        return StagedBytes(path=self._file.path, nonce=self._file.nonce, offset=STAGING_HEADER_BYTES + at)
+
+    def close(self) -> None:
+        """Give the memory back. `BufferError` while views of it are still held (a save in
+        progress, or the engine's own): nothing is closed then."""
+        if self.closed:
+            return
+        self.view.release()  # ours; a view the engine or a save made from it keeps the map open
+        try:
+            self._file.close()
+        except BufferError:
+            self.view = self._file.data_view()
+            raise
+        self.closed = True
+        self._registry.forget(self)
+
+    def __enter__(self) -> SaveMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SaveMemoryRegistry:
+    """A client's open save memories, which its writes look their bytes up in (any thread)."""
+
+    def __init__(self) -> None:
+        self._open: tuple[SaveMemory, ...] = ()  # replaced, never changed: read without the lock
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int) -> SaveMemory:
+        with self._lock:
+            if len(self._open) >= SAVE_MEMORY_MAX:
+                raise BadRequest(f"a client holds at most {SAVE_MEMORY_MAX} save memories: close one")
+            memory = SaveMemory(self, nbytes)
+            self._open = (*self._open, memory)
+        return memory
+
+    def forget(self, memory: SaveMemory) -> None:
+        with self._lock:
+            self._open = tuple(m for m in self._open if m is not memory)
+
+    def staged(self, data: memoryview) -> StagedBytes | None:
+        """`data` by reference into the save memory holding it, or None (not in any)."""
+        for memory in self._open:
+            ref = memory.staged(data)
+            if ref is not None:
+                return ref
+        return None
+
+    def close(self) -> None:
+        """Close every save memory no save holds any more (at the client's close)."""
+        for memory in self._open:
+            # One still viewed stays open: its memfd goes when the last view does.
+            with contextlib.suppress(BufferError):
+                memory.close()
