@@ -13,7 +13,9 @@ per prompt call, with 1 engine process and 4 concurrent engine processes (aggreg
   shared-memory arena). 1 engine = worker 0; 4 engines = 4 workers that prepare, meet at a barrier
   and run at once.
 - Ops (per engine and run: N = max(1, 64 MiB / (8 × size)) prompts back to back): `save` (sync,
-  fresh prompts), `save_async` (all N pipelined, then every future), `lookup+load+release`, `load`
+  fresh prompts), `save_async` (all N pipelined, then every future), `save_memory` (co-located:
+  `save` from the client's save memory, `KvClient.save_memory`, which the engine gathers into as
+  Mooncake's `batch_put_from` reads a registered buffer), `lookup+load+release`, `load`
   (lookups and releases outside the timer). Loads read a working set of ≥ 512 MiB per size saved
   beforehand, rotating over it (objects not in the 32 MiB L3). Saves are evicted after each run
   (a tenant may evict its own groups), so the arena never fills; the working set after its size.
@@ -101,6 +103,7 @@ ROWS: Final = (
     ("kvfabric remote", "load", "load", "remote"),
     ("kvfabric co-located", "save", "save", "local"),
     ("kvfabric co-located", "save_async, pipelined", "save_async", "local"),
+    ("kvfabric co-located", "save from save memory", "save_memory", "local"),
     ("kvfabric co-located", "lookup+load+release", "lookup_load_release", "local"),
     ("kvfabric co-located", "load", "load", "local"),
     ("transport get", "tcp, 8 objects/request", "tcp_get", ""),
@@ -135,6 +138,7 @@ MOONCAKE_REF: Final = {
     **{
         kind(op, c): mooncake_kind(c, "batch_put_from") for op in ("save", "save_async") for c in CLIENT_LABEL
     },
+    kind("save_memory", "local"): mooncake_kind("local", "batch_put_from"),
     **{
         kind(op, c): mooncake_kind(c, "batch_get_into")
         for op in ("lookup_load_release", "load")
@@ -148,6 +152,7 @@ TRANSPORT_REF: Final = {
 }
 REDIS_REF: Final = {
     **{kind(op, c): "redis_set" for op in ("save", "save_async") for c in CLIENT_LABEL},
+    kind("save_memory", "local"): "redis_set",
     **{kind(op, c): "redis_get" for op in ("lookup_load_release", "load") for c in CLIENT_LABEL},
     "tcp_get": "redis_get",
     "shm_get": "redis_get",
@@ -319,6 +324,11 @@ def verdicts(
         judge(
             "co-located save ≥ 1.0 × Mooncake local batch_put_from",
             over("local:save", mooncake_kind("local", "batch_put_from")),
+            1.0,
+        ),
+        judge(
+            "co-located save from save memory ≥ 1.0 × Mooncake local batch_put_from",
+            over("local:save_memory", mooncake_kind("local", "batch_put_from")),
             1.0,
         ),
         judge("remote load ≥ 0.8 × transport get, tcp", over("remote:load", "tcp_get"), 0.8),
@@ -676,9 +686,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"Summary, GB/s with 1 engine ({engines[-1]} engines in brackets):",
         "",
         "| size | remote lookup+load+release | Mooncake remote get_into | co-located lookup+load+release "
-        "| Mooncake local get_into | remote save | co-located save | Mooncake remote put_from "
-        "| Mooncake local put_from | tcp get | shm get | memcpy | Redis GET |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| Mooncake local get_into | remote save | co-located save | co-located save, save memory "
+        "| Mooncake remote put_from | Mooncake local put_from | tcp get | shm get | memcpy | Redis GET |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     summary = (
         "remote:lookup_load_release",
@@ -687,6 +697,7 @@ def markdown(result: dict[str, Any]) -> str:
         mooncake_kind("local", "batch_get_into"),
         "remote:save",
         "local:save",
+        "local:save_memory",
         mooncake_kind("remote", "batch_put_from"),
         mooncake_kind("local", "batch_put_from"),
         "tcp_get",

@@ -72,6 +72,7 @@ FRESH: Final = 2
 OPS: Final = (
     "save",
     "save_async",
+    "save_memory",
     "lookup_load_release",
     "load",
     "tcp_get",
@@ -182,6 +183,10 @@ class Worker:
         self.save_ring = np.zeros(config.ring_bytes, dtype=np.uint8)
         self.dest_ring = np.zeros(config.ring_bytes, dtype=np.uint8)
         self.save_ring.fill(1)  # fault every page in now, not in a timed region
+        # The co-located client's save memory (KvClient.save_memory): the engine gathers into it.
+        self.save_memory = self.clients["local"].save_memory(config.ring_bytes)
+        self.memory_ring = np.frombuffer(self.save_memory.view, np.uint8)
+        self.memory_ring.fill(1)
         self.dest_ring.fill(1)
         self.tcp: TcpDataClient | None = None
         self.shm_control: TcpDataClient | None = None
@@ -203,6 +208,7 @@ class Worker:
                 conn.close()
         if self.redis is not None:
             self.redis.close()
+        self.memory_ring = np.zeros(0, np.uint8)  # its view of the save memory goes first
         for client in self.clients.values():
             client.close()
 
@@ -340,15 +346,16 @@ class Worker:
         if task.op not in OPS:
             raise ValueError(f"unknown op {task.op!r}")
         out.nbytes = n * CHUNKS * size
-        if task.op in ("save", "save_async", "redis_set"):
+        if task.op in ("save", "save_async", "save_memory", "redis_set"):
             serial0 = self.config.index * FRESH_PROMPTS_PER_WORKER
-            state.sums = self.fill(self.save_ring, size, n, task.run_id, serial0)
+            ring = self.memory_ring if task.op == "save_memory" else self.save_ring
+            state.sums = self.fill(ring, size, n, task.run_id, serial0)
             state.tokens = [prompt_tokens(FRESH, size, task.run_id, serial0 + p) for p in range(n)]
-            sources = [self.views(self.save_ring, size, p) for p in range(n)]
+            sources = [self.views(ring, size, p) for p in range(n)]
             if task.op == "redis_set":
                 return self._redis_set(out, sources)
             client = self.clients[task.client]
-            if task.op == "save":
+            if task.op in ("save", "save_memory"):
                 return self._save(out, state, client, state.tokens, sources)
             return self._save_async(out, state, client, state.tokens, sources)
 
@@ -559,7 +566,7 @@ class Worker:
     def after(self, task: Task, out: Outcome, state: RunState) -> None:
         """Untimed: check and verify what the run did, release its leases, evict its saves."""
         op, size = task.op, task.size
-        if op in ("save", "save_async"):
+        if op in ("save", "save_async", "save_memory"):
             self._read_back(task, out, state)
             out.evicted = self.evict(state.tokens)
             return
