@@ -73,8 +73,9 @@ def staged_put_refused(segment: Segment, staged: StagedBytes, size: int = 10) ->
     return caught.value
 
 
-def test_another_writers_staging_file_is_refused_without_its_nonce(segment: Segment) -> None:
-    victim = StagingFile(str(segment.dir), 4096)
+@pytest.mark.parametrize("memfd", [True, False])
+def test_another_writers_staging_file_is_refused_without_its_nonce(segment: Segment, memfd: bool) -> None:
+    victim = StagingFile(str(segment.dir), 4096, memfd=memfd)
     try:
         victim.stage(memoryview(b"x" * 10))
         forged = StagedBytes(path=victim.path, nonce=b"\0" * 16, offset=STAGING_HEADER_BYTES)

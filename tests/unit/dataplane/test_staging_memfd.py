@@ -6,7 +6,6 @@ link's name already says it is not a staging memfd)."""
 from __future__ import annotations
 
 import fcntl
-import mmap
 import os
 import secrets
 from collections.abc import Iterator
@@ -114,7 +113,8 @@ def test_files_a_proc_link_can_name_that_are_not_staging_memfds_are_refused(
     other_name, other = memfd(name="someone-else")
     too_big, big = memfd(data_bytes=STAGING_BYTES_MAX + 4096)  # sparse: costs no memory
     cases = {
-        "a regular file": StagedBytes(f"/proc/self/fd/{regular}", bytes(16), STAGING_HEADER_BYTES),
+        "a regular file": StagedBytes(f"/proc/{os.getpid()}/fd/{regular}", bytes(16), STAGING_HEADER_BYTES),
+        "/proc/self": StagedBytes(f"/proc/self/fd/{other_name}", bytes(16), STAGING_HEADER_BYTES),
         "a pipe": StagedBytes(f"/proc/{os.getpid()}/fd/{read_end}", bytes(16), STAGING_HEADER_BYTES),
         "another memfd's name": other,
         "over the size bound": big,
@@ -131,12 +131,11 @@ def test_files_a_proc_link_can_name_that_are_not_staging_memfds_are_refused(
 
 def test_a_hugetlb_memfd_is_refused(files: StagingFiles) -> None:
     """A hugetlb page fault fails with SIGBUS when the pool is empty: never mapped (refused on its
-    block size, before its header is read: a hugetlb file takes no `pwrite`, so it has none)."""
+    filesystem, before its header is read: a hugetlb file takes no `pwrite`, so it has none)."""
     fd = os.memfd_create("kvf-stage-" + "cd" * 16, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
     try:
         os.ftruncate(fd, 2 << 20)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-        assert os.fstat(fd).st_blksize != mmap.PAGESIZE
         error = refused(files, StagedBytes(f"/proc/{os.getpid()}/fd/{fd}", bytes(16), STAGING_HEADER_BYTES))
         assert isinstance(error, BadRequest) and not isinstance(error, Unauthorized)
     finally:
@@ -164,8 +163,8 @@ def test_the_mapping_goes_with_the_connection(files: StagingFiles) -> None:
     try:
         files.read_into(CONN, staging.stage(memoryview(b"y" * 10)), memoryview(bytearray(10)))
         (held,) = files._files[CONN].values()
-        mapping = held.mapping
-        assert isinstance(mapping, mmap.mmap)
+        assert held.shared is not None
+        mapping = held.shared.mapping
         files.close(CONN)
         assert mapping.closed and CONN not in files._files
         with pytest.raises(OSError, match="Bad file descriptor"):
@@ -215,9 +214,9 @@ def test_a_link_swapped_after_its_check_is_refused(
 
 
 def test_a_connection_holds_a_bounded_number_of_files(files: StagingFiles) -> None:
-    """Save memory and the connection's own file are each opened once and kept; past the bound
-    the least recently used is closed (and opened again when named again)."""
-    stagings = [StagingFile("/dev/shm", 8192) for _ in range(FILES_PER_CONNECTION_MAX + 1)]
+    """Save memories are each opened once and kept; past the bound the least recently used is
+    closed (and opened again when named again)."""
+    stagings = [StagingFile("/dev/shm", 8192, save_memory=True) for _ in range(FILES_PER_CONNECTION_MAX + 1)]
     try:
         for round_ in range(2):
             for i, staging in enumerate(stagings[:FILES_PER_CONNECTION_MAX]):
@@ -229,7 +228,60 @@ def test_a_connection_holds_a_bounded_number_of_files(files: StagingFiles) -> No
         assert list(held) == [s.path for s in stagings[:FILES_PER_CONNECTION_MAX]]  # opened once each
         files.read_into(CONN, stagings[-1].stage(memoryview(b"z" * 10)), memoryview(bytearray(10)))
         assert len(held) == FILES_PER_CONNECTION_MAX and stagings[0].path not in held
-        assert first.mapping is not None and first.mapping.closed
+        assert first.shared is None and not any(m.users > 1 for m in files._mappings.values())
+        assert len(files._mappings) == FILES_PER_CONNECTION_MAX
     finally:
         for staging in stagings:
+            staging.close()
+
+
+def test_a_hole_is_read_not_faulted_in(files: StagingFiles, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages the writer never wrote are read with preadv: a read fault through the mapping would
+    allocate them (in the writer's file, charged to the segment)."""
+    staging = StagingFile("/dev/shm", 8 << 20)
+    try:
+        data = os.urandom(1 << 20)
+        staging.stage(memoryview(data))  # written: [0, 1 MiB); the rest is a hole
+        blocks = os.fstat(staging._fd).st_blocks
+        hole = StagedBytes(staging.path, staging.nonce, STAGING_HEADER_BYTES + (4 << 20))
+        assert files.read_into(CONN, hole, memoryview(bytearray(1 << 20))) == checksum(bytes(1 << 20))
+        assert os.fstat(staging._fd).st_blocks == blocks  # nothing allocated
+        written = StagedBytes(staging.path, staging.nonce, STAGING_HEADER_BYTES)
+
+        def no_preadv(*args: object) -> int:
+            raise AssertionError("written bytes are copied from the mapping")
+
+        monkeypatch.setattr(os, "preadv", no_preadv)
+        assert files.read_into(CONN, written, memoryview(bytearray(1 << 20))) == checksum(data)
+    finally:
+        staging.close()
+
+
+def test_connections_share_one_mapping_of_a_file(files: StagingFiles) -> None:
+    memory = StagingFile("/dev/shm", 8192, save_memory=True)
+    try:
+        staged = memory.stage(memoryview(b"s" * 10))
+        for conn in (CONN, CONN + 1):
+            assert files.read_into(conn, staged, memoryview(bytearray(10))) == checksum(b"s" * 10)
+        (shared,) = files._mappings.values()
+        assert shared.users == 2
+        files.close(CONN)
+        assert shared.users == 1 and not shared.mapping.closed
+        files.close(CONN + 1)
+        assert not files._mappings and shared.mapping.closed
+    finally:
+        memory.close()
+
+
+def test_a_connection_keeps_one_file_of_its_own_and_its_save_memory(files: StagingFiles) -> None:
+    """A connection's new own file (the writer outgrew the old) closes the old one; save memory
+    stays open beside it."""
+    memory = StagingFile("/dev/shm", 8192, save_memory=True)
+    own = [StagingFile("/dev/shm", 8192) for _ in range(2)]
+    try:
+        for staging in (memory, own[0], own[1]):
+            files.read_into(CONN, staging.stage(memoryview(b"o" * 10)), memoryview(bytearray(10)))
+        assert list(files._files[CONN]) == [memory.path, own[1].path]
+    finally:
+        for staging in (memory, *own):
             staging.close()

@@ -17,7 +17,8 @@ for any other memory. So save memory is only ever faster, never required.
 Ownership: the engine owns a `SaveMemory`. It must not change an object's bytes until the save
 of them has finished (the rule for any save: a changed object fails its checksum at the
 segment and is not stored). `close` gives the memory back; it refuses (`BufferError`) while a
-save still holds views of it. The client's `close` closes what its engine left open.
+save or the engine still holds views of it (`view` makes a new one each time). The client's
+`close` closes what its engine left open and no longer views.
 
 Bounds: each is 1..`STAGING_BYTES_MAX` bytes, at most `SAVE_MEMORY_MAX` open per client; a
 segment holds a bounded number of staging files per connection (`FILES_PER_CONNECTION_MAX`).
@@ -54,31 +55,36 @@ class SaveMemory:
         if not 0 < nbytes <= STAGING_BYTES_MAX:
             raise BadRequest(f"save memory is 1..{STAGING_BYTES_MAX} bytes, not {nbytes}")
         self._registry = registry
-        self._file = StagingFile("", nbytes, memfd=True)
+        self._file = StagingFile("", nbytes, save_memory=True)
         self.nbytes = nbytes
-        self.view = self._file.data_view()
-        self.start = address_of(self.view)  # the temporary array's export is gone after this line
+        self.start = address_of(self._file.data_view())  # the temporary view is gone after this line
         self.closed = False
+
+    @property
+    def view(self) -> memoryview:
+        """The memory, writable: a new view each time (the engine releases its views, or drops
+        them, before `close`). `ValueError` once closed."""
+        if self.closed:
+            raise ValueError("this save memory is closed")
+        return self._file.data_view()
 
     def staged(self, data: memoryview) -> StagedBytes | None:
         """`data` by reference if it lies wholly in this memory, else None."""
         at = address_of(data) - self.start
-        if at < 0 or at + len(data) > self.nbytes:
+        if self.closed or at < 0 or at + len(data) > self.nbytes:
             return None
         return StagedBytes(path=self._file.path, nonce=self._file.nonce, offset=STAGING_HEADER_BYTES + at)
 
     def close(self) -> None:
-        """Give the memory back. `BufferError` while views of it are still held (a save in
-        progress, or the engine's own): nothing is closed then."""
-        if self.closed:
-            return
-        self.view.release()  # ours; a view the engine or a save made from it keeps the map open
-        try:
-            self._file.close()
-        except BufferError:
-            self.view = self._file.data_view()
-            raise
-        self.closed = True
+        """Give the memory back (once every holder let go: a segment keeps its file open until
+        the connection's least recently used files are closed, or the connection). `BufferError`
+        while views of it are still held (a save in progress, or the engine's own): nothing is
+        closed then, and the memory stays usable."""
+        with self._registry.lock:
+            if self.closed:
+                return
+            self._file.close()  # BufferError while views are held
+            self.closed = True
         self._registry.forget(self)
 
     def __enter__(self) -> SaveMemory:
@@ -93,10 +99,13 @@ class SaveMemoryRegistry:
 
     def __init__(self) -> None:
         self._open: tuple[SaveMemory, ...] = ()  # replaced, never changed: read without the lock
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()  # allocations, closes (one memory's close runs once)
+        self._closed = False
 
     def allocate(self, nbytes: int) -> SaveMemory:
-        with self._lock:
+        with self.lock:
+            if self._closed:
+                raise BadRequest("the client is closed")
             if len(self._open) >= SAVE_MEMORY_MAX:
                 raise BadRequest(f"a client holds at most {SAVE_MEMORY_MAX} save memories: close one")
             memory = SaveMemory(self, nbytes)
@@ -104,7 +113,7 @@ class SaveMemoryRegistry:
         return memory
 
     def forget(self, memory: SaveMemory) -> None:
-        with self._lock:
+        with self.lock:
             self._open = tuple(m for m in self._open if m is not memory)
 
     def staged(self, data: memoryview) -> StagedBytes | None:
@@ -116,8 +125,10 @@ class SaveMemoryRegistry:
         return None
 
     def close(self) -> None:
-        """Close every save memory no save holds any more (at the client's close)."""
+        """Close every save memory nobody views any more, and allocate no more (at the client's
+        close). One still viewed stays open until the engine closes it, or the process ends."""
+        with self.lock:
+            self._closed = True
         for memory in self._open:
-            # One still viewed stays open: its memfd goes when the last view does.
             with contextlib.suppress(BufferError):
                 memory.close()

@@ -1,20 +1,29 @@
 """Staged puts: a co-located writer hands a PUT's bytes over shared memory, not through a socket.
 
-The writer (`StagingFile`, one per data connection) owns a file of its own, maps it read-write
-and copies an object into it; its PUT then carries `StagedBytes(path, nonce, offset)` and no
-payload. Two kinds of file:
+The writer (`StagingFile`, one per data connection, and the engine's save memory,
+`kvfabric.client.save_memory`) owns a file of its own, maps it read-write and copies an object
+into it (or the engine gathered it there); its PUT then carries `StagedBytes(path, nonce,
+offset)` and no payload. Two kinds of file:
 
-- **A sealed memfd** (the default): `memfd_create("kvf-stage-<32 hex>")`, sealed against
-  shrinking and growing before anyone else sees it, named to the segment as
-  `/proc/<writer pid>/fd/<fd>`. The segment opens that link read-only and takes it only if it
-  is such a memfd (its own link reads `/memfd:kvf-stage-<32 hex> (deleted)`, its seals hold
-  `F_SEAL_SHRINK`, its block size is a base page: not hugetlb, whose faults can fail), then
-  **maps** it read-only and copies each object into the slot with numpy (GIL released). A
-  mapping is safe here because the file can never become shorter than the mapping: a writer
-  cannot make the segment fault (SIGBUS) by truncating it. The copy from a mapping runs at
-  memcpy speed: 11.4 GB/s against 4.8 for `preadv` from the same tmpfs pages on the dev VM
-  (2026-12-05, 8 × 16 MiB, median of 10), which bounded a co-located save's large objects.
-  Nothing is ever named in /dev/shm, so a writer killed at any instant leaks nothing.
+- **A sealed memfd** (the default): `memfd_create("kvf-stage-<32 hex>")` (`kvf-save-` for save
+  memory), mode 0600, sealed against shrinking and growing before anyone else sees it, named to
+  the segment as `/proc/<writer pid>/fd/<fd>`. The segment takes that link as an `O_PATH`
+  descriptor (which opens nothing: the link could name a device, a FIFO or a FUSE file of the
+  writer's, and the writer can swap the descriptor behind the number at any time) and checks
+  the file through it: its name (`/memfd:kvf-stage-<32 hex> (deleted)`), a regular file on
+  tmpfs (not hugetlbfs, whose faults can fail with SIGBUS). Only then does it open that same
+  file read-only (through its own `/proc/self/fd` link), require `F_SEAL_SHRINK`, check the
+  size and the header, and **map** it read-only — one mapping a file, shared by every
+  connection that holds it, so its pages are faulted into the segment once — and copy each
+  object into the slot with numpy (GIL released). A mapping is safe here because the file can
+  never become shorter than the mapping: a writer cannot make the segment fault (SIGBUS) by
+  truncating it. An object whose range has a hole (never written, or punched) is read with
+  `preadv` instead: a read fault through the mapping would allocate that page in the writer's
+  file, charged to the segment (a hole punched between that check and the copy costs at most
+  the object's bytes). The copy from a mapping runs at memcpy speed: 11.4 GB/s against 4.8 for
+  `preadv` from the same tmpfs pages on the dev VM (2026-12-05, 8 × 16 MiB, median of 10),
+  which bounded a co-located save's large objects. Nothing is ever named in /dev/shm, so a
+  writer killed at any instant leaks nothing.
 - **A file beside the arena** (`/dev/shm/kvf-stage-<32 hex>`, mode 0600, created `O_EXCL`):
   for a segment that cannot open the writer's `/proc` links (another pid namespace sharing the
   arena's folder, another user) or is older than memfd staging. The segment opens it read-only
@@ -33,20 +42,21 @@ the staging file here and one copy from it into the slot there, instead of a soc
 copies and its stack. Nobody maps the arena writable outside the segment: a tenant can only
 offer bytes, never place them.
 
-Bounds: at most `FILES_PER_CONNECTION_MAX` open staging files per connection (the connection's
-own, which the writer grows by making a new one, and the client's save memory: a further one
-closes the least recently used), at most `STAGING_BYTES_MAX` of data in each (a larger memfd is
-refused, so mappings cost the segment at most that much address space per file); descriptors
-and mappings go with the connection. A segment that offers staged puts says so in its
-`MapReply` (`staged_puts`); an older one never sees a staged PUT (it would wait for payload
-bytes that never come). A refusal about the file carries the detail `staging=True`: the client
-sends that write's bytes, and then stages that segment's writes in the other kind of file, or
-not at all (`kvfabric.client.transfers.SegmentPool`).
+Bounds: per connection, one open file of its own (a new one closes the old: the writer grows
+its file by making a new one) and its client's save memory, at most `FILES_PER_CONNECTION_MAX`
+in all (a further one closes the least recently used); at most `STAGING_BYTES_MAX` of data in
+each (a larger memfd is refused, so a mapping costs the segment at most that much address
+space); descriptors go with the connection, a mapping with its last holder. A segment that
+offers staged puts says so in its `MapReply` (`staged_puts`); an older one never sees a staged
+PUT (it would wait for payload bytes that never come). A refusal about the file carries the
+detail `staging=True`: the client sends that write's bytes, and then stages that segment's
+writes in the other kind of file, or not at all (`kvfabric.client.transfers.SegmentPool`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hmac
 import mmap
@@ -80,10 +90,11 @@ STAGING_BYTES_MAX: Final = 1 << 30  # data bytes of one staging file
 STAGING_NAME: Final = re.compile(r"kvf-stage-[0-9a-f]{32}\Z")
 # A memfd staging file as the writer names it, and as the segment's own link to it reads.
 MEMFD_PATH: Final = re.compile(r"/proc/[1-9][0-9]{0,9}/fd/[0-9]{1,9}\Z")
-MEMFD_LINK: Final = re.compile(r"/memfd:kvf-stage-[0-9a-f]{32} \(deleted\)\Z")
+MEMFD_LINK: Final = re.compile(r"/memfd:kvf-(stage|save)-[0-9a-f]{32} \(deleted\)\Z")
 # Staging files one connection holds open at the segment: its own, and save memory the client's
-# engine fills (`kvfabric.client.transfers.SaveMemory`); more are closed least recently used first.
+# engine fills (`kvfabric.client.save_memory`); more are closed least recently used first.
 FILES_PER_CONNECTION_MAX: Final = 8
+TMPFS_MAGIC: Final = 0x01021994  # memfds live on the kernel's internal tmpfs (hugetlbfs: 0x958458F6)
 READ_PIECE_BYTES: Final = 1 << 20  # read, then hashed while in cache (the TCP receive's piece size)
 
 
@@ -99,41 +110,46 @@ class StagingFile:
     """The writer's side: one file, one object at a time (the connection's lock orders them).
     `memfd`: a sealed memfd the segment maps (the default), else a file in `directory`."""
 
-    def __init__(self, directory: str, data_bytes: int, *, memfd: bool = True) -> None:
+    def __init__(
+        self, directory: str, data_bytes: int, *, memfd: bool = True, save_memory: bool = False
+    ) -> None:
         if not 0 < data_bytes <= STAGING_BYTES_MAX:
             raise BadRequest(f"a staging file holds 1..{STAGING_BYTES_MAX} bytes, not {data_bytes}")
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.data_bytes = data_bytes
-        self.memfd = memfd
-        name = f"kvf-stage-{secrets.token_hex(16)}"
+        self.memfd = memfd or save_memory
+        # A connection's own file is "stage" (the segment keeps one a connection: a new one
+        # replaces it), an engine's save memory "save" (kept, several: `FILES_PER_CONNECTION_MAX`).
+        name = f"kvf-{'save' if save_memory else 'stage'}-{secrets.token_hex(16)}"
         total = STAGING_HEADER_BYTES + data_bytes
         self._fd = -1  # a memfd's descriptor, held: the path names it
-        if memfd:
+        if self.memfd:
             fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             self.path = f"/proc/{os.getpid()}/fd/{fd}"
-            os.fchmod(fd, 0o600)  # a memfd is made 0777: only its writer's user may open it
         else:
             self.path = os.path.join(directory, name)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
+            if self.memfd:
+                os.fchmod(fd, 0o600)  # a memfd is made 0777: only its writer's user may open it
             os.ftruncate(fd, total)
-            if memfd:  # fixed size before anyone else can open it: the segment may map it
+            if self.memfd:  # fixed size before anyone else can open it: the segment may map it
                 fcntl.fcntl(
                     fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
                 )
             self._map = mmap.mmap(fd, total)
         except BaseException:
             os.close(fd)
-            if not memfd:
+            if not self.memfd:
                 os.unlink(self.path)
             raise
-        if memfd:
+        if self.memfd:
             self._fd = fd
         else:
             os.close(fd)
         self._view = memoryview(self._map)
         self._view[: len(STAGING_MAGIC) + NONCE_BYTES] = STAGING_MAGIC + self.nonce
-        self.unlinked = memfd  # a memfd has no name to remove
+        self.unlinked = self.memfd  # a memfd has no name to remove
 
     def stage(self, data: memoryview, at: int = 0) -> StagedBytes:
         """Copy `data` in, `at` bytes into the data (several objects of pipelined PUTs each at
@@ -174,36 +190,42 @@ class StagingFile:
 
 
 @dataclass(slots=True)
+class _Mapping:
+    """One read-only mapping of a memfd, shared by every connection that holds the file open: its
+    pages are faulted into the segment once, not once a connection (a first copy out of a fresh
+    mapping of 128 MiB ran at 5.6-7.0 GB/s, then 12.9, on the dev VM)."""
+
+    mapping: mmap.mmap
+    mapped: np.ndarray | None  # numpy's view of it (the copies' source)
+    users: int = 1
+
+
+@dataclass(slots=True)
 class _Held:
-    """A connection's open staging file at the segment: `mapped` (a read-only mapping's bytes)
-    for a memfd, None for a file beside the arena (read with `os.preadv`)."""
+    """A connection's open staging file at the segment: `shared` (a read-only mapping) for a
+    memfd, None for a file beside the arena (read with `os.preadv`)."""
 
     path: str
     nonce: bytes
     fd: int
     size: int  # the file's bytes, header included (a memfd's cannot change)
-    mapping: mmap.mmap | None = None
-    mapped: np.ndarray | None = None
-
-    def close(self) -> None:
-        self.mapped = None  # numpy's export of the mapping goes first, or close() refuses
-        try:
-            if self.mapping is not None:
-                self.mapping.close()
-        finally:
-            os.close(self.fd)
+    save_memory: bool = False  # an engine's save memory (kept, several), not a connection's own file
+    key: tuple[int, int] = (0, 0)  # (st_dev, st_ino): the shared mapping's key
+    shared: _Mapping | None = None
 
 
 class StagingFiles:
-    """The segment's side: per connection, an open read-only descriptor of the writer's staging
-    file. A sealed memfd is mapped read-only and copied from; a file beside the arena is *read*
-    (`os.preadv` straight into the slot), never mapped: a writer that truncates it meanwhile
-    costs a short read (`bad_request`), not a SIGBUS in the segment."""
+    """The segment's side: per connection, open read-only descriptors of the writer's staging
+    files. A sealed memfd is mapped read-only (one mapping a file, shared by connections) and
+    copied from; a file beside the arena is *read* (`os.preadv` straight into the slot), never
+    mapped: a writer that truncates it meanwhile costs a short read (`bad_request`), not a
+    SIGBUS in the segment."""
 
     def __init__(self, directory: str) -> None:
         self.directory = os.path.realpath(directory)
         # conn -> its open files by path, least recently used first (at most FILES_PER_CONNECTION_MAX)
         self._files: dict[int, OrderedDict[str, _Held]] = {}
+        self._mappings: dict[tuple[int, int], _Mapping] = {}
         self._lock = threading.Lock()
 
     def read_into(self, conn: int, staged: StagedBytes, dest: memoryview) -> bytes:
@@ -214,17 +236,24 @@ class StagingFiles:
         segment will not read or bytes it does not hold, `unauthorized` for a wrong nonce; both
         with the detail `staging=True` (the writer then sends its bytes instead)."""
         held = self._held(conn, staged)
-        if staged.offset < STAGING_HEADER_BYTES or staged.offset + len(dest) > min(
+        end = staged.offset + len(dest)
+        if staged.offset < STAGING_HEADER_BYTES or end > min(
             held.size, STAGING_HEADER_BYTES + STAGING_BYTES_MAX
         ):
             raise BadRequest("staged bytes outside the staging file", staging=True, offset=staged.offset)
+        mapped = held.shared.mapped if held.shared is not None else None
+        # A hole (a page never written, or punched since) is read with preadv: through the mapping
+        # its read fault would allocate a page of the writer's file, charged to the segment. A hole
+        # punched after this check costs at most this object's bytes.
+        if mapped is not None and os.lseek(held.fd, staged.offset, os.SEEK_HOLE) < end:
+            mapped = None
         digest = StreamingChecksum()
         done = 0
         while done < len(dest):  # the GIL is released for each copy or read
             piece = dest[done : done + READ_PIECE_BYTES]
             at = staged.offset + done
-            if held.mapped is not None:
-                np.copyto(np.frombuffer(piece, np.uint8), held.mapped[at : at + len(piece)])
+            if mapped is not None:
+                np.copyto(np.frombuffer(piece, np.uint8), mapped[at : at + len(piece)])
                 got = len(piece)
             else:
                 got = os.preadv(held.fd, [piece], at)
@@ -237,9 +266,10 @@ class StagingFiles:
         return digest.digest()
 
     def _held(self, conn: int, staged: StagedBytes) -> _Held:
-        """The connection's open file `staged` names, opened (and checked) if it is not yet; the
-        least recently used one closed when the connection would hold more than
-        `FILES_PER_CONNECTION_MAX` (a client's save memory and its connection's own file)."""
+        """The connection's open file `staged` names, opened (and checked) if it is not yet. A
+        connection keeps one file of its own (a new one closes the old: the writer outgrew it)
+        and its client's save memory, at most `FILES_PER_CONNECTION_MAX` in all (the least
+        recently used closed first)."""
         with self._lock:
             files = self._files.setdefault(conn, OrderedDict())
             held = files.get(staged.path)
@@ -247,13 +277,18 @@ class StagingFiles:
                 files.move_to_end(staged.path)
                 return held
             stale = [files.pop(staged.path)] if held is not None else []
+        try:
+            held = self._open(staged)
+        finally:
+            self._close_all(stale)
+        with self._lock:
+            files = self._files.setdefault(conn, OrderedDict())
+            if not held.save_memory:
+                stale = [files.pop(path) for path, h in list(files.items()) if not h.save_memory]
             while len(files) >= FILES_PER_CONNECTION_MAX:
                 stale.append(files.popitem(last=False)[1])
-        for old in stale:
-            old.close()
-        held = self._open(staged)
-        with self._lock:
-            self._files.setdefault(conn, OrderedDict())[staged.path] = held
+            files[staged.path] = held
+        self._close_all(stale)
         return held
 
     def _open(self, staged: StagedBytes) -> _Held:
@@ -280,37 +315,71 @@ class StagingFiles:
         return _Held(staged.path, staged.nonce, fd, STAGING_HEADER_BYTES + STAGING_BYTES_MAX)
 
     def _open_memfd(self, staged: StagedBytes) -> _Held:
-        """The writer's sealed memfd through its `/proc/<pid>/fd/<n>` link: checked to be one
-        *before* it is opened (the link could name any file its process holds: a device, a FIFO)
-        and again after, through the segment's own descriptor; then mapped read-only."""
-        if not _is_staging_memfd(staged.path):
+        """The writer's sealed memfd through its `/proc/<pid>/fd/<n>` link. The link could name
+        any file its process holds (a device, a FIFO, a FUSE file whose open would wait on the
+        writer), and the writer can swap the descriptor at any time: so the link is taken as an
+        `O_PATH` descriptor (no open of the file itself), checked through that (its name, a
+        regular file on tmpfs, not hugetlbfs, whose faults can fail with SIGBUS), and only that
+        file is then opened read-only (through the segment's own `/proc/self/fd` link: the
+        writer's descriptor table is not looked at again). Then its seals, size and header; then
+        its shared mapping."""
+        if not _is_staging_memfd(staged.path):  # cheap first refusal: nothing resolved
             raise BadRequest("not a kvf-stage memfd", staging=True)
         try:
-            fd = os.open(staged.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+            path_fd = os.open(staged.path, os.O_PATH | os.O_CLOEXEC)
         except OSError as exc:
             raise BadRequest(f"cannot open the staging memfd: {exc.strerror}", staging=True) from None
         try:
-            info = os.fstat(fd)
+            match = _memfd_name(f"/proc/self/fd/{path_fd}")
             if (
-                not _is_staging_memfd(f"/proc/self/fd/{fd}")
-                or not stat.S_ISREG(info.st_mode)
-                or info.st_blksize != mmap.PAGESIZE  # hugetlb: a fault could fail (SIGBUS)
-                or not _seals(fd) & fcntl.F_SEAL_SHRINK
-                or not STAGING_HEADER_BYTES < info.st_size <= STAGING_HEADER_BYTES + STAGING_BYTES_MAX
+                match is None
+                or not stat.S_ISREG(os.fstat(path_fd).st_mode)
+                or _fs_type(path_fd) != TMPFS_MAGIC
+            ):
+                raise BadRequest("not a kvf-stage memfd", staging=True)
+            try:
+                fd = os.open(
+                    f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+                )
+            except OSError as exc:
+                raise BadRequest(f"cannot open the staging memfd: {exc.strerror}", staging=True) from None
+        finally:
+            os.close(path_fd)
+        try:
+            info = os.fstat(fd)
+            if not _seals(fd) & fcntl.F_SEAL_SHRINK or not (
+                STAGING_HEADER_BYTES < info.st_size <= STAGING_HEADER_BYTES + STAGING_BYTES_MAX
             ):
                 raise BadRequest(
-                    "a staging memfd must be sealed against shrinking, of base pages, "
-                    f"1..{STAGING_BYTES_MAX} data bytes",
+                    f"a staging memfd must be sealed against shrinking, 1..{STAGING_BYTES_MAX} data bytes",
                     staging=True,
                 )
             self._check_header(fd, staged)
-            mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            held = _Held(
+                staged.path,
+                staged.nonce,
+                fd,
+                info.st_size,
+                save_memory=match.group(1) == "save",
+                key=(info.st_dev, info.st_ino),
+            )
+            held.shared = self._share_mapping(held)
         except BaseException:
             os.close(fd)
             raise
-        held = _Held(staged.path, staged.nonce, fd, info.st_size, mapping)
-        held.mapped = np.frombuffer(mapping, np.uint8)
         return held
+
+    def _share_mapping(self, held: _Held) -> _Mapping:
+        """The file's mapping, made on its first holder (an inode lives while any holder keeps
+        its descriptor open, so the key cannot name another file meanwhile)."""
+        with self._lock:
+            shared = self._mappings.get(held.key)
+            if shared is not None:
+                shared.users += 1
+                return shared
+            mapping = mmap.mmap(held.fd, held.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            shared = self._mappings[held.key] = _Mapping(mapping, np.frombuffer(mapping, np.uint8))
+            return shared
 
     @staticmethod
     def _check_header(fd: int, staged: StagedBytes) -> None:
@@ -323,16 +392,50 @@ class StagingFiles:
     def close(self, conn: int) -> None:
         with self._lock:
             files = self._files.pop(conn, None)
-        for held in (files or {}).values():
-            held.close()
+        self._close_all(list((files or {}).values()))
+
+    def _close_all(self, held: list[_Held]) -> None:
+        """Close each descriptor, and each mapping its last holder let go of (every one tried)."""
+        unmap = []
+        with self._lock:
+            for h in held:
+                if h.shared is not None:
+                    h.shared.users -= 1
+                    if h.shared.users == 0:
+                        del self._mappings[h.key]
+                        unmap.append(h.shared)
+                    h.shared = None
+        for shared in unmap:
+            shared.mapped = None  # numpy's export of the mapping goes first, or close() refuses
+            with contextlib.suppress(BufferError):  # a copy still running: unmapped when it ends
+                shared.mapping.close()
+        for h in held:
+            with contextlib.suppress(OSError):
+                os.close(h.fd)
+
+
+def _memfd_name(link: str) -> re.Match[str] | None:
+    """The staging memfd name the `/proc/.../fd/N` link reads, or None."""
+    try:
+        return MEMFD_LINK.match(os.readlink(link))
+    except OSError:
+        return None
 
 
 def _is_staging_memfd(link: str) -> bool:
-    """Whether the `/proc/.../fd/N` link names a writer's staging memfd (by its name)."""
-    try:
-        return MEMFD_LINK.match(os.readlink(link)) is not None
-    except OSError:
-        return False
+    return _memfd_name(link) is not None
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_STATFS_BYTES: Final = 256  # struct statfs is 120 bytes on x86-64 and arm64; f_type first
+
+
+def _fs_type(fd: int) -> int:
+    """The filesystem magic of `fd`'s file (fstatfs; 0 when it cannot be read)."""
+    buf = ctypes.create_string_buffer(_STATFS_BYTES)
+    if _libc.fstatfs(fd, buf) != 0:
+        return 0
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
 def _seals(fd: int) -> int:
