@@ -245,6 +245,9 @@ def test_a_hole_is_read_not_faulted_in(files: StagingFiles, monkeypatch: pytest.
         blocks = os.fstat(staging._fd).st_blocks
         hole = StagedBytes(staging.path, staging.nonce, STAGING_HEADER_BYTES + (4 << 20))
         assert files.read_into(CONN, hole, memoryview(bytearray(1 << 20))) == checksum(bytes(1 << 20))
+        half = StagedBytes(staging.path, staging.nonce, STAGING_HEADER_BYTES + (512 << 10))  # data, then hole
+        expected = data[512 << 10 :] + bytes(512 << 10)
+        assert files.read_into(CONN, half, memoryview(bytearray(1 << 20))) == checksum(expected)
         assert os.fstat(staging._fd).st_blocks == blocks  # nothing allocated
         written = StagedBytes(staging.path, staging.nonce, STAGING_HEADER_BYTES)
 

@@ -244,8 +244,9 @@ class StagingFiles:
         mapped = held.shared.mapped if held.shared is not None else None
         # A hole (a page never written, or punched since) is read with preadv: through the mapping
         # its read fault would allocate a page of the writer's file, charged to the segment. A hole
-        # punched after this check costs at most this object's bytes.
-        if mapped is not None and os.lseek(held.fd, staged.offset, os.SEEK_HOLE) < end:
+        # punched after this check costs at most this object's bytes. (mincore: the object's pages
+        # only; lseek(SEEK_HOLE) walks every page up to the file's first hole, 0.65 ms per 100 MiB.)
+        if mapped is not None and not _resident(mapped, staged.offset, len(dest)):
             mapped = None
         digest = StreamingChecksum()
         done = 0
@@ -436,6 +437,20 @@ def _fs_type(fd: int) -> int:
     if _libc.fstatfs(fd, buf) != 0:
         return 0
     return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def _resident(mapped: np.ndarray, at: int, size: int) -> bool:
+    """Whether every page of `mapped[at : at + size]` is in memory (`mincore`: for a shared
+    mapping of tmpfs, whether the file holds it: not a hole, not swapped out). Faults nothing."""
+    start = at - at % mmap.PAGESIZE
+    pages = -(-(at + size - start) // mmap.PAGESIZE)
+    flags = np.empty(pages, np.uint8)
+    if _libc.mincore(mapped.ctypes.data + start, at + size - start, flags.ctypes.data) != 0:
+        return False
+    return bool(np.all(flags & 1))
 
 
 def _seals(fd: int) -> int:
