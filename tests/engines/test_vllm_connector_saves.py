@@ -42,15 +42,12 @@ class FakeClient:
 
 
 @pytest.fixture(scope="module")
-def scheduler_side(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def engine_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.engine.arg_utils import EngineArgs
 
-    from kvfabric.engines.vllm_connector import KvfabricConnector
-
     model_dir: Path = build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
-    config = EngineArgs(
+    return EngineArgs(
         model=str(model_dir),
         skip_tokenizer_init=True,
         dtype="float32",
@@ -66,6 +63,15 @@ def scheduler_side(tmp_path_factory: pytest.TempPathFactory) -> Any:
             kv_connector_extra_config={"nats_url": "nats://127.0.0.1:1", "connect_timeout_ms": 1},
         ),
     ).create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def scheduler_side(engine_config: Any) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.engines.vllm_connector import KvfabricConnector
+
+    config = engine_config
 
     def make(chunks: int) -> Any:
         connector = KvfabricConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config=None)
@@ -225,3 +231,76 @@ def test_a_lookup_cancelled_while_vllm_waits_for_it_is_a_miss(scheduler_side: An
     assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
     client.lookups[-1].cancel()
     assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+class FakeSaveClient:
+    """Records `save_async` calls (objects, and a future the test finishes); real save memory."""
+
+    def __init__(self, inflight_bytes: int) -> None:
+        from kvfabric.client.save_memory import SaveMemoryRegistry
+
+        self.settings = SimpleNamespace(save_inflight_bytes_max=inflight_bytes)
+        self.save_memory_registry = SaveMemoryRegistry()
+        self.saves: list[tuple[list[list[memoryview]], concurrent.futures.Future[Any] | None]] = []
+        self.drop = False
+
+    def save_memory(self, nbytes: int) -> Any:
+        return self.save_memory_registry.allocate(nbytes)
+
+    def save_async(self, tokens: list[int], objects: list[list[memoryview]], **_: Any) -> Any:
+        future: concurrent.futures.Future[Any] | None = None if self.drop else concurrent.futures.Future()
+        self.saves.append((objects, future))
+        return future
+
+    def close(self) -> None:
+        self.save_memory_registry.close()
+
+
+def test_the_worker_gathers_blocks_into_save_memory_and_gives_slots_back(engine_config: Any) -> None:
+    """A block of every layer is gathered into a slot of the client's save memory (a co-located
+    segment reads it in place); the slot goes back when its save is done, or at once when the
+    save was dropped; with no slot free a block is gathered into memory of its own."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.client.save_memory import SaveSlots
+    from kvfabric.engines.vllm_connector import KvfabricConnector, KvfabricMetadata, SaveSpec
+
+    connector = KvfabricConnector(engine_config, KVConnectorRole.WORKER, kv_cache_config=None)
+    connector.client.close()
+    layers = [torch.arange(6 * 64, dtype=torch.float32).reshape(6, 64) + 1000 * i for i in range(2)]
+    object_bytes = sum(layer[0].numel() * 4 for layer in layers)
+    client = FakeSaveClient(inflight_bytes=3 * object_bytes)  # three slots
+    connector.client = client  # type: ignore[assignment]
+    connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
+
+    def save(blocks: list[int]) -> None:
+        meta = KvfabricMetadata(saves=[SaveSpec("r", list(range(BLOCK * len(blocks))), 0, blocks)])
+        connector.bind_connector_metadata(meta)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+
+    def expected(block: int) -> bytes:
+        return b"".join(layer[block].numpy().tobytes() for layer in layers)
+
+    try:
+        save([1, 4])
+        ((objects, future),) = client.saves
+        assert [bytes(o[0]) for o in objects] == [expected(1), expected(4)]
+        registry = client.save_memory_registry
+        assert all(registry.staged(o[0]) is not None for o in objects)  # in save memory
+        slots = connector._save_slots
+        assert isinstance(slots, SaveSlots) and slots.free() == 1
+        save([2, 3])  # one slot left: the second block is gathered elsewhere
+        (second, _) = client.saves[1]
+        assert registry.staged(second[0][0]) is not None and registry.staged(second[1][0]) is None
+        assert bytes(second[1][0]) == expected(3)
+        assert future is not None
+        future.set_result(None)  # the first save is done: its two slots come back
+        assert slots.free() == 2
+        client.drop = True
+        save([5])  # dropped by the client (over its limits): the slot comes back at once
+        assert slots.free() == 2
+    finally:
+        del objects, second
+        connector.shutdown()

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from kvfabric.client.save_memory import SAVE_MEMORY_MAX, SaveMemoryRegistry
+from kvfabric.client.save_memory import SAVE_MEMORY_MAX, SaveMemoryRegistry, SaveSlots
 from kvfabric.client.transfers import SegmentPool
 from kvfabric.dataplane.staging import STAGING_BYTES_MAX, STAGING_HEADER_BYTES, StagingFile
 from kvfabric.format.errors import BadRequest
@@ -166,3 +166,26 @@ def test_a_view_is_staged_by_the_memory_that_holds_it_only() -> None:
         assert registry.staged(memoryview(bytearray(100))) is None
     finally:
         registry.close()
+
+
+def test_save_slots_are_taken_last_in_first_out_and_given_back() -> None:
+    registry = SaveMemoryRegistry()
+    slots = SaveSlots(registry.allocate(3 * 4096 + 100), 4096)  # the tail is no slot
+    try:
+        assert slots.count == 3
+        taken = [slots.take() for _ in range(3)]
+        assert taken == [0, 1, 2] and slots.take() is None  # none free: gather elsewhere
+        slots.array(1)[:] = 7
+        assert bytes(slots.memory.view[4096:4100]) == b"\x07" * 4
+        ref = registry.staged(slots.array(1).data)
+        assert ref is not None and ref.offset == STAGING_HEADER_BYTES + 4096
+        slots.give_back([2, 0])
+        assert slots.free() == 2 and slots.take() == 2  # the one given back last
+        with pytest.raises(BadRequest):
+            SaveSlots(registry.allocate(100), 4096)
+    finally:
+        slots.close()
+        registry.close()
+    assert slots.memory.closed and slots.take() is None
+    with pytest.raises(ValueError, match="closed"):
+        slots.array(0)

@@ -36,7 +36,7 @@ from kvfabric.dataplane.staging import STAGING_BYTES_MAX, STAGING_HEADER_BYTES, 
 from kvfabric.format.errors import BadRequest
 from kvfabric.proto.dataplane import StagedBytes
 
-__all__ = ["SAVE_MEMORY_MAX", "SaveMemory", "SaveMemoryRegistry"]
+__all__ = ["SAVE_MEMORY_MAX", "SaveMemory", "SaveMemoryRegistry", "SaveSlots"]
 
 # Save memories one client holds open at once: a connection's segment keeps at most
 # FILES_PER_CONNECTION_MAX (8) staging files open, one of them the connection's own.
@@ -132,3 +132,47 @@ class SaveMemoryRegistry:
         for memory in self._open:
             with contextlib.suppress(BufferError):
                 memory.close()
+
+
+class SaveSlots:
+    """Fixed-size slots of one save memory, for an engine whose objects are all one size (vLLM's
+    block of every layer): `take` a slot, gather an object into it (`array`), save it, and
+    `give_back` the slot once that save is done (from the save future's callback: any thread).
+    No slot free means the caller gathers into memory of its own, as without save memory. Slots
+    are reused last-in first-out, so a memory larger than the saves in flight need is only ever
+    touched (given pages) where they ran."""
+
+    def __init__(self, memory: SaveMemory, slot_bytes: int) -> None:
+        if not 0 < slot_bytes <= memory.nbytes:
+            raise BadRequest(f"slots of {slot_bytes} bytes in a save memory of {memory.nbytes}")
+        self.memory = memory
+        self.slot_bytes = slot_bytes
+        self.count = memory.nbytes // slot_bytes
+        self._array: np.ndarray | None = np.frombuffer(memory.view, np.uint8)
+        self._free = list(range(self.count - 1, -1, -1))  # a stack: slot 0 first
+        self._lock = threading.Lock()
+
+    def take(self) -> int | None:
+        with self._lock:
+            return self._free.pop() if self._free and self._array is not None else None
+
+    def array(self, slot: int) -> np.ndarray:
+        """Slot `slot`'s bytes, writable (only between its `take` and its `give_back`)."""
+        if self._array is None:
+            raise ValueError("these save slots are closed")
+        return self._array[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+
+    def give_back(self, slots: list[int]) -> None:
+        with self._lock:
+            self._free.extend(reversed(slots))
+
+    def free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def close(self) -> None:
+        """Take no more slots and close the memory (`BufferError` while a save still views it:
+        the client's close then closes it, once nothing does)."""
+        with self._lock:
+            self._array = None
+        self.memory.close()

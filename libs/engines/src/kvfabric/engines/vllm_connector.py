@@ -58,6 +58,8 @@ docs/engines.md says why it is left to inherit vLLM's pinned compute CPU by defa
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
 import logging
 import os
 import sys
@@ -76,6 +78,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvfabric.client import ClientSettings, EngineSpec, Hit, KvClient, settings_from_env
+from kvfabric.client.save_memory import SaveSlots
+from kvfabric.dataplane.staging import STAGING_BYTES_MAX
 from kvfabric.engines.identity import attn_config_digest, weights_digest_of_dir
 from kvfabric.engines.vllm_plan import POLICY_SETTING, RECOMPUTE, plan_load, policy_refusal
 from kvfabric.format.errors import KvfError
@@ -96,6 +100,7 @@ log = logging.getLogger("kvfabric.engines.vllm")
 _CLIENT_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(ClientSettings))
 # How long the scheduler waits for a new request's lookup before answering "ask again".
 LOOKUP_WAIT_MS_DEFAULT: Final = 20
+SAVE_MEMORY_BYTES_MAX: Final = STAGING_BYTES_MAX  # the worker's save memory (KvClient.save_memory)
 # `kvfabric_client_fallbacks_total` causes counted by the connector (docs/metrics.md)
 CAUSE_BLOCK_MISMATCH: Final = "vllm_block_mismatch"  # block list shorter than the hit: recompute
 CAUSE_NO_KV_CACHES: Final = "vllm_no_kv_caches"  # worker found no KV cache tensors: recompute
@@ -125,6 +130,11 @@ class KvfabricMetadata(KVConnectorMetadata):
     # Blocks of external tokens the scheduler could not plan a load for: the worker reports
     # them through get_block_ids_with_load_errors, so vLLM recomputes them.
     load_errors: list[int] = field(default_factory=list)
+
+
+def _give_back(slots: SaveSlots, taken: list[int], _done: object) -> None:
+    """A save's slots back to its worker's save memory once the save is done (any thread)."""
+    slots.give_back(taken)
 
 
 def _result(lookup: concurrent.futures.Future[Hit]) -> Hit | None:
@@ -274,6 +284,9 @@ class KvfabricConnector(KVConnectorBase_V1):
         # worker side
         self._kv_caches: list[torch.Tensor] = []
         self._layer_bytes: list[npt.NDArray[np.uint8]] = []  # _layers()
+        # Save memory the worker gathers blocks into (`_slots`): a co-located segment reads them
+        # from there, with no copy by the client; made at the first save (False: cannot be had).
+        self._save_slots: SaveSlots | bool | None = None
         self._load_errors: set[int] = set()
 
     # ---- the failure policy ----------------------------------------------------------------
@@ -573,13 +586,43 @@ class KvfabricConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvfabricMetadata) or not meta.saves or not self._caches(None):
             return
+        layers = self._layers()
+        slots = self._slots(sum(layer.shape[1] for layer in layers))
         for save in meta.saves:
-            # Copies: the client owns them, vLLM may reuse the blocks as soon as we return.
-            layers = self._layers()
-            objects = [[np.concatenate([layer[b] for layer in layers]).data] for b in save.block_ids]
-            self.client.save_async(
+            # Copies: the client owns them, vLLM may reuse the blocks as soon as we return. Into
+            # save memory while it has a free slot (given back when the save is done), else
+            # into memory of their own.
+            objects, taken = [], []
+            for b in save.block_ids:
+                slot = slots.take() if slots is not None else None
+                if slots is None or slot is None:
+                    objects.append([np.concatenate([layer[b] for layer in layers]).data])
+                    continue
+                out = slots.array(slot)
+                np.concatenate([layer[b] for layer in layers], out=out)
+                objects.append([out.data])
+                taken.append(slot)
+            future = self.client.save_async(
                 save.token_ids, objects, first_chunk=save.first_chunk, trace_id=save.req_id
             )
+            if taken and slots is not None:
+                if future is None:  # dropped: nothing reads them
+                    slots.give_back(taken)
+                else:
+                    future.add_done_callback(functools.partial(_give_back, slots, taken))
+
+    def _slots(self, block_object_bytes: int) -> SaveSlots | None:
+        """The worker's save slots, one object (a block of every layer) each, in save memory as
+        large as the client's in-flight save bytes (at most 1 GiB); None where there is none."""
+        if self._save_slots is None:
+            try:
+                size = min(self.client.settings.save_inflight_bytes_max, SAVE_MEMORY_BYTES_MAX)
+                size -= size % block_object_bytes
+                self._save_slots = SaveSlots(self.client.save_memory(size), block_object_bytes)
+            except (KvfError, OSError) as exc:
+                log.warning("kvfabric: no save memory (%s): saves gather into memory of their own", exc)
+                self._save_slots = False
+        return self._save_slots if isinstance(self._save_slots, SaveSlots) else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -588,5 +631,8 @@ class KvfabricConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         """vLLM calls this when the engine stops: saves still running finish (bounded by
         `save_timeout_ms`), leases are released, then the connections close."""
+        if isinstance(self._save_slots, SaveSlots):
+            with contextlib.suppress(BufferError):  # a save still viewing it: the client closes it
+                self._save_slots.close()
         self.client.close()
         log.info("kvfabric: connector closed (%s side)", self.role.name.lower())
