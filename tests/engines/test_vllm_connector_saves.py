@@ -302,5 +302,7 @@ def test_the_worker_gathers_blocks_into_save_memory_and_gives_slots_back(engine_
         save([5])  # dropped by the client (over its limits): the slot comes back at once
         assert slots.free() == 2
     finally:
-        del objects, second
+        client.saves.clear()  # the views of save memory the fake client kept, and ours
+        objects = second = []
         connector.shutdown()
+    assert isinstance(slots, SaveSlots) and slots.memory.closed

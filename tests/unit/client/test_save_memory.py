@@ -180,7 +180,7 @@ def test_save_slots_are_taken_last_in_first_out_and_given_back() -> None:
         ref = registry.staged(slots.array(1).data)
         assert ref is not None and ref.offset == STAGING_HEADER_BYTES + 4096
         slots.give_back([2, 0])
-        assert slots.free() == 2 and slots.take() == 2  # the one given back last
+        assert slots.free() == 2 and slots.take() == 2  # the first of those given back: LIFO order
         with pytest.raises(BadRequest):
             SaveSlots(registry.allocate(100), 4096)
     finally:

@@ -5,6 +5,8 @@ link's name already says it is not a staging memfd)."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import os
 import secrets
@@ -13,7 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 from kvfabric.dataplane.staging import (
+    F_SEAL_FUTURE_WRITE,
     FILES_PER_CONNECTION_MAX,
+    MEMFD_SEALS,
     STAGING_BYTES_MAX,
     STAGING_HEADER_BYTES,
     STAGING_MAGIC,
@@ -57,19 +61,28 @@ def test_a_memfd_is_mapped_and_copied_into_the_slot(
         staging.close()
 
 
-def test_a_writer_cannot_shrink_or_grow_its_memfd() -> None:
-    """What makes the mapping safe: a truncation that would fault the segment's copy fails."""
+def test_a_writer_cannot_shrink_grow_or_punch_its_memfd() -> None:
+    """What makes the mapping safe: a truncation that would fault the segment's copy fails, and
+    so does a hole punched under it (the page the copy then faulted in would be the segment's
+    to pay for); the writer still writes through its own mapping."""
     staging = StagingFile("/dev/shm", 8192)
     try:
         for size in (0, STAGING_HEADER_BYTES, 1 << 30):
             with pytest.raises(PermissionError):
                 os.truncate(staging.path, size)
+        libc = ctypes.CDLL(None, use_errno=True)
+        punch = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+        assert libc.fallocate(staging._fd, punch, ctypes.c_long(4096), ctypes.c_long(4096)) == -1
+        assert ctypes.get_errno() == errno.EPERM
+        with pytest.raises(PermissionError):
+            os.pwrite(staging._fd, b"x", 4096)
+        staging.stage(memoryview(b"still writable"))
     finally:
         staging.close()
 
 
 def memfd(
-    name: str | None = None, *, seals: int = fcntl.F_SEAL_SHRINK, data_bytes: int = 8192, flags: int = 0
+    name: str | None = None, *, seals: int = MEMFD_SEALS, data_bytes: int = 8192, flags: int = 0
 ) -> tuple[int, StagedBytes]:
     """A hand-made memfd with a staging header; returns its descriptor and a reference to it."""
     name = name if name is not None else f"kvf-stage-{secrets.token_hex(16)}"
@@ -90,14 +103,15 @@ def refused(files: StagingFiles, staged: StagedBytes, size: int = 10) -> KvfErro
     return caught.value
 
 
-def test_a_memfd_that_could_shrink_is_refused(files: StagingFiles) -> None:
-    for seals in (0, fcntl.F_SEAL_GROW, fcntl.F_SEAL_SEAL):
+def test_a_memfd_that_could_shrink_grow_or_be_punched_is_refused(files: StagingFiles) -> None:
+    shrink, grow = fcntl.F_SEAL_SHRINK, fcntl.F_SEAL_GROW
+    for seals in (0, grow, fcntl.F_SEAL_SEAL, shrink, shrink | grow, shrink | F_SEAL_FUTURE_WRITE):
         fd, staged = memfd(seals=seals)
         try:
             assert isinstance(refused(files, staged), BadRequest), seals
         finally:
             os.close(fd)
-    fd, staged = memfd(seals=fcntl.F_SEAL_SHRINK)  # the control: the same file sealed is read
+    fd, staged = memfd(seals=MEMFD_SEALS)  # the control: the same file sealed is read
     try:
         assert files.read_into(CONN, staged, memoryview(bytearray(10))) == checksum(bytes(10))
     finally:
@@ -288,3 +302,34 @@ def test_a_connection_keeps_one_file_of_its_own_and_its_save_memory(files: Stagi
     finally:
         for staging in (memory, *own):
             staging.close()
+
+
+def test_a_link_swapped_to_a_fifo_is_only_ever_taken_as_a_path(
+    files: StagingFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every name check is made to pass (as a writer racing the checks could): the FIFO is taken
+    as an O_PATH descriptor, refused on its mount before anything asks its filesystem (a FUSE
+    file's fstat would wait on the writer's daemon), and never opened for reading."""
+    read_end, write_end = os.pipe()
+    opened: list[int] = []
+    statted: list[int] = []
+    real_open, real_fstat = os.open, os.fstat
+
+    def recording_open(path: str, flags: int, *args: int) -> int:
+        opened.append(flags)
+        return real_open(path, flags, *args)
+
+    def recording_fstat(fd: int) -> os.stat_result:
+        statted.append(fd)
+        return real_fstat(fd)
+
+    monkeypatch.setattr(os, "readlink", lambda path: f"/memfd:kvf-stage-{'ab' * 16} (deleted)")
+    monkeypatch.setattr(os, "open", recording_open)
+    monkeypatch.setattr(os, "fstat", recording_fstat)
+    try:
+        refused(files, StagedBytes(f"/proc/{os.getpid()}/fd/{read_end}", bytes(16), STAGING_HEADER_BYTES))
+        assert opened and all(flags & os.O_PATH for flags in opened)
+        assert statted == []
+    finally:
+        os.close(read_end)
+        os.close(write_end)

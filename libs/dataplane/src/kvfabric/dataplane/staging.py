@@ -6,21 +6,23 @@ into it (or the engine gathered it there); its PUT then carries `StagedBytes(pat
 offset)` and no payload. Two kinds of file:
 
 - **A sealed memfd** (the default): `memfd_create("kvf-stage-<32 hex>")` (`kvf-save-` for save
-  memory), mode 0600, sealed against shrinking and growing before anyone else sees it, named to
+  memory), mode 0600, mapped by its writer and then sealed against shrinking, growing and any
+  write other than through that mapping (`MEMFD_SEALS`) before anyone else sees it, named to
   the segment as `/proc/<writer pid>/fd/<fd>`. The segment takes that link as an `O_PATH`
   descriptor (which opens nothing: the link could name a device, a FIFO or a FUSE file of the
   writer's, and the writer can swap the descriptor behind the number at any time) and checks
-  the file through it: its name (`/memfd:kvf-stage-<32 hex> (deleted)`), a regular file on
-  tmpfs (not hugetlbfs, whose faults can fail with SIGBUS). Only then does it open that same
-  file read-only (through its own `/proc/self/fd` link), require `F_SEAL_SHRINK`, check the
-  size and the header, and **map** it read-only — one mapping a file, shared by every
+  the file through it: its name (`/memfd:kvf-stage-<32 hex> (deleted)`), then its mount (read
+  from `/proc/self/fdinfo`, which asks the file's filesystem nothing: the kernel's internal
+  memfd mount, so no FUSE daemon is ever waited on), a regular file on tmpfs (not hugetlbfs,
+  whose faults can fail with SIGBUS). Only then does it open that same file read-only (through
+  its own `/proc/self/fd` link), require the seals, check the size and the header, and **map**
+  it read-only — one mapping a file, shared by every
   connection that holds it, so its pages are faulted into the segment once — and copy each
   object into the slot with numpy (GIL released). A mapping is safe here because the file can
   never become shorter than the mapping: a writer cannot make the segment fault (SIGBUS) by
-  truncating it. An object whose range has a hole (never written, or punched) is read with
-  `preadv` instead: a read fault through the mapping would allocate that page in the writer's
-  file, charged to the segment (a hole punched between that check and the copy costs at most
-  the object's bytes). The copy from a mapping runs at memcpy speed: 11.4 GB/s against 4.8 for
+  truncating it. An object whose range has a hole (a page never written: the seals forbid
+  punching one later) is read with `preadv` instead (`mincore` over its pages): a read fault
+  through the mapping would allocate that page in the writer's file, charged to the segment. The copy from a mapping runs at memcpy speed: 11.4 GB/s against 4.8 for
   `preadv` from the same tmpfs pages on the dev VM (2026-12-05, 8 × 16 MiB, median of 10),
   which bounded a co-located save's large objects. Nothing is ever named in /dev/shm, so a
   writer killed at any instant leaks nothing.
@@ -58,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import hmac
 import mmap
 import os
@@ -94,6 +97,12 @@ MEMFD_LINK: Final = re.compile(r"/memfd:kvf-(stage|save)-[0-9a-f]{32} \(deleted\
 # Staging files one connection holds open at the segment: its own, and save memory the client's
 # engine fills (`kvfabric.client.save_memory`); more are closed least recently used first.
 FILES_PER_CONNECTION_MAX: Final = 8
+# What a staging memfd must be sealed against: shrinking (a mapping past the end would SIGBUS),
+# growing (its size is its mapping's), and writes other than through the writer's own mapping
+# (F_SEAL_FUTURE_WRITE, Linux 5.1; not in Python 3.11's fcntl): no hole can be punched, so the
+# segment's copy never faults in a page the writer's file did not hold when it was checked.
+F_SEAL_FUTURE_WRITE: Final = 0x0010
+MEMFD_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
 TMPFS_MAGIC: Final = 0x01021994  # memfds live on the kernel's internal tmpfs (hugetlbfs: 0x958458F6)
 READ_PIECE_BYTES: Final = 1 << 20  # read, then hashed while in cache (the TCP receive's piece size)
 
@@ -133,12 +142,12 @@ class StagingFile:
             if self.memfd:
                 os.fchmod(fd, 0o600)  # a memfd is made 0777: only its writer's user may open it
             os.ftruncate(fd, total)
-            if self.memfd:  # fixed size before anyone else can open it: the segment may map it
-                fcntl.fcntl(
-                    fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-                )
-            self._map = mmap.mmap(fd, total)
+            self._map = mmap.mmap(fd, total)  # before the seals: FUTURE_WRITE refuses new writable maps
+            if self.memfd:  # sealed before anyone else can open it (`MEMFD_SEALS`): the segment may map it
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, MEMFD_SEALS | fcntl.F_SEAL_SEAL)
         except BaseException:
+            if hasattr(self, "_map"):
+                self._map.close()
             os.close(fd)
             if not self.memfd:
                 os.unlink(self.path)
@@ -208,9 +217,9 @@ class _Held:
     path: str
     nonce: bytes
     fd: int
-    size: int  # the file's bytes, header included (a memfd's cannot change)
+    size: int  # the file's bytes, header included (a memfd's cannot change: sealed)
     save_memory: bool = False  # an engine's save memory (kept, several), not a connection's own file
-    key: tuple[int, int] = (0, 0)  # (st_dev, st_ino): the shared mapping's key
+    key: tuple[int, int, bytes] = (0, 0, b"")  # (st_dev, st_ino, nonce): the shared mapping's key
     shared: _Mapping | None = None
 
 
@@ -225,7 +234,7 @@ class StagingFiles:
         self.directory = os.path.realpath(directory)
         # conn -> its open files by path, least recently used first (at most FILES_PER_CONNECTION_MAX)
         self._files: dict[int, OrderedDict[str, _Held]] = {}
-        self._mappings: dict[tuple[int, int], _Mapping] = {}
+        self._mappings: dict[tuple[int, int, bytes], _Mapping] = {}
         self._lock = threading.Lock()
 
     def read_into(self, conn: int, staged: StagedBytes, dest: memoryview) -> bytes:
@@ -319,8 +328,9 @@ class StagingFiles:
         """The writer's sealed memfd through its `/proc/<pid>/fd/<n>` link. The link could name
         any file its process holds (a device, a FIFO, a FUSE file whose open would wait on the
         writer), and the writer can swap the descriptor at any time: so the link is taken as an
-        `O_PATH` descriptor (no open of the file itself), checked through that (its name, a
-        regular file on tmpfs, not hugetlbfs, whose faults can fail with SIGBUS), and only that
+        `O_PATH` descriptor (no open of the file itself), checked through that (its name, the
+        memfd mount before anything asks the file's filesystem, a regular file on tmpfs, not
+        hugetlbfs, whose faults can fail with SIGBUS), and only that
         file is then opened read-only (through the segment's own `/proc/self/fd` link: the
         writer's descriptor table is not looked at again). Then its seals, size and header; then
         its shared mapping."""
@@ -332,8 +342,11 @@ class StagingFiles:
             raise BadRequest(f"cannot open the staging memfd: {exc.strerror}", staging=True) from None
         try:
             match = _memfd_name(f"/proc/self/fd/{path_fd}")
+            # The mount first (read from /proc, which asks the file's filesystem nothing): a FUSE
+            # file's fstat would wait on its daemon, the writer's.
             if (
                 match is None
+                or _mount_id(path_fd) != _memfd_mount_id()
                 or not stat.S_ISREG(os.fstat(path_fd).st_mode)
                 or _fs_type(path_fd) != TMPFS_MAGIC
             ):
@@ -348,11 +361,12 @@ class StagingFiles:
             os.close(path_fd)
         try:
             info = os.fstat(fd)
-            if not _seals(fd) & fcntl.F_SEAL_SHRINK or not (
+            if _seals(fd) & MEMFD_SEALS != MEMFD_SEALS or not (
                 STAGING_HEADER_BYTES < info.st_size <= STAGING_HEADER_BYTES + STAGING_BYTES_MAX
             ):
                 raise BadRequest(
-                    f"a staging memfd must be sealed against shrinking, 1..{STAGING_BYTES_MAX} data bytes",
+                    "a staging memfd must be sealed against shrinking, growing and new writes, "
+                    f"1..{STAGING_BYTES_MAX} data bytes",
                     staging=True,
                 )
             self._check_header(fd, staged)
@@ -362,7 +376,7 @@ class StagingFiles:
                 fd,
                 info.st_size,
                 save_memory=match.group(1) == "save",
-                key=(info.st_dev, info.st_ino),
+                key=(info.st_dev, info.st_ino, staged.nonce),
             )
             held.shared = self._share_mapping(held)
         except BaseException:
@@ -376,6 +390,8 @@ class StagingFiles:
         with self._lock:
             shared = self._mappings.get(held.key)
             if shared is not None:
+                if len(shared.mapping) != held.size:  # sealed against it: never, but never copy past it
+                    raise BadRequest("the staging memfd changed size", staging=True)
                 shared.users += 1
                 return shared
             mapping = mmap.mmap(held.fd, held.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
@@ -421,6 +437,28 @@ def _memfd_name(link: str) -> re.Match[str] | None:
         return MEMFD_LINK.match(os.readlink(link))
     except OSError:
         return None
+
+
+def _mount_id(fd: int) -> int:
+    """The mount of `fd`'s file (`/proc/self/fdinfo`: answered by procfs alone), or -1."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as info:
+            for line in info:
+                if line.startswith("mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return -1
+
+
+@functools.cache
+def _memfd_mount_id() -> int:
+    """The kernel's internal mount every memfd lives on (one of our own, asked once)."""
+    fd = os.memfd_create("kvf-mount-probe", os.MFD_CLOEXEC)
+    try:
+        return _mount_id(fd)
+    finally:
+        os.close(fd)
 
 
 def _is_staging_memfd(link: str) -> bool:

@@ -593,18 +593,23 @@ class KvfabricConnector(KVConnectorBase_V1):
             # save memory while it has a free slot (given back when the save is done), else
             # into memory of their own.
             objects, taken = [], []
-            for b in save.block_ids:
-                slot = slots.take() if slots is not None else None
-                if slots is None or slot is None:
-                    objects.append([np.concatenate([layer[b] for layer in layers]).data])
-                    continue
-                out = slots.array(slot)
-                np.concatenate([layer[b] for layer in layers], out=out)
-                objects.append([out.data])
-                taken.append(slot)
-            future = self.client.save_async(
-                save.token_ids, objects, first_chunk=save.first_chunk, trace_id=save.req_id
-            )
+            try:
+                for b in save.block_ids:
+                    slot = slots.take() if slots is not None else None
+                    if slots is None or slot is None:
+                        objects.append([np.concatenate([layer[b] for layer in layers]).data])
+                        continue
+                    taken.append(slot)
+                    out = slots.array(slot)
+                    np.concatenate([layer[b] for layer in layers], out=out)
+                    objects.append([out.data])
+                future = self.client.save_async(
+                    save.token_ids, objects, first_chunk=save.first_chunk, trace_id=save.req_id
+                )
+            except BaseException:
+                if slots is not None:
+                    slots.give_back(taken)
+                raise
             if taken and slots is not None:
                 if future is None:  # dropped: nothing reads them
                     slots.give_back(taken)
