@@ -16,16 +16,16 @@ offset)` and no payload. Two kinds of file:
   memfd mount, so no FUSE daemon is ever waited on), a regular file on tmpfs (not hugetlbfs,
   whose faults can fail with SIGBUS). Only then does it open that same file read-only (through
   its own `/proc/self/fd` link), require the seals, check the size and the header, and **map**
-  it read-only — one mapping a file, shared by every
-  connection that holds it, so its pages are faulted into the segment once — and copy each
-  object into the slot with numpy (GIL released). A mapping is safe here because the file can
-  never become shorter than the mapping: a writer cannot make the segment fault (SIGBUS) by
-  truncating it. An object whose range has a hole (a page never written: the seals forbid
-  punching one later) is read with `preadv` instead (`mincore` over its pages): a read fault
-  through the mapping would allocate that page in the writer's file, charged to the segment. The copy from a mapping runs at memcpy speed: 11.4 GB/s against 4.8 for
-  `preadv` from the same tmpfs pages on the dev VM (2026-12-05, 8 × 16 MiB, median of 10),
-  which bounded a co-located save's large objects. Nothing is ever named in /dev/shm, so a
-  writer killed at any instant leaks nothing.
+  it read-only — one mapping a file, shared by every connection that holds it, so its pages
+  are faulted into the segment once — and copy each object into the slot with numpy (GIL
+  released). A mapping is safe here because the file can never become shorter than the
+  mapping: a writer cannot make the segment fault (SIGBUS) by truncating it. An object whose
+  range has a hole (a page never written: the seals forbid punching one later) is read with
+  `preadv` instead (`mincore` over its pages): a read fault through the mapping would allocate
+  that page in the writer's file, charged to the segment. The copy from a mapping runs at
+  memcpy speed: 11.4 GB/s against 4.8 for `preadv` from the same tmpfs pages on the dev VM
+  (2026-12-05, 8 × 16 MiB, median of 10), which bounded a co-located save's large objects.
+  Nothing is ever named in /dev/shm, so a writer killed at any instant leaks nothing.
 - **A file beside the arena** (`/dev/shm/kvf-stage-<32 hex>`, mode 0600, created `O_EXCL`):
   for a segment that cannot open the writer's `/proc` links (another pid namespace sharing the
   arena's folder, another user) or is older than memfd staging. The segment opens it read-only
@@ -251,10 +251,10 @@ class StagingFiles:
         ):
             raise BadRequest("staged bytes outside the staging file", staging=True, offset=staged.offset)
         mapped = held.shared.mapped if held.shared is not None else None
-        # A hole (a page never written, or punched since) is read with preadv: through the mapping
-        # its read fault would allocate a page of the writer's file, charged to the segment. A hole
-        # punched after this check costs at most this object's bytes. (mincore: the object's pages
-        # only; lseek(SEEK_HOLE) walks every page up to the file's first hole, 0.65 ms per 100 MiB.)
+        # A hole (a page never written; the seals forbid punching one later) is read with preadv:
+        # through the mapping its read fault would allocate a page of the writer's file, charged
+        # to the segment. (mincore: the object's pages only; lseek(SEEK_HOLE) walks every page up
+        # to the file's first hole, 0.65 ms per 100 MiB.)
         if mapped is not None and not _resident(mapped, staged.offset, len(dest)):
             mapped = None
         digest = StreamingChecksum()
