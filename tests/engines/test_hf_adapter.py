@@ -7,6 +7,7 @@ or the directory does not answer (then it recomputes), and when the cache cannot
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from kvfabric.client import ClientSettings, KvClient
+from kvfabric.client.save_memory import SaveSlots
 from kvfabric.engines.hf import HfKvAdapter, hf_engine_spec
 from kvfabric.format.key import ShareDomain
 from kvfabric.testing import NatsServer, ServiceProcess
@@ -83,8 +85,17 @@ def test_fresh_engine_loads_the_prefix_and_outputs_identical_tokens(
     first = engine(model_dir, nats_server)
     try:
         saved(first, ids)
+        # gathered into the adapter's save memory, read by the co-located segment in place
+        assert first.client.aio.pool.save_memory_puts == 10
+        slots = first._save_slots
+        assert isinstance(slots, SaveSlots)
+        deadline = time.monotonic() + 5  # given back by the save future's callback, just after it
+        while slots.free() < slots.count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert slots.free() == slots.count  # every slot back
     finally:
         first.client.close()
+    assert slots.memory.closed  # nothing viewed it any more: the client's close closed it
     second = engine(model_dir, nats_server)
     try:
         result = second.generate(ids, max_new_tokens=NEW_TOKENS)

@@ -6,6 +6,7 @@ confirms answered in process (no NATS)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 
 import numpy as np
@@ -189,3 +190,23 @@ def test_save_slots_are_taken_last_in_first_out_and_given_back() -> None:
     assert slots.memory.closed and slots.take() is None
     with pytest.raises(ValueError, match="closed"):
         slots.array(0)
+
+
+def test_save_slots_go_back_when_their_save_is_done_or_dropped() -> None:
+    registry = SaveMemoryRegistry()
+    slots = SaveSlots(registry.allocate(4 * 4096), 4096)
+    try:
+        taken = [slots.take(), slots.take()]
+        assert None not in taken and slots.free() == 2
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        slots.give_back_when_done(future, [s for s in taken if s is not None])
+        assert slots.free() == 2  # the save still reads them
+        future.set_result(None)
+        assert slots.free() == 4
+        dropped = slots.take()
+        assert dropped is not None
+        slots.give_back_when_done(None, [dropped])  # the client dropped that save
+        assert slots.free() == 4
+    finally:
+        slots.close()
+        registry.close()

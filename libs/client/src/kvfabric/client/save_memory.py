@@ -26,9 +26,10 @@ segment holds a bounded number of staging files per connection (`FILES_PER_CONNE
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -148,23 +149,35 @@ class SaveSlots:
         self.memory = memory
         self.slot_bytes = slot_bytes
         self.count = memory.nbytes // slot_bytes
-        self._array: np.ndarray | None = np.frombuffer(memory.view, np.uint8)
         self._free = list(range(self.count - 1, -1, -1))  # a stack: slot 0 first
+        self._closed = False
         self._lock = threading.Lock()
 
     def take(self) -> int | None:
         with self._lock:
-            return self._free.pop() if self._free and self._array is not None else None
+            return self._free.pop() if self._free and not self._closed else None
 
     def array(self, slot: int) -> np.ndarray:
-        """Slot `slot`'s bytes, writable (only between its `take` and its `give_back`)."""
-        if self._array is None:
-            raise ValueError("these save slots are closed")
-        return self._array[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+        """Slot `slot`'s bytes, writable (only between its `take` and its `give_back`). Its own
+        view of the memory: once every slot's array is dropped, nothing holds the memory open
+        (the client's close can close it)."""
+        if self._closed or not 0 <= slot < self.count:
+            raise ValueError("these save slots are closed" if self._closed else f"no slot {slot}")
+        return np.frombuffer(self.memory.view, np.uint8, self.slot_bytes, slot * self.slot_bytes)
 
     def give_back(self, slots: list[int]) -> None:
         with self._lock:
             self._free.extend(reversed(slots))
+
+    def give_back_when_done(self, future: concurrent.futures.Future[Any] | None, slots: list[int]) -> None:
+        """`slots` back once the save that reads them is done (`future`: `save_async`'s; None, a
+        save the client dropped, gives them back at once)."""
+        if not slots:
+            return
+        if future is None:
+            self.give_back(slots)
+        else:
+            future.add_done_callback(lambda _: self.give_back(slots))
 
     def free(self) -> int:
         with self._lock:
@@ -174,5 +187,5 @@ class SaveSlots:
         """Take no more slots and close the memory (`BufferError` while a save still views it:
         the client's close then closes it, once nothing does)."""
         with self._lock:
-            self._array = None
+            self._closed = True
         self.memory.close()

@@ -23,7 +23,10 @@ from typing import Any, Final
 import torch
 
 from kvfabric.client import EngineSpec, Hit, KvClient, SaveResult
+from kvfabric.client.save_memory import SaveSlots
+from kvfabric.dataplane.staging import STAGING_BYTES_MAX
 from kvfabric.engines.identity import attn_config_digest
+from kvfabric.format.errors import KvfError
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
 
 __all__ = ["TENSOR_LAYOUT", "GenerateResult", "HfKvAdapter", "PrefixLoad", "hf_engine_spec", "weights_digest"]
@@ -116,6 +119,7 @@ class HfKvAdapter:
         self.dtype = next(model.parameters()).dtype
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.chunk_bytes = self.layers * 2 * self.kv_heads * self.tpc * self.head_dim * itemsize
+        self._save_slots: SaveSlots | bool | None = None  # made at the first save (False: none)
 
     # ---- load ------------------------------------------------------------------------------
 
@@ -162,16 +166,41 @@ class HfKvAdapter:
 
     # ---- save ------------------------------------------------------------------------------
 
-    def chunk_objects(self, cache: Any, first_chunk: int, last_chunk: int) -> list[list[memoryview]]:
-        """Copies of chunks `first_chunk..last_chunk-1` of `cache` in the object layout."""
+    def chunk_objects(
+        self, cache: Any, first_chunk: int, last_chunk: int, taken: list[int] | None = None
+    ) -> list[list[memoryview]]:
+        """Copies of chunks `first_chunk..last_chunk-1` of `cache` in the object layout. With
+        `taken`, each into a free slot of the adapter's save memory (its number appended: a
+        co-located segment reads it in place, `KvClient.save_memory`), else into memory of its
+        own."""
         layers = _cache_layers(cache)
+        slots = self._slots() if taken is not None else None
         objects: list[list[memoryview]] = []
         for c in range(first_chunk, last_chunk):
             s, e = c * self.tpc, (c + 1) * self.tpc
             parts = [t[0, :, s:e, :].reshape(-1) for k, v in layers for t in (k, v)]
-            blob = torch.cat(parts).contiguous()
-            objects.append([blob.view(torch.uint8).numpy().data])
+            slot = slots.take() if slots is not None else None
+            if slots is None or slot is None or taken is None:
+                blob = torch.cat(parts).contiguous()
+                objects.append([blob.view(torch.uint8).numpy().data])
+                continue
+            taken.append(slot)
+            out = slots.array(slot)
+            torch.cat(parts, out=torch.frombuffer(out, dtype=self.dtype))
+            objects.append([out.data])
         return objects
+
+    def _slots(self) -> SaveSlots | None:
+        """The adapter's save slots, one chunk object each, in save memory as large as the
+        client's in-flight save bytes (at most 1 GiB); None where there is none."""
+        if self._save_slots is None:
+            try:
+                size = min(self.client.settings.save_inflight_bytes_max, STAGING_BYTES_MAX)
+                size -= size % self.chunk_bytes
+                self._save_slots = SaveSlots(self.client.save_memory(size), self.chunk_bytes)
+            except (KvfError, OSError):
+                self._save_slots = False  # saves gather into memory of their own
+        return self._save_slots if isinstance(self._save_slots, SaveSlots) else None
 
     def save_prefix(
         self, token_ids: Sequence[int], cache: Any, *, first_chunk: int = 0, trace_id: str | None = None
@@ -181,10 +210,19 @@ class HfKvAdapter:
         last_chunk = min(len(token_ids), _cache_layers(cache)[0][0].shape[2]) // self.tpc
         if last_chunk <= first_chunk:
             return None
-        objects = self.chunk_objects(cache, first_chunk, last_chunk)
-        return self.client.save_async(
-            list(token_ids[: last_chunk * self.tpc]), objects, first_chunk=first_chunk
-        )
+        taken: list[int] = []
+        try:
+            objects = self.chunk_objects(cache, first_chunk, last_chunk, taken)
+            future = self.client.save_async(
+                list(token_ids[: last_chunk * self.tpc]), objects, first_chunk=first_chunk
+            )
+        except BaseException:
+            if isinstance(self._save_slots, SaveSlots):
+                self._save_slots.give_back(taken)
+            raise
+        if isinstance(self._save_slots, SaveSlots):
+            self._save_slots.give_back_when_done(future, taken)
+        return future
 
     # ---- generation ------------------------------------------------------------------------
 

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import os
 import sys
@@ -130,11 +129,6 @@ class KvfabricMetadata(KVConnectorMetadata):
     # Blocks of external tokens the scheduler could not plan a load for: the worker reports
     # them through get_block_ids_with_load_errors, so vLLM recomputes them.
     load_errors: list[int] = field(default_factory=list)
-
-
-def _give_back(slots: SaveSlots, taken: list[int], _done: object) -> None:
-    """A save's slots back to its worker's save memory once the save is done (any thread)."""
-    slots.give_back(taken)
 
 
 def _result(lookup: concurrent.futures.Future[Hit]) -> Hit | None:
@@ -610,11 +604,8 @@ class KvfabricConnector(KVConnectorBase_V1):
                 if slots is not None:
                     slots.give_back(taken)
                 raise
-            if taken and slots is not None:
-                if future is None:  # dropped: nothing reads them
-                    slots.give_back(taken)
-                else:
-                    future.add_done_callback(functools.partial(_give_back, slots, taken))
+            if slots is not None:
+                slots.give_back_when_done(future, taken)
 
     def _slots(self, block_object_bytes: int) -> SaveSlots | None:
         """The worker's save slots, one object (a block of every layer) each, in save memory as
