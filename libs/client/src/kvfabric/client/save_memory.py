@@ -28,16 +28,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import threading
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
 from kvfabric.dataplane.staging import STAGING_BYTES_MAX, STAGING_HEADER_BYTES, StagingFile
-from kvfabric.format.errors import BadRequest
+from kvfabric.format.errors import BadRequest, KvfError
 from kvfabric.proto.dataplane import StagedBytes
 
-__all__ = ["SAVE_MEMORY_MAX", "SaveMemory", "SaveMemoryRegistry", "SaveSlots"]
+if TYPE_CHECKING:
+    from kvfabric.client.sync import KvClient
+
+__all__ = ["SAVE_MEMORY_MAX", "SaveMemory", "SaveMemoryRegistry", "SaveSlots", "client_save_slots"]
+
+log = logging.getLogger("kvfabric.client.save_memory")
 
 # Save memories one client holds open at once: a connection's segment keeps at most
 # FILES_PER_CONNECTION_MAX (8) staging files open, one of them the connection's own.
@@ -71,8 +77,12 @@ class SaveMemory:
 
     def staged(self, data: memoryview) -> StagedBytes | None:
         """`data` by reference if it lies wholly in this memory, else None."""
-        at = address_of(data) - self.start
-        if self.closed or at < 0 or at + len(data) > self.nbytes:
+        return self.reference(address_of(data), len(data))
+
+    def reference(self, address: int, size: int) -> StagedBytes | None:
+        """The `size` bytes at `address` by reference if they lie wholly in this memory."""
+        at = address - self.start
+        if self.closed or at < 0 or at + size > self.nbytes:
             return None
         return StagedBytes(path=self._file.path, nonce=self._file.nonce, offset=STAGING_HEADER_BYTES + at)
 
@@ -119,8 +129,12 @@ class SaveMemoryRegistry:
 
     def staged(self, data: memoryview) -> StagedBytes | None:
         """`data` by reference into the save memory holding it, or None (not in any)."""
-        for memory in self._open:
-            ref = memory.staged(data)
+        memories = self._open
+        if not memories:
+            return None
+        address = address_of(data)  # once, not once a memory
+        for memory in memories:
+            ref = memory.reference(address, len(data))
             if ref is not None:
                 return ref
         return None
@@ -133,6 +147,18 @@ class SaveMemoryRegistry:
         for memory in self._open:
             with contextlib.suppress(BufferError):
                 memory.close()
+
+
+def client_save_slots(client: KvClient, slot_bytes: int) -> SaveSlots | None:
+    """An engine's save slots of `slot_bytes` each, in save memory as large as `client`'s
+    in-flight save bytes (`save_inflight_bytes_max`, at most `STAGING_BYTES_MAX`); None (logged)
+    where none can be had: the engine then gathers into memory of its own, as without."""
+    try:
+        size = min(client.settings.save_inflight_bytes_max, STAGING_BYTES_MAX)
+        return SaveSlots(client.save_memory(size - size % slot_bytes), slot_bytes)
+    except (KvfError, OSError) as exc:
+        log.warning("kvfabric: no save memory (%s): saves gather into memory of their own", exc)
+        return None
 
 
 class SaveSlots:

@@ -441,13 +441,10 @@ def _memfd_name(link: str) -> re.Match[str] | None:
 
 def _mount_id(fd: int) -> int:
     """The mount of `fd`'s file (`/proc/self/fdinfo`: answered by procfs alone), or -1."""
-    try:
-        with open(f"/proc/self/fdinfo/{fd}") as info:
-            for line in info:
-                if line.startswith("mnt_id:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/self/fdinfo/{fd}") as info:
+        for line in info:
+            if line.startswith("mnt_id:"):
+                return int(line.split()[1])
     return -1
 
 

@@ -18,15 +18,13 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import torch
 
 from kvfabric.client import EngineSpec, Hit, KvClient, SaveResult
-from kvfabric.client.save_memory import SaveSlots
-from kvfabric.dataplane.staging import STAGING_BYTES_MAX
+from kvfabric.client.save_memory import SaveSlots, client_save_slots
 from kvfabric.engines.identity import attn_config_digest
-from kvfabric.format.errors import KvfError
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
 
 __all__ = ["TENSOR_LAYOUT", "GenerateResult", "HfKvAdapter", "PrefixLoad", "hf_engine_spec", "weights_digest"]
@@ -119,7 +117,7 @@ class HfKvAdapter:
         self.dtype = next(model.parameters()).dtype
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.chunk_bytes = self.layers * 2 * self.kv_heads * self.tpc * self.head_dim * itemsize
-        self._save_slots: SaveSlots | bool | None = None  # made at the first save (False: none)
+        self._save_slots: SaveSlots | Literal[False] | None = None  # made at the first save (False: none)
 
     # ---- load ------------------------------------------------------------------------------
 
@@ -191,16 +189,10 @@ class HfKvAdapter:
         return objects
 
     def _slots(self) -> SaveSlots | None:
-        """The adapter's save slots, one chunk object each, in save memory as large as the
-        client's in-flight save bytes (at most 1 GiB); None where there is none."""
+        """The adapter's save slots, one chunk object each."""
         if self._save_slots is None:
-            try:
-                size = min(self.client.settings.save_inflight_bytes_max, STAGING_BYTES_MAX)
-                size -= size % self.chunk_bytes
-                self._save_slots = SaveSlots(self.client.save_memory(size), self.chunk_bytes)
-            except (KvfError, OSError):
-                self._save_slots = False  # saves gather into memory of their own
-        return self._save_slots if isinstance(self._save_slots, SaveSlots) else None
+            self._save_slots = client_save_slots(self.client, self.chunk_bytes) or False
+        return self._save_slots or None
 
     def save_prefix(
         self, token_ids: Sequence[int], cache: Any, *, first_chunk: int = 0, trace_id: str | None = None

@@ -58,13 +58,12 @@ docs/engines.md says why it is left to inherit vLLM's pinned compute CPU by defa
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import msgspec
 import numpy as np
@@ -77,8 +76,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvfabric.client import ClientSettings, EngineSpec, Hit, KvClient, settings_from_env
-from kvfabric.client.save_memory import SaveSlots
-from kvfabric.dataplane.staging import STAGING_BYTES_MAX
+from kvfabric.client.save_memory import SaveSlots, client_save_slots
 from kvfabric.engines.identity import attn_config_digest, weights_digest_of_dir
 from kvfabric.engines.vllm_plan import POLICY_SETTING, RECOMPUTE, plan_load, policy_refusal
 from kvfabric.format.errors import KvfError
@@ -99,7 +97,6 @@ log = logging.getLogger("kvfabric.engines.vllm")
 _CLIENT_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(ClientSettings))
 # How long the scheduler waits for a new request's lookup before answering "ask again".
 LOOKUP_WAIT_MS_DEFAULT: Final = 20
-SAVE_MEMORY_BYTES_MAX: Final = STAGING_BYTES_MAX  # the worker's save memory (KvClient.save_memory)
 # `kvfabric_client_fallbacks_total` causes counted by the connector (docs/metrics.md)
 CAUSE_BLOCK_MISMATCH: Final = "vllm_block_mismatch"  # block list shorter than the hit: recompute
 CAUSE_NO_KV_CACHES: Final = "vllm_no_kv_caches"  # worker found no KV cache tensors: recompute
@@ -280,7 +277,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         self._layer_bytes: list[npt.NDArray[np.uint8]] = []  # _layers()
         # Save memory the worker gathers blocks into (`_slots`): a co-located segment reads them
         # from there, with no copy by the client; made at the first save (False: cannot be had).
-        self._save_slots: SaveSlots | bool | None = None
+        self._save_slots: SaveSlots | Literal[False] | None = None
         self._load_errors: set[int] = set()
 
     # ---- the failure policy ----------------------------------------------------------------
@@ -608,17 +605,10 @@ class KvfabricConnector(KVConnectorBase_V1):
                 slots.give_back_when_done(future, taken)
 
     def _slots(self, block_object_bytes: int) -> SaveSlots | None:
-        """The worker's save slots, one object (a block of every layer) each, in save memory as
-        large as the client's in-flight save bytes (at most 1 GiB); None where there is none."""
+        """The worker's save slots, one object (a block of every layer) each."""
         if self._save_slots is None:
-            try:
-                size = min(self.client.settings.save_inflight_bytes_max, SAVE_MEMORY_BYTES_MAX)
-                size -= size % block_object_bytes
-                self._save_slots = SaveSlots(self.client.save_memory(size), block_object_bytes)
-            except (KvfError, OSError) as exc:
-                log.warning("kvfabric: no save memory (%s): saves gather into memory of their own", exc)
-                self._save_slots = False
-        return self._save_slots if isinstance(self._save_slots, SaveSlots) else None
+            self._save_slots = client_save_slots(self.client, block_object_bytes) or False
+        return self._save_slots or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -627,8 +617,5 @@ class KvfabricConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         """vLLM calls this when the engine stops: saves still running finish (bounded by
         `save_timeout_ms`), leases are released, then the connections close."""
-        if isinstance(self._save_slots, SaveSlots):
-            with contextlib.suppress(BufferError):  # a save still viewing it: the client closes it
-                self._save_slots.close()
-        self.client.close()
+        self.client.close()  # and its save memory, once no save views it
         log.info("kvfabric: connector closed (%s side)", self.role.name.lower())
