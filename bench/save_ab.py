@@ -9,7 +9,8 @@ client as well). Reports, per size, the median over rounds of the save's p50 and
 process's CPU per save, and B ÷ A.
 
 Run: `.venv/bin/python -m bench.save_ab --base HEAD~1 [--sizes 262144,1048576] [--saves 200]
-[--rounds 3] [--shm] [--json bench/results/x.json]` (`--shm`: a co-located client).
+[--rounds 3] [--shm] [--save-memory] [--json bench/results/x.json]` (`--shm`: a co-located
+client; `--save-memory`: it saves from its save memory, `KvClient.save_memory`).
 """
 
 from __future__ import annotations
@@ -36,13 +37,21 @@ def source_dirs(root: Path) -> list[str]:
 
 
 def run_once(
-    root: Path, size: int, saves: int, objects: int, out: Path, client_too: bool, shm: bool = False
+    root: Path,
+    size: int,
+    saves: int,
+    objects: int,
+    out: Path,
+    client_too: bool,
+    shm: bool = False,
+    save_memory: bool = False,
 ) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(source_dirs(root)))
     if not client_too:  # the client stays this checkout's
         env["PYTHONPATH"] = os.pathsep.join([str(REPO / "libs/client/src"), env["PYTHONPATH"]])
     cmd = [sys.executable, "-m", "bench.client_save_profile", "--size", str(size), "--saves", str(saves)]
     cmd += ["--objects", str(objects), "--json", str(out), *(["--shm"] if shm else [])]
+    cmd += ["--save-memory"] if save_memory else []
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"client_save_profile failed ({root}): {(proc.stdout + proc.stderr)[-3000:]}")
@@ -59,6 +68,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--client-too", action="store_true", help="A runs its own client as well")
     parser.add_argument("--shm", action="store_true", help="a co-located client (staged writes)")
+    parser.add_argument("--save-memory", action="store_true", help="save from the client's save memory")
     parser.add_argument("--json", default="", help="write every run's figures here")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -76,7 +86,14 @@ def main() -> int:
                         root = base if variant == "A" else REPO
                         out = Path(tmp) / f"{variant}-{size}-{r}.json"
                         figures = run_once(
-                            root, size, args.saves, args.objects, out, args.client_too, args.shm
+                            root,
+                            size,
+                            args.saves,
+                            args.objects,
+                            out,
+                            args.client_too,
+                            args.shm,
+                            args.save_memory,
                         )
                         figures.update(variant=variant, round=r)
                         runs.append(figures)

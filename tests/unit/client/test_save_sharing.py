@@ -14,7 +14,7 @@ from typing import Any, cast
 import msgspec
 
 from kvfabric.client import AsyncKvClient, ClientSettings
-from kvfabric.client.aio import SAVE_INLINE_CHECKSUM_BYTES_MAX, SAVE_WRITE_STREAM_BYTES_TARGET
+from kvfabric.client.aio import SAVE_WRITE_STREAM_BYTES_TARGET
 from kvfabric.client.hits import SaveResult
 from kvfabric.client.saves import write_streams
 from kvfabric.cluster.directory_router import DirectoryRouter
@@ -188,9 +188,20 @@ def test_a_failed_write_is_aborted_and_fails_its_chunk_only() -> None:
     assert aborted == [bad] and bad not in committed and len(committed) == CHUNKS - 1
 
 
-def save_thread_jobs(size: int) -> tuple[int, int]:
-    """(jobs the save threads got, writes) for one save of CHUNKS objects of `size` bytes."""
-    kv, writes = client(SaveRouter())
+def save_thread_jobs(size: int) -> tuple[int, int, list[bytes]]:
+    """(jobs the save threads got, writes, the checksums its put_begins named) for one save of
+    CHUNKS objects of `size` bytes."""
+    router = SaveRouter()
+    named: list[bytes] = []
+    ask = router.ask
+
+    async def recording(shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any) -> Any:
+        if isinstance(message, m.PutBegin):
+            named.extend(o.checksum for o in message.objects)
+        return await ask(shard, verb, message, timeout_s, **kw)
+
+    router.ask = recording  # type: ignore[method-assign]
+    kv, writes = client(router)
     submitted = []
     submit = kv._save_executor.submit
 
@@ -207,18 +218,20 @@ def save_thread_jobs(size: int) -> tuple[int, int]:
             await kv.close()
 
     assert asyncio.run(run()).chunks_saved == CHUNKS
-    return len(submitted), len(writes)
+    return len(submitted), len(writes), named
 
 
-def test_a_small_save_hashes_on_the_loop_a_large_one_on_a_save_thread() -> None:
-    """Below `SAVE_INLINE_CHECKSUM_BYTES_MAX` the only save-thread jobs are the write streams (one
-    per ~`SAVE_WRITE_STREAM_BYTES_TARGET` of one segment's writes: `write_streams`)."""
-    jobs, writes = save_thread_jobs(128)
-    assert (jobs, writes) == (1, CHUNKS)
-    size = SAVE_INLINE_CHECKSUM_BYTES_MAX // CHUNKS + 1
+def test_a_save_hashes_nothing_before_put_begin_its_save_threads_only_write() -> None:
+    """put_begin names no checksum (the segments hash what they store, a sent PUT names its own:
+    `ObjectSpec.checksum`), so nothing is hashed before it: the only save-thread jobs are the
+    write streams (one per ~`SAVE_WRITE_STREAM_BYTES_TARGET` of one segment's writes:
+    `write_streams`), small save or large."""
+    jobs, writes, named = save_thread_jobs(128)
+    assert (jobs, writes) == (1, CHUNKS) and named == [b""] * CHUNKS
+    size = (4 << 20) // CHUNKS + 1
     streams = write_streams([("seg-a", size)] * CHUNKS, SAVE_WRITE_STREAM_BYTES_TARGET)
-    jobs, writes = save_thread_jobs(size)
-    assert (jobs, writes) == (len(streams) + 1, CHUNKS)
+    jobs, writes, named = save_thread_jobs(size)
+    assert (jobs, writes) == (len(streams), CHUNKS) and named == [b""] * CHUNKS
 
 
 class StrictRouter(SaveRouter):

@@ -159,6 +159,9 @@ class MWrite:
     request_id: str  # the put_begin that placed it (request ids are never reused here)
     slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # confirmed: ticket -> (slot, gen)
     committed: bool = False
+    # The checksum the writer named at put_begin; empty: the first `ok` confirm's (what its
+    # segment stored), which every other replica must match (ObjectSpec.checksum)
+    checksum: bytes = b""
 
 
 @dataclass
@@ -193,6 +196,7 @@ class Stored:
     ticket: m.WriteTicket
     slot: int
     gen: int
+    checksum: bytes  # of what it stored (the ticket's, or for a ticket without one, its own)
 
 
 F = TypeVar("F", bound=Callable[..., None])
@@ -451,9 +455,9 @@ class DirectoryMachine(RuleBasedStateMachine):
             assert set(w.slots) == set(w.placements)
             refs = [(s, i, *w.slots[t]) for t, (s, i) in w.placements.items()]
             for ref in refs:
-                assert self.held(ref, w.meta.key, checksum_of(w.meta.key)), f"publishing an unheld slot {ref}"
+                assert self.held(ref, w.meta.key, w.checksum), f"publishing an unheld slot {ref}"
             degraded |= len(refs) < w.target
-            pub_members[mem] = MPubMember(w.meta.key, w.size, checksum_of(w.meta.key), refs)
+            pub_members[mem] = MPubMember(w.meta.key, w.size, w.checksum, refs)
             meta = w.meta
         assert len(pub_members) == meta.expected_members
         self.published[gid] = MPub(meta.chunk_index, degraded, pub_members)
@@ -751,10 +755,14 @@ class DirectoryMachine(RuleBasedStateMachine):
         size=st.sampled_from(SIZES),
         replicas=st.sampled_from((0, 1, 2)),
         ttl=st.sampled_from(WRITE_TTLS_MS),
+        named=st.sampled_from((True, False)),
     )
     @step
-    def put_begin(self, writer: str, keys: list[ObjectKey], size: int, replicas: int, ttl: int) -> None:
-        self.begin_keys(writer, keys, size, replicas, ttl)
+    def put_begin(
+        self, writer: str, keys: list[ObjectKey], size: int, replicas: int, ttl: int, named: bool
+    ) -> None:
+        """`named`: the writer names its objects' checksums; else their segments' hashes give them."""
+        self.begin_keys(writer, keys, size, replicas, ttl, named)
 
     @precondition(lambda self: bool(self.issued))
     @rule(pick=st.integers(0, 255), how=st.sampled_from(("good", "good", "good", "corrupt", "misrouted")))
@@ -822,11 +830,15 @@ class DirectoryMachine(RuleBasedStateMachine):
         assert self.handle(msgspec.structs.replace(req, epoch=self.epoch())) == first
         assert self.snapshot() == before
 
-    def begin_keys(self, writer: str, keys: list[ObjectKey], size: int, replicas: int, ttl: int) -> None:
+    def begin_keys(
+        self, writer: str, keys: list[ObjectKey], size: int, replicas: int, ttl: int, named: bool = True
+    ) -> None:
         req = m.PutBegin(
             writer_id=writer,
             request_id=f"b{next(self.request_ids)}",
-            objects=[m.ObjectSpec(key=k, size_bytes=size, checksum=checksum_of(k)) for k in keys],
+            objects=[
+                m.ObjectSpec(key=k, size_bytes=size, checksum=checksum_of(k) if named else b"") for k in keys
+            ],
             replicas=replicas,
             write_ttl_ms=ttl,
             epoch=self.epoch(),
@@ -879,7 +891,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 assert (t.key, t.size_bytes, t.checksum, t.writer_id, t.deadline_ms, t.epoch) == (
                     k,
                     size,
-                    checksum_of(k),
+                    checksum_of(k) if named else b"",
                     writer,
                     deadline,
                     EPOCH,
@@ -896,6 +908,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 replicas or self.config.replicas_default,
                 placements,
                 req.request_id,
+                checksum=checksum_of(k) if named else b"",
             )
             self.heap_deadlines.setdefault(meta.gid, []).append(deadline)
             self.begun[writer].append(k)
@@ -942,7 +955,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         if how == "misrouted" and others:  # another live segment stores and confirms it
             sid = others[t.ticket_id % len(others)]
             inc = self.segs[sid].inc
-            slot, gen = self.store(sid, inc, t.key, t.checksum)
+            slot, gen = self.store(sid, inc, t.key, t.checksum or checksum_of(t.key))
             expected: m.ConfirmStatus = (
                 "unknown_ticket" if self.ticket_owner(t.ticket_id) is None else "mismatch"
             )
@@ -951,7 +964,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                     msgspec.structs.replace(t, segment_id=sid, incarnation=inc),
                     slot,
                     gen,
-                    t.checksum,
+                    t.checksum or checksum_of(t.key),
                     self.epoch(),
                 )
             )
@@ -968,23 +981,27 @@ class DirectoryMachine(RuleBasedStateMachine):
             self.expect_error(confirm_req(t, 999, 1, t.checksum, self.epoch()), err)
             assert self.snapshot() == before
             return
-        checksum = t.checksum if good else corrupt(t.checksum)
+        # a ticket without a checksum: the segment's hash of what it stored (what the writer sent,
+        # or for `corrupt`, other bytes), which the directory cannot tell from the writer's
+        checksum = t.checksum or checksum_of(t.key)
+        checksum = checksum if good else corrupt(checksum)
         slot, gen = self.store(t.segment_id, t.incarnation, t.key, checksum)
         owner = self.ticket_owner(t.ticket_id)
         if owner is None:
             expected = "unknown_ticket"  # late: its write was committed without it, expired or aborted
-        elif not good:
-            expected = "mismatch"
+        elif owner.checksum not in (b"", checksum):
+            expected = "mismatch"  # not the checksum named, or the one the first replica gave
         else:
             expected = "ok"
             owner.slots[t.ticket_id] = (slot, gen)
+            owner.checksum = checksum
         reply = self.handle(confirm_req(t, slot, gen, checksum, self.epoch()))
         assert reply == m.ConfirmReply(
             epoch=EPOCH, results=[m.ConfirmResult(ticket_id=t.ticket_id, status=expected)]
         )
         if expected == "ok":
             del self.issued[t.ticket_id]
-            self.stored[t.ticket_id] = Stored(t, slot, gen)
+            self.stored[t.ticket_id] = Stored(t, slot, gen, checksum)
         else:  # "the directory will never publish this slot; free it now"
             self.segment_free(t.segment_id, t.incarnation, slot, gen)
             if expected == "unknown_ticket":
@@ -993,7 +1010,7 @@ class DirectoryMachine(RuleBasedStateMachine):
     def retry_confirm(self, s: Stored) -> None:
         t = s.ticket
         ref = (t.segment_id, t.incarnation, s.slot, s.gen)
-        if not self.held(ref, t.key, t.checksum):
+        if not self.held(ref, t.key, s.checksum):
             return  # freed since (or that process is gone): nothing to retry
         owner = self.ticket_owner(t.ticket_id)
         published = any(ref in pm.replicas for pub in self.published.values() for pm in pub.members.values())
@@ -1001,7 +1018,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             assert owner.slots.get(t.ticket_id) == (s.slot, s.gen)
         # Still being written, or published: `ok` again. Anything else was (or is being) freed.
         expected: m.ConfirmStatus = "ok" if owner is not None or published else "unknown_ticket"
-        reply = self.handle(confirm_req(t, s.slot, s.gen, t.checksum, self.epoch()))
+        reply = self.handle(confirm_req(t, s.slot, s.gen, s.checksum, self.epoch()))
         assert reply == m.ConfirmReply(
             epoch=EPOCH, results=[m.ConfirmResult(ticket_id=t.ticket_id, status=expected)]
         )
@@ -1732,7 +1749,7 @@ def test_a_group_whose_latest_writer_aborted_still_expires() -> None:
     entry still examines the group at the aborted member's deadline, and it goes then."""
     state = DirectoryMachine()
     state.start()
-    state.put_begin(keys=[KEYS[0], KEYS[4]], replicas=0, size=100, ttl=400, writer="a/w0")
+    state.put_begin(keys=[KEYS[0], KEYS[4]], replicas=0, size=100, ttl=400, writer="a/w0", named=True)
     state.confirm(how="good", pick=0)
     state.put(
         first=0, n=1, partial=False, prefix=1, read=False, replicas=0, share="race",

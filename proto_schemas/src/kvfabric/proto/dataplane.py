@@ -74,6 +74,10 @@ class PutRequest(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put.v1", tag
     # Set: answer with a write receipt (`PutReply.receipt`) as soon as the bytes are stored and
     # verified; the writer carries it in put_commit and the segment confirms in the background.
     receipt: bool = False
+    # The xxh3-128 of the bytes sent, for a ticket that carries no checksum: the segment checks
+    # what it received against it. A sent PUT under such a ticket must name one; a staged one
+    # need not (the segment reads the writer's own pages).
+    checksum: bytes = b""
 
 
 class PutReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put_reply.v1", tag_field="t"):
@@ -84,6 +88,9 @@ class PutReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put_reply.v1",
     # A receipt was asked for: the segment's MAC over what it stored (`tickets.write_receipt`),
     # for put_commit (`WriteReceipt`); empty otherwise.
     receipt: bytes = b""
+    # The checksum of what the segment stored, for a ticket that carried none (it goes into the
+    # writer's `WriteReceipt`); empty otherwise.
+    checksum: bytes = b""
 
 
 class GetRequest(

@@ -133,6 +133,11 @@ class Member(msgspec.Struct, frozen=True, array_like=True):
 class ObjectSpec(msgspec.Struct, frozen=True, kw_only=True):
     key: ObjectKey
     size_bytes: int
+    # xxh3-128 of the bytes (16 bytes), or empty: the segment that stores them hashes them, and
+    # the first confirm or receipt of a replica gives the object its checksum (every other
+    # replica must match it). A writer that sends its bytes then names their checksum in each
+    # PUT (`PutRequest.checksum`); one whose bytes the segment reads from the writer's own
+    # pages (a staged put) names none (docs/segment.md "Write").
     checksum: bytes
     # The chain hash (32 bytes) of the previous chunk of the same prefix, empty for the first
     # chunk: eviction evicts a prefix tail first (a chunk is useless without its parent).
@@ -143,7 +148,8 @@ class WriteTicket(msgspec.Struct, frozen=True, kw_only=True):
     """Permission to write one replica of one object into one segment, signed by the directory.
 
     The segment checks `signature` (keyed with the cluster secret), the incarnation, the size
-    and, after the bytes arrive, the checksum. It confirms with `ticket_id`.
+    and, after the bytes arrive, the checksum (an empty one: the PUT's own, if it names one;
+    `ObjectSpec.checksum`). It confirms with `ticket_id` and the checksum of what it stored.
     """
 
     ticket_id: int
@@ -302,6 +308,9 @@ class WriteReceipt(msgspec.Struct, frozen=True, array_like=True):
     slot: int
     slot_generation: int
     mac: bytes
+    # The checksum the segment stored (`PutReply.checksum`), for a ticket that carried none
+    # (the MAC covers it); empty otherwise.
+    checksum: bytes = b""
 
 
 class PutCommit(_Msg, frozen=True, kw_only=True, tag="dir.put_commit.v1"):

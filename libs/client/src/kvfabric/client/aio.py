@@ -43,7 +43,6 @@ from kvfabric.client.aio_lookups import RELEASE_GATHER_LEASES_MAX, RELEASE_GATHE
 from kvfabric.client.aio_saves import (
     SAVE_BUSY_ATTEMPTS_MAX,
     SAVE_DIRECTORY_CALLS_MAX,
-    SAVE_INLINE_CHECKSUM_BYTES_MAX,
     SAVE_WRITE_STREAM_BYTES_TARGET,
     SaveMixin,
 )
@@ -67,7 +66,6 @@ __all__ = [
     "RELEASE_GATHER_MS",
     "SAVE_BUSY_ATTEMPTS_MAX",
     "SAVE_DIRECTORY_CALLS_MAX",
-    "SAVE_INLINE_CHECKSUM_BYTES_MAX",
     "SAVE_WRITE_STREAM_BYTES_TARGET",
     "AsyncKvClient",
     "Destination",

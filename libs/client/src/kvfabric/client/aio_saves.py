@@ -1,6 +1,6 @@
 """`AsyncKvClient`'s saves: admission, then the shell of the save's pure core
 (`kvfabric.client.save_table.SaveTable`, which decides): it performs the table's effects with this
-client's I/O (checksums, the shard map, shared directory requests per shard, pipelined writes) and
+client's I/O (the shard map, shared directory requests per shard, pipelined writes) and
 feeds their answers back; see `kvfabric.client.aio`."""
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from kvfabric.client.save_table_events import (
 )
 from kvfabric.client.saves import SavePlan, plan_save, write_streams
 from kvfabric.client.shared_calls import SharedCalls
-from kvfabric.format.checksum import checksum
 from kvfabric.format.clock import monotonic_ms
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.format.invariant import invariant, unreachable
@@ -51,10 +50,6 @@ from kvfabric.proto import directory as m
 # backoff (`kvfabric.client.busy`) at most SAVE_BUSY_ATTEMPTS_MAX times within the save's timeout.
 SAVE_DIRECTORY_CALLS_MAX: Final = 8
 SAVE_BUSY_ATTEMPTS_MAX: Final = 8
-# A save of at most this many bytes is hashed on the loop thread (xxh3-128: ~0.03 ms for 2 MiB
-# here), not on a save thread: the hop there and back cost 0.05 ms p50, 0.55 ms p90 on this
-# loaded 2-core VM (2026-12-01), more than the hash. Larger saves hash off the loop.
-SAVE_INLINE_CHECKSUM_BYTES_MAX: Final = 4 << 20
 # A save's writes to one segment are pipelined on one connection in streams of about this many
 # bytes (`saves.write_streams`): 8 × 256 KiB took 1.3 ms p50 sent / 1.0 ms staged as one stream vs
 # 2.0 / 1.5 ms as 8 threads with a connection each (8 × 1 MiB: 4.4 / 2.6 vs 4.4 / 3.0 ms), to one
@@ -66,7 +61,7 @@ SAVE_WRITE_STREAM_BYTES_TARGET: Final = 2 << 20
 class SaveMixin(ClientBase):
     """`save_admission`, `save` of `AsyncKvClient`."""
 
-    _save_executor: ThreadPoolExecutor  # the save threads (checksums, writes)
+    _save_executor: ThreadPoolExecutor  # the save threads (writes, with the hashes of sent bytes)
     _save_bytes: int
     _saves_running: int
     _writes_at_once: int  # writes this client runs at once per segment
@@ -161,12 +156,12 @@ class SaveMixin(ClientBase):
     async def _perform_save(self, effect: Effect, plan: SavePlan, trace_id: str) -> SaveEvent:
         """One effect of the save's table, answered with its event (never raises for the cluster)."""
         if isinstance(effect, PrepareBegins):
-            if sum(len(v) for v in plan.data.values()) <= SAVE_INLINE_CHECKSUM_BYTES_MAX:
-                digests = [checksum(plan.data[k]) for k in plan.keys]  # cheaper than a thread hop
-            else:
-                digests = await asyncio.get_running_loop().run_in_executor(
-                    self._save_executor, lambda: [checksum(plan.data[k]) for k in plan.keys]
-                )
+            # No checksum at put_begin: each segment hashes what it stored and the first replica's
+            # hash becomes the object's (`ObjectSpec.checksum`); sent bytes carry the writer's
+            # hash in the PUT (hashed in the write thread, beside the other writes), staged ones
+            # none (the segment reads this process's own pages). A hash of every object before
+            # put_begin was 5-7 ms of a 16 MiB × 8 co-located save (2026-12-05).
+            digests = [b""] * len(plan.keys)
             router = self._router()
             try:
                 await router.known_shards()

@@ -9,14 +9,17 @@ connection's own), and a write whose bytes lie inside one is staged by reference
 `register_buffer` + `batch_put_from` and LMCache's allocator-owned memory objects are the same
 idea: the cache hands out the memory the engine gathers KV into.
 
-Everything else is unchanged: the client still hashes the object for its ticket, the segment
-copies and hashes the slot and checks the ticket's checksum; a remote segment, or one that
-cannot map the memfd (`SegmentPool._memfd_refused`), gets the bytes sent or staged by copy, as
-for any other memory. So save memory is only ever faster, never required.
+Everything else is unchanged: the segment copies and hashes the slot, and that hash becomes the
+object's checksum (the client names none at put_begin: docs/segment.md "Write"); a remote
+segment, or one that cannot map the memfd (`SegmentPool._memfd_refused`), gets the bytes sent
+(with their hash, checked there) or staged by copy, as for any other memory. So save memory is
+only ever faster, never required.
 
 Ownership: the engine owns a `SaveMemory`. It must not change an object's bytes until the save
-of them has finished (the rule for any save: a changed object fails its checksum at the
-segment and is not stored). `close` gives the memory back; it refuses (`BufferError`) while a
+of them has finished (the rule for any save). Nothing catches a change made while the segment
+copies a staged object: it stores what it copied, under the object's key, and readers get
+those bytes (verified against that copy's hash). The engines here gather into save slots and
+give a slot back only once its save has finished (`SaveSlots.give_back_when_done`). `close` gives the memory back; it refuses (`BufferError`) while a
 save or the engine still holds views of it (`view` makes a new one each time). The client's
 `close` closes what its engine left open and no longer views.
 

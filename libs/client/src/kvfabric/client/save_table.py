@@ -11,7 +11,7 @@ wire is `kvfabric.client.saves` (whose `SaveTally` this table counts with).
 
 ## States of the save
     OPEN --open, no objects--> DONE (Finished: nothing to save)
-    OPEN --open--> PREPARING (PrepareBegins: hash the objects, learn the shard map)
+    OPEN --open--> PREPARING (PrepareBegins: learn the shard map; the checksums to name, if any)
     PREPARING --shard_map_unknown--> DONE (every chunk failed: directory_unavailable)
     PREPARING --prepared(digests)--> BEGINNING (one SendBegin per shard batch)
     BEGINNING --begin_answered, the last--> WRITING (WriteReplicas), or ENDING/DONE with nothing
@@ -252,7 +252,7 @@ class SaveTable:
     # ---- events ------------------------------------------------------------------------------
 
     def open(self, now_ms: int) -> list[Effect]:
-        """The save starts: with no objects it is done at once; else hash and route them."""
+        """The save starts: with no objects it is done at once; else route them (PrepareBegins)."""
         self._phase("open", "open")
         if not self.plan.keys:
             return self._finish(SaveResult(), begun=False)
@@ -268,7 +268,8 @@ class SaveTable:
         )
 
     def prepared(self, digests: Sequence[bytes], now_ms: int) -> list[Effect]:
-        """The objects' digests (in `plan.keys` order): begin every object, per shard batch."""
+        """The checksums the objects name (in `plan.keys` order; empty: their segments'): begin
+        every object, per shard batch."""
         self._phase("preparing", "prepared")
         invariant(len(digests) == len(self.plan.keys), "one digest per object", digests=len(digests))
         self.state = "beginning"

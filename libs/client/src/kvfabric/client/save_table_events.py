@@ -34,7 +34,8 @@ class Open:
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """The objects are hashed (`digests` in the plan's key order) and the shard map is known."""
+    """The shard map is known; `digests`: the checksum each object names at put_begin, in the
+    plan's key order (empty: its segment's hash gives it; what `AsyncKvClient` sends)."""
 
     digests: tuple[bytes, ...]
 

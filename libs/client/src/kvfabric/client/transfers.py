@@ -505,7 +505,7 @@ class SegmentPool:
         except OSError:
             return "segment_unreachable", None
         if reply.receipt:
-            return OK, WriteReceipt(ticket.ticket_id, reply.slot, reply.slot_generation, reply.receipt)
+            return OK, _receipt(ticket, reply)
         return (OK if reply.confirmed else "unconfirmed"), None
 
     def write_many(
@@ -536,9 +536,7 @@ class SegmentPool:
             if isinstance(reply, KvfError):
                 outcomes.append((reply.code, None))
             elif reply.receipt:
-                outcomes.append(
-                    (OK, WriteReceipt(ticket.ticket_id, reply.slot, reply.slot_generation, reply.receipt))
-                )
+                outcomes.append((OK, _receipt(ticket, reply)))
             else:
                 outcomes.append((OK if reply.confirmed else "unconfirmed", None))
         return outcomes
@@ -643,3 +641,9 @@ class SegmentPool:
         """`data` staged (as `_stage_many` does for one write), or None when it is sent."""
         staged = self._stage_many(conn, [(ticket, data, "", 0)])
         return staged[0] if staged is not None else None
+
+
+def _receipt(ticket: WriteTicket, reply: PutReply) -> WriteReceipt:
+    """The write receipt a segment's reply carries, for the writer's put_commit (with the checksum
+    the segment stored when the ticket named none: the directory takes the object's from it)."""
+    return WriteReceipt(ticket.ticket_id, reply.slot, reply.slot_generation, reply.receipt, reply.checksum)

@@ -6,8 +6,10 @@ Ownership, per call (`conn` is an opaque per-connection token; everything it hol
 - `begin_put(ticket, conn)` validates the ticket (signature, segment, incarnation, deadline,
   size), allocates a slot and returns a writable `memoryview` of exactly `size_bytes` inside the
   arena. The transport owns that view until it calls `finish_put` or `abort_put`.
-- `finish_put(put, conn)` checksums the bytes, confirms the replica to the directory and
-  returns the (slot, generation); on mismatch it frees the slot and raises `ChecksumMismatch`.
+- `finish_put(put, conn)` checksums the bytes, checks them against the ticket's checksum (or,
+  for a ticket that carries none, the PUT's own: `put.claimed`, `check_claimed`), confirms the
+  replica to the directory and returns the (slot, generation); on mismatch it frees the slot
+  and raises `ChecksumMismatch`.
 - `begin_get(reads, conn)` takes a transfer reference on every ok slot (a free arriving meanwhile
   is deferred) and returns, per read, a status, the stored checksum and a read-only view. The
   transport sends the views, then calls `end_get(grant, conn)`; the views are invalid after.
@@ -27,10 +29,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvfabric.proto.dataplane import LocalGrants, MapReply, ObjectResult, ObjectStatus, ReadRef
+from kvfabric.format.checksum import CHECKSUM_BYTES, checksum
+from kvfabric.format.errors import BadRequest
+from kvfabric.proto.dataplane import (
+    LocalGrants,
+    MapReply,
+    ObjectResult,
+    ObjectStatus,
+    PutRequest,
+    ReadRef,
+    StagedBytes,
+)
 from kvfabric.proto.directory import WriteTicket
 
-__all__ = ["GetGrant", "PutSlot", "SegmentBackend"]
+__all__ = ["GetGrant", "PutSlot", "SegmentBackend", "check_claimed", "sent_checksum"]
 
 
 @dataclass(slots=True)
@@ -46,6 +58,11 @@ class PutSlot:
     save_writes: int = 0  # PUT meta: writes of the same save for this segment and shard (confirms)
     receipt_wanted: bool = False  # PUT meta: answer with a write receipt, confirm in the background
     receipt: bytes = b""  # set by `finish_put` when it signed one (the reply carries it)
+    # PUT meta: the writer's checksum of the bytes it sent, for a ticket that carries none.
+    claimed: bytes = b""
+    # Set by `finish_put` for a ticket that carried no checksum: what it stored (the reply
+    # carries it; the receipt and the confirm name it).
+    stored: bytes = b""
 
 
 @dataclass(slots=True)
@@ -78,3 +95,21 @@ class SegmentBackend(Protocol):
     def unpin_local(self, grant_id: int, conn: int) -> int: ...
 
     def close_connection(self, conn: int) -> None: ...
+
+
+def check_claimed(meta: PutRequest, *, staged: bool) -> None:
+    """A PUT's own checksum (`PutRequest.checksum`): 16 bytes or none, and required for sent
+    bytes under a ticket that carries none (what arrived is then checked against the writer's
+    hash of what it sent; a staged put's bytes are read from the writer's own pages)."""
+    if len(meta.checksum) not in (0, CHECKSUM_BYTES):
+        raise BadRequest(f"a PUT's checksum must be {CHECKSUM_BYTES} bytes (xxh3-128) or none")
+    if not staged and not meta.ticket.checksum and not meta.checksum:
+        raise BadRequest("a PUT whose ticket carries no checksum must name the checksum of its bytes")
+
+
+def sent_checksum(ticket: WriteTicket, view: memoryview, staged: StagedBytes | None) -> bytes:
+    """The checksum a PUT names (`PutRequest.checksum`): the hash of the bytes it sends when its
+    ticket carries none, so the segment checks what arrived against what left; none when the
+    ticket has one (the segment checks that) or the bytes are staged (the segment reads the
+    writer's own pages and its hash becomes the object's)."""
+    return checksum(view) if staged is None and not ticket.checksum else b""

@@ -38,7 +38,8 @@ Either way the segment checks the random nonce in the file's header against the 
 request (only the process that wrote the file knows it: naming another writer's file gets
 `unauthorized`), hashes each piece of the *slot* right after it landed — never the staging
 bytes, which the writer could change during the copy — and `finish_put` checks that digest
-against the ticket's checksum, exactly as for a TCP put. So a staged put goes through the same
+against the ticket's checksum, exactly as for a TCP put (a ticket without one: that digest
+becomes the object's). So a staged put goes through the same
 ticket check, allocation, verification and confirm as any other; what changes is a memcpy into
 the staging file here and one copy from it into the slot there, instead of a socket's two
 copies and its stack. Nobody maps the arena writable outside the segment: a tenant can only

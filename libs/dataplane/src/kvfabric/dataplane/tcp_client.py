@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvfabric.dataplane.addresses import pick_stream, split_host_port
+from kvfabric.dataplane.backend import sent_checksum
 from kvfabric.dataplane.frames import HEADER, Op, unpack_header
 from kvfabric.dataplane.scatter import scatter_dests
 from kvfabric.dataplane.tcp_wire import (
@@ -141,9 +142,15 @@ class TcpDataClient:
         view = memoryview(data).cast("B")
         if staged is None and len(view) != ticket.size_bytes:
             raise BadRequest(f"buffer is {len(view)} bytes, ticket says {ticket.size_bytes}")
+        claimed = sent_checksum(ticket, view, staged)
         with self._lock:
             meta = PutRequest(
-                ticket=ticket, trace_id=trace_id, save_writes=save_writes, staged=staged, receipt=receipt
+                ticket=ticket,
+                trace_id=trace_id,
+                save_writes=save_writes,
+                staged=staged,
+                receipt=receipt,
+                checksum=claimed,
             )
             reply, _ = self._call(Op.PUT, meta, [view] if staged is None else [])
         if not isinstance(reply, PutReply):
@@ -178,7 +185,12 @@ class TcpDataClient:
                 request_id = self._request_id = next(self._ids)
                 where = None if staged is None else staged[n]
                 meta = PutRequest(
-                    ticket=ticket, trace_id=trace_id, save_writes=save_writes, receipt=receipt, staged=where
+                    ticket=ticket,
+                    trace_id=trace_id,
+                    save_writes=save_writes,
+                    receipt=receipt,
+                    staged=where,
+                    checksum=sent_checksum(ticket, view, where),  # hashed while the last one lands
                 )
                 try:
                     frame = encode_frame(Op.PUT, request_id, meta, 1 if where is None else 0)

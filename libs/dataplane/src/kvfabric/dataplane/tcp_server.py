@@ -23,7 +23,7 @@ from kvfabric.dataplane.admission import (
     ConnectionGate,
     ConnectionLimits,
 )
-from kvfabric.dataplane.backend import GetGrant, PutSlot, SegmentBackend
+from kvfabric.dataplane.backend import GetGrant, PutSlot, SegmentBackend, check_claimed
 from kvfabric.dataplane.frames import HEADER, OBJECT_BYTES_MAX, READS_MAX, Op, unpack_header
 from kvfabric.dataplane.staging import StagingFiles
 from kvfabric.dataplane.tcp_wire import (
@@ -340,10 +340,12 @@ class TcpDataServer:
         files = self._staging_files()
         if files is None or meta.staged is None:
             raise BadRequest("this segment takes no staged puts", staging=True)
+        check_claimed(meta, staged=True)
         put = self.backend.begin_put(meta.ticket, conn)
         put.trace_id = meta.trace_id
         put.save_writes = meta.save_writes
         put.receipt_wanted = meta.receipt
+        put.claimed = meta.checksum
         try:
             put.checksum = files.read_into(conn, meta.staged, put.view)  # of the slot's bytes
         except BaseException:
@@ -353,7 +355,11 @@ class TcpDataServer:
         slot, generation = self.backend.finish_put(put, conn)
         self._deadline(conn, self.gate.limits.frame_timeout_ms, "frame_timeout")
         reply = PutReply(
-            slot=slot, slot_generation=generation, confirmed=not put.receipt, receipt=put.receipt
+            slot=slot,
+            slot_generation=generation,
+            confirmed=not put.receipt,
+            receipt=put.receipt,
+            checksum=put.stored,
         )
         send_all(sock, encode_frame(Op.REPLY, request_id, reply))
 
@@ -363,19 +369,25 @@ class TcpDataServer:
             self._put_staged(conn, sock, request_id, meta)
         elif op is Op.PUT and isinstance(meta, PutRequest):
             try:
+                check_claimed(meta, staged=False)
                 put = self.backend.begin_put(meta.ticket, conn)
             except KvfError as err:
                 raise _PutRefused(err, meta.ticket.size_bytes) from err
             put.trace_id = meta.trace_id
             put.save_writes = meta.save_writes
             put.receipt_wanted = meta.receipt
+            put.claimed = meta.checksum
             self._deadline(conn, limits.transfer_ms(len(put.view)), "transfer_timeout")
             self._receive_put(conn, sock, put)
             self._no_deadline(conn)
             slot, generation = self.backend.finish_put(put, conn)
             self._deadline(conn, limits.frame_timeout_ms, "frame_timeout")
             put_reply = PutReply(
-                slot=slot, slot_generation=generation, confirmed=not put.receipt, receipt=put.receipt
+                slot=slot,
+                slot_generation=generation,
+                confirmed=not put.receipt,
+                receipt=put.receipt,
+                checksum=put.stored,
             )
             send_all(sock, encode_frame(Op.REPLY, request_id, put_reply))
         elif op is Op.GET and isinstance(meta, GetRequest):

@@ -19,7 +19,7 @@ from kvfabric.dataplane.admission import (
     ConnectionGate,
     ConnectionLimits,
 )
-from kvfabric.dataplane.backend import SegmentBackend
+from kvfabric.dataplane.backend import SegmentBackend, check_claimed
 from kvfabric.dataplane.frames import (
     HEADER,
     OBJECT_BYTES_MAX,
@@ -62,7 +62,6 @@ from kvfabric.proto.dataplane import (
     ReadRef,
     dataplane_decoder,
 )
-from kvfabric.proto.directory import WriteTicket
 
 # one logger for the whole UCX transport, as before its split
 _log = logging.getLogger("kvfabric.dataplane.ucx")
@@ -345,16 +344,22 @@ class UcxServer:
 
     async def _dispatch(self, c: _Connection, header: Header, meta: object) -> None:
         if header.op is Op.PUT and isinstance(meta, PutRequest):
-            await self._put(c, header, meta.ticket)
+            await self._put(c, header, meta)
         elif header.op is Op.GET and isinstance(meta, GetRequest):
             await self._get(c, header, meta.reads)
         else:
             what = f"op {header.op.name} with {type(meta).__name__}"
             await self._refuse(c, header, BadRequest(f"{what} is not served over UCX"))
 
-    async def _put(self, c: _Connection, header: Header, ticket: WriteTicket) -> None:
+    async def _put(self, c: _Connection, header: Header, meta: PutRequest) -> None:
+        ticket = meta.ticket
         if header.payload_count != 1:
             await self._refuse(c, header, BadRequest("a PUT carries exactly one payload message"))
+            return
+        try:
+            check_claimed(meta, staged=False)
+        except KvfError as err:
+            await self._refuse(c, header, err)
             return
         if ticket.size_bytes > self.inflight_bytes_max:
             await self._refuse(
@@ -373,6 +378,7 @@ class UcxServer:
         except KvfError as err:
             await self._refuse(c, header, err)
             return
+        put.claimed = meta.checksum
         try:
             await c.link.complete([c.link.recv(put.view)], self.io_timeout_s)
         except Truncated:
@@ -389,7 +395,7 @@ class UcxServer:
         except KvfError as err:
             await self._send(c, error_frame(header.request_id, err))
             return
-        reply = PutReply(slot=slot, slot_generation=generation, confirmed=True)
+        reply = PutReply(slot=slot, slot_generation=generation, confirmed=True, checksum=put.stored)
         await self._send(c, encode_frame(Op.REPLY, header.request_id, reply))
 
     async def _get(self, c: _Connection, header: Header, reads: list[ReadRef]) -> None:

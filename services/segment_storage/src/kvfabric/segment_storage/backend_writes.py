@@ -5,6 +5,8 @@ abort, and a copy from another segment as a PUT whose transport is a fetch. A mi
 
 from __future__ import annotations
 
+import msgspec
+
 from kvfabric.dataplane.backend import PutSlot
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import (
@@ -55,10 +57,19 @@ class BackendWrites(BackendCore):
         # Hashed on arrival by the transport, or now (nobody else can see a WRITING slot: no lock).
         stored = put.checksum if put.checksum is not None else checksum(put.view)
         put.view.release()
-        if stored != put.ticket.checksum:
+        # The ticket's checksum; for a ticket that carries none, the writer's of the bytes it
+        # sent (a staged put names none: the bytes were read from the writer's own pages).
+        expected = put.ticket.checksum or put.claimed
+        if expected and stored != expected:
             self.count("checksum_mismatch_total")
             self.abort_put(put, conn)
             raise ChecksumMismatch("bytes received do not match the ticket's checksum")
+        ticket = put.ticket
+        if not ticket.checksum:
+            # What this segment stored becomes the object's checksum: its confirm and its
+            # receipt name it, the directory takes it from the first (ObjectSpec.checksum).
+            put.stored = stored
+            ticket = msgspec.structs.replace(ticket, checksum=stored)
         with self.lock:
             # The ticket's epoch again, now: a successor leader of its shard may have asked for
             # this segment's report while the bytes were landing. Its report (taken after its
@@ -67,33 +78,31 @@ class BackendWrites(BackendCore):
             # owner (a receipted write's background confirm leaves a `stale_generation` slot to
             # the successor). Fenced here, under the lock the report's fence takes, the slot is
             # either in the report or never stored (review of 2026-12-02).
-            fenced = put.ticket.epoch < self.gate.fence(put.ticket.shard)
+            fenced = ticket.epoch < self.gate.fence(ticket.shard)
             if not fenced:
                 self.slots.stored(put.slot, put.slot_generation, stored)
                 self._conns[conn].puts.pop(put.slot, None)
-                self.arena.board.publish(
-                    put.slot, put.slot_generation, put.offset, put.ticket.size_bytes, stored
-                )
+                self.arena.board.publish(put.slot, put.slot_generation, put.offset, ticket.size_bytes, stored)
         if fenced:
             self.count("stale_epoch_rejected_total")
             self.abort_put(put, conn)
-            raise StaleGeneration("directory_epoch", put.ticket.epoch, self.gate.fence(put.ticket.shard))
+            raise StaleGeneration("directory_epoch", ticket.epoch, self.gate.fence(ticket.shard))
         if put.receipt_wanted and self.confirm_later is not None:
             # The writer carries the receipt in its put_commit (the directory checks our MAC): the
             # confirm leaves the write's path. It still goes, in the background: a receipt the
             # writer never commits (it died, aborted) is refused there and the slot freed here.
             try:
-                self.confirm_later(put.ticket, put.slot, put.slot_generation, put.trace_id)
+                self.confirm_later(ticket, put.slot, put.slot_generation, put.trace_id)
             except KvfError:
                 self._free(put.slot, put.slot_generation)
                 raise
-            put.receipt = write_receipt(self.secret, put.ticket, put.slot, put.slot_generation)
+            put.receipt = write_receipt(self.secret, ticket, put.slot, put.slot_generation)
             with self.lock:  # both counters in one hold (the transports' threads count too)
                 self._count("puts_total")
                 self._count("puts_receipted_total")
             return put.slot, put.slot_generation
         try:
-            verdict = self.confirm(put.ticket, put.slot, put.slot_generation, put.trace_id, put.save_writes)
+            verdict = self.confirm(ticket, put.slot, put.slot_generation, put.trace_id, put.save_writes)
         except KvfError:
             self._free(put.slot, put.slot_generation)  # not confirmed: never readable via the directory
             raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 from kvfabric.core.directory.base import GENERATION_MAX, SLOT_MAX, Effect, Outcome, check_batch
 from kvfabric.core.directory.records import unpack_group
 from kvfabric.core.directory.writes_state import Placement, WriteState
+from kvfabric.format.checksum import CHECKSUM_BYTES
 from kvfabric.format.ids import GroupKey, ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
@@ -70,7 +71,8 @@ class WriteConfirm(WriteState):
             self.segments.where(placement.placement) != (req.segment_id, req.incarnation)
             or c.key != held.key
             or c.size_bytes != held.size_bytes
-            or c.checksum != held.checksum
+            or c.checksum != (held.checksum or c.checksum)
+            or len(c.checksum) != CHECKSUM_BYTES
             # a write lands in the arena: a slot in the disk range would publish a replica that
             # reserves nothing (the tier follows the slot) while its bytes hold arena space
             or tier_of_slot(c.slot) != "dram"
@@ -78,6 +80,7 @@ class WriteConfirm(WriteState):
         ):
             self.ctx.count("confirm_mismatch_total")
             return "mismatch"
+        held.checksum = c.checksum  # the segment's, for a writer that named none
         return "ok"
 
     @staticmethod
@@ -115,6 +118,13 @@ class WriteConfirm(WriteState):
         ):
             self.ctx.count("receipt_refused_total")
             return
+        # The checksum the writer named at put_begin, else the one the receipt's segment stored
+        # (the MAC covers it: a writer cannot name another); once one replica gave it, every
+        # other must have stored the same bytes.
+        stored = held.checksum or r.checksum
+        if len(stored) != CHECKSUM_BYTES:
+            self.ctx.count("receipt_refused_total")
+            return
         expected = receipt_mac(
             self.ctx.config.ticket_secret,
             r.ticket_id,
@@ -125,7 +135,7 @@ class WriteConfirm(WriteState):
             r.slot,
             r.slot_generation,
             held.size_bytes,
-            held.checksum,
+            stored,
             held.key,
         )
         if not write_receipt_valid(r.mac, expected):
@@ -134,4 +144,5 @@ class WriteConfirm(WriteState):
         if not self._settle(placement, r.slot, r.slot_generation):
             self.ctx.count("receipt_mismatch_total")
             return
+        held.checksum = stored
         self.ctx.count("receipts_applied_total")

@@ -1,0 +1,116 @@
+"""PUTs under a ticket that carries no checksum (issue 20: the writer hashes nothing before
+put_begin): the segment checks sent bytes against the PUT's own checksum, answers with the
+checksum it stored, and signs its receipt and sends its confirm over that checksum."""
+
+from __future__ import annotations
+
+from unittest.mock import patch
+
+import msgspec
+import pytest
+
+from kvfabric.dataplane import tcp_client
+from kvfabric.dataplane.backend import check_claimed
+from kvfabric.dataplane.tcp import TcpDataServer
+from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import BadRequest, ChecksumMismatch
+from kvfabric.proto.dataplane import PutRequest, StagedBytes
+from kvfabric.proto.directory import WriteTicket
+from kvfabric.proto.tickets import write_receipt
+from kvfabric.segment_storage.backend import ArenaBackend
+from tests.unit.segment_storage.test_write_receipts import SECRET, SIZE, Directory, client, segment, ticket
+
+__all__ = ["segment"]  # the fixture, shared
+
+Segment = tuple[ArenaBackend, Directory, TcpDataServer]
+
+
+class RecordingDirectory(Directory):
+    """Also keeps the checksum each confirm names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checksums: list[bytes] = []
+
+    def confirm(self, t: WriteTicket, slot: int, generation: int, trace_id: str, save_writes: int) -> str:
+        self.checksums.append(t.checksum)
+        return super().confirm(t, slot, generation, trace_id, save_writes)
+
+    def confirm_later(self, t: WriteTicket, slot: int, generation: int, trace_id: str) -> None:
+        self.checksums.append(t.checksum)
+        super().confirm_later(t, slot, generation, trace_id)
+
+
+def recording(backend: ArenaBackend) -> RecordingDirectory:
+    directory = RecordingDirectory()
+    backend.confirm, backend.confirm_later = directory.confirm, directory.confirm_later
+    return directory
+
+
+@pytest.mark.parametrize("receipt", [True, False])
+def test_a_sent_put_without_a_ticket_checksum_is_answered_with_what_was_stored(
+    segment: Segment, receipt: bool
+) -> None:
+    backend, _, server = segment
+    directory = recording(backend)
+    data = bytes(range(256)) * (SIZE // 256)
+    t = ticket(backend, data, claimed=b"")
+    with client(server) as c:
+        reply = c.put(t, data, receipt=receipt)
+    assert reply.checksum == checksum(data)
+    assert directory.checksums == [checksum(data)]  # the confirm names it
+    stored = msgspec.structs.replace(t, checksum=checksum(data))
+    if receipt:
+        assert reply.receipt == write_receipt(SECRET, stored, reply.slot, reply.slot_generation)
+
+
+def test_a_put_under_a_ticket_with_a_checksum_answers_none(segment: Segment) -> None:
+    backend, _, server = segment
+    data = b"t" * SIZE
+    with client(server) as c:
+        reply = c.put(ticket(backend, data), data, receipt=True)
+    assert reply.checksum == b""
+
+
+def test_sent_bytes_that_differ_from_the_puts_checksum_are_refused(segment: Segment) -> None:
+    """The PUT names the hash of what left the writer; what arrived must match it."""
+    backend, directory, server = segment
+    data = b"s" * SIZE
+    with (
+        patch.object(tcp_client, "sent_checksum", lambda *a: checksum(b"other")),
+        client(server) as c,
+        pytest.raises(ChecksumMismatch),
+    ):
+        c.put(ticket(backend, data, claimed=b""), data, receipt=True)
+    assert directory.later == [] and backend.slots.used_bytes == 0
+
+
+def test_a_sent_put_must_name_a_checksum_when_its_ticket_has_none(segment: Segment) -> None:
+    backend, directory, server = segment
+    data = b"n" * SIZE
+    with (
+        patch.object(tcp_client, "sent_checksum", lambda *a: b""),
+        client(server) as c,
+        pytest.raises(BadRequest, match="must name the checksum"),
+    ):
+        c.put(ticket(backend, data, claimed=b""), data, receipt=True)
+    assert directory.later == [] and backend.slots.used_bytes == 0
+    with client(server) as c:  # the connection skipped the payload: the next PUT goes on
+        assert c.put(ticket(backend, data, ticket_id=2, claimed=b""), data).checksum == checksum(data)
+
+
+def test_the_puts_checksum_rule(segment: Segment) -> None:
+    backend, _, _ = segment
+    data = b"r" * 64
+    bare, signed = ticket(backend, data, claimed=b""), ticket(backend, data)
+    staged = StagedBytes(path="/proc/1/fd/3", offset=4096, nonce=b"\0" * 16)
+    check_claimed(PutRequest(ticket=bare, checksum=checksum(data)), staged=False)
+    check_claimed(PutRequest(ticket=signed), staged=False)
+    check_claimed(PutRequest(ticket=bare, staged=staged), staged=True)
+    with pytest.raises(BadRequest, match="16 bytes"):
+        check_claimed(PutRequest(ticket=bare, checksum=b"\1" * 4), staged=True)
+    with pytest.raises(BadRequest, match="must name"):
+        check_claimed(PutRequest(ticket=bare), staged=False)
+    assert tcp_client.sent_checksum(bare, memoryview(data), None) == checksum(data)
+    assert tcp_client.sent_checksum(signed, memoryview(data), None) == b""
+    assert tcp_client.sent_checksum(bare, memoryview(data), staged) == b""
