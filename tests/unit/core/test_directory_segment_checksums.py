@@ -40,7 +40,12 @@ def stored_receipt(t: m.WriteTicket, slot: int, stored: bytes = STORED) -> m.Wri
 
 def confirm(core: DirectoryCore, t: m.WriteTicket, slot: int, stored: bytes) -> str:
     rc = m.ReplicaConfirm(
-        ticket_id=t.ticket_id, key=t.key, slot=slot, slot_generation=1, size_bytes=t.size_bytes, checksum=stored
+        ticket_id=t.ticket_id,
+        key=t.key,
+        slot=slot,
+        slot_generation=1,
+        size_bytes=t.size_bytes,
+        checksum=stored,
     )
     reply = core.handle(
         m.ConfirmReplicas(segment_id=t.segment_id, incarnation=t.incarnation, confirms=[rc]), 1

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from kvfabric.dataplane import tcp_client
-from kvfabric.dataplane.backend import check_claimed
+from kvfabric.dataplane.backend import check_claimed, sent_checksum
 from kvfabric.dataplane.tcp import TcpDataServer
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import BadRequest, ChecksumMismatch
@@ -111,6 +111,6 @@ def test_the_puts_checksum_rule(segment: Segment) -> None:
         check_claimed(PutRequest(ticket=bare, checksum=b"\1" * 4), staged=True)
     with pytest.raises(BadRequest, match="must name"):
         check_claimed(PutRequest(ticket=bare), staged=False)
-    assert tcp_client.sent_checksum(bare, memoryview(data), None) == checksum(data)
-    assert tcp_client.sent_checksum(signed, memoryview(data), None) == b""
-    assert tcp_client.sent_checksum(bare, memoryview(data), staged) == b""
+    assert sent_checksum(bare, memoryview(data), None) == checksum(data)
+    assert sent_checksum(signed, memoryview(data), None) == b""
+    assert sent_checksum(bare, memoryview(data), staged) == b""

@@ -19,7 +19,8 @@ Ownership: the engine owns a `SaveMemory`. It must not change an object's bytes 
 of them has finished (the rule for any save). Nothing catches a change made while the segment
 copies a staged object: it stores what it copied, under the object's key, and readers get
 those bytes (verified against that copy's hash). The engines here gather into save slots and
-give a slot back only once its save has finished (`SaveSlots.give_back_when_done`). `close` gives the memory back; it refuses (`BufferError`) while a
+give a slot back only once its save has finished (`SaveSlots.give_back_when_done`).
+`close` gives the memory back; it refuses (`BufferError`) while a
 save or the engine still holds views of it (`view` makes a new one each time). The client's
 `close` closes what its engine left open and no longer views.
 
