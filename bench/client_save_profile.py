@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import cProfile
 import json
 import os
@@ -239,6 +240,7 @@ def main() -> int:
         prof = cProfile.Profile() if args.cprofile else None
         walls: list[float] = []
         failed = 0
+        causes: collections.Counter[str] = collections.Counter()
         t0 = time.perf_counter()
         for i in range(args.saves):
             tokens, views = prompt(1000 + i)
@@ -252,6 +254,7 @@ def main() -> int:
             for name, at in phases.pop("now", {}).items():
                 phases.setdefault(name, []).append((at - s) * 1e3)
             failed += result.chunks_failed
+            causes.update(result.causes)
         elapsed = time.perf_counter() - t0
         after = {name: cpu_s(pid) for name, pid in pids.items()}
         for pid in profiled:
@@ -271,7 +274,7 @@ def main() -> int:
         f"{args.saves} saves of {args.objects} x {args.size} B ({where}): "
         f"{elapsed:.2f} s, {offered / elapsed / 1e9:.3f} GB/s offered, {stored / elapsed / 1e9:.3f} stored, "
         f"p50 {statistics.median(walls) * 1e3:.2f} ms, "
-        f"p90 {walls[int(0.9 * len(walls))] * 1e3:.2f} ms, chunks failed {failed}; "
+        f"p90 {walls[int(0.9 * len(walls))] * 1e3:.2f} ms, chunks failed {failed} {dict(causes)}; "
         f"load {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}"
     )
     total = 0.0

@@ -53,7 +53,8 @@ def run_once(
     cmd += ["--objects", str(objects), "--json", str(out), *(["--shm"] if shm else [])]
     cmd += ["--save-memory"] if save_memory else []
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0 or not out.exists():
+    # A run with failed chunks (exit 1) still wrote its figures: reported, left out of the medians
+    if proc.returncode not in (0, 1) or not out.exists():
         raise RuntimeError(f"client_save_profile failed ({root}): {(proc.stdout + proc.stderr)[-3000:]}")
     figures: dict[str, Any] = json.loads(out.read_text())
     return figures
@@ -98,10 +99,13 @@ def main() -> int:
                         figures.update(variant=variant, round=r)
                         runs.append(figures)
                         cpu = figures["cpu_ms_per_save"]
+                        failed = figures.get("chunks_failed", 0)
                         print(
                             f"round {r} {variant} {size >> 10} KiB: p50 {figures['p50_ms']:.2f} ms, "
+                            f"client {cpu.get('client', 0):.2f}, segment {cpu.get('segment-1', 0):.2f}, "
                             f"directory {cpu.get('directory', 0):.2f}, nats {cpu.get('nats', 0):.2f}, "
-                            f"eviction {cpu.get('eviction', 0):.2f}, all {sum(cpu.values()):.2f} ms CPU/save",
+                            f"eviction {cpu.get('eviction', 0):.2f}, all {sum(cpu.values()):.2f} ms CPU/save"
+                            + (f"; {failed} chunks failed: not counted" if failed else ""),
                             flush=True,
                         )
         finally:
@@ -118,7 +122,7 @@ def main() -> int:
         def median(variant: str, figure: str, size: int = size) -> float:
             values: list[float] = []
             for run in runs:
-                if run["variant"] != variant or run["size"] != size:
+                if run["variant"] != variant or run["size"] != size or run.get("chunks_failed", 0):
                     continue
                 cpu = run["cpu_ms_per_save"]
                 values.append(
@@ -128,7 +132,7 @@ def main() -> int:
                     if figure == "all"
                     else cpu.get(figure, 0.0)
                 )
-            return statistics.median(values)
+            return statistics.median(values) if values else float("nan")
 
         for figure in ["p50", *names]:
             a, b = median("A", figure), median("B", figure)
