@@ -159,8 +159,8 @@ class MWrite:
     request_id: str  # the put_begin that placed it (request ids are never reused here)
     slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # confirmed: ticket -> (slot, gen)
     committed: bool = False
-    # The checksum the writer named at put_begin; empty: the first `ok` confirm's (what its
-    # segment stored), which every other replica must match (ObjectSpec.checksum)
+    # The checksum the writer named at put_begin; empty: none (only the writer's receipt could
+    # give one, ObjectSpec.checksum; confirms are `pending`)
     checksum: bytes = b""
 
 
@@ -982,19 +982,22 @@ class DirectoryMachine(RuleBasedStateMachine):
             assert self.snapshot() == before
             return
         # a ticket without a checksum: the segment's hash of what it stored (what the writer sent,
-        # or for `corrupt`, other bytes), which the directory cannot tell from the writer's
+        # or for `corrupt`, other bytes); this machine's writers carry no receipts, so such a
+        # member is never confirmed (`pending`; the segment frees the slot, as a synchronous
+        # confirm does) and commits `missing`
         checksum = t.checksum or checksum_of(t.key)
         checksum = checksum if good else corrupt(checksum)
         slot, gen = self.store(t.segment_id, t.incarnation, t.key, checksum)
         owner = self.ticket_owner(t.ticket_id)
         if owner is None:
             expected = "unknown_ticket"  # late: its write was committed without it, expired or aborted
-        elif owner.checksum not in (b"", checksum):
-            expected = "mismatch"  # not the checksum named, or the one the first replica gave
+        elif not owner.checksum:
+            expected = "pending"  # no checksum named: only the writer's receipt can give one
+        elif owner.checksum != checksum:
+            expected = "mismatch"
         else:
             expected = "ok"
             owner.slots[t.ticket_id] = (slot, gen)
-            owner.checksum = checksum
         reply = self.handle(confirm_req(t, slot, gen, checksum, self.epoch()))
         assert reply == m.ConfirmReply(
             epoch=EPOCH, results=[m.ConfirmResult(ticket_id=t.ticket_id, status=expected)]

@@ -1,6 +1,7 @@
 """Objects whose writer named no checksum at put_begin (issue 20: the client hashes nothing
-before it): the segment hashes what it stored, the first confirm or receipt gives the object its
-checksum, every other replica must match it, and a lookup hands out that checksum."""
+before it): the segment hashes what it stored, the writer's receipt (the segment's MAC over that
+checksum) gives the object its checksum, a segment's confirm before it is `pending`, every other
+replica must match it, and a lookup hands out that checksum."""
 
 from __future__ import annotations
 
@@ -89,32 +90,40 @@ def test_a_receipt_without_a_whole_checksum_confirms_nothing(named: bytes) -> No
     assert core.counters["receipt_refused_total"] == 1
 
 
-def test_a_confirm_gives_the_checksum_and_a_replica_of_other_bytes_is_a_mismatch() -> None:
+def test_a_confirm_before_the_writers_receipt_is_pending_and_gives_nothing() -> None:
+    """A segment's confirm cannot give the object its checksum: whoever saw the ticket on the
+    wire may have written other bytes under it. It is `pending` (the segment asks again) until
+    the writer's receipt does; then it must match."""
     core, keys = setup(segments=2)
-    first, second = begin(core, keys, replicas=2)
-    assert confirm(core, first, 7, STORED) == "ok"
-    assert confirm(core, second, 9, OTHER) == "mismatch"  # not what the first replica stored
-    assert confirm(core, second, 9, STORED) == "ok"
-    assert commit(core, keys, []) == ["published"]
-    (loc,) = lookup(core, groups(1)).objects
-    assert loc.checksum == STORED and len(loc.replicas) == 2
+    first, _ = begin(core, keys, replicas=2)
+    assert confirm(core, first, 7, STORED) == "pending"
+    assert confirm(core, first, 7, b"") == "pending"
+    assert core.counters["confirm_pending_total"] == 2
+    assert commit(core, keys, []) == ["missing"]  # nothing confirmed
 
 
-def test_a_receipt_after_a_confirm_must_match_what_the_confirm_gave() -> None:
-    core, keys = setup(segments=2)
-    first, second = begin(core, keys, replicas=2)
-    assert confirm(core, first, 7, STORED) == "ok"
-    assert commit(core, keys, [stored_receipt(second, 9, OTHER)]) == ["degraded"]
-    assert core.counters["receipt_invalid_total"] == 1
-    (loc,) = lookup(core, groups(1)).objects
-    assert loc.checksum == STORED and [r.slot for r in loc.replicas] == [7]
-
-
-def test_a_confirm_without_a_whole_checksum_is_a_mismatch() -> None:
+def test_a_ticket_seen_on_the_wire_cannot_publish_other_bytes() -> None:
+    """Someone who read the writer's ticket off the data plane writes its own bytes under it (no
+    receipt asked: its segment confirms at once). The writer's receipt, committed by the writer,
+    decides: its bytes are published, the other slot is freed when its confirm is asked again."""
     core, keys = setup()
     (ticket,) = begin(core, keys)
-    assert confirm(core, ticket, 7, b"") == "mismatch"
-    assert commit(core, keys, []) == ["missing"]
+    assert confirm(core, ticket, 3, OTHER) == "pending"  # the eavesdropper's slot 3
+    assert commit(core, keys, [stored_receipt(ticket, 7)]) == ["published"]
+    (loc,) = lookup(core, groups(1)).objects
+    assert (loc.checksum, [r.slot for r in loc.replicas]) == (STORED, [7])
+    assert confirm(core, ticket, 3, OTHER) == "unknown_ticket"  # asked again: freed
+    assert confirm(core, ticket, 7, STORED) == "ok"  # the writer's slot's background confirm
+
+
+def test_replicas_of_other_bytes_the_first_receipt_decides() -> None:
+    core, keys = setup(segments=2)
+    first, second = begin(core, keys, replicas=2)
+    receipts = [stored_receipt(first, 7), stored_receipt(second, 9, OTHER)]
+    assert commit(core, keys, receipts) == ["degraded"]
+    assert core.counters["receipt_invalid_total"] == 1  # its MAC is over OTHER, the object's is STORED
+    (loc,) = lookup(core, groups(1)).objects
+    assert loc.checksum == STORED and [r.slot for r in loc.replicas] == [7]
 
 
 def test_a_checksum_of_another_length_is_refused_at_put_begin() -> None:

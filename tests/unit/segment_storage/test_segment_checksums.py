@@ -1,6 +1,7 @@
 """PUTs under a ticket that carries no checksum (issue 20: the writer hashes nothing before
-put_begin): the segment checks sent bytes against the PUT's own checksum, answers with the
-checksum it stored, and signs its receipt and sends its confirm over that checksum."""
+put_begin): such a PUT must ask for a receipt, the segment checks sent bytes against the PUT's
+own checksum, answers with the checksum it stored, and signs its receipt and sends its
+background confirm over that checksum."""
 
 from __future__ import annotations
 
@@ -47,21 +48,27 @@ def recording(backend: ArenaBackend) -> RecordingDirectory:
     return directory
 
 
-@pytest.mark.parametrize("receipt", [True, False])
-def test_a_sent_put_without_a_ticket_checksum_is_answered_with_what_was_stored(
-    segment: Segment, receipt: bool
-) -> None:
+def test_a_sent_put_without_a_ticket_checksum_is_answered_with_what_was_stored(segment: Segment) -> None:
     backend, _, server = segment
     directory = recording(backend)
     data = bytes(range(256)) * (SIZE // 256)
     t = ticket(backend, data, claimed=b"")
     with client(server) as c:
-        reply = c.put(t, data, receipt=receipt)
+        reply = c.put(t, data, receipt=True)
     assert reply.checksum == checksum(data)
-    assert directory.checksums == [checksum(data)]  # the confirm names it
+    assert directory.checksums == [checksum(data)]  # the background confirm names it
     stored = msgspec.structs.replace(t, checksum=checksum(data))
-    if receipt:
-        assert reply.receipt == write_receipt(SECRET, stored, reply.slot, reply.slot_generation)
+    assert reply.receipt == write_receipt(SECRET, stored, reply.slot, reply.slot_generation)
+
+
+def test_a_put_without_a_ticket_checksum_must_ask_for_a_receipt(segment: Segment) -> None:
+    """Only the writer's commit of its receipt gives such an object its checksum: a PUT that would
+    be confirmed at once (no receipt) is refused before anything is stored."""
+    backend, directory, server = segment
+    data = b"q" * SIZE
+    with client(server) as c, pytest.raises(BadRequest, match="write receipt"):
+        c.put(ticket(backend, data, claimed=b""), data)
+    assert directory.confirmed == [] and backend.slots.used_bytes == 0
 
 
 def test_a_put_under_a_ticket_with_a_checksum_answers_none(segment: Segment) -> None:
@@ -96,7 +103,8 @@ def test_a_sent_put_must_name_a_checksum_when_its_ticket_has_none(segment: Segme
         c.put(ticket(backend, data, claimed=b""), data, receipt=True)
     assert directory.later == [] and backend.slots.used_bytes == 0
     with client(server) as c:  # the connection skipped the payload: the next PUT goes on
-        assert c.put(ticket(backend, data, ticket_id=2, claimed=b""), data).checksum == checksum(data)
+        reply = c.put(ticket(backend, data, ticket_id=2, claimed=b""), data, receipt=True)
+        assert reply.checksum == checksum(data)
 
 
 def test_the_puts_checksum_rule(segment: Segment) -> None:
@@ -104,13 +112,15 @@ def test_the_puts_checksum_rule(segment: Segment) -> None:
     data = b"r" * 64
     bare, signed = ticket(backend, data, claimed=b""), ticket(backend, data)
     staged = StagedBytes(path="/proc/1/fd/3", offset=4096, nonce=b"\0" * 16)
-    check_claimed(PutRequest(ticket=bare, checksum=checksum(data)), staged=False)
+    check_claimed(PutRequest(ticket=bare, checksum=checksum(data), receipt=True), staged=False)
     check_claimed(PutRequest(ticket=signed), staged=False)
-    check_claimed(PutRequest(ticket=bare, staged=staged), staged=True)
+    check_claimed(PutRequest(ticket=bare, staged=staged, receipt=True), staged=True)
     with pytest.raises(BadRequest, match="16 bytes"):
-        check_claimed(PutRequest(ticket=bare, checksum=b"\1" * 4), staged=True)
+        check_claimed(PutRequest(ticket=bare, checksum=b"\1" * 4, receipt=True), staged=True)
     with pytest.raises(BadRequest, match="must name"):
-        check_claimed(PutRequest(ticket=bare), staged=False)
+        check_claimed(PutRequest(ticket=bare, receipt=True), staged=False)
+    with pytest.raises(BadRequest, match="write receipt"):  # staged or sent
+        check_claimed(PutRequest(ticket=bare, staged=staged), staged=True)
     assert sent_checksum(bare, memoryview(data), None) == checksum(data)
     assert sent_checksum(signed, memoryview(data), None) == b""
     assert sent_checksum(bare, memoryview(data), staged) == b""

@@ -188,6 +188,9 @@ class LaterShell:
         (["unknown_ticket"], False, 1),  # the write expired or was aborted uncommitted
         (["mismatch"], False, 1),  # the ticket names another slot
         ([Unavailable("no leader"), "ok"], True, 2),  # no verdict: asked again, never freed blind
+        # a ticket without a checksum whose writer has not committed its receipt yet
+        (["pending", "pending", "ok"], True, 3),
+        (["pending", "unknown_ticket"], False, 2),  # its write expired uncommitted
         # A newer leader: it adopted the slot from the segment's report and decides (publishes
         # it, or frees it after its grace); freeing it here lost a published replica.
         ([StaleGeneration("directory_epoch", 1, 2)], True, 1),
@@ -213,9 +216,14 @@ def test_the_background_confirm_frees_only_on_a_refusal(
     assert (backend.slots.held_one(reply.slot, reply.slot_generation) is not None) == kept
 
 
+@pytest.mark.parametrize(
+    ("answer", "counted"), [(Unavailable("no leader"), "no_verdict"), ("pending", "pending")]
+)
 def test_a_directory_silent_past_the_deadline_gets_the_slot_freed(
-    segment: tuple[ArenaBackend, Directory, TcpDataServer],
+    segment: tuple[ArenaBackend, Directory, TcpDataServer], answer: str | Exception, counted: str
 ) -> None:
+    """No verdict, or still `pending` (a receipt nobody committed), long after the ticket's
+    deadline: the slot is freed."""
     backend, _, server = segment
     data = b"g" * SIZE
     t = ticket(backend, data)
@@ -223,10 +231,10 @@ def test_a_directory_silent_past_the_deadline_gets_the_slot_freed(
         reply = c.put(t, data, receipt=True)
     now = backend.clock_ms()
     backend.clock_ms = lambda: now + 30_000 + shell_confirms.CONFIRM_LATER_GIVE_UP_MS + 10_000
-    shell = LaterShell(backend, [Unavailable("no leader")])
+    shell = LaterShell(backend, [answer])
     asyncio.run(SegmentShell._confirm_in_background(shell, [(t, reply.slot, reply.slot_generation, "trace")]))  # type: ignore[arg-type]
     assert backend.slots.held_one(reply.slot, reply.slot_generation) is None
-    assert backend.counters["confirm_later_no_verdict_total"] == 1
+    assert backend.counters[f"confirm_later_{counted}_total"] == 1
 
 
 def test_pipelined_puts_are_answered_in_order_and_a_refusal_stops_none_of_the_others(

@@ -285,12 +285,15 @@ class ConfirmReplicas(_Msg, frozen=True, kw_only=True, tag="dir.confirm.v1"):
     epoch: int = 0
 
 
-ConfirmStatus = Literal["ok", "unknown_ticket", "mismatch"]
+ConfirmStatus = Literal["ok", "unknown_ticket", "mismatch", "pending"]
 
 
 class ConfirmResult(msgspec.Struct, frozen=True, kw_only=True):
     ticket_id: int
     # unknown_ticket / mismatch: the directory will never publish this slot; free it now.
+    # pending: a ticket without a checksum whose writer has not committed a receipt yet: only
+    # the writer's receipt gives the object its checksum and slot (a confirm could come from
+    # anyone who saw the ticket); ask again (a synchronous confirm frees the slot).
     status: ConfirmStatus
 
 

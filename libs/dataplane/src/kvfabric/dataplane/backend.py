@@ -98,12 +98,18 @@ class SegmentBackend(Protocol):
 
 
 def check_claimed(meta: PutRequest, *, staged: bool) -> None:
-    """A PUT's own checksum (`PutRequest.checksum`): 16 bytes or none, and required for sent
-    bytes under a ticket that carries none (what arrived is then checked against the writer's
-    hash of what it sent; a staged put's bytes are read from the writer's own pages)."""
+    """A PUT under a ticket that carries no checksum: it must ask for a write receipt (only the
+    writer's commit of that receipt gives the object its checksum and slot; a confirm could come
+    from anyone who saw the ticket), and sent bytes must name their hash (`PutRequest.checksum`:
+    what arrived is checked against it; a staged put's bytes are read from the writer's own
+    pages). A PUT's own checksum is 16 bytes or none."""
     if len(meta.checksum) not in (0, CHECKSUM_BYTES):
         raise BadRequest(f"a PUT's checksum must be {CHECKSUM_BYTES} bytes (xxh3-128) or none")
-    if not staged and not meta.ticket.checksum and not meta.checksum:
+    if meta.ticket.checksum:
+        return
+    if not meta.receipt:
+        raise BadRequest("a PUT whose ticket carries no checksum must ask for a write receipt")
+    if not staged and not meta.checksum:
         raise BadRequest("a PUT whose ticket carries no checksum must name the checksum of its bytes")
 
 

@@ -17,7 +17,6 @@ from typing import Any, Generic, Self, TypeVar
 
 import msgspec
 
-from kvfabric.dataplane.backend import sent_checksum
 from kvfabric.dataplane.frames import (
     HEADER,
     Op,
@@ -297,9 +296,8 @@ class UcxClient(_UcxClientBase[asyncio.Lock]):
     async def put(self, ticket: WriteTicket, data: Any) -> PutReply:
         """Send one object's bytes (any C-contiguous buffer) under a signed ticket."""
         view = _put_view(ticket, data)
-        meta = PutRequest(ticket=ticket, checksum=sent_checksum(ticket, view, None))
         async with self._lock:
-            reply, _, _ = await self._call(Op.PUT, meta, [view])
+            reply, _, _ = await self._call(Op.PUT, PutRequest(ticket=ticket), [view])
         return _put_reply(reply)
 
     async def get(self, reads: list[ReadRef], dests: Sequence[Any]) -> list[ObjectResult]:
@@ -511,9 +509,8 @@ class UcxSyncClient(_UcxClientBase[threading.Lock]):
     def put(self, ticket: WriteTicket, data: Any) -> PutReply:
         """Send one object's bytes (any C-contiguous buffer) under a signed ticket."""
         view = _put_view(ticket, data)
-        meta = PutRequest(ticket=ticket, checksum=sent_checksum(ticket, view, None))
         with self._lock:
-            reply, _ = self._call(Op.PUT, meta, [view])
+            reply, _ = self._call(Op.PUT, PutRequest(ticket=ticket), [view])
         return _put_reply(reply)
 
     def get(self, reads: list[ReadRef], dests: Sequence[Any]) -> list[ObjectResult]:

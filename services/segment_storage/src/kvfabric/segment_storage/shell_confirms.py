@@ -56,6 +56,11 @@ def _replica_confirm(ticket: m.WriteTicket, slot: int, generation: int) -> m.Rep
     )
 
 
+def _given_up(backend: ArenaBackend, ticket: m.WriteTicket) -> bool:
+    """Whether a background confirm stops asking (its ticket's write is long settled)."""
+    return backend.clock_ms() >= backend.ticket_deadline_ms(ticket) + CONFIRM_LATER_GIVE_UP_MS
+
+
 class ShellConfirms:
     """Confirms of written replicas, answered on the shell's event loop."""
 
@@ -154,7 +159,8 @@ class ShellConfirms:
 
     async def _confirm_in_background(self, items: list[tuple[m.WriteTicket, int, int, str]]) -> None:
         """Confirm receipted writes until the directory gives each a verdict: `ok` keeps the slot
-        (the writer's commit named it, or will), a refusal frees it (the write expired or was
+        (the writer's commit named it, or will; `pending`, for a ticket without a checksum whose
+        writer has not committed yet, is asked again), a refusal frees it (the write expired or was
         aborted uncommitted, or the ticket already names another slot); a newer leader
         (`StaleGeneration`) leaves it to that leader, which adopted it from this segment's
         report. Those without a verdict are asked again (`CONFIRM_LATER_RETRY_S`): freeing a slot
@@ -185,17 +191,17 @@ class ShellConfirms:
                     err: BaseException | None = TimeoutError()
                 else:
                     err = verdict.exception()
-                if err is None:
+                if err is None and verdict.result() == "pending" and not _given_up(self.backend, ticket):
+                    # a ticket without a checksum, its writer's receipt not committed yet
+                    waiting.append((ticket, slot, generation, trace_id))
+                elif err is None:
                     if verdict.result() != "ok":
                         self.backend.unconfirmed(slot, generation, verdict.result())
                 elif isinstance(err, _CONFIRM_FINAL_ERRORS):
                     self.backend.unconfirmed(slot, generation, err.code)
                 elif isinstance(err, StaleGeneration):  # the successor owns the slot's fate
                     self.backend.count("confirm_later_superseded_total")
-                elif (
-                    self.backend.clock_ms()
-                    >= self.backend.ticket_deadline_ms(ticket) + CONFIRM_LATER_GIVE_UP_MS
-                ):
+                elif _given_up(self.backend, ticket):
                     self.backend.unconfirmed(slot, generation, "no_verdict")
                 else:
                     waiting.append((ticket, slot, generation, trace_id))

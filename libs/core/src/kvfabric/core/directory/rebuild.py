@@ -5,13 +5,16 @@ stored slot its key, (slot, generation), size and checksum. No durable record of
 kept, so the rule that decides what was published is:
 
 - A chunk group is **published** when every expected member (TP rank × PP stage × layer group,
-  from the key) has at least one stored replica, and all replicas of a member agree on size and
-  checksum with its first (by segment id, slot). Segments only hold a slot as STORED after they
-  checksummed its bytes against the writer's checksum, so a complete group is exactly one whose
-  bytes were all written and verified: at worst a group whose writer had not sent `put_commit`
-  yet becomes visible (its bytes are whole; the writer's commit then answers `published`).
-- Everything else is an **orphan**: members of incomplete groups, replicas that disagree, slots
-  whose key does not parse. Orphans are freed, after the grace period (see `DirectoryCore.adopt`).
+  from the key) has at least one stored replica, and all replicas of each member agree on size
+  and checksum. Segments only hold a slot as STORED after they checksummed its bytes against the
+  writer's checksum (the ticket's, or a sent PUT's own; a staged put's bytes are the writer's
+  pages), so a complete group is exactly one whose bytes were all written: at worst a group
+  whose writer had not sent `put_commit` yet becomes visible (its bytes are whole; the writer's
+  commit then answers `published`).
+- Everything else is an **orphan**: members of incomplete groups, every replica of a group with
+  a member whose replicas disagree (a ticket without a checksum can leave two slots of other
+  bytes, one of them never committed, and nothing here tells which), slots whose key does not
+  parse. Orphans are freed, after the grace period (see `DirectoryCore.adopt`).
 
 Cost: zero writes on the publish path; a rebuild reads every segment's slot table once
 (≈ 140 B per object over NATS, paged).
@@ -68,6 +71,7 @@ class RebuildPlan:
 def plan_rebuild(holdings: Sequence[SegmentHolding]) -> RebuildPlan:
     candidates: dict[GroupKey, tuple[GroupInfo, dict[tuple[int, int, int], RebuiltMember]]] = {}
     orphans: list[HeldReplica] = []
+    disputed: set[GroupKey] = set()  # a member's replicas disagree: nothing of the group is trusted
     ordered = sorted(holdings, key=lambda h: h.registration.segment_id)
     for holding in ordered:
         reg = holding.registration
@@ -94,13 +98,16 @@ def plan_rebuild(holdings: Sequence[SegmentHolding]) -> RebuildPlan:
             if member is None:
                 member = known[1][info.member] = RebuiltMember(obj.size_bytes, obj.checksum)
             elif (member.size_bytes, member.checksum) != (obj.size_bytes, obj.checksum):
-                orphans.append(replica)  # disagrees with the first replica: not trusted
+                # Which one the writer committed is not known here (a segment's hash may be the
+                # object's checksum: ObjectSpec.checksum), so neither is adopted.
+                orphans.append(replica)
+                disputed.add(gid)
                 continue
             member.replicas.append(replica)
     groups = {}
     for gid, (group_info, members) in candidates.items():
-        if len(members) == group_info.expected_members:
+        if len(members) == group_info.expected_members and gid not in disputed:
             groups[gid] = (group_info, members)
-        else:  # incomplete: its writer never finished, or a member's only copy died
+        else:  # incomplete (its writer never finished, or a member's only copy died) or disputed
             orphans.extend(r for mem in members.values() for r in mem.replicas)
     return RebuildPlan(groups, orphans)
