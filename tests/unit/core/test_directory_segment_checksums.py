@@ -9,11 +9,9 @@ import msgspec
 import pytest
 
 from kvfabric.core.directory import DirectoryCore
-from kvfabric.core.directory.rebuild import SegmentHolding, plan_rebuild
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
-from kvfabric.proto.segment import HeldObject
 from kvfabric.proto.tickets import write_receipt
 from tests.unit.core.dirkit import SECRET, groups, key, lookup, new_core, register
 from tests.unit.core.test_directory_receipts import WRITE_TTL_MS, commit
@@ -133,31 +131,3 @@ def test_a_checksum_of_another_length_is_refused_at_put_begin() -> None:
     spec = m.ObjectSpec(key=keys[0], size_bytes=4096, checksum=b"\1" * 8)
     with pytest.raises(BadRequest, match="16 bytes"):
         core.handle(m.PutBegin(writer_id="w1", request_id="r1", objects=[spec], write_ttl_ms=WRITE_TTL_MS), 0)
-
-
-def test_a_rebuild_adopts_no_replica_still_awaiting_its_writers_commit() -> None:
-    """A segment marks a slot stored under a ticket without a checksum until it is confirmed:
-    whoever read the ticket may have written it. A new leader adopts a member from its other
-    replicas only; with none, the group is an orphan."""
-    (g0, g1) = groups(2)
-
-    def reg(seg: str) -> m.RegisterSegment:
-        return m.RegisterSegment(
-            segment_id=seg, incarnation=1, capacity_bytes=1 << 20, domain=m.FailureDomain(host=seg)
-        )
-
-    holdings = [
-        SegmentHolding(
-            reg("s1"), [HeldObject(key(g0), 1, 1, 100, STORED), HeldObject(key(g1), 2, 1, 100, STORED)]
-        ),
-        SegmentHolding(
-            reg("s2"),
-            [HeldObject(key(g0), 5, 1, 100, OTHER, True), HeldObject(key(g1), 6, 1, 100, STORED, True)],
-        ),
-    ]
-    plan = plan_rebuild(holdings)
-    assert len(plan.groups) == 2  # both from s1's replicas
-    assert all(len(mem.replicas) == 1 for _, members in plan.groups.values() for mem in members.values())
-    assert sorted((r.segment_id, r.slot) for r in plan.orphans) == [("s2", 5), ("s2", 6)]
-    only_awaiting = plan_rebuild([SegmentHolding(reg("s2"), [HeldObject(key(g0), 5, 1, 100, OTHER, True)])])
-    assert only_awaiting.groups == {} and [r.slot for r in only_awaiting.orphans] == [5]

@@ -5,8 +5,6 @@ background confirm over that checksum."""
 
 from __future__ import annotations
 
-import asyncio
-from types import SimpleNamespace
 from unittest.mock import patch
 
 import msgspec
@@ -19,20 +17,9 @@ from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import BadRequest, ChecksumMismatch
 from kvfabric.proto.dataplane import PutRequest, StagedBytes
 from kvfabric.proto.directory import WriteTicket
-from kvfabric.proto.segment import ReportRequest, SegmentReport
 from kvfabric.proto.tickets import write_receipt
-from kvfabric.segment_storage import shell_confirms
 from kvfabric.segment_storage.backend import ArenaBackend
-from kvfabric.segment_storage.shell import SegmentShell
-from tests.unit.segment_storage.test_write_receipts import (
-    SECRET,
-    SIZE,
-    Directory,
-    LaterShell,
-    client,
-    segment,
-    ticket,
-)
+from tests.unit.segment_storage.test_write_receipts import SECRET, SIZE, Directory, client, segment, ticket
 
 __all__ = ["segment"]  # the fixture, shared
 
@@ -137,49 +124,3 @@ def test_the_puts_checksum_rule(segment: Segment) -> None:
     assert sent_checksum(bare, memoryview(data), None) == checksum(data)
     assert sent_checksum(signed, memoryview(data), None) == b""
     assert sent_checksum(bare, memoryview(data), staged) == b""
-
-
-def test_a_slot_awaiting_its_writers_commit_is_marked_in_the_report(segment: Segment) -> None:
-    """Stored under a ticket without a checksum: until the directory confirms it (after the
-    writer's commit of the receipt) a report marks it, so a new leader adopts none of it; a
-    free or an `ok` clears the mark."""
-    backend, _, server = segment
-    data = b"w" * SIZE
-    shell = SimpleNamespace(
-        _admit=lambda shard, epoch: None,
-        backend=backend,
-        slots=backend.slots,
-        ssd=None,
-        settings=SimpleNamespace(arena_bytes=4 << 20),
-        incarnation=backend.incarnation,
-    )
-
-    def report() -> list[tuple[int, bool]]:
-        reply = asyncio.run(SegmentShell._on_report(shell, ReportRequest(epoch=3), {}))  # type: ignore[arg-type]
-        assert isinstance(reply, SegmentReport)
-        return [(o.slot, o.awaiting_writer) for o in reply.objects]
-
-    with client(server) as c:
-        bare = c.put(ticket(backend, data, claimed=b""), data, receipt=True)
-        named = c.put(ticket(backend, data, ticket_id=2), data, receipt=True)
-        freed = c.put(ticket(backend, data, ticket_id=3, claimed=b""), data, receipt=True)
-    assert sorted(report()) == [(bare.slot, True), (named.slot, False), (freed.slot, True)]
-    backend.writer_committed(bare.slot, bare.slot_generation)
-    backend.free_slots([(freed.slot, freed.slot_generation)])
-    assert sorted(report()) == [(bare.slot, False), (named.slot, False)]
-    assert backend.awaiting_writer == set()
-
-
-def test_the_background_confirm_ok_clears_the_mark(segment: Segment) -> None:
-    backend, _, server = segment
-    data = b"v" * SIZE
-    t = ticket(backend, data, claimed=b"")
-    with client(server) as c:
-        reply = c.put(t, data, receipt=True)
-    assert backend.awaiting_writer == {(reply.slot, reply.slot_generation)}
-    shell = LaterShell(backend, ["pending", "ok"])
-    with patch.object(shell_confirms, "CONFIRM_LATER_RETRY_S", 0.001):
-        later = [(t, reply.slot, reply.slot_generation, "trace")]
-        asyncio.run(SegmentShell._confirm_in_background(shell, later))  # type: ignore[arg-type]
-    assert shell.asked == 2 and backend.awaiting_writer == set()
-    assert backend.slots.held_one(reply.slot, reply.slot_generation) is not None

@@ -97,10 +97,6 @@ class HeldObject(msgspec.Struct, frozen=True, array_like=True):
     slot_generation: int
     size_bytes: int
     checksum: bytes
-    # Stored under a ticket without a checksum and not yet confirmed: whether its writer committed
-    # these bytes is not known here (anyone who read the ticket may have written them), so a
-    # rebuild adopts no such replica.
-    awaiting_writer: bool = False
 
 
 class SegmentReport(msgspec.Struct, frozen=True, kw_only=True, tag="seg.report_reply.v1", tag_field="t"):

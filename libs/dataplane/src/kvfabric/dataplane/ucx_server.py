@@ -356,9 +356,6 @@ class UcxServer:
         if header.payload_count != 1:
             await self._refuse(c, header, BadRequest("a PUT carries exactly one payload message"))
             return
-        if not ticket.checksum:  # it must ask for a write receipt (check_claimed): none over UCX
-            await self._refuse(c, header, BadRequest("a ticket without a checksum is not written over UCX"))
-            return
         try:
             check_claimed(meta, staged=False)
         except KvfError as err:

@@ -46,8 +46,7 @@ CLOCK_SKEW_TOLERANCE_MS_MAX: Final = 10_000
 # GET is being served (KVF_SEGMENT_DEMOTE_YIELD_MS): reads first, demotion in the gaps.
 DEMOTE_YIELD_MS_DEFAULT: Final = 20
 
-# (ticket, slot, generation) -> the directory's verdict: "ok", "unknown_ticket", "mismatch" or
-# "pending" (a ticket without a checksum whose writer has not committed its receipt).
+# (ticket, slot, generation) -> the directory's verdict: "ok", "unknown_ticket" or "mismatch".
 # Blocks the calling transport thread; raises KvfError when the directory cannot be reached.
 # (ticket, slot, generation, trace id, the save's writes for this segment and shard) -> verdict
 ConfirmFn = Callable[[WriteTicket, int, int, str, int], str]
@@ -115,11 +114,6 @@ class BackendCore:
         self.gate = SegmentGate()
         self.lock = threading.Lock()
         self._conns: dict[int, _Conn] = {}
-        # (slot, generation) stored under a ticket without a checksum and not yet confirmed `ok`:
-        # only the writer's commit of its receipt gives such bytes to the object (anyone who read
-        # the ticket may have written them), so a report marks them and a rebuild adopts none
-        # (`HeldObject.awaiting_writer`). Under `lock`; bounded by the stored slots.
-        self.awaiting_writer: set[tuple[int, int]] = set()
         self._grant_ids = itertools.count(1)
         self._copy_conns = itertools.count(-1, -1)  # negative: never a transport's connection id
         self.counters: dict[str, int] = {}
@@ -244,7 +238,6 @@ class BackendCore:
         released, so before its extent can be allocated again: a local reader copying it sees
         the change (kvfabric.dataplane.slotboard)."""
         result = self.slots.free(slot, generation)
-        self.awaiting_writer.discard((slot, generation))
         if result != "already_freed":
             self.arena.board.withdraw(slot, generation)
         return result

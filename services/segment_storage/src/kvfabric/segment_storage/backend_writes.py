@@ -66,8 +66,8 @@ class BackendWrites(BackendCore):
             raise ChecksumMismatch("bytes received do not match the ticket's checksum")
         ticket = put.ticket
         if not ticket.checksum:
-            # What this segment stored: its receipt and its confirm name it, and the writer's
-            # commit of the receipt makes it the object's checksum (ObjectSpec.checksum).
+            # What this segment stored becomes the object's checksum: its confirm and its
+            # receipt name it, the directory takes it from the first (ObjectSpec.checksum).
             put.stored = stored
             ticket = msgspec.structs.replace(ticket, checksum=stored)
         with self.lock:
@@ -81,8 +81,6 @@ class BackendWrites(BackendCore):
             fenced = ticket.epoch < self.gate.fence(ticket.shard)
             if not fenced:
                 self.slots.stored(put.slot, put.slot_generation, stored)
-                if put.stored:
-                    self.awaiting_writer.add((put.slot, put.slot_generation))
                 self._conns[conn].puts.pop(put.slot, None)
                 self.arena.board.publish(put.slot, put.slot_generation, put.offset, ticket.size_bytes, stored)
         if fenced:
@@ -114,12 +112,6 @@ class BackendWrites(BackendCore):
             raise Conflict(f"the directory refused the replica: {verdict}", verdict=verdict)
         self.count("puts_total")
         return put.slot, put.slot_generation
-
-    def writer_committed(self, slot: int, generation: int) -> None:
-        """The directory confirmed a slot `ok` in the background: for a ticket without a checksum,
-        the writer's receipt made its bytes the object's; a report no longer marks it."""
-        with self.lock:
-            self.awaiting_writer.discard((slot, generation))
 
     def unconfirmed(self, slot: int, generation: int, verdict: str) -> None:
         """The background confirm of a receipted write was refused (`unknown_ticket`,

@@ -334,7 +334,6 @@ class SegmentShell(ShellRepair, ShellConfirms):
             raise BadRequest(f"limit must be in 1..{REPORT_PAGE_MAX}")
         with self.backend.lock:
             held = self.slots.held(message.after_slot, message.limit + 1)
-            awaiting = {h.slot for h in held if (h.slot, h.generation) in self.backend.awaiting_writer}
         if self.ssd is not None and len(held) <= message.limit:  # disk slots come after the arena's
             disk = await asyncio.to_thread(self.ssd.held, message.after_slot, message.limit + 1 - len(held))
             held += [HeldSlot(h.slot, h.generation, h.size, h.checksum, h.key) for h in disk]
@@ -345,10 +344,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
             capacity_bytes=self.settings.arena_bytes,
             used_bytes=self.slots.used_bytes,
             draining=self.backend.draining,
-            objects=[
-                HeldObject(ObjectKey(h.key), h.slot, h.generation, h.size, h.checksum, h.slot in awaiting)
-                for h in held
-            ],
+            objects=[HeldObject(ObjectKey(h.key), h.slot, h.generation, h.size, h.checksum) for h in held],
             next_after_slot=held[-1].slot if more else -1,
         )
 

@@ -197,8 +197,6 @@ class ShellConfirms:
                 elif err is None:
                     if verdict.result() != "ok":
                         self.backend.unconfirmed(slot, generation, verdict.result())
-                    else:
-                        self.backend.writer_committed(slot, generation)
                 elif isinstance(err, _CONFIRM_FINAL_ERRORS):
                     self.backend.unconfirmed(slot, generation, err.code)
                 elif isinstance(err, StaleGeneration):  # the successor owns the slot's fate

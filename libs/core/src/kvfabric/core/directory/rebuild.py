@@ -11,11 +11,7 @@ kept, so the rule that decides what was published is:
   pages), so a complete group is exactly one whose bytes were all written: at worst a group
   whose writer had not sent `put_commit` yet becomes visible (its bytes are whole; the writer's
   commit then answers `published`).
-- Everything else is an **orphan**: replicas a segment marks `awaiting_writer` (stored under a
-  ticket without a checksum, not yet confirmed: the writer's commit of their receipt is not known
-  here, and anyone who read the ticket may have written them; a write published through its
-  receipt moments before the failover is lost that way, and recomputed), members of incomplete
-  groups, every replica of a group with
+- Everything else is an **orphan**: members of incomplete groups, every replica of a group with
   a member whose replicas disagree (a ticket without a checksum can leave two slots of other
   bytes, one of them never committed, and nothing here tells which), slots whose key does not
   parse. Orphans are freed, after the grace period (see `DirectoryCore.adopt`).
@@ -88,8 +84,8 @@ def plan_rebuild(holdings: Sequence[SegmentHolding]) -> RebuildPlan:
             except BadRequest:
                 orphans.append(replica)
                 continue
-            if obj.size_bytes <= 0 or len(obj.checksum) != CHECKSUM_BYTES or obj.awaiting_writer:
-                orphans.append(replica)  # (awaiting: no committed receipt known for its bytes)
+            if obj.size_bytes <= 0 or len(obj.checksum) != CHECKSUM_BYTES:
+                orphans.append(replica)
                 continue
             gid = info.group.group_id
             known = candidates.get(gid)
