@@ -134,10 +134,10 @@ class ObjectSpec(msgspec.Struct, frozen=True, kw_only=True):
     key: ObjectKey
     size_bytes: int
     # xxh3-128 of the bytes (16 bytes), or empty: the segment that stores them hashes them, and
-    # the first confirm or receipt of a replica gives the object its checksum (every other
-    # replica must match it). A writer that sends its bytes then names their checksum in each
-    # PUT (`PutRequest.checksum`); one whose bytes the segment reads from the writer's own
-    # pages (a staged put) names none (docs/segment.md "Write").
+    # the first receipt the writer commits gives the object its checksum (a confirm before it is
+    # `pending`; every other replica must match it). Such a PUT asks for a receipt; one that
+    # sends its bytes names their checksum (`PutRequest.checksum`), one whose bytes the segment
+    # reads from the writer's own pages (a staged put) names none (docs/segment.md "Write").
     checksum: bytes
     # The chain hash (32 bytes) of the previous chunk of the same prefix, empty for the first
     # chunk: eviction evicts a prefix tail first (a chunk is useless without its parent).

@@ -46,7 +46,8 @@ CLOCK_SKEW_TOLERANCE_MS_MAX: Final = 10_000
 # GET is being served (KVF_SEGMENT_DEMOTE_YIELD_MS): reads first, demotion in the gaps.
 DEMOTE_YIELD_MS_DEFAULT: Final = 20
 
-# (ticket, slot, generation) -> the directory's verdict: "ok", "unknown_ticket" or "mismatch".
+# (ticket, slot, generation) -> the directory's verdict: "ok", "unknown_ticket", "mismatch" or
+# "pending" (a ticket without a checksum whose writer has not committed its receipt).
 # Blocks the calling transport thread; raises KvfError when the directory cannot be reached.
 # (ticket, slot, generation, trace id, the save's writes for this segment and shard) -> verdict
 ConfirmFn = Callable[[WriteTicket, int, int, str, int], str]

@@ -66,8 +66,8 @@ class BackendWrites(BackendCore):
             raise ChecksumMismatch("bytes received do not match the ticket's checksum")
         ticket = put.ticket
         if not ticket.checksum:
-            # What this segment stored becomes the object's checksum: its confirm and its
-            # receipt name it, the directory takes it from the first (ObjectSpec.checksum).
+            # What this segment stored: its receipt and its confirm name it, and the writer's
+            # commit of the receipt makes it the object's checksum (ObjectSpec.checksum).
             put.stored = stored
             ticket = msgspec.structs.replace(ticket, checksum=stored)
         with self.lock:

@@ -64,7 +64,8 @@ class ConfirmBatcher:
     async def confirm(
         self, shard: int, epoch: int, confirm: m.ReplicaConfirm, trace_id: str = "", *, expected: int = 0
     ) -> str:
-        """The directory's verdict for one replica ("ok", "unknown_ticket", "mismatch"); raises
+        """The directory's verdict for one replica ("ok", "unknown_ticket", "mismatch",
+        "pending"); raises
         the request's `KvfError` when its batch got no reply. `expected`: the confirms of this
         save for the shard (0: unknown; only with a trace id, which tells saves apart)."""
         return await self.submit(shard, epoch, confirm, trace_id, expected=expected)

@@ -14,7 +14,9 @@ confirmed replica answers `missing`. A replica is confirmed by its segment (`con
 segment's write receipt that the writer carries in its put_commit (`WriteReceipt`, verified here
 against this table's own record of the ticket: `tickets.receipt_mac`); whichever comes first
 names the slot, and a later confirm or receipt of another (slot, generation) for the same ticket
-is a `mismatch` (the segment frees that slot: one ticket, one slot). One writer per member: a
+is a `mismatch` (the segment frees that slot: one ticket, one slot). A member whose writer named
+no checksum takes it, and its first slot, only from a receipt the writer commits: a confirm
+before that is `pending` (`writes_confirm`). One writer per member: a
 second put_begin of a member another writer holds gets `in_flight`, of a published (or
 evicting) key `exists`.
 

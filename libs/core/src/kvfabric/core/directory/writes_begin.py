@@ -190,7 +190,7 @@ class WriteBegin(WriteState):
         if not 0 < spec.size_bytes <= object_bytes_max:
             raise BadRequest(f"object size {spec.size_bytes} out of range 1..{object_bytes_max}")
         if len(spec.checksum) not in (0, CHECKSUM_BYTES):
-            # empty: the segment's hash of what it stored, from the first confirm or receipt
+            # empty: the segment's hash of what it stored, from the writer's committed receipt
             raise BadRequest(f"checksum must be {CHECKSUM_BYTES} bytes (xxh3-128) or empty")
         if len(spec.parent) not in (0, CHAIN_BYTES):
             raise BadRequest("parent must be empty or a 32-byte chain hash")
