@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvfabric.client import Hit
+from kvfabric.client import ClientMetrics, Hit
 from tests.engines.tinymodel import build_tiny_llama, prompt_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -243,6 +243,13 @@ class FakeSaveClient:
         self.save_memory_registry = SaveMemoryRegistry()
         self.saves: list[tuple[list[list[memoryview]], concurrent.futures.Future[Any] | None]] = []
         self.drop = False
+        self.rate_admits: int | None = None  # the save rate's leading chunks; None: no limit
+        self.rate_asks: list[list[int]] = []
+        self.metrics = ClientMetrics()
+
+    def save_chunks_admitted(self, chunk_sizes: list[int]) -> int:
+        self.rate_asks.append(list(chunk_sizes))
+        return len(chunk_sizes) if self.rate_admits is None else min(self.rate_admits, len(chunk_sizes))
 
     def save_memory(self, nbytes: int) -> Any:
         return self.save_memory_registry.allocate(nbytes)
@@ -306,3 +313,51 @@ def test_the_worker_gathers_blocks_into_save_memory_and_gives_slots_back(engine_
         objects = second = []
         connector.shutdown()
     assert isinstance(slots, SaveSlots) and slots.memory.closed
+
+
+def test_blocks_past_the_engines_save_rate_are_not_copied_and_are_counted(engine_config: Any) -> None:
+    """The worker asks the client's save rate before it copies a save's blocks out of vLLM's
+    cache (issue 24, item 3): only the leading blocks it covers are copied and saved, the rest
+    counted `save_rate` (chunks); a save it covers none of is not copied at all (a dropped save)."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.engines.vllm_connector import KvfabricConnector, KvfabricMetadata, SaveSpec
+
+    connector = KvfabricConnector(engine_config, KVConnectorRole.WORKER, kv_cache_config=None)
+    connector.client.close()
+    layers = [torch.arange(6 * 64, dtype=torch.float32).reshape(6, 64) + 1000 * i for i in range(2)]
+    object_bytes = sum(layer[0].numel() * 4 for layer in layers)
+    client = FakeSaveClient(inflight_bytes=8 * object_bytes)
+    connector.client = client  # type: ignore[assignment]
+    connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
+
+    def save(blocks: list[int]) -> None:
+        meta = KvfabricMetadata(saves=[SaveSpec("r", list(range(BLOCK * len(blocks))), 0, blocks)])
+        connector.bind_connector_metadata(meta)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+
+    def counted(name: str) -> float:
+        return client.metrics.registry.get_sample_value(name, {"cause": "save_rate"}) or 0.0
+
+    try:
+        client.rate_admits = 2
+        save([1, 4, 2, 3])
+        assert client.rate_asks == [[object_bytes] * 4]
+        ((objects, _),) = client.saves
+        assert [bytes(o[0]) for o in objects] == [
+            b"".join(layer[b].numpy().tobytes() for layer in layers) for b in (1, 4)
+        ]
+        assert counted("kvfabric_client_save_failures_total") == 2
+        client.rate_admits = 0
+        save([5, 2])
+        assert len(client.saves) == 1  # nothing copied, nothing saved
+        assert counted("kvfabric_client_saves_dropped_total") == 1
+        client.rate_admits = None
+        save([5])
+        assert len(client.saves) == 2
+    finally:
+        client.saves.clear()
+        objects = []
+        connector.shutdown()

@@ -83,9 +83,9 @@ class SaveRouter(DirectoryRouter):
 
 
 def client(
-    router: SaveRouter, fail_keys: frozenset[bytes] = frozenset(), *, use_shm: bool = True
+    router: SaveRouter, fail_keys: frozenset[bytes] = frozenset(), *, use_shm: bool = True, **settings: Any
 ) -> tuple[AsyncKvClient, list[Any]]:
-    kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1", use_shm=use_shm), SPEC)
+    kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1", use_shm=use_shm, **settings), SPEC)
     kv.router = router
     kv.nc = cast(Any, object())  # "connected": the router does every request
     writes: list[Any] = []

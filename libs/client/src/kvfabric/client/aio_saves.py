@@ -6,6 +6,7 @@ feeds their answers back; see `kvfabric.client.aio`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -15,6 +16,7 @@ from typing import Any, Final
 from kvfabric.client.aio_base import ClientBase, Source, directory_cause
 from kvfabric.client.busy import retry_busy
 from kvfabric.client.hits import SaveResult
+from kvfabric.client.save_rate import SaveRate
 from kvfabric.client.save_table import (
     Effect,
     Finished,
@@ -56,6 +58,8 @@ SAVE_BUSY_ATTEMPTS_MAX: Final = 8
 # segment process below the directory on this loaded 2-core VM (2026-12-02); larger objects keep
 # parallel streams.
 SAVE_WRITE_STREAM_BYTES_TARGET: Final = 2 << 20
+# The cause of chunks skipped by the engine's save rate (`ClientSettings.save_bytes_per_s_max`).
+SAVE_RATE: Final = "save_rate"
 
 
 class SaveMixin(ClientBase):
@@ -64,11 +68,17 @@ class SaveMixin(ClientBase):
     _save_executor: ThreadPoolExecutor  # the save threads (writes, with the hashes of sent bytes)
     _save_bytes: int
     _saves_running: int
+    _save_rate: SaveRate  # the engine's save bytes per second (on the loop only)
     _writes_at_once: int  # writes this client runs at once per segment
     _begins: SharedCalls[Any]  # the save-path directory requests, shared by the saves in flight
     _commits: SharedCalls[Any]
     _aborts: SharedCalls[Any]
     _tasks: set[asyncio.Task[Any]]  # running saves
+
+    def save_chunks_admitted(self, chunk_sizes: Sequence[int]) -> int:
+        """How many leading chunks of these sizes a save started now would keep under the
+        engine's save rate (takes nothing): an engine asks before copying KV for a save."""
+        return self._save_rate.peek_leading(chunk_sizes, time.monotonic())
 
     def save_admission(self, size_bytes: int) -> str | None:
         """Why a save of `size_bytes` would be dropped now, or None when it may start."""
@@ -106,6 +116,17 @@ class SaveMixin(ClientBase):
         if refused is not None:
             self.metrics.saves_dropped.labels(refused).inc()
             return SaveResult(chunks_failed=len(objects), causes={refused: len(objects)})
+        # The engine's save rate: the leading chunks it covers go, the rest are skipped (a prefix
+        # of the ask, so each saved chunk keeps its head). Taken only once the save may start.
+        chunk_sizes = [sum(len(v) for v in row) for row in views]
+        admitted = self._save_rate.admit_leading(chunk_sizes, time.monotonic())
+        if admitted == 0:
+            self.metrics.saves_dropped.labels(SAVE_RATE).inc()
+            return SaveResult(chunks_failed=len(objects), causes={SAVE_RATE: len(objects)})
+        skipped = len(views) - admitted
+        if skipped:
+            views = views[:admitted]
+            size = sum(chunk_sizes[:admitted])
         self._save_bytes += size
         self._saves_running += 1
         self.metrics.inflight_bytes.set(self._save_bytes)
@@ -114,7 +135,13 @@ class SaveMixin(ClientBase):
             self._tasks.add(task)  # close() waits for running saves before draining NATS
         started = time.perf_counter()
         try:
-            return await self._save(groups, members, views, first_chunk, trace_id or uuid.uuid4().hex)
+            result = await self._save(groups, members, views, first_chunk, trace_id or uuid.uuid4().hex)
+            if skipped:
+                self.metrics.save_failures.labels(SAVE_RATE).inc(skipped)
+                causes = {**result.causes, SAVE_RATE: result.causes.get(SAVE_RATE, 0) + skipped}
+                failed = result.chunks_failed + skipped
+                result = dataclasses.replace(result, chunks_failed=failed, causes=causes)
+            return result
         finally:
             self._save_bytes -= size
             self._saves_running -= 1

@@ -2,7 +2,8 @@
 
 Limits (docs/design.md 3.6): a client never grows without bound. Loads beyond `transfers_max` or
 `load_inflight_bytes_max` are answered Busy (the engine recomputes), saves beyond
-`save_inflight_bytes_max` or `saves_queued_max` are dropped and counted (the engine never waits).
+`save_inflight_bytes_max` or `saves_queued_max` are dropped and counted (the engine never waits), and
+saves over `save_bytes_per_s_max` keep only their leading chunks the rate covers.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
     load_inflight_bytes_max: int = 512 << 20
     save_inflight_bytes_max: int = 512 << 20
     saves_queued_max: int = 64
+    # Save bytes per second this client (one engine) may start, 0: no limit. A save over it keeps
+    # its leading chunks the budget covers and skips the rest (`save_rate`): after a cache is lost
+    # every engine saves all it computes, and this bounds the refill (kvfabric.client.save_rate).
+    save_bytes_per_s_max: int = 0
+    save_burst_bytes: int = 0  # bytes saved at once before the rate applies; 0: one second's
     replica_attempts_max: int = 2  # replicas tried per object before the load gives up
     # A replica read that is not the last one tried gets this share of what is left of the load's
     # deadline, at least `replica_attempt_min_ms` (never more than is left), then the next replica
@@ -95,6 +101,9 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if getattr(self, name) < 1:
                 raise BadRequest(f"client setting {name} must be at least 1, got {getattr(self, name)}")
+        for name in ("save_bytes_per_s_max", "save_burst_bytes"):
+            if getattr(self, name) < 0:
+                raise BadRequest(f"client setting {name} must be at least 0, got {getattr(self, name)}")
         if not 1 <= self.replica_attempt_share_pct <= 100:
             share = self.replica_attempt_share_pct
             raise BadRequest(f"client setting replica_attempt_share_pct must be 1..100, got {share}")

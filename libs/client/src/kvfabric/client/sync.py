@@ -304,6 +304,16 @@ class KvClient:
             self.aio.save(tokens, objects, first_chunk=first_chunk, extras=extras, trace_id=trace_id)
         )
 
+    def save_chunks_admitted(self, chunk_sizes: Sequence[int]) -> int:
+        """How many leading chunks of these sizes a save started now would keep under the
+        engine's save rate (`ClientSettings.save_bytes_per_s_max`; all of them when it has none).
+        Takes nothing: ask before copying KV out for a save, so chunks the rate would skip are
+        not copied. A read of the loop's bucket from this thread: it may be a moment stale, and
+        the save itself may then keep fewer (never more)."""
+        if not self.enabled:
+            return 0
+        return self.aio.save_chunks_admitted(chunk_sizes)
+
     def save(
         self, tokens: TokenIds, objects: Sequence[Sequence[Source]], *, first_chunk: int = 0
     ) -> SaveResult:

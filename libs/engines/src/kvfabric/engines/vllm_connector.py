@@ -76,6 +76,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvfabric.client import ClientSettings, EngineSpec, Hit, KvClient, settings_from_env
+from kvfabric.client.aio_saves import SAVE_RATE
 from kvfabric.client.save_memory import SaveSlots, client_save_slots
 from kvfabric.engines.identity import attn_config_digest, weights_digest_of_dir
 from kvfabric.engines.vllm_plan import POLICY_SETTING, RECOMPUTE, plan_load, policy_refusal
@@ -578,14 +579,25 @@ class KvfabricConnector(KVConnectorBase_V1):
         if not isinstance(meta, KvfabricMetadata) or not meta.saves or not self._caches(None):
             return
         layers = self._layers()
-        slots = self._slots(sum(layer.shape[1] for layer in layers))
+        object_bytes = sum(layer.shape[1] for layer in layers)
+        slots = self._slots(object_bytes)
         for save in meta.saves:
+            # The engine's save rate (`save_bytes_per_s_max`): blocks past what it covers now are
+            # not copied at all; the save keeps its leading blocks (a prefix: each keeps its head).
+            block_ids = save.block_ids
+            admitted = self.client.save_chunks_admitted([object_bytes] * len(block_ids))
+            if admitted < len(block_ids):
+                if admitted == 0:
+                    self.client.metrics.saves_dropped.labels(SAVE_RATE).inc()
+                    continue
+                self.client.metrics.save_failures.labels(SAVE_RATE).inc(len(block_ids) - admitted)
+                block_ids = block_ids[:admitted]
             # Copies: the client owns them, vLLM may reuse the blocks as soon as we return. Into
             # save memory while it has a free slot (given back when the save is done), else
             # into memory of their own.
             objects, taken = [], []
             try:
-                for b in save.block_ids:
+                for b in block_ids:
                     slot = slots.take() if slots is not None else None
                     if slots is None or slot is None:
                         objects.append([np.concatenate([layer[b] for layer in layers]).data])
