@@ -118,6 +118,7 @@ bench: setup engines-setup mooncake-setup ## Run the benchmarks; JSON + markdown
 	$(PY) -m bench.failover
 	$(PY) -m bench.tenancy
 	$(PY) -m bench.nats_storm
+	$(PY) -m bench.save_storm
 	$(PY) -m bench.ssd_io
 	$(PY) -m bench.ssd_tier
 	$(PY) tools/evict_sim_tiers.py
