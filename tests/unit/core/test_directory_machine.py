@@ -57,7 +57,7 @@ from kvfabric.format.errors import Busy, KvfError, NotFound, StaleGeneration
 from kvfabric.format.ids import DomainDigest, GroupId, GroupKey, ObjectKey
 from kvfabric.format.key import ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
-from kvfabric.proto.tickets import read_token, ticket_signature_valid
+from kvfabric.proto.tickets import read_token, sealed_ticket, ticket_signature_valid
 
 from .dirkit import DOMAIN, MODEL, SECRET, checksum_of, groups, key, layout
 
@@ -886,7 +886,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             ]
             placements = {}
             for t in res.tickets:
-                assert ticket_signature_valid(t, SECRET)
+                assert ticket_signature_valid(sealed_ticket(t), SECRET)  # as a PUT sends it
                 assert t.ticket_id not in self.seen_tickets
                 assert (t.key, t.size_bytes, t.checksum, t.writer_id, t.deadline_ms, t.epoch) == (
                     k,

@@ -78,6 +78,10 @@ class PutRequest(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put.v1", tag
     # what it received against it. A sent PUT under such a ticket must name one; a staged one
     # need not (the segment reads the writer's own pages).
     checksum: bytes = b""
+    # Under a ticket that carries no checksum (sent sealed, `tickets.sealed_ticket`): the writer's
+    # proof that it names `checksum` (`tickets.claim_proof`, keyed by the ticket's signature,
+    # which never crosses the data plane). Required there; empty otherwise.
+    claim_proof: bytes = b""
 
 
 class PutReply(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put_reply.v1", tag_field="t"):

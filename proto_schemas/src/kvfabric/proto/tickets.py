@@ -4,6 +4,17 @@ way round for write receipts: a segment signs what it stored, the directory veri
 A ticket is signed with a keyed BLAKE2b MAC (32 bytes) over the msgpack encoding of the ticket
 with an empty signature, keyed by the cluster secret that the directory and every segment share
 (clients never hold it, so they cannot forge a placement, a size or a checksum).
+
+A ticket that carries no checksum (the writer named none at put_begin: the segment's hash of what
+it stores becomes the object's) binds no bytes, so its signature doubles as the writer's key: it
+reaches the writer only in the directory's put_begin reply (NATS, the tenant's own inbox), and on
+the data plane the ticket travels **sealed** (`sealed_ticket`: its signature replaced by a one-way
+hash of it), with a `claim_proof` — a MAC keyed by the signature over the checksum the PUT names
+(empty for a staged PUT). A segment accepts a checksum-less ticket only sealed
+(`ticket_signature_valid`) and stores its bytes only with a valid proof (`claim_proof_valid`),
+so whoever reads a PUT off a plaintext data plane learns neither the key nor a proof for any
+other bytes: it cannot store its own bytes under the writer's ticket (before, it could, and a
+leader failover could then adopt them, docs/directory.md).
 """
 
 from __future__ import annotations
@@ -19,12 +30,16 @@ from kvfabric.proto.codec import encode
 from kvfabric.proto.directory import WriteTicket
 
 __all__ = [
+    "CLAIM_PROOF_BYTES",
     "READ_TOKEN_BYTES",
     "SECRET_BYTES_MIN",
     "WRITE_RECEIPT_BYTES",
+    "claim_proof",
+    "claim_proof_valid",
     "read_token",
     "read_token_valid",
     "receipt_mac",
+    "sealed_ticket",
     "sign_ticket",
     "ticket_signature_valid",
     "write_receipt",
@@ -47,7 +62,43 @@ def sign_ticket(ticket: WriteTicket, secret: bytes) -> WriteTicket:
 
 
 def ticket_signature_valid(ticket: WriteTicket, secret: bytes) -> bool:
-    return hmac.compare_digest(ticket.signature, _mac(ticket, secret))
+    """A ticket with a checksum: its signature; one without: sealed (`sealed_ticket`) only, so a
+    checksum-less ticket's key never has to cross the data plane."""
+    mac = _mac(ticket, secret)
+    return hmac.compare_digest(ticket.signature, _seal(mac) if not ticket.checksum else mac)
+
+
+# ---- checksum-less tickets on the data plane: sealed, with a proof of the claimed checksum -----
+CLAIM_PROOF_BYTES: Final = 16
+_SEAL_PERSON: Final = b"kvf1/seal"
+_CLAIM_PERSON: Final = b"kvf1/claim"
+
+
+def _seal(signature: bytes) -> bytes:
+    return hashlib.blake2b(signature, digest_size=32, person=_SEAL_PERSON).digest()
+
+
+def sealed_ticket(ticket: WriteTicket) -> WriteTicket:
+    """The form a ticket travels in on the data plane: a checksum-less one with its signature
+    sealed (one-way: the seal does not give the signature back), any other as it is."""
+    if ticket.checksum:
+        return ticket
+    return msgspec.structs.replace(ticket, signature=_seal(ticket.signature))
+
+
+def claim_proof(ticket: WriteTicket, claimed: bytes) -> bytes:
+    """The writer's proof that it names `claimed` (a checksum, or b"" for a staged PUT) under its
+    checksum-less `ticket` (as the directory signed it: the signature is the key)."""
+    return hashlib.blake2b(
+        claimed, key=ticket.signature, digest_size=CLAIM_PROOF_BYTES, person=_CLAIM_PERSON
+    ).digest()
+
+
+def claim_proof_valid(ticket: WriteTicket, secret: bytes, claimed: bytes, proof: bytes) -> bool:
+    """Whether `proof` is the writer's for `claimed` under `ticket` (sealed or not: the segment
+    recomputes the signature from the secret)."""
+    signed = msgspec.structs.replace(ticket, signature=_mac(ticket, secret))
+    return len(proof) == CLAIM_PROOF_BYTES and hmac.compare_digest(proof, claim_proof(signed, claimed))
 
 
 # ---- read tokens: no lease, no bytes ---------------------------------------------------------

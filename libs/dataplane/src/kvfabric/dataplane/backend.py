@@ -7,7 +7,8 @@ Ownership, per call (`conn` is an opaque per-connection token; everything it hol
   size), allocates a slot and returns a writable `memoryview` of exactly `size_bytes` inside the
   arena. The transport owns that view until it calls `finish_put` or `abort_put`.
 - `finish_put(put, conn)` checksums the bytes, checks them against the ticket's checksum (or,
-  for a ticket that carries none, the PUT's own: `put.claimed`, `check_claimed`), confirms the
+  for a ticket that carries none, the PUT's own: `put.claimed`, `check_claimed`, proved by
+  `put.claim_proof`, `kvfabric.proto.tickets.claim_proof_valid`), confirms the
   replica to the directory and returns the (slot, generation); on mismatch it frees the slot
   and raises `ChecksumMismatch`.
 - `begin_get(reads, conn)` takes a transfer reference on every ok slot (a free arriving meanwhile
@@ -41,8 +42,9 @@ from kvfabric.proto.dataplane import (
     StagedBytes,
 )
 from kvfabric.proto.directory import WriteTicket
+from kvfabric.proto.tickets import CLAIM_PROOF_BYTES, claim_proof, sealed_ticket
 
-__all__ = ["GetGrant", "PutSlot", "SegmentBackend", "check_claimed", "sent_checksum"]
+__all__ = ["GetGrant", "PutSlot", "SegmentBackend", "check_claimed", "put_claim", "sent_checksum"]
 
 
 @dataclass(slots=True)
@@ -58,8 +60,10 @@ class PutSlot:
     save_writes: int = 0  # PUT meta: writes of the same save for this segment and shard (confirms)
     receipt_wanted: bool = False  # PUT meta: answer with a write receipt, confirm in the background
     receipt: bytes = b""  # set by `finish_put` when it signed one (the reply carries it)
-    # PUT meta: the writer's checksum of the bytes it sent, for a ticket that carries none.
+    # PUT meta: the writer's checksum of the bytes it sent, for a ticket that carries none, and
+    # its proof (`finish_put` checks it against the ticket before storing anything).
     claimed: bytes = b""
+    claim_proof: bytes = b""
     # Set by `finish_put` for a ticket that carried no checksum: what it stored (the reply
     # carries it; the receipt and the confirm name it).
     stored: bytes = b""
@@ -99,10 +103,11 @@ class SegmentBackend(Protocol):
 
 def check_claimed(meta: PutRequest, *, staged: bool) -> None:
     """A PUT under a ticket that carries no checksum: it must ask for a write receipt (only the
-    writer's commit of that receipt gives the object its checksum and slot; a confirm could come
-    from anyone who saw the ticket), and sent bytes must name their hash (`PutRequest.checksum`:
-    what arrived is checked against it; a staged put's bytes are read from the writer's own
-    pages). A PUT's own checksum is 16 bytes or none."""
+    writer's commit of that receipt gives the object its checksum and slot), sent bytes must name
+    their hash (`PutRequest.checksum`: what arrived is checked against it; a staged put's bytes
+    are read from the writer's own pages), and it must carry the writer's proof of that hash
+    (`PutRequest.claim_proof`, checked with the secret by the backend's `finish_put`). A PUT's own
+    checksum is 16 bytes or none. Checked before a slot is taken."""
     if len(meta.checksum) not in (0, CHECKSUM_BYTES):
         raise BadRequest(f"a PUT's checksum must be {CHECKSUM_BYTES} bytes (xxh3-128) or none")
     if meta.ticket.checksum:
@@ -111,6 +116,8 @@ def check_claimed(meta: PutRequest, *, staged: bool) -> None:
         raise BadRequest("a PUT whose ticket carries no checksum must ask for a write receipt")
     if not staged and not meta.checksum:
         raise BadRequest("a PUT whose ticket carries no checksum must name the checksum of its bytes")
+    if len(meta.claim_proof) != CLAIM_PROOF_BYTES:
+        raise BadRequest("a PUT whose ticket carries no checksum must prove the checksum it names")
 
 
 def sent_checksum(ticket: WriteTicket, view: memoryview, staged: StagedBytes | None) -> bytes:
@@ -119,3 +126,15 @@ def sent_checksum(ticket: WriteTicket, view: memoryview, staged: StagedBytes | N
     ticket has one (the segment checks that) or the bytes are staged (the segment reads the
     writer's own pages and its hash becomes the object's)."""
     return checksum(view) if staged is None and not ticket.checksum else b""
+
+
+def put_claim(
+    ticket: WriteTicket, view: memoryview, staged: StagedBytes | None
+) -> tuple[WriteTicket, bytes, bytes]:
+    """What a PUT carries for `ticket` (as the directory signed it): the ticket as it travels
+    (`sealed_ticket`: a checksum-less one's signature never crosses the data plane), the checksum
+    it names (`sent_checksum`) and, under a checksum-less ticket, the writer's proof of it."""
+    claimed = sent_checksum(ticket, view, staged)
+    if ticket.checksum:
+        return ticket, claimed, b""
+    return sealed_ticket(ticket), claimed, claim_proof(ticket, claimed)

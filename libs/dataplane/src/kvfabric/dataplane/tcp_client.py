@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvfabric.dataplane.addresses import pick_stream, split_host_port
-from kvfabric.dataplane.backend import sent_checksum
+from kvfabric.dataplane.backend import put_claim
 from kvfabric.dataplane.frames import HEADER, Op, unpack_header
 from kvfabric.dataplane.scatter import scatter_dests
 from kvfabric.dataplane.tcp_wire import (
@@ -44,6 +44,7 @@ from kvfabric.proto.dataplane import (
 )
 from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.segment import SSD_SLOT_BASE
+from kvfabric.proto.tickets import sealed_ticket
 
 _error_decoder: FamilyDecoder[ErrorReply] = FamilyDecoder(ErrorReply, "dataplane error")
 
@@ -142,15 +143,16 @@ class TcpDataClient:
         view = memoryview(data).cast("B")
         if staged is None and len(view) != ticket.size_bytes:
             raise BadRequest(f"buffer is {len(view)} bytes, ticket says {ticket.size_bytes}")
-        claimed = sent_checksum(ticket, view, staged)
+        as_sent, claimed, proof = put_claim(ticket, view, staged)
         with self._lock:
             meta = PutRequest(
-                ticket=ticket,
+                ticket=as_sent,
                 trace_id=trace_id,
                 save_writes=save_writes,
                 staged=staged,
                 receipt=receipt,
                 checksum=claimed,
+                claim_proof=proof,
             )
             reply, _ = self._call(Op.PUT, meta, [view] if staged is None else [])
         if not isinstance(reply, PutReply):
@@ -184,13 +186,15 @@ class TcpDataClient:
             for n, ((ticket, _, trace_id, save_writes), view) in enumerate(zip(writes, views, strict=True)):
                 request_id = self._request_id = next(self._ids)
                 where = None if staged is None else staged[n]
+                as_sent, claimed, proof = put_claim(ticket, view, where)  # hashed while the last lands
                 meta = PutRequest(
-                    ticket=ticket,
+                    ticket=as_sent,
                     trace_id=trace_id,
                     save_writes=save_writes,
                     receipt=receipt,
                     staged=where,
-                    checksum=sent_checksum(ticket, view, where),  # hashed while the last one lands
+                    checksum=claimed,
+                    claim_proof=proof,
                 )
                 try:
                     frame = encode_frame(Op.PUT, request_id, meta, 1 if where is None else 0)
@@ -298,7 +302,8 @@ class TcpDataClient:
         a credential must come with it (`reads` with their tokens, or a write ticket for this
         segment): the segment hands its arena path only to token holders."""
         with self._lock:
-            reply, _ = self._call(Op.MAP, MapRequest(reads=list(reads), ticket=ticket))
+            credential = None if ticket is None else sealed_ticket(ticket)  # as a PUT sends it
+            reply, _ = self._call(Op.MAP, MapRequest(reads=list(reads), ticket=credential))
         if not isinstance(reply, MapReply):
             raise Indeterminate("malformed MAP reply")
         return reply

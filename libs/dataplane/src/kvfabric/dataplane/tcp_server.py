@@ -346,6 +346,7 @@ class TcpDataServer:
         put.save_writes = meta.save_writes
         put.receipt_wanted = meta.receipt
         put.claimed = meta.checksum
+        put.claim_proof = meta.claim_proof
         try:
             put.checksum = files.read_into(conn, meta.staged, put.view)  # of the slot's bytes
         except BaseException:
@@ -377,6 +378,7 @@ class TcpDataServer:
             put.save_writes = meta.save_writes
             put.receipt_wanted = meta.receipt
             put.claimed = meta.checksum
+            put.claim_proof = meta.claim_proof
             self._deadline(conn, limits.transfer_ms(len(put.view)), "transfer_timeout")
             self._receive_put(conn, sock, put)
             self._no_deadline(conn)

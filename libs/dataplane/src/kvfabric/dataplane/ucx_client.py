@@ -59,6 +59,7 @@ from kvfabric.proto.dataplane import (
     dataplane_decoder,
 )
 from kvfabric.proto.directory import WriteTicket
+from kvfabric.proto.tickets import sealed_ticket  # a checksum-less one's signature stays with the writer
 
 # one logger for the whole UCX transport, as before its split
 _log = logging.getLogger("kvfabric.dataplane.ucx")
@@ -297,7 +298,7 @@ class UcxClient(_UcxClientBase[asyncio.Lock]):
         """Send one object's bytes (any C-contiguous buffer) under a signed ticket."""
         view = _put_view(ticket, data)
         async with self._lock:
-            reply, _, _ = await self._call(Op.PUT, PutRequest(ticket=ticket), [view])
+            reply, _, _ = await self._call(Op.PUT, PutRequest(ticket=sealed_ticket(ticket)), [view])
         return _put_reply(reply)
 
     async def get(self, reads: list[ReadRef], dests: Sequence[Any]) -> list[ObjectResult]:
@@ -510,7 +511,7 @@ class UcxSyncClient(_UcxClientBase[threading.Lock]):
         """Send one object's bytes (any C-contiguous buffer) under a signed ticket."""
         view = _put_view(ticket, data)
         with self._lock:
-            reply, _ = self._call(Op.PUT, PutRequest(ticket=ticket), [view])
+            reply, _ = self._call(Op.PUT, PutRequest(ticket=sealed_ticket(ticket)), [view])
         return _put_reply(reply)
 
     def get(self, reads: list[ReadRef], dests: Sequence[Any]) -> list[ObjectResult]:

@@ -379,6 +379,7 @@ class UcxServer:
             await self._refuse(c, header, err)
             return
         put.claimed = meta.checksum
+        put.claim_proof = meta.claim_proof
         try:
             await c.link.complete([c.link.recv(put.view)], self.io_timeout_s)
         except Truncated:

@@ -18,7 +18,7 @@ from kvfabric.format.errors import (
     Unauthorized,
 )
 from kvfabric.proto.directory import WriteTicket
-from kvfabric.proto.tickets import ticket_signature_valid, write_receipt
+from kvfabric.proto.tickets import claim_proof_valid, ticket_signature_valid, write_receipt
 from kvfabric.segment_storage.backend_core import BackendCore, FetchFn
 
 __all__ = ["BackendWrites"]
@@ -54,6 +54,15 @@ class BackendWrites(BackendCore):
         return PutSlot(alloc.slot, alloc.generation, view, ticket, alloc.offset)
 
     def finish_put(self, put: PutSlot, conn: int) -> tuple[int, int]:
+        if not put.ticket.checksum and not claim_proof_valid(
+            put.ticket, self.secret, put.claimed, put.claim_proof
+        ):
+            # Not the writer: whoever read the sealed ticket off the wire cannot prove a checksum
+            # (the ticket's signature is the key, and it never crosses the data plane).
+            put.view.release()
+            self.count("bad_claim_proof_total")
+            self.abort_put(put, conn)
+            raise Unauthorized("the PUT's proof of its checksum is not the ticket's writer's")
         # Hashed on arrival by the transport, or now (nobody else can see a WRITING slot: no lock).
         stored = put.checksum if put.checksum is not None else checksum(put.view)
         put.view.release()
