@@ -287,7 +287,7 @@ class OneBufferBackend:
         self.arena = bytearray(b"\x5a" * nbytes)
         self.generation = 0
 
-    def begin_put(self, ticket: Any, conn: int) -> Any:
+    def begin_put(self, ticket: Any, conn: int, claim: Any = None) -> Any:
         from kvfabric.dataplane.backend import PutSlot
 
         self.generation += 1

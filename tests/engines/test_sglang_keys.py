@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.client import ClientSettings, Hit
+from kvfabric.client import ClientSettings, Hit, SaveResult
 from kvfabric.engines.sglang_keys import (
     PAGE_WORDS,
     HeldHits,
     PoolGeometry,
     StorageIdentity,
     chain_words,
+    chained_pages_stored,
     engine_spec,
     new_pages,
     page_words,
@@ -143,3 +144,13 @@ def test_engine_spec_refuses_what_it_cannot_name(tmp_path: Path) -> None:
     assert spec.model.weights_revision.startswith("xxh3:")
     (tmp_path / "model.safetensors").write_bytes(b"other weights")
     assert engine_spec(local, POOL, {}, DEFAULTS).model.weights_revision != spec.model.weights_revision
+
+
+def test_a_chained_batch_is_all_or_nothing_but_for_the_save_rates_skipped_tail() -> None:
+    assert chained_pages_stored(3, SaveResult(chunks_saved=2, chunks_existing=1)) == [True] * 3
+    broken = SaveResult(chunks_saved=2, chunks_failed=1, causes={"segment_unreachable": 1})
+    assert chained_pages_stored(3, broken) == [False] * 3
+    rate = SaveResult(chunks_saved=1, chunks_failed=2, causes={"save_rate": 2})
+    assert chained_pages_stored(3, rate) == [True, False, False]
+    mixed = SaveResult(chunks_saved=0, chunks_failed=3, causes={"save_rate": 2, "no_capacity": 1})
+    assert chained_pages_stored(3, mixed) == [False] * 3

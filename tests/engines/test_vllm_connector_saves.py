@@ -245,16 +245,20 @@ class FakeSaveClient:
         self.drop = False
         self.rate_admits: int | None = None  # the save rate's leading chunks; None: no limit
         self.rate_asks: list[list[int]] = []
+        self.rate_taken: list[bool] = []
         self.metrics = ClientMetrics()
 
-    def save_chunks_admitted(self, chunk_sizes: list[int]) -> int:
+    def take_save_rate(self, chunk_sizes: list[int]) -> int:
         self.rate_asks.append(list(chunk_sizes))
         return len(chunk_sizes) if self.rate_admits is None else min(self.rate_admits, len(chunk_sizes))
 
     def save_memory(self, nbytes: int) -> Any:
         return self.save_memory_registry.allocate(nbytes)
 
-    def save_async(self, tokens: list[int], objects: list[list[memoryview]], **_: Any) -> Any:
+    def save_async(
+        self, tokens: list[int], objects: list[list[memoryview]], *, rate_taken: bool = False, **_: Any
+    ) -> Any:
+        self.rate_taken.append(rate_taken)
         future: concurrent.futures.Future[Any] | None = None if self.drop else concurrent.futures.Future()
         self.saves.append((objects, future))
         return future
@@ -315,10 +319,14 @@ def test_the_worker_gathers_blocks_into_save_memory_and_gives_slots_back(engine_
     assert isinstance(slots, SaveSlots) and slots.memory.closed
 
 
-def test_blocks_past_the_engines_save_rate_are_not_copied_and_are_counted(engine_config: Any) -> None:
-    """The worker asks the client's save rate before it copies a save's blocks out of vLLM's
-    cache (issue 24, item 3): only the leading blocks it covers are copied and saved, the rest
-    counted `save_rate` (chunks); a save it covers none of is not copied at all (a dropped save)."""
+def test_blocks_past_the_engines_save_rate_are_not_copied_and_a_cut_request_saves_no_more(
+    engine_config: Any,
+) -> None:
+    """The worker takes the client's save rate before it copies a save's blocks out of vLLM's
+    cache (issue 24, item 3): only the leading blocks it covers are copied and saved (the rate
+    not charged again), the rest counted `save_rate`; a save it covers none of is not copied at
+    all (a dropped save); and a request cut once saves nothing more (its later chunks would sit
+    behind the missing ones, where no lookup reaches), while other requests go on."""
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -332,8 +340,9 @@ def test_blocks_past_the_engines_save_rate_are_not_copied_and_are_counted(engine
     connector.client = client  # type: ignore[assignment]
     connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
 
-    def save(blocks: list[int]) -> None:
-        meta = KvfabricMetadata(saves=[SaveSpec("r", list(range(BLOCK * len(blocks))), 0, blocks)])
+    def save(req: str, first: int, blocks: list[int]) -> None:
+        tokens = list(range(BLOCK * (first + len(blocks))))
+        meta = KvfabricMetadata(saves=[SaveSpec(req, tokens, first, blocks)])
         connector.bind_connector_metadata(meta)
         connector.wait_for_save()
         connector.clear_connector_metadata()
@@ -343,19 +352,23 @@ def test_blocks_past_the_engines_save_rate_are_not_copied_and_are_counted(engine
 
     try:
         client.rate_admits = 2
-        save([1, 4, 2, 3])
+        save("r1", 0, [1, 4, 2, 3])
         assert client.rate_asks == [[object_bytes] * 4]
         ((objects, _),) = client.saves
         assert [bytes(o[0]) for o in objects] == [
             b"".join(layer[b].numpy().tobytes() for layer in layers) for b in (1, 4)
         ]
+        assert client.rate_taken == [True]
         assert counted("kvfabric_client_save_failures_total") == 2
+        client.rate_admits = None  # the rate has room again, but r1 was cut: its next chunks wait
+        save("r1", 4, [5])
+        assert len(client.saves) == 1 and counted("kvfabric_client_saves_dropped_total") == 1
         client.rate_admits = 0
-        save([5, 2])
+        save("r2", 0, [5, 2])
         assert len(client.saves) == 1  # nothing copied, nothing saved
-        assert counted("kvfabric_client_saves_dropped_total") == 1
+        assert counted("kvfabric_client_saves_dropped_total") == 2
         client.rate_admits = None
-        save([5])
+        save("r3", 0, [5])
         assert len(client.saves) == 2
     finally:
         client.saves.clear()

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfabric.client import ClientSettings
+from kvfabric.client import ClientSettings, SaveResult
 from kvfabric.client.aio_saves import SAVE_RATE
 from kvfabric.client.save_rate import SaveRate
 from kvfabric.format.errors import BadRequest
@@ -88,21 +88,21 @@ def test_a_save_past_the_rate_keeps_its_leading_chunks_and_sends_nothing_of_the_
     router = SaveRouter()
     # a burst of 3 chunks less a byte: chunks 0..2 pass (the third into debt), 3.. are skipped
     kv, writes = client(router, save_bytes_per_s_max=1, save_burst_bytes=2 * CHUNK_BYTES + 1)
+    kv._save_clock = lambda: 0.0  # no refill while it runs
     keys = [g.member_key(*kv.spec.required_members()[0]).to_bytes() for g in kv.chunk_groups(prompt(1))]
-    assert kv.save_chunks_admitted([CHUNK_BYTES] * CHUNKS) == 3
 
-    async def run() -> tuple[object, object, int]:
+    async def run() -> tuple[SaveResult, SaveResult, int]:
         try:
             first = await kv.save(prompt(1), objects(1))
             second = await kv.save(prompt(2), objects(2))  # the budget is spent: skipped whole
-            return first, second, kv.save_chunks_admitted([CHUNK_BYTES])
+            return first, second, kv.take_save_rate([CHUNK_BYTES])
         finally:
             await kv.close()
 
     first, second, after = asyncio.run(run())
-    assert first.chunks_saved == 3 and first.chunks_failed == CHUNKS - 3  # type: ignore[attr-defined]
-    assert first.causes == {SAVE_RATE: CHUNKS - 3}  # type: ignore[attr-defined]
-    assert second.chunks_saved == 0 and second.causes == {SAVE_RATE: CHUNKS}  # type: ignore[attr-defined]
+    assert first.chunks_saved == 3 and first.chunks_failed == CHUNKS - 3
+    assert first.causes == {SAVE_RATE: CHUNKS - 3}
+    assert second.chunks_saved == 0 and second.causes == {SAVE_RATE: CHUNKS}
     assert after == 0
     begun = [k for verb, _, ks, _ in router.requests if verb == "put_begin" for k in ks]
     assert sorted(begun) == sorted(keys[:3])  # the leading chunks only, the rest never asked
@@ -116,18 +116,68 @@ def test_the_rate_refills_with_time() -> None:
     router = SaveRouter()
     # one chunk a second; a burst of half a chunk: the first chunk leaves half a second of debt
     kv, _ = client(router, save_bytes_per_s_max=CHUNK_BYTES, save_burst_bytes=CHUNK_BYTES // 2)
+    now = [0.0]
+    kv._save_clock = lambda: now[0]
+    kv._save_rate.at_s = 0.0  # the bucket's clock is the test's from here
 
     async def run() -> list[int]:
         try:
             saved = [(await kv.save(prompt(1), objects(1))).chunks_saved]  # the burst: one chunk
-            saved.append((await kv.save(prompt(2), objects(2))).chunks_saved)  # at once: in debt
-            await asyncio.sleep(0.6)  # the debt is paid, a tenth of a chunk to spare: one chunk
+            now[0] = 0.49
+            saved.append((await kv.save(prompt(2), objects(2))).chunks_saved)  # still in debt
+            now[0] = 0.6  # the debt is paid, a tenth of a chunk to spare: one chunk
             saved.append((await kv.save(prompt(3), objects(3))).chunks_saved)
             return saved
         finally:
             await kv.close()
 
     assert asyncio.run(run()) == [1, 0, 1]
+
+
+def test_a_save_the_rate_trims_is_admitted_by_its_trimmed_size_and_a_refused_one_takes_nothing() -> None:
+    """The in-flight bound sees the bytes the save will write (the trimmed ones); a save the
+    bound refuses leaves the rate's budget as it was."""
+    router = SaveRouter()
+    kv, _ = client(
+        router,
+        save_bytes_per_s_max=1,
+        save_burst_bytes=2 * CHUNK_BYTES,  # two chunks
+        save_inflight_bytes_max=3 * CHUNK_BYTES,  # a whole save (8 chunks) would not fit
+    )
+    kv._save_clock = lambda: 0.0
+
+    async def run() -> tuple[SaveResult, SaveResult]:
+        try:
+            kv._save_bytes = 2 * CHUNK_BYTES  # another save's bytes in flight
+            refused = await kv.save(prompt(1), objects(1))  # 2 chunks + 2 in flight > 3
+            kv._save_bytes = 0
+            trimmed = await kv.save(prompt(2), objects(2))  # its 2 chunks fit
+            return refused, trimmed
+        finally:
+            await kv.close()
+
+    refused, trimmed = asyncio.run(run())
+    assert refused.causes == {"bytes": CHUNKS}
+    assert trimmed.chunks_saved == 2 and trimmed.causes == {SAVE_RATE: CHUNKS - 2}
+
+
+def test_chunks_whose_rate_the_engine_took_are_not_charged_again() -> None:
+    router = SaveRouter()
+    kv, _ = client(router, save_bytes_per_s_max=1, save_burst_bytes=2 * CHUNK_BYTES)
+    kv._save_clock = lambda: 0.0
+    assert kv.take_save_rate([CHUNK_BYTES] * CHUNKS) == 2
+
+    async def run() -> tuple[SaveResult, SaveResult]:
+        try:
+            taken = await kv.save(prompt(1), objects(1)[:2], rate_taken=True)
+            charged = await kv.save(prompt(2), objects(2))  # the budget went to the engine's take
+            return taken, charged
+        finally:
+            await kv.close()
+
+    taken, charged = asyncio.run(run())
+    assert taken.chunks_saved == 2 and not taken.causes
+    assert charged.chunks_saved == 0 and charged.causes == {SAVE_RATE: CHUNKS}
 
 
 def test_no_rate_by_default() -> None:
@@ -141,3 +191,4 @@ def test_no_rate_by_default() -> None:
             await kv.close()
 
     assert asyncio.run(run()) == [CHUNKS] * 5
+    assert kv.take_save_rate([1 << 40] * 3) == 3

@@ -43,7 +43,7 @@ class OneSlot:
         self.statuses: list[ObjectStatus] = []
         self.get_delay_s = 0.0
 
-    def begin_put(self, ticket: WriteTicket, conn: int) -> PutSlot:
+    def begin_put(self, ticket: WriteTicket, conn: int, claim: object = None) -> PutSlot:
         if ticket.writer_id == "forged":
             raise BadRequest("bad ticket signature", ticket_id=ticket.ticket_id)
         self.generation += 1

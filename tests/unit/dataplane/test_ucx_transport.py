@@ -82,7 +82,7 @@ class FakeBackend:
     def leaked(self) -> bool:
         return bool(self.writing or self.grants) or len(self.free) + len(self.objects) != self.slots
 
-    def begin_put(self, ticket: WriteTicket, conn: int) -> PutSlot:
+    def begin_put(self, ticket: WriteTicket, conn: int, claim: object = None) -> PutSlot:
         self.calls.append(("begin_put", conn))
         if ticket.signature != GOOD_SIGNATURE:
             raise BadRequest("bad ticket signature", ticket_id=ticket.ticket_id)

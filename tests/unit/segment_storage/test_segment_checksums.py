@@ -14,7 +14,7 @@ import pytest
 
 from kvfabric.dataplane import backend as dataplane_backend
 from kvfabric.dataplane import tcp_client
-from kvfabric.dataplane.backend import check_claimed, put_claim, sent_checksum
+from kvfabric.dataplane.backend import check_claimed, claim_of, put_claim, sent_checksum
 from kvfabric.dataplane.tcp import TcpDataServer
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import BadRequest, ChecksumMismatch, Unauthorized
@@ -191,3 +191,32 @@ def test_bytes_put_by_whoever_read_the_sealed_ticket_off_the_wire_are_refused(se
     with client(server) as c:
         reply = c.put(t, mine, receipt=True)
     assert reply.checksum == checksum(mine)
+
+
+def test_a_staged_puts_proof_covers_its_whole_reference(segment: Segment) -> None:
+    """A staged PUT names no checksum, so its proof is over its reference (file, offset, nonce):
+    replayed with another offset or file of the writer's memory (more of its bytes, not the ones
+    it named) it is refused before a slot is taken; as sent, it passes."""
+    backend, _, _ = segment
+    t = ticket(backend, b"x" * SIZE, claimed=b"")
+    named = StagedBytes(path="/proc/1/fd/3", offset=4096, nonce=b"\1" * 16)
+    sealed, claimed, proof = put_claim(t, memoryview(b""), named)
+    assert claimed == b""
+
+    def put(staged: StagedBytes, conn: int) -> None:
+        meta = PutRequest(ticket=sealed, staged=staged, receipt=True, claim_proof=proof)
+        check_claimed(meta, staged=True)
+        slot = backend.begin_put(meta.ticket, conn, claim_of(meta))
+        backend.abort_put(slot, conn)
+
+    for other in (
+        msgspec.structs.replace(named, offset=8192),
+        msgspec.structs.replace(named, path="/proc/1/fd/4"),
+        msgspec.structs.replace(named, nonce=b"\2" * 16),
+    ):
+        with pytest.raises(Unauthorized):
+            put(other, conn=1)
+    assert backend.slots.used_bytes == 0 and backend.counters["bad_claim_proof_total"] == 3
+    put(named, conn=2)
+    with pytest.raises(Unauthorized):  # a checksum-less ticket with no claim at all
+        backend.begin_put(sealed, 3)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -123,8 +124,12 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
         self._lookup_many_refused: set[str] = set()
         self._save_bytes = 0
         self._saves_running = 0
-        # the engine's save rate (on the loop only): saves past it keep their leading chunks
-        self._save_rate = SaveRate(settings.save_bytes_per_s_max, settings.save_burst_bytes, time.monotonic())
+        # the engine's save rate: saves past it keep their leading chunks (`SaveMixin.save`)
+        self._save_clock = time.monotonic
+        self._save_rate = SaveRate(
+            settings.save_bytes_per_s_max, settings.save_burst_bytes, self._save_clock()
+        )
+        self._save_rate_lock = threading.Lock()
         # Writes this client runs at once per segment: what a segment may gather for one confirm.
         self._writes_at_once = min(max(1, settings.transfers_max // 2), settings.connections_per_segment_max)
         # The save-path directory requests, shared by the saves in flight (`SharedCalls`).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -68,17 +69,21 @@ class SaveMixin(ClientBase):
     _save_executor: ThreadPoolExecutor  # the save threads (writes, with the hashes of sent bytes)
     _save_bytes: int
     _saves_running: int
-    _save_rate: SaveRate  # the engine's save bytes per second (on the loop only)
+    _save_rate: SaveRate  # the engine's save bytes per second, under `_save_rate_lock`
+    _save_rate_lock: threading.Lock  # the loop's saves and an engine thread's `take_save_rate`
+    _save_clock: Callable[[], float]  # monotonic seconds, for the save rate (tests replace it)
     _writes_at_once: int  # writes this client runs at once per segment
     _begins: SharedCalls[Any]  # the save-path directory requests, shared by the saves in flight
     _commits: SharedCalls[Any]
     _aborts: SharedCalls[Any]
     _tasks: set[asyncio.Task[Any]]  # running saves
 
-    def save_chunks_admitted(self, chunk_sizes: Sequence[int]) -> int:
-        """How many leading chunks of these sizes a save started now would keep under the
-        engine's save rate (takes nothing): an engine asks before copying KV for a save."""
-        return self._save_rate.peek_leading(chunk_sizes, time.monotonic())
+    def take_save_rate(self, chunk_sizes: Sequence[int]) -> int:
+        """Take the engine's save rate for the leading chunks of these sizes it covers now and
+        say how many (all of them with no rate): an engine asks before it copies KV out for a
+        save, then saves those chunks with `rate_taken=True`. Any thread."""
+        with self._save_rate_lock:
+            return self._save_rate.admit_leading(chunk_sizes, self._save_clock())
 
     def save_admission(self, size_bytes: int) -> str | None:
         """Why a save of `size_bytes` would be dropped now, or None when it may start."""
@@ -98,10 +103,13 @@ class SaveMixin(ClientBase):
         first_chunk: int = 0,
         extras: ChunkExtras | None = None,
         trace_id: str | None = None,
+        rate_taken: bool = False,
     ) -> SaveResult:
         """Publish chunks `first_chunk ..` of `tokens`: `objects[i][j]` is chunk first_chunk+i's
         bytes for member j. Two-phase: put_begin -> write every replica -> put_commit; any failed
-        chunk is aborted (nothing half-visible). Never raises for cluster failures."""
+        chunk is aborted (nothing half-visible). Never raises for cluster failures. The engine's
+        save rate keeps the leading chunks it covers (the rest: `save_rate`), unless the caller
+        took it for these chunks already (`rate_taken`, `take_save_rate`)."""
         groups = self.chunk_groups(tokens, extras)
         members = self.spec.required_members()
         if first_chunk < 0 or first_chunk + len(objects) > len(groups):
@@ -111,22 +119,22 @@ class SaveMixin(ClientBase):
         if any(len(row) != len(members) for row in objects):
             raise BadRequest(f"each chunk needs {len(members)} member objects")
         views = [[memoryview(o).cast("B") for o in row] for row in objects]
-        size = sum(len(v) for row in views for v in row)
-        refused = self.save_admission(size)
+        chunk_sizes = [sum(len(v) for v in row) for row in views]
+        with self._save_rate_lock:
+            # The engine's save rate: the leading chunks it covers go, the rest are skipped (a
+            # prefix of the ask, so each saved chunk keeps its head). Its bytes are taken only
+            # once the save may start (the lock: no engine thread takes them meanwhile).
+            now = self._save_clock()
+            admitted = len(views) if rate_taken else self._save_rate.peek_leading(chunk_sizes, now)
+            size = sum(chunk_sizes[:admitted])
+            refused = SAVE_RATE if admitted == 0 and views else self.save_admission(size)
+            if refused is None and not rate_taken:
+                self._save_rate.admit_leading(chunk_sizes[:admitted], now)
         if refused is not None:
             self.metrics.saves_dropped.labels(refused).inc()
             return SaveResult(chunks_failed=len(objects), causes={refused: len(objects)})
-        # The engine's save rate: the leading chunks it covers go, the rest are skipped (a prefix
-        # of the ask, so each saved chunk keeps its head). Taken only once the save may start.
-        chunk_sizes = [sum(len(v) for v in row) for row in views]
-        admitted = self._save_rate.admit_leading(chunk_sizes, time.monotonic())
-        if admitted == 0:
-            self.metrics.saves_dropped.labels(SAVE_RATE).inc()
-            return SaveResult(chunks_failed=len(objects), causes={SAVE_RATE: len(objects)})
         skipped = len(views) - admitted
-        if skipped:
-            views = views[:admitted]
-            size = sum(chunk_sizes[:admitted])
+        views = views[:admitted]
         self._save_bytes += size
         self._saves_running += 1
         self.metrics.inflight_bytes.set(self._save_bytes)

@@ -9,8 +9,8 @@ queued (a queue would hold the engine's KV copies and then write a burst anyway)
 still reachable from its head — and reports the rest skipped (`save_rate`); the engine
 recomputes those on a later miss, as it would after an eviction.
 
-`SaveRate` is a token bucket with debt, a pure state machine (time passed in, no I/O, one owner:
-the client's event loop):
+`SaveRate` is a token bucket with debt, a pure state machine (time passed in, no I/O; the client
+holds it under a lock: its loop's saves and an engine thread's `take_save_rate` both take from it):
 
 - **State**: `level` (bytes the engine may still start saving; ≤ `burst_bytes`, may be below 0
   by less than one chunk) and `at_s` (when `level` was last brought up to date).
@@ -20,9 +20,8 @@ the client's event loop):
   so that a chunk larger than the burst is still admitted once the level is positive: any chunk
   size passes, and over any interval the bytes admitted are at most
   `burst_bytes + bytes_per_s × elapsed + one chunk` (the Hypothesis test checks this bound).
-- `peek_leading` answers the same question without taking anything: an engine asks it before it
-  copies KV for a save, so it does not copy chunks that would be skipped (the later
-  `admit_leading` may admit fewer, never more, if other saves took the budget meanwhile).
+- `peek_leading` answers the same question without taking anything (the client peeks, checks its
+  other admission bounds on the trimmed save, and takes only once the save may start).
 
 `bytes_per_s` 0 means no limit (every chunk admitted, nothing tracked).
 """

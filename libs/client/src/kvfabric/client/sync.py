@@ -295,24 +295,33 @@ class KvClient:
         first_chunk: int = 0,
         extras: ChunkExtras | None = None,
         trace_id: str | None = None,
+        rate_taken: bool = False,
     ) -> concurrent.futures.Future[SaveResult] | None:
-        """Start a save and return at once (None when it was dropped: disabled or over limits)."""
+        """Start a save and return at once (None when it was dropped: disabled or over limits).
+        `rate_taken`: the caller took the save rate for these chunks (`take_save_rate`)."""
         if not self.enabled:
             self.metrics.saves_dropped.labels(self._off_cause()).inc()
             return None
         return self._submit(
-            self.aio.save(tokens, objects, first_chunk=first_chunk, extras=extras, trace_id=trace_id)
+            self.aio.save(
+                tokens,
+                objects,
+                first_chunk=first_chunk,
+                extras=extras,
+                trace_id=trace_id,
+                rate_taken=rate_taken,
+            )
         )
 
-    def save_chunks_admitted(self, chunk_sizes: Sequence[int]) -> int:
-        """How many leading chunks of these sizes a save started now would keep under the
-        engine's save rate (`ClientSettings.save_bytes_per_s_max`; all of them when it has none).
-        Takes nothing: ask before copying KV out for a save, so chunks the rate would skip are
-        not copied. A read of the loop's bucket from this thread: it may be a moment stale, and
-        the save itself may then keep fewer (never more)."""
+    def take_save_rate(self, chunk_sizes: Sequence[int]) -> int:
+        """Take the engine's save rate (`ClientSettings.save_bytes_per_s_max`) for the leading
+        chunks of these sizes it covers now and say how many: all of them when it has no rate or
+        the client is off (`save_async` then counts why). Ask before copying KV out for a save,
+        so chunks the rate would skip are not copied; then save the chunks it covered with
+        `save_async(..., rate_taken=True)`. Each call takes: saves asked together share it."""
         if not self.enabled:
-            return 0
-        return self.aio.save_chunks_admitted(chunk_sizes)
+            return len(chunk_sizes)
+        return self.aio.take_save_rate(chunk_sizes)
 
     def save(
         self, tokens: TokenIds, objects: Sequence[Sequence[Source]], *, first_chunk: int = 0

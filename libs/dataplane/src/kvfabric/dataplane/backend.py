@@ -3,12 +3,12 @@
 Ownership, per call (`conn` is an opaque per-connection token; everything it holds is released by
 `close_connection(conn)`, so a client that dies mid-transfer leaks nothing):
 
-- `begin_put(ticket, conn)` validates the ticket (signature, segment, incarnation, deadline,
-  size), allocates a slot and returns a writable `memoryview` of exactly `size_bytes` inside the
-  arena. The transport owns that view until it calls `finish_put` or `abort_put`.
+- `begin_put(ticket, conn, claim)` validates the ticket (signature, segment, incarnation,
+  deadline, size; for a ticket that carries no checksum, the PUT's `claim_of`), allocates a slot
+  and returns a writable `memoryview` of exactly `size_bytes` inside the arena. The transport
+  owns that view until it calls `finish_put` or `abort_put`.
 - `finish_put(put, conn)` checksums the bytes, checks them against the ticket's checksum (or,
-  for a ticket that carries none, the PUT's own: `put.claimed`, `check_claimed`, proved by
-  `put.claim_proof`, `kvfabric.proto.tickets.claim_proof_valid`), confirms the
+  for a ticket that carries none, the PUT's own: `put.claimed`, `check_claimed`), confirms the
   replica to the directory and returns the (slot, generation); on mismatch it frees the slot
   and raises `ChecksumMismatch`.
 - `begin_get(reads, conn)` takes a transfer reference on every ok slot (a free arriving meanwhile
@@ -32,6 +32,7 @@ from typing import Protocol
 
 from kvfabric.format.checksum import CHECKSUM_BYTES, checksum
 from kvfabric.format.errors import BadRequest
+from kvfabric.proto.codec import encode
 from kvfabric.proto.dataplane import (
     LocalGrants,
     MapReply,
@@ -44,7 +45,21 @@ from kvfabric.proto.dataplane import (
 from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import CLAIM_PROOF_BYTES, claim_proof, sealed_ticket
 
-__all__ = ["GetGrant", "PutSlot", "SegmentBackend", "check_claimed", "put_claim", "sent_checksum"]
+# What a PUT under a checksum-less ticket proves, and its proof (`claim_of`): checked by the
+# backend's `begin_put` with the secret before a slot is taken.
+PutClaim = tuple[bytes, bytes]
+
+__all__ = [
+    "GetGrant",
+    "PutClaim",
+    "PutSlot",
+    "SegmentBackend",
+    "check_claimed",
+    "claim_of",
+    "claim_subject",
+    "put_claim",
+    "sent_checksum",
+]
 
 
 @dataclass(slots=True)
@@ -60,10 +75,9 @@ class PutSlot:
     save_writes: int = 0  # PUT meta: writes of the same save for this segment and shard (confirms)
     receipt_wanted: bool = False  # PUT meta: answer with a write receipt, confirm in the background
     receipt: bytes = b""  # set by `finish_put` when it signed one (the reply carries it)
-    # PUT meta: the writer's checksum of the bytes it sent, for a ticket that carries none, and
-    # its proof (`finish_put` checks it against the ticket before storing anything).
+    # PUT meta: the writer's checksum of the bytes it sent, for a ticket that carries none (its
+    # proof was checked by `begin_put`).
     claimed: bytes = b""
-    claim_proof: bytes = b""
     # Set by `finish_put` for a ticket that carried no checksum: what it stored (the reply
     # carries it; the receipt and the confirm name it).
     stored: bytes = b""
@@ -82,7 +96,7 @@ class GetGrant:
 
 
 class SegmentBackend(Protocol):
-    def begin_put(self, ticket: WriteTicket, conn: int) -> PutSlot: ...
+    def begin_put(self, ticket: WriteTicket, conn: int, claim: PutClaim | None = None) -> PutSlot: ...
 
     def finish_put(self, put: PutSlot, conn: int) -> tuple[int, int]: ...
 
@@ -106,7 +120,7 @@ def check_claimed(meta: PutRequest, *, staged: bool) -> None:
     writer's commit of that receipt gives the object its checksum and slot), sent bytes must name
     their hash (`PutRequest.checksum`: what arrived is checked against it; a staged put's bytes
     are read from the writer's own pages), and it must carry the writer's proof of that hash
-    (`PutRequest.claim_proof`, checked with the secret by the backend's `finish_put`). A PUT's own
+    (`PutRequest.claim_proof`, checked with the secret by the backend's `begin_put`). A PUT's own
     checksum is 16 bytes or none. Checked before a slot is taken."""
     if len(meta.checksum) not in (0, CHECKSUM_BYTES):
         raise BadRequest(f"a PUT's checksum must be {CHECKSUM_BYTES} bytes (xxh3-128) or none")
@@ -128,13 +142,28 @@ def sent_checksum(ticket: WriteTicket, view: memoryview, staged: StagedBytes | N
     return checksum(view) if staged is None and not ticket.checksum else b""
 
 
+def claim_subject(claimed: bytes, staged: StagedBytes | None) -> bytes:
+    """What a PUT under a checksum-less ticket proves: the checksum of the bytes it sends, or a
+    staged PUT's whole reference (file, offset, nonce): replayed by whoever read it off the wire,
+    it could only name the very bytes the writer named, not another place of its memory."""
+    return claimed if staged is None else b"staged:" + encode(staged)
+
+
+def claim_of(meta: PutRequest) -> PutClaim | None:
+    """A PUT's claim for the backend's `begin_put`: None under a ticket with a checksum."""
+    if meta.ticket.checksum:
+        return None
+    return claim_subject(meta.checksum, meta.staged), meta.claim_proof
+
+
 def put_claim(
     ticket: WriteTicket, view: memoryview, staged: StagedBytes | None
 ) -> tuple[WriteTicket, bytes, bytes]:
     """What a PUT carries for `ticket` (as the directory signed it): the ticket as it travels
     (`sealed_ticket`: a checksum-less one's signature never crosses the data plane), the checksum
-    it names (`sent_checksum`) and, under a checksum-less ticket, the writer's proof of it."""
+    it names (`sent_checksum`) and, under a checksum-less ticket, the writer's proof of what it
+    names (`claim_subject`)."""
     claimed = sent_checksum(ticket, view, staged)
     if ticket.checksum:
         return ticket, claimed, b""
-    return sealed_ticket(ticket), claimed, claim_proof(ticket, claimed)
+    return sealed_ticket(ticket), claimed, claim_proof(ticket, claim_subject(claimed, staged))

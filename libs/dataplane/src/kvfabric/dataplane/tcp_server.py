@@ -23,7 +23,7 @@ from kvfabric.dataplane.admission import (
     ConnectionGate,
     ConnectionLimits,
 )
-from kvfabric.dataplane.backend import GetGrant, PutSlot, SegmentBackend, check_claimed
+from kvfabric.dataplane.backend import GetGrant, PutSlot, SegmentBackend, check_claimed, claim_of
 from kvfabric.dataplane.frames import HEADER, OBJECT_BYTES_MAX, READS_MAX, Op, unpack_header
 from kvfabric.dataplane.staging import StagingFiles
 from kvfabric.dataplane.tcp_wire import (
@@ -341,12 +341,11 @@ class TcpDataServer:
         if files is None or meta.staged is None:
             raise BadRequest("this segment takes no staged puts", staging=True)
         check_claimed(meta, staged=True)
-        put = self.backend.begin_put(meta.ticket, conn)
+        put = self.backend.begin_put(meta.ticket, conn, claim_of(meta))
         put.trace_id = meta.trace_id
         put.save_writes = meta.save_writes
         put.receipt_wanted = meta.receipt
         put.claimed = meta.checksum
-        put.claim_proof = meta.claim_proof
         try:
             put.checksum = files.read_into(conn, meta.staged, put.view)  # of the slot's bytes
         except BaseException:
@@ -371,14 +370,13 @@ class TcpDataServer:
         elif op is Op.PUT and isinstance(meta, PutRequest):
             try:
                 check_claimed(meta, staged=False)
-                put = self.backend.begin_put(meta.ticket, conn)
+                put = self.backend.begin_put(meta.ticket, conn, claim_of(meta))
             except KvfError as err:
                 raise _PutRefused(err, meta.ticket.size_bytes) from err
             put.trace_id = meta.trace_id
             put.save_writes = meta.save_writes
             put.receipt_wanted = meta.receipt
             put.claimed = meta.checksum
-            put.claim_proof = meta.claim_proof
             self._deadline(conn, limits.transfer_ms(len(put.view)), "transfer_timeout")
             self._receive_put(conn, sock, put)
             self._no_deadline(conn)

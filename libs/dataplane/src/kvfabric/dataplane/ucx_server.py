@@ -19,7 +19,7 @@ from kvfabric.dataplane.admission import (
     ConnectionGate,
     ConnectionLimits,
 )
-from kvfabric.dataplane.backend import SegmentBackend, check_claimed
+from kvfabric.dataplane.backend import SegmentBackend, check_claimed, claim_of
 from kvfabric.dataplane.frames import (
     HEADER,
     OBJECT_BYTES_MAX,
@@ -374,12 +374,11 @@ class UcxServer:
             )
             return
         try:
-            put = self.backend.begin_put(ticket, c.conn)
+            put = self.backend.begin_put(ticket, c.conn, claim_of(meta))
         except KvfError as err:
             await self._refuse(c, header, err)
             return
         put.claimed = meta.checksum
-        put.claim_proof = meta.claim_proof
         try:
             await c.link.complete([c.link.recv(put.view)], self.io_timeout_s)
         except Truncated:

@@ -77,6 +77,7 @@ from kvfabric.engines.sglang_keys import (
     PoolGeometry,
     StorageIdentity,
     chain_words,
+    chained_pages_stored,
     engine_spec,
     new_pages,
 )
@@ -390,7 +391,8 @@ class KvfabricStorage(HiCacheStorage):
     ) -> list[bool]:
         """Save the host pool pages of `keys`; returns once the client no longer reads them.
         True for a page stored (now or before); a chained batch is all True or all False (the
-        client reports counts, not which chunk failed)."""
+        client reports counts, not which chunk failed), but for the engine's save rate, which
+        skips a batch's tail: its leading pages are True."""
         if not keys:
             return []
         started = time.perf_counter()
@@ -403,7 +405,7 @@ class KvfabricStorage(HiCacheStorage):
             prefix = self._prefix(extra_info)
             if prefix is not None:
                 result = client.save(chain_words(prefix, keys), objects, first_chunk=len(prefix))
-                ok = [result.chunks_failed == 0] * len(keys)
+                ok = chained_pages_stored(len(keys), result)
             else:
                 ok = self._set_pages(client, keys, objects)
         except Exception as exc:

@@ -45,7 +45,8 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from kvfabric.client import ClientSettings, EngineSpec, Hit
+from kvfabric.client import ClientSettings, EngineSpec, Hit, SaveResult
+from kvfabric.client.aio_saves import SAVE_RATE
 from kvfabric.engines.identity import attn_config_digest, weights_digest_of_dir
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, digest_config
 
@@ -57,6 +58,7 @@ __all__ = [
     "PoolGeometry",
     "StorageIdentity",
     "chain_words",
+    "chained_pages_stored",
     "engine_spec",
     "new_pages",
     "page_words",
@@ -271,3 +273,14 @@ def engine_spec(
         salt=bytes.fromhex(str(extra.get("domain_salt_hex", defaults.domain_salt_hex))),
     )
     return EngineSpec(domain=domain, model=fingerprint, layout=layout)
+
+
+def chained_pages_stored(pages: int, result: SaveResult) -> list[bool]:
+    """Which pages of a chained batch `batch_set_v1` saved in one call are stored: all or none
+    (the client reports counts, not which chunk failed), but for the engine's save rate, which
+    skips only a save's tail, so its leading pages are stored (or were already)."""
+    if result.chunks_failed and result.causes.keys() == {SAVE_RATE}:
+        stored = pages - result.chunks_failed
+    else:
+        stored = 0 if result.chunks_failed else pages
+    return [page < stored for page in range(pages)]

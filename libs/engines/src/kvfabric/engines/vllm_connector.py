@@ -62,6 +62,7 @@ import logging
 import os
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -98,6 +99,8 @@ log = logging.getLogger("kvfabric.engines.vllm")
 _CLIENT_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(ClientSettings))
 # How long the scheduler waits for a new request's lookup before answering "ask again".
 LOOKUP_WAIT_MS_DEFAULT: Final = 20
+# Requests a worker remembers as cut by the save rate (the oldest forgotten first).
+RATE_CUT_REQUESTS_MAX: Final = 4096
 # `kvfabric_client_fallbacks_total` causes counted by the connector (docs/metrics.md)
 CAUSE_BLOCK_MISMATCH: Final = "vllm_block_mismatch"  # block list shorter than the hit: recompute
 CAUSE_NO_KV_CACHES: Final = "vllm_no_kv_caches"  # worker found no KV cache tensors: recompute
@@ -279,6 +282,9 @@ class KvfabricConnector(KVConnectorBase_V1):
         # Save memory the worker gathers blocks into (`_slots`): a co-located segment reads them
         # from there, with no copy by the client; made at the first save (False: cannot be had).
         self._save_slots: SaveSlots | Literal[False] | None = None
+        # Requests whose save the engine's save rate cut (worker side): their later chunks are
+        # not saved. Bounded: the worker is not told when a request ends.
+        self._rate_cut: OrderedDict[str, None] = OrderedDict()
         self._load_errors: set[int] = set()
 
     # ---- the failure policy ----------------------------------------------------------------
@@ -582,11 +588,19 @@ class KvfabricConnector(KVConnectorBase_V1):
         object_bytes = sum(layer.shape[1] for layer in layers)
         slots = self._slots(object_bytes)
         for save in meta.saves:
-            # The engine's save rate (`save_bytes_per_s_max`): blocks past what it covers now are
-            # not copied at all; the save keeps its leading blocks (a prefix: each keeps its head).
+            # The engine's save rate (`save_bytes_per_s_max`), taken here: blocks past what it
+            # covers are not copied at all; the save keeps its leading blocks (a prefix: each
+            # keeps its head). A request cut once saves nothing more: a lookup stops at the first
+            # missing chunk, so its later chunks would be stored where nobody finds them.
             block_ids = save.block_ids
-            admitted = self.client.save_chunks_admitted([object_bytes] * len(block_ids))
+            if save.req_id in self._rate_cut:
+                self.client.metrics.saves_dropped.labels(SAVE_RATE).inc()
+                continue
+            admitted = self.client.take_save_rate([object_bytes] * len(block_ids))
             if admitted < len(block_ids):
+                self._rate_cut[save.req_id] = None
+                while len(self._rate_cut) > RATE_CUT_REQUESTS_MAX:
+                    self._rate_cut.popitem(last=False)  # the oldest: long finished, most likely
                 if admitted == 0:
                     self.client.metrics.saves_dropped.labels(SAVE_RATE).inc()
                     continue
@@ -607,7 +621,11 @@ class KvfabricConnector(KVConnectorBase_V1):
                     np.concatenate([layer[b] for layer in layers], out=out)
                     objects.append([out.data])
                 future = self.client.save_async(
-                    save.token_ids, objects, first_chunk=save.first_chunk, trace_id=save.req_id
+                    save.token_ids[: (save.first_chunk + len(block_ids)) * self.block_size],
+                    objects,
+                    first_chunk=save.first_chunk,
+                    trace_id=save.req_id,
+                    rate_taken=True,
                 )
             except BaseException:
                 if slots is not None:

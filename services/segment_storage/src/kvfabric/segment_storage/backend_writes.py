@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvfabric.dataplane.backend import PutSlot
+from kvfabric.dataplane.backend import PutClaim, PutSlot
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import (
     BadRequest,
@@ -27,10 +27,16 @@ __all__ = ["BackendWrites"]
 class BackendWrites(BackendCore):
     """PUTs and copies in (`ArenaBackend`)."""
 
-    def begin_put(self, ticket: WriteTicket, conn: int) -> PutSlot:
+    def begin_put(self, ticket: WriteTicket, conn: int, claim: PutClaim | None = None) -> PutSlot:
         if not ticket_signature_valid(ticket, self.secret):
             self.count("bad_ticket_signature_total")
             raise Unauthorized("write ticket signature is not valid")
+        if not ticket.checksum and (claim is None or not claim_proof_valid(ticket, self.secret, *claim)):
+            # Not the writer: whoever read the sealed ticket off the wire cannot prove what it
+            # names (the ticket's signature is the key, and it never crosses the data plane).
+            # Refused before a slot is taken or a byte received.
+            self.count("bad_claim_proof_total")
+            raise Unauthorized("the PUT's proof of what it names is not the ticket's writer's")
         if ticket.segment_id != self.segment_id:
             raise BadRequest(f"ticket is for segment {ticket.segment_id!r}, this is {self.segment_id!r}")
         if ticket.incarnation != self.incarnation:
@@ -54,15 +60,6 @@ class BackendWrites(BackendCore):
         return PutSlot(alloc.slot, alloc.generation, view, ticket, alloc.offset)
 
     def finish_put(self, put: PutSlot, conn: int) -> tuple[int, int]:
-        if not put.ticket.checksum and not claim_proof_valid(
-            put.ticket, self.secret, put.claimed, put.claim_proof
-        ):
-            # Not the writer: whoever read the sealed ticket off the wire cannot prove a checksum
-            # (the ticket's signature is the key, and it never crosses the data plane).
-            put.view.release()
-            self.count("bad_claim_proof_total")
-            self.abort_put(put, conn)
-            raise Unauthorized("the PUT's proof of its checksum is not the ticket's writer's")
         # Hashed on arrival by the transport, or now (nobody else can see a WRITING slot: no lock).
         stored = put.checksum if put.checksum is not None else checksum(put.view)
         put.view.release()
