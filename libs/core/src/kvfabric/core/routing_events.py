@@ -5,6 +5,7 @@ effects: its answers are replies.
     Health -> health(now_ms)    IndexHeard -> index_heard(now_ms)
     Route -> route(now_ms): [Reply(Decision | Refused)]
     FirstToken -> first_token    Finished -> finished    Failed -> failed: [Reply(instance or None)]
+    EngineStored -> engine_stored    EngineRemoved -> engine_removed    EngineCleared -> engine_cleared
 
 (The index's events, `apply`, `check_stream` and `resync`, are `RoutingIndex.step`'s:
 `kvfabric.core.routing_index_events`.)
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
     from kvfabric.core.routing import Decision, Refused, RoutingCore
 
 __all__ = [
+    "EngineCleared",
+    "EngineRemoved",
+    "EngineStored",
     "Failed",
     "Finished",
     "FirstToken",
@@ -83,7 +87,44 @@ class Failed:
     request_id: str
 
 
-RoutingEvent: TypeAlias = Health | IndexHeard | Route | FirstToken | Finished | Failed
+@dataclass(frozen=True, slots=True)
+class EngineStored:
+    """The instance's engine stored blocks in its prefix cache (its KV event; `engine_stored`)."""
+
+    instance_id: str
+    block_hashes: Sequence[int | bytes]
+    parent: int | bytes | None
+    token_ids: Sequence[int]
+    block_size: int
+    plain: bool = True  # no LoRA, no extra keys
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRemoved:
+    """The instance's engine evicted blocks (`engine_removed`)."""
+
+    instance_id: str
+    block_hashes: Sequence[int | bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCleared:
+    """The engine cleared its cache, or its events had a gap (`engine_cleared`)."""
+
+    instance_id: str
+
+
+RoutingEvent: TypeAlias = (
+    Health
+    | IndexHeard
+    | Route
+    | FirstToken
+    | Finished
+    | Failed
+    | EngineStored
+    | EngineRemoved
+    | EngineCleared
+)
 RoutingOutput: TypeAlias = "Reply[Decision | Refused] | Reply[str | None]"
 
 
@@ -108,6 +149,19 @@ def dispatch(core: RoutingCore, event: RoutingEvent, now_ms: int) -> list[Routin
         core.index_heard(now_ms)
     elif isinstance(event, FirstToken):
         core.first_token(event.request_id, event.ttft_s, now_ms)
+    elif isinstance(event, EngineStored):
+        core.engine_stored(
+            event.instance_id,
+            event.block_hashes,
+            event.parent,
+            event.token_ids,
+            event.block_size,
+            plain=event.plain,
+        )
+    elif isinstance(event, EngineRemoved):
+        core.engine_removed(event.instance_id, event.block_hashes)
+    elif isinstance(event, EngineCleared):
+        core.engine_cleared(event.instance_id)
     else:
         core.finished(event.request_id)
     return []

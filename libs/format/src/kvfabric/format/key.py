@@ -140,6 +140,7 @@ __all__ = [
     "ShareDomain",
     "TokenIds",
     "chain_hashes",
+    "chain_step",
     "check_format_version",
     "chunk_groups_for_prefix",
     "digest_config",
@@ -795,6 +796,32 @@ def chain_hashes(
         prev = h.digest()
         out.append(ChainHash(prev))
     return out
+
+
+def chain_step(
+    domain: ShareDomain,
+    model: ModelFingerprint,
+    layout: KVLayout,
+    prev: bytes | None,
+    chunk_tokens: TokenIds,
+    *,
+    format_version: int = FORMAT_VERSION,
+) -> ChainHash:
+    """The chain hash of one full chunk of `chunk_tokens` after the chunk whose chain hash is
+    `prev` (None: the prompt's first chunk), with no extras: `chain_hashes` one chunk at a time,
+    for whoever learns chunks one by one (an engine's KV events name a block by its parent's hash
+    and its own tokens: `kvfabric.core.routing_engine_cache`)."""
+    check_format_version(format_version)
+    u32 = tokens_to_u32(chunk_tokens)
+    tpc = layout.tokens_per_chunk
+    if len(u32) != tpc:
+        raise ValueError(f"a chunk holds {tpc} tokens, got {len(u32)}")
+    h = hashlib.blake2b(digest_size=CHAIN_HASH_BYTES, key=domain.salt, person=_P_CHUNK)
+    h.update(prev if prev is not None else _root_hash(domain, model, layout, format_version))
+    h.update(tpc.to_bytes(4, "little"))
+    h.update(u32.data)
+    h.update((0).to_bytes(4, "little"))  # no extras
+    return ChainHash(h.digest())
 
 
 def chunk_groups_for_prefix(

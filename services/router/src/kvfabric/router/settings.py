@@ -20,7 +20,11 @@ service with a `SettingsError` naming the variable).
 | `KVF_ROUTER_LISTING_PAGES_MAX` | 100 | pages (of 1,000 groups) per shard in a resync |
 
 An engine: `{"id", "url", "segments": [its co-located segment ids], "cache_chunks": chunks its
-prefix cache holds (0: prefix caching off), "queue_max": 16}`. The key space: `tenant_id`,
+prefix cache holds (0: prefix caching off), "queue_max": 16, "kv_events": its vLLM KV event
+publisher, e.g. "tcp://127.0.0.1:5557" (optional: vLLM's `--kv-events-config
+'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'`; then its
+own cache is what its events say, not what the router's history learned; its block size must be
+the key space's `tokens_per_chunk`)}`. The key space: `tenant_id`,
 `domain_salt_hex`, `model_id`, `weights_revision`, `kv_dtype`, `attn_config_digest`,
 `tensor_layout`, `tokens_per_chunk`, as the engines' connector derives them
 (`keyspace_for_model_dir` builds it for a local model).
@@ -49,6 +53,7 @@ __all__ = ["Engine", "KeySpace", "RouterSettings", "keyspace_for_model_dir", "lo
 class Engine:
     spec: InstanceSpec
     url: str
+    kv_events: str = ""  # the engine's KV event publisher (ZMQ), e.g. tcp://127.0.0.1:5557
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,8 +176,10 @@ def load_router_settings(env: Mapping[str, str]) -> RouterSettings:
                         colocated_segments=frozenset(str(s) for s in raw.get("segments", [])),
                         engine_cache_chunks_max=int(raw.get("cache_chunks", 0)),
                         queue_max=int(raw.get("queue_max", 16)),
+                        engine_events=bool(raw.get("kv_events")),
                     ),
                     url=str(raw["url"]).rstrip("/"),
+                    kv_events=str(raw.get("kv_events") or ""),
                 )
             )
         except (KeyError, ValueError, TypeError, AttributeError) as exc:

@@ -4,7 +4,9 @@ health checks around one `RoutingCore` (through its `CoreDriver`, on the wall cl
 - `attach`: the NATS micro endpoint `route` (`RouteRequest` -> `RouteReply`: answer only,
   nothing admitted) and the HTTP front (`kvfabric.router.proxy`) with its metrics;
 - `start`: the index follower (`kvfabric.router.index_follower`: the directory's event stream
-  into the `RoutingIndex`), the engines' health loop and the HTTP server on its own socket;
+  into the `RoutingIndex`), a KV event follower per engine that publishes them
+  (`kvfabric.router.kv_events`: its own prefix cache into the core), the engines' health loop
+  and the HTTP server on its own socket;
 - `stop`: the HTTP server is told to exit and given `STOP_TIMEOUT_S`, then the tasks are
   cancelled (as long again at most) and the engines' HTTP client closed.
 """
@@ -22,13 +24,14 @@ import msgspec
 import uvicorn
 from nats.aio.client import Client as NatsClient
 
-from kvfabric.core.routing import Decision, Refused, RoutingCore, prompt_keys
+from kvfabric.core.routing import Decision, Refused, RoutingCore, chunk_keyer, prompt_keys
 from kvfabric.core.routing_events import IndexHeard, Route, RoutingEvent, RoutingOutput
 from kvfabric.core.routing_index import RoutingIndex
 from kvfabric.core.step import reply_of
 from kvfabric.format.errors import BadRequest
 from kvfabric.proto import router as r
 from kvfabric.router.index_follower import IndexFollower
+from kvfabric.router.kv_events import KvEventsFollower
 from kvfabric.router.metrics import RouterMetrics
 from kvfabric.router.proxy import Proxy, now_ms
 from kvfabric.router.settings import RouterSettings
@@ -52,7 +55,13 @@ class RouterShell:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.index = RoutingIndex()
-        self.core = RoutingCore(settings.routing, [e.spec for e in settings.engines], self.index)
+        ks = settings.keyspace
+        self.core = RoutingCore(
+            settings.routing,
+            [e.spec for e in settings.engines],
+            self.index,
+            engine_keyer=chunk_keyer(ks.domain, ks.model, ks.layout),
+        )
         # Its events carry the wall clock (`now_ms`), as before; it has no effects, only replies.
         self.driver: CoreDriver[RoutingEvent, RoutingOutput] = CoreDriver(self.core, clock=lambda: now_ms())
         self._tasks: list[asyncio.Task[None]] = []
@@ -60,6 +69,11 @@ class RouterShell:
         self._sock: socket.socket | None = None
         self.proxy: Proxy | None = None
         self.follower: IndexFollower | None = None
+        self.kv_events = [
+            KvEventsFollower(e.spec.instance_id, e.kv_events, self.driver.feed)
+            for e in settings.engines
+            if e.kv_events and e.spec.engine_cache_chunks_max
+        ]
         self._log = get_logger("kvfabric.router")
 
     def attach(self, runtime: ServiceRuntime) -> None:
@@ -74,6 +88,14 @@ class RouterShell:
             "resync_failures": f.resync_failures if f else 0,
             "resync_seconds_last": f.resync_seconds_last if f else 0,
             "index_usable": int(self.core.index_usable(now_ms())),
+            **{
+                f"kv_events_{f.instance_id}_{name}": n
+                for f in self.kv_events
+                for name, n in (
+                    *f.counters.items(),
+                    *self.core.engine_cache_counters(f.instance_id).items(),
+                )
+            },
         }
 
     @property
@@ -101,6 +123,7 @@ class RouterShell:
         config = uvicorn.Config(self.proxy.app, log_level="warning", lifespan="off", access_log=False)
         self._server = _Server(config)
         self._tasks = [
+            *(asyncio.create_task(f.run(), name=f"router-kv-events-{f.instance_id}") for f in self.kv_events),
             asyncio.create_task(self.follower.run(), name="router-events"),
             asyncio.create_task(self.proxy.health_loop(), name="router-health"),
             asyncio.create_task(self._server.serve(sockets=[self._sock]), name="router-http"),
