@@ -241,8 +241,14 @@ def vllm_pair(
             ]  # fmt: skip
             events_endpoint = ""
             if kv_events:
-                events_endpoint = f"tcp://127.0.0.1:{free_port()}"
-                config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint}
+                # vLLM binds a wildcard endpoint and connects to any other: it binds, the router connects
+                events_port = free_port()
+                events_endpoint = f"tcp://127.0.0.1:{events_port}"
+                config = {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://*:{events_port}",
+                }
                 argv += ["--kv-events-config", json.dumps(config)]
             if nats_url is not None:
                 extra = {
