@@ -670,13 +670,17 @@ def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-def calibrate(engines: Sequence[EngineProc], model: str, vocab: int, quick: bool) -> dict[str, Any]:
+def calibrate(
+    engines: Sequence[EngineProc], model: str, vocab: int, quick: bool, salt: int = 0
+) -> dict[str, Any]:
     """Fit the cost model's coefficients on this machine, straight to the engines (no router),
     one request at a time: misses (fresh prompts on e1: everything computed) and kvfabric hits
     (the same prompts on e2, which never saw them: its own cache misses, kvfabric has what e1
     saved); TTFT = overhead + computed tokens / prefill rate + loaded bytes / load rate, fitted
     by least squares with non-negative terms. The two segments are on this host: one load rate
-    (co-located = remote here). A load too fast to see under the noise reads as `LOAD_RATE_MAX`."""
+    (co-located = remote here). A load too fast to see under the noise reads as `LOAD_RATE_MAX`.
+    `salt`: prompts of this engine set's own (a second set calibrating on the same cluster would
+    otherwise find the first set's prompts in kvfabric and time hits as misses)."""
     lengths = [2 * BLOCK_TOKENS + 1, 8 * BLOCK_TOKENS + 1, 16 * BLOCK_TOKENS + 1, 24 * BLOCK_TOKENS + 1]
     reps = 1 if quick else 3
     bytes_per_token = 4096  # tiny Llama: 4 layers x 2 (K, V) x 2 KV heads x 64 x fp32
@@ -693,14 +697,14 @@ def calibrate(engines: Sequence[EngineProc], model: str, vocab: int, quick: bool
         return time.monotonic() - started, int(details.get("cached_tokens") or 0)
 
     samples: list[dict[str, Any]] = []
-    warm = block_tokens(778_000, 0, vocab) * 4  # the hit path's first use on e2, untimed
+    warm = block_tokens(778_000 + salt, 0, vocab) * 4  # the hit path's first use on e2, untimed
     timed(engines[0], warm)
     time.sleep(2.0)
     timed(engines[1], warm)
     for rep in range(reps):
         prompts = []
         for n in lengths:
-            ids = (block_tokens(777_000 + rep, n, vocab) * (n // BLOCK_TOKENS + 1))[:n]
+            ids = (block_tokens(777_000 + salt + rep, n, vocab) * (n // BLOCK_TOKENS + 1))[:n]
             ids = [(t + i) % (vocab - VOCAB_LOW) + VOCAB_LOW for i, t in enumerate(ids)]  # no repeats
             s, cached = timed(engines[0], ids)
             samples.append({"kind": "miss", "tokens": n, "cached": cached, "ttft_s": s})
@@ -1222,7 +1226,8 @@ def main() -> int:
                 coefficients = None
                 if any(c in "defg" for c in names):
                     mark = cluster.mark()
-                    report["calibration"] = calibrate(engines, model, VOCAB, args.quick)
+                    salt = 0 if set_name == "kvfabric" else 1_000_000
+                    report["calibration"] = calibrate(engines, model, VOCAB, args.quick, salt)
                     report["calibration"]["cluster_events"] = cluster.since(mark)
                     coefficients = report["calibration"]["coefficients"]
                     print("calibration", json.dumps(report["calibration"]), flush=True)

@@ -9,12 +9,14 @@ import asyncio
 import contextlib
 import json
 from typing import Any
+from unittest.mock import patch
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from kvfabric.core.routing_events import EngineCleared, EngineRemoved, EngineStored, RoutingEvent
+from kvfabric.router import kv_events
 from kvfabric.router.kv_events import KvEventsFollower, decode_batch
 from kvfabric.router.settings import load_router_settings
 from kvfabric.testing.ports import free_port
@@ -31,7 +33,7 @@ def stored(
         "token_ids": tokens,
         "block_size": block_size,
         "lora_id": None,
-        "medium": "CPU",
+        "medium": "GPU",  # vLLM's own block pool, on CPU backends too
         "lora_name": None,
     }
     return event | extra
@@ -50,8 +52,12 @@ def test_a_batch_in_vllms_shape_becomes_the_cores_events() -> None:
         stored([14], 11, list(range(4)), extra_keys=[["salt"]]),
         stored([15], 11, list(range(4)), extra_keys=[None]),
         stored([16], 11, list(range(4)), group_idx=1),
-        {"type": "BlockRemoved", "block_hashes": [11], "medium": "CPU"},
-        {"type": "BlockRemoved", "block_hashes": [16], "medium": "CPU", "group_idx": 1},
+        stored([17], 11, list(range(4)), kv_cache_spec_kind="sliding_window"),
+        stored([18], 11, list(range(4)), medium="CPU"),  # an offloading connector's copy
+        stored([19], 11, list(range(4)), locality="REMOTE"),
+        {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU"},
+        {"type": "BlockRemoved", "block_hashes": [16], "medium": "GPU", "group_idx": 1},
+        {"type": "BlockRemoved", "block_hashes": [12], "medium": "STORAGE"},
         {"type": "AllBlocksCleared"},
         {"type": "SomethingNew", "x": 1},
     )
@@ -63,10 +69,11 @@ def test_a_batch_in_vllms_shape_becomes_the_cores_events() -> None:
         EngineStored("e1", [14], 11, list(range(4)), 4, False),
         EngineStored("e1", [15], 11, list(range(4)), 4, True),
         EngineStored("e1", [16], 11, list(range(4)), 4, False),
+        EngineStored("e1", [17], 11, list(range(4)), 4, False),
         EngineRemoved("e1", [11]),
         EngineCleared("e1"),
     ]
-    assert counters == {"unknown_events": 1}
+    assert counters == {"unknown_events": 1, "other_medium": 3}
 
 
 def test_a_gap_in_the_sequence_or_an_undecodable_batch_clears_the_engines_map() -> None:
@@ -84,11 +91,14 @@ def test_a_gap_in_the_sequence_or_an_undecodable_batch_clears_the_engines_map() 
         await follower.receive([b"", (9).to_bytes(8, "big"), one])  # 7, 8 lost
         await follower.receive([b"", (10).to_bytes(8, "big"), b"\xc1 not msgpack"])
         await follower.receive([b"", b"short", one])
+        # a token id no chain hash takes: the batch is undecodable, not half applied
+        await follower.receive([b"", (11).to_bytes(8, "big"), batch(stored([2], None, [1, 2, 3, -4]))])
 
     asyncio.run(run())
     stored_event = EngineStored("e1", [1], None, list(range(4)), 4, True)
-    assert fed == [stored_event, stored_event, EngineCleared("e1"), stored_event, EngineCleared("e1")]
-    assert follower.counters["gaps"] == 1 and follower.counters["undecodable"] == 2
+    cleared = EngineCleared("e1")
+    assert fed == [stored_event, stored_event, cleared, stored_event, cleared, cleared]
+    assert follower.counters["gaps"] == 1 and follower.counters["undecodable"] == 3
     assert follower.counters["batches"] == 3
 
 
@@ -151,3 +161,26 @@ def test_settings_name_an_engines_kv_events_endpoint() -> None:
         ("tcp://127.0.0.1:5557", True),
         ("", False),
     ]
+
+
+def test_a_follower_that_fails_clears_the_map_and_subscribes_again_after_a_backoff() -> None:
+    """A bad endpoint (or any failure) is counted and logged, the engine's map cleared, and the
+    follower tries again after a growing wait, until cancelled: it never dies silently."""
+    fed: list[RoutingEvent] = []
+
+    async def feed(event: RoutingEvent) -> None:
+        fed.append(event)
+
+    async def run() -> KvEventsFollower:
+        with patch.object(kv_events, "RETRY_S_MIN", 0.01):
+            follower = KvEventsFollower("e1", "not-an-endpoint", feed)
+            task = asyncio.create_task(follower.run())
+            await asyncio.sleep(0.2)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            assert task.cancelled()
+            return follower
+
+    follower = asyncio.run(run())
+    assert follower.counters["failures"] >= 2  # tried again
+    assert fed and all(e == EngineCleared("e1") for e in fed)

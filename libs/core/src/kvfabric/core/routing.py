@@ -15,8 +15,9 @@ unless the name says `_ms`.
   forgotten past `engine_cache_chunks_max`), the approach of SGLang's cache-aware router; or,
   for an instance with `engine_events`, *told by the engine's KV events* (vLLM's BlockStored /
   BlockRemoved / AllBlocksCleared, `engine_stored` / `engine_removed` / `engine_cleared`;
-  `kvfabric.core.routing_engine_cache`), which see its evictions too. Either is forgotten when
-  the instance is seen down (it may have restarted).
+  `kvfabric.core.routing_engine_cache`), which see its evictions too. The learned cache is
+  forgotten when the instance is seen down (it may have restarted); the events' map when they
+  say so (a gap in their sequence: a restarted engine starts it again).
 - Per instance load: requests routed to it and not finished (`queue`), those still waiting for
   their first token and the tokens they must compute (`queued_prefill_tokens`).
 
@@ -326,9 +327,11 @@ class RoutingCore:
         if inst.healthy:
             self.counters["instance_down"] += 1
         inst.healthy = False
-        inst.cache.clear()  # it may come back as a new process with an empty cache
-        if inst.events is not None:
-            inst.events.clear()
+        # It may come back as a new process with an empty cache. Its events, if it has them,
+        # say so themselves (a restarted publisher's sequence starts again: a gap, a clear);
+        # cleared on a late health check instead, a still-resident prefix would stay unknown,
+        # vLLM announcing a block once.
+        inst.cache.clear()
 
     def engine_stored(
         self,

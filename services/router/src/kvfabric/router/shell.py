@@ -66,6 +66,7 @@ class RouterShell:
         self.driver: CoreDriver[RoutingEvent, RoutingOutput] = CoreDriver(self.core, clock=lambda: now_ms())
         self._tasks: list[asyncio.Task[None]] = []
         self._server: _Server | None = None
+        self._http_task: asyncio.Task[None] | None = None
         self._sock: socket.socket | None = None
         self.proxy: Proxy | None = None
         self.follower: IndexFollower | None = None
@@ -122,20 +123,21 @@ class RouterShell:
         )  # connections wait in the backlog until served
         config = uvicorn.Config(self.proxy.app, log_level="warning", lifespan="off", access_log=False)
         self._server = _Server(config)
+        self._http_task = asyncio.create_task(self._server.serve(sockets=[self._sock]), name="router-http")
         self._tasks = [
             *(asyncio.create_task(f.run(), name=f"router-kv-events-{f.instance_id}") for f in self.kv_events),
             asyncio.create_task(self.follower.run(), name="router-events"),
             asyncio.create_task(self.proxy.health_loop(), name="router-health"),
-            asyncio.create_task(self._server.serve(sockets=[self._sock]), name="router-http"),
+            self._http_task,
         ]
         self._log.info("router_http_listening", host=self.settings.http_host, port=self.http_port)
 
     async def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
-            http = self._tasks[-1]
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(http), STOP_TIMEOUT_S)
+            if self._http_task is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._http_task), STOP_TIMEOUT_S)
         await cancel_and_wait(self._tasks, STOP_TIMEOUT_S)
         if self.proxy is not None:
             await self.proxy.close()
