@@ -223,10 +223,13 @@ def vllm_pair(
     nats_url: str | None,
     segments: Sequence[str] = ("seg-1", "seg-2"),
     kv_events: bool = False,
+    engine_blocks: int = 0,
 ) -> Iterator[list[EngineProc]]:
     """Two vLLM OpenAI servers (CPU 0 and 1), started together; stopped after (their sessions:
     SIGTERM, then SIGKILL). Engine n's connector reads `segments[n - 1]` as its co-located segment.
-    `kv_events`: each publishes its prefix cache's KV events on a ZMQ port of its own."""
+    `kv_events`: each publishes its prefix cache's KV events on a ZMQ port of its own.
+    `engine_blocks`: each engine's KV cache in blocks (vLLM's `--num-gpu-blocks-override`; 0: what
+    `KV_CACHE_GIB` gives, `ENGINE_KV_BLOCKS`)."""
     engines: list[EngineProc] = []
     # vLLM's ZMQ socket files: it leaves them behind; a short path (a socket's is at most 107 bytes).
     rpc_dir = tempfile.mkdtemp(prefix="kvf-vllm-rpc-")
@@ -239,6 +242,8 @@ def vllm_pair(
                 "--enforce-eager", "--max-model-len", "8192", "--enable-prompt-tokens-details",
                 "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
             ]  # fmt: skip
+            if engine_blocks:
+                argv += ["--num-gpu-blocks-override", str(engine_blocks)]
             events_endpoint = ""
             if kv_events:
                 # vLLM binds a wildcard endpoint and connects to any other: it binds, the router connects
@@ -1132,6 +1137,12 @@ def main() -> int:
     parser.add_argument("--slo-ttft-s", type=float, default=1.0)
     parser.add_argument("--fault-s", type=float, default=10.0)
     parser.add_argument("--configs", default="abcde")
+    parser.add_argument(
+        "--engine-blocks",
+        type=int,
+        default=0,
+        help=f"each engine's KV cache in blocks of {BLOCK_TOKENS} tokens (0: {ENGINE_KV_BLOCKS}, its 1 GiB)",
+    )
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--name", default="serving", help="result files: NAME.{json,md,png}")
@@ -1178,6 +1189,7 @@ def main() -> int:
             "rate_rps": args.rate,
             "time_scale": scale,
             "blocks_max": args.blocks_max,
+            "engine_blocks": args.engine_blocks or ENGINE_KV_BLOCKS,
             "prompt_tokens_p50": statistics.median(r.prompt_tokens for r in reqs),
             "prompt_tokens_total": sum(r.prompt_tokens for r in reqs),
             "output_tokens_p50": statistics.median(r.output_tokens for r in reqs),
@@ -1221,6 +1233,7 @@ def main() -> int:
                 nats_url=nats_url,
                 segments=cluster.segment_ids,
                 kv_events=set_name == "events",
+                engine_blocks=args.engine_blocks,
             ) as engines:
                 warm_up(engines, model, VOCAB)
                 coefficients = None
@@ -1233,7 +1246,7 @@ def main() -> int:
                     print("calibration", json.dumps(report["calibration"]), flush=True)
                 for name in names:
                     policy = "cache_aware" if name in "defg" else "round_robin"
-                    cache_chunks = ENGINE_KV_BLOCKS if prefix_caching else 0
+                    cache_chunks = (args.engine_blocks or ENGINE_KV_BLOCKS) if prefix_caching else 0
                     load = loadavg()
                     before = vllm_counters(engines)
                     mark = cluster.mark()
