@@ -20,6 +20,7 @@ from kvfabric.router import kv_events
 from kvfabric.router.kv_events import KvEventsFollower, decode_batch
 from kvfabric.router.settings import load_router_settings
 from kvfabric.testing.ports import free_port
+from tests.unit.router.test_settings_refit import ENV
 
 
 def stored(
@@ -140,23 +141,11 @@ def test_a_published_batch_reaches_the_core_and_the_follower_stops_when_cancelle
 
 
 def test_settings_name_an_engines_kv_events_endpoint() -> None:
-    keyspace = {
-        "tenant_id": "t",
-        "domain_salt_hex": "00" * 16,
-        "model_id": "m",
-        "weights_revision": "r",
-        "kv_dtype": "float32",
-        "attn_config_digest": "a",
-        "tensor_layout": "x",
-        "tokens_per_chunk": 16,
-    }
     engines = [
         {"id": "e1", "url": "http://a", "cache_chunks": 64, "kv_events": "tcp://127.0.0.1:5557"},
         {"id": "e2", "url": "http://b", "cache_chunks": 64},
     ]
-    s = load_router_settings(
-        {"KVF_ROUTER_ENGINES": json.dumps(engines), "KVF_ROUTER_KEYSPACE": json.dumps(keyspace)}
-    )
+    s = load_router_settings({**ENV, "KVF_ROUTER_ENGINES": json.dumps(engines)})
     assert [(e.kv_events, e.spec.engine_events) for e in s.engines] == [
         ("tcp://127.0.0.1:5557", True),
         ("", False),

@@ -74,15 +74,9 @@ class SaveRate:
     def admit_leading(self, sizes: Sequence[int], now_s: float) -> int:
         """Admit the leading chunks of `sizes` the budget covers, take their bytes, return how
         many (0: none; the save is skipped whole)."""
-        if not self.limited:
-            return len(sizes)
-        self.level = self._refilled(now_s)
-        self.at_s = max(self.at_s, now_s)
-        admitted = 0
-        for size in sizes:
-            if self.level <= 0:
-                break
-            invariant(size >= 0, "a chunk's size is never negative", size=size)
-            self.level -= size
-            admitted += 1
+        admitted = self.peek_leading(sizes, now_s)
+        if self.limited:
+            invariant(all(size >= 0 for size in sizes[:admitted]), "a chunk's size is never negative")
+            self.level = self._refilled(now_s) - sum(sizes[:admitted])
+            self.at_s = max(self.at_s, now_s)
         return admitted
