@@ -207,6 +207,7 @@ class EngineProc:
     proc: subprocess.Popen[bytes]
     segment: str
     kv_events: str = ""  # its KV event publisher (vLLM --kv-events-config), when it has one
+    kv_events_replay: str = ""  # and that publisher's replay socket
 
     @property
     def url(self) -> str:
@@ -244,15 +245,17 @@ def vllm_pair(
             ]  # fmt: skip
             if engine_blocks:
                 argv += ["--num-gpu-blocks-override", str(engine_blocks)]
-            events_endpoint = ""
+            events_endpoint = replay_endpoint = ""
             if kv_events:
                 # vLLM binds a wildcard endpoint and connects to any other: it binds, the router connects
-                events_port = free_port()
+                events_port, replay_port = free_port(), free_port()
                 events_endpoint = f"tcp://127.0.0.1:{events_port}"
+                replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
                 config = {
                     "enable_kv_cache_events": True,
                     "publisher": "zmq",
                     "endpoint": f"tcp://*:{events_port}",
+                    "replay_endpoint": f"tcp://*:{replay_port}",
                 }
                 argv += ["--kv-events-config", json.dumps(config)]
             if nats_url is not None:
@@ -289,7 +292,7 @@ def vllm_pair(
                 proc = subprocess.Popen(
                     argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                 )
-            engines.append(EngineProc(f"e{n}", port, proc, segment, events_endpoint))
+            engines.append(EngineProc(f"e{n}", port, proc, segment, events_endpoint, replay_endpoint))
         for e in engines:
             wait_http(f"{e.url}/health", ENGINE_START_TIMEOUT_S, e.proc)
         yield engines
@@ -482,7 +485,7 @@ def router(
             "segments": [e.segment],
             "cache_chunks": cache_chunks,
             "queue_max": QUEUE_MAX,
-            **({"kv_events": e.kv_events} if e.kv_events else {}),
+            **({"kv_events": e.kv_events, "kv_events_replay": e.kv_events_replay} if e.kv_events else {}),
         }
         for e in engines
     ]

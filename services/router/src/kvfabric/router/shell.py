@@ -71,7 +71,7 @@ class RouterShell:
         self.proxy: Proxy | None = None
         self.follower: IndexFollower | None = None
         self.kv_events = [
-            KvEventsFollower(e.spec.instance_id, e.kv_events, self.driver.feed)
+            KvEventsFollower(e.spec.instance_id, e.kv_events, self.driver.feed, replay=e.kv_events_replay)
             for e in settings.engines
             if e.kv_events and e.spec.engine_cache_chunks_max
         ]
