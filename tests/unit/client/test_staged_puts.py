@@ -6,13 +6,14 @@ A real `ArenaBackend` served over TCP, confirms answered in process (no NATS).""
 from __future__ import annotations
 
 import os
+import time
 
 import msgspec
 import pytest
 
-from kvfabric.client.transfers import SegmentPool
+from kvfabric.client.transfers import REFUSAL_RETRY_S, SegmentPool, StagingRefusals
 from kvfabric.dataplane.shm import ShmReader
-from kvfabric.dataplane.staging import STAGING_HEADER_BYTES, StagingFile
+from kvfabric.dataplane.staging import STAGING_HEADER_BYTES, StagingFile, StagingFiles, _Held
 from kvfabric.dataplane.tcp import TcpDataClient
 from kvfabric.format.errors import BadRequest, ChecksumMismatch, KvfError, Unauthorized
 from kvfabric.proto.dataplane import MapReply, StagedBytes, dataplane_decoder
@@ -126,8 +127,58 @@ def test_a_segment_that_refuses_memfds_reads_files_beside_the_arena(segment: Seg
             else:
                 for ticket, data in zip(tickets, blobs, strict=True):
                     assert pool.store(ticket, memoryview(data)) == "ok"
-        assert pool._memfd_refused == {segment.server.address} and not pool._staging_refused
+        assert pool._memfd_refused.addresses() == {segment.server.address}
+        assert not pool._staging_refused.addresses()
         assert pool.staged_puts == (4 if streamed else 5)  # all but the first round / first write
+    finally:
+        pool.close()
+
+
+def test_a_refusal_is_remembered_for_its_segments_incarnation_and_for_a_while() -> None:
+    refusals = StagingRefusals()
+    refusals.add("tcp://a", incarnation=7, now_s=100.0)
+    assert refusals.refuses("tcp://a", 7, 100.0 + REFUSAL_RETRY_S - 1)
+    assert not refusals.refuses("tcp://b", 7, 100.0)
+    assert not refusals.refuses("tcp://a", 8, 101.0)  # restarted: tried again, and forgotten
+    assert not refusals.refuses("tcp://a", 7, 101.0)
+    refusals.add("tcp://a", incarnation=7, now_s=100.0)
+    assert not refusals.refuses("tcp://a", 7, 100.0 + REFUSAL_RETRY_S)  # long enough: tried again
+    assert refusals.addresses() == set()
+
+
+class MemfdsLater(NoMemfds):
+    """A segment that refuses memfds until told otherwise."""
+
+    refusing = True
+
+    def _open_memfd(self, staged: StagedBytes) -> _Held:
+        if self.refusing:
+            return super()._open_memfd(staged)
+        return StagingFiles._open_memfd(self, staged)
+
+
+def test_a_segment_that_refused_memfds_is_asked_again_later(segment: Segment) -> None:
+    """A segment that refused a memfd (here: it could not map ours for a while) is written
+    through a file beside the arena, until `REFUSAL_RETRY_S` have passed: then memfds again."""
+    staging = MemfdsLater(str(segment.dir))
+    segment.server._staging = staging
+    pool = SegmentPool(connections_per_segment_max=1, timeout_s=5.0, use_shm=True)
+    skew = [0.0]
+    pool._refusal_clock = lambda: time.monotonic() + skew[0]
+    try:
+        for key in (b"a", b"b"):
+            data = os.urandom(5000)
+            assert pool.store(segment.ticket(data, key=key), memoryview(data)) == "ok"
+        assert pool._memfd_refused.addresses() == {segment.server.address}
+        staging.refusing = False  # it maps memfds now
+        data = os.urandom(5000)
+        assert pool.store(segment.ticket(data, key=b"c"), memoryview(data)) == "ok"
+        assert pool._memfd_refused.addresses() == {segment.server.address}  # not asked yet
+        skew[0] = REFUSAL_RETRY_S
+        data = os.urandom(5000)
+        assert pool.store(segment.ticket(data, key=b"d"), memoryview(data)) == "ok"
+        assert pool._memfd_refused.addresses() == set()
+        assert pool.staged_puts == 3  # b and c beside the arena, d in a memfd
     finally:
         pool.close()
 
@@ -143,7 +194,8 @@ def test_a_segment_that_refuses_staging_gets_the_bytes_sent(segment: Segment) ->
             data = os.urandom(5000)
             assert pool.store(segment.ticket(data, key=key), memoryview(data)) == "ok"
         assert pool.staged_puts == 0
-        assert pool._memfd_refused == pool._staging_refused == {segment.server.address}
+        address = segment.server.address
+        assert pool._memfd_refused.addresses() == pool._staging_refused.addresses() == {address}
     finally:
         pool.close()
 
@@ -161,6 +213,6 @@ def test_an_older_segment_is_never_sent_a_staged_put(segment: Segment) -> None:
     try:
         data = os.urandom(5000)
         assert pool.store(segment.ticket(data), memoryview(data)) == "ok"
-        assert pool.staged_puts == 0 and not pool._staging_refused
+        assert pool.staged_puts == 0 and not pool._staging_refused.addresses()
     finally:
         pool.close()

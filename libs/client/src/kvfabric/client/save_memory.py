@@ -11,9 +11,9 @@ idea: the cache hands out the memory the engine gathers KV into.
 
 Everything else is unchanged: the segment copies and hashes the slot, and that hash becomes the
 object's checksum (the client names none at put_begin: docs/segment.md "Write"); a remote
-segment, or one that cannot map the memfd (`SegmentPool._memfd_refused`), gets the bytes sent
-(with their hash, checked there) or staged by copy, as for any other memory. So save memory is
-only ever faster, never required.
+segment, or one that cannot map the memfd (`SegmentPool._memfd_refused`, a `StagingRefusals`),
+gets the bytes sent (with their hash, checked there) or staged by copy, as for any other
+memory. So save memory is only ever faster, never required.
 
 Ownership: the engine owns a `SaveMemory`. It must not change an object's bytes until the save
 of them has finished (the rule for any save). Nothing catches a change made while the segment

@@ -75,6 +75,36 @@ CONNECT_MIN_S: Final = 0.001  # a connect inside an attempt's budget gets at lea
 # 4 MiB), each gone with its connection.
 STAGING_FILE_BYTES_MIN: Final = 4 << 20
 STAGED_PUT_BYTES_MAX: Final = 64 << 20
+# A segment that refused a kind of staged put is asked again after this (or once it restarts).
+REFUSAL_RETRY_S: Final = 600.0
+
+
+class StagingRefusals:
+    """The segments (data addresses) that refused one kind of staged put, each remembered for its
+    incarnation and for `REFUSAL_RETRY_S`: a segment restarted (upgraded, or moved into this
+    pid namespace) is tried again, and so is any after that long (a refusal may be ours and
+    pass: a staging file we could not make while /dev/shm was full). A try that is refused
+    again costs one write sent at once (never a lost chunk). Shared by the pool's transfer
+    threads: single dict operations only."""
+
+    def __init__(self) -> None:
+        self._until: dict[str, tuple[int, float]] = {}  # data address -> (incarnation, monotonic s)
+
+    def add(self, data_addr: str, incarnation: int, now_s: float) -> None:
+        self._until[data_addr] = (incarnation, now_s + REFUSAL_RETRY_S)
+
+    def refuses(self, data_addr: str, incarnation: int, now_s: float) -> bool:
+        entry = self._until.get(data_addr)
+        if entry is None:
+            return False
+        if entry[0] != incarnation or now_s >= entry[1]:
+            self._until.pop(data_addr, None)
+            return False
+        return True
+
+    def addresses(self) -> set[str]:
+        """The data addresses remembered now (tests)."""
+        return set(self._until)
 
 
 @dataclass(slots=True)
@@ -130,8 +160,9 @@ class SegmentPool:
         self._swept_s = 0.0
         self._lock = threading.Lock()
         self._closed = False
-        self._staging_refused: set[str] = set()  # data addresses that cannot read our staging files
-        self._memfd_refused: set[str] = set()  # ... nor our staging memfds (they read files beside the arena)
+        self._staging_refused = StagingRefusals()  # segments that cannot read our staging files
+        self._memfd_refused = StagingRefusals()  # ... nor our memfds (they read files beside the arena)
+        self._refusal_clock: Callable[[], float] = time.monotonic  # their time (tests move it)
         self.staged_puts = 0  # writes that went through a staging file (tests, benchmarks)
         # The engine's save memory (`kvfabric.client.save_memory`): writes from it are staged by
         # reference, not copied, to a segment that maps memfds.
@@ -474,7 +505,8 @@ class SegmentPool:
         connection's staging file (`kvfabric.dataplane.staging`: one copy here, one into the slot
         there, no socket): a sealed memfd first, a file beside the arena once the segment refused
         a memfd (`_refused_staging`). A segment that refuses the file (it cannot open it: another
-        user, another host's /dev/shm) gets the bytes sent, now and from then on."""
+        user, another host's /dev/shm) gets the bytes sent, now and until it restarts or
+        `REFUSAL_RETRY_S` have passed (`StagingRefusals`)."""
         try:
             # The pool loads use too (one idle pool per segment): a PUT only needs its TCP half.
             shm_ok = self._shm_ok(ticket.segment_id)
@@ -495,7 +527,7 @@ class SegmentPool:
                     except KvfError as exc:
                         if not exc.details.get("staging"):
                             raise
-                        self._refused_staging(ticket.data_addr, staged)
+                        self._refused_staging(ticket, staged)
                 if reply is None:
                     reply = conn.tcp.put(
                         ticket, data, trace_id=trace_id, save_writes=save_writes, receipt=receipt
@@ -545,7 +577,8 @@ class SegmentPool:
         self, conn: _Connection, writes: Sequence[tuple[WriteTicket, memoryview, str, int]], receipt: bool
     ) -> list[PutReply | KvfError]:
         """`put_many` on `conn`, staged when `_stage_many` can; the writes a segment refused to
-        stage (`staging` detail) are sent, and so is everything to that segment from then on."""
+        stage (`staging` detail) are sent, and so is everything to that segment for a while
+        (`StagingRefusals`)."""
         staged = self._stage_many(conn, writes)
         if staged is None:
             return conn.tcp.put_many(writes, receipt=receipt)
@@ -555,7 +588,7 @@ class SegmentPool:
             conn, [s for s, r in zip(staged, replies, strict=True) if not isinstance(r, KvfError)]
         )
         if refused:
-            self._refused_staging(writes[0][0].data_addr, staged[refused[0]])
+            self._refused_staging(writes[0][0], staged[refused[0]])
             again = conn.tcp.put_many([writes[i] for i in refused], receipt=receipt)
             for i, reply in zip(refused, again, strict=True):
                 replies[i] = reply
@@ -570,23 +603,23 @@ class SegmentPool:
         if landed and conn.staging is not None:
             conn.staging.unlink()
 
-    def _refused_staging(self, data_addr: str, refused: StagedBytes) -> None:
-        """The segment at `data_addr` refused a staged write: a memfd (the connection's, or save
+    def _refused_staging(self, ticket: WriteTicket, refused: StagedBytes) -> None:
+        """The segment of `ticket` refused a staged write: a memfd (the connection's, or save
         memory: it cannot open our `/proc` links, another pid namespace or user, or it is older
         than memfds) makes its writes go through a file beside the arena from now on; a refused
-        file beside the arena, sent."""
-        if MEMFD_PATH.match(refused.path):
-            self._memfd_refused.add(data_addr)
-        else:
-            self._staging_refused.add(data_addr)
+        file beside the arena, sent (`StagingRefusals`: until that segment restarts, or for
+        `REFUSAL_RETRY_S`)."""
+        kind = self._memfd_refused if MEMFD_PATH.match(refused.path) else self._staging_refused
+        kind.add(ticket.data_addr, ticket.incarnation, self._refusal_clock())
 
     def _staging_file(
-        self, conn: _Connection, arena_dir: str, data_addr: str, size: int
+        self, conn: _Connection, arena_dir: str, ticket: WriteTicket, size: int
     ) -> StagingFile | None:
         """`conn`'s staging file, made (or remade larger, or of the other kind) to hold `size`
-        bytes; None when it cannot be made (`data_addr` is then remembered as refusing staged
-        puts: its writes are sent)."""
-        memfd = data_addr not in self._memfd_refused
+        bytes; None when it cannot be made (`ticket`'s segment is then remembered as refusing
+        staged puts, as if it had: its writes are sent)."""
+        data_addr, incarnation, now = ticket.data_addr, ticket.incarnation, self._refusal_clock()
+        memfd = not self._memfd_refused.refuses(data_addr, incarnation, now)
         if conn.staging is None or conn.staging.data_bytes < size or conn.staging.memfd != memfd:
             if conn.staging is not None:
                 conn.staging.close()
@@ -594,7 +627,7 @@ class SegmentPool:
             try:
                 conn.staging = StagingFile(arena_dir, max(size, STAGING_FILE_BYTES_MIN), memfd=memfd)
             except (KvfError, OSError):  # none made: as if the segment had refused that kind
-                (self._memfd_refused if memfd else self._staging_refused).add(data_addr)
+                (self._memfd_refused if memfd else self._staging_refused).add(data_addr, incarnation, now)
                 return None
         return conn.staging
 
@@ -607,22 +640,23 @@ class SegmentPool:
         co-located, a segment without staged puts or that refused them, copies over
         `STAGED_PUT_BYTES_MAX`)."""
         shm = conn.shm
-        data_addr = writes[0][0].data_addr
+        first = writes[0][0]
+        now = self._refusal_clock()
         if (
             shm is None
             or not shm.staged_puts
             or any(t.incarnation != shm.incarnation for t, *_ in writes)
-            or data_addr in self._staging_refused
+            or self._staging_refused.refuses(first.data_addr, first.incarnation, now)
         ):
             return None
-        by_reference = data_addr not in self._memfd_refused
+        by_reference = not self._memfd_refused.refuses(first.data_addr, first.incarnation, now)
         refs = [self.save_memory.staged(data) if by_reference else None for _, data, _, _ in writes]
         copied = [len(data) for (_, data, _, _), ref in zip(writes, refs, strict=True) if ref is None]
         staging = None
         if copied:
             if max(copied) > STAGED_PUT_BYTES_MAX or sum(copied) > STAGED_PUT_BYTES_MAX:
                 return None
-            staging = self._staging_file(conn, shm.arena_dir, data_addr, sum(copied))
+            staging = self._staging_file(conn, shm.arena_dir, first, sum(copied))
             if staging is None:
                 return None
         staged = []
