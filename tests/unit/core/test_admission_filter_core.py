@@ -253,6 +253,38 @@ def test_put_begin_answers_not_admitted_and_reserves_nothing() -> None:
     core.check_invariants()
 
 
+def test_a_put_the_filter_refuses_on_one_segment_is_placed_on_another_that_admits_it() -> None:
+    """Placement picks the segment with the most free bytes; the filter refuses there (past its
+    low watermark) while a smaller segment has room (unlisted: it admits): the put goes there,
+    not `not_admitted`. Refused on every segment: `not_admitted`, nothing reserved anywhere."""
+    core = new_core(admission_stale_ms=1_000)
+    register(core, "big", capacity=1_000_000)
+    register(core, "small", capacity=10_000)
+    gs = groups(3, seed=9)
+    core.set_admission_filter(view({"big": limits(c2=50)}), 0)
+    reply = core.handle(
+        m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g), 100) for g in gs]), 10
+    ).reply
+    assert isinstance(reply, m.PutBeginReply)
+    assert [r.status for r in reply.results] == ["placed"] * 3
+    assert [[t.segment_id for t in r.tickets] for r in reply.results] == [["big"], ["small"], ["small"]]
+    assert core.segments["small"].reserved_bytes == 200 and core.segments["big"].reserved_bytes == 100
+    assert core.counters["admission_replaced_total"] == 2
+    assert core.counters.get("admission_refused_below_frontier_total", 0) == 0
+    core.check_invariants()
+    # both refuse: not admitted, nothing reserved, counted once per object
+    core.set_admission_filter(view({"big": limits(c2=50), "small": limits(c2=50)}, at=20), 20)
+    more = groups(3, seed=10)
+    again = core.handle(
+        m.PutBegin(writer_id="w", request_id="r2", objects=[spec(key(g), 100) for g in more]), 21
+    ).reply
+    assert isinstance(again, m.PutBeginReply)
+    assert [r.status for r in again.results] == ["placed", "not_admitted", "not_admitted"]
+    assert core.segments["small"].reserved_bytes == 200 and core.segments["big"].reserved_bytes == 200
+    assert core.counters["admission_refused_below_frontier_total"] == 2
+    core.check_invariants()
+
+
 # ---- the policy: the filter mirrors the density core's own admission ---------------------------
 
 

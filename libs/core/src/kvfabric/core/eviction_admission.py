@@ -320,6 +320,26 @@ class AdmissionGate:
         self._count(f"admission_{'admitted' if verdict[0] else 'refused'}_{verdict[1]}_total")
         return verdict
 
+    def refusing(
+        self,
+        segment_ids: Sequence[str],
+        group_key: bytes,
+        chunk_index: int,
+        group_bytes: int,
+        now_ms: int,
+    ) -> set[str]:
+        """The segments among `segment_ids` whose limit refuses the group (empty when it is
+        admitted there); not counted: `decide` gives (and counts) the verdict."""
+        if self._decide(segment_ids, group_key, chunk_index, group_bytes, now_ms)[0]:
+            return set()
+        limits, cls = self.view.limits if self.view is not None else {}, length_class(chunk_index)
+        refused = set()
+        for segment_id in segment_ids:
+            lim = limits.get(segment_id)
+            if lim is not None and lim[cls] != ADMISSION_UNLIMITED and group_bytes > lim[cls]:
+                refused.add(segment_id)
+        return refused
+
     def _decide(
         self, segment_ids: Sequence[str], group_key: bytes, chunk_index: int, group_bytes: int, now_ms: int
     ) -> tuple[bool, str]:

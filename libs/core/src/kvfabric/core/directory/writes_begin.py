@@ -1,7 +1,8 @@
 """put_begin: a request's objects checked (batch, identity, reply size, tenant budgets, rate),
 then each member placed on segments with signed tickets, or answered `exists` / `in_flight` /
 `no_capacity` / `not_admitted` (the eviction policy's admission filter, while fresh, refuses it
-on its chosen segments: `kvfabric.core.eviction_admission`; nothing reserved) / `quota_exceeded`.
+on every placement it could have: `kvfabric.core.eviction_admission`; nothing reserved) /
+`quota_exceeded`.
 A mixin of `WriteTable` (`kvfabric.core.directory.writes`) over `WriteState`.
 """
 
@@ -22,7 +23,7 @@ from kvfabric.core.directory.base import (
 from kvfabric.core.directory.keys import CHAIN_BYTES, GroupInfo, KeyInfo, parse_key
 from kvfabric.core.directory.replies import ARRAY_HEADER_BYTES, str_bytes
 from kvfabric.core.directory.writes_state import BuildingGroup, PendingMember, Placement, WriteState
-from kvfabric.core.placement import choose_segments
+from kvfabric.core.placement import Candidate, choose_segments
 from kvfabric.core.quotas import request_tokens, tenant_of
 from kvfabric.format.errors import BadRequest, BatchTooLarge, Busy
 from kvfabric.format.ids import GroupKey
@@ -245,11 +246,8 @@ class WriteBegin(WriteState):
         # a group already building is admitted, so a newer filter cannot strand the placed ranks
         # of a group that could then never publish.
         if group is None:
-            group_bytes = spec.size_bytes * info.group.expected_members * len(chosen)
-            admitted, _ = self.ctx.admission.decide(
-                [c.segment_id for c in chosen], gid, info.group.chunk_index, group_bytes, now_ms
-            )
-            if not admitted:
+            chosen = self._admitted(chosen, spec, info, replicas, now_ms)
+            if not chosen:
                 return m.BeginResult(key=spec.key, status="not_admitted")
         if not self.ctx.quotas.admits(tenant, spec.size_bytes * len(chosen), 1):
             self.ctx.count("quota_exceeded_objects_total")
@@ -276,6 +274,35 @@ class WriteBegin(WriteState):
         return m.BeginResult(
             key=spec.key, status="placed", tickets=self._tickets_of(held), deadline_ms=deadline
         )
+
+    def _admitted(
+        self, chosen: list[Candidate], spec: m.ObjectSpec, info: KeyInfo, replicas: int, now_ms: int
+    ) -> list[Candidate]:
+        """`chosen` when the admission filter admits the object's group there; refused, the
+        object is placed again without the segments whose limits refuse it (a large segment past
+        its low watermark beside a small one with room: the small one takes it, where placement
+        by free bytes alone would give every put to the large one and have it refused), and []
+        when no placement is admitted. Bounded: each try leaves out at least one more segment.
+        The verdict is counted once, on the placement answered (`admission_replaced_total`: an
+        object admitted on other segments than placement chose first)."""
+        gate, gid, chunk_index = self.ctx.admission, info.group.group_id, info.group.chunk_index
+        first, excluded = chosen, set[str]()
+        while chosen:
+            ids = [c.segment_id for c in chosen]
+            group_bytes = spec.size_bytes * info.group.expected_members * len(chosen)
+            refusing = gate.refusing(ids, gid, chunk_index, group_bytes, now_ms)
+            if not refusing:
+                gate.decide(ids, gid, chunk_index, group_bytes, now_ms)
+                if chosen is not first:
+                    self.ctx.count("admission_replaced_total")
+                return chosen
+            excluded |= refusing
+            remaining = [c for c in self.segments.candidates() if c.segment_id not in excluded]
+            chosen = choose_segments(remaining, replicas, spec.size_bytes, spec.key)
+        ids = [c.segment_id for c in first]
+        group_bytes = spec.size_bytes * info.group.expected_members * len(first)
+        gate.decide(ids, gid, chunk_index, group_bytes, now_ms)  # refused: counted with its reason
+        return []
 
     def _tickets_of(self, held: PendingMember) -> list[m.WriteTicket]:
         tickets = []
