@@ -70,7 +70,7 @@ import httpx
 import numpy as np
 
 from kvfabric.testing import ServiceProcess
-from kvfabric.testing.ports import free_port
+from kvfabric.testing.ports import free_port, free_ports
 from kvfabric.testing.terminate import terminate_session
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
@@ -248,7 +248,7 @@ def vllm_pair(
             events_endpoint = replay_endpoint = ""
             if kv_events:
                 # vLLM binds a wildcard endpoint and connects to any other: it binds, the router connects
-                events_port, replay_port = free_port(), free_port()
+                events_port, replay_port = free_ports(2)
                 events_endpoint = f"tcp://127.0.0.1:{events_port}"
                 replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
                 config = {

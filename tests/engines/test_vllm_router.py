@@ -257,7 +257,7 @@ def test_a_follower_started_later_learns_the_engines_blocks_from_its_replay_sock
         task = asyncio.create_task(follower.run())
         try:
             for _ in range(300):  # 30 s for its start (vLLM answers from its publisher thread)
-                if follower.counters["replayed"]:
+                if follower._last_seq is not None:  # the buffer's run applied
                     break
                 await asyncio.sleep(0.1)
         finally:

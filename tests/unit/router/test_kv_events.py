@@ -12,6 +12,7 @@ from typing import Any
 from unittest.mock import patch
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -19,6 +20,7 @@ from kvfabric.core.routing_events import EngineCleared, EngineRemoved, EngineSto
 from kvfabric.router import kv_events
 from kvfabric.router.kv_events import KvEventsFollower, decode_batch
 from kvfabric.router.settings import load_router_settings
+from kvfabric.runtime.config import SettingsError
 from kvfabric.testing.ports import free_port
 from tests.unit.router.test_settings_refit import ENV
 
@@ -150,6 +152,12 @@ def test_settings_name_an_engines_kv_events_endpoint() -> None:
         ("tcp://127.0.0.1:5557", True),
         ("", False),
     ]
+
+
+def test_a_replay_endpoint_needs_an_events_endpoint() -> None:
+    engines = [{"id": "e1", "url": "http://a", "cache_chunks": 64, "kv_events_replay": "tcp://h:5558"}]
+    with pytest.raises(SettingsError, match="kv_events_replay without kv_events"):
+        load_router_settings({**ENV, "KVF_ROUTER_ENGINES": json.dumps(engines)})
 
 
 def test_a_follower_that_fails_clears_the_map_and_subscribes_again_after_a_backoff() -> None:

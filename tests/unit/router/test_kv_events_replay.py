@@ -25,9 +25,10 @@ from tests.unit.router.test_kv_events import batch, stored
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def payload(seq: int) -> bytes:
-    """Batch `seq`: one block whose hash is its sequence number (what was fed says which)."""
-    return batch(stored([seq], None, [1, 2, 3, 4]))
+def payload(seq: int, engine: int = 0) -> bytes:
+    """Batch `seq`: one block whose hash is its sequence number (what was fed says which), plus
+    `engine` (a restarted engine's blocks are others)."""
+    return batch(stored([engine + seq], None, [1, 2, 3, 4]))
 
 
 def fed_seqs(fed: list[RoutingEvent]) -> list[int | str]:
@@ -37,12 +38,19 @@ def fed_seqs(fed: list[RoutingEvent]) -> list[int | str]:
 
 @contextlib.asynccontextmanager
 async def vllm_replay(
-    context: zmq.asyncio.Context, buffered: list[int], asked: list[int]
+    context: zmq.asyncio.Context,
+    buffered: list[int],
+    asked: list[int],
+    *,
+    endpoint: str = "",
+    engine: int = 0,
+    end: bool = True,
 ) -> AsyncIterator[str]:
-    """A replay ROUTER holding batches `buffered`; each request's start goes into `asked`."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    """A replay ROUTER holding batches `buffered`; each request's start goes into `asked`.
+    `end`: False loses the end marker (vLLM's ROUTER drops past its send queue)."""
+    endpoint = endpoint or f"tcp://127.0.0.1:{free_port()}"
     sock = context.socket(zmq.ROUTER)
-    sock.bind(endpoint)
+    await bind_again(sock, endpoint)
 
     async def serve() -> None:
         while True:
@@ -51,8 +59,11 @@ async def vllm_replay(
             asked.append(start)
             for seq in buffered:
                 if seq >= start:
-                    await sock.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), payload(seq)])
-            await sock.send_multipart([client, b"", b"", END_SEQ, b""])
+                    await sock.send_multipart(
+                        [client, b"", b"", seq.to_bytes(8, "big"), payload(seq, engine)]
+                    )
+            if end:
+                await sock.send_multipart([client, b"", b"", END_SEQ, b""])
 
     task = asyncio.create_task(serve())
     try:
@@ -63,12 +74,26 @@ async def vllm_replay(
         sock.close(linger=0)
 
 
+async def bind_again(sock: zmq.asyncio.Socket, endpoint: str) -> None:
+    """Bind, waiting for a socket closed on the same endpoint to let it go (ZMQ closes in its
+    I/O thread, after `close` returns)."""
+    for _ in range(100):
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE:
+                raise
+            await asyncio.sleep(0.02)
+    sock.bind(endpoint)
+
+
 def live(seq: int) -> list[bytes]:
     return [b"", seq.to_bytes(8, "big"), payload(seq)]
 
 
 def replaying(
-    buffered: list[int], live_seqs: list[int]
+    buffered: list[int], live_seqs: list[int], *, end: bool = True
 ) -> tuple[list[int | str], list[int], KvEventsFollower]:
     """Live batches `live_seqs` through `receive`, the engine's buffer holding `buffered`."""
     fed: list[RoutingEvent] = []
@@ -80,7 +105,7 @@ def replaying(
     async def run() -> KvEventsFollower:
         context = zmq.asyncio.Context()
         try:
-            async with vllm_replay(context, buffered, asked) as endpoint:
+            async with vllm_replay(context, buffered, asked, end=end) as endpoint:
                 follower = KvEventsFollower("e1", "tcp://unused:1", feed, context, replay=endpoint)
                 for seq in live_seqs:
                     await follower.receive(live(seq))
@@ -185,3 +210,129 @@ def test_a_follower_that_starts_replays_the_buffer_first_and_skips_what_it_held(
     assert seqs[:4] == [0, 1, 2, 3]  # before anything live
     assert seqs.count(4) == 1 and "clear" not in seqs, seqs
     assert follower.counters["duplicates"] >= 1 and follower.counters["gaps"] == 0
+
+
+def test_a_replay_with_holes_is_trusted_only_from_its_last_hole_on() -> None:
+    """vLLM's ROUTER drops what its send queue cannot hold: a gap replay with a hole is no
+    filled gap (batch 8 might have removed a block): cleared, then the run after the hole."""
+    fed, asked, follower = replaying([7, 9, 10, 11], [5, 6, 10])
+    assert asked == [0, 7]
+    assert fed == ["clear", 5, 6, "clear", 9, 10]
+    assert follower.counters["gaps_replayed"] == 0
+    # the same at the start: only the run that ends just before the first live batch
+    fed, _, _ = replaying([0, 1, 3, 4], [5])
+    assert fed == ["clear", 3, 4, 5]
+
+
+def test_a_replay_whose_end_marker_is_lost_keeps_what_came_and_stops_at_the_live_batch() -> None:
+    with patch.object(kv_events, "REPLAY_TIMEOUT_S", 0.3):
+        # a gap: done at the live batch's number, without waiting for the end
+        fed, _, follower = replaying(list(range(0, 12)), [5, 6, 9], end=False)
+        assert fed == ["clear", 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+        assert follower.counters["gaps_replayed"] == 1
+        assert follower.counters["replay_failures"] == 0  # each stopped at its live batch
+    with patch.object(kv_events, "REPLAY_TIMEOUT_S", 0.3):
+        # the buffer ends before the live batch: the replay waits for its end, times out, and
+        # keeps what came (2 ends just before 3)
+        fed, _, follower = replaying([0, 1, 2], [3], end=False)
+        assert fed == ["clear", 0, 1, 2, 3]
+        assert follower.counters["replay_failures"] == 1
+        assert follower.counters["replays_skipped"] == 0  # it got something: asked again next time
+
+
+def test_a_replay_endpoint_that_answers_nothing_is_not_asked_again_for_a_while() -> None:
+    fed: list[RoutingEvent] = []
+
+    async def feed(event: RoutingEvent) -> None:
+        fed.append(event)
+
+    async def run() -> KvEventsFollower:
+        context = zmq.asyncio.Context()
+        nobody = f"tcp://127.0.0.1:{free_port()}"
+        try:
+            with patch.object(kv_events, "REPLAY_TIMEOUT_S", 0.2):
+                follower = KvEventsFollower("e1", "tcp://unused:1", feed, context, replay=nobody)
+                follower._last_seq = 5
+                await follower.receive(live(9))
+                await follower.receive(live(12))  # another gap at once: no second wait
+                return follower
+        finally:
+            context.destroy(linger=0)
+
+    follower = asyncio.run(run())
+    assert fed_seqs(fed) == ["clear", 9, "clear", 12]
+    assert follower.counters["replay_failures"] == 1 and follower.counters["replays_skipped"] == 1
+
+
+def test_after_the_duplicates_window_a_lower_number_is_an_engine_that_restarted() -> None:
+    async def run() -> list[int | str]:
+        fed: list[RoutingEvent] = []
+
+        async def feed(event: RoutingEvent) -> None:
+            fed.append(event)
+
+        context = zmq.asyncio.Context()
+        try:
+            async with vllm_replay(context, [0, 1, 2, 3], []) as endpoint:
+                with patch.object(kv_events, "DUPLICATES_S", 0.0):
+                    follower = KvEventsFollower("e1", "tcp://unused:1", feed, context, replay=endpoint)
+                    await follower._start_from_replay()
+                    await follower.receive(live(3))  # no longer a duplicate: from the start again
+        finally:
+            context.destroy(linger=0)
+        return fed_seqs(fed)
+
+    assert asyncio.run(run()) == [0, 1, 2, 3, "clear", 0, 1, 2, 3]
+
+
+def test_a_dropped_connection_is_a_new_engine_even_when_the_numbers_seem_to_follow() -> None:
+    """The engine restarts while the follower is subscribed; the new engine's first batch heard
+    is 5 (its 0..4 published before the subscription was made again) and its buffer holds 3 and
+    4, as a gap 3..4 of the old engine would: the map is cleared, not kept with the old engine's
+    blocks."""
+    pub_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    fed: list[RoutingEvent] = []
+
+    async def run() -> KvEventsFollower:
+        context = zmq.asyncio.Context()
+        heard = asyncio.Event()
+
+        async def feed(event: RoutingEvent) -> None:
+            fed.append(event)
+            heard.set()
+
+        async def publish_until_heard(pub: zmq.asyncio.Socket, seqs: range, engine: int) -> None:
+            for seq in seqs:
+                heard.clear()
+                await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload(seq, engine)])
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(heard.wait(), 0.1)
+                if any(isinstance(e, EngineStored) and e.block_hashes == [engine + seq] for e in fed):
+                    return
+            raise AssertionError("never heard")
+
+        follower = KvEventsFollower("e1", pub_endpoint, feed, context, replay=replay_endpoint)
+        try:
+            pub = context.socket(zmq.PUB)
+            await bind_again(pub, pub_endpoint)
+            async with vllm_replay(context, [], [], endpoint=replay_endpoint):
+                task = asyncio.create_task(follower.run())
+                await publish_until_heard(pub, range(0, 200), engine=0)  # the old engine
+                pub.close(linger=0)
+            pub = context.socket(zmq.PUB)  # restarted: same endpoints, numbers from 0 again
+            await bind_again(pub, pub_endpoint)
+            async with vllm_replay(context, [0, 1, 2, 3, 4], [], endpoint=replay_endpoint, engine=1000):
+                await publish_until_heard(pub, range(5, 200), engine=1000)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close(linger=0)
+        finally:
+            context.destroy(linger=0)
+        return follower
+
+    follower = asyncio.run(run())
+    seqs = fed_seqs(fed)
+    first_new = next(i for i, v in enumerate(seqs) if isinstance(v, int) and v >= 1000)
+    assert "clear" in seqs[:first_new], seqs  # the old engine's blocks went before the new one's
+    assert follower.counters["disconnects"] >= 1 and follower.counters["gaps_replayed"] == 0

@@ -24,7 +24,9 @@ subscription made again after a backoff (`RETRY_S_MIN` doubling to `RETRY_S_MAX`
 never dies silently with a map that no longer hears evictions.
 A jump in the sequence (PUB/SUB drops messages when a subscriber is slow; a restarted engine
 starts again) clears the engine's map (`EngineCleared`): the engine term counts nothing until
-blocks are stored again, rather than trust a map that missed evictions.
+blocks are stored again, rather than trust a map that missed evictions. So does a dropped
+connection (the subscription's ZMQ monitor, `disconnects`): the engine may have restarted, and
+its numbers alone cannot say so, so the next batch is taken as a new engine's first.
 
 **Replay** (`replay`, vLLM's `replay_endpoint`: a ROUTER socket that sends the batches of its
 buffer, the last `buffer_steps` = 10,000 by default, from a sequence number on, then an end
@@ -33,24 +35,30 @@ router, or a follower after a failure, that starts while the engine already hold
 buffer's last run of consecutive batches is applied, and live batches it also held are skipped
 for `DUPLICATES_S` after, `duplicates`), and before it applies a batch that does not continue
 the one before (`_catch_up`): after a gap, for the batches it missed — all of them there and in
-order, it applies them and the map is never cleared (`gaps_replayed`); after a gap the buffer no
-longer covers, or from an engine that restarted (its sequence starts again), for everything
-buffered: the map cleared, then the buffer's run of batches that ends just before the live one
-applied (`replayed`, batches). A block stored before the buffer's first batch stays
-unknown (its children too: the core skips a store with an unknown parent): it can undercount
-what the engine holds, never count what it does not. A replay that fails (no answer within
-`REPLAY_TIMEOUT_S`, more than `REPLAY_BATCHES_MAX` batches, a reply of another shape) is
-counted (`replay_failures`) and leaves the map cleared, as without replay; the live socket
-queues meanwhile (`RECEIVE_HWM`; what it drops is the next gap). Counters: `batches`, `events`,
-`gaps`, `gaps_replayed`, `replayed`, `replay_failures`, `duplicates`, `undecodable`, `unknown_events`,
-`other_medium`, `failures`. With data
-parallelism each rank publishes its own events (`data_parallel_rank`): follow one endpoint per
-rank as an engine of its own.
+order, it applies them and the map is never cleared (`gaps_replayed`); after a gap the replay
+does not cover whole, or from an engine that restarted (its sequence starts again), for
+everything buffered: the map cleared, then the replay's run of consecutive batches that ends just
+before the live one applied (`replayed`, batches). vLLM's ROUTER drops what its send queue (1,000
+messages) cannot hold, so a replay of a large buffer can come back with holes, or without its
+end marker: only a run without holes is applied, and what came before a timeout is kept. A
+block stored before that run stays unknown (its children too: the core skips a store with an
+unknown parent): the map can undercount what the engine holds, never count what it does not.
+A replay that fails (no end within `REPLAY_TIMEOUT_S`, more than `REPLAY_BATCHES_MAX` batches,
+a reply of another shape) is counted (`replay_failures`); one that got nothing (an endpoint
+down) is not tried again for `REPLAY_SKIP_S` (`replays_skipped`), and the map is cleared as
+without replay. The live socket queues meanwhile (`RECEIVE_HWM`; what it drops is the next gap);
+a replay's receive loop yields to the event loop every `REPLAY_YIELD_EVERY` batches. Counters:
+`batches`, `events`, `gaps`, `gaps_replayed`, `replayed`, `replay_failures`, `replays_skipped`,
+`duplicates`, `disconnects`, `undecodable`, `unknown_events`, `other_medium`, `failures`. With
+data parallelism each rank publishes its own events (`data_parallel_rank`) on its own ports
+(vLLM adds the rank to both the events and the replay port): follow each rank as an engine of
+its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Final
@@ -58,6 +66,7 @@ from typing import Annotated, Any, Final
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvfabric.core.routing_events import EngineCleared, EngineRemoved, EngineStored, RoutingEvent
 from kvfabric.runtime.logs import get_logger
@@ -68,6 +77,8 @@ BATCH_BYTES_MAX: Final = 16 << 20  # a step's events: block hashes and token ids
 RECEIVE_HWM: Final = 1_000  # batches queued in ZMQ before it drops (a gap, detected by sequence)
 REPLAY_TIMEOUT_S: Final = 5.0  # for the whole answer, its end marker included
 REPLAY_BATCHES_MAX: Final = 20_000  # twice vLLM's default buffer: more is no vLLM publisher
+REPLAY_SKIP_S: Final = 30.0  # after a replay that got nothing (its endpoint down), none for this long
+REPLAY_YIELD_EVERY: Final = 64  # replayed batches received between two turns of the loop
 DUPLICATES_S: Final = 2.0  # after the first replay, a live batch at or before it is one it held
 # (an engine restarted since would publish from 0 again, but a restart takes longer than this)
 RETRY_S_MIN: Final = 0.5
@@ -183,7 +194,9 @@ class KvEventsFollower:
                 "gaps_replayed",
                 "replayed",
                 "replay_failures",
+                "replays_skipped",
                 "duplicates",
+                "disconnects",
                 "undecodable",
                 "unknown_events",
                 "other_medium",
@@ -193,6 +206,7 @@ class KvEventsFollower:
         )
         self._last_seq: int | None = None
         self._duplicates_until = 0.0  # monotonic s: live batches the first replay held, until then
+        self._replay_skip_until = 0.0  # monotonic s: after a replay that got nothing, none until then
         self._log = get_logger("kvfabric.router.kv_events")
 
     async def run(self) -> None:
@@ -216,21 +230,39 @@ class KvEventsFollower:
 
     async def _follow(self) -> None:
         sock = self._context.socket(zmq.SUB)
+        monitor: zmq.asyncio.Socket | None = None
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
             sock.setsockopt(zmq.MAXMSGSIZE, BATCH_BYTES_MAX)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(self.endpoint)
             self._log.info("kv_events_following", instance=self.instance_id, endpoint=self.endpoint)
             if self.replay:
                 await self._start_from_replay()
             while True:
                 parts = await sock.recv_multipart()
+                if await _disconnected_since(monitor):
+                    await self.connection_lost()
                 await self.receive(parts)
                 await asyncio.sleep(0)  # a backlog comes without waiting: let HTTP and health in
         finally:
+            if monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disable_monitor()
+                monitor.close(linger=0)
             sock.close(linger=0)
+
+    async def connection_lost(self) -> None:
+        """The subscription's connection dropped (and was made again): the engine may have
+        restarted, and its sequence alone cannot say so (a restarted engine's first batch heard
+        may be any number), so what follows is taken as from a new engine: the map cleared, the
+        next batch a first one (with replay: the buffer before it replayed)."""
+        self.counters["disconnects"] += 1
+        self._last_seq = None
+        self._duplicates_until = 0.0
+        await self._feed(EngineCleared(self.instance_id))
 
     async def receive(self, parts: list[bytes]) -> None:
         """One published message (`(topic, seq, payload)`)."""
@@ -274,7 +306,7 @@ class KvEventsFollower:
             if last is not None:
                 await self._feed(EngineCleared(self.instance_id))
             return
-        run = _run_ending(await self._replay_from(start), seq - 1)
+        run = _run_ending(await self._replay_from(start, stop_at=seq), seq - 1)
         if resume and run and run[0][0] == start:
             self.counters["gaps_replayed"] += 1
         else:
@@ -296,35 +328,55 @@ class KvEventsFollower:
             await self._apply(payload)
             await asyncio.sleep(0)  # up to a buffer's worth: let HTTP and health in
 
-    async def _replay_from(self, start: int) -> list[tuple[int, bytes]]:
-        """The engine's buffered batches from `start` on, in its order; [] when the replay
-        fails (counted, logged)."""
+    async def _replay_from(self, start: int, stop_at: int | None = None) -> list[tuple[int, bytes]]:
+        """The engine's buffered batches from `start` on (up to `stop_at`, the live batch, when
+        given), in its order, as received: vLLM's ROUTER drops what its send queue (1,000
+        messages) cannot hold, so there may be holes, and its end marker may be lost — what came
+        before a timeout is kept (every batch received is the engine's). [] for a reply of
+        another shape; a replay that got nothing is not tried again for `REPLAY_SKIP_S` (an
+        endpoint that is down does not hold every gap for `REPLAY_TIMEOUT_S`). Counted, logged."""
+        if time.monotonic() < self._replay_skip_until:
+            self.counters["replays_skipped"] += 1
+            return []
+        out: list[tuple[int, bytes]] = []
         try:
-            return await asyncio.wait_for(self._request_replay(start), REPLAY_TIMEOUT_S)
+            await asyncio.wait_for(self._request_replay(start, stop_at, out), REPLAY_TIMEOUT_S)
         except (TimeoutError, ValueError, zmq.ZMQError) as exc:
             self.counters["replay_failures"] += 1
-            self._log.warning("kv_events_replay_failed", instance=self.instance_id, error=repr(exc))
-            return []
+            self._log.warning(
+                "kv_events_replay_failed", instance=self.instance_id, error=repr(exc), received=len(out)
+            )
+            if isinstance(exc, ValueError):
+                out.clear()
+            if not out:
+                self._replay_skip_until = time.monotonic() + REPLAY_SKIP_S
+        return out
 
-    async def _request_replay(self, start: int) -> list[tuple[int, bytes]]:
-        """vLLM's replay: `("", start)` to its ROUTER; `("", topic, seq, payload)` per buffered
-        batch from `start` on, then `("", "", -1, "")`."""
+    async def _request_replay(self, start: int, stop_at: int | None, out: list[tuple[int, bytes]]) -> None:
+        """vLLM's replay into `out`: `("", start)` to its ROUTER; `("", topic, seq, payload)` per
+        buffered batch from `start` on, then `("", "", -1, "")`; done at the end marker or at a
+        batch at or past `stop_at`."""
         sock = self._context.socket(zmq.DEALER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)  # take all it sends: the ROUTER drops past its own queue
             sock.setsockopt(zmq.MAXMSGSIZE, BATCH_BYTES_MAX)
             sock.connect(self.replay)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
-            out: list[tuple[int, bytes]] = []
             while True:
                 parts = await sock.recv_multipart()
                 if len(parts) != 4 or len(parts[2]) != 8:
                     raise ValueError(f"a replay reply of {len(parts)} parts")
                 if parts[2] == _END_SEQ:
-                    return out
+                    return
                 if len(out) >= REPLAY_BATCHES_MAX:
                     raise ValueError(f"a replay of more than {REPLAY_BATCHES_MAX} batches")
-                out.append((int.from_bytes(parts[2], "big"), parts[3]))
+                seq = int.from_bytes(parts[2], "big")
+                out.append((seq, parts[3]))
+                if stop_at is not None and seq >= stop_at:
+                    return  # what the live batch needs is here (or was dropped)
+                if len(out) % REPLAY_YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # a ready receive does not yield: let HTTP and health in
         finally:
             sock.close(linger=0)
 
@@ -340,3 +392,15 @@ def _run_ending(replayed: list[tuple[int, bytes]], end: int) -> list[tuple[int, 
     while i > 0 and before[i - 1][0] == before[i][0] - 1:
         i -= 1
     return before[i:]
+
+
+async def _disconnected_since(monitor: zmq.asyncio.Socket) -> bool:
+    """Whether the subscription's monitor told of a dropped connection since it was last asked
+    (a disconnect is told before the connection made again delivers anything)."""
+    lost = False
+    while True:
+        try:
+            message = await monitor.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return lost
+        lost = lost or parse_monitor_message(message)["event"] == zmq.EVENT_DISCONNECTED

@@ -189,6 +189,11 @@ def load_router_settings(env: Mapping[str, str]) -> RouterSettings:
             )
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise SettingsError(f"KVF_ROUTER_ENGINES: {type(exc).__name__}: {exc}") from None
+    for e in engines:
+        if e.kv_events_replay and not e.kv_events:
+            raise SettingsError(
+                f"KVF_ROUTER_ENGINES: {e.spec.instance_id}: kv_events_replay without kv_events"
+            )
     if len({e.spec.instance_id for e in engines}) != len(engines):
         raise SettingsError("KVF_ROUTER_ENGINES: engine ids must be unique")
     keyspace = keyspace_from(_json(env, "KVF_ROUTER_KEYSPACE"))
