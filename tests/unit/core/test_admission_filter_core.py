@@ -285,6 +285,46 @@ def test_a_put_the_filter_refuses_on_one_segment_is_placed_on_another_that_admit
     core.check_invariants()
 
 
+def test_a_refused_put_is_not_passed_by_placing_fewer_replicas() -> None:
+    """Two replicas refused (200 bytes over the limit of 150) on the two largest segments, and
+    only the small one admits: not re-placed as one replica there (fewer copies than asked for
+    to get past the filter), nor as one replica under the limit: `not_admitted`, nothing
+    reserved."""
+    core = new_core(admission_stale_ms=1_000)
+    for n, (zone, capacity) in enumerate((("z1", 10_000), ("z2", 100_000), ("z3", 100_000))):
+        register(core, f"s{n}", capacity=capacity, zone=zone)
+    (g,) = groups(1, seed=13)
+    core.set_admission_filter(view({"s1": limits(c1=150), "s2": limits(c1=150)}), 0)
+    reply = core.handle(
+        m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g), 100)], replicas=2), 10
+    ).reply
+    assert isinstance(reply, m.PutBeginReply)
+    assert [r.status for r in reply.results] == ["not_admitted"]
+    assert all(core.segments[f"s{n}"].reserved_bytes == 0 for n in range(3))
+    assert core.counters.get("admission_replaced_total", 0) == 0
+    core.check_invariants()
+
+
+def test_a_groups_later_ranks_avoid_the_segments_its_first_was_refused_on() -> None:
+    """Admission is decided by a group's first member; its later members (other TP ranks) are
+    placed without the segments the filter refused it on, not back on the largest one."""
+    core = new_core(admission_stale_ms=1_000)
+    register(core, "big", capacity=1_000_000)
+    register(core, "small", capacity=100_000)
+    (g,) = groups(1, seed=14, tp_size=4)
+    core.set_admission_filter(view({"big": limits(c1=50)}), 0)
+    where = []
+    for rank in range(4):
+        reply = core.handle(
+            m.PutBegin(writer_id="w", request_id=f"r{rank}", objects=[spec(key(g, rank=rank), 100)]), 10
+        ).reply
+        assert isinstance(reply, m.PutBeginReply) and reply.results[0].status == "placed"
+        where += [t.segment_id for t in reply.results[0].tickets]
+    assert where == ["small"] * 4
+    assert core.counters["admission_replaced_total"] == 1  # judged once, by rank 0
+    core.check_invariants()
+
+
 # ---- the policy: the filter mirrors the density core's own admission ---------------------------
 
 

@@ -85,26 +85,30 @@ class StagingRefusals:
     pid namespace) is tried again, and so is any after that long (a refusal may be ours and
     pass: a staging file we could not make while /dev/shm was full). A try that is refused
     again costs one write sent at once (never a lost chunk). Shared by the pool's transfer
-    threads: single dict operations only."""
+    threads (a lock: an expired entry is dropped only if it is still the one looked at)."""
 
     def __init__(self) -> None:
         self._until: dict[str, tuple[int, float]] = {}  # data address -> (incarnation, monotonic s)
+        self._lock = threading.Lock()
 
     def add(self, data_addr: str, incarnation: int, now_s: float) -> None:
-        self._until[data_addr] = (incarnation, now_s + REFUSAL_RETRY_S)
+        with self._lock:
+            self._until[data_addr] = (incarnation, now_s + REFUSAL_RETRY_S)
 
     def refuses(self, data_addr: str, incarnation: int, now_s: float) -> bool:
-        entry = self._until.get(data_addr)
-        if entry is None:
-            return False
-        if entry[0] != incarnation or now_s >= entry[1]:
-            self._until.pop(data_addr, None)
-            return False
-        return True
+        with self._lock:
+            entry = self._until.get(data_addr)
+            if entry is None:
+                return False
+            if entry[0] != incarnation or now_s >= entry[1]:
+                del self._until[data_addr]
+                return False
+            return True
 
     def addresses(self) -> set[str]:
         """The data addresses remembered now (tests)."""
-        return set(self._until)
+        with self._lock:
+            return set(self._until)
 
 
 @dataclass(slots=True)

@@ -81,6 +81,7 @@ REPLAY_SKIP_S: Final = 30.0  # after a replay that got nothing (its endpoint dow
 REPLAY_YIELD_EVERY: Final = 64  # replayed batches received between two turns of the loop
 DUPLICATES_S: Final = 2.0  # after the first replay, a live batch at or before it is one it held
 # (an engine restarted since would publish from 0 again, but a restart takes longer than this)
+RESUBSCRIBE_S: Final = 0.1  # after a dropped connection (ZMQ itself reconnects every 0.1 s)
 RETRY_S_MIN: Final = 0.5
 RETRY_S_MAX: Final = 30.0
 _END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)  # vLLM's end of a replay
@@ -211,11 +212,13 @@ class KvEventsFollower:
 
     async def run(self) -> None:
         """Follow until cancelled; a failure is logged, counted, the map cleared, and the
-        subscription made again after a backoff."""
+        subscription made again after a backoff; a dropped connection, a new subscription (its
+        socket's queue, the old connection's, dropped with it) after `RESUBSCRIBE_S`."""
         retry_s = RETRY_S_MIN
         while True:
             try:
                 await self._follow()
+                await asyncio.sleep(RESUBSCRIBE_S)  # the connection dropped: subscribe anew
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -241,12 +244,18 @@ class KvEventsFollower:
             self._log.info("kv_events_following", instance=self.instance_id, endpoint=self.endpoint)
             if self.replay:
                 await self._start_from_replay()
+            poller = zmq.asyncio.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             while True:
-                parts = await sock.recv_multipart()
-                if await _disconnected_since(monitor):
+                ready = dict(await poller.poll())
+                # the monitor first: batches the old connection left queued are not applied
+                if monitor in ready and await _disconnected_since(monitor):
                     await self.connection_lost()
-                await self.receive(parts)
-                await asyncio.sleep(0)  # a backlog comes without waiting: let HTTP and health in
+                    return
+                if sock in ready:
+                    await self.receive(await sock.recv_multipart())
+                    await asyncio.sleep(0)  # a backlog comes without waiting: let HTTP and health in
         finally:
             if monitor is not None:
                 with contextlib.suppress(zmq.ZMQError):
@@ -255,10 +264,11 @@ class KvEventsFollower:
             sock.close(linger=0)
 
     async def connection_lost(self) -> None:
-        """The subscription's connection dropped (and was made again): the engine may have
-        restarted, and its sequence alone cannot say so (a restarted engine's first batch heard
-        may be any number), so what follows is taken as from a new engine: the map cleared, the
-        next batch a first one (with replay: the buffer before it replayed)."""
+        """The subscription's connection dropped: the engine may have died or restarted, and its
+        sequence alone cannot say so (a restarted engine's first batch heard may be any number),
+        so the map is cleared at once and what follows is taken as from a new engine, on a new
+        subscription (`run`): the next batch a first one (with replay: the buffer before it
+        replayed)."""
         self.counters["disconnects"] += 1
         self._last_seq = None
         self._duplicates_until = 0.0

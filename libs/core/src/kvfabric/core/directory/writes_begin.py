@@ -236,7 +236,10 @@ class WriteBegin(WriteState):
             return m.BeginResult(
                 key=spec.key, status="placed", tickets=self._tickets_of(held), deadline_ms=held.deadline_ms
             )
-        chosen = choose_segments(self.segments.candidates(), replicas, spec.size_bytes, spec.key)
+        candidates = self.segments.candidates()
+        if group is not None and group.refused_on:
+            candidates = [c for c in candidates if c.segment_id not in group.refused_on]
+        chosen = choose_segments(candidates, replicas, spec.size_bytes, spec.key)
         if not chosen:
             self.ctx.count("no_capacity_total")
             return m.BeginResult(key=spec.key, status="no_capacity")
@@ -245,8 +248,9 @@ class WriteBegin(WriteState):
         # Decided once per chunk group, by its first member: a later member (another TP rank) of
         # a group already building is admitted, so a newer filter cannot strand the placed ranks
         # of a group that could then never publish.
+        refused_on: frozenset[str] = frozenset()
         if group is None:
-            chosen = self._admitted(chosen, spec, info, replicas, now_ms)
+            chosen, refused_on = self._admitted(chosen, candidates, spec, info, replicas, now_ms)
             if not chosen:
                 return m.BeginResult(key=spec.key, status="not_admitted")
         if not self.ctx.quotas.admits(tenant, spec.size_bytes * len(chosen), 1):
@@ -254,7 +258,7 @@ class WriteBegin(WriteState):
             return m.BeginResult(key=spec.key, status="quota_exceeded")
         self.ctx.quotas.add(tenant, spec.size_bytes * len(chosen), 1)
         if group is None:
-            group = self.building[gid] = BuildingGroup(info.group, parent=spec.parent)
+            group = self.building[gid] = BuildingGroup(info.group, parent=spec.parent, refused_on=refused_on)
         placements = []
         for cand in chosen:
             seg = self.segments.segments[cand.segment_id]
@@ -276,33 +280,40 @@ class WriteBegin(WriteState):
         )
 
     def _admitted(
-        self, chosen: list[Candidate], spec: m.ObjectSpec, info: KeyInfo, replicas: int, now_ms: int
-    ) -> list[Candidate]:
-        """`chosen` when the admission filter admits the object's group there; refused, the
-        object is placed again without the segments whose limits refuse it (a large segment past
-        its low watermark beside a small one with room: the small one takes it, where placement
-        by free bytes alone would give every put to the large one and have it refused), and []
-        when no placement is admitted. Bounded: each try leaves out at least one more segment.
-        The verdict is counted once, on the placement answered (`admission_replaced_total`: an
-        object admitted on other segments than placement chose first)."""
+        self,
+        chosen: list[Candidate],
+        candidates: list[Candidate],
+        spec: m.ObjectSpec,
+        info: KeyInfo,
+        replicas: int,
+        now_ms: int,
+    ) -> tuple[list[Candidate], frozenset[str]]:
+        """(`chosen`, no segments refused) when the admission filter admits the object's group
+        there. Refused, the object is placed once more among the `candidates` whose limits admit
+        the group (a large segment past its low watermark beside a small one with room: the
+        small one takes it, where placement by free bytes alone would give every put to the
+        large one and have it refused), as many replicas as first chosen or none (a filter that
+        refuses everywhere is not passed by placing fewer replicas); returns that placement and
+        the segments refused on (the group's later members are placed without them), or
+        ([], ...) for `not_admitted`. One pass over the candidates. The verdict is counted once,
+        on the placement answered (`admission_replaced`: admitted on other segments than
+        placement chose first)."""
         gate, gid, chunk_index = self.ctx.admission, info.group.group_id, info.group.chunk_index
-        first, excluded = chosen, set[str]()
-        while chosen:
-            ids = [c.segment_id for c in chosen]
-            group_bytes = spec.size_bytes * info.group.expected_members * len(chosen)
-            refusing = gate.refusing(ids, gid, chunk_index, group_bytes, now_ms)
-            if not refusing:
-                gate.decide(ids, gid, chunk_index, group_bytes, now_ms)
-                if chosen is not first:
-                    self.ctx.count("admission_replaced_total")
-                return chosen
-            excluded |= refusing
-            remaining = [c for c in self.segments.candidates() if c.segment_id not in excluded]
-            chosen = choose_segments(remaining, replicas, spec.size_bytes, spec.key)
-        ids = [c.segment_id for c in first]
-        group_bytes = spec.size_bytes * info.group.expected_members * len(first)
-        gate.decide(ids, gid, chunk_index, group_bytes, now_ms)  # refused: counted with its reason
-        return []
+        group_bytes = spec.size_bytes * info.group.expected_members * len(chosen)
+        first_ids = [c.segment_id for c in chosen]
+        if gate.refusing(first_ids, gid, chunk_index, group_bytes, now_ms):
+            refused_on = frozenset(
+                gate.refusing([c.segment_id for c in candidates], gid, chunk_index, group_bytes, now_ms)
+            )
+            admitting = [c for c in candidates if c.segment_id not in refused_on]
+            again = choose_segments(admitting, replicas, spec.size_bytes, spec.key)
+            ids = [c.segment_id for c in again]
+            if len(again) == len(chosen) and not gate.refusing(ids, gid, chunk_index, group_bytes, now_ms):
+                gate.decide(ids, gid, chunk_index, group_bytes, now_ms)  # admitted: counted
+                self.ctx.count("admission_replaced_total")
+                return again, refused_on
+        admitted, _ = gate.decide(first_ids, gid, chunk_index, group_bytes, now_ms)  # counted
+        return (chosen, frozenset()) if admitted else ([], frozenset())
 
     def _tickets_of(self, held: PendingMember) -> list[m.WriteTicket]:
         tickets = []

@@ -59,6 +59,9 @@ class BuildingGroup:
     info: GroupInfo
     members: dict[Member, PendingMember] = field(default_factory=dict)
     parent: ChainHash = NO_PARENT  # the previous chunk's chain hash, as the first writer told it
+    # Segments the admission filter refused this group on (its first member's put_begin): its
+    # later members (other TP ranks) are placed without them too.
+    refused_on: frozenset[str] = frozenset()
 
 
 class WriteState:
