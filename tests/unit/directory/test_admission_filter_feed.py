@@ -55,6 +55,17 @@ def test_a_filter_reaches_every_core_led_here() -> None:
     assert feed.age_ms(1_250) == 250 and feed.received == 1
 
 
+def test_an_older_filter_than_the_cores_hold_is_counted_out_of_order_not_received() -> None:
+    host = Host({s: Shell(DirectoryCore(DirectoryConfig(ticket_secret=SECRET), shard=s)) for s in range(2)})
+    feed = AdmissionFilterFeed(host)
+    assert feed.on_filter(message(at=500), 1_000)
+    assert not feed.on_filter(message(at=100), 1_200)  # generated before the one held, still fresh
+    assert (feed.received, feed.out_of_order) == (1, 1)
+    assert feed.age_ms(1_300) == 300  # the held filter's age, not the refused one's
+    names = {m.name: m.samples[0].value for m in AdmissionFilterCollector(feed).collect()}
+    assert names["kvfabric_directory_admission_filters_out_of_order"] == 1
+
+
 def test_malformed_or_oversized_filters_are_dropped() -> None:
     host = Host({0: Shell(DirectoryCore(DirectoryConfig(ticket_secret=SECRET)))})
     feed = AdmissionFilterFeed(host)

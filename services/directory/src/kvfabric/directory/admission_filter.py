@@ -11,8 +11,9 @@ filter arrived, or the last one is older than `KVF_DIRECTORY_ADMISSION_STALE_MS`
 
 Only service users may publish there (tenants' NATS permissions stop at
 `kvf.v1.directory.t.<tenant>.>`: docs/security.md), as for the policy's `evict` requests.
-Metrics (`AdmissionFilterCollector`): the held filter's age and size, filters received and
-rejected; the gate's decisions are core counters (`admission_admitted_<reason>`,
+Metrics (`AdmissionFilterCollector`): the held filter's age and size, filters received
+(installed), out of order (older than the fresh one every core here holds: not installed, not
+counted as received) and rejected; the gate's decisions are core counters (`admission_admitted_<reason>`,
 `admission_refused_<reason>` in `kvfabric_directory_core_events`).
 """
 
@@ -62,6 +63,7 @@ class AdmissionFilterFeed:
         self.received_ms = 0
         self.received = 0
         self.rejected = 0
+        self.out_of_order = 0  # older than the fresh filter every core led here holds
         self._sub: Subscription | None = None
         self._log = get_logger("kvfabric.directory.admission_filter")
 
@@ -85,10 +87,16 @@ class AdmissionFilterFeed:
             self.rejected += 1
             self._log.info("admission_filter_rejected", error=str(exc))
             return False
+        shells = list(self.host.shells.values())
+        installed = [shell.core.set_admission_filter(view, at_ms) for shell in shells]
+        if shells and not any(installed):
+            # older than what every core holds (a publisher restarted with a clock behind, or
+            # a late delivery): neither received nor held here, so the age stays the held one's
+            self.out_of_order += 1
+            self._log.info("admission_filter_out_of_order", generated_ms=message.generated_ms)
+            return False
         self.received += 1
         self.view, self.received_ms = view, at_ms
-        for shell in list(self.host.shells.values()):
-            shell.core.set_admission_filter(view, at_ms)
         return True
 
     def age_ms(self, at_ms: int) -> int | None:
@@ -124,6 +132,11 @@ class AdmissionFilterCollector(Collector):
             "kvfabric_directory_admission_filters_received",
             "Admission filters received and installed.",
             value=feed.received,
+        )
+        yield CounterMetricFamily(
+            "kvfabric_directory_admission_filters_out_of_order",
+            "Admission filters older than the fresh one every shard core here held: not installed.",
+            value=feed.out_of_order,
         )
         yield CounterMetricFamily(
             "kvfabric_directory_admission_filters_rejected",
