@@ -374,3 +374,58 @@ def test_blocks_past_the_engines_save_rate_are_not_copied_and_a_cut_request_save
         client.saves.clear()
         objects = []
         connector.shutdown()
+
+
+def test_a_request_whose_save_left_a_chunk_unstored_saves_no_more(engine_config: Any) -> None:
+    """A save done with a chunk not stored (the admission filter's `not_admitted`, say: the
+    client stops that save at the first one) cuts its request: its next saves (chunked prefill
+    saves a request in steps) would store chunks behind the missing one, where no lookup
+    reaches; counted under the failure's cause. So does a save the client dropped whole. A save
+    done whole cuts nothing."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.client.hits import SaveResult
+    from kvfabric.engines.vllm_connector import KvfabricConnector, KvfabricMetadata, SaveSpec
+
+    connector = KvfabricConnector(engine_config, KVConnectorRole.WORKER, kv_cache_config=None)
+    connector.client.close()
+    layers = [torch.arange(6 * 64, dtype=torch.float32).reshape(6, 64) + 1000 * i for i in range(2)]
+    client = FakeSaveClient(inflight_bytes=0)  # no save memory: plain copies
+    connector.client = client  # type: ignore[assignment]
+    connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
+
+    def save(req: str, first: int, blocks: list[int]) -> concurrent.futures.Future[Any] | None:
+        tokens = list(range(BLOCK * (first + len(blocks))))
+        connector.bind_connector_metadata(KvfabricMetadata(saves=[SaveSpec(req, tokens, first, blocks)]))
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        return client.saves[-1][1]
+
+    def dropped(cause: str) -> float:
+        return (
+            client.metrics.registry.get_sample_value("kvfabric_client_saves_dropped_total", {"cause": cause})
+            or 0.0
+        )
+
+    try:
+        first = save("r1", 0, [1, 2])
+        assert first is not None
+        first.set_result(SaveResult(chunks_saved=1, chunks_failed=1, causes={"not_admitted": 1}))
+        ok = save("r2", 0, [3])
+        assert ok is not None
+        ok.set_result(SaveResult(chunks_saved=1))
+        saves = len(client.saves)
+        save("r1", 2, [4])  # behind r1's missing chunk: not saved
+        assert len(client.saves) == saves and dropped("not_admitted") == 1
+        save("r2", 1, [5])  # r2 was saved whole: it goes on
+        assert len(client.saves) == saves + 1
+        client.drop = True
+        save("r3", 0, [1])  # dropped whole by the client
+        client.drop = False
+        saves = len(client.saves)
+        save("r3", 1, [2])
+        assert len(client.saves) == saves and dropped("dropped") == 1
+    finally:
+        client.saves.clear()
+        connector.shutdown()

@@ -58,9 +58,11 @@ docs/engines.md says why it is left to inherit vLLM's pinned compute CPU by defa
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import sys
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -78,6 +80,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvfabric.client import ClientSettings, EngineSpec, Hit, KvClient, settings_from_env
 from kvfabric.client.aio_saves import SAVE_RATE
+from kvfabric.client.hits import SaveResult
 from kvfabric.client.save_memory import SaveSlots, client_save_slots
 from kvfabric.engines.identity import attn_config_digest, weights_digest_of_dir
 from kvfabric.engines.vllm_plan import POLICY_SETTING, RECOMPUTE, plan_load, policy_refusal
@@ -99,8 +102,10 @@ log = logging.getLogger("kvfabric.engines.vllm")
 _CLIENT_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(ClientSettings))
 # How long the scheduler waits for a new request's lookup before answering "ask again".
 LOOKUP_WAIT_MS_DEFAULT: Final = 20
-# Requests a worker remembers as cut by the save rate (the oldest forgotten first).
-RATE_CUT_REQUESTS_MAX: Final = 4096
+# Requests a worker remembers as cut (the save rate, or a chunk not stored; the oldest forgotten
+# first).
+CUT_REQUESTS_MAX: Final = 4096
+CAUSE_DROPPED: Final = "dropped"  # a save the client dropped whole (over its limits, or off)
 # `kvfabric_client_fallbacks_total` causes counted by the connector (docs/metrics.md)
 CAUSE_BLOCK_MISMATCH: Final = "vllm_block_mismatch"  # block list shorter than the hit: recompute
 CAUSE_NO_KV_CACHES: Final = "vllm_no_kv_caches"  # worker found no KV cache tensors: recompute
@@ -282,9 +287,12 @@ class KvfabricConnector(KVConnectorBase_V1):
         # Save memory the worker gathers blocks into (`_slots`): a co-located segment reads them
         # from there, with no copy by the client; made at the first save (False: cannot be had).
         self._save_slots: SaveSlots | Literal[False] | None = None
-        # Requests whose save the engine's save rate cut (worker side): their later chunks are
-        # not saved. Bounded: the worker is not told when a request ends.
-        self._rate_cut: OrderedDict[str, None] = OrderedDict()
+        # Requests whose saves left a chunk unstored (worker side; the cause): their later
+        # chunks are not saved. Bounded: the worker is not told when a request ends. Written by
+        # the worker's thread (the save rate, a dropped save) and the client's (a save done with
+        # failed chunks), hence the lock.
+        self._cut: OrderedDict[str, str] = OrderedDict()
+        self._cut_lock = threading.Lock()
         self._load_errors: set[int] = set()
 
     # ---- the failure policy ----------------------------------------------------------------
@@ -590,17 +598,18 @@ class KvfabricConnector(KVConnectorBase_V1):
         for save in meta.saves:
             # The engine's save rate (`save_bytes_per_s_max`), taken here: blocks past what it
             # covers are not copied at all; the save keeps its leading blocks (a prefix: each
-            # keeps its head). A request cut once saves nothing more: a lookup stops at the first
-            # missing chunk, so its later chunks would be stored where nobody finds them.
+            # keeps its head). A request cut once — by the rate, or by an earlier save of it that
+            # left a chunk unstored (not admitted, no capacity, dropped ...) — saves nothing
+            # more: a lookup stops at the first missing chunk, so its later chunks would be
+            # stored where nobody finds them.
             block_ids = save.block_ids
-            if save.req_id in self._rate_cut:
-                self.client.metrics.saves_dropped.labels(SAVE_RATE).inc()
+            cut = self._cut_cause(save.req_id)
+            if cut is not None:
+                self.client.metrics.saves_dropped.labels(cut).inc()
                 continue
             admitted = self.client.take_save_rate([object_bytes] * len(block_ids))
             if admitted < len(block_ids):
-                self._rate_cut[save.req_id] = None
-                while len(self._rate_cut) > RATE_CUT_REQUESTS_MAX:
-                    self._rate_cut.popitem(last=False)  # the oldest: long finished, most likely
+                self._cut_request(save.req_id, SAVE_RATE)
                 if admitted == 0:
                     self.client.metrics.saves_dropped.labels(SAVE_RATE).inc()
                     continue
@@ -633,6 +642,31 @@ class KvfabricConnector(KVConnectorBase_V1):
                 raise
             if slots is not None:
                 slots.give_back_when_done(future, taken)
+            if future is None:
+                self._cut_request(save.req_id, CAUSE_DROPPED)
+            else:
+                future.add_done_callback(functools.partial(self._save_done, save.req_id))
+
+    def _cut_request(self, req_id: str, cause: str) -> None:
+        with self._cut_lock:
+            self._cut.setdefault(req_id, cause)
+            while len(self._cut) > CUT_REQUESTS_MAX:
+                self._cut.popitem(last=False)  # the oldest: long finished, most likely
+
+    def _cut_cause(self, req_id: str) -> str | None:
+        with self._cut_lock:
+            return self._cut.get(req_id)
+
+    def _save_done(self, req_id: str, future: concurrent.futures.Future[SaveResult]) -> None:
+        """A save of `req_id` is done (on the client's thread): a chunk it left unstored cuts the
+        request (a next save of it that started before this one was done still runs)."""
+        if future.cancelled() or future.exception() is not None:
+            self._cut_request(req_id, CAUSE_DROPPED)
+            return
+        result = future.result()
+        if isinstance(result, SaveResult) and result.chunks_failed:
+            causes = result.causes
+            self._cut_request(req_id, max(causes, key=causes.__getitem__, default=CAUSE_DROPPED))
 
     def _slots(self, block_object_bytes: int) -> SaveSlots | None:
         """The worker's save slots, one object (a block of every layer) each."""
