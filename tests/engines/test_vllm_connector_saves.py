@@ -426,6 +426,18 @@ def test_a_request_whose_save_left_a_chunk_unstored_saves_no_more(engine_config:
         saves = len(client.saves)
         save("r3", 1, [2])
         assert len(client.saves) == saves and dropped("dropped") == 1
+        # a chunk another writer is storing (`in_flight`: a request sharing the prefix) will be
+        # there: no cut
+        shared = save("r4", 0, [1, 2])
+        assert shared is not None
+        shared.set_result(SaveResult(chunks_saved=1, chunks_failed=1, causes={"in_flight": 1}))
+        saves = len(client.saves)
+        save("r4", 2, [3])
+        assert len(client.saves) == saves + 1
+        # finished requests are forgotten as cut
+        assert set(connector._cut) == {"r1", "r3"}
+        assert connector.get_finished({"r1", "r3", "r4"}) == (None, None)
+        assert not connector._cut
     finally:
         client.saves.clear()
         connector.shutdown()

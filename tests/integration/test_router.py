@@ -134,9 +134,12 @@ def test_router_follows_the_directory_and_fails_over(nats_server: NatsServer) ->
         base = f"http://127.0.0.1:{http_port}"
 
         # Listing at start: the prefix saved before the router existed is known, co-located on A.
+        # (B too must have answered its first health check: a route asked before that names A
+        # alone, as a local run of 2026-12-05 found.)
         def routed_to_a() -> r.RouteReply | None:
             reply = asyncio.run(ask_route(nats_server.url, saved_before))
-            return reply if reply.instance == "A" and by_instance(reply)["A"].colocated_tokens else None
+            est = by_instance(reply)
+            return reply if reply.instance == "A" and est["A"].colocated_tokens and "B" in est else None
 
         reply = wait_until("the listed prefix routes to A", routed_to_a, 15)
         est = by_instance(reply)

@@ -64,6 +64,12 @@ def test_an_older_filter_than_the_cores_hold_is_counted_out_of_order_not_receive
     assert feed.age_ms(1_300) == 300  # the held filter's age, not the refused one's
     names = {m.name: m.samples[0].value for m in AdmissionFilterCollector(feed).collect()}
     assert names["kvfabric_directory_admission_filters_out_of_order"] == 1
+    # a shard newly led here takes the older one the others refuse: received, but the gauges
+    # keep showing the newest filter
+    host.shells[2] = Shell(DirectoryCore(DirectoryConfig(ticket_secret=SECRET), shard=2))
+    assert feed.on_filter(message(pools=3, at=100), 1_400)
+    assert feed.received == 2 and feed.view is not None and feed.view.generated_ms == 500
+    assert feed.age_ms(1_500) == 500
 
 
 def test_malformed_or_oversized_filters_are_dropped() -> None:

@@ -106,6 +106,7 @@ LOOKUP_WAIT_MS_DEFAULT: Final = 20
 # first).
 CUT_REQUESTS_MAX: Final = 4096
 CAUSE_DROPPED: Final = "dropped"  # a save the client dropped whole (over its limits, or off)
+IN_FLIGHT: Final = "in_flight"  # a chunk another writer is storing: not a reason to cut
 # `kvfabric_client_fallbacks_total` causes counted by the connector (docs/metrics.md)
 CAUSE_BLOCK_MISMATCH: Final = "vllm_block_mismatch"  # block list shorter than the hit: recompute
 CAUSE_NO_KV_CACHES: Final = "vllm_no_kv_caches"  # worker found no KV cache tensors: recompute
@@ -288,7 +289,8 @@ class KvfabricConnector(KVConnectorBase_V1):
         # from there, with no copy by the client; made at the first save (False: cannot be had).
         self._save_slots: SaveSlots | Literal[False] | None = None
         # Requests whose saves left a chunk unstored (worker side; the cause): their later
-        # chunks are not saved. Bounded: the worker is not told when a request ends. Written by
+        # chunks are not saved. Forgotten when vLLM says the request finished (`get_finished`),
+        # and bounded (the oldest forgotten first) should that not come. Written by
         # the worker's thread (the save rate, a dropped save) and the client's (a save done with
         # failed chunks), hence the lock.
         self._cut: OrderedDict[str, str] = OrderedDict()
@@ -664,9 +666,22 @@ class KvfabricConnector(KVConnectorBase_V1):
             self._cut_request(req_id, CAUSE_DROPPED)
             return
         result = future.result()
-        if isinstance(result, SaveResult) and result.chunks_failed:
-            causes = result.causes
-            self._cut_request(req_id, max(causes, key=causes.__getitem__, default=CAUSE_DROPPED))
+        if not isinstance(result, SaveResult) or not result.chunks_failed:
+            return
+        # `in_flight`: another writer is storing that chunk (another request sharing the prefix):
+        # it will be there, and the chunks after it reachable
+        missing = {cause: n for cause, n in result.causes.items() if cause != IN_FLIGHT}
+        if missing:
+            self._cut_request(req_id, max(missing, key=missing.__getitem__))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM names the requests finished since the last step: they save nothing more, so
+        they are forgotten as cut (saves and loads here are never asynchronous to vLLM)."""
+        if finished_req_ids:
+            with self._cut_lock:
+                for req_id in finished_req_ids:
+                    self._cut.pop(req_id, None)
+        return None, None
 
     def _slots(self, block_object_bytes: int) -> SaveSlots | None:
         """The worker's save slots, one object (a block of every layer) each."""

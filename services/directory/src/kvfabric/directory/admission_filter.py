@@ -96,7 +96,10 @@ class AdmissionFilterFeed:
             self._log.info("admission_filter_out_of_order", generated_ms=message.generated_ms)
             return False
         self.received += 1
-        self.view, self.received_ms = view, at_ms
+        if self.view is None or message.generated_ms >= self.view.generated_ms:
+            # the gauges show the newest filter held here (a core new to this instance took an
+            # older one the others refused: not what they apply)
+            self.view, self.received_ms = view, at_ms
         return True
 
     def age_ms(self, at_ms: int) -> int | None:
