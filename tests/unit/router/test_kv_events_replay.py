@@ -45,9 +45,11 @@ async def vllm_replay(
     endpoint: str = "",
     engine: int = 0,
     end: bool = True,
+    lossy_after: int | None = None,
 ) -> AsyncIterator[str]:
     """A replay ROUTER holding batches `buffered`; each request's start goes into `asked`.
-    `end`: False loses the end marker (vLLM's ROUTER drops past its send queue)."""
+    `end`: False loses the end marker; `lossy_after`: of each answer, the messages after the
+    first that many are sent every other one (vLLM's ROUTER drops past its send queue)."""
     endpoint = endpoint or f"tcp://127.0.0.1:{free_port()}"
     sock = context.socket(zmq.ROUTER)
     await bind_again(sock, endpoint)
@@ -57,8 +59,12 @@ async def vllm_replay(
             client, _, start_bytes = await sock.recv_multipart()
             start = int.from_bytes(start_bytes, "big")
             asked.append(start)
+            sent = 0
             for seq in buffered:
                 if seq >= start:
+                    sent += 1
+                    if lossy_after is not None and sent > lossy_after and sent % 2:
+                        continue  # dropped
                     await sock.send_multipart(
                         [client, b"", b"", seq.to_bytes(8, "big"), payload(seq, engine)]
                     )
@@ -216,7 +222,7 @@ def test_a_replay_with_holes_is_trusted_only_from_its_last_hole_on() -> None:
     """vLLM's ROUTER drops what its send queue cannot hold: a gap replay with a hole is no
     filled gap (batch 8 might have removed a block): cleared, then the run after the hole."""
     fed, asked, follower = replaying([7, 9, 10, 11], [5, 6, 10])
-    assert asked == [0, 7]
+    assert asked == [0, 7, 8]  # asked again from the hole: not in the buffer
     assert fed == ["clear", 5, 6, "clear", 9, 10]
     assert follower.counters["gaps_replayed"] == 0
     # the same at the start: only the run that ends just before the first live batch
@@ -375,3 +381,28 @@ def test_a_dropped_connection_clears_the_map_at_once_while_the_engine_is_silent(
     follower = asyncio.run(run())
     seqs = fed_seqs(fed)
     assert follower.counters["disconnects"] == 1 and seqs[-1] == "clear", seqs
+
+
+def test_a_lossy_replay_is_asked_again_from_its_first_hole_until_whole() -> None:
+    """vLLM's ROUTER drops what its send queue cannot hold: each ask recovers its first
+    messages, so asking again from the first hole fills the buffer's run in rounds."""
+    fed: list[RoutingEvent] = []
+    asked: list[int] = []
+
+    async def feed(event: RoutingEvent) -> None:
+        fed.append(event)
+
+    async def run() -> KvEventsFollower:
+        context = zmq.asyncio.Context()
+        try:
+            async with vllm_replay(context, list(range(20)), asked, lossy_after=4) as endpoint:
+                follower = KvEventsFollower("e1", "tcp://unused:1", feed, context, replay=endpoint)
+                await follower._start_from_replay()
+                return follower
+        finally:
+            context.destroy(linger=0)
+
+    follower = asyncio.run(run())
+    assert fed_seqs(fed) == list(range(20))
+    assert asked[0] == 0 and len(asked) > 2 and asked == sorted(asked)
+    assert follower.counters["replay_rounds"] == len(asked) - 1

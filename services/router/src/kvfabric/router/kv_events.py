@@ -40,7 +40,9 @@ does not cover whole, or from an engine that restarted (its sequence starts agai
 everything buffered: the map cleared, then the replay's run of consecutive batches that ends just
 before the live one applied (`replayed`, batches). vLLM's ROUTER drops what its send queue (1,000
 messages) cannot hold, so a replay of a large buffer can come back with holes, or without its
-end marker: only a run without holes is applied, and what came before a timeout is kept. A
+end marker: it is asked again from its first hole, round after round while each fills that
+hole (`replay_rounds`, at most `REPLAY_ROUNDS_MAX`, all within `REPLAY_TIMEOUT_S`); only a run
+without holes is applied, and what came before a timeout is kept. A
 block stored before that run stays unknown (its children too: the core skips a store with an
 unknown parent): the map can undercount what the engine holds, never count what it does not.
 A replay that fails (no end within `REPLAY_TIMEOUT_S`, more than `REPLAY_BATCHES_MAX` batches,
@@ -48,7 +50,8 @@ a reply of another shape) is counted (`replay_failures`); one that got nothing (
 down) is not tried again for `REPLAY_SKIP_S` (`replays_skipped`), and the map is cleared as
 without replay. The live socket queues meanwhile (`RECEIVE_HWM`; what it drops is the next gap);
 a replay's receive loop yields to the event loop every `REPLAY_YIELD_EVERY` batches. Counters:
-`batches`, `events`, `gaps`, `gaps_replayed`, `replayed`, `replay_failures`, `replays_skipped`,
+`batches`, `events`, `gaps`, `gaps_replayed`, `replayed`, `replay_rounds`, `replay_failures`,
+`replays_skipped`,
 `duplicates`, `disconnects`, `undecodable`, `unknown_events`, `other_medium`, `failures`. With
 data parallelism each rank publishes its own events (`data_parallel_rank`) on its own ports
 (vLLM adds the rank to both the events and the replay port): follow each rank as an engine of
@@ -77,6 +80,7 @@ BATCH_BYTES_MAX: Final = 16 << 20  # a step's events: block hashes and token ids
 RECEIVE_HWM: Final = 1_000  # batches queued in ZMQ before it drops (a gap, detected by sequence)
 REPLAY_TIMEOUT_S: Final = 5.0  # for the whole answer, its end marker included
 REPLAY_BATCHES_MAX: Final = 20_000  # twice vLLM's default buffer: more is no vLLM publisher
+REPLAY_ROUNDS_MAX: Final = 16  # asks of one replay (each from the first hole the one before left)
 REPLAY_SKIP_S: Final = 30.0  # after a replay that got nothing (its endpoint down), none for this long
 REPLAY_YIELD_EVERY: Final = 64  # replayed batches received between two turns of the loop
 DUPLICATES_S: Final = 2.0  # after the first replay, a live batch at or before it is one it held
@@ -196,6 +200,7 @@ class KvEventsFollower:
                 "replayed",
                 "replay_failures",
                 "replays_skipped",
+                "replay_rounds",
                 "duplicates",
                 "disconnects",
                 "undecodable",
@@ -340,27 +345,53 @@ class KvEventsFollower:
 
     async def _replay_from(self, start: int, stop_at: int | None = None) -> list[tuple[int, bytes]]:
         """The engine's buffered batches from `start` on (up to `stop_at`, the live batch, when
-        given), in its order, as received: vLLM's ROUTER drops what its send queue (1,000
-        messages) cannot hold, so there may be holes, and its end marker may be lost — what came
-        before a timeout is kept (every batch received is the engine's). [] for a reply of
-        another shape; a replay that got nothing is not tried again for `REPLAY_SKIP_S` (an
-        endpoint that is down does not hold every gap for `REPLAY_TIMEOUT_S`). Counted, logged."""
+        given), ascending, as received. vLLM's ROUTER drops what its send queue (1,000 messages)
+        cannot hold, so a replay can come back with holes, or without its end marker: it is
+        asked again from its first hole, up to `REPLAY_ROUNDS_MAX` rounds within
+        `REPLAY_TIMEOUT_S` in all, while each round fills that hole (one that does not: the
+        buffer moved on). What came before a timeout is kept (every batch received is the
+        engine's). [] for a reply of another shape; a replay that got nothing is not tried
+        again for `REPLAY_SKIP_S` (an endpoint that is down does not hold every gap for
+        `REPLAY_TIMEOUT_S`). Counted, logged."""
         if time.monotonic() < self._replay_skip_until:
             self.counters["replays_skipped"] += 1
             return []
-        out: list[tuple[int, bytes]] = []
-        try:
-            await asyncio.wait_for(self._request_replay(start, stop_at, out), REPLAY_TIMEOUT_S)
-        except (TimeoutError, ValueError, zmq.ZMQError) as exc:
-            self.counters["replay_failures"] += 1
-            self._log.warning(
-                "kv_events_replay_failed", instance=self.instance_id, error=repr(exc), received=len(out)
-            )
-            if isinstance(exc, ValueError):
-                out.clear()
-            if not out:
-                self._replay_skip_until = time.monotonic() + REPLAY_SKIP_S
-        return out
+        received: dict[int, bytes] = {}
+        deadline = time.monotonic() + REPLAY_TIMEOUT_S
+        ask = start
+        for _round in range(REPLAY_ROUNDS_MAX):
+            out: list[tuple[int, bytes]] = []
+            try:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(self._request_replay(ask, stop_at, out), left)
+                done = False
+            except (TimeoutError, ValueError, zmq.ZMQError) as exc:
+                self.counters["replay_failures"] += 1
+                self._log.warning(
+                    "kv_events_replay_failed", instance=self.instance_id, error=repr(exc), received=len(out)
+                )
+                if isinstance(exc, ValueError):
+                    received.clear()
+                    out.clear()
+                done = True
+            for seq, payload in out:
+                received.setdefault(seq, payload)
+            if len(received) > REPLAY_BATCHES_MAX:
+                received.clear()  # no vLLM publisher keeps that many: not trusted
+                done = True
+            if done or not out or ask not in received:
+                break  # failed, nothing new, or the hole asked for is gone from the buffer
+            top = max(received) if stop_at is None else min(max(received), stop_at - 1)
+            hole = next((q for q in range(ask, top + 1) if q not in received), None)
+            if hole is None:
+                break
+            self.counters["replay_rounds"] += 1
+            ask = hole
+        if not received:
+            self._replay_skip_until = time.monotonic() + REPLAY_SKIP_S
+        return sorted(received.items())
 
     async def _request_replay(self, start: int, stop_at: int | None, out: list[tuple[int, bytes]]) -> None:
         """vLLM's replay into `out`: `("", start)` to its ROUTER; `("", topic, seq, payload)` per
