@@ -406,3 +406,24 @@ def test_a_lossy_replay_is_asked_again_from_its_first_hole_until_whole() -> None
     assert fed_seqs(fed) == list(range(20))
     assert asked[0] == 0 and len(asked) > 2 and asked == sorted(asked)
     assert follower.counters["replay_rounds"] == len(asked) - 1
+
+
+def test_a_lossy_replay_of_a_buffer_that_moved_on_is_filled_from_its_first_batch() -> None:
+    """A long-running engine's buffer no longer starts at 0: the holes are filled from its
+    first batch on."""
+    fed: list[RoutingEvent] = []
+
+    async def feed(event: RoutingEvent) -> None:
+        fed.append(event)
+
+    async def run() -> None:
+        context = zmq.asyncio.Context()
+        try:
+            async with vllm_replay(context, list(range(100, 120)), [], lossy_after=4) as endpoint:
+                follower = KvEventsFollower("e1", "tcp://unused:1", feed, context, replay=endpoint)
+                await follower._start_from_replay()
+        finally:
+            context.destroy(linger=0)
+
+    asyncio.run(run())
+    assert fed_seqs(fed) == list(range(100, 120))

@@ -381,8 +381,12 @@ class KvEventsFollower:
             if len(received) > REPLAY_BATCHES_MAX:
                 received.clear()  # no vLLM publisher keeps that many: not trusted
                 done = True
-            if done or not out or ask not in received:
-                break  # failed, nothing new, or the hole asked for is gone from the buffer
+            if done or not out:
+                break
+            if ask not in received:
+                if _round:
+                    break  # the hole asked for is gone from the buffer
+                ask = min(received)  # the buffer begins after `start`: its holes from its first
             top = max(received) if stop_at is None else min(max(received), stop_at - 1)
             hole = next((q for q in range(ask, top + 1) if q not in received), None)
             if hole is None:
