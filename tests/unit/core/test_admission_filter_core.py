@@ -323,6 +323,19 @@ def test_a_groups_later_ranks_avoid_the_segments_its_first_was_refused_on() -> N
     assert where == ["small"] * 4
     assert core.counters["admission_replaced_total"] == 1  # judged once, by rank 0
     core.check_invariants()
+    # a later rank with no room but where its group was refused still goes there: a placed
+    # rank is never stranded by its group's filter
+    (h,) = groups(1, seed=15, tp_size=2)
+    first = core.handle(
+        m.PutBegin(writer_id="w", request_id="h0", objects=[spec(key(h, rank=0), 100)]), 11
+    ).reply
+    assert isinstance(first, m.PutBeginReply) and first.results[0].tickets[0].segment_id == "small"
+    core.segments["small"].reserved_bytes = core.segments["small"].capacity_bytes  # full now
+    second = core.handle(
+        m.PutBegin(writer_id="w", request_id="h1", objects=[spec(key(h, rank=1), 100)]), 12
+    ).reply
+    assert isinstance(second, m.PutBeginReply) and second.results[0].status == "placed"
+    assert second.results[0].tickets[0].segment_id == "big"
 
 
 # ---- the policy: the filter mirrors the density core's own admission ---------------------------

@@ -70,6 +70,10 @@ def test_an_older_filter_than_the_cores_hold_is_counted_out_of_order_not_receive
     assert feed.on_filter(message(pools=3, at=100), 1_400)
     assert feed.received == 2 and feed.view is not None and feed.view.generated_ms == 500
     assert feed.age_ms(1_500) == 500
+    # once the held filter is stale every core takes an older-stamped one (a policy restarted
+    # with its clock behind): the gauges show that one
+    assert feed.on_filter(message(pools=2, at=50), 10_000)
+    assert feed.view is not None and feed.view.generated_ms == 50 and feed.age_ms(10_100) == 100
 
 
 def test_malformed_or_oversized_filters_are_dropped() -> None:

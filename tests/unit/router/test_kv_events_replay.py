@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from unittest.mock import patch
 
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -218,7 +219,7 @@ def test_a_follower_that_starts_replays_the_buffer_first_and_skips_what_it_held(
     assert follower.counters["duplicates"] >= 1 and follower.counters["gaps"] == 0
 
 
-def test_a_replay_with_holes_is_trusted_only_from_its_last_hole_on() -> None:
+def test_a_replay_with_a_hole_the_buffer_lost_is_trusted_only_after_it() -> None:
     """vLLM's ROUTER drops what its send queue cannot hold: a gap replay with a hole is no
     filled gap (batch 8 might have removed a block): cleared, then the run after the hole."""
     fed, asked, follower = replaying([7, 9, 10, 11], [5, 6, 10])
@@ -237,9 +238,12 @@ def test_a_replay_whose_end_marker_is_lost_keeps_what_came_and_stops_at_the_live
         assert fed == ["clear", 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
         assert follower.counters["gaps_replayed"] == 1
         assert follower.counters["replay_failures"] == 0  # each stopped at its live batch
-    with patch.object(kv_events, "REPLAY_TIMEOUT_S", 0.3):
-        # the buffer ends before the live batch: the replay waits for its end, times out, and
-        # keeps what came (2 ends just before 3)
+    # the buffer ends before the live batch: the round ends after a silence, what came kept
+    fed, _, follower = replaying([0, 1, 2], [3], end=False)
+    assert fed == ["clear", 0, 1, 2, 3]
+    assert follower.counters["replay_failures"] == 0 and follower.counters["replays_skipped"] == 0
+    with patch.object(kv_events, "REPLAY_SILENCE_S", 10.0), patch.object(kv_events, "REPLAY_TIMEOUT_S", 0.3):
+        # a silence longer than the whole replay's time: it times out, and keeps what came
         fed, _, follower = replaying([0, 1, 2], [3], end=False)
         assert fed == ["clear", 0, 1, 2, 3]
         assert follower.counters["replay_failures"] == 1
@@ -383,9 +387,11 @@ def test_a_dropped_connection_clears_the_map_at_once_while_the_engine_is_silent(
     assert follower.counters["disconnects"] == 1 and seqs[-1] == "clear", seqs
 
 
-def test_a_lossy_replay_is_asked_again_from_its_first_hole_until_whole() -> None:
+@pytest.mark.parametrize("end", [True, False])
+def test_a_lossy_replay_is_asked_again_from_its_first_hole_until_whole(end: bool) -> None:
     """vLLM's ROUTER drops what its send queue cannot hold: each ask recovers its first
-    messages, so asking again from the first hole fills the buffer's run in rounds."""
+    messages, so asking again from the first hole fills the buffer's run in rounds (its end
+    marker, the last message into the queue, dropped too or not)."""
     fed: list[RoutingEvent] = []
     asked: list[int] = []
 
@@ -395,7 +401,7 @@ def test_a_lossy_replay_is_asked_again_from_its_first_hole_until_whole() -> None
     async def run() -> KvEventsFollower:
         context = zmq.asyncio.Context()
         try:
-            async with vllm_replay(context, list(range(20)), asked, lossy_after=4) as endpoint:
+            async with vllm_replay(context, list(range(20)), asked, lossy_after=4, end=end) as endpoint:
                 follower = KvEventsFollower("e1", "tcp://unused:1", feed, context, replay=endpoint)
                 await follower._start_from_replay()
                 return follower

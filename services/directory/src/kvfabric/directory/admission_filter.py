@@ -11,10 +11,11 @@ filter arrived, or the last one is older than `KVF_DIRECTORY_ADMISSION_STALE_MS`
 
 Only service users may publish there (tenants' NATS permissions stop at
 `kvf.v1.directory.t.<tenant>.>`: docs/security.md), as for the policy's `evict` requests.
-Metrics (`AdmissionFilterCollector`): the held filter's age and size, filters received
-(installed), out of order (older than the fresh one every core here holds: not installed, not
-counted as received) and rejected; the gate's decisions are core counters (`admission_admitted_<reason>`,
-`admission_refused_<reason>` in `kvfabric_directory_core_events`).
+Metrics (`AdmissionFilterCollector`): the age and size of the newest filter the cores here
+hold, filters received (installed), out of order (older than the fresh one every core here
+holds: not installed, not counted as received) and rejected; the gate's decisions are core
+counters (`admission_admitted_<reason>`, `admission_refused_<reason>` in
+`kvfabric_directory_core_events`).
 """
 
 from __future__ import annotations
@@ -96,10 +97,15 @@ class AdmissionFilterFeed:
             self._log.info("admission_filter_out_of_order", generated_ms=message.generated_ms)
             return False
         self.received += 1
-        if self.view is None or message.generated_ms >= self.view.generated_ms:
-            # the gauges show the newest filter held here (a core new to this instance took an
-            # older one the others refused: not what they apply)
+        # The gauges show the newest filter the cores here hold (read back from them: a core new
+        # to this instance may take an older one the others refuse, and a stale one is replaced
+        # by any); none led here: the one received.
+        held = [shell.core.admission for shell in shells if shell.core.admission.view is not None]
+        gate = max(held, key=lambda g: (g.view.generated_ms if g.view else 0, g.received_ms), default=None)
+        if gate is None or gate.view is None:
             self.view, self.received_ms = view, at_ms
+        else:
+            self.view, self.received_ms = gate.view, gate.received_ms
         return True
 
     def age_ms(self, at_ms: int) -> int | None:

@@ -40,9 +40,10 @@ does not cover whole, or from an engine that restarted (its sequence starts agai
 everything buffered: the map cleared, then the replay's run of consecutive batches that ends just
 before the live one applied (`replayed`, batches). vLLM's ROUTER drops what its send queue (1,000
 messages) cannot hold, so a replay of a large buffer can come back with holes, or without its
-end marker: it is asked again from its first hole, round after round while each fills that
-hole (`replay_rounds`, at most `REPLAY_ROUNDS_MAX`, all within `REPLAY_TIMEOUT_S`); only a run
-without holes is applied, and what came before a timeout is kept. A
+end marker (a round then ends after `REPLAY_SILENCE_S` without a message): it is asked again
+from its first hole, round after round while each fills that hole (`replay_rounds`, at most
+`REPLAY_ROUNDS_MAX`, all within `REPLAY_TIMEOUT_S`); only a run without holes is applied, and
+what came before a timeout is kept. A
 block stored before that run stays unknown (its children too: the core skips a store with an
 unknown parent): the map can undercount what the engine holds, never count what it does not.
 A replay that fails (no end within `REPLAY_TIMEOUT_S`, more than `REPLAY_BATCHES_MAX` batches,
@@ -80,6 +81,7 @@ BATCH_BYTES_MAX: Final = 16 << 20  # a step's events: block hashes and token ids
 RECEIVE_HWM: Final = 1_000  # batches queued in ZMQ before it drops (a gap, detected by sequence)
 REPLAY_TIMEOUT_S: Final = 5.0  # for the whole answer, its end marker included
 REPLAY_BATCHES_MAX: Final = 20_000  # twice vLLM's default buffer: more is no vLLM publisher
+REPLAY_SILENCE_S: Final = 0.2  # a replay silent this long after a batch is over (end marker dropped)
 REPLAY_ROUNDS_MAX: Final = 16  # asks of one replay (each from the first hole the one before left)
 REPLAY_SKIP_S: Final = 30.0  # after a replay that got nothing (its endpoint down), none for this long
 REPLAY_YIELD_EVERY: Final = 64  # replayed batches received between two turns of the loop
@@ -399,8 +401,9 @@ class KvEventsFollower:
 
     async def _request_replay(self, start: int, stop_at: int | None, out: list[tuple[int, bytes]]) -> None:
         """vLLM's replay into `out`: `("", start)` to its ROUTER; `("", topic, seq, payload)` per
-        buffered batch from `start` on, then `("", "", -1, "")`; done at the end marker or at a
-        batch at or past `stop_at`."""
+        buffered batch from `start` on, then `("", "", -1, "")`; done at the end marker, at a
+        batch at or past `stop_at`, or after `REPLAY_SILENCE_S` without a message once one came
+        (the end marker is the last message into a full send queue: the likeliest dropped)."""
         sock = self._context.socket(zmq.DEALER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
@@ -409,7 +412,13 @@ class KvEventsFollower:
             sock.connect(self.replay)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                parts = await sock.recv_multipart()
+                if out:
+                    try:
+                        parts = await asyncio.wait_for(sock.recv_multipart(), REPLAY_SILENCE_S)
+                    except TimeoutError:
+                        return  # silent after its batches: the end marker was dropped
+                else:
+                    parts = await sock.recv_multipart()
                 if len(parts) != 4 or len(parts[2]) != 8:
                     raise ValueError(f"a replay reply of {len(parts)} parts")
                 if parts[2] == _END_SEQ:

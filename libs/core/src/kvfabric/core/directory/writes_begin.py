@@ -237,9 +237,12 @@ class WriteBegin(WriteState):
                 key=spec.key, status="placed", tickets=self._tickets_of(held), deadline_ms=held.deadline_ms
             )
         candidates = self.segments.candidates()
-        if group is not None and group.refused_on:
-            candidates = [c for c in candidates if c.segment_id not in group.refused_on]
-        chosen = choose_segments(candidates, replicas, spec.size_bytes, spec.key)
+        chosen: list[Candidate] = []
+        if group is not None and group.refused_on:  # a later rank: not where its group was refused
+            admitting = [c for c in candidates if c.segment_id not in group.refused_on]
+            chosen = choose_segments(admitting, replicas, spec.size_bytes, spec.key)
+        if not chosen:  # (or only there: a placed rank is never stranded by its group's filter)
+            chosen = choose_segments(candidates, replicas, spec.size_bytes, spec.key)
         if not chosen:
             self.ctx.count("no_capacity_total")
             return m.BeginResult(key=spec.key, status="no_capacity")
