@@ -100,9 +100,16 @@ def live(seq: int) -> list[bytes]:
 
 
 def replaying(
-    buffered: list[int], live_seqs: list[int], *, end: bool = True
+    buffered: list[int],
+    live_seqs: list[int],
+    *,
+    end: bool = True,
+    lossy_after: int | None = None,
+    started: bool = False,
 ) -> tuple[list[int | str], list[int], KvEventsFollower]:
-    """Live batches `live_seqs` through `receive`, the engine's buffer holding `buffered`."""
+    """Live batches `live_seqs` through `receive`, the engine's buffer holding `buffered` (the
+    ROUTER's `end` and `lossy_after` as `vllm_replay`'s); `started`: the follower's replay at
+    its start first, as `run` does once subscribed."""
     fed: list[RoutingEvent] = []
     asked: list[int] = []
 
@@ -112,8 +119,10 @@ def replaying(
     async def run() -> KvEventsFollower:
         context = zmq.asyncio.Context()
         try:
-            async with vllm_replay(context, buffered, asked, end=end) as endpoint:
+            async with vllm_replay(context, buffered, asked, end=end, lossy_after=lossy_after) as endpoint:
                 follower = KvEventsFollower("e1", "tcp://unused:1", feed, context, replay=endpoint)
+                if started:
+                    await follower._start_from_replay()
                 for seq in live_seqs:
                     await follower.receive(live(seq))
                 return follower
@@ -275,24 +284,9 @@ def test_a_replay_endpoint_that_answers_nothing_is_not_asked_again_for_a_while()
 
 
 def test_after_the_duplicates_window_a_lower_number_is_an_engine_that_restarted() -> None:
-    async def run() -> list[int | str]:
-        fed: list[RoutingEvent] = []
-
-        async def feed(event: RoutingEvent) -> None:
-            fed.append(event)
-
-        context = zmq.asyncio.Context()
-        try:
-            async with vllm_replay(context, [0, 1, 2, 3], []) as endpoint:
-                with patch.object(kv_events, "DUPLICATES_S", 0.0):
-                    follower = KvEventsFollower("e1", "tcp://unused:1", feed, context, replay=endpoint)
-                    await follower._start_from_replay()
-                    await follower.receive(live(3))  # no longer a duplicate: from the start again
-        finally:
-            context.destroy(linger=0)
-        return fed_seqs(fed)
-
-    assert asyncio.run(run()) == [0, 1, 2, 3, "clear", 0, 1, 2, 3]
+    with patch.object(kv_events, "DUPLICATES_S", 0.0):
+        fed, _, _ = replaying([0, 1, 2, 3], [3], started=True)  # 3: no longer a duplicate
+    assert fed == [0, 1, 2, 3, "clear", 0, 1, 2, 3]
 
 
 def test_a_dropped_connection_is_a_new_engine_even_when_the_numbers_seem_to_follow() -> None:
@@ -392,24 +386,8 @@ def test_a_lossy_replay_is_asked_again_from_its_first_hole_until_whole(end: bool
     """vLLM's ROUTER drops what its send queue cannot hold: each ask recovers its first
     messages, so asking again from the first hole fills the buffer's run in rounds (its end
     marker, the last message into the queue, dropped too or not)."""
-    fed: list[RoutingEvent] = []
-    asked: list[int] = []
-
-    async def feed(event: RoutingEvent) -> None:
-        fed.append(event)
-
-    async def run() -> KvEventsFollower:
-        context = zmq.asyncio.Context()
-        try:
-            async with vllm_replay(context, list(range(20)), asked, lossy_after=4, end=end) as endpoint:
-                follower = KvEventsFollower("e1", "tcp://unused:1", feed, context, replay=endpoint)
-                await follower._start_from_replay()
-                return follower
-        finally:
-            context.destroy(linger=0)
-
-    follower = asyncio.run(run())
-    assert fed_seqs(fed) == list(range(20))
+    fed, asked, follower = replaying(list(range(20)), [], end=end, lossy_after=4, started=True)
+    assert fed == list(range(20))
     assert asked[0] == 0 and len(asked) > 2 and asked == sorted(asked)
     assert follower.counters["replay_rounds"] == len(asked) - 1
 
@@ -417,19 +395,5 @@ def test_a_lossy_replay_is_asked_again_from_its_first_hole_until_whole(end: bool
 def test_a_lossy_replay_of_a_buffer_that_moved_on_is_filled_from_its_first_batch() -> None:
     """A long-running engine's buffer no longer starts at 0: the holes are filled from its
     first batch on."""
-    fed: list[RoutingEvent] = []
-
-    async def feed(event: RoutingEvent) -> None:
-        fed.append(event)
-
-    async def run() -> None:
-        context = zmq.asyncio.Context()
-        try:
-            async with vllm_replay(context, list(range(100, 120)), [], lossy_after=4) as endpoint:
-                follower = KvEventsFollower("e1", "tcp://unused:1", feed, context, replay=endpoint)
-                await follower._start_from_replay()
-        finally:
-            context.destroy(linger=0)
-
-    asyncio.run(run())
-    assert fed_seqs(fed) == list(range(100, 120))
+    fed, _, _ = replaying(list(range(100, 120)), [], lossy_after=4, started=True)
+    assert fed == list(range(100, 120))
