@@ -315,10 +315,25 @@ class AdmissionGate:
     ) -> tuple[bool, str]:
         """(admit?, reason) for a key of the chunk group `group_key` (its share domain digest, then
         its chain hash) that holds `group_bytes` (all members and replicas), to be placed on
-        `segment_ids` (rules in the module docstring)."""
-        verdict = self._decide(segment_ids, group_key, chunk_index, group_bytes, now_ms)
+        `segment_ids` (rules in the module docstring); counted."""
+        return self.counted(self.verdict(segment_ids, group_key, chunk_index, group_bytes, now_ms))
+
+    def counted(self, verdict: tuple[bool, str]) -> tuple[bool, str]:
+        """Count a verdict given (`admission_{admitted,refused}_<reason>`); returns it."""
         self._count(f"admission_{'admitted' if verdict[0] else 'refused'}_{verdict[1]}_total")
         return verdict
+
+    def verdict(
+        self, segment_ids: Sequence[str], group_key: bytes, chunk_index: int, group_bytes: int, now_ms: int
+    ) -> tuple[bool, str]:
+        """`decide`'s verdict, not counted (a caller that may place the key elsewhere counts the
+        verdict of the placement it answers)."""
+        exempt = self._admitted_whatever_the_limits(group_key, now_ms)
+        if exempt is not None:
+            return True, exempt
+        if self.refusing(segment_ids, group_key, chunk_index, group_bytes, now_ms, exempt=False):
+            return False, "below_frontier"
+        return True, "filter"
 
     def refusing(
         self,
@@ -327,41 +342,39 @@ class AdmissionGate:
         chunk_index: int,
         group_bytes: int,
         now_ms: int,
-    ) -> set[str]:
-        """The segments among `segment_ids` whose limit refuses the group (empty when it is
-        admitted there); not counted: `decide` gives (and counts) the verdict."""
-        if self._decide(segment_ids, group_key, chunk_index, group_bytes, now_ms)[0]:
-            return set()
-        limits, cls = self.view.limits if self.view is not None else {}, length_class(chunk_index)
-        refused = set()
+        *,
+        exempt: bool | None = None,
+    ) -> list[str]:
+        """The segments among `segment_ids` whose limit refuses the group (none when the filter
+        admits it whatever the limits: `exempt`, found here unless the caller knows it)."""
+        if exempt is None:
+            exempt = self._admitted_whatever_the_limits(group_key, now_ms) is not None
+        if exempt or self.view is None:
+            return []
+        cls = length_class(chunk_index)
+        over = []
         for segment_id in segment_ids:
-            lim = limits.get(segment_id)
-            if lim is not None and lim[cls] != ADMISSION_UNLIMITED and group_bytes > lim[cls]:
-                refused.add(segment_id)
-        return refused
+            limit = self.view.limits.get(segment_id)
+            if limit is not None and limit[cls] != ADMISSION_UNLIMITED and group_bytes > limit[cls]:
+                over.append(segment_id)
+        return over
 
-    def _decide(
-        self, segment_ids: Sequence[str], group_key: bytes, chunk_index: int, group_bytes: int, now_ms: int
-    ) -> tuple[bool, str]:
+    def _admitted_whatever_the_limits(self, group_key: bytes, now_ms: int) -> str | None:
+        """The reason the group is admitted before any segment's limit is read, or None."""
         view = self.view
         if self.stale_ms == 0:
-            return True, "off"
+            return "off"
         if view is None:
-            return True, "no_filter"
+            return "no_filter"
         if now_ms - self.received_ms > self.stale_ms:
-            return True, "stale"
+            return "stale"
         if not view.limits:
-            return True, "filter"
+            return "filter"
         if domain_in_group_key(GroupKey(group_key)) in view.protected:
-            return True, "guaranteed"
+            return "guaranteed"
         if bloom_has(view.seen_bloom, view.seen_hashes, group_key):
-            return True, "seen_before"
-        cls = length_class(chunk_index)
-        for segment_id in segment_ids:
-            limits = view.limits.get(segment_id)
-            if limits is not None and limits[cls] != ADMISSION_UNLIMITED and group_bytes > limits[cls]:
-                return False, "below_frontier"
-        return True, "filter"
+            return "seen_before"
+        return None
 
     def check(self) -> None:
         """Bounded memory (module invariants)."""

@@ -303,20 +303,22 @@ class WriteBegin(WriteState):
         placement chose first)."""
         gate, gid, chunk_index = self.ctx.admission, info.group.group_id, info.group.chunk_index
         group_bytes = spec.size_bytes * info.group.expected_members * len(chosen)
-        first_ids = [c.segment_id for c in chosen]
-        if gate.refusing(first_ids, gid, chunk_index, group_bytes, now_ms):
-            refused_on = frozenset(
-                gate.refusing([c.segment_id for c in candidates], gid, chunk_index, group_bytes, now_ms)
-            )
-            admitting = [c for c in candidates if c.segment_id not in refused_on]
-            again = choose_segments(admitting, replicas, spec.size_bytes, spec.key)
-            ids = [c.segment_id for c in again]
-            if len(again) == len(chosen) and not gate.refusing(ids, gid, chunk_index, group_bytes, now_ms):
-                gate.decide(ids, gid, chunk_index, group_bytes, now_ms)  # admitted: counted
-                self.ctx.count("admission_replaced_total")
-                return again, refused_on
-        admitted, _ = gate.decide(first_ids, gid, chunk_index, group_bytes, now_ms)  # counted
-        return (chosen, frozenset()) if admitted else ([], frozenset())
+        verdict = gate.verdict([c.segment_id for c in chosen], gid, chunk_index, group_bytes, now_ms)
+        if verdict[0]:
+            gate.counted(verdict)
+            return chosen, frozenset()
+        # refused for a segment's limit (nothing else refuses): every segment over its limit out
+        ids = [c.segment_id for c in candidates]
+        refused_on = frozenset(gate.refusing(ids, gid, chunk_index, group_bytes, now_ms, exempt=False))
+        again = choose_segments(
+            [c for c in candidates if c.segment_id not in refused_on], replicas, spec.size_bytes, spec.key
+        )
+        if len(again) == len(chosen):  # none of them over its limit: admitted there
+            gate.counted((True, "filter"))
+            self.ctx.count("admission_replaced_total")
+            return again, refused_on
+        gate.counted(verdict)  # refused: counted with its reason
+        return [], frozenset()
 
     def _tickets_of(self, held: PendingMember) -> list[m.WriteTicket]:
         tickets = []
