@@ -1,6 +1,8 @@
 """Test connector: `KvfabricConnector` planning loads from a block list shorter than the one vLLM
 allocated (the block-list/hit mismatch of issue 20, item 6, forced). The scheduler side writes
-its client's fallback counters to `$KVF_TEST_CONNECTOR_REPORT` when vLLM shuts it down.
+its client's fallback counters to `$KVF_TEST_CONNECTOR_REPORT` each time it plans a load, where
+the mismatch is counted (not at shutdown: vLLM's process manager may kill the engine core before
+its scheduler's shutdown runs, and then the report was missing although the counting was right).
 
 Loaded by `kvfabric.testing.vllm_run --kvfabric-class
 tests.engines.short_blocks_connector:ShortBlocksConnector` (vLLM's engine processes import it:
@@ -26,8 +28,9 @@ class ShortBlocksConnector(KvfabricConnector):
         short = _Request(state.token_ids, state.block_ids[:BLOCKS_SEEN], state.stored_chunks)
         super()._plan_load(meta, req_id, short)
         state.stored_chunks = short.stored_chunks
+        self._write_report()
 
-    def shutdown(self) -> None:
+    def _write_report(self) -> None:
         path = os.environ.get(REPORT_ENV)
         if path and self.role == KVConnectorRole.SCHEDULER:
             fallbacks = {
@@ -36,6 +39,6 @@ class ShortBlocksConnector(KvfabricConnector):
                 for sample in metric.samples
                 if sample.name.endswith("_total")
             }
-            with open(path, "w") as f:
+            with open(path + ".tmp", "w") as f:
                 json.dump({"fallbacks": fallbacks}, f)
-        super().shutdown()
+            os.replace(path + ".tmp", path)
