@@ -47,10 +47,13 @@ async def vllm_replay(
     engine: int = 0,
     end: bool = True,
     lossy_after: int | None = None,
+    cut: tuple[int, int] | None = None,
 ) -> AsyncIterator[str]:
     """A replay ROUTER holding batches `buffered`; each request's start goes into `asked`.
     `end`: False loses the end marker; `lossy_after`: of each answer, the messages after the
-    first that many are sent every other one (vLLM's ROUTER drops past its send queue)."""
+    first that many are sent every other one (vLLM's ROUTER drops past its send queue); `cut`
+    (answer, n): that answer (0: the first) sends its first n batches, the rest and its end
+    marker dropped."""
     endpoint = endpoint or f"tcp://127.0.0.1:{free_port()}"
     sock = context.socket(zmq.ROUTER)
     await bind_again(sock, endpoint)
@@ -60,16 +63,19 @@ async def vllm_replay(
             client, _, start_bytes = await sock.recv_multipart()
             start = int.from_bytes(start_bytes, "big")
             asked.append(start)
+            cut_at = cut[1] if cut is not None and cut[0] == len(asked) - 1 else None
             sent = 0
             for seq in buffered:
                 if seq >= start:
                     sent += 1
                     if lossy_after is not None and sent > lossy_after and sent % 2:
                         continue  # dropped
+                    if cut_at is not None and sent > cut_at:
+                        break  # dropped, the end marker too
                     await sock.send_multipart(
                         [client, b"", b"", seq.to_bytes(8, "big"), payload(seq, engine)]
                     )
-            if end:
+            if end and (cut_at is None or sent <= cut_at):
                 await sock.send_multipart([client, b"", b"", END_SEQ, b""])
 
     task = asyncio.create_task(serve())
@@ -105,11 +111,12 @@ def replaying(
     *,
     end: bool = True,
     lossy_after: int | None = None,
+    cut: tuple[int, int] | None = None,
     started: bool = False,
 ) -> tuple[list[int | str], list[int], KvEventsFollower]:
     """Live batches `live_seqs` through `receive`, the engine's buffer holding `buffered` (the
-    ROUTER's `end` and `lossy_after` as `vllm_replay`'s); `started`: the follower's replay at
-    its start first, as `run` does once subscribed."""
+    ROUTER's `end`, `lossy_after` and `cut` as `vllm_replay`'s); `started`: the follower's
+    replay at its start first, as `run` does once subscribed."""
     fed: list[RoutingEvent] = []
     asked: list[int] = []
 
@@ -119,7 +126,9 @@ def replaying(
     async def run() -> KvEventsFollower:
         context = zmq.asyncio.Context()
         try:
-            async with vllm_replay(context, buffered, asked, end=end, lossy_after=lossy_after) as endpoint:
+            async with vllm_replay(
+                context, buffered, asked, end=end, lossy_after=lossy_after, cut=cut
+            ) as endpoint:
                 follower = KvEventsFollower("e1", "tcp://unused:1", feed, context, replay=endpoint)
                 if started:
                     await follower._start_from_replay()
@@ -291,12 +300,14 @@ def test_after_the_duplicates_window_a_lower_number_is_an_engine_that_restarted(
 
 def test_a_dropped_connection_is_a_new_engine_even_when_the_numbers_seem_to_follow() -> None:
     """The engine restarts while the follower is subscribed; the new engine's first batch heard
-    is 5 (its 0..4 published before the subscription was made again) and its buffer holds 3 and
-    4, as a gap 3..4 of the old engine would: the map is cleared, not kept with the old engine's
-    blocks."""
+    is 5 (its 0..4 published before the subscription was made again) and its buffer holds 0..4,
+    as a gap of the old engine would: the map is cleared, not kept with the old engine's blocks,
+    and the new engine's buffer is replayed after the clear (on the new subscription)."""
     pub_endpoint = f"tcp://127.0.0.1:{free_port()}"
     replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
     fed: list[RoutingEvent] = []
+    asked_old: list[int] = []
+    asked_new: list[int] = []
 
     async def run() -> KvEventsFollower:
         context = zmq.asyncio.Context()
@@ -306,9 +317,12 @@ def test_a_dropped_connection_is_a_new_engine_even_when_the_numbers_seem_to_foll
             fed.append(event)
             heard.set()
 
-        async def publish_until_heard(pub: zmq.asyncio.Socket, seqs: range, engine: int) -> None:
+        async def publish_until_heard(
+            pub: zmq.asyncio.Socket, seqs: range, engine: int, buffer: list[int]
+        ) -> None:
             for seq in seqs:
                 heard.clear()
+                buffer.append(seq)  # what the engine publishes, its replay buffer holds
                 await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload(seq, engine)])
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(heard.wait(), 0.1)
@@ -321,14 +335,16 @@ def test_a_dropped_connection_is_a_new_engine_even_when_the_numbers_seem_to_foll
         try:
             pub = context.socket(zmq.PUB)
             await bind_again(pub, pub_endpoint)
-            async with vllm_replay(context, [], [], endpoint=replay_endpoint):
+            old_buffer: list[int] = []
+            async with vllm_replay(context, old_buffer, asked_old, endpoint=replay_endpoint):
                 task = asyncio.create_task(follower.run())
-                await publish_until_heard(pub, range(0, 200), engine=0)  # the old engine
+                await publish_until_heard(pub, range(0, 200), engine=0, buffer=old_buffer)  # the old engine
                 pub.close(linger=0)
             pub = context.socket(zmq.PUB)  # restarted: same endpoints, numbers from 0 again
             await bind_again(pub, pub_endpoint)
-            async with vllm_replay(context, [0, 1, 2, 3, 4], [], endpoint=replay_endpoint, engine=1000):
-                await publish_until_heard(pub, range(5, 200), engine=1000)
+            new_buffer = [0, 1, 2, 3, 4]
+            async with vllm_replay(context, new_buffer, asked_new, endpoint=replay_endpoint, engine=1000):
+                await publish_until_heard(pub, range(5, 200), engine=1000, buffer=new_buffer)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             pub.close(linger=0)
@@ -340,7 +356,10 @@ def test_a_dropped_connection_is_a_new_engine_even_when_the_numbers_seem_to_foll
     seqs = fed_seqs(fed)
     first_new = next(i for i, v in enumerate(seqs) if isinstance(v, int) and v >= 1000)
     assert "clear" in seqs[:first_new], seqs  # the old engine's blocks went before the new one's
-    assert follower.counters["disconnects"] >= 1 and follower.counters["gaps_replayed"] == 0
+    assert seqs[first_new : first_new + 6] == [1000, 1001, 1002, 1003, 1004, 1005], seqs
+    assert asked_old[:1] == [0] and asked_new[:1] == [0], (asked_old, asked_new)  # both asked from 0
+    c = follower.counters
+    assert c["disconnects"] >= 1 and c["gaps_replayed"] == 0 and c["replays_skipped"] == 0, c
 
 
 def test_a_dropped_connection_clears_the_map_at_once_while_the_engine_is_silent() -> None:
@@ -397,3 +416,75 @@ def test_a_lossy_replay_of_a_buffer_that_moved_on_is_filled_from_its_first_batch
     first batch on."""
     fed, _, _ = replaying(list(range(100, 120)), [], lossy_after=4, started=True)
     assert fed == list(range(100, 120))
+
+
+def test_an_engine_whose_buffer_is_empty_answers_and_is_asked_again_at_the_next_gap() -> None:
+    """An end marker alone (an engine that has published nothing yet, or just restarted) is an
+    answer, not an endpoint down: the next replay is asked, not skipped for `REPLAY_SKIP_S`."""
+    fed, asked, follower = replaying([], [3], started=True)
+    assert asked == [0, 0] and fed == ["clear", 3]
+    assert follower.counters["replays_skipped"] == 0 and follower.counters["replay_failures"] == 0
+
+
+def test_a_gap_replay_whose_tail_was_dropped_asks_again_for_it() -> None:
+    """The gap 7..9's first answer brings 7 alone (8, 9 and the end marker dropped): 8 and 9
+    were published before the live 10, so the replay asks again from 8 and the map is kept."""
+    fed, asked, follower = replaying(list(range(0, 12)), [5, 6, 10], cut=(1, 1))
+    assert asked == [0, 7, 8]
+    assert fed == ["clear", 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert follower.counters["gaps_replayed"] == 1 and follower.counters["replay_rounds"] == 1
+
+
+def test_a_live_batch_after_the_replayed_ones_ends_the_duplicates_window() -> None:
+    """After the start replay (0..3) the live 4 comes: a 3 heard after it is no batch the
+    replay held but a restarted engine's (cleared, its buffer's run applied)."""
+    fed, _, follower = replaying([0, 1, 2, 3], [4, 3], started=True)
+    assert fed == [0, 1, 2, 3, 4, "clear", 0, 1, 2, 3]
+    assert follower.counters["duplicates"] == 0
+
+
+def test_a_buffer_larger_than_the_replay_bound_gives_its_newest_batches() -> None:
+    with patch.object(kv_events, "REPLAY_BATCHES_MAX", 5):
+        fed, _, follower = replaying(list(range(12)), [], started=True)
+    assert fed == [7, 8, 9, 10, 11]
+    assert follower.counters["replay_failures"] == 0
+
+
+def test_the_retry_backoff_starts_again_after_a_follow_that_worked() -> None:
+    """Two failures double the wait (0.5, 1 s); a follow that ended with its connection (it
+    worked) starts the backoff again: the next failure waits 0.5 s, not 2."""
+    slept: list[float] = []
+    outcomes = iter(["fail", "fail", "ok", "fail"])
+
+    async def follow() -> None:
+        if next(outcomes) == "fail":
+            raise RuntimeError("boom")
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == 4:
+            raise asyncio.CancelledError
+
+    async def feed(event: RoutingEvent) -> None:
+        pass
+
+    async def run() -> None:
+        context = zmq.asyncio.Context()
+        try:
+            follower = KvEventsFollower("e1", "tcp://unused:1", feed, context)
+            with (
+                patch.object(follower, "_follow", follow),
+                patch.object(kv_events.asyncio, "sleep", sleep),
+                contextlib.suppress(asyncio.CancelledError),
+            ):
+                await follower.run()
+        finally:
+            context.destroy(linger=0)
+
+    asyncio.run(run())
+    assert slept == [
+        kv_events.RETRY_S_MIN,
+        2 * kv_events.RETRY_S_MIN,
+        kv_events.RESUBSCRIBE_S,
+        kv_events.RETRY_S_MIN,
+    ]

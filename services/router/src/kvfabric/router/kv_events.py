@@ -33,35 +33,35 @@ buffer, the last `buffer_steps` = 10,000 by default, from a sequence number on, 
 marker). With it the follower asks for everything buffered as soon as it has subscribed (a
 router, or a follower after a failure, that starts while the engine already holds blocks: the
 buffer's last run of consecutive batches is applied, and live batches it also held are skipped
-for `DUPLICATES_S` after, `duplicates`), and before it applies a batch that does not continue
-the one before (`_catch_up`): after a gap, for the batches it missed — all of them there and in
-order, it applies them and the map is never cleared (`gaps_replayed`); after a gap the replay
-does not cover whole, or from an engine that restarted (its sequence starts again), for
-everything buffered: the map cleared, then the replay's run of consecutive batches that ends just
-before the live one applied (`replayed`, batches). vLLM's ROUTER drops what its send queue (1,000
-messages) cannot hold, so a replay of a large buffer can come back with holes, or without its
-end marker (a round then ends after `REPLAY_SILENCE_S` without a message): it is asked again
-from its first hole, round after round while each fills that hole (`replay_rounds`, at most
-`REPLAY_ROUNDS_MAX`, all within `REPLAY_TIMEOUT_S`); only a run without holes is applied, and
-what came before a timeout is kept. A
-block stored before that run stays unknown (its children too: the core skips a store with an
-unknown parent): the map can undercount what the engine holds, never count what it does not.
-A replay that fails (no end within `REPLAY_TIMEOUT_S`, more than `REPLAY_BATCHES_MAX` batches,
-a reply of another shape) is counted (`replay_failures`); one that got nothing (an endpoint
-down) is not tried again for `REPLAY_SKIP_S` (`replays_skipped`), and the map is cleared as
-without replay. The live socket queues meanwhile (`RECEIVE_HWM`; what it drops is the next gap);
-a replay's receive loop yields to the event loop every `REPLAY_YIELD_EVERY` batches. Counters:
-`batches`, `events`, `gaps`, `gaps_replayed`, `replayed`, `replay_rounds`, `replay_failures`,
-`replays_skipped`,
-`duplicates`, `disconnects`, `undecodable`, `unknown_events`, `other_medium`, `failures`. With
-data parallelism each rank publishes its own events (`data_parallel_rank`) on its own ports
-(vLLM adds the rank to both the events and the replay port): follow each rank as an engine of
-its own.
-"""
+until a batch after them comes, at most `DUPLICATES_S`, `duplicates`), and before it applies a
+batch that does not continue the one before (`_catch_up`): after a gap, for the batches it
+missed — all of them there and in order, it applies them and the map is never cleared
+(`gaps_replayed`); after a gap the replay does not cover whole, or from an engine that restarted
+(its sequence starts again), for everything buffered: the map cleared, then the replay's run of
+consecutive batches that ends just before the live one applied (`replayed`, batches). vLLM's
+ROUTER drops what its send queue (1,000 messages) cannot hold, so a replay of a large buffer can
+come back with holes, or without its end marker (a round then ends after `REPLAY_SILENCE_S`
+without a message): it is asked again from its first hole, round after round while each fills
+that hole (`replay_rounds`, at most `REPLAY_ROUNDS_MAX`, all within `REPLAY_TIMEOUT_S`); only a
+run without holes is applied, and what came before a timeout is kept. A block stored before that
+run stays unknown (its children too: the core skips a store with an unknown parent): the map can
+undercount what the engine holds, never count what it does not. A replay that fails (no end
+within `REPLAY_TIMEOUT_S`, a reply of another shape) is counted (`replay_failures`); of a buffer
+larger than `REPLAY_BATCHES_MAX` batches (vLLM's `buffer_steps` is configurable) the newest are
+kept. One that got no answer at all (an endpoint down; an end marker alone is an answer: an
+engine whose buffer is empty) is not tried again for `REPLAY_SKIP_S` (`replays_skipped`), and
+the map is cleared as without replay. The live socket queues meanwhile (`RECEIVE_HWM`; what it
+drops is the next gap); a replay's receive loop yields to the event loop every
+`REPLAY_YIELD_EVERY` batches. Counters: `batches`, `events`, `gaps`, `gaps_replayed`,
+`replayed`, `replay_rounds`, `replay_failures`, `replays_skipped`, `duplicates`, `disconnects`,
+`undecodable`, `unknown_events`, `other_medium`, `failures`. With data parallelism each rank
+publishes its own events (`data_parallel_rank`) on its own ports (vLLM adds the rank to both the
+events and the replay port): follow each rank as an engine of its own."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
@@ -80,13 +80,16 @@ __all__ = ["BATCH_BYTES_MAX", "KvEventsFollower", "decode_batch"]
 BATCH_BYTES_MAX: Final = 16 << 20  # a step's events: block hashes and token ids of what it stored
 RECEIVE_HWM: Final = 1_000  # batches queued in ZMQ before it drops (a gap, detected by sequence)
 REPLAY_TIMEOUT_S: Final = 5.0  # for the whole answer, its end marker included
-REPLAY_BATCHES_MAX: Final = 20_000  # twice vLLM's default buffer: more is no vLLM publisher
+REPLAY_BATCHES_MAX: Final = 20_000  # kept of one replay, the newest (twice vLLM's default buffer)
 REPLAY_SILENCE_S: Final = 0.2  # a replay silent this long after a batch is over (end marker dropped)
 REPLAY_ROUNDS_MAX: Final = 16  # asks of one replay (each from the first hole the one before left)
 REPLAY_SKIP_S: Final = 30.0  # after a replay that got nothing (its endpoint down), none for this long
 REPLAY_YIELD_EVERY: Final = 64  # replayed batches received between two turns of the loop
-DUPLICATES_S: Final = 2.0  # after the first replay, a live batch at or before it is one it held
-# (an engine restarted since would publish from 0 again, but a restart takes longer than this)
+# After the first replay, a live batch at or before it is one it held, until a batch after it
+# comes or this long (a backlog of live batches queued meanwhile may take seconds to drain on a
+# busy loop); a restarted engine publishes from 0 again, but its connection drops first (the
+# monitor) and its model takes longer than this to load.
+DUPLICATES_S: Final = 10.0
 RESUBSCRIBE_S: Final = 0.1  # after a dropped connection (ZMQ itself reconnects every 0.1 s)
 RETRY_S_MIN: Final = 0.5
 RETRY_S_MAX: Final = 30.0
@@ -223,18 +226,27 @@ class KvEventsFollower:
         socket's queue, the old connection's, dropped with it) after `RESUBSCRIBE_S`."""
         retry_s = RETRY_S_MIN
         while True:
+            followed_since = time.monotonic()
             try:
                 await self._follow()
-                await asyncio.sleep(RESUBSCRIBE_S)  # the connection dropped: subscribe anew
+                retry_s = RETRY_S_MIN  # it followed until the connection dropped
+                await asyncio.sleep(RESUBSCRIBE_S)  # subscribe anew
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if time.monotonic() - followed_since >= RETRY_S_MAX:
+                    retry_s = RETRY_S_MIN  # a failure after a long follow is not one of a series
                 self.counters["failures"] += 1
                 self._log.error(
                     "kv_events_failed", instance=self.instance_id, error=repr(exc), retry_s=retry_s
                 )
                 self._last_seq = None
-                await self._feed(EngineCleared(self.instance_id))
+                try:
+                    await self._feed(EngineCleared(self.instance_id))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as feed_exc:  # the core's driver: logged, the follower lives on
+                    self._log.error("kv_events_clear_failed", instance=self.instance_id, error=repr(feed_exc))
                 await asyncio.sleep(retry_s)
                 retry_s = min(RETRY_S_MAX, retry_s * 2)
 
@@ -291,6 +303,7 @@ class KvEventsFollower:
         if last is not None and seq <= last and time.monotonic() < self._duplicates_until:
             self.counters["duplicates"] += 1  # the first replay applied it already
             return
+        self._duplicates_until = 0.0  # past what the replay held: a lower number is a new engine
         if last is not None and seq != last + 1:
             self.counters["gaps"] += 1  # missed (or the engine restarted): its map is not trusted
             self._log.warning("kv_events_gap", instance=self.instance_id, last=last, seq=seq)
@@ -351,18 +364,21 @@ class KvEventsFollower:
         cannot hold, so a replay can come back with holes, or without its end marker: it is
         asked again from its first hole, up to `REPLAY_ROUNDS_MAX` rounds within
         `REPLAY_TIMEOUT_S` in all, while each round fills that hole (one that does not: the
-        buffer moved on). What came before a timeout is kept (every batch received is the
-        engine's). [] for a reply of another shape; a replay that got nothing is not tried
-        again for `REPLAY_SKIP_S` (an endpoint that is down does not hold every gap for
-        `REPLAY_TIMEOUT_S`). Counted, logged."""
+        buffer moved on); with `stop_at`, every number before it was published, so a tail
+        dropped up to it (the end marker too) is a hole too. What came before a timeout is kept
+        (every batch received is the engine's). [] for a reply of another shape; a replay that
+        got no answer at all is not tried again for `REPLAY_SKIP_S` (an endpoint that is down
+        does not hold every gap for `REPLAY_TIMEOUT_S`; an end marker alone, an empty buffer,
+        is an answer). Counted, logged."""
         if time.monotonic() < self._replay_skip_until:
             self.counters["replays_skipped"] += 1
             return []
         received: dict[int, bytes] = {}
+        heard = False  # any answer at all, an end marker alone (an empty buffer) included
         deadline = time.monotonic() + REPLAY_TIMEOUT_S
         ask = start
         for _round in range(REPLAY_ROUNDS_MAX):
-            out: list[tuple[int, bytes]] = []
+            out = _Answer()
             try:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -372,38 +388,48 @@ class KvEventsFollower:
             except (TimeoutError, ValueError, zmq.ZMQError) as exc:
                 self.counters["replay_failures"] += 1
                 self._log.warning(
-                    "kv_events_replay_failed", instance=self.instance_id, error=repr(exc), received=len(out)
+                    "kv_events_replay_failed",
+                    instance=self.instance_id,
+                    error=repr(exc),
+                    received=len(out.batches),
                 )
                 if isinstance(exc, ValueError):
                     received.clear()
-                    out.clear()
+                    out.batches.clear()
                 done = True
-            for seq, payload in out:
+            heard = heard or out.heard
+            for seq, payload in out.batches:
                 received.setdefault(seq, payload)
-            if len(received) > REPLAY_BATCHES_MAX:
-                received.clear()  # no vLLM publisher keeps that many: not trusted
-                done = True
-            if done or not out:
+            if len(received) > REPLAY_BATCHES_MAX:  # the newest are kept (the run before the live batch)
+                for seq in sorted(received)[: len(received) - REPLAY_BATCHES_MAX]:
+                    del received[seq]
+            if done or not out.batches:
                 break
             if ask not in received:
                 if _round:
                     break  # the hole asked for is gone from the buffer
                 ask = min(received)  # the buffer begins after `start`: its holes from its first
-            top = max(received) if stop_at is None else min(max(received), stop_at - 1)
+            # Everything before the live batch was published: a tail dropped up to it (the end
+            # marker with it: it did not come) is a hole too.
+            top = max(received)
+            if stop_at is not None:
+                top = min(top, stop_at - 1) if out.ended else stop_at - 1
             hole = next((q for q in range(ask, top + 1) if q not in received), None)
             if hole is None:
                 break
             self.counters["replay_rounds"] += 1
             ask = hole
-        if not received:
+        if not heard:  # no answer at all (an endpoint down): not an engine with an empty buffer
             self._replay_skip_until = time.monotonic() + REPLAY_SKIP_S
         return sorted(received.items())
 
-    async def _request_replay(self, start: int, stop_at: int | None, out: list[tuple[int, bytes]]) -> None:
+    async def _request_replay(self, start: int, stop_at: int | None, out: _Answer) -> None:
         """vLLM's replay into `out`: `("", start)` to its ROUTER; `("", topic, seq, payload)` per
         buffered batch from `start` on, then `("", "", -1, "")`; done at the end marker, at a
         batch at or past `stop_at`, or after `REPLAY_SILENCE_S` without a message once one came
-        (the end marker is the last message into a full send queue: the likeliest dropped)."""
+        (the end marker is the last message into a full send queue: the likeliest dropped). Of
+        a buffer larger than `REPLAY_BATCHES_MAX` (vLLM's `buffer_steps` is configurable), the
+        newest batches are kept: the run the live batch continues is at its end."""
         sock = self._context.socket(zmq.DEALER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
@@ -412,7 +438,7 @@ class KvEventsFollower:
             sock.connect(self.replay)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                if out:
+                if out.heard:
                     try:
                         parts = await asyncio.wait_for(sock.recv_multipart(), REPLAY_SILENCE_S)
                     except TimeoutError:
@@ -421,18 +447,33 @@ class KvEventsFollower:
                     parts = await sock.recv_multipart()
                 if len(parts) != 4 or len(parts[2]) != 8:
                     raise ValueError(f"a replay reply of {len(parts)} parts")
+                out.heard = True
                 if parts[2] == _END_SEQ:
+                    out.ended = True
                     return
-                if len(out) >= REPLAY_BATCHES_MAX:
-                    raise ValueError(f"a replay of more than {REPLAY_BATCHES_MAX} batches")
                 seq = int.from_bytes(parts[2], "big")
-                out.append((seq, parts[3]))
+                out.batches.append((seq, parts[3]))  # the oldest goes past REPLAY_BATCHES_MAX
+                out.received += 1
                 if stop_at is not None and seq >= stop_at:
                     return  # what the live batch needs is here (or was dropped)
-                if len(out) % REPLAY_YIELD_EVERY == 0:
+                if out.received % REPLAY_YIELD_EVERY == 0:
                     await asyncio.sleep(0)  # a ready receive does not yield: let HTTP and health in
         finally:
             sock.close(linger=0)
+
+
+class _Answer:
+    """One replay request's answer so far: its batches (the newest `REPLAY_BATCHES_MAX`), how
+    many came, whether anything came (the end marker alone is an answer: an empty buffer), and
+    whether its end marker did."""
+
+    __slots__ = ("batches", "ended", "heard", "received")
+
+    def __init__(self) -> None:
+        self.batches: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=REPLAY_BATCHES_MAX)
+        self.heard = False
+        self.ended = False
+        self.received = 0
 
 
 def _run_ending(replayed: list[tuple[int, bytes]], end: int) -> list[tuple[int, bytes]]:
