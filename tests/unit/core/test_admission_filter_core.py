@@ -338,6 +338,54 @@ def test_a_groups_later_ranks_avoid_the_segments_its_first_was_refused_on() -> N
     assert second.results[0].tickets[0].segment_id == "big"
 
 
+
+def test_a_later_rank_is_not_placed_with_fewer_replicas_than_there_is_room_for() -> None:
+    """Rank 0 of a two-replica group, refused on `big`, goes to sa and sb; sb fills. Rank 1
+    placed without `big` would get one replica (sa): it gets two, `big` included, as the
+    group's placement without a filter would."""
+    core = new_core(admission_stale_ms=1_000)
+    register(core, "big", capacity=1_000_000, zone="z1")
+    register(core, "sa", capacity=100_000, zone="z2")
+    register(core, "sb", capacity=100_000, zone="z3")
+    (g,) = groups(1, seed=16, tp_size=2)
+    core.set_admission_filter(view({"big": limits(c1=150)}), 0)
+    first = core.handle(
+        m.PutBegin(writer_id="w", request_id="g0", objects=[spec(key(g, rank=0), 100)], replicas=2), 10
+    ).reply
+    assert isinstance(first, m.PutBeginReply) and first.results[0].status == "placed"
+    assert sorted(t.segment_id for t in first.results[0].tickets) == ["sa", "sb"]
+    held = core.segments["sb"].reserved_bytes
+    core.segments["sb"].reserved_bytes = core.segments["sb"].capacity_bytes  # full now
+    second = core.handle(
+        m.PutBegin(writer_id="w", request_id="g1", objects=[spec(key(g, rank=1), 100)], replicas=2), 11
+    ).reply
+    assert isinstance(second, m.PutBeginReply) and second.results[0].status == "placed"
+    assert sorted(t.segment_id for t in second.results[0].tickets) == ["big", "sa"]
+    core.segments["sb"].reserved_bytes = held
+    core.check_invariants()
+
+
+def test_a_one_member_group_placed_again_keeps_no_refused_segments() -> None:
+    """Only a group's later members read the segments it was refused on: a group of one member
+    (TP 1) does not hold that set while it builds (up to every segment's id, per group)."""
+    core = new_core(admission_stale_ms=1_000)
+    register(core, "big", capacity=1_000_000)
+    register(core, "small", capacity=100_000)
+    (g,) = groups(1, seed=17)
+    (h,) = groups(1, seed=18, tp_size=2)
+    core.set_admission_filter(view({"big": limits(c1=50)}), 0)
+    reply = core.handle(
+        m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(g), 100), spec(key(h), 100)]), 10
+    ).reply
+    assert isinstance(reply, m.PutBeginReply)
+    assert [[t.segment_id for t in r.tickets] for r in reply.results] == [["small"], ["small"]]
+    refused_on = {
+        member.key: group.refused_on for group in core.building.values() for member in group.members.values()
+    }
+    assert refused_on == {key(g): frozenset(), key(h): frozenset({"big"})}
+    core.check_invariants()
+
+
 # ---- the policy: the filter mirrors the density core's own admission ---------------------------
 
 

@@ -237,12 +237,14 @@ class WriteBegin(WriteState):
                 key=spec.key, status="placed", tickets=self._tickets_of(held), deadline_ms=held.deadline_ms
             )
         candidates = self.segments.candidates()
-        chosen: list[Candidate] = []
+        chosen = choose_segments(candidates, replicas, spec.size_bytes, spec.key)
         if group is not None and group.refused_on:  # a later rank: not where its group was refused
             admitting = [c for c in candidates if c.segment_id not in group.refused_on]
-            chosen = choose_segments(admitting, replicas, spec.size_bytes, spec.key)
-        if not chosen:  # (or only there: a placed rank is never stranded by its group's filter)
-            chosen = choose_segments(candidates, replicas, spec.size_bytes, spec.key)
+            elsewhere = choose_segments(admitting, replicas, spec.size_bytes, spec.key)
+            # ... when that gives as many replicas: a placed rank is never stranded, nor placed
+            # with fewer replicas than there is room for, by its group's filter
+            if len(elsewhere) == len(chosen):
+                chosen = elsewhere
         if not chosen:
             self.ctx.count("no_capacity_total")
             return m.BeginResult(key=spec.key, status="no_capacity")
@@ -300,7 +302,9 @@ class WriteBegin(WriteState):
         the segments refused on (the group's later members are placed without them), or
         ([], ...) for `not_admitted`. One pass over the candidates. The verdict is counted once,
         on the placement answered (`admission_replaced`: admitted on other segments than
-        placement chose first)."""
+        placement chose first). The same replica count, not the same spread: replicas placed
+        again may share a failure domain the first choice did not (a cache object: a lost one
+        is recomputed)."""
         gate, gid, chunk_index = self.ctx.admission, info.group.group_id, info.group.chunk_index
         group_bytes = spec.size_bytes * info.group.expected_members * len(chosen)
         verdict = gate.verdict([c.segment_id for c in chosen], gid, chunk_index, group_bytes, now_ms)
@@ -316,7 +320,9 @@ class WriteBegin(WriteState):
         if len(again) == len(chosen):  # none of them over its limit: admitted there
             gate.counted((True, "filter"))
             self.ctx.count("admission_replaced_total")
-            return again, refused_on
+            # Kept for the group's later members (TP ranks) only: a set of up to every segment
+            # per building group (~33 KB at 1,024) is not held for groups of one member.
+            return again, refused_on if info.group.expected_members > 1 else frozenset()
         gate.counted(verdict)  # refused: counted with its reason
         return [], frozenset()
 
