@@ -381,11 +381,15 @@ def test_a_request_whose_save_left_a_chunk_unstored_saves_no_more(engine_config:
     client stops that save at the first one) cuts its request: its next saves (chunked prefill
     saves a request in steps) would store chunks behind the missing one, where no lookup
     reaches; counted under the failure's cause. So does a save the client dropped whole. A save
-    done whole cuts nothing."""
+    done whole cuts nothing. A request vLLM said finished is forgotten, and a save of it done
+    later does not cut it again."""
+    from unittest.mock import patch
+
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvfabric.client.hits import SaveResult
+    from kvfabric.engines import vllm_connector
     from kvfabric.engines.vllm_connector import KvfabricConnector, KvfabricMetadata, SaveSpec
 
     connector = KvfabricConnector(engine_config, KVConnectorRole.WORKER, kv_cache_config=None)
@@ -436,8 +440,19 @@ def test_a_request_whose_save_left_a_chunk_unstored_saves_no_more(engine_config:
         assert len(client.saves) == saves + 1
         # finished requests are forgotten as cut
         assert set(connector._cut) == {"r1", "r3"}
-        assert connector.get_finished({"r1", "r3", "r4"}) == (None, None)
+        last = save("r5", 0, [1])  # its save is done only after vLLM said it finished
+        assert last is not None
+        assert connector.get_finished({"r1", "r3", "r4", "r5"}) == (None, None)
         assert not connector._cut
+        last.set_result(SaveResult(chunks_failed=1, causes={"not_admitted": 1}))
+        assert not connector._cut  # not cut again: nothing would forget it
+        # both bounded: the oldest forgotten first
+        with patch.object(vllm_connector, "CUT_REQUESTS_MAX", 3):
+            connector.get_finished({f"f{n}" for n in range(5)})
+            assert len(connector._finished) == 3
+            for n in range(5):
+                connector._cut_request(f"c{n}", "not_admitted")
+            assert list(connector._cut) == ["c2", "c3", "c4"]
     finally:
         client.saves.clear()
         connector.shutdown()

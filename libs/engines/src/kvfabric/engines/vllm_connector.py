@@ -294,6 +294,9 @@ class KvfabricConnector(KVConnectorBase_V1):
         # the worker's thread (the save rate, a dropped save) and the client's (a save done with
         # failed chunks), hence the lock.
         self._cut: OrderedDict[str, str] = OrderedDict()
+        # Requests vLLM said finished (the newest CUT_REQUESTS_MAX): a save of one done after
+        # that (its last save, say) does not cut it again, where nothing would forget it.
+        self._finished: OrderedDict[str, None] = OrderedDict()
         self._cut_lock = threading.Lock()
         self._load_errors: set[int] = set()
 
@@ -651,6 +654,8 @@ class KvfabricConnector(KVConnectorBase_V1):
 
     def _cut_request(self, req_id: str, cause: str) -> None:
         with self._cut_lock:
+            if req_id in self._finished:
+                return  # it saves nothing more anyway
             self._cut.setdefault(req_id, cause)
             while len(self._cut) > CUT_REQUESTS_MAX:
                 self._cut.popitem(last=False)  # the oldest: long finished, most likely
@@ -681,6 +686,9 @@ class KvfabricConnector(KVConnectorBase_V1):
             with self._cut_lock:
                 for req_id in finished_req_ids:
                     self._cut.pop(req_id, None)
+                    self._finished[req_id] = None
+                while len(self._finished) > CUT_REQUESTS_MAX:
+                    self._finished.popitem(last=False)
         return None, None
 
     def _slots(self, block_object_bytes: int) -> SaveSlots | None:
