@@ -144,6 +144,11 @@ def test_a_refusal_is_remembered_for_its_segments_incarnation_and_for_a_while() 
     refusals.add("tcp://a", incarnation=7, now_s=100.0)
     assert not refusals.refuses("tcp://a", 7, 100.0 + REFUSAL_RETRY_S)  # long enough: tried again
     assert refusals.addresses() == set()
+    # a write placed before the restart (its ticket names the older incarnation) neither asks
+    # the restarted segment nor forgets what it refused
+    refusals.add("tcp://a", incarnation=9, now_s=100.0)
+    assert not refusals.refuses("tcp://a", 8, 101.0)
+    assert refusals.refuses("tcp://a", 9, 101.0)
 
 
 class MemfdsLater(NoMemfds):

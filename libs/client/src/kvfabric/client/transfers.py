@@ -84,8 +84,10 @@ class StagingRefusals:
     incarnation and for `REFUSAL_RETRY_S`: a segment restarted (upgraded, or moved into this
     pid namespace) is tried again, and so is any after that long (a refusal may be ours and
     pass: a staging file we could not make while /dev/shm was full). A try that is refused
-    again costs one write sent at once (never a lost chunk). Shared by the pool's transfer
-    threads (a lock: an expired entry is dropped only if it is still the one looked at)."""
+    again costs one write sent at once (never a lost chunk). A write whose ticket names an older
+    incarnation (one placed before the restart) asks nothing and forgets nothing. Shared by the
+    pool's transfer threads (a lock: an expired entry is dropped only if it is still the one
+    looked at)."""
 
     def __init__(self) -> None:
         self._until: dict[str, tuple[int, float]] = {}  # data address -> (incarnation, monotonic s)
@@ -100,7 +102,9 @@ class StagingRefusals:
             entry = self._until.get(data_addr)
             if entry is None:
                 return False
-            if entry[0] != incarnation or now_s >= entry[1]:
+            if incarnation < entry[0]:
+                return False  # a ticket of an older incarnation: the newer one's refusal stays
+            if incarnation > entry[0] or now_s >= entry[1]:
                 del self._until[data_addr]
                 return False
             return True
@@ -467,7 +471,8 @@ class SegmentPool:
                 self.verify and (result.checksum != loc.checksum or digest != loc.checksum)
             ):
                 return None  # never "ok" for bytes that did not verify: the worker's way decides
-        self.local_reads_now += len(locations)
+        with self._lock:  # transfer threads and the loop's thread count here at once
+            self.local_reads_now += len(locations)
         return [OK] * len(locations)
 
     def _put_back(self, data_addr: str, conn: _Connection) -> None:
@@ -602,8 +607,9 @@ class SegmentPool:
         """Count staged writes the segment took, those by reference to save memory apart; the
         connection's file beside the arena loses its name (the segment holds it open now)."""
         own = conn.staging.path if conn.staging is not None else None
-        self.staged_puts += len(landed)
-        self.save_memory_puts += sum(1 for s in landed if s.path != own)
+        with self._lock:  # several transfer threads land writes at once (`+=` is not atomic)
+            self.staged_puts += len(landed)
+            self.save_memory_puts += sum(1 for s in landed if s.path != own)
         if landed and conn.staging is not None:
             conn.staging.unlink()
 
