@@ -70,7 +70,7 @@ import httpx
 import numpy as np
 
 from kvfabric.testing import ServiceProcess
-from kvfabric.testing.ports import free_port, free_ports
+from kvfabric.testing.ports import free_ports
 from kvfabric.testing.terminate import terminate_session
 
 RESULTS: Final = Path(__file__).resolve().parent / "results"
@@ -234,9 +234,12 @@ def vllm_pair(
     engines: list[EngineProc] = []
     # vLLM's ZMQ socket files: it leaves them behind; a short path (a socket's is at most 107 bytes).
     rpc_dir = tempfile.mkdtemp(prefix="kvf-vllm-rpc-")
+    # Every port both engines take, picked at once (distinct: `free_ports`); picked one call at a
+    # time, an engine's HTTP port could be the other's events port.
+    ports = iter(free_ports(6))
     try:
         for n, segment in zip((1, 2), segments, strict=True):
-            port = free_port()
+            port, events_port, replay_port = next(ports), next(ports), next(ports)
             argv = [
                 sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
@@ -248,7 +251,6 @@ def vllm_pair(
             events_endpoint = replay_endpoint = ""
             if kv_events:
                 # vLLM binds a wildcard endpoint and connects to any other: it binds, the router connects
-                events_port, replay_port = free_ports(2)
                 events_endpoint = f"tcp://127.0.0.1:{events_port}"
                 replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
                 config = {
