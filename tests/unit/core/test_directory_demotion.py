@@ -104,7 +104,12 @@ def test_demote_then_promote_an_object_on_its_own_segment() -> None:
     assert seg.reserved_bytes == 100  # a disk ticket reserves no arena bytes
     assert replicate(core, k, "dram").status == "already_there"  # the arena holds it already
     assert confirm(core, placed.ticket, DISK_SLOT) == "ok"
-    assert replicate(core, k, "ssd").status == "already_there"  # one disk replica per segment
+    again = replicate(core, k, "ssd")
+    assert again.status == "already_there"  # one disk replica per segment
+    # ... naming the live replicas: the demoting segment checks it still holds the disk one
+    assert sorted((r.slot, r.slot_generation) for r in again.sources) == sorted(
+        [(0, placed.sources[0].slot_generation), (DISK_SLOT, 1)]
+    )
 
     hit = lookup(core, [g], now=10)
     assert [tier_of_slot(r.slot) for r in hit.objects[0].replicas] == ["dram", "ssd"]

@@ -19,11 +19,12 @@ import pytest
 
 from kvfabric.core.segment_slots import SlotTable
 from kvfabric.format.checksum import checksum
-from kvfabric.format.errors import KvfError
+from kvfabric.format.errors import Indeterminate, KvfError, NotFound, StaleGeneration
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import SSD_SLOT_BASE, DemoteObject, DemoteReply, DemoteRequest
+from kvfabric.segment_storage import demoter as demoter_module
 from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.confirms import ConfirmBatcher
@@ -50,6 +51,8 @@ class Directory:
         self.fail_drop: set[bytes] = set()
         self.aborted: list[bytes] = []
         self.requests: list[tuple[str, list[bytes]]] = []  # (verb, the keys of a batched one)
+        # keys answered `already_there`, with these live replicas
+        self.already: dict[bytes, list[m.Replica]] = {}
 
     async def _trip(self) -> None:
         self.in_flight += 1
@@ -59,6 +62,8 @@ class Directory:
 
     def _begin(self, writer_id: str, k: ObjectKey) -> m.ReplicateBeginReply:
         self.begun.append(k)
+        if k in self.already:
+            return m.ReplicateBeginReply(epoch=1, status="already_there", sources=self.already[k])
         ref = self.refs[k]
         ticket = m.WriteTicket(
             ticket_id=len(self.begun),
@@ -137,6 +142,7 @@ def demote(
     objects: list[DemoteObject],
     shard_of: Callable[[bytes], int] | None = None,
     confirm: ConfirmAsyncFn | None = None,
+    reported: list[tuple[bytes, int, int, int]] | None = None,
 ) -> DemoteReply:
     demoter = Demoter(
         seg.backend,
@@ -146,6 +152,7 @@ def demote(
         confirm=confirm or directory.confirm,
         warn=lambda *a, **k: None,
         shard_of=shard_of,
+        report_gone=lambda *found: (reported if reported is not None else []).append(found),
     )
     try:
         reply = asyncio.run(demoter.on_demote(DemoteRequest(objects=objects), {}))
@@ -414,6 +421,92 @@ def test_checksum_of_the_demoted_bytes_is_the_arena_one(tmp_path: Path) -> None:
         for data, result in zip(datas, reply.results, strict=True):
             held = seg.ssd.held_one(result.slot, result.slot_generation)
             assert held is not None and held.checksum == checksum(data)
+    finally:
+        seg.backend.arena.close()
+        seg.io.close()
+        seg.ssd.close()
+
+
+@pytest.mark.parametrize("answer", ["no_verdict_then_ok", "stale_generation", "no_verdict_ever", "refused"])
+def test_a_confirm_without_a_final_verdict_keeps_its_disk_slot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: str
+) -> None:
+    """Review, 2026-12-05: any verdict but `ok` freed the disk slot, so a confirm the directory
+    applied but whose answer timed out left it listing a disk replica that was gone (and a later
+    demotion's `already_there` then dropped the arena copy: the object lost). Now: no verdict is
+    asked again (then `ok`: demoted); a newer leader's `stale_generation` leaves the slot to it
+    (held, the arena replica kept); only a final refusal, or a ticket long settled without a
+    verdict, frees it."""
+    monkeypatch.setattr(demoter_module, "CONFIRM_LATER_RETRY_S", 0.0)
+    seg = make(tmp_path, 16 << 20, [])
+    directory = Directory(rtt_s=0.0)
+    asked: list[int] = []
+    try:
+        _, objects = stored(seg, directory, 1, 4096)
+
+        async def confirm(ticket: m.WriteTicket, slot: int, generation: int) -> str:
+            asked.append(slot)
+            if answer == "stale_generation":
+                raise StaleGeneration("epoch", 1, 2)  # a newer leader
+            if answer == "refused":
+                raise NotFound("unknown ticket")
+            if answer == "no_verdict_ever" and len(asked) == 3:
+                seg.backend.clock_ms = lambda: NOW_MS + 10**6  # type: ignore[method-assign]
+            if answer == "no_verdict_ever" or len(asked) < 3:
+                raise Indeterminate("no confirm verdict in time")
+            return await directory.confirm(ticket, slot, generation)
+
+        reply = demote(seg, directory, objects, confirm=confirm)
+        status = reply.results[0].status
+        held = seg.ssd.stats()["objects"]
+        if answer == "no_verdict_then_ok":
+            assert (status, held, len(asked), directory.dropped) == ("demoted", 1, 3, [objects[0].key])
+        elif answer == "stale_generation":
+            assert (status, held, len(asked), directory.dropped) == ("failed", 1, 1, [])
+        else:  # freed: the directory never published it (or has long settled without a word)
+            assert (status, held, directory.dropped) == ("failed", 0, [])
+            assert len(asked) == (3 if answer == "no_verdict_ever" else 1)
+    finally:
+        seg.backend.arena.close()
+        seg.io.close()
+        seg.ssd.close()
+
+
+def test_already_there_drops_the_arena_copy_only_when_the_listed_disk_replica_is_held(tmp_path: Path) -> None:
+    """Review, 2026-12-05: `already_there` dropped the arena replica on the directory's word,
+    though the disk replica it lists may be gone here (freed since): the object was lost. Now
+    the listed disk replica is checked: held, the arena copy goes; gone, it is reported and the
+    arena copy stays."""
+    seg = make(tmp_path, 16 << 20, [])
+    directory = Directory(rtt_s=0.0)
+    reported: list[tuple[bytes, int, int, int]] = []
+    try:
+        _, objects = stored(seg, directory, 2, 4096)
+        first = demote(seg, directory, objects[:1])  # on disk, arena dropped (by the fake)
+        disk = first.results[0]
+        assert disk.status == "demoted"
+
+        def listed(slot: int, generation: int) -> list[m.Replica]:
+            return [
+                m.Replica(segment_id=SEGMENT, incarnation=INCARNATION, slot=slot, slot_generation=generation),
+                m.Replica(
+                    segment_id=SEGMENT,
+                    incarnation=INCARNATION,
+                    slot=objects[1].slot,
+                    slot_generation=objects[1].slot_generation,
+                ),
+            ]
+
+        # the directory lists the first object's disk replica (held here) for the second key
+        directory.already[objects[1].key] = listed(disk.slot, disk.slot_generation)
+        reply = demote(seg, directory, objects[1:])
+        assert reply.results[0].status == "demoted" and directory.dropped[-1] == objects[1].key
+        # ... and a disk replica that is not held here (a generation gone)
+        directory.dropped.clear()
+        directory.already[objects[1].key] = listed(disk.slot, disk.slot_generation + 1)
+        reply = demote(seg, directory, objects[1:], reported=reported)
+        assert reply.results[0].status == "failed" and directory.dropped == []
+        assert reported == [(objects[1].key, disk.slot, disk.slot_generation + 1, 0)]
     finally:
         seg.backend.arena.close()
         seg.io.close()

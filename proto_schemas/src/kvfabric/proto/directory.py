@@ -581,7 +581,8 @@ class ReplicateBeginReply(_Msg, frozen=True, kw_only=True, tag="dir.replicate_be
     epoch: int
     status: ReplicateStatus
     ticket: WriteTicket | None = None
-    # placed: where to copy from (the object's live replicas, the destination excluded)
+    # placed: where to copy from (the object's live replicas, the destination excluded);
+    # already_there: the object's live replicas (the destination's own among them, if any)
     sources: list[Replica] = msgspec.field(default_factory=list)
 
 

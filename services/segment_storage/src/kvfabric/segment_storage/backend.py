@@ -200,6 +200,8 @@ class ArenaBackend(BackendWrites, BackendReads):
                         self._count("demote_corrupt_total")
                         self.slots.release(slot, generation)
                         self._free_locked(slot, generation)
+                    if self.report_corrupt is not None and one is not None:  # as the scrubber does
+                        self.report_corrupt(one.key, slot, generation, size)
                     out[i] = ChecksumMismatch(
                         "the arena copy no longer matches its checksum: freed", slot=slot
                     )

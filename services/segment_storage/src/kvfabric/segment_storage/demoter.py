@@ -5,7 +5,9 @@ objects, each step an existing mechanism, the directory's steps batched per shar
 
 1. One `replicate_begin_many` (`ReplicateBeginMany`, tier "ssd") per shard of the request's
    keys, at that shard's leader: a ticket per object for a disk replica (reserves no arena
-   bytes). `already_there`: an earlier demotion copied it (its arena replica was kept): go to 4.
+   bytes). `already_there`: an earlier demotion copied it (its arena replica was kept): go to 4,
+   once the disk replica the reply lists for this segment is checked to be held here (one that
+   is not is reported gone, and the arena replica stays).
    The arena replica named must be one of the directory's live sources (this incarnation, that
    slot and generation), else `not_found`.
 2. `ArenaBackend.demote_many`, the objects split into up to `DEMOTE_CONCURRENCY_MAX` write
@@ -17,7 +19,14 @@ objects, each step an existing mechanism, the directory's steps batched per shar
    arena keeps serving as before.
 3. Once every object is written, their confirms at once, like any write's (the confirm batcher:
    concurrent confirms share a request, up to its batch bound: one for a request's objects per
-   shard); a refusal or no verdict frees the disk slot (the directory never published it).
+   shard); a final refusal (`unknown_ticket`, `mismatch`, `not_found`) frees the disk slot (the
+   directory never published it). No verdict (a timeout, the directory unreachable or busy) is
+   asked again every `CONFIRM_LATER_RETRY_S` until one comes or the ticket is long settled
+   (`CONFIRM_LATER_GIVE_UP_MS` past its deadline: then freed), as a receipted write's background
+   confirm is: the directory may have applied a confirm whose verdict was lost, and freeing that
+   slot left it listing a disk replica that was gone (review, 2026-12-05). A newer leader
+   (`stale_generation`) adopted the slot from this segment's report: it publishes or frees it;
+   the arena replica stays either way.
 4. One `replica_corrupt_many` (reason "demoted") per shard for the arena replicas of the objects
    now on disk: the directory drops and frees each (`free.<segment_id>`), unless a lease or pin
    holds its group (`copied`: both replicas stay, a later demotion drops it) or it is the last
@@ -72,12 +81,14 @@ from kvfabric.format.errors import (
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import (
     DEMOTE_BATCH_MAX,
+    SSD_SLOT_BASE,
     DemoteObject,
     DemoteReply,
     DemoteRequest,
     DemoteResult,
 )
 from kvfabric.segment_storage.backend import ArenaBackend
+from kvfabric.segment_storage.shell_confirms import CONFIRM_LATER_GIVE_UP_MS, CONFIRM_LATER_RETRY_S
 
 __all__ = ["DEMOTE_CONCURRENCY_MAX", "DEMOTE_THREAD_NICE", "DEMOTE_TTL_MS", "Demoter"]
 
@@ -97,6 +108,8 @@ AskFn = Callable[[str, msgspec.Struct], Awaitable[msgspec.Struct]]
 ConfirmAsyncFn = Callable[[m.WriteTicket, int, int], Awaitable[str]]
 # (event, fields) -> a log line
 LogFn = Callable[..., None]
+# (key, slot, generation, size): a replica of this segment found gone or corrupt, to report
+ReportFn = Callable[[bytes, int, int, int], None]
 
 
 class Demoter:
@@ -110,8 +123,11 @@ class Demoter:
         confirm: ConfirmAsyncFn,
         warn: LogFn,
         shard_of: Callable[[bytes], int] | None = None,
+        report_gone: ReportFn | None = None,
     ) -> None:
-        """`shard_of`: a key's directory shard (the segment's router); None: one shard."""
+        """`shard_of`: a key's directory shard (the segment's router); None: one shard.
+        `report_gone`: a disk replica the directory lists but this segment does not hold, to
+        report (`replica_corrupt`: the directory drops it)."""
         self.backend = backend
         self.segment_id = segment_id
         self.incarnation = incarnation
@@ -120,6 +136,7 @@ class Demoter:
         self._confirm = confirm
         self._warn = warn
         self._shard_of: Callable[[bytes], int] = shard_of or (lambda key: 0)
+        self._report_gone: ReportFn = report_gone or (lambda key, slot, generation, size: None)
         self._busy = False
         self._requests = itertools.count(1)
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -264,7 +281,7 @@ class Demoter:
             self.backend.count("demote_not_found_total")
             return DemoteResult("not_found"), False
         if begun.status != "placed":  # already_there: on disk already, the arena replica to drop
-            return None, False
+            return self._already_there(obj, begun), False
         ticket = begun.ticket
         if ticket is None or not any(
             (s.segment_id, s.incarnation, s.slot, s.slot_generation)
@@ -274,6 +291,21 @@ class Demoter:
             self.backend.count("demote_not_found_total")
             return DemoteResult("not_found"), True
         return ticket.size_bytes, False
+
+    def _already_there(self, obj: DemoteObject, begun: m.ReplicateBeginReply) -> DemoteResult | None:
+        """`already_there`: None (the arena replica to drop) unless the disk replica the
+        directory lists for this segment is not held here (freed since, say): then it is
+        reported gone and the object's arena replica stays (`failed`). A reply without sources
+        (an older directory, or none live) is taken at its word, as before."""
+        here = (self.segment_id, self.incarnation)
+        mine = [s for s in begun.sources if (s.segment_id, s.incarnation) == here and s.slot >= SSD_SLOT_BASE]
+        for s in mine:
+            if self.backend.held_one(s.slot, s.slot_generation) is None:
+                self.backend.count("demote_disk_replica_gone_total")
+                self._warn("demotion_failed", step="already_there", key=obj.key.hex(), slot=s.slot)
+                self._report_gone(obj.key, s.slot, s.slot_generation, 0)
+                return DemoteResult("failed")
+        return None
 
     async def _write(
         self,
@@ -317,13 +349,29 @@ class Demoter:
     async def _confirm_one(
         self, obj: DemoteObject, begun: m.ReplicateBeginReply | KvfError, disk: tuple[int, int]
     ) -> bool:
-        """Step 3 for one written object: whether the directory took its disk replica. A refusal
-        or no verdict frees the disk slot (never published: nobody reads it; its ticket is gone)."""
+        """Step 3 for one written object: whether the directory took its disk replica. A final
+        refusal frees the disk slot (never published: nobody reads it; its ticket is gone); no
+        verdict is asked again until one comes or the ticket is long settled; a newer leader
+        owns the slot's fate (module docstring, step 3)."""
         assert isinstance(begun, m.ReplicateBeginReply) and begun.ticket is not None
-        try:
-            verdict = await self._confirm(begun.ticket, *disk)
-        except KvfError as err:
-            verdict = err.code
+        ticket = begun.ticket
+        settled_ms = self.backend.ticket_deadline_ms(ticket) + CONFIRM_LATER_GIVE_UP_MS
+        while True:
+            try:
+                verdict = await self._confirm(ticket, *disk)
+            except StaleGeneration:
+                self.backend.count("demote_confirm_superseded_total")
+                self._warn("demotion_failed", step="confirm", verdict="stale_generation", key=obj.key.hex())
+                return False  # the successor adopted the slot from this segment's report
+            except NotFound as err:
+                verdict = err.code
+            except KvfError as err:  # no verdict
+                if self.backend.clock_ms() < settled_ms:
+                    self.backend.count("demote_confirm_retries_total")
+                    await asyncio.sleep(CONFIRM_LATER_RETRY_S)
+                    continue
+                verdict = f"no_verdict ({err.code})"
+            break
         if verdict == "ok":
             return True
         await asyncio.get_running_loop().run_in_executor(self._pool, self.backend.free_slots, [disk])

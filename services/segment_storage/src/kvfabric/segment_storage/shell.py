@@ -218,6 +218,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
             confirm=self._confirm_async,
             warn=self._log.warning,
             shard_of=lambda key: self.router.shard_of(key) if self.router is not None else 0,
+            report_gone=self._disk_read_corrupt,
         )
 
     def attach(self, runtime: ServiceRuntime) -> None:

@@ -24,7 +24,7 @@ from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.common import TRACE_ID_HEADER
 from kvfabric.proto.dataplane import ReadRef
-from kvfabric.proto.segment import SSD_SLOT_BASE, CopyReply, CopyRequest
+from kvfabric.proto.segment import SSD_SLOT_BASE, CopyReply, CopyRequest, tier_of_slot
 from kvfabric.runtime.ticker import every
 from kvfabric.segment_storage.copier import fetch_replica
 from kvfabric.segment_storage.scrubber import CorruptObject, ScrubPacer
@@ -138,9 +138,12 @@ class ShellRepair(ShellDirectory):
         await every(SCRUB_TICK_S, tick, delay_first=True)
 
     def _disk_read_corrupt(self, key: bytes, slot: int, generation: int, size: int) -> None:
-        """From a transport thread: a disk read found this replica corrupt (or unreadable) and the
-        tier freed it; report it like the scrubber does."""
-        self._log.warning("corrupt_replica_freed", slot=slot, slot_generation=generation, tier="ssd")
+        """From any thread: a disk read found this replica corrupt (or unreadable) and the tier
+        freed it, a demotion's re-hash found its arena copy corrupt (freed), or a demotion found
+        a disk replica the directory lists gone; report it like the scrubber does."""
+        self._log.warning(
+            "corrupt_replica_freed", slot=slot, slot_generation=generation, tier=tier_of_slot(slot)
+        )
         if self._loop is not None:
             found = CorruptObject(key, slot, generation, size)
             asyncio.run_coroutine_threadsafe(self._report_corrupt(found), self._loop)

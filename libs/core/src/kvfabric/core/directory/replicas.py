@@ -112,16 +112,18 @@ class ReplicaTable:
         # One replica per (segment, tier): a segment may hold an object in its arena and in its
         # disk tier at once (demotion copies to disk before the arena replica is dropped;
         # promotion copies back before the disk one goes).
-        if (
-            any(r.placement == placement and tier_of_slot(r.slot) == req.tier for r in mem.replicas)
-            or len(mem.replicas) >= MEMBER_REPLICAS_MAX
-        ):
-            return Outcome(m.ReplicateBeginReply(epoch=ctx.epoch, status="already_there"))
         sources = [  # readable by the copying segment until the ticket's deadline
             self.segments.replica(r, mem.size_bytes, now_ms + req.write_ttl_ms)
             for r in mem.replicas
             if self.segments.live(r.placement)
         ]
+        if (
+            any(r.placement == placement and tier_of_slot(r.slot) == req.tier for r in mem.replicas)
+            or len(mem.replicas) >= MEMBER_REPLICAS_MAX
+        ):
+            # with the live replicas: a demoting segment checks that the disk replica named
+            # here is still the one it holds before its arena replica goes
+            return Outcome(m.ReplicateBeginReply(epoch=ctx.epoch, status="already_there", sources=sources))
         for ticket_id, rt in self.tickets.items():
             if (rt.group, rt.member, rt.placement, rt.tier) == (gid, mem.member, placement, req.tier):
                 # A retry (the first copy failed or its answer was lost): the same ticket again;
