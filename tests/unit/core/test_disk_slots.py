@@ -189,6 +189,33 @@ def test_free_while_committing_unlinks_after_the_commit() -> None:
     t.check_invariants()
 
 
+def test_only_a_free_record_whose_write_failed_is_handed_out_again() -> None:
+    """Review, 2026-12-05: the retry took every record not yet durable, also one another thread
+    was still writing; after that write landed and the slot was reused, the retry wrote the old
+    free record over the new object's commit record. A failed record is handed back and out
+    again, once; one whose write is under way is never handed out twice."""
+    t = DiskSlotTable(1 << 16, 4)
+    stored = []
+    for k in (b"a", b"b"):
+        w = t.alloc(100, k)
+        t.begin_commit(w.slot, w.generation, SUM)
+        assert t.end_commit(w.slot, w.generation, durable=True) is None
+        stored.append(w)
+    failed, writing = (t.free(w.slot, w.generation).record for w in stored)
+    assert failed is not None and writing is not None
+    t.unlink_failed([failed])
+    assert t.take_failed_unlinks() == [failed]  # not `writing`: its write is someone else's
+    assert t.take_failed_unlinks() == []  # handed out once
+    t.unlink_failed([failed])  # the retry failed too
+    t.check_invariants()
+    t.unlinked(writing.slot, writing.generation)
+    assert t.take_failed_unlinks() == [failed]
+    t.unlinked(failed.slot, failed.generation)
+    assert t.used_bytes == 0 and t.pending_unlinks() == []
+    with pytest.raises(InvariantViolation):  # a record not handed out
+        t.unlink_failed([failed])
+    t.check_invariants()
+
 def test_failed_commit_record_is_unlinked() -> None:
     t = DiskSlotTable(1 << 16, 4)
     a = t.alloc(100, b"k")

@@ -57,7 +57,11 @@ record's extent may overlap space handed out next). Free records restore generat
   meanwhile: the extent is reclaimed), `abort`, or `end_commit`. After `end_commit` returns a free
   record, the writer writes it and calls `unlinked`.
 - `free` -> a returned record is the caller's to write, then `unlinked`. If that write fails, the
-  slot stays UNLINKING (its extent held) and `pending_unlinks()` lists it to try again.
+  caller hands it back (`unlink_failed`): the slot stays UNLINKING (its extent held) and
+  `take_failed_unlinks()` hands it out once more, to one caller. Never a record whose write is
+  still under way elsewhere: a retry that rewrote such a record after its slot was reused wrote
+  a stale free record over the new object's commit record (review, 2026-12-05).
+  `pending_unlinks()` lists every record handed out and not yet durable (tests, models).
 - `acquire` -> one reference until `release`.
 - Callers track what they hold: `begin_commit`/`end_commit`/`abort` of a slot not in that state
   at that generation, `release` without a reference or `unlinked` of a record not handed out are
@@ -137,6 +141,7 @@ class _DSlot:
     readers: int = 0
     fenced: bool = False  # a free was accepted while writing or committing
     unlinked: bool = False  # UNLINKING: the free record is durable; waits for the last reader
+    retry: bool = False  # UNLINKING: its free record's write failed; `take_failed_unlinks` hands it out
 
 
 class DiskSlotTable:
@@ -380,8 +385,36 @@ class DiskSlotTable:
         if rec.readers == 0:
             self._reclaim(slot, rec)
 
+    def unlink_failed(self, records: list[Record]) -> None:
+        """The writes of these free records (handed out, not durable) failed: each is handed out
+        again by `take_failed_unlinks`."""
+        for record in records:
+            rec = self._slots.get(record.slot)
+            invariant(
+                rec is not None
+                and rec.state == "unlinking"
+                and not rec.unlinked
+                and not rec.retry
+                and rec.generation + 1 == record.generation,
+                "a failed unlink of a record not handed out",
+                slot=record.slot,
+                generation=record.generation,
+            )
+            assert rec is not None  # for mypy: the invariant above
+            rec.retry = True
+
+    def take_failed_unlinks(self) -> list[Record]:
+        """The free records whose writes failed, handed out again (each to this caller alone,
+        until it calls `unlinked` or `unlink_failed` for it)."""
+        out = []
+        for s, r in sorted(self._slots.items()):
+            if r.state == "unlinking" and r.retry:
+                r.retry = False
+                out.append(Record("free", s, r.generation + 1))
+        return out
+
     def pending_unlinks(self) -> list[Record]:
-        """Free records handed out and not yet durable (their writes failed: try again)."""
+        """Free records handed out and not yet durable (being written, or failed)."""
         return [
             Record("free", s, r.generation + 1)
             for s, r in sorted(self._slots.items())
@@ -503,6 +536,7 @@ class DiskSlotTable:
             elif r.state == "unlinking":
                 invariant(current == r.generation + 1, "unlinking slot not fenced", slot=slot)
                 invariant(r.readers > 0 or not r.unlinked, "unlinked slot nobody holds", slot=slot)
+                invariant(not (r.retry and r.unlinked), "a durable free record to retry", slot=slot)
             else:
                 invariant(r.readers == 0, "a write with readers", slot=slot)
                 invariant(current == r.generation + (1 if r.fenced else 0), "write generation", slot=slot)

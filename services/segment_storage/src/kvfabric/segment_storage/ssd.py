@@ -539,7 +539,8 @@ class SsdTier:
 
     def _unlink(self, records: list[Record]) -> None:
         """Write and sync free records, then let the table reuse their extents. On an I/O error
-        the slots stay held (`pending_unlinks`), retried by `retry_unlinks`."""
+        the slots stay held, handed back to the table (`unlink_failed`), retried by
+        `retry_unlinks`: only these, never a record another thread is writing."""
         try:
             for record in records:
                 self._write_record(record)
@@ -547,6 +548,7 @@ class SsdTier:
         except (OSError, KvfError):
             with self.lock:
                 self._count("unlinks_failed_total")
+                self.table.unlink_failed(records)
                 self.unlinks_pending = True
             return
         with self.lock:
@@ -560,7 +562,7 @@ class SsdTier:
             return 0
         with self.lock:
             self.unlinks_pending = False  # set again if this retry fails too
-            pending = self.table.pending_unlinks()
+            pending = self.table.take_failed_unlinks()
         if pending:
             self._unlink(pending)
         return len(pending)
