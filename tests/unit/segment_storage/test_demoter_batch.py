@@ -511,3 +511,46 @@ def test_already_there_drops_the_arena_copy_only_when_the_listed_disk_replica_is
         seg.backend.arena.close()
         seg.io.close()
         seg.ssd.close()
+
+
+def test_wait_idle_waits_for_disk_work_still_running(tmp_path: Path) -> None:
+    """Review, 2026-12-05: at stop the disk tier's files closed while a demotion thread could still
+    write or sync them (its pool was shut down without waiting). `wait_idle` says whether the
+    demotion threads are done, after waiting at most its timeout; the shell closes the files only
+    then."""
+    seg = make(tmp_path, 16 << 20, [])
+    directory = Directory(rtt_s=0.0)
+    try:
+        _, objects = stored(seg, directory, 1, 4096)
+        real, entered, release = seg.backend.demote_many, threading.Event(), threading.Event()
+
+        def slow(objs: list[tuple[int, int, int]]) -> list[tuple[int, int] | KvfError]:
+            entered.set()
+            release.wait(10)
+            return real(objs)
+
+        seg.backend.demote_many = slow  # type: ignore[method-assign]
+        demoter = Demoter(
+            seg.backend,
+            segment_id=SEGMENT,
+            incarnation=INCARNATION,
+            ask=directory.ask,
+            confirm=directory.confirm,
+            warn=lambda *a, **k: None,
+        )
+
+        async def scenario() -> None:
+            task = asyncio.create_task(demoter.on_demote(DemoteRequest(objects=objects), {}))
+            await asyncio.to_thread(entered.wait, 10)
+            demoter.close()  # stopping: no new work, the running write goes on
+            assert not await asyncio.to_thread(demoter.wait_idle, 0.05)
+            release.set()
+            assert await asyncio.to_thread(demoter.wait_idle, 10)
+            reply = await task
+            assert isinstance(reply, DemoteReply) and reply.results[0].status == "demoted"
+
+        asyncio.run(scenario())
+    finally:
+        seg.backend.arena.close()
+        seg.io.close()
+        seg.ssd.close()

@@ -66,3 +66,32 @@ def test_a_full_tier_stops_demotion_and_the_arena_keeps_serving(tmp_path: Path) 
         seg.backend.end_get(grant, conn=1)
     finally:
         close(seg)
+
+
+def test_a_device_that_refuses_record_sized_direct_io_is_refused_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review, 2026-12-05: on a drive with 4 KiB logical sectors every 512-byte direct record
+    write fails (EINVAL), so each commit failed and its free record too, until the tier held all
+    its space, and nothing said so. The start's probe (a record-sized direct read) refuses the
+    tier with what to do; buffered (`direct=False`) it starts."""
+    import errno
+
+    from kvfabric.core.disk_records import RECORD_BYTES
+    from kvfabric.segment_storage import ssd as ssd_module
+
+    real = os.preadv
+
+    def sector_4k(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if len(buffers) == 1 and len(buffers[0]) == RECORD_BYTES:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(ssd_module.os, "preadv", sector_4k)
+    io = SsdIo(0, 16, 1 << 20)
+    try:
+        with pytest.raises(SsdFileRefused, match="KVF_SEGMENT_SSD_DIRECT=0"):
+            SsdTier(tmp_path, SEGMENT, 1 << 20, 64, direct=True, io=io, read_bytes_max=1 << 20)
+        SsdTier(tmp_path, SEGMENT, 1 << 20, 64, direct=False, io=io, read_bytes_max=1 << 20).close()
+    finally:
+        io.close()

@@ -96,3 +96,30 @@ def test_the_queue_is_bounded_and_foreign_or_stale_reports_hash_nothing() -> Non
         assert backend.hashed == [] and len(reported) == SUSPECTS_PENDING_MAX
 
     asyncio.run(main())
+
+
+def test_a_check_the_disk_tier_refuses_as_busy_is_tried_again() -> None:
+    """Review, 2026-12-05: a disk read at the tier's in-flight byte limit raised `Busy` out of
+    the check and ended the worker (the slots queued after it waited for another report)."""
+    from unittest.mock import patch
+
+    from kvfabric.format.errors import Busy
+    from kvfabric.segment_storage import suspects as suspects_module
+
+    class BusyOnce(Backend):
+        def verify_stored(self, slot: int, generation: int, size: int) -> str:
+            if slot == 3 and 3 not in self.hashed:
+                self.hashed.append(slot)
+                raise Busy("disk reads at their limit")
+            return super().verify_stored(slot, generation, size)
+
+    async def main() -> None:
+        backend, now = BusyOnce(corrupt={3, 4}), [100.0]
+        suspects, reported = checker(backend, now)
+        assert suspects.suspect(request(3)) and suspects.suspect(request(4))
+        await settle(suspects)
+        assert sorted(f.slot for f in reported) == [3, 4]  # both checked, 3 a second time
+        assert backend.hashed == [3, 4, 3] and suspects.busy_retries == 1
+
+    with patch.object(suspects_module, "BUSY_RETRY_S", 0.0):
+        asyncio.run(main())

@@ -64,7 +64,7 @@ import itertools
 import os
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -142,9 +142,25 @@ class Demoter:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             DEMOTE_CONCURRENCY_MAX, thread_name_prefix="kvf-demote", initializer=_lower_priority
         )
+        self._running: set[concurrent.futures.Future[object]] = set()  # disk work on the pool now
 
     def close(self) -> None:
+        """No new disk work; what runs goes on (`wait_idle` waits for it)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Blocks until no disk work of a demotion runs (at most `timeout_s`): the disk tier's
+        files must stay open while a demotion thread may still write or sync them (closed under
+        it, a reused descriptor number could take its writes). Whether it is idle."""
+        _, running = concurrent.futures.wait(list(self._running), timeout_s)
+        return not running
+
+    async def _on_pool(self, fn: Callable[..., Any], *args: object) -> Any:
+        """`fn(*args)` on a demotion thread, tracked until it ends (`wait_idle`)."""
+        future: concurrent.futures.Future[object] = self._pool.submit(fn, *args)
+        self._running.add(future)
+        future.add_done_callback(self._running.discard)
+        return await asyncio.wrap_future(future)
 
     async def on_demote(self, message: DemoteRequest, headers: Mapping[str, str]) -> msgspec.Struct:
         if not 0 < len(message.objects) <= DEMOTE_BATCH_MAX:
@@ -319,12 +335,9 @@ class Demoter:
         """Step 2 for one write batch (index, size): `ArenaBackend.demote_many` on a demotion
         thread; each object's disk replica into `disks` and `written`, or its result (and its
         ticket to abort). An unexpected error leaves nothing half-made and is raised."""
-        loop = asyncio.get_running_loop()
         refs = [(objects[i].slot, objects[i].slot_generation, size) for i, size in batch]
         try:
-            done: list[tuple[int, int] | KvfError] = await loop.run_in_executor(
-                self._pool, self.backend.demote_many, refs
-            )
+            done: list[tuple[int, int] | KvfError] = await self._on_pool(self.backend.demote_many, refs)
         except KvfError as err:  # the whole batch (no disk tier, a failed sync)
             done = [err] * len(batch)
         stopped = False
@@ -374,7 +387,7 @@ class Demoter:
             break
         if verdict == "ok":
             return True
-        await asyncio.get_running_loop().run_in_executor(self._pool, self.backend.free_slots, [disk])
+        await self._on_pool(self.backend.free_slots, [disk])
         self.backend.count("demote_failed_total")
         self._warn("demotion_failed", step="confirm", verdict=verdict, key=obj.key.hex())
         return False

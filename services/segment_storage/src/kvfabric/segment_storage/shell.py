@@ -96,6 +96,9 @@ if TYPE_CHECKING:
 __all__ = ["EXIT_REREGISTER", "SegmentShell", "new_incarnation"]
 
 EXIT_REREGISTER: Final = 75
+# At stop, how long the disk tier waits for demotion threads still writing before its files close
+# (a write batch takes milliseconds to a few seconds; within the service's stop deadline).
+DEMOTE_STOP_WAIT_S: Final = 5.0
 
 
 def new_incarnation() -> int:
@@ -299,8 +302,14 @@ class SegmentShell(ShellRepair, ShellConfirms):
             await asyncio.to_thread(self.ucx.stop)
         await asyncio.to_thread(self.server.stop)
         self.arena.close()
-        if self.ssd is not None:  # after the data server: no read is using it any more
+        # The disk tier after the data server (no read uses it any more) and after the demotion
+        # threads: one may still write or sync it. One that outlasts the wait (a hung disk) keeps
+        # the files open: the process's exit closes them, not a close under its feet.
+        idle = await asyncio.to_thread(self.demoter.wait_idle, DEMOTE_STOP_WAIT_S)
+        if self.ssd is not None and idle:
             await asyncio.to_thread(self._close_ssd)
+        elif self.ssd is not None:
+            self._log.warning("ssd_left_open", reason="a demotion still writes", waited_s=DEMOTE_STOP_WAIT_S)
         if self._id_lock_fd >= 0:  # the id is free for the next incarnation
             unlock_segment_id(self.settings.shm_dir, self.settings.segment_id, self._id_lock_fd)
             self._id_lock_fd = -1

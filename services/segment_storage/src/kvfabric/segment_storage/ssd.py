@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
@@ -214,6 +215,32 @@ class SsdTier:
             self._create()
         if self.direct:
             self._direct_fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+            self._probe_record_alignment()
+
+    def _probe_record_alignment(self) -> None:
+        """One record-sized direct read of the index: a device whose direct I/O needs more than
+        `RECORD_BYTES` alignment (a drive with 4 KiB logical sectors) refuses every record write
+        with EINVAL — each commit would then fail, and its free record too, until the tier held
+        all its space. Refused here, at start, with what to do (review, 2026-12-05)."""
+        buf = prefaulted_buffer(RECORD_BYTES)
+        view = memoryview(buf)
+        record = view[:RECORD_BYTES]  # one record's length: what a record write is
+        refused = False
+        try:
+            os.preadv(self._direct_fd, [record], self.geometry.index_offset)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            refused = True
+        finally:
+            record.release()
+            view.release()
+            buf.close()
+        if refused:
+            raise SsdFileRefused(
+                f"{self.path}: the device refuses {RECORD_BYTES}-byte direct I/O (4 KiB logical "
+                "sectors?): set KVF_SEGMENT_SSD_DIRECT=0 for this disk tier"
+            )
 
     def _lock(self) -> None:
         try:

@@ -27,6 +27,7 @@ from typing import Final
 import msgspec
 
 from kvfabric.core.quotas import tenant_of
+from kvfabric.format.errors import Busy
 from kvfabric.proto.segment import VerifyReply, VerifyRequest
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.scrubber import CorruptObject
@@ -36,6 +37,7 @@ __all__ = ["SUSPECTS_PENDING_MAX", "VERIFIED_OK_HOLD_S", "VERIFIED_OK_MAX", "Sus
 SUSPECTS_PENDING_MAX: Final = 32
 VERIFIED_OK_HOLD_S: Final = 10.0
 VERIFIED_OK_MAX: Final = 1024
+BUSY_RETRY_S: Final = 0.1  # a check the disk tier refused as busy is tried again after this
 
 Slot = tuple[int, int]  # (slot, generation)
 
@@ -62,6 +64,7 @@ class SuspectChecker:
         self.checked = 0
         self.corrupt_found = 0
         self.refused = 0
+        self.busy_retries = 0  # checks put back because the disk tier was busy
 
     async def on_verify(self, request: VerifyRequest, headers: Mapping[str, str]) -> msgspec.Struct:
         return VerifyReply(queued=self.suspect(request))
@@ -88,8 +91,15 @@ class SuspectChecker:
             slot, domains = self._pending.popleft()
             try:
                 verdict, found = await asyncio.to_thread(self._check, slot, domains)
-            finally:
+            except Busy:  # the disk tier's reads are at their byte limit: later, not never
+                self._pending.append((slot, domains))
+                self.busy_retries += 1
+                await asyncio.sleep(BUSY_RETRY_S)
+                continue
+            except BaseException:
                 self._queued.discard(slot)
+                raise
+            self._queued.discard(slot)
             if verdict == "ok":
                 self._verified_ok[slot] = self._clock_s()
                 self._verified_ok.move_to_end(slot)
