@@ -338,7 +338,6 @@ def test_a_groups_later_ranks_avoid_the_segments_its_first_was_refused_on() -> N
     assert second.results[0].tickets[0].segment_id == "big"
 
 
-
 def test_a_later_rank_is_not_placed_with_fewer_replicas_than_there_is_room_for() -> None:
     """Rank 0 of a two-replica group, refused on `big`, goes to sa and sb; sb fills. Rank 1
     placed without `big` would get one replica (sa): it gets two, `big` included, as the

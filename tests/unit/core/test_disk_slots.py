@@ -216,6 +216,7 @@ def test_only_a_free_record_whose_write_failed_is_handed_out_again() -> None:
         t.unlink_failed([failed])
     t.check_invariants()
 
+
 def test_failed_commit_record_is_unlinked() -> None:
     t = DiskSlotTable(1 << 16, 4)
     a = t.alloc(100, b"k")

@@ -474,7 +474,7 @@ def test_the_retry_backoff_starts_again_after_a_follow_that_worked() -> None:
             follower = KvEventsFollower("e1", "tcp://unused:1", feed, context)
             with (
                 patch.object(follower, "_follow", follow),
-                patch.object(kv_events.asyncio, "sleep", sleep),
+                patch.object(asyncio, "sleep", sleep),
                 contextlib.suppress(asyncio.CancelledError),
             ):
                 await follower.run()

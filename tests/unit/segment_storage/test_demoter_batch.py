@@ -451,7 +451,7 @@ def test_a_confirm_without_a_final_verdict_keeps_its_disk_slot(
             if answer == "refused":
                 raise NotFound("unknown ticket")
             if answer == "no_verdict_ever" and len(asked) == 3:
-                seg.backend.clock_ms = lambda: NOW_MS + 10**6  # type: ignore[method-assign]
+                seg.backend.clock_ms = lambda: NOW_MS + 10**6
             if answer == "no_verdict_ever" or len(asked) < 3:
                 raise Indeterminate("no confirm verdict in time")
             return await directory.confirm(ticket, slot, generation)
@@ -529,7 +529,7 @@ def test_wait_idle_waits_for_disk_work_still_running(tmp_path: Path) -> None:
             release.wait(10)
             return real(objs)
 
-        seg.backend.demote_many = slow  # type: ignore[method-assign]
+        seg.backend.demote_many = slow  # type: ignore[method-assign,assignment]
         demoter = Demoter(
             seg.backend,
             segment_id=SEGMENT,

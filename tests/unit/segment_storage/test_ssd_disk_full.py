@@ -78,7 +78,6 @@ def test_a_device_that_refuses_record_sized_direct_io_is_refused_at_start(
     import errno
 
     from kvfabric.core.disk_records import RECORD_BYTES
-    from kvfabric.segment_storage import ssd as ssd_module
 
     real = os.preadv
 
@@ -87,7 +86,7 @@ def test_a_device_that_refuses_record_sized_direct_io_is_refused_at_start(
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(ssd_module.os, "preadv", sector_4k)
+    monkeypatch.setattr(os, "preadv", sector_4k)
     io = SsdIo(0, 16, 1 << 20)
     try:
         with pytest.raises(SsdFileRefused, match="KVF_SEGMENT_SSD_DIRECT=0"):
