@@ -62,7 +62,7 @@ from kvfabric.directory.giveback import give_back
 from kvfabric.directory.rebuild import gather_holdings
 from kvfabric.directory.segment_registry import SegmentRegistry
 from kvfabric.directory.shard_map import ShardMapServer
-from kvfabric.directory.shard_requests import check_release_many, keys_of, shard_of_request
+from kvfabric.directory.shard_requests import check_release_many, fair_ids, shard_of_request
 from kvfabric.directory.shell import VERBS, DirectoryShell, now_ms
 from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.directory.suspects import SUSPECT_VERB, SUSPECTS_TENANT_PER_S, SuspectRelay
@@ -271,7 +271,7 @@ class ShardHost:
                 return await give_back(self.fair, tenant, message, run)
             if gate is None:
                 return await run(message)
-            async with gate.turn(tenant, len(keys_of(message))):
+            async with gate.turn(tenant, fair_ids(message)):
                 return await run(message)
 
         return handle

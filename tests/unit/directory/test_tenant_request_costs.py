@@ -1,0 +1,84 @@
+"""What a tenant's request costs the directory's loop, from a review (2026-12-05): a
+`lookup_many` / `lease_release_many` runs its parts one after another and yields the loop
+between them (each part of up to 128 groups is one core call, and 16 back to back held the loop
+while every other tenant's request waited); a `list_groups` is charged at fair admission for the
+groups it may examine, not as naming none."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import msgspec
+
+from kvfabric.directory.shard_requests import lookup_many, release_many
+from kvfabric.proto import directory as m
+from tests.unit.core.dirkit import groups
+
+
+def test_the_loop_is_yielded_between_the_parts_of_a_many_request() -> None:
+    ran: list[str] = []
+
+    async def part(
+        message: msgspec.Struct, verb: str, grant: Any, shard: int, room: int | None
+    ) -> msgspec.Struct:
+        ran.append(f"part{shard}")
+        if verb == "lookup":
+            return m.LookupReply(epoch=1, hit_chunks=0, lease_id=0, objects=[])
+        return m.LeaseReply(epoch=1, lease_id=0, expires_ms=0, released=[])
+
+    async def other() -> None:  # another tenant's request, one step each time it gets the loop
+        while True:
+            ran.append("other")
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        background = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        ids = [g.group_id() for g in groups(3, seed=5)]
+        lookups = m.LookupMany(
+            holder_id="h", parts=[m.LookupPart(shard=s, groups=[ids[s]]) for s in range(3)]
+        )
+        await lookup_many(lookups, None, part)
+        releases = m.LeaseReleaseMany(
+            holder_id="h", parts=[m.ReleasePart(shard=s, lease_ids=[1]) for s in range(3)]
+        )
+        await release_many(releases, None, part)
+        background.cancel()
+        await asyncio.gather(background, return_exceptions=True)
+
+    asyncio.run(main())
+    parts = [i for i, what in enumerate(ran) if what != "other"]
+    assert len(parts) == 6
+    for a, b in itertools.pairwise(parts):
+        if (a, b) != (parts[2], parts[3]):  # within one request: the other ran in between
+            assert b - a > 1, ran
+
+
+def test_a_listing_costs_the_groups_it_may_examine_at_fair_admission() -> None:
+    """Review, 2026-12-05: `list_groups` was charged as naming no id (the fixed cost alone) while
+    one call examines up to `limit` groups (up to 1,000 for a `below_target` one)."""
+    from kvfabric.core.directory import LIST_SCAN_GROUPS_MAX
+    from kvfabric.directory.shard_requests import fair_ids
+    from kvfabric.proto.codec import encode
+    from tests.unit.core.dirkit import DOMAIN, new_core, register
+    from tests.unit.directory.test_giveback_budget import _gate, _host
+
+    assert fair_ids(m.ListGroups(limit=500)) == 500
+    assert fair_ids(m.ListGroups(limit=1, below_target=True)) == LIST_SCAN_GROUPS_MAX
+    assert fair_ids(m.Lookup(holder_id="h", groups=[g.group_id() for g in groups(4, seed=6)])) == 4
+    core = new_core()
+    register(core, "s1", capacity=10**6)
+    now = [0.0]
+    gate = _gate(now, 1.0, 1)
+    runtime = _host(core, gate)
+    before = gate.core.tokens("bob", now[0])
+
+    async def main() -> None:
+        listing = m.ListGroups(domain_digest=DOMAIN.digest(), limit=500)
+        reply = await runtime.tenant["list_groups"](encode(listing), {}, "bob")
+        assert isinstance(reply, m.GroupList)
+
+    asyncio.run(main())
+    assert before - gate.core.tokens("bob", now[0]) == gate.core.config.request_cost_ids + 500
