@@ -7,7 +7,8 @@ which waiting requests start, and tells it when one is done.
 
 A request costs `request_cost_ids + ids` tokens (`cost_of`): the ids it names (groups of a
 lookup, keys of a put) plus a fixed part for what every request costs the event loop whatever
-its size (receive, decode, reply). So a 4,096-id lookup costs 4,104 tokens and a 4-id one 12.
+its size (receive, decode, reply). So with the default fixed part (16) a 4,096-id lookup costs
+4,112 tokens and a 4-id one 20; a listing costs the groups it may examine (`fair_ids`).
 
 States, per tenant (a tenant with nothing queued, nothing running, a bucket full by now and its
 last request's `finish` not ahead of `vtime` holds no state: it is forgotten, and comes back as a
