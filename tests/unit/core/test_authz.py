@@ -218,3 +218,42 @@ def test_one_tenant_cannot_fill_the_shared_lease_and_pin_tables() -> None:
     with pytest.raises(Busy):
         core.handle(pin, 0)
     core.check_invariants()
+
+
+def test_a_tenants_leases_and_pins_name_at_most_their_share_of_groups() -> None:
+    """Review, 2026-12-05: the per-tenant lease and pin bounds counted entries, not the groups
+    they name (each a key held): 2,500 pins of 4,096 groups held ~0.9 GB. Past the groups bound
+    a lease or pin is `busy`, and a lookup's later slice is not leased (a shorter hit); another
+    tenant is not affected, and releasing gives the room back."""
+    from kvfabric.core import authz
+    from tests.unit.core.dirkit import groups as dir_groups
+    from tests.unit.core.dirkit import key as dir_key
+    from tests.unit.core.dirkit import put as dir_put
+    from tests.unit.core.dirkit import register as dir_register
+
+    core = new_core(tenant_lease_groups_max=6, tenant_pin_groups_max=4)
+    dir_register(core, "s1", capacity=10**6)
+    gs = dir_groups(8, seed=31)
+    dir_put(core, [dir_key(g) for g in gs])
+    ids = [g.group_id() for g in gs]
+    bob = authz.scoped_name("bob", "h")
+    first = core.handle(m.Lookup(holder_id=bob, groups=ids[:5]), 0).reply
+    assert isinstance(first, m.LookupReply) and first.hit_chunks == 5
+    with pytest.raises(Busy):  # 5 + 2 > 6
+        core.handle(m.Lookup(holder_id=bob, groups=ids[:2]), 0)
+    # a lookup run in slices: its first slice (1 group) is leased, the next would pass the bound
+    second = core.handle(m.Lookup(holder_id=bob, groups=ids[:3]), 0, groups_max=1).reply
+    assert isinstance(second, m.LookupReply) and second.hit_chunks == 1
+    more = core.reads.lookup_more(
+        m.Lookup(holder_id=bob, groups=ids[:3]), second.lease_id, 1, 0, reply_bytes_max=1 << 20, groups_max=2
+    ).reply
+    assert isinstance(more, m.LookupReply) and more.hit_chunks == 0
+    alice = core.handle(m.Lookup(holder_id=authz.scoped_name("alice", "h"), groups=ids[:6]), 0).reply
+    assert isinstance(alice, m.LookupReply) and alice.hit_chunks == 6  # her own share, whole
+    core.check_invariants()
+    with pytest.raises(Busy):  # pins: 5 groups > 4
+        core.handle(m.Pin(holder_id=bob, groups=ids[:5], ttl_ms=60_000), 0)
+    core.handle(m.LeaseRelease(holder_id=bob, lease_id=first.lease_id), 0)
+    again = core.handle(m.Lookup(holder_id=bob, groups=ids[:5]), 0).reply
+    assert isinstance(again, m.LookupReply) and again.hit_chunks == 5
+    core.check_invariants()

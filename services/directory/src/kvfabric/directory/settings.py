@@ -183,6 +183,10 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         tenants_max=env_int(env, "KVF_DIRECTORY_TENANTS_MAX", 10_000, 1, 10_000_000),
         tenant_leases_max=env_int(env, "KVF_DIRECTORY_TENANT_LEASES_MAX", 50_000, 1, 10_000_000),
         tenant_pins_max=env_int(env, "KVF_DIRECTORY_TENANT_PINS_MAX", 2_500, 1, 10_000_000),
+        tenant_lease_groups_max=env_int(
+            env, "KVF_DIRECTORY_TENANT_LEASE_GROUPS_MAX", 262_144, 4_096, 1 << 30
+        ),
+        tenant_pin_groups_max=env_int(env, "KVF_DIRECTORY_TENANT_PIN_GROUPS_MAX", 65_536, 4_096, 1 << 30),
         tenant_pin_ttl_ms_max=env_int(
             env, "KVF_DIRECTORY_TENANT_PIN_TTL_MS_MAX", 3_600_000, 1_000, PIN_TTL_MS_MAX
         ),

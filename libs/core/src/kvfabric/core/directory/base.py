@@ -91,6 +91,9 @@ class DirectoryConfig:
     # `<tenant>/<holder>` by the directory shell), so no tenant fills the shared tables.
     tenant_leases_max: int = 50_000
     tenant_pins_max: int = 2_500
+    # the groups one tenant's leases / pins name in all (each ~90 bytes held: ~23 / ~6 MB)
+    tenant_lease_groups_max: int = 262_144
+    tenant_pin_groups_max: int = 65_536
     # Per-tenant budgets of the write path (issue 21), for the same scoped writer ids: members
     # being written (building, not yet published), and the bytes they hold reserved (size ×
     # replicas), as a fraction of the capacity of the live segments this core places on (the

@@ -12,12 +12,16 @@ last hold ends. An expiry only makes groups evictable: it frees no memory by its
 ## Invariants (`check_invariants`)
 1. The published table's lease and pin counts are exactly the groups of the held leases and pins.
 2. `pins_held` is the number of pins; the per-tenant counts are the leases and pins held by each
-   tenant's scoped holders (`<tenant>/<holder>`).
+   tenant's scoped holders (`<tenant>/<holder>`), and the groups they name.
 3. Every lease's expiry has an entry in the expiry heap.
 
 ## Bounds
 `leases_max` read leases and `pins_max` pins (then `busy`), of which one tenant holds at most
-`tenant_leases_max` / `tenant_pins_max`. A pin lasts at most PIN_TTL_MS_MAX (a tenant's
+`tenant_leases_max` / `tenant_pins_max`, naming at most `tenant_lease_groups_max` /
+`tenant_pin_groups_max` groups in all (each named group is a key the lease keeps, ~90 bytes:
+bounded by entries alone, a tenant's 2,500 pins of 4,096 groups held ~0.9 GB; review,
+2026-12-05). A lookup's later slice that would pass the groups bound is not leased: its fold
+ends there (a shorter hit). A pin lasts at most PIN_TTL_MS_MAX (a tenant's
 `tenant_pin_ttl_ms_max`), a lease `lease_ttl_ms_max`. The expiry heap holds at most twice the
 leases held plus HEAP_SLACK_MIN entries (renewals leave stale ones; it is rebuilt past that).
 """
@@ -56,6 +60,8 @@ class LeaseTable:
         self._heap: list[tuple[int, int]] = []  # (expires_ms, lease id)
         # (tenant scope of the holder id, is_pin) -> leases or pins held (tenant holders only)
         self._scope_held: dict[tuple[str, bool], int] = {}
+        # ... -> the groups they name
+        self._scope_groups: dict[tuple[str, bool], int] = {}
 
     def grant(
         self, holder_id: str, groups: tuple[GroupKey, ...], expires_ms: int, *, is_pin: bool
@@ -72,7 +78,11 @@ class LeaseTable:
             if self._scope_held.get((scope, is_pin), 0) >= scope_limit:
                 self.ctx.count("busy_tenant_pins_total" if is_pin else "busy_tenant_leases_total")
                 raise Busy("this tenant holds its share of the lease table; retry later", limit=scope_limit)
+            if not self._groups_fit(scope, is_pin, len(groups)):
+                self.ctx.count("busy_tenant_pin_groups_total" if is_pin else "busy_tenant_lease_groups_total")
+                raise Busy("this tenant's leases or pins hold their share of groups; retry later")
             self._scope_held[(scope, is_pin)] = self._scope_held.get((scope, is_pin), 0) + 1
+            self._scope_groups[(scope, is_pin)] = self._scope_groups.get((scope, is_pin), 0) + len(groups)
         lease_id = self.ctx.next_id()
         self.leases[lease_id] = Lease(holder_id, groups, expires_ms, is_pin)
         self.pins_held += is_pin
@@ -88,10 +98,28 @@ class LeaseTable:
             return None
         return lease
 
+    def _groups_fit(self, scope: str, is_pin: bool, more: int) -> bool:
+        config = self.ctx.config
+        limit = config.tenant_pin_groups_max if is_pin else config.tenant_lease_groups_max
+        return self._scope_groups.get((scope, is_pin), 0) + more <= limit
+
+    def may_extend(self, lease_id: int, more: int) -> bool:
+        """Whether lease `lease_id` may name `more` groups (its tenant's groups bound)."""
+        lease = self.leases[lease_id]
+        scope = scope_of(lease.holder_id)
+        if scope is None or self._groups_fit(scope, lease.is_pin, more):
+            return True
+        self.ctx.count("busy_tenant_pin_groups_total" if lease.is_pin else "busy_tenant_lease_groups_total")
+        return False
+
     def extend(self, lease_id: int, groups: tuple[GroupKey, ...]) -> None:
-        """More groups under a lease (a lookup's later slice), its expiry unchanged."""
+        """More groups under a lease (a lookup's later slice), its expiry unchanged (the caller
+        asked `may_extend`)."""
         lease = self.leases[lease_id]
         lease.groups += groups
+        scope = scope_of(lease.holder_id)
+        if scope is not None:
+            self._scope_groups[(scope, lease.is_pin)] += len(groups)
         for gid in groups:
             self.published.hold(gid, lease.is_pin)
 
@@ -103,8 +131,10 @@ class LeaseTable:
             left = self._scope_held[(scope, lease.is_pin)] - 1
             if left:
                 self._scope_held[(scope, lease.is_pin)] = left
+                self._scope_groups[(scope, lease.is_pin)] -= len(lease.groups)
             else:
                 del self._scope_held[(scope, lease.is_pin)]
+                del self._scope_groups[(scope, lease.is_pin)]
         for gid in lease.groups:
             self.published.unhold(gid, lease.is_pin)
         self._bound_heap()
@@ -198,14 +228,18 @@ class LeaseTable:
 
     def check_invariants(self) -> None:
         scoped: dict[tuple[str, bool], int] = {}
+        scoped_groups: dict[tuple[str, bool], int] = {}
         counts: tuple[dict[GroupKey, int], dict[GroupKey, int]] = ({}, {})  # leases, pins
         for lease in self.leases.values():
             if (scope := scope_of(lease.holder_id)) is not None:
                 scoped[(scope, lease.is_pin)] = scoped.get((scope, lease.is_pin), 0) + 1
+                groups_so_far = scoped_groups.get((scope, lease.is_pin), 0)
+                scoped_groups[(scope, lease.is_pin)] = groups_so_far + len(lease.groups)
             table = counts[lease.is_pin]
             for gid in lease.groups:
                 table[gid] = table.get(gid, 0) + 1
         invariant(scoped == self._scope_held, "per-tenant lease counts differ from the leases held")
+        invariant(scoped_groups == self._scope_groups, "per-tenant lease groups differ from the leases held")
         invariant(counts[0] == self.published.lease_count, "lease counts differ from the leases held")
         invariant(counts[1] == self.published.pin_count, "pin counts differ from the pins held")
         invariant(self.pins_held == sum(x.is_pin for x in self.leases.values()), "pins held drift")

@@ -127,7 +127,7 @@ class Reads:
         groups = req.groups[first : first + groups_max]
         objects, hit = self._fold(groups, req.members, lease.expires_ms, reply_bytes_max)
         self.ctx.count("lookup_hit_groups_total", len(hit))
-        if not hit:
+        if not hit or not self.leases.may_extend(lease_id, len(hit)):  # (the tenant's groups bound)
             return Outcome(m.LookupReply(epoch=self.ctx.epoch, hit_chunks=0))
         self.leases.extend(lease_id, tuple(hit))
         effects: list[Effect] = []
