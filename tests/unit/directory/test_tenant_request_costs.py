@@ -1,4 +1,4 @@
-"""What a tenant's request costs the directory's loop, from a review (2026-12-05): a
+"""What a tenant's request costs the directory, from a review (2026-12-05): a
 `lookup_many` / `lease_release_many` runs its parts one after another and yields the loop
 between them (each part of up to 128 groups is one core call, and 16 back to back held the loop
 while every other tenant's request waited); a `list_groups` is charged at fair admission for the
@@ -11,6 +11,7 @@ import itertools
 from typing import Any
 
 import msgspec
+import pytest
 
 from kvfabric.directory.shard_requests import lookup_many, release_many
 from kvfabric.proto import directory as m
@@ -82,3 +83,43 @@ def test_a_listing_costs_the_groups_it_may_examine_at_fair_admission() -> None:
 
     asyncio.run(main())
     assert before - gate.core.tokens("bob", now[0]) == gate.core.config.request_cost_ids + 500
+
+
+def test_a_request_that_waits_too_long_for_its_turn_is_busy_and_gives_its_place_up() -> None:
+    """Review, 2026-12-05: a request queued for a turn waited without a deadline (its client had
+    long given up) and then ran on the tenant's slot and tokens. After `TURN_WAIT_S_MAX` it is
+    `busy`, its place is given up, and the tenant's next request starts normally."""
+    from unittest.mock import patch
+
+    from kvfabric.directory import fair as fair_module
+    from kvfabric.directory.admission import AdmissionConfig
+    from kvfabric.directory.fair import FairGate
+    from kvfabric.format.errors import Busy
+
+    config = AdmissionConfig(
+        ids_per_s=1_000, burst_ids=8_192, queue_max=4, running_max=4, tenant_running_max=1
+    )
+    gate = FairGate(config)
+
+    async def main() -> None:
+        running, release = asyncio.Event(), asyncio.Event()
+
+        async def first() -> None:
+            async with gate.turn("bob", 4):
+                running.set()
+                await release.wait()
+
+        holder = asyncio.create_task(first())
+        await running.wait()
+        with patch.object(fair_module, "TURN_WAIT_S_MAX", 0.05), pytest.raises(Busy, match="too long"):
+            async with gate.turn("bob", 4):
+                raise AssertionError("it should not have started")
+        assert gate.waited_out_total == 1 and gate.core.queue_depth("bob") == 0
+        release.set()
+        await holder
+        async with gate.turn("bob", 4):  # the next one starts at once
+            assert gate.core.running_of("bob") == 1
+        assert gate.core.running_of("bob") == 0
+        gate.core.check()
+
+    asyncio.run(main())

@@ -5,8 +5,9 @@
 it asks the pure core (`kvfabric.directory.admission`) to queue the request, refuses it at
 once with `Busy` (the existing error: every client backs off and asks again,
 `kvfabric.client.busy`) when the tenant's bucket or queue is full, and otherwise waits until
-the core starts it. Leaving the block tells the core the request is done, and starts the next
-ones. Time is `time.monotonic`.
+the core starts it, at most `TURN_WAIT_S_MAX` (then `busy`: no client waits that long).
+Leaving the block tells the core the request is done, and starts the next ones. Time is
+`time.monotonic`.
 
 Gives-back (lease release, unpin, put abort, lease_release_many) never wait for a turn: they
 are never refused for load (`authz.GIVEBACK_VERBS`, their own in-flight lane in
@@ -40,9 +41,13 @@ from typing import Final
 from kvfabric.directory.admission import AdmissionConfig, FairAdmission, GivebackBudget, Refusal, cost_of
 from kvfabric.format.errors import Busy
 
-__all__ = ["REFUSAL_HOLD_S_MAX", "FairGate"]
+__all__ = ["REFUSAL_HOLD_S_MAX", "TURN_WAIT_S_MAX", "FairGate"]
 
 REFUSAL_HOLD_S_MAX: Final = 0.25  # a refusal is answered after at most this long (module docstring)
+# A request waits at most this long for its turn, then is `busy` (its turn given up): no client
+# waits longer (a lookup's timeout is 2 s, a save's 30 s is spread over several requests), and a
+# request whose client gave up would still run, on the tenant's slot and tokens (review, 2026-12-05).
+TURN_WAIT_S_MAX: Final = 10.0
 
 
 class FairGate:
@@ -53,6 +58,7 @@ class FairGate:
         self.clock = clock
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self.giveback = GivebackBudget(config.giveback_empty_ids_per_s, config.giveback_empty_burst_ids)
+        self.waited_out_total = 0  # requests that waited `TURN_WAIT_S_MAX` for a turn: busy
 
     def giveback_spent(self, tenant: str) -> bool:
         """Whether `tenant` spent its budget of give-back ids that released nothing."""
@@ -114,12 +120,20 @@ class FairGate:
         self._waiters[ticket] = waiter
         self._start(now_s)
         try:
-            await waiter  # done already when it started at once: no suspension
-        except asyncio.CancelledError:
+            async with asyncio.timeout(TURN_WAIT_S_MAX):
+                await waiter  # done already when it started at once: no suspension
+        except (asyncio.CancelledError, TimeoutError) as stopped:
             self._waiters.pop(ticket, None)
             if not core.cancel(ticket, self.clock()):  # it started meanwhile: it owes a done
                 self._done(tenant)
-            raise
+            if isinstance(stopped, asyncio.CancelledError):
+                raise
+            self.waited_out_total += 1
+            raise Busy(
+                "waited too long for a turn at the directory",
+                turn_wait_s_max=TURN_WAIT_S_MAX,
+                retry_after_ms=math.ceil(REFUSAL_HOLD_S_MAX * 1000),
+            ) from None
         try:
             yield
         finally:

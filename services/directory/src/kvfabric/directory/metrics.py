@@ -163,6 +163,11 @@ class DirectoryCollector(Collector):
         yield CounterMetricFamily(
             "kvfabric_directory_fair_admitted", "Tenant requests given a turn.", value=core.admitted_total
         )
+        yield CounterMetricFamily(
+            "kvfabric_directory_fair_waited_out",
+            "Tenant requests answered busy after waiting TURN_WAIT_S_MAX for a turn.",
+            value=gate.waited_out_total,
+        )
         yield GaugeMetricFamily(
             "kvfabric_directory_fair_queued", "Tenant requests waiting for their turn now.", value=core.queued
         )
