@@ -292,3 +292,41 @@ def test_router_refits_coefficients_from_realised_ttft(nats_server: NatsServer) 
         assert 'kvfabric_router_coefficient{name="overhead_s"}' in metrics
         fitted = by_instance(asyncio.run(ask_route(nats_server.url, tokens)))
         assert all(0.28 <= e.ttft_s <= 0.6 for e in fitted.values()), fitted  # 0.3 s + the relay
+
+
+def test_an_engine_answering_5xx_stays_in_routing_and_an_oversized_body_is_refused(
+    nats_server: NatsServer,
+) -> None:
+    """Review, 2026-12-05: a 5xx (a poison input, say) or a slow first byte marked the engine down
+    and wiped what the router learned of its cache; a request 500ing everywhere took every engine
+    out. Now only an engine that cannot be reached is marked down. And a body was read whole
+    before its size was checked: one over 16 MiB is refused from its Content-Length."""
+    ports = {"A": free_port(), "B": free_port()}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(directory_process(nats_server))
+        stack.enter_context(fake_engine("A", ports["A"]))
+        stack.enter_context(fake_engine("B", ports["B"]))
+        _, http_port = stack.enter_context(router(nats_server, ports))
+        base = f"http://127.0.0.1:{http_port}"
+        wait_until(
+            "engines up", lambda: len(httpx.get(f"{base}/health", timeout=5).json()["engines_up"]) == 2, 10
+        )
+        broken = {"prompt": [0] * 20, "max_tokens": 1, "stream": True}  # the fake answers 500
+        failed = httpx.post(f"{base}/v1/completions", json=broken, timeout=10)
+        assert failed.status_code == 502, failed.text
+        metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        assert 'kvfabric_router_state{name="core_instance_down"} 0.0' in metrics, metrics
+        assert 'kvfabric_router_failovers_total{instance="A"' in metrics
+        assert 'kvfabric_router_failovers_total{instance="B"' in metrics
+        assert httpx.get(f"{base}/health", timeout=5).json()["engines_up"] == ["A", "B"]
+        too_big = httpx.post(
+            f"{base}/v1/completions",
+            content=b" " * ((16 << 20) + 1),
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+        assert too_big.status_code == 413
+        ok = httpx.post(f"{base}/v1/completions", json={"prompt": [5] * 20, "max_tokens": 1}, timeout=10)
+        assert ok.status_code == 200 and ok.json()["engine"] in ("A", "B")
+        metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        assert 'kvfabric_router_state{name="in_flight"} 0.0' in metrics, metrics

@@ -579,13 +579,18 @@ class RoutingCore:
     def finished(self, request_id: str) -> None:
         self._end(request_id)
 
-    def failed(self, request_id: str) -> str | None:
-        """The instance failed the request before its first byte: it is marked down (a health
-        check brings it back). Returns the instance, or None for an unknown id."""
+    def failed(self, request_id: str, *, down: bool = True) -> str | None:
+        """The instance failed the request before its first byte. `down` (it could not be
+        reached: refused, dropped the connection): it is marked down, its cache forgotten (a
+        health check brings it back); otherwise (a 5xx, a slow first byte) only this request
+        ends: one request's failure, a poison input say, does not take a healthy engine and
+        what the router learned of its cache out of routing (review, 2026-12-05). Returns the
+        instance, or None for an unknown id."""
         req = self._end(request_id)
         if req is None:
             return None
-        self._down(self.instances[req.instance_id])
+        if down:
+            self._down(self.instances[req.instance_id])
         return req.instance_id
 
     def _end(self, request_id: str) -> _Request | None:

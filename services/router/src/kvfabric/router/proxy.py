@@ -58,7 +58,33 @@ TENANT_CHARS_MAX: Final = 64
 TRACE_CHARS_MAX: Final = 128
 BODY_BYTES_MAX: Final = 16 << 20
 HOP_HEADERS: Final = frozenset(
-    {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+    {
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "content-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "date",  # the router's server sends its own
+        "server",
+    }
+)
+# Failures before the first byte that say the engine cannot be reached (it is marked down, its
+# cache forgotten); any other (a 5xx, a slow first byte, the router's own pool) fails this
+# request over without taking the engine out of routing (review, 2026-12-05).
+_ENGINE_GONE: Final = frozenset(
+    {
+        "ConnectError",
+        "connect_timeout",
+        "closed_before_first_byte",
+        "RemoteProtocolError",
+        "ReadError",
+        "WriteError",
+    }
 )
 
 
@@ -66,6 +92,7 @@ class _Failed(Exception):
     def __init__(self, why: str) -> None:
         super().__init__(why)
         self.why = why
+        self.engine_gone = why in _ENGINE_GONE
 
 
 @dataclass
@@ -96,6 +123,9 @@ class Proxy:
             ),
             limits=httpx.Limits(max_connections=settings.routing.admitted_max + 2 * len(self.urls)),
         )
+        # Health checks on connections of their own: a pool full of requests (or of slow
+        # /v1/models calls) made every check time out, and every engine was marked down.
+        self.health_client = httpx.AsyncClient(timeout=httpx.Timeout(settings.connect_timeout_s))
         self._log = get_logger("kvfabric.router")
         self._n = 0
         self.app = Starlette(
@@ -110,6 +140,7 @@ class Proxy:
 
     async def close(self) -> None:
         await self.client.aclose()
+        await self.health_client.aclose()
 
     # ---- health --------------------------------------------------------------------------
 
@@ -120,10 +151,18 @@ class Proxy:
         await asyncio.gather(*(self._check(iid, url) for iid, url in self.urls.items()))
 
     async def _check(self, iid: str, url: str) -> None:
+        """One engine's health check, bounded by the connect timeout whatever hangs; anything
+        but a 200 is down. Never raises (an exception here ended the health loop: every engine
+        then went stale, every request 503, the process alive)."""
         try:
-            resp = await self.client.get(f"{url}/health", timeout=self.settings.connect_timeout_s)
+            resp = await asyncio.wait_for(
+                self.health_client.get(f"{url}/health"), self.settings.connect_timeout_s
+            )
             ok = resp.status_code == 200
-        except httpx.HTTPError:
+        except (httpx.HTTPError, TimeoutError):
+            ok = False
+        except Exception as exc:  # a bug: logged, and the engine counted down this round
+            self._log.error("health_check_failed", instance=iid, error=repr(exc))
             ok = False
         was = self.core.eligible(iid, now_ms())
         await self.driver.feed(routing_events.Health(iid, ok))
@@ -174,8 +213,8 @@ class Proxy:
         received = time.monotonic()
         trace_id = (request.headers.get(TRACE_HEADER) or uuid.uuid4().hex)[:TRACE_CHARS_MAX]
         tenant = (request.headers.get(TENANT_HEADER) or "default")[:TENANT_CHARS_MAX]
-        raw = await request.body()
-        if len(raw) > BODY_BYTES_MAX:
+        raw = await _body_within(request, BODY_BYTES_MAX)
+        if raw is None:
             return _error(413, "body too large", trace_id)
         try:
             body = json.loads(raw)
@@ -184,6 +223,10 @@ class Proxy:
         except ValueError as exc:
             return _error(400, f"body is not a JSON object: {exc}", trace_id)
         keys, prompt_tokens = self._keys(body)
+        # Not streamed, the first byte is the whole answer: its wait is the generation's, not a
+        # first token's (a longer timeout; no failover after a read timeout: it would run the
+        # whole generation again elsewhere; no TTFT observation).
+        streamed = bool(body.get("stream"))
         self._n += 1
         rid = f"{trace_id}-{self._n}"
         log = self._log.bind(trace_id=trace_id, tenant=tenant)
@@ -228,21 +271,27 @@ class Proxy:
                 index_groups=len(self.core.index.groups),
             )
             try:
-                upstream = await self._open(iid, request.url.path, raw, trace_id)
+                upstream = await self._open(iid, request.url.path, raw, trace_id, streamed)
             except _Failed as failed:
-                self.core.failed(rid)
+                self.core.failed(rid, down=failed.engine_gone)
                 self.metrics.failover(iid, failed.why)
-                log.warning("engine_failed_before_first_byte", instance=iid, why=failed.why)
+                log.warning(
+                    "engine_failed_before_first_byte", instance=iid, why=failed.why, down=failed.engine_gone
+                )
+                if not streamed and failed.why == "timeout":
+                    return _error(504, f"no answer from {iid} within the response timeout", trace_id)
                 tried.append(iid)
                 if len(tried) >= self.settings.failover_attempts_max:
                     return _error(502, f"engines failed before the first byte: {', '.join(tried)}", trace_id)
                 continue
             break
         ttft_s = time.monotonic() - received
-        if upstream.response.status_code < 400:
+        if upstream.response.status_code < 400 and streamed:
             # the realised TTFT is an observation for the coefficients' refit (when configured)
             self.core.first_token(rid, ttft_s, self.driver.now_ms())
             self.metrics.first_byte(iid, decision, ttft_s)
+        elif upstream.response.status_code < 400:
+            self.core.first_token(rid)  # running now; its wait was the whole generation's
         headers = {k: v for k, v in upstream.response.headers.items() if k.lower() not in HOP_HEADERS}
         headers["x-kvf-trace-id"] = trace_id
         headers["x-kvf-instance"] = iid
@@ -252,10 +301,21 @@ class Proxy:
             headers=headers,
         )
 
-    async def _open(self, iid: str, path: str, raw: bytes, trace_id: str) -> _Upstream:
+    async def _open(self, iid: str, path: str, raw: bytes, trace_id: str, streamed: bool) -> _Upstream:
         url = f"{self.urls[iid]}{path}"
+        s = self.settings
+        read_s = s.first_byte_timeout_s if streamed else max(s.first_byte_timeout_s, s.response_timeout_s)
         req = self.client.build_request(
-            "POST", url, content=raw, headers={"content-type": "application/json", "x-request-id": trace_id}
+            "POST",
+            url,
+            content=raw,
+            # identity: the body is relayed as it comes (`aiter_raw`), its encoding header dropped
+            headers={
+                "content-type": "application/json",
+                "x-request-id": trace_id,
+                "accept-encoding": "identity",
+            },
+            timeout=httpx.Timeout(connect=s.connect_timeout_s, read=read_s, write=30.0, pool=30.0),
         )
         response: httpx.Response | None = None
         try:
@@ -273,10 +333,13 @@ class Proxy:
                 raise _Failed("closed_before_first_byte") from None
             assert response is not None
             return _Upstream(response, _empty(), b"")
-        except httpx.TimeoutException:
+        except httpx.TimeoutException as exc:
             if response is not None:
                 await response.aclose()
-            raise _Failed("timeout") from None
+            why = {httpx.ConnectTimeout: "connect_timeout", httpx.PoolTimeout: "pool_timeout"}.get(
+                type(exc), "timeout"
+            )
+            raise _Failed(why) from None
         except httpx.HTTPError as exc:
             if response is not None:
                 await response.aclose()
@@ -298,6 +361,9 @@ class Proxy:
         except httpx.HTTPError as exc:
             outcome = "broken_after_first_byte"
             log.warning("engine_failed_after_first_byte", instance=iid, error=type(exc).__name__)
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-answer
+            outcome = "client_disconnected"
+            raise
         finally:
             await up.response.aclose()
             self.core.finished(rid)
@@ -312,6 +378,23 @@ class Proxy:
                 ttft_s=round(ttft_s, 4),
                 e2e_s=round(e2e_s, 4),
             )
+
+
+async def _body_within(request: Request, limit: int) -> bytes | None:
+    """The request's body, or None past `limit` bytes: refused on its Content-Length before
+    anything is read, else read with a running count (a body was buffered whole before it was
+    measured: any number of connections could each hold 16 MiB and more)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            return None
+        parts.append(part)
+    return b"".join(parts)
 
 
 async def _empty() -> AsyncIterator[bytes]:

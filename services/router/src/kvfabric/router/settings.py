@@ -15,7 +15,8 @@ service with a `SettingsError` naming the variable).
 | `KVF_ROUTER_HEALTH_STALE_MS` | 3000 | an engine without a good health answer for this long is not chosen |
 | `KVF_ROUTER_INDEX_STALE_MS` | 5000 | no word from the event stream for this long: kvfabric tokens count 0 |
 | `KVF_ROUTER_CONNECT_TIMEOUT_MS` | 2000 | connecting to an engine |
-| `KVF_ROUTER_FIRST_BYTE_TIMEOUT_MS` | 120000 | an engine's first byte; past it the request fails over |
+| `KVF_ROUTER_FIRST_BYTE_TIMEOUT_MS` | 120000 | streamed: the first byte; past it the request fails over |
+| `KVF_ROUTER_RESPONSE_TIMEOUT_MS` | 600000 | not streamed: the whole answer; past it 504, no failover |
 | `KVF_ROUTER_FAILOVER_ATTEMPTS_MAX` | 3 | engines tried for one request before its first byte |
 | `KVF_ROUTER_LISTING_PAGES_MAX` | 100 | pages (of 1,000 groups) per shard in a resync |
 
@@ -77,6 +78,7 @@ class RouterSettings:
     health_interval_s: float
     connect_timeout_s: float
     first_byte_timeout_s: float
+    response_timeout_s: float  # a request not streamed: its whole answer (KVF_ROUTER_RESPONSE_TIMEOUT_MS)
     failover_attempts_max: int
     listing_pages_max: int
     request_timeout_s: float = 2.0
@@ -225,6 +227,7 @@ def load_router_settings(env: Mapping[str, str]) -> RouterSettings:
         health_interval_s=env_int(env, "KVF_ROUTER_HEALTH_INTERVAL_MS", 500, 10, 600_000) / 1000,
         connect_timeout_s=env_int(env, "KVF_ROUTER_CONNECT_TIMEOUT_MS", 2_000, 10, 600_000) / 1000,
         first_byte_timeout_s=env_int(env, "KVF_ROUTER_FIRST_BYTE_TIMEOUT_MS", 120_000, 10, 3_600_000) / 1000,
+        response_timeout_s=env_int(env, "KVF_ROUTER_RESPONSE_TIMEOUT_MS", 600_000, 10, 3_600_000) / 1000,
         failover_attempts_max=env_int(env, "KVF_ROUTER_FAILOVER_ATTEMPTS_MAX", 3, 1, 64),
         listing_pages_max=env_int(env, "KVF_ROUTER_LISTING_PAGES_MAX", 100, 1, 100_000),
     )
