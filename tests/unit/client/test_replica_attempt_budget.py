@@ -233,3 +233,62 @@ def test_attempt_budget_is_a_share_of_what_is_left_and_the_last_replica_gets_it_
     assert attempt_budget_s(0.05, False, 0.5, 0.1) == 0.05  # ... never more than is left
     assert attempt_budget_s(1.5, True, 0.5, 0.1) == 1.5
     assert attempt_budget_s(1.5, False, 1.0, 0.1) == 1.5  # share 100%: no per-attempt budget
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_sync_read_of_a_last_replica_ends_at_the_deadline(
+    segment: tuple[ArenaBackend, str], batched: bool
+) -> None:
+    """Review, 2026-12-05: the last replica tried had no watchdog (its budget was "all that is
+    left"), which a load's gate bounds on the async path but not a sync load on the engine's
+    thread (`load_now`): one replica behind a trickling link held it ~3 s past a 0.5 s deadline.
+    Now the last try is cut at the deadline, and no replica is tried past it."""
+    from kvfabric.dataplane.scatter import ScatterDest
+
+    backend, good_addr = segment
+    host, port = good_addr.removeprefix("tcp://").rsplit(":", 1)
+    relay = TrickleRelay((host, int(port)))
+    kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1", use_shm=False), SPEC)
+    try:
+        hit, _ = stored_hit(backend, relay.address, good_addr, slow_only=frozenset({0, 1}))
+        location = hit.objects[0][0]
+        dest = ScatterDest([memoryview(bytearray(SIZE))])
+        started = time.monotonic()
+        deadline_s = started + 0.5
+        if batched:
+            (cause,) = kv.pool.fetch_many([location], [dest], 2, deadline_s)
+        else:
+            cause = kv.pool.fetch(location, dest, 2, deadline_s)
+        elapsed_s = time.monotonic() - started
+        assert cause == "timeout" and elapsed_s < 1.5, (cause, elapsed_s)  # the trickle: ~3.2 s
+        assert kv.pool.fetch(location, dest, 2, time.monotonic() - 1) == "timeout"  # nothing tried
+        assert relay.accepted == 1
+    finally:
+        asyncio.run(kv.close())
+        relay.close()
+
+
+def test_a_segment_that_accepts_but_never_answers_its_map_is_cut_at_the_deadline(
+    segment: tuple[ArenaBackend, str],
+) -> None:
+    """Review, 2026-12-05: a new connection's MAP request (shared memory on, the default) ran
+    before the watchdog was armed, so a frozen segment that still accepts connections held the
+    read for the socket's whole timeout. Now the MAP is inside the attempt's budget, and the
+    connection (its answer may still come) is closed."""
+    from kvfabric.dataplane.scatter import ScatterDest
+
+    backend, good_addr = segment
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the backlog), never answers
+    frozen = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+    kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1", use_shm=True), SPEC)
+    try:
+        hit, _ = stored_hit(backend, frozen, good_addr, slow_only=frozenset({0, 1}))
+        dest = ScatterDest([memoryview(bytearray(SIZE))])
+        started = time.monotonic()
+        cause = kv.pool.fetch(hit.objects[0][0], dest, 2, started + 0.5)
+        elapsed_s = time.monotonic() - started
+        assert cause == "timeout" and elapsed_s < 1.5, (cause, elapsed_s)
+        assert not kv.pool._idle.get((frozen, True))  # not pooled out of step
+    finally:
+        asyncio.run(kv.close())
+        silent.close()
