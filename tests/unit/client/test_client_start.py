@@ -228,6 +228,11 @@ def test_a_server_that_lets_the_client_in_enables_it_silently(
         assert took_s < CONNECT_TIMEOUT_MS / 1000 + SLACK_S  # no directory: the access check is bounded
     finally:
         kv.close()
+    # closed: a miss and a dropped save, not a RuntimeError from a closed loop (review, 2026-12-05)
+    assert kv.status == ClientStatus("disabled", "closed", "closed") and not kv.enabled
+    hit = kv.lookup(prompt(64))
+    assert hit.tokens == 0 and hit.cause == "closed"
+    assert kv.save_async(prompt(32), objects_for(prompt(32), 0, 2)) is None
 
 
 @pytest.mark.parametrize("fake_nats", ["frozen"], indirect=True)

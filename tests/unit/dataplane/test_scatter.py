@@ -101,3 +101,19 @@ def test_a_joiner_copies_across_scatter_layouts_only_while_its_gate_is_open() ->
     with pytest.raises(GateClosed):
         closed.copy_from(source)
     assert fresh[0] == bytes(SIZE)
+
+
+def test_a_joiner_never_copies_from_a_source_whose_gate_closed() -> None:
+    """Review, 2026-12-05: the joiner checked the source's gate once, then copied holding only
+    its own lock; the source's owner may close its gate from another thread and reuse the buffer
+    at once. Each piece is copied under both gates: a source closed before the copy (or mid-way)
+    ends it with `GateClosed`."""
+    data = os.urandom(SIZE)
+    source_gate = WriteGate()
+    _, source = scatter_of([SIZE], source_gate)
+    source.write_from(memoryview(data), hashed=False)
+    buffers, dest = scatter_of([SIZE], WriteGate())
+    source_gate.close()
+    with pytest.raises(GateClosed):
+        dest.copy_from(source)
+    assert buffers[0] == bytes(SIZE)

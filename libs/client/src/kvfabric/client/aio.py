@@ -215,6 +215,8 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
         if self.nc is not None:
             with contextlib.suppress(Exception):
                 await self.nc.drain()
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        self._save_executor.shutdown(wait=True, cancel_futures=True)
+        # Waited for off the loop (review, 2026-12-05): a transfer still running may take its
+        # whole timeout, and the loop must stay free to take its answer and serve other tasks.
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        await asyncio.to_thread(self._save_executor.shutdown, wait=True, cancel_futures=True)
         self.pool.close()

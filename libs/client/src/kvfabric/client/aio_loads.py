@@ -431,11 +431,10 @@ class LoadMixin(ClientBase):
             return
         if target.dest is not waiter.dest:
             # A load that joined another's transfer copies from that load's buffers, which are
-            # still lent only while its gate is open (all on the loop thread: nothing interleaves).
+            # still lent only while its gate is open: its owner may close it from another thread
+            # (a sync load's engine thread), so each piece is copied under both gates.
             try:
-                if target.dest.gate is not None and not target.dest.gate.is_open:
-                    raise GateClosed
-                waiter.dest.copy_from(target.dest)  # under the joiner's own gate
+                waiter.dest.copy_from(target.dest)
             except GateClosed:
                 self._perform(self.table.cancel(effect.load_id))
                 self._finish(effect.load_id, "cancelled")

@@ -352,6 +352,10 @@ class KvClient:
     def close(self) -> None:
         if self._loop.is_closed():
             return
+        # From now on lookups miss and saves are dropped (`closed`): the engine's calls after
+        # `close` went to a closed loop and raised RuntimeError (review, 2026-12-05).
+        if self.status.state != DISABLED:  # (a disabled one keeps its cause)
+            self.status = ClientStatus(DISABLED, "closed", "closed")
         if self._starting is not None and not self._starting.done():  # a background start
             self._closing = True
             self._loop.call_soon_threadsafe(self._starting.cancel)

@@ -114,27 +114,37 @@ class ScatterDest:
 
     def copy_from(self, source: ScatterDest) -> None:
         """Copy another destination's bytes (same total size) into this one, block by block under
-        this gate (a load that joined another's transfer takes its bytes from there)."""
+        this gate and the source's (a load that joined another's transfer takes its bytes from
+        there). `GateClosed` when either closed first: each piece is copied while both are open,
+        so never from a buffer its owner took back meanwhile (it may close the source's gate
+        from another thread, and then reuse the buffer at once; review, 2026-12-05)."""
         if source.size != self.size:
             raise BadRequest(f"source is {source.size} bytes, destination {self.size}")
         pieces = iter(source._blocks())
         piece = memoryview(b"")
         lock = self.gate._lock if self.gate is not None else None
+        source_lock = source.gate._lock if source.gate is not None else None
         for block in self._blocks():
             filled = 0
             while filled < len(block):
                 if not piece:
                     piece = next(pieces)
                 n = min(len(piece), len(block) - filled)
+                if source_lock is not None:  # always before this gate's lock: one order
+                    source_lock.acquire()
                 if lock is not None:
                     lock.acquire()
                 try:
                     if self.gate is not None and not self.gate._open:
                         raise GateClosed
+                    if source.gate is not None and not source.gate._open:
+                        raise GateClosed
                     block[filled : filled + n] = piece[:n]
                 finally:
                     if lock is not None:
                         lock.release()
+                    if source_lock is not None:
+                        source_lock.release()
                 filled += n
                 piece = piece[n:]
 
