@@ -308,6 +308,7 @@ class EvictionCore(LeafRanking):
                 return [Refused(object_id, why)]
             reason = why if reason in ("always", "room") else reason
         accessed = now_ms if last_access_ms is None else last_access_ms
+        parent = self._sane_parent(object_id, parent, chunk_index)
         obj = Tracked(tenant, held, sum(held.values()), parent, chunk_index, accessed)
         obj.turn, obj.prompt_chunks, obj.density_class = turn, prompt, density_cls
         if self.config.policy == "lru2":
@@ -340,6 +341,7 @@ class EvictionCore(LeafRanking):
         if old is None:
             return False
         self._detach(object_id, old)
+        parent = self._sane_parent(object_id, parent, old.chunk_index)
         obj = Tracked(old.tenant, held, sum(held.values()), parent, old.chunk_index, old.last_access_ms)
         obj.previous_access_ms, obj.frequency = old.previous_access_ms, old.frequency
         obj.turn, obj.prompt_chunks, obj.density_class = old.turn, old.prompt_chunks, old.density_class
@@ -440,6 +442,21 @@ class EvictionCore(LeafRanking):
                 elif usage.inflow_seen_ms is None or now_ms - usage.inflow_seen_ms >= WRITER_GAP_MS:
                     usage.writing_since_ms = None
             usage.inserted = 0
+
+    def _sane_parent(self, object_id: ObjectId, parent: ObjectId | None, chunk_index: int) -> ObjectId | None:
+        """`parent`, unless it cannot be one: the object itself, or a resident object not before
+        it in a prefix (chunk index not lower). A writer names its parent, and a parent link keeps
+        an object from being a leaf while its child lives: a group naming itself, or two naming
+        each other, were never victims, whatever the pool's pressure or the tenant's quota
+        (review, 2026-12-05). Every link closing a cycle points at a resident object (the other
+        end was inserted first), so checking resident parents breaks every cycle."""
+        if parent is None or parent == object_id:
+            return None
+        resident = self._objects.get(parent)
+        if resident is not None and resident.chunk_index >= chunk_index:
+            self._count("parent_refused_total")
+            return None
+        return parent
 
     def _attach(self, object_id: ObjectId, obj: Tracked) -> None:
         """`obj` resident: counted in its pools and tenant, linked to its parent and children."""

@@ -195,6 +195,9 @@ class WriteBegin(WriteState):
             raise BadRequest(f"checksum must be {CHECKSUM_BYTES} bytes (xxh3-128) or empty")
         if len(spec.parent) not in (0, CHAIN_BYTES):
             raise BadRequest("parent must be empty or a 32-byte chain hash")
+        if spec.parent and bytes(info.group.group_id).endswith(spec.parent):
+            # its own chain hash: the eviction policy never found such a group a leaf (review)
+            raise BadRequest("a group cannot be its own parent")
         return info
 
     def _begin_one(
