@@ -69,7 +69,8 @@ def staged_put_refused(segment: Segment, staged: StagedBytes, size: int = 10) ->
         with pytest.raises(KvfError) as caught:
             client.put(segment.ticket(data), b"", staged=staged)
         # the connection is still in step: a sent PUT works after the refusal
-        assert client.put(segment.ticket(data, key=b"after"), data).confirmed
+        # (a ticket of its own: one ticket holds one slot)
+        assert client.put(segment.ticket(data, key=b"after-" + os.urandom(4).hex().encode()), data).confirmed
     assert caught.value.details.get("staging") is True
     return caught.value
 

@@ -4,6 +4,7 @@ bounds (busy), a corrupt disk replica (dropped and reported, never served), rest
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
@@ -37,6 +38,7 @@ from kvfabric.segment_storage.settings import apply_process_settings, load_segme
 from kvfabric.segment_storage.ssd import SsdIo, SsdRead, SsdTier, ssd_file_path
 
 SECRET = b"unit-ssd-secret-0123456789ab"
+TICKET_IDS = itertools.count(1)
 ARENA_BYTES = 8 << 20
 SSD_BYTES = 16 << 20
 NOW_MS = 1_000_000
@@ -53,7 +55,7 @@ class Seg:
 
     def store(self, data: bytes, key: bytes) -> ReadRef:
         ticket = WriteTicket(
-            ticket_id=1,
+            ticket_id=next(TICKET_IDS),  # one slot per ticket: a ticket of its own each time
             key=ObjectKey(key),
             segment_id=SEGMENT,
             incarnation=INCARNATION,

@@ -266,6 +266,11 @@ class SlotTable:
             return None
         return HeldSlot(slot, rec.generation, rec.size, rec.checksum, rec.key)
 
+    def holds(self, slot: int, generation: int) -> bool:
+        """Whether `slot` is WRITING or STORED under `generation` (its extent in use for it)."""
+        rec = self._slots.get(slot)
+        return rec is not None and rec.generation == generation and rec.state in ("writing", "stored")
+
     def stored(self, slot: int, generation: int, checksum: bytes) -> None:
         """WRITING -> STORED: the transport is done writing; the object is readable from now on.
 

@@ -6,6 +6,7 @@ and the directory's frees. `BackendWrites` and `BackendReads` extend it; `ArenaB
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 from collections.abc import Callable
@@ -115,6 +116,13 @@ class BackendCore:
         self.gate = SegmentGate()
         self.lock = threading.Lock()
         self._conns: dict[int, _Conn] = {}
+        # Write tickets used here, until their deadline: (shard, epoch, ticket id, key) -> (slot,
+        # generation, deadline ms), and the same in deadline order for pruning (`begin_put`:
+        # one slot per ticket).
+        self._ticket_slots: dict[tuple[int, int, int, bytes], tuple[int, int, int]] = {}
+        self._ticket_deadlines: collections.deque[tuple[int, tuple[int, int, int, bytes]]] = (
+            collections.deque()
+        )
         self._grant_ids = itertools.count(1)
         self._copy_conns = itertools.count(-1, -1)  # negative: never a transport's connection id
         self.counters: dict[str, int] = {}

@@ -54,10 +54,32 @@ class BackendWrites(BackendCore):
             raise Conflict("write ticket deadline has passed", deadline_ms=ticket.deadline_ms)
         self.gate.check_writes()
         with self.lock:
+            # One slot per ticket (review, 2026-12-05): a writer could PUT one ticket again and
+            # again, each time a new slot, N times the bytes its tenant was charged for once,
+            # held until the ticket's deadline (its confirms `pending`). A ticket whose slot is
+            # gone (aborted, freed: a repair's copy asked again) may be used once more.
+            self._prune_tickets(now)
+            # ids are per shard leader (a new one counts from 1 again): the ticket is all of these
+            which = (ticket.shard, ticket.epoch, ticket.ticket_id, bytes(ticket.key))
+            used = self._ticket_slots.get(which)
+            if used is not None and self.slots.holds(used[0], used[1]):
+                self._count("ticket_reused_total")
+                raise Conflict("this write ticket already holds a slot here", ticket_id=ticket.ticket_id)
             alloc = self.slots.alloc(ticket.size_bytes, now, deadline_ms, ticket.key)
             self._conn(conn).puts[alloc.slot] = (alloc.slot, alloc.generation)
+            self._ticket_slots[which] = (alloc.slot, alloc.generation, deadline_ms)
+            self._ticket_deadlines.append((deadline_ms, which))
         view = self.arena.slice(alloc.offset, alloc.size)
         return PutSlot(alloc.slot, alloc.generation, view, ticket, alloc.offset)
+
+    def _prune_tickets(self, now: int) -> None:
+        """Forget tickets past their deadline (caller holds the lock): none can be used again.
+        Deadlines come in about the order tickets were used; one that is not waits its turn."""
+        while self._ticket_deadlines and self._ticket_deadlines[0][0] <= now:
+            _, which = self._ticket_deadlines.popleft()
+            used = self._ticket_slots.get(which)
+            if used is not None and used[2] <= now:
+                del self._ticket_slots[which]
 
     def finish_put(self, put: PutSlot, conn: int) -> tuple[int, int]:
         # Hashed on arrival by the transport, or now (nobody else can see a WRITING slot: no lock).

@@ -143,10 +143,22 @@ class ConfirmBatcher:
                     _fail(live, err)
                     continue
                 results = reply.results if isinstance(reply, m.ConfirmReply) else []
-                verdicts = {r.ticket_id: r.status for r in results}
-                for confirm, verdict in live:
-                    if not verdict.done():
-                        verdict.set_result(verdicts.get(confirm.ticket_id, "mismatch"))
+                # The directory answers each confirm in order: matched by position, not by
+                # ticket id (two confirms of one ticket both got the last one's verdict, review
+                # 2026-12-05). An answer of another shape: by ticket id where ids are unique,
+                # else no verdict ("mismatch").
+                aligned = len(results) == len(live) and all(
+                    r.ticket_id == c.ticket_id for r, (c, _) in zip(results, live, strict=True)
+                )
+                by_id = {r.ticket_id: r.status for r in results}
+                unique = len({c.ticket_id for c, _ in live}) == len(live)
+                for i, (confirm, verdict) in enumerate(live):
+                    if verdict.done():
+                        continue
+                    if aligned:
+                        verdict.set_result(results[i].status)
+                    else:
+                        verdict.set_result(by_id.get(confirm.ticket_id, "mismatch") if unique else "mismatch")
                 batch = []
         finally:
             del self._senders[key]
