@@ -57,6 +57,7 @@ class EvictionMachine(RuleBasedStateMachine):
         self.next_id = 0
         # id -> (tenant, {pool: bytes}, parent)
         self.resident: dict[int, tuple[str, dict[str, int], int | None]] = {}
+        self.chunks: dict[int, int] = {}  # id -> its chunk index (a parent's is lower)
         self.evicting: set[int] = set()
         self.leased: set[int] = set()
         self.cooldown: dict[int, int] = {}
@@ -127,12 +128,15 @@ class EvictionMachine(RuleBasedStateMachine):
         if replica_bytes:  # also held in the other pool (a second replica or another member)
             pools[POOLS[1 - POOLS.index(pool)]] = replica_bytes
         self.core.seen(object_id)
+        # after its parent in a prefix (a link to one not before it is dropped by the core)
+        chunk_index = self.chunks.get(parent, -1) + 1 if parent is not None else 0
+        self.chunks[object_id] = chunk_index
         effects = self.core.insert(
             object_id,
             tenant=tenant,
             pools=pools,
             parent=parent,
-            chunk_index=0,
+            chunk_index=chunk_index,
             now_ms=self.now,
             last_access_ms=self.now - older if older else None,
         )

@@ -38,7 +38,7 @@ def published(
 ) -> m.GroupPublished:
     return m.GroupPublished(
         group=chain(i),
-        chunk_index=0 if parent is None else 1,
+        chunk_index=0 if parent is None else parent + 1,  # after its parent in a prefix
         members=1,
         namespace=namespace,
         parent=ChainHash(b"") if parent is None else chain(parent),
@@ -56,7 +56,7 @@ def test_events_drive_the_core_and_victims_map_back_to_group_ids() -> None:
     assert sh.core.used_bytes("s1") == 60 and sh.core.tenant_bytes(A) == 90
     (batch,) = sh.core.tick(4)  # s1 at 60 % > 50 %: the tail (2) before its head (1)
     assert isinstance(batch, EvictBatch) and batch.victims == (A + chain(2), A + chain(1))
-    assert sh._group_ids[A + chain(2)] == group_id_of(NAMESPACE_A, 1, chain(2))
+    assert sh._group_ids[A + chain(2)] == group_id_of(NAMESPACE_A, 2, chain(2))
     assert len(sh._group_ids[A + chain(2)]) == 90
     sh.apply(m.GroupEvicted(group=chain(2), reason="policy", domain=A), 5)  # may overtake the reply
     assert A + chain(2) not in sh.core and A + chain(2) not in sh._group_ids

@@ -791,6 +791,23 @@ class ServiceRuntime:
             self._exit_code = EXIT_UNAVAILABLE
         self.request_stop("nats_connection_lost")
 
+    def watch(self, task: asyncio.Task[Any], name: str) -> None:
+        """A background task of the service (a follower, a ticker): one that ends with an
+        exception is logged and stops the service with `EXIT_SOFTWARE`, so its supervisor
+        restarts it. Before (review, 2026-12-05), such a task died silently: the exception sat
+        on it until `stop`, and the service looked healthy while it did nothing."""
+
+        def ended(done: asyncio.Task[Any]) -> None:
+            if done.cancelled() or done.exception() is None:
+                return
+            exc = done.exception()
+            self._log.error("task_failed", task=name, error=repr(exc), exc_info=exc)
+            if self._exit_code == EXIT_OK:
+                self._exit_code = EXIT_SOFTWARE
+            self.request_stop("task_failed")
+
+        task.add_done_callback(ended)
+
     # ---- stopping --------------------------------------------------------------------------
 
     def request_stop(self, reason: str) -> None:

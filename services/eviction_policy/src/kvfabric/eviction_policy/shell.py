@@ -172,6 +172,7 @@ ROOM_WRITER_MIN_BYTES_PER_S: Final = 1 << 20
 ROOM_WRITER_SUSTAINED_MS: Final = 2_000
 ROOM_MS_MAX: Final = 3_600_000
 RETRY_S: Final = 0.5
+FOLLOW_RETRY_S_MAX: Final = 15.0  # the event follower's backoff, doubling from RETRY_S
 ADOPT_PAGE_GROUPS: Final = 1_000  # groups per `list_groups` page when adopting a listing
 ADOPT_PAGES_MAX: Final = 1_000_000  # pages per shard (each bounded by the directory's reply size)
 ADOPT_RETRY_S: Final = 2.0  # a failed listing is tried again after this, doubling up to ...
@@ -264,6 +265,7 @@ class EvictionShell(GroupRecords):
         self._nc: NatsClient | None = None
         self._router: DirectoryRouter | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._runtime: ServiceRuntime | None = None
         self._log = get_logger("kvfabric.eviction_policy")
         self.last_seq = 0  # stream sequence of the last event applied
         self.events_applied = 0
@@ -272,6 +274,7 @@ class EvictionShell(GroupRecords):
         self.caught_up = asyncio.Event()  # set once the follower has read to the stream's end
 
     def attach(self, runtime: ServiceRuntime) -> None:
+        self._runtime = runtime  # its background tasks are watched (`ServiceRuntime.watch`)
         runtime.add_endpoint(
             "status", self._status, request=e.EvictionStatusRequest, decoder=e.eviction_decoder
         )
@@ -293,6 +296,13 @@ class EvictionShell(GroupRecords):
         ]
         if self.admission_publish_ms:
             self._tasks.append(asyncio.create_task(self._publish_admission()))
+        if self._runtime is not None:
+            for task, name in zip(
+                self._tasks,
+                ("follow", "adopter", "refresh_segments", "ticker", "publish_admission"),
+                strict=False,
+            ):
+                self._runtime.watch(task, name)
 
     async def stop(self) -> None:
         await self._driver.stop()
@@ -305,7 +315,9 @@ class EvictionShell(GroupRecords):
     async def _follow(self) -> None:
         assert self._nc is not None
         js = self._nc.jetstream(timeout=self.request_timeout_s)
+        retry_s = RETRY_S
         while True:
+            sub = None
             try:
                 info = await js.stream_info(EVENTS_STREAM)
                 end_seq = info.state.last_seq
@@ -321,12 +333,20 @@ class EvictionShell(GroupRecords):
                 )
                 if self.last_seq >= end_seq:
                     self.caught_up.set()
+                retry_s = RETRY_S  # subscribed: a later failure starts the backoff again
                 await self._read_events(sub, end_seq)
             except asyncio.CancelledError:
                 raise
             except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-                self._log.info("events_follow_retry", error=type(exc).__name__, last_seq=self.last_seq)
-                await asyncio.sleep(RETRY_S)
+                self._log.info(
+                    "events_follow_retry", error=type(exc).__name__, last_seq=self.last_seq, retry_s=retry_s
+                )
+                await asyncio.sleep(retry_s)
+                retry_s = min(FOLLOW_RETRY_S_MAX, retry_s * 2)  # doubling (it retried every 0.5 s)
+            finally:
+                if sub is not None:  # each retry subscribes anew: the old one goes (review)
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
 
     def check_stream(self, first_seq: int, end_seq: int, created: object = None) -> bool:
         """The stream's bounds (and creation time) as the follower (re)subscribes. True when
@@ -673,7 +693,9 @@ class EvictionShell(GroupRecords):
                 continue
             shard = router.shard_of(group_id)
             tier: m.EvictTier = "ssd" if chain in keep_arena else "all"
-            if runs and runs[-1][:2] == (shard, tier):
+            # a run is one evict request: at most EVICT_BATCH_GROUPS_MAX groups (a disk batch's
+            # tails, added without bound, made one the directory refused whole; review 2026-12-05)
+            if runs and runs[-1][:2] == (shard, tier) and len(runs[-1][2]) < m.EVICT_BATCH_GROUPS_MAX:
                 runs[-1][2].append(chain)
             else:
                 runs.append((shard, tier, [chain]))

@@ -1,0 +1,44 @@
+"""A service's background task that dies stops the service (review, 2026-12-05): the eviction
+policy's follower or ticker ending with an exception left the exception on the task until stop,
+and the service looked healthy while it evicted nothing. `ServiceRuntime.watch` logs it and asks
+for a stop with `EXIT_SOFTWARE` (the supervisor restarts the process); a task cancelled or ended
+normally stops nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvfabric.proto.subjects import Service
+from kvfabric.runtime.config import RuntimeSettings
+from kvfabric.runtime.service import EXIT_OK, EXIT_SOFTWARE, ServiceRuntime
+
+
+def test_a_watched_task_that_raises_stops_the_service() -> None:
+    async def main() -> tuple[str, int]:
+        runtime = ServiceRuntime(
+            Service.ECHO, RuntimeSettings(metrics_port=-1), version="0.0.1", description="t"
+        )
+
+        async def fine() -> None:
+            return
+
+        async def forever() -> None:
+            await asyncio.sleep(60)
+
+        async def broken() -> None:
+            raise ValueError("a bug in a loop")
+
+        ok, cancelled = asyncio.create_task(fine()), asyncio.create_task(forever())
+        runtime.watch(ok, "fine")
+        runtime.watch(cancelled, "forever")
+        await ok
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        await asyncio.sleep(0)
+        assert not runtime._stop_requested.is_set() and runtime._exit_code == EXIT_OK
+        failing = asyncio.create_task(broken())
+        runtime.watch(failing, "broken")
+        reason = await asyncio.wait_for(runtime.wait_stop_requested(), 5)
+        return reason, runtime._exit_code
+
+    assert asyncio.run(main()) == ("task_failed", EXIT_SOFTWARE)
