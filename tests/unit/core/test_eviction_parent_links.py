@@ -55,13 +55,14 @@ def test_a_real_prefix_keeps_its_order() -> None:
 
 def test_the_directory_refuses_a_group_naming_itself_as_its_parent() -> None:
     from kvfabric.format.errors import BadRequest
+    from kvfabric.format.ids import ChainHash
     from kvfabric.proto import directory as m
     from tests.unit.core.dirkit import groups, key, new_core, register
 
     core = new_core()
     register(core, "s1", capacity=10_000)
     (g,) = groups(1, seed=41)
-    own_chain = bytes(g.group_id())[-32:]  # a group id ends with its chain hash
+    own_chain = ChainHash(bytes(g.group_id())[-32:])  # a group id ends with its chain hash
     spec = m.ObjectSpec(key=key(g), size_bytes=10, checksum=b"", parent=own_chain)
     with pytest.raises(BadRequest, match="its own parent"):
         core.handle(m.PutBegin(writer_id="w", request_id="r", objects=[spec]), 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -62,7 +63,10 @@ def test_a_ticket_holding_a_slot_is_refused_a_second_one(tmp_path: Path) -> None
 
 def test_two_confirms_of_one_ticket_get_their_own_verdicts() -> None:
     async def send(message: m.ConfirmReplicas, trace_id: str) -> m.ConfirmReply:
-        statuses = ["unknown_ticket", "ok"]  # in order, one per confirm
+        statuses: list[Literal["ok", "unknown_ticket", "mismatch", "pending"]] = [
+            "unknown_ticket",
+            "ok",
+        ]  # in order
         return m.ConfirmReply(
             epoch=1,
             results=[
@@ -72,7 +76,7 @@ def test_two_confirms_of_one_ticket_get_their_own_verdicts() -> None:
         )
 
     async def main() -> list[str]:
-        batcher = ConfirmBatcher(SEGMENT, INCARNATION, send)  # type: ignore[arg-type]
+        batcher = ConfirmBatcher(SEGMENT, INCARNATION, send)
         confirms = [
             m.ReplicaConfirm(
                 ticket_id=9, key=ObjectKey(b"k"), slot=slot, slot_generation=1, size_bytes=10, checksum=b""
