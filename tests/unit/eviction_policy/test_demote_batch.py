@@ -502,3 +502,26 @@ def test_a_writer_long_gone_is_no_writer(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(shell, "ROOM_WRITER_MIN_BYTES_PER_S", 0)
     until = sh._room_until_ms("s1")
     assert until is not None and until <= sh._driver.now_ms() + shell.ROOM_MS_MAX
+
+
+def test_a_head_whose_tail_was_refused_in_another_pools_batch_stays() -> None:
+    """Review, 2026-12-05: tail T on s1, its head H on s2, both pools pressed: one tick gives
+    batch s1 = [T] and batch s2 = [H] (H a leaf only because T was chosen). T comes back
+    refused (leased): H, no leaf any more, must not be evicted in its batch (it was: T was left
+    where no lookup reaches it). It stays, cooled down, as a refused victim."""
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.01))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh.demote = False
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=10), 0)
+    sh.apply(m.SegmentUp(segment_id="s2", incarnation=1, capacity_bytes=10), 0)
+    sh.apply(published(1, NAMESPACE, s2=10), 1)  # the head
+    sh.apply(published(2, NAMESPACE, parent=1, s1=10), 2)  # its tail
+    batches = {b.pool: b for b in core.tick(3) if isinstance(b, EvictBatch)}
+    tail, head = A + chain(2), A + chain(1)
+    assert batches["s1"].victims == (tail,) and batches["s2"].victims == (head,)
+    directory = FakeDirectory({}, 0)
+    sh._router = directory
+    core.refused(tail, 4)  # the directory's answer for s1's batch: leased
+    asyncio.run(sh._evict(batches["s2"]))
+    assert directory.evicted == [] and head in core and not core.is_evicting(head)
+    core.check_invariants()

@@ -524,6 +524,13 @@ class EvictionCore(LeafRanking):
             self._push(object_id, obj)  # a size-aware rank (gdsf) changes
         return True
 
+    def keeps_children(self, object_id: ObjectId) -> bool:
+        """Whether a resident object has a child that stays (resident, not being evicted): one
+        chosen as a leaf while its tail was chosen too, whose tail was then refused (in another
+        pool's batch of the same tick, say), is no leaf any more and must not go."""
+        obj = self._objects.get(object_id)
+        return obj is not None and obj.children > obj.children_evicting
+
     def refused(self, object_id: ObjectId, now_ms: int) -> None:
         """The directory would not evict it (leased or pinned): resident again, cooled down."""
         self._advance(now_ms)

@@ -566,6 +566,17 @@ class EvictionShell(GroupRecords):
         for victim, why in zip(batch.victims, batch.victim_reasons or [""] * len(batch.victims), strict=True):
             if isinstance(victim, bytes):
                 self._decisions.record(victim, at, "chosen", why, pool_name, batch.reason)
+        # A head chosen because its tail was chosen too, in another pool's batch of this tick,
+        # whose tail was refused meanwhile (leased): no leaf any more, it stays (review,
+        # 2026-12-05: it was evicted, its tail left where no lookup reaches it).
+        staying = {c for c in chains if self.core.keeps_children(c)}
+        for chain in staying:
+            self.core.refused(chain, at)
+            self._decisions.record(chain, at, "kept", "its_tail_stays", pool_name, batch.reason)
+        if staying:  # (counted as refusals: `evict_refused_total`)
+            chains = [c for c in chains if c not in staying]
+            if not chains:
+                return
         if (
             self.demote
             and batch.reason == "watermark"
