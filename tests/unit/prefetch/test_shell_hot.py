@@ -181,3 +181,22 @@ def test_one_read_of_n_counts_as_n_reads() -> None:
         one.read(b"k", size_bytes=10, served_from="s1", now_ms=5_000)
     many.read(b"k", size_bytes=10, served_from="s1", now_ms=5_000, reads=7)
     assert one.reads_per_s(b"k", 5_000) == many.reads_per_s(b"k", 5_000) > 0
+
+
+def test_an_extra_whose_group_is_gone_is_forgotten_not_an_error() -> None:
+    """Review, 2026-12-05: an extra whose group was evicted made `show_group` answer
+    `not_found`, which ended the scan before every other cold extra, at every scan: their
+    replicas (and the extras budget) were never given back. It is forgotten as gone now."""
+    from kvfabric.format.errors import NotFound
+
+    (g,) = groups(1)
+
+    def answer(shard: int, verb: str, message: Any) -> Any:
+        assert verb == "show_group"
+        return NotFound("no such group")
+
+    shell = make_shell(FakeRouter(answer))
+    removed: list[tuple[object, str]] = []
+    shell.core.replica_removed = lambda object_id, segment: removed.append((object_id, segment))  # type: ignore[method-assign]
+    asyncio.run(shell._drop_extra(key(g), "s1"))
+    assert removed == [(key(g), "s1")]

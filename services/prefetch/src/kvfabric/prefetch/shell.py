@@ -74,7 +74,7 @@ from kvfabric.core.prefetch_events import (
 )
 from kvfabric.core.step import reply_of
 from kvfabric.format.clock import monotonic_ms, now_ms
-from kvfabric.format.errors import BadRequest, KvfError, Unavailable
+from kvfabric.format.errors import BadRequest, KvfError, NotFound, Unavailable
 from kvfabric.format.ids import (
     CHAIN_SLICE,
     ChainHash,
@@ -415,7 +415,12 @@ class PrefetchShell:
         cold_extras = reply_of(await self._driver.feed(ColdExtraReplicas()))
         assert isinstance(cold_extras, list)
         for cold in cold_extras:
-            await self._drop_extra(cold.object_id, cold.segment)
+            # each on its own: one that fails (a directory error) no longer ends the scan before
+            # the others (review, 2026-12-05); it is tried again at the next scan
+            try:
+                await self._drop_extra(cold.object_id, cold.segment)
+            except KvfError as exc:
+                self._log.info("cold_extra_drop_failed", code=exc.code, segment=cold.segment)
 
     def _scan_failed(self, exc: KvfError) -> None:
         self._log.info("scan_failed", code=exc.code)
@@ -424,7 +429,12 @@ class PrefetchShell:
         assert isinstance(object_id, bytes)
         shard = (await self._routed()).shard_of(object_id)  # the group's and the key's
         group_id = group_id_in_key(ObjectKey(object_id))
-        shown = await self._directory(shard, "show_group", m.ShowGroup(group=group_id))
+        try:
+            shown: msgspec.Struct | None = await self._directory(
+                shard, "show_group", m.ShowGroup(group=group_id)
+            )
+        except NotFound:  # its group is gone (evicted): so is the extra (review, 2026-12-05: this
+            shown = None  # ended every later scan before its other cold extras were dropped)
         replica = None
         if isinstance(shown, m.GroupList) and shown.groups:
             for obj in shown.groups[0].objects:

@@ -285,7 +285,11 @@ class ReplicaTable:
         left = tuple(r for r in mem.replicas if r != bad)
         tenant: Tenant = tenant_of(req.key)
         if req.reason != "corrupt":  # a healthy replica nobody needs (a cold extra): never the last
-            if not left:
+            # ... live one: a replica of a segment declared down stays in the record until the
+            # sweep reaches its group, and counting it dropped the only live copy (review,
+            # 2026-12-05: a cold extra dropped right after its original's segment died)
+            if not any(self.segments.live(r.placement) for r in left):
+                ctx.count("drop_refused_last_live_total")
                 return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False))
             if req.reason == "demoted" and self.published.held(gid):
                 # a reader leased it with a lookup that may name only this replica: not under it
