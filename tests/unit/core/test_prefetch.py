@@ -221,6 +221,21 @@ def test_a_hot_object_gets_one_extra_replica_within_budget_and_is_reported_cold_
     c.check_invariants()
 
 
+def test_a_replica_that_was_there_already_is_no_extra_of_ours() -> None:
+    """Review, 2026-12-05: a hot object's extra target may hold a replica already (repair put it
+    there since the group was shown): the copy answers `already_there`, and recording it as an
+    extra had the service drop that replica once the object cooled (below its target)."""
+    c = core(hot_window_ms=1_000, hot_reads_per_s=5, cold_reads_per_s=1, hot_extra_replicas_max=1)
+    c.set_segments({"s1": 500, "s2": 900, "s3": 700})
+    for i in range(6):
+        c.read("hot", size_bytes=10, served_from="s1", replicas=("s2",), now_ms=T0 + i)
+    (copy,) = c.tick(T0 + 6)
+    assert isinstance(copy, StartCopy) and copy.extra
+    (published,) = c.copy_finished(copy.copy_id, True, T0 + 10, made=False)
+    assert isinstance(published, PublishReplica) and not published.extra
+    assert c.extra_replicas() == {} and c.cold_extra_replicas(T0 + 3_000) == []
+    c.check_invariants()
+
 def test_a_queued_object_whose_last_source_goes_is_dropped_and_its_hint_fails() -> None:
     c = core(copies_in_flight_max=1)
     c.add_hint(hint("h1", obj("a", replicas=("s1",)), obj("b", replicas=("s2",))), T0)

@@ -469,8 +469,9 @@ class PrefetchCore:
                 effects.append(self._start(want))
         return effects
 
-    def copy_finished(self, copy_id: int, ok: bool, now_ms: int) -> list[Effect]:
-        """The copy `copy_id` ended. Returns exactly one of PublishReplica or ReleaseCopy."""
+    def copy_finished(self, copy_id: int, ok: bool, now_ms: int, *, made: bool = True) -> list[Effect]:
+        """The copy `copy_id` ended. Returns exactly one of PublishReplica or ReleaseCopy.
+        `made` False: the replica was on the target already (not this copy's): never an extra."""
         self._advance(now_ms)
         key = self._copies.pop(copy_id, None)
         if key is None:
@@ -489,7 +490,7 @@ class PrefetchCore:
             return [ReleaseCopy(copy_id, want.object_id, want.target, "unwanted")]
         if ok:
             self.counters["bytes_copied_total"] += want.size
-            extra = want.extra and not want.hints
+            extra = want.extra and not want.hints and made
             if extra:
                 self.counters["hot_replicas_created_total"] += 1
                 self._extras[want.object_id] = (want.target, want.size)

@@ -67,6 +67,9 @@ class CopyFinished:
 
     copy_id: int
     ok: bool
+    # False: the replica was there already (`already_there`: repair's, say): satisfied, but not
+    # an extra of this service's, so never dropped as a cold one (review, 2026-12-05)
+    made: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +130,7 @@ def dispatch(core: PrefetchCore, event: PrefetchEvent, now_ms: int) -> list[Pref
     if isinstance(event, Tick):
         return list(core.tick(now_ms))
     if isinstance(event, CopyFinished):
-        return list(core.copy_finished(event.copy_id, event.ok, now_ms))
+        return list(core.copy_finished(event.copy_id, event.ok, now_ms, made=event.made))
     if isinstance(event, AddHint):
         return [Reply(core.add_hint(event.hint, now_ms))]
     if isinstance(event, CancelHint):

@@ -318,7 +318,8 @@ class PrefetchShell:
             self._log.info("copy_failed", copy_id=start.copy_id, error=getattr(exc, "code", "timeout"))
             outcome = "failed"
         self._forget_group_of(start.object_id)  # a new holder, or a copy's ticket given back
-        await self._driver.feed(CopyFinished(start.copy_id, outcome in ("copied", "already_there")))
+        ok = outcome in ("copied", "already_there")
+        await self._driver.feed(CopyFinished(start.copy_id, ok, made=outcome == "copied"))
 
     # ---- hot objects -------------------------------------------------------------------------
 
