@@ -419,4 +419,6 @@ class DirectoryShell:
 
     async def _tick(self) -> None:
         if self.may_act():
-            await self.perform(CORE_CALLS.timed("tick", lambda: self.core.tick(now_ms())))
+            # deaf while NATS is down: no segment's heartbeat could arrive (not their silence)
+            deaf = self._nc is not None and not self._nc.is_connected
+            await self.perform(CORE_CALLS.timed("tick", lambda: self.core.tick(now_ms(), deaf=deaf)))

@@ -210,13 +210,14 @@ class DirectoryCore:
     def admission(self) -> AdmissionGate:
         return self._ctx.admission
 
-    def tick(self, now_ms: int) -> list[Effect]:
-        """Expire leases, pins and write deadlines; mark silent segments down; retry frees."""
+    def tick(self, now_ms: int, *, deaf: bool = False) -> list[Effect]:
+        """Expire leases, pins and write deadlines; mark silent segments down (not while `deaf`:
+        the directory's NATS connection is down, `SegmentTable.tick`); retry frees."""
         effects: list[Effect] = []
         self.free_table.end_grace(now_ms)
         self.lease_table.expire(now_ms)
         self.write_table.expire(now_ms, effects)
-        self.segment_table.tick(now_ms, effects)
+        self.segment_table.tick(now_ms, effects, deaf=deaf)
         self.replica_table.expire(now_ms)
         self.published_table.sweep(effects)
         self.free_table.retry(now_ms, effects)
