@@ -155,6 +155,7 @@ class DirectoryShell:
         self.events_max_age_s = events_max_age_s
         self.free_timeout_s = free_timeout_s
         self._outbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=events_outbox_max)
+        self._stopped = asyncio.Event()  # `stop` began: nothing reads the outbox any more
         self._frees: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._nc: NatsClient | None = None
@@ -351,8 +352,29 @@ class DirectoryShell:
             await asyncio.sleep(0.01)
 
     async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> set[asyncio.Task[Any]]:
-        """Cancel the shell's tasks and wait at most `timeout_s`; returns those still running."""
+        """Cancel the shell's tasks and wait at most `timeout_s`; returns those still running.
+        A request waiting for room in the events outbox ends `wrong_shard` (`_queue_event`)."""
+        self._stopped.set()
         return await cancel_and_wait([*self._tasks, *self._frees], timeout_s)
+
+    async def _queue_event(self, item: tuple[str, bytes]) -> None:
+        """Into the outbox, waiting for room while its publisher runs. Once `stop` began, nothing
+        reads it: a request waiting there (JetStream slow, the outbox full) ended never, holding
+        its in-flight slot and its tenant's fair turn (review, 2026-12-05); it ends
+        `wrong_shard` now (its client asks the shard's new leader)."""
+        if not self._outbox.full() and not self._stopped.is_set():
+            self._outbox.put_nowait(item)
+            return
+        put = asyncio.ensure_future(self._outbox.put(item))
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        try:
+            await asyncio.wait({put, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not put.done():
+                put.cancel()
+        if not put.done() or put.cancelled():
+            raise WrongShard("this shard's shell stopped", shard=self.core.shard)
 
     # ---- effects -----------------------------------------------------------------------------
 
@@ -360,7 +382,7 @@ class DirectoryShell:
         for effect in effects:
             if isinstance(effect, EmitEvent):
                 subject = event_subject(Service.DIRECTORY, effect.kind)
-                await self._outbox.put((subject, msgspec.msgpack.encode(effect.event)))
+                await self._queue_event((subject, msgspec.msgpack.encode(effect.event)))
             elif isinstance(effect, FreeSlots):
                 if len(self._frees) >= FREES_INFLIGHT_MAX:
                     self.frees_skipped_busy += 1  # the core retries it on a later tick
