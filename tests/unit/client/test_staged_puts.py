@@ -222,3 +222,27 @@ def test_an_older_segment_is_never_sent_a_staged_put(segment: Segment) -> None:
         assert pool.staged_puts == 0 and not pool._staging_refused.addresses()
     finally:
         pool.close()
+
+
+def test_a_staged_file_the_segment_cannot_read_is_a_staging_refusal(
+    segment: Segment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review, 2026-12-05: an OSError reading the writer's staged bytes (mmap ENOMEM, a pread
+    error) closed the connection, so the writer saw `Indeterminate` and never fell back to
+    sending: now it is a staging refusal on a connection still in step, the slot aborted."""
+    import errno
+
+    mine = StagingFile(str(segment.dir), 4096, memfd=False)
+    try:
+        staged = mine.stage(memoryview(b"x" * 10))
+        files = segment.server._staging_files()
+        assert files is not None
+
+        def unreadable(*_: object, **__: object) -> bytes:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+        monkeypatch.setattr(files, "read_into", unreadable)
+        refusal = staged_put_refused(segment, staged)
+        assert isinstance(refusal, BadRequest) and "could not be read" in refusal.message
+    finally:
+        mine.close()

@@ -331,7 +331,9 @@ class TcpDataServer:
         """Staged puts come from staging files beside the arena (a backend that maps no arena
         takes none)."""
         if self._staging is None and hasattr(self.backend, "map_info"):
-            self._staging = StagingFiles(os.path.dirname(self.backend.map_info().arena_path))
+            with self._lock:  # two first staged puts at once: one set of files (review, 2026-12-05)
+                if self._staging is None:
+                    self._staging = StagingFiles(os.path.dirname(self.backend.map_info().arena_path))
         return self._staging
 
     def _put_staged(self, conn: int, sock: socket.socket, request_id: int, meta: PutRequest) -> None:
@@ -348,6 +350,9 @@ class TcpDataServer:
         put.claimed = meta.checksum
         try:
             put.checksum = files.read_into(conn, meta.staged, put.view)  # of the slot's bytes
+        except OSError as exc:  # (mmap, pread of the writer's file): a refusal it can act on
+            self.backend.abort_put(put, conn)
+            raise BadRequest(f"the staged bytes could not be read: {exc}", staging=True) from exc
         except BaseException:
             self.backend.abort_put(put, conn)
             raise

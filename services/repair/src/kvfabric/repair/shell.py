@@ -185,11 +185,18 @@ class RepairShell:
         router = self._dir()
         pages = 0
         for shard in range(await router.known_shards()):
+            last: m.GroupList | None = None
             async for page in router.shard_pages(
                 shard, query, self.request_timeout_s, SCAN_PAGES_MAX - pages
             ):
                 pages += 1
+                last = page
                 yield page
+            # the page bound cut this shard (or left it no page): a partial listing, which
+            # raises like a failing shard (it went on silently: a drain past 10 M groups never
+            # completed, its later shards' objects looked gone; review, 2026-12-05)
+            if pages >= SCAN_PAGES_MAX and (last is None or last.next_after):
+                raise Unavailable(f"the listing is over its bound of {SCAN_PAGES_MAX} pages")
 
     # ---- copies ------------------------------------------------------------------------------
 
