@@ -139,6 +139,7 @@ class ShardHost:
         # Shells neither serving (in `shells`) nor stopped: draining after a handover, or still
         # starting. `stop` stops them too, also when it cancelled the task that owned one.
         self._loose_shells: set[DirectoryShell] = set()
+        self._runtime: ServiceRuntime | None = None  # `attach`'s
         self._settling = False
         self._announced: list[int] = []
         self.metrics_port: int | None = None  # logged with `directory_started`
@@ -163,6 +164,7 @@ class ShardHost:
     # ---- endpoints ---------------------------------------------------------------------------
 
     def attach(self, runtime: ServiceRuntime) -> None:
+        self._runtime = runtime  # each shard shell's tasks are watched (`ServiceRuntime.watch`)
         # Releases, unpins and aborts only give resources back: their own in-flight lane
         # (`ServiceRuntime`), never refused because lookups or puts fill the service.
         for verb, kind in VERBS.items():
@@ -533,6 +535,9 @@ class ShardHost:
         self.shells[shard] = shell
         self._loose_shells.discard(shell)
         self._rebuild_ms[shard] = round((time.monotonic() - began) * 1000)
+        if self._runtime is not None:  # a ticker that raised ended for good while the shard
+            for task in shell.tasks:  # served on (leases never expiring, frees never retried)
+                self._runtime.watch(task, task.get_name())
         await shell.perform(effects)
         self._log.info(
             "shard_started",

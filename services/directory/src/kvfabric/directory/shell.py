@@ -340,6 +340,11 @@ class DirectoryShell:
         )
 
     @property
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """The shell's own tasks (publisher, ticker), for the host to watch."""
+        return list(self._tasks)
+
+    @property
     def events_published(self) -> int:
         """Events JetStream acknowledged from this shell."""
         return self.publisher.published if self.publisher is not None else 0
