@@ -525,3 +525,25 @@ def test_a_head_whose_tail_was_refused_in_another_pools_batch_stays() -> None:
     asyncio.run(sh._evict(batches["s2"]))
     assert directory.evicted == [] and head in core and not core.is_evicting(head)
     core.check_invariants()
+
+
+def test_a_segment_whose_demote_request_gets_no_answer_pauses_its_demotion(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review, 2026-12-05: a segment whose disk hangs (heartbeats still going) had each demote
+    request wait its whole timeout, one batch after another, while no other pool was evicted.
+    No answer pauses demotion there for `DEMOTE_PAUSE_MS`: the groups it named cool down, and the
+    next batch's victims of that pool are dropped (evicted) instead, without asking it."""
+    from kvfabric.format.errors import Indeterminate
+
+    sh, batch, directory, seg = setup(monkeypatch, groups=4, error=Indeterminate("no answer in time"))
+    asyncio.run(sh._evict(batch))
+    assert len(seg.requests) == 1 and directory.evicted == []
+    assert sh._demote_paused_until["s1"] > sh._driver.now_ms()
+    for v in batch.victims:
+        assert v in sh.core and not sh.core.is_evicting(v)  # cooled down, as a failed request's
+    # while paused: a batch of that pool is dropped, the segment not asked
+    sh, batch, directory, seg = setup(monkeypatch, groups=3)
+    sh._demote_paused_until["s1"] = sh._driver.now_ms() + 60_000
+    asyncio.run(sh._evict(batch))
+    assert seg.requests == [] and len(directory.evicted) == 3

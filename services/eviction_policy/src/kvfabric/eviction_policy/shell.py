@@ -134,7 +134,7 @@ from kvfabric.eviction_policy.tiers import (
     ssd_pool_capacity,
 )
 from kvfabric.format.clock import now_ms
-from kvfabric.format.errors import BadRequest, Conflict, KvfError, NotFound, Unavailable
+from kvfabric.format.errors import BadRequest, Conflict, Indeterminate, KvfError, NotFound, Unavailable
 from kvfabric.format.ids import (
     GROUP_ID_BYTES,
     DomainDigest,
@@ -172,6 +172,7 @@ ROOM_WRITER_MIN_BYTES_PER_S: Final = 1 << 20
 ROOM_WRITER_SUSTAINED_MS: Final = 2_000
 ROOM_MS_MAX: Final = 3_600_000
 RETRY_S: Final = 0.5
+DEMOTE_PAUSE_MS: Final = 30_000  # a segment's demotion after a demote request got no answer
 FOLLOW_RETRY_S_MAX: Final = 15.0  # the event follower's backoff, doubling from RETRY_S
 ADOPT_PAGE_GROUPS: Final = 1_000  # groups per `list_groups` page when adopting a listing
 ADOPT_PAGES_MAX: Final = 1_000_000  # pages per shard (each bounded by the directory's reply size)
@@ -254,6 +255,9 @@ class EvictionShell(GroupRecords):
         self._dropping: set[str] = set()  # pools of a lost segment being dropped (see `GroupRecords`)
         self._disk_pools: set[str] = set()  # `<segment>#ssd` pools holding or having held groups
         self._no_disk: set[str] = set()  # segments that answered "no disk tier"
+        # segments whose demote request got no answer (a hung disk): no demotion there until then
+        # (monotonic ms of the policy's clock); their victims are dropped meanwhile
+        self._demote_paused_until: dict[str, int] = {}
         self.demotions: dict[str, int] = {}  # outcome -> groups (status, metrics)
         # per segment, the disk speed its demote requests had (absent: none yet; each disk its own)
         self._demote_bytes_per_ms: dict[str, float] = {}
@@ -583,6 +587,7 @@ class EvictionShell(GroupRecords):
             and isinstance(pool, str)
             and not is_ssd_pool(pool)
             and pool not in self._no_disk
+            and self._demote_paused_until.get(pool, 0) <= at
         ):
             chosen = [
                 c for c in chains if demote_or_drop(self._hits.get(c, 0), self.demote_min_hits) == "demote"
@@ -1142,6 +1147,19 @@ class EvictionShell(GroupRecords):
         except Conflict:  # "this segment has no disk tier"
             self._no_disk.add(segment_id)
             self._log.info("demotion_off", segment_id=segment_id, reason="no disk tier")
+            return False
+        except (Indeterminate, Unavailable) as exc:
+            # No answer (a hung disk, the segment gone quiet): each of its requests waited the
+            # whole timeout, one batch after another, while no other pool was evicted (review,
+            # 2026-12-05). Demotion there pauses; its victims are dropped meanwhile.
+            self._demote_paused_until[segment_id] = self._driver.now_ms() + DEMOTE_PAUSE_MS
+            self._log.warning(
+                "demotion_paused", segment_id=segment_id, code=exc.code, pause_ms=DEMOTE_PAUSE_MS
+            )
+            results = [f"error_{exc.code}"] * len(pending)
+            for (chain, _), outcome in zip(pending, results, strict=True):
+                outcomes[chain] = outcome
+                self._demote_outcome(chain, outcome, handled, segment_id)
             return False
         except KvfError as exc:
             results = [f"error_{exc.code}"] * len(pending)
