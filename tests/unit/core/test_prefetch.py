@@ -236,6 +236,7 @@ def test_a_replica_that_was_there_already_is_no_extra_of_ours() -> None:
     assert c.extra_replicas() == {} and c.cold_extra_replicas(T0 + 3_000) == []
     c.check_invariants()
 
+
 def test_a_queued_object_whose_last_source_goes_is_dropped_and_its_hint_fails() -> None:
     c = core(copies_in_flight_max=1)
     c.add_hint(hint("h1", obj("a", replicas=("s1",)), obj("b", replicas=("s2",))), T0)

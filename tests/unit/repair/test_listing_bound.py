@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvfabric.format.errors import Unavailable
+from kvfabric.format.ids import GroupKey
 from kvfabric.proto import directory as m
 from kvfabric.repair import shell as repair_shell
 from tests.unit.repair.test_copy_source_failed import shell_with_object
@@ -29,7 +30,7 @@ class PagedRouter:
     ) -> AsyncIterator[m.GroupList]:
         for i in range(min(self.pages, pages_max)):
             more = i < self.pages - 1
-            yield m.GroupList(epoch=1, groups=[], next_after=b"x" if more else b"")
+            yield m.GroupList(epoch=1, groups=[], next_after=GroupKey(b"x" if more else b""))
 
 
 async def pages_of(shards: int, pages: int) -> int:
