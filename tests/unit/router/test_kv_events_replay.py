@@ -465,8 +465,10 @@ def test_the_retry_backoff_starts_again_after_a_follow_that_worked() -> None:
         if len(slept) == 4:
             raise asyncio.CancelledError
 
+    fed: list[RoutingEvent] = []
+
     async def feed(event: RoutingEvent) -> None:
-        pass
+        fed.append(event)
 
     async def run() -> None:
         context = zmq.asyncio.Context()
@@ -488,3 +490,4 @@ def test_the_retry_backoff_starts_again_after_a_follow_that_worked() -> None:
         kv_events.RESUBSCRIBE_S,
         kv_events.RETRY_S_MIN,
     ]
+    assert fed_seqs(fed) == ["clear"] * 3  # each failure cleared the engine's map

@@ -46,6 +46,23 @@ SEGMENT = "ssdseg"
 INCARNATION = 7
 
 
+def signed_ticket(data: bytes, key: bytes, ticket_id: int | None = None) -> WriteTicket:
+    """A signed ticket for `data` under `key` on this segment; a ticket of its own each time
+    unless `ticket_id` is given (one slot per ticket)."""
+    ticket = WriteTicket(
+        ticket_id=next(TICKET_IDS) if ticket_id is None else ticket_id,
+        key=ObjectKey(key),
+        segment_id=SEGMENT,
+        incarnation=INCARNATION,
+        size_bytes=len(data),
+        checksum=checksum(data),
+        writer_id="w",
+        deadline_ms=NOW_MS + 30_000,
+        epoch=1,
+    )
+    return sign_ticket(ticket, SECRET)
+
+
 @dataclass
 class Seg:
     backend: ArenaBackend
@@ -54,18 +71,7 @@ class Seg:
     corrupt: list[tuple[bytes, int, int, int]] = field(default_factory=list)
 
     def store(self, data: bytes, key: bytes) -> ReadRef:
-        ticket = WriteTicket(
-            ticket_id=next(TICKET_IDS),  # one slot per ticket: a ticket of its own each time
-            key=ObjectKey(key),
-            segment_id=SEGMENT,
-            incarnation=INCARNATION,
-            size_bytes=len(data),
-            checksum=checksum(data),
-            writer_id="w",
-            deadline_ms=NOW_MS + 30_000,
-            epoch=1,
-        )
-        put = self.backend.begin_put(sign_ticket(ticket, SECRET), conn=0)
+        put = self.backend.begin_put(signed_ticket(data, key), conn=0)
         put.view[:] = data
         slot, generation = self.backend.finish_put(put, conn=0)
         return ReadRef(INCARNATION, slot, generation, len(data))

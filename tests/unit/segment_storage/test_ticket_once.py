@@ -12,14 +12,12 @@ from typing import Literal
 
 import pytest
 
-from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import Conflict
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
-from kvfabric.proto.tickets import sign_ticket
 from kvfabric.segment_storage.confirms import ConfirmBatcher
 
-from .test_ssd_backend import INCARNATION, NOW_MS, SECRET, SEGMENT, make
+from .test_ssd_backend import INCARNATION, SEGMENT, make, signed_ticket
 
 
 def test_a_ticket_holding_a_slot_is_refused_a_second_one(tmp_path: Path) -> None:
@@ -27,20 +25,7 @@ def test_a_ticket_holding_a_slot_is_refused_a_second_one(tmp_path: Path) -> None
     backend = seg.backend
     try:
         data = os.urandom(4096)
-        ticket = sign_ticket(
-            m.WriteTicket(
-                ticket_id=5,
-                key=ObjectKey(b"once"),
-                segment_id=SEGMENT,
-                incarnation=INCARNATION,
-                size_bytes=len(data),
-                checksum=checksum(data),
-                writer_id="w",
-                deadline_ms=NOW_MS + 30_000,
-                epoch=1,
-            ),
-            SECRET,
-        )
+        ticket = signed_ticket(data, b"once", ticket_id=5)
         first = backend.begin_put(ticket, conn=0)
         with pytest.raises(Conflict, match="already holds a slot"):
             backend.begin_put(ticket, conn=1)  # still writing
