@@ -3,7 +3,9 @@
 `GET /health` answers 200. `POST /v1/completions` (and chat) waits `first_byte_s` (the request
 body's `fake_first_byte_s`, default 0.05 s), then answers: streamed (`"stream": true`) as SSE
 events `data: {"engine": NAME, "i": i}` for `max_tokens` tokens then `data: [DONE]`, else one
-JSON object naming the engine and echoing the prompt's length. A prompt of token ids whose first
+JSON object naming the engine, echoing the prompt's length and the `Authorization` header it
+got. `GET /v1/models` lists one model named NAME (after `MODELS_SLEEP_S`, the third argument,
+padded with `MODELS_PAD_BYTES`, the fourth). A prompt of token ids whose first
 id is 0 makes it answer 500 (a broken engine).
 """
 
@@ -21,6 +23,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 NAME = sys.argv[2] if len(sys.argv) > 2 else "engine"
+MODELS_SLEEP_S = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+MODELS_PAD_BYTES = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 
 
 async def health(request: Request) -> Response:
@@ -43,7 +47,15 @@ async def completions(request: Request) -> Response:
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
-    return JSONResponse({"engine": NAME, "prompt_len": len(prompt), "rid": rid})
+    auth = request.headers.get("authorization", "")
+    return JSONResponse({"engine": NAME, "prompt_len": len(prompt), "rid": rid, "auth": auth})
+
+
+async def models(request: Request) -> Response:
+    auth = request.headers.get("authorization", "")
+    await asyncio.sleep(MODELS_SLEEP_S)
+    pad = "x" * MODELS_PAD_BYTES
+    return JSONResponse({"object": "list", "data": [{"id": NAME}], "auth": auth, "pad": pad})
 
 
 app = Starlette(
@@ -51,6 +63,7 @@ app = Starlette(
         Route("/health", health),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", completions, methods=["POST"]),
+        Route("/v1/models", models),
     ]
 )
 

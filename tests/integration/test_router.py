@@ -22,6 +22,7 @@ import pytest
 from kvfabric.cluster.requests import request as nats_request
 from kvfabric.proto import router as r
 from kvfabric.proto.subjects import Service, endpoint_subject
+from kvfabric.router.tenants import key_digest
 from kvfabric.testing import NatsServer, ServiceProcess
 from kvfabric.testing.ports import free_port
 from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, client, objects_for, prompt
@@ -51,8 +52,10 @@ COEFFICIENTS = {
 
 
 @contextlib.contextmanager
-def fake_engine(name: str, port: int) -> Iterator[ServiceProcess]:
-    proc = ServiceProcess.python_module("tests.integration.fake_engine", str(port), name)
+def fake_engine(name: str, port: int, *models_sleep_and_pad: str) -> Iterator[ServiceProcess]:
+    proc = ServiceProcess.python_module(
+        "tests.integration.fake_engine", str(port), name, *models_sleep_and_pad
+    )
     proc.start()
     try:
         deadline = time.monotonic() + 20
@@ -257,6 +260,86 @@ def test_router_admission_refuses_with_retry_after(nats_server: NatsServer) -> N
         metrics = httpx.get(f"{base}/metrics", timeout=5).text
         assert 'kvfabric_router_refused_total{reason="tenant_inflight_max"} 1.0' in metrics
         assert 'kvfabric_router_refused_total{reason="admitted_max"} 1.0' in metrics
+
+
+def test_router_api_keys_name_the_tenant_and_the_engine_key_is_sent(nats_server: NatsServer) -> None:
+    """With `KVF_ROUTER_API_KEYS`, a request without a known key is 401; the key, not the
+    `X-Kvf-Tenant` header, names the tenant whose in-flight bound it counts against (bob cannot
+    take alice's share by naming her, nor dodge his own); `KVF_ROUTER_ENGINE_API_KEY` reaches the
+    engines, on completions and on `/v1/models`."""
+    ports = {"A": free_port(), "B": free_port()}
+    keys = {"alice": [key_digest("alice-key")], "bob": [key_digest("bob-key")]}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(directory_process(nats_server))
+        stack.enter_context(fake_engine("A", ports["A"]))
+        stack.enter_context(fake_engine("B", ports["B"]))
+        _, http_port = stack.enter_context(
+            router(
+                nats_server,
+                ports,
+                KVF_ROUTER_TENANT_INFLIGHT_MAX="1",
+                KVF_ROUTER_API_KEYS=json.dumps(keys),
+                KVF_ROUTER_ENGINE_API_KEY="engine-secret",
+            )
+        )
+        base = f"http://127.0.0.1:{http_port}"
+        wait_until(
+            "engines up", lambda: len(httpx.get(f"{base}/health", timeout=5).json()["engines_up"]) == 2, 10
+        )
+        quick = {"prompt": [5] * 40, "max_tokens": 1}
+
+        def send(key: str | None, tenant: str = "", first_byte_s: float = 0.0) -> httpx.Response:
+            headers = {"X-Kvf-Tenant": tenant} if tenant else {}
+            if key is not None:
+                headers["Authorization"] = f"Bearer {key}"
+            body = {**quick, "fake_first_byte_s": first_byte_s}
+            return httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=30)
+
+        for refused in (send(None, "alice"), send("not-a-key"), send("x" * 600)):
+            assert refused.status_code == 401, refused.text
+            assert refused.headers["www-authenticate"] == "Bearer"
+        ok = send("bob-key")
+        assert ok.status_code == 200 and ok.json()["auth"] == "Bearer engine-secret"
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            alices = pool.submit(send, "alice-key", "", 2.0)
+            time.sleep(0.5)
+            as_bob = send("alice-key", "bob")  # alice's key, bob's name: still alice's bound
+            bobs = send("bob-key", "alice")  # bob's key, alice's name: bob's bound, free
+            assert alices.result().status_code == 200
+        assert as_bob.status_code == 429 and as_bob.json()["error"]["message"] == "tenant_inflight_max"
+        assert bobs.status_code == 200
+        assert httpx.get(f"{base}/v1/models", timeout=5).status_code == 401
+        listed = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer bob-key"}, timeout=5)
+        assert listed.status_code == 200
+        assert listed.json()["data"][0]["id"] in ("A", "B")
+        assert listed.json()["auth"] == "Bearer engine-secret"
+        metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        assert 'kvfabric_router_refused_total{reason="unauthenticated"} 3.0' in metrics
+
+
+def test_router_bounds_v1_models_calls_and_answers(nats_server: NatsServer) -> None:
+    """`/v1/models` is relayed at most 4 at a time (the rest 429 at once, so a flood of it cannot
+    take the pool's connections from completions) and an engine's answer over 1 MiB is a 502,
+    not buffered whole."""
+    ports = {"A": free_port(), "B": free_port()}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(directory_process(nats_server))
+        stack.enter_context(fake_engine("A", ports["A"], "1.5", str(2 << 20)))
+        stack.enter_context(fake_engine("B", ports["B"], "1.5", str(2 << 20)))
+        _, http_port = stack.enter_context(router(nats_server, ports))
+        base = f"http://127.0.0.1:{http_port}"
+        wait_until(
+            "engines up", lambda: len(httpx.get(f"{base}/health", timeout=5).json()["engines_up"]) == 2, 10
+        )
+        with concurrent.futures.ThreadPoolExecutor(7) as pool:
+            calls = [pool.submit(httpx.get, f"{base}/v1/models", timeout=30) for _ in range(7)]
+            time.sleep(0.5)  # the first four are waiting on the engine
+            answered = httpx.post(
+                f"{base}/v1/completions", json={"prompt": [5] * 40, "max_tokens": 1}, timeout=10
+            )
+            statuses = sorted(c.result().status_code for c in calls)
+        assert statuses == [429, 429, 429, 502, 502, 502, 502], statuses
+        assert answered.status_code == 200
 
 
 def test_router_refits_coefficients_from_realised_ttft(nats_server: NatsServer) -> None:

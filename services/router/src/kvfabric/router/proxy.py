@@ -6,7 +6,9 @@ unchanged and its answer (streamed or not) is passed back byte for byte.
   kvfabric group keys (`prompt_keys`). A text prompt or chat messages are routed by load only
   (no tokenizer in the router: `keys_unknown` in the decision metric), with the prompt's length
   in characters / 4 as its token estimate.
-- Tenant: header `X-Kvf-Tenant` (default `default`). Trace id: header `X-Kvf-Trace-Id` (else a
+- Tenant: the API key's (`Authorization: Bearer`, when `KVF_ROUTER_API_KEYS` is set: a request
+  without a known key gets 401), else the header `X-Kvf-Tenant` (default `default`;
+  `kvfabric.router.tenants`). Trace id: header `X-Kvf-Trace-Id` (else a
   new one), returned in the response and sent to the engine as `X-Request-Id`, which vLLM makes
   its request id and the kvfabric connector carries as the client library's trace id.
 - Admission (`RoutingCore.route`): refused requests get 429 (total or tenant bound) or 503 (no
@@ -46,6 +48,7 @@ from kvfabric.core.step import reply_of
 from kvfabric.format.clock import now_ms
 from kvfabric.router.metrics import RouterMetrics
 from kvfabric.router.settings import RouterSettings
+from kvfabric.router.tenants import tenant_of
 from kvfabric.runtime.core_driver import CoreDriver
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.ticker import every
@@ -54,9 +57,11 @@ __all__ = ["Proxy", "now_ms"]
 
 TENANT_HEADER: Final = "x-kvf-tenant"
 TRACE_HEADER: Final = "x-kvf-trace-id"
-TENANT_CHARS_MAX: Final = 64
 TRACE_CHARS_MAX: Final = 128
 BODY_BYTES_MAX: Final = 16 << 20
+MODELS_INFLIGHT_MAX: Final = 4  # /v1/models calls relayed at once; more get 429
+MODELS_BYTES_MAX: Final = 1 << 20  # an engine's /v1/models answer; a longer one is a 502
+MODELS_TIMEOUT_S: Final = 10.0
 HOP_HEADERS: Final = frozenset(
     {
         "content-length",
@@ -126,6 +131,12 @@ class Proxy:
         # Health checks on connections of their own: a pool full of requests (or of slow
         # /v1/models calls) made every check time out, and every engine was marked down.
         self.health_client = httpx.AsyncClient(timeout=httpx.Timeout(settings.connect_timeout_s))
+        self._engine_auth = (
+            {"authorization": f"Bearer {settings.engine_api_key}"} if settings.engine_api_key else {}
+        )
+        # /v1/models is not admitted by the routing core: its own small bound, so a flood of it
+        # cannot take the pool's connections from the completions (review, 2026-12-05).
+        self._models_slots = asyncio.Semaphore(MODELS_INFLIGHT_MAX)
         self._log = get_logger("kvfabric.router")
         self._n = 0
         self.app = Starlette(
@@ -179,15 +190,39 @@ class Proxy:
         )
 
     async def models(self, request: Request) -> Response:
-        now = now_ms()
-        for iid, url in self.urls.items():
-            if self.core.eligible(iid, now):
-                try:
-                    resp = await self.client.get(f"{url}/v1/models")
-                    return Response(resp.content, status_code=resp.status_code, media_type="application/json")
-                except httpx.HTTPError:
+        """The first eligible engine's model list: at most `MODELS_INFLIGHT_MAX` at once (the
+        rest 429 at once), each bounded in time and size (it was neither: a slow or endless
+        engine answer held a pool connection and the router's memory)."""
+        if tenant_of(request.headers, self.settings.api_keys, TENANT_HEADER) is None:
+            return _error(401, "a known API key is required (Authorization: Bearer)", "")
+        if self._models_slots.locked():
+            self.metrics.refused("models_inflight_max")
+            return _error(429, "models_inflight_max", "", retry_after_s=1)
+        async with self._models_slots:
+            now = now_ms()
+            for iid, url in self.urls.items():
+                if not self.core.eligible(iid, now):
                     continue
+                try:
+                    async with asyncio.timeout(MODELS_TIMEOUT_S):
+                        status, body = await self._models_of(url)
+                except (httpx.HTTPError, TimeoutError):
+                    continue
+                if body is None:
+                    return _error(502, f"the engine's model list is over {MODELS_BYTES_MAX} bytes", "")
+                return Response(body, status_code=status, media_type="application/json")
         return JSONResponse({"error": {"message": "no engine up", "type": "unavailable"}}, status_code=503)
+
+    async def _models_of(self, url: str) -> tuple[int, bytes | None]:
+        async with self.client.stream("GET", f"{url}/v1/models", headers=self._engine_auth) as resp:
+            parts: list[bytes] = []
+            size = 0
+            async for part in resp.aiter_bytes():
+                size += len(part)
+                if size > MODELS_BYTES_MAX:
+                    return resp.status_code, None
+                parts.append(part)
+            return resp.status_code, b"".join(parts)
 
     async def metrics_page(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
@@ -212,7 +247,10 @@ class Proxy:
     async def completions(self, request: Request) -> Response:
         received = time.monotonic()
         trace_id = (request.headers.get(TRACE_HEADER) or uuid.uuid4().hex)[:TRACE_CHARS_MAX]
-        tenant = (request.headers.get(TENANT_HEADER) or "default")[:TENANT_CHARS_MAX]
+        tenant = tenant_of(request.headers, self.settings.api_keys, TENANT_HEADER)
+        if tenant is None:
+            self.metrics.refused("unauthenticated")
+            return _error(401, "a known API key is required (Authorization: Bearer)", trace_id)
         raw = await _body_within(request, BODY_BYTES_MAX)
         if raw is None:
             return _error(413, "body too large", trace_id)
@@ -314,6 +352,7 @@ class Proxy:
                 "content-type": "application/json",
                 "x-request-id": trace_id,
                 "accept-encoding": "identity",
+                **self._engine_auth,
             },
             timeout=httpx.Timeout(connect=s.connect_timeout_s, read=read_s, write=30.0, pool=30.0),
         )
@@ -406,7 +445,11 @@ def _error(status: int, message: str, trace_id: str, *, retry_after_s: int | Non
     headers = {"x-kvf-trace-id": trace_id}
     if retry_after_s is not None:
         headers["retry-after"] = str(retry_after_s)
-    kind = {429: "rate_limited", 503: "unavailable", 502: "bad_gateway"}.get(status, "invalid_request_error")
+    if status == 401:
+        headers["www-authenticate"] = "Bearer"
+    kind = {429: "rate_limited", 503: "unavailable", 502: "bad_gateway", 401: "authentication_error"}.get(
+        status, "invalid_request_error"
+    )
     return JSONResponse(
         {"error": {"message": message, "type": kind, "code": status}}, status_code=status, headers=headers
     )

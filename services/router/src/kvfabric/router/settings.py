@@ -10,7 +10,9 @@ service with a `SettingsError` naming the variable).
 | `KVF_ROUTER_REFIT` | `off` | `on`: refit coefficients from realised TTFTs (below); or `RefitConfig` JSON |
 | `KVF_ROUTER_HTTP_HOST` / `_PORT` | 127.0.0.1 / 8080 | the OpenAI-compatible front (0: a free port) |
 | `KVF_ROUTER_ADMITTED_MAX` | 64 | requests in flight through the router; more get 429 |
-| `KVF_ROUTER_TENANT_INFLIGHT_MAX` | 32 | in flight per tenant (header `X-Kvf-Tenant`); more get 429 |
+| `KVF_ROUTER_TENANT_INFLIGHT_MAX` | 32 | in flight per tenant; more get 429 |
+| `KVF_ROUTER_API_KEYS` | (unset) | tenant -> its keys' SHA-256 digests (`kvfabric.router.tenants`) |
+| `KVF_ROUTER_ENGINE_API_KEY` | (unset) | sent to the engines as a bearer key (vLLM's `--api-key`) |
 | `KVF_ROUTER_HEALTH_INTERVAL_MS` | 500 | `GET /health` of every engine |
 | `KVF_ROUTER_HEALTH_STALE_MS` | 3000 | an engine without a good health answer for this long is not chosen |
 | `KVF_ROUTER_INDEX_STALE_MS` | 5000 | no word from the event stream for this long: kvfabric tokens count 0 |
@@ -42,12 +44,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvfabric.core.routing import POLICIES, Coefficients, InstanceSpec, RefitConfig, RoutingConfig
 from kvfabric.format.invariant import InvariantViolation
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
+from kvfabric.router.tenants import ApiKeys, api_keys_from
 from kvfabric.runtime.config import SettingsError, env_int
 
 __all__ = ["Engine", "KeySpace", "RouterSettings", "keyspace_for_model_dir", "load_router_settings"]
@@ -82,6 +85,8 @@ class RouterSettings:
     failover_attempts_max: int
     listing_pages_max: int
     request_timeout_s: float = 2.0
+    api_keys: ApiKeys | None = None  # digest -> tenant; None: the X-Kvf-Tenant header is trusted
+    engine_api_key: str = field(default="", repr=False)  # sent to the engines; "" for none
 
 
 def _json(env: Mapping[str, str], name: str, default: Any = None) -> Any:
@@ -230,4 +235,12 @@ def load_router_settings(env: Mapping[str, str]) -> RouterSettings:
         response_timeout_s=env_int(env, "KVF_ROUTER_RESPONSE_TIMEOUT_MS", 600_000, 10, 3_600_000) / 1000,
         failover_attempts_max=env_int(env, "KVF_ROUTER_FAILOVER_ATTEMPTS_MAX", 3, 1, 64),
         listing_pages_max=env_int(env, "KVF_ROUTER_LISTING_PAGES_MAX", 100, 1, 100_000),
+        api_keys=api_keys_from(env.get("KVF_ROUTER_API_KEYS")),
+        engine_api_key=_engine_api_key(env.get("KVF_ROUTER_ENGINE_API_KEY", "")),
     )
+
+
+def _engine_api_key(key: str) -> str:
+    if any(c.isspace() for c in key) or not key.isprintable():
+        raise SettingsError("KVF_ROUTER_ENGINE_API_KEY: printable characters, no spaces")
+    return key
