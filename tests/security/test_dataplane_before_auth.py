@@ -91,7 +91,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         with (
             directory_process(nats),
             segment_process(
-                nats, segment_id, arena_bytes=64 << 20, KVF_SEGMENT_FRAME_TIMEOUT_MS=str(FRAME_TIMEOUT_MS)
+                nats,
+                segment_id,
+                arena_bytes=64 << 20,
+                KVF_SEGMENT_FRAME_TIMEOUT_MS=str(FRAME_TIMEOUT_MS),
+                KVF_SEGMENT_UCX="1",
             ) as segment,
         ):
             started = segment.wait_for_event("segment_started", 1.0)

@@ -27,6 +27,7 @@ unchanged and its answer (streamed or not) is passed back byte for byte.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -322,6 +323,12 @@ class Proxy:
                 if len(tried) >= self.settings.failover_attempts_max:
                     return _error(502, f"engines failed before the first byte: {', '.join(tried)}", trace_id)
                 continue
+            except BaseException:
+                # cancelled (the router stopping) or a bug: the request's admission ends here,
+                # or its slot (and its tenant's) stayed taken for the router's life (review,
+                # 2026-12-05: only `_Failed` ended it)
+                self.core.finished(rid)
+                raise
             break
         ttft_s = time.monotonic() - received
         if upstream.response.status_code < 400 and streamed:
@@ -333,8 +340,10 @@ class Proxy:
         headers = {k: v for k, v in upstream.response.headers.items() if k.lower() not in HOP_HEADERS}
         headers["x-kvf-trace-id"] = trace_id
         headers["x-kvf-instance"] = iid
-        return StreamingResponse(
-            self._relay(rid, iid, upstream, received, ttft_s, decision, log),
+        relayed = _Relayed(rid, iid, received, ttft_s, decision)
+        return _RelayResponse(
+            self._relay(upstream, relayed, log),
+            functools.partial(self._end_relay, upstream, relayed, log),
             status_code=upstream.response.status_code,
             headers=headers,
         )
@@ -383,40 +392,78 @@ class Proxy:
             if response is not None:
                 await response.aclose()
             raise _Failed(type(exc).__name__) from None
-        except _Failed:
+        except BaseException:  # _Failed, cancelled, a bug: the engine's connection goes back
             if response is not None:
                 await response.aclose()
             raise
 
-    async def _relay(
-        self, rid: str, iid: str, up: _Upstream, received: float, ttft_s: float, decision: Decision, log: Any
-    ) -> AsyncIterator[bytes]:
-        outcome = "ok" if up.response.status_code < 400 else f"status_{up.response.status_code}"
+    async def _relay(self, up: _Upstream, relayed: _Relayed, log: Any) -> AsyncIterator[bytes]:
+        """The engine's body, chunk by chunk; what ended it goes in `relayed.outcome`. The
+        request's end (the engine's response closed, its admission ended, metrics, the log
+        line) is `_end_relay`, run by `_RelayResponse` whether or not this generator ever ran."""
         try:
             if up.first:
                 yield up.first
             async for chunk in up.chunks:
                 yield chunk
+            relayed.outcome = "ok" if up.response.status_code < 400 else f"status_{up.response.status_code}"
         except httpx.HTTPError as exc:
-            outcome = "broken_after_first_byte"
-            log.warning("engine_failed_after_first_byte", instance=iid, error=type(exc).__name__)
+            relayed.outcome = "broken_after_first_byte"
+            log.warning("engine_failed_after_first_byte", instance=relayed.iid, error=type(exc).__name__)
         except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-answer
-            outcome = "client_disconnected"
+            relayed.outcome = "client_disconnected"
             raise
-        finally:
+
+    async def _end_relay(self, up: _Upstream, relayed: _Relayed, log: Any) -> None:
+        if relayed.ended:
+            return
+        relayed.ended = True
+        try:
             await up.response.aclose()
-            self.core.finished(rid)
-            e2e_s = time.monotonic() - received
-            self.metrics.done(iid, outcome, e2e_s)
-            (log.debug if outcome == "ok" else log.info)(
+        finally:
+            self.core.finished(relayed.rid)
+            e2e_s = time.monotonic() - relayed.received
+            self.metrics.done(relayed.iid, relayed.outcome, e2e_s)
+            (log.debug if relayed.outcome == "ok" else log.info)(
                 "request_done",
-                instance=iid,
-                outcome=outcome,
-                reason=decision.reason,
-                estimate_s=round(decision.estimate.ttft_s, 4),
-                ttft_s=round(ttft_s, 4),
+                instance=relayed.iid,
+                outcome=relayed.outcome,
+                reason=relayed.decision.reason,
+                estimate_s=round(relayed.decision.estimate.ttft_s, 4),
+                ttft_s=round(relayed.ttft_s, 4),
                 e2e_s=round(e2e_s, 4),
             )
+
+
+@dataclass
+class _Relayed:
+    rid: str
+    iid: str
+    received: float
+    ttft_s: float
+    decision: Decision
+    # until the body's last chunk went out: a client gone before (even before the body's first
+    # chunk was asked for, when the generator never ran) is `client_disconnected`
+    outcome: str = "client_disconnected"
+    ended: bool = False
+
+
+class _RelayResponse(StreamingResponse):
+    """A StreamingResponse whose request ends (`on_end`) however the response ends. Starlette
+    cancels the body's task when the client disconnects; if that is before the body's first
+    chunk was asked for, the generator never started and its `finally` never ran: the engine's
+    connection stayed open and the request's admission slot (and its tenant's) taken for the
+    router's life (review, 2026-12-05)."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_end: Any, *, status_code: int, headers: Any) -> None:
+        super().__init__(body, status_code=status_code, headers=headers)
+        self._on_end = on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_end()
 
 
 async def _body_within(request: Request, limit: int) -> bytes | None:

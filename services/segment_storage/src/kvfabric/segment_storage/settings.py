@@ -15,7 +15,7 @@
 | `KVF_SEGMENT_IDLE_TIMEOUT_MS` | 300000 | an authenticated connection between requests |
 | `KVF_SEGMENT_FRAME_TIMEOUT_MS` | 10000 | a request's header + meta, from its first byte |
 | `KVF_SEGMENT_TRANSFER_RATE_MIN_BYTES_PER_S` | 1 MiB | a payload: frame timeout + size at this rate |
-| `KVF_SEGMENT_UCX` / `KVF_SEGMENT_UCX_PORT` | 1 / 0 | also serve UCX (ucxx); 0 disables |
+| `KVF_SEGMENT_UCX` / `KVF_SEGMENT_UCX_PORT` | 0 / 0 | 1: also serve UCX (ucxx; docs/ucx.md, trusted networks only) |
 | `KVF_SEGMENT_TLS_CERT` / `_KEY` / `_CA` | unset | data plane over TLS only (tls://, UCX off); CA for peers |
 | `KVF_SEGMENT_READ_TOKENS_REQUIRED` | 1 | serve reads only with the directory's read token |
 | `KVF_CLUSTER_SECRET` | required, ≥ 16 bytes | verifies the directory's write tickets |
@@ -172,7 +172,7 @@ def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
         connections_max=env_int(env, "KVF_SEGMENT_CONNECTIONS_MAX", 64, 1, 4096),
         secret=secret,
         confirm_timeout_ms=env_int(env, "KVF_SEGMENT_CONFIRM_TIMEOUT_MS", 5_000, 10, 600_000),
-        ucx=bool(env_int(env, "KVF_SEGMENT_UCX", 1, 0, 1)),
+        ucx=bool(env_int(env, "KVF_SEGMENT_UCX", 0, 0, 1)),
         ucx_port=env_int(env, "KVF_SEGMENT_UCX_PORT", 0, 0, 65535),
         copies_max=env_int(env, "KVF_SEGMENT_COPIES_MAX", 4, 1, 64),
         copy_timeout_ms=env_int(env, "KVF_SEGMENT_COPY_TIMEOUT_MS", 30_000, 100, 600_000),

@@ -1,0 +1,111 @@
+"""A routed request's admission ends however the request ends (`Proxy.completions`): a client
+that disconnects before the engine's body was relayed (Starlette cancels the body's task before
+the generator runs, so its `finally` never did), or an `_open` that is cancelled or fails with
+something other than an engine failure. Each leaked the request's slot and its tenant's before
+(review, 2026-12-05); the engine's response is closed each time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvfabric.core import routing_events
+from kvfabric.core.routing import RoutingCore
+from kvfabric.core.routing_index import RoutingIndex
+from kvfabric.format.clock import now_ms
+from kvfabric.router import proxy as proxy_module
+from kvfabric.router.metrics import RouterMetrics
+from kvfabric.router.proxy import Proxy
+from kvfabric.router.settings import load_router_settings
+from kvfabric.runtime.core_driver import CoreDriver
+from tests.unit.router.test_settings_refit import ENV
+
+
+class FakeResponse:
+    status_code = 200
+
+    def __init__(self) -> None:
+        self.headers = {"content-type": "text/event-stream"}
+        self.closed = 0
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
+async def _chunks() -> AsyncIterator[bytes]:
+    yield b"data: 2\n\n"
+
+
+def _proxy() -> Proxy:
+    settings = load_router_settings(ENV)
+    core = RoutingCore(settings.routing, [e.spec for e in settings.engines], RoutingIndex())
+    driver = CoreDriver(core, clock=lambda: now_ms())
+    registry = CollectorRegistry()
+    return Proxy(settings, core, RouterMetrics(registry), registry, driver)
+
+
+async def _call(proxy: Proxy, *, disconnect_at_once: bool) -> list[dict[str, Any]]:
+    await proxy.driver.feed(routing_events.Health("e1", True))
+    body = json.dumps({"prompt": [5] * 40, "stream": True}).encode()
+    messages: list[dict[str, Any]] = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        if not disconnect_at_once:
+            await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        await asyncio.sleep(0)  # the disconnect listener runs here
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 1),
+        "root_path": "",
+    }
+    await proxy.app(scope, receive, send)  # type: ignore[arg-type]
+    return sent
+
+
+@pytest.mark.parametrize("disconnect_at_once", [True, False])
+def test_a_client_gone_before_the_body_ends_the_request(disconnect_at_once: bool) -> None:
+    proxy = _proxy()
+    response = FakeResponse()
+
+    async def opened(*args: Any) -> Any:
+        return proxy_module._Upstream(response, _chunks(), b"data: 1\n\n")  # type: ignore[arg-type]
+
+    proxy._open = opened  # type: ignore[method-assign,assignment]
+    sent = asyncio.run(_call(proxy, disconnect_at_once=disconnect_at_once))
+    assert proxy.core.in_flight == 0 and response.closed == 1
+    if not disconnect_at_once:  # relayed whole: both chunks, then the end
+        assert [m.get("body") for m in sent[1:]] == [b"data: 1\n\n", b"data: 2\n\n", b""]
+
+
+@pytest.mark.parametrize("error", [asyncio.CancelledError, RuntimeError])
+def test_an_open_that_is_cancelled_or_fails_oddly_ends_the_request(error: type[BaseException]) -> None:
+    proxy = _proxy()
+
+    async def opened(*args: Any) -> Any:
+        raise error()
+
+    proxy._open = opened  # type: ignore[method-assign,assignment]
+    with pytest.raises(error):
+        asyncio.run(_call(proxy, disconnect_at_once=False))
+    assert proxy.core.in_flight == 0
