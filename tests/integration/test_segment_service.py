@@ -43,7 +43,10 @@ SIZES = [1, 4096, 1 << 20, 16 << 20, 64 << 20]
 
 @pytest.fixture
 def cluster(nats_server: NatsServer) -> Iterator[ServiceProcess]:
-    with directory_process(nats_server), segment_process(nats_server, SEGMENT, KVF_SEGMENT_UCX="1") as segment:
+    with (
+        directory_process(nats_server),
+        segment_process(nats_server, SEGMENT, KVF_SEGMENT_UCX="1") as segment,
+    ):
         yield segment
 
 

@@ -15,7 +15,7 @@
 | `KVF_SEGMENT_IDLE_TIMEOUT_MS` | 300000 | an authenticated connection between requests |
 | `KVF_SEGMENT_FRAME_TIMEOUT_MS` | 10000 | a request's header + meta, from its first byte |
 | `KVF_SEGMENT_TRANSFER_RATE_MIN_BYTES_PER_S` | 1 MiB | a payload: frame timeout + size at this rate |
-| `KVF_SEGMENT_UCX` / `KVF_SEGMENT_UCX_PORT` | 0 / 0 | 1: also serve UCX (ucxx; docs/ucx.md, trusted networks only) |
+| `KVF_SEGMENT_UCX` / `KVF_SEGMENT_UCX_PORT` | 0 / 0 | 1: also serve UCX (docs/ucx.md: trusted nets only) |
 | `KVF_SEGMENT_TLS_CERT` / `_KEY` / `_CA` | unset | data plane over TLS only (tls://, UCX off); CA for peers |
 | `KVF_SEGMENT_READ_TOKENS_REQUIRED` | 1 | serve reads only with the directory's read token |
 | `KVF_CLUSTER_SECRET` | required, ≥ 16 bytes | verifies the directory's write tickets |
