@@ -28,6 +28,7 @@ class FakeClient:
     def __init__(self, chunks: int) -> None:
         self.chunks = chunks
         self.released: list[Hit] = []
+        self.metrics = ClientMetrics()
 
     def lookup_async(self, tokens: list[int], **_: Any) -> concurrent.futures.Future[Hit]:
         done: concurrent.futures.Future[Hit] = concurrent.futures.Future()
@@ -82,7 +83,7 @@ def scheduler_side(engine_config: Any) -> Any:
     return make
 
 
-def schedule(connector: Any, rid: str, tokens: list[int], local_tokens: int) -> Any:
+def schedule(connector: Any, rid: str, tokens: list[int], local_tokens: int, blocks_given: int = -1) -> Any:
     """vLLM's scheduler: asks the connector with `local_tokens` of the prompt in its own prefix
     cache, then schedules the rest of the prompt in one step; the step's connector metadata."""
     request = SimpleNamespace(request_id=rid, prompt_token_ids=tokens)
@@ -91,6 +92,8 @@ def schedule(connector: Any, rid: str, tokens: list[int], local_tokens: int) -> 
     if external == 0:
         connector.update_state_after_alloc(request, None, 0)
     blocks = list(range(100, 100 + (len(tokens) + BLOCK - 1) // BLOCK))
+    if blocks_given >= 0:  # a block list shorter than vLLM's (the mismatch vLLM should never make)
+        blocks = blocks[:blocks_given]
     new = SimpleNamespace(
         req_id=rid, prompt_token_ids=tokens, block_ids=(blocks,), num_computed_tokens=local_tokens + external
     )
@@ -126,6 +129,30 @@ def test_a_miss_saves_every_full_block(scheduler_side: Any) -> None:
     meta = schedule(connector, "r3", tokens, local_tokens=0)
     assert meta.loads == []
     assert [(s.first_chunk, s.block_ids) for s in meta.saves] == [(0, [100, 101, 102])]
+
+
+def test_a_hit_whose_blocks_cannot_all_be_loaded_saves_nothing(scheduler_side: Any) -> None:
+    """A block list that does not cover the hit: its blocks are load errors (vLLM recomputes
+    them), and the request saves nothing, now or in a later step: this step's forward computes
+    the chunks past the hit over blocks nobody wrote, and saved they would be wrong KV under the
+    right keys for good (review, 2026-12-05)."""
+    tokens = prompt_ids(6 * BLOCK + 1, seed=14)
+    connector = scheduler_side(3)
+    meta = schedule(connector, "r4", tokens, local_tokens=0, blocks_given=2)
+    assert meta.loads == [] and meta.load_errors and meta.saves == []
+    later = SimpleNamespace(  # its next step: the rest of its blocks, the prompt computed
+        scheduled_new_reqs=[],
+        num_scheduled_tokens={"r4": 1},
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["r4"],
+            new_block_ids=[([102, 103, 104, 105],)],
+            resumed_req_ids=set(),
+            num_computed_tokens=[6 * BLOCK],
+        ),
+    )
+    assert connector.build_connector_meta(later).saves == []
+    intact = schedule(connector, "r5", prompt_ids(6 * BLOCK + 1, seed=15), local_tokens=0)
+    assert [(s.first_chunk, s.block_ids) for s in intact.saves] == [(3, [103, 104, 105])]
 
 
 class SlowClient(FakeClient):
@@ -456,3 +483,106 @@ def test_a_request_whose_save_left_a_chunk_unstored_saves_no_more(engine_config:
     finally:
         client.saves.clear()
         connector.shutdown()
+
+
+class FailingLoadClient(FakeSaveClient):
+    """`load` verifies `good` chunks of the hit, or raises when `good` is None."""
+
+    def __init__(self, good: int | None) -> None:
+        super().__init__(inflight_bytes=0)
+        self.good = good
+
+    def load(self, hit: Hit, dests: list[Any], *, first_chunk: int = 0, **_: Any) -> Any:
+        if self.good is None:
+            raise ValueError("object size 4096 != destination size 8192")
+        return SimpleNamespace(tokens=(first_chunk + self.good) * BLOCK)
+
+
+@pytest.mark.parametrize("good", [1, None])
+def test_a_request_whose_load_failed_saves_nothing_past_it(engine_config: Any, good: int | None) -> None:
+    """A load that verified only part of the hit (a busy segment, a checksum), or that raised
+    (a size mismatch: never an error in vLLM's step), reports the blocks past what it verified
+    as load errors, and its request saves nothing: not the chunks this step computes past the
+    hit over the unwritten blocks (the same step's save), nor any later. Other requests save."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.engines.vllm_connector import KvfabricConnector, KvfabricMetadata, LoadSpec, SaveSpec
+
+    connector = KvfabricConnector(engine_config, KVConnectorRole.WORKER, kv_cache_config=None)
+    connector.client.close()
+    layers = [torch.zeros(8, 64, dtype=torch.float32) for _ in range(2)]
+    client = FailingLoadClient(good)
+    connector.client = client  # type: ignore[assignment]
+    connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
+    hit = Hit(3 * BLOCK, BLOCK, (), (), objects=((),) * 3)
+    tokens = list(range(5 * BLOCK))
+    try:
+        meta = KvfabricMetadata(
+            loads=[LoadSpec("r1", hit, 0, [1, 2, 3])],
+            saves=[SaveSpec("r1", tokens, 3, [4, 5]), SaveSpec("r2", tokens, 0, [6])],
+        )
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        assert connector.get_block_ids_with_load_errors() == ({2, 3} if good == 1 else {1, 2, 3})
+        assert [len(objects) for objects, _ in client.saves] == [1]  # r2's only
+        connector.bind_connector_metadata(KvfabricMetadata(saves=[SaveSpec("r1", tokens + tokens, 5, [7])]))
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        assert len(client.saves) == 1
+        dropped = client.metrics.registry.get_sample_value(
+            "kvfabric_client_saves_dropped_total", {"cause": "load_failed"}
+        )
+        assert dropped == 2
+    finally:
+        client.saves.clear()
+        connector.shutdown()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"lora_request": SimpleNamespace(lora_name="a", lora_int_id=1)},
+        {"mm_features": [object()]},
+        {"prompt_embeds": object()},
+        {"cache_salt": "user-7"},
+    ],
+    ids=["lora", "multimodal", "prompt_embeds", "cache_salt"],
+)
+def test_a_request_keyed_by_more_than_its_tokens_is_neither_looked_up_nor_saved(
+    scheduler_side: Any, extra: dict[str, Any]
+) -> None:
+    """kvfabric's keys are made of token ids only: a LoRA request, an image prompt, prompt
+    embeddings or a cache salt would load KV made with another adapter, image, embedding or salt
+    (review, 2026-12-05). Such a request gets no external tokens and nothing of it is saved;
+    the same prompt without them is served as before."""
+    tokens = prompt_ids(3 * BLOCK + 1, seed=16)
+    connector = scheduler_side(2)
+    request = SimpleNamespace(request_id="r6", prompt_token_ids=tokens, **extra)
+    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)  # asked again
+    new = SimpleNamespace(
+        req_id="r6",
+        prompt_token_ids=tokens,
+        block_ids=([100, 101, 102, 103],),
+        num_computed_tokens=0,
+        **{k: v for k, v in extra.items() if k != "cache_salt"},  # vLLM's NewRequestData has no salt
+    )
+    output = SimpleNamespace(
+        scheduled_new_reqs=[new],
+        num_scheduled_tokens={"r6": len(tokens)},
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+    )
+    connector._policy_checked = True
+    meta = connector.build_connector_meta(output)
+    assert meta.loads == [] and meta.saves == [] and not connector._keyed_beyond
+    counted = connector.client.metrics.registry.get_sample_value(
+        "kvfabric_client_fallbacks_total", {"cause": "vllm_keyed_beyond_tokens"}
+    )
+    assert counted == 1
+    plain = schedule(connector, "r7", tokens, local_tokens=0)
+    assert [(load.first_chunk, load.block_ids) for load in plain.loads] == [(0, [100, 101])]

@@ -111,6 +111,31 @@ IN_FLIGHT: Final = "in_flight"  # a chunk another writer is storing: not a reaso
 CAUSE_BLOCK_MISMATCH: Final = "vllm_block_mismatch"  # block list shorter than the hit: recompute
 CAUSE_NO_KV_CACHES: Final = "vllm_no_kv_caches"  # worker found no KV cache tensors: recompute
 CAUSE_CONFIG_ERROR: Final = "config_error"  # the connector's settings could not be read: no cache
+CAUSE_LOAD_ERROR: Final = "vllm_load_error"  # the load raised (a bug, a size mismatch): recompute
+# `kvfabric_client_saves_dropped_total` cause: a request whose load failed (or was never planned)
+# saves nothing more: its later chunks were computed over blocks nobody wrote.
+LOAD_FAILED: Final = "load_failed"
+# `kvfabric_client_fallbacks_total` cause: a request whose KV depends on more than its token ids
+# (a LoRA adapter, images or other multimodal inputs, prompt embeddings, a cache salt): the keys
+# are made of token ids only, so it is neither looked up nor saved.
+CAUSE_KEYED_BEYOND_TOKENS: Final = "vllm_keyed_beyond_tokens"
+
+
+def _keyed_beyond_tokens(request: Any) -> str | None:
+    """What besides the token ids makes `request`'s KV (vLLM's `Request` or `NewRequestData`),
+    or None. kvfabric's keys hash token ids only: a LoRA request would load KV computed without
+    its adapter, an image prompt the KV of another image with the same placeholder tokens, a
+    prompt-embeddings request another's (vLLM puts a sentinel id at embedded positions), and a
+    cache-salted one would share what the salt keeps apart (review, 2026-12-05)."""
+    if getattr(request, "lora_request", None) is not None:
+        return "lora"
+    if getattr(request, "mm_features", None):
+        return "multimodal"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt_embeds"
+    if getattr(request, "cache_salt", None):
+        return "cache_salt"
+    return None
 
 
 @dataclass(frozen=True)
@@ -154,6 +179,9 @@ class _Request:
     # A lookup vLLM's own cache made moot for loading (it holds every chunk kvfabric could add):
     # not waited for, it only tells which blocks kvfabric lacks; none is saved until it is back.
     saves_wait_for: concurrent.futures.Future[Hit] | None = None
+    # Its hit's blocks could not all be planned for loading (reported as load errors): what this
+    # step computes past them attends over unwritten blocks, so the request saves nothing.
+    saves_off: bool = False
 
 
 def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
@@ -282,6 +310,9 @@ class KvfabricConnector(KVConnectorBase_V1):
         # req id -> the lookup of a prompt vLLM's own cache covers, until the request is scheduled
         self._backfills: dict[str, concurrent.futures.Future[Hit]] = {}
         self._requests: dict[str, _Request] = {}
+        # Requests whose KV depends on more than their token ids (`_keyed_beyond_tokens`):
+        # until they are scheduled (then their `_Request` has saves off) or finished.
+        self._keyed_beyond: set[str] = set()
         # worker side
         self._kv_caches: list[torch.Tensor] = []
         self._layer_bytes: list[npt.NDArray[np.uint8]] = []  # _layers()
@@ -362,6 +393,13 @@ class KvfabricConnector(KVConnectorBase_V1):
         cache (docs/router.md)."""
         rid = request.request_id
         tokens = list(request.prompt_token_ids or [])
+        beyond = _keyed_beyond_tokens(request)
+        if beyond is not None:
+            if rid not in self._keyed_beyond:
+                self._keyed_beyond.add(rid)  # not saved either (build_connector_meta)
+                self.client.metrics.fallbacks.labels(CAUSE_KEYED_BEYOND_TOKENS).inc()
+                log.debug("kvfabric: request %s: its KV depends on its %s: not cached", rid, beyond)
+            return 0, False
         if len(tokens) <= self.block_size:
             return 0, False
         pending = self._lookups.get(rid)
@@ -430,6 +468,9 @@ class KvfabricConnector(KVConnectorBase_V1):
             found = self._found_chunks.pop(new.req_id, 0)  # in kvfabric already: never saved again
             state = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]), found)
             state.saves_wait_for = self._backfills.pop(new.req_id, None)
+            if new.req_id in self._keyed_beyond or _keyed_beyond_tokens(new) is not None:
+                self._keyed_beyond.discard(new.req_id)
+                state.saves_off = True
             self._requests[new.req_id] = state
             self._plan_load(meta, new.req_id, state)
             self._plan_save(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -462,6 +503,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         # vLLM was told these tokens are external: never leave their blocks unwritten.
         self.client.metrics.fallbacks.labels(CAUSE_BLOCK_MISMATCH).inc()
         meta.load_errors.extend(plan.error_blocks)
+        state.saves_off = True
         if plan.unreportable:
             log.error(
                 "kvfabric: request %s: no block known for chunks %d..%d of its hit; vLLM cannot be"
@@ -482,6 +524,8 @@ class KvfabricConnector(KVConnectorBase_V1):
             )
 
     def _plan_save(self, meta: KvfabricMetadata, req_id: str, state: _Request, computed: int) -> None:
+        if state.saves_off:
+            return
         lookup = state.saves_wait_for
         if lookup is not None:
             if not lookup.done():
@@ -510,6 +554,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         self._release(request.request_id)
         self._drop_backfill(request.request_id)
         self._pending_loads.pop(request.request_id, None)
+        self._keyed_beyond.discard(request.request_id)
         self._found_chunks.pop(request.request_id, None)
         state = self._requests.pop(request.request_id, None)
         if state is not None and state.saves_wait_for is not None:  # ended before its lookup did
@@ -576,12 +621,21 @@ class KvfabricConnector(KVConnectorBase_V1):
             self._load_errors.update(b for load in meta.loads for b in load.block_ids)
             return
         for load in meta.loads:
-            dests = [[self._block_views(b)] for b in load.block_ids]
-            dest_ids = [[("vllm-block", b)] for b in load.block_ids]
-            result = self.client.load(load.hit, dests, first_chunk=load.first_chunk, dest_ids=dest_ids)
-            good = result.tokens // self.block_size - load.first_chunk
+            try:
+                dests = [[self._block_views(b)] for b in load.block_ids]
+                dest_ids = [[("vllm-block", b)] for b in load.block_ids]
+                result = self.client.load(load.hit, dests, first_chunk=load.first_chunk, dest_ids=dest_ids)
+                good = result.tokens // self.block_size - load.first_chunk
+            except Exception as exc:  # never an error in vLLM's step: its blocks are recomputed
+                self.client.metrics.fallbacks.labels(CAUSE_LOAD_ERROR).inc()
+                log.error("kvfabric: request %s: load raised %r: recomputed", load.req_id, exc)
+                good = 0
             if good < len(load.block_ids):
                 self._load_errors.update(load.block_ids[max(good, 0) :])
+                # This step's forward computes the chunks past the hit over the blocks left
+                # unwritten: saved, they would be wrong KV under the right keys for good (a put
+                # is idempotent; review, 2026-12-05). The request saves nothing more.
+                self._cut_request(load.req_id, LOAD_FAILED)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
