@@ -7,6 +7,7 @@ client writes at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, cast
@@ -294,3 +295,78 @@ def test_a_saves_writes_to_a_segment_go_in_one_stream() -> None:
         assert result.chunks_saved == CHUNKS and len(writes) == CHUNKS
         assert [len(s) for s in kv.streams] == [CHUNKS]  # type: ignore[attr-defined]
         assert len(router.receipts) == CHUNKS
+
+
+def test_a_cancelled_save_waits_for_its_running_writes_and_aborts_what_was_placed() -> None:
+    """A save cancelled while its writes run (`wait_for` timing out, a task cancelled): it
+    returns only once the write threads that had started are done with the caller's buffers
+    (`run_in_executor`'s future was cancelled at once, the thread going on), the client's
+    in-flight accounting is given back only then, and the keys the directory placed for it are
+    aborted in the background instead of staying reserved until the write TTL (review,
+    2026-12-05)."""
+    import threading
+    import time as time_module
+
+    router = SaveRouter()
+    kv, _ = client(router)
+    write_started = threading.Event()
+    write_ended: list[float] = []
+
+    def slow_write_many(quads: Sequence[Any], *, receipt: bool = False) -> list[Any]:
+        write_started.set()
+        time_module.sleep(0.4)  # reading the caller's buffers
+        write_ended.append(time_module.monotonic())
+        return [("ok", None)] * len(quads)
+
+    kv.pool.write_many = slow_write_many  # type: ignore[method-assign,assignment]
+    kv.pool.write = lambda t, d, *a, **k: slow_write_many([t])[0]  # type: ignore[method-assign]
+
+    async def run() -> tuple[float, int, int]:
+        try:
+            task = asyncio.ensure_future(kv.save(prompt(CHUNKS), objects(CHUNKS)))
+            await asyncio.to_thread(write_started.wait, 5)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            returned = time_module.monotonic()
+            accounted = kv._save_bytes + kv._saves_running
+            await asyncio.wait(list(kv._abandoned), timeout=5)
+            return returned, accounted, len(kv._abandoned)
+        finally:
+            await kv.close()
+
+    returned, accounted, _ = asyncio.run(run())
+    assert write_ended and returned >= write_ended[-1]
+    assert accounted == 0
+    begun = [k for verb, _, keys, _ in router.requests if verb == "put_begin" for k in keys]
+    aborted = [k for verb, _, keys, _ in router.requests if verb == "put_abort" for k in keys]
+    assert len(begun) == CHUNKS and sorted(aborted) == sorted(begun)
+    assert not [1 for verb, *_ in router.requests if verb == "put_commit"]
+
+
+def test_a_save_whose_queued_writes_a_closing_client_cancels_ends_with_a_result() -> None:
+    """`close()` with a save still writing: after waiting `save_timeout_ms` for it, the save
+    executor's queued writes are cancelled. The save then ends with its result (those writes
+    `closed`, their keys aborted), not with a `CancelledError` raised into a caller that was
+    never cancelled (review, 2026-12-05)."""
+    import time as time_module
+
+    router = SaveRouter()
+    kv, _ = client(router, transfers_max=2, save_timeout_ms=300)  # one save thread
+    size = 3 << 20  # one object per write stream: three streams, one thread
+
+    def slow_write(ticket: m.WriteTicket, data: memoryview, *args: Any, **kw: Any) -> Any:
+        time_module.sleep(0.5)
+        return "ok", None
+
+    kv.pool.write = slow_write  # type: ignore[method-assign]
+
+    async def run() -> SaveResult:
+        task = asyncio.ensure_future(kv.save(prompt(3), [[bytes([c]) * size] for c in range(3)]))
+        await asyncio.sleep(0.1)
+        await kv.close()
+        return await task
+
+    result = asyncio.run(run())
+    assert isinstance(result, SaveResult)
+    assert result.chunks_saved == 1 and result.causes.get("closed") == 2

@@ -159,3 +159,34 @@ def test_the_save_table_has_the_one_core_shape() -> None:
     core: Core[SaveEvent, Effect] = table(1)
     assert core.step(Open(), 10) == [PrepareBegins()]
     core.check_invariants()
+
+
+def test_an_abandoned_save_aborts_what_was_placed_and_not_yet_ended() -> None:
+    """`abandon` (the save cancelled): one abort per shard batch of every key a begin answer
+    placed and no commit or abort carried yet; keys whose begin is still out are left to the
+    write TTL; the table is done, and answers to requests still out are ignored (counted)."""
+    t = table(3)
+    k0, k1, k2 = t.plan.keys
+    sends = begun(t)
+    shard_of_request = {s.request: s.shard for s in sends}
+    first = sends[0]
+    reply = m.PutBeginReply(epoch=1, results=[placed(s.key, ticket(s.key, 1)) for s in first.specs])
+    assert t.step(BeginAnswered(first.request, reply, "t"), 1) == []  # other begins still out
+    aborts = t.abandon(5)
+    assert [(a.shard, a.keys, a.deadline_ms) for a in aborts] == [
+        (shard_of_request[first.request], tuple(s.key for s in first.specs), 1005)
+    ]
+    assert t.state == "done" and t.result is None
+    assert t.step(BeginAnswered(sends[1].request, reply, "t"), 6) == []
+    assert t.counters["answers_unknown_total"] == 1
+    assert {k0, k1, k2} >= set(aborts[0].keys)
+
+
+def test_an_abandoned_save_never_aborts_a_key_already_committed_or_aborted() -> None:
+    t = table(2)
+    for send in begun(t):
+        reply = m.PutBeginReply(epoch=1, results=[placed(s.key, ticket(s.key, 1)) for s in send.specs])
+        t.step(BeginAnswered(send.request, reply, "t"), 1)
+    assert t.state == "writing"
+    t.step(WritesDone((("ok", None), ("timeout", None))), 2)  # k0 committing, k1 aborting
+    assert t.abandon(3) == []

@@ -86,6 +86,7 @@ class Model:
     causes: Counter[str] = field(default_factory=Counter)
     failed: set[int] = field(default_factory=set)  # chunks
     existing: set[int] = field(default_factory=set)
+    existing_keys: set[ObjectKey] = field(default_factory=set)
     not_admitted: set[int] = field(default_factory=set)
     placed: dict[int, list[m.BeginResult]] = field(default_factory=dict)  # per begin request
     together: dict[int, Counter[str]] = field(default_factory=dict)  # placed tickets per segment
@@ -105,8 +106,14 @@ class Model:
 
     def result(self) -> SaveResult:
         chunks = set(self.plan.chunk_of.values())
-        saved = {self.plan.chunk_of[k] for k in self.committed} - self.failed
-        existing = self.existing - self.failed - saved
+        # a chunk counts only when each of its members was committed or existed
+        whole = {
+            c
+            for c in chunks
+            if all(k in self.committed or k in self.existing_keys for k in self.plan.keys if k[0] == c)
+        }
+        saved = {self.plan.chunk_of[k] for k in self.committed} - self.failed - (chunks - whole)
+        existing = self.existing - self.failed - saved - (chunks - whole)
         causes = Counter(self.causes)
         unanswered = len(chunks - saved - existing - self.failed)
         if unanswered:
@@ -311,6 +318,7 @@ class SaveTableMachine(RuleBasedStateMachine):
                     placed.append(r)
                 elif r.status == "exists":
                     model.existing.add(self.plan.chunk_of[r.key])
+                    model.existing_keys.add(r.key)
                 else:
                     if r.status == "not_admitted":
                         model.not_admitted.add(self.plan.chunk_of[r.key])

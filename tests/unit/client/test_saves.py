@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -253,3 +254,26 @@ def test_write_streams_pipeline_small_writes_and_split_large_ones() -> None:
     ]
     assert write_streams(mixed, 2 << 20) == [[0, 2], [1], [3]]  # per segment
     assert write_streams([], 2 << 20) == []
+
+
+@pytest.mark.parametrize("omitted_by", ["begin", "commit"])
+def test_a_chunk_with_a_member_no_reply_named_is_not_saved(omitted_by: str) -> None:
+    """A chunk of two members (two TP ranks, say) whose begin reply, or commit reply, names only
+    one of them: the other was never committed, the chunk never published. It is counted
+    failed (`unanswered`), not saved (review, 2026-12-05: one committed member made it saved)."""
+    from kvfabric.format.key import MemberId
+
+    members = (MemberId(0, 0, 0), MemberId(1, 0, 0))
+    layout = msgspec.structs.replace(SPEC.layout, tp_size=2)
+    groups = chunk_groups_for_prefix(SPEC.domain, SPEC.model, layout, list(range(1, 2 * TPC + 1)))
+    views = [[memoryview(bytes([c, j]) * 8) for j in range(2)] for c in range(2)]
+    p = plan_save(groups, members, views, 0)
+    keys = list(p.keys)
+    tally = SaveTally(p)
+    answered = keys if omitted_by == "commit" else keys[:1] + keys[2:]
+    placed = tally.begun(m.BeginResult(key=k, status="placed", tickets=[ticket(k, "a")]) for k in answered)
+    ok_keys, _ = tally.wrote(placed, ["ok"] * len(placed))
+    tally.commits(m.CommitResult(key=k, status="published") for k in ok_keys if k != keys[1])
+    result = tally.result()
+    assert (result.chunks_saved, result.chunks_failed) == (1, 1)
+    assert result.causes == {"unanswered": 1}

@@ -161,6 +161,7 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
             m.PUT_BATCH_OBJECTS_MAX,
         )
         self._tasks: set[asyncio.Task[Any]] = set()  # running saves
+        self._abandoned: set[asyncio.Task[Any]] = set()  # aborts of cancelled saves
         self._capacity = asyncio.Event()  # set whenever a transfer ends (ReleaseStaging: room again)
         # not dispatched yet: (transfer, where, the starter's buffers, the starter's deadline ms)
         self._starting: list[tuple[TransferId, m.ObjectLocation, ScatterDest, int]] = []
@@ -210,6 +211,8 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
             await asyncio.wait(list(self._giving_back), timeout=self.settings.lookup_timeout_ms / 1000)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.settings.save_timeout_ms / 1000)
+        if self._abandoned:  # each bounded by its deadline
+            await asyncio.wait(list(self._abandoned), timeout=self.settings.save_timeout_ms / 1000)
         if self.suspects is not None:
             await self.suspects.close(REPORT_TIMEOUT_S)
         if self.nc is not None:

@@ -6,7 +6,10 @@ feeds their answers back; see `kvfabric.client.aio`."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
+import logging
 import threading
 import time
 import uuid
@@ -62,6 +65,8 @@ SAVE_WRITE_STREAM_BYTES_TARGET: Final = 2 << 20
 # The cause of chunks skipped by the engine's save rate (`ClientSettings.save_bytes_per_s_max`).
 SAVE_RATE: Final = "save_rate"
 
+log = logging.getLogger("kvfabric.client")
+
 
 class SaveMixin(ClientBase):
     """`save_admission`, `save` of `AsyncKvClient`."""
@@ -77,6 +82,7 @@ class SaveMixin(ClientBase):
     _commits: SharedCalls[Any]
     _aborts: SharedCalls[Any]
     _tasks: set[asyncio.Task[Any]]  # running saves
+    _abandoned: set[asyncio.Task[Any]]  # aborts of cancelled saves, until answered
 
     def take_save_rate(self, chunk_sizes: Sequence[int]) -> int:
         """Take the engine's save rate for the leading chunks of these sizes it covers now and
@@ -177,16 +183,37 @@ class SaveMixin(ClientBase):
             SaveBatches(self._begins.batch_max, self._commits.batch_max, self._aborts.batch_max),
         )
         effects = table.step(Open(), monotonic_ms())
-        while True:
-            for effect in effects:
-                if isinstance(effect, Finished):
-                    return self._saved(effect.result) if effect.begun else effect.result
-            invariant(effects, "a save step left nothing to do before Finished", state=table.state)
-            if len(effects) == 1:  # most steps (hash, write): no task for it
-                events = [await self._perform_save(effects[0], plan, trace_id)]
-            else:
-                events = await asyncio.gather(*(self._perform_save(e, plan, trace_id) for e in effects))
-            effects = [e for event in events for e in table.step(event, monotonic_ms())]
+        try:
+            while True:
+                for effect in effects:
+                    if isinstance(effect, Finished):
+                        return self._saved(effect.result) if effect.begun else effect.result
+                invariant(effects, "a save step left nothing to do before Finished", state=table.state)
+                if len(effects) == 1:  # most steps (hash, write): no task for it
+                    events = [await self._perform_save(effects[0], plan, trace_id)]
+                else:
+                    events = await asyncio.gather(*(self._perform_save(e, plan, trace_id) for e in effects))
+                effects = [e for event in events for e in table.step(event, monotonic_ms())]
+        except BaseException:
+            # Cancelled (the caller gone, the client closing): what the directory placed for
+            # this save is aborted in the background, not left reserved until the write TTL
+            # (review, 2026-12-05).
+            if table.state != "done":
+                self._abort_abandoned(table.abandon(monotonic_ms()), plan, trace_id)
+            raise
+
+    def _abort_abandoned(self, aborts: list[SendAbort], plan: SavePlan, trace_id: str) -> None:
+        """Send a cancelled save's aborts from a task of their own (each bounded by its
+        deadline), held in `_abandoned` until answered; nothing waits for their answers."""
+        if not aborts or self.nc is None:
+            return
+
+        async def send() -> None:
+            await asyncio.gather(*(self._perform_save(a, plan, trace_id) for a in aborts))
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._abandoned.add(task)
+        task.add_done_callback(self._abandoned.discard)
 
     async def _perform_save(self, effect: Effect, plan: SavePlan, trace_id: str) -> SaveEvent:
         """One effect of the save's table, answered with its event (never raises for the cluster)."""
@@ -241,7 +268,6 @@ class SaveMixin(ClientBase):
         each answered with its segment's write receipt (the commit carries them); per write, its
         outcome. Each segment's writes are pipelined on one connection (`write_streams`,
         `SegmentPool.write_many`; staged through its staging file when co-located)."""
-        loop = asyncio.get_running_loop()
         streams = write_streams(
             [(w.ticket.data_addr, w.ticket.size_bytes) for w in writes], SAVE_WRITE_STREAM_BYTES_TARGET
         )
@@ -255,7 +281,23 @@ class SaveMixin(ClientBase):
                 [(w.ticket, plan.data[w.key], w.trace_id, w.together) for w in mine], receipt=True
             )
 
-        answers = await asyncio.gather(*(loop.run_in_executor(self._save_executor, run, s) for s in streams))
+        # Concurrent futures, not `run_in_executor`'s: cancelling this save must not return
+        # while a write thread still reads the caller's buffers (an asyncio future wrapping a
+        # running write is "cancelled" at once, the thread going on; review, 2026-12-05).
+        running = [self._save_executor.submit(run, s) for s in streams]
+        try:
+            await asyncio.wait([asyncio.wrap_future(f) for f in running])
+        except BaseException:
+            for f in running:
+                f.cancel()  # those not started yet never will
+            await _wait_for_threads(running, self.settings.save_timeout_ms / 1000)
+            raise
+        answers: list[list[tuple[str, m.WriteReceipt | None]]] = []
+        for stream, f in zip(streams, running, strict=True):
+            if f.cancelled():  # the client closed (its executor cancelled what was queued)
+                answers.append([("closed", None)] * len(stream))
+            else:
+                answers.append(f.result())
         outcomes: list[tuple[str, m.WriteReceipt | None]] = [("unanswered", None)] * len(writes)
         for stream, answer in zip(streams, answers, strict=True):
             for i, outcome in zip(stream, answer, strict=True):
@@ -309,3 +351,20 @@ class SaveMixin(ClientBase):
             )
         except (KvfError, TimeoutError) as exc:
             return directory_cause(exc)
+
+
+async def _wait_for_threads(running: Sequence[concurrent.futures.Future[Any]], timeout_s: float) -> None:
+    """Wait (at most `timeout_s`, whatever cancels the wait meanwhile) for the write threads
+    already running: until they end they read the caller's buffers. One still running after
+    that is logged (its segment's socket timeouts bound it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [f for f in running if not f.done()]
+        if not left:
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            log.error("kvfabric: a cancelled save has %d writes running after %.1f s", len(left), timeout_s)
+            return
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait([asyncio.wrap_future(f) for f in left], timeout=remaining)

@@ -399,6 +399,23 @@ class SaveTable:
             effects.append(SendCommit(request, shard, tuple((k, tuple(rs)) for k, rs in items), deadline_ms))
         return effects or self._finish()
 
+    def abandon(self, now_ms: int) -> list[SendAbort]:
+        """The save was cancelled (its caller gone, the client closing) before DONE: aborts of
+        every key a begin answer placed for it and no commit or abort request carried yet, for
+        the shell to send without waiting (they would otherwise hold their reservations, counted
+        against the tenant's pending bounds, until the write TTL). The table is DONE after,
+        with no result; answers to requests still out are ignored (counted)."""
+        ended = set(self._sent.get("put_commit", ())) | set(self._sent.get("put_abort", ()))
+        keys = [r.key for request in sorted(self._begun) for r in self._begun[request].placed]
+        keys = [k for k in dict.fromkeys(keys) if k not in ended]
+        self.state = "done"
+        deadline_ms = now_ms + self.timeout_ms
+        aborts = []
+        for shard, batch in shard_batches(keys, self.shard_of, self.batches.abort):
+            aborts.append(SendAbort(self._send("put_abort", shard, batch), shard, tuple(batch), deadline_ms))
+        self._outstanding.clear()
+        return aborts
+
     def _finish(self, result: SaveResult | None = None, *, begun: bool = True) -> list[Effect]:
         self.state = "done"
         self._result = result if result is not None else self._tally.result()

@@ -193,6 +193,7 @@ class SaveTally:
     causes: dict[str, int] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)  # chunks
     existing: set[int] = field(default_factory=set)  # chunks with an object that already existed
+    existing_keys: set[ObjectKey] = field(default_factory=set)
     committed: set[ObjectKey] = field(default_factory=set)
     bytes_written: int = 0
     not_admitted: set[int] = field(default_factory=set)  # chunks the admission filter refused
@@ -214,6 +215,7 @@ class SaveTally:
                 placed.append(result)
             elif result.status == "exists":
                 self.existing.add(self.plan.chunk_of[result.key])
+                self.existing_keys.add(result.key)
             else:
                 if result.status == "not_admitted":
                     self.not_admitted.add(self.plan.chunk_of[result.key])
@@ -265,10 +267,16 @@ class SaveTally:
 
     def result(self) -> SaveResult:
         chunks = set(self.plan.chunk_of.values())
-        saved = {self.plan.chunk_of[k] for k in self.committed} - self.failed
-        existing = (self.existing & chunks) - self.failed - saved
+        # A chunk counts only when every member object of it is committed or existed: one
+        # member a reply did not name (a begin or commit reply without it) left the chunk
+        # unpublished, though its other members were committed (review, 2026-12-05: it was
+        # counted saved).
+        done = self.committed | self.existing_keys
+        whole = chunks - {self.plan.chunk_of[k] for k in self.plan.keys if k not in done}
+        saved = {self.plan.chunk_of[k] for k in self.committed} & whole - self.failed
+        existing = (self.existing & whole) - self.failed - saved
         causes = dict(self.causes)
-        # A chunk with a written object that no commit result named (a reply without it).
+        # A chunk with an object no begin or commit result named (a reply without it).
         unanswered = len(chunks - saved - existing - self.failed)
         if unanswered:
             causes["unanswered"] = causes.get("unanswered", 0) + unanswered
