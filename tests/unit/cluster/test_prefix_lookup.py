@@ -10,8 +10,8 @@ from typing import Any, cast
 
 import msgspec
 
-from kvfabric.cluster.directory_router import DirectoryRouter
-from kvfabric.cluster.lookups import Lease, lookup_prefix, merge_lookups
+from kvfabric.cluster.directory_router import DirectoryRouter, ShardRoute
+from kvfabric.cluster.lookups import Lease, lookup_by_instance, lookup_prefix, merge_lookups
 from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.format.ids import GroupId
 from kvfabric.proto import directory as m
@@ -114,3 +114,60 @@ def test_a_partial_hit_keeps_the_leases_inside_it_and_gives_back_the_others() ->
 def test_a_group_that_is_no_chunk_group_id_is_a_bad_request() -> None:
     outcome, given = run(Router(down=-1), [GroupId(b"short")])
     assert isinstance(outcome, BadRequest) and "chunk group ids" in outcome.message and given == []
+
+
+class ManyRouter(DirectoryRouter):
+    """Shards 0 and 1 both led by `dir-a` (one `lookup_many`), each at `epoch`; `ask_instance`
+    answers per `many` (an exception, or parts); `ask` (a shard alone) answers found, and moves
+    the shard to `after_single` first when set (a refresh found another leader)."""
+
+    def __init__(self, many: Any, after_single: str = "") -> None:
+        super().__init__(cast(Any, None))
+        self.shards = 2
+        self.routes = {0: ShardRoute("dir-a", 3), 1: ShardRoute("dir-a", 3)}
+        self.many = many
+        self.after_single = after_single
+        self.singles: list[int] = []
+
+    async def ask_instance(self, instance: str, verb: str, message: msgspec.Struct, *a: Any, **k: Any) -> Any:
+        if isinstance(self.many, Exception):
+            raise self.many
+        return self.many
+
+    async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **_: Any) -> Any:
+        self.singles.append(shard)
+        if self.after_single:
+            self.routes[shard] = ShardRoute(self.after_single, 4)
+        return found(len(message.groups), 100 + shard)  # type: ignore[attr-defined]
+
+
+def by_instance(router: ManyRouter, refused: set[str]) -> dict[int, Any]:
+    lookups = {s: m.Lookup(holder_id="h", groups=[GroupId(b"g" * 16)], members=[m.Member(0, 0, 0)]) for s in (0, 1)}
+    return asyncio.run(lookup_by_instance(router, lookups, timeout_s=1.0, trace_id="", refused=refused))
+
+
+def test_an_instance_gone_during_a_failover_is_not_refused_batching_for_good() -> None:
+    """`no responders` on `lookup_many`: the shards are asked alone. The instance is put in
+    `refused` (shard by shard from then on) only if it still leads once they answered (a
+    directory without the verb); one that was restarting or gone (the singles found another
+    leader) is asked in batches again (review, 2026-12-05)."""
+    refused: set[str] = set()
+    gone = ManyRouter(Unavailable("no responders on kvf.v1.directory.lookup_many.dir-a"), "dir-b")
+    assert all(isinstance(r, m.LookupReply) for r in by_instance(gone, refused).values())
+    assert refused == set()
+    older = ManyRouter(Unavailable("no responders on kvf.v1.directory.lookup_many.dir-a"))
+    assert all(isinstance(r, m.LookupReply) for r in by_instance(older, refused).values())
+    assert refused == {"dir-a"}
+
+
+def test_a_part_refused_as_stale_is_asked_again_alone_with_the_map_forgotten() -> None:
+    """A part carried the map's epoch and the leader's is newer (it won the shard back): the
+    part was refused before it ran, the route is forgotten and the shard asked alone."""
+    stale = m.LookupPartReply(
+        shard=0, error="stale_generation", message="stale directory_epoch: saw 3, current is 5"
+    )
+    ok = m.LookupPartReply(shard=1, reply=found(1, 7))
+    router = ManyRouter(m.LookupManyReply(parts=[stale, ok]))
+    results = by_instance(router, set())
+    assert router.singles == [0] and isinstance(results[0], m.LookupReply)
+    assert results[1] == found(1, 7) and 0 not in router.routes

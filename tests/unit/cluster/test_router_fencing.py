@@ -136,3 +136,31 @@ def test_a_suspect_map_keeps_its_routes_until_an_instance_answers() -> None:
         assert router.complete and router.instances() == ["dir-b"]
 
     asyncio.run(go())
+
+
+def test_a_leader_whose_epoch_moved_past_the_map_refusing_as_stale_is_asked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same instance won its shard back under a newer epoch (its lease lapsed): it refuses
+    the map's epoch as stale before running the request. The router forgets the route and asks
+    again with the refreshed map (review, 2026-12-05: the caller got `stale_generation` for that
+    shard until something else refreshed it). A stale refusal of the caller's own epoch (a
+    ticket's) is a real conflict: raised, not retried."""
+    router = MapRouter()
+    router.next_map = {0: ShardRoute("dir-a", 3)}
+    sent: list[int] = []
+
+    async def fake_request(nc: Any, subject: str, message: msgspec.Struct, *args: Any, **kwargs: Any) -> Any:
+        epoch = message.epoch  # type: ignore[attr-defined]
+        sent.append(epoch)
+        if epoch < 5:
+            router.next_map = {0: ShardRoute("dir-a", 5)}  # what a refresh now finds
+            raise StaleGeneration("directory_epoch", epoch, 5)
+        return m.LeaseReply(epoch=5, lease_id=1, expires_ms=0)
+
+    monkeypatch.setattr(directory_router, "request", fake_request)
+    release = m.LeaseRelease(holder_id="h", lease_id=1)
+    reply = asyncio.run(router.ask(0, "lease_release", release, 1.0))
+    assert isinstance(reply, m.LeaseReply) and sent == [3, 5]
+    with pytest.raises(StaleGeneration):  # the caller named epoch 4 itself: not re-stamped
+        asyncio.run(router.ask(0, "lease_release", msgspec.structs.replace(release, epoch=4), 1.0))

@@ -19,7 +19,8 @@ still keeps well below that share, so that a few engines of one tenant closing a
   instance leads go to it in one `lease_release_many` (at most `RELEASE_MANY_LEASES_MAX` leases,
   one part per shard): a hit over 8 shards of one instance costs one request, not 8. A part that
   fails is asked again alone (its shard's request re-routes); an instance without the verb
-  (`no responders`) is put in `refused` and asked shard by shard from then on.
+  (`no responders`, and still leading once its shards answered alone) is put in `refused` and
+  asked shard by shard from then on.
 - **Older directories** ignore `lease_ids` and answer `not_found` for lease 0: the batch is then
   released one lease at a time. A single lease answered `not_found` is already gone (released or
   expired): done.
@@ -93,6 +94,7 @@ async def give_back(
         parts = [m.ReleasePart(shard=shard, lease_ids=ids) for shard, ids in batches]
         message = m.LeaseReleaseMany(holder_id=holder_id, parts=parts)
         again = batches
+        no_verb = False
         async with gate:
             try:
                 reply = await retry_busy(
@@ -101,8 +103,7 @@ async def give_back(
                     sleep=sleep,
                 )
             except Unavailable as err:
-                if "no responders" in err.message:
-                    refused.add(instance)  # a directory without the verb: shard by shard from now on
+                no_verb = "no responders" in err.message
                 reply = None
             except KvfError:
                 return sum(len(ids) for _, ids in batches)  # e.g. a timeout: they expire
@@ -110,7 +111,13 @@ async def give_back(
                 failed = {part.shard for part in reply.parts if part.error}
                 answered = {part.shard for part in reply.parts}
                 again = [(s, ids) for s, ids in batches if s in failed or s not in answered]
-        return sum(await asyncio.gather(*(one(shard, ids) for shard, ids in again)))
+        left = sum(await asyncio.gather(*(one(shard, ids) for shard, ids in again)))
+        # Shard by shard from now on only if the instance still leads once those answered (a
+        # directory without the verb); one restarting or gone is asked in batches again
+        # (review, 2026-12-05: a failover turned batching off for the process's life).
+        if no_verb and instance_of is not None and any(instance_of(s) == instance for s, _ in batches):
+            refused.add(instance)
+        return left
 
     alone: list[tuple[int, list[int]]] = []
     by_instance: dict[str, list[list[tuple[int, list[int]]]]] = {}

@@ -15,7 +15,11 @@ kvctl, tests) talks to the directory through a `DirectoryRouter`:
   takes a lease TTL: callers then fall back — a miss, a recompute — rather than wait).
 - **Fencing.** A request that carries `epoch = 0` is sent with the newest epoch known for its
   shard (so a replaced leader refuses it); a reply with an older epoch than one already seen
-  comes from a replaced leader: `StaleGeneration`, never used.
+  comes from a replaced leader: `StaleGeneration`, never used. A leader that refuses such a
+  request as stale (`stale_generation` on `directory_epoch`: its epoch moved past the map's,
+  say it lost the shard and won it back) refused it before it ran: the route is forgotten and
+  the request asked again with the refreshed map (review, 2026-12-05: the caller got
+  `stale_generation` for that shard until something else refreshed the map).
 - `ask(shard, ...)` for a keyed request, `ask_all(...)` for what every leading instance must see
   (segment registration and heartbeats, listings); its replies cover disjoint shard sets.
   `ask_instance(instance, ...)` for one request that covers several shards an instance leads
@@ -190,6 +194,12 @@ class DirectoryRouter:
     def forget(self, shard: int) -> None:
         self.routes.pop(shard, None)
 
+    def forget_if(self, shard: int, instance: str) -> None:
+        """Forget `shard`'s route if it still names `instance` (a newer one stays)."""
+        route = self.routes.get(shard)
+        if route is not None and route.instance == instance:
+            self.routes.pop(shard, None)
+
     def forget_all(self) -> None:
         """The map is suspect (an instance did not answer): the next `ask_all` refreshes it. The
         routes stay until an instance answers: a refresh nobody answered in time (a directory
@@ -268,7 +278,8 @@ class DirectoryRouter:
                 if route is None:
                     continue
             outgoing = message
-            if getattr(message, "epoch", None) == 0 and route.epoch:
+            stamped = getattr(message, "epoch", None) == 0 and route.epoch > 0
+            if stamped:
                 outgoing = msgspec.structs.replace(message, epoch=route.epoch)
             try:
                 reply = await request(
@@ -287,6 +298,15 @@ class DirectoryRouter:
                 raise
             except Unavailable as err:  # wrong_shard, deposed, stopping, gone: ask the map again
                 last = err
+                if self.routes.get(shard) == route:
+                    self.forget(shard)
+                continue
+            except StaleGeneration as err:
+                current = err.details.get("current")
+                newer = isinstance(current, int) and current > route.epoch
+                if not (stamped and err.details.get("kind") == "directory_epoch" and newer):
+                    raise  # the caller's own epoch (a ticket's): a real conflict
+                last = Unavailable(f"shard {shard}'s leader moved to epoch {current}", shard=shard)
                 if self.routes.get(shard) == route:
                     self.forget(shard)
                 continue

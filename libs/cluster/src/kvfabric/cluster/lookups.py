@@ -6,11 +6,12 @@ shards: up to 8). One request per shard costs each of them a NATS round trip and
 per-request work, concurrently on the same instance. So the shards an instance leads go to it in
 one `lookup_many` request; each part is answered as that shard's `lookup` would be (authorized,
 leased, fenced by its epoch), and a part that fails for a routing reason (`wrong_shard`,
-`unavailable`: the map moved) is asked again alone through `DirectoryRouter.ask`, which refreshes
-the map. A shard alone on its instance is asked alone. An instance that has no `lookup_many`
-endpoint (an older directory: `no responders`) is remembered in `refused` and asked shard by
-shard from then on. Leases granted by a part whose reply never arrives (a timeout) expire at the
-directory, as for a single lookup.
+`unavailable`: the map moved; `stale_generation`: the leader's epoch moved past the map's) is
+asked again alone through `DirectoryRouter.ask`, which refreshes the map. A shard alone on its
+instance is asked alone. An instance that has no `lookup_many` endpoint (an older directory:
+`no responders`, and still leading once its shards answered alone) is remembered in `refused`
+and asked shard by shard from then on; one that was restarting or gone is not. Leases granted
+by a part whose reply never arrives (a timeout) expire at the directory, as for a single lookup.
 
 **Merging** (`merge_lookups`, pure; `lookup_prefix` runs both and gives leases back):
 - the hit ends at the first chunk any shard misses (never skipping a gap);
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from kvfabric.cluster.directory_router import DirectoryRouter
-from kvfabric.format.errors import BadRequest, KvfError, Unavailable, error_from_wire
+from kvfabric.format.errors import BadRequest, KvfError, StaleGeneration, Unavailable, error_from_wire
 from kvfabric.format.ids import GroupId
 from kvfabric.proto import directory as m
 from kvfabric.proto.common import TRACE_ID_HEADER
@@ -117,9 +118,15 @@ async def lookup_by_instance(
         try:
             reply = await router.ask_instance(instance, LOOKUP_MANY_VERB, message, timeout_s, headers=headers)
         except Unavailable as err:
-            if "no responders" in err.message:
-                refused.add(instance)  # a directory without `lookup_many`: shard by shard from now on
-            return await singles(shards)
+            alone_results = await singles(shards)
+            # Shard by shard from now on only if the instance still leads after answering them
+            # (a directory without `lookup_many`); one restarting or gone (the singles found
+            # another leader, or none) is asked in batches again (review, 2026-12-05: a failover
+            # turned batching off for the process's life).
+            still_leads = any((r := router.route(s)) is not None and r.instance == instance for s in shards)
+            if "no responders" in err.message and still_leads:
+                refused.add(instance)
+            return alone_results
         except Exception as err:  # e.g. Indeterminate: every part failed alike
             return dict.fromkeys(shards, err)
         if not isinstance(reply, m.LookupManyReply):
@@ -139,7 +146,12 @@ async def lookup_by_instance(
                     out[shard] = err
             else:
                 error = error_from_wire(part.error, part.message)
-                if isinstance(error, Unavailable):  # wrong_shard, stopping: the map moved
+                if isinstance(error, StaleGeneration):
+                    # the part carried the map's epoch and the leader's is newer (it lost the
+                    # shard and won it back): refused before it ran; ask the map again
+                    router.forget_if(shard, instance)
+                    again.append(shard)
+                elif isinstance(error, Unavailable):  # wrong_shard, stopping: the map moved
                     again.append(shard)
                 else:
                     out[shard] = error
