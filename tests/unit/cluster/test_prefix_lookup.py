@@ -142,7 +142,8 @@ class ManyRouter(DirectoryRouter):
 
 
 def by_instance(router: ManyRouter, refused: set[str]) -> dict[int, Any]:
-    lookups = {s: m.Lookup(holder_id="h", groups=[GroupId(b"g" * 16)], members=[m.Member(0, 0, 0)]) for s in (0, 1)}
+    one = m.Lookup(holder_id="h", groups=[GroupId(b"g" * 16)], members=[m.Member(0, 0, 0)])
+    lookups = dict.fromkeys((0, 1), one)
     return asyncio.run(lookup_by_instance(router, lookups, timeout_s=1.0, trace_id="", refused=refused))
 
 

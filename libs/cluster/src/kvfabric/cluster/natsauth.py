@@ -59,7 +59,12 @@ def url_without_userinfo(url: str) -> tuple[str, str, bool]:
     (nats-py sends a URL's user without a password as a token)."""
     scheme, sep, rest = url.partition("://")
     if sep and _URL_SCHEME.fullmatch(scheme):
-        cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+        # The authority ends at the first "/", "?" or "#" after its last "@": a password not
+        # URL-escaped may hold those characters, and cutting at the first one left it in the
+        # message (review, 2026-12-05).
+        start = rest.rfind("@") + 1
+        ends = (rest.find(c, start) for c in "/?#")
+        cut = min((i for i in ends if i >= 0), default=len(rest))
         authority, path = rest[:cut], rest[cut:]
         prefix = scheme + sep
     else:  # no scheme (or a password with "://" in it): everything up to the last "@"

@@ -39,7 +39,10 @@ __all__ = [
 def _console() -> Console:
     # Built per call: the CLI test runner swaps sys.stdout between invocations.
     # Piped output gets room for a full readable chunk group id on one line.
-    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 320)
+    # No markup: cells carry tenant-chosen text (holder ids), which rich would parse as markup
+    # ("[/]" crashed kvctl, "[link=...]" restyled or hid what the operator sees; review,
+    # 2026-12-05).
+    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 320, markup=False)
 
 
 def emit_json(doc: Any) -> None:
