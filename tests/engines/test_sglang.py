@@ -147,6 +147,32 @@ def test_per_page_keys_without_prefix_keys(nats_server: NatsServer, cluster: obj
     storage.close()
 
 
+def test_a_hybrid_controllers_root_query_without_prefix_keys_finds_every_page(
+    nats_server: NatsServer, cluster: object
+) -> None:
+    """SGLang 0.5.23's hybrid controller (plain MHA/MLA models) sends `prefix_keys=None` on an
+    exists query whose prefix is empty (a request with nothing cached on the engine itself),
+    while its gets and backups send `[]`. With chained keys in use (configured `chained_keys`,
+    or learnt from any call that carried prefix keys) such a query is one at the sequence's
+    start: every stored page is found, not only the first (review, 2026-12-05: a cold instance
+    got at most one page, below SGLang's prefetch threshold)."""
+    assert write_elsewhere(nats_server, 12, "--seed", "4") == 12
+    keys = kit.page_keys(12, seed=4)
+    configured, pool = reader(nats_server, chained_keys=True)
+    at = kit.alloc_pages(pool, 12)
+    assert kit.prefetch(configured, keys, at, prefix=[], hybrid=True) == (12, 12)
+    assert all(kit.identical_pages(pool, keys, at))
+    configured.close()
+    learning, pool = reader(nats_server)
+    at = kit.alloc_pages(pool, 12)
+    assert kit.prefetch(learning, keys[:4], at, prefix=[]) == (4, 4)  # a call with prefix keys
+    kit.scramble(pool, keys, at)
+    assert kit.prefetch(learning, keys, at, prefix=[], hybrid=True) == (12, 12)
+    assert all(kit.identical_pages(pool, keys, at))
+    assert leases_left(nats_server) == []
+    learning.close()
+
+
 def test_failure_injector_never_yields_wrong_bytes(
     nats_server: NatsServer, cluster: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:

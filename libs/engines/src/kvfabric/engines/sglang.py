@@ -215,6 +215,12 @@ class KvfabricStorage(HiCacheStorage):
             log.error("kvfabric: exists_hold_ms / held_hits_max: %s: using the defaults", exc)
             self._held = HeldHits()
         self._logged: dict[str, float] = {}
+        # Chained keys (`prefix_keys` passed): True once any call carried them (or configured:
+        # `chained_keys`; SGLang keeps `hicache_storage_pass_prefix_keys` to itself). Then a call
+        # without them is one at the sequence's start: SGLang 0.5.23's hybrid controller sends
+        # `None` for an empty prefix on its exists queries while its gets and backups send `[]`,
+        # and per-page keys there found at most the first page (review, 2026-12-05).
+        self._chained = bool(self.extra.get("chained_keys", False))
         # SGLang's StorageMetrics lists, since the last get_stats()
         self._prefetch_pages: list[int] = []
         self._backup_pages: list[int] = []
@@ -276,9 +282,13 @@ class KvfabricStorage(HiCacheStorage):
             old = self._held.expired(monotonic_ms())
         self._release(old)
 
-    @staticmethod
-    def _prefix(extra_info: HiCacheStorageExtraInfo | None) -> list[str] | None:
-        return None if extra_info is None or extra_info.prefix_keys is None else list(extra_info.prefix_keys)
+    def _prefix(self, extra_info: HiCacheStorageExtraInfo | None) -> list[str] | None:
+        """The call's prefix keys; None: per-page keys (never with chained keys in use)."""
+        prefix = None if extra_info is None else extra_info.prefix_keys
+        if prefix is not None:
+            self._chained = True
+            return list(prefix)
+        return [] if self._chained else None
 
     def _serving(self) -> KvClient | None:
         client = self.client

@@ -207,13 +207,14 @@ def backup(storage: Any, keys: list[str], indices: torch.Tensor, prefix: list[st
 
 
 def prefetch(
-    storage: Any, keys: list[str], indices: torch.Tensor, prefix: list[str] | None
+    storage: Any, keys: list[str], indices: torch.Tensor, prefix: list[str] | None, *, hybrid: bool = False
 ) -> tuple[int, int]:
     """SGLang's `_storage_hit_query` then `_page_transfer` (zero-copy path): (pages the storage
-    said exist, pages loaded from the first)."""
+    said exist, pages loaded from the first). `hybrid`: as SGLang 0.5.23's hybrid controller
+    (plain MHA/MLA models), whose exists queries send `None` for an empty prefix."""
     step = batch_size()
     hits: list[str] = []
-    query_prefix = prefix
+    query_prefix = None if hybrid and prefix == [] else prefix
     for start in range(0, len(keys), step):
         batch = keys[start : start + step]
         found = storage.batch_exists(batch, _info(query_prefix))
@@ -222,6 +223,8 @@ def prefetch(
             break
         if query_prefix is not None:
             query_prefix = query_prefix + batch
+        elif hybrid and prefix == []:
+            query_prefix = list(batch)
     loaded = 0
     for start in range(0, len(hits), step):
         batch = hits[start : start + step]
