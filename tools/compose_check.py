@@ -6,7 +6,9 @@
 - Every bind-mounted file or folder exists; every `depends_on` names a service.
 - Segments have unique ids, distinct failure domains, and a data host that is their own service
   name; every kvfabric service gets the cluster secret, the NATS url and the metrics port.
-- Prometheus scrapes exactly the kvfabric services, on that metrics port.
+- Prometheus scrapes exactly the kvfabric services, on that metrics port, which each serves on a
+  non-loopback address (`KVF_METRICS_HOST`; the runtime's default, 127.0.0.1, is unreachable
+  from Prometheus's container).
 - Authentication (docs/security.md): a one-shot `auth-init` runs `kvctl auth init` into the
   `auth` volume, nats loads `/auth/nats-auth.conf` only after it completed and opens no HTTP
   monitoring port (it lists users and connections without credentials), and every kvfabric
@@ -158,6 +160,9 @@ def check(compose: Path = COMPOSE) -> list[str]:
             if var not in env:
                 problems.append(f"{name}: {var} not set")
         metrics_ports.add(str(env.get("KVF_METRICS_PORT")))
+        if env.get("KVF_METRICS_HOST", "127.0.0.1") in ("127.0.0.1", "localhost", "::1"):
+            # the runtime's default: reachable from its own container only, not Prometheus's
+            problems.append(f"{name}: KVF_METRICS_HOST must not be loopback (Prometheus scrapes it)")
         if module == "kvfabric.segment_storage":
             segments.append((name, env))
     ids = [env.get("KVF_SEGMENT_ID") for _, env in segments]

@@ -140,3 +140,30 @@ async def test_a_wedged_directory_loses_its_lease_exits_and_is_back_in_service(t
         print(f"back in service {took_s:.1f} s after the wedge ended")
     finally:
         assert tool("down", *common).returncode == 0
+
+
+def test_a_directory_that_cannot_reach_nats_at_start_exits_to_be_restarted() -> None:
+    """NATS unreachable at start (or the credentials refused): the directory's own connection
+    reconnects without end once connected, but its first connect is bounded as the runtime's
+    is (attempts × wait + a connect timeout), then it exits 69 for its supervisor to restart it
+    (review, 2026-12-05: it retried forever, alive and serving nothing, a traceback a retry)."""
+    from kvfabric.runtime import EXIT_UNAVAILABLE
+    from kvfabric.testing import ServiceProcess
+    from kvfabric.testing.cluster import service_env
+    from kvfabric.testing.ports import free_port
+
+    env = service_env(
+        KVF_NATS_RECONNECT_ATTEMPTS_MAX="5",
+        KVF_NATS_RECONNECT_WAIT_MS="100",
+        KVF_NATS_CONNECT_TIMEOUT_MS="500",
+    )
+    proc = ServiceProcess.python_module(
+        "kvfabric.directory", "--nats-url", f"nats://127.0.0.1:{free_port()}", "--log-json", env=env
+    )
+    proc.start()
+    try:
+        assert proc.wait(20.0) == EXIT_UNAVAILABLE
+        failed = proc.wait_for_event("directory_start_failed", 1.0)
+        assert "TimeoutError" in failed["error"]
+    finally:
+        proc.stop(timeout_s=5.0)

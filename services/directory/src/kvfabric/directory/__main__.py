@@ -32,7 +32,8 @@ import contextlib
 import dataclasses
 import os
 import sys
-from typing import Final
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
 
 import nats
 
@@ -104,11 +105,23 @@ async def serve(settings: RuntimeSettings) -> int:
     )
     runtime.stop_on_signals()
     try:
-        nc = await nats.connect(
-            settings.nats_url,
-            **nats_auth_from_env(os.environ).connect_options(),
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.2,
+        # Reconnects without end once connected (its leases and the KV), but the first connect
+        # is bounded as the runtime's is (its attempts × their wait, + a connect timeout): with
+        # NATS unreachable or the credentials refused it retried forever, alive and serving
+        # nothing, logging every retry, so no supervisor restarted it (review, 2026-12-05).
+        first_connect_s = (
+            settings.nats_reconnect_attempts_max * settings.nats_reconnect_wait_ms
+            + settings.nats_connect_timeout_ms
+        ) / 1000
+        nc = await asyncio.wait_for(
+            nats.connect(
+                settings.nats_url,
+                **nats_auth_from_env(os.environ).connect_options(),
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.2,
+                error_cb=_nats_error(log),
+            ),
+            first_connect_s,
         )
         election = LeaderElection(
             nc,
@@ -198,6 +211,16 @@ async def serve(settings: RuntimeSettings) -> int:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(nc.close(), NATS_CLOSE_TIMEOUT_S)
     return EXIT_LEADERSHIP_LOST if lifecycle.lost else code
+
+
+def _nats_error(log: Any) -> Callable[[Exception], Awaitable[None]]:
+    """nats-py's error callback: one warning line per error (its default logged a traceback
+    on every retry)."""
+
+    async def logged(exc: Exception) -> None:
+        log.warning("nats_error_reported", error=repr(exc))
+
+    return logged
 
 
 app = service_cli(name="directory", help="kvfabric directory service (kvf.v1.directory.*).", main=serve)
