@@ -85,8 +85,10 @@ class CoreDriver(Generic[EventT, EffectT]):
 
     def start_ticker(
         self, event: EventT, interval_ms: int, *, then: Callable[[], Awaitable[None]] | None = None
-    ) -> None:
-        """Feed `event` now and every `interval_ms` after each feed (and `then`) returned, until `stop`."""
+    ) -> asyncio.Task[None]:
+        """Feed `event` now and every `interval_ms` after each feed (and `then`) returned, until
+        `stop`. Returns the ticker's task, for the service to watch (`ServiceRuntime.watch`: a
+        ticker that dies of an exception stops the service, which is restarted)."""
         invariant(interval_ms > 0, "a ticker needs a positive interval", interval_ms=interval_ms)
         invariant(self._ticker is None or self._ticker.done(), "one ticker per driver")
 
@@ -96,6 +98,7 @@ class CoreDriver(Generic[EventT, EffectT]):
                 await then()
 
         self._ticker = asyncio.create_task(every(interval_ms / 1000, tick))
+        return self._ticker
 
     @property
     def ticking(self) -> bool:

@@ -556,7 +556,9 @@ class EvictionShell(GroupRecords):
 
     async def _ticker(self) -> None:
         await self.caught_up.wait()  # never judge pressure on a half-replayed history
-        self._driver.start_ticker(Tick(), self.tick_ms)
+        ticker = self._driver.start_ticker(Tick(), self.tick_ms)
+        if self._runtime is not None:
+            self._runtime.watch(ticker, "eviction_ticker")
 
     async def _perform(self, effect: EvictionOutput) -> None:
         """One effect of the core's `Tick`, in order (the driver performs them)."""

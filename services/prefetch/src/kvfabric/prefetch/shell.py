@@ -111,6 +111,8 @@ SSD_SOURCE_SUFFIX: Final = "#ssd"  # a disk replica as a copy source (never a se
 
 
 class PrefetchShell:
+    _runtime: ServiceRuntime | None = None  # set by attach
+
     def __init__(
         self,
         core: PrefetchCore,
@@ -153,6 +155,7 @@ class PrefetchShell:
         self.busy_resolving = 0
 
     def attach(self, runtime: ServiceRuntime) -> None:
+        self._runtime = runtime
         # Each decoded and checked by the runtime (`ServiceRuntime` typed endpoints).
         runtime.add_endpoint("hint", self._on_hint, request=p.PrefetchHint, decoder=p.prefetch_decoder)
         runtime.add_endpoint("cancel", self._on_cancel, request=p.CancelHint, decoder=p.prefetch_decoder)
@@ -163,8 +166,13 @@ class PrefetchShell:
     async def start(self, nc: NatsClient) -> None:
         self._router = DirectoryRouter(nc)
         await nc.subscribe(event_subject(Service.DIRECTORY, "accessed"), cb=self._on_accessed)
-        self._driver.start_ticker(Tick(), self.tick_ms, then=self._release_ended)
+        ticker = self._driver.start_ticker(Tick(), self.tick_ms, then=self._release_ended)
         self._tasks = [asyncio.create_task(every(self.scan_ms / 1000, self.scan, self._scan_failed))]
+        # A scan loop or ticker that dies of an exception (a bug) stops the service, which is
+        # restarted (they died silently; review, 2026-12-05).
+        if self._runtime is not None:
+            self._runtime.watch(self._tasks[0], "prefetch_scan")
+            self._runtime.watch(ticker, "prefetch_ticker")
 
     async def stop(self) -> None:
         await self._driver.stop()

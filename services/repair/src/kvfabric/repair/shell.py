@@ -56,6 +56,8 @@ def key_of(summary: m.GroupSummary, member: m.Member) -> ObjectKey:
 
 
 class RepairShell:
+    _runtime: ServiceRuntime | None = None  # set by attach
+
     def __init__(
         self,
         core: RepairCore,
@@ -90,11 +92,18 @@ class RepairShell:
 
     def attach(self, runtime: ServiceRuntime) -> None:
         runtime.add_endpoint("status", self._status, request=RepairStatusRequest, decoder=repair_decoder)
+        self._runtime = runtime
 
     async def start(self, nc: NatsClient) -> None:
         self._router = DirectoryRouter(nc)
         self._tasks = [asyncio.create_task(every(self.scan_ms / 1000, self.scan, self._scan_failed))]
-        self._driver.start_ticker(Tick(), self.tick_ms)
+        ticker = self._driver.start_ticker(Tick(), self.tick_ms)
+        # A scan loop or ticker that dies of an exception (not a KvfError: a bug) stops the
+        # service, which is restarted: they died silently, the service answering $SRV.PING
+        # while it repaired nothing (review, 2026-12-05).
+        if self._runtime is not None:
+            self._runtime.watch(self._tasks[0], "repair_scan")
+            self._runtime.watch(ticker, "repair_ticker")
 
     async def stop(self) -> None:
         await self._driver.stop()

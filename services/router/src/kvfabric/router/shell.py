@@ -52,6 +52,8 @@ class _Server(uvicorn.Server):
 
 
 class RouterShell:
+    _runtime: ServiceRuntime | None = None  # set by attach
+
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.index = RoutingIndex()
@@ -78,6 +80,7 @@ class RouterShell:
         self._log = get_logger("kvfabric.router")
 
     def attach(self, runtime: ServiceRuntime) -> None:
+        self._runtime = runtime
         runtime.add_endpoint("route", self._on_route, request=r.RouteRequest, decoder=r.router_decoder)
         registry = runtime.metrics.registry
         self.metrics = RouterMetrics(registry)
@@ -130,6 +133,12 @@ class RouterShell:
             asyncio.create_task(self.proxy.health_loop(), name="router-health"),
             self._http_task,
         ]
+        # One that dies of an exception (the HTTP front, the event follower, health checks)
+        # stops the router, which is restarted: the process lived on without it (review,
+        # 2026-12-05).
+        if self._runtime is not None:
+            for task in self._tasks:
+                self._runtime.watch(task, task.get_name())
         self._log.info("router_http_listening", host=self.settings.http_host, port=self.http_port)
 
     async def stop(self) -> None:
