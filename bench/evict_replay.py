@@ -319,12 +319,9 @@ class ClusterDown(RuntimeError):
 
 
 def read_env_file(path: Path) -> dict[str, str]:
-    env = {}
-    for line in path.read_text().splitlines():
-        key, sep, value = line.strip().partition("=")
-        if sep and key and not key.startswith("#"):
-            env[key] = value
-    return env
+    from kvfabric.ctl.auth import read_env_file as parse
+
+    return parse(path.read_text())
 
 
 @contextmanager

@@ -29,6 +29,7 @@ import datetime
 import ipaddress
 import json
 import secrets
+import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ __all__ = [
     "UserPlan",
     "permissions",
     "plan_auth",
+    "read_env_file",
     "render_nats_conf",
     "write_auth",
 ]
@@ -171,7 +173,20 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def _env_file(values: Mapping[str, str]) -> str:
-    return "".join(f"{k}={v}\n" for k, v in values.items())
+    """`KEY=value` lines, each value shell-quoted where it needs it: sourced as the docs say
+    (`set -a; . file`), an unquoted JSON value lost its quotes (`{alice:[...]}`) and the
+    directory refused to start (review, 2026-12-05). `read_env_file` reads them back."""
+    return "".join(f"{k}={shlex.quote(v)}\n" for k, v in values.items())
+
+
+def read_env_file(text: str) -> dict[str, str]:
+    """The variables of an env file `_env_file` wrote (shell quoting undone)."""
+    env: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and key and not key.startswith("#"):
+            env[key] = "".join(shlex.split(value)) if value else ""
+    return env
 
 
 def write_auth(
