@@ -69,6 +69,8 @@ LOOKUP_MEMBERS_MAX: Final = 1024
 EVICT_BATCH_GROUPS_MAX: Final = 4096
 FREED_BATCH_MAX: Final = 8192
 LIST_LIMIT_MAX: Final = 10_000
+# Leases a `list_leases` page examines at most (a `pins_only` page skips the read leases among them)
+LEASES_EXAMINED_MAX: Final = 50_000
 LEASE_TTL_MS_MAX: Final = 600_000
 PIN_TTL_MS_MAX: Final = 86_400_000
 WRITE_TTL_MS_MAX: Final = 600_000
@@ -741,9 +743,15 @@ class GroupList(_Msg, frozen=True, kw_only=True, tag="dir.group_list.v1"):
 
 
 class ListLeases(_Msg, frozen=True, kw_only=True, tag="dir.list_leases.v1"):
+    """Leases and pins in id order: those after `after` (a page's `next_after`), pins only
+    with `pins_only`; at most `limit`, `LEASES_EXAMINED_MAX` examined, the reply within
+    `REPLY_BYTES_MAX` (the rest in the next page)."""
+
     limit: int = 100
     epoch: int = 0
     shard: int = 0  # the shard this lease / listing belongs to (one core each)
+    after: int = 0
+    pins_only: bool = False
 
 
 class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -757,6 +765,7 @@ class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True):
 class LeaseList(_Msg, frozen=True, kw_only=True, tag="dir.lease_list.v1"):
     epoch: int
     leases: list[LeaseInfo]
+    next_after: int = 0  # more to list: ask again with `after` = this; 0: the end
 
 
 class ListTenants(_Msg, frozen=True, kw_only=True, tag="dir.list_tenants.v1"):

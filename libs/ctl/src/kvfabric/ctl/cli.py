@@ -196,11 +196,10 @@ def _list_leases(limit: int, nats_url: str, timeout_s: float, *, pins_only: bool
 
     async def body(nc: q.NatsClient) -> tuple[int, list[q.ShardLease]]:
         routed = await q.router(nc)
-        listed = await q.list_leases(routed, limit, env.timeout_s)
+        listed = await q.list_leases(routed, limit, env.timeout_s, pins_only=pins_only)
         return q.newest_epoch(routed), listed
 
-    epoch, listed = _run(env, body)
-    leases = [x for x in listed if x.lease.is_pin] if pins_only else listed
+    epoch, leases = _run(env, body)
     if json:  # ids are per shard: each lease names its shard
         docs = [{**q.jsonable(x.lease), "shard": x.shard} for x in leases]
         render.emit_json({"epoch": epoch, "pins" if pins_only else "leases": docs})

@@ -260,7 +260,7 @@ async def ask_directory(
         reply = m.GroupList(epoch=queries.newest_epoch(router), groups=groups)
     elif verb == "list_leases":
         assert isinstance(message, m.ListLeases)
-        leases = await queries.list_leases(router, message.limit, timeout_s)
+        leases = await queries.list_leases(router, message.limit, timeout_s, pins_only=message.pins_only)
         reply = m.LeaseList(epoch=queries.newest_epoch(router), leases=[x.lease for x in leases])
     elif verb == "list_tenants":
         assert isinstance(message, m.ListTenants)

@@ -55,6 +55,12 @@ from kvfabric.proto.segment import tier_of_slot
 __all__ = ["Reads"]
 
 
+# A lease's share of a `LeaseList` reply beside its holder id (its fields, encoded; generous),
+# and the reply's own.
+_LEASE_INFO_BYTES = 96
+_LEASE_LIST_BYTES = 256
+
+
 class Reads:
     def __init__(
         self,
@@ -380,18 +386,40 @@ class Reads:
         self.ctx.check_epoch(req.epoch)
         if not 0 < req.limit <= m.LIST_LIMIT_MAX:
             raise BadRequest(f"limit must be in 1..{m.LIST_LIMIT_MAX}")
-        leases = [
-            m.LeaseInfo(
-                lease_id=i,
-                holder_id=x.holder_id,
-                is_pin=x.is_pin,
-                groups=len(x.groups),
-                expires_ms=x.expires_ms,
+        # ids only grow and a lease is inserted once: insertion order is id order. A page ends
+        # at `limit`, at `LEASES_EXAMINED_MAX` examined, or before the reply would pass
+        # `REPLY_BYTES_MAX` (10,000 leases with long holder ids were 2 MB: the reply was dropped
+        # by NATS, the caller timed out; review, 2026-12-05); `next_after` names where the
+        # next one starts.
+        items = iter(self.leases.leases.items())
+        if req.after > 0:
+            items = itertools.dropwhile(lambda item: item[0] <= req.after, items)
+        leases: list[m.LeaseInfo] = []
+        size = _LEASE_LIST_BYTES
+        examined = 0
+        done = req.after  # the last id this page dealt with
+        next_after = 0
+        for i, x in items:
+            cost = _LEASE_INFO_BYTES + len(x.holder_id.encode())
+            full = len(leases) >= req.limit or size + cost > m.REPLY_BYTES_MAX
+            if full or examined >= m.LEASES_EXAMINED_MAX:
+                next_after = done
+                break
+            examined += 1
+            done = i
+            if req.pins_only and not x.is_pin:
+                continue
+            size += cost
+            leases.append(
+                m.LeaseInfo(
+                    lease_id=i,
+                    holder_id=x.holder_id,
+                    is_pin=x.is_pin,
+                    groups=len(x.groups),
+                    expires_ms=x.expires_ms,
+                )
             )
-            # ids only grow and a lease is inserted once: insertion order is id order
-            for i, x in itertools.islice(self.leases.leases.items(), req.limit)
-        ]
-        return Outcome(m.LeaseList(epoch=self.ctx.epoch, leases=leases))
+        return Outcome(m.LeaseList(epoch=self.ctx.epoch, leases=leases, next_after=next_after))
 
     def list_tenants(self, req: m.ListTenants, now_ms: int) -> Outcome:
         self.ctx.check_epoch(req.epoch)
