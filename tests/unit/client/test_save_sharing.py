@@ -98,6 +98,7 @@ def client(
         save_writes: int = 0,
         *,
         receipt: bool = False,
+        cut_at_s: float | None = None,
     ) -> tuple[str, m.WriteReceipt | None]:
         writes.append((ticket.key, trace_id, save_writes))
         if ticket.key in fail_keys:
@@ -106,7 +107,10 @@ def client(
         return "ok", (m.WriteReceipt(ticket.ticket_id, ticket.ticket_id, 1, RECEIPT_MAC) if receipt else None)
 
     def write_many(
-        quads: Sequence[tuple[m.WriteTicket, memoryview, str, int]], *, receipt: bool = False
+        quads: Sequence[tuple[m.WriteTicket, memoryview, str, int]],
+        *,
+        receipt: bool = False,
+        cut_at_s: float | None = None,
     ) -> list[tuple[str, m.WriteReceipt | None]]:
         streams.append([t.key for t, *_ in quads])
         return [write(t, d, trace, n, receipt=receipt) for t, d, trace, n in quads]
@@ -312,7 +316,7 @@ def test_a_cancelled_save_waits_for_its_running_writes_and_aborts_what_was_place
     write_started = threading.Event()
     write_ended: list[float] = []
 
-    def slow_write_many(quads: Sequence[Any], *, receipt: bool = False) -> list[Any]:
+    def slow_write_many(quads: Sequence[Any], *, receipt: bool = False, **_: Any) -> list[Any]:
         write_started.set()
         time_module.sleep(0.4)  # reading the caller's buffers
         write_ended.append(time_module.monotonic())
@@ -370,3 +374,37 @@ def test_a_save_whose_queued_writes_a_closing_client_cancels_ends_with_a_result(
     result = asyncio.run(run())
     assert isinstance(result, SaveResult)
     assert result.chunks_saved == 1 and result.causes.get("closed") == 2
+
+
+def test_the_write_phase_has_the_saves_timeout() -> None:
+    """Each write is cut at the write phase's deadline (`save_timeout_ms` from its start: the
+    segment pool's `cut_at_s`), and a write stream still queued then is never sent (`timeout`):
+    a trickling segment held a save, and the caller's buffers, for a socket timeout per write
+    (review, 2026-12-05)."""
+    import time as time_module
+
+    router = SaveRouter()
+    kv, _ = client(router, transfers_max=2, save_timeout_ms=300)  # one save thread
+    calls: list[float | None] = []
+
+    def slow_write(
+        ticket: m.WriteTicket, data: memoryview, *args: Any, cut_at_s: float | None = None, **kw: Any
+    ) -> Any:
+        calls.append(cut_at_s)
+        time_module.sleep(0.4)  # past the phase's deadline: the next stream is not sent
+        return "timeout", None
+
+    kv.pool.write = slow_write  # type: ignore[method-assign]
+
+    async def run() -> tuple[SaveResult, float]:
+        try:
+            started = time_module.monotonic()
+            result = await kv.save(prompt(2), [[bytes([c]) * (3 << 20)] for c in range(2)])
+            return result, started
+        finally:
+            await kv.close()
+
+    result, started = asyncio.run(run())
+    assert len(calls) == 1 and calls[0] is not None
+    assert 0.25 < calls[0] - started < 3.0  # the deadline it was given: save_timeout_ms on
+    assert result.chunks_failed == 2 and result.causes == {"timeout": 2}

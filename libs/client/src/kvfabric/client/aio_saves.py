@@ -272,13 +272,26 @@ class SaveMixin(ClientBase):
             [(w.ticket.data_addr, w.ticket.size_bytes) for w in writes], SAVE_WRITE_STREAM_BYTES_TARGET
         )
 
+        # The write phase has the save's timeout, as its directory phases do: a stream still
+        # queued or writing then is cut (`timeout`; a trickling segment held a save, and the
+        # caller's buffers, for a socket timeout per write before; review, 2026-12-05).
+        cut_at_s = time.monotonic() + self.settings.save_timeout_ms / 1000
+
         def run(stream: list[int]) -> list[tuple[str, m.WriteReceipt | None]]:
             mine = [writes[i] for i in stream]
+            if time.monotonic() >= cut_at_s:  # queued past the phase's deadline: never sent
+                return [("timeout", None)] * len(mine)
             if len(mine) == 1:  # on its own connection: staged when co-located
                 w = mine[0]
-                return [self.pool.write(w.ticket, plan.data[w.key], w.trace_id, w.together, receipt=True)]
+                return [
+                    self.pool.write(
+                        w.ticket, plan.data[w.key], w.trace_id, w.together, receipt=True, cut_at_s=cut_at_s
+                    )
+                ]
             return self.pool.write_many(
-                [(w.ticket, plan.data[w.key], w.trace_id, w.together) for w in mine], receipt=True
+                [(w.ticket, plan.data[w.key], w.trace_id, w.together) for w in mine],
+                receipt=True,
+                cut_at_s=cut_at_s,
             )
 
         # Concurrent futures, not `run_in_executor`'s: cancelling this save must not return

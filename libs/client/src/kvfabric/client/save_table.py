@@ -46,7 +46,8 @@ phase (a second answer, or a stale one) is counted and ignored.
   aborted; commits and aborts go out together (different keys), per shard in batches.
 - Deadlines: each request carries `deadline_ms` = the step's `now_ms` + `timeout_ms` (one per
   phase, as the shell's `save_timeout_ms`); the shell answers a request whose deadline passed
-  with a cause. Writes are bounded by their tickets' deadlines (the segment pool's).
+  with a cause. The shell bounds the write phase by the same timeout (each write cut at it,
+  a write still queued then never sent: `timeout`).
 - Retries: none here. The shell retries a `busy` request a bounded number of times within its
   deadline (`kvfabric.client.busy`); `SharedCalls` resends a `bad_request` save by save.
 

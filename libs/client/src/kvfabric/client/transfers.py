@@ -516,8 +516,10 @@ class SegmentPool:
         save_writes: int = 0,
         *,
         receipt: bool = False,
+        cut_at_s: float | None = None,
     ) -> tuple[str, WriteReceipt | None]:
-        """Write one replica under its ticket. Returns ("ok" or a cause, the segment's write receipt
+        """Write one replica under its ticket, by `cut_at_s` (monotonic; the save's write phase
+        deadline: past it the write is cut, `timeout`). Returns ("ok" or a cause, the segment's write receipt
         or None): with `receipt`, a segment that signs receipts answers once the bytes are stored
         and verified, and confirms in the background (the caller's put_commit carries the
         receipt); else "ok" means confirmed. Writes share
@@ -534,7 +536,7 @@ class SegmentPool:
         try:
             # The pool loads use too (one idle pool per segment): a PUT only needs its TCP half.
             shm_ok = self._shm_ok(ticket.segment_id)
-            with self._connection(ticket.data_addr, shm_ok, ticket=ticket) as conn:
+            with self._connection(ticket.data_addr, shm_ok, ticket=ticket, cut_at_s=cut_at_s) as conn:
                 staged = self._stage(conn, ticket, data)
                 reply = None
                 if staged is not None:
@@ -558,6 +560,8 @@ class SegmentPool:
                     )
         except KvfError as exc:
             return exc.code, None
+        except TimeoutError:  # cut at `cut_at_s`, or no connection free in time
+            return "timeout", None
         except OSError:
             return "segment_unreachable", None
         if reply.receipt:
@@ -569,6 +573,7 @@ class SegmentPool:
         writes: Sequence[tuple[WriteTicket, memoryview, str, int]],
         *,
         receipt: bool = False,
+        cut_at_s: float | None = None,
     ) -> list[tuple[str, WriteReceipt | None]]:
         """`write` of several replicas to one segment (one data address), pipelined on one pooled
         connection (`TcpDataClient.put_many`): one thread and one round trip for all of them, not
@@ -581,10 +586,13 @@ class SegmentPool:
             return []
         first = writes[0][0]
         try:
-            with self._connection(first.data_addr, self._shm_ok(first.segment_id), ticket=first) as conn:
+            shm_ok = self._shm_ok(first.segment_id)
+            with self._connection(first.data_addr, shm_ok, ticket=first, cut_at_s=cut_at_s) as conn:
                 replies = self._put_many(conn, writes, receipt)
         except KvfError as exc:
             return [(exc.code, None)] * len(writes)
+        except TimeoutError:
+            return [("timeout", None)] * len(writes)
         except OSError:
             return [("segment_unreachable", None)] * len(writes)
         outcomes: list[tuple[str, WriteReceipt | None]] = []
