@@ -42,6 +42,9 @@ log = logging.getLogger("kvfabric.client")
 
 T = TypeVar("T")
 _GRACE_S = 5.0  # beyond a call's own timeout: the loop thread is late only if the process is stuck
+# `AsyncKvClient.close`'s steps beside its waits for saves and lookups: the report queue, the
+# NATS drain, the executors' shutdown.
+_CLOSE_STEPS_S = 15.0
 
 
 async def _settle_tasks(timeout_s: float) -> None:
@@ -155,6 +158,10 @@ class KvClient:
         self.aio = AsyncKvClient(settings, spec, metrics=metrics)
         self.metrics = self.aio.metrics
         self.status = ClientStatus(STARTING)
+        # Saves are submitted to the loop, and `close` turns the client off, under this lock: a
+        # save that passed the check while another thread closed raised RuntimeError (the loop
+        # closed) or was queued on a stopped loop, its future never resolved (review, 2026-12-05).
+        self._submit_lock = threading.Lock()
         self._failure_log_level = failure_log_level
         self._closing = False
         self._loop = asyncio.new_event_loop()
@@ -299,19 +306,20 @@ class KvClient:
     ) -> concurrent.futures.Future[SaveResult] | None:
         """Start a save and return at once (None when it was dropped: disabled or over limits).
         `rate_taken`: the caller took the save rate for these chunks (`take_save_rate`)."""
-        if not self.enabled:
-            self.metrics.saves_dropped.labels(self._off_cause()).inc()
-            return None
-        return self._submit(
-            self.aio.save(
-                tokens,
-                objects,
-                first_chunk=first_chunk,
-                extras=extras,
-                trace_id=trace_id,
-                rate_taken=rate_taken,
+        with self._submit_lock:
+            if not self.enabled:
+                self.metrics.saves_dropped.labels(self._off_cause()).inc()
+                return None
+            return self._submit(
+                self.aio.save(
+                    tokens,
+                    objects,
+                    first_chunk=first_chunk,
+                    extras=extras,
+                    trace_id=trace_id,
+                    rate_taken=rate_taken,
+                )
             )
-        )
 
     def take_save_rate(self, chunk_sizes: Sequence[int]) -> int:
         """Take the engine's save rate (`ClientSettings.save_bytes_per_s_max`) for the leading
@@ -354,15 +362,23 @@ class KvClient:
             return
         # From now on lookups miss and saves are dropped (`closed`): the engine's calls after
         # `close` went to a closed loop and raised RuntimeError (review, 2026-12-05).
-        if self.status.state != DISABLED:  # (a disabled one keeps its cause)
-            self.status = ClientStatus(DISABLED, "closed", "closed")
+        with self._submit_lock:  # no save submitted from now on (`save_async`)
+            if self.status.state != DISABLED:  # (a disabled one keeps its cause)
+                self.status = ClientStatus(DISABLED, "closed", "closed")
         if self._starting is not None and not self._starting.done():  # a background start
             self._closing = True
             self._loop.call_soon_threadsafe(self._starting.cancel)
             concurrent.futures.wait([self._starting], timeout=_GRACE_S)
             self.status = ClientStatus(DISABLED, "closed", "closed before it started")
         try:
-            self._call(self.aio.close(), self.settings.save_timeout_ms / 1000)
+            # Its own steps are bounded (leases given back, saves and their aborts waited for,
+            # the NATS drain): what they may take in all. Past it the close goes on here without
+            # raising into the engine's shutdown (it raised TimeoutError; review, 2026-12-05).
+            s = self.settings
+            bound_s = 2 * s.save_timeout_ms / 1000 + 3 * s.lookup_timeout_ms / 1000 + _CLOSE_STEPS_S
+            self._call(self.aio.close(), bound_s)
+        except concurrent.futures.TimeoutError:
+            log.warning("kvfabric: the client's close overran %.0f s: closing what is left", bound_s)
         finally:
             settling = asyncio.run_coroutine_threadsafe(_settle_tasks(_GRACE_S), self._loop)
             with contextlib.suppress(Exception):  # a stuck loop thread: close it as it is
