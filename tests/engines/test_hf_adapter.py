@@ -215,3 +215,45 @@ def test_a_cache_that_cannot_start_leaves_the_engine_generating_uncached(
             assert result.saving is None  # dropped, counted
         finally:
             adapter.client.close()
+
+
+def test_a_load_or_forward_that_raises_gives_the_lease_back_and_a_load_is_a_miss(model_dir: Path) -> None:
+    """`load_prefix` never raises (a load that raises, an object of another size say, is a miss:
+    its lease given back), and a forward that raises gives the hit's lease back before the error
+    goes on (it was held to its TTL; review, 2026-12-05)."""
+    from kvfabric.client import Hit
+    from kvfabric.engines.hf import PrefixLoad
+
+    released: list[Hit] = []
+    hit = Hit(2 * TPC, TPC, (), (), objects=((),) * 2, lease_id=7)
+
+    class Client:
+        def lookup(self, *args: object, **kwargs: object) -> Hit:
+            return hit
+
+        def load(self, *args: object, **kwargs: object) -> object:
+            raise ValueError("object size 4096 != destination size 8192")
+
+        def release(self, h: Hit) -> None:
+            released.append(h)
+
+    model = load_model(model_dir)
+    spec = hf_engine_spec(model, DOMAIN, tokens_per_chunk=TPC, model_id="tiny-llama")
+    adapter = HfKvAdapter(model, KvClient.disabled(spec, "test", "unit"))
+    real_client, adapter.client = adapter.client, Client()  # type: ignore[assignment]
+    try:
+        ids = prompt_ids(3 * TPC + 5, seed=9)
+        loaded = adapter.load_prefix(ids)
+        assert loaded.tokens == 0 and loaded.cache is None and released == [hit]
+        released.clear()
+        adapter.load_prefix = lambda *a, **k: PrefixLoad(None, 0, hit, 0.0)  # type: ignore[method-assign]
+
+        def broken_forward(*args: object, **kwargs: object) -> object:
+            raise RuntimeError("out of memory")
+
+        adapter.model = broken_forward  # type: ignore[assignment]
+        with pytest.raises(RuntimeError, match="out of memory"):
+            adapter.generate(ids, max_new_tokens=1)
+        assert released == [hit]
+    finally:
+        real_client.close()

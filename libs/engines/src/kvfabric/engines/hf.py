@@ -14,6 +14,7 @@ from the verified prefix the client reports; `save_prefix` copies the chunks out
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -28,6 +29,8 @@ from kvfabric.engines.identity import attn_config_digest
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
 
 __all__ = ["TENSOR_LAYOUT", "GenerateResult", "HfKvAdapter", "PrefixLoad", "hf_engine_spec", "weights_digest"]
+
+log = logging.getLogger("kvfabric.engines.hf")
 
 TENSOR_LAYOUT: Final = "hf-dynamic-cache.v1:per-layer-k-then-v:[kvh,tokens,head_dim]"
 
@@ -127,7 +130,11 @@ class HfKvAdapter:
         from transformers import DynamicCache
 
         started = time.perf_counter()
-        hit = self.client.lookup(token_ids, max_tokens=len(token_ids) - 1, trace_id=trace_id)
+        try:
+            hit = self.client.lookup(token_ids, max_tokens=len(token_ids) - 1, trace_id=trace_id)
+        except Exception as exc:  # the client's loop stalled past its timeout: a miss
+            log.warning("kvfabric: lookup raised %r: computed in full", exc)
+            return PrefixLoad(None, 0, Hit(0, self.tpc, (), ()), time.perf_counter() - started)
         if hit.tokens == 0:
             self.client.release(hit)
             return PrefixLoad(None, 0, hit, time.perf_counter() - started)
@@ -151,7 +158,12 @@ class HfKvAdapter:
             ]
             for c in range(n)
         ]
-        result = self.client.load(hit, dests)
+        try:
+            result = self.client.load(hit, dests)
+        except Exception as exc:  # e.g. an object of another size than this model's chunk: a miss
+            log.warning("kvfabric: load raised %r: computed in full", exc)
+            self.client.release(hit)
+            return PrefixLoad(None, 0, hit, time.perf_counter() - started)
         loaded = result.tokens // self.tpc
         if loaded == 0:
             self.client.release(hit)
@@ -233,10 +245,12 @@ class HfKvAdapter:
         loaded = prefix.tokens if prefix else 0
         cache = prefix.cache if prefix and prefix.cache is not None else DynamicCache()
         suffix = torch.tensor([ids[loaded:]], dtype=torch.long)
-        out = self.model(input_ids=suffix, past_key_values=cache, use_cache=True)
+        try:
+            out = self.model(input_ids=suffix, past_key_values=cache, use_cache=True)
+        finally:  # a forward that raises gives the lease back too (it was held to its TTL)
+            if prefix is not None:
+                self.client.release(prefix.hit)
         prefill_s = time.perf_counter() - started
-        if prefix is not None:
-            self.client.release(prefix.hit)
         saving = None
         if save and use_cache:
             saving = self.save_prefix(
