@@ -31,8 +31,9 @@ class FakeClient:
         self.metrics = ClientMetrics()
 
     def lookup_async(self, tokens: list[int], **_: Any) -> concurrent.futures.Future[Hit]:
+        self.lookups_asked = getattr(self, "lookups_asked", 0) + 1
         done: concurrent.futures.Future[Hit] = concurrent.futures.Future()
-        done.set_result(Hit(self.chunks * BLOCK, BLOCK, (), (), objects=((),) * self.chunks))
+        done.set_result(Hit(self.chunks * BLOCK, BLOCK, (), (), objects=((),) * self.chunks, lease_id=9))
         return done
 
     def release(self, hit: Hit) -> None:
@@ -153,6 +154,23 @@ def test_a_hit_whose_blocks_cannot_all_be_loaded_saves_nothing(scheduler_side: A
     assert connector.build_connector_meta(later).saves == []
     intact = schedule(connector, "r5", prompt_ids(6 * BLOCK + 1, seed=15), local_tokens=0)
     assert [(s.first_chunk, s.block_ids) for s in intact.saves] == [(3, [103, 104, 105])]
+
+
+def test_a_hit_vllm_could_not_allocate_for_is_answered_again_without_a_new_lookup(
+    scheduler_side: Any,
+) -> None:
+    """vLLM asks again when it could not allocate the request's blocks (memory pressure): the
+    same answer under the lease already held, not a release and a new lookup every step (the
+    scheduler waited on the directory each time; review, 2026-12-05)."""
+    tokens = prompt_ids(4 * BLOCK + 1, seed=17)
+    connector = scheduler_side(3)
+    request = SimpleNamespace(request_id="r8", prompt_token_ids=tokens)
+    assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
+    for _ in range(3):  # allocation failed: asked again, nothing changed
+        assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
+    assert connector.client.lookups_asked == 1 and connector.client.released == []
+    assert connector.get_num_new_matched_tokens(request, BLOCK) == (2 * BLOCK, False)  # it changed
+    assert connector.client.lookups_asked == 2
 
 
 class SlowClient(FakeClient):

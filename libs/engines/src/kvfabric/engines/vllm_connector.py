@@ -403,6 +403,13 @@ class KvfabricConnector(KVConnectorBase_V1):
         if len(tokens) <= self.block_size:
             return 0, False
         pending = self._lookups.get(rid)
+        planned = self._pending_loads.get(rid)
+        if pending is None and planned is not None and planned[1] == num_computed_tokens // self.block_size:
+            # Asked again with nothing changed: vLLM could not allocate the request's blocks
+            # last step. The same answer, under the lease already held (a new lookup every
+            # step released it and made the scheduler wait on the directory again; review,
+            # 2026-12-05).
+            return planned[0].tokens - num_computed_tokens, False
         if pending is None and num_computed_tokens >= (len(tokens) - 1) // self.block_size * self.block_size:
             # One backfill lookup per request: not again while vLLM cannot schedule it yet and
             # asks again, nor for a request resumed after preemption (its saves are planned).
