@@ -80,9 +80,28 @@ def test_held_hit_covers_a_get_on_its_chain_and_leaves_once() -> None:
     assert table.covering(chain, 8) is long
     assert table.covering(chain_of(["other", *KEYS[1:]]), 4) is None  # another chain
     assert table.covering(chain, 9) is None  # nothing covers past the stored pages
+    table.done_with(short)
+    table.done_with(long)
     assert table.finished(chain[:4], 4) == [short]  # the get reached its end
     assert table.finished(chain[:4], 4) == []  # once only
     assert table.drain() == [long] and len(table) == 0
+
+
+def test_a_held_hit_a_get_loads_under_is_never_given_back_meanwhile() -> None:
+    """While a get loads under a held hit's lease (`covering` .. `done_with`), neither its
+    expiry, nor newer hits crowding the table, nor another get's `finished` give the lease back
+    (each did: the load ran without the lease it relied on; review, 2026-12-05); after, they do."""
+    table = HeldHits(hold_ms=100, held_max=1)
+    chain = chain_of(KEYS)
+    long = hit_of(KEYS, 8)
+    assert table.hold(long, 0) == []
+    assert table.covering(chain, 8) is long  # a get loads under it
+    assert table.expired(500) == []
+    newer = hit_of(KEYS[:2], 2)
+    assert table.hold(newer, 10) == [newer]  # crowded out: the newer one, not the one in use
+    assert table.finished(chain, 8) == []  # another get of the chain ended
+    table.done_with(long)
+    assert table.expired(500) == [long] and len(table) == 0
 
 
 def test_held_hits_are_bounded_and_expire() -> None:

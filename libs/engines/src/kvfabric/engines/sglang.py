@@ -385,10 +385,12 @@ class KvfabricStorage(HiCacheStorage):
             result = client.load(hit, [[page] for page in pages[:wanted]], first_chunk=first)
             return new_pages(result.tokens // hit.tokens_per_chunk, first, wanted)
         finally:
+            with self._lock:
+                if not fresh:
+                    self._held.done_with(hit)
+                done = self._held.finished(chain, end)
             if fresh:
                 self._release([hit])
-            with self._lock:
-                done = self._held.finished(chain, end)
             self._release(done)
 
     # ---- set ---------------------------------------------------------------------------------

@@ -95,10 +95,14 @@ def new_pages(hit_chunks: int, prefix_pages: int, pages: int) -> int:
     return max(0, min(pages, hit_chunks - prefix_pages))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Held:
     hit: Hit
     held_ms: int
+    # gets loading under this hit's lease now (`covering` .. `done_with`): its lease is not given
+    # back meanwhile, whatever expires or crowds it out (review, 2026-12-05: another thread's
+    # `hold`, an expiry or another get's `finished` released it while a load ran under it)
+    users: int = 0
 
 
 def _on_chain(hit: Hit, chain: Sequence[bytes]) -> bool:
@@ -124,43 +128,55 @@ class HeldHits:
         return len(self._held)
 
     def hold(self, hit: Hit, now_ms: int) -> list[Hit]:
-        """Keep `hit` (it has chunks and a lease); the oldest beyond `held_max` come back."""
+        """Keep `hit` (it has chunks and a lease); the oldest beyond `held_max` not in use by a
+        get come back (those in use stay: as many as gets run at once)."""
         if hit.chunks == 0:
             return [hit] if hit.lease_id else []
         self._held.append(_Held(hit, now_ms))
         over = len(self._held) - self.held_max
         if over <= 0:
             return []
-        out = [h.hit for h in self._held[:over]]
-        del self._held[:over]
-        return out
+        out = [h for h in self._held if not h.users][:over]
+        return self._drop(out)
 
     def covering(self, chain: Sequence[bytes], end: int) -> Hit | None:
-        """The held hit on `chain` that covers chunks `< end`, the shortest such (it stays held)."""
-        best: Hit | None = None
+        """The held hit on `chain` that covers chunks `< end`, the shortest such: it stays held,
+        in use by the caller until `done_with`."""
+        best: _Held | None = None
         for held in self._held:
             hit = held.hit
             if (
                 hit.chunks >= end
                 and _on_chain(hit, chain[:end])
-                and (best is None or hit.chunks < best.chunks)
+                and (best is None or hit.chunks < best.hit.chunks)
             ):
-                best = hit
-        return best
+                best = held
+        if best is None:
+            return None
+        best.users += 1
+        return best.hit
+
+    def done_with(self, hit: Hit) -> None:
+        """A get that `covering` gave `hit` is done loading under its lease."""
+        for held in self._held:
+            if held.hit is hit and held.users:
+                held.users -= 1
+                return
 
     def finished(self, chain: Sequence[bytes], end: int) -> list[Hit]:
-        """A get of `chain` reached chunk `end`: every held hit on it ending there or before."""
-        done = [h for h in self._held if h.hit.chunks <= end and _on_chain(h.hit, chain)]
-        if done:
-            self._held = [h for h in self._held if all(h is not d for d in done)]
-        return [h.hit for h in done]
+        """A get of `chain` reached chunk `end`: every held hit on it ending there or before (but
+        one another get still loads under)."""
+        on_it = [h for h in self._held if not h.users and h.hit.chunks <= end and _on_chain(h.hit, chain)]
+        return self._drop(on_it)
 
     def expired(self, now_ms: int) -> list[Hit]:
-        """Hits held longer than `hold_ms`: no get came for them."""
-        old = [h for h in self._held if now_ms - h.held_ms >= self.hold_ms]
-        if old:
-            self._held = [h for h in self._held if now_ms - h.held_ms < self.hold_ms]
-        return [h.hit for h in old]
+        """Hits held longer than `hold_ms` and not in use: no get came for them."""
+        return self._drop([h for h in self._held if not h.users and now_ms - h.held_ms >= self.hold_ms])
+
+    def _drop(self, gone: list[_Held]) -> list[Hit]:
+        if gone:
+            self._held = [h for h in self._held if all(h is not g for g in gone)]
+        return [h.hit for h in gone]
 
     def drain(self) -> list[Hit]:
         """Every held hit (clear, close)."""
