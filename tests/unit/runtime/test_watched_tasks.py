@@ -42,3 +42,35 @@ def test_a_watched_task_that_raises_stops_the_service() -> None:
         return reason, runtime._exit_code
 
     assert asyncio.run(main()) == ("task_failed", EXIT_SOFTWARE)
+
+
+def test_a_watched_tasks_failure_keeps_the_grace_for_requests_in_flight() -> None:
+    """A watched task's failure stops the service with EXIT_SOFTWARE, but the requests in
+    flight get their shutdown grace, as on SIGTERM (they were cancelled unanswered at once;
+    review, 2026-12-05); only a broken invariant cancels them at once."""
+
+    async def main(invariant_broken: bool) -> bool:
+        runtime = ServiceRuntime(
+            Service.ECHO,
+            RuntimeSettings(metrics_port=-1, shutdown_grace_ms=2_000),
+            version="0.0.1",
+            description="t",
+        )
+
+        async def handler() -> None:
+            await asyncio.sleep(0.1)
+
+        async def broken() -> None:
+            raise ValueError("a bug in a loop")
+
+        request = asyncio.create_task(handler())
+        runtime._tasks.add(request)
+        failing = asyncio.create_task(broken())
+        runtime.watch(failing, "broken")
+        await asyncio.wait_for(runtime.wait_stop_requested(), 5)
+        runtime._invariant_violated = invariant_broken
+        await runtime._finish_inflight()
+        return request.cancelled()
+
+    assert asyncio.run(main(invariant_broken=False)) is False  # answered within the grace
+    assert asyncio.run(main(invariant_broken=True)) is True

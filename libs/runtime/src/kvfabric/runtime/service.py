@@ -266,6 +266,10 @@ class ServiceRuntime:
         self._stopped = asyncio.Event()
         self._stop_reason: str | None = None
         self._exit_code = EXIT_OK
+        # An invariant broke: requests still in flight are cancelled at once (their state may be
+        # the broken one). A watched task's failure, also EXIT_SOFTWARE, keeps the grace: the
+        # requests in flight are sound (review, 2026-12-05: they were cancelled unanswered).
+        self._invariant_violated = False
         # Bound on the runtime's logger and, per request, in contextvars for handler code.
         self._identity: dict[str, object] = {"service": service.value, "instance_id": settings.instance_id}
         self._log = get_logger("kvfabric.runtime").bind(**self._identity)
@@ -698,6 +702,7 @@ class ServiceRuntime:
             await self._reply_error(request, internal)
             self._finish(endpoint, Outcome.FATAL, received_s, internal.code, exc_info=exc)
             self._exit_code = EXIT_SOFTWARE
+            self._invariant_violated = True
             self.request_stop("invariant_violated")
         except asyncio.CancelledError:
             self._finish(endpoint, Outcome.CANCELLED, received_s, None)
@@ -911,7 +916,7 @@ class ServiceRuntime:
         pending = set(self._tasks)
         if not pending:
             return
-        grace_s = 0.0 if self._exit_code == EXIT_SOFTWARE else self.settings.shutdown_grace_ms / 1000
+        grace_s = 0.0 if self._invariant_violated else self.settings.shutdown_grace_ms / 1000
         if grace_s > 0:
             _, pending = await asyncio.wait(pending, timeout=grace_s)
         if not pending:
