@@ -203,6 +203,24 @@ async def test_shutdown_grace_bounds_the_wait_and_client_sees_indeterminate(
     assert runtime.inflight_count == 0
 
 
+async def test_stop_serving_ends_requests_first_and_keeps_nats_for_the_shells_stop(
+    nats_client: NatsClient, started: Callable[..., Awaitable[ServiceRuntime]]
+) -> None:
+    """`stop_serving` (the first half of `stop`, run before a shell's stop): a request in
+    flight is answered within its grace, no new one is taken (no responders), and the runtime's
+    NATS connection stays up for the shell's own stop; `stop` then finishes (review,
+    2026-12-05: shells stopped first, their handlers ran on what the stop released)."""
+    runtime = await started()
+    in_flight = asyncio.create_task(say(nats_client, "last", delay_ms=200))
+    await until(lambda: runtime.inflight_count == 1)
+    await asyncio.wait_for(runtime.stop_serving(), TIMEOUT_S)
+    assert (await in_flight).text == "last"
+    with pytest.raises(Unavailable):
+        await say(nats_client, "after", timeout_s=1.0)
+    assert runtime.nc is not None and runtime.nc.is_connected
+    assert await asyncio.wait_for(runtime.stop(), TIMEOUT_S) == EXIT_OK
+
+
 async def test_service_keeps_serving_across_a_nats_restart(
     nats_server: NatsServer, nats_client: NatsClient, started: Callable[..., Awaitable[ServiceRuntime]]
 ) -> None:

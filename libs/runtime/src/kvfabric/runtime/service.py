@@ -19,7 +19,7 @@ Lifecycle (`state`): created → starting → running → stopping → stopped.
   (0 after an invariant violation), the rest are cancelled, NATS drains and closes, the metrics
   server stops.
 - stopped: `exit_code` is 0 after a requested stop, `EXIT_UNAVAILABLE` when NATS was lost or
-  never reached, `EXIT_SOFTWARE` after an `InvariantViolation`.
+  never reached, `EXIT_SOFTWARE` after an `InvariantViolation` or a watched task's failure.
 
 Bounded stops (`kvfabric.runtime.deadline`): a service that owns its process calls
 `stop_on_signals()`; from then on every `request_stop` (a signal, a lapsed lease, NATS lost)
@@ -270,6 +270,8 @@ class ServiceRuntime:
         # the broken one). A watched task's failure, also EXIT_SOFTWARE, keeps the grace: the
         # requests in flight are sound (review, 2026-12-05: they were cancelled unanswered).
         self._invariant_violated = False
+        self._serving_stopped = False  # `stop_serving` ran
+        self._stop_called = False
         # Bound on the runtime's logger and, per request, in contextvars for handler code.
         self._identity: dict[str, object] = {"service": service.value, "instance_id": settings.instance_id}
         self._log = get_logger("kvfabric.runtime").bind(**self._identity)
@@ -882,16 +884,12 @@ class ServiceRuntime:
 
     async def stop(self) -> int:
         """Graceful stop (see the module docstring). Idempotent. Returns the exit code."""
-        if self._state in (RuntimeState.STOPPING, RuntimeState.STOPPED):
+        if self._stop_called or self._stopped.is_set():  # (a failed start stopped it already)
             await self._stopped.wait()
             return self._exit_code
+        self._stop_called = True
         stopping_s = time.perf_counter()
-        if self._stop_reason is None:
-            self._stop_reason = "stop_called"
-        self._state = RuntimeState.STOPPING
-        await self._answer_held_refusals()
-        await self._stop_micro()
-        await self._finish_inflight()
+        await self.stop_serving()
         await self._teardown()
         self._state = RuntimeState.STOPPED
         self._stopped.set()
@@ -902,6 +900,22 @@ class ServiceRuntime:
             duration_ms=round((time.perf_counter() - stopping_s) * 1000, 3),
         )
         return self._exit_code
+
+    async def stop_serving(self) -> None:
+        """The first half of `stop`: no request taken from now on (endpoints unsubscribed), held
+        refusals answered, requests in flight given their grace; NATS stays connected. A shell
+        calls it before its own stop, so no handler runs on what that stop releases (they did:
+        a segment's free or copy on a closed arena, a prefetch hint after its ticker stopped;
+        review, 2026-12-05), then `stop`. Idempotent."""
+        if self._serving_stopped:
+            return
+        self._serving_stopped = True
+        if self._stop_reason is None:
+            self._stop_reason = "stop_called"
+        self._state = RuntimeState.STOPPING
+        await self._answer_held_refusals()
+        await self._stop_micro()
+        await self._finish_inflight()
 
     async def _stop_micro(self) -> None:
         micro, self._micro = self._micro, None

@@ -44,5 +44,6 @@ async def serve_shell(
     log.info(f"{name}_started", metrics_port=runtime.metrics_port, **started_fields)
     freeze_long_lived(f"{name}_started")
     await runtime.wait_stop_requested()
+    await runtime.stop_serving()  # no handler runs on what the shell's stop releases
     await shell.stop()
     return await runtime.stop()

@@ -81,6 +81,7 @@ async def serve(settings: RuntimeSettings) -> int:
         runtime.request_stop("reregister_required")
     for task in (down, stop):
         task.cancel()
+    await runtime.stop_serving()  # no free or copy handler runs on a closed arena
     await shell.stop()
     code = await runtime.stop()
     return EXIT_REREGISTER if shell.must_reregister.is_set() else code
