@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from kvfabric.runtime.config import STOP_DEADLINE_MS_DEFAULT
+
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose"
 IMAGE = "kvfabric:local"
@@ -38,6 +40,8 @@ MODULES = {
     "kvfabric.repair": "services/repair",
     "kvfabric.prefetch": "services/prefetch",
 }
+# The services' own stop deadline (`KVF_STOP_DEADLINE_MS` default): Docker must not kill before it.
+STOP_DEADLINE_MS = STOP_DEADLINE_MS_DEFAULT
 
 
 def documented_metrics() -> set[str]:
@@ -160,6 +164,9 @@ def check(compose: Path = COMPOSE) -> list[str]:
             if var not in env:
                 problems.append(f"{name}: {var} not set")
         metrics_ports.add(str(env.get("KVF_METRICS_PORT")))
+        grace = str(svc.get("stop_grace_period", "10s"))
+        if not grace.endswith("s") or not grace[:-1].isdigit() or int(grace[:-1]) * 1000 <= STOP_DEADLINE_MS:
+            problems.append(f"{name}: stop_grace_period {grace} must pass the services' stop deadline")
         if env.get("KVF_METRICS_HOST", "127.0.0.1") in ("127.0.0.1", "localhost", "::1"):
             # the runtime's default: reachable from its own container only, not Prometheus's
             problems.append(f"{name}: KVF_METRICS_HOST must not be loopback (Prometheus scrapes it)")

@@ -74,7 +74,10 @@ from pathlib import Path
 from typing import Any, Final
 
 READY_TIMEOUT_S: Final = 60.0
-STOP_TIMEOUT_S: Final = 10.0
+# Past the services' own stop deadline (`KVF_STOP_DEADLINE_MS`, 25 s: then they exit themselves,
+# with a stack dump of what overran): a SIGKILL at 10 s cut stops still in progress (a segment's
+# arena left in /dev/shm) and never let the dump happen (review, 2026-12-05).
+STOP_TIMEOUT_S: Final = 30.0
 RESTARTS_MAX: Final = 5
 RESTART_WINDOW_S: Final = 60.0
 RESTART_WAIT_S_MIN: Final = 0.2
@@ -722,6 +725,8 @@ def alive(pid: int | None) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
+        return False
+    except PermissionError:  # the pid was reused by another user's process: ours is gone
         return False
     return True
 

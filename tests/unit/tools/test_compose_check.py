@@ -42,6 +42,7 @@ def test_checked_in_compose_is_consistent() -> None:
         ("docker-compose.yml", "${KVF_CLUSTER_SECRET:?set", "${KVF_CLUSTER_SECRET:-x", "never defaulted"),
         ("docker-compose.yml", 'ports: ["4222:4222"]', 'ports: ["4222:4222", "8222:8222"]', "8222"),
         ("docker-compose.yml", 'KVF_METRICS_HOST: "0.0.0.0"', 'KVF_METRICS_HOST: "127.0.0.1"', "loopback"),
+        ("docker-compose.yml", "stop_grace_period: 30s", "stop_grace_period: 10s", "stop deadline"),
     ],
 )
 def test_broken_copies_are_caught(tmp_path: Path, path: str, old: str, new: str, complaint: str) -> None:

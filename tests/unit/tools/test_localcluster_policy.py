@@ -65,3 +65,16 @@ def test_logs_are_rotated_in_place_and_writers_go_on_at_the_start(tmp_path: Path
     assert (tmp_path / "directory.log.1").read_bytes().startswith(b"gen-3 ")
     assert (tmp_path / "directory.log.2").read_bytes().startswith(b"gen-2 ")
     assert lc.rotate_logs(tmp_path, bytes_max=500, kept=2) == []  # under the bound: left alone
+
+
+def test_a_recorded_pid_reused_by_another_users_process_is_not_ours(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`alive` of a pid now another user's (`kill(pid, 0)`: PermissionError) is False: `down`
+    crashed part-way on it (review, 2026-12-05)."""
+    from kvfabric.runtime.config import STOP_DEADLINE_MS_DEFAULT
+
+    def kill(pid: int, sig: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", kill)
+    assert lc.alive(4242) is False
+    assert lc.STOP_TIMEOUT_S * 1000 > STOP_DEADLINE_MS_DEFAULT  # never kills a stop in time
