@@ -77,6 +77,8 @@ def test_log_json_env_values(text: str, expected: bool | None) -> None:
         ({"KVF_NATS_URL": " "}, "KVF_NATS_URL"),
         ({"KVF_SHUTDOWN_GRACE_MS": "-1"}, "KVF_SHUTDOWN_GRACE_MS"),
         ({"KVF_NATS_RECONNECT_ATTEMPTS_MAX": "0"}, "reconnects are bounded"),
+        ({"KVF_NATS_RECONNECT_WAIT_MS": "0"}, "KVF_NATS_RECONNECT_WAIT_MS"),  # burnt out in ms
+        ({"KVF_NATS_CONNECT_TIMEOUT_MS": "99999999"}, "KVF_NATS_CONNECT_TIMEOUT_MS"),
     ],
 )
 def test_invalid_values_name_the_setting(env: dict[str, str], names: str) -> None:

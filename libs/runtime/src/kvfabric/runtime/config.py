@@ -128,16 +128,18 @@ class RuntimeSettings:
         )
         _check(self.log_slow_request_ms >= 0, "log_slow_request_ms", self.log_slow_request_ms, "want >= 0")
         _check(
-            self.nats_connect_timeout_ms >= 1,
+            1 <= self.nats_connect_timeout_ms <= 600_000,
             "nats_connect_timeout_ms",
             self.nats_connect_timeout_ms,
-            "want >= 1",
+            "want 1..600000",
         )
         _check(
-            self.nats_reconnect_wait_ms >= 0,
+            # 0 let the bounded reconnects burn out in milliseconds: a sub-second NATS blip then
+            # stopped every service (review, 2026-12-05)
+            10 <= self.nats_reconnect_wait_ms <= 600_000,
             "nats_reconnect_wait_ms",
             self.nats_reconnect_wait_ms,
-            "want >= 0",
+            "want 10..600000",
         )
         _check(
             1 <= self.nats_reconnect_attempts_max <= NATS_RECONNECT_ATTEMPTS_LIMIT,

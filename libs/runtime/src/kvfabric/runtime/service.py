@@ -503,7 +503,7 @@ class ServiceRuntime:
                 s.nats_url,
                 **nats_auth_from_env(os.environ).connect_options(),
                 name=f"kvf-{self.service.value}-{s.instance_id}",
-                connect_timeout=max(1, round(s.nats_connect_timeout_ms / 1000)),
+                connect_timeout=s.nats_connect_timeout_ms / 1000,  # as set (was rounded to whole seconds)
                 reconnect_time_wait=s.nats_reconnect_wait_ms / 1000,
                 max_reconnect_attempts=s.nats_reconnect_attempts_max,
                 drain_timeout=NATS_DRAIN_TIMEOUT_S,
