@@ -57,3 +57,41 @@ def test_server_binds_a_free_port_serves_and_releases_it() -> None:
     assert not server.running
     with pytest.raises(urllib.error.URLError):
         scrape_metrics(port, timeout_s=0.5)
+
+
+def test_the_metrics_server_serves_a_bounded_number_of_connections_at_once() -> None:
+    """Idle connections hold at most `SCRAPES_AT_ONCE_MAX` threads: one more is closed at once
+    (each held a thread of its own, without bound or timeout; review, 2026-12-05); once they
+    go, scrapes are served again."""
+    import socket
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from kvfabric.runtime.metrics import SCRAPES_AT_ONCE_MAX, MetricsServer
+
+    server = MetricsServer(CollectorRegistry(), host="127.0.0.1", port=0)
+    port = server.start()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(SCRAPES_AT_ONCE_MAX)]
+    try:
+        import time
+
+        time.sleep(0.3)  # each taken by a handler thread, waiting for its request line
+        extra = socket.create_connection(("127.0.0.1", port))
+        extra.settimeout(5)
+        assert extra.recv(1) == b""  # closed at once, not served
+        extra.close()
+    finally:
+        for conn in idle:
+            conn.close()
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
+                assert reply.status == 200
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    server.stop()

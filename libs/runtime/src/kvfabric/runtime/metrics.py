@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from enum import StrEnum
 from socketserver import ThreadingMixIn
-from typing import Final
+from typing import Any, Final
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, make_wsgi_app
@@ -119,11 +119,40 @@ class ServiceMetrics:
         return generate_latest(self.registry)
 
 
+# Scrapes served at once; a connection beyond them is closed at once. Each has `SCRAPE_TIMEOUT_S`
+# per socket operation: an idle or trickling connection held a thread each, without bound
+# (review, 2026-12-05).
+SCRAPES_AT_ONCE_MAX: Final = 8
+SCRAPE_TIMEOUT_S: Final = 10.0
+
+
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(SCRAPES_AT_ONCE_MAX)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = SCRAPE_TIMEOUT_S  # per socket operation (StreamRequestHandler sets it)
+
     def log_message(self, format: str, *args: object) -> None:
         pass
 
