@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kvfabric.proto.subjects import Service
 from kvfabric.runtime.config import RuntimeSettings
 from kvfabric.runtime.service import EXIT_OK, EXIT_SOFTWARE, ServiceRuntime
@@ -74,3 +76,22 @@ def test_a_watched_tasks_failure_keeps_the_grace_for_requests_in_flight() -> Non
 
     assert asyncio.run(main(invariant_broken=False)) is False  # answered within the grace
     assert asyncio.run(main(invariant_broken=True)) is True
+
+
+def test_request_lines_of_one_kind_are_sampled_per_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most `LOG_LINES_PER_S_MAX` request lines a second for one (endpoint, outcome, code):
+    the rest are left out and the next line logged says how many (`suppressed`); a flood of
+    refused requests wrote a line each (review, 2026-12-05; issue 21 row 13)."""
+    from kvfabric.runtime import service
+    from kvfabric.runtime.metrics import Outcome
+
+    now = [100.0]
+    monkeypatch.setattr("kvfabric.runtime.service.time.monotonic", lambda: now[0])
+    runtime = ServiceRuntime(Service.ECHO, RuntimeSettings(metrics_port=-1), version="0.0.1", description="t")
+    busy = ("lookup", Outcome.BUSY, "busy")
+    got = [runtime._log_sampled(busy) for _ in range(service.LOG_LINES_PER_S_MAX + 5)]
+    assert got == [0] * service.LOG_LINES_PER_S_MAX + [-1] * 5
+    assert runtime._log_sampled(("lookup", Outcome.ERROR, "bad_request")) == 0  # another kind
+    now[0] = 101.0
+    assert runtime._log_sampled(busy) == 5  # the first line of the next second says so
+    assert runtime._log_sampled(busy) == 0

@@ -152,6 +152,13 @@ _OUTCOME_LEVEL: Final = {
 }
 
 
+# Request lines logged per second for one (endpoint, outcome, error code), fatal ones excepted;
+# the rest are counted and the next line logged says how many were left out (`suppressed`): a
+# flood of refused or malformed requests wrote a line each (review, 2026-12-05; issue 21 row 13).
+LOG_LINES_PER_S_MAX: Final = 20
+LOG_KINDS_MAX: Final = 1024
+
+
 PAD_SPIN_S: Final = 0.0015  # the last part of a reply pad is waited by yielding, not by a timer
 
 
@@ -271,6 +278,8 @@ class ServiceRuntime:
         # requests in flight are sound (review, 2026-12-05: they were cancelled unanswered).
         self._invariant_violated = False
         self._serving_stopped = False  # `stop_serving` ran
+        # per request line kind: [second, lines logged in it, lines left out since the last]
+        self._log_windows: dict[tuple[str, Outcome, str | None], list[int]] = {}
         self._stop_called = False
         # Bound on the runtime's logger and, per request, in contextvars for handler code.
         self._identity: dict[str, object] = {"service": service.value, "instance_id": settings.instance_id}
@@ -740,6 +749,11 @@ class ServiceRuntime:
             level = max(level, logging.WARNING)
         if not self._log.is_enabled_for(level):
             return  # most requests at the default level: build no fields for a dropped line
+        suppressed = 0
+        if outcome is not Outcome.FATAL:
+            suppressed = self._log_sampled((endpoint.verb, outcome, error_code))
+            if suppressed < 0:
+                return
         fields: dict[str, object] = {
             "endpoint": endpoint.verb,
             "outcome": outcome.value,
@@ -753,7 +767,26 @@ class ServiceRuntime:
             fields["error"] = error
         if exc_info is not None:
             fields["exc_info"] = exc_info
+        if suppressed:
+            fields["suppressed"] = suppressed
         self._log.log(level, event, **fields)
+
+    def _log_sampled(self, key: tuple[str, Outcome, str | None]) -> int:
+        """-1: leave this line out (`LOG_LINES_PER_S_MAX` of its kind logged this second); else
+        how many of its kind were left out since the last one logged."""
+        second = int(time.monotonic())
+        window = self._log_windows.get(key)
+        if window is None or window[0] != second:
+            left_out = window[2] if window is not None else 0
+            if len(self._log_windows) >= LOG_KINDS_MAX and key not in self._log_windows:
+                self._log_windows.clear()  # bounded (kinds are endpoints x outcomes x codes)
+            self._log_windows[key] = [second, 1, 0]
+            return left_out
+        if window[1] >= LOG_LINES_PER_S_MAX:
+            window[2] += 1
+            return -1
+        window[1] += 1
+        return 0
 
     async def _reply(self, request: MicroRequest, data: bytes) -> None:
         try:
