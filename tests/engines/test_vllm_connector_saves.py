@@ -604,3 +604,23 @@ def test_a_request_keyed_by_more_than_its_tokens_is_neither_looked_up_nor_saved(
     assert counted == 1
     plain = schedule(connector, "r7", tokens, local_tokens=0)
     assert [(load.first_chunk, load.block_ids) for load in plain.loads] == [(0, [100, 101])]
+
+
+def test_the_key_space_names_what_makes_the_kv(engine_config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights quantized at load (`--quantization`) are other weights: their revision says so;
+    random weights (`load_format=dummy`) are not cached at all (keyed as the real files they
+    would poison their key space); a branch name is no revision (it moves); layers whose KV is
+    not quantized change the layout (review, 2026-12-05)."""
+    from kvfabric.engines.vllm_connector import _pinned_revision, engine_spec
+
+    plain = engine_spec(engine_config, {})
+    monkeypatch.setattr(engine_config.model_config, "quantization", "fp8")
+    quantized = engine_spec(engine_config, {})
+    assert quantized.model.weights_revision == f"{plain.model.weights_revision}+q:fp8"
+    monkeypatch.setattr(engine_config.cache_config, "kv_cache_dtype_skip_layers", ["0", "sliding_window"])
+    assert engine_spec(engine_config, {}).layout.tensor_layout.endswith(":skip0,sliding_window")
+    monkeypatch.setattr(engine_config.load_config, "load_format", "dummy")
+    with pytest.raises(ValueError, match="dummy"):
+        engine_spec(engine_config, {})
+    assert _pinned_revision("main") == "" and _pinned_revision("v1.0") == ""
+    assert _pinned_revision("a" * 40) == "a" * 40

@@ -192,11 +192,20 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     model_config = vllm_config.model_config
     block_size = vllm_config.cache_config.block_size
     hf = model_config.hf_config.to_dict()
-    revision = extra.get("weights_revision") or model_config.revision
+    load_format = str(getattr(getattr(vllm_config, "load_config", None), "load_format", "auto"))
+    if load_format == "dummy":  # random weights keyed as the real files would poison their key space
+        raise ValueError("kvfabric: load_format=dummy (random weights): nothing to cache")
+    revision = extra.get("weights_revision") or _pinned_revision(model_config.revision)
     if not revision:
         revision = weights_digest_of_dir(model_config.model) if os.path.isdir(model_config.model) else ""
     if not revision:
-        raise ValueError("kvfabric: set kv_connector_extra_config.weights_revision for a non-local model")
+        raise ValueError(
+            "kvfabric: set kv_connector_extra_config.weights_revision for a non-local model"
+            " (or a commit hash as its revision: a branch name moves)"
+        )
+    quantization = getattr(model_config, "quantization", None)
+    if quantization:  # quantized at load (fp8 of bf16 files, say): other weights, other KV
+        revision = f"{revision}+q:{quantization}"
     dtype = str(model_config.dtype).removeprefix("torch.")
     kv_dtype = vllm_config.cache_config.cache_dtype
     kv_dtype = dtype if kv_dtype in (None, "auto") else str(kv_dtype)
@@ -204,9 +213,11 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
     head_size = model_config.get_head_size()
     isa = torch.backends.cpu.get_cpu_capability() if current_platform.is_cpu() else ""
+    skipped = getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None) or []
     layout_text = extra.get("tensor_layout") or (
         f"vllm{vllm.__version__}:{current_platform.device_type}:{isa}:paged-blocks:bs{block_size}"
         f":L{layers}:kvh{kv_heads}:hd{head_size}:{kv_dtype}"
+        + (f":skip{','.join(map(str, skipped))}" if skipped else "")
     )
     fingerprint = ModelFingerprint(
         model_id=str(model_config.served_model_name or model_config.model)[:200],
@@ -232,6 +243,15 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
         salt=bytes.fromhex(str(extra.get("domain_salt_hex", defaults.domain_salt_hex))),
     )
     return EngineSpec(domain=domain, model=fingerprint, layout=layout)
+
+
+def _pinned_revision(revision: str | None) -> str:
+    """A model revision that names one set of weights (a commit hash), else "": a branch or tag
+    (`main`) moves, and two engines on different commits of it would share keys (review,
+    2026-12-05)."""
+    if revision and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision.lower()):
+        return revision
+    return ""
 
 
 def make_client(vllm_config: VllmConfig, role: KVConnectorRole) -> KvClient:
