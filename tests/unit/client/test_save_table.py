@@ -190,3 +190,20 @@ def test_an_abandoned_save_never_aborts_a_key_already_committed_or_aborted() -> 
     assert t.state == "writing"
     t.step(WritesDone((("ok", None), ("timeout", None))), 2)  # k0 committing, k1 aborting
     assert t.abandon(3) == []
+
+
+def test_a_shard_map_changed_between_begin_and_write_confirms_alone() -> None:
+    """The router's shard map changed (a redeploy) after a begin was answered: its writes find
+    no confirm count under the new map and are written to be confirmed alone (1), not a
+    KeyError out of the save (review, 2026-12-05)."""
+    shards = {"now": shard_of}
+    t = SaveTable(save_plan(2, 1), lambda raw: shards["now"](raw), 4, 1000, BATCHES)
+    sends = begun(t)
+    for i, send in enumerate(sends):
+        if i == len(sends) - 1:
+            shards["now"] = lambda raw: 7  # the map moved before the last answer
+        reply = m.PutBeginReply(epoch=1, results=[placed(s.key, ticket(s.key, 10 + i)) for s in send.specs])
+        effects = t.step(BeginAnswered(send.request, reply, "t"), 1)
+    (write,) = effects
+    assert isinstance(write, WriteReplicas) and all(w.together >= 1 for w in write.writes)
+    t.check_invariants()

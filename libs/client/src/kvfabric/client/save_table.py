@@ -368,8 +368,12 @@ class SaveTable:
         for request in sorted(self._begun):
             begun = self._begun[request]
             placed += begun.placed
+            # `together` was counted under the shard map of the begin's answer: one that changed
+            # since (a redeploy) finds no count, and the write is confirmed alone (1) instead of
+            # the save failing with a KeyError (review, 2026-12-05)
+            counts = begun.together
             writes += [
-                (r, Write(r.key, t, begun.trace_id, begun.together[t.segment_id, self.shard_of(r.key)]))
+                (r, Write(r.key, t, begun.trace_id, counts.get((t.segment_id, self.shard_of(r.key)), 1)))
                 for r in begun.placed
                 for t in r.tickets
             ]
