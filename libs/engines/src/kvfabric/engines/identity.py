@@ -45,10 +45,17 @@ def attn_config_digest(hf_config: Mapping[str, Any]) -> str:
 
 
 def files_digest(paths: Iterable[str]) -> str:
-    """xxh3-128 over (name, size, bytes) of each file, in sorted order."""
+    """xxh3-128 over (name, size, bytes) of each file, in sorted order. A file of a Hugging Face
+    cache snapshot (a link to a blob named by its SHA-256) counts by that name, not its bytes:
+    reading every weight byte at start took minutes for a large checkpoint not in the page cache
+    (SGLang's scheduler, each rank; review, 2026-12-05)."""
     h = xxhash.xxh3_128()
     for path in sorted(paths):
         h.update(os.path.basename(path).encode() + b"\0" + os.path.getsize(path).to_bytes(8, "little"))
+        blob = os.path.basename(os.path.realpath(path)) if os.path.islink(path) else ""
+        if len(blob) == 64 and all(c in "0123456789abcdef" for c in blob):
+            h.update(b"sha256:" + blob.encode())
+            continue
         with open(path, "rb") as f:
             while block := f.read(_READ_BYTES):
                 h.update(block)
