@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
@@ -77,6 +78,7 @@ READY_TIMEOUT_S: Final = 60.0
 # Past the services' own stop deadline (`KVF_STOP_DEADLINE_MS`, 25 s: then they exit themselves,
 # with a stack dump of what overran): a SIGKILL at 10 s cut stops still in progress (a segment's
 # arena left in /dev/shm) and never let the dump happen (review, 2026-12-05).
+_PR_SET_PDEATHSIG: Final = 1  # prctl(2)
 STOP_TIMEOUT_S: Final = 30.0
 RESTARTS_MAX: Final = 5
 RESTART_WINDOW_S: Final = 60.0
@@ -203,7 +205,12 @@ class Child:
     def start(self, logs: Path) -> None:
         log = (logs / f"{self.name}.log").open("ab")
         self.proc = subprocess.Popen(
-            self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            self.argv,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_stop_with_parent,
         )
         log.close()
 
@@ -717,6 +724,18 @@ def read_state(run: Path) -> dict[str, Any] | None:
         state: dict[str, Any] = json.loads((run / "cluster.json").read_text())
         return state
     return None
+
+
+def _stop_with_parent() -> None:
+    """In a child, before it runs (Linux): SIGTERM when the supervisor dies, however it dies (a
+    SIGKILL, an OOM kill, a crash): its children ran on unsupervised, `status` saying nothing
+    runs (review, 2026-12-05). The supervisor starts children from its one thread, whose exit is
+    the process's."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: children outlive a killed supervisor, as before
 
 
 def alive(pid: int | None) -> bool:

@@ -78,3 +78,46 @@ def test_a_recorded_pid_reused_by_another_users_process_is_not_ours(monkeypatch:
     monkeypatch.setattr(os, "kill", kill)
     assert lc.alive(4242) is False
     assert lc.STOP_TIMEOUT_S * 1000 > STOP_DEADLINE_MS_DEFAULT  # never kills a stop in time
+
+
+def test_a_child_stops_when_its_supervisor_is_killed(tmp_path: Path) -> None:
+    """Children start with a parent-death signal: a SIGKILLed supervisor's services get SIGTERM
+    (they ran on unsupervised; review, 2026-12-05)."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    assert lc.__file__ is not None
+    tool = Path(lc.__file__).resolve()
+    parent = textwrap.dedent(
+        f"""
+        import importlib.util, subprocess, sys, time
+        spec = importlib.util.spec_from_file_location("lc", {str(tool)!r})
+        lc = importlib.util.module_from_spec(spec)
+        sys.modules["lc"] = lc
+        spec.loader.exec_module(lc)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 preexec_fn=lc._stop_with_parent)
+        print(child.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    child_pid = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+    def running(pid: int) -> bool:  # a zombie waiting for its new parent to reap it is done
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        return state != "Z"
+
+    deadline = time.monotonic() + 10
+    while running(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(child_pid)
