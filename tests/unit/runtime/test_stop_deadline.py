@@ -188,3 +188,45 @@ def test_a_second_sigterm_exits_at_once() -> None:
     code, waited_s, err = _wait(proc, PROCESS_WAIT_S)
     assert code == EXIT_STOP_OVERRUN and waited_s < 2.0
     assert [e["signal"] for e in _events(err) if e["event"] == "stop_forced"] == ["sigterm"]
+
+
+START_FAILS = textwrap.dedent(
+    """
+    import asyncio, sys
+    from kvfabric.proto.subjects import Service
+    from kvfabric.runtime.config import RuntimeSettings
+    from kvfabric.runtime.logs import configure_logging, get_logger
+    from kvfabric.runtime.service import ServiceRuntime
+    from kvfabric.runtime.shells import serve_shell
+
+    class Shell:
+        def attach(self, runtime): runtime.add_endpoint("x", lambda r: r)
+        async def start(self, nc): raise RuntimeError("cannot start")
+        async def stop(self): await asyncio.sleep(3600)  # its cleanup hangs
+
+    class Collector:
+        def collect(self): return []
+
+    async def main() -> int:
+        settings = RuntimeSettings(
+            nats_url="nats://127.0.0.1:1", metrics_port=-1, shutdown_grace_ms=50, stop_deadline_ms=500,
+            nats_reconnect_attempts_max=1, nats_reconnect_wait_ms=10, nats_connect_timeout_ms=200,
+        )
+        runtime = ServiceRuntime(Service.ECHO, settings, version="0.0.1", description="test")
+        return await serve_shell(runtime, Shell(), Collector(), get_logger("t"))
+
+    configure_logging(level="info", json=True)
+    sys.exit(asyncio.run(main()))
+    """
+)
+
+
+def test_a_start_failure_whose_cleanup_hangs_still_exits() -> None:
+    """A service whose start failed cleans up under the stop deadline too (it ran without the
+    watchdog: a cleanup that hung left a live process serving nothing; review, 2026-12-05)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", START_FAILS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    code, took_s, err = _wait(proc, 20)
+    assert code == EXIT_STOP_OVERRUN, err[-2000:]
+    assert took_s < 15

@@ -174,8 +174,10 @@ async def serve(settings: RuntimeSettings) -> int:
         host.metrics_port = runtime.metrics_port
     except Exception as exc:
         log.error("directory_start_failed", error=repr(exc))
+        runtime.request_stop("start_failed")  # arms the stop deadline: a cleanup that hangs exits
         await runtime.stop()
-        await nc.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(nc.close(), NATS_CLOSE_TIMEOUT_S)
         return EXIT_UNAVAILABLE
     election_task = lifecycle.run_election()
     doctor_task: asyncio.Task[None] | None = None

@@ -58,6 +58,7 @@ async def serve(settings: RuntimeSettings) -> int:
         await shell.start(runtime.nc)
     except Exception as exc:  # any start failure: report, clean up, exit non-zero
         log.error("segment_start_failed", error=repr(exc))
+        runtime.request_stop("start_failed")  # arms the stop deadline: a cleanup that hangs exits
         await shell.stop()
         await runtime.stop()
         return EXIT_UNAVAILABLE
