@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from kvfabric.client import ClientMetrics, Hit
+from kvfabric.format.clock import now_ms
 from tests.engines.tinymodel import build_tiny_llama, prompt_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -29,11 +30,22 @@ class FakeClient:
         self.chunks = chunks
         self.released: list[Hit] = []
         self.metrics = ClientMetrics()
+        self.lease_left_ms = 60_000
 
     def lookup_async(self, tokens: list[int], **_: Any) -> concurrent.futures.Future[Hit]:
         self.lookups_asked = getattr(self, "lookups_asked", 0) + 1
         done: concurrent.futures.Future[Hit] = concurrent.futures.Future()
-        done.set_result(Hit(self.chunks * BLOCK, BLOCK, (), (), objects=((),) * self.chunks, lease_id=9))
+        expires = now_ms() + self.lease_left_ms
+        hit = Hit(
+            self.chunks * BLOCK,
+            BLOCK,
+            (),
+            (),
+            objects=((),) * self.chunks,
+            lease_id=9,
+            lease_expires_ms=expires,
+        )
+        done.set_result(hit)
         return done
 
     def release(self, hit: Hit) -> None:
@@ -171,6 +183,11 @@ def test_a_hit_vllm_could_not_allocate_for_is_answered_again_without_a_new_looku
     assert connector.client.lookups_asked == 1 and connector.client.released == []
     assert connector.get_num_new_matched_tokens(request, BLOCK) == (2 * BLOCK, False)  # it changed
     assert connector.client.lookups_asked == 2
+    connector.client.lease_left_ms = 5_000  # a lease with too little time left for the load
+    other = SimpleNamespace(request_id="r9", prompt_token_ids=tokens)
+    assert connector.get_num_new_matched_tokens(other, 0) == (3 * BLOCK, False)
+    assert connector.get_num_new_matched_tokens(other, 0) == (3 * BLOCK, False)
+    assert connector.client.lookups_asked == 4  # looked up again, its old lease released
 
 
 class SlowClient(FakeClient):

@@ -84,6 +84,7 @@ from kvfabric.client.hits import SaveResult
 from kvfabric.client.save_memory import SaveSlots, client_save_slots
 from kvfabric.engines.identity import attn_config_digest, weights_digest_of_dir
 from kvfabric.engines.vllm_plan import POLICY_SETTING, RECOMPUTE, plan_load, policy_refusal
+from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import KvfError
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
 
@@ -115,6 +116,9 @@ CAUSE_LOAD_ERROR: Final = "vllm_load_error"  # the load raised (a bug, a size mi
 # `kvfabric_client_saves_dropped_total` cause: a request whose load failed (or was never planned)
 # saves nothing more: its later chunks were computed over blocks nobody wrote.
 LOAD_FAILED: Final = "load_failed"
+# A resolved hit vLLM asks about again (it could not allocate the request's blocks) is answered
+# from its lease only while the lease has this long left for the load.
+LEASE_REUSE_LEFT_MS: Final = 10_000
 # `kvfabric_client_fallbacks_total` cause: a request whose KV depends on more than its token ids
 # (a LoRA adapter, images or other multimodal inputs, prompt embeddings, a cache salt): the keys
 # are made of token ids only, so it is neither looked up nor saved.
@@ -426,10 +430,13 @@ class KvfabricConnector(KVConnectorBase_V1):
         planned = self._pending_loads.get(rid)
         if pending is None and planned is not None and planned[1] == num_computed_tokens // self.block_size:
             # Asked again with nothing changed: vLLM could not allocate the request's blocks
-            # last step. The same answer, under the lease already held (a new lookup every
-            # step released it and made the scheduler wait on the directory again; review,
-            # 2026-12-05).
-            return planned[0].tokens - num_computed_tokens, False
+            # last step. The same answer, under the lease already held while it has time left
+            # for the load (a new lookup every step released it and made the scheduler wait on
+            # the directory again; review, 2026-12-05); near its expiry, a new lookup.
+            hit = planned[0]
+            if not hit.lease_id or hit.lease_expires_ms - now_ms() > LEASE_REUSE_LEFT_MS:
+                return hit.tokens - num_computed_tokens, False
+        self._pending_loads.pop(rid, None)  # a new answer comes (or none): never the old hit
         if pending is None and num_computed_tokens >= (len(tokens) - 1) // self.block_size * self.block_size:
             # One backfill lookup per request: not again while vLLM cannot schedule it yet and
             # asks again, nor for a request resumed after preemption (its saves are planned).
