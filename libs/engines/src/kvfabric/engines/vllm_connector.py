@@ -433,9 +433,9 @@ class KvfabricConnector(KVConnectorBase_V1):
             # last step. The same answer, under the lease already held while it has time left
             # for the load (a new lookup every step released it and made the scheduler wait on
             # the directory again; review, 2026-12-05); near its expiry, a new lookup.
-            hit = planned[0]
-            if not hit.lease_id or hit.lease_expires_ms - now_ms() > LEASE_REUSE_LEFT_MS:
-                return hit.tokens - num_computed_tokens, False
+            held = planned[0]
+            if not held.lease_id or held.lease_expires_ms - now_ms() > LEASE_REUSE_LEFT_MS:
+                return held.tokens - num_computed_tokens, False
         self._pending_loads.pop(rid, None)  # a new answer comes (or none): never the old hit
         if pending is None and num_computed_tokens >= (len(tokens) - 1) // self.block_size * self.block_size:
             # One backfill lookup per request: not again while vLLM cannot schedule it yet and
