@@ -95,3 +95,21 @@ def test_request_lines_of_one_kind_are_sampled_per_second(monkeypatch: pytest.Mo
     now[0] = 101.0
     assert runtime._log_sampled(busy) == 5  # the first line of the next second says so
     assert runtime._log_sampled(busy) == 0
+
+
+def test_a_watched_task_that_breaks_an_invariant_gives_no_grace() -> None:
+    from kvfabric.format.invariant import invariant
+
+    async def main() -> bool:
+        runtime = ServiceRuntime(
+            Service.ECHO, RuntimeSettings(metrics_port=-1), version="0.0.1", description="t"
+        )
+
+        async def broken() -> None:
+            invariant(False, "a core's state is broken")
+
+        runtime.watch(asyncio.create_task(broken()), "ticker")
+        await asyncio.wait_for(runtime.wait_stop_requested(), 5)
+        return runtime._invariant_violated
+
+    assert asyncio.run(main()) is True

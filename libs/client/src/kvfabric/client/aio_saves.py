@@ -207,11 +207,15 @@ class SaveMixin(ClientBase):
         deadline), held in `_abandoned` until answered; nothing waits for their answers."""
         if not aborts or self.nc is None:
             return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # the save's coroutine closed with no loop running: they expire
+            return
 
         async def send() -> None:
             await asyncio.gather(*(self._perform_save(a, plan, trace_id) for a in aborts))
 
-        task = asyncio.get_running_loop().create_task(send())
+        task = loop.create_task(send())
         self._abandoned.add(task)
         task.add_done_callback(self._abandoned.discard)
 

@@ -240,7 +240,8 @@ async def shard_leases(
         page_limit = min(m.LIST_LIMIT_MAX, limit - len(out))
         message = m.ListLeases(limit=page_limit, shard=shard, after=after, pins_only=pins_only)
         page = _expect(await routed.ask(shard, "list_leases", message, timeout_s), m.LeaseList)
-        out += page.leases
+        # (an older directory ignores `pins_only`: filtered here too)
+        out += [x for x in page.leases if x.is_pin or not pins_only]
         if not page.next_after or len(out) >= limit:
             break
         after = page.next_after

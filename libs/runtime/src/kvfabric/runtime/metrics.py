@@ -153,6 +153,12 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
 class _QuietHandler(WSGIRequestHandler):
     timeout = SCRAPE_TIMEOUT_S  # per socket operation (StreamRequestHandler sets it)
 
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except OSError:  # an idle or trickling scraper past its timeout, or gone: closed quietly
+            self.close_connection = True
+
     def log_message(self, format: str, *args: object) -> None:
         pass
 

@@ -277,7 +277,7 @@ class ServiceRuntime:
         # the broken one). A watched task's failure, also EXIT_SOFTWARE, keeps the grace: the
         # requests in flight are sound (review, 2026-12-05: they were cancelled unanswered).
         self._invariant_violated = False
-        self._serving_stopped = False  # `stop_serving` ran
+        self._serving_stopped: asyncio.Future[None] | None = None  # `stop_serving`'s end
         # per request line kind: [second, lines logged in it, lines left out since the last]
         self._log_windows: dict[tuple[str, Outcome, str | None], list[int]] = {}
         self._stop_called = False
@@ -844,6 +844,8 @@ class ServiceRuntime:
             self._log.error("task_failed", task=name, error=repr(exc), exc_info=exc)
             if self._exit_code == EXIT_OK:
                 self._exit_code = EXIT_SOFTWARE
+            if isinstance(exc, InvariantViolation):  # its state is broken: no grace either
+                self._invariant_violated = True
             self.request_stop("task_failed")
 
         task.add_done_callback(ended)
@@ -940,15 +942,19 @@ class ServiceRuntime:
         calls it before its own stop, so no handler runs on what that stop releases (they did:
         a segment's free or copy on a closed arena, a prefetch hint after its ticker stopped;
         review, 2026-12-05), then `stop`. Idempotent."""
-        if self._serving_stopped:
+        if self._serving_stopped is not None:  # a second caller waits for the first one's
+            await asyncio.shield(self._serving_stopped)
             return
-        self._serving_stopped = True
-        if self._stop_reason is None:
-            self._stop_reason = "stop_called"
-        self._state = RuntimeState.STOPPING
-        await self._answer_held_refusals()
-        await self._stop_micro()
-        await self._finish_inflight()
+        self._serving_stopped = asyncio.get_running_loop().create_future()
+        try:
+            if self._stop_reason is None:
+                self._stop_reason = "stop_called"
+            self._state = RuntimeState.STOPPING
+            await self._answer_held_refusals()
+            await self._stop_micro()
+            await self._finish_inflight()
+        finally:
+            self._serving_stopped.set_result(None)
 
     async def _stop_micro(self) -> None:
         micro, self._micro = self._micro, None

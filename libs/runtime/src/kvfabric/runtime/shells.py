@@ -39,6 +39,7 @@ async def serve_shell(
     except Exception as exc:  # any start failure: report, clean up, exit non-zero
         log.error(f"{name}_start_failed", error=repr(exc))
         runtime.request_stop("start_failed")  # arms the stop deadline: a cleanup that hangs exits
+        await runtime.stop_serving()  # no handler runs on what the shell's stop releases
         await shell.stop()
         await runtime.stop()
         return EXIT_UNAVAILABLE

@@ -59,6 +59,7 @@ async def serve(settings: RuntimeSettings) -> int:
     except Exception as exc:  # any start failure: report, clean up, exit non-zero
         log.error("segment_start_failed", error=repr(exc))
         runtime.request_stop("start_failed")  # arms the stop deadline: a cleanup that hangs exits
+        await runtime.stop_serving()  # no handler runs on a closed arena
         await shell.stop()
         await runtime.stop()
         return EXIT_UNAVAILABLE
