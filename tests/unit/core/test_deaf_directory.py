@@ -34,3 +34,32 @@ def test_without_the_excuse_the_same_silence_is_a_segment_down() -> None:
     for now in range(0, 10_001, 100):
         core.tick(now)
     assert not core.segments["s1"].up
+
+
+def test_a_segment_declared_down_that_registers_again_is_not_lost_twice() -> None:
+    """Declared down (silence), then registered with a new incarnation: only `segment_up` comes
+    out of the registration. A second `segment_down` of the old incarnation came too, and each
+    shard's reached the eviction policy after the new incarnation's groups (review, 2026-12-05);
+    a live one that restarts is still lost once, then up."""
+    from kvfabric.core.directory import EmitEvent
+
+    core = new_core(heartbeat_timeout_ms=5_000)
+    register(core, "s1")
+    register(core, "s2")
+    core.tick(0)
+    downs = [e.event for e in core.tick(6_000) if isinstance(e, EmitEvent)]
+    assert {(d.segment_id, d.incarnation) for d in downs if isinstance(d, m.SegmentDown)} == {
+        ("s1", 1),
+        ("s2", 1),
+    }
+    again = [
+        e.event for e in register(core, "s1", now=6_100, incarnation=2).effects if isinstance(e, EmitEvent)
+    ]
+    assert [type(x).__name__ for x in again] == ["SegmentUp"]
+    register(core, "s2", now=6_100, incarnation=2)
+    restarted = [
+        e.event for e in register(core, "s2", now=6_200, incarnation=3).effects if isinstance(e, EmitEvent)
+    ]
+    kinds = [(type(x).__name__, getattr(x, "incarnation", 0)) for x in restarted]
+    assert kinds == [("SegmentDown", 2), ("SegmentUp", 3)]
+    core.check_invariants()

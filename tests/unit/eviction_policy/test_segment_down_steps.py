@@ -222,3 +222,22 @@ def test_a_batch_of_events_is_applied_one_event_a_turn_of_the_loop() -> None:
     seen = observed_while_following(shell, events, lambda: shell.events_applied - start)
     assert seen == sorted(seen) and seen[-1] == 20
     assert len({n for n in seen if 0 < n < 20}) >= 10, "the batch ran in one turn of the loop"
+
+
+def test_a_down_of_an_older_incarnation_after_the_new_one_is_up_is_no_news() -> None:
+    """Each directory shard sends its own `segment_down` of a restarted segment's old
+    incarnation; one can come after the new incarnation's groups were published. It drops
+    nothing: it dropped the new incarnation's groups from the policy, which then never evicted
+    them and undercounted the segment (review, 2026-12-05)."""
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.9, low_watermark=0.5), {})
+    shell = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    shell.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1 << 30), 0)
+    shell.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="restarted"), 1)  # shard 0's
+    shell.apply(m.SegmentUp(segment_id="s1", incarnation=2, capacity_bytes=1 << 30), 2)
+    shell.apply(m.GroupsPublished(groups=[published_on(i, ["s1"]) for i in range(3)]), 3)
+    assert core.used_bytes("s1") == 30
+    shell.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="restarted"), 4)  # shard 1's
+    assert core.used_bytes("s1") == 30
+    shell.apply(m.SegmentDown(segment_id="s1", incarnation=2, reason="heartbeat_timeout"), 5)
+    assert core.used_bytes("s1") == 0
+    core.check_invariants()

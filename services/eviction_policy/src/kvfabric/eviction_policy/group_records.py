@@ -134,6 +134,10 @@ class GroupRecords:
     _no_disk: set[str]  # segments that answered "no disk tier"
     _group_ids: dict[bytes, GroupId]  # domain + chain hash -> 90-byte group id (tracked)
     _capacity: dict[str, int]
+    # segment -> the newest incarnation heard up: a down of an older one is no news (each
+    # directory shard sends the down of the old incarnation, and one may come after the new
+    # incarnation's groups were published; review, 2026-12-05: it dropped them from the policy)
+    _up_incarnation: dict[str, int]
     # the event being applied was stored moments ago (the follower sets it; a backlog is not a
     # writer's rate: `EvictionShell._fresh`)
     _events_fresh: bool
@@ -188,9 +192,13 @@ class GroupRecords:
             self._record_gone(key, event, at_ms)
             self._forget(key)
         elif isinstance(event, m.SegmentDown):
-            yield from self._segment_down(event, at_ms)
-        elif isinstance(event, m.SegmentUp) and event.capacity_bytes:
-            self._set_capacity(event.segment_id, event.capacity_bytes)
+            if event.incarnation >= self._up_incarnation.get(event.segment_id, 0):
+                yield from self._segment_down(event, at_ms)
+        elif isinstance(event, m.SegmentUp):
+            if event.incarnation > self._up_incarnation.get(event.segment_id, 0):
+                self._up_incarnation[event.segment_id] = event.incarnation
+            if event.capacity_bytes:
+                self._set_capacity(event.segment_id, event.capacity_bytes)
         self.events_applied += 1
 
     def _segment_down(self, event: m.SegmentDown, at_ms: int) -> Iterator[None]:

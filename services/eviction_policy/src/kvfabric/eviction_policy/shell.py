@@ -266,6 +266,7 @@ class EvictionShell(GroupRecords):
         self.request_timeout_s = request_timeout_s
         self._group_ids: dict[bytes, GroupId] = {}  # domain + chain hash -> 90-byte group id (tracked)
         self._capacity: dict[str, int] = {}
+        self._up_incarnation: dict[str, int] = {}
         self._nc: NatsClient | None = None
         self._router: DirectoryRouter | None = None
         self._tasks: list[asyncio.Task[None]] = []

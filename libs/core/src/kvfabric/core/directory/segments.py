@@ -89,7 +89,8 @@ class SegmentTable:
             if req.incarnation == seg.incarnation:  # idempotent re-register
                 seg.last_heartbeat_ms = now_ms
                 return Outcome(self._registered())
-            self._lost(seg, "restarted", effects)
+            if seg.up:  # (one already declared down was lost then: no second loss, no second event)
+                self._lost(seg, "restarted", effects)
         self._note_text(req.segment_id, req.data_addr)
         self.segments[req.segment_id] = Segment(
             req.segment_id, req.incarnation, req.domain, req.capacity_bytes, req.data_addr, now_ms
