@@ -624,8 +624,9 @@ class DirectoryMachine(RuleBasedStateMachine):
             cur.last_heartbeat_ms = self.now
             return
         inc = 1 if cur is None else cur.inc + 1
-        if cur is not None:  # the core emits `segment_down` again even if it was already down
+        if cur is not None and cur.up:  # a down one was lost then: no second `segment_down`
             self.segment_lost(sid, "restarted")
+        if cur is not None:
             self.arena.pop((sid, cur.inc), None)
         self.segs[sid] = MSeg(inc, True, self.now, capacity)
         self.arena[(sid, inc)] = {}
