@@ -63,3 +63,23 @@ def test_a_segment_declared_down_that_registers_again_is_not_lost_twice() -> Non
     kinds = [(type(x).__name__, getattr(x, "incarnation", 0)) for x in restarted]
     assert kinds == [("SegmentDown", 2), ("SegmentUp", 3)]
     core.check_invariants()
+
+
+def test_a_write_whose_every_placement_was_lost_frees_its_key() -> None:
+    """A put_begin placed on the only segment, which is then declared down before the writer
+    commits: its member goes (its key was `in_flight` for every other writer until the write's
+    deadline; review, 2026-12-05), so another writer places it at once."""
+    from tests.unit.core.dirkit import groups, key, spec
+
+    core = new_core(heartbeat_timeout_ms=5_000)
+    register(core, "s1")
+    k = key(groups(1)[0])
+    first = core.handle(m.PutBegin(writer_id="w1", request_id="r1", objects=[spec(k)]), 0).reply
+    assert isinstance(first, m.PutBeginReply) and first.results[0].status == "placed"
+    core.tick(0)
+    core.tick(6_000)  # s1 silent: down, the write's only placement with it
+    register(core, "s2", now=6_000)
+    second = core.handle(m.PutBegin(writer_id="w2", request_id="r2", objects=[spec(k)]), 6_000).reply
+    assert isinstance(second, m.PutBeginReply)
+    assert second.results[0].status == "placed" and second.results[0].tickets[0].segment_id == "s2"
+    core.check_invariants()

@@ -439,7 +439,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 for t in dead:
                     del w.placements[t]
                     w.slots.pop(t, None)
-                if dead and w.committed and not w.placements:
+                if dead and not w.placements:
                     self.drop_member(gid, mem)
 
     def publish(self, gid: bytes) -> bool:
