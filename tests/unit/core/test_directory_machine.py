@@ -518,8 +518,10 @@ class DirectoryMachine(RuleBasedStateMachine):
             else:
                 for pm in pub.members.values():
                     pm.replicas = [r for r in pm.replicas if self.live(r[0], r[1])]
-                pub.degraded = True
-                self.exp_events[("under_replicated", gid)] += 1
+                # degraded only below the replica target (a surplus replica lost: still whole)
+                if any(len(pm.replicas) < self.config.replicas_default for pm in pub.members.values()):
+                    pub.degraded = True
+                    self.exp_events[("under_replicated", gid)] += 1
         for ref, (size, gid, sent) in list(self.freeing.items()):
             if sent == 0:
                 self.freeing[ref] = (size, gid, now)

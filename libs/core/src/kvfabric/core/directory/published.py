@@ -406,13 +406,14 @@ class PublishedTable:
             self.ctx.quotas.add(tenant, -dead_bytes)  # replicas on dead incarnations leave the record
             if lost:
                 self._invalidate(gid, members, tenant, effects)
-            else:
-                self.replace(
-                    gid,
-                    PublishedGroup(
-                        group.namespace, group.chunk_index, group.flags | FLAG_DEGRADED, tuple(members)
-                    ),
-                )
+                continue
+            # Degraded (and repair told) only below the replica target, as `replace_member`
+            # judges: a group that lost a surplus replica still meets it (review, 2026-12-05).
+            target = self.ctx.config.replicas_default
+            degraded = any(len(x.replicas) < target for x in members)
+            flags = group.flags | FLAG_DEGRADED if degraded else group.flags
+            self.replace(gid, PublishedGroup(group.namespace, group.chunk_index, flags, tuple(members)))
+            if degraded:
                 effects.append(
                     EmitEvent(
                         "under_replicated", m.GroupUnderReplicated(group=chain_of(gid), domain=domain_of(gid))
