@@ -233,6 +233,31 @@ async def test_eviction_frees_the_slot_and_old_generation_reads_fail(placed: Nat
 
 
 @pytest.mark.ucx
+async def test_a_receipted_put_over_ucx_is_answered_with_a_receipt_and_commits(placed: NatsClient) -> None:
+    """The UCX PUT carries the receipt ask (and trace id, confirm count) as the TCP one does: a
+    receipted save (the engine path) failed over UCX after its payload moved (review,
+    2026-12-05)."""
+    from kvfabric.client.transfers import _receipt
+    from kvfabric.dataplane.ucx import UcxClient
+
+    (g,) = groups(1, seed=17)
+    data = os.urandom(1 << 16)
+    ticket = await begin(placed, key(g), data)
+    client = UcxClient.from_address(pick(ticket.data_addr, "ucx"))
+    try:
+        put = await asyncio.wait_for(client.put(ticket, data, receipt=True), 30.0)
+        assert put.receipt and not put.confirmed
+        commit = await directory_call(
+            placed,
+            "put_commit",
+            m.PutCommit(writer_id="w", request_id="rc", keys=[key(g)], receipts=[_receipt(ticket, put)]),
+        )
+        assert isinstance(commit, m.PutCommitReply) and commit.results[0].status == "published"
+    finally:
+        client.close()
+
+
+@pytest.mark.ucx
 async def test_put_get_identical_bytes_over_ucx_and_corruption_is_caught(placed: NatsClient) -> None:
     from kvfabric.dataplane.ucx import UcxClient
 

@@ -294,11 +294,14 @@ class UcxClient(_UcxClientBase[asyncio.Lock]):
         reply, payload_count = self._reply(request_id)
         return reply, payload_count, link
 
-    async def put(self, ticket: WriteTicket, data: Any) -> PutReply:
-        """Send one object's bytes (any C-contiguous buffer) under a signed ticket."""
+    async def put(self, ticket: WriteTicket, data: Any, *, receipt: bool = False) -> PutReply:
+        """Send one object's bytes (any C-contiguous buffer) under a signed ticket; with
+        `receipt`, answered with a write receipt once stored and verified (the caller's
+        put_commit carries it)."""
         view = _put_view(ticket, data)
         async with self._lock:
-            reply, _, _ = await self._call(Op.PUT, PutRequest(ticket=sealed_ticket(ticket)), [view])
+            request = PutRequest(ticket=sealed_ticket(ticket), receipt=receipt)
+            reply, _, _ = await self._call(Op.PUT, request, [view])
         return _put_reply(reply)
 
     async def get(self, reads: list[ReadRef], dests: Sequence[Any]) -> list[ObjectResult]:
