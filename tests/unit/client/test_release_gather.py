@@ -141,3 +141,33 @@ def test_a_close_that_overruns_its_bound_goes_on_without_raising(monkeypatch: py
     kv.close()
     assert time.monotonic() - started < 5
     assert kv.save_async([1] * 64, [[b"x"]]) is None
+
+
+def test_a_lookup_that_comes_back_after_close_began_gives_its_leases_back() -> None:
+    """A lookup still out when `close` starts: its leases came after close gave back every lease
+    held, and were kept until their TTL (review, 2026-12-05). Now it gives them back itself and
+    is a miss (`closed`)."""
+    from tests.unit.client.test_releases import client_holding
+
+    async def run() -> tuple[Hit, set[tuple[int, int]]]:
+        router = ReleaseRouter()
+        kv = client_holding(router, [])
+        router.held = {(0, 5)}
+        back = asyncio.Event()
+
+        async def slow_lookup(*args: Any) -> Any:
+            await back.wait()
+            return 1, [], [(0, 5)], 30_000
+
+        kv._lookup_shards = slow_lookup  # type: ignore[method-assign,assignment]
+        lookup = asyncio.ensure_future(kv.lookup(list(range(64))))
+        await asyncio.sleep(0.01)
+        closing = asyncio.ensure_future(kv.close())
+        await asyncio.sleep(0.01)
+        back.set()
+        hit = await lookup
+        await closing
+        return hit, router.held
+
+    hit, held = asyncio.run(run())
+    assert hit.tokens == 0 and hit.cause == "closed" and held == set()

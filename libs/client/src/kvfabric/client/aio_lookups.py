@@ -66,6 +66,11 @@ class LookupMixin(ClientBase):
             return self._fallback(empty, directory_cause(exc, other="directory_error"))
         finally:
             self.metrics.lookup_seconds.observe(time.perf_counter() - started)
+        if self._closed:  # closed meanwhile: close gave back what it held, these leases too
+            for lease in leases:
+                self._leases[lease] = expires  # held, so that `_release_leases` gives it back
+            await self._release_leases(leases, trace_id)
+            return self._fallback(empty, "closed")
         by_position = {
             (o.chunk_index, MemberId(o.member.tp_rank, o.member.pp_stage, o.member.layer_group)): (
                 self.pool.prefer_local(o)
