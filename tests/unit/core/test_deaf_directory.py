@@ -83,3 +83,26 @@ def test_a_write_whose_every_placement_was_lost_frees_its_key() -> None:
     assert isinstance(second, m.PutBeginReply)
     assert second.results[0].status == "placed" and second.results[0].tickets[0].segment_id == "s2"
     core.check_invariants()
+
+
+def test_a_core_rebuilt_at_the_same_epoch_never_reissues_an_id() -> None:
+    """Ids are fenced by the epoch; a core rebuilt at the same epoch (the shard host starts it
+    with `first_id` from the wall clock) starts its ids past the old core's, so a late confirm
+    or release naming an old ticket or lease finds nothing (review, 2026-12-05: the new core's
+    ticket N was ended by the old core's)."""
+    from tests.unit.core.dirkit import groups, key, spec
+
+    old = new_core()
+    register(old, "s1")
+    first = old.handle(m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(groups(1)[0]))]), 0).reply
+    assert isinstance(first, m.PutBeginReply)
+    from kvfabric.core.directory import DirectoryConfig, DirectoryCore
+    from tests.unit.core.dirkit import SECRET
+
+    rebuilt = DirectoryCore(DirectoryConfig(ticket_secret=SECRET), first_id=1 << 40)
+    register(rebuilt, "s1")
+    again = rebuilt.handle(
+        m.PutBegin(writer_id="w", request_id="r", objects=[spec(key(groups(1)[0]))]), 0
+    ).reply
+    assert isinstance(again, m.PutBeginReply)
+    assert again.results[0].tickets[0].ticket_id >= 1 << 40 > first.results[0].tickets[0].ticket_id

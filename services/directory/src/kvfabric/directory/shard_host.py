@@ -518,7 +518,10 @@ class ShardHost:
         holdings = await gather_holdings(
             self._nc_required(), await self.registry.all(), epoch, shard=shard, shards=self.shards
         )
-        core = DirectoryCore(self.core_config, epoch=epoch, shard=shard)
+        # Ids start from the wall clock (256 a ms): a core rebuilt at the same epoch (a missing
+        # segment, `_start_once` again) never reissues a ticket, lease or pin id of the one before,
+        # which a late confirm or release could still name (review, 2026-12-05).
+        core = DirectoryCore(self.core_config, epoch=epoch, shard=shard, first_id=max(1, now_ms() << 8))
         effects = CORE_CALLS.timed("adopt", lambda: core.adopt(holdings, now_ms()))  # a stall: measured
         shell = self.make_shell(core)
         shell.may_act = lambda: self.may_act(shard, epoch)

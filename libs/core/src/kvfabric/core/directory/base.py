@@ -174,12 +174,15 @@ def run_whole(steps: Steps) -> Outcome:
 class Context:
     """Epoch, shard, counters, ids and quotas: what every table of one core reads."""
 
-    def __init__(self, config: DirectoryConfig, epoch: int, shard: int) -> None:
+    def __init__(self, config: DirectoryConfig, epoch: int, shard: int, first_id: int = 1) -> None:
         self.config = config
         self.epoch = epoch
         self.shard = shard  # the virtual shard this core leads (tickets name it: per-shard fencing)
         self.counters: dict[str, int] = {}
-        self._ids: Iterator[int] = itertools.count(1)
+        # ids are fenced by the epoch; a core rebuilt at the same epoch starts them past the old
+        # core's (`first_id`), or a late confirm of the old core's ticket N ended the new core's
+        # ticket N (review, 2026-12-05)
+        self._ids: Iterator[int] = itertools.count(first_id)
         self.quotas = Quotas(
             config.tenant_quota_default, config.tenant_quotas, config.tenants_max, self.count
         )

@@ -70,9 +70,10 @@ __all__ = ["DirectoryCore"]
 class DirectoryCore:
     """One directory shard's state machine. See the module docstring for its tables."""
 
-    def __init__(self, config: DirectoryConfig, epoch: int = 1, shard: int = 0) -> None:
+    def __init__(self, config: DirectoryConfig, epoch: int = 1, shard: int = 0, first_id: int = 1) -> None:
         invariant(epoch >= 1, "epoch starts at 1")
-        self._ctx = Context(config, epoch, shard)
+        invariant(first_id >= 1, "ids start at 1 or later", first_id=first_id)
+        self._ctx = Context(config, epoch, shard, first_id)
         self._step_ms = 0  # the latest time given to `step` (the methods keep no time of their own)
         self.segment_table = SegmentTable(self._ctx, self._segment_lost)
         self.free_table = FreeTable(self._ctx, self.segment_table)
