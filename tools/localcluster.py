@@ -210,7 +210,9 @@ class Child:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_stop_with_parent,
+            # (elsewhere than Linux there is no parent-death signal: a killed supervisor's
+            # children run on, and `down` stops them by their recorded pids)
+            preexec_fn=_stop_with_parent if sys.platform == "linux" else None,
         )
         log.close()
 
@@ -731,11 +733,7 @@ def _stop_with_parent() -> None:
     SIGKILL, an OOM kill, a crash): its children ran on unsupervised, `status` saying nothing
     runs (review, 2026-12-05). The supervisor starts children from its one thread, whose exit is
     the process's."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: children outlive a killed supervisor, as before
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def alive(pid: int | None) -> bool:

@@ -25,30 +25,37 @@ class WatchingRuntime:
         self.watched[name] = task
 
 
-async def test_a_repair_scan_that_dies_of_a_bug_is_seen_by_the_runtime() -> None:
-    shell = RepairShell(
-        RepairCore(RepairConfig()),
-        replicas_target=3,
-        scan_ms=10,
-        tick_ms=10,
-        request_timeout_s=1.0,
-        copy_timeout_s=1.0,
-    )
+class Nats:
+    """What the shells' `start` uses of a NATS connection here (prefetch subscribes)."""
+
+    async def subscribe(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+async def scan_death_is_watched(shell: Any, service: str) -> None:
+    """`shell` started with a scan that raises a bug: its scan and ticker are watched, and the
+    scan task the runtime watches ends with that error."""
     runtime = WatchingRuntime()
     shell.attach(cast(Any, runtime))
 
     async def buggy_scan() -> None:
         raise RuntimeError("a bug in the scan")
 
-    shell.scan = buggy_scan  # type: ignore[method-assign]
-    await shell.start(cast(Any, object()))
+    shell.scan = buggy_scan
+    await shell.start(cast(Any, Nats()))
     try:
-        assert set(runtime.watched) == {"repair_scan", "repair_ticker"}
-        scan = runtime.watched["repair_scan"]
+        assert set(runtime.watched) == {f"{service}_scan", f"{service}_ticker"}
+        scan = runtime.watched[f"{service}_scan"]
         await asyncio.wait([scan], timeout=5)
         assert scan.done() and isinstance(scan.exception(), RuntimeError)
     finally:
         await shell.stop()
+
+
+async def test_a_repair_scan_that_dies_of_a_bug_is_seen_by_the_runtime() -> None:
+    timeouts = {"request_timeout_s": 1.0, "copy_timeout_s": 1.0}
+    shell = RepairShell(RepairCore(RepairConfig()), replicas_target=3, scan_ms=10, tick_ms=10, **timeouts)
+    await scan_death_is_watched(shell, "repair")
 
 
 async def test_a_prefetch_scan_that_dies_of_a_bug_is_seen_by_the_runtime() -> None:
@@ -65,22 +72,4 @@ async def test_a_prefetch_scan_that_dies_of_a_bug_is_seen_by_the_runtime() -> No
         request_timeout_s=1.0,
         copy_timeout_s=1.0,
     )
-    runtime = WatchingRuntime()
-    shell.attach(cast(Any, runtime))
-
-    class Nats:
-        async def subscribe(self, *args: Any, **kwargs: Any) -> None:
-            return None
-
-    async def buggy_scan() -> None:
-        raise RuntimeError("a bug in the scan")
-
-    shell.scan = buggy_scan  # type: ignore[method-assign]
-    await shell.start(cast(Any, Nats()))
-    try:
-        assert set(runtime.watched) == {"prefetch_scan", "prefetch_ticker"}
-        scan = runtime.watched["prefetch_scan"]
-        await asyncio.wait([scan], timeout=5)
-        assert scan.done() and isinstance(scan.exception(), RuntimeError)
-    finally:
-        await shell.stop()
+    await scan_death_is_watched(shell, "prefetch")

@@ -38,6 +38,7 @@ from kvfabric.proto.dataplane import (
     MapReply,
     ObjectResult,
     ObjectStatus,
+    PutReply,
     PutRequest,
     ReadRef,
     StagedBytes,
@@ -81,6 +82,24 @@ class PutSlot:
     # Set by `finish_put` for a ticket that carried no checksum: what it stored (the reply
     # carries it; the receipt and the confirm name it).
     stored: bytes = b""
+
+    def take_meta(self, meta: PutRequest) -> None:
+        """What the PUT's meta asks of this write (every transport: a field one of them did not
+        take was lost, as UCX's receipt ask was until 2026-12-05)."""
+        self.trace_id = meta.trace_id
+        self.save_writes = meta.save_writes
+        self.receipt_wanted = meta.receipt
+        self.claimed = meta.checksum
+
+    def reply(self, slot: int, slot_generation: int) -> PutReply:
+        """The PUT's answer once `finish_put` stored it as (`slot`, `slot_generation`)."""
+        return PutReply(
+            slot=slot,
+            slot_generation=slot_generation,
+            confirmed=not self.receipt,
+            receipt=self.receipt,
+            checksum=self.stored,
+        )
 
 
 @dataclass(slots=True)

@@ -44,7 +44,6 @@ from kvfabric.proto.dataplane import (
     GetRequest,
     MapRequest,
     ObjectResult,
-    PutReply,
     PutRequest,
     UnpinLocal,
     UnpinReply,
@@ -344,10 +343,7 @@ class TcpDataServer:
             raise BadRequest("this segment takes no staged puts", staging=True)
         check_claimed(meta, staged=True)
         put = self.backend.begin_put(meta.ticket, conn, claim_of(meta))
-        put.trace_id = meta.trace_id
-        put.save_writes = meta.save_writes
-        put.receipt_wanted = meta.receipt
-        put.claimed = meta.checksum
+        put.take_meta(meta)
         try:
             put.checksum = files.read_into(conn, meta.staged, put.view)  # of the slot's bytes
         except OSError as exc:  # (mmap, pread of the writer's file): a refusal it can act on
@@ -359,13 +355,7 @@ class TcpDataServer:
         self._no_deadline(conn)  # the confirm to the directory, as for a sent PUT
         slot, generation = self.backend.finish_put(put, conn)
         self._deadline(conn, self.gate.limits.frame_timeout_ms, "frame_timeout")
-        reply = PutReply(
-            slot=slot,
-            slot_generation=generation,
-            confirmed=not put.receipt,
-            receipt=put.receipt,
-            checksum=put.stored,
-        )
+        reply = put.reply(slot, generation)
         send_all(sock, encode_frame(Op.REPLY, request_id, reply))
 
     def _dispatch(self, conn: int, sock: socket.socket, op: Op, request_id: int, meta: object) -> None:
@@ -378,22 +368,13 @@ class TcpDataServer:
                 put = self.backend.begin_put(meta.ticket, conn, claim_of(meta))
             except KvfError as err:
                 raise _PutRefused(err, meta.ticket.size_bytes) from err
-            put.trace_id = meta.trace_id
-            put.save_writes = meta.save_writes
-            put.receipt_wanted = meta.receipt
-            put.claimed = meta.checksum
+            put.take_meta(meta)
             self._deadline(conn, limits.transfer_ms(len(put.view)), "transfer_timeout")
             self._receive_put(conn, sock, put)
             self._no_deadline(conn)
             slot, generation = self.backend.finish_put(put, conn)
             self._deadline(conn, limits.frame_timeout_ms, "frame_timeout")
-            put_reply = PutReply(
-                slot=slot,
-                slot_generation=generation,
-                confirmed=not put.receipt,
-                receipt=put.receipt,
-                checksum=put.stored,
-            )
+            put_reply = put.reply(slot, generation)
             send_all(sock, encode_frame(Op.REPLY, request_id, put_reply))
         elif op is Op.GET and isinstance(meta, GetRequest):
             if len(meta.reads) > READS_MAX:

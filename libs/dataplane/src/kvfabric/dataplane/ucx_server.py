@@ -57,7 +57,6 @@ from kvfabric.proto.dataplane import (
     GetReply,
     GetRequest,
     ObjectResult,
-    PutReply,
     PutRequest,
     ReadRef,
     dataplane_decoder,
@@ -378,13 +377,7 @@ class UcxServer:
         except KvfError as err:
             await self._refuse(c, header, err)
             return
-        # As the TCP server does: the write's trace id, its save's confirm count, and a receipt
-        # when asked (a receipted save failed over UCX after its payload moved: the segment's
-        # synchronous confirm was answered `pending`; review, 2026-12-05).
-        put.trace_id = meta.trace_id
-        put.save_writes = meta.save_writes
-        put.receipt_wanted = meta.receipt
-        put.claimed = meta.checksum
+        put.take_meta(meta)  # (a receipted save failed over UCX when it took only the checksum)
         try:
             await c.link.complete([c.link.recv(put.view)], self.io_timeout_s)
         except Truncated:
@@ -401,13 +394,7 @@ class UcxServer:
         except KvfError as err:
             await self._send(c, error_frame(header.request_id, err))
             return
-        reply = PutReply(
-            slot=slot,
-            slot_generation=generation,
-            confirmed=not put.receipt,
-            receipt=put.receipt,
-            checksum=put.stored,
-        )
+        reply = put.reply(slot, generation)
         await self._send(c, encode_frame(Op.REPLY, header.request_id, reply))
 
     async def _get(self, c: _Connection, header: Header, reads: list[ReadRef]) -> None:
