@@ -26,10 +26,12 @@ from typing import Any
 
 import nats
 import pytest
+from nats.aio.client import Client as NatsClient
 
 from kvfabric.cluster.natsauth import nats_auth_from_env
 from kvfabric.proto import directory as m
-from tests.integration.cluster import directory_call
+from kvfabric.testing import NatsServer
+from tests.integration.cluster import directory_call, directory_process, segment_process
 
 pytestmark = pytest.mark.integration
 
@@ -167,3 +169,33 @@ def test_a_directory_that_cannot_reach_nats_at_start_exits_to_be_restarted() -> 
         assert "TimeoutError" in failed["error"]
     finally:
         proc.stop(timeout_s=5.0)
+
+
+async def test_a_leader_whose_loop_stalls_past_the_heartbeat_timeout_keeps_its_segments(
+    nats_server: NatsServer, nats_client: NatsClient
+) -> None:
+    """A leader whose event loop stalls for longer than the segments' heartbeat timeout but less
+    than its lease (on a NATS cluster: 5-12.5 s) heard no heartbeat meanwhile; its first tick
+    after the stall declared every segment down, and each restarted empty at its next heartbeat
+    (`not_found`): the whole cache lost for the directory's own stall. The stall (SIGSTOP here)
+    is now excused as a disconnect is (docs/directory-ha.md, "A leader that cannot hear")."""
+    env = {"KVF_DIRECTORY_LEADER_LEASE_TTL_MS": "30000", "KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS": "2000"}
+    with directory_process(nats_server, **env) as directory, segment_process(nats_server, "seg-stall"):
+
+        async def the_segment() -> m.SegmentInfo:
+            listed = await directory_call(nats_client, "list_segments", m.ListSegments())
+            assert isinstance(listed, m.SegmentList)
+            (segment,) = listed.segments
+            return segment
+
+        before = await the_segment()
+        assert before.up
+        directory.send_signal(signal.SIGSTOP)  # the loop runs nothing; the segment heartbeats on
+        try:
+            await asyncio.sleep(5.0)
+        finally:
+            directory.send_signal(signal.SIGCONT)
+        directory.wait_for_event("tick_after_loop_stall", 10.0)
+        await asyncio.sleep(3.0)  # heartbeats after the stall; a segment declared down restarts here
+        after = await the_segment()
+        assert after.up and after.incarnation == before.incarnation

@@ -58,6 +58,12 @@ __all__ = [
 
 FREES_INFLIGHT_MAX: Final = 256
 STOP_TIMEOUT_S: Final = 2.0  # the shell's tasks end within this once cancelled
+# A tick that runs this much later than due follows a stalled event loop (a long call, a GC
+# pass, a stopped process): segments' silence over the stall is excused as while deaf. On a
+# NATS cluster a leader acts for 12.5 s, past the 5 s heartbeat timeout, and a 5-12.5 s stall
+# declared every segment down; each then restarted empty (review, 2026-12-05; test:
+# test_directory_liveness.py). A stall this short cannot make a 5 s silence of a live segment.
+LOOP_STALL_EXCUSED_S: Final = 1.0
 # A longer lookup is folded this many groups a core call, the event loop yielded between
 # (`_lookup_in_slices`): ~3-6 ms a slice on a busy 2-core machine, instead of ~100 ms for 4,096.
 LOOKUP_SLICE_GROUPS: Final = 128
@@ -165,6 +171,7 @@ class DirectoryShell:
         # Whether this instance may act as the leader right now (its lease has not lapsed):
         # checked before every request and every tick, so a fenced leader stops at once.
         self.may_act: Callable[[], bool] = lambda: True
+        self._last_tick_done_s: float | None = None  # monotonic: a late tick is a stalled loop
 
     def _core_handle(self, message: msgspec.Struct, reply_bytes_max: int | None) -> Outcome:
         """The core's answer, timed (`kvfabric.directory.stalls`: it holds the event loop)."""
@@ -445,7 +452,21 @@ class DirectoryShell:
         await every(self.tick_ms / 1000, self._tick, delay_first=True)
 
     async def _tick(self) -> None:
+        late_s = self._tick_lateness_s()
         if self.may_act():
-            # deaf while NATS is down: no segment's heartbeat could arrive (not their silence)
-            deaf = self._nc is not None and not self._nc.is_connected
+            # deaf while NATS is down, or when this tick comes a stall late: no segment's
+            # heartbeat could be heard meanwhile (their silence is the loop's, not theirs)
+            stalled = late_s >= LOOP_STALL_EXCUSED_S
+            if stalled:
+                self._log.warning("tick_after_loop_stall", late_s=round(late_s, 3))
+            deaf = stalled or (self._nc is not None and not self._nc.is_connected)
             await self.perform(CORE_CALLS.timed("tick", lambda: self.core.tick(now_ms(), deaf=deaf)))
+        self._last_tick_done_s = time.monotonic()
+
+    def _tick_lateness_s(self) -> float:
+        """How much later than `tick_ms` after the previous tick's end this tick runs: the time
+        the event loop could run nothing (a stall: a long core call, a GC pass, a stopped
+        process). 0 for the first tick."""
+        if self._last_tick_done_s is None:
+            return 0.0
+        return max(0.0, time.monotonic() - self._last_tick_done_s - self.tick_ms / 1000)

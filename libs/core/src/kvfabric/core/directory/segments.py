@@ -119,7 +119,8 @@ class SegmentTable:
         segment's silence is shifted by the time since the last tick. Review, 2026-12-05: on a
         NATS cluster a leader keeps acting for 12.5 s, longer than the 5 s heartbeat timeout, and
         a disconnect of that long declared every segment down, each then restarting empty (the
-        whole cache lost). A stalled loop is not excused (left: docs/directory-ha.md)."""
+        whole cache lost). The shell ticks `deaf` too after its event loop stalled (a tick 1 s or
+        more late: docs/directory-ha.md)."""
         last, self._last_tick_ms = self._last_tick_ms, now_ms
         if deaf:
             shift_ms = now_ms - last if last is not None else 0
