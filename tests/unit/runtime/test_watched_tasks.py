@@ -7,7 +7,9 @@ normally stops nothing."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
+import msgspec
 import pytest
 
 from kvfabric.proto.subjects import Service
@@ -88,13 +90,45 @@ def test_request_lines_of_one_kind_are_sampled_per_second(monkeypatch: pytest.Mo
     now = [100.0]
     monkeypatch.setattr("kvfabric.runtime.service.time.monotonic", lambda: now[0])
     runtime = ServiceRuntime(Service.ECHO, RuntimeSettings(metrics_port=-1), version="0.0.1", description="t")
-    busy = ("lookup", Outcome.BUSY, "busy")
+    busy = ("lookup", Outcome.BUSY, "busy", "bob")
     got = [runtime._log_sampled(busy) for _ in range(service.LOG_LINES_PER_S_MAX + 5)]
     assert got == [0] * service.LOG_LINES_PER_S_MAX + [-1] * 5
-    assert runtime._log_sampled(("lookup", Outcome.ERROR, "bad_request")) == 0  # another kind
+    assert runtime._log_sampled(("lookup", Outcome.ERROR, "bad_request", "bob")) == 0  # another kind
+    assert runtime._log_sampled(("lookup", Outcome.BUSY, "busy", "alice")) == 0  # another tenant
     now[0] = 101.0
     assert runtime._log_sampled(busy) == 5  # the first line of the next second says so
     assert runtime._log_sampled(busy) == 0
+
+
+def test_a_tenants_flood_of_refusals_leaves_another_tenants_lines_logged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bob's busy flood used up the second's lines of (lookup, busy) for every tenant: alice's
+    refusals went unlogged (review, 2026-12-06). The line names the tenant; sampling is per tenant."""
+    from kvfabric.runtime import service
+    from kvfabric.runtime.metrics import Outcome
+
+    monkeypatch.setattr("kvfabric.runtime.service.time.monotonic", lambda: 100.0)
+    runtime = ServiceRuntime(Service.ECHO, RuntimeSettings(metrics_port=-1), version="0.0.1", description="t")
+    logged: list[dict[str, object]] = []
+
+    class Capture:
+        def is_enabled_for(self, level: int) -> bool:
+            return True
+
+        def log(self, level: int, event: str, **fields: object) -> None:
+            logged.append(fields)
+
+    async def handler(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(runtime, "_log", Capture())
+    endpoint = service._Endpoint(verb="lookup", subject="s", handler=handler, relative="lookup")
+    for _ in range(service.LOG_LINES_PER_S_MAX + 50):
+        runtime._finish(endpoint, Outcome.BUSY, 0.0, "busy", tenant="bob")
+    runtime._finish(endpoint, Outcome.BUSY, 0.0, "busy", tenant="alice")
+    tenants = [line["tenant"] for line in logged]
+    assert tenants.count("bob") == service.LOG_LINES_PER_S_MAX and tenants.count("alice") == 1
 
 
 def test_a_watched_task_that_breaks_an_invariant_gives_no_grace() -> None:

@@ -152,9 +152,10 @@ _OUTCOME_LEVEL: Final = {
 }
 
 
-# Request lines logged per second for one (endpoint, outcome, error code), fatal ones excepted;
-# the rest are counted and the next line logged says how many were left out (`suppressed`): a
-# flood of refused or malformed requests wrote a line each (review, 2026-12-05; issue 21 row 13).
+# Request lines logged per second for one (endpoint, outcome, error code, tenant), fatal ones
+# excepted; the rest are counted and the next line logged says how many were left out
+# (`suppressed`): a flood of refused or malformed requests wrote a line each (review, 2026-12-05;
+# issue 21 row 13). Per tenant: one tenant's flood does not hide another's lines (2026-12-06).
 LOG_LINES_PER_S_MAX: Final = 20
 LOG_KINDS_MAX: Final = 1024
 
@@ -279,7 +280,7 @@ class ServiceRuntime:
         self._invariant_violated = False
         self._serving_stopped: asyncio.Future[None] | None = None  # `stop_serving`'s end
         # per request line kind: [second, lines logged in it, lines left out since the last]
-        self._log_windows: dict[tuple[str, Outcome, str | None], list[int]] = {}
+        self._log_windows: dict[tuple[str, Outcome, str | None, str | None], list[int]] = {}
         self._stop_called = False
         # Bound on the runtime's logger and, per request, in contextvars for handler code.
         self._identity: dict[str, object] = {"service": service.value, "instance_id": settings.instance_id}
@@ -589,13 +590,13 @@ class ServiceRuntime:
                 return
         lane = self._lane(endpoint)
         if self._state is not RuntimeState.RUNNING:
-            await self._reject_busy(endpoint, request, received_s, Admission.FULL)
+            await self._reject_busy(endpoint, request, received_s, Admission.FULL, tenant)
             return
         admission = lane.try_acquire(tenant)
         if admission is Admission.TENANT_FULL and self._hold_refusal(endpoint, request, received_s, tenant):
             return
         if admission is not Admission.ADMITTED:
-            await self._reject_busy(endpoint, request, received_s, admission)
+            await self._reject_busy(endpoint, request, received_s, admission, tenant)
             return
         self.metrics.inflight.set(self.inflight_count)
         task = asyncio.create_task(
@@ -630,7 +631,7 @@ class ServiceRuntime:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, remaining_s)):
                     await self._holds_end.wait()
-            await self._reject_busy(endpoint, request, received_s, Admission.TENANT_FULL)
+            await self._reject_busy(endpoint, request, received_s, Admission.TENANT_FULL, tenant)
         finally:
             self._held.release(tenant)
 
@@ -647,7 +648,12 @@ class ServiceRuntime:
         return self._giveback if endpoint.gives_back else self._limiter
 
     async def _reject_busy(
-        self, endpoint: _Endpoint, request: MicroRequest, received_s: float, admission: Admission
+        self,
+        endpoint: _Endpoint,
+        request: MicroRequest,
+        received_s: float,
+        admission: Admission,
+        tenant: str | None = None,
     ) -> None:
         """Answer at once without running the handler: `Busy` when full, `Unavailable` when stopping."""
         headers = request.headers or {}
@@ -659,7 +665,7 @@ class ServiceRuntime:
             else:
                 err, outcome = Unavailable(f"service is {self._state.value}"), Outcome.ERROR
             await self._reply_error(request, err)
-            self._finish(endpoint, outcome, received_s, err.code)
+            self._finish(endpoint, outcome, received_s, err.code, tenant=tenant)
 
     def _busy(self, endpoint: _Endpoint, admission: Admission) -> Busy:
         """Which bound refused, in the message and details (the caller backs off and retries)."""
@@ -707,25 +713,25 @@ class ServiceRuntime:
         except KvfError as err:
             await pad_until(received_s + endpoint.reply_min_s)
             await self._reply_error(request, err)
-            self._finish(endpoint, Outcome.ERROR, received_s, err.code, error=err.message)
+            self._finish(endpoint, Outcome.ERROR, received_s, err.code, error=err.message, tenant=tenant)
         except InvariantViolation as exc:
             internal = internal_error(exc)
             await self._reply_error(request, internal)
-            self._finish(endpoint, Outcome.FATAL, received_s, internal.code, exc_info=exc)
+            self._finish(endpoint, Outcome.FATAL, received_s, internal.code, exc_info=exc, tenant=tenant)
             self._exit_code = EXIT_SOFTWARE
             self._invariant_violated = True
             self.request_stop("invariant_violated")
         except asyncio.CancelledError:
-            self._finish(endpoint, Outcome.CANCELLED, received_s, None)
+            self._finish(endpoint, Outcome.CANCELLED, received_s, None, tenant=tenant)
             raise
         except Exception as exc:
             internal = internal_error(exc)
             await self._reply_error(request, internal)
-            self._finish(endpoint, Outcome.INTERNAL, received_s, internal.code, exc_info=exc)
+            self._finish(endpoint, Outcome.INTERNAL, received_s, internal.code, exc_info=exc, tenant=tenant)
         else:
             await pad_until(received_s + endpoint.reply_min_s)
             await self._reply(request, data)
-            self._finish(endpoint, Outcome.OK, received_s, None)
+            self._finish(endpoint, Outcome.OK, received_s, None, tenant=tenant)
 
     def _finish(
         self,
@@ -736,8 +742,9 @@ class ServiceRuntime:
         *,
         error: str | None = None,
         exc_info: BaseException | None = None,
+        tenant: str | None = None,
     ) -> None:
-        """Metrics and the one summary log line of a request."""
+        """Metrics and the one summary log line of a request (naming its tenant, if one)."""
         duration_s = max(0.0, time.perf_counter() - received_s)
         self.metrics.observe(
             endpoint=endpoint.verb, outcome=outcome, duration_s=duration_s, error_code=error_code
@@ -751,7 +758,7 @@ class ServiceRuntime:
             return  # most requests at the default level: build no fields for a dropped line
         suppressed = 0
         if outcome is not Outcome.FATAL:
-            suppressed = self._log_sampled((endpoint.verb, outcome, error_code))
+            suppressed = self._log_sampled((endpoint.verb, outcome, error_code, tenant))
             if suppressed < 0:
                 return
         fields: dict[str, object] = {
@@ -763,6 +770,8 @@ class ServiceRuntime:
             fields["slow"] = True
         if error_code is not None:
             fields["error_code"] = error_code
+        if tenant is not None:
+            fields["tenant"] = tenant
         if error is not None:
             fields["error"] = error
         if exc_info is not None:
@@ -771,7 +780,7 @@ class ServiceRuntime:
             fields["suppressed"] = suppressed
         self._log.log(level, event, **fields)
 
-    def _log_sampled(self, key: tuple[str, Outcome, str | None]) -> int:
+    def _log_sampled(self, key: tuple[str, Outcome, str | None, str | None]) -> int:
         """-1: leave this line out (`LOG_LINES_PER_S_MAX` of its kind logged this second); else
         how many of its kind were left out since the last one logged."""
         second = int(time.monotonic())
@@ -779,7 +788,10 @@ class ServiceRuntime:
         if window is None or window[0] != second:
             left_out = window[2] if window is not None else 0
             if len(self._log_windows) >= LOG_KINDS_MAX and key not in self._log_windows:
-                self._log_windows.clear()  # bounded (kinds are endpoints x outcomes x codes)
+                # bounded (endpoints x outcomes x codes x tenants): earlier seconds' kinds go first
+                self._log_windows = {k: w for k, w in self._log_windows.items() if w[0] == second}
+                if len(self._log_windows) >= LOG_KINDS_MAX:
+                    self._log_windows.clear()
             self._log_windows[key] = [second, 1, 0]
             return left_out
         if window[1] >= LOG_LINES_PER_S_MAX:
