@@ -31,6 +31,9 @@ class FakeTcp:
         with FakeTcp.lock:
             FakeTcp.live -= 1
 
+    def peer_closed(self) -> bool:
+        return False
+
 
 def test_transfers_past_the_bound_wait_for_a_connection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transfers, "TcpDataClient", FakeTcp)

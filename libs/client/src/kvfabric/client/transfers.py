@@ -177,6 +177,7 @@ class SegmentPool:
         self.save_memory = SaveMemoryRegistry()
         self.save_memory_puts = 0  # writes staged by reference to save memory (tests, benchmarks)
         self.local_reads_now = 0  # objects read by `fetch_local_now` (tests, benchmarks)
+        self.idle_dropped = 0  # idle connections found closed by their segment (tests)
 
     def close(self) -> None:
         self.watchdog.close()
@@ -249,9 +250,7 @@ class SegmentPool:
         ticket: WriteTicket | None,
         cut_at_s: float | None = None,
     ) -> Iterator[_Connection]:
-        with self._lock:
-            conns = self._idle.get((data_addr, shm_ok))
-            conn = conns.pop() if conns else None
+        conn = self._idle_alive(data_addr, shm_ok)
         armed = None
         if conn is None:
             connect_s = self.timeout_s
@@ -296,6 +295,19 @@ class SegmentPool:
                 conn.close()
             else:
                 pool.append(conn)
+
+    def _idle_alive(self, data_addr: str, shm_ok: bool) -> _Connection | None:
+        """An idle pooled connection to `data_addr` the segment has not closed, if any; those it
+        closed (its idle timeout, a restart at the same address) are closed and dropped."""
+        while True:
+            with self._lock:
+                conns = self._idle.get((data_addr, shm_ok))
+                conn = conns.pop() if conns else None
+            if conn is None or not conn.tcp.peer_closed():
+                return conn
+            conn.close()
+            with self._lock:
+                self.idle_dropped += 1
 
     def prefer_local(self, location: ObjectLocation) -> ObjectLocation:
         """The same location with replicas on this host's segments first (stable otherwise)."""

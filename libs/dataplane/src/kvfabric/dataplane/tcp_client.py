@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import select
 import socket
 import ssl
 import threading
@@ -83,6 +84,30 @@ class TcpDataClient:
 
     def close(self) -> None:
         self._sock.close()
+
+    def peer_closed(self) -> bool:
+        """Whether this idle connection is dead: the segment closed it (its idle timeout, a
+        restart at the same address) or sent something nobody asked for. Never blocks. Checked
+        before a pooled connection is reused: without it the first transfer after a segment
+        restart, or after `KVF_SEGMENT_IDLE_TIMEOUT_MS` of quiet, failed (a load's replica lost, a
+        save's chunk failed) on a socket the kernel already knew was closed (review, 2026-12-06).
+        With a pipelined UNPIN_LOCAL unanswered, its reply may be waiting: then only an EOF or
+        a reset (plain TCP) says closed."""
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        try:
+            if not poller.poll(0):
+                return False
+        except OSError:
+            return True
+        if self._unacked is None:
+            return True  # nothing is owed to us: EOF, a reset or bytes out of step
+        if isinstance(self._sock, ssl.SSLSocket):
+            return False  # cannot peek under TLS: the next call finds out
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
 
     def __enter__(self) -> TcpDataClient:
         return self

@@ -1,0 +1,79 @@
+"""An idle pooled connection the segment closed (its idle timeout, a restart at the same
+address) is not handed to a transfer: the first load or save after it failed on a socket the
+kernel already knew was closed (review, 2026-12-06). `TcpDataClient.peer_closed` says so
+without blocking; the pool drops such connections and opens a fresh one."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvfabric.client.transfers import SegmentPool, _Connection
+from kvfabric.dataplane.tcp import TcpDataClient
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield server
+
+
+def connected(listener: socket.socket) -> tuple[TcpDataClient, socket.socket]:
+    client = TcpDataClient("127.0.0.1", listener.getsockname()[1], timeout_s=5.0)
+    served, _ = listener.accept()
+    return client, served
+
+
+def eventually(check: object, timeout_s: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_connection_the_peer_closed_is_seen_closed_without_blocking(listener: socket.socket) -> None:
+    client, served = connected(listener)
+    try:
+        assert not client.peer_closed()  # open and quiet
+        served.close()
+        assert eventually(client.peer_closed)
+    finally:
+        client.close()
+
+
+def test_a_pipelined_unpins_waiting_reply_is_not_taken_for_a_close(listener: socket.socket) -> None:
+    client, served = connected(listener)
+    try:
+        client._unacked = 7  # an UNPIN_LOCAL sent, its reply not read yet
+        served.sendall(b"reply bytes")
+        time.sleep(0.05)
+        assert not client.peer_closed()
+        client._unacked = None  # nothing owed: bytes now are out of step
+        assert client.peer_closed()
+    finally:
+        served.close()
+        client.close()
+
+
+def test_the_pool_drops_idle_connections_the_segment_closed(listener: socket.socket) -> None:
+    addr = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    pool = SegmentPool(connections_per_segment_max=4, timeout_s=5.0, use_shm=False)
+    stale, stale_served = connected(listener)
+    alive, alive_served = connected(listener)
+    try:
+        pool._idle[(addr, False)] = [_Connection(alive, None), _Connection(stale, None)]
+        stale_served.close()  # the segment timed it out (or restarted)
+        assert eventually(stale.peer_closed)
+        with pool._checked_out(addr, False, [], None) as conn:
+            assert conn.tcp is alive
+        assert pool.idle_dropped == 1
+        assert stale._sock.fileno() == -1  # closed, not pooled again
+        assert [c.tcp for c in pool._idle[(addr, False)]] == [alive]
+    finally:
+        alive_served.close()
+        pool.close()
