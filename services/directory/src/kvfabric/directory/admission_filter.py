@@ -15,7 +15,7 @@ Metrics (`AdmissionFilterCollector`): the age and size of the newest filter the 
 hold, filters received (installed), out of order (older than the fresh one every core here
 holds: not installed, not counted as received) and rejected; the gate's decisions are core
 counters (`admission_admitted_<reason>`, `admission_refused_<reason>` in
-`kvfabric_directory_core_events`).
+`kvfabric_directory_core_events_total`).
 """
 
 from __future__ import annotations
