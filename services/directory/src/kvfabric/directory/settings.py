@@ -19,7 +19,8 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TENANT_DEFAULT_QUOTA` | `{}` (unlimited) | JSON QUOTA of every tenant not listed |
 | `KVF_DIRECTORY_TENANTS_MAX` | 10000 | token buckets / rejection counts kept (least recently used go) |
 | `KVF_DIRECTORY_TENANT_LEASES_MAX` / `_PINS_MAX` | 50000 / 2500 | leases / pins one tenant may hold |
-| `KVF_DIRECTORY_TENANT_LEASE_GROUPS_MAX` / `_PIN_GROUPS_MAX` | 262144 / 65536 | groups a tenant's leases / pins name, per shard |
+| `KVF_DIRECTORY_TENANT_LEASE_GROUPS_MAX` | 262144 | groups one tenant's leases name, per shard |
+| `KVF_DIRECTORY_TENANT_PIN_GROUPS_MAX` | 65536 | groups one tenant's pins name, per shard |
 | `KVF_DIRECTORY_TENANT_PIN_TTL_MS_MAX` | 3600000 | longest pin a tenant gets (a longer one is shortened) |
 | `KVF_DIRECTORY_PENDING_OBJECTS_MAX` | 200000 | objects being written (all tenants), per shard |
 | `KVF_DIRECTORY_TENANT_PENDING_OBJECTS_MAX` | 50000 | objects one tenant may be writing, per shard |
