@@ -51,6 +51,7 @@ from kvfabric.format.key import ChunkGroupId, KVKey, check_format_version
 __all__ = [
     "CHAIN_BYTES",
     "GROUP_KEY_BYTES",
+    "GROUP_MEMBERS_MAX",
     "KEY_CACHE_MAX",
     "GroupInfo",
     "KeyInfo",
@@ -88,13 +89,31 @@ class KeyInfo:
     member: tuple[int, int, int]
 
 
+GROUP_MEMBERS_MAX: Final = 255
+"""Members one chunk group may have (tp_size x pp_size x layer_group_count): a published group's
+record counts them in one byte (`records.pack_group`). A key of a larger group is refused
+(`bad_request`) wherever it is named; before (review, 2026-12-06) a commit of 256 members broke
+the record's invariant and stopped the instance, and every instance that adopted the shard from
+the segments after it: one tenant could take the directory down for good."""
+
+
+def _members_checked(tp_size: int, pp_size: int, layer_group_count: int) -> int:
+    members = tp_size * pp_size * layer_group_count
+    if members > GROUP_MEMBERS_MAX:
+        raise BadRequest(
+            f"a chunk group has at most {GROUP_MEMBERS_MAX} members (tp x pp x layer groups)",
+            members=members,
+        )
+    return members
+
+
 def _group_info(raw: GroupId) -> GroupInfo:
     gid = ChunkGroupId.from_bytes(raw)  # validates versions, sizes and ranges
     return GroupInfo(
         group_id=group_key_of_id(raw),
         namespace=namespace_in_id(raw),
         chunk_index=chunk_index_in_id(raw),
-        expected_members=gid.tp_size * gid.pp_size * gid.layer_group_count,
+        expected_members=_members_checked(gid.tp_size, gid.pp_size, gid.layer_group_count),
     )
 
 
@@ -141,7 +160,7 @@ def _key_entry(data: bytes) -> _KeyEntry:
         group_key_of_id(raw_group),
         namespace_in_id(raw_group),
         gid.chunk_index,
-        gid.tp_size * gid.pp_size * gid.layer_group_count,
+        _members_checked(gid.tp_size, gid.pp_size, gid.layer_group_count),
         key.tp_rank,
         key.pp_stage,
         key.layer_group,
