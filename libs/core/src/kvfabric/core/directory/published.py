@@ -46,6 +46,7 @@ from kvfabric.core.directory.records import (
     PublishedGroup,
     ReplicaRecord,
     pack_group,
+    replica_segments,
     unpack_group,
 )
 from kvfabric.core.directory.segments import SegmentTable
@@ -152,7 +153,7 @@ class PublishedTable:
         """The member's replicas changed: the degraded flag follows the replica target."""
         members = tuple(new if x.member == new.member else x for x in group.members)
         target = self.ctx.config.replicas_default
-        degraded = any(len(x.replicas) < target for x in members)
+        degraded = any(replica_segments(x.replicas) < target for x in members)
         flags = (group.flags | FLAG_DEGRADED) if degraded else (group.flags & ~FLAG_DEGRADED)
         self.replace(gid, PublishedGroup(group.namespace, group.chunk_index, flags, members))
 
@@ -212,7 +213,7 @@ class PublishedTable:
                     )
                     for r in rebuilt.replicas
                 )
-                degraded |= len(replicas) < self.ctx.config.replicas_default
+                degraded |= replica_segments(replicas) < self.ctx.config.replicas_default
                 records.append(MemberRecord(*member, rebuilt.size_bytes, rebuilt.checksum, replicas))
             group = PublishedGroup(
                 self.intern_namespace(info.namespace),
@@ -352,9 +353,9 @@ class PublishedTable:
     # ---- the sweep (invalidation) ----------------------------------------------------------
 
     def _short(self, group: PublishedGroup) -> bool:
-        """A member has fewer replicas in the record than the default target."""
+        """A member has replicas on fewer segments in the record than the default target."""
         target = self.ctx.config.replicas_default
-        return any(len(x.replicas) < target for x in group.members)
+        return any(replica_segments(x.replicas) < target for x in group.members)
 
     def short_covers_below_target(self) -> bool:
         """Whether `short` holds every group below its replica target as the repair service
@@ -410,7 +411,7 @@ class PublishedTable:
             # Degraded (and repair told) only below the replica target, as `replace_member`
             # judges: a group that lost a surplus replica still meets it (review, 2026-12-05).
             target = self.ctx.config.replicas_default
-            degraded = any(len(x.replicas) < target for x in members)
+            degraded = any(replica_segments(x.replicas) < target for x in members)
             flags = group.flags | FLAG_DEGRADED if degraded else group.flags
             self.replace(gid, PublishedGroup(group.namespace, group.chunk_index, flags, tuple(members)))
             if degraded:

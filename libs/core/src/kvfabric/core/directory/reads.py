@@ -316,7 +316,10 @@ class Reads:
             seg = self.segments.segment_of(placement)
             return seg is not None and not seg.draining
 
-        return any(sum(healthy(r.placement) for r in mem.replicas) < target for mem in group.members)
+        # segments, not replicas: an arena and a disk replica on one segment count once
+        return any(
+            len({r.placement for r in mem.replicas if healthy(r.placement)}) < target for mem in group.members
+        )
 
     def list_groups(self, req: m.ListGroups, now_ms: int) -> Outcome:
         """A page of published groups in group-key order (domain digest, chain hash) after

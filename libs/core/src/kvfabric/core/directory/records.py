@@ -36,6 +36,7 @@ __all__ = [
     "PublishedGroup",
     "ReplicaRecord",
     "pack_group",
+    "replica_segments",
     "unpack_group",
 ]
 
@@ -50,6 +51,14 @@ class ReplicaRecord:
     placement: int
     slot: int
     slot_generation: int
+
+
+def replica_segments(replicas: tuple[ReplicaRecord, ...]) -> int:
+    """How many segment incarnations hold these replicas: what counts toward a replica target.
+    An arena replica and a disk replica on one segment are one (a head copied to disk keeps its
+    arena copy; a promotion adds an arena copy next to the disk one): counted as two, a group on
+    one segment met a target of 2 and was neither degraded nor repaired (review, 2026-12-06)."""
+    return len({r.placement for r in replicas})
 
 
 @dataclass(frozen=True, slots=True)
