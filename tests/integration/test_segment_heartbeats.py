@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import nats
 from nats.aio.msg import Msg
@@ -26,6 +29,7 @@ from kvfabric.directory.kv_buckets import LEADERS_BUCKET
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.proto.subjects import Service, endpoint_subject, instance_subject
+from kvfabric.runtime.service import EXIT_SOFTWARE
 from kvfabric.testing import NatsServer
 from tests.integration.cluster import directory_process, directory_router, segment_process
 
@@ -124,3 +128,36 @@ def test_a_silent_instance_does_not_hold_back_heartbeats_to_the_others(nats_serv
     finally:
         ghost.stop.set()
         thread.join(10.0)
+
+
+HEARTBEAT_RAISES = textwrap.dedent(
+    """
+    import os
+
+    if os.environ.get("KVF_SEGMENT_ID") == "seg-broken":
+        from kvfabric.segment_storage import shell
+
+        original = shell.SegmentShell._every_leader
+
+        async def every_leader(self, verb, message, *args, **kwargs):
+            if verb == "heartbeat":
+                raise RuntimeError("an error nobody expected")
+            return await original(self, verb, message, *args, **kwargs)
+
+        shell.SegmentShell._every_leader = every_leader
+    """
+)
+
+
+def test_a_heartbeat_loop_that_dies_stops_the_segment(nats_server: NatsServer, tmp_path: Path) -> None:
+    """The heartbeat loop retried on `KvfError` only; anything else (a NATS error out of the
+    shard-map refresh in an outage) ended it silently, and the segment served on, declared down
+    by the directory, never re-registering (review, 2026-12-06). Its tasks are now watched: one
+    that fails stops the segment with EXIT_SOFTWARE, and its supervisor restarts it."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(HEARTBEAT_RAISES)
+    path = os.pathsep.join(p for p in (str(inject), os.environ.get("PYTHONPATH", "")) if p)
+    with directory_process(nats_server), segment_process(nats_server, "seg-broken", PYTHONPATH=path) as seg:
+        assert seg.wait(20.0) == EXIT_SOFTWARE
+        assert seg.wait_for_event("task_failed", 1.0)["task"] == "segment-heartbeats"

@@ -8,11 +8,12 @@ import asyncio
 from typing import Any, cast
 
 import msgspec
+import nats.errors
 import pytest
 
 from kvfabric.cluster import directory_router
 from kvfabric.cluster.directory_router import DirectoryRouter, ShardRoute
-from kvfabric.format.errors import Indeterminate, StaleGeneration, WrongShard
+from kvfabric.format.errors import Indeterminate, StaleGeneration, Unavailable, WrongShard
 from kvfabric.proto import directory as m
 
 
@@ -164,3 +165,37 @@ def test_a_leader_whose_epoch_moved_past_the_map_refusing_as_stale_is_asked_agai
     assert isinstance(reply, m.LeaseReply) and sent == [3, 5]
     with pytest.raises(StaleGeneration):  # the caller named epoch 4 itself: not re-stamped
         asyncio.run(router.ask(0, "lease_release", msgspec.structs.replace(release, epoch=4), 1.0))
+
+
+class FailingNats:
+    """A NATS client during an outage whose reconnect buffer is full: every publish raises."""
+
+    def __init__(self) -> None:
+        self.unsubscribed = 0
+
+    def new_inbox(self) -> str:
+        return "_INBOX.x"
+
+    async def subscribe(self, subject: str, cb: Any = None) -> Any:
+        outer = self
+
+        class Sub:
+            async def unsubscribe(self) -> None:
+                outer.unsubscribed += 1
+                raise nats.errors.ConnectionClosedError
+
+        return Sub()
+
+    async def publish(self, subject: str, payload: bytes, reply: str = "") -> None:
+        raise nats.errors.OutboundBufferLimitError
+
+
+def test_a_shard_map_refresh_in_a_nats_outage_is_unavailable_not_a_nats_error() -> None:
+    """The segment's heartbeat loop retries on `KvfError`: a NATS error out of the refresh
+    ended it, and the segment served on, declared down, never re-registering (review,
+    2026-12-06)."""
+    fake = FailingNats()
+    router = DirectoryRouter(cast(Any, fake))
+    with pytest.raises(Unavailable):
+        asyncio.run(router.refresh())
+    assert fake.unsubscribed == 1  # the inbox subscription is let go, its own error swallowed

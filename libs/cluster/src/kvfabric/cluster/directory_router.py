@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Final
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from kvfabric.cluster.requests import request
@@ -174,13 +175,22 @@ class DirectoryRouter:
             if shards and len(covered) >= shards:
                 done.set()  # every shard has a leader: no need to wait for slower standbys
 
-        sub = await self.nc.subscribe(inbox, cb=collect)
+        # NATS's own errors (no connection, the reconnect buffer full during an outage) are
+        # `Unavailable`, as a request's are: a caller's loop that retries on `KvfError` (the
+        # segment's heartbeats) ended on them (review, 2026-12-06).
+        try:
+            sub = await self.nc.subscribe(inbox, cb=collect)
+        except nats.errors.Error as exc:
+            raise Unavailable(f"shard map not asked: {exc!r}") from exc
         try:
             await self.nc.publish(subject, encode(m.GetShardMap()), reply=inbox)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), self.gather_s)
+        except nats.errors.Error as exc:
+            raise Unavailable(f"shard map not asked: {exc!r}") from exc
         finally:
-            await sub.unsubscribe()
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
         self.refreshes += 1
         self._refreshed_s = time.monotonic()
         if not parts:

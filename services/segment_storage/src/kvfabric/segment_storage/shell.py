@@ -183,6 +183,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
         self._nc: NatsClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._runtime: ServiceRuntime | None = None  # set by `attach` (tests may start without)
         # Copies run on their own threads (never the default executor's, which frees use).
         self._copy_pool = concurrent.futures.ThreadPoolExecutor(
             settings.copies_max, thread_name_prefix="kvf-copy"
@@ -225,6 +226,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
         )
 
     def attach(self, runtime: ServiceRuntime) -> None:
+        self._runtime = runtime  # watches the background tasks (`start`)
         # Each decoded and checked by the runtime (`ServiceRuntime` typed endpoints).
         segment = self.settings.segment_id
         add, family = runtime.add_endpoint, segment_decoder
@@ -275,11 +277,17 @@ class SegmentShell(ShellRepair, ShellConfirms):
         for reply in replies:
             if isinstance(reply, m.SegmentRegistered) and reply.heartbeat_interval_ms:
                 self.heartbeat_interval_ms = reply.heartbeat_interval_ms
-        self._tasks = [asyncio.create_task(self._heartbeats())]
+        self._tasks = [asyncio.create_task(self._heartbeats(), name="segment-heartbeats")]
         if s.scrub_bytes_per_s > 0:
-            self._tasks.append(asyncio.create_task(self._scrub()))
+            self._tasks.append(asyncio.create_task(self._scrub(), name="segment-scrub"))
         if self.ssd is not None:
-            self._tasks.append(asyncio.create_task(self._ssd_unlinks()))
+            self._tasks.append(asyncio.create_task(self._ssd_unlinks(), name="segment-ssd-unlinks"))
+        if self._runtime is not None:
+            # One that ends with an exception stops the segment (restarted by its supervisor):
+            # a heartbeat loop that died on an unexpected error left a segment serving data
+            # the directory had declared down, never re-registering (review, 2026-12-06).
+            for task in self._tasks:
+                self._runtime.watch(task, task.get_name())
         self._log.info(
             "segment_registered",
             data_addr=self.data_addr,
