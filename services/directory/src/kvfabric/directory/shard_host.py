@@ -81,6 +81,7 @@ from kvfabric.runtime.service import RequestHandler, ServiceRuntime, TenantHandl
 __all__ = ["BROADCAST_VERBS", "ShardHost"]
 
 BROADCAST_VERBS: Final = frozenset({"register", "heartbeat"})
+LIVENESS_VERBS: Final = frozenset({"heartbeat"})  # answered from the give-back lane (`attach`)
 LOOKUP_MANY_VERB: Final = "lookup_many"  # one prefix's lookups for every shard led here
 RELEASE_MANY_VERB: Final = "lease_release_many"  # one hit's leases for every shard led here
 SETTLE_S: Final = 0.3
@@ -166,7 +167,10 @@ class ShardHost:
     def attach(self, runtime: ServiceRuntime) -> None:
         self._runtime = runtime  # each shard shell's tasks are watched (`ServiceRuntime.watch`)
         # Releases, unpins and aborts only give resources back: their own in-flight lane
-        # (`ServiceRuntime`), never refused because lookups or puts fill the service.
+        # (`ServiceRuntime`), never refused because lookups or puts fill the service. Segments'
+        # heartbeats share it: refused `busy` while writes filled the service (their handlers
+        # waiting on a stuck events stream), they never reached the core, whose next tick
+        # declared every segment down (review, 2026-12-06). A heartbeat emits no event.
         for verb, kind in VERBS.items():
             runtime.add_endpoint(
                 verb,
@@ -174,7 +178,7 @@ class ShardHost:
                 request=kind,
                 decoder=m.request_decoder,
                 instance=self.instance_id,
-                gives_back=verb in GIVEBACK_VERBS,
+                gives_back=verb in GIVEBACK_VERBS or verb in LIVENESS_VERBS,
             )
         for verb in sorted(TENANT_VERBS):
             pad = self.lookup_reply_min_ms if verb == "lookup" else 0  # hits and misses alike
