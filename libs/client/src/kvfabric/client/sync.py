@@ -164,6 +164,7 @@ class KvClient:
         self._submit_lock = threading.Lock()
         self._failure_log_level = failure_log_level
         self._closing = False
+        self._closed = False  # `close` ran (once): a loop thread it could not stop is left to die
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._run_loop,
@@ -358,8 +359,9 @@ class KvClient:
         return self.aio._fallback(Hit(0, self.aio.spec.layout.tokens_per_chunk, (), ()), self._off_cause())
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        if self._closed or self._loop.is_closed():
             return
+        self._closed = True
         # From now on lookups miss and saves are dropped (`closed`): the engine's calls after
         # `close` went to a closed loop and raised RuntimeError (review, 2026-12-05).
         with self._submit_lock:  # no save submitted from now on (`save_async`)
@@ -385,7 +387,10 @@ class KvClient:
                 settling.result(_GRACE_S + 1.0)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=_GRACE_S)
-            self._loop.close()
+            if self._thread.is_alive():  # wedged in a call: closing a running loop raises
+                log.warning("kvfabric: the client's loop thread did not stop; left to exit with the process")
+            else:
+                self._loop.close()
 
     def __enter__(self) -> KvClient:
         return self
