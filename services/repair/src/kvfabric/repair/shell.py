@@ -32,7 +32,7 @@ from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.cluster.replicas import copy_replica
 from kvfabric.core.repair import DrainComplete, RepairCore, StartCopy
 from kvfabric.core.repair_events import CopyFailed, RepairEvent, RepairOutput, Tick
-from kvfabric.format.clock import now_ms
+from kvfabric.format.clock import monotonic_ms
 from kvfabric.format.errors import KvfError, Unavailable
 from kvfabric.format.ids import ObjectKey, pack_group_id, pack_object_key
 from kvfabric.proto import directory as m
@@ -43,6 +43,15 @@ from kvfabric.runtime.service import ServiceRuntime
 from kvfabric.runtime.ticker import every
 
 __all__ = ["RepairShell", "key_of", "now_ms"]
+
+
+def now_ms() -> int:
+    """The repair core's time: monotonic. Its times (the bandwidth bucket, copy timeouts,
+    backoffs) are never compared with another process's; on the wall clock an NTP step back of
+    X held the core's time still for X (`CoreDriver` never goes back): no refill, no timeout,
+    no retry, so repair stopped for X (review, 2026-12-06)."""
+    return monotonic_ms()
+
 
 LIST_PAGE: Final = 1000
 SCAN_PAGES_MAX: Final = 10_000  # ≤ 10 M groups per scan (all shards): a bound, not a target
@@ -69,7 +78,7 @@ class RepairShell:
         copy_timeout_s: float,
     ) -> None:
         self.core = core
-        # The core's time is the wall clock, as before (read through this module's `now_ms`).
+        # The core's time is this module's `now_ms` (monotonic), read through it (tests move it).
         self._driver: CoreDriver[RepairEvent, RepairOutput] = CoreDriver(
             core, self._perform, clock=lambda: now_ms()
         )
