@@ -19,7 +19,7 @@ import pytest
 
 from kvfabric.core.segment_slots import SlotTable
 from kvfabric.format.checksum import checksum
-from kvfabric.format.errors import Indeterminate, KvfError, NotFound, StaleGeneration
+from kvfabric.format.errors import Conflict, Indeterminate, KvfError, NotFound, StaleGeneration, Unavailable
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.dataplane import ReadRef
@@ -550,6 +550,38 @@ def test_wait_idle_waits_for_disk_work_still_running(tmp_path: Path) -> None:
             assert isinstance(reply, DemoteReply) and reply.results[0].status == "demoted"
 
         asyncio.run(scenario())
+    finally:
+        seg.backend.arena.close()
+        seg.io.close()
+        seg.ssd.close()
+
+
+def test_a_tier_whose_sync_failed_is_refused_as_no_disk_tier(tmp_path: Path) -> None:
+    """After a failed fdatasync the tier refuses every write until a restart. The demote verb
+    answered each object `failed` (transient: the policy asked again every few seconds), each
+    time taking and aborting a directory ticket per object (review, 2026-12-06). Now `Conflict`,
+    which the policy takes as "no disk tier" until this incarnation goes."""
+    syncs: list[float] = []
+    seg = make(tmp_path, 16 << 20, syncs)
+    directory = Directory()
+    try:
+        _, objects = stored(seg, directory, 4, 64 * 1024)
+        real_sync = seg.ssd._sync._sync
+        failed_once = [False]
+
+        def failing(fd: int) -> None:
+            if not failed_once[0]:
+                failed_once[0] = True
+                raise OSError(5, "EIO")
+            real_sync(fd)
+
+        seg.ssd._sync._sync = failing
+        with pytest.raises(Unavailable):
+            seg.ssd.write(memoryview(b"x" * 4096), b"k", b"\0" * 16)
+        assert seg.ssd.stats()["failed"] == 1
+        with pytest.raises(Conflict, match="disk tier failed"):
+            demote(seg, directory, objects)
+        assert directory.requests == []  # no ticket taken, none aborted
     finally:
         seg.backend.arena.close()
         seg.io.close()

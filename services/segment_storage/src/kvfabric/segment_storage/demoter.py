@@ -168,6 +168,13 @@ class Demoter:
         ssd = self.backend.ssd
         if ssd is None:
             raise Conflict("this segment has no disk tier")
+        if ssd.stats()["failed"]:
+            # A sync failed: the tier refuses every write until a restart. Answered per object
+            # `failed` (transient), the policy asked again every few seconds, each time taking
+            # and aborting a directory ticket per object (review, 2026-12-06); `Conflict` is
+            # "no disk tier" to it until this incarnation goes.
+            self.backend.count("demote_tier_failed_total")
+            raise Conflict("this segment's disk tier failed (ssd_failed): restart the segment")
         if self._busy:
             self.backend.count("demote_busy_total")
             raise Busy("a demotion is running on this segment")
