@@ -79,6 +79,9 @@ __all__ = [
 ]
 
 EVENTS_STREAM: Final = "KVF_DIRECTORY_EVENTS"
+# JetStream's API error codes for a stream whose `max_bytes` the store cannot reserve:
+# insufficient resources (10023), storage resources exceeded (10047).
+STORE_CANNOT_RESERVE: Final = frozenset({10023, 10047})
 PUBLISH_TIMEOUT_S: Final = 2.0  # one attempt's wait for JetStream's acknowledgement
 PUBLISH_RETRY_S: Final = 0.2  # pause between attempts
 STUCK_AFTER_FAILURES: Final = 5  # ~11 s of failed attempts (2.2 s each) before a repair
@@ -141,8 +144,25 @@ class EventsStream:
         self._log = get_logger("kvfabric.directory.events")
 
     async def ensure(self) -> None:
-        """Add the stream, or update its configuration when it exists."""
+        """Add the stream, or update its configuration when it exists. A size bound the store
+        cannot reserve (nats-server reserves `max_bytes` x replicas of its `max_file_store`: a
+        small store, e.g. a drill's 64 MiB tmpfs) is dropped with a warning: the stream is
+        bounded by age only then, as before the bound."""
         js = self.nc.jetstream(timeout=self.api_timeout_s)
+        try:
+            await self._add_or_update(js)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code not in STORE_CANNOT_RESERVE or (self.config.max_bytes or -1) <= 0:
+                raise
+            self._log.warning(
+                "events_stream_unbounded",
+                max_bytes=self.config.max_bytes,
+                reason=exc.description or "insufficient storage",
+            )
+            self.config = dataclasses.replace(self.config, max_bytes=-1)
+            await self._add_or_update(js)
+
+    async def _add_or_update(self, js: nats.js.JetStreamContext) -> None:
         try:
             await js.add_stream(self.config)
         except BadRequestError:

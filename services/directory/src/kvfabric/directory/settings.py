@@ -12,6 +12,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_TICK_MS` | 100 | how often leases, deadlines and heartbeats are checked |
 | `KVF_DIRECTORY_EVENTS_OUTBOX_MAX` | 10000 | events waiting for JetStream; when full, handlers wait |
 | `KVF_DIRECTORY_EVENTS_MAX_AGE_S` | 86400 | JetStream retention of the events stream |
+| `KVF_DIRECTORY_EVENTS_MAX_BYTES` | 1 GiB | its size bound, oldest dropped first (0: none) |
 | `KVF_DIRECTORY_EVENTS_STUCK_AFTER_FAILURES` | 5 | failed tries at one event: stuck (then recreated) |
 | `KVF_DIRECTORY_LEADER_LEASE_TTL_MS` | 3000; 15000 with KV replicas > 1 | leader lease (JetStream KV) |
 | `KVF_DIRECTORY_LEASE_TTL_MS_MAX` | 30000 | longest read lease granted; a new leader's grace period |
@@ -124,6 +125,11 @@ __all__ = [
 # Leader lease: one nats-server (no election to ride out) / a NATS cluster (KV replicas > 1: a
 # stream-leader election takes 4-9 s, server/raft.go, and the lease must outlast it).
 LEADER_LEASE_TTL_MS_DEFAULT: Final = 3_000
+# The events stream's size bound: lookups' `accessed` events alone grew it ~0.4 MB/s per tenant
+# at its fair rate, kept 24 h (38 GB a day, x3 on a NATS cluster) in the store the leader
+# leases need (review, 2026-12-06). A follower that falls behind the oldest kept event
+# resynchronises from the listings, as after any gap.
+EVENTS_MAX_BYTES_DEFAULT: Final = 1 << 30
 LEADER_LEASE_TTL_MS_CLUSTER_DEFAULT: Final = 15_000
 _QUOTA_FIELDS: Final = ("bytes_max", "objects_max", "requests_per_s", "burst")
 _COUNT_MAX: Final = 2**63 - 1
@@ -151,6 +157,7 @@ class DirectorySettings:
     tick_ms: int = 100
     events_outbox_max: int = 10_000
     events_max_age_s: int = 86_400
+    events_max_bytes: int = EVENTS_MAX_BYTES_DEFAULT
     events_stuck_after_failures: int = 5
     free_timeout_s: float = 2.0
     leader_lease_ttl_ms: int = 3_000
@@ -224,6 +231,7 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
         tick_ms=env_int(env, "KVF_DIRECTORY_TICK_MS", 100, 5, 60_000),
         events_outbox_max=env_int(env, "KVF_DIRECTORY_EVENTS_OUTBOX_MAX", 10_000, 1, 1_000_000),
         events_max_age_s=env_int(env, "KVF_DIRECTORY_EVENTS_MAX_AGE_S", 86_400, 60, 365 * 86_400),
+        events_max_bytes=env_int(env, "KVF_DIRECTORY_EVENTS_MAX_BYTES", EVENTS_MAX_BYTES_DEFAULT, 0, 1 << 44),
         events_stuck_after_failures=env_int(env, "KVF_DIRECTORY_EVENTS_STUCK_AFTER_FAILURES", 5, 1, 1_000),
         leader_lease_ttl_ms=env_int(env, "KVF_DIRECTORY_LEADER_LEASE_TTL_MS", lease_default_ms, 300, 600_000),
         grants=_grants(env),

@@ -76,6 +76,7 @@ class ShellFactory:
             tick_ms=config.tick_ms,
             events_outbox_max=config.events_outbox_max,
             events_max_age_s=config.events_max_age_s,
+            events_max_bytes=config.events_max_bytes,
             free_timeout_s=config.free_timeout_s,
             events_replicas=config.kv_replicas,
             events_stream=self.events_stream,

@@ -28,7 +28,7 @@ from typing import Any, Final
 
 import msgspec
 from nats.aio.client import Client as NatsClient
-from nats.js.api import StreamConfig
+from nats.js.api import DiscardPolicy, StreamConfig
 
 from kvfabric.cluster.requests import request
 from kvfabric.core import authz
@@ -148,6 +148,7 @@ class DirectoryShell:
         events_replicas: int = 1,
         events_stream: EventsStream | None = None,
         write_slice_ids: int = WRITE_SLICE_IDS,
+        events_max_bytes: int = 0,
     ) -> None:
         self.core = core
         # A put_begin, put_commit, put_abort or evict of more ids runs in steps of this many (0: whole).
@@ -159,6 +160,7 @@ class DirectoryShell:
         self.events_replicas = events_replicas  # of the events stream (3 on a NATS cluster)
         self.tick_ms = tick_ms
         self.events_max_age_s = events_max_age_s
+        self.events_max_bytes = events_max_bytes  # 0: no size bound
         self.free_timeout_s = free_timeout_s
         self._outbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=events_outbox_max)
         self._stopped = asyncio.Event()  # `stop` began: nothing reads the outbox any more
@@ -343,6 +345,8 @@ class DirectoryShell:
             name=EVENTS_STREAM,
             subjects=[events_wildcard(Service.DIRECTORY)],
             max_age=float(self.events_max_age_s),
+            max_bytes=self.events_max_bytes or -1,
+            discard=DiscardPolicy.OLD,
             num_replicas=self.events_replicas,
         )
 
