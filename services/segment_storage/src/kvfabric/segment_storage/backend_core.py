@@ -68,6 +68,9 @@ CorruptFn = Callable[[bytes, int, int, int], None]
 class _Conn:
     puts: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (slot, generation)
     grants: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # grant id -> refs
+    # A local pin's grant id -> when it lapses (ms; `BackendReads.expire_pins`): its read
+    # tokens' expiry plus the clock skew tolerance, or `PIN_HOLD_MS_MAX` from now without tokens.
+    pin_expiry_ms: dict[int, int] = field(default_factory=dict)
     gets: set[int] = field(default_factory=set)  # GET grants being served (begin_get .. end_get)
     disk_reads: dict[int, list[SsdRead | SsdStream]] = field(default_factory=dict)  # grant id -> disk buffers
 

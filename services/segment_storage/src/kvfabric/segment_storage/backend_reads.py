@@ -15,11 +15,16 @@ from kvfabric.proto.segment import SSD_SLOT_BASE
 from kvfabric.segment_storage.backend_core import BackendCore
 from kvfabric.segment_storage.ssd import SsdRead, SsdStream
 
-__all__ = ["LOCAL_GRANTS_PER_CONNECTION_MAX", "BackendReads"]
+__all__ = ["LOCAL_GRANTS_PER_CONNECTION_MAX", "PIN_HOLD_MS_MAX", "BackendReads"]
 
 # Transfer-reference grants (GET in progress, PIN_LOCAL not yet unpinned) one connection may hold:
 # a client holds one or two (a pin, and the pipelined unpin of the previous one).
 LOCAL_GRANTS_PER_CONNECTION_MAX: Final = 64
+# A local pin lapses when its read tokens do (plus the clock skew tolerance), or this long after
+# it was taken when the segment needs no tokens: a pin held past its lease kept the object's
+# arena bytes after the directory freed it, and a tenant pinning, releasing and evicting in a
+# loop held memory nobody accounted for (review, 2026-12-06). The shell calls `expire_pins`.
+PIN_HOLD_MS_MAX: Final = 60_000
 
 
 class BackendReads(BackendCore):
@@ -205,7 +210,39 @@ class BackendReads(BackendCore):
 
     def pin_local(self, reads: list[ReadRef], conn: int) -> LocalGrants:
         grant_id, acquired = self._pin(reads, conn)
+        now = self.clock_ms()
+        held = [ref for ref, a in zip(reads, acquired, strict=True) if a[0] == "ok"]
+        if held:
+            if self.read_tokens_required:
+                lapses = max(ref.expires_ms for ref in held) + self.clock_skew_tolerance_ms
+                lapses = min(lapses, now + PIN_HOLD_MS_MAX + self.clock_skew_tolerance_ms)
+            else:
+                lapses = now + PIN_HOLD_MS_MAX
+            with self.lock:
+                c = self._conns.get(conn)
+                if c is not None and grant_id in c.grants:
+                    c.pin_expiry_ms[grant_id] = lapses
         return LocalGrants(grant_id=grant_id, grants=[LocalGrant(s, o, c) for s, o, c in acquired])
 
     def unpin_local(self, grant_id: int, conn: int) -> int:
+        with self.lock:
+            c = self._conns.get(conn)
+            if c is not None:
+                c.pin_expiry_ms.pop(grant_id, None)
         return self._unpin(grant_id, conn)
+
+    def expire_pins(self) -> int:
+        """Release every local pin past its lapse time (`PIN_HOLD_MS_MAX`); how many. O(pins):
+        at most `LOCAL_GRANTS_PER_CONNECTION_MAX` a connection."""
+        now = self.clock_ms()
+        expired = 0
+        with self.lock:
+            for c in self._conns.values():
+                for grant_id in [g for g, lapses in c.pin_expiry_ms.items() if lapses <= now]:
+                    del c.pin_expiry_ms[grant_id]
+                    for slot, generation in c.grants.pop(grant_id, []):
+                        self.slots.release(slot, generation)
+                    expired += 1
+        if expired:
+            self.count("local_pins_expired_total", expired)
+        return expired

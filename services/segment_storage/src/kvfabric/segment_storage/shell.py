@@ -277,7 +277,10 @@ class SegmentShell(ShellRepair, ShellConfirms):
         for reply in replies:
             if isinstance(reply, m.SegmentRegistered) and reply.heartbeat_interval_ms:
                 self.heartbeat_interval_ms = reply.heartbeat_interval_ms
-        self._tasks = [asyncio.create_task(self._heartbeats(), name="segment-heartbeats")]
+        self._tasks = [
+            asyncio.create_task(self._heartbeats(), name="segment-heartbeats"),
+            asyncio.create_task(self._expire_pins(), name="segment-pin-expiry"),
+        ]
         if s.scrub_bytes_per_s > 0:
             self._tasks.append(asyncio.create_task(self._scrub(), name="segment-scrub"))
         if self.ssd is not None:

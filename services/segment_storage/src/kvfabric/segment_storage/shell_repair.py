@@ -45,6 +45,7 @@ SCRUB_TICK_S: Final = 0.1
 CORRUPT_REPORT_ATTEMPTS: Final = 3  # a report the directory could not take is retried, then dropped
 CORRUPT_REPORT_BACKOFF_S: Final = 1.0
 SSD_UNLINK_RETRY_S: Final = 1.0
+PIN_EXPIRY_CHECK_S: Final = 1.0  # how often lapsed local pins are released
 
 
 class ShellRepair(ShellDirectory):
@@ -147,6 +148,14 @@ class ShellRepair(ShellDirectory):
         if self._loop is not None:
             found = CorruptObject(key, slot, generation, size)
             asyncio.run_coroutine_threadsafe(self._report_corrupt(found), self._loop)
+
+    async def _expire_pins(self) -> None:
+        """Local pins past their read tokens' expiry are released (`BackendReads.expire_pins`)."""
+
+        async def expire() -> None:
+            self.backend.expire_pins()
+
+        await every(PIN_EXPIRY_CHECK_S, expire, delay_first=True)
 
     async def _ssd_unlinks(self) -> None:
         """Free records whose write failed (an I/O error): their extents stay held until a retry
