@@ -97,3 +97,61 @@ def test_metrics_show_the_replicas_of_a_lost_segment_left_to_sweep() -> None:
     assert sweeps == 3
     assert 'kvfabric_router_state{name="index_dead_replicas"} 0.0' in scrape(core)
     assert 'kvfabric_router_state{name="index_groups"} 0.0' in scrape(core)
+
+
+def test_a_resync_indexes_its_listing_in_slices_routes_served_between() -> None:
+    """400k listed groups converted and indexed in one call held the router's loop 3.1 s (its
+    HTTP front, `route`, health checks frozen; review, 2026-12-06): now `RESYNC_SLICE_GROUPS` a
+    turn, the index not synced (queries find nothing) until the last slice."""
+    from kvfabric.router import index_follower
+
+    n = 5 * index_follower.RESYNC_SLICE_GROUPS + 7
+    summaries = [
+        m.GroupSummary(
+            group=ChainHash(i.to_bytes(32, "little")),
+            namespace=NAMESPACE,
+            chunk_index=0,
+            state="published",
+            members=1,
+            expected_members=1,
+            objects=[
+                m.ObjectLocation(
+                    chunk_index=0,
+                    member=m.Member(0, 0, 0),
+                    size_bytes=10,
+                    checksum=b"c" * 16,
+                    replicas=[m.Replica(segment_id="s1", incarnation=1, slot=1, slot_generation=1)],
+                )
+            ],
+        )
+        for i in range(n)
+    ]
+
+    class Listing:
+        async def segments(self, timeout_s: float) -> m.SegmentList:
+            info = m.SegmentInfo(
+                segment_id="s1", incarnation=1, domain=m.FailureDomain(host="h"), up=True, draining=False,
+                capacity_bytes=1, reserved_bytes=0, reported_used_bytes=0, last_heartbeat_ms=0, data_addr="",
+            )  # fmt: skip
+            return m.SegmentList(epoch=1, segments=[info])
+
+        async def list_groups(self, query: m.ListGroups, timeout_s: float, pages_max: int) -> list[Any]:
+            return summaries
+
+    index = RoutingIndex()
+    follower = follower_of(index)
+    follower.router = cast(Any, Listing())
+
+    async def run() -> list[int]:
+        resync = asyncio.create_task(follower.resync(at_seq=42))
+        seen: list[int] = []  # groups indexed at each turn of the loop, while not synced
+        while not resync.done():
+            if not index.synced:
+                seen.append(len(index.groups))
+            await asyncio.sleep(0)
+        await resync
+        return seen
+
+    seen = asyncio.run(run())
+    assert len(set(seen)) >= 5, "the listing was indexed in one turn"
+    assert index.synced and index.last_seq == 42 and len(index.groups) == n

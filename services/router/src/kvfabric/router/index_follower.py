@@ -41,7 +41,11 @@ __all__ = ["EVENTS_STREAM", "IndexFollower"]
 EVENTS_STREAM: Final = "KVF_DIRECTORY_EVENTS"  # owned by the directory
 EVENTS_FETCH_MAX: Final = 512
 EVENTS_FETCH_WAIT_S: Final = 0.5
-RETRY_S: Final = 0.5
+RETRY_S: Final = 0.5  # the first wait after a failure; doubled up to RETRY_S_MAX while they last
+RETRY_S_MAX: Final = 30.0
+# A resync converts and indexes the listing this many groups a turn of the loop (routes are
+# served between them): 400k groups in one call held the loop 3.1 s (review, 2026-12-06).
+RESYNC_SLICE_GROUPS: Final = 2048
 LISTING_PAGE_GROUPS: Final = 1000
 
 
@@ -69,6 +73,7 @@ class IndexFollower:
 
     async def run(self) -> None:
         js = self.nc.jetstream(timeout=self.request_timeout_s)
+        retry_s = RETRY_S
         while True:
             try:
                 info = await js.stream_info(EVENTS_STREAM)
@@ -95,11 +100,19 @@ class IndexFollower:
                     await self.apply_batch(batch)
                     await self.heard()
                 await sub.unsubscribe()
+                retry_s = RETRY_S
             except asyncio.CancelledError:
                 raise
             except (nats.errors.Error, nats.js.errors.Error, TimeoutError, KvfError) as exc:
-                self._log.info("events_follow_retry", error=type(exc).__name__, last_seq=self.index.last_seq)
-                await asyncio.sleep(RETRY_S)
+                # Doubling: each failed resync lists every shard again (review, 2026-12-06).
+                self._log.info(
+                    "events_follow_retry",
+                    error=type(exc).__name__,
+                    last_seq=self.index.last_seq,
+                    wait_s=retry_s,
+                )
+                await asyncio.sleep(retry_s)
+                retry_s = min(retry_s * 2, RETRY_S_MAX)
 
     async def apply_batch(self, batch: Sequence[Msg]) -> None:
         """A fetched batch into the index, one event a turn of the loop (routes are served
@@ -138,21 +151,23 @@ class IndexFollower:
         except KvfError:
             self.resync_failures += 1
             raise
-        groups = []
-        for g in summaries:
-            if g.state != "published" or len(g.namespace) != NAMESPACE_BYTES:
-                continue
-            replicas = frozenset(r.segment_id for o in g.objects for r in o.replicas)
-            if replicas:
-                copy_bytes = sum(o.size_bytes for o in g.objects)
-                domain = domain_in_id(g.namespace)
-                groups.append(ListedGroup(domain, g.group, g.chunk_index, copy_bytes, replicas))
-        self.index.resync(
-            [ListedSegment(s.segment_id, s.incarnation, s.up) for s in segments.segments],
-            groups,
-            at_seq=at_seq,
-        )
+        self.index.resync_start([ListedSegment(s.segment_id, s.incarnation, s.up) for s in segments.segments])
+        indexed = 0
+        for at in range(0, len(summaries), RESYNC_SLICE_GROUPS):
+            groups = []
+            for g in summaries[at : at + RESYNC_SLICE_GROUPS]:
+                if g.state != "published" or len(g.namespace) != NAMESPACE_BYTES:
+                    continue
+                replicas = frozenset(r.segment_id for o in g.objects for r in o.replicas)
+                if replicas:
+                    copy_bytes = sum(o.size_bytes for o in g.objects)
+                    domain = domain_in_id(g.namespace)
+                    groups.append(ListedGroup(domain, g.group, g.chunk_index, copy_bytes, replicas))
+            self.index.resync_add(groups)
+            indexed += len(groups)
+            await asyncio.sleep(0)  # routes are answered between slices (from the engines' caches)
+        self.index.resync_done(at_seq)
         self.resync_seconds_last = time.monotonic() - started
         self._log.info(
-            "index_resynced", at_seq=at_seq, groups=len(groups), seconds=round(self.resync_seconds_last, 3)
+            "index_resynced", at_seq=at_seq, groups=indexed, seconds=round(self.resync_seconds_last, 3)
         )
