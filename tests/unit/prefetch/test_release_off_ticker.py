@@ -45,3 +45,22 @@ async def test_a_hung_leader_does_not_hold_the_ticker_back() -> None:
     await shell.stop()
     assert time.monotonic() - started < shell_module.RELEASE_STOP_S + 1.0
     assert sorted(released) == list(range(100, 140))  # 16 at a time: 3 rounds of ~1 s
+
+
+async def test_the_accessed_subscription_has_a_bounded_backlog() -> None:
+    """nats-py's defaults (524,288 messages, 128 MiB) let `accessed` events pile up behind a slow
+    directory, and hot-replica decisions ran on reads minutes old (review, 2026-12-06)."""
+    subscribed: dict[str, Any] = {}
+
+    class Nats:
+        async def subscribe(self, subject: str, **kwargs: Any) -> None:
+            subscribed[subject] = kwargs
+
+    shell = make_shell(FakeRouter(lambda *a: None))
+    await shell.start(Nats())  # type: ignore[arg-type]
+    try:
+        (options,) = subscribed.values()
+        assert options["pending_msgs_limit"] == shell_module.ACCESSED_PENDING_MSGS_MAX <= 1024
+        assert options["pending_bytes_limit"] == shell_module.ACCESSED_PENDING_BYTES_MAX <= 64 << 20
+    finally:
+        await shell.stop()

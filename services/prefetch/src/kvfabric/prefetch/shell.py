@@ -110,6 +110,12 @@ WRITER_ID: Final = "prefetch"
 # Ended hints' leases are given back off the ticker, this many requests at once; at `stop` for
 # at most `RELEASE_STOP_S` (a release lost expires on its own: TTL <= the hint's deadline).
 RELEASES_AT_ONCE: Final = 16
+# `accessed` events waiting for the callback (it asks the directory about groups it does not
+# know: slow when the directory is): past these, nats-py drops them (a slow-consumer warning).
+# Its defaults (524,288 messages, 128 MiB) let hot-replica decisions run on reads minutes old
+# (review, 2026-12-06); a dropped event is a read not counted, decided again on the next.
+ACCESSED_PENDING_MSGS_MAX: Final = 256
+ACCESSED_PENDING_BYTES_MAX: Final = 16 << 20
 RELEASE_STOP_S: Final = 5.0
 SSD_SOURCE_SUFFIX: Final = "#ssd"  # a disk replica as a copy source (never a segment id: [A-Za-z0-9_-])
 
@@ -171,7 +177,12 @@ class PrefetchShell:
 
     async def start(self, nc: NatsClient) -> None:
         self._router = DirectoryRouter(nc)
-        await nc.subscribe(event_subject(Service.DIRECTORY, "accessed"), cb=self._on_accessed)
+        await nc.subscribe(
+            event_subject(Service.DIRECTORY, "accessed"),
+            cb=self._on_accessed,
+            pending_msgs_limit=ACCESSED_PENDING_MSGS_MAX,
+            pending_bytes_limit=ACCESSED_PENDING_BYTES_MAX,
+        )
         ticker = self._driver.start_ticker(Tick(), self.tick_ms, then=self._release_ended)
         self._tasks = [asyncio.create_task(every(self.scan_ms / 1000, self.scan, self._scan_failed))]
         # A scan loop or ticker that dies of an exception (a bug) stops the service, which is
