@@ -109,3 +109,24 @@ def test_an_open_that_is_cancelled_or_fails_oddly_ends_the_request(error: type[B
     with pytest.raises(error):
         asyncio.run(_call(proxy, disconnect_at_once=False))
     assert proxy.core.in_flight == 0
+
+
+def test_a_tenant_at_its_share_is_refused_before_its_body_is_read() -> None:
+    """A tenant at `tenant_inflight_max` sent 16 MiB bodies (a 1.5 M-token prompt) that cost
+    ~0.25 s of the router's loop each (JSON, the int check, keys) before their 429 (review,
+    2026-12-06): refused now before the body is read."""
+    proxy = _proxy()
+    proxy.core._tenants["default"] = proxy.core.config.tenant_inflight_max
+    keyed: list[object] = []
+    proxy._keys = lambda body: keyed.append(body) or ([], 1)  # type: ignore[method-assign,func-returns-value]
+    sent = asyncio.run(_call(proxy, disconnect_at_once=False))
+    assert sent[0]["status"] == 429 and not keyed
+    assert json.loads(sent[1]["body"])["error"]["message"] == "tenant_inflight_max"
+
+
+def test_only_a_long_prompts_head_is_keyed() -> None:
+    proxy = _proxy()
+    long = [7] * (proxy_module.KEYED_TOKENS_MAX + 5000)
+    keys, tokens = proxy._keys({"prompt": long})
+    head_keys, _ = proxy._keys({"prompt": long[: proxy_module.KEYED_TOKENS_MAX]})
+    assert tokens == len(long) and keys == head_keys and keys

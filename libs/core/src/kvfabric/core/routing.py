@@ -540,7 +540,11 @@ class RoutingCore:
 
     def _refuse(self, request_id: str, reason: RefusedReason, now_ms: int) -> Refused:
         self.counters["refused"] += 1
-        # Retry after the shortest queue's prefill work would be done (at least 1 s).
+        return Refused(request_id, reason, self.retry_after_s(now_ms))
+
+    def retry_after_s(self, now_ms: int) -> int:
+        """When a refused request should come back: the shortest queue's prefill work done (at
+        least 1 s, at most `retry_after_s_max`)."""
         rate = self.coefficients_at(now_ms).prefill_tokens_per_s
         drains = [
             inst.queued_prefill_tokens / rate
@@ -548,7 +552,18 @@ class RoutingCore:
             if self.eligible(iid, now_ms)
         ]
         after = max(1, math.ceil(min(drains, default=float(self.config.retry_after_s_max))))
-        return Refused(request_id, reason, min(after, self.config.retry_after_s_max))
+        return min(after, self.config.retry_after_s_max)
+
+    def admission_refusal(self, tenant: str) -> RefusedReason | None:
+        """What `route` would refuse an admitted request of `tenant` for whatever its prompt (a
+        query): the shell answers it before reading the body. A tenant at its share sent 16 MiB
+        bodies that cost ~0.25 s of the router's loop each (JSON, keys) before their 429
+        (review, 2026-12-06)."""
+        if len(self._requests) >= self.config.admitted_max:
+            return "admitted_max"
+        if self._tenants.get(tenant, 0) >= self.config.tenant_inflight_max:
+            return "tenant_inflight_max"
+        return None
 
     # ---- request lifecycle ---------------------------------------------------------------
 
