@@ -123,3 +123,55 @@ def test_a_request_that_waits_too_long_for_its_turn_is_busy_and_gives_its_place_
         gate.core.check()
 
     asyncio.run(main())
+
+
+def _located(replicas: int) -> m.ObjectLocation:
+    return m.ObjectLocation(
+        chunk_index=0,
+        member=m.Member(0, 0, 0),
+        size_bytes=1,
+        checksum=b"c" * 16,
+        replicas=[
+            m.Replica(segment_id=f"s{r}", incarnation=1, slot=r, slot_generation=1) for r in range(replicas)
+        ],
+    )
+
+
+def test_a_lookup_answering_many_replicas_costs_them() -> None:
+    """One group of 255 members x 3 replicas cost ~1.9 ms of core work and read-token signing
+    (and a 110 KB reply), a one-member group 0.02 ms, both charged one id at fair admission
+    (review, 2026-12-06): the replicas answered past one per group named are charged after."""
+    from kvfabric.directory.shard_requests import reply_extra_ids
+
+    (g,) = groups(1, seed=9)
+    asked = m.Lookup(holder_id="h", groups=[g.group_id()])
+    big = m.LookupReply(epoch=1, hit_chunks=1, lease_id=1, objects=[_located(3) for _ in range(255)])
+    assert reply_extra_ids(asked, big) == 255 * 3 - 1
+    small = m.LookupReply(epoch=1, hit_chunks=1, lease_id=1, objects=[_located(1)])
+    assert reply_extra_ids(asked, small) == 0
+    many = m.LookupMany(holder_id="h", parts=[m.LookupPart(shard=0, groups=[g.group_id()])])
+    answered = m.LookupManyReply(parts=[m.LookupPartReply(shard=0, reply=big)])
+    assert reply_extra_ids(many, answered) == 255 * 3 - 1
+
+
+def test_the_extra_is_taken_from_the_bucket_into_at_most_one_burst_of_debt() -> None:
+    from kvfabric.directory.admission import AdmissionConfig, FairAdmission
+
+    core = FairAdmission(
+        AdmissionConfig(
+            ids_per_s=1_000,
+            burst_ids=4_000,
+            queue_max=4,
+            running_max=2,
+            tenant_running_max=1,
+            request_cost_ids=0,
+        )
+    )
+    assert isinstance(core.offer("bob", 1, 0.0), int)
+    assert len(core.start(0.0)) == 1
+    core.charge_more("bob", 1_000_000, 0.0)  # a huge answer: the debt stops at one burst
+    assert core.tokens("bob", 0.0) == pytest.approx(-4_000)
+    core.done("bob", 0.0)
+    core.check()
+    assert core.retry_after_s("bob", 1, 0.0) == pytest.approx(4.001)  # bob waits for the refill
+    assert core.charged_after_total == 1_000_000

@@ -48,6 +48,8 @@ Transitions:
   tokens (a cost above `burst_ids` counts as `burst_ids`, as `quotas.request_tokens` does);
   otherwise the tokens are taken and the request queued. A refusal takes nothing.
 - `refuse_early(tenant, now)`: what `offer` would refuse whatever the cost (before decoding).
+- `charge_more(tenant, ids, now)`: a running request cost more than its admission (a lookup's
+  replicas past one per group): taken from the bucket, into at most one burst of debt.
 - `start(now)`: while fewer than `running_max` run, the smallest-tagged head that may start
   starts (popped from `_ready`); `vtime` becomes its tag.
 - `done(tenant)`: one of its started requests ended (answered, failed or cancelled).
@@ -196,6 +198,7 @@ class FairAdmission:
         self.running = 0
         self.refused: dict[str, TenantStats] = {}
         self.admitted_total = 0
+        self.charged_after_total = 0  # ids taken by `charge_more` (answers costlier than named)
         self.longest_wait_s = 0.0  # of the requests started since `take_longest_wait`
         self._ready: list[tuple[int, int, str]] = []  # (tag, head ticket, tenant): may start
         self._idle: list[
@@ -283,6 +286,17 @@ class FairAdmission:
         self.admitted_total += 1
         self._push_ready(tenant, state)
         return ticket
+
+    def charge_more(self, tenant: str, ids: int, now_s: float) -> None:
+        """A running request of `tenant` turned out to cost `ids` more than it was admitted for
+        (`shard_requests.reply_extra_ids`): taken from its bucket, into debt of at most one
+        burst (its next requests wait for the refill). Called before `done`, so the tenant's
+        idle entry is pushed with the bucket as it is after."""
+        state = self._tenants.get(tenant)
+        if state is None or ids <= 0:
+            return
+        state.bucket.charge(ids, now_s, floor=-float(self.config.burst_ids))
+        self.charged_after_total += ids
 
     def refuse_early(self, tenant: str, now_s: float) -> Refusal | None:
         """What `offer` would refuse whatever the request's size (its queue is full, or its
@@ -439,7 +453,7 @@ class FairAdmission:
         for tenant, s in self._tenants.items():
             invariant(len(s.queue) <= c.queue_max, "queue over its bound", tenant=tenant)
             invariant(0 <= s.running <= c.tenant_running_max, "tenant running over its bound", tenant=tenant)
-            s.bucket.check()
+            s.bucket.check(floor=-float(c.burst_ids))  # `charge_more` may leave one burst of debt
             invariant(not s.queue or s.tag >= s.finish, "a head tagged before its tenant's last end")
             may_start = bool(s.queue) and s.running < c.tenant_running_max
             invariant(

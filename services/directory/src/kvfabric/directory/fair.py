@@ -139,6 +139,10 @@ class FairGate:
         finally:
             self._done(tenant)
 
+    def charge_more(self, tenant: str, ids: int) -> None:
+        """Inside `turn`: the request cost `ids` more than it named (`FairAdmission.charge_more`)."""
+        self.core.charge_more(tenant, ids, self.clock())
+
     def _done(self, tenant: str) -> None:
         now_s = self.clock()
         self.core.done(tenant, now_s)

@@ -62,7 +62,7 @@ from kvfabric.directory.giveback import give_back
 from kvfabric.directory.rebuild import gather_holdings
 from kvfabric.directory.segment_registry import SegmentRegistry
 from kvfabric.directory.shard_map import ShardMapServer
-from kvfabric.directory.shard_requests import check_release_many, fair_ids, shard_of_request
+from kvfabric.directory.shard_requests import check_release_many, fair_ids, reply_extra_ids, shard_of_request
 from kvfabric.directory.shell import VERBS, DirectoryShell, now_ms
 from kvfabric.directory.stalls import CORE_CALLS
 from kvfabric.directory.suspects import SUSPECT_VERB, SUSPECTS_TENANT_PER_S, SuspectRelay
@@ -278,7 +278,9 @@ class ShardHost:
             if gate is None:
                 return await run(message)
             async with gate.turn(tenant, fair_ids(message)):
-                return await run(message)
+                reply = await run(message)
+                gate.charge_more(tenant, reply_extra_ids(message, reply))
+                return reply
 
         return handle
 
@@ -320,7 +322,9 @@ class ShardHost:
                 return await many(message, grant)
             ids = sum(len(p.groups) for p in message.parts) if isinstance(message, m.LookupMany) else 0
             async with gate.turn(tenant, ids):
-                return await many(message, grant)
+                reply = await many(message, grant)
+                gate.charge_more(tenant, reply_extra_ids(message, reply))
+                return reply
 
         return handle
 
