@@ -460,10 +460,15 @@ class DiskSlotTable:
             self._reclaim(slot, rec)
 
     def held(self, after_slot: int = -1, limit: int = 1 << 30) -> list[DiskHeld]:
-        """STORED slots with id > `after_slot`, lowest first, at most `limit`."""
+        """STORED slots with id > `after_slot`, lowest first, at most `limit`. Walks the ids up
+        from `after_slot` (dense: the lowest free id is reused first), not every slot: a page
+        filtered and sorted the whole table, 46-123 ms at 1 M slots under the tier's lock,
+        every disk GET waiting (review, 2026-12-06)."""
         out = []
-        for slot in sorted(s for s, r in self._slots.items() if s > after_slot and r.state == "stored"):
-            r = self._slots[slot]
+        for slot in range(max(0, after_slot + 1), self._next_id):
+            r = self._slots.get(slot)
+            if r is None or r.state != "stored":
+                continue
             out.append(DiskHeld(slot, r.generation, r.size, r.checksum, r.key))
             if len(out) >= limit:
                 break
