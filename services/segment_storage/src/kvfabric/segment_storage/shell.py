@@ -86,7 +86,7 @@ from kvfabric.segment_storage.demoter import Demoter
 from kvfabric.segment_storage.scrubber import Scrubber
 from kvfabric.segment_storage.settings import SegmentSettings
 from kvfabric.segment_storage.shell_confirms import ShellConfirms
-from kvfabric.segment_storage.shell_repair import ShellRepair
+from kvfabric.segment_storage.shell_repair import CORRUPT_REPORTS_INFLIGHT_MAX, ShellRepair
 from kvfabric.segment_storage.ssd import SsdIo, SsdTier
 from kvfabric.segment_storage.suspects import SuspectChecker
 
@@ -184,6 +184,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._runtime: ServiceRuntime | None = None  # set by `attach` (tests may start without)
+        self._corrupt_reports = threading.BoundedSemaphore(CORRUPT_REPORTS_INFLIGHT_MAX)
         # Copies run on their own threads (never the default executor's, which frees use).
         self._copy_pool = concurrent.futures.ThreadPoolExecutor(
             settings.copies_max, thread_name_prefix="kvf-copy"

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from kvfabric.segment_storage.scrubber import Scrubber
 
 __all__ = [
+    "CORRUPT_REPORTS_INFLIGHT_MAX",
     "CORRUPT_REPORT_ATTEMPTS",
     "CORRUPT_REPORT_BACKOFF_S",
     "SCRUB_TICK_S",
@@ -46,6 +47,11 @@ CORRUPT_REPORT_ATTEMPTS: Final = 3  # a report the directory could not take is r
 CORRUPT_REPORT_BACKOFF_S: Final = 1.0
 SSD_UNLINK_RETRY_S: Final = 1.0
 PIN_EXPIRY_CHECK_S: Final = 1.0  # how often lapsed local pins are released
+# Reports of disk reads found corrupt or unreadable, in flight at once; past it one is counted
+# `replica_corrupt_unreported` (the slot is freed here already: the directory learns it at its
+# next read or rebuild). A failing device started one report task per object read, each with
+# its retries, unbounded (review, 2026-12-06).
+CORRUPT_REPORTS_INFLIGHT_MAX: Final = 64
 
 
 class ShellRepair(ShellDirectory):
@@ -57,6 +63,7 @@ class ShellRepair(ShellDirectory):
     _copy_pool: concurrent.futures.ThreadPoolExecutor
     _copy_lock: threading.Lock
     _loop: asyncio.AbstractEventLoop | None
+    _corrupt_reports: threading.BoundedSemaphore  # CORRUPT_REPORTS_INFLIGHT_MAX slots
 
     async def _on_copy(self, message: CopyRequest, headers: Mapping[str, str]) -> msgspec.Struct:
         with self._copy_lock:
@@ -145,9 +152,22 @@ class ShellRepair(ShellDirectory):
         self._log.warning(
             "corrupt_replica_freed", slot=slot, slot_generation=generation, tier=tier_of_slot(slot)
         )
-        if self._loop is not None:
-            found = CorruptObject(key, slot, generation, size)
-            asyncio.run_coroutine_threadsafe(self._report_corrupt(found), self._loop)
+        if self._loop is None:
+            return
+        if not self._corrupt_reports.acquire(blocking=False):
+            self.backend.count("replica_corrupt_unreported_total")
+            return
+        found = CorruptObject(key, slot, generation, size)
+        try:
+            asyncio.run_coroutine_threadsafe(self._report_corrupt_then_release(found), self._loop)
+        except RuntimeError:  # the loop closed: the segment is stopping
+            self._corrupt_reports.release()
+
+    async def _report_corrupt_then_release(self, found: CorruptObject) -> None:
+        try:
+            await self._report_corrupt(found)
+        finally:
+            self._corrupt_reports.release()
 
     async def _expire_pins(self) -> None:
         """Local pins past their read tokens' expiry are released (`BackendReads.expire_pins`)."""
