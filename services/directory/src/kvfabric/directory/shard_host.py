@@ -170,7 +170,8 @@ class ShardHost:
         # (`ServiceRuntime`), never refused because lookups or puts fill the service. Segments'
         # heartbeats share it: refused `busy` while writes filled the service (their handlers
         # waiting on a stuck events stream), they never reached the core, whose next tick
-        # declared every segment down (review, 2026-12-06). A heartbeat emits no event.
+        # declared every segment down (review, 2026-12-06). A heartbeat emits an event only
+        # where it introduces its segment to a shard (`_broadcast`: those shards go last).
         for verb, kind in VERBS.items():
             runtime.add_endpoint(
                 verb,
@@ -360,6 +361,11 @@ class ShardHost:
         if isinstance(message, m.RegisterSegment):
             await self._remember_segment(message)
         shells = [(s, sh) for s, sh in sorted(self.shells.items()) if sh.may_act()]
+        if isinstance(message, m.Heartbeat):
+            # The shards that know the segment first: introducing it elsewhere emits
+            # `segment_up`, which waits while that shard's events outbox is full, and the
+            # shards after it would not hear this heartbeat meanwhile (review, 2026-12-06).
+            shells.sort(key=lambda item: message.segment_id not in item[1].core.segments)
         first: msgspec.Struct | None = None
         epochs: list[m.ShardEpoch] = []
         for shard, shell in shells:
@@ -378,7 +384,7 @@ class ShardHost:
             epochs.append(m.ShardEpoch(shard, shell.core.epoch))
             first = first or reply
         if isinstance(first, m.SegmentRegistered | m.HeartbeatAck):
-            return msgspec.structs.replace(first, shard_epochs=epochs)
+            return msgspec.structs.replace(first, shard_epochs=sorted(epochs, key=lambda e: e.shard))
         if isinstance(message, m.RegisterSegment):
             c = self.core_config
             return m.SegmentRegistered(

@@ -463,10 +463,7 @@ class DirectoryShell:
             stalled = late_s >= LOOP_STALL_EXCUSED_S
             if stalled:
                 self._log.warning("tick_after_loop_stall", late_s=round(late_s, 3))
-            # ... or with the events outbox full (JetStream not taking events): handlers that
-            # emit wait on it, holding in-flight slots, and this instance may have refused
-            # heartbeats it could not take (review, 2026-12-06)
-            deaf = stalled or self._outbox.full() or (self._nc is not None and not self._nc.is_connected)
+            deaf = stalled or (self._nc is not None and not self._nc.is_connected)
             await self.perform(CORE_CALLS.timed("tick", lambda: self.core.tick(now_ms(), deaf=deaf)))
         self._last_tick_done_s = time.monotonic()
 
