@@ -46,17 +46,43 @@ def test_a_connection_the_peer_closed_is_seen_closed_without_blocking(listener: 
         client.close()
 
 
-def test_a_pipelined_unpins_waiting_reply_is_not_taken_for_a_close(listener: socket.socket) -> None:
+def unpin_reply(request_id: int) -> bytes:
+    from kvfabric.dataplane.frames import Op
+    from kvfabric.dataplane.tcp_wire import encode_frame
+    from kvfabric.proto.dataplane import UnpinReply
+
+    return b"".join(
+        bytes(part) for part in encode_frame(Op.UNPIN_LOCAL, request_id, UnpinReply(released=1), 0)
+    )
+
+
+def test_a_pipelined_unpins_waiting_reply_is_read_not_taken_for_a_close(listener: socket.socket) -> None:
     client, served = connected(listener)
     try:
         client._unacked = 7  # an UNPIN_LOCAL sent, its reply not read yet
-        served.sendall(b"reply bytes")
+        served.sendall(unpin_reply(7))
         time.sleep(0.05)
-        assert not client.peer_closed()
-        client._unacked = None  # nothing owed: bytes now are out of step
-        assert client.peer_closed()
+        assert not client.peer_closed()  # the reply was read: open and quiet
+        assert client._unacked is None
+        served.sendall(b"out of step")  # nothing owed now
+        assert eventually(client.peer_closed)
     finally:
         served.close()
+        client.close()
+
+
+def test_a_connection_closed_behind_a_pipelined_unpins_reply_is_seen_closed(listener: socket.socket) -> None:
+    """Every local read through pins returns its connection with the unpin's reply waiting; the
+    segment's idle timeout then closes it. Peeking saw the reply's first byte, not the EOF
+    behind it, so the pool handed the dead connection out (review of the day, 2026-12-06)."""
+    client, served = connected(listener)
+    try:
+        client._unacked = 9
+        served.sendall(unpin_reply(9))
+        served.close()
+        time.sleep(0.05)
+        assert client.peer_closed()
+    finally:
         client.close()
 
 

@@ -91,21 +91,29 @@ class TcpDataClient:
         before a pooled connection is reused: without it the first transfer after a segment
         restart, or after `KVF_SEGMENT_IDLE_TIMEOUT_MS` of quiet, failed (a load's replica lost, a
         save's chunk failed) on a socket the kernel already knew was closed (review, 2026-12-06).
-        With a pipelined UNPIN_LOCAL unanswered, its reply may be waiting: then only an EOF or
-        a reset (plain TCP) says closed."""
+        With a pipelined UNPIN_LOCAL unanswered (every local read through pins ends so), its
+        reply is what is waiting: it is read, then the connection looked at again (peeking
+        saw the reply's first byte, not the EOF behind it: review of the day)."""
+        if not self._readable():
+            return False
+        if self._unacked is not None:
+            try:
+                with self._lock:
+                    self._drain_unacked()
+            except (KvfError, OSError):
+                return True
+            if not self._readable():
+                return False
+        return True  # nothing is owed to us: EOF, a reset or bytes out of step
+
+    def _readable(self) -> bool:
+        """Whether the socket has something to read (or an error) now; never blocks."""
+        if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
+            return True
         poller = select.poll()
         poller.register(self._sock, select.POLLIN)
         try:
-            if not poller.poll(0):
-                return False
-        except OSError:
-            return True
-        if self._unacked is None:
-            return True  # nothing is owed to us: EOF, a reset or bytes out of step
-        if isinstance(self._sock, ssl.SSLSocket):
-            return False  # cannot peek under TLS: the next call finds out
-        try:
-            return self._sock.recv(1, socket.MSG_PEEK) == b""
+            return bool(poller.poll(0))
         except OSError:
             return True
 
