@@ -244,8 +244,9 @@ def test_a_trace_id_follows_one_engine_request_through_directory_and_segment(
     assert {("engine-req-43", "lookup"), ("engine-req-43", "lookup_many")} & by_trace
 
 
+@pytest.mark.parametrize("use_shm", [False, True], ids=["tcp", "co-located"])
 def test_loads_and_saves_after_the_segment_closed_idle_connections_still_succeed(
-    nats_server: NatsServer,
+    nats_server: NatsServer, use_shm: bool
 ) -> None:
     """A segment closes a data connection idle past `KVF_SEGMENT_IDLE_TIMEOUT_MS` (5 min by
     default). The client's pool kept it and handed it to the next transfer, which failed: after
@@ -256,17 +257,20 @@ def test_loads_and_saves_after_the_segment_closed_idle_connections_still_succeed
     with (
         directory_process(nats_server),
         segment_process(nats_server, "seg-idle", KVF_SEGMENT_IDLE_TIMEOUT_MS="300"),
-        client(nats_server, use_shm=False) as kv,
+        client(nats_server, use_shm=use_shm) as kv,
     ):
         assert kv.save(tokens, objects_for(tokens, 0, 4)).chunks_saved == 4
         time.sleep(1.0)  # the segment closes the pooled connections
         saved = kv.save(other, objects_for(other, 0, 4))
         assert saved.chunks_saved == 4 and saved.chunks_failed == 0
-        time.sleep(1.0)
-        hit = kv.lookup(tokens)
-        out = dests(4)
-        result = kv.load(hit, out)
-        kv.release(hit)
-        assert result.tokens == 4 * TOKENS_PER_CHUNK and result.cause == ""
-        assert all(bytes(out[c][0]) == chunk_bytes(tokens, c) for c in range(4))
+        for _ in range(2):  # the second after the first load's connections were closed too
+            time.sleep(1.0)
+            hit = kv.lookup(tokens)
+            out = dests(4)
+            result = kv.load(hit, out)
+            kv.release(hit)
+            assert result.tokens == 4 * TOKENS_PER_CHUNK and result.cause == ""
+            assert all(bytes(out[c][0]) == chunk_bytes(tokens, c) for c in range(4))
+        saved = kv.save(tokens + other, objects_for(tokens + other, 0, 8))
+        assert saved.chunks_failed == 0
         assert kv.aio.pool.idle_dropped >= 2
