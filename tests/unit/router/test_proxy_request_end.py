@@ -122,6 +122,7 @@ def test_a_tenant_at_its_share_is_refused_before_its_body_is_read() -> None:
     sent = asyncio.run(_call(proxy, disconnect_at_once=False))
     assert sent[0]["status"] == 429 and not keyed
     assert json.loads(sent[1]["body"])["error"]["message"] == "tenant_inflight_max"
+    assert proxy.core.counters["refused"] == 1  # counted as the core's own refusals are
 
 
 def test_only_a_long_prompts_head_is_keyed() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -147,3 +148,34 @@ def test_a_watched_task_that_breaks_an_invariant_gives_no_grace() -> None:
         return runtime._invariant_violated
 
     assert asyncio.run(main()) is True
+
+
+def test_nats_errors_are_logged_once_a_second_per_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nats-py reports every message a subscription past its pending bound drops (a slow
+    consumer): hundreds of warning lines a second (review, 2026-12-06). One a second per kind,
+    the next saying how many were left out."""
+    import nats.errors
+
+    now = [100.0]
+    monkeypatch.setattr("kvfabric.runtime.service.time.monotonic", lambda: now[0])
+    runtime = ServiceRuntime(Service.ECHO, RuntimeSettings(metrics_port=-1), version="0.0.1", description="t")
+    logged: list[dict[str, object]] = []
+
+    class Capture:
+        def warning(self, event: str, **fields: object) -> None:
+            logged.append(fields)
+
+    monkeypatch.setattr(runtime, "_log", Capture())
+
+    def dropped() -> Exception:
+        return nats.errors.SlowConsumerError(subject="s", reply="", sid=1, sub=cast(Any, None))
+
+    async def flood() -> None:
+        for _ in range(300):
+            await runtime._on_nats_error(dropped())
+        await runtime._on_nats_error(nats.errors.OutboundBufferLimitError())  # another kind
+        now[0] = 101.0
+        await runtime._on_nats_error(dropped())
+
+    asyncio.run(flood())
+    assert [line["suppressed"] for line in logged] == [0, 0, 299]

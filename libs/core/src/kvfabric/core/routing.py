@@ -540,12 +540,14 @@ class RoutingCore:
 
     def _refuse(self, request_id: str, reason: RefusedReason, now_ms: int) -> Refused:
         self.counters["refused"] += 1
+        self.coefficients_at(now_ms)  # the refit's window moves to now (as before)
         return Refused(request_id, reason, self.retry_after_s(now_ms))
 
     def retry_after_s(self, now_ms: int) -> int:
         """When a refused request should come back: the shortest queue's prefill work done (at
-        least 1 s, at most `retry_after_s_max`)."""
-        rate = self.coefficients_at(now_ms).prefill_tokens_per_s
+        least 1 s, at most `retry_after_s_max`). A query: the coefficients as of the latest
+        time given to the core (`current_coefficients`), eligibility as of `now_ms`."""
+        rate = self.current_coefficients().prefill_tokens_per_s
         drains = [
             inst.queued_prefill_tokens / rate
             for iid, inst in self.instances.items()

@@ -780,9 +780,11 @@ class ServiceRuntime:
             fields["suppressed"] = suppressed
         self._log.log(level, event, **fields)
 
-    def _log_sampled(self, key: tuple[str, Outcome, str | None, str | None]) -> int:
-        """-1: leave this line out (`LOG_LINES_PER_S_MAX` of its kind logged this second); else
-        how many of its kind were left out since the last one logged."""
+    def _log_sampled(
+        self, key: tuple[str, Outcome, str | None, str | None], per_s: int = LOG_LINES_PER_S_MAX
+    ) -> int:
+        """-1: leave this line out (`per_s` of its kind logged this second); else how many of
+        its kind were left out since the last one logged."""
         second = int(time.monotonic())
         window = self._log_windows.get(key)
         if window is None or window[0] != second:
@@ -794,7 +796,7 @@ class ServiceRuntime:
                     self._log_windows.clear()
             self._log_windows[key] = [second, 1, 0]
             return left_out
-        if window[1] >= LOG_LINES_PER_S_MAX:
+        if window[1] >= per_s:
             window[2] += 1
             return -1
         window[1] += 1
@@ -822,7 +824,13 @@ class ServiceRuntime:
     # ---- NATS connection events ------------------------------------------------------------
 
     async def _on_nats_error(self, exc: Exception) -> None:
-        self._log.warning("nats_error_reported", error=repr(exc))
+        """nats-py's error callback (awaited in its read path): one line per second per kind of
+        error, the next saying how many were left out. A subscription past its pending bound
+        reports every message it drops (a slow consumer), hundreds a second (review, 2026-12-06)."""
+        suppressed = self._log_sampled((f"nats:{type(exc).__name__}", Outcome.ERROR, None, None), per_s=1)
+        if suppressed < 0:
+            return
+        self._log.warning("nats_error_reported", error=repr(exc), suppressed=suppressed)
 
     async def _on_nats_disconnected(self) -> None:
         if self._state is RuntimeState.RUNNING:

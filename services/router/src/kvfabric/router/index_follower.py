@@ -91,6 +91,7 @@ class IndexFollower:
                     events_wildcard(Service.DIRECTORY), stream=EVENTS_STREAM, config=config
                 )
                 await self.heard()
+                retry_s = RETRY_S  # following again: the next failure waits the first wait
                 while self.index.synced:
                     try:
                         batch = await sub.fetch(EVENTS_FETCH_MAX, timeout=EVENTS_FETCH_WAIT_S)
@@ -100,7 +101,6 @@ class IndexFollower:
                     await self.apply_batch(batch)
                     await self.heard()
                 await sub.unsubscribe()
-                retry_s = RETRY_S
             except asyncio.CancelledError:
                 raise
             except (nats.errors.Error, nats.js.errors.Error, TimeoutError, KvfError) as exc:

@@ -258,7 +258,12 @@ class Proxy:
         full = self.core.admission_refusal(tenant)
         if full is not None:  # refused before its body is read or parsed
             self.metrics.refused(full)
-            return _error(429, full, trace_id, retry_after_s=self.core.retry_after_s(now_ms()))
+            self.core.counters["refused"] += 1
+            retry_after_s = self.core.retry_after_s(now_ms())
+            self._log.info(
+                "request_refused", trace_id=trace_id, tenant=tenant, reason=full, retry_after_s=retry_after_s
+            )
+            return _error(429, full, trace_id, retry_after_s=retry_after_s)
         raw = await _body_within(request, BODY_BYTES_MAX)
         if raw is None:
             return _error(413, "body too large", trace_id)
