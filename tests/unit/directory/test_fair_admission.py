@@ -507,3 +507,45 @@ def test_gives_back_never_wait_for_a_turn_nor_are_refused_for_load() -> None:
 
     asyncio.run(asyncio.wait_for(scenario(), 5))
     assert gate.core.refused["bob"].rate == 5
+
+
+def test_a_lookup_answering_many_replicas_is_charged_them_at_the_gate() -> None:
+    """The shard host charges a tenant's answered lookup its replicas past one per group
+    (`reply_extra_ids`, `FairGate.charge_more`; review, 2026-12-06)."""
+    from tests.unit.core.dirkit import groups
+
+    gate = FairGate(config(burst_ids=4_200, request_cost_ids=16), clock=lambda: 0.0)
+    digest = DomainDigest(bytes(16))
+    location = m.ObjectLocation(
+        chunk_index=0,
+        member=m.Member(0, 0, 0),
+        size_bytes=1,
+        checksum=b"c" * 16,
+        replicas=[m.Replica(segment_id=f"s{r}", incarnation=1, slot=r, slot_generation=1) for r in range(3)],
+    )
+
+    class Shell:
+        async def handle_tenant(self, message: Any, verb: str, grant: Any, **_: Any) -> Any:
+            return m.LookupReply(epoch=1, hit_chunks=1, lease_id=1, objects=[location] * 100)
+
+    host = ShardHost(
+        "dir-a",
+        1,
+        DirectoryConfig(ticket_secret=b"0123456789abcdef0123"),
+        registry=cast(Any, None),
+        make_shell=cast(Any, None),
+        grants={"bob": authz.TenantGrant("bob", frozenset({digest}), home=digest)},
+        fair=gate,
+    )
+    host.shells[0] = cast(Any, Shell())
+    runtime = _Runtime()
+    host.attach(cast(Any, runtime))
+    (g,) = groups(1, seed=3)
+    lookup = m.Lookup(holder_id="b", groups=[g.group_id()])
+
+    async def ask() -> None:
+        await runtime.tenant["lookup"](encode(lookup), {}, "bob")
+
+    asyncio.run(ask())
+    # admitted for 16 + 1 ids, then charged the 300 replicas answered past the one group named
+    assert gate.core.tokens("bob", 0.0) == pytest.approx(4_200 - 17 - 299)

@@ -295,8 +295,9 @@ class FairAdmission:
         state = self._tenants.get(tenant)
         if state is None or ids <= 0:
             return
+        before = state.bucket.level(now_s)
         state.bucket.charge(ids, now_s, floor=-float(self.config.burst_ids))
-        self.charged_after_total += ids
+        self.charged_after_total += round(before - state.bucket.level(now_s))  # what was taken
 
     def refuse_early(self, tenant: str, now_s: float) -> Refusal | None:
         """What `offer` would refuse whatever the request's size (its queue is full, or its

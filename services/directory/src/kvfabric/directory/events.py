@@ -225,7 +225,15 @@ class EventsStream:
         first_seq = self._next_first_seq
         config = dataclasses.replace(self.config, first_seq=first_seq)
         try:
-            if not await add_or_find_stream(js, config):
+            try:
+                added = await add_or_find_stream(js, config)
+            except nats.js.errors.APIError as exc:  # a size bound the store cannot reserve now
+                if exc.err_code not in STORE_CANNOT_RESERVE or (config.max_bytes or -1) <= 0:
+                    raise
+                self._log.warning("events_stream_unbounded", max_bytes=config.max_bytes, step="recreate")
+                self.config = dataclasses.replace(self.config, max_bytes=-1)
+                added = await add_or_find_stream(js, dataclasses.replace(config, max_bytes=-1))
+            if not added:
                 return "moving" if missing else done  # added meanwhile by another instance
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
             self.repairs_failed += 1
