@@ -299,3 +299,23 @@ def test_start_errors_and_their_causes() -> None:
         if not isinstance(exc, BadRequest):
             assert "s3cret" not in str(start_error("nats://u:s3cret@h:1", exc, 1000))
     assert start_cause(OSError("port in use")) == "config_error"
+
+
+def test_a_layout_of_more_group_members_than_the_directory_takes_is_a_config_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """tp x pp x layer groups above 255 (`GROUP_MEMBERS_MAX`): every lookup and save would be
+    refused `bad_request`; the client says so once, at start (review, 2026-12-06)."""
+    import dataclasses
+
+    import msgspec
+
+    caplog.set_level(logging.INFO)
+    layout = msgspec.structs.replace(SPEC.layout, tp_size=8, pp_size=4, layer_group_count=8)
+    spec = dataclasses.replace(SPEC, layout=layout)
+    kv = KvClient(ClientSettings(nats_url=f"nats://127.0.0.1:{free_port()}"), spec)
+    try:
+        assert_disabled(kv, "config_error", caplog, logging.ERROR)
+        assert "at most 255 members" in kv.status.detail
+    finally:
+        kv.close()

@@ -75,6 +75,9 @@ LEASE_TTL_MS_MAX: Final = 600_000
 PIN_TTL_MS_MAX: Final = 86_400_000
 WRITE_TTL_MS_MAX: Final = 600_000
 ACCESS_BATCH_MAX: Final = 4096  # groups per GroupsAccessed event
+# Members of one chunk group the directory takes (tp_size x pp_size x layer_group_count): its
+# record counts them in a byte. A key of a larger group is `bad_request` (docs/formats.md).
+GROUP_MEMBERS_MAX: Final = 255
 # Groups per GroupsPublished event (one put_commit's groups; more go in several events), and
 # its encoded bytes: a group names every segment that holds a replica of any of its members (up
 # to members x replicas), so 256 groups can pass NATS' 1 MiB payload limit (64 members, 96

@@ -47,6 +47,7 @@ from kvfabric.format.ids import (
     namespace_in_id,
 )
 from kvfabric.format.key import ChunkGroupId, KVKey, check_format_version
+from kvfabric.proto import directory as m
 
 __all__ = [
     "CHAIN_BYTES",
@@ -89,7 +90,7 @@ class KeyInfo:
     member: tuple[int, int, int]
 
 
-GROUP_MEMBERS_MAX: Final = 255
+GROUP_MEMBERS_MAX: Final = m.GROUP_MEMBERS_MAX
 """Members one chunk group may have (tp_size x pp_size x layer_group_count): a published group's
 record counts them in one byte (`records.pack_group`). A key of a larger group is refused
 (`bad_request`) wherever it is named; before (review, 2026-12-06) a commit of 256 members broke
