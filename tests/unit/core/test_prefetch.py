@@ -247,3 +247,20 @@ def test_a_queued_object_whose_last_source_goes_is_dropped_and_its_hint_fails() 
     assert isinstance(a, StartCopy)
     assert c.copy_finished(a.copy_id, True, T0 + 1) == [ReleaseCopy(a.copy_id, "a", "t", "unwanted")]
     c.check_invariants()
+
+
+def test_one_domains_hot_objects_take_at_most_its_share_of_the_extra_budget() -> None:
+    """Review, 2026-12-06: the hot-replica budget (256 extras, 8 GiB) was one for the cluster:
+    one tenant keeping ~160 of its groups hot held all of it, and no other tenant's hot prefix
+    got an extra. A domain holds at most a quarter of each by default."""
+    c = core(hot_window_ms=1_000, hot_reads_per_s=5, cold_reads_per_s=1, hot_extra_replicas_max=8)
+    c.set_segments({"s1": 10_000, "s2": 10_000})
+    for i in range(6):
+        for n in range(6):  # bob: six hot objects
+            c.read(f"bob-{n}", size_bytes=10, served_from="s1", now_ms=T0 + i, domain=b"bob")
+    assert len(c.tick(T0 + 6)) == 2  # his share: 8 // 4
+    assert c.counters["hot_over_budget_total"] > 0
+    for i in range(6):
+        c.read("alice-0", size_bytes=10, served_from="s1", now_ms=T0 + 10 + i, domain=b"alice")
+    assert started(c.tick(T0 + 16)) == [("alice-0", "s2")]  # alice still gets hers
+    c.check_invariants()

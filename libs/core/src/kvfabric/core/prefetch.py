@@ -46,7 +46,10 @@ first listed. A tick costs O(live hints x log + queued objects), both bounded.
 `hot_tracked_max` objects, the least recently read forgotten). At `hot_reads_per_s` an object
 without an extra replica gets one queued on the known segment (`set_segments`) with most free
 bytes that does not hold it, within `hot_extra_replicas_max` / `hot_extra_bytes_max` (counting
-queued, copying and stored extras). The eviction policy does not know which replicas are extras:
+queued, copying and stored extras), and of those at most `hot_extra_replicas_per_domain_max` /
+`hot_extra_bytes_per_domain_max` (a quarter of each by default) for one share domain (the
+`domain` a read names: one tenant's hot prefixes held the whole budget and no other tenant's got
+an extra; review, 2026-12-06). The eviction policy does not know which replicas are extras:
 the prefetch service drops them itself once cold. `cold_extra_replicas(now_ms)` lists those below
 `cold_reads_per_s`; once one is removed, `replica_removed` gives its budget back.
 
@@ -149,6 +152,9 @@ class PrefetchConfig:
     cold_reads_per_s: float = 5.0  # below it an extra replica is listed as cold
     hot_extra_replicas_max: int = 256  # extra replicas queued, copying or stored, all objects
     hot_extra_bytes_max: int = 8 << 30
+    # Of those, one share domain's (0: a quarter of the budget, at least one replica).
+    hot_extra_replicas_per_domain_max: int = 0
+    hot_extra_bytes_per_domain_max: int = 0
     hot_tracked_max: int = 65_536  # objects whose read rate is tracked
 
     def __post_init__(self) -> None:
@@ -157,6 +163,18 @@ class PrefetchConfig:
         invariant(self.copy_attempts_max >= 1 and self.copy_retry_backoff_ms >= 0, "bad retry policy")
         invariant(self.hot_window_ms >= 1 and self.hot_tracked_max >= 1, "bad hot window")
         invariant(0 <= self.cold_reads_per_s <= self.hot_reads_per_s, "need 0 <= cold <= hot")
+        invariant(
+            self.hot_extra_replicas_per_domain_max >= 0 and self.hot_extra_bytes_per_domain_max >= 0,
+            "a domain's share of the hot budget is a count",
+        )
+
+    @property
+    def domain_extras_max(self) -> int:
+        return self.hot_extra_replicas_per_domain_max or max(1, self.hot_extra_replicas_max // 4)
+
+    @property
+    def domain_extra_bytes_max(self) -> int:
+        return self.hot_extra_bytes_per_domain_max or max(1, self.hot_extra_bytes_max // 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +300,7 @@ class _Want:
     sources: list[SegmentId]
     extra: bool
     hints: set[_HintKey] = field(default_factory=set)
+    domain: bytes = b""  # an extra's share domain (its budget share)
     copy_id: int | None = None  # set while COPYING
     source: SegmentId = ""
     release: bool = False
@@ -307,9 +326,11 @@ class PrefetchCore:
         self._wants: dict[_WantKey, _Want] = {}
         self._copies: dict[int, _WantKey] = {}
         self._extra_wants: dict[ObjectId, SegmentId] = {}  # object -> target of its extra want
-        self._extras: dict[ObjectId, tuple[SegmentId, int]] = {}  # stored extras: (segment, size)
+        # stored extras: (segment, size, share domain)
+        self._extras: dict[ObjectId, tuple[SegmentId, int, bytes]] = {}
         self._extra_count = 0  # extra wants + stored extras
         self._extra_bytes = 0
+        self._domain_extras: dict[bytes, list[int]] = {}  # share domain -> [extras, bytes]
         self._objects_queued = 0
         self._bytes_in_flight = 0
         self._source_load: dict[SegmentId, int] = {}
@@ -357,7 +378,7 @@ class PrefetchCore:
         return "releasing" if want.release else "copying"
 
     def extra_replicas(self) -> dict[ObjectId, SegmentId]:
-        return {o: seg for o, (seg, _) in self._extras.items()}
+        return {o: seg for o, (seg, _, _) in self._extras.items()}
 
     def reads_per_s(self, object_id: ObjectId, now_ms: int) -> float:
         rate = self._rates.get(object_id)
@@ -376,7 +397,8 @@ class PrefetchCore:
         """Stored extra replicas read less than `cold_reads_per_s`, coldest first."""
         self._advance(now_ms)
         extras = [
-            ExtraReplica(o, seg, size, self.reads_per_s(o, now_ms)) for o, (seg, size) in self._extras.items()
+            ExtraReplica(o, seg, size, self.reads_per_s(o, now_ms))
+            for o, (seg, size, _) in self._extras.items()
         ]
         return sorted(
             (e for e in extras if e.reads_per_s < self.config.cold_reads_per_s), key=lambda e: e.reads_per_s
@@ -493,7 +515,7 @@ class PrefetchCore:
             extra = want.extra and not want.hints and made
             if extra:
                 self.counters["hot_replicas_created_total"] += 1
-                self._extras[want.object_id] = (want.target, want.size)
+                self._extras[want.object_id] = (want.target, want.size, want.domain)
             self._satisfied(want, keep_extra=extra)
             return [PublishReplica(copy_id, want.object_id, want.target, want.size, extra)]
         want.failed_sources.add(want.source)
@@ -513,6 +535,7 @@ class PrefetchCore:
         replicas: Iterable[SegmentId] = (),
         now_ms: int,
         reads: int = 1,
+        domain: bytes = b"",
     ) -> None:
         """An engine read `object_id` `reads` times from `served_from`; `replicas`: other segments
         holding it. Feeds its read rate; a newly hot object's extra replica is queued (it starts
@@ -533,9 +556,12 @@ class PrefetchCore:
         if object_id in self._extras or object_id in self._extra_wants:
             return
         cfg = self.config
+        held, held_bytes = self._domain_extras.get(domain, (0, 0))
         if (
             self._extra_count >= cfg.hot_extra_replicas_max
             or self._extra_bytes + size_bytes > cfg.hot_extra_bytes_max
+            or held >= cfg.domain_extras_max
+            or held_bytes + size_bytes > cfg.domain_extra_bytes_max
             or size_bytes > cfg.bytes_in_flight_max
         ):
             self.counters["hot_over_budget_total"] += 1
@@ -551,11 +577,22 @@ class PrefetchCore:
             return
         _, target = min(free)  # most free bytes, then lowest id
         self._segments_free[target] -= size_bytes  # our estimate until the next set_segments
-        self._wants[(object_id, target)] = _Want(object_id, target, size_bytes, holders, extra=True)
+        self._wants[(object_id, target)] = _Want(
+            object_id, target, size_bytes, holders, extra=True, domain=domain
+        )
         self._extra_wants[object_id] = target
-        self._extra_count += 1
-        self._extra_bytes += size_bytes
+        self._extra_budget(domain, +1, size_bytes)
         self.counters["hot_replicas_queued_total"] += 1
+
+    def _extra_budget(self, domain: bytes, count: int, size: int) -> None:
+        """An extra replica (queued, copying or stored) taken (+1) or given back (-1)."""
+        self._extra_count += count
+        self._extra_bytes += count * size
+        entry = self._domain_extras.setdefault(domain, [0, 0])
+        entry[0] += count
+        entry[1] += count * size
+        if entry[0] == 0:
+            del self._domain_extras[domain]
 
     def set_segments(self, segments_free: Mapping[SegmentId, int]) -> None:
         """The segments that may take extra replicas, with their free bytes (a fresh snapshot)."""
@@ -572,10 +609,9 @@ class PrefetchCore:
 
     def replica_removed(self, object_id: ObjectId, segment: SegmentId) -> None:
         """`object_id` is gone from `segment` (evicted, freed, segment down)."""
-        if self._extras.get(object_id, (None, 0))[0] == segment:
-            _, size = self._extras.pop(object_id)
-            self._extra_count -= 1
-            self._extra_bytes -= size
+        if self._extras.get(object_id, (None, 0, b""))[0] == segment:
+            _, size, domain = self._extras.pop(object_id)
+            self._extra_budget(domain, -1, size)
             self.counters["extra_replicas_removed_total"] += 1
         for want in [w for w in self._wants.values() if w.object_id == object_id]:
             if segment in want.sources:
@@ -634,8 +670,7 @@ class PrefetchCore:
         if want.extra:
             del self._extra_wants[want.object_id]
             if not keep_extra:
-                self._extra_count -= 1
-                self._extra_bytes -= want.size
+                self._extra_budget(want.domain, -1, want.size)
         for key in want.hints:
             hint = self._hints[key]
             hint.undone.discard(want.object_id)
@@ -649,8 +684,7 @@ class PrefetchCore:
         self.counters["copies_dropped_total"] += 1
         if want.extra:
             del self._extra_wants[want.object_id]
-            self._extra_count -= 1
-            self._extra_bytes -= want.size
+            self._extra_budget(want.domain, -1, want.size)
         hints = [self._hints[key] for key in want.hints]
         want.hints.clear()
         for hint in hints:
@@ -711,7 +745,20 @@ class PrefetchCore:
         invariant({w.object_id: w.target for w in extra_wants} == self._extra_wants, "extra index drifted")
         invariant(not self._extra_wants.keys() & self._extras.keys(), "two extras for one object")
         invariant(self._extra_count == len(extra_wants) + len(self._extras), "extra count drifted")
-        extra_bytes = sum(w.size for w in extra_wants) + sum(s for _, s in self._extras.values())
+        extra_bytes = sum(w.size for w in extra_wants) + sum(s for _, s, _ in self._extras.values())
         invariant(self._extra_bytes == extra_bytes, "extra bytes drifted")
+        by_domain: dict[bytes, list[int]] = {}
+        for domain, size in [(w.domain, w.size) for w in extra_wants] + [
+            (d, s) for _, s, d in self._extras.values()
+        ]:
+            entry = by_domain.setdefault(domain, [0, 0])
+            entry[0] += 1
+            entry[1] += size
+        invariant(self._domain_extras == by_domain, "a domain's extras drifted")
+        for held, held_bytes in by_domain.values():
+            invariant(
+                held <= cfg.domain_extras_max and held_bytes <= cfg.domain_extra_bytes_max,
+                "a domain's extras over its share",
+            )
         invariant(self._extra_count <= cfg.hot_extra_replicas_max, "extra replicas over budget")
         invariant(self._extra_bytes <= cfg.hot_extra_bytes_max, "extra bytes over budget")

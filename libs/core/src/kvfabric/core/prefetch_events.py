@@ -81,6 +81,7 @@ class Read:
     served_from: SegmentId
     replicas: tuple[SegmentId, ...] = ()
     reads: int = 1
+    domain: bytes = b""  # its share domain (a domain's share of the hot budget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +146,7 @@ def dispatch(core: PrefetchCore, event: PrefetchEvent, now_ms: int) -> list[Pref
             replicas=event.replicas,
             now_ms=now_ms,
             reads=event.reads,
+            domain=event.domain,
         )
     elif isinstance(event, SetSegments):
         core.set_segments(event.segments_free)

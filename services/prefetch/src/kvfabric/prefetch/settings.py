@@ -10,6 +10,7 @@
 | `KVF_PREFETCH_HOT_READS_PER_S` | 50 | an object read this often gets an extra replica |
 | `KVF_PREFETCH_COLD_READS_PER_S` | 5 | an extra replica read less often is dropped |
 | `KVF_PREFETCH_HOT_EXTRA_REPLICAS_MAX` | 256 | extra replicas at once |
+| `KVF_PREFETCH_HOT_EXTRA_REPLICAS_PER_DOMAIN_MAX` | 0 | of those, one share domain's (0: a quarter) |
 | `KVF_PREFETCH_HOT_WINDOW_MS` | 10000 | read rates are measured over this window |
 | `KVF_PREFETCH_TICK_MS` / `_SCAN_MS` | 20 / 2000 | planning period / segment refresh + cold sweep |
 | `KVF_PREFETCH_COPY_TIMEOUT_MS` | 10000 | one copy, ticket to confirm |
@@ -48,6 +49,9 @@ def load_prefetch_settings(env: Mapping[str, str]) -> PrefetchSettings:
         hot_reads_per_s=float(hot),
         cold_reads_per_s=float(min(hot, env_int(env, "KVF_PREFETCH_COLD_READS_PER_S", 5, 0, 1_000_000))),
         hot_extra_replicas_max=env_int(env, "KVF_PREFETCH_HOT_EXTRA_REPLICAS_MAX", 256, 0, 1_000_000),
+        hot_extra_replicas_per_domain_max=env_int(
+            env, "KVF_PREFETCH_HOT_EXTRA_REPLICAS_PER_DOMAIN_MAX", 0, 0, 1_000_000
+        ),
         hot_window_ms=env_int(env, "KVF_PREFETCH_HOT_WINDOW_MS", 10_000, 1, 3_600_000),
     )
     return PrefetchSettings(

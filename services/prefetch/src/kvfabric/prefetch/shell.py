@@ -388,6 +388,7 @@ class PrefetchShell:
                         served_from=holders[0],
                         replicas=holders,
                         reads=min(hit.hits, READS_PER_HIT_MAX),
+                        domain=bytes(hit.domain),
                     )
                 )
 
