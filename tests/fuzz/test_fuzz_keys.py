@@ -3,7 +3,8 @@
 Contract: any bytes (or text) parse to a value that encodes back to exactly the input, or raise
 `BadRequest` (`UnsupportedVersion` is one) — never another exception. The directory's
 `parse_key`/`parse_group` agree with the full parsers on what they accept (`parse_key` also when
-it parses a key it remembers).
+it parses a key it remembers), except that the directory refuses a group of more than
+`GROUP_MEMBERS_MAX` members (tp x pp x layer groups), which the format allows.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfabric.core.directory.keys import chain_of, parse_group, parse_key
+from kvfabric.core.directory.keys import GROUP_MEMBERS_MAX, chain_of, parse_group, parse_key
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.key import CHUNK_GROUP_BYTES, KEY_BYTES, ChunkGroupId, KVKey
 
@@ -25,11 +26,17 @@ SEEDS: Final = [p.read_bytes() for p in corpus("keys")]
 BINARY_SEEDS: Final = [s for s in SEEDS if len(s) in (KEY_BYTES, CHUNK_GROUP_BYTES)]
 
 
+def members(group: ChunkGroupId) -> int:
+    return group.tp_size * group.pp_size * group.layer_group_count
+
+
 def check_binary(data: bytes) -> None:
     try:
-        key = KVKey.from_bytes(data)
+        key: KVKey | None = KVKey.from_bytes(data)
     except BadRequest:
         key = None
+    if key is not None and members(key.chunk_group) > GROUP_MEMBERS_MAX:
+        key = None  # the directory refuses it
     try:
         info = parse_key(data)
     except BadRequest:
@@ -44,9 +51,11 @@ def check_binary(data: bytes) -> None:
         assert info.group.chunk_index == key.chunk_index
 
     try:
-        group = ChunkGroupId.from_bytes(data)
+        group: ChunkGroupId | None = ChunkGroupId.from_bytes(data)
     except BadRequest:
         group = None
+    if group is not None and members(group) > GROUP_MEMBERS_MAX:
+        group = None  # the directory refuses it
     try:
         ginfo = parse_group(data)
     except BadRequest:
