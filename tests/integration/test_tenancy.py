@@ -535,3 +535,27 @@ def test_one_tenant_holds_at_most_a_quarter_of_the_inflight_slots(tmp_path: Path
             outcomes, alice_served = asyncio.run(run())
             assert outcomes.count("ok") == 16 and outcomes.count("busy") == 24
             assert alice_served
+
+
+def test_a_tenants_long_prefix_hits_through_fair_admission(tmp_path: Path) -> None:
+    """A tenant's lookup of more than 128 groups of one shard is answered in slices with its
+    objects already encoded; the fair gate's charge for the replicas answered read them as
+    Structs and raised: every such lookup answered `internal`, a miss (the corrupted-byte
+    drill's 10,000-token prompts on a one-shard local cluster; CI, 2026-12-06). The
+    service-plane tests never pass the fair gate."""
+    doc = write_auth(tmp_path / "auth", plan_auth(["alice"], {}), tls=True)
+    chunks = 160  # more than LOOKUP_SLICE_GROUPS (128), all on the one shard
+    tokens = prompt(chunks * TOKENS_PER_CHUNK, seed=77)
+    with (
+        NatsServer(tmp_path / "nats", extra_args=["-c", doc["conf"]]) as server,
+        directory_process(server, KVF_DIRECTORY_SHARDS="1", **Secure(server, doc).env("svc-directory")),
+        segment_process(server, "seg-t", 256 << 20, **Secure(server, doc).env("svc-segment")),
+        Secure(server, doc).client("alice") as alice,
+    ):
+        saved = alice.save(tokens, objects_for(tokens, 0, chunks))
+        assert saved.chunks_saved == chunks, saved
+        hit = alice.lookup(tokens)
+        try:
+            assert hit.chunks == chunks and hit.cause == "", hit.cause
+        finally:
+            alice.release(hit)

@@ -175,3 +175,17 @@ def test_the_extra_is_taken_from_the_bucket_into_at_most_one_burst_of_debt() -> 
     core.check()
     assert core.retry_after_s("bob", 1, 0.0) == pytest.approx(4.001)  # bob waits for the refill
     assert core.charged_after_total == 3_999 + 4_000  # taken: what its bucket held, then one burst
+
+
+def test_a_long_lookups_encoded_objects_are_counted_without_decoding() -> None:
+    """A lookup of more than 128 groups is answered in slices whose objects are already encoded
+    (`msgspec.Raw`): the charge read `.replicas` of them and raised, every long lookup answered
+    `internal` (found by the corrupted-byte drill in CI, 2026-12-06). Each counts as one."""
+    from kvfabric.directory.shard_requests import reply_extra_ids
+    from kvfabric.proto.codec import encode
+
+    gs = groups(3, seed=11)
+    asked = m.Lookup(holder_id="h", groups=[g.group_id() for g in gs])
+    raw = [msgspec.Raw(encode(_located(3))) for _ in range(10)]
+    reply = m.LookupReply(epoch=1, hit_chunks=3, lease_id=1, objects=raw)  # type: ignore[arg-type]
+    assert reply_extra_ids(asked, reply) == 10 - 3

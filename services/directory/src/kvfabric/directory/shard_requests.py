@@ -91,11 +91,14 @@ def reply_extra_ids(message: msgspec.Struct, reply: msgspec.Struct) -> int:
     """Ids a tenant's answered request costs beyond `fair_ids`: a lookup's replicas answered past
     one per group named. A group of 255 members x 3 replicas costs ~1.9 ms of core work and
     signing (a read token per replica) and a 110 KB reply, where a one-member group costs
-    0.02 ms, both charged one id (review, 2026-12-06)."""
+    0.02 ms, both charged one id (review, 2026-12-06). A long lookup's objects arrive encoded
+    (`msgspec.Raw`, `DirectoryShell._lookup_in_slices`): each counts as one (its members are
+    charged, its replicas, at most `replicas_max`, are not: decoding them back would cost more
+    than they do)."""
     if isinstance(reply, m.LookupReply):
-        answered = sum(len(o.replicas) for o in reply.objects)
+        answered = _replicas_answered(reply)
     elif isinstance(reply, m.LookupManyReply):
-        answered = sum(len(o.replicas) for p in reply.parts if p.reply is not None for o in p.reply.objects)
+        answered = sum(_replicas_answered(p.reply) for p in reply.parts if p.reply is not None)
     else:
         return 0
     if isinstance(message, m.LookupMany):
@@ -103,6 +106,10 @@ def reply_extra_ids(message: msgspec.Struct, reply: msgspec.Struct) -> int:
     else:
         named = fair_ids(message)
     return max(0, answered - named)
+
+
+def _replicas_answered(reply: m.LookupReply) -> int:
+    return sum(len(o.replicas) if isinstance(o, m.ObjectLocation) else 1 for o in reply.objects)
 
 
 def shard_of_request(message: msgspec.Struct, shards: int) -> int:
