@@ -19,7 +19,7 @@ from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.tickets import read_token, sign_ticket
 from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.backend import ArenaBackend
-from kvfabric.segment_storage.backend_reads import PIN_HOLD_MS_MAX
+from kvfabric.segment_storage.backend_reads import PIN_HOLD_MS_MAX, PIN_HOLD_MS_MIN
 
 SECRET = b"unit-pin-secret-0123456789abcd"
 SEGMENT = "pinseg"
@@ -104,5 +104,22 @@ def test_an_unpinned_grant_is_not_expired_again(tmp_path: Path) -> None:
         assert b.unpin_local(grants.grant_id, conn=2) == 1
         clock[0] += 10 * PIN_HOLD_MS_MAX
         assert b.expire_pins() == 0
+    finally:
+        b.arena.close()
+
+
+def test_a_pin_outlasts_the_copy_it_protects_whatever_its_tokens_say(tmp_path: Path) -> None:
+    """A pin taken with tokens a second from expiry is held `PIN_HOLD_MS_MIN` anyway: it is the
+    local reference of a copy in progress, and a timeout never lets memory be reused while a
+    transfer runs (DESIGN invariant 3)."""
+    clock = [1_000_000]
+    b = backend(tmp_path, clock, tokens=True)
+    try:
+        ref = store(b, b"w" * 4096, b"key-0002", clock[0], clock[0] + 1_000)
+        b.pin_local([ref], conn=3)
+        clock[0] += PIN_HOLD_MS_MIN - 1
+        assert b.expire_pins() == 0
+        clock[0] += 1
+        assert b.expire_pins() == 1
     finally:
         b.arena.close()

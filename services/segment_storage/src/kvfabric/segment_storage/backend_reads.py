@@ -15,7 +15,7 @@ from kvfabric.proto.segment import SSD_SLOT_BASE
 from kvfabric.segment_storage.backend_core import BackendCore
 from kvfabric.segment_storage.ssd import SsdRead, SsdStream
 
-__all__ = ["LOCAL_GRANTS_PER_CONNECTION_MAX", "PIN_HOLD_MS_MAX", "BackendReads"]
+__all__ = ["LOCAL_GRANTS_PER_CONNECTION_MAX", "PIN_HOLD_MS_MAX", "PIN_HOLD_MS_MIN", "BackendReads"]
 
 # Transfer-reference grants (GET in progress, PIN_LOCAL not yet unpinned) one connection may hold:
 # a client holds one or two (a pin, and the pipelined unpin of the previous one).
@@ -25,6 +25,11 @@ LOCAL_GRANTS_PER_CONNECTION_MAX: Final = 64
 # arena bytes after the directory freed it, and a tenant pinning, releasing and evicting in a
 # loop held memory nobody accounted for (review, 2026-12-06). The shell calls `expire_pins`.
 PIN_HOLD_MS_MAX: Final = 60_000
+# ... but never sooner than this after it was taken, whatever its tokens say: the pin is the
+# local reference the copy it protects (a memcpy of at most one object) holds, and a timeout
+# never lets memory be reused while a transfer runs (DESIGN invariant 3). A token a few seconds
+# from expiry would otherwise have let the pin lapse during the copy.
+PIN_HOLD_MS_MIN: Final = 10_000
 
 
 class BackendReads(BackendCore):
@@ -215,7 +220,7 @@ class BackendReads(BackendCore):
         if held:
             if self.read_tokens_required:
                 lapses = max(ref.expires_ms for ref in held) + self.clock_skew_tolerance_ms
-                lapses = min(lapses, now + PIN_HOLD_MS_MAX + self.clock_skew_tolerance_ms)
+                lapses = min(max(lapses, now + PIN_HOLD_MS_MIN), now + PIN_HOLD_MS_MAX)
             else:
                 lapses = now + PIN_HOLD_MS_MAX
             with self.lock:
