@@ -125,7 +125,14 @@ def test_one_lookup_per_shard_the_hit_is_the_common_prefix_and_leases_go_back_by
     beyond = {shard_of(r, SHARDS) for r in raws[missing + 1 :]} - in_hit - {shard_of(raws[missing], SHARDS)}
     released_early = {s for s, verb, _ in router.asked if verb == "lease_release"}
     assert beyond and released_early == beyond  # hit only beyond the prefix: of no use
-    asyncio.run(shell._release("h1"))
+
+    async def hint_ends() -> None:  # its leases go back off the ticker (`_release_ended`)
+        shell.core.cancel_hint("h1")
+        await shell._release_ended()
+        assert shell._releasing is not None
+        await shell._releasing
+
+    asyncio.run(hint_ends())
     released = [(s, msg) for s, verb, msg in router.asked if verb == "lease_release"]
     assert {s for s, _ in released} >= in_hit and "h1" not in shell._leases
 

@@ -57,9 +57,9 @@ from kvfabric.client.suspects import REPORT_TIMEOUT_S, SuspectReporter
 from kvfabric.client.threads import thread_placement
 from kvfabric.client.transfers import SegmentPool
 from kvfabric.core.client_loads import LoadTable, TransferId
+from kvfabric.core.directory.keys import check_group_members
 from kvfabric.dataplane.scatter import ScatterDest
 from kvfabric.dataplane.tls import client_context
-from kvfabric.format.errors import BadRequest
 from kvfabric.proto import directory as m
 
 __all__ = [
@@ -189,13 +189,9 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
         """Connect to NATS and check access, within `connect_timeout_ms` (`kvfabric.client.connect`):
         `BadRequest` for a setting the client cannot use, `Unauthorized` when NATS refuses it,
         `Unavailable` when no server listens, `Indeterminate` when none answers in time."""
+        # A layout whose groups the directory refuses: every lookup and save would be `bad_request`.
         layout = self.spec.layout
-        members = layout.tp_size * layout.pp_size * layout.layer_group_count
-        if members > m.GROUP_MEMBERS_MAX:  # every lookup and save would be refused `bad_request`
-            raise BadRequest(
-                f"a chunk group has at most {m.GROUP_MEMBERS_MAX} members (tp x pp x layer groups)",
-                members=members,
-            )
+        check_group_members(layout.tp_size, layout.pp_size, layout.layer_group_count)
         self.nc, self.router = await open_nats(self.settings)
         self.suspects = SuspectReporter(
             asyncio.get_running_loop(), lambda: self.router, self.metrics.corrupt_reports

@@ -125,12 +125,12 @@ __all__ = [
 # Leader lease: one nats-server (no election to ride out) / a NATS cluster (KV replicas > 1: a
 # stream-leader election takes 4-9 s, server/raft.go, and the lease must outlast it).
 LEADER_LEASE_TTL_MS_DEFAULT: Final = 3_000
+LEADER_LEASE_TTL_MS_CLUSTER_DEFAULT: Final = 15_000
 # The events stream's size bound: lookups' `accessed` events alone grew it ~0.4 MB/s per tenant
 # at its fair rate, kept 24 h (38 GB a day, x3 on a NATS cluster) in the store the leader
 # leases need (review, 2026-12-06). A follower that falls behind the oldest kept event
 # resynchronises from the listings, as after any gap.
 EVENTS_MAX_BYTES_DEFAULT: Final = 1 << 30
-LEADER_LEASE_TTL_MS_CLUSTER_DEFAULT: Final = 15_000
 _QUOTA_FIELDS: Final = ("bytes_max", "objects_max", "requests_per_s", "burst")
 _COUNT_MAX: Final = 2**63 - 1
 # Fair admission's defaults (docs/security.md has the measurements): a lookup hit costs the

@@ -61,7 +61,7 @@ STOP_TIMEOUT_S: Final = 2.0  # the shell's tasks end within this once cancelled
 # A tick that runs this much later than due follows a stalled event loop (a long call, a GC
 # pass, a stopped process): segments' silence over the stall is excused as while deaf. On a
 # NATS cluster a leader acts for 12.5 s, past the 5 s heartbeat timeout, and a 5-12.5 s stall
-# declared every segment down; each then restarted empty (review, 2026-12-05; test:
+# declared every segment down; each then restarted empty (review, 2026-12-06; test:
 # test_directory_liveness.py). A stall this short cannot make a 5 s silence of a live segment.
 LOOP_STALL_EXCUSED_S: Final = 1.0
 # A longer lookup is folded this many groups a core call, the event loop yielded between

@@ -110,13 +110,13 @@ WRITER_ID: Final = "prefetch"
 # Ended hints' leases are given back off the ticker, this many requests at once; at `stop` for
 # at most `RELEASE_STOP_S` (a release lost expires on its own: TTL <= the hint's deadline).
 RELEASES_AT_ONCE: Final = 16
+RELEASE_STOP_S: Final = 5.0
 # `accessed` events waiting for the callback (it asks the directory about groups it does not
 # know: slow when the directory is): past these, nats-py drops them (a slow-consumer warning).
 # Its defaults (524,288 messages, 128 MiB) let hot-replica decisions run on reads minutes old
 # (review, 2026-12-06); a dropped event is a read not counted, decided again on the next.
 ACCESSED_PENDING_MSGS_MAX: Final = 256
 ACCESSED_PENDING_BYTES_MAX: Final = 16 << 20
-RELEASE_STOP_S: Final = 5.0
 SSD_SOURCE_SUFFIX: Final = "#ssd"  # a disk replica as a copy source (never a segment id: [A-Za-z0-9_-])
 
 
@@ -500,9 +500,6 @@ class PrefetchShell:
         self.core.replica_removed(object_id, segment)
 
     # ---- directory ---------------------------------------------------------------------------
-
-    async def _release(self, hint_id: str) -> None:
-        await self._release_leases(self._leases.pop(hint_id, []))
 
     async def _release_leases(self, leases: list[tuple[int, int]]) -> None:
         """Give read leases back, each to the shard that granted it (a lease id means nothing

@@ -57,6 +57,7 @@ __all__ = [
     "GroupInfo",
     "KeyInfo",
     "chain_of",
+    "check_group_members",
     "domain_of",
     "parse_group",
     "parse_key",
@@ -98,7 +99,9 @@ the record's invariant and stopped the instance, and every instance that adopted
 the segments after it: one tenant could take the directory down for good."""
 
 
-def _members_checked(tp_size: int, pp_size: int, layer_group_count: int) -> int:
+def check_group_members(tp_size: int, pp_size: int, layer_group_count: int) -> int:
+    """A chunk group's member count, `BadRequest` above `GROUP_MEMBERS_MAX` (the client checks
+    its layout with it at start)."""
     members = tp_size * pp_size * layer_group_count
     if members > GROUP_MEMBERS_MAX:
         raise BadRequest(
@@ -114,7 +117,7 @@ def _group_info(raw: GroupId) -> GroupInfo:
         group_id=group_key_of_id(raw),
         namespace=namespace_in_id(raw),
         chunk_index=chunk_index_in_id(raw),
-        expected_members=_members_checked(gid.tp_size, gid.pp_size, gid.layer_group_count),
+        expected_members=check_group_members(gid.tp_size, gid.pp_size, gid.layer_group_count),
     )
 
 
@@ -161,7 +164,7 @@ def _key_entry(data: bytes) -> _KeyEntry:
         group_key_of_id(raw_group),
         namespace_in_id(raw_group),
         gid.chunk_index,
-        _members_checked(gid.tp_size, gid.pp_size, gid.layer_group_count),
+        check_group_members(gid.tp_size, gid.pp_size, gid.layer_group_count),
         key.tp_rank,
         key.pp_stage,
         key.layer_group,
