@@ -152,15 +152,22 @@ class EventsStream:
         try:
             await self._add_or_update(js)
         except nats.js.errors.APIError as exc:
-            if exc.err_code not in STORE_CANNOT_RESERVE or (self.config.max_bytes or -1) <= 0:
-                raise
-            self._log.warning(
-                "events_stream_unbounded",
-                max_bytes=self.config.max_bytes,
-                reason=exc.description or "insufficient storage",
-            )
-            self.config = dataclasses.replace(self.config, max_bytes=-1)
+            self._drop_unreservable_bound(exc, "ensure")
             await self._add_or_update(js)
+
+    def _drop_unreservable_bound(self, exc: nats.js.errors.APIError, step: str) -> None:
+        """Re-raise `exc` unless it says the store cannot reserve the stream's `max_bytes`; if it
+        does, the stream is bounded by age only from now on (`ensure`, and the repair's
+        recreate)."""
+        if exc.err_code not in STORE_CANNOT_RESERVE or (self.config.max_bytes or -1) <= 0:
+            raise exc
+        self._log.warning(
+            "events_stream_unbounded",
+            max_bytes=self.config.max_bytes,
+            step=step,
+            reason=exc.description or "insufficient storage",
+        )
+        self.config = dataclasses.replace(self.config, max_bytes=-1)
 
     async def _add_or_update(self, js: nats.js.JetStreamContext) -> None:
         try:
@@ -228,10 +235,7 @@ class EventsStream:
             try:
                 added = await add_or_find_stream(js, config)
             except nats.js.errors.APIError as exc:  # a size bound the store cannot reserve now
-                if exc.err_code not in STORE_CANNOT_RESERVE or (config.max_bytes or -1) <= 0:
-                    raise
-                self._log.warning("events_stream_unbounded", max_bytes=config.max_bytes, step="recreate")
-                self.config = dataclasses.replace(self.config, max_bytes=-1)
+                self._drop_unreservable_bound(exc, "recreate")
                 added = await add_or_find_stream(js, dataclasses.replace(config, max_bytes=-1))
             if not added:
                 return "moving" if missing else done  # added meanwhile by another instance
