@@ -44,31 +44,23 @@ async def test_the_stream_is_bounded_and_drops_its_oldest(nats_server: NatsServe
         await nc.close()
 
 
-async def test_a_store_too_small_for_the_bound_gets_the_stream_bounded_by_age(tmp_path: Path) -> None:
+@pytest.mark.parametrize("step", ["ensure", "recreate"])
+async def test_a_store_too_small_for_the_bound_gets_the_stream_bounded_by_age(
+    tmp_path: Path, step: str
+) -> None:
+    """At start (`ensure`) and when the directory's repair recreates a stuck stream: on a store
+    that cannot reserve the bound the recreate failed every time, where before the bound it
+    succeeded (review of the day, 2026-12-06)."""
     conf = tmp_path / "small.conf"
     conf.write_text("jetstream { max_file_store: 64MB }\n")
     with NatsServer(tmp_path / "store", extra_args=["-c", str(conf)]) as small:
         nc = await nats.connect(small.url)
         try:
             stream = EventsStream(nc, shell_config(1 << 30))
-            await stream.ensure()
-            info = await nc.jetstream().stream_info(EVENTS_STREAM)
-            assert info.config.max_bytes in (-1, None) and stream.config.max_bytes == -1
-        finally:
-            await nc.close()
-
-
-async def test_recreating_the_stream_on_a_small_store_falls_back_too(tmp_path: Path) -> None:
-    """The directory's repair recreates a stuck stream with its configuration: on a store that
-    cannot reserve the bound it failed every time, where before the bound it succeeded (review
-    of the day, 2026-12-06)."""
-    conf = tmp_path / "small.conf"
-    conf.write_text("jetstream { max_file_store: 64MB }\n")
-    with NatsServer(tmp_path / "store", extra_args=["-c", str(conf)]) as small:
-        nc = await nats.connect(small.url)
-        try:
-            stream = EventsStream(nc, shell_config(1 << 30))
-            assert await stream._add(nc.jetstream(), "recreated", missing=True) == "recreated"
+            if step == "ensure":
+                await stream.ensure()
+            else:
+                assert await stream._add(nc.jetstream(), "recreated", missing=True) == "recreated"
             info = await nc.jetstream().stream_info(EVENTS_STREAM)
             assert info.config.max_bytes in (-1, None) and stream.config.max_bytes == -1
         finally:
