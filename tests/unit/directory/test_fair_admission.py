@@ -450,6 +450,26 @@ TestFairAdmissionMachine.settings = settings(max_examples=300, stateful_step_cou
 # ---- the host: which requests wait for a turn ------------------------------------------------
 
 
+def bobs_host(gate: FairGate, shell: object = None) -> _Runtime:
+    """A shard host granting tenant bob a domain, behind `gate`, attached to a recording
+    runtime; `shell` (when given) leads its one shard."""
+    digest = DomainDigest(bytes(16))
+    host = ShardHost(
+        "dir-a",
+        1,
+        DirectoryConfig(ticket_secret=b"0123456789abcdef0123"),
+        registry=cast(Any, None),
+        make_shell=cast(Any, None),
+        grants={"bob": authz.TenantGrant("bob", frozenset({digest}), home=digest)},
+        fair=gate,
+    )
+    if shell is not None:
+        host.shells[0] = cast(Any, shell)
+    runtime = _Runtime()
+    host.attach(cast(Any, runtime))
+    return runtime
+
+
 class _Runtime:
     """Records the tenant handlers `ShardHost.attach` registers (by verb)."""
 
@@ -469,18 +489,7 @@ def test_gives_back_never_wait_for_a_turn_nor_are_refused_for_load() -> None:
     bytes are decoded; his releases, unpins and aborts (`authz.GIVEBACK_VERBS`) pass it and
     reach the shard (here: no shard led, so `wrong_shard`), as before fair admission."""
     gate = FairGate(config(burst_ids=4_200, request_cost_ids=16), clock=lambda: 0.0)
-    digest = DomainDigest(bytes(16))
-    host = ShardHost(
-        "dir-a",
-        1,
-        DirectoryConfig(ticket_secret=b"0123456789abcdef0123"),
-        registry=cast(Any, None),
-        make_shell=cast(Any, None),
-        grants={"bob": authz.TenantGrant("bob", frozenset({digest}), home=digest)},
-        fair=gate,
-    )
-    runtime = _Runtime()
-    host.attach(cast(Any, runtime))
+    runtime = bobs_host(gate)
     assert isinstance(gate.core.offer("bob", 4_200, 0.0), int)  # the whole burst: the bucket is empty
 
     async def ask(verb: str, message: msgspec.Struct) -> KvfError:
@@ -515,7 +524,6 @@ def test_a_lookup_answering_many_replicas_is_charged_them_at_the_gate() -> None:
     from tests.unit.core.dirkit import groups
 
     gate = FairGate(config(burst_ids=4_200, request_cost_ids=16), clock=lambda: 0.0)
-    digest = DomainDigest(bytes(16))
     location = m.ObjectLocation(
         chunk_index=0,
         member=m.Member(0, 0, 0),
@@ -528,18 +536,7 @@ def test_a_lookup_answering_many_replicas_is_charged_them_at_the_gate() -> None:
         async def handle_tenant(self, message: Any, verb: str, grant: Any, **_: Any) -> Any:
             return m.LookupReply(epoch=1, hit_chunks=1, lease_id=1, objects=[location] * 100)
 
-    host = ShardHost(
-        "dir-a",
-        1,
-        DirectoryConfig(ticket_secret=b"0123456789abcdef0123"),
-        registry=cast(Any, None),
-        make_shell=cast(Any, None),
-        grants={"bob": authz.TenantGrant("bob", frozenset({digest}), home=digest)},
-        fair=gate,
-    )
-    host.shells[0] = cast(Any, Shell())
-    runtime = _Runtime()
-    host.attach(cast(Any, runtime))
+    runtime = bobs_host(gate, Shell())
     (g,) = groups(1, seed=3)
     lookup = m.Lookup(holder_id="b", groups=[g.group_id()])
 
