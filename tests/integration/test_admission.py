@@ -35,7 +35,7 @@ from tests.integration.cluster import (
 pytestmark = pytest.mark.integration
 
 SEGMENT = f"seg-adm-{os.getpid()}"  # an id of its own (locks are per id and folder: run_shm_dir)
-STALE_MS = 2_000
+STALE_MS = 4_000  # the window a test has to use a filter once installed (a loaded host is slow)
 SUBJECT = endpoint_subject(Service.EVICTION, e.ADMISSION_FILTER_VERB)
 U = e.ADMISSION_UNLIMITED
 
@@ -77,6 +77,19 @@ async def published_chunks(url: str) -> set[int]:
         await nc.close()
 
 
+def wait_filter_installed(directory: ServiceProcess, timeout_s: float = 5.0) -> None:
+    """Until the directory has installed a filter from its own subscription (a fixed sleep was
+    short on a loaded host: the save then came before the filter)."""
+    port = directory.wait_for_event("directory_started", 1.0)["metrics_port"]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = asyncio.run(scrape_metrics_async(port))
+        if (metric_value(text, "kvfabric_directory_admission_filters_received_total") or 0) >= 1:
+            return
+        assert time.monotonic() < deadline, "the directory installed no admission filter"
+        time.sleep(0.05)
+
+
 async def core_event(directory: ServiceProcess, name: str) -> float:
     port = directory.wait_for_event("directory_started", 1.0)["metrics_port"]
     text = await scrape_metrics_async(port)
@@ -100,7 +113,7 @@ def test_a_refused_chunk_is_not_written_counted_and_admitted_once_the_filter_is_
     limits = [U, U, 0, U, U, U, U, U]
     with client(nats_server) as kv:
         asyncio.run(publish(nats_server.url, refusing(limits)))
-        time.sleep(0.2)  # the directory installs it from its own subscription
+        wait_filter_installed(directory)
         result = kv.save(tokens, objects_for(tokens, 0, 4))
         assert (result.chunks_saved, result.chunks_failed) == (1, 3), result
         assert result.causes == {"not_admitted": 3}
@@ -132,7 +145,7 @@ def test_a_protected_share_domain_is_admitted_where_the_filter_refuses_another(
     )
     with client(nats_server) as kv, KvClient(ClientSettings(nats_url=nats_server.url), other) as kv_b:
         asyncio.run(publish(nats_server.url, filt))
-        time.sleep(0.2)  # the directory installs it from its own subscription
+        wait_filter_installed(directory)
         tokens = prompt(4 * TOKENS_PER_CHUNK, seed=4545)
         protected = kv.save(tokens, objects_for(tokens, 0, 4))
         assert (protected.chunks_saved, protected.chunks_failed) == (4, 0), protected

@@ -160,8 +160,14 @@ def test_directory_that_does_not_answer_is_a_miss_within_the_timeout(
             assert saved.chunks_saved == 0 and saved.chunks_failed == 2
         finally:
             directory.send_signal(signal.SIGCONT)
-        assert kv.lookup(tokens).tokens == 4 * TOKENS_PER_CHUNK  # back once it answers
-        assert metric(kv, "kvfabric_client_fallbacks_total", cause="directory_timeout") == 1
+        # Back once it answers (it works through the backlog first: on a loaded host a lookup
+        # right after SIGCONT may time out again, and is counted as one more fallback).
+        deadline, late = time.monotonic() + 10.0, 0
+        while (again := kv.lookup(tokens)).tokens < 4 * TOKENS_PER_CHUNK:
+            assert again.cause == "directory_timeout" and time.monotonic() < deadline, again
+            late += 1
+            time.sleep(0.1)
+        assert metric(kv, "kvfabric_client_fallbacks_total", cause="directory_timeout") == 1 + late
 
 
 def test_concurrent_loads_of_one_hit_share_transfers(nats_server: NatsServer, cluster: object) -> None:

@@ -189,7 +189,16 @@ def test_leader_sigkill_standby_takes_over_with_the_cache_intact(nats_server: Na
             time.sleep(0.05)
         assert len(new_leaders) == 1
         started = new_leaders[0].wait_for_event("directory_started", 1.0)
-        assert started["epoch"] == new_epoch and started["segments"] == 2
+        assert started["epoch"] == new_epoch and started["segments"] >= 1
+        if started["segments"] < 2:  # one answered the 2 x 2 s report late (a loaded host):
+            deadline = time.monotonic() + 30.0  # its next heartbeat introduces it, and a rebuild
+            while True:
+                listed = ask(nats_server.url, "list_segments", m.ListSegments())
+                assert isinstance(listed, m.SegmentList) and listed.epoch == new_epoch
+                if sum(x.up for x in listed.segments) == 2:
+                    break
+                assert time.monotonic() < deadline, f"a segment was lost in the failover: {listed}"
+                time.sleep(0.2)
 
         # The old leader's ticket is fenced by epoch at the segment: nothing is stored.
         with TcpDataClient.connect(ticket.data_addr) as data, pytest.raises(StaleGeneration):
@@ -272,4 +281,6 @@ def test_segments_that_missed_the_rebuild_are_adopted_later(nats_server: NatsSer
         asked = [e for e in standby.events() if e.get("event") == "shard_rebuild_for_missing_segment"]
         assert {e["segment_id"] for e in asked} == set(names)
         assert {e["epoch"] for e in asked} == {started["epoch"]}
-        assert shard_starts(standby) == 1 + late
+        # One start per rebuild asked for (a report that missed its 2 x 2 s under load asks again:
+        # one more of each), after the first.
+        assert len(asked) >= late and shard_starts(standby) == 1 + len(asked)

@@ -10,6 +10,7 @@ segment down; each then restarted empty. Now heartbeats are answered from the gi
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import nats
@@ -82,7 +83,9 @@ async def test_heartbeats_pass_a_service_full_of_writes_stuck_on_the_events_stre
                     request(nc, "kvf.v1.directory.register.d1", registration(f"seg-{i}"), m.reply_decoder, 30)
                 )
             )
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 10.0  # (a fixed 0.3 s was a guess at nats-server's speed)
+        while runtime.inflight_count < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         assert runtime.inflight_count == 4  # every slot of the work lane is held
         beat = m.Heartbeat(segment_id="seg-a", incarnation=1, used_bytes=0)
         for _ in range(3):  # seg-a heartbeats on: each must reach the core

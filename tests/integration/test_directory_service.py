@@ -45,7 +45,10 @@ def directory(nats_server: NatsServer) -> Iterator[ServiceProcess]:
     env = dict(
         os.environ,
         KVF_CLUSTER_SECRET=SECRET,
-        KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS="600",
+        # 2 s: the quiet segment's test must publish and look up (5 requests) before its silence
+        # counts, and the fixture's segment beats every 0.1 s from the test's loop (a stall of
+        # either on a loaded host is not a death); down is awaited within TIMEOUT_S.
+        KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS="2000",
         KVF_DIRECTORY_TICK_MS="20",
         KVF_DIRECTORY_SHARDS="1",
     )
@@ -296,7 +299,7 @@ async def test_silent_segment_goes_down_and_its_objects_stop_being_readable(
                 return
             await asyncio.sleep(0.05)
 
-    await asyncio.wait_for(until_down(), TIMEOUT_S)  # no heartbeats: down after 600 ms
+    await asyncio.wait_for(until_down(), TIMEOUT_S)  # no heartbeats: down after 2 s
     after = await call(nats_client, "lookup", m.Lookup(holder_id="h", groups=[g.group_id()]))
     assert isinstance(after, m.LookupReply) and after.hit_chunks == 0
     with pytest.raises(NotFound):  # a down segment must register again (with a new incarnation)

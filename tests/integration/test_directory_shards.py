@@ -53,7 +53,9 @@ ENV = {
     "KVF_DIRECTORY_SHARDS": str(SHARDS),
     "KVF_DIRECTORY_REBALANCE": "1",
     "KVF_DIRECTORY_LEADER_LEASE_TTL_MS": "2000",
-    "KVF_DIRECTORY_LEASE_TTL_MS_MAX": "10000",  # the grace period
+    # The grace period, and the read lease taken before the kill: it must outlast the failover
+    # and the map's settling (up to 5 + 15 s) for the surviving leaders to answer `leased`.
+    "KVF_DIRECTORY_LEASE_TTL_MS_MAX": "30000",
     # Short: a shard's new leader that did not hear a segment's heartbeats would declare it down
     # within the test (segments must follow the map after a handover).
     "KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS": "2500",

@@ -26,7 +26,9 @@ from tests.unit.core.dirkit import groups, key
 
 pytestmark = pytest.mark.integration
 
-HA_ENV = {"KVF_DIRECTORY_LEADER_LEASE_TTL_MS": "1000", "KVF_DIRECTORY_LEASE_TTL_MS_MAX": "1500"}
+# A 2 s leader lease (not 1 s: a spurious failover on a loaded host before the kill would give
+# the second doomed write to the standby, which then never loses it).
+HA_ENV = {"KVF_DIRECTORY_LEADER_LEASE_TTL_MS": "2000", "KVF_DIRECTORY_LEASE_TTL_MS_MAX": "1500"}
 SEGMENT = "seg-o"
 
 
@@ -83,7 +85,8 @@ def test_unpublished_writes_are_reclaimed_to_exactly_the_published_bytes(nats_se
         assert asyncio.run(used_bytes(nats_server.url)) == published
 
         # A writer dies after confirming, before committing: its deadline reclaims the slot.
-        extra = asyncio.run(write_unpublished(nats_server.url, seed=1, write_ttl_ms=500))
+        # (3 s: the deadline runs from put_begin, and the check below must come before it.)
+        extra = asyncio.run(write_unpublished(nats_server.url, seed=1, write_ttl_ms=3_000))
         assert asyncio.run(used_bytes(nats_server.url)) == published + extra
         wait_used(nats_server.url, published, 10.0)
 

@@ -23,7 +23,7 @@ from kvfabric.cluster.requests import request as nats_request
 from kvfabric.proto import router as r
 from kvfabric.proto.subjects import Service, endpoint_subject
 from kvfabric.router.tenants import key_digest
-from kvfabric.testing import NatsServer, ServiceProcess
+from kvfabric.testing import NatsServer, ServiceProcess, metric_value
 from kvfabric.testing.ports import free_port
 from tests.integration.clientkit import SPEC, TOKENS_PER_CHUNK, client, objects_for, prompt
 from tests.integration.cluster import directory_process, segment_process, service_process
@@ -117,6 +117,17 @@ def wait_until(what: str, check: Any, timeout_s: float) -> Any:
         time.sleep(0.1)
 
 
+def wait_in_flight(base: str, n: int) -> None:
+    """Until the router has admitted `n` requests (a fixed sleep was a guess at how soon a pool
+    thread's request reaches it on a loaded host)."""
+
+    def admitted() -> bool:
+        text = httpx.get(f"{base}/metrics", timeout=5).text
+        return (metric_value(text, "kvfabric_router_state", name="in_flight") or 0) >= n
+
+    wait_until(f"{n} in flight", admitted, 10)
+
+
 def by_instance(reply: r.RouteReply) -> dict[str, r.InstanceEstimate]:
     return {e.instance: e for e in reply.estimates}
 
@@ -126,7 +137,13 @@ def test_router_follows_the_directory_and_fails_over(nats_server: NatsServer) ->
     saved_after = prompt(CHUNKS * TOKENS_PER_CHUNK + 5, seed=2)
     ports = {"A": free_port(), "B": free_port()}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(directory_process(nats_server, KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS="1500"))
+        stack.enter_context(  # 6 beats in the timeout: a late beat on a loaded host is not a death
+            directory_process(
+                nats_server,
+                KVF_DIRECTORY_HEARTBEAT_TIMEOUT_MS="1500",
+                KVF_DIRECTORY_HEARTBEAT_INTERVAL_MS="250",
+            )
+        )
         seg_a = stack.enter_context(segment_process(nats_server, SEG_A, KVF_SEGMENT_ZONE="za"))
         with client(nats_server) as writer:  # only seg-a exists: the prefix lands there
             assert writer.save(saved_before, objects_for(saved_before, 0, CHUNKS)).chunks_saved == CHUNKS
@@ -232,7 +249,7 @@ def test_router_admission_refuses_with_retry_after(nats_server: NatsServer) -> N
         wait_until(
             "engines up", lambda: len(httpx.get(f"{base}/health", timeout=5).json()["engines_up"]) == 2, 10
         )
-        slow = {"prompt": [5] * 40, "max_tokens": 1, "fake_first_byte_s": 2.0}
+        slow = {"prompt": [5] * 40, "max_tokens": 1, "fake_first_byte_s": 4.0}  # in flight meanwhile
 
         def send(tenant: str) -> httpx.Response:
             return httpx.post(
@@ -241,10 +258,10 @@ def test_router_admission_refuses_with_retry_after(nats_server: NatsServer) -> N
 
         with concurrent.futures.ThreadPoolExecutor(5) as pool:
             first = [pool.submit(send, "t1") for _ in range(2)]
-            time.sleep(0.5)
+            wait_in_flight(base, 2)
             over_tenant = send("t1")  # t1 holds its 2
             other = pool.submit(send, "t2")  # t2 still gets in: 3 in flight
-            time.sleep(0.5)
+            wait_in_flight(base, 3)
             over_total = send("t3")
             done = [f.result() for f in [*first, other]]
         assert over_tenant.status_code == 429 and int(over_tenant.headers["retry-after"]) >= 1
@@ -302,7 +319,7 @@ def test_router_api_keys_name_the_tenant_and_the_engine_key_is_sent(nats_server:
         assert ok.status_code == 200 and ok.json()["auth"] == "Bearer engine-secret"
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             alices = pool.submit(send, "alice-key", "", 2.0)
-            time.sleep(0.5)
+            wait_in_flight(base, 1)
             as_bob = send("alice-key", "bob")  # alice's key, bob's name: still alice's bound
             bobs = send("bob-key", "alice")  # bob's key, alice's name: bob's bound, free
             assert alices.result().status_code == 200

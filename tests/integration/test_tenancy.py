@@ -466,7 +466,8 @@ def test_requests_that_name_no_key_are_rate_limited_by_the_tenants_home_domain(t
     charges the tenant's own domain, and its rate limit holds for them too."""
     doc = write_auth(tmp_path / "auth", plan_auth(["alice", "bob"]), tls=True)
     bob_home = doc["grants"]["bob"][0]
-    quotas = json.dumps({bob_home: {"requests_per_s": 0.5, "burst": 2}})
+    # 0.1/s: the three requests fall within one refill (10 s) however slow the host.
+    quotas = json.dumps({bob_home: {"requests_per_s": 0.1, "burst": 2}})
     with NatsServer(tmp_path / "nats", extra_args=["-c", doc["conf"]]) as server:
         secure = Secure(server, doc)
         with directory_process(server, **secure.env("svc-directory"), KVF_DIRECTORY_TENANT_QUOTAS=quotas):
