@@ -387,7 +387,8 @@ def apply(core: DirectoryCore, step: Step) -> tuple[Outcome | None, list[Any]]:
     )
     assert published_now <= allowed, f"{type(step.request).__name__} published {len(published_now)} group(s)"
     # A group published before and still published may be published again (its replicas changed
-    # tier: a demotion's drop, a kept-source copy, an `evict` with tier "ssd" that kept it).
+    # tier: a demotion's drop, a kept-source copy, an `evict` with tier "ssd" that kept it, a
+    # demotion's disk copy kept by a drop refused under a lease; or a corrupt replica dropped).
     republished = {chain_of(g) for g in before & set(core.published)}
     assert events <= {chain_of(g) for g in allowed} | republished, (
         "a published event (GroupPublished, GroupsPublished) without a commit that published it"

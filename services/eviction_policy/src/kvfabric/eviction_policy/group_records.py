@@ -30,6 +30,12 @@ I/O, no awaits; each call atomic on the event loop, but for a `segment_down` thr
 - what a victim batch needs from them: a demoted group moved to its segment's disk pool
   (`_moved`), a demoted tail's ancestor copied to disk counted there too (`_copied`), and the
   resident disk tails dropped before their head (`_with_disk_tails`).
+- a republish of a victim while its batch is performed (`_held_back`): its batch's answer
+  decides first, so the latest such event is held back, and applied when the victim stays
+  (`_stays`: refused, not demoted, no answer); a victim demoted (`_moved`), whose disk copy
+  was dropped (`_disk_dropped`) or that is gone drops it. Ignored instead, a partial
+  demotion's republish (the members moved before another failed) left their bytes counted in
+  the arena and not on disk until the group was demoted or evicted again (review, 2026-12-06).
 
 `GroupRecords` is a mixin of `EvictionShell` (`kvfabric.eviction_policy.shell`), which
 creates these attributes and owns the tasks that call in (the follower, the ticker's batches,
@@ -129,6 +135,8 @@ class GroupRecords:
     _held: dict[bytes, tuple[bytes, int, dict[str, int], int]]
     _hits: dict[bytes, int]  # group key -> hits since published (demote_or_drop)
     _children: dict[bytes, set[bytes]]  # group key -> the keys naming it as parent
+    # victim -> (pools, group bytes) of the latest republish of it applied while it was evicting
+    _held_back: dict[bytes, tuple[dict[str, int], int]]
     _parent: dict[bytes, bytes]
     _disk_pools: set[str]  # `<segment>#ssd` pools holding or having held groups
     _no_disk: set[str]  # segments that answered "no disk tier"
@@ -238,6 +246,7 @@ class GroupRecords:
                 self._group_ids.pop(gid, None)
                 self._held.pop(gid, None)
                 self._hits.pop(gid, None)
+                self._held_back.pop(gid, None)
                 self._lost_until[gid] = until
                 if gid in self._decisions:  # (not every lost group: a big segment's loss would
                     # churn the whole log)
@@ -246,9 +255,16 @@ class GroupRecords:
         # core, whose pools these mirror): a stale pool said a head was on a disk that is gone,
         # and a later move (`_moved`) put its bytes back into the core.
         for gid in step_kept:
-            held = self._held.get(gid) if isinstance(gid, bytes) else None
+            if not isinstance(gid, bytes):
+                continue
+            held = self._held.get(gid)
             if held is not None:
                 held[2].pop(pool, None)
+            back = self._held_back.get(gid)
+            if back is not None:
+                back[0].pop(pool, None)
+                if not back[0]:
+                    del self._held_back[gid]  # (what stays is the core's, without that pool)
 
     def _record_gone(self, key: bytes, event: m.GroupEvicted | m.GroupInvalidated, at_ms: int) -> None:
         """The decision a directory `evicted` / `invalidated` event records. One of the policy's
@@ -318,8 +334,9 @@ class GroupRecords:
 
     def _republished(self, key: bytes, pools: dict[str, int], at_ms: int, event_group_bytes: int = 0) -> None:
         """A known group with new pools moves there (no access: a republish is not a read; its
-        rank kept, `EvictionCore.retiered`). One being demoted right now is left to the
-        demotion's own move (its `group_bytes` are kept all the same). One that only gained pools,
+        rank kept, `EvictionCore.retiered`). One being evicted or demoted right now is left to
+        its batch's answer: the event is held back (`_held_back`; its `group_bytes` are kept at
+        once), and applied if the victim stays (`_stays`). One that only gained pools,
         its others unchanged — a head copied to disk, its arena replica kept (the directory
         publishes it again once the copy is whole), and maybe an arena copy the policy was not
         told of (a prefetch's) — is counted in them as `_copied` does: the same group, its rank
@@ -327,7 +344,13 @@ class GroupRecords:
         held = self._held.get(key)
         if held is not None and event_group_bytes and held[3] != event_group_bytes:
             held = self._held[key] = (*held[:3], event_group_bytes)  # before any early return
-        if held is None or held[2] == pools or not pools or self.core.is_evicting(key):
+        if held is None or not pools:
+            return
+        if self.core.is_evicting(key):
+            self._held_back[key] = (pools, event_group_bytes)  # the latest: applied if it stays
+            return
+        self._held_back.pop(key, None)  # (this event is newer than one held back)
+        if held[2] == pools:
             return
         tenant, chunk_index, before, group_bytes = held
         added = {p: n for p, n in pools.items() if p not in before}
@@ -371,6 +394,18 @@ class GroupRecords:
         self._group_ids.pop(gid, None)
         self._held.pop(gid, None)
         self._hits.pop(gid, None)
+        self._held_back.pop(gid, None)
+
+    def _stays(self, key: bytes, at_ms: int) -> None:
+        """A victim that stays (the directory refused it, its demotion failed or kept its arena
+        replicas, no answer, or held back above a tail that stays): resident again, cooled down
+        (`EvictionCore.refused`), then moved by the latest republish of it held back meanwhile
+        (`_held_back`: a partial demotion's members on disk, a replica dropped, a disk copy
+        kept under a lease)."""
+        self.core.refused(key, at_ms)
+        back = self._held_back.pop(key, None)
+        if back is not None:
+            self._republished(key, back[0], at_ms, back[1])
 
     def _expire_lost_links(self, at_ms: int) -> None:
         """Unlink the lost groups whose keep time ended by `at_ms` and that are not back, at most
@@ -455,6 +490,7 @@ class GroupRecords:
     def _moved(self, chain: bytes, segment_id: str, at_ms: int) -> None:
         """The group's bytes on `segment_id` are in its disk tier now: the same group, another pool
         (`EvictionCore.retiered`: its rank kept, no eviction counted)."""
+        self._held_back.pop(chain, None)  # (the demotion's own move: as the drop's republish says)
         held = self._held.get(chain)
         if held is None or chain not in self.core:
             return
@@ -473,6 +509,7 @@ class GroupRecords:
         """A disk pool's victim that kept its arena replicas (a head copied to disk, evicted with
         tier "ssd": the directory freed only its disk replicas): the same group, in its arena
         pools only, resident again (`EvictionCore.retiered`: its rank kept, no eviction counted)."""
+        self._held_back.pop(chain, None)  # (as the directory's republish after the drop says)
         held = self._held.get(chain)
         if held is None or chain not in self.core:
             return

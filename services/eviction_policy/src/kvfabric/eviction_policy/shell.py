@@ -250,6 +250,7 @@ class EvictionShell(GroupRecords):
         # the prefix order across tiers itself (`_with_disk_tails`).
         self._children: dict[bytes, set[bytes]] = {}
         self._parent: dict[bytes, bytes] = {}
+        self._held_back: dict[bytes, tuple[dict[str, int], int]] = {}  # see `GroupRecords._stays`
         self._lost_until: dict[bytes, int] = {}  # see `GroupRecords`
         self._lost_links: deque[tuple[int, list[bytes]]] = deque()
         self._dropping: set[str] = set()  # pools of a lost segment being dropped (see `GroupRecords`)
@@ -578,8 +579,8 @@ class EvictionShell(GroupRecords):
         # 2026-12-05: it was evicted, its tail left where no lookup reaches it).
         staying = {c for c in chains if self.core.keeps_children(c)}
         for chain in staying:
-            self.core.refused(chain, at)
             self._decisions.record(chain, at, "kept", "its_tail_stays", pool_name, batch.reason)
+            self._stays(chain, at)
         if staying:  # (counted as refusals: `evict_refused_total`)
             chains = [c for c in chains if c not in staying]
             if not chains:
@@ -762,7 +763,7 @@ class EvictionShell(GroupRecords):
                 continue  # an event overtook the reply (e.g. its segment went down)
             if result.status in m.EVICT_STAYS:
                 self._decisions.record(chain, at, "stays", result.status)
-                self.core.refused(chain, at)
+                self._stays(chain, at)
             elif result.status == "disk_dropped":  # in its arena pools only now
                 self._disk_dropped(chain, at)
             else:
@@ -1187,7 +1188,7 @@ class EvictionShell(GroupRecords):
         what = "demoted" if outcome == "demoted" else "not_demoted"
         self._decisions.record(chain, self._driver.now_ms(), what, outcome, ssd_pool(segment_id))
         if outcome != "demoted" and self.core.is_evicting(chain):
-            self.core.refused(chain, self._driver.now_ms())  # leased (copied) or failed: later again
+            self._stays(chain, self._driver.now_ms())  # leased (copied) or failed: later again
 
     async def _demote_request(
         self,
@@ -1237,7 +1238,7 @@ class EvictionShell(GroupRecords):
         for chain in chains:
             if self.core.is_evicting(chain):
                 self._decisions.record(chain, at, "stays", why)
-                self.core.refused(chain, at)
+                self._stays(chain, at)
 
     def _dir(self) -> DirectoryRouter:
         if self._router is None:

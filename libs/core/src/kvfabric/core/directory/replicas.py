@@ -17,6 +17,13 @@ refused (a repair must not fail on a quota).
 `corrupt`: that replica is freed; a member left without any makes its group unreadable at once
 (the sweep invalidates it). `cold` / `demoted`: a healthy replica nobody needs, never a member's
 last; a demoted one is kept while its group is leased or pinned (a reader may hold only it).
+Events: a group that stays published after any drop is published again (`republished`: its
+live placements now, so a consumer counting its bytes per segment, the eviction policy's pools
+and the router's index, follows; a `corrupt` drop emits `under_replicated` after it, for
+repair), and so is one whose `demoted` drop is refused under a lease while the segment's disk
+copy is in the record (its confirm published nothing: the drop was to). Before 2026-12-06 only a
+`demoted` drop published: the policy counted a corrupt or drained replica's freed bytes on its
+segment for as long as it tracked the group, and never the disk copy a lease kept.
 
 ## Many at once (`replicate_begin_many`, `replica_corrupt_many`)
 Up to `REPLICA_BATCH_MAX` keys of this shard in one request (a segment demotes a batch): the
@@ -294,14 +301,19 @@ class ReplicaTable:
             if req.reason == "demoted" and self.published.held(gid):
                 # a reader leased it with a lookup that may name only this replica: not under it
                 ctx.count("demote_drop_refused_leased_total")
-                return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False))
+                if any(r.placement == placement and tier_of_slot(r.slot) == "ssd" for r in left):
+                    # The disk copy joined the record at its confirm, which published nothing (this
+                    # drop was to): published again with it, or consumers never learn it is there.
+                    effects.append(self.published.republished(gid, group))
+                return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False), effects)
             self.published.replace_member(
                 gid, group, MemberRecord(*mem.member, mem.size_bytes, mem.checksum, left)
             )
             self.frees.free(bad, mem.size_bytes, tenant, effects, key=req.key)
             ctx.count("replicas_dropped_total")
-            if req.reason == "demoted":  # its bytes changed tier: consumers (the policy) follow
-                effects.append(self.published.republished(gid, unpack_group(self.published.records[gid])))
+            # its bytes changed tier (demoted) or left that segment (drained, cold_extra; the
+            # copies repair or prefetch made, which published nothing, are in it): consumers follow
+            effects.append(self.published.republished(gid, unpack_group(self.published.records[gid])))
             return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=True), effects)
         ctx.count("replicas_corrupt_total")
         if not left:  # its only good copy is gone: nobody may read the group any more
@@ -312,6 +324,9 @@ class ReplicaTable:
         )
         self.frees.free(bad, mem.size_bytes, tenant, effects, key=req.key)
         self.published.queue_sweep(gid)  # gone entirely if that was the member's last replica
+        if any(self.segments.live(r.placement) for r in left):  # (else the sweep invalidates it)
+            # published again without the dropped replica, as any drop (module docstring)
+            effects.append(self.published.republished(gid, unpack_group(self.published.records[gid])))
         effects.append(
             EmitEvent("under_replicated", m.GroupUnderReplicated(group=chain_of(gid), domain=domain_of(gid)))
         )
