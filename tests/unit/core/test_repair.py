@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric.core.repair import DrainComplete, Effect, RepairConfig, RepairCore, StartCopy
+from kvfabric.core.repair import CancelCopy, DrainComplete, Effect, RepairConfig, RepairCore, StartCopy
 from kvfabric.format.invariant import InvariantViolation
 
 MB = 1 << 20
@@ -197,7 +197,9 @@ def test_a_drain_stopped_aborts_its_copies_at_once_whatever_waits_for_a_recount(
     assert core.counters["copies_aborted_total"] == 2
     assert not any(core.copy_ok(c.copy_id) for c in first)
     core.check_invariants()
-    for now in range(1, 40):
+    cancels = {CancelCopy(c.copy_id, c.object_id) for c in first}
+    assert set(core.tick(1)) == cancels  # the shell stops them: no replica past the target lands
+    for now in range(2, 40):
         assert core.tick(now) == []
     assert core.gauges()["recounts_pending"] == 0 and core.gauges()["objects_below_target"] == 0
     core.check_invariants()
@@ -392,8 +394,10 @@ def test_a_draining_segment_is_never_a_destination_and_aborts_copies_to_it() -> 
     core.object_known("o", size_bytes=MB, replica_target=2, segments=["a"])
     copy = only_copy(core.tick(0))
     core.segment_draining(copy.destination)
-    assert core.copy_ok(copy.copy_id) is False  # stale: the shell frees the copied bytes
-    (again,) = copies(core.tick(1))
+    assert core.copy_ok(copy.copy_id) is False  # stale: a replica there would not count
+    effects = core.tick(1)
+    assert effects[0] == CancelCopy(copy.copy_id, "o")  # its ticket given back before it lands
+    (again,) = copies(effects)
     assert again[2] not in (copy.destination, "a")
     core.check_invariants()
 
@@ -404,7 +408,8 @@ def test_an_object_with_no_replica_left_is_lost_and_counted() -> None:
     copy = only_copy(core.tick(0))
     core.segment_down("a")  # its only source: the copy is aborted, nothing can bring o back
     assert "o" not in core and core.counters["objects_lost_total"] == 1
-    assert core.copy_ok(copy.copy_id) is False and core.tick(1) == []
+    assert core.copy_ok(copy.copy_id) is False and core.tick(1) == [CancelCopy(copy.copy_id, "o")]
+    assert core.tick(2) == []
     core.object_known("p", size_bytes=MB, replica_target=2, segments=["gone"])  # unknown segment
     assert "p" not in core and core.counters["objects_lost_total"] == 2
     core.check_invariants()
@@ -429,7 +434,9 @@ def test_a_copy_without_result_times_out_and_a_late_result_is_stale() -> None:
     core.object_known("o", size_bytes=MB, replica_target=2, segments=["a"])
     first = only_copy(core.tick(0))
     assert core.tick(999) == []
-    second = only_copy(core.tick(1_000))  # timed out (indeterminate): retried at once here
+    # timed out (indeterminate): cancelled (a late confirm is refused), retried at once here
+    cancel, second = core.tick(1_000)
+    assert cancel == CancelCopy(first.copy_id, "o") and isinstance(second, StartCopy)
     assert core.counters["copies_timed_out_total"] == 1
     assert core.copy_ok(first.copy_id) is False  # late: stale
     assert core.copy_ok(second.copy_id) is True
@@ -444,7 +451,8 @@ def test_a_replica_appearing_elsewhere_aborts_the_redundant_copy() -> None:
     copy = only_copy(core.tick(0))
     core.object_known("o", size_bytes=MB, replica_target=2, segments=["a", "b"])  # directory re-sync
     assert core.counters["copies_aborted_total"] == 1 and core.copy_ok(copy.copy_id) is False
-    assert core.tick(1) == []
+    assert core.tick(1) == [CancelCopy(copy.copy_id, "o")]  # the shell stops it: no surplus replica
+    assert core.tick(2) == []
     core.check_invariants()
 
 
@@ -454,7 +462,8 @@ def test_a_corrupt_source_aborts_its_copy_and_repair_uses_another() -> None:
     copy = only_copy(core.tick(0))
     core.replica_lost("o", copy.source, corrupt=True)  # scrub found a checksum mismatch
     assert core.counters["replicas_corrupt_total"] == 1 and core.copy_ok(copy.copy_id) is False
-    again = only_copy(core.tick(1))
+    cancel, again = core.tick(1)  # the aborted copy cancelled before the next one starts
+    assert cancel == CancelCopy(copy.copy_id, "o") and isinstance(again, StartCopy)
     assert again.source != copy.source and again.source in core.replicas("o")
     core.check_invariants()
 

@@ -5,9 +5,10 @@ evictions), copy results (ok, failed, late, duplicate) and ticks. After every st
 invariants, and against the model: every copy planned is within the in-flight cap, the bandwidth
 budget over every window, the replica target and the destination's room, goes to the widest
 failure domain with room and reads from a non-draining replica when one exists; a copy result
-is accepted exactly when the model still wants that copy. Teardown is a fault-free phase with
-room everywhere: every object with a replica left converges to its target (or to every eligible
-segment) and every drain completes.
+is accepted exactly when the model still wants that copy, and every copy the model stops
+wanting without its result (dropped, or timed out) is cancelled once, by the next tick. Teardown
+is a fault-free phase with room everywhere: every object with a replica left converges to its
+target (or to every eligible segment) and every drain completes.
 
 `TestDeferredRecountMachine` runs the same machine with one recount per event or tick
 (`recounts_per_step=1`, FIFO deduplicated at every chance): a drain flag change or a segment
@@ -27,7 +28,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvfabric.core.repair import DrainComplete, Effect, RepairConfig, RepairCore, StartCopy
+from kvfabric.core.repair import CancelCopy, DrainComplete, Effect, RepairConfig, RepairCore, StartCopy
 
 DOMAINS = {  # segment -> (zone, rack, host): several segments share a zone, a rack or a host
     "s0": ("z0", "r0", "h0"),
@@ -81,6 +82,7 @@ class RepairMachine(RuleBasedStateMachine):
         self.objects: dict[int, tuple[int, int]] = {}  # id -> (size, target)
         self.replicas: dict[int, set[str]] = {}
         self.live: dict[int, StartCopy] = {}  # copies the model still wants
+        self.dropped: dict[int, StartCopy] = {}  # no longer wanted without a result: to cancel
         self.started_ms: dict[int, int] = {}
         self.unreported: set[int] = set()  # copy ids the shell owes a result for
         self.reported: set[int] = set()
@@ -116,7 +118,7 @@ class RepairMachine(RuleBasedStateMachine):
                 or c.destination in self.replicas[o]
                 or len(self.healthy(o)) + 1 > self.objects[o][1]
             ):
-                del self.live[copy_id]
+                self.dropped[copy_id] = self.live.pop(copy_id)
 
     def down(self, segment: str) -> None:
         self.down_pending |= {o for o, r in self.replicas.items() if segment in r and segment in self.free}
@@ -151,6 +153,11 @@ class RepairMachine(RuleBasedStateMachine):
         self.unreported.add(c.copy_id)
         self.starts.append((self.now, c.size_bytes))
 
+    def check_cancel(self, c: CancelCopy) -> None:
+        dropped = self.dropped.pop(c.copy_id, None)
+        assert dropped is not None, "cancelled a copy still wanted, or twice"
+        assert c.object_id == dropped.object_id
+
     def check_drain(self, d: DrainComplete) -> None:
         s = d.segment_id
         assert s in self.draining and s not in self.drain_reported, "drain reported twice"
@@ -172,8 +179,11 @@ class RepairMachine(RuleBasedStateMachine):
         for effect in effects:
             if isinstance(effect, StartCopy):
                 self.check_start(effect)
+            elif isinstance(effect, CancelCopy):
+                self.check_cancel(effect)
             else:
                 self.check_drain(effect)
+        assert not self.dropped, "a copy dropped was never cancelled"
         self.check_budget()
 
     # ---- rules -----------------------------------------------------------------------------
@@ -305,7 +315,7 @@ class RepairMachine(RuleBasedStateMachine):
     def tick_for(self, step_ms: int) -> list[Effect]:
         self.now += step_ms
         for copy_id in [i for i in self.live if self.now - self.started_ms[i] >= CONFIG.copy_timeout_ms]:
-            del self.live[copy_id]  # timed out: a failed attempt
+            self.dropped[copy_id] = self.live.pop(copy_id)  # timed out: a failed attempt
         # The queues kept as objects change plan what sorting every object below target plans
         # (a twin with both queues rebuilt from scratch: the order before they were kept).
         self.down_pending &= set(self.core._recounts)

@@ -10,7 +10,7 @@ performs the effects it returns. One entry takes them all: `step(event, now_ms) 
              object_known(id, size_bytes, replica_target, segments, hot=0)
              replica_lost(id, segment_id, corrupt=False)    object_removed(id)
              copy_ok(copy_id) -> bool    copy_failed(copy_id, now_ms, source_failed=False)
-    tick     tick(now_ms) -> [StartCopy | DrainComplete]
+    tick     tick(now_ms) -> [CancelCopy | StartCopy | DrainComplete]
     read     counters (plain, monotonic: the shell exports them), gauges(), replicas(id),
              drain_pending(id), tokens_bytes, check_invariants()
 
@@ -66,8 +66,9 @@ before its replacement is confirmed and registered.
     BELOW --tick picks it--> COPYING (exactly one copy in flight)
     COPYING --copy_ok--> OK | BELOW
     COPYING --source or destination gone or draining, or target met elsewhere--> aborted, no backoff
+        (CancelCopy at the next tick: "Ownership")
     COPYING --copy_failed (source_failed: the next copy reads another replica if it has one),
-        or no result within copy_timeout_ms--> BACKOFF (retry_backoff_ms x 2^k,
+        or no result within copy_timeout_ms (CancelCopy)--> BACKOFF (retry_backoff_ms x 2^k,
         capped) --> BELOW; after attempts_max failures in a row: STUCK (counted) for
         stuck_retry_ms, then BELOW with a fresh set of attempts
     any --its last readable replica gone--> LOST: counted and forgotten (no copy can help);
@@ -113,18 +114,26 @@ at once.
 7. Planning misses no object: every object below target without a copy (and not oversize) has
    a current entry in the ready queue, or one in the waiting queue at its retry time, or waits
    for a recount (which queues it).
+8. Cancels: every copy the core dropped without the shell's result (aborted, timed out) is
+   reported once, as a CancelCopy at the next tick: the copies in flight and those waiting for
+   their CancelCopy are distinct, and together at most copies_in_flight_max.
 
 ## Ownership
 The directory is the source of truth for replicas; `object_known` replaces the core's view of
 one object (the shell re-syncs with it at start and after gaps). Segment reports must come
 before objects naming them: replicas on unknown segments are ignored (counted). A StartCopy's
-copy id belongs to the shell until it reports exactly one `copy_ok` or `copy_failed`; a result
-for a copy the core no longer tracks (aborted, timed out, duplicate) is stale: `copy_ok` then
-returns False and the shell frees the copied bytes instead of registering the replica (the
-segments' orphan reclaim catches whatever is lost on the way). Copy ids are unique within one
-core instance: the shell qualifies them with its instance id on the wire. Tokens spent on a
-copy that fails are not refunded. Scrub reports a corrupt replica with
-`replica_lost(..., corrupt=True)`.
+copy id belongs to the shell until it reports exactly one `copy_ok` or `copy_failed`, or the
+core drops the copy (aborted: no longer wanted; or timed out) and says so with a
+`CancelCopy(copy_id)` at its next tick. The shell then stops that copy and gives its ticket
+back, so the destination's confirm, if still on its way, is refused and the segment frees what
+it wrote: a copy the core no longer wants does not land as a replica past the target (before
+2026-12-06 it ran on and landed, kept until eviction: review). It must not start a copy of the
+same object until the cancelled one has ended (the directory aborts a writer's tickets of an
+object by key). A confirm that reached the directory before the cancel stays a replica; the
+shell's later result for it is stale (`copy_ok` returns False), as is any result for a copy
+the core no longer tracks (aborted, timed out, duplicate). Copy ids are unique within one core
+instance. Tokens spent on a copy that fails are not refunded. Scrub reports a corrupt replica
+with `replica_lost(..., corrupt=True)`.
 """
 
 from __future__ import annotations
@@ -143,7 +152,7 @@ from kvfabric.core.repair_events import RepairEvent, RepairOutput
 from kvfabric.core.step import not_before
 from kvfabric.format.invariant import invariant, unreachable
 
-__all__ = ["DrainComplete", "Effect", "RepairConfig", "RepairCore", "StartCopy"]
+__all__ = ["CancelCopy", "DrainComplete", "Effect", "RepairConfig", "RepairCore", "StartCopy"]
 
 ObjectId: TypeAlias = Hashable
 
@@ -187,7 +196,17 @@ class DrainComplete:
     segment_id: str
 
 
-Effect: TypeAlias = StartCopy | DrainComplete
+@dataclass(frozen=True, slots=True)
+class CancelCopy:
+    """The core dropped copy `copy_id` of `object_id` without its result (no longer wanted, or
+    timed out): stop it and give its ticket back, then copy that object again only once it
+    ended (module docstring, "Ownership")."""
+
+    copy_id: int
+    object_id: ObjectId
+
+
+Effect: TypeAlias = CancelCopy | StartCopy | DrainComplete
 
 
 @dataclass(slots=True)
@@ -270,6 +289,7 @@ class RepairCore:
         self._stuck_below = 0
         self._oversize_below = 0
         self._copies: dict[int, _Copy] = {}
+        self._cancels: list[CancelCopy] = []  # copies dropped since the last tick (invariant 8)
         # Milli-bytes, time in ms (rate: bytes/s = milli-bytes/ms): integer-valued floats, exact.
         self._budget = TokenBucket.full(config.bandwidth_bytes_per_s, config.burst_bytes * 1000, now_ms)
         self._now_ms = now_ms
@@ -529,17 +549,21 @@ class RepairCore:
     # ---- tick ------------------------------------------------------------------------------
 
     def tick(self, now_ms: int) -> list[Effect]:
-        """Time out copies, refill the budget, start copies in priority order, report drains."""
+        """Time out copies, refill the budget, start copies in priority order, report drains;
+        the copies dropped since the last tick (aborted or timed out) come first, cancelled."""
         self._advance(now_ms)
         self._budget.refill(now_ms)
         for copy in [
             c for c in self._copies.values() if now_ms - c.started_ms >= self.config.copy_timeout_ms
         ]:
             self._count("copies_timed_out_total")
+            self._cancels.append(CancelCopy(copy.copy_id, copy.object_id))
             self._end(copy)
             self._failed(self._objects[copy.object_id], now_ms)
         allowance = self.config.recounts_per_step - self._recount(self.config.recounts_per_step)
-        effects: list[Effect] = list(self._plan(now_ms, allowance))
+        started = self._plan(now_ms, allowance)
+        effects: list[Effect] = [*self._cancels, *started]
+        self._cancels = []
         for segment_id, seg in self._segments.items():
             if seg.draining and not seg.drain_reported and not self._recounts and self._drained(segment_id):
                 seg.drain_reported = True
@@ -748,8 +772,10 @@ class RepairCore:
         self._wait(obj)
 
     def _abort(self, copy: _Copy) -> None:
-        """Forget a copy that is no longer wanted (not the object's fault: no backoff)."""
+        """Forget a copy that is no longer wanted (not the object's fault: no backoff); the next
+        tick cancels it."""
         self._count("copies_aborted_total")
+        self._cancels.append(CancelCopy(copy.copy_id, copy.object_id))
         self._end(copy)
 
     def _end(self, copy: _Copy) -> None:
@@ -786,6 +812,10 @@ class RepairCore:
     def check_invariants(self) -> None:
         cfg = self.config
         invariant(len(self._copies) <= cfg.copies_in_flight_max, "too many copies in flight")
+        cancels = {c.copy_id for c in self._cancels}
+        invariant(len(cancels) == len(self._cancels), "a copy cancelled twice")
+        invariant(not cancels & self._copies.keys(), "a copy both in flight and cancelled")
+        invariant(len(self._copies) + len(cancels) <= cfg.copies_in_flight_max, "too many cancels")
         invariant(self._budget.capacity == cfg.burst_bytes * 1000, "token bucket out of bounds")
         self._budget.check()
         reserved: dict[str, int] = {}

@@ -4,7 +4,7 @@ entry point of `kvfabric.core.repair`, each the method of the same meaning.
     SegmentUp -> segment_up        SegmentDraining -> segment_draining    SegmentDown -> segment_down
     ObjectKnown -> object_known    ReplicaLost -> replica_lost            ObjectRemoved -> object_removed
     CopyOk -> copy_ok: [Reply(wanted)]    CopyFailed -> copy_failed(now_ms)
-    Tick -> tick(now_ms): [StartCopy | DrainComplete, ...]
+    Tick -> tick(now_ms): [CancelCopy | StartCopy | DrainComplete, ...]
 """
 
 from __future__ import annotations

@@ -17,6 +17,13 @@ the wall clock) returns copies within the bandwidth budget and in-flight cap; ea
 task: `kvfabric.cluster.replicas.copy_replica` (the directory's ticket, then the
 destination reads the bytes from the source over the data plane, verifies and confirms) →
 `copy_ok` / `CopyFailed` (fed through the driver: it carries the time). No payload crosses NATS.
+A copy the core dropped (no longer wanted, or timed out) comes back as a `CancelCopy`: its task
+is cancelled, which aborts its ticket, so the destination's confirm, if still on its way, is
+refused and the segment frees the bytes (it ran on and landed a replica past the target, kept
+until eviction: review, 2026-12-06). A later copy of the same object waits until that task has
+ended: the directory aborts a writer's tickets by key, and the abort of the old copy would
+otherwise kill the new one's ticket (on another destination, or the same ticket again on the
+same one: `replicate_begin` answers a retry with the ticket it issued).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.cluster.replicas import copy_replica
-from kvfabric.core.repair import DrainComplete, RepairCore, StartCopy
+from kvfabric.core.repair import CancelCopy, DrainComplete, RepairCore, StartCopy
 from kvfabric.core.repair_events import CopyFailed, RepairEvent, RepairOutput, Tick
 from kvfabric.format.clock import monotonic_ms
 from kvfabric.format.errors import KvfError, Unavailable
@@ -91,7 +98,8 @@ class RepairShell:
         self._tracked: set[bytes] = set()
         self._router: DirectoryRouter | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._copies: set[asyncio.Task[None]] = set()
+        self._copies: dict[int, asyncio.Task[None]] = {}  # copy id -> its task, until it ends
+        self._of_key: dict[bytes, set[asyncio.Task[None]]] = {}  # object key -> its copies not ended
         self._log = get_logger("kvfabric.repair")
         self.scans = 0
         self.below_target = 0  # objects below target at the last scan
@@ -116,9 +124,10 @@ class RepairShell:
 
     async def stop(self) -> None:
         await self._driver.stop()
-        for task in [*self._tasks, *self._copies]:
+        copies = list(self._copies.values())
+        for task in [*self._tasks, *copies]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._copies, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *copies, return_exceptions=True)
 
     # ---- scan --------------------------------------------------------------------------------
 
@@ -220,20 +229,41 @@ class RepairShell:
 
     async def _perform(self, effect: RepairOutput) -> None:
         """One effect of the core's `Tick`, in order."""
-        if isinstance(effect, StartCopy):
-            task = asyncio.create_task(self._copy(effect))
-            self._copies.add(task)
-            task.add_done_callback(self._copies.discard)
+        if isinstance(effect, CancelCopy):
+            cancelled = self._copies.get(effect.copy_id)
+            if cancelled is not None and not cancelled.done():
+                self._log.info("copy_cancelled", copy_id=effect.copy_id)
+                cancelled.cancel()  # `copy_replica` aborts its ticket on the way out
+        elif isinstance(effect, StartCopy):
+            assert isinstance(effect.object_id, bytes)
+            copy_id, key = effect.copy_id, effect.object_id
+            of_key = self._of_key.setdefault(key, set())
+            task = asyncio.create_task(self._copy(effect, frozenset(of_key)))
+            self._copies[copy_id] = task
+            of_key.add(task)
+            task.add_done_callback(lambda done: self._copy_ended(copy_id, key, done))
         elif isinstance(effect, DrainComplete):
             self.drains_complete.append(effect.segment_id)
             self._log.info("drain_complete", segment_id=effect.segment_id)
 
-    async def _copy(self, start: StartCopy) -> None:
+    def _copy_ended(self, copy_id: int, key: bytes, task: asyncio.Task[None]) -> None:
+        self._copies.pop(copy_id, None)
+        of_key = self._of_key.get(key)
+        if of_key is not None:
+            of_key.discard(task)
+            if not of_key:
+                del self._of_key[key]
+
+    async def _copy(self, start: StartCopy, after: frozenset[asyncio.Task[None]] = frozenset()) -> None:
+        """Run one copy and report its result; `after`: the object's earlier copies not ended
+        (cancelled by the core): this one begins once they have (their tickets aborted; module
+        docstring)."""
         assert isinstance(start.object_id, bytes)
         source_failed = False
         try:
-            # The copy's own requests time out first (and abort); this only bounds the whole.
-            ok = await asyncio.wait_for(self._copy_once(start), 2 * self.copy_timeout_s + 1)
+            # The copy's own requests time out first (and abort); this only bounds the whole
+            # (the wait for `after` included: within the core's timeout of the copy).
+            ok = await asyncio.wait_for(self._copy_after(start, after), 2 * self.copy_timeout_s + 1)
         except (KvfError, TimeoutError) as exc:
             # The destination says which failures were its source's (a refused or expired read
             # token, an unreachable source: `source_addr`): the next copy reads another replica.
@@ -249,9 +279,16 @@ class RepairShell:
         if ok:
             self.bytes_copied += start.size_bytes
             if not self.core.copy_ok(start.copy_id):
-                self._log.info("copy_not_wanted_any_more", copy_id=start.copy_id)  # an extra replica
+                # Confirmed before the core dropped it (or before its cancel got here): a replica
+                # the directory took, maybe past the target (kept until eviction).
+                self._log.info("copy_not_wanted_any_more", copy_id=start.copy_id)
         else:
             await self._driver.feed(CopyFailed(start.copy_id, source_failed=source_failed))
+
+    async def _copy_after(self, start: StartCopy, after: frozenset[asyncio.Task[None]]) -> bool:
+        if after:
+            await asyncio.wait(after)
+        return await self._copy_once(start)
 
     async def _copy_once(self, start: StartCopy) -> bool:
         assert isinstance(start.object_id, bytes)
