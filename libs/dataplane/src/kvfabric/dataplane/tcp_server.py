@@ -297,6 +297,10 @@ class TcpDataServer:
                 if not authenticated:
                     self._admit(conn, header.request_id, meta)
                     authenticated = True
+                    # The rest of this request runs as any later one's does (the frame timeout),
+                    # not within what is left of the auth deadline: a first GET's disk read or a
+                    # staged PUT's file read was cut off at 1 s from the accept.
+                    self._deadline(conn, limits.frame_timeout_ms, "frame_timeout")
                 try:
                     self._dispatch(conn, sock, header.op, header.request_id, meta)
                 except _PutRefused as refused:
