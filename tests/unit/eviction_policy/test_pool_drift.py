@@ -240,3 +240,39 @@ def test_a_republish_held_back_is_dropped_when_the_victim_is_demoted_or_gone() -
     assert sh._held_back == {}
     assert sh._held[A + chain(1)][2] == {"s1#ssd": 10} and A + chain(2) not in sh.core
     sh.core.check_invariants()
+
+
+def test_a_held_back_republish_does_not_bring_back_a_pool_of_a_segment_gone_since() -> None:
+    """A republish of a victim naming s3 (a repair copy) is held back; s3 goes down; the victim
+    stays: the held-back pools lose s3 as the records did, so no ghost bytes are counted on s3
+    (review of the hold-back, 2026-12-06)."""
+    sh = policy(low_watermark=0.01)
+    for s in ("s1", "s3"):
+        sh.apply(m.SegmentUp(segment_id=s, incarnation=1, capacity_bytes=10 if s == "s1" else 1000), 0)
+    sh.apply(published(1, s1=10), 1)
+    (batch,) = sh.core.tick(3)
+    victim = A + chain(1)
+    assert isinstance(batch, EvictBatch) and batch.victims == (victim,)
+    sh.apply(published(1, s1=10, s3=10), 4)  # a drop elsewhere; repair's copy on s3 is in it
+    assert victim in sh._held_back
+    sh.apply(m.SegmentDown(segment_id="s3", incarnation=1, reason="lease_expired"), 5)
+    sh._stays(victim, 6)  # its batch answers: leased, it stays
+    assert "s3" not in sh._held[victim][2], "a pool of a segment that is down came back"
+
+
+def test_a_demotion_applies_a_held_back_republish_that_already_shows_it() -> None:
+    """While s1's demotion is out, s2's replica is scrubbed (republish: s1 only), then the
+    demotion's drop (republish: s1's disk only): both held back. The `demoted` answer moves the
+    group and then applies the newer word, so s2's freed bytes are not counted any more (review
+    of the hold-back, 2026-12-06: the move discarded it)."""
+    sh = policy(low_watermark=0.01)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=10), 0)
+    sh.apply(m.SegmentUp(segment_id="s2", incarnation=1, capacity_bytes=1000), 0)
+    sh.apply(published(1, s1=10, s2=10), 1)
+    (batch,) = sh.core.tick(3)
+    victim = A + chain(1)
+    assert isinstance(batch, EvictBatch) and batch.victims == (victim,) and batch.pool == "s1"
+    sh.apply(published(1, s1=10), 4)
+    sh.apply(msgspec.structs.replace(published(1, s1=10), disk_placements=[m.SegmentBytes("s1", 10)]), 5)
+    sh._moved(victim, "s1", 6)  # the answer: demoted
+    assert sh._held[victim][2] == {"s1#ssd": 10}, "s2's dropped replica still counted"

@@ -243,3 +243,64 @@ async def test_a_copy_waits_for_every_earlier_copy_of_its_object_not_only_the_la
     assert third.destination in c.holders(k) and third.destination in core.replicas(k)
     assert not shell._copies and not shell._of_key
     await shell.stop()
+
+
+async def test_a_cancelled_copy_whose_abort_is_slow_does_not_abort_the_next_copy(
+    cluster: MakeCluster,
+) -> None:
+    """The old copy's request failed and its `put_abort` is slow (the directory busy); the core
+    drops the copy and starts the next one. The cancel must not end the old task before its
+    abort is answered: an abort left to run on its own landed after the next copy's
+    `replicate_begin` and aborted its ticket (review, 2026-12-06)."""
+    c, k = cluster(2)
+    shell, core = repair_shell(c, k, target=3)
+    c.abort_gate = asyncio.get_running_loop().create_future()
+    (first,) = await tick(shell)
+    (old_job,) = c.jobs
+    old_job.gate.set_exception(Unavailable("destination gone"))  # the copy fails: a slow abort starts
+    await settle()
+    core.segment_draining(first.destination)  # the core drops the copy
+    (second,) = await tick(shell)  # CancelCopy(first), then StartCopy(second)
+    await settle()
+    c.abort_gate.set_result(None)  # the old copy's abort lands now
+    await settle()
+    if len(c.jobs) == 2:
+        c.jobs[1].gate.set_result(None)
+        await settle()
+    assert second.destination in c.holders(k), "the old copy's abort killed the next copy's ticket"
+    await shell.stop()
+
+
+async def test_a_copy_cancelled_before_it_read_its_granted_ticket_aborts_it(cluster: MakeCluster) -> None:
+    """The directory granted `replicate_begin` (a ticket, its reservation) but the copy was
+    cancelled before it read the answer: the ticket is aborted at once, not left to its deadline
+    (review, 2026-12-06: the abort covered only the segment's copy request)."""
+    c, k = cluster(2)
+    holders = c.holders(k)
+    destination = next(s for s in SEGMENTS if s not in holders)
+    answered = asyncio.get_running_loop().create_future()
+    plain_ask = c.ask
+
+    async def ask(shard: int, verb: str, message: Any, timeout_s: float) -> Any:
+        if verb == "replicate_begin":
+            reply = c.directory.handle(message, 0).reply  # granted ...
+            await answered  # ... and the answer not read yet
+            return reply
+        return await plain_ask(shard, verb, message, timeout_s)
+
+    c.ask = ask  # type: ignore[method-assign]
+    copy = asyncio.create_task(
+        replicas.copy_replica(
+            c,  # type: ignore[arg-type]
+            key=k,
+            destination=destination,
+            writer_id="repair",
+            request_id="copy-1",
+            timeout_s=5.0,
+        )
+    )
+    await settle()
+    copy.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await copy
+    assert c.aborted == 1, "the granted ticket was left to its deadline"

@@ -41,27 +41,30 @@ async def copy_replica(
     segment refused the copy); returns the directory's verdict otherwise."""
     nc = router.nc
     shard = router.shard_of(key)
-    reply = await router.ask(
-        shard,
-        "replicate_begin",
-        m.ReplicateBegin(
-            writer_id=writer_id,
-            request_id=request_id,
-            key=key,
-            segment_id=destination,
-            write_ttl_ms=max(1, int(timeout_s * 1000)),
-        ),
-        timeout_s,
-    )
-    if not isinstance(reply, m.ReplicateBeginReply):
-        return "failed"
-    if reply.status != "placed":
-        return reply.status
-    if reply.ticket is None or not reply.sources:
-        return "failed"
-    source = next((r for r in reply.sources if r.segment_id == preferred_source), reply.sources[0])
     copied: SegmentMessage | None = None
+    placed = True  # until the directory says it placed nothing: a cancelled or timed-out
+    # replicate_begin may have been granted (its ticket would hold a reservation until its deadline)
     try:
+        reply = await router.ask(
+            shard,
+            "replicate_begin",
+            m.ReplicateBegin(
+                writer_id=writer_id,
+                request_id=request_id,
+                key=key,
+                segment_id=destination,
+                write_ttl_ms=max(1, int(timeout_s * 1000)),
+            ),
+            timeout_s,
+        )
+        if not isinstance(reply, m.ReplicateBeginReply):
+            return "failed"
+        if reply.status != "placed":
+            placed = False
+            return reply.status
+        if reply.ticket is None or not reply.sources:
+            return "failed"
+        source = next((r for r in reply.sources if r.segment_id == preferred_source), reply.sources[0])
         copied = await request(
             nc,
             segment_subject(destination, "copy"),
@@ -78,9 +81,27 @@ async def copy_replica(
             timeout_s,
         )
     finally:
-        if not isinstance(copied, CopyReply):  # failed, timed out or cancelled: give the room back
-            await asyncio.shield(_abort(router, key, writer_id, request_id, timeout_s))
+        if placed and not isinstance(copied, CopyReply):  # failed, timed out or cancelled
+            await _abort_to_the_end(router, key, writer_id, request_id, timeout_s)
     return "copied"
+
+
+async def _abort_to_the_end(
+    router: DirectoryRouter, key: ObjectKey, writer_id: str, request_id: str, timeout_s: float
+) -> None:
+    """`_abort`, awaited until it is answered (bounded by `timeout_s`) even when the copy is
+    cancelled meanwhile, then the cancel passes on. Aborts are by key and writer: one left to
+    run on its own after its copy ended landed after the caller's next copy of the key began,
+    and aborted that copy's ticket (review, 2026-12-06)."""
+    abort = asyncio.ensure_future(_abort(router, key, writer_id, request_id, timeout_s))
+    cancelled = False
+    while not abort.done():
+        try:
+            await asyncio.shield(abort)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def _abort(

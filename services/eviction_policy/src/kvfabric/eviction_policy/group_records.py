@@ -232,6 +232,15 @@ class GroupRecords:
             self._dropping.difference_update(pools)
         if gone:
             self._lost_links.append((until, gone))
+        # A held-back republish may name the lost pools for a victim the core never had there
+        # (a repair copy the event reported first): applied later, it brought the pool back
+        # (review, 2026-12-06). Only current victims have entries: a short walk.
+        for gid in list(self._held_back):
+            back = self._held_back[gid][0]
+            for pool in pools:
+                back.pop(pool, None)
+            if not back:
+                del self._held_back[gid]
         self._disk_pools.discard(ssd_pool(event.segment_id))
         self._no_disk.discard(event.segment_id)
 
@@ -490,7 +499,15 @@ class GroupRecords:
     def _moved(self, chain: bytes, segment_id: str, at_ms: int) -> None:
         """The group's bytes on `segment_id` are in its disk tier now: the same group, another pool
         (`EvictionCore.retiered`: its rank kept, no eviction counted)."""
-        self._held_back.pop(chain, None)  # (the demotion's own move: as the drop's republish says)
+        # A republish held back meanwhile that already shows this move (no arena replica on that
+        # segment, its disk copy there) is the directory's newer word, other drops included (a
+        # replica scrubbed elsewhere meanwhile): applied after the move. One from before it is not.
+        back = self._held_back.pop(chain, None)
+        newer = (
+            back
+            if back is not None and segment_id not in back[0] and ssd_pool(segment_id) in back[0]
+            else None
+        )
         held = self._held.get(chain)
         if held is None or chain not in self.core:
             return
@@ -504,12 +521,17 @@ class GroupRecords:
         pools[ssd_pool(segment_id)] = min(disk + moved, group_bytes) if group_bytes else max(disk, moved)
         self._disk_pools.add(ssd_pool(segment_id))
         self.core.retiered(chain, pools=pools, parent=self._core_parent(chain, pools), now_ms=at_ms)
+        if newer is not None:
+            self._republished(chain, newer[0], at_ms, newer[1])
 
     def _disk_dropped(self, chain: bytes, at_ms: int) -> None:
         """A disk pool's victim that kept its arena replicas (a head copied to disk, evicted with
         tier "ssd": the directory freed only its disk replicas): the same group, in its arena
         pools only, resident again (`EvictionCore.retiered`: its rank kept, no eviction counted)."""
-        self._held_back.pop(chain, None)  # (as the directory's republish after the drop says)
+        # A republish held back meanwhile that already shows the drop (no disk pool) is the
+        # directory's newer word (as in `_moved`): applied after it.
+        back = self._held_back.pop(chain, None)
+        newer = back if back is not None and not any(is_ssd_pool(p) for p in back[0]) else None
         held = self._held.get(chain)
         if held is None or chain not in self.core:
             return
@@ -520,6 +542,8 @@ class GroupRecords:
         self._decisions.record(chain, at_ms, "disk_dropped", "evicting", pools_text(pools))
         if pools:  # (the shell asks tier "ssd" only for a group its records know in an arena)
             self.core.retiered(chain, pools=pools, parent=self._core_parent(chain, pools), now_ms=at_ms)
+            if newer is not None:
+                self._republished(chain, newer[0], at_ms, newer[1])
         else:  # nothing left anywhere: gone from the policy
             self._untrack(chain)
 
