@@ -10,9 +10,11 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -53,16 +55,22 @@ COEFFICIENTS = {
 
 @contextlib.contextmanager
 def fake_engine(name: str, port: int, *models_sleep_and_pad: str) -> Iterator[ServiceProcess]:
+    # The repository root on the path: `tests.` is importable whatever pytest's working directory
+    # (run from tests/integration, the engine never started and every route named A alone).
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     proc = ServiceProcess.python_module(
-        "tests.integration.fake_engine", str(port), name, *models_sleep_and_pad
+        "tests.integration.fake_engine", str(port), name, *models_sleep_and_pad, env=env
     )
     proc.start()
     try:
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        while True:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
+            if time.monotonic() > deadline or proc.returncode is not None:
+                pytest.fail(f"fake engine {name} did not start: {proc.output_tail(20)}")
             time.sleep(0.1)
         yield proc
     finally:
