@@ -107,6 +107,16 @@ GROUP_CACHE_MS_DEFAULT: Final = 10_000  # how long a shown group is trusted (the
 # a group's readable objects as shown: (object id, size in bytes, holders: the one read first)
 _GroupObjects = tuple[tuple[bytes, int, tuple[str, ...]], ...]
 WRITER_ID: Final = "prefetch"
+
+
+def copy_writer_id(target: str) -> str:
+    """The writer a copy onto `target` names. The directory aborts a writer's tickets by key, and
+    the core runs at most one copy per (object, target) but may run copies of one object to two
+    targets at once (two engine hosts' hints): with one writer for all, the failed one's abort took
+    the other's ticket too, and that copy failed (review, 2026-12-06). ≤ 9 + 64 characters."""
+    return f"{WRITER_ID}-{target}"
+
+
 # Ended hints' leases are given back off the ticker, this many requests at once; at `stop` for
 # at most `RELEASE_STOP_S` (a release lost expires on its own: TTL <= the hint's deadline).
 RELEASES_AT_ONCE: Final = 16
@@ -348,7 +358,7 @@ class PrefetchShell:
                     self._dir(),
                     key=ObjectKey(start.object_id),  # the core's object ids are object keys
                     destination=start.target,
-                    writer_id=WRITER_ID,
+                    writer_id=copy_writer_id(start.target),
                     request_id=f"prefetch-{start.copy_id}",
                     timeout_s=self.copy_timeout_s,
                     preferred_source=start.source,
