@@ -13,7 +13,12 @@ from kvfabric.core.segment_slots import HeldSlot
 from kvfabric.format.ids import DomainDigest
 from kvfabric.proto.segment import VerifyRequest
 from kvfabric.segment_storage.scrubber import CorruptObject
-from kvfabric.segment_storage.suspects import SUSPECTS_PENDING_MAX, VERIFIED_OK_HOLD_S, SuspectChecker
+from kvfabric.segment_storage.suspects import (
+    SUSPECTS_PENDING_MAX,
+    SUSPECTS_PER_REPORTER_MAX,
+    VERIFIED_OK_HOLD_S,
+    SuspectChecker,
+)
 
 ALICE = DomainDigest(bytes(range(16)))
 BOB = DomainDigest(bytes(range(1, 17)))
@@ -84,7 +89,8 @@ def test_the_queue_is_bounded_and_foreign_or_stale_reports_hash_nothing() -> Non
     async def main() -> None:
         backend, now = Backend(corrupt=set(range(100))), [0.0]
         suspects, reported = checker(backend, now)
-        queued = [suspects.suspect(request(s)) for s in range(SUSPECTS_PENDING_MAX + 10)]
+        reporters = [(ALICE, DomainDigest(bytes([i]) * 16)) for i in range(6)]  # 6 x 8 > 32
+        queued = [suspects.suspect(request(s, reporters[s % 6])) for s in range(SUSPECTS_PENDING_MAX + 10)]
         assert queued.count(True) == SUSPECTS_PENDING_MAX and suspects.refused == 10
         await settle(suspects)
         assert len(reported) == SUSPECTS_PENDING_MAX
@@ -123,3 +129,23 @@ def test_a_check_the_disk_tier_refuses_as_busy_is_tried_again() -> None:
 
     with patch.object(suspects_module, "BUSY_RETRY_S", 0.0):
         asyncio.run(main())
+
+
+def test_one_tenant_holds_at_most_its_share_of_the_queue() -> None:
+    """Alice reporting her own (good) objects fills her share, not the queue: bob's report of a
+    corrupt object of his is still queued and reported (review, 2026-12-06: 32 of alice's
+    reports refused everyone else's until they were hashed)."""
+
+    async def main() -> None:
+        backend, now = Backend(corrupt={99}), [0.0]
+        suspects, reported = checker(backend, now)
+        queued = [suspects.suspect(request(s)) for s in range(SUSPECTS_PENDING_MAX)]
+        assert queued.count(True) == SUSPECTS_PER_REPORTER_MAX < SUSPECTS_PENDING_MAX
+        backend.owner = BOB  # (every slot is bob's from here: the check reads it when hashing)
+        assert suspects.suspect(request(99, domains=(BOB,)))
+        await settle(suspects)
+        assert [f.slot for f in reported] == [99]
+        assert not suspects._queued_by  # nothing kept per reporter once drained
+        assert suspects.suspect(request(SUSPECTS_PENDING_MAX + 1))  # alice's share is free again
+
+    asyncio.run(main())

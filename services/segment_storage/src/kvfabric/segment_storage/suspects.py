@@ -9,7 +9,10 @@ reported to the directory like a scrubber finding (`replica_corrupt`): the repli
 and repair restores the target. A slot that is fine, or was freed or reused meanwhile, is left
 as it is: a forged report costs one re-hash.
 
-Bounds: at most `SUSPECTS_PENDING_MAX` slots wait (more are refused: `queued` false), one is
+Bounds: at most `SUSPECTS_PENDING_MAX` slots wait (more are refused: `queued` false), of them at
+most `SUSPECTS_PER_REPORTER_MAX` reported by one tenant (its share domains, as the directory
+relays them: one tenant reporting its own good objects filled the queue and every other tenant's
+report was refused; review, 2026-12-06), one is
 hashed at a time on a worker thread, a slot whose object lies outside the reporter's share
 domains (`VerifyRequest.domains`) is not hashed at all, a slot found fine is not hashed again for
 `VERIFIED_OK_HOLD_S` (at most `VERIFIED_OK_MAX` remembered), so a flood of reports of one good
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
@@ -32,9 +35,16 @@ from kvfabric.proto.segment import VerifyReply, VerifyRequest
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.scrubber import CorruptObject
 
-__all__ = ["SUSPECTS_PENDING_MAX", "VERIFIED_OK_HOLD_S", "VERIFIED_OK_MAX", "SuspectChecker"]
+__all__ = [
+    "SUSPECTS_PENDING_MAX",
+    "SUSPECTS_PER_REPORTER_MAX",
+    "VERIFIED_OK_HOLD_S",
+    "VERIFIED_OK_MAX",
+    "SuspectChecker",
+]
 
 SUSPECTS_PENDING_MAX: Final = 32
+SUSPECTS_PER_REPORTER_MAX: Final = SUSPECTS_PENDING_MAX // 4  # one tenant's share of the queue
 VERIFIED_OK_HOLD_S: Final = 10.0
 VERIFIED_OK_MAX: Final = 1024
 BUSY_RETRY_S: Final = 0.1  # a check the disk tier refused as busy is tried again after this
@@ -59,6 +69,7 @@ class SuspectChecker:
         self._clock_s = clock_s
         self._pending: deque[tuple[Slot, frozenset[bytes]]] = deque()
         self._queued: set[Slot] = set()
+        self._queued_by: Counter[frozenset[bytes]] = Counter()  # reporter's domains -> slots queued
         self._verified_ok: OrderedDict[Slot, float] = OrderedDict()  # -> when it was found fine
         self._worker: asyncio.Task[None] | None = None
         self.checked = 0
@@ -77,11 +88,17 @@ class SuspectChecker:
         found_ok = self._verified_ok.get(slot)
         if found_ok is not None and self._clock_s() - found_ok < VERIFIED_OK_HOLD_S:
             return False
-        if slot in self._queued or len(self._pending) >= SUSPECTS_PENDING_MAX:
+        reporter = frozenset(request.domains)
+        if (
+            slot in self._queued
+            or len(self._pending) >= SUSPECTS_PENDING_MAX
+            or self._queued_by[reporter] >= SUSPECTS_PER_REPORTER_MAX
+        ):
             self.refused += 1
             return False
-        self._pending.append((slot, frozenset(request.domains)))
+        self._pending.append((slot, reporter))
         self._queued.add(slot)
+        self._queued_by[reporter] += 1
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         return True
@@ -97,9 +114,9 @@ class SuspectChecker:
                 await asyncio.sleep(BUSY_RETRY_S)
                 continue
             except BaseException:
-                self._queued.discard(slot)
+                self._dequeued(slot, domains)
                 raise
-            self._queued.discard(slot)
+            self._dequeued(slot, domains)
             if verdict == "ok":
                 self._verified_ok[slot] = self._clock_s()
                 self._verified_ok.move_to_end(slot)
@@ -108,6 +125,12 @@ class SuspectChecker:
             if found is not None:
                 self.corrupt_found += 1
                 await self._report(found)
+
+    def _dequeued(self, slot: Slot, reporter: frozenset[bytes]) -> None:
+        self._queued.discard(slot)
+        self._queued_by[reporter] -= 1
+        if self._queued_by[reporter] <= 0:
+            del self._queued_by[reporter]  # (no entry per reporter ever seen)
 
     def _check(self, slot: Slot, domains: frozenset[bytes]) -> tuple[str, CorruptObject | None]:
         """Blocking (hashes one object): the verdict, and the corrupt object (freed already)."""
@@ -124,6 +147,7 @@ class SuspectChecker:
 
     async def stop(self) -> None:
         self._pending.clear()
+        self._queued_by.clear()
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
