@@ -147,5 +147,10 @@ def test_one_tenant_holds_at_most_its_share_of_the_queue() -> None:
         assert [f.slot for f in reported] == [99]
         assert not suspects._queued_by  # nothing kept per reporter once drained
         assert suspects.suspect(request(SUSPECTS_PENDING_MAX + 1))  # alice's share is free again
+        await settle(suspects)
+        # Reports with no domains (services; clients where tenants are off) are no tenant's: the
+        # whole queue is theirs, not a share.
+        untenanted = [suspects.suspect(request(s, domains=())) for s in range(SUSPECTS_PENDING_MAX)]
+        assert all(untenanted)
 
     asyncio.run(main())

@@ -10,8 +10,9 @@ and repair restores the target. A slot that is fine, or was freed or reused mean
 as it is: a forged report costs one re-hash.
 
 Bounds: at most `SUSPECTS_PENDING_MAX` slots wait (more are refused: `queued` false), of them at
-most `SUSPECTS_PER_REPORTER_MAX` reported by one tenant (its share domains, as the directory
-relays them: one tenant reporting its own good objects filled the queue and every other tenant's
+most `SUSPECTS_PER_REPORTER_MAX` reported by one reporter (its share domains, as the directory
+relays them; a report with none, a service's or any where tenants are off, is bounded by the
+queue alone: one tenant reporting its own good objects filled the queue and every other tenant's
 report was refused; review, 2026-12-06), one is
 hashed at a time on a worker thread, a slot whose object lies outside the reporter's share
 domains (`VerifyRequest.domains`) is not hashed at all, a slot found fine is not hashed again for
@@ -92,7 +93,9 @@ class SuspectChecker:
         if (
             slot in self._queued
             or len(self._pending) >= SUSPECTS_PENDING_MAX
-            or self._queued_by[reporter] >= SUSPECTS_PER_REPORTER_MAX
+            # (no domains: a service's report, or any client's where tenants are off: not a
+            # tenant to share against, the whole queue)
+            or (reporter and self._queued_by[reporter] >= SUSPECTS_PER_REPORTER_MAX)
         ):
             self.refused += 1
             return False
