@@ -80,26 +80,25 @@ def register(
     )
 
 
+def confirm_ticket(core: DirectoryCore, t: m.WriteTicket, slot: int, now: int) -> Outcome:
+    """The ticket's segment confirms what it stored for it at (`slot`, generation 1)."""
+    confirm = m.ReplicaConfirm(
+        ticket_id=t.ticket_id,
+        key=t.key,
+        slot=slot,
+        slot_generation=1,
+        size_bytes=t.size_bytes,
+        checksum=t.checksum,
+    )
+    return core.handle(
+        m.ConfirmReplicas(segment_id=t.segment_id, incarnation=t.incarnation, confirms=[confirm]), now
+    )
+
+
 def confirm_all(core: DirectoryCore, reply: m.PutBeginReply, now: int, slot_base: int = 0) -> None:
     for i, res in enumerate(reply.results):
         for t in res.tickets:
-            core.handle(
-                m.ConfirmReplicas(
-                    segment_id=t.segment_id,
-                    incarnation=t.incarnation,
-                    confirms=[
-                        m.ReplicaConfirm(
-                            ticket_id=t.ticket_id,
-                            key=t.key,
-                            slot=slot_base + i,
-                            slot_generation=1,
-                            size_bytes=t.size_bytes,
-                            checksum=t.checksum,
-                        )
-                    ],
-                ),
-                now,
-            )
+            confirm_ticket(core, t, slot_base + i, now)
 
 
 def put(

@@ -28,7 +28,7 @@ from kvfabric.format.ids import ObjectKey, pack_group_key
 from kvfabric.format.key import KVKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import SSD_SLOT_BASE, DemoteReply, DemoteRequest, DemoteResult, DemoteStatus
-from tests.unit.core.dirkit import confirm_all, groups, key, lookup, new_core, register, spec
+from tests.unit.core.dirkit import confirm_all, confirm_ticket, groups, key, lookup, new_core, register, spec
 from tests.unit.eviction_policy.test_demote_batch import NAMESPACE, FakeDirectory
 from tests.unit.eviction_policy.test_shell import A, chain, published
 
@@ -100,19 +100,8 @@ def test_a_drained_replica_dropped_moves_the_group_to_the_copy_repair_made() -> 
         m.ReplicateBegin(writer_id="repair", request_id="c", key=k, segment_id="s2"), 1
     ).reply
     assert isinstance(placed, m.ReplicateBeginReply) and placed.ticket is not None
-    follow(sh, confirmed(core, placed.ticket, slot=7), 1)
-    source = placed.sources[0]
-    out = core.handle(
-        m.ReplicaCorrupt(
-            segment_id="s1",
-            incarnation=1,
-            key=k,
-            slot=source.slot,
-            slot_generation=source.slot_generation,
-            reason="drained",
-        ),
-        2,
-    )
+    follow(sh, confirm_ticket(core, placed.ticket, slot=7, now=1), 1)
+    out = drop(core, k, placed.sources[0], "drained", 2)
     assert isinstance(out.reply, m.ReplicaCorruptReply) and out.reply.dropped
     follow(sh, out, 2)
     assert (sh.core.used_bytes("s1"), sh.core.used_bytes("s2")) == (0, SIZE)
@@ -120,24 +109,18 @@ def test_a_drained_replica_dropped_moves_the_group_to_the_copy_repair_made() -> 
     core.check_invariants()
 
 
-def confirmed(core: DirectoryCore, t: m.WriteTicket, slot: int) -> Outcome:
-    """The copy's segment confirms it (slot `slot`, generation 1)."""
+def drop(core: DirectoryCore, k: ObjectKey, replica: m.Replica, reason: str, now: int) -> Outcome:
+    """s1 drops its replica `replica` of `k` (a `replica_corrupt` with `reason`)."""
     return core.handle(
-        m.ConfirmReplicas(
-            segment_id=t.segment_id,
-            incarnation=t.incarnation,
-            confirms=[
-                m.ReplicaConfirm(
-                    ticket_id=t.ticket_id,
-                    key=t.key,
-                    slot=slot,
-                    slot_generation=1,
-                    size_bytes=t.size_bytes,
-                    checksum=t.checksum,
-                )
-            ],
+        m.ReplicaCorrupt(
+            segment_id="s1",
+            incarnation=1,
+            key=k,
+            slot=replica.slot,
+            slot_generation=replica.slot_generation,
+            reason=reason,
         ),
-        1,
+        now,
     )
 
 
@@ -156,20 +139,9 @@ def test_a_demoted_drop_refused_under_a_lease_publishes_the_disk_copy() -> None:
         m.ReplicateBegin(writer_id="demote:s1", request_id="d", key=k, segment_id="s1", tier="ssd"), 1
     ).reply
     assert isinstance(placed, m.ReplicateBeginReply) and placed.ticket is not None
-    follow(sh, confirmed(core, placed.ticket, slot=SSD_SLOT_BASE), 1)
+    follow(sh, confirm_ticket(core, placed.ticket, slot=SSD_SLOT_BASE, now=1), 1)
     lookup(core, [g], now=2)  # a reader's lease: the arena replica stays
-    arena = placed.sources[0]
-    out = core.handle(
-        m.ReplicaCorrupt(
-            segment_id="s1",
-            incarnation=1,
-            key=k,
-            slot=arena.slot,
-            slot_generation=arena.slot_generation,
-            reason="demoted",
-        ),
-        2,
-    )
+    out = drop(core, k, placed.sources[0], "demoted", 2)  # the arena replica
     assert isinstance(out.reply, m.ReplicaCorruptReply) and not out.reply.dropped
     follow(sh, out, 2)
     assert (sh.core.used_bytes("s1"), sh.core.used_bytes("s1#ssd")) == (SIZE, SIZE)

@@ -25,7 +25,7 @@ from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import CopyReply
 from kvfabric.repair.shell import RepairShell, now_ms
-from tests.unit.core.dirkit import groups, key, new_core, put
+from tests.unit.core.dirkit import confirm_ticket, groups, key, new_core, put
 
 SEGMENTS = {"s1": "z1", "s2": "z2", "s3": "z3", "s4": "z4"}
 SIZE = 100
@@ -73,18 +73,7 @@ class Cluster:
 
     async def _copy_in(self, job: Job, slot: int) -> CopyReply:
         await job.gate
-        t = job.ticket
-        confirm = m.ReplicaConfirm(
-            ticket_id=t.ticket_id,
-            key=t.key,
-            slot=slot,
-            slot_generation=1,
-            size_bytes=t.size_bytes,
-            checksum=t.checksum,
-        )
-        reply = self.directory.handle(
-            m.ConfirmReplicas(segment_id=t.segment_id, incarnation=t.incarnation, confirms=[confirm]), 0
-        ).reply
+        reply = confirm_ticket(self.directory, job.ticket, slot, now=0).reply
         assert isinstance(reply, m.ConfirmReply)
         if reply.results[0].status != "ok":  # the segment frees what it wrote
             raise NotFound(f"confirm: {reply.results[0].status}")
@@ -101,11 +90,7 @@ class Cluster:
             m.ReplicateBegin(writer_id=writer_id, request_id="other", key=k, segment_id=segment_id), 0
         ).reply
         assert isinstance(begin, m.ReplicateBeginReply) and begin.ticket is not None
-        t = begin.ticket
-        confirm = m.ReplicaConfirm(
-            ticket_id=t.ticket_id, key=k, slot=99, slot_generation=1, size_bytes=SIZE, checksum=t.checksum
-        )
-        self.directory.handle(m.ConfirmReplicas(segment_id=segment_id, incarnation=1, confirms=[confirm]), 0)
+        confirm_ticket(self.directory, begin.ticket, 99, now=0)
 
 
 MakeCluster = Callable[[int], tuple[Cluster, ObjectKey]]  # (the key's replicas) -> cluster, key
