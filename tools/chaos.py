@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,8 @@ from typing import Any
 
 import msgspec
 import xxhash
+
+from kvfabric.testing.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests.integration.clientkit
@@ -61,13 +62,6 @@ def expected_payload(group_bytes: bytes, size: int) -> bytes:
     """The bytes a chunk must hold: derived from its key, so a mix-up is always visible."""
     seed = xxhash.xxh3_128_digest(group_bytes)
     return (seed * (size // len(seed) + 1))[:size]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def cluster_state(run: Path) -> dict[str, Any]:

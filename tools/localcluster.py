@@ -97,10 +97,11 @@ PROBE_CALL_TIMEOUT_S: Final = 5.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """Below the ephemeral range, never twice in this process (`kvfabric.testing.ports`: a port-0
+    pick released and bound later could meanwhile be taken by a service's own port-0 bind)."""
+    from kvfabric.testing.ports import free_port as pick
+
+    return pick()
 
 
 def port_free(port: int) -> bool:

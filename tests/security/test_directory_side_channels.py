@@ -195,7 +195,8 @@ def welch_z(a: list[float], b: list[float]) -> float:
 def test_show_group_of_alices_real_and_missing_groups_take_the_same_time(tmp_path: Path) -> None:
     """Row 9: 2,000 pairs of bob's show_group of alice's real group and of a missing id of
     alice's, alternating which goes first; the answers are the same NotFound and the sign test
-    does not tell them apart (|z| < 4). Before: the real group's summary was built first."""
+    does not tell them apart (|z| < 5: p = 6e-7 by chance; the old code gave 7.7). Before: the
+    real group's summary was built first."""
     with two_tenants(tmp_path) as (secure, _):
         save(secure, "alice", 8, seed=2, size=4096)
         real = group_ids(secure, "alice", 8, seed=2)[3]
@@ -232,7 +233,7 @@ def test_show_group_of_alices_real_and_missing_groups_take_the_same_time(tmp_pat
             "welch_z": round(welch_z(real_ms, missing_ms), 2),
         }
         print("\nrow 9:", json.dumps(report))
-        assert abs(z) < 4, report
+        assert abs(z) < 5, report
 
 
 # ---- row 2 ---------------------------------------------------------------------------------
