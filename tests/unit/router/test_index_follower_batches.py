@@ -155,3 +155,49 @@ def test_a_resync_indexes_its_listing_in_slices_routes_served_between() -> None:
     seen = asyncio.run(run())
     assert len(set(seen)) >= 5, "the listing was indexed in one turn"
     assert index.synced and index.last_seq == 42 and len(index.groups) == n
+
+
+def test_a_failed_fetch_unsubscribes_before_the_retry(monkeypatch: Any) -> None:
+    """Each failed fetch (a lost consumer: 503) left its subscription behind, one per retry."""
+    import nats.js.errors
+
+    from kvfabric.router import index_follower as follower_module
+
+    monkeypatch.setattr(follower_module, "RETRY_S", 0.01)
+    subs: list[Any] = []
+
+    class Sub:
+        def __init__(self) -> None:
+            self.unsubscribed = False
+
+        async def fetch(self, *args: Any, **kwargs: Any) -> Any:
+            if len(subs) == 1:
+                raise nats.js.errors.APIError(code=503, description="consumer gone")
+            await asyncio.sleep(3600)
+
+        async def unsubscribe(self) -> None:
+            self.unsubscribed = True
+
+    class Js:
+        async def stream_info(self, name: str) -> Any:
+            return SimpleNamespace(state=SimpleNamespace(first_seq=1, last_seq=0), created=None)
+
+        async def pull_subscribe(self, *args: Any, **kwargs: Any) -> Any:
+            subs.append(Sub())
+            return subs[-1]
+
+    index = RoutingIndex()
+    index.resync([], [], at_seq=0)
+    follower = follower_of(index)
+    follower.nc = cast(Any, SimpleNamespace(jetstream=lambda timeout: Js()))
+
+    async def run() -> None:
+        task = asyncio.create_task(follower.run())
+        while len(subs) < 2:  # noqa: ASYNC110 (the fake's subscriptions are plain appends)
+            await asyncio.sleep(0.01)
+        assert subs[0].unsubscribed and not subs[1].unsubscribed
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(run(), 5))
+    assert all(s.unsubscribed for s in subs)

@@ -63,8 +63,9 @@ the benchmark runs every configuration through the same router.
 ## Request lifecycle (the shell reports each exactly once)
     route --> ROUTED (queued_prefill_tokens += compute_tokens)
     ROUTED --first_token--> RUNNING (its chunks enter the instance's learned cache)
-    ROUTED --failed (before the first byte)--> gone; the instance is marked down; the shell
-                                               may route again excluding it (failover)
+    ROUTED --failed (before the first byte)--> gone; the instance is marked down when it
+                                               cannot be reached (`down`); the shell may route
+                                               again excluding it (failover)
     ROUTED/RUNNING --finished--> gone
 Unknown request ids are counted and ignored (the network may repeat).
 
@@ -556,14 +557,17 @@ class RoutingCore:
         after = max(1, math.ceil(min(drains, default=float(self.config.retry_after_s_max))))
         return min(after, self.config.retry_after_s_max)
 
-    def admission_refusal(self, tenant: str) -> RefusedReason | None:
+    def admission_refusal(
+        self, tenant: str, *, reading: int = 0, reading_total: int = 0
+    ) -> RefusedReason | None:
         """What `route` would refuse an admitted request of `tenant` for whatever its prompt (a
         query): the shell answers it before reading the body. A tenant at its share sent 16 MiB
         bodies that cost ~0.25 s of the router's loop each (JSON, keys) before their 429
-        (review, 2026-12-06)."""
-        if len(self._requests) >= self.config.admitted_max:
+        (review, 2026-12-06). `reading` / `reading_total`: the shell's requests of this tenant /
+        of all whose bodies are still read and keyed, not yet routed: they count as in flight."""
+        if len(self._requests) + reading_total >= self.config.admitted_max:
             return "admitted_max"
-        if self._tenants.get(tenant, 0) >= self.config.tenant_inflight_max:
+        if self._tenants.get(tenant, 0) + reading >= self.config.tenant_inflight_max:
             return "tenant_inflight_max"
         return None
 

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
@@ -90,17 +91,20 @@ class IndexFollower:
                 sub = await js.pull_subscribe(
                     events_wildcard(Service.DIRECTORY), stream=EVENTS_STREAM, config=config
                 )
-                await self.heard()
-                retry_s = RETRY_S  # following again: the next failure waits the first wait
-                while self.index.synced:
-                    try:
-                        batch = await sub.fetch(EVENTS_FETCH_MAX, timeout=EVENTS_FETCH_WAIT_S)
-                    except TimeoutError:  # nothing new: at the end of the stream
-                        await self.heard()
-                        continue
-                    await self.apply_batch(batch)
+                try:
                     await self.heard()
-                await sub.unsubscribe()
+                    retry_s = RETRY_S  # following again: the next failure waits the first wait
+                    while self.index.synced:
+                        try:
+                            batch = await sub.fetch(EVENTS_FETCH_MAX, timeout=EVENTS_FETCH_WAIT_S)
+                        except TimeoutError:  # nothing new: at the end of the stream
+                            await self.heard()
+                            continue
+                        await self.apply_batch(batch)
+                        await self.heard()
+                finally:  # on a failed fetch too: one subscription leaked per retry (review, 2026-12-06)
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(sub.unsubscribe(), self.request_timeout_s)
             except asyncio.CancelledError:
                 raise
             except (nats.errors.Error, nats.js.errors.Error, TimeoutError, KvfError) as exc:

@@ -4,9 +4,9 @@ HTTP front's `/metrics`.
 | metric | labels | what |
 |---|---|---|
 | `kvfabric_router_decisions_total` | instance, reason, keys | routed (`keys`: known, or unknown) |
-| `kvfabric_router_refused_total` | reason | admission refusals (429 / 503) |
+| `kvfabric_router_refused_total` | reason | 429/503/401/408 (below) |
 | `kvfabric_router_failovers_total` | instance, why | engines failing before the first byte |
-| `kvfabric_router_http_requests_total` | instance, outcome | ended: ok, status_4xx, broken_after_first_byte |
+| `kvfabric_router_http_requests_total` | instance, outcome | ended (outcomes below) |
 | `kvfabric_router_estimate_seconds` | instance | the chosen engine's TTFT estimate |
 | `kvfabric_router_ttft_seconds` | instance | realised: received -> the engine's first body byte |
 | `kvfabric_router_ttft_error_seconds` | | abs(realised - estimate) per request |
@@ -14,6 +14,10 @@ HTTP front's `/metrics`.
 | `kvfabric_router_estimated_tokens_total` | instance, tier | engine, colocated, remote, compute |
 | `kvfabric_router_state` | name | in flight, queue_<id>, index sequence/groups/synced/gaps, refit_* |
 | `kvfabric_router_coefficient` | name | the cost model's coefficients in use (configured or refitted) |
+
+Refusal reasons: the core's (admitted_max, tenant_inflight_max: 429; no_instance, queues_full:
+503), unauthenticated (401), models_inflight_max (429), body_timeout (408). Outcomes: ok,
+status_<code>, broken_after_first_byte, client_disconnected.
 
 `refit_*` (with `KVF_ROUTER_REFIT` on): refit_fitted (0: the configured coefficients are in use),
 refit_observations (in its window), refit_fits, refit_rejected (TTFTs not finite or negative).

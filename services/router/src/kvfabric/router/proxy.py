@@ -14,9 +14,14 @@ unchanged and its answer (streamed or not) is passed back byte for byte.
 - Admission (`RoutingCore.route`): refused requests get 429 (total or tenant bound) or 503 (no
   engine eligible, or every queue full) with `Retry-After`, at once: nothing waits in the router.
 - Failover: nothing is sent to the client before the engine's first body byte. A connection
-  error, a 5xx, a timeout before the first byte or a stream closed before it marks the engine
-  down (`RoutingCore.failed`) and the request goes to the next engine (at most
-  `failover_attempts_max` engines). After the first byte a failure ends the client's stream.
+  error, a 5xx, a first-byte timeout or a stream closed before it sends the request to the next
+  engine (at most `failover_attempts_max` engines); only an engine that cannot be reached
+  (`_ENGINE_GONE`) is marked down (`RoutingCore.failed`); a request not streamed that times out
+  gets 504, not a failover. After the first byte a failure ends the client's stream unfinished
+  (the connection closed without the body's end). A client gone before the first byte cancels
+  the engine request.
+- Bounds before routing: requests whose bodies are read, parsed and keyed count against their
+  tenant's share and the total (`admission_refusal`); a body has `BODY_READ_TIMEOUT_S` (408).
 - TTFT realised = request received -> the engine's first body byte (for a streamed completion,
   its first token), next to the estimate of the engine chosen: both in `/metrics` and in the
   `request_routed` / `request_done` log lines.
@@ -54,12 +59,13 @@ from kvfabric.runtime.core_driver import CoreDriver
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.ticker import every
 
-__all__ = ["Proxy", "now_ms"]
+__all__ = ["KEYED_TOKENS_MAX", "Proxy", "now_ms"]
 
 TENANT_HEADER: Final = "x-kvf-tenant"
 TRACE_HEADER: Final = "x-kvf-trace-id"
 TRACE_CHARS_MAX: Final = 128
 BODY_BYTES_MAX: Final = 16 << 20
+BODY_READ_TIMEOUT_S: Final = 30.0  # a request's whole body (16 MiB at ~0.5 MB/s); later: 408
 KEYED_TOKENS_MAX: Final = 1 << 17  # a prompt's tokens the router keys and checks (`_keys`)
 MODELS_INFLIGHT_MAX: Final = 4  # /v1/models calls relayed at once; more get 429
 MODELS_BYTES_MAX: Final = 1 << 20  # an engine's /v1/models answer; a longer one is a 502
@@ -141,6 +147,8 @@ class Proxy:
         self._models_slots = asyncio.Semaphore(MODELS_INFLIGHT_MAX)
         self._log = get_logger("kvfabric.router")
         self._n = 0
+        self._reading: dict[str, int] = {}  # requests whose body is read, parsed or keyed, per tenant
+        self._reading_total = 0
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -255,7 +263,9 @@ class Proxy:
         if tenant is None:
             self.metrics.refused("unauthenticated")
             return _error(401, "a known API key is required (Authorization: Bearer)", trace_id)
-        full = self.core.admission_refusal(tenant)
+        full = self.core.admission_refusal(
+            tenant, reading=self._reading.get(tenant, 0), reading_total=self._reading_total
+        )
         if full is not None:  # refused before its body is read or parsed
             self.metrics.refused(full)
             self.core.counters["refused"] += 1
@@ -264,16 +274,32 @@ class Proxy:
                 "request_refused", trace_id=trace_id, tenant=tenant, reason=full, retry_after_s=retry_after_s
             )
             return _error(429, full, trace_id, retry_after_s=retry_after_s)
-        raw = await _body_within(request, BODY_BYTES_MAX)
-        if raw is None:
-            return _error(413, "body too large", trace_id)
+        # Until it is routed, the request counts against its tenant's share and the total as
+        # one being read: a tenant at 0 in flight sent 128 bodies of 16 MiB at once, each read,
+        # parsed and keyed before `Route` refused all but its share (review, 2026-12-06).
+        self._reading[tenant] = self._reading.get(tenant, 0) + 1
+        self._reading_total += 1
         try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("not an object")
-        except ValueError as exc:
-            return _error(400, f"body is not a JSON object: {exc}", trace_id)
-        keys, prompt_tokens = self._keys(body)
+            async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                raw = await _body_within(request, BODY_BYTES_MAX)
+            if raw is None:
+                return _error(413, "body too large", trace_id)
+            try:
+                body = json.loads(raw)
+                if not isinstance(body, dict):
+                    raise ValueError("not an object")
+            except ValueError as exc:
+                return _error(400, f"body is not a JSON object: {exc}", trace_id)
+            keys, prompt_tokens = self._keys(body)
+        except TimeoutError:
+            self.metrics.refused("body_timeout")
+            return _error(408, f"the body did not arrive within {BODY_READ_TIMEOUT_S:g} s", trace_id)
+        finally:
+            self._reading_total -= 1
+            if self._reading[tenant] <= 1:
+                del self._reading[tenant]  # (no entry per tenant ever seen)
+            else:
+                self._reading[tenant] -= 1
         # Not streamed, the first byte is the whole answer: its wait is the generation's, not a
         # first token's (a longer timeout; no failover after a read timeout: it would run the
         # whole generation again elsewhere; no TTFT observation).
@@ -322,7 +348,12 @@ class Proxy:
                 index_groups=len(self.core.index.groups),
             )
             try:
-                upstream = await self._open(iid, request.url.path, raw, trace_id, streamed)
+                upstream = await self._open_while_connected(request, iid, raw, trace_id, streamed)
+                if upstream is None:  # the client left before the engine's first byte
+                    self.core.finished(rid)
+                    self.metrics.done(iid, "client_disconnected", time.monotonic() - received)
+                    log.info("request_done", instance=iid, outcome="client_disconnected")
+                    return Response(status_code=499)  # (nobody reads it)
             except _Failed as failed:
                 self.core.failed(rid, down=failed.engine_gone)
                 self.metrics.failover(iid, failed.why)
@@ -359,6 +390,25 @@ class Proxy:
             status_code=upstream.response.status_code,
             headers=headers,
         )
+
+    async def _open_while_connected(
+        self, request: Request, iid: str, raw: bytes, trace_id: str, streamed: bool
+    ) -> _Upstream | None:
+        """`_open`, cancelled if the client disconnects first (then None): a client gone before
+        the first byte kept its engine request generating, and its admission slot, until the
+        whole answer came (up to `response_timeout_s`; review, 2026-12-06)."""
+        opening = asyncio.create_task(self._open(iid, request.url.path, raw, trace_id, streamed))
+        gone = asyncio.create_task(_disconnected(request))
+        try:
+            await asyncio.wait((opening, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not opening.done():
+                opening.cancel()  # (its own `except BaseException` closes the engine's response)
+            await asyncio.gather(opening, gone, return_exceptions=True)
+        if opening.cancelled() and gone.done() and not gone.cancelled():
+            return None
+        return opening.result()  # the upstream (even when the client left meanwhile), or its error
 
     async def _open(self, iid: str, path: str, raw: bytes, trace_id: str, streamed: bool) -> _Upstream:
         url = f"{self.urls[iid]}{path}"
@@ -422,6 +472,10 @@ class Proxy:
         except httpx.HTTPError as exc:
             relayed.outcome = "broken_after_first_byte"
             log.warning("engine_failed_after_first_byte", instance=relayed.iid, error=type(exc).__name__)
+            # Not a clean end: returning sent the chunked body's last chunk, and the client took
+            # a truncated answer for a whole one (review, 2026-12-06). `_RelayResponse` ends the
+            # response unfinished instead, and the server closes the connection.
+            raise _BrokenAfterFirstByte from None
         except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-answer
             relayed.outcome = "client_disconnected"
             raise
@@ -474,8 +528,21 @@ class _RelayResponse(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except _BrokenAfterFirstByte:
+            pass  # left unfinished: the server closes the connection without the body's end
         finally:
             await self._on_end()
+
+
+class _BrokenAfterFirstByte(Exception):
+    """The engine's answer broke after the first byte was relayed (logged in `_relay`)."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (its body already read: `receive` then waits for
+    the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _body_within(request: Request, limit: int) -> bytes | None:
