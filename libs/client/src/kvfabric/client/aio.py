@@ -208,22 +208,29 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
         if self._gather_timer is not None:
             self._gather_timer.cancel()
             self._gather_timer = None
-        gathered, self._gathered = self._gathered, []
-        await self._release_leases(gathered, self._gathered_trace)  # with their hit's trace id
-        await self._release_leases(list(self._leases))  # every other one held
-        if self._giving_back:  # gathered give-backs already sent: wait for their answers
-            await asyncio.wait(list(self._giving_back), timeout=self.settings.lookup_timeout_ms / 1000)
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self.settings.save_timeout_ms / 1000)
-        if self._abandoned:  # each bounded by its deadline
-            await asyncio.wait(list(self._abandoned), timeout=self.settings.save_timeout_ms / 1000)
-        if self.suspects is not None:
-            await self.suspects.close(REPORT_TIMEOUT_S)
-        if self.nc is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.drain()
-        # Waited for off the loop (review, 2026-12-05): a transfer still running may take its
-        # whole timeout, and the loop must stay free to take its answer and serve other tasks.
-        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
-        await asyncio.to_thread(self._save_executor.shutdown, wait=True, cancel_futures=True)
-        self.pool.close()
+        try:
+            gathered, self._gathered = self._gathered, []
+            await self._release_leases(gathered, self._gathered_trace)  # with their hit's trace id
+            await self._release_leases(list(self._leases))  # every other one held
+            if self._giving_back:  # gathered give-backs already sent: wait for their answers
+                await asyncio.wait(list(self._giving_back), timeout=self.settings.lookup_timeout_ms / 1000)
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=self.settings.save_timeout_ms / 1000)
+            if self._abandoned:  # each bounded by its deadline
+                await asyncio.wait(list(self._abandoned), timeout=self.settings.save_timeout_ms / 1000)
+            if self.suspects is not None:
+                await self.suspects.close(REPORT_TIMEOUT_S)
+            if self.nc is not None:
+                with contextlib.suppress(Exception):
+                    await self.nc.drain()
+            # Waited for off the loop (review, 2026-12-05): a transfer still running may take its
+            # whole timeout, and the loop must stay free to take its answer and serve other tasks.
+            await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+            await asyncio.to_thread(self._save_executor.shutdown, wait=True, cancel_futures=True)
+        finally:
+            # A close cancelled past its bound (`KvClient.close`) still lets go of the threads,
+            # connections and save memory (review, 2026-12-06: they leaked, and a second close
+            # returned at once). Without waiting: a running transfer ends by its own deadline.
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._save_executor.shutdown(wait=False, cancel_futures=True)
+            self.pool.close()

@@ -3,7 +3,9 @@
 `KvClient` owns an event loop on a daemon thread and runs an `AsyncKvClient` there. Every call
 is bounded: lookups by `lookup_timeout_ms`, loads by `load_timeout_ms` (plus a grace for the
 loop), so an engine thread never hangs on the cluster. `save_async` never blocks: it copies
-nothing, checks admission, and hands the save to the loop (the caller gives up its buffers).
+nothing and hands the save to the loop (the caller gives up its buffers), where it is admitted
+or dropped (its result says why). Around `close`, a call ends in a miss ("closed"), never an
+exception in the engine's thread.
 If the client cannot start, it runs *disabled*: every lookup is a miss (cause "closed"), every
 save is dropped, and the engine simply recomputes. Why is its `status` (and the fallback counted
 once by cause, and logged in one line, no traceback): a setting it cannot use (`config_error`:
@@ -184,7 +186,10 @@ class KvClient:
             return  # closed before the start ended
         exc = starting.exception()
         if exc is None:
-            self.status = ClientStatus(ENABLED)
+            with self._submit_lock:  # a `close` that began meanwhile wins (review, 2026-12-06: a
+                # start ending as close began re-enabled the client over its closed loop)
+                if not self._closed:
+                    self.status = ClientStatus(ENABLED)
             return
         cause = start_cause(exc)
         detail = exc.message if isinstance(exc, KvfError) else f"{type(exc).__name__}: {exc}"
@@ -239,10 +244,17 @@ class KvClient:
     ) -> Hit:
         if not self.enabled:
             return self._off_hit()
-        return self._call(
-            self.aio.lookup(tokens, max_tokens=max_tokens, extras=extras, trace_id=trace_id),
-            self.settings.lookup_timeout_ms / 1000,
-        )
+        try:
+            return self._call(
+                self.aio.lookup(tokens, max_tokens=max_tokens, extras=extras, trace_id=trace_id),
+                self.settings.lookup_timeout_ms / 1000,
+            )
+        except (concurrent.futures.CancelledError, RuntimeError):
+            # closed meanwhile (its lookups cancelled, or its loop closed): a miss, never an
+            # error in the engine's thread (review, 2026-12-06)
+            if not self._closed:
+                raise
+            return self._off_hit()
 
     def lookup_async(
         self,
@@ -273,16 +285,26 @@ class KvClient:
         size up to `LOAD_NOW_LOCAL_BYTES_MAX` (1 GiB) in one mapped arena, is read right here, on
         the calling thread (`AsyncKvClient.load_now`: no hop to the client's loop, a worker and
         back)."""
+        if self._closed:  # its loop is closed or closing: nothing loads (it raised RuntimeError)
+            return self._unloaded(hit, first_chunk, "closed")
         if self.enabled:  # every write into `dests` ends in the call: no fence to keep (dest_ids)
             done = self.aio.load_now(hit, dests, first_chunk=first_chunk)
             if done is not None:
                 return done
         gate = WriteGate()  # the loan of `dests`: closed by the load, or here if the loop is late
-        future = self._submit(
-            self.aio.load(hit, dests, first_chunk=first_chunk, dest_ids=dest_ids, gate=gate)
-        )
+        try:
+            future = self._submit(
+                self.aio.load(hit, dests, first_chunk=first_chunk, dest_ids=dest_ids, gate=gate)
+            )
+        except RuntimeError:  # the loop closed since the check above
+            return self._unloaded(hit, first_chunk, "closed")
         try:
             return future.result(self.settings.load_timeout_ms / 1000 + _GRACE_S)
+        except concurrent.futures.CancelledError:
+            # `close` cancelled it (review, 2026-12-06: raised into the engine's thread). Its
+            # finally fenced the buffers on the loop; closing the gate here makes sure of it.
+            gate.close()
+            return self._unloaded(hit, first_chunk, "closed")
         except concurrent.futures.TimeoutError:
             # Take the buffers back from this thread first: a stalled loop could not run the
             # coroutine's finally in time, but worker threads would go on writing (the close
@@ -290,10 +312,13 @@ class KvClient:
             gate.close()
             self._loop.call_soon_threadsafe(future.cancel)
             concurrent.futures.wait([future], timeout=_GRACE_S)
-            self.metrics.fallbacks.labels("timeout").inc()
-            return LoadResult(
-                first_chunk * hit.tokens_per_chunk, 0, 0, tuple(range(first_chunk, hit.chunks)), "timeout"
-            )
+            return self._unloaded(hit, first_chunk, "timeout")
+
+    def _unloaded(self, hit: Hit, first_chunk: int, cause: str) -> LoadResult:
+        """A load that wrote nothing the engine may use: every asked chunk is recomputed."""
+        self.metrics.fallbacks.labels(cause).inc()
+        failed = tuple(range(first_chunk, hit.chunks))
+        return LoadResult(first_chunk * hit.tokens_per_chunk, 0, 0, failed, cause)
 
     def save_async(
         self,
@@ -305,7 +330,8 @@ class KvClient:
         trace_id: str | None = None,
         rate_taken: bool = False,
     ) -> concurrent.futures.Future[SaveResult] | None:
-        """Start a save and return at once (None when it was dropped: disabled or over limits).
+        """Start a save and return at once (None when the client is off; a save over the
+        client's limits is dropped on the loop: its result's causes say so).
         `rate_taken`: the caller took the save rate for these chunks (`take_save_rate`)."""
         with self._submit_lock:
             if not self.enabled:
