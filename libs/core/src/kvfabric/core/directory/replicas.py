@@ -229,7 +229,10 @@ class ReplicaTable:
             self.ctx.count("confirm_mismatch_total")
             return "mismatch"
         found = self.published.published_member(rt.key)
-        if found is None:  # evicted or lost meanwhile: the segment frees the copy
+        # Evicted or lost meanwhile, or evicted and saved again under the same key with other
+        # bytes (the copy holds the old ones; review, 2026-12-06: it was added to the new
+        # member): the segment frees the copy.
+        if found is None or (found[2].size_bytes, found[2].checksum) != (rt.size_bytes, rt.checksum):
             self._end(rt)
             self.ctx.count("replica_confirm_gone_total")
             return "unknown_ticket"
