@@ -65,6 +65,7 @@ from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import (
     REPORT_PAGE_MAX,
+    SSD_SLOT_BASE,
     CopyRequest,
     DemoteRequest,
     DrainRequest,
@@ -83,6 +84,7 @@ from kvfabric.segment_storage.arena import Arena, lock_segment_id, remove_stale_
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.confirms import ConfirmBatcher
 from kvfabric.segment_storage.demoter import Demoter
+from kvfabric.segment_storage.disk_frees import DiskFrees
 from kvfabric.segment_storage.scrubber import Scrubber
 from kvfabric.segment_storage.settings import SegmentSettings
 from kvfabric.segment_storage.shell_confirms import ShellConfirms
@@ -191,6 +193,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
         )
         self._copy_lock = threading.Lock()
         self.copies_in_flight = 0
+        self.disk_frees = DiskFrees(self.backend.free_slots, self.backend.count)
         self.scrubber = Scrubber(self.backend, pass_min_ms=settings.scrub_pass_min_ms)
         # Slots a reader found corrupt (relayed by the directory): re-hashed now, reported if so.
         self.suspects = SuspectChecker(self.backend, self.incarnation, self._report_corrupt)
@@ -309,6 +312,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
         # A copy still running holds only its slot (aborted when its fetch fails) and views of
         # the arena (which stays mapped while any exists): nothing to wait for.
         self._copy_pool.shutdown(wait=False, cancel_futures=True)
+        self.disk_frees.close()
         self.demoter.close()
         if self.ucx is not None:
             await asyncio.to_thread(self.ucx.stop)
@@ -339,9 +343,13 @@ class SegmentShell(ShellRepair, ShellConfirms):
         if message.incarnation != self.incarnation:
             raise StaleGeneration("segment_incarnation", message.incarnation, self.incarnation)
         self._admit(message.shard, message.epoch)  # a replaced leader's: fenced
-        done = await asyncio.to_thread(
-            self.backend.free_slots, [(f.slot, f.slot_generation) for f in message.slots]
-        )
+        pairs = [(f.slot, f.slot_generation) for f in message.slots]
+        on_disk = [p for p in pairs if p[0] >= SSD_SLOT_BASE] if self.ssd is not None else []
+        arena = [p for p in pairs if p[0] < SSD_SLOT_BASE] if on_disk else pairs
+        # The disk's on a thread of their own (`DiskFrees`): a hung disk held the default
+        # executor's threads and the arena's frees queued behind it (review, 2026-12-06).
+        done = await asyncio.to_thread(self.backend.free_slots, arena) if arena else []
+        done += await self.disk_frees.free(on_disk)
         done_slots = set(done)  # once: a batch names up to 1,024 slots (`batch_frees`)
         freed = [
             m.FreedSlot(f.key, f.slot, f.slot_generation)
