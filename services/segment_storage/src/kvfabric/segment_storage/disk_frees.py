@@ -40,7 +40,7 @@ class DiskFrees:
         wait_s: float = DISK_FREE_WAIT_S,
     ) -> None:
         self._free = free  # the backend's `free_slots` (durable when it returns)
-        self._count = count
+        self._on_event = count  # the backend's `count` (takes its lock)
         self.queued_max = queued_max
         self.wait_s = wait_s
         self.pending = 0
@@ -51,7 +51,7 @@ class DiskFrees:
         if not pairs:
             return []
         if self.pending >= self.queued_max:
-            self._count("disk_free_busy_total")
+            self._on_event("disk_free_busy_total")
             return []
         self.pending += 1
         running = asyncio.get_running_loop().run_in_executor(self._pool, self._free, pairs)
@@ -59,7 +59,7 @@ class DiskFrees:
         try:
             return await asyncio.wait_for(asyncio.shield(running), self.wait_s)
         except TimeoutError:  # it goes on; the directory asks again
-            self._count("disk_free_late_total")
+            self._on_event("disk_free_late_total")
             return []
 
     def _ended(self, _: object) -> None:
