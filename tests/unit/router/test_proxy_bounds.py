@@ -12,14 +12,21 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvfabric.core import routing_events
-from kvfabric.core.routing import prompt_keys
+from kvfabric.core.routing import RoutingCore, prompt_keys
+from kvfabric.core.routing_index import RoutingIndex
+from kvfabric.format.clock import now_ms
 from kvfabric.proto import router as r
 from kvfabric.router import proxy as proxy_module
 from kvfabric.router import shell as shell_module
+from kvfabric.router.metrics import RouterMetrics
 from kvfabric.router.proxy import Proxy
+from kvfabric.router.settings import load_router_settings
+from kvfabric.runtime.core_driver import CoreDriver
 from tests.unit.router.test_proxy_request_end import FakeResponse, _proxy
+from tests.unit.router.test_settings_refit import ENV
 
 BODY = json.dumps({"prompt": [5] * 40, "stream": True}).encode()
 
@@ -175,3 +182,40 @@ def test_the_route_query_keys_only_a_prompts_head(monkeypatch: pytest.MonkeyPatc
 
     reply = asyncio.run(run())
     assert keyed == [proxy_module.KEYED_TOKENS_MAX] and reply.instance == "e1"
+
+
+def test_the_refits_ttft_leaves_out_the_clients_upload() -> None:
+    settings = load_router_settings({**ENV, "KVF_ROUTER_REFIT": "on"})
+    core = RoutingCore(settings.routing, [e.spec for e in settings.engines], RoutingIndex())
+    registry = CollectorRegistry()
+    proxy = Proxy(settings, core, RouterMetrics(registry), registry, CoreDriver(core, clock=now_ms))
+    response = FakeResponse()
+
+    async def opened(*args: Any) -> Any:
+        return proxy_module._Upstream(response, _none(), b"data: 1\n\n")  # type: ignore[arg-type]
+
+    proxy._open = opened  # type: ignore[method-assign,assignment]
+    messages = [
+        {"type": "http.request", "body": BODY[:10], "more_body": True},
+        {"type": "http.request", "body": BODY[10:], "more_body": False},
+    ]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            await asyncio.sleep(0.5)  # a slow upload
+            return messages.pop(0)
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        await proxy.driver.feed(routing_events.Health("e1", True))
+        await _request(proxy, receive)
+
+    asyncio.run(run())
+    assert core.refit is not None and len(core.refit.window) == 1
+    assert core.refit.window[-1].ttft_s < 0.3  # the upload took 1 s
+
+
+async def _none() -> AsyncIterator[bytes]:
+    return
+    yield b""

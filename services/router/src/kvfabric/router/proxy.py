@@ -304,6 +304,10 @@ class Proxy:
         # first token's (a longer timeout; no failover after a read timeout: it would run the
         # whole generation again elsewhere; no TTFT observation).
         streamed = bool(body.get("stream"))
+        # The refit's TTFT starts here: the client's upload and the parse are not what the cost
+        # model estimates (a tenant uploading slowly pushed the shared coefficients to their
+        # bounds; review, 2026-12-06).
+        routed = time.monotonic()
         self._n += 1
         rid = f"{trace_id}-{self._n}"
         log = self._log.bind(trace_id=trace_id, tenant=tenant)
@@ -376,7 +380,7 @@ class Proxy:
         ttft_s = time.monotonic() - received
         if upstream.response.status_code < 400 and streamed:
             # the realised TTFT is an observation for the coefficients' refit (when configured)
-            self.core.first_token(rid, ttft_s, self.driver.now_ms())
+            self.core.first_token(rid, time.monotonic() - routed, self.driver.now_ms())
             self.metrics.first_byte(iid, decision, ttft_s)
         elif upstream.response.status_code < 400:
             self.core.first_token(rid)  # running now; its wait was the whole generation's
