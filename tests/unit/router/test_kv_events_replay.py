@@ -450,6 +450,17 @@ def test_a_buffer_larger_than_the_replay_bound_gives_its_newest_batches() -> Non
     assert follower.counters["replay_failures"] == 0
 
 
+def test_a_replay_keeps_at_most_its_byte_bound_of_the_newest_batches() -> None:
+    """20,000 batches of up to 16 MiB each were kept of a replay (an unauthenticated ZMQ peer's):
+    now at most `REPLAY_BYTES_MAX` bytes of them, the newest (review, 2026-12-06)."""
+    size = len(payload(11, 0))
+    assert all(len(payload(seq, 0)) == size for seq in range(12))
+    with patch.object(kv_events, "REPLAY_BYTES_MAX", 4 * size):
+        fed, _, follower = replaying(list(range(12)), [], started=True)
+    assert fed == [8, 9, 10, 11]
+    assert follower.counters["replay_failures"] == 0
+
+
 def test_the_retry_backoff_starts_again_after_a_follow_that_worked() -> None:
     """Two failures double the wait (0.5, 1 s); a follow that ended with its connection (it
     worked) starts the backoff again: the next failure waits 0.5 s, not 2."""

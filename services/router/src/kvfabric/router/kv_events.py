@@ -47,10 +47,10 @@ run without holes is applied, and what came before a timeout is kept. A block st
 run stays unknown (its children too: the core skips a store with an unknown parent): the map can
 undercount what the engine holds, never count what it does not. A replay that fails (no end
 within `REPLAY_TIMEOUT_S`, a reply of another shape) is counted (`replay_failures`); of a buffer
-larger than `REPLAY_BATCHES_MAX` batches (vLLM's `buffer_steps` is configurable) the newest are
-kept. One that got no answer at all (an endpoint down; an end marker alone is an answer: an
-engine whose buffer is empty) is not tried again for `REPLAY_SKIP_S` (`replays_skipped`), and
-the map is cleared as without replay. The live socket queues meanwhile (`RECEIVE_HWM`; what it
+larger than `REPLAY_BATCHES_MAX` batches (vLLM's `buffer_steps` is configurable) or
+`REPLAY_BYTES_MAX` bytes the newest are kept. One that got no answer at all (an endpoint down;
+an end marker alone is an answer: an engine whose buffer is empty) is not tried again for
+`REPLAY_SKIP_S` (`replays_skipped`), and the map is cleared as without replay. The live socket queues meanwhile (`RECEIVE_HWM`; what it
 drops is the next gap); a replay's receive loop yields to the event loop every
 `REPLAY_YIELD_EVERY` batches. Counters: `batches`, `events`, `gaps`, `gaps_replayed`,
 `replayed`, `replay_rounds`, `replay_failures`, `replays_skipped`, `duplicates`, `disconnects`,
@@ -81,6 +81,9 @@ BATCH_BYTES_MAX: Final = 16 << 20  # a step's events: block hashes and token ids
 RECEIVE_HWM: Final = 1_000  # batches queued in ZMQ before it drops (a gap, detected by sequence)
 REPLAY_TIMEOUT_S: Final = 5.0  # for the whole answer, its end marker included
 REPLAY_BATCHES_MAX: Final = 20_000  # kept of one replay, the newest (twice vLLM's default buffer)
+# and at most this many bytes of them (the newest): 20,000 batches of up to 16 MiB from an
+# unauthenticated ZMQ peer were unbounded in bytes (review, 2026-12-06)
+REPLAY_BYTES_MAX: Final = 256 << 20
 REPLAY_SILENCE_S: Final = 0.2  # a replay silent this long after a batch is over (end marker dropped)
 REPLAY_ROUNDS_MAX: Final = 16  # asks of one replay (each from the first hole the one before left)
 REPLAY_SKIP_S: Final = 30.0  # after a replay that got nothing (its endpoint down), none for this long
@@ -396,13 +399,12 @@ class KvEventsFollower:
                 if isinstance(exc, ValueError):
                     received.clear()
                     out.batches.clear()
+                    out.bytes = 0
                 done = True
             heard = heard or out.heard
             for seq, payload in out.batches:
                 received.setdefault(seq, payload)
-            if len(received) > REPLAY_BATCHES_MAX:  # the newest are kept (the run before the live batch)
-                for seq in sorted(received)[: len(received) - REPLAY_BATCHES_MAX]:
-                    del received[seq]
+            _keep_newest(received)
             if done or not out.batches:
                 break
             if ask not in received:
@@ -452,7 +454,7 @@ class KvEventsFollower:
                     out.ended = True
                     return
                 seq = int.from_bytes(parts[2], "big")
-                out.batches.append((seq, parts[3]))  # the oldest goes past REPLAY_BATCHES_MAX
+                out.add(seq, parts[3])  # the oldest go past REPLAY_BATCHES_MAX / REPLAY_BYTES_MAX
                 out.received += 1
                 if stop_at is not None and seq >= stop_at:
                     return  # what the live batch needs is here (or was dropped)
@@ -463,17 +465,36 @@ class KvEventsFollower:
 
 
 class _Answer:
-    """One replay request's answer so far: its batches (the newest `REPLAY_BATCHES_MAX`), how
-    many came, whether anything came (the end marker alone is an answer: an empty buffer), and
-    whether its end marker did."""
+    """One replay request's answer so far: its batches (the newest `REPLAY_BATCHES_MAX`, of at
+    most `REPLAY_BYTES_MAX`), how many came, whether anything came (the end marker alone is an
+    answer: an empty buffer), and whether its end marker did."""
 
-    __slots__ = ("batches", "ended", "heard", "received")
+    __slots__ = ("batches", "bytes", "ended", "heard", "received")
 
     def __init__(self) -> None:
-        self.batches: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=REPLAY_BATCHES_MAX)
+        self.batches: collections.deque[tuple[int, bytes]] = collections.deque()
+        self.bytes = 0  # of `batches`' payloads
         self.heard = False
         self.ended = False
         self.received = 0
+
+    def add(self, seq: int, payload: bytes) -> None:
+        self.batches.append((seq, payload))
+        self.bytes += len(payload)
+        while len(self.batches) > REPLAY_BATCHES_MAX or self.bytes > REPLAY_BYTES_MAX:
+            self.bytes -= len(self.batches.popleft()[1])
+
+
+def _keep_newest(received: dict[int, bytes]) -> None:
+    """Drop the oldest of a replay's batches past `REPLAY_BATCHES_MAX` or `REPLAY_BYTES_MAX`
+    (the newest are kept: the run before the live batch)."""
+    size = sum(len(p) for p in received.values())
+    if len(received) <= REPLAY_BATCHES_MAX and size <= REPLAY_BYTES_MAX:
+        return
+    for seq in sorted(received):
+        if len(received) <= REPLAY_BATCHES_MAX and size <= REPLAY_BYTES_MAX:
+            break
+        size -= len(received.pop(seq))
 
 
 def _run_ending(replayed: list[tuple[int, bytes]], end: int) -> list[tuple[int, bytes]]:
