@@ -50,9 +50,9 @@ within `REPLAY_TIMEOUT_S`, a reply of another shape) is counted (`replay_failure
 larger than `REPLAY_BATCHES_MAX` batches (vLLM's `buffer_steps` is configurable) or
 `REPLAY_BYTES_MAX` bytes the newest are kept. One that got no answer at all (an endpoint down;
 an end marker alone is an answer: an engine whose buffer is empty) is not tried again for
-`REPLAY_SKIP_S` (`replays_skipped`), and the map is cleared as without replay. The live socket queues meanwhile (`RECEIVE_HWM`; what it
-drops is the next gap); a replay's receive loop yields to the event loop every
-`REPLAY_YIELD_EVERY` batches. Counters: `batches`, `events`, `gaps`, `gaps_replayed`,
+`REPLAY_SKIP_S` (`replays_skipped`), and the map is cleared as without replay. The live socket
+queues meanwhile (`RECEIVE_HWM`; what it drops is the next gap); a replay's receive loop yields
+to the event loop every `REPLAY_YIELD_EVERY` batches. Counters: `batches`, `events`, `gaps`, `gaps_replayed`,
 `replayed`, `replay_rounds`, `replay_failures`, `replays_skipped`, `duplicates`, `disconnects`,
 `undecodable`, `unknown_events`, `other_medium`, `failures`. With data parallelism each rank
 publishes its own events (`data_parallel_rank`) on its own ports (vLLM adds the rank to both the
