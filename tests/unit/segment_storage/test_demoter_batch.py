@@ -11,7 +11,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -187,12 +187,14 @@ def test_a_request_demotes_its_objects_at_once_sharing_syncs(tmp_path: Path) -> 
         record_writes = [0]
         real_record = seg.io.write_record
 
-        def counted(objects: list[tuple[int, int, int]]) -> list[tuple[int, int] | KvfError]:
+        def counted(
+            objects: list[tuple[int, int, int]], tickets: Sequence[m.WriteTicket] | None = None
+        ) -> list[tuple[int, int] | KvfError]:
             with lock:
                 writing[0] += 1
                 writing_max[0] = max(writing_max[0], writing[0])
             try:
-                return real(objects)
+                return real(objects, tickets)
             finally:
                 with lock:
                     writing[0] -= 1
@@ -266,10 +268,12 @@ def test_an_error_in_one_object_lets_the_others_finish(tmp_path: Path) -> None:
 
         first_slot = objects[0].slot
 
-        def buggy(objects: list[tuple[int, int, int]]) -> list[tuple[int, int] | KvfError]:
+        def buggy(
+            objects: list[tuple[int, int, int]], tickets: Sequence[m.WriteTicket] | None = None
+        ) -> list[tuple[int, int] | KvfError]:
             if any(slot == first_slot for slot, _, _ in objects):
                 raise RuntimeError("a bug while writing")
-            return real(objects)
+            return real(objects, tickets)
 
         seg.backend.demote_many = buggy  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="a bug while writing"):
@@ -435,19 +439,24 @@ def test_a_confirm_without_a_final_verdict_keeps_its_disk_slot(
     applied but whose answer timed out left it listing a disk replica that was gone (and a later
     demotion's `already_there` then dropped the arena copy: the object lost). Now: no verdict is
     asked again (then `ok`: demoted); a newer leader's `stale_generation` leaves the slot to it
-    (held, the arena replica kept); only a final refusal, or a ticket long settled without a
-    verdict, frees it."""
+    (held, the arena replica kept): it took over after the slot was stored, so the report it
+    asked for lists the slot (a slot fenced before it was stored is not stored:
+    `test_a_demotion_fenced_by_a_new_leader_before_its_slots_are_stored_frees_them`); only a
+    final refusal, or a ticket long settled without a verdict, frees it."""
     monkeypatch.setattr(demoter_module, "CONFIRM_LATER_RETRY_S", 0.0)
     seg = make(tmp_path, 16 << 20, [])
     directory = Directory(rtt_s=0.0)
     asked: list[int] = []
+    reports: list[list[tuple[int, int]]] = []
     try:
         _, objects = stored(seg, directory, 1, 4096)
 
         async def confirm(ticket: m.WriteTicket, slot: int, generation: int) -> str:
             asked.append(slot)
-            if answer == "stale_generation":
-                raise StaleGeneration("epoch", 1, 2)  # a newer leader
+            if answer == "stale_generation":  # a newer leader: it fences, asks for the report
+                assert seg.backend.admit_directory(ticket.shard, ticket.epoch + 1)
+                reports.append([(h.slot, h.generation) for h in seg.ssd.held()])
+                raise StaleGeneration("directory_epoch", ticket.epoch, ticket.epoch + 1)
             if answer == "refused":
                 raise NotFound("unknown ticket")
             if answer == "no_verdict_ever" and len(asked) == 3:
@@ -461,11 +470,68 @@ def test_a_confirm_without_a_final_verdict_keeps_its_disk_slot(
         held = seg.ssd.stats()["objects"]
         if answer == "no_verdict_then_ok":
             assert (status, held, len(asked), directory.dropped) == ("demoted", 1, 3, [objects[0].key])
-        elif answer == "stale_generation":
+        elif answer == "stale_generation":  # in the new leader's report: its to publish or free
             assert (status, held, len(asked), directory.dropped) == ("failed", 1, 1, [])
+            assert reports == [[(h.slot, h.generation) for h in seg.ssd.held()]] and reports[0]
         else:  # freed: the directory never published it (or has long settled without a word)
             assert (status, held, directory.dropped) == ("failed", 0, [])
             assert len(asked) == (3 if answer == "no_verdict_ever" else 1)
+    finally:
+        seg.backend.arena.close()
+        seg.io.close()
+        seg.ssd.close()
+
+
+class Failover(Directory):
+    """Tickets at epoch 1; once they are given, a newer leader of the shard (epoch 2) takes over
+    while their bytes are written: it fences this segment (`admit_directory`, as its report
+    request does) and takes the report of its disk slots, then refuses the old epoch's confirms."""
+
+    def __init__(self, seg: Seg) -> None:
+        super().__init__(rtt_s=0.0)
+        self.seg = seg
+        self.reports: list[list[tuple[int, int]]] = []
+
+    async def ask(self, verb: str, message: msgspec.Struct) -> msgspec.Struct:
+        reply = await super().ask(verb, message)
+        if isinstance(message, m.ReplicateBeginMany):
+            assert self.seg.backend.admit_directory(0, 2)
+            self.reports.append([(h.slot, h.generation) for h in self.seg.ssd.held()])
+        return reply
+
+    async def confirm(self, ticket: m.WriteTicket, slot: int, generation: int) -> str:
+        self.confirmed.append((ticket.key, slot, generation))
+        raise StaleGeneration("directory_epoch", ticket.epoch, 2)
+
+
+def test_a_demotion_fenced_by_a_new_leader_before_its_slots_are_stored_frees_them(tmp_path: Path) -> None:
+    """Review, 2026-12-06: a newer leader that fenced this segment and took its report before a
+    demotion's disk slots were stored never saw them, and refused their confirms at the old
+    epoch; the demoter left each slot "to the successor", so nobody freed it until a restart.
+    Now, as a PUT's (`finish_put`), the ticket's epoch is checked against the fence under the
+    backend's lock in the step that stores the slot: fenced, it is not stored (its free record
+    written, the slot freed), its ticket aborted, the arena replica kept."""
+    seg = make(tmp_path, 16 << 20, [])
+    directory = Failover(seg)
+    try:
+        datas, objects = stored(seg, directory, 4, 64 * 1024)
+        reply = demote(seg, directory, objects)
+        assert [r.status for r in reply.results] == ["failed"] * 4
+        assert directory.reports == [[]]  # the new leader's report: nothing of the demotion
+        stats = seg.ssd.stats()
+        assert (stats["used_bytes"], stats["objects"], stats["slots_in_use"]) == (0, 0, 0)
+        assert directory.confirmed == [] and directory.dropped == []
+        assert sorted(directory.aborted) == sorted(o.key for o in objects)
+        assert seg.backend.counters["demote_fenced_total"] == 4
+        for data, o in zip(datas, objects, strict=True):  # the arena replicas stay, intact
+            assert seg.backend.verify_stored(o.slot, o.slot_generation, len(data)) == "ok"
+        # Each commit record is superseded on disk by its free record: a restart recovers nothing.
+        seg.ssd.close()
+        again = SsdTier(
+            tmp_path / "ssd", SEGMENT, 16 << 20, 64, direct=True, io=seg.io, read_bytes_max=8 << 20
+        )
+        assert (again.recovered_objects, again.table.used_bytes) == (0, 0)
+        again.close()
     finally:
         seg.backend.arena.close()
         seg.io.close()
@@ -524,10 +590,12 @@ def test_wait_idle_waits_for_disk_work_still_running(tmp_path: Path) -> None:
         _, objects = stored(seg, directory, 1, 4096)
         real, entered, release = seg.backend.demote_many, threading.Event(), threading.Event()
 
-        def slow(objs: list[tuple[int, int, int]]) -> list[tuple[int, int] | KvfError]:
+        def slow(
+            objs: list[tuple[int, int, int]], tickets: Sequence[m.WriteTicket] | None = None
+        ) -> list[tuple[int, int] | KvfError]:
             entered.set()
             release.wait(10)
-            return real(objs)
+            return real(objs, tickets)
 
         seg.backend.demote_many = slow  # type: ignore[method-assign,assignment]
         demoter = Demoter(

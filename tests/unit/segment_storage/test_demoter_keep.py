@@ -7,6 +7,7 @@ already holds on disk (`already_there`) is `copied` at once, nothing written or 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import msgspec
@@ -14,8 +15,10 @@ import msgspec
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import SSD_SLOT_BASE, DemoteObject
+from kvfabric.segment_storage.ssd import ssd_file_path
 
 from .test_demoter_batch import Directory, demote, make, stored
+from .test_ssd_backend import INCARNATION, SEGMENT
 
 
 class AlreadyThere(Directory):
@@ -72,6 +75,51 @@ def test_a_keep_arena_object_already_on_disk_is_copied_at_once(tmp_path: Path) -
         assert [r.status for r in reply.results] == ["copied", "demoted"]
         assert directory.dropped == [objects[1].key] and directory.confirmed == []
         assert seg.ssd.stats()["used_bytes"] == 0
+    finally:
+        seg.backend.arena.close()
+        seg.io.close()
+        seg.ssd.close()
+
+
+def test_a_rotted_disk_copy_keeps_the_arena_copy_when_the_object_is_demoted_later(tmp_path: Path) -> None:
+    """Review, 2026-12-06: a head copied with `keep_arena` is read by no one while its arena
+    replica is listed first, and no scrub pass reads the disk tier: its disk copy could rot
+    unseen, and demoting it later (`already_there`) dropped the arena replica on the word that
+    the disk copy was held — the only good copy gone. Now the disk copy is read back first: a
+    good one lets the arena copy go; a rotted one is freed and reported, and the arena copy stays."""
+    seg = make(tmp_path, 16 << 20, [])
+    directory = Directory(rtt_s=0.0)
+    reported: list[tuple[bytes, int, int, int]] = []
+    try:
+        datas, objects = stored(seg, directory, 2, 64 * 1024)
+        copies = demote(seg, directory, [msgspec.structs.replace(o, keep_arena=True) for o in objects])
+        assert [r.status for r in copies.results] == ["copied", "copied"]
+        rotted = copies.results[0]
+        local = rotted.slot - SSD_SLOT_BASE
+        with seg.ssd.lock:
+            grant = seg.ssd.table.acquire(local, rotted.slot_generation, len(datas[0]))
+            seg.ssd.table.release(local, rotted.slot_generation)
+        fd = os.open(ssd_file_path(tmp_path / "ssd", SEGMENT), os.O_RDWR)
+        try:  # one flipped bit in the first copy's data, on the disk
+            at = seg.ssd.geometry.data_offset + grant.offset + 100
+            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x01]), at)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        # Demoted later: the directory answers `already_there`, listing each disk copy.
+        for o, copy in zip(objects, copies.results, strict=True):
+            directory.already[o.key] = [
+                m.Replica(segment_id=SEGMENT, incarnation=INCARNATION, slot=slot, slot_generation=generation)
+                for slot, generation in ((copy.slot, copy.slot_generation), (o.slot, o.slot_generation))
+            ]
+        reply = demote(seg, directory, objects, reported=reported)
+        assert [r.status for r in reply.results] == ["failed", "demoted"]
+        assert directory.dropped == [objects[1].key]  # the good copy's arena replica went
+        assert reported == [(objects[0].key, rotted.slot, rotted.slot_generation, len(datas[0]))]
+        assert seg.ssd.held_one(rotted.slot, rotted.slot_generation) is None  # freed by the tier
+        # the arena copy is intact and stays
+        assert seg.backend.verify_stored(objects[0].slot, objects[0].slot_generation, len(datas[0])) == "ok"
     finally:
         seg.backend.arena.close()
         seg.io.close()

@@ -26,7 +26,9 @@ Who owns what:
   of it succeeds from then on).
 - The gate (`gate`: `kvfabric.segment_storage.gate`, pure) holds the epoch fence per directory
   shard and the drain flag; it changes only under the lock (`admit_directory`, `saw_epoch`, the
-  `draining` setter, called by the shell); `begin_put` checks a ticket against it.
+  `draining` setter, called by the shell); `begin_put` checks a ticket against it, and
+  `finish_put` and `demote_many` again in the step that stores the slot (a fenced one is not;
+  `demote_many` holds this lock around the disk tier's, never the other way round).
 - The disk tier (`ssd`, optional: `kvfabric.segment_storage.ssd`) holds the objects whose slot ids
   are `SSD_SLOT_BASE` and up. A GET of one reads it from disk into a private buffer (verified
   there: a mismatch or an I/O error frees it and goes to `report_corrupt`) that the grant owns
@@ -53,11 +55,13 @@ union) with the scrubber's re-hash and demotion into the disk tier, and re-expor
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 from kvfabric.core.segment_slots import HeldSlot
 from kvfabric.format.checksum import checksum
-from kvfabric.format.errors import ChecksumMismatch, Conflict, KvfError
+from kvfabric.format.errors import ChecksumMismatch, Conflict, KvfError, StaleGeneration
+from kvfabric.proto.directory import WriteTicket
 from kvfabric.proto.segment import SSD_SLOT_BASE
 from kvfabric.segment_storage.backend_core import (
     AUTH_REFS_CHECKED_MAX,
@@ -172,12 +176,21 @@ class ArenaBackend(BackendWrites, BackendReads):
             raise done
         return done
 
-    def demote_many(self, objects: list[tuple[int, int, int]]) -> list[tuple[int, int] | KvfError]:
+    def demote_many(
+        self, objects: list[tuple[int, int, int]], tickets: Sequence[WriteTicket] | None = None
+    ) -> list[tuple[int, int] | KvfError]:
         """`demote` for several arena objects (slot, generation, size), their disk writes sharing
         syncs and commit-record writes (`SsdTier.write_many`); per object, in order, its disk
         (slot, generation) or the error `demote` would raise (an unexpected one is raised once
         every object's read reference is let go). Each object is verified just before it is
-        written (waiting first while a GET is served, as `demote` does)."""
+        written (waiting first while a GET is served, as `demote` does).
+
+        `tickets` (the demotion's, one per object): an object whose ticket's epoch a newer leader
+        of its shard has fenced by the time its disk slot would become readable is not stored
+        (`StaleGeneration`, its slot freed), checked under the lock the fence rises under, in the
+        step that stores it, as `finish_put` checks a PUT. That leader's report (taken after its
+        fence rose) did not list the slot and it refuses the confirm at the old epoch: stored,
+        the slot had no owner and held its disk bytes until a restart (review, 2026-12-06)."""
         ssd = self.ssd
         if ssd is None:
             raise Conflict("this segment has no disk tier")
@@ -208,7 +221,21 @@ class ArenaBackend(BackendWrites, BackendReads):
                     continue
                 held.append((i, view, one.key if one is not None else b"", grant.checksum))
             if held:
-                placed = ssd.write_many([(v, k, c) for _, v, k, c in held], before_each=self.yield_to_gets)
+                refuse = None
+                if tickets is not None:
+                    held_tickets = [tickets[i] for i, *_ in held]
+
+                    def check(j: int) -> KvfError | None:  # under self.lock: the gate changes under it
+                        ticket = held_tickets[j]
+                        fence = self.gate.fence(ticket.shard)
+                        if ticket.epoch < fence:
+                            return StaleGeneration("directory_epoch", ticket.epoch, fence)
+                        return None
+
+                    refuse = (self.lock, check)
+                placed = ssd.write_many(
+                    [(v, k, c) for _, v, k, c in held], before_each=self.yield_to_gets, refuse=refuse
+                )
                 for (i, *_), done in zip(held, placed, strict=True):
                     out[i] = done
         finally:

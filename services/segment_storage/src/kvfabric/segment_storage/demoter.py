@@ -7,16 +7,21 @@ objects, each step an existing mechanism, the directory's steps batched per shar
    keys, at that shard's leader: a ticket per object for a disk replica (reserves no arena
    bytes). `already_there`: an earlier demotion copied it (its arena replica was kept): go to 4,
    once the disk replica the reply lists for this segment is checked to be held here (one that
-   is not is reported gone, and the arena replica stays).
+   is not is reported gone, and the arena replica stays) and, unless `keep_arena`, its bytes are
+   read back and verified (a corrupt one is freed and reported, the arena replica stays:
+   nothing else reads or scrubs such a copy; review, 2026-12-06).
    The arena replica named must be one of the directory's live sources (this incarnation, that
    slot and generation), else `not_found`.
 2. `ArenaBackend.demote_many`, the objects split into up to `DEMOTE_CONCURRENCY_MAX` write
    batches at once: under a read reference on each arena slot, re-hash its bytes (a mismatch
    frees it like the scrubber), then the disk tier's write protocol for the batch
    (`SsdTier.write_many`: every object's data, one sync, their commit records in one write,
-   one sync). A full tier is `no_capacity`: nothing is written for it, the batch's objects after
-   it are not tried, and the shell logs `demotion_stopped` and counts `demote_no_capacity`; the
-   arena keeps serving as before.
+   one sync). An object whose ticket a newer leader of its shard has fenced by the step that
+   makes it readable is not stored (checked in that step under the backend's lock, which the
+   fence rises under, as a PUT is: its slot freed, its ticket aborted, `failed`), so its slot is
+   in that leader's report or never stored (review, 2026-12-06). A full tier is `no_capacity`:
+   nothing is written for it, the batch's objects after it are not tried, and the shell logs
+   `demotion_stopped` and counts `demote_no_capacity`; the arena keeps serving as before.
 3. Once every object is written, their confirms at once, like any write's (the confirm batcher:
    concurrent confirms share a request, up to its batch bound: one for a request's objects per
    shard); a final refusal (`unknown_ticket`, `mismatch`, `not_found`) frees the disk slot (the
@@ -25,8 +30,8 @@ objects, each step an existing mechanism, the directory's steps batched per shar
    (`CONFIRM_LATER_GIVE_UP_MS` past its deadline: then freed), as a receipted write's background
    confirm is: the directory may have applied a confirm whose verdict was lost, and freeing that
    slot left it listing a disk replica that was gone (review, 2026-12-05). A newer leader
-   (`stale_generation`) adopted the slot from this segment's report: it publishes or frees it;
-   the arena replica stays either way.
+   (`stale_generation`) adopted the slot from this segment's report (stored before its fence
+   rose: step 2): it publishes or frees it; the arena replica stays either way.
 4. One `replica_corrupt_many` (reason "demoted") per shard for the arena replicas of the objects
    now on disk: the directory drops and frees each (`free.<segment_id>`), unless a lease or pin
    holds its group (`copied`: both replicas stay, a later demotion drops it) or it is the last
@@ -211,32 +216,46 @@ class Demoter:
         to_abort: list[int] = []  # a ticket placed, nothing confirmed: it goes now
         written: list[int] = []  # on disk, to confirm
         to_write: list[tuple[int, int]] = []  # (index, size) of the objects to write
+        there: list[int] = []  # already_there: on disk already (an earlier demotion copied it)
         for i in range(n):
             checked, abort = self._check(objects[i], begun[i])
             if abort:
                 to_abort.append(i)
             if isinstance(checked, DemoteResult):
                 results[i] = checked
-            elif checked is None and objects[i].keep_arena:
-                results[i] = DemoteResult("copied")  # on disk already, and its arena replica stays
             elif checked is None:
-                to_drop.append(i)  # on disk already (an earlier demotion copied it)
+                there.append(i)
             else:
                 to_write.append((i, checked))
+        # Their disk replicas checked first (held here; verified, unless the arena replica stays).
+        found = await asyncio.gather(
+            *(self._already_there(objects[i], begun[i]) for i in there), return_exceptions=True
+        )
+        errors: list[BaseException] = []
+        for i, one in zip(there, found, strict=True):
+            if isinstance(one, BaseException):  # its arena replica stays
+                errors.append(one)
+                results[i] = DemoteResult("failed")
+            elif one is not None:
+                results[i] = one
+            elif objects[i].keep_arena:
+                results[i] = DemoteResult("copied")  # on disk already, and its arena replica stays
+            else:
+                to_drop.append(i)
         # Step 2 in write batches, up to DEMOTE_CONCURRENCY_MAX at once: each batch's objects are
         # written one after another, then share one sync, one commit-record write and one sync.
         per_batch = -(-len(to_write) // DEMOTE_CONCURRENCY_MAX) if to_write else 1
         batches = [to_write[at : at + per_batch] for at in range(0, len(to_write), per_batch)]
         # Every batch runs to its end (none cancelled half-way by another's error).
         outcomes = await asyncio.gather(
-            *(self._write(batch, objects, results, disks, written, to_abort) for batch in batches),
+            *(self._write(batch, objects, begun, results, disks, written, to_abort) for batch in batches),
             return_exceptions=True,
         )
         # Step 3 for every object written, at once: the confirm batcher sends them in shared requests.
         confirmed = await asyncio.gather(
             *(self._confirm_one(objects[i], begun[i], disks[i]) for i in written), return_exceptions=True
         )
-        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        errors += [o for o in outcomes if isinstance(o, BaseException)]
         for i, ok in zip(written, confirmed, strict=True):
             if isinstance(ok, BaseException):  # its arena replica stays (both replicas, as `copied`)
                 errors.append(ok)
@@ -293,8 +312,9 @@ class Demoter:
         self, obj: DemoteObject, begun: m.ReplicateBeginReply | KvfError
     ) -> tuple[DemoteResult | int | None, bool]:
         """Before step 2, one object: its final result, or its size to write (a placed ticket
-        naming this segment's arena replica), or None when an earlier demotion copied it (its
-        arena replica is to be dropped). And whether its ticket is to be aborted."""
+        naming this segment's arena replica), or None when an earlier demotion copied it
+        (`already_there`: its disk replica to check, `_already_there`). And whether its ticket is
+        to be aborted."""
         if isinstance(begun, KvfError):
             return self._failed(obj, "replicate_begin", begun), False
         if begun.status in ("segment_down", "no_capacity"):
@@ -303,8 +323,8 @@ class Demoter:
         if begun.status == "not_found":
             self.backend.count("demote_not_found_total")
             return DemoteResult("not_found"), False
-        if begun.status != "placed":  # already_there: on disk already, the arena replica to drop
-            return self._already_there(obj, begun), False
+        if begun.status != "placed":  # already_there: on disk already (`_already_there` next)
+            return None, False
         ticket = begun.ticket
         if ticket is None or not any(
             (s.segment_id, s.incarnation, s.slot, s.slot_generation)
@@ -315,36 +335,74 @@ class Demoter:
             return DemoteResult("not_found"), True
         return ticket.size_bytes, False
 
-    def _already_there(self, obj: DemoteObject, begun: m.ReplicateBeginReply) -> DemoteResult | None:
-        """`already_there`: None (the arena replica to drop) unless the disk replica the
-        directory lists for this segment is not held here (freed since, say): then it is
-        reported gone and the object's arena replica stays (`failed`). A reply without sources
-        (an older directory, or none live) is taken at its word, as before."""
+    async def _already_there(
+        self, obj: DemoteObject, begun: m.ReplicateBeginReply | KvfError
+    ) -> DemoteResult | None:
+        """`already_there`: None (the arena replica to drop, or with `keep_arena` to keep)
+        unless the disk replica the directory lists for this segment is not held here (freed
+        since, say): then it is reported gone and the object's arena replica stays (`failed`).
+        Before its arena replica is dropped, the disk replica's bytes are read back and verified
+        on a demotion thread: a copy made with `keep_arena` (a head's) is read by no one while
+        its arena replica is listed first, and no scrub pass reads the disk tier, so it could rot
+        unseen, and dropping the arena replica left only the rotted copy: the object lost
+        (review, 2026-12-06). A corrupt one is freed by the tier and reported like a disk read's
+        find, and the arena replica stays (`failed`; so does one the disk tier is too busy to
+        read now). A reply without sources (an older directory, or none live) is taken at its
+        word, as before."""
+        assert isinstance(begun, m.ReplicateBeginReply)
         here = (self.segment_id, self.incarnation)
         mine = [s for s in begun.sources if (s.segment_id, s.incarnation) == here and s.slot >= SSD_SLOT_BASE]
+        ssd = self.backend.ssd
+        assert ssd is not None  # `on_demote` refuses a segment without a disk tier
         for s in mine:
-            if self.backend.held_one(s.slot, s.slot_generation) is None:
+            held = self.backend.held_one(s.slot, s.slot_generation)
+            if held is None:
                 self.backend.count("demote_disk_replica_gone_total")
                 self._warn("demotion_failed", step="already_there", key=obj.key.hex(), slot=s.slot)
                 self._report_gone(obj.key, s.slot, s.slot_generation, 0)
                 return DemoteResult("failed")
+            if obj.keep_arena:  # both replicas stay: nothing is lost if the disk one is bad
+                continue
+            try:
+                status = await self._on_pool(ssd.verify, s.slot, s.slot_generation, held.size)
+            except KvfError as err:  # busy: the arena replica stays, a later demotion drops it
+                return self._failed(obj, "already_there", err)
+            if status == "ok":
+                continue
+            corrupt = status == "corrupt"  # else freed since it was listed: gone
+            self.backend.count(f"demote_disk_replica_{'corrupt' if corrupt else 'gone'}_total")
+            self._warn(
+                "demotion_failed", step="already_there", key=obj.key.hex(), slot=s.slot, verdict=status
+            )
+            # freed by the tier when corrupt (its read did it), reported as a GET's disk read does
+            self._report_gone(obj.key, s.slot, s.slot_generation, held.size if corrupt else 0)
+            return DemoteResult("failed")
         return None
 
     async def _write(
         self,
         batch: list[tuple[int, int]],
         objects: list[DemoteObject],
+        begun: list[m.ReplicateBeginReply | KvfError],
         results: list[DemoteResult],
         disks: list[tuple[int, int]],
         written: list[int],
         to_abort: list[int],
     ) -> None:
         """Step 2 for one write batch (index, size): `ArenaBackend.demote_many` on a demotion
-        thread; each object's disk replica into `disks` and `written`, or its result (and its
-        ticket to abort). An unexpected error leaves nothing half-made and is raised."""
+        thread, with the objects' tickets (one a newer leader of its shard fenced is not stored);
+        each object's disk replica into `disks` and `written`, or its result (and its ticket to
+        abort). An unexpected error leaves nothing half-made and is raised."""
         refs = [(objects[i].slot, objects[i].slot_generation, size) for i, size in batch]
+        tickets: list[m.WriteTicket] = []
+        for i, _ in batch:
+            one_begun = begun[i]  # a placed ticket (`_check`)
+            assert isinstance(one_begun, m.ReplicateBeginReply) and one_begun.ticket is not None
+            tickets.append(one_begun.ticket)
         try:
-            done: list[tuple[int, int] | KvfError] = await self._on_pool(self.backend.demote_many, refs)
+            done: list[tuple[int, int] | KvfError] = await self._on_pool(
+                self.backend.demote_many, refs, tickets
+            )
         except KvfError as err:  # the whole batch (no disk tier, a failed sync)
             done = [err] * len(batch)
         stopped = False
@@ -360,6 +418,11 @@ class Demoter:
                     self._warn("demotion_stopped", reason="disk tier full", error=one.message)
                     stopped = True
                 results[i] = DemoteResult("no_capacity")
+            elif isinstance(one, StaleGeneration) and one.details.get("kind") == "directory_epoch":
+                # A newer leader of its shard fenced the ticket before the slot was stored: not
+                # stored, its slot freed (`ArenaBackend.demote_many`), its ticket aborted.
+                self.backend.count("demote_fenced_total")
+                results[i] = self._failed(objects[i], "write", one)
             elif isinstance(one, (NotFound, StaleGeneration)):  # freed or rewritten since the policy looked
                 self.backend.count("demote_not_found_total")
                 results[i] = DemoteResult("not_found")
@@ -382,7 +445,9 @@ class Demoter:
             except StaleGeneration:
                 self.backend.count("demote_confirm_superseded_total")
                 self._warn("demotion_failed", step="confirm", verdict="stale_generation", key=obj.key.hex())
-                return False  # the successor adopted the slot from this segment's report
+                # Stored before the successor's fence rose (a slot fenced first is not stored:
+                # `ArenaBackend.demote_many`), so its report, taken after, lists it: it adopts it.
+                return False
             except NotFound as err:
                 verdict = err.code
             except KvfError as err:  # no verdict

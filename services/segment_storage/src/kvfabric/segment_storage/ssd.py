@@ -39,7 +39,8 @@ from a 64-byte-aligned arena slot) goes through a buffer from a second pool (`wr
 the disk), given back when the write returns.
 
 Bounds: the I/O engine runs at most `io_threads` pieces at once and holds at most
-`io_queue_max` pieces queued or running; a request that would exceed it is `Busy` at once. Reads
+`io_queue_max` pieces queued or running; a request that would exceed it is `Busy` at once (one
+request always may when none is in flight: an object of more pieces). Reads
 hold at most `read_bytes_max` bytes of buffers; past it, `Busy`. A device that never answers an
 I/O holds the thread that issued it (a syscall cannot be cancelled); the bounds then turn the
 rest away. A failed `fdatasync` (the kernel may have dropped the dirty pages) stops the tier
@@ -73,6 +74,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Final
 
@@ -421,6 +423,7 @@ class SsdTier:
         self,
         items: Sequence[tuple[memoryview, bytes, bytes]],
         before_each: Callable[[], object] | None = None,
+        refuse: tuple[AbstractContextManager[object], Callable[[int], KvfError | None]] | None = None,
     ) -> list[tuple[int, int] | KvfError]:
         """`write` for several objects (source, key, digest), their steps shared: their slots taken
         at once (adjacent ids), every object's data written one after another (each through the
@@ -430,7 +433,11 @@ class SsdTier:
         would not fit either). Each object's protocol
         is `write`'s: its data durable before its commit record is written, readable once that
         record is durable. `before_each` runs before each object's data is written (the
-        backend's yield to GETs). `Unavailable` for all, raised, once a sync has failed."""
+        backend's yield to GETs). `refuse` (lock, check): in the step that makes the objects
+        readable, under `lock` (taken before the tier's own), `check(i)` says whether object `i`
+        may be stored: an error (a demotion whose ticket a newer directory leader fenced) undoes
+        it like a commit that was not durable — its free record written, the slot freed — and is
+        its outcome; None stores it. `Unavailable` for all, raised, once a sync has failed."""
         if self._sync.failed is not None:
             raise Unavailable(
                 "the disk tier failed a sync earlier: no writes until restart", reason="ssd_failed"
@@ -466,7 +473,7 @@ class SsdTier:
                 raise
             written.append((i, alloc))
         if written:
-            self._commit_many(items, written, out, started)
+            self._commit_many(items, written, out, started, refuse)
         return [o if o is not None else Unavailable("not written") for o in out]
 
     def _commit_many(
@@ -475,9 +482,11 @@ class SsdTier:
         written: list[tuple[int, DiskAlloc]],
         out: list[tuple[int, int] | KvfError | None],
         started: float,
+        refuse: tuple[AbstractContextManager[object], Callable[[int], KvfError | None]] | None = None,
     ) -> None:
         """Steps 3-7 of the write protocol for objects whose data is written: sync, commit records,
-        sync, readable; each object's outcome into `out`."""
+        sync, readable (unless `refuse` says otherwise: `write_many`); each object's outcome into
+        `out`."""
         try:
             self._sync.sync()
         except (OSError, KvfError) as exc:
@@ -505,9 +514,17 @@ class SsdTier:
             durable = False
         unlinks: list[Record] = []
         seconds = time.perf_counter() - started
-        with self.lock:
+        outer, check = refuse if refuse is not None else (contextlib.nullcontext(), None)
+        with outer, self.lock:  # the caller's lock first (the backend's: its fence rises under it)
             for i, alloc, _ in committing:
-                unlink = self.table.end_commit(alloc.slot, alloc.generation, durable)
+                refused = check(i) if check is not None and durable else None
+                unlink = self.table.end_commit(alloc.slot, alloc.generation, durable and refused is None)
+                if refused is not None:  # not stored: its free record below, then the slot is free
+                    self._count("writes_refused_total")
+                    if unlink is not None:
+                        unlinks.append(unlink)
+                    out[i] = refused
+                    continue
                 if unlink is None:
                     self._count("writes_total")
                     self._count("write_bytes_total", len(items[i][0]))

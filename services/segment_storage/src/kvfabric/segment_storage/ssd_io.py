@@ -46,8 +46,10 @@ def stream_head_bytes(extent: int, chunk_bytes: int, divisor: int) -> int:
 class SsdIo:
     """The I/O engine: `os.preadv`/`os.pwritev` in pieces of at most `chunk_bytes`, run by a pool
     of `threads` (0: every piece on the calling thread), at most `queue_max` pieces queued or
-    running in all; a call that would exceed it is `Busy` before it starts. A call returns when
-    all its pieces are done (its buffer is free again), and raises the first `OSError`."""
+    running in all; a call that would exceed it is `Busy` before it starts, unless nothing is in
+    flight (one call always may, as one disk read always may: an object of more than `queue_max`
+    pieces is otherwise never written). A call returns when all its pieces are done (its buffer
+    is free again), and raises the first `OSError`."""
 
     def __init__(self, threads: int, queue_max: int, chunk_bytes: int) -> None:
         invariant(threads >= 0 and queue_max >= 1 and chunk_bytes >= BLOCK_BYTES, "bad I/O engine bounds")
@@ -78,9 +80,13 @@ class SsdIo:
         self._run(fd, view, offset, write=False)
 
     def _admit(self, pieces: int) -> None:
-        """`pieces` more in flight, or `Busy` (counted) when that would go over `queue_max`."""
+        """`pieces` more in flight, or `Busy` (counted) when that would go over `queue_max` and
+        something is in flight already. One call always may: an object of more than `queue_max`
+        pieces (up to 1 GiB, past `io_queue_max` x `chunk_bytes`, 256 MiB by default) was `Busy`
+        every time, so its demotion was asked again forever and its arena bytes never reclaimed
+        (review, 2026-12-06). Bounded: it is one object, and while it runs every other call is `Busy`."""
         with self._lock:
-            if self.pieces_in_flight + pieces > self.queue_max:
+            if self.pieces_in_flight and self.pieces_in_flight + pieces > self.queue_max:
                 self.busy_total += 1
                 raise Busy(
                     "disk tier I/O queue full", queue_max=self.queue_max, in_flight=self.pieces_in_flight
