@@ -163,23 +163,53 @@ def test_the_save_table_has_the_one_core_shape() -> None:
 
 def test_an_abandoned_save_aborts_what_was_placed_and_not_yet_ended() -> None:
     """`abandon` (the save cancelled): one abort per shard batch of every key a begin answer
-    placed and no commit or abort carried yet; keys whose begin is still out are left to the
-    write TTL; the table is done, and answers to requests still out are ignored (counted)."""
+    placed and no commit or abort carried yet; the table is abandoned, without a result. A begin
+    still out then stays outstanding: its answer (its request went) gives the aborts of what it
+    placed (before, they were left reserved until the write TTL); a second answer is ignored
+    (counted)."""
     t = table(3)
     k0, k1, k2 = t.plan.keys
-    sends = begun(t)
-    shard_of_request = {s.request: s.shard for s in sends}
-    first = sends[0]
+    first, second = begun(t)
+    assert (first.shard, second.shard) == (0, 1)  # k0, k2 on shard 0; k1 on shard 1
     reply = m.PutBeginReply(epoch=1, results=[placed(s.key, ticket(s.key, 1)) for s in first.specs])
-    assert t.step(BeginAnswered(first.request, reply, "t"), 1) == []  # other begins still out
-    aborts = t.abandon(5)
-    assert [(a.shard, a.keys, a.deadline_ms) for a in aborts] == [
-        (shard_of_request[first.request], tuple(s.key for s in first.specs), 1005)
-    ]
-    assert t.state == "done" and t.result is None
-    assert t.step(BeginAnswered(sends[1].request, reply, "t"), 6) == []
+    assert t.step(BeginAnswered(first.request, reply, "t"), 1) == []  # the other begin still out
+    assert t.abandon(5) == [SendAbort(3, 0, (k0, k2), 1005)]
+    t.check_invariants()
+    assert t.state == "abandoned" and t.result is None
+    late = m.PutBeginReply(epoch=1, results=[placed(k1, ticket(k1, 2)), placed(k0, ticket(k0, 3))])
+    assert t.step(BeginAnswered(second.request, late, "t"), 6) == [SendAbort(4, 1, (k1,), 1006)]
+    t.check_invariants()  # every placed key ended exactly once
+    assert t.step(BeginAnswered(second.request, late, "t"), 7) == []
     assert t.counters["answers_unknown_total"] == 1
-    assert {k0, k1, k2} >= set(aborts[0].keys)
+    with pytest.raises(InvariantViolation, match="abandon after the save ended"):
+        t.abandon(8)
+
+
+def test_a_late_begin_answer_of_an_abandoned_save_aborts_only_what_it_placed() -> None:
+    """A begin answered after `abandon` with a cause, or with keys that exist or were refused:
+    nothing to abort; a commit's answer after `abandon` is ignored (its request went: `abandon`
+    counted its keys ended)."""
+    t = table(3)
+    _, k1, _ = t.plan.keys
+    first, second = begun(t)
+    assert t.abandon(1) == []  # nothing answered yet
+    assert t.step(BeginAnswered(first.request, "directory_timeout", "t"), 2) == []
+    refused = [m.BeginResult(key=k1, status="exists")]
+    assert t.step(BeginAnswered(second.request, m.PutBeginReply(epoch=1, results=refused), "t"), 3) == []
+    t.check_invariants()
+    t2 = table(1)
+    (send,) = begun(t2)
+    (k,) = t2.plan.keys
+    reply = m.PutBeginReply(epoch=1, results=[placed(k, ticket(k, 1))])
+    assert t2.step(BeginAnswered(send.request, reply, "t"), 1) == [
+        WriteReplicas((Write(k, ticket(k, 1), "t", 1),))
+    ]
+    (commit,) = t2.step(WritesDone((("ok", None),)), 2)
+    assert isinstance(commit, SendCommit)
+    assert t2.abandon(3) == []  # the commit goes even so (the shell lets it)
+    assert t2.step(EndAnswered(commit.request, "late"), 4) == []
+    assert t2.counters["answers_unknown_total"] == 1
+    t2.check_invariants()
 
 
 def test_an_abandoned_save_never_aborts_a_key_already_committed_or_aborted() -> None:

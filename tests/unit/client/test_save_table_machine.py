@@ -6,7 +6,8 @@ shard map), each `put_begin` answered in any order (a cause for the whole reques
 placed with 1..2 tickets, exists, not_admitted, another refusal, no result, a result twice; other
 saves' results mixed in, as in a shared request), the writes (each ok, with or without a receipt,
 or a cause), each commit and abort answered in any order (a cause, or per key a commit status,
-no result, a result twice), a second answer to a request already answered, and time passing.
+no result, a result twice), a second answer to a request already answered, time passing, and
+the save abandoned (cancelled) in any phase before it is done, its begins still out answered after.
 
 The model keeps what each key was answered and derives every effect the table must return: the
 begin batches (each planned key once, one shard, at most the bound, deadline = now + timeout),
@@ -15,7 +16,10 @@ request's trace id and confirm count), the commits (exactly the keys with a writ
 their writes' receipts) and aborts (every other placed key), and the result. Every step's
 effects must equal the model's exactly. Every example ends by answering everything: then every
 placed key was committed or aborted exactly once, nothing without a written replica was
-committed, no ticket was written twice, and the result is the model's.
+committed, no ticket was written twice, and the result is the model's; an abandoned one has no
+result, and every key its begins placed (answered before `abandon` or after) was committed or
+aborted exactly once too: aborted at `abandon` unless a commit or abort already carried it, or on
+its begin's late answer.
 """
 
 from __future__ import annotations
@@ -144,9 +148,12 @@ class SaveTableMachine(RuleBasedStateMachine):
     # ---- helpers -------------------------------------------------------------------------------
 
     def step(self, event: object, expected: list[Effect] | None) -> list[Effect]:
-        effects = self.table.step(event, self.now)  # type: ignore[arg-type]
+        effects: list[Effect] = self.table.step(event, self.now)  # type: ignore[arg-type]
         if expected is not None:
             assert effects == expected, (effects, expected)
+        return self.record(effects)
+
+    def record(self, effects: list[Effect]) -> list[Effect]:
         for e in effects:
             if isinstance(e, SendBegin):
                 self.begins[e.request] = e
@@ -179,6 +186,19 @@ class SaveTableMachine(RuleBasedStateMachine):
             epoch=1,
             data_addr=segment,
         )
+
+    def expected_aborts(self, keys: list[ObjectKey]) -> list[Effect]:
+        """Aborts of `keys` per shard (first seen first) batch, numbered from the next request."""
+        request = self.table._next_request
+        effects: list[Effect] = []
+        for shard in dict.fromkeys(shard_of(k) for k in keys):
+            mine = [k for k in keys if shard_of(k) == shard]
+            for i in range(0, len(mine), BATCHES.abort):
+                effects.append(
+                    SendAbort(request, shard, tuple(mine[i : i + BATCHES.abort]), self.now + TIMEOUT_MS)
+                )
+                request += 1
+        return effects
 
     def expected_ends(self) -> list[Effect]:
         """After the writes: aborts, then commits, per shard batch; or Finished."""
@@ -328,7 +348,10 @@ class SaveTableMachine(RuleBasedStateMachine):
             model.together[request] = Counter(
                 t.segment_id for r in results if r.status == "placed" for t in r.tickets
             )
-        expected = [] if self.begins else self.expected_writes()
+        if self.table.state == "abandoned":  # what it placed is aborted at once
+            expected = self.expected_aborts([r.key for r in model.placed.get(request, [])])
+        else:
+            expected = [] if self.begins else self.expected_writes()
         self.step(BeginAnswered(request, reply, trace), expected)
 
     @precondition(lambda self: self.write is not None)
@@ -383,7 +406,26 @@ class SaveTableMachine(RuleBasedStateMachine):
             results.append(m.CommitResult(key=FOREIGN[sent.shard], status="published"))  # another save's
             reply = m.PutCommitReply(epoch=1, results=results)
         expected: list[Effect] = [] if self.ends else [Finished(model.result())]
+        if self.table.state == "abandoned":  # not awaited: ignored (counted)
+            expected = []
         self.step(EndAnswered(request, reply), expected)
+
+    @precondition(lambda self: self.table.state in ("preparing", "beginning", "writing", "ending"))
+    @rule(pick=st.integers(0, 7), ms=st.integers(0, 5))
+    def abandon(self, pick: int, ms: int) -> None:
+        """The save cancelled (1 in 8 picks): every key placed and not yet carried by a commit or
+        abort is aborted; the writes' answer never comes; begins still out may still answer."""
+        if pick != 5:
+            return
+        self.tick(ms)
+        ended = set(self.sent_commits + self.sent_aborts)
+        placed = [r.key for request in sorted(self.model.placed) for r in self.model.placed[request]]
+        expected = self.expected_aborts([k for k in dict.fromkeys(placed) if k not in ended])
+        aborts: list[Effect] = list(self.table.abandon(self.now))
+        assert aborts == expected, (aborts, expected)
+        self.record(aborts)
+        self.write = None
+        assert self.table.state == "abandoned" and self.table.result is None
 
     @rule(ms=st.sampled_from([0, 1, 1000]))
     def time_passes(self, ms: int) -> None:
@@ -425,6 +467,12 @@ class SaveTableMachine(RuleBasedStateMachine):
             while getattr(self, pending):
                 rule_(_FaultFree(), 0)
         self.consistent()
+        if self.table.state == "abandoned":
+            assert self.finished is None and self.table.result is None
+            ended = sorted(self.sent_commits + self.sent_aborts)
+            placed = [r.key for rs in self.model.placed.values() for r in rs]
+            assert ended == sorted(placed)  # no reservation left to the write TTL
+            return
         assert self.finished is not None and self.table.state == "done"
         assert self.table.result == self.finished.result
         if self.finished.begun:

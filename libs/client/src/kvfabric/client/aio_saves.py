@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
@@ -82,7 +82,7 @@ class SaveMixin(ClientBase):
     _commits: SharedCalls[Any]
     _aborts: SharedCalls[Any]
     _tasks: set[asyncio.Task[Any]]  # running saves
-    _abandoned: set[asyncio.Task[Any]]  # aborts of cancelled saves, until answered
+    _abandoned: set[asyncio.Task[Any]]  # commits and aborts of cancelled saves, until answered
 
     def take_save_rate(self, chunk_sizes: Sequence[int]) -> int:
         """Take the engine's save rate for the leading chunks of these sizes it covers now and
@@ -183,6 +183,7 @@ class SaveMixin(ClientBase):
             SaveBatches(self._begins.batch_max, self._commits.batch_max, self._aborts.batch_max),
         )
         effects = table.step(Open(), monotonic_ms())
+        went: dict[int, asyncio.Future[tuple[object, str]]] = {}  # begins out when cancelled
         try:
             while True:
                 for effect in effects:
@@ -190,37 +191,91 @@ class SaveMixin(ClientBase):
                         return self._saved(effect.result) if effect.begun else effect.result
                 invariant(effects, "a save step left nothing to do before Finished", state=table.state)
                 if len(effects) == 1:  # most steps (hash, write): no task for it
-                    events = [await self._perform_save(effects[0], plan, trace_id)]
+                    events = [await self._perform_save(effects[0], plan, trace_id, went)]
                 else:
-                    events = await asyncio.gather(*(self._perform_save(e, plan, trace_id) for e in effects))
+                    performing = [
+                        asyncio.ensure_future(self._perform_save(e, plan, trace_id, went)) for e in effects
+                    ]
+                    try:
+                        events = await asyncio.gather(*performing)
+                    except BaseException:  # the answers that came (one shard's begin) are the table's
+                        for done in performing:
+                            if done.done() and not done.cancelled() and done.exception() is None:
+                                table.step(done.result(), monotonic_ms())
+                        raise
                 effects = [e for event in events for e in table.step(event, monotonic_ms())]
         except BaseException:
             # Cancelled (the caller gone, the client closing): what the directory placed for
             # this save is aborted in the background, not left reserved until the write TTL
-            # (review, 2026-12-05).
+            # (review, 2026-12-05), and so is what a begin that went as it was cancelled places.
             if table.state != "done":
-                self._abort_abandoned(table.abandon(monotonic_ms()), plan, trace_id)
+                self._abort_abandoned(table, table.abandon(monotonic_ms()), went, plan, trace_id)
             raise
 
-    def _abort_abandoned(self, aborts: list[SendAbort], plan: SavePlan, trace_id: str) -> None:
-        """Send a cancelled save's aborts from a task of their own (each bounded by its
-        deadline), held in `_abandoned` until answered; nothing waits for their answers."""
-        if not aborts or self.nc is None:
+    def _abort_abandoned(
+        self,
+        table: SaveTable,
+        aborts: list[SendAbort],
+        went: dict[int, asyncio.Future[tuple[object, str]]],
+        plan: SavePlan,
+        trace_id: str,
+    ) -> None:
+        """Send a cancelled save's aborts from a task of their own, held in `_abandoned` until
+        answered: those `abandon` gave, and those its table gives for what each begin request
+        that `went` (sent as the save was cancelled) placed, once its answer comes (waited for
+        `save_timeout_ms` at most: past every deadline the request went with). Each bounded by
+        its deadline; nothing waits for their answers."""
+        if not (aborts or went) or self.nc is None:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # the save's coroutine closed with no loop running: they expire
             return
 
-        async def send() -> None:
-            await asyncio.gather(*(self._perform_save(a, plan, trace_id) for a in aborts))
+        async def late(request: int, answer: asyncio.Future[tuple[object, str]]) -> None:
+            try:
+                async with asyncio.timeout(self.settings.save_timeout_ms / 1000):
+                    reply, trace = await asyncio.shield(answer)
+            except TimeoutError:  # unanswered: what it placed expires at the directory
+                return
+            more = table.step(BeginAnswered(request, reply, trace), monotonic_ms())
+            await asyncio.gather(*(self._perform_save(a, plan, trace_id) for a in more))
 
-        task = loop.create_task(send())
+        async def send() -> None:
+            await asyncio.gather(
+                *(self._perform_save(a, plan, trace_id) for a in aborts),
+                *(late(request, answer) for request, answer in went.items()),
+            )
+
+        self._hold(loop.create_task(send()))
+
+    def _hold(self, task: asyncio.Task[Any]) -> None:
+        """Keep a cancelled save's directory requests in `_abandoned` until answered (`close`
+        waits for them, with a bound; each is bounded by its deadline)."""
         self._abandoned.add(task)
         task.add_done_callback(self._abandoned.discard)
 
-    async def _perform_save(self, effect: Effect, plan: SavePlan, trace_id: str) -> SaveEvent:
-        """One effect of the save's table, answered with its event (never raises for the cluster)."""
+    async def _unwithdrawn(self, call: Coroutine[Any, Any, tuple[object, str]]) -> tuple[object, str]:
+        """A commit or abort call that goes even if its save is cancelled meanwhile: cancelled
+        while queued in `SharedCalls` it was withdrawn, never sent, yet `abandon` counts its keys
+        ended (they stayed reserved until the write TTL). Run in a task of its own (bounded by
+        its deadline), held in `_abandoned` once the save is cancelled."""
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._hold(task)
+            raise
+
+    async def _perform_save(
+        self,
+        effect: Effect,
+        plan: SavePlan,
+        trace_id: str,
+        went: dict[int, asyncio.Future[tuple[object, str]]] | None = None,
+    ) -> SaveEvent:
+        """One effect of the save's table, answered with its event (never raises for the cluster).
+        A begin cancelled after its request went leaves its answer to come in `went`."""
         if isinstance(effect, PrepareBegins):
             # No checksum at put_begin: each segment hashes what it stored and the first replica's
             # hash becomes the object's (`ObjectSpec.checksum`); sent bytes carry the writer's
@@ -238,22 +293,28 @@ class SaveMixin(ClientBase):
             # Shared with the other saves in flight (`SharedCalls`): the answer names the trace id
             # the request went with (its writes name it too).
             keys = [spec.key for spec in effect.specs]
+            request = effect.request
+
+            def sent(answer: asyncio.Future[tuple[object, str]]) -> None:
+                if went is not None:
+                    went[request] = answer
+
             reply, trace = await self._begins.call(
-                effect.shard, effect.specs, keys, trace_id, effect.deadline_ms / 1000
+                effect.shard, effect.specs, keys, trace_id, effect.deadline_ms / 1000, sent
             )
-            return BeginAnswered(effect.request, reply, trace)
+            return BeginAnswered(request, reply, trace)
         if isinstance(effect, WriteReplicas):
             return WritesDone(tuple(await self._write_all(plan, effect.writes)))
         if isinstance(effect, SendCommit):
             keys = [key for key, _ in effect.items]
-            reply, _ = await self._commits.call(
-                effect.shard, effect.items, keys, trace_id, effect.deadline_ms / 1000
+            reply, _ = await self._unwithdrawn(
+                self._commits.call(effect.shard, effect.items, keys, trace_id, effect.deadline_ms / 1000)
             )
             return EndAnswered(effect.request, reply)
         if isinstance(effect, SendAbort):
             # An abort that fails needs nothing more: its placements expire at the directory.
-            reply, _ = await self._aborts.call(
-                effect.shard, effect.keys, effect.keys, trace_id, effect.deadline_ms / 1000
+            reply, _ = await self._unwithdrawn(
+                self._aborts.call(effect.shard, effect.keys, effect.keys, trace_id, effect.deadline_ms / 1000)
             )
             return EndAnswered(effect.request, reply)
         unreachable("an effect the save shell does not perform", effect=effect)

@@ -19,6 +19,13 @@ wire is `kvfabric.client.saves` (whose `SaveTally` this table counts with).
     WRITING --writes_done--> ENDING (SendAbort, SendCommit per shard batch), or DONE with nothing
                              to end
     ENDING --end_answered, the last--> DONE (Finished(result))
+    any but DONE --abandon (the save cancelled)--> ABANDONED (SendAbort per shard batch of every
+                 key a begin answer placed and no commit or abort carried; no result)
+    ABANDONED --begin_answered (a begin out at `abandon` whose request went)--> ABANDONED
+                 (SendAbort per shard batch of the keys it placed)
+In ABANDONED nothing awaits the aborts' answers, commits and aborts still out are not awaited
+either (the shell lets them go: `abandon` counts their keys ended), and only begin answers are
+used; a begin the shell withdrew unsent is never answered (it placed nothing).
 A request is named by its number (`request`); an answer naming no outstanding request of the
 phase (a second answer, or a stale one) is counted and ignored.
 
@@ -60,6 +67,9 @@ phase (a second answer, or a stale one) is counted and ignored.
 3. A key counted committed was sent in a commit request (and answered committed).
 4. DONE: no request outstanding; every chunk of the plan is exactly one of saved, existing or
    failed (`SaveTally.result`).
+5. ABANDONED: no result; only begin requests outstanding; every key ended (in a commit or an
+   abort request) was placed by a begin answer, and with no begin outstanding every placed key
+   was ended exactly once (a cancelled save leaves no reservation to the write TTL).
 
 Caller bugs raise `InvariantViolation`: an event out of its phase, time going backwards,
 digests or write outcomes of the wrong count.
@@ -97,7 +107,7 @@ __all__ = [
 
 DIRECTORY_UNAVAILABLE: Final = "directory_unavailable"
 
-State: TypeAlias = Literal["open", "preparing", "beginning", "writing", "ending", "done"]
+State: TypeAlias = Literal["open", "preparing", "beginning", "writing", "ending", "done", "abandoned"]
 Verb: TypeAlias = Literal["put_begin", "put_commit", "put_abort"]
 
 T = TypeVar("T")
@@ -282,10 +292,13 @@ class SaveTable:
         return effects
 
     def begin_answered(self, request: int, reply: object, trace_id: str, now_ms: int) -> list[Effect]:
-        """A begin request's reply (or cause). After the last one: the writes (or the end)."""
+        """A begin request's reply (or cause). After the last one: the writes (or the end).
+        ABANDONED: aborts of what it placed for this save."""
         sent = self._answer(request, "put_begin")
         if sent is None:
             return []
+        if self.state == "abandoned":
+            return self._abort_late(request, sent, reply, trace_id, now_ms)
         if not isinstance(reply, m.PutBeginReply):
             self._tally.refused(list(sent.keys), str(reply))
         else:
@@ -408,17 +421,39 @@ class SaveTable:
         """The save was cancelled (its caller gone, the client closing) before DONE: aborts of
         every key a begin answer placed for it and no commit or abort request carried yet, for
         the shell to send without waiting (they would otherwise hold their reservations, counted
-        against the tenant's pending bounds, until the write TTL). The table is DONE after,
-        with no result; answers to requests still out are ignored (counted)."""
+        against the tenant's pending bounds, until the write TTL). A commit or abort request
+        already made counts its keys ended: the shell sends it even so. The table is ABANDONED
+        after, with no result: a begin still out stays outstanding, its answer (if its request
+        went) giving the aborts of what it placed; answers to commits and aborts are ignored
+        (counted)."""
+        invariant(self.state not in ("done", "abandoned"), "abandon after the save ended", state=self.state)
         ended = set(self._sent.get("put_commit", ())) | set(self._sent.get("put_abort", ()))
         keys = [r.key for request in sorted(self._begun) for r in self._begun[request].placed]
         keys = [k for k in dict.fromkeys(keys) if k not in ended]
-        self.state = "done"
+        self.state = "abandoned"
+        self._outstanding = {n: r for n, r in self._outstanding.items() if r.verb == "put_begin"}
+        return self._abort_unawaited(keys, now_ms)
+
+    def _abort_late(
+        self, request: int, sent: _Request, reply: object, trace_id: str, now_ms: int
+    ) -> list[Effect]:
+        """ABANDONED: a begin's answer that came after `abandon`: aborts of what it placed."""
+        placed: list[m.BeginResult] = []
+        if isinstance(reply, m.PutBeginReply):
+            mine = set(sent.keys) - self._answered
+            results = [r for r in reply.results if r.key in mine and not self._first_answer(r.key)]
+            placed = [r for r in results if r.status == "placed"]
+        self._begun[request] = _Begun(placed, trace_id, {})
+        return list(self._abort_unawaited([r.key for r in placed], now_ms))
+
+    def _abort_unawaited(self, keys: list[ObjectKey], now_ms: int) -> list[SendAbort]:
+        """ABANDONED: aborts of `keys` per shard batch, sent and never awaited (not outstanding)."""
         deadline_ms = now_ms + self.timeout_ms
         aborts = []
         for shard, batch in shard_batches(keys, self.shard_of, self.batches.abort):
-            aborts.append(SendAbort(self._send("put_abort", shard, batch), shard, tuple(batch), deadline_ms))
-        self._outstanding.clear()
+            request = self._send("put_abort", shard, batch)
+            del self._outstanding[request]
+            aborts.append(SendAbort(request, shard, tuple(batch), deadline_ms))
         return aborts
 
     def _finish(self, result: SaveResult | None = None, *, begun: bool = True) -> list[Effect]:
@@ -431,7 +466,9 @@ class SaveTable:
     def check_invariants(self) -> None:
         keys = set(self.plan.keys)
         begun = self._sent.get("put_begin", [])
-        if self.state in ("beginning", "writing", "ending") or (self.state == "done" and begun):
+        if self.state in ("beginning", "writing", "ending") or (
+            self.state in ("done", "abandoned") and begun
+        ):
             invariant(sorted(begun) == sorted(keys), "a key not begun exactly once")
         invariant(self._answered <= keys, "a begin result for a key not of this save")
         placed = [r.key for r in self._placed]
@@ -457,8 +494,15 @@ class SaveTable:
             most = {"put_begin": self.batches.begin, "put_commit": self.batches.commit}
             invariant(len(sent.keys) <= most.get(sent.verb, self.batches.abort), "request over batch_max")
             invariant(all(self.shard_of(k) == sent.shard for k in sent.keys), "a request spans shards")
-            phase = "beginning" if sent.verb == "put_begin" else "ending"
-            invariant(self.state == phase, "a request outstanding out of its phase", state=self.state)
+            phases = ("beginning", "abandoned") if sent.verb == "put_begin" else ("ending",)
+            invariant(self.state in phases, "a request outstanding out of its phase", state=self.state)
+        if self.state == "abandoned":
+            invariant(self._result is None, "an abandoned save with a result")
+            placed_ever = [r.key for begun_ in self._begun.values() for r in begun_.placed]
+            invariant(set(commits + aborts) <= set(placed_ever), "an abandoned save ended a key not placed")
+            if not self._outstanding:
+                ended = sorted(commits + aborts)
+                invariant(ended == sorted(placed_ever), "an abandoned save left a placed key not ended")
         if self.state == "done":
             invariant(self._result is not None, "done without a result")
             assert self._result is not None

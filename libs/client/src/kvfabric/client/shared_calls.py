@@ -19,6 +19,10 @@ save (bounded by `saves_queued_max`). Deadlines: a request is sent with the late
 saves it carries (their own time left: they arrived within one round trip); a caller whose own
 deadline passes while it waits is answered `directory_timeout` and its items leave the queue if
 they had not gone yet (a begin that went anyway expires at the directory after its write TTL).
+A caller cancelled while it waits leaves the queue too (its items never go); one cancelled after
+its items went (or while they go) cannot take them back: `on_cancel_sent` is handed the answer to
+come (resolved by the request's deadline, or `closed` when the client closes first), for the
+shell to end what it places (a cancelled save's begin: `kvfabric.client.aio_saves`).
 """
 
 from __future__ import annotations
@@ -61,9 +65,16 @@ class SharedCalls(Generic[T]):
         self.requests = 0  # sent (tests, metrics)
 
     async def call(
-        self, shard: int, items: Sequence[T], keys: Sequence[Hashable], trace_id: str, deadline_s: float
+        self,
+        shard: int,
+        items: Sequence[T],
+        keys: Sequence[Hashable],
+        trace_id: str,
+        deadline_s: float,
+        on_cancel_sent: Callable[[asyncio.Future[tuple[object, str]]], None] | None = None,
     ) -> tuple[object, str]:
-        """(reply or cause, the request's trace id) for `items` (at most `batch_max`) of one shard."""
+        """(reply or cause, the request's trace id) for `items` (at most `batch_max`) of one shard.
+        Cancelled: withdrawn if still queued, else `on_cancel_sent(the answer to come)`."""
         if len(items) > self.batch_max:
             raise ValueError(f"{len(items)} items exceed a request's {self.batch_max}")
         future: asyncio.Future[tuple[object, str]] = asyncio.get_running_loop().create_future()
@@ -82,6 +93,8 @@ class SharedCalls(Generic[T]):
         except asyncio.CancelledError:
             if entry in queue:
                 queue.remove(entry)
+            elif on_cancel_sent is not None:
+                on_cancel_sent(future)
             raise
 
     async def _send_once(self, shard: int, items: list[T], trace_id: str, deadline_s: float) -> object:
