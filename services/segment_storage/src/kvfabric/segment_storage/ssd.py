@@ -93,6 +93,7 @@ from kvfabric.core.disk_records import (
     geometry,
 )
 from kvfabric.core.disk_slots import DiskAlloc, DiskGrant, DiskHeld, DiskSlotTable
+from kvfabric.core.quotas import tenant_of
 from kvfabric.format.checksum import checksum
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import (
@@ -110,6 +111,7 @@ from kvfabric.segment_storage.ssd_io import STREAM_HEAD_DIVISOR_DEFAULT, GroupSy
 from kvfabric.segment_storage.ssd_reads import ReadStatus, SsdRead, SsdStream
 
 __all__ = [
+    "READ_TENANT_SHARE_DIVISOR",
     "SSD_FILE_MODE",
     "GroupSync",
     "ReadBufferPool",
@@ -130,6 +132,9 @@ INDEX_READ_BYTES: Final = 4 << 20  # the index is read at start in pieces of thi
 # Pooled O_DIRECT bounce buffers of writes, lent and idle together (8 demotions of 4 MiB at once
 # fit twice); past it a write's buffer is made for it and unmapped after (`ReadBufferPool`).
 WRITE_BOUNCE_BYTES_MAX: Final = 64 << 20
+# One tenant's disk reads in flight hold at most this share of `read_bytes_max` (by the key's
+# share domain; one read of a tenant holding none always may, within the whole budget).
+READ_TENANT_SHARE_DIVISOR: Final = 4
 
 
 class SsdFileRefused(RuntimeError):
@@ -175,6 +180,7 @@ class SsdTier:
         self.lock = threading.Lock()
         self.counters: dict[str, int] = {}
         self.read_bytes_in_flight = 0
+        self._read_bytes_by_tenant: dict[bytes, int] = {}  # of `read_bytes_in_flight`, per key's tenant
         self.unlinks_pending = False  # a free record's write failed: `retry_unlinks` has work
         # op -> (count per bucket of IO_SECONDS_BUCKETS + one for +Inf, sum of seconds)
         self._latency: dict[str, tuple[list[int], list[float]]] = {
@@ -626,16 +632,39 @@ class SsdTier:
                 return SsdRead("wrong_size")
             except KvfError:
                 return SsdRead("not_found")
+            held = self.table.held_one(local, generation)
+            key = held.key if held is not None else b""
+            tenant = tenant_of(key)
+            extent = grant.extent_bytes
             in_flight = self.read_bytes_in_flight
-            if in_flight and in_flight + grant.extent_bytes > self.read_bytes_max:
+            if in_flight and in_flight + extent > self.read_bytes_max:
                 self.table.release(local, generation)
                 self._count("reads_busy_total")
                 raise Busy(
                     "disk tier reads in flight at their byte limit", read_bytes_max=self.read_bytes_max
                 )
-            self.read_bytes_in_flight += grant.extent_bytes
-            held = self.table.held_one(local, generation)
-        return local, grant, held.key if held is not None else b""
+            # One tenant's reads hold at most a share of the budget (one read of its always may):
+            # a reader that took its replies slowly held the whole budget for the transfer's
+            # deadline, and every other tenant's disk GETs were busy (review, 2026-12-06).
+            tenant_in = self._read_bytes_by_tenant.get(tenant, 0)
+            share = max(1, self.read_bytes_max // READ_TENANT_SHARE_DIVISOR)
+            if tenant_in and tenant_in + extent > share:
+                self.table.release(local, generation)
+                self._count("reads_busy_tenant_total")
+                raise Busy("a tenant's disk tier reads in flight at its share", share_bytes=share)
+            self.read_bytes_in_flight += extent
+            self._read_bytes_by_tenant[tenant] = tenant_in + extent
+        return local, grant, key
+
+    def _read_ended(self, key: bytes, extent: int) -> None:
+        """A read's bytes go back to the budget and its tenant's share (under the lock)."""
+        self.read_bytes_in_flight -= extent
+        tenant = tenant_of(key)
+        left = self._read_bytes_by_tenant.get(tenant, 0) - extent
+        if left > 0:
+            self._read_bytes_by_tenant[tenant] = left
+        else:
+            self._read_bytes_by_tenant.pop(tenant, None)  # (no entry per tenant ever seen)
 
     def read(self, slot: int, generation: int, size: int) -> SsdRead:
         """Read a stored object (wire slot id) into a private buffer and verify it. `corrupt`: the
@@ -650,7 +679,7 @@ class SsdTier:
 
         def give_back() -> None:
             with self.lock:
-                self.read_bytes_in_flight -= extent
+                self._read_ended(key, extent)
             if lent:
                 pool.give(lent.pop())
 
@@ -723,7 +752,7 @@ class SsdTier:
 
         def give_back() -> None:
             with self.lock:
-                self.read_bytes_in_flight -= extent
+                self._read_ended(key, extent)
             if lent:
                 pool.give(lent.pop())
 
