@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import socket
 import threading
 import time
 from typing import Any, cast
@@ -17,6 +18,7 @@ from kvfabric.client import ClientSettings, KvClient, sync
 from kvfabric.client.hits import Hit, LoadResult
 from kvfabric.client.sync import ClientStatus
 from kvfabric.proto import directory as m
+from kvfabric.testing.ports import free_port
 from tests.integration.clientkit import SPEC
 
 TPC = SPEC.layout.tokens_per_chunk
@@ -108,3 +110,14 @@ def test_a_close_past_its_bound_still_closes_the_pool_and_threads(monkeypatch: p
     kv.aio._executor.submit(lambda: None)  # a transfer thread exists
     kv.close()
     assert kv.aio.pool._closed and kv.aio._executor._shutdown and kv.aio._save_executor._shutdown
+
+
+def test_a_closed_clients_metrics_port_is_free_for_the_next_client() -> None:
+    port = free_port()
+    settings = ClientSettings(nats_url="nats://x:1", metrics_port=port)
+    for _ in range(2):  # the second could not serve: the first's server held the port
+        kv = KvClient.disabled(SPEC, "config_error", "test", settings=settings)
+        assert kv.aio.serves_metrics
+        kv.close()
+    with socket.socket() as sock:
+        sock.bind(("", port))  # nothing holds it now

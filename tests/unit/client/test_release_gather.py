@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -171,3 +172,36 @@ def test_a_lookup_that_comes_back_after_close_began_gives_its_leases_back() -> N
 
     hit, held = asyncio.run(run())
     assert hit.tokens == 0 and hit.cause == "closed" and held == set()
+
+
+def test_a_lookups_unneeded_shard_leases_go_back_without_delaying_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard whose chunks are past the hit: its lease was given back on the lookup's own path,
+    so slow release answers made a lookup take 3-4 x `lookup_timeout_ms` (review, 2026-12-06)."""
+    released: list[list[tuple[int, int]]] = []
+
+    async def lookup_prefix(*args: Any, give_back: Any, **kwargs: Any) -> Any:
+        await give_back([(1, 7)])  # the second shard's lease: none of its chunks are in the hit
+        return SimpleNamespace(hit_chunks=0, objects=[], leases=[], expires_ms=0, failure=None)
+
+    async def slow_release(leases: list[tuple[int, int]], trace_id: str = "") -> None:
+        await asyncio.sleep(1.0)  # the directory answers late
+        released.append(leases)
+        for lease in leases:
+            kv._leases.pop(lease, None)
+
+    monkeypatch.setattr(aio_lookups, "lookup_prefix", lookup_prefix)
+    kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1"), SPEC)
+    kv.nc = cast(Any, object())
+    kv.router = cast(Any, object())
+    kv._release_leases = slow_release  # type: ignore[method-assign,assignment]
+
+    async def run() -> float:
+        started = time.monotonic()
+        hit = await kv.lookup(list(range(4 * TPC)))
+        took = time.monotonic() - started
+        assert hit.tokens == 0 and kv._giving_back and kv._leases == {(1, 7): 0}
+        await asyncio.wait(list(kv._giving_back), timeout=5)
+        return took
+
+    took = asyncio.run(run())
+    assert took < 0.5 and released == [[(1, 7)]] and kv._leases == {}

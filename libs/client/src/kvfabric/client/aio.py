@@ -167,6 +167,7 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
         # not dispatched yet: (transfer, where, the starter's buffers, the starter's deadline ms)
         self._starting: list[tuple[TransferId, m.ObjectLocation, ScatterDest, int]] = []
         self._closed = False
+        self.serves_metrics = False  # this client started `metrics.serve`: `close` stops it
         self.suspects: SuspectReporter | None = None  # reports of corrupt replicas (after start)
         # `release_soon`: leases gathered for the next give-back (still in `_leases`), its timer,
         # and the give-backs in flight (`close` waits for them)
@@ -199,6 +200,7 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
         self.pool.on_corrupt = self.suspects.seen  # a bad replica is reported, never dropped here
         if self.settings.metrics_port >= 0:
             self.metrics.serve(self.settings.metrics_port)
+            self.serves_metrics = True  # stopped by `close`
 
     async def close(self) -> None:
         """Release every lease still held, wait for running saves, close connections."""
@@ -234,3 +236,5 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._save_executor.shutdown(wait=False, cancel_futures=True)
             self.pool.close()
+            if self.serves_metrics:
+                self.metrics.stop()

@@ -112,7 +112,12 @@ class LookupMixin(ClientBase):
         async def give_back(leases: list[tuple[int, int]]) -> None:
             for lease in leases:  # held until given back (`_release_leases` gives back held ones)
                 self._leases[lease] = 0
-            await self._release_leases(leases, trace_id)
+            # In the background, as gathered releases are (`close` waits for them): awaited
+            # here, a slow directory's release answers made a lookup take 3-4 x
+            # `lookup_timeout_ms`, past the sync client's bound (review, 2026-12-06).
+            task = asyncio.get_running_loop().create_task(self._release_leases(leases, trace_id))
+            self._giving_back.add(task)
+            task.add_done_callback(self._giving_back.discard)
 
         hit = await lookup_prefix(
             self._router(),

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 __all__ = ["ClientMetrics"]
@@ -12,6 +14,7 @@ _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25
 
 class ClientMetrics:
     def __init__(self) -> None:
+        self._server: Any = None  # `serve`'s HTTP server, until `stop`
         self.registry = CollectorRegistry()
         r = self.registry
         self.lookups = Counter("kvfabric_client_lookups", "Lookups asked", registry=r)
@@ -83,5 +86,16 @@ class ClientMetrics:
         )
 
     def serve(self, port: int) -> int:
+        """Serve `/metrics` on `port` (0: any) until `stop`; the port served."""
         server, _ = start_http_server(port, registry=self.registry)
+        self._server = server
         return int(server.server_port)
+
+    def stop(self) -> None:
+        """Stop serving and let the port go (a client made again in the same process with the
+        same fixed `metrics_port` could not start: the closed one's server still held it;
+        review, 2026-12-06)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
