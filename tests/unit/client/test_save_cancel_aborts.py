@@ -172,3 +172,32 @@ def test_a_save_cancelled_with_one_shards_begin_answered_and_one_out_aborts_both
     asyncio.run(run())
     assert sorted(keys_of(router, "put_abort")) == sorted(key_of(kv, 1, c) for c in range(CHUNKS))
     assert_every_placed_key_ended_once(router)
+
+
+def test_a_save_cancelled_as_its_commits_start_still_commits(monkeypatch: Any) -> None:
+    """Cancelled in the loop turn its two shards' commits were made in, before their tasks first
+    ran: neither was sent, and `abandon` counted their keys ended (review, 2026-12-06)."""
+    from kvfabric.client import save_table
+
+    router = SaveRouter()
+    kv, _ = client(router)
+    writes_done = save_table.SaveTable.writes_done
+    saving: list[asyncio.Future[SaveResult]] = []
+
+    def and_cancel(self: Any, outcomes: Any, now_ms: int) -> Any:
+        effects = writes_done(self, outcomes, now_ms)
+        assert len(effects) == 2  # a commit per shard: the step that makes tasks
+        asyncio.get_running_loop().call_soon(saving[0].cancel)
+        return effects
+
+    monkeypatch.setattr(save_table.SaveTable, "writes_done", and_cancel)
+
+    async def run() -> None:
+        saving.append(asyncio.ensure_future(kv.save(prompt(1), objects(1))))
+        with contextlib.suppress(asyncio.CancelledError):
+            await saving[0]
+        await kv.close()
+
+    asyncio.run(run())
+    assert sorted(keys_of(router, "put_commit", "put_abort")) == sorted(keys_of(router, "put_begin"))
+    assert len(keys_of(router, "put_begin")) == CHUNKS

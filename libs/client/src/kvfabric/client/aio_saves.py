@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
@@ -193,15 +193,27 @@ class SaveMixin(ClientBase):
                 if len(effects) == 1:  # most steps (hash, write): no task for it
                     events = [await self._perform_save(effects[0], plan, trace_id, went)]
                 else:
+                    # A commit's or abort's request is a task from here (`_end_call`): cancelled
+                    # before its effect's task first ran, it was never sent, yet `abandon` counts
+                    # its keys ended (review, 2026-12-06).
+                    calls = [self._end_call(e, trace_id) for e in effects]
                     performing = [
-                        asyncio.ensure_future(self._perform_save(e, plan, trace_id, went)) for e in effects
+                        asyncio.ensure_future(self._perform_save(e, plan, trace_id, went, call))
+                        for e, call in zip(effects, calls, strict=True)
                     ]
                     try:
                         events = await asyncio.gather(*performing)
                     except BaseException:  # the answers that came (one shard's begin) are the table's
+                        for call in calls:
+                            if call is not None and not call.done():
+                                self._hold(call)
                         for done in performing:
                             if done.done() and not done.cancelled() and done.exception() is None:
-                                table.step(done.result(), monotonic_ms())
+                                more = table.step(done.result(), monotonic_ms())
+                                # (the last begin's answer may end the save at once: its aborts go)
+                                for effect in more:
+                                    if (ending := self._end_call(effect, trace_id)) is not None:
+                                        self._hold(ending)
                         raise
                 effects = [e for event in events for e in table.step(event, monotonic_ms())]
         except BaseException:
@@ -233,13 +245,13 @@ class SaveMixin(ClientBase):
             return
 
         async def late(request: int, answer: asyncio.Future[tuple[object, str]]) -> None:
-            try:
+            # The answer and its aborts within one `save_timeout_ms` (what `close` waits for the
+            # abandoned requests: review, 2026-12-06); past it, the placements expire there.
+            with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.settings.save_timeout_ms / 1000):
                     reply, trace = await asyncio.shield(answer)
-            except TimeoutError:  # unanswered: what it placed expires at the directory
-                return
-            more = table.step(BeginAnswered(request, reply, trace), monotonic_ms())
-            await asyncio.gather(*(self._perform_save(a, plan, trace_id) for a in more))
+                    more = table.step(BeginAnswered(request, reply, trace), monotonic_ms())
+                    await asyncio.gather(*(self._perform_save(a, plan, trace_id) for a in more))
 
         async def send() -> None:
             await asyncio.gather(
@@ -255,12 +267,25 @@ class SaveMixin(ClientBase):
         self._abandoned.add(task)
         task.add_done_callback(self._abandoned.discard)
 
-    async def _unwithdrawn(self, call: Coroutine[Any, Any, tuple[object, str]]) -> tuple[object, str]:
-        """A commit or abort call that goes even if its save is cancelled meanwhile: cancelled
-        while queued in `SharedCalls` it was withdrawn, never sent, yet `abandon` counts its keys
-        ended (they stayed reserved until the write TTL). Run in a task of its own (bounded by
-        its deadline), held in `_abandoned` once the save is cancelled."""
-        task = asyncio.ensure_future(call)
+    def _end_call(self, effect: Effect, trace_id: str) -> asyncio.Task[tuple[object, str]] | None:
+        """A commit's or abort's request as a task of its own, started now (None for any other
+        effect): it goes even if its save is cancelled meanwhile. Cancelled while queued in
+        `SharedCalls` it was withdrawn, never sent, yet `abandon` counts its keys ended (they
+        stayed reserved until the write TTL). Bounded by its deadline; held in `_abandoned` once
+        the save is cancelled (`_unwithdrawn`)."""
+        if isinstance(effect, SendCommit):
+            keys = [key for key, _ in effect.items]
+            call = self._commits.call(effect.shard, effect.items, keys, trace_id, effect.deadline_ms / 1000)
+        elif isinstance(effect, SendAbort):
+            call = self._aborts.call(
+                effect.shard, effect.keys, effect.keys, trace_id, effect.deadline_ms / 1000
+            )
+        else:
+            return None
+        return asyncio.ensure_future(call)
+
+    async def _unwithdrawn(self, task: asyncio.Task[tuple[object, str]]) -> tuple[object, str]:
+        """An `_end_call`'s answer; cancelled, the call goes on, held in `_abandoned`."""
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -273,9 +298,11 @@ class SaveMixin(ClientBase):
         plan: SavePlan,
         trace_id: str,
         went: dict[int, asyncio.Future[tuple[object, str]]] | None = None,
+        call: asyncio.Task[tuple[object, str]] | None = None,
     ) -> SaveEvent:
         """One effect of the save's table, answered with its event (never raises for the cluster).
-        A begin cancelled after its request went leaves its answer to come in `went`."""
+        A begin cancelled after its request went leaves its answer to come in `went`. `call`: a
+        commit's or abort's request started already (`_end_call`)."""
         if isinstance(effect, PrepareBegins):
             # No checksum at put_begin: each segment hashes what it stored and the first replica's
             # hash becomes the object's (`ObjectSpec.checksum`); sent bytes carry the writer's
@@ -305,17 +332,11 @@ class SaveMixin(ClientBase):
             return BeginAnswered(request, reply, trace)
         if isinstance(effect, WriteReplicas):
             return WritesDone(tuple(await self._write_all(plan, effect.writes)))
-        if isinstance(effect, SendCommit):
-            keys = [key for key, _ in effect.items]
-            reply, _ = await self._unwithdrawn(
-                self._commits.call(effect.shard, effect.items, keys, trace_id, effect.deadline_ms / 1000)
-            )
-            return EndAnswered(effect.request, reply)
-        if isinstance(effect, SendAbort):
-            # An abort that fails needs nothing more: its placements expire at the directory.
-            reply, _ = await self._unwithdrawn(
-                self._aborts.call(effect.shard, effect.keys, effect.keys, trace_id, effect.deadline_ms / 1000)
-            )
+        if isinstance(effect, SendCommit | SendAbort):
+            # (an abort that fails needs nothing more: its placements expire at the directory)
+            started = call or self._end_call(effect, trace_id)
+            assert started is not None
+            reply, _ = await self._unwithdrawn(started)
             return EndAnswered(effect.request, reply)
         unreachable("an effect the save shell does not perform", effect=effect)
 
