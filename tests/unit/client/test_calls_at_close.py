@@ -121,3 +121,24 @@ def test_a_closed_clients_metrics_port_is_free_for_the_next_client() -> None:
         kv.close()
     with socket.socket() as sock:
         sock.bind(("", port))  # nothing holds it now
+
+
+def test_a_lookup_left_unanswered_by_a_closing_client_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup submitted as `close` settled the loop was never answered: it timed out and
+    raised TimeoutError into the engine's thread."""
+    monkeypatch.setattr(sync, "_GRACE_S", 0.05)
+    kv = KvClient.disabled(
+        SPEC, "config_error", "test", settings=ClientSettings(nats_url="nats://x:1", lookup_timeout_ms=100)
+    )
+    kv.status = ClientStatus("enabled")
+
+    async def unanswered(*args: object, **kwargs: object) -> object:
+        kv._closed = True  # close began meanwhile (its loop will never answer this one)
+        await asyncio.sleep(30)
+        raise AssertionError("not cancelled")
+
+    kv.aio.lookup = unanswered  # type: ignore[method-assign,assignment]
+    hit = kv.lookup(list(range(2 * TPC)))
+    assert hit.tokens == 0
+    kv._closed = False
+    kv.close()

@@ -4,8 +4,9 @@
 is bounded: lookups by `lookup_timeout_ms`, loads by `load_timeout_ms` (plus a grace for the
 loop), so an engine thread never hangs on the cluster. `save_async` never blocks: it copies
 nothing and hands the save to the loop (the caller gives up its buffers), where it is admitted
-or dropped (its result says why). Around `close`, a call ends in a miss ("closed"), never an
-exception in the engine's thread.
+or dropped (its result says why). Around `close`, `lookup` and `load` end in a miss ("closed"),
+never an exception in the engine's thread; a `lookup_async` or `save_async` future that `close`
+cancels reads cancelled (engines treat it as a miss / a dropped save).
 If the client cannot start, it runs *disabled*: every lookup is a miss (cause "closed"), every
 save is dropped, and the engine simply recomputes. Why is its `status` (and the fallback counted
 once by cause, and logged in one line, no traceback): a setting it cannot use (`config_error`:
@@ -243,16 +244,20 @@ class KvClient:
         extras: ChunkExtras | None = None,
         trace_id: str | None = None,
     ) -> Hit:
-        if not self.enabled:
-            return self._off_hit()
-        try:
-            return self._call(
-                self.aio.lookup(tokens, max_tokens=max_tokens, extras=extras, trace_id=trace_id),
-                self.settings.lookup_timeout_ms / 1000,
+        # Checked and submitted under the lock `close` turns the client off under: a lookup
+        # submitted after `close` settled the loop was never answered (review, 2026-12-06).
+        with self._submit_lock:
+            if not self.enabled:
+                return self._off_hit()
+            future = self._submit(
+                self.aio.lookup(tokens, max_tokens=max_tokens, extras=extras, trace_id=trace_id)
             )
-        except (concurrent.futures.CancelledError, RuntimeError):
-            # closed meanwhile (its lookups cancelled, or its loop closed): a miss, never an
-            # error in the engine's thread (review, 2026-12-06)
+        try:
+            return future.result(self.settings.lookup_timeout_ms / 1000 + _GRACE_S)
+        except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
+            # closed meanwhile (its lookups cancelled): a miss, never an error in the engine's
+            # thread (review, 2026-12-06)
+            future.cancel()
             if not self._closed:
                 raise
             return self._off_hit()
@@ -293,12 +298,12 @@ class KvClient:
             if done is not None:
                 return done
         gate = WriteGate()  # the loan of `dests`: closed by the load, or here if the loop is late
-        try:
+        with self._submit_lock:  # as `lookup`: nothing submitted once `close` settles the loop
+            if self._closed:
+                return self._unloaded(hit, first_chunk, "closed")
             future = self._submit(
                 self.aio.load(hit, dests, first_chunk=first_chunk, dest_ids=dest_ids, gate=gate)
             )
-        except RuntimeError:  # the loop closed since the check above
-            return self._unloaded(hit, first_chunk, "closed")
         try:
             return future.result(self.settings.load_timeout_ms / 1000 + _GRACE_S)
         except concurrent.futures.CancelledError:
@@ -311,9 +316,10 @@ class KvClient:
             # coroutine's finally in time, but worker threads would go on writing (the close
             # waits for at most one block in progress). Then cancel and let the finally clean up.
             gate.close()
-            self._loop.call_soon_threadsafe(future.cancel)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self._loop.call_soon_threadsafe(future.cancel)
             concurrent.futures.wait([future], timeout=_GRACE_S)
-            return self._unloaded(hit, first_chunk, "timeout")
+            return self._unloaded(hit, first_chunk, "closed" if self._closed else "timeout")
 
     def _unloaded(self, hit: Hit, first_chunk: int, cause: str) -> LoadResult:
         """A load that wrote nothing the engine may use: every asked chunk is recomputed."""
