@@ -38,3 +38,19 @@ def test_a_hung_disk_holds_one_thread_and_the_arena_frees_go_on() -> None:
     asyncio.run(run())
     frees.close()
     assert counts["disk_free_busy_total"] == 38 and counts["disk_free_late_total"] == 2
+
+
+def test_wait_idle_waits_for_a_free_handed_off_past_its_wait() -> None:
+    """The segment's stop closed the disk tier under a free still writing its record."""
+    slow = threading.Event()
+
+    def free(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        slow.wait(30)
+        return pairs
+
+    frees = DiskFrees(free, lambda _: None, wait_s=0.05)
+    assert asyncio.run(frees.free([(1 << 40, 1)])) == []  # late: handed off, still running
+    assert not frees.wait_idle(0.1)
+    slow.set()
+    assert frees.wait_idle(5) and frees.pending == 0
+    frees.close()

@@ -12,7 +12,8 @@ asks again later (a free that completes meanwhile is then "freed already"); the 
 never wait for the disk.
 
 Invariants: at most one thread; `pending` counts the batches handed to it and not finished
-(decremented on the loop when each ends, whatever the caller did).
+(whatever the caller did); `wait_idle` lets the segment's stop keep the disk tier open while
+one runs.
 """
 
 from __future__ import annotations
@@ -43,8 +44,12 @@ class DiskFrees:
         self._on_event = count  # the backend's `count` (takes its lock)
         self.queued_max = queued_max
         self.wait_s = wait_s
-        self.pending = 0
+        self._running: set[concurrent.futures.Future[Pairs]] = set()  # handed to the thread, not ended
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvf-disk-free")
+
+    @property
+    def pending(self) -> int:
+        return len(self._running)
 
     async def free(self, pairs: Pairs) -> Pairs:
         """The pairs freed (durably) within `wait_s`; none when the disk is busy or late."""
@@ -53,17 +58,21 @@ class DiskFrees:
         if self.pending >= self.queued_max:
             self._on_event("disk_free_busy_total")
             return []
-        self.pending += 1
-        running = asyncio.get_running_loop().run_in_executor(self._pool, self._free, pairs)
-        running.add_done_callback(self._ended)
+        running = self._pool.submit(self._free, pairs)
+        self._running.add(running)
+        running.add_done_callback(self._running.discard)
         try:
-            return await asyncio.wait_for(asyncio.shield(running), self.wait_s)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(running)), self.wait_s)
         except TimeoutError:  # it goes on; the directory asks again
             self._on_event("disk_free_late_total")
             return []
 
-    def _ended(self, _: object) -> None:
-        self.pending -= 1
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Blocks until no free runs (at most `timeout_s`): the disk tier's files must stay open
+        while one may still write or sync them (review, 2026-12-06). Whether it is idle."""
+        _, running = concurrent.futures.wait(list(self._running), timeout_s)
+        return not running
 
     def close(self) -> None:
+        """No more frees (those waiting are dropped: the directory asks the next incarnation)."""
         self._pool.shutdown(wait=False, cancel_futures=True)

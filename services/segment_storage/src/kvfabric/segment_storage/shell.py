@@ -322,10 +322,14 @@ class SegmentShell(ShellRepair, ShellConfirms):
         # threads: one may still write or sync it. One that outlasts the wait (a hung disk) keeps
         # the files open: the process's exit closes them, not a close under its feet.
         idle = await asyncio.to_thread(self.demoter.wait_idle, DEMOTE_STOP_WAIT_S)
+        # (and after the disk frees: one handed off past its wait may still write its free record)
+        idle = idle and await asyncio.to_thread(self.disk_frees.wait_idle, DEMOTE_STOP_WAIT_S)
         if self.ssd is not None and idle:
             await asyncio.to_thread(self._close_ssd)
         elif self.ssd is not None:
-            self._log.warning("ssd_left_open", reason="a demotion still writes", waited_s=DEMOTE_STOP_WAIT_S)
+            self._log.warning(
+                "ssd_left_open", reason="a demotion or a free still writes", waited_s=DEMOTE_STOP_WAIT_S
+            )
         if self._id_lock_fd >= 0:  # the id is free for the next incarnation
             unlock_segment_id(self.settings.shm_dir, self.settings.segment_id, self._id_lock_fd)
             self._id_lock_fd = -1
