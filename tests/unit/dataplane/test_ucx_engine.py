@@ -132,7 +132,7 @@ def test_server_and_client_on_the_loops_of_two_threads() -> None:
                     assert await round_trip(client, data) == data
 
         asyncio.run(asyncio.wait_for(client_side(), TIMEOUT_S))
-    assert backend.closed == [1]
+    assert len(backend.closed) == 1  # (ids are the process's: `new_connection_id`)
 
 
 def test_a_client_used_from_a_later_loop_reconnects_there() -> None:
@@ -145,7 +145,7 @@ def test_a_client_used_from_a_later_loop_reconnects_there() -> None:
                 assert asyncio.run(asyncio.wait_for(round_trip(client, data), TIMEOUT_S)) == data
         finally:
             client.close()
-    assert sorted(backend.closed) == [1, 2]  # the server may see the two closes in either order
+    assert len(set(backend.closed)) == len(backend.closed) == 2  # two connections, closed once each
 
 
 def test_the_transport_starts_no_ucxx_threads_and_the_process_exits() -> None:
@@ -219,7 +219,7 @@ def test_blocking_clients_on_several_threads_get_their_bytes() -> None:
             t.start()
         for t in threads:
             t.join(TIMEOUT_S)
-    assert errors == [] and sorted(backend.closed) == [1, 2, 3, 4]
+    assert errors == [] and len(set(backend.closed)) == len(backend.closed) == 4
 
 
 def test_blocking_client_errors_are_typed_and_the_connection_stays_in_step() -> None:
@@ -236,7 +236,7 @@ def test_blocking_client_errors_are_typed_and_the_connection_stays_in_step() -> 
         assert dests[0] == data and dests[2] == data and set(dests[1]) == {0xEE}
         with pytest.raises(BadRequest, match="destination is 9 bytes"):
             client.get(reads[:1], [bytearray(9)])
-    assert backend.closed == [1]  # one connection throughout
+    assert len(backend.closed) == 1  # one connection throughout
 
 
 def test_blocking_client_times_out_on_a_stalled_segment_then_reconnects() -> None:
@@ -255,7 +255,7 @@ def test_blocking_client_times_out_on_a_stalled_segment_then_reconnects() -> Non
             assert sync_round_trip(client, data) == data  # a new connection
         finally:
             client.close()
-    assert sorted(backend.closed) == [1, 2]
+    assert len(set(backend.closed)) == len(backend.closed) == 2
 
 
 def test_blocking_client_sees_busy_and_unreachable_segments() -> None:

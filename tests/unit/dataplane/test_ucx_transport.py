@@ -332,7 +332,7 @@ async def test_inflight_bytes_limit_refuses_large_requests_and_stays_in_step() -
             dest = bytearray(len(small))
             [result] = await client.get([ref], [dest])
             assert result.status == "ok" and dest == small
-        assert ("begin_put", 1) in backend.calls and not backend.leaked()
+        assert any(c[0] == "begin_put" for c in backend.calls) and not backend.leaked()
 
     await run(scenario)
 
@@ -521,7 +521,7 @@ async def test_garbage_frame_is_answered_once_then_the_connection_closes() -> No
                 await until(lambda: bool(backend.closed))
             finally:
                 await ep.close()
-        assert backend.calls == [("close_connection", 1)]
+        assert [verb for verb, _ in backend.calls] == ["close_connection"]
 
     await run(scenario)
 
@@ -538,7 +538,7 @@ async def test_stop_releases_every_connection_and_clients_see_unavailable() -> N
         try:
             await client.put(ticket_for(data), data)
             await server.stop()
-            assert backend.closed == [1] and server.connections == 0
+            assert len(backend.closed) == 1 and server.connections == 0
             # Depending on whether the client saw the reset before sending: Indeterminate (sent, then
             # the connection failed) or Unavailable (reconnect refused). Then always Unavailable.
             with pytest.raises((Unavailable, Indeterminate)):

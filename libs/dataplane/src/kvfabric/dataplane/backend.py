@@ -26,6 +26,7 @@ Ownership, per call (`conn` is an opaque per-connection token; everything it hol
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -58,9 +59,22 @@ __all__ = [
     "check_claimed",
     "claim_of",
     "claim_subject",
+    "new_connection_id",
     "put_claim",
     "sent_checksum",
 ]
+
+
+# Connection ids (`conn`) from one source for every transport of the process: a TCP server and a
+# UCX server over one backend each counted from 1, so one transport's close released the other's
+# connection of the same number (its PUT's slot aborted and reused under a write still arriving,
+# its GET's references dropped while sent; review, 2026-12-06). `next` on a count is atomic.
+_connection_ids = itertools.count(1)
+
+
+def new_connection_id() -> int:
+    """A connection id no transport of this process has used."""
+    return next(_connection_ids)
 
 
 @dataclass(slots=True)

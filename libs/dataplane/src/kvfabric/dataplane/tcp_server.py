@@ -4,7 +4,6 @@ absolute deadlines (a watchdog thread) and streamed GETs; the rules are in `kvfa
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import os
 import socket
@@ -23,7 +22,14 @@ from kvfabric.dataplane.admission import (
     ConnectionGate,
     ConnectionLimits,
 )
-from kvfabric.dataplane.backend import GetGrant, PutSlot, SegmentBackend, check_claimed, claim_of
+from kvfabric.dataplane.backend import (
+    GetGrant,
+    PutSlot,
+    SegmentBackend,
+    check_claimed,
+    claim_of,
+    new_connection_id,
+)
 from kvfabric.dataplane.frames import HEADER, OBJECT_BYTES_MAX, READS_MAX, Op, unpack_header
 from kvfabric.dataplane.staging import StagingFiles
 from kvfabric.dataplane.tcp_wire import (
@@ -122,7 +128,6 @@ class TcpDataServer:
         self._fds: dict[int, int] = {}  # connection -> its socket's fd, until the socket closes
         self._deadlines: dict[int, tuple[float, str]] = {}  # connection -> (monotonic s, reason)
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self.rejected_busy = 0
@@ -209,7 +214,7 @@ class TcpDataServer:
             refusal: KvfError | None = None
             limits = self.gate.limits
             with self._lock:
-                conn = next(self._ids)
+                conn = new_connection_id()
                 for victim in self.gate.open(conn, source):
                     self._expire_locked(victim)  # the oldest unauthenticated ones make room
                 budget_ms, reason = limits.auth_deadline_ms, "auth_deadline"
@@ -265,7 +270,11 @@ class TcpDataServer:
     def _serve(self, conn: int, sock: socket.socket) -> None:
         if self.tls is not None:
             try:
-                sock = self.tls.wrap_socket(sock, server_side=True)  # owns the fd from here
+                # The handshake after the wrap: a failed handshake inside `wrap_socket` closed
+                # the fd while it was still listed here, and a connection accepted meanwhile
+                # under the same fd number could be shut down in its place (review, 2026-12-06).
+                sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                sock.do_handshake()  # owns the fd from the wrap
             except (OSError, ssl.SSLError):
                 self._forget(conn)
                 sock.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import math
 import mmap
@@ -19,7 +18,7 @@ from kvfabric.dataplane.admission import (
     ConnectionGate,
     ConnectionLimits,
 )
-from kvfabric.dataplane.backend import SegmentBackend, check_claimed, claim_of
+from kvfabric.dataplane.backend import SegmentBackend, check_claimed, claim_of, new_connection_id
 from kvfabric.dataplane.frames import (
     HEADER,
     OBJECT_BYTES_MAX,
@@ -125,7 +124,6 @@ class UcxServer:
         self._accepting: set[asyncio.Task[None]] = set()  # every connection's task, from accept on
         self._tasks: dict[int, asyncio.Task[Any]] = {}  # connection id -> its task, from accept on
         self._conns: dict[int, _Connection] = {}
-        self._ids = itertools.count(1)
         self._stopping = False
         self.rejected_busy = 0
         self.leaked_connections = 0
@@ -205,7 +203,7 @@ class UcxServer:
         limits = self.gate.limits
         loop = asyncio.get_running_loop()
         auth_deadline = loop.time() + limits.auth_deadline_ms / 1000
-        conn = next(self._ids)
+        conn = new_connection_id()
         for victim in self.gate.open(conn, source):  # the oldest unauthenticated ones make room
             task = self._tasks.get(victim)
             if task is not None:

@@ -68,7 +68,9 @@ class BackendWrites(BackendCore):
             alloc = self.slots.alloc(ticket.size_bytes, now, deadline_ms, ticket.key)
             self._conn(conn).puts[alloc.slot] = (alloc.slot, alloc.generation)
             self._ticket_slots[which] = (alloc.slot, alloc.generation, deadline_ms)
-            self._ticket_deadlines.append((deadline_ms, which))
+            if used is None or used[2] != deadline_ms:  # once per ticket: a ticket used again
+                # after an abort appended again each time (review, 2026-12-06)
+                self._ticket_deadlines.append((deadline_ms, which))
         view = self.arena.slice(alloc.offset, alloc.size)
         return PutSlot(alloc.slot, alloc.generation, view, ticket, alloc.offset)
 
