@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -424,6 +425,33 @@ async def test_a_stalled_put_times_out_aborts_the_slot_and_drops_the_connection(
                 conn = backend.closed[0]
                 assert ("abort_put", conn) in backend.calls and not backend.leaked()
                 assert server.connections == 0 and server.leaked_connections == 0
+            finally:
+                await ep.close()
+
+    await run(scenario)
+
+
+@on_module_loop
+async def test_a_refused_requests_payloads_are_drained_within_one_deadline() -> None:
+    """A refused request's declared payloads had `io_timeout_s` each: a peer declaring 4,096 and
+    trickling one now and then held its connection for days (review, 2026-12-06)."""
+
+    async def scenario() -> None:
+        backend = FakeBackend()
+        async with serving(backend, io_timeout_s=0.5) as (server, _):
+            ep = await ucxx.create_endpoint("127.0.0.1", server.port)
+            try:
+                meta = encode(PutRequest(ticket=ticket_for(b"x" * 16)))
+                await ep.send(pack_header(Op.PUT, 1, len(meta), 8) + meta)  # 8 payloads: refused
+                started = asyncio.get_running_loop().time()
+                for _ in range(8):  # one every 0.3 s: each within a per-message timeout
+                    if backend.closed:
+                        break
+                    await asyncio.sleep(0.3)
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(ep.send(b"."), 1)
+                await until(lambda: bool(backend.closed))
+                assert asyncio.get_running_loop().time() - started < 1.5  # not 8 x 0.3 s
             finally:
                 await ep.close()
 

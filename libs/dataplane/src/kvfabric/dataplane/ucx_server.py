@@ -331,12 +331,16 @@ class UcxServer:
         await c.link.complete([c.link.send(frame)], self.io_timeout_s)
 
     async def _refuse(self, c: _Connection, header: Header, err: KvfError) -> None:
-        """Consume the payload messages the request declared, then answer `err`."""
+        """Consume the payload messages the request declared, then answer `err`: all of them
+        within one `io_timeout_s` (each had its own: a peer declaring 4,096 and sending one a
+        minute held its connection for days past the idle timeout; review, 2026-12-06)."""
         if header.payload_count:
             scratch = bytearray(1)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.io_timeout_s
             for _ in range(header.payload_count):
                 with contextlib.suppress(Truncated):
-                    await c.link.complete([c.link.recv(scratch)], self.io_timeout_s)
+                    await c.link.complete([c.link.recv(scratch)], max(0.001, deadline - loop.time()))
         await self._send(c, error_frame(header.request_id, err))
 
     async def _dispatch(self, c: _Connection, header: Header, meta: object) -> None:
