@@ -257,3 +257,51 @@ def test_a_load_or_forward_that_raises_gives_the_lease_back_and_a_load_is_a_miss
         assert released == [hit]
     finally:
         real_client.close()
+
+
+@torch.inference_mode()
+def test_a_save_that_raises_is_not_saved_and_a_save_carries_its_trace_id(model_dir: Path) -> None:
+    """`save_prefix` never raises into the caller's generation: a save whose copy or start raises
+    (save memory the client closed, a bug) is not saved, logged, and the slots it took go back.
+    Its trace id goes with the save (`generate`'s lookup, load and save share one)."""
+    from typing import Any
+
+    from kvfabric.client.save_memory import SaveMemoryRegistry
+
+    model = load_model(model_dir)
+    spec = hf_engine_spec(model, DOMAIN, tokens_per_chunk=TPC, model_id="tiny-llama")
+    adapter = HfKvAdapter(model, KvClient.disabled(spec, "test", "unit"))
+    traces: list[str | None] = []
+
+    class Client:
+        settings = ClientSettings(
+            nats_url="nats://127.0.0.1:1", save_inflight_bytes_max=4 * adapter.chunk_bytes
+        )
+        registry = SaveMemoryRegistry()
+        fail = False
+
+        def save_memory(self, nbytes: int) -> Any:
+            return self.registry.allocate(nbytes)
+
+        def save_async(
+            self, tokens: list[int], objects: Any, *, trace_id: str | None = None, **_: Any
+        ) -> None:
+            if self.fail:
+                raise RuntimeError("the client's loop is gone")
+            traces.append(trace_id)
+            return None  # dropped: the slots come back at once
+
+    real_client, adapter.client = adapter.client, Client()  # type: ignore[assignment]
+    try:
+        ids = prompt_ids(3 * TPC + 5, seed=10)
+        cache = model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+        assert adapter.save_prefix(ids, cache, trace_id="req-7") is None
+        assert traces == ["req-7"]
+        slots = adapter._save_slots
+        assert isinstance(slots, SaveSlots) and slots.free() == slots.count
+        Client.fail = True
+        assert adapter.save_prefix(ids, cache, trace_id="req-8") is None  # not raised
+        assert slots.free() == slots.count and traces == ["req-7"]
+    finally:
+        Client.registry.close()
+        real_client.close()

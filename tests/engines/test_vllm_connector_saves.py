@@ -96,15 +96,24 @@ def scheduler_side(engine_config: Any) -> Any:
     return make
 
 
-def schedule(connector: Any, rid: str, tokens: list[int], local_tokens: int, blocks_given: int = -1) -> Any:
+def schedule(
+    connector: Any,
+    rid: str,
+    tokens: list[int],
+    local_tokens: int,
+    blocks_given: int = -1,
+    first_block: int = 100,
+) -> Any:
     """vLLM's scheduler: asks the connector with `local_tokens` of the prompt in its own prefix
-    cache, then schedules the rest of the prompt in one step; the step's connector metadata."""
+    cache, then schedules the rest of the prompt in one step; the step's connector metadata. The
+    request's blocks are `first_block`, `first_block` + 1, ... (requests given the same ones
+    share them, as through vLLM's own prefix cache)."""
     request = SimpleNamespace(request_id=rid, prompt_token_ids=tokens)
     external, load_async = connector.get_num_new_matched_tokens(request, local_tokens)
     assert external is not None and not load_async
     if external == 0:
         connector.update_state_after_alloc(request, None, 0)
-    blocks = list(range(100, 100 + (len(tokens) + BLOCK - 1) // BLOCK))
+    blocks = list(range(first_block, first_block + (len(tokens) + BLOCK - 1) // BLOCK))
     if blocks_given >= 0:  # a block list shorter than vLLM's (the mismatch vLLM should never make)
         blocks = blocks[:blocks_given]
     new = SimpleNamespace(
@@ -308,6 +317,7 @@ class FakeSaveClient:
         self.rate_admits: int | None = None  # the save rate's leading chunks; None: no limit
         self.rate_asks: list[list[int]] = []
         self.rate_taken: list[bool] = []
+        self.saved_for: list[str | None] = []
         self.metrics = ClientMetrics()
 
     def take_save_rate(self, chunk_sizes: list[int]) -> int:
@@ -318,9 +328,16 @@ class FakeSaveClient:
         return self.save_memory_registry.allocate(nbytes)
 
     def save_async(
-        self, tokens: list[int], objects: list[list[memoryview]], *, rate_taken: bool = False, **_: Any
+        self,
+        tokens: list[int],
+        objects: list[list[memoryview]],
+        *,
+        rate_taken: bool = False,
+        trace_id: str | None = None,
+        **_: Any,
     ) -> Any:
         self.rate_taken.append(rate_taken)
+        self.saved_for.append(trace_id)  # the request id: the connector's trace id
         future: concurrent.futures.Future[Any] | None = None if self.drop else concurrent.futures.Future()
         self.saves.append((objects, future))
         return future
@@ -641,3 +658,196 @@ def test_the_key_space_names_what_makes_the_kv(engine_config: Any, monkeypatch: 
         engine_spec(engine_config, {})
     assert _pinned_revision("main") == "" and _pinned_revision("v1.0") == ""
     assert _pinned_revision("a" * 40) == "a" * 40
+
+
+def worker_side(engine_config: Any, client: Any, caches: dict[str, Any]) -> Any:
+    """A worker-side connector over `client` (a fake) and the KV cache tensors `caches`."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.engines.vllm_connector import KvfabricConnector
+
+    connector = KvfabricConnector(engine_config, KVConnectorRole.WORKER, kv_cache_config=None)
+    connector.client.close()
+    connector.client = client
+    connector.register_kv_caches(caches)
+    return connector
+
+
+def worker_step(connector: Any, meta: Any, drain_errors_first: bool = False) -> set[int]:
+    """One step of vLLM's model runner on the worker side: the load, the forward, the saves; the
+    blocks reported as load errors. `drain_errors_first`: vLLM asks for the load errors before
+    `wait_for_save` (a deferred finalize: speculative decoding with a draft model)."""
+    connector.bind_connector_metadata(meta)
+    connector.start_load_kv(None)
+    errors: set[int] = connector.get_block_ids_with_load_errors() if drain_errors_first else set()
+    connector.wait_for_save()
+    errors |= connector.get_block_ids_with_load_errors()
+    connector.clear_connector_metadata()
+    return errors
+
+
+def dropped_saves(client: Any, cause: str) -> float:
+    value = client.metrics.registry.get_sample_value("kvfabric_client_saves_dropped_total", {"cause": cause})
+    return float(value or 0.0)
+
+
+@pytest.mark.parametrize("case", ["load_failed_part_way", "own_lookup_missed", "block_mismatch"])
+def test_a_request_computed_over_another_requests_failed_load_saves_nothing(
+    scheduler_side: Any, engine_config: Any, case: str
+) -> None:
+    """A has a kvfabric hit; vLLM registers A's new blocks in its own prefix cache when it
+    allocates them, and B, sharing A's prefix and scheduled in the same step, gets a local hit
+    on them and saves its chunks past them, computed over them. When A's load verifies only
+    part of its hit (or A's blocks could not be planned: load errors of the step's metadata),
+    B's KV is wrong: saved, it was stored under B's right keys, checksummed, and served for good
+    (review, 2026-12-06). B saves nothing, now or later; nor does a B whose own lookup missed and
+    so saves A's blocks themselves. A request none of whose blocks failed saves."""
+    import torch
+
+    from kvfabric.engines.vllm_connector import KvfabricMetadata, SaveSpec
+
+    sched = scheduler_side(3)
+    prefix = prompt_ids(3 * BLOCK, seed=50)
+    a_tokens = prefix + prompt_ids(BLOCK + 1, seed=51)
+    a = schedule(sched, "A", a_tokens, local_tokens=0, blocks_given=2 if case == "block_mismatch" else -1)
+    if case == "own_lookup_missed":
+        sched.client.chunks = 0
+    b_tokens = prefix + prompt_ids(2 * BLOCK + 1, seed=52)
+    b = schedule(sched, "B", b_tokens, local_tokens=3 * BLOCK)  # vLLM's cache: A's blocks 100..102
+    sched.client.chunks = 0
+    c = schedule(sched, "C", prompt_ids(2 * BLOCK + 1, seed=53), local_tokens=0, first_block=200)
+    expected_b = (0, [100, 101, 102, 103, 104]) if case == "own_lookup_missed" else (3, [103, 104])
+    assert [(s.first_chunk, s.block_ids) for s in b.saves] == [expected_b]
+    assert [s.block_ids for s in c.saves] == [[200, 201]]
+    client = FailingLoadClient(1)  # A's load verifies its first chunk only
+    worker = worker_side(engine_config, client, {f"l{i}": torch.zeros(210, 64) for i in range(2)})
+    try:
+        meta = KvfabricMetadata(
+            loads=a.loads + b.loads + c.loads,
+            saves=a.saves + b.saves + c.saves,
+            load_errors=a.load_errors + b.load_errors + c.load_errors,
+        )
+        errors = worker_step(worker, meta)
+        assert errors == ({100, 101} if case == "block_mismatch" else {101, 102})
+        assert client.saved_for == ["C"]
+        assert worker._cut_cause("B") == "load_failed"
+        assert dropped_saves(client, "load_failed") == len(a.saves) + 1  # A's own (cut) and B's
+        later = SaveSpec("B", b_tokens + b_tokens, 5, [105], [100, 101, 102, 103, 104])
+        worker_step(worker, KvfabricMetadata(saves=[later]))
+        assert client.saved_for == ["C"] and dropped_saves(client, "load_failed") == len(a.saves) + 2
+    finally:
+        client.saves.clear()
+        worker.shutdown()
+
+
+def test_a_save_over_blocks_a_load_left_unwritten_is_dropped_in_that_step_and_the_next(
+    engine_config: Any,
+) -> None:
+    """The step's failed blocks are kept apart from what vLLM drains: a deferred finalize
+    (speculative decoding with a draft model) asks for the load errors before `wait_for_save`.
+    And they are kept one step more: under async scheduling vLLM plans the next step before it
+    has seen this one's errors, so a request can be computed over them then too. Two steps on,
+    vLLM has recomputed them: a save over them is made."""
+    import torch
+
+    from kvfabric.engines.vllm_connector import KvfabricMetadata, LoadSpec, SaveSpec
+
+    client = FailingLoadClient(1)
+    worker = worker_side(engine_config, client, {f"l{i}": torch.zeros(8, 64) for i in range(2)})
+    hit = Hit(3 * BLOCK, BLOCK, (), (), objects=((),) * 3)
+    tokens = list(range(4 * BLOCK))
+    try:
+        meta = KvfabricMetadata(
+            loads=[LoadSpec("A", hit, 0, [1, 2, 3])], saves=[SaveSpec("B", tokens, 3, [4], [1, 2, 3])]
+        )
+        assert worker_step(worker, meta, drain_errors_first=True) == {2, 3}
+        assert client.saved_for == []
+        worker_step(worker, KvfabricMetadata(saves=[SaveSpec("D", tokens, 3, [5], [1, 2, 3])]))
+        assert client.saved_for == [] and dropped_saves(client, "load_failed") == 2
+        worker_step(worker, KvfabricMetadata(saves=[SaveSpec("E", tokens, 3, [5], [1, 2, 3])]))
+        assert client.saved_for == ["E"]
+    finally:
+        client.saves.clear()
+        worker.shutdown()
+
+
+def test_a_save_that_raises_is_dropped_never_raised_into_vllms_step(engine_config: Any) -> None:
+    """A cache tensor numpy cannot view (a CUDA tensor on a GPU build; here a non-contiguous CPU
+    one) raised out of `wait_for_save` into vLLM's step, at the first save: the engine died. So
+    did a save after the client closed its save memory (a slot is still taken, its array
+    raises). Now the save is dropped (`saves_dropped_total{cause="vllm_save_error"}`), its
+    request cut, and every slot it took given back."""
+    import torch
+
+    from kvfabric.client.save_memory import SaveSlots
+    from kvfabric.engines.vllm_connector import KvfabricMetadata, SaveSpec
+
+    tokens = list(range(2 * BLOCK))
+    client = FakeSaveClient(inflight_bytes=1 << 20)
+    worker = worker_side(engine_config, client, {"l0": torch.zeros(64, 8).t()})  # [8 blocks, 64]
+    try:
+        worker_step(worker, KvfabricMetadata(saves=[SaveSpec("r1", tokens, 0, [1, 2])]))
+        assert client.saves == [] and worker._cut_cause("r1") == "vllm_save_error"
+        assert dropped_saves(client, "vllm_save_error") == 1
+    finally:
+        worker.shutdown()
+
+    layers = [torch.zeros(8, 64) for _ in range(2)]
+    object_bytes = sum(layer[0].numel() * 4 for layer in layers)
+    client = FakeSaveClient(inflight_bytes=4 * object_bytes)
+    worker = worker_side(engine_config, client, {f"l{i}": kv for i, kv in enumerate(layers)})
+    try:
+        slots = worker._slots(object_bytes)
+        assert isinstance(slots, SaveSlots)
+        client.close()  # the client closes its save memory (vLLM shutting down, say)
+        assert slots.memory.closed
+        worker_step(worker, KvfabricMetadata(saves=[SaveSpec("r2", tokens, 0, [1, 2])]))
+        assert client.saves == [] and worker._cut_cause("r2") == "vllm_save_error"
+        assert slots.free() == slots.count  # no slot leaked
+    finally:
+        worker.shutdown()
+
+
+def test_weight_files_that_cannot_be_read_leave_the_connector_uncached(
+    engine_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weights revision defaults to a digest of the model directory's weight files: one
+    that cannot be read (permissions, removed under the engine) raised `OSError` out of the
+    connector's constructor, and vLLM did not start. Now the client is disabled
+    (`config_error`) and vLLM serves uncached."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.engines import vllm_connector
+
+    def unreadable(path: str) -> str:
+        raise PermissionError(13, "Permission denied", f"{path}/model.safetensors")
+
+    monkeypatch.setattr(vllm_connector, "weights_digest_of_dir", unreadable)
+    connector = vllm_connector.KvfabricConnector(engine_config, KVConnectorRole.WORKER, kv_cache_config=None)
+    try:
+        status = connector.client.status
+        assert (status.state, status.cause) == ("disabled", "config_error")
+        assert "Permission denied" in status.detail
+    finally:
+        connector.shutdown()
+
+
+def test_a_request_scheduled_as_new_again_keeps_what_it_knew(scheduler_side: Any) -> None:
+    """vLLM's V2 model runner folds a resumed request into the new ones, and a streaming-input
+    session's next chunk comes as new under the same id: its first state was replaced, so its
+    backfill lookup was dropped (the lease held to its TTL, never released) and the chunks it
+    had saved were saved again. Now the lookup is carried over and what was stored stays known."""
+    tokens = prompt_ids(3 * BLOCK + 1, seed=40)
+    connector = scheduler_side(0)
+    client = connector.client = SlowClient()
+    schedule(connector, "r", tokens, local_tokens=3 * BLOCK)  # its backfill lookup goes out
+    schedule(connector, "r", tokens, local_tokens=3 * BLOCK)  # new again: no second lookup
+    assert len(client.lookups) == 1
+    hit = client.back(3)
+    connector.request_finished(SimpleNamespace(request_id="r"), [])
+    assert client.released == [hit]
+
+    connector = scheduler_side(0)
+    first = schedule(connector, "s", tokens, local_tokens=0)  # a miss: its three blocks saved
+    assert [(s.first_chunk, s.block_ids) for s in first.saves] == [(0, [100, 101, 102])]
+    assert schedule(connector, "s", tokens, local_tokens=3 * BLOCK).saves == []

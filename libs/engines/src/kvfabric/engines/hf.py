@@ -210,20 +210,26 @@ class HfKvAdapter:
         self, token_ids: Sequence[int], cache: Any, *, first_chunk: int = 0, trace_id: str | None = None
     ) -> concurrent.futures.Future[SaveResult] | None:
         """Save the full chunks of `token_ids` from `first_chunk` on (asynchronous; None when the
-        client dropped it). `cache` must hold at least those tokens."""
-        last_chunk = min(len(token_ids), _cache_layers(cache)[0][0].shape[2]) // self.tpc
-        if last_chunk <= first_chunk:
-            return None
+        client dropped it, or the copy out of `cache` raised: logged, never an error in the
+        caller's generation). `cache` must hold at least those tokens."""
         taken: list[int] = []
         try:
+            last_chunk = min(len(token_ids), _cache_layers(cache)[0][0].shape[2]) // self.tpc
+            if last_chunk <= first_chunk:
+                return None
             objects = self.chunk_objects(cache, first_chunk, last_chunk, taken)
             future = self.client.save_async(
-                list(token_ids[: last_chunk * self.tpc]), objects, first_chunk=first_chunk
+                list(token_ids[: last_chunk * self.tpc]), objects, first_chunk=first_chunk, trace_id=trace_id
             )
-        except BaseException:
+        except BaseException as exc:
             if isinstance(self._save_slots, SaveSlots):
                 self._save_slots.give_back(taken)
-            raise
+            if not isinstance(exc, Exception):
+                raise
+            # a cache of another layout, save memory closed under it (the client closed): the
+            # prompt is not saved, the caller's generation goes on
+            log.warning("kvfabric: save raised %r: not saved", exc)
+            return None
         if isinstance(self._save_slots, SaveSlots):
             self._save_slots.give_back_when_done(future, taken)
         return future

@@ -37,7 +37,9 @@ docs/engines.md says why it is left to inherit vLLM's pinned compute CPU by defa
   So are the blocks of a hit the scheduler could not plan a load for (`vllm_plan.plan_load`:
   the request's block list does not cover the hit), counted as fallback cause
   `vllm_block_mismatch` and logged. `wait_for_save` copies the new full blocks out of the
-  cache (so vLLM may free them at once) and saves asynchronously.
+  cache (so vLLM may free them at once) and saves asynchronously; not a save whose chunks
+  attended over a block reported as a load error (another request's, shared through vLLM's
+  prefix cache, included), and never raising into vLLM's step (a save that raises is dropped).
 - **Failed loads recompute under vLLM's default settings.** vLLM recomputes reported blocks only
   under `kv_load_failure_policy="recompute"`; its default, "fail", fails the request. The
   scheduler-side connector sets the policy to "recompute" when it is built (vLLM 0.32 builds it
@@ -114,8 +116,14 @@ CAUSE_NO_KV_CACHES: Final = "vllm_no_kv_caches"  # worker found no KV cache tens
 CAUSE_CONFIG_ERROR: Final = "config_error"  # the connector's settings could not be read: no cache
 CAUSE_LOAD_ERROR: Final = "vllm_load_error"  # the load raised (a bug, a size mismatch): recompute
 # `kvfabric_client_saves_dropped_total` cause: a request whose load failed (or was never planned)
-# saves nothing more: its later chunks were computed over blocks nobody wrote.
+# saves nothing more: its later chunks were computed over blocks nobody wrote. So does a request
+# whose saved chunks attended over another request's failed blocks (a prefix shared through
+# vLLM's own cache).
 LOAD_FAILED: Final = "load_failed"
+# `kvfabric_client_saves_dropped_total` cause: copying a save's blocks out of vLLM's cache raised
+# (a cache tensor numpy cannot view: not contiguous, or on a GPU; save memory closed under it):
+# the save is dropped and its request cut, never an error in vLLM's step.
+CAUSE_SAVE_ERROR: Final = "vllm_save_error"
 # A resolved hit vLLM asks about again (it could not allocate the request's blocks) is answered
 # from its lease only while the lease has this long left for the load.
 LEASE_REUSE_LEFT_MS: Final = 10_000
@@ -156,6 +164,11 @@ class SaveSpec:
     token_ids: list[int]  # the prompt up to the last chunk saved
     first_chunk: int
     block_ids: list[int]  # source blocks of chunks first_chunk, ...
+    # Blocks of chunks 0..first_chunk-1, which the saved chunks attended over: with `block_ids`,
+    # every block the saved KV depends on. Some may be another request's (vLLM's own prefix
+    # cache shares them): a load that failed in this step (or the one before) leaves them
+    # unwritten, and the save is dropped (`wait_for_save`).
+    prefix_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -260,7 +273,8 @@ def _pinned_revision(revision: str | None) -> str:
 
 def make_client(vllm_config: VllmConfig, role: KVConnectorRole) -> KvClient:
     """The connector's client, starting in the background; a disabled one (cause `config_error`)
-    when its settings cannot be read. Only the scheduler side logs why it cannot serve (one line:
+    when its settings cannot be read (or the model's weight files, for their digest: a missing or
+    unreadable file). Only the scheduler side logs why it cannot serve (one line:
     both sides read the same settings); the worker side says so at INFO."""
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     overrides = {k: v for k, v in extra.items() if k in _CLIENT_FIELDS}
@@ -268,12 +282,15 @@ def make_client(vllm_config: VllmConfig, role: KVConnectorRole) -> KvClient:
     try:
         settings = settings_from_env(**overrides)
         spec = engine_spec(vllm_config, extra)
-    except (KvfError, ValueError, TypeError) as exc:
+    except (KvfError, ValueError, TypeError, OSError) as exc:  # OSError: reading the weights' digest
         detail = exc.message if isinstance(exc, KvfError) else f"{type(exc).__name__}: {exc}"
+        source = "kv_connector_extra_config / KVF_CLIENT_*"
+        if isinstance(exc, OSError) and not isinstance(exc, KvfError):
+            source = "the model's weight files (their digest is the weights revision)"
         return KvClient.disabled(
             _unconfigured_spec(vllm_config.cache_config.block_size),
             CAUSE_CONFIG_ERROR,
-            f"kv_connector_extra_config / KVF_CLIENT_*: {detail}",
+            f"{source}: {detail}",
             failure_log_level=log_level,
         )
     return KvClient(settings, spec, background_start=True, failure_log_level=log_level)
@@ -353,7 +370,16 @@ class KvfabricConnector(KVConnectorBase_V1):
         # that (its last save, say) does not cut it again, where nothing would forget it.
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._cut_lock = threading.Lock()
-        self._load_errors: set[int] = set()
+        self._load_errors: set[int] = set()  # until vLLM asks (get_block_ids_with_load_errors)
+        # Blocks reported as load errors in this step and in the one before (`start_load_kv`
+        # begins a step): a save whose KV attended over one is dropped (`wait_for_save`). Apart
+        # from `_load_errors`, which vLLM drains before a deferred `wait_for_save` (speculative
+        # decoding's `defer_finalize`). The step before too: under async scheduling vLLM plans a
+        # step before it has seen the last one's errors, so a request sharing a failed block
+        # can still be computed over it in the next step.
+        self._failed_blocks: set[int] = set()
+        self._failed_blocks_before: set[int] = set()
+        self._save_error_logged = False
 
     # ---- the failure policy ----------------------------------------------------------------
 
@@ -502,6 +528,9 @@ class KvfabricConnector(KVConnectorBase_V1):
             found = self._found_chunks.pop(new.req_id, 0)  # in kvfabric already: never saved again
             state = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]), found)
             state.saves_wait_for = self._backfills.pop(new.req_id, None)
+            old = self._requests.get(new.req_id)
+            if old is not None:
+                self._carry_over(old, state)
             if new.req_id in self._keyed_beyond or _keyed_beyond_tokens(new) is not None:
                 self._keyed_beyond.discard(new.req_id)
                 state.saves_off = True
@@ -522,6 +551,22 @@ class KvfabricConnector(KVConnectorBase_V1):
                 state.block_ids.extend(new_blocks[0])
             self._plan_save(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return meta
+
+    def _carry_over(self, old: _Request, state: _Request) -> None:
+        """A request scheduled as new again (vLLM's V2 model runner folds a resumed request into
+        the new ones; a streaming-input session's next chunk): what its first state knew is
+        kept. Its backfill lookup still in flight is carried over (or released once it is back:
+        dropped, its lease was held to its TTL), the chunks known stored stay known (its
+        prompt unchanged up to them), and a request whose saves were off stays off."""
+        if old.saves_wait_for is not None:
+            if state.saves_wait_for is None:
+                state.saves_wait_for = old.saves_wait_for
+            elif state.saves_wait_for is not old.saves_wait_for:
+                self._release_when_back(old.saves_wait_for)
+        stored = old.stored_chunks * self.block_size
+        if old.stored_chunks > state.stored_chunks and state.token_ids[:stored] == old.token_ids[:stored]:
+            state.stored_chunks = old.stored_chunks
+        state.saves_off = state.saves_off or old.saves_off
 
     def _plan_load(self, meta: KvfabricMetadata, req_id: str, state: _Request) -> None:
         pending = self._pending_loads.pop(req_id, None)
@@ -577,6 +622,7 @@ class KvfabricConnector(KVConnectorBase_V1):
                     state.token_ids[: full * self.block_size],
                     state.stored_chunks,
                     state.block_ids[state.stored_chunks : full],
+                    state.block_ids[: state.stored_chunks],
                 )
             )
             state.stored_chunks = full
@@ -642,9 +688,10 @@ class KvfabricConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
+        self._failed_blocks_before, self._failed_blocks = self._failed_blocks, set()
         if not isinstance(meta, KvfabricMetadata):
             return
-        self._load_errors.update(meta.load_errors)
+        self._report_load_errors(meta.load_errors)
         if not meta.loads:
             return
         if not self._caches(forward_context):
@@ -652,7 +699,7 @@ class KvfabricConnector(KVConnectorBase_V1):
             log.error(
                 "kvfabric: no KV cache tensors registered: %d loads reported as errors", len(meta.loads)
             )
-            self._load_errors.update(b for load in meta.loads for b in load.block_ids)
+            self._report_load_errors([b for load in meta.loads for b in load.block_ids])
             return
         for load in meta.loads:
             try:
@@ -665,11 +712,17 @@ class KvfabricConnector(KVConnectorBase_V1):
                 log.error("kvfabric: request %s: load raised %r: recomputed", load.req_id, exc)
                 good = 0
             if good < len(load.block_ids):
-                self._load_errors.update(load.block_ids[max(good, 0) :])
+                self._report_load_errors(load.block_ids[max(good, 0) :])
                 # This step's forward computes the chunks past the hit over the blocks left
                 # unwritten: saved, they would be wrong KV under the right keys for good (a put
                 # is idempotent; review, 2026-12-05). The request saves nothing more.
                 self._cut_request(load.req_id, LOAD_FAILED)
+
+    def _report_load_errors(self, blocks: list[int]) -> None:
+        """Blocks this step leaves unwritten: vLLM recomputes them, and no save of KV computed
+        over them is made."""
+        self._load_errors.update(blocks)
+        self._failed_blocks.update(blocks)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -680,65 +733,107 @@ class KvfabricConnector(KVConnectorBase_V1):
         return  # whole blocks are copied out after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
+        """Copy this step's saves out of vLLM's cache and start them. Never an error in vLLM's
+        step: a save that cannot be copied is dropped and its request cut (`_save_failed`)."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvfabricMetadata) or not meta.saves or not self._caches(None):
             return
-        layers = self._layers()
-        object_bytes = sum(layer.shape[1] for layer in layers)
-        slots = self._slots(object_bytes)
+        failed = self._failed_blocks | self._failed_blocks_before
+        failed.update(meta.load_errors)
+        try:
+            layers = self._layers()
+            object_bytes = sum(layer.shape[1] for layer in layers)
+            slots = self._slots(object_bytes)
+        except Exception as exc:  # a cache numpy cannot view (not contiguous, on a GPU)
+            for save in meta.saves:
+                self._save_failed(save.req_id, exc)
+            return
         for save in meta.saves:
-            # The engine's save rate (`save_bytes_per_s_max`), taken here: blocks past what it
-            # covers are not copied at all; the save keeps its leading blocks (a prefix: each
-            # keeps its head). A request cut once — by the rate, or by an earlier save of it that
-            # left a chunk unstored (not admitted, no capacity, dropped ...) — saves nothing
-            # more: a lookup stops at the first missing chunk, so its later chunks would be
-            # stored where nobody finds them.
-            block_ids = save.block_ids
-            cut = self._cut_cause(save.req_id)
-            if cut is not None:
-                self.client.metrics.saves_dropped.labels(cut).inc()
-                continue
-            admitted = self.client.take_save_rate([object_bytes] * len(block_ids))
-            if admitted < len(block_ids):
-                self._cut_request(save.req_id, SAVE_RATE)
-                if admitted == 0:
-                    self.client.metrics.saves_dropped.labels(SAVE_RATE).inc()
-                    continue
-                self.client.metrics.save_failures.labels(SAVE_RATE).inc(len(block_ids) - admitted)
-                block_ids = block_ids[:admitted]
-            # Copies: the client owns them, vLLM may reuse the blocks as soon as we return. Into
-            # save memory while it has a free slot (given back when the save is done), else
-            # into memory of their own.
-            objects, taken = [], []
             try:
-                for b in block_ids:
-                    slot = slots.take() if slots is not None else None
-                    if slots is None or slot is None:
-                        objects.append([np.concatenate([layer[b] for layer in layers]).data])
-                        continue
-                    taken.append(slot)
-                    out = slots.array(slot)
-                    np.concatenate([layer[b] for layer in layers], out=out)
-                    objects.append([out.data])
-                future = self.client.save_async(
-                    save.token_ids[: (save.first_chunk + len(block_ids)) * self.block_size],
-                    objects,
-                    first_chunk=save.first_chunk,
-                    trace_id=save.req_id,
-                    rate_taken=True,
-                )
-            except BaseException:
-                if slots is not None:
-                    slots.give_back(taken)
-                raise
+                self._save(save, layers, object_bytes, slots, failed)
+            except Exception as exc:
+                self._save_failed(save.req_id, exc)
+
+    def _save(
+        self,
+        save: SaveSpec,
+        layers: list[npt.NDArray[np.uint8]],
+        object_bytes: int,
+        slots: SaveSlots | None,
+        failed: set[int],
+    ) -> None:
+        # The engine's save rate (`save_bytes_per_s_max`), taken here: blocks past what it
+        # covers are not copied at all; the save keeps its leading blocks (a prefix: each
+        # keeps its head). A request cut once — by the rate, or by an earlier save of it that
+        # left a chunk unstored (not admitted, no capacity, dropped ...) — saves nothing
+        # more: a lookup stops at the first missing chunk, so its later chunks would be
+        # stored where nobody finds them.
+        block_ids = save.block_ids
+        cut = self._cut_cause(save.req_id)
+        if cut is not None:
+            self.client.metrics.saves_dropped.labels(cut).inc()
+            return
+        if failed and not (failed.isdisjoint(block_ids) and failed.isdisjoint(save.prefix_block_ids)):
+            # Its KV was computed over blocks a load left unwritten: another request's, shared
+            # through vLLM's own prefix cache (the loading request itself is cut already), or
+            # blocks this save would store as they are. Saved, they would be wrong KV under the
+            # right keys for good: the request saves nothing more.
+            self._cut_request(save.req_id, LOAD_FAILED)
+            self.client.metrics.saves_dropped.labels(LOAD_FAILED).inc()
+            return
+        admitted = self.client.take_save_rate([object_bytes] * len(block_ids))
+        if admitted < len(block_ids):
+            self._cut_request(save.req_id, SAVE_RATE)
+            if admitted == 0:
+                self.client.metrics.saves_dropped.labels(SAVE_RATE).inc()
+                return
+            self.client.metrics.save_failures.labels(SAVE_RATE).inc(len(block_ids) - admitted)
+            block_ids = block_ids[:admitted]
+        # Copies: the client owns them, vLLM may reuse the blocks as soon as we return. Into
+        # save memory while it has a free slot (given back when the save is done), else
+        # into memory of their own.
+        objects, taken = [], []
+        try:
+            for b in block_ids:
+                slot = slots.take() if slots is not None else None
+                if slots is None or slot is None:
+                    objects.append([np.concatenate([layer[b] for layer in layers]).data])
+                    continue
+                taken.append(slot)
+                out = slots.array(slot)  # ValueError once the client closed its save memory
+                np.concatenate([layer[b] for layer in layers], out=out)
+                objects.append([out.data])
+            future = self.client.save_async(
+                save.token_ids[: (save.first_chunk + len(block_ids)) * self.block_size],
+                objects,
+                first_chunk=save.first_chunk,
+                trace_id=save.req_id,
+                rate_taken=True,
+            )
+        except BaseException:
             if slots is not None:
-                slots.give_back_when_done(future, taken)
-            if future is None:
-                self._cut_request(save.req_id, CAUSE_DROPPED)
-            else:
-                future.add_done_callback(functools.partial(self._save_done, save.req_id))
+                slots.give_back(taken)
+            raise
+        if slots is not None:
+            slots.give_back_when_done(future, taken)
+        if future is None:
+            self._cut_request(save.req_id, CAUSE_DROPPED)
+        else:
+            future.add_done_callback(functools.partial(self._save_done, save.req_id))
+
+    def _save_failed(self, req_id: str, exc: Exception) -> None:
+        """A save that raised (a bug, a cache numpy cannot view, save memory closed under it):
+        dropped, its request cut (its later chunks would sit behind the missing ones), counted;
+        logged once per worker (it would repeat at every step)."""
+        self._cut_request(req_id, CAUSE_SAVE_ERROR)
+        self.client.metrics.saves_dropped.labels(CAUSE_SAVE_ERROR).inc()
+        if not self._save_error_logged:
+            self._save_error_logged = True
+            log.error("kvfabric: request %s: save raised %r: dropped (logged once)", req_id, exc)
+        else:
+            log.debug("kvfabric: request %s: save raised %r: dropped", req_id, exc)
 
     def _cut_request(self, req_id: str, cause: str) -> None:
         with self._cut_lock:
