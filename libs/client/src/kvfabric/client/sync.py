@@ -272,11 +272,14 @@ class KvClient:
     ) -> concurrent.futures.Future[Hit]:
         """`lookup` without waiting: a future that ends within `lookup_timeout_ms` (an empty hit
         with `cause` on failure). For schedulers that must not block on the cluster."""
-        if not self.enabled:
-            done: concurrent.futures.Future[Hit] = concurrent.futures.Future()
-            done.set_result(self._off_hit())
-            return done
-        return self._submit(self.aio.lookup(tokens, max_tokens=max_tokens, extras=extras, trace_id=trace_id))
+        with self._submit_lock:  # as `lookup`: nothing submitted once `close` settles the loop
+            if not self.enabled:
+                done: concurrent.futures.Future[Hit] = concurrent.futures.Future()
+                done.set_result(self._off_hit())
+                return done
+            return self._submit(
+                self.aio.lookup(tokens, max_tokens=max_tokens, extras=extras, trace_id=trace_id)
+            )
 
     def load(
         self,

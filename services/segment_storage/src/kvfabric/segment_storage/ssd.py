@@ -132,9 +132,10 @@ INDEX_READ_BYTES: Final = 4 << 20  # the index is read at start in pieces of thi
 # Pooled O_DIRECT bounce buffers of writes, lent and idle together (8 demotions of 4 MiB at once
 # fit twice); past it a write's buffer is made for it and unmapped after (`ReadBufferPool`).
 WRITE_BOUNCE_BYTES_MAX: Final = 64 << 20
-# One tenant's disk reads in flight hold at most this share of `read_bytes_max` (by the key's
-# share domain; one read of a tenant holding none always may, within the whole budget).
+# One tenant's disk reads in flight leave this share of `read_bytes_max` to the others (by the
+# key's share domain; one read of a tenant holding none always may, within the whole budget).
 READ_TENANT_SHARE_DIVISOR: Final = 4
+_SEGMENTS_OWN: Final = b"\x00segment"  # the tenant the segment's own reads are counted for
 
 
 class SsdFileRefused(RuntimeError):
@@ -619,9 +620,13 @@ class SsdTier:
 
     # ---- reads ---------------------------------------------------------------------------------
 
-    def _begin_read(self, slot: int, generation: int, size: int) -> SsdRead | tuple[int, DiskGrant, bytes]:
-        """A read's grant, its bytes counted in flight: (local slot, grant, key), or the `SsdRead`
-        of a slot that cannot be read; `Busy` at the in-flight byte limit (one read always may)."""
+    def _begin_read(
+        self, slot: int, generation: int, size: int, own_share: bool = True
+    ) -> SsdRead | tuple[int, DiskGrant, bytes, bytes]:
+        """A read's grant, its bytes counted in flight: (local slot, grant, key, the tenant it is
+        counted for), or the `SsdRead` of a slot that cannot be read; `Busy` at the in-flight
+        byte limit (one read always may) or past a tenant's share (`own_share`: a tenant's read,
+        not the segment's own)."""
         local = self.local(slot)
         with self.lock:
             try:
@@ -634,7 +639,7 @@ class SsdTier:
                 return SsdRead("not_found")
             held = self.table.held_one(local, generation)
             key = held.key if held is not None else b""
-            tenant = tenant_of(key)
+            tenant = tenant_of(key) if own_share else _SEGMENTS_OWN
             extent = grant.extent_bytes
             in_flight = self.read_bytes_in_flight
             if in_flight and in_flight + extent > self.read_bytes_max:
@@ -643,43 +648,46 @@ class SsdTier:
                 raise Busy(
                     "disk tier reads in flight at their byte limit", read_bytes_max=self.read_bytes_max
                 )
-            # One tenant's reads hold at most a share of the budget (one read of its always may):
-            # a reader that took its replies slowly held the whole budget for the transfer's
-            # deadline, and every other tenant's disk GETs were busy (review, 2026-12-06).
+            # One tenant's reads leave a share of the budget to the others (one read of its always
+            # may): a reader that took its replies slowly held the whole budget for the transfer's
+            # deadline, and every other tenant's disk GETs were busy (review, 2026-12-06). Not a
+            # quarter *at most*: with tenants off every key is one tenant's, whose reads would
+            # have had a quarter of the budget. The segment's own reads (`verify`) are not a
+            # tenant's.
             tenant_in = self._read_bytes_by_tenant.get(tenant, 0)
-            share = max(1, self.read_bytes_max // READ_TENANT_SHARE_DIVISOR)
-            if tenant_in and tenant_in + extent > share:
+            most = self.read_bytes_max - self.read_bytes_max // READ_TENANT_SHARE_DIVISOR
+            if own_share and tenant_in and tenant_in + extent > most:
                 self.table.release(local, generation)
                 self._count("reads_busy_tenant_total")
-                raise Busy("a tenant's disk tier reads in flight at its share", share_bytes=share)
+                raise Busy("a tenant's disk tier reads in flight at its share", share_bytes=most)
             self.read_bytes_in_flight += extent
             self._read_bytes_by_tenant[tenant] = tenant_in + extent
-        return local, grant, key
+        return local, grant, key, tenant
 
-    def _read_ended(self, key: bytes, extent: int) -> None:
+    def _read_ended(self, tenant: bytes, extent: int) -> None:
         """A read's bytes go back to the budget and its tenant's share (under the lock)."""
         self.read_bytes_in_flight -= extent
-        tenant = tenant_of(key)
         left = self._read_bytes_by_tenant.get(tenant, 0) - extent
         if left > 0:
             self._read_bytes_by_tenant[tenant] = left
         else:
             self._read_bytes_by_tenant.pop(tenant, None)  # (no entry per tenant ever seen)
 
-    def read(self, slot: int, generation: int, size: int) -> SsdRead:
+    def read(self, slot: int, generation: int, size: int, *, own_share: bool = True) -> SsdRead:
         """Read a stored object (wire slot id) into a private buffer and verify it. `corrupt`: the
-        bytes (or the device) failed, the slot is freed now; tell the directory."""
-        begun = self._begin_read(slot, generation, size)
+        bytes (or the device) failed, the slot is freed now; tell the directory. `own_share`:
+        counted against its key's tenant (False: the segment's own read)."""
+        begun = self._begin_read(slot, generation, size, own_share)
         if isinstance(begun, SsdRead):
             return begun
-        local, grant, key = begun
+        local, grant, key, tenant = begun
         extent = grant.extent_bytes
         pool = self.read_buffers
         lent: list[mmap.mmap] = []  # the pool's buffer, until given back (once)
 
         def give_back() -> None:
             with self.lock:
-                self._read_ended(key, extent)
+                self._read_ended(tenant, extent)
             if lent:
                 pool.give(lent.pop())
 
@@ -745,14 +753,14 @@ class SsdTier:
         begun = self._begin_read(slot, generation, size)
         if isinstance(begun, SsdRead):
             return begun
-        local, grant, key = begun
+        local, grant, key, tenant = begun
         extent = grant.extent_bytes
         pool = self.read_buffers
         lent: list[mmap.mmap] = []
 
         def give_back() -> None:
             with self.lock:
-                self._read_ended(key, extent)
+                self._read_ended(tenant, extent)
             if lent:
                 pool.give(lent.pop())
 
@@ -779,7 +787,7 @@ class SsdTier:
         return SsdStream(self, slot, generation, size, grant.checksum, key, lent[0], pieces, give_back)
 
     def verify(self, slot: int, generation: int, size: int) -> ReadStatus:
-        result = self.read(slot, generation, size)
+        result = self.read(slot, generation, size, own_share=False)  # the segment's own check
         result.release()
         return result.status
 
