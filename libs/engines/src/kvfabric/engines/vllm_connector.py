@@ -558,8 +558,9 @@ class KvfabricConnector(KVConnectorBase_V1):
         kept. Its backfill lookup still in flight is carried over (or released once it is back:
         dropped, its lease was held to its TTL), the chunks known stored stay known (its
         prompt unchanged up to them), and a request whose saves were off stays off."""
+        same_prefix = state.token_ids[: len(old.token_ids)] == old.token_ids
         if old.saves_wait_for is not None:
-            if state.saves_wait_for is None:
+            if state.saves_wait_for is None and same_prefix:  # (its hit is of the old prompt)
                 state.saves_wait_for = old.saves_wait_for
             elif state.saves_wait_for is not old.saves_wait_for:
                 self._release_when_back(old.saves_wait_for)
