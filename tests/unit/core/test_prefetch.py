@@ -125,7 +125,13 @@ def test_a_hint_expires_at_its_deadline() -> None:
 
 
 def test_full_queues_answer_busy_and_keep_nothing() -> None:
-    c = core(hints_queued_max=2, objects_queued_max=3)
+    # one tenant may fill them (its share is a quarter by default: test_prefetch_tenants.py)
+    c = core(
+        hints_queued_max=2,
+        objects_queued_max=3,
+        hints_queued_per_tenant_max=2,
+        objects_queued_per_tenant_max=3,
+    )
     assert c.add_hint(hint("h1", obj("a"), obj("b")), T0) == Accepted("h1", 2)
     assert c.add_hint(hint("h2", obj("c"), obj("d")), T0) == Busy("h2", "objects_full")
     assert c.add_hint(hint("h3", obj("c")), T0) == Accepted("h3", 1)

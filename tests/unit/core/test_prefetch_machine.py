@@ -13,8 +13,9 @@ their key not yet passed at the last tick. That is a superset of the core's live
   wanted by a possibly live hint; in-flight bytes and copies never exceed their bounds;
 - each copy_finished is answered by exactly one PublishReplica (only when ok; not extra only if a
   possibly live hint wants it: a copy of a cancelled hint is released) or ReleaseCopy;
-- Busy only when the model's upper bounds say the queue could be full; the core's queues never
-  exceed their maxima, whatever the flood; extra replicas stay within their budget.
+- Busy only when the model's upper bounds say the queue could be full (all tenants' or this
+  tenant's share); the core's queues never exceed their maxima, whatever the flood; extra
+  replicas stay within their budget.
 Every example ends fault-free: cancel every hint, answer every copy, tick past every deadline;
 then nothing is queued or in flight and every StartCopy got its answer.
 """
@@ -45,6 +46,8 @@ SEGMENTS_FREE = {"s0": 50, "s1": 50, "s2": 50, "t0": 20, "t1": 20}
 CONFIG = PrefetchConfig(
     hints_queued_max=4,
     objects_queued_max=8,
+    hints_queued_per_tenant_max=3,  # each tenant's share, under the maxima: both can be full
+    objects_queued_per_tenant_max=6,
     bytes_in_flight_max=8,
     copies_in_flight_max=3,
     copy_attempts_max=2,
@@ -99,9 +102,13 @@ class PrefetchMachine(RuleBasedStateMachine):
             for i in self.possibly_live()
         )
 
-    def objects_queued_bound(self) -> int:
+    def objects_queued_bound(self, tenant: str | None = None) -> int:
         keys = {key_of(self.sent[i]) for i in self.possibly_live()}
-        return sum(len([o for o in objs if target not in self.replicas[o]]) for _, target, objs in keys)
+        return sum(
+            len([o for o in objs if target not in self.replicas[o]])
+            for who, target, objs in keys
+            if tenant in (None, who)
+        )
 
     def check_start(self, effect: object) -> None:
         assert isinstance(effect, StartCopy)
@@ -127,13 +134,19 @@ class PrefetchMachine(RuleBasedStateMachine):
     def send(self, hint: Hint) -> None:
         todo = [o for o in hint.objects if hint.target not in self.replicas[str(o.object_id)]]
         ids_bound, objects_bound = len(self.possibly_live()), self.objects_queued_bound()
+        tenant_ids_bound = len([i for i in self.possibly_live() if self.sent[i].tenant == hint.tenant])
+        tenant_objects_bound = self.objects_queued_bound(hint.tenant)
         result = self.core.add_hint(hint, self.now)
         self.sent[hint.hint_id] = hint
         if isinstance(result, Busy):
             if result.reason == "hints_full":
                 assert ids_bound >= CONFIG.hints_queued_max, "busy with room for hint ids"
-            else:
+            elif result.reason == "tenant_hints_full":
+                assert tenant_ids_bound >= CONFIG.tenant_hints_max, "busy with room for the tenant's ids"
+            elif result.reason == "objects_full":
                 assert objects_bound + len(todo) > CONFIG.objects_queued_max, "busy with room for objects"
+            else:
+                assert tenant_objects_bound + len(todo) > CONFIG.tenant_objects_max, "busy with room"
         elif isinstance(result, Refused):
             assert result.reason == "no_source" and any(not o.replicas for o in hint.objects)
         elif isinstance(result, Deduped) or (isinstance(result, Accepted) and result.objects_queued):
@@ -192,7 +205,9 @@ class PrefetchMachine(RuleBasedStateMachine):
     def cancel_hint(self, pick: int) -> None:
         ids = sorted(self.live_ids) if pick % 4 else sorted(self.sent)  # mostly one that may be live
         hint_id = ids[pick % len(ids)] if ids else "unknown"
-        if self.core.cancel_hint(hint_id):
+        # mostly naming the tenant; without it (an older sender) the id is unambiguous here
+        tenant = self.sent[hint_id].tenant if hint_id in self.sent and pick % 3 else None
+        if self.core.cancel_hint(hint_id, tenant):
             assert hint_id in self.live_ids
         self.live_ids.discard(hint_id)
 
@@ -276,7 +291,7 @@ class PrefetchMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         # Fault-free end: every request finishes, every copy is answered, time passes.
         for hint_id in sorted(self.live_ids):
-            self.core.cancel_hint(hint_id)
+            self.core.cancel_hint(hint_id, self.sent[hint_id].tenant)
         self.live_ids.clear()
         assert (self.core.hint_ids_live, self.core.objects_queued) == (0, 0)
         for _ in range(20):

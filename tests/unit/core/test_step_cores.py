@@ -145,8 +145,8 @@ def prefetch_event(data: st.DataObject, out: list[object], core: object) -> pf.P
         parts = tuple(HintObject(o, pfm.SIZE[o], tuple(data.draw(places))) for o in objects)
         hint_id = f"h{data.draw(st.integers(0, 6))}"
         return pf.AddHint(Hint(hint_id, tenant, target, parts, data.draw(st.integers(0, 3_000))))
-    if kind == "cancel":
-        return pf.CancelHint(f"h{data.draw(st.integers(0, 6))}")
+    if kind == "cancel":  # hint ids are per tenant; no tenant: the one live hint with that id
+        return pf.CancelHint(f"h{data.draw(st.integers(0, 6))}", data.draw(st.sampled_from((None, "a", "b"))))
     if kind == "finished":
         return pf.CopyFinished(data.draw(st.sampled_from(copy_ids(out, StartCopy))), data.draw(st.booleans()))
     if kind == "read":
@@ -175,7 +175,7 @@ def prefetch_by_method(core: PrefetchCore, event: pf.PrefetchEvent, now_ms: int)
     if isinstance(event, pf.AddHint):
         return [Reply(core.add_hint(event.hint, now_ms))]
     if isinstance(event, pf.CancelHint):
-        return [Reply(core.cancel_hint(event.hint_id))]
+        return [Reply(core.cancel_hint(event.hint_id, event.tenant))]
     if isinstance(event, pf.ColdExtraReplicas):
         return [Reply(core.cold_extra_replicas(now_ms))]
     if isinstance(event, pf.Read):

@@ -27,7 +27,7 @@ async def test_a_hung_leader_does_not_hold_the_ticker_back() -> None:
     router.ask = hung  # type: ignore[method-assign]
     shell = make_shell(router)  # request_timeout_s 1.0, tick_ms 20
     for i in range(40):  # forty ended hints, one lease each
-        shell._leases[f"h{i}"] = [(0, 100 + i)]
+        shell._leases[("t", f"h{i}")] = [(0, 100 + i)]
     ticks = 0
     step = shell.core.step
 

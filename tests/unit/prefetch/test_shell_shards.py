@@ -119,7 +119,7 @@ def test_one_lookup_per_shard_the_hit_is_the_common_prefix_and_leases_go_back_by
     lookups = [(s, msg) for s, verb, msg in router.asked if verb == "lookup"]
     assert sorted(s for s, _ in lookups) == sorted({shard_of(r, SHARDS) for r in raws})
     # The leases kept are those of shards holding a chunk of the hit; the others went back at once.
-    kept = sorted(shell._leases["h1"])
+    kept = sorted(shell._leases[("t", "h1")])
     in_hit = {shard_of(r, SHARDS) for r in raws[:missing]}
     assert kept == sorted((s, lease_of[s]) for s in in_hit)
     beyond = {shard_of(r, SHARDS) for r in raws[missing + 1 :]} - in_hit - {shard_of(raws[missing], SHARDS)}
@@ -127,14 +127,14 @@ def test_one_lookup_per_shard_the_hit_is_the_common_prefix_and_leases_go_back_by
     assert beyond and released_early == beyond  # hit only beyond the prefix: of no use
 
     async def hint_ends() -> None:  # its leases go back off the ticker (`_release_ended`)
-        shell.core.cancel_hint("h1")
+        shell.core.cancel_hint("h1", "t")
         await shell._release_ended()
         assert shell._releasing is not None
         await shell._releasing
 
     asyncio.run(hint_ends())
     released = [(s, msg) for s, verb, msg in router.asked if verb == "lease_release"]
-    assert {s for s, _ in released} >= in_hit and "h1" not in shell._leases
+    assert {s for s, _ in released} >= in_hit and ("t", "h1") not in shell._leases
 
 
 def failing_shard(bad: int) -> Any:
@@ -192,7 +192,7 @@ def test_a_failing_shard_cuts_the_hint_at_its_first_chunk_as_in_the_client(
     reply = asyncio.run(shell._add(hint))
     assert isinstance(reply, p.HintReply) and reply.status == "accepted" and reply.objects_queued == 1
     first = shard_of(raws[0], SHARDS)
-    assert shell._leases["h1"] == [(first, 7)]  # the lease protecting chunk 0 is kept
+    assert shell._leases[("t", "h1")] == [(first, 7)]  # the lease protecting chunk 0 is kept
     granted = {s for s, verb, _ in router.asked if verb == "lookup" and s != bad}
     released = {s for s, verb, _ in router.asked if verb == "lease_release"}
     assert released == granted - {first}  # the others protect nothing: given back at once

@@ -59,6 +59,9 @@ class HintReply(msgspec.Struct, frozen=True, kw_only=True, tag="prefetch.hint_re
 
 class CancelHint(msgspec.Struct, frozen=True, kw_only=True, tag="prefetch.cancel.v1", tag_field="t"):
     hint_id: str
+    # the hint's tenant (as in its `PrefetchHint`): a hint id is its tenant's. Empty (an older
+    # sender): the one live hint with that id, none when two tenants hold it
+    tenant: str = ""
 
 
 class CancelReply(msgspec.Struct, frozen=True, kw_only=True, tag="prefetch.cancel_reply.v1", tag_field="t"):

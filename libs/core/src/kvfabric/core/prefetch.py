@@ -12,16 +12,29 @@ gauges (`bytes_in_flight`, ...), `counters`.
 ## Hints
 A `Hint` says: request `hint_id` of `tenant` will soon load the prefix `objects` (head first,
 each with its size and the segments holding a replica) through an engine whose local segment is
-`target`; the copies are useless after `deadline_ms`. Its *key* is (tenant, target, set of object
-ids): hints with one key are one hint with several ids. `add_hint` answers
+`target`; the copies are useless after `deadline_ms`. A hint id is the tenant's: (tenant, hint
+id) names a hint, and two tenants' `req-1` are two hints (they were one, and one cancel ended
+both; review, 2026-12-06). Its *key* is (tenant, target, fingerprint of the set of object ids:
+its size and hash, not the set): hints with one key are one hint with several ids. A
+fingerprint collision (vanishingly rare, and only within one tenant and target) joins a hint to
+another: its own objects are then not copied (best effort, nothing else is wrong). `add_hint`
+answers
     Accepted (kept, or nothing to copy) | Deduped (joined a live hint; its deadline becomes the
     later one) | Busy (full: retryable, nothing kept) | Refused (malformed or can never fit)
-and a live hint ends when:
+Busy: `hints_full` / `objects_full` (all tenants' live hint ids / queued objects at their
+maximum) or `tenant_hints_full` / `tenant_objects_full` (this tenant's at its share,
+`hints_queued_per_tenant_max` / `objects_queued_per_tenant_max`, a quarter of each by default:
+one tenant's four hints answered every other tenant busy). A hint with more objects to copy than
+a tenant's share is Refused (`too_many_objects`): it could never fit. A live hint ends when:
     every object is on the target --> completed
     `cancel_hint` of its last id (the request finished) --> cancelled
     `tick` at or after its deadline --> expired
     one of its objects is dropped after failed copies --> failed (the tail is useless without it)
-Ending releases its objects at once: none stays queued for it.
+Ending releases its objects at once: none stays queued for it. A live hint keeps only its objects
+still to copy (ids, head first; they were the whole prefix: 1,024 hints of 8,192 objects with one
+to copy held 1.7 GiB, and each tick walked all of them).
+`cancel_hint(hint_id, tenant)`: without a tenant (an older sender) it cancels the one live hint
+with that id, and none when two tenants hold it.
 
 ## Wants: one per (object, target), shared by every hint that needs it (refcount = its hints)
     (none) --a live hint needs it, or a hot object gets an extra replica--> QUEUED
@@ -34,12 +47,17 @@ Ending releases its objects at once: none stays queued for it.
 An extra-replica want is its own wanter: it is never marked release.
 
 ## Planning (`tick`)
-Live hints in order of deadline (earliest first, then arrival), each prefix head first; then the
-queued extra replicas. A want starts when `copies_in_flight_max` and `bytes_in_flight_max` allow;
-the first one that does not fit stops the tick (no smaller, less urgent copy overtakes it). A
-want waiting out its retry backoff holds back the rest of that prefix. The source is the replica
-that has not failed for this want, then the one with fewest copies reading from it, then the
-first listed. A tick costs O(live hints x log + queued objects), both bounded.
+Each tenant's live hints in order of deadline (earliest first, then arrival), each prefix head
+first; the tenants take turns: the next copy is the tenant's with fewest copies in flight (of
+those that have one to start), ties to the tenant with the earliest deadline. So a tenant alone
+uses every slot, and one whose hints are all more urgent no longer holds every slot while
+another waits (review, 2026-12-06). Then the queued extra replicas. A want starts when
+`copies_in_flight_max` and `bytes_in_flight_max` allow; the first one that does not fit stops the
+tick (no smaller copy overtakes it). A want waiting out its retry backoff holds back the rest of
+that prefix. A copy counts for the tenant whose turn started it. The source is the replica that
+has not failed for this want, then the one with fewest copies reading from it, then the first
+listed. A tick costs O(live hints x log + queued objects + copies started x log tenants), all
+bounded.
 
 ## Hot objects
 `read` feeds a per-object rate over a sliding window of `hot_window_ms` (two buckets; at most
@@ -52,6 +70,11 @@ queued, copying and stored extras), and of those at most `hot_extra_replicas_per
 an extra; review, 2026-12-06). The eviction policy does not know which replicas are extras:
 the prefetch service drops them itself once cold. `cold_extra_replicas(now_ms)` lists those below
 `cold_reads_per_s`; once one is removed, `replica_removed` gives its budget back.
+An extra want dropped (its copies failed `copy_attempts_max` times, or no source left) puts the
+object's rate entry off: no new extra is queued for it for `hot_window_ms`, doubled on each drop
+in a row (at most `EXTRA_RETRY_WINDOWS_MAX` windows), cleared when an extra is made. A hot
+object whose copies always failed was queued again on its next read with fresh attempts: 180
+copies started in 30 s (review, 2026-12-06). Forgotten with the rate entry (bounded as it is).
 
 ## Ownership
 - StartCopy: the shell reserves a slot on the target, copies, enforces its own transfer timeout
@@ -64,12 +87,14 @@ the prefetch service drops them itself once cold. `cold_extra_replicas(now_ms)` 
 
 ## Invariants (`check_invariants()`, after every step in tests)
 1. Bounded: bytes and copies in flight within their maxima; live hint ids <= `hints_queued_max`;
-   objects of live hints not yet on their target <= `objects_queued_max`; rate table bounded.
+   objects of live hints not yet on their target <= `objects_queued_max`; one tenant's of each
+   within its share; rate table bounded. A hint keeps only the ids of its objects to copy.
 2. No object has two concurrent copies to one target (one want per (object, target)).
 3. Every want is wanted: each of its hints is live and still needs it, or it is an extra; a
    COPYING want without either is marked release; a marked want has no wanter.
 4. An ended hint leaves nothing: none of its ids remains, no want names it.
-5. Accounting: in-flight bytes, queued objects and the extra budget equal what they count.
+5. Accounting: in-flight bytes, queued objects and the extra budget equal what they count, and
+   so do the per-tenant counts (hint ids, queued objects, copies in flight), none held at zero.
 
 Not split (over 600 lines): one core; hint copies and hot-object extras draw on the same copy and
 byte budgets and the same `StartCopy` ownership, checked together by `check_invariants`.
@@ -77,8 +102,9 @@ byte budgets and the same `StartCopy` ownership, checked together by `check_inva
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal, TypeAlias
 
@@ -89,6 +115,7 @@ from kvfabric.format.invariant import invariant
 
 __all__ = [
     "COUNTERS",
+    "EXTRA_RETRY_WINDOWS_MAX",
     "Accepted",
     "AddResult",
     "Busy",
@@ -108,7 +135,9 @@ __all__ = [
 ObjectId: TypeAlias = Hashable
 SegmentId: TypeAlias = str
 HintId: TypeAlias = str
-_HintKey: TypeAlias = tuple[str, SegmentId, frozenset[ObjectId]]  # (tenant, target, objects)
+_TenantHintId: TypeAlias = tuple[str, HintId]  # (tenant, hint id): a hint id is its tenant's
+# (tenant, target, (number, hash) of the set of object ids): a fingerprint, never the prefix itself
+_HintKey: TypeAlias = tuple[str, SegmentId, tuple[int, int]]
 _WantKey: TypeAlias = tuple[ObjectId, SegmentId]  # (object, target)
 WantState = Literal["queued", "copying", "releasing"]
 
@@ -138,11 +167,17 @@ COUNTERS: Final = (
     "extra_replicas_removed_total",
 )
 
+# A hot object's extra dropped n times in a row waits 2**(n-1) hot windows, at most this many.
+EXTRA_RETRY_WINDOWS_MAX: Final = 64
+
 
 @dataclass(frozen=True, slots=True)
 class PrefetchConfig:
     hints_queued_max: int = 1024  # live hint ids (an id deduplicated into another hint counts)
     objects_queued_max: int = 16_384  # objects of live hints not yet on their target
+    # Of those, one tenant's (0: a quarter, at least one).
+    hints_queued_per_tenant_max: int = 0
+    objects_queued_per_tenant_max: int = 0
     bytes_in_flight_max: int = 1 << 30  # sizes of copies started and not yet finished
     copies_in_flight_max: int = 64
     copy_attempts_max: int = 3  # per (object, target); then dropped
@@ -167,6 +202,18 @@ class PrefetchConfig:
             self.hot_extra_replicas_per_domain_max >= 0 and self.hot_extra_bytes_per_domain_max >= 0,
             "a domain's share of the hot budget is a count",
         )
+        invariant(
+            self.hints_queued_per_tenant_max >= 0 and self.objects_queued_per_tenant_max >= 0,
+            "a tenant's share of the queues is a count",
+        )
+
+    @property
+    def tenant_hints_max(self) -> int:
+        return self.hints_queued_per_tenant_max or max(1, self.hints_queued_max // 4)
+
+    @property
+    def tenant_objects_max(self) -> int:
+        return self.objects_queued_per_tenant_max or max(1, self.objects_queued_max // 4)
 
     @property
     def domain_extras_max(self) -> int:
@@ -205,12 +252,15 @@ class Deduped:
     same_as: HintId  # the first id of the live hint it joined
 
 
+BusyReason: TypeAlias = Literal["hints_full", "objects_full", "tenant_hints_full", "tenant_objects_full"]
+
+
 @dataclass(frozen=True, slots=True)
 class Busy:
     """Full: retry later (or not at all: prefetch is best effort). Nothing was kept."""
 
     hint_id: HintId
-    reason: Literal["hints_full", "objects_full"]
+    reason: BusyReason
 
 
 RefuseReason = Literal[
@@ -285,11 +335,14 @@ class ExtraReplica:
 class _Hint:
     key: _HintKey
     target: SegmentId
-    ids: list[HintId]  # first one first
-    objects: tuple[HintObject, ...]
-    undone: set[ObjectId]  # not on the target yet
+    ids: list[HintId]  # first one first (all of the key's tenant)
+    undone: dict[ObjectId, None]  # not on the target yet, head first: all it keeps of its prefix
     deadline_ms: int
     seq: int
+
+    @property
+    def tenant(self) -> str:
+        return self.key[0]
 
 
 @dataclass(slots=True)
@@ -302,6 +355,7 @@ class _Want:
     hints: set[_HintKey] = field(default_factory=set)
     domain: bytes = b""  # an extra's share domain (its budget share)
     copy_id: int | None = None  # set while COPYING
+    copy_tenant: str | None = None  # while COPYING: the tenant whose turn started it (None: an extra)
     source: SegmentId = ""
     release: bool = False
     attempts: int = 0
@@ -314,6 +368,8 @@ class _Rate:
     bucket: int  # now_ms // hot_window_ms of the current bucket
     current: int = 0
     previous: int = 0
+    extra_drops: int = 0  # its extra wants dropped in a row (failed copies, no source)
+    extra_not_before_ms: int = 0  # no extra is queued for it before
 
 
 class PrefetchCore:
@@ -321,7 +377,7 @@ class PrefetchCore:
 
     def __init__(self, config: PrefetchConfig, segments_free: Mapping[SegmentId, int] | None = None) -> None:
         self.config = config
-        self._ids: dict[HintId, _HintKey] = {}
+        self._ids: dict[_TenantHintId, _HintKey] = {}
         self._hints: dict[_HintKey, _Hint] = {}
         self._wants: dict[_WantKey, _Want] = {}
         self._copies: dict[int, _WantKey] = {}
@@ -332,6 +388,10 @@ class PrefetchCore:
         self._extra_bytes = 0
         self._domain_extras: dict[bytes, list[int]] = {}  # share domain -> [extras, bytes]
         self._objects_queued = 0
+        # per tenant, entries dropped at zero: live hint ids, queued objects, copies in flight
+        self._tenant_ids: dict[str, int] = {}
+        self._tenant_objects: dict[str, int] = {}
+        self._tenant_copies: dict[str, int] = {}
         self._bytes_in_flight = 0
         self._source_load: dict[SegmentId, int] = {}
         self._rates: OrderedDict[ObjectId, _Rate] = OrderedDict()
@@ -366,8 +426,11 @@ class PrefetchCore:
     def hint_ids_live(self) -> int:
         return len(self._ids)
 
-    def has_hint(self, hint_id: HintId) -> bool:
-        return hint_id in self._ids
+    def has_hint(self, hint_id: HintId, tenant: str | None = None) -> bool:
+        """Whether `tenant`'s hint `hint_id` is live (no tenant: any tenant's; O(live ids))."""
+        if tenant is not None:
+            return (tenant, hint_id) in self._ids
+        return any(i == hint_id for _, i in self._ids)
 
     def want_state(self, object_id: ObjectId, target: SegmentId) -> WantState | None:
         want = self._wants.get((object_id, target))
@@ -409,41 +472,54 @@ class PrefetchCore:
     def add_hint(self, hint: Hint, now_ms: int) -> AddResult:
         """A scheduler's hint. Never raises for what the network sends; copies start on `tick`."""
         self._advance(now_ms)
-        if hint.hint_id in self._ids:  # a retried message
+        cfg, tenant = self.config, hint.tenant
+        named = (tenant, hint.hint_id)
+        if named in self._ids:  # a retried message
             self.counters["hints_deduped_total"] += 1
-            return Deduped(hint.hint_id, self._hints[self._ids[hint.hint_id]].ids[0])
+            return Deduped(hint.hint_id, self._hints[self._ids[named]].ids[0])
         reason = self._refusal(hint, now_ms)
         if reason is not None:
             self.counters["hints_refused_total"] += 1
             return Refused(hint.hint_id, reason)
-        if len(self._ids) >= self.config.hints_queued_max:
+        busy: BusyReason | None = None
+        if len(self._ids) >= cfg.hints_queued_max:
+            busy = "hints_full"
+        elif self._tenant_ids.get(tenant, 0) >= cfg.tenant_hints_max:
+            busy = "tenant_hints_full"
+        if busy is not None:
             self.counters["hints_busy_total"] += 1
-            return Busy(hint.hint_id, "hints_full")
-        key = (hint.tenant, hint.target, frozenset(o.object_id for o in hint.objects))
+            return Busy(hint.hint_id, busy)
+        ids = frozenset(o.object_id for o in hint.objects)
+        key = (tenant, hint.target, (len(ids), hash(ids)))
         live = self._hints.get(key)
         if live is not None:
             for obj in hint.objects:
                 self._add_sources(self._wants.get((obj.object_id, hint.target)), obj.replicas)
             live.ids.append(hint.hint_id)
             live.deadline_ms = max(live.deadline_ms, hint.deadline_ms)
-            self._ids[hint.hint_id] = key
+            self._name(named, key)
             self.counters["hints_deduped_total"] += 1
             return Deduped(hint.hint_id, live.ids[0])
         todo = [o for o in hint.objects if hint.target not in o.replicas]
-        if self._objects_queued + len(todo) > self.config.objects_queued_max:
+        if len(todo) > cfg.tenant_objects_max:  # never fits its tenant's share
+            self.counters["hints_refused_total"] += 1
+            return Refused(hint.hint_id, "too_many_objects")
+        if self._objects_queued + len(todo) > cfg.objects_queued_max:
+            busy = "objects_full"
+        elif self._tenant_objects.get(tenant, 0) + len(todo) > cfg.tenant_objects_max:
+            busy = "tenant_objects_full"
+        if busy is not None:
             self.counters["hints_busy_total"] += 1
-            return Busy(hint.hint_id, "objects_full")
+            return Busy(hint.hint_id, busy)
         self.counters["hints_accepted_total"] += 1
         if not todo:
             self.counters["hints_completed_total"] += 1
             return Accepted(hint.hint_id, 0)
         self._seq += 1
-        undone = {o.object_id for o in todo}
-        self._hints[key] = _Hint(
-            key, hint.target, [hint.hint_id], hint.objects, undone, hint.deadline_ms, self._seq
-        )
-        self._ids[hint.hint_id] = key
-        self._objects_queued += len(todo)
+        undone = dict.fromkeys(o.object_id for o in todo)
+        self._hints[key] = _Hint(key, hint.target, [hint.hint_id], undone, hint.deadline_ms, self._seq)
+        self._name(named, key)
+        self._queue(tenant, len(todo))
         for obj in todo:
             want = self._wants.get((obj.object_id, hint.target))
             if want is None:
@@ -454,12 +530,18 @@ class PrefetchCore:
             want.hints.add(key)
         return Accepted(hint.hint_id, len(todo))
 
-    def cancel_hint(self, hint_id: HintId) -> bool:
-        """The request behind `hint_id` finished (or gave up). False if no live hint has that id."""
-        key = self._ids.pop(hint_id, None)
-        if key is None:
+    def cancel_hint(self, hint_id: HintId, tenant: str | None = None) -> bool:
+        """The request behind `tenant`'s `hint_id` finished (or gave up). False if no live hint
+        has that id. Without a tenant (an older sender): the one live hint with that id, none
+        when two tenants hold it (O(live ids))."""
+        if tenant is None:
+            holders = [named for named in self._ids if named[1] == hint_id]
+            tenant = holders[0][0] if len(holders) == 1 else None
+        key = None if tenant is None else self._ids.get((tenant, hint_id))
+        if tenant is None or key is None:
             self.counters["hint_cancel_unknown_total"] += 1
             return False
+        self._unname((tenant, hint_id))
         hint = self._hints[key]
         hint.ids.remove(hint_id)
         if not hint.ids:
@@ -467,29 +549,49 @@ class PrefetchCore:
         return True
 
     def tick(self, now_ms: int) -> list[Effect]:
-        """Expire hints past their deadline, then start the most urgent copies that fit."""
+        """Expire hints past their deadline, then start the copies that fit: each tenant's most
+        urgent first, the tenants in turn (fewest copies in flight first); then queued extras."""
         self._advance(now_ms)
         for hint in [h for h in self._hints.values() if h.deadline_ms <= now_ms]:
             self._end_hint(hint, "hints_expired_total")
         effects: list[Effect] = []
+        by_tenant: dict[str, list[_Hint]] = {}  # in order of each tenant's most urgent hint
         for hint in sorted(self._hints.values(), key=lambda h: (h.deadline_ms, h.seq)):
-            for obj in hint.objects:
-                if obj.object_id not in hint.undone:
-                    continue
-                want = self._wants[(obj.object_id, hint.target)]
-                if want.copy_id is not None:
-                    continue
-                if want.not_before_ms > now_ms:
-                    break  # the tail waits for its head's retry
-                if not self._fits(want.size):
-                    return effects
-                effects.append(self._start(want))
+            by_tenant.setdefault(hint.tenant, []).append(hint)
+        # (copies in flight, urgency rank, tenant, its startable wants): fewest in flight first
+        turns = [
+            (self._tenant_copies.get(tenant, 0), rank, tenant, self._startable(hints, now_ms))
+            for rank, (tenant, hints) in enumerate(by_tenant.items())
+        ]
+        heapq.heapify(turns)
+        while turns:
+            copies, rank, tenant, wants = heapq.heappop(turns)
+            want = next(wants, None)
+            if want is None:
+                continue  # nothing more to start for this tenant
+            if not self._fits(want.size):
+                return effects
+            effects.append(self._start(want, tenant))
+            heapq.heappush(turns, (copies + 1, rank, tenant, wants))
         for want in [w for w in self._wants.values() if w.extra and w.copy_id is None]:
             if want.not_before_ms <= now_ms:
                 if not self._fits(want.size):
                     break
                 effects.append(self._start(want))
         return effects
+
+    def _startable(self, hints: list[_Hint], now_ms: int) -> Iterator[_Want]:
+        """The queued wants of `hints` (one tenant's, most urgent first), each prefix head first;
+        a want waiting out its retry backoff holds back the rest of its prefix. Lazy: a want
+        started meanwhile (another hint's, another tenant's) is skipped."""
+        for hint in hints:
+            for object_id in hint.undone:
+                want = self._wants[(object_id, hint.target)]
+                if want.copy_id is not None:
+                    continue
+                if want.not_before_ms > now_ms:
+                    break  # the tail waits for its head's retry
+                yield want
 
     def copy_finished(self, copy_id: int, ok: bool, now_ms: int, *, made: bool = True) -> list[Effect]:
         """The copy `copy_id` ended. Returns exactly one of PublishReplica or ReleaseCopy.
@@ -501,6 +603,9 @@ class PrefetchCore:
             return []
         want = self._wants[key]
         want.copy_id = None
+        if want.copy_tenant is not None:
+            self._count(self._tenant_copies, want.copy_tenant, -1)
+            want.copy_tenant = None
         self._bytes_in_flight -= want.size
         self._source_load[want.source] -= 1
         if not self._source_load[want.source]:
@@ -516,6 +621,9 @@ class PrefetchCore:
             if extra:
                 self.counters["hot_replicas_created_total"] += 1
                 self._extras[want.object_id] = (want.target, want.size, want.domain)
+                rate = self._rates.get(want.object_id)
+                if rate is not None:  # made: its next extra (once this one is gone) waits for nothing
+                    rate.extra_drops, rate.extra_not_before_ms = 0, 0
             self._satisfied(want, keep_extra=extra)
             return [PublishReplica(copy_id, want.object_id, want.target, want.size, extra)]
         want.failed_sources.add(want.source)
@@ -554,6 +662,8 @@ class PrefetchCore:
         if self.reads_per_s(object_id, now_ms) < self.config.hot_reads_per_s:
             return
         if object_id in self._extras or object_id in self._extra_wants:
+            return
+        if now_ms < rate.extra_not_before_ms:  # its last extra was dropped: backing off
             return
         cfg = self.config
         held, held_bytes = self._domain_extras.get(domain, (0, 0))
@@ -651,13 +761,17 @@ class PrefetchCore:
             and self._bytes_in_flight + size <= self.config.bytes_in_flight_max
         )
 
-    def _start(self, want: _Want) -> StartCopy:
+    def _start(self, want: _Want, tenant: str | None = None) -> StartCopy:
+        """Start `want`'s copy, counted for `tenant` (None: an extra)."""
         order = {s: i for i, s in enumerate(want.sources)}
         want.source = min(
             want.sources, key=lambda s: (s in want.failed_sources, self._source_load.get(s, 0), order[s])
         )
         want.copy_id, self._next_copy_id = self._next_copy_id, self._next_copy_id + 1
         want.attempts += 1
+        want.copy_tenant = tenant
+        if tenant is not None:
+            self._count(self._tenant_copies, tenant, +1)
         self._copies[want.copy_id] = (want.object_id, want.target)
         self._bytes_in_flight += want.size
         self._source_load[want.source] = self._source_load.get(want.source, 0) + 1
@@ -673,8 +787,8 @@ class PrefetchCore:
                 self._extra_budget(want.domain, -1, want.size)
         for key in want.hints:
             hint = self._hints[key]
-            hint.undone.discard(want.object_id)
-            self._objects_queued -= 1
+            del hint.undone[want.object_id]
+            self._queue(hint.tenant, -1)
             if not hint.undone:
                 self._end_hint(hint, "hints_completed_total")
 
@@ -685,30 +799,55 @@ class PrefetchCore:
         if want.extra:
             del self._extra_wants[want.object_id]
             self._extra_budget(want.domain, -1, want.size)
+            rate = self._rates.get(want.object_id)
+            if rate is not None:  # no new extra for it until this passes (the last time seen)
+                rate.extra_drops = min(rate.extra_drops + 1, EXTRA_RETRY_WINDOWS_MAX.bit_length())
+                windows = min(1 << (rate.extra_drops - 1), EXTRA_RETRY_WINDOWS_MAX)
+                rate.extra_not_before_ms = self._now_ms + windows * self.config.hot_window_ms
         hints = [self._hints[key] for key in want.hints]
         want.hints.clear()
         for hint in hints:
-            hint.undone.discard(want.object_id)
-            self._objects_queued -= 1
+            del hint.undone[want.object_id]
+            self._queue(hint.tenant, -1)
             self._end_hint(hint, "hints_failed_total")
 
     def _end_hint(self, hint: _Hint, counter: str) -> None:
         """Completed, cancelled, expired or failed: release everything it still wanted."""
         del self._hints[hint.key]
         for hint_id in hint.ids:
-            del self._ids[hint_id]
-        self._objects_queued -= len(hint.undone)
-        for obj in hint.objects:
-            if obj.object_id in hint.undone:
-                want = self._wants[(obj.object_id, hint.target)]
-                want.hints.discard(hint.key)
-                if not want.hints and not want.extra:
-                    if want.copy_id is None:
-                        del self._wants[(want.object_id, want.target)]
-                    else:
-                        want.release = True  # answered ReleaseCopy when it finishes
+            self._unname((hint.tenant, hint_id))
+        self._queue(hint.tenant, -len(hint.undone))
+        for object_id in hint.undone:
+            want = self._wants[(object_id, hint.target)]
+            want.hints.discard(hint.key)
+            if not want.hints and not want.extra:
+                if want.copy_id is None:
+                    del self._wants[(want.object_id, want.target)]
+                else:
+                    want.release = True  # answered ReleaseCopy when it finishes
         hint.undone.clear()
         self.counters[counter] += 1
+
+    def _name(self, named: _TenantHintId, key: _HintKey) -> None:
+        self._ids[named] = key
+        self._count(self._tenant_ids, named[0], +1)
+
+    def _unname(self, named: _TenantHintId) -> None:
+        del self._ids[named]
+        self._count(self._tenant_ids, named[0], -1)
+
+    def _queue(self, tenant: str, count: int) -> None:
+        """`count` objects of `tenant`'s hints queued (+) or no longer (-)."""
+        self._objects_queued += count
+        self._count(self._tenant_objects, tenant, count)
+
+    @staticmethod
+    def _count(counts: dict[str, int], tenant: str, delta: int) -> None:
+        value = counts.get(tenant, 0) + delta
+        if value:
+            counts[tenant] = value
+        else:
+            counts.pop(tenant, None)
 
     def _advance(self, now_ms: int) -> None:
         invariant(now_ms >= self._now_ms, "time went backwards", now_ms=now_ms, last_ms=self._now_ms)
@@ -736,11 +875,31 @@ class PrefetchCore:
             invariant(want.hints or want.extra or want.release, "unwanted want", object_id=want.object_id)
         for hint in self._hints.values():
             invariant(bool(hint.ids) and bool(hint.undone), "hint should have ended", key=hint.key)
-            invariant(all(self._ids.get(i) == hint.key for i in hint.ids), "hint id index drifted")
+            invariant(
+                all(self._ids.get((hint.tenant, i)) == hint.key for i in hint.ids), "hint id index drifted"
+            )
             for object_id in hint.undone:
                 wanted = self._wants.get((object_id, hint.target))
                 invariant(wanted is not None and hint.key in wanted.hints, "hint object not wanted")
         invariant(sum(len(h.ids) for h in self._hints.values()) == len(self._ids), "stray hint ids")
+        tenant_ids: dict[str, int] = {}
+        tenant_objects: dict[str, int] = {}
+        for hint in self._hints.values():
+            tenant_ids[hint.tenant] = tenant_ids.get(hint.tenant, 0) + len(hint.ids)
+            tenant_objects[hint.tenant] = tenant_objects.get(hint.tenant, 0) + len(hint.undone)
+        invariant(self._tenant_ids == tenant_ids, "a tenant's hint ids drifted")
+        invariant(self._tenant_objects == tenant_objects, "a tenant's queued objects drifted")
+        invariant(
+            all(n <= cfg.tenant_hints_max for n in tenant_ids.values())
+            and all(n <= cfg.tenant_objects_max for n in tenant_objects.values()),
+            "a tenant over its share of the queues",
+        )
+        tenant_copies: dict[str, int] = {}
+        for want in copying:
+            invariant(want.extra or want.copy_tenant is not None, "a hint's copy counted for no tenant")
+            if want.copy_tenant is not None:
+                tenant_copies[want.copy_tenant] = tenant_copies.get(want.copy_tenant, 0) + 1
+        invariant(self._tenant_copies == tenant_copies, "a tenant's copies drifted")
         extra_wants = [w for w in self._wants.values() if w.extra]
         invariant({w.object_id: w.target for w in extra_wants} == self._extra_wants, "extra index drifted")
         invariant(not self._extra_wants.keys() & self._extras.keys(), "two extras for one object")

@@ -56,9 +56,11 @@ class AddHint:
 
 @dataclass(frozen=True, slots=True)
 class CancelHint:
-    """The request of `hint_id` finished (`cancel_hint`; answers `Reply(cancelled)`)."""
+    """The request of `tenant`'s `hint_id` finished (`cancel_hint`; answers `Reply(cancelled)`).
+    No tenant (an older sender): the one live hint with that id, none when two tenants hold it."""
 
     hint_id: HintId
+    tenant: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +137,7 @@ def dispatch(core: PrefetchCore, event: PrefetchEvent, now_ms: int) -> list[Pref
     if isinstance(event, AddHint):
         return [Reply(core.add_hint(event.hint, now_ms))]
     if isinstance(event, CancelHint):
-        return [Reply(core.cancel_hint(event.hint_id))]
+        return [Reply(core.cancel_hint(event.hint_id, event.tenant))]
     if isinstance(event, ColdExtraReplicas):
         return [Reply(core.cold_extra_replicas(now_ms))]
     if isinstance(event, Read):

@@ -4,6 +4,8 @@
 |---|---|---|
 | `KVF_PREFETCH_HINTS_QUEUED_MAX` | 1024 | live hints; more answer `busy` |
 | `KVF_PREFETCH_OBJECTS_QUEUED_MAX` | 16384 | objects of live hints not yet copied |
+| `KVF_PREFETCH_HINTS_QUEUED_PER_TENANT_MAX` | 0 | of the live hints, one tenant's (0: a quarter) |
+| `KVF_PREFETCH_OBJECTS_QUEUED_PER_TENANT_MAX` | 0 | of the objects, one tenant's (0: a quarter) |
 | `KVF_PREFETCH_BYTES_IN_FLIGHT_MAX` | 268435456 | bytes being copied at once |
 | `KVF_PREFETCH_COPIES_IN_FLIGHT_MAX` | 4 | copies at once (a segment takes 4 by default) |
 | `KVF_PREFETCH_RESOLVING_MAX` | 64 | hints being resolved (directory lookups) at once |
@@ -44,6 +46,10 @@ def load_prefetch_settings(env: Mapping[str, str]) -> PrefetchSettings:
     core = PrefetchConfig(
         hints_queued_max=env_int(env, "KVF_PREFETCH_HINTS_QUEUED_MAX", 1024, 1, 1_000_000),
         objects_queued_max=env_int(env, "KVF_PREFETCH_OBJECTS_QUEUED_MAX", 16_384, 1, 10_000_000),
+        hints_queued_per_tenant_max=env_int(env, "KVF_PREFETCH_HINTS_QUEUED_PER_TENANT_MAX", 0, 0, 1_000_000),
+        objects_queued_per_tenant_max=env_int(
+            env, "KVF_PREFETCH_OBJECTS_QUEUED_PER_TENANT_MAX", 0, 0, 10_000_000
+        ),
         bytes_in_flight_max=env_int(env, "KVF_PREFETCH_BYTES_IN_FLIGHT_MAX", 256 << 20, 1, 1 << 40),
         copies_in_flight_max=env_int(env, "KVF_PREFETCH_COPIES_IN_FLIGHT_MAX", 4, 1, 4096),
         hot_reads_per_s=float(hot),

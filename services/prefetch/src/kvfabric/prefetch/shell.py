@@ -9,7 +9,14 @@
   while they are copied (released when the hint ends; the others at once); then the core's
   `AddHint`; its answer (accepted / deduped / busy / refused) is the reply. At most `resolving_max` hints are
   resolved at once: more answer `busy` at once (a flood costs no directory traffic).
-- `cancel`: `core.cancel_hint`; its lease is released on the next tick.
+- Hint ids are per tenant: a hint, its leases and a cancel are named by (tenant, hint id), the
+  tenant as the message names it (`PrefetchHint.tenant`, `CancelHint.tenant`); two tenants'
+  `req-1` were one hint, and one cancel ended both (review, 2026-12-06).
+- `cancel`: `core.cancel_hint(hint id, tenant)` (a cancel without a tenant, from an older
+  sender, ends the one live hint with that id, none when two tenants hold it); its leases are
+  released on the next tick. A hint id accepted again before the leases of its earlier hint
+  were collected hands those to the releases first (they were overwritten and held until they
+  expired).
 - The core is stepped through a `CoreDriver` (`kvfabric.runtime.core_driver`) on the wall clock
   (hint deadlines are wall clock), never earlier than a time it already gave the core: every
   event that carries the time (`AddHint`, `Tick`, `CopyFinished`, `Read`, `ColdExtraReplicas`).
@@ -160,8 +167,8 @@ class PrefetchShell:
         self.copy_timeout_s = copy_timeout_s
         self.group_cache_ms = group_cache_ms
         self._resolving = 0
-        # hint id -> the read leases protecting its sources: (shard, lease id), one per shard
-        self._leases: dict[str, list[tuple[int, int]]] = {}
+        # (tenant, hint id) -> the read leases protecting its sources: (shard, lease id), one per shard
+        self._leases: dict[tuple[str, str], list[tuple[int, int]]] = {}
         # (domain digest, chain hash) -> (monotonic ms shown, its objects): hot reads without a
         # show_group per `accessed` event (at most GROUP_CACHE_MAX, insertion order = oldest first)
         self._groups: dict[tuple[bytes, bytes], tuple[int, _GroupObjects]] = {}
@@ -206,8 +213,8 @@ class PrefetchShell:
         for task in [*self._tasks, *self._copies]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._copies, return_exceptions=True)
-        for hint_id in list(self._leases):
-            self._to_release.extend(self._leases.pop(hint_id))
+        for named in list(self._leases):
+            self._to_release.extend(self._leases.pop(named))
         if self._releasing is None or self._releasing.done():
             self._releasing = asyncio.create_task(self._drain_releases())
         with contextlib.suppress(TimeoutError):  # within a deadline: the rest expire on their own
@@ -222,7 +229,7 @@ class PrefetchShell:
             check_segment_id(hint.target_segment)
         except ValueError as exc:  # a caller's mistake: bad_request, not an internal error
             raise BadRequest(str(exc)) from None
-        if self.core.has_hint(hint.hint_id):
+        if self.core.has_hint(hint.hint_id, hint.tenant):
             return p.HintReply(hint_id=hint.hint_id, status="deduped", reason="same hint id")
         if self._resolving >= self.resolving_max:
             self.busy_resolving += 1
@@ -264,7 +271,10 @@ class PrefetchShell:
         )
         assert isinstance(result, Accepted | Deduped | Busy | Refused)
         if isinstance(result, Accepted) and result.objects_queued:
-            self._leases[hint.hint_id] = leases
+            named = (hint.tenant, hint.hint_id)
+            # Accepted: any earlier hint of this name has ended, its leases not yet collected
+            self._to_release.extend(self._leases.pop(named, []))
+            self._leases[named] = leases
         else:
             await self._release_leases(leases)
         if isinstance(result, Accepted):
@@ -298,7 +308,7 @@ class PrefetchShell:
         return hit.hit_chunks, hit.objects, hit.leases
 
     async def _on_cancel(self, message: p.CancelHint, headers: Mapping[str, str]) -> msgspec.Struct:
-        return p.CancelReply(cancelled=self.core.cancel_hint(message.hint_id))
+        return p.CancelReply(cancelled=self.core.cancel_hint(message.hint_id, message.tenant or None))
 
     async def _on_status(
         self, message: p.PrefetchStatusRequest, headers: Mapping[str, str]
@@ -338,8 +348,8 @@ class PrefetchShell:
         failed) are given back by a background task, never awaited here. Released one request
         at a time on the ticker, 10 ended hints under a hung leader held it for their timeouts:
         1 tick in 5 s instead of ~250, no copy started, no hint expired (review, 2026-12-06)."""
-        for hint_id in [h for h in self._leases if not self.core.has_hint(h)]:
-            self._to_release.extend(self._leases.pop(hint_id))
+        for named in [n for n in self._leases if not self.core.has_hint(n[1], n[0])]:
+            self._to_release.extend(self._leases.pop(named))
         if self._to_release and (self._releasing is None or self._releasing.done()):
             self._releasing = asyncio.create_task(self._drain_releases())
 

@@ -1,0 +1,104 @@
+"""The prefetch shell keys hints by (tenant, hint id) as its core does, cancels name the tenant,
+and a hint id accepted again leaks none of its earlier read leases (review, 2026-12-06)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvfabric.prefetch import shell as shell_module
+from kvfabric.prefetch.shell import PrefetchShell
+from kvfabric.proto import directory as m
+from kvfabric.proto import prefetch as p
+from tests.unit.core.dirkit import groups
+from tests.unit.prefetch.test_shell_shards import NOW, FakeRouter, location, make_shell
+
+
+def leasing_router() -> tuple[FakeRouter, list[int]]:
+    """Every lookup hits and grants a new lease id; the ids given back are listed."""
+    lease_ids = itertools.count(100)
+    released: list[int] = []
+
+    def answer(shard: int, verb: str, message: msgspec.Struct) -> Any:
+        if verb == "lease_release":
+            assert isinstance(message, m.LeaseRelease)
+            released.append(message.lease_id)
+            return m.LeaseReply(epoch=1, lease_id=message.lease_id, expires_ms=0)
+        assert verb == "lookup" and isinstance(message, m.Lookup)
+        return m.LookupReply(
+            epoch=1,
+            hit_chunks=len(message.groups),
+            lease_id=next(lease_ids),
+            lease_expires_ms=NOW + 60_000,
+            objects=[location(g) for g in message.groups],
+        )
+
+    return FakeRouter(answer), released
+
+
+def hint(hint_id: str, tenant: str, seed: int) -> p.PrefetchHint:
+    return p.PrefetchHint(
+        hint_id=hint_id,
+        tenant=tenant,
+        groups=[g.group_id() for g in groups(1, seed=seed)],
+        target_segment="s2",
+        deadline_ms=NOW + 60_000,
+    )
+
+
+async def collect_ended(shell: PrefetchShell) -> None:
+    """What the ticker does after each tick: ended hints' leases go back off it."""
+    await shell._release_ended()
+    if shell._releasing is not None:
+        await shell._releasing
+
+
+def test_a_hint_id_accepted_again_before_its_leases_were_collected_leaks_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`_leases[hint_id] = leases` overwrote the earlier entry: its leases were never given back
+    (held until they expired)."""
+    monkeypatch.setattr(shell_module, "now_ms", lambda: NOW)
+    router, released = leasing_router()
+    shell = make_shell(router)
+
+    async def scenario() -> None:
+        first = await shell._add(hint("h1", "t", seed=1))
+        assert first.status == "accepted" and first.objects_queued == 1
+        assert shell.core.cancel_hint("h1")  # the request finished; no tick has collected it yet
+        again = await shell._add(hint("h1", "t", seed=1))  # the same id, accepted again
+        assert again.status == "accepted" and again.objects_queued == 1
+        await collect_ended(shell)
+
+    asyncio.run(scenario())
+    assert released == [100]  # the first hint's lease; the second's still protects its sources
+    assert shell.status().gauges["leases_held"] == 1
+
+
+def test_two_tenants_may_use_one_hint_id_and_a_cancel_names_its_tenant(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A's `req-1` and B's `req-1` were one hint (B's answered `deduped`), and one cancel ended both."""
+    monkeypatch.setattr(shell_module, "now_ms", lambda: NOW)
+    router, released = leasing_router()
+    shell = make_shell(router)
+
+    async def scenario() -> None:
+        a = await shell._on_hint(hint("req-1", "A", seed=1), {})
+        b = await shell._on_hint(hint("req-1", "B", seed=2), {})
+        assert isinstance(a, p.HintReply) and isinstance(b, p.HintReply)
+        assert (a.status, b.status) == ("accepted", "accepted")
+        retried = await shell._on_hint(hint("req-1", "B", seed=2), {})
+        assert isinstance(retried, p.HintReply) and retried.status == "deduped"
+        cancelled = await shell._on_cancel(p.CancelHint(hint_id="req-1", tenant="A"), {})
+        assert cancelled == p.CancelReply(cancelled=True)
+        assert not shell.core.has_hint("req-1", "A") and shell.core.has_hint("req-1", "B")
+        await collect_ended(shell)
+
+    asyncio.run(scenario())
+    assert released == [100]  # A's lease only: B's hint still needs its sources
+    assert shell.status().gauges["leases_held"] == 1
