@@ -15,7 +15,9 @@ and shows; lease release / renew, pins / unpins; evictions; delivery, loss and a
 Alongside it keeps a model:
 - what the directory should hold: building members (writer, tickets, confirmed slots, committed,
   deadline), published groups (members, replicas, degraded), frees in flight, leases and pins,
-  and each segment's incarnation, liveness and last heartbeat;
+  and each segment's incarnation, liveness and last heartbeat; the lost groups the core's sweep
+  found held (deferred: a pin skips a lost group, a renew of a lease holding a deferred one does
+  not extend it, a below-target listing skips a deferred one);
 - what each segment really holds: a fake arena per (segment, incarnation), slot -> (key,
   generation, checksum of the bytes it stored). A segment frees a slot (and bumps its generation)
   only on a `FreeSlots` for that generation, or when its own confirm is answered `unknown_ticket`
@@ -236,6 +238,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.freeing: dict[SlotRef, tuple[int, bytes, int]] = {}  # -> (size, evicted group or b"", sent)
         self.leases: dict[int, MLease] = {}
         self.ever_leased: dict[int, MLease] = {}
+        self.deferred: set[bytes] = set()  # lost groups the sweep found held (the core's DEFERRED)
         self.issued: dict[int, m.WriteTicket] = {}  # tickets a segment may store and confirm
         self.stored: dict[int, Stored] = {}
         self.seen_tickets: set[int] = set()
@@ -473,6 +476,28 @@ class DirectoryMachine(RuleBasedStateMachine):
             not self.live(r[0], r[1]) for pm in pub.members.values() for r in pm.replicas
         )
 
+    def lost(self, gid: bytes) -> bool:
+        """A published group a member of which has no replica on a live incarnation: never
+        readable again (pins skip it)."""
+        pub = self.published.get(gid)
+        return pub is not None and any(
+            not any(self.live(r[0], r[1]) for r in pm.replicas) for pm in pub.members.values()
+        )
+
+    def end_lease(self, lease_id: int) -> None:
+        """A lease or pin ends: a deferred group it was the last hold of is queued for the sweep
+        again (no longer deferred)."""
+        lease = self.leases.pop(lease_id)
+        for gid in lease.gids:
+            if not any(self.lease_counts(gid)):
+                self.deferred.discard(gid)
+
+    def renewed_expiry(self, lease: MLease, ttl: int) -> int:
+        """What a renew by `ttl` answers: unchanged while the lease holds a deferred group."""
+        if any(gid in self.deferred for gid in lease.gids):
+            return lease.expires_ms
+        return max(lease.expires_ms, self.now + ttl)
+
     def held(self, ref: SlotRef, key_: bytes, checksum: bytes) -> bool:
         sid, inc, slot, gen = ref
         return self.arena.get((sid, inc), {}).get(slot) == (key_, gen, checksum)
@@ -487,7 +512,7 @@ class DirectoryMachine(RuleBasedStateMachine):
     def model_tick(self) -> None:
         now = self.now
         for lease_id in [i for i, lz in self.leases.items() if lz.expires_ms <= now]:
-            del self.leases[lease_id]
+            self.end_lease(lease_id)
         for gid, deadlines in self.heap_deadlines.items():
             if not any(d <= now for d in deadlines):
                 continue
@@ -508,9 +533,11 @@ class DirectoryMachine(RuleBasedStateMachine):
                 continue
             lost = any(not any(self.live(r[0], r[1]) for r in pm.replicas) for pm in pub.members.values())
             if lost and any(self.lease_counts(gid)):
+                self.deferred.add(gid)
                 continue  # deferred until the last lease or pin on it ends
             if lost:
                 del self.published[gid]
+                self.deferred.discard(gid)
                 for pm in pub.members.values():
                     for ref in pm.replicas:
                         self.free_slot(ref, pm.size, b"", b"")
@@ -658,7 +685,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         must register again."""
         for lease_id, lease in self.leases.items():
             if renew_ttl and not lease.is_pin:
-                lease.expires_ms = max(lease.expires_ms, self.now + renew_ttl)
+                lease.expires_ms = self.renewed_expiry(lease, renew_ttl)
                 reply = self.handle(
                     m.LeaseRenew(holder_id=lease.holder, lease_id=lease_id, lease_ttl_ms=renew_ttl)
                 )
@@ -1155,7 +1182,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             req = m.Unpin(holder_id=holder, pin_id=lease_id, epoch=self.epoch())
         elif op == "renew":
             req = m.LeaseRenew(holder_id=holder, lease_id=lease_id, lease_ttl_ms=ttl, epoch=self.epoch())
-            expires_ms = max(lease.expires_ms, self.now + ttl)
+            expires_ms = self.renewed_expiry(lease, ttl)
         else:
             req = m.LeaseRelease(holder_id=holder, lease_id=lease_id, epoch=self.epoch())
         if lease_id not in self.leases or op == "intruder":  # released, or expired and ticked away
@@ -1169,20 +1196,28 @@ class DirectoryMachine(RuleBasedStateMachine):
         if expires_ms:
             lease.expires_ms = expires_ms
         else:
-            del self.leases[lease_id]
+            self.end_lease(lease_id)
 
     @rule(
         holder=st.sampled_from(READERS),
         picks=st.lists(st.integers(0, 255), min_size=1, max_size=3),
         ttl=st.sampled_from(PIN_TTLS_MS),
-        published_only=st.sampled_from((False, True, True)),
+        aim=st.sampled_from(("any", "published", "published", "hurt")),
     )
     @step
-    def pin(self, holder: str, picks: list[int], ttl: int, published_only: bool) -> None:
-        """A holder pins some groups (only the published ones count), maybe ones it also leases."""
-        pool = [g for g in ALL_GROUPS if GROUP_IDS[g] in self.published] if published_only else []
+    def pin(self, holder: str, picks: list[int], ttl: int, aim: str) -> None:
+        """A holder pins some groups (only the published ones not lost count): any, published ones,
+        or ones that lost a replica and are not swept yet (`hurt`: lost ones are skipped, and a
+        deferred one must not be held longer); maybe ones it also leases."""
+        pool = {
+            "any": [],
+            "published": [g for g in ALL_GROUPS if GROUP_IDS[g] in self.published],
+            "hurt": [g for g in ALL_GROUPS if self.lost_a_replica(GROUP_IDS[g])],
+        }[aim]
         asked = [(pool or ALL_GROUPS)[p % len(pool or ALL_GROUPS)] for p in picks]
-        gids = tuple(GROUP_IDS[g] for g in asked if GROUP_IDS[g] in self.published)
+        gids = tuple(
+            GROUP_IDS[g] for g in asked if GROUP_IDS[g] in self.published and not self.lost(GROUP_IDS[g])
+        )
         req = m.Pin(holder_id=holder, groups=asked, ttl_ms=ttl, epoch=self.epoch())
         if not gids:  # nothing published to protect: no pin is held, whatever the table holds
             before = self.snapshot()
@@ -1272,7 +1307,8 @@ class DirectoryMachine(RuleBasedStateMachine):
         want = [
             gid
             for gid in sorted(self.published)
-            if (not digest or gid[:16] == digest) and (not below or self.below_target(gid))
+            if (not digest or gid[:16] == digest)
+            and (not below or (gid not in self.deferred and self.below_target(gid)))
         ]
         before = self.snapshot()
         got: list[bytes] = []
@@ -1524,7 +1560,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         for lease_id, lease in list(self.leases.items()):
             if lease_id % 2:  # left to expire; a lease is renewed first (the directory must still hold it)
                 if not lease.is_pin:
-                    lease.expires_ms = max(lease.expires_ms, self.now + LEASE_TTLS_MS[0])
+                    lease.expires_ms = self.renewed_expiry(lease, LEASE_TTLS_MS[0])
                     assert self.handle(
                         m.LeaseRenew(holder_id=lease.holder, lease_id=lease_id, lease_ttl_ms=LEASE_TTLS_MS[0])
                     ) == m.LeaseReply(epoch=EPOCH, lease_id=lease_id, expires_ms=lease.expires_ms)
@@ -1537,7 +1573,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 assert self.handle(
                     m.LeaseRelease(holder_id=lease.holder, lease_id=lease_id, epoch=self.epoch())
                 ) == m.LeaseReply(epoch=EPOCH, lease_id=lease_id, expires_ms=0)
-            del self.leases[lease_id]
+            self.end_lease(lease_id)
         horizon = max(
             [self.now]
             + [lz.expires_ms for lz in self.leases.values()]

@@ -48,6 +48,7 @@ from kvfabric.core.directory.base import Context, DirectoryConfig, Effect, Outco
 from kvfabric.core.directory.events import DirectoryCoreEvent, DirectoryOutput
 from kvfabric.core.directory.frees import FreeTable, PendingFree, SlotKey, batch_frees
 from kvfabric.core.directory.leases import Lease, LeaseTable
+from kvfabric.core.directory.namespaces import NamespaceTable
 from kvfabric.core.directory.published import PublishedTable
 from kvfabric.core.directory.reads import Reads
 from kvfabric.core.directory.rebuild import SegmentHolding, plan_rebuild
@@ -76,7 +77,7 @@ class DirectoryCore:
         self._ctx = Context(config, epoch, shard, first_id)
         self._step_ms = 0  # the latest time given to `step` (the methods keep no time of their own)
         self.segment_table = SegmentTable(self._ctx, self._segment_lost)
-        self.free_table = FreeTable(self._ctx, self.segment_table)
+        self.free_table = FreeTable(self._ctx, self.segment_table, NamespaceTable())
         self.published_table = PublishedTable(self._ctx, self.segment_table, self.free_table)
         self.lease_table = LeaseTable(self._ctx, self.published_table)
         self.replica_table = ReplicaTable(

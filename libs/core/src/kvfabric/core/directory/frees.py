@@ -13,7 +13,8 @@ Its arena bytes and the tenant's bytes stay counted until then.
 
 ## Evicting groups
 An evicted group leaves the published table at once and is kept here (`evicting`, its record)
-until every free it sent is acknowledged; meanwhile put_begin of its keys answers `exists`.
+until every free it sent is acknowledged; meanwhile put_begin of its keys answers `exists`. Its
+record keeps naming its namespace (`namespaces`, counted per record) until it is forgotten.
 
 ## Grace (a new leader, `begin_grace`)
 Until `grace_until_ms` (adoption time + `lease_ttl_ms_max`) a free of an adopted slot (one a
@@ -40,6 +41,7 @@ from collections.abc import Iterable, Iterator
 from typing import Final, Literal, NamedTuple
 
 from kvfabric.core.directory.base import Context, Effect, FreeSlots, Outcome, check_batch
+from kvfabric.core.directory.namespaces import NamespaceTable
 from kvfabric.core.directory.records import PublishedGroup, ReplicaRecord
 from kvfabric.core.directory.segments import Segment, SegmentTable
 from kvfabric.core.quotas import Tenant
@@ -101,9 +103,10 @@ def batch_frees(effects: list[Effect]) -> list[Effect]:
 
 
 class FreeTable:
-    def __init__(self, ctx: Context, segments: SegmentTable) -> None:
+    def __init__(self, ctx: Context, segments: SegmentTable, namespaces: NamespaceTable) -> None:
         self.ctx = ctx
         self.segments = segments
+        self.namespaces = namespaces  # shared with the published table: both records name them
         self.pending: dict[SlotKey, PendingFree] = {}
         self.evicting: dict[GroupKey, PublishedGroup] = {}
         self._evicting_frees: dict[GroupKey, int] = {}  # evicting group -> frees not yet acknowledged
@@ -170,13 +173,20 @@ class FreeTable:
     # ---- evicting groups -----------------------------------------------------------------
 
     def start_evicting(self, gid: GroupKey, group: PublishedGroup) -> None:
+        """`group` left the published table: its record (and its count of its namespace) is
+        kept here until its frees are acknowledged."""
+        before = self.evicting.get(gid)
+        if before is not None:  # (a group key is never published while evicting: put_begin `exists`)
+            self.namespaces.release(before.namespace)
         self.evicting[gid] = group
 
     def forget_if_freed(self, gid: GroupKey) -> None:
         """An evicting group none of whose frees is outstanding is gone."""
         if not self._evicting_frees.get(gid):
             self._evicting_frees.pop(gid, None)
-            self.evicting.pop(gid, None)
+            group = self.evicting.pop(gid, None)
+            if group is not None:
+                self.namespaces.release(group.namespace)
 
     # ---- grace and time ------------------------------------------------------------------
 

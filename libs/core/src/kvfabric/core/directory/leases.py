@@ -1,13 +1,19 @@
 """The lease table: read leases (granted by lookups) and pins (asked by services and tenants).
 
 ## States of a lease or pin
-    (absent) --lookup hit / pin of published groups--> HELD(expires_ms)
-    HELD --renew (leases only)--> HELD(later expiry; never earlier)
+    (absent) --lookup hit / pin of published groups (not lost)--> HELD(expires_ms)
+    HELD --renew (leases only)--> HELD(later expiry; never earlier; unchanged while the lease
+        holds a deferred group)
     HELD --lookup_more (a lookup run in slices)--> HELD(more groups, same expiry)
     HELD --release / unpin / tick at or after expires_ms--> (absent)
 A held lease or pin counts once per group it names in the published table (`hold`); a group
 held is never evicted, and one that lost its last replica meanwhile is invalidated only when its
-last hold ends. An expiry only makes groups evictable: it frees no memory by itself.
+last hold ends. An expiry only makes groups evictable: it frees no memory by itself. So no hold
+on a lost group outlasts the holds it had when lost (`published`, "lost"): a pin skips lost
+groups (it pins only the others), and a renew of a lease holding a deferred group answers its
+expiry unchanged (the reader's read tokens end there anyway; a new lookup skips the lost group).
+Before (review), re-pinning a lost group before its pin expired, or renewing a lease on it,
+kept it deferred for ever.
 
 ## Invariants (`check_invariants`)
 1. The published table's lease and pin counts are exactly the groups of the held leases and pins.
@@ -32,7 +38,7 @@ import heapq
 from dataclasses import dataclass
 
 from kvfabric.core.directory.base import HEAP_SLACK_MIN, Context, Outcome, check_batch, scope_of
-from kvfabric.core.directory.keys import parse_group
+from kvfabric.core.directory.keys import GroupInfo, parse_group
 from kvfabric.core.directory.published import PublishedTable
 from kvfabric.core.quotas import request_tokens
 from kvfabric.format.errors import BadRequest, Busy, NotFound
@@ -186,6 +192,11 @@ class LeaseTable:
         if not 0 < req.lease_ttl_ms <= m.LEASE_TTL_MS_MAX:
             raise BadRequest(f"lease_ttl_ms must be in 1..{m.LEASE_TTL_MS_MAX}")
         lease = self._held_lease(req.holder_id, req.lease_id, is_pin=False)
+        if self.published.holds_deferred(lease.groups):  # a lost group's hold is never extended
+            self.ctx.count("lease_renew_refused_lost_total")
+            return Outcome(
+                m.LeaseReply(epoch=self.ctx.epoch, lease_id=req.lease_id, expires_ms=lease.expires_ms)
+            )
         ttl_ms = min(req.lease_ttl_ms, self.ctx.config.lease_ttl_ms_max)
         lease.expires_ms = max(lease.expires_ms, now_ms + ttl_ms)
         self._push(lease.expires_ms, req.lease_id)
@@ -197,8 +208,7 @@ class LeaseTable:
         if not 0 < req.ttl_ms <= m.PIN_TTL_MS_MAX:
             raise BadRequest(f"ttl_ms must be in 1..{m.PIN_TTL_MS_MAX}")
         self.ctx.check_rate(req.groups, now_ms, request_tokens(len(req.groups)))
-        parsed = [parse_group(g) for g in req.groups]
-        gids = tuple(g.group_id for g in parsed if self.published.published_as(g) is not None)
+        gids = tuple(info.group_id for info in map(parse_group, req.groups) if self._pinnable(info))
         if not gids:  # nothing to protect: no pin is held (an empty pin would only fill the table)
             return Outcome(m.PinReply(epoch=self.ctx.epoch, pin_id=0, pinned_groups=0, expires_ms=0))
         ttl_ms = req.ttl_ms
@@ -208,6 +218,12 @@ class LeaseTable:
         return Outcome(
             m.PinReply(epoch=self.ctx.epoch, pin_id=pin_id, pinned_groups=len(gids), expires_ms=expires)
         )
+
+    def _pinnable(self, info: GroupInfo) -> bool:
+        """Published under `info`'s identity and not lost (a pin of a lost group would hold off
+        its invalidation: `published`, "lost")."""
+        group = self.published.published_as(info)
+        return group is not None and not self.published.lost(info.group_id, group)
 
     def unpin(self, req: m.Unpin, now_ms: int) -> Outcome:
         self.ctx.check_epoch(req.epoch)

@@ -2,7 +2,8 @@
 group stops being published (evicted, or invalidated by the sweep).
 
 A published group is one packed `bytes` record (`records`) under its group key, its
-namespace interned; the per-domain index (`index`) orders the keys for listings.
+namespace interned (`namespaces`: counted by the published and evicting records naming it,
+dropped with the last); the per-domain index (`index`) orders the keys for listings.
 
 ## States of a published group
     (absent) --publish (writes) / adopt--> PUBLISHED
@@ -15,6 +16,13 @@ namespace interned; the per-domain index (`index`) orders the keys for listings.
         member has none left: (absent, its live slots freed; `invalidated` event)
     a sweep that would remove a held group defers it (DEFERRED) until its last lease or pin ends,
         then queues it again.
+A group is lost (`lost`) when it is unreadable or a member has no replica on a live incarnation,
+for good (an incarnation never comes back). No hold on a lost group outlasts the holds it had when
+lost: a pin skips lost groups and a renew does not extend a lease holding a deferred one
+(`leases`). A below-target listing does not list a deferred group (nothing can repair it), so
+`short_covers_below_target` ignores them. Before (review), re-pinning a lost group every 15 s kept
+it deferred for ever, and while it was, each of the repair service's below-target passes walked
+every group.
 
 ## Invariants (`check_invariants`)
 1. The per-domain index holds exactly the published group keys.
@@ -22,8 +30,10 @@ namespace interned; the per-domain index (`index`) orders the keys for listings.
 3. Lease and pin counts are positive (the lease table checks they match its leases).
 4. `short` (the repair listing's index) holds exactly the groups with a member short of the
    default replica target in its record; a group with a replica on a dead incarnation is queued
-   for the sweep or deferred (so `short` covers every group below target when neither waits
-   and no segment drains).
+   for the sweep or deferred (so `short` covers every group below target, but the deferred ones,
+   which a below-target listing skips, when none is queued and no segment drains).
+5. Each interned namespace is counted once per published or evicting record naming its index
+   (`namespaces`), and only those are interned.
 
 ## Bounds
 The sweep queue holds each group key at most once (an ordered set; a key leaves it when its group
@@ -66,8 +76,7 @@ class PublishedTable:
         self.segments = segments
         self.frees = frees
         self.records: dict[GroupKey, bytes] = {}  # group key -> packed record
-        self._namespaces: list[Namespace] = []
-        self._namespace_index: dict[Namespace, int] = {}
+        self.namespaces = frees.namespaces  # one table: evicting records name them too
         # The published group keys per share domain, in order: listings page through one
         # domain's keys only (the same key objects as `records`').
         self.index = DomainIndex()
@@ -90,15 +99,12 @@ class PublishedTable:
     # ---- records -------------------------------------------------------------------------
 
     def intern_namespace(self, namespace: Namespace) -> int:
-        idx = self._namespace_index.get(namespace)
-        if idx is None:
-            idx = len(self._namespaces)
-            self._namespaces.append(namespace)
-            self._namespace_index[namespace] = idx
-        return idx
+        """The index of `namespace` for a record about to be added (`add`): counted once more,
+        given back when the record is gone (invalidated, or evicted and its frees acknowledged)."""
+        return self.namespaces.acquire(namespace)
 
     def namespace(self, idx: int) -> Namespace:
-        return self._namespaces[idx]
+        return self.namespaces.get(idx)
 
     def add(self, gid: GroupKey, group: PublishedGroup) -> None:
         self.records[gid] = pack_group(group)
@@ -130,10 +136,7 @@ class PublishedTable:
         if record is None:
             return None
         group = unpack_group(record)
-        if (
-            self._namespace_index.get(info.namespace) != group.namespace
-            or group.chunk_index != info.chunk_index
-        ):
+        if self.namespaces.find(info.namespace) != group.namespace or group.chunk_index != info.chunk_index:
             self.ctx.count("lookup_identity_mismatch_total")
             return None
         return group
@@ -144,7 +147,7 @@ class PublishedTable:
         if record is None:
             return None
         group = unpack_group(record)
-        if self._namespaces[group.namespace] != info.group.namespace:
+        if self.namespaces.get(group.namespace) != info.group.namespace:
             return None
         mem = next((x for x in group.members if x.member == info.member), None)
         return None if mem is None else (info.group.group_id, group, mem)
@@ -194,7 +197,7 @@ class PublishedTable:
                 chunk_index=group.chunk_index,
                 members=len(group.members),
                 degraded=bool(group.flags & FLAG_DEGRADED),
-                namespace=self._namespaces[group.namespace],
+                namespace=self.namespaces.get(group.namespace),
                 placements=[m.SegmentBytes(s, b) for s, b in sorted(held.items())],
                 disk_placements=[m.SegmentBytes(s, b) for s, b in sorted(disk.items())],
                 group_bytes=sum(mem.size_bytes for mem in group.members),
@@ -314,7 +317,7 @@ class PublishedTable:
             return "disk_dropped"
         self._remove(gid)
         self.frees.start_evicting(gid, group)
-        tenant = tenant_of(self._namespaces[group.namespace])
+        tenant = tenant_of(self.namespaces.get(group.namespace))
         self.ctx.quotas.add(tenant, 0, -len(group.members))
         for mem in group.members:
             for r in mem.replicas:
@@ -336,7 +339,7 @@ class PublishedTable:
         kept = [tuple(r for r in mem.replicas if tier_of_slot(r.slot) != "ssd") for mem in group.members]
         if gid in self.unreadable or not all(any(self.segments.live(r.placement) for r in k) for k in kept):
             return False  # (an unreadable group's corrupt last replica is still in its record)
-        tenant = tenant_of(self._namespaces[group.namespace])
+        tenant = tenant_of(self.namespaces.get(group.namespace))
         for mem, replicas in zip(group.members, kept, strict=True):
             for r in mem.replicas:
                 if r not in replicas:
@@ -359,11 +362,29 @@ class PublishedTable:
 
     def short_covers_below_target(self) -> bool:
         """Whether `short` holds every group below its replica target as the repair service
-        counts it (replicas on segments up and not draining). `short` counts the replicas in a
-        record, each of which is on a live incarnation once the sweep has dropped those on dead
-        ones (every loss queues every group: `queue_sweep_all`), so: when no group waits for the
-        sweep (queued or deferred) and no segment drains."""
-        return not self._sweep_queue and not self._sweep_deferred and not self.segments.any_draining()
+        counts it (replicas on segments up and not draining), but the deferred ones (lost: a
+        below-target listing skips them, `deferred`). `short` counts the replicas in a record,
+        each of which is on a live incarnation once the sweep has dropped those on dead ones
+        (every loss queues every group: `queue_sweep_all`), so: when no group is queued for the
+        sweep and no segment drains. (A deferred group made this False until its last hold
+        ended: while a lost group was held, each below-target pass walked every group.)"""
+        return not self._sweep_queue and not self.segments.any_draining()
+
+    def deferred(self, gid: GroupKey) -> bool:
+        """Whether `gid` is lost and held: the sweep removes it once its last hold ends."""
+        return gid in self._sweep_deferred
+
+    def holds_deferred(self, gids: tuple[GroupKey, ...]) -> bool:
+        """Whether any of `gids` (a lease's) is deferred; O(1) while none is."""
+        deferred = self._sweep_deferred
+        return bool(deferred) and any(g in deferred for g in gids)
+
+    def lost(self, gid: GroupKey, group: PublishedGroup) -> bool:
+        """Whether published group `gid` (`group`, its record) is lost: unreadable, or a member
+        has no replica on a live incarnation (the module docstring)."""
+        return gid in self.unreadable or not all(
+            any(self.segments.live(r.placement) for r in mem.replicas) for mem in group.members
+        )
 
     def queue_sweep(self, gid: GroupKey) -> None:
         self._sweep_queue.pop(gid, None)  # once, at the end: the next one the sweep examines
@@ -400,13 +421,13 @@ class PublishedTable:
                 lost |= not live
                 dead_bytes += mem.size_bytes * (len(mem.replicas) - len(live))
                 members.append(MemberRecord(*mem.member, mem.size_bytes, mem.checksum, live))
-            tenant = tenant_of(self._namespaces[group.namespace])
+            tenant = tenant_of(self.namespaces.get(group.namespace))
             if lost and self.held(gid):
-                self._sweep_deferred.add(gid)  # lookups already skip it: a member has no live replica
+                self._sweep_deferred.add(gid)  # pins skip it, and lookups of its lost members
                 continue
             self.ctx.quotas.add(tenant, -dead_bytes)  # replicas on dead incarnations leave the record
             if lost:
-                self._invalidate(gid, members, tenant, effects)
+                self._invalidate(gid, group.namespace, members, tenant, effects)
                 continue
             # Degraded (and repair told) only below the replica target, as `replace_member`
             # judges: a group that lost a surplus replica still meets it (review, 2026-12-05).
@@ -422,9 +443,15 @@ class PublishedTable:
                 )
 
     def _invalidate(
-        self, gid: GroupKey, members: list[MemberRecord], tenant: Tenant, effects: list[Effect]
+        self,
+        gid: GroupKey,
+        namespace: int,
+        members: list[MemberRecord],
+        tenant: Tenant,
+        effects: list[Effect],
     ) -> None:
         self._remove(gid)
+        self.namespaces.release(namespace)  # its record is gone (an evicted one's goes with its frees)
         self.ctx.quotas.add(tenant, 0, -len(members))
         for mem in members:
             for r in mem.replicas:
@@ -451,7 +478,7 @@ class PublishedTable:
         """(tenant, bytes, objects) of every member: its replicas' bytes (dead ones until swept)."""
         for record in self.records.values():
             group = unpack_group(record)
-            tenant = tenant_of(self._namespaces[group.namespace])
+            tenant = tenant_of(self.namespaces.get(group.namespace))
             for mem in group.members:
                 yield tenant, mem.size_bytes * len(mem.replicas), 1
 
@@ -474,4 +501,11 @@ class PublishedTable:
         ):
             invariant(all(g in self.records for g in keys), f"{name} group not published")
         invariant(all(self.held(g) for g in self._sweep_deferred), "a deferred group no longer held")
+        named: dict[int, int] = {}  # namespace index -> records naming it, published and evicting
+        for idx in (
+            *(unpack_group(r).namespace for r in self.records.values()),
+            *(g.namespace for g in self.frees.evicting.values()),
+        ):
+            named[idx] = named.get(idx, 0) + 1
+        self.namespaces.check(named)
         invariant(all(n > 0 for n in (*self.lease_count.values(), *self.pin_count.values())), "lease count")

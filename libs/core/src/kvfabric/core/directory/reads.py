@@ -331,7 +331,8 @@ class Reads:
         A `below_target` listing walks only the groups short of replicas in their records
         whenever those cover every group below target (`PublishedTable.short_covers_below_target`):
         the repair service asks for one every few seconds, and a healthy store then costs it
-        one short page, not a walk through every group."""
+        one short page, not a walk through every group. It never lists a deferred group (lost
+        and held: nothing to repair; `PublishedTable.deferred`), whichever it walks."""
         self.ctx.check_epoch(req.epoch)
         if not 0 < req.limit <= m.LIST_LIMIT_MAX:
             raise BadRequest(f"limit must be in 1..{m.LIST_LIMIT_MAX}")
@@ -349,7 +350,7 @@ class Reads:
                 next_after = last  # more remain: the next page resumes after the last one examined
                 break
             group = unpack_group(self.published.records[gid])
-            if not req.below_target or self._below_target(group):
+            if not req.below_target or (not self.published.deferred(gid) and self._below_target(group)):
                 summary = self._published_summary(gid, group, with_objects=req.with_objects)
                 room -= len(encode(summary))
                 if room < 0 and summaries:  # a page holds at least one group, else it could not go on

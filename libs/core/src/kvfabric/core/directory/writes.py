@@ -270,7 +270,8 @@ class WriteTable(WriteBegin, WriteConfirm):
     def abort_steps(self, req: m.PutAbort, now_ms: int, ids_max: int | None) -> Steps:
         """put_abort in steps of at most `ids_max` keys (None: one; `Steps`): every key parsed
         first, a slice a step (a malformed one refuses the request whole, nothing aborted), then
-        a slice aborted a step."""
+        a slice aborted a step. A key the writer does not hold here may name its replica copy
+        (`replicas.abort`): a service's only, so a tenant's abort does not look there."""
         self.ctx.check_epoch(req.epoch)
         check_batch("put_abort keys", len(req.keys), m.PUT_BATCH_OBJECTS_MAX)
         step = ids_max or max(1, len(req.keys))
@@ -279,6 +280,9 @@ class WriteTable(WriteBegin, WriteConfirm):
             infos += [parse_key(k) for k in req.keys[start : start + step]]
             yield []
         aborted = 0
+        # A replica copy is only ever a service's (replicate_begin is a service verb; services'
+        # writer ids have no "/"): a tenant's scoped writer holds none to abort.
+        copies = scope_of(req.writer_id) is None
         for start in range(0, len(req.keys), step):
             effects: list[Effect] = []
             for key, info in zip(req.keys[start : start + step], infos[start : start + step], strict=True):
@@ -288,7 +292,8 @@ class WriteTable(WriteBegin, WriteConfirm):
                     self._drop_member(info.group.group_id, group, info.member, effects)
                     aborted += 1
                     continue
-                aborted += self.replicas.abort(key, req.writer_id)
+                if copies:  # O(this key's copies: `replicas`)
+                    aborted += self.replicas.abort(key, req.writer_id)
             yield effects
         self.ctx.count("objects_aborted_total", aborted)
         return m.PutAbortReply(epoch=self.ctx.epoch, aborted=aborted)

@@ -1,0 +1,101 @@
+"""A lost group (a member with no replica on a live incarnation) is held no longer than the holds
+it had when lost: a pin skips it, a renew does not extend a lease holding it once deferred, and
+the sweep invalidates it when those end. Meanwhile the repair listing's short index still covers
+every repairable group (a deferred group is lost: nothing to repair, not listed below target).
+Before (review): pinning it again every 15 s, or renewing a lease on it, kept it deferred for
+ever, and `short_covers_below_target()` stayed False, so each below-target pass of the repair
+service walked every group. `check_invariants` after each step."""
+
+from __future__ import annotations
+
+from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent
+from kvfabric.core.directory.keys import parse_group
+from kvfabric.format.key import ChunkGroupId
+from kvfabric.proto import directory as m
+from tests.unit.core.dirkit import groups, key, lookup, new_core, put, register
+
+PIN_TTL_MS = 20_000
+
+
+def lost_on_s1() -> tuple[DirectoryCore, ChunkGroupId, ChunkGroupId]:
+    """Group G's only replica is on s1, H's on s2 (replica target 1)."""
+    core = new_core()
+    register(core, "s1")
+    g, h = groups(2, seed=7)
+    put(core, [key(g)])
+    register(core, "s2")
+    put(core, [key(h)], request_id="r2")
+    return core, g, h
+
+
+def beat_until(core: DirectoryCore, start: int, end: int) -> list[Effect]:
+    """s2 beats and the core ticks every second in (start, end]; s1 is silent. The effects."""
+    effects: list[Effect] = []
+    for t in range(start + 1_000, end + 1, 1_000):
+        core.handle(m.Heartbeat(segment_id="s2", incarnation=1, used_bytes=0), t)
+        effects += core.tick(t)
+        core.check_invariants()
+    return effects
+
+
+def pin(core: DirectoryCore, g: ChunkGroupId, now: int) -> m.PinReply:
+    reply = core.handle(m.Pin(holder_id="bob/h", groups=[g.group_id()], ttl_ms=PIN_TTL_MS), now).reply
+    assert isinstance(reply, m.PinReply)
+    core.check_invariants()
+    return reply
+
+
+def below_target(core: DirectoryCore, now: int) -> list[bytes]:
+    """The chain hashes a below-target listing names."""
+    page = core.handle(m.ListGroups(limit=100, below_target=True), now).reply
+    assert isinstance(page, m.GroupList)
+    return [s.group for s in page.groups]
+
+
+def chain(g: ChunkGroupId) -> bytes:
+    return parse_group(g.group_id()).group_id[16:]
+
+
+def invalidated(effects: list[Effect]) -> int:
+    return sum(isinstance(e, EmitEvent) and e.kind == "invalidated" for e in effects)
+
+
+def test_a_pin_skips_a_lost_group_and_the_first_pins_end_sweeps_it() -> None:
+    core, g, h = lost_on_s1()
+    assert pin(core, g, 0).pinned_groups == 1
+    effects = beat_until(core, 0, 7_000)  # s1 declared down: G lost, deferred under its pin
+    assert not core.segments["s1"].up and invalidated(effects) == 0
+    table = core.published_table
+    assert lookup(core, [g], 7_000).hit_chunks == 0
+    assert table.short_covers_below_target()  # nothing to repair waits: no full walk
+    assert below_target(core, 7_000) == []  # G is lost (nothing to repair), H healthy (target 1)
+    core.handle(m.Heartbeat(segment_id="s2", incarnation=1, used_bytes=0, draining=True), 7_000)
+    assert not table.short_covers_below_target()  # a drain: the listing walks every group ...
+    assert below_target(core, 7_000) == [chain(h)]  # ... and still skips the deferred one
+    core.handle(m.Heartbeat(segment_id="s2", incarnation=1, used_bytes=0), 7_000)
+    again = pin(core, g, 15_000)  # before the first pin expires
+    assert again.pinned_groups == 0 and again.pin_id == 0
+    assert pin(core, h, 15_000).pinned_groups == 1  # a readable group still pins
+    effects = beat_until(core, 7_000, PIN_TTL_MS)  # the first pin expires: G invalidated
+    assert invalidated(effects) == 1
+    assert len(core.published) == 1 and lookup(core, [h], PIN_TTL_MS).hit_chunks == 1
+    assert table.short_covers_below_target()
+    core.check_invariants()
+
+
+def test_a_renew_does_not_extend_a_lease_on_a_deferred_group() -> None:
+    core, g, h = lost_on_s1()
+    on_h = lookup(core, [h], 0, holder="bob/r", ttl=10_000)
+    lease_g = lookup(core, [g], 0, holder="bob/r", ttl=10_000)
+    assert on_h.hit_chunks == lease_g.hit_chunks == 1
+    beat_until(core, 0, 7_000)  # G lost and deferred under the lease
+    renewed = core.handle(
+        m.LeaseRenew(holder_id="bob/r", lease_id=lease_g.lease_id, lease_ttl_ms=60_000), 8_000
+    )
+    assert renewed.reply == m.LeaseReply(epoch=1, lease_id=lease_g.lease_id, expires_ms=10_000)
+    healthy = core.handle(m.LeaseRenew(holder_id="bob/r", lease_id=on_h.lease_id, lease_ttl_ms=60_000), 8_000)
+    assert healthy.reply == m.LeaseReply(epoch=1, lease_id=on_h.lease_id, expires_ms=68_000)
+    core.check_invariants()
+    effects = beat_until(core, 8_000, 10_000)  # the lease ends where it did: G invalidated
+    assert invalidated(effects) == 1 and len(core.published) == 1
+    core.check_invariants()
