@@ -12,7 +12,7 @@ from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent
 from kvfabric.core.directory.keys import parse_group
 from kvfabric.format.key import ChunkGroupId
 from kvfabric.proto import directory as m
-from tests.unit.core.dirkit import groups, key, lookup, new_core, put, register
+from tests.unit.core.dirkit import confirm_all, groups, key, lookup, new_core, put, register, spec
 
 PIN_TTL_MS = 20_000
 
@@ -99,3 +99,42 @@ def test_a_renew_does_not_extend_a_lease_on_a_deferred_group() -> None:
     effects = beat_until(core, 8_000, 10_000)  # the lease ends where it did: G invalidated
     assert invalidated(effects) == 1 and len(core.published) == 1
     core.check_invariants()
+
+
+def test_a_lookup_of_a_surviving_member_does_not_hold_a_lost_group() -> None:
+    """TP 2, member 0 on s1, member 1 on s2; s1 goes silent under a lease. The rank of member 1
+    asks for its own member only (the client's default): each lookup hit and took a new lease,
+    and the group stayed deferred (never invalidated) for as long as it asked."""
+    core = new_core()
+    register(core, "s1", capacity=100)
+    (g,) = groups(1, seed=3, tp_size=2)
+    k0, k1 = key(g, 0), key(g, 1)
+    begin = core.handle(m.PutBegin(writer_id="w", request_id="a", objects=[spec(k0, 100)]), 0).reply
+    assert isinstance(begin, m.PutBeginReply)
+    confirm_all(core, begin, 0)
+    register(core, "s2")
+    begin = core.handle(m.PutBegin(writer_id="w", request_id="b", objects=[spec(k1, 100)]), 0).reply
+    assert isinstance(begin, m.PutBeginReply)
+    confirm_all(core, begin, 0, slot_base=5)
+    core.handle(m.PutCommit(writer_id="w", request_id="c", keys=[k0, k1]), 0)
+    assert lookup(core, [g], 0, holder="bob/r", ttl=10_000).hit_chunks == 1
+    hits = []
+    effects: list[Effect] = []
+    for t in range(1_000, 30_001, 1_000):
+        core.handle(m.Heartbeat(segment_id="s2", incarnation=1, used_bytes=0), t)
+        effects += core.tick(t)
+        if t % 5_000 == 0:
+            reply = core.handle(
+                m.Lookup(
+                    holder_id="bob/rank1",
+                    groups=[g.group_id()],
+                    members=[m.Member(1, 0, 0)],
+                    lease_ttl_ms=10_000,
+                ),
+                t,
+            ).reply
+            assert isinstance(reply, m.LookupReply)
+            hits.append(reply.hit_chunks)
+        core.check_invariants()
+    assert not core.segments["s1"].up and hits[2:] == [0] * (len(hits) - 2)  # lost from s1's death
+    assert invalidated(effects) == 1 and len(core.published) == 0  # swept once the first lease ended

@@ -36,27 +36,41 @@ def core(**config: Any) -> PrefetchCore:
 
 def test_a_tenant_at_its_share_of_hints_is_busy_and_another_tenants_hint_is_accepted() -> None:
     """Four hints of tenant A made B's hint Busy('hints_full')."""
-    c = core(hints_queued_max=4)  # a quarter each: 1 hint id
-    assert c.add_hint(hint("a1", "A", objs("x")), T0) == Accepted("a1", 1)
-    assert c.add_hint(hint("a2", "A", objs("y")), T0) == Busy("a2", "tenant_hints_full")
-    assert c.add_hint(hint("a3", "A", objs("x")), T0) == Busy("a3", "tenant_hints_full")  # even a duplicate
+    c = core(hints_queued_max=4)  # A may hold three: one is left to the others
+    for i, o in enumerate("xyz"):
+        assert c.add_hint(hint(f"a{i}", "A", objs(o)), T0) == Accepted(f"a{i}", 1)
+    assert c.add_hint(hint("a3", "A", objs("w")), T0) == Busy("a3", "tenant_hints_full")
+    assert c.add_hint(hint("a4", "A", objs("x")), T0) == Busy("a4", "tenant_hints_full")  # even a duplicate
     assert c.add_hint(hint("b1", "B", objs("y")), T0) == Accepted("b1", 1)
-    assert c.cancel_hint("a1", "A")  # A's share comes back
-    assert c.add_hint(hint("a2", "A", objs("y")), T0) == Accepted("a2", 1)
+    assert c.cancel_hint("a0", "A")  # A's share comes back
+    assert c.add_hint(hint("a3", "A", objs("w")), T0) == Accepted("a3", 1)
     c.check_invariants()
 
 
 def test_a_tenant_at_its_share_of_objects_is_busy_and_another_tenants_hint_is_accepted() -> None:
     """One hint of 16 objects took all of `objects_queued_max`."""
-    c = core(objects_queued_max=16)  # a quarter each: 4 objects
+    c = core(objects_queued_max=16)  # A may queue 12: 4 are left to the others
     many = objs(*(f"o{i}" for i in range(16)))
     assert c.add_hint(hint("a0", "A", many), T0) == Refused("a0", "too_many_objects")  # never fits A's share
     # what is on the target already does not count
     partly = objs(*(f"o{i}" for i in range(16)), on_target=tuple(f"o{i}" for i in range(13)))
     assert c.add_hint(hint("a2", "A", partly), T0) == Accepted("a2", 3)
-    assert c.add_hint(hint("a3", "A", objs("p", "q")), T0) == Busy("a3", "tenant_objects_full")
+    assert c.add_hint(hint("a3", "A", objs(*(f"p{i}" for i in range(10)))), T0) == Busy(
+        "a3", "tenant_objects_full"
+    )
     assert c.add_hint(hint("b1", "B", objs("p", "q", "r", "s")), T0) == Accepted("b1", 4)
     assert c.objects_queued == 7
+    c.check_invariants()
+
+
+def test_a_lone_tenant_keeps_most_of_the_queues() -> None:
+    """With a quarter *at most*, a lone tenant (tenants off) was refused an 8,192-object hint
+    (1,024 chunks x TP 8) under a 16,384-object queue, and busy at 257 hints of 1,024."""
+    c = core()
+    big = objs(*(f"o{i}" for i in range(8_192)))
+    assert c.add_hint(hint("big", "A", big), T0) == Accepted("big", 8_192)
+    for i in range(300):
+        assert isinstance(c.add_hint(hint(f"h{i}", "A", objs(f"s{i}")), T0), Accepted)
     c.check_invariants()
 
 

@@ -23,8 +23,9 @@ answers
     later one) | Busy (full: retryable, nothing kept) | Refused (malformed or can never fit)
 Busy: `hints_full` / `objects_full` (all tenants' live hint ids / queued objects at their
 maximum) or `tenant_hints_full` / `tenant_objects_full` (this tenant's at its share,
-`hints_queued_per_tenant_max` / `objects_queued_per_tenant_max`, a quarter of each by default:
-one tenant's four hints answered every other tenant busy). A hint with more objects to copy than
+`hints_queued_per_tenant_max` / `objects_queued_per_tenant_max`; by default all but a quarter
+of each, left to the others: one tenant's four hints answered every other tenant busy, and a
+lone tenant keeps most of the queues). A hint with more objects to copy than
 a tenant's share is Refused (`too_many_objects`): it could never fit. A live hint ends when:
     every object is on the target --> completed
     `cancel_hint` of its last id (the request finished) --> cancelled
@@ -171,11 +172,17 @@ COUNTERS: Final = (
 EXTRA_RETRY_WINDOWS_MAX: Final = 64
 
 
+def _leaving_a_quarter(total: int) -> int:
+    """A tenant's default share of `total`: all but a quarter, left to the other tenants (a
+    quarter *at most* would have held a lone tenant, tenants off, to a quarter of the queues)."""
+    return max(1, total - total // 4)
+
+
 @dataclass(frozen=True, slots=True)
 class PrefetchConfig:
     hints_queued_max: int = 1024  # live hint ids (an id deduplicated into another hint counts)
     objects_queued_max: int = 16_384  # objects of live hints not yet on their target
-    # Of those, one tenant's (0: a quarter, at least one).
+    # Of those, one tenant's (0: all but a quarter, left to the others; at least one).
     hints_queued_per_tenant_max: int = 0
     objects_queued_per_tenant_max: int = 0
     bytes_in_flight_max: int = 1 << 30  # sizes of copies started and not yet finished
@@ -209,11 +216,11 @@ class PrefetchConfig:
 
     @property
     def tenant_hints_max(self) -> int:
-        return self.hints_queued_per_tenant_max or max(1, self.hints_queued_max // 4)
+        return self.hints_queued_per_tenant_max or _leaving_a_quarter(self.hints_queued_max)
 
     @property
     def tenant_objects_max(self) -> int:
-        return self.objects_queued_per_tenant_max or max(1, self.objects_queued_max // 4)
+        return self.objects_queued_per_tenant_max or _leaving_a_quarter(self.objects_queued_max)
 
     @property
     def domain_extras_max(self) -> int:

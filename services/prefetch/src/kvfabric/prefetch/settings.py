@@ -4,8 +4,8 @@
 |---|---|---|
 | `KVF_PREFETCH_HINTS_QUEUED_MAX` | 1024 | live hints; more answer `busy` |
 | `KVF_PREFETCH_OBJECTS_QUEUED_MAX` | 16384 | objects of live hints not yet copied |
-| `KVF_PREFETCH_HINTS_QUEUED_PER_TENANT_MAX` | 0 | of the live hints, one tenant's (0: a quarter) |
-| `KVF_PREFETCH_OBJECTS_QUEUED_PER_TENANT_MAX` | 0 | of the objects, one tenant's (0: a quarter) |
+| `KVF_PREFETCH_HINTS_QUEUED_PER_TENANT_MAX` | 0 | of the live hints, one tenant's (0: all but a quarter) |
+| `KVF_PREFETCH_OBJECTS_QUEUED_PER_TENANT_MAX` | 0 | of the objects, one tenant's (0: all but a quarter) |
 | `KVF_PREFETCH_BYTES_IN_FLIGHT_MAX` | 268435456 | bytes being copied at once |
 | `KVF_PREFETCH_COPIES_IN_FLIGHT_MAX` | 4 | copies at once (a segment takes 4 by default) |
 | `KVF_PREFETCH_RESOLVING_MAX` | 64 | hints being resolved (directory lookups) at once |

@@ -196,8 +196,11 @@ class Reads:
 
     def _locate(self, info: GroupInfo, wanted: set[Member], expires_ms: int) -> list[m.ObjectLocation] | None:
         """The group's wanted members with their live replicas, each with a read token valid until
-        `expires_ms` (the lease's expiry); None when the fold must stop here."""
-        group = None if info.group_id in self.published.unreadable else self.published.published_as(info)
+        `expires_ms` (the lease's expiry); None when the fold must stop here: also for a group
+        lost and held until its holds end (`deferred`), whatever members are wanted (a rank whose
+        own member survived kept it held for ever with new leases; review, 2026-12-06)."""
+        lost = info.group_id in self.published.unreadable or self.published.deferred(info.group_id)
+        group = None if lost else self.published.published_as(info)
         if group is None:
             return None
         out = []
