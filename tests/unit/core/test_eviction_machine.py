@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvfabric.core.eviction import (
     ADMIT_REASONS,
     REFUSE_REASONS,
+    REFUSED_BACKOFF_SHIFT_MAX,
     VICTIM_REASONS,
     AdmissionName,
     Admitted,
@@ -61,6 +62,7 @@ class EvictionMachine(RuleBasedStateMachine):
         self.evicting: set[int] = set()
         self.leased: set[int] = set()
         self.cooldown: dict[int, int] = {}
+        self.refusals: dict[int, int] = {}  # refusals in a row (each doubles the next cooldown)
         self.batches = 0
         # a pool lost and dropped in steps (`drop_pool_steps`), other rules running between them
         self.dropping: Iterator[tuple[list[ObjectId], list[ObjectId]]] | None = None
@@ -83,6 +85,13 @@ class EvictionMachine(RuleBasedStateMachine):
         rank = {k: v for k, v in explained.items() if k in kept}
         rank["cooldown_until_ms"] = self.core._objects[object_id].cooldown_until_ms
         return rank
+
+    def arrived(self, object_id: int) -> None:
+        """Children stored before it (`insert_before_parent`) stay its children only if after it
+        in a prefix: else two could name each other, neither ever a leaf."""
+        for child, (tenant, pools, named) in list(self.resident.items()):
+            if named == object_id and self.chunks[child] <= self.chunks[object_id]:
+                self.resident[child] = (tenant, pools, None)
 
     def children(self, object_id: int) -> list[int]:
         return [o for o, (_, _, parent) in self.resident.items() if parent == object_id]
@@ -151,10 +160,44 @@ class EvictionMachine(RuleBasedStateMachine):
                 or (parent in self.resident and parent not in self.evicting)
             )
             self.resident[object_id] = (tenant, pools, parent)
+            self.arrived(object_id)
         else:
             assert isinstance(effect, Refused) and effect.reason in REFUSE_REASONS
             assert self.config.admission != "always"
             assert effect.reason != "parent_absent" or parent not in self.resident or parent in self.evicting
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        pool=st.sampled_from(POOLS),
+        size=st.integers(1, 5),
+        ahead=st.integers(0, 3),
+        chunk_index=st.integers(0, 4),
+    )
+    def insert_before_parent(self, tenant: str, pool: str, size: int, ahead: int, chunk_index: int) -> None:
+        """A chunk stored before its parent (a sharded directory's events come in any order),
+        at any chunk index, naming one of the next objects to come as its parent (`ahead`: 0,
+        itself); when that one arrives, naming this one back or not (`insert`), the link holds
+        only if this one is after it in a prefix."""
+        object_id = self.next_id
+        self.next_id += 1
+        parent = object_id + ahead
+        self.chunks[object_id] = chunk_index
+        self.core.seen(object_id)
+        effects = self.core.insert(
+            object_id,
+            tenant=tenant,
+            pool=pool,
+            size=size,
+            parent=parent,
+            chunk_index=chunk_index,
+            now_ms=self.now,
+        )
+        (effect,) = effects
+        if isinstance(effect, Admitted):
+            self.resident[object_id] = (tenant, {pool: size}, parent if ahead else None)
+            self.arrived(object_id)
+        else:
+            assert self.config.admission != "always"
 
     @rule(
         tenant=st.sampled_from(TENANTS),
@@ -214,6 +257,8 @@ class EvictionMachine(RuleBasedStateMachine):
         assert self.core.counters["retiered_total"] == before.get("retiered_total", 0) + 1
         assert self.rank(object_id) == rank, "a tier move changed what ranks the object"
         self.resident[object_id] = (tenant, new_pools, new_parent)
+        if object_id in self.evicting:  # answered by the move: the refusals in a row end
+            self.refusals.pop(object_id, None)
         self.evicting.discard(object_id)
         assert not self.core.is_evicting(object_id)
 
@@ -222,6 +267,13 @@ class EvictionMachine(RuleBasedStateMachine):
         if self.resident:
             object_id = sorted(self.resident)[pick % len(self.resident)]
             self.leased ^= {object_id}
+
+    @rule(pool=st.sampled_from(POOLS))
+    def lease_a_pool(self, pool: str) -> None:
+        """A reader leases everything a pool holds now: its victims are all refused, so the pool
+        stays pressed with nothing it may evict (its passes parked: `EvictionCore._park`) until
+        a cooldown ends or something lands in it."""
+        self.leased |= {o for o, (_, ps, _) in self.resident.items() if pool in ps}
 
     @rule(step=st.sampled_from([0, 1, 20, 60]))
     def tick(self, step: int) -> None:
@@ -237,10 +289,22 @@ class EvictionMachine(RuleBasedStateMachine):
         self.evicting.discard(object_id)
         if object_id in self.leased:  # the directory refuses: leased or pinned objects stay
             self.core.refused(object_id, self.now)
-            self.cooldown[object_id] = self.now + self.config.refused_cooldown_ms
+            # each refusal in a row doubles the cooldown, up to 2**REFUSED_BACKOFF_SHIFT_MAX times
+            refusals = min(self.refusals.get(object_id, 0) + 1, REFUSED_BACKOFF_SHIFT_MAX + 1)
+            self.refusals[object_id] = refusals
+            self.cooldown[object_id] = self.now + self.config.refused_cooldown_ms * 2 ** (refusals - 1)
+            assert self.core._objects[object_id].cooldown_until_ms == self.cooldown[object_id]
         else:
             self.core.removed(object_id)
             del self.resident[object_id]
+
+    @precondition(lambda self: bool(self.evicting))
+    @rule()
+    def directory_answers_all(self) -> None:
+        """A whole batch answered at once (leased ones refused: a pool whose victims are all
+        leased is pressed again with nothing it may evict until their cooldowns end)."""
+        while self.evicting:
+            self.directory_answers(0)
 
     @rule(pick=st.integers(0, 1000))
     def freed_elsewhere(self, pick: int) -> None:
@@ -335,8 +399,8 @@ class EvictionMachine(RuleBasedStateMachine):
                 self.check_batch(effect)
             while self.evicting:
                 self.directory_answers(0)
-            if not effects:
-                break
+            if not effects and all(self.cooldown.get(o, -1) <= self.now for o in self.resident):
+                break  # (refused ones cool down for up to 64 x the cooldown: waited for)
         for pool in POOLS:
             if self.core.used_bytes(pool) <= self.config.high_watermark * CAPACITY:
                 continue

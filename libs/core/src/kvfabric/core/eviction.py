@@ -21,6 +21,7 @@ prefix from its tail to its head, and a head never goes while its tail stays.
     RESIDENT --chosen as a victim (EvictBatch)--> EVICTING
     EVICTING --removed--> (absent)
     EVICTING --refused (leased/pinned)--> RESIDENT, skipped until `now + refused_cooldown_ms`
+        x 2**(its refusals in a row - 1), at most x 64 (`refused`: 5, 10, 20, ... 320 s)
     RESIDENT --removed (freed elsewhere: segment down, repair, ...)--> (absent)
     RESIDENT or EVICTING --retiered (its bytes moved to other pools: a demotion)--> RESIDENT
         (the same object: its rank's features kept, neither an eviction nor an insert counted)
@@ -28,7 +29,10 @@ prefix from its tail to its head, and a head never goes while its tail stays.
 Removing an object whose children are resident is allowed (the directory decided); the children
 then have no parent and are ordinary leaves-to-be. A child inserted before its parent (a sharded
 directory's events come from several shards in any order) is counted as the parent's child when
-the parent is inserted.
+the parent is inserted, if it is after it in a prefix (a higher chunk index): else its link is
+cut (two groups naming each other across such a link were each other's parent, neither ever a
+leaf). A parent inserted again while the children it had stay takes at most the chunk index it
+had then. So every stored link points at a lower chunk index: no cycle.
 
 ## When to evict (`tick`)
 - A pool whose used bytes exceed `high_watermark` x capacity is *pressed*: it evicts leaves of
@@ -41,6 +45,13 @@ the parent is inserted.
   bytes already being evicted); its own hard quota may.
 - At most `batch_max` victims per EvictBatch; one batch per pool (and per over-quota tenant)
   per tick.
+- **A tick's cost.** The leaves are ranked in one order for every pool, so a pool's pass looks
+  at the leaves ranked before its victims, other pools' included: up to every leaf when it
+  finds fewer than it needs. Such a pass (one that ran out of leaves) is *parked* (`_park`):
+  that pool (tenant) is not passed over again before the earliest cooldown it passed over
+  ends, or before a leaf it may evict can have appeared (inserted, moved or copied into it,
+  a tail gone, a refused victim back, a protecting tenant's bytes grown). A pressed pool with
+  nothing it may evict costs a walk over every leaf once per such change, not every tick.
 - **Writers faster than the ticks** (`inflow_horizon_ms` > 0; the service's default): victims
   go some time after a pool crosses its high watermark (the next tick, the events' way to the
   policy, the evict request), and a writer can fill what lies above it before then: the
@@ -79,7 +90,12 @@ with its papers and adaptations; this module keeps every rule below whatever the
 3. Prefix order: a victim never has a resident child.
 4. Margin: a pool's margin is between 0 and half its low watermark's bytes, its inflow and
    the bytes counted toward it are not negative.
-5. Bounded: each batch has at most `batch_max` victims; the frequency sketch is fixed-size;
+5. Links: every stored parent link points at a lower chunk index (no cycle: no object is kept
+   from being a leaf for good); a child waiting for an absent parent is after its floor, or
+   listed to be checked when it arrives.
+6. Parked: no leaf of a parked pool (tenant) may go before its time but one its tenant's
+   guaranteed share keeps (a parked pass misses no victim).
+7. Bounded: each batch has at most `batch_max` victims; the frequency sketch is fixed-size;
    lru2's history holds at most max(`LRU2_HISTORY_FLOOR`, resident objects) ids; a queue
    policy's state is checked by its own `check` (its ghost and scan bounds in its module);
    the reuse predictor's ghost and classes by its `check`; the density predictor's likewise, and
@@ -146,6 +162,13 @@ INFLOW_HALF_LIFE_MS: Final = 1_000
 # A writer that stored nothing this long has stopped (`writing_for_ms`); shorter gaps (its saves
 # refused while the pool was full, so no new object) do not end it.
 WRITER_GAP_MS: Final = 1_000
+# A refused victim's cooldown doubles with each refusal in a row, up to 2**6 = 64 x
+# `refused_cooldown_ms` (5 s: 5, 10, 20, ... 320 s).
+REFUSED_BACKOFF_SHIFT_MAX: Final = 6
+# `_park`: a pass under way (parked only if nothing lands in its pool meanwhile), and a pass
+# parked with no cooldown to wait for (only a change in its pool or tenant ends it).
+PARK_PASSING: Final = -1
+PARK_UNTIL_CHANGE: Final = 1 << 62
 QUEUE_POLICIES: Final[dict[str, type[Sieve] | type[S3Fifo] | type[WTinyLfu]]] = {
     "sieve": Sieve,
     "s3fifo": S3Fifo,
@@ -166,6 +189,19 @@ class EvictionCore(LeafRanking):
         # are resident (bounded by the objects).
         self._early_children: dict[ObjectId, int] = {}
         self._early_children_evicting: dict[ObjectId, int] = {}
+        # Of those, the ones linked while their parent was absent, so never compared with its
+        # chunk index (one id, or a set of two or more): the parent's arrival cuts the links of
+        # those not after it (`_attach`). The others were its children when it was removed
+        # (`_detach`): all after the chunk index it had then, its `_early_floor`, which it
+        # takes again if it comes back claiming a higher one (`_arrival_chunk`).
+        self._early_unchecked: dict[ObjectId, ObjectId | set[ObjectId]] = {}
+        self._early_floor: dict[ObjectId, int] = {}
+        # Passes that found nothing more they may evict, skipped until their time or a change
+        # (`_park`): pools (their `PoolUsage.parked_until_ms`) and over-quota tenants.
+        self._parked: set[Hashable] = set()
+        self._tenant_parked: dict[Hashable, int] = {}
+        self._pass_wake = PARK_UNTIL_CHANGE  # the pass under way: its earliest cooldown end
+        self._pass_protected: dict[Hashable, int] = {}  # and the tenants' shares that held it
         self._pools: dict[Hashable, PoolUsage] = {}
         self._tenants: dict[Hashable, int] = {}  # tenant -> resident bytes
         self._tenant_evicting: dict[Hashable, int] = {}  # tenant -> bytes chosen, not yet removed
@@ -283,6 +319,7 @@ class EvictionCore(LeafRanking):
         if object_id in self._objects:
             self.access(object_id, now_ms)
             return [Admitted(object_id, "resident")]
+        claimed, chunk_index = chunk_index, self._arrival_chunk(object_id, chunk_index)
         prompt = prompt_chunks if prompt_chunks is not None else chunk_index + 1
         parent_obj = self._objects.get(parent) if parent is not None else None
         # A chunk written after a parent that had been hit before starts the prefix's next turn.
@@ -308,6 +345,8 @@ class EvictionCore(LeafRanking):
                 return [Refused(object_id, why)]
             reason = why if reason in ("always", "room") else reason
         accessed = now_ms if last_access_ms is None else last_access_ms
+        if chunk_index < claimed:
+            self._count("chunk_index_lowered_total")
         parent = self._sane_parent(object_id, parent, chunk_index)
         obj = Tracked(tenant, held, sum(held.values()), parent, chunk_index, accessed)
         obj.turn, obj.prompt_chunks, obj.density_class = turn, prompt, density_cls
@@ -346,6 +385,8 @@ class EvictionCore(LeafRanking):
         obj.previous_access_ms, obj.frequency = old.previous_access_ms, old.frequency
         obj.turn, obj.prompt_chunks, obj.density_class = old.turn, old.prompt_chunks, old.density_class
         obj.cooldown_until_ms = old.cooldown_until_ms
+        # A victim answered by this move: that attempt did not fail, the refusals in a row end.
+        obj.refusals = 0 if old.evicting else old.refusals
         for p in held:
             self._pools.setdefault(p, PoolUsage())
         self._attach(object_id, obj)
@@ -448,8 +489,8 @@ class EvictionCore(LeafRanking):
         it in a prefix (chunk index not lower). A writer names its parent, and a parent link keeps
         an object from being a leaf while its child lives: a group naming itself, or two naming
         each other, were never victims, whatever the pool's pressure or the tenant's quota
-        (review, 2026-12-05). Every link closing a cycle points at a resident object (the other
-        end was inserted first), so checking resident parents breaks every cycle."""
+        (review, 2026-12-05). A link to an absent parent is kept, and checked when the parent
+        arrives (`_attach`): every stored link then points at a lower chunk index, so no cycle."""
         if parent is None or parent == object_id:
             return None
         resident = self._objects.get(parent)
@@ -458,20 +499,47 @@ class EvictionCore(LeafRanking):
             return None
         return parent
 
+    def _arrival_chunk(self, object_id: ObjectId, chunk_index: int) -> int:
+        """The chunk index an arriving object is tracked at: the one claimed, but not above the
+        one it had when it was removed while children stayed (`_early_floor`): they were linked
+        as after that one, and no id of them is kept to cut their links (a group published
+        again with another chunk index: a writer's word, as its parent is)."""
+        floor = self._early_floor.get(object_id)
+        return chunk_index if floor is None else min(chunk_index, floor)
+
     def _attach(self, object_id: ObjectId, obj: Tracked) -> None:
         """`obj` resident: counted in its pools and tenant, linked to its parent and children."""
         self._objects[object_id] = obj
         for p, b in obj.pools.items():
             self._pools[p].used += b
         self._tenants[obj.tenant] = self._tenants.get(obj.tenant, 0) + obj.size
-        obj.children = self._early_children.pop(object_id, 0)
-        obj.children_evicting = self._early_children_evicting.pop(object_id, 0)
+        children = self._early_children.pop(object_id, 0)
+        children_evicting = self._early_children_evicting.pop(object_id, 0)
+        floor = self._early_floor.pop(object_id, None)
+        invariant(floor is None or obj.chunk_index <= floor, "arrived after its waiting children")
+        unchecked = self._early_unchecked.pop(object_id, None)
+        if unchecked is not None:
+            # Linked while it was absent: a child not after it in a prefix is no child of it
+            # (review, 2026-12-06: a at chunk 0 naming b, absent, then b at chunk 1 naming a,
+            # resident and before it, made each the other's parent, neither ever a leaf).
+            for child_id in unchecked if isinstance(unchecked, set) else (unchecked,):
+                child = self._objects[child_id]
+                if child.chunk_index > obj.chunk_index:
+                    continue
+                child.parent = None  # a leaf-to-be of its own, as an orphan
+                children -= 1
+                children_evicting -= int(child.evicting)
+                self._count("parent_refused_total")
+        obj.children, obj.children_evicting = children, children_evicting
         parent_obj = self._objects.get(obj.parent) if obj.parent is not None else None
         if parent_obj is not None:
             parent_obj.children += 1  # no longer a leaf: its heap entry is ignored while children live
         elif obj.parent is not None:
             _bump(self._early_children, obj.parent, 1)
+            self._pend(obj.parent, object_id)
         self._push(object_id, obj)
+        self._unpark(obj)  # a new leaf, or one back: its pools' and tenant's passes look again
+        self._tenant_grew(obj.tenant)
 
     def _detach(self, object_id: ObjectId, obj: Tracked) -> None:
         """`obj` no longer resident: `_attach` undone (its children wait for it like early ones)."""
@@ -488,6 +556,7 @@ class EvictionCore(LeafRanking):
             _bump(self._early_children, object_id, obj.children)
             if obj.children_evicting:
                 _bump(self._early_children_evicting, object_id, obj.children_evicting)
+            self._early_floor[object_id] = obj.chunk_index  # (none while it was resident)
         if obj.parent is not None:
             parent = self._objects.get(obj.parent)
             if parent is not None:
@@ -496,10 +565,44 @@ class EvictionCore(LeafRanking):
                     parent.children_evicting -= 1
                 if parent.children == parent.children_evicting:
                     self._push(obj.parent, parent)  # a leaf again
+                    self._unpark(parent)
             else:
                 _bump(self._early_children, obj.parent, -1)
                 if obj.evicting:
                     _bump(self._early_children_evicting, obj.parent, -1)
+                if not self._unpend(obj.parent, object_id) and self._early_children.get(
+                    obj.parent, 0
+                ) == self._unchecked(obj.parent):
+                    self._early_floor.pop(obj.parent, None)  # the last child it had left
+
+    def _pend(self, parent: ObjectId, child_id: ObjectId) -> None:
+        """`child_id` linked to `parent` while `parent` is absent (`_early_unchecked`)."""
+        ids = self._early_unchecked.get(parent)
+        if ids is None:
+            self._early_unchecked[parent] = child_id  # the usual one: no set
+        elif isinstance(ids, set):
+            ids.add(child_id)
+        else:
+            self._early_unchecked[parent] = {ids, child_id}
+
+    def _unpend(self, parent: ObjectId, child_id: ObjectId) -> bool:
+        """`_pend` undone (the child gone or moved); False if it was not pending unchecked."""
+        ids = self._early_unchecked.get(parent)
+        if isinstance(ids, set):
+            if child_id not in ids:
+                return False
+            ids.discard(child_id)
+            if len(ids) == 1:
+                self._early_unchecked[parent] = next(iter(ids))
+            return True
+        if ids is None or ids != child_id:
+            return False
+        del self._early_unchecked[parent]
+        return True
+
+    def _unchecked(self, parent: ObjectId) -> int:
+        ids = self._early_unchecked.get(parent)
+        return 0 if ids is None else len(ids) if isinstance(ids, set) else 1
 
     def add_pool(self, object_id: ObjectId, pool: Hashable, nbytes: int) -> bool:
         """`nbytes` more of the object in `pool`: a copy of its bytes in another tier (the disk
@@ -522,6 +625,8 @@ class EvictionCore(LeafRanking):
             if self._order is not None:
                 self._order.resized(object_id, obj.size)
             self._push(object_id, obj)  # a size-aware rank (gdsf) changes
+            self._unpark(obj)  # a leaf of one more pool
+            self._tenant_grew(obj.tenant)
         return True
 
     def keeps_children(self, object_id: ObjectId) -> bool:
@@ -532,7 +637,12 @@ class EvictionCore(LeafRanking):
         return obj is not None and obj.children > obj.children_evicting
 
     def refused(self, object_id: ObjectId, now_ms: int) -> None:
-        """The directory would not evict it (leased or pinned): resident again, cooled down."""
+        """The directory would not evict it (leased or pinned): resident again, cooled down for
+        `refused_cooldown_ms` doubled for each refusal before it in a row (at most
+        2**`REFUSED_BACKOFF_SHIFT_MAX` times): a pin outlasting a few attempts is asked again
+        less and less often (each attempt costs an `evict` request, a demotion's republish).
+        The count ends with the object (evicted, removed) or an attempt answered by a tier move
+        (`retiered`); a hit does not end it (a pinned prefix is often a hot one)."""
         self._advance(now_ms)
         obj = self._objects.get(object_id)
         if obj is None or not obj.evicting:
@@ -549,10 +659,13 @@ class EvictionCore(LeafRanking):
             parent.children_evicting -= 1  # its tail stays: it is no leaf any more
         elif obj.parent is not None:
             _bump(self._early_children_evicting, obj.parent, -1)
-        obj.cooldown_until_ms = now_ms + self.config.refused_cooldown_ms
+        obj.refusals = min(obj.refusals + 1, REFUSED_BACKOFF_SHIFT_MAX + 1)
+        obj.cooldown_until_ms = now_ms + (self.config.refused_cooldown_ms << (obj.refusals - 1))
         if self._order is not None:
             self._order.returned(object_id, obj.size)
         self._push(object_id, obj)
+        self._wake(obj, obj.cooldown_until_ms)  # a leaf again once it has cooled down
+        self._tenant_grew(obj.tenant)  # its bytes no longer on their way out
         self._count("evict_refused_total")
 
     def drop_pool(self, pool: Hashable, kept: list[ObjectId] | None = None) -> list[ObjectId]:
@@ -611,6 +724,7 @@ class EvictionCore(LeafRanking):
                 yield gone, kept
         dropped = self._pools.pop(pool, None)
         invariant(dropped is None or (dropped.used, dropped.evicting) == (0, 0), "dropped pool still used")
+        self._parked.discard(pool)
         self._count("pools_dropped_total")
 
     def _drop_from(
@@ -643,7 +757,11 @@ class EvictionCore(LeafRanking):
             if quota.hard_bytes is not None:
                 pending = self._tenant_evicting.get(tenant, 0)
                 excess = self._tenants.get(tenant, 0) - pending - quota.hard_bytes
-                if excess > 0:
+                if excess <= 0:
+                    self._tenant_parked.pop(tenant, None)
+                elif now_ms < self._tenant_parked.get(tenant, PARK_PASSING):
+                    self._count("passes_parked_total")  # nothing it may evict until then (`_park`)
+                else:
                     effects += self._evict(excess, now_ms, reason="tenant_quota", tenant=tenant)
         for pool, usage in self._pools.items():
             if not usage.capacity:
@@ -655,10 +773,15 @@ class EvictionCore(LeafRanking):
             target = self._low_target(usage)
             excess = usage.used - usage.evicting - target
             if excess > 0:
-                effects += self._evict(excess, now_ms, reason="watermark", pool=pool)
+                if usage.parked_until_ms is not None and now_ms < usage.parked_until_ms:
+                    self._count("passes_parked_total")
+                else:
+                    effects += self._evict(excess, now_ms, reason="watermark", pool=pool)
             # Done once enough is chosen; a refusal (`refused`) re-arms it, so refused victims
             # are replaced on a later tick until the pool is really at its low watermark.
             usage.pressed = usage.used - usage.evicting > target
+            if not usage.pressed and usage.parked_until_ms is not None:
+                self._unpark_pool(pool, usage)
         return effects
 
     # ---- internals -------------------------------------------------------------------------
@@ -695,16 +818,25 @@ class EvictionCore(LeafRanking):
         tenant: Hashable | None = None,
     ) -> list[Effect]:
         """Choose leaves in the policy's order (`LeafRanking._offer`), skipping other
-        pools/tenants, protected tenants and cooled-down objects, until `excess` bytes are chosen."""
+        pools/tenants, protected tenants and cooled-down objects, until `excess` bytes are chosen.
+        A pass that ran out of leaves first is parked (`_park`)."""
         victims: list[ObjectId] = []
-        self._offer(
+        self._pass_wake = PARK_UNTIL_CHANGE
+        self._pass_protected.clear()
+        self._park(pool, tenant, PARK_PASSING)
+        freed, examined = self._offer(
             excess,
             now_ms,
             victims,
             skipped=lambda obj: self._skipped(obj, now_ms, pool, tenant),
             take=lambda object_id, obj: self._take(object_id, obj, pool, victims),
         )
+        exhausted = freed < excess and len(victims) < self.config.batch_max
+        # A heap policy's pass looked at the parents its victims made leaves too (pushed onto
+        # the heaps it walked): parked all the same. A queue policy's may have passed them first.
+        self._park(pool, tenant, self._pass_wake if exhausted else None, taken_in=self._order is None)
         self._count("victims_total", len(victims))
+        self._count("candidates_examined_total", examined)
         # One batch per call, tail before head: a service that applies it in order never leaves
         # a tail without its head, even when they live in different pools.
         if not victims:
@@ -713,13 +845,19 @@ class EvictionCore(LeafRanking):
         return [EvictBatch(pool, tuple(victims), reason, why)]
 
     def _skipped(self, obj: Tracked, now_ms: int, pool: Hashable | None, tenant: Hashable | None) -> bool:
-        """Not a victim for this batch: another pool's or tenant's, cooling down, or protected."""
-        return (
-            (pool is not None and pool not in obj.pools)
-            or (tenant is not None and obj.tenant != tenant)
-            or obj.cooldown_until_ms > now_ms
-            or (tenant is None and self._protected(obj.tenant, obj.size))
-        )
+        """Not a victim for this batch: another pool's or tenant's, cooling down, or protected
+        (what may end the last two is noted for `_park`)."""
+        if (pool is not None and pool not in obj.pools) or (tenant is not None and obj.tenant != tenant):
+            return True
+        if obj.cooldown_until_ms > now_ms:
+            self._pass_wake = min(self._pass_wake, obj.cooldown_until_ms)
+            return True
+        if tenant is None and self._protected(obj.tenant, obj.size):
+            quota = self.quotas[obj.tenant]
+            need = quota.guaranteed_bytes + obj.size  # its tenant's bytes that would let it go
+            self._pass_protected[obj.tenant] = min(need, self._pass_protected.get(obj.tenant, need))
+            return True
+        return False
 
     def _take(
         self, object_id: ObjectId, obj: Tracked, pool: Hashable | None, victims: list[ObjectId]
@@ -738,6 +876,7 @@ class EvictionCore(LeafRanking):
             if parent.children == parent.children_evicting:
                 leaf_parent = obj.parent
                 self._push(obj.parent, parent)
+                self._unpark(parent)
         elif obj.parent is not None:
             _bump(self._early_children_evicting, obj.parent, 1)
         return (obj.pools[pool] if pool is not None else obj.size), leaf_parent
@@ -749,6 +888,80 @@ class EvictionCore(LeafRanking):
             return False
         left = self._tenants.get(tenant, 0) - self._tenant_evicting.get(tenant, 0) - size
         return left < quota.guaranteed_bytes
+
+    def _park(
+        self, pool: Hashable | None, tenant: Hashable | None, until: int | None, *, taken_in: bool = False
+    ) -> None:
+        """Each tick walked every leaf (every pool's: the ranking is one) while a pressed pool
+        had none it might evict, its own all cooling down or protected (review, 2026-12-06:
+        200,100 leaves, 266-500 ms every 200 ms tick). So a pass (`_evict`) that ran out of
+        leaves before it freed what it needed is parked: its pool (or over-quota tenant) is
+        not passed over again before `until`, the earliest end of a cooldown it passed over
+        (`PARK_UNTIL_CHANGE`: none), unless something that may go lands in it first: a leaf
+        inserted, moved or copied into the pool, one that becomes a leaf (its tail gone or
+        chosen), a refused victim's cooldown (`_wake`), or a protecting tenant's bytes
+        growing past what lets one of its leaves go (`_tenant_grew`). Called with
+        `PARK_PASSING` as the pass begins, and with None (not parked) or `until` as it ends:
+        a change during the pass (`_unpark`: a victim's parent became a leaf) leaves it not
+        parked, unless the pass looked at those parents too (`taken_in`)."""
+        if pool is None:
+            if until == PARK_PASSING:
+                self._tenant_parked[tenant] = PARK_PASSING
+            elif taken_in or self._tenant_parked.get(tenant) == PARK_PASSING:
+                if until is None:
+                    self._tenant_parked.pop(tenant, None)
+                else:
+                    self._tenant_parked[tenant] = until
+            return
+        usage = self._pools[pool]
+        if until == PARK_PASSING:
+            usage.parked_until_ms, usage.parked_by = PARK_PASSING, None
+            self._parked.add(pool)
+        elif taken_in or usage.parked_until_ms == PARK_PASSING:
+            if until is None:
+                self._unpark_pool(pool, usage)
+            else:
+                usage.parked_until_ms = until
+                usage.parked_by = dict(self._pass_protected) or None
+                self._parked.add(pool)
+
+    def _unpark_pool(self, pool: Hashable, usage: PoolUsage) -> None:
+        usage.parked_until_ms = usage.parked_by = None
+        self._parked.discard(pool)
+
+    def _unpark(self, obj: Tracked) -> None:
+        """`obj` may be a victim now: the passes over its pools and its tenant look again."""
+        if self._parked:
+            for p in obj.pools:
+                if p in self._parked:
+                    self._unpark_pool(p, self._pools[p])
+        if self._tenant_parked:
+            self._tenant_parked.pop(obj.tenant, None)
+
+    def _wake(self, obj: Tracked, at_ms: int) -> None:
+        """`obj` may be a victim from `at_ms` (its cooldown's end): parked passes over its pools
+        and tenant wait no longer."""
+        if self._parked:
+            for p in obj.pools:
+                usage = self._pools[p]
+                if usage.parked_until_ms is not None and usage.parked_until_ms > at_ms:
+                    usage.parked_until_ms = at_ms
+        until = self._tenant_parked.get(obj.tenant) if self._tenant_parked else None
+        if until is not None and until > at_ms:
+            self._tenant_parked[obj.tenant] = at_ms
+
+    def _tenant_grew(self, tenant: Hashable) -> None:
+        """`tenant`'s bytes not on their way out grew: a parked pool whose leaves its guaranteed
+        share kept looks again once one of them may go."""
+        quota = self.quotas.get(tenant) if self._parked else None
+        if quota is None or not quota.guaranteed_bytes:
+            return  # (no share: no pool waits for its bytes)
+        held = self._tenants.get(tenant, 0) - self._tenant_evicting.get(tenant, 0)
+        for pool in list(self._parked):
+            usage = self._pools[pool]
+            need = usage.parked_by.get(tenant) if usage.parked_by else None
+            if need is not None and held >= need:
+                self._unpark_pool(pool, usage)
 
     def _advance(self, now_ms: int) -> None:
         invariant(now_ms >= self._now_ms, "time went backwards", now_ms=now_ms, last_ms=self._now_ms)
@@ -795,6 +1008,8 @@ class EvictionCore(LeafRanking):
                     early_evicting[obj.parent] = early_evicting.get(obj.parent, 0) + 1
         invariant(early == self._early_children, "early children drifted")
         invariant(early_evicting == self._early_children_evicting, "early evicting children drifted")
+        self._check_links(early)
+        self._check_parked()
         evicting_children: dict[ObjectId, int] = {}
         for obj in self._objects.values():
             if obj.evicting and obj.parent is not None and obj.parent in self._objects:
@@ -821,6 +1036,72 @@ class EvictionCore(LeafRanking):
             invariant(
                 obj.children_evicting == evicting_children.get(object_id, 0),
                 "evicting child count drifted",
+                object_id=object_id,
+            )
+
+    def _check_links(self, early: dict[ObjectId, int]) -> None:
+        """Every stored parent link points at a lower chunk index (so no cycle of links: no
+        object kept from being a leaf for good); the children waiting for an absent parent are
+        its unchecked ones (by id) and the checked ones (after its floor)."""
+        unchecked: set[ObjectId] = set()
+        for parent_id, ids in self._early_unchecked.items():
+            invariant(not isinstance(ids, set) or len(ids) >= 2, "unchecked children: a set of one")
+            members = ids if isinstance(ids, set) else {ids}
+            for child_id in members:
+                child = self._objects.get(child_id)
+                invariant(child is not None and child.parent == parent_id, "unchecked child not waiting")
+            unchecked |= members
+            invariant(parent_id not in self._objects, "unchecked children of a resident parent")
+        for parent_id, count in early.items():
+            invariant(
+                (count > self._unchecked(parent_id)) == (parent_id in self._early_floor),
+                "early floor drifted",
+                parent_id=parent_id,
+            )
+        invariant(self._early_floor.keys() <= early.keys(), "early floor of no child")
+        for object_id, obj in self._objects.items():
+            if obj.parent is None:
+                continue
+            parent = self._objects.get(obj.parent)
+            if parent is not None:
+                invariant(
+                    parent.chunk_index < obj.chunk_index, "parent not before its child", object_id=object_id
+                )
+            else:
+                floor = self._early_floor.get(obj.parent)
+                invariant(
+                    object_id in unchecked or (floor is not None and floor < obj.chunk_index),
+                    "waiting child not after its parent's floor",
+                    object_id=object_id,
+                )
+
+    def _check_parked(self) -> None:
+        """A parked pass is right to wait: no leaf of its pool (tenant) may go before its time,
+        but one protected by its tenant's guaranteed share (pools only)."""
+        parked = {p for p, u in self._pools.items() if u.parked_until_ms is not None}
+        invariant(parked == self._parked, "parked pools drifted")
+        invariant(
+            all(self._pools[p].parked_until_ms != PARK_PASSING for p in parked)
+            and PARK_PASSING not in self._tenant_parked.values(),
+            "a pass left under way",
+        )
+        if not (parked or self._tenant_parked):
+            return
+        for object_id, obj in self._objects.items():
+            if not self._evictable(obj):
+                continue
+            for p in obj.pools:
+                until = self._pools[p].parked_until_ms
+                invariant(
+                    until is None or obj.cooldown_until_ms >= until or self._protected(obj.tenant, obj.size),
+                    "a parked pool has a leaf that may go",
+                    pool=p,
+                    object_id=object_id,
+                )
+            until = self._tenant_parked.get(obj.tenant)
+            invariant(
+                until is None or obj.cooldown_until_ms >= until,
+                "a parked tenant has a leaf that may go",
                 object_id=object_id,
             )
 

@@ -152,6 +152,9 @@ class Tracked:
     children_evicting: int = 0  # of those, already chosen as victims
     evicting: bool = False
     cooldown_until_ms: int = 0
+    # refusals in a row (`EvictionCore.refused`), at most REFUSED_BACKOFF_SHIFT_MAX + 1: each
+    # doubles the next cooldown; back to 0 when an attempt succeeds without removing it (a tier move)
+    refusals: int = 0
     version: int = 0  # its latest heap entry's sequence number (older entries are stale)
     turn: int = 1  # reuse: the prefix's generation (`kvfabric.core.eviction_reuse`)
     prompt_chunks: int = 1  # reuse: chunks of the prompt that wrote it
@@ -168,3 +171,9 @@ class PoolUsage:
     inflow: float = 0.0  # bytes a second new objects bring, as last measured (`EvictionCore.tick`)
     writing_since_ms: int | None = None  # since when ticks saw inflow, no gap of WRITER_GAP_MS
     inflow_seen_ms: int | None = None  # the latest tick that saw inflow
+    # A pass over this pool that found nothing more it may evict is not repeated before this
+    # time, unless something that may go lands in it (`EvictionCore._park`); None: not parked.
+    parked_until_ms: int | None = None
+    # tenants whose guaranteed share kept leaves of this pool from going in that pass -> the
+    # bytes (resident, not evicting) each must reach before one of them may go
+    parked_by: dict[Hashable, int] | None = None

@@ -220,28 +220,36 @@ class LeafRanking:
         *,
         skipped: Callable[[Tracked], bool],
         take: Callable[[ObjectId, Tracked], tuple[int, ObjectId | None]],
-    ) -> None:
+    ) -> tuple[int, int]:
         """Offer evictable leaves in the policy's order to `take` (which appends to `victims` and
         returns the bytes freed and a parent that became a leaf), passing over those `skipped`,
         until `excess` bytes are taken or `victims` holds `batch_max`: a heap policy pops its heap
-        (skipped entries are pushed back), density its class heaps, a queue policy its order."""
+        (skipped entries are pushed back), density its class heaps, a queue policy its order.
+        Returns the bytes freed and the entries examined (popped or offered). Stopping short of
+        both bounds means every leaf was offered: none left that may go (`EvictionCore._park`)."""
+        freed = examined = 0
         if self._order is not None:
+            tally = [0, 0]  # bytes freed, objects offered
 
             def offered(object_id: ObjectId) -> tuple[int, ObjectId | None] | None:
+                tally[1] += 1
                 obj = self._objects.get(object_id)
                 if obj is None or not self._evictable(obj) or skipped(obj):
                     return None
-                return take(object_id, obj)
+                got = take(object_id, obj)
+                tally[0] += got[0]
+                return got
 
             self._order.choose(offered, excess, self.config.batch_max)
+            freed, examined = tally
         elif self._density is not None:
             set_aside: list[tuple[DensityClass, HeapEntry]] = []
-            freed = 0
             while freed < excess and len(victims) < self.config.batch_max:
                 lowest = self._density_lowest(now_ms)
                 if lowest is None:
                     break
                 cls = lowest[1]
+                examined += 1
                 entry = heapq.heappop(self._class_heaps[cls])
                 candidate = self._objects[entry[3]]
                 if skipped(candidate):
@@ -253,8 +261,8 @@ class LeafRanking:
                 self._class_entries += 1
         else:
             passed: list[HeapEntry] = []
-            freed = 0
             while self._heap and freed < excess and len(victims) < self.config.batch_max:
+                examined += 1
                 entry = heapq.heappop(self._heap)
                 obj = self._live_leaf(entry)
                 if obj is None:
@@ -267,6 +275,7 @@ class LeafRanking:
                 heapq.heappush(self._heap, entry)
             if len(self._heap) > 4 * len(self._objects) + 1024:
                 self._compact()
+        return freed, examined
 
     def _compact(self) -> None:
         """Drop stale heap entries (bounded memory: the heap stays within a multiple of objects)."""

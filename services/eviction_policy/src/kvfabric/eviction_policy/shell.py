@@ -496,14 +496,18 @@ class EvictionShell(GroupRecords):
         policy started (its history is lost: it goes before anything the policy saw used), with
         no parent (a listing does not say it). A page may be older than events the follower
         applied meanwhile: a group forgotten (evicted, invalidated, lost) since the adoption
-        began is not taken from it, nor a replica on a segment gone down since. An adopted
+        began is not taken from it, nor a replica on a segment gone down since (or still being
+        dropped as it began: its pools dropped already would hold it for good). An adopted
         group whose own `published` event the follower reaches afterwards is taken again from
         it (`GroupRecords._published`); once the follower has read past the stream's end as of
         the listing, none can come. Returns the groups adopted (public for tests)."""
         router = self._dir()
         query = m.ListGroups(limit=ADOPT_PAGE_GROUPS, with_objects=True)
         adopted = 0
-        self._gone_while_adopting, self._down_while_adopting = set(), set()
+        # A segment still being dropped (`GroupRecords._segment_down`, in steps) is down too:
+        # its pools already dropped would take a listed replica back, on a dead segment.
+        self._gone_while_adopting = set()
+        self._down_while_adopting = {p for p in self._dropping if not is_ssd_pool(p)}
         try:
             for shard in range(await router.known_shards()):
                 async for page in router.shard_pages(shard, query, self.request_timeout_s, ADOPT_PAGES_MAX):

@@ -1,0 +1,65 @@
+"""A victim the directory refuses (leased, pinned) cools down longer after each refusal in a row.
+Review, 2026-12-06: the cooldown was a fixed `refused_cooldown_ms`, and a pinned group keeps its
+rank, so it was the first victim again each time its cooldown ended: asked every 5 s for as
+long as the pin lasted (with a disk tier, each attempt also republished it). Now each refusal
+in a row doubles the next cooldown, up to 64 times (5 s: 5, 10, 20, ... 320 s); the count ends
+with the object, or with an attempt answered by a tier move; a hit does not end it."""
+
+from __future__ import annotations
+
+from kvfabric.core.eviction import REFUSED_BACKOFF_SHIFT_MAX, EvictBatch, EvictionConfig, EvictionCore
+
+BASE_MS = 5_000
+
+
+def victims(core: EvictionCore, now: int) -> list[object]:
+    out: list[object] = []
+    for effect in core.tick(now):
+        assert isinstance(effect, EvictBatch)
+        out.extend(effect.victims)
+    core.check_invariants()
+    return out
+
+
+def pinned_core() -> EvictionCore:
+    """One group filling its pool: the victim of every tick it may go in."""
+    core = EvictionCore(EvictionConfig(policy="lru", refused_cooldown_ms=BASE_MS))
+    core.set_capacity("p", 10)
+    core.insert("pinned", tenant="t", pool="p", size=10, parent=None, chunk_index=0, now_ms=0)
+    return core
+
+
+def refused_for(core: EvictionCore, now: int, expected_ms: int) -> int:
+    """The victim chosen at `now` is refused: it is not chosen again for exactly `expected_ms`
+    (checked to the ms); returns when it is chosen again."""
+    core.refused("pinned", now)
+    assert victims(core, now + expected_ms - 1) == []
+    assert victims(core, now + expected_ms) == ["pinned"]
+    return now + expected_ms
+
+
+def test_each_refusal_in_a_row_doubles_the_cooldown_up_to_64_times() -> None:
+    core = pinned_core()
+    now = 1_000
+    assert victims(core, now) == ["pinned"]
+    for expected in (5_000, 10_000, 20_000):  # before: 5 s each time
+        now = refused_for(core, now, expected)
+    for shift in range(3, REFUSED_BACKOFF_SHIFT_MAX + 3):
+        now = refused_for(core, now, BASE_MS << min(shift, REFUSED_BACKOFF_SHIFT_MAX))
+    assert (BASE_MS << REFUSED_BACKOFF_SHIFT_MAX) == 320_000  # capped: 64 x 5 s
+
+
+def test_a_hit_keeps_the_count_and_an_attempt_answered_by_a_tier_move_ends_it() -> None:
+    core = pinned_core()
+    now = 1_000
+    assert victims(core, now) == ["pinned"]
+    now = refused_for(core, now, 5_000)
+    core.access("pinned", now)  # a pinned prefix is often a hot one: still backing off
+    now = refused_for(core, now, 10_000)
+    core.retiered("pinned", pools={"p": 10}, parent=None, now_ms=now)  # the attempt: moved
+    assert victims(core, now + 1) == ["pinned"]
+    now = refused_for(core, now + 1, 5_000)  # from the start again
+    core.removed("pinned")  # evicted: a record inserted again starts with no refusals
+    core.insert("pinned", tenant="t", pool="p", size=10, parent=None, chunk_index=0, now_ms=now)
+    assert victims(core, now) == ["pinned"]
+    refused_for(core, now, 5_000)
