@@ -283,16 +283,19 @@ class EvictionMachine(RuleBasedStateMachine):
             self.check_batch(effect)
 
     @precondition(lambda self: bool(self.evicting))
-    @rule(pick=st.integers(0, 1000))
-    def directory_answers(self, pick: int) -> None:
+    @rule(pick=st.integers(0, 1000), pinned=st.booleans())
+    def directory_answers(self, pick: int, pinned: bool = True) -> None:
         object_id = sorted(self.evicting)[pick % len(self.evicting)]
         self.evicting.discard(object_id)
         if object_id in self.leased:  # the directory refuses: leased or pinned objects stay
-            self.core.refused(object_id, self.now)
-            # each refusal in a row doubles the cooldown, up to 2**REFUSED_BACKOFF_SHIFT_MAX times
-            refusals = min(self.refusals.get(object_id, 0) + 1, REFUSED_BACKOFF_SHIFT_MAX + 1)
+            self.core.refused(object_id, self.now, pinned=pinned)
+            # each pinned refusal in a row doubles the cooldown, up to 2**REFUSED_BACKOFF_SHIFT_MAX
+            # times; a leased one ends the run (the base cooldown)
+            refusals = (
+                min(self.refusals.get(object_id, 0) + 1, REFUSED_BACKOFF_SHIFT_MAX + 1) if pinned else 0
+            )
             self.refusals[object_id] = refusals
-            self.cooldown[object_id] = self.now + self.config.refused_cooldown_ms * 2 ** (refusals - 1)
+            self.cooldown[object_id] = self.now + self.config.refused_cooldown_ms * 2 ** max(refusals - 1, 0)
             assert self.core._objects[object_id].cooldown_until_ms == self.cooldown[object_id]
         else:
             self.core.removed(object_id)

@@ -14,7 +14,7 @@ import pytest
 
 from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore, PolicyName, TenantQuota
 
-POLICIES: list[PolicyName] = ["lru", "density", "sieve"]
+POLICIES: tuple[PolicyName, ...] = ("lru", "density")  # heap policies: a queue policy is never parked
 ELSEWHERE = 2_000  # leaves in another pool, all ranked after the pressed pool's
 BATCH = 8
 
@@ -115,3 +115,42 @@ def test_a_pool_parked_by_a_tenants_share_looks_again_once_that_tenant_grows(pol
     core.insert("g-more", tenant="g", pool="a", size=10, parent=None, chunk_index=0, now_ms=5_300)
     core.check_invariants()
     assert victims_of(core.tick(5_400)) == [("g", 0)]
+
+
+@pytest.mark.parametrize("policy", ["wtinylfu", "s3fifo", "sieve"])
+def test_a_queue_policys_pool_is_never_parked_on_a_bounded_scan(policy: str) -> None:
+    """A queue policy's `choose` also stops at its scan bound (other pools' objects count as
+    refused there): parked then, pool b kept leaves it could evict and nothing woke it — once its
+    arena was full no save landed in it (review of f9cfe43)."""
+    core = EvictionCore(EvictionConfig(policy=policy, batch_max=64))  # type: ignore[arg-type]
+    core.set_capacity("a", 10**9)
+    core.set_capacity("b", 100)
+    now = 0
+    for i in range(2_000):
+        now += 1
+        core.insert(("a", i), tenant="t", pool="a", size=10, parent=None, chunk_index=0, now_ms=now)
+    for i in range(10):
+        now += 1
+        core.insert(("b", i), tenant="t", pool="b", size=10, parent=None, chunk_index=0, now_ms=now)
+    chosen = 0
+    for _ in range(60):
+        now += 200
+        chosen += sum(len(e.victims) for e in core.tick(now) if isinstance(e, EvictBatch))
+        core.check_invariants()
+    assert chosen > 0
+
+
+def test_a_pool_parked_on_a_tenants_share_wakes_after_another_pool_is_dropped() -> None:
+    """The pass measured the tenant's need at X's size in two pools; `drop_pool` shrank X, and
+    the tenant's later growth never reached the stale need (review of f9cfe43)."""
+    core = EvictionCore(EvictionConfig(policy="lru", batch_max=8), {"g": TenantQuota(guaranteed_bytes=50)})
+    for pool, capacity in (("a", 10**9), ("b", 50), ("c", 10**9)):
+        core.set_capacity(pool, capacity)
+    core.insert("X", tenant="g", pools={"b": 10, "c": 10}, parent=None, chunk_index=0, now_ms=1)
+    core.insert("Y", tenant="g", pools={"b": 40}, parent=None, chunk_index=0, now_ms=2)
+    assert not [e for e in core.tick(1_000) if isinstance(e, EvictBatch)]  # g at its share
+    core.drop_pool("c")
+    core.insert("Z", tenant="g", pool="a", size=10, parent=None, chunk_index=0, now_ms=2_000)
+    core.check_invariants()  # nothing parked that may go
+    victims = [v for e in core.tick(3_000) if isinstance(e, EvictBatch) for v in e.victims]
+    assert "X" in victims

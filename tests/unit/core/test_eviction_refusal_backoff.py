@@ -1,9 +1,10 @@
-"""A victim the directory refuses (leased, pinned) cools down longer after each refusal in a row.
+"""A victim the directory refuses as pinned cools down longer after each pinned refusal in a row.
 Review, 2026-12-06: the cooldown was a fixed `refused_cooldown_ms`, and a pinned group keeps its
 rank, so it was the first victim again each time its cooldown ended: asked every 5 s for as
 long as the pin lasted (with a disk tier, each attempt also republished it). Now each refusal
-in a row doubles the next cooldown, up to 64 times (5 s: 5, 10, 20, ... 320 s); the count ends
-with the object, or with an attempt answered by a tier move; a hit does not end it."""
+in a row doubles the next cooldown, up to 16 times (5 s: 5, 10, 20, 40, 80 s); the count ends
+with the object, a leased refusal, or an attempt answered by a tier move; a hit does not end
+it."""
 
 from __future__ import annotations
 
@@ -32,13 +33,13 @@ def pinned_core() -> EvictionCore:
 def refused_for(core: EvictionCore, now: int, expected_ms: int) -> int:
     """The victim chosen at `now` is refused: it is not chosen again for exactly `expected_ms`
     (checked to the ms); returns when it is chosen again."""
-    core.refused("pinned", now)
+    core.refused("pinned", now, pinned=True)
     assert victims(core, now + expected_ms - 1) == []
     assert victims(core, now + expected_ms) == ["pinned"]
     return now + expected_ms
 
 
-def test_each_refusal_in_a_row_doubles_the_cooldown_up_to_64_times() -> None:
+def test_each_pinned_refusal_in_a_row_doubles_the_cooldown_up_to_16_times() -> None:
     core = pinned_core()
     now = 1_000
     assert victims(core, now) == ["pinned"]
@@ -46,7 +47,7 @@ def test_each_refusal_in_a_row_doubles_the_cooldown_up_to_64_times() -> None:
         now = refused_for(core, now, expected)
     for shift in range(3, REFUSED_BACKOFF_SHIFT_MAX + 3):
         now = refused_for(core, now, BASE_MS << min(shift, REFUSED_BACKOFF_SHIFT_MAX))
-    assert (BASE_MS << REFUSED_BACKOFF_SHIFT_MAX) == 320_000  # capped: 64 x 5 s
+    assert (BASE_MS << REFUSED_BACKOFF_SHIFT_MAX) == 80_000  # capped: 16 x 5 s
 
 
 def test_a_hit_keeps_the_count_and_an_attempt_answered_by_a_tier_move_ends_it() -> None:
@@ -63,3 +64,19 @@ def test_a_hit_keeps_the_count_and_an_attempt_answered_by_a_tier_move_ends_it() 
     core.insert("pinned", tenant="t", pool="p", size=10, parent=None, chunk_index=0, now_ms=now)
     assert victims(core, now) == ["pinned"]
     refused_for(core, now, 5_000)
+
+
+def test_a_leased_refusal_waits_the_base_cooldown_and_ends_a_pins_run() -> None:
+    """Leases end in seconds: a hot prefix leased at each attempt must not wait minutes once its
+    leases end (only pinned refusals back off)."""
+    core = pinned_core()
+    now = 1_000
+    assert victims(core, now) == ["pinned"]
+    now = refused_for(core, now, 5_000)
+    now = refused_for(core, now, 10_000)  # two pinned refusals in a row
+    for _ in range(3):  # then leased ones: the base cooldown each time
+        core.refused("pinned", now)
+        assert victims(core, now + BASE_MS - 1) == []
+        assert victims(core, now + BASE_MS) == ["pinned"]
+        now += BASE_MS
+    refused_for(core, now, 5_000)  # a pin again: its run starts over

@@ -20,8 +20,8 @@ prefix from its tail to its head, and a head never goes while its tail stays.
     (absent) --insert, refused by admission--> (absent) (counted; the writer does not write)
     RESIDENT --chosen as a victim (EvictBatch)--> EVICTING
     EVICTING --removed--> (absent)
-    EVICTING --refused (leased/pinned)--> RESIDENT, skipped until `now + refused_cooldown_ms`
-        x 2**(its refusals in a row - 1), at most x 64 (`refused`: 5, 10, 20, ... 320 s)
+    EVICTING --refused (leased/pinned)--> RESIDENT, skipped until `now + refused_cooldown_ms`,
+        pinned: x 2**(its pinned refusals in a row - 1), at most x 16 (`refused`: 5 ... 80 s)
     RESIDENT --removed (freed elsewhere: segment down, repair, ...)--> (absent)
     RESIDENT or EVICTING --retiered (its bytes moved to other pools: a demotion)--> RESIDENT
         (the same object: its rank's features kept, neither an eviction nor an insert counted)
@@ -162,9 +162,10 @@ INFLOW_HALF_LIFE_MS: Final = 1_000
 # A writer that stored nothing this long has stopped (`writing_for_ms`); shorter gaps (its saves
 # refused while the pool was full, so no new object) do not end it.
 WRITER_GAP_MS: Final = 1_000
-# A refused victim's cooldown doubles with each refusal in a row, up to 2**6 = 64 x
-# `refused_cooldown_ms` (5 s: 5, 10, 20, ... 320 s).
-REFUSED_BACKOFF_SHIFT_MAX: Final = 6
+# A victim refused as pinned cools down twice as long with each pinned refusal in a row, up to
+# 2**4 = 16 x `refused_cooldown_ms` (5 s: 5, 10, 20, 40, 80 s): the policy learns of an unpin
+# only by asking again, so the cap is how late a released pin's group may go (review).
+REFUSED_BACKOFF_SHIFT_MAX: Final = 4
 # `_park`: a pass under way (parked only if nothing lands in its pool meanwhile), and a pass
 # parked with no cooldown to wait for (only a change in its pool or tenant ends it).
 PARK_PASSING: Final = -1
@@ -636,13 +637,16 @@ class EvictionCore(LeafRanking):
         obj = self._objects.get(object_id)
         return obj is not None and obj.children > obj.children_evicting
 
-    def refused(self, object_id: ObjectId, now_ms: int) -> None:
+    def refused(self, object_id: ObjectId, now_ms: int, *, pinned: bool = False) -> None:
         """The directory would not evict it (leased or pinned): resident again, cooled down for
-        `refused_cooldown_ms` doubled for each refusal before it in a row (at most
-        2**`REFUSED_BACKOFF_SHIFT_MAX` times): a pin outlasting a few attempts is asked again
-        less and less often (each attempt costs an `evict` request, a demotion's republish).
-        The count ends with the object (evicted, removed) or an attempt answered by a tier move
-        (`retiered`); a hit does not end it (a pinned prefix is often a hot one)."""
+        `refused_cooldown_ms`; refused as `pinned`, doubled for each pinned refusal before it
+        in a row (at most 2**`REFUSED_BACKOFF_SHIFT_MAX` times): a pin outlasting a few
+        attempts is asked again less and less often (each attempt costs an `evict` request, a
+        demotion's republish). Any other refusal (a lease, which ends in seconds; no answer; a
+        failed demotion) ends the count and cools it down for the base time only: a hot prefix
+        leased at each attempt must not wait minutes once its leases end. The count also ends
+        with the object (evicted, removed) or an attempt answered by a tier move (`retiered`);
+        a hit does not end it (a pinned prefix is often a hot one)."""
         self._advance(now_ms)
         obj = self._objects.get(object_id)
         if obj is None or not obj.evicting:
@@ -659,8 +663,8 @@ class EvictionCore(LeafRanking):
             parent.children_evicting -= 1  # its tail stays: it is no leaf any more
         elif obj.parent is not None:
             _bump(self._early_children_evicting, obj.parent, -1)
-        obj.refusals = min(obj.refusals + 1, REFUSED_BACKOFF_SHIFT_MAX + 1)
-        obj.cooldown_until_ms = now_ms + (self.config.refused_cooldown_ms << (obj.refusals - 1))
+        obj.refusals = min(obj.refusals + 1, REFUSED_BACKOFF_SHIFT_MAX + 1) if pinned else 0
+        obj.cooldown_until_ms = now_ms + (self.config.refused_cooldown_ms << max(obj.refusals - 1, 0))
         if self._order is not None:
             self._order.returned(object_id, obj.size)
         self._push(object_id, obj)
@@ -741,6 +745,8 @@ class EvictionCore(LeafRanking):
         obj.size -= held
         if self._order is not None and not obj.evicting:
             self._order.resized(object_id, obj.size)
+        if not obj.evicting:  # a pass parked on its tenant's share measured it at its old size
+            self._unpark(obj)
         self._tenants[obj.tenant] -= held
         usage = self._pools[pool]
         usage.used -= held
@@ -831,9 +837,11 @@ class EvictionCore(LeafRanking):
             skipped=lambda obj: self._skipped(obj, now_ms, pool, tenant),
             take=lambda object_id, obj: self._take(object_id, obj, pool, victims),
         )
-        exhausted = freed < excess and len(victims) < self.config.batch_max
-        # A heap policy's pass looked at the parents its victims made leaves too (pushed onto
-        # the heaps it walked): parked all the same. A queue policy's may have passed them first.
+        # Only a heap policy's pass offers every leaf (it also looks at the parents its victims
+        # made leaves: pushed onto the heaps it walked). A queue policy's `choose` stops at its
+        # scan bound as well (3n / 5n steps, other pools' objects counted as refused): parked,
+        # such a pool held leaves it could evict and nothing woke it (review, 2026-12-06).
+        exhausted = self._order is None and freed < excess and len(victims) < self.config.batch_max
         self._park(pool, tenant, self._pass_wake if exhausted else None, taken_in=self._order is None)
         self._count("victims_total", len(victims))
         self._count("candidates_examined_total", examined)

@@ -405,13 +405,13 @@ class GroupRecords:
         self._hits.pop(gid, None)
         self._held_back.pop(gid, None)
 
-    def _stays(self, key: bytes, at_ms: int) -> None:
+    def _stays(self, key: bytes, at_ms: int, *, pinned: bool = False) -> None:
         """A victim that stays (the directory refused it, its demotion failed or kept its arena
         replicas, no answer, or held back above a tail that stays): resident again, cooled down
         (`EvictionCore.refused`), then moved by the latest republish of it held back meanwhile
         (`_held_back`: a partial demotion's members on disk, a replica dropped, a disk copy
         kept under a lease)."""
-        self.core.refused(key, at_ms)
+        self.core.refused(key, at_ms, pinned=pinned)  # (a pin's refusals back off: `refused`)
         back = self._held_back.pop(key, None)
         if back is not None:
             self._republished(key, back[0], at_ms, back[1])

@@ -8,7 +8,7 @@ The runtime's shared flags (NATS URL, metrics port, logging) come from `kvfabric
 | `KVF_EVICTION_HIGH_WATERMARK_PCT` | 90 | a segment fuller than this (% of capacity) evicts ... |
 | `KVF_EVICTION_LOW_WATERMARK_PCT` | 80 | ... down to this |
 | `KVF_EVICTION_BATCH_MAX` | 1024 | victims a tick per pool or over-quota tenant (one batch) |
-| `KVF_EVICTION_REFUSED_COOLDOWN_MS` | 5000 | a refused victim waits this (x2 per refusal in a row, to 64x) |
+| `KVF_EVICTION_REFUSED_COOLDOWN_MS` | 5000 | a refused victim waits this (a pin: x2 a refusal, to 16x) |
 | `KVF_EVICTION_TICK_MS` | 200 | how often watermarks and quotas are checked |
 | `KVF_EVICTION_INFLOW_HORIZON_MS` | 2 x tick | watermarks lowered by what writers store in this (0: off) |
 | `KVF_EVICTION_SEGMENTS_REFRESH_MS` | 5000 | how often segment capacities are re-read from the directory |

@@ -767,7 +767,7 @@ class EvictionShell(GroupRecords):
                 continue  # an event overtook the reply (e.g. its segment went down)
             if result.status in m.EVICT_STAYS:
                 self._decisions.record(chain, at, "stays", result.status)
-                self._stays(chain, at)
+                self._stays(chain, at, pinned=result.status == "pinned")
             elif result.status == "disk_dropped":  # in its arena pools only now
                 self._disk_dropped(chain, at)
             else:
