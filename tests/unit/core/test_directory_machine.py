@@ -1264,7 +1264,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 continue
             leases, pins = self.lease_counts(gid)
             if leases or pins:
-                statuses.append("leased" if leases else "pinned")
+                statuses.append("pinned" if pins else "leased")
                 continue
             del self.published[gid]
             for pm in pub.members.values():

@@ -47,7 +47,8 @@ had then. So every stored link points at a lower chunk index: no cycle.
   per tick.
 - **A tick's cost.** The leaves are ranked in one order for every pool, so a pool's pass looks
   at the leaves ranked before its victims, other pools' included: up to every leaf when it
-  finds fewer than it needs. Such a pass (one that ran out of leaves) is *parked* (`_park`):
+  finds fewer than it needs. Such a pass of a heap policy (one that ran out of leaves; a queue
+  policy's scan also stops at its step bound, so its pools are never parked) is *parked* (`_park`):
   that pool (tenant) is not passed over again before the earliest cooldown it passed over
   ends, or before a leaf it may evict can have appeared (inserted, moved or copied into it,
   a tail gone, a refused victim back, a protecting tenant's bytes grown). A pressed pool with
@@ -825,7 +826,7 @@ class EvictionCore(LeafRanking):
     ) -> list[Effect]:
         """Choose leaves in the policy's order (`LeafRanking._offer`), skipping other
         pools/tenants, protected tenants and cooled-down objects, until `excess` bytes are chosen.
-        A pass that ran out of leaves first is parked (`_park`)."""
+        A heap policy's pass that ran out of leaves first is parked (`_park`)."""
         victims: list[ObjectId] = []
         self._pass_wake = PARK_UNTIL_CHANGE
         self._pass_protected.clear()
@@ -902,8 +903,8 @@ class EvictionCore(LeafRanking):
     ) -> None:
         """Each tick walked every leaf (every pool's: the ranking is one) while a pressed pool
         had none it might evict, its own all cooling down or protected (review, 2026-12-06:
-        200,100 leaves, 266-500 ms every 200 ms tick). So a pass (`_evict`) that ran out of
-        leaves before it freed what it needed is parked: its pool (or over-quota tenant) is
+        200,100 leaves, 266-500 ms every 200 ms tick). So a heap policy's pass (`_evict`) that
+        ran out of leaves before it freed what it needed is parked: its pool (or over-quota tenant) is
         not passed over again before `until`, the earliest end of a cooldown it passed over
         (`PARK_UNTIL_CHANGE`: none), unless something that may go lands in it first: a leaf
         inserted, moved or copied into the pool, one that becomes a leaf (its tail gone or

@@ -82,9 +82,11 @@ class Removed:
 
 @dataclass(frozen=True, slots=True)
 class EvictRefused:
-    """The directory refused to evict a victim: leased or pinned (`refused`)."""
+    """The directory refused to evict a victim: leased or pinned (`refused`; a pinned one backs
+    off)."""
 
     object_id: ObjectId
+    pinned: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,5 +153,5 @@ def dispatch(core: EvictionCore, event: EvictionEvent, now_ms: int) -> list[Evic
     elif isinstance(event, Retiered):
         core.retiered(event.object_id, pools=event.pools, parent=event.parent, now_ms=now_ms)
     else:
-        core.refused(event.object_id, now_ms)
+        core.refused(event.object_id, now_ms, pinned=event.pinned)
     return []

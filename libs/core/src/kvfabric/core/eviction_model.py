@@ -152,8 +152,9 @@ class Tracked:
     children_evicting: int = 0  # of those, already chosen as victims
     evicting: bool = False
     cooldown_until_ms: int = 0
-    # refusals in a row (`EvictionCore.refused`), at most REFUSED_BACKOFF_SHIFT_MAX + 1: each
-    # doubles the next cooldown; back to 0 when an attempt succeeds without removing it (a tier move)
+    # pinned refusals in a row (`EvictionCore.refused`), at most REFUSED_BACKOFF_SHIFT_MAX + 1:
+    # each doubles the next cooldown; back to 0 on any other refusal, or when an attempt succeeds
+    # without removing it (a tier move)
     refusals: int = 0
     version: int = 0  # its latest heap entry's sequence number (older entries are stale)
     turn: int = 1  # reuse: the prefix's generation (`kvfabric.core.eviction_reuse`)

@@ -225,8 +225,9 @@ class LeafRanking:
         returns the bytes freed and a parent that became a leaf), passing over those `skipped`,
         until `excess` bytes are taken or `victims` holds `batch_max`: a heap policy pops its heap
         (skipped entries are pushed back), density its class heaps, a queue policy its order.
-        Returns the bytes freed and the entries examined (popped or offered). Stopping short of
-        both bounds means every leaf was offered: none left that may go (`EvictionCore._park`)."""
+        Returns the bytes freed and the entries examined (popped or offered). For a heap policy,
+        stopping short of both bounds means every leaf was offered: none left that may go
+        (`EvictionCore._park`); a queue policy's scan also stops at its step bound."""
         freed = examined = 0
         if self._order is not None:
             tally = [0, 0]  # bytes freed, objects offered

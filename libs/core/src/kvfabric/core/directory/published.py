@@ -306,12 +306,14 @@ class PublishedTable:
         record = self.records.get(gid)
         if record is None:
             return "not_published" if building or gid in self.frees.evicting else "not_found"
-        if self.lease_count.get(gid):
-            self.ctx.count("evict_refused_leased_total")
-            return "leased"
+        # A pin first: the eviction policy backs off only from pinned refusals (a pin lasts, a
+        # lease ends in seconds), and a hot pinned group is leased at almost every attempt.
         if self.pin_count.get(gid):
             self.ctx.count("evict_refused_pinned_total")
             return "pinned"
+        if self.lease_count.get(gid):
+            self.ctx.count("evict_refused_leased_total")
+            return "leased"
         group = unpack_group(record)
         if tier == "ssd" and self._drop_disk_replicas(gid, group, effects):
             return "disk_dropped"
