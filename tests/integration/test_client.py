@@ -4,10 +4,12 @@ coalescing, and every failure ending in a shorter (recomputed) prefix, never a h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -47,6 +49,16 @@ def dests(n_chunks: int) -> list[list[bytearray]]:
 def metric(kv: KvClient, name: str, **labels: str) -> float:
     value = metric_value(generate_latest(kv.metrics.registry).decode(), name, **labels)
     return value or 0.0
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """Every thread of `pid` in state T (stopped), from /proc."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            stat = (task / "stat").read_text()
+            states.append(stat[stat.rindex(")") + 2])
+    return bool(states) and all(state in "Tt" for state in states)
 
 
 def leases_held(nats: NatsServer) -> int:
@@ -131,6 +143,12 @@ def test_segment_killed_mid_load_ends_in_a_shorter_prefix_not_a_hang(
         assert kv.save(tokens, objects_for(tokens, 0, 4)).chunks_saved == 4
         hit = kv.lookup(tokens)
         segment.send_signal(signal.SIGSTOP)  # the load's requests reach a frozen segment ...
+        # ... once every thread of it is stopped: a fresh-clone CI run (stop 62) saw this load
+        # served whole, the SIGSTOP not yet in effect on a loaded 2-core machine
+        deadline = time.monotonic() + 5.0
+        while not all_threads_stopped(segment.pid):
+            assert time.monotonic() < deadline, "the segment did not stop"
+            time.sleep(0.01)
         killer = threading.Timer(0.5, segment.send_signal, (signal.SIGKILL,))  # ... that then dies
         killer.start()
         started = time.monotonic()
