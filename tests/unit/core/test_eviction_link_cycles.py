@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric.core.eviction import EvictBatch, EvictionConfig, EvictionCore, PolicyName, TenantQuota
+from kvfabric.core.eviction import EvictionConfig, EvictionCore, PolicyName, TenantQuota
+from tests.unit.core.test_eviction_parent_links import victims_after_pressure
 
 POLICIES: list[PolicyName] = ["lru", "density", "sieve"]
 
 
 def chosen(core: EvictionCore, now: int) -> list[object]:
     """The victims of one tick, each then removed (the directory evicts them)."""
-    out: list[object] = []
-    for effect in core.tick(now):
-        assert isinstance(effect, EvictBatch)
-        out.extend(effect.victims)
-        for victim in effect.victims:
-            core.removed(victim)
+    out = victims_after_pressure(core, now)
     core.check_invariants()
     return out
 

@@ -25,26 +25,10 @@ from kvfabric.router.metrics import RouterMetrics
 from kvfabric.router.proxy import Proxy
 from kvfabric.router.settings import load_router_settings
 from kvfabric.runtime.core_driver import CoreDriver
-from tests.unit.router.test_proxy_request_end import FakeResponse, _proxy
+from tests.unit.router.test_proxy_request_end import FakeResponse, _proxy, asgi_scope
 from tests.unit.router.test_settings_refit import ENV
 
 BODY = json.dumps({"prompt": [5] * 40, "stream": True}).encode()
-
-
-def _scope() -> dict[str, Any]:
-    return {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
-        "http_version": "1.1",
-        "scheme": "http",
-        "server": ("127.0.0.1", 80),
-        "client": ("127.0.0.1", 1),
-        "root_path": "",
-    }
 
 
 async def _request(proxy: Proxy, receive: Any) -> list[dict[str, Any]]:
@@ -54,7 +38,7 @@ async def _request(proxy: Proxy, receive: Any) -> list[dict[str, Any]]:
         sent.append(message)
         await asyncio.sleep(0)
 
-    await proxy.app(_scope(), receive, send)  # type: ignore[arg-type]
+    await proxy.app(asgi_scope(), receive, send)  # type: ignore[arg-type]
     return sent
 
 

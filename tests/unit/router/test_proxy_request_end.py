@@ -49,6 +49,23 @@ def _proxy() -> Proxy:
     return Proxy(settings, core, RouterMetrics(registry), registry, driver)
 
 
+def asgi_scope() -> dict[str, Any]:
+    """A `POST /v1/completions` request's ASGI scope."""
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 1),
+        "root_path": "",
+    }
+
+
 async def _call(proxy: Proxy, *, disconnect_at_once: bool) -> list[dict[str, Any]]:
     await proxy.driver.feed(routing_events.Health("e1", True))
     body = json.dumps({"prompt": [5] * 40, "stream": True}).encode()
@@ -66,19 +83,7 @@ async def _call(proxy: Proxy, *, disconnect_at_once: bool) -> list[dict[str, Any
         sent.append(message)
         await asyncio.sleep(0)  # the disconnect listener runs here
 
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
-        "http_version": "1.1",
-        "scheme": "http",
-        "server": ("127.0.0.1", 80),
-        "client": ("127.0.0.1", 1),
-        "root_path": "",
-    }
+    scope = asgi_scope()
     await proxy.app(scope, receive, send)  # type: ignore[arg-type]
     return sent
 
