@@ -73,12 +73,18 @@ from tests.security.test_directory_side_channels import (
 pytestmark = [pytest.mark.integration, pytest.mark.flood]
 
 TIMEOUT_S = 10.0
+# bob's timeout per request (KVF_TEST_FLOOD_TIMEOUT_S): how soon he asks again when the tarpit
+# holds his request unanswered (docs/security.md "The tarpit")
+FLOOD_TIMEOUT_S = float(os.environ.get("KVF_TEST_FLOOD_TIMEOUT_S", str(TIMEOUT_S)))
 # bob's loops: twice his share of the directory's in-flight slots (16); KVF_TEST_FLOOD_LOOPS to
 # measure another (16: none refused by the runtime's in-flight bound, docs/security.md)
 FLOOD_CONCURRENT = int(os.environ.get("KVF_TEST_FLOOD_LOOPS", "32"))
 BOB_GROUPS = 4_096  # a max-size lookup
 HOLD_S = 0.25  # the directory's held refusal (KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS default)
 FLOOD_S = 12.0
+# how long into the flood alice starts (KVF_TEST_FLOOD_SETTLE_S): 2 s, the child connected; later
+# to see the flood's steady state (a tarpit's first one over: docs/security.md "The tarpit")
+FLOOD_SETTLE_S = float(os.environ.get("KVF_TEST_FLOOD_SETTLE_S", "2.0"))
 ALICE_LOOKUPS = 300
 ALICE_LOADS = 100  # whole loads through her client (lookup, load, release): the data path too
 ALICE_CHUNKS, ALICE_CHUNK_BYTES = 8, 4096
@@ -133,7 +139,8 @@ def flood(
                         counts["other"] += 1
                         await asyncio.sleep(HOLD_S if nobody == "paced" else 0)
                         continue
-                    reply = await router.ask(0, "lookup", m.Lookup(holder_id="f", groups=groups), TIMEOUT_S)
+                    lookup = m.Lookup(holder_id="f", groups=groups)
+                    reply = await router.ask(0, "lookup", lookup, FLOOD_TIMEOUT_S)
                     counts["served"] += 1
                     if isinstance(reply, m.LookupReply) and reply.lease_id:
                         release = m.LeaseRelease(holder_id="f", lease_id=reply.lease_id)
@@ -233,7 +240,7 @@ def measure(
                 loads["alone"] = await asyncio.to_thread(alices_loads, client, tokens, ALICE_LOADS)
                 attacker.start()
                 flood_began = time.monotonic()
-                await asyncio.sleep(2.0)  # the flood under way (the child has connected)
+                await asyncio.sleep(FLOOD_SETTLE_S)  # the flood under way (the child has connected)
                 scrapes.append(await asyncio.to_thread(scrape_metrics, port))
                 gc_before.update(gc_pauses(scrapes[-1]))
                 spy = profiler(directory.pid)
@@ -318,6 +325,7 @@ def measure(
         "alice_loads_short_alone_flood": [loads["alone"][1], loads["flood"][1]],
         "alice_during_s": round(during_s, 1),  # over FLOOD_S - 2: some of hers after the flood
         "bob_per_s": {k: round(v / FLOOD_S, 1) for k, v in bob_counts.items()},
+        "bob_tarpitted": fair("kvfabric_directory_tenant_tarpits_total"),
         "fair_refused_bob_rate": fair("kvfabric_directory_fair_refused_total", tenant="bob", reason="rate"),
         "fair_refused_bob_queue": fair("kvfabric_directory_fair_refused_total", tenant="bob", reason="queue"),
         "fair_refused_alice": sum(
@@ -439,6 +447,7 @@ def test_alices_lookups_keep_their_latency_while_bob_floods_max_size_lookups(tmp
 
 if __name__ == "__main__":
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    arms: dict[str, dict[str, str]]
     if sys.argv[2:] == ["hold"]:
         compare(rounds, ("rr:1",), ("0", "250"))
     elif sys.argv[2:3] == ["code"]:
@@ -447,8 +456,11 @@ if __name__ == "__main__":
         # his burst (1 id a second: what is left is receiving and refusing him)
         starved = {"KVF_DIRECTORY_FAIR_TENANT_IDS_PER_S": "1"}
         compare(rounds, ("rr:1",), arms={"default": {}, "bob_served_nothing": starved})
+    elif sys.argv[2:] == ["tarpit"]:  # bob's flood with the tarpit (the default) and without
+        arms = {"tarpit": {}, "no_tarpit": {"KVF_DIRECTORY_TENANT_TARPIT_REFUSALS": "0"}}
+        compare(rounds, ("rr:1",), arms=arms)
     elif sys.argv[2:] == ["nobody"]:  # bob's flood as is, and sent where nobody serves it
-        arms: dict[str, dict[str, str]] = {"default": {}, "bob_at_nobody_fast": {}, "bob_at_nobody_paced": {}}
+        arms = {"default": {}, "bob_at_nobody_fast": {}, "bob_at_nobody_paced": {}}
         compare(rounds, ("rr:1",), arms=arms)
     else:
         compare(rounds)

@@ -102,6 +102,17 @@ class ServiceMetrics:
             ["code"],
             registry=self.registry,
         )
+        # The tarpit (kvfabric.runtime.tarpit): tenants whose requests go unread, and how often.
+        self.tenants_tarpitted = Gauge(
+            f"{prefix}_tenants_tarpitted",
+            "Tenants whose work requests go to the tarpit now (refused too often).",
+            registry=self.registry,
+        )
+        self.tarpit_entries = Counter(
+            f"{prefix}_tenant_tarpits_total",
+            "Times a tenant was tarpitted.",
+            registry=self.registry,
+        )
         self.registry.register(GcCollector(service))
 
     def observe(self, *, endpoint: str, outcome: Outcome, duration_s: float, error_code: str | None) -> None:

@@ -48,6 +48,13 @@ loop a receive and a reply (issue 21 row 2: 26-253 such refusals a second). Boun
 until answered); past either bound the refusal is answered at once, as are refusals of service
 requests and of a full lane. A stop answers every held refusal at once (`Unavailable`).
 
+The tarpit (`tarpit=TarpitConfig(...)`, the directory's default; `kvfabric.runtime.tarpit`): a
+tenant answered `busy` on its work endpoints `refusals_max` times within a second has those
+endpoints' requests taken, for a while, by a second connection that never reads them, so the
+service stops receiving them at all and the sender waits out its own timeouts (holding refusals
+paces only a sender that waits for them). Its give-backs are never tarpitted. Started with the
+service, stopped first when it stops.
+
 Typed endpoints: an endpoint registered with its request type (`request=Kind` and the
 `decoder` of Kind's message family) has its request decoded and checked by the runtime, once,
 in the request's task: a malformed message is the decoder's `BadRequest` ("malformed <family>
@@ -110,6 +117,8 @@ from kvfabric.runtime.inflight import Admission, TenantLimiter
 from kvfabric.runtime.logs import get_logger, request_context
 from kvfabric.runtime.metrics import MetricsServer, Outcome, ServiceMetrics
 from kvfabric.runtime.replies import error_response, internal_error
+from kvfabric.runtime.tarpit import TenantTarpit
+from kvfabric.runtime.tarpit_core import TarpitConfig, TarpitCore
 
 __all__ = [
     "EXIT_OK",
@@ -238,6 +247,7 @@ class ServiceRuntime:
         version: str,
         description: str,
         tenant_refusal_hold_ms: int = TENANT_REFUSAL_HOLD_MS_DEFAULT,
+        tarpit: TarpitConfig | None = None,
     ) -> None:
         invariant(
             0 <= tenant_refusal_hold_ms <= TENANT_REFUSAL_HOLD_MS_MAX,
@@ -264,6 +274,11 @@ class ServiceRuntime:
         self._held = TenantLimiter(settings.inflight_max, self.tenant_inflight_max)
         self._held_tasks: set[asyncio.Task[None]] = set()
         self._holds_end = asyncio.Event()  # set by `stop`: held refusals are answered at once
+        # The tarpit (module docstring): a tenant refused too often has its work requests taken
+        # by a connection that never reads them. None: off.
+        self._tarpit_config = tarpit
+        self._tarpit: TenantTarpit | None = None
+        self._tarpit_task: asyncio.Task[None] | None = None
         self._endpoints: dict[str, _Endpoint] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._state = RuntimeState.CREATED
@@ -479,6 +494,7 @@ class ServiceRuntime:
             self._stopped.set()
             raise
         self._state = RuntimeState.RUNNING
+        self._start_tarpit()
         self._log.info(
             "service_started",
             version=self.version,
@@ -489,6 +505,54 @@ class ServiceRuntime:
             subjects=self.subjects,
             inflight_max=self._limiter.limit,
         )
+
+    @property
+    def tarpit(self) -> TenantTarpit | None:
+        """The tarpit, when configured and started (module docstring)."""
+        return self._tarpit
+
+    def _tarpit_subjects(self, tenant: str) -> list[str]:
+        """`tenant`'s work subjects (its tenant endpoints that are not give-backs)."""
+        wildcard = f"{TENANT_TOKEN}.*."
+        return [
+            f"{self.group}.{endpoint.relative.replace(wildcard, f'{TENANT_TOKEN}.{tenant}.', 1)}"
+            for endpoint in self._endpoints.values()
+            if endpoint.tenant_handler is not None and not endpoint.gives_back
+        ]
+
+    def _start_tarpit(self) -> None:
+        config = self._tarpit_config
+        if config is None or not self._tarpit_subjects("x"):
+            return
+        nc = self._nc
+        self._tarpit = TenantTarpit(
+            TarpitCore(config),
+            subjects_for=self._tarpit_subjects,
+            queue=self.group,
+            server=lambda: nc.connected_url if nc is not None and nc.is_connected else None,
+            auth=nats_auth_from_env(os.environ),
+            name=f"kvf-{self.service.value}-{self.settings.instance_id}-tarpit",
+            log=self._log,
+        )
+        self._tarpit_task = asyncio.create_task(self._tarpit.run(), name=f"kvf-{self.service.value}-tarpit")
+        self.watch(self._tarpit_task, "tarpit")
+
+    def _note_refusal(self, endpoint: _Endpoint, tenant: str | None) -> None:
+        """A `busy` answered to a tenant's work request: counted towards its tarpit."""
+        tarpit = self._tarpit
+        if tarpit is None or tenant is None or endpoint.gives_back or endpoint.tenant_handler is None:
+            return
+        entries = tarpit.core.entries_total
+        tarpit.note_refusal(tenant)
+        if tarpit.core.entries_total != entries:
+            self.metrics.tarpit_entries.inc()
+        self.metrics.tenants_tarpitted.set(len(tarpit.core.tarpitted()))
+
+    async def _stop_tarpit(self) -> None:
+        task, self._tarpit_task = self._tarpit_task, None
+        if task is not None and not task.done():
+            await cancel_and_wait({task}, STEP_TIMEOUT_S)
+        self.metrics.tenants_tarpitted.set(0)
 
     def _start_metrics(self) -> None:
         if not self.settings.metrics_enabled:
@@ -662,6 +726,7 @@ class ServiceRuntime:
             outcome: Outcome
             if self._state is RuntimeState.RUNNING:
                 err, outcome = self._busy(endpoint, admission), Outcome.BUSY
+                self._note_refusal(endpoint, tenant)
             else:
                 err, outcome = Unavailable(f"service is {self._state.value}"), Outcome.ERROR
             await self._reply_error(request, err)
@@ -711,6 +776,8 @@ class ServiceRuntime:
             )
             data = encode(reply)
         except KvfError as err:
+            if isinstance(err, Busy):  # the handler's own refusal (the directory's fair admission)
+                self._note_refusal(endpoint, tenant)
             await pad_until(received_s + endpoint.reply_min_s)
             await self._reply_error(request, err)
             self._finish(endpoint, Outcome.ERROR, received_s, err.code, error=err.message, tenant=tenant)
@@ -970,6 +1037,7 @@ class ServiceRuntime:
             if self._stop_reason is None:
                 self._stop_reason = "stop_called"
             self._state = RuntimeState.STOPPING
+            await self._stop_tarpit()
             await self._answer_held_refusals()
             await self._stop_micro()
             await self._finish_inflight()

@@ -102,6 +102,7 @@ async def serve(settings: RuntimeSettings) -> int:
         version=DIRECTORY_VERSION,
         description="kvfabric directory: object lifecycle, publish, leases, placement",
         tenant_refusal_hold_ms=config.tenant_refusal_hold_ms,
+        tarpit=config.tarpit,
     )
     runtime.stop_on_signals()
     try:

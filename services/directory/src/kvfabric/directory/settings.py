@@ -47,6 +47,8 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_GIVEBACK_EMPTY_BURST_IDS` | 65536 | … its bucket and deepest debt, ids |
 | `KVF_DIRECTORY_CPU_PRIORITY` | `nice:-10` | CPU priority: `nice:N`, `rr:P` or `off` (`.cpu_priority`) |
 | `KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS` | 250 | a tenant past its in-flight share is refused this late, ms |
+| `KVF_DIRECTORY_TENANT_TARPIT_REFUSALS` | 48 | `busy` answers to a tenant in 1 s that tarpit it (0: off) |
+| `KVF_DIRECTORY_TENANT_TARPIT_MS` | 2000 | its first tarpit, ms (doubled on a repeat within 60 s, ≤ 30 s) |
 
 The leader lease is how long a standby waits before it takes over the shards of an instance that
 died without a word (a leader renews every second, or every third of a shorter lease). On a NATS
@@ -110,6 +112,9 @@ from kvfabric.proto.subjects import check_tenant
 from kvfabric.proto.tickets import SECRET_BYTES_MIN
 from kvfabric.runtime.config import SettingsError, env_int
 from kvfabric.runtime.service import TENANT_REFUSAL_HOLD_MS_DEFAULT, TENANT_REFUSAL_HOLD_MS_MAX
+from kvfabric.runtime.tarpit_core import TarpitConfig
+
+TARPIT_DEFAULT: Final = TarpitConfig()
 
 __all__ = [
     "FAIR_DEFAULT",
@@ -165,6 +170,8 @@ class DirectorySettings:
     lookup_reply_min_ms: int = 0
     write_slice_ids: int = WRITE_SLICE_IDS_DEFAULT
     tenant_refusal_hold_ms: int = TENANT_REFUSAL_HOLD_MS_DEFAULT
+    # The tarpit (kvfabric.runtime.tarpit; docs/security.md): None = off.
+    tarpit: TarpitConfig | None = TARPIT_DEFAULT
     shards: int = 16
     rebalance: bool = False
     kv_replicas: int = 1
@@ -246,6 +253,7 @@ def load_directory_settings(env: Mapping[str, str]) -> DirectorySettings:
             0,
             TENANT_REFUSAL_HOLD_MS_MAX,
         ),
+        tarpit=_tarpit(env),
         fair=load_fair_admission(env),
         cpu_priority=parse_cpu_priority(env.get("KVF_DIRECTORY_CPU_PRIORITY", CPU_PRIORITY_DEFAULT)),
     )
@@ -289,6 +297,16 @@ def per_shard(quota: TenantQuota, shards: int) -> TenantQuota:
         bytes_max=math.ceil(quota.bytes_max / shards),
         objects_max=math.ceil(quota.objects_max / shards),
     )
+
+
+def _tarpit(env: Mapping[str, str]) -> TarpitConfig | None:
+    """The tarpit's trigger and first duration (table above); 0 refusals: off."""
+    default = TARPIT_DEFAULT
+    refusals = env_int(env, "KVF_DIRECTORY_TENANT_TARPIT_REFUSALS", default.refusals_max, 0, 1_000_000)
+    if refusals == 0:
+        return None
+    first_ms = env_int(env, "KVF_DIRECTORY_TENANT_TARPIT_MS", round(default.duration_s * 1000), 1, 30_000)
+    return TarpitConfig(refusals_max=refusals, duration_s=first_ms / 1000)
 
 
 def _grants(env: Mapping[str, str]) -> dict[str, TenantGrant]:

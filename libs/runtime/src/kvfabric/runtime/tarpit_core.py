@@ -1,0 +1,125 @@
+"""Which tenants are tarpitted now: a synchronous, I/O-free core (time passed in).
+
+Why (issue 21 row 2, docs/security.md "The tarpit"): a tenant that keeps sending requests it is
+refused (`busy`) costs the other tenants what receiving them costs — each request crosses
+nats-server's TLS and the service's one NATS connection and is read whole before anything can
+refuse it. Measured, refusing such a tenant at the server with its requests *paced* is what
+keeps the others' p99 within 2×; NATS has no per-user rate, so the shell (`tarpit.py`) makes the
+pace: while a tenant is tarpitted, its requests are delivered to a connection that never reads
+them, and its senders wait out their own timeouts.
+
+States per tenant: free → (≥ `refusals_max` refusals within one `window_s`) → tarpitted until
+`now + duration` → free (the shell drops what it held). A tenant tarpitted again within
+`forgive_s` of its last release gets twice the previous duration, up to `duration_max_s`;
+after `forgive_s` free it starts again at `duration_s`.
+
+Invariants:
+- a tenant is tarpitted only after `refusals_max` refusals in one window (`note_refusal`
+  returns True exactly at that transition); honest clients, who back off on `busy` (20 ms
+  doubling to 500 ms, each refusal held 250 ms), stay far below it;
+- every tarpit ends: `until_s - start ≤ duration_max_s`;
+- bounded memory: at most `tenants_max` tenants tracked (the least recently refused free one
+  is forgotten first; tarpitted ones are kept, and a new tenant past the bound is not tracked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from kvfabric.format.invariant import invariant
+
+__all__ = ["TarpitConfig", "TarpitCore"]
+
+TENANTS_MAX_DEFAULT: Final = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class TarpitConfig:
+    refusals_max: int = 48  # refusals of one tenant within one window that tarpit it
+    window_s: float = 1.0
+    duration_s: float = 2.0  # the first tarpit; doubled on each repeat within forgive_s
+    duration_max_s: float = 30.0
+    forgive_s: float = 60.0
+    tenants_max: int = TENANTS_MAX_DEFAULT
+
+    def __post_init__(self) -> None:
+        invariant(self.refusals_max >= 1, "tarpit refusals_max must be >= 1", refusals_max=self.refusals_max)
+        invariant(self.window_s > 0 and self.duration_s > 0, "tarpit window and duration must be > 0")
+        invariant(self.duration_max_s >= self.duration_s, "tarpit duration_max_s below duration_s")
+        invariant(self.tenants_max >= 1, "tarpit tenants_max must be >= 1")
+
+
+@dataclass(slots=True)
+class _Tenant:
+    window_start_s: float
+    refusals: int = 0
+    until_s: float | None = None  # tarpitted until then
+    released_s: float | None = None  # when the last tarpit ended
+    last_duration_s: float = 0.0
+    last_seen_s: float = 0.0
+
+
+class TarpitCore:
+    def __init__(self, config: TarpitConfig | None = None) -> None:
+        self.config = config or TarpitConfig()
+        self._tenants: dict[str, _Tenant] = {}
+        self.entries_total = 0
+
+    def note_refusal(self, tenant: str, now_s: float) -> bool:
+        """A `busy` answered to `tenant`'s request. True when this refusal tarpits it."""
+        state = self._tenants.get(tenant)
+        if state is None:
+            if not self._room():
+                return False
+            state = self._tenants[tenant] = _Tenant(window_start_s=now_s)
+        else:  # most recent last: the forgetting order of `_room`
+            self._tenants[tenant] = self._tenants.pop(tenant)
+        state.last_seen_s = now_s
+        if state.until_s is not None:
+            return False  # already tarpitted (a request that reached the service anyway)
+        if now_s - state.window_start_s >= self.config.window_s:
+            state.window_start_s, state.refusals = now_s, 0
+        state.refusals += 1
+        if state.refusals < self.config.refusals_max:
+            return False
+        repeat = state.released_s is not None and now_s - state.released_s < self.config.forgive_s
+        duration = self.config.duration_s
+        if repeat:
+            duration = min(state.last_duration_s * 2, self.config.duration_max_s)
+        state.until_s, state.last_duration_s, state.refusals = now_s + duration, duration, 0
+        self.entries_total += 1
+        return True
+
+    def expire(self, now_s: float) -> list[str]:
+        """Tenants whose tarpit ended by `now_s` (now free)."""
+        ended = [t for t, s in self._tenants.items() if s.until_s is not None and s.until_s <= now_s]
+        for tenant in ended:
+            state = self._tenants[tenant]
+            state.until_s, state.released_s = None, now_s
+            state.window_start_s, state.refusals = now_s, 0
+        return ended
+
+    def tarpitted(self) -> frozenset[str]:
+        return frozenset(t for t, s in self._tenants.items() if s.until_s is not None)
+
+    def until_s(self, tenant: str) -> float | None:
+        state = self._tenants.get(tenant)
+        return state.until_s if state is not None else None
+
+    def next_expiry_s(self) -> float | None:
+        ends = [s.until_s for s in self._tenants.values() if s.until_s is not None]
+        return min(ends) if ends else None
+
+    def tracked(self) -> int:
+        return len(self._tenants)
+
+    def _room(self) -> bool:
+        """Make room for one more tenant if the bound allows (forgets the least recent free one)."""
+        if len(self._tenants) < self.config.tenants_max:
+            return True
+        for tenant, state in self._tenants.items():  # oldest first (moved to the end when seen)
+            if state.until_s is None:
+                del self._tenants[tenant]
+                return True
+        return False
