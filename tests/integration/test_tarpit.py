@@ -56,7 +56,11 @@ async def service(url: str) -> AsyncIterator[Harness]:
     async def work(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
         harness.handled[tenant] = harness.handled.get(tenant, 0) + 1
         if tenant == "bob":
-            raise Busy("bob is over his budget")
+            busy = Busy("bob is over his budget")
+            busy.tenants_own = True  # his own doing, as the directory's fair admission says
+            raise busy
+        if tenant == "carol":
+            raise Busy("a table for all is full")  # not her doing: never counts
         return Done(tenant)
 
     async def give(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
@@ -110,12 +114,26 @@ async def test_a_flooding_tenant_is_tarpitted_and_the_others_are_not(nats_server
             assert [await ask(alice, "alice", "work", 2.0) for _ in range(20)] == ["ok"] * 20
             assert [await ask(bob, "bob", "give", 2.0) for _ in range(20)] == ["ok"] * 20  # give-backs go on
 
+            assert svc.runtime.metrics.tenants_tarpitted._value.get() == 1
             await wait_for(lambda: tarpit.link_tenants == frozenset(), timeout_s=TARPIT_S + 2)
             assert tarpit.core.tarpitted() == frozenset()
+            await wait_for(lambda: svc.runtime.metrics.tenants_tarpitted._value.get() == 0)
+            assert svc.runtime.metrics.tarpit_links._value.get() == tarpit.links_opened_total >= 1
             assert [await ask(bob, "bob", "work", 2.0) for _ in range(3)] == ["busy"] * 3  # answered again
         finally:
             await bob.close()
             await alice.close()
+
+
+async def test_refusals_that_are_not_the_tenants_doing_never_tarpit_it(nats_server: NatsServer) -> None:
+    async with service(nats_server.url) as svc:
+        carol = await tenant_client(nats_server.url, "carol")
+        try:
+            answers = [await ask(carol, "carol", "work", 2.0) for _ in range(REFUSALS * 4)]
+            assert answers == ["busy"] * (REFUSALS * 4)
+            assert svc.runtime.tarpit is not None and svc.runtime.tarpit.core.tarpitted() == frozenset()
+        finally:
+            await carol.close()
 
 
 async def test_a_link_the_server_closes_is_opened_again_while_the_tarpit_lasts(

@@ -54,15 +54,60 @@ def test_one_tenant_in_the_tarpit_leaves_the_others_free() -> None:
 
 
 def test_memory_is_bounded_and_tarpitted_tenants_are_never_forgotten() -> None:
-    core = TarpitCore(TarpitConfig(refusals_max=2, tenants_max=3))
+    core = TarpitCore(TarpitConfig(refusals_max=2, tarpitted_max=2, tenants_max=3))
     refuse(core, "bob", 2, 0.0)  # tarpitted
     for i in range(10):
         core.note_refusal(f"t{i}", 0.0)
     assert core.tracked() == 3 and core.tarpitted() == {"bob"}
-    carol = TarpitCore(TarpitConfig(refusals_max=1, tenants_max=2))
+    carol = TarpitCore(TarpitConfig(refusals_max=1, tarpitted_max=2, tenants_max=2))
     assert carol.note_refusal("a", 0.0) and carol.note_refusal("b", 0.0)
     assert not carol.note_refusal("c", 0.0)  # full of tarpitted tenants: not tracked
     assert carol.tracked() == 2
+
+
+def test_at_most_tarpitted_max_at_once() -> None:
+    core = TarpitCore(TarpitConfig(refusals_max=1, tarpitted_max=2))
+    assert [core.note_refusal(t, 0.0) for t in "abc"] == [True, True, False]
+    assert core.tarpitted() == {"a", "b"}
+    assert core.expire(10.0) == ["a", "b"] and core.note_refusal("c", 10.0)
+
+
+class Model:
+    """What the core must do, written the simple way: per tenant the refusals of its current
+    window, its tarpit's end, its last release and duration (no memory bound: the test keeps
+    to fewer tenants than `tenants_max`)."""
+
+    def __init__(self, config: TarpitConfig) -> None:
+        self.c = config
+        self.window: dict[str, tuple[float, int]] = {}
+        self.until: dict[str, float] = {}
+        self.released: dict[str, tuple[float, float]] = {}  # tenant -> (when, last duration)
+
+    def refuse(self, tenant: str, now: float) -> bool:
+        if tenant in self.until:
+            return False
+        start, count = self.window.get(tenant, (now, 0))
+        if now - start >= self.c.window_s:
+            start, count = now, 0
+        count += 1
+        self.window[tenant] = (start, count)
+        if count < self.c.refusals_max or len(self.until) >= self.c.tarpitted_max:
+            return False
+        duration = self.c.duration_s
+        if tenant in self.released and now - self.released[tenant][0] < self.c.forgive_s:
+            duration = min(self.released[tenant][1] * 2, self.c.duration_max_s)
+        self.until[tenant] = now + duration
+        self.released[tenant] = (self.released.get(tenant, (0.0, 0.0))[0], duration)
+        self.window[tenant] = (start, 0)
+        return True
+
+    def expire(self, now: float) -> list[str]:
+        ended = sorted(t for t, u in self.until.items() if u <= now)
+        for tenant in ended:
+            del self.until[tenant]
+            self.released[tenant] = (now, self.released[tenant][1])
+            self.window[tenant] = (now, 0)
+        return ended
 
 
 events = st.lists(
@@ -71,24 +116,33 @@ events = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
-@given(events)
-def test_invariants_over_any_refusal_pattern(steps: list[tuple[str, float, bool]]) -> None:
-    config = TarpitConfig(refusals_max=3, window_s=1.0, duration_s=0.5, duration_max_s=4.0, tenants_max=3)
-    core = TarpitCore(config)
+@settings(max_examples=300, deadline=None)
+@given(events, st.integers(min_value=1, max_value=4))
+def test_the_core_does_what_the_model_does(steps: list[tuple[str, float, bool]], most: int) -> None:
+    config = TarpitConfig(
+        refusals_max=3, window_s=1.0, duration_s=0.5, duration_max_s=4.0, forgive_s=5.0, tarpitted_max=most
+    )
+    core, model = TarpitCore(config), Model(config)
     now = 0.0
     for tenant, advance, expire in steps:
         now += advance
-        before = core.until_s(tenant)
-        entered = core.note_refusal(tenant, now)
-        until = core.until_s(tenant)
-        if entered:
-            assert before is None and until is not None
-            assert config.duration_s <= until - now <= config.duration_max_s
-        else:
-            assert until == before or (before is None and until is None)
+        assert core.note_refusal(tenant, now) == model.refuse(tenant, now)
         if expire:
-            for ended in core.expire(now):
-                assert core.until_s(ended) is None
-        assert core.tracked() <= config.tenants_max
-        assert all((core.until_s(t) or 0) <= now + config.duration_max_s for t in core.tarpitted())
+            assert core.expire(now) == model.expire(now)
+        assert core.tarpitted() == set(model.until)
+        assert all(core.until_s(t) == u for t, u in model.until.items())
+        assert len(core.tarpitted()) <= most
+        assert all(u - now <= config.duration_max_s for u in model.until.values())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.floats(min_value=0, max_value=2)), max_size=300))
+def test_memory_stays_bounded_and_keeps_every_tarpitted_tenant(steps: list[tuple[int, float]]) -> None:
+    core = TarpitCore(TarpitConfig(refusals_max=2, tarpitted_max=3, tenants_max=5, duration_s=1.0))
+    now = 0.0
+    for tenant, advance in steps:
+        now += advance
+        core.note_refusal(f"t{tenant}", now)
+        core.expire(now)
+        assert core.tracked() <= 5
+        assert all(core.until_s(t) is not None for t in core.tarpitted())

@@ -176,6 +176,11 @@ class Busy(KvfError):
     code = "busy"
     status = 503
     retryable = True
+    # Not on the wire: True where the refusal is the tenant's own doing (its share of the
+    # in-flight slots, its queue or budget at the directory), which a service counts towards the
+    # tenant's tarpit (`kvfabric.runtime.tarpit_core`); a refusal for all (a full service, a full
+    # table) is not the tenant's doing and never counts.
+    tenants_own: bool = False
 
 
 class Unavailable(KvfError):

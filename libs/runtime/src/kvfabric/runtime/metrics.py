@@ -113,6 +113,16 @@ class ServiceMetrics:
             "Times a tenant was tarpitted.",
             registry=self.registry,
         )
+        self.tarpit_links = Counter(
+            f"{prefix}_tarpit_links_total",
+            "Tarpit connections opened (one a second while a tenant is tarpitted).",
+            registry=self.registry,
+        )
+        self.tarpit_link_failures = Counter(
+            f"{prefix}_tarpit_link_failures_total",
+            "Tarpit connections that could not be opened (a tarpitted tenant then reaches the service).",
+            registry=self.registry,
+        )
         self.registry.register(GcCollector(service))
 
     def observe(self, *, endpoint: str, outcome: Outcome, duration_s: float, error_code: str | None) -> None:

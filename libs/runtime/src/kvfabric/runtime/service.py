@@ -234,6 +234,7 @@ class _Endpoint:
     tenant_handler: TenantHandler | None = None
     reply_min_s: float = 0.0  # no reply (answer or error) leaves before this long after receipt
     gives_back: bool = False  # only gives resources back: slots from the give-back lane
+    tarpittable: bool = False  # a tenant work endpoint the tarpit may take (`add_tenant_endpoint`)
 
 
 class ServiceRuntime:
@@ -279,6 +280,7 @@ class ServiceRuntime:
         self._tarpit_config = tarpit
         self._tarpit: TenantTarpit | None = None
         self._tarpit_task: asyncio.Task[None] | None = None
+        self._tarpit_exported: dict[str, int] = {}  # its counters' totals as last exported
         self._endpoints: dict[str, _Endpoint] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._state = RuntimeState.CREATED
@@ -421,6 +423,7 @@ class ServiceRuntime:
         reply_min_ms: int = 0,
         instance: str | None = None,
         gives_back: bool = False,
+        tarpittable: bool = True,
     ) -> str: ...
 
     @overload
@@ -434,6 +437,7 @@ class ServiceRuntime:
         reply_min_ms: int = 0,
         instance: str | None = None,
         gives_back: bool = False,
+        tarpittable: bool = True,
     ) -> str: ...
 
     def add_tenant_endpoint(
@@ -446,13 +450,16 @@ class ServiceRuntime:
         reply_min_ms: int = 0,
         instance: str | None = None,
         gives_back: bool = False,
+        tarpittable: bool = True,
     ) -> str:
         """Register `handler` for every tenant's `kvf.v1.<service>.t.<tenant>.<verb>` (or
         `...<verb>.<instance>` for this instance only) before `start`; it is called with the tenant
         token as third argument. `request`/`decoder`: a typed endpoint, as `add_endpoint`.
         `reply_min_ms` > 0 holds every reply until that long after
         receipt (hides how long the handler took: a timing side channel). `gives_back`: its
-        requests only give resources back (module docstring). Returns the subject."""
+        requests only give resources back (module docstring). `tarpittable=False`: never taken
+        by the tarpit (work that ends what a tenant began: a commit, a renewal, a report; give-backs
+        never are). Returns the subject."""
         invariant(self._state is RuntimeState.CREATED, "endpoints are added before start", state=self._state)
         name = f"tenant_{verb}"
         invariant(name not in self._endpoints, "endpoint registered twice", verb=name)
@@ -473,6 +480,7 @@ class ServiceRuntime:
             tenant_handler=raw,
             reply_min_s=reply_min_ms / 1000,
             gives_back=gives_back,
+            tarpittable=tarpittable and not gives_back,
         )
         return f"{self.group}.{relative}"
 
@@ -517,7 +525,7 @@ class ServiceRuntime:
         return [
             f"{self.group}.{endpoint.relative.replace(wildcard, f'{TENANT_TOKEN}.{tenant}.', 1)}"
             for endpoint in self._endpoints.values()
-            if endpoint.tenant_handler is not None and not endpoint.gives_back
+            if endpoint.tarpittable
         ]
 
     def _start_tarpit(self) -> None:
@@ -525,14 +533,22 @@ class ServiceRuntime:
         if config is None or not self._tarpit_subjects("x"):
             return
         nc = self._nc
+        auth = nats_auth_from_env(os.environ)
+        try:  # built once (a link a second); the main connection was made with the same
+            tls = auth.tls_context()
+        except (OSError, ValueError) as exc:
+            self._log.error("tarpit_off", reason=f"{type(exc).__name__}: {exc}")
+            return
         self._tarpit = TenantTarpit(
             TarpitCore(config),
             subjects_for=self._tarpit_subjects,
             queue=self.group,
             server=lambda: nc.connected_url if nc is not None and nc.is_connected else None,
-            auth=nats_auth_from_env(os.environ),
+            auth=auth,
+            tls=tls,
             name=f"kvf-{self.service.value}-{self.settings.instance_id}-tarpit",
             log=self._log,
+            on_change=self._export_tarpit,
         )
         self._tarpit_task = asyncio.create_task(self._tarpit.run(), name=f"kvf-{self.service.value}-tarpit")
         self.watch(self._tarpit_task, "tarpit")
@@ -540,13 +556,25 @@ class ServiceRuntime:
     def _note_refusal(self, endpoint: _Endpoint, tenant: str | None) -> None:
         """A `busy` answered to a tenant's work request: counted towards its tarpit."""
         tarpit = self._tarpit
-        if tarpit is None or tenant is None or endpoint.gives_back or endpoint.tenant_handler is None:
+        if tarpit is not None and tenant is not None and endpoint.tarpittable:
+            tarpit.note_refusal(tenant)
+
+    def _export_tarpit(self) -> None:
+        """The tarpit's state into the service's metrics (counters by what grew since last)."""
+        tarpit = self._tarpit
+        if tarpit is None:
             return
-        entries = tarpit.core.entries_total
-        tarpit.note_refusal(tenant)
-        if tarpit.core.entries_total != entries:
-            self.metrics.tarpit_entries.inc()
-        self.metrics.tenants_tarpitted.set(len(tarpit.core.tarpitted()))
+        m = self.metrics
+        m.tenants_tarpitted.set(len(tarpit.core.tarpitted()))
+        for name, counter, total in (
+            ("entries", m.tarpit_entries, tarpit.core.entries_total),
+            ("links", m.tarpit_links, tarpit.links_opened_total),
+            ("failures", m.tarpit_link_failures, tarpit.link_failures_total),
+        ):
+            grown = total - self._tarpit_exported.get(name, 0)
+            if grown > 0:
+                counter.inc(grown)
+                self._tarpit_exported[name] = total
 
     async def _stop_tarpit(self) -> None:
         task, self._tarpit_task = self._tarpit_task, None
@@ -726,7 +754,8 @@ class ServiceRuntime:
             outcome: Outcome
             if self._state is RuntimeState.RUNNING:
                 err, outcome = self._busy(endpoint, admission), Outcome.BUSY
-                self._note_refusal(endpoint, tenant)
+                if admission is Admission.TENANT_FULL:  # its share: its own doing (not a full lane)
+                    self._note_refusal(endpoint, tenant)
             else:
                 err, outcome = Unavailable(f"service is {self._state.value}"), Outcome.ERROR
             await self._reply_error(request, err)
@@ -776,7 +805,7 @@ class ServiceRuntime:
             )
             data = encode(reply)
         except KvfError as err:
-            if isinstance(err, Busy):  # the handler's own refusal (the directory's fair admission)
+            if isinstance(err, Busy) and err.tenants_own:  # the directory's fair admission
                 self._note_refusal(endpoint, tenant)
             await pad_until(received_s + endpoint.reply_min_s)
             await self._reply_error(request, err)

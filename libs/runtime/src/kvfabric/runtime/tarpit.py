@@ -25,8 +25,11 @@ bounded by asyncio's stream buffer (it pauses reading past 128 KiB). A link is r
 requests go with it. The link connects to the server the service's own connection uses (NATS
 prefers queue subscribers on the publisher's server), with the service's credentials and TLS.
 
-Bounds: one link at a time, opened at most once per `LINK_RETRY_S` after a failure, each step
-awaited with `LINK_TIMEOUT_S`; `run` ends when cancelled.
+Bounds: one link at a time (two while one replaces the other), opened at most once per
+`LINK_RETRY_S` after a failure, each step awaited with `LINK_TIMEOUT_S`; a link past
+`LINK_AGE_S_MAX` is dropped even when its replacement failed (it would fill nats-server's buffer
+for it); `run` ends when cancelled and never raises for a link it could not open (a service's
+watched task: an exception would stop the service).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ LINK_TIMEOUT_S: Final = 5.0
 LINK_RETRY_S: Final = 1.0
 TICK_S: Final = 0.25  # how often the link is checked (a PING written: a closed link fails it)
 ROTATE_S: Final = 1.0  # a link is replaced this often while it holds tenants (module docstring)
+LINK_AGE_S_MAX: Final = 2 * ROTATE_S
 WEIGHT_DEFAULT: Final = 63  # the service's endpoint gets 1 in 64 of a tarpitted tenant's requests
 
 
@@ -63,6 +67,7 @@ class TarpitLink:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     opened_s: float = 0.0  # on the tarpit's clock
+    closed_seen: bool = False  # its close by the server was logged
 
     def alive(self) -> bool:
         return not self.writer.is_closing()
@@ -92,6 +97,17 @@ async def _frame(reader: asyncio.StreamReader) -> bytes:
     return line
 
 
+def credentials(server: ParseResult, auth: NatsAuth) -> dict[str, str]:
+    """CONNECT's credentials: those in the server URL (as nats-py takes them), else `auth`'s."""
+    if server.username and server.password:
+        return {"user": server.username, "pass": server.password}
+    if server.username:
+        return {"auth_token": server.username}
+    if auth.user:
+        return {"user": auth.user, "pass": auth.password}
+    return {}
+
+
 async def open_link(
     server: ParseResult,
     auth: NatsAuth,
@@ -101,22 +117,25 @@ async def open_link(
     weight: int,
     tenants: frozenset[str],
     name: str,
+    tls: ssl.SSLContext | None = None,
     timeout_s: float = LINK_TIMEOUT_S,
 ) -> TarpitLink:
     """Connect, authenticate, subscribe `weight` times to each subject in `queue`, and see the
-    server's PONG (so every SUB is in place). Raises `LinkError`."""
-    host, port = server.hostname or "127.0.0.1", server.port or 4222
-    context = auth.tls_context()
+    server's PONG (so every SUB is in place). `tls`: the service's context (built once).
+    Raises `LinkError`."""
     writer: asyncio.StreamWriter | None = None
     try:
+        host, port = server.hostname or "127.0.0.1", server.port or 4222
         async with asyncio.timeout(timeout_s):
             reader, writer = await asyncio.open_connection(host, port)
             info_line = await reader.readline()
             if not info_line.startswith(b"INFO "):
                 raise LinkError(f"no INFO from the server: {info_line[:40]!r}")
-            info: dict[str, Any] = json.loads(info_line[5:])
-            if info.get("tls_required") or context is not None or server.scheme == "tls":
-                await writer.start_tls(context or ssl.create_default_context(), server_hostname=host)
+            info = json.loads(info_line[5:])
+            if not isinstance(info, dict):
+                raise LinkError("the server's INFO is not an object")
+            if info.get("tls_required") or tls is not None or server.scheme == "tls":
+                await writer.start_tls(tls or ssl.create_default_context(), server_hostname=host)
             connect: dict[str, Any] = {
                 "verbose": False,
                 "pedantic": False,
@@ -127,8 +146,7 @@ async def open_link(
                 "headers": True,
                 "no_responders": True,
             }
-            if auth.user:
-                connect["user"], connect["pass"] = auth.user, auth.password
+            connect.update(credentials(server, auth))
             lines = [b"CONNECT " + json.dumps(connect).encode() + b"\r\n"]
             sid = 0
             for subject in subjects:
@@ -148,11 +166,11 @@ async def open_link(
                     writer.write(b"PONG\r\n")
     except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, ssl.SSLError) as exc:
         if writer is not None:
-            writer.close()
+            writer.transport.abort()
         raise LinkError(f"{type(exc).__name__}: {exc}") from exc
     except BaseException:
         if writer is not None:
-            writer.close()
+            writer.transport.abort()
         raise
 
 
@@ -169,14 +187,18 @@ class TenantTarpit:
         auth: NatsAuth,
         name: str,
         log: Any,
+        tls: ssl.SSLContext | None = None,
         weight: int = WEIGHT_DEFAULT,
         clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.core = core
         self._subjects_for = subjects_for
         self._queue = queue
         self._server = server
         self._auth = auth
+        self._tls = tls
+        self._on_change = on_change  # after every pass of `run` (the service's metrics)
         self._name = name
         self._log = log
         self.weight = weight
@@ -198,26 +220,32 @@ class TenantTarpit:
             until = self.core.until_s(tenant) or now_s
             self._log.warning("tenant_tarpitted", tenant=tenant, seconds=round(until - now_s, 3))
             self._changed.set()
+            self._on_change()
 
     async def run(self) -> None:
         """Keep the link holding exactly the tarpitted tenants, until cancelled."""
         try:
             while True:
+                self._changed.clear()  # before `want`: a tenant tarpitted from here on wakes the wait
                 for tenant in self.core.expire(self._clock()):
                     self._log.info("tenant_tarpit_ended", tenant=tenant)
                 want = self.core.tarpitted()
                 link = self._link
-                if link is not None and (not link.alive() or link.tenants != want):
-                    if not want:
-                        self._link = None
-                        await link.close()
-                    elif not link.alive():
-                        self._log.info("tarpit_link_closed_by_server", tenants=sorted(link.tenants))
+                if link is not None and not want:
+                    self._link = None
+                    await link.close()
+                elif link is not None and not link.alive() and not link.closed_seen:
+                    link.closed_seen = True
+                    self._log.info("tarpit_link_closed_by_server", tenants=sorted(link.tenants))
                 if want and self._needs_new_link(want):
                     await self._replace(want)
+                link = self._link
+                if link is not None and self._clock() - link.opened_s > LINK_AGE_S_MAX:
+                    self._link = None  # its replacement failed: not kept to fill the server's buffer
+                    await link.close()
                 if self._link is not None:
                     self._link.ping()
-                self._changed.clear()
+                self._on_change()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._wait_s()):
                         await self._changed.wait()
@@ -247,11 +275,20 @@ class TenantTarpit:
         subjects = [s for tenant in sorted(want) for s in self._subjects_for(tenant)]
         try:
             new = await open_link(
-                server, self._auth, subjects, self._queue, weight=self.weight, tenants=want, name=self._name
+                server,
+                self._auth,
+                subjects,
+                self._queue,
+                weight=self.weight,
+                tenants=want,
+                name=self._name,
+                tls=self._tls,
             )
-        except LinkError as exc:
+        except Exception as exc:  # any: a watched task's exception would stop the service
             self.link_failures_total += 1
-            self._log.warning("tarpit_link_failed", error=str(exc), tenants=sorted(want))
+            self._log.warning(
+                "tarpit_link_failed", error=f"{type(exc).__name__}: {exc}", tenants=sorted(want)
+            )
             await asyncio.sleep(LINK_RETRY_S)
             return
         new.opened_s = self._clock()

@@ -18,6 +18,8 @@ Invariants:
   returns True exactly at that transition); honest clients, who back off on `busy` (20 ms
   doubling to 500 ms, each refusal held 250 ms), stay far below it;
 - every tarpit ends: `until_s - start ≤ duration_max_s`;
+- at most `tarpitted_max` tenants tarpitted at once (each costs the link subscriptions: past it,
+  a tenant stays with held refusals);
 - bounded memory: at most `tenants_max` tenants tracked (the least recently refused free one
   is forgotten first; tarpitted ones are kept, and a new tenant past the bound is not tracked).
 """
@@ -41,6 +43,7 @@ class TarpitConfig:
     duration_s: float = 2.0  # the first tarpit; doubled on each repeat within forgive_s
     duration_max_s: float = 30.0
     forgive_s: float = 60.0
+    tarpitted_max: int = 16
     tenants_max: int = TENANTS_MAX_DEFAULT
 
     def __post_init__(self) -> None:
@@ -48,6 +51,7 @@ class TarpitConfig:
         invariant(self.window_s > 0 and self.duration_s > 0, "tarpit window and duration must be > 0")
         invariant(self.duration_max_s >= self.duration_s, "tarpit duration_max_s below duration_s")
         invariant(self.tenants_max >= 1, "tarpit tenants_max must be >= 1")
+        invariant(1 <= self.tarpitted_max <= self.tenants_max, "tarpit tarpitted_max out of range")
 
 
 @dataclass(slots=True)
@@ -64,6 +68,7 @@ class TarpitCore:
     def __init__(self, config: TarpitConfig | None = None) -> None:
         self.config = config or TarpitConfig()
         self._tenants: dict[str, _Tenant] = {}
+        self._tarpitted: set[str] = set()
         self.entries_total = 0
 
     def note_refusal(self, tenant: str, now_s: float) -> bool:
@@ -81,34 +86,36 @@ class TarpitCore:
         if now_s - state.window_start_s >= self.config.window_s:
             state.window_start_s, state.refusals = now_s, 0
         state.refusals += 1
-        if state.refusals < self.config.refusals_max:
+        if state.refusals < self.config.refusals_max or len(self._tarpitted) >= self.config.tarpitted_max:
             return False
         repeat = state.released_s is not None and now_s - state.released_s < self.config.forgive_s
         duration = self.config.duration_s
         if repeat:
             duration = min(state.last_duration_s * 2, self.config.duration_max_s)
         state.until_s, state.last_duration_s, state.refusals = now_s + duration, duration, 0
+        self._tarpitted.add(tenant)
         self.entries_total += 1
         return True
 
     def expire(self, now_s: float) -> list[str]:
         """Tenants whose tarpit ended by `now_s` (now free)."""
-        ended = [t for t, s in self._tenants.items() if s.until_s is not None and s.until_s <= now_s]
+        ended = sorted(t for t in self._tarpitted if (self._tenants[t].until_s or 0) <= now_s)
         for tenant in ended:
+            self._tarpitted.discard(tenant)
             state = self._tenants[tenant]
             state.until_s, state.released_s = None, now_s
             state.window_start_s, state.refusals = now_s, 0
         return ended
 
     def tarpitted(self) -> frozenset[str]:
-        return frozenset(t for t, s in self._tenants.items() if s.until_s is not None)
+        return frozenset(self._tarpitted)
 
     def until_s(self, tenant: str) -> float | None:
         state = self._tenants.get(tenant)
         return state.until_s if state is not None else None
 
     def next_expiry_s(self) -> float | None:
-        ends = [s.until_s for s in self._tenants.values() if s.until_s is not None]
+        ends = [self._tenants[t].until_s or 0.0 for t in self._tarpitted]
         return min(ends) if ends else None
 
     def tracked(self) -> int:

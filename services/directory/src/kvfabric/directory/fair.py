@@ -162,6 +162,7 @@ class FairGate:
                 "tenant's queue of requests waiting for the directory is full",
                 fair_tenant_queue_max=c.queue_max,
             )
+            busy.tenants_own = True  # counts towards its tarpit (`kvfabric.runtime.tarpit`)
             return busy, REFUSAL_HOLD_S_MAX
         retry_after_s = self.core.retry_after_s(tenant, cost, now_s)
         busy = Busy(
@@ -170,4 +171,5 @@ class FairGate:
             cost_ids=cost,
             retry_after_ms=math.ceil(retry_after_s * 1000),
         )
+        busy.tenants_own = True
         return busy, min(REFUSAL_HOLD_S_MAX, max(0.0, retry_after_s))

@@ -1,0 +1,66 @@
+"""Which refusals count towards a tenant's tarpit (`ServiceRuntime._note_refusal`): its share of
+the in-flight slots spent (its own doing), never a full lane (the other tenants' doing), never a
+give-back, never an endpoint registered `tarpittable=False`. No NATS: requests go straight to the
+dispatcher (`test_refusal_holds.Harness`), and the tarpit is never run."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+
+from kvfabric.cluster.natsauth import NatsAuth
+from kvfabric.runtime.logs import get_logger
+from kvfabric.runtime.service import RuntimeState
+from kvfabric.runtime.tarpit import TenantTarpit
+from kvfabric.runtime.tarpit_core import TarpitConfig, TarpitCore
+from tests.unit.runtime.test_refusal_holds import Done, Harness, codes
+
+
+async def report(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
+    return Done()
+
+
+def harness() -> Harness:
+    """`Harness`'s work and give-back endpoints, and a `report` endpoint the tarpit never takes."""
+    svc = Harness(inflight_max=4, hold_ms=0)  # a tenant's share: 1
+    svc.runtime._state = RuntimeState.CREATED
+    svc.runtime.add_tenant_endpoint("report", report, tarpittable=False)
+    svc.runtime._state = RuntimeState.RUNNING
+    return svc
+
+
+def with_tarpit(svc: Harness, refusals: int) -> TenantTarpit:
+    tarpit = TenantTarpit(
+        TarpitCore(TarpitConfig(refusals_max=refusals)),
+        subjects_for=svc.runtime._tarpit_subjects,
+        queue=svc.runtime.group,
+        server=lambda: None,
+        auth=NatsAuth(),
+        name="test",
+        log=get_logger("test"),
+    )
+    svc.runtime._tarpit = tarpit
+    return tarpit
+
+
+async def test_only_refusals_of_the_tenants_own_share_count() -> None:
+    svc = harness()
+    tarpit = with_tarpit(svc, refusals=3)
+    for tenant in ("a", "b", "c", "d"):
+        await svc.send(tenant)  # the lane is full: each holds its share
+    full = [await svc.send("e") for _ in range(6)]  # the lane full: not e's doing
+    assert codes(full) == [["busy"]] * 6 and tarpit.core.tarpitted() == frozenset()
+    for tenant in ("a", "b", "c", "d"):
+        await svc.send(tenant, "give")  # the give-back lane full too
+    gives = [await svc.send("a", "give") for _ in range(6)]  # a give-back past a's share
+    assert codes(gives) == [["busy"]] * 6 and tarpit.core.tarpitted() == frozenset()
+    own = [await svc.send("a") for _ in range(3)]  # a's own share spent, three times
+    assert codes(own) == [["busy"]] * 3 and tarpit.core.tarpitted() == {"a"}
+    await svc.runtime.stop()
+
+
+def test_the_tarpit_takes_only_work_endpoints() -> None:
+    svc = harness()
+    subjects = svc.runtime._tarpit_subjects("bob")
+    assert subjects == [f"{svc.runtime.group}.t.bob.work"]  # not `give`, not `report`
