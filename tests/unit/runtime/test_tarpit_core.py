@@ -42,6 +42,10 @@ def test_a_tarpit_ends_and_a_repeat_within_forgive_doubles_up_to_the_max() -> No
         assert core.expire(until) == ["bob"] and core.tarpitted() == frozenset()
         now = until + 1.0  # back within forgive_s
     assert durations == [2.0, 4.0, 8.0, 8.0]
+    probation = TarpitCore(CONFIG)
+    refuse(probation, "bob", 4, 0.0)
+    probation.expire(2.0)
+    assert refuse(probation, "bob", 1, 2.5) == [True]  # on probation: a quarter of the threshold
     refuse(core, "bob", 4, now + CONFIG.forgive_s + 1)  # forgiven: the first duration again
     assert core.until_s("bob") == now + CONFIG.forgive_s + 1 + 2.0
 
@@ -91,10 +95,12 @@ class Model:
             start, count = now, 0
         count += 1
         self.window[tenant] = (start, count)
-        if count < self.c.refusals_max or len(self.until) >= self.c.tarpitted_max:
+        probation = tenant in self.released and now - self.released[tenant][0] < self.c.forgive_s
+        threshold = max(1, self.c.refusals_max // 4) if probation else self.c.refusals_max
+        if count < threshold or len(self.until) >= self.c.tarpitted_max:
             return False
         duration = self.c.duration_s
-        if tenant in self.released and now - self.released[tenant][0] < self.c.forgive_s:
+        if probation:
             duration = min(self.released[tenant][1] * 2, self.c.duration_max_s)
         self.until[tenant] = now + duration
         self.released[tenant] = (self.released.get(tenant, (0.0, 0.0))[0], duration)
@@ -120,7 +126,7 @@ events = st.lists(
 @given(events, st.integers(min_value=1, max_value=4))
 def test_the_core_does_what_the_model_does(steps: list[tuple[str, float, bool]], most: int) -> None:
     config = TarpitConfig(
-        refusals_max=3, window_s=1.0, duration_s=0.5, duration_max_s=4.0, forgive_s=5.0, tarpitted_max=most
+        refusals_max=8, window_s=1.0, duration_s=0.5, duration_max_s=4.0, forgive_s=5.0, tarpitted_max=most
     )
     core, model = TarpitCore(config), Model(config)
     now = 0.0

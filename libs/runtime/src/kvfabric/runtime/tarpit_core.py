@@ -9,14 +9,16 @@ pace: while a tenant is tarpitted, its requests are delivered to a connection th
 them, and its senders wait out their own timeouts.
 
 States per tenant: free → (≥ `refusals_max` refusals within one `window_s`) → tarpitted until
-`now + duration` → free (the shell drops what it held). A tenant tarpitted again within
-`forgive_s` of its last release gets twice the previous duration, up to `duration_max_s`;
-after `forgive_s` free it starts again at `duration_s`.
+`now + duration` → on probation (free, the shell drops what it held) → free after `forgive_s`.
+On probation a quarter of `refusals_max` in a window tarpits it again (a flooder whose senders
+time out quickly comes back at a rate its held refusals pace below the full threshold: measured,
+docs/security.md "The tarpit"), for twice the previous duration, up to `duration_max_s`; after
+`forgive_s` free it starts again at `duration_s` and the full threshold.
 
 Invariants:
-- a tenant is tarpitted only after `refusals_max` refusals in one window (`note_refusal`
-  returns True exactly at that transition); honest clients, who back off on `busy` (20 ms
-  doubling to 500 ms, each refusal held 250 ms), stay far below it;
+- a tenant is tarpitted only after `refusals_max` refusals in one window (a quarter of it on
+  probation; `note_refusal` returns True exactly at that transition); honest clients, who back
+  off on `busy` (20 ms doubling to 500 ms, each refusal held 250 ms), stay below it;
 - every tarpit ends: `until_s - start ≤ duration_max_s`;
 - at most `tarpitted_max` tenants tarpitted at once (each costs the link subscriptions: past it,
   a tenant stays with held refusals);
@@ -86,9 +88,10 @@ class TarpitCore:
         if now_s - state.window_start_s >= self.config.window_s:
             state.window_start_s, state.refusals = now_s, 0
         state.refusals += 1
-        if state.refusals < self.config.refusals_max or len(self._tarpitted) >= self.config.tarpitted_max:
-            return False
         repeat = state.released_s is not None and now_s - state.released_s < self.config.forgive_s
+        threshold = max(1, self.config.refusals_max // 4) if repeat else self.config.refusals_max
+        if state.refusals < threshold or len(self._tarpitted) >= self.config.tarpitted_max:
+            return False
         duration = self.config.duration_s
         if repeat:
             duration = min(state.last_duration_s * 2, self.config.duration_max_s)
