@@ -102,3 +102,29 @@ def test_two_tenants_may_use_one_hint_id_and_a_cancel_names_its_tenant(
     asyncio.run(scenario())
     assert released == [100]  # A's lease only: B's hint still needs its sources
     assert shell.status().gauges["leases_held"] == 1
+
+
+def test_a_hint_deduped_into_a_live_one_keeps_it_leased_when_the_first_name_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two requests of one tenant hint the same objects under two ids: one live hint. The second's
+    leases went back at once, so cancelling the first id left the hint copying with no lease."""
+    monkeypatch.setattr(shell_module, "now_ms", lambda: NOW)
+    router, released = leasing_router()
+    shell = make_shell(router)
+
+    async def scenario() -> None:
+        first = await shell._add(hint("h1", "t", seed=1))
+        second = await shell._add(hint("h2", "t", seed=1))  # the same objects, another request
+        assert (first.status, second.status) == ("accepted", "deduped")
+        assert released == []  # the joining hint's lease is kept under its own name
+        assert shell.core.cancel_hint("h1", "t")  # the first request finished
+        await collect_ended(shell)
+        assert released == [100]  # h1's lease; h2's (101) still protects the live hint
+        assert shell.core.has_hint("h2", "t")
+        assert shell.core.cancel_hint("h2", "t")
+        await collect_ended(shell)
+
+    asyncio.run(scenario())
+    assert released == [100, 101]
+    assert shell.status().gauges["leases_held"] == 0

@@ -270,11 +270,17 @@ class PrefetchShell:
             )
         )
         assert isinstance(result, Accepted | Deduped | Busy | Refused)
+        named = (hint.tenant, hint.hint_id)
         if isinstance(result, Accepted) and result.objects_queued:
-            named = (hint.tenant, hint.hint_id)
             # Accepted: any earlier hint of this name has ended, its leases not yet collected
             self._to_release.extend(self._leases.pop(named, []))
             self._leases[named] = leases
+        elif isinstance(result, Deduped) and self.core.has_hint(hint.hint_id, hint.tenant):
+            # Joined a live hint under this name (or a retry of it): its leases stay until this
+            # name ends, so the hint holds leases while any of its names is live. They went back
+            # at once, and a cancel of the first name then gave back the only leases the hint
+            # still copied under (review, 2026-12-06).
+            self._leases.setdefault(named, []).extend(leases)
         else:
             await self._release_leases(leases)
         if isinstance(result, Accepted):
