@@ -56,13 +56,16 @@ def test_a_tenant_writing_without_end_holds_at_most_its_objects_and_bytes_budget
     register(core, "s1", capacity=10_000)
     assert {r.status for r in begin(core, "bob/w", KEYS[0:2], size=1_000).results} == {"placed"}
     before = state(core)
-    with pytest.raises(Busy, match="bytes"):  # 2,000 held + 1,000 > a quarter of 10,000
+    with pytest.raises(Busy, match="bytes") as bytes_refusal:  # 2,000 held + 1,000 > 10,000 / 4
         begin(core, "bob/w", KEYS[2:3], size=1_000)
+    # not his doing alone (the share shrinks as segments go down): never counts to his tarpit
+    assert not bytes_refusal.value.tenants_own
     assert state(core) == before
     assert {r.status for r in begin(core, "bob/w2", KEYS[2:4], size=100).results} == {"placed"}
     before = state(core)
-    with pytest.raises(Busy, match="objects"):  # 4 members being written, his other writer's too
+    with pytest.raises(Busy, match="objects") as objects_refusal:  # 4 being written, his too
         begin(core, "bob/w", KEYS[4:5], size=10)
+    assert objects_refusal.value.tenants_own  # his share spent: counts to his tarpit
     assert state(core) == before
     commit = put(core, KEYS[10:12], writer="alice/w", request_id="a")
     assert [r.status for r in commit.results] == ["published", "published"]
@@ -100,8 +103,9 @@ def test_unscoped_service_writers_have_only_the_global_bound() -> None:
     core = new_core(tenant_pending_objects_max=1, pending_objects_max=3)
     register(core, "s1")
     begin(core, "repair", KEYS[0:3])
-    with pytest.raises(Busy, match="too many objects"):
+    with pytest.raises(Busy, match="too many objects") as full:
         begin(core, "alice/w", KEYS[3:4])
+    assert not full.value.tenants_own  # the table for all is full: not alice's doing
 
 
 def test_write_deadlines_are_shortened_to_what_a_write_needs() -> None:

@@ -1,7 +1,8 @@
 """Which refusals count towards a tenant's tarpit (`ServiceRuntime._note_refusal`): its share of
 the in-flight slots spent (its own doing), never a full lane (the other tenants' doing), never a
-give-back, never an endpoint registered `tarpittable=False`. No NATS: requests go straight to the
-dispatcher (`test_refusal_holds.Harness`), and the tarpit is never run."""
+give-back; and which subjects the tarpit takes (not give-backs, not endpoints registered
+`tarpittable=False`). No NATS: requests go straight to the dispatcher
+(`test_refusal_holds.Harness`), and the tarpit is never run."""
 
 from __future__ import annotations
 

@@ -182,6 +182,13 @@ class Busy(KvfError):
     # table) is not the tenant's doing and never counts.
     tenants_own: bool = False
 
+    @classmethod
+    def own(cls, message: str, /, **details: Any) -> Busy:
+        """A refusal of the tenant's own doing (`tenants_own`): its share of a bound is spent."""
+        busy = cls(message, **details)
+        busy.tenants_own = True
+        return busy
+
 
 class Unavailable(KvfError):
     """The service (or a peer it needs) is not reachable or not ready."""

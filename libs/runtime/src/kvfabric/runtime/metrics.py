@@ -118,6 +118,11 @@ class ServiceMetrics:
             "Tarpit connections opened (one a second while a tenant is tarpitted).",
             registry=self.registry,
         )
+        self.tarpit_full = Counter(
+            f"{prefix}_tarpit_full_total",
+            "Tenants past the tarpit's threshold left out: as many tarpitted as it holds.",
+            registry=self.registry,
+        )
         self.tarpit_link_failures = Counter(
             f"{prefix}_tarpit_link_failures_total",
             "Tarpit connections that could not be opened (a tarpitted tenant then reaches the service).",

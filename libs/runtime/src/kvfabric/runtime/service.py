@@ -458,8 +458,8 @@ class ServiceRuntime:
         `reply_min_ms` > 0 holds every reply until that long after
         receipt (hides how long the handler took: a timing side channel). `gives_back`: its
         requests only give resources back (module docstring). `tarpittable=False`: never taken
-        by the tarpit (work that ends what a tenant began: a commit, a renewal, a report; give-backs
-        never are). Returns the subject."""
+        by the tarpit (a report every tenant needs; give-backs never are), though its refusals
+        count towards it. Returns the subject."""
         invariant(self._state is RuntimeState.CREATED, "endpoints are added before start", state=self._state)
         name = f"tenant_{verb}"
         invariant(name not in self._endpoints, "endpoint registered twice", verb=name)
@@ -556,7 +556,10 @@ class ServiceRuntime:
     def _note_refusal(self, endpoint: _Endpoint, tenant: str | None) -> None:
         """A `busy` answered to a tenant's work request: counted towards its tarpit."""
         tarpit = self._tarpit
-        if tarpit is not None and tenant is not None and endpoint.tarpittable:
+        # Every work endpoint counts, taken by the tarpit or not (a flood of an untarpittable
+        # verb still tarpits the tenant's others); give-backs never do.
+        work = endpoint.tenant_handler is not None and not endpoint.gives_back
+        if tarpit is not None and tenant is not None and work:
             tarpit.note_refusal(tenant)
 
     def _export_tarpit(self) -> None:
@@ -570,6 +573,7 @@ class ServiceRuntime:
             ("entries", m.tarpit_entries, tarpit.core.entries_total),
             ("links", m.tarpit_links, tarpit.links_opened_total),
             ("failures", m.tarpit_link_failures, tarpit.link_failures_total),
+            ("full", m.tarpit_full, tarpit.core.full_total),
         ):
             grown = total - self._tarpit_exported.get(name, 0)
             if grown > 0:

@@ -27,9 +27,10 @@ prefers queue subscribers on the publisher's server), with the service's credent
 
 Bounds: one link at a time (two while one replaces the other), opened at most once per
 `LINK_RETRY_S` after a failure, each step awaited with `LINK_TIMEOUT_S`; a link past
-`LINK_AGE_S_MAX` is dropped even when its replacement failed (it would fill nats-server's buffer
-for it); `run` ends when cancelled and never raises for a link it could not open (a service's
-watched task: an exception would stop the service).
+`LINK_AGE_S_MAX` is dropped when its replacement failed (it would fill nats-server's buffer for
+it), so it lives at most `LINK_AGE_S_MAX` + `LINK_TIMEOUT_S` (a failed connect's bound); `run`
+ends when cancelled and never raises for a link it could not open (a service's watched task: an
+exception would stop the service).
 """
 
 from __future__ import annotations
@@ -289,6 +290,10 @@ class TenantTarpit:
             self._log.warning(
                 "tarpit_link_failed", error=f"{type(exc).__name__}: {exc}", tenants=sorted(want)
             )
+            old = self._link
+            if old is not None and self._clock() - old.opened_s > LINK_AGE_S_MAX:
+                self._link = None  # not kept past its age to fill the server's buffer meanwhile
+                await old.close()
             await asyncio.sleep(LINK_RETRY_S)
             return
         new.opened_s = self._clock()

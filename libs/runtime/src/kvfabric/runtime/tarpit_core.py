@@ -72,6 +72,7 @@ class TarpitCore:
         self._tenants: dict[str, _Tenant] = {}
         self._tarpitted: set[str] = set()
         self.entries_total = 0
+        self.full_total = 0  # tenants past the threshold not tarpitted: `tarpitted_max` reached
 
     def note_refusal(self, tenant: str, now_s: float) -> bool:
         """A `busy` answered to `tenant`'s request. True when this refusal tarpits it."""
@@ -90,7 +91,10 @@ class TarpitCore:
         state.refusals += 1
         repeat = state.released_s is not None and now_s - state.released_s < self.config.forgive_s
         threshold = max(1, self.config.refusals_max // 4) if repeat else self.config.refusals_max
-        if state.refusals < threshold or len(self._tarpitted) >= self.config.tarpitted_max:
+        if state.refusals < threshold:
+            return False
+        if len(self._tarpitted) >= self.config.tarpitted_max:
+            self.full_total += 1  # past the bound: it keeps held refusals only
             return False
         duration = self.config.duration_s
         if repeat:
@@ -125,11 +129,13 @@ class TarpitCore:
         return len(self._tenants)
 
     def _room(self) -> bool:
-        """Make room for one more tenant if the bound allows (forgets the least recent free one)."""
+        """Make room for one more tenant if the bound allows: forgets the least recent free one
+        never tarpitted, else the least recent free one (its probation with it)."""
         if len(self._tenants) < self.config.tenants_max:
             return True
-        for tenant, state in self._tenants.items():  # oldest first (moved to the end when seen)
-            if state.until_s is None:
-                del self._tenants[tenant]
-                return True
-        return False
+        free = [(t, s) for t, s in self._tenants.items() if s.until_s is None]  # oldest first
+        if not free:
+            return False
+        never = [t for t, s in free if s.released_s is None]
+        del self._tenants[never[0] if never else free[0][0]]
+        return True

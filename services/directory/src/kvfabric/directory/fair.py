@@ -158,18 +158,16 @@ class FairGate:
         """The refusal and how long to hold it before answering (module docstring)."""
         c = self.core.config
         if why is Refusal.QUEUE:
-            busy = Busy(
+            busy = Busy.own(  # its own doing: counts towards its tarpit (`kvfabric.runtime.tarpit`)
                 "tenant's queue of requests waiting for the directory is full",
                 fair_tenant_queue_max=c.queue_max,
             )
-            busy.tenants_own = True  # counts towards its tarpit (`kvfabric.runtime.tarpit`)
             return busy, REFUSAL_HOLD_S_MAX
         retry_after_s = self.core.retry_after_s(tenant, cost, now_s)
-        busy = Busy(
+        busy = Busy.own(
             "tenant's directory budget (ids a second) spent",
             fair_tenant_ids_per_s=c.ids_per_s,
             cost_ids=cost,
             retry_after_ms=math.ceil(retry_after_s * 1000),
         )
-        busy.tenants_own = True
         return busy, min(REFUSAL_HOLD_S_MAX, max(0.0, retry_after_s))

@@ -82,10 +82,6 @@ __all__ = ["BROADCAST_VERBS", "ShardHost"]
 
 BROADCAST_VERBS: Final = frozenset({"register", "heartbeat"})
 LIVENESS_VERBS: Final = frozenset({"heartbeat"})  # answered from the give-back lane (`attach`)
-# Tenant verbs the tarpit never takes (`kvfabric.runtime.tarpit`), as give-backs: they end what a
-# tenant began (a commit frees its pending entries, a renewal keeps a load's lease) and cost
-# little; a tarpitted tenant's reports of corrupt replicas protect every tenant.
-UNTARPITTED_VERBS: Final = frozenset({"put_commit", "lease_renew"})
 LOOKUP_MANY_VERB: Final = "lookup_many"  # one prefix's lookups for every shard led here
 RELEASE_MANY_VERB: Final = "lease_release_many"  # one hit's leases for every shard led here
 SETTLE_S: Final = 0.3
@@ -193,12 +189,13 @@ class ShardHost:
                 reply_min_ms=pad,
                 instance=self.instance_id,
                 gives_back=verb in GIVEBACK_VERBS,
-                tarpittable=verb not in UNTARPITTED_VERBS,
             )
         # A reader's corruption report, relayed to the segment (`kvfabric.directory.suspects`).
         runtime.add_endpoint(
             SUSPECT_VERB, self._on_suspect, request=m.ReplicaSuspect, decoder=m.request_decoder
         )
+        # Never tarpitted (`kvfabric.runtime.tarpit`): a tenant's reports of corrupt replicas
+        # protect every tenant (and are addressed to every instance, not to this one).
         runtime.add_tenant_endpoint(SUSPECT_VERB, self._on_tenant_suspect, tarpittable=False)
         # One prefix's lookups / one hit's releases for every shard led here (`lookup_many`).
         self._attach_many(runtime, LOOKUP_MANY_VERB, m.LookupMany, self.lookup_many, self.lookup_reply_min_ms)
