@@ -84,10 +84,10 @@ class LeaseTable:
             if self._scope_held.get((scope, is_pin), 0) >= scope_limit:
                 self.ctx.count("busy_tenant_pins_total" if is_pin else "busy_tenant_leases_total")
                 share = "this tenant holds its share of the lease table; retry later"
-                raise Busy.own(share, limit=scope_limit)
+                raise Busy(share, limit=scope_limit)
             if not self._groups_fit(scope, is_pin, len(groups)):
                 self.ctx.count("busy_tenant_pin_groups_total" if is_pin else "busy_tenant_lease_groups_total")
-                raise Busy.own("this tenant's leases or pins hold their share of groups; retry later")
+                raise Busy("this tenant's leases or pins hold their share of groups; retry later")
             self._scope_held[(scope, is_pin)] = self._scope_held.get((scope, is_pin), 0) + 1
             self._scope_groups[(scope, is_pin)] = self._scope_groups.get((scope, is_pin), 0) + len(groups)
         lease_id = self.ctx.next_id()

@@ -156,7 +156,7 @@ class WriteBegin(WriteState):
         if objects + len(new) > objects_max:
             self.ctx.count("busy_tenant_pending_objects_total")
             share = "this tenant has its share of objects being written; retry later"
-            raise Busy.own(share, limit=objects_max)
+            raise Busy(share, limit=objects_max)
         bytes_max = int(self.segments.capacity_up_bytes() * self.ctx.config.tenant_pending_capacity_fraction)
         nbytes = self.scope_pending_bytes.get(scope, 0) + self.scope_reserved_bytes.get(scope, 0)
         if nbytes + sum(new.values()) * replicas > bytes_max:
