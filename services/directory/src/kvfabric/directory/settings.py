@@ -48,7 +48,7 @@ The runtime's shared flags (NATS URL, metrics port, in-flight limit, logging) co
 | `KVF_DIRECTORY_CPU_PRIORITY` | `nice:-10` | CPU priority: `nice:N`, `rr:P` or `off` (`.cpu_priority`) |
 | `KVF_DIRECTORY_TENANT_REFUSAL_HOLD_MS` | 250 | a tenant past its in-flight share is refused this late, ms |
 | `KVF_DIRECTORY_TENANT_TARPIT_REFUSALS` | 48 | its own `busy` answers in 1 s that tarpit a tenant (0: off) |
-| `KVF_DIRECTORY_TENANT_TARPIT_MS` | 2000 | its first tarpit, ms (then ¼ the refusals: twice as long, ≤ 30 s) |
+| `KVF_DIRECTORY_TENANT_TARPIT_MS` | 2000 | first tarpit, ms (then ¼ the refusals: twice as long, ≤ 30 s) |
 
 The leader lease is how long a standby waits before it takes over the shards of an instance that
 died without a word (a leader renews every second, or every third of a shorter lease). On a NATS
