@@ -379,7 +379,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         """What a lookup must answer for `gid`; with `read_expires_ms`, each replica carries the
         read token the segment will check (signed with the cluster secret until then)."""
         pub = self.published.get(gid)
-        if pub is None:
+        if pub is None or gid in self.deferred:  # lost and held: a miss whatever members are asked
             return None
         out = []
         for mem, pm in pub.members.items():
