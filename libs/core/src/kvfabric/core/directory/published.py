@@ -393,9 +393,11 @@ class PublishedTable:
         self._sweep_queue[gid] = None
 
     def queue_sweep_all(self) -> None:
-        """A segment incarnation died: every group may have lost replicas."""
-        for gid in self.records:
-            self.queue_sweep(gid)
+        """A segment incarnation died: every group may have lost replicas. The queue becomes
+        every record in their order — what `queue_sweep` of each in turn leaves, since every
+        queued group is a record (`check_invariants`) — built in one C call: the loop of
+        `queue_sweep`s held the directory's loop 36 ms at 200,000 groups (review, 2026-12-06)."""
+        self._sweep_queue = dict.fromkeys(self.records)
 
     def mark_unreadable(self, gid: GroupKey) -> None:
         """A member has no good replica left: nobody may read the group any more."""
