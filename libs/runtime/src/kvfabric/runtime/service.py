@@ -49,11 +49,12 @@ until answered); past either bound the refusal is answered at once, as are refus
 requests and of a full lane. A stop answers every held refusal at once (`Unavailable`).
 
 The tarpit (`tarpit=TarpitConfig(...)`, the directory's default; `kvfabric.runtime.tarpit`): a
-tenant answered `busy` on its work endpoints `refusals_max` times within a second has those
-endpoints' requests taken, for a while, by a second connection that never reads them, so the
-service stops receiving them at all and the sender waits out its own timeouts (holding refusals
-paces only a sender that waits for them). Its give-backs are never tarpitted. Started with the
-service, stopped first when it stops.
+tenant answered `busy` of its own doing (its share of a lane spent, or a handler's `Busy.own`)
+on its work endpoints `refusals_max` times within a second has those endpoints' requests taken
+(all but those registered `tarpittable=False`), for a while, by a second connection that never
+reads them, so the service stops receiving them at all and the sender waits out its own
+timeouts (holding refusals paces only a sender that waits for them). Its give-backs are never
+tarpitted nor counted. Started with the service, stopped first when it stops.
 
 Typed endpoints: an endpoint registered with its request type (`request=Kind` and the
 `decoder` of Kind's message family) has its request decoded and checked by the runtime, once,
@@ -530,7 +531,7 @@ class ServiceRuntime:
 
     def _start_tarpit(self) -> None:
         config = self._tarpit_config
-        if config is None or not self._tarpit_subjects("x"):
+        if config is None or not any(e.tarpittable for e in self._endpoints.values()):
             return
         nc = self._nc
         auth = nats_auth_from_env(os.environ)

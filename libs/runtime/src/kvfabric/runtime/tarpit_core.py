@@ -63,7 +63,6 @@ class _Tenant:
     until_s: float | None = None  # tarpitted until then
     released_s: float | None = None  # when the last tarpit ended
     last_duration_s: float = 0.0
-    last_seen_s: float = 0.0
 
 
 class TarpitCore:
@@ -83,7 +82,6 @@ class TarpitCore:
             state = self._tenants[tenant] = _Tenant(window_start_s=now_s)
         else:  # most recent last: the forgetting order of `_room`
             self._tenants[tenant] = self._tenants.pop(tenant)
-        state.last_seen_s = now_s
         if state.until_s is not None:
             return False  # already tarpitted (a request that reached the service anyway)
         if now_s - state.window_start_s >= self.config.window_s:
