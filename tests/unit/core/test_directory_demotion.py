@@ -21,7 +21,7 @@ DISK_SLOT = SSD_SLOT_BASE + 4
 def replicate(core: DirectoryCore, k: ObjectKey, tier: Tier, now: int = 10) -> m.ReplicateBeginReply:
     reply = core.handle(
         m.ReplicateBegin(
-            writer_id="demote/s1", request_id=f"rb-{tier}-{now}", key=k, segment_id="s1", tier=tier
+            writer_id="demote:s1", request_id=f"rb-{tier}-{now}", key=k, segment_id="s1", tier=tier
         ),
         now,
     ).reply
@@ -77,7 +77,7 @@ def _copy_begin(core: DirectoryCore, k: ObjectKey, tag: str, keep_source: bool =
     """A disk ticket on s1 for `k` through `replicate_begin_many`, as the demoter asks it."""
     reply = core.handle(
         m.ReplicateBeginMany(
-            writer_id="demote/s1",
+            writer_id="demote:s1",
             segment_id="s1",
             items=[m.ReplicateItem(key=k, request_id=f"rb-{tag}", keep_source=keep_source)],
             tier="ssd",

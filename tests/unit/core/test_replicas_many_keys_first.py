@@ -81,3 +81,25 @@ def test_a_bad_key_in_a_copy_batch_places_nothing() -> None:
     core.check_invariants()
     assert not core.replica_table.tickets  # item 0 not applied
     assert core.segments["s2"].reserved_bytes == 0
+
+
+def test_a_tenants_scoped_writer_id_is_refused_a_copy() -> None:
+    """replicate_begin is a service verb: a tenant's scoped writer id (`<tenant>/<writer>`) is
+    refused before anything is applied, single or batched. A tenant's put_abort skips the ticket
+    index on the strength of it (`replicas`, "Finding a key's tickets")."""
+    core = new_core()
+    register(core, "s1")
+    ks = [key(g) for g in groups(2, seed=4)]
+    put(core, ks)
+    register(core, "s2")
+    with pytest.raises(BadRequest, match="service"):
+        core.handle(m.ReplicateBegin(writer_id="bob/w", request_id="c", key=ks[0], segment_id="s2"), 0)
+    items = [m.ReplicateItem(key=k, request_id=f"c{i}") for i, k in enumerate(ks)]
+    with pytest.raises(BadRequest, match="service"):
+        core.handle(m.ReplicateBeginMany(writer_id="bob/w", segment_id="s2", items=items), 0)
+    core.check_invariants()
+    assert not core.replica_table.tickets
+    assert core.segments["s2"].reserved_bytes == 0
+    # a service's own writer id is placed
+    placed = core.handle(m.ReplicateBegin(writer_id="repair", request_id="c", key=ks[0], segment_id="s2"), 0)
+    assert isinstance(placed.reply, m.ReplicateBeginReply) and placed.reply.status == "placed"

@@ -38,8 +38,9 @@ Tickets are indexed by their key (`_by_key`): a retried replicate_begin and a pu
 that key's tickets only (at most the segments times two tiers), never every ticket. Before
 (review), both scanned the whole table per key: a tenant's 256-key put_abort cost 343 ms with
 10,000 copies in flight, and a batch of copies was quadratic. Only a service holds a ticket
-(replicate_begin is a service verb, and services' writer ids have no `/`), so a put_abort by a
-tenant's scoped writer (`<tenant>/<writer>`) does not look here at all (`writes`).
+(replicate_begin is a service verb, and services' writer ids have no `/`: one with a `/` is
+refused `bad_request`), so a put_abort by a tenant's scoped writer (`<tenant>/<writer>`) does not
+look here at all (`writes`).
 
 ## Invariants (`check_invariants`)
 1. Every ticket's deadline has an entry in the deadline heap.
@@ -67,6 +68,7 @@ from kvfabric.core.directory.base import (
     Member,
     Outcome,
     check_batch,
+    scope_of,
 )
 from kvfabric.core.directory.frees import FreeTable
 from kvfabric.core.directory.keys import chain_of, domain_of, parse_key
@@ -85,6 +87,16 @@ __all__ = ["ReplicaTable", "ReplicaTicket"]
 
 MEMBER_REPLICAS_MAX: Final = 255  # a member record counts its replicas in a u8 (`records`)
 
+
+
+def check_copy_request(writer_id: str, write_ttl_ms: int) -> None:
+    """A copy's request as a whole, before anything is applied: its write TTL, and a service's
+    writer id. A tenant's scoped writer (`<tenant>/<writer>`) never holds a copy (replicate_begin
+    is a service verb), which is what lets a tenant's put_abort skip the ticket index (`writes`)."""
+    if not 0 < write_ttl_ms <= m.WRITE_TTL_MS_MAX:
+        raise BadRequest(f"write_ttl_ms must be in 1..{m.WRITE_TTL_MS_MAX}")
+    if scope_of(writer_id) is not None:
+        raise BadRequest("a copy's writer id is a service's: no '/'")
 
 @dataclass(frozen=True, slots=True)
 class ReplicaTicket:
@@ -118,8 +130,7 @@ class ReplicaTable:
     def replicate_begin(self, req: m.ReplicateBegin, now_ms: int) -> Outcome:
         ctx = self.ctx
         ctx.check_epoch(req.epoch)
-        if not 0 < req.write_ttl_ms <= m.WRITE_TTL_MS_MAX:
-            raise BadRequest(f"write_ttl_ms must be in 1..{m.WRITE_TTL_MS_MAX}")
+        check_copy_request(req.writer_id, req.write_ttl_ms)
         found = self.published.published_member(req.key)
         if found is None:
             return Outcome(m.ReplicateBeginReply(epoch=ctx.epoch, status="not_found"))
@@ -189,8 +200,7 @@ class ReplicaTable:
         ctx = self.ctx
         check_batch("replicate_begin_many", len(req.items), m.REPLICA_BATCH_MAX)
         ctx.check_epoch(req.epoch)
-        if not 0 < req.write_ttl_ms <= m.WRITE_TTL_MS_MAX:
-            raise BadRequest(f"write_ttl_ms must be in 1..{m.WRITE_TTL_MS_MAX}")
+        check_copy_request(req.writer_id, req.write_ttl_ms)
         for item in req.items:  # every key valid before any item is applied (parses are memoized)
             parse_key(item.key)
         replies: list[m.ReplicateBeginReply] = []
