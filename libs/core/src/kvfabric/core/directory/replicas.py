@@ -88,7 +88,6 @@ __all__ = ["ReplicaTable", "ReplicaTicket"]
 MEMBER_REPLICAS_MAX: Final = 255  # a member record counts its replicas in a u8 (`records`)
 
 
-
 def check_copy_request(writer_id: str, write_ttl_ms: int) -> None:
     """A copy's request as a whole, before anything is applied: its write TTL, and a service's
     writer id. A tenant's scoped writer (`<tenant>/<writer>`) never holds a copy (replicate_begin
@@ -97,6 +96,7 @@ def check_copy_request(writer_id: str, write_ttl_ms: int) -> None:
         raise BadRequest(f"write_ttl_ms must be in 1..{m.WRITE_TTL_MS_MAX}")
     if scope_of(writer_id) is not None:
         raise BadRequest("a copy's writer id is a service's: no '/'")
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaTicket:
