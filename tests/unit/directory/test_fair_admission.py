@@ -326,6 +326,80 @@ def test_gate_takes_turns_refuses_busy_and_survives_cancellation() -> None:
     asyncio.run(asyncio.wait_for(scenario(), 5))
 
 
+class FakeTarpit:
+    """The runtime's tarpit as the gate sees it: tarpits a tenant at its `threshold`-th counted
+    refusal, for `for_s` seconds of the gate's clock."""
+
+    def __init__(self, now: list[float], threshold: int, for_s: float) -> None:
+        self.now, self.threshold, self.for_s = now, threshold, for_s
+        self.noted: list[tuple[str, float]] = []  # (tenant, when) of each counted refusal
+        self.until: dict[str, float] = {}
+
+    def note_tenant_refusal(self, tenant: str) -> None:
+        self.noted.append((tenant, self.now[0]))
+        if sum(t == tenant for t, _ in self.noted) == self.threshold:
+            self.until[tenant] = self.now[0] + self.for_s
+
+    def tarpitted_for_s(self, tenant: str) -> float:
+        return max(0.0, self.until.get(tenant, 0.0) - self.now[0])
+
+
+def test_a_refusal_counts_when_decided_and_a_tarpitted_tenant_banks_nothing() -> None:
+    """With the runtime's tarpit, the gate counts an own refusal as it decides it (the hold has
+    not begun) and raises a `Busy` the runtime does not count again; the refusal that tarpits
+    the tenant suspends its bucket for the tarpit's length, so it comes back with no budget
+    (before, with the default 4 s second tarpit, it came back with 8 max-size lookups banked).
+    Before (review of the flood, 2026-12-06) refusals were counted when answered, a hold later."""
+
+    async def scenario() -> None:
+        now = [0.0]
+        tarpit = FakeTarpit(now, threshold=2, for_s=4.0)
+        gate = FairGate(config(ids_per_s=1_000, burst_ids=4_200), clock=lambda: now[0], tarpit=tarpit)
+        async with gate.turn("bob", 4_200):  # his burst spent
+            pass
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        async def large() -> None:  # its refill is 4 s away: held the whole 0.25 s
+            async with gate.turn("bob", 4_096):
+                pass
+
+        held = asyncio.create_task(large())
+        await asyncio.sleep(0)  # decided, now holding
+        assert tarpit.noted == [("bob", 0.0)] and not held.done()
+        with pytest.raises(Busy) as refused:
+            await held
+        assert loop.time() - asked > 0.1  # still held before it is answered
+        assert not refused.value.tenants_own  # counted once, by the gate
+        with pytest.raises(Busy):  # the second: tarpitted for 4 s, his bucket suspended
+            async with gate.turn("bob", 10):
+                pass
+        assert tarpit.tarpitted_for_s("bob") == 4.0
+        now[0] = 3.9  # 3.9 s of refill, none of it banked
+        assert gate.core.tokens("bob", now[0]) <= 0
+        now[0] = 4.0 + 0.1  # released: 0.1 s of refill since, 100 ids
+        assert gate.core.tokens("bob", now[0]) == pytest.approx(100, abs=1)
+        with pytest.raises(Busy):
+            async with gate.turn("bob", 4_096):
+                pass
+        async with gate.turn("alice", 4_096):  # another tenant's bucket is untouched
+            pass
+        gate.core.check()
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
+def test_without_a_tarpit_a_refusal_is_counted_by_the_runtime_when_answered() -> None:
+    async def scenario() -> None:
+        gate = FairGate(config(burst_ids=100, request_cost_ids=16), clock=lambda: 0.0)
+        async with gate.turn("bob", 84):
+            pass
+        with pytest.raises(Busy) as refused:
+            await gate.refuse_early("bob")
+        assert refused.value.tenants_own  # `Busy.own`: the runtime counts it
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
 # ---- a state machine against a simple model ----------------------------------------------
 
 TENANTS = ("alice", "bob", "carol")
@@ -351,7 +425,8 @@ class FairAdmissionMachine(RuleBasedStateMachine):
         self.others_started: dict[int, dict[str, list[int]]] = {}
 
     def model_tokens(self, tenant: str) -> float:
-        return min(40.0, self.tokens[tenant] + (self.now_s - self.updated[tenant]) * 10)
+        # `updated` may be ahead of now: a suspended bucket refills nothing before then
+        return min(40.0, self.tokens[tenant] + max(0.0, self.now_s - self.updated[tenant]) * 10)
 
     def head_waiting(self, tenant: str) -> int | None:
         queue = self.queues[tenant]
@@ -372,9 +447,17 @@ class FairAdmissionMachine(RuleBasedStateMachine):
             return
         assert isinstance(got, int)
         self.tokens[tenant] = tokens - charged
-        self.updated[tenant] = self.now_s
+        self.updated[tenant] = max(self.updated[tenant], self.now_s)
         self.queues[tenant].append((got, charged))
         self.admitted[tenant].append((self.now_s, charged))
+
+    @rule(tenant=st.sampled_from(TENANTS), for_s=st.integers(0, 4))
+    def suspend(self, tenant: str, for_s: int) -> None:
+        """Tarpitted for `for_s`: its bucket emptied (a debt stays) and refilling nothing meanwhile."""
+        self.core.suspend(tenant, self.now_s, for_s)
+        if for_s > 0:
+            self.tokens[tenant] = min(self.model_tokens(tenant), 0.0)
+            self.updated[tenant] = max(self.updated[tenant], self.now_s + for_s)
 
     @rule(seconds=st.integers(0, 3))
     def advance(self, seconds: int) -> None:

@@ -131,6 +131,12 @@ class TokenBucket:
         """Take `n` tokens whatever it holds, leaving at least `floor`."""
         self.tokens = max(min(floor, self.refill(now_s)), self.tokens - n)
 
+    def suspend(self, now_s: float, until_s: float) -> None:
+        """Empty it (a debt stays) and refill nothing before `until_s`: `updated_s` moves there,
+        so every read before then sees the same tokens (time only moves forward)."""
+        self.tokens = min(self.refill(now_s), 0.0)
+        self.updated_s = max(self.updated_s, until_s)
+
     def wait_s(self, n: float, now_s: float) -> float:
         """How long until it holds `n` tokens (0 when it does)."""
         return max(0.0, (n - self.level(now_s)) / self.rate_per_s)

@@ -554,6 +554,17 @@ class ServiceRuntime:
         self._tarpit_task = asyncio.create_task(self._tarpit.run(), name=f"kvf-{self.service.value}-tarpit")
         self.watch(self._tarpit_task, "tarpit")
 
+    def note_tenant_refusal(self, tenant: str) -> None:
+        """A `busy` of `tenant`'s own doing on a work request, counted towards its tarpit now: for
+        a handler that decides a refusal and holds it before answering (the directory's fair
+        admission), which then raises a plain `Busy` (a `Busy.own` would count again)."""
+        if self._tarpit is not None:
+            self._tarpit.note_refusal(tenant)
+
+    def tarpitted_for_s(self, tenant: str) -> float:
+        """How much longer `tenant` is tarpitted (0: it is not, or there is no tarpit)."""
+        return self._tarpit.tarpitted_for_s(tenant) if self._tarpit is not None else 0.0
+
     def _note_refusal(self, endpoint: _Endpoint, tenant: str | None) -> None:
         """A `busy` answered to a tenant's work request: counted towards its tarpit."""
         tarpit = self._tarpit

@@ -223,6 +223,11 @@ class TenantTarpit:
             self._changed.set()
             self._on_change()
 
+    def tarpitted_for_s(self, tenant: str) -> float:
+        """How much longer `tenant` is tarpitted, on this tarpit's clock (0: it is not)."""
+        until_s = self.core.until_s(tenant)
+        return max(0.0, until_s - self._clock()) if until_s is not None else 0.0
+
     async def run(self) -> None:
         """Keep the link holding exactly the tarpitted tenants, until cancelled."""
         try:

@@ -155,7 +155,8 @@ async def serve(settings: RuntimeSettings) -> int:
             restart_shard=restart_shard,
             grants=config.grants,
             lookup_reply_min_ms=config.lookup_reply_min_ms,
-            fair=FairGate(config.fair),  # tenants take turns (kvfabric.directory.fair)
+            # tenants take turns (kvfabric.directory.fair); own refusals counted by the tarpit
+            fair=FairGate(config.fair, tarpit=runtime),
         ),
         LifecycleConfig(
             start_attempts_max=SHARD_START_ATTEMPTS,

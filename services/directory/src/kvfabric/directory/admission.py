@@ -50,6 +50,8 @@ Transitions:
 - `refuse_early(tenant, now)`: what `offer` would refuse whatever the cost (before decoding).
 - `charge_more(tenant, ids, now)`: a running request cost more than its admission (a lookup's
   replicas past one per group): taken from the bucket, into at most one burst of debt.
+- `suspend(tenant, now, for_s)`: its bucket emptied (a debt stays) and refilling nothing for
+  `for_s` (the tenant was tarpitted for that long: it banks no budget meanwhile).
 - `start(now)`: while fewer than `running_max` run, the smallest-tagged head that may start
   starts (popped from `_ready`); `vtime` becomes its tag.
 - `done(tenant)`: one of its started requests ended (answered, failed or cancelled).
@@ -199,6 +201,7 @@ class FairAdmission:
         self.refused: dict[str, TenantStats] = {}
         self.admitted_total = 0
         self.charged_after_total = 0  # ids taken by `charge_more` (answers costlier than named)
+        self.suspended_total = 0  # buckets suspended for a tarpit (`suspend`)
         self.longest_wait_s = 0.0  # of the requests started since `take_longest_wait`
         self._ready: list[tuple[int, int, str]] = []  # (tag, head ticket, tenant): may start
         self._idle: list[
@@ -311,6 +314,24 @@ class FairAdmission:
         if state.bucket.level(now_s) < max(1, self.config.request_cost_ids):
             return self._refuse(tenant, Refusal.RATE)
         return None
+
+    def suspend(self, tenant: str, now_s: float, for_s: float) -> None:
+        """`tenant`'s bucket emptied, refilling nothing for `for_s`: a tenant tarpitted for that
+        long (`kvfabric.runtime.tarpit`) banks no budget while its requests go unread, so it
+        comes back with none rather than a burst of its largest requests (docs/security.md
+        "The tarpit"). A tenant with no state gets one (a full bucket, then suspended), unless
+        every tracked tenant is busy (the bound: `offer` refuses it then anyway)."""
+        if for_s <= 0:
+            return
+        state = self._tenants.get(tenant)
+        if state is None:
+            if len(self._tenants) >= TENANTS_TRACKED_MAX and not self._forget_soonest():
+                return
+            c = self.config
+            state = self._tenants[tenant] = _Tenant(TokenBucket.full(c.ids_per_s, c.burst_ids, now_s))
+        state.bucket.suspend(now_s, now_s + for_s)
+        self.suspended_total += 1
+        self._went_idle(tenant, state, now_s)  # an idle one's older `_idle` entry is re-timed when popped
 
     def start(self, now_s: float) -> list[Started]:
         """The queued requests that may run now, smallest tag first (module docstring)."""

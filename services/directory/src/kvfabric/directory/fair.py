@@ -36,7 +36,7 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Final
+from typing import Final, Protocol
 
 from kvfabric.directory.admission import AdmissionConfig, FairAdmission, GivebackBudget, Refusal, cost_of
 from kvfabric.format.errors import Busy
@@ -50,12 +50,36 @@ REFUSAL_HOLD_S_MAX: Final = 0.25  # a refusal is answered after at most this lon
 TURN_WAIT_S_MAX: Final = 10.0
 
 
-class FairGate:
-    """One per directory instance: every shard it leads shares the loop, so one gate for all."""
+class Tarpit(Protocol):
+    """What the gate asks of the service's tarpit (`kvfabric.runtime.service.ServiceRuntime`)."""
 
-    def __init__(self, config: AdmissionConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def note_tenant_refusal(self, tenant: str) -> None: ...
+
+    def tarpitted_for_s(self, tenant: str) -> float: ...
+
+
+class FairGate:
+    """One per directory instance: every shard it leads shares the loop, so one gate for all.
+
+    With `tarpit` (the directory's runtime), a refusal of the tenant's own doing is counted
+    towards its tarpit when it is decided, not when its held answer goes out: the tenant's
+    requests keep arriving during the hold, and a flooder coming off a tarpit was tarpitted again
+    ~0.4 s after its release instead of ~0.15 s (measured, docs/security.md "The tarpit"). A
+    refusal that tarpits the tenant also suspends its bucket for the tarpit's length
+    (`FairAdmission.suspend`): it banked up to a burst of its largest requests while its requests
+    went unread, and spent it on its release, each one making the other tenants' next request
+    wait its turn. Without `tarpit`, a refusal is `Busy.own`, counted by the runtime when
+    answered."""
+
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        clock: Callable[[], float] = time.monotonic,
+        tarpit: Tarpit | None = None,
+    ) -> None:
         self.core = FairAdmission(config)
         self.clock = clock
+        self.tarpit = tarpit
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self.giveback = GivebackBudget(config.giveback_empty_ids_per_s, config.giveback_empty_burst_ids)
         self.waited_out_total = 0  # requests that waited `TURN_WAIT_S_MAX` for a turn: busy
@@ -155,14 +179,15 @@ class FairGate:
                 waiter.set_result(None)
 
     def _busy(self, tenant: str, cost: int, why: Refusal, now_s: float) -> tuple[Busy, float]:
-        """The refusal and how long to hold it before answering (module docstring)."""
+        """The refusal and how long to hold it before answering (module docstring), counted
+        towards the tenant's tarpit (the class docstring)."""
         c = self.core.config
         if why is Refusal.QUEUE:
             busy = Busy.own(  # its own doing: counts towards its tarpit (`kvfabric.runtime.tarpit`)
                 "tenant's queue of requests waiting for the directory is full",
                 fair_tenant_queue_max=c.queue_max,
             )
-            return busy, REFUSAL_HOLD_S_MAX
+            return self._counted(tenant, busy, now_s), REFUSAL_HOLD_S_MAX
         retry_after_s = self.core.retry_after_s(tenant, cost, now_s)
         busy = Busy.own(
             "tenant's directory budget (ids a second) spent",
@@ -170,4 +195,15 @@ class FairGate:
             cost_ids=cost,
             retry_after_ms=math.ceil(retry_after_s * 1000),
         )
-        return busy, min(REFUSAL_HOLD_S_MAX, max(0.0, retry_after_s))
+        return self._counted(tenant, busy, now_s), min(REFUSAL_HOLD_S_MAX, max(0.0, retry_after_s))
+
+    def _counted(self, tenant: str, busy: Busy, now_s: float) -> Busy:
+        """`busy` counted towards the tenant's tarpit now (then no longer `tenants_own`: the
+        runtime would count it again when answered), and the tenant's bucket suspended while
+        it is tarpitted (the class docstring)."""
+        if self.tarpit is None:
+            return busy  # the runtime counts it when answered
+        self.tarpit.note_tenant_refusal(tenant)
+        busy.tenants_own = False
+        self.core.suspend(tenant, now_s, self.tarpit.tarpitted_for_s(tenant))
+        return busy
