@@ -359,6 +359,7 @@ def test_a_refusal_counts_when_decided_and_a_tarpitted_tenant_banks_nothing() ->
             pass
         loop = asyncio.get_running_loop()
         asked = loop.time()
+
         async def large() -> None:  # its refill is 4 s away: held the whole 0.25 s
             async with gate.turn("bob", 4_096):
                 pass
