@@ -168,6 +168,12 @@ class DirectoryCollector(Collector):
             "Tenant requests answered busy after waiting TURN_WAIT_S_MAX for a turn.",
             value=gate.waited_out_total,
         )
+        yield CounterMetricFamily(
+            "kvfabric_directory_fair_buckets_suspended",
+            "Refusals of a tarpitted tenant, each suspending its bucket for the rest of its tarpit "
+            "(it banks no budget while its requests go unread).",
+            value=core.suspended_total,
+        )
         yield GaugeMetricFamily(
             "kvfabric_directory_fair_queued", "Tenant requests waiting for their turn now.", value=core.queued
         )
