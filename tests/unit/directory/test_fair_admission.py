@@ -334,11 +334,20 @@ class FakeTarpit:
         self.now, self.threshold, self.for_s = now, threshold, for_s
         self.noted: list[tuple[str, float]] = []  # (tenant, when) of each counted refusal
         self.until: dict[str, float] = {}
+        self.listener: Any = None
 
     def note_tenant_refusal(self, tenant: str) -> None:
         self.noted.append((tenant, self.now[0]))
         if sum(t == tenant for t, _ in self.noted) == self.threshold:
-            self.until[tenant] = self.now[0] + self.for_s
+            self.tarpit(tenant)
+
+    def tarpit(self, tenant: str) -> None:
+        """Tarpitted (by the gate's refusals, or the runtime's own): the listener told."""
+        self.until[tenant] = self.now[0] + self.for_s
+        self.listener(tenant, self.for_s)
+
+    def on_tenant_tarpitted(self, listener: Any) -> None:
+        self.listener = listener
 
     def tarpitted_for_s(self, tenant: str) -> float:
         return max(0.0, self.until.get(tenant, 0.0) - self.now[0])
@@ -377,6 +386,10 @@ def test_a_refusal_counts_when_decided_and_a_tarpitted_tenant_banks_nothing() ->
         assert tarpit.tarpitted_for_s("bob") == 4.0
         now[0] = 3.9  # 3.9 s of refill, none of it banked
         assert gate.core.tokens("bob", now[0]) <= 0
+        with pytest.raises(Busy) as refused:  # told to come back when the bucket will hold it
+            async with gate.turn("bob", 1_000):
+                pass
+        assert refused.value.details["retry_after_ms"] == 1_100  # 0.1 s suspended + 1 s of refill
         now[0] = 4.0 + 0.1  # released: 0.1 s of refill since, 100 ids
         assert gate.core.tokens("bob", now[0]) == pytest.approx(100, abs=1)
         with pytest.raises(Busy):
@@ -384,6 +397,13 @@ def test_a_refusal_counts_when_decided_and_a_tarpitted_tenant_banks_nothing() ->
                 pass
         async with gate.turn("alice", 4_096):  # another tenant's bucket is untouched
             pass
+        # tarpitted by the runtime's own refusals (his in-flight share): suspended all the same
+        now[0] = 10.0
+        async with gate.turn("carol", 4_096):
+            pass
+        tarpit.tarpit("carol")
+        now[0] = 13.9
+        assert gate.core.tokens("carol", now[0]) == pytest.approx(0)  # emptied, nothing refilled
         gate.core.check()
 
     asyncio.run(asyncio.wait_for(scenario(), 5))

@@ -65,3 +65,23 @@ def test_the_tarpit_takes_only_work_endpoints() -> None:
     svc = harness()
     subjects = svc.runtime._tarpit_subjects("bob")
     assert subjects == [f"{svc.runtime.group}.t.bob.work"]  # not `give`, not `report`
+
+
+async def test_a_held_refusal_counts_when_decided_and_the_listener_hears_the_tarpit() -> None:
+    """A refusal past the tenant's share counts towards its tarpit as it is decided, not when
+    its held answer goes out 5 s later (before, the tenant's requests kept arriving for the
+    hold's length before it was tarpitted); whichever refusal tarpits a tenant, the runtime's
+    listener (the directory's fair admission suspends its bucket) hears (tenant, seconds)."""
+    svc = Harness(inflight_max=4, hold_ms=5_000)  # a's share: 1; refusals held 5 s
+    tarpit = with_tarpit(svc, refusals=3)
+    tarpit._on_tarpitted = svc.runtime._tarpitted  # as `_start_tarpit` wires it
+    heard: list[tuple[str, float]] = []
+    svc.runtime.on_tenant_tarpitted(lambda tenant, seconds: heard.append((tenant, seconds)))
+    await svc.send("a")  # a's share in flight
+    held = [await svc.send("a") for _ in range(3)]  # its third refusal tarpits it
+    # the first held (5 s), the others answered at once (a tenant's share of held refusals)
+    assert codes(held) == [[], ["busy"], ["busy"]]
+    assert tarpit.core.tarpitted() == {"a"} and heard == [("a", 2.0)]
+    svc.runtime.note_tenant_refusal("b")  # a handler's own count (fair admission's)
+    assert tarpit.core.tarpitted() == {"a"}  # one of b's three
+    await svc.runtime.stop()

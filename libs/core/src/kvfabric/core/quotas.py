@@ -138,8 +138,11 @@ class TokenBucket:
         self.updated_s = max(self.updated_s, until_s)
 
     def wait_s(self, n: float, now_s: float) -> float:
-        """How long until it holds `n` tokens (0 when it does)."""
-        return max(0.0, (n - self.level(now_s)) / self.rate_per_s)
+        """How long until it holds `n` tokens (0 when it does), a suspension (`suspend`) included."""
+        missing = n - self.level(now_s)
+        if missing <= 0:
+            return 0.0
+        return max(0.0, self.updated_s - now_s) + missing / self.rate_per_s
 
     def full_at_s(self) -> float:
         """When it will be full, with nothing taken meanwhile."""

@@ -49,12 +49,14 @@ until answered); past either bound the refusal is answered at once, as are refus
 requests and of a full lane. A stop answers every held refusal at once (`Unavailable`).
 
 The tarpit (`tarpit=TarpitConfig(...)`, the directory's default; `kvfabric.runtime.tarpit`): a
-tenant answered `busy` of its own doing (its share of a lane spent, or a handler's `Busy.own`)
-on its work endpoints `refusals_max` times within a second has those endpoints' requests taken
-(all but those registered `tarpittable=False`), for a while, by a second connection that never
-reads them, so the service stops receiving them at all and the sender waits out its own
-timeouts (holding refusals paces only a sender that waits for them). Its give-backs are never
-tarpitted nor counted. Started with the service, stopped first when it stops.
+tenant refused `busy` of its own doing (its share of a lane spent, counted when decided, before
+any hold; a handler's `Busy.own`, counted when answered; or a handler's own count,
+`note_tenant_refusal`, for one that holds its refusal) on its work endpoints `refusals_max`
+times within a second has those endpoints' requests taken (all but those registered
+`tarpittable=False`), for a while, by a second connection that never reads them, so the service
+stops receiving them at all and the sender waits out its own timeouts (holding refusals paces
+only a sender that waits for them); `on_tenant_tarpitted` hears each one. Its give-backs are
+never tarpitted nor counted. Started with the service, stopped first when it stops.
 
 Typed endpoints: an endpoint registered with its request type (`request=Kind` and the
 `decoder` of Kind's message family) has its request decoded and checked by the runtime, once,
@@ -282,6 +284,7 @@ class ServiceRuntime:
         self._tarpit: TenantTarpit | None = None
         self._tarpit_task: asyncio.Task[None] | None = None
         self._tarpit_exported: dict[str, int] = {}  # its counters' totals as last exported
+        self._tarpit_listener: Callable[[str, float], None] | None = None  # `on_tenant_tarpitted`
         self._endpoints: dict[str, _Endpoint] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._state = RuntimeState.CREATED
@@ -550,6 +553,7 @@ class ServiceRuntime:
             name=f"kvf-{self.service.value}-{self.settings.instance_id}-tarpit",
             log=self._log,
             on_change=self._export_tarpit,
+            on_tarpitted=self._tarpitted,
         )
         self._tarpit_task = asyncio.create_task(self._tarpit.run(), name=f"kvf-{self.service.value}-tarpit")
         self.watch(self._tarpit_task, "tarpit")
@@ -561,9 +565,15 @@ class ServiceRuntime:
         if self._tarpit is not None:
             self._tarpit.note_refusal(tenant)
 
-    def tarpitted_for_s(self, tenant: str) -> float:
-        """How much longer `tenant` is tarpitted (0: it is not, or there is no tarpit)."""
-        return self._tarpit.tarpitted_for_s(tenant) if self._tarpit is not None else 0.0
+    def on_tenant_tarpitted(self, listener: Callable[[str, float], None]) -> None:
+        """`listener(tenant, seconds)` is called, on the loop, each time a tenant is tarpitted
+        for `seconds`, whichever refusal did it (one listener: the last set). It must not raise
+        or block: the directory's fair admission suspends the tenant's bucket."""
+        self._tarpit_listener = listener
+
+    def _tarpitted(self, tenant: str, seconds: float) -> None:
+        if self._tarpit_listener is not None:
+            self._tarpit_listener(tenant, seconds)
 
     def _note_refusal(self, endpoint: _Endpoint, tenant: str | None) -> None:
         """A `busy` answered to a tenant's work request: counted towards its tarpit."""
@@ -701,8 +711,12 @@ class ServiceRuntime:
             await self._reject_busy(endpoint, request, received_s, Admission.FULL, tenant)
             return
         admission = lane.try_acquire(tenant)
-        if admission is Admission.TENANT_FULL and self._hold_refusal(endpoint, request, received_s, tenant):
-            return
+        if admission is Admission.TENANT_FULL:
+            # its share: its own doing (not a full lane), counted towards its tarpit when decided,
+            # not when a held answer goes out (its requests keep arriving meanwhile)
+            self._note_refusal(endpoint, tenant)
+            if self._hold_refusal(endpoint, request, received_s, tenant):
+                return
         if admission is not Admission.ADMITTED:
             await self._reject_busy(endpoint, request, received_s, admission, tenant)
             return
@@ -770,8 +784,6 @@ class ServiceRuntime:
             outcome: Outcome
             if self._state is RuntimeState.RUNNING:
                 err, outcome = self._busy(endpoint, admission), Outcome.BUSY
-                if admission is Admission.TENANT_FULL:  # its share: its own doing (not a full lane)
-                    self._note_refusal(endpoint, tenant)
             else:
                 err, outcome = Unavailable(f"service is {self._state.value}"), Outcome.ERROR
             await self._reply_error(request, err)

@@ -192,6 +192,7 @@ class TenantTarpit:
         weight: int = WEIGHT_DEFAULT,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[], None] = lambda: None,
+        on_tarpitted: Callable[[str, float], None] = lambda tenant, seconds: None,
     ) -> None:
         self.core = core
         self._subjects_for = subjects_for
@@ -200,6 +201,7 @@ class TenantTarpit:
         self._auth = auth
         self._tls = tls
         self._on_change = on_change  # after every pass of `run` (the service's metrics)
+        self._on_tarpitted = on_tarpitted  # (tenant, seconds) as it is tarpitted
         self._name = name
         self._log = log
         self.weight = weight
@@ -222,11 +224,7 @@ class TenantTarpit:
             self._log.warning("tenant_tarpitted", tenant=tenant, seconds=round(until - now_s, 3))
             self._changed.set()
             self._on_change()
-
-    def tarpitted_for_s(self, tenant: str) -> float:
-        """How much longer `tenant` is tarpitted, on this tarpit's clock (0: it is not)."""
-        until_s = self.core.until_s(tenant)
-        return max(0.0, until_s - self._clock()) if until_s is not None else 0.0
+            self._on_tarpitted(tenant, until - now_s)
 
     async def run(self) -> None:
         """Keep the link holding exactly the tarpitted tenants, until cancelled."""

@@ -201,7 +201,7 @@ class FairAdmission:
         self.refused: dict[str, TenantStats] = {}
         self.admitted_total = 0
         self.charged_after_total = 0  # ids taken by `charge_more` (answers costlier than named)
-        self.suspended_total = 0  # buckets suspended for a tarpit (`suspend`)
+        self.suspended_total = 0  # tarpits that suspended a tenant's bucket (`suspend`)
         self.longest_wait_s = 0.0  # of the requests started since `take_longest_wait`
         self._ready: list[tuple[int, int, str]] = []  # (tag, head ticket, tenant): may start
         self._idle: list[
@@ -259,9 +259,12 @@ class FairAdmission:
         return longest
 
     def retry_after_s(self, tenant: str, cost: int, now_s: float) -> float:
-        """How long until the tenant's bucket holds `cost` tokens (0 when it does)."""
-        missing = min(cost, self.config.burst_ids) - self.tokens(tenant, now_s)
-        return max(0.0, missing / self.config.ids_per_s)
+        """How long until the tenant's bucket holds `cost` tokens (0 when it does; a suspended
+        bucket's suspension included)."""
+        state = self._tenants.get(tenant)
+        if state is None:
+            return 0.0  # a full bucket holds any cost (one above the burst counts as the burst)
+        return state.bucket.wait_s(min(cost, self.config.burst_ids), now_s)
 
     # ---- transitions -------------------------------------------------------------------------
 

@@ -55,7 +55,7 @@ class Tarpit(Protocol):
 
     def note_tenant_refusal(self, tenant: str) -> None: ...
 
-    def tarpitted_for_s(self, tenant: str) -> float: ...
+    def on_tenant_tarpitted(self, listener: Callable[[str, float], None]) -> None: ...
 
 
 class FairGate:
@@ -64,12 +64,12 @@ class FairGate:
     With `tarpit` (the directory's runtime), a refusal of the tenant's own doing is counted
     towards its tarpit when it is decided, not when its held answer goes out: the tenant's
     requests keep arriving during the hold, and a flooder coming off a tarpit was tarpitted again
-    ~0.4 s after its release instead of ~0.15 s (measured, docs/security.md "The tarpit"). A
-    refusal that tarpits the tenant also suspends its bucket for the tarpit's length
-    (`FairAdmission.suspend`): it banked up to a burst of its largest requests while its requests
-    went unread, and spent it on its release, each one making the other tenants' next request
-    wait its turn. Without `tarpit`, a refusal is `Busy.own`, counted by the runtime when
-    answered."""
+    ~0.45 s after its release instead of ~0.2 s (measured, docs/security.md "The tarpit"). And
+    whenever a tenant is tarpitted (by these refusals or the runtime's own), its bucket is
+    suspended for the tarpit's length (`FairAdmission.suspend`): it banked up to a burst of its
+    largest requests while its requests went unread, and spent it on its release, each one
+    making the other tenants' next request wait its turn. Without `tarpit`, a refusal is
+    `Busy.own`, counted by the runtime when answered."""
 
     def __init__(
         self,
@@ -80,6 +80,8 @@ class FairGate:
         self.core = FairAdmission(config)
         self.clock = clock
         self.tarpit = tarpit
+        if tarpit is not None:
+            tarpit.on_tenant_tarpitted(self._suspend)
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self.giveback = GivebackBudget(config.giveback_empty_ids_per_s, config.giveback_empty_burst_ids)
         self.waited_out_total = 0  # requests that waited `TURN_WAIT_S_MAX` for a turn: busy
@@ -179,31 +181,31 @@ class FairGate:
                 waiter.set_result(None)
 
     def _busy(self, tenant: str, cost: int, why: Refusal, now_s: float) -> tuple[Busy, float]:
-        """The refusal and how long to hold it before answering (module docstring), counted
-        towards the tenant's tarpit (the class docstring)."""
+        """The refusal and how long to hold it before answering (module docstring). Its own
+        doing: counted towards the tenant's tarpit here, before its retry time is read (a
+        refusal that tarpits it suspends its bucket), or, without a tarpit here, by the runtime
+        when answered (`Busy.own`)."""
+        if self.tarpit is not None:
+            self.tarpit.note_tenant_refusal(tenant)
         c = self.core.config
         if why is Refusal.QUEUE:
-            busy = Busy.own(  # its own doing: counts towards its tarpit (`kvfabric.runtime.tarpit`)
+            busy = Busy.own(
                 "tenant's queue of requests waiting for the directory is full",
                 fair_tenant_queue_max=c.queue_max,
             )
-            return self._counted(tenant, busy, now_s), REFUSAL_HOLD_S_MAX
-        retry_after_s = self.core.retry_after_s(tenant, cost, now_s)
-        busy = Busy.own(
-            "tenant's directory budget (ids a second) spent",
-            fair_tenant_ids_per_s=c.ids_per_s,
-            cost_ids=cost,
-            retry_after_ms=math.ceil(retry_after_s * 1000),
-        )
-        return self._counted(tenant, busy, now_s), min(REFUSAL_HOLD_S_MAX, max(0.0, retry_after_s))
+            hold_s = REFUSAL_HOLD_S_MAX
+        else:
+            retry_after_s = self.core.retry_after_s(tenant, cost, now_s)
+            busy = Busy.own(
+                "tenant's directory budget (ids a second) spent",
+                fair_tenant_ids_per_s=c.ids_per_s,
+                cost_ids=cost,
+                retry_after_ms=math.ceil(retry_after_s * 1000),
+            )
+            hold_s = min(REFUSAL_HOLD_S_MAX, max(0.0, retry_after_s))
+        busy.tenants_own = self.tarpit is None  # counted above: the runtime must not again
+        return busy, hold_s
 
-    def _counted(self, tenant: str, busy: Busy, now_s: float) -> Busy:
-        """`busy` counted towards the tenant's tarpit now (then no longer `tenants_own`: the
-        runtime would count it again when answered), and the tenant's bucket suspended while
-        it is tarpitted (the class docstring)."""
-        if self.tarpit is None:
-            return busy  # the runtime counts it when answered
-        self.tarpit.note_tenant_refusal(tenant)
-        busy.tenants_own = False
-        self.core.suspend(tenant, now_s, self.tarpit.tarpitted_for_s(tenant))
-        return busy
+    def _suspend(self, tenant: str, seconds: float) -> None:
+        """The tenant was tarpitted for `seconds` (the runtime's listener): its bucket suspended."""
+        self.core.suspend(tenant, self.clock(), seconds)

@@ -170,7 +170,7 @@ class DirectoryCollector(Collector):
         )
         yield CounterMetricFamily(
             "kvfabric_directory_fair_buckets_suspended",
-            "Refusals of a tarpitted tenant, each suspending its bucket for the rest of its tarpit "
+            "Tarpits that suspended the tenant's bucket for their length "
             "(it banks no budget while its requests go unread).",
             value=core.suspended_total,
         )
