@@ -323,7 +323,9 @@ class FairAdmission:
         long (`kvfabric.runtime.tarpit`) banks no budget while its requests go unread, so it
         comes back with none rather than a burst of its largest requests (docs/security.md
         "The tarpit"). A tenant with no state gets one (a full bucket, then suspended), unless
-        every tracked tenant is busy (the bound: `offer` refuses it then anyway)."""
+        every tracked tenant is busy (the bound: `offer` refuses it then anyway). At that bound
+        an idle suspended tenant may be forgotten for a new one (`_forget_soonest`), its
+        suspension forgiven with it, as any idle tenant's refill is."""
         if for_s <= 0:
             return
         state = self._tenants.get(tenant)
