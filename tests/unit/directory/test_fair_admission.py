@@ -353,6 +353,13 @@ class FakeTarpit:
         return max(0.0, self.until.get(tenant, 0.0) - self.now[0])
 
 
+async def ask(gate: FairGate, tenant: str, ids: int) -> None:
+    """One request of `ids` ids through the gate: its turn taken and given back at once (no
+    work), or `Busy`. The core's invariants hold while it runs."""
+    async with gate.turn(tenant, ids):
+        gate.core.check()
+
+
 def test_a_refusal_counts_when_decided_and_a_tarpitted_tenant_banks_nothing() -> None:
     """With the runtime's tarpit, the gate counts an own refusal as it decides it (the hold has
     not begun) and raises a `Busy` the runtime does not count again; the refusal that tarpits
@@ -364,16 +371,11 @@ def test_a_refusal_counts_when_decided_and_a_tarpitted_tenant_banks_nothing() ->
         now = [0.0]
         tarpit = FakeTarpit(now, threshold=2, for_s=4.0)
         gate = FairGate(config(ids_per_s=1_000, burst_ids=4_200), clock=lambda: now[0], tarpit=tarpit)
-        async with gate.turn("bob", 4_200):  # his burst spent
-            pass
+        await ask(gate, "bob", 4_200)  # his burst spent
         loop = asyncio.get_running_loop()
         asked = loop.time()
 
-        async def large() -> None:  # its refill is 4 s away: held the whole 0.25 s
-            async with gate.turn("bob", 4_096):
-                pass
-
-        held = asyncio.create_task(large())
+        held = asyncio.create_task(ask(gate, "bob", 4_096))  # refill 4 s away: held all 0.25 s
         await asyncio.sleep(0)  # decided, now holding
         assert tarpit.noted == [("bob", 0.0)] and not held.done()
         with pytest.raises(Busy) as refused:
@@ -381,26 +383,21 @@ def test_a_refusal_counts_when_decided_and_a_tarpitted_tenant_banks_nothing() ->
         assert loop.time() - asked > 0.1  # still held before it is answered
         assert not refused.value.tenants_own  # counted once, by the gate
         with pytest.raises(Busy):  # the second: tarpitted for 4 s, his bucket suspended
-            async with gate.turn("bob", 10):
-                pass
+            await ask(gate, "bob", 10)
         assert tarpit.tarpitted_for_s("bob") == 4.0
         now[0] = 3.9  # 3.9 s of refill, none of it banked
         assert gate.core.tokens("bob", now[0]) <= 0
         with pytest.raises(Busy) as refused:  # told to come back when the bucket will hold it
-            async with gate.turn("bob", 1_000):
-                pass
+            await ask(gate, "bob", 1_000)
         assert refused.value.details["retry_after_ms"] == 1_100  # 0.1 s suspended + 1 s of refill
         now[0] = 4.0 + 0.1  # released: 0.1 s of refill since, 100 ids
         assert gate.core.tokens("bob", now[0]) == pytest.approx(100, abs=1)
         with pytest.raises(Busy):
-            async with gate.turn("bob", 4_096):
-                pass
-        async with gate.turn("alice", 4_096):  # another tenant's bucket is untouched
-            pass
+            await ask(gate, "bob", 4_096)
+        await ask(gate, "alice", 4_096)  # another tenant's bucket is untouched
         # tarpitted by the runtime's own refusals (his in-flight share): suspended all the same
         now[0] = 10.0
-        async with gate.turn("carol", 4_096):
-            pass
+        await ask(gate, "carol", 4_096)
         tarpit.tarpit("carol")
         now[0] = 13.9
         assert gate.core.tokens("carol", now[0]) == pytest.approx(0)  # emptied, nothing refilled
@@ -412,8 +409,7 @@ def test_a_refusal_counts_when_decided_and_a_tarpitted_tenant_banks_nothing() ->
 def test_without_a_tarpit_a_refusal_is_counted_by_the_runtime_when_answered() -> None:
     async def scenario() -> None:
         gate = FairGate(config(burst_ids=100, request_cost_ids=16), clock=lambda: 0.0)
-        async with gate.turn("bob", 84):
-            pass
+        await ask(gate, "bob", 84)
         with pytest.raises(Busy) as refused:
             await gate.refuse_early("bob")
         assert refused.value.tenants_own  # `Busy.own`: the runtime counts it

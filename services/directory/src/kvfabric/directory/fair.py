@@ -63,8 +63,9 @@ class FairGate:
 
     With `tarpit` (the directory's runtime), a refusal of the tenant's own doing is counted
     towards its tarpit when it is decided, not when its held answer goes out: the tenant's
-    requests keep arriving during the hold, and a flooder coming off a tarpit was tarpitted again
-    ~0.45 s after its release instead of ~0.2 s (measured, docs/security.md "The tarpit"). And
+    requests keep arriving during the hold (counted when answered, a flooder coming off a tarpit
+    was tarpitted again ~0.45 s after its release; counted when decided, ~0.2 s: measured,
+    docs/security.md "The tarpit"). And
     whenever a tenant is tarpitted (by these refusals or the runtime's own), its bucket is
     suspended for the tarpit's length (`FairAdmission.suspend`): it banked up to a burst of its
     largest requests while its requests went unread, and spent it on its release, each one
@@ -185,26 +186,25 @@ class FairGate:
         doing: counted towards the tenant's tarpit here, before its retry time is read (a
         refusal that tarpits it suspends its bucket), or, without a tarpit here, by the runtime
         when answered (`Busy.own`)."""
+        refusal = Busy.own  # counted by the runtime when answered
         if self.tarpit is not None:
             self.tarpit.note_tenant_refusal(tenant)
+            refusal = Busy  # counted here: the runtime must not count it again
         c = self.core.config
         if why is Refusal.QUEUE:
-            busy = Busy.own(
+            busy = refusal(
                 "tenant's queue of requests waiting for the directory is full",
                 fair_tenant_queue_max=c.queue_max,
             )
-            hold_s = REFUSAL_HOLD_S_MAX
-        else:
-            retry_after_s = self.core.retry_after_s(tenant, cost, now_s)
-            busy = Busy.own(
-                "tenant's directory budget (ids a second) spent",
-                fair_tenant_ids_per_s=c.ids_per_s,
-                cost_ids=cost,
-                retry_after_ms=math.ceil(retry_after_s * 1000),
-            )
-            hold_s = min(REFUSAL_HOLD_S_MAX, max(0.0, retry_after_s))
-        busy.tenants_own = self.tarpit is None  # counted above: the runtime must not again
-        return busy, hold_s
+            return busy, REFUSAL_HOLD_S_MAX
+        retry_after_s = self.core.retry_after_s(tenant, cost, now_s)
+        busy = refusal(
+            "tenant's directory budget (ids a second) spent",
+            fair_tenant_ids_per_s=c.ids_per_s,
+            cost_ids=cost,
+            retry_after_ms=math.ceil(retry_after_s * 1000),
+        )
+        return busy, min(REFUSAL_HOLD_S_MAX, max(0.0, retry_after_s))
 
     def _suspend(self, tenant: str, seconds: float) -> None:
         """The tenant was tarpitted for `seconds` (the runtime's listener): its bucket suspended."""
