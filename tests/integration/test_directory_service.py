@@ -193,10 +193,14 @@ async def test_publish_lookup_release_evict_free_with_events(
     events = [m.event_decoder.decode(x.data) for x in msgs]
     # Lookup hits are batched per tick into GroupsAccessed, wherever the tick falls: not counted here.
     events = [e for e in events if not isinstance(e, m.GroupsAccessed)]
-    # One put_commit, one published event naming its groups in order (issue 20)
-    assert [type(e).__name__ for e in events] == ["SegmentUp", "GroupsPublished", "GroupEvicted"]
+    # One put_commit, one published event naming its groups in order (issue 20); gs[1]'s
+    # eviction; the unpin names the group it was the last pin of (stop 65).
+    names = ["SegmentUp", "GroupsPublished", "GroupEvicted", "GroupsUnpinned"]
+    assert [type(e).__name__ for e in events] == names
     assert isinstance(events[1], m.GroupsPublished)
     assert [p.group for p in events[1].groups] == [g.chain_hash for g in gs]
+    assert isinstance(events[3], m.GroupsUnpinned)
+    assert [ref.group for ref in events[3].groups] == [gs[0].chain_hash]
     seqs = [x.metadata.sequence.stream for x in msgs]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 

@@ -287,3 +287,64 @@ def test_a_policy_started_after_its_events_aged_out_adopts_the_directorys_listin
         )
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)["decisions"][0]["reason"] == "listed"
+
+
+def test_a_pinned_prefix_goes_once_its_pin_is_removed_not_after_the_backoff(
+    nats_server: NatsServer, cluster: None
+) -> None:
+    """A victim refused as pinned is not asked again for `refused_cooldown_ms` (here 30 s),
+    doubled per refusal in a row. The directory's `unpinned` event (stop 65) ends that wait:
+    once the pin is removed, the pool is back at its low watermark within seconds."""
+    prompts = [prompt(CHUNKS_PER_PROMPT * TOKENS_PER_CHUNK, seed=300 + i) for i in range(10)]
+    with client(nats_server) as writer:
+        for tokens in prompts:  # 62.5 % of the arena, past the 50 % mark
+            assert writer.save(tokens, objects_for(tokens, 0, CHUNKS_PER_PROMPT)).chunks_failed == 0
+    runner = CliRunner()
+    every_group = sorted(group_ids(nats_server.url))
+    added = runner.invoke(
+        app, ["pins", "add", *every_group, "--ttl-ms", "600000", "--json", "--nats-url", nats_server.url]
+    )
+    assert added.exit_code == 0, added.output
+    pin = json.loads(added.stdout)
+    assert pin["pinned_groups"] == len(prompts) * CHUNKS_PER_PROMPT
+    policy = eviction_process(
+        nats_server,
+        KVF_EVICTION_POLICY="lru",
+        KVF_EVICTION_HIGH_WATERMARK_PCT=str(HIGH_PCT),
+        KVF_EVICTION_LOW_WATERMARK_PCT=str(LOW_PCT),
+        KVF_EVICTION_TICK_MS="50",
+        KVF_EVICTION_SEGMENTS_REFRESH_MS="200",
+        KVF_EVICTION_REFUSED_COOLDOWN_MS="30000",
+    )
+    with policy:
+        last: list[e.EvictionStatus] = []
+
+        async def until(done: Any, timeout_s: float) -> e.EvictionStatus:
+            async def poll() -> e.EvictionStatus:
+                while True:
+                    st = await eviction_status(nats_server.url)
+                    last[:] = [st]
+                    if done(st):
+                        return st
+                    await asyncio.sleep(0.1)
+
+            try:
+                return await asyncio.wait_for(poll(), timeout_s)
+            except TimeoutError:
+                raise AssertionError(f"not reached in {timeout_s} s: {last}") from None
+
+        refused = asyncio.run(until(lambda st: st.counters.get("evict_refused_total", 0) >= 1, 30.0))
+        assert not refused.counters.get("evicted_total", 0)  # everything is pinned
+        for shard in pin.get("shards", [pin]):  # one pin per directory shard the groups fall in
+            if shard["pin_id"]:
+                args = ["pins", "rm", str(shard["pin_id"]), "--shard", str(shard["shard"])]
+                removed = runner.invoke(app, [*args, "--nats-url", nats_server.url])
+                assert removed.exit_code == 0, removed.output
+        settled = asyncio.run(
+            until(
+                lambda st: bool(st.pools) and st.pools[0].used_bytes <= LOW_PCT / 100 * ARENA_BYTES,
+                10.0,  # a third of the first refusal's cooldown: the policy did not wait for it
+            )
+        )
+        assert settled.counters.get("unpinned_woken_total", 0) >= 1, settled.counters
+        assert settled.counters.get("evicted_total", 0) > 0

@@ -250,6 +250,8 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.exp_events: Counter[tuple[Any, ...]] = Counter()
         self.model_hits: Counter[bytes] = Counter()  # lookup hits the model saw granted
         self.hits_reported: Counter[bytes] = Counter()  # hits the core reported in GroupsAccessed
+        self.model_unpinned: Counter[bytes] = Counter()  # groups whose last pin the model saw end
+        self.unpinned_reported: Counter[bytes] = Counter()  # the core's GroupsUnpinned, per group
 
     # ---- plumbing ------------------------------------------------------------------------
 
@@ -298,6 +300,11 @@ class DirectoryMachine(RuleBasedStateMachine):
                 assert len(eff.event.groups) <= m.ACCESS_BATCH_MAX
                 for h in eff.event.groups:
                     self.hits_reported[KEY_OF_CHAIN[h.group]] += h.hits
+            elif isinstance(eff.event, m.GroupsUnpinned):
+                assert eff.kind == "unpinned" and 1 <= len(eff.event.groups) <= m.ACCESS_BATCH_MAX
+                reported = [KEY_OF_CHAIN[ref.group] for ref in eff.event.groups]
+                assert len(set(reported)) == len(reported)  # once a flush
+                self.unpinned_reported.update(reported)
             else:
                 events[event_tuple(eff)] += 1
         self.check_frees(frees)
@@ -488,8 +495,11 @@ class DirectoryMachine(RuleBasedStateMachine):
         """A lease or pin ends: a deferred group it was the last hold of is queued for the sweep
         again (no longer deferred)."""
         lease = self.leases.pop(lease_id)
-        for gid in lease.gids:
-            if not any(self.lease_counts(gid)):
+        for gid in dict.fromkeys(lease.gids):  # a pin may name a group twice
+            leases, pins = self.lease_counts(gid)
+            if lease.is_pin and not pins:
+                self.model_unpinned[gid] += 1
+            if not (leases or pins):
                 self.deferred.discard(gid)
 
     def renewed_expiry(self, lease: MLease, ttl: int) -> int:
@@ -1637,6 +1647,8 @@ class DirectoryMachine(RuleBasedStateMachine):
         core.check_invariants()
         # Every lookup hit reaches the eviction policy, once: reported or still batched.
         assert self.hits_reported + Counter(core._hits) == self.model_hits
+        # Every group whose last pin ended is told to the eviction policy in the same step, once.
+        assert self.unpinned_reported == self.model_unpinned
         # The core agrees with the model on what exists.
         assert set(core.published) == set(self.published)
         assert {gid: set(g.members) for gid, g in core.building.items()} == {

@@ -301,6 +301,22 @@ class EvictionMachine(RuleBasedStateMachine):
             self.core.removed(object_id)
             del self.resident[object_id]
 
+    @rule(pick=st.integers(0, 1000))
+    def last_pin_ends(self, pick: int) -> None:
+        """The directory says an object's last pin ended (`GroupsUnpinned`): one cooling down
+        after a refusal may go at once, its refusals in a row ended (parked passes look again:
+        `check_invariants`); a victim under way is left as it is."""
+        if not self.resident:
+            return
+        object_id = sorted(self.resident)[pick % len(self.resident)]
+        self.leased.discard(object_id)
+        self.core.unpinned(object_id, self.now)
+        if object_id not in self.evicting and self.cooldown.get(object_id, -1) > self.now:
+            self.refusals[object_id] = 0
+            self.cooldown[object_id] = self.now
+        if object_id in self.cooldown:
+            assert self.core._objects[object_id].cooldown_until_ms == self.cooldown[object_id]
+
     @precondition(lambda self: bool(self.evicting))
     @rule()
     def directory_answers_all(self) -> None:

@@ -80,3 +80,34 @@ def test_a_leased_refusal_waits_the_base_cooldown_and_ends_a_pins_run() -> None:
         assert victims(core, now + BASE_MS) == ["pinned"]
         now += BASE_MS
     refused_for(core, now, 5_000)  # a pin again: its run starts over
+
+
+def test_the_directorys_word_that_its_last_pin_ended_lets_it_go_at_once() -> None:
+    """`GroupsUnpinned` (stop 65): before, a released pin's group went up to 80 s late (its
+    pass parked until the cooldown's end); now it is a victim again on the next tick."""
+    core = pinned_core()
+    now = 1_000
+    assert victims(core, now) == ["pinned"]
+    for expected in (5_000, 10_000, 20_000, 40_000):
+        now = refused_for(core, now, expected)
+    core.refused("pinned", now, pinned=True)  # cooling down 80 s, its pool's pass parked
+    assert victims(core, now + 1_000) == []
+    core.unpinned("pinned", now + 1_000)
+    assert core.counters["unpinned_woken_total"] == 1
+    assert victims(core, now + 1_000) == ["pinned"]
+    refused_for(core, now + 1_000, 5_000)  # pinned again: its run starts over
+
+
+def test_the_word_wakes_any_refusal_and_leaves_a_victim_under_way_as_it_is() -> None:
+    """A head named with its pinned tail is refused `tail_stays`, not `pinned`: the word wakes
+    whatever refusal it cools down after (a lease that still holds it refuses it again)."""
+    core = pinned_core()
+    assert victims(core, 1_000) == ["pinned"]
+    core.unpinned("pinned", 1_000)  # under way: the directory's answer decides
+    assert core.is_evicting("pinned")
+    core.refused("pinned", 1_000)  # not as pinned (leased, or its tail stays)
+    assert victims(core, 2_000) == []
+    core.unpinned("pinned", 2_000)
+    assert victims(core, 2_000) == ["pinned"]
+    core.unpinned("absent", 7_000)  # evicted meanwhile, or never stored here
+    assert core.counters["unpinned_woken_total"] == 1

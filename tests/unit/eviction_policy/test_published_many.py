@@ -77,3 +77,22 @@ def test_a_group_published_again_in_a_commits_event_moves_to_its_new_pools() -> 
     sh.apply(m.GroupsPublished(groups=[moved, published(1)]), 2)
     assert sh.core.used_bytes("s1") == 20 and sh.core.used_bytes("s2") == 20
     assert sh._held[A + chain(0)][2] == {"s2": 20}
+
+
+def test_a_groups_unpinned_event_lets_a_victim_refused_as_pinned_go_at_once() -> None:
+    """The directory's `GroupsUnpinned` reaches the core for the group it names (domain and
+    chain hash): a victim backing off after pinned refusals is asked again on the next tick."""
+    sh = shell()
+    sh.apply(m.GroupsPublished(groups=[published(0), published(1), published(2)]), 1)
+    (batch,) = sh.core.tick(2)
+    assert isinstance(batch, EvictBatch) and batch.victims[0] == A + chain(2)
+    for victim in batch.victims:
+        sh.core.refused(victim, 2, pinned=True)
+    assert sh.core.tick(3) == []  # cooling down 5 s
+    other = DomainDigest(b"B" * 16)
+    sh.apply(m.GroupsUnpinned(groups=[m.GroupRef(chain(2), other)]), 4)  # another domain's group
+    assert sh.core.tick(4) == []
+    sh.apply(m.GroupsUnpinned(groups=[m.GroupRef(chain(2), A)]), 5)
+    (again,) = sh.core.tick(5)
+    assert isinstance(again, EvictBatch) and again.victims[0] == A + chain(2)
+    sh.core.check_invariants()

@@ -859,6 +859,20 @@ class GroupsAccessed(_Msg, frozen=True, kw_only=True, tag="dir.ev.accessed.v1"):
     groups: list[GroupHits]
 
 
+class GroupRef(msgspec.Struct, frozen=True, array_like=True):
+    group: ChainHash
+    domain: DomainDigest = DomainDigest(b"")  # the share domain digest: (domain, chain hash) names the group
+
+
+class GroupsUnpinned(_Msg, frozen=True, kw_only=True, tag="dir.ev.unpinned.v1"):
+    """Groups whose last pin ended (an unpin, or the pin's expiry), at most `ACCESS_BATCH_MAX`
+    an event (more: several). The eviction policy backs off a victim the directory refused as
+    pinned (5 s doubling to 80 s); this tells it to ask again at once (docs/eviction-policy.md).
+    A group may have been evicted or invalidated since: a consumer ignores one it does not hold."""
+
+    groups: Annotated[list[GroupRef], msgspec.Meta(max_length=ACCESS_BATCH_MAX)]
+
+
 class GroupUnderReplicated(_Msg, frozen=True, kw_only=True, tag="dir.ev.under_replicated.v1"):
     group: ChainHash
     domain: DomainDigest = DomainDigest(b"")  # two domains may hold the same chain hash
@@ -960,6 +974,7 @@ DirectoryEvent = (
     | GroupEvicted
     | GroupInvalidated
     | GroupsAccessed
+    | GroupsUnpinned
 )
 
 request_decoder: FamilyDecoder[DirectoryRequest] = FamilyDecoder(DirectoryRequest, "directory request")

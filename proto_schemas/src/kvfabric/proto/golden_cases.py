@@ -152,6 +152,10 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
         "directory.event",
         directory.GroupsAccessed(groups=[directory.GroupHits(ChainHash(b"g" * 32), 3)]),
     ),
+    "dir.ev.unpinned.v1": (
+        "directory.event",
+        directory.GroupsUnpinned(groups=[directory.GroupRef(ChainHash(b"g" * 32), DomainDigest(b"d" * 16))]),
+    ),
     "evict.status_reply.v1": (
         "eviction",
         eviction.EvictionStatus(

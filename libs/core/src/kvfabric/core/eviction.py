@@ -22,6 +22,8 @@ prefix from its tail to its head, and a head never goes while its tail stays.
     EVICTING --removed--> (absent)
     EVICTING --refused (leased/pinned)--> RESIDENT, skipped until `now + refused_cooldown_ms`,
         pinned: x 2**(its pinned refusals in a row - 1), at most x 16 (`refused`: 5 ... 80 s)
+    RESIDENT, cooling down after a refusal --unpinned (its last pin ended)--> RESIDENT, a
+        victim again at once, its count of refusals ended (`unpinned`)
     RESIDENT --removed (freed elsewhere: segment down, repair, ...)--> (absent)
     RESIDENT or EVICTING --retiered (its bytes moved to other pools: a demotion)--> RESIDENT
         (the same object: its rank's features kept, neither an eviction nor an insert counted)
@@ -164,8 +166,9 @@ INFLOW_HALF_LIFE_MS: Final = 1_000
 # refused while the pool was full, so no new object) do not end it.
 WRITER_GAP_MS: Final = 1_000
 # A victim refused as pinned cools down twice as long with each pinned refusal in a row, up to
-# 2**4 = 16 x `refused_cooldown_ms` (5 s: 5, 10, 20, 40, 80 s): the policy learns of an unpin
-# only by asking again, so the cap is how late a released pin's group may go (review).
+# 2**4 = 16 x `refused_cooldown_ms` (5 s: 5, 10, 20, 40, 80 s). The directory tells the policy
+# when a group's last pin ends (`unpinned`); without that word (an event lost, a directory older
+# than it) the cap is how late a released pin's group may go (review).
 REFUSED_BACKOFF_SHIFT_MAX: Final = 4
 # `_park`: a pass under way (parked only if nothing lands in its pool meanwhile), and a pass
 # parked with no cooldown to wait for (only a change in its pool or tenant ends it).
@@ -672,6 +675,23 @@ class EvictionCore(LeafRanking):
         self._wake(obj, obj.cooldown_until_ms)  # a leaf again once it has cooled down
         self._tenant_grew(obj.tenant)  # its bytes no longer on their way out
         self._count("evict_refused_total")
+
+    def unpinned(self, object_id: ObjectId, now_ms: int) -> None:
+        """Its last pin ended (the directory's word): an object cooling down after a refusal may
+        be a victim again at once, its count of refusals in a row ended, and parked passes over
+        its pools and tenant look again. Whatever the refusal said: a head named with its
+        pinned tail is answered `tail_stays` (and a head pinned with its tail too), not
+        `pinned`; one a lease still holds is refused again, at the base cooldown (one request
+        more per unpin). A victim under way, one not cooling down and one unknown (evicted, or
+        never stored here) are left as they are."""
+        self._advance(now_ms)
+        obj = self._objects.get(object_id)
+        if obj is None or obj.evicting or obj.cooldown_until_ms <= now_ms:
+            return
+        obj.refusals = 0
+        obj.cooldown_until_ms = now_ms
+        self._wake(obj, now_ms)
+        self._count("unpinned_woken_total")
 
     def drop_pool(self, pool: Hashable, kept: list[ObjectId] | None = None) -> list[ObjectId]:
         """The pool is gone (segment down or restarted): its bytes went with it. Objects left

@@ -195,6 +195,9 @@ class GroupRecords:
                 for _ in range(min(hit.hits, ACCESS_PER_EVENT_MAX)):
                     core.seen(key)
                     core.access(key, at_ms)
+        elif isinstance(event, m.GroupsUnpinned):  # a victim refused as pinned: ask again now
+            for ref in event.groups:
+                core.unpinned(pack_group_key(ref.domain, ref.group), at_ms)
         elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
             key = pack_group_key(event.domain, event.group)
             self._record_gone(key, event, at_ms)

@@ -218,6 +218,7 @@ class DirectoryCore:
         effects: list[Effect] = []
         self.free_table.end_grace(now_ms)
         self.lease_table.expire(now_ms)
+        self.lease_table.flush_unpinned(effects)
         self.write_table.expire(now_ms, effects)
         self.segment_table.tick(now_ms, effects, deaf=deaf)
         self.replica_table.expire(now_ms)

@@ -15,6 +15,13 @@ expiry unchanged (the reader's read tokens end there anyway; a new lookup skips 
 Before (review), re-pinning a lost group before its pin expired, or renewing a lease on it,
 kept it deferred for ever.
 
+## Unpinned groups
+A group whose last pin ends (unpin, or the pin's expiry) is told to the eviction policy
+(`GroupsUnpinned`): it backs off a victim refused as pinned for up to 80 s and would otherwise
+learn of the unpin only by asking again. Emitted at the end of the unpin that ended it, or of
+the tick whose expiry did (`flush_unpinned`, at most `ACCESS_BATCH_MAX` groups an event), so
+what waits is bounded by one request's or one tick's work.
+
 ## Invariants (`check_invariants`)
 1. The published table's lease and pin counts are exactly the groups of the held leases and pins.
 2. `pins_held` is the number of pins; the per-tenant counts are the leases and pins held by each
@@ -37,8 +44,16 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from kvfabric.core.directory.base import HEAP_SLACK_MIN, Context, Outcome, check_batch, scope_of
-from kvfabric.core.directory.keys import GroupInfo, parse_group
+from kvfabric.core.directory.base import (
+    HEAP_SLACK_MIN,
+    Context,
+    Effect,
+    EmitEvent,
+    Outcome,
+    check_batch,
+    scope_of,
+)
+from kvfabric.core.directory.keys import GroupInfo, chain_of, domain_of, parse_group
 from kvfabric.core.directory.published import PublishedTable
 from kvfabric.core.quotas import request_tokens
 from kvfabric.format.errors import BadRequest, Busy, NotFound
@@ -68,6 +83,9 @@ class LeaseTable:
         self._scope_held: dict[tuple[str, bool], int] = {}
         # ... -> the groups they name
         self._scope_groups: dict[tuple[str, bool], int] = {}
+        # groups whose last pin ended since the last `GroupsUnpinned` (emptied by `flush_unpinned`
+        # in the same request or tick)
+        self.unpinned: dict[GroupKey, None] = {}
 
     def grant(
         self, holder_id: str, groups: tuple[GroupKey, ...], expires_ms: int, *, is_pin: bool
@@ -144,7 +162,20 @@ class LeaseTable:
                 del self._scope_groups[(scope, lease.is_pin)]
         for gid in lease.groups:
             self.published.unhold(gid, lease.is_pin)
+            if lease.is_pin and gid not in self.published.pin_count:
+                self.unpinned[gid] = None
         self._bound_heap()
+
+    def flush_unpinned(self, effects: list[Effect]) -> None:
+        """Tell the eviction policy which groups lost their last pin (`GroupsUnpinned`)."""
+        if not self.unpinned:
+            return
+        gids = list(self.unpinned)
+        self.unpinned = {}
+        self.ctx.count("groups_unpinned_total", len(gids))
+        for at in range(0, len(gids), m.ACCESS_BATCH_MAX):
+            refs = [m.GroupRef(chain_of(g), domain_of(g)) for g in gids[at : at + m.ACCESS_BATCH_MAX]]
+            effects.append(EmitEvent("unpinned", m.GroupsUnpinned(groups=refs)))
 
     def _held_lease(self, holder_id: str, lease_id: int, is_pin: bool) -> Lease:
         lease = self.leases.get(lease_id)
@@ -230,7 +261,10 @@ class LeaseTable:
         self.ctx.check_epoch(req.epoch)
         self._held_lease(req.holder_id, req.pin_id, is_pin=True)
         self._end(req.pin_id)
-        return Outcome(m.PinReply(epoch=self.ctx.epoch, pin_id=req.pin_id, pinned_groups=0, expires_ms=0))
+        effects: list[Effect] = []
+        self.flush_unpinned(effects)
+        reply = m.PinReply(epoch=self.ctx.epoch, pin_id=req.pin_id, pinned_groups=0, expires_ms=0)
+        return Outcome(reply, effects)
 
     def expire(self, now_ms: int) -> None:
         """Leases and pins whose time has come end."""
@@ -255,6 +289,7 @@ class LeaseTable:
             table = counts[lease.is_pin]
             for gid in lease.groups:
                 table[gid] = table.get(gid, 0) + 1
+        invariant(not self.unpinned, "unpinned groups not flushed at the end of a request or tick")
         invariant(scoped == self._scope_held, "per-tenant lease counts differ from the leases held")
         invariant(scoped_groups == self._scope_groups, "per-tenant lease groups differ from the leases held")
         invariant(counts[0] == self.published.lease_count, "lease counts differ from the leases held")
