@@ -250,7 +250,8 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.exp_events: Counter[tuple[Any, ...]] = Counter()
         self.model_hits: Counter[bytes] = Counter()  # lookup hits the model saw granted
         self.hits_reported: Counter[bytes] = Counter()  # hits the core reported in GroupsAccessed
-        self.model_unpinned: Counter[bytes] = Counter()  # groups whose last pin the model saw end
+        self.model_unpinned: Counter[bytes] = Counter()  # groups told unpinned, per tick
+        self.unpinned_pending: set[bytes] = set()  # groups whose last pin ended since the last tick
         self.unpinned_reported: Counter[bytes] = Counter()  # the core's GroupsUnpinned, per group
 
     # ---- plumbing ------------------------------------------------------------------------
@@ -498,7 +499,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         for gid in dict.fromkeys(lease.gids):  # a pin may name a group twice
             leases, pins = self.lease_counts(gid)
             if lease.is_pin and not pins:
-                self.model_unpinned[gid] += 1
+                self.unpinned_pending.add(gid)
             if not (leases or pins):
                 self.deferred.discard(gid)
 
@@ -568,6 +569,8 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     def do_tick(self) -> None:
         self.model_tick()
+        self.model_unpinned.update(self.unpinned_pending)  # told by the tick, once each
+        self.unpinned_pending.clear()
         self.take_effects(self.core.tick(self.now))
 
     # ---- checks on outputs (docs/design.md section 3) ----------------------------------------------
@@ -1647,8 +1650,9 @@ class DirectoryMachine(RuleBasedStateMachine):
         core.check_invariants()
         # Every lookup hit reaches the eviction policy, once: reported or still batched.
         assert self.hits_reported + Counter(core._hits) == self.model_hits
-        # Every group whose last pin ended is told to the eviction policy in the same step, once.
+        # Every group whose last pin ended is told to the eviction policy by the next tick, once.
         assert self.unpinned_reported == self.model_unpinned
+        assert set(core.lease_table.unpinned) == self.unpinned_pending
         # The core agrees with the model on what exists.
         assert set(core.published) == set(self.published)
         assert {gid: set(g.members) for gid, g in core.building.items()} == {

@@ -62,6 +62,7 @@ class EvictionMachine(RuleBasedStateMachine):
         self.evicting: set[int] = set()
         self.leased: set[int] = set()
         self.cooldown: dict[int, int] = {}
+        self.unpinned_evicting: set[int] = set()  # victims under way whose last pin ended
         self.refusals: dict[int, int] = {}  # refusals in a row (each doubles the next cooldown)
         self.batches = 0
         # a pool lost and dropped in steps (`drop_pool_steps`), other rules running between them
@@ -296,6 +297,9 @@ class EvictionMachine(RuleBasedStateMachine):
             )
             self.refusals[object_id] = refusals
             self.cooldown[object_id] = self.now + self.config.refused_cooldown_ms * 2 ** max(refusals - 1, 0)
+            if object_id in self.unpinned_evicting:  # its last pin ended after the answer
+                self.refusals[object_id], self.cooldown[object_id] = 0, self.now
+                self.leased.discard(object_id)
             assert self.core._objects[object_id].cooldown_until_ms == self.cooldown[object_id]
         else:
             self.core.removed(object_id)
@@ -305,13 +309,17 @@ class EvictionMachine(RuleBasedStateMachine):
     def last_pin_ends(self, pick: int) -> None:
         """The directory says an object's last pin ended (`GroupsUnpinned`): one cooling down
         after a refusal may go at once, its refusals in a row ended (parked passes look again:
-        `check_invariants`); a victim under way is left as it is."""
+        `check_invariants`); a victim under way is marked, its refusal (answered before the
+        unpin) cools it down not at all."""
         if not self.resident:
             return
         object_id = sorted(self.resident)[pick % len(self.resident)]
-        self.leased.discard(object_id)
         self.core.unpinned(object_id, self.now)
-        if object_id not in self.evicting and self.cooldown.get(object_id, -1) > self.now:
+        if object_id in self.evicting:  # the directory's answer may be decided already: kept
+            self.unpinned_evicting.add(object_id)
+            return
+        self.leased.discard(object_id)
+        if self.cooldown.get(object_id, -1) > self.now:
             self.refusals[object_id] = 0
             self.cooldown[object_id] = self.now
         if object_id in self.cooldown:
@@ -404,6 +412,8 @@ class EvictionMachine(RuleBasedStateMachine):
         assert len(self.core) == len(self.resident)
         for object_id in self.evicting:
             assert self.core.is_evicting(object_id)
+        self.unpinned_evicting &= self.evicting  # (answered, moved or gone: forgotten)
+        assert self.core._unpinned_evicting == self.unpinned_evicting
 
     def teardown(self) -> None:
         while self.dropping is not None:  # a stepped drop under way ends first

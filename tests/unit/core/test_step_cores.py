@@ -203,7 +203,7 @@ def test_prefetch_step_is_the_method_of_the_same_meaning(data: st.DataObject) ->
 def eviction_event(data: st.DataObject, out: list[object], core: object) -> ev.EvictionEvent:
     kind = data.draw(st.sampled_from(["insert", "insert", "insert", "access", "removed", "refused", "seen",
                                       "tick", "tick", "capacity", "drop", "add_pool",
-                                      "retiered"]))  # fmt: skip
+                                      "retiered", "unpinned"]))  # fmt: skip
     obj = data.draw(st.integers(0, 9))
     pool = data.draw(st.sampled_from(evm.POOLS))
     if kind == "insert":
@@ -233,6 +233,8 @@ def eviction_event(data: st.DataObject, out: list[object], core: object) -> ev.E
         return ev.DropPool(pool)
     if kind == "add_pool":
         return ev.AddPool(obj, pool, data.draw(st.integers(1, 6)))
+    if kind == "unpinned":
+        return ev.Unpinned(obj)
     if kind == "retiered":
         return ev.Retiered(
             obj, {pool: data.draw(st.integers(1, 6))}, data.draw(st.sampled_from([None, *range(obj)]))
@@ -261,6 +263,8 @@ def eviction_by_method(core: EvictionCore, event: ev.EvictionEvent, now_ms: int)
         core.add_pool(event.object_id, event.pool, event.nbytes)
     elif isinstance(event, ev.Retiered):
         core.retiered(event.object_id, pools=event.pools, parent=event.parent, now_ms=now_ms)
+    elif isinstance(event, ev.Unpinned):
+        core.unpinned(event.object_id, now_ms)
     else:
         assert isinstance(event, ev.EvictRefused)
         core.refused(event.object_id, now_ms)

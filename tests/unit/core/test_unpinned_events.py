@@ -1,12 +1,13 @@
 """The directory tells the eviction policy when a group's last pin ends (`GroupsUnpinned`, stop
-65): an unpin's own effects carry it, a pin's expiry the tick's, once per group, and not while
-another pin still holds the group. Before, the policy learned of an unpin only by asking again,
-backing off pinned victims up to 80 s (docs/eviction-policy.md)."""
+65): by the next tick, whether an unpin or the pin's expiry ended it, once per group per tick,
+and not while another pin still holds the group. Before, the policy learned of an unpin only by
+asking again, backing off pinned victims up to 80 s (docs/eviction-policy.md)."""
 
 from __future__ import annotations
 
 from kvfabric.core.directory import DirectoryCore
 from kvfabric.core.directory.base import Effect, EmitEvent
+from kvfabric.format.ids import GroupKey
 from kvfabric.format.key import ChunkGroupId
 from kvfabric.proto import directory as m
 
@@ -31,18 +32,26 @@ def pin(core: DirectoryCore, gs: list[ChunkGroupId], ttl_ms: int = 1_000, now: i
     return reply.pin_id
 
 
-def test_an_unpin_tells_the_groups_it_was_the_last_pin_of() -> None:
+def unpin(core: DirectoryCore, pin_id: int) -> None:
+    out = core.handle(m.Unpin(holder_id="reader", pin_id=pin_id), 0)
+    assert out.effects == []  # gathered for the tick: one event a tick, not one per unpin
+
+
+def test_the_groups_an_unpin_was_the_last_pin_of_are_told_by_the_next_tick_once() -> None:
     core = new_core()
     register(core, "s1")
     gs = groups(3)
     put(core, [key(g) for g in gs])
     first = pin(core, [gs[0], gs[1], gs[0]])  # a group named twice: told once
     second = pin(core, [gs[1]])
-    out = core.handle(m.Unpin(holder_id="reader", pin_id=first), 0)
-    assert unpinned(out.effects) == [ref(gs[0])]  # gs[1]: the second pin still holds it
-    out = core.handle(m.Unpin(holder_id="reader", pin_id=second), 0)
-    assert unpinned(out.effects) == [ref(gs[1])]
-    assert core.counters["groups_unpinned_total"] == 2
+    unpin(core, first)
+    assert unpinned(core.tick(1)) == [ref(gs[0])]  # gs[1]: the second pin still holds it
+    again = pin(core, [gs[0]])  # pinned and unpinned again within one tick: told once
+    unpin(core, again)
+    unpin(core, second)
+    assert unpinned(core.tick(2)) == [ref(gs[0]), ref(gs[1])]
+    assert unpinned(core.tick(3)) == []
+    assert core.counters["groups_unpinned_total"] == 3
     core.check_invariants()
 
 
@@ -56,5 +65,18 @@ def test_a_pins_expiry_is_told_by_the_tick_that_ends_it_and_a_leases_end_never()
     assert isinstance(lease, m.LookupReply) and lease.lease_id
     assert unpinned(core.tick(999)) == []
     assert unpinned(core.tick(1_000)) == [ref(gs[0])]
+    assert lease.lease_expires_ms < 60_000
     assert unpinned(core.tick(60_000)) == []  # the lease expired: no word (leases never back off)
+    assert core.counters["leases_expired_total"] == 1
     core.check_invariants()
+
+
+def test_more_groups_than_an_event_holds_go_in_several() -> None:
+    core = new_core()
+    register(core, "s1")
+    # (as many groups' last pins ending before one tick; 48-byte group keys: domain + chain hash)
+    core.lease_table.unpinned = dict.fromkeys(
+        GroupKey(bytes([i % 256, i // 256]) * 24) for i in range(m.ACCESS_BATCH_MAX + 1)
+    )
+    events = [e.event for e in core.tick(1) if isinstance(e, EmitEvent) and e.kind == "unpinned"]
+    assert [len(e.groups) for e in events if isinstance(e, m.GroupsUnpinned)] == [m.ACCESS_BATCH_MAX, 1]

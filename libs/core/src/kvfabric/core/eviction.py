@@ -210,6 +210,9 @@ class EvictionCore(LeafRanking):
         self._pools: dict[Hashable, PoolUsage] = {}
         self._tenants: dict[Hashable, int] = {}  # tenant -> resident bytes
         self._tenant_evicting: dict[Hashable, int] = {}  # tenant -> bytes chosen, not yet removed
+        # victims whose last pin ended while the directory was asked about them (`unpinned`):
+        # a refusal decided before the unpin does not cool them down (`refused`)
+        self._unpinned_evicting: set[ObjectId] = set()
         self._heap = []  # (priority, seq, version, id): leaves
         self._seq = 0
         self._clock = 0.0  # GDSF inflation
@@ -549,6 +552,7 @@ class EvictionCore(LeafRanking):
     def _detach(self, object_id: ObjectId, obj: Tracked) -> None:
         """`obj` no longer resident: `_attach` undone (its children wait for it like early ones)."""
         del self._objects[object_id]
+        self._unpinned_evicting.discard(object_id)
         for p, b in obj.pools.items():
             usage = self._pools[p]
             usage.used -= b
@@ -669,6 +673,10 @@ class EvictionCore(LeafRanking):
             _bump(self._early_children_evicting, obj.parent, -1)
         obj.refusals = min(obj.refusals + 1, REFUSED_BACKOFF_SHIFT_MAX + 1) if pinned else 0
         obj.cooldown_until_ms = now_ms + (self.config.refused_cooldown_ms << max(obj.refusals - 1, 0))
+        if object_id in self._unpinned_evicting:  # its last pin ended after the directory answered
+            self._unpinned_evicting.discard(object_id)
+            obj.refusals, obj.cooldown_until_ms = 0, now_ms
+            self._count("unpinned_woken_total")
         if self._order is not None:
             self._order.returned(object_id, obj.size)
         self._push(object_id, obj)
@@ -681,12 +689,18 @@ class EvictionCore(LeafRanking):
         be a victim again at once, its count of refusals in a row ended, and parked passes over
         its pools and tenant look again. Whatever the refusal said: a head named with its
         pinned tail is answered `tail_stays` (and a head pinned with its tail too), not
-        `pinned`; one a lease still holds is refused again, at the base cooldown (one request
-        more per unpin). A victim under way, one not cooling down and one unknown (evicted, or
-        never stored here) are left as they are."""
+        `pinned`; one a lease still holds is refused again, at the base cooldown; a cooldown
+        the service set for another cause (a demotion that failed, a head not on disk yet) ends
+        too: one attempt more per unpin. A victim under way is marked: the directory may have
+        answered before the unpin, so its refusal, when it comes, cools it down not at all
+        (review). One not cooling down, or unknown (evicted, never stored here), is left as it
+        is."""
         self._advance(now_ms)
         obj = self._objects.get(object_id)
-        if obj is None or obj.evicting or obj.cooldown_until_ms <= now_ms:
+        if obj is not None and obj.evicting:
+            self._unpinned_evicting.add(object_id)
+            return
+        if obj is None or obj.cooldown_until_ms <= now_ms:
             return
         obj.refusals = 0
         obj.cooldown_until_ms = now_ms
@@ -1028,6 +1042,10 @@ class EvictionCore(LeafRanking):
         for tenant, pending in self._tenant_evicting.items():
             actual = sum(o.size for o in self._objects.values() if o.tenant == tenant and o.evicting)
             invariant(pending == actual, "tenant evicting bytes drifted", tenant=tenant)
+        invariant(
+            all(o in self._objects and self._objects[o].evicting for o in self._unpinned_evicting),
+            "an unpin is remembered only for a victim under way",
+        )
         early: dict[ObjectId, int] = {}
         early_evicting: dict[ObjectId, int] = {}
         for obj in self._objects.values():

@@ -4,7 +4,7 @@ entry point of `kvfabric.core.eviction`, each the method of the same meaning.
     SetCapacity -> set_capacity    Seen -> seen    Removed -> removed
     Insert -> insert(now_ms): [Admitted | Refused]    Access -> access(now_ms)
     EvictRefused -> refused(now_ms)    DropPool -> drop_pool: [Reply([removed ids])]
-    AddPool -> add_pool    Retiered -> retiered(now_ms)
+    AddPool -> add_pool    Retiered -> retiered(now_ms)    Unpinned -> unpinned(now_ms)
     Tick -> tick(now_ms): [EvictBatch, ...]
 """
 
@@ -33,6 +33,7 @@ __all__ = [
     "Seen",
     "SetCapacity",
     "Tick",
+    "Unpinned",
     "dispatch",
 ]
 
@@ -114,8 +115,26 @@ class Retiered:
     parent: ObjectId | None
 
 
+@dataclass(frozen=True, slots=True)
+class Unpinned:
+    """The directory says the object's last pin ended (`unpinned`: a victim cooling down after a
+    refusal is asked again at once)."""
+
+    object_id: ObjectId
+
+
 EvictionEvent: TypeAlias = (
-    SetCapacity | Seen | Insert | Access | Removed | EvictRefused | DropPool | AddPool | Retiered | Tick
+    SetCapacity
+    | Seen
+    | Insert
+    | Access
+    | Removed
+    | EvictRefused
+    | DropPool
+    | AddPool
+    | Retiered
+    | Unpinned
+    | Tick
 )
 EvictionOutput: TypeAlias = "Effect | Reply[list[ObjectId]]"
 
@@ -152,6 +171,8 @@ def dispatch(core: EvictionCore, event: EvictionEvent, now_ms: int) -> list[Evic
         core.add_pool(event.object_id, event.pool, event.nbytes)
     elif isinstance(event, Retiered):
         core.retiered(event.object_id, pools=event.pools, parent=event.parent, now_ms=now_ms)
+    elif isinstance(event, Unpinned):
+        core.unpinned(event.object_id, now_ms)
     else:
         core.refused(event.object_id, now_ms, pinned=event.pinned)
     return []

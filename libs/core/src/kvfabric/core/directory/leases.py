@@ -18,9 +18,10 @@ kept it deferred for ever.
 ## Unpinned groups
 A group whose last pin ends (unpin, or the pin's expiry) is told to the eviction policy
 (`GroupsUnpinned`): it backs off a victim refused as pinned for up to 80 s and would otherwise
-learn of the unpin only by asking again. Emitted at the end of the unpin that ended it, or of
-the tick whose expiry did (`flush_unpinned`, at most `ACCESS_BATCH_MAX` groups an event), so
-what waits is bounded by one request's or one tick's work.
+learn of the unpin only by asking again. Gathered until the next tick (`flush_unpinned`, at
+most `ACCESS_BATCH_MAX` groups an event), as lookup hits are: a tenant pinning and unpinning
+in a loop makes one event a tick, not one per unpin (review). What waits is at most the groups
+pinned, each once.
 
 ## Invariants (`check_invariants`)
 1. The published table's lease and pin counts are exactly the groups of the held leases and pins.
@@ -83,8 +84,7 @@ class LeaseTable:
         self._scope_held: dict[tuple[str, bool], int] = {}
         # ... -> the groups they name
         self._scope_groups: dict[tuple[str, bool], int] = {}
-        # groups whose last pin ended since the last `GroupsUnpinned` (emptied by `flush_unpinned`
-        # in the same request or tick)
+        # groups whose last pin ended since the last tick (`flush_unpinned`), each once
         self.unpinned: dict[GroupKey, None] = {}
 
     def grant(
@@ -260,11 +260,8 @@ class LeaseTable:
     def unpin(self, req: m.Unpin, now_ms: int) -> Outcome:
         self.ctx.check_epoch(req.epoch)
         self._held_lease(req.holder_id, req.pin_id, is_pin=True)
-        self._end(req.pin_id)
-        effects: list[Effect] = []
-        self.flush_unpinned(effects)
-        reply = m.PinReply(epoch=self.ctx.epoch, pin_id=req.pin_id, pinned_groups=0, expires_ms=0)
-        return Outcome(reply, effects)
+        self._end(req.pin_id)  # (the groups it was the last pin of are told by the next tick)
+        return Outcome(m.PinReply(epoch=self.ctx.epoch, pin_id=req.pin_id, pinned_groups=0, expires_ms=0))
 
     def expire(self, now_ms: int) -> None:
         """Leases and pins whose time has come end."""
@@ -289,7 +286,6 @@ class LeaseTable:
             table = counts[lease.is_pin]
             for gid in lease.groups:
                 table[gid] = table.get(gid, 0) + 1
-        invariant(not self.unpinned, "unpinned groups not flushed at the end of a request or tick")
         invariant(scoped == self._scope_held, "per-tenant lease counts differ from the leases held")
         invariant(scoped_groups == self._scope_groups, "per-tenant lease groups differ from the leases held")
         invariant(counts[0] == self.published.lease_count, "lease counts differ from the leases held")
