@@ -93,6 +93,8 @@ def test_a_groups_unpinned_event_lets_a_victim_refused_as_pinned_go_at_once() ->
     sh.apply(m.GroupsUnpinned(groups=[m.GroupRef(chain(2), other)]), 4)  # another domain's group
     assert sh.core.tick(4) == []
     sh.apply(m.GroupsUnpinned(groups=[m.GroupRef(chain(2), A)]), 5)
+    latest = sh._decisions.of(A + chain(2))[-1]
+    assert (latest.what, latest.reason) == ("unpinned", "its_last_pin_ended")
     (again,) = sh.core.tick(5)
     assert isinstance(again, EvictBatch) and again.victims[0] == A + chain(2)
     sh.core.check_invariants()

@@ -82,6 +82,7 @@ DECISION_KINDS: Final = (
     "chosen",  # a victim (`VICTIM_REASONS`, or tail_of_victim; `cause`: watermark | tenant_quota)
     "evicted",  # the directory answered `evicting` ... (cause: the batch's), or sent `evicted`
     "stays",  # the directory kept it (`EVICT_STAYS` status, `waits_for_tail`, `no_answer`)
+    "unpinned",  # its last pin ended: its refusal's cooldown ended (its_last_pin_ended)
     "demoted",  # its arena replicas copied to the segment's disk tier (`pool`: the disk pool)
     "not_demoted",  # a demotion that did not happen (the segment's outcome: copied, failed ...)
     "disk_dropped",  # only its disk replicas dropped (its arena copy stays)

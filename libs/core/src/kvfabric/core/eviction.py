@@ -684,7 +684,7 @@ class EvictionCore(LeafRanking):
         self._tenant_grew(obj.tenant)  # its bytes no longer on their way out
         self._count("evict_refused_total")
 
-    def unpinned(self, object_id: ObjectId, now_ms: int) -> None:
+    def unpinned(self, object_id: ObjectId, now_ms: int) -> bool:
         """Its last pin ended (the directory's word): an object cooling down after a refusal may
         be a victim again at once, its count of refusals in a row ended, and parked passes over
         its pools and tenant look again. Whatever the refusal said: a head named with its
@@ -694,18 +694,19 @@ class EvictionCore(LeafRanking):
         too: one attempt more per unpin. A victim under way is marked: the directory may have
         answered before the unpin, so its refusal, when it comes, cools it down not at all
         (review). One not cooling down, or unknown (evicted, never stored here), is left as it
-        is."""
+        is. True when it was woken or marked."""
         self._advance(now_ms)
         obj = self._objects.get(object_id)
         if obj is not None and obj.evicting:
             self._unpinned_evicting.add(object_id)
-            return
+            return True
         if obj is None or obj.cooldown_until_ms <= now_ms:
-            return
+            return False
         obj.refusals = 0
         obj.cooldown_until_ms = now_ms
         self._wake(obj, now_ms)
         self._count("unpinned_woken_total")
+        return True
 
     def drop_pool(self, pool: Hashable, kept: list[ObjectId] | None = None) -> list[ObjectId]:
         """The pool is gone (segment down or restarted): its bytes went with it. Objects left

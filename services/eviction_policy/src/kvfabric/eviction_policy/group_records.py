@@ -197,7 +197,9 @@ class GroupRecords:
                     core.access(key, at_ms)
         elif isinstance(event, m.GroupsUnpinned):  # a victim refused as pinned: ask again now
             for ref in event.groups:
-                core.unpinned(pack_group_key(ref.domain, ref.group), at_ms)
+                key = pack_group_key(ref.domain, ref.group)
+                if core.unpinned(key, at_ms):  # `kvctl eviction explain` says why it went early
+                    self._decisions.record(key, at_ms, "unpinned", "its_last_pin_ended")
         elif isinstance(event, m.GroupEvicted | m.GroupInvalidated):
             key = pack_group_key(event.domain, event.group)
             self._record_gone(key, event, at_ms)
