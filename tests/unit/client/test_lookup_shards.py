@@ -7,6 +7,7 @@ the rest with the hit, all of them when nothing hit."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -143,3 +144,39 @@ def test_when_nothing_hits_because_a_shard_failed_every_lease_goes_back() -> Non
     hit = settled_lookup(kv)
     assert hit.chunks == 0 and hit.cause == "directory_unavailable" and hit.lease_id == 0
     assert kv._leases == {} and len(router.released) == len({shard_of(r, SHARDS) for r in RAWS}) - 1
+
+
+def test_a_cancelled_lookup_gives_back_what_its_requests_are_granted_once_they_answer() -> None:
+    """The engine gave up (the sync lookup's timeout, a cancelled `lookup_async`, `close`): the
+    requests still out run to their deadline and every lease they are granted goes back (review,
+    stop 65: the leases of shards that answered were thrown away with the gather and held until
+    their TTL, 30 s)."""
+    slow = shard_of(RAWS[1], SHARDS)
+    answer = stored_up_to(8)
+
+    class SlowRouter(FakeRouter):
+        async def ask(
+            self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any
+        ) -> Any:
+            if isinstance(message, m.Lookup) and shard == slow:
+                await asyncio.sleep(0.2)  # its reply still on the way when the caller gives up
+            return await super().ask(shard, verb, message, timeout_s, **kw)
+
+    kv, _ = client_with(answer)
+    router = SlowRouter(answer)
+    kv.router = router
+
+    async def run() -> None:
+        lookup = asyncio.ensure_future(kv.lookup(TOKENS))
+        await asyncio.sleep(0.05)
+        lookup.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await lookup
+        assert router.released == []  # the slow shard has not answered yet
+        async with asyncio.timeout(5):
+            while len(router.released) < len({shard_of(r, SHARDS) for r in RAWS}):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert sorted(router.released) == sorted((s, 100 + s) for s in {shard_of(r, SHARDS) for r in RAWS})
+    assert kv._leases == {}

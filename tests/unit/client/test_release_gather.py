@@ -205,3 +205,49 @@ def test_a_lookups_unneeded_shard_leases_go_back_without_delaying_it(monkeypatch
 
     took = asyncio.run(run())
     assert took < 0.5 and released == [[(1, 7)]] and kv._leases == {}
+
+
+def test_close_waits_for_a_lookup_in_flight_before_nats_drains() -> None:
+    """A lookup still out when `close` starts, answered after close's own steps: it gave its
+    leases back on a drained connection, which failed, so they were held until their TTL (review,
+    stop 65). `close` now lets lookups in flight end (bounded by `lookup_timeout_ms`) first."""
+    from kvfabric.format.errors import Unavailable
+    from tests.unit.client.test_releases import client_holding
+
+    class Drained(ReleaseRouter):
+        drained = False
+
+        async def ask(self, *args: Any, **kwargs: Any) -> Any:
+            if self.drained:  # what a request on a drained connection does
+                raise Unavailable("nats connection is closed")
+            return await super().ask(*args, **kwargs)
+
+    async def run() -> tuple[Hit, set[tuple[int, int]]]:
+        router = Drained()
+        kv = client_holding(router, [])
+
+        class Nats:
+            async def drain(self) -> None:
+                router.drained = True
+
+        kv.nc = cast(Any, Nats())
+        router.held = {(0, 5)}  # what the directory granted the lookup still out
+        back = asyncio.Event()
+
+        async def slow_lookup(*args: Any) -> Any:
+            await back.wait()
+            return 1, [], [(0, 5)], 30_000
+
+        kv._lookup_shards = slow_lookup  # type: ignore[method-assign,assignment]
+        lookup = asyncio.ensure_future(kv.lookup(list(range(64))))
+        await asyncio.sleep(0.01)
+        closing = asyncio.ensure_future(kv.close())
+        await asyncio.sleep(0.2)  # answered within lookup_timeout_ms, after close's other steps
+        assert not closing.done()
+        back.set()
+        hit = await lookup
+        await closing
+        return hit, router.held
+
+    hit, held = asyncio.run(run())
+    assert hit.tokens == 0 and hit.cause == "closed" and held == set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -201,3 +202,47 @@ def test_a_save_cancelled_as_its_commits_start_still_commits(monkeypatch: Any) -
     asyncio.run(run())
     assert sorted(keys_of(router, "put_commit", "put_abort")) == sorted(keys_of(router, "put_begin"))
     assert len(keys_of(router, "put_begin")) == CHUNKS
+
+
+def test_close_lets_a_save_still_running_past_its_wait_end_before_nats_drains() -> None:
+    """A save has three phases of `save_timeout_ms` each; `close` waited one, then drained NATS
+    under a save still writing: its commit or abort failed on the closed connection, its
+    placements reserved until the write TTL (review, stop 65). Now its commit goes first."""
+
+    class Slow(SaveRouter):
+        drained = False
+
+        async def ask(
+            self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any
+        ) -> Any:
+            assert not self.drained, f"{verb} sent after the drain"
+            if isinstance(message, m.PutBegin):
+                await asyncio.sleep(0.2)  # within its phase's timeout, most of close's wait
+            return await super().ask(shard, verb, message, timeout_s, **kw)
+
+    router = Slow()
+    kv, _ = client(router, save_timeout_ms=300)
+    write_many = kv.pool.write_many
+
+    def slow_writes(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.2)  # (a transfer thread) the save is writing when close's wait ends
+        return write_many(*args, **kwargs)
+
+    kv.pool.write_many = slow_writes  # type: ignore[method-assign]
+
+    class Nats:
+        async def drain(self) -> None:
+            router.drained = True
+
+    kv.nc = Nats()  # type: ignore[assignment]
+
+    async def run() -> SaveResult:
+        save = asyncio.ensure_future(kv.save(prompt(1), objects(1)))
+        await asyncio.sleep(0.01)
+        await kv.close()
+        return await save
+
+    result = asyncio.run(run())
+    assert router.drained and result.chunks_saved == CHUNKS
+    assert_every_placed_key_ended_once(router)
+    assert sorted(keys_of(router, "put_commit")) == sorted(keys_of(router, "put_begin"))

@@ -30,7 +30,7 @@ import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Final
 
 from nats.aio.client import Client as NatsClient
 
@@ -77,6 +77,10 @@ __all__ = [
     "Source",
     "directory_cause",
 ]
+
+# What `close` waits for saves it cancelled to reach their abort path (each queues its aborts at
+# once: `_abort_abandoned`; those are then waited for, bounded by their deadline).
+CANCELLED_SAVES_END_S: Final = 1.0
 
 
 class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
@@ -162,6 +166,7 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
             m.PUT_BATCH_OBJECTS_MAX,
         )
         self._tasks: set[asyncio.Task[Any]] = set()  # running saves
+        self._lookups: set[asyncio.Task[object]] = set()  # lookups in flight
         self._abandoned: set[asyncio.Task[Any]] = set()  # aborts of cancelled saves
         self._capacity = asyncio.Event()  # set whenever a transfer ends (ReleaseStaging: room again)
         # not dispatched yet: (transfer, where, the starter's buffers, the starter's deadline ms)
@@ -203,7 +208,9 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
             self.serves_metrics = True  # stopped by `close`
 
     async def close(self) -> None:
-        """Release every lease still held, wait for running saves, close connections."""
+        """Let lookups in flight end, release every lease still held, wait for running saves
+        (cancelling, so aborting, those still running past `save_timeout_ms`), close
+        connections. Each wait bounded."""
         if self._closed:
             return
         self._closed = True
@@ -211,6 +218,8 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
             self._gather_timer.cancel()
             self._gather_timer = None
         try:
+            if self._lookups:  # each bounded by its timeout; one ending now gives its leases back
+                await asyncio.wait(list(self._lookups), timeout=self.settings.lookup_timeout_ms / 1000)
             gathered, self._gathered = self._gathered, []
             await self._release_leases(gathered, self._gathered_trace)  # with their hit's trace id
             await self._release_leases(list(self._leases))  # every other one held
@@ -218,6 +227,19 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
                 await asyncio.wait(list(self._giving_back), timeout=self.settings.lookup_timeout_ms / 1000)
             if self._tasks:
                 await asyncio.wait(list(self._tasks), timeout=self.settings.save_timeout_ms / 1000)
+            if running := [task for task in self._tasks if not task.done()]:
+                # A save has three phases of `save_timeout_ms` each. One still running ends before
+                # NATS drains (review, stop 65: it was left running, its commit or abort failing
+                # on the drained connection, its placements reserved until the write TTL): its
+                # queued writes end `closed` at once, then its commit or abort goes, waited for one
+                # more `save_timeout_ms`; one running past that is cancelled (its placements
+                # aborted by `_abort_abandoned`, waited for below).
+                self._save_executor.shutdown(wait=False, cancel_futures=True)
+                await asyncio.wait(running, timeout=self.settings.save_timeout_ms / 1000)
+                if running := [task for task in running if not task.done()]:
+                    for task in running:
+                        task.cancel()
+                    await asyncio.wait(running, timeout=CANCELLED_SAVES_END_S)
             if self._abandoned:  # each bounded by its deadline
                 await asyncio.wait(list(self._abandoned), timeout=self.settings.save_timeout_ms / 1000)
             if self.suspects is not None:

@@ -35,6 +35,7 @@ class LookupMixin(ClientBase):
     _gathered_trace: str  # the trace id the gathered give-back is sent with
     _gather_timer: asyncio.TimerHandle | None
     _giving_back: set[asyncio.Task[None]]  # gathered give-backs in flight (`close` waits for them)
+    _lookups: set[asyncio.Task[object]]  # lookups in flight (`close` waits for them before the drain)
 
     async def lookup(
         self,
@@ -45,7 +46,20 @@ class LookupMixin(ClientBase):
         trace_id: str | None = None,
     ) -> Hit:
         """The folded hit for `tokens` (at most `max_tokens`), read-leased. Never raises for a
-        cluster failure: the hit is empty with `cause` set."""
+        cluster failure: the hit is empty with `cause` set. Cancelled, what the directory granted
+        it is given back once its requests answer (`kvfabric.cluster.lookups.lookup_prefix`)."""
+        task = asyncio.current_task()
+        if task is not None:  # `close` lets it end (its leases given back) before NATS drains
+            self._lookups.add(task)
+        try:
+            return await self._lookup(tokens, max_tokens, extras, trace_id)
+        finally:
+            if task is not None:
+                self._lookups.discard(task)
+
+    async def _lookup(
+        self, tokens: TokenIds, max_tokens: int | None, extras: ChunkExtras | None, trace_id: str | None
+    ) -> Hit:
         groups = self.chunk_groups(tokens, extras)
         tpc = self.spec.layout.tokens_per_chunk
         if max_tokens is not None:

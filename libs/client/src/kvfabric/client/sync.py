@@ -256,8 +256,12 @@ class KvClient:
             return future.result(self.settings.lookup_timeout_ms / 1000 + _GRACE_S)
         except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
             # closed meanwhile (its lookups cancelled): a miss, never an error in the engine's
-            # thread (review, 2026-12-06)
-            future.cancel()
+            # thread (review, 2026-12-06). Cancelled, what it was granted is given back when its
+            # requests answer (`AsyncKvClient.lookup`); one that ended as it was given up on is
+            # its hit (review, stop 65: dropped, its leases were held until `close`).
+            if not future.cancel() and future.done() and not future.cancelled():
+                with contextlib.suppress(Exception):
+                    return future.result(0)
             if not self._closed:
                 raise
             return self._off_hit()
@@ -413,7 +417,7 @@ class KvClient:
             # the NATS drain): what they may take in all. Past it the close goes on here without
             # raising into the engine's shutdown (it raised TimeoutError; review, 2026-12-05).
             s = self.settings
-            bound_s = 2 * s.save_timeout_ms / 1000 + 3 * s.lookup_timeout_ms / 1000 + _CLOSE_STEPS_S
+            bound_s = 3 * s.save_timeout_ms / 1000 + 3 * s.lookup_timeout_ms / 1000 + _CLOSE_STEPS_S
             self._call(self.aio.close(), bound_s)
         except concurrent.futures.TimeoutError:
             log.warning("kvfabric: the client's close overran %.0f s: closing what is left", bound_s)

@@ -12,6 +12,9 @@ instance is asked alone. An instance that has no `lookup_many` endpoint (an olde
 `no responders`, and still leading once its shards answered alone) is remembered in `refused`
 and asked shard by shard from then on; one that was restarting or gone is not. Leases granted
 by a part whose reply never arrives (a timeout) expire at the directory, as for a single lookup.
+A lookup whose caller gives up (cancelled: its own timeout, the engine, the client closing) lets
+its requests run to their deadline and gives back whatever they granted once they answer
+(`lookup_prefix`; review, stop 65: those leases were left to expire, 30 s by default).
 
 **Merging** (`merge_lookups`, pure; `lookup_prefix` runs both and gives leases back):
 - the hit ends at the first chunk any shard misses (never skipping a gap);
@@ -33,7 +36,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.format.errors import BadRequest, KvfError, StaleGeneration, Unavailable, error_from_wire
@@ -51,6 +54,10 @@ __all__ = [
     "lookup_prefix",
     "merge_lookups",
 ]
+
+# Requests of lookups whose callers gave up, and the give-backs of what they granted: referenced
+# here until done (the loop keeps only weak references to tasks).
+_LATE: set[asyncio.Future[Any]] = set()
 
 LOOKUP_MANY_VERB: Final = "lookup_many"
 RELEASE_MANY_VERB: Final = "lease_release_many"  # the hit's leases, given back the same way
@@ -164,6 +171,30 @@ async def lookup_by_instance(
     return results
 
 
+def _give_back_when_answered(
+    asking: asyncio.Future[dict[int, ShardResult]], give_back: Callable[[list[Lease]], Awaitable[None]]
+) -> None:
+    """The caller gave up on `asking` (cancelled): its requests go on to their own deadline, and
+    every lease their replies grant goes to `give_back` (nobody holds a hit for them)."""
+
+    def answered(done: asyncio.Future[dict[int, ShardResult]]) -> None:
+        _LATE.discard(done)
+        if done.cancelled() or done.exception() is not None:
+            return
+        leases = [
+            (shard, reply.lease_id)
+            for shard, reply in done.result().items()
+            if isinstance(reply, m.LookupReply) and reply.lease_id
+        ]
+        if leases:
+            late = asyncio.ensure_future(give_back(leases))
+            _LATE.add(late)
+            late.add_done_callback(_LATE.discard)
+
+    _LATE.add(asking)
+    asking.add_done_callback(answered)
+
+
 def merge_lookups(
     chunks: int, positions: Mapping[int, Sequence[int]], results: Mapping[int, ShardResult]
 ) -> tuple[PrefixHit, list[Lease]]:
@@ -237,9 +268,14 @@ async def lookup_prefix(
         )
         for shard, indexes in positions.items()
     }
-    results = await lookup_by_instance(
-        router, lookups, timeout_s=timeout_s, trace_id=trace_id, refused=refused
+    asking = asyncio.ensure_future(
+        lookup_by_instance(router, lookups, timeout_s=timeout_s, trace_id=trace_id, refused=refused)
     )
+    try:
+        results = await asyncio.shield(asking)
+    except asyncio.CancelledError:
+        _give_back_when_answered(asking, give_back)
+        raise
     hit, unneeded = merge_lookups(len(groups), positions, results)
     if hit.failure is not None and hit.hit_chunks == 0:
         await give_back(unneeded + hit.leases)
