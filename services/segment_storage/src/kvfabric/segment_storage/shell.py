@@ -84,6 +84,7 @@ from kvfabric.segment_storage.arena import Arena, lock_segment_id, remove_stale_
 from kvfabric.segment_storage.backend import ArenaBackend
 from kvfabric.segment_storage.confirms import ConfirmBatcher
 from kvfabric.segment_storage.demoter import Demoter
+from kvfabric.segment_storage.disk_calls import DiskCalls
 from kvfabric.segment_storage.disk_frees import DiskFrees
 from kvfabric.segment_storage.scrubber import Scrubber
 from kvfabric.segment_storage.settings import SegmentSettings
@@ -196,7 +197,11 @@ class SegmentShell(ShellRepair, ShellConfirms):
         self.disk_frees = DiskFrees(self.backend.free_slots, self.backend.count)
         self.scrubber = Scrubber(self.backend, pass_min_ms=settings.scrub_pass_min_ms)
         # Slots a reader found corrupt (relayed by the directory): re-hashed now, reported if so.
-        self.suspects = SuspectChecker(self.backend, self.incarnation, self._report_corrupt)
+        # other threads that may write the disk tier (a free record's retry, a suspect's check)
+        self.disk_calls = DiskCalls()
+        self.suspects = SuspectChecker(
+            self.backend, self.incarnation, self._report_corrupt, disk_calls=self.disk_calls
+        )
         self.confirms = ConfirmBatcher(
             settings.segment_id,
             self.incarnation,
@@ -324,6 +329,9 @@ class SegmentShell(ShellRepair, ShellConfirms):
         idle = await asyncio.to_thread(self.demoter.wait_idle, DEMOTE_STOP_WAIT_S)
         # (and after the disk frees: one handed off past its wait may still write its free record)
         idle = idle and await asyncio.to_thread(self.disk_frees.wait_idle, DEMOTE_STOP_WAIT_S)
+        # (and after a free record's retry or a suspect's check still on its thread: cancelling
+        # their task did not stop it; review, stop 65)
+        idle = idle and await asyncio.to_thread(self.disk_calls.wait_idle, DEMOTE_STOP_WAIT_S)
         if self.ssd is not None and idle:
             await asyncio.to_thread(self._close_ssd)
         elif self.ssd is not None:

@@ -27,6 +27,7 @@ from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.segment import SSD_SLOT_BASE, CopyReply, CopyRequest, tier_of_slot
 from kvfabric.runtime.ticker import every
 from kvfabric.segment_storage.copier import fetch_replica
+from kvfabric.segment_storage.disk_calls import DiskCalls
 from kvfabric.segment_storage.scrubber import CorruptObject, ScrubPacer
 from kvfabric.segment_storage.shell_directory import ShellDirectory
 
@@ -64,6 +65,7 @@ class ShellRepair(ShellDirectory):
     _copy_lock: threading.Lock
     _loop: asyncio.AbstractEventLoop | None
     _corrupt_reports: threading.BoundedSemaphore  # CORRUPT_REPORTS_INFLIGHT_MAX slots
+    disk_calls: DiskCalls  # threads that may write the disk tier (the stop waits for them)
 
     async def _on_copy(self, message: CopyRequest, headers: Mapping[str, str]) -> msgspec.Struct:
         with self._copy_lock:
@@ -185,7 +187,7 @@ class ShellRepair(ShellDirectory):
 
         async def retry() -> None:
             if ssd.unlinks_pending:
-                retried = await asyncio.to_thread(ssd.retry_unlinks)
+                retried = await self.disk_calls.run(ssd.retry_unlinks)  # (the stop waits for it)
                 if retried:
                     self._log.info("ssd_unlinks_retried", slots=retried)
 

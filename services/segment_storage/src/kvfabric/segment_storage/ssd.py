@@ -100,7 +100,6 @@ from kvfabric.format.errors import (
     BadRequest,
     Busy,
     KvfError,
-    NoCapacity,
     NotFound,
     StaleGeneration,
     Unavailable,
@@ -436,8 +435,9 @@ class SsdTier:
         at once (adjacent ids), every object's data written one after another (each through the
         I/O engine), one sync, every commit record (adjacent slots' records in one write), one
         sync. Per object, in order, its wire (slot, generation) or its error, as `write` would
-        raise it; a `NoCapacity` leaves the objects after it untried (the same error: the rest
-        would not fit either). Each object's protocol
+        raise it; a `NoCapacity` is that object's alone: the ones after it are tried (a smaller
+        one may fit a hole this one did not; review, stop 65: they were all refused
+        `no_capacity`, and the policy dropped them instead of demoting). Each object's protocol
         is `write`'s: its data durable before its commit record is written, readable once that
         record is durable. `before_each` runs before each object's data is written (the
         backend's yield to GETs). `refuse` (lock, check): in the step that makes the objects
@@ -456,10 +456,7 @@ class SsdTier:
             for i, (source, key, _) in enumerate(items):
                 try:
                     allocs.append((i, self.table.alloc(len(source), key)))
-                except NoCapacity as exc:
-                    out[i:] = [exc] * (len(items) - i)
-                    break
-                except KvfError as exc:
+                except KvfError as exc:  # NoCapacity too: this object's own
                     out[i] = exc
         written: list[tuple[int, DiskAlloc]] = []
         for n, (i, alloc) in enumerate(allocs):

@@ -23,6 +23,7 @@ slot costs one hash.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -34,6 +35,7 @@ from kvfabric.core.quotas import tenant_of
 from kvfabric.format.errors import Busy
 from kvfabric.proto.segment import VerifyReply, VerifyRequest
 from kvfabric.segment_storage.backend import ArenaBackend
+from kvfabric.segment_storage.disk_calls import DiskCalls
 from kvfabric.segment_storage.scrubber import CorruptObject
 
 __all__ = [
@@ -63,8 +65,11 @@ class SuspectChecker:
         report: Callable[[CorruptObject], Awaitable[None]],
         *,
         clock_s: Callable[[], float] = time.monotonic,
+        disk_calls: DiskCalls | None = None,
     ) -> None:
         self.backend = backend
+        # a check may read and free a disk slot: counted, the stop closes the tier after it
+        self.disk_calls = disk_calls or DiskCalls()
         self.incarnation = incarnation
         self._report = report
         self._clock_s = clock_s
@@ -110,7 +115,7 @@ class SuspectChecker:
         while self._pending:
             slot, domains = self._pending.popleft()
             try:
-                verdict, found = await asyncio.to_thread(self._check, slot, domains)
+                verdict, found = await self.disk_calls.run(functools.partial(self._check, slot, domains))
             except Busy:  # the disk tier's reads are at their byte limit: later, not never
                 self._pending.append((slot, domains))
                 self.busy_retries += 1

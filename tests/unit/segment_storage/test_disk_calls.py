@@ -1,0 +1,67 @@
+"""The segment's stop closes the disk tier's files only once no free record's retry and no
+suspect's check still runs on its thread (review, stop 65: cancelling `asyncio.to_thread` did not
+stop the thread, and a retry still running wrote a free record through a descriptor number the
+close had freed and another file had taken): `DiskCalls` counts them, and one that has not
+started once the stop began touches nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import NoCapacity
+from kvfabric.segment_storage.disk_calls import DiskCalls, DiskClosing
+from kvfabric.segment_storage.ssd import SsdIo, SsdTier
+
+
+def test_the_stop_waits_for_a_call_running_and_one_not_started_touches_nothing() -> None:
+    calls = DiskCalls()
+    started, finish = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def slow_retry() -> int:
+        started.set()
+        finish.wait(5)
+        ran.append("retry")
+        return 1
+
+    async def run() -> None:
+        retry = asyncio.ensure_future(calls.run(slow_retry))
+        await asyncio.to_thread(started.wait, 5)
+        retry.cancel()  # the shell's task is cancelled at stop: its thread goes on
+        assert not calls.wait_idle(0.05)  # still writing: the files stay open
+        finish.set()
+        assert await asyncio.to_thread(calls.wait_idle, 5)
+        with pytest.raises(DiskClosing):  # started after the stop began: nothing runs
+            await calls.run(lambda: ran.append("late"))
+
+    asyncio.run(run())
+    assert ran == ["retry"] and calls.running == 0
+
+
+def test_an_object_that_does_not_fit_leaves_the_rest_of_the_batch_tried() -> None:
+    """`write_many` refused every object after one that found no extent (`no_capacity`), although
+    a smaller one fitted a hole (review, stop 65: the eviction policy then dropped them all
+    instead of demoting them)."""
+    with tempfile.TemporaryDirectory() as d:
+        tier = SsdTier(
+            Path(d), "s1", 64 << 10, 64, direct=False, io=SsdIo(0, 64, 1 << 20), read_bytes_max=1 << 30
+        )
+        try:
+
+            def item(k: int, n: int) -> tuple[memoryview, bytes, bytes]:
+                data = bytes([k]) * n
+                return memoryview(data), bytes([k]), checksum(data)
+
+            placed = [tier.write(*item(i, 4096)) for i in range(16)]
+            tier.free_many(placed[::2])  # 32 KiB free, in 4 KiB holes
+            out = tier.write_many([item(100, 8192), item(101, 4096), item(102, 4096)])
+            assert isinstance(out[0], NoCapacity)
+            assert all(isinstance(o, tuple) for o in out[1:]), out
+        finally:
+            tier.close()
