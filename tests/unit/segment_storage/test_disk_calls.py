@@ -65,3 +65,27 @@ def test_an_object_that_does_not_fit_leaves_the_rest_of_the_batch_tried() -> Non
             assert all(isinstance(o, tuple) for o in out[1:]), out
         finally:
             tier.close()
+
+
+def test_an_index_the_disk_cannot_read_at_start_is_refused_with_what_to_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An I/O error reading the index at start (a bad sector) raised an `OSError` and the segment
+    exited with a traceback, restarted into the same (review, stop 65); it is `SsdFileRefused`,
+    which the segment's main says and exits 2 with, never serving from the file."""
+    from kvfabric.segment_storage import ssd as ssd_module
+    from kvfabric.segment_storage.ssd import SsdFileRefused
+
+    with tempfile.TemporaryDirectory() as d:
+        SsdTier(
+            Path(d), "s1", 64 << 10, 64, direct=False, io=SsdIo(0, 64, 1 << 20), read_bytes_max=1 << 30
+        ).close()
+
+        def bad_sector(self: SsdTier) -> list[object]:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(ssd_module.SsdTier, "_read_index", bad_sector)
+        with pytest.raises(SsdFileRefused, match="could not be read"):
+            SsdTier(
+                Path(d), "s1", 64 << 10, 64, direct=False, io=SsdIo(0, 64, 1 << 20), read_bytes_max=1 << 30
+            )

@@ -194,13 +194,19 @@ class SsdTier:
         try:
             self._open()
             self._sync = GroupSync(self._fd, sync)
-            self.table, unlinks = DiskSlotTable.recover(data_bytes, self._read_index())
-            if unlinks:  # dropped commit records: superseded on disk before anything is allocated
-                for record in unlinks:
-                    self._write_record(record)
-                self._sync.sync()
-                for record in unlinks:
-                    self.table.unlinked(record.slot, record.generation)
+            try:
+                self.table, unlinks = DiskSlotTable.recover(data_bytes, self._read_index())
+                if unlinks:  # dropped commit records: superseded on disk before anything is allocated
+                    for record in unlinks:
+                        self._write_record(record)
+                    self._sync.sync()
+                    for record in unlinks:
+                        self.table.unlinked(record.slot, record.generation)
+            except OSError as exc:  # a bad sector, a failing disk: said, not a traceback (review)
+                raise SsdFileRefused(
+                    f"{self.path}: its index could not be read or recovered ({exc}): check the disk, "
+                    "or remove the file to start empty"
+                ) from exc
             if verify_on_start:
                 self._verify_all()
         except BaseException:
