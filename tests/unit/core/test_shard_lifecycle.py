@@ -157,6 +157,29 @@ def test_a_retry_of_a_shard_no_longer_led_starts_nothing() -> None:
     life.check_invariants(510)
 
 
+def test_a_shard_handed_over_after_its_last_failed_start_does_not_stop_the_instance() -> None:
+    """Its attempts were spent, then it was handed over (a member joined): the retry that came due
+    stopped the instance anyway, and every other shard it led failed over, each with a rebuild
+    and a grace period (review, stop 65). A shard another leads now is left to it."""
+    leadership, kv = leading()
+    life = ShardLifecycle(leadership, LIFECYCLE)
+    epoch = leadership.epoch(0, now_ms=0) or 0
+    assert life.step(Led(0, epoch), 0) == [StartShard(0, epoch, 1)]
+    now = 0
+    for attempt in (1, 2):
+        now += 10
+        life.step(StartFailed(0, "boom"), now)
+        now += 500 * attempt
+        kv.perform(leadership.tick(now), now)
+        assert life.step(RetryDue(0), now) == [StartShard(0, epoch, attempt + 1)]
+    now += 10
+    assert life.step(StartFailed(0, "boom"), now) == [RetryStartAt(0, now + 1_500)]  # the third
+    kv.perform(leadership.leave(now + 20), now + 20)  # handed over meanwhile
+    assert life.step(RetryDue(0), now + 1_500) == []
+    assert life.state(0) == "idle" and not life.lost
+    life.check_invariants(now + 1_500)
+
+
 def test_a_handover_stops_serving_the_shard_and_a_lapse_stops_the_instance_once() -> None:
     leadership, _kv = leading()
     life = ShardLifecycle(leadership, LIFECYCLE)
@@ -314,10 +337,10 @@ class ShardLifecycleMachine(RuleBasedStateMachine):
         if shard not in self.waiting:
             return  # the instance stopped meanwhile: the retry was dropped
         del self.waiting[shard]
-        if failures >= LIFECYCLE.start_attempts_max:
+        led = self.leadership.epoch(shard, now_ms=self.now) is not None
+        if failures >= LIFECYCLE.start_attempts_max and led:  # (not over a shard handed over)
             self.expect_stop = self.expect_stop or "shard_start_failed"
         out = self._step(RetryDue(shard))
-        led = self.leadership.epoch(shard, now_ms=self.now) is not None
         retried = failures < LIFECYCLE.start_attempts_max and led and self.stopped is None
         assert any(isinstance(e, StartShard) for e in out) == retried
 

@@ -24,7 +24,9 @@ EPOCH = 7
 
 class FakeShell:
     def __init__(self) -> None:
-        self.core = SimpleNamespace(epoch=EPOCH, shard=SHARD)
+        self.core = SimpleNamespace(
+            epoch=EPOCH, shard=SHARD, free_table=SimpleNamespace(in_grace=False, grace_until_ms=0)
+        )
         self.may_act: Callable[[], bool] = lambda: True
 
     async def drain_events(self, timeout_s: float) -> None:
@@ -213,3 +215,69 @@ def test_a_shell_whose_start_is_cancelled_is_stopped_by_the_hosts_stop(
 
     asyncio.run(go())
     assert shell.stopped and SHARD not in host.shells
+
+
+def test_a_rebuild_never_waits_past_the_cores_grace_and_a_new_term_starts_its_backoff_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The backoff said a rebuild for a segment the core missed (its report late) was due in 40 s;
+    the core's grace ended first and freed its orphans: a group's rank on a segment it had, whose
+    other rank sat on the late one, was lost (review, stop 65). Now a rebuild starts at least
+    `REBUILD_BEFORE_GRACE_END_S` before the grace ends; and a rebuild in a new term is not held
+    back by the last term's backoff."""
+    h = Harness()
+    wall_ms = [5_000_000]
+    monkeypatch.setattr(shard_host, "now_ms", lambda: wall_ms[0])
+
+    async def go() -> None:
+        for _ in range(3):  # backoff: at once, 10 s, 20 s; the next one due 40 s after the last
+            await h.introduce()
+            h.now_s += 1.0
+        core: Any = h.host.shells[SHARD].core  # (a FakeShell's)
+        core.free_table = SimpleNamespace(in_grace=True, grace_until_ms=wall_ms[0] + 30_000)
+        await h.introduce()
+
+    asyncio.run(go())
+    gaps = [round(b - a) for a, b in zip(h.begun, h.begun[1:], strict=False)]
+    # 30 s of grace left, a second after the last rebuild began
+    assert gaps == [10, 20, round(1 + 30 - shard_host.REBUILD_BEFORE_GRACE_END_S)]
+
+    async def new_term() -> None:
+        h.host.shells[SHARD].core.epoch = EPOCH + 1
+        h.now_s += 1.0
+        h.host._rebuild_later(SHARD, EPOCH + 1, "seg-x")
+        while h.host._rebuilds:
+            await asyncio.gather(*h.host._rebuilds)
+
+    asyncio.run(new_term())
+    assert round(h.begun[-1] - h.begun[-2]) == 1  # at once: not the last term's 40 s
+
+
+def test_a_task_a_retired_shells_stop_could_not_end_is_reported_by_the_hosts_stop() -> None:
+    """A handed-over or rebuilt shard's shell whose publisher is stuck: its stop returned the task
+    and `_retire` forgot it, so the host's stop reported nothing stuck and the process did not
+    exit 79 (review, stop 65)."""
+    h = Harness()
+
+    async def go() -> list[str]:
+        wedged = True
+
+        async def stuck_publisher() -> None:
+            while wedged:  # (ignores its cancellation while wedged: what a stuck call looks like)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(0.01)
+
+        task = asyncio.create_task(stuck_publisher(), name="directory-publisher-3")
+        shell = FakeShell()
+
+        async def stop(timeout_s: float = 0.0) -> set[asyncio.Task[None]]:
+            return {task}
+
+        shell.stop = stop  # type: ignore[method-assign]
+        await h.host._retire(cast(Any, shell), 0.0)
+        names = await h.host.stop(timeout_s=0.2)
+        wedged = False
+        await task
+        return names
+
+    assert asyncio.run(go()) == ["directory-publisher-3"]

@@ -30,11 +30,12 @@ served shard asks first: `may_act(shard, epoch, now_ms)`.
     STARTING --StartFailed, not lost--> BACKOFF(retry_at = now + retry_ms x attempt) [RetryStartAt]
     STARTING --StartFailed, lost--> IDLE
     BACKOFF --Led | RestartAsked--> BACKOFF (the retry starts the epoch led then)
-    BACKOFF --RetryDue, now >= retry_at, attempts spent--> IDLE, the instance LOST
+    BACKOFF --RetryDue, now >= retry_at, not led now--> IDLE (whatever its attempts: an
+        instance does not give up over a shard another leads now; review, stop 65)
+    BACKOFF --RetryDue, now >= retry_at, led now, attempts spent--> IDLE, the instance LOST
         [StopInstance "shard_start_failed"] (a led shard is never left unserved while its lease
         is renewed)
     BACKOFF --RetryDue, now >= retry_at, led now--> STARTING(attempt + 1) [StartShard]
-    BACKOFF --RetryDue, now >= retry_at, not led now--> IDLE
     BACKOFF --RetryDue, now < retry_at--> BACKOFF [RetryStartAt] (early: wait on)
     SERVING --Led | RestartAsked--> as from IDLE
     any --Unled handover | leaving--> unchanged [StopShard(drain_ms)] (a start in flight is
@@ -348,6 +349,9 @@ class ShardLifecycle:
             return []  # the instance was lost meanwhile (BACKOFF cleared)
         if self._now_ms < sh.retry_at_ms:
             return [RetryStartAt(shard, sh.retry_at_ms)]  # early: wait on
+        if self.leadership.epoch(shard, now_ms=self._now_ms) is None:
+            sh.state, sh.epoch, sh.attempt = "idle", 0, 0  # handed over: whoever leads it serves it
+            return []
         if sh.attempt >= self.config.start_attempts_max:
             self._count("starts_given_up_total")
             sh.state, sh.epoch, sh.attempt = "idle", 0, 0

@@ -46,7 +46,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import msgspec
 import nats.errors
@@ -59,7 +59,7 @@ from kvfabric.core.quotas import TokenBucket
 from kvfabric.directory import shard_requests
 from kvfabric.directory.fair import FairGate
 from kvfabric.directory.giveback import give_back
-from kvfabric.directory.rebuild import gather_holdings
+from kvfabric.directory.rebuild import REPORT_TIMEOUT_S, gather_holdings
 from kvfabric.directory.segment_registry import SegmentRegistry
 from kvfabric.directory.shard_map import ShardMapServer
 from kvfabric.directory.shard_requests import check_release_many, fair_ids, reply_extra_ids, shard_of_request
@@ -92,6 +92,11 @@ STOP_TIMEOUT_S: Final = 3.0  # `stop`: every task ended by then (handed-over she
 MISSING_SEGMENT_REBUILD_S_MIN: Final = 10.0
 MISSING_SEGMENT_REBUILD_S_MAX: Final = 300.0
 MISSING_SEGMENT_DRAIN_S: Final = 1.0  # the stopped shell's queued events still go out
+# A rebuild for a missing segment begins at least this long before its core's grace ends (the
+# drain, two rounds of reports, a margin): the core frees its orphans then, and the segment it
+# missed may hold the rest of their groups (review, stop 65: a rebuild backed off past the grace
+# freed a group's rank on one segment while its other rank sat on the late one).
+REBUILD_BEFORE_GRACE_END_S: Final = MISSING_SEGMENT_DRAIN_S + 2 * REPORT_TIMEOUT_S + 2.0
 
 
 M = TypeVar("M", bound=msgspec.Struct)
@@ -140,6 +145,9 @@ class ShardHost:
         # Shells neither serving (in `shells`) nor stopped: draining after a handover, or still
         # starting. `stop` stops them too, also when it cancelled the task that owned one.
         self._loose_shells: set[DirectoryShell] = set()
+        # tasks a retired shell's stop could not end (a publisher stuck on the events stream):
+        # the host's stop reports them (review, stop 65: forgotten, the process did not exit 79)
+        self._stuck_retired: set[asyncio.Task[Any]] = set()
         self._runtime: ServiceRuntime | None = None  # `attach`'s
         self._settling = False
         self._announced: list[int] = []
@@ -149,6 +157,7 @@ class ShardHost:
         # retries and stops the instance when it can't (a led shard is never left unserved).
         self.restart_shard: Callable[[int, int], Awaitable[None]] = restart_shard or self.start_shard
         self._rebuild_last_s: dict[int, float] = {}  # shard -> when its last rebuild began
+        self._rebuild_epoch: dict[int, int] = {}  # shard -> the term its last rebuild was for
         self._rebuild_wait_s: dict[int, float] = {}  # shard -> its backoff (doubles, capped)
         # shard -> its rebuild scheduled and not begun yet (covers every segment introduced
         # meanwhile); every rebuild task, begun or not, is in `_rebuilds` (`stop` cancels them).
@@ -417,11 +426,18 @@ class ShardHost:
         if self._stopping or (pending is not None and not pending.done()):
             return
         now_s = self._clock()
+        if self._rebuild_epoch.get(shard, epoch) != epoch:  # another term: its backoff starts over
+            self._rebuild_last_s.pop(shard, None)
         last_s = self._rebuild_last_s.get(shard)
         quiet = last_s is None or now_s - last_s > MISSING_SEGMENT_REBUILD_S_MAX
         if quiet:  # the first rebuild in a while: at once, and the next one after the shortest wait
             self._rebuild_wait_s[shard] = MISSING_SEGMENT_REBUILD_S_MIN
         delay_s = 0.0 if last_s is None else max(0.0, last_s + self._rebuild_wait_s[shard] - now_s)
+        shell = self.shells.get(shard)
+        frees = shell.core.free_table if shell is not None else None
+        if frees is not None and frees.in_grace:  # never past the grace: its orphans go then
+            grace_left_s = (frees.grace_until_ms - now_ms()) / 1000
+            delay_s = min(delay_s, max(0.0, grace_left_s - REBUILD_BEFORE_GRACE_END_S))
         self._log.warning(
             "shard_rebuild_for_missing_segment",
             shard=shard,
@@ -459,6 +475,7 @@ class ShardHost:
             # core during that start was missed by it; such a one schedules the next rebuild.
             del self._rebuild_pending[shard]
         self._rebuild_last_s[shard] = self._clock()
+        self._rebuild_epoch[shard] = epoch
         if backoff:
             wait_s = self._rebuild_wait_s.get(shard, MISSING_SEGMENT_REBUILD_S_MIN)
             self._rebuild_wait_s[shard] = min(wait_s * 2, MISSING_SEGMENT_REBUILD_S_MAX)
@@ -612,7 +629,7 @@ class ShardHost:
     async def _retire(self, shell: DirectoryShell, drain_s: float) -> None:
         self._loose_shells.add(shell)
         await shell.drain_events(drain_s)
-        await shell.stop()
+        self._stuck_retired |= await shell.stop()
         self._loose_shells.discard(shell)  # not on a cancellation or failure: `stop` stops it
 
     async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
@@ -641,6 +658,7 @@ class ShardHost:
         stuck |= await cancel_and_wait(self._retiring, left_s())
         for shell in [*shells, *self._loose_shells]:
             stuck |= await shell.stop(left_s())
+        stuck |= await cancel_and_wait([t for t in self._stuck_retired if not t.done()], left_s())
         return sorted(task.get_name() for task in stuck)
 
     def _nc_required(self) -> NatsClient:
