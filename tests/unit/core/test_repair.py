@@ -264,7 +264,7 @@ def test_a_segment_down_drops_its_replicas_at_once_and_recounts_a_bounded_number
     """A segment down (2.6 s of the service's loop at 1,000,000 objects when it recounted every
     object in the event) drops its replicas from every object at once, recounts
     `recounts_per_step` of them, its hottest first, and leaves the rest to the ticks."""
-    core = new_core(recounts_per_step=3)
+    core = new_core(recounts_per_step=3, copies_per_destination_max=32)  # (all copies go to c)
     for i in range(10):
         core.object_known(
             i, size_bytes=MB, replica_target=2, segments=["a", "b"], hot=(i == 7) + 2 * (i == 9)

@@ -162,6 +162,9 @@ class RepairConfig:
     bandwidth_bytes_per_s: int = 200 << 20  # token refill rate for copies started
     burst_bytes: int = 256 << 20  # bucket size; also the largest object repair can copy
     copies_in_flight_max: int = 32
+    # copies in flight to one segment: a segment takes `KVF_SEGMENT_COPIES_MAX` (4) at once and
+    # answers `busy` past it (review, stop 65: 8 at once to one segment, half of them busy)
+    copies_per_destination_max: int = 4
     copy_timeout_ms: int = 60_000  # no result by then: a failed attempt (indeterminate)
     attempts_max: int = 3  # failed copies in a row before the object is STUCK
     retry_backoff_ms: int = 1_000  # after the k-th failure in a row: this x 2^(k-1) ...
@@ -171,7 +174,10 @@ class RepairConfig:
 
     def __post_init__(self) -> None:
         invariant(self.bandwidth_bytes_per_s > 0 and self.burst_bytes > 0, "budget must be positive")
-        invariant(self.copies_in_flight_max >= 1 and self.attempts_max >= 1, "bounds must be >= 1")
+        invariant(
+            min(self.copies_in_flight_max, self.copies_per_destination_max, self.attempts_max) >= 1,
+            "bounds must be >= 1",
+        )
         invariant(self.copy_timeout_ms > 0, "copy_timeout_ms must be positive")
         invariant(0 <= self.retry_backoff_ms <= self.retry_backoff_max_ms, "need 0 <= backoff <= max")
         invariant(self.recounts_per_step >= 1, "recounts_per_step must be >= 1")
@@ -220,6 +226,7 @@ class _Segment:
     drain_reported: bool = False
     reserved_bytes: int = 0  # copies in flight to it
     reads: int = 0  # copies in flight from it
+    writes: int = 0  # copies in flight to it (at most `copies_per_destination_max`)
     short: bool = False  # a report put free below reserved: plan nothing here until it fits
 
     def candidate(self, segment_id: str) -> Candidate:
@@ -529,18 +536,27 @@ class RepairCore:
         self._refresh(copy.object_id)
         return True
 
-    def copy_failed(self, copy_id: int, now_ms: int, source_failed: bool = False) -> None:
+    def copy_failed(self, copy_id: int, now_ms: int, source_failed: bool = False, busy: bool = False) -> None:
         """The copy failed (the destination keeps nothing): back off, then retry, bounded.
         `source_failed`: reading the source failed (refused, unreachable, gone): the retry reads
-        another replica of the object if it has one, instead of the same one again."""
+        another replica of the object if it has one, instead of the same one again. `busy`: the
+        destination had no copy slot free (nothing was tried): retried after the base backoff,
+        never counted towards STUCK (review, stop 65: three busy answers made an object stuck
+        for 10 minutes)."""
         self._advance(now_ms)
         copy = self._copies.get(copy_id)
         if copy is None:
             self._count("stale_copy_results_total")
             return
-        self._count("copies_failed_total")
         self._end(copy)
         obj = self._objects[copy.object_id]
+        if busy:
+            self._count("copies_busy_total")
+            obj.retry_at_ms = now_ms + self.config.retry_backoff_ms
+            self._gauge(obj)
+            self._wait(obj)
+            return
+        self._count("copies_failed_total")
         if source_failed:
             self._count("copies_source_failed_total")
             obj.failed_source = copy.source
@@ -670,7 +686,9 @@ class RepairCore:
         fitting = [
             seg.candidate(segment_id)
             for segment_id, seg in self._segments.items()
-            if not seg.draining and segment_id not in obj.replicas
+            if not seg.draining
+            and segment_id not in obj.replicas
+            and seg.writes < self.config.copies_per_destination_max
         ]
         fitting = [c for c in fitting if c.free_bytes >= obj.size_bytes]
         if not fitting:
@@ -697,6 +715,7 @@ class RepairCore:
         self._copies[copy.copy_id] = obj.copy = copy
         self._segments[source].reads += 1
         self._segments[destination.segment_id].reserved_bytes += obj.size_bytes
+        self._segments[destination.segment_id].writes += 1
         self._count("copies_started_total")
         self._count("bytes_started_total", obj.size_bytes)
         return StartCopy(copy.copy_id, object_id, source, copy.destination, copy.size_bytes)
@@ -790,6 +809,7 @@ class RepairCore:
         destination = self._segments.get(copy.destination)
         if destination is not None:
             destination.reserved_bytes -= copy.size_bytes
+            destination.writes -= 1
             destination.short = destination.short and destination.reserved_bytes > destination.free_bytes
 
     def _drained(self, segment_id: str) -> bool:
@@ -820,6 +840,7 @@ class RepairCore:
         self._budget.check()
         reserved: dict[str, int] = {}
         reads: dict[str, int] = {}
+        writes: dict[str, int] = {}
         for copy in self._copies.values():
             obj = self._objects.get(copy.object_id)
             if obj is None or obj.copy is not copy:
@@ -830,11 +851,14 @@ class RepairCore:
             invariant(copy.destination not in obj.replicas, "copy to a segment holding a replica", copy=copy)
             reserved[copy.destination] = reserved.get(copy.destination, 0) + copy.size_bytes
             reads[copy.source] = reads.get(copy.source, 0) + 1
+            writes[copy.destination] = writes.get(copy.destination, 0) + 1
         for segment_id, seg in self._segments.items():
             invariant(
                 seg.reserved_bytes == reserved.get(segment_id, 0), "reservations drifted", seg=segment_id
             )
             invariant(seg.reads == reads.get(segment_id, 0), "read count drifted", seg=segment_id)
+            invariant(seg.writes == writes.get(segment_id, 0), "write count drifted", seg=segment_id)
+            invariant(seg.writes <= self.config.copies_per_destination_max, "too many copies to one segment")
             invariant(seg.short or seg.reserved_bytes <= seg.free_bytes, "reserved past free", seg=segment_id)
             on = {o for o, obj in self._objects.items() if segment_id in obj.replicas}
             invariant(self._on_segment[segment_id] == on, "segment index drifted", seg=segment_id)

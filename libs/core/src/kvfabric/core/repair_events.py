@@ -101,6 +101,7 @@ class CopyFailed:
 
     copy_id: int
     source_failed: bool = False
+    busy: bool = False  # the destination had no copy slot free: not counted towards STUCK
 
 
 RepairEvent: TypeAlias = (
@@ -150,5 +151,5 @@ def dispatch(core: RepairCore, event: RepairEvent, now_ms: int) -> list[RepairOu
     elif isinstance(event, CopyOk):
         return [Reply(core.copy_ok(event.copy_id))]
     else:
-        core.copy_failed(event.copy_id, now_ms, source_failed=event.source_failed)
+        core.copy_failed(event.copy_id, now_ms, source_failed=event.source_failed, busy=event.busy)
     return []

@@ -6,6 +6,7 @@
 | `KVF_REPAIR_BANDWIDTH_BYTES_PER_S` | 209715200 (200 MiB/s) | copy budget: online reads keep the rest |
 | `KVF_REPAIR_BURST_BYTES` | 268435456 | token bucket size (and the largest object repaired) |
 | `KVF_REPAIR_COPIES_IN_FLIGHT_MAX` | 8 | copies running at once |
+| `KVF_REPAIR_COPIES_PER_SEGMENT_MAX` | 4 | copies at once to one segment (`KVF_SEGMENT_COPIES_MAX`) |
 | `KVF_REPAIR_SCAN_MS` | 2000 | anti-entropy pass period (list segments + objects below target) |
 | `KVF_REPAIR_TICK_MS` | 100 | how often copies are planned |
 | `KVF_REPAIR_COPY_TIMEOUT_MS` | 10000 | one copy, ticket to confirm (a failed copy aborts its ticket) |
@@ -40,6 +41,7 @@ def load_repair_settings(env: Mapping[str, str]) -> RepairSettings:
         bandwidth_bytes_per_s=env_int(env, "KVF_REPAIR_BANDWIDTH_BYTES_PER_S", 200 << 20, 1, 1 << 40),
         burst_bytes=env_int(env, "KVF_REPAIR_BURST_BYTES", 256 << 20, 1, 1 << 40),
         copies_in_flight_max=env_int(env, "KVF_REPAIR_COPIES_IN_FLIGHT_MAX", 8, 1, 1024),
+        copies_per_destination_max=env_int(env, "KVF_REPAIR_COPIES_PER_SEGMENT_MAX", 4, 1, 1024),
         copy_timeout_ms=2 * copy_timeout_ms + 2_000,  # the shell times out first and reports failure
     )
     return RepairSettings(

@@ -40,7 +40,7 @@ from kvfabric.cluster.replicas import copy_replica
 from kvfabric.core.repair import CancelCopy, DrainComplete, RepairCore, StartCopy
 from kvfabric.core.repair_events import CopyFailed, RepairEvent, RepairOutput, Tick
 from kvfabric.format.clock import monotonic_ms
-from kvfabric.format.errors import KvfError, Unavailable
+from kvfabric.format.errors import Busy, KvfError, Unavailable
 from kvfabric.format.ids import ObjectKey, pack_group_id, pack_object_key
 from kvfabric.proto import directory as m
 from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
@@ -160,7 +160,9 @@ class RepairShell:
         async for page in self._pages(m.ListGroups(limit=LIST_PAGE, below_target=True, with_objects=True)):
             for summary in page.groups:
                 for obj in summary.objects:
-                    if sum(r.segment_id not in draining for r in obj.replicas) >= self.replicas_target:
+                    # per segment: an arena and a disk replica on one segment count once (review,
+                    # stop 65: counted twice, such an object was never repaired)
+                    if len({r.segment_id for r in obj.replicas} - draining) >= self.replicas_target:
                         continue
                     key = key_of(summary, obj.member)
                     below.add(key)
@@ -186,7 +188,7 @@ class RepairShell:
         async for page in self._pages(m.ListGroups(limit=LIST_PAGE, with_objects=True)):
             for summary in page.groups:
                 for obj in summary.objects:
-                    healthy = sum(r.segment_id not in draining for r in obj.replicas)
+                    healthy = len({r.segment_id for r in obj.replicas} - draining)  # (per segment)
                     for r in obj.replicas:
                         if r.segment_id in draining and healthy >= self.replicas_target:
                             key = key_of(summary, obj.member)
@@ -259,7 +261,7 @@ class RepairShell:
         (cancelled by the core): this one begins once they have (their tickets aborted; module
         docstring)."""
         assert isinstance(start.object_id, bytes)
-        source_failed = False
+        source_failed = busy = False
         try:
             # The copy's own requests time out first (and abort); this only bounds the whole
             # (the wait for `after` included: within the core's timeout of the copy).
@@ -268,6 +270,7 @@ class RepairShell:
             # The destination says which failures were its source's (a refused or expired read
             # token, an unreachable source: `source_addr`): the next copy reads another replica.
             source_failed = isinstance(exc, KvfError) and "source_addr" in exc.details
+            busy = isinstance(exc, Busy)  # no copy slot free there: nothing was tried
             self._log.info(
                 "copy_failed",
                 copy_id=start.copy_id,
@@ -283,7 +286,7 @@ class RepairShell:
                 # the directory took, maybe past the target (kept until eviction).
                 self._log.info("copy_not_wanted_any_more", copy_id=start.copy_id)
         else:
-            await self._driver.feed(CopyFailed(start.copy_id, source_failed=source_failed))
+            await self._driver.feed(CopyFailed(start.copy_id, source_failed=source_failed, busy=busy))
 
     async def _copy_after(self, start: StartCopy, after: frozenset[asyncio.Task[None]]) -> bool:
         if after:
