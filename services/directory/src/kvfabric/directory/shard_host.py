@@ -629,7 +629,8 @@ class ShardHost:
     async def _retire(self, shell: DirectoryShell, drain_s: float) -> None:
         self._loose_shells.add(shell)
         await shell.drain_events(drain_s)
-        self._stuck_retired |= await shell.stop()
+        if stuck := await shell.stop():
+            self._stuck_retired |= stuck
         self._loose_shells.discard(shell)  # not on a cancellation or failure: `stop` stops it
 
     async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
