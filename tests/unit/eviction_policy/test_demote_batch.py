@@ -547,3 +547,99 @@ def test_a_segment_whose_demote_request_gets_no_answer_pauses_its_demotion(
     sh._demote_paused_until["s1"] = sh._driver.now_ms() + 60_000
     asyncio.run(sh._evict(batch))
     assert seg.requests == [] and len(directory.evicted) == 3
+
+
+def test_a_victim_whose_segment_is_lost_while_it_is_listed_is_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A victim of s1's arena (replicas on s1 and s2) being demoted; s1 goes down (the follower
+    applies it) before its listing answers, which shows no arena replica on s1 any more: taken
+    for an earlier demotion, nothing moved, and nothing answered it. It stayed EVICTING for good:
+    s2 counted its bytes as evicting, and every later republish of it was held back (review,
+    stop 65). Now it stays, resident, and the directory's later word applies."""
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.01))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=10), 0)
+    sh.apply(m.SegmentUp(segment_id="s2", incarnation=1, capacity_bytes=1000), 0)
+    sh.apply(published(1, NAMESPACE, s1=10, s2=10), 1)
+    (batch,) = core.tick(2)
+    victim = A + chain(1)
+    assert isinstance(batch, EvictBatch) and batch.pool == "s1" and batch.victims == (victim,)
+
+    class Lost(FakeDirectory):
+        async def ask(
+            self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **_: Any
+        ) -> Any:
+            if verb != "show_group":
+                return await super().ask(shard, verb, message, timeout_s)
+            assert isinstance(message, m.ShowGroup)
+            sh.apply(m.SegmentDown(segment_id="s1", incarnation=1, reason="lease_expired"), 3)
+            group = ChunkGroupId.from_bytes(message.group)
+            on_s2 = m.Replica(segment_id="s2", incarnation=1, slot=0, slot_generation=1)
+            obj = m.ObjectLocation(
+                chunk_index=group.chunk_index,
+                member=m.Member(0, 0, 0),
+                size_bytes=10,
+                checksum=b"",
+                replicas=[on_s2],
+            )
+            summary = m.GroupSummary(
+                group=group.chain_hash,
+                namespace=namespace_in_id(GroupId(message.group)),
+                chunk_index=group.chunk_index,
+                state="published",
+                members=1,
+                expected_members=1,
+                objects=[obj],
+            )
+            return m.GroupList(epoch=1, groups=[summary])
+
+    async def no_segment(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("no demote request: nothing of it is on s1 any more")
+
+    monkeypatch.setattr(shell, "nats_request", no_segment)
+    sh._router = Lost({sh._group_ids[victim]: 1}, 10)
+    sh._nc = cast(Any, object())
+    asyncio.run(sh._evict(batch))
+    assert not core.is_evicting(victim) and core.evicting_bytes("s2") == 0
+    sh.apply(published(1, NAMESPACE, s2=10, s3=10), 10**13)  # the directory's later word applies
+    assert victim not in sh._held_back and sh._held[victim][2] == {"s2": 10, "s3": 10}
+    core.check_invariants()
+
+
+def test_a_hung_disk_on_the_head_copies_pauses_demotion_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The heads of the batch's tails are copied to disk first (`_heads_on_disk`), 64 a request.
+    A disk that answers nothing made each of those requests wait its whole timeout, every tail
+    then waited for its head, so the victims' own request, whose failure pauses demotion there,
+    was never sent: batch after batch, no other pool was evicted meanwhile (review, stop 65). The
+    first unanswered head copy now pauses demotion on that segment, and its other parts are not
+    sent."""
+    from kvfabric.format.errors import Indeterminate
+
+    n = 200
+    clock = [10_000]
+    monkeypatch.setattr(shell, "now_ms", lambda: clock[0])
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.5, batch_max=1024))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=n * 20), 0)
+    for i in range(n):  # heads first, then tails: the tails are the victims
+        sh.apply(published(2 * i + 1, NAMESPACE, s1=10), 1 + i)
+    for i in range(n):
+        sh.apply(published(2 * i + 2, NAMESPACE, parent=2 * i + 1, s1=10), 1_000 + i)
+    sh.apply(m.GroupsAccessed(groups=[m.GroupHits(chain(2 * i + 1), 1, A) for i in range(n)]), 5_000)
+    requests: list[int] = []
+
+    async def hung(nc: Any, subject: str, message: Any, decoder: Any, timeout_s: float) -> Any:
+        requests.append(len(message.objects))
+        raise Indeterminate("no answer in time")
+
+    monkeypatch.setattr(shell, "nats_request", hung)
+    sh._router = FakeDirectory({sh._group_ids[A + chain(j)]: 1 for j in range(1, 2 * n + 1)}, 10)
+    sh._nc = cast(Any, object())
+    clock[0] += 60_000
+    (batch,) = [b for b in core.tick(clock[0]) if isinstance(b, EvictBatch)]
+    assert len(batch.victims) == n
+    asyncio.run(sh._evict(batch))
+    assert len(requests) == 1  # before: one per 64 heads, each waiting its timeout
+    assert sh._demote_paused_until.get("s1", 0) > clock[0]
+    core.check_invariants()

@@ -518,7 +518,11 @@ class GroupRecords:
             return
         pools, group_bytes = held[2], held[3]
         moved = pools.pop(segment_id, 0)
-        if not moved:  # not in that arena (any more): nothing moved
+        if not moved:  # not in that arena (any more: its segment lost meanwhile): nothing moved
+            if back is not None:  # the directory's word, for `_stays` to apply
+                self._held_back[chain] = back
+            if self.core.is_evicting(chain):  # a victim answered by nothing else: it stays
+                self._stays(chain, at_ms)  # (review, stop 65: it was EVICTING for good)
             return
         # A disk copy it had already (`_copied`) is the same replica, not more bytes; members
         # a partial demotion moved before are other bytes (one segment holds each member once).

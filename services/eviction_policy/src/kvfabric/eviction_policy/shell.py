@@ -1027,6 +1027,28 @@ class EvictionShell(GroupRecords):
                     needed.setdefault(ancestor, []).append(chain)
         return needed
 
+    async def _copy_heads(
+        self, seg: str, part: list[tuple[bytes, list[DemoteObject]]]
+    ) -> tuple[list[str], str]:
+        """One request copying `part`'s heads to `seg`'s disk: each one's outcome, and the error
+        code when it got no answer ("" otherwise). No answer (a hung disk): as for the victims'
+        own requests (`_send_demotes`), demotion there pauses (review, stop 65: each part waited
+        its whole timeout, batch after batch, every tail then waiting for its head, so the pause
+        the victims' requests set was never reached and no other pool was evicted)."""
+        try:
+            return await self._demote_request(seg, [objects for _, objects in part], copy_outcome), ""
+        except Conflict:  # "this segment has no disk tier"
+            self._no_disk.add(seg)
+            return ["no_disk"] * len(part), ""
+        except (Indeterminate, Unavailable) as exc:
+            self._demote_paused_until[seg] = self._driver.now_ms() + DEMOTE_PAUSE_MS
+            self._log.warning(
+                "demotion_paused", segment_id=seg, code=exc.code, pause_ms=DEMOTE_PAUSE_MS, heads=True
+            )
+            return [f"error_{exc.code}"] * len(part), exc.code
+        except KvfError as exc:
+            return [f"error_{exc.code}"] * len(part), ""
+
     async def _heads_on_disk(self, segment_id: str, chains: list[bytes], handled: set[bytes]) -> bool:
         """Before the victims of `segment_id`'s arena go to its disk: their ancestors not on any
         disk (a tail demoted before its head; a shared hot head never leaves DRAM) are copied
@@ -1062,14 +1084,12 @@ class EvictionShell(GroupRecords):
             copies.setdefault(seg, []).append((ancestor, objects))
             sizes[ancestor] = _disk_bytes_after_copy(seg, listing)
         for seg, groups in copies.items():
+            unanswered = ""  # a request there got no answer: its other parts are not sent
             for part in _request_parts(groups, sizes):  # each within the demote request's bounds
-                try:
-                    results = await self._demote_request(seg, [objects for _, objects in part], copy_outcome)
-                except Conflict:  # "this segment has no disk tier"
-                    self._no_disk.add(seg)
-                    results = ["no_disk"] * len(part)
-                except KvfError as exc:
-                    results = [f"error_{exc.code}"] * len(part)
+                if unanswered:
+                    results = [f"error_{unanswered}"] * len(part)
+                else:
+                    results, unanswered = await self._copy_heads(seg, part)
                 for (ancestor, _), result in zip(part, results, strict=True):
                     outcome[ancestor] = result
                     if result == "copied":
