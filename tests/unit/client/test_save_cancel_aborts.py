@@ -246,3 +246,15 @@ def test_close_lets_a_save_still_running_past_its_wait_end_before_nats_drains() 
     assert router.drained and result.chunks_saved == CHUNKS
     assert_every_placed_key_ended_once(router)
     assert sorted(keys_of(router, "put_commit")) == sorted(keys_of(router, "put_begin"))
+
+
+def test_a_save_reaching_its_writes_after_close_shut_the_executor_ends_closed() -> None:
+    """`close` shuts the save executor down before NATS drains; a save still in its begin phase
+    then reached its writes and `submit` raised RuntimeError out of `save`, which never raises
+    for a cluster's state (review, stop 65). Its writes end `closed`, its keys aborted."""
+    router = SaveRouter()
+    kv, _ = client(router)
+    kv._save_executor.shutdown(wait=False, cancel_futures=True)  # as close does mid-save
+    result = asyncio.run(kv.save(prompt(1), objects(1)))
+    assert result.chunks_saved == 0 and result.causes.get("closed") == CHUNKS
+    assert sorted(keys_of(router, "put_abort")) == sorted(keys_of(router, "put_begin"))

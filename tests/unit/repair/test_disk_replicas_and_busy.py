@@ -140,3 +140,18 @@ def test_copies_to_one_segment_are_capped_at_what_it_takes() -> None:
     core.copy_ok(started[0].copy_id)
     assert len([e for e in core.tick(1) if isinstance(e, StartCopy)]) == 1
     core.check_invariants()
+
+
+def test_the_cap_never_narrows_a_copys_failure_domain() -> None:
+    """The best destination (another zone) at its cap: the copy waits a tick instead of going to
+    a segment in the zone its surviving replica is in (placed there, it would stay there)."""
+    core = RepairCore(RepairConfig(copies_per_destination_max=2, copies_in_flight_max=32))
+    for segment_id, zone in (("a", "z1"), ("b", "z2"), ("a2", "z1")):
+        core.segment_up(
+            segment_id, incarnation=1, zone=zone, rack=segment_id, host=segment_id, free_bytes=100 * MB
+        )
+    for i in range(5):
+        core.object_known(i, size_bytes=MB, replica_target=2, segments=["a"])
+    started = [e for e in core.tick(0) if isinstance(e, StartCopy)]
+    assert [s.destination for s in started] == ["b", "b"]  # not a2, in a's zone
+    core.check_invariants()

@@ -30,7 +30,7 @@ import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final
+from typing import Any
 
 from nats.aio.client import Client as NatsClient
 
@@ -77,10 +77,6 @@ __all__ = [
     "Source",
     "directory_cause",
 ]
-
-# What `close` waits for saves it cancelled to reach their abort path (each queues its aborts at
-# once: `_abort_abandoned`; those are then waited for, bounded by their deadline).
-CANCELLED_SAVES_END_S: Final = 1.0
 
 
 class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
@@ -166,6 +162,8 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
             m.PUT_BATCH_OBJECTS_MAX,
         )
         self._tasks: set[asyncio.Task[Any]] = set()  # running saves
+        self._no_saves = asyncio.Event()  # set while `_tasks` is empty (`close` waits on it)
+        self._no_saves.set()
         self._lookups: set[asyncio.Task[object]] = set()  # lookups in flight
         self._abandoned: set[asyncio.Task[Any]] = set()  # aborts of cancelled saves
         self._capacity = asyncio.Event()  # set whenever a transfer ends (ReleaseStaging: room again)
@@ -207,10 +205,17 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
             self.metrics.serve(self.settings.metrics_port)
             self.serves_metrics = True  # stopped by `close`
 
+    async def _saves_ended(self, timeout_s: float) -> None:
+        """Until no save runs (`_tasks` empty), at most `timeout_s`: the saves, not their tasks
+        (an async caller's save runs in the caller's own task, which goes on after it)."""
+        if self._tasks:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._no_saves.wait(), timeout_s)
+
     async def close(self) -> None:
         """Let lookups in flight end, release every lease still held, wait for running saves
-        (cancelling, so aborting, those still running past `save_timeout_ms`), close
-        connections. Each wait bounded."""
+        (their queued writes ended `closed` past `save_timeout_ms`, their commits or aborts
+        waited for), close connections. Each wait bounded."""
         if self._closed:
             return
         self._closed = True
@@ -225,21 +230,16 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
             await self._release_leases(list(self._leases))  # every other one held
             if self._giving_back:  # gathered give-backs already sent: wait for their answers
                 await asyncio.wait(list(self._giving_back), timeout=self.settings.lookup_timeout_ms / 1000)
+            await self._saves_ended(self.settings.save_timeout_ms / 1000)
             if self._tasks:
-                await asyncio.wait(list(self._tasks), timeout=self.settings.save_timeout_ms / 1000)
-            if running := [task for task in self._tasks if not task.done()]:
                 # A save has three phases of `save_timeout_ms` each. One still running ends before
                 # NATS drains (review, stop 65: it was left running, its commit or abort failing
                 # on the drained connection, its placements reserved until the write TTL): its
                 # queued writes end `closed` at once, then its commit or abort goes, waited for one
-                # more `save_timeout_ms`; one running past that is cancelled (its placements
-                # aborted by `_abort_abandoned`, waited for below).
+                # more `save_timeout_ms`. Never cancelled here: an async caller's save runs in the
+                # caller's own task.
                 self._save_executor.shutdown(wait=False, cancel_futures=True)
-                await asyncio.wait(running, timeout=self.settings.save_timeout_ms / 1000)
-                if running := [task for task in running if not task.done()]:
-                    for task in running:
-                        task.cancel()
-                    await asyncio.wait(running, timeout=CANCELLED_SAVES_END_S)
+                await self._saves_ended(self.settings.save_timeout_ms / 1000)
             if self._abandoned:  # each bounded by its deadline
                 await asyncio.wait(list(self._abandoned), timeout=self.settings.save_timeout_ms / 1000)
             if self.suspects is not None:

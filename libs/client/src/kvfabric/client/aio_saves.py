@@ -82,6 +82,7 @@ class SaveMixin(ClientBase):
     _commits: SharedCalls[Any]
     _aborts: SharedCalls[Any]
     _tasks: set[asyncio.Task[Any]]  # running saves
+    _no_saves: asyncio.Event  # set while `_tasks` is empty
     _abandoned: set[asyncio.Task[Any]]  # commits and aborts of cancelled saves, until answered
 
     def take_save_rate(self, chunk_sizes: Sequence[int]) -> int:
@@ -147,6 +148,7 @@ class SaveMixin(ClientBase):
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)  # close() waits for running saves before draining NATS
+            self._no_saves.clear()
         started = time.perf_counter()
         try:
             result = await self._save(groups, members, views, first_chunk, trace_id or uuid.uuid4().hex)
@@ -161,6 +163,8 @@ class SaveMixin(ClientBase):
             self._saves_running -= 1
             if task is not None:
                 self._tasks.discard(task)
+                if not self._tasks:
+                    self._no_saves.set()
             self.metrics.inflight_bytes.set(self._save_bytes)
             self.metrics.save_seconds.observe(time.perf_counter() - started)
 
@@ -383,7 +387,15 @@ class SaveMixin(ClientBase):
         # Concurrent futures, not `run_in_executor`'s: cancelling this save must not return
         # while a write thread still reads the caller's buffers (an asyncio future wrapping a
         # running write is "cancelled" at once, the thread going on; review, 2026-12-05).
-        running = [self._save_executor.submit(run, s) for s in streams]
+        running: list[concurrent.futures.Future[list[tuple[str, m.WriteReceipt | None]]]] = []
+        for stream in streams:
+            try:
+                running.append(self._save_executor.submit(run, stream))
+            except RuntimeError:  # the client is closing (its executor shut down): never sent
+                cancelled: concurrent.futures.Future[list[tuple[str, m.WriteReceipt | None]]]
+                cancelled = concurrent.futures.Future()
+                cancelled.cancel()  # answered `closed` below, as a queued write cancelled then is
+                running.append(cancelled)
         try:
             await asyncio.wait([asyncio.wrap_future(f) for f in running])
         except BaseException:

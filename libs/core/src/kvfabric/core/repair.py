@@ -686,14 +686,17 @@ class RepairCore:
         fitting = [
             seg.candidate(segment_id)
             for segment_id, seg in self._segments.items()
-            if not seg.draining
-            and segment_id not in obj.replicas
-            and seg.writes < self.config.copies_per_destination_max
+            if not seg.draining and segment_id not in obj.replicas
         ]
         fitting = [c for c in fitting if c.free_bytes >= obj.size_bytes]
         if not fitting:
             return None
-        return max(fitting, key=lambda c: (spread(c, chosen), c.free_bytes, c.segment_id))
+        best = max(fitting, key=lambda c: (spread(c, chosen), c.free_bytes, c.segment_id))
+        # At its copies' cap it waits a tick rather than a narrower domain taking the copy (a
+        # replica placed there stays there; review of the cap, stop 65).
+        if self._segments[best.segment_id].writes >= self.config.copies_per_destination_max:
+            return None
+        return best
 
     def _start(self, obj: _Object, destination: Candidate, now_ms: int) -> StartCopy:
         invariant(self._healthy_now(obj) + 1 <= obj.target, "copy past the replica target", target=obj.target)

@@ -59,7 +59,7 @@ from kvfabric.core.quotas import TokenBucket
 from kvfabric.directory import shard_requests
 from kvfabric.directory.fair import FairGate
 from kvfabric.directory.giveback import give_back
-from kvfabric.directory.rebuild import REPORT_TIMEOUT_S, gather_holdings
+from kvfabric.directory.rebuild import gather_holdings
 from kvfabric.directory.segment_registry import SegmentRegistry
 from kvfabric.directory.shard_map import ShardMapServer
 from kvfabric.directory.shard_requests import check_release_many, fair_ids, reply_extra_ids, shard_of_request
@@ -92,11 +92,6 @@ STOP_TIMEOUT_S: Final = 3.0  # `stop`: every task ended by then (handed-over she
 MISSING_SEGMENT_REBUILD_S_MIN: Final = 10.0
 MISSING_SEGMENT_REBUILD_S_MAX: Final = 300.0
 MISSING_SEGMENT_DRAIN_S: Final = 1.0  # the stopped shell's queued events still go out
-# A rebuild for a missing segment begins at least this long before its core's grace ends (the
-# drain, two rounds of reports, a margin): the core frees its orphans then, and the segment it
-# missed may hold the rest of their groups (review, stop 65: a rebuild backed off past the grace
-# freed a group's rank on one segment while its other rank sat on the late one).
-REBUILD_BEFORE_GRACE_END_S: Final = MISSING_SEGMENT_DRAIN_S + 2 * REPORT_TIMEOUT_S + 2.0
 
 
 M = TypeVar("M", bound=msgspec.Struct)
@@ -433,11 +428,6 @@ class ShardHost:
         if quiet:  # the first rebuild in a while: at once, and the next one after the shortest wait
             self._rebuild_wait_s[shard] = MISSING_SEGMENT_REBUILD_S_MIN
         delay_s = 0.0 if last_s is None else max(0.0, last_s + self._rebuild_wait_s[shard] - now_s)
-        shell = self.shells.get(shard)
-        frees = shell.core.free_table if shell is not None else None
-        if frees is not None and frees.in_grace:  # never past the grace: its orphans go then
-            grace_left_s = (frees.grace_until_ms - now_ms()) / 1000
-            delay_s = min(delay_s, max(0.0, grace_left_s - REBUILD_BEFORE_GRACE_END_S))
         self._log.warning(
             "shard_rebuild_for_missing_segment",
             shard=shard,
