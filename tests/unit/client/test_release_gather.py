@@ -144,16 +144,32 @@ def test_a_close_that_overruns_its_bound_goes_on_without_raising(monkeypatch: py
     assert kv.save_async([1] * 64, [[b"x"]]) is None
 
 
-def test_a_lookup_that_comes_back_after_close_began_gives_its_leases_back() -> None:
-    """A lookup still out when `close` starts: its leases came after close gave back every lease
-    held, and were kept until their TTL (review, 2026-12-05). Now it gives them back itself and
-    is a miss (`closed`)."""
+def lookup_answered_during_close(answer_after_s: float) -> tuple[Hit, set[tuple[int, int]], bool]:
+    """A lookup out when `close` starts, its answer (lease (0, 5)) coming `answer_after_s`
+    later, on a client whose NATS drain makes every later request fail as on a drained
+    connection: its hit, the leases still held at the directory, whether close was still
+    waiting when the answer came."""
+    from kvfabric.format.errors import Unavailable
     from tests.unit.client.test_releases import client_holding
 
-    async def run() -> tuple[Hit, set[tuple[int, int]]]:
-        router = ReleaseRouter()
+    class Drained(ReleaseRouter):
+        drained = False
+
+        async def ask(self, *args: Any, **kwargs: Any) -> Any:
+            if self.drained:  # what a request on a drained connection does
+                raise Unavailable("nats connection is closed")
+            return await super().ask(*args, **kwargs)
+
+    async def run() -> tuple[Hit, set[tuple[int, int]], bool]:
+        router = Drained()
         kv = client_holding(router, [])
-        router.held = {(0, 5)}
+
+        class Nats:
+            async def drain(self) -> None:
+                router.drained = True
+
+        kv.nc = cast(Any, Nats())
+        router.held = {(0, 5)}  # what the directory granted the lookup still out
         back = asyncio.Event()
 
         async def slow_lookup(*args: Any) -> Any:
@@ -164,13 +180,21 @@ def test_a_lookup_that_comes_back_after_close_began_gives_its_leases_back() -> N
         lookup = asyncio.ensure_future(kv.lookup(list(range(64))))
         await asyncio.sleep(0.01)
         closing = asyncio.ensure_future(kv.close())
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(answer_after_s)
+        waiting = not closing.done()
         back.set()
         hit = await lookup
         await closing
-        return hit, router.held
+        return hit, router.held, waiting
 
-    hit, held = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_lookup_that_comes_back_after_close_began_gives_its_leases_back() -> None:
+    """A lookup still out when `close` starts: its leases came after close gave back every lease
+    held, and were kept until their TTL (review, 2026-12-05). Now it gives them back itself and
+    is a miss (`closed`)."""
+    hit, held, _ = lookup_answered_during_close(0.01)
     assert hit.tokens == 0 and hit.cause == "closed" and held == set()
 
 
@@ -211,43 +235,5 @@ def test_close_waits_for_a_lookup_in_flight_before_nats_drains() -> None:
     """A lookup still out when `close` starts, answered after close's own steps: it gave its
     leases back on a drained connection, which failed, so they were held until their TTL (review,
     stop 65). `close` now lets lookups in flight end (bounded by `lookup_timeout_ms`) first."""
-    from kvfabric.format.errors import Unavailable
-    from tests.unit.client.test_releases import client_holding
-
-    class Drained(ReleaseRouter):
-        drained = False
-
-        async def ask(self, *args: Any, **kwargs: Any) -> Any:
-            if self.drained:  # what a request on a drained connection does
-                raise Unavailable("nats connection is closed")
-            return await super().ask(*args, **kwargs)
-
-    async def run() -> tuple[Hit, set[tuple[int, int]]]:
-        router = Drained()
-        kv = client_holding(router, [])
-
-        class Nats:
-            async def drain(self) -> None:
-                router.drained = True
-
-        kv.nc = cast(Any, Nats())
-        router.held = {(0, 5)}  # what the directory granted the lookup still out
-        back = asyncio.Event()
-
-        async def slow_lookup(*args: Any) -> Any:
-            await back.wait()
-            return 1, [], [(0, 5)], 30_000
-
-        kv._lookup_shards = slow_lookup  # type: ignore[method-assign,assignment]
-        lookup = asyncio.ensure_future(kv.lookup(list(range(64))))
-        await asyncio.sleep(0.01)
-        closing = asyncio.ensure_future(kv.close())
-        await asyncio.sleep(0.2)  # answered within lookup_timeout_ms, after close's other steps
-        assert not closing.done()
-        back.set()
-        hit = await lookup
-        await closing
-        return hit, router.held
-
-    hit, held = asyncio.run(run())
-    assert hit.tokens == 0 and hit.cause == "closed" and held == set()
+    hit, held, waiting = lookup_answered_during_close(0.2)  # within lookup_timeout_ms
+    assert waiting and hit.tokens == 0 and hit.cause == "closed" and held == set()
