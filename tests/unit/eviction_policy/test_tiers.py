@@ -200,7 +200,8 @@ def test_a_partially_demoted_head_is_no_head_on_disk() -> None:
     sh.apply(published(2, parent=1, s1=20), 2)  # 30 > 50 % of 40: the tail is the arena's victim
     (batch,) = [b for b in sh.core.tick(3) if isinstance(b, EvictBatch)]
     assert A + chain(2) in batch.victims
-    assert sh._ancestors_off_disk([A + chain(2)]) == {A + chain(1): [A + chain(2)]}
+    heads = sh._ancestors_off_disk([A + chain(2)])
+    assert heads.needed == [A + chain(1)] and heads.nearest == {A + chain(2): A + chain(1)}
 
 
 def _location(size: int, *replicas: tuple[str, int]) -> m.ObjectLocation:
@@ -231,7 +232,7 @@ def test_a_partial_heads_copy_takes_only_its_members_on_no_disk_and_completes_it
     sh._copied(A + chain(1), "s1", 20)  # the copy's outcome: the disk pool tops up to the group
     assert sh._held[A + chain(1)][2] == {"s1": 10, "s1#ssd": 20}
     assert sh.core.used_bytes("s1#ssd") == 20
-    assert sh._ancestors_off_disk([]) == {}
+    assert sh._ancestors_off_disk([]).needed == []
     assert on_disk_whole(sh._held[A + chain(1)][2], 20)
     sh._copied(A + chain(1), "s1", 20)  # again: known with as many, nothing changes
     assert sh.core.used_bytes("s1#ssd") == 20

@@ -118,6 +118,7 @@ from kvfabric.core.eviction_events import EvictionEvent, EvictionOutput, Tick
 from kvfabric.core.stream_bounds import StreamBounds
 from kvfabric.eviction_policy.decisions import DECISIONS_GROUPS_DEFAULT, DecisionLog
 from kvfabric.eviction_policy.group_records import GroupRecords, group_id_of, published_of_summary
+from kvfabric.eviction_policy.heads import HeadsOffDisk, heads_off_disk
 from kvfabric.eviction_policy.tiers import (
     DEMOTE_ON_DISK,
     DEMOTE_REQUEST_BYTES_MAX,
@@ -1010,22 +1011,19 @@ class EvictionShell(GroupRecords):
 
     # ---- whole prefixes on disk ------------------------------------------------------------------
 
-    def _ancestors_off_disk(self, chains: list[bytes]) -> dict[bytes, list[bytes]]:
-        """The victims' ancestors that the records do not know on a disk, other than victims
-        (of this batch, demoted with it or dropped with their disk tails, or of another of this
-        tick): each with the victims below it, nearest ancestor first per victim."""
-        needed: dict[bytes, list[bytes]] = {}
-        for chain in chains:
-            if not self.core.is_evicting(chain):
-                continue
-            for ancestor in self._ancestors(chain):
-                if ancestor not in self._held:
-                    break
-                _, _, pools, group_bytes = self._held[ancestor]
-                on_disk = on_disk_whole(pools, group_bytes)  # a partial demotion is no head on disk
-                if not on_disk and not self.core.is_evicting(ancestor):
-                    needed.setdefault(ancestor, []).append(chain)
-        return needed
+    def _ancestors_off_disk(self, chains: list[bytes]) -> HeadsOffDisk:
+        """The victims' ancestors that the records do not know whole on a disk, other than
+        victims (of this batch, demoted with it or dropped with their disk tails, or of another
+        of this tick), each walked once (`heads_off_disk`: a walk per victim to its root was
+        O(victims × prefix depth) on the loop, 1.25 s for 1,024 tails of a 2,048-chunk prefix)."""
+
+        def to_copy(ancestor: bytes) -> bool:
+            _, _, pools, group_bytes = self._held[ancestor]
+            on_disk = on_disk_whole(pools, group_bytes)  # a partial demotion is no head on disk
+            return not on_disk and not self.core.is_evicting(ancestor)
+
+        victims = [c for c in chains if self.core.is_evicting(c)]
+        return heads_off_disk(victims, self._parent, self._held.__contains__, to_copy)
 
     async def _copy_heads(
         self, seg: str, part: list[tuple[bytes, list[DemoteObject]]]
@@ -1058,14 +1056,14 @@ class EvictionShell(GroupRecords):
         `handled`); one whose ancestor's segment has no disk tier (or a full one), or whose
         ancestor no one segment holds whole in its arena (`spread`), is demoted as before,
         counted `head_not_copied`. False: this segment's disk is full (demotion stops)."""
-        needed = self._ancestors_off_disk(chains)
-        if not needed:
+        heads = self._ancestors_off_disk(chains)
+        if not heads.needed:
             return True
         copies: dict[str, list[tuple[bytes, list[DemoteObject]]]] = {}  # segment -> (ancestor, objects)
         sizes: dict[bytes, int] = {}  # ancestor -> its bytes copied
         outcome: dict[bytes, str] = {}  # ancestor -> its copy's outcome
-        listings = await self._show_many(list(needed))
-        for ancestor in needed:
+        listings = await self._show_many(heads.needed)
+        for ancestor in heads.needed:
             listing = listings[ancestor]
             if isinstance(listing, KvfError):
                 outcome[ancestor] = f"error_{listing.code}"
@@ -1094,20 +1092,17 @@ class EvictionShell(GroupRecords):
                     outcome[ancestor] = result
                     if result == "copied":
                         self._copied(ancestor, seg, sizes[ancestor])
-        for ancestor, below in needed.items():
+        for ancestor in heads.needed:
             result = outcome[ancestor]
             self.demotions[f"head_{result}"] = self.demotions.get(f"head_{result}", 0) + 1
-            if result in ("copied", "on_disk"):
-                continue
-            # That disk cannot hold it, or no one segment can copy it whole (a copy per member's
-            # segment is not built): demoted as before. Cooling them down instead left a spread
-            # head's tails in DRAM for good (review of 434d328).
-            if result in ("no_disk", "no_capacity", "spread"):
-                self.demotions["head_not_copied"] = self.demotions.get("head_not_copied", 0) + len(below)
-                continue
-            for chain in below:  # failed: tried again later, with its ancestor
-                if chain not in handled and self.core.is_evicting(chain):
-                    self._demote_outcome(chain, "waits_for_head", handled, segment_id)
+        for chain, verdict in heads.verdicts(outcome).items():
+            # Not copied (that disk cannot hold it, or no one segment can copy it whole: a copy
+            # per member's segment is not built): demoted as before. Cooling them down instead
+            # left a spread head's tails in DRAM for good (review of 434d328).
+            if verdict == "not_copied":
+                self.demotions["head_not_copied"] = self.demotions.get("head_not_copied", 0) + 1
+            elif verdict == "waits" and chain not in handled and self.core.is_evicting(chain):
+                self._demote_outcome(chain, "waits_for_head", handled, segment_id)  # tried again later
         if any(outcome[ancestor] == "no_capacity" for ancestor, _ in copies.get(segment_id, [])):
             self._log.warning("demotion_stopped", segment_id=segment_id, reason="disk tier full")
             return False
