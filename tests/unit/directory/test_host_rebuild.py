@@ -24,10 +24,18 @@ EPOCH = 7
 
 class FakeShell:
     def __init__(self) -> None:
+        self.holds = 0  # `hold_orphans` calls: every rebuild asked for holds the core's orphans
         self.core = SimpleNamespace(
-            epoch=EPOCH, shard=SHARD, free_table=SimpleNamespace(in_grace=False, grace_until_ms=0)
+            epoch=EPOCH,
+            shard=SHARD,
+            free_table=SimpleNamespace(in_grace=False, grace_until_ms=0),
+            hold_orphans=self.hold_orphans,
         )
         self.may_act: Callable[[], bool] = lambda: True
+
+    def hold_orphans(self) -> int:
+        self.holds += 1
+        return 1
 
     async def drain_events(self, timeout_s: float) -> None:
         await asyncio.sleep(0)
@@ -97,6 +105,27 @@ def test_rebuilds_wait_10_s_then_double_up_to_5_min_and_start_over_after_a_quiet
     assert gaps[:7] == [10, 20, 40, 80, 160, 300, 300]
     assert gaps[7] > shard_host.MISSING_SEGMENT_REBUILD_S_MAX  # quiet: at once ...
     assert gaps[8] == 10  # ... and the shortest wait again
+
+
+def test_a_rebuild_asked_for_holds_the_orphans_of_the_core_it_will_replace() -> None:
+    """Each rebuild asked for holds the serving core's orphans past its grace (the rebuild, maybe
+    backed off past it, may find their groups whole); a request naming another term holds
+    nothing of this one."""
+    h = Harness()
+    first = cast(FakeShell, h.host.shells[SHARD])
+
+    async def go() -> None:
+        await h.introduce()
+        second = cast(FakeShell, h.host.shells[SHARD])
+        assert second is not first and (first.holds, second.holds) == (1, 0)
+        h.host._rebuild_later(SHARD, EPOCH + 1, "seg-x")  # not this core's term
+        assert second.holds == 0
+        await asyncio.gather(*h.host._rebuilds)
+        h.now_s += 1.0
+        await h.introduce()  # backed off 10 s: held meanwhile
+        assert second.holds == 1
+
+    asyncio.run(go())
 
 
 def test_a_rebuild_asked_while_the_shard_starts_runs_once_that_start_ends() -> None:

@@ -417,6 +417,14 @@ class ShardHost:
         """Rebuild `shard` once its backoff allows (never dropped: the segment is known to the
         core from now on, so no later heartbeat would ask again). One rebuild per shard not yet
         begun covers every segment missed meanwhile: it asks all registered segments."""
+        shell = self.shells.get(shard)
+        if shell is not None and shell.core.epoch == epoch:
+            # Until the rebuild replaces this core, the orphans it freed at adoption stay held
+            # past its grace: the rebuild may find their groups whole (a rank on the late
+            # segment). Without this a wait past the 30 s grace lost them (review, stop 65).
+            held = shell.core.hold_orphans()
+            if held:
+                self._log.info("orphans_held_for_rebuild", shard=shard, epoch=epoch, orphans=held)
         pending = self._rebuild_pending.get(shard)
         if self._stopping or (pending is not None and not pending.done()):
             return

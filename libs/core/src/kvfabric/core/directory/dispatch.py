@@ -258,11 +258,17 @@ class DirectoryCore:
             )
             tenant = tenant_of(r.key)
             self._ctx.quotas.add(tenant, r.size_bytes)  # held until the segment frees it
-            self.free_table.free(replica, r.size_bytes, tenant, effects, key=r.key)
+            self.free_table.free(replica, r.size_bytes, tenant, effects, key=r.key, orphan=True)
         self._ctx.count("adopted_groups_total", len(plan.groups))
         self._ctx.count("adopted_objects_total", sum(len(g[1]) for g in plan.groups.values()))
         self._ctx.count("adopted_orphans_total", len(plan.orphans))
         return batch_frees(effects)
+
+    def hold_orphans(self) -> int:
+        """The host will rebuild this shard for a segment that missed its report: the orphans
+        freed at adoption stay held past the grace, until this core is replaced (that rebuild
+        may find their groups whole; `FreeTable.hold_orphans`). Returns how many are held."""
+        return self.free_table.hold_orphans()
 
     # ---- checks (tests call this after every step) ---------------------------------------
 

@@ -3,6 +3,7 @@ slots are freed, and the grace period of a new leader.
 
 ## States of a slot being freed (one entry per (segment id, incarnation, slot, generation))
     (absent) --free, in grace and adopted--> HELD --grace ends (tick)--> SENT_AT(now)
+    HELD (an orphan) --grace ends while orphans are held--> HELD --the core is replaced--> (gone)
     (absent) --free--> SENT (a FreeSlots effect returned now) --next tick--> SENT_AT(now)
     SENT_AT(t) --tick, free_retry_ms after t: FreeSlots again--> SENT_AT(now)
     any --SlotsFreed from that incarnation / the incarnation is lost--> (absent)
@@ -22,10 +23,19 @@ reader leased by the old leader may still read) is HELD, not sent; slots written
 epoch are not held back. The first tick at or after `grace_until_ms` ends the grace and sends
 them.
 
+**Orphans held for a rebuild** (`hold_orphans`). The adopted slots a rebuild freed as orphans
+(`adopt`: an incomplete group, say its rank 1 only on a segment that missed the report) stay
+HELD past the grace once the host says a rebuild for a missing segment is pending: that rebuild
+(a new core, from every segment's report) may find the group whole. Without the hold, a rebuild
+backed off past the 30 s grace freed rank 0 and lost a group whose bytes were all in the cluster
+(review, stop 65). Other frees of adopted slots still go when the grace ends. The hold ends with
+the core (the rebuild replaces it); until then the orphans' bytes stay reserved.
+
 ## Invariants (`check_invariants`)
 1. `evicting_frees[g]` is the number of entries naming group g; `evicting` holds exactly the
    groups with such entries.
-2. An entry is HELD only during the grace; adopted slots are remembered only during it.
+2. An entry is HELD only during the grace, or an orphan while orphans are held; adopted slots
+   are remembered only during the grace, orphans only during it or while held.
 
 ## Bounds
 One entry per slot handed back: at most the slots the segments hold. A retry names each entry
@@ -114,6 +124,8 @@ class FreeTable:
         self.grace_until_ms = 0
         self.in_grace = False
         self._adopted: set[SlotKey] = set()  # slots a reader of the old leader may hold
+        self._orphans: set[SlotKey] = set()  # adopted slots freed as orphans (`free(orphan=True)`)
+        self.orphans_held = False  # `hold_orphans`: a rebuild may adopt them yet
 
     def free(
         self,
@@ -124,9 +136,11 @@ class FreeTable:
         *,
         key: ObjectKey = NO_KEY,
         group: GroupKey = NO_GROUP,
+        orphan: bool = False,
     ) -> None:
         """Hand a confirmed slot back to its segment. The reservation (and the tenant's bytes) is
-        released on `SlotsFreed`. `group`: the evicting group it belongs to."""
+        released on `SlotsFreed`. `group`: the evicting group it belongs to. `orphan`: an
+        adopted slot no complete group names (`hold_orphans` may keep it past the grace)."""
         segment_id, incarnation = self.segments.where(replica.placement)
         if not self.segments.live(replica.placement):
             self.segments.release(replica.placement, size_bytes, tenant)  # dead incarnation: memory gone
@@ -138,6 +152,8 @@ class FreeTable:
             # a reader leased by the old leader may still read it: not yet
             self.pending[slot_key] = PendingFree(size_bytes, group, tenant, "held")
             self.ctx.count("frees_deferred_grace_total")
+            if orphan:
+                self._orphans.add(slot_key)
             return
         self.pending[slot_key] = PendingFree(size_bytes, group, tenant, "sent")
         effects.append(
@@ -164,6 +180,7 @@ class FreeTable:
 
     def _finish(self, key: SlotKey) -> None:
         pending = self.pending.pop(key)
+        self._orphans.discard(key)
         self.ctx.quotas.add(pending.tenant, -pending.size_bytes)
         self.segments.release_freed(key[0], key[1], key[2], pending.size_bytes)
         if pending.group:
@@ -201,12 +218,24 @@ class FreeTable:
         if self.in_grace and now_ms >= self.grace_until_ms:
             self.in_grace = False  # the old leader's leases have all expired: frees may go
             self._adopted = set()
+            if self.orphans_held:
+                self.ctx.count("orphan_frees_held_total", len(self._orphans))
+            else:
+                self._orphans = set()
+
+    def hold_orphans(self) -> int:
+        """A rebuild for a missing segment is pending: the orphans freed at adoption and still
+        held (the grace has not ended) stay held until this core is replaced. Returns how many
+        are held (0 once the grace has ended: they were sent, too late to hold)."""
+        if self.in_grace:
+            self.orphans_held = True
+        return len(self._orphans) if self.orphans_held else 0
 
     def retry(self, now_ms: int, effects: list[Effect]) -> None:
         """Send held frees once the grace is over, stamp new ones, resend unacknowledged ones."""
         for key, pending in self.pending.items():
             if pending.state == "held":
-                if self.in_grace:
+                if self.in_grace or key in self._orphans:  # (orphans past the grace: held)
                     continue
             elif pending.state == "sent":
                 self.pending[key] = self._stamped(pending, now_ms)
@@ -242,10 +271,18 @@ class FreeTable:
 
     def check_invariants(self) -> None:
         outstanding: dict[GroupKey, int] = {}
-        for pending in self.pending.values():
+        for key, pending in self.pending.items():
             if pending.group:
                 outstanding[pending.group] = outstanding.get(pending.group, 0) + 1
-            invariant(pending.state != "held" or self.in_grace, "a free held back after the grace")
+            held_ok = self.in_grace or key in self._orphans
+            invariant(pending.state != "held" or held_ok, "a free held back after the grace")
+        invariant(
+            all(k in self.pending and self.pending[k].state == "held" for k in self._orphans),
+            "an orphan remembered that is not held",
+        )
+        invariant(
+            self.in_grace or self.orphans_held or not self._orphans, "orphans remembered past the grace"
+        )
         invariant(outstanding == self._evicting_frees, "evicting free counts drift")
         invariant(self.evicting.keys() == outstanding.keys(), "evicting group without outstanding frees")
         invariant(self.in_grace or not self._adopted, "adopted slots remembered after the grace")
