@@ -128,6 +128,37 @@ def test_a_rebuild_asked_for_holds_the_orphans_of_the_core_it_will_replace() -> 
     asyncio.run(go())
 
 
+def test_a_rebuild_pending_from_an_earlier_term_gives_way_to_this_terms() -> None:
+    """Term E's rebuild waits out its backoff; the shard is lost and won again (E + 1) and a
+    segment misses that start too: E + 1's rebuild runs (before, E's pending one swallowed it,
+    then ended on the changed epoch: no rebuild ever ran, the new core's orphans held for good;
+    review, stop 66)."""
+    h = Harness()
+
+    async def go() -> None:
+        waiting = asyncio.Event()  # never set: term E's backoff outlasts the test
+        real_rebuild = h.host._rebuild
+
+        async def backed_off(shard: int, epoch: int, delay_s: float, *, backoff: bool) -> None:
+            await waiting.wait()
+
+        h.host._rebuild = backed_off  # type: ignore[method-assign]
+        h.host._rebuild_later(SHARD, EPOCH, "seg-x")
+        stale = h.host._rebuild_pending[SHARD]
+        h.host._rebuild = real_rebuild  # type: ignore[method-assign]
+        won_again = FakeShell()
+        won_again.core.epoch = EPOCH + 1
+        h.host.shells[SHARD] = cast(Any, won_again)
+        h.host._rebuild_later(SHARD, EPOCH + 1, "seg-x")
+        assert won_again.holds == 1
+        while h.host._rebuilds:
+            await asyncio.gather(*h.host._rebuilds, return_exceptions=True)
+        assert stale.cancelled()
+
+    asyncio.run(go())
+    assert len(h.begun) == 1  # term E + 1's rebuild ran
+
+
 def test_a_rebuild_asked_while_the_shard_starts_runs_once_that_start_ends() -> None:
     h = Harness()
 

@@ -157,6 +157,7 @@ class ShardHost:
         # shard -> its rebuild scheduled and not begun yet (covers every segment introduced
         # meanwhile); every rebuild task, begun or not, is in `_rebuilds` (`stop` cancels them).
         self._rebuild_pending: dict[int, asyncio.Task[None]] = {}
+        self._rebuild_pending_epoch: dict[int, int] = {}  # shard -> the term its pending one is for
         self._rebuilds: set[asyncio.Task[None]] = set()
         self._stopping = False
         self.missing_segment_rebuilds = 0
@@ -426,6 +427,12 @@ class ShardHost:
             if held:
                 self._log.info("orphans_held_for_rebuild", shard=shard, epoch=epoch, orphans=held)
         pending = self._rebuild_pending.get(shard)
+        if pending is not None and not pending.done() and self._rebuild_pending_epoch.get(shard) != epoch:
+            # Asked for under an earlier term and not begun: it would find the epoch changed and
+            # end, and this term's rebuild, swallowed here, would never run (the segment is known
+            # to this core from now on), its orphans held for good (review, stop 66).
+            pending.cancel()
+            pending = None
         if self._stopping or (pending is not None and not pending.done()):
             return
         now_s = self._clock()
@@ -447,6 +454,7 @@ class ShardHost:
             self._rebuild(shard, epoch, delay_s, backoff=not quiet), name=f"directory-rebuild-{shard}"
         )
         self._rebuild_pending[shard] = task
+        self._rebuild_pending_epoch[shard] = epoch
         self._rebuilds.add(task)  # owned here until done (stop() cancels it)
 
         def done(finished: asyncio.Task[None]) -> None:
