@@ -5,6 +5,8 @@ record until the sweep reaches its group, and counting it let prefetch drop the 
 
 from __future__ import annotations
 
+from kvfabric.core.directory import DirectoryCore
+from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from tests.unit.core.dirkit import groups, key, new_core, put, register
 
@@ -61,4 +63,58 @@ def test_a_cold_extra_is_not_dropped_while_the_other_replica_is_on_a_dead_segmen
             1_200,
         ).reply
         assert isinstance(out, m.ReplicaCorruptReply) and not out.dropped, k
+    core.check_invariants()
+
+
+def _extra_on(core: DirectoryCore, k: ObjectKey, segment: str) -> None:
+    """An extra replica of `k` on `segment`, as prefetch makes for a hot object (slot 900)."""
+    begun = core.handle(
+        m.ReplicateBegin(writer_id="prefetch", request_id=f"x-{k.hex()}", key=k, segment_id=segment), 1
+    ).reply
+    assert isinstance(begun, m.ReplicateBeginReply) and begun.status == "placed" and begun.ticket
+    t = begun.ticket
+    confirm = m.ReplicaConfirm(
+        ticket_id=t.ticket_id,
+        key=t.key,
+        slot=900,
+        slot_generation=1,
+        size_bytes=t.size_bytes,
+        checksum=t.checksum,
+    )
+    core.handle(m.ConfirmReplicas(segment_id=segment, incarnation=1, confirms=[confirm]), 1)
+
+
+def _drop_cold(core: DirectoryCore, k: ObjectKey, segment: str) -> bool:
+    out = core.handle(
+        m.ReplicaCorrupt(
+            segment_id=segment, incarnation=1, key=k, slot=900, slot_generation=1, reason="cold_extra"
+        ),
+        2,
+    ).reply
+    assert isinstance(out, m.ReplicaCorruptReply)
+    return out.dropped
+
+
+def test_a_cold_extra_is_not_dropped_when_the_object_would_go_below_its_target() -> None:
+    """Target 2, copies on s1 and s2, an extra on s3: dropped while both originals are healthy;
+    kept, an ordinary replica now, once one of them drains (or dies): dropped, the object went
+    below target and repair copied it again (review, stop 65)."""
+    core = new_core(replicas_default=2)
+    for seg in ("s1", "s2", "s3"):
+        register(core, seg, capacity=10_000, zone=seg)
+    ka, kb = (key(g) for g in groups(2, seed=52))
+    put(core, [ka, kb])
+    placed: dict[ObjectKey, set[str]] = {}
+    for k in (ka, kb):
+        shown = core.handle(m.ShowGroup(group=k[:90]), 1).reply
+        assert isinstance(shown, m.GroupList)
+        placed[k] = {r.segment_id for r in shown.groups[0].objects[0].replicas}
+    spare = {k: ({"s1", "s2", "s3"} - placed[k]).pop() for k in (ka, kb)}
+    for k in (ka, kb):
+        _extra_on(core, k, spare[k])
+    assert _drop_cold(core, ka, spare[ka])  # still an extra: both originals healthy
+    drained = sorted(placed[kb])[0]
+    core.handle(m.Heartbeat(segment_id=drained, incarnation=1, used_bytes=0, draining=True), 2)
+    assert not _drop_cold(core, kb, spare[kb])  # one original draining: no extra any more
+    assert core.counters["drop_refused_below_target_total"] == 1
     core.check_invariants()

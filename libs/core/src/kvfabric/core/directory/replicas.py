@@ -318,6 +318,16 @@ class ReplicaTable:
 
     # ---- dropping replicas ---------------------------------------------------------------
 
+    def _healthy_segments(self, replicas: tuple[ReplicaRecord, ...]) -> int:
+        """Segments up and not draining that hold these replicas: what counts toward the target
+        (as `list_groups(below_target)` counts; an arena and a disk replica on one are one)."""
+        placements = set()
+        for r in replicas:
+            seg = self.segments.segment_of(r.placement)
+            if seg is not None and not seg.draining:
+                placements.add(r.placement)
+        return len(placements)
+
     def corrupt(self, req: m.ReplicaCorrupt, now_ms: int) -> Outcome:
         """A scrubber found bad bytes: that replica goes (freed); a member left without any
         replica makes its group unreadable at once and it is invalidated (swept)."""
@@ -339,6 +349,12 @@ class ReplicaTable:
             # 2026-12-05: a cold extra dropped right after its original's segment died)
             if not any(self.segments.live(r.placement) for r in left):
                 ctx.count("drop_refused_last_live_total")
+                return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False))
+            if req.reason == "cold_extra" and self._healthy_segments(left) < ctx.config.replicas_default:
+                # the extra is no extra any more: a replica of the object was lost since it was
+                # made (review, stop 65: dropped, the object went below target, repair copied it
+                # again). It stays, an ordinary replica now.
+                ctx.count("drop_refused_below_target_total")
                 return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False))
             if req.reason == "demoted" and self.published.held(gid):
                 # a reader leased it with a lookup that may name only this replica: not under it
