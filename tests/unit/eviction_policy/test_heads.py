@@ -8,7 +8,13 @@ from collections.abc import Iterator
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfabric.eviction_policy.heads import HEAD_NOT_COPIED, HEAD_ON_DISK, Verdict, heads_off_disk
+from kvfabric.eviction_policy.heads import (
+    HEAD_NOT_COPIED,
+    HEAD_ON_DISK,
+    Verdict,
+    heads_off_disk,
+    with_ancestor_in,
+)
 
 OUTCOMES = sorted(HEAD_ON_DISK | HEAD_NOT_COPIED | {"failed", "error_timeout"})
 
@@ -101,3 +107,26 @@ def test_it_finds_what_a_walk_per_victim_finds(
             if expected.get(victim) != "waits" and (verdict != "ok" or victim not in expected):
                 expected[victim] = verdict
     assert heads.verdicts({a: outcome[a] for a in heads.needed}) == expected
+
+
+def test_chains_below_one_that_goes_whole_are_found_walking_each_chain_once() -> None:
+    """`with_ancestor_in`: 1,024 copied heads branching off a 2,048-chunk prefix, one trunk chunk
+    going whole: every branch is below it, found in a bounded number of look-ups."""
+    depth, branches = 2048, 1024
+    trunk = [b"t%d" % i for i in range(depth)]
+    tails = [b"b%d" % i for i in range(branches)]
+    parent = CountingParents({trunk[i]: trunk[i - 1] for i in range(1, depth)})
+    parent.update(dict.fromkeys(tails, trunk[-1]))
+    assert with_ancestor_in(tails, parent, {trunk[3]}) == set(tails)
+    assert parent.looked_up <= 2 * (depth + branches)
+    assert with_ancestor_in(tails + trunk[:3], parent, {trunk[3]}) == set(tails)
+    assert with_ancestor_in(tails, parent, {b"elsewhere"}) == set()
+
+
+@given(batches())
+def test_with_ancestor_in_finds_what_a_walk_per_chain_finds(
+    case: tuple[list[bytes], dict[bytes, bytes], set[bytes], set[bytes], dict[bytes, str]],
+) -> None:
+    chains, parent, among, _, _ = case
+    expected = {c for c in chains if any(a in among for a in _ancestors(c, parent))}
+    assert with_ancestor_in(chains, parent, among) == expected

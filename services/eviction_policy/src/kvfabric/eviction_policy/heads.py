@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-__all__ = ["HEAD_NOT_COPIED", "HEAD_ON_DISK", "HeadsOffDisk", "Verdict", "heads_off_disk"]
+__all__ = ["HEAD_NOT_COPIED", "HEAD_ON_DISK", "HeadsOffDisk", "Verdict", "heads_off_disk", "with_ancestor_in"]
 
 # A head's copy outcome after which its tails may be demoted: it is on disk now.
 HEAD_ON_DISK: Final = frozenset({"copied", "on_disk"})
@@ -71,8 +71,9 @@ def heads_off_disk(
 ) -> HeadsOffDisk:
     """The ancestors of `victims` (evicting chains) to copy to disk: walking up from each, while
     `held`, those `to_copy` (not whole on a disk, not evicting). Each chain is walked once over
-    the whole batch; a walk stops at a repeat (a cycle of chain hashes cannot be made, but
-    nothing here trusts that)."""
+    the whole batch; a walk stops at a repeat (a cycle of chain hashes cannot be made: on one,
+    the walk ends, but a victim on the cycle may then list fewer ancestors than a walk of its
+    own would)."""
     needed: list[bytes] = []
     is_needed: set[bytes] = set()
     above: dict[bytes, bytes | None] = {}  # chain walked -> its nearest ancestor in `needed`
@@ -99,3 +100,23 @@ def heads_off_disk(
                 top = node
     nearest = {v: a for v in dict.fromkeys(victims) if (a := above.get(v)) is not None}
     return HeadsOffDisk(needed, nearest, {a: above[a] for a in needed})
+
+
+def with_ancestor_in(chains: Sequence[bytes], parent: Mapping[bytes, bytes], among: set[bytes]) -> set[bytes]:
+    """The chains of `chains` with an ancestor, however far up, in `among`; each chain walked
+    once for all of them (a walk per chain to its root was O(chains × depth): a disk pool's
+    batch of copied heads under one deep prefix). A walk stops at a repeat."""
+    below: dict[bytes, bool] = {}  # chain walked -> an ancestor of it is in `among`
+    for chain in chains:
+        walk: list[bytes] = []
+        on_walk: set[bytes] = set()
+        at: bytes | None = chain
+        while at is not None and at not in below and at not in on_walk:
+            walk.append(at)
+            on_walk.add(at)
+            at = parent.get(at)
+        found = at is not None and at in below and (below[at] or at in among)
+        for node in reversed(walk):
+            below[node] = found
+            found = found or node in among
+    return {c for c in chains if below[c]}

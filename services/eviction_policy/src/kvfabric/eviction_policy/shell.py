@@ -118,7 +118,7 @@ from kvfabric.core.eviction_events import EvictionEvent, EvictionOutput, Tick
 from kvfabric.core.stream_bounds import StreamBounds
 from kvfabric.eviction_policy.decisions import DECISIONS_GROUPS_DEFAULT, DecisionLog
 from kvfabric.eviction_policy.group_records import GroupRecords, group_id_of, published_of_summary
-from kvfabric.eviction_policy.heads import HeadsOffDisk, heads_off_disk
+from kvfabric.eviction_policy.heads import HeadsOffDisk, heads_off_disk, with_ancestor_in
 from kvfabric.eviction_policy.tiers import (
     DEMOTE_ON_DISK,
     DEMOTE_REQUEST_BYTES_MAX,
@@ -660,7 +660,7 @@ class EvictionShell(GroupRecords):
         # leased: the tail is asked first, so it goes then.)
         if keep_arena:
             whole = set(chains) - keep_arena
-            keep_arena -= {c for c in keep_arena if self._has_ancestor_in(c, whole)}
+            keep_arena -= with_ancestor_in(list(keep_arena), self._parent, whole)
         statuses: dict[str, int] = {}
         try:
             by_shard = await self._by_shard(chains, keep_arena)
@@ -688,9 +688,6 @@ class EvictionShell(GroupRecords):
                         break
                     stays_above.add(ancestor)
         self._log.info("evicted", reason=batch.reason, pool=str(batch.pool), **statuses)
-
-    def _has_ancestor_in(self, chain: bytes, groups: Collection[bytes]) -> bool:
-        return any(ancestor in groups for ancestor in self._ancestors(chain))
 
     def _ancestors(self, chain: bytes) -> Iterator[bytes]:
         """`chain`'s parent, its parent's, ... as the records know them, nearest first (each
