@@ -253,17 +253,31 @@ def test_missed_renewals_stop_leading_at_the_conservative_deadline() -> None:
     a.check_invariants(2600)
 
 
-def test_a_late_renewal_within_the_lease_resumes_the_same_term() -> None:
-    """A deadline passing unticked is not a stop: a renewal that lands proves nobody else held
-    the key in between, so the term (and its epoch) goes on."""
+def test_a_renewal_read_after_the_deadline_ends_the_term_as_a_tick_would() -> None:
+    """A renewal that lands proves nobody else held the key, but the term ended at its deadline
+    on this clock: the host may have abandoned the shard's start in that gap (`epoch(now)` was
+    None), and a resumed term left the shard led and unserved (review, stop 65). Read with its
+    time, the answer stops the term and hands the key back, as a tick first would have; without a
+    time (as of the latest event, before the deadline) it renews."""
     a = ShardLeadership(LeadershipConfig(shards=1), "a")
     a.on_members({"a"}, 0)
     a.on_acquired(0, revision=3, sent_ms=0)
     assert a.tick(1000) == [Renew(0, 3), AnnounceMember()]
     assert a.epoch(0, now_ms=2600) is None  # past the deadline, no tick yet
-    assert a.on_renewed(0, revision=4, sent_ms=1000) == []
-    assert a.epoch(0, now_ms=2600) == 3  # new deadline 1000 + 2500
-    assert a.tick(2600) == [Renew(0, 4), AnnounceMember()]
+    assert a.on_renewed(0, revision=4, sent_ms=1000, now_ms=2600) == [
+        StopLeading(0, 3, "lease_expired"),
+        Release(0, 4),
+    ]
+    assert a.epoch(0) is None and a.counters["lease_expired_total"] == 1
+    assert a.on_released(0) == []
+    a.check_invariants(2600)
+    b = ShardLeadership(LeadershipConfig(shards=1), "b")
+    b.on_members({"b"}, 0)
+    b.on_acquired(0, revision=3, sent_ms=0)
+    assert b.tick(1000) == [Renew(0, 3), AnnounceMember()]
+    assert b.on_renewed(0, revision=4, sent_ms=1000) == []  # no time: as of 1000, within the term
+    assert b.epoch(0, now_ms=2600) == 3  # new deadline 1000 + 2500
+    assert b.tick(2600) == [Renew(0, 4), AnnounceMember()]
 
 
 def test_a_create_answered_after_its_term_ended_starts_no_stale_term() -> None:
@@ -306,10 +320,12 @@ def test_a_renewal_answered_after_its_new_deadline_stops_the_term() -> None:
     assert a.on_acquired(0, 1, sent_ms=0, now_ms=0) == [StartLeading(0, 1)]
     assert a.on_acquired(1, 2, sent_ms=0, now_ms=0) == [StartLeading(1, 2)]
     assert a.tick(1_000) == [Renew(0, 1), Renew(1, 2), AnnounceMember()]
-    # Both answers wait out a 3 s stall: renewed from 1000, shard 0's term ends at 3500.
+    # Both answers wait out a 3 s stall: shard 0's term ended at 2500, before its answer was
+    # read, so the key it renewed is handed back at once (standbys need not wait for it to lapse).
     assert a.on_renewed(0, 3, sent_ms=1_000, now_ms=4_000) == [
         StopLeading(0, 1, "lease_expired"),
         StopLeading(1, 2, "lease_expired"),  # its deadline (2500) passed too: stopped, draining
+        Release(0, 3),
     ]
     assert a.leading() == {}
     assert a.on_renewed(1, 4, sent_ms=1_000, now_ms=4_000) == [Release(1, 4)]

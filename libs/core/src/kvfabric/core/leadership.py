@@ -54,8 +54,11 @@ the KV servers over one TTL. `epoch(shard, now_ms=...)` is None from the deadlin
 the shell has done. Another instance can create the key only after it lapsed or after this
 instance deleted it, and it deletes only after StopLeading, with `last=revision`. A successful
 update proves the key stayed ours since the previous write (an expired or re-created key fails
-`last=revision`), so a renewal that lands after the deadline passed unticked may resume the
-same term: nobody else led in between. An answer can arrive long after its send (a GC pause,
+`last=revision`), so nobody else led in between a renewal that lands after the deadline passed;
+still, the term ended at its deadline on this instance's clock whichever event sees that time
+first: a renewal read after it stops the term as a tick would (`on_renewed` with its `now_ms`),
+since the host may have abandoned the shard in that gap (review, stop 65: resumed, the shard
+stayed led and unserved). Without `now_ms`, as of the latest event. An answer can arrive long after its send (a GC pause,
 a stalled loop): the shell passes `now_ms` (when the answer reached it) to `on_acquired` and
 `on_renewed`, so that a create whose term already ended while its answer waited does not start
 a term. Its key lapsed meanwhile and another instance may lead with a greater epoch: starting
@@ -587,10 +590,16 @@ class ShardLeadership:
         self._check_sent(shard, sh, sent_ms)
         if now_ms is not None:
             self._advance(now_ms)
+        out = _Out()
+        if sh.state == "leading" and self._now_ms >= sh.deadline_ms:
+            # Its deadline passed before this answer was read: the term ended then (`epoch(now)`
+            # was None, and the host may have abandoned the shard's start in that gap). Resumed,
+            # the shard stayed led and unserved until the process restarted (review, stop 65).
+            # It ends as if a tick had seen the time first; the key is handed back below.
+            self._expire(shard, sh, out)
         self._count("renewed_total")
         sh.renewing = False
         sh.revision = revision
-        out = _Out()
         if sh.state == "draining":
             self._release(shard, sh, out)
         else:
