@@ -233,6 +233,11 @@ class StagingFiles:
 
     def __init__(self, directory: str) -> None:
         self.directory = os.path.realpath(directory)
+        # The folders a writer may name, as this segment knows its arena's: the peer's path is
+        # compared as a string, never resolved (resolving it walked the peer's own folders, a
+        # FUSE mount's lookup could hang the thread, and a symlink swapped between the check and
+        # the open escaped the arena's folder: review, stop 66).
+        self._folders = {os.path.normpath(directory), self.directory}
         # conn -> its open files by path, least recently used first (at most FILES_PER_CONNECTION_MAX)
         self._files: dict[int, OrderedDict[str, _Held]] = {}
         self._mappings: dict[tuple[int, int, bytes], _Mapping] = {}
@@ -306,13 +311,14 @@ class StagingFiles:
         if MEMFD_PATH.match(staged.path):
             return self._open_memfd(staged)
         folder, name = os.path.split(staged.path)
-        if os.path.realpath(folder) != self.directory or not STAGING_NAME.match(name):
+        if folder not in self._folders or not STAGING_NAME.match(name):  # (a NUL matches neither)
             raise BadRequest(
                 "a staging file is a sealed kvf-stage memfd or a kvf-stage-<32 hex> file beside the arena",
                 staging=True,
             )
-        try:
-            fd = os.open(staged.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:  # in the arena's own folder, by the segment's name of it; the file no symlink
+            path = os.path.join(self.directory, name)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             raise BadRequest(f"cannot open the staging file: {exc.strerror}", staging=True) from None
         try:

@@ -4,6 +4,7 @@ absolute deadlines (a watchdog thread) and streamed GETs; the rules are in `kvfa
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import socket
@@ -55,6 +56,8 @@ from kvfabric.proto.dataplane import (
     UnpinReply,
     dataplane_decoder,
 )
+
+_log = logging.getLogger("kvfabric.dataplane.tcp")
 
 # How often the watchdog checks deadlines: a connection outlives its deadline by at most this.
 WATCHDOG_TICK_S: Final = 0.05
@@ -132,6 +135,7 @@ class TcpDataServer:
         self._stopping = threading.Event()
         self.rejected_busy = 0
         self._staging: StagingFiles | None = None  # staged puts (made on first use)
+        self._internal_logged_at = -math.inf  # `_log_internal`
 
     @property
     def limits(self) -> ConnectionLimits:
@@ -153,6 +157,14 @@ class TcpDataServer:
         self.counters[name] = self.counters.get(name, 0) + 1
         if self._count_fn is not None:
             self._count_fn(f"dataplane_tcp_{name}")
+
+    def _log_internal(self, exc: Exception) -> None:
+        """A request that raised what no handler expects: its traceback, at most once a minute
+        (a peer able to trigger it must not flood the log)."""
+        now = time.monotonic()
+        if now - self._internal_logged_at >= 60.0:
+            self._internal_logged_at = now
+            _log.error("dataplane_internal_error", exc_info=exc)
 
     def start(self) -> None:
         for target, name in ((self._accept_loop, "kvf-tcp-accept"), (self._watchdog, "kvf-tcp-watchdog")):
@@ -214,6 +226,9 @@ class TcpDataServer:
             refusal: KvfError | None = None
             limits = self.gate.limits
             with self._lock:
+                if self._stopping.is_set():  # accepted as `stop` began: it shut the others already
+                    sock.close()
+                    return
                 conn = new_connection_id()
                 for victim in self.gate.open(conn, source):
                     self._expire_locked(victim)  # the oldest unauthenticated ones make room
@@ -332,6 +347,14 @@ class TcpDataServer:
         except KvfError as err:  # malformed framing: answer once, then drop the connection
             with contextlib.suppress(OSError):
                 send_all(sock, encode_frame(Op.ERROR, 0, error_reply_from(err)))
+        except (
+            Exception
+        ) as exc:  # a defect: answered `internal` (typed), counted, logged at most once a minute
+            self._count("internal_errors_total")
+            self._log_internal(exc)
+            with contextlib.suppress(OSError):
+                reply = error_reply_from(KvfError(f"internal error: {type(exc).__name__}"))
+                send_all(sock, encode_frame(Op.ERROR, 0, reply))
         finally:
             self.backend.close_connection(conn)
             if self._staging is not None:
