@@ -660,6 +660,31 @@ def test_the_key_space_names_what_makes_the_kv(engine_config: Any, monkeypatch: 
     assert _pinned_revision("a" * 40) == "a" * 40
 
 
+def test_hosts_whose_cpu_attention_lays_blocks_out_apart_do_not_share_keys(
+    engine_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's CPU attention writes bf16 blocks in AMX tiles where the host has AMX ("amx") and
+    plainly where it has not ("vec"); both hosts report capability AVX512. The layout names the
+    ISA vLLM chose, so the two never read each other's bytes as their own (review, stop 66:
+    same keys, other bytes, a wrong hit saved on under the right keys)."""
+    import torch
+
+    from kvfabric.engines.vllm_connector import cpu_attention_isa, engine_spec
+
+    for amx, isa in ((True, "amx"), (False, "vec")):
+        with monkeypatch.context() as patched:
+            patched.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+            assert cpu_attention_isa(torch.bfloat16, 128, 64, "auto").endswith(f"-{isa}")
+    monkeypatch.setattr(engine_config.model_config, "dtype", torch.bfloat16)  # (the tiny model: float32)
+    assert engine_config.cache_config.block_size % 32 == 0
+    layouts = []
+    for amx in (True, False):
+        with monkeypatch.context() as patched:
+            patched.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+            layouts.append(engine_spec(engine_config, {}).layout.tensor_layout)
+    assert "-amx:" in layouts[0] and "-vec:" in layouts[1], layouts
+
+
 def worker_side(engine_config: Any, client: Any, caches: dict[str, Any]) -> Any:
     """A worker-side connector over `client` (a fake) and the KV cache tensors `caches`."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole

@@ -63,6 +63,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import platform
 import sys
 import threading
 import time
@@ -201,6 +202,24 @@ class _Request:
     saves_off: bool = False
 
 
+def cpu_attention_isa(dtype: object, block_size: int, head_size: int, kv_cache_dtype: str) -> str:
+    """How vLLM's CPU attention lays KV out in its blocks on this host, for the key's layout: the
+    machine, torch's capability and the ISA vLLM's attention chose (`_get_attn_isa`, as its CPU
+    backend calls it). "amx" packs K and V in tiles, "vec" does not, and hosts with and without
+    AMX both report capability AVX512: they shared keys over different bytes, and a hit loaded
+    the other's layout as its own (review, stop 66). If vLLM's choice cannot be asked (another
+    version), torch's AMX support stands in for it, spelled apart so it never meets a choice."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        chosen = str(_get_attn_isa(dtype, block_size, head_size, kv_cache_dtype))
+    except Exception:  # any failure: the stand-in below, never a wrong key
+        is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+        chosen = "amx-tiles?" if callable(is_amx) and is_amx() else "no-amx?"
+    return f"{platform.machine()}-{capability}-{chosen}"
+
+
 def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     """The key space of this vLLM instance: model, weights, dtype, attention config, layout."""
     import vllm
@@ -229,7 +248,11 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     layers = model_config.get_num_layers(vllm_config.parallel_config)
     kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
     head_size = model_config.get_head_size()
-    isa = torch.backends.cpu.get_cpu_capability() if current_platform.is_cpu() else ""
+    isa = (
+        cpu_attention_isa(model_config.dtype, block_size, head_size, kv_dtype)
+        if current_platform.is_cpu()
+        else ""
+    )
     skipped = getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None) or []
     layout_text = extra.get("tensor_layout") or (
         f"vllm{vllm.__version__}:{current_platform.device_type}:{isa}:paged-blocks:bs{block_size}"
