@@ -310,7 +310,7 @@ class FakeSaveClient:
     def __init__(self, inflight_bytes: int) -> None:
         from kvfabric.client.save_memory import SaveMemoryRegistry
 
-        self.settings = SimpleNamespace(save_inflight_bytes_max=inflight_bytes)
+        self.settings = SimpleNamespace(save_inflight_bytes_max=inflight_bytes, load_timeout_ms=10_000)
         self.save_memory_registry = SaveMemoryRegistry()
         self.saves: list[tuple[list[list[memoryview]], concurrent.futures.Future[Any] | None]] = []
         self.drop = False
@@ -538,16 +538,25 @@ def test_a_request_whose_save_left_a_chunk_unstored_saves_no_more(engine_config:
 
 
 class FailingLoadClient(FakeSaveClient):
-    """`load` verifies `good` chunks of the hit, or raises when `good` is None."""
+    """`load` verifies `good` chunks of the hit (the rest failing with `cause`), or raises when
+    `good` is None; `loads` counts the calls."""
 
-    def __init__(self, good: int | None) -> None:
+    def __init__(self, good: int | None, cause: str = "checksum") -> None:
         super().__init__(inflight_bytes=0)
         self.good = good
+        self.cause = cause
+        self.loads = 0
 
     def load(self, hit: Hit, dests: list[Any], *, first_chunk: int = 0, **_: Any) -> Any:
+        from kvfabric.client.hits import LoadResult
+
+        self.loads += 1
         if self.good is None:
             raise ValueError("object size 4096 != destination size 8192")
-        return SimpleNamespace(tokens=(first_chunk + self.good) * BLOCK)
+        asked = len(hit.objects) - first_chunk
+        failed = tuple(range(first_chunk + self.good, len(hit.objects)))
+        cause = self.cause if self.good < asked else ""
+        return LoadResult((first_chunk + self.good) * BLOCK, self.good, 0, failed, cause)
 
 
 @pytest.mark.parametrize("good", [1, None])
@@ -591,6 +600,73 @@ def test_a_request_whose_load_failed_saves_nothing_past_it(engine_config: Any, g
     finally:
         client.saves.clear()
         connector.shutdown()
+
+
+def test_a_request_holding_a_failed_loads_blocks_saves_nothing_once_vllm_says_so(scheduler_side: Any) -> None:
+    """Async scheduling: S, sharing A's blocks through vLLM's prefix cache, was scheduled before
+    vLLM saw A's load fail; the step's output names A's unwritten blocks, and S saves nothing
+    more, whenever its next full block comes (review, stop 66: after the worker's two-step
+    window it was saved, computed partly over those blocks). Other requests save."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvfabric.engines.vllm_connector import KvfabricMetadata, _Request
+
+    connector = scheduler_side(0)
+    tokens = list(range(4 * BLOCK))
+    connector._requests["S"] = _Request(tokens, [100, 101, 102, 300], 0)
+    connector._requests["T"] = _Request(tokens, [200, 201], 0)
+    connector.update_connector_output(KVConnectorOutput())  # nothing failed: nothing changes
+    assert not connector._requests["S"].saves_off
+    connector.update_connector_output(KVConnectorOutput(invalid_block_ids={101, 102}))
+    assert connector._requests["S"].saves_off and not connector._requests["T"].saves_off
+    meta = KvfabricMetadata()
+    for req_id in ("S", "T"):
+        connector._plan_save(meta, req_id, connector._requests[req_id], 4 * BLOCK)
+    assert [save.req_id for save in meta.saves] == ["T"]
+
+
+@pytest.mark.parametrize("cause", ["timeout", "slow"])
+def test_a_steps_loads_share_one_timeout(
+    engine_config: Any, monkeypatch: pytest.MonkeyPatch, cause: str
+) -> None:
+    """After a load that timed out (a segment frozen after granting its leases), or once the
+    step has spent a load's timeout, the step's other loads are not tried: recomputed, their
+    requests cut, counted. Each had its own 10 s before, one after another, while every running
+    request's decode waited (review, stop 66)."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.engines import vllm_connector
+    from kvfabric.engines.vllm_connector import KvfabricConnector, KvfabricMetadata, LoadSpec
+
+    connector = KvfabricConnector(engine_config, KVConnectorRole.WORKER, kv_cache_config=None)
+    connector.client.close()
+    layers = [torch.zeros(16, 64, dtype=torch.float32) for _ in range(2)]
+    client = FailingLoadClient(0, cause="timeout") if cause == "timeout" else FailingLoadClient(2)
+    connector.client = client  # type: ignore[assignment]
+    connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
+    clock = iter([0.0, 0.0, 4.0, 8.0, 12.0, 12.0])  # "slow": each load takes 4 of the 10 s
+    if cause == "slow":
+        monkeypatch.setattr(vllm_connector, "_step_clock", lambda: next(clock))
+    hit = Hit(2 * BLOCK, BLOCK, (), (), objects=((),) * 2)
+    loads = [LoadSpec(f"r{n}", hit, 0, [2 * n + 1, 2 * n + 2]) for n in range(5)]
+    try:
+        connector.bind_connector_metadata(KvfabricMetadata(loads=loads))
+        connector.start_load_kv(None)
+        connector.clear_connector_metadata()
+        errors = connector.get_block_ids_with_load_errors()
+    finally:
+        connector.shutdown()
+    tried = 1 if cause == "timeout" else 3  # slow: tried at 0, 4 and 8 s; at 12 s over budget
+    assert client.loads == tried
+    assert errors == ({1, 2} if cause == "timeout" else set()) | {
+        b for load in loads[tried:] for b in load.block_ids
+    }
+    skipped = client.metrics.registry.get_sample_value(
+        "kvfabric_client_fallbacks_total", {"cause": "vllm_step_load_budget"}
+    )
+    assert skipped == 5 - tried
+    assert set(connector._cut) >= {load.req_id for load in loads[tried:]}
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["KvfabricConnector", "KvfabricMetadata"]
@@ -116,6 +117,9 @@ CAUSE_BLOCK_MISMATCH: Final = "vllm_block_mismatch"  # block list shorter than t
 CAUSE_NO_KV_CACHES: Final = "vllm_no_kv_caches"  # worker found no KV cache tensors: recompute
 CAUSE_CONFIG_ERROR: Final = "config_error"  # the connector's settings could not be read: no cache
 CAUSE_LOAD_ERROR: Final = "vllm_load_error"  # the load raised (a bug, a size mismatch): recompute
+# a load not tried: one before it in the step timed out, or the step spent a load's timeout
+CAUSE_STEP_LOADS_OVER_BUDGET: Final = "vllm_step_load_budget"
+_step_clock = time.monotonic  # the step's load budget's clock (a test's own)
 # `kvfabric_client_saves_dropped_total` cause: a request whose load failed (or was never planned)
 # saves nothing more: its later chunks were computed over blocks nobody wrote. So does a request
 # whose saved chunks attended over another request's failed blocks (a prefix shared through
@@ -575,6 +579,23 @@ class KvfabricConnector(KVConnectorBase_V1):
             self._plan_save(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return meta
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The blocks a step's loads left unwritten (`invalid_block_ids`): every request whose
+        blocks include one saves nothing more. A request sharing them through vLLM's prefix cache
+        that was scheduled before vLLM saw the failure (async scheduling) may save a block it
+        computed partly over them after the worker's two-step window (review, stop 66: not
+        reachable on CPU, where vLLM turns async scheduling off, and cheap to close here)."""
+        invalid = connector_output.invalid_block_ids
+        if not invalid:
+            return
+        for req_id, state in self._requests.items():
+            if not state.saves_off and not invalid.isdisjoint(state.block_ids):
+                state.saves_off = True
+                self.client.metrics.saves_dropped.labels(LOAD_FAILED).inc()
+                log.info(
+                    "kvfabric: request %s: its blocks include a failed load's: saves nothing more", req_id
+                )
+
     def _carry_over(self, old: _Request, state: _Request) -> None:
         """A request scheduled as new again (vLLM's V2 model runner folds a resumed request into
         the new ones; a streaming-input session's next chunk): what its first state knew is
@@ -725,12 +746,26 @@ class KvfabricConnector(KVConnectorBase_V1):
             )
             self._report_load_errors([b for load in meta.loads for b in load.block_ids])
             return
+        # One budget for the step's loads, not one each: a segment frozen after granting leases
+        # made each of K loads wait its whole timeout, one after another, while every running
+        # request's decode waited (review, stop 66: K x 10 s). After a load that timed out, or
+        # once the step has spent a load's timeout, the rest are recomputed, never tried.
+        budget_s = self.client.settings.load_timeout_ms / 1000
+        started = _step_clock()
+        timed_out = False
         for load in meta.loads:
+            if timed_out or _step_clock() - started >= budget_s:
+                timed_out = True
+                self.client.metrics.fallbacks.labels(CAUSE_STEP_LOADS_OVER_BUDGET).inc()
+                self._report_load_errors(load.block_ids)
+                self._cut_request(load.req_id, LOAD_FAILED)
+                continue
             try:
                 dests = [[self._block_views(b)] for b in load.block_ids]
                 dest_ids = [[("vllm-block", b)] for b in load.block_ids]
                 result = self.client.load(load.hit, dests, first_chunk=load.first_chunk, dest_ids=dest_ids)
                 good = result.tokens // self.block_size - load.first_chunk
+                timed_out = result.cause == "timeout"
             except Exception as exc:  # never an error in vLLM's step: its blocks are recomputed
                 self.client.metrics.fallbacks.labels(CAUSE_LOAD_ERROR).inc()
                 log.error("kvfabric: request %s: load raised %r: recomputed", load.req_id, exc)
