@@ -97,6 +97,24 @@ def test_the_file_is_opened_by_the_segments_name_of_its_folder(
     assert opened == [str(arena / name)] * 2
 
 
+def test_the_folder_as_the_segment_names_it_is_the_arenas_too(
+    tree: tuple[Path, Path, str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer names the folder as the segment's `arena_path` does (its dirname): with `..`
+    in it, or none at all (an arena path relative to the working folder), it is still the
+    arena's (review of the change: refused, the writer silently fell back to sending bytes)."""
+    arena, _, name, nonce = tree
+    with_dots = f"{arena}/sub/.."
+    files = StagingFiles(with_dots)
+    held = files._open(StagedBytes(path=f"{with_dots}/{name}", nonce=nonce, offset=STAGING_HEADER_BYTES))
+    os.close(held.fd)
+    monkeypatch.chdir(arena)
+    here = StagingFiles(os.path.dirname("kvf-arena-1"))  # ""
+    held = here._open(StagedBytes(path=os.path.join("", name), nonce=nonce, offset=STAGING_HEADER_BYTES))
+    assert os.readlink(f"/proc/self/fd/{held.fd}") == str(arena / name)
+    os.close(held.fd)
+
+
 def test_a_request_that_raises_unexpectedly_is_answered_internal_and_the_connection_closed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -237,7 +237,9 @@ class StagingFiles:
         # compared as a string, never resolved (resolving it walked the peer's own folders, a
         # FUSE mount's lookup could hang the thread, and a symlink swapped between the check and
         # the open escaped the arena's folder: review, stop 66).
-        self._folders = {os.path.normpath(directory), self.directory}
+        # (as given: the writer names it as the segment's `arena_path` does, "" for ".", ".."
+        # kept; normalized; resolved)
+        self._folders = {directory, os.path.normpath(directory), self.directory}
         # conn -> its open files by path, least recently used first (at most FILES_PER_CONNECTION_MAX)
         self._files: dict[int, OrderedDict[str, _Held]] = {}
         self._mappings: dict[tuple[int, int, bytes], _Mapping] = {}

@@ -299,6 +299,7 @@ class TcpDataServer:
         limits = self.gate.limits
         authenticated = self.authenticate is None
         header_buf = memoryview(bytearray(HEADER.size))
+        request_id = 0
         try:
             while True:
                 if authenticated:
@@ -310,6 +311,7 @@ class TcpDataServer:
                     self._deadline(conn, limits.frame_timeout_ms, "frame_timeout")
                 recv_exact(sock, header_buf[got:])
                 header = unpack_header(header_buf)
+                request_id = header.request_id  # (the request an unexpected failure answers)
                 if not authenticated and header.meta_bytes > UNAUTHENTICATED_META_BYTES_MAX:
                     raise _Close(
                         BadRequest(
@@ -347,14 +349,15 @@ class TcpDataServer:
         except KvfError as err:  # malformed framing: answer once, then drop the connection
             with contextlib.suppress(OSError):
                 send_all(sock, encode_frame(Op.ERROR, 0, error_reply_from(err)))
-        except (
-            Exception
-        ) as exc:  # a defect: answered `internal` (typed), counted, logged at most once a minute
-            self._count("internal_errors_total")
+        except Exception as exc:
+            # A defect: answered `internal` (typed) for the request that raised it, counted,
+            # logged at most once a minute; the connection closed.
+            with self._lock:
+                self._count("internal_errors_total")
             self._log_internal(exc)
             with contextlib.suppress(OSError):
                 reply = error_reply_from(KvfError(f"internal error: {type(exc).__name__}"))
-                send_all(sock, encode_frame(Op.ERROR, 0, reply))
+                send_all(sock, encode_frame(Op.ERROR, request_id, reply))
         finally:
             self.backend.close_connection(conn)
             if self._staging is not None:
