@@ -5,7 +5,7 @@ record until the sweep reaches its group, and counting it let prefetch drop the 
 
 from __future__ import annotations
 
-from kvfabric.core.directory import DirectoryCore
+from kvfabric.core.directory import DirectoryCore, EmitEvent
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from tests.unit.core.dirkit import groups, key, new_core, put, register
@@ -115,6 +115,15 @@ def test_a_cold_extra_is_not_dropped_when_the_object_would_go_below_its_target()
     assert _drop_cold(core, ka, spare[ka])  # still an extra: both originals healthy
     drained = sorted(placed[kb])[0]
     core.handle(m.Heartbeat(segment_id=drained, incarnation=1, used_bytes=0, draining=True), 2)
-    assert not _drop_cold(core, kb, spare[kb])  # one original draining: no extra any more
+    refused = core.handle(
+        m.ReplicaCorrupt(
+            segment_id=spare[kb], incarnation=1, key=kb, slot=900, slot_generation=1, reason="cold_extra"
+        ),
+        2,
+    )
+    assert isinstance(refused.reply, m.ReplicaCorruptReply) and not refused.reply.dropped  # no extra any more
+    # published again with it: the eviction policy's pools count the replica it now is
+    (event,) = [e.event for e in refused.effects if isinstance(e, EmitEvent)]
+    assert isinstance(event, m.GroupPublished) and spare[kb] in {p.segment_id for p in event.placements}
     assert core.counters["drop_refused_below_target_total"] == 1
     core.check_invariants()

@@ -31,8 +31,10 @@ them once its leases lapse. Adding or removing a member moves only the shards it
     ACQUIRING --on_acquire_failed(now)--> IDLE, retry_at = now + renew_every_ms
     LEADING --tick: renew_at_ms reached (written_sent_ms + renew_every_ms), no Renew in flight-->
         LEADING [Renew]
-    LEADING --on_renewed(sent_ms)--> LEADING, deadline moves to sent_ms + ttl - margin (then the
-        deadline check below, against the answer's now_ms)
+    LEADING --on_renewed(sent_ms, now), now before the deadline--> LEADING, deadline moves to
+        sent_ms + ttl - margin (then the deadline check below, against the answer's now_ms)
+    LEADING --on_renewed(sent_ms, now), now at or past the deadline--> RELEASING
+        [StopLeading "lease_expired", Release(the renewed revision)] (as a tick seeing the time first)
     LEADING --on_renew_unanswered(now)--> LEADING, deadline unchanged, renew_at = now +
         renew_retry_ms (timed out, no responders, no stream leader: the KV may be electing one)
     LEADING --on_renew_failed(now)--> IDLE [StopLeading "renew_failed"], retry after renew_every_ms
@@ -58,11 +60,12 @@ update proves the key stayed ours since the previous write (an expired or re-cre
 still, the term ended at its deadline on this instance's clock whichever event sees that time
 first: a renewal read after it stops the term as a tick would (`on_renewed` with its `now_ms`),
 since the host may have abandoned the shard in that gap (review, stop 65: resumed, the shard
-stayed led and unserved). Without `now_ms`, as of the latest event. An answer can arrive long after its send (a GC pause,
-a stalled loop): the shell passes `now_ms` (when the answer reached it) to `on_acquired` and
-`on_renewed`, so that a create whose term already ended while its answer waited does not start
-a term. Its key lapsed meanwhile and another instance may lead with a greater epoch: starting
-the stale term would hand the shell an epoch lower than one already in use.
+stayed led and unserved). Without `now_ms`, as of the latest event. An answer can arrive
+long after its send (a GC pause, a stalled loop): the shell passes `now_ms` (when the answer
+reached it) to `on_acquired` and `on_renewed`, so that a create whose term already ended while
+its answer waited does not start a term. Its key lapsed meanwhile and another instance may lead
+with a greater epoch: starting the stale term would hand the shell an epoch lower than one
+already in use.
 
 A renewal without an answer (`on_renew_unanswered`: a timeout, no responders, the KV's stream
 electing a leader) leaves the deadline where the last *successful* write put it and asks again

@@ -42,7 +42,8 @@
   half again the directory's work per lookup).
 - Every `scan_ms` `list_segments` of every shard, merged, gives free bytes, and extra replicas
   gone cold are dropped through the directory (`replica_corrupt` to the shard of the key, reason
-  `cold_extra`, refused for a last replica).
+  `cold_extra`, refused for a last live replica, or when the object would go below its
+  replica target: it then stays, an ordinary replica, forgotten here).
 """
 
 from __future__ import annotations

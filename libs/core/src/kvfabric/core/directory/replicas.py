@@ -353,9 +353,11 @@ class ReplicaTable:
             if req.reason == "cold_extra" and self._healthy_segments(left) < ctx.config.replicas_default:
                 # the extra is no extra any more: a replica of the object was lost since it was
                 # made (review, stop 65: dropped, the object went below target, repair copied it
-                # again). It stays, an ordinary replica now.
+                # again). It stays, an ordinary replica now: published again with it (the copy's
+                # confirm published nothing), so the eviction policy's pools count it.
                 ctx.count("drop_refused_below_target_total")
-                return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False))
+                effects.append(self.published.republished(gid, group))
+                return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False), effects)
             if req.reason == "demoted" and self.published.held(gid):
                 # a reader leased it with a lookup that may name only this replica: not under it
                 ctx.count("demote_drop_refused_leased_total")
