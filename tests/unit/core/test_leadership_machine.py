@@ -269,6 +269,30 @@ class LeadershipMachine(RuleBasedStateMachine):
         self.safe()
         self._answer(op)
 
+    @precondition(
+        lambda self: any(op.kind == "update" and not op.landed and self._current(op) for op in self.ops)
+    )
+    @rule(pick=st.integers(0, 1_000), past_ms=st.sampled_from([0, 1, 400]))
+    def renewal_read_past_its_deadline(self, pick: int, past_ms: int) -> None:
+        """A renewal lands, and its answer is read at or past the term's deadline on the
+        instance's own clock with no tick between: the term ends then, as a tick would have ended
+        it (a resumed one could leave a shard led whose start the host had given up; review,
+        stop 65), and the key is handed back."""
+        renewals = [op for op in self.ops if op.kind == "update" and not op.landed and self._current(op)]
+        op = renewals[pick % len(renewals)]
+        self._land(op)
+        if op not in self.ops:
+            return
+        core = self._core(op.slot)
+        deadline = core.deadline_ms(op.shard)
+        if deadline is None:  # (stopped already: draining, its answer still awaited)
+            return
+        while self._t(op.slot) < deadline + past_ms:
+            self.now += 50
+        self.safe()
+        self._answer(op)
+        assert core.epoch(op.shard) is None, "a term resumed by a renewal read past its deadline"
+
     @rule(slot=st.integers(0, SLOTS - 1), duration=st.sampled_from([1_000, 2_600, 3_500, 5_000]))
     def pause(self, slot: int, duration: int) -> None:
         """One instance stalls (GC pause, partition) while the others run normally, ticking every
