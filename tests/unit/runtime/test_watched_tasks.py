@@ -57,13 +57,13 @@ def test_a_watched_tasks_failure_keeps_the_grace_for_requests_in_flight() -> Non
     async def main(invariant_broken: bool) -> bool:
         runtime = ServiceRuntime(
             Service.ECHO,
-            RuntimeSettings(metrics_port=-1, shutdown_grace_ms=2_000),
+            RuntimeSettings(metrics_port=-1, shutdown_grace_ms=10_000),
             version="0.0.1",
             description="t",
         )
 
-        async def handler() -> None:
-            await asyncio.sleep(0.1)
+        async def handler() -> None:  # still running when the stop comes, on a loaded machine too
+            await asyncio.sleep(1.0)
 
         async def broken() -> None:
             raise ValueError("a bug in a loop")
