@@ -145,6 +145,41 @@ def test_engine_spec_names_tenant_revision_dtype_and_page_format() -> None:
     assert len({root(base), *(root(s) for s in others)}) == 1 + len(others)
 
 
+def test_what_changes_the_kv_but_not_the_pool_is_in_the_key() -> None:
+    """An fp8 KV cache lives in a uint8 pool whatever its format: e4m3 and e5m2 pages looked alike
+    and shared keys (review, stop 66), so such a pool needs the KV cache dtype (SGLang's server
+    args, else the extra config) or it is refused. Weights quantized at load, config overrides
+    and a pipeline stage's first layer change the key too; an unquantized pool's key is as
+    before."""
+    fp8 = replace(POOL, dtype="uint8", region_bytes=(8192, 8192))
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        engine_spec(WHO, fp8, EXTRA, DEFAULTS)
+    e4m3 = engine_spec(replace(WHO, kv_cache_dtype="fp8_e4m3", model_dtype="bfloat16"), fp8, EXTRA, DEFAULTS)
+    assert e4m3.model.kv_dtype == "fp8_e4m3/bfloat16"
+    assert (
+        engine_spec(WHO, fp8, {**EXTRA, "kv_cache_dtype": "fp8_e4m3"}, DEFAULTS).model.kv_dtype
+        == "fp8_e4m3/?"
+    )
+    others = [
+        engine_spec(replace(WHO, kv_cache_dtype="fp8_e5m2", model_dtype="bfloat16"), fp8, EXTRA, DEFAULTS),
+        engine_spec(replace(WHO, kv_cache_dtype="fp8_e4m3", model_dtype="float16"), fp8, EXTRA, DEFAULTS),
+    ]
+    assert len({e4m3.model, *(o.model for o in others)}) == 3
+    base = spec_for()
+    assert (
+        engine_spec(replace(WHO, kv_cache_dtype="auto", model_dtype="float32"), POOL, EXTRA, DEFAULTS) == base
+    )
+    quantized = engine_spec(replace(WHO, quantization="fp8"), POOL, EXTRA, DEFAULTS)
+    assert quantized.model.weights_revision == "rev-a+q:fp8"
+    overridden = engine_spec(replace(WHO, model_overrides='{"rope_theta": 5e5}'), POOL, EXTRA, DEFAULTS)
+    assert overridden.model.attn_config_digest != base.model.attn_config_digest
+    assert engine_spec(replace(WHO, model_overrides="{}"), POOL, EXTRA, DEFAULTS) == base
+    stage = engine_spec(replace(WHO, pp_rank=1, pp_size=3), replace(POOL, start_layer=2), EXTRA, DEFAULTS)
+    later = engine_spec(replace(WHO, pp_rank=1, pp_size=3), replace(POOL, start_layer=6), EXTRA, DEFAULTS)
+    assert stage.layout.tensor_layout != later.layout.tensor_layout
+    assert "@" not in base.layout.tensor_layout  # a first stage's (or no pipeline's) key as before
+
+
 def test_mla_pages_are_shared_by_every_tp_rank() -> None:
     mla = StorageIdentity(tp_rank=3, tp_size=4, pp_rank=0, pp_size=1, is_mla_model=True, model_name="m")
     spec = engine_spec(mla, POOL, EXTRA, DEFAULTS)

@@ -52,6 +52,7 @@ can also come from `KVF_CLIENT_*`. SGLang's own keys (`backend_name`, `module_pa
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import threading
 import time
@@ -123,7 +124,26 @@ def pool_geometry(pool: HostKVCache) -> PoolGeometry:
         dtype=str(pool.dtype).removeprefix("torch."),
         region_bytes=tuple(int(s) for s in sizes),
         sglang_version=_sglang_version(),
+        start_layer=int(getattr(getattr(pool, "device_pool", pool), "start_layer", 0) or 0),
     )
+
+
+def _server_args_keyed() -> dict[str, str]:
+    """The server args that change the KV without changing the host pool's format
+    (`StorageIdentity`): empty where SGLang cannot say (another version, no server args yet)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+    except Exception:  # any failure: what the extra config says, else refused
+        return {}
+    overrides = getattr(args, "json_model_override_args", "") or ""
+    return {
+        "kv_cache_dtype": str(getattr(args, "kv_cache_dtype", "") or ""),
+        "model_dtype": str(getattr(args, "dtype", "") or ""),
+        "quantization": str(getattr(args, "quantization", "") or ""),
+        "model_overrides": overrides if isinstance(overrides, str) else json.dumps(overrides, sort_keys=True),
+    }
 
 
 class _PageViews:
@@ -252,6 +272,7 @@ class KvfabricStorage(HiCacheStorage):
                 attn_cp_size=getattr(cfg, "attn_cp_size", 1) or 1,
                 dcp_size=getattr(cfg, "dcp_size", 1) or 1,
                 should_split_heads=bool(getattr(cfg, "should_split_heads", False)),
+                **_server_args_keyed(),
             )
             self.spec = engine_spec(who, self.geometry, self.extra, settings)
         except Exception as exc:  # a pool or setting it cannot use: SGLang still starts, uncached

@@ -202,6 +202,13 @@ class StorageIdentity:
     attn_cp_size: int = 1
     dcp_size: int = 1
     should_split_heads: bool = False
+    # SGLang's server args that change the KV but not the host pool's format: the KV cache dtype
+    # (fp8_e4m3 and fp8_e5m2 both live in a uint8 pool), the model's dtype, weights quantized at
+    # load, config overrides ("" / "auto": none or unknown; review, stop 66)
+    kv_cache_dtype: str = ""
+    model_dtype: str = ""
+    quantization: str = ""
+    model_overrides: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +224,7 @@ class PoolGeometry:
     dtype: str
     region_bytes: tuple[int, ...]  # one page's regions (get_page_buffer_meta order), bytes each
     sglang_version: str
+    start_layer: int = 0  # the first model layer the pool holds (a pipeline stage's)
 
     @property
     def page_bytes(self) -> int:
@@ -226,8 +234,8 @@ class PoolGeometry:
         regions = f"{len(self.region_bytes)}x{self.region_bytes[0]}" if self.region_bytes else "0"
         return (
             f"sglang{self.sglang_version}:hicache:{self.pool_kind}:{self.layout}:page{self.page_size}"
-            f":L{self.layer_num}:kvh{self.head_num}:hd{self.head_dim}:{self.dtype}:regions{regions}"
-            f":pagekey-blake2b256"
+            f":L{self.layer_num}{f'@{self.start_layer}' if self.start_layer else ''}"
+            f":kvh{self.head_num}:hd{self.head_dim}:{self.dtype}:regions{regions}:pagekey-blake2b256"
         )[:1000]
 
 
@@ -267,11 +275,24 @@ def engine_spec(
             attn = attn_config_digest(json.load(f))
     if not attn:  # the weights revision names the model; the geometry is what the pages show
         attn = digest_config({"layers": pool.layer_num, "kv_heads": pool.head_num, "head_dim": pool.head_dim})
+    if who.model_overrides and who.model_overrides not in ("{}", "null"):  # config overridden at start
+        attn = digest_config({"config": attn, "overrides": who.model_overrides})
+    if who.quantization:  # quantized at load (fp8 of bf16 files, say): other weights, other KV
+        revision = f"{revision}+q:{who.quantization}"
+    kv_dtype = pool.dtype
+    kv_cache_dtype = str(extra.get("kv_cache_dtype") or who.kv_cache_dtype or "")
+    if kv_cache_dtype not in ("", "auto"):  # what the pool's bytes mean, and what made them
+        kv_dtype = f"{kv_cache_dtype}/{who.model_dtype or '?'}"
+    elif pool.dtype in ("uint8", "int8"):
+        raise ValueError(
+            "kvfabric: the host pool stores its KV as bytes (an fp8 KV cache): set kv_cache_dtype in"
+            " the extra config (SGLang's --kv-cache-dtype); e4m3 and e5m2 pages look alike"
+        )
     replicated = who.is_mla_model
     fingerprint = ModelFingerprint(
         model_id=str(extra.get("model_id") or who.model_name or model_path)[:200],
         weights_revision=revision[:200],
-        kv_dtype=pool.dtype,
+        kv_dtype=kv_dtype[:64],
         attn_config_digest=attn,
     )
     layout = KVLayout(
