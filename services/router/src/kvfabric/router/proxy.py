@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -41,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import httpx
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -66,6 +66,20 @@ TRACE_HEADER: Final = "x-kvf-trace-id"
 TRACE_CHARS_MAX: Final = 128
 BODY_BYTES_MAX: Final = 16 << 20
 BODY_READ_TIMEOUT_S: Final = 30.0  # a request's whole body (16 MiB at ~0.5 MB/s); later: 408
+
+
+class _RoutedFields(msgspec.Struct):
+    """What routing reads of a completion's body; the engine gets the body as it came. `stream`
+    must be a JSON boolean: the string "false", which vLLM reads as false, made the router treat
+    a whole generation as a stream's first token and fail it over (review, stop 66)."""
+
+    prompt: msgspec.Raw = msgspec.Raw()  # as sent (empty: absent)
+    messages: msgspec.Raw = msgspec.Raw()
+    stream: bool | None = None
+
+
+_routed_fields: Final = msgspec.json.Decoder(_RoutedFields)
+_token_ids: Final = msgspec.json.Decoder(list[int])
 KEYED_TOKENS_MAX: Final = 1 << 17  # a prompt's tokens the router keys and checks (`_keys`)
 MODELS_INFLIGHT_MAX: Final = 4  # /v1/models calls relayed at once; more get 429
 MODELS_BYTES_MAX: Final = 1 << 20  # an engine's /v1/models answer; a longer one is a 502
@@ -239,22 +253,25 @@ class Proxy:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def _keys(self, body: dict[str, Any]) -> tuple[list[bytes], int]:
+    def _keys(self, body: _RoutedFields) -> tuple[list[bytes], int]:
         """The chunk keys of the prompt's first `KEYED_TOKENS_MAX` tokens (what the index can
         tell about a longer one is its prefix's: 1.5 M tokens cost ~0.14 s of the loop to check
-        and key; review, 2026-12-06), and its token count."""
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt:
-            head = prompt[:KEYED_TOKENS_MAX]
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in head):
-                return [], max(1, len(json.dumps(prompt)) // 4)
-            ks = self.settings.keyspace
-            try:
-                return prompt_keys(ks.domain, ks.model, ks.layout, head), len(prompt)
-            except ValueError:
-                return [], len(prompt)
-        text = json.dumps(prompt if prompt is not None else body.get("messages", ""))
-        return [], max(1, len(text) // 4)
+        and key; review, 2026-12-06), and its token count. A prompt that is no list of token ids
+        (text, several prompts, chat messages) is keyed by nothing and counted by its length."""
+        prompt = bytes(body.prompt if len(body.prompt) and bytes(body.prompt) != b"null" else body.messages)
+        if not prompt or prompt == b"null":
+            return [], 1
+        try:
+            ids = _token_ids.decode(prompt)
+        except msgspec.ValidationError:  # not token ids: estimated from its length
+            return [], max(1, len(prompt) // 4)
+        if not ids:
+            return [], 1
+        ks = self.settings.keyspace
+        try:
+            return prompt_keys(ks.domain, ks.model, ks.layout, ids[:KEYED_TOKENS_MAX]), len(ids)
+        except ValueError:
+            return [], len(ids)
 
     async def completions(self, request: Request) -> Response:
         received = time.monotonic()
@@ -284,11 +301,12 @@ class Proxy:
                 raw = await _body_within(request, BODY_BYTES_MAX)
             if raw is None:
                 return _error(413, "body too large", trace_id)
-            try:
-                body = json.loads(raw)
-                if not isinstance(body, dict):
-                    raise ValueError("not an object")
-            except ValueError as exc:
+            try:  # only what routing reads; the rest is skipped, never built (review, stop 66:
+                # `json.loads` of 16 MiB of nested junk held the loop 1.65 s and 415 MiB)
+                body = _routed_fields.decode(raw)
+            except msgspec.ValidationError as exc:
+                return _error(400, f"body: {exc}", trace_id)
+            except msgspec.DecodeError as exc:
                 return _error(400, f"body is not a JSON object: {exc}", trace_id)
             keys, prompt_tokens = self._keys(body)
         except TimeoutError:
@@ -303,7 +321,7 @@ class Proxy:
         # Not streamed, the first byte is the whole answer: its wait is the generation's, not a
         # first token's (a longer timeout; no failover after a read timeout: it would run the
         # whole generation again elsewhere; no TTFT observation).
-        streamed = bool(body.get("stream"))
+        streamed = body.stream is True
         # The refit's TTFT starts here: the client's upload and the parse are not what the cost
         # model estimates (a tenant uploading slowly pushed the shared coefficients to their
         # bounds; review, 2026-12-06).

@@ -30,6 +30,7 @@ from kvfabric.core.routing_index import RoutingIndex
 from kvfabric.core.step import reply_of
 from kvfabric.format.errors import BadRequest
 from kvfabric.proto import router as r
+from kvfabric.router.http_server import HEAD_BYTES_MAX, BoundedH11Protocol
 from kvfabric.router.index_follower import IndexFollower
 from kvfabric.router.kv_events import KvEventsFollower
 from kvfabric.router.metrics import RouterMetrics
@@ -133,6 +134,10 @@ class RouterShell:
             lifespan="off",
             access_log=False,
             limit_concurrency=2 * self.settings.routing.admitted_max + 64,
+            # each request head bounded in bytes and time: silent or slow sockets held those
+            # places for good, and httptools read heads of any size (`http_server`)
+            http=BoundedH11Protocol,
+            h11_max_incomplete_event_size=HEAD_BYTES_MAX,
         )
         self._server = _Server(config)
         self._http_task = asyncio.create_task(self._server.serve(sockets=[self._sock]), name="router-http")
