@@ -144,6 +144,51 @@ def test_an_answer_broken_after_the_first_byte_is_not_ended_as_whole() -> None:
     assert proxy.core.in_flight == 0 and response.closed == 1
 
 
+def test_a_client_that_stops_reading_is_cut_and_its_request_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that takes no part of the answer for `SEND_STALL_S` is cut (`client_stalled`):
+    its admission slot and the engine's queue place come back (review, stop 66: two streams
+    nobody read answered every other tenant 503 `queues_full` for as long as the client lived)."""
+    monkeypatch.setattr(proxy_module, "SEND_STALL_S", 0.2)
+    proxy = _proxy()
+    response = FakeResponse()
+
+    async def endless() -> AsyncIterator[bytes]:
+        while True:
+            yield b"data: token\n\n"
+            await asyncio.sleep(0)
+
+    async def opened(*args: Any) -> Any:
+        return proxy_module._Upstream(response, endless(), b"data: first\n\n")  # type: ignore[arg-type]
+
+    proxy._open = opened  # type: ignore[method-assign,assignment]
+    messages = [{"type": "http.request", "body": BODY, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if len(sent) >= 3:  # the client stops reading after the first chunks
+            await asyncio.sleep(3600)
+
+    async def run() -> None:
+        await proxy.driver.feed(routing_events.Health("e1", True))
+        await asyncio.wait_for(proxy.app(asgi_scope(), receive, send), 10)  # type: ignore[arg-type]
+
+    asyncio.run(run())
+    assert proxy.core.in_flight == 0 and response.closed == 1
+    assert not any(m["type"] == "http.response.body" and not m.get("more_body", False) for m in sent)
+    done = proxy.registry.get_sample_value(
+        "kvfabric_router_http_requests_total", {"instance": "e1", "outcome": "client_stalled"}
+    )
+    assert done == 1
+
+
 def test_the_route_query_keys_only_a_prompts_head(monkeypatch: pytest.MonkeyPatch) -> None:
     proxy = _proxy()
     keyed: list[int] = []

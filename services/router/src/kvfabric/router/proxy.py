@@ -66,6 +66,10 @@ TRACE_HEADER: Final = "x-kvf-trace-id"
 TRACE_CHARS_MAX: Final = 128
 BODY_BYTES_MAX: Final = 16 << 20
 BODY_READ_TIMEOUT_S: Final = 30.0  # a request's whole body (16 MiB at ~0.5 MB/s); later: 408
+# A client that takes no part of the answer for this long is cut (`client_stalled`): a reader
+# that stopped reading held its admission slot and an engine's queue place for good (review,
+# stop 66: two such streams of one tenant answered every other tenant 503 `queues_full`).
+SEND_STALL_S: Final = 30.0
 
 
 class _RoutedFields(msgspec.Struct):
@@ -409,9 +413,14 @@ class Proxy:
         return _RelayResponse(
             self._relay(upstream, relayed, log),
             functools.partial(self._end_relay, upstream, relayed, log),
+            functools.partial(self._stalled, relayed, log),
             status_code=upstream.response.status_code,
             headers=headers,
         )
+
+    def _stalled(self, relayed: _Relayed, log: Any) -> None:
+        relayed.outcome = "client_stalled"
+        log.info("client_stalled", instance=relayed.iid, stall_s=SEND_STALL_S)
 
     async def _open_while_connected(
         self, request: Request, iid: str, raw: bytes, trace_id: str, streamed: bool
@@ -543,21 +552,37 @@ class _RelayResponse(StreamingResponse):
     connection stayed open and the request's admission slot (and its tenant's) taken for the
     router's life (review, 2026-12-05)."""
 
-    def __init__(self, body: AsyncIterator[bytes], on_end: Any, *, status_code: int, headers: Any) -> None:
+    def __init__(
+        self, body: AsyncIterator[bytes], on_end: Any, on_stall: Any, *, status_code: int, headers: Any
+    ) -> None:
         super().__init__(body, status_code=status_code, headers=headers)
         self._on_end = on_end
+        self._on_stall = on_stall
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def send_or_stall(message: Any) -> None:  # a client that stopped reading is cut
+            try:
+                async with asyncio.timeout(SEND_STALL_S):
+                    await send(message)
+            except TimeoutError:
+                raise _ClientStalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_stall)
         except _BrokenAfterFirstByte:
             pass  # left unfinished: the server closes the connection without the body's end
+        except _ClientStalled:
+            self._on_stall()  # left unfinished too
         finally:
             await self._on_end()
 
 
 class _BrokenAfterFirstByte(Exception):
     """The engine's answer broke after the first byte was relayed (logged in `_relay`)."""
+
+
+class _ClientStalled(Exception):
+    """The client took no part of the answer for `SEND_STALL_S`."""
 
 
 async def _disconnected(request: Request) -> None:
