@@ -305,3 +305,34 @@ def test_a_save_that_raises_is_not_saved_and_a_save_carries_its_trace_id(model_d
     finally:
         Client.registry.close()
         real_client.close()
+
+
+def test_a_cache_that_keeps_part_of_the_prompt_is_not_saved(model_dir: Path) -> None:
+    """A sliding-window layer keeps the last tokens only: chunk 0 cut from it by position held
+    other tokens' KV, saved under chunk 0's key (review, stop 66). Such a cache is not saved
+    (logged); the model's own full cache is."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    from kvfabric.engines.hf import _cache_layers
+
+    model = load_model(model_dir)
+    ids = prompt_ids(3 * TPC + 5, seed=11)
+    full = model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+    assert len(_cache_layers(full)) == len(full.layers)
+    sliding = DynamicCache()
+    sliding.layers = [DynamicSlidingWindowLayer(sliding_window=8), DynamicLayer()]  # type: ignore[no-untyped-call]
+    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer"):
+        _cache_layers(sliding)
+    spec = hf_engine_spec(model, DOMAIN, tokens_per_chunk=TPC, model_id="tiny-llama")
+    adapter = HfKvAdapter(model, KvClient.disabled(spec, "test", "unit"))
+    saved: list[int] = []
+
+    class Recording:
+        def save_async(self, tokens: list[int], objects: object, **_: object) -> None:
+            saved.append(len(tokens))
+
+    real_client, adapter.client = adapter.client, Recording()  # type: ignore[assignment]
+    try:
+        assert adapter.save_prefix(ids, sliding) is None and saved == []  # not saved, not raised
+    finally:
+        real_client.close()

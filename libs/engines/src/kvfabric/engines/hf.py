@@ -55,6 +55,13 @@ def _dims(model: torch.nn.Module) -> tuple[int, int, int]:
     return cfg.num_hidden_layers, kv_heads, head_dim
 
 
+def _text_config(config: Any) -> Any:
+    """The config the attention reads: a composite model's (vision-language) text config, whose
+    fields its top level leaves None (review, stop 66: a rope override was not in the key)."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
 def hf_engine_spec(
     model: torch.nn.Module,
     domain: ShareDomain,
@@ -71,7 +78,7 @@ def hf_engine_spec(
         model_id=name[:200],
         weights_revision=weights_revision or weights_digest(model),
         kv_dtype=str(dtype).removeprefix("torch."),
-        attn_config_digest=attn_config_digest(model.config.to_dict()),  # type: ignore[operator, union-attr]
+        attn_config_digest=attn_config_digest(_text_config(model.config).to_dict()),
     )
     layout = KVLayout(
         tp_size=1,
@@ -86,9 +93,18 @@ def hf_engine_spec(
 
 
 def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values), position i at index i. Only a cache whose every layer keeps
+    every position: a sliding-window layer keeps the last tokens only, a quantized one its recent
+    part, and a chunk cut from them by position held other tokens' KV, saved under the right
+    keys (review, stop 66: a Gemma2 cache the model made itself). Raises ValueError otherwise."""
     if hasattr(cache, "layers"):
+        kept_in_part = {type(layer).__name__ for layer in cache.layers} - {"DynamicLayer"}
+        if kept_in_part:
+            raise ValueError(f"a cache with {sorted(kept_in_part)} layers does not keep every position")
         return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers 4.x
+    if type(cache).__name__ != "DynamicCache":  # transformers 4.x: its sliding and static caches too
+        raise ValueError(f"a {type(cache).__name__} does not keep every position")
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,8 +186,10 @@ class HfKvAdapter:
             return PrefixLoad(None, 0, hit, time.perf_counter() - started)
         cache = DynamicCache()
         end = loaded * self.tpc
+        device = next(self.model.parameters()).device  # loaded into host memory, used there
         for layer in range(self.layers):
-            cache.update(kv[layer, 0, :, :, :end], kv[layer, 1, :, :, :end], layer)
+            keys, values = kv[layer, 0, :, :, :end], kv[layer, 1, :, :, :end]
+            cache.update(keys.to(device), values.to(device), layer)
         return PrefixLoad(cache, loaded * self.tpc, hit, time.perf_counter() - started)
 
     # ---- save ------------------------------------------------------------------------------
@@ -214,7 +232,8 @@ class HfKvAdapter:
         caller's generation). `cache` must hold at least those tokens."""
         taken: list[int] = []
         try:
-            last_chunk = min(len(token_ids), _cache_layers(cache)[0][0].shape[2]) // self.tpc
+            held = min(keys.shape[2] for keys, _ in _cache_layers(cache))  # (every layer's)
+            last_chunk = min(len(token_ids), held) // self.tpc
             if last_chunk <= first_chunk:
                 return None
             objects = self.chunk_objects(cache, first_chunk, last_chunk, taken)
