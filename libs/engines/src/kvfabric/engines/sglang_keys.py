@@ -70,8 +70,11 @@ PAGE_WORDS: Final = 8  # u32 words per page key: blake2b-256
 # lease_ttl_ms (30 s), so the backend gives the lease back before the directory would expire it.
 HOLD_MS_DEFAULT: Final = 10_000
 # Hits held at once: SGLang checks one request's pages at a time per rank (its prefetch thread),
-# in batches of 128 pages, so a few per request in flight are plenty.
-HELD_HITS_MAX_DEFAULT: Final = 64
+# in batches of 128 pages (`STORAGE_BATCH_SIZE`). Chained keys hold one hit a batch, per-page
+# keys one a page: 64 gave the first half of one batch's leases back within its own
+# `batch_exists` (review, stop 66), so a page reported present could be evicted before its get.
+# Room for eight such batches in flight.
+HELD_HITS_MAX_DEFAULT: Final = 8 * 128
 
 _P_PAGE: Final = b"kvf1/sglang-page"
 
