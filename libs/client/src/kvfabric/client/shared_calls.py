@@ -15,10 +15,14 @@ empty one, refuses every object in it) is sent again save by save, so the refusa
 save that caused it, never a neighbour that shared the request.
 
 Bounds: one request per (verb, shard) in flight; the queue holds at most one entry per running
-save (bounded by `saves_queued_max`). Deadlines: a request is sent with the latest deadline of the
-saves it carries (their own time left: they arrived within one round trip); a caller whose own
-deadline passes while it waits is answered `directory_timeout` and its items leave the queue if
-they had not gone yet (a begin that went anyway expires at the directory after its write TTL).
+save (bounded by `saves_queued_max`). Deadlines: a request is sent with the earliest deadline of
+the saves it carries (they arrived within one round trip), so each of them gets its answer: sent
+with the latest, a reply that came after an earlier caller's deadline was dropped for it, and
+what the directory did for it (places held to their TTL, a commit that published) went unknown
+(review, stop 66). A caller whose own deadline passes while its items still wait is answered
+`directory_timeout` and they leave the queue; once sent, it takes the request's answer (within
+`SENT_ANSWER_GRACE_S`; a request whose own deadline passed answers `directory_timeout`, and a
+begin that went anyway expires at the directory after its write TTL).
 A caller cancelled while it waits leaves the queue too (its items never go); one cancelled after
 its items went (or while they go) cannot take them back: `on_cancel_sent` is handed the answer to
 come (resolved by the request's deadline, or `closed` when the client closes first), for the
@@ -31,7 +35,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 from kvfabric.client.saves import Queued, take_batch
 
@@ -45,6 +49,11 @@ Send = Callable[[int, list[T], str, float], Awaitable[object]]
 # Causes of a whole-request refusal that one caller's items may have caused alone: sent again
 # caller by caller (a retry of a bad request costs the directory one decode each).
 SPLIT_CAUSES: frozenset[str] = frozenset({"bad_request"})
+
+
+# How long a caller whose deadline passed waits for the answer of a request already sent for it
+# (that request's own deadline is at most the caller's: see `SharedCalls.call`).
+SENT_ANSWER_GRACE_S: Final = 1.0
 
 
 @dataclass(slots=True)
@@ -89,6 +98,16 @@ class SharedCalls(Generic[T]):
         except TimeoutError:
             if entry in queue:
                 queue.remove(entry)
+                return "directory_timeout", trace_id
+        # Sent: its request's deadline is the earliest of its callers' (`_drain`), ours or
+        # before, so its answer (a reply, or its own timeout) comes within moments. Taken here,
+        # not dropped: a reply dropped for one caller whose deadline came first left what the
+        # directory did for it unknown to it (placements held to their TTL, a commit that
+        # published reported failed; review, stop 66).
+        try:
+            async with asyncio.timeout(SENT_ANSWER_GRACE_S):
+                return await asyncio.shield(future)
+        except TimeoutError:
             return "directory_timeout", trace_id
         except asyncio.CancelledError:
             if entry in queue:
@@ -111,7 +130,7 @@ class SharedCalls(Generic[T]):
                 taken = take_batch(queue, self.batch_max)
                 waits = [e.tag for e in taken if isinstance(e.tag, _Wait)]
                 trace_id = waits[0].trace_id
-                deadline_s = max(w.deadline_s for w in waits)
+                deadline_s = min(w.deadline_s for w in waits)  # none of them gives up before it
                 items = [item for e in taken for item in e.items]
                 reply = await self._send_once(shard, items, trace_id, deadline_s)
                 if isinstance(reply, str) and reply in SPLIT_CAUSES and len(taken) > 1:
