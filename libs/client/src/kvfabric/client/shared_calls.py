@@ -93,22 +93,23 @@ class SharedCalls(Generic[T]):
         if shard not in self._senders:
             self._senders[shard] = asyncio.create_task(self._drain(shard))
         try:
-            async with asyncio.timeout(max(0.0, deadline_s - time.monotonic())):
-                return await asyncio.shield(future)
-        except TimeoutError:
-            if entry in queue:
-                queue.remove(entry)
+            try:
+                async with asyncio.timeout(max(0.0, deadline_s - time.monotonic())):
+                    return await asyncio.shield(future)
+            except TimeoutError:
+                if entry in queue:
+                    queue.remove(entry)
+                    return "directory_timeout", trace_id
+            # Sent: its request's deadline is the earliest of its callers' (`_drain`), ours or
+            # before, so its answer (a reply, or its own timeout) comes within moments. Taken
+            # here, not dropped: a reply dropped for one caller whose deadline came first left
+            # what the directory did for it unknown to it (places held to their TTL, a commit
+            # that published reported failed; review, stop 66).
+            try:
+                async with asyncio.timeout(SENT_ANSWER_GRACE_S):
+                    return await asyncio.shield(future)
+            except TimeoutError:
                 return "directory_timeout", trace_id
-        # Sent: its request's deadline is the earliest of its callers' (`_drain`), ours or
-        # before, so its answer (a reply, or its own timeout) comes within moments. Taken here,
-        # not dropped: a reply dropped for one caller whose deadline came first left what the
-        # directory did for it unknown to it (placements held to their TTL, a commit that
-        # published reported failed; review, stop 66).
-        try:
-            async with asyncio.timeout(SENT_ANSWER_GRACE_S):
-                return await asyncio.shield(future)
-        except TimeoutError:
-            return "directory_timeout", trace_id
         except asyncio.CancelledError:
             if entry in queue:
                 queue.remove(entry)
