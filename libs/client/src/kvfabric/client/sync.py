@@ -351,7 +351,7 @@ class KvClient:
             if not self.enabled:
                 self.metrics.saves_dropped.labels(self._off_cause()).inc()
                 return None
-            return self._submit(
+            saving = self._submit(
                 self.aio.save(
                     tokens,
                     objects,
@@ -361,6 +361,7 @@ class KvClient:
                     rate_taken=rate_taken,
                 )
             )
+        return _ends_with(saving)
 
     def take_save_rate(self, chunk_sizes: Sequence[int]) -> int:
         """Take the engine's save rate (`ClientSettings.save_bytes_per_s_max`) for the leading
@@ -437,3 +438,23 @@ class KvClient:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def _ends_with(inner: concurrent.futures.Future[T]) -> concurrent.futures.Future[T]:
+    """A future that ends when `inner`'s coroutine has ended on the loop, and that its holder
+    cannot cancel (`cancel()` is False): `inner`, cancelled from the engine's thread, ended at
+    once, and a save's sources (save slots given back on its end) were reused while its writes
+    still read them (review, stop 66). A save ends by its own deadline; `close` waits for it."""
+    outer: concurrent.futures.Future[T] = concurrent.futures.Future()
+    outer.set_running_or_notify_cancel()
+
+    def settle(done: concurrent.futures.Future[T]) -> None:
+        if done.cancelled():  # (the loop cancelled it: the client closing)
+            outer.set_exception(concurrent.futures.CancelledError())
+        elif (exc := done.exception()) is not None:
+            outer.set_exception(exc)
+        else:
+            outer.set_result(done.result())
+
+    inner.add_done_callback(settle)
+    return outer
