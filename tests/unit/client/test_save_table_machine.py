@@ -87,7 +87,7 @@ def save_plan(chunks: int, members: int) -> SavePlan:
 @dataclass
 class Model:
     plan: SavePlan
-    causes: Counter[str] = field(default_factory=Counter)
+    cause_of: dict[int, str] = field(default_factory=dict)  # failed chunk -> its first cause
     failed: set[int] = field(default_factory=set)  # chunks
     existing: set[int] = field(default_factory=set)
     existing_keys: set[ObjectKey] = field(default_factory=set)
@@ -105,8 +105,12 @@ class Model:
     commit_answered: set[ObjectKey] = field(default_factory=set)
 
     def fail(self, key: ObjectKey, cause: str) -> None:
-        self.failed.add(self.plan.chunk_of[key])
-        self.causes[cause] += 1
+        self.fail_chunk(self.plan.chunk_of[key], cause)
+
+    def fail_chunk(self, chunk: int, cause: str) -> None:
+        """Causes count failed chunks, each once, by the first cause it failed by."""
+        self.failed.add(chunk)
+        self.cause_of.setdefault(chunk, cause)
 
     def result(self) -> SaveResult:
         chunks = set(self.plan.chunk_of.values())
@@ -118,7 +122,7 @@ class Model:
         }
         saved = {self.plan.chunk_of[k] for k in self.committed} - self.failed - (chunks - whole)
         existing = self.existing - self.failed - saved - (chunks - whole)
-        causes = Counter(self.causes)
+        causes = Counter(self.cause_of[c] for c in self.failed)
         unanswered = len(chunks - saved - existing - self.failed)
         if unanswered:
             causes["unanswered"] += unanswered
@@ -234,8 +238,7 @@ class SaveTableMachine(RuleBasedStateMachine):
                 self.model.written.append(r.key)
                 self.model.bytes_written += len(self.plan.data[r.key]) * oks
             else:
-                self.model.failed.add(self.plan.chunk_of[r.key])
-                self.model.causes.update(mine)
+                self.model.fail_chunk(self.plan.chunk_of[r.key], mine[0])
 
     def expected_writes(self) -> list[Effect]:
         """After the last begin answer: the writes (or, with none, the ends)."""

@@ -49,6 +49,7 @@ from typing import Generic, TypeVar
 
 from kvfabric.client.hits import SaveResult
 from kvfabric.format.ids import ChainHash, ObjectKey
+from kvfabric.format.invariant import invariant
 from kvfabric.format.key import ChunkGroupId, MemberId
 from kvfabric.proto import directory as m
 
@@ -190,7 +191,10 @@ class SaveTally:
     """What one save's phases answered; `result()` is the save's outcome (module invariants)."""
 
     plan: SavePlan
-    causes: dict[str, int] = field(default_factory=dict)
+    # failed chunk -> the first cause it failed by: `SaveResult.causes` counts chunks, each once
+    # (it counted one per failed object and per failed replica write, so its causes did not add
+    # up to `chunks_failed`, and the metric said chunks; review, stop 66)
+    cause_of: dict[int, str] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)  # chunks
     existing: set[int] = field(default_factory=set)  # chunks with an object that already existed
     existing_keys: set[ObjectKey] = field(default_factory=set)
@@ -200,8 +204,11 @@ class SaveTally:
 
     def _fail(self, keys: Iterable[ObjectKey], cause: str) -> None:
         for key in keys:
-            self.failed.add(self.plan.chunk_of[key])
-            self.causes[cause] = self.causes.get(cause, 0) + 1
+            self._fail_chunk(self.plan.chunk_of[key], cause)
+
+    def _fail_chunk(self, chunk: int, cause: str) -> None:
+        self.failed.add(chunk)
+        self.cause_of.setdefault(chunk, cause)
 
     def refused(self, keys: Sequence[ObjectKey], cause: str) -> None:
         """A whole request (begin or commit) for `keys` got no usable reply: `cause`."""
@@ -252,9 +259,7 @@ class SaveTally:
                 self.bytes_written += len(self.plan.data[result.key]) * sum(o == OK for o in mine)
             else:
                 bad_keys.append(result.key)
-                self.failed.add(self.plan.chunk_of[result.key])
-                for o in mine:
-                    self.causes[o] = self.causes.get(o, 0) + 1
+                self._fail_chunk(self.plan.chunk_of[result.key], mine[0] if mine else "no_ticket")
         return ok_keys, bad_keys
 
     def commits(self, results: Iterable[m.CommitResult]) -> None:
@@ -275,15 +280,20 @@ class SaveTally:
         whole = chunks - {self.plan.chunk_of[k] for k in self.plan.keys if k not in done}
         saved = {self.plan.chunk_of[k] for k in self.committed} & whole - self.failed
         existing = (self.existing & whole) - self.failed - saved
-        causes = dict(self.causes)
+        causes: dict[str, int] = {}
+        for chunk in self.failed:
+            cause = self.cause_of[chunk]
+            causes[cause] = causes.get(cause, 0) + 1
         # A chunk with an object no begin or commit result named (a reply without it).
         unanswered = len(chunks - saved - existing - self.failed)
         if unanswered:
             causes["unanswered"] = causes.get("unanswered", 0) + unanswered
+        chunks_failed = len(chunks - saved - existing)
+        invariant(sum(causes.values()) == chunks_failed, "save causes do not count the failed chunks")
         return SaveResult(
             chunks_saved=len(saved),
             chunks_existing=len(existing),
-            chunks_failed=len(chunks - saved - existing),
+            chunks_failed=chunks_failed,
             bytes_written=self.bytes_written,
             causes=causes,
         )
