@@ -321,3 +321,32 @@ def test_a_cache_that_cannot_start_misses(nats_server: NatsServer) -> None:
         assert kit.backup(storage, keys, at, prefix=[]) == 0
         assert kit.prefetch(storage, keys, at, prefix=[]) == (0, 0)
         storage.close()
+
+
+def test_a_save_past_its_first_deadline_is_waited_for_until_it_no_longer_reads_its_pages(
+    nats_server: NatsServer,
+) -> None:
+    """A one-region page is read in place: `batch_set_v1` returns only once the save no longer
+    reads it. A save still running at its first deadline is waited for (it returned False at
+    once, and its writes read a page SGLang had reused; review, stop 66); one that never ends
+    is given up after a bounded wait."""
+    import concurrent.futures
+    import threading
+    from types import SimpleNamespace
+
+    from kvfabric.client import SaveResult
+
+    pool = kit.host_pool()
+    storage = kit.backend(kit.extra_config(f"nats://127.0.0.1:{free_port()}"), pool)
+    backend = kit.kvfabric_of(storage)
+    client = SimpleNamespace(settings=SimpleNamespace(save_timeout_ms=20))  # first wait 60 ms
+    try:
+        late: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
+        threading.Timer(0.15, late.set_result, (SaveResult(chunks_saved=1),)).start()
+        assert backend._saved(client, late) == SaveResult(chunks_saved=1)
+        hung: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
+        began = time.monotonic()
+        assert backend._saved(client, hung) is None
+        assert time.monotonic() - began < 0.06 * 2 + 5.0 + 2.0  # bounded
+    finally:
+        storage.close()

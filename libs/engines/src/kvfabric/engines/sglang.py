@@ -437,8 +437,9 @@ class KvfabricStorage(HiCacheStorage):
             objects = [[_one_buffer(regions)] for regions in self._views.pages(host_indices, len(keys))]
             prefix = self._prefix(extra_info)
             if prefix is not None:
-                result = client.save(chain_words(prefix, keys), objects, first_chunk=len(prefix))
-                ok = chained_pages_stored(len(keys), result)
+                saving = client.save_async(chain_words(prefix, keys), objects, first_chunk=len(prefix))
+                result = self._saved(client, saving)
+                ok = [False] * len(keys) if result is None else chained_pages_stored(len(keys), result)
             else:
                 ok = self._set_pages(client, keys, objects)
         except Exception as exc:
@@ -454,14 +455,32 @@ class KvfabricStorage(HiCacheStorage):
         futures: list[concurrent.futures.Future[SaveResult] | None] = [
             client.save_async(chain_words([], [key]), [row]) for key, row in zip(keys, objects, strict=True)
         ]
+        results = [self._saved(client, future) for future in futures]
+        return [r is not None and r.chunks_failed == 0 for r in results]
+
+    def _saved(
+        self, client: KvClient, future: concurrent.futures.Future[SaveResult] | None
+    ) -> SaveResult | None:
+        """The save's result, once it no longer reads its pages (a one-region page is read in
+        place: SGLang reuses it once `batch_set_v1` returns). Past its deadlines (3 x
+        save_timeout_ms) a save still running is waited for up to as long again: returning at
+        the first timeout let its writes read a page SGLang had reused (review, stop 66). None:
+        not stored (failed, or still running then: logged, the client is wedged)."""
+        if future is None:
+            return None
         timeout_s = client.settings.save_timeout_ms / 1000 * 3
-        ok = []
-        for future in futures:
+        for wait_s in (timeout_s, timeout_s + _SAVE_END_GRACE_S):
             try:
-                ok.append(future is not None and future.result(timeout_s).chunks_failed == 0)
+                return future.result(wait_s)
+            except concurrent.futures.TimeoutError:
+                continue
             except Exception:
-                ok.append(False)
-        return ok
+                return None
+        log.error(
+            "kvfabric: a save still runs %.0f s after its deadlines: its pages may be read after reuse",
+            wait_s,
+        )
+        return None
 
     # ---- v2 (hybrid models) ------------------------------------------------------------------
 
@@ -560,6 +579,9 @@ class KvfabricStorage(HiCacheStorage):
         self.clear()
         if self.client is not None:
             self.client.close()
+
+
+_SAVE_END_GRACE_S: Final = 5.0  # beyond a save's own deadlines, for its end to reach us
 
 
 def _one_buffer(regions: list[memoryview]) -> memoryview | bytes:
