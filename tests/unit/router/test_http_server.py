@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import AsyncIterator
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse
+from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from kvfabric.router.http_server import HEAD_BYTES_MAX, BoundedH11Protocol
@@ -23,22 +24,35 @@ DEADLINE_S = 0.5
 
 class _Quick(BoundedH11Protocol):
     head_deadline_s = DEADLINE_S
+    write_stall_s = DEADLINE_S
 
 
 async def _ok(request: Request) -> PlainTextResponse:
     return PlainTextResponse("ok")
 
 
-async def _closed_within(sock: socket.socket, seconds: float, trickle: bool = False) -> float | None:
-    """When the server closed `sock` (seconds from now), sending a header byte every 0.1 s if
-    `trickle`; None if it was still open after `seconds`."""
+async def _refused(request: Request) -> PlainTextResponse:  # answered before its body is read
+    return PlainTextResponse("no", status_code=401)
+
+
+async def _big(request: Request) -> StreamingResponse:  # more than a socket buffers
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(4096):
+            yield b"x" * 65536
+
+    return StreamingResponse(chunks())
+
+
+async def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> float | None:
+    """When the server closed `sock` (seconds from now), sending `trickle` every 0.1 s; None if
+    it was still open after `seconds`."""
     loop = asyncio.get_running_loop()
     sock.setblocking(False)
     began = time.monotonic()
     while time.monotonic() - began < seconds:
         if trickle:
             try:
-                sock.send(b"X")
+                sock.send(trickle)
             except OSError:
                 return time.monotonic() - began
         try:
@@ -54,7 +68,9 @@ async def _closed_within(sock: socket.socket, seconds: float, trickle: bool = Fa
 
 def test_request_heads_are_bounded_in_time_and_bytes() -> None:
     async def main() -> None:
-        app = Starlette(routes=[Route("/", _ok)])
+        app = Starlette(
+            routes=[Route("/", _ok), Route("/refused", _refused, methods=["POST"]), Route("/big", _big)]
+        )
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sock.listen(64)
@@ -78,7 +94,7 @@ def test_request_heads_are_bounded_in_time_and_bytes() -> None:
             assert closed is not None and closed < 4 * DEADLINE_S
             slow = socket.create_connection(("127.0.0.1", port))
             slow.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
-            closed = await _closed_within(slow, 5 * DEADLINE_S, trickle=True)  # a byte every 0.1 s
+            closed = await _closed_within(slow, 5 * DEADLINE_S, trickle=b"X")  # a byte every 0.1 s
             assert closed is not None and closed < 4 * DEADLINE_S
             big = socket.create_connection(("127.0.0.1", port))
             big.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (HEAD_BYTES_MAX + 1024))
@@ -92,7 +108,20 @@ def test_request_heads_are_bounded_in_time_and_bytes() -> None:
                 answer = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(kept, 65536), 5)
                 assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"ok")
                 await asyncio.sleep(DEADLINE_S / 2)
-            for s in (silent, slow, big, kept):
+            trickler = socket.create_connection(("127.0.0.1", port))  # its body after a 401
+            trickler.sendall(b"POST /refused HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            closed = await _closed_within(trickler, 8 * DEADLINE_S, trickle=b"1\r\nX\r\n")  # a valid chunk
+            assert closed is not None
+            reader = socket.socket()  # asks for a big answer, reads none of it
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            reader.connect(("127.0.0.1", port))
+            reader.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            for _ in range(100):  # aborted once its writes stalled past write_stall_s
+                await asyncio.sleep(0.05)
+                if not server.server_state.connections:
+                    break
+            assert not server.server_state.connections
+            for s in (silent, slow, big, kept, trickler, reader):
                 s.close()
         finally:
             server.should_exit = True
