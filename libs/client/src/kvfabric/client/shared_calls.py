@@ -15,14 +15,14 @@ empty one, refuses every object in it) is sent again save by save, so the refusa
 save that caused it, never a neighbour that shared the request.
 
 Bounds: one request per (verb, shard) in flight; the queue holds at most one entry per running
-save (bounded by `saves_queued_max`). Deadlines: a request is sent with the earliest deadline of
-the saves it carries (they arrived within one round trip), so each of them gets its answer: sent
-with the latest, a reply that came after an earlier caller's deadline was dropped for it, and
-what the directory did for it (places held to their TTL, a commit that published) went unknown
-(review, stop 66). A caller whose own deadline passes while its items still wait is answered
-`directory_timeout` and they leave the queue; once sent, it takes the request's answer (within
-`SENT_ANSWER_GRACE_S`; a request whose own deadline passed answers `directory_timeout`, and a
-begin that went anyway expires at the directory after its write TTL).
+save (bounded by `saves_queued_max`). Deadlines: a request is sent with the latest deadline of the
+saves it carries (they arrived within about one round trip). A caller whose own deadline passes
+while its items still wait is answered `directory_timeout` and they leave the queue; once they
+went, it takes the request's answer, up to the request's deadline (review, stop 66: a reply that
+came after an earlier caller's deadline was dropped for it, and what the directory did for it,
+places held to their TTL or a commit that published, went unknown). A request whose own
+deadline passed answers `directory_timeout`; a begin that went anyway expires at the directory
+after its write TTL.
 A caller cancelled while it waits leaves the queue too (its items never go); one cancelled after
 its items went (or while they go) cannot take them back: `on_cancel_sent` is handed the answer to
 come (resolved by the request's deadline, or `closed` when the client closes first), for the
@@ -51,8 +51,7 @@ Send = Callable[[int, list[T], str, float], Awaitable[object]]
 SPLIT_CAUSES: frozenset[str] = frozenset({"bad_request"})
 
 
-# How long a caller whose deadline passed waits for the answer of a request already sent for it
-# (that request's own deadline is at most the caller's: see `SharedCalls.call`).
+# How long past its request's deadline a caller waits for that request's answer (`call`).
 SENT_ANSWER_GRACE_S: Final = 1.0
 
 
@@ -61,6 +60,7 @@ class _Wait:
     trace_id: str
     deadline_s: float
     future: asyncio.Future[tuple[object, str]]
+    sent_until_s: float = 0.0  # once sent: the deadline of the request that carries it
 
 
 class SharedCalls(Generic[T]):
@@ -100,13 +100,15 @@ class SharedCalls(Generic[T]):
                 if entry in queue:
                     queue.remove(entry)
                     return "directory_timeout", trace_id
-            # Sent: its request's deadline is the earliest of its callers' (`_drain`), ours or
-            # before, so its answer (a reply, or its own timeout) comes within moments. Taken
-            # here, not dropped: a reply dropped for one caller whose deadline came first left
-            # what the directory did for it unknown to it (places held to their TTL, a commit
-            # that published reported failed; review, stop 66).
+            # Sent, with the latest deadline of its callers (`_drain`): its answer (a reply, or
+            # its own timeout) is taken, up to that deadline, not dropped. A reply dropped for a
+            # caller whose deadline came first left what the directory did for it unknown to it
+            # (places held to their TTL, a commit that published reported failed), and sent with
+            # the earliest, a slow request failed every caller with it (review, stop 66).
+            wait = entry.tag
+            until_s = wait.sent_until_s if isinstance(wait, _Wait) else 0.0
             try:
-                async with asyncio.timeout(SENT_ANSWER_GRACE_S):
+                async with asyncio.timeout(max(0.0, until_s - time.monotonic()) + SENT_ANSWER_GRACE_S):
                     return await asyncio.shield(future)
             except TimeoutError:
                 return "directory_timeout", trace_id
@@ -131,16 +133,18 @@ class SharedCalls(Generic[T]):
                 taken = take_batch(queue, self.batch_max)
                 waits = [e.tag for e in taken if isinstance(e.tag, _Wait)]
                 trace_id = waits[0].trace_id
-                deadline_s = min(w.deadline_s for w in waits)  # none of them gives up before it
+                deadline_s = max(w.deadline_s for w in waits)  # each of them takes its answer
+                for wait in waits:
+                    wait.sent_until_s = deadline_s
                 items = [item for e in taken for item in e.items]
                 reply = await self._send_once(shard, items, trace_id, deadline_s)
                 if isinstance(reply, str) and reply in SPLIT_CAUSES and len(taken) > 1:
                     for entry in taken:  # whose items were refused: each save on its own
-                        wait = entry.tag
-                        if isinstance(wait, _Wait) and not wait.future.done():
-                            alone = await self._send_once(shard, entry.items, wait.trace_id, wait.deadline_s)
-                            if not wait.future.done():
-                                wait.future.set_result((alone, wait.trace_id))
+                        one = entry.tag
+                        if isinstance(one, _Wait) and not one.future.done():
+                            alone = await self._send_once(shard, entry.items, one.trace_id, one.deadline_s)
+                            if not one.future.done():
+                                one.future.set_result((alone, one.trace_id))
                     continue
                 for wait in waits:
                     if not wait.future.done():
