@@ -348,5 +348,13 @@ def test_a_save_past_its_first_deadline_is_waited_for_until_it_no_longer_reads_i
         began = time.monotonic()
         assert backend._saved(client, hung) is None
         assert time.monotonic() - began < 0.06 * 2 + 5.0 + 2.0  # bounded
+        began = time.monotonic()  # a batch of them: one deadline for all, not one each
+        assert backend._saved_all(client, [hung, None, late, hung]) == [
+            None,
+            None,
+            SaveResult(chunks_saved=1),
+            None,
+        ]
+        assert time.monotonic() - began < 0.06 * 2 + 5.0 + 2.0
     finally:
         storage.close()

@@ -87,15 +87,15 @@ def test_held_hit_covers_a_get_on_its_chain_and_leaves_once() -> None:
     assert table.drain() == [long] and len(table) == 0
 
 
-def test_one_batch_of_per_page_hits_is_held_whole_by_default() -> None:
-    """Per-page keys hold one hit a page, and SGLang checks 128 pages a `batch_exists`
-    (`STORAGE_BATCH_SIZE`): the default table keeps a whole batch, and more (64 gave the
-    batch's first leases back within the call; review, stop 66)."""
+def test_one_requests_per_page_hits_are_held_whole_by_default() -> None:
+    """Per-page keys hold one hit a page, and SGLang checks every batch of a request's pages
+    (128 each, `STORAGE_BATCH_SIZE`) before any get: the default table keeps 64 batches (64 gave
+    a batch's first leases back within the call; review, stop 66)."""
     table = HeldHits()
-    pages = [f"{i:064x}" for i in range(1, 8 * 128 + 1)]
+    pages = [f"{i:064x}" for i in range(1, 64 * 128 + 1)]
     given_back = [h for page in pages for h in table.hold(hit_of([page], 1), now_ms=0)]
-    assert given_back == [] and len(table) == 8 * 128
-    assert table.hold(hit_of(["ff" * 32], 1), now_ms=0) != []  # past eight batches: the oldest
+    assert given_back == [] and len(table) == 64 * 128
+    assert table.hold(hit_of(["ff" * 32], 1), now_ms=0) != []  # past it: the oldest
 
 
 def test_a_held_hit_a_get_loads_under_is_never_given_back_meanwhile() -> None:
@@ -165,6 +165,8 @@ def test_what_changes_the_kv_but_not_the_pool_is_in_the_key() -> None:
     fp8 = replace(POOL, dtype="uint8", region_bytes=(8192, 8192))
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         engine_spec(WHO, fp8, EXTRA, DEFAULTS)
+    auto = engine_spec(replace(WHO, kv_cache_dtype="auto", model_dtype="bfloat16"), fp8, EXTRA, DEFAULTS)
+    assert auto.model.kv_dtype == "auto-uint8/bfloat16"  # chosen by the checkpoint: its own keys
     e4m3 = engine_spec(replace(WHO, kv_cache_dtype="fp8_e4m3", model_dtype="bfloat16"), fp8, EXTRA, DEFAULTS)
     assert e4m3.model.kv_dtype == "fp8_e4m3/bfloat16"
     assert (
@@ -175,7 +177,7 @@ def test_what_changes_the_kv_but_not_the_pool_is_in_the_key() -> None:
         engine_spec(replace(WHO, kv_cache_dtype="fp8_e5m2", model_dtype="bfloat16"), fp8, EXTRA, DEFAULTS),
         engine_spec(replace(WHO, kv_cache_dtype="fp8_e4m3", model_dtype="float16"), fp8, EXTRA, DEFAULTS),
     ]
-    assert len({e4m3.model, *(o.model for o in others)}) == 3
+    assert len({auto.model, e4m3.model, *(o.model for o in others)}) == 4
     base = spec_for()
     assert (
         engine_spec(replace(WHO, kv_cache_dtype="auto", model_dtype="float32"), POOL, EXTRA, DEFAULTS) == base

@@ -14,7 +14,7 @@ Extra config keys: `nats_url` (or env KVF_CLIENT_NATS_URL), `tenant_id`, `domain
 `weights_revision` (default: a digest of the weight files when the model name is a local
 directory; else required), `model_path`, `model_id`, `attn_config_digest`, `tensor_layout`
 (default: SGLang's version and the host pool's page format), `exists_hold_ms` (10,000),
-`held_hits_max` (64), and any `ClientSettings` field (timeouts, limits); every client setting
+`held_hits_max` (8,192), and any `ClientSettings` field (timeouts, limits); every client setting
 can also come from `KVF_CLIENT_*`. SGLang's own keys (`backend_name`, `module_path`,
 `class_name`, `interface_v1`) are read by SGLang.
 
@@ -455,8 +455,25 @@ class KvfabricStorage(HiCacheStorage):
         futures: list[concurrent.futures.Future[SaveResult] | None] = [
             client.save_async(chain_words([], [key]), [row]) for key, row in zip(keys, objects, strict=True)
         ]
-        results = [self._saved(client, future) for future in futures]
+        results = self._saved_all(client, futures)
         return [r is not None and r.chunks_failed == 0 for r in results]
+
+    def _saved_all(
+        self, client: KvClient, futures: list[concurrent.futures.Future[SaveResult] | None]
+    ) -> list[SaveResult | None]:
+        """`_saved` for a batch of saves under one deadline: waited for one after another,
+        each had its own, and a wedged client held SGLang's backup thread for hours."""
+        timeout_s = client.settings.save_timeout_ms / 1000 * 3
+        running = [f for f in futures if f is not None]
+        _, left = concurrent.futures.wait(running, timeout_s)
+        if left:
+            _, left = concurrent.futures.wait(left, timeout_s + _SAVE_END_GRACE_S)
+        if left:
+            log.error(
+                "kvfabric: %d saves still run past their deadlines: their pages may be read after reuse",
+                len(left),
+            )
+        return [None if f is None or f in left else _result_or_none(f) for f in futures]
 
     def _saved(
         self, client: KvClient, future: concurrent.futures.Future[SaveResult] | None
@@ -582,6 +599,14 @@ class KvfabricStorage(HiCacheStorage):
 
 
 _SAVE_END_GRACE_S: Final = 5.0  # beyond a save's own deadlines, for its end to reach us
+
+
+def _result_or_none(future: concurrent.futures.Future[SaveResult]) -> SaveResult | None:
+    """An ended save's result; None when it raised (not stored)."""
+    try:
+        return future.result(0)
+    except Exception:
+        return None
 
 
 def _one_buffer(regions: list[memoryview]) -> memoryview | bytes:

@@ -69,12 +69,13 @@ PAGE_WORDS: Final = 8  # u32 words per page key: blake2b-256
 # after prefetch_timeout_base (1 s) + 0.25 s per 1,024 tokens by default; below the client's
 # lease_ttl_ms (30 s), so the backend gives the lease back before the directory would expire it.
 HOLD_MS_DEFAULT: Final = 10_000
-# Hits held at once: SGLang checks one request's pages at a time per rank (its prefetch thread),
-# in batches of 128 pages (`STORAGE_BATCH_SIZE`). Chained keys hold one hit a batch, per-page
-# keys one a page: 64 gave the first half of one batch's leases back within its own
-# `batch_exists` (review, stop 66), so a page reported present could be evicted before its get.
-# Room for eight such batches in flight.
-HELD_HITS_MAX_DEFAULT: Final = 8 * 128
+# Hits held at once: SGLang checks a request's pages in batches of 128 (`STORAGE_BATCH_SIZE`),
+# every batch before any get. Chained keys hold one hit a batch, per-page keys one a page: 64
+# gave the first half of one batch's leases back within its own `batch_exists` (review, stop 66),
+# so a page reported present could be evicted before its get. Room for 8,192 per-page hits (one
+# request of 512 Ki tokens at page size 64); past it the oldest are given back: misses, never
+# wrong bytes. Each lease counts against the tenant's bound at the directory.
+HELD_HITS_MAX_DEFAULT: Final = 8192
 
 _P_PAGE: Final = b"kvf1/sglang-page"
 
@@ -286,6 +287,12 @@ def engine_spec(
     kv_cache_dtype = str(extra.get("kv_cache_dtype") or who.kv_cache_dtype or "")
     if kv_cache_dtype not in ("", "auto"):  # what the pool's bytes mean, and what made them
         kv_dtype = f"{kv_cache_dtype}/{who.model_dtype or '?'}"
+    elif pool.dtype in ("uint8", "int8") and kv_cache_dtype == "auto":
+        # SGLang chose the format from the checkpoint (an FP8 checkpoint's kv_cache_quant_algo,
+        # DeepSeek V4): the same weights choose the same, so "auto" pages are their own key
+        # space, apart from an explicit e4m3 or e5m2 (review of the change: refused, such
+        # deployments were no longer cached)
+        kv_dtype = f"auto-{pool.dtype}/{who.model_dtype or '?'}"
     elif pool.dtype in ("uint8", "int8"):
         raise ValueError(
             "kvfabric: the host pool stores its KV as bytes (an fp8 KV cache): set kv_cache_dtype in"
