@@ -629,10 +629,10 @@ def test_a_request_holding_a_failed_loads_blocks_saves_nothing_once_vllm_says_so
 def test_a_steps_loads_share_one_timeout(
     engine_config: Any, monkeypatch: pytest.MonkeyPatch, cause: str
 ) -> None:
-    """After a load that timed out (a segment frozen after granting its leases), or once the
-    step has spent a load's timeout, the step's other loads are not tried: recomputed, their
-    requests cut, counted. Each had its own 10 s before, one after another, while every running
-    request's decode waited (review, stop 66)."""
+    """Once the step has spent one load's timeout (a load that waited it out on a segment frozen
+    after granting its leases, or loads slow one after another), its other loads are not tried:
+    recomputed, their requests cut, counted. Each had its own 10 s before, one after another,
+    while every running request's decode waited (review, stop 66)."""
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -645,9 +645,10 @@ def test_a_steps_loads_share_one_timeout(
     client = FailingLoadClient(0, cause="timeout") if cause == "timeout" else FailingLoadClient(2)
     connector.client = client  # type: ignore[assignment]
     connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
-    clock = iter([0.0, 0.0, 4.0, 8.0, 12.0, 12.0])  # "slow": each load takes 4 of the 10 s
-    if cause == "slow":
-        monkeypatch.setattr(vllm_connector, "_step_clock", lambda: next(clock))
+    # "timeout": the first load waits out the whole 10 s; "slow": each takes 4 of them
+    times = [0.0, 0.0, 10.0, 10.0] if cause == "timeout" else [0.0, 0.0, 4.0, 8.0, 12.0, 12.0]
+    clock = iter(times)
+    monkeypatch.setattr(vllm_connector, "_step_clock", lambda: next(clock))
     hit = Hit(2 * BLOCK, BLOCK, (), (), objects=((),) * 2)
     loads = [LoadSpec(f"r{n}", hit, 0, [2 * n + 1, 2 * n + 2]) for n in range(5)]
     try:

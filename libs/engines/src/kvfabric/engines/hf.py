@@ -48,7 +48,7 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def _dims(model: torch.nn.Module) -> tuple[int, int, int]:
-    cfg: Any = model.config
+    cfg: Any = _text_config(model.config)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -59,7 +59,12 @@ def _text_config(config: Any) -> Any:
     """The config the attention reads: a composite model's (vision-language) text config, whose
     fields its top level leaves None (review, stop 66: a rope override was not in the key)."""
     getter = getattr(config, "get_text_config", None)
-    return getter() if callable(getter) else config
+    if not callable(getter):
+        return config
+    try:
+        return getter(decoder=True)  # (a config with a text encoder too: the decoder's)
+    except TypeError:  # an older transformers without `decoder`
+        return getter()
 
 
 def hf_engine_spec(
