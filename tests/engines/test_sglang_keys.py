@@ -87,15 +87,15 @@ def test_held_hit_covers_a_get_on_its_chain_and_leaves_once() -> None:
     assert table.drain() == [long] and len(table) == 0
 
 
-def test_one_requests_per_page_hits_are_held_whole_by_default() -> None:
-    """Per-page keys hold one hit a page, and SGLang checks every batch of a request's pages
-    (128 each, `STORAGE_BATCH_SIZE`) before any get: the default table keeps 64 batches (64 gave
-    a batch's first leases back within the call; review, stop 66)."""
+def test_a_batch_of_per_page_hits_is_held_whole_by_default() -> None:
+    """Per-page keys hold one hit a page, and SGLang checks 128 pages a `batch_exists`
+    (`STORAGE_BATCH_SIZE`): the default table keeps eight batches (64 gave the batch's first
+    leases back within the call; review, stop 66)."""
     table = HeldHits()
-    pages = [f"{i:064x}" for i in range(1, 64 * 128 + 1)]
+    pages = [f"{i:064x}" for i in range(1, 8 * 128 + 1)]
     given_back = [h for page in pages for h in table.hold(hit_of([page], 1), now_ms=0)]
-    assert given_back == [] and len(table) == 64 * 128
-    assert table.hold(hit_of(["ff" * 32], 1), now_ms=0) != []  # past it: the oldest
+    assert given_back == [] and len(table) == 8 * 128
+    assert table.hold(hit_of(["ff" * 32], 1), now_ms=0) != []  # past eight batches: the oldest
 
 
 def test_a_held_hit_a_get_loads_under_is_never_given_back_meanwhile() -> None:

@@ -625,7 +625,7 @@ def test_a_request_holding_a_failed_loads_blocks_saves_nothing_once_vllm_says_so
     assert [save.req_id for save in meta.saves] == ["T"]
 
 
-@pytest.mark.parametrize("cause", ["timeout", "slow"])
+@pytest.mark.parametrize("cause", ["timeout", "slow", "early_timeout"])
 def test_a_steps_loads_share_one_timeout(
     engine_config: Any, monkeypatch: pytest.MonkeyPatch, cause: str
 ) -> None:
@@ -642,11 +642,16 @@ def test_a_steps_loads_share_one_timeout(
     connector = KvfabricConnector(engine_config, KVConnectorRole.WORKER, kv_cache_config=None)
     connector.client.close()
     layers = [torch.zeros(16, 64, dtype=torch.float32) for _ in range(2)]
-    client = FailingLoadClient(0, cause="timeout") if cause == "timeout" else FailingLoadClient(2)
+    client = FailingLoadClient(2) if cause == "slow" else FailingLoadClient(0, cause="timeout")
     connector.client = client  # type: ignore[assignment]
     connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
     # "timeout": the first load waits out the whole 10 s; "slow": each takes 4 of them
-    times = [0.0, 0.0, 10.0, 10.0] if cause == "timeout" else [0.0, 0.0, 4.0, 8.0, 12.0, 12.0]
+    # "early_timeout": a replica's early cut, a second each: budget left, every load tried
+    times = {
+        "timeout": [0.0, 0.0, 10.0, 10.0],
+        "slow": [0.0, 0.0, 4.0, 8.0, 12.0, 12.0],
+        "early_timeout": [0.0, *(t for n in range(5) for t in (float(n), n + 1.0))],
+    }[cause]
     clock = iter(times)
     monkeypatch.setattr(vllm_connector, "_step_clock", lambda: next(clock))
     hit = Hit(2 * BLOCK, BLOCK, (), (), objects=((),) * 2)
@@ -658,15 +663,14 @@ def test_a_steps_loads_share_one_timeout(
         errors = connector.get_block_ids_with_load_errors()
     finally:
         connector.shutdown()
-    tried = 1 if cause == "timeout" else 3  # slow: tried at 0, 4 and 8 s; at 12 s over budget
+    tried = {"timeout": 1, "slow": 3, "early_timeout": 5}[cause]  # slow: at 0, 4, 8 s; 12 s is over
     assert client.loads == tried
-    assert errors == ({1, 2} if cause == "timeout" else set()) | {
-        b for load in loads[tried:] for b in load.block_ids
-    }
+    failed_loads = {"timeout": loads[:1], "slow": [], "early_timeout": loads}[cause]
+    assert errors == {b for load in [*failed_loads, *loads[tried:]] for b in load.block_ids}
     skipped = client.metrics.registry.get_sample_value(
         "kvfabric_client_fallbacks_total", {"cause": "vllm_step_load_budget"}
     )
-    assert skipped == 5 - tried
+    assert (skipped or 0) == 5 - tried
     assert set(connector._cut) >= {load.req_id for load in loads[tried:]}
 
 

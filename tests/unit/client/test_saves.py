@@ -258,6 +258,44 @@ def test_a_shared_request_goes_with_its_latest_deadline_and_every_caller_takes_i
     assert len(deadlines) == 2 and deadlines[1] > deadlines[0]  # the later caller's: b's
 
 
+def test_a_split_requests_saves_are_sent_again_with_the_requests_deadline() -> None:
+    """A shared request refused as a whole is sent again save by save, each with the request's
+    deadline: with its own, already past for a caller whose deadline came first, that caller's
+    blameless save failed at once (review of 2de70dd)."""
+    sent: list[tuple[list[int], float]] = []
+
+    async def run() -> list[tuple[object, str]]:
+        gate = asyncio.Event()
+        early = time.monotonic() + 0.1
+
+        async def send(shard: int, items: list[int], trace_id: str, deadline_s: float) -> object:
+            sent.append((items, deadline_s))
+            if items == [1]:
+                await gate.wait()
+                return "first"
+            if len(items) > 1:
+                await asyncio.sleep(max(0.0, early - time.monotonic()) + 0.1)  # past a's deadline
+                return "bad_request"
+            if deadline_s <= time.monotonic():
+                return "directory_timeout"
+            return "bad_request" if items == [3] else f"ok{items}"
+
+        calls: SharedCalls[int] = SharedCalls(send, batch_max=10)
+        first = asyncio.create_task(calls.call(0, [1], ["a"], "t1", time.monotonic() + 5))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        a = asyncio.create_task(calls.call(0, [2], ["b"], "t2", early))
+        b = asyncio.create_task(calls.call(0, [3], ["c"], "t3", time.monotonic() + 5))
+        await asyncio.sleep(0.01)
+        gate.set()
+        return [await t for t in (first, a, b)]
+
+    replies = asyncio.run(run())
+    assert replies[1:] == [("ok[2]", "t2"), ("bad_request", "t3")]  # a's save goes through
+    shared = sent[1][1]
+    assert [d for items, d in sent[2:]] == [shared, shared]
+
+
 def test_shared_calls_refuse_more_items_than_a_request_takes() -> None:
     async def send(shard: int, items: list[int], trace_id: str, deadline_s: float) -> object:
         return "ok"

@@ -142,7 +142,8 @@ class SharedCalls(Generic[T]):
                     for entry in taken:  # whose items were refused: each save on its own
                         one = entry.tag
                         if isinstance(one, _Wait) and not one.future.done():
-                            alone = await self._send_once(shard, entry.items, one.trace_id, one.deadline_s)
+                            # (the request's deadline, each caller's until: its own may be past)
+                            alone = await self._send_once(shard, entry.items, one.trace_id, deadline_s)
                             if not one.future.done():
                                 one.future.set_result((alone, one.trace_id))
                     continue

@@ -14,7 +14,7 @@ Extra config keys: `nats_url` (or env KVF_CLIENT_NATS_URL), `tenant_id`, `domain
 `weights_revision` (default: a digest of the weight files when the model name is a local
 directory; else required), `model_path`, `model_id`, `attn_config_digest`, `tensor_layout`
 (default: SGLang's version and the host pool's page format), `exists_hold_ms` (10,000),
-`held_hits_max` (8,192), and any `ClientSettings` field (timeouts, limits); every client setting
+`held_hits_max` (1,024), and any `ClientSettings` field (timeouts, limits); every client setting
 can also come from `KVF_CLIENT_*`. SGLang's own keys (`backend_name`, `module_path`,
 `class_name`, `interface_v1`) are read by SGLang.
 

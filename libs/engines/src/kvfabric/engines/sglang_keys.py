@@ -72,10 +72,12 @@ HOLD_MS_DEFAULT: Final = 10_000
 # Hits held at once: SGLang checks a request's pages in batches of 128 (`STORAGE_BATCH_SIZE`),
 # every batch before any get. Chained keys hold one hit a batch, per-page keys one a page: 64
 # gave the first half of one batch's leases back within its own `batch_exists` (review, stop 66),
-# so a page reported present could be evicted before its get. Room for 8,192 per-page hits (one
-# request of 512 Ki tokens at page size 64); past it the oldest are given back: misses, never
-# wrong bytes. Each lease counts against the tenant's bound at the directory.
-HELD_HITS_MAX_DEFAULT: Final = 8192
+# so a page reported present could be evicted before its get. 1,024 hold eight batches: a
+# per-page request of more than 1,024 hit pages gives its first leases back before their gets
+# (misses, never wrong bytes). Not more: `covering`, `finished` and `_drop` scan the table, so a
+# per-page get costs O(held) under the backend's lock (8,192 held: ~2.7 ms a page get, ~0.7 s
+# to expire them at once; review of the change). An index by chain hash would lift that.
+HELD_HITS_MAX_DEFAULT: Final = 1024
 
 _P_PAGE: Final = b"kvf1/sglang-page"
 

@@ -750,8 +750,8 @@ class KvfabricConnector(KVConnectorBase_V1):
         # made each of K loads wait its whole timeout, one after another, while every running
         # request's decode waited (review, stop 66: K x 10 s). Once the step has spent one load's
         # timeout the rest are recomputed, never tried (the step ends within about two: the
-        # last load started has its own). Time alone decides: a load's `timeout` cause can come
-        # from one replica's early cut, with budget left.
+        # last load started has its own). Time decides: a load's `timeout` cause can come from
+        # one replica's early cut, with budget left.
         budget_s = self.client.settings.load_timeout_ms / 1000
         started = _step_clock()
         timed_out = False
@@ -767,6 +767,11 @@ class KvfabricConnector(KVConnectorBase_V1):
                 dest_ids = [[("vllm-block", b)] for b in load.block_ids]
                 result = self.client.load(load.hit, dests, first_chunk=load.first_chunk, dest_ids=dest_ids)
                 good = result.tokens // self.block_size - load.first_chunk
+                # a load that waited out (about) its whole timeout spent the budget, whatever
+                # the step clock says to the millisecond (the load's own deadline is on the
+                # client's loop: it can end just under); one cut early on one replica did not
+                if result.cause == "timeout":
+                    timed_out = _step_clock() - started >= 0.9 * budget_s
             except Exception as exc:  # never an error in vLLM's step: its blocks are recomputed
                 self.client.metrics.fallbacks.labels(CAUSE_LOAD_ERROR).inc()
                 log.error("kvfabric: request %s: load raised %r: recomputed", load.req_id, exc)

@@ -8,10 +8,10 @@ every place from every tenant for good; and httptools, uvicorn's default parser,
 heads of any size (305 MiB on one connection; review, stop 66). Now:
 - h11 parses, holding at most `HEAD_BYTES_MAX` of an unfinished request head (400 past it);
 - each request's head must be whole within `HEAD_DEADLINE_S` of the connection's opening or of
-  the answer before it on that connection, or the connection is closed. A head received in
+  the answer before it on that connection, or the connection is aborted. A head received in
   time is then the app's: its body has the proxy's own deadline (`BODY_READ_TIMEOUT_S`); a
   client still sending a body after the answer went (a 401, 429 or 408 answered before the
-  body was read: uvicorn's keep-alive timer stops at every byte) is closed at the next check;
+  body was read: uvicorn's keep-alive timer stops at every byte) is aborted at the next check;
 - a client that reads nothing of what is written to it for `WRITE_STALL_S` is aborted: closed,
   the socket would wait for the unsent answer to drain, and keep its place (the proxy ends the
   request itself after `SEND_STALL_S`; review of the change).
