@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import pytest
@@ -224,24 +225,22 @@ def test_shared_calls_a_caller_past_its_deadline_leaves_the_queue() -> None:
     assert sent == [[1]]  # the late call never went
 
 
-def test_a_shared_request_goes_with_its_latest_deadline_and_every_caller_takes_its_answer() -> None:
-    """Two saves share a request: it goes with the later deadline, and the caller whose deadline
-    comes first still takes its answer, up to the request's deadline (a reply dropped for it left
-    what the directory did for it unknown: places held to their TTL, a commit reported failed;
-    review, stop 66). Sent with the earlier one, a slow request failed both."""
-    deadlines: list[float] = []
+def _a_and_b_share_a_request(
+    answer: Callable[[list[int], float, float], Awaitable[object]], early_s: float
+) -> list[tuple[object, str]]:
+    """Saves a (deadline in `early_s`) and b (in 5 s) queue behind a first request and share the
+    next; `answer(items, deadline_s, a's deadline)` answers every request but the first. Their
+    replies."""
 
     async def run() -> list[tuple[object, str]]:
         gate = asyncio.Event()
-        early = time.monotonic() + 0.2
+        early = time.monotonic() + early_s
 
         async def send(shard: int, items: list[int], trace_id: str, deadline_s: float) -> object:
-            deadlines.append(deadline_s)
             if items == [1]:
                 await gate.wait()
                 return "first"
-            await asyncio.sleep(max(0.0, early - time.monotonic()) + 0.3)  # past the early deadline
-            return f"reply{items}"
+            return await answer(items, deadline_s, early)
 
         calls: SharedCalls[int] = SharedCalls(send, batch_max=10)
         first = asyncio.create_task(calls.call(0, [1], ["a"], "t1", time.monotonic() + 5))
@@ -251,11 +250,27 @@ def test_a_shared_request_goes_with_its_latest_deadline_and_every_caller_takes_i
         b = asyncio.create_task(calls.call(0, [3], ["c"], "t3", time.monotonic() + 5))
         await asyncio.sleep(0.01)
         gate.set()
-        return [await t for t in (first, a, b)]
+        await first
+        return [await t for t in (a, b)]
 
-    replies = asyncio.run(run())
-    assert replies[1:] == [("reply[2, 3]", "t2"), ("reply[2, 3]", "t2")]
-    assert len(deadlines) == 2 and deadlines[1] > deadlines[0]  # the later caller's: b's
+    return asyncio.run(run())
+
+
+def test_a_shared_request_goes_with_its_latest_deadline_and_every_caller_takes_its_answer() -> None:
+    """Two saves share a request: it goes with the later deadline, and the caller whose deadline
+    comes first still takes its answer, up to the request's deadline (a reply dropped for it left
+    what the directory did for it unknown: places held to their TTL, a commit reported failed;
+    review, stop 66). Sent with the earlier one, a slow request failed both."""
+    deadlines: list[float] = []
+
+    async def answer(items: list[int], deadline_s: float, early: float) -> object:
+        deadlines.append(deadline_s)
+        await asyncio.sleep(max(0.0, early - time.monotonic()) + 0.3)  # past the early deadline
+        return f"reply{items}"
+
+    replies = _a_and_b_share_a_request(answer, 0.2)
+    assert replies == [("reply[2, 3]", "t2"), ("reply[2, 3]", "t2")]
+    assert len(deadlines) == 1 and deadlines[0] > time.monotonic() + 4  # the later caller's: b's
 
 
 def test_a_split_requests_saves_are_sent_again_with_the_requests_deadline() -> None:
@@ -264,36 +279,19 @@ def test_a_split_requests_saves_are_sent_again_with_the_requests_deadline() -> N
     blameless save failed at once (review of 2de70dd)."""
     sent: list[tuple[list[int], float]] = []
 
-    async def run() -> list[tuple[object, str]]:
-        gate = asyncio.Event()
-        early = time.monotonic() + 0.1
+    async def answer(items: list[int], deadline_s: float, early: float) -> object:
+        sent.append((items, deadline_s))
+        if len(items) > 1:
+            await asyncio.sleep(max(0.0, early - time.monotonic()) + 0.1)  # past a's deadline
+            return "bad_request"
+        if deadline_s <= time.monotonic():
+            return "directory_timeout"
+        return "bad_request" if items == [3] else f"ok{items}"
 
-        async def send(shard: int, items: list[int], trace_id: str, deadline_s: float) -> object:
-            sent.append((items, deadline_s))
-            if items == [1]:
-                await gate.wait()
-                return "first"
-            if len(items) > 1:
-                await asyncio.sleep(max(0.0, early - time.monotonic()) + 0.1)  # past a's deadline
-                return "bad_request"
-            if deadline_s <= time.monotonic():
-                return "directory_timeout"
-            return "bad_request" if items == [3] else f"ok{items}"
-
-        calls: SharedCalls[int] = SharedCalls(send, batch_max=10)
-        first = asyncio.create_task(calls.call(0, [1], ["a"], "t1", time.monotonic() + 5))
-        for _ in range(3):
-            await asyncio.sleep(0)
-        a = asyncio.create_task(calls.call(0, [2], ["b"], "t2", early))
-        b = asyncio.create_task(calls.call(0, [3], ["c"], "t3", time.monotonic() + 5))
-        await asyncio.sleep(0.01)
-        gate.set()
-        return [await t for t in (first, a, b)]
-
-    replies = asyncio.run(run())
-    assert replies[1:] == [("ok[2]", "t2"), ("bad_request", "t3")]  # a's save goes through
-    shared = sent[1][1]
-    assert [d for items, d in sent[2:]] == [shared, shared]
+    replies = _a_and_b_share_a_request(answer, 0.1)
+    assert replies == [("ok[2]", "t2"), ("bad_request", "t3")]  # a's save goes through
+    shared = sent[0][1]
+    assert [d for items, d in sent[1:]] == [shared, shared]
 
 
 def test_shared_calls_refuse_more_items_than_a_request_takes() -> None:

@@ -5,10 +5,10 @@ record until the sweep reaches its group, and counting it let prefetch drop the 
 
 from __future__ import annotations
 
-from kvfabric.core.directory import DirectoryCore, EmitEvent
+from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
-from tests.unit.core.dirkit import groups, key, new_core, put, register
+from tests.unit.core.dirkit import confirm_ticket, groups, key, new_core, put, register
 
 
 def test_a_cold_extra_is_not_dropped_while_the_other_replica_is_on_a_dead_segment() -> None:
@@ -72,27 +72,19 @@ def _extra_on(core: DirectoryCore, k: ObjectKey, segment: str) -> None:
         m.ReplicateBegin(writer_id="prefetch", request_id=f"x-{k.hex()}", key=k, segment_id=segment), 1
     ).reply
     assert isinstance(begun, m.ReplicateBeginReply) and begun.status == "placed" and begun.ticket
-    t = begun.ticket
-    confirm = m.ReplicaConfirm(
-        ticket_id=t.ticket_id,
-        key=t.key,
-        slot=900,
-        slot_generation=1,
-        size_bytes=t.size_bytes,
-        checksum=t.checksum,
-    )
-    core.handle(m.ConfirmReplicas(segment_id=segment, incarnation=1, confirms=[confirm]), 1)
+    confirm_ticket(core, begun.ticket, 900, 1)
 
 
-def _drop_cold(core: DirectoryCore, k: ObjectKey, segment: str) -> bool:
+def _drop_cold(core: DirectoryCore, k: ObjectKey, segment: str) -> tuple[bool, list[Effect]]:
+    """Prefetch's drop of that extra: whether it was dropped, and the effects."""
     out = core.handle(
         m.ReplicaCorrupt(
             segment_id=segment, incarnation=1, key=k, slot=900, slot_generation=1, reason="cold_extra"
         ),
         2,
-    ).reply
-    assert isinstance(out, m.ReplicaCorruptReply)
-    return out.dropped
+    )
+    assert isinstance(out.reply, m.ReplicaCorruptReply)
+    return out.reply.dropped, list(out.effects)
 
 
 def test_a_cold_extra_is_not_dropped_when_the_object_would_go_below_its_target() -> None:
@@ -112,18 +104,13 @@ def test_a_cold_extra_is_not_dropped_when_the_object_would_go_below_its_target()
     spare = {k: ({"s1", "s2", "s3"} - placed[k]).pop() for k in (ka, kb)}
     for k in (ka, kb):
         _extra_on(core, k, spare[k])
-    assert _drop_cold(core, ka, spare[ka])  # still an extra: both originals healthy
+    assert _drop_cold(core, ka, spare[ka])[0]  # still an extra: both originals healthy
     drained = sorted(placed[kb])[0]
     core.handle(m.Heartbeat(segment_id=drained, incarnation=1, used_bytes=0, draining=True), 2)
-    refused = core.handle(
-        m.ReplicaCorrupt(
-            segment_id=spare[kb], incarnation=1, key=kb, slot=900, slot_generation=1, reason="cold_extra"
-        ),
-        2,
-    )
-    assert isinstance(refused.reply, m.ReplicaCorruptReply) and not refused.reply.dropped  # no extra any more
+    dropped, effects = _drop_cold(core, kb, spare[kb])
+    assert not dropped  # one original draining: no extra any more
     # published again with it: the eviction policy's pools count the replica it now is
-    (event,) = [e.event for e in refused.effects if isinstance(e, EmitEvent)]
+    (event,) = [e.event for e in effects if isinstance(e, EmitEvent)]
     assert isinstance(event, m.GroupPublished) and spare[kb] in {p.segment_id for p in event.placements}
     assert core.counters["drop_refused_below_target_total"] == 1
     core.check_invariants()

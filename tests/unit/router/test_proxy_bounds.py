@@ -112,19 +112,19 @@ def test_a_client_gone_before_the_first_byte_cancels_the_engine_request() -> Non
     assert cancelled.is_set() and proxy.core.in_flight == 0
 
 
-def test_an_answer_broken_after_the_first_byte_is_not_ended_as_whole() -> None:
-    """The client took a truncated answer for a complete one: the body's last chunk was sent."""
-    proxy = _proxy()
+def _engine_answers(proxy: Proxy, chunks: AsyncIterator[bytes], first: bytes = b"") -> FakeResponse:
+    """The engine `proxy` opens answers `first`, then `chunks`; its response (to see it closed)."""
     response = FakeResponse()
 
-    async def broken() -> AsyncIterator[bytes]:
-        yield b'{"choices":[{"text":"hal'
-        raise httpx.ReadError("engine gone")
-
     async def opened(*args: Any) -> Any:
-        return proxy_module._Upstream(response, broken(), b"")  # type: ignore[arg-type]
+        return proxy_module._Upstream(response, chunks, first)  # type: ignore[arg-type]
 
     proxy._open = opened  # type: ignore[method-assign,assignment]
+    return response
+
+
+def _body_then_silence() -> Any:
+    """An ASGI `receive`: the request's body (`BODY`), then nothing (the client stays)."""
     messages = [{"type": "http.request", "body": BODY, "more_body": False}]
 
     async def receive() -> dict[str, Any]:
@@ -133,9 +133,22 @@ def test_an_answer_broken_after_the_first_byte_is_not_ended_as_whole() -> None:
         await asyncio.sleep(3600)
         return {"type": "http.disconnect"}
 
+    return receive
+
+
+def test_an_answer_broken_after_the_first_byte_is_not_ended_as_whole() -> None:
+    """The client took a truncated answer for a complete one: the body's last chunk was sent."""
+    proxy = _proxy()
+
+    async def broken() -> AsyncIterator[bytes]:
+        yield b'{"choices":[{"text":"hal'
+        raise httpx.ReadError("engine gone")
+
+    response = _engine_answers(proxy, broken())
+
     async def run() -> list[dict[str, Any]]:
         await proxy.driver.feed(routing_events.Health("e1", True))
-        return await _request(proxy, receive)
+        return await _request(proxy, _body_then_silence())
 
     sent = asyncio.run(run())
     bodies = [m for m in sent if m["type"] == "http.response.body"]
@@ -150,24 +163,14 @@ def test_a_client_that_stops_reading_is_cut_and_its_request_ends(monkeypatch: py
     nobody read answered every other tenant 503 `queues_full` for as long as the client lived)."""
     monkeypatch.setattr(proxy_module, "SEND_STALL_S", 0.2)
     proxy = _proxy()
-    response = FakeResponse()
 
     async def endless() -> AsyncIterator[bytes]:
         while True:
             yield b"data: token\n\n"
             await asyncio.sleep(0)
 
-    async def opened(*args: Any) -> Any:
-        return proxy_module._Upstream(response, endless(), b"data: first\n\n")  # type: ignore[arg-type]
-
-    proxy._open = opened  # type: ignore[method-assign,assignment]
-    messages = [{"type": "http.request", "body": BODY, "more_body": False}]
-
-    async def receive() -> dict[str, Any]:
-        if messages:
-            return messages.pop(0)
-        await asyncio.sleep(3600)
-        return {"type": "http.disconnect"}
+    response = _engine_answers(proxy, endless(), b"data: first\n\n")
+    receive = _body_then_silence()
 
     sent: list[dict[str, Any]] = []
 
