@@ -72,12 +72,11 @@ HOLD_MS_DEFAULT: Final = 10_000
 # Hits held at once: SGLang checks a request's pages in batches of 128 (`STORAGE_BATCH_SIZE`),
 # every batch before any get. Chained keys hold one hit a batch, per-page keys one a page: 64
 # gave the first half of one batch's leases back within its own `batch_exists` (review, stop 66),
-# so a page reported present could be evicted before its get. 1,024 hold eight batches: a
-# per-page request of more than 1,024 hit pages gives its first leases back before their gets
-# (misses, never wrong bytes). Not more: `covering`, `finished` and `_drop` scan the table, so a
-# per-page get costs O(held) under the backend's lock (8,192 held: ~2.7 ms a page get, ~0.7 s
-# to expire them at once; review of the change). An index by chain hash would lift that.
-HELD_HITS_MAX_DEFAULT: Final = 1024
+# so a page reported present could be evicted before its get. 8,192 hold 64 batches: a per-page
+# request of more hit pages gives its first leases back before their gets (misses, never wrong
+# bytes). One-chunk hits are indexed by chain hash (`HeldHits`), so a per-page get costs O(1)
+# whatever the table holds (it was a scan: ~2.7 ms a page at 8,192; stop 66 kept 1,024 then).
+HELD_HITS_MAX_DEFAULT: Final = 8192
 
 _P_PAGE: Final = b"kvf1/sglang-page"
 
@@ -105,6 +104,8 @@ def new_pages(hit_chunks: int, prefix_pages: int, pages: int) -> int:
 class _Held:
     hit: Hit
     held_ms: int
+    seq: int  # its place in the table: older hits have smaller ones
+    page: bytes | None  # a one-chunk hit's chain hash (indexed by it); None for a longer hit
     # gets loading under this hit's lease now (`covering` .. `done_with`): its lease is not given
     # back meanwhile, whatever expires or crowds it out (review, 2026-12-05: another thread's
     # `hold`, an expiry or another get's `finished` released it while a load ran under it)
@@ -121,14 +122,25 @@ def _on_chain(hit: Hit, chain: Sequence[bytes]) -> bool:
 class HeldHits:
     """Read-leased hits from `batch_exists`, waiting for their `batch_get_v1` (module docstring).
     Not thread-safe: the backend calls it under its lock. Returns the hits whose leases the
-    caller must give back."""
+    caller must give back.
+
+    Per-page keys hold one one-chunk hit a page, up to `held_max` of them: those are indexed by
+    their chain hash, so a per-page get finds (and ends) its page's hits in O(1), whatever the
+    table holds (each get scanned it: ~2.7 ms a page at 8,192 held; review, stop 66). Hits of
+    more chunks (chained keys: one a batch of 128 pages) are few and scanned. `now_ms` must not
+    go backwards between calls (the backend reads one monotonic clock under its lock): the
+    table is in the order hits were held, so an expiry stops at the first hit still young."""
 
     def __init__(self, hold_ms: int = HOLD_MS_DEFAULT, held_max: int = HELD_HITS_MAX_DEFAULT) -> None:
         if hold_ms < 0 or held_max < 1:
             raise ValueError(f"hold_ms must be >= 0 and held_max >= 1, got {hold_ms}, {held_max}")
         self.hold_ms = hold_ms
         self.held_max = held_max
-        self._held: list[_Held] = []  # oldest first
+        self._seq = 0
+        self._held: dict[int, _Held] = {}  # by seq: oldest first
+        self._pages: dict[bytes, dict[int, _Held]] = {}  # one-chunk hits by chain hash, by seq
+        self._longer: dict[int, _Held] = {}  # hits of two or more chunks, by seq
+        self._of_hit: dict[int, dict[int, _Held]] = {}  # id(hit) -> its entries (`done_with`)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -138,23 +150,42 @@ class HeldHits:
         get come back (those in use stay: as many as gets run at once)."""
         if hit.chunks == 0:
             return [hit] if hit.lease_id else []
-        self._held.append(_Held(hit, now_ms))
+        self._seq += 1
+        page = bytes(hit.groups[0].chain_hash) if hit.chunks == 1 else None
+        held = _Held(hit, now_ms, self._seq, page)
+        self._held[held.seq] = held
+        if page is None:
+            self._longer[held.seq] = held
+        else:
+            self._pages.setdefault(page, {})[held.seq] = held
+        self._of_hit.setdefault(id(hit), {})[held.seq] = held
         over = len(self._held) - self.held_max
         if over <= 0:
             return []
-        out = [h for h in self._held if not h.users][:over]
+        out: list[_Held] = []
+        for old in self._held.values():  # oldest first; past those in use (a get's at most)
+            if not old.users:
+                out.append(old)
+                if len(out) == over:
+                    break
         return self._drop(out)
 
+    def _on(self, chain: Sequence[bytes]) -> list[_Held]:
+        """Every held hit that may lie on `chain`: its first page's one-chunk hits and every
+        longer hit (the callers check the rest)."""
+        pages = self._pages.get(chain[0], {}) if chain else {}
+        return [*pages.values(), *self._longer.values()]
+
     def covering(self, chain: Sequence[bytes], end: int) -> Hit | None:
-        """The held hit on `chain` that covers chunks `< end`, the shortest such: it stays held,
-        in use by the caller until `done_with`."""
+        """The held hit on `chain` that covers chunks `< end`, the shortest such (the oldest of
+        those): it stays held, in use by the caller until `done_with`."""
         best: _Held | None = None
-        for held in self._held:
+        for held in self._on(chain[:end]):
             hit = held.hit
             if (
                 hit.chunks >= end
                 and _on_chain(hit, chain[:end])
-                and (best is None or hit.chunks < best.hit.chunks)
+                and (best is None or (hit.chunks, held.seq) < (best.hit.chunks, best.seq))
             ):
                 best = held
         if best is None:
@@ -164,30 +195,52 @@ class HeldHits:
 
     def done_with(self, hit: Hit) -> None:
         """A get that `covering` gave `hit` is done loading under its lease."""
-        for held in self._held:
-            if held.hit is hit and held.users:
+        for held in self._of_hit.get(id(hit), {}).values():
+            if held.users:
                 held.users -= 1
                 return
 
     def finished(self, chain: Sequence[bytes], end: int) -> list[Hit]:
         """A get of `chain` reached chunk `end`: every held hit on it ending there or before (but
         one another get still loads under)."""
-        on_it = [h for h in self._held if not h.users and h.hit.chunks <= end and _on_chain(h.hit, chain)]
-        return self._drop(on_it)
+        on_it = [
+            h for h in self._on(chain) if not h.users and h.hit.chunks <= end and _on_chain(h.hit, chain)
+        ]
+        return self._drop(sorted(on_it, key=lambda h: h.seq))
 
     def expired(self, now_ms: int) -> list[Hit]:
         """Hits held longer than `hold_ms` and not in use: no get came for them."""
-        return self._drop([h for h in self._held if not h.users and now_ms - h.held_ms >= self.hold_ms])
+        old: list[_Held] = []
+        for held in self._held.values():  # oldest first: the rest are younger
+            if now_ms - held.held_ms < self.hold_ms:
+                break
+            if not held.users:
+                old.append(held)
+        return self._drop(old)
 
     def _drop(self, gone: list[_Held]) -> list[Hit]:
-        if gone:
-            self._held = [h for h in self._held if all(h is not g for g in gone)]
+        for held in gone:
+            del self._held[held.seq]
+            if held.page is None:
+                del self._longer[held.seq]
+            else:
+                pages = self._pages[held.page]
+                del pages[held.seq]
+                if not pages:
+                    del self._pages[held.page]
+            mine = self._of_hit[id(held.hit)]
+            del mine[held.seq]
+            if not mine:
+                del self._of_hit[id(held.hit)]
         return [h.hit for h in gone]
 
     def drain(self) -> list[Hit]:
         """Every held hit (clear, close)."""
-        out = [h.hit for h in self._held]
+        out = [h.hit for h in self._held.values()]
         self._held.clear()
+        self._pages.clear()
+        self._longer.clear()
+        self._of_hit.clear()
         return out
 
 
