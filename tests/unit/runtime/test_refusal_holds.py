@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
+from kvfabric.format.errors import Busy
 from kvfabric.format.invariant import InvariantViolation
 from kvfabric.proto.common import ERROR_CODE_HEADER
 from kvfabric.proto.subjects import Service, service_group
@@ -48,9 +49,9 @@ class FakeRequest:
 
 class Harness:
     """A running runtime (no NATS) with a new-work and a give-back tenant endpoint whose
-    handlers wait until `release` is set."""
+    handlers wait until `release` is set (`refusing`: and three whose handlers refuse, held)."""
 
-    def __init__(self, *, inflight_max: int, hold_ms: int) -> None:
+    def __init__(self, *, inflight_max: int, hold_ms: int, refusing: bool = False) -> None:
         settings = RuntimeSettings(metrics_port=-1, inflight_max=inflight_max, shutdown_grace_ms=10)
         self.runtime = ServiceRuntime(
             Service.ECHO, settings, version="0.0.1", description="test", tenant_refusal_hold_ms=hold_ms
@@ -61,9 +62,27 @@ class Harness:
             await self.release.wait()
             return Done()
 
+        async def refuse(data: bytes, headers: Mapping[str, str], tenant: str) -> msgspec.Struct:
+            busy = Busy.own("tenant's budget spent")
+            busy.hold_s = HOLD_MS / 1000  # as the directory's fair admission refuses
+            raise busy
+
+        async def refuse_service(data: bytes, headers: Mapping[str, str]) -> msgspec.Struct:
+            return await refuse(data, headers, "")
+
         self.runtime.add_tenant_endpoint("work", handler)
         self.runtime.add_tenant_endpoint("give", handler, gives_back=True)
+        if refusing:  # endpoints whose handlers refuse with a hold
+            self.runtime.add_tenant_endpoint("refuse", refuse)
+            self.runtime.add_tenant_endpoint("refuse_give", refuse, gives_back=True)
+            self.runtime.add_endpoint("refuse_service", refuse_service)
         self.runtime._state = RuntimeState.RUNNING  # as after `start`, without NATS
+
+    async def send_service(self) -> FakeRequest:
+        """A service's request (no tenant) whose handler refuses with a hold."""
+        request = FakeRequest("svc", "refuse_service")
+        await self.runtime._dispatch(self.runtime._endpoints["refuse_service"], request)  # type: ignore[arg-type]
+        return request
 
     async def send(self, tenant: str, verb: str = "work") -> FakeRequest:
         request = FakeRequest(tenant, verb)
@@ -127,6 +146,34 @@ async def test_a_stop_answers_every_held_refusal_at_once() -> None:
     assert time.perf_counter() - started_s < 1.0
     assert codes(held) == [["unavailable"]] * 2
     assert svc.runtime.refusals_held == 0 and not svc.runtime._held_tasks
+
+
+@pytest.mark.parametrize("verb", ["refuse", "refuse_give"])
+async def test_a_handlers_held_refusal_gives_its_lane_slot_back_at_once(verb: str) -> None:
+    """A handler's `Busy` with a `hold_s` (the directory's fair admission) is answered after
+    it, in a held task: the handler's lane slot is free meanwhile. Slept in the handler, the
+    hold kept the slot: four tenants' held refusals filled the give-back lane and segments'
+    heartbeats in it were refused (review, stop 67)."""
+    svc = Harness(inflight_max=8, hold_ms=5_000, refusing=True)  # share 2, 1 of each lane reserved
+    refused = []
+    for tenant in ("a", "a", "b", "b", "c", "c", "d", "d"):
+        refused.append(await svc.send(tenant, verb))
+        await asyncio.sleep(0.005)  # its handler ran and raised: its slot is free again
+    assert svc.runtime.inflight_count == 0 and svc.runtime.refusals_held == 8
+    assert codes(refused) == [[]] * 8  # held
+    service = await svc.send_service()
+    await asyncio.sleep(HOLD_MS / 1000 + 0.1)
+    assert codes(refused) == [["busy"]] * 8 and svc.runtime.refusals_held == 0
+    assert all(r.answers[0][0] >= HOLD_MS / 1000 - 0.005 for r in refused)
+    assert codes([service]) == [["busy"]]  # a service request's refusal: at once, no hold
+    assert service.answers[0][0] < HOLD_MS / 1000
+    extra = []
+    for _ in range(3):
+        extra.append(await svc.send("a", verb))
+        await asyncio.sleep(0.005)
+    assert codes(extra) == [[], [], ["busy"]]  # past a's share of held refusals: at once
+    await asyncio.wait_for(svc.runtime.stop(), 2.0)
+    assert codes(extra) == [["unavailable"], ["unavailable"], ["busy"]]  # a stop answers them
 
 
 async def test_no_hold_answers_at_once() -> None:

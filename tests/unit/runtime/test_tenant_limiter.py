@@ -43,6 +43,23 @@ def test_gives_back_never_wait_behind_new_work() -> None:
     assert work.try_acquire("bob") is Admission.ADMITTED
 
 
+def test_tenants_together_leave_the_service_reserve() -> None:
+    """Four tenants at their share (a quarter each) held the whole lane, and segments'
+    heartbeats, sharing the give-back lane, were refused (review, stop 67): all tenants together
+    now stop `service_reserve` short of the bound, which only service requests may take."""
+    lane = TenantLimiter(8, 2, service_reserve=2)
+    for tenant in ("a", "b", "c"):
+        assert [lane.try_acquire(tenant) for _ in range(2)] == [Admission.ADMITTED] * 2
+    assert lane.try_acquire("d") is Admission.FULL  # 6 = 8 - 2: the rest is the services'
+    assert [lane.try_acquire(None) for _ in range(3)] == [Admission.ADMITTED] * 2 + [Admission.FULL]
+    lane.release("a")
+    assert lane.try_acquire("d") is Admission.ADMITTED
+    lane.release(None)  # a service's slot free: still not the tenants'
+    assert lane.try_acquire("d") is Admission.FULL and lane.count == 7
+    with pytest.raises(InvariantViolation):
+        TenantLimiter(2, 1, service_reserve=2)
+
+
 def test_release_without_acquire_is_a_bug() -> None:
     lane = TenantLimiter(2, 1)
     assert lane.try_acquire("bob") is Admission.ADMITTED

@@ -181,6 +181,12 @@ class Busy(KvfError):
     # tenant's tarpit (`kvfabric.runtime.tarpit_core`); a refusal for all (a full service, a full
     # table) is not the tenant's doing and never counts.
     tenants_own: bool = False
+    # Not on the wire: how long the service holds this refusal before answering it (a tenant's
+    # request only; 0: at once). The runtime holds it off the request's in-flight lane
+    # (`kvfabric.runtime.service`, "Held refusals"): a handler that slept on its refusal kept a
+    # lane slot for the hold, and four flooding tenants filled the give-back lane that segments'
+    # heartbeats share (review, stop 67).
+    hold_s: float = 0.0
 
     @classmethod
     def own(cls, message: str, /, **details: Any) -> Busy:

@@ -62,19 +62,30 @@ class TenantLimiter:
     """An `InflightLimiter` of which one tenant holds at most `tenant_limit` slots.
 
     States: `count` in 0..`limit`, each tenant's count in 1..`tenant_limit` (a tenant holding
-    none is forgotten, so the table is bounded by `limit`). Requests that name no tenant (service
-    endpoints) take only from the shared bound. `try_acquire` never waits: a refusal says which
-    bound refused (the caller answers `Busy` at once). A runtime keeps one per lane (new work,
-    gives-back: `kvfabric.runtime.service`), so the lanes never wait on each other.
+    none is forgotten, so the table is bounded by `limit`), all tenants' together at most `limit
+    - service_reserve`. Requests that name no tenant (service endpoints) take only from the
+    shared bound, so `service_reserve` slots are always theirs: with a share of a quarter, four
+    flooding tenants held every slot and segments' heartbeats were refused (review, stop 67).
+    `try_acquire` never waits: a refusal says which bound refused (the caller answers `Busy` at
+    once; tenants past the reserve: `FULL`, not their own doing). A runtime keeps one per lane
+    (new work, gives-back: `kvfabric.runtime.service`), so the lanes never wait on each other.
     """
 
-    def __init__(self, limit: int, tenant_limit: int) -> None:
+    def __init__(self, limit: int, tenant_limit: int, service_reserve: int = 0) -> None:
         invariant(
             1 <= tenant_limit <= limit, "tenant share must be in 1..limit", limit=limit, tenant=tenant_limit
+        )
+        invariant(
+            0 <= service_reserve < limit,
+            "service reserve must be in 0..limit-1",
+            limit=limit,
+            reserve=service_reserve,
         )
         self._slots = InflightLimiter(limit)
         self._tenant_limit = tenant_limit
         self._tenants: dict[str, int] = {}
+        self._tenants_total = 0  # slots all tenants hold: at most limit - service_reserve
+        self.service_reserve = service_reserve
         self.tenant_rejected_total = 0  # refused because the tenant held its share
 
     @property
@@ -99,13 +110,18 @@ class TenantLimiter:
 
     def try_acquire(self, tenant: str | None) -> Admission:
         """Take a slot for `tenant` (None: a service request) if its share and the bound allow."""
-        if tenant is not None and self._tenants.get(tenant, 0) >= self._tenant_limit:
-            self.tenant_rejected_total += 1
-            return Admission.TENANT_FULL
+        if tenant is not None:
+            if self._tenants.get(tenant, 0) >= self._tenant_limit:
+                self.tenant_rejected_total += 1
+                return Admission.TENANT_FULL
+            if self._tenants_total >= self._slots.limit - self.service_reserve:
+                self._slots.rejected_total += 1
+                return Admission.FULL
         if not self._slots.try_acquire():
             return Admission.FULL
         if tenant is not None:
             self._tenants[tenant] = self._tenants.get(tenant, 0) + 1
+            self._tenants_total += 1
         return Admission.ADMITTED
 
     def release(self, tenant: str | None) -> None:
@@ -116,4 +132,5 @@ class TenantLimiter:
                 self._tenants[tenant] = held - 1
             else:
                 del self._tenants[tenant]
+            self._tenants_total -= 1
         self._slots.release()

@@ -38,10 +38,14 @@ Tenant endpoints (`add_tenant_endpoint`) listen on `kvf.v1.<service>.t.*.<verb>`
 also gets the tenant token of the subject the request arrived on (NATS permissions guarantee the
 sender is that tenant: docs/security.md). A tenant request is dropped unless its reply subject is
 the tenant's own inbox, and one tenant holds at most `tenant_inflight_max` (a quarter of
-`inflight_max`) slots of a lane: more is `Busy` (docs/security.md).
+`inflight_max`) slots of a lane: more is `Busy` (docs/security.md); all tenants together hold
+at most 7/8 of a lane, the rest is service requests' (`TenantLimiter`'s `service_reserve`).
 
 Held refusals: a tenant request refused because its tenant holds its share is answered after
-`tenant_refusal_hold_ms` (250 ms by default, the directory's fair-admission hold), not at once.
+`tenant_refusal_hold_ms` (250 ms by default, the directory's fair-admission hold), not at once;
+so is a handler's `Busy` with a `hold_s` (the directory's fair admission), after that long,
+its lane slot given back when the handler raised (slept in the handler, the hold kept the
+slot: four flooding tenants filled the give-back lane, review, stop 67).
 Answered at once, a flooder that never backs off asks again at once, and each ask costs the
 loop a receive and a reply (issue 21 row 2: 26-253 such refusals a second). Bounded: at most
 `tenant_inflight_max` held refusals per tenant and `inflight_max` in all (each keeps its request
@@ -149,6 +153,7 @@ EXIT_UNAVAILABLE: Final = 69  # EX_UNAVAILABLE: NATS unreachable or lost past th
 EXIT_SOFTWARE: Final = 70  # EX_SOFTWARE: an invariant was violated
 STEP_TIMEOUT_S: Final = 5.0  # bound on each shutdown step that talks to NATS
 TENANT_SHARE_DIVISOR: Final = 4  # one tenant holds at most 1/4 of a lane's in-flight slots
+SERVICE_RESERVE_DIVISOR: Final = 8  # 1/8 of each lane only service requests may take
 # A tenant's refusal past its share is answered this long after receipt (module docstring).
 TENANT_REFUSAL_HOLD_MS_DEFAULT: Final = 250
 TENANT_REFUSAL_HOLD_MS_MAX: Final = 10_000
@@ -268,11 +273,16 @@ class ServiceRuntime:
         # One tenant may hold at most this many of a lane's in-flight slots (tenant endpoints),
         # so a busy or padded tenant cannot starve the others or the services.
         self.tenant_inflight_max = max(1, settings.inflight_max // TENANT_SHARE_DIVISOR)
-        self._limiter = TenantLimiter(settings.inflight_max, self.tenant_inflight_max)
+        # ... and all tenants together leave `service_reserve` of each lane to service requests
+        # (segments' heartbeats and confirms, kvctl): four tenants' shares were the whole lane.
+        self.service_reserve = settings.inflight_max // SERVICE_RESERVE_DIVISOR
+        self._limiter = TenantLimiter(settings.inflight_max, self.tenant_inflight_max, self.service_reserve)
         # Gives-back (`gives_back=True` endpoints) have slots of their own, as many, so a release
         # is never refused because new work is in flight, and new work never waits behind them.
         self.giveback_inflight_max = settings.inflight_max
-        self._giveback = TenantLimiter(self.giveback_inflight_max, self.tenant_inflight_max)
+        self._giveback = TenantLimiter(
+            self.giveback_inflight_max, self.tenant_inflight_max, self.service_reserve
+        )
         # Held refusals (module docstring): as many as a lane's slots, a tenant's share of them.
         self.tenant_refusal_hold_s = tenant_refusal_hold_ms / 1000
         self._held = TenantLimiter(settings.inflight_max, self.tenant_inflight_max)
@@ -749,13 +759,46 @@ class ServiceRuntime:
         self, endpoint: _Endpoint, request: MicroRequest, received_s: float, tenant: str
     ) -> None:
         try:
-            remaining_s = received_s + self.tenant_refusal_hold_s - time.perf_counter()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, remaining_s)):
-                    await self._holds_end.wait()
+            await self._hold_until(received_s + self.tenant_refusal_hold_s)
             await self._reject_busy(endpoint, request, received_s, Admission.TENANT_FULL, tenant)
         finally:
             self._held.release(tenant)
+
+    def _hold_error(
+        self, endpoint: _Endpoint, request: MicroRequest, received_s: float, tenant: str | None, err: Busy
+    ) -> bool:
+        """A handler's refusal to be held `err.hold_s` (the directory's fair admission):
+        answered later in a task of its own, within the bounds on held refusals, so the
+        handler's lane slot is free meanwhile; False: the caller answers at once."""
+        if tenant is None or self._holds_end.is_set():
+            return False
+        if self._held.try_acquire(tenant) is not Admission.ADMITTED:
+            return False
+
+        async def answer_later() -> None:
+            try:
+                await self._hold_until(time.perf_counter() + err.hold_s)
+                await pad_until(received_s + endpoint.reply_min_s)
+                if self._state is RuntimeState.RUNNING:
+                    await self._reply_error(request, err)
+                    self._finish(
+                        endpoint, Outcome.ERROR, received_s, err.code, error=err.message, tenant=tenant
+                    )
+                else:
+                    await self._reject_busy(endpoint, request, received_s, Admission.FULL, tenant)
+            finally:
+                self._held.release(tenant)
+
+        task = asyncio.create_task(answer_later(), name=f"kvf-{self.service.value}-{endpoint.verb}-held")
+        self._held_tasks.add(task)
+        task.add_done_callback(self._held_tasks.discard)
+        return True
+
+    async def _hold_until(self, until_s: float) -> None:
+        """Until `until_s` (`time.perf_counter`), or the stop, whichever is first."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, until_s - time.perf_counter())):
+                await self._holds_end.wait()
 
     async def _answer_held_refusals(self) -> None:
         """On stop: every held refusal answered now (`Unavailable`: the service is stopping)."""
@@ -835,6 +878,12 @@ class ServiceRuntime:
         except KvfError as err:
             if isinstance(err, Busy) and err.tenants_own:  # the directory's fair admission
                 self._note_refusal(endpoint, tenant)
+            if (
+                isinstance(err, Busy)
+                and err.hold_s > 0
+                and self._hold_error(endpoint, request, received_s, tenant, err)
+            ):
+                return  # answered after its hold, off the lane: this slot is free now
             await pad_until(received_s + endpoint.reply_min_s)
             await self._reply_error(request, err)
             self._finish(endpoint, Outcome.ERROR, received_s, err.code, error=err.message, tenant=tenant)

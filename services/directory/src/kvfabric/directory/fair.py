@@ -22,11 +22,14 @@ A request waiting here holds its runtime in-flight slot, so the runtime's per-te
 (`tenant_inflight_max`) still bounds what one tenant has in the directory.
 
 A refusal is held (`REFUSAL_HOLD_S_MAX`, or until the tenant's bucket would take the request,
-whichever is sooner) before it is answered. Answered at once, a flood that never backs off asks
-again at once: the loop then spends itself on receiving and refusing (measured: alice's lookup
-p50 4-7x her baseline during bob's max-size flood, 16 in flight, vs within 2x while his requests
-waited). Held, each of the flooder's in-flight requests costs one refusal per hold; an honest
-client waits `retry_after_ms` anyway (`kvfabric.client.busy`).
+whichever is sooner) before it is answered: `Busy.hold_s`, held by the runtime off the request's
+in-flight lane (a refusal slept on here kept its lane slot for the hold: four flooding tenants
+filled the give-back lane and segments' heartbeats were refused; review, stop 67). Answered at
+once, a flood that never backs off asks again at once: the loop then spends itself on receiving
+and refusing (measured: alice's lookup p50 4-7x her baseline during bob's max-size flood, 16 in
+flight, vs within 2x while his requests waited). Held, each of the flooder's in-flight requests
+costs one refusal per hold; an honest client waits `retry_after_ms` anyway
+(`kvfabric.client.busy`).
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ class FairGate:
         now_s = self.clock()
         if self.giveback.refuses(tenant, now_s):
             busy = self._giveback_busy(tenant, now_s)
-            await asyncio.sleep(min(REFUSAL_HOLD_S_MAX, self.giveback.retry_after_s(tenant, now_s)))
+            busy.hold_s = min(REFUSAL_HOLD_S_MAX, self.giveback.retry_after_s(tenant, now_s))
             raise busy
 
     def giveback_busy(self, tenant: str) -> Busy:
@@ -129,7 +132,7 @@ class FairGate:
         why = self.core.refuse_early(tenant, now_s)
         if why is not None:
             busy, hold_s = self._busy(tenant, max(1, self.core.config.request_cost_ids), why, now_s)
-            await asyncio.sleep(hold_s)
+            busy.hold_s = hold_s  # held by the runtime, off the lane (module docstring)
             raise busy
 
     @contextlib.asynccontextmanager
@@ -141,7 +144,7 @@ class FairGate:
         ticket = core.offer(tenant, cost, now_s)
         if isinstance(ticket, Refusal):
             busy, hold_s = self._busy(tenant, cost, ticket, now_s)
-            await asyncio.sleep(hold_s)
+            busy.hold_s = hold_s  # held by the runtime, off the lane (module docstring)
             raise busy
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[ticket] = waiter
