@@ -8,7 +8,7 @@ from __future__ import annotations
 from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
-from tests.unit.core.dirkit import confirm_ticket, groups, key, new_core, put, register
+from tests.unit.core.dirkit import confirm_ticket, groups, key, lookup, new_core, put, register
 
 
 def test_a_cold_extra_is_not_dropped_while_the_other_replica_is_on_a_dead_segment() -> None:
@@ -113,4 +113,44 @@ def test_a_cold_extra_is_not_dropped_when_the_object_would_go_below_its_target()
     (event,) = [e.event for e in effects if isinstance(e, EmitEvent)]
     assert isinstance(event, m.GroupPublished) and spare[kb] in {p.segment_id for p in event.placements}
     assert core.counters["drop_refused_below_target_total"] == 1
+    core.check_invariants()
+
+
+def test_a_drained_replica_is_not_dropped_while_a_read_lease_holds_its_group() -> None:
+    """Repair drops a draining segment's replica once the object has its target elsewhere; a
+    reader that looked the group up before the copy was made may hold tokens naming only that
+    replica: freed under its lease, the reader's load missed (invariant 3; review, stop 67). Now
+    refused while a read lease holds the group, and dropped once it is given back."""
+    core = new_core(replicas_default=1)
+    for seg in ("s1", "s2"):
+        register(core, seg, capacity=10_000, zone=seg)
+    (g,) = groups(1, seed=53)
+    k = key(g)
+    put(core, [k])
+    shown = core.handle(m.ShowGroup(group=k[:90]), 1).reply
+    assert isinstance(shown, m.GroupList)
+    (original,) = shown.groups[0].objects[0].replicas
+    leased = lookup(core, [g], now=1)  # the reader's tokens name the original only
+    assert leased.lease_id
+    core.handle(m.Heartbeat(segment_id=original.segment_id, incarnation=1, used_bytes=0, draining=True), 2)
+    _extra_on(core, k, ({"s1", "s2"} - {original.segment_id}).pop())  # repair's copy
+
+    def drop() -> bool:
+        out = core.handle(
+            m.ReplicaCorrupt(
+                segment_id=original.segment_id,
+                incarnation=1,
+                key=k,
+                slot=original.slot,
+                slot_generation=original.slot_generation,
+                reason="drained",
+            ),
+            3,
+        ).reply
+        assert isinstance(out, m.ReplicaCorruptReply)
+        return out.dropped
+
+    assert not drop() and core.counters["drop_refused_leased_total"] == 1
+    core.handle(m.LeaseRelease(holder_id="reader", lease_id=leased.lease_id, shard=0), 3)
+    assert drop()  # the reader gave it back: the drain goes on
     core.check_invariants()

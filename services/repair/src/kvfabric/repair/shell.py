@@ -192,7 +192,7 @@ class RepairShell:
                     for r in obj.replicas:
                         if r.segment_id in draining and healthy >= self.replicas_target:
                             key = key_of(summary, obj.member)
-                            await router.ask(
+                            reply = await router.ask(
                                 router.shard_of(key),
                                 "replica_corrupt",
                                 m.ReplicaCorrupt(
@@ -205,7 +205,9 @@ class RepairShell:
                                 ),
                                 self.request_timeout_s,
                             )
-                            self.replicas_retired += 1
+                            # (refused while a read lease holds the group: the next pass)
+                            if isinstance(reply, m.ReplicaCorruptReply) and reply.dropped:
+                                self.replicas_retired += 1
 
     async def _pages(self, query: m.ListGroups) -> AsyncIterator[m.GroupList]:
         """Every page of `query`, shard by shard (each shard pages on its own `after`); at most

@@ -133,6 +133,14 @@ class BackendWrites(BackendCore):
             return put.slot, put.slot_generation
         try:
             verdict = self.confirm(ticket, put.slot, put.slot_generation, put.trace_id, put.save_writes)
+        except StaleGeneration:
+            # The ticket's leader was replaced after the slot was stored (fenced above
+            # otherwise): its successor's report lists the slot, and the successor publishes or
+            # frees it, as a background confirm's `stale_generation` leaves it (shell_confirms).
+            # Freed here, a rebuild that published the group from the report served a replica
+            # that was gone (review, stop 67).
+            self.count("confirm_superseded_total")
+            raise
         except KvfError:
             self._free(put.slot, put.slot_generation)  # not confirmed: never readable via the directory
             raise

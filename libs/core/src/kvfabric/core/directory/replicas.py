@@ -358,6 +358,15 @@ class ReplicaTable:
                 ctx.count("drop_refused_below_target_total")
                 effects.append(self.published.republished(gid, group))
                 return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False), effects)
+            if req.reason == "drained" and self.published.lease_count.get(gid):
+                # a reader's lookup under a read lease may name only this replica (the copy
+                # that lets it go came after): freed, its load missed, against invariant 3
+                # (review, stop 67). Repair asks again at its next pass: a read lease lasts at
+                # most `lease_ttl_ms_max`. (Pins do not hold a drain up: they last. A cold
+                # extra is still dropped under a lease: prefetch forgets it whatever the answer,
+                # so refused it would stay above target for good; its reader falls back.)
+                ctx.count("drop_refused_leased_total")
+                return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False))
             if req.reason == "demoted" and self.published.held(gid):
                 # a reader leased it with a lookup that may name only this replica: not under it
                 ctx.count("demote_drop_refused_leased_total")

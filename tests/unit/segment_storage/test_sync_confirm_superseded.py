@@ -1,0 +1,66 @@
+"""A write confirmed synchronously (older clients, UCX, repair copies, promotions) whose confirm
+is answered `stale_generation` keeps its slot: the ticket's leader was replaced after the slot
+was stored (a write fenced before is never stored), so the successor's report listed it and the
+successor publishes or frees it, as it does for a background confirm's. Freed, a rebuild that
+published the group from the report served a replica that was gone (review, stop 67). Any other
+refusal still frees it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvfabric.core.segment_slots import SlotTable
+from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import KvfError, NotFound, StaleGeneration
+from kvfabric.format.ids import ObjectKey
+from kvfabric.proto.directory import WriteTicket
+from kvfabric.proto.tickets import sign_ticket
+from kvfabric.segment_storage.arena import Arena
+from kvfabric.segment_storage.backend import ArenaBackend
+
+SECRET = b"unit-sync-confirm-secret-0123456789"
+ARENA_BYTES = 4 << 20
+
+
+@pytest.mark.parametrize(
+    ("refusal", "kept"),
+    [(StaleGeneration("directory_epoch", 1, 2), True), (NotFound("no such ticket"), False)],
+)
+def test_a_superseded_confirm_leaves_the_slot_to_the_successor(
+    tmp_path: Path, refusal: KvfError, kept: bool
+) -> None:
+    def confirm(*_: object) -> str:
+        raise refusal
+
+    backend = ArenaBackend(
+        Arena(tmp_path, "s1", 3, ARENA_BYTES),
+        SlotTable(ARENA_BYTES),
+        segment_id="s1",
+        incarnation=3,
+        secret=SECRET,
+        confirm=confirm,
+        clock_ms=lambda: 1_000,
+    )
+    data = b"x" * 4096
+    ticket = WriteTicket(
+        ticket_id=1,
+        key=ObjectKey(b"k1"),
+        segment_id="s1",
+        incarnation=3,
+        size_bytes=len(data),
+        checksum=checksum(data),
+        writer_id="w",
+        deadline_ms=60_000,
+        epoch=1,
+    )
+    put = backend.begin_put(sign_ticket(ticket, SECRET), conn=0)
+    put.view[:] = data
+    with pytest.raises(type(refusal)):  # the writer hears it all the same
+        backend.finish_put(put, conn=0)
+    held = [(h.slot, h.checksum) for h in backend.slots.held()]
+    assert held == ([(put.slot, checksum(data))] if kept else [])
+    assert backend.counters.get("confirm_superseded_total", 0) == (1 if kept else 0)
+    backend.slots.check_invariants()
+    backend.arena.close()
