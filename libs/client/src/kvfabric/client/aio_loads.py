@@ -82,6 +82,42 @@ class _Target:
     dest: ScatterDest
 
 
+_UNUSED: Final = "unused"  # an object not waited for: a chunk before it failed (`_UsefulLeft`)
+
+
+class _UsefulLeft:
+    """Whether a load still waits for an object it can use: one pending in a chunk before the
+    load's first failed chunk (the result is the verified prefix: nothing from that chunk on is
+    used). It waited for every object up to `load_timeout_ms`, so a chunk refused at once before
+    others on a slow segment cost the engine the whole timeout, then a recompute (review, stop
+    67). O(1) a settled object, the chunks' counts walked once as the first failure moves down."""
+
+    def __init__(self, first_chunk: int, n_chunks: int) -> None:
+        self._first_chunk = first_chunk
+        self._pending = [0] * n_chunks  # objects pending per chunk
+        self._failed = n_chunks  # the first failed chunk (from `first_chunk`); n_chunks: none
+        self._useful = 0  # objects pending before it
+        self.settled = asyncio.Event()  # set while none is
+
+    def add(self, chunk: int, future: asyncio.Future[str]) -> None:
+        i = chunk - self._first_chunk
+        self._pending[i] += 1
+        if i < self._failed:
+            self._useful += 1
+            self.settled.clear()
+        future.add_done_callback(lambda done: self._done(i, done))
+
+    def _done(self, i: int, future: asyncio.Future[str]) -> None:
+        self._pending[i] -= 1
+        if i < self._failed:
+            self._useful -= 1
+            if future.cancelled() or future.result() != "ok":  # chunk i on: of no use now
+                self._useful -= sum(self._pending[i : self._failed])
+                self._failed = i
+        if self._useful == 0:
+            self.settled.set()
+
+
 class LoadMixin(ClientBase):
     """`load`, `load_now` of `AsyncKvClient`, and the load table's effects."""
 
@@ -142,6 +178,7 @@ class LoadMixin(ClientBase):
         outcomes: dict[tuple[int, int], asyncio.Future[str]] = {}
         anonymous: list[DestId] = []
         waits = [0.0]  # seconds this load queued for transfer room
+        useful = _UsefulLeft(first_chunk, len(chunks))
         loop = asyncio.get_running_loop()
         try:
             for i, locs in enumerate(chunks):
@@ -156,15 +193,18 @@ class LoadMixin(ClientBase):
                     object_id = (hit.groups[chunk], hit.members[j])
                     future: asyncio.Future[str] = loop.create_future()
                     outcomes[(chunk, j)] = future
+                    useful.add(chunk, future)
                     self._waiters[load_id] = _Waiter(future, views[i][j], deadline_ms)
                     await self._want(load_id, generation, object_id, dest_id, loc, deadline_ms, waits)
                 if any(f.done() and f.result() != "ok" for f in outcomes.values()):
                     break  # a chunk already failed: later ones would not be used
             self._flush_starts()
-            pending = [f for f in outcomes.values() if not f.done()]
-            if pending:
-                timeout_s = max(0.0, (deadline_ms - _now_ms()) / 1000)
-                await asyncio.wait(pending, timeout=timeout_s)
+            if any(not f.done() for f in outcomes.values()):
+                # until every object it can still use is in (those after a failed chunk are
+                # not waited for: cancelled below, their transfers fenced)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, (deadline_ms - _now_ms()) / 1000)):
+                        await useful.settled.wait()
         finally:
             # Every waiter of this load ends here (also when this coroutine is cancelled): after
             # the gate closes no transfer writes into this load's buffers (one that is still
@@ -172,11 +212,12 @@ class LoadMixin(ClientBase):
             gate.close()
             self._flush_starts()  # started transfers must be answered (and release their target)
             timed_out = _now_ms() >= deadline_ms
+            unfinished = "timeout" if timed_out else _UNUSED if useful.settled.is_set() else "cancelled"
             for (chunk, j), future in outcomes.items():
                 if not future.done():
                     load_id = (seq, chunk, j)
                     self._perform(self.table.cancel(load_id))
-                    self._finish(load_id, "timeout" if timed_out else "cancelled")
+                    self._finish(load_id, unfinished)
             for dest_id in anonymous:
                 self.table.forget_dest(dest_id)
         return self._load_result(hit, first_chunk, len(chunks), outcomes, started, waits[0])
@@ -318,7 +359,9 @@ class LoadMixin(ClientBase):
                 outcomes[(chunk, j)].result() if (chunk, j) in outcomes else "skipped"
                 for j in range(len(hit.members))
             ]
-            bad = next((r for r in results if r != "ok"), None)
+            # (a member not waited for, after another failed, is not the chunk's cause)
+            bad = next((r for r in results if r not in ("ok", _UNUSED)), None)
+            bad = bad or next((r for r in results if r != "ok"), None)
             if bad is None and not failed:
                 loaded += 1
                 continue
