@@ -264,13 +264,18 @@ class LeaseTable:
         return Outcome(m.PinReply(epoch=self.ctx.epoch, pin_id=req.pin_id, pinned_groups=0, expires_ms=0))
 
     def expire(self, now_ms: int) -> None:
-        """Leases and pins whose time has come end."""
-        while self._heap and self._heap[0][0] <= now_ms:
+        """Leases and pins whose time has come end, naming at most about `expire_batch_max`
+        groups in all a tick (the rest at the next: each group named is a count to drop)."""
+        ended, budget = 0, self.ctx.config.expire_batch_max
+        while self._heap and self._heap[0][0] <= now_ms and ended < budget:
             _, lease_id = heapq.heappop(self._heap)
             lease = self.leases.get(lease_id)
             if lease is not None and lease.expires_ms <= now_ms:
                 self.ctx.count("pins_expired_total" if lease.is_pin else "leases_expired_total")
+                ended += len(lease.groups)
                 self._end(lease_id)
+        if ended >= budget:
+            self.ctx.count("expiry_deferred_ticks_total")
 
     # ---- checks --------------------------------------------------------------------------
 

@@ -318,28 +318,37 @@ class WriteTable(WriteBegin, WriteConfirm):
             del self.building[gid]
 
     def expire(self, now_ms: int, effects: list[Effect]) -> None:
-        """Members whose write deadline passed uncommitted are reclaimed."""
-        while self._deadlines and self._deadlines[0][0] <= now_ms:
+        """Members whose write deadline passed uncommitted are reclaimed, at most about
+        `expire_batch_max` a tick (a group's members together; the rest stay queued: invariant
+        3 holds, and the next tick goes on)."""
+        reclaimed, budget = 0, self.ctx.config.expire_batch_max
+        while self._deadlines and self._deadlines[0][0] <= now_ms and reclaimed < budget:
             _, gid = heapq.heappop(self._deadlines)
-            self._expire_group(gid, now_ms, effects)
+            reclaimed += self._expire_group(gid, now_ms, effects)
+        if reclaimed >= budget:
+            self.ctx.count("expiry_deferred_ticks_total")
         self._bound_heap()
 
-    def _expire_group(self, gid: GroupKey, now_ms: int, effects: list[Effect]) -> None:
+    def _expire_group(self, gid: GroupKey, now_ms: int, effects: list[Effect]) -> int:
+        """Members reclaimed."""
         group = self.building.get(gid)
         if group is None:
-            return
+            return 0
         expired = [mem for mem, pm in group.members.items() if not pm.committed and pm.deadline_ms <= now_ms]
         for mem in expired:
             self.ctx.count("write_leases_expired_total")
             self._drop_member(gid, group, mem, effects)
+        reclaimed = len(expired)
         # A group whose present members all committed but that never completed: reclaim all of it
         # once the latest writer's deadline has passed.
         if gid in self.building and all(
             pm.committed and pm.deadline_ms <= now_ms for pm in group.members.values()
         ):
             self.ctx.count("groups_incomplete_reclaimed_total")
+            reclaimed += len(group.members)
             for mem in list(group.members):
                 self._drop_member(gid, group, mem, effects)
+        return reclaimed
 
     def segment_lost(self, effects: list[Effect]) -> None:
         """Placements on dead incarnations die; a member left with none is reclaimed, committed
