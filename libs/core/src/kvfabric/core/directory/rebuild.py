@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvfabric.core.directory.keys import GroupInfo, parse_key
+from kvfabric.core.directory.records import MEMBER_REPLICAS_MAX
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.ids import GroupKey, ObjectKey
 from kvfabric.proto import directory as m
@@ -102,6 +103,12 @@ def plan_rebuild(holdings: Sequence[SegmentHolding]) -> RebuildPlan:
                 # object's checksum: ObjectSpec.checksum), so neither is adopted.
                 orphans.append(replica)
                 disputed.add(gid)
+                continue
+            if len(member.replicas) >= MEMBER_REPLICAS_MAX:
+                # a record holds at most this many: past it, adopted, packing the record raised
+                # InvariantViolation and every instance adopting the shard stopped (review, stop
+                # 67; the copies come from begin/PUT/abort loops); the rest are orphans
+                orphans.append(replica)
                 continue
             member.replicas.append(replica)
     groups = {}

@@ -32,6 +32,7 @@ from kvfabric.format.invariant import invariant
 
 __all__ = [
     "FLAG_DEGRADED",
+    "MEMBER_REPLICAS_MAX",
     "MemberRecord",
     "PublishedGroup",
     "ReplicaRecord",
@@ -87,12 +88,15 @@ class PublishedGroup:
         return bool(self.flags & FLAG_DEGRADED)
 
 
+MEMBER_REPLICAS_MAX: Final = 255  # a member record counts its replicas in a u8
+
+
 def pack_group(group: PublishedGroup) -> bytes:
     invariant(0 < len(group.members) < 256, "member count out of range", n=len(group.members))
     parts = [_HEADER.pack(group.namespace, group.chunk_index, len(group.members), group.flags)]
     for m in group.members:
         invariant(len(m.checksum) == 16, "checksum must be 16 bytes")
-        invariant(0 < len(m.replicas) < 256, "replica count out of range", n=len(m.replicas))
+        invariant(0 < len(m.replicas) <= MEMBER_REPLICAS_MAX, "replica count out of range", n=len(m.replicas))
         parts.append(
             _MEMBER.pack(m.tp_rank, m.pp_stage, m.layer_group, m.size_bytes, m.checksum, len(m.replicas))
         )

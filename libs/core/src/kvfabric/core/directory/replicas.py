@@ -58,7 +58,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Final
 
 from kvfabric.core.directory.base import (
     HEAP_SLACK_MIN,
@@ -73,7 +72,7 @@ from kvfabric.core.directory.base import (
 from kvfabric.core.directory.frees import FreeTable
 from kvfabric.core.directory.keys import chain_of, domain_of, parse_key
 from kvfabric.core.directory.published import PublishedTable
-from kvfabric.core.directory.records import MemberRecord, ReplicaRecord, unpack_group
+from kvfabric.core.directory.records import MEMBER_REPLICAS_MAX, MemberRecord, ReplicaRecord, unpack_group
 from kvfabric.core.directory.segments import Segment, SegmentTable
 from kvfabric.core.quotas import Tenant, tenant_of
 from kvfabric.format.errors import BadRequest
@@ -84,8 +83,6 @@ from kvfabric.proto.segment import tier_of_slot
 from kvfabric.proto.tickets import sign_ticket
 
 __all__ = ["ReplicaTable", "ReplicaTicket"]
-
-MEMBER_REPLICAS_MAX: Final = 255  # a member record counts its replicas in a u8 (`records`)
 
 
 def check_copy_request(writer_id: str, write_ttl_ms: int) -> None:
@@ -264,6 +261,13 @@ class ReplicaTable:
             self.ctx.count("replica_confirm_gone_total")
             return "unknown_ticket"
         gid, group, mem = found
+        if len(mem.replicas) >= MEMBER_REPLICAS_MAX:
+            # tickets granted while it had room, confirmed after it filled: packed, the record
+            # raised InvariantViolation half-way through a confirm batch and the directory
+            # stopped (review, stop 67). The segment frees the copy.
+            self._end(rt)
+            self.ctx.count("replica_confirm_full_total")
+            return "unknown_ticket"
         replica = ReplicaRecord(rt.placement, c.slot, c.slot_generation)
         self.published.replace_member(
             gid, group, MemberRecord(*mem.member, mem.size_bytes, mem.checksum, (*mem.replicas, replica))
