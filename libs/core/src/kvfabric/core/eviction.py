@@ -102,7 +102,9 @@ with its papers and adaptations; this module keeps every rule below whatever the
    lru2's history holds at most max(`LRU2_HISTORY_FLOOR`, resident objects) ids; a queue
    policy's state is checked by its own `check` (its ghost and scan bounds in its module);
    the reuse predictor's ghost and classes by its `check`; the density predictor's likewise, and
-   its class heaps stay within a multiple of the objects (compacted like the heap).
+   its class heaps stay within a multiple of the objects (compacted like the heap); the heap is
+   compacted at each push past `HEAP_ENTRIES_PER_OBJECT` entries an object plus
+   `HEAP_ENTRIES_SLACK` (a hit pushes an entry), so it stays within that of the most objects held.
 """
 
 from __future__ import annotations

@@ -50,10 +50,20 @@ from kvfabric.core.eviction_reuse import (
     reuse_class,
 )
 
-__all__ = ["LRU2_HISTORY_FLOOR", "LRU2_SINGLE_ACCESS_MS", "LeafRanking"]
+__all__ = [
+    "HEAP_ENTRIES_PER_OBJECT",
+    "HEAP_ENTRIES_SLACK",
+    "LRU2_HISTORY_FLOOR",
+    "LRU2_SINGLE_ACCESS_MS",
+    "LeafRanking",
+]
 
 LRU2_SINGLE_ACCESS_MS: Final = 1 << 50  # an object seen once ranks this long before its access
 LRU2_HISTORY_FLOOR: Final = 1024  # removed objects' last accesses kept, at least
+# The heap (density's class heaps together) is compacted past this many entries an object, plus
+# the slack: stale entries (a hit pushes a new one) go, so it stays within a multiple of them.
+HEAP_ENTRIES_PER_OBJECT: Final = 4
+HEAP_ENTRIES_SLACK: Final = 1024
 
 # A heap entry: (priority, or last access for density's class heaps; seq; version; id)
 HeapEntry = tuple[float, int, int, ObjectId]
@@ -207,10 +217,15 @@ class LeafRanking:
             entry = (float(obj.last_access_ms), self._seq, obj.version, object_id)
             heapq.heappush(self._class_heaps.setdefault(obj.density_class, []), entry)
             self._class_entries += 1  # pops are not counted: an upper bound, reset by _compact
-            if self._class_entries > 4 * len(self._objects) + 1024:
+            if self._class_entries > HEAP_ENTRIES_PER_OBJECT * len(self._objects) + HEAP_ENTRIES_SLACK:
                 self._compact()
             return
         heapq.heappush(self._heap, (self._priority(obj), self._seq, obj.version, object_id))
+        if len(self._heap) > HEAP_ENTRIES_PER_OBJECT * len(self._objects) + HEAP_ENTRIES_SLACK:
+            # every hit pushes an entry: compacted only in a pass, the heap grew by one a hit
+            # while no pool was pressed (200,000 hits on 1,000 objects: 201,000 entries, and
+            # the next pass popped them all, 1.6 s at 850,000; review, stop 67)
+            self._compact()
 
     def _offer(
         self,
@@ -274,7 +289,7 @@ class LeafRanking:
                 freed += take(entry[3], obj)[0]
             for entry in passed:
                 heapq.heappush(self._heap, entry)
-            if len(self._heap) > 4 * len(self._objects) + 1024:
+            if len(self._heap) > HEAP_ENTRIES_PER_OBJECT * len(self._objects) + HEAP_ENTRIES_SLACK:
                 self._compact()
         return freed, examined
 
