@@ -6,6 +6,7 @@ the failed one is still waited for."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Sequence
@@ -59,3 +60,37 @@ async def test_a_load_stops_waiting_once_nothing_left_can_be_used(failing_chunk:
         assert result.tokens == 0 and took < 1.0, took  # nothing after chunk 0 waited for
     else:
         assert result.chunks_loaded == 1 and 0.25 <= took < 2.0, took
+
+
+async def test_a_load_that_lent_its_buffers_to_a_joined_transfer_waits_for_it() -> None:
+    """Load A starts chunk 1's transfer (it writes into A's buffers); load B, whose engine holds
+    chunk 0 already, joins it and will copy from them. A's chunk 0 fails: A still waits for the
+    transfer B joined before it closes its gate, or B's object, fetched whole, failed
+    `cancelled` (review of the early stop, stop 67)."""
+    kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1", load_timeout_ms=5_000), SPEC)
+    fail_go, slow_go = threading.Event(), threading.Event()
+
+    def fetch(
+        locations: Sequence[m.ObjectLocation], dests: object, attempts: int, deadline_s: float
+    ) -> list[str]:
+        if locations[0].replicas[0].data_addr != SLOW:
+            fail_go.wait(3.0)
+            return ["stale_generation"] * len(locations)
+        slow_go.wait(3.0)
+        return ["ok"] * len(locations)
+
+    kv.pool.fetch_many = fetch  # type: ignore[method-assign,assignment]
+    kv.pool.fetch_local_now = lambda *a: None  # type: ignore[method-assign]
+    hit = two_segments(failing_chunk=0)
+    a = asyncio.create_task(kv.load(hit, [[bytearray(SIZE)], [bytearray(SIZE)]]))
+    await asyncio.sleep(0.05)
+    b = asyncio.create_task(kv.load(hit, [[bytearray(SIZE)]], first_chunk=1))
+    await asyncio.sleep(0.05)
+    fail_go.set()  # A's chunk 0 fails
+    await asyncio.sleep(0.1)
+    assert not a.done()  # B still copies from A's buffers once chunk 1 lands
+    slow_go.set()
+    result_a, result_b = await a, await b
+    await kv.close()
+    assert result_a.tokens == 0 and result_a.cause == "stale_generation"
+    assert result_b.chunks_loaded == 1 and result_b.cause == ""

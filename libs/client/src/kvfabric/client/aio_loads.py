@@ -201,10 +201,14 @@ class LoadMixin(ClientBase):
             self._flush_starts()
             if any(not f.done() for f in outcomes.values()):
                 # until every object it can still use is in (those after a failed chunk are
-                # not waited for: cancelled below, their transfers fenced)
+                # not waited for: cancelled below, their transfers fenced), and every transfer
+                # into its buffers that other loads joined has landed (they copy from these
+                # buffers: left early, their objects failed `cancelled`; review, stop 67)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(max(0.0, (deadline_ms - _now_ms()) / 1000)):
                         await useful.settled.wait()
+                        while lent := [f for k, f in outcomes.items() if not f.done() and self._lent(seq, k)]:
+                            await asyncio.wait(lent, return_when=asyncio.FIRST_COMPLETED)
         finally:
             # Every waiter of this load ends here (also when this coroutine is cancelled): after
             # the gate closes no transfer writes into this load's buffers (one that is still
@@ -398,6 +402,14 @@ class LoadMixin(ClientBase):
                 self._capacity.set()  # loads waiting for room may retry
             elif isinstance(effect, CancelTransfer):
                 pass  # a blocking transfer cannot be interrupted; it is bounded by its timeout
+
+    def _lent(self, seq: int, chunk_member: tuple[int, int]) -> bool:
+        """Whether waiter (seq, chunk, member) started a transfer that other loads joined: it
+        writes into this waiter's buffers, and they copy from them."""
+        load_id = (seq, *chunk_member)
+        transfer_id = self.table.shared_transfer(load_id)
+        target = self._targets.get(transfer_id) if transfer_id is not None else None
+        return target is not None and target.load_id == load_id
 
     def _finish(self, load_id: Any, outcome: str) -> None:
         waiter = self._waiters.pop(load_id, None)

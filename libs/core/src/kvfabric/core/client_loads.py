@@ -306,6 +306,15 @@ class LoadTable:
         )
         return self._end(load_id, "delivered")
 
+    def shared_transfer(self, load_id: LoadId) -> TransferId | None:
+        """The transfer live waiter `load_id` waits on, when other loads wait on it too (a
+        query: nothing changes)."""
+        waiter = self._waiters.get(load_id)
+        if waiter is None:
+            return None
+        transfer = self._transfers.get(waiter.transfer_id)
+        return waiter.transfer_id if transfer is not None and len(transfer.waiters) > 1 else None
+
     def cancel(self, load_id: LoadId) -> list[Effect]:
         """The engine gives up on `load_id`; its dest is the engine's again at once. A load that
         already ended (a race with its outcome) is counted and ignored."""
