@@ -6,6 +6,7 @@ record until the sweep reaches its group, and counting it let prefetch drop the 
 from __future__ import annotations
 
 from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent
+from kvfabric.core.directory.replicas import TOKEN_SKEW_MS_MAX
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from tests.unit.core.dirkit import confirm_ticket, groups, key, lookup, new_core, put, register
@@ -135,7 +136,7 @@ def test_a_drained_replica_is_not_dropped_while_a_read_lease_holds_its_group() -
     core.handle(m.Heartbeat(segment_id=original.segment_id, incarnation=1, used_bytes=0, draining=True), 2)
     _extra_on(core, k, ({"s1", "s2"} - {original.segment_id}).pop())  # repair's copy
 
-    def drop() -> bool:
+    def drop(now: int = 3) -> bool:
         out = core.handle(
             m.ReplicaCorrupt(
                 segment_id=original.segment_id,
@@ -145,7 +146,7 @@ def test_a_drained_replica_is_not_dropped_while_a_read_lease_holds_its_group() -
                 slot_generation=original.slot_generation,
                 reason="drained",
             ),
-            3,
+            now,
         ).reply
         assert isinstance(out, m.ReplicaCorruptReply)
         return out.dropped
@@ -153,4 +154,49 @@ def test_a_drained_replica_is_not_dropped_while_a_read_lease_holds_its_group() -
     assert not drop() and core.counters["drop_refused_leased_total"] == 1
     core.handle(m.LeaseRelease(holder_id="reader", lease_id=leased.lease_id, shard=0), 3)
     assert drop()  # the reader gave it back: the drain goes on
+    core.check_invariants()
+
+
+def test_readers_hold_a_drained_replica_up_no_longer_than_their_tokens_live() -> None:
+    """Leases taken and renewed one after another (a hot group, or a tenant renewing one on
+    purpose) kept a drained replica for good, and the drain never ended (review of the fix,
+    stop 67): it waits `lease_ttl_ms_max` + the segments' skew tolerance from its first refusal
+    at most, when every token from before the copy has expired."""
+    core = new_core(replicas_default=1)
+    for seg in ("s1", "s2"):
+        register(core, seg, capacity=10_000, zone=seg)
+    (g,) = groups(1, seed=54)
+    k = key(g)
+    put(core, [k])
+    shown = core.handle(m.ShowGroup(group=k[:90]), 1).reply
+    assert isinstance(shown, m.GroupList)
+    (original,) = shown.groups[0].objects[0].replicas
+    core.handle(m.Heartbeat(segment_id=original.segment_id, incarnation=1, used_bytes=0, draining=True), 2)
+    _extra_on(core, k, ({"s1", "s2"} - {original.segment_id}).pop())
+    wait_ms = core.config.lease_ttl_ms_max + TOKEN_SKEW_MS_MAX
+    dropped_at = None
+    for now in range(10, 3 * wait_ms, 5_000):  # a fresh lease every 5 s, each living 30 s
+        alive = ({"s1", "s2"} - {original.segment_id}).pop()
+        core.handle(m.Heartbeat(segment_id=alive, incarnation=1, used_bytes=0), now)
+        core.handle(
+            m.Heartbeat(segment_id=original.segment_id, incarnation=1, used_bytes=0, draining=True), now
+        )
+        core.tick(now)
+        lookup(core, [g], now=now, holder=f"reader{now}", ttl=30_000)
+        out = core.handle(
+            m.ReplicaCorrupt(
+                segment_id=original.segment_id,
+                incarnation=1,
+                key=k,
+                slot=original.slot,
+                slot_generation=original.slot_generation,
+                reason="drained",
+            ),
+            now,
+        ).reply
+        assert isinstance(out, m.ReplicaCorruptReply)
+        if out.dropped:
+            dropped_at = now
+            break
+    assert dropped_at is not None and wait_ms <= dropped_at - 10 < wait_ms + 5_000
     core.check_invariants()

@@ -3,7 +3,7 @@ is answered `stale_generation` keeps its slot: the ticket's leader was replaced 
 was stored (a write fenced before is never stored), so the successor's report listed it and the
 successor publishes or frees it, as it does for a background confirm's. Freed, a rebuild that
 published the group from the report served a replica that was gone (review, stop 67). Any other
-refusal still frees it."""
+refusal still frees it, a stale segment incarnation's too (review of the fix)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,11 @@ ARENA_BYTES = 4 << 20
 
 @pytest.mark.parametrize(
     ("refusal", "kept"),
-    [(StaleGeneration("directory_epoch", 1, 2), True), (NotFound("no such ticket"), False)],
+    [
+        (StaleGeneration("directory_epoch", 1, 2), True),
+        (StaleGeneration("segment_incarnation", 3, 4), False),  # a newer incarnation: no report adopts it
+        (NotFound("no such ticket"), False),
+    ],
 )
 def test_a_superseded_confirm_leaves_the_slot_to_the_successor(
     tmp_path: Path, refusal: KvfError, kept: bool

@@ -194,6 +194,8 @@ class LaterShell:
         # A newer leader: it adopted the slot from the segment's report and decides (publishes
         # it, or frees it after its grace); freeing it here lost a published replica.
         ([StaleGeneration("directory_epoch", 1, 2)], True, 1),
+        # a newer incarnation of this segment registered: no report adopts the slot (review, stop 67)
+        ([StaleGeneration("segment_incarnation", 1, 2)], False, 1),
         ([NotFound("segment s1 is not registered")], False, 1),  # the incarnation is down: final
     ],
 )

@@ -133,7 +133,10 @@ class BackendWrites(BackendCore):
             return put.slot, put.slot_generation
         try:
             verdict = self.confirm(ticket, put.slot, put.slot_generation, put.trace_id, put.save_writes)
-        except StaleGeneration:
+        except StaleGeneration as err:
+            if err.details.get("kind") != "directory_epoch":  # (this incarnation is not the live one)
+                self._free(put.slot, put.slot_generation)
+                raise
             # The ticket's leader was replaced after the slot was stored (fenced above
             # otherwise): its successor's report lists the slot, and the successor publishes or
             # frees it, as a background confirm's `stale_generation` leaves it (shell_confirms).

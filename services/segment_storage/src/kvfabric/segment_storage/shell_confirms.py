@@ -199,8 +199,10 @@ class ShellConfirms:
                         self.backend.unconfirmed(slot, generation, verdict.result())
                 elif isinstance(err, _CONFIRM_FINAL_ERRORS):
                     self.backend.unconfirmed(slot, generation, err.code)
-                elif isinstance(err, StaleGeneration):  # the successor owns the slot's fate
-                    self.backend.count("confirm_later_superseded_total")
+                elif isinstance(err, StaleGeneration) and err.details.get("kind") == "directory_epoch":
+                    self.backend.count("confirm_later_superseded_total")  # the successor owns its fate
+                elif isinstance(err, StaleGeneration):  # a stale incarnation: no report adopts it
+                    self.backend.unconfirmed(slot, generation, err.code)
                 elif _given_up(self.backend, ticket):
                     self.backend.unconfirmed(slot, generation, "no_verdict")
                 else:

@@ -58,6 +58,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Final
 
 from kvfabric.core.directory.base import (
     HEAP_SLACK_MIN,
@@ -83,6 +84,12 @@ from kvfabric.proto.segment import tier_of_slot
 from kvfabric.proto.tickets import sign_ticket
 
 __all__ = ["ReplicaTable", "ReplicaTicket"]
+
+# A read token lives at most `lease_ttl_ms_max`, and a segment honours it up to its clock-skew
+# tolerance past that (at most 10 s: segment_storage's CLOCK_SKEW_TOLERANCE_MS_MAX): how long a
+# drained replica's drop waits for its group's readers at most is the two together.
+TOKEN_SKEW_MS_MAX: Final = 10_000
+DRAIN_WAITS_MAX: Final = 65_536  # groups waiting so at once (past it, not waited for)
 
 
 def check_copy_request(writer_id: str, write_ttl_ms: int) -> None:
@@ -120,6 +127,10 @@ class ReplicaTable:
         self.tickets: dict[int, ReplicaTicket] = {}
         self._by_key: dict[ObjectKey, set[int]] = {}  # key -> its tickets' ids
         self._deadlines: list[tuple[int, int]] = []  # (deadline_ms, ticket id)
+        # group -> when a drained replica's drop was first refused under a read lease: refused
+        # for `lease_ttl_ms_max` + TOKEN_SKEW_MS_MAX from then at most (`corrupt`); at most
+        # DRAIN_WAITS_MAX held
+        self._drain_waits: dict[GroupKey, int] = {}
 
     def __contains__(self, ticket_id: int) -> bool:
         return ticket_id in self.tickets
@@ -362,15 +373,10 @@ class ReplicaTable:
                 ctx.count("drop_refused_below_target_total")
                 effects.append(self.published.republished(gid, group))
                 return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False), effects)
-            if req.reason == "drained" and self.published.lease_count.get(gid):
-                # a reader's lookup under a read lease may name only this replica (the copy
-                # that lets it go came after): freed, its load missed, against invariant 3
-                # (review, stop 67). Repair asks again at its next pass: a read lease lasts at
-                # most `lease_ttl_ms_max`. (Pins do not hold a drain up: they last. A cold
-                # extra is still dropped under a lease: prefetch forgets it whatever the answer,
-                # so refused it would stay above target for good; its reader falls back.)
+            if req.reason == "drained" and self._drain_waits_for_readers(gid, now_ms):
                 ctx.count("drop_refused_leased_total")
                 return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False))
+            self._drain_waits.pop(gid, None)
             if req.reason == "demoted" and self.published.held(gid):
                 # a reader leased it with a lookup that may name only this replica: not under it
                 ctx.count("demote_drop_refused_leased_total")
@@ -404,6 +410,29 @@ class ReplicaTable:
             EmitEvent("under_replicated", m.GroupUnderReplicated(group=chain_of(gid), domain=domain_of(gid)))
         )
         return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=True), effects)
+
+    def _drain_waits_for_readers(self, gid: GroupKey, now_ms: int) -> bool:
+        """Whether a drained replica of `gid` stays for now: a read lease holds the group, and
+        its reader's lookup may name only this replica (the copy that lets it go came after:
+        freed, its load missed, against invariant 3; review, stop 67). Not for longer than
+        `lease_ttl_ms_max` + `TOKEN_SKEW_MS_MAX` from the first refusal (after the copy): every
+        read token from before the copy has expired by then, whatever leases are renewed or
+        taken since (a renewal issues no token; a later lookup names the copy too), so a hot
+        group, or a tenant renewing a lease on purpose, cannot hold a drain up for good
+        (review of the fix). (Pins do not hold
+        it up at all. A cold extra is dropped under a lease: prefetch forgets it whatever the
+        answer, so refused it would stay above target; its reader falls back.)"""
+        if not self.published.lease_count.get(gid):
+            return False
+        wait_ms = self.ctx.config.lease_ttl_ms_max + TOKEN_SKEW_MS_MAX
+        since = self._drain_waits.get(gid)
+        if since is None:
+            if len(self._drain_waits) >= DRAIN_WAITS_MAX:  # (entries of groups gone since)
+                self._drain_waits = {g: t for g, t in self._drain_waits.items() if now_ms - t < wait_ms}
+                if len(self._drain_waits) >= DRAIN_WAITS_MAX:
+                    return False
+            since = self._drain_waits[gid] = now_ms
+        return now_ms - since < wait_ms
 
     def corrupt_many(self, req: m.ReplicaCorruptMany, now_ms: int) -> Outcome:
         """`corrupt` for each item, in order, their effects together (the module docstring)."""
