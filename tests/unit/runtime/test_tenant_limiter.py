@@ -50,12 +50,12 @@ def test_tenants_together_leave_the_service_reserve() -> None:
     lane = TenantLimiter(8, 2, service_reserve=2)
     for tenant in ("a", "b", "c"):
         assert [lane.try_acquire(tenant) for _ in range(2)] == [Admission.ADMITTED] * 2
-    assert lane.try_acquire("d") is Admission.FULL  # 6 = 8 - 2: the rest is the services'
+    assert lane.try_acquire("d") is Admission.TENANTS_FULL  # 6 = 8 - 2: the rest is the services'
     assert [lane.try_acquire(None) for _ in range(3)] == [Admission.ADMITTED] * 2 + [Admission.FULL]
     lane.release("a")
     assert lane.try_acquire("d") is Admission.ADMITTED
     lane.release(None)  # a service's slot free: still not the tenants'
-    assert lane.try_acquire("d") is Admission.FULL and lane.count == 7
+    assert lane.try_acquire("d") is Admission.TENANTS_FULL and lane.count == 7
     with pytest.raises(InvariantViolation):
         TenantLimiter(2, 1, service_reserve=2)
 

@@ -55,6 +55,7 @@ class Admission(enum.Enum):
 
     ADMITTED = "admitted"
     TENANT_FULL = "tenant_full"  # the tenant holds its whole share of the slots
+    TENANTS_FULL = "tenants_full"  # all tenants together hold theirs (the rest: services')
     FULL = "full"  # every slot is taken
 
 
@@ -66,9 +67,10 @@ class TenantLimiter:
     - service_reserve`. Requests that name no tenant (service endpoints) take only from the
     shared bound, so `service_reserve` slots are always theirs: with a share of a quarter, four
     flooding tenants held every slot and segments' heartbeats were refused (review, stop 67).
-    `try_acquire` never waits: a refusal says which bound refused (the caller answers `Busy` at
-    once; tenants past the reserve: `FULL`, not their own doing). A runtime keeps one per lane
-    (new work, gives-back: `kvfabric.runtime.service`), so the lanes never wait on each other.
+    `try_acquire` never waits: a refusal says which bound refused (the caller answers `Busy`;
+    tenants past the reserve: `TENANTS_FULL`, not the refused tenant's own doing). A runtime
+    keeps one per lane (new work, gives-back: `kvfabric.runtime.service`), so the lanes never
+    wait on each other.
     """
 
     def __init__(self, limit: int, tenant_limit: int, service_reserve: int = 0) -> None:
@@ -116,7 +118,7 @@ class TenantLimiter:
                 return Admission.TENANT_FULL
             if self._tenants_total >= self._slots.limit - self.service_reserve:
                 self._slots.rejected_total += 1
-                return Admission.FULL
+                return Admission.TENANTS_FULL
         if not self._slots.try_acquire():
             return Admission.FULL
         if tenant is not None:

@@ -49,8 +49,10 @@ slot: four flooding tenants filled the give-back lane, review, stop 67).
 Answered at once, a flooder that never backs off asks again at once, and each ask costs the
 loop a receive and a reply (issue 21 row 2: 26-253 such refusals a second). Bounded: at most
 `tenant_inflight_max` held refusals per tenant and `inflight_max` in all (each keeps its request
-until answered); past either bound the refusal is answered at once, as are refusals of service
-requests and of a full lane. A stop answers every held refusal at once (`Unavailable`).
+until answered); past either bound the refusal is answered at once (a handler's is held in its
+slot, as before), as are refusals of service requests and of a full lane; a tenant refused
+because all tenants hold their part of the lane is held too (not counted towards its tarpit).
+A stop answers every held refusal at once (`Unavailable`).
 
 The tarpit (`tarpit=TarpitConfig(...)`, the directory's default; `kvfabric.runtime.tarpit`): a
 tenant refused `busy` of its own doing (its share of a lane spent, counted when decided, before
@@ -725,8 +727,12 @@ class ServiceRuntime:
             # its share: its own doing (not a full lane), counted towards its tarpit when decided,
             # not when a held answer goes out (its requests keep arriving meanwhile)
             self._note_refusal(endpoint, tenant)
-            if self._hold_refusal(endpoint, request, received_s, tenant):
+            if self._hold_refusal(endpoint, request, received_s, tenant, admission):
                 return
+        if admission is Admission.TENANTS_FULL and self._hold_refusal(
+            endpoint, request, received_s, tenant, admission
+        ):
+            return  # the tenants' part of the lane: not this one's doing (not counted), held all the same
         if admission is not Admission.ADMITTED:
             await self._reject_busy(endpoint, request, received_s, admission, tenant)
             return
@@ -739,7 +745,12 @@ class ServiceRuntime:
         task.add_done_callback(self._tasks.discard)
 
     def _hold_refusal(
-        self, endpoint: _Endpoint, request: MicroRequest, received_s: float, tenant: str | None
+        self,
+        endpoint: _Endpoint,
+        request: MicroRequest,
+        received_s: float,
+        tenant: str | None,
+        admission: Admission,
     ) -> bool:
         """Answer a tenant's refusal later, in a task of its own, if the bounds on held
         refusals allow (module docstring); False: the caller answers at once."""
@@ -748,7 +759,7 @@ class ServiceRuntime:
         if self._held.try_acquire(tenant) is not Admission.ADMITTED:
             return False
         task = asyncio.create_task(
-            self._held_refusal(endpoint, request, received_s, tenant),
+            self._held_refusal(endpoint, request, received_s, tenant, admission),
             name=f"kvf-{self.service.value}-{endpoint.verb}-held",
         )
         self._held_tasks.add(task)
@@ -756,11 +767,11 @@ class ServiceRuntime:
         return True
 
     async def _held_refusal(
-        self, endpoint: _Endpoint, request: MicroRequest, received_s: float, tenant: str
+        self, endpoint: _Endpoint, request: MicroRequest, received_s: float, tenant: str, admission: Admission
     ) -> None:
         try:
             await self._hold_until(received_s + self.tenant_refusal_hold_s)
-            await self._reject_busy(endpoint, request, received_s, Admission.TENANT_FULL, tenant)
+            await self._reject_busy(endpoint, request, received_s, admission, tenant)
         finally:
             self._held.release(tenant)
 
@@ -769,7 +780,7 @@ class ServiceRuntime:
     ) -> bool:
         """A handler's refusal to be held `err.hold_s` (the directory's fair admission):
         answered later in a task of its own, within the bounds on held refusals, so the
-        handler's lane slot is free meanwhile; False: the caller answers at once."""
+        handler's lane slot is free meanwhile; False: the caller holds it in its slot."""
         if tenant is None or self._holds_end.is_set():
             return False
         if self._held.try_acquire(tenant) is not Admission.ADMITTED:
@@ -839,6 +850,9 @@ class ServiceRuntime:
         what = "give-back in-flight limit" if endpoint.gives_back else "in-flight limit"
         if admission is Admission.TENANT_FULL:
             return Busy(f"tenant's share of the {what} reached", tenant_inflight_max=lane.tenant_limit)
+        if admission is Admission.TENANTS_FULL:
+            tenants_max = lane.limit - lane.service_reserve
+            return Busy(f"tenants' part of the {what} reached", tenants_inflight_max=tenants_max)
         return Busy(f"{what} reached", **{name: lane.limit})
 
     async def _handle(
@@ -878,12 +892,12 @@ class ServiceRuntime:
         except KvfError as err:
             if isinstance(err, Busy) and err.tenants_own:  # the directory's fair admission
                 self._note_refusal(endpoint, tenant)
-            if (
-                isinstance(err, Busy)
-                and err.hold_s > 0
-                and self._hold_error(endpoint, request, received_s, tenant, err)
-            ):
-                return  # answered after its hold, off the lane: this slot is free now
+            if isinstance(err, Busy) and err.hold_s > 0 and tenant is not None:
+                if self._hold_error(endpoint, request, received_s, tenant, err):
+                    return  # answered after its hold, off the lane: this slot is free now
+                # past the bounds on held refusals: held here, in its slot, as before (answered
+                # at once, a flood's next request would run its handler at once; review of the fix)
+                await self._hold_until(time.perf_counter() + err.hold_s)
             await pad_until(received_s + endpoint.reply_min_s)
             await self._reply_error(request, err)
             self._finish(endpoint, Outcome.ERROR, received_s, err.code, error=err.message, tenant=tenant)
