@@ -178,9 +178,16 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
+# Read from the environment only: `kvfabric.runtime.cli` has no flag for them.
+_ENV_ONLY: Final = frozenset(
+    {"nats_connect_timeout_ms", "nats_reconnect_wait_ms", "nats_reconnect_attempts_max"}
+)
+
+
 def _check(ok: bool, name: str, value: object, why: str) -> None:
     if not ok:
-        raise SettingsError(f"invalid {name} {value!r} ({flag_name(name)} / {env_name(name)}): {why}")
+        where = env_name(name) if name in _ENV_ONLY else f"{flag_name(name)} / {env_name(name)}"
+        raise SettingsError(f"invalid {name} {value!r} ({where}): {why}")
 
 
 def _parse_int(name: str, text: str) -> int:

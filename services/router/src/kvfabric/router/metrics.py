@@ -17,7 +17,7 @@ HTTP front's `/metrics`.
 
 Refusal reasons: the core's (admitted_max, tenant_inflight_max: 429; no_instance, queues_full:
 503), unauthenticated (401), models_inflight_max (429), body_timeout (408). Outcomes: ok,
-status_<code>, broken_after_first_byte, client_disconnected.
+status_<code>, broken_after_first_byte, client_disconnected, client_stalled.
 
 `refit_*` (with `KVF_ROUTER_REFIT` on): refit_fitted (0: the configured coefficients are in use),
 refit_observations (in its window), refit_fits, refit_rejected (TTFTs not finite or negative).
