@@ -142,3 +142,24 @@ def test_a_lookup_left_unanswered_by_a_closing_client_is_a_miss(monkeypatch: pyt
     assert hit.tokens == 0
     kv._closed = False
     kv.close()
+
+
+def test_a_lookup_without_an_answer_in_time_is_a_miss_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sync lookup whose answer did not come within `lookup_timeout_ms` (+ the grace) on an
+    open client (a stalled loop, shards answering slowly one after another) raised TimeoutError
+    into the engine's thread, against "never raises for a cluster failure" (review, stop 67):
+    now a miss counted `directory_timeout`."""
+    monkeypatch.setattr(sync, "_GRACE_S", 0.05)
+    kv = KvClient.disabled(
+        SPEC, "config_error", "test", settings=ClientSettings(nats_url="nats://x:1", lookup_timeout_ms=100)
+    )
+    kv.status = ClientStatus("enabled")
+
+    async def slow(*args: object, **kwargs: object) -> object:
+        await asyncio.sleep(30)
+        raise AssertionError("not cancelled")
+
+    kv.aio.lookup = slow  # type: ignore[method-assign,assignment]
+    hit = kv.lookup(list(range(2 * TPC)))
+    assert hit.tokens == 0 and hit.cause == "directory_timeout"
+    kv.close()

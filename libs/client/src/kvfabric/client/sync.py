@@ -262,8 +262,10 @@ class KvClient:
             if not future.cancel() and future.done() and not future.cancelled():
                 with contextlib.suppress(Exception):
                     return future.result(0)
-            if not self._closed:
-                raise
+            if not self._closed:  # no answer in time (a stalled loop, slow shards): a miss too,
+                # never an error in the engine's thread (it was raised; review, stop 67)
+                empty = Hit(0, self.aio.spec.layout.tokens_per_chunk, (), ())
+                return self.aio._fallback(empty, "directory_timeout")
             return self._off_hit()
 
     def lookup_async(

@@ -139,7 +139,12 @@ class ScatterDest:
                         raise GateClosed
                     if source.gate is not None and not source.gate._open:
                         raise GateClosed
-                    block[filled : filled + n] = piece[:n]
+                    # GIL released: a slice assignment held it, stalling the transfer threads
+                    # for a joined load's whole copy on the loop (review, stop 67)
+                    np.copyto(
+                        np.frombuffer(block[filled : filled + n], np.uint8),
+                        np.frombuffer(piece[:n], np.uint8),
+                    )
                 finally:
                     if lock is not None:
                         lock.release()
