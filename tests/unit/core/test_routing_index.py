@@ -48,6 +48,9 @@ class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.index = RoutingIndex()
+        # the router's own: one share domain's groups only, fed and resynced the same way
+        # (it held every domain's, review, stop 67)
+        self.mine = RoutingIndex(domain=DOMAINS[0])
         self.log: list[m.DirectoryEvent] = []
         self.segments: dict[str, int] = {}
         self.incarnation = dict.fromkeys(SEGMENTS, 0)
@@ -164,6 +167,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule()
     def deliver(self) -> None:
         result = self.index.apply(self.next, self.log[self.next - 1])
+        assert self.mine.apply(self.next, self.log[self.next - 1]) == result
         if self.lost or (self.next > 1 and self.index.last_seq < self.next - 1):
             assert result == "gap"
             return
@@ -176,6 +180,7 @@ class IndexMachine(RuleBasedStateMachine):
         seq = data.draw(st.integers(1, self.index.last_seq))
         before = (dict(self.index.groups), self.index.last_seq)
         assert self.index.apply(seq, self.log[seq - 1]) == "duplicate"
+        assert self.mine.apply(seq, self.log[seq - 1]) == "duplicate"
         assert (dict(self.index.groups), self.index.last_seq) == before
 
     @precondition(lambda self: self.next <= len(self.log))
@@ -197,6 +202,7 @@ class IndexMachine(RuleBasedStateMachine):
         ]
         segments = [ListedSegment(s, inc, True) for s, inc in self.segments.items()]
         self.index.resync(segments, listing, at_seq=at_seq)
+        self.mine.resync(segments, listing, at_seq=at_seq)
         self.next = at_seq + 1
         self.lost = False
 
@@ -204,6 +210,7 @@ class IndexMachine(RuleBasedStateMachine):
     def sweep_some(self, keys: int) -> None:
         """The shell sweeps a slice of a lost segment's groups between batches."""
         self.index.sweep(keys)
+        self.mine.sweep(keys)
 
     # ---- checks -----------------------------------------------------------------------------
 
@@ -215,7 +222,13 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         self.index.check_invariants()
+        self.mine.check_invariants()
+        assert all(key[:16] == DOMAINS[0] for key in self.mine.groups)
         if self.index.synced and not self.lost and self.index.last_seq == len(self.log):
+            mine = {k: self.mine.live_replicas(k) for k in self.mine.groups}
+            assert {k: r for k, r in mine.items() if r} == {
+                k: r for k, r in self.groups.items() if k[:16] == DOMAINS[0]
+            }
             assert self.live_groups() == self.groups
             assert self.index.segments == self.segments
             for key in CHAIN_KEYS:

@@ -7,6 +7,7 @@ them all: `step(event, now_ms)` (`kvfabric.core.step`; the events in
 `kvfabric.core.routing_index_events`).
 
 ## What it holds
+Only the groups of its share domain (`domain`: the one the router keys prompts in), when given.
 - `groups`: group key (16-byte share domain digest + 32-byte chain hash, as the events name a
   group) -> `GroupEntry` (chunk index, bytes of one copy, the segments holding a replica).
 - `segments`: segment id -> incarnation of the segments known to be up.
@@ -141,7 +142,12 @@ class ListedGroup:
 
 
 class RoutingIndex:
-    def __init__(self) -> None:
+    def __init__(self, domain: bytes | None = None) -> None:
+        # The share domain the router keys prompts in (None: every domain, tests): other
+        # domains' groups are never looked up, and held they cost memory and sweeps with other
+        # tenants' traffic (review, stop 67); the listing the shell resyncs from is of it only.
+        invariant(domain is None or len(domain) == DOMAIN_BYTES, "a share domain digest", d=domain)
+        self.domain = domain
         self.groups: dict[bytes, GroupEntry] = {}  # by group key (looked up with plain bytes too)
         self.segments: dict[str, int] = {}
         self._by_segment: dict[str, set[GroupKey]] = {}
@@ -158,6 +164,7 @@ class RoutingIndex:
             "gaps": 0,
             "resyncs": 0,
             "events_foreign": 0,  # published groups without a namespace (old directories)
+            "events_other_domain": 0,  # published groups of another share domain: not held
         }
         self._step_ms = 0  # the latest time given to `step`
 
@@ -214,7 +221,11 @@ class RoutingIndex:
         if len(event.namespace) != NAMESPACE_BYTES or len(event.group) != CHAIN_BYTES:
             self.counters["events_foreign"] += 1
             return
-        key = group_key(domain_in_id(event.namespace), event.group)
+        domain = domain_in_id(event.namespace)
+        if self.domain is not None and domain != self.domain:
+            self.counters["events_other_domain"] += 1
+            return
+        key = group_key(domain, event.group)
         # One copy's bytes (an older directory sends none: the largest placement, which a
         # segment holding a member twice, arena and disk, overstates)
         copy_bytes = event.group_bytes or max((p.bytes for p in event.placements), default=0)
@@ -328,7 +339,8 @@ class RoutingIndex:
         """Some of the listing's groups (the shell yields the loop between slices: 400k groups
         at once held the router's loop 3 s; review, 2026-12-06)."""
         for g in groups:
-            self._set(group_key(g.domain, g.chain), g.chunk_index, g.copy_bytes, set(g.segments))
+            if self.domain is None or g.domain == self.domain:
+                self._set(group_key(g.domain, g.chain), g.chunk_index, g.copy_bytes, set(g.segments))
 
     def resync_done(self, at_seq: int) -> None:
         invariant(at_seq >= 0, "a stream sequence", at_seq=at_seq)

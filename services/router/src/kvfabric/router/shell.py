@@ -57,8 +57,8 @@ class RouterShell:
 
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        self.index = RoutingIndex()
         ks = settings.keyspace
+        self.index = RoutingIndex(domain=ks.domain.digest())  # its prompts' domain only
         self.core = RoutingCore(
             settings.routing,
             [e.spec for e in settings.engines],
