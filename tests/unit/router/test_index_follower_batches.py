@@ -128,6 +128,9 @@ def test_a_resync_indexes_its_listing_in_slices_routes_served_between() -> None:
     ]
 
     class Listing:
+        def __init__(self) -> None:
+            self.epochs = {0: 1}  # the shards' leader epochs (the listing records them)
+
         async def segments(self, timeout_s: float) -> m.SegmentList:
             info = m.SegmentInfo(
                 segment_id="s1", incarnation=1, domain=m.FailureDomain(host="h"), up=True, draining=False,
@@ -201,3 +204,38 @@ def test_a_failed_fetch_unsubscribes_before_the_retry(monkeypatch: Any) -> None:
 
     asyncio.run(asyncio.wait_for(run(), 5))
     assert all(s.unsubscribed for s in subs)
+
+
+def test_a_shard_led_under_a_newer_epoch_than_at_the_listing_makes_the_index_list_again() -> None:
+    """A new leader's rebuild emits no event for what it adopted or lost (a segment that missed
+    its report never goes `segment_down`; an event the old leader had not published is gone,
+    with no gap in the sequences): an index that kept following held what the directory no
+    longer does, for good (review, stop 67). The follower compares the shard map's epochs with
+    the listing's every `LEADERS_CHECK_S`."""
+
+    class Router:
+        def __init__(self) -> None:
+            self.epochs = {0: 3, 1: 5}
+            self.refreshes = 0
+
+        async def refresh(self) -> None:
+            self.refreshes += 1
+
+    async def run() -> None:
+        index = RoutingIndex()
+        index.resync([ListedSegment("s1", 1, True)], [], at_seq=0)
+        follower = follower_of(index)
+        router = Router()
+        follower.router = cast(Any, router)
+        follower._listed_epochs = {0: 3, 1: 5}
+        follower._leaders_checked_s = 0.0
+        await follower.check_leaders()
+        assert router.refreshes == 1 and index.synced  # the same leaders: nothing
+        await follower.check_leaders()
+        assert router.refreshes == 1  # not again before LEADERS_CHECK_S
+        follower._leaders_checked_s = 0.0
+        router.epochs[1] = 6  # shard 1 failed over
+        await follower.check_leaders()
+        assert not index.synced and index.counters["leader_changes"] == 1
+
+    asyncio.run(run())

@@ -10,6 +10,9 @@
   sequence applied (`index.last_seq + 1`): resume, not replay.
 - A batch is applied one event a turn of the loop, and a lost segment's groups leave the index
   in slices after it (`apply_batch`): the router's loop serves routes meanwhile.
+- Every `LEADERS_CHECK_S` the shard map is asked again: a shard led under a newer epoch than at
+  the last listing means a rebuild the events do not tell (what it adopted or lost; a segment
+  that missed its report never goes `segment_down`), so the index lists again (review, stop 67).
 - Every fetch that answers (events, or none at the end) tells the core the stream was heard
   from (`heard`: the shell feeds the core's `IndexHeard`, with the time); without that for
   `index_stale_ms` the router counts no kvfabric tokens.
@@ -48,6 +51,9 @@ RETRY_S_MAX: Final = 30.0
 # served between them): 400k groups in one call held the loop 3.1 s (review, 2026-12-06).
 RESYNC_SLICE_GROUPS: Final = 2048
 LISTING_PAGE_GROUPS: Final = 1000
+# How often the shard map's leader epochs are compared with those of the last listing: a new
+# leader's rebuild emits no event for what it adopted or lost, so the index lists again.
+LEADERS_CHECK_S: Final = 5.0
 
 
 class IndexFollower:
@@ -70,6 +76,8 @@ class IndexFollower:
         self.router = DirectoryRouter(nc)
         self.resync_failures = 0
         self.resync_seconds_last = 0.0
+        self._listed_epochs: dict[int, int] = {}  # each shard's leader epoch when last listed
+        self._leaders_checked_s = time.monotonic()
         self._log = get_logger("kvfabric.router.index_follower")
 
     async def run(self) -> None:
@@ -99,9 +107,11 @@ class IndexFollower:
                             batch = await sub.fetch(EVENTS_FETCH_MAX, timeout=EVENTS_FETCH_WAIT_S)
                         except TimeoutError:  # nothing new: at the end of the stream
                             await self.heard()
+                            await self.check_leaders()
                             continue
                         await self.apply_batch(batch)
                         await self.heard()
+                        await self.check_leaders()
                 finally:  # on a failed fetch too: one subscription leaked per retry (review, 2026-12-06)
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(sub.unsubscribe(), self.request_timeout_s)
@@ -132,6 +142,23 @@ class IndexFollower:
         while self.index.sweep():  # noqa: ASYNC110 (each turn sweeps a slice: work, no wait)
             await asyncio.sleep(0)
 
+    async def check_leaders(self) -> None:
+        """Every `LEADERS_CHECK_S`: the shard map asked again; a shard led under a newer epoch
+        than at the last listing makes the index list again (`RoutingIndex.leader_changed`).
+        A map nobody answers is asked again at the next check. Public for tests."""
+        if time.monotonic() - self._leaders_checked_s < LEADERS_CHECK_S:
+            return
+        self._leaders_checked_s = time.monotonic()
+        try:
+            await asyncio.wait_for(self.router.refresh(), self.request_timeout_s)
+        except (KvfError, TimeoutError) as exc:
+            self._log.info("shard_map_unanswered", error=type(exc).__name__)
+            return
+        moved = sorted(s for s, e in self.router.epochs.items() if e > self._listed_epochs.get(s, e))
+        if moved:
+            self._log.info("shard_leaders_changed", shards=moved)
+            self.index.leader_changed()
+
     def _on_message(self, seq: int, data: bytes) -> None:
         try:
             event = m.event_decoder.decode(data)
@@ -148,6 +175,8 @@ class IndexFollower:
         started = time.monotonic()
         try:
             segments = await self.router.segments(self.request_timeout_s)
+            # the leaders listed (a change during the listing shows at the next check)
+            listed_epochs = dict(self.router.epochs)
             query = m.ListGroups(
                 domain_digest=self.domain_digest, limit=LISTING_PAGE_GROUPS, with_objects=True
             )
@@ -171,6 +200,7 @@ class IndexFollower:
             indexed += len(groups)
             await asyncio.sleep(0)  # routes are answered between slices (from the engines' caches)
         self.index.resync_done(at_seq)
+        self._listed_epochs = listed_epochs
         self.resync_seconds_last = time.monotonic() - started
         self._log.info(
             "index_resynced", at_seq=at_seq, groups=indexed, seconds=round(self.resync_seconds_last, 3)
