@@ -156,6 +156,9 @@ class FakeBackend:
     def unpin_local(self, grant_id: int, conn: int) -> int:
         raise NotImplementedError
 
+    def connection_leaked(self, conn: int) -> None:
+        self.calls.append(("connection_leaked", conn))
+
     def close_connection(self, conn: int) -> None:
         self.calls.append(("close_connection", conn))
         self.closed.append(conn)

@@ -45,3 +45,16 @@ def test_a_slot_named_many_times_is_taken_once_and_tokens_are_checked_unlocked(t
     assert backend.slots._slots[slot].readers == 0
     backend.slots.check_invariants()
     backend.arena.close()
+
+
+def test_a_leaked_connection_no_longer_counts_as_serving_a_get(tmp_path: Path) -> None:
+    """A stuck UCX link leaks its connection's references on purpose (UCX may still read the
+    buffers), and never ended its GETs: demotion, which yields to GETs being served, waited
+    `demote_yield_ms` at every step for good (review, stop 67). Its references stay held."""
+    backend = make_backend(tmp_path, "s1", Clock(1_000_000_000), None)
+    slot, generation = store(backend, b"x" * SIZE)
+    backend.begin_get([ref_of(backend, slot, generation)], conn=9)
+    assert backend._gets_served == 1
+    backend.connection_leaked(9)
+    assert backend._gets_served == 0 and backend.slots._slots[slot].readers == 1  # still leaked
+    backend.arena.close()

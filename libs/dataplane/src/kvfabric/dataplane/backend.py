@@ -147,6 +147,10 @@ class SegmentBackend(Protocol):
 
     def close_connection(self, conn: int) -> None: ...
 
+    # A connection whose transport may still use its buffers (a stuck UCX link): what it holds
+    # stays held (leaked on purpose), but it no longer counts as serving a GET.
+    def connection_leaked(self, conn: int) -> None: ...
+
 
 def check_claimed(meta: PutRequest, *, staged: bool) -> None:
     """A PUT under a ticket that carries no checksum: it must ask for a write receipt (only the

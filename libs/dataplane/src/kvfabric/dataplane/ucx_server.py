@@ -251,6 +251,7 @@ class UcxServer:
             if link.stuck:
                 self.leaked_connections += 1
                 _log.error("ucx: connection %d: UCX may still use its buffers; its references leak", c.conn)
+                self.backend.connection_leaked(c.conn)  # (no longer serving: demotion need not wait)
             else:
                 self.backend.close_connection(c.conn)
 

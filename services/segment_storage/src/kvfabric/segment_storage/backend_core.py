@@ -232,6 +232,17 @@ class BackendCore:
             for buffer in buffers:
                 buffer.release()
 
+    def connection_leaked(self, conn: int) -> None:
+        """A connection whose transport may still use its buffers (a stuck UCX link): its
+        references and slots stay held (leaked on purpose: `close_connection` is never called
+        for it), but its GETs end: demotion yields to GETs being served, and one never ended
+        made every demotion step wait `demote_yield_ms`, for good (review, stop 67)."""
+        with self.lock:
+            c = self._conns.get(conn)
+            if c is not None:
+                self._gets_ended(len(c.gets))
+                c.gets.clear()
+
     def _gets_ended(self, n: int) -> None:
         """Under the lock: `n` GETs are no longer served."""
         if n:
