@@ -120,6 +120,7 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
         self._load_seq = itertools.count(1)
         self._generations = itertools.count(1)
         self._leases: dict[tuple[int, int], int] = {}  # (shard, lease id) -> expires_ms (directory clock)
+        self._leases_pruned_s = time.monotonic()
         self.router = None  # the shard map; epochs per shard (fencing)
         # directory instances without `lookup_many` / `lease_release_many` (older): shard by shard
         self._lookup_many_refused: set[str] = set()

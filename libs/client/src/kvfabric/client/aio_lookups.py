@@ -18,6 +18,11 @@ from kvfabric.format.key import ChunkExtras, ChunkGroupId, MemberId, TokenIds
 from kvfabric.proto import directory as m
 from kvfabric.proto.common import TRACE_ID_HEADER
 
+# `_prune_leases`: how often the leases past their expiry are forgotten, and the margin kept for
+# the skew between this host's clock and the directory's (which wrote the expiries)
+LEASES_PRUNE_EVERY_S: Final = 5.0
+LEASES_PRUNE_MARGIN_MS: Final = 30_000
+
 # Releases an engine does not wait for (`release_soon`, what `KvClient.release` does) are gathered
 # for up to `RELEASE_GATHER_MS` and given back together, at once when `RELEASE_GATHER_LEASES_MAX`
 # are waiting (one full `lease_release` batch): a prompt's release is then no directory request of
@@ -31,6 +36,7 @@ RELEASE_GATHER_LEASES_MAX: Final = m.RELEASE_BATCH_LEASES_MAX
 class LookupMixin(ClientBase):
     """`lookup`, `release`, `release_soon` of `AsyncKvClient`."""
 
+    _leases_pruned_s: float  # `_prune_leases`: when last (monotonic)
     _gathered: list[tuple[int, int]]  # `release_soon`: leases for the next give-back (still in `_leases`)
     _gathered_trace: str  # the trace id the gathered give-back is sent with
     _gather_timer: asyncio.TimerHandle | None
@@ -99,6 +105,7 @@ class LookupMixin(ClientBase):
             rows.append(row)  # type: ignore[arg-type]
         for lease in leases:
             self._leases[lease] = expires
+        self._prune_leases()
         self.metrics.leases_held.set(len(self._leases))
         hit = Hit(
             len(rows) * tpc,
@@ -113,6 +120,20 @@ class LookupMixin(ClientBase):
         )
         self.metrics.hit_tokens.inc(hit.tokens)
         return hit
+
+    def _prune_leases(self) -> None:
+        """At most every `LEASES_PRUNE_EVERY_S`: forget the leases past their expiry (the
+        directory's clock, less `LEASES_PRUNE_MARGIN_MS` for the clocks' skew): the directory
+        expired them. A hit an engine never released stayed counted held for good (the
+        `leases_held` gauge), and the table grew by each (review, stop 67). Leases being given
+        back (expiry 0) stay until their answer."""
+        now_s = time.monotonic()
+        if now_s - self._leases_pruned_s < LEASES_PRUNE_EVERY_S:
+            return
+        self._leases_pruned_s = now_s
+        cutoff_ms = int(time.time() * 1000) - LEASES_PRUNE_MARGIN_MS
+        for lease in [lease for lease, expires in self._leases.items() if 0 < expires < cutoff_ms]:
+            del self._leases[lease]
 
     async def _lookup_shards(
         self, groups: list[ChunkGroupId], members: tuple[MemberId, ...], trace_id: str
