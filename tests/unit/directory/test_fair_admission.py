@@ -17,13 +17,14 @@ from kvfabric.core import authz
 from kvfabric.core.directory import DirectoryConfig
 from kvfabric.directory import admission
 from kvfabric.directory.admission import AdmissionConfig, FairAdmission, Refusal, Started, cost_of
-from kvfabric.directory.fair import REFUSAL_HOLD_S_MAX, FairGate
+from kvfabric.directory.fair import REFUSAL_HOLD_S_MAX, TURN_WAIT_S_MAX, FairGate, sender_wait_s
 from kvfabric.directory.settings import FAIR_DEFAULT, load_fair_admission
 from kvfabric.directory.shard_host import ShardHost
 from kvfabric.format.errors import Busy, KvfError, WrongShard
 from kvfabric.format.ids import DomainDigest
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
+from kvfabric.proto.common import TIMEOUT_MS_HEADER
 from kvfabric.runtime.config import SettingsError
 from kvfabric.runtime.service import TenantHandler
 
@@ -640,3 +641,35 @@ def test_a_lookup_answering_many_replicas_is_charged_them_at_the_gate() -> None:
     asyncio.run(ask())
     # admitted for 16 + 1 ids, then charged the 300 replicas answered past the one group named
     assert gate.core.tokens("bob", 0.0) == pytest.approx(4_200 - 17 - 299)
+
+
+def test_a_request_waits_for_its_turn_no_longer_than_its_sender_waits() -> None:
+    """A request waited up to 10 s for its turn, though a lookup's sender gives up after 2 s:
+    it then still ran, on the tenant's slot and budget, and took a lease nobody would give back
+    (review, stop 67). It now waits at most 80 % of the timeout its sender names
+    (`Kvf-Timeout-Ms`, set on every request by `kvfabric.cluster.requests`)."""
+    assert sender_wait_s({TIMEOUT_MS_HEADER: "2000"}) == pytest.approx(1.6)
+    assert sender_wait_s({}) == sender_wait_s({TIMEOUT_MS_HEADER: "x"}) == TURN_WAIT_S_MAX
+    assert sender_wait_s({TIMEOUT_MS_HEADER: "600000"}) == TURN_WAIT_S_MAX
+
+    async def scenario() -> None:
+        gate = FairGate(config(ids_per_s=1_000_000, burst_ids=1_000_000, queue_max=4, running_max=1))
+        go = asyncio.Event()
+
+        async def running() -> None:
+            async with gate.turn("bob", 1):
+                await go.wait()
+
+        first = asyncio.create_task(running())
+        await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        with pytest.raises(Busy, match="waited too long"):
+            async with gate.turn("bob", 1, sender_wait_s({TIMEOUT_MS_HEADER: "100"})):
+                pass
+        assert 0.07 <= loop.time() - asked < 1.0
+        go.set()
+        await first
+        gate.core.check()
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))

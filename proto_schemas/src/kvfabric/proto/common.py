@@ -13,6 +13,7 @@ __all__ = [
     "NATS_SERVICE_ERROR_CODE_HEADER",
     "NATS_SERVICE_ERROR_HEADER",
     "REQUEST_ID_HEADER",
+    "TIMEOUT_MS_HEADER",
     "TRACE_ID_HEADER",
     "ErrorReply",
     "error_from_reply",
@@ -26,6 +27,9 @@ NATS_SERVICE_ERROR_CODE_HEADER: Final = "Nats-Service-Error-Code"
 ERROR_CODE_HEADER: Final = "Kvf-Error-Code"
 REQUEST_ID_HEADER: Final = "Kvf-Request-Id"
 TRACE_ID_HEADER: Final = "Kvf-Trace-Id"
+# How long the sender waits for the reply, in ms (`kvfabric.cluster.requests.request` sets it):
+# a service may give up on a request its sender has given up on (the directory's fair turns).
+TIMEOUT_MS_HEADER: Final = "Kvf-Timeout-Ms"
 
 
 class ErrorReply(msgspec.Struct, frozen=True, kw_only=True):

@@ -34,6 +34,7 @@ from kvfabric.proto.common import (
     NATS_SERVICE_ERROR_CODE_HEADER,
     NATS_SERVICE_ERROR_HEADER,
     REQUEST_ID_HEADER,
+    TIMEOUT_MS_HEADER,
     ErrorReply,
     error_from_reply,
 )
@@ -61,6 +62,7 @@ async def request(
         raise Unavailable("nats connection is closed", subject=subject)
     payload = encode(message)
     request_headers = dict(headers) if headers else {}
+    request_headers[TIMEOUT_MS_HEADER] = str(max(1, int(timeout_s * 1000)))  # no use after it
     if request_id is not None:
         request_headers[REQUEST_ID_HEADER] = request_id
     try:

@@ -38,19 +38,37 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Final, Protocol
 
 from kvfabric.directory.admission import AdmissionConfig, FairAdmission, GivebackBudget, Refusal, cost_of
 from kvfabric.format.errors import Busy
+from kvfabric.proto.common import TIMEOUT_MS_HEADER
 
-__all__ = ["REFUSAL_HOLD_S_MAX", "TURN_WAIT_S_MAX", "FairGate"]
+__all__ = ["REFUSAL_HOLD_S_MAX", "SENDER_WAIT_SHARE", "TURN_WAIT_S_MAX", "FairGate", "sender_wait_s"]
 
 REFUSAL_HOLD_S_MAX: Final = 0.25  # a refusal is answered after at most this long (module docstring)
 # A request waits at most this long for its turn, then is `busy` (its turn given up): no client
 # waits longer (a lookup's timeout is 2 s, a save's 30 s is spread over several requests), and a
 # request whose client gave up would still run, on the tenant's slot and tokens (review, 2026-12-05).
 TURN_WAIT_S_MAX: Final = 10.0
+
+
+# A request waits for its turn at most this share of its sender's own timeout (what is left is
+# the work and the reply's way back).
+SENDER_WAIT_SHARE: Final = 0.8
+
+
+def sender_wait_s(headers: Mapping[str, str]) -> float:
+    """How long a request may wait for its turn: `SENDER_WAIT_SHARE` of the timeout its sender
+    named (`TIMEOUT_MS_HEADER`), at most `TURN_WAIT_S_MAX` (no header, or a bad one: that).
+    Past its sender's timeout a request still ran, on the tenant's slot and budget, and a lookup
+    took a lease nobody would give back (~30 s on up to 4,096 groups; review, stop 67)."""
+    try:
+        timeout_ms = int(headers.get(TIMEOUT_MS_HEADER, ""))
+    except ValueError:
+        return TURN_WAIT_S_MAX
+    return TURN_WAIT_S_MAX if timeout_ms <= 0 else min(TURN_WAIT_S_MAX, SENDER_WAIT_SHARE * timeout_ms / 1000)
 
 
 class Tarpit(Protocol):
@@ -136,8 +154,10 @@ class FairGate:
             raise busy
 
     @contextlib.asynccontextmanager
-    async def turn(self, tenant: str, ids: int) -> AsyncIterator[None]:
-        """Wait for `tenant`'s turn for a request naming `ids` ids; `Busy` when refused."""
+    async def turn(self, tenant: str, ids: int, wait_s_max: float = TURN_WAIT_S_MAX) -> AsyncIterator[None]:
+        """Wait for `tenant`'s turn for a request naming `ids` ids, at most `wait_s_max` (the
+        sender's own wait, `sender_wait_s`; never more than `TURN_WAIT_S_MAX`); `Busy` when
+        refused."""
         core = self.core
         cost = cost_of(ids, core.config.request_cost_ids)
         now_s = self.clock()
@@ -150,7 +170,7 @@ class FairGate:
         self._waiters[ticket] = waiter
         self._start(now_s)
         try:
-            async with asyncio.timeout(TURN_WAIT_S_MAX):
+            async with asyncio.timeout(max(0.0, min(wait_s_max, TURN_WAIT_S_MAX))):
                 await waiter  # done already when it started at once: no suspension
         except (asyncio.CancelledError, TimeoutError) as stopped:
             self._waiters.pop(ticket, None)

@@ -57,7 +57,7 @@ from kvfabric.core.authz import GIVEBACK_VERBS, TENANT_VERBS
 from kvfabric.core.directory import DirectoryConfig, DirectoryCore
 from kvfabric.core.quotas import TokenBucket
 from kvfabric.directory import shard_requests
-from kvfabric.directory.fair import FairGate
+from kvfabric.directory.fair import FairGate, sender_wait_s
 from kvfabric.directory.giveback import give_back
 from kvfabric.directory.rebuild import gather_holdings
 from kvfabric.directory.segment_registry import SegmentRegistry
@@ -285,7 +285,7 @@ class ShardHost:
                 return await give_back(self.fair, tenant, message, run)
             if gate is None:
                 return await run(message)
-            async with gate.turn(tenant, fair_ids(message)):
+            async with gate.turn(tenant, fair_ids(message), sender_wait_s(headers)):
                 reply = await run(message)
                 gate.charge_more(tenant, reply_extra_ids(message, reply))
                 return reply
