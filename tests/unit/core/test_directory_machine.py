@@ -697,7 +697,12 @@ class DirectoryMachine(RuleBasedStateMachine):
         tick. A heartbeat from a segment that is not registered or was declared down is refused: it
         must register again."""
         for lease_id, lease in self.leases.items():
-            if renew_ttl and not lease.is_pin:
+            if renew_ttl and not lease.is_pin and lease.expires_ms <= self.now:
+                # expired, its end waiting for a tick: not revived (stop 67)
+                self.expect_error(
+                    m.LeaseRenew(holder_id=lease.holder, lease_id=lease_id, lease_ttl_ms=renew_ttl), NotFound
+                )
+            elif renew_ttl and not lease.is_pin:
                 lease.expires_ms = self.renewed_expiry(lease, renew_ttl)
                 reply = self.handle(
                     m.LeaseRenew(holder_id=lease.holder, lease_id=lease_id, lease_ttl_ms=renew_ttl)
@@ -1201,6 +1206,9 @@ class DirectoryMachine(RuleBasedStateMachine):
         if lease_id not in self.leases or op == "intruder":  # released, or expired and ticked away
             self.expect_error(req, NotFound)
             return
+        if op == "renew" and not lease.is_pin and lease.expires_ms <= self.now:
+            self.expect_error(req, NotFound)  # expired, its end waiting for a tick: not revived
+            return
         reply = self.handle(req)
         if lease.is_pin:
             assert reply == m.PinReply(epoch=EPOCH, pin_id=lease_id, pinned_groups=0, expires_ms=0)
@@ -1572,7 +1580,14 @@ class DirectoryMachine(RuleBasedStateMachine):
         deadline. Then nothing may be pending, freeing or reserved beyond the published replicas."""
         for lease_id, lease in list(self.leases.items()):
             if lease_id % 2:  # left to expire; a lease is renewed first (the directory must still hold it)
-                if not lease.is_pin:
+                if not lease.is_pin and lease.expires_ms <= self.now:  # expired, not ended yet
+                    self.expect_error(
+                        m.LeaseRenew(
+                            holder_id=lease.holder, lease_id=lease_id, lease_ttl_ms=LEASE_TTLS_MS[0]
+                        ),
+                        NotFound,
+                    )
+                elif not lease.is_pin:
                     lease.expires_ms = self.renewed_expiry(lease, LEASE_TTLS_MS[0])
                     assert self.handle(
                         m.LeaseRenew(holder_id=lease.holder, lease_id=lease_id, lease_ttl_ms=LEASE_TTLS_MS[0])

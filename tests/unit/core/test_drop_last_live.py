@@ -200,3 +200,65 @@ def test_readers_hold_a_drained_replica_up_no_longer_than_their_tokens_live() ->
             break
     assert dropped_at is not None and wait_ms <= dropped_at - 10 < wait_ms + 5_000
     core.check_invariants()
+
+
+def test_a_refusal_for_one_replica_leaves_no_clock_for_another() -> None:
+    """The wait was kept per group, and an entry whose replica went otherwise (dropped as
+    corrupt) stayed: a later drain of another replica of the group, under a reader whose tokens
+    name only it, was dropped at once on the old clock (review of the fix, stop 67). Kept per
+    replica now, and forgotten at twice the wait."""
+    core = new_core(replicas_default=1)
+    for seg in ("s1", "s2", "s3"):
+        register(core, seg, capacity=10_000, zone=seg)
+    (g,) = groups(1, seed=77)
+    k = key(g)
+    put(core, [k])
+
+    def replicas() -> list[m.Replica]:
+        shown = core.handle(m.ShowGroup(group=k[:90]), 1).reply
+        assert isinstance(shown, m.GroupList)
+        return list(shown.groups[0].objects[0].replicas)
+
+    def beat(now: int, draining: str = "") -> None:
+        for seg in ("s1", "s2", "s3"):
+            core.handle(
+                m.Heartbeat(segment_id=seg, incarnation=1, used_bytes=0, draining=seg == draining), now
+            )
+
+    def drop(r: m.Replica, now: int, reason: str = "drained") -> bool:
+        out = core.handle(
+            m.ReplicaCorrupt(
+                segment_id=r.segment_id,
+                incarnation=1,
+                key=k,
+                slot=r.slot,
+                slot_generation=r.slot_generation,
+                reason=reason,
+            ),
+            now,
+        ).reply
+        assert isinstance(out, m.ReplicaCorruptReply)
+        return out.dropped
+
+    (a,) = replicas()
+    b_seg, c_seg = sorted({"s1", "s2", "s3"} - {a.segment_id})
+    _extra_on(core, k, b_seg)
+    lease = lookup(core, [g], now=2, holder="reader1", ttl=1_000)
+    beat(2, draining=a.segment_id)
+    assert not drop(a, 3)  # refused under reader1's lease
+    core.handle(m.LeaseRelease(holder_id="reader1", lease_id=lease.lease_id, shard=0), 3)
+    beat(4)
+    assert drop(a, 4, reason="corrupt")  # A goes otherwise: its wait is never asked again
+    later = 100_000  # past the wait, within twice it
+    beat(later)
+    tokens = lookup(core, [g], now=later, holder="reader2", ttl=60_000)  # naming B only
+    assert {r.segment_id for o in tokens.objects for r in o.replicas} == {b_seg}
+    beat(later + 1, draining=b_seg)
+    begun = core.handle(
+        m.ReplicateBegin(writer_id="repair", request_id="copy-2", key=k, segment_id=c_seg), later + 2
+    ).reply
+    assert isinstance(begun, m.ReplicateBeginReply) and begun.ticket
+    confirm_ticket(core, begun.ticket, 901, later + 2)
+    (b,) = [r for r in replicas() if r.segment_id == b_seg]
+    assert not drop(b, later + 3)  # reader2 may hold tokens naming only B: it waits
+    core.check_invariants()

@@ -431,7 +431,9 @@ def test_checksum_of_the_demoted_bytes_is_the_arena_one(tmp_path: Path) -> None:
         seg.ssd.close()
 
 
-@pytest.mark.parametrize("answer", ["no_verdict_then_ok", "stale_generation", "no_verdict_ever", "refused"])
+@pytest.mark.parametrize(
+    "answer", ["no_verdict_then_ok", "stale_generation", "stale_incarnation", "no_verdict_ever", "refused"]
+)
 def test_a_confirm_without_a_final_verdict_keeps_its_disk_slot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: str
 ) -> None:
@@ -459,6 +461,8 @@ def test_a_confirm_without_a_final_verdict_keeps_its_disk_slot(
                 raise StaleGeneration("directory_epoch", ticket.epoch, ticket.epoch + 1)
             if answer == "refused":
                 raise NotFound("unknown ticket")
+            if answer == "stale_incarnation":  # a newer incarnation of this segment: no report
+                raise StaleGeneration("segment_incarnation", 1, 2)  # adopts the slot (stop 67)
             if answer == "no_verdict_ever" and len(asked) == 3:
                 seg.backend.clock_ms = lambda: NOW_MS + 10**6
             if answer == "no_verdict_ever" or len(asked) < 3:

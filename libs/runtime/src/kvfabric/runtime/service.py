@@ -729,10 +729,13 @@ class ServiceRuntime:
             self._note_refusal(endpoint, tenant)
             if self._hold_refusal(endpoint, request, received_s, tenant, admission):
                 return
-        if admission is Admission.TENANTS_FULL and self._hold_refusal(
-            endpoint, request, received_s, tenant, admission
-        ):
-            return  # the tenants' part of the lane: not this one's doing (not counted), held all the same
+        if admission is Admission.TENANTS_FULL:
+            # the tenants' part of the lane: not this one's doing (not counted), held all the same
+            if self._hold_refusal(endpoint, request, received_s, tenant, admission):
+                return
+            # ... but its share of held refusals is full: it does not back off (counted; else a
+            # flood past it was answered at once and never tarpitted; review of the fix)
+            self._note_refusal(endpoint, tenant)
         if admission is not Admission.ADMITTED:
             await self._reject_busy(endpoint, request, received_s, admission, tenant)
             return

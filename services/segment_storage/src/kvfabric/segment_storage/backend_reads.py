@@ -237,7 +237,9 @@ class BackendReads(BackendCore):
         )
 
     def pin_local(self, reads: list[ReadRef], conn: int) -> LocalGrants:
-        grant_id, acquired = self._pin(reads, conn)
+        # a disk replica is not in the mapped arena: `not_found`, without the slot table's count
+        disk = frozenset(i for i, ref in enumerate(reads) if ref.slot >= SSD_SLOT_BASE)
+        grant_id, acquired = self._pin(reads, conn, disk)
         now = self.clock_ms()
         held = [ref for ref, a in zip(reads, acquired, strict=True) if a[0] == "ok"]
         if held:

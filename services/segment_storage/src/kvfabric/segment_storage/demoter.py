@@ -442,7 +442,10 @@ class Demoter:
         while True:
             try:
                 verdict = await self._confirm(ticket, *disk)
-            except StaleGeneration:
+            except StaleGeneration as err:
+                if err.details.get("kind") != "directory_epoch":  # a newer incarnation of ours:
+                    verdict = err.code  # no report adopts the slot: freed below (review, stop 67)
+                    break
                 self.backend.count("demote_confirm_superseded_total")
                 self._warn("demotion_failed", step="confirm", verdict="stale_generation", key=obj.key.hex())
                 # Stored before the successor's fence rose (a slot fenced first is not stored:

@@ -224,6 +224,8 @@ class LeaseTable:
         if not 0 < req.lease_ttl_ms <= m.LEASE_TTL_MS_MAX:
             raise BadRequest(f"lease_ttl_ms must be in 1..{m.LEASE_TTL_MS_MAX}")
         lease = self._held_lease(req.holder_id, req.lease_id, is_pin=False)
+        if lease.expires_ms <= now_ms:  # expired, its end waiting for a tick's budget: not revived
+            raise NotFound(f"lease {req.lease_id} expired", lease_id=req.lease_id)
         if self.published.holds_deferred(lease.groups):  # a lost group's hold is never extended
             self.ctx.count("lease_renew_refused_lost_total")
             return Outcome(
@@ -269,6 +271,7 @@ class LeaseTable:
         ended, budget = 0, self.ctx.config.expire_batch_max
         while self._heap and self._heap[0][0] <= now_ms and ended < budget:
             _, lease_id = heapq.heappop(self._heap)
+            ended += 1  # a stale entry (released, renewed) costs one too
             lease = self.leases.get(lease_id)
             if lease is not None and lease.expires_ms <= now_ms:
                 self.ctx.count("pins_expired_total" if lease.is_pin else "leases_expired_total")

@@ -56,6 +56,7 @@ most twice the tickets plus HEAP_SLACK_MIN entries.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Final
@@ -130,7 +131,8 @@ class ReplicaTable:
         # group -> when a drained replica's drop was first refused under a read lease: refused
         # for `lease_ttl_ms_max` + TOKEN_SKEW_MS_MAX from then at most (`corrupt`); at most
         # DRAIN_WAITS_MAX held
-        self._drain_waits: dict[GroupKey, int] = {}
+        self._drain_waits: dict[tuple[GroupKey, ReplicaRecord], int] = {}
+        self._drain_order: deque[tuple[int, tuple[GroupKey, ReplicaRecord]]] = deque()  # by time
 
     def __contains__(self, ticket_id: int) -> bool:
         return ticket_id in self.tickets
@@ -373,10 +375,10 @@ class ReplicaTable:
                 ctx.count("drop_refused_below_target_total")
                 effects.append(self.published.republished(gid, group))
                 return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False), effects)
-            if req.reason == "drained" and self._drain_waits_for_readers(gid, now_ms):
+            if req.reason == "drained" and self._drain_waits_for_readers(gid, bad, now_ms):
                 ctx.count("drop_refused_leased_total")
                 return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=False))
-            self._drain_waits.pop(gid, None)
+            self._drain_waits.pop((gid, bad), None)
             if req.reason == "demoted" and self.published.held(gid):
                 # a reader leased it with a lookup that may name only this replica: not under it
                 ctx.count("demote_drop_refused_leased_total")
@@ -411,7 +413,7 @@ class ReplicaTable:
         )
         return Outcome(m.ReplicaCorruptReply(epoch=ctx.epoch, dropped=True), effects)
 
-    def _drain_waits_for_readers(self, gid: GroupKey, now_ms: int) -> bool:
+    def _drain_waits_for_readers(self, gid: GroupKey, replica: ReplicaRecord, now_ms: int) -> bool:
         """Whether a drained replica of `gid` stays for now: a read lease holds the group, and
         its reader's lookup may name only this replica (the copy that lets it go came after:
         freed, its load missed, against invariant 3; review, stop 67). Not for longer than
@@ -419,19 +421,27 @@ class ReplicaTable:
         read token from before the copy has expired by then, whatever leases are renewed or
         taken since (a renewal issues no token; a later lookup names the copy too), so a hot
         group, or a tenant renewing a lease on purpose, cannot hold a drain up for good
-        (review of the fix). (Pins do not hold
-        it up at all. A cold extra is dropped under a lease: prefetch forgets it whatever the
-        answer, so refused it would stay above target; its reader falls back.)"""
+        (review of the fix). (Pins do not hold it up at all. A cold extra is dropped under a
+        lease: prefetch forgets it whatever the answer, so refused it would stay above target;
+        its reader falls back.)"""
         if not self.published.lease_count.get(gid):
             return False
         wait_ms = self.ctx.config.lease_ttl_ms_max + TOKEN_SKEW_MS_MAX
-        since = self._drain_waits.get(gid)
+        # Entries go at twice the wait, oldest first (a drop refused and never asked again: the
+        # replica dropped otherwise, the drain called off, the group gone): a later drain of the
+        # same replica then waits again (reused, its old clock let a drop through at once;
+        # review of the fix). Bounded: past DRAIN_WAITS_MAX waiting, not waited for.
+        while self._drain_order and now_ms - self._drain_order[0][0] >= 2 * wait_ms:
+            at, old = self._drain_order.popleft()
+            if self._drain_waits.get(old) == at:
+                del self._drain_waits[old]
+        key = (gid, replica)
+        since = self._drain_waits.get(key)
         if since is None:
-            if len(self._drain_waits) >= DRAIN_WAITS_MAX:  # (entries of groups gone since)
-                self._drain_waits = {g: t for g, t in self._drain_waits.items() if now_ms - t < wait_ms}
-                if len(self._drain_waits) >= DRAIN_WAITS_MAX:
-                    return False
-            since = self._drain_waits[gid] = now_ms
+            if len(self._drain_order) >= DRAIN_WAITS_MAX:
+                return False
+            since = self._drain_waits[key] = now_ms
+            self._drain_order.append((now_ms, key))
         return now_ms - since < wait_ms
 
     def corrupt_many(self, req: m.ReplicaCorruptMany, now_ms: int) -> Outcome:

@@ -324,7 +324,7 @@ class WriteTable(WriteBegin, WriteConfirm):
         reclaimed, budget = 0, self.ctx.config.expire_batch_max
         while self._deadlines and self._deadlines[0][0] <= now_ms and reclaimed < budget:
             _, gid = heapq.heappop(self._deadlines)
-            reclaimed += self._expire_group(gid, now_ms, effects)
+            reclaimed += max(1, self._expire_group(gid, now_ms, effects))  # a stale entry costs one
         if reclaimed >= budget:
             self.ctx.count("expiry_deferred_ticks_total")
         self._bound_heap()
