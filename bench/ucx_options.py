@@ -320,6 +320,9 @@ class OneBufferBackend:
     def close_connection(self, conn: int) -> None:
         pass
 
+    def connection_leaked(self, conn: int) -> None:
+        pass
+
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     got = 0

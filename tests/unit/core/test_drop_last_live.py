@@ -5,7 +5,10 @@ record until the sweep reaches its group, and counting it let prefetch drop the 
 
 from __future__ import annotations
 
+import pytest
+
 from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent
+from kvfabric.core.directory import replicas as replicas_module
 from kvfabric.core.directory.replicas import TOKEN_SKEW_MS_MAX
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
@@ -261,4 +264,52 @@ def test_a_refusal_for_one_replica_leaves_no_clock_for_another() -> None:
     confirm_ticket(core, begun.ticket, 901, later + 2)
     (b,) = [r for r in replicas() if r.segment_id == b_seg]
     assert not drop(b, later + 3)  # reader2 may hold tokens naming only B: it waits
+    core.check_invariants()
+
+
+def test_past_the_bound_on_waiting_drains_a_drop_is_refused_not_let_through(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past `DRAIN_WAITS_MAX` drained replicas waiting, a new one was dropped at once, under
+    the readers the wait protects (review of the fix, stop 67): it is refused, with no clock,
+    until the oldest waits age out."""
+    monkeypatch.setattr(replicas_module, "DRAIN_WAITS_MAX", 1)
+    core = new_core(replicas_default=1)
+    for seg in ("s1", "s2"):
+        register(core, seg, capacity=10_000, zone=seg)
+    gs = groups(2, seed=78)
+    keys = [key(g) for g in gs]
+    put(core, keys)
+    originals = {}
+    for k in keys:
+        shown = core.handle(m.ShowGroup(group=k[:90]), 1).reply
+        assert isinstance(shown, m.GroupList)
+        (originals[k],) = shown.groups[0].objects[0].replicas
+    lookup(core, gs, now=1, holder="reader", ttl=60_000)  # readers of both
+    register(core, "s3", capacity=10_000, zone="s3")  # where repair copies them
+    for r in originals.values():
+        core.handle(m.Heartbeat(segment_id=r.segment_id, incarnation=1, used_bytes=0, draining=True), 2)
+    for k in keys:
+        _extra_on(core, k, "s3")
+
+    def drop(k: ObjectKey, now: int) -> bool:
+        r = originals[k]
+        out = core.handle(
+            m.ReplicaCorrupt(
+                segment_id=r.segment_id,
+                incarnation=1,
+                key=k,
+                slot=r.slot,
+                slot_generation=r.slot_generation,
+                reason="drained",
+            ),
+            now,
+        ).reply
+        assert isinstance(out, m.ReplicaCorruptReply)
+        return out.dropped
+
+    assert not drop(keys[0], 3)  # waiting, with its clock
+    assert not drop(keys[1], 3)  # past the bound: refused, no clock (was: dropped at once)
+    wait_ms = core.config.lease_ttl_ms_max + TOKEN_SKEW_MS_MAX
+    assert drop(keys[0], 3 + wait_ms)  # its wait is over
     core.check_invariants()

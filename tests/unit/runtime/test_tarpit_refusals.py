@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import msgspec
+import pytest
 
 from kvfabric.cluster.natsauth import NatsAuth
 from kvfabric.runtime.logs import get_logger
@@ -87,17 +88,22 @@ async def test_a_held_refusal_counts_when_decided_and_the_listener_hears_the_tar
     await svc.runtime.stop()
 
 
-async def test_a_tenant_refused_past_the_tenants_part_counts_once_its_held_share_is_full() -> None:
+@pytest.mark.parametrize("hold_ms", [5_000, 0])
+async def test_a_tenant_refused_past_the_tenants_part_counts_once_its_held_share_is_full(
+    hold_ms: int,
+) -> None:
     """All tenants together hold 7/8 of a lane; a tenant refused past that is not refused of its
-    own doing, and is held, not counted. Once its share of held refusals is full it does not
+    own doing, and is held, not counted. Once its own share of held refusals is full it does not
     back off: answered at once, those count (else a flood past the part was never tarpitted;
-    review of the fix, stop 67)."""
-    svc = Harness(inflight_max=8, hold_ms=0)  # share 2, tenants' part 7; no hold: at once
+    review of the fix, stop 67). With holds off nobody's is full: never counted (review)."""
+    svc = Harness(inflight_max=8, hold_ms=hold_ms)  # share 2, tenants' part 7
     tarpit = with_tarpit(svc, refusals=3)
     for tenant in ("a", "a", "b", "b", "c", "c", "d"):
         await svc.send(tenant)  # 7: the tenants' part
-    refused = [await svc.send("d") for _ in range(3)]  # d below its share: the part is full
-    assert codes(refused) == [["busy"]] * 3 and tarpit.core.tarpitted() == {"d"}
+    refused = [await svc.send("d") for _ in range(5)]  # d below its share: the part is full
+    held = 2 if hold_ms else 0  # d's share of held refusals
+    assert codes(refused) == [[]] * held + [["busy"]] * (5 - held)
+    assert tarpit.core.tarpitted() == ({"d"} if hold_ms else frozenset())
     assert svc.runtime.inflight_count == 7  # the services' slot is free
     svc.release.set()
     await svc.runtime.stop()

@@ -151,7 +151,7 @@ class RoutingIndex:
         self.groups: dict[bytes, GroupEntry] = {}  # by group key (looked up with plain bytes too)
         self.segments: dict[str, int] = {}
         self._by_segment: dict[str, set[GroupKey]] = {}
-        self._by_chain: dict[bytes, set[GroupKey]] = {}  # chain hash -> group keys (every domain)
+        self._by_chain: dict[bytes, set[GroupKey]] = {}  # chain hash -> group keys (every domain held)
         # dead replicas not swept yet: segment (down, or up again under a new incarnation) ->
         # keys of groups still naming it from before
         self._dead: dict[str, set[GroupKey]] = {}

@@ -116,9 +116,9 @@ class TenantLimiter:
             if self._tenants.get(tenant, 0) >= self._tenant_limit:
                 self.tenant_rejected_total += 1
                 return Admission.TENANT_FULL
-            if not self._slots.full and self._tenants_total >= self._slots.limit - self.service_reserve:
+            if self._tenants_total >= self._slots.limit - self.service_reserve:
                 self._slots.rejected_total += 1
-                return Admission.TENANTS_FULL  # (a full lane is FULL: nobody's doing)
+                return Admission.TENANTS_FULL
         if not self._slots.try_acquire():
             return Admission.FULL
         if tenant is not None:

@@ -733,9 +733,11 @@ class ServiceRuntime:
             # the tenants' part of the lane: not this one's doing (not counted), held all the same
             if self._hold_refusal(endpoint, request, received_s, tenant, admission):
                 return
-            # ... but its share of held refusals is full: it does not back off (counted; else a
-            # flood past it was answered at once and never tarpitted; review of the fix)
-            self._note_refusal(endpoint, tenant)
+            if tenant is not None and self._held.tenant_count(tenant) >= self._held.tenant_limit:
+                # its own share of held refusals is full: it does not back off (counted; else a
+                # flood past it was answered at once and never tarpitted; review of the fix).
+                # Not when the table is full of others' holds, holds are off, or stopping.
+                self._note_refusal(endpoint, tenant)
         if admission is not Admission.ADMITTED:
             await self._reject_busy(endpoint, request, received_s, admission, tenant)
             return

@@ -181,7 +181,7 @@ class FairGate:
             self.waited_out_total += 1
             raise Busy(
                 "waited too long for a turn at the directory",
-                turn_wait_s_max=TURN_WAIT_S_MAX,
+                turn_wait_s_max=min(wait_s_max, TURN_WAIT_S_MAX),
                 retry_after_ms=math.ceil(REFUSAL_HOLD_S_MAX * 1000),
             ) from None
         try:

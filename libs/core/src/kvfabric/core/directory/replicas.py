@@ -90,7 +90,8 @@ __all__ = ["ReplicaTable", "ReplicaTicket"]
 # tolerance past that (at most 10 s: segment_storage's CLOCK_SKEW_TOLERANCE_MS_MAX): how long a
 # drained replica's drop waits for its group's readers at most is the two together.
 TOKEN_SKEW_MS_MAX: Final = 10_000
-DRAIN_WAITS_MAX: Final = 65_536  # groups waiting so at once (past it, not waited for)
+DRAIN_WAITS_MAX: Final = 65_536  # drained replicas waiting so at once (past it, refused: no clock)
+DRAIN_ORDER_SLACK: Final = 1_024
 
 
 def check_copy_request(writer_id: str, write_ttl_ms: int) -> None:
@@ -430,7 +431,8 @@ class ReplicaTable:
         # Entries go at twice the wait, oldest first (a drop refused and never asked again: the
         # replica dropped otherwise, the drain called off, the group gone): a later drain of the
         # same replica then waits again (reused, its old clock let a drop through at once;
-        # review of the fix). Bounded: past DRAIN_WAITS_MAX waiting, not waited for.
+        # review of the fix). Bounded: past DRAIN_WAITS_MAX waiting, a new one is refused without
+        # a clock (dropped, it would go under its readers; the oldest age out within 2 x wait).
         while self._drain_order and now_ms - self._drain_order[0][0] >= 2 * wait_ms:
             at, old = self._drain_order.popleft()
             if self._drain_waits.get(old) == at:
@@ -438,10 +440,14 @@ class ReplicaTable:
         key = (gid, replica)
         since = self._drain_waits.get(key)
         if since is None:
-            if len(self._drain_order) >= DRAIN_WAITS_MAX:
-                return False
+            if len(self._drain_waits) >= DRAIN_WAITS_MAX:
+                return True  # refused, with no clock: asked again once the oldest have aged out
             since = self._drain_waits[key] = now_ms
             self._drain_order.append((now_ms, key))
+            if len(self._drain_order) > 2 * len(self._drain_waits) + DRAIN_ORDER_SLACK:
+                # entries dropped already (their replicas went): the order keeps only live ones
+                waiting = sorted(self._drain_waits.items(), key=lambda item: item[1])
+                self._drain_order = deque((t, k) for k, t in waiting)
         return now_ms - since < wait_ms
 
     def corrupt_many(self, req: m.ReplicaCorruptMany, now_ms: int) -> Outcome:
