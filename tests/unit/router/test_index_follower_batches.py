@@ -15,7 +15,7 @@ from kvfabric.core.routing_index import ListedSegment, RoutingIndex
 from kvfabric.format.ids import ChainHash, DomainDigest, Namespace
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
-from kvfabric.router.index_follower import IndexFollower
+from kvfabric.router.index_follower import EVENTS_FETCH_MAX, IndexFollower, caught_up
 from kvfabric.router.settings import load_router_settings
 from tests.unit.router.test_settings_refit import ENV, scrape
 
@@ -239,3 +239,15 @@ def test_a_shard_led_under_a_newer_epoch_than_at_the_listing_makes_the_index_lis
         assert not index.synced and index.counters["leader_changes"] == 1
 
     asyncio.run(run())
+
+
+def test_a_follower_behind_the_stream_is_not_heard_as_current() -> None:
+    """Heard from was taken as caught up: seconds behind, the index was still trusted and its
+    groups evicted in events not applied yet counted (review, stop 67). A batch counts as heard
+    only when at most one more fetch's events are pending after it."""
+
+    def batch(pending: int | None) -> list[Any]:
+        return [SimpleNamespace(metadata=SimpleNamespace(num_pending=pending))]
+
+    assert caught_up([]) and caught_up(batch(0)) and caught_up(batch(None))
+    assert caught_up(batch(EVENTS_FETCH_MAX)) and not caught_up(batch(EVENTS_FETCH_MAX + 1))

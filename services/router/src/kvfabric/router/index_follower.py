@@ -13,9 +13,10 @@
 - Every `LEADERS_CHECK_S` the shard map is asked again: a shard led under a newer epoch than at
   the last listing means a rebuild the events do not tell (what it adopted or lost; a segment
   that missed its report never goes `segment_down`), so the index lists again (review, stop 67).
-- Every fetch that answers (events, or none at the end) tells the core the stream was heard
-  from (`heard`: the shell feeds the core's `IndexHeard`, with the time); without that for
-  `index_stale_ms` the router counts no kvfabric tokens.
+- Every fetch that answers with none (at the end), or with events that leave at most one more
+  fetch pending (`caught_up`), tells the core the stream was heard from (`heard`: the shell
+  feeds the core's `IndexHeard`, with the time); without that for `index_stale_ms` the router
+  counts no kvfabric tokens: a follower far behind is not trusted.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from kvfabric.proto import directory as m
 from kvfabric.proto.subjects import Service, events_wildcard
 from kvfabric.runtime.logs import get_logger
 
-__all__ = ["EVENTS_STREAM", "IndexFollower"]
+__all__ = ["EVENTS_STREAM", "IndexFollower", "caught_up"]
 
 EVENTS_STREAM: Final = "KVF_DIRECTORY_EVENTS"  # owned by the directory
 EVENTS_FETCH_MAX: Final = 512
@@ -54,6 +55,14 @@ LISTING_PAGE_GROUPS: Final = 1000
 # How often the shard map's leader epochs are compared with those of the last listing: a new
 # leader's rebuild emits no event for what it adopted or lost, so the index lists again.
 LEADERS_CHECK_S: Final = 5.0
+
+
+def caught_up(batch: Sequence[Msg]) -> bool:
+    """Whether a fetched batch leaves the follower near the stream's end: at most one more
+    fetch's events pending after its last (JetStream's `num_pending`). Heard from but seconds
+    behind (a stalled loop, a replay from far back, an eviction burst), the index was trusted
+    all the same: its groups evicted in events not applied yet counted (review, stop 67)."""
+    return not batch or (batch[-1].metadata.num_pending or 0) <= EVENTS_FETCH_MAX
 
 
 class IndexFollower:
@@ -110,7 +119,8 @@ class IndexFollower:
                             await self.check_leaders()
                             continue
                         await self.apply_batch(batch)
-                        await self.heard()
+                        if caught_up(batch):  # heard, and not behind: the index is current
+                            await self.heard()
                         await self.check_leaders()
                 finally:  # on a failed fetch too: one subscription leaked per retry (review, 2026-12-06)
                     with contextlib.suppress(Exception):
