@@ -35,3 +35,16 @@ def test_a_pool_no_object_was_in_drops_nothing() -> None:
     assert core.drop_pool("s1#ssd", kept) == [] and kept == [] and len(core) == 3
     assert core.counters["pools_dropped_total"] == 1
     core.check_invariants()
+
+
+def test_a_victim_under_way_lost_with_its_segment_is_not_counted_evicted() -> None:
+    """A victim chosen, then lost with its segment before the directory's answer, was counted
+    `evicted` (and raised gdsf's clock; review, stop 67): now `evicting_lost`."""
+    core = EvictionCore(EvictionConfig(high_watermark=0.5, low_watermark=0.25))
+    core.set_capacity("s1", 100)
+    for i in range(6):
+        core.insert(f"o{i}", tenant="t", pool="s1", size=10, parent=None, chunk_index=0, now_ms=i)
+    assert core.tick(10)  # over its high watermark: victims chosen, under way
+    assert core.drop_pool("s1")
+    assert core.counters.get("evicted_total", 0) == 0 and core.counters["evicting_lost_total"] >= 1
+    core.check_invariants()
