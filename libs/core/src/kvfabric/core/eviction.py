@@ -454,7 +454,9 @@ class EvictionCore(LeafRanking):
         elif obj.evicting:
             self._count("evicted_total")
             if self.config.policy == "gdsf":
-                self._clock = max(self._clock, self._priority(obj))
+                # L rises to the victim's H as ranked (recomputed from the clock now, every
+                # eviction raised it by a whole term, past every resident's: review, stop 67)
+                self._clock = max(self._clock, obj.priority)
 
     def _press_if_above_low(self, usage: PoolUsage) -> None:
         """A victim's bytes stay in this pool after all (refused, or moved to another tier while

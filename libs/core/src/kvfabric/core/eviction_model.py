@@ -157,6 +157,7 @@ class Tracked:
     # without removing it (a tier move)
     refusals: int = 0
     version: int = 0  # its latest heap entry's sequence number (older entries are stale)
+    priority: float = 0.0  # its latest heap entry's priority (gdsf's clock rises to a victim's)
     turn: int = 1  # reuse: the prefix's generation (`kvfabric.core.eviction_reuse`)
     prompt_chunks: int = 1  # reuse: chunks of the prompt that wrote it
     density_class: DensityClass = (1, 1)  # density: (namings, length) (`eviction_density`)

@@ -112,7 +112,7 @@ class LeafRanking:
                 hit_density_per_byte_ms=self._density_score(obj, self._now_ms),
             )
         elif self._order is None:
-            out["priority"] = self._priority(obj)
+            out["priority"] = obj.priority  # as ranked in the heap (its last push)
         if self._predictor is not None:
             cls = self._reuse_class(obj)
             out.update(
@@ -220,7 +220,8 @@ class LeafRanking:
             if self._class_entries > HEAP_ENTRIES_PER_OBJECT * len(self._objects) + HEAP_ENTRIES_SLACK:
                 self._compact()
             return
-        heapq.heappush(self._heap, (self._priority(obj), self._seq, obj.version, object_id))
+        obj.priority = self._priority(obj)
+        heapq.heappush(self._heap, (obj.priority, self._seq, obj.version, object_id))
         if len(self._heap) > HEAP_ENTRIES_PER_OBJECT * len(self._objects) + HEAP_ENTRIES_SLACK:
             # every hit pushes an entry: compacted only in a pass, the heap grew by one a hit
             # while no pool was pressed (200,000 hits on 1,000 objects: 201,000 entries, and
