@@ -79,6 +79,23 @@ def _extra_on(core: DirectoryCore, k: ObjectKey, segment: str) -> None:
     confirm_ticket(core, begun.ticket, 900, 1)
 
 
+def _drop_replica(core: DirectoryCore, k: ObjectKey, r: m.Replica, now: int, reason: str = "drained") -> bool:
+    """A service's drop of replica `r` of `k` (repair's `drained`, by default): whether it went."""
+    out = core.handle(
+        m.ReplicaCorrupt(
+            segment_id=r.segment_id,
+            incarnation=1,
+            key=k,
+            slot=r.slot,
+            slot_generation=r.slot_generation,
+            reason=reason,
+        ),
+        now,
+    ).reply
+    assert isinstance(out, m.ReplicaCorruptReply)
+    return out.dropped
+
+
 def _drop_cold(core: DirectoryCore, k: ObjectKey, segment: str) -> tuple[bool, list[Effect]]:
     """Prefetch's drop of that extra: whether it was dropped, and the effects."""
     out = core.handle(
@@ -139,24 +156,9 @@ def test_a_drained_replica_is_not_dropped_while_a_read_lease_holds_its_group() -
     core.handle(m.Heartbeat(segment_id=original.segment_id, incarnation=1, used_bytes=0, draining=True), 2)
     _extra_on(core, k, ({"s1", "s2"} - {original.segment_id}).pop())  # repair's copy
 
-    def drop(now: int = 3) -> bool:
-        out = core.handle(
-            m.ReplicaCorrupt(
-                segment_id=original.segment_id,
-                incarnation=1,
-                key=k,
-                slot=original.slot,
-                slot_generation=original.slot_generation,
-                reason="drained",
-            ),
-            now,
-        ).reply
-        assert isinstance(out, m.ReplicaCorruptReply)
-        return out.dropped
-
-    assert not drop() and core.counters["drop_refused_leased_total"] == 1
+    assert not _drop_replica(core, k, original, 3) and core.counters["drop_refused_leased_total"] == 1
     core.handle(m.LeaseRelease(holder_id="reader", lease_id=leased.lease_id, shard=0), 3)
-    assert drop()  # the reader gave it back: the drain goes on
+    assert _drop_replica(core, k, original, 3)  # the reader gave it back: the drain goes on
     core.check_invariants()
 
 
@@ -186,19 +188,7 @@ def test_readers_hold_a_drained_replica_up_no_longer_than_their_tokens_live() ->
         )
         core.tick(now)
         lookup(core, [g], now=now, holder=f"reader{now}", ttl=30_000)
-        out = core.handle(
-            m.ReplicaCorrupt(
-                segment_id=original.segment_id,
-                incarnation=1,
-                key=k,
-                slot=original.slot,
-                slot_generation=original.slot_generation,
-                reason="drained",
-            ),
-            now,
-        ).reply
-        assert isinstance(out, m.ReplicaCorruptReply)
-        if out.dropped:
+        if _drop_replica(core, k, original, now):
             dropped_at = now
             break
     assert dropped_at is not None and wait_ms <= dropped_at - 10 < wait_ms + 5_000
@@ -229,19 +219,7 @@ def test_a_refusal_for_one_replica_leaves_no_clock_for_another() -> None:
             )
 
     def drop(r: m.Replica, now: int, reason: str = "drained") -> bool:
-        out = core.handle(
-            m.ReplicaCorrupt(
-                segment_id=r.segment_id,
-                incarnation=1,
-                key=k,
-                slot=r.slot,
-                slot_generation=r.slot_generation,
-                reason=reason,
-            ),
-            now,
-        ).reply
-        assert isinstance(out, m.ReplicaCorruptReply)
-        return out.dropped
+        return _drop_replica(core, k, r, now, reason)
 
     (a,) = replicas()
     b_seg, c_seg = sorted({"s1", "s2", "s3"} - {a.segment_id})
@@ -293,20 +271,7 @@ def test_past_the_bound_on_waiting_drains_a_drop_is_refused_not_let_through(
         _extra_on(core, k, "s3")
 
     def drop(k: ObjectKey, now: int) -> bool:
-        r = originals[k]
-        out = core.handle(
-            m.ReplicaCorrupt(
-                segment_id=r.segment_id,
-                incarnation=1,
-                key=k,
-                slot=r.slot,
-                slot_generation=r.slot_generation,
-                reason="drained",
-            ),
-            now,
-        ).reply
-        assert isinstance(out, m.ReplicaCorruptReply)
-        return out.dropped
+        return _drop_replica(core, k, originals[k], now)
 
     assert not drop(keys[0], 3)  # waiting, with its clock
     assert not drop(keys[1], 3)  # past the bound: refused, no clock (was: dropped at once)
