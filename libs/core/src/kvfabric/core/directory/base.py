@@ -78,6 +78,9 @@ class DirectoryConfig:
     # replies (a reply may hold 4096).
     reply_cache_objects_max: int = 16_384
     free_retry_ms: int = 2_000
+    # Frees resent (unacknowledged past `free_retry_ms`, or held through a grace that ended) at
+    # most per tick, oldest first; the rest at the next ticks (`frees`).
+    free_resend_batch_max: int = 4_096
     # Groups the sweep examines at most per tick (`published`): a tick stalls for O(this).
     sweep_batch_max: int = 10_000
     # Write members reclaimed past their deadline, and groups named by ended leases and pins, at
