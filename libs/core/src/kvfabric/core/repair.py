@@ -142,7 +142,7 @@ import heapq
 from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Final, TypeAlias
 
 from kvfabric.core import repair_events
 from kvfabric.core.placement import Candidate
@@ -181,6 +181,10 @@ class RepairConfig:
         invariant(self.copy_timeout_ms > 0, "copy_timeout_ms must be positive")
         invariant(0 <= self.retry_backoff_ms <= self.retry_backoff_max_ms, "need 0 <= backoff <= max")
         invariant(self.recounts_per_step >= 1, "recounts_per_step must be >= 1")
+
+
+# Objects below target with no destination that one tick's planning looks at, at most (`_plan`).
+PLAN_NO_DESTINATION_MAX: Final = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +288,11 @@ class RepairCore:
         # popped and dropped when stale; `_queue` is called wherever an object's order key or
         # its eligibility can change (`_refresh`, `_end`), `_failed` adds its retry time.
         self._ready: list[_ReadyEntry] = []
+        # Popped with no destination: back in `_ready` at the next tick after a segment changed
+        # (`_segments_changed`: nothing else can give one a destination), else once `_ready` is
+        # empty (round robin within the tick's bound, `_plan`).
+        self._deferred: list[_ReadyEntry] = []
+        self._segments_changed = False
         self._waiting: list[_WaitingEntry] = []
         self._pushes = 0  # unique per entry: ties never compare object ids
         self.queue_slack = QUEUE_SLACK  # (tests set 0: rebuilds at every chance)
@@ -376,6 +385,7 @@ class RepairCore:
             self._segments[segment_id] = seg
             self._on_segment[segment_id] = set()
         seg.zone, seg.rack, seg.host, seg.free_bytes = zone, rack, host, free_bytes
+        self._segments_changed = True
         if seg.reserved_bytes > free_bytes and not seg.short:
             self._count("reports_below_reserved_total")
         seg.short = seg.reserved_bytes > free_bytes
@@ -389,6 +399,7 @@ class RepairCore:
         if seg is None or seg.draining == draining:
             return
         seg.draining, seg.drain_reported = draining, False
+        self._segments_changed = True
         if draining:
             for copy in [c for c in self._copies.values() if c.destination == segment_id]:
                 self._abort(copy)  # a replica landing there would not count
@@ -401,6 +412,7 @@ class RepairCore:
         (module docstring, "Recounts"): one whose last replica was there is LOST when recounted."""
         if self._segments.pop(segment_id, None) is None:
             return
+        self._segments_changed = True
         self._count("segments_down_total")
         for copy in [c for c in self._copies.values() if segment_id in (c.source, c.destination)]:
             self._abort(copy)
@@ -590,7 +602,8 @@ class RepairCore:
     def _plan(self, now_ms: int, recounts_left: int) -> list[StartCopy]:
         """Objects below target in priority order, from the ready queue: those in backoff whose
         retry time came are queued first; each popped entry is checked (stale ones dropped);
-        those without a destination or past the budget go back for the next tick. The same
+        those past the budget go back for the next tick, those without a destination once the
+        others have been looked at (`_deferred`). The same
         order and choices as sorting every eligible object each tick, at the cost of the
         entries looked at (and of a rebuild, O(objects below), once stale entries outnumber
         them: the objects queued reached their target)."""
@@ -605,7 +618,27 @@ class RepairCore:
         started: list[StartCopy] = []
         looked_at: set[ObjectId] = set()  # a duplicate entry of one already looked at is dropped
         put_back: list[_ReadyEntry] = []
-        while self._ready and len(self._copies) < self.config.copies_in_flight_max:
+        # An object with no destination is deferred: looked at again in order once a segment
+        # changed (its destination depends on nothing else), else once every ready entry has
+        # been (round robin); at most `PLAN_NO_DESTINATION_MAX` of them a tick. A cluster with
+        # no room, or every destination at its cap, cost a tick one look per object below
+        # target (50,000: 0.5 s a tick; review, stop 68).
+        if self._segments_changed and self._deferred:
+            self._ready += self._deferred
+            self._deferred = []
+            heapq.heapify(self._ready)
+        self._segments_changed = False
+        no_destination: list[_ReadyEntry] = []
+        cycled = False  # the deferred entries came back once this tick
+        while (
+            len(self._copies) < self.config.copies_in_flight_max
+            and len(no_destination) < PLAN_NO_DESTINATION_MAX
+        ):
+            if not self._ready:
+                if cycled or not self._deferred:
+                    break
+                self._ready, self._deferred, cycled = self._deferred, [], True
+                heapq.heapify(self._ready)
             entry = heapq.heappop(self._ready)
             obj = self._objects.get(entry[4])
             if obj is None or not self._current(obj, entry) or obj.object_id in looked_at:
@@ -624,8 +657,8 @@ class RepairCore:
             if obj.size_bytes > self.config.burst_bytes:
                 continue  # can never start (gauge objects_oversize): not queued again
             destination = self._destination(obj)
-            if destination is None:
-                put_back.append(entry)  # no room in any domain: looked at again next tick
+            if destination is None:  # no room in any domain (or at its caps): looked at again later
+                no_destination.append(entry)
                 continue
             if not self._budget.take(obj.size_bytes * 1000, now_ms):
                 self._count("budget_waits_total")
@@ -634,6 +667,7 @@ class RepairCore:
             started.append(self._start(obj, destination, now_ms))
         for entry in put_back:
             heapq.heappush(self._ready, entry)
+        self._deferred += no_destination
         return started
 
     def _current(self, obj: _Object, entry: _ReadyEntry) -> bool:
@@ -663,7 +697,10 @@ class RepairCore:
         self._rebuild_queues_if_stale()
 
     def _rebuild_queues_if_stale(self) -> None:
-        if max(len(self._ready), len(self._waiting)) > 2 * len(self._below) + self.queue_slack:
+        if (
+            max(len(self._ready) + len(self._deferred), len(self._waiting))
+            > 2 * len(self._below) + self.queue_slack
+        ):
             self._rebuild_queues()
 
     def _rebuild_queues(self) -> None:
@@ -677,6 +714,7 @@ class RepairCore:
         self._waiting = [
             (o.retry_at_ms, o.seq, self._push(), o.object_id) for o in below if o.retry_at_ms or o.stuck
         ]
+        self._deferred = []
         heapq.heapify(self._ready)
         heapq.heapify(self._waiting)
 
@@ -691,12 +729,17 @@ class RepairCore:
         fitting = [c for c in fitting if c.free_bytes >= obj.size_bytes]
         if not fitting:
             return None
-        best = max(fitting, key=lambda c: (spread(c, chosen), c.free_bytes, c.segment_id))
-        # At its copies' cap it waits a tick rather than a narrower domain taking the copy (a
-        # replica placed there stays there; review of the cap, stop 65).
-        if self._segments[best.segment_id].writes >= self.config.copies_per_destination_max:
-            return None
-        return best
+        widest = max(spread(c, chosen) for c in fitting)
+        # The one with the most room of those as wide and not at its copies' cap. All of them at
+        # it: the copy waits a tick rather than a narrower domain taking it (a replica placed
+        # there stays there; review of the cap, stop 65). Only the roomiest of them was looked
+        # at: a new, empty segment at its cap left the others idle, 4 copies in flight of 32
+        # (review, stop 68).
+        cap = self.config.copies_per_destination_max
+        open_ = [
+            c for c in fitting if spread(c, chosen) == widest and self._segments[c.segment_id].writes < cap
+        ]
+        return max(open_, key=lambda c: (c.free_bytes, c.segment_id), default=None)
 
     def _start(self, obj: _Object, destination: Candidate, now_ms: int) -> StartCopy:
         invariant(self._healthy_now(obj) + 1 <= obj.target, "copy past the replica target", target=obj.target)
@@ -719,6 +762,7 @@ class RepairCore:
         self._segments[source].reads += 1
         self._segments[destination.segment_id].reserved_bytes += obj.size_bytes
         self._segments[destination.segment_id].writes += 1
+        self._segments_changed = True  # (a destination full now can send a copy to a narrower one)
         self._count("copies_started_total")
         self._count("bytes_started_total", obj.size_bytes)
         return StartCopy(copy.copy_id, object_id, source, copy.destination, copy.size_bytes)
@@ -811,6 +855,7 @@ class RepairCore:
             source.reads -= 1
         destination = self._segments.get(copy.destination)
         if destination is not None:
+            self._segments_changed = True
             destination.reserved_bytes -= copy.size_bytes
             destination.writes -= 1
             destination.short = destination.short and destination.reserved_bytes > destination.free_bytes
@@ -886,7 +931,11 @@ class RepairCore:
         invariant((self._stuck_below, self._oversize_below) == (stuck, oversize), "gauges drifted")
         # Planning sees every object below target that can start: a current ready entry, or a
         # waiting one at its retry time (it backs off).
-        ready = {e[4] for e in self._ready if e[4] in self._objects and self._current(self._objects[e[4]], e)}
+        ready = {
+            e[4]
+            for e in (*self._ready, *self._deferred)
+            if e[4] in self._objects and self._current(self._objects[e[4]], e)
+        }
         waiting = {(e[3], e[0]) for e in self._waiting}
         # (An object waiting for a recount is queued again by it: a segment down changed the
         # order key of its entry, its readable replicas.)
