@@ -1,0 +1,92 @@
+"""The TCP data server. A GET that names one object twice is refused before the backend is
+asked: each copy was sent again, so one token repeated 4,096 times made a ~49 KB request send
+4,096 x the object, under a deadline as long, the slot pinned all along (a free answered done
+meanwhile while the arena kept the bytes; review, stop 68). A failed `accept` is retried, not
+the end of the data plane."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from typing import Any
+
+from kvfabric.dataplane.addresses import split_host_port
+from kvfabric.dataplane.frames import Op
+from kvfabric.dataplane.tcp import TcpDataServer
+from kvfabric.format.errors import NotFound
+from kvfabric.proto.common import ErrorReply
+from kvfabric.proto.dataplane import GetRequest, ReadRef
+from tests.security.dataplane_kit import frame, read_frame
+
+
+class CountingBackend:
+    def __init__(self) -> None:
+        self.gets: list[int] = []
+
+    def begin_get(self, reads: list[ReadRef], conn: int) -> Any:
+        self.gets.append(len(reads))
+        raise NotFound("no such object")
+
+    def connection_leaked(self, conn: int) -> None:
+        """(no link of these tests gets stuck)"""
+
+    def close_connection(self, conn: int) -> None:
+        """(nothing held per connection here)"""
+
+
+def ask(server: TcpDataServer, reads: list[ReadRef]) -> ErrorReply:
+    host, port = split_host_port(server.address)
+    with socket.create_connection((host, port), timeout=5.0) as sock:
+        sock.sendall(frame(Op.GET, GetRequest(reads=reads)))
+        answer = read_frame(sock)
+    assert answer is not None
+    op, meta = answer
+    assert op is Op.ERROR and isinstance(meta, ErrorReply), answer
+    return meta
+
+
+def test_a_get_naming_an_object_twice_is_refused() -> None:
+    backend = CountingBackend()
+    server = TcpDataServer(backend, authenticate=lambda meta: True)  # type: ignore[arg-type]
+    server.start()
+    try:
+        ref = ReadRef(incarnation=1, slot=3, slot_generation=1, size_bytes=1 << 20)
+        assert ask(server, [ref] * 4_096).code == "bad_request"
+        other_generation = ReadRef(incarnation=1, slot=3, slot_generation=2, size_bytes=1 << 20)
+        assert ask(server, [ref, other_generation]).code == "not_found"  # two objects: asked
+        assert backend.gets == [2]
+    finally:
+        server.stop()
+
+
+class FailingOnce:
+    """The listening socket, whose next `accept` fails as when the process is out of fds."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener = listener
+        self.failed = False
+
+    def accept(self) -> Any:
+        if not self.failed:
+            self.failed = True
+            raise OSError(errno.EMFILE, "Too many open files")
+        return self.listener.accept()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.listener, name)
+
+
+def test_a_failed_accept_does_not_stop_the_data_plane() -> None:
+    """(review, stop 68: the accept loop returned on any OSError, the segment heartbeating on)"""
+    backend = CountingBackend()
+    server = TcpDataServer(backend, authenticate=lambda meta: True)  # type: ignore[arg-type]
+    real = server._listener
+    server._listener = FailingOnce(real)  # type: ignore[assignment]
+    server.start()
+    try:
+        ref = ReadRef(incarnation=1, slot=3, slot_generation=1, size_bytes=16)
+        assert ask(server, [ref]).code == "not_found"  # answered after the failed accept
+        assert server.counters["accept_errors_total"] == 1
+    finally:
+        server.stop()
+        real.close()
