@@ -319,6 +319,10 @@ class FakeSaveClient:
         self.rate_taken: list[bool] = []
         self.saved_for: list[str | None] = []
         self.metrics = ClientMetrics()
+        self.enabled = True
+
+    def off_cause(self) -> str:
+        return "starting"
 
     def take_save_rate(self, chunk_sizes: list[int]) -> int:
         self.rate_asks.append(list(chunk_sizes))
@@ -396,6 +400,45 @@ def test_the_worker_gathers_blocks_into_save_memory_and_gives_slots_back(engine_
         objects = second = []
         connector.shutdown()
     assert isinstance(slots, SaveSlots) and slots.memory.closed
+
+
+def test_a_client_still_starting_copies_no_block_out(
+    engine_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that is off (still starting, or the cluster never answered) drops a save before
+    any block is copied out of vLLM's cache: it dropped it after copying every block, 4-12 MiB a
+    prompt on vLLM's thread (review, stop 68). Counted as the client counts it; the request cut."""
+    import numpy as np
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.engines.vllm_connector import KvfabricConnector, KvfabricMetadata, SaveSpec
+
+    connector = KvfabricConnector(engine_config, KVConnectorRole.WORKER, kv_cache_config=None)
+    connector.client.close()
+    layers = [torch.zeros(6, 64, dtype=torch.float32) for _ in range(2)]
+    client = FakeSaveClient(inflight_bytes=1 << 20)
+    client.enabled = False
+    connector.client = client  # type: ignore[assignment]
+    connector.register_kv_caches({f"layer{i}": kv for i, kv in enumerate(layers)})
+    copies: list[int] = []
+    real = np.concatenate
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        copies.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(np, "concatenate", counted)
+    try:
+        meta = KvfabricMetadata(saves=[SaveSpec("r", list(range(2 * BLOCK)), 0, [1, 2])])
+        connector.bind_connector_metadata(meta)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        assert copies == [] and client.saves == []
+        assert dropped_saves(client, "starting") == 1
+        assert connector._cut_cause("r") is not None
+    finally:
+        connector.shutdown()
 
 
 def test_blocks_past_the_engines_save_rate_are_not_copied_and_a_cut_request_saves_no_more(
@@ -623,6 +666,27 @@ def test_a_request_holding_a_failed_loads_blocks_saves_nothing_once_vllm_says_so
     for req_id in ("S", "T"):
         connector._plan_save(meta, req_id, connector._requests[req_id], 4 * BLOCK)
     assert [save.req_id for save in meta.saves] == ["T"]
+
+
+def test_a_failed_loads_blocks_leave_vllms_prefix_cache(scheduler_side: Any) -> None:
+    """Under "recompute" vLLM keeps a failed load's blocks in its prefix cache for the loading
+    request to recompute in place; aborted or preempted first, it never does, and a later prompt
+    was served them unwritten from vLLM's own cache (review, stop 68). They and the blocks after
+    them are evicted from the prefix cache (the hash only: a request holding them keeps them)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvfabric.engines.vllm_connector import _Request
+
+    connector = scheduler_side(0)
+    evicted: list[set[int]] = []
+    connector._kv_cache_manager = SimpleNamespace(evict_blocks=evicted.append)
+    tokens = list(range(4 * BLOCK))
+    connector._requests["A"] = _Request(tokens, [5, 6, 7, 8], 0)
+    connector._requests["B"] = _Request(tokens, [9, 10], 0)
+    connector.update_connector_output(KVConnectorOutput())
+    assert evicted == []
+    connector.update_connector_output(KVConnectorOutput(invalid_block_ids={6}))
+    assert evicted == [{6, 7, 8}]  # the failed block and the ones after it; not B's
 
 
 @pytest.mark.parametrize("cause", ["timeout", "slow", "early_timeout"])

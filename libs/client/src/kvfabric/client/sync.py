@@ -351,7 +351,7 @@ class KvClient:
         `rate_taken`: the caller took the save rate for these chunks (`take_save_rate`)."""
         with self._submit_lock:
             if not self.enabled:
-                self.metrics.saves_dropped.labels(self._off_cause()).inc()
+                self.metrics.saves_dropped.labels(self.off_cause()).inc()
                 return None
             saving = self._submit(
                 self.aio.save(
@@ -395,11 +395,12 @@ class KvClient:
             with contextlib.suppress(RuntimeError):  # the loop closed: close gave every lease back
                 self._loop.call_soon_threadsafe(self.aio.release_soon, hit)
 
-    def _off_cause(self) -> str:
+    def off_cause(self) -> str:
+        """Why a call is answered as if the client were off: `starting`, or `closed`."""
         return STARTING if self.status.state == STARTING else "closed"
 
     def _off_hit(self) -> Hit:
-        return self.aio._fallback(Hit(0, self.aio.spec.layout.tokens_per_chunk, (), ()), self._off_cause())
+        return self.aio._fallback(Hit(0, self.aio.spec.layout.tokens_per_chunk, (), ()), self.off_cause())
 
     def close(self) -> None:
         if self._closed or self._loop.is_closed():

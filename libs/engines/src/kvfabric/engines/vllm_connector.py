@@ -588,13 +588,29 @@ class KvfabricConnector(KVConnectorBase_V1):
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
+        unwritten: set[int] = set()
         for req_id, state in self._requests.items():
-            if not state.saves_off and not invalid.isdisjoint(state.block_ids):
+            first = next((i for i, block in enumerate(state.block_ids) if block in invalid), None)
+            if first is None:
+                continue
+            unwritten.update(state.block_ids[first:])
+            if not state.saves_off:
                 state.saves_off = True
                 self.client.metrics.saves_dropped.labels(LOAD_FAILED).inc()
                 log.info(
                     "kvfabric: request %s: its blocks include a failed load's: saves nothing more", req_id
                 )
+        # Under "recompute" vLLM keeps a failed load's blocks in its prefix cache, to be
+        # recomputed in place by the request that loaded them. Aborted or preempted first, that
+        # request never does, and a later prompt with that prefix is served those blocks as
+        # they are (unwritten) by vLLM's own cache, its saves then computed over them (review,
+        # stop 68). They, and the blocks after them, leave the prefix cache: the loading request
+        # still recomputes them in place, only their reuse by hash is lost.
+        manager = getattr(self, "_kv_cache_manager", None)
+        if manager is not None and hasattr(manager, "evict_blocks"):
+            evicted = unwritten | set(invalid)
+            manager.evict_blocks(evicted)
+            log.info("kvfabric: %d blocks of failed loads left vLLM's prefix cache", len(evicted))
 
     def _carry_over(self, old: _Request, state: _Request) -> None:
         """A request scheduled as new again (vLLM's V2 model runner folds a resumed request into
@@ -847,6 +863,13 @@ class KvfabricConnector(KVConnectorBase_V1):
             # right keys for good: the request saves nothing more.
             self._cut_request(save.req_id, LOAD_FAILED)
             self.client.metrics.saves_dropped.labels(LOAD_FAILED).inc()
+            return
+        if not self.client.enabled:
+            # Off (still starting, or the cluster never answered): `save_async` would drop it,
+            # but only after every block was copied out, 4-12 MiB a prompt on vLLM's thread
+            # (review, stop 68). Dropped before the copy, counted as the client counts it.
+            self.client.metrics.saves_dropped.labels(self.client.off_cause()).inc()
+            self._cut_request(save.req_id, CAUSE_DROPPED)
             return
         admitted = self.client.take_save_rate([object_bytes] * len(block_ids))
         if admitted < len(block_ids):
