@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -283,3 +285,34 @@ def test_recovery_restores_objects_generations_and_drops_bad_records() -> None:
     b = t.alloc(10, b"k")
     assert (b.slot, b.generation) == (2, 1)
     assert t.counters["recovered_objects_total"] == 2 and t.counters["recovery_dropped_total"] == 2
+
+
+class _NoWalk(dict):  # type: ignore[type-arg]
+    """The table's slots, refusing to be walked."""
+
+    def items(self) -> Any:
+        raise AssertionError("walked every slot")
+
+    def __iter__(self) -> Any:
+        raise AssertionError("walked every slot")
+
+
+def test_a_retry_of_failed_free_records_walks_only_those() -> None:
+    """Retrying failed free records sorted every slot under the tier's lock, once a second while
+    a failing index sector kept one failing: 870 ms at 1,000,000 slots (review, stop 68)."""
+    t = DiskSlotTable(1 << 20, 64)
+    stored = []
+    for i in range(40):
+        w = t.alloc(100, b"k%d" % i)
+        t.begin_commit(w.slot, w.generation, SUM)
+        assert t.end_commit(w.slot, w.generation, durable=True) is None
+        stored.append(w)
+    records = [t.free(w.slot, w.generation).record for w in stored[:3]]
+    assert all(r is not None for r in records)
+    t.unlink_failed([r for r in records[:2] if r is not None])
+    table = t._slots
+    t._slots = _NoWalk(table)
+    assert t.take_failed_unlinks() == records[:2]
+    assert t.take_failed_unlinks() == []
+    t._slots = table
+    t.check_invariants()

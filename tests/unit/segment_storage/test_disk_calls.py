@@ -10,6 +10,7 @@ import asyncio
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,4 +89,41 @@ def test_an_index_the_disk_cannot_read_at_start_is_refused_with_what_to_do(
         with pytest.raises(SsdFileRefused, match="could not be read"):
             SsdTier(
                 Path(d), "s1", 64 << 10, 64, direct=False, io=SsdIo(0, 64, 1 << 20), read_bytes_max=1 << 30
+            )
+
+
+def test_a_failed_sync_while_recovering_the_index_is_refused_with_what_to_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A commit record recovery drops is superseded by a free record, synced before anything is
+    allocated; a failed sync there (`Unavailable`) escaped as a traceback, the segment restarted
+    into the same (review, stop 68). It is `SsdFileRefused`, as a failed read is."""
+    from kvfabric.core.disk_records import Record
+    from kvfabric.core.disk_slots import DiskSlotTable
+    from kvfabric.segment_storage.ssd import SsdFileRefused
+
+    def failing_sync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    real_recover = DiskSlotTable.recover
+
+    def one_dropped(data_bytes: int, records: Any, **kw: Any) -> Any:
+        table, _ = real_recover(data_bytes, records, **kw)
+        return table, [Record("free", 0, 2)]  # a record to supersede: written, then synced
+
+    with tempfile.TemporaryDirectory() as d:
+        SsdTier(
+            Path(d), "s1", 64 << 10, 64, direct=False, io=SsdIo(0, 64, 1 << 20), read_bytes_max=1 << 30
+        ).close()
+        monkeypatch.setattr(DiskSlotTable, "recover", one_dropped)
+        with pytest.raises(SsdFileRefused, match="could not be read"):
+            SsdTier(
+                Path(d),
+                "s1",
+                64 << 10,
+                64,
+                direct=False,
+                io=SsdIo(0, 64, 1 << 20),
+                read_bytes_max=1 << 30,
+                sync=failing_sync,
             )

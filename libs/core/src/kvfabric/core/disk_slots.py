@@ -154,6 +154,7 @@ class DiskSlotTable:
         self.block_bytes: Final = block_bytes
         self._extents = ExtentAllocator(data_bytes, block_bytes)
         self._slots: dict[int, _DSlot] = {}
+        self._retry_slots: set[int] = set()  # slots whose free record failed (`unlink_failed`)
         self._generations: dict[int, int] = {}  # slot id -> current generation, where not 1
         self._next_id = 0  # ids from here up were never handed out (or restored)
         self._free_ids: list[int] = []  # heap of reclaimed ids below `_next_id`
@@ -402,15 +403,20 @@ class DiskSlotTable:
             )
             assert rec is not None  # for mypy: the invariant above
             rec.retry = True
+            self._retry_slots.add(record.slot)
 
     def take_failed_unlinks(self) -> list[Record]:
         """The free records whose writes failed, handed out again (each to this caller alone,
         until it calls `unlinked` or `unlink_failed` for it)."""
         out = []
-        for s, r in sorted(self._slots.items()):
-            if r.state == "unlinking" and r.retry:
+        # Only the failed ones: it sorted every slot, under the tier's lock, once a second while a
+        # failing index sector kept one record failing (870 ms at 1,000,000 slots; review, stop 68).
+        for s in sorted(self._retry_slots):
+            r = self._slots.get(s)
+            if r is not None and r.state == "unlinking" and r.retry:
                 r.retry = False
                 out.append(Record("free", s, r.generation + 1))
+        self._retry_slots.clear()
         return out
 
     def pending_unlinks(self) -> list[Record]:
@@ -542,6 +548,9 @@ class DiskSlotTable:
                 invariant(current == r.generation + 1, "unlinking slot not fenced", slot=slot)
                 invariant(r.readers > 0 or not r.unlinked, "unlinked slot nobody holds", slot=slot)
                 invariant(not (r.retry and r.unlinked), "a durable free record to retry", slot=slot)
+                invariant(
+                    not r.retry or slot in self._retry_slots, "a failed free record not listed", slot=slot
+                )
             else:
                 invariant(r.readers == 0, "a write with readers", slot=slot)
                 invariant(current == r.generation + (1 if r.fenced else 0), "write generation", slot=slot)

@@ -20,8 +20,9 @@ objects, each step an existing mechanism, the directory's steps batched per shar
    makes it readable is not stored (checked in that step under the backend's lock, which the
    fence rises under, as a PUT is: its slot freed, its ticket aborted, `failed`), so its slot is
    in that leader's report or never stored (review, 2026-12-06). A full tier is `no_capacity`:
-   nothing is written for it, the batch's objects after it are not tried, and the shell logs
-   `demotion_stopped` and counts `demote_no_capacity`; the arena keeps serving as before.
+   nothing is written for that object (the batch's later objects are still tried: a smaller one
+   may fit a hole), and the shell logs `demotion_stopped` once a batch and counts
+   `demote_no_capacity`; the arena keeps serving as before.
 3. Once every object is written, their confirms at once, like any write's (the confirm batcher:
    concurrent confirms share a request, up to its batch bound: one for a request's objects per
    shard); a final refusal (`unknown_ticket`, `mismatch`, `not_found`) frees the disk slot (the
@@ -414,7 +415,7 @@ class Demoter:
             to_abort.append(i)
             if isinstance(one, NoCapacity):
                 self.backend.count("demote_no_capacity_total")
-                if not stopped:  # once a batch: the objects after it were not tried
+                if not stopped:  # once a batch (its later objects were still tried)
                     self._warn("demotion_stopped", reason="disk tier full", error=one.message)
                     stopped = True
                 results[i] = DemoteResult("no_capacity")

@@ -202,7 +202,8 @@ class SsdTier:
                     self._sync.sync()
                     for record in unlinks:
                         self.table.unlinked(record.slot, record.generation)
-            except OSError as exc:  # a bad sector, a failing disk: said, not a traceback (review)
+            except (OSError, Unavailable) as exc:  # a bad sector, a failing disk (a failed sync
+                # is `Unavailable`: it escaped as a traceback, review, stop 68): said, exit 2
                 raise SsdFileRefused(
                     f"{self.path}: its index could not be read or recovered ({exc}): check the disk, "
                     "or remove the file to start empty"
