@@ -5,6 +5,7 @@ index in slices (`RoutingIndex.sweep`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -251,3 +252,83 @@ def test_a_follower_behind_the_stream_is_not_heard_as_current() -> None:
 
     assert caught_up([]) and caught_up(batch(0)) and caught_up(batch(None))
     assert caught_up(batch(EVENTS_FETCH_MAX)) and not caught_up(batch(EVENTS_FETCH_MAX + 1))
+
+
+class _CutOff:
+    """A NATS connection whose fetches time out: cut off (`connected` False), or at the end of a
+    stream whose last sequence is `last_seq`."""
+
+    def __init__(self, connected: bool, last_seq: int) -> None:
+        self.is_connected = connected
+        self.last_seq = last_seq
+        self.fetches = 0
+        self.enough = asyncio.Event()  # set once `wanted` fetches were made
+        self.wanted = 0
+
+    def jetstream(self, timeout: float) -> Any:
+        return self
+
+    async def stream_info(self, name: str) -> Any:
+        if not self.is_connected:
+            raise TimeoutError
+        return SimpleNamespace(state=SimpleNamespace(first_seq=1, last_seq=self.last_seq), created=None)
+
+    async def pull_subscribe(self, *args: Any, **kwargs: Any) -> Any:
+        return self
+
+    async def fetch(self, n: int, **_: float) -> Any:
+        self.fetches += 1
+        if self.fetches >= self.wanted:
+            self.enough.set()
+        await asyncio.sleep(0)
+        raise TimeoutError
+
+    async def unsubscribe(self) -> None:
+        return None
+
+
+def _heard_while(nc: _CutOff, index: RoutingIndex, fetches: int) -> int:
+    heard = [0]
+
+    async def on_heard() -> None:
+        heard[0] += 1
+
+    follower = IndexFollower(
+        cast(Any, nc), index, domain_digest=DOMAIN, heard=on_heard, request_timeout_s=1.0, listing_pages_max=1
+    )
+
+    async def no_leaders() -> None:
+        return None
+
+    follower.check_leaders = no_leaders  # type: ignore[method-assign]
+
+    async def run() -> None:
+        nc.wanted, nc.enough = fetches, asyncio.Event()
+        task = asyncio.create_task(follower.run())
+        await nc.enough.wait()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    return heard[0]
+
+
+def test_fetch_timeouts_count_as_heard_only_when_the_stream_says_the_index_is_at_its_end() -> None:
+    """nats-py raises the same timeout for a fetch with the connection down as at the end of
+    the stream: a router cut off from NATS counted its index current for as long, and a resumed
+    subscription was heard before it knew how far behind it was (review, stop 68)."""
+    index = RoutingIndex()
+    index.resync([ListedSegment("s1", 1, True)], [], at_seq=10)
+    cut_off = _CutOff(connected=True, last_seq=10)
+    assert _heard_while(cut_off, index, fetches=3) >= 2  # at the end: heard
+    cut_off = _CutOff(connected=True, last_seq=10)
+    cut_off.is_connected = False  # (stream_info answered once at subscribe, then cut off)
+
+    async def first_info(name: str) -> Any:
+        return SimpleNamespace(state=SimpleNamespace(first_seq=1, last_seq=10), created=None)
+
+    cut_off.stream_info = first_info  # type: ignore[method-assign]
+    assert _heard_while(cut_off, index, fetches=3) == 0
+    behind = _CutOff(connected=True, last_seq=9_000)  # connected, 8,990 events not yet fetched
+    assert _heard_while(behind, index, fetches=3) == 0

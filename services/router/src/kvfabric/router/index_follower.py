@@ -13,10 +13,13 @@
 - Every `LEADERS_CHECK_S` the shard map is asked again: a shard led under a newer epoch than at
   the last listing means a rebuild the events do not tell (what it adopted or lost; a segment
   that missed its report never goes `segment_down`), so the index lists again (review, stop 67).
-- Every fetch that answers with none (at the end), or with events that leave at most one more
-  fetch pending (`caught_up`), tells the core the stream was heard from (`heard`: the shell
-  feeds the core's `IndexHeard`, with the time); without that for `index_stale_ms` the router
-  counts no kvfabric tokens: a follower far behind is not trusted.
+- A fetch with events that leave at most one more fetch pending (`caught_up`), a fetch that
+  answers with none when the stream, asked then, has nothing past the index (`_at_end`: nats-py
+  raises the same timeout with the connection down, and a router cut off counted itself
+  current; review, stop 68), and a resync tell the core the stream was heard from (`heard`: the
+  shell feeds the core's `IndexHeard`, with the time); a resumed subscription does not, until
+  it has caught up. Without that for `index_stale_ms` the router counts no kvfabric tokens: a
+  follower far behind or cut off is not trusted.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Final
+from typing import Any, Final
 
 import nats.errors
 import nats.js.errors
@@ -96,7 +99,8 @@ class IndexFollower:
             try:
                 info = await js.stream_info(EVENTS_STREAM)
                 # Asked even when not synced: it remembers the stream's creation time.
-                if self.index.check_stream(info.state.first_seq, info.state.last_seq, info.created):
+                resynced = self.index.check_stream(info.state.first_seq, info.state.last_seq, info.created)
+                if resynced:
                     await self.resync(info.state.last_seq)
                 start = self.index.last_seq + 1
                 config = ConsumerConfig(
@@ -109,15 +113,21 @@ class IndexFollower:
                     events_wildcard(Service.DIRECTORY), stream=EVENTS_STREAM, config=config
                 )
                 try:
-                    await self.heard()
-                    retry_s = RETRY_S  # following again: the next failure waits the first wait
+                    if resynced:  # current as of the listing; a resume is current once caught up
+                        await self.heard()
                     while self.index.synced:
                         try:
                             batch = await sub.fetch(EVENTS_FETCH_MAX, timeout=EVENTS_FETCH_WAIT_S)
-                        except TimeoutError:  # nothing new: at the end of the stream
-                            await self.heard()
+                        except TimeoutError:
+                            # Nothing new, or nobody answered: nats-py raises the same when the
+                            # connection is down, and a router cut off counted its index current
+                            # for as long (review, stop 68). At the end only if the stream says so.
+                            if await self._at_end(js):
+                                await self.heard()
+                                retry_s = RETRY_S
                             await self.check_leaders()
                             continue
+                        retry_s = RETRY_S  # following again: the next failure waits the first wait
                         await self.apply_batch(batch)
                         if caught_up(batch):  # heard, and not behind: the index is current
                             await self.heard()
@@ -137,6 +147,17 @@ class IndexFollower:
                 )
                 await asyncio.sleep(retry_s)
                 retry_s = min(retry_s * 2, RETRY_S_MAX)
+
+    async def _at_end(self, js: Any) -> bool:
+        """Whether the events stream, asked now, has nothing past what the index applied (False
+        when it cannot be asked: the connection down, JetStream unreachable)."""
+        if not self.nc.is_connected:
+            return False
+        try:
+            info = await js.stream_info(EVENTS_STREAM)
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            return False
+        return bool(info.state.last_seq <= self.index.last_seq)
 
     async def apply_batch(self, batch: Sequence[Msg]) -> None:
         """A fetched batch into the index, one event a turn of the loop (routes are served

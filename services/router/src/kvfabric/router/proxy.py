@@ -64,6 +64,7 @@ __all__ = ["KEYED_TOKENS_MAX", "Proxy", "now_ms"]
 TENANT_HEADER: Final = "x-kvf-tenant"
 TRACE_HEADER: Final = "x-kvf-trace-id"
 TRACE_CHARS_MAX: Final = 128
+ENGINE_AUTH_STATUSES: Final = frozenset({401, 403, 407})  # the engine refused the router's key
 BODY_BYTES_MAX: Final = 16 << 20
 BODY_READ_TIMEOUT_S: Final = 30.0  # a request's whole body (16 MiB at ~0.5 MB/s); later: 408
 # A client that takes no part of the answer for this long is cut (`client_stalled`): a reader
@@ -117,6 +118,16 @@ _ENGINE_GONE: Final = frozenset(
         "WriteError",
     }
 )
+
+
+def _trace_id(given: str | None) -> str:
+    """The caller's trace id when it is printable ASCII (cut at `TRACE_CHARS_MAX`), else a new
+    one: a latin-1 byte in it (h11 accepts them) made the engine request's `x-request-id`
+    unencodable, a 500 and a traceback per request (review, stop 68)."""
+    given = (given or "")[:TRACE_CHARS_MAX]
+    if given and given.isascii() and given.isprintable():
+        return given
+    return uuid.uuid4().hex
 
 
 class _Failed(Exception):
@@ -279,7 +290,7 @@ class Proxy:
 
     async def completions(self, request: Request) -> Response:
         received = time.monotonic()
-        trace_id = (request.headers.get(TRACE_HEADER) or uuid.uuid4().hex)[:TRACE_CHARS_MAX]
+        trace_id = _trace_id(request.headers.get(TRACE_HEADER))
         tenant = tenant_of(request.headers, self.settings.api_keys, TENANT_HEADER)
         if tenant is None:
             self.metrics.refused("unauthenticated")
@@ -410,13 +421,22 @@ class Proxy:
         headers["x-kvf-trace-id"] = trace_id
         headers["x-kvf-instance"] = iid
         relayed = _Relayed(rid, iid, received, ttft_s, decision)
-        return _RelayResponse(
-            self._relay(upstream, relayed, log),
-            functools.partial(self._end_relay, upstream, relayed, log),
-            functools.partial(self._stalled, relayed, log),
-            status_code=upstream.response.status_code,
-            headers=headers,
-        )
+        try:
+            return _RelayResponse(
+                self._relay(upstream, relayed, log),
+                functools.partial(self._end_relay, upstream, relayed, log),
+                functools.partial(self._stalled, relayed, log),
+                status_code=upstream.response.status_code,
+                headers=headers,
+            )
+        except Exception:
+            # A header starlette cannot encode (an engine's UTF-8 value): the request's admission
+            # and the engine's response were left open, every such request leaking a slot until
+            # the router answered 429 for good (review, stop 68).
+            relayed.outcome = "unrelayable_headers"
+            await self._end_relay(upstream, relayed, log)
+            log.warning("engine_headers_unrelayable", instance=iid)
+            return _error(502, f"{iid}'s response headers could not be relayed", trace_id)
 
     def _stalled(self, relayed: _Relayed, log: Any) -> None:
         relayed.outcome = "client_stalled"
@@ -463,6 +483,11 @@ class Proxy:
             response = await self.client.send(req, stream=True)
             if response.status_code >= 500:
                 raise _Failed(f"status_{response.status_code}")
+            if response.status_code in ENGINE_AUTH_STATUSES:
+                # The router's key for this engine is wrong (rotated on it alone, say): its 401
+                # went to the client as if the client's key were bad, for 1/N of requests, and
+                # vLLM's unguarded /health kept the engine routed (review, stop 68). Failed over.
+                raise _Failed("engine_auth")
             chunks = response.aiter_raw()
             first = b""
             while not first:  # the first non-empty body chunk
@@ -477,9 +502,13 @@ class Proxy:
         except httpx.TimeoutException as exc:
             if response is not None:
                 await response.aclose()
-            why = {httpx.ConnectTimeout: "connect_timeout", httpx.PoolTimeout: "pool_timeout"}.get(
-                type(exc), "timeout"
-            )
+            # (a write that timed out: the engine never had the whole body, so never began:
+            # failed over, not answered 504 as a response timeout; review, stop 68)
+            why = {
+                httpx.ConnectTimeout: "connect_timeout",
+                httpx.PoolTimeout: "pool_timeout",
+                httpx.WriteTimeout: "write_timeout",
+            }.get(type(exc), "timeout")
             raise _Failed(why) from None
         except httpx.HTTPError as exc:
             if response is not None:

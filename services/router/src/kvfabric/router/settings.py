@@ -43,6 +43,7 @@ its fit over a bounded window, every coefficient within bounds around the prior.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,8 @@ from kvfabric.format.invariant import InvariantViolation
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
 from kvfabric.router.tenants import ApiKeys, api_keys_from
 from kvfabric.runtime.config import SettingsError, env_int
+
+_ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 __all__ = ["Engine", "KeySpace", "RouterSettings", "keyspace_for_model_dir", "load_router_settings"]
 
@@ -197,6 +200,12 @@ def load_router_settings(env: Mapping[str, str]) -> RouterSettings:
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise SettingsError(f"KVF_ROUTER_ENGINES: {type(exc).__name__}: {exc}") from None
     for e in engines:
+        if not _ENGINE_ID.fullmatch(e.spec.instance_id):
+            # (it is a response header, `x-kvf-instance`, and a metrics label: one starlette
+            # could not encode failed every request routed there; review, stop 68)
+            raise SettingsError(
+                f"KVF_ROUTER_ENGINES: engine id {e.spec.instance_id!r}: 1-64 of A-Z a-z 0-9 . _ : -"
+            )
         if e.kv_events_replay and not e.kv_events:
             raise SettingsError(
                 f"KVF_ROUTER_ENGINES: {e.spec.instance_id}: kv_events_replay without kv_events"
