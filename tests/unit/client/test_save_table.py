@@ -95,6 +95,35 @@ def test_a_save_begins_writes_every_replica_and_commits_with_the_receipts() -> N
     assert t.state == "done" and t.result == result
 
 
+def test_a_key_committed_missing_is_aborted_before_the_save_ends() -> None:
+    """A commit answered `missing` (no replica confirmed: the segment lost before the commit, a
+    receipt refused) leaves the key placed at the directory under this writer: every writer's
+    put_begin of it, this one's next save's included, got `in_flight` until the write TTL
+    (review, stop 68). It is aborted, and the save ends once that abort is answered."""
+    t = table(2)
+    k0, k1 = t.plan.keys
+    b0, b1 = begun(t, 10)
+    t.step(BeginAnswered(b0.request, m.PutBeginReply(epoch=1, results=[placed(k0, ticket(k0, 1))]), "t"), 11)
+    writes = t.step(
+        BeginAnswered(b1.request, m.PutBeginReply(epoch=1, results=[placed(k1, ticket(k1, 2))]), "t"), 12
+    )
+    assert len(writes) == 1 and isinstance(writes[0], WriteReplicas)
+    receipt = m.WriteReceipt(1, 5, 1, b"mac")
+    commits = t.step(WritesDone((("ok", receipt), ("ok", receipt))), 20)
+    assert [type(e) for e in commits] == [SendCommit, SendCommit]
+    c0, c1 = (e.request for e in commits if isinstance(e, SendCommit))
+    published = m.PutCommitReply(epoch=1, results=[m.CommitResult(key=k0, status="published")])
+    assert t.step(EndAnswered(c0, published), 21) == []
+    missing = m.PutCommitReply(epoch=1, results=[m.CommitResult(key=k1, status="missing")])
+    aborts = t.step(EndAnswered(c1, missing), 22)
+    assert aborts == [SendAbort(c1 + 1, 1, (k1,), 1022)]
+    t.check_invariants()
+    result = SaveResult(chunks_saved=1, chunks_failed=1, bytes_written=5, causes={"missing": 1})
+    done = t.step(EndAnswered(c1 + 1, m.PutAbortReply(epoch=1, aborted=1)), 23)
+    assert done == [Finished(result)]
+    t.check_invariants()
+
+
 def test_nothing_from_the_first_not_admitted_chunk_on_is_written_and_it_is_all_aborted() -> None:
     t = table(3)
     k0, k1, k2 = t.plan.keys

@@ -392,6 +392,7 @@ class SaveTableMachine(RuleBasedStateMachine):
             reply = m.PutAbortReply(epoch=1, aborted=len(sent.keys))
         else:
             results: list[m.CommitResult] = []
+            missing: list[ObjectKey] = []  # first answered `missing`: aborted by the table
             for key, _ in sent.items:
                 status = choose(data, [*COMMIT_STATUSES, "omit", "twice"])
                 if status == "omit":
@@ -406,9 +407,13 @@ class SaveTableMachine(RuleBasedStateMachine):
                         model.committed.add(key)
                     else:
                         model.fail(key, first)
+                    if first == "missing":
+                        missing.append(key)
             results.append(m.CommitResult(key=FOREIGN[sent.shard], status="published"))  # another save's
             reply = m.PutCommitReply(epoch=1, results=results)
         expected: list[Effect] = [] if self.ends else [Finished(model.result())]
+        if self.table.state != "abandoned" and isinstance(sent, SendCommit) and cause is None and missing:
+            expected = self.expected_aborts(missing)  # (its keys still placed there: review, stop 68)
         if self.table.state == "abandoned":  # not awaited: ignored (counted)
             expected = []
         self.step(EndAnswered(request, reply), expected)

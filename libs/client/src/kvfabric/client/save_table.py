@@ -18,6 +18,7 @@ wire is `kvfabric.client.saves` (whose `SaveTally` this table counts with).
                                            to write
     WRITING --writes_done--> ENDING (SendAbort, SendCommit per shard batch), or DONE with nothing
                              to end
+    ENDING --end_answered, a commit answered `missing` for keys--> ENDING (SendAbort of them)
     ENDING --end_answered, the last--> DONE (Finished(result))
     any but DONE --abandon (the save cancelled)--> ABANDONED (SendAbort per shard batch of every
                  key a begin answer placed and no commit or abort carried; no result)
@@ -37,6 +38,8 @@ phase (a second answer, or a stale one) is counted and ignored.
            is committed too: the directory keeps it degraded and repair tops it up)
     placed --writes--> write_failed (no replica ok): aborted
     committing --answer--> committed (`saves.COMMITTED`) | commit_failed
+    committing --answer `missing` (no replica confirmed: still placed, under this writer)-->
+           commit_failed, aborted (it held the key `in_flight` for every writer until the TTL)
     aborting --answer (whatever it is)--> aborted (a lost abort expires at the directory after
            the put's write TTL: nothing to retry)
 
@@ -62,7 +65,7 @@ phase (a second answer, or a stale one) is counted and ignored.
 1. Every planned key is sent in exactly one begin request; requests hold 1..batch_max items of
    one shard; a begin answer is used once per key (a key answered twice keeps the first).
 2. Every placed key ends exactly once: in one commit request or in one abort request, never
-   both, never twice; nothing without a written replica is committed; nothing unreachable is
+   both (but a commit answered `missing`, then one abort), never twice; nothing without a written replica is committed; nothing unreachable is
    written; each ticket is written at most once.
 3. A key counted committed was sent in a commit request (and answered committed).
 4. DONE: no request outstanding; every chunk of the plan is exactly one of saved, existing or
@@ -242,6 +245,7 @@ class SaveTable:
     _written: list[ObjectKey] = field(default_factory=list)  # >= 1 replica ok: to commit
     _failed_writes: list[ObjectKey] = field(default_factory=list)  # no replica ok: to abort
     _commit_answered: set[ObjectKey] = field(default_factory=set)
+    _missing: list[ObjectKey] = field(default_factory=list)  # committed `missing`: then aborted
     _result: SaveResult | None = None
 
     def __post_init__(self) -> None:
@@ -320,11 +324,15 @@ class SaveTable:
         self._phase("writing", "writes_done")
         return self._end(outcomes, now_ms)
 
-    def end_answered(self, request: int, reply: object) -> list[Effect]:
-        """An abort's or a commit's reply (or cause). After the last one: `Finished`."""
+    def end_answered(self, request: int, reply: object, now_ms: int = 0) -> list[Effect]:
+        """An abort's or a commit's reply (or cause). A key committed `missing` (no replica of
+        it confirmed: its segment lost, its receipt refused) is still placed there, under this
+        writer: aborted (it blocked the key for every writer, this one's next save included, and
+        held its reservation, until the write TTL; review, stop 68). After the last: `Finished`."""
         sent = self._answer(request, "put_commit", "put_abort")
         if sent is None:
             return []
+        effects: list[Effect] = []
         if sent.verb == "put_commit":
             if not isinstance(reply, m.PutCommitReply):
                 self._tally.refused(list(sent.keys), str(reply))
@@ -337,8 +345,14 @@ class SaveTable:
                         self._commit_answered.add(r.key)
                         results.append(r)
                 self._tally.commits(results)
+                missing = [r.key for r in results if r.status == "missing"]
+                self._missing += missing
+                deadline_ms = now_ms + self.timeout_ms
+                for shard, keys in shard_batches(missing, self.shard_of, self.batches.abort):
+                    abort = self._send("put_abort", shard, keys)
+                    effects.append(SendAbort(abort, shard, tuple(keys), deadline_ms))
         if self._outstanding:
-            return []
+            return effects
         return self._finish()
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -482,10 +496,12 @@ class SaveTable:
         aborts = self._sent.get("put_abort", [])
         invariant(len(commits) == len(set(commits)), "a key committed twice")
         invariant(len(aborts) == len(set(aborts)), "a key aborted twice")
-        invariant(set(commits).isdisjoint(aborts), "a key both committed and aborted")
+        invariant(set(self._missing) <= set(commits), "an abort after a commit not sent")
+        first_end = [k for k in aborts if k not in self._missing]  # (those: aborted after a commit)
+        invariant(set(commits).isdisjoint(first_end), "a key both committed and aborted")
         invariant(set(commits) == set(self._written), "a commit for a key without a written replica")
         if self.state in ("ending", "done") and placed + self._unreachable:
-            ended = sorted(commits + aborts)
+            ended = sorted(commits + first_end)
             invariant(ended == sorted(placed + self._unreachable), "a placed key not ended exactly once")
         invariant(self._tally.committed <= set(commits), "committed without a commit request")
         for request, sent in self._outstanding.items():

@@ -84,4 +84,4 @@ def dispatch(table: SaveTable, event: SaveEvent, now_ms: int) -> list[Effect]:
         return table.begin_answered(event.request, event.reply, event.trace_id, now_ms)
     if isinstance(event, WritesDone):
         return table.writes_done(event.outcomes, now_ms)
-    return table.end_answered(event.request, event.reply)
+    return table.end_answered(event.request, event.reply, now_ms)
