@@ -65,8 +65,9 @@ phase (a second answer, or a stale one) is counted and ignored.
 1. Every planned key is sent in exactly one begin request; requests hold 1..batch_max items of
    one shard; a begin answer is used once per key (a key answered twice keeps the first).
 2. Every placed key ends exactly once: in one commit request or in one abort request, never
-   both (but a commit answered `missing`, then one abort), never twice; nothing without a written replica is committed; nothing unreachable is
-   written; each ticket is written at most once.
+   both (but a commit answered `missing`, then one abort), never twice; nothing without a
+   written replica is committed; nothing unreachable is written; each ticket is written at most
+   once.
 3. A key counted committed was sent in a commit request (and answered committed).
 4. DONE: no request outstanding; every chunk of the plan is exactly one of saved, existing or
    failed (`SaveTally.result`).
