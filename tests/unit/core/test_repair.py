@@ -138,6 +138,7 @@ def test_drain_moves_everything_off_then_reports_complete_once() -> None:
     core.object_known("shared", size_bytes=MB, replica_target=2, segments=["a", "b"])
     core.object_known("elsewhere", size_bytes=MB, replica_target=1, segments=["b"])
     core.segment_draining("a")
+    core.scan_complete()  # (the shell's listing: the objects are known)
     assert core.drain_pending("a") == 2
     effects = core.tick(0)
     # only_there can only be read from a; shared is copied from b (not draining) to c (new zone).
@@ -155,6 +156,26 @@ def test_drain_moves_everything_off_then_reports_complete_once() -> None:
     core.check_invariants()
 
 
+def test_no_drain_completes_before_a_listing_after_it_began() -> None:
+    """The scan reports the drain flag, then lists the objects below target page by page; a
+    tick between them found nothing on the segment below target (nothing known yet) and
+    reported the drain complete, the segment still holding everything (review, stop 68)."""
+    core = new_core()
+    core.segment_draining("a")
+    assert core.tick(0) == []  # was [DrainComplete("a")]
+    core.object_known("only_there", size_bytes=MB, replica_target=1, segments=["a"])
+    core.scan_complete()
+    (start,) = core.tick(1)
+    assert isinstance(start, StartCopy) and core.copy_ok(start.copy_id)
+    assert core.tick(2) == [DrainComplete("a")]
+    core.segment_draining("a", False)
+    core.segment_draining("a")  # a new drain: a new listing first
+    assert core.tick(3) == []
+    core.scan_complete()
+    assert core.tick(4) == [DrainComplete("a")]
+    core.check_invariants()
+
+
 def test_a_drain_recounts_a_bounded_number_of_objects_per_step_and_completes_after() -> None:
     """A drain flag change recounts `recounts_per_step` of the segment's objects at once and as
     many per tick (2 s of the service's loop at 1,000,000 objects when it recounted them all):
@@ -164,6 +185,7 @@ def test_a_drain_recounts_a_bounded_number_of_objects_per_step_and_completes_aft
     for i in range(10):
         core.object_known(i, size_bytes=MB, replica_target=2, segments=["a", "b"])
     core.segment_draining("a")
+    core.scan_complete()
     gauges = core.gauges()
     assert (gauges["recounts_pending"], gauges["objects_below_target"]) == (7, 3)
     assert core.drain_pending("a") == 10  # counted now, not from the stale counts

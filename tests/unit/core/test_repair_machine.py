@@ -221,6 +221,11 @@ class RepairMachine(RuleBasedStateMachine):
         self.free[segment] = free
         self.prune()
 
+    @rule()
+    def scan_complete(self) -> None:
+        """The shell's listing ended: every object this machine told the core of is known."""
+        self.core.scan_complete()
+
     @rule(segment=st.sampled_from(SEGMENTS), draining=st.booleans())
     def segment_draining(self, segment: str, draining: bool) -> None:
         self.core.segment_draining(segment, draining)
@@ -352,6 +357,7 @@ class RepairMachine(RuleBasedStateMachine):
         # Fault-free phase with room everywhere: every copy succeeds, every object converges.
         for segment in list(self.free):
             self.segment_up(segment, ROOMY, restart=False)
+        self.core.scan_complete()
         idle = 0
         for _ in range(100):  # each tick is past any backoff: two idle ticks in a row mean settled
             effects = self.tick_for(CONFIG.stuck_retry_ms)

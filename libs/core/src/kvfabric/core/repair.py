@@ -10,6 +10,7 @@ performs the effects it returns. One entry takes them all: `step(event, now_ms) 
              object_known(id, size_bytes, replica_target, segments, hot=0)
              replica_lost(id, segment_id, corrupt=False)    object_removed(id)
              copy_ok(copy_id) -> bool    copy_failed(copy_id, now_ms, source_failed=False)
+             scan_complete()
     tick     tick(now_ms) -> [CancelCopy | StartCopy | DrainComplete]
     read     counters (plain, monotonic: the shell exports them), gauges(), replicas(id),
              drain_pending(id), tokens_bytes, check_invariants()
@@ -25,8 +26,9 @@ segment is only *readable*: a copy source that no longer counts.
     (unknown) --segment_up--> UP <--segment_draining(True / False)--> DRAINING
     UP | DRAINING --segment_down, or segment_up with a newer incarnation--> (gone: its replicas
         are lost at once, copies from or to it aborted, its objects recounted as below)
-    DRAINING --tick: every object on it has its target elsewhere (so no copy touches it) and
-        no recount is pending--> DrainComplete (once per drain); the shell retires the
+    DRAINING --tick: a listing of the objects below target ended since the drain began
+        (`scan_complete`), every object on it has its target elsewhere (so no copy touches it)
+        and no recount is pending--> DrainComplete (once per drain); the shell retires the
         segment, then sends segment_down.
 A drain waits while an object cannot reach its target elsewhere (`drain_pending` counts them).
 
@@ -228,6 +230,10 @@ class _Segment:
     free_bytes: int
     draining: bool = False
     drain_reported: bool = False
+    # A listing of the objects below target finished since the drain began (`scan_complete`):
+    # until then the core may not know the segment's objects at all (review, stop 68: the tick
+    # between the flag and the listing reported a drain complete with every object still there).
+    drain_listed: bool = False
     reserved_bytes: int = 0  # copies in flight to it
     reads: int = 0  # copies in flight from it
     writes: int = 0  # copies in flight to it (at most `copies_per_destination_max`)
@@ -398,13 +404,20 @@ class RepairCore:
         seg = self._segments.get(segment_id)
         if seg is None or seg.draining == draining:
             return
-        seg.draining, seg.drain_reported = draining, False
+        seg.draining, seg.drain_reported, seg.drain_listed = draining, False, False
         self._segments_changed = True
         if draining:
             for copy in [c for c in self._copies.values() if c.destination == segment_id]:
                 self._abort(copy)  # a replica landing there would not count
         on_segment = self._on_segment[segment_id]
         self._defer_recounts(on_segment, [on_segment])
+
+    def scan_complete(self) -> None:
+        """The shell's listing of every object below target ended (after the segments' report
+        that began it): a draining segment's objects are known from here, so its drain may be
+        reported complete."""
+        for seg in self._segments.values():
+            seg.drain_listed = seg.drain_listed or seg.draining
 
     def segment_down(self, segment_id: str) -> None:
         """The segment (this incarnation) is gone: its replicas are lost at once, its copies
@@ -593,7 +606,13 @@ class RepairCore:
         effects: list[Effect] = [*self._cancels, *started]
         self._cancels = []
         for segment_id, seg in self._segments.items():
-            if seg.draining and not seg.drain_reported and not self._recounts and self._drained(segment_id):
+            if (
+                seg.draining
+                and seg.drain_listed
+                and not seg.drain_reported
+                and not self._recounts
+                and self._drained(segment_id)
+            ):
                 seg.drain_reported = True
                 self._count("drains_complete_total")
                 effects.append(DrainComplete(segment_id))

@@ -3,6 +3,7 @@ entry point of `kvfabric.core.repair`, each the method of the same meaning.
 
     SegmentUp -> segment_up        SegmentDraining -> segment_draining    SegmentDown -> segment_down
     ObjectKnown -> object_known    ReplicaLost -> replica_lost            ObjectRemoved -> object_removed
+    ScanComplete -> scan_complete
     CopyOk -> copy_ok: [Reply(wanted)]    CopyFailed -> copy_failed(now_ms)
     Tick -> tick(now_ms): [CancelCopy | StartCopy | DrainComplete, ...]
 """
@@ -25,6 +26,7 @@ __all__ = [
     "RepairEvent",
     "RepairOutput",
     "ReplicaLost",
+    "ScanComplete",
     "SegmentDown",
     "SegmentDraining",
     "SegmentUp",
@@ -89,6 +91,11 @@ class ObjectRemoved:
 
 
 @dataclass(frozen=True, slots=True)
+class ScanComplete:
+    """The listing of every object below target ended (`scan_complete`)."""
+
+
+@dataclass(frozen=True, slots=True)
 class CopyOk:
     """A copy is stored (`copy_ok`; answers `Reply(True)` when it was still wanted)."""
 
@@ -111,6 +118,7 @@ RepairEvent: TypeAlias = (
     | ObjectKnown
     | ReplicaLost
     | ObjectRemoved
+    | ScanComplete
     | CopyOk
     | CopyFailed
     | Tick
@@ -148,6 +156,8 @@ def dispatch(core: RepairCore, event: RepairEvent, now_ms: int) -> list[RepairOu
         core.replica_lost(event.object_id, event.segment_id, corrupt=event.corrupt)
     elif isinstance(event, ObjectRemoved):
         core.object_removed(event.object_id)
+    elif isinstance(event, ScanComplete):
+        core.scan_complete()
     elif isinstance(event, CopyOk):
         return [Reply(core.copy_ok(event.copy_id))]
     else:

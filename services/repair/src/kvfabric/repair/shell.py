@@ -175,6 +175,7 @@ class RepairShell:
                     )
         for done in self._tracked - below:
             self.core.object_removed(done)
+        self.core.scan_complete()  # (a drain is reported complete only after this)
         self._tracked = below
         self.below_target = len(below)
         self.scans += 1
