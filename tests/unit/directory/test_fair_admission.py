@@ -673,3 +673,39 @@ def test_a_request_waits_for_its_turn_no_longer_than_its_sender_waits() -> None:
         gate.core.check()
 
     asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
+def test_a_lookup_many_waits_for_its_turn_no_longer_than_its_sender_waits() -> None:
+    """The single requests' bound (above) was not passed for `lookup_many`, the client's usual
+    lookup: it waited up to TURN_WAIT_S_MAX for its turn, then leased groups for a client gone
+    (review, stop 68)."""
+    gate = FairGate(config(ids_per_s=1_000_000, burst_ids=1_000_000, queue_max=4, running_max=1))
+    ran: list[object] = []
+
+    class Shell:
+        async def handle_tenant(self, message: Any, verb: str, grant: Any, **_: Any) -> Any:
+            ran.append(message)
+            return m.LookupReply(epoch=1, hit_chunks=0, lease_id=0, objects=[])
+
+    runtime = bobs_host(gate, Shell())
+
+    async def scenario() -> None:
+        go = asyncio.Event()
+
+        async def running() -> None:
+            async with gate.turn("bob", 1):
+                await go.wait()
+
+        first = asyncio.create_task(running())
+        await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        many = m.LookupMany(holder_id="b", parts=[])
+        with pytest.raises(Busy, match="waited too long"):
+            await runtime.tenant["lookup_many"](encode(many), {TIMEOUT_MS_HEADER: "100"}, "bob")
+        assert loop.time() - asked < 1.0 and ran == []
+        go.set()
+        await first
+        gate.core.check()
+
+    asyncio.run(asyncio.wait_for(scenario(), 15))

@@ -329,7 +329,9 @@ class ShardHost:
             if gate is None:
                 return await many(message, grant)
             ids = sum(len(p.groups) for p in message.parts) if isinstance(message, m.LookupMany) else 0
-            async with gate.turn(tenant, ids):
+            # within the sender's own wait, as a single request's turn (review, stop 68: a
+            # lookup_many waited up to TURN_WAIT_S_MAX, then leased groups for a client gone)
+            async with gate.turn(tenant, ids, sender_wait_s(headers)):
                 reply = await many(message, grant)
                 gate.charge_more(tenant, reply_extra_ids(message, reply))
                 return reply
