@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from kvfabric.core.directory import EmitEvent
@@ -33,3 +34,30 @@ def test_a_request_waiting_on_a_full_outbox_ends_when_the_shell_stops() -> None:
             await asyncio.wait_for(shell.perform([event]), 1.0)
 
     asyncio.run(main())
+
+
+def test_events_leave_a_full_outbox_in_the_order_they_were_queued() -> None:
+    """A slot freed for the oldest waiter was taken by a newer event before that waiter ran:
+    drained e0, e2, e1, an eviction published before the publication it follows (review,
+    stop 68)."""
+    shell = DirectoryShell(
+        new_core(), tick_ms=100, events_outbox_max=1, events_max_age_s=60, free_timeout_s=1.0
+    )
+
+    def event(n: int) -> EmitEvent:
+        return EmitEvent("segment_down", m.SegmentDown(segment_id=f"s{n}", incarnation=1, reason="test"))
+
+    async def main() -> list[str]:
+        await shell.perform([event(0)])  # fits
+        waiting = asyncio.create_task(shell.perform([event(1)]))  # full: waits its turn
+        await asyncio.sleep(0.01)
+        newer = asyncio.create_task(shell.perform([event(2)]))  # runs before e1's waiter resumes
+        drained = [shell._outbox.get_nowait()]  # the publisher takes e0: room for e1, not e2
+        await asyncio.sleep(0.01)
+        drained.append(shell._outbox.get_nowait())
+        await asyncio.sleep(0.01)
+        drained.append(shell._outbox.get_nowait())
+        await asyncio.gather(waiting, newer)
+        return [msgspec.msgpack.decode(d, type=m.SegmentDown).segment_id for _, d in drained]
+
+    assert asyncio.run(main()) == ["s0", "s1", "s2"]

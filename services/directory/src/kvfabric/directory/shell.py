@@ -163,6 +163,7 @@ class DirectoryShell:
         self.events_max_bytes = events_max_bytes  # 0: no size bound
         self.free_timeout_s = free_timeout_s
         self._outbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=events_outbox_max)
+        self._outbox_turn = asyncio.Lock()  # held by the event waiting for room (`_queue_event`)
         self._stopped = asyncio.Event()  # `stop` began: nothing reads the outbox any more
         self._frees: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
@@ -378,19 +379,34 @@ class DirectoryShell:
         reads it: a request waiting there (JetStream slow, the outbox full) ended never, holding
         its in-flight slot and its tenant's fair turn (review, 2026-12-05); it ends
         `wrong_shard` now (its client asks the shard's new leader)."""
-        if not self._outbox.full() and not self._stopped.is_set():
+        # The fast path only while nobody waits for room; waiters take turns (`_outbox_turn`, a
+        # FIFO lock). A slot freed for the oldest waiter was taken by a newer event before that
+        # waiter ran (asyncio's queue lets a newcomer put while room lasts), publishing events
+        # out of their order: an eviction before the publication it follows (review, stop 68).
+        if not self._outbox_turn.locked() and not self._outbox.full() and not self._stopped.is_set():
             self._outbox.put_nowait(item)
             return
-        put = asyncio.ensure_future(self._outbox.put(item))
-        stopped = asyncio.ensure_future(self._stopped.wait())
+        turn = asyncio.ensure_future(self._outbox_turn.acquire())
+        if not await self._unless_stopped(turn):
+            raise WrongShard("this shard's shell stopped", shard=self.core.shard)
         try:
-            await asyncio.wait({put, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            put = asyncio.ensure_future(self._outbox.put(item))
+            await self._unless_stopped(put)
         finally:
-            stopped.cancel()
-            if not put.done():
-                put.cancel()
+            self._outbox_turn.release()
         if not put.done() or put.cancelled():
             raise WrongShard("this shard's shell stopped", shard=self.core.shard)
+
+    async def _unless_stopped(self, waiting: asyncio.Future[Any]) -> bool:
+        """Wait for `waiting` unless `stop` begins first (then it is cancelled): whether it ended."""
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        try:
+            await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not waiting.done():
+                waiting.cancel()
+        return waiting.done() and not waiting.cancelled()
 
     # ---- effects -----------------------------------------------------------------------------
 
