@@ -141,6 +141,27 @@ def test_a_missing_password_file_disables_the_client_instead_of_raising(
         kv.close()
 
 
+@pytest.mark.parametrize("pem", [None, b"not a certificate"])
+def test_an_unusable_data_tls_ca_disables_the_client_instead_of_raising(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, pem: bytes | None
+) -> None:
+    """The data plane's TLS context was built in the constructor: a CA file missing or not PEM
+    raised `FileNotFoundError` / `ssl.SSLError` out of `KvClient()`, into vLLM's or SGLang's
+    start (review, stop 68)."""
+    caplog.set_level(logging.INFO)
+    ca = tmp_path / "ca.pem"
+    if pem is not None:
+        ca.write_bytes(pem)
+    settings = ClientSettings(nats_url=f"nats://127.0.0.1:{free_port()}", data_tls_ca=str(ca))
+    kv, took_s = start(settings)
+    try:
+        assert_disabled(kv, "config_error", caplog, logging.ERROR)
+        assert "data_tls_ca" in kv.status.detail and str(ca) in kv.status.detail
+        assert took_s < SLACK_S
+    finally:
+        kv.close()
+
+
 @pytest.mark.parametrize(
     "url", ["http://127.0.0.1:4222", "nats://127.0.0.1:notaport", "", "nats://no-such-host.invalid:4222"]
 )

@@ -23,10 +23,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import ssl
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
+
+import msgspec.structs
 
 from kvfabric.client.aio import AsyncKvClient, Destination, EngineSpec, Source
 from kvfabric.client.hits import Hit, LoadResult, SaveResult
@@ -36,6 +39,7 @@ from kvfabric.client.settings import ClientSettings
 from kvfabric.client.threads import thread_placement
 from kvfabric.core.client_loads import DestId
 from kvfabric.dataplane.scatter import WriteGate
+from kvfabric.dataplane.tls import client_context
 from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, Unauthorized, Unavailable
 from kvfabric.format.key import ChunkExtras, TokenIds
 
@@ -101,6 +105,17 @@ def start_cause(exc: BaseException) -> str:
     return CLIENT_ERROR
 
 
+def _unusable_tls(settings: ClientSettings) -> str | None:
+    """Why `settings.data_tls_ca` cannot be used (None when unset or usable)."""
+    if not settings.data_tls_ca:
+        return None
+    try:
+        client_context(settings.data_tls_ca)
+    except (OSError, ssl.SSLError) as exc:
+        return f"data_tls_ca {settings.data_tls_ca!r}: {exc}"
+    return None
+
+
 class KvClient:
     """Thread-safe blocking client; one per engine process (or worker)."""
 
@@ -118,6 +133,14 @@ class KvClient:
         client is disabled, its `status` says why, one line is logged at `failure_log_level`
         (default: ERROR for a setting or a refusal someone must fix, WARNING for a cluster
         that is down or silent)."""
+        unusable = _unusable_tls(settings)
+        if unusable is not None:
+            # (the data plane's TLS context is built with the client: a CA file missing or not
+            # PEM raised out of this constructor into vLLM's or SGLang's start; review, stop 68)
+            self._setup(msgspec.structs.replace(settings, data_tls_ca=""), spec, metrics, failure_log_level)
+            self._starting = None
+            self._disable(CONFIG_ERROR, unusable)
+            return
         self._setup(settings, spec, metrics, failure_log_level)
         starting = self._submit(self.aio.start())
         self._starting: concurrent.futures.Future[None] | None = starting
