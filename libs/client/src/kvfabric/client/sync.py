@@ -133,17 +133,17 @@ class KvClient:
         client is disabled, its `status` says why, one line is logged at `failure_log_level`
         (default: ERROR for a setting or a refusal someone must fix, WARNING for a cluster
         that is down or silent)."""
+        self._starting: concurrent.futures.Future[None] | None = None
         unusable = _unusable_tls(settings)
         if unusable is not None:
             # (the data plane's TLS context is built with the client: a CA file missing or not
             # PEM raised out of this constructor into vLLM's or SGLang's start; review, stop 68)
             self._setup(msgspec.structs.replace(settings, data_tls_ca=""), spec, metrics, failure_log_level)
-            self._starting = None
             self._disable(CONFIG_ERROR, unusable)
             return
         self._setup(settings, spec, metrics, failure_log_level)
         starting = self._submit(self.aio.start())
-        self._starting: concurrent.futures.Future[None] | None = starting
+        self._starting = starting
         if background_start:
             starting.add_done_callback(self._started)
             return
