@@ -20,6 +20,7 @@ from kvfabric.client.threads import parse_cpu_list
 from kvfabric.cluster.natsauth import NatsAuth
 from kvfabric.format.errors import BadRequest
 from kvfabric.format.key import ShareDomain
+from kvfabric.proto.directory import LEASE_TTL_MS_MAX, WRITE_TTL_MS_MAX
 from kvfabric.proto.subjects import check_tenant, tenant_inbox_prefix
 
 __all__ = ["ClientSettings", "settings_from_env"]
@@ -101,6 +102,11 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if getattr(self, name) < 1:
                 raise BadRequest(f"client setting {name} must be at least 1, got {getattr(self, name)}")
+        # what the directory takes: a lease or write TTL past it made every lookup (or save) a
+        # `bad_request` miss with the client enabled, no config_error (review, stop 68)
+        for name, most in (("lease_ttl_ms", LEASE_TTL_MS_MAX), ("write_ttl_ms", WRITE_TTL_MS_MAX)):
+            if getattr(self, name) > most:
+                raise BadRequest(f"client setting {name} must be at most {most}, got {getattr(self, name)}")
         for name in ("save_bytes_per_s_max", "save_burst_bytes"):
             if getattr(self, name) < 0:
                 raise BadRequest(f"client setting {name} must be at least 0, got {getattr(self, name)}")

@@ -8,8 +8,9 @@ corrupt, frees it and has the directory drop the replica (kvfabric.directory.sus
 kvfabric.segment_storage.suspects). The client never drops anything on its own word.
 
 Called from transfer threads (`seen`); the reports go out on the client's loop, without waiting
-in the load. Bounds: one report per (segment, incarnation, slot, generation) (`REPORTED_MAX`
-remembered), at most `REPORTS_INFLIGHT_MAX` in flight (more are dropped: the scrubber still
+in the load. Bounds: one report per (segment, incarnation, slot, generation) relayed
+(`REPORTED_MAX` remembered; one that failed or was refused is forgotten, so the next sighting
+reports it again), at most `REPORTS_INFLIGHT_MAX` in flight (more are dropped: the scrubber still
 finds them), each within `REPORT_TIMEOUT_S`. Counted in `kvfabric_client_corrupt_reports_total`
 by outcome: relayed, refused (over a bound at the directory), failed, dropped.
 """
@@ -75,6 +76,7 @@ class SuspectReporter:
         router = self._router()
         if router is None:
             self._counter.labels("dropped").inc()
+            self._reported.pop(ident, None)
             return
         segment_id, incarnation, slot, generation = ident
         message = m.ReplicaSuspect(
@@ -84,9 +86,12 @@ class SuspectReporter:
             reply = await router.ask_any("replica_suspect", message, REPORT_TIMEOUT_S)
         except KvfError:
             self._counter.labels("failed").inc()
-            return
+            self._reported.pop(ident, None)  # a later sighting reports it again (review, stop 68:
+            return  # one failed report, as a directory restarted, silenced it for the client's life)
         relayed = isinstance(reply, m.ReplicaSuspectReply) and reply.relayed
         self._counter.labels("relayed" if relayed else "refused").inc()
+        if not relayed:
+            self._reported.pop(ident, None)
 
     async def close(self, timeout_s: float) -> None:
         """Wait for the reports in flight (each ends within `REPORT_TIMEOUT_S`), then cancel."""
