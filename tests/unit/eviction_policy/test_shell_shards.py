@@ -76,3 +76,30 @@ def test_a_batch_is_split_by_shard_in_order_and_a_silent_shard_cools_down_its_ow
     assert sh.evict_requests_failed == 1
     assert all(v[:16] == A for v in victims)
     core.check_invariants()
+
+
+def test_unrelated_victims_go_in_one_request_per_shard_and_a_silent_shard_costs_one_timeout() -> None:
+    """Runs of consecutive victims of one shard were one request per victim for unrelated
+    leaves (batch order is rank order: shards at random), sent one after another: ~960 requests
+    for 1,024 leaves over 16 shards, and a shard that timed out cost its timeout 73 times a
+    batch (review, stop 68). Now one request per shard and tier a level."""
+    core = EvictionCore(EvictionConfig(policy="lru", high_watermark=0.5, low_watermark=0.01))
+    sh = EvictionShell(core, tick_ms=10, segments_refresh_ms=100, request_timeout_s=1.0, demote=False)
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1_000), 0)
+    for i in range(1, 61):  # 60 unrelated prompts' first chunks
+        sh.apply(published(i, s1=10), i)
+    (batch,) = core.tick(100)
+    assert isinstance(batch, EvictBatch)
+    victims = [v for v in batch.victims if isinstance(v, bytes)]
+    assert len(victims) >= 30
+    shard_by = {v: shard_of(sh._group_ids[v], SHARDS) for v in victims}
+    silent = shard_by[victims[0]]
+    router = FakeRouter({silent})
+    sh._router = router
+    asyncio.run(sh._evict(batch))
+    asked = [s for s, _, _ in router.asked]
+    assert sorted(asked) == sorted(set(asked)) and len(asked) <= SHARDS  # one each
+    for v in victims:  # the silent shard's victims stay (cooled down), the others are gone
+        assert (v in core) == (shard_by[v] == silent), v
+    assert sh.evict_requests_failed == 1
+    core.check_invariants()

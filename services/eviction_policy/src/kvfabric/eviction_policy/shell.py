@@ -702,26 +702,79 @@ class EvictionShell(GroupRecords):
     async def _by_shard(
         self, chains: list[bytes], keep_arena: Collection[bytes] = ()
     ) -> list[tuple[int, m.EvictTier, list[bytes]]]:
-        """The victims (group keys) as consecutive runs of one shard and one `evict` tier each
-        ("ssd" for those in `keep_arena`, else "all"), in the batch's order: a tail (earlier in
-        the batch) is asked before its head even when they live in different shards, so a tail
-        refused in one run keeps its head in a later one (`_evict`)."""
+        """The victims (group keys) as runs of one shard and one `evict` tier each ("ssd" for
+        those in `keep_arena`, else "all"), at most `EVICT_BATCH_GROUPS_MAX` a run, by level
+        (`_levels`): a tail in another run is asked before its head, in an earlier level, and
+        one refused there keeps its head in the later one (`_evict`); a tail in the head's own
+        run comes before it in the run, which names it (`Evict.tails`). One run per shard and
+        tier a level: runs of consecutive victims of one shard were one request
+        per victim, ~960 for 1,024 unrelated leaves over 16 shards, one after another (a shard
+        that timed out held the batch 73 x its timeout; review, stop 68)."""
         router = self._dir()
         await router.known_shards()
-        runs: list[tuple[int, m.EvictTier, list[bytes]]] = []
-        for chain in chains:
-            group_id = self._group_ids.get(chain)
-            if group_id is None:  # forgotten meanwhile (an event, or a lost segment's step): gone
-                continue
-            shard = router.shard_of(group_id)
-            tier: m.EvictTier = "ssd" if chain in keep_arena else "all"
-            # a run is one evict request: at most EVICT_BATCH_GROUPS_MAX groups (a disk batch's
-            # tails, added without bound, made one the directory refused whole; review 2026-12-05)
-            if runs and runs[-1][:2] == (shard, tier) and len(runs[-1][2]) < m.EVICT_BATCH_GROUPS_MAX:
-                runs[-1][2].append(chain)
-            else:
-                runs.append((shard, tier, [chain]))
-        return runs
+        victims = [c for c in chains if c in self._group_ids]  # (forgotten meanwhile: gone)
+        where: dict[bytes, tuple[int, m.EvictTier]] = {
+            c: (router.shard_of(self._group_ids[c]), "ssd" if c in keep_arena else "all") for c in victims
+        }
+        levels = self._levels(victims, where)
+        runs: dict[tuple[int, int, m.EvictTier], list[list[bytes]]] = {}
+        for chain in victims:  # (in the batch's order: a run's tails before their heads)
+            shard, tier = where[chain]
+            key = (levels[chain], shard, tier)
+            parts = runs.setdefault(key, [[]])
+            if len(parts[-1]) >= m.EVICT_BATCH_GROUPS_MAX:  # (a disk batch's tails, added without
+                parts.append([])  # bound, made one the directory refused whole; review 2026-12-05)
+            parts[-1].append(chain)
+        return [
+            (shard, tier, part)
+            for (_, shard, tier), parts in sorted(runs.items(), key=lambda item: item[0][0])
+            for part in parts
+        ]
+
+    def _levels(
+        self, victims: list[bytes], where: Mapping[bytes, tuple[int, m.EvictTier]]
+    ) -> dict[bytes, int]:
+        """Each victim's level: 0 with no descendant among `victims`, else the highest of its
+        nearest ones' levels, plus 1 for one in another run (`where`: shard and tier). Kahn's
+        order over the victims' own tree: O(victims + the records walked to each one's nearest
+        victim ancestor, each walked once)."""
+        among = set(victims)
+        nearest: dict[bytes, bytes | None] = {}  # record -> its nearest ancestor among victims
+
+        def up(chain: bytes) -> bytes | None:
+            walked: dict[bytes, None] = {}  # (a cycle of chain hashes cannot be made: not trusted)
+            ancestor = self._parent.get(chain)
+            found: bytes | None = None
+            while ancestor is not None and ancestor not in walked and ancestor != chain:
+                if ancestor in among:
+                    found = ancestor
+                    break
+                if ancestor in nearest:
+                    found = nearest[ancestor]
+                    break
+                walked[ancestor] = None
+                ancestor = self._parent.get(ancestor)
+            for record in walked:
+                nearest[record] = found
+            return found
+
+        above = {v: up(v) for v in victims}
+        below = dict.fromkeys(victims, 0)  # victims with this one as their nearest
+        for parent in above.values():
+            if parent is not None:
+                below[parent] += 1
+        levels = dict.fromkeys(victims, 0)
+        ready = [v for v in victims if below[v] == 0]
+        while ready:
+            victim = ready.pop()
+            parent = above[victim]
+            if parent is not None:
+                hop = 0 if where[parent] == where[victim] else 1
+                levels[parent] = max(levels[parent], levels[victim] + hop)
+                below[parent] -= 1
+                if below[parent] == 0:
+                    ready.append(parent)
+        return levels
 
     async def _evict_shard(
         self,
