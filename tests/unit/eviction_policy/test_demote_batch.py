@@ -643,3 +643,26 @@ def test_a_hung_disk_on_the_head_copies_pauses_demotion_there(monkeypatch: pytes
     assert len(requests) == 1  # before: one per 64 heads, each waiting its timeout
     assert sh._demote_paused_until.get("s1", 0) > clock[0]
     core.check_invariants()
+
+
+def test_a_victim_the_directory_no_longer_has_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`show_group` answering not_found (dropped without an event applied here: a gap, a
+    failover's rebuild) cooled the victim down: chosen again every 5 s for good, its bytes
+    counted in the arena pool (review, stop 68). Forgotten, as an evict's not_found is."""
+    from kvfabric.format.errors import NotFound
+
+    sh, batch, directory, seg = setup(monkeypatch, groups=4)
+    real = directory.ask
+
+    async def gone(shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any) -> Any:
+        if verb == "show_group":
+            raise NotFound("no such group")
+        return await real(shard, verb, message, timeout_s, **kw)
+
+    directory.ask = gone  # type: ignore[method-assign]
+    asyncio.run(sh._evict(batch))
+    for v in batch.victims:
+        assert v not in sh.core
+    assert sh.core.used_bytes("s1") == 0 and seg.requests == []
+    assert sh.demotions.get("gone") == 4
+    sh.core.check_invariants()

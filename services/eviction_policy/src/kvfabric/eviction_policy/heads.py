@@ -23,8 +23,9 @@ __all__ = ["HEAD_NOT_COPIED", "HEAD_ON_DISK", "HeadsOffDisk", "Verdict", "heads_
 # A head's copy outcome after which its tails may be demoted: it is on disk now.
 HEAD_ON_DISK: Final = frozenset({"copied", "on_disk"})
 # The outcomes after which its tails are demoted anyway, counted `head_not_copied`: that disk
-# cannot hold it, or no one segment can copy it whole (a copy per member's segment is not built).
-HEAD_NOT_COPIED: Final = frozenset({"no_disk", "no_capacity", "spread"})
+# cannot hold it, or no one segment can copy it whole (a copy per member's segment is not built),
+# or the directory has no such group ("gone").
+HEAD_NOT_COPIED: Final = frozenset({"no_disk", "no_capacity", "spread", "gone"})
 
 Verdict = Literal["ok", "not_copied", "waits"]
 _RANK: Final[dict[Verdict, int]] = {"ok": 0, "not_copied": 1, "waits": 2}

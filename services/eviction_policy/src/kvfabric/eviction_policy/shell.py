@@ -973,6 +973,17 @@ class EvictionShell(GroupRecords):
                 handled.add(chain)  # an event overtook us (removed, segment down)
                 continue
             listing = listings[chain]
+            if isinstance(listing, NotFound):
+                # The directory has no such group (dropped without an event applied here: a gap,
+                # a failover's rebuild): forgotten, as an evict answered `not_found` is. Cooled
+                # down instead, it was chosen again every 5 s for good, its bytes counted in the
+                # arena's pool (review, stop 68).
+                outcomes[chain] = "gone"
+                self.demotions["gone"] = self.demotions.get("gone", 0) + 1
+                handled.add(chain)
+                self._decisions.record(chain, self._driver.now_ms(), "evicted", "not_found")
+                self._forget(chain)
+                continue
             if isinstance(listing, KvfError):
                 outcomes[chain] = f"error_{listing.code}"
                 self._demote_outcome(chain, outcomes[chain], handled, segment_id)
@@ -1115,6 +1126,11 @@ class EvictionShell(GroupRecords):
         listings = await self._show_many(heads.needed)
         for ancestor in heads.needed:
             listing = listings[ancestor]
+            if isinstance(listing, NotFound):  # the directory has no such head: nothing to copy,
+                outcome[ancestor] = "gone"  # its tails demoted as for a head not copied (they
+                if ancestor in self._group_ids:  # waited for it for good; review, stop 68)
+                    self._forget(ancestor)
+                continue
             if isinstance(listing, KvfError):
                 outcome[ancestor] = f"error_{listing.code}"
                 continue
