@@ -5,6 +5,7 @@ a route that failed (`wrong_shard`, gone) or timed out is forgotten so the map i
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any, cast
 
 import msgspec
@@ -15,6 +16,7 @@ from kvfabric.cluster import directory_router
 from kvfabric.cluster.directory_router import DirectoryRouter, ShardRoute
 from kvfabric.format.errors import Indeterminate, StaleGeneration, Unavailable, WrongShard
 from kvfabric.proto import directory as m
+from kvfabric.proto.codec import encode
 
 
 class MapRouter(DirectoryRouter):
@@ -199,3 +201,61 @@ def test_a_shard_map_refresh_in_a_nats_outage_is_unavailable_not_a_nats_error() 
     with pytest.raises(Unavailable):
         asyncio.run(router.refresh())
     assert fake.unsubscribed == 1  # the inbox subscription is let go, its own error swallowed
+
+
+class PartsNats:
+    """Answers a shard-map request with `answers` (instance -> the shards it leads, epoch 1);
+    an instance not in it does not answer within the gather time."""
+
+    def __init__(self, shards: int) -> None:
+        self.shards = shards
+        self.answers: dict[str, list[int]] = {}
+        self.cb: Any = None
+
+    def new_inbox(self) -> str:
+        return "_INBOX.x"
+
+    async def subscribe(self, subject: str, cb: Any = None) -> Any:
+        self.cb = cb
+
+        class Sub:
+            async def unsubscribe(self) -> None:
+                return None
+
+        return Sub()
+
+    async def publish(self, subject: str, payload: bytes, reply: str = "") -> None:
+        for instance, led in self.answers.items():
+            part = m.ShardMapReply(
+                shards=self.shards,
+                instance=instance,
+                leaders=[m.ShardLeader(shard=s, instance=instance, epoch=1) for s in led],
+            )
+            await self.cb(SimpleNamespace(data=encode(part)))
+
+
+def test_a_refresh_keeps_the_shards_of_an_instance_that_did_not_answer_in_time() -> None:
+    """The map was replaced whole: an instance slower than the gather time lost every route,
+    and its shards' lookups and saves failed while it was healthy (review, stop 68). An instance
+    that answers without a shard gives it up, as before."""
+    fake = PartsNats(shards=4)
+    router = DirectoryRouter(cast(Any, fake), gather_s=0.05)
+    fake.answers = {"dir-a": [0, 1], "dir-b": [2, 3]}
+    asyncio.run(router.refresh())
+    assert {s: r.instance for s, r in router.routes.items()} == {
+        0: "dir-a",
+        1: "dir-a",
+        2: "dir-b",
+        3: "dir-b",
+    }
+    fake.answers = {"dir-a": [0, 1]}  # dir-b slow this time
+    asyncio.run(router.refresh())
+    assert {s: r.instance for s, r in router.routes.items()} == {
+        0: "dir-a",
+        1: "dir-a",
+        2: "dir-b",
+        3: "dir-b",
+    }
+    fake.answers = {"dir-a": [0, 1], "dir-b": [3]}  # dir-b gave shard 2 up (no new leader yet)
+    asyncio.run(router.refresh())
+    assert {s: r.instance for s, r in router.routes.items()} == {0: "dir-a", 1: "dir-a", 3: "dir-b"}

@@ -196,8 +196,18 @@ class DirectoryRouter:
         if not parts:
             return  # nobody answered: keep what we had (callers get `unavailable` from the leaders)
         self._suspect = False
+        routes = merge_map(parts, shards, self.epochs)
+        if shards == self.shards:
+            # A shard no answer claimed keeps its route while its instance did not answer this
+            # round (slower than `gather_s`, not gone: a gone one's requests find no responders
+            # and forget it). Replacing the map whole dropped every shard of a loaded instance
+            # at each refresh, its lookups and saves failing while it was healthy (review, stop 68).
+            answered = {part.instance for part in parts}
+            for shard, route in self.routes.items():
+                if shard not in routes and route.instance not in answered:
+                    routes[shard] = route
         self.shards = shards
-        self.routes = merge_map(parts, shards, self.epochs)
+        self.routes = routes
         for s, r in self.routes.items():
             self.epochs[s] = max(self.epochs.get(s, 0), r.epoch)
 
