@@ -141,7 +141,9 @@ class FakeLeaders:
         return 0
 
 
-async def run_election(updates: dict[int, list[Any]], seconds: float) -> tuple[Any, list[Any], FakeLeaders]:
+async def run_election(
+    updates: dict[int, list[Any]], seconds: float, *, rebalance: bool = False
+) -> tuple[Any, list[Any], FakeLeaders]:
     config = LeadershipConfig(
         shards=2,
         lease_ttl_ms=1200,
@@ -150,7 +152,7 @@ async def run_election(updates: dict[int, list[Any]], seconds: float) -> tuple[A
         members_ttl_ms=1200,
         renew_retry_ms=50,
     )
-    election = ld.LeaderElection(FakeNc(None), "a", config)  # type: ignore[arg-type]
+    election = ld.LeaderElection(FakeNc(None), "a", config, rebalance=rebalance)  # type: ignore[arg-type]
     kv = FakeLeaders(updates)
     election._leaders = kv  # type: ignore[assignment]
     election._members = kv  # type: ignore[assignment]
@@ -192,6 +194,26 @@ def test_a_hanging_renewal_does_not_hold_up_another_shards() -> None:
     assert stops == [(0, "lease_expired")]
     times = [t for shard, t in kv.renewed if shard == 1]
     assert len(times) >= 6 and max(b - a for a, b in itertools.pairwise(times)) < 0.6
+
+
+def test_a_slow_members_listing_does_not_hold_up_the_renewals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The members listing (a stream request of up to 2 s) was awaited in the election loop,
+    whose ticks send the renewals: one slow listing before a renewal was due cost every shard's
+    lease, and the instance exited (review, stop 68). It runs beside the loop now."""
+    listings = [0]
+
+    async def slow_members(self: Any) -> set[str]:
+        listings[0] += 1
+        if listings[0] == 2:  # once the shards are led
+            await asyncio.sleep(1.5)  # past the term (lease 1.2 s - margin 0.2 s)
+        return {"a"}
+
+    monkeypatch.setattr(ld.LeaderElection, "_live_members", slow_members)
+    election, stops, kv = asyncio.run(run_election({0: [], 1: []}, 2.5, rebalance=True))
+    assert stops == [] and set(election.core.leading()) == {0, 1}
+    assert listings[0] >= 3  # listed again after the slow one
+    times = [t for shard, t in kv.renewed if shard == 0]
+    assert max(b - a for a, b in itertools.pairwise(times)) < 0.6
 
 
 def test_on_a_nats_cluster_the_default_lease_outlasts_a_stream_leader_election() -> None:

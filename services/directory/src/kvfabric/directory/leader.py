@@ -122,20 +122,27 @@ class LeaderElection:
 
     async def run(self, on_start: OnStart, on_stop: OnStop) -> None:
         """Forever: tick the core, perform its effects (StopLeading first), refresh members."""
+        # The members listing runs beside the loop, one at a time: awaited in it (a stream
+        # request of up to KV_TIMEOUT_S), it held up the ticks the renewals go out on, and one
+        # slow listing before a renewal was due cost every shard's lease (review, stop 68).
+        listing: asyncio.Task[set[str]] | None = None
         try:
             alone = MembersSeen(frozenset({self.instance_id}))
             await self._perform(self.core.step(alone, monotonic_ms()), on_start, on_stop)
             while True:
                 if self._op_failed is not None:
                     raise self._op_failed
-                if self.rebalance:
-                    seen = MembersSeen(frozenset(await self._live_members()))
+                if self.rebalance and listing is None:
+                    listing = asyncio.create_task(self._live_members())
+                elif listing is not None and listing.done():
+                    seen = MembersSeen(frozenset(listing.result()))
+                    listing = None
                     await self._perform(self.core.step(seen, monotonic_ms()), on_start, on_stop)
                 # Read the clock again: answers that came meanwhile fed the core later times.
                 await self._perform(self.core.step(Tick(), monotonic_ms()), on_start, on_stop)
                 await asyncio.sleep(LOOP_MS / 1000)
         finally:
-            for task in list(self._ops):
+            for task in [*self._ops, *([listing] if listing is not None else [])]:
                 task.cancel()
 
     async def release_held(self, timeout_s: float) -> int:
