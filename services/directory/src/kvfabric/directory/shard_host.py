@@ -378,13 +378,19 @@ class ShardHost:
         first: msgspec.Struct | None = None
         epochs: list[m.ShardEpoch] = []
         for shard, shell in shells:
-            if isinstance(message, m.Heartbeat) and message.segment_id not in shell.core.segments:
-                introduced = await self._introduce(shell, message)
-                # (Not when a rebuild replaced the shell meanwhile: its start asks the registry.)
-                holds = message.used_bytes > 0 or message.disk_objects > 0
-                if introduced and holds and self.shells.get(shard) is shell:
-                    self._rebuild_later(shard, shell.core.epoch, message.segment_id)
-            reply = await shell.handle(msgspec.structs.replace(message, epoch=0))
+            try:
+                if isinstance(message, m.Heartbeat) and message.segment_id not in shell.core.segments:
+                    introduced = await self._introduce(shell, message)
+                    # (Not when a rebuild replaced the shell meanwhile: its start asks the registry.)
+                    holds = message.used_bytes > 0 or message.disk_objects > 0
+                    if introduced and holds and self.shells.get(shard) is shell:
+                        self._rebuild_later(shard, shell.core.epoch, message.segment_id)
+                reply = await shell.handle(msgspec.structs.replace(message, epoch=0))
+            except WrongShard:
+                # Stopped (handed over, rebuilt) while an earlier shard's step waited: the others
+                # still hear it. One such shard failed the whole broadcast, the segment's
+                # registration with it (review, stop 68).
+                continue
             current = self.shells.get(shard) is shell
             if isinstance(message, m.RegisterSegment) and message.disk_objects > 0 and current:
                 # A restarted segment brings its disk tier back: adopt what it holds (the rebuild
