@@ -270,3 +270,26 @@ def test_one_domains_hot_objects_take_at_most_its_share_of_the_extra_budget() ->
         c.read("alice-0", size_bytes=10, served_from="s1", now_ms=T0 + 10 + i, domain=b"alice")
     assert started(c.tick(T0 + 16)) == [("alice-0", "s2")]  # alice still gets hers
     c.check_invariants()
+
+
+def test_a_busy_target_is_waited_for_without_spending_attempts_or_blaming_the_source() -> None:
+    """A target whose copy slots repair holds answers `busy`: that counted as a failed attempt
+    against an innocent source, and after copy_attempts_max (0.3 s) the want was dropped and
+    every hint needing it failed (review, stop 68). Now: queued again after a doubling backoff."""
+    c = core(copy_attempts_max=2, copy_retry_backoff_ms=50)
+    c.add_hint(hint("h1", obj("a", replicas=("s1", "s2"))), T0)
+    (first,) = c.tick(T0)
+    assert isinstance(first, StartCopy) and first.source == "s1"
+    now = T0
+    for waits in (100, 200, 400, 800):  # 50 x 2, x 4, ... busy after busy
+        assert c.copy_finished(first.copy_id, False, now, busy=True) == [
+            ReleaseCopy(first.copy_id, "a", "t", "failed")
+        ]
+        assert c.tick(now + waits - 1) == []
+        (first,) = c.tick(now + waits)
+        assert isinstance(first, StartCopy) and first.source == "s1"  # not blamed
+        now += waits
+    assert c.has_hint("h1") and c.counters["copies_busy_total"] == 4
+    assert c.copy_finished(first.copy_id, True, now) == [PublishReplica(first.copy_id, "a", "t", 10, False)]
+    assert c.counters["hints_failed_total"] == 0
+    c.check_invariants()

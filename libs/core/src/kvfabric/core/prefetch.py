@@ -45,6 +45,8 @@ with that id, and none when two tenants hold it.
     COPYING --copy_finished(ok)--> (none): PublishReplica, or ReleaseCopy("unwanted") if marked
     COPYING --copy_finished(failed)--> QUEUED after `copy_retry_backoff_ms` (ReleaseCopy("failed")),
         or dropped after `copy_attempts_max` attempts or when no source is left (its hints fail)
+    COPYING --copy_finished(busy: the target had no copy slot)--> QUEUED after a doubling backoff
+        (at most `COPY_BUSY_BACKOFF_MAX_MS`), no attempt counted, its source not blamed
 An extra-replica want is its own wanter: it is never marked release.
 
 ## Planning (`tick`)
@@ -157,6 +159,7 @@ COUNTERS: Final = (
     "copies_ok_total",
     "copies_failed_total",
     "copies_retried_total",
+    "copies_busy_total",
     "copies_dropped_total",
     "copies_released_total",
     "copy_finished_unknown_total",
@@ -170,6 +173,8 @@ COUNTERS: Final = (
 
 # A hot object's extra dropped n times in a row waits 2**(n-1) hot windows, at most this many.
 EXTRA_RETRY_WINDOWS_MAX: Final = 64
+# A copy its target answered `busy` n times in a row waits copy_retry_backoff_ms x 2**n, at most.
+COPY_BUSY_BACKOFF_MAX_MS: Final = 5_000
 
 
 def _leaving_a_quarter(total: int) -> int:
@@ -366,6 +371,7 @@ class _Want:
     source: SegmentId = ""
     release: bool = False
     attempts: int = 0
+    busy_in_row: int = 0  # copies answered `busy` in a row (`copy_finished`)
     not_before_ms: int = 0
     failed_sources: set[SegmentId] = field(default_factory=set)
 
@@ -600,9 +606,15 @@ class PrefetchCore:
                     break  # the tail waits for its head's retry
                 yield want
 
-    def copy_finished(self, copy_id: int, ok: bool, now_ms: int, *, made: bool = True) -> list[Effect]:
+    def copy_finished(
+        self, copy_id: int, ok: bool, now_ms: int, *, made: bool = True, busy: bool = False
+    ) -> list[Effect]:
         """The copy `copy_id` ended. Returns exactly one of PublishReplica or ReleaseCopy.
-        `made` False: the replica was on the target already (not this copy's): never an extra."""
+        `made` False: the replica was on the target already (not this copy's): never an extra.
+        `busy`: the target had no copy slot free, nothing was tried: queued again after a
+        backoff that doubles per busy answer in a row (up to `COPY_BUSY_BACKOFF_MAX_MS`), its
+        attempt given back and its source not blamed. A target busy with repair's copies
+        failed the want in 0.3 s, every hint needing it with it (review, stop 68)."""
         self._advance(now_ms)
         key = self._copies.pop(copy_id, None)
         if key is None:
@@ -633,6 +645,14 @@ class PrefetchCore:
                     rate.extra_drops, rate.extra_not_before_ms = 0, 0
             self._satisfied(want, keep_extra=extra)
             return [PublishReplica(copy_id, want.object_id, want.target, want.size, extra)]
+        if busy:
+            self.counters["copies_busy_total"] += 1
+            want.attempts -= 1
+            want.busy_in_row += 1
+            backoff = self.config.copy_retry_backoff_ms << min(want.busy_in_row, 16)
+            want.not_before_ms = now_ms + min(max(backoff, 1), COPY_BUSY_BACKOFF_MAX_MS)
+            return [ReleaseCopy(copy_id, want.object_id, want.target, "failed")]
+        want.busy_in_row = 0
         want.failed_sources.add(want.source)
         if want.attempts >= self.config.copy_attempts_max or not want.sources:
             self._drop_want(want)

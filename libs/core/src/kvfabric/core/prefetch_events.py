@@ -72,6 +72,9 @@ class CopyFinished:
     # False: the replica was there already (`already_there`: repair's, say): satisfied, but not
     # an extra of this service's, so never dropped as a cold one (review, 2026-12-05)
     made: bool = True
+    # the destination had no copy slot free (`busy`): nothing was tried there; not counted as an
+    # attempt, nor against its source (review, stop 68)
+    busy: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +136,7 @@ def dispatch(core: PrefetchCore, event: PrefetchEvent, now_ms: int) -> list[Pref
     if isinstance(event, Tick):
         return list(core.tick(now_ms))
     if isinstance(event, CopyFinished):
-        return list(core.copy_finished(event.copy_id, event.ok, now_ms, made=event.made))
+        return list(core.copy_finished(event.copy_id, event.ok, now_ms, made=event.made, busy=event.busy))
     if isinstance(event, AddHint):
         return [Reply(core.add_hint(event.hint, now_ms))]
     if isinstance(event, CancelHint):

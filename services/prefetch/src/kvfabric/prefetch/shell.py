@@ -83,6 +83,7 @@ from kvfabric.core.prefetch_events import (
 from kvfabric.core.step import reply_of
 from kvfabric.format.clock import monotonic_ms, now_ms
 from kvfabric.format.errors import BadRequest, KvfError, NotFound, Unavailable
+from kvfabric.format.errors import Busy as BusyError
 from kvfabric.format.ids import (
     CHAIN_SLICE,
     ChainHash,
@@ -369,6 +370,7 @@ class PrefetchShell:
 
     async def _copy(self, start: StartCopy) -> None:
         assert isinstance(start.object_id, bytes)
+        busy = False
         try:
             outcome = await asyncio.wait_for(
                 copy_replica(
@@ -385,9 +387,11 @@ class PrefetchShell:
         except (KvfError, TimeoutError) as exc:
             self._log.info("copy_failed", copy_id=start.copy_id, error=getattr(exc, "code", "timeout"))
             outcome = "failed"
+            # no copy slot free there (repair's copies, say): nothing was tried (review, stop 68)
+            busy = isinstance(exc, BusyError)
         self._forget_group_of(start.object_id)  # a new holder, or a copy's ticket given back
         ok = outcome in ("copied", "already_there")
-        await self._driver.feed(CopyFinished(start.copy_id, ok, made=outcome == "copied"))
+        await self._driver.feed(CopyFinished(start.copy_id, ok, made=outcome == "copied", busy=busy))
 
     # ---- hot objects -------------------------------------------------------------------------
 
