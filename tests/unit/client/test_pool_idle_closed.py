@@ -103,3 +103,37 @@ def test_the_pool_drops_idle_connections_the_segment_closed(listener: socket.soc
     finally:
         alive_served.close()
         pool.close()
+
+
+def test_a_refused_map_fails_the_attempt_with_the_segments_own_cause(listener: socket.socket) -> None:
+    """MAP is a co-located connection's first request: refused (`busy` past the segment's
+    connection bound, `unauthorized`) the segment closes the connection. That was taken for
+    "not co-located" and the transfer went on over the closed socket, reported `unavailable`
+    (review, stop 68). The attempt fails with the segment's own error, its connection closed."""
+    import threading
+
+    from kvfabric.dataplane.frames import HEADER, Op, unpack_header
+    from kvfabric.dataplane.tcp_wire import encode_frame
+    from kvfabric.format.errors import Busy
+    from kvfabric.proto.common import error_reply_from
+    from kvfabric.proto.dataplane import ReadRef
+
+    def refuse() -> None:
+        served, _ = listener.accept()
+        with served:
+            header = unpack_header(served.recv(HEADER.size, socket.MSG_WAITALL))
+            served.recv(header.meta_bytes, socket.MSG_WAITALL)
+            reply = encode_frame(
+                Op.ERROR, header.request_id, error_reply_from(Busy("connections at their limit"))
+            )
+            served.sendall(b"".join(bytes(part) for part in reply))
+
+    thread = threading.Thread(target=refuse, daemon=True)
+    thread.start()
+    pool = SegmentPool(connections_per_segment_max=2, timeout_s=5.0, use_shm=True)
+    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    ref = ReadRef(incarnation=1, slot=0, slot_generation=1, size_bytes=16)
+    with pytest.raises(Busy), pool._checked_out(address, True, [ref], None):
+        raise AssertionError("the connection was handed out")
+    thread.join(5)
+    pool.close()

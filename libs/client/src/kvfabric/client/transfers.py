@@ -267,14 +267,19 @@ class SegmentPool:
             if shm_ok:
                 try:
                     shm = ShmReader(tcp, use_board=self.lockfree_local_reads, reads=reads, ticket=ticket)
-                except (TimeoutError, ConnectionError) as exc:  # its answer may still come: out of step
+                except (OSError, ValueError):  # (`ArenaNotHere` among them)
+                    shm = None  # answered, but not co-located (or no arena file): TCP only
+                except KvfError as exc:
+                    # The MAP request itself failed: refused (busy, unauthorized: the segment
+                    # closed the connection) or unanswered (its answer may still come: out of
+                    # step). The attempt fails with that cause; it went on over this connection,
+                    # a refusal reported `unavailable`, a PUT sent on a closed socket (review,
+                    # stop 68).
                     cut = armed is not None and self.watchdog.disarm(armed)
                     tcp.close()
                     if cut:
                         raise TimeoutError(f"replica read from {data_addr} past its attempt budget") from exc
                     raise
-                except (KvfError, OSError, ValueError):
-                    shm = None  # not co-located (or no arena file): TCP only
             conn = _Connection(tcp, shm)
         elif cut_at_s is not None:
             armed = self.watchdog.arm(conn.tcp._sock, cut_at_s)

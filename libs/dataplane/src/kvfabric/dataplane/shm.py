@@ -34,12 +34,18 @@ from kvfabric.format.errors import KvfError, Unavailable
 from kvfabric.proto.dataplane import ObjectResult, ReadRef
 from kvfabric.proto.directory import WriteTicket
 
-__all__ = ["ShmReader", "verify"]
+__all__ = ["ArenaNotHere", "ShmReader", "verify"]
 
 
 def verify(results: Sequence[ObjectResult], dests: Sequence[memoryview | bytearray]) -> list[bool]:
     """Per object: True when it was read (`ok`) and its bytes match the stored checksum."""
     return [r.status == "ok" and checksum(d) == r.checksum for r, d in zip(results, dests, strict=True)]
+
+
+class ArenaNotHere(OSError):
+    """The segment answered MAP, but its arena cannot be opened from this process (another
+    host, another mount namespace): not co-located, its connection fine for TCP. (An OSError,
+    as the local mapping's own failures: a `KvfError` out of `ShmReader` is the MAP request's.)"""
 
 
 class ShmReader:
@@ -63,7 +69,7 @@ class ShmReader:
         try:
             fd = os.open(info.arena_path, os.O_RDONLY)
         except OSError as exc:
-            raise Unavailable(f"cannot open the segment arena {info.arena_path!r}: {exc}") from exc
+            raise ArenaNotHere(f"cannot open the segment arena {info.arena_path!r}: {exc}") from exc
         try:
             self._map = mmap.mmap(fd, info.arena_bytes, prot=mmap.PROT_READ)
         except BaseException:
