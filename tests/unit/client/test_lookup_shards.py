@@ -180,3 +180,39 @@ def test_a_cancelled_lookup_gives_back_what_its_requests_are_granted_once_they_a
     asyncio.run(run())
     assert sorted(router.released) == sorted((s, 100 + s) for s in {shard_of(r, SHARDS) for r in RAWS})
     assert kv._leases == {}
+
+
+def test_a_lookup_ends_within_its_timeout_whatever_its_requests_do() -> None:
+    """Each request had its own `lookup_timeout_ms`: a failover's refresh and retries, then
+    singles after a late `lookup_many`, took 2-3 x it (review, stop 68). One deadline for the
+    whole lookup now; the requests still out give back what they are granted."""
+    answer = stored_up_to(8)
+
+    class SlowRouter(FakeRouter):
+        async def ask(
+            self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any
+        ) -> Any:
+            if isinstance(message, m.Lookup):
+                for _ in range(3):  # each try within its own timeout, three of them (retries)
+                    await asyncio.sleep(0.9 * timeout_s)
+            return await super().ask(shard, verb, message, timeout_s, **kw)
+
+    kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1", lookup_timeout_ms=400), SPEC)
+    router = SlowRouter(answer)
+    kv.router = router
+    kv.nc = cast(Any, object())
+
+    async def run() -> tuple[Hit, float]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        hit = await kv.lookup(TOKENS)
+        took = loop.time() - started
+        async with asyncio.timeout(5):
+            while len(router.released) < len({shard_of(r, SHARDS) for r in RAWS}):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        return hit, took
+
+    hit, took = asyncio.run(run())
+    assert hit.chunks == 0 and hit.cause == "directory_timeout"
+    assert took < 0.9  # 0.4 s and a scheduling margin; was 1.08 s and more
+    assert kv._leases == {}
