@@ -30,7 +30,8 @@ ranks): such hits are given back after `hold_ms` (`HeldHits.expired`, checked on
 and the table holds at most `held_max` (the oldest is given back first); the directory expires
 any lease the client never gives back. Invariants: every hit that enters the table leaves it
 exactly once (through `covering`'s caller's `finished`, `expired`, an eviction by `hold`, or
-`drain`), and the table never holds more than `held_max` hits.
+`drain`), and the table never holds more than `held_max` hits but those a get is loading
+under (`covering`: kept past the bound until `done_with`).
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ def now_ms() -> int:
 LIST_PAGE: Final = 1000
 SCAN_PAGES_MAX: Final = 10_000  # ≤ 10 M groups per scan (all shards): a bound, not a target
 WRITER_ID: Final = "repair"
+DRAINS_COMPLETE_KEPT: Final = 1_024  # segments whose drain completed, in `status` (latest last)
 
 
 def key_of(summary: m.GroupSummary, member: m.Member) -> ObjectKey:
@@ -248,7 +249,12 @@ class RepairShell:
             of_key.add(task)
             task.add_done_callback(lambda done: self._copy_ended(copy_id, key, done))
         elif isinstance(effect, DrainComplete):
+            # the latest `DRAINS_COMPLETE_KEPT`, each segment once (a drain flag that flapped
+            # appended it again at every drain, for the service's life; review, stop 68)
+            if effect.segment_id in self.drains_complete:
+                self.drains_complete.remove(effect.segment_id)
             self.drains_complete.append(effect.segment_id)
+            del self.drains_complete[:-DRAINS_COMPLETE_KEPT]
             self._log.info("drain_complete", segment_id=effect.segment_id)
 
     def _copy_ended(self, copy_id: int, key: bytes, task: asyncio.Task[None]) -> None:
