@@ -216,3 +216,23 @@ def test_a_lookup_ends_within_its_timeout_whatever_its_requests_do() -> None:
     assert hit.chunks == 0 and hit.cause == "directory_timeout"
     assert took < 0.9  # 0.4 s and a scheduling margin; was 1.08 s and more
     assert kv._leases == {}
+
+
+def test_a_save_without_a_shard_map_counts_its_chunks_failed() -> None:
+    """With no directory answering the shard map every chunk of a save fails
+    `directory_unavailable`: it counted in no save metric (review, stop 68)."""
+    from tests.integration.clientkit import objects_for
+
+    class NoMap(FakeRouter):
+        async def known_shards(self) -> int:
+            raise Unavailable("no directory answered the shard map")
+
+    kv, _ = client_with(stored_up_to(0))
+    kv.router = NoMap(stored_up_to(0))
+    tokens = TOKENS[: 2 * SPEC.layout.tokens_per_chunk]
+    result = asyncio.run(kv.save(tokens, objects_for(tokens, 0, 2)))
+    assert result.chunks_failed == 2 and result.causes == {"directory_unavailable": 2}
+    failed = kv.metrics.registry.get_sample_value(
+        "kvfabric_client_save_failures_total", {"cause": "directory_unavailable"}
+    )
+    assert failed == 2

@@ -192,7 +192,11 @@ class SaveMixin(ClientBase):
             while True:
                 for effect in effects:
                     if isinstance(effect, Finished):
-                        return self._saved(effect.result) if effect.begun else effect.result
+                        if effect.begun:
+                            return self._saved(effect.result)
+                        for cause, n in effect.result.causes.items():  # (no shard map: counted,
+                            self.metrics.save_failures.labels(cause).inc(n)  # review, stop 68)
+                        return effect.result
                 invariant(effects, "a save step left nothing to do before Finished", state=table.state)
                 if len(effects) == 1:  # most steps (hash, write): no task for it
                     events = [await self._perform_save(effects[0], plan, trace_id, went)]

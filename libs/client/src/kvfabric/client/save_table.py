@@ -173,8 +173,9 @@ class SendAbort:
 @dataclass(frozen=True, slots=True)
 class Finished:
     """The save's outcome; the table is DONE. `begun`: it sent a begin (only such a save counts in
-    the client's saved tokens/bytes and save failures: an empty one, or one without a shard map,
-    does not; every admitted save is in `save_seconds` and the in-flight bytes)."""
+    the client's saved tokens/bytes: an empty one, or one without a shard map, does not; a save
+    without a shard map counts its chunks in save failures, `directory_unavailable`: it counted
+    nowhere, review, stop 68; every admitted save is in `save_seconds` and the in-flight bytes)."""
 
     result: SaveResult
     begun: bool = True
