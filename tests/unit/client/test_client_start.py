@@ -340,3 +340,21 @@ def test_a_layout_of_more_group_members_than_the_directory_takes_is_a_config_err
         assert "at most 255 members" in kv.status.detail
     finally:
         kv.close()
+
+
+@pytest.mark.parametrize("fake_nats", ["ok"], indirect=True)
+def test_a_metrics_port_in_use_disables_the_client_before_it_connects(
+    fake_nats: FakeNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The metrics server was started after NATS connected: a port in use failed the start with
+    the connection left open, reconnecting for the client's life while the client was disabled
+    (review, stop 68). It is started first now."""
+    caplog.set_level(logging.INFO)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        settings = ClientSettings(nats_url=fake_nats.url, metrics_port=taken.getsockname()[1])
+        kv, _ = start(settings)
+        try:
+            assert kv.status.cause == "config_error" and not kv.enabled
+            assert kv.aio.nc is None  # never connected
+        finally:
+            kv.close()

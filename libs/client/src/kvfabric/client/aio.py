@@ -197,14 +197,17 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
         # A layout whose groups the directory refuses: every lookup and save would be `bad_request`.
         layout = self.spec.layout
         check_group_members(layout.tp_size, layout.pp_size, layout.layer_group_count)
+        if self.settings.metrics_port >= 0:
+            # Before NATS: a port in use failed the start after connecting, and the connection
+            # stayed open, reconnecting for the client's life while it was disabled (review,
+            # stop 68). `metrics.serve` raises OSError: `start_error` makes it config_error.
+            self.metrics.serve(self.settings.metrics_port)
+            self.serves_metrics = True  # stopped by `close`
         self.nc, self.router = await open_nats(self.settings)
         self.suspects = SuspectReporter(
             asyncio.get_running_loop(), lambda: self.router, self.metrics.corrupt_reports
         )
         self.pool.on_corrupt = self.suspects.seen  # a bad replica is reported, never dropped here
-        if self.settings.metrics_port >= 0:
-            self.metrics.serve(self.settings.metrics_port)
-            self.serves_metrics = True  # stopped by `close`
 
     async def _saves_ended(self, timeout_s: float) -> None:
         """Until no save runs (`_tasks` empty), at most `timeout_s`: the saves, not their tasks
