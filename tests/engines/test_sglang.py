@@ -266,6 +266,36 @@ def test_dead_segment_and_silent_directory_miss_in_bounded_time(
     storage.close()
 
 
+def test_batches_past_the_clients_save_bounds_are_stored_whole(
+    nats_server: NatsServer, cluster: object
+) -> None:
+    """The client admits a save whole and drops one past `save_inflight_bytes_max`, and drops
+    saves past `saves_queued_max` in flight: a chained batch over the byte bound (128 pages of
+    8 MiB) and a per-page batch of more pages than the queue were never stored (review, stop
+    68). A chained batch goes as saves of at most half the byte bound, one after another; a
+    per-page batch at most half the queue at a time."""
+    pool = kit.host_pool()
+    page_bytes = kit.page_tensor(pool, "x").numel() * kit.page_tensor(pool, "x").element_size()
+    chained = kit.backend(kit.extra_config(nats_server.url, save_inflight_bytes_max=3 * page_bytes), pool)
+    keys = kit.page_keys(8, seed=41)
+    at = kit.alloc_pages(pool, 8)
+    kit.fill(pool, keys, at)
+    assert kit.backup(chained, keys, at, prefix=[]) == 8  # was 0: dropped whole (`bytes`)
+    kit.scramble(pool, keys, at)
+    assert kit.prefetch(chained, keys, at, prefix=[]) == (8, 8)
+    assert all(kit.identical_pages(pool, keys, at))
+    chained.close()
+    per_page = kit.backend(kit.extra_config(nats_server.url, saves_queued_max=4), pool)
+    keys = kit.page_keys(12, seed=43)
+    at = kit.alloc_pages(pool, 12)
+    kit.fill(pool, keys, at)
+    assert kit.backup(per_page, keys, at, prefix=None) == 12  # was cut past the queue
+    kit.scramble(pool, keys, at)
+    assert kit.prefetch(per_page, keys, at, prefix=None) == (12, 12)
+    assert all(kit.identical_pages(pool, keys, at))
+    per_page.close()
+
+
 def test_other_tenant_or_revision_sees_nothing(nats_server: NatsServer, cluster: object) -> None:
     assert write_elsewhere(nats_server, 6, "--seed", "13") == 6
     keys = kit.page_keys(6, seed=13)

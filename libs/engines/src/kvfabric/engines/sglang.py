@@ -14,7 +14,7 @@ Extra config keys: `nats_url` (or env KVF_CLIENT_NATS_URL), `tenant_id`, `domain
 `weights_revision` (default: a digest of the weight files when the model name is a local
 directory; else required), `model_path`, `model_id`, `attn_config_digest`, `tensor_layout`
 (default: SGLang's version and the host pool's page format), `exists_hold_ms` (10,000),
-`held_hits_max` (1,024), and any `ClientSettings` field (timeouts, limits); every client setting
+`held_hits_max` (8,192), and any `ClientSettings` field (timeouts, limits); every client setting
 can also come from `KVF_CLIENT_*`. SGLang's own keys (`backend_name`, `module_path`,
 `class_name`, `interface_v1`) are read by SGLang.
 
@@ -85,6 +85,7 @@ from kvfabric.engines.sglang_keys import (
 from kvfabric.format.clock import monotonic_ms
 from kvfabric.format.errors import KvfError
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, chain_hashes
+from kvfabric.proto.directory import LOOKUP_BATCH_GROUPS_MAX
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.pool_host import HostKVCache
@@ -434,14 +435,12 @@ class KvfabricStorage(HiCacheStorage):
             client = self._serving()
             if client is None or self._views is None:
                 return [False] * len(keys)
-            objects = [[_one_buffer(regions)] for regions in self._views.pages(host_indices, len(keys))]
+            pages = self._views.pages(host_indices, len(keys))
             prefix = self._prefix(extra_info)
             if prefix is not None:
-                saving = client.save_async(chain_words(prefix, keys), objects, first_chunk=len(prefix))
-                result = self._saved(client, saving)
-                ok = [False] * len(keys) if result is None else chained_pages_stored(len(keys), result)
+                ok = self._set_chained(client, prefix, keys, pages)
             else:
-                ok = self._set_pages(client, keys, objects)
+                ok = self._set_pages(client, keys, [[_one_buffer(regions)] for regions in pages])
         except Exception as exc:
             self._warn("set", "batch_set_v1 failed (%s: %s): pages not stored", type(exc).__name__, exc)
             return [False] * len(keys)
@@ -450,13 +449,50 @@ class KvfabricStorage(HiCacheStorage):
         self._record(self._backup_pages, self._backup_gbps, ok.count(True), started)
         return ok
 
+    def _set_chained(
+        self, client: KvClient, prefix: list[str], keys: list[str], pages: list[list[memoryview]]
+    ) -> list[bool]:
+        """A chained batch as saves of at most half the client's `save_inflight_bytes_max` each,
+        one after another, each extending the chain the one before stored (the client admits a
+        save whole: one past its bound was dropped, so every batch of pages over 4 MiB, say 128
+        of 8 MiB, was never stored; review, stop 68), gathered one save at a time. A page at
+        chain position `LOOKUP_BATCH_GROUPS_MAX` or past is not stored: no lookup reaches it."""
+        ok = [False] * len(keys)
+        stored = max(0, min(len(keys), LOOKUP_BATCH_GROUPS_MAX - len(prefix)))
+        budget = max(1, client.settings.save_inflight_bytes_max // 2)
+        start = 0
+        while start < stored:
+            end, nbytes = start, 0
+            while end < stored and (end == start or nbytes + _page_bytes(pages[end]) <= budget):
+                nbytes += _page_bytes(pages[end])
+                end += 1
+            objects = [[_one_buffer(regions)] for regions in pages[start:end]]
+            saving = client.save_async(
+                chain_words(prefix + keys[:start], keys[start:end]), objects, first_chunk=len(prefix) + start
+            )
+            result = self._saved(client, saving)
+            part = [False] * (end - start) if result is None else chained_pages_stored(end - start, result)
+            ok[start:end] = part
+            if not all(part):
+                break  # a page after a missing one is behind a gap: not stored
+            start = end
+        return ok
+
     def _set_pages(self, client: KvClient, keys: list[str], objects: list[list[Any]]) -> list[bool]:
-        """Per-page chains: every page's save in flight at once (the client bounds them)."""
-        futures: list[concurrent.futures.Future[SaveResult] | None] = [
-            client.save_async(chain_words([], [key]), [row]) for key, row in zip(keys, objects, strict=True)
-        ]
-        results = self._saved_all(client, futures)
-        return [r is not None and r.chunks_failed == 0 for r in results]
+        """Per-page chains: at most half the client's `saves_queued_max` saves in flight at once
+        (it drops a save past that: all 128 pages at once failed from the 65th; review, stop 68)."""
+        window = max(1, client.settings.saves_queued_max // 2)
+        ok: list[bool] = []
+        for start in range(0, len(keys), window):
+            futures: list[concurrent.futures.Future[SaveResult] | None] = [
+                client.save_async(chain_words([], [key]), [row])
+                for key, row in zip(
+                    keys[start : start + window], objects[start : start + window], strict=True
+                )
+            ]
+            results = self._saved_all(client, futures)
+            ok += [r is not None and r.chunks_failed == 0 for r in results]
+        return ok
 
     def _saved_all(
         self, client: KvClient, futures: list[concurrent.futures.Future[SaveResult] | None]
@@ -607,6 +643,10 @@ def _result_or_none(future: concurrent.futures.Future[SaveResult]) -> SaveResult
         return future.result(0)
     except Exception:
         return None
+
+
+def _page_bytes(regions: list[memoryview]) -> int:
+    return sum(r.nbytes for r in regions)
 
 
 def _one_buffer(regions: list[memoryview]) -> memoryview | bytes:
