@@ -683,10 +683,12 @@ def test_a_failed_loads_blocks_leave_vllms_prefix_cache(scheduler_side: Any) -> 
     tokens = list(range(4 * BLOCK))
     connector._requests["A"] = _Request(tokens, [5, 6, 7, 8], 0)
     connector._requests["B"] = _Request(tokens, [9, 10], 0)
+    connector._requests["P"] = _Request(tokens, [1, 6, 2, 3], 0)  # preempted: a stale list
+    connector._scheduled_now = {"A", "B"}
     connector.update_connector_output(KVConnectorOutput())
     assert evicted == []
     connector.update_connector_output(KVConnectorOutput(invalid_block_ids={6}))
-    assert evicted == [{6, 7, 8}]  # the failed block and the ones after it; not B's
+    assert evicted == [{6, 7, 8}]  # the failed block and the ones after it; not B's, not P's 2, 3
 
 
 @pytest.mark.parametrize("cause", ["timeout", "slow", "early_timeout"])

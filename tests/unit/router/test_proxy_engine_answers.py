@@ -58,7 +58,9 @@ def test_a_write_that_timed_out_is_failed_over_not_a_response_timeout() -> None:
 def test_a_trace_id_that_is_not_printable_ascii_is_replaced() -> None:
     assert _trace_id("abc-123") == "abc-123"
     assert _trace_id("x" * 500) == "x" * proxy_module.TRACE_CHARS_MAX
-    for bad in ("caf\xe9", "a\nb", "", None):
+    cut = _trace_id("a" * (proxy_module.TRACE_CHARS_MAX - 1) + " b")  # cut to end in a space
+    assert cut == "a" * (proxy_module.TRACE_CHARS_MAX - 1)  # stripped: h11 refuses the space
+    for bad in ("caf\xe9", "a\nb", "", "   ", None):
         new = _trace_id(bad)
         assert new != bad and new.isascii() and len(new) == 32
 

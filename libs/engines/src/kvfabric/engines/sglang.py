@@ -482,7 +482,7 @@ class KvfabricStorage(HiCacheStorage):
         """Per-page chains: at most half the client's `saves_queued_max` saves in flight at once
         (it drops a save past that: all 128 pages at once failed from the 65th; review, stop 68)."""
         window = max(1, client.settings.saves_queued_max // 2)
-        ok: list[bool] = []
+        ok = [False] * len(keys)
         for start in range(0, len(keys), window):
             futures: list[concurrent.futures.Future[SaveResult] | None] = [
                 client.save_async(chain_words([], [key]), [row])
@@ -491,7 +491,10 @@ class KvfabricStorage(HiCacheStorage):
                 )
             ]
             results = self._saved_all(client, futures)
-            ok += [r is not None and r.chunks_failed == 0 for r in results]
+            part = [r is not None and r.chunks_failed == 0 for r in results]
+            ok[start : start + len(part)] = part
+            if not all(part):
+                break  # SGLang stops the node's backup at a batch not all True: one wait at most
         return ok
 
     def _saved_all(

@@ -378,6 +378,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         # req id -> the lookup of a prompt vLLM's own cache covers, until the request is scheduled
         self._backfills: dict[str, concurrent.futures.Future[Hit]] = {}
         self._requests: dict[str, _Request] = {}
+        self._scheduled_now: set[str] = set()  # requests of the last step built (`build_connector_meta`)
         # Requests whose KV depends on more than their token ids (`_keyed_beyond_tokens`):
         # until they are scheduled (then their `_Request` has saves off) or finished.
         self._keyed_beyond: set[str] = set()
@@ -551,6 +552,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         self._check_failure_policy(sys._getframe(1))  # a vLLM that never bound the cache manager
         meta = KvfabricMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
+        self._scheduled_now = set(scheduled)  # (their block lists are current: `update_connector_output`)
         for new in scheduler_output.scheduled_new_reqs:
             found = self._found_chunks.pop(new.req_id, 0)  # in kvfabric already: never saved again
             state = _Request(list(new.prompt_token_ids or []), list(new.block_ids[0]), found)
@@ -593,7 +595,8 @@ class KvfabricConnector(KVConnectorBase_V1):
             first = next((i for i, block in enumerate(state.block_ids) if block in invalid), None)
             if first is None:
                 continue
-            unwritten.update(state.block_ids[first:])
+            if req_id in self._scheduled_now:  # (a preempted request's list is stale: its
+                unwritten.update(state.block_ids[first:])  # blocks freed, maybe reused elsewhere)
             if not state.saves_off:
                 state.saves_off = True
                 self.client.metrics.saves_dropped.labels(LOAD_FAILED).inc()

@@ -164,6 +164,7 @@ class DirectoryShell:
         self.free_timeout_s = free_timeout_s
         self._outbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=events_outbox_max)
         self._outbox_turn = asyncio.Lock()  # held by the event waiting for room (`_queue_event`)
+        self._outbox_waiting = 0  # events in `_queue_event`'s slow path
         self._stopped = asyncio.Event()  # `stop` began: nothing reads the outbox any more
         self._frees: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
@@ -383,17 +384,29 @@ class DirectoryShell:
         # FIFO lock). A slot freed for the oldest waiter was taken by a newer event before that
         # waiter ran (asyncio's queue lets a newcomer put while room lasts), publishing events
         # out of their order: an eviction before the publication it follows (review, stop 68).
-        if not self._outbox_turn.locked() and not self._outbox.full() and not self._stopped.is_set():
+        # (`_outbox_waiting` counts them from before their first await: a lock just released
+        # reads unlocked before its next waiter runs; review of stop 68)
+        if not self._outbox_waiting and not self._outbox.full() and not self._stopped.is_set():
             self._outbox.put_nowait(item)
             return
-        turn = asyncio.ensure_future(self._outbox_turn.acquire())
-        if not await self._unless_stopped(turn):
-            raise WrongShard("this shard's shell stopped", shard=self.core.shard)
+        self._outbox_waiting += 1
         try:
-            put = asyncio.ensure_future(self._outbox.put(item))
-            await self._unless_stopped(put)
+            turn = asyncio.ensure_future(self._outbox_turn.acquire())
+            try:
+                taken = await self._unless_stopped(turn)
+            except BaseException:  # cancelled as the turn came: the lock goes back
+                if turn.done() and not turn.cancelled():
+                    self._outbox_turn.release()
+                raise
+            if not taken:
+                raise WrongShard("this shard's shell stopped", shard=self.core.shard)
+            try:
+                put = asyncio.ensure_future(self._outbox.put(item))
+                await self._unless_stopped(put)
+            finally:
+                self._outbox_turn.release()
         finally:
-            self._outbox_turn.release()
+            self._outbox_waiting -= 1
         if not put.done() or put.cancelled():
             raise WrongShard("this shard's shell stopped", shard=self.core.shard)
 

@@ -124,7 +124,7 @@ def _trace_id(given: str | None) -> str:
     """The caller's trace id when it is printable ASCII (cut at `TRACE_CHARS_MAX`), else a new
     one: a latin-1 byte in it (h11 accepts them) made the engine request's `x-request-id`
     unencodable, a 500 and a traceback per request (review, stop 68)."""
-    given = (given or "")[:TRACE_CHARS_MAX]
+    given = (given or "")[:TRACE_CHARS_MAX].strip()  # (h11 refuses a value ending in a space)
     if given and given.isascii() and given.isprintable():
         return given
     return uuid.uuid4().hex
