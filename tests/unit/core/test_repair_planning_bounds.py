@@ -77,7 +77,7 @@ def test_objects_without_a_destination_cost_a_tick_a_bounded_number_of_looks() -
     core.check_invariants()
 
 
-def test_deferred_objects_come_back_first_when_room_appears() -> None:
+def test_deferred_objects_come_back_hottest_first_when_room_appears() -> None:
     core = RepairCore(RepairConfig(copies_in_flight_max=4, burst_bytes=1 << 40))
     up(core, "a", "z1", 100 * MB)
     up(core, "b", "z2", 0)
@@ -88,3 +88,26 @@ def test_deferred_objects_come_back_first_when_room_appears() -> None:
     assert [s.object_id for s in starts(core, 100)] == [9, 8, 7, 6]
     core.check_invariants()
     assert repair.PLAN_NO_DESTINATION_MAX >= 1
+
+
+def test_segment_reports_and_copies_do_not_restart_the_round_robin() -> None:
+    """Merging the deferred back in order at any segment change (the scan re-reports every
+    segment every 2 s; each copy started or ended) restarted the walk at the top each time:
+    a cold object that fits, behind thousands of hot ones that cannot, was never reached
+    (review of stop 68's fix)."""
+    core = RepairCore(RepairConfig(copies_in_flight_max=32, burst_bytes=1 << 40))
+    up(core, "a", "z1", 100 * MB)
+    up(core, "b", "z2", 10 * MB)
+    n = 2_000
+    for i in range(n):
+        core.object_known(i, size_bytes=50 * MB, replica_target=2, segments=["a"], hot=1)
+    core.object_known("small", size_bytes=MB, replica_target=2, segments=["a"])
+    started: list[StartCopy] = []
+    for tick in range(n // PLAN_NO_DESTINATION_MAX + 3):
+        up(core, "a", "z1", 100 * MB)  # unchanged reports, every tick
+        up(core, "b", "z2", 10 * MB)
+        started = starts(core, 100 * tick)
+        if started:
+            break
+    assert [s.object_id for s in started] == ["small"]
+    core.check_invariants()

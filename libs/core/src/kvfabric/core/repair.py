@@ -294,11 +294,9 @@ class RepairCore:
         # popped and dropped when stale; `_queue` is called wherever an object's order key or
         # its eligibility can change (`_refresh`, `_end`), `_failed` adds its retry time.
         self._ready: list[_ReadyEntry] = []
-        # Popped with no destination: back in `_ready` at the next tick after a segment changed
-        # (`_segments_changed`: nothing else can give one a destination), else once `_ready` is
-        # empty (round robin within the tick's bound, `_plan`).
+        # Popped with no destination: back in `_ready` once it is empty, round robin within the
+        # tick's bound (`_plan`).
         self._deferred: list[_ReadyEntry] = []
-        self._segments_changed = False
         self._waiting: list[_WaitingEntry] = []
         self._pushes = 0  # unique per entry: ties never compare object ids
         self.queue_slack = QUEUE_SLACK  # (tests set 0: rebuilds at every chance)
@@ -391,7 +389,6 @@ class RepairCore:
             self._segments[segment_id] = seg
             self._on_segment[segment_id] = set()
         seg.zone, seg.rack, seg.host, seg.free_bytes = zone, rack, host, free_bytes
-        self._segments_changed = True
         if seg.reserved_bytes > free_bytes and not seg.short:
             self._count("reports_below_reserved_total")
         seg.short = seg.reserved_bytes > free_bytes
@@ -405,7 +402,6 @@ class RepairCore:
         if seg is None or seg.draining == draining:
             return
         seg.draining, seg.drain_reported, seg.drain_listed = draining, False, False
-        self._segments_changed = True
         if draining:
             for copy in [c for c in self._copies.values() if c.destination == segment_id]:
                 self._abort(copy)  # a replica landing there would not count
@@ -425,7 +421,6 @@ class RepairCore:
         (module docstring, "Recounts"): one whose last replica was there is LOST when recounted."""
         if self._segments.pop(segment_id, None) is None:
             return
-        self._segments_changed = True
         self._count("segments_down_total")
         for copy in [c for c in self._copies.values() if segment_id in (c.source, c.destination)]:
             self._abort(copy)
@@ -637,16 +632,13 @@ class RepairCore:
         started: list[StartCopy] = []
         looked_at: set[ObjectId] = set()  # a duplicate entry of one already looked at is dropped
         put_back: list[_ReadyEntry] = []
-        # An object with no destination is deferred: looked at again in order once a segment
-        # changed (its destination depends on nothing else), else once every ready entry has
-        # been (round robin); at most `PLAN_NO_DESTINATION_MAX` of them a tick. A cluster with
-        # no room, or every destination at its cap, cost a tick one look per object below
-        # target (50,000: 0.5 s a tick; review, stop 68).
-        if self._segments_changed and self._deferred:
-            self._ready += self._deferred
-            self._deferred = []
-            heapq.heapify(self._ready)
-        self._segments_changed = False
+        # An object with no destination is deferred: looked at again once every ready entry has
+        # been (round robin), at most `PLAN_NO_DESTINATION_MAX` of them a tick; so each deferred
+        # one is looked at again within ceil(deferred / that) ticks, and one that can go behind
+        # thousands that cannot is reached. A cluster with no room, or every destination at its
+        # cap, cost a tick one look per object below target (50,000: 0.5 s a tick; review, stop
+        # 68). (Merged back in order at any segment change, a scan's reports every 2 s and each
+        # copy started or ended restarted the walk at the top: review of that fix.)
         no_destination: list[_ReadyEntry] = []
         cycled = False  # the deferred entries came back once this tick
         while (
@@ -781,7 +773,6 @@ class RepairCore:
         self._segments[source].reads += 1
         self._segments[destination.segment_id].reserved_bytes += obj.size_bytes
         self._segments[destination.segment_id].writes += 1
-        self._segments_changed = True  # (a destination full now can send a copy to a narrower one)
         self._count("copies_started_total")
         self._count("bytes_started_total", obj.size_bytes)
         return StartCopy(copy.copy_id, object_id, source, copy.destination, copy.size_bytes)
@@ -874,7 +865,6 @@ class RepairCore:
             source.reads -= 1
         destination = self._segments.get(copy.destination)
         if destination is not None:
-            self._segments_changed = True
             destination.reserved_bytes -= copy.size_bytes
             destination.writes -= 1
             destination.short = destination.short and destination.reserved_bytes > destination.free_bytes
