@@ -128,3 +128,40 @@ def test_frees_held_through_a_grace_go_in_batches_when_it_ends() -> None:
     sent = [resent(core.tick(now)) for now in (1_500, 1_600, 1_700, 1_800)]
     assert sent == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], []]
     core.check_invariants()
+
+
+def test_frees_held_through_a_grace_go_before_due_resends() -> None:
+    """After the due resends in a tick's budget, the queued frees (held through a grace, the
+    oldest) starved while more resends were due each tick than the budget (review of the fix:
+    0 of 10 sent in 54 s)."""
+    from kvfabric.core.directory.rebuild import SegmentHolding
+    from kvfabric.proto.segment import HeldObject
+
+    core = new_core(lease_ttl_ms_max=500, free_retry_ms=100, free_resend_batch_max=4)
+    adopted = groups(6, seed=81)
+    holding = SegmentHolding(
+        m.RegisterSegment(
+            segment_id="s0", incarnation=7, capacity_bytes=10_000,
+            domain=m.FailureDomain(host="s0", zone="z0"), data_addr="tcp://s0",
+        ),
+        [HeldObject(key(g), i, 1, 100, b"g" * 16) for i, g in enumerate(adopted)],
+    )  # fmt: skip
+    assert core.adopt([holding], now_ms=1_000) == []
+    core.handle(m.Evict(groups=[g.group_id() for g in adopted]), 1_010)  # held: the grace
+    evict_all(core, 30, now=1_020, seed=82)  # s1's frees: sent, never acknowledged
+    for now in range(1_100, 1_500, 100):  # s1's frees due again and again; heartbeats alive
+        core.handle(m.Heartbeat(segment_id="s0", incarnation=7, used_bytes=0), now)
+        core.handle(m.Heartbeat(segment_id="s1", incarnation=1, used_bytes=0), now)
+        core.tick(now)
+    sent_s0: list[int] = []
+    for now in range(1_500, 1_800, 100):  # the grace is over
+        core.handle(m.Heartbeat(segment_id="s0", incarnation=7, used_bytes=0), now)
+        core.handle(m.Heartbeat(segment_id="s1", incarnation=1, used_bytes=0), now)
+        sent_s0 += [
+            s.slot
+            for e in core.tick(now)
+            if isinstance(e, FreeSlots) and e.segment_id == "s0"
+            for s in e.slots
+        ]
+    assert sorted(sent_s0) == list(range(6))  # 4, then 2: before any due resend
+    core.check_invariants()
