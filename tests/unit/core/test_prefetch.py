@@ -293,3 +293,25 @@ def test_a_busy_target_is_waited_for_without_spending_attempts_or_blaming_the_so
     assert c.copy_finished(first.copy_id, True, now) == [PublishReplica(first.copy_id, "a", "t", 10, False)]
     assert c.counters["hints_failed_total"] == 0
     c.check_invariants()
+
+
+def test_a_target_busy_for_ever_ends_the_want_in_bounded_time() -> None:
+    """A target busy for hours (repair filling it) held the want, and an extra's budget, for as
+    long (review of stop 68's fix): past COPY_BUSY_RETRIES_MAX busy answers in a row one counts
+    as a failed attempt."""
+    from kvfabric.core.prefetch import COPY_BUSY_RETRIES_MAX
+
+    c = core(copy_attempts_max=1, copy_retry_backoff_ms=1)
+    c.add_hint(hint("h1", obj("a", replicas=("s1", "s2")), deadline_ms=T0 + 10**9), T0)
+    now = T0
+    (copy,) = c.tick(now)
+    for _ in range(COPY_BUSY_RETRIES_MAX):
+        assert isinstance(copy, StartCopy)
+        c.copy_finished(copy.copy_id, False, now, busy=True)
+        assert c.has_hint("h1")
+        now += 10_000
+        (copy,) = c.tick(now)
+    assert isinstance(copy, StartCopy)
+    c.copy_finished(copy.copy_id, False, now, busy=True)  # one more: a failed attempt, the last
+    assert not c.has_hint("h1") and c.counters["hints_failed_total"] == 1
+    c.check_invariants()

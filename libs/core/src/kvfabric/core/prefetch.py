@@ -173,8 +173,11 @@ COUNTERS: Final = (
 
 # A hot object's extra dropped n times in a row waits 2**(n-1) hot windows, at most this many.
 EXTRA_RETRY_WINDOWS_MAX: Final = 64
-# A copy its target answered `busy` n times in a row waits copy_retry_backoff_ms x 2**n, at most.
+# A copy its target answered `busy` n times in a row waits copy_retry_backoff_ms x 2**n, at most;
+# past COPY_BUSY_RETRIES_MAX in a row it counts as a failed attempt (a target busy for hours, as
+# one repair fills, held an extra's budget for as long; review of stop 68's fix).
 COPY_BUSY_BACKOFF_MAX_MS: Final = 5_000
+COPY_BUSY_RETRIES_MAX: Final = 12
 
 
 def _leaving_a_quarter(total: int) -> int:
@@ -613,7 +616,8 @@ class PrefetchCore:
         `made` False: the replica was on the target already (not this copy's): never an extra.
         `busy`: the target had no copy slot free, nothing was tried: queued again after a
         backoff that doubles per busy answer in a row (up to `COPY_BUSY_BACKOFF_MAX_MS`), its
-        attempt given back and its source not blamed. A target busy with repair's copies
+        attempt given back and its source not blamed, `COPY_BUSY_RETRIES_MAX` times in a row
+        (about 40 s), then as a failed attempt. A target busy with repair's copies
         failed the want in 0.3 s, every hint needing it with it (review, stop 68)."""
         self._advance(now_ms)
         key = self._copies.pop(copy_id, None)
@@ -647,6 +651,7 @@ class PrefetchCore:
             return [PublishReplica(copy_id, want.object_id, want.target, want.size, extra)]
         if busy:
             self.counters["copies_busy_total"] += 1
+        if busy and want.busy_in_row < COPY_BUSY_RETRIES_MAX:
             want.attempts -= 1
             want.busy_in_row += 1
             backoff = self.config.copy_retry_backoff_ms << min(want.busy_in_row, 16)
