@@ -13,19 +13,30 @@ from typing import Any
 from kvfabric.dataplane.addresses import split_host_port
 from kvfabric.dataplane.frames import Op
 from kvfabric.dataplane.tcp import TcpDataServer
-from kvfabric.format.errors import NotFound
 from kvfabric.proto.common import ErrorReply
 from kvfabric.proto.dataplane import GetRequest, ReadRef
 from tests.security.dataplane_kit import frame, read_frame
 
 
 class CountingBackend:
+    """Grants every read `statuses` says (default all ok) with 16 bytes each; counts the grants
+    ended (`end_get`)."""
+
     def __init__(self) -> None:
         self.gets: list[int] = []
+        self.ended = 0
+        self.statuses: list[str] | None = None
 
     def begin_get(self, reads: list[ReadRef], conn: int) -> Any:
+        from kvfabric.dataplane.backend import GetGrant
+
         self.gets.append(len(reads))
-        raise NotFound("no such object")
+        statuses = self.statuses or ["ok"] * len(reads)
+        views = [memoryview(b"x" * 16) if s == "ok" else None for s in statuses]
+        return GetGrant(1, statuses, [b"c" * 16] * len(reads), views)  # type: ignore[arg-type]
+
+    def end_get(self, grant: Any, conn: int) -> None:
+        self.ended += 1
 
     def connection_leaked(self, conn: int) -> None:
         """(no link of these tests gets stuck)"""
@@ -34,27 +45,28 @@ class CountingBackend:
         """(nothing held per connection here)"""
 
 
-def ask(server: TcpDataServer, reads: list[ReadRef]) -> ErrorReply:
+def ask(server: TcpDataServer, reads: list[ReadRef]) -> tuple[Op, object]:
     host, port = split_host_port(server.address)
     with socket.create_connection((host, port), timeout=5.0) as sock:
         sock.sendall(frame(Op.GET, GetRequest(reads=reads)))
         answer = read_frame(sock)
     assert answer is not None
-    op, meta = answer
-    assert op is Op.ERROR and isinstance(meta, ErrorReply), answer
-    return meta
+    return answer
 
 
-def test_a_get_naming_an_object_twice_is_refused() -> None:
+def test_a_get_naming_a_readable_object_twice_is_refused() -> None:
     backend = CountingBackend()
     server = TcpDataServer(backend, authenticate=lambda meta: True)  # type: ignore[arg-type]
     server.start()
     try:
-        ref = ReadRef(incarnation=1, slot=3, slot_generation=1, size_bytes=1 << 20)
-        assert ask(server, [ref] * 4_096).code == "bad_request"
-        other_generation = ReadRef(incarnation=1, slot=3, slot_generation=2, size_bytes=1 << 20)
-        assert ask(server, [ref, other_generation]).code == "not_found"  # two objects: asked
-        assert backend.gets == [2]
+        ref = ReadRef(incarnation=1, slot=3, slot_generation=1, size_bytes=16)
+        op, meta = ask(server, [ref] * 4_096)
+        assert op is Op.ERROR and isinstance(meta, ErrorReply) and meta.code == "bad_request"
+        assert backend.ended == 1  # its grant given back
+        other_generation = ReadRef(incarnation=1, slot=3, slot_generation=2, size_bytes=16)
+        assert ask(server, [ref, other_generation])[0] is Op.REPLY  # two objects
+        backend.statuses = ["ok", "unauthorized"]  # a refused ref of it (a forged token): no bytes
+        assert ask(server, [ref, ref])[0] is Op.REPLY
     finally:
         server.stop()
 
@@ -85,7 +97,7 @@ def test_a_failed_accept_does_not_stop_the_data_plane() -> None:
     server.start()
     try:
         ref = ReadRef(incarnation=1, slot=3, slot_generation=1, size_bytes=16)
-        assert ask(server, [ref]).code == "not_found"  # answered after the failed accept
+        assert ask(server, [ref])[0] is Op.REPLY  # answered after the failed accept
         assert server.counters["accept_errors_total"] == 1
     finally:
         server.stop()

@@ -436,14 +436,20 @@ class TcpDataServer:
         elif op is Op.GET and isinstance(meta, GetRequest):
             if len(meta.reads) > READS_MAX:
                 raise BadRequest(f"{len(meta.reads)} reads exceed {READS_MAX}")
-            if len({(ref.slot, ref.slot_generation) for ref in meta.reads}) != len(meta.reads):
-                # Each would be sent again: one token, 4,096 times, made one small request send
-                # 4,096 x the object, its deadline as long, the slot pinned all along (a free
-                # answered done while the arena kept it; review, stop 68). No client asks twice.
-                raise BadRequest("a GET names an object twice")
             streamed = getattr(self.backend, "begin_get_streamed", None) if meta.verdicts_after else None
             grant = (streamed or self.backend.begin_get)(meta.reads, conn)
             try:
+                readable = [
+                    (r.slot, r.slot_generation)
+                    for r, s in zip(meta.reads, grant.statuses, strict=True)
+                    if s == "ok"
+                ]
+                if len(set(readable)) != len(readable):
+                    # Each would be sent again: one token, 4,096 times, made one small request
+                    # send 4,096 x the object, its deadline as long, the slot pinned all along (a
+                    # free answered done while the arena kept it; review, stop 68). No client
+                    # asks for one object twice (refused refs of it may repeat: they send nothing).
+                    raise BadRequest("a GET names an object twice")
                 results = [ObjectResult(s, c) for s, c in zip(grant.statuses, grant.checksums, strict=True)]
                 views = [v for v in grant.views if v is not None]
                 self._deadline(conn, limits.transfer_ms(sum(len(v) for v in views)), "transfer_timeout")
