@@ -146,6 +146,7 @@ class SaveTableMachine(RuleBasedStateMachine):
         self.answered: list[int] = []  # request numbers answered (for second answers)
         self.sent_commits: list[ObjectKey] = []
         self.sent_aborts: list[ObjectKey] = []
+        self.missing_aborted: set[ObjectKey] = set()  # keys aborted after a commit answered `missing`
         self.ticket_writes: list[int] = []
         self.finished: Finished | None = None
 
@@ -413,10 +414,15 @@ class SaveTableMachine(RuleBasedStateMachine):
             reply = m.PutCommitReply(epoch=1, results=results)
         expected: list[Effect] = [] if self.ends else [Finished(model.result())]
         if self.table.state != "abandoned" and isinstance(sent, SendCommit) and cause is None and missing:
-            expected = self.expected_aborts(missing)  # (its keys still placed there: review, stop 68)
+            # its keys still placed there: aborted, not awaited (review, stop 68)
+            expected = self.expected_aborts(missing) + expected
         if self.table.state == "abandoned":  # not awaited: ignored (counted)
             expected = []
-        self.step(EndAnswered(request, reply), expected)
+        effects = self.step(EndAnswered(request, reply), expected)
+        for e in effects:  # the aborts of keys committed `missing`: never answered
+            if isinstance(e, SendAbort) and not self.table.awaits(e.request):
+                del self.ends[e.request]
+                self.missing_aborted.update(e.keys)
 
     @precondition(lambda self: self.table.state in ("preparing", "beginning", "writing", "ending"))
     @rule(pick=st.integers(0, 7), ms=st.integers(0, 5))
@@ -457,7 +463,8 @@ class SaveTableMachine(RuleBasedStateMachine):
         self.table.check_invariants()
         commits, aborts = self.sent_commits, self.sent_aborts
         assert len(commits) == len(set(commits)) and len(aborts) == len(set(aborts))
-        assert set(commits).isdisjoint(aborts)
+        assert set(commits).isdisjoint(set(aborts) - self.missing_aborted)
+        assert self.missing_aborted <= set(commits)  # (aborted after a commit answered `missing`)
         assert set(commits) <= set(self.model.written)  # never without a written replica
         assert len(self.ticket_writes) == len(set(self.ticket_writes))
         assert not set(FOREIGN) & set(commits + aborts)
@@ -477,7 +484,7 @@ class SaveTableMachine(RuleBasedStateMachine):
         self.consistent()
         if self.table.state == "abandoned":
             assert self.finished is None and self.table.result is None
-            ended = sorted(self.sent_commits + self.sent_aborts)
+            ended = sorted(self.sent_commits + [k for k in self.sent_aborts if k not in self.missing_aborted])
             placed = [r.key for rs in self.model.placed.values() for r in rs]
             assert ended == sorted(placed)  # no reservation left to the write TTL
             return
@@ -485,7 +492,7 @@ class SaveTableMachine(RuleBasedStateMachine):
         assert self.table.result == self.finished.result
         if self.finished.begun:
             assert self.finished.result == self.model.result()
-            ended = sorted(self.sent_commits + self.sent_aborts)
+            ended = sorted(self.sent_commits + [k for k in self.sent_aborts if k not in self.missing_aborted])
             placed = [r.key for rs in self.model.placed.values() for r in rs]
             assert ended == sorted(placed)  # every reservation ended exactly once
             assert self.model.committed <= set(self.sent_commits)

@@ -190,6 +190,13 @@ class SaveMixin(ClientBase):
         went: dict[int, asyncio.Future[tuple[object, str]]] = {}  # begins out when cancelled
         try:
             while True:
+                # Aborts not awaited (keys committed `missing`): sent in the background, held
+                # until answered (`close` waits for them), as a cancelled save's are.
+                unawaited = [e for e in effects if isinstance(e, SendAbort) and not table.awaits(e.request)]
+                for abort in unawaited:
+                    if (ending := self._end_call(abort, trace_id)) is not None:
+                        self._hold(ending)
+                effects = [e for e in effects if e not in unawaited]
                 for effect in effects:
                     if isinstance(effect, Finished):
                         if effect.begun:

@@ -18,8 +18,9 @@ wire is `kvfabric.client.saves` (whose `SaveTally` this table counts with).
                                            to write
     WRITING --writes_done--> ENDING (SendAbort, SendCommit per shard batch), or DONE with nothing
                              to end
-    ENDING --end_answered, a commit answered `missing` for keys--> ENDING (SendAbort of them)
-    ENDING --end_answered, the last--> DONE (Finished(result))
+    ENDING --end_answered, a commit answered `missing` for keys--> ENDING (SendAbort of them, not
+             awaited: the shell sends them in the background)
+    ENDING --end_answered, the last--> DONE (Finished(result), after any such SendAbort)
     any but DONE --abandon (the save cancelled)--> ABANDONED (SendAbort per shard batch of every
                  key a begin answer placed and no commit or abort carried; no result)
     ABANDONED --begin_answered (a begin out at `abandon` whose request went)--> ABANDONED
@@ -349,15 +350,19 @@ class SaveTable:
                 self._tally.commits(results)
                 missing = [r.key for r in results if r.status == "missing"]
                 self._missing += missing
-                deadline_ms = now_ms + self.timeout_ms
-                for shard, keys in shard_batches(missing, self.shard_of, self.batches.abort):
-                    abort = self._send("put_abort", shard, keys)
-                    effects.append(SendAbort(abort, shard, tuple(keys), deadline_ms))
+                # not awaited: their answers change nothing, and waiting for them took a save
+                # past its three phases' bounds (review of stop 68's fix); the shell sends them
+                # in the background (`SendAbort` beside `Finished` or before it, not outstanding)
+                effects += self._abort_unawaited(missing, now_ms)
         if self._outstanding:
             return effects
-        return self._finish()
+        return effects + self._finish()
 
     # ---- plumbing ----------------------------------------------------------------------------
+
+    def awaits(self, request: int) -> bool:
+        """Whether request `request` is outstanding (its answer is to be fed back)."""
+        return request in self._outstanding
 
     def _phase(self, state: State, event: str) -> None:
         invariant(self.state == state, "event out of its phase", event=event, state=self.state)
@@ -463,7 +468,8 @@ class SaveTable:
         return list(self._abort_unawaited([r.key for r in placed], now_ms))
 
     def _abort_unawaited(self, keys: list[ObjectKey], now_ms: int) -> list[SendAbort]:
-        """ABANDONED: aborts of `keys` per shard batch, sent and never awaited (not outstanding)."""
+        """Aborts of `keys` per shard batch, sent and never awaited (not outstanding): ABANDONED,
+        or keys committed `missing`."""
         deadline_ms = now_ms + self.timeout_ms
         aborts = []
         for shard, batch in shard_batches(keys, self.shard_of, self.batches.abort):
