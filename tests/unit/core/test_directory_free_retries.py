@@ -26,6 +26,24 @@ def evict_all(core: DirectoryCore, n: int, now: int, seed: int = 71) -> list[int
     return resent(effects)
 
 
+def adopted_at(core: DirectoryCore, segment_id: str, gs: list[Any], now: int) -> list[Any]:
+    """A new leader adopts one object of each of `gs` on `segment_id` (incarnation 7; slot i for
+    the i-th), its grace starting `now`; returns `gs`."""
+    from kvfabric.core.directory.rebuild import SegmentHolding
+    from kvfabric.proto.segment import HeldObject
+
+    registration = m.RegisterSegment(
+        segment_id=segment_id,
+        incarnation=7,
+        capacity_bytes=10_000,
+        domain=m.FailureDomain(host=segment_id, zone=segment_id),
+        data_addr=f"tcp://{segment_id}",
+    )
+    held = [HeldObject(key(g), i, 1, 100, b"g" * 16) for i, g in enumerate(gs)]
+    assert core.adopt([SegmentHolding(registration, held)], now_ms=now) == []
+    return gs
+
+
 class NoWalk(dict[Any, Any]):
     """The frees table's entries, refusing to be walked."""
 
@@ -109,19 +127,8 @@ def test_stale_items_of_acknowledged_frees_are_dropped() -> None:
 
 
 def test_frees_held_through_a_grace_go_in_batches_when_it_ends() -> None:
-    from kvfabric.core.directory.rebuild import SegmentHolding
-    from kvfabric.proto.segment import HeldObject
-
     core = new_core(lease_ttl_ms_max=500, free_resend_batch_max=4)
-    gs = groups(10, seed=72)
-    holding = SegmentHolding(
-        m.RegisterSegment(
-            segment_id="s1", incarnation=7, capacity_bytes=10_000,
-            domain=m.FailureDomain(host="s1", zone="z1"), data_addr="tcp://s1",
-        ),
-        [HeldObject(key(g), i, 1, 100, b"g" * 16) for i, g in enumerate(gs)],
-    )  # fmt: skip
-    assert core.adopt([holding], now_ms=1_000) == []
+    gs = adopted_at(core, "s1", groups(10, seed=72), now=1_000)
     core.handle(m.Evict(groups=[g.group_id() for g in gs]), 1_100)  # adopted slots: held
     assert resent(core.tick(1_499)) == []
     core.check_invariants()
@@ -134,19 +141,8 @@ def test_frees_held_through_a_grace_go_before_due_resends() -> None:
     """After the due resends in a tick's budget, the queued frees (held through a grace, the
     oldest) starved while more resends were due each tick than the budget (review of the fix:
     0 of 10 sent in 54 s)."""
-    from kvfabric.core.directory.rebuild import SegmentHolding
-    from kvfabric.proto.segment import HeldObject
-
     core = new_core(lease_ttl_ms_max=500, free_retry_ms=100, free_resend_batch_max=4)
-    adopted = groups(6, seed=81)
-    holding = SegmentHolding(
-        m.RegisterSegment(
-            segment_id="s0", incarnation=7, capacity_bytes=10_000,
-            domain=m.FailureDomain(host="s0", zone="z0"), data_addr="tcp://s0",
-        ),
-        [HeldObject(key(g), i, 1, 100, b"g" * 16) for i, g in enumerate(adopted)],
-    )  # fmt: skip
-    assert core.adopt([holding], now_ms=1_000) == []
+    adopted = adopted_at(core, "s0", groups(6, seed=81), now=1_000)
     core.handle(m.Evict(groups=[g.group_id() for g in adopted]), 1_010)  # held: the grace
     evict_all(core, 30, now=1_020, seed=82)  # s1's frees: sent, never acknowledged
     for now in range(1_100, 1_500, 100):  # s1's frees due again and again; heartbeats alive

@@ -643,6 +643,19 @@ def test_a_lookup_answering_many_replicas_is_charged_them_at_the_gate() -> None:
     assert gate.core.tokens("bob", 0.0) == pytest.approx(4_200 - 17 - 299)
 
 
+async def bob_holds_the_turn(gate: FairGate) -> tuple[asyncio.Task[None], asyncio.Event]:
+    """Bob's request running on the gate's one slot until the event is set (then the task ends)."""
+    go = asyncio.Event()
+
+    async def running() -> None:
+        async with gate.turn("bob", 1):
+            await go.wait()
+
+    first = asyncio.create_task(running())
+    await asyncio.sleep(0)
+    return first, go
+
+
 def test_a_request_waits_for_its_turn_no_longer_than_its_sender_waits() -> None:
     """A request waited up to 10 s for its turn, though a lookup's sender gives up after 2 s:
     it then still ran, on the tenant's slot and budget, and took a lease nobody would give back
@@ -654,14 +667,7 @@ def test_a_request_waits_for_its_turn_no_longer_than_its_sender_waits() -> None:
 
     async def scenario() -> None:
         gate = FairGate(config(ids_per_s=1_000_000, burst_ids=1_000_000, queue_max=4, running_max=1))
-        go = asyncio.Event()
-
-        async def running() -> None:
-            async with gate.turn("bob", 1):
-                await go.wait()
-
-        first = asyncio.create_task(running())
-        await asyncio.sleep(0)
+        first, go = await bob_holds_the_turn(gate)
         loop = asyncio.get_running_loop()
         asked = loop.time()
         with pytest.raises(Busy, match="waited too long"):
@@ -690,14 +696,7 @@ def test_a_lookup_many_waits_for_its_turn_no_longer_than_its_sender_waits() -> N
     runtime = bobs_host(gate, Shell())
 
     async def scenario() -> None:
-        go = asyncio.Event()
-
-        async def running() -> None:
-            async with gate.turn("bob", 1):
-                await go.wait()
-
-        first = asyncio.create_task(running())
-        await asyncio.sleep(0)
+        first, go = await bob_holds_the_turn(gate)
         loop = asyncio.get_running_loop()
         asked = loop.time()
         many = m.LookupMany(holder_id="b", parts=[])
