@@ -460,11 +460,12 @@ class KvfabricStorage(HiCacheStorage):
         ok = [False] * len(keys)
         stored = max(0, min(len(keys), LOOKUP_BATCH_GROUPS_MAX - len(prefix)))
         budget = max(1, client.settings.save_inflight_bytes_max // 2)
+        sizes = [_page_bytes(regions) for regions in pages[:stored]]
         start = 0
         while start < stored:
             end, nbytes = start, 0
-            while end < stored and (end == start or nbytes + _page_bytes(pages[end]) <= budget):
-                nbytes += _page_bytes(pages[end])
+            while end < stored and (end == start or nbytes + sizes[end] <= budget):
+                nbytes += sizes[end]
                 end += 1
             objects = [[_one_buffer(regions)] for regions in pages[start:end]]
             saving = client.save_async(
