@@ -64,6 +64,7 @@ SAVE_BUSY_ATTEMPTS_MAX: Final = 8
 SAVE_WRITE_STREAM_BYTES_TARGET: Final = 2 << 20
 # The cause of chunks skipped by the engine's save rate (`ClientSettings.save_bytes_per_s_max`).
 SAVE_RATE: Final = "save_rate"
+QUEUE_FULL: Final = "queue_full"  # `saves_queued_max` saves were in flight (or handed to the loop)
 
 log = logging.getLogger("kvfabric.client")
 
@@ -97,7 +98,7 @@ class SaveMixin(ClientBase):
         if self._closed:
             return "closed"
         if self._saves_running >= self.settings.saves_queued_max:
-            return "queue_full"
+            return QUEUE_FULL
         if self._save_bytes + size_bytes > self.settings.save_inflight_bytes_max:
             return "bytes"
         return None

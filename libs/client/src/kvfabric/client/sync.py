@@ -4,7 +4,8 @@
 is bounded: lookups by `lookup_timeout_ms`, loads by `load_timeout_ms` (plus a grace for the
 loop), so an engine thread never hangs on the cluster. `save_async` never blocks: it copies
 nothing and hands the save to the loop (the caller gives up its buffers), where it is admitted
-or dropped (its result says why). Around `close`, `lookup` and `load` end in a miss ("closed"),
+or dropped (its result says why); with `saves_queued_max` saves handed and not ended, it drops
+the save at once (`queue_full`). Around `close`, `lookup` and `load` end in a miss ("closed"),
 never an exception in the engine's thread; a `lookup_async` or `save_async` future that `close`
 cancels reads cancelled (engines treat it as a miss / a dropped save).
 If the client cannot start, it runs *disabled*: every lookup is a miss (cause "closed"), every
@@ -32,6 +33,7 @@ from typing import Any, Final, TypeVar
 import msgspec.structs
 
 from kvfabric.client.aio import AsyncKvClient, Destination, EngineSpec, Source
+from kvfabric.client.aio_saves import QUEUE_FULL
 from kvfabric.client.hits import Hit, LoadResult, SaveResult
 from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.save_memory import SaveMemory
@@ -188,6 +190,11 @@ class KvClient:
         # save that passed the check while another thread closed raised RuntimeError (the loop
         # closed) or was queued on a stopped loop, its future never resolved (review, 2026-12-05).
         self._submit_lock = threading.Lock()
+        # Saves handed to the loop and not ended there (under `_submit_lock`): the loop admits at
+        # most `saves_queued_max` at once, but a stalled or busy loop admitted nothing while an
+        # engine went on handing it saves, each holding its sources (review, stop 68). At the
+        # bound a save is dropped in the engine's thread ("queue_full"), as the loop would.
+        self._saves_submitted = 0
         self._failure_log_level = failure_log_level
         self._closing = False
         self._closed = False  # `close` ran (once): a loop thread it could not stop is left to die
@@ -370,12 +377,17 @@ class KvClient:
         rate_taken: bool = False,
     ) -> concurrent.futures.Future[SaveResult] | None:
         """Start a save and return at once (None when the client is off; a save over the
-        client's limits is dropped on the loop: its result's causes say so).
+        client's limits is dropped, on the loop or here: its result's causes say so).
         `rate_taken`: the caller took the save rate for these chunks (`take_save_rate`)."""
         with self._submit_lock:
             if not self.enabled:
                 self.metrics.saves_dropped.labels(self.off_cause()).inc()
                 return None
+            if self._saves_submitted >= self.settings.saves_queued_max:
+                self.metrics.saves_dropped.labels(QUEUE_FULL).inc()
+                dropped: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
+                dropped.set_result(SaveResult(chunks_failed=len(objects), causes={QUEUE_FULL: len(objects)}))
+                return dropped
             saving = self._submit(
                 self.aio.save(
                     tokens,
@@ -386,7 +398,13 @@ class KvClient:
                     rate_taken=rate_taken,
                 )
             )
+            self._saves_submitted += 1
+        saving.add_done_callback(self._save_ended)
         return _ends_with(saving)
+
+    def _save_ended(self, _done: concurrent.futures.Future[SaveResult]) -> None:
+        with self._submit_lock:
+            self._saves_submitted -= 1
 
     def take_save_rate(self, chunk_sizes: Sequence[int]) -> int:
         """Take the engine's save rate (`ClientSettings.save_bytes_per_s_max`) for the leading
