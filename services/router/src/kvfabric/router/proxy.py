@@ -168,6 +168,7 @@ class Proxy:
         # Health checks on connections of their own: a pool full of requests (or of slow
         # /v1/models calls) made every check time out, and every engine was marked down.
         self.health_client = httpx.AsyncClient(timeout=httpx.Timeout(settings.connect_timeout_s))
+        self._checking: dict[str, asyncio.Task[None]] = {}  # each engine's health check in flight
         self._engine_auth = (
             {"authorization": f"Bearer {settings.engine_api_key}"} if settings.engine_api_key else {}
         )
@@ -195,10 +196,29 @@ class Proxy:
     # ---- health --------------------------------------------------------------------------
 
     async def health_loop(self) -> None:
-        await every(self.settings.health_interval_s, self._check_all)
+        try:
+            await every(self.settings.health_interval_s, self._check_all)
+        finally:  # cancelled (the router stopping): no check outlives the loop
+            checks = list(self._checking.values())
+            for check in checks:
+                check.cancel()
+            if checks:
+                await asyncio.wait(checks, timeout=self.settings.connect_timeout_s)
 
     async def _check_all(self) -> None:
-        await asyncio.gather(*(self._check(iid, url) for iid, url in self.urls.items()))
+        """Start a check of every engine whose last one has ended, without waiting for them: a
+        round waited for every check, so one hung engine held every other engine's health
+        answer for the connect timeout; past the stale window every engine was stale, every
+        request 503 (review, stop 68). At most one check per engine is in flight."""
+        for iid, url in self.urls.items():
+            if iid in self._checking:
+                continue  # its last check still waits (bounded by the connect timeout)
+            check = asyncio.create_task(self._check(iid, url), name=f"router-health-{iid}")
+            self._checking[iid] = check
+            check.add_done_callback(functools.partial(self._check_ended, iid))
+
+    def _check_ended(self, iid: str, _check: asyncio.Task[None]) -> None:
+        self._checking.pop(iid, None)
 
     async def _check(self, iid: str, url: str) -> None:
         """One engine's health check, bounded by the connect timeout whatever hangs; anything
