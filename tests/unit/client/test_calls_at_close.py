@@ -163,3 +163,33 @@ def test_a_lookup_without_an_answer_in_time_is_a_miss_not_an_error(monkeypatch: 
     hit = kv.lookup(list(range(2 * TPC)))
     assert hit.tokens == 0 and hit.cause == "directory_timeout"
     kv.close()
+
+
+def test_a_second_close_waits_for_the_first_and_neither_raises() -> None:
+    """Two threads closing at once (review, stop 68): the second returned before the client was
+    closed, or, both past the check, ran the steps twice and one's settling cancelled the
+    other's close (CancelledError in its thread). Now the second waits for the first."""
+    kv = _client()
+    kv.status = ClientStatus("enabled")
+    closing = threading.Event()
+
+    async def slow_close() -> None:
+        closing.set()
+        await asyncio.sleep(0.3)  # giving back leases, waiting for saves
+
+    kv.aio.close = slow_close  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            kv.close()
+        except BaseException as exc:  # what the engine's thread would see
+            errors.append(exc)
+
+    first = threading.Thread(target=close)
+    first.start()
+    assert closing.wait(5)
+    kv.close()  # the second, in this thread
+    assert kv._loop.is_closed()  # it returned only once the first had closed the client
+    first.join(5)
+    assert errors == []

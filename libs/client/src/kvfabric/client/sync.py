@@ -197,6 +197,7 @@ class KvClient:
         self._saves_submitted = 0
         self._failure_log_level = failure_log_level
         self._closing = False
+        self._close_lock = threading.Lock()  # one `close` runs; another waits for it to end
         self._closed = False  # `close` ran (once): a loop thread it could not stop is left to die
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -444,6 +445,14 @@ class KvClient:
         return self.aio._fallback(Hit(0, self.aio.spec.layout.tokens_per_chunk, (), ()), self.off_cause())
 
     def close(self) -> None:
+        """Give back what the client holds and stop its loop; bounded, never raises. A second
+        close, from any thread, waits for the first to end (two threads closing at once both ran
+        the steps, and one's settling cancelled the other's close: CancelledError in its thread;
+        review, stop 68)."""
+        with self._close_lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed or self._loop.is_closed():
             return
         self._closed = True
