@@ -222,9 +222,31 @@ def test_a_class_set_aside_while_a_take_compacts_the_heaps_is_pushed_back() -> N
     st.integers(0, DENSITY_LENGTH_CLASSES - 1),
     st.integers(-(2**45), 2**45),
     st.integers(1, DENSITY_NAMING_CLASSES),
+    st.integers(0, 1000),
 )
 def test_a_ghost_entry_packs_into_one_int_and_back(
-    namings_cls: int, length_cls: int, ms: int, namings: int
+    namings_cls: int, length_cls: int, ms: int, namings: int, halvings: int
 ) -> None:
-    packed = _pack((namings_cls, length_cls), ms, namings)
-    assert isinstance(packed, int) and _unpack(packed) == ((namings_cls, length_cls), ms, namings)
+    packed = _pack((namings_cls, length_cls), ms, namings, halvings)
+    unpacked = ((namings_cls, length_cls), ms, namings, halvings % 256)
+    assert isinstance(packed, int) and _unpack(packed) == unpacked
+
+
+def test_reuses_of_namings_from_before_a_halving_are_halved_too() -> None:
+    """A class halves at `DENSITY_HALVE_AT` namings; its namings still in the ghost were then
+    credited whole when reused (review, stop 68): 70,000 namings then each reused left 37,232
+    namings and 70,000 reuses, negative survivors and densities ~1e11 times too high. Now a
+    class's reuses never exceed its namings and its densities stay below a hit per ms."""
+    predictor = DensityPredictor(recompute_every=1 << 30)
+    n = 70_000
+    for i in range(n):
+        predictor.name(("a", i), i, 1)
+        predictor.trim(10**6)
+    for i in range(n):
+        predictor.name(("a", i), n + 60_000 + i // 2, 1)  # reused 95-130 s later
+    reused, named = predictor.classes()[(1, 1)]
+    assert reused <= named
+    predictor.recompute()
+    table = predictor.table((1, 1))
+    assert table is not None and max(table) < 1.0
+    predictor.check(10**6)

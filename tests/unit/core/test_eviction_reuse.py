@@ -169,3 +169,19 @@ def test_turns_grow_when_a_hit_prefix_is_extended() -> None:
 def test_predicted_admission_needs_the_reuse_policy() -> None:
     with pytest.raises(InvariantViolation):
         EvictionConfig(policy="lru", admission="predicted")
+
+
+def test_reuses_of_namings_from_before_a_halving_are_halved_too() -> None:
+    """A class halves at `REUSE_HALVE_AT` namings; its namings still in the ghost were then
+    credited whole when reused (review, stop 68), so its reuses outgrew its namings and p sat at
+    1. Now each credit is halved as often as its class since its naming."""
+    predictor = ReusePredictor()
+    cls = reuse_class(1, 1, 1, False)
+    for i in range(70_000):
+        predictor.track(i, cls, resident_objects=10**6)
+    for i in range(70_000):
+        predictor.named(i)
+    reused, named = predictor.classes()[cls]
+    assert reused <= named
+    assert named / 2 < reused  # every naming was reused: about all of them still counts
+    predictor.check(resident_objects=10**6)

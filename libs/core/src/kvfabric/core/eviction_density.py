@@ -21,7 +21,10 @@ log-spaced age buckets: [0, 1 s), [1 s, 1.5 s), ... x1.5 each); then the id take
 the class's naming count grows by one and the id goes to the ghost's young end. An id pushed out
 of the ghost was not reused within the ghost's reach. The ghost holds at most
 `DENSITY_GHOST_PER_OBJECT x max(resident objects, DENSITY_GHOST_FLOOR)` ids; a class's counts
-halve when its namings reach `DENSITY_HALVE_AT` (old evidence ages out).
+halve when its namings reach `DENSITY_HALVE_AT` (old evidence ages out), and a reuse of a naming
+counted before k halvings of its class is credited 2^-k, as its naming now counts (credited
+whole, a class's reuses outgrew its namings after a halving and its densities blew up; review,
+stop 68): a class's reuses never exceed its namings.
 
 ## Density (recomputed every `DENSITY_RECOMPUTE_EVERY` namings, or as configured: O(classes x buckets^2))
 For a class with n namings and h[j] reuses in gap bucket j, a chunk of age a (time since its
@@ -98,15 +101,24 @@ def density_class(namings: int, prompt_chunks: int) -> DensityClass:
     )
 
 
-def _pack(cls: DensityClass, ms: int, namings: int) -> int:
-    """A ghost entry as one int: ms above three bytes (naming class, length class, namings;
-    each below 256, checked at import). Python's ints shift as two's complement, so a negative
-    ms (a test's clock) packs too."""
-    return (ms << 24) | (cls[0] << 16) | (cls[1] << 8) | namings
+def _pack(cls: DensityClass, ms: int, namings: int, halvings: int) -> int:
+    """A ghost entry as one int: ms above four bytes (the class's halvings mod 256, naming
+    class, length class, namings; each below 256, checked at import). Python's ints shift as
+    two's complement, so a negative ms (a test's clock) packs too."""
+    return (ms << 32) | ((halvings & 0xFF) << 24) | (cls[0] << 16) | (cls[1] << 8) | namings
 
 
-def _unpack(packed: int) -> tuple[DensityClass, int, int]:
-    return ((packed >> 16) & 0xFF, (packed >> 8) & 0xFF), packed >> 24, packed & 0xFF
+def _unpack(packed: int) -> tuple[DensityClass, int, int, int]:
+    """(class, ms, namings, the class's halvings mod 256) of a ghost entry."""
+    cls = ((packed >> 16) & 0xFF, (packed >> 8) & 0xFF)
+    return cls, packed >> 32, packed & 0xFF, (packed >> 24) & 0xFF
+
+
+def _credit(halvings_now: int, halvings_then: int) -> float:
+    """What a reuse of a naming counted `halvings_then` (mod 256) is worth now: halved as often
+    as its class since (past 64 halvings, nothing)."""
+    since = (halvings_now - halvings_then) & 0xFF
+    return 0.0 if since > 64 else 0.5**since
 
 
 invariant(
@@ -121,6 +133,7 @@ class DensityPredictor:
         invariant(recompute_every >= 1, "recompute_every must be at least 1")
         self._recompute_every = recompute_every
         self._named: dict[DensityClass, float] = {}
+        self._halvings: dict[DensityClass, int] = {}  # class -> times its counts were halved
         self._reused: dict[DensityClass, list[float]] = {}  # class -> reuses per gap bucket
         self._density: dict[DensityClass, tuple[float, ...]] = {}  # class -> per age bucket
         # id -> its class, last naming's ms and namings, packed in one int (`_pack`): a tuple
@@ -137,17 +150,20 @@ class DensityPredictor:
         namings = 1
         seen = self._ghost.pop(object_id, None)
         if seen is not None:
-            cls, last_ms, before = _unpack(seen)
-            self._reused.setdefault(cls, [0.0] * DENSITY_AGE_BUCKETS)[age_bucket(now_ms - last_ms)] += 1.0
+            cls, last_ms, before, halvings = _unpack(seen)
+            credit = _credit(self._halvings.get(cls, 0), halvings)
+            self._reused.setdefault(cls, [0.0] * DENSITY_AGE_BUCKETS)[age_bucket(now_ms - last_ms)] += credit
             namings = before + 1
         namings = max(namings, namings_at_least)
         cls = density_class(namings, prompt_chunks)
         count = self._named.get(cls, 0.0) + 1.0
+        halvings = self._halvings.get(cls, 0)  # this naming's, before it halves its class below
         if count >= DENSITY_HALVE_AT:
             count /= 2
             self._reused[cls] = [r / 2 for r in self._reused.get(cls, [0.0] * DENSITY_AGE_BUCKETS)]
+            self._halvings[cls] = self._halvings.get(cls, 0) + 1
         self._named[cls] = count
-        self._ghost[object_id] = _pack(cls, now_ms, min(namings, DENSITY_NAMING_CLASSES))
+        self._ghost[object_id] = _pack(cls, now_ms, min(namings, DENSITY_NAMING_CLASSES), halvings)
         self._since_recompute += 1
         if self._since_recompute >= self._recompute_every:
             self.recompute()
@@ -215,3 +231,7 @@ class DensityPredictor:
         for cls, named in self._named.items():
             invariant(0 < named < DENSITY_HALVE_AT, "density namings drifted", cls=cls)
             invariant(all(r >= 0 for r in self._reused.get(cls, ())), "negative reuse count", cls=cls)
+            reused = sum(self._reused.get(cls, ()))
+            invariant(
+                reused <= named * (1 + 1e-9), "reuses outgrew namings", cls=cls, reused=reused, named=named
+            )

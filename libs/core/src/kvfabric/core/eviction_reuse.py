@@ -28,7 +28,10 @@ pushed out of the ghost was not reused within the ghost's reach; its naming stay
 so `reused / named` is the class's share of namings followed by another one while the ghost
 remembered it. The ghost holds at most `REUSE_GHOST_PER_OBJECT x max(resident objects,
 REUSE_GHOST_FLOOR)` ids; a class's counts halve once `named` reaches `REUSE_HALVE_AT` (old
-evidence ages out). State: the ghost plus two floats per class.
+evidence ages out), and the reuse of a naming counted before k halvings of its class is
+credited 2^-k, as that naming now counts (credited whole, a class's reuses outgrew its namings
+after a halving and p saturated at 1; review, stop 68). State: the ghost (one int an id: the
+class and its halvings then) plus two floats per class.
 
 ## Use (in `kvfabric.core.eviction`)
 - Victim choice: priority = last access (ms) + `reuse_horizon_ms` x ln(p) where p is the class's
@@ -84,13 +87,33 @@ def reuse_class(accesses: int, turn: int, prompt_chunks: int, last: bool) -> Reu
     )
 
 
+def _pack(cls: ReuseClass, halvings: int) -> int:
+    """A ghost entry: the class's four fields (each below 16, checked at import) and its
+    halvings mod 256 in one int (a 4-tuple an id cost more)."""
+    accesses, turn, length, last = cls
+    return ((halvings & 0xFF) << 16) | (accesses << 12) | (turn << 8) | (length << 4) | last
+
+
+def _unpack(packed: int) -> tuple[ReuseClass, int]:
+    cls = ((packed >> 12) & 0xF, (packed >> 8) & 0xF, (packed >> 4) & 0xF, packed & 0xF)
+    return cls, (packed >> 16) & 0xFF
+
+
+invariant(
+    max(REUSE_ACCESS_CLASSES, REUSE_TURN_CLASSES, REUSE_LENGTH_CLASSES) < 16,
+    "a ghost entry packs each field in 4 bits",
+)
+
+
 class ReusePredictor:
     """See the module docstring. Pure and synchronous; ids are any hashable."""
 
     def __init__(self) -> None:
         self._reused: dict[ReuseClass, float] = {}
         self._named: dict[ReuseClass, float] = {}
-        self._ghost: OrderedDict[Hashable, ReuseClass] = OrderedDict()
+        self._halvings: dict[ReuseClass, int] = {}  # class -> times its counts were halved
+        # id -> (its class, the class's halvings mod 256 then), packed in one int (`_pack`)
+        self._ghost: OrderedDict[Hashable, int] = OrderedDict()
 
     def probability(self, cls: ReuseClass) -> float:
         """The class's learned reuse rate, in (0, 1]."""
@@ -104,18 +127,22 @@ class ReusePredictor:
     def named(self, object_id: Hashable) -> None:
         """A request names `object_id` (hit or miss): if the ghost remembers it, its class was
         reused. Idempotent until the next `track`."""
-        cls = self._ghost.pop(object_id, None)
-        if cls is not None:
-            self._reused[cls] = self._reused.get(cls, 0.0) + 1.0
+        packed = self._ghost.pop(object_id, None)
+        if packed is not None:
+            cls, halvings = _unpack(packed)
+            since = (self._halvings.get(cls, 0) - halvings) & 0xFF
+            self._reused[cls] = self._reused.get(cls, 0.0) + (0.0 if since > 64 else 0.5**since)
 
     def track(self, object_id: Hashable, cls: ReuseClass, resident_objects: int) -> None:
         """Record one naming of `object_id` in class `cls` (after `named`), bounded by the ghost."""
         named = self._named.get(cls, 0.0) + 1.0
+        halvings = self._halvings.get(cls, 0)  # this naming's, before it halves its class below
         if named >= REUSE_HALVE_AT:
             named /= 2
             self._reused[cls] = self._reused.get(cls, 0.0) / 2
+            self._halvings[cls] = halvings + 1
         self._named[cls] = named
-        self._ghost[object_id] = cls
+        self._ghost[object_id] = _pack(cls, halvings)
         self._ghost.move_to_end(object_id)
         self.trim(resident_objects)
 
@@ -150,3 +177,4 @@ class ReusePredictor:
         )
         for cls, named in self._named.items():
             invariant(self._reused.get(cls, 0.0) >= 0 and 0 < named < REUSE_HALVE_AT, "reuse counts drifted")
+            invariant(self._reused.get(cls, 0.0) <= named * (1 + 1e-9), "reuses outgrew namings", cls=cls)
