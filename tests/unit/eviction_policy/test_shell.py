@@ -252,6 +252,8 @@ def test_settings_reject_inverted_watermarks_and_unknown_policies() -> None:
         )
     with pytest.raises(SettingsError):
         load_eviction_settings({"KVF_EVICTION_POLICY": "fifo"})
+    with pytest.raises(SettingsError):  # a full segment is never over 100 %: never pressed
+        load_eviction_settings({"KVF_EVICTION_HIGH_WATERMARK_PCT": "100"})
     assert load_eviction_settings({}).core.policy == "density"  # the default (docs/eviction-policy.md)
     assert load_eviction_settings({"KVF_EVICTION_POLICY": "s3fifo"}).core.policy == "s3fifo"
     assert load_eviction_settings({}).core.density_recompute_every == 2048

@@ -5,7 +5,7 @@ The runtime's shared flags (NATS URL, metrics port, logging) come from `kvfabric
 | variable | default | meaning |
 |---|---|---|
 | `KVF_EVICTION_POLICY` | `density` | or `lru`, `gdsf`, `lru2`, `sieve`, `s3fifo`, `wtinylfu`, `reuse` |
-| `KVF_EVICTION_HIGH_WATERMARK_PCT` | 90 | a segment fuller than this (% of capacity) evicts ... |
+| `KVF_EVICTION_HIGH_WATERMARK_PCT` | 90 | a segment fuller than this (% of capacity, at most 99) evicts ... |
 | `KVF_EVICTION_LOW_WATERMARK_PCT` | 80 | ... down to this |
 | `KVF_EVICTION_BATCH_MAX` | 1024 | victims a tick per pool or over-quota tenant (one batch) |
 | `KVF_EVICTION_REFUSED_COOLDOWN_MS` | 5000 | a refused victim waits this (a pin: x2 a refusal, to 16x) |
@@ -99,7 +99,9 @@ def load_eviction_settings(env: Mapping[str, str]) -> EvictionSettings:
     policy = next((p for p in POLICY_NAMES if p == name), None)
     if policy is None:
         raise SettingsError(f"KVF_EVICTION_POLICY must be one of {', '.join(POLICY_NAMES)}, got {name!r}")
-    high = env_int(env, "KVF_EVICTION_HIGH_WATERMARK_PCT", 90, 1, 100)
+    # At most 99: a segment never holds more than its capacity, so at 100 a full one (its
+    # writers refused, no inflow margin) was never pressed and nothing was evicted (review, stop 68)
+    high = env_int(env, "KVF_EVICTION_HIGH_WATERMARK_PCT", 90, 1, 99)
     low = env_int(env, "KVF_EVICTION_LOW_WATERMARK_PCT", 80, 1, 100)
     if low >= high:
         raise SettingsError("KVF_EVICTION_LOW_WATERMARK_PCT must be below the high watermark")
