@@ -497,10 +497,10 @@ class DirectoryMachine(RuleBasedStateMachine):
         again (no longer deferred)."""
         lease = self.leases.pop(lease_id)
         for gid in dict.fromkeys(lease.gids):  # a pin may name a group twice
-            leases, pins = self.lease_counts(gid)
+            _leases, pins = self.lease_counts(gid)
             if lease.is_pin and not pins:
                 self.unpinned_pending.add(gid)
-            if not (leases or pins):
+            if not self.defers(gid):
                 self.deferred.discard(gid)
 
     def renewed_expiry(self, lease: MLease, ttl: int) -> int:
@@ -512,6 +512,17 @@ class DirectoryMachine(RuleBasedStateMachine):
     def held(self, ref: SlotRef, key_: bytes, checksum: bytes) -> bool:
         sid, inc, slot, gen = ref
         return self.arena.get((sid, inc), {}).get(slot) == (key_, gen, checksum)
+
+    def defers(self, gid: bytes) -> bool:
+        """Whether lost group `gid` waits for its holds: a read lease, or a pin while replicas are
+        left on live incarnations (its removal would free them; with none, a pin does not hold
+        it: its keys could not be saved again meanwhile)."""
+        leases, pins = self.lease_counts(gid)
+        pub = self.published.get(gid)
+        left = pub is not None and any(
+            self.live(r[0], r[1]) for pm in pub.members.values() for r in pm.replicas
+        )
+        return bool(leases or (pins and left))
 
     def lease_counts(self, gid: bytes) -> tuple[int, int]:
         leases = sum(lz.gids.count(gid) for lz in self.leases.values() if not lz.is_pin)
@@ -543,9 +554,9 @@ class DirectoryMachine(RuleBasedStateMachine):
             if all(self.live(r[0], r[1]) for pm in pub.members.values() for r in pm.replicas):
                 continue
             lost = any(not any(self.live(r[0], r[1]) for r in pm.replicas) for pm in pub.members.values())
-            if lost and any(self.lease_counts(gid)):
+            if lost and self.defers(gid):
                 self.deferred.add(gid)
-                continue  # deferred until the last lease or pin on it ends
+                continue  # deferred until its last lease, or pin with replicas left to free, ends
             if lost:
                 del self.published[gid]
                 self.deferred.discard(gid)

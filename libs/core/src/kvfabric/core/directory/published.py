@@ -14,11 +14,17 @@ dropped with the last); the per-domain index (`index`) orders the keys for listi
         and pins skip it) --sweep--> (absent)
     PUBLISHED --sweep: replicas on dead incarnations dropped--> PUBLISHED degraded, or, when a
         member has none left: (absent, its live slots freed; `invalidated` event)
-    a sweep that would remove a held group defers it (DEFERRED) until its last lease or pin ends,
-        then queues it again.
+    a sweep that would remove a held group defers it (DEFERRED) while it is read-leased, or
+        pinned with replicas left on live incarnations (a member of several that survived:
+        removing the group frees them, and a pinned slot is never freed); then queues it again.
+        A pinned group with nothing left to free is removed at once: a pin gives nobody read
+        tokens, and while the lost group stayed published its keys answered `exists` to every
+        re-save, so a pinned hot prefix was recomputed by every request until the pin ended (up
+        to a day for an operator's pin; review, stop 68). The pin outlives the record and holds
+        the key's next record, as a pin of a key does.
 A group is lost (`lost`) when it is unreadable or a member has no replica on a live incarnation,
-for good (an incarnation never comes back). No hold on a lost group outlasts the holds it had when
-lost: a pin skips lost groups and a renew does not extend a lease holding a deferred one
+for good (an incarnation never comes back). No hold on a lost group outlasts the leases it had
+when lost: a pin skips lost groups and a renew does not extend a lease holding a deferred one
 (`leases`). A below-target listing does not list a deferred group (nothing can repair it), so
 `short_covers_below_target` ignores them. Before (review), re-pinning a lost group every 15 s kept
 it deferred for ever, and while it was, each of the repair service's below-target passes walked
@@ -245,12 +251,23 @@ class PublishedTable:
             counts[gid] = left
             return
         del counts[gid]
-        if gid in self._sweep_deferred and not self.held(gid):
+        if gid in self._sweep_deferred and not self._defers(gid, self._replicas_left(gid)):
             self._sweep_deferred.discard(gid)
             self.queue_sweep(gid)
 
     def held(self, gid: GroupKey) -> bool:
         return bool(self.lease_count.get(gid) or self.pin_count.get(gid))
+
+    def _defers(self, gid: GroupKey, replicas_left: bool) -> bool:
+        """Whether lost group `gid`'s removal waits (module docstring): a read lease, or a pin
+        on a group with replicas left on live incarnations (`replicas_left`: they would be freed)."""
+        return bool(self.lease_count.get(gid) or (self.pin_count.get(gid) and replicas_left))
+
+    def _replicas_left(self, gid: GroupKey) -> bool:
+        record = self.records.get(gid)
+        return record is not None and any(
+            self.segments.live(r.placement) for x in unpack_group(record).members for r in x.replicas
+        )
 
     # ---- eviction (published -> evicting, in the frees table) ------------------------------
 
@@ -373,7 +390,7 @@ class PublishedTable:
         return not self._sweep_queue and not self.segments.any_draining()
 
     def deferred(self, gid: GroupKey) -> bool:
-        """Whether `gid` is lost and held: the sweep removes it once its last hold ends."""
+        """Whether `gid` is lost and held (`_defers`): the sweep removes it once that ends."""
         return gid in self._sweep_deferred
 
     def holds_deferred(self, gids: tuple[GroupKey, ...]) -> bool:
@@ -426,7 +443,7 @@ class PublishedTable:
                 dead_bytes += mem.size_bytes * (len(mem.replicas) - len(live))
                 members.append(MemberRecord(*mem.member, mem.size_bytes, mem.checksum, live))
             tenant = tenant_of(self.namespaces.get(group.namespace))
-            if lost and self.held(gid):
+            if lost and self._defers(gid, any(x.replicas for x in members)):
                 self._sweep_deferred.add(gid)  # pins skip it, and lookups of its lost members
                 continue
             self.ctx.quotas.add(tenant, -dead_bytes)  # replicas on dead incarnations leave the record
