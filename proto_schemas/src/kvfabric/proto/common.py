@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Final
+import uuid
+from typing import Annotated, Any, Final
 
 import msgspec
 
@@ -14,10 +15,13 @@ __all__ = [
     "NATS_SERVICE_ERROR_HEADER",
     "REQUEST_ID_HEADER",
     "TIMEOUT_MS_HEADER",
+    "TRACE_ID_CHARS_MAX",
     "TRACE_ID_HEADER",
     "ErrorReply",
+    "TraceId",
     "error_from_reply",
     "error_reply_from",
+    "trace_id_of",
 ]
 
 # Set by nats.micro's respond_error (ADR-32): the HTTP-like status and a description.
@@ -27,6 +31,23 @@ NATS_SERVICE_ERROR_CODE_HEADER: Final = "Nats-Service-Error-Code"
 ERROR_CODE_HEADER: Final = "Kvf-Error-Code"
 REQUEST_ID_HEADER: Final = "Kvf-Request-Id"
 TRACE_ID_HEADER: Final = "Kvf-Trace-Id"
+# A trace id a message carries (printable ASCII, no space): a segment puts a writer's into the
+# header of its confirm request to the directory, and a megabyte one (the frame meta's bound)
+# made that NATS message exceed max_payload, or a CR/LF in it broke the header: either way NATS
+# closed the segment's connection, every tenant's confirms with it (review, stop 68).
+TRACE_ID_CHARS_MAX: Final = 128
+TraceId = Annotated[str, msgspec.Meta(max_length=TRACE_ID_CHARS_MAX, pattern="^[!-~]*$")]
+
+
+def trace_id_of(given: str | None) -> str:
+    """`given` when it fits `TraceId` (cut at `TRACE_ID_CHARS_MAX`), else a new one: an engine's
+    own request id is never a reason for a save or lookup to fail."""
+    given = (given or "")[:TRACE_ID_CHARS_MAX]
+    if given and given.isascii() and given.isprintable() and " " not in given:
+        return given
+    return uuid.uuid4().hex
+
+
 # How long the sender waits for the reply, in ms (`kvfabric.cluster.requests.request` sets it):
 # a service may give up on a request its sender has given up on (the directory's fair turns).
 TIMEOUT_MS_HEADER: Final = "Kvf-Timeout-Ms"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Final
 
@@ -16,7 +15,7 @@ from kvfabric.cluster.lookups import RELEASE_MANY_VERB, lookup_prefix
 from kvfabric.format.errors import KvfError
 from kvfabric.format.key import ChunkExtras, ChunkGroupId, MemberId, TokenIds
 from kvfabric.proto import directory as m
-from kvfabric.proto.common import TRACE_ID_HEADER
+from kvfabric.proto.common import TRACE_ID_HEADER, trace_id_of
 
 # `_prune_leases`: how often the leases past their expiry are forgotten, and the margin kept for
 # the skew between this host's clock and the directory's (which wrote the expiries)
@@ -72,7 +71,7 @@ class LookupMixin(ClientBase):
             groups = groups[: max(0, max_tokens) // tpc]
         groups = groups[: m.LOOKUP_BATCH_GROUPS_MAX]
         members = self.spec.required_members()
-        trace_id = trace_id or uuid.uuid4().hex
+        trace_id = trace_id_of(trace_id)
         empty = Hit(0, tpc, tuple(groups), members, trace_id=trace_id)
         self.metrics.lookups.inc()
         if not groups:

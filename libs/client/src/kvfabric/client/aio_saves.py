@@ -49,6 +49,7 @@ from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.format.invariant import invariant, unreachable
 from kvfabric.format.key import ChunkExtras, ChunkGroupId, MemberId, TokenIds
 from kvfabric.proto import directory as m
+from kvfabric.proto.common import trace_id_of
 
 # Save-path directory requests (put_begin, put_commit, put_abort) of one client in flight at once,
 # all saves together: half a tenant's default share of the directory's in-flight slots (16), so
@@ -152,7 +153,7 @@ class SaveMixin(ClientBase):
             self._no_saves.clear()
         started = time.perf_counter()
         try:
-            result = await self._save(groups, members, views, first_chunk, trace_id or uuid.uuid4().hex)
+            result = await self._save(groups, members, views, first_chunk, trace_id_of(trace_id))
             if skipped:
                 self.metrics.save_failures.labels(SAVE_RATE).inc(skipped)
                 causes = {**result.causes, SAVE_RATE: result.causes.get(SAVE_RATE, 0) + skipped}
