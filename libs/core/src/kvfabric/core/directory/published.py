@@ -411,10 +411,18 @@ class PublishedTable:
 
     def queue_sweep_all(self) -> None:
         """A segment incarnation died: every group may have lost replicas. The queue becomes
-        every record in their order — what `queue_sweep` of each in turn leaves, since every
-        queued group is a record (`check_invariants`) — built in one C call: the loop of
-        `queue_sweep`s held the directory's loop 36 ms at 200,000 groups (review, 2026-12-06)."""
-        self._sweep_queue = dict.fromkeys(self.records)
+        every record in their order, built in one C call (the loop of `queue_sweep`s held the
+        directory's loop 36 ms at 200,000 groups; review, 2026-12-06), with the groups still
+        queued from before kept at its end, the next ones examined: rebuilt in record order,
+        each loss sent the sweep back to the newest records, and under losses more often than a
+        whole pass the oldest were never examined (their lost groups published for good, every
+        re-save `exists`; review, stop 68). Every queued group is a record (`check_invariants`)."""
+        waiting = self._sweep_queue
+        queue = dict.fromkeys(self.records)
+        for gid in waiting:  # (O(still queued): nothing when the last pass had ended)
+            del queue[gid]
+        queue.update(waiting)
+        self._sweep_queue = queue
 
     def mark_unreadable(self, gid: GroupKey) -> None:
         """A member has no good replica left: nobody may read the group any more."""
@@ -472,6 +480,8 @@ class PublishedTable:
         effects: list[Effect],
     ) -> None:
         self._remove(gid)
+        # (deferred under a pin while replicas were left, and their segments died since)
+        self._sweep_deferred.discard(gid)
         self.namespaces.release(namespace)  # its record is gone (an evicted one's goes with its frees)
         self.ctx.quotas.add(tenant, 0, -len(members))
         for mem in members:
