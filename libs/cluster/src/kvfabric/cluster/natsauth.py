@@ -35,8 +35,17 @@ __all__ = [
 ]
 
 NATS_ENV_PREFIX: Final = "KVF_NATS_"
-# Server answers that another attempt cannot change (nats-py reports them as `nats.errors.Error`).
-_REFUSALS: Final = ("authorization violation", "permissions violation", "authentication")
+# Server answers that another attempt cannot change (nats-py reports them as `nats.errors.Error`):
+# nats-server's refusals of credentials or permissions, and their expiry or revocation.
+_REFUSALS: Final = (
+    "authorization violation",
+    "permissions violation",
+    "authentication expired",
+    "authentication revoked",
+)
+# ... but not "Authentication Timeout": the server's answer to a CONNECT that came after its
+# auth_timeout (a busy host, a slow TLS handshake), which another attempt may pass. It was taken
+# for refused credentials: the client gave up at once, disabled (review, stop 68).
 
 
 def is_nats_refusal(exc: BaseException) -> bool:
