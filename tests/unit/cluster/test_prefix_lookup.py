@@ -172,3 +172,15 @@ def test_a_part_refused_as_stale_is_asked_again_alone_with_the_map_forgotten() -
     results = by_instance(router, set())
     assert router.singles == [0] and isinstance(results[0], m.LookupReply)
     assert results[1] == found(1, 7) and 0 not in router.routes
+
+
+def test_a_part_refused_as_wrong_shard_is_asked_again_alone_with_the_route_forgotten() -> None:
+    """The shard moved (a handover): the part answered `wrong_shard`. Its route was kept, so the
+    single went to the same instance, was refused again, and only then refreshed after a retry
+    wait (review, stop 68). Now the route is forgotten first."""
+    moved = m.LookupPartReply(shard=0, error="wrong_shard", message="shard 0 is not led here")
+    ok = m.LookupPartReply(shard=1, reply=found(1, 7))
+    router = ManyRouter(m.LookupManyReply(parts=[moved, ok]))
+    results = by_instance(router, set())
+    assert router.singles == [0] and isinstance(results[0], m.LookupReply)
+    assert 0 not in router.routes and router.routes[1].instance == "dir-a"

@@ -159,6 +159,9 @@ async def lookup_by_instance(
                     router.forget_if(shard, instance)
                     again.append(shard)
                 elif isinstance(error, Unavailable):  # wrong_shard, stopping: the map moved
+                    # forgotten too: asked alone through the same route, it was refused again
+                    # before the refresh, a round trip and a retry wait later (review, stop 68)
+                    router.forget_if(shard, instance)
                     again.append(shard)
                 else:
                     out[shard] = error
