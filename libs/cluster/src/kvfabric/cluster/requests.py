@@ -77,7 +77,11 @@ async def request(
         raise BadRequest(
             f"request to {subject} exceeds the server's max payload", subject=subject, bytes=len(payload)
         ) from None
-    except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
+    except (
+        nats.errors.ConnectionClosedError,
+        nats.errors.ConnectionDrainingError,
+        nats.errors.OutboundBufferLimitError,  # reconnecting, its buffer full (review, stop 68)
+    ) as exc:
         # Raised before the message is written: it never left.
         raise Unavailable(f"nats connection unusable: {type(exc).__name__}", subject=subject) from None
     except nats.errors.Error as exc:
