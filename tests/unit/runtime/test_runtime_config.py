@@ -74,6 +74,8 @@ def test_log_json_env_values(text: str, expected: bool | None) -> None:
         ({"KVF_LOG_LEVEL": "loud"}, "KVF_LOG_LEVEL"),
         ({"KVF_LOG_JSON": "maybe"}, "KVF_LOG_JSON"),
         ({"KVF_INSTANCE_ID": "has space"}, "KVF_INSTANCE_ID"),
+        ({"KVF_INSTANCE_ID": "_dir0"}, "KVF_INSTANCE_ID"),  # no instance subject takes it (stop 68)
+        ({"KVF_INSTANCE_ID": "-dir0"}, "KVF_INSTANCE_ID"),
         ({"KVF_NATS_URL": " "}, "KVF_NATS_URL"),
         ({"KVF_SHUTDOWN_GRACE_MS": "-1"}, "KVF_SHUTDOWN_GRACE_MS"),
         ({"KVF_NATS_RECONNECT_ATTEMPTS_MAX": "0"}, "reconnects are bounded"),

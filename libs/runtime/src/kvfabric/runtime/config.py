@@ -59,7 +59,9 @@ NATS_RECONNECT_WAIT_MS_DEFAULT: Final = 500
 NATS_RECONNECT_ATTEMPTS_MAX_DEFAULT: Final = 120
 NATS_RECONNECT_ATTEMPTS_LIMIT: Final = 100_000
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
-_INSTANCE_ID: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# What an instance subject takes (kvfabric.proto.subjects: a letter or digit first): "_dir0" passed
+# here and the directory died at start, connected and electing, with a traceback (review, stop 68).
+_INSTANCE_ID: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 _TRUE: Final = frozenset({"1", "true", "yes", "on"})
 _FALSE: Final = frozenset({"0", "false", "no", "off"})
 _AUTO: Final = frozenset({"", "auto"})
@@ -105,7 +107,7 @@ class RuntimeSettings:
             _INSTANCE_ID.match(self.instance_id) is not None,
             "instance_id",
             self.instance_id,
-            "want 1-64 chars of [A-Za-z0-9_-]",
+            "want 1-64 chars of [A-Za-z0-9_-], a letter or digit first",
         )
         _check(-1 <= self.metrics_port <= 65535, "metrics_port", self.metrics_port, "want -1..65535")
         _check(bool(self.metrics_host.strip()), "metrics_host", self.metrics_host, "must not be empty")
