@@ -13,6 +13,7 @@ from kvfabric.format.errors import (
     BadRequest,
     ChecksumMismatch,
     Conflict,
+    Indeterminate,
     KvfError,
     StaleGeneration,
     Unauthorized,
@@ -144,6 +145,14 @@ class BackendWrites(BackendCore):
             # that was gone (review, stop 67).
             self.count("confirm_superseded_total")
             raise
+        except Indeterminate:
+            # No verdict in time: the directory may have applied the confirm (slow, its answer
+            # late). For a copy that made the slot a replica of a published group, and freed
+            # here the record named a slot that was gone (review, stop 68). Kept, and confirmed
+            # again in the background as a receipted write's is: `ok` keeps it, a refusal (the
+            # writer's or copier's abort came first) or no verdict past the deadline frees it.
+            self._confirm_again_or_free(ticket, put)
+            raise
         except KvfError:
             self._free(put.slot, put.slot_generation)  # not confirmed: never readable via the directory
             raise
@@ -153,6 +162,19 @@ class BackendWrites(BackendCore):
             raise Conflict(f"the directory refused the replica: {verdict}", verdict=verdict)
         self.count("puts_total")
         return put.slot, put.slot_generation
+
+    def _confirm_again_or_free(self, ticket: WriteTicket, put: PutSlot) -> None:
+        """A stored slot whose confirm (under `ticket`, with the stored checksum) got no verdict:
+        to the background confirms, or freed when there are none (a backend without a shell)
+        or they stopped."""
+        if self.confirm_later is not None:
+            try:
+                self.confirm_later(ticket, put.slot, put.slot_generation, put.trace_id)
+                self.count("confirm_indeterminate_kept_total")
+                return
+            except KvfError:
+                pass
+        self._free(put.slot, put.slot_generation)
 
     def unconfirmed(self, slot: int, generation: int, verdict: str) -> None:
         """The background confirm of a receipted write was refused (`unknown_ticket`,

@@ -91,7 +91,7 @@ class ShellConfirms:
         )
         try:
             return future.result(timeout=self.settings.confirm_timeout_ms / 1000)
-        except TimeoutError:  # the caller frees the slot: a late "ok" names a replica that is gone
+        except TimeoutError:  # the caller keeps the slot and confirms it again in the background
             future.cancel()
             raise Indeterminate(
                 "no confirm verdict in time", timeout_ms=self.settings.confirm_timeout_ms
