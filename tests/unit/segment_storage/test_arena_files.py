@@ -16,6 +16,7 @@ from kvfabric.segment_storage import arena as arena_module
 from kvfabric.segment_storage.arena import (
     PREFAULT_JOIN_S,
     Arena,
+    ArenaNoSpace,
     SegmentIdInUse,
     lock_path,
     lock_segment_id,
@@ -150,6 +151,27 @@ def test_no_prefault_when_the_folder_cannot_hold_the_arena(
         assert arena._prefault_thread is None and arena.prefaulted_bytes == 0
     finally:
         arena.close()
+
+
+def test_an_arena_larger_than_its_folders_free_space_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started all the same (review, stop 68), the segment registered its whole capacity and,
+    the tmpfs full, a write into an untouched page killed it with SIGBUS. Refused now (exit 2),
+    and nothing is left behind."""
+    full = os.statvfs_result((4096, 4096, 1 << 20, 10, 10, 100, 10, 10, 0, 255))  # 40 KiB free
+    monkeypatch.setattr(arena_module.os, "statvfs", lambda _: full)  # type: ignore[attr-defined]
+    with pytest.raises(ArenaNoSpace, match="40960 bytes free"):
+        Arena(tmp_path, "seg-big", 1, 1 << 20, board_slots=16)
+    assert list(tmp_path.iterdir()) == []
+    Arena(tmp_path, "seg-fits", 1, 40960, board_slots=16).close()  # exactly the free space: fits
+
+
+def test_an_arena_size_is_rounded_down_to_the_slot_alignment() -> None:
+    """`KVF_SEGMENT_BYTES` not a multiple of 64 passed, and the start crashed on the slot table's
+    invariant with a traceback, its new arena files left behind (review, stop 68)."""
+    env = {"KVF_SEGMENT_ID": "seg-a", "KVF_CLUSTER_SECRET": "s" * 32, "KVF_SEGMENT_BYTES": str((1 << 30) + 1)}
+    assert load_segment_settings(env).arena_bytes == 1 << 30
 
 
 @pytest.mark.parametrize(("value", "expected"), [(None, True), ("1", True), ("0", False)])

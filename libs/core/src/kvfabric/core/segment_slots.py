@@ -72,12 +72,13 @@ from kvfabric.format.errors import BadRequest, NoCapacity, NotFound, StaleGenera
 from kvfabric.format.generations import GENERATION_MAX
 from kvfabric.format.invariant import invariant
 
-__all__ = ["Alloc", "FreeResult", "HeldSlot", "ReadGrant", "SlotTable"]
+__all__ = ["ALIGNMENT_DEFAULT", "Alloc", "FreeResult", "HeldSlot", "ReadGrant", "SlotTable"]
 
 FreeResult = Literal["freed", "deferred", "already_freed"]
 _State = Literal["writing", "stored", "freeing"]
 
 STALE_KIND: Final = "slot_generation"
+ALIGNMENT_DEFAULT: Final = 64  # every extent starts at a multiple of it; the arena is one too
 _DEADLINE_HEAP_SLACK: Final = 64  # stale write deadlines kept before the heap is compacted
 
 
@@ -132,7 +133,9 @@ def _round_up(size: int, alignment: int) -> int:
 class SlotTable:
     """One segment's slot table. See the module docstring for states and invariants."""
 
-    def __init__(self, arena_bytes: int, *, alignment: int = 64, slots_max: int = 1 << 20) -> None:
+    def __init__(
+        self, arena_bytes: int, *, alignment: int = ALIGNMENT_DEFAULT, slots_max: int = 1 << 20
+    ) -> None:
         invariant(
             alignment >= 1 and alignment & (alignment - 1) == 0,
             "alignment must be a power of two",

@@ -18,7 +18,7 @@ from kvfabric.runtime.config import RuntimeSettings, SettingsError
 from kvfabric.runtime.gcpolicy import freeze_long_lived
 from kvfabric.runtime.logs import get_logger
 from kvfabric.runtime.service import EXIT_UNAVAILABLE, ServiceRuntime
-from kvfabric.segment_storage.arena import SegmentIdInUse
+from kvfabric.segment_storage.arena import ArenaNoSpace, SegmentIdInUse
 from kvfabric.segment_storage.metrics import SegmentCollector
 from kvfabric.segment_storage.settings import apply_process_settings, load_segment_settings
 from kvfabric.segment_storage.shell import EXIT_REREGISTER, SegmentShell
@@ -43,6 +43,9 @@ async def serve(settings: RuntimeSettings) -> int:
         return EXIT_USAGE
     except SsdFileRefused as exc:  # another segment's, another configuration's, damaged: never served
         log.error("ssd_file_refused", error=str(exc))
+        return EXIT_USAGE
+    except ArenaNoSpace as exc:
+        log.error("arena_no_space", error=str(exc))
         return EXIT_USAGE
     runtime = ServiceRuntime(
         Service.SEGMENT,

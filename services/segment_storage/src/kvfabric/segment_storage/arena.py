@@ -49,6 +49,7 @@ __all__ = [
     "ARENA_FILE_MODE",
     "PREFAULT_JOIN_S",
     "Arena",
+    "ArenaNoSpace",
     "SegmentIdInUse",
     "lock_path",
     "lock_segment_id",
@@ -124,6 +125,13 @@ def remove_stale_arenas(directory: Path, segment_id: str, incarnation: int) -> l
     return sorted(removed)
 
 
+class ArenaNoSpace(OSError):
+    """The arena's folder (a tmpfs: /dev/shm) has less free space than the arena. Started all
+    the same, the segment registered its whole capacity and, once the tmpfs was full, a write
+    into an untouched page killed it with SIGBUS, every tenant's objects with it (review, stop
+    68). The message says how much is free."""
+
+
 class Arena:
     def __init__(
         self, directory: Path, segment_id: str, incarnation: int, size_bytes: int, board_slots: int = 1 << 20
@@ -133,6 +141,12 @@ class Arena:
             raise ValueError("arena size must be positive")
         self.path = directory / arena_name(segment_id, incarnation)
         self.size_bytes = size_bytes
+        free = os.statvfs(directory)
+        if free.f_bavail * free.f_frsize < size_bytes:
+            raise ArenaNoSpace(
+                f"{directory} has {free.f_bavail * free.f_frsize} bytes free, less than the arena's "
+                f"{size_bytes} (KVF_SEGMENT_BYTES): make the tmpfs larger or the arena smaller"
+            )
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, ARENA_FILE_MODE)
         try:
             os.ftruncate(fd, size_bytes)

@@ -3,7 +3,7 @@
 | variable | default | meaning |
 |---|---|---|
 | `KVF_SEGMENT_ID` | required | `[A-Za-z0-9][A-Za-z0-9_-]{0,63}`; appears in subjects |
-| `KVF_SEGMENT_BYTES` | 1 GiB | arena size |
+| `KVF_SEGMENT_BYTES` | 1 GiB | arena size (rounded down to 64 bytes) |
 | `KVF_SEGMENT_SHM_DIR` | `/dev/shm` | where the arena file lives (co-located clients map it) |
 | `KVF_SEGMENT_DATA_HOST` / `KVF_SEGMENT_DATA_PORT` | 127.0.0.1 / 0 (free port) | TCP data plane |
 | `KVF_SEGMENT_ZONE` / `_RACK` / `_HOST` | zone0 / rack0 / hostname | failure domain |
@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Final
 
 from kvfabric.core.disk_records import BLOCK_BYTES as SSD_BLOCK_BYTES
+from kvfabric.core.segment_slots import ALIGNMENT_DEFAULT as ARENA_ALIGN
 from kvfabric.dataplane.admission import (
     AUTH_DEADLINE_MS_DEFAULT,
     FRAME_TIMEOUT_MS_DEFAULT,
@@ -162,7 +163,9 @@ def load_segment_settings(env: Mapping[str, str]) -> SegmentSettings:
     ssd_slots_default = min(SSD_SLOTS_MAX, max(SSD_SLOTS_MIN, ssd_bytes // SSD_BYTES_PER_SLOT_DEFAULT))
     return SegmentSettings(
         segment_id=segment_id,
-        arena_bytes=env_int(env, "KVF_SEGMENT_BYTES", 1 << 30, 1 << 20, 1 << 46),
+        # rounded down to the slot table's alignment: one that is not a multiple passed here and
+        # the start crashed with an invariant traceback, its new arena files left (review, stop 68)
+        arena_bytes=env_int(env, "KVF_SEGMENT_BYTES", 1 << 30, 1 << 20, 1 << 46) // ARENA_ALIGN * ARENA_ALIGN,
         shm_dir=Path(env.get("KVF_SEGMENT_SHM_DIR") or "/dev/shm"),
         data_host=env.get("KVF_SEGMENT_DATA_HOST") or "127.0.0.1",
         data_port=env_int(env, "KVF_SEGMENT_DATA_PORT", 0, 0, 65535),
