@@ -268,3 +268,19 @@ def test_evict_tails_of_the_wrong_shape_are_refused_before_they_are_walked() -> 
         authorize(m.Evict(groups=own, tails=[[0] * 1_000_000]), "evict", ALICE)
     with pytest.raises(BadRequest, match="evict tails"):
         authorize(m.Evict(groups=own * 2, tails=[[]]), "evict", ALICE)
+
+
+def test_an_evict_naming_a_group_twice_gets_each_of_the_cores_results() -> None:
+    """Merged by group id, the core's last result for a group named twice stood for both: the
+    group it evicted read `not_published` (review, stop 68)."""
+    mine, theirs = GROUPS[0][0], GROUPS[1][0]
+    assert ALICE.owns(mine) and not ALICE.owns(theirs)
+    core_reply = m.EvictReply(
+        epoch=3,
+        results=[
+            m.EvictResult(group=mine, status="evicting"),
+            m.EvictResult(group=mine, status="not_published"),
+        ],
+    )
+    merged = merge_evict_results([mine, theirs, mine], core_reply, ALICE)
+    assert [r.status for r in merged.results] == ["evicting", "not_found", "not_published"]

@@ -241,12 +241,15 @@ def check_visible(reply: m.GroupList, grant: TenantGrant, group: bytes) -> m.Gro
 
 
 def merge_evict_results(requested: Sequence[GroupId], own: m.EvictReply, grant: TenantGrant) -> m.EvictReply:
-    """The core's results for the granted groups, with `not_found` for the others, in request order."""
-    by_group = {r.group: r for r in own.results}
-    results = [
-        by_group.get(g) or m.EvictResult(group=g, status="not_found")
-        if grant.owns(g)
-        else m.EvictResult(group=g, status="not_found")
-        for g in requested
-    ]
+    """The core's results for the granted groups, with `not_found` for the others, in request order.
+    By position: the core answered the granted groups in their order, one result each, a group
+    named twice included (merged by group id, the last result of a group named twice stood for
+    both: an evicted group read `not_published`; review, stop 68)."""
+    answered = iter(own.results)
+    results = []
+    for g in requested:
+        result = next(answered, None) if grant.owns(g) else None
+        results.append(
+            result if result is not None and result.group == g else m.EvictResult(group=g, status="not_found")
+        )
     return m.EvictReply(epoch=own.epoch, results=results)
