@@ -197,3 +197,37 @@ def test_extra_replicas_count_until_confirmed_or_expired() -> None:
     core.tick(40_000)  # the copy ticket expired unconfirmed
     assert usage(core, A) == (100, 1)
     core.check_invariants()
+
+
+def test_a_tenant_out_of_tokens_is_refused_before_its_keys_are_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A put_begin or put_commit of a tenant whose bucket is empty was refused only after each
+    of its keys was parsed and checked (~14 ms of the shard's loop for 1,900 keys, the shared key
+    cache filled with keys never used): the request quota did not bound the tenant's directory
+    work (review, stop 68). Now the bucket is read first; a new tenant's is full."""
+    from kvfabric.core.directory import writes as writes_module
+    from kvfabric.core.directory import writes_begin as begin_module
+
+    core = core_with(TenantQuota(requests_per_s=1, burst=1))
+    register(core, "s1")
+    ga = groups(8)
+    assert begin(core, [key(ga[0])], now=1000).results[0].status == "placed"  # a new tenant: full
+    parsed: list[bytes] = []
+    real = begin_module.parse_key  # type: ignore[attr-defined]
+
+    def counting(raw: bytes) -> Any:
+        parsed.append(raw)
+        return real(raw)
+
+    monkeypatch.setattr(begin_module, "parse_key", counting)
+    monkeypatch.setattr(writes_module, "parse_key", counting)
+    fresh = [key(g) for g in ga[1:]]
+    with pytest.raises(RateLimited) as refused:
+        begin(core, fresh, now=1100, rid="r2")
+    with pytest.raises(RateLimited):
+        core.handle(m.PutCommit(writer_id="w", request_id="c", keys=fresh), 1100)
+    assert parsed == [] and refused.value.retry_after_ms == 900
+    assert core.quotas.stats[tenant_of(key(ga[0]))].rate_limited == 2
+    assert begin(core, [key(ga[1])], now=2000, rid="r3").results[0].status == "placed"  # refilled
+    core.check_invariants()

@@ -266,6 +266,29 @@ class Quotas:
             bucket.charge(cost, now_s)
         return 0
 
+    def wait_ms(self, tenants: Iterable[Tenant], now_ms: int, tokens: int = 1) -> int:
+        """What `charge` would answer now, taking nothing and remembering no new tenant (one not
+        remembered has a full bucket): asked before a request's per-id work, so a tenant out of
+        tokens is refused before it, not after (review, stop 68). A refusal is counted."""
+        if not self.rate_limited:
+            return 0
+        now_s = now_ms / 1000
+        wait_ms = 0
+        refused: list[TenantStats] = []
+        for tenant in set(tenants):
+            stats = self.stats.get(tenant)
+            quota = self.quota(tenant)
+            if stats is None or stats.bucket is None or quota.requests_per_s <= 0:
+                continue
+            cost = min(tokens, quota.burst_effective)
+            level = stats.bucket.level(now_s)
+            if level < cost:
+                wait_ms = max(wait_ms, math.ceil((cost - level) * 1000 / quota.requests_per_s))
+                refused.append(stats)
+        for stats in refused:
+            stats.rate_limited += 1
+        return max(1, wait_ms) if refused else 0
+
     def _stats(self, tenant: Tenant, quota: TenantQuota | None) -> TenantStats:
         stats = self.stats.get(tenant)
         if stats is not None:

@@ -24,6 +24,7 @@ from kvfabric.core.directory.replies import ReplySizes
 from kvfabric.core.eviction_admission import ADMISSION_STALE_MS_DEFAULT, AdmissionGate
 from kvfabric.core.quotas import UNLIMITED, Quotas, Tenant, TenantQuota, tenant_of
 from kvfabric.format.errors import BatchTooLarge, RateLimited, StaleGeneration, Unavailable
+from kvfabric.format.ids import DOMAIN_SLICE
 from kvfabric.proto import directory as m
 
 __all__ = [
@@ -219,6 +220,20 @@ class Context:
         if not self.quotas.rate_limited:
             return
         wait_ms = self.quotas.charge(map(tenant_of, raw_ids), now_ms, tokens)
+        if wait_ms:
+            raise RateLimited(
+                f"request rate over the tenant's limit; retry in {wait_ms} ms", retry_after_ms=wait_ms
+            )
+
+    def check_rate_ahead(self, raw_ids: Iterable[bytes], now_ms: int, tokens: int = 1) -> None:
+        """`check_rate`'s refusal, before a request's per-id work, taking nothing: a tenant out of
+        tokens sent put_begins of ~1,900 fresh keys, each parsed and checked (~14 ms of the
+        shard's loop) before `check_rate` refused it (review, stop 68). Ids too short to name a
+        tenant are left to the parse's refusal."""
+        if not self.quotas.rate_limited:
+            return
+        tenants = (tenant_of(raw) for raw in raw_ids if len(raw) >= DOMAIN_SLICE.stop)
+        wait_ms = self.quotas.wait_ms(tenants, now_ms, tokens)
         if wait_ms:
             raise RateLimited(
                 f"request rate over the tenant's limit; retry in {wait_ms} ms", retry_after_ms=wait_ms

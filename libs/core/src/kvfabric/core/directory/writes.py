@@ -150,6 +150,7 @@ class WriteTable(WriteBegin, WriteConfirm):
             len(req.receipts),
             min(m.PUT_BATCH_OBJECTS_MAX, len(req.keys) * self.ctx.config.replicas_max),
         )
+        self.ctx.check_rate_ahead(req.keys, now_ms, request_tokens(len(req.keys)))  # before parsing
         keys_step = ids_max or max(1, len(req.keys))
         infos: list[KeyInfo] = []
         for start in range(0, len(req.keys), keys_step):

@@ -65,6 +65,7 @@ class WriteBegin(WriteState):
         if not 1 <= replicas <= ctx.config.replicas_max:
             raise BadRequest(f"replicas must be in 1..{ctx.config.replicas_max}")
         self._check_reply_fits(req, replicas)  # by the keys' lengths: before parsing any
+        ctx.check_rate_ahead((spec.key for spec in req.objects), now_ms, request_tokens(len(req.objects)))
         step = ids_max or max(1, len(req.objects))
         infos: list[KeyInfo] = []
         for start in range(
