@@ -151,3 +151,22 @@ def test_whole_request_checks_apply_to_none() -> None:
         core.handle(m.ReplicaCorruptMany(segment_id="s1", incarnation=7, items=items, reason="demoted"), 10)
     core.check_invariants()
     assert core.counters.get("replicas_dropped_total", 0) == 0
+
+
+def test_a_copys_source_tokens_live_no_longer_than_a_lease() -> None:
+    """A copy's source read tokens lasted its write TTL (up to 600 s), past the wait a drained
+    replica's drop gives its readers (`lease_ttl_ms_max` + skew): now at most a lease's."""
+    core = new_core(lease_ttl_ms_max=60_000)
+    register(core, "s1")
+    register(core, "s2")
+    (g,) = groups(1)
+    put(core, [key(g)])
+    there = lookup(core, [g]).objects[0].replicas[0].segment_id
+    other = "s2" if there == "s1" else "s1"
+    begin = m.ReplicateBegin(
+        writer_id="repair", request_id="1", key=key(g), segment_id=other, write_ttl_ms=600_000
+    )
+    reply = core.handle(begin, 1_000).reply
+    assert isinstance(reply, m.ReplicateBeginReply) and reply.status == "placed" and reply.sources
+    assert all(s.read_expires_ms == 1_000 + 60_000 for s in reply.sources)
+    assert reply.ticket is not None and reply.ticket.deadline_ms == 1_000 + 600_000  # the write keeps its TTL

@@ -153,8 +153,12 @@ class ReplicaTable:
         # One replica per (segment, tier): a segment may hold an object in its arena and in its
         # disk tier at once (demotion copies to disk before the arena replica is dropped;
         # promotion copies back before the disk one goes).
-        sources = [  # readable by the copying segment until the ticket's deadline
-            self.segments.replica(r, mem.size_bytes, now_ms + req.write_ttl_ms)
+        # Readable by the copying segment until the ticket's deadline, at most `lease_ttl_ms_max`
+        # as every read token (`TOKEN_SKEW_MS_MAX`: a drained replica's drop waits that long for
+        # its readers; a 600 s copy token outlived the wait; review, stop 68).
+        read_ms = min(req.write_ttl_ms, ctx.config.lease_ttl_ms_max)
+        sources = [
+            self.segments.replica(r, mem.size_bytes, now_ms + read_ms)
             for r in mem.replicas
             if self.segments.live(r.placement)
         ]
