@@ -3,8 +3,12 @@
 the shape Caffeine ships (1 % window, segmented-LRU main with 80 % protected).
 
 Three LRU segments: the *window* (new objects), and the main cache split into *probation* and
-*protected*; a count-min sketch (`eviction_sketch.FrequencySketch`) counts every request for an
-id, resident or not, and halves every `SAMPLE_PER_OBJECT` x resident objects increments.
+*protected*; a count-min sketch (`eviction_sketch.FrequencySketch`) counts every insert and
+every hit of a resident object, and halves every `SAMPLE_PER_OBJECT` x resident objects
+increments. Not the paper's every request: the core tells an order nothing of a miss
+(`EvictionCore.seen` feeds only its admission filter and predictors), so a block asked for often
+while not resident has no count when it is written again (found by a review, stop 68; the
+figures in docs/eviction-policy.md are this variant's).
 - A new object enters the window's most recent end; a hit moves it to its segment's most recent
   end, and from probation up to protected (protected over `PROTECTED_SHARE` of the main bytes
   demotes its least recent object to probation).
