@@ -95,3 +95,44 @@ def test_the_metrics_server_serves_a_bounded_number_of_connections_at_once() -> 
                 raise
             time.sleep(0.05)
     server.stop()
+
+
+def test_connections_trickling_bytes_lose_their_slot_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight connections each sending a byte of a request line now and then kept their slots
+    for ever (the timeout is per socket operation), and every scrape was closed unanswered
+    (review, stop 68). Each connection now has a deadline in all."""
+    import contextlib
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from kvfabric.runtime import metrics as metrics_module
+    from kvfabric.runtime.metrics import SCRAPES_AT_ONCE_MAX, MetricsServer
+
+    monkeypatch.setattr(metrics_module._QuietHandler, "deadline_s", 0.5)
+    server = MetricsServer(CollectorRegistry(), host="127.0.0.1", port=0)
+    port = server.start()
+    stop = threading.Event()
+    trickling = [socket.create_connection(("127.0.0.1", port)) for _ in range(SCRAPES_AT_ONCE_MAX)]
+
+    def trickle() -> None:
+        while not stop.wait(0.1):
+            for conn in trickling:
+                with contextlib.suppress(OSError):
+                    conn.send(b"G")
+
+    feeder = threading.Thread(target=trickle, daemon=True)
+    feeder.start()
+    try:
+        time.sleep(1.0)  # past the deadline: their slots are free while they still trickle
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
+            assert reply.status == 200
+    finally:
+        stop.set()
+        feeder.join(2)
+        for conn in trickling:
+            conn.close()
+        server.stop()

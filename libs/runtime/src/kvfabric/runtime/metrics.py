@@ -19,6 +19,8 @@ per-request access log on stderr, which would break JSON log lines).
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 from enum import StrEnum
 from socketserver import ThreadingMixIn
@@ -146,10 +148,12 @@ class ServiceMetrics:
 
 
 # Scrapes served at once; a connection beyond them is closed at once. Each has `SCRAPE_TIMEOUT_S`
-# per socket operation: an idle or trickling connection held a thread each, without bound
-# (review, 2026-12-05).
+# per socket operation (an idle connection held a thread each, without bound; review,
+# 2026-12-05) and `SCRAPE_DEADLINE_S` in all (one trickling a byte every few seconds kept its
+# slot for ever, and eight of them shut every scrape out; review, stop 68).
 SCRAPES_AT_ONCE_MAX: Final = 8
 SCRAPE_TIMEOUT_S: Final = 10.0
+SCRAPE_DEADLINE_S: Final = 30.0
 
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
@@ -178,6 +182,24 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
 
 class _QuietHandler(WSGIRequestHandler):
     timeout = SCRAPE_TIMEOUT_S  # per socket operation (StreamRequestHandler sets it)
+    deadline_s = SCRAPE_DEADLINE_S  # the whole connection's
+
+    def setup(self) -> None:
+        super().setup()
+        # Past the deadline the socket is shut: a read or write blocked on it returns at once,
+        # and the handler's thread (and slot) ends.
+        self._deadline = threading.Timer(self.deadline_s, self._cut)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _cut(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        with contextlib.suppress(OSError):  # (a socket shut by the deadline)
+            super().finish()
 
     def handle(self) -> None:
         try:
