@@ -12,11 +12,14 @@ detail `source_addr`, which tells the copy's caller the source failed, not the d
 ticket: another source replica may do):
 - `Unavailable`: the source cannot be reached, dropped the connection, or the deadline passed;
 - `StaleGeneration`: the source no longer holds that generation (kind `source_slot_generation`)
-  or is another incarnation (`source_incarnation`); `current` is 0: the source does not say;
+  or is another incarnation (`source_incarnation`, on a connection that is already admitted:
+  the copier's own is new each time, so a restarted source answers `Unauthorized` below);
+  `current` is 0: the source does not say;
 - `NotFound`: the source never stored that slot generation (or it is still being written);
 - `BadRequest`: the size differs from what the source stores, or the address has no TCP transport;
 - `Busy`: the source is at its data-connection limit (retry later);
-- `Unauthorized`: the source refused the read token (invalid, or expired by its clock).
+- `Unauthorized`: the source refused the read token (invalid, expired by its clock, or naming
+  another incarnation of it: a source restarted since the copy was planned).
 """
 
 from __future__ import annotations
