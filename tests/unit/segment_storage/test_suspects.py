@@ -154,3 +154,28 @@ def test_one_tenant_holds_at_most_its_share_of_the_queue() -> None:
         assert all(untenanted)
 
     asyncio.run(main())
+
+
+def test_checks_hash_at_most_the_byte_rate() -> None:
+    """Reports of many distinct large objects kept the worker hashing (and reading the disk tier)
+    back to back, outside any byte budget (review, stop 68): after each check it now waits its
+    bytes' share of a second at `bytes_per_s`."""
+
+    async def main() -> float:
+        backend, now = Backend(), [100.0]
+
+        async def report(found: CorruptObject) -> None:
+            pass
+
+        suspects = SuspectChecker(
+            cast(Any, backend), 7, report, clock_s=lambda: now[0], bytes_per_s=4096 / 0.2
+        )
+        started = asyncio.get_running_loop().time()
+        for slot in range(4):  # 4 objects of 4096 bytes at 4096 bytes per 0.2 s
+            assert suspects.suspect(request(slot))
+        assert suspects._worker is not None
+        await asyncio.wait_for(suspects._worker, 10)
+        assert backend.hashed == [0, 1, 2, 3]
+        return asyncio.get_running_loop().time() - started
+
+    assert asyncio.run(main()) >= 0.75

@@ -17,7 +17,9 @@ report was refused; review, 2026-12-06), one is
 hashed at a time on a worker thread, a slot whose object lies outside the reporter's share
 domains (`VerifyRequest.domains`) is not hashed at all, a slot found fine is not hashed again for
 `VERIFIED_OK_HOLD_S` (at most `VERIFIED_OK_MAX` remembered), so a flood of reports of one good
-slot costs one hash.
+slot costs one hash, and the checks hash at most `SUSPECTS_BYTES_PER_S` (after each, the worker
+waits its bytes' share of a second: reports of ~200 distinct large objects kept it hashing, and
+reading the disk tier, back to back, at over a GB/s; review, stop 68).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from kvfabric.segment_storage.disk_calls import DiskCalls
 from kvfabric.segment_storage.scrubber import CorruptObject
 
 __all__ = [
+    "SUSPECTS_BYTES_PER_S",
     "SUSPECTS_PENDING_MAX",
     "SUSPECTS_PER_REPORTER_MAX",
     "VERIFIED_OK_HOLD_S",
@@ -50,6 +53,7 @@ SUSPECTS_PENDING_MAX: Final = 32
 SUSPECTS_PER_REPORTER_MAX: Final = SUSPECTS_PENDING_MAX // 4  # one tenant's share of the queue
 VERIFIED_OK_HOLD_S: Final = 10.0
 VERIFIED_OK_MAX: Final = 1024
+SUSPECTS_BYTES_PER_S: Final = 256 << 20  # bytes the checks hash a second, at most
 BUSY_RETRY_S: Final = 0.1  # a check the disk tier refused as busy is tried again after this
 
 Slot = tuple[int, int]  # (slot, generation)
@@ -66,8 +70,10 @@ class SuspectChecker:
         *,
         clock_s: Callable[[], float] = time.monotonic,
         disk_calls: DiskCalls | None = None,
+        bytes_per_s: float = SUSPECTS_BYTES_PER_S,
     ) -> None:
         self.backend = backend
+        self._bytes_per_s = bytes_per_s
         # a check may read and free a disk slot: counted, the stop closes the tier after it
         self.disk_calls = disk_calls or DiskCalls()
         self.incarnation = incarnation
@@ -115,7 +121,9 @@ class SuspectChecker:
         while self._pending:
             slot, domains = self._pending.popleft()
             try:
-                verdict, found = await self.disk_calls.run(functools.partial(self._check, slot, domains))
+                verdict, found, hashed = await self.disk_calls.run(
+                    functools.partial(self._check, slot, domains)
+                )
             except Busy:  # the disk tier's reads are at their byte limit: later, not never
                 self._pending.append((slot, domains))
                 self.busy_retries += 1
@@ -133,6 +141,8 @@ class SuspectChecker:
             if found is not None:
                 self.corrupt_found += 1
                 await self._report(found)
+            if hashed:
+                await asyncio.sleep(hashed / self._bytes_per_s)  # the checks' byte rate
 
     def _dequeued(self, slot: Slot, reporter: frozenset[bytes]) -> None:
         self._queued.discard(slot)
@@ -140,18 +150,19 @@ class SuspectChecker:
         if self._queued_by[reporter] <= 0:
             del self._queued_by[reporter]  # (no entry per reporter ever seen)
 
-    def _check(self, slot: Slot, domains: frozenset[bytes]) -> tuple[str, CorruptObject | None]:
-        """Blocking (hashes one object): the verdict, and the corrupt object (freed already)."""
+    def _check(self, slot: Slot, domains: frozenset[bytes]) -> tuple[str, CorruptObject | None, int]:
+        """Blocking (hashes one object): the verdict, the corrupt object (freed already), and the
+        bytes hashed."""
         held = self.backend.held_one(*slot)  # an arena or a disk slot
         if held is None:
-            return "skipped", None  # freed or reused meanwhile: nothing of it is served any more
+            return "skipped", None, 0  # freed or reused meanwhile: nothing of it is served any more
         if domains and tenant_of(held.key) not in domains:
-            return "foreign", None  # another tenant's object: not the reporter's to question
+            return "foreign", None, 0  # another tenant's object: not the reporter's to question
         self.checked += 1
         verdict = self.backend.verify_stored(held.slot, held.generation, held.size)
         if verdict == "corrupt":
-            return verdict, CorruptObject(held.key, held.slot, held.generation, held.size)
-        return verdict, None
+            return verdict, CorruptObject(held.key, held.slot, held.generation, held.size), held.size
+        return verdict, None, held.size
 
     async def stop(self) -> None:
         self._pending.clear()
