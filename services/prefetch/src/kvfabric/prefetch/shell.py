@@ -8,7 +8,9 @@
   grants a read lease, kept as (shard, lease id), that keeps the sources from being evicted
   while they are copied (released when the hint ends; the others at once); then the core's
   `AddHint`; its answer (accepted / deduped / busy / refused) is the reply. At most `resolving_max` hints are
-  resolved at once: more answer `busy` at once (a flood costs no directory traffic).
+  resolved at once, of them at most a quarter (at least one) of one tenant's: more answer `busy`
+  at once (a flood costs no directory traffic, and one tenant's flood took every slot: every other
+  tenant's hints were refused; review, stop 68).
 - Hint ids are per tenant: a hint, its leases and a cancel are named by (tenant, hint id), the
   tenant as the message names it (`PrefetchHint.tenant`, `CancelHint.tenant`); two tenants'
   `req-1` were one hint, and one cancel ended both (review, 2026-12-06).
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import Mapping
 from typing import Final
 
@@ -129,6 +132,8 @@ def copy_writer_id(target: str) -> str:
 # Ended hints' leases are given back off the ticker, this many requests at once; at `stop` for
 # at most `RELEASE_STOP_S` (a release lost expires on its own: TTL <= the hint's deadline).
 RELEASES_AT_ONCE: Final = 16
+# One tenant's hints resolved at once: at most resolving_max // this (at least one)
+RESOLVING_TENANT_SHARE_DIVISOR: Final = 4
 RELEASE_STOP_S: Final = 5.0
 # `accessed` events waiting for the callback (it asks the directory about groups it does not
 # know: slow when the directory is): past these, nats-py drops them (a slow-consumer warning).
@@ -169,6 +174,7 @@ class PrefetchShell:
         self.copy_timeout_s = copy_timeout_s
         self.group_cache_ms = group_cache_ms
         self._resolving = 0
+        self._resolving_by: Counter[str] = Counter()  # hints being resolved, per tenant
         # (tenant, hint id) -> the read leases protecting its sources: (shard, lease id), one per shard
         self._leases: dict[tuple[str, str], list[tuple[int, int]]] = {}
         # (domain digest, chain hash) -> (monotonic ms shown, its objects): hot reads without a
@@ -233,14 +239,19 @@ class PrefetchShell:
             raise BadRequest(str(exc)) from None
         if self.core.has_hint(hint.hint_id, hint.tenant):
             return p.HintReply(hint_id=hint.hint_id, status="deduped", reason="same hint id")
-        if self._resolving >= self.resolving_max:
+        tenant_share = max(1, self.resolving_max // RESOLVING_TENANT_SHARE_DIVISOR)
+        if self._resolving >= self.resolving_max or self._resolving_by[hint.tenant] >= tenant_share:
             self.busy_resolving += 1
             return p.HintReply(hint_id=hint.hint_id, status="busy", reason="resolving_full")
         self._resolving += 1
+        self._resolving_by[hint.tenant] += 1
         try:
             return await self._add(hint)
         finally:
             self._resolving -= 1
+            self._resolving_by[hint.tenant] -= 1
+            if not self._resolving_by[hint.tenant]:
+                del self._resolving_by[hint.tenant]  # (no entry per tenant ever seen)
 
     def _now(self) -> int:
         """Wall-clock ms for the core's queries, never earlier than a time already given to it

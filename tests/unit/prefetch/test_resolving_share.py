@@ -1,0 +1,45 @@
+"""Hints being resolved (directory lookups) are bounded per tenant too (review, stop 68): one
+tenant's flood of slow hints took every one of `resolving_max` slots, and every other tenant's
+hints were answered `busy` meanwhile. A tenant now gets at most a quarter of them (at least one)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvfabric.format.ids import GroupId
+from kvfabric.proto import prefetch as p
+from tests.unit.prefetch.test_shell_shards import FakeRouter, make_shell
+
+GROUP = GroupId(b"g" * 90)
+
+
+def hint(tenant: str, n: int) -> p.PrefetchHint:
+    return p.PrefetchHint(
+        hint_id=f"h{n}", tenant=tenant, groups=[GROUP], target_segment="s1", deadline_ms=2**62
+    )
+
+
+def test_one_tenants_hints_take_at_most_its_share_of_the_resolving_slots() -> None:
+    shell = make_shell(FakeRouter(lambda *_: None))  # resolving_max=4: a tenant's share is 1
+    release = asyncio.Event()
+
+    async def slow_add(h: p.PrefetchHint) -> p.HintReply:
+        await release.wait()  # its lookups are slow
+        return p.HintReply(hint_id=h.hint_id, status="accepted")
+
+    shell._add = slow_add  # type: ignore[method-assign,assignment]
+
+    async def main() -> list[Any]:
+        first = asyncio.create_task(shell._on_hint(hint("alice", 1), {}))
+        await asyncio.sleep(0)
+        flood = await asyncio.wait_for(shell._on_hint(hint("alice", 2), {}), 2)  # alice's share is in use
+        others = [asyncio.create_task(shell._on_hint(hint(t, 3), {})) for t in ("bob", "carol")]
+        await asyncio.sleep(0)
+        release.set()
+        return [flood, await first, *(await asyncio.gather(*others))]
+
+    flood, first, bob, carol = asyncio.run(main())
+    assert (flood.status, flood.reason) == ("busy", "resolving_full")
+    assert first.status == bob.status == carol.status == "accepted"
+    assert shell._resolving == 0 and not shell._resolving_by  # nothing left counted
