@@ -14,6 +14,7 @@ import pytest
 from kvfabric.runtime.config import SettingsError
 from kvfabric.segment_storage import arena as arena_module
 from kvfabric.segment_storage.arena import (
+    ARENA_BYTES_MIN,
     PREFAULT_JOIN_S,
     Arena,
     ArenaNoSpace,
@@ -153,18 +154,32 @@ def test_no_prefault_when_the_folder_cannot_hold_the_arena(
         arena.close()
 
 
-def test_an_arena_larger_than_its_folders_free_space_is_refused(
+def test_an_arena_larger_than_its_folders_free_space_is_made_to_fit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Started all the same (review, stop 68), the segment registered its whole capacity and,
-    the tmpfs full, a write into an untouched page killed it with SIGBUS. Refused now (exit 2),
-    and nothing is left behind."""
-    full = os.statvfs_result((4096, 4096, 1 << 20, 10, 10, 100, 10, 10, 0, 255))  # 40 KiB free
-    monkeypatch.setattr(arena_module.os, "statvfs", lambda _: full)  # type: ignore[attr-defined]
-    with pytest.raises(ArenaNoSpace, match="40960 bytes free"):
-        Arena(tmp_path, "seg-big", 1, 1 << 20, board_slots=16)
+    """Created whole (review, stop 68), the segment registered a capacity the tmpfs could not
+    hold and, once it was full, a write into an untouched page killed it with SIGBUS. Now the
+    arena is what the free space holds beside its slot board (a restart is not refused: a reader
+    still mapping a killed incarnation's arena holds its pages a while); below `ARENA_BYTES_MIN`
+    it is refused, and nothing is left behind."""
+    board = 16 * 64 + 64  # 16 board slots and the header
+    free = [(4 << 20) + board + 63]  # 4 MiB and change, beside the board
+
+    def statvfs(_: object) -> os.statvfs_result:
+        return os.statvfs_result((4096, 1, 1 << 30, free[0], free[0], 100, 10, 10, 0, 255))
+
+    monkeypatch.setattr(arena_module.os, "statvfs", statvfs)  # type: ignore[attr-defined]
+    arena = Arena(tmp_path, "seg-big", 1, 8 << 20, board_slots=16)
+    assert (arena.requested_bytes, arena.size_bytes) == (8 << 20, 4 << 20)  # 64-byte multiple
+    assert arena.path.stat().st_size == 4 << 20
+    arena.close()
+    whole = Arena(tmp_path, "seg-fits", 1, 4 << 20, board_slots=16)  # it and its board fit
+    assert whole.size_bytes == 4 << 20
+    whole.close()
+    free[0] = ARENA_BYTES_MIN + board - 1
+    with pytest.raises(ArenaNoSpace, match="not even"):
+        Arena(tmp_path, "seg-none", 1, 8 << 20, board_slots=16)
     assert list(tmp_path.iterdir()) == []
-    Arena(tmp_path, "seg-fits", 1, 40960, board_slots=16).close()  # exactly the free space: fits
 
 
 def test_an_arena_size_is_rounded_down_to_the_slot_alignment() -> None:

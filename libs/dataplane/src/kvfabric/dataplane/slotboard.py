@@ -55,6 +55,7 @@ __all__ = [
     "ENTRY_BYTES",
     "SlotBoard",
     "SlotBoardReader",
+    "board_bytes_of",
     "board_path_of",
     "board_usable",
 ]
@@ -73,6 +74,11 @@ STORED: Final = 1
 STATE_GENERATION_MAX: Final = (1 << 63) - 1
 _X86_64: Final = frozenset({"x86_64", "amd64", "x64"})
 D = TypeVar("D")  # a read's destination, opaque here: only `copy(source, dest)` writes it
+
+
+def board_bytes_of(slots: int) -> int:
+    """The size of a board file covering `slots` slot ids."""
+    return HEADER_BYTES + slots * ENTRY_BYTES
 
 
 def board_path_of(arena_path: Path) -> Path:
@@ -102,7 +108,7 @@ class SlotBoard:
             raise ValueError("a slot board needs at least one slot")
         self.path = path
         self.slots = slots
-        size = HEADER_BYTES + slots * ENTRY_BYTES  # sparse: pages appear as slots are used
+        size = board_bytes_of(slots)  # sparse: pages appear as slots are used
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, file_mode)
         try:
             os.ftruncate(fd, size)

@@ -8,7 +8,8 @@ It is created exclusively, sized with `ftruncate` (pages are allocated lazily by
 and unlinked on close: a new incarnation never sees an old one's bytes. A segment that was
 killed cannot unlink its files, and tmpfs keeps their pages: the next start of the same
 segment id removes its older incarnations' files (`remove_stale_arenas`) before creating its own
-(a reader that still maps one keeps its pages until it unmaps; nothing else is affected). That is
+(a reader that still maps one keeps its pages until it unmaps; meanwhile a new arena that the
+folder's free space cannot hold is made smaller: `Arena._fitted`). That is
 safe only while one process runs per segment id and host: a segment holds `kvf-<id>.lock`
 (`flock`, dropped by the kernel when the process dies; the file is removed at a clean stop) for
 its whole life, and a second one started with the same id is refused (`SegmentIdInUse`) before
@@ -41,11 +42,13 @@ import time
 from pathlib import Path
 from typing import Final
 
-from kvfabric.dataplane.slotboard import BOARD_SUFFIX, SlotBoard, board_path_of
+from kvfabric.core.segment_slots import ALIGNMENT_DEFAULT as ARENA_ALIGN_BYTES
+from kvfabric.dataplane.slotboard import BOARD_SUFFIX, SlotBoard, board_bytes_of, board_path_of
 from kvfabric.runtime.logs import get_logger
 from kvfabric.segment_storage.ssd_buffers import MADV_POPULATE_WRITE
 
 __all__ = [
+    "ARENA_BYTES_MIN",
     "ARENA_FILE_MODE",
     "PREFAULT_JOIN_S",
     "Arena",
@@ -125,11 +128,14 @@ def remove_stale_arenas(directory: Path, segment_id: str, incarnation: int) -> l
     return sorted(removed)
 
 
+# An arena smaller than this (after fitting the folder's free space) is not started.
+ARENA_BYTES_MIN: Final = 1 << 20
+
+
 class ArenaNoSpace(OSError):
-    """The arena's folder (a tmpfs: /dev/shm) has less free space than the arena. Started all
-    the same, the segment registered its whole capacity and, once the tmpfs was full, a write
-    into an untouched page killed it with SIGBUS, every tenant's objects with it (review, stop
-    68). The message says how much is free."""
+    """The arena's folder (a tmpfs: /dev/shm) cannot hold even `ARENA_BYTES_MIN` of arena and
+    its slot board. The message says how much is free. Often for a while only: a co-located
+    reader still mapping a killed incarnation's arena holds its pages until it notices."""
 
 
 class Arena:
@@ -140,13 +146,8 @@ class Arena:
         if size_bytes <= 0:
             raise ValueError("arena size must be positive")
         self.path = directory / arena_name(segment_id, incarnation)
-        self.size_bytes = size_bytes
-        free = os.statvfs(directory)
-        if free.f_bavail * free.f_frsize < size_bytes:
-            raise ArenaNoSpace(
-                f"{directory} has {free.f_bavail * free.f_frsize} bytes free, less than the arena's "
-                f"{size_bytes} (KVF_SEGMENT_BYTES): make the tmpfs larger or the arena smaller"
-            )
+        self.requested_bytes = size_bytes
+        self.size_bytes = size_bytes = self._fitted(directory, size_bytes, board_slots)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, ARENA_FILE_MODE)
         try:
             os.ftruncate(fd, size_bytes)
@@ -165,6 +166,33 @@ class Arena:
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _fitted(directory: Path, size_bytes: int, board_slots: int) -> int:
+        """The arena's size: `size_bytes`, or less when the folder cannot hold it and its slot
+        board (both sparse, filled as objects are stored). Created whole, the segment registered
+        a capacity the tmpfs could not hold, and once it was full a write into an untouched page
+        killed the segment with SIGBUS, every tenant's objects with it (review, stop 68). Not
+        refused: a co-located reader still mapping a killed incarnation's arena holds its pages
+        until it notices, and a restart refused meanwhile could wait for ever."""
+        free = os.statvfs(directory)
+        free_bytes = free.f_bavail * free.f_frsize
+        board_bytes = board_bytes_of(board_slots)
+        if free_bytes >= size_bytes + board_bytes:
+            return size_bytes
+        fitted = (free_bytes - board_bytes) // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
+        if fitted < ARENA_BYTES_MIN:
+            raise ArenaNoSpace(
+                f"{directory} has {free_bytes} bytes free: not even {ARENA_BYTES_MIN} bytes of arena "
+                f"and its {board_bytes}-byte slot board fit (make the tmpfs larger)"
+            )
+        get_logger(__name__).warning(
+            "arena_shrunk",
+            requested_bytes=size_bytes,
+            arena_bytes=fitted,
+            reason="its folder has less free space than the arena (KVF_SEGMENT_BYTES) and its slot board",
+        )
+        return fitted
 
     def slice(self, offset: int, size: int) -> memoryview:
         return self.view[offset : offset + size]

@@ -150,7 +150,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
                 self._close_ssd()
             unlock_segment_id(settings.shm_dir, settings.segment_id, self._id_lock_fd)
             raise
-        self.slots = SlotTable(settings.arena_bytes)
+        self.slots = SlotTable(self.arena.size_bytes)  # (less than asked when it did not fit: arena.py)
         self.backend = ArenaBackend(
             self.arena,
             self.slots,
@@ -277,7 +277,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
         registration = m.RegisterSegment(
             segment_id=s.segment_id,
             incarnation=self.incarnation,
-            capacity_bytes=s.arena_bytes,
+            capacity_bytes=self.arena.size_bytes,
             domain=m.FailureDomain(zone=s.zone, rack=s.rack, host=s.host),
             data_addr=self.data_addr,
             disk_objects=self._disk_objects(),  # recovered: the directory adopts them
@@ -304,7 +304,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
             "segment_registered",
             data_addr=self.data_addr,
             arena=str(self.arena.path),
-            arena_bytes=s.arena_bytes,
+            arena_bytes=self.arena.size_bytes,
             shards_seen=len(self.backend.gate.fences),
         )
 
@@ -387,7 +387,7 @@ class SegmentShell(ShellRepair, ShellConfirms):
         held = held[: message.limit]
         return SegmentReport(
             incarnation=self.incarnation,
-            capacity_bytes=self.settings.arena_bytes,
+            capacity_bytes=self.arena.size_bytes,
             used_bytes=self.slots.used_bytes,
             draining=self.backend.draining,
             objects=[HeldObject(ObjectKey(h.key), h.slot, h.generation, h.size, h.checksum) for h in held],
