@@ -4,6 +4,8 @@ import pytest
 
 from kvfabric.proto.subjects import (
     Service,
+    check_segment_id,
+    check_tenant,
     endpoint_subject,
     event_subject,
     events_wildcard,
@@ -42,3 +44,17 @@ def test_bad_verb_is_rejected(verb: str) -> None:
 def test_bad_instance_is_rejected(instance: str) -> None:
     with pytest.raises(ValueError, match="invalid segment id"):
         instance_subject(Service.DIRECTORY, "lookup", instance)
+
+
+@pytest.mark.parametrize("bad", ["seg1\n", "seg1\r", "seg 1"])
+def test_a_segment_id_with_a_trailing_newline_is_refused(bad: str) -> None:
+    """`$` also matches before a final newline: "seg1\\n" passed `re.match`, and a tenant's
+    `replica_suspect` put it into a subject the directory published (review, stop 68)."""
+    with pytest.raises(ValueError, match="invalid segment id"):
+        check_segment_id(bad)
+
+
+@pytest.mark.parametrize("bad", ["acme\n", "acme\r\n"])
+def test_a_tenant_name_with_a_trailing_newline_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="invalid tenant name"):
+        check_tenant(bad)

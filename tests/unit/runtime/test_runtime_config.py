@@ -124,3 +124,9 @@ def test_cli_bad_setting_is_a_usage_error(json_logs: object) -> None:
     result = CliRunner().invoke(service_cli(name="t", help="test", main=main), ["--inflight-max", "0"])
     assert result.exit_code == 2
     assert "KVF_INFLIGHT_MAX" in result.output
+
+
+def test_an_instance_id_with_a_trailing_newline_is_refused() -> None:
+    """`$` also matches before a final newline: `re.match` let "dir0\n" through (stop 68)."""
+    with pytest.raises(SettingsError, match="instance_id"):
+        RuntimeSettings(instance_id="dir0\n")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any, Final
+from typing import Any, Final
 
 import msgspec
 
@@ -18,9 +18,9 @@ __all__ = [
     "TRACE_ID_CHARS_MAX",
     "TRACE_ID_HEADER",
     "ErrorReply",
-    "TraceId",
     "error_from_reply",
     "error_reply_from",
+    "header_trace_id",
     "trace_id_of",
 ]
 
@@ -31,21 +31,35 @@ NATS_SERVICE_ERROR_CODE_HEADER: Final = "Nats-Service-Error-Code"
 ERROR_CODE_HEADER: Final = "Kvf-Error-Code"
 REQUEST_ID_HEADER: Final = "Kvf-Request-Id"
 TRACE_ID_HEADER: Final = "Kvf-Trace-Id"
-# A trace id a message carries (printable ASCII, no space): a segment puts a writer's into the
-# header of its confirm request to the directory, and a megabyte one (the frame meta's bound)
-# made that NATS message exceed max_payload, or a CR/LF in it broke the header: either way NATS
-# closed the segment's connection, every tenant's confirms with it (review, stop 68).
+# A trace id that goes into a NATS header: printable ASCII without spaces, at most this long. A
+# segment put a writer's (as its PUT carried it) into the header of its confirm request to the
+# directory, and a megabyte one (the frame meta's bound) made that message exceed max_payload,
+# or a CR/LF in it broke the header: either way NATS closed the segment's connection, every
+# tenant's confirms with it (review, stop 68). Senders cut or replace theirs (`trace_id_of`);
+# a receiver forwards only one that fits (`header_trace_id`). The wire field stays a plain
+# string: refused at decode, an older client's id dropped its whole data connection.
 TRACE_ID_CHARS_MAX: Final = 128
-TraceId = Annotated[str, msgspec.Meta(max_length=TRACE_ID_CHARS_MAX, pattern="^[!-~]*$")]
+
+
+def _fits(trace_id: str) -> bool:
+    return (
+        len(trace_id) <= TRACE_ID_CHARS_MAX
+        and trace_id.isascii()
+        and trace_id.isprintable()
+        and " " not in trace_id
+    )
 
 
 def trace_id_of(given: str | None) -> str:
-    """`given` when it fits `TraceId` (cut at `TRACE_ID_CHARS_MAX`), else a new one: an engine's
-    own request id is never a reason for a save or lookup to fail."""
+    """`given` cut at `TRACE_ID_CHARS_MAX` when the rest fits a header, else a new one: an
+    engine's own request id is never a reason for a save or lookup to fail."""
     given = (given or "")[:TRACE_ID_CHARS_MAX]
-    if given and given.isascii() and given.isprintable() and " " not in given:
-        return given
-    return uuid.uuid4().hex
+    return given if given and _fits(given) else uuid.uuid4().hex
+
+
+def header_trace_id(given: str) -> str:
+    """A received trace id to forward in a NATS header: itself when it fits, else "" (none)."""
+    return given if _fits(given) else ""
 
 
 # How long the sender waits for the reply, in ms (`kvfabric.cluster.requests.request` sets it):

@@ -20,7 +20,6 @@ from typing import Literal
 import msgspec
 
 from kvfabric.proto.codec import FamilyDecoder
-from kvfabric.proto.common import TraceId
 from kvfabric.proto.directory import WriteTicket
 
 __all__ = [
@@ -65,7 +64,9 @@ class StagedBytes(msgspec.Struct, frozen=True, array_like=True):
 
 class PutRequest(msgspec.Struct, frozen=True, kw_only=True, tag="dp.put.v1", tag_field="t"):
     ticket: WriteTicket
-    trace_id: TraceId = ""  # the writer's engine request; the segment's confirm carries it to the directory
+    # the writer's engine request; the segment's confirm carries it to the directory when it fits
+    # a header (`kvfabric.proto.common.header_trace_id`)
+    trace_id: str = ""
     # How many writes of the same save go to this segment for keys of this ticket's shard (0 =
     # unknown): the segment gathers their confirms into one directory request (ConfirmBatcher).
     save_writes: int = 0

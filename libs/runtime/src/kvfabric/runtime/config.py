@@ -104,7 +104,7 @@ class RuntimeSettings:
     def __post_init__(self) -> None:
         _check(bool(self.nats_url.strip()), "nats_url", self.nats_url, "must not be empty")
         _check(
-            _INSTANCE_ID.match(self.instance_id) is not None,
+            _INSTANCE_ID.fullmatch(self.instance_id) is not None,
             "instance_id",
             self.instance_id,
             "want 1-64 chars of [A-Za-z0-9_-], a letter or digit first",

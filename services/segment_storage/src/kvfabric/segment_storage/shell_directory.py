@@ -16,7 +16,7 @@ import msgspec
 
 from kvfabric.format.errors import Indeterminate, KvfError, NotFound, StaleGeneration, Unavailable
 from kvfabric.proto import directory as m
-from kvfabric.proto.common import TRACE_ID_HEADER
+from kvfabric.proto.common import TRACE_ID_HEADER, header_trace_id
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
@@ -81,7 +81,9 @@ class ShellDirectory:
             verb,
             message,
             REQUEST_TIMEOUT_S,
-            headers={TRACE_ID_HEADER: trace_id} if trace_id else None,
+            # only a trace id that fits a header: a writer's, as its PUT carried it, made the
+            # message too large or broke its header, and NATS closed this connection (stop 68)
+            headers={TRACE_ID_HEADER: trace_id} if (trace_id := header_trace_id(trace_id)) else None,
         )
         self._saw_epoch(shard, getattr(reply, "epoch", 0))
         return reply
