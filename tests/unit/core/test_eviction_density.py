@@ -17,6 +17,7 @@ from kvfabric.core.eviction_density import (
     DENSITY_LENGTH_CLASSES,
     DENSITY_NAMING_CLASSES,
     DensityPredictor,
+    _credit,
     _pack,
     _unpack,
     age_bucket,
@@ -222,13 +223,13 @@ def test_a_class_set_aside_while_a_take_compacts_the_heaps_is_pushed_back() -> N
     st.integers(0, DENSITY_LENGTH_CLASSES - 1),
     st.integers(-(2**45), 2**45),
     st.integers(1, DENSITY_NAMING_CLASSES),
-    st.integers(0, 1000),
+    st.integers(0, 100_000),
 )
 def test_a_ghost_entry_packs_into_one_int_and_back(
     namings_cls: int, length_cls: int, ms: int, namings: int, halvings: int
 ) -> None:
     packed = _pack((namings_cls, length_cls), ms, namings, halvings)
-    unpacked = ((namings_cls, length_cls), ms, namings, halvings % 256)
+    unpacked = ((namings_cls, length_cls), ms, namings, halvings % (1 << 16))
     assert isinstance(packed, int) and _unpack(packed) == unpacked
 
 
@@ -250,3 +251,9 @@ def test_reuses_of_namings_from_before_a_halving_are_halved_too() -> None:
     table = predictor.table((1, 1))
     assert table is not None and max(table) < 1.0
     predictor.check(10**6)
+
+
+def test_a_reuse_of_a_naming_many_halvings_old_is_worth_nothing() -> None:
+    """Kept mod 256, a naming 256 halvings old was credited whole again (review of the fix)."""
+    assert _credit(256, 0) == 0.0 and _credit(257, 0) == 0.0 and _credit(65, 0) == 0.0
+    assert _credit(3, 1) == 0.25 and _credit(70_000, 70_000 - 1) == 0.5

@@ -101,23 +101,27 @@ def density_class(namings: int, prompt_chunks: int) -> DensityClass:
     )
 
 
+HALVINGS_MOD: Final = 1 << 16  # a ghost entry keeps its class's halvings modulo this
+
+
 def _pack(cls: DensityClass, ms: int, namings: int, halvings: int) -> int:
-    """A ghost entry as one int: ms above four bytes (the class's halvings mod 256, naming
-    class, length class, namings; each below 256, checked at import). Python's ints shift as
-    two's complement, so a negative ms (a test's clock) packs too."""
-    return (ms << 32) | ((halvings & 0xFF) << 24) | (cls[0] << 16) | (cls[1] << 8) | namings
+    """A ghost entry as one int: ms above five bytes (the class's halvings mod `HALVINGS_MOD` in
+    two, naming class, length class, namings; each below 256, checked at import). Python's ints
+    shift as two's complement, so a negative ms (a test's clock) packs too."""
+    return (ms << 40) | ((halvings % HALVINGS_MOD) << 24) | (cls[0] << 16) | (cls[1] << 8) | namings
 
 
 def _unpack(packed: int) -> tuple[DensityClass, int, int, int]:
-    """(class, ms, namings, the class's halvings mod 256) of a ghost entry."""
+    """(class, ms, namings, the class's halvings mod `HALVINGS_MOD`) of a ghost entry."""
     cls = ((packed >> 16) & 0xFF, (packed >> 8) & 0xFF)
-    return cls, packed >> 32, packed & 0xFF, (packed >> 24) & 0xFF
+    return cls, packed >> 40, packed & 0xFF, (packed >> 24) % HALVINGS_MOD
 
 
 def _credit(halvings_now: int, halvings_then: int) -> float:
-    """What a reuse of a naming counted `halvings_then` (mod 256) is worth now: halved as often
-    as its class since (past 64 halvings, nothing)."""
-    since = (halvings_now - halvings_then) & 0xFF
+    """What a reuse of a naming counted `halvings_then` (mod `HALVINGS_MOD`) is worth now: halved
+    as often as its class since (past 64 halvings, nothing). Two bytes, not one: a ghost entry
+    that outlived 256 halvings (a ghost of millions of ids) was credited whole again."""
+    since = (halvings_now - halvings_then) % HALVINGS_MOD
     return 0.0 if since > 64 else 0.5**since
 
 

@@ -87,16 +87,19 @@ def reuse_class(accesses: int, turn: int, prompt_chunks: int, last: bool) -> Reu
     )
 
 
+HALVINGS_MOD: Final = 1 << 16  # a ghost entry keeps its class's halvings modulo this
+
+
 def _pack(cls: ReuseClass, halvings: int) -> int:
     """A ghost entry: the class's four fields (each below 16, checked at import) and its
-    halvings mod 256 in one int (a 4-tuple an id cost more)."""
+    halvings mod `HALVINGS_MOD` in one int (a 4-tuple an id cost more)."""
     accesses, turn, length, last = cls
-    return ((halvings & 0xFF) << 16) | (accesses << 12) | (turn << 8) | (length << 4) | last
+    return ((halvings % HALVINGS_MOD) << 16) | (accesses << 12) | (turn << 8) | (length << 4) | last
 
 
 def _unpack(packed: int) -> tuple[ReuseClass, int]:
     cls = ((packed >> 12) & 0xF, (packed >> 8) & 0xF, (packed >> 4) & 0xF, packed & 0xF)
-    return cls, (packed >> 16) & 0xFF
+    return cls, (packed >> 16) % HALVINGS_MOD
 
 
 invariant(
@@ -112,7 +115,7 @@ class ReusePredictor:
         self._reused: dict[ReuseClass, float] = {}
         self._named: dict[ReuseClass, float] = {}
         self._halvings: dict[ReuseClass, int] = {}  # class -> times its counts were halved
-        # id -> (its class, the class's halvings mod 256 then), packed in one int (`_pack`)
+        # id -> (its class, the class's halvings then), packed in one int (`_pack`)
         self._ghost: OrderedDict[Hashable, int] = OrderedDict()
 
     def probability(self, cls: ReuseClass) -> float:
@@ -130,7 +133,7 @@ class ReusePredictor:
         packed = self._ghost.pop(object_id, None)
         if packed is not None:
             cls, halvings = _unpack(packed)
-            since = (self._halvings.get(cls, 0) - halvings) & 0xFF
+            since = (self._halvings.get(cls, 0) - halvings) % HALVINGS_MOD  # (two bytes: see density)
             self._reused[cls] = self._reused.get(cls, 0.0) + (0.0 if since > 64 else 0.5**since)
 
     def track(self, object_id: Hashable, cls: ReuseClass, resident_objects: int) -> None:
