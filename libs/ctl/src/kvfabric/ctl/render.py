@@ -45,6 +45,29 @@ def _console() -> Console:
     return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 320, markup=False)
 
 
+def _safe(text: str, *, keep_newlines: bool = False) -> str:
+    """Text as the terminal shows it: control characters (ESC, CSI, C1, CR, ...) escaped, never
+    sent. Cells carry tenant-chosen text (holder ids), and an escape sequence in one erased or
+    rewrote rows, set the window title or wrote the clipboard on the operator's terminal
+    (review, stop 68; rich drops only a few control bytes). `keep_newlines`: our own multi-line
+    cells (an event's fields, one per line)."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() or (keep_newlines and c == "\n") else c.encode("unicode_escape").decode("ascii")
+        for c in text
+    )
+
+
+class _Table(Table):
+    """A rich table whose text cells go through `_safe` (newlines kept: see `_safe`)."""
+
+    def add_row(self, *renderables: Any, **kwargs: Any) -> None:
+        super().add_row(
+            *(_safe(r, keep_newlines=True) if isinstance(r, str) else r for r in renderables), **kwargs
+        )
+
+
 def emit_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
 
@@ -88,7 +111,7 @@ def group_doc(g: m.GroupSummary) -> dict[str, Any]:
 
 def print_status(segments: Sequence[m.SegmentInfo], services: Sequence[ServiceInstance], epoch: int) -> None:
     console = _console()
-    table = Table(title=f"segments (directory epoch {epoch})")
+    table = _Table(title=f"segments (directory epoch {epoch})")
     for col in (
         "segment",
         "domain",
@@ -112,7 +135,7 @@ def print_status(segments: Sequence[m.SegmentInfo], services: Sequence[ServiceIn
             _ms(s.last_heartbeat_ms),
         )
     console.print(table)
-    services_table = Table(title="services ($SRV.PING)")
+    services_table = _Table(title="services ($SRV.PING)")
     for col in ("name", "id", "version"):
         services_table.add_column(col)
     for svc in services:
@@ -122,7 +145,7 @@ def print_status(segments: Sequence[m.SegmentInfo], services: Sequence[ServiceIn
 
 def print_fields(fields: dict[str, Any]) -> None:
     console = _console()
-    table = Table(title=fields["kind"], show_header=False)
+    table = _Table(title=fields["kind"], show_header=False)
     table.add_column("field", style="bold")
     table.add_column("value", overflow="fold")
     for name, value in fields.items():
@@ -132,7 +155,7 @@ def print_fields(fields: dict[str, Any]) -> None:
 
 def print_groups(groups: Sequence[m.GroupSummary]) -> None:
     console = _console()
-    table = Table(title=f"chunk groups ({len(groups)})")
+    table = _Table(title=f"chunk groups ({len(groups)})")
     table.add_column("chunk group", no_wrap=True)
     for col in ("chunk", "state", "members", "degraded", "leases", "pins"):
         table.add_column(col)
@@ -159,7 +182,7 @@ def print_manifest(g: m.GroupSummary) -> None:
         f"  degraded {'yes' if g.degraded else 'no'}  leases {g.leases}  pins {g.pins}",
         highlight=False,
     )
-    table = Table(title="objects")
+    table = _Table(title="objects")
     for col in ("member (tp.pp.lg)", "size", "checksum", "replicas"):
         table.add_column(col, overflow="fold")
     for obj in g.objects:
@@ -178,14 +201,14 @@ def print_manifest(g: m.GroupSummary) -> None:
 
 def print_leases(leases: Sequence[m.LeaseInfo]) -> None:
     console = _console()
-    table = Table(title=f"leases and pins ({len(leases)})")
+    table = _Table(title=f"leases and pins ({len(leases)})")
     for col in ("id", "kind", "holder", "groups", "expires"):
         table.add_column(col)
     for lease in leases:
         table.add_row(
             str(lease.lease_id),
             "pin" if lease.is_pin else "lease",
-            lease.holder_id,
+            _safe(lease.holder_id),  # (a tenant's: a newline is escaped too)
             str(lease.groups),
             _ms(lease.expires_ms),
         )
@@ -200,7 +223,7 @@ def _of(used: int, limit: int, fmt: Callable[[int], str]) -> str:
 
 def print_tenants(tenants: Sequence[m.TenantInfo], default: m.TenantInfo | None) -> None:
     console = _console()
-    table = Table(title=f"tenants ({len(tenants)}); - = unlimited")
+    table = _Table(title=f"tenants ({len(tenants)}); - = unlimited")
     for col in (
         "domain",
         "bytes / quota",
@@ -255,7 +278,7 @@ def event_fields(event: dict[str, Any]) -> str:
 
 def print_events(events: Sequence[Event]) -> None:
     console = _console()
-    table = Table(title=f"directory events ({len(events)})")
+    table = _Table(title=f"directory events ({len(events)})")
     for col in ("seq", "time", "kind", "fields"):
         table.add_column(col, overflow="fold")
     for ev in events:
@@ -271,21 +294,21 @@ def print_eviction_status(status: e.EvictionStatus) -> None:
         f"{status.events_applied} events applied",
         highlight=False,
     )
-    pools = Table(title=f"pools ({len(status.pools)}); a disk tier is <segment>#ssd")
+    pools = _Table(title=f"pools ({len(status.pools)}); a disk tier is <segment>#ssd")
     for col in ("pool", "used / capacity", "evicting"):
         pools.add_column(col)
     for p in status.pools:
         pools.add_row(p.segment_id, _of(p.used_bytes, p.capacity_bytes, _bytes), _bytes(p.evicting_bytes))
     console.print(pools)
     if status.tenants:
-        tenants = Table(title=f"tenants ({len(status.tenants)}); - = no quota")
+        tenants = _Table(title=f"tenants ({len(status.tenants)}); - = no quota")
         for col in ("domain", "used / hard quota", "guaranteed"):
             tenants.add_column(col)
         for t in status.tenants:
             guaranteed = _bytes(t.guaranteed_bytes) if t.guaranteed_bytes else "-"
             tenants.add_row(t.domain_digest.hex(), _of(t.used_bytes, t.hard_bytes, _bytes), guaranteed)
         console.print(tenants)
-    counters = Table(title="counters (non-zero)", show_header=False)
+    counters = _Table(title="counters (non-zero)", show_header=False)
     counters.add_column("name", style="bold")
     counters.add_column("value")
     for name, value in sorted(status.counters.items()):
@@ -304,7 +327,7 @@ def print_explain(group: str, reply: e.EvictionExplain) -> None:
     held = "tracked (resident)" if reply.tracked else "not tracked now"
     console.print(f"chunk group {group}\npolicy {reply.policy}: {held}", highlight=False)
     if reply.features:
-        features = Table(title="what the policy ranks it by", show_header=False)
+        features = _Table(title="what the policy ranks it by", show_header=False)
         features.add_column("feature", style="bold")
         features.add_column("value", overflow="fold")
         for name, value in reply.features.items():
@@ -312,7 +335,7 @@ def print_explain(group: str, reply: e.EvictionExplain) -> None:
             features.add_row(name, text)
         console.print(features)
     if reply.decisions:
-        decisions = Table(title=f"its latest decisions ({len(reply.decisions)}, oldest first)")
+        decisions = _Table(title=f"its latest decisions ({len(reply.decisions)}, oldest first)")
         for col in ("time", "decision", "reason", "pool", "cause"):
             decisions.add_column(col)
         for d in reply.decisions:
