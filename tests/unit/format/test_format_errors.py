@@ -74,3 +74,16 @@ def test_a_duplicate_wire_code_is_refused_at_class_creation() -> None:
             code = "exists"
 
     assert error_class_for_code("exists") is Exists
+
+
+def test_an_unknown_code_keeps_the_wire_retryable_flag() -> None:
+    """A newer peer's code this build does not know read non-retryable whatever the reply said:
+    a transient refusal treated as permanent (review, stop 68)."""
+    from kvfabric.proto.common import ErrorReply, error_from_reply
+
+    later = error_from_reply(ErrorReply(code="a_newer_code", message="m", retryable=True))
+    assert type(later) is KvfError and later.retryable
+    assert not error_from_reply(ErrorReply(code="a_newer_code", message="m")).retryable
+    assert not KvfError("m").retryable  # the class is untouched
+    busy = error_from_reply(ErrorReply(code="busy", message="m", retryable=False))
+    assert busy.retryable  # a known code keeps its class's flag

@@ -81,4 +81,4 @@ def error_reply_from(err: KvfError) -> ErrorReply:
 
 
 def error_from_reply(reply: ErrorReply) -> KvfError:
-    return error_from_wire(reply.code, reply.message, reply.details)
+    return error_from_wire(reply.code, reply.message, reply.details, retryable=reply.retryable)

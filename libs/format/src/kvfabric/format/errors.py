@@ -225,9 +225,16 @@ def error_class_for_code(code: str) -> type[KvfError]:
     return _REGISTRY.get(code, KvfError)
 
 
-def error_from_wire(code: str, message: str, details: dict[str, Any] | None = None) -> KvfError:
-    """Rebuild an error received on the wire, keeping its type where this build knows it."""
+def error_from_wire(
+    code: str, message: str, details: dict[str, Any] | None = None, *, retryable: bool = False
+) -> KvfError:
+    """Rebuild an error received on the wire, keeping its type where this build knows it. A code
+    it does not know (a newer peer's) is the root class, retryable as the wire says (`retryable`:
+    the sender's flag; it was dropped, and a newer peer's transient refusal read permanent;
+    review, stop 68)."""
     cls = error_class_for_code(code)
     err = KvfError.__new__(cls)
     KvfError.__init__(err, message, **(details or {}))
+    if cls is KvfError and code != KvfError.code and retryable:
+        err.__dict__["retryable"] = True  # this instance only (a class attribute otherwise)
     return err
