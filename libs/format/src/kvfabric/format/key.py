@@ -14,7 +14,8 @@ Units of identity
   layout). `tp_rank`, `pp_stage` and `layer_group` select one object of a chunk group; they are in
   the key but *not* in the chain hash.
 - `ChunkGroupId`: one chunk of one prefix across all its (rank, stage, group) objects. It is the
-  unit of atomic visibility and of directory sharding (`shard()`).
+  unit of atomic visibility and of directory sharding (by its chain hash:
+  `kvfabric.proto.shards.shard_of`; not `shard()`, which routes nothing).
 - `KVKey`: one object: a `ChunkGroupId` plus its member `(tp_rank, pp_stage, layer_group)`.
 
 Hash chain
@@ -445,8 +446,11 @@ class ChunkGroupId(msgspec.Struct, frozen=True, kw_only=True):
         return KVKey(chunk_group=self, tp_rank=tp_rank, pp_stage=pp_stage, layer_group=layer_group)
 
     def shard(self, n_shards: int) -> int:
-        """The directory shard in `0..n_shards-1`: a stable hash of `to_bytes()` (same in every
-        process, build and platform; never the builtin `hash()`)."""
+        """A stable hash of `to_bytes()` into `0..n_shards-1` (same in every process, build and
+        platform; never the builtin `hash()`), pinned by the key vectors. NOT the directory's
+        routing: every service routes by `kvfabric.proto.shards.shard_of` (the chain hash's first
+        4 bytes, little-endian, mod the shard count); routed by this, a request reached the
+        wrong shard for nearly every group (review, stop 68)."""
         _check_int("n_shards", n_shards, 1, _U32_MAX)
         h = hashlib.blake2b(self.to_bytes(), digest_size=8, person=_P_SHARD)
         return int.from_bytes(h.digest(), "little") % n_shards
