@@ -68,7 +68,7 @@ def test_the_metrics_server_serves_a_bounded_number_of_connections_at_once() -> 
 
     from prometheus_client import CollectorRegistry
 
-    from kvfabric.runtime.metrics import SCRAPES_AT_ONCE_MAX, MetricsServer
+    from kvfabric.cluster.metrics_http import SCRAPES_AT_ONCE_MAX, MetricsServer
 
     server = MetricsServer(CollectorRegistry(), host="127.0.0.1", port=0)
     port = server.start()
@@ -109,8 +109,8 @@ def test_connections_trickling_bytes_lose_their_slot_at_the_deadline(monkeypatch
 
     from prometheus_client import CollectorRegistry
 
-    from kvfabric.runtime import metrics as metrics_module
-    from kvfabric.runtime.metrics import SCRAPES_AT_ONCE_MAX, MetricsServer
+    from kvfabric.cluster import metrics_http as metrics_module
+    from kvfabric.cluster.metrics_http import SCRAPES_AT_ONCE_MAX, MetricsServer
 
     monkeypatch.setattr(metrics_module._QuietHandler, "deadline_s", 0.5)
     server = MetricsServer(CollectorRegistry(), host="127.0.0.1", port=0)

@@ -201,7 +201,7 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
             # Before NATS: a port in use failed the start after connecting, and the connection
             # stayed open, reconnecting for the client's life while it was disabled (review,
             # stop 68). `metrics.serve` raises OSError: `start_error` makes it config_error.
-            self.metrics.serve(self.settings.metrics_port)
+            self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
             self.serves_metrics = True  # stopped by `close`
         self.nc, self.router = await open_nats(self.settings)
         self.suspects = SuspectReporter(

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from kvfabric.cluster.metrics_http import MetricsServer
 
 __all__ = ["ClientMetrics"]
 
@@ -14,7 +14,7 @@ _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25
 
 class ClientMetrics:
     def __init__(self) -> None:
-        self._server: Any = None  # `serve`'s HTTP server, until `stop`
+        self._server: MetricsServer | None = None  # `serve`'s HTTP server, until `stop`
         self.registry = CollectorRegistry()
         r = self.registry
         self.lookups = Counter("kvfabric_client_lookups", "Lookups asked", registry=r)
@@ -85,11 +85,15 @@ class ClientMetrics:
             "kvfabric_client_save_inflight_bytes", "Bytes of saves not finished", registry=r
         )
 
-    def serve(self, port: int) -> int:
-        """Serve `/metrics` on `port` (0: any) until `stop`; the port served."""
-        server, _ = start_http_server(port, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve `/metrics` on `host`:`port` (0: any port) until `stop`; the port served. The
+        services' bounded server (`kvfabric.cluster.metrics_http`): prometheus-client's
+        `start_http_server` bound every address, with no timeout and a thread per connection
+        without bound, inside the engine's process (review, stop 68)."""
+        server = MetricsServer(self.registry, host=host, port=port)
+        port = server.start()
         self._server = server
-        return int(server.server_port)
+        return port
 
     def stop(self) -> None:
         """Stop serving and let the port go (a client made again in the same process with the
@@ -97,5 +101,4 @@ class ClientMetrics:
         review, 2026-12-06)."""
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()
-            server.server_close()
+            server.stop()

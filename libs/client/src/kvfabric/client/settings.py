@@ -77,6 +77,7 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
     # set, only they through shared memory). Prefetch hints name one of them as the target.
     local_segments: str = ""
     metrics_port: int = -1  # -1: no HTTP endpoint; 0: any free port
+    metrics_host: str = "127.0.0.1"  # the address it listens on ("0.0.0.0": every one)
     # CPUs of the client's threads (loop, transfers, saves); kvfabric.client.threads: "" or
     # "inherit" (the creating thread's), "auto" (when it is pinned, e.g. an engine's compute
     # thread: saves off its CPUs, loads anywhere), or "2-3,6".
@@ -107,6 +108,8 @@ class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
         for name, most in (("lease_ttl_ms", LEASE_TTL_MS_MAX), ("write_ttl_ms", WRITE_TTL_MS_MAX)):
             if getattr(self, name) > most:
                 raise BadRequest(f"client setting {name} must be at most {most}, got {getattr(self, name)}")
+        if not self.metrics_host.strip():
+            raise BadRequest("client setting metrics_host must not be empty")
         for name in ("save_bytes_per_s_max", "save_burst_bytes"):
             if getattr(self, name) < 0:
                 raise BadRequest(f"client setting {name} must be at least 0, got {getattr(self, name)}")

@@ -242,7 +242,7 @@ class KvClient:
         )
         if self.settings.metrics_port >= 0 and self.aio.nc is None:  # the cause stays visible
             try:
-                self.metrics.serve(self.settings.metrics_port)
+                self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
                 self.aio.serves_metrics = True  # stopped by `close`
             except OSError as exc:
                 log.log(

@@ -1,0 +1,52 @@
+"""A client's `/metrics` endpoint (inside an engine's process) is the services' bounded server
+(review, stop 68): prometheus-client's `start_http_server` listened on every address, with no
+timeout and one thread per connection without bound, so idle connections grew the engine's
+threads for ever. Now it listens on `metrics_host` (127.0.0.1 by default), serves at most
+`SCRAPES_AT_ONCE_MAX` connections at once and closes the next one at once."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+
+import pytest
+
+from kvfabric.client.metrics import ClientMetrics
+from kvfabric.client.settings import ClientSettings
+from kvfabric.cluster.metrics_http import SCRAPES_AT_ONCE_MAX
+from kvfabric.format.errors import BadRequest
+
+
+def test_the_client_endpoint_listens_on_loopback_and_is_bounded() -> None:
+    metrics = ClientMetrics()
+    port = metrics.serve(0)
+    try:
+        assert metrics._server is not None and metrics._server.host == "127.0.0.1"
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(SCRAPES_AT_ONCE_MAX)]
+        try:
+            time.sleep(0.3)  # each taken by a handler thread
+            extra = socket.create_connection(("127.0.0.1", port))
+            extra.settimeout(5)
+            assert extra.recv(1) == b""  # closed at once: no thread more
+            extra.close()
+        finally:
+            for conn in idle:
+                conn.close()
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
+                    assert b"kvfabric_client" in reply.read()
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    finally:
+        metrics.stop()
+
+
+def test_an_empty_metrics_host_is_a_setting_error() -> None:
+    with pytest.raises(BadRequest, match="metrics_host"):
+        ClientSettings(nats_url="nats://x:1", metrics_host=" ")
