@@ -44,9 +44,9 @@ async def serve(settings: RuntimeSettings) -> int:
     except SsdFileRefused as exc:  # another segment's, another configuration's, damaged: never served
         log.error("ssd_file_refused", error=str(exc))
         return EXIT_USAGE
-    except ArenaNoSpace as exc:  # (often for a while: restarted, it may fit)
-        log.error("arena_no_space", error=str(exc))
-        return EXIT_REREGISTER
+    except ArenaNoSpace as exc:  # often for a while: restarted, it may fit (not when permanent)
+        log.error("arena_no_space", error=str(exc), permanent=exc.permanent)
+        return EXIT_USAGE if exc.permanent else EXIT_REREGISTER
     runtime = ServiceRuntime(
         Service.SEGMENT,
         settings,

@@ -134,8 +134,19 @@ ARENA_BYTES_MIN: Final = 1 << 20
 
 class ArenaNoSpace(OSError):
     """The arena's folder (a tmpfs: /dev/shm) cannot hold even `ARENA_BYTES_MIN` of arena and
-    its slot board. The message says how much is free. Often for a while only: a co-located
-    reader still mapping a killed incarnation's arena holds its pages until it notices."""
+    its slot board. The message says how much is free. Often for a while only (`permanent`
+    False): a co-located reader still mapping a killed incarnation's arena holds its pages until
+    it notices; `permanent`: the whole folder is too small."""
+
+    def __init__(self, message: str, *, permanent: bool) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+def _with_board(arena_bytes: int, board_slots: int) -> int:
+    """An arena's bytes and the most its slot board can fill (one slot id per 64 arena bytes at
+    most: ids are reused lowest first)."""
+    return arena_bytes + board_bytes_of(min(board_slots, arena_bytes // ARENA_ALIGN_BYTES))
 
 
 class Arena:
@@ -170,21 +181,26 @@ class Arena:
     @staticmethod
     def _fitted(directory: Path, size_bytes: int, board_slots: int) -> int:
         """The arena's size: `size_bytes`, or less when the folder cannot hold it and its slot
-        board (both sparse, filled as objects are stored). Created whole, the segment registered
-        a capacity the tmpfs could not hold, and once it was full a write into an untouched page
-        killed the segment with SIGBUS, every tenant's objects with it (review, stop 68). Not
-        refused: a co-located reader still mapping a killed incarnation's arena holds its pages
-        until it notices, and a restart refused meanwhile could wait for ever."""
+        board (both sparse, filled as objects are stored; the board 64 bytes per slot id in use,
+        at most one id per 64 arena bytes). Created whole, the segment registered a capacity the
+        tmpfs could not hold, and once it was full a write into an untouched page killed the
+        segment with SIGBUS, every tenant's objects with it (review, stop 68). Not refused: a
+        co-located reader still mapping a killed incarnation's arena holds its pages until it
+        notices, and a restart refused meanwhile could wait for ever."""
         free = os.statvfs(directory)
         free_bytes = free.f_bavail * free.f_frsize
-        board_bytes = board_bytes_of(board_slots)
-        if free_bytes >= size_bytes + board_bytes:
+        if free_bytes >= _with_board(size_bytes, board_slots):
             return size_bytes
-        fitted = (free_bytes - board_bytes) // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
+        whole_board = board_bytes_of(board_slots)
+        fitted = (free_bytes - whole_board) // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
+        if fitted // ARENA_ALIGN_BYTES < board_slots:  # fewer ids than the board: half each
+            fitted = (free_bytes - board_bytes_of(0)) // 2 // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
         if fitted < ARENA_BYTES_MIN:
+            total = free.f_blocks * free.f_frsize
             raise ArenaNoSpace(
-                f"{directory} has {free_bytes} bytes free: not even {ARENA_BYTES_MIN} bytes of arena "
-                f"and its {board_bytes}-byte slot board fit (make the tmpfs larger)"
+                f"{directory} has {free_bytes} bytes free of {total}: not even {ARENA_BYTES_MIN} bytes of "
+                "arena and its slot board fit (make the tmpfs larger)",
+                permanent=total < _with_board(ARENA_BYTES_MIN, board_slots),
             )
         get_logger(__name__).warning(
             "arena_shrunk",
