@@ -40,6 +40,7 @@ def test_one_tenants_hints_take_at_most_its_share_of_the_resolving_slots() -> No
         return [flood, await first, *(await asyncio.gather(*others))]
 
     flood, first, bob, carol = asyncio.run(main())
-    assert (flood.status, flood.reason) == ("busy", "resolving_full")
+    assert (flood.status, flood.reason) == ("busy", "tenant_resolving_full")
+    assert (shell.busy_tenant_resolving, shell.busy_resolving) == (1, 0)
     assert first.status == bob.status == carol.status == "accepted"
     assert shell._resolving == 0 and not shell._resolving_by  # nothing left counted

@@ -190,6 +190,7 @@ class PrefetchShell:
         self._releasing: asyncio.Task[None] | None = None  # ... this task (`_release_ended`)
         self._log = get_logger("kvfabric.prefetch")
         self.busy_resolving = 0
+        self.busy_tenant_resolving = 0  # refused: the tenant's share of the resolving slots in use
 
     def attach(self, runtime: ServiceRuntime) -> None:
         self._runtime = runtime
@@ -239,10 +240,12 @@ class PrefetchShell:
             raise BadRequest(str(exc)) from None
         if self.core.has_hint(hint.hint_id, hint.tenant):
             return p.HintReply(hint_id=hint.hint_id, status="deduped", reason="same hint id")
-        tenant_share = max(1, self.resolving_max // RESOLVING_TENANT_SHARE_DIVISOR)
-        if self._resolving >= self.resolving_max or self._resolving_by[hint.tenant] >= tenant_share:
+        if self._resolving >= self.resolving_max:
             self.busy_resolving += 1
             return p.HintReply(hint_id=hint.hint_id, status="busy", reason="resolving_full")
+        if self._resolving_by[hint.tenant] >= max(1, self.resolving_max // RESOLVING_TENANT_SHARE_DIVISOR):
+            self.busy_tenant_resolving += 1  # (back off this tenant, not the service)
+            return p.HintReply(hint_id=hint.hint_id, status="busy", reason="tenant_resolving_full")
         self._resolving += 1
         self._resolving_by[hint.tenant] += 1
         try:
@@ -343,6 +346,7 @@ class PrefetchShell:
             "hint_ids_live": core.hint_ids_live,
             "leases_held": sum(len(leases) for leases in dict(self._leases).values()),
             "busy_resolving": self.busy_resolving,
+            "busy_tenant_resolving": self.busy_tenant_resolving,
             "groups_shown": self.groups_shown,
             "groups_known": self.groups_known,
             "groups_remembered": len(self._groups),
