@@ -230,8 +230,9 @@ def error_from_wire(
 ) -> KvfError:
     """Rebuild an error received on the wire, keeping its type where this build knows it. A code
     it does not know (a newer peer's) is the root class, retryable as the wire says (`retryable`:
-    the sender's flag; it was dropped, and a newer peer's transient refusal read permanent;
-    review, stop 68)."""
+    the sender's flag; it was dropped; review, stop 68). Only callers that read `.retryable`
+    (cause labels, repair's give-up) see it: the retry helpers branch by class (`Busy`,
+    `Unavailable`), so such an error is not retried by them."""
     cls = error_class_for_code(code)
     err = KvfError.__new__(cls)
     KvfError.__init__(err, message, **(details or {}))
