@@ -30,7 +30,7 @@ import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Final
 
 from nats.aio.client import Client as NatsClient
 
@@ -66,6 +66,7 @@ __all__ = [
     "FETCH_BATCH_BYTES_TARGET",
     "FETCH_BATCH_OBJECTS_MAX",
     "LOCAL_INLINE_BYTES_MAX",
+    "POOL_SWEEP_S",
     "RELEASE_GATHER_LEASES_MAX",
     "RELEASE_GATHER_MS",
     "SAVE_BUSY_ATTEMPTS_MAX",
@@ -77,6 +78,11 @@ __all__ = [
     "Source",
     "directory_cause",
 ]
+
+
+# How often idle connections to removed arenas are let go without a transfer asking
+# (`AsyncKvClient._sweep_pool`).
+POOL_SWEEP_S: Final = 5.0
 
 
 class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
@@ -179,6 +185,7 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
         self._gathered_trace = ""  # the trace id the gathered give-back is sent with
         self._gather_timer: asyncio.TimerHandle | None = None
         self._giving_back: set[asyncio.Task[None]] = set()
+        self._sweep_timer: asyncio.TimerHandle | None = None  # `_sweep_pool`'s, from `start` to `close`
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -208,6 +215,18 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
             asyncio.get_running_loop(), lambda: self.router, self.metrics.corrupt_reports
         )
         self.pool.on_corrupt = self.suspects.seen  # a bad replica is reported, never dropped here
+        self._sweep_timer = asyncio.get_running_loop().call_later(POOL_SWEEP_S, self._sweep_pool)
+
+    def _sweep_pool(self) -> None:
+        """Every `POOL_SWEEP_S` until `close`: idle connections to removed arenas let go
+        (`SegmentPool.sweep`; a few fstat calls, on the loop)."""
+        self._sweep_timer = None
+        if self._closed:
+            return
+        try:
+            self.pool.sweep()
+        finally:
+            self._sweep_timer = asyncio.get_running_loop().call_later(POOL_SWEEP_S, self._sweep_pool)
 
     async def _saves_ended(self, timeout_s: float) -> None:
         """Until no save runs (`_tasks` empty), at most `timeout_s`: the saves, not their tasks
@@ -223,6 +242,9 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
         if self._closed:
             return
         self._closed = True
+        if self._sweep_timer is not None:
+            self._sweep_timer.cancel()
+            self._sweep_timer = None
         if self._gather_timer is not None:
             self._gather_timer.cancel()
             self._gather_timer = None

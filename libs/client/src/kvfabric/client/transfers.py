@@ -192,6 +192,13 @@ class SegmentPool:
     def _shm_ok(self, segment_id: str) -> bool:
         return self.use_shm and (not self.local_segments or segment_id in self.local_segments)
 
+    def sweep(self) -> None:
+        """`_sweep`, from the client's timer too (`AsyncKvClient`): run only when a connection
+        was asked for, a dead incarnation's map stayed while no transfer came (a lone segment
+        restarting: nothing to look up or save until it is back), and its pages kept the new
+        incarnation's arena from fitting the tmpfs (review, stop 68)."""
+        self._sweep()
+
     def _sweep(self) -> None:
         """Close idle connections whose segment arena is gone (at most once a second): their
         maps would otherwise keep a dead incarnation's tmpfs pages alive while nobody reads
