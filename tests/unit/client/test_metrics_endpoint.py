@@ -50,3 +50,17 @@ def test_the_client_endpoint_listens_on_loopback_and_is_bounded() -> None:
 def test_an_empty_metrics_host_is_a_setting_error() -> None:
     with pytest.raises(BadRequest, match="metrics_host"):
         ClientSettings(nats_url="nats://x:1", metrics_host=" ")
+
+
+def test_serving_twice_keeps_the_one_server() -> None:
+    """A start that failed after the endpoint was up, then `_disable`, served it again: with port
+    0 the first server leaked (never stopped by `close`), with a fixed port the log said it was
+    taken (review of the fix). The second call answers the first server's port."""
+    metrics = ClientMetrics()
+    port = metrics.serve(0)
+    first = metrics._server
+    try:
+        assert metrics.serve(0) == port and metrics._server is first
+    finally:
+        metrics.stop()
+    assert first is not None and not first.running

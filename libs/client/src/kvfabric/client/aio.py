@@ -219,14 +219,14 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
 
     def _sweep_pool(self) -> None:
         """Every `POOL_SWEEP_S` until `close`: idle connections to removed arenas let go
-        (`SegmentPool.sweep`; a few fstat calls, on the loop)."""
+        (`SegmentPool.sweep`), on a transfer thread: closing one unmaps what it read of a dead
+        arena, ~20 ms a GiB, never on the loop (review of the fix)."""
         self._sweep_timer = None
         if self._closed:
             return
-        try:
-            self.pool.sweep()
-        finally:
-            self._sweep_timer = asyncio.get_running_loop().call_later(POOL_SWEEP_S, self._sweep_pool)
+        with contextlib.suppress(RuntimeError):  # (its executor shut down: closing)
+            self._executor.submit(self.pool.sweep)
+        self._sweep_timer = asyncio.get_running_loop().call_later(POOL_SWEEP_S, self._sweep_pool)
 
     async def _saves_ended(self, timeout_s: float) -> None:
         """Until no save runs (`_tasks` empty), at most `timeout_s`: the saves, not their tasks

@@ -90,6 +90,8 @@ class ClientMetrics:
         services' bounded server (`kvfabric.cluster.metrics_http`): prometheus-client's
         `start_http_server` bound every address, with no timeout and a thread per connection
         without bound, inside the engine's process (review, stop 68)."""
+        if self._server is not None:  # served already (a start that failed, then `_disable`):
+            return self._server.port  # a second server leaked the first, or read its port as taken
         server = MetricsServer(self.registry, host=host, port=port)
         port = server.start()
         self._server = server
