@@ -154,45 +154,52 @@ def test_no_prefault_when_the_folder_cannot_hold_the_arena(
         arena.close()
 
 
+PAGE = 4096
+
+
 def test_an_arena_larger_than_its_folders_free_space_is_made_to_fit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Created whole (review, stop 68), the segment registered a capacity the tmpfs could not
     hold and, once it was full, a write into an untouched page killed it with SIGBUS. Now the
-    arena is what the free space holds beside what its slot board can fill (64 bytes per slot
-    id, at most one id per 64 arena bytes); a restart is not refused (a reader still mapping a
-    killed incarnation's arena holds its pages a while); below `ARENA_BYTES_MIN` it is refused,
-    for good only when the whole folder is too small, and nothing is left behind."""
-    space = {"free": 0, "total": 1 << 30}
+    arena is what the free pages hold beside what its slot board can fill (64 bytes per slot id,
+    at most one id per 64 arena bytes), each in whole pages; a restart is not refused (a reader
+    still mapping a killed incarnation's arena holds its pages a while); below `ARENA_BYTES_MIN`
+    it is refused, for good only when the whole folder is too small; nothing is left behind."""
+    space = {"free": 0, "total": 1 << 18}  # in pages
 
     def statvfs(_: object) -> os.statvfs_result:
-        return os.statvfs_result((4096, 1, space["total"], space["free"], space["free"], 100, 10, 10, 0, 255))
+        pages = (PAGE, PAGE, space["total"], space["free"], space["free"], 100, 10, 10, 0, 255)
+        return os.statvfs_result(pages)
+
+    def fits(arena: Arena, slots: int) -> bool:
+        board = 64 + 64 * min(slots, arena.size_bytes // 64)
+        return -(-arena.size_bytes // PAGE) + -(-board // PAGE) <= space["free"]
 
     monkeypatch.setattr(arena_module.os, "statvfs", statvfs)  # type: ignore[attr-defined]
-    board = 16 * 64 + 64  # 16 board slots and the header: all of them fit any arena here
-    space["free"] = (4 << 20) + board + 63  # 4 MiB and change, beside the board
-    arena = Arena(tmp_path, "seg-big", 1, 8 << 20, board_slots=16)
-    assert (arena.requested_bytes, arena.size_bytes) == (8 << 20, 4 << 20)  # 64-byte multiple
-    assert arena.path.stat().st_size == 4 << 20
-    arena.close()
-    whole = Arena(tmp_path, "seg-fits", 1, 4 << 20, board_slots=16)  # it and its board fit
-    assert whole.size_bytes == 4 << 20
+    space["free"] = 1024 + 1  # 4 MiB and one page for a board of 16 slot ids
+    whole = Arena(tmp_path, "seg-fits", 1, 4 << 20, board_slots=16)
+    assert whole.size_bytes == 4 << 20 and fits(whole, 16)
     whole.close()
+    big = Arena(tmp_path, "seg-big", 1, 8 << 20, board_slots=16)
+    assert (big.requested_bytes, big.size_bytes) == (8 << 20, (4 << 20) - 2 * PAGE) and fits(big, 16)
+    assert big.path.stat().st_size == big.size_bytes
+    big.close()
     # A small arena on a small tmpfs (Docker's 64 MiB): its board fills at most as much as it
     # holds ids, not the 64 MiB of a million slot ids (review of the fix: it never started).
-    space["free"] = 64 << 20
+    space["free"] = (64 << 20) // PAGE
     small = Arena(tmp_path, "seg-small", 1, 16 << 20)  # 1M board slots by default
-    assert small.size_bytes == 16 << 20
+    assert small.size_bytes == 16 << 20 and fits(small, 1 << 20)
     small.close()
-    space["free"] = (20 << 20) + 64  # not 32 MiB for 16 MiB and its fullest board: half each
+    space["free"] = (20 << 20) // PAGE + 1  # not enough for 16 MiB and its fullest board: half each
     half = Arena(tmp_path, "seg-half", 1, 16 << 20)
-    assert half.size_bytes == 10 << 20
+    assert half.size_bytes == (10 << 20) - PAGE and fits(half, 1 << 20)
     half.close()
-    space["free"] = ARENA_BYTES_MIN + board - 1
+    space["free"] = ARENA_BYTES_MIN // PAGE
     with pytest.raises(ArenaNoSpace, match="not even") as refused:
         Arena(tmp_path, "seg-none", 1, 8 << 20, board_slots=16)
     assert not refused.value.permanent  # the folder is large: its pages may come back
-    space["total"] = 1 << 20
+    space["total"] = ARENA_BYTES_MIN // PAGE
     with pytest.raises(ArenaNoSpace) as refused:
         Arena(tmp_path, "seg-none", 1, 8 << 20, board_slots=16)
     assert refused.value.permanent  # the whole folder is too small: a configuration error

@@ -143,10 +143,12 @@ class ArenaNoSpace(OSError):
         self.permanent = permanent
 
 
-def _with_board(arena_bytes: int, board_slots: int) -> int:
-    """An arena's bytes and the most its slot board can fill (one slot id per 64 arena bytes at
-    most: ids are reused lowest first)."""
-    return arena_bytes + board_bytes_of(min(board_slots, arena_bytes // ARENA_ALIGN_BYTES))
+def _with_board(arena_bytes: int, board_slots: int, page: int) -> int:
+    """The folder's bytes an arena and the most its slot board can fill take (one slot id per 64
+    arena bytes at most: ids are reused lowest first), each in whole pages of `page` bytes (a
+    tmpfs hands out pages: counted in bytes, the two could need one page more than was free)."""
+    board = board_bytes_of(min(board_slots, arena_bytes // ARENA_ALIGN_BYTES))
+    return -(-arena_bytes // page) * page + -(-board // page) * page
 
 
 class Arena:
@@ -188,19 +190,22 @@ class Arena:
         co-located reader still mapping a killed incarnation's arena holds its pages until it
         notices, and a restart refused meanwhile could wait for ever."""
         free = os.statvfs(directory)
+        page = max(free.f_frsize, ARENA_ALIGN_BYTES)  # (a multiple of the alignment)
         free_bytes = free.f_bavail * free.f_frsize
-        if free_bytes >= _with_board(size_bytes, board_slots):
+        if free_bytes >= _with_board(size_bytes, board_slots, page):
             return size_bytes
-        whole_board = board_bytes_of(board_slots)
-        fitted = (free_bytes - whole_board) // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
+        # Whole pages for both, one spare each for the board's header and rounding.
+        fitted = (free_bytes - board_bytes_of(board_slots) - 2 * page) // page * page
         if fitted // ARENA_ALIGN_BYTES < board_slots:  # fewer ids than the board: half each
-            fitted = (free_bytes - board_bytes_of(0)) // 2 // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
+            fitted = (free_bytes - 2 * page) // 2 // page * page
+        while fitted > 0 and _with_board(fitted, board_slots, page) > free_bytes:
+            fitted -= page  # (at most a page or two: the sums above are within that)
         if fitted < ARENA_BYTES_MIN:
             total = free.f_blocks * free.f_frsize
             raise ArenaNoSpace(
                 f"{directory} has {free_bytes} bytes free of {total}: not even {ARENA_BYTES_MIN} bytes of "
                 "arena and its slot board fit (make the tmpfs larger)",
-                permanent=total < _with_board(ARENA_BYTES_MIN, board_slots),
+                permanent=total < _with_board(ARENA_BYTES_MIN, board_slots, page),
             )
         get_logger(__name__).warning(
             "arena_shrunk",
