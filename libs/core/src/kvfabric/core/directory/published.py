@@ -23,7 +23,7 @@ dropped with the last); the per-domain index (`index`) orders the keys for listi
         to a day for an operator's pin; review, stop 68). The pin outlives the record and holds
         the key's next record, as a pin of a key does.
 A group is lost (`lost`) when it is unreadable or a member has no replica on a live incarnation,
-for good (an incarnation never comes back). No hold on a lost group outlasts the leases it had
+for good (an incarnation never comes back). No hold on a lost group outlasts the holds it had
 when lost: a pin skips lost groups and a renew does not extend a lease holding a deferred one
 (`leases`). A below-target listing does not list a deferred group (nothing can repair it), so
 `short_covers_below_target` ignores them. Before (review), re-pinning a lost group every 15 s kept
