@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import socket
 import time
-import urllib.request
 
 import pytest
 
@@ -16,6 +15,7 @@ from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.settings import ClientSettings
 from kvfabric.cluster.metrics_http import SCRAPES_AT_ONCE_MAX
 from kvfabric.format.errors import BadRequest
+from kvfabric.testing.probes import scrape_metrics_once_served
 
 
 def test_the_client_endpoint_listens_on_loopback_and_is_bounded() -> None:
@@ -33,16 +33,7 @@ def test_the_client_endpoint_listens_on_loopback_and_is_bounded() -> None:
         finally:
             for conn in idle:
                 conn.close()
-        deadline = time.monotonic() + 5
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
-                    assert b"kvfabric_client" in reply.read()
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        assert "kvfabric_client" in scrape_metrics_once_served(port)  # served again once they go
     finally:
         metrics.stop()
 

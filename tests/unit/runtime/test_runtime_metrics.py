@@ -9,6 +9,7 @@ import pytest
 from kvfabric.format.invariant import InvariantViolation
 from kvfabric.runtime.metrics import MetricsServer, Outcome, ServiceMetrics
 from kvfabric.testing import metric_value, scrape_metrics
+from kvfabric.testing.probes import scrape_metrics_once_served
 
 
 def test_observe_counts_by_endpoint_outcome_and_code() -> None:
@@ -64,7 +65,6 @@ def test_the_metrics_server_serves_a_bounded_number_of_connections_at_once() -> 
     (each held a thread of its own, without bound or timeout; review, 2026-12-05); once they
     go, scrapes are served again."""
     import socket
-    import urllib.request
 
     from prometheus_client import CollectorRegistry
 
@@ -84,16 +84,7 @@ def test_the_metrics_server_serves_a_bounded_number_of_connections_at_once() -> 
     finally:
         for conn in idle:
             conn.close()
-    deadline = time.monotonic() + 5
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
-                assert reply.status == 200
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    scrape_metrics_once_served(port)  # served again once they go
     server.stop()
 
 

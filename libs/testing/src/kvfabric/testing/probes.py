@@ -7,13 +7,21 @@ import asyncio
 import json
 import math
 import re
+import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any, Final
 
 from nats.aio.client import Client as NatsClient
 
-__all__ = ["metric_value", "micro_control", "scrape_metrics", "scrape_metrics_async", "wait_until"]
+__all__ = [
+    "metric_value",
+    "micro_control",
+    "scrape_metrics",
+    "scrape_metrics_async",
+    "scrape_metrics_once_served",
+    "wait_until",
+]
 
 CONTROL_TIMEOUT_S_DEFAULT: Final = 2.0
 SCRAPE_TIMEOUT_S_DEFAULT: Final = 2.0
@@ -41,6 +49,19 @@ def scrape_metrics(port: int, host: str = "127.0.0.1", timeout_s: float = SCRAPE
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as response:
         body: bytes = response.read()
     return body.decode()
+
+
+def scrape_metrics_once_served(port: int, within_s: float = 5.0, host: str = "127.0.0.1") -> str:
+    """`scrape_metrics`, asked again while the server refuses or drops it (its connection slots
+    still taken: closed connections free theirs as their handlers end), for about `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return scrape_metrics(port, host, timeout_s=min(SCRAPE_TIMEOUT_S_DEFAULT, within_s))
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 async def scrape_metrics_async(
