@@ -11,17 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.core.segment_slots import SlotTable
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import Indeterminate, Unavailable
-from kvfabric.format.ids import ObjectKey
 from kvfabric.proto.directory import WriteTicket
-from kvfabric.proto.tickets import sign_ticket
-from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.backend import ArenaBackend
+from tests.unit.segment_storage.test_sync_confirm_superseded import signed_ticket, sync_backend
 
-SECRET = b"unit-confirm-indeterminate-secret-0123"
-ARENA_BYTES = 4 << 20
 DATA = b"y" * 4096
 
 
@@ -37,30 +32,7 @@ def _backend(
         assert later is not None and ticket.checksum == checksum(DATA)
         later.append((slot, generation))
 
-    return ArenaBackend(
-        Arena(tmp_path, "s1", 3, ARENA_BYTES),
-        SlotTable(ARENA_BYTES),
-        segment_id="s1",
-        incarnation=3,
-        secret=SECRET,
-        confirm=confirm,
-        confirm_later=None if later is None else confirm_later,
-        clock_ms=lambda: 1_000,
-    )
-
-
-def _ticket() -> WriteTicket:
-    return WriteTicket(
-        ticket_id=1,
-        key=ObjectKey(b"k1"),
-        segment_id="s1",
-        incarnation=3,
-        size_bytes=len(DATA),
-        checksum=checksum(DATA),
-        writer_id="w",
-        deadline_ms=60_000,
-        epoch=1,
-    )
+    return sync_backend(tmp_path, confirm, None if later is None else confirm_later)
 
 
 @pytest.mark.parametrize(("background", "stopped"), [(True, False), (False, False), (True, True)])
@@ -75,7 +47,7 @@ def test_a_confirm_without_a_verdict_keeps_the_slot_for_the_background_confirm(
         view[:] = DATA
 
     with pytest.raises(Indeterminate):  # the copier hears it all the same (and aborts its ticket)
-        backend.copy_in(sign_ticket(_ticket(), SECRET), fetch)
+        backend.copy_in(signed_ticket(DATA), fetch)
     held = [h.slot for h in backend.slots.held()]
     assert len(held) == (1 if kept else 0)
     if kept:

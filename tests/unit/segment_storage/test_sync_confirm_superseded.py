@@ -7,6 +7,7 @@ refusal still frees it, a stale segment incarnation's too (review of the fix).""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,38 @@ SECRET = b"unit-sync-confirm-secret-0123456789"
 ARENA_BYTES = 4 << 20
 
 
+def sync_backend(
+    tmp_path: Path, confirm: Callable[..., str], confirm_later: Callable[..., None] | None = None
+) -> ArenaBackend:
+    """Segment s1, incarnation 3, whose confirms are `confirm` (and `confirm_later`, if any)."""
+    return ArenaBackend(
+        Arena(tmp_path, "s1", 3, ARENA_BYTES),
+        SlotTable(ARENA_BYTES),
+        segment_id="s1",
+        incarnation=3,
+        secret=SECRET,
+        confirm=confirm,
+        confirm_later=confirm_later,
+        clock_ms=lambda: 1_000,
+    )
+
+
+def signed_ticket(data: bytes) -> WriteTicket:
+    """A write ticket for `data` on s1, signed with `SECRET`."""
+    ticket = WriteTicket(
+        ticket_id=1,
+        key=ObjectKey(b"k1"),
+        segment_id="s1",
+        incarnation=3,
+        size_bytes=len(data),
+        checksum=checksum(data),
+        writer_id="w",
+        deadline_ms=60_000,
+        epoch=1,
+    )
+    return sign_ticket(ticket, SECRET)
+
+
 @pytest.mark.parametrize(
     ("refusal", "kept"),
     [
@@ -38,28 +71,9 @@ def test_a_superseded_confirm_leaves_the_slot_to_the_successor(
     def confirm(*_: object) -> str:
         raise refusal
 
-    backend = ArenaBackend(
-        Arena(tmp_path, "s1", 3, ARENA_BYTES),
-        SlotTable(ARENA_BYTES),
-        segment_id="s1",
-        incarnation=3,
-        secret=SECRET,
-        confirm=confirm,
-        clock_ms=lambda: 1_000,
-    )
+    backend = sync_backend(tmp_path, confirm)
     data = b"x" * 4096
-    ticket = WriteTicket(
-        ticket_id=1,
-        key=ObjectKey(b"k1"),
-        segment_id="s1",
-        incarnation=3,
-        size_bytes=len(data),
-        checksum=checksum(data),
-        writer_id="w",
-        deadline_ms=60_000,
-        epoch=1,
-    )
-    put = backend.begin_put(sign_ticket(ticket, SECRET), conn=0)
+    put = backend.begin_put(signed_ticket(data), conn=0)
     put.view[:] = data
     with pytest.raises(type(refusal)):  # the writer hears it all the same
         backend.finish_put(put, conn=0)
