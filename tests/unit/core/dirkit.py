@@ -119,6 +119,17 @@ def put(
     return commit
 
 
+def one_group_and_a_copy_target(core: DirectoryCore) -> tuple[ChunkGroupId, str]:
+    """Segments s1 and s2, one group published on one of them: the group and the other segment
+    (where a copy of it may go)."""
+    register(core, "s1")
+    register(core, "s2")
+    (g,) = groups(1)
+    put(core, [key(g)])
+    there = lookup(core, [g]).objects[0].replicas[0].segment_id
+    return g, "s2" if there == "s1" else "s1"
+
+
 def lookup(
     core: DirectoryCore, gs: list[ChunkGroupId], now: int = 0, holder: str = "reader", ttl: int = 1000
 ) -> m.LookupReply:

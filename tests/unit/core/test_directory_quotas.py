@@ -13,7 +13,20 @@ from kvfabric.format.ids import ObjectKey
 from kvfabric.format.key import ChunkGroupId, ShareDomain, chunk_groups_for_prefix
 from kvfabric.proto import directory as m
 
-from .dirkit import DOMAIN, MODEL, SECRET, confirm_all, groups, key, layout, lookup, put, register, spec
+from .dirkit import (
+    DOMAIN,
+    MODEL,
+    SECRET,
+    confirm_all,
+    groups,
+    key,
+    layout,
+    lookup,
+    one_group_and_a_copy_target,
+    put,
+    register,
+    spec,
+)
 
 OTHER = ShareDomain(tenant_id="tenant-b", salt=b"o" * 16)
 A = DOMAIN.digest()
@@ -181,12 +194,7 @@ def test_tenant_table_is_bounded_least_recently_used_first() -> None:
 
 def test_extra_replicas_count_until_confirmed_or_expired() -> None:
     core = core_with(TenantQuota(bytes_max=150))
-    register(core, "s1")
-    register(core, "s2")
-    (g,) = groups(1)
-    put(core, [key(g)])
-    there = lookup(core, [g]).objects[0].replicas[0].segment_id
-    other = "s2" if there == "s1" else "s1"
+    g, other = one_group_and_a_copy_target(core)
     reply = core.handle(
         m.ReplicateBegin(writer_id="repair", request_id="1", key=key(g), segment_id=other), 0
     ).reply

@@ -13,7 +13,7 @@ from kvfabric.format.errors import BadRequest, BatchTooLarge, StaleGeneration
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import SSD_SLOT_BASE
-from tests.unit.core.dirkit import groups, key, lookup, new_core, put, register
+from tests.unit.core.dirkit import groups, key, lookup, new_core, one_group_and_a_copy_target, put, register
 
 N = 6
 
@@ -157,12 +157,7 @@ def test_a_copys_source_tokens_live_no_longer_than_a_lease() -> None:
     """A copy's source read tokens lasted its write TTL (up to 600 s), past the wait a drained
     replica's drop gives its readers (`lease_ttl_ms_max` + skew): now at most a lease's."""
     core = new_core(lease_ttl_ms_max=60_000)
-    register(core, "s1")
-    register(core, "s2")
-    (g,) = groups(1)
-    put(core, [key(g)])
-    there = lookup(core, [g]).objects[0].replicas[0].segment_id
-    other = "s2" if there == "s1" else "s1"
+    g, other = one_group_and_a_copy_target(core)
     begin = m.ReplicateBegin(
         writer_id="repair", request_id="1", key=key(g), segment_id=other, write_ttl_ms=600_000
     )
