@@ -48,7 +48,7 @@ class _HealthClient:
         return _Answer()
 
     async def aclose(self) -> None:
-        pass
+        """Nothing to close (no connections)."""
 
 
 def _proxy() -> Proxy:

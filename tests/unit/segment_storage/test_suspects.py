@@ -165,7 +165,7 @@ def test_checks_hash_at_most_the_byte_rate() -> None:
         backend, now = Backend(), [100.0]
 
         async def report(found: CorruptObject) -> None:
-            pass
+            """None is corrupt here."""
 
         suspects = SuspectChecker(
             cast(Any, backend), 7, report, clock_s=lambda: now[0], bytes_per_s=4096 / 0.2

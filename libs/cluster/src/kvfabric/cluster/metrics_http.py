@@ -86,7 +86,7 @@ class _QuietHandler(WSGIRequestHandler):
             self.close_connection = True
 
     def log_message(self, format: str, *args: object) -> None:
-        pass
+        """No access log: a line per scrape on stderr broke the JSON log lines."""
 
 
 class MetricsServer:

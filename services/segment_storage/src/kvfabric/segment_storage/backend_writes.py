@@ -5,6 +5,8 @@ abort, and a copy from another segment as a PUT whose transport is a fetch. A mi
 
 from __future__ import annotations
 
+import contextlib
+
 import msgspec
 
 from kvfabric.dataplane.backend import PutClaim, PutSlot
@@ -167,14 +169,15 @@ class BackendWrites(BackendCore):
         """A stored slot whose confirm (under `ticket`, with the stored checksum) got no verdict:
         to the background confirms, or freed when there are none (a backend without a shell)
         or they stopped."""
+        kept = False
         if self.confirm_later is not None:
-            try:
+            with contextlib.suppress(KvfError):  # (they stopped: freed below, as without them)
                 self.confirm_later(ticket, put.slot, put.slot_generation, put.trace_id)
-                self.count("confirm_indeterminate_kept_total")
-                return
-            except KvfError:
-                pass
-        self._free(put.slot, put.slot_generation)
+                kept = True
+        if kept:
+            self.count("confirm_indeterminate_kept_total")
+        else:
+            self._free(put.slot, put.slot_generation)
 
     def unconfirmed(self, slot: int, generation: int, verdict: str) -> None:
         """The background confirm of a receipted write was refused (`unknown_ticket`,
