@@ -198,19 +198,20 @@ def test_density_recompute_every_must_be_positive() -> None:
 
 def test_a_class_set_aside_while_a_take_compacts_the_heaps_is_pushed_back() -> None:
     """A leaf of another pool is set aside (its class heap then empty) while the class heaps sit
-    at their compaction bound; taking a victim pushes its parent, which compacts them and drops
-    the empty class. The set-aside entry goes back all the same (it raised KeyError, ending the
-    policy's ticker)."""
+    at their compaction bound (stale entries of removed objects); taking a victim pushes its
+    parent, which compacts them and drops the empty class. The set-aside entry goes back all the
+    same (it raised KeyError, ending the policy's ticker)."""
     core = EvictionCore(EvictionConfig(policy="density", high_watermark=0.5, low_watermark=0.1, batch_max=10))
     core.set_capacity("p", 100)
     core.set_capacity("q", 1000)
     core.insert("A", tenant="t", pool="q", size=1, parent=None, chunk_index=0, now_ms=0, prompt_chunks=64)
     core.insert("P", tenant="t", pool="p", size=30, parent=None, chunk_index=0, now_ms=1, prompt_chunks=2)
     core.insert("C", tenant="t", pool="p", size=30, parent="P", chunk_index=1, now_ms=1, prompt_chunks=2)
-    now = 2
+    now, junk = 2, 0
     while core._class_entries < 4 * len(core) + 1024:
-        core.access("C", now)
-        now += 1
+        core.insert(f"x{junk}", tenant="t", pool="r", size=1, parent=None, chunk_index=0, now_ms=now)
+        core.removed(f"x{junk}")
+        now, junk = now + 1, junk + 1
     batches = [e for e in core.tick(now) if isinstance(e, EvictBatch)]
     assert [(b.pool, b.victims) for b in batches] == [("p", ("C", "P"))]
     core.check_invariants()

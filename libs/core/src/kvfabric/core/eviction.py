@@ -133,7 +133,7 @@ from kvfabric.core.eviction_model import (
     TenantQuota,
     Tracked,
 )
-from kvfabric.core.eviction_ranking import LRU2_HISTORY_FLOOR, LeafRanking
+from kvfabric.core.eviction_ranking import LRU2_HISTORY_FLOOR, HeapEntry, LeafRanking
 from kvfabric.core.eviction_reuse import ReusePredictor, reuse_class
 from kvfabric.core.eviction_s3fifo import S3Fifo
 from kvfabric.core.eviction_sieve import Sieve
@@ -424,7 +424,10 @@ class EvictionCore(LeafRanking):
             self._predictor.named(object_id)
             self._predictor.track(object_id, self._reuse_class(obj), len(self._objects))
         if self._density is not None:
-            obj.density_class = self._density.name(object_id, now_ms, obj.prompt_chunks, obj.frequency)
+            density_cls = self._density.name(object_id, now_ms, obj.prompt_chunks, obj.frequency)
+            if density_cls != obj.density_class:
+                obj.density_class = density_cls
+                obj.version = 0  # its entry is in the old class's heap: `_push` queues a new one
             self._density.trim(len(self._objects))
         if self._order is not None and not obj.evicting:
             self._order.accessed(object_id)
@@ -1086,12 +1089,46 @@ class EvictionCore(LeafRanking):
             self._density.check(len(self._objects))
             entries = sum(map(len, self._class_heaps.values()))
             invariant(entries <= self._class_entries, "class heap entries miscounted")
+        if self._order is None:
+            self._check_entries()
         for object_id, obj in self._objects.items():
             invariant(obj.children == children.get(object_id, 0), "child count drifted", object_id=object_id)
             invariant(
                 obj.children_evicting == evicting_children.get(object_id, 0),
                 "evicting child count drifted",
                 object_id=object_id,
+            )
+
+    def _check_entries(self) -> None:
+        """Heap policies: an object's current entry is in its heap once, at or below its key (so a
+        settled head is the least key), and every object that may go now has one."""
+        heaps: list[tuple[DensityClass | None, list[HeapEntry]]] = (
+            [(None, self._heap)] if self._density is None else list(self._class_heaps.items())
+        )
+        current: dict[int, tuple[DensityClass | None, HeapEntry]] = {}
+        for where, heap in heaps:
+            for entry in heap:
+                obj = self._objects.get(entry[3])
+                if obj is not None and obj.version == entry[2]:
+                    invariant(entry[2] not in current, "two current entries", object_id=entry[3])
+                    current[entry[2]] = (where, entry)
+        for object_id, obj in self._objects.items():
+            if obj.version == 0:
+                invariant(
+                    not self._evictable(obj), "a leaf that may go has no heap entry", object_id=object_id
+                )
+                continue
+            found = current.get(obj.version)
+            invariant(found is not None, "an object's current entry is not in a heap", object_id=object_id)
+            assert found is not None
+            where, entry = found
+            invariant(
+                where == (None if self._density is None else obj.density_class),
+                "an entry in another class's heap",
+                object_id=object_id,
+            )
+            invariant(
+                entry[:2] <= (obj.priority, obj.rank_seq), "an entry above its key", object_id=object_id
             )
 
     def _check_links(self, early: dict[ObjectId, int]) -> None:

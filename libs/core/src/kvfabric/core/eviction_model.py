@@ -156,8 +156,11 @@ class Tracked:
     # each doubles the next cooldown; back to 0 on any other refusal, or when an attempt succeeds
     # without removing it (a tier move)
     refusals: int = 0
-    version: int = 0  # its latest heap entry's sequence number (older entries are stale)
-    priority: float = 0.0  # its latest heap entry's priority (gdsf's clock rises to a victim's)
+    # heap policies (`eviction_ranking`): its current heap entry's sequence number (0: none in a
+    # heap; other entries naming it are stale), and its key: the entry is re-keyed to it lazily
+    version: int = 0
+    priority: float = 0.0  # its rank (density: last access; gdsf's clock rises to a victim's)
+    rank_seq: int = 0  # when the rank was last set: ties of priority go in this order
     turn: int = 1  # reuse: the prefix's generation (`kvfabric.core.eviction_reuse`)
     prompt_chunks: int = 1  # reuse: chunks of the prompt that wrote it
     density_class: DensityClass = (1, 1)  # density: (namings, length) (`eviction_density`)

@@ -31,6 +31,18 @@ rule): `sieve` (`eviction_sieve`), `s3fifo` (`eviction_s3fifo`), `wtinylfu`
   learning, bounds; after LHD, NSDI 2018): per class a heap of leaves by last access, the victim
   is the class head with the lowest density per byte at its age. Not a single-heap priority:
   a chunk's density depends on its age, so classes are compared at eviction time.
+
+## Entries (one per object, re-keyed lazily)
+An object has at most one current heap entry (`Tracked.version` names it; 0: none). A rank
+change keeps it when the rank rises (a hit under lru, lru2, gdsf, density: the usual case), only
+recording the new key `(priority, rank_seq)` on the object; the entry is re-keyed when it reaches
+a heap's head (`_settle`). A rank that falls (reuse's learned rate, a size growing under gdsf)
+or a density class that changes pushes a new entry, and the old one goes stale. So a heap's
+settled head is the least key of all, as if every change had pushed (an entry's key is never
+above its object's), and hits push nothing: every hit used to push, and compaction (an O(n)
+scan) ran inside one call every ~3n hits (143 ms at 100,000 objects; review, stop 69). Stale
+entries (removed objects', fallen ranks', changed classes') still count towards the bound that
+compacts.
 """
 
 from __future__ import annotations
@@ -61,11 +73,13 @@ __all__ = [
 LRU2_SINGLE_ACCESS_MS: Final = 1 << 50  # an object seen once ranks this long before its access
 LRU2_HISTORY_FLOOR: Final = 1024  # removed objects' last accesses kept, at least
 # The heap (density's class heaps together) is compacted past this many entries an object, plus
-# the slack: stale entries (a hit pushes a new one) go, so it stays within a multiple of them.
+# the slack: stale entries (a removed object's, a fallen rank's) go, so it stays within a multiple
+# of them.
 HEAP_ENTRIES_PER_OBJECT: Final = 4
 HEAP_ENTRIES_SLACK: Final = 1024
 
-# A heap entry: (priority, or last access for density's class heaps; seq; version; id)
+# A heap entry: (priority, or last access for density's class heaps; rank seq; version; id): its
+# key is the first two, the object's key when pushed or last re-keyed (`_settle`)
 HeapEntry = tuple[float, int, int, ObjectId]
 
 
@@ -81,7 +95,7 @@ class LeafRanking:
     _density: DensityPredictor | None
     # The ranking's own
     _heap: list[HeapEntry]  # leaves by priority (heap policies), stale entries skipped
-    _seq: int
+    _seq: int  # push and rank-change sequence: ties of priority go in rank-change order
     _clock: float  # GDSF inflation
     _class_heaps: dict[DensityClass, list[HeapEntry]]
     _class_entries: int
@@ -112,7 +126,7 @@ class LeafRanking:
                 hit_density_per_byte_ms=self._density_score(obj, self._now_ms),
             )
         elif self._order is None:
-            out["priority"] = obj.priority  # as ranked in the heap (its last push)
+            out["priority"] = obj.priority  # as ranked (its entry is re-keyed to it when it heads the heap)
         if self._predictor is not None:
             cls = self._reuse_class(obj)
             out.update(
@@ -127,23 +141,29 @@ class LeafRanking:
         """`obj` may be taken now: not already chosen, and (prefix order) no child stays."""
         return not obj.evicting and not (self.config.prefix_order and obj.children > obj.children_evicting)
 
-    def _live_leaf(self, entry: HeapEntry) -> Tracked | None:
-        """The object a heap entry names when the entry is current (not stale: the object is
-        tracked at the entry's version) and the object `_evictable`; None otherwise."""
-        obj = self._objects.get(entry[3])
-        if obj is None or obj.version != entry[2] or not self._evictable(obj):
-            return None
-        return obj
+    def _settle(self, heap: list[HeapEntry]) -> Tracked | None:
+        """The evictable leaf whose entry heads `heap` once the head is settled, None when the
+        heap runs out: stale entries are dropped, an entry behind its object's key is re-keyed
+        (replaced at the key), and an object that may not go now (a child stays, or chosen
+        already) loses its entry (version 0: `_push` queues it again when it may go)."""
+        while heap:
+            entry = heap[0]
+            obj = self._objects.get(entry[3])
+            if obj is None or obj.version != entry[2]:
+                heapq.heappop(heap)  # stale: its object gone, or a newer entry of it pushed
+            elif entry[0] != obj.priority or entry[1] != obj.rank_seq:
+                heapq.heapreplace(heap, (obj.priority, obj.rank_seq, entry[2], entry[3]))
+            elif not self._evictable(obj):
+                heapq.heappop(heap)
+                obj.version = 0
+            else:
+                return obj
+        return None
 
     def _frontier(self) -> float | None:
-        """The lowest priority of an evictable leaf (any pool), dropping stale heap entries on
-        the way (as `_evict` would); None when there is none."""
-        while self._heap:
-            if self._live_leaf(self._heap[0]) is None:
-                heapq.heappop(self._heap)  # re-pushed when it becomes a leaf again
-                continue
-            return self._heap[0][0]
-        return None
+        """The lowest priority of an evictable leaf (any pool), settling the heap's head on the
+        way (as `_evict` would); None when there is none."""
+        return None if self._settle(self._heap) is None else self._heap[0][0]
 
     def _density_score(self, obj: Tracked, now_ms: int) -> float:
         """density: expected hits per byte-ms of `obj` at its age (lower goes first)."""
@@ -152,19 +172,17 @@ class LeafRanking:
 
     def _density_lowest(self, now_ms: int) -> tuple[float, DensityClass] | None:
         """density: the evictable leaf with the lowest density per byte, as (density, class)
-        (its entry heads that class's heap; ties: least recent first), dropping stale heads on
-        the way; None when there is none. O(classes) plus the stale entries dropped."""
+        (its entry heads that class's heap; ties: least recent first, then the lower class: the
+        heaps' dict order followed their compaction history), settling each head on the way;
+        None when there is none. O(classes) plus the entries settled."""
         best: tuple[float, float, DensityClass] | None = None
         for cls, heap in self._class_heaps.items():
-            while heap:
-                obj = self._live_leaf(heap[0])
-                if obj is None:
-                    heapq.heappop(heap)  # re-pushed when it becomes a leaf again
-                    continue
-                candidate = (self._density_score(obj, now_ms), heap[0][0], cls)
-                if best is None or candidate[:2] < best[:2]:
-                    best = candidate
-                break
+            obj = self._settle(heap)
+            if obj is None:
+                continue
+            candidate = (self._density_score(obj, now_ms), heap[0][0], cls)
+            if best is None or candidate < best:
+                best = candidate
         return None if best is None else (best[0], best[2])
 
     def _density_frontier(self, now_ms: int) -> float | None:
@@ -205,27 +223,34 @@ class LeafRanking:
         return self._clock + obj.frequency * cost / obj.size
 
     def _push(self, object_id: ObjectId, obj: Tracked) -> None:
+        """`obj`'s rank may have changed, or it may be a leaf again: its key is recorded, and a
+        new entry pushed unless its current one is at or below the key (module docstring). A
+        density class change must zero `version` first (the entry is in the old class's heap)."""
         if self._order is not None:
             return  # a queue policy keeps its own order
-        # The version is the push's sequence number, unique over the core's life: an id removed
+        priority = float(obj.last_access_ms) if self._density is not None else self._priority(obj)
+        # Sequence numbers are unique over the core's life, and a version is one: an id removed
         # and inserted again (a republish, a demoted group's move) starts a new record, and its
         # old entries, still in the heap, must never match it (a per-record count restarting at
         # 1 did: the record was then ranked by its previous life's priority).
         self._seq += 1
+        risen = obj.version != 0 and priority >= obj.priority
+        obj.priority, obj.rank_seq = priority, self._seq
+        if risen:
+            return  # its entry, below the new key, is re-keyed when it heads the heap
         obj.version = self._seq
+        entry = (priority, self._seq, self._seq, object_id)
         if self._density is not None:
-            entry = (float(obj.last_access_ms), self._seq, obj.version, object_id)
             heapq.heappush(self._class_heaps.setdefault(obj.density_class, []), entry)
             self._class_entries += 1  # pops are not counted: an upper bound, reset by _compact
             if self._class_entries > HEAP_ENTRIES_PER_OBJECT * len(self._objects) + HEAP_ENTRIES_SLACK:
                 self._compact()
             return
-        obj.priority = self._priority(obj)
-        heapq.heappush(self._heap, (obj.priority, self._seq, obj.version, object_id))
+        heapq.heappush(self._heap, entry)
         if len(self._heap) > HEAP_ENTRIES_PER_OBJECT * len(self._objects) + HEAP_ENTRIES_SLACK:
-            # every hit pushes an entry: compacted only in a pass, the heap grew by one a hit
-            # while no pool was pressed (200,000 hits on 1,000 objects: 201,000 entries, and
-            # the next pass popped them all, 1.6 s at 850,000; review, stop 67)
+            # compacted on a push, not only in a pass: with no pool pressed, stale entries (of
+            # removed objects) grew the heap without bound, and the next pass popped them all
+            # (1.6 s at 850,000 entries when every hit pushed; review, stop 67)
             self._compact()
 
     def _offer(
@@ -267,26 +292,28 @@ class LeafRanking:
                     break
                 cls = lowest[1]
                 examined += 1
-                entry = heapq.heappop(self._class_heaps[cls])
+                entry = heapq.heappop(self._class_heaps[cls])  # settled by `_density_lowest`
                 candidate = self._objects[entry[3]]
                 if skipped(candidate):
                     set_aside.append((cls, entry))
                     continue
+                candidate.version = 0  # its entry is gone: `_push` queues it again if it stays
                 freed += take(entry[3], candidate)[0]
             for cls, entry in set_aside:  # a `take` may have compacted the heaps: its class gone
                 heapq.heappush(self._class_heaps.setdefault(cls, []), entry)
                 self._class_entries += 1
         else:
             passed: list[HeapEntry] = []
-            while self._heap and freed < excess and len(victims) < self.config.batch_max:
+            while freed < excess and len(victims) < self.config.batch_max:
+                obj = self._settle(self._heap)
+                if obj is None:
+                    break
                 examined += 1
                 entry = heapq.heappop(self._heap)
-                obj = self._live_leaf(entry)
-                if obj is None:
-                    continue  # stale entry, already chosen, or its tail stays (re-pushed when it goes)
                 if skipped(obj):
                     passed.append(entry)
                     continue
+                obj.version = 0  # its entry is gone: `_push` queues it again if it stays
                 freed += take(entry[3], obj)[0]
             for entry in passed:
                 heapq.heappush(self._heap, entry)
