@@ -1,9 +1,15 @@
 """Signing write tickets: the directory signs, segments verify (pure; no I/O). And the other
 way round for write receipts: a segment signs what it stored, the directory verifies.
 
-A ticket is signed with a keyed BLAKE2b MAC (32 bytes) over the msgpack encoding of the ticket
-with an empty signature, keyed by the cluster secret that the directory and every segment share
-(clients never hold it, so they cannot forge a placement, a size or a checksum).
+A ticket is signed with a keyed BLAKE2b MAC (32 bytes) over the msgpack encoding of an explicit
+list of its fields (`TICKET_MAC_FIELDS`, in that order), keyed by the cluster secret that the
+directory and every segment share (clients never hold it, so they cannot forge a placement, a
+size or a checksum). Not over the struct's own encoding: a receiver re-encodes what it decoded,
+so a field one build has and another lacks (a defaulted field added in a rolling upgrade) broke
+every PUT between them. A field added to `WriteTicket` is outside the MAC unless the MAC's
+version (`_PERSON`) changes with it, after every segment verifies the new version. Segments still
+accept the MAC of builds before 2026-12-07 (over the whole encoding) so that such a build's
+directory keeps working while segments are upgraded first.
 
 A ticket that carries no checksum (the writer named none at put_begin: the segment's hash of what
 it stores becomes the object's) binds no bytes, so its signature doubles as the writer's key: it
@@ -33,6 +39,7 @@ __all__ = [
     "CLAIM_PROOF_BYTES",
     "READ_TOKEN_BYTES",
     "SECRET_BYTES_MIN",
+    "TICKET_MAC_FIELDS",
     "WRITE_RECEIPT_BYTES",
     "claim_proof",
     "claim_proof_valid",
@@ -47,14 +54,50 @@ __all__ = [
 ]
 
 SECRET_BYTES_MIN: Final = 16
-_PERSON: Final = b"kvf1/ticket"
+_PERSON: Final = b"kvf2/ticket"
+_LEGACY_PERSON: Final = b"kvf1/ticket"  # builds before 2026-12-07: the whole struct's encoding
+# What a ticket's MAC covers, in this order (every field but `signature`, as of kvf2).
+TICKET_MAC_FIELDS: Final = (
+    "ticket_id",
+    "key",
+    "segment_id",
+    "incarnation",
+    "size_bytes",
+    "checksum",
+    "writer_id",
+    "deadline_ms",
+    "epoch",
+    "data_addr",
+    "shard",
+)
+
+
+def _check_secret(secret: bytes) -> None:
+    if len(secret) < SECRET_BYTES_MIN:
+        raise ValueError(f"cluster secret must be at least {SECRET_BYTES_MIN} bytes")
 
 
 def _mac(ticket: WriteTicket, secret: bytes) -> bytes:
-    if len(secret) < SECRET_BYTES_MIN:
-        raise ValueError(f"cluster secret must be at least {SECRET_BYTES_MIN} bytes")
-    body = encode(msgspec.structs.replace(ticket, signature=b""))
+    _check_secret(secret)
+    body = msgspec.msgpack.encode([getattr(ticket, name) for name in TICKET_MAC_FIELDS])
     return hashlib.blake2b(body, key=secret[:64], digest_size=32, person=_PERSON).digest()
+
+
+def _legacy_mac(ticket: WriteTicket, secret: bytes) -> bytes:
+    """The MAC a directory of a build before 2026-12-07 signed with (verified, never signed)."""
+    _check_secret(secret)
+    body = encode(msgspec.structs.replace(ticket, signature=b""))
+    return hashlib.blake2b(body, key=secret[:64], digest_size=32, person=_LEGACY_PERSON).digest()
+
+
+def _signature_of(ticket: WriteTicket, secret: bytes) -> bytes | None:
+    """The MAC that `ticket.signature` is (or seals, for a checksum-less ticket): this build's, or
+    an older directory's; None when it is neither."""
+    for mac_of in (_mac, _legacy_mac):
+        mac = mac_of(ticket, secret)
+        if hmac.compare_digest(ticket.signature, _seal(mac) if not ticket.checksum else mac):
+            return mac
+    return None
 
 
 def sign_ticket(ticket: WriteTicket, secret: bytes) -> WriteTicket:
@@ -64,8 +107,7 @@ def sign_ticket(ticket: WriteTicket, secret: bytes) -> WriteTicket:
 def ticket_signature_valid(ticket: WriteTicket, secret: bytes) -> bool:
     """A ticket with a checksum: its signature; one without: sealed (`sealed_ticket`) only, so a
     checksum-less ticket's key never has to cross the data plane."""
-    mac = _mac(ticket, secret)
-    return hmac.compare_digest(ticket.signature, _seal(mac) if not ticket.checksum else mac)
+    return _signature_of(ticket, secret) is not None
 
 
 # ---- checksum-less tickets on the data plane: sealed, with a proof of the claimed checksum -----
@@ -96,9 +138,14 @@ def claim_proof(ticket: WriteTicket, claimed: bytes) -> bytes:
 
 def claim_proof_valid(ticket: WriteTicket, secret: bytes, claimed: bytes, proof: bytes) -> bool:
     """Whether `proof` is the writer's for `claimed` under `ticket` (sealed or not: the segment
-    recomputes the signature from the secret)."""
-    signed = msgspec.structs.replace(ticket, signature=_mac(ticket, secret))
-    return len(proof) == CLAIM_PROOF_BYTES and hmac.compare_digest(proof, claim_proof(signed, claimed))
+    recomputes the signature from the secret; an older directory's too)."""
+    if len(proof) != CLAIM_PROOF_BYTES:
+        return False
+    for mac_of in (_mac, _legacy_mac):
+        signed = msgspec.structs.replace(ticket, signature=mac_of(ticket, secret))
+        if hmac.compare_digest(proof, claim_proof(signed, claimed)):
+            return True
+    return False
 
 
 # ---- read tokens: no lease, no bytes ---------------------------------------------------------
@@ -114,8 +161,7 @@ _READ_FIELDS: Final = struct.Struct("<QQQQQ")
 def read_token(
     secret: bytes, segment_id: str, incarnation: int, slot: int, generation: int, size: int, expires_ms: int
 ) -> bytes:
-    if len(secret) < SECRET_BYTES_MIN:
-        raise ValueError(f"cluster secret must be at least {SECRET_BYTES_MIN} bytes")
+    _check_secret(secret)
     name = segment_id.encode()
     body = len(name).to_bytes(1, "little") + name  # segment ids are at most 64 ASCII characters
     # Masked to u64: the segment checks references as received, whatever integers they hold.
