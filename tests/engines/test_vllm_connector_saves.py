@@ -1023,3 +1023,68 @@ def test_a_request_scheduled_as_new_again_keeps_what_it_knew(scheduler_side: Any
     first = schedule(connector, "s", tokens, local_tokens=0)  # a miss: its three blocks saved
     assert [(s.first_chunk, s.block_ids) for s in first.saves] == [(0, [100, 101, 102])]
     assert schedule(connector, "s", tokens, local_tokens=3 * BLOCK).saves == []
+
+
+def _two_free_ports() -> int:
+    """A port P with P + 1 free too (checked, not reserved: another process may take them)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return int(port)
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_a_fixed_metrics_port_is_the_schedulers_and_the_worker_serves_on_the_next(engine_config: Any) -> None:
+    """Both sides' clients run on one host: with the same fixed port the second to bind it ran
+    without the cache (`config_error`; review, stop 69)."""
+    import copy
+    import time
+    import urllib.request
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.engines.vllm_connector import make_client
+
+    port = _two_free_ports()
+    config = copy.deepcopy(engine_config)
+    config.kv_transfer_config.kv_connector_extra_config = {
+        **config.kv_transfer_config.kv_connector_extra_config,
+        "metrics_port": port,
+    }
+    clients = [make_client(config, KVConnectorRole.SCHEDULER), make_client(config, KVConnectorRole.WORKER)]
+    try:
+        deadline = time.monotonic() + 30
+        while any(c.status.state == "starting" for c in clients) and time.monotonic() < deadline:
+            time.sleep(0.05)  # no cluster here: each start ends `nats_unreachable`, its metrics served
+        assert [c.status.cause for c in clients] == ["nats_unreachable", "nats_unreachable"]
+        for served in (port, port + 1):
+            with urllib.request.urlopen(f"http://127.0.0.1:{served}/metrics", timeout=10) as reply:
+                assert b"kvfabric_client_fallbacks_total" in reply.read()
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_a_worker_has_no_port_after_65535() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.client import ClientSettings
+    from kvfabric.engines.vllm_connector import worker_metrics_port
+
+    settings = ClientSettings(nats_url="nats://127.0.0.1:1", metrics_port=65535)
+    assert worker_metrics_port(settings, KVConnectorRole.SCHEDULER).metrics_port == 65535
+    with pytest.raises(ValueError, match="none follows"):
+        worker_metrics_port(settings, KVConnectorRole.WORKER)
+    for port in (0, -1):
+        unchanged = ClientSettings(nats_url="nats://127.0.0.1:1", metrics_port=port)
+        assert worker_metrics_port(unchanged, KVConnectorRole.WORKER).metrics_port == port

@@ -15,7 +15,8 @@ Extra config keys: `nats_url` (or env KVF_CLIENT_NATS_URL), `tenant_id`, `domain
 (default: derived from vLLM version, platform, CPU ISA, block size, KV shape and dtype),
 `lookup_wait_ms` (20: how long the scheduler waits for a new request's lookup before answering
 "ask again"; 0: never waits), and any `ClientSettings` field (timeouts, limits, `thread_cpus`:
-docs/engines.md says why it is left to inherit vLLM's pinned compute CPU by default).
+docs/engines.md says why it is left to inherit vLLM's pinned compute CPU by default; a fixed
+`metrics_port` is the scheduler side's, the worker side serves on the next one).
 
 ## How it works
 - One chunk = one vLLM block (`tokens_per_chunk = block_size`); one object = that block of
@@ -298,6 +299,19 @@ def _pinned_revision(revision: str | None) -> str:
     return ""
 
 
+def worker_metrics_port(settings: ClientSettings, role: KVConnectorRole) -> ClientSettings:
+    """The worker side's client serves metrics on the port after a fixed `metrics_port` (the
+    scheduler side's is the port itself): both run on one host, and the second to bind the same
+    port ran without the cache (`config_error`; review, stop 69). 0 (any free port) and -1
+    (none) are the same for both. ValueError when no port follows it."""
+    port = settings.metrics_port
+    if role == KVConnectorRole.SCHEDULER or port <= 0:
+        return settings
+    if port >= 65535:
+        raise ValueError(f"metrics_port {port}: the worker side serves on the next port, and none follows it")
+    return msgspec.structs.replace(settings, metrics_port=port + 1)
+
+
 def make_client(vllm_config: VllmConfig, role: KVConnectorRole) -> KvClient:
     """The connector's client, starting in the background; a disabled one (cause `config_error`)
     when its settings cannot be read (or the model's weight files, for their digest: a missing or
@@ -307,7 +321,7 @@ def make_client(vllm_config: VllmConfig, role: KVConnectorRole) -> KvClient:
     overrides = {k: v for k, v in extra.items() if k in _CLIENT_FIELDS}
     log_level = None if role == KVConnectorRole.SCHEDULER else logging.INFO
     try:
-        settings = settings_from_env(**overrides)
+        settings = worker_metrics_port(settings_from_env(**overrides), role)
         spec = engine_spec(vllm_config, extra)
     except (KvfError, ValueError, TypeError, OSError) as exc:  # OSError: reading the weights' digest
         detail = exc.message if isinstance(exc, KvfError) else f"{type(exc).__name__}: {exc}"
