@@ -408,9 +408,8 @@ class KvfabricStorage(HiCacheStorage):
             return new_pages(result.tokens // hit.tokens_per_chunk, first, wanted)
         finally:
             with self._lock:
-                if not fresh:
-                    self._held.done_with(hit)
-                done = self._held.finished(chain, end)
+                done = [] if fresh else self._held.done_with(hit)
+                done += self._held.finished(chain, end)
             if fresh:
                 self._release([hit])
             self._release(done)

@@ -29,9 +29,10 @@ was told (a prefetch revoked below its threshold, terminated, or cut to the mini
 ranks): such hits are given back after `hold_ms` (`HeldHits.expired`, checked on every call),
 and the table holds at most `held_max` (the oldest is given back first); the directory expires
 any lease the client never gives back. Invariants: every hit that enters the table leaves it
-exactly once (through `covering`'s caller's `finished`, `expired`, an eviction by `hold`, or
-`drain`), and the table never holds more than `held_max` hits but those a get is loading
-under (`covering`: kept past the bound until `done_with`).
+exactly once (through `covering`'s caller's `finished`, `expired`, an eviction by `hold`,
+`drain`, or, drained while a get loaded under it, that get's `done_with`), no hit leaves while a
+get loads under it, and the table never holds more than `held_max` hits but those a get is
+loading under (`covering`: kept past the bound until `done_with`).
 """
 
 from __future__ import annotations
@@ -111,6 +112,9 @@ class _Held:
     # back meanwhile, whatever expires or crowds it out (review, 2026-12-05: another thread's
     # `hold`, an expiry or another get's `finished` released it while a load ran under it)
     users: int = 0
+    # `drain` came while gets loaded under it: no new get takes it, and the last of those gives
+    # it back (`done_with`; review, stop 69: `drain` gave the lease back under a running load)
+    drained: bool = False
 
 
 def _on_chain(hit: Hit, chain: Sequence[bytes]) -> bool:
@@ -185,6 +189,7 @@ class HeldHits:
             hit = held.hit
             if (
                 hit.chunks >= end
+                and not held.drained
                 and _on_chain(hit, chain[:end])
                 and (best is None or (hit.chunks, held.seq) < (best.hit.chunks, best.seq))
             ):
@@ -194,12 +199,14 @@ class HeldHits:
         best.users += 1
         return best.hit
 
-    def done_with(self, hit: Hit) -> None:
-        """A get that `covering` gave `hit` is done loading under its lease."""
+    def done_with(self, hit: Hit) -> list[Hit]:
+        """A get that `covering` gave `hit` is done loading under its lease: the hit itself when
+        it was drained meanwhile and no other get still loads under it."""
         for held in self._of_hit.get(id(hit), {}).values():
             if held.users:
                 held.users -= 1
-                return
+                return self._drop([held]) if held.drained and not held.users else []
+        return []
 
     def finished(self, chain: Sequence[bytes], end: int) -> list[Hit]:
         """A get of `chain` reached chunk `end`: every held hit on it ending there or before (but
@@ -236,13 +243,11 @@ class HeldHits:
         return [h.hit for h in gone]
 
     def drain(self) -> list[Hit]:
-        """Every held hit (clear, close)."""
-        out = [h.hit for h in self._held.values()]
-        self._held.clear()
-        self._pages.clear()
-        self._longer.clear()
-        self._of_hit.clear()
-        return out
+        """Every held hit no get loads under now (clear, close); those in use stay until their
+        last get is `done_with` them, and no new get takes them."""
+        for held in self._held.values():
+            held.drained = True
+        return self._drop([h for h in self._held.values() if not h.users])
 
 
 # ---- identity ------------------------------------------------------------------------------------
