@@ -7,14 +7,17 @@ response; a non-ASCII trace id from the client made the engine request unencodab
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import httpx
 import pytest
+from starlette.requests import Request
 
+from kvfabric.proto.common import TRACE_ID_CHARS_MAX, trace_id_of
 from kvfabric.router import proxy as proxy_module
-from kvfabric.router.proxy import _Failed, _trace_id
-from tests.unit.router.test_proxy_request_end import FakeResponse, _call, _chunks, _proxy
+from kvfabric.router.proxy import _Failed
+from tests.unit.router.test_proxy_request_end import FakeResponse, _call, _chunks, _proxy, asgi_scope
 
 
 def _open_with(handler: Any) -> str:
@@ -55,14 +58,25 @@ def test_a_write_that_timed_out_is_failed_over_not_a_response_timeout() -> None:
     assert _open_with(read_timeout) == "timeout"  # (not streamed: 504, the engine may be generating)
 
 
-def test_a_trace_id_that_is_not_printable_ascii_is_replaced() -> None:
-    assert _trace_id("abc-123") == "abc-123"
-    assert _trace_id("x" * 500) == "x" * proxy_module.TRACE_CHARS_MAX
-    cut = _trace_id("a" * (proxy_module.TRACE_CHARS_MAX - 1) + " b")  # cut to end in a space
-    assert cut == "a" * (proxy_module.TRACE_CHARS_MAX - 1)  # stripped: h11 refuses the space
-    for bad in ("caf\xe9", "a\nb", "", "   ", None):
-        new = _trace_id(bad)
-        assert new != bad and new.isascii() and len(new) == 32
+def test_the_router_keeps_a_trace_id_as_the_engines_client_would() -> None:
+    """The router's rule is the clients' (`trace_id_of`): an id the engine's client would replace
+    (a space in it) was kept by the router, so the trace broke at the engine (stop 70); a latin-1
+    byte made the engine request unencodable (a 500; review, stop 68)."""
+    proxy = _proxy()
+    proxy.settings = dataclasses.replace(proxy.settings, api_keys={})  # every request: 401
+
+    def traced(given: bytes) -> str:
+        scope = asgi_scope()
+        scope["headers"] = [*scope["headers"], (b"x-kvf-trace-id", given)]
+        response = asyncio.run(proxy.completions(Request(scope)))
+        assert response.status_code == 401
+        return str(response.headers["x-kvf-trace-id"])
+
+    assert traced(b"cmpl-42-0") == "cmpl-42-0"
+    assert traced(b"x" * 500) == "x" * TRACE_ID_CHARS_MAX
+    for bad in (b"caf\xe9", b"a b", b" "):
+        new = traced(bad)
+        assert new != bad.decode("latin-1") and new == trace_id_of(new) and len(new) == 32
 
 
 def test_headers_that_cannot_be_relayed_end_the_request_with_502() -> None:

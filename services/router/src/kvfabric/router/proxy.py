@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Final
@@ -52,6 +51,7 @@ from kvfabric.core.routing import Decision, Refused, RoutingCore, prompt_keys
 from kvfabric.core.routing_events import RoutingEvent, RoutingOutput
 from kvfabric.core.step import reply_of
 from kvfabric.format.clock import now_ms
+from kvfabric.proto.common import trace_id_of
 from kvfabric.router.metrics import RouterMetrics
 from kvfabric.router.settings import RouterSettings
 from kvfabric.router.tenants import tenant_of
@@ -63,7 +63,6 @@ __all__ = ["KEYED_TOKENS_MAX", "Proxy", "now_ms"]
 
 TENANT_HEADER: Final = "x-kvf-tenant"
 TRACE_HEADER: Final = "x-kvf-trace-id"
-TRACE_CHARS_MAX: Final = 128
 ENGINE_AUTH_STATUSES: Final = frozenset({401, 403, 407})  # the engine refused the router's key
 BODY_BYTES_MAX: Final = 16 << 20
 BODY_READ_TIMEOUT_S: Final = 30.0  # a request's whole body (16 MiB at ~0.5 MB/s); later: 408
@@ -118,16 +117,6 @@ _ENGINE_GONE: Final = frozenset(
         "WriteError",
     }
 )
-
-
-def _trace_id(given: str | None) -> str:
-    """The caller's trace id when it is printable ASCII (cut at `TRACE_CHARS_MAX`), else a new
-    one: a latin-1 byte in it (h11 accepts them) made the engine request's `x-request-id`
-    unencodable, a 500 and a traceback per request (review, stop 68)."""
-    given = (given or "")[:TRACE_CHARS_MAX].strip()  # (h11 refuses a value ending in a space)
-    if given and given.isascii() and given.isprintable():
-        return given
-    return uuid.uuid4().hex
 
 
 class _Failed(Exception):
@@ -310,7 +299,11 @@ class Proxy:
 
     async def completions(self, request: Request) -> Response:
         received = time.monotonic()
-        trace_id = _trace_id(request.headers.get(TRACE_HEADER))
+        # the clients' rule (`trace_id_of`): printable ASCII, no space, cut at 128, else a new
+        # one. A latin-1 byte (h11 accepts them) made the engine request's `x-request-id`
+        # unencodable, a 500 a request (review, stop 68); an id with a space the router kept
+        # was replaced by the engine's client, so the trace broke at the engine (stop 70).
+        trace_id = trace_id_of(request.headers.get(TRACE_HEADER))
         tenant = tenant_of(request.headers, self.settings.api_keys, TENANT_HEADER)
         if tenant is None:
             self.metrics.refused("unauthenticated")
