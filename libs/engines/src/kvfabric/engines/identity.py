@@ -40,8 +40,17 @@ _WEIGHT_PATTERNS: Final = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 
 
 def attn_config_digest(hf_config: Mapping[str, Any]) -> str:
-    """`ModelFingerprint.attn_config_digest` from an HF config dict (`config.to_dict()`)."""
-    return digest_config({key: hf_config.get(key) for key in ATTN_CONFIG_KEYS})
+    """`ModelFingerprint.attn_config_digest` from an HF config dict (`config.to_dict()`). A
+    composite model's (vision-language: `text_config`) attention reads its text config, whose
+    fields the top level leaves None: those count too (vLLM's and SGLang's configs are the whole
+    model's; a rope override of the text model was not in the key, review, stop 66 for the HF
+    adapter, which passes the text config itself). vLLM's `max_model_len` is not a field: the
+    rotary tables follow the config (`max_position_embeddings`, `rope_scaling`), not it."""
+    fields: dict[str, Any] = {key: hf_config.get(key) for key in ATTN_CONFIG_KEYS}
+    text = hf_config.get("text_config")
+    if isinstance(text, Mapping):  # (absent otherwise: other models' digests stay as they were)
+        fields["text_config"] = {key: text.get(key) for key in ATTN_CONFIG_KEYS}
+    return digest_config(fields)
 
 
 def files_digest(paths: Iterable[str]) -> str:
