@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import urllib.error
+from typing import Any
 
 import pytest
 
@@ -64,7 +65,6 @@ def test_the_metrics_server_serves_a_bounded_number_of_connections_at_once() -> 
     """Idle connections hold at most `SCRAPES_AT_ONCE_MAX` threads: one more is closed at once
     (each held a thread of its own, without bound or timeout; review, 2026-12-05); once they
     go, scrapes are served again."""
-    import socket
 
     from prometheus_client import CollectorRegistry
 
@@ -72,12 +72,12 @@ def test_the_metrics_server_serves_a_bounded_number_of_connections_at_once() -> 
 
     server = MetricsServer(CollectorRegistry(), host="127.0.0.1", port=0)
     port = server.start()
-    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(SCRAPES_AT_ONCE_MAX)]
+    idle = [_connect_from(f"127.0.0.{2 + i % 4}", port) for i in range(SCRAPES_AT_ONCE_MAX)]  # 2 a peer
     try:
         import time
 
         time.sleep(0.3)  # each taken by a handler thread, waiting for its request line
-        extra = socket.create_connection(("127.0.0.1", port))
+        extra = _connect_from("127.0.0.9", port)
         extra.settimeout(5)
         assert extra.recv(1) == b""  # closed at once, not served
         extra.close()
@@ -93,7 +93,6 @@ def test_connections_trickling_bytes_lose_their_slot_at_the_deadline(monkeypatch
     for ever (the timeout is per socket operation), and every scrape was closed unanswered
     (review, stop 68). Each connection now has a deadline in all."""
     import contextlib
-    import socket
     import threading
     import time
     import urllib.request
@@ -107,7 +106,7 @@ def test_connections_trickling_bytes_lose_their_slot_at_the_deadline(monkeypatch
     server = MetricsServer(CollectorRegistry(), host="127.0.0.1", port=0)
     port = server.start()
     stop = threading.Event()
-    trickling = [socket.create_connection(("127.0.0.1", port)) for _ in range(SCRAPES_AT_ONCE_MAX)]
+    trickling = [_connect_from(f"127.0.0.{2 + i % 4}", port) for i in range(SCRAPES_AT_ONCE_MAX)]
 
     def trickle() -> None:
         while not stop.wait(0.1):
@@ -127,3 +126,44 @@ def test_connections_trickling_bytes_lose_their_slot_at_the_deadline(monkeypatch
         for conn in trickling:
             conn.close()
         server.stop()
+
+
+def _connect_from(source: str, port: int) -> Any:
+    """A connection to the metrics server on 127.0.0.1 from `source` (any 127/8 address is local)."""
+    import socket
+
+    return socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
+
+
+def test_one_peer_holds_at_most_its_share_of_the_connections() -> None:
+    """A scraper that reconnected as soon as the deadline cut it held every slot (review, stop
+    69): one address is served `PEER_SCRAPES_MAX` connections at once, one more is closed at
+    once, and another address is still served."""
+    import time
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from kvfabric.cluster.metrics_http import PEER_SCRAPES_MAX, SCRAPES_AT_ONCE_MAX, MetricsServer
+
+    assert PEER_SCRAPES_MAX < SCRAPES_AT_ONCE_MAX
+    server = MetricsServer(CollectorRegistry(), host="127.0.0.1", port=0)
+    port = server.start()
+    hostile = [_connect_from("127.0.0.2", port) for _ in range(PEER_SCRAPES_MAX)]
+    try:
+        time.sleep(0.3)  # each taken by a handler thread, waiting for its request line
+        extra = _connect_from("127.0.0.2", port)
+        extra.settimeout(5)
+        assert extra.recv(1) == b""  # closed at once, not served
+        extra.close()
+        other = _connect_from("127.0.0.3", port)
+        other.settimeout(5)
+        other.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        assert other.recv(12).startswith(b"HTTP/1.0 200")
+        other.close()
+    finally:
+        for conn in hostile:
+            conn.close()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        assert reply.status == 200
+    server.stop()

@@ -3,10 +3,10 @@
 prometheus-client's WSGI app on a threading `wsgiref` server in a daemon thread, off any event
 loop (like `start_http_server`, but with a short shutdown poll, no per-request access log on
 stderr, which would break JSON log lines, and bounds): at most `SCRAPES_AT_ONCE_MAX` connections
-served at once (one more is closed at once), each with `SCRAPE_TIMEOUT_S` per socket operation
-and `SCRAPE_DEADLINE_S` in all. A client's endpoint used `start_http_server` (review, stop 68):
-bound to every address, no timeout, a thread per connection without bound, inside the engine's
-process.
+served at once, `PEER_SCRAPES_MAX` of them from one address (one more is closed at once), each
+with `SCRAPE_TIMEOUT_S` per socket operation and `SCRAPE_DEADLINE_S` in all. A client's endpoint
+used `start_http_server` (review, stop 68): bound to every address, no timeout, a thread per
+connection without bound, inside the engine's process.
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from kvfabric.format.invariant import invariant
 
-__all__ = ["SCRAPES_AT_ONCE_MAX", "SCRAPE_DEADLINE_S", "SCRAPE_TIMEOUT_S", "SERVE_POLL_S", "MetricsServer"]
+__all__ = [
+    "PEER_SCRAPES_MAX",
+    "SCRAPES_AT_ONCE_MAX",
+    "SCRAPE_DEADLINE_S",
+    "SCRAPE_TIMEOUT_S",
+    "SERVE_POLL_S",
+    "MetricsServer",
+]
 
 SERVE_POLL_S: Final = 0.05
 # Scrapes served at once; a connection beyond them is closed at once. Each has `SCRAPE_TIMEOUT_S`
@@ -30,6 +37,9 @@ SERVE_POLL_S: Final = 0.05
 # 2026-12-05) and `SCRAPE_DEADLINE_S` in all (one trickling a byte every few seconds kept its
 # slot for ever, and eight of them shut every scrape out; review, stop 68).
 SCRAPES_AT_ONCE_MAX: Final = 8
+# Of those, from one address: a scraper that reconnected as soon as the deadline cut it held
+# every slot (review, stop 69); another address (the real Prometheus) always finds one.
+PEER_SCRAPES_MAX: Final = SCRAPES_AT_ONCE_MAX // 2
 SCRAPE_TIMEOUT_S: Final = 10.0
 SCRAPE_DEADLINE_S: Final = 30.0
 
@@ -39,23 +49,43 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._slots = threading.BoundedSemaphore(SCRAPES_AT_ONCE_MAX)
+        self._lock = threading.Lock()
+        self._served = 0
+        self._by_peer: dict[str, int] = {}  # address -> connections served now (> 0 each)
+
+    def _take_slot(self, peer: str) -> bool:
+        with self._lock:
+            if self._served >= SCRAPES_AT_ONCE_MAX or self._by_peer.get(peer, 0) >= PEER_SCRAPES_MAX:
+                return False
+            self._served += 1
+            self._by_peer[peer] = self._by_peer.get(peer, 0) + 1
+            return True
+
+    def _give_slot(self, peer: str) -> None:
+        with self._lock:
+            self._served -= 1
+            left = self._by_peer[peer] - 1
+            if left:
+                self._by_peer[peer] = left
+            else:
+                del self._by_peer[peer]
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        peer = str(client_address[0])
+        if not self._take_slot(peer):
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._give_slot(peer)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._give_slot(str(client_address[0]))
 
 
 class _QuietHandler(WSGIRequestHandler):
