@@ -8,7 +8,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvfabric.engines.identity import ATTN_CONFIG_KEYS, attn_config_digest, weights_digest_of_dir
+from kvfabric.engines.identity import (
+    ATTN_CONFIG_KEYS,
+    attn_config_digest,
+    longrope_long_factors,
+    weights_digest_of_dir,
+)
 from kvfabric.format.key import digest_config
 
 
@@ -47,3 +52,19 @@ def test_a_composite_models_text_config_is_in_its_attention_digest() -> None:
     assert attn_config_digest(composite) != attn_config_digest(other_rope)
     noise = {**composite, "text_config": {**composite["text_config"], "vocab_size": 7}}  # type: ignore[dict-item]
     assert attn_config_digest(noise) == attn_config_digest(composite)  # only attention fields count
+
+
+def test_a_longrope_models_factors_follow_max_model_len() -> None:
+    """vLLM rotates a LongRoPE model (Phi-3) with its long factors at every position when
+    `max_model_len` exceeds `original_max_position_embeddings`, so two deployments of one model
+    with max_model_len on either side wrote different KV under one key (stop 70)."""
+    rope = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}
+    phi3 = {"model_type": "phi3", "original_max_position_embeddings": 4096, "rope_scaling": rope}
+    assert longrope_long_factors(phi3, 4096) is False
+    assert longrope_long_factors(phi3, 131_072) is True
+    newer = {"rope_parameters": {**rope, "original_max_position_embeddings": 8192}}  # transformers 5
+    assert longrope_long_factors(newer, 4096) is False and longrope_long_factors(newer, 8193) is True
+    composite = {"text_config": phi3}
+    assert longrope_long_factors(composite, 131_072) is True
+    assert longrope_long_factors({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 131_072) is None
+    assert longrope_long_factors({}, 4096) is None

@@ -1088,3 +1088,26 @@ def test_a_worker_has_no_port_after_65535() -> None:
     for port in (0, -1):
         unchanged = ClientSettings(nats_url="nats://127.0.0.1:1", metrics_port=port)
         assert worker_metrics_port(unchanged, KVConnectorRole.WORKER).metrics_port == port
+
+
+def test_a_longrope_models_key_follows_which_factors_vllm_rotates_with(engine_config: Any) -> None:
+    """LongRoPE (Phi-3): vLLM rotates with the long factors when max_model_len exceeds
+    `original_max_position_embeddings`, the short ones otherwise: other KV, so another key
+    (stop 70). A model without LongRoPE keys alike whatever its max_model_len."""
+    import copy
+
+    from kvfabric.engines.vllm_connector import engine_spec
+
+    def digest(max_model_len: int, longrope: bool) -> str:
+        config = copy.deepcopy(engine_config)
+        config.model_config.max_model_len = max_model_len
+        if longrope:
+            hf = config.model_config.hf_config
+            hf.original_max_position_embeddings = 4096
+            hf.rope_scaling = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}
+        spec = engine_spec(config, {"weights_revision": "r"})
+        return str(spec.model.attn_config_digest)
+
+    assert digest(2048, longrope=False) == digest(8192, longrope=False)
+    assert digest(2048, longrope=True) != digest(8192, longrope=True)
+    assert digest(2048, longrope=True) == digest(4096, longrope=True)  # short factors both

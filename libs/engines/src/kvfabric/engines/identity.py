@@ -16,7 +16,13 @@ import xxhash
 
 from kvfabric.format.key import digest_config
 
-__all__ = ["ATTN_CONFIG_KEYS", "attn_config_digest", "files_digest", "weights_digest_of_dir"]
+__all__ = [
+    "ATTN_CONFIG_KEYS",
+    "attn_config_digest",
+    "files_digest",
+    "longrope_long_factors",
+    "weights_digest_of_dir",
+]
 
 # The HF config fields that change what the attention KV of a token is (shared by every engine
 # integration, so one model's fingerprint is computed one way).
@@ -45,12 +51,33 @@ def attn_config_digest(hf_config: Mapping[str, Any]) -> str:
     fields the top level leaves None: those count too (vLLM's and SGLang's configs are the whole
     model's; a rope override of the text model was not in the key, review, stop 66 for the HF
     adapter, which passes the text config itself). vLLM's `max_model_len` is not a field: the
-    rotary tables follow the config (`max_position_embeddings`, `rope_scaling`), not it."""
+    rotary tables follow the config, but for LongRoPE (`longrope_long_factors`)."""
     fields: dict[str, Any] = {key: hf_config.get(key) for key in ATTN_CONFIG_KEYS}
     text = hf_config.get("text_config")
     if isinstance(text, Mapping):  # (absent otherwise: other models' digests stay as they were)
         fields["text_config"] = {key: text.get(key) for key in ATTN_CONFIG_KEYS}
     return digest_config(fields)
+
+
+def longrope_long_factors(hf_config: Mapping[str, Any], max_model_len: int) -> bool | None:
+    """Whether a LongRoPE model (Phi-3 and kin) rotates with its long factors: vLLM uses them for
+    every position when `max_model_len` exceeds `original_max_position_embeddings` (so that its
+    prefix cache stays valid), its short ones otherwise, so the same prompt's KV differs between
+    two such deployments. None for a model without LongRoPE (its KV does not depend on it)."""
+    configs = [hf_config]
+    text = hf_config.get("text_config")
+    if isinstance(text, Mapping):
+        configs.append(text)
+    for config in configs:
+        for field in ("rope_parameters", "rope_scaling"):
+            rope = config.get(field)
+            if not isinstance(rope, Mapping) or (rope.get("rope_type") or rope.get("type")) != "longrope":
+                continue
+            original = rope.get("original_max_position_embeddings") or config.get(
+                "original_max_position_embeddings"
+            )
+            return isinstance(original, int) and max_model_len > original
+    return None
 
 
 def files_digest(paths: Iterable[str]) -> str:

@@ -86,11 +86,11 @@ from kvfabric.client import ClientSettings, EngineSpec, Hit, KvClient, settings_
 from kvfabric.client.aio_saves import SAVE_RATE
 from kvfabric.client.hits import SaveResult
 from kvfabric.client.save_memory import SaveSlots, client_save_slots
-from kvfabric.engines.identity import attn_config_digest, weights_digest_of_dir
+from kvfabric.engines.identity import attn_config_digest, longrope_long_factors, weights_digest_of_dir
 from kvfabric.engines.vllm_plan import POLICY_SETTING, RECOMPUTE, plan_load, policy_refusal
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import KvfError
-from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
+from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, digest_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -264,11 +264,15 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
         f":L{layers}:kvh{kv_heads}:hd{head_size}:{kv_dtype}"
         + (f":skip{','.join(map(str, skipped))}" if skipped else "")
     )
+    attn = attn_config_digest(hf)
+    long_factors = longrope_long_factors(hf, int(model_config.max_model_len))
+    if long_factors is not None:  # LongRoPE: which factors vLLM rotates with follows max_model_len
+        attn = digest_config({"config": attn, "longrope_long_factors": long_factors})
     fingerprint = ModelFingerprint(
         model_id=str(model_config.served_model_name or model_config.model)[:200],
         weights_revision=str(revision),
         kv_dtype=kv_dtype,
-        attn_config_digest=attn_config_digest(hf),
+        attn_config_digest=attn,
     )
     layout = KVLayout(
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
