@@ -42,7 +42,10 @@ settled head is the least key of all, as if every change had pushed (an entry's 
 above its object's), and hits push nothing: every hit used to push, and compaction (an O(n)
 scan) ran inside one call every ~3n hits (143 ms at 100,000 objects; review, stop 69). Stale
 entries (removed objects', fallen ranks', changed classes') still count towards the bound that
-compacts.
+compacts. What a hit no longer does is left to the next settle of its entry: a pass (`tick`) or
+a frontier (predicted admission) after many hits re-keys the entries that reach the head, one
+heap step each (as the eager heap popped as many stale entries there); counted
+`entries_settled_total`, not bounded per call.
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ class LeafRanking:
     _clock: float  # GDSF inflation
     _class_heaps: dict[DensityClass, list[HeapEntry]]
     _class_entries: int
+    counters: dict[str, int]
 
     def reuse_classes(self) -> dict[ReuseClass, tuple[float, float]]:
         """The reuse predictor's learned (reused, named) counts per class; empty for other policies."""
@@ -145,20 +149,30 @@ class LeafRanking:
         """The evictable leaf whose entry heads `heap` once the head is settled, None when the
         heap runs out: stale entries are dropped, an entry behind its object's key is re-keyed
         (replaced at the key), and an object that may not go now (a child stays, or chosen
-        already) loses its entry (version 0: `_push` queues it again when it may go)."""
-        while heap:
-            entry = heap[0]
-            obj = self._objects.get(entry[3])
-            if obj is None or obj.version != entry[2]:
-                heapq.heappop(heap)  # stale: its object gone, or a newer entry of it pushed
-            elif entry[0] != obj.priority or entry[1] != obj.rank_seq:
-                heapq.heapreplace(heap, (obj.priority, obj.rank_seq, entry[2], entry[3]))
-            elif not self._evictable(obj):
-                heapq.heappop(heap)
-                obj.version = 0
-            else:
-                return obj
-        return None
+        already) loses its entry (version 0: `_push` queues it again when it may go). Each entry
+        settled so is counted (`entries_settled_total`): the work hits and removals left to it."""
+        settled = 0
+        try:
+            while heap:
+                entry = heap[0]
+                obj = self._objects.get(entry[3])
+                settled += 1
+                if obj is None or obj.version != entry[2]:
+                    heapq.heappop(heap)  # stale: its object gone, or a newer entry of it pushed
+                elif entry[0] != obj.priority or entry[1] != obj.rank_seq:
+                    heapq.heapreplace(heap, (obj.priority, obj.rank_seq, entry[2], entry[3]))
+                elif not self._evictable(obj):
+                    heapq.heappop(heap)
+                    obj.version = 0
+                else:
+                    settled -= 1  # (the head itself: current)
+                    return obj
+            return None
+        finally:
+            if settled:
+                self.counters["entries_settled_total"] = (
+                    self.counters.get("entries_settled_total", 0) + settled
+                )
 
     def _frontier(self) -> float | None:
         """The lowest priority of an evictable leaf (any pool), settling the heap's head on the
