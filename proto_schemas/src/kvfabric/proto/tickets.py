@@ -6,8 +6,9 @@ list of its fields (`TICKET_MAC_FIELDS`, in that order), keyed by the cluster se
 directory and every segment share (clients never hold it, so they cannot forge a placement, a
 size or a checksum). Not over the struct's own encoding: a receiver re-encodes what it decoded,
 so a field one build has and another lacks (a defaulted field added in a rolling upgrade) broke
-every PUT between them. A field added to `WriteTicket` is outside the MAC unless the MAC's
-version (`_PERSON`) changes with it, after every segment verifies the new version. Segments still
+every PUT between them. A field added to `WriteTicket` is outside the MAC
+(`TICKET_FIELDS_OUTSIDE_MAC`) unless the MAC's version (`_PERSON`) changes with it, after every
+segment verifies the new version. Segments still
 accept the MAC of builds before 2026-12-07 (over the whole encoding) so that such a build's
 directory keeps working while segments are upgraded first.
 
@@ -39,6 +40,7 @@ __all__ = [
     "CLAIM_PROOF_BYTES",
     "READ_TOKEN_BYTES",
     "SECRET_BYTES_MIN",
+    "TICKET_FIELDS_OUTSIDE_MAC",
     "TICKET_MAC_FIELDS",
     "WRITE_RECEIPT_BYTES",
     "claim_proof",
@@ -56,7 +58,10 @@ __all__ = [
 SECRET_BYTES_MIN: Final = 16
 _PERSON: Final = b"kvf2/ticket"
 _LEGACY_PERSON: Final = b"kvf1/ticket"  # builds before 2026-12-07: the whole struct's encoding
-# What a ticket's MAC covers, in this order (every field but `signature`, as of kvf2).
+# What a ticket's MAC covers, in this order (every field but `signature`, as of kvf2). Frozen:
+# a field added to `WriteTicket` goes in `TICKET_FIELDS_OUTSIDE_MAC`, or here with a new
+# `_PERSON` once every segment verifies that version (tests/unit/proto/test_ticket_macs.py holds
+# a known-answer vector).
 TICKET_MAC_FIELDS: Final = (
     "ticket_id",
     "key",
@@ -70,6 +75,7 @@ TICKET_MAC_FIELDS: Final = (
     "data_addr",
     "shard",
 )
+TICKET_FIELDS_OUTSIDE_MAC: Final = ("signature",)  # fields no MAC covers (the MAC itself)
 
 
 def _check_secret(secret: bytes) -> None:
