@@ -73,7 +73,8 @@ def test_the_router_keeps_a_trace_id_as_the_engines_client_would() -> None:
         return str(response.headers["x-kvf-trace-id"])
 
     assert traced(b"cmpl-42-0") == "cmpl-42-0"
-    assert traced(b"x" * 500) == "x" * TRACE_ID_CHARS_MAX
+    assert traced(b"x" * 500) == "x" * proxy_module.TRACE_ID_CHARS_ROUTER_MAX  # whole inside vLLM's id
+    assert len(f"chatcmpl-{'x' * proxy_module.TRACE_ID_CHARS_ROUTER_MAX}-999-abcdefgh") <= TRACE_ID_CHARS_MAX
     for bad in (b"caf\xe9", b"a b", b" "):
         new = traced(bad)
         assert new != bad.decode("latin-1") and new == trace_id_of(new) and len(new) == 32

@@ -63,6 +63,10 @@ __all__ = ["KEYED_TOKENS_MAX", "Proxy", "now_ms"]
 
 TENANT_HEADER: Final = "x-kvf-tenant"
 TRACE_HEADER: Final = "x-kvf-trace-id"
+# vLLM makes a request id `cmpl-<X-Request-Id>-<n>-<8 random>` (`chatcmpl-` for chat), and the
+# connector's client keeps the first 128 characters of it as its trace id: cut at 96, the
+# router's id survives whole inside the engine's (review, stop 70).
+TRACE_ID_CHARS_ROUTER_MAX: Final = 96
 ENGINE_AUTH_STATUSES: Final = frozenset({401, 403, 407})  # the engine refused the router's key
 BODY_BYTES_MAX: Final = 16 << 20
 BODY_READ_TIMEOUT_S: Final = 30.0  # a request's whole body (16 MiB at ~0.5 MB/s); later: 408
@@ -299,11 +303,11 @@ class Proxy:
 
     async def completions(self, request: Request) -> Response:
         received = time.monotonic()
-        # the clients' rule (`trace_id_of`): printable ASCII, no space, cut at 128, else a new
-        # one. A latin-1 byte (h11 accepts them) made the engine request's `x-request-id`
-        # unencodable, a 500 a request (review, stop 68); an id with a space the router kept
-        # was replaced by the engine's client, so the trace broke at the engine (stop 70).
-        trace_id = trace_id_of(request.headers.get(TRACE_HEADER))
+        # the clients' rule (`trace_id_of`): printable ASCII, no space, else a new one; cut at
+        # `TRACE_ID_CHARS_ROUTER_MAX` (module top). A latin-1 byte (h11 accepts them) made the
+        # engine request's `x-request-id` unencodable, a 500 a request (review, stop 68); an id
+        # with a space the router kept was replaced by the engine's client (stop 70).
+        trace_id = trace_id_of(request.headers.get(TRACE_HEADER))[:TRACE_ID_CHARS_ROUTER_MAX]
         tenant = tenant_of(request.headers, self.settings.api_keys, TENANT_HEADER)
         if tenant is None:
             self.metrics.refused("unauthenticated")
