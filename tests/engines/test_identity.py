@@ -66,5 +66,37 @@ def test_a_longrope_models_factors_follow_max_model_len() -> None:
     assert longrope_long_factors(newer, 4096) is False and longrope_long_factors(newer, 8193) is True
     composite = {"text_config": phi3}
     assert longrope_long_factors(composite, 131_072) is True
+    per_layer = {"original_max_position_embeddings": 4096, "rope_parameters": {"full_attention": rope}}
+    assert longrope_long_factors(per_layer, 131_072) is True
     assert longrope_long_factors({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 131_072) is None
     assert longrope_long_factors({}, 4096) is None
+
+
+def test_the_hf_adapter_refuses_a_longrope_model() -> None:
+    """transformers picks a LongRoPE model's factors per forward call from its longest position:
+    a prefix's KV depends on what it was computed beside, so no key names it (stop 70)."""
+    import pytest
+    import torch
+
+    from kvfabric.engines.hf import hf_engine_spec
+    from kvfabric.format.key import ShareDomain
+
+    class Config:
+        name_or_path = "phi-3-mini"
+
+        def __init__(self, rope: dict[str, object]) -> None:
+            self.rope = rope
+
+        def to_dict(self) -> dict[str, object]:
+            return {"original_max_position_embeddings": 4096, "rope_scaling": self.rope}
+
+    class Model(torch.nn.Linear):
+        def __init__(self, rope: dict[str, object]) -> None:
+            super().__init__(1, 1)
+            self.config = Config(rope)
+
+    domain = ShareDomain("t", bytes(16))
+    with pytest.raises(ValueError, match="LongRoPE"):
+        hf_engine_spec(Model({"rope_type": "longrope", "short_factor": [1.0]}), domain, weights_revision="r")
+    plain = hf_engine_spec(Model({"rope_type": "llama3", "factor": 8.0}), domain, weights_revision="r")
+    assert plain.model.weights_revision == "r"

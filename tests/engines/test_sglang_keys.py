@@ -398,6 +398,14 @@ def test_engine_spec_refuses_what_it_cannot_name(tmp_path: Path) -> None:
     assert spec.model.weights_revision.startswith("xxh3:")
     (tmp_path / "model.safetensors").write_bytes(b"other weights")
     assert engine_spec(local, POOL, {}, DEFAULTS).model.weights_revision != spec.model.weights_revision
+    # LongRoPE (Phi-3): SGLang rotates a whole batch with the long factors when any position in
+    # it passes original_max_position_embeddings, so a prefix's KV depends on the batch (stop 70)
+    (tmp_path / "config.json").write_text(
+        '{"original_max_position_embeddings": 4096, "rope_scaling": {"type": "longrope",'
+        ' "short_factor": [1.0], "long_factor": [2.0]}}'
+    )
+    with pytest.raises(ValueError, match="LongRoPE"):
+        engine_spec(local, POOL, {}, DEFAULTS)
 
 
 def test_a_chained_batch_is_all_or_nothing_but_for_the_save_rates_skipped_tail() -> None:

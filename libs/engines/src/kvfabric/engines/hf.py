@@ -25,7 +25,7 @@ import torch
 
 from kvfabric.client import EngineSpec, Hit, KvClient, SaveResult
 from kvfabric.client.save_memory import SaveSlots, client_save_slots
-from kvfabric.engines.identity import attn_config_digest
+from kvfabric.engines.identity import LONGROPE_UNCACHEABLE, attn_config_digest, longrope_long_factors
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
 
 __all__ = ["TENSOR_LAYOUT", "GenerateResult", "HfKvAdapter", "PrefixLoad", "hf_engine_spec", "weights_digest"]
@@ -79,11 +79,14 @@ def hf_engine_spec(
     dtype and attention config; one member (TP 1, PP 1, one layer group)."""
     dtype = next(model.parameters()).dtype
     name = model_id or str(getattr(model.config, "name_or_path", "") or type(model).__name__)
+    text_config = _text_config(model.config).to_dict()
+    if longrope_long_factors(text_config, 0) is not None:
+        raise ValueError(LONGROPE_UNCACHEABLE.format(engine="transformers", model=name))
     fingerprint = ModelFingerprint(
         model_id=name[:200],
         weights_revision=weights_revision or weights_digest(model),
         kv_dtype=str(dtype).removeprefix("torch."),
-        attn_config_digest=attn_config_digest(_text_config(model.config).to_dict()),
+        attn_config_digest=attn_config_digest(text_config),
     )
     layout = KVLayout(
         tp_size=1,

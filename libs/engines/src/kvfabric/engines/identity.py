@@ -18,6 +18,7 @@ from kvfabric.format.key import digest_config
 
 __all__ = [
     "ATTN_CONFIG_KEYS",
+    "LONGROPE_UNCACHEABLE",
     "attn_config_digest",
     "files_digest",
     "longrope_long_factors",
@@ -59,6 +60,17 @@ def attn_config_digest(hf_config: Mapping[str, Any]) -> str:
     return digest_config(fields)
 
 
+# SGLang and HF transformers rotate a LongRoPE model with its long or short factors per batch (a
+# position in it past `original_max_position_embeddings`: all long), so a prefix's KV depends on
+# what it was computed beside; no key can name that (review, stop 70). vLLM decides per
+# deployment (`longrope_long_factors`).
+LONGROPE_UNCACHEABLE: Final = (
+    "kvfabric: {model!r} uses LongRoPE, which {engine} applies per batch (its long factors when any"
+    " position in the batch passes original_max_position_embeddings): a prefix's KV depends on the"
+    " batch, so it is not cached"
+)
+
+
 def longrope_long_factors(hf_config: Mapping[str, Any], max_model_len: int) -> bool | None:
     """Whether a LongRoPE model (Phi-3 and kin) rotates with its long factors: vLLM uses them for
     every position when `max_model_len` exceeds `original_max_position_embeddings` (so that its
@@ -71,12 +83,17 @@ def longrope_long_factors(hf_config: Mapping[str, Any], max_model_len: int) -> b
     for config in configs:
         for field in ("rope_parameters", "rope_scaling"):
             rope = config.get(field)
-            if not isinstance(rope, Mapping) or (rope.get("rope_type") or rope.get("type")) != "longrope":
+            if not isinstance(rope, Mapping):
                 continue
-            original = rope.get("original_max_position_embeddings") or config.get(
-                "original_max_position_embeddings"
-            )
-            return isinstance(original, int) and max_model_len > original
+            # one rope, or one per layer type (`rope_parameters` of a model with sliding layers)
+            ropes = [rope] if "rope_type" in rope or "type" in rope else list(rope.values())
+            for one in ropes:
+                if not isinstance(one, Mapping) or (one.get("rope_type") or one.get("type")) != "longrope":
+                    continue
+                original = one.get("original_max_position_embeddings") or config.get(
+                    "original_max_position_embeddings"
+                )
+                return isinstance(original, int) and max_model_len > original
     return None
 
 

@@ -49,7 +49,12 @@ import numpy.typing as npt
 
 from kvfabric.client import ClientSettings, EngineSpec, Hit, SaveResult
 from kvfabric.client.aio_saves import SAVE_RATE
-from kvfabric.engines.identity import attn_config_digest, weights_digest_of_dir
+from kvfabric.engines.identity import (
+    LONGROPE_UNCACHEABLE,
+    attn_config_digest,
+    longrope_long_factors,
+    weights_digest_of_dir,
+)
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain, digest_config
 
 __all__ = [
@@ -337,7 +342,10 @@ def engine_spec(
     config_file = os.path.join(model_path, "config.json") if model_path else ""
     if not attn and config_file and os.path.isfile(config_file):
         with open(config_file) as f:
-            attn = attn_config_digest(json.load(f))
+            config = json.load(f)
+        if isinstance(config, dict) and longrope_long_factors(config, 0) is not None:
+            raise ValueError(LONGROPE_UNCACHEABLE.format(engine="SGLang", model=who.model_name))
+        attn = attn_config_digest(config)
     if not attn:  # the weights revision names the model; the geometry is what the pages show
         attn = digest_config({"layers": pool.layer_num, "kv_heads": pool.head_num, "head_dim": pool.head_dim})
     if who.model_overrides and who.model_overrides not in ("{}", "null"):  # config overridden at start

@@ -232,7 +232,8 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
 
     model_config = vllm_config.model_config
     block_size = vllm_config.cache_config.block_size
-    hf = model_config.hf_config.to_dict()
+    # the config vLLM builds attention and rope from: a composite model's text (decoder) config
+    hf = getattr(model_config, "hf_text_config", model_config.hf_config).to_dict()
     load_format = str(getattr(getattr(vllm_config, "load_config", None), "load_format", "auto"))
     if load_format == "dummy":  # random weights keyed as the real files would poison their key space
         raise ValueError("kvfabric: load_format=dummy (random weights): nothing to cache")
