@@ -23,10 +23,14 @@ def test_the_client_endpoint_listens_on_loopback_and_is_bounded() -> None:
     port = metrics.serve(0)
     try:
         assert metrics._server is not None and metrics._server.host == "127.0.0.1"
-        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(SCRAPES_AT_ONCE_MAX)]
+        # from four addresses (one address gets half the connections: `PEER_SCRAPES_MAX`)
+        idle = [
+            socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{2 + i % 4}", 0))
+            for i in range(SCRAPES_AT_ONCE_MAX)
+        ]
         try:
             time.sleep(0.3)  # each taken by a handler thread
-            extra = socket.create_connection(("127.0.0.1", port))
+            extra = socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.9", 0))
             extra.settimeout(5)
             assert extra.recv(1) == b""  # closed at once: no thread more
             extra.close()

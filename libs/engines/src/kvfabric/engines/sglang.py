@@ -625,8 +625,9 @@ class KvfabricStorage(HiCacheStorage):
         return stats
 
     def clear(self) -> None:
-        """Give back every lease this backend holds. Stored pages stay: the store is shared by
-        every engine of the tenant (the directory's eviction frees space)."""
+        """Give back every lease this backend holds but those a get loads under now (given back
+        when it is done: `HeldHits.drain`). Stored pages stay: the store is shared by every
+        engine of the tenant (the directory's eviction frees space)."""
         with self._lock:
             held = self._held.drain()
         self._release(held)
