@@ -5,7 +5,7 @@ and then the next copy of that object reads another replica."""
 from __future__ import annotations
 
 from kvfabric.core.repair import RepairConfig, RepairCore, StartCopy
-from kvfabric.format.errors import NotFound, Unauthorized
+from kvfabric.format.errors import Busy, ChecksumMismatch, NotFound, Unauthorized
 from kvfabric.repair.shell import RepairShell, now_ms
 
 MB = 1 << 20
@@ -48,3 +48,18 @@ async def test_a_copy_that_failed_at_the_destination_keeps_its_source() -> None:
     shell, core = shell_with_object()
     first, second = await copy_failing_with(shell, core, NotFound("no such ticket"))
     assert second == first and "copies_source_failed_total" not in core.counters
+
+
+async def test_a_checksum_mismatch_at_the_destination_reads_another_replica_next() -> None:
+    """The bytes the destination got were not the object's: the source's fault (or its path).
+    The same source was picked every time, and a drain whose other replica was good never
+    ended (review, stop 70)."""
+    shell, core = shell_with_object()
+    first, second = await copy_failing_with(shell, core, ChecksumMismatch("bytes differ"))
+    assert second != first and core.counters["copies_source_failed_total"] == 1
+
+
+async def test_a_busy_source_is_a_source_failure_not_a_busy_destination() -> None:
+    shell, core = shell_with_object()
+    first, second = await copy_failing_with(shell, core, Busy("source busy", source_addr="tcp://x:1"))
+    assert second != first and core.counters["copies_source_failed_total"] == 1

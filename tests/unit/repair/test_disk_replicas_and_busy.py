@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from kvfabric.core.repair import RepairConfig, RepairCore, StartCopy
-from kvfabric.format.errors import Busy
+from kvfabric.format.errors import Busy, Unavailable
 from kvfabric.format.ids import ChainHash, Namespace
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import SSD_SLOT_BASE
@@ -155,3 +157,35 @@ def test_the_cap_never_narrows_a_copys_failure_domain() -> None:
     started = [e for e in core.tick(0) if isinstance(e, StartCopy)]
     assert [s.destination for s in started] == ["b", "b"]  # not a2, in a's zone
     core.check_invariants()
+
+
+class FailingAfterFirstPage(Directory):
+    """The listing's first shard answers its page, the second fails (a failover)."""
+
+    fail = True
+
+    async def known_shards(self) -> int:
+        return 2
+
+    async def shard_pages(
+        self, shard: int, query: Any, timeout_s: float, pages_max: int
+    ) -> AsyncIterator[Any]:
+        if shard == 1 and self.fail:
+            raise Unavailable("shard 1 failing over")
+        if shard == 0:
+            async for page in super().shard_pages(shard, query, timeout_s, pages_max):
+                yield page
+
+
+async def test_an_object_seen_by_a_failed_pass_is_removed_when_a_later_pass_no_longer_lists_it() -> None:
+    """A pass that failed part-way told the core of objects it never tracked: one that reached
+    its target before the next good pass stayed in the core for good, counted, and a drain
+    later recounted it from its stale view (review, stop 70)."""
+    directory = FailingAfterFirstPage([segment("s1", "h1"), segment("s2", "h2")], [replica("s1", 5)])
+    shell, core = shell_over(directory)
+    with pytest.raises(Unavailable):
+        await shell.scan()
+    assert len(core._objects) == 1  # told of the object, below target
+    directory.fail, directory.replicas = False, [replica("s1", 5), replica("s2", 6)]  # at target now
+    await shell.scan()
+    assert len(core._objects) == 0 and shell.below_target == 0

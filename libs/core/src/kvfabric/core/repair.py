@@ -494,6 +494,13 @@ class RepairCore:
         if obj is not None and not obj.replicas:  # LOST, its recount pending: counted now
             self._lost(obj)
             obj = None
+        if obj is None and not any(s in self._segments for s in segments):
+            # Nothing readable on a segment known here: no copy can help, and a loss is counted
+            # once, when a tracked object loses its last replica. A lost object stays listed
+            # until the directory's sweep reaches it, and each pass counted it lost again (and
+            # one with its recount pending twice; review, stop 70).
+            self._count("objects_known_unreadable_total")
+            return
         if obj is None:
             self._seq += 1
             obj = self._objects[object_id] = _Object(
