@@ -2,7 +2,7 @@
 
 | variable | default | meaning |
 |---|---|---|
-| `KVF_REPAIR_REPLICAS_TARGET` | `KVF_DIRECTORY_REPLICAS_DEFAULT`, else 2 | replicas per object |
+| `KVF_REPAIR_REPLICAS_TARGET` | `KVF_DIRECTORY_REPLICAS_DEFAULT`, else 1 (the directory's default) | replicas per object |
 | `KVF_REPAIR_BANDWIDTH_BYTES_PER_S` | 209715200 (200 MiB/s) | copy budget: online reads keep the rest |
 | `KVF_REPAIR_BURST_BYTES` | 268435456 | token bucket size (and the largest object repaired) |
 | `KVF_REPAIR_COPIES_IN_FLIGHT_MAX` | 8 | copies running at once |
@@ -35,7 +35,10 @@ class RepairSettings:
 
 
 def load_repair_settings(env: Mapping[str, str]) -> RepairSettings:
-    default_target = env_int(env, "KVF_DIRECTORY_REPLICAS_DEFAULT", 2, 1, 5)
+    # the directory's target, as its own default (1): with neither set, repair wanted 2 while the
+    # directory listed only groups below 1, and a drain kept copies on the draining segment
+    # that it could never retire (review, stop 70)
+    default_target = env_int(env, "KVF_DIRECTORY_REPLICAS_DEFAULT", 1, 1, 5)
     copy_timeout_ms = env_int(env, "KVF_REPAIR_COPY_TIMEOUT_MS", 10_000, 100, 600_000)
     core = RepairConfig(
         bandwidth_bytes_per_s=env_int(env, "KVF_REPAIR_BANDWIDTH_BYTES_PER_S", 200 << 20, 1, 1 << 40),
