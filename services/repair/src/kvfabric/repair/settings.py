@@ -2,7 +2,7 @@
 
 | variable | default | meaning |
 |---|---|---|
-| `KVF_REPAIR_REPLICAS_TARGET` | `KVF_DIRECTORY_REPLICAS_DEFAULT`, else 1 (the directory's default) | replicas per object |
+| `KVF_REPAIR_REPLICAS_TARGET` | `KVF_DIRECTORY_REPLICAS_DEFAULT`, else 1 | replicas per object |
 | `KVF_REPAIR_BANDWIDTH_BYTES_PER_S` | 209715200 (200 MiB/s) | copy budget: online reads keep the rest |
 | `KVF_REPAIR_BURST_BYTES` | 268435456 | token bucket size (and the largest object repaired) |
 | `KVF_REPAIR_COPIES_IN_FLIGHT_MAX` | 8 | copies running at once |
