@@ -290,8 +290,20 @@ def test_a_busy_target_is_waited_for_without_spending_attempts_or_blaming_the_so
         assert isinstance(first, StartCopy) and first.source == "s1"  # not blamed
         now += waits
     assert c.has_hint("h1") and c.counters["copies_busy_total"] == 4
+    assert c.counters["copies_failed_total"] == 0  # busy is no failed copy (counted both; stop 70)
     assert c.copy_finished(first.copy_id, True, now) == [PublishReplica(first.copy_id, "a", "t", 10, False)]
     assert c.counters["hints_failed_total"] == 0
+    c.check_invariants()
+
+
+def test_a_copy_that_found_the_replica_there_copied_no_bytes() -> None:
+    c = core()
+    c.add_hint(hint("h1", obj("a", replicas=("s1",))), T0)
+    (first,) = c.tick(T0)
+    assert isinstance(first, StartCopy)
+    c.copy_finished(first.copy_id, True, T0, made=False)
+    assert c.counters["copies_ok_total"] == 1 and c.counters["copies_already_there_total"] == 1
+    assert c.counters["bytes_copied_total"] == 0
     c.check_invariants()
 
 

@@ -160,6 +160,7 @@ COUNTERS: Final = (
     "copies_failed_total",
     "copies_retried_total",
     "copies_busy_total",
+    "copies_already_there_total",
     "copies_dropped_total",
     "copies_released_total",
     "copy_finished_unknown_total",
@@ -617,8 +618,11 @@ class PrefetchCore:
         `busy`: the target had no copy slot free, nothing was tried: queued again after a
         backoff that doubles per busy answer in a row (up to `COPY_BUSY_BACKOFF_MAX_MS`), its
         attempt given back and its source not blamed, `COPY_BUSY_RETRIES_MAX` times in a row
-        (about 40 s), then as a failed attempt. A target busy with repair's copies
-        failed the want in 0.3 s, every hint needing it with it (review, stop 68)."""
+        (about 40 s), then as a failed attempt, which starts a new row: a want meets a busy
+        target for about 40 s an attempt, `copy_attempts_max` attempts. A target busy with
+        repair's copies failed the want in 0.3 s, every hint needing it with it (review, stop
+        68). Counted once each: `copies_ok_total` (and `copies_already_there_total` when not
+        `made`: no bytes copied), `copies_busy_total` or `copies_failed_total`."""
         self._advance(now_ms)
         key = self._copies.pop(copy_id, None)
         if key is None:
@@ -633,13 +637,19 @@ class PrefetchCore:
         self._source_load[want.source] -= 1
         if not self._source_load[want.source]:
             del self._source_load[want.source]
-        self.counters["copies_ok_total" if ok else "copies_failed_total"] += 1
+        # busy is no failed copy (it was counted both; review, stop 70)
+        self.counters[
+            "copies_ok_total" if ok else "copies_busy_total" if busy else "copies_failed_total"
+        ] += 1
         if want.release:
             del self._wants[key]
             self.counters["copies_released_total"] += 1
             return [ReleaseCopy(copy_id, want.object_id, want.target, "unwanted")]
         if ok:
-            self.counters["bytes_copied_total"] += want.size
+            if made:
+                self.counters["bytes_copied_total"] += want.size
+            else:  # on the target already: nothing copied
+                self.counters["copies_already_there_total"] += 1
             extra = want.extra and not want.hints and made
             if extra:
                 self.counters["hot_replicas_created_total"] += 1
@@ -649,8 +659,6 @@ class PrefetchCore:
                     rate.extra_drops, rate.extra_not_before_ms = 0, 0
             self._satisfied(want, keep_extra=extra)
             return [PublishReplica(copy_id, want.object_id, want.target, want.size, extra)]
-        if busy:
-            self.counters["copies_busy_total"] += 1
         if busy and want.busy_in_row < COPY_BUSY_RETRIES_MAX:
             want.attempts -= 1
             want.busy_in_row += 1
