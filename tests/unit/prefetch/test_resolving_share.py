@@ -44,3 +44,31 @@ def test_one_tenants_hints_take_at_most_its_share_of_the_resolving_slots() -> No
     assert (shell.busy_tenant_resolving, shell.busy_resolving) == (1, 0)
     assert first.status == bob.status == carol.status == "accepted"
     assert shell._resolving == 0 and not shell._resolving_by  # nothing left counted
+
+
+def test_a_hint_id_or_tenant_past_its_bound_is_refused_at_decode() -> None:
+    """A live hint keeps its id and tenant: unbounded, 1,024 hints of 1 MiB ids held ~1 GiB
+    (review, stop 70)."""
+    import msgspec
+    import pytest
+
+    from kvfabric.format.errors import BadRequest
+    from kvfabric.proto import prefetch as p
+
+    def hint(hint_id: str, tenant: str) -> bytes:
+        return msgspec.msgpack.encode(
+            {
+                "t": "prefetch.hint.v1",
+                "hint_id": hint_id,
+                "tenant": tenant,
+                "groups": [],
+                "target_segment": "s1",
+                "deadline_ms": 1,
+            }
+        )
+
+    assert isinstance(p.prefetch_decoder.decode(hint("h" * p.HINT_ID_CHARS_MAX, "t")), p.PrefetchHint)
+    with pytest.raises(BadRequest):
+        p.prefetch_decoder.decode(hint("h" * (p.HINT_ID_CHARS_MAX + 1), "t"))
+    with pytest.raises(BadRequest):
+        p.prefetch_decoder.decode(hint("h", "t" * (p.TENANT_CHARS_MAX + 1)))

@@ -15,7 +15,7 @@ cancelled is dropped and its partial work released.
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -25,6 +25,8 @@ from kvfabric.proto.directory import Member
 
 __all__ = [
     "HINT_GROUPS_MAX",
+    "HINT_ID_CHARS_MAX",
+    "TENANT_CHARS_MAX",
     "CancelHint",
     "CancelReply",
     "HintReply",
@@ -36,11 +38,17 @@ __all__ = [
 ]
 
 HINT_GROUPS_MAX: Final = 1024  # chunks per hint
+# A live hint keeps its id and tenant (up to 1,024 hints): unbounded, 1 MiB ids held ~1 GiB
+# (review, stop 70). An engine request id fits (the router cuts its trace ids at 96).
+HINT_ID_CHARS_MAX: Final = 256
+TENANT_CHARS_MAX: Final = 128
+HintId = Annotated[str, msgspec.Meta(max_length=HINT_ID_CHARS_MAX)]
+TenantName = Annotated[str, msgspec.Meta(max_length=TENANT_CHARS_MAX)]
 
 
 class PrefetchHint(msgspec.Struct, frozen=True, kw_only=True, tag="prefetch.hint.v1", tag_field="t"):
-    hint_id: str  # e.g. the engine request id; cancel with it
-    tenant: str
+    hint_id: HintId  # e.g. the engine request id; cancel with it
+    tenant: TenantName
     groups: list[GroupId]  # chunk group ids (90 bytes) of the prefix, head first
     members: list[Member] = msgspec.field(default_factory=list)  # empty: every member
     target_segment: str  # the segment on the engine's host
@@ -58,10 +66,10 @@ class HintReply(msgspec.Struct, frozen=True, kw_only=True, tag="prefetch.hint_re
 
 
 class CancelHint(msgspec.Struct, frozen=True, kw_only=True, tag="prefetch.cancel.v1", tag_field="t"):
-    hint_id: str
+    hint_id: HintId
     # the hint's tenant (as in its `PrefetchHint`): a hint id is its tenant's. Empty (an older
     # sender): the one live hint with that id, none when two tenants hold it
-    tenant: str = ""
+    tenant: TenantName = ""
 
 
 class CancelReply(msgspec.Struct, frozen=True, kw_only=True, tag="prefetch.cancel_reply.v1", tag_field="t"):
