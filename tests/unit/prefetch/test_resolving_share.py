@@ -72,3 +72,19 @@ def test_a_hint_id_or_tenant_past_its_bound_is_refused_at_decode() -> None:
         p.prefetch_decoder.decode(hint("h" * (p.HINT_ID_CHARS_MAX + 1), "t"))
     with pytest.raises(BadRequest):
         p.prefetch_decoder.decode(hint("h", "t" * (p.TENANT_CHARS_MAX + 1)))
+
+
+def test_a_hint_the_core_would_answer_busy_asks_the_directory_nothing() -> None:
+    """The tenant's hint share full: each more hint was resolved first (a lookup on every shard,
+    leases, their release, the tenant's directory rate) and only then answered busy by the core
+    (review, stop 70). Now answered busy before any lookup."""
+    from kvfabric.core.prefetch import PrefetchConfig, PrefetchCore
+
+    router = FakeRouter(lambda *_: AssertionError("no lookup for a hint answered busy"))
+    shell = make_shell(router)
+    shell.core = PrefetchCore(PrefetchConfig(hints_queued_per_tenant_max=1))
+    shell.core._tenant_ids["alice"] = 1  # (alice's one hint live)
+    reply = asyncio.run(shell._on_hint(hint("alice", 9), {}))
+    assert isinstance(reply, p.HintReply)
+    assert (reply.status, reply.reason) == ("busy", "tenant_hints_full") and router.asked == []
+    assert shell.status().gauges["busy_before_lookup"] == 1

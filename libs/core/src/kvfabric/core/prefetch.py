@@ -449,6 +449,23 @@ class PrefetchCore:
             return (tenant, hint_id) in self._ids
         return any(i == hint_id for _, i in self._ids)
 
+    def busy_for(self, tenant: str) -> BusyReason | None:
+        """Why a new hint of `tenant` would be answered busy whatever it names (the queues its
+        `add_hint` checks full), so the shell answers before resolving it: each such hint cost
+        a lookup on every shard, leases and their release, and the tenant's directory rate
+        (review, stop 70). None: it may fit. (A hint whose objects are all on its target would
+        have been accepted with nothing to do: busy too.)"""
+        cfg = self.config
+        if len(self._ids) >= cfg.hints_queued_max:
+            return "hints_full"
+        if self._tenant_ids.get(tenant, 0) >= cfg.tenant_hints_max:
+            return "tenant_hints_full"
+        if self._objects_queued >= cfg.objects_queued_max:
+            return "objects_full"
+        if self._tenant_objects.get(tenant, 0) >= cfg.tenant_objects_max:
+            return "tenant_objects_full"
+        return None
+
     def want_state(self, object_id: ObjectId, target: SegmentId) -> WantState | None:
         want = self._wants.get((object_id, target))
         if want is None:

@@ -191,6 +191,7 @@ class PrefetchShell:
         self._log = get_logger("kvfabric.prefetch")
         self.busy_resolving = 0
         self.busy_tenant_resolving = 0  # refused: the tenant's share of the resolving slots in use
+        self.busy_before_lookup = 0  # refused: the core's queues (or the tenant's) full
 
     def attach(self, runtime: ServiceRuntime) -> None:
         self._runtime = runtime
@@ -240,6 +241,9 @@ class PrefetchShell:
             raise BadRequest(str(exc)) from None
         if self.core.has_hint(hint.hint_id, hint.tenant):
             return p.HintReply(hint_id=hint.hint_id, status="deduped", reason="same hint id")
+        if (full := self.core.busy_for(hint.tenant)) is not None:  # before any lookup or lease
+            self.busy_before_lookup += 1
+            return p.HintReply(hint_id=hint.hint_id, status="busy", reason=full)
         if self._resolving >= self.resolving_max:
             self.busy_resolving += 1
             return p.HintReply(hint_id=hint.hint_id, status="busy", reason="resolving_full")
@@ -347,6 +351,7 @@ class PrefetchShell:
             "leases_held": sum(len(leases) for leases in dict(self._leases).values()),
             "busy_resolving": self.busy_resolving,
             "busy_tenant_resolving": self.busy_tenant_resolving,
+            "busy_before_lookup": self.busy_before_lookup,
             "groups_shown": self.groups_shown,
             "groups_known": self.groups_known,
             "groups_remembered": len(self._groups),
