@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Literal
+from typing import Final, Literal
 
 from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.cluster.requests import request
@@ -19,12 +19,26 @@ from kvfabric.dataplane.addresses import pick_stream
 from kvfabric.format.errors import KvfError
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto import directory as m
-from kvfabric.proto.segment import CopyReply, CopyRequest, SegmentMessage, segment_decoder
+from kvfabric.proto.segment import CopyReply, CopyRequest, SegmentMessage, segment_decoder, tier_of_slot
 from kvfabric.proto.subjects import segment_subject
 
-__all__ = ["CopyOutcome", "copy_replica"]
+__all__ = ["DISK_SOURCE_SUFFIX", "CopyOutcome", "copy_replica", "preferred_replica"]
+
+# A disk replica named as a copy source: `<segment>#ssd` (never a segment id: [A-Za-z0-9_-])
+DISK_SOURCE_SUFFIX: Final = "#ssd"
 
 CopyOutcome = Literal["copied", "already_there", "not_found", "no_capacity", "segment_down", "failed"]
+
+
+def preferred_replica(sources: list[m.Replica], preferred: str) -> m.Replica:
+    """The source to copy from: `preferred` (a segment id: its arena replica, else its disk one;
+    `<segment>#ssd`: its disk replica, else its arena one), else the first. A disk source the
+    prefetch core chose was never matched (a name no segment id equals), and a plain id could
+    match that segment's disk replica first (review, stop 70)."""
+    segment, disk = preferred.removesuffix(DISK_SOURCE_SUFFIX), preferred.endswith(DISK_SOURCE_SUFFIX)
+    on_segment = [r for r in sources if r.segment_id == segment]
+    tier = "ssd" if disk else "dram"
+    return next((r for r in on_segment if tier_of_slot(r.slot) == tier), (on_segment or sources)[0])
 
 
 async def copy_replica(
@@ -64,7 +78,7 @@ async def copy_replica(
             return reply.status
         if reply.ticket is None or not reply.sources:
             return "failed"
-        source = next((r for r in reply.sources if r.segment_id == preferred_source), reply.sources[0])
+        source = preferred_replica(reply.sources, preferred_source)
         copied = await request(
             nc,
             segment_subject(destination, "copy"),

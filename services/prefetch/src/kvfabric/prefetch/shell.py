@@ -62,7 +62,7 @@ from nats.aio.msg import Msg
 
 from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.cluster.lookups import lookup_prefix
-from kvfabric.cluster.replicas import copy_replica
+from kvfabric.cluster.replicas import DISK_SOURCE_SUFFIX, copy_replica
 from kvfabric.core.prefetch import (
     Accepted,
     Busy,
@@ -141,7 +141,7 @@ RELEASE_STOP_S: Final = 5.0
 # (review, 2026-12-06); a dropped event is a read not counted, decided again on the next.
 ACCESSED_PENDING_MSGS_MAX: Final = 256
 ACCESSED_PENDING_BYTES_MAX: Final = 16 << 20
-SSD_SOURCE_SUFFIX: Final = "#ssd"  # a disk replica as a copy source (never a segment id: [A-Za-z0-9_-])
+SSD_SOURCE_SUFFIX: Final = DISK_SOURCE_SUFFIX  # a disk replica as a copy source (`copy_replica`)
 
 
 class PrefetchShell:
