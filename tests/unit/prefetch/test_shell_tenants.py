@@ -128,3 +128,42 @@ def test_a_hint_deduped_into_a_live_one_keeps_it_leased_when_the_first_name_ends
     asyncio.run(scenario())
     assert released == [100, 101]
     assert shell.status().gauges["leases_held"] == 0
+
+
+def test_a_cancel_that_comes_while_its_hint_is_looked_up_ends_it_once_added(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cancel found no live hint (it was still being resolved) and was lost: the hint lived
+    to its deadline, holding its tenant's share, copy slots and its sources' leases for a
+    request already finished (review, stop 70)."""
+    monkeypatch.setattr(shell_module, "now_ms", lambda: NOW)
+    router, released = leasing_router()
+    shell = make_shell(router)
+    looked_up = asyncio.Event()
+    answer = router.answer
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+        real_lookup = shell._lookup
+
+        async def slow_lookup(h: p.PrefetchHint, ttl_ms: int) -> Any:
+            looked_up.set()
+            await gate.wait()
+            return await real_lookup(h, ttl_ms)
+
+        shell._lookup = slow_lookup  # type: ignore[method-assign,assignment]
+        adding = asyncio.create_task(shell._on_hint(hint("req-1", "A", seed=1), {}))
+        await looked_up.wait()
+        again = await shell._on_hint(hint("req-1", "A", seed=1), {})  # a retry meanwhile: no second lookup
+        assert isinstance(again, p.HintReply) and again.status == "deduped"
+        cancelled = await shell._on_cancel(p.CancelHint(hint_id="req-1", tenant="A"), {})
+        assert cancelled == p.CancelReply(cancelled=True)
+        gate.set()
+        added = await adding
+        assert isinstance(added, p.HintReply) and added.status == "accepted"
+        assert not shell.core.has_hint("req-1", "A")  # ended as it was added
+        await collect_ended(shell)
+
+    asyncio.run(scenario())
+    assert answer is router.answer and released == [100]  # its lease given back
+    assert shell.status().gauges["leases_held"] == 0 and not shell._resolving_names

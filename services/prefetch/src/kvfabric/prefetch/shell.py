@@ -175,6 +175,10 @@ class PrefetchShell:
         self.group_cache_ms = group_cache_ms
         self._resolving = 0
         self._resolving_by: Counter[str] = Counter()  # hints being resolved, per tenant
+        # (tenant, hint id) of hints being resolved -> cancelled meanwhile: a cancel that came
+        # during the lookup found no live hint and was lost, the hint then holding its share,
+        # copy slots and leases to its deadline (review, stop 70)
+        self._resolving_names: dict[tuple[str, str], bool] = {}
         # (tenant, hint id) -> the read leases protecting its sources: (shard, lease id), one per shard
         self._leases: dict[tuple[str, str], list[tuple[int, int]]] = {}
         # (domain digest, chain hash) -> (monotonic ms shown, its objects): hot reads without a
@@ -239,7 +243,9 @@ class PrefetchShell:
             check_segment_id(hint.target_segment)
         except ValueError as exc:  # a caller's mistake: bad_request, not an internal error
             raise BadRequest(str(exc)) from None
-        if self.core.has_hint(hint.hint_id, hint.tenant):
+        named = (hint.tenant, hint.hint_id)
+        if self.core.has_hint(hint.hint_id, hint.tenant) or named in self._resolving_names:
+            # (the same hint sent again while it is being resolved: no second lookup)
             return p.HintReply(hint_id=hint.hint_id, status="deduped", reason="same hint id")
         if (full := self.core.busy_for(hint.tenant)) is not None:  # before any lookup or lease
             self.busy_before_lookup += 1
@@ -252,9 +258,14 @@ class PrefetchShell:
             return p.HintReply(hint_id=hint.hint_id, status="busy", reason="tenant_resolving_full")
         self._resolving += 1
         self._resolving_by[hint.tenant] += 1
+        self._resolving_names[named] = False
         try:
-            return await self._add(hint)
+            reply = await self._add(hint)
+            if self._resolving_names[named] and self.core.has_hint(hint.hint_id, hint.tenant):
+                self.core.cancel_hint(hint.hint_id, hint.tenant)  # cancelled while resolved
+            return reply
         finally:
+            del self._resolving_names[named]
             self._resolving -= 1
             self._resolving_by[hint.tenant] -= 1
             if not self._resolving_by[hint.tenant]:
@@ -334,7 +345,17 @@ class PrefetchShell:
         return hit.hit_chunks, hit.objects, hit.leases
 
     async def _on_cancel(self, message: p.CancelHint, headers: Mapping[str, str]) -> msgspec.Struct:
-        return p.CancelReply(cancelled=self.core.cancel_hint(message.hint_id, message.tenant or None))
+        if self.core.cancel_hint(message.hint_id, message.tenant or None):
+            return p.CancelReply(cancelled=True)
+        resolving = [
+            named
+            for named in self._resolving_names
+            if named[1] == message.hint_id and (not message.tenant or named[0] == message.tenant)
+        ]
+        if len(resolving) == 1:  # (an older sender's, without its tenant: only when one matches)
+            self._resolving_names[resolving[0]] = True  # cancelled once added (`_on_hint`)
+            return p.CancelReply(cancelled=True)
+        return p.CancelReply(cancelled=False)
 
     async def _on_status(
         self, message: p.PrefetchStatusRequest, headers: Mapping[str, str]
