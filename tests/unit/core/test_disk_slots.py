@@ -105,6 +105,11 @@ def test_record_round_trip_and_anything_torn_does_not_decode() -> None:
     assert decode_record(raw, FILE_ID, 8) is None  # another slot's record
     assert decode_record(raw, bytes(16), 7) is None  # another file's record
     assert decode_record(bytes(RECORD_BYTES), FILE_ID, 7) is None  # never written
+    # a generation at its maximum is none a table wrote: recovery's free of such a commit wrote
+    # 2**64 and crashed the segment (a crafted record; review, stop 70)
+    top = Record("commit", 7, 2**64 - 1, 8192, 5000, SUM, b"k")
+    assert decode_record(encode_record(top, FILE_ID), FILE_ID, 7) is None
+    assert decode_record(encode_record(Record("free", 7, 2**64 - 1), FILE_ID), FILE_ID, 7) is None
     with pytest.raises(InvariantViolation):
         encode_record(Record("commit", 1, 1, 0, 1, SUM, b"k" * (KEY_BYTES_MAX + 1)), FILE_ID)
 

@@ -26,6 +26,7 @@ from typing import Final, Literal
 
 import xxhash
 
+from kvfabric.format.generations import GENERATION_MAX
 from kvfabric.format.invariant import invariant
 
 __all__ = [
@@ -206,7 +207,15 @@ def decode_record(data: bytes | memoryview, file_id: bytes, slot: int) -> Record
     if _digest(raw[:end], file_id) != raw[end:]:
         return None
     _, kind, rslot, generation, offset, size, digest, key_len = _RECORD.unpack_from(raw, 0)
-    if rslot != slot or kind not in _KIND_NAME or key_len > KEY_BYTES_MAX or generation < 1:
+    # A generation at its maximum is none a table wrote (it bumps below it): recovery freeing
+    # such a commit wrote generation 2**64 and crashed, a free of it made the slot's next
+    # object unfreeable (a crafted record; review, stop 70).
+    if (
+        rslot != slot
+        or kind not in _KIND_NAME
+        or key_len > KEY_BYTES_MAX
+        or not 1 <= generation < GENERATION_MAX
+    ):
         return None
     if kind == _KIND_CODE["free"]:
         return Record("free", slot, generation)
