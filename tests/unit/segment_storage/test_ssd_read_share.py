@@ -80,3 +80,30 @@ def test_the_segments_own_reads_are_no_tenants(tmp_path: Path) -> None:
         assert tier.read_bytes_in_flight == 0 and tier._read_bytes_by_tenant == {}
         tier.close()
         io.close()
+
+
+def test_a_tenants_first_read_keeps_to_its_share_unless_nothing_is_in_flight(tmp_path: Path) -> None:
+    """The share applied only once a tenant held bytes: its first read of most of the budget was
+    let through while others read, and held it for the transfer's deadline (review, stop 70).
+    One read may still take more than the share when none is in flight (a large object)."""
+    io = SsdIo(0, 64, BLOCK_BYTES)
+    tier = SsdTier(tmp_path / "ssd", SEGMENT, 1 << 24, 64, direct=False, io=io, read_bytes_max=BUDGET)
+    held: list[SsdRead] = []
+    try:
+        big = os.urandom(13 * OBJECT)  # past a tenant's share (12 objects)
+        slot_big, gen_big = tier.write(memoryview(big), key_of(b"alice", 0), checksum(big))
+        small = os.urandom(OBJECT)
+        slot_small, gen_small = tier.write(memoryview(small), key_of(b"bob", 0), checksum(small))
+        held.append(tier.read(slot_small, gen_small, len(small)))  # bob reads
+        with pytest.raises(Busy, match="share"):
+            tier.read(slot_big, gen_big, len(big))  # alice's first read: past her share
+        held.pop().release()
+        alone = tier.read(slot_big, gen_big, len(big))  # nothing in flight: it may
+        assert alone.status == "ok" and alone.view is not None and bytes(alone.view) == big
+        held.append(alone)
+    finally:
+        for one in held:
+            one.release()
+        assert tier.read_bytes_in_flight == 0 and tier._read_bytes_by_tenant == {}
+        tier.close()
+        io.close()

@@ -652,15 +652,16 @@ class SsdTier:
                 raise Busy(
                     "disk tier reads in flight at their byte limit", read_bytes_max=self.read_bytes_max
                 )
-            # One tenant's reads leave a share of the budget to the others (one read of its always
-            # may): a reader that took its replies slowly held the whole budget for the transfer's
-            # deadline, and every other tenant's disk GETs were busy (review, 2026-12-06). Not a
-            # quarter *at most*: with tenants off every key is one tenant's, whose reads would
-            # have had a quarter of the budget. The segment's own reads (`verify`) are not a
-            # tenant's.
+            # One tenant's reads leave a share of the budget to the others (a read always may when
+            # none is in flight): a reader that took its replies slowly held the whole budget for
+            # the transfer's deadline, and every other tenant's disk GETs were busy (review,
+            # 2026-12-06). Its first read too: one of most of the budget locked the others out
+            # (review, stop 70). Not a quarter *at most*: with tenants off every key is one
+            # tenant's, whose reads would have had a quarter of the budget. The segment's own
+            # reads (`verify`) are not a tenant's.
             tenant_in = self._read_bytes_by_tenant.get(tenant, 0)
             most = self.read_bytes_max - self.read_bytes_max // READ_TENANT_SHARE_DIVISOR
-            if own_share and tenant_in and tenant_in + extent > most:
+            if own_share and self.read_bytes_in_flight and tenant_in + extent > most:
                 self.table.release(local, generation)
                 self._count("reads_busy_tenant_total")
                 raise Busy("a tenant's disk tier reads in flight at its share", share_bytes=most)
