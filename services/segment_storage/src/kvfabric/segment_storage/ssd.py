@@ -439,9 +439,9 @@ class SsdTier:
         refuse: tuple[AbstractContextManager[object], Callable[[int], KvfError | None]] | None = None,
     ) -> list[tuple[int, int] | KvfError]:
         """`write` for several objects (source, key, digest), their steps shared: their slots taken
-        at once (adjacent ids), every object's data written one after another (each through the
-        I/O engine), one sync, every commit record (adjacent slots' records in one write), one
-        sync. Per object, in order, its wire (slot, generation) or its error, as `write` would
+        at once (the lowest free ids: adjacent on a fresh tier, scattered after frees), every
+        object's data written one after another (each through the I/O engine), one sync, every
+        commit record (each run of adjacent slots' records in one write), one sync. Per object, in order, its wire (slot, generation) or its error, as `write` would
         raise it; a `NoCapacity` is that object's alone: the ones after it are tried (a smaller
         one may fit a hole this one did not; review, stop 65: they were all refused
         `no_capacity`, and the policy dropped them instead of demoting). Each object's protocol
@@ -459,7 +459,7 @@ class SsdTier:
         out: list[tuple[int, int] | KvfError | None] = [None] * len(items)
         started = time.perf_counter()
         allocs: list[tuple[int, DiskAlloc]] = []
-        with self.lock:  # all at once: adjacent slot ids, so their commit records go in one write
+        with self.lock:  # all at once: adjacent ids where free, their commit records in one write
             for i, (source, key, _) in enumerate(items):
                 try:
                     allocs.append((i, self.table.alloc(len(source), key)))
