@@ -21,6 +21,7 @@ from kvfabric.eviction_policy.tiers import (
     DEMOTE_REQUEST_GROUPS_MAX,
     DEMOTE_REQUEST_OBJECTS_MAX,
     demote_request_fits,
+    disk_full_capacity,
     group_outcome,
 )
 from kvfabric.format.errors import Busy
@@ -205,6 +206,13 @@ def test_each_group_s_fate_is_its_own_objects(monkeypatch: pytest.MonkeyPatch) -
     assert fates[1] == [("not_demoted", "copied", "s1#ssd")]
     assert fates[3][0] == ("not_demoted", "no_capacity", "s1#ssd")
     sh.core.check_invariants()
+    # The disk refused for room while the pool's bytes sit far below its watermark (its slot ids
+    # or extents ran out first): its capacity is cut to just below what it holds, so the core
+    # drops its coldest; it stayed unpressed, demotion stopped for good (review, stop 70).
+    used = sh.core.used_bytes("s1#ssd")
+    assert used == 20 and 0 < sh.core._pools["s1#ssd"].capacity * sh.core.config.high_watermark < used
+    assert any(isinstance(b, EvictBatch) and b.pool == "s1#ssd" for b in sh.core.tick(sh._driver.now_ms()))
+    assert disk_full_capacity(0, 0.9) == 0
 
 
 def test_a_failed_request_cools_down_every_group_it_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -127,6 +127,7 @@ from kvfabric.eviction_policy.tiers import (
     copy_outcome,
     demote_or_drop,
     demote_request_fits,
+    disk_full_capacity,
     group_outcome,
     heads_first,
     is_ssd_pool,
@@ -1307,6 +1308,10 @@ class EvictionShell(GroupRecords):
             capacity = ssd_pool_capacity(
                 reply.ssd_capacity_bytes, self.ssd_high_watermark, self.core.config.high_watermark
             )
+            if any(r.status == "no_capacity" for r in reply.results):
+                capacity = min(
+                    capacity, disk_full_capacity(self.core.used_bytes(pool), self.core.config.high_watermark)
+                )
             self._set_capacity(pool, capacity)
         outcomes: list[str] = []
         at = 0

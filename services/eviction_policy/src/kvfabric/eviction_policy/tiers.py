@@ -25,6 +25,7 @@ __all__ = [
     "copy_outcome",
     "demote_or_drop",
     "demote_request_fits",
+    "disk_full_capacity",
     "group_outcome",
     "heads_first",
     "is_ssd_pool",
@@ -96,6 +97,17 @@ def ssd_pool_capacity(ssd_bytes: int, ssd_high_watermark: float, high_watermark:
     """The capacity the core is told for a disk pool so that its one high watermark presses the
     disk at `ssd_high_watermark` of its bytes (the low one scales with it: low x ssd_high / high)."""
     return int(ssd_bytes * ssd_high_watermark / high_watermark)
+
+
+def disk_full_capacity(used_bytes: int, high_watermark: float) -> int:
+    """The capacity the core is told for a disk pool whose segment answered `no_capacity` while
+    the pool's bytes sit below its watermark: its slot ids or extents ran out before its bytes
+    did (small objects take a slot id per 64 KiB of disk: 16 KiB ones filled every id at a
+    quarter of the bytes; a fragmented region). Just below what it holds, so the core presses it
+    and drops its coldest; the next reply without `no_capacity` sets it back. It stayed unpressed
+    for good, demotion stopped, and the disk kept its first objects (review, stop 70). 0 (no
+    watermark) when the pool holds nothing here."""
+    return max(1, int(used_bytes / high_watermark) - 1) if used_bytes > 0 else 0
 
 
 def demote_request_fits(groups: int, objects: int, nbytes: int, more_objects: int, more_bytes: int) -> bool:
