@@ -77,7 +77,8 @@ class Directory:
 
     async def ask(self, shard: int, verb: str, message: Any, timeout_s: float) -> Any:
         self.asked.append((verb, message.segment_id))
-        return m.ReplicaCorruptReply(epoch=1, dropped=True)
+        assert verb == "replica_corrupt_many" and 1 <= len(message.items) <= m.REPLICA_BATCH_MAX
+        return m.ReplicaCorruptManyReply(epoch=1, dropped=[True] * len(message.items))
 
 
 def shell_over(directory: Directory) -> tuple[RepairShell, RepairCore]:
@@ -189,3 +190,44 @@ async def test_an_object_seen_by_a_failed_pass_is_removed_when_a_later_pass_no_l
     directory.fail, directory.replicas = False, [replica("s1", 5), replica("s2", 6)]  # at target now
     await shell.scan()
     assert len(core._objects) == 0 and shell.below_target == 0
+
+
+class ManyAtTarget(Directory):
+    """`n` objects, each on s1 and s2 (at target) and on the draining s3."""
+
+    def __init__(self, n: int) -> None:
+        segs = [segment("s1", "h1"), segment("s2", "h2"), segment("s3", "h3", draining=True)]
+        super().__init__(segs, [])
+        self.n = n
+
+    async def shard_pages(
+        self, shard: int, query: Any, timeout_s: float, pages_max: int
+    ) -> AsyncIterator[Any]:
+        groups = []
+        for i in range(self.n):
+            reps = [replica("s1", i), replica("s2", i), replica("s3", i)]
+            obj = m.ObjectLocation(
+                chunk_index=0, member=m.Member(0, 0, 0), size_bytes=1024, checksum=b"", replicas=reps
+            )
+            groups.append(
+                m.GroupSummary(
+                    group=ChainHash(i.to_bytes(32, "big")),
+                    namespace=Namespace(b"n" * 54),
+                    chunk_index=0,
+                    state="published",
+                    members=1,
+                    expected_members=1,
+                    objects=[obj],
+                )
+            )
+        yield m.GroupList(epoch=1, groups=groups)
+
+
+async def test_a_drain_retires_replicas_in_batches() -> None:
+    """One `replica_corrupt` a replica, one after another: a drain of a million replicas held
+    the next pass (and every segment failure it would notice) for minutes (review, stop 70)."""
+    directory = ManyAtTarget(2 * m.REPLICA_BATCH_MAX + 2)
+    shell, _ = shell_over(directory)
+    await shell.scan()
+    assert directory.asked == [("replica_corrupt_many", "s3")] * 3
+    assert shell.replicas_retired == 2 * m.REPLICA_BATCH_MAX + 2

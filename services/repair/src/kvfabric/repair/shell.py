@@ -194,8 +194,12 @@ class RepairShell:
 
     async def _retire_drained(self, draining: set[str]) -> None:
         """Drop each replica on a draining segment whose object already has its target elsewhere
-        (the directory frees the slot): once all are gone the segment holds nothing."""
+        (the directory frees the slot): once all are gone the segment holds nothing. Batched by
+        (shard, segment incarnation), `REPLICA_BATCH_MAX` a request: one request a replica, one
+        after another, held the next pass (and every segment failure it would notice) for
+        minutes at a million replicas (review, stop 70)."""
         router = self._dir()
+        batches: dict[tuple[int, str, int], list[m.CorruptItem]] = {}
         async for page in self._pages(m.ListGroups(limit=LIST_PAGE, with_objects=True)):
             for summary in page.groups:
                 for obj in summary.objects:
@@ -203,22 +207,28 @@ class RepairShell:
                     for r in obj.replicas:
                         if r.segment_id in draining and healthy >= self.replicas_target:
                             key = key_of(summary, obj.member)
-                            reply = await router.ask(
-                                router.shard_of(key),
-                                "replica_corrupt",
-                                m.ReplicaCorrupt(
-                                    segment_id=r.segment_id,
-                                    incarnation=r.incarnation,
-                                    key=key,
-                                    slot=r.slot,
-                                    slot_generation=r.slot_generation,
-                                    reason="drained",
-                                ),
-                                self.request_timeout_s,
-                            )
-                            # (refused while a read lease holds the group: the next pass)
-                            if isinstance(reply, m.ReplicaCorruptReply) and reply.dropped:
-                                self.replicas_retired += 1
+                            where = (router.shard_of(key), r.segment_id, r.incarnation)
+                            item = m.CorruptItem(key=key, slot=r.slot, slot_generation=r.slot_generation)
+                            batch = batches.setdefault(where, [])
+                            batch.append(item)
+                            if len(batch) == m.REPLICA_BATCH_MAX:
+                                await self._retire(where, batches.pop(where))
+        for where, batch in batches.items():
+            await self._retire(where, batch)
+
+    async def _retire(self, where: tuple[int, str, int], items: list[m.CorruptItem]) -> None:
+        shard, segment_id, incarnation = where
+        reply = await self._dir().ask(
+            shard,
+            "replica_corrupt_many",
+            m.ReplicaCorruptMany(
+                segment_id=segment_id, incarnation=incarnation, items=items, reason="drained"
+            ),
+            self.request_timeout_s,
+        )
+        # (one a read lease holds is refused: the next pass)
+        if isinstance(reply, m.ReplicaCorruptManyReply):
+            self.replicas_retired += sum(reply.dropped)
 
     async def _pages(self, query: m.ListGroups) -> AsyncIterator[m.GroupList]:
         """Every page of `query`, shard by shard (each shard pages on its own `after`); at most
