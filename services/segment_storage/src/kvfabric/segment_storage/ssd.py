@@ -441,8 +441,9 @@ class SsdTier:
         """`write` for several objects (source, key, digest), their steps shared: their slots taken
         at once (the lowest free ids: adjacent on a fresh tier, scattered after frees), every
         object's data written one after another (each through the I/O engine), one sync, every
-        commit record (each run of adjacent slots' records in one write), one sync. Per object, in order, its wire (slot, generation) or its error, as `write` would
-        raise it; a `NoCapacity` is that object's alone: the ones after it are tried (a smaller
+        commit record (each run of adjacent slots' records in one write), one sync. Per object,
+        in order, its wire (slot, generation) or its error, as `write` would raise it; a
+        `NoCapacity` is that object's alone: the ones after it are tried (a smaller
         one may fit a hole this one did not; review, stop 65: they were all refused
         `no_capacity`, and the policy dropped them instead of demoting). Each object's protocol
         is `write`'s: its data durable before its commit record is written, readable once that
