@@ -328,6 +328,21 @@ def test_lookup_hits_are_batched_into_one_accessed_event_per_tick() -> None:
     assert not [e for e in core.tick(2) if isinstance(e, EmitEvent)]  # nothing new: nothing sent
 
 
+def test_a_services_own_lookup_is_no_read() -> None:
+    """Prefetch resolves a hint with a lookup: counted as a read, each hinted prefix looked read
+    twice (hot replicas made, eviction ranks raised; review, stop 70). `count_hits=False`."""
+    core = new_core()
+    register(core, "s1")
+    gs = groups(2)
+    put(core, [key(g) for g in gs])
+    hint = m.Lookup(holder_id="prefetch-p1", groups=[g.group_id() for g in gs], count_hits=False)
+    reply = core.handle(hint, 0).reply
+    assert isinstance(reply, m.LookupReply) and reply.hit_chunks == 2
+    assert not [e for e in core.tick(1) if isinstance(e, EmitEvent)]  # no `accessed`
+    assert lookup(core, gs[:1]).hit_chunks == 1  # an engine's read still counts
+    assert [e.kind for e in core.tick(2) if isinstance(e, EmitEvent)] == ["accessed"]
+
+
 def test_a_new_leader_adopts_complete_groups_and_frees_nothing_during_the_grace_period() -> None:
     from kvfabric.core.directory.rebuild import SegmentHolding
     from kvfabric.proto.segment import HeldObject

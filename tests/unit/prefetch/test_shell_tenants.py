@@ -167,3 +167,15 @@ def test_a_cancel_that_comes_while_its_hint_is_looked_up_ends_it_once_added(
     asyncio.run(scenario())
     assert answer is router.answer and released == [100]  # its lease given back
     assert shell.status().gauges["leases_held"] == 0 and not shell._resolving_names
+
+
+def test_a_hints_lookups_are_not_counted_as_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No engine reads what a hint's lookup finds: counted as reads, each hinted prefix looked
+    read twice (hot replicas, eviction frequency; review, stop 70)."""
+    monkeypatch.setattr(shell_module, "now_ms", lambda: NOW)
+    router, _ = leasing_router()
+    shell = make_shell(router)
+    added = asyncio.run(shell._add(hint("h1", "t", seed=1)))
+    assert added.status == "accepted"
+    lookups = [message for _, verb, message in router.asked if verb == "lookup"]
+    assert lookups and all(isinstance(q, m.Lookup) and q.count_hits is False for q in lookups)

@@ -373,6 +373,9 @@ class Lookup(_Msg, frozen=True, kw_only=True, tag="dir.lookup.v1"):
     members: list[Member] = msgspec.field(default_factory=list)
     lease_ttl_ms: int = 30_000
     epoch: int = 0
+    # False: no engine reads these (a service's own lookup: prefetch resolving a hint), so the
+    # hits are not told to the eviction policy and prefetch as reads (`accessed` events)
+    count_hits: bool = True
 
 
 class LookupReply(_Msg, frozen=True, kw_only=True, tag="dir.lookup_reply.v1"):
@@ -401,6 +404,7 @@ class LookupMany(_Msg, frozen=True, kw_only=True, tag="dir.lookup_many.v1"):
     parts: list[LookupPart]
     members: list[Member] = msgspec.field(default_factory=list)
     lease_ttl_ms: int = 30_000
+    count_hits: bool = True  # as `Lookup.count_hits`, for every part
 
 
 class LookupPartReply(msgspec.Struct, frozen=True, kw_only=True):

@@ -120,7 +120,11 @@ async def lookup_by_instance(
             epoch = route.epoch if route is not None else 0
             parts.append(m.LookupPart(shard=shard, groups=lookups[shard].groups, epoch=epoch))
         message = m.LookupMany(
-            holder_id=first.holder_id, parts=parts, members=first.members, lease_ttl_ms=first.lease_ttl_ms
+            holder_id=first.holder_id,
+            parts=parts,
+            members=first.members,
+            lease_ttl_ms=first.lease_ttl_ms,
+            count_hits=first.count_hits,
         )
         try:
             reply = await router.ask_instance(instance, LOOKUP_MANY_VERB, message, timeout_s, headers=headers)
@@ -247,13 +251,15 @@ async def lookup_prefix(
     trace_id: str,
     refused: set[str],
     give_back: Callable[[list[Lease]], Awaitable[None]],
+    count_hits: bool = True,
 ) -> PrefixHit:
     """Look up a prefix (`groups`: its chunk group ids, in order) on every shard holding some of
     it, one request per leading instance (`lookup_by_instance`), and merge the answers
     (`merge_lookups`). The leases not needed go to `give_back` (the caller's way of releasing
     them) before this returns; when nothing hit and a shard failed, every lease does and the
     first failure is raised. `BadRequest` for a group that is no chunk group id; the router's
-    error when the shard map is unknown."""
+    error when the shard map is unknown. `count_hits` False: no engine reads what this finds
+    (`Lookup.count_hits`)."""
     await router.known_shards()
     positions: dict[int, list[int]] = {}
     for index, raw in enumerate(groups):
@@ -268,6 +274,7 @@ async def lookup_prefix(
             groups=[groups[i] for i in indexes],
             members=list(members),
             lease_ttl_ms=lease_ttl_ms,
+            count_hits=count_hits,
         )
         for shard, indexes in positions.items()
     }

@@ -214,6 +214,7 @@ async def lookup_many(
             members=message.members,
             lease_ttl_ms=message.lease_ttl_ms,
             epoch=each.epoch,
+            count_hits=message.count_hits,
         )
         try:
             reply = await part(lookup, "lookup", grant, each.shard, room.for_part())

@@ -341,6 +341,9 @@ class PrefetchShell:
             trace_id="",
             refused=self._lookup_many_refused,
             give_back=self._release_leases,
+            # no engine reads what a hint's lookup finds: counted as reads, each hint made its
+            # prefix look twice as read (hot replicas, eviction frequency; review, stop 70)
+            count_hits=False,
         )
         return hit.hit_chunks, hit.objects, hit.leases
 

@@ -105,7 +105,8 @@ class Reads:
             return Outcome(m.LookupReply(epoch=ctx.epoch, hit_chunks=0))
         lease_id, expires = self.leases.grant(req.holder_id, tuple(hit), now_ms + ttl_ms, is_pin=False)
         effects: list[Effect] = []
-        self._note_hits(hit, effects)
+        if req.count_hits:  # (a service's own lookup is no read: `Lookup.count_hits`)
+            self._note_hits(hit, effects)
         return Outcome(
             m.LookupReply(
                 epoch=ctx.epoch,
@@ -137,7 +138,8 @@ class Reads:
             return Outcome(m.LookupReply(epoch=self.ctx.epoch, hit_chunks=0))
         self.leases.extend(lease_id, tuple(hit))
         effects: list[Effect] = []
-        self._note_hits(hit, effects)
+        if req.count_hits:  # (a service's own lookup is no read: `Lookup.count_hits`)
+            self._note_hits(hit, effects)
         return Outcome(
             m.LookupReply(
                 epoch=self.ctx.epoch,
