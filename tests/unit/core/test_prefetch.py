@@ -243,6 +243,28 @@ def test_a_replica_that_was_there_already_is_no_extra_of_ours() -> None:
     c.check_invariants()
 
 
+def test_a_hint_copy_made_anew_where_an_extra_was_is_the_hints_not_the_extra() -> None:
+    """A hot object's extra on s3 went unnoticed (evicted, demoted), and a hint then copied the
+    object to s3 anew: still recorded as the extra, the object's cooling dropped the replica the
+    hint had just made (review, stop 70). The extra is forgotten (its budget back)."""
+    c = core(hot_window_ms=1_000, hot_reads_per_s=5, cold_reads_per_s=1, hot_extra_replicas_max=1)
+    c.set_segments({"s1": 500, "s2": 900, "s3": 700})
+    for i in range(6):
+        c.read("hot", size_bytes=10, served_from="s1", replicas=("s2",), now_ms=T0 + i)
+    (copy,) = c.tick(T0 + 6)
+    assert isinstance(copy, StartCopy) and copy.extra and copy.target == "s3"
+    c.copy_finished(copy.copy_id, True, T0 + 10)
+    assert c.extra_replicas() == {"hot": "s3"}
+    c.add_hint(hint("h1", obj("hot", replicas=("s1",)), target="s3"), T0 + 20)  # s3 lost it unnoticed
+    (again,) = c.tick(T0 + 20)
+    assert isinstance(again, StartCopy) and not again.extra and again.target == "s3"
+    (published,) = c.copy_finished(again.copy_id, True, T0 + 30)
+    assert isinstance(published, PublishReplica) and not published.extra
+    assert c.extra_replicas() == {} and c.cold_extra_replicas(T0 + 5_000) == []
+    assert c.counters["extra_replicas_removed_total"] == 1
+    c.check_invariants()
+
+
 def test_a_queued_object_whose_last_source_goes_is_dropped_and_its_hint_fails() -> None:
     c = core(copies_in_flight_max=1)
     c.add_hint(hint("h1", obj("a", replicas=("s1",)), obj("b", replicas=("s2",))), T0)

@@ -668,6 +668,13 @@ class PrefetchCore:
             else:  # on the target already: nothing copied
                 self.counters["copies_already_there_total"] += 1
             extra = want.extra and not want.hints and made
+            if made and not extra and self._extras.get(want.object_id, (None, 0, b""))[0] == want.target:
+                # A copy made it anew where its extra was: that one had gone unnoticed (evicted,
+                # demoted) and this replica is a hint's. Kept as the extra, the object's cooling
+                # dropped the replica the hint just made (review, stop 70).
+                _, size, domain = self._extras.pop(want.object_id)
+                self._extra_budget(domain, -1, size)
+                self.counters["extra_replicas_removed_total"] += 1
             if extra:
                 self.counters["hot_replicas_created_total"] += 1
                 self._extras[want.object_id] = (want.target, want.size, want.domain)
