@@ -200,3 +200,17 @@ def test_an_extra_whose_group_is_gone_is_forgotten_not_an_error() -> None:
     shell.core.replica_removed = lambda object_id, segment: removed.append((object_id, segment))  # type: ignore[method-assign]
     asyncio.run(shell._drop_extra(key(g), "s1"))
     assert removed == [(key(g), "s1")]
+
+
+def test_an_events_hits_are_counted_over_the_directorys_flush_period() -> None:
+    """The filter that skips groups read too rarely to be worth a `show_group` divided an event's
+    hits by this service's own tick (20 ms, 5x shorter than the directory's flush): one hit read
+    as 50 reads/s (review, stop 70)."""
+    raws = [g.to_bytes() for g in groups(1)]
+    router = directory(raws)
+    shell = make_shell(router)
+    shell.core = PrefetchCore(PrefetchConfig(hot_reads_per_s=50, cold_reads_per_s=20))
+    feed(shell, raws, 1, hits=1)  # 1 hit in the directory's 100 ms: 10 reads/s, below 20
+    assert shows(router) == 0
+    feed(shell, raws, 1, hits=3)  # 30 reads/s
+    assert shows(router) == 1

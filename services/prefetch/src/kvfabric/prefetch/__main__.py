@@ -43,6 +43,7 @@ async def serve(settings: RuntimeSettings) -> int:
         request_timeout_s=config.request_timeout_s,
         copy_timeout_s=config.copy_timeout_s,
         group_cache_ms=config.group_cache_ms,
+        access_period_ms=config.access_period_ms,
     )
     runtime = ServiceRuntime(
         Service.PREFETCH,

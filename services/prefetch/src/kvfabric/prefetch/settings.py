@@ -17,6 +17,7 @@
 | `KVF_PREFETCH_TICK_MS` / `_SCAN_MS` | 20 / 2000 | planning period / segment refresh + cold sweep |
 | `KVF_PREFETCH_COPY_TIMEOUT_MS` | 10000 | one copy, ticket to confirm |
 | `KVF_PREFETCH_GROUP_CACHE_MS` | 10000 | a group shown for hot reads is trusted this long (0: never) |
+| `KVF_DIRECTORY_TICK_MS` | 100 | the directory's: an `accessed` event's hits are over this long |
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class PrefetchSettings:
     copy_timeout_s: float
     request_timeout_s: float
     group_cache_ms: int
+    access_period_ms: int
 
 
 def load_prefetch_settings(env: Mapping[str, str]) -> PrefetchSettings:
@@ -68,4 +70,5 @@ def load_prefetch_settings(env: Mapping[str, str]) -> PrefetchSettings:
         copy_timeout_s=env_int(env, "KVF_PREFETCH_COPY_TIMEOUT_MS", 10_000, 100, 600_000) / 1000,
         request_timeout_s=2.0,
         group_cache_ms=env_int(env, "KVF_PREFETCH_GROUP_CACHE_MS", 10_000, 0, 600_000),
+        access_period_ms=env_int(env, "KVF_DIRECTORY_TICK_MS", 100, 5, 60_000),
     )
