@@ -1083,8 +1083,16 @@ def test_a_worker_has_no_port_after_65535() -> None:
 
     settings = ClientSettings(nats_url="nats://127.0.0.1:1", metrics_port=65535)
     assert worker_metrics_port(settings, KVConnectorRole.SCHEDULER).metrics_port == 65535
-    with pytest.raises(ValueError, match="none follows"):
+    with pytest.raises(ValueError, match="would be 65536"):
         worker_metrics_port(settings, KVConnectorRole.WORKER)
+    # data parallel: two ports per rank on the host (they bound P and P + 1 twice; stop 70)
+    fixed = ClientSettings(nats_url="nats://127.0.0.1:1", metrics_port=9000)
+    ports = [
+        worker_metrics_port(fixed, role, rank).metrics_port
+        for rank in range(3)
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
+    ]
+    assert ports == list(range(9000, 9006))
     for port in (0, -1):
         unchanged = ClientSettings(nats_url="nats://127.0.0.1:1", metrics_port=port)
         assert worker_metrics_port(unchanged, KVConnectorRole.WORKER).metrics_port == port

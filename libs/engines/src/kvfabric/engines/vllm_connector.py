@@ -16,7 +16,8 @@ Extra config keys: `nats_url` (or env KVF_CLIENT_NATS_URL), `tenant_id`, `domain
 `lookup_wait_ms` (20: how long the scheduler waits for a new request's lookup before answering
 "ask again"; 0: never waits), and any `ClientSettings` field (timeouts, limits, `thread_cpus`:
 docs/engines.md says why it is left to inherit vLLM's pinned compute CPU by default; a fixed
-`metrics_port` is the scheduler side's, the worker side serves on the next one).
+`metrics_port` P: data-parallel rank r's scheduler side serves on P + 2r, its worker side on
+P + 2r + 1).
 
 ## How it works
 - One chunk = one vLLM block (`tokens_per_chunk = block_size`); one object = that block of
@@ -304,17 +305,23 @@ def _pinned_revision(revision: str | None) -> str:
     return ""
 
 
-def worker_metrics_port(settings: ClientSettings, role: KVConnectorRole) -> ClientSettings:
-    """The worker side's client serves metrics on the port after a fixed `metrics_port` (the
-    scheduler side's is the port itself): both run on one host, and the second to bind the same
-    port ran without the cache (`config_error`; review, stop 69). 0 (any free port) and -1
-    (none) are the same for both. ValueError when no port follows it."""
+def worker_metrics_port(
+    settings: ClientSettings, role: KVConnectorRole, dp_rank_local: int = 0
+) -> ClientSettings:
+    """A fixed `metrics_port` P is the first of two per engine on the host: data-parallel rank r
+    (local to the host) serves its scheduler side's client on P + 2r and its worker side's on
+    P + 2r + 1. Both sides run on one host, and the second to bind the same port ran without
+    the cache (`config_error`; review, stop 69; data parallel, stop 70). 0 (any free port) and
+    -1 (none) are the same for all. ValueError when its port passes 65535."""
     port = settings.metrics_port
-    if role == KVConnectorRole.SCHEDULER or port <= 0:
+    if port <= 0:
         return settings
-    if port >= 65535:
-        raise ValueError(f"metrics_port {port}: the worker side serves on the next port, and none follows it")
-    return msgspec.structs.replace(settings, metrics_port=port + 1)
+    mine = port + 2 * dp_rank_local + (role != KVConnectorRole.SCHEDULER)
+    if mine > 65535:
+        raise ValueError(
+            f"metrics_port {port}: this side's port (data parallel rank {dp_rank_local}) would be {mine}"
+        )
+    return msgspec.structs.replace(settings, metrics_port=mine)
 
 
 def make_client(vllm_config: VllmConfig, role: KVConnectorRole) -> KvClient:
@@ -326,7 +333,8 @@ def make_client(vllm_config: VllmConfig, role: KVConnectorRole) -> KvClient:
     overrides = {k: v for k, v in extra.items() if k in _CLIENT_FIELDS}
     log_level = None if role == KVConnectorRole.SCHEDULER else logging.INFO
     try:
-        settings = worker_metrics_port(settings_from_env(**overrides), role)
+        dp_rank_local = getattr(vllm_config.parallel_config, "data_parallel_rank_local", None) or 0
+        settings = worker_metrics_port(settings_from_env(**overrides), role, int(dp_rank_local))
         spec = engine_spec(vllm_config, extra)
     except (KvfError, ValueError, TypeError, OSError) as exc:  # OSError: reading the weights' digest
         detail = exc.message if isinstance(exc, KvfError) else f"{type(exc).__name__}: {exc}"
