@@ -608,3 +608,34 @@ def test_gauges_never_walk_the_objects_below_target() -> None:
     core.check_invariants()
     core._below = _NoIteration(core._below)
     assert core.gauges()["objects_stuck"] == 0 and core.gauges()["objects_oversize"] == 0
+
+
+def test_tenants_take_turns_and_a_late_tenant_starts_at_the_turn_served() -> None:
+    """Objects of one hotness and replica count went in the order first known, which is the
+    listing's (by shard, then domain digest): after a segment loss tenants were repaired whole,
+    one after another, and the last in hash order kept single replicas for hours (review, stop
+    70). Each tenant's k-th object now goes with the others' k-th."""
+    core = new_core(copies_in_flight_max=1)
+    for tenant in ("A", "B"):
+        for i in range(4):
+            core.object_known(f"{tenant}{i}", size_bytes=MB, replica_target=2, segments=["a"], tenant=tenant)
+    order = []
+    now = 0
+    for _ in range(4):
+        copy = only_copy(core.tick(now))
+        order.append(copy.object_id)
+        assert core.copy_ok(copy.copy_id)
+        now += 10
+    assert order == ["A0", "B0", "A1", "B1"]
+    for i in range(3):  # C comes now: it starts at the turn being served, not ahead of everyone
+        core.object_known(f"C{i}", size_bytes=MB, replica_target=2, segments=["a"], tenant="C")
+    for _ in range(7):
+        copy = only_copy(core.tick(now))
+        order.append(copy.object_id)
+        assert core.copy_ok(copy.copy_id)
+        now += 10
+    assert order[4:] == ["C0", "A2", "B2", "C1", "A3", "B3", "C2"]  # C at turn 1, then in step
+    core.check_invariants()
+    for name in order:  # (gone: no turn kept for a tenant with no object)
+        core.object_removed(name)
+    assert not core._tenant_turn and not core._tenant_objects

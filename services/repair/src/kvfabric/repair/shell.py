@@ -41,7 +41,7 @@ from kvfabric.core.repair import CancelCopy, DrainComplete, RepairCore, StartCop
 from kvfabric.core.repair_events import CopyFailed, RepairEvent, RepairOutput, Tick
 from kvfabric.format.clock import monotonic_ms
 from kvfabric.format.errors import Busy, ChecksumMismatch, KvfError, Unavailable
-from kvfabric.format.ids import ObjectKey, pack_group_id, pack_object_key
+from kvfabric.format.ids import ObjectKey, domain_in_id, pack_group_id, pack_object_key
 from kvfabric.proto import directory as m
 from kvfabric.proto.repair import RepairStatus, RepairStatusRequest, repair_decoder
 from kvfabric.runtime.core_driver import CoreDriver
@@ -175,7 +175,10 @@ class RepairShell:
                             size_bytes=obj.size_bytes,
                             replica_target=self.replicas_target,
                             segments=[r.segment_id for r in obj.replicas],
-                            hot=summary.leases + summary.pins,
+                            # held or not: a count of holds put a tenant's objects ahead of all
+                            # others' (its leases and pins are its own to take; review, stop 70)
+                            hot=int(bool(summary.leases or summary.pins)),
+                            tenant=domain_in_id(summary.namespace),
                         )
         except BaseException:
             # A pass that failed part-way: what it told the core is tracked all the same, so a
