@@ -251,6 +251,8 @@ class RepairMachine(RuleBasedStateMachine):
         self.core.object_known(
             object_id, size_bytes=size, replica_target=replica_target, segments=segments, hot=hot
         )
+        if object_id not in self.objects and not segments & set(self.free):
+            return  # nothing readable and not tracked: not tracked now, no loss (counted once)
         self.objects[object_id] = (size, replica_target)
         self.replicas[object_id] = segments & set(self.free)
         self.prune()
