@@ -102,3 +102,23 @@ def test_a_failed_accept_does_not_stop_the_data_plane() -> None:
     finally:
         server.stop()
         real.close()
+
+
+def test_a_get_past_its_byte_bound_is_refused_and_its_grant_given_back(monkeypatch: Any) -> None:
+    """A GET's references pin its slots until the reply is sent (frees deferred): 4 GiB at the
+    1 MiB/s floor held them ~68 min after the directory freed them (review, stop 70). A GET
+    reads at most `GET_BYTES_MAX` bytes, as over UCX."""
+    from kvfabric.dataplane import tcp_server
+
+    monkeypatch.setattr(tcp_server, "GET_BYTES_MAX", 40)  # the backend's objects are 16 bytes
+    backend = CountingBackend()
+    server = TcpDataServer(backend, authenticate=lambda meta: True)  # type: ignore[arg-type]
+    server.start()
+    try:
+        refs = [ReadRef(incarnation=1, slot=i, slot_generation=1, size_bytes=16) for i in range(3)]
+        op, meta = ask(server, refs)  # 48 bytes
+        assert op is Op.ERROR and isinstance(meta, ErrorReply) and meta.code == "batch_too_large"
+        assert backend.ended == 1
+        assert ask(server, refs[:2])[0] is Op.REPLY  # 32 bytes
+    finally:
+        server.stop()

@@ -27,6 +27,7 @@ from typing import Final
 from kvfabric.format.errors import BadRequest
 
 __all__ = [
+    "GET_BYTES_MAX",
     "HEADER",
     "MAGIC",
     "META_BYTES_MAX",
@@ -43,6 +44,7 @@ HEADER: Final = struct.Struct("<4sBBHQII")
 META_BYTES_MAX: Final = 1 << 20
 OBJECT_BYTES_MAX: Final = 1 << 30
 READS_MAX: Final = 4096
+GET_BYTES_MAX: Final = OBJECT_BYTES_MAX  # the bytes one GET reads (a client asks 2 MiB, or one object)
 
 
 class Op(enum.IntEnum):

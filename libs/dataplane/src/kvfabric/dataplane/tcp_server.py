@@ -31,7 +31,7 @@ from kvfabric.dataplane.backend import (
     claim_of,
     new_connection_id,
 )
-from kvfabric.dataplane.frames import HEADER, OBJECT_BYTES_MAX, READS_MAX, Op, unpack_header
+from kvfabric.dataplane.frames import GET_BYTES_MAX, HEADER, OBJECT_BYTES_MAX, READS_MAX, Op, unpack_header
 from kvfabric.dataplane.staging import StagingFiles
 from kvfabric.dataplane.tcp_wire import (
     PeerClosed,
@@ -44,7 +44,7 @@ from kvfabric.dataplane.tcp_wire import (
     shutdown_fd,
     tune_socket,
 )
-from kvfabric.format.errors import BadRequest, Busy, KvfError, Unauthorized
+from kvfabric.format.errors import BadRequest, BatchTooLarge, Busy, KvfError, Unauthorized
 from kvfabric.proto.common import error_reply_from
 from kvfabric.proto.dataplane import (
     GetReply,
@@ -452,7 +452,15 @@ class TcpDataServer:
                     raise BadRequest("a GET names an object twice")
                 results = [ObjectResult(s, c) for s, c in zip(grant.statuses, grant.checksums, strict=True)]
                 views = [v for v in grant.views if v is not None]
-                self._deadline(conn, limits.transfer_ms(sum(len(v) for v in views)), "transfer_timeout")
+                total = sum(len(v) for v in views)
+                if total > GET_BYTES_MAX:
+                    # Its references pin the slots until the reply is sent, frees deferred: 4 GiB
+                    # at the 1 MiB/s floor held them ~68 min after the directory freed them (a
+                    # tenant's save, GET, evict: the arena filled; review, stop 70). UCX's bound.
+                    raise BatchTooLarge(
+                        f"GET of {total} bytes exceeds {GET_BYTES_MAX}", size_bytes=total, limit=GET_BYTES_MAX
+                    )
+                self._deadline(conn, limits.transfer_ms(total), "transfer_timeout")
                 if grant.filling is None or grant.verdicts is None:
                     send_all(
                         sock,
