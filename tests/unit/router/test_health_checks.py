@@ -58,6 +58,7 @@ def _proxy() -> Proxy:
         "KVF_ROUTER_ENGINES": json.dumps(engines),
         "KVF_ROUTER_HEALTH_INTERVAL_MS": "20",
         "KVF_ROUTER_CONNECT_TIMEOUT_MS": "5000",
+        "KVF_ROUTER_HEALTH_STALE_MS": "6000",
     }
     settings = load_router_settings(env)
     core = RoutingCore(settings.routing, [e.spec for e in settings.engines], RoutingIndex())
@@ -81,3 +82,28 @@ def test_a_hung_engine_does_not_hold_the_other_engines_checks() -> None:
         assert fake.hung_cancelled == 1 and proxy._checking == {}  # nothing outlives the loop
 
     asyncio.run(run())
+
+
+def test_idle_engine_connections_are_dropped_before_the_engines_keep_alive_ends() -> None:
+    """At httpx's default keep-alive (5 s, vLLM's too) a request could go out on a connection
+    the engine was closing: `RemoteProtocolError` marked the engine down and forgot its cache
+    (review, stop 70)."""
+    from kvfabric.router.proxy import ENGINE_KEEPALIVE_S
+
+    proxy = _proxy()
+    for client in (proxy.client, proxy.health_client):
+        pool = client._transport._pool  # type: ignore[attr-defined]
+        assert pool._keepalive_expiry == ENGINE_KEEPALIVE_S < 5.0
+
+
+def test_health_timings_that_let_a_healthy_engine_go_stale_are_refused() -> None:
+    """An interval of 5 s with the default stale window of 3 s: every engine went stale for
+    2 s of every 5, and every request then was answered 503 (review, stop 70)."""
+    import pytest
+
+    from kvfabric.runtime.config import SettingsError
+
+    engines = json.dumps([{"id": "well", "url": WELL}])
+    with pytest.raises(SettingsError, match="HEALTH_STALE_MS"):
+        load_router_settings({**ENV, "KVF_ROUTER_ENGINES": engines, "KVF_ROUTER_HEALTH_INTERVAL_MS": "5000"})
+    load_router_settings({**ENV, "KVF_ROUTER_ENGINES": engines})  # 500 + 2000 < 3000: the defaults fit

@@ -108,6 +108,11 @@ HOP_HEADERS: Final = frozenset(
         "server",
     }
 )
+# An idle pooled connection to an engine is dropped after this: below the engines' own keep-alive
+# (uvicorn's and vLLM's 5 s). At httpx's default, 5 s too, a request sent on a connection the
+# engine was closing failed `RemoteProtocolError`, which marks the engine down and forgets its
+# cache (review, stop 70).
+ENGINE_KEEPALIVE_S: Final = 2.0
 # Failures before the first byte that say the engine cannot be reached (it is marked down, its
 # cache forgotten); any other (a 5xx, a slow first byte, the router's own pool) fails this
 # request over without taking the engine out of routing (review, 2026-12-05).
@@ -156,11 +161,17 @@ class Proxy:
             timeout=httpx.Timeout(
                 connect=settings.connect_timeout_s, read=settings.first_byte_timeout_s, write=30.0, pool=30.0
             ),
-            limits=httpx.Limits(max_connections=settings.routing.admitted_max + 2 * len(self.urls)),
+            limits=httpx.Limits(
+                max_connections=settings.routing.admitted_max + 2 * len(self.urls),
+                keepalive_expiry=ENGINE_KEEPALIVE_S,
+            ),
         )
         # Health checks on connections of their own: a pool full of requests (or of slow
         # /v1/models calls) made every check time out, and every engine was marked down.
-        self.health_client = httpx.AsyncClient(timeout=httpx.Timeout(settings.connect_timeout_s))
+        self.health_client = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.connect_timeout_s),
+            limits=httpx.Limits(keepalive_expiry=ENGINE_KEEPALIVE_S),
+        )
         self._checking: dict[str, asyncio.Task[None]] = {}  # each engine's health check in flight
         self._engine_auth = (
             {"authorization": f"Bearer {settings.engine_api_key}"} if settings.engine_api_key else {}

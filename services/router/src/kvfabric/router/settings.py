@@ -232,14 +232,23 @@ def load_router_settings(env: Mapping[str, str]) -> RouterSettings:
         tenant_inflight_max=min(admitted, env_int(env, "KVF_ROUTER_TENANT_INFLIGHT_MAX", 32, 1, 1_000_000)),
         refit=refit,
     )
+    interval_ms = env_int(env, "KVF_ROUTER_HEALTH_INTERVAL_MS", 500, 10, 600_000)
+    connect_ms = env_int(env, "KVF_ROUTER_CONNECT_TIMEOUT_MS", 2_000, 10, 600_000)
+    if interval_ms + connect_ms >= routing.health_stale_ms:
+        # a healthy engine's good answers may come this far apart: it went stale between them,
+        # and every request in that gap was answered 503 (review, stop 70)
+        raise SettingsError(
+            f"KVF_ROUTER_HEALTH_INTERVAL_MS ({interval_ms}) + KVF_ROUTER_CONNECT_TIMEOUT_MS ({connect_ms})"
+            f" must be below KVF_ROUTER_HEALTH_STALE_MS ({routing.health_stale_ms})"
+        )
     return RouterSettings(
         engines=tuple(engines),
         keyspace=keyspace,
         routing=routing,
         http_host=env.get("KVF_ROUTER_HTTP_HOST", "127.0.0.1"),
         http_port=env_int(env, "KVF_ROUTER_HTTP_PORT", 8080, 0, 65535),
-        health_interval_s=env_int(env, "KVF_ROUTER_HEALTH_INTERVAL_MS", 500, 10, 600_000) / 1000,
-        connect_timeout_s=env_int(env, "KVF_ROUTER_CONNECT_TIMEOUT_MS", 2_000, 10, 600_000) / 1000,
+        health_interval_s=interval_ms / 1000,
+        connect_timeout_s=connect_ms / 1000,
         first_byte_timeout_s=env_int(env, "KVF_ROUTER_FIRST_BYTE_TIMEOUT_MS", 120_000, 10, 3_600_000) / 1000,
         response_timeout_s=env_int(env, "KVF_ROUTER_RESPONSE_TIMEOUT_MS", 600_000, 10, 3_600_000) / 1000,
         failover_attempts_max=env_int(env, "KVF_ROUTER_FAILOVER_ATTEMPTS_MAX", 3, 1, 64),
