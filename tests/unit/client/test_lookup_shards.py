@@ -218,6 +218,38 @@ def test_a_lookup_ends_within_its_timeout_whatever_its_requests_do() -> None:
     assert kv._leases == {}
 
 
+def test_a_shard_that_answers_past_the_lookups_budget_cuts_the_hit_at_its_first_chunk() -> None:
+    """The shard of chunk 1 fails over (its router's refresh and retries take past the lookup's
+    deadline): the whole lookup was a miss, the shards that had answered thrown away (review,
+    stop 70). It misses from its own first chunk now, and gives back its lease when it answers."""
+    answer = stored_up_to(8)
+    slow = shard_of(RAWS[1], SHARDS)
+
+    class OneSlowShard(FakeRouter):
+        async def ask(
+            self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any
+        ) -> Any:
+            if isinstance(message, m.Lookup) and shard == slow:
+                await asyncio.sleep(timeout_s)  # answers, but past the lookup's whole deadline
+            return await super().ask(shard, verb, message, timeout_s, **kw)
+
+    kv = AsyncKvClient(ClientSettings(nats_url="nats://unused:1", lookup_timeout_ms=300), SPEC)
+    router = OneSlowShard(answer)
+    kv.router = router
+    kv.nc = cast(Any, object())
+
+    async def run() -> Hit:
+        hit = await kv.lookup(TOKENS)
+        async with asyncio.timeout(5):
+            while (slow, 100 + slow) not in router.released:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        return hit
+
+    hit = asyncio.run(run())
+    assert hit.chunks == 1 and hit.cause == ""  # chunk 0, from another shard
+    assert slow not in {s for s, _ in hit.shard_leases}
+
+
 def test_a_save_without_a_shard_map_counts_its_chunks_failed() -> None:
     """With no directory answering the shard map every chunk of a save fails
     `directory_unavailable`: it counted in no save metric (review, stop 68)."""

@@ -30,6 +30,9 @@ LEASES_PRUNE_MARGIN_MS: Final = 30_000
 # held this much longer only delays the eviction of what it covers.
 RELEASE_GATHER_MS: Final = 20
 RELEASE_GATHER_LEASES_MAX: Final = m.RELEASE_BATCH_LEASES_MAX
+# The share of `lookup_timeout_ms` the shards get to answer; the rest is for merging them and
+# giving back the leases not needed (`lookup_prefix`).
+LOOKUP_SHARDS_BUDGET: Final = 0.8
 
 
 class LookupMixin(ClientBase):
@@ -170,6 +173,9 @@ class LookupMixin(ClientBase):
             trace_id=trace_id,
             refused=self._lookup_many_refused,
             give_back=give_back,
+            # within the whole lookup's deadline (`_lookup`): a shard failing over misses from
+            # its own first chunk, not the whole prefix (review, stop 70)
+            budget_s=LOOKUP_SHARDS_BUDGET * self.settings.lookup_timeout_ms / 1000,
         )
         if hit.failure is not None:
             self.metrics.fallbacks.labels("directory_shard_partial").inc()

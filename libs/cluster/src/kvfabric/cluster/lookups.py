@@ -84,9 +84,15 @@ async def lookup_by_instance(
     timeout_s: float,
     trace_id: str,
     refused: set[str],
+    budget_s: float | None = None,
+    give_back_late: Callable[[list[Lease]], Awaitable[None]] | None = None,
 ) -> dict[int, ShardResult]:
     """Every shard's lookup (`lookups`: shard -> its `Lookup`, all of one holder, members and
-    ttl), batched per leading instance; shard -> its reply or its error (never raises)."""
+    ttl), batched per leading instance; shard -> its reply or its error (never raises).
+    `budget_s`: the shards not answered by then are failures (`TimeoutError`) at once, their
+    requests left to end on their own and what leases they get given to `give_back_late`: one
+    shard failing over (its router's refresh and retries, past the caller's deadline) turned the
+    whole lookup into a miss, the shards that had answered thrown away (review, stop 70)."""
     headers = {TRACE_ID_HEADER: trace_id} if trace_id else None
     by_instance: dict[str, list[int]] = {}
     alone: list[int] = []
@@ -173,8 +179,29 @@ async def lookup_by_instance(
         return out
 
     results: dict[int, ShardResult] = {}
-    for part in await asyncio.gather(singles(alone), *(many(i, ss) for i, ss in by_instance.items())):
-        results.update(part)
+    if budget_s is None:
+        for part in await asyncio.gather(singles(alone), *(many(i, ss) for i, ss in by_instance.items())):
+            results.update(part)
+        return results
+    asking = {asyncio.ensure_future(single(s)): [s] for s in alone}
+    asking.update({asyncio.ensure_future(many(i, ss)): ss for i, ss in by_instance.items()})
+    try:
+        done, pending = await asyncio.wait(asking, timeout=budget_s)
+    except asyncio.CancelledError:  # (the caller's own cut: every request still gives back)
+        for task in asking:
+            if give_back_late is not None:
+                _give_back_when_answered(task, give_back_late)
+        raise
+    for task in done:
+        results.update(task.result())  # (never raises: a shard's failure is its result)
+    for task in pending:
+        for shard in asking[task]:
+            results[shard] = TimeoutError(f"shard {shard}: no lookup answer within {budget_s:.2f} s")
+        if give_back_late is not None:
+            _give_back_when_answered(task, give_back_late)
+        else:
+            _LATE.add(task)  # (ends by its own deadline)
+            task.add_done_callback(_LATE.discard)
     return results
 
 
@@ -252,6 +279,7 @@ async def lookup_prefix(
     refused: set[str],
     give_back: Callable[[list[Lease]], Awaitable[None]],
     count_hits: bool = True,
+    budget_s: float | None = None,
 ) -> PrefixHit:
     """Look up a prefix (`groups`: its chunk group ids, in order) on every shard holding some of
     it, one request per leading instance (`lookup_by_instance`), and merge the answers
@@ -259,7 +287,8 @@ async def lookup_prefix(
     them) before this returns; when nothing hit and a shard failed, every lease does and the
     first failure is raised. `BadRequest` for a group that is no chunk group id; the router's
     error when the shard map is unknown. `count_hits` False: no engine reads what this finds
-    (`Lookup.count_hits`)."""
+    (`Lookup.count_hits`). `budget_s`: a shard not answered by then counts as failed
+    (`lookup_by_instance`), so a caller with its own deadline keeps the shards that did."""
     await router.known_shards()
     positions: dict[int, list[int]] = {}
     for index, raw in enumerate(groups):
@@ -279,7 +308,15 @@ async def lookup_prefix(
         for shard, indexes in positions.items()
     }
     asking = asyncio.ensure_future(
-        lookup_by_instance(router, lookups, timeout_s=timeout_s, trace_id=trace_id, refused=refused)
+        lookup_by_instance(
+            router,
+            lookups,
+            timeout_s=timeout_s,
+            trace_id=trace_id,
+            refused=refused,
+            budget_s=budget_s,
+            give_back_late=give_back,
+        )
     )
     try:
         results = await asyncio.shield(asking)
