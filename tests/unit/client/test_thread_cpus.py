@@ -60,7 +60,7 @@ def test_settings_refuse_a_bad_list() -> None:
 
 def test_placement_moves_new_threads_off_a_pinned_creator() -> None:
     """The shell: decided in a thread pinned to one CPU, applied by the threads it starts."""
-    parent = frozenset(os.sched_getaffinity(os.getppid()))
+    parent = frozenset(os.sched_getaffinity(os.getpid()))  # the process's (its main thread's)
     pin = min(parent)
     seen: dict[tuple[str, bool], frozenset[int]] = {}
 
@@ -86,3 +86,34 @@ def test_placement_moves_new_threads_off_a_pinned_creator() -> None:
     assert seen["", False] == seen["", True] == {pin}  # inherited
     assert seen["auto", True] == ((parent - {pin}) or {pin})  # a 1-CPU machine has nowhere else
     assert seen["auto", False] == (parent if len(parent) > 1 else {pin})
+
+
+def test_auto_never_moves_threads_outside_the_process_cpus() -> None:
+    """Under `taskset -c 0` (the process may use CPU 0; its parent shell more), `auto` compared
+    with the parent's set and ran the save threads on CPUs the operator had excluded (review,
+    stop 70). The process's own set is the bound."""
+    main = frozenset(os.sched_getaffinity(0))
+    if threading.current_thread() is not threading.main_thread() or len(main) < 2:
+        pytest.skip("needs the main thread and two CPUs")
+    pin = min(main)
+    seen: list[frozenset[int]] = []
+
+    def engine_thread() -> None:  # inherits the process's narrowed set
+        place = thread_placement("auto", background=True)
+
+        def client_thread() -> None:
+            place()
+            seen.append(frozenset(os.sched_getaffinity(0)))
+
+        started = threading.Thread(target=client_thread)
+        started.start()
+        started.join(10)
+
+    os.sched_setaffinity(0, {pin})  # the process as `taskset -c <pin>` starts it
+    try:
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        thread.join(30)
+    finally:
+        os.sched_setaffinity(0, main)
+    assert seen == [frozenset({pin})]

@@ -8,12 +8,14 @@ runs in the background, during the next forward passes: decode slows down).
 
 `thread_cpus`:
 - `""` (default) or `"inherit"`: keep the creating thread's affinity.
-- `"auto"`: when the creating thread is pinned to fewer CPUs than its parent process may use
-  (the set an engine launcher divided among its compute threads), the background threads
-  (`kvf-save`) run on the parent's CPUs minus the creating thread's, and the foreground ones
-  (the loop, `kvf-transfer`: loads the engine waits for) on all of the parent's; otherwise
-  inherit. For machines with cores to spare: on the 2-core dev VM it measured slower for vLLM
-  (docs/engines.md, "Client threads"), so the connector keeps the default.
+- `"auto"`: when the creating thread is pinned to fewer CPUs than its process may use (its
+  main thread's affinity: the set an engine launcher divided among its compute threads), the
+  background threads (`kvf-save`) run on the process's CPUs minus the creating thread's, and
+  the foreground ones (the loop, `kvf-transfer`: loads the engine waits for) on all of the
+  process's; otherwise inherit. (It read the parent process's set: under `taskset` the client's
+  threads ran on CPUs the operator had excluded; review, stop 70.) For machines with cores to
+  spare: on the 2-core dev VM it measured slower for vLLM (docs/engines.md, "Client threads"),
+  so the connector keeps the default.
 - a CPU list such as `"2-3,6"`: every client thread on exactly those.
 
 `client_thread_cpus` decides (pure); `thread_placement` reads the affinities once, in the thread
@@ -72,8 +74,8 @@ def thread_placement(setting: str, *, background: bool) -> Callable[[], None]:
         return _noop
     creator = frozenset(os.sched_getaffinity(0))
     try:
-        parent = frozenset(os.sched_getaffinity(os.getppid()))
-    except OSError:  # no parent to ask (or not allowed): nothing to compare against
+        parent = frozenset(os.sched_getaffinity(os.getpid()))  # the main thread's: the process's
+    except OSError:  # (not allowed): nothing to compare against
         parent = creator
     cpus = client_thread_cpus(setting, creator, parent, background=background)
     if cpus is None:
