@@ -609,3 +609,28 @@ def test_a_second_event_loop_gets_its_own_worker() -> None:
             assert result.status == "ok" and dest == data
 
     asyncio.run(asyncio.wait_for(scenario(), TIMEOUT_S))
+
+
+def test_a_checksum_less_tickets_put_carries_the_writers_claim() -> None:
+    """The engine's saves use checksum-less tickets: over UCX the PUT went without the claimed
+    checksum and proof (and without its trace id and confirm count), and the segment refused it
+    after the payload (review, stop 70). Sent as over TCP now (`put_claim`)."""
+    from kvfabric.dataplane.backend import put_claim
+    from kvfabric.proto.dataplane import PutReply
+
+    data = os.urandom(1024)
+    ticket = msgspec.structs.replace(ticket_for(data), checksum=b"")
+    sent: list[PutRequest] = []
+
+    async def capture(op: Any, request: Any, payload: Any = ()) -> Any:
+        sent.append(request)
+        return PutReply(slot=1, slot_generation=1, confirmed=True), 0, None
+
+    client = UcxClient("127.0.0.1", 1)
+    client._call = capture  # type: ignore[method-assign,assignment]
+    asyncio.run(client.put(ticket, data, receipt=True, trace_id="cmpl-1", save_writes=3))
+    (request,) = sent
+    as_sent, claimed, proof = put_claim(ticket, memoryview(data), None)
+    assert (request.ticket, request.checksum, request.claim_proof) == (as_sent, claimed, proof)
+    assert claimed == xxhash.xxh3_128_digest(data) and proof and request.ticket.signature != ticket.signature
+    assert (request.trace_id, request.save_writes, request.receipt) == ("cmpl-1", 3, True)

@@ -17,6 +17,7 @@ from typing import Any, Generic, Self, TypeVar
 
 import msgspec
 
+from kvfabric.dataplane.backend import put_claim  # a checksum-less ticket travels sealed, with its claim
 from kvfabric.dataplane.frames import (
     HEADER,
     Op,
@@ -59,7 +60,6 @@ from kvfabric.proto.dataplane import (
     dataplane_decoder,
 )
 from kvfabric.proto.directory import WriteTicket
-from kvfabric.proto.tickets import sealed_ticket  # a checksum-less one's signature stays with the writer
 
 # one logger for the whole UCX transport, as before its split
 _log = logging.getLogger("kvfabric.dataplane.ucx")
@@ -294,13 +294,31 @@ class UcxClient(_UcxClientBase[asyncio.Lock]):
         reply, payload_count = self._reply(request_id)
         return reply, payload_count, link
 
-    async def put(self, ticket: WriteTicket, data: Any, *, receipt: bool = False) -> PutReply:
+    async def put(
+        self,
+        ticket: WriteTicket,
+        data: Any,
+        *,
+        receipt: bool = False,
+        trace_id: str = "",
+        save_writes: int = 0,
+    ) -> PutReply:
         """Send one object's bytes (any C-contiguous buffer) under a signed ticket; with
         `receipt`, answered with a write receipt once stored and verified (the caller's
-        put_commit carries it)."""
+        put_commit carries it). A checksum-less ticket goes sealed with the writer's claim of
+        the bytes' checksum (`put_claim`, as over TCP: the segment refused it without one, after
+        the payload; review, stop 70); `trace_id` and `save_writes` as `TcpDataClient.put`."""
         view = _put_view(ticket, data)
+        as_sent, claimed, proof = put_claim(ticket, view, None)
         async with self._lock:
-            request = PutRequest(ticket=sealed_ticket(ticket), receipt=receipt)
+            request = PutRequest(
+                ticket=as_sent,
+                receipt=receipt,
+                trace_id=trace_id,
+                save_writes=save_writes,
+                checksum=claimed,
+                claim_proof=proof,
+            )
             reply, _, _ = await self._call(Op.PUT, request, [view])
         return _put_reply(reply)
 
@@ -511,10 +529,13 @@ class UcxSyncClient(_UcxClientBase[threading.Lock]):
         return self._reply(request_id)
 
     def put(self, ticket: WriteTicket, data: Any) -> PutReply:
-        """Send one object's bytes (any C-contiguous buffer) under a signed ticket."""
+        """Send one object's bytes (any C-contiguous buffer) under a signed ticket (a
+        checksum-less one with the writer's claim, as `UcxClient.put`)."""
         view = _put_view(ticket, data)
+        as_sent, claimed, proof = put_claim(ticket, view, None)
         with self._lock:
-            reply, _ = self._call(Op.PUT, PutRequest(ticket=sealed_ticket(ticket)), [view])
+            request = PutRequest(ticket=as_sent, checksum=claimed, claim_proof=proof)
+            reply, _ = self._call(Op.PUT, request, [view])
         return _put_reply(reply)
 
     def get(self, reads: list[ReadRef], dests: Sequence[Any]) -> list[ObjectResult]:
