@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvfabric.core.routing import (
+    EJECT_AFTER_FAILURES,
+    EJECT_MS_MIN,
     Coefficients,
     CostInputs,
     Decision,
@@ -261,6 +263,32 @@ def test_failover_excludes_and_marks_down() -> None:
     again = c.route("r", "t", KEYS, len(PROMPT), 0, exclude=[d.instance_id])
     assert isinstance(again, Decision) and again.instance_id != d.instance_id and again.reason == "failover"
     assert not c.eligible(d.instance_id, 0)
+    c.check_invariants()
+
+
+def test_an_engine_failing_every_request_while_healthy_is_ejected_then_tried_again() -> None:
+    """An engine that 500s on everything (or whose router key is wrong) while its `/health`
+    answers 200: its requests end at once, so it had no load, the lowest estimate, and was every
+    request's first choice (review, stop 70). Ejected after three in a row, for 5 s, doubled if
+    it fails again once back; a first token ends it. At most half the engines at once."""
+    c = core("least_loaded", health_stale_ms=10**9)
+    now = 0
+
+    def fail_on(iid: str) -> None:
+        nonlocal now
+        decision = c.route(f"r{now}", "t", [], 100, now, exclude=[i for i in c.instances if i != iid])
+        assert isinstance(decision, Decision) and decision.instance_id == iid, decision
+        assert c.failed(f"r{now}", down=False, now_ms=now) == iid  # a 5xx: reachable, not down
+        now += 1
+
+    bad, good = "a", "b"
+    for _ in range(EJECT_AFTER_FAILURES):
+        fail_on(bad)
+    assert not c.eligible(bad, now) and c.eligible(good, now) and c.counters["instance_ejected"] == 1
+    for _ in range(3):  # half the engines are out: the other is not ejected for its failures
+        fail_on(good)
+    assert c.eligible(good, now)
+    assert c.eligible(bad, now + EJECT_MS_MIN)  # back after its backoff
     c.check_invariants()
 
 

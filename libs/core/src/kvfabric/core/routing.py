@@ -46,7 +46,12 @@ keeps every coefficient within bounds that are never negative, so the estimate s
 Policies: `cache_aware` (lowest estimate), `round_robin`, `least_loaded` (fewest in flight):
 the benchmark runs every configuration through the same router.
 - Eligible: healthy, last health check within `health_stale_ms` (stale health = down: a dead
-  instance is never chosen), not excluded (failover), its queue below `queue_max`.
+  instance is never chosen), not excluded (failover), its queue below `queue_max`, not ejected:
+  `EJECT_AFTER_FAILURES` requests in a row that it failed (a 5xx, a refused router key, a slow
+  first byte: reachable, so not marked down) take it out for `EJECT_MS_MIN`, doubled each time
+  it fails again once back (at most `EJECT_MS_MAX`); its first token ends that. At most half
+  the instances are ejected at once (one failing everything while its `/health` answered 200
+  had the lowest estimate, no load, and was every request's first choice; review, stop 70).
 - Ties: estimates within `tie_s` of the lowest are equal; among them the instance whose own
   cache holds more of the prompt wins (a conversation stays where its cache is, when loading it
   elsewhere looks as cheap), then fewer requests in flight, then rendezvous hashing of (the
@@ -101,6 +106,9 @@ from kvfabric.format.key import (
 )
 
 __all__ = [
+    "EJECT_AFTER_FAILURES",
+    "EJECT_MS_MAX",
+    "EJECT_MS_MIN",
     "POLICIES",
     "Coefficients",
     "CostInputs",
@@ -119,6 +127,10 @@ __all__ = [
 
 Policy = Literal["cache_aware", "round_robin", "least_loaded"]
 POLICIES: Final = ("cache_aware", "round_robin", "least_loaded")
+# An instance that fails (reachable) this many requests in a row is ejected (module docstring)
+EJECT_AFTER_FAILURES: Final = 3
+EJECT_MS_MIN: Final = 5_000
+EJECT_MS_MAX: Final = 60_000
 
 
 def prompt_keys(
@@ -259,6 +271,9 @@ class _Instance:
     queued_prefill_tokens: int = 0
     cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     events: EngineCache | None = None  # the engine's cache from its KV events (`engine_events`)
+    failures_in_row: int = 0  # requests it failed (reachable) since its last first token
+    ejections: int = 0  # in a row (its backoff doubles with each); a first token ends them
+    ejected_until_ms: int = 0
 
 
 class RoutingCore:
@@ -305,6 +320,7 @@ class RoutingCore:
             "failovers": 0,
             "unknown_request": 0,
             "instance_down": 0,
+            "instance_ejected": 0,
         }
 
     def step(self, event: RoutingEvent, now_ms: int) -> list[RoutingOutput]:
@@ -375,7 +391,11 @@ class RoutingCore:
 
     def eligible(self, instance_id: str, now_ms: int) -> bool:
         inst = self.instances[instance_id]
-        return inst.healthy and now_ms - inst.last_ok_ms <= self.config.health_stale_ms
+        return (
+            inst.healthy
+            and now_ms - inst.last_ok_ms <= self.config.health_stale_ms
+            and now_ms >= inst.ejected_until_ms
+        )
 
     # ---- estimates -----------------------------------------------------------------------
 
@@ -590,6 +610,7 @@ class RoutingCore:
         inst = self.instances[req.instance_id]
         inst.queued_prefill_tokens -= req.compute_tokens
         inst.running += 1
+        inst.failures_in_row = inst.ejections = 0  # it serves: no ejection pending or in backoff
         if inst.healthy and inst.spec.engine_cache_chunks_max and inst.events is None:
             for key in req.keys:
                 inst.cache[key] = None
@@ -600,19 +621,38 @@ class RoutingCore:
     def finished(self, request_id: str) -> None:
         self._end(request_id)
 
-    def failed(self, request_id: str, *, down: bool = True) -> str | None:
+    def failed(self, request_id: str, *, down: bool = True, now_ms: int | None = None) -> str | None:
         """The instance failed the request before its first byte. `down` (it could not be
         reached: refused, dropped the connection): it is marked down, its cache forgotten (a
         health check brings it back); otherwise (a 5xx, a slow first byte) only this request
         ends: one request's failure, a poison input say, does not take a healthy engine and
-        what the router learned of its cache out of routing (review, 2026-12-05). Returns the
-        instance, or None for an unknown id."""
+        what the router learned of its cache out of routing (review, 2026-12-05), unless it
+        fails `EJECT_AFTER_FAILURES` in a row (ejected from `now_ms`, else the latest step's
+        time). Returns the instance, or None for an unknown id."""
         req = self._end(request_id)
         if req is None:
             return None
+        inst = self.instances[req.instance_id]
         if down:
-            self._down(self.instances[req.instance_id])
+            self._down(inst)
+        else:
+            self._failed_reachable(inst, self._step_ms if now_ms is None else now_ms)
         return req.instance_id
+
+    def _failed_reachable(self, inst: _Instance, now: int) -> None:
+        """Ejected after `EJECT_AFTER_FAILURES` in a row (module docstring), unless half the
+        instances are ejected already (then it stays: a poison input failing on every engine
+        must not take them all out)."""
+        inst.failures_in_row += 1
+        if inst.failures_in_row < EJECT_AFTER_FAILURES:
+            return
+        ejected = sum(1 for i in self.instances.values() if i.ejected_until_ms > now)
+        if ejected >= len(self.instances) // 2:
+            return
+        inst.failures_in_row = 0
+        inst.ejections += 1
+        inst.ejected_until_ms = now + min(EJECT_MS_MIN << min(inst.ejections - 1, 16), EJECT_MS_MAX)
+        self.counters["instance_ejected"] += 1
 
     def _end(self, request_id: str) -> _Request | None:
         req = self._requests.pop(request_id, None)

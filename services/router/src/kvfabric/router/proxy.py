@@ -420,7 +420,7 @@ class Proxy:
                     log.info("request_done", instance=iid, outcome="client_disconnected")
                     return Response(status_code=499)  # (nobody reads it)
             except _Failed as failed:
-                self.core.failed(rid, down=failed.engine_gone)
+                self.core.failed(rid, down=failed.engine_gone, now_ms=now_ms())
                 self.metrics.failover(iid, failed.why)
                 log.warning(
                     "engine_failed_before_first_byte", instance=iid, why=failed.why, down=failed.engine_gone
