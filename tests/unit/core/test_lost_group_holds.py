@@ -152,11 +152,11 @@ def test_a_lookup_of_a_surviving_member_does_not_hold_a_lost_group() -> None:
     assert invalidated(effects) == 1 and len(core.published) == 0  # swept once the first lease ended
 
 
-def test_a_pin_does_not_hold_a_lost_group_with_a_surviving_member_but_keeps_its_slots() -> None:
+def test_a_pin_does_not_hold_a_lost_group_with_a_surviving_member() -> None:
     """TP 2, member 0 on s1, member 1 on s2, the group pinned; s1 goes silent. The group is
-    invalidated at once, so its keys can be saved again (the pin kept it, its keys answering
-    `exists`, until the pin ended; stop 70), but member 1's slot on s2 is freed only when the pin
-    ends: an object under a pin is never freed (DESIGN invariant 3)."""
+    invalidated at once and member 1's slot on s2 freed (nobody can read it: a pin gives no read
+    tokens), so the group's keys can be saved again. The pin kept it (and its keys answering
+    `exists`) until the pin ended, because freeing member 1 would free a pinned slot (stop 70)."""
     core = new_core()
     register(core, "s1", capacity=100)
     (g,) = groups(1, seed=3, tp_size=2)
@@ -170,18 +170,13 @@ def test_a_pin_does_not_hold_a_lost_group_with_a_surviving_member_but_keeps_its_
     assert [t.segment_id for r in begin.results for t in r.tickets] == ["s2"]
     confirm_all(core, begin, 0, slot_base=5)
     core.handle(m.PutCommit(writer_id="w", request_id="c", keys=[k0, k1]), 0)
-    pinned = pin(core, g, 0)
-    assert pinned.pinned_groups == 1
+    assert pin(core, g, 0).pinned_groups == 1
     effects = beat_until(core, 0, 7_000)  # s1 declared down: G lost, swept though pinned
     assert invalidated(effects) == 1 and len(core.published) == 0
-    assert not [e for e in effects if isinstance(e, FreeSlots)]  # member 1's slot stays: pinned
+    freed = [e for e in effects if isinstance(e, FreeSlots)]
+    assert [(f.segment_id, [s.slot for s in f.slots]) for f in freed] == [("s2", [5])]
     register(core, "s3")
     saved = put(core, [k0, k1], now=7_000, request_id="again")  # placed and published, not `exists`
     assert [r.status for r in saved.results] == ["waiting_group", "published"]  # (its group: both)
     assert lookup(core, [g], 7_000).hit_chunks == 1
-    core.check_invariants()
-    core.handle(m.Unpin(holder_id="bob/h", pin_id=pinned.pin_id), 8_000)
-    effects = beat_until(core, 8_000, 9_000)  # the pin ended: the old member 1 slot goes now
-    freed = [(f.segment_id, [s.slot for s in f.slots]) for f in effects if isinstance(f, FreeSlots)]
-    assert freed == [("s2", [5])]
     core.check_invariants()

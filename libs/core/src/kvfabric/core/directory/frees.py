@@ -5,8 +5,6 @@ slots are freed, and the grace period of a new leader.
     (absent) --free, in grace and adopted--> HELD --grace ends--> QUEUED --tick--> SENT_AT(now)
     HELD (an orphan) --grace ends while orphans are held--> HELD --the core is replaced--> (gone)
     (absent) --free--> SENT (a FreeSlots effect returned now) --next tick--> SENT_AT(now)
-    (absent) --free of a pinned group's slot--> PINNED --its last pin ends (`pin_ended`)-->
-        QUEUED (HELD instead during the grace, if adopted)
     SENT_AT(t) --tick, free_retry_ms after t: FreeSlots again--> SENT_AT(now)
     any --SlotsFreed from that incarnation / the incarnation is lost--> (absent)
 A tick sends at most `free_resend_batch_max` QUEUED and due SENT_AT entries (oldest first; the
@@ -18,13 +16,6 @@ A slot on an incarnation already lost is not entered: its memory is gone, its re
 released at once. Once named in a free, a slot belongs to the segment: the directory never hands
 it out again, even if the free is lost (it is retried until acknowledged or the incarnation dies).
 Its arena bytes and the tenant's bytes stay counted until then.
-
-## Pinned frees
-A group lost with members left (`published`: the sweep invalidates it, so its keys may be saved
-again) frees its survivors' slots; while the group is pinned they are PINNED, not sent: an
-object under a pin is never freed (DESIGN invariant 3). Its last pin's end queues them (the pin
-may be on the key's next record by then: it holds both). A leader change drops pins, and these
-with the core: the new leader's rebuild finds the slots in no complete group (orphans).
 
 ## Evicting groups
 An evicted group leaves the published table at once and is kept here (`evicting`, its record)
@@ -50,8 +41,6 @@ the core (the rebuild replaces it); until then the orphans' bytes stay reserved.
    groups with such entries.
 2. An entry is HELD only during the grace, or an orphan while orphans are held; adopted slots
    are remembered only during the grace, orphans only during it or while held.
-3. A PINNED entry is listed under its group in `pinned` (the published table checks the group
-   is still pinned).
 
 ## Bounds
 One entry per slot handed back: at most the slots the segments hold. A retry names each entry
@@ -77,14 +66,14 @@ from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
 
-__all__ = ["FREE_SLOTS_PER_REQUEST_MAX", "NO_GROUP", "FreeTable", "PendingFree", "SlotKey", "batch_frees"]
+__all__ = ["FREE_SLOTS_PER_REQUEST_MAX", "FreeTable", "PendingFree", "SlotKey", "batch_frees"]
 
 # Slots one FreeSlots request names: its reply (`SlotsFreed`) stays within `m.FREED_BATCH_MAX`
 # and the request within a NATS message (a slot is ~30 bytes encoded).
 FREE_SLOTS_PER_REQUEST_MAX: Final = 1_024
 
 SlotKey = tuple[str, int, int, int]  # (segment id, incarnation, slot, slot generation)
-FreeState = Literal["held", "queued", "sent", "sent_at", "pinned"]
+FreeState = Literal["held", "queued", "sent", "sent_at"]
 NO_GROUP: Final = GroupKey(b"")  # a free of no evicting group
 NO_KEY: Final = ObjectKey(b"")  # a free that does not name its key (a retry names only the slot)
 
@@ -146,10 +135,7 @@ class FreeTable:
         # What `retry` walks (stale items, of entries gone or re-stamped since, are skipped):
         self._fresh: list[SlotKey] = []  # SENT, to be stamped at the next tick
         self._due: deque[tuple[int, SlotKey]] = deque()  # SENT_AT (stamp, key), oldest first
-        self._queued: deque[SlotKey] = deque()  # QUEUED: held past a grace, or a pin, that has ended
-        # PINNED frees by the group whose pin holds them (stale keys, of entries gone since, are
-        # skipped when the pin ends)
-        self.pinned: dict[GroupKey, list[SlotKey]] = {}
+        self._queued: deque[SlotKey] = deque()  # QUEUED: held past a grace that has ended
 
     def free(
         self,
@@ -161,12 +147,10 @@ class FreeTable:
         key: ObjectKey = NO_KEY,
         group: GroupKey = NO_GROUP,
         orphan: bool = False,
-        pinned_by: GroupKey = NO_GROUP,
     ) -> None:
         """Hand a confirmed slot back to its segment. The reservation (and the tenant's bytes) is
         released on `SlotsFreed`. `group`: the evicting group it belongs to. `orphan`: an
-        adopted slot no complete group names (`hold_orphans` may keep it past the grace).
-        `pinned_by`: a pinned group's slot, PINNED until `pin_ended(pinned_by)`."""
+        adopted slot no complete group names (`hold_orphans` may keep it past the grace)."""
         segment_id, incarnation = self.segments.where(replica.placement)
         if not self.segments.live(replica.placement):
             self.segments.release(replica.placement, size_bytes, tenant)  # dead incarnation: memory gone
@@ -174,11 +158,6 @@ class FreeTable:
         if group:
             self._evicting_frees[group] = self._evicting_frees.get(group, 0) + 1
         slot_key = (segment_id, incarnation, replica.slot, replica.slot_generation)
-        if pinned_by:
-            self.pending[slot_key] = PendingFree(size_bytes, group, tenant, "pinned")
-            self.pinned.setdefault(pinned_by, []).append(slot_key)
-            self.ctx.count("frees_held_by_pin_total")
-            return
         if self.in_grace and slot_key in self._adopted:
             # a reader leased by the old leader may still read it: not yet
             self.pending[slot_key] = PendingFree(size_bytes, group, tenant, "held")
@@ -260,19 +239,6 @@ class FreeTable:
                     self.pending[key] = pending._replace(state="queued")
                     self._queued.append(key)
 
-    def pin_ended(self, gid: GroupKey) -> None:
-        """`gid`'s last pin ended: its PINNED frees go at the next tick (HELD instead while the
-        grace lasts, for an adopted slot)."""
-        for key in self.pinned.pop(gid, ()):
-            pending = self.pending.get(key)
-            if pending is None or pending.state != "pinned":
-                continue  # acknowledged already: its incarnation lost
-            if self.in_grace and key in self._adopted:
-                self.pending[key] = pending._replace(state="held")
-            else:
-                self.pending[key] = pending._replace(state="queued")
-                self._queued.append(key)
-
     def hold_orphans(self) -> int:
         """A rebuild for a missing segment is pending: the orphans freed at adoption and still
         held (the grace has not ended) stay held until this core is replaced. Returns how many
@@ -353,10 +319,7 @@ class FreeTable:
                 outstanding[pending.group] = outstanding.get(pending.group, 0) + 1
             held_ok = self.in_grace or key in self._orphans
             invariant(pending.state != "held" or held_ok, "a free held back after the grace")
-            invariant(
-                pending.state != "queued" or not self.in_grace or key not in self._adopted,
-                "an adopted slot's free queued during the grace",
-            )
+            invariant(pending.state != "queued" or not self.in_grace, "a free queued during the grace")
         invariant(
             all(k in self.pending and self.pending[k].state == "held" for k in self._orphans),
             "an orphan remembered that is not held",
@@ -367,8 +330,3 @@ class FreeTable:
         invariant(outstanding == self._evicting_frees, "evicting free counts drift")
         invariant(self.evicting.keys() == outstanding.keys(), "evicting group without outstanding frees")
         invariant(self.in_grace or not self._adopted, "adopted slots remembered after the grace")
-        listed = {key for keys in self.pinned.values() for key in keys}
-        invariant(
-            all(p.state != "pinned" or k in listed for k, p in self.pending.items()),
-            "a pinned free not listed under its group",
-        )

@@ -255,8 +255,8 @@ class LeaseTable:
         )
 
     def _pinnable(self, info: GroupInfo) -> bool:
-        """Published under `info`'s identity and not lost (a pin of a lost group would hold its
-        survivors' slots for nothing: `published`, "lost")."""
+        """Published under `info`'s identity and not lost (a pin of a lost group would hold off
+        its invalidation: `published`, "lost")."""
         group = self.published.published_as(info)
         return group is not None and not self.published.lost(info.group_id, group)
 

@@ -16,13 +16,12 @@ dropped with the last); the per-domain index (`index`) orders the keys for listi
         member has none left: (absent, its live slots freed; `invalidated` event)
     a sweep that would remove a held group defers it (DEFERRED) while it is read-leased (a
         reader may be loading its surviving members under read tokens); then queues it again.
-        A pin never defers it: while the lost group stayed published its keys answered
-        `exists` to every re-save, so a pinned hot prefix was recomputed by every request until
-        the pin ended (up to a day for an operator's pin; review, stop 68; stop 70 for a group
-        with a surviving member). Its surviving slots are not freed while it is pinned (an
-        object under a pin is never freed, DESIGN invariant 3): their frees wait in the frees
-        table (PINNED) until its last pin ends. The pin outlives the record and holds the key's
-        next record, as a pin of a key does.
+        A pin never defers it: a pin gives nobody read tokens, and while the lost group stayed
+        published its keys answered `exists` to every re-save, so a pinned hot prefix was
+        recomputed by every request until the pin ended (up to a day for an operator's pin;
+        review, stop 68; stop 70 for a group with a surviving member, whose slots a pin kept:
+        nobody can read them once the group is gone). The pin outlives the record and holds the
+        key's next record, as a pin of a key does.
 A group is lost (`lost`) when it is unreadable or a member has no replica on a live incarnation,
 for good (an incarnation never comes back). No hold on a lost group outlasts the leases it had
 when lost: a pin skips lost groups and a renew does not extend a lease holding a deferred one
@@ -53,7 +52,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from kvfabric.core.directory.base import Context, Effect, EmitEvent, Outcome, Steps, check_batch, run_whole
-from kvfabric.core.directory.frees import NO_GROUP, FreeTable
+from kvfabric.core.directory.frees import FreeTable
 from kvfabric.core.directory.index import DomainIndex
 from kvfabric.core.directory.keys import GroupInfo, chain_of, domain_of, parse_group, parse_key
 from kvfabric.core.directory.rebuild import RebuildPlan
@@ -252,8 +251,6 @@ class PublishedTable:
             counts[gid] = left
             return
         del counts[gid]
-        if is_pin:
-            self.frees.pin_ended(gid)  # survivors of its lost record, if any, may be freed now
         if gid in self._sweep_deferred and not self._defers(gid):
             self._sweep_deferred.discard(gid)
             self.queue_sweep(gid)
@@ -386,7 +383,7 @@ class PublishedTable:
         return not self._sweep_queue and not self.segments.any_draining()
 
     def deferred(self, gid: GroupKey) -> bool:
-        """Whether `gid` is lost and leased (`_defers`): the sweep removes it once that ends."""
+        """Whether `gid` is lost and held (`_defers`): the sweep removes it once that ends."""
         return gid in self._sweep_deferred
 
     def holds_deferred(self, gids: tuple[GroupKey, ...]) -> bool:
@@ -479,10 +476,9 @@ class PublishedTable:
         self._sweep_deferred.discard(gid)  # (none is: only an unleased group is removed)
         self.namespaces.release(namespace)  # its record is gone (an evicted one's goes with its frees)
         self.ctx.quotas.add(tenant, 0, -len(members))
-        pinned_by = gid if self.pin_count.get(gid) else NO_GROUP  # freed when the pin ends
         for mem in members:
             for r in mem.replicas:
-                self.frees.free(r, mem.size_bytes, tenant, effects, pinned_by=pinned_by)
+                self.frees.free(r, mem.size_bytes, tenant, effects)
         self.ctx.count("groups_invalidated_total")
         effects.append(
             EmitEvent(
@@ -528,10 +524,6 @@ class PublishedTable:
         ):
             invariant(all(g in self.records for g in keys), f"{name} group not published")
         invariant(all(self.lease_count.get(g) for g in self._sweep_deferred), "a deferred group not leased")
-        pending = self.frees.pending
-        for gid, slot_keys in self.frees.pinned.items():  # (stale keys: acknowledged since)
-            parked = any(k in pending and pending[k].state == "pinned" for k in slot_keys)
-            invariant(not parked or bool(self.pin_count.get(gid)), "a free held by a pin that ended")
         named: dict[int, int] = {}  # namespace index -> records naming it, published and evicting
         for idx in (
             *(unpack_group(r).namespace for r in self.records.values()),
