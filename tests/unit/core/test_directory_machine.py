@@ -16,7 +16,7 @@ Alongside it keeps a model:
 - what the directory should hold: building members (writer, tickets, confirmed slots, committed,
   deadline), published groups (members, replicas, degraded), frees in flight, leases and pins,
   and each segment's incarnation, liveness and last heartbeat; the lost groups the core's sweep
-  found leased (deferred: a pin skips a lost group, a renew of a lease holding a deferred one does
+  found held (deferred: a pin skips a lost group, a renew of a lease holding a deferred one does
   not extend it, a below-target listing skips a deferred one);
 - what each segment really holds: a fake arena per (segment, incarnation), slot -> (key,
   generation, checksum of the bytes it stored). A segment frees a slot (and bumps its generation)
@@ -514,10 +514,15 @@ class DirectoryMachine(RuleBasedStateMachine):
         return self.arena.get((sid, inc), {}).get(slot) == (key_, gen, checksum)
 
     def defers(self, gid: bytes) -> bool:
-        """Whether lost group `gid` waits for its holds: a read lease (a pin does not hold it: its
-        keys could not be saved again meanwhile, and nobody reads its survivors once it is gone)."""
-        leases, _pins = self.lease_counts(gid)
-        return bool(leases)
+        """Whether lost group `gid` waits for its holds: a read lease, or a pin while replicas are
+        left on live incarnations (its removal would free them; with none, a pin does not hold
+        it: its keys could not be saved again meanwhile)."""
+        leases, pins = self.lease_counts(gid)
+        pub = self.published.get(gid)
+        left = pub is not None and any(
+            self.live(r[0], r[1]) for pm in pub.members.values() for r in pm.replicas
+        )
+        return bool(leases or (pins and left))
 
     def lease_counts(self, gid: bytes) -> tuple[int, int]:
         leases = sum(lz.gids.count(gid) for lz in self.leases.values() if not lz.is_pin)
@@ -551,7 +556,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             lost = any(not any(self.live(r[0], r[1]) for r in pm.replicas) for pm in pub.members.values())
             if lost and self.defers(gid):
                 self.deferred.add(gid)
-                continue  # deferred until its last lease ends
+                continue  # deferred until its last lease, or pin with replicas left to free, ends
             if lost:
                 del self.published[gid]
                 self.deferred.discard(gid)

@@ -8,7 +8,7 @@ service walked every group. `check_invariants` after each step."""
 
 from __future__ import annotations
 
-from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent, FreeSlots
+from kvfabric.core.directory import DirectoryCore, Effect, EmitEvent
 from kvfabric.core.directory.keys import parse_group
 from kvfabric.format.key import ChunkGroupId
 from kvfabric.proto import directory as m
@@ -150,33 +150,3 @@ def test_a_lookup_of_a_surviving_member_does_not_hold_a_lost_group() -> None:
         core.check_invariants()
     assert not core.segments["s1"].up and hits[2:] == [0] * (len(hits) - 2)  # lost from s1's death
     assert invalidated(effects) == 1 and len(core.published) == 0  # swept once the first lease ended
-
-
-def test_a_pin_does_not_hold_a_lost_group_with_a_surviving_member() -> None:
-    """TP 2, member 0 on s1, member 1 on s2, the group pinned; s1 goes silent. The group is
-    invalidated at once and member 1's slot on s2 freed (nobody can read it: a pin gives no read
-    tokens), so the group's keys can be saved again. The pin kept it (and its keys answering
-    `exists`) until the pin ended, because freeing member 1 would free a pinned slot (stop 70)."""
-    core = new_core()
-    register(core, "s1", capacity=100)
-    (g,) = groups(1, seed=3, tp_size=2)
-    k0, k1 = key(g, 0), key(g, 1)
-    begin = core.handle(m.PutBegin(writer_id="w", request_id="a", objects=[spec(k0, 100)]), 0).reply
-    assert isinstance(begin, m.PutBeginReply)
-    confirm_all(core, begin, 0)
-    register(core, "s2")
-    begin = core.handle(m.PutBegin(writer_id="w", request_id="b", objects=[spec(k1, 100)]), 0).reply
-    assert isinstance(begin, m.PutBeginReply)
-    assert [t.segment_id for r in begin.results for t in r.tickets] == ["s2"]
-    confirm_all(core, begin, 0, slot_base=5)
-    core.handle(m.PutCommit(writer_id="w", request_id="c", keys=[k0, k1]), 0)
-    assert pin(core, g, 0).pinned_groups == 1
-    effects = beat_until(core, 0, 7_000)  # s1 declared down: G lost, swept though pinned
-    assert invalidated(effects) == 1 and len(core.published) == 0
-    freed = [e for e in effects if isinstance(e, FreeSlots)]
-    assert [(f.segment_id, [s.slot for s in f.slots]) for f in freed] == [("s2", [5])]
-    register(core, "s3")
-    saved = put(core, [k0, k1], now=7_000, request_id="again")  # placed and published, not `exists`
-    assert [r.status for r in saved.results] == ["waiting_group", "published"]  # (its group: both)
-    assert lookup(core, [g], 7_000).hit_chunks == 1
-    core.check_invariants()

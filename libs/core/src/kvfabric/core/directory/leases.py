@@ -7,10 +7,10 @@
     HELD --lookup_more (a lookup run in slices)--> HELD(more groups, same expiry)
     HELD --release / unpin / tick at or after expires_ms--> (absent)
 A held lease or pin counts once per group it names in the published table (`hold`); a group
-held is never evicted, and one that lost a member's last replica meanwhile is invalidated when
-its last lease ends (a pin does not hold it: `published`). An expiry only makes groups
-evictable: it frees no memory by itself. So no hold on a lost group outlasts the leases it had
-when lost (`published`, "lost"): a pin skips lost groups (it pins only the
+held is never evicted, and one that lost its last replica meanwhile is invalidated only when its
+last hold ends (a pin holds it only while it has replicas left to free: `published`). An expiry
+only makes groups evictable: it frees no memory by itself. So no hold on a lost group outlasts
+the holds it had when lost (`published`, "lost"): a pin skips lost groups (it pins only the
 others), and a renew of a lease holding a deferred group answers its
 expiry unchanged (the reader's read tokens end there anyway; a new lookup skips the lost group).
 Before (review), re-pinning a lost group before its pin expired, or renewing a lease on it,

@@ -14,16 +14,16 @@ dropped with the last); the per-domain index (`index`) orders the keys for listi
         and pins skip it) --sweep--> (absent)
     PUBLISHED --sweep: replicas on dead incarnations dropped--> PUBLISHED degraded, or, when a
         member has none left: (absent, its live slots freed; `invalidated` event)
-    a sweep that would remove a held group defers it (DEFERRED) while it is read-leased (a
-        reader may be loading its surviving members under read tokens); then queues it again.
-        A pin never defers it: a pin gives nobody read tokens, and while the lost group stayed
-        published its keys answered `exists` to every re-save, so a pinned hot prefix was
-        recomputed by every request until the pin ended (up to a day for an operator's pin;
-        review, stop 68; stop 70 for a group with a surviving member, whose slots a pin kept:
-        nobody can read them once the group is gone). The pin outlives the record and holds the
-        key's next record, as a pin of a key does.
+    a sweep that would remove a held group defers it (DEFERRED) while it is read-leased, or
+        pinned with replicas left on live incarnations (a member of several that survived:
+        removing the group frees them, and a pinned slot is never freed); then queues it again.
+        A pinned group with nothing left to free is removed at once: a pin gives nobody read
+        tokens, and while the lost group stayed published its keys answered `exists` to every
+        re-save, so a pinned hot prefix was recomputed by every request until the pin ended (up
+        to a day for an operator's pin; review, stop 68). The pin outlives the record and holds
+        the key's next record, as a pin of a key does.
 A group is lost (`lost`) when it is unreadable or a member has no replica on a live incarnation,
-for good (an incarnation never comes back). No hold on a lost group outlasts the leases it had
+for good (an incarnation never comes back). No hold on a lost group outlasts the holds it had
 when lost: a pin skips lost groups and a renew does not extend a lease holding a deferred one
 (`leases`). A below-target listing does not list a deferred group (nothing can repair it), so
 `short_covers_below_target` ignores them. Before (review), re-pinning a lost group every 15 s kept
@@ -32,7 +32,7 @@ every group.
 
 ## Invariants (`check_invariants`)
 1. The per-domain index holds exactly the published group keys.
-2. Unreadable, queued and deferred groups are published; a deferred group is leased.
+2. Unreadable, queued and deferred groups are published; a deferred group is leased or pinned.
 3. Lease and pin counts are positive (the lease table checks they match its leases).
 4. `short` (the repair listing's index) holds exactly the groups with a member short of the
    default replica target in its record; a group with a replica on a dead incarnation is queued
@@ -251,16 +251,23 @@ class PublishedTable:
             counts[gid] = left
             return
         del counts[gid]
-        if gid in self._sweep_deferred and not self._defers(gid):
+        if gid in self._sweep_deferred and not self._defers(gid, self._replicas_left(gid)):
             self._sweep_deferred.discard(gid)
             self.queue_sweep(gid)
 
     def held(self, gid: GroupKey) -> bool:
         return bool(self.lease_count.get(gid) or self.pin_count.get(gid))
 
-    def _defers(self, gid: GroupKey) -> bool:
-        """Whether lost group `gid`'s removal waits (module docstring): while it is read-leased."""
-        return bool(self.lease_count.get(gid))
+    def _defers(self, gid: GroupKey, replicas_left: bool) -> bool:
+        """Whether lost group `gid`'s removal waits (module docstring): a read lease, or a pin
+        on a group with replicas left on live incarnations (`replicas_left`: they would be freed)."""
+        return bool(self.lease_count.get(gid) or (self.pin_count.get(gid) and replicas_left))
+
+    def _replicas_left(self, gid: GroupKey) -> bool:
+        record = self.records.get(gid)
+        return record is not None and any(
+            self.segments.live(r.placement) for x in unpack_group(record).members for r in x.replicas
+        )
 
     # ---- eviction (published -> evicting, in the frees table) ------------------------------
 
@@ -444,7 +451,7 @@ class PublishedTable:
                 dead_bytes += mem.size_bytes * (len(mem.replicas) - len(live))
                 members.append(MemberRecord(*mem.member, mem.size_bytes, mem.checksum, live))
             tenant = tenant_of(self.namespaces.get(group.namespace))
-            if lost and self._defers(gid):
+            if lost and self._defers(gid, any(x.replicas for x in members)):
                 self._sweep_deferred.add(gid)  # pins skip it, and lookups of its lost members
                 continue
             self.ctx.quotas.add(tenant, -dead_bytes)  # replicas on dead incarnations leave the record
@@ -473,7 +480,8 @@ class PublishedTable:
         effects: list[Effect],
     ) -> None:
         self._remove(gid)
-        self._sweep_deferred.discard(gid)  # (none is: only an unleased group is removed)
+        # (deferred under a pin while replicas were left, and their segments died since)
+        self._sweep_deferred.discard(gid)
         self.namespaces.release(namespace)  # its record is gone (an evicted one's goes with its frees)
         self.ctx.quotas.add(tenant, 0, -len(members))
         for mem in members:
@@ -523,7 +531,7 @@ class PublishedTable:
             ("sweep deferred", self._sweep_deferred),
         ):
             invariant(all(g in self.records for g in keys), f"{name} group not published")
-        invariant(all(self.lease_count.get(g) for g in self._sweep_deferred), "a deferred group not leased")
+        invariant(all(self.held(g) for g in self._sweep_deferred), "a deferred group no longer held")
         named: dict[int, int] = {}  # namespace index -> records naming it, published and evicting
         for idx in (
             *(unpack_group(r).namespace for r in self.records.values()),
