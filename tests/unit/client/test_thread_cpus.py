@@ -88,32 +88,20 @@ def test_placement_moves_new_threads_off_a_pinned_creator() -> None:
     assert seen["auto", False] == (parent if len(parent) > 1 else {pin})
 
 
-def test_auto_never_moves_threads_outside_the_process_cpus() -> None:
+def test_auto_never_moves_threads_outside_the_process_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under `taskset -c 0` (the process may use CPU 0; its parent shell more), `auto` compared
     with the parent's set and ran the save threads on CPUs the operator had excluded (review,
-    stop 70). The process's own set is the bound."""
-    main = frozenset(os.sched_getaffinity(0))
-    if threading.current_thread() is not threading.main_thread() or len(main) < 2:
-        pytest.skip("needs the main thread and two CPUs")
-    pin = min(main)
-    seen: list[frozenset[int]] = []
-
-    def engine_thread() -> None:  # inherits the process's narrowed set
-        place = thread_placement("auto", background=True)
-
-        def client_thread() -> None:
-            place()
-            seen.append(frozenset(os.sched_getaffinity(0)))
-
-        started = threading.Thread(target=client_thread)
-        started.start()
-        started.join(10)
-
-    os.sched_setaffinity(0, {pin})  # the process as `taskset -c <pin>` starts it
-    try:
-        thread = threading.Thread(target=engine_thread)
-        thread.start()
-        thread.join(30)
-    finally:
-        os.sched_setaffinity(0, main)
-    assert seen == [frozenset({pin})]
+    stop 70). The process's own set (its main thread's) is the bound. The affinities are faked
+    (as `taskset` would set them), so the test needs neither two CPUs nor the main thread."""
+    me, parent = os.getpid(), os.getppid()
+    affinity = {0: {0}, me: {0}, parent: {0, 1}}  # calling thread, the process, its parent
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: affinity[pid])
+    applied: list[object] = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: applied.append(cpus))
+    for background in (False, True):
+        thread_placement("auto", background=background)()
+    assert applied == []  # the creating thread is not pinned within the process: inherited
+    affinity[me] = {0, 1}  # a process that may use both, its creating thread pinned to CPU 0
+    thread_placement("auto", background=True)()
+    thread_placement("auto", background=False)()
+    assert applied == [frozenset({1}), frozenset({0, 1})]
