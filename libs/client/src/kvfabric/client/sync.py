@@ -259,6 +259,47 @@ class KvClient:
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
+    def _submit_lookup(self, coro: Coroutine[Any, Any, Hit]) -> concurrent.futures.Future[Hit]:
+        """`_submit` for a lookup, whose hit holds read leases: a hit nobody can take any more
+        (its future cancelled by `lookup`'s timeout or a `lookup_async` caller just as the
+        lookup ended) is given back (`release_soon`). With `run_coroutine_threadsafe` the
+        cancelled future dropped it and its leases stayed held until their TTL (stop 70's list).
+        The hand-over is one atomic step of the future (`set_running_or_notify_cancel`): either
+        the caller gets the hit or the client gives it back, never neither."""
+        handed: concurrent.futures.Future[Hit] = concurrent.futures.Future()
+        loop = self._loop
+
+        def hand_over(task: asyncio.Task[Hit]) -> None:  # on the loop thread
+            if task.cancelled():
+                handed.cancel()
+                return
+            failure = task.exception()
+            if not handed.set_running_or_notify_cancel():  # the caller gave up on it
+                if failure is None:
+                    self.aio.release_soon(task.result())
+                return
+            if failure is not None:
+                handed.set_exception(failure)
+            else:
+                handed.set_result(task.result())
+
+        def start() -> None:  # on the loop thread
+            if handed.cancelled():
+                coro.close()
+                return
+            task = loop.create_task(coro)
+            task.add_done_callback(hand_over)
+
+            def given_up(future: concurrent.futures.Future[Hit]) -> None:  # any thread
+                if future.cancelled() and not task.done():
+                    with contextlib.suppress(RuntimeError):  # the loop closed: its tasks ended
+                        loop.call_soon_threadsafe(task.cancel)
+
+            handed.add_done_callback(given_up)
+
+        loop.call_soon_threadsafe(start)
+        return handed
+
     def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         future = self._submit(coro)
         try:
@@ -280,7 +321,7 @@ class KvClient:
         with self._submit_lock:
             if not self.enabled:
                 return self._off_hit()
-            future = self._submit(
+            future = self._submit_lookup(
                 self.aio.lookup(tokens, max_tokens=max_tokens, extras=extras, trace_id=trace_id)
             )
         try:
@@ -288,11 +329,12 @@ class KvClient:
         except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
             # closed meanwhile (its lookups cancelled): a miss, never an error in the engine's
             # thread (review, 2026-12-06). Cancelled, what it was granted is given back when its
-            # requests answer (`AsyncKvClient.lookup`); one that ended as it was given up on is
-            # its hit (review, stop 65: dropped, its leases were held until `close`).
-            if not future.cancel() and future.done() and not future.cancelled():
+            # requests answer (`AsyncKvClient.lookup`), or when it ends with its hit
+            # (`_submit_lookup`); one the cancel came too late for (being handed over, or
+            # handed) is its hit (review, stop 65: dropped, its leases were held until `close`).
+            if not future.cancel():
                 with contextlib.suppress(Exception):
-                    return future.result(0)
+                    return future.result(_GRACE_S)  # set at once: the loop is handing it over
             if not self._closed:  # no answer in time (a stalled loop, slow shards): a miss too,
                 # never an error in the engine's thread (it was raised; review, stop 67)
                 empty = Hit(0, self.aio.spec.layout.tokens_per_chunk, (), ())
@@ -308,13 +350,14 @@ class KvClient:
         trace_id: str | None = None,
     ) -> concurrent.futures.Future[Hit]:
         """`lookup` without waiting: a future that ends within `lookup_timeout_ms` (an empty hit
-        with `cause` on failure). For schedulers that must not block on the cluster."""
+        with `cause` on failure). For schedulers that must not block on the cluster. Cancelled
+        (`future.cancel()` True), its hit, if it still comes, is given back by the client."""
         with self._submit_lock:  # as `lookup`: nothing submitted once `close` settles the loop
             if not self.enabled:
                 done: concurrent.futures.Future[Hit] = concurrent.futures.Future()
                 done.set_result(self._off_hit())
                 return done
-            return self._submit(
+            return self._submit_lookup(
                 self.aio.lookup(tokens, max_tokens=max_tokens, extras=extras, trace_id=trace_id)
             )
 
