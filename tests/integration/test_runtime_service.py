@@ -301,3 +301,17 @@ async def test_client_undecodable_reply_is_indeterminate(nats_client: NatsClient
     await nats_client.subscribe(SAY, cb=reply_garbage)
     with pytest.raises(Indeterminate, match="undecodable reply"):
         await request(nats_client, SAY, EchoRequest(text="x"), echo_decoder, TIMEOUT_S)
+
+
+async def test_a_service_takes_a_nats_clusters_servers_as_a_comma_list(
+    nats_server: NatsServer, nats_client: NatsClient
+) -> None:
+    """`KVF_NATS_URL` may name several servers of one NATS cluster; one of them down, the service
+    connects through another (a comma list was one malformed URL to nats-py: stop 70's list)."""
+    down = f"nats://127.0.0.1:{free_port()}"
+    runtime = make_runtime(nats_server, nats_url=f"{down},{nats_server.url}", nats_reconnect_attempts_max=3)
+    await asyncio.wait_for(runtime.start(), TIMEOUT_S)
+    try:
+        assert (await say(nats_client, "listed")).text == "listed"
+    finally:
+        await asyncio.wait_for(runtime.stop(), TIMEOUT_S)

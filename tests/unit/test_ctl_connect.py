@@ -12,6 +12,7 @@ from pathlib import Path
 import nats.errors
 from typer.testing import CliRunner
 
+from kvfabric.cluster.natsauth import nats_servers, servers_without_userinfo
 from kvfabric.cluster.natsauth import url_without_userinfo as without_userinfo
 from kvfabric.ctl.cli import app
 from kvfabric.ctl.queries import connect_error
@@ -109,3 +110,17 @@ def test_kvctl_names_the_connect_error_it_saw_and_does_not_wait_for_its_timeout(
         took = time.monotonic() - started
     assert result.exit_code == 1 and "ConnectionRefusedError" in result.stderr, result.output
     assert took < 10, f"waited {took:.1f} s of its 30 s timeout"
+
+
+def test_a_nats_setting_may_name_a_clusters_servers() -> None:
+    """One URL or a comma list of URLs (each with its scheme); a comma in a password is kept."""
+    assert nats_servers("nats://a:4222") == ["nats://a:4222"]
+    assert nats_servers("nats://a:4222, tls://b:4222,nats://c") == [
+        "nats://a:4222",
+        "tls://b:4222",
+        "nats://c",
+    ]
+    assert nats_servers("nats://u:pa,ss@a:4222") == ["nats://u:pa,ss@a:4222"]
+    assert nats_servers("nats://a:4222,") == ["nats://a:4222,"]  # no URL after it: no separator
+    listed = servers_without_userinfo("nats://u:secret@a:4222,nats://u:s,ecret@b:4222")
+    assert listed == "nats://a:4222,nats://b:4222" and "secret" not in listed and "ecret" not in listed

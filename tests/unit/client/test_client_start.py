@@ -256,6 +256,36 @@ def test_a_server_that_lets_the_client_in_enables_it_silently(
     assert kv.save_async(prompt(32), objects_for(prompt(32), 0, 2)) is None
 
 
+@pytest.mark.parametrize("fake_nats", ["ok"], indirect=True)
+def test_a_comma_list_of_servers_connects_through_one_that_answers(
+    fake_nats: FakeNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The servers of a NATS cluster, as services and kvctl take them: a comma list was refused
+    as a bad URL (`config_error`; stop 70's list). One server down: the client uses another."""
+    caplog.set_level(logging.INFO)
+    down = f"nats://127.0.0.1:{free_port()}"
+    for url in (f"{down},{fake_nats.url}", f"{fake_nats.url}, {down}"):
+        kv, took_s = start(ClientSettings(nats_url=url, connect_timeout_ms=CONNECT_TIMEOUT_MS))
+        try:
+            assert kv.status == ClientStatus("enabled"), kv.status
+            assert took_s < CONNECT_TIMEOUT_MS / 1000 + SLACK_S
+        finally:
+            kv.close()
+
+
+@pytest.mark.parametrize(
+    "url", ["nats://127.0.0.1:4222,http://127.0.0.1:4223", "nats://127.0.0.1:4222,ws://127.0.0.1:4223"]
+)
+def test_a_comma_list_with_a_bad_url_is_a_config_error(url: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    kv, took_s = start(ClientSettings(nats_url=url, connect_timeout_ms=CONNECT_TIMEOUT_MS))
+    try:
+        assert_disabled(kv, "config_error", caplog, logging.ERROR)
+        assert "nats_url" in kv.status.detail and took_s < SLACK_S
+    finally:
+        kv.close()
+
+
 @pytest.mark.parametrize("fake_nats", ["frozen"], indirect=True)
 def test_a_background_start_returns_at_once_and_misses_until_it_ends(
     fake_nats: FakeNats, caplog: pytest.LogCaptureFixture

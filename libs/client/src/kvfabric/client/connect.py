@@ -36,7 +36,13 @@ from nats.aio.client import Client as NatsClient
 
 from kvfabric.client.settings import ClientSettings
 from kvfabric.cluster.directory_router import DirectoryRouter
-from kvfabric.cluster.natsauth import describe_nats_error, is_nats_refusal, url_without_userinfo
+from kvfabric.cluster.natsauth import (
+    describe_nats_error,
+    is_nats_refusal,
+    nats_servers,
+    servers_without_userinfo,
+    url_without_userinfo,
+)
 from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, Unauthorized, Unavailable
 
 __all__ = ["ERROR_LOG_INTERVAL_S", "RETRY_WAIT_S", "NatsErrors", "open_nats", "start_error"]
@@ -82,13 +88,22 @@ class NatsErrors:
         self._logged_s, self._unlogged = now, 0
 
 
-def _check_url(url: str) -> None:
-    scheme, sep, rest = url.partition("://")
-    if not url.strip() or (sep and scheme not in _URL_SCHEMES) or "://" in rest:
+def _check_url(url: str) -> list[str]:
+    """The server URLs of `nats_url` (one URL or a comma list: `nats_servers`), each checked."""
+    servers = nats_servers(url)
+    for server in servers:
+        scheme, sep, rest = server.partition("://")
+        if not server or (sep and scheme not in _URL_SCHEMES) or "://" in rest:
+            raise BadRequest(
+                f"client setting nats_url {url_without_userinfo(server)[0]!r} is not nats://host:port"
+                " (or tls://, ws://, wss://; several servers of one cluster: a comma list of them)"
+            )
+    schemes = {server.partition("://")[0] in ("ws", "wss") for server in servers if "://" in server}
+    if len(schemes) > 1:
         raise BadRequest(
-            f"client setting nats_url {url_without_userinfo(url)[0]!r} is not nats://host:port (or"
-            " tls://, ws://, wss://)"
+            f"client setting nats_url {servers_without_userinfo(url)!r} mixes websocket and other URLs"
         )
+    return servers
 
 
 def start_error(url: str, exc: BaseException | None, timeout_ms: int) -> BaseException:
@@ -96,7 +111,7 @@ def start_error(url: str, exc: BaseException | None, timeout_ms: int) -> BaseExc
     its callback saw, else None (no attempt ended within the time). An error of no kind known
     here is raised as it is (a bug: the client logs its traceback). A password in `url` is never
     in the message."""
-    url = url_without_userinfo(url)[0]
+    url = servers_without_userinfo(url)
     where = f"NATS at {url}"
     if isinstance(exc, KvfError):
         return exc
@@ -123,7 +138,7 @@ async def open_nats(settings: ClientSettings) -> tuple[NatsClient, DirectoryRout
     directory router, or raises (see the module docstring). Nothing is left open on failure."""
     timeout_s = settings.connect_timeout_ms / 1000
     deadline = time.monotonic() + timeout_s
-    _check_url(settings.nats_url)
+    servers = _check_url(settings.nats_url)
     try:
         options = settings.nats_auth().connect_options()  # BadRequest: unreadable password file
     except OSError as exc:  # TLS files (ssl.SSLError is an OSError)
@@ -135,7 +150,7 @@ async def open_nats(settings: ClientSettings) -> tuple[NatsClient, DirectoryRout
     nc = NatsClient()
     connecting = asyncio.ensure_future(
         nc.connect(
-            settings.nats_url,
+            servers,
             **options,
             error_cb=errors.on_error,
             max_reconnect_attempts=-1,

@@ -29,6 +29,8 @@ ENV_PREFIX: Final = "KVF_CLIENT_"
 
 
 class ClientSettings(msgspec.Struct, frozen=True, kw_only=True):
+    # NATS: one URL, or the servers of one NATS cluster as a comma list of URLs (each with its
+    # scheme), which the connection fails over between (`kvfabric.cluster.natsauth.nats_servers`).
     nats_url: str
     tenant_id: str = "default"
     # The share domain's salt (hex). Engines that must not share KV use different salts.

@@ -31,6 +31,8 @@ __all__ = [
     "describe_nats_error",
     "is_nats_refusal",
     "nats_auth_from_env",
+    "nats_servers",
+    "servers_without_userinfo",
     "url_without_userinfo",
 ]
 
@@ -60,6 +62,23 @@ def describe_nats_error(exc: BaseException) -> str:
 
 
 _URL_SCHEME: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+# Between the URLs of a cluster's servers: a comma before the next URL's scheme (a comma inside
+# a password, not URL-escaped, is no separator: it is followed by no "scheme://").
+_SERVERS_SEPARATOR: Final = re.compile(r",\s*(?=[A-Za-z][A-Za-z0-9+.-]*://)")
+
+
+def nats_servers(url: str) -> list[str]:
+    """The server URLs of a NATS setting: one URL, or a comma list of URLs, each with its scheme
+    (`nats://a:4222,nats://b:4222`): the servers of one NATS cluster, any of which a connection
+    may use and fail over to (nats-py's server pool). Elements stripped; an empty one stays
+    empty for the caller's check to refuse."""
+    return [part.strip() for part in _SERVERS_SEPARATOR.split(url)]
+
+
+def servers_without_userinfo(url: str) -> str:
+    """`url` (one URL or a comma list, `nats_servers`) for a message: every element without its
+    credentials (`url_without_userinfo`)."""
+    return ",".join(url_without_userinfo(part)[0] for part in nats_servers(url))
 
 
 def url_without_userinfo(url: str) -> tuple[str, str, bool]:

@@ -31,6 +31,8 @@ from kvfabric.cluster.natsauth import (
     describe_nats_error,
     is_nats_refusal,
     nats_auth_from_env,
+    nats_servers,
+    servers_without_userinfo,
     url_without_userinfo,
 )
 from kvfabric.cluster.requests import request
@@ -101,7 +103,7 @@ async def connect(url: str, timeout_s: float) -> AsyncIterator[NatsClient]:
         raise BadRequest(f"cannot read {NATS_ENV_PREFIX}PASSWORD_FILE: {reason}") from None
     try:
         connecting = nc.connect(
-            servers=[url],
+            servers=nats_servers(url),  # one URL, or a NATS cluster's servers as a comma list
             **auth.connect_options(),
             connect_timeout=max(1, int(timeout_s)),
             allow_reconnect=False,
@@ -128,7 +130,8 @@ def connect_error(url: str, exc: BaseException, user: str, timeout_s: float) -> 
     """What kvctl says when it cannot connect (pure): a refusal names the credentials it used and
     where an operator's come from; anything else names the error, not only its type. A password
     in the URL is never printed."""
-    url, url_user, url_credentials = url_without_userinfo(url)
+    _, url_user, url_credentials = url_without_userinfo(nats_servers(url)[0])
+    url = servers_without_userinfo(url)
     if isinstance(exc, TimeoutError):  # no error seen: the server did not answer
         return Unavailable(
             f"cannot connect to nats at {url}: no connection within {timeout_s:g} s (is the cluster up?)",

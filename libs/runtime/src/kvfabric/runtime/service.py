@@ -107,7 +107,7 @@ from nats.micro.request import Request as MicroRequest
 from nats.micro.service import EndpointStats, ServiceVerb, control_subject
 from nats.micro.service import Service as MicroService
 
-from kvfabric.cluster.natsauth import nats_auth_from_env
+from kvfabric.cluster.natsauth import nats_auth_from_env, nats_servers, servers_without_userinfo
 from kvfabric.format.errors import BadRequest, Busy, KvfError, Unavailable
 from kvfabric.format.invariant import InvariantViolation, invariant
 from kvfabric.proto.codec import FamilyDecoder, decode_as, encode
@@ -640,7 +640,7 @@ class ServiceRuntime:
         s = self.settings
         try:
             nc = await nats.connect(
-                s.nats_url,
+                nats_servers(s.nats_url),  # one URL, or a NATS cluster's servers as a comma list
                 **nats_auth_from_env(os.environ).connect_options(),
                 name=f"kvf-{self.service.value}-{s.instance_id}",
                 connect_timeout=s.nats_connect_timeout_ms / 1000,  # as set (was rounded to whole seconds)
@@ -653,10 +653,11 @@ class ServiceRuntime:
                 closed_cb=self._on_nats_closed,
             )
         except Exception as exc:
-            raise Unavailable(f"cannot connect to NATS at {s.nats_url}: {type(exc).__name__}") from exc
+            where = servers_without_userinfo(s.nats_url)
+            raise Unavailable(f"cannot connect to NATS at {where}: {type(exc).__name__}") from exc
         self._log.info(
             "nats_connected",
-            nats_url=s.nats_url,
+            nats_url=servers_without_userinfo(s.nats_url),
             server=nc.connected_url.netloc if nc.connected_url else None,
         )
         return nc

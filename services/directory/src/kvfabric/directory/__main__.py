@@ -37,7 +37,7 @@ from typing import Any, Final
 
 import nats
 
-from kvfabric.cluster.natsauth import nats_auth_from_env
+from kvfabric.cluster.natsauth import nats_auth_from_env, nats_servers
 from kvfabric.core.leadership import LeadershipConfig
 from kvfabric.core.shard_lifecycle import LifecycleConfig
 from kvfabric.directory import cpu_priority
@@ -116,7 +116,7 @@ async def serve(settings: RuntimeSettings) -> int:
         ) / 1000
         nc = await asyncio.wait_for(
             nats.connect(
-                settings.nats_url,
+                nats_servers(settings.nats_url),
                 **nats_auth_from_env(os.environ).connect_options(),
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.2,
