@@ -348,6 +348,12 @@ class RoutingMachine(RuleBasedStateMachine):
         self.live[rid] = True
 
     @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def presume_prefilled(self, data: st.DataObject) -> None:
+        """(a request not streamed, past its estimated TTFT; its first token may still come)"""
+        self.c.presume_prefilled(data.draw(st.sampled_from(sorted(self.live))))
+
+    @precondition(lambda self: self.live)
     @rule(data=st.data(), fail=st.booleans())
     def end(self, data: st.DataObject, fail: bool) -> None:
         rid = data.draw(st.sampled_from(sorted(self.live)))

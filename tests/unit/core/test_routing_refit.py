@@ -232,6 +232,46 @@ def test_failover_is_not_observed() -> None:
     assert len(c.refit.window) == 1
 
 
+def test_an_unkeyed_prompt_is_not_observed() -> None:
+    """A text or chat prompt (no keys: its tokens guessed from its characters, nothing known
+    cached) taught the refit a cost for inputs that were not its own (stop 70's list)."""
+    c = refit_core()
+    assert c.refit is not None
+    d = c.route("text", "t", [], 1200, 0)
+    assert isinstance(d, Decision)
+    c.first_token("text", 0.02, 1)
+    assert not c.refit.window
+    c.finished("text")
+    keyed = c.route("ids", "t", KEYS, len(PROMPT), 2)
+    assert isinstance(keyed, Decision)
+    c.first_token("ids", 0.3, 3)
+    assert len(c.refit.window) == 1
+
+
+def test_a_presumed_prefill_leaves_the_queue_and_is_no_first_token() -> None:
+    """Not streamed, a request's first byte is its whole answer: past its estimated TTFT the
+    shell presumes its prefill done, so later estimates stop counting its tokens as queued
+    (they counted for its whole generation: stop 70's list). No observation, no learned cache;
+    its real first byte later is still its first token."""
+    c = refit_core()
+    assert c.refit is not None
+    d = c.route("whole", "t", KEYS, len(PROMPT), 0, exclude=("b",))
+    assert isinstance(d, Decision) and d.instance_id == "a"
+    a = c.instances["a"]
+    assert a.queued_prefill_tokens == d.estimate.inputs.compute_tokens > 0 and a.running == 0
+    c.presume_prefilled("whole")
+    c.presume_prefilled("whole")  # once
+    assert a.queued_prefill_tokens == 0 and a.running == 1 and c.counters["prefill_presumed"] == 1
+    assert not a.cache and not c.refit.window
+    c.check_invariants()
+    c.first_token("whole", 4.0, 5)
+    assert a.queued_prefill_tokens == 0 and a.running == 1 and len(a.cache) > 0
+    c.check_invariants()
+    c.finished("whole")
+    assert a.running == 0 and a.queue == 0
+    c.check_invariants()
+
+
 class RefitRoutingMachine(RuleBasedStateMachine):
     """Health changes, routes, first tokens with arbitrary realised TTFTs (a refit at every
     observation), finishes and failures: a chosen instance is always eligible (a dead one is

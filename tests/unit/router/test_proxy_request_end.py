@@ -42,8 +42,8 @@ async def _chunks() -> AsyncIterator[bytes]:
     yield b"data: 2\n\n"
 
 
-def _proxy() -> Proxy:
-    settings = load_router_settings(ENV)
+def _proxy(env: dict[str, str] = ENV) -> Proxy:
+    settings = load_router_settings(env)
     core = RoutingCore(settings.routing, [e.spec for e in settings.engines], RoutingIndex())
     driver = CoreDriver(core, clock=lambda: now_ms())
     registry = CollectorRegistry()

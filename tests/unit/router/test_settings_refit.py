@@ -60,8 +60,8 @@ def test_metrics_show_coefficients_in_use_and_refit_state() -> None:
     text = scrape(core)
     assert 'kvfabric_router_coefficient{name="overhead_s"} 0.01' in text
     assert 'kvfabric_router_state{name="refit_fitted"} 0.0' in text
-    for n in range(6):  # every request: 40 tokens, 0.3 s realised
-        d = core.route(f"r{n}", "t", [], 40, n)
+    for n in range(6):  # every request: 40 tokens (keyed: unkeyed ones are no observation), 0.3 s
+        d = core.route(f"r{n}", "t", [bytes([n + 1]) * 48], 40, n)
         assert isinstance(d, Decision)
         core.first_token(f"r{n}", 0.3, n)
         core.finished(f"r{n}")
@@ -69,5 +69,5 @@ def test_metrics_show_coefficients_in_use_and_refit_state() -> None:
     assert 'kvfabric_router_state{name="refit_fitted"} 1.0' in text
     assert 'kvfabric_router_state{name="refit_observations"} 6.0' in text
     assert 'kvfabric_router_coefficient{name="overhead_s"} 0.01\n' not in text
-    estimate = core.route("probe", "t", [], 40, 7, admit=False)
+    estimate = core.route("probe", "t", [bytes([99]) * 48], 40, 7, admit=False)
     assert isinstance(estimate, Decision) and abs(estimate.estimate.ttft_s - 0.3) < 0.01

@@ -39,7 +39,7 @@ to load grow (Hypothesis-tested).
 Coefficients: `config.coefficients`, or with `config.refit` set, an online refit of them from
 the realised TTFTs (`kvfabric.core.routing_refit`): each request's chosen inputs and its
 realised TTFT (given with `first_token`; failovers left out: their TTFT holds the failed
-attempt) are one observation; `coefficients_at(now_ms)` is what every estimate uses. The refit
+attempt; unkeyed prompts too: their inputs are guesses) are one observation; `coefficients_at(now_ms)` is what every estimate uses. The refit
 keeps every coefficient within bounds that are never negative, so the estimate stays monotone.
 
 ## Decision (`route`)
@@ -68,6 +68,8 @@ the benchmark runs every configuration through the same router.
 ## Request lifecycle (the shell reports each exactly once)
     route --> ROUTED (queued_prefill_tokens += compute_tokens)
     ROUTED --first_token--> RUNNING (its chunks enter the instance's learned cache)
+    ROUTED --presume_prefilled--> RUNNING (not streamed: its estimated TTFT passed; no first
+                                  token yet, which may still come)
     ROUTED --failed (before the first byte)--> gone; the instance is marked down when it
                                                cannot be reached (`down`); the shell may route
                                                again excluding it (failover)
@@ -75,8 +77,8 @@ the benchmark runs every configuration through the same router.
 Unknown request ids are counted and ignored (the network may repeat).
 
 ## Invariants (`check_invariants`)
-Per instance: queue = its routed requests; queued_prefill_tokens = the sum over those without a
-first token; learned cache within its bound; totals per tenant match the requests.
+Per instance: queue = its routed requests; running = those prefilled (a first token, or
+presumed); queued_prefill_tokens = the sum over the others; learned cache within its bound; totals per tenant match the requests.
 """
 
 from __future__ import annotations
@@ -257,8 +259,12 @@ class _Request:
     instance_id: str
     keys: tuple[bytes, ...]
     compute_tokens: int
-    inputs: CostInputs | None = None  # the chosen estimate's (None after a failover: not observed)
+    # the chosen estimate's (None after a failover, or for an unkeyed prompt: not observed)
+    inputs: CostInputs | None = None
     first_token: bool = False
+    # its prefill counted done: out of `queued_prefill_tokens`, in `running` (its first token,
+    # or `presume_prefilled` for one whose first byte is its whole answer)
+    prefilled: bool = False
 
 
 @dataclass(slots=True)
@@ -321,6 +327,7 @@ class RoutingCore:
             "unknown_request": 0,
             "instance_down": 0,
             "instance_ejected": 0,
+            "prefill_presumed": 0,
         }
 
     def step(self, event: RoutingEvent, now_ms: int) -> list[RoutingOutput]:
@@ -524,7 +531,10 @@ class RoutingCore:
                 chosen.instance_id,
                 tuple(keys[: self.usable_chunks(keys, prompt_tokens)]),
                 compute,
-                None if failover else chosen.inputs,
+                # An unkeyed prompt (text, chat: no tokenizer in the router) has a token count
+                # guessed from its characters and no cached tokens known: its TTFT would teach
+                # the refit a cost for inputs that were never its own (stop 70's list).
+                None if failover or not keys else chosen.inputs,
             )
             self._tenants[tenant] = self._tenants.get(tenant, 0) + 1
             inst.queue += 1
@@ -608,8 +618,7 @@ class RoutingCore:
             )
             self.refit.observe(x, ttft_s, now_ms)
         inst = self.instances[req.instance_id]
-        inst.queued_prefill_tokens -= req.compute_tokens
-        inst.running += 1
+        self._prefilled(req, inst)
         inst.failures_in_row = inst.ejections = 0  # it serves: no ejection pending or in backoff
         if inst.healthy and inst.spec.engine_cache_chunks_max and inst.events is None:
             for key in req.keys:
@@ -617,6 +626,26 @@ class RoutingCore:
                 inst.cache.move_to_end(key)
             while len(inst.cache) > inst.spec.engine_cache_chunks_max:
                 inst.cache.popitem(last=False)
+
+    def presume_prefilled(self, request_id: str) -> None:
+        """A request whose first byte is its whole answer (not streamed) is presumed past its
+        prefill once its estimated TTFT has passed: its tokens leave `queued_prefill_tokens`
+        and it counts `running`. It counted as queued prefill for its whole generation, so
+        every estimate for its instance saw a prefill queue that was long done (stop 70's list).
+        Nothing else a first token does (no refit observation, no learned cache, no end of an
+        ejection count): none has come. Unknown or already prefilled: ignored."""
+        req = self._requests.get(request_id)
+        if req is None or req.prefilled:
+            return
+        self._prefilled(req, self.instances[req.instance_id])
+        self.counters["prefill_presumed"] += 1
+
+    @staticmethod
+    def _prefilled(req: _Request, inst: _Instance) -> None:
+        if not req.prefilled:
+            req.prefilled = True
+            inst.queued_prefill_tokens -= req.compute_tokens
+            inst.running += 1
 
     def finished(self, request_id: str) -> None:
         self._end(request_id)
@@ -661,7 +690,7 @@ class RoutingCore:
             return None
         inst = self.instances[req.instance_id]
         inst.queue -= 1
-        if req.first_token:
+        if req.prefilled:
             inst.running -= 1
         else:
             inst.queued_prefill_tokens -= req.compute_tokens
@@ -685,8 +714,9 @@ class RoutingCore:
         for iid, inst in self.instances.items():
             mine = [r for r in self._requests.values() if r.instance_id == iid]
             invariant(inst.queue == len(mine), "queue counts its requests", instance=iid)
-            invariant(inst.running == sum(r.first_token for r in mine), "running counts first tokens")
-            pending = sum(r.compute_tokens for r in mine if not r.first_token)
+            invariant(inst.running == sum(r.prefilled for r in mine), "running counts the prefilled")
+            invariant(all(r.prefilled for r in mine if r.first_token), "a first token ends a prefill")
+            pending = sum(r.compute_tokens for r in mine if not r.prefilled)
             invariant(inst.queued_prefill_tokens == pending, "queued prefill tokens", instance=iid)
             invariant(len(inst.cache) <= inst.spec.engine_cache_chunks_max, "learned cache bounded")
             if inst.events is not None:

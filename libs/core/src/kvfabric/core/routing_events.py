@@ -4,7 +4,8 @@ effects: its answers are replies.
 
     Health -> health(now_ms)    IndexHeard -> index_heard(now_ms)
     Route -> route(now_ms): [Reply(Decision | Refused)]
-    FirstToken -> first_token    Finished -> finished    Failed -> failed: [Reply(instance or None)]
+    FirstToken -> first_token    PrefillPresumed -> presume_prefilled    Finished -> finished
+    Failed -> failed: [Reply(instance or None)]
     EngineStored -> engine_stored    EngineRemoved -> engine_removed    EngineCleared -> engine_cleared
 
 (The index's events, `apply`, `check_stream` and `resync`, are `RoutingIndex.step`'s:
@@ -31,6 +32,7 @@ __all__ = [
     "FirstToken",
     "Health",
     "IndexHeard",
+    "PrefillPresumed",
     "Route",
     "RoutingEvent",
     "RoutingOutput",
@@ -70,6 +72,13 @@ class FirstToken:
 
     request_id: str
     ttft_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPresumed:
+    """A request not streamed whose estimated TTFT passed (`presume_prefilled`)."""
+
+    request_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +128,7 @@ RoutingEvent: TypeAlias = (
     | IndexHeard
     | Route
     | FirstToken
+    | PrefillPresumed
     | Finished
     | Failed
     | EngineStored
@@ -149,6 +159,8 @@ def dispatch(core: RoutingCore, event: RoutingEvent, now_ms: int) -> list[Routin
         core.index_heard(now_ms)
     elif isinstance(event, FirstToken):
         core.first_token(event.request_id, event.ttft_s, now_ms)
+    elif isinstance(event, PrefillPresumed):
+        core.presume_prefilled(event.request_id)
     elif isinstance(event, EngineStored):
         core.engine_stored(
             event.instance_id,

@@ -5,7 +5,7 @@ HTTP front's `/metrics`.
 |---|---|---|
 | `kvfabric_router_decisions_total` | instance, reason, keys | routed (`keys`: known, or unknown) |
 | `kvfabric_router_refused_total` | reason | 429/503/401/408 (below) |
-| `kvfabric_router_failovers_total` | instance, why | engines failing before the first byte |
+| `kvfabric_router_failovers_total` | instance, why | engines failing before the first byte (not a non-streamed response timeout: answered 504, never failed over) |
 | `kvfabric_router_http_requests_total` | instance, outcome | ended (outcomes below) |
 | `kvfabric_router_estimate_seconds` | instance | the chosen engine's TTFT estimate |
 | `kvfabric_router_ttft_seconds` | instance | realised: received -> the engine's first body byte |
@@ -17,7 +17,10 @@ HTTP front's `/metrics`.
 
 Refusal reasons: the core's (admitted_max, tenant_inflight_max: 429; no_instance, queues_full:
 503), unauthenticated (401), models_inflight_max (429), body_timeout (408). Outcomes: ok,
-status_<code>, broken_after_first_byte, client_disconnected, client_stalled.
+status_<code>, broken_after_first_byte, client_disconnected, client_stalled, unrelayable_headers;
+answered by the router itself: engines_failed (502: every engine tried failed before its first
+byte; under the last one tried), response_timeout (504), refused_<reason> (a failover found no
+engine with room, or the router full: 429/503 with Retry-After).
 
 `refit_*` (with `KVF_ROUTER_REFIT` on): refit_fitted (0: the configured coefficients are in use),
 refit_observations (in its window), refit_fits, refit_rejected (TTFTs not finite or negative).

@@ -389,8 +389,12 @@ class Proxy:
                     retry_after_s=decision.retry_after_s,
                     tried=tried,
                 )
-                if tried:  # every engine tried failed before the first byte
-                    return _error(502, f"engines failed before the first byte: {', '.join(tried)}", trace_id)
+                if tried and decision.reason == "no_instance":  # every engine left failed it
+                    return self._engines_failed(tried, received, trace_id)
+                # (after a failover too: the engines left are full, or the router is; the
+                # request may come back, where a 502 said the engines had failed it; stop 70)
+                if tried:
+                    self.metrics.done(tried[-1], f"refused_{decision.reason}", time.monotonic() - received)
                 status = 429 if decision.reason in ("admitted_max", "tenant_inflight_max") else 503
                 return _error(status, decision.reason, trace_id, retry_after_s=decision.retry_after_s)
             self.metrics.decided(decision, bool(keys))
@@ -412,6 +416,16 @@ class Proxy:
                 index_usable=self.core.index_usable(routed_at_ms),
                 index_groups=len(self.core.index.groups),
             )
+            # Not streamed, the first byte is the whole answer: once its estimated TTFT has
+            # passed its prefill is presumed done, or it counted as queued prefill on its
+            # engine for its whole generation (stop 70's list).
+            presuming = (
+                None
+                if streamed
+                else asyncio.get_running_loop().call_later(
+                    max(0.0, decision.estimate.ttft_s), self.core.presume_prefilled, rid
+                )
+            )
             try:
                 upstream = await self._open_while_connected(request, iid, raw, trace_id, streamed)
                 if upstream is None:  # the client left before the engine's first byte
@@ -421,15 +435,16 @@ class Proxy:
                     return Response(status_code=499)  # (nobody reads it)
             except _Failed as failed:
                 self.core.failed(rid, down=failed.engine_gone, now_ms=now_ms())
-                self.metrics.failover(iid, failed.why)
                 log.warning(
                     "engine_failed_before_first_byte", instance=iid, why=failed.why, down=failed.engine_gone
                 )
-                if not streamed and failed.why == "timeout":
+                if not streamed and failed.why == "timeout":  # answered 504, never failed over
+                    self.metrics.done(iid, "response_timeout", time.monotonic() - received)
                     return _error(504, f"no answer from {iid} within the response timeout", trace_id)
+                self.metrics.failover(iid, failed.why)
                 tried.append(iid)
                 if len(tried) >= self.settings.failover_attempts_max:
-                    return _error(502, f"engines failed before the first byte: {', '.join(tried)}", trace_id)
+                    return self._engines_failed(tried, received, trace_id)
                 continue
             except BaseException:
                 # cancelled (the router stopping) or a bug: the request's admission ends here,
@@ -437,6 +452,9 @@ class Proxy:
                 # 2026-12-05: only `_Failed` ended it)
                 self.core.finished(rid)
                 raise
+            finally:
+                if presuming is not None:
+                    presuming.cancel()
             break
         ttft_s = time.monotonic() - received
         if upstream.response.status_code < 400 and streamed:
@@ -465,6 +483,12 @@ class Proxy:
             await self._end_relay(upstream, relayed, log)
             log.warning("engine_headers_unrelayable", instance=iid)
             return _error(502, f"{iid}'s response headers could not be relayed", trace_id)
+
+    def _engines_failed(self, tried: list[str], received: float, trace_id: str) -> Response:
+        """502: every engine tried failed the request before its first byte (counted ended,
+        `engines_failed`, under the last one tried: it was not counted at all)."""
+        self.metrics.done(tried[-1], "engines_failed", time.monotonic() - received)
+        return _error(502, f"engines failed before the first byte: {', '.join(tried)}", trace_id)
 
     def _stalled(self, relayed: _Relayed, log: Any) -> None:
         relayed.outcome = "client_stalled"
