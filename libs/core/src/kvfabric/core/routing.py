@@ -39,8 +39,9 @@ to load grow (Hypothesis-tested).
 Coefficients: `config.coefficients`, or with `config.refit` set, an online refit of them from
 the realised TTFTs (`kvfabric.core.routing_refit`): each request's chosen inputs and its
 realised TTFT (given with `first_token`; failovers left out: their TTFT holds the failed
-attempt; unkeyed prompts too: their inputs are guesses) are one observation; `coefficients_at(now_ms)` is what every estimate uses. The refit
-keeps every coefficient within bounds that are never negative, so the estimate stays monotone.
+attempt; unkeyed prompts too: their inputs are guesses) are one observation;
+`coefficients_at(now_ms)` is what every estimate uses. The refit keeps every coefficient within
+bounds that are never negative, so the estimate stays monotone.
 
 ## Decision (`route`)
 Policies: `cache_aware` (lowest estimate), `round_robin`, `least_loaded` (fewest in flight):
@@ -78,7 +79,8 @@ Unknown request ids are counted and ignored (the network may repeat).
 
 ## Invariants (`check_invariants`)
 Per instance: queue = its routed requests; running = those prefilled (a first token, or
-presumed); queued_prefill_tokens = the sum over the others; learned cache within its bound; totals per tenant match the requests.
+presumed); queued_prefill_tokens = the sum over the others; learned cache within its bound;
+totals per tenant match the requests.
 """
 
 from __future__ import annotations

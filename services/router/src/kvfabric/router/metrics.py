@@ -5,7 +5,7 @@ HTTP front's `/metrics`.
 |---|---|---|
 | `kvfabric_router_decisions_total` | instance, reason, keys | routed (`keys`: known, or unknown) |
 | `kvfabric_router_refused_total` | reason | 429/503/401/408 (below) |
-| `kvfabric_router_failovers_total` | instance, why | engines failing before the first byte (not a non-streamed response timeout: answered 504, never failed over) |
+| `kvfabric_router_failovers_total` | instance, why | engines failing before the first byte (*) |
 | `kvfabric_router_http_requests_total` | instance, outcome | ended (outcomes below) |
 | `kvfabric_router_estimate_seconds` | instance | the chosen engine's TTFT estimate |
 | `kvfabric_router_ttft_seconds` | instance | realised: received -> the engine's first body byte |
@@ -14,6 +14,8 @@ HTTP front's `/metrics`.
 | `kvfabric_router_estimated_tokens_total` | instance, tier | engine, colocated, remote, compute |
 | `kvfabric_router_state` | name | in flight, queue_<id>, index sequence/groups/synced/gaps, refit_* |
 | `kvfabric_router_coefficient` | name | the cost model's coefficients in use (configured or refitted) |
+
+(*) Not a non-streamed request's response timeout: answered 504, never failed over.
 
 Refusal reasons: the core's (admitted_max, tenant_inflight_max: 429; no_instance, queues_full:
 503), unauthenticated (401), models_inflight_max (429), body_timeout (408). Outcomes: ok,
