@@ -13,6 +13,8 @@ import pytest
 
 from kvfabric.client.transfers import SegmentPool
 from kvfabric.core.segment_slots import SlotTable
+from kvfabric.dataplane import tcp_client
+from kvfabric.dataplane.frames import HEADER
 from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
 from kvfabric.format.checksum import checksum
 from kvfabric.format.ids import ObjectKey
@@ -107,3 +109,48 @@ def test_a_stream_of_writes_lands_whole_staged_or_sent(
     finally:
         pool.close()
     assert backend.counters["puts_receipted_total"] == 6
+
+
+@pytest.mark.parametrize("use_shm", [True, False])
+def test_a_stream_cut_after_some_replies_keeps_what_they_say(
+    server: tuple[ArenaBackend, TcpDataServer, list[int]], use_shm: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection fails after the segment answered two of four writes (the third reply's
+    header cannot be read): the two answered stand with their receipts, only the other two fail
+    with the connection. All four failed before (stop 69's list): writes that had landed and
+    been receipted were thrown away, the save wrote them again or went without them."""
+    backend, tcp, later = server
+    pool = SegmentPool(connections_per_segment_max=2, timeout_s=5.0, use_shm=use_shm)
+    blobs = [os.urandom(64 << 10) for _ in range(4)]
+    tickets = [ticket(tcp, b, 20 + i) for i, b in enumerate(blobs)]
+    headers_read = 0
+    real = tcp_client.recv_exact
+
+    def cut_at_the_third_reply(sock: object, view: memoryview) -> None:
+        nonlocal headers_read
+        if len(view) == HEADER.size:
+            headers_read += 1
+            if headers_read == 3:
+                raise ConnectionResetError("the connection failed here")
+        real(sock, view)  # type: ignore[arg-type]
+
+    put_many_partial = TcpDataClient.put_many_partial
+
+    def counted_from_the_stream(self: TcpDataClient, *args: object, **kwargs: object) -> object:
+        nonlocal headers_read
+        headers_read = 0  # (a co-located connection's MAP reply came first)
+        return put_many_partial(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tcp_client, "recv_exact", cut_at_the_third_reply)
+    monkeypatch.setattr(TcpDataClient, "put_many_partial", counted_from_the_stream)
+    try:
+        outcomes = pool.write_many(
+            [(t, memoryview(b), "trace", 4) for t, b in zip(tickets, blobs, strict=True)], receipt=True
+        )
+    finally:
+        pool.close()
+    assert [cause for cause, _ in outcomes] == ["ok", "ok", "indeterminate", "indeterminate"]
+    for (cause, receipt), t in zip(outcomes[:2], tickets, strict=False):
+        assert receipt is not None
+        assert receipt.mac == write_receipt(SECRET, t, receipt.slot, receipt.slot_generation)
+    assert pool.staged_puts == (2 if use_shm else 0)

@@ -605,40 +605,59 @@ class SegmentPool:
         connection's staging file, each at its own offset (`_stage_many`); a staging refusal
         sends those bytes, as `write` does. `writes`: (ticket, bytes, trace id, save_writes)
         each, as `write` takes them. Per write, as `write` returns; a connection that failed
-        fails every write of the call."""
+        fails the writes it had not answered (those answered stand as answered)."""
         if not writes:
             return []
         first = writes[0][0]
+        # The replies read before the connection failed, if it did (`_put_many`): their writes
+        # are settled as they say; only the rest fail with the connection.
+        answered: list[PutReply | KvfError] = []
         try:
             shm_ok = self._shm_ok(first.segment_id)
             with self._connection(first.data_addr, shm_ok, ticket=first, cut_at_s=cut_at_s) as conn:
-                replies = self._put_many(conn, writes, receipt)
+                replies = self._put_many(conn, writes, receipt, answered)
         except KvfError as exc:
-            return [(exc.code, None)] * len(writes)
+            replies, failed = answered, (exc.code, None)
         except TimeoutError:
-            return [("timeout", None)] * len(writes)
+            replies, failed = answered, ("timeout", None)
         except OSError:
-            return [("segment_unreachable", None)] * len(writes)
+            replies, failed = answered, ("segment_unreachable", None)
+        else:
+            failed = None
         outcomes: list[tuple[str, WriteReceipt | None]] = []
-        for (ticket, *_), reply in zip(writes, replies, strict=True):
+        for (ticket, *_), reply in zip(writes, replies, strict=False):
             if isinstance(reply, KvfError):
                 outcomes.append((reply.code, None))
             elif reply.receipt:
                 outcomes.append((OK, _receipt(ticket, reply)))
             else:
                 outcomes.append((OK if reply.confirmed else "unconfirmed", None))
+        if failed is not None:
+            outcomes += [failed] * (len(writes) - len(outcomes))
         return outcomes
 
     def _put_many(
-        self, conn: _Connection, writes: Sequence[tuple[WriteTicket, memoryview, str, int]], receipt: bool
+        self,
+        conn: _Connection,
+        writes: Sequence[tuple[WriteTicket, memoryview, str, int]],
+        receipt: bool,
+        answered: list[PutReply | KvfError],
     ) -> list[PutReply | KvfError]:
         """`put_many` on `conn`, staged when `_stage_many` can; the writes a segment refused to
         stage (`staging` detail) are sent, and so is everything to that segment for a while
-        (`StagingRefusals`)."""
+        (`StagingRefusals`). A connection that fails raises (the caller drops it) with the
+        replies read before it in `answered` (`put_many_partial`)."""
         staged = self._stage_many(conn, writes)
+        replies, failure = conn.tcp.put_many_partial(writes, receipt=receipt, staged=staged)
+        if failure is not None:
+            answered += replies
+            if staged is not None:
+                self._staged_landed(
+                    conn, [s for s, r in zip(staged, replies, strict=False) if not isinstance(r, KvfError)]
+                )
+            raise failure
         if staged is None:
-            return conn.tcp.put_many(writes, receipt=receipt)
-        replies = conn.tcp.put_many(writes, receipt=receipt, staged=staged)
+            return replies
         refused = [i for i, r in enumerate(replies) if isinstance(r, KvfError) and r.details.get("staging")]
         self._staged_landed(
             conn, [s for s, r in zip(staged, replies, strict=True) if not isinstance(r, KvfError)]

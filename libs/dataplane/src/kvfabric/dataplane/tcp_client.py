@@ -206,6 +206,23 @@ class TcpDataClient:
         caller drops it; a write that landed unanswered is settled by its ticket's deadline).
         `writes`: (ticket, bytes, trace id, save_writes) each, as `put` takes them; `staged`:
         where each write's bytes are in the writer's staging file (then none is sent)."""
+        replies, failure = self.put_many_partial(writes, receipt=receipt, staged=staged)
+        if failure is not None:
+            raise failure
+        return replies
+
+    def put_many_partial(
+        self,
+        writes: Sequence[tuple[WriteTicket, bytes | bytearray | memoryview, str, int]],
+        *,
+        receipt: bool = False,
+        staged: Sequence[StagedBytes] | None = None,
+    ) -> tuple[list[PutReply | KvfError], Indeterminate | None]:
+        """`put_many`, whose connection failure comes with the replies read before it: those of
+        the first writes, in order (each landed, or was refused, as it says), and the failure
+        (`Indeterminate`: the caller drops the connection) for the rest. `put_many` raising
+        threw away writes that had landed and been answered, receipts included: the save then
+        wrote them again or went without (stop 69's list)."""
         views = [memoryview(data).cast("B") for _, data, _, _ in writes]
         if staged is not None and len(staged) != len(writes):
             raise BadRequest("one staged reference per write")
@@ -252,10 +269,12 @@ class TcpDataClient:
                         raise Indeterminate(f"unexpected reply {type(reply).__name__} to PUT")
                     replies.append(reply)
             except (OSError, PeerClosed) as exc:
-                raise Indeterminate(f"data connection failed during pipelined PUTs: {exc!r}") from exc
+                return replies, _pipeline_failure(exc)
+            except Indeterminate as exc:  # out of step: nothing after it can be matched
+                return replies, exc
             if failed is not None:
-                raise Indeterminate(f"data connection failed during pipelined PUTs: {failed!r}") from failed
-        return replies
+                return replies, _pipeline_failure(failed)
+        return replies, None
 
     def get(self, reads: list[ReadRef], dests: Sequence[Destination]) -> list[ObjectResult]:
         """Read objects straight into `dests` (one writable buffer of exactly `size_bytes` per read).
@@ -389,3 +408,9 @@ def verified(hashed: Sequence[tuple[ObjectResult, bytes]]) -> list[bool]:
     """Per read of a `get_hashed`: True when it was read and the bytes that landed match the
     segment's stored checksum."""
     return [r.status == "ok" and digest == r.checksum for r, digest in hashed]
+
+
+def _pipeline_failure(exc: BaseException) -> Indeterminate:
+    failure = Indeterminate(f"data connection failed during pipelined PUTs: {exc!r}")
+    failure.__cause__ = exc
+    return failure
