@@ -13,7 +13,7 @@ import pytest
 
 from kvfabric.client.transfers import SegmentPool
 from kvfabric.core.segment_slots import SlotTable
-from kvfabric.dataplane import tcp_client
+from kvfabric.dataplane import tcp_client, tcp_wire
 from kvfabric.dataplane.frames import HEADER
 from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
 from kvfabric.format.checksum import checksum
@@ -119,12 +119,12 @@ def test_a_stream_cut_after_some_replies_keeps_what_they_say(
     header cannot be read): the two answered stand with their receipts, only the other two fail
     with the connection. All four failed before (stop 69's list): writes that had landed and
     been receipted were thrown away, the save wrote them again or went without them."""
-    backend, tcp, later = server
+    _, tcp, _ = server
     pool = SegmentPool(connections_per_segment_max=2, timeout_s=5.0, use_shm=use_shm)
     blobs = [os.urandom(64 << 10) for _ in range(4)]
     tickets = [ticket(tcp, b, 20 + i) for i, b in enumerate(blobs)]
     headers_read = 0
-    real = tcp_client.recv_exact
+    real = tcp_wire.recv_exact
 
     def cut_at_the_third_reply(sock: object, view: memoryview) -> None:
         nonlocal headers_read
@@ -150,7 +150,7 @@ def test_a_stream_cut_after_some_replies_keeps_what_they_say(
     finally:
         pool.close()
     assert [cause for cause, _ in outcomes] == ["ok", "ok", "indeterminate", "indeterminate"]
-    for (cause, receipt), t in zip(outcomes[:2], tickets, strict=False):
+    for (_, receipt), t in zip(outcomes[:2], tickets, strict=False):
         assert receipt is not None
         assert receipt.mac == write_receipt(SECRET, t, receipt.slot, receipt.slot_generation)
     assert pool.staged_puts == (2 if use_shm else 0)

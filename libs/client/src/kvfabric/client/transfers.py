@@ -612,6 +612,7 @@ class SegmentPool:
         # The replies read before the connection failed, if it did (`_put_many`): their writes
         # are settled as they say; only the rest fail with the connection.
         answered: list[PutReply | KvfError] = []
+        failed: tuple[str, None] | None = None
         try:
             shm_ok = self._shm_ok(first.segment_id)
             with self._connection(first.data_addr, shm_ok, ticket=first, cut_at_s=cut_at_s) as conn:
@@ -622,8 +623,6 @@ class SegmentPool:
             replies, failed = answered, ("timeout", None)
         except OSError:
             replies, failed = answered, ("segment_unreachable", None)
-        else:
-            failed = None
         outcomes: list[tuple[str, WriteReceipt | None]] = []
         for (ticket, *_), reply in zip(writes, replies, strict=False):
             if isinstance(reply, KvfError):
