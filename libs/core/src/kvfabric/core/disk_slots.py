@@ -37,10 +37,13 @@ recovery, which loses only an object whose commit had not been acknowledged, or 
 
 ## Recovery
 `recover(records)` rebuilds the table from the index as read at start: every commit record whose
-extent lies inside the data region and overlaps no earlier one is STORED again under its slot and
-generation; one that does not is dropped and comes back as UNLINKING (its free record must be
+extent lies inside the data region and overlaps no earlier one, whose size is 1..`size_max` and
+whose generation is at most `GENERATION_RECOVERED_MAX` is STORED again under its slot and
+generation; one that is not is dropped and comes back as UNLINKING (its free record must be
 written, and synced, before anything is allocated: `alloc` refuses until then, since the dropped
-record's extent may overlap space handed out next). Free records restore generations.
+record's extent may overlap space handed out next). Free records restore generations up to
+`GENERATION_RECOVERED_MAX`; a slot whose record names a larger one starts again at 1 (a dropped
+commit's free record then carries 1), as one whose record does not decode.
 
 ## Invariants (`check_invariants()` in tests, after every step)
 1. Read protection: an extent with a reader reference is never handed out again; a free while
@@ -84,9 +87,15 @@ from kvfabric.format.errors import BadRequest, NoCapacity, NotFound, StaleGenera
 from kvfabric.format.generations import GENERATION_MAX
 from kvfabric.format.invariant import invariant
 
-__all__ = ["DiskAlloc", "DiskFree", "DiskGrant", "DiskHeld", "DiskSlotTable"]
+__all__ = ["GENERATION_RECOVERED_MAX", "DiskAlloc", "DiskFree", "DiskGrant", "DiskHeld", "DiskSlotTable"]
 
 STALE_KIND: Final = "slot_generation"
+# The largest generation recovery takes from a record. A table bumps a slot's generation once per
+# free, so a record above this is none it wrote (2**63 frees of one slot, a million a second, take
+# 290,000 years): a crafted or damaged one with a valid digest. Taken, one just below
+# GENERATION_MAX gave the slot's next object GENERATION_MAX, whose free then hit the "generation
+# exhausted" invariant, and whose commit record did not decode at the next start (stop 70's list).
+GENERATION_RECOVERED_MAX: Final = 2**63
 _State = Literal["writing", "committing", "stored", "unlinking"]
 FreeResult = Literal["freed", "deferred", "already_freed"]
 
@@ -181,11 +190,14 @@ class DiskSlotTable:
         records: Sequence[Record | None],
         *,
         block_bytes: int = BLOCK_BYTES,
+        size_max: int | None = None,
     ) -> tuple[DiskSlotTable, list[Record]]:
         """A table holding what the index `records` (one per slot id, None where a record did not
         decode) names, and the free records to write for commit records that were dropped
-        (outside the data region, overlapping an earlier one, malformed): those slots are
-        UNLINKING until `unlinked`."""
+        (outside the data region, overlapping an earlier one, malformed: a size of 0 or above
+        `size_max` (None: the data region bounds it), a generation above
+        `GENERATION_RECOVERED_MAX`, a key longer than a record holds): those slots are UNLINKING
+        until `unlinked`. A record of another slot is a bug of the caller (`InvariantViolation`)."""
         table = cls(data_bytes, len(records), block_bytes=block_bytes)
         unlinks: list[Record] = []
         for slot, record in enumerate(records):
@@ -193,22 +205,27 @@ class DiskSlotTable:
                 continue
             invariant(record.slot == slot, "record of another slot", slot=slot, record_slot=record.slot)
             if record.kind == "free":
-                if record.generation > 1:
+                if 1 < record.generation <= GENERATION_RECOVERED_MAX:  # above: the slot starts at 1
                     table._generations[slot] = record.generation
                 continue
             extent = round_up(record.size, block_bytes) if record.size > 0 else 0
             ok = (
                 extent > 0
+                and (size_max is None or record.size <= size_max)
                 and len(record.checksum) == 16
-                and record.generation < GENERATION_MAX
+                and len(record.key) <= KEY_BYTES_MAX
+                and 1 <= record.generation <= GENERATION_RECOVERED_MAX
                 and table._extents.take_at(record.offset, extent)
             )
             if not ok:
                 table._count("recovery_dropped_total")
-                table._generations[slot] = record.generation + 1
-                rec = _DSlot(record.generation, 0, 0, max(record.size, 0), record.key, "unlinking")
+                # A generation past the bound is not carried on (its successor would be too): the
+                # slot starts again at 1, its free record carrying 1 (stop 70's list).
+                generation = record.generation if 1 <= record.generation <= GENERATION_RECOVERED_MAX else 0
+                table._generations[slot] = generation + 1
+                rec = _DSlot(generation, 0, 0, max(record.size, 0), record.key, "unlinking")
                 table._slots[slot] = rec
-                unlinks.append(Record("free", slot, record.generation + 1))
+                unlinks.append(Record("free", slot, generation + 1))
                 table._recovery_unlinks += 1
                 continue
             table._generations[slot] = record.generation

@@ -94,6 +94,7 @@ from kvfabric.core.disk_records import (
 )
 from kvfabric.core.disk_slots import DiskAlloc, DiskGrant, DiskHeld, DiskSlotTable
 from kvfabric.core.quotas import tenant_of
+from kvfabric.dataplane.frames import OBJECT_BYTES_MAX
 from kvfabric.format.checksum import checksum
 from kvfabric.format.clock import now_ms
 from kvfabric.format.errors import (
@@ -195,7 +196,14 @@ class SsdTier:
             self._open()
             self._sync = GroupSync(self._fd, sync)
             try:
-                self.table, unlinks = DiskSlotTable.recover(data_bytes, self._read_index())
+                # No object larger than the data plane carries is ever written here (PUTs, copies
+                # and demotions all come through it): a record naming more is dropped. A crafted
+                # size, up to the data region, was read (at start with verify on, or by a GET)
+                # into one pre-faulted buffer of that size; a mapping that failed escaped the
+                # start as `Busy` (stop 70's list)
+                self.table, unlinks = DiskSlotTable.recover(
+                    data_bytes, self._read_index(), size_max=OBJECT_BYTES_MAX
+                )
                 if unlinks:  # dropped commit records: superseded on disk before anything is allocated
                     for record in unlinks:
                         self._write_record(record)
@@ -207,6 +215,13 @@ class SsdTier:
                 raise SsdFileRefused(
                     f"{self.path}: its index could not be read or recovered ({exc}): check the disk, "
                     "or remove the file to start empty"
+                ) from exc
+            except Exception as exc:  # the last line: whatever else a record (its digest valid:
+                # the file id is in the header) makes recovery raise, an invariant too, is said and
+                # exit 2, never a traceback and a restart into the same (stop 70's list)
+                raise SsdFileRefused(
+                    f"{self.path}: its index could not be recovered ({exc!r}): a damaged or crafted "
+                    "index record; move the file away or remove it to start empty"
                 ) from exc
             if verify_on_start:
                 self._verify_all()
