@@ -12,10 +12,14 @@ gauges (`bytes_in_flight`, ...), `counters`.
 ## Hints
 A `Hint` says: request `hint_id` of `tenant` will soon load the prefix `objects` (head first,
 each with its size and the segments holding a replica) through an engine whose local segment is
-`target`; the copies are useless after `deadline_ms`. A hint id is the tenant's: (tenant, hint
-id) names a hint, and two tenants' `req-1` are two hints (they were one, and one cancel ended
-both; review, 2026-12-06). Its *key* is (tenant, target, fingerprint of the set of object ids:
-its size and hash, not the set): hints with one key are one hint with several ids. A
+`target`; the copies are useless after `deadline_ms`, which the core cuts to at most
+`hint_hold_ms_max` (5 min) after the hint arrives (`hints_deadline_capped_total`): the service
+renews the read leases on a hint's sources until its deadline (`kvfabric.core.prefetch_leases`),
+so a deadline days ahead would hold them, and the tenant's queue share, for days. A hint id is
+the tenant's: (tenant, hint id) names a hint, and two tenants' `req-1` are two hints (they
+were one, and one cancel ended both; review, 2026-12-06). Its *key* is (tenant, target,
+fingerprint of the set of object ids: its size and hash, not the set): hints with one key are
+one hint with several ids. A
 fingerprint collision (vanishingly rare, and only within one tenant and target) joins a hint to
 another: its own objects are then not copied (best effort, nothing else is wrong). `add_hint`
 answers
@@ -91,7 +95,8 @@ copies started in 30 s (review, 2026-12-06). Forgotten with the rate entry (boun
 ## Invariants (`check_invariants()`, after every step in tests)
 1. Bounded: bytes and copies in flight within their maxima; live hint ids <= `hints_queued_max`;
    objects of live hints not yet on their target <= `objects_queued_max`; one tenant's of each
-   within its share; rate table bounded. A hint keeps only the ids of its objects to copy.
+   within its share; rate table bounded. A hint keeps only the ids of its objects to copy. No
+   live hint's deadline is more than `hint_hold_ms_max` ahead.
 2. No object has two concurrent copies to one target (one want per (object, target)).
 3. Every want is wanted: each of its hints is live and still needs it, or it is an extra; a
    COPYING want without either is marked release; a marked want has no wanter.
@@ -154,6 +159,7 @@ COUNTERS: Final = (
     "hints_expired_total",
     "hints_completed_total",
     "hints_failed_total",
+    "hints_deadline_capped_total",
     "hint_cancel_unknown_total",
     "copies_started_total",
     "copies_ok_total",
@@ -207,12 +213,16 @@ class PrefetchConfig:
     hot_extra_replicas_per_domain_max: int = 0
     hot_extra_bytes_per_domain_max: int = 0
     hot_tracked_max: int = 65_536  # objects whose read rate is tracked
+    # A hint's deadline is at most this long after it arrives (a later one is cut to it): how
+    # long its copies may wait and its sources' read leases are renewed (`prefetch_leases`)
+    hint_hold_ms_max: int = 300_000
 
     def __post_init__(self) -> None:
         invariant(self.hints_queued_max >= 1 and self.objects_queued_max >= 1, "queues need room")
         invariant(self.bytes_in_flight_max >= 1 and self.copies_in_flight_max >= 1, "need a copy budget")
         invariant(self.copy_attempts_max >= 1 and self.copy_retry_backoff_ms >= 0, "bad retry policy")
         invariant(self.hot_window_ms >= 1 and self.hot_tracked_max >= 1, "bad hot window")
+        invariant(self.hint_hold_ms_max >= 1, "a hint needs time to be held")
         invariant(0 <= self.cold_reads_per_s <= self.hot_reads_per_s, "need 0 <= cold <= hot")
         invariant(
             self.hot_extra_replicas_per_domain_max >= 0 and self.hot_extra_bytes_per_domain_max >= 0,
@@ -449,6 +459,13 @@ class PrefetchCore:
             return (tenant, hint_id) in self._ids
         return any(i == hint_id for _, i in self._ids)
 
+    def hint_deadline(self, hint_id: HintId, tenant: str) -> int | None:
+        """The deadline of the live hint `tenant`'s `hint_id` names (the latest of its ids', each
+        cut to `hint_hold_ms_max` after it arrived); None when none is live. The service renews
+        the hint's read leases up to it."""
+        key = self._ids.get((tenant, hint_id))
+        return None if key is None else self._hints[key].deadline_ms
+
     def busy_for(self, tenant: str) -> BusyReason | None:
         """Why a new hint of `tenant` would be answered busy whatever it names (the queues its
         `add_hint` checks full), so the shell answers before resolving it: each such hint cost
@@ -523,6 +540,9 @@ class PrefetchCore:
         if busy is not None:
             self.counters["hints_busy_total"] += 1
             return Busy(hint.hint_id, busy)
+        # held (its copies queued, its sources' leases renewed) this long at most
+        deadline_ms = min(hint.deadline_ms, now_ms + cfg.hint_hold_ms_max)
+        capped = int(deadline_ms < hint.deadline_ms)
         ids = frozenset(o.object_id for o in hint.objects)
         key = (tenant, hint.target, (len(ids), hash(ids)))
         live = self._hints.get(key)
@@ -530,8 +550,9 @@ class PrefetchCore:
             for obj in hint.objects:
                 self._add_sources(self._wants.get((obj.object_id, hint.target)), obj.replicas)
             live.ids.append(hint.hint_id)
-            live.deadline_ms = max(live.deadline_ms, hint.deadline_ms)
+            live.deadline_ms = max(live.deadline_ms, deadline_ms)
             self._name(named, key)
+            self.counters["hints_deadline_capped_total"] += capped
             self.counters["hints_deduped_total"] += 1
             return Deduped(hint.hint_id, live.ids[0])
         todo = [o for o in hint.objects if hint.target not in o.replicas]
@@ -550,8 +571,9 @@ class PrefetchCore:
             self.counters["hints_completed_total"] += 1
             return Accepted(hint.hint_id, 0)
         self._seq += 1
+        self.counters["hints_deadline_capped_total"] += capped
         undone = dict.fromkeys(o.object_id for o in todo)
-        self._hints[key] = _Hint(key, hint.target, [hint.hint_id], undone, hint.deadline_ms, self._seq)
+        self._hints[key] = _Hint(key, hint.target, [hint.hint_id], undone, deadline_ms, self._seq)
         self._name(named, key)
         self._queue(tenant, len(todo))
         for obj in todo:
@@ -939,6 +961,7 @@ class PrefetchCore:
             invariant(want.hints or want.extra or want.release, "unwanted want", object_id=want.object_id)
         for hint in self._hints.values():
             invariant(bool(hint.ids) and bool(hint.undone), "hint should have ended", key=hint.key)
+            invariant(hint.deadline_ms <= self._now_ms + cfg.hint_hold_ms_max, "a hint held too long")
             invariant(
                 all(self._ids.get((hint.tenant, i)) == hint.key for i in hint.ids), "hint id index drifted"
             )

@@ -1,5 +1,13 @@
 """Exports the prefetch core's counters and its queues and copies as Prometheus metrics (read at
-scrape time)."""
+scrape time; docs/metrics.md).
+
+- `kvfabric_prefetch_core_events{name}` (counter): the core's `COUNTERS` (`kvfabric.core.prefetch`,
+  `hints_deadline_capped` among them) and the hint leases' `LEASE_COUNTERS`
+  (`kvfabric.core.prefetch_leases`: `lease_renewals`, `lease_renew_failed`,
+  `lease_renew_refused`, `leases_lost`), each without its `_total`.
+- `kvfabric_prefetch_state{name}` (gauge): `PrefetchShell.status()`'s gauges (`leases_held`: the
+  leases still held at the directory for live hints).
+"""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@
 | `KVF_PREFETCH_HOT_EXTRA_REPLICAS_MAX` | 256 | extra replicas at once |
 | `KVF_PREFETCH_HOT_EXTRA_REPLICAS_PER_DOMAIN_MAX` | 0 | of those, one share domain's (0: a quarter) |
 | `KVF_PREFETCH_HOT_WINDOW_MS` | 10000 | read rates are measured over this window |
+| `KVF_PREFETCH_HINT_HOLD_MS_MAX` | 300000 | a hint's deadline at most this far ahead (leases renewed to it) |
 | `KVF_PREFETCH_TICK_MS` / `_SCAN_MS` | 20 / 2000 | planning period / segment refresh + cold sweep |
 | `KVF_PREFETCH_COPY_TIMEOUT_MS` | 10000 | one copy, ticket to confirm |
 | `KVF_PREFETCH_GROUP_CACHE_MS` | 10000 | a group shown for hot reads is trusted this long (0: never) |
@@ -61,6 +62,7 @@ def load_prefetch_settings(env: Mapping[str, str]) -> PrefetchSettings:
             env, "KVF_PREFETCH_HOT_EXTRA_REPLICAS_PER_DOMAIN_MAX", 0, 0, 1_000_000
         ),
         hot_window_ms=env_int(env, "KVF_PREFETCH_HOT_WINDOW_MS", 10_000, 1, 3_600_000),
+        hint_hold_ms_max=env_int(env, "KVF_PREFETCH_HINT_HOLD_MS_MAX", 300_000, 1_000, 3_600_000),
     )
     return PrefetchSettings(
         core=core,

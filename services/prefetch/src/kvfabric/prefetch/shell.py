@@ -6,7 +6,8 @@
   `start`). The hit is the longest prefix every shard found (a failing shard misses from its
   first chunk; the hint fails only when nothing hit); each shard with a chunk inside the hit
   grants a read lease, kept as (shard, lease id), that keeps the sources from being evicted
-  while they are copied (released when the hint ends; the others at once); then the core's
+  while they are copied (released when the hint ends; the others at once; renewed before they
+  expire for as long as the hint lives, below); then the core's
   `AddHint`; its answer (accepted / deduped / busy / refused) is the reply. At most `resolving_max` hints are
   resolved at once, of them at most a quarter (at least one) of one tenant's: more answer `busy`
   at once (a flood costs no directory traffic, and one tenant's flood took every slot: every other
@@ -25,7 +26,12 @@
 - Every `tick_ms`: the core's `Tick` → StartCopy tasks (`copy_replica`: ticket from the directory, the
   target segment reads from the source and confirms) → `copy_finished` → PublishReplica (the
   replica is already published by its confirm) / ReleaseCopy (nothing kept); leases of ended
-  hints are released.
+  hints are released, and the leases of live hints due are renewed (`lease_renew`, each to the
+  shard that granted it, for at most `LEASE_TTL_MS_MAX` and never past the hint's deadline), both
+  by background tasks, never on the ticker. When to renew, and which leases the directory has
+  dropped (`not_found`, or past their expiry: no longer counted as held), is decided by the pure
+  `kvfabric.core.prefetch_leases.HintLeases`. A lookup's leases last 30 s and were never renewed
+  while a hint lived to its deadline (known defect "leases of a hint are not renewed past 30 s").
 - Promotion (issue 23): a disk replica (slot id from `SSD_SLOT_BASE`) is no copy in DRAM: the
   core sees it as the source `<segment>#ssd`, never as the segment itself, so a hint whose
   target holds an object only on its disk copies it into the target's arena (the directory's
@@ -83,6 +89,7 @@ from kvfabric.core.prefetch_events import (
     Read,
     Tick,
 )
+from kvfabric.core.prefetch_leases import HintLeases, LeaseKeeping, RenewLease
 from kvfabric.core.step import reply_of
 from kvfabric.format.clock import monotonic_ms, now_ms
 from kvfabric.format.errors import BadRequest, KvfError, NotFound, Unavailable
@@ -131,7 +138,8 @@ def copy_writer_id(target: str) -> str:
 
 
 # Ended hints' leases are given back off the ticker, this many requests at once; at `stop` for
-# at most `RELEASE_STOP_S` (a release lost expires on its own: TTL <= the hint's deadline).
+# at most `RELEASE_STOP_S` (a release lost expires on its own: TTL <= the hint's deadline). Live
+# hints' leases are renewed the same way, this many requests at once too.
 RELEASES_AT_ONCE: Final = 16
 # One tenant's hints resolved at once: at most resolving_max // this (at least one)
 RESOLVING_TENANT_SHARE_DIVISOR: Final = 4
@@ -183,8 +191,10 @@ class PrefetchShell:
         # during the lookup found no live hint and was lost, the hint then holding its share,
         # copy slots and leases to its deadline (review, stop 70)
         self._resolving_names: dict[tuple[str, str], bool] = {}
-        # (tenant, hint id) -> the read leases protecting its sources: (shard, lease id), one per shard
-        self._leases: dict[tuple[str, str], list[tuple[int, int]]] = {}
+        # The read leases protecting hints' sources, and when each is renewed (pure); `_leases` is
+        # its (tenant, hint id) -> [(shard, lease id)], one per shard, as granted
+        self._keeper = HintLeases(LeaseKeeping(lease_ttl_ms=LEASE_TTL_MS_MAX))
+        self._leases: dict[tuple[str, str], list[tuple[int, int]]] = self._keeper.held
         # (domain digest, chain hash) -> (monotonic ms shown, its objects): hot reads without a
         # show_group per `accessed` event (at most GROUP_CACHE_MAX, insertion order = oldest first)
         self._groups: dict[tuple[bytes, bytes], tuple[int, _GroupObjects]] = {}
@@ -196,6 +206,8 @@ class PrefetchShell:
         self._copies: set[asyncio.Task[None]] = set()
         self._to_release: list[tuple[int, int]] = []  # ended hints' leases, given back by ...
         self._releasing: asyncio.Task[None] | None = None  # ... this task (`_release_ended`)
+        self._to_renew: list[RenewLease] = []  # live hints' leases due, renewed by ...
+        self._renewing: asyncio.Task[None] | None = None  # ... this task (`_renew_due`)
         self._log = get_logger("kvfabric.prefetch")
         self.busy_resolving = 0
         self.busy_tenant_resolving = 0  # refused: the tenant's share of the resolving slots in use
@@ -228,11 +240,12 @@ class PrefetchShell:
 
     async def stop(self) -> None:
         await self._driver.stop()
-        for task in [*self._tasks, *self._copies]:
+        renewing = [self._renewing] if self._renewing is not None else []
+        for task in [*self._tasks, *self._copies, *renewing]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._copies, return_exceptions=True)
-        for named in list(self._leases):
-            self._to_release.extend(self._leases.pop(named))
+        await asyncio.gather(*self._tasks, *self._copies, *renewing, return_exceptions=True)
+        self._to_renew.clear()
+        self._to_release.extend(self._keeper.take_all())
         if self._releasing is None or self._releasing.done():
             self._releasing = asyncio.create_task(self._drain_releases())
         with contextlib.suppress(TimeoutError):  # within a deadline: the rest expire on their own
@@ -285,7 +298,9 @@ class PrefetchShell:
         ttl = min(LEASE_TTL_MS_MAX, hint.deadline_ms - now)
         if ttl <= 0:
             return p.HintReply(hint_id=hint.hint_id, status="refused", reason="deadline_passed")
-        hit_chunks, found, leases = await self._lookup(hint, ttl)
+        hit_chunks, found, leases, expires_ms = await self._lookup(hint, ttl)
+        # held until then at least (asked before the lookup; the directory's, if it says earlier)
+        held_until = min(now + ttl, expires_ms) if expires_ms else now + ttl
         by_chunk = {chunk_index_in_id(GroupId(g)): GroupId(g) for g in hint.groups[:hit_chunks]}
         objects = tuple(
             HintObject(
@@ -308,14 +323,14 @@ class PrefetchShell:
         named = (hint.tenant, hint.hint_id)
         if isinstance(result, Accepted) and result.objects_queued:
             # Accepted: any earlier hint of this name has ended, its leases not yet collected
-            self._to_release.extend(self._leases.pop(named, []))
-            self._leases[named] = leases
+            self._to_release.extend(self._keeper.take(named))
+            self._keeper.keep(named, leases, held_until, self._now())
         elif isinstance(result, Deduped) and self.core.has_hint(hint.hint_id, hint.tenant):
             # Joined a live hint under this name (or a retry of it): its leases stay until this
             # name ends, so the hint holds leases while any of its names is live. They went back
             # at once, and a cancel of the first name then gave back the only leases the hint
             # still copied under (review, 2026-12-06).
-            self._leases.setdefault(named, []).extend(leases)
+            self._keeper.keep(named, leases, held_until, self._now())
         else:
             await self._release_leases(leases)
         if isinstance(result, Accepted):
@@ -328,13 +343,14 @@ class PrefetchShell:
 
     async def _lookup(
         self, hint: p.PrefetchHint, ttl_ms: int
-    ) -> tuple[int, list[m.ObjectLocation], list[tuple[int, int]]]:
+    ) -> tuple[int, list[m.ObjectLocation], list[tuple[int, int]], int]:
         """The hint's prefix looked up on every shard holding some of its chunks, one request per
         leading instance, merged as the client merges its own lookup
         (`kvfabric.cluster.lookups.lookup_prefix`): (the hit, i.e. the first chunk any shard
         misses, a failing shard missing from its first chunk; the objects found; the (shard,
-        lease id) kept: shards with a chunk inside the hit). The other leases are given back at
-        once; the first failure is raised only when nothing hit (every lease given back)."""
+        lease id) kept: shards with a chunk inside the hit; the earliest expiry the directory gave
+        them, 0 if none). The other leases are given back at once; the first failure is raised
+        only when nothing hit (every lease given back)."""
         hit = await lookup_prefix(
             self._dir(),
             hint.groups,
@@ -349,7 +365,7 @@ class PrefetchShell:
             # prefix look twice as read (hot replicas, eviction frequency; review, stop 70)
             count_hits=False,
         )
-        return hit.hit_chunks, hit.objects, hit.leases
+        return hit.hit_chunks, hit.objects, hit.leases, hit.expires_ms
 
     async def _on_cancel(self, message: p.CancelHint, headers: Mapping[str, str]) -> msgspec.Struct:
         if self.core.cancel_hint(message.hint_id, message.tenant or None):
@@ -376,7 +392,7 @@ class PrefetchShell:
             "copies_in_flight": core.copies_in_flight,
             "objects_queued": core.objects_queued,
             "hint_ids_live": core.hint_ids_live,
-            "leases_held": sum(len(leases) for leases in dict(self._leases).values()),
+            "leases_held": self._keeper.leases_held,
             "busy_resolving": self.busy_resolving,
             "busy_tenant_resolving": self.busy_tenant_resolving,
             "busy_before_lookup": self.busy_before_lookup,
@@ -384,7 +400,7 @@ class PrefetchShell:
             "groups_known": self.groups_known,
             "groups_remembered": len(self._groups),
         }
-        return p.PrefetchStatus(gauges=gauges, counters=dict(core.counters))
+        return p.PrefetchStatus(gauges=gauges, counters={**core.counters, **self._keeper.counters})
 
     # ---- copies ------------------------------------------------------------------------------
 
@@ -403,11 +419,51 @@ class PrefetchShell:
         """After each `Tick`: the leases of hints that ended (completed, cancelled, expired or
         failed) are given back by a background task, never awaited here. Released one request
         at a time on the ticker, 10 ended hints under a hung leader held it for their timeouts:
-        1 tick in 5 s instead of ~250, no copy started, no hint expired (review, 2026-12-06)."""
+        1 tick in 5 s instead of ~250, no copy started, no hint expired (review, 2026-12-06).
+        Then the live hints' leases due are renewed (`_renew_due`)."""
         for named in [n for n in self._leases if not self.core.has_hint(n[1], n[0])]:
-            self._to_release.extend(self._leases.pop(named))
+            self._to_release.extend(self._keeper.take(named))
         if self._to_release and (self._releasing is None or self._releasing.done()):
             self._releasing = asyncio.create_task(self._drain_releases())
+        self._renew_due()
+
+    def _renew_due(self) -> None:
+        """The leases `HintLeases` says are due (a third of their TTL left, their hint's deadline
+        later) are renewed by a background task, `RELEASES_AT_ONCE` requests at a time."""
+        self._to_renew.extend(self._keeper.due(self._now(), self._hint_deadline))
+        if self._to_renew and (self._renewing is None or self._renewing.done()):
+            self._renewing = asyncio.create_task(self._drain_renewals())
+
+    def _hint_deadline(self, named: tuple[str, str]) -> int | None:
+        return self.core.hint_deadline(named[1], named[0])
+
+    async def _drain_renewals(self) -> None:
+        while self._to_renew:
+            batch = self._to_renew[:RELEASES_AT_ONCE]
+            del self._to_renew[:RELEASES_AT_ONCE]
+            await asyncio.gather(*(self._renew(renewal) for renewal in batch))
+
+    async def _renew(self, renewal: RenewLease) -> None:
+        """One `lease_renew`, its answer told to `HintLeases` (never raises: a renewal left
+        RENEWING would never be renewed again, nor found lapsed)."""
+        if self._keeper.expires_ms(renewal.lease) is None:
+            return  # its hint ended while it waited: given back, not renewed
+        request = m.LeaseRenew(
+            holder_id=self.holder_id,
+            lease_id=renewal.lease_id,
+            lease_ttl_ms=renewal.ttl_ms,
+            shard=renewal.shard,
+        )
+        try:
+            reply = await self._directory(renewal.shard, "lease_renew", request)
+        except NotFound:  # expired or dropped at the directory (a new leader, say)
+            self._keeper.renew_failed(renewal.lease, lost=True, now_ms=self._now())
+        except Exception as exc:  # retried after a while, before its expiry
+            self._log.info("lease_renew_failed", shard=renewal.shard, error=getattr(exc, "code", repr(exc)))
+            self._keeper.renew_failed(renewal.lease, lost=False, now_ms=self._now())
+        else:
+            expires_ms = reply.expires_ms if isinstance(reply, m.LeaseReply) else 0
+            self._keeper.renewed(renewal.lease, expires_ms, self._now())
 
     async def _drain_releases(self) -> None:
         """Give back `_to_release`, `RELEASES_AT_ONCE` requests at a time, until it is empty."""

@@ -1,0 +1,152 @@
+"""The read leases of prefetch hints are renewed until the hint's deadline, and a hint's deadline
+is bounded (known defect "Prefetch: leases of a hint are not renewed past 30 s": a hint's lookup
+took leases of at most 30 s, nothing renewed them, and a hint sent 2 minutes ahead had its
+sources unprotected for 90 s while the service still counted the leases as held)."""
+
+from __future__ import annotations
+
+import random
+
+from kvfabric.core.prefetch import Hint, HintObject, PrefetchConfig, PrefetchCore
+from kvfabric.core.prefetch_leases import HintLeases, LeaseKeeping, RenewLease
+
+NAMED = ("t", "h1")
+LEASE = (3, 7)
+
+
+def keeper_with_one_lease(expires_ms: int = 30_000) -> HintLeases:
+    keeper = HintLeases(LeaseKeeping(lease_ttl_ms=30_000, renew_margin_ms=10_000, retry_ms=1_000))
+    keeper.keep(NAMED, [LEASE], expires_ms, now_ms=0)
+    keeper.check_invariants()
+    return keeper
+
+
+def test_a_lease_is_renewed_before_it_expires_until_its_hints_deadline() -> None:
+    keeper = keeper_with_one_lease()
+    deadline = 120_000
+    directory_expiry = 30_000  # the directory's view of the lease
+    renewals: list[tuple[int, RenewLease]] = []
+    for now in range(0, deadline + 1, 100):
+        assert now < directory_expiry or now >= deadline  # never lapsed while the hint lived
+        for renewal in keeper.due(now, lambda named: deadline):
+            assert renewal.lease == LEASE and renewal.named == NAMED
+            renewals.append((now, renewal))
+            directory_expiry = max(directory_expiry, now + renewal.ttl_ms)
+            keeper.renewed(renewal.lease, directory_expiry, now)
+        keeper.check_invariants()
+    # 30 s leases renewed with 10 s left; the last one reaches the deadline, not 30 s past it
+    assert [now for now, _ in renewals] == [20_000, 40_000, 60_000, 80_000, 100_000]
+    assert [r.ttl_ms for _, r in renewals] == [30_000, 30_000, 30_000, 30_000, 20_000]
+    assert directory_expiry == deadline
+    assert keeper.counters["lease_renewals_total"] == 5 and keeper.counters["leases_lost_total"] == 0
+
+
+def test_the_last_renewal_stops_at_the_hints_deadline() -> None:
+    keeper = keeper_with_one_lease()
+    (renewal,) = keeper.due(20_000, lambda named: 45_000)
+    assert renewal.ttl_ms == 25_000  # to the deadline, not 30 s past now
+    keeper.renewed(LEASE, 45_000, 20_000)
+    assert keeper.expires_ms(LEASE) == 45_000
+    for now in range(20_000, 45_000, 500):
+        assert keeper.due(now, lambda named: 45_000) == []  # held to the deadline: nothing to renew
+    keeper.check_invariants()
+
+
+def test_a_lease_the_directory_dropped_is_no_longer_held() -> None:
+    keeper = keeper_with_one_lease()
+    (renewal,) = keeper.due(20_000, lambda named: 120_000)
+    keeper.renew_failed(renewal.lease, lost=True, now_ms=20_050)  # not_found: a new leader, say
+    keeper.check_invariants()
+    assert keeper.held == {} and keeper.leases_held == 0
+    assert keeper.counters["leases_lost_total"] == 1
+    assert keeper.take(NAMED) == []  # nothing to give back at the hint's end
+
+
+def test_a_failed_renewal_is_retried_after_a_while_and_the_lease_lapses_at_its_expiry() -> None:
+    keeper = keeper_with_one_lease()
+    asked = []
+    for now in range(20_000, 31_000, 100):
+        for renewal in keeper.due(now, lambda named: 120_000):
+            asked.append(now)
+            keeper.renew_failed(renewal.lease, lost=False, now_ms=now)  # timed out
+        keeper.check_invariants()
+    assert asked == list(range(20_000, 30_000, 1_000))  # once a second, never past its expiry
+    assert keeper.counters["lease_renew_failed_total"] == 10
+    assert keeper.leases_held == 0 and keeper.counters["leases_lost_total"] == 1  # lapsed at 30 s
+
+
+def test_a_renewal_the_directory_refuses_is_not_sent_again() -> None:
+    """The directory answers a renewal of a lease holding a lost group with its old expiry."""
+    keeper = keeper_with_one_lease()
+    (renewal,) = keeper.due(20_000, lambda named: 120_000)
+    keeper.renewed(renewal.lease, 30_000, 20_010)  # not extended
+    assert keeper.counters["lease_renew_refused_total"] == 1
+    for now in range(20_010, 30_000, 100):
+        assert keeper.due(now, lambda named: 120_000) == []
+    assert keeper.leases_held == 1
+    assert keeper.due(30_000, lambda named: 120_000) == [] and keeper.leases_held == 0  # lapsed
+    keeper.check_invariants()
+
+
+def test_an_ended_hints_leases_are_taken_and_never_renewed() -> None:
+    keeper = keeper_with_one_lease()
+    assert keeper.take(NAMED) == [LEASE] and keeper.held == {}
+    assert keeper.due(25_000, lambda named: 120_000) == []
+    keeper.renewed(LEASE, 55_000, 25_000)  # a late answer for a lease given back: ignored
+    keeper.check_invariants()
+    assert keeper.leases_held == 0
+
+
+def test_a_lease_whose_hints_deadline_moves_later_is_renewed() -> None:
+    """A hint id deduplicated into a live hint makes its deadline the later one."""
+    keeper = keeper_with_one_lease()
+    deadline = {"ms": 30_000}
+    assert keeper.due(25_000, lambda named: deadline["ms"]) == []  # held to the deadline already
+    deadline["ms"] = 90_000
+    (renewal,) = keeper.due(26_000, lambda named: deadline["ms"])  # looked at again within 1 s
+    assert renewal.ttl_ms == 30_000
+    keeper.check_invariants()
+
+
+def test_renewals_are_sorted_by_shard_and_the_heap_stays_bounded() -> None:
+    keeper = HintLeases()
+    rng = random.Random(5)
+    for i in range(200):
+        keeper.keep(("t", f"h{i}"), [(rng.randrange(8), 1000 + i)], 30_000 + rng.randrange(5_000), 0)
+    for now in range(0, 200_000, 250):
+        due = keeper.due(now, lambda named: 150_000 if int(named[1][1:]) % 2 else 60_000)
+        assert [r.lease for r in due] == sorted(r.lease for r in due)
+        for renewal in due:
+            if rng.random() < 0.2:
+                keeper.renew_failed(renewal.lease, lost=rng.random() < 0.1, now_ms=now)
+            else:
+                keeper.renewed(renewal.lease, now + renewal.ttl_ms, now)
+        if now % 10_000 == 0:
+            for i in rng.sample(range(200), 5):
+                keeper.take(("t", f"h{i}"))
+        keeper.check_invariants()
+        for leases in keeper.held.values():
+            for lease in leases:  # held means held at the directory
+                expires = keeper.expires_ms(lease)
+                assert expires is not None and now < expires
+
+
+def hint(deadline_ms: int, hint_id: str = "h1") -> Hint:
+    return Hint(hint_id, "t", "target", (HintObject("o1", 10, ("s1",)),), deadline_ms)
+
+
+def test_a_hints_deadline_is_cut_to_the_hold_maximum() -> None:
+    core = PrefetchCore(PrefetchConfig(hint_hold_ms_max=300_000, copies_in_flight_max=1))
+    now = 1_000_000
+    core.add_hint(hint(now + 3_600_000), now)  # an hour ahead: its leases renewed for an hour
+    assert core.hint_deadline("h1", "t") == now + 300_000
+    assert core.counters["hints_deadline_capped_total"] == 1
+    core.add_hint(hint(now + 7_200_000, "h2"), now + 10_000)  # joins it: still bounded
+    assert core.hint_deadline("h2", "t") == now + 310_000
+    assert core.hint_deadline("nope", "t") is None
+    core.check_invariants()
+    core.tick(now + 310_000)
+    assert core.hint_deadline("h1", "t") is None and core.counters["hints_expired_total"] == 1
+    core.add_hint(hint(now + 400_000, "h3"), now + 310_000)  # within the bound: kept as sent
+    assert core.hint_deadline("h3", "t") == now + 400_000
+    assert core.counters["hints_deadline_capped_total"] == 2

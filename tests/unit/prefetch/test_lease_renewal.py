@@ -1,0 +1,156 @@
+"""The prefetch service renews the read leases of a hint that lives past one lease TTL (30 s),
+each at the shard that granted it, never past the hint's deadline; a lease the directory dropped
+is no longer counted as held; a hint's deadline is bounded (known defect "Prefetch: leases of a
+hint are not renewed past 30 s": the leases expired at the directory 30 s after the lookup, the
+hint's sources could be evicted before they were copied, and `leases_held` still counted them)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvfabric.core.prefetch_events import Tick
+from kvfabric.format.errors import NotFound
+from kvfabric.prefetch import shell as shell_module
+from kvfabric.prefetch.shell import PrefetchShell
+from kvfabric.proto import directory as m
+from kvfabric.proto import prefetch as p
+from kvfabric.proto.shards import shard_of
+from tests.unit.prefetch.test_shell_shards import NOW, SHARDS, FakeRouter, location, make_shell, spread_prefix
+
+
+class Directory:
+    """A fake directory's leases: granted by lookups, renewed, released and expired by the time
+    `clock` says (a renewal of an expired or unknown lease is `not_found`, as in the core)."""
+
+    def __init__(self, clock: dict[str, int], *, renew_lost: bool = False) -> None:
+        self.clock = clock
+        self.renew_lost = renew_lost
+        self.expiry: dict[tuple[int, int], int] = {}  # (shard, lease id) -> expires_ms
+        self.renewals: list[tuple[int, m.LeaseRenew]] = []
+        self.released: list[tuple[int, int]] = []
+        self._ids = itertools.count(100)
+
+    def answer(self, shard: int, verb: str, message: msgspec.Struct) -> Any:
+        now = self.clock["ms"]
+        if verb == "lookup":
+            assert isinstance(message, m.Lookup)
+            lease_id = next(self._ids)
+            self.expiry[(shard, lease_id)] = now + message.lease_ttl_ms
+            return m.LookupReply(
+                epoch=1,
+                hit_chunks=len(message.groups),
+                lease_id=lease_id,
+                lease_expires_ms=now + message.lease_ttl_ms,
+                objects=[location(g) for g in message.groups],
+            )
+        if verb == "lease_renew":
+            assert isinstance(message, m.LeaseRenew) and message.shard == shard
+            self.renewals.append((now, message))
+            lease = (shard, message.lease_id)
+            if self.renew_lost or self.expiry.get(lease, 0) <= now:
+                return NotFound(f"no lease {message.lease_id}")
+            assert 0 < message.lease_ttl_ms <= shell_module.LEASE_TTL_MS_MAX
+            self.expiry[lease] = max(self.expiry[lease], now + message.lease_ttl_ms)
+            return m.LeaseReply(epoch=1, lease_id=message.lease_id, expires_ms=self.expiry[lease])
+        assert verb == "lease_release" and isinstance(message, m.LeaseRelease)
+        self.released.append((shard, message.lease_id))
+        self.expiry.pop((shard, message.lease_id), None)
+        return m.LeaseReply(epoch=1, lease_id=message.lease_id, expires_ms=0)
+
+
+async def after_tick(shell: PrefetchShell) -> None:
+    """What the ticker does: a `Tick`, then the ended hints' releases and the renewals due, here
+    awaited (the service leaves them to their background tasks)."""
+    await shell._driver.feed(Tick())
+    await shell._release_ended()
+    for task in (getattr(shell, "_renewing", None), shell._releasing):
+        if task is not None:
+            await task
+
+
+def setup(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> tuple[dict[str, int], Directory, PrefetchShell]:
+    clock = {"ms": NOW}
+    monkeypatch.setattr(shell_module, "now_ms", lambda: clock["ms"])
+    directory = Directory(clock, **kwargs)
+    return clock, directory, make_shell(FakeRouter(directory.answer))
+
+
+def hint(deadline_ms: int) -> p.PrefetchHint:
+    return p.PrefetchHint(
+        hint_id="h1", tenant="t", groups=spread_prefix(), target_segment="s2", deadline_ms=deadline_ms
+    )
+
+
+def test_a_hints_leases_are_renewed_past_30_s_until_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, directory, shell = setup(monkeypatch)
+    deadline = NOW + 120_000  # two minutes ahead: four lease TTLs
+
+    async def scenario() -> list[tuple[int, int]]:
+        reply = await shell._add(hint(deadline))
+        assert reply.status == "accepted" and reply.objects_queued > 0  # no copies run: it stays
+        kept = list(shell._leases[("t", "h1")])
+        assert len({s for s, _ in kept}) > 1  # one lease per shard of the prefix
+        while clock["ms"] < deadline:
+            clock["ms"] += 500
+            await after_tick(shell)
+            if clock["ms"] < deadline:  # every lease still held at the directory, and counted
+                assert all(directory.expiry[lease] > clock["ms"] for lease in kept)
+                assert shell.status().gauges["leases_held"] == len(kept)
+        # expired at its deadline: every lease given back
+        assert sorted(directory.released) == sorted(kept) and not shell._leases
+        return kept
+
+    kept = asyncio.run(scenario())
+    renewed = {(r.shard, r.lease_id) for _, r in directory.renewals}  # each at its own shard
+    assert renewed == set(kept)
+    assert all(r.lease_ttl_ms <= 30_000 for _, r in directory.renewals)
+    assert all(now + r.lease_ttl_ms <= deadline for now, r in directory.renewals)  # never past it
+    per_lease = len(directory.renewals) / len(renewed)
+    assert 4 <= per_lease <= 6  # one per 20 s of the hint's life, not one per tick
+    counters = shell.status().counters
+    assert counters["lease_renewals_total"] == len(directory.renewals) and counters["leases_lost_total"] == 0
+
+
+def test_a_lease_the_directory_dropped_is_not_counted_as_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, directory, shell = setup(monkeypatch, renew_lost=True)  # e.g. a new leader forgot them
+
+    async def scenario() -> None:
+        reply = await shell._add(hint(NOW + 120_000))
+        assert reply.status == "accepted"
+        held = shell.status().gauges["leases_held"]
+        assert held > 1
+        clock["ms"] += 21_000
+        await after_tick(shell)
+        assert len(directory.renewals) == held
+        assert shell.status().gauges["leases_held"] == 0  # it counted leases the directory dropped
+        assert shell.status().counters["leases_lost_total"] == held
+        assert shell.core.has_hint("h1", "t")  # the hint goes on (best effort)
+        assert shell.core.cancel_hint("h1", "t")
+        await after_tick(shell)
+        assert directory.released == []  # nothing left to give back
+
+    asyncio.run(scenario())
+
+
+def test_a_hint_days_ahead_is_held_at_most_the_hold_maximum(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, directory, shell = setup(monkeypatch)
+
+    async def scenario() -> None:
+        reply = await shell._add(hint(NOW + 86_400_000))
+        assert reply.status == "accepted"
+        hold = shell.core.config.hint_hold_ms_max
+        assert shell.core.hint_deadline("h1", "t") == NOW + hold == NOW + 300_000
+        assert shell.status().counters["hints_deadline_capped_total"] == 1
+        while shell.core.has_hint("h1", "t"):
+            clock["ms"] += 1_000
+            await after_tick(shell)
+        assert clock["ms"] == NOW + hold and not shell._leases
+        assert {s for s, _ in directory.released} == {shard_of(g, SHARDS) for g in spread_prefix()}
+
+    asyncio.run(scenario())
+    assert all(now + r.lease_ttl_ms <= NOW + 300_000 for now, r in directory.renewals)
