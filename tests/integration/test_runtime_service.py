@@ -304,14 +304,19 @@ async def test_client_undecodable_reply_is_indeterminate(nats_client: NatsClient
 
 
 async def test_a_service_takes_a_nats_clusters_servers_as_a_comma_list(
-    nats_server: NatsServer, nats_client: NatsClient
+    nats_server: NatsServer, nats_client: NatsClient, json_logs: LogRecords
 ) -> None:
     """`KVF_NATS_URL` may name several servers of one NATS cluster; one of them down, the service
-    connects through another (a comma list was one malformed URL to nats-py: stop 70's list)."""
-    down = f"nats://127.0.0.1:{free_port()}"
-    runtime = make_runtime(nats_server, nats_url=f"{down},{nats_server.url}", nats_reconnect_attempts_max=3)
+    connects through another (a comma list was one malformed URL to nats-py: stop 70's list). A
+    password in the URLs is in no log line (`service_started` printed it; review, stop 71)."""
+    down = f"nats://kvf:s3cret-pw@127.0.0.1:{free_port()}"
+    listed = nats_server.url.replace("nats://", "nats://kvf:s3cret-pw@")
+    runtime = make_runtime(nats_server, nats_url=f"{down},{listed}", nats_reconnect_attempts_max=3)
     await asyncio.wait_for(runtime.start(), TIMEOUT_S)
     try:
         assert (await say(nats_client, "listed")).text == "listed"
     finally:
         await asyncio.wait_for(runtime.stop(), TIMEOUT_S)
+    records = json_logs()
+    assert any(r["event"] == "service_started" for r in records)
+    assert [r for r in records if "s3cret-pw" in repr(r)] == []

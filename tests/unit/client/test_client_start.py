@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats.aio.client
 import pytest
 
 from kvfabric.client import ClientSettings, KvClient, settings_from_env
@@ -271,6 +272,34 @@ def test_a_comma_list_of_servers_connects_through_one_that_answers(
             assert took_s < CONNECT_TIMEOUT_MS / 1000 + SLACK_S
         finally:
             kv.close()
+
+
+@pytest.mark.parametrize("fake_nats", ["ok"], indirect=True)
+@pytest.mark.parametrize("first", ["nats://no-such-host.invalid:4222", "frozen"])
+def test_a_listed_server_unresolvable_or_silent_leaves_the_next_one_its_turn(
+    fake_nats: FakeNats, first: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review, stop 71: the first server tried (nats-py shuffles; kept in order here) whose name
+    does not resolve ended the start as a setting error, and one that accepts and never answers
+    took the whole `connect_timeout_ms`: either way the client was disabled for the engine's
+    life while the next server was up."""
+    monkeypatch.setattr(nats.aio.client, "shuffle", lambda servers: None)
+    caplog.set_level(logging.INFO)
+    frozen = FakeNats("frozen")
+    thread = threading.Thread(target=frozen.serve_forever, daemon=True)
+    thread.start()
+    try:
+        head = frozen.url if first == "frozen" else first
+        kv, took_s = start(ClientSettings(nats_url=f"{head},{fake_nats.url}", connect_timeout_ms=2000))
+        try:
+            assert kv.status == ClientStatus("enabled"), kv.status
+            assert took_s < 2 + SLACK_S
+        finally:
+            kv.close()
+    finally:
+        frozen.stop.set()
+        frozen.shutdown()
+        frozen.server_close()
 
 
 @pytest.mark.parametrize(

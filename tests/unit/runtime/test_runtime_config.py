@@ -130,3 +130,16 @@ def test_an_instance_id_with_a_trailing_newline_is_refused() -> None:
     """`$` also matches before a final newline: `re.match` let "dir0\n" through (stop 68)."""
     with pytest.raises(SettingsError, match="instance_id"):
         RuntimeSettings(instance_id="dir0\n")
+
+
+def test_a_nats_server_list_is_checked_and_printed_without_passwords() -> None:
+    """`KVF_NATS_URL` may list a NATS cluster's servers; a list nats-py would refuse (a websocket
+    URL among others, a scheme it does not speak) is a setting error at start, its message without
+    the URL's password (it was reported `Unavailable` when connecting, and the service restarted
+    for good; review, stop 71)."""
+    ok = load_settings({}, {"KVF_NATS_URL": "nats://u:pw@a:4222, nats://u:pw@b:4222"})
+    assert ok.nats_url.startswith("nats://u:pw@a")
+    for bad in ("nats://u:secret@a:4222,ws://u:secret@b:4222", "nats://u:secret@a:4222,http://b:1", " "):
+        with pytest.raises(SettingsError, match="nats_url") as refused:
+            load_settings({}, {"KVF_NATS_URL": bad})
+        assert "secret" not in str(refused.value)

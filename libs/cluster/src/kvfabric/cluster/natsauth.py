@@ -32,6 +32,7 @@ __all__ = [
     "is_nats_refusal",
     "nats_auth_from_env",
     "nats_servers",
+    "nats_servers_problem",
     "servers_without_userinfo",
     "url_without_userinfo",
 ]
@@ -73,6 +74,26 @@ def nats_servers(url: str) -> list[str]:
     may use and fail over to (nats-py's server pool). Elements stripped; an empty one stays
     empty for the caller's check to refuse."""
     return [part.strip() for part in _SERVERS_SEPARATOR.split(url)]
+
+
+NATS_URL_SCHEMES: Final = ("nats", "tls", "ws", "wss")
+
+
+def nats_servers_problem(url: str) -> str | None:
+    """What is wrong with a NATS setting (`nats_servers`), None if nothing: an empty element, a
+    scheme nats-py does not speak, two URLs run together, websocket and other URLs mixed (which
+    nats-py refuses when it connects: a setting error, not an unreachable cluster)."""
+    servers = nats_servers(url)
+    for server in servers:
+        scheme, sep, rest = server.partition("://")
+        if not server or (sep and scheme not in NATS_URL_SCHEMES) or "://" in rest:
+            return (
+                f"{url_without_userinfo(server)[0]!r} is not nats://host:port (or tls://, ws://, wss://;"
+                " several servers of one cluster: a comma list of them)"
+            )
+    if len({server.partition("://")[0] in ("ws", "wss") for server in servers if "://" in server}) > 1:
+        return "it mixes websocket and other URLs"
+    return None
 
 
 def servers_without_userinfo(url: str) -> str:

@@ -101,12 +101,15 @@ async def connect(url: str, timeout_s: float) -> AsyncIterator[NatsClient]:
     except (OSError, ValueError) as exc:  # ValueError: not UTF-8
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
         raise BadRequest(f"cannot read {NATS_ENV_PREFIX}PASSWORD_FILE: {reason}") from None
+    servers = nats_servers(url)  # one URL, or a NATS cluster's servers as a comma list
     try:
         connecting = nc.connect(
-            servers=nats_servers(url),  # one URL, or a NATS cluster's servers as a comma list
+            servers=servers,
             **auth.connect_options(),
-            connect_timeout=max(1, int(timeout_s)),
-            allow_reconnect=False,
+            # per server: each gets its share of the time (review, stop 71: a silent first
+            # server took all of it, and without reconnects no other was ever tried)
+            connect_timeout=max(1, int(timeout_s / len(servers))),
+            allow_reconnect=len(servers) > 1,
             # One try: nats-py reads 0 as "no limit" on a first connect and retries a refused
             # port every `reconnect_time_wait` until the deadline (kvctl then waited its whole
             # timeout to say "refused"); with 1 it gives up after a second try, at once.

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
+from kvfabric.cluster.natsauth import nats_servers_problem, servers_without_userinfo
 from kvfabric.format.invariant import invariant
 
 __all__ = [
@@ -102,7 +103,10 @@ class RuntimeSettings:
     nats_reconnect_attempts_max: int = NATS_RECONNECT_ATTEMPTS_MAX_DEFAULT
 
     def __post_init__(self) -> None:
-        _check(bool(self.nats_url.strip()), "nats_url", self.nats_url, "must not be empty")
+        problem = nats_servers_problem(self.nats_url) if self.nats_url.strip() else "must not be empty"
+        # (a setting error, said at start: nats-py's own error was reported `Unavailable` and a
+        # supervisor restarted the service for good; the URL printed without its password)
+        _check(problem is None, "nats_url", servers_without_userinfo(self.nats_url), problem or "")
         _check(
             _INSTANCE_ID.fullmatch(self.instance_id) is not None,
             "instance_id",

@@ -523,7 +523,7 @@ class ServiceRuntime:
             "service_started",
             version=self.version,
             micro_id=self.micro_id,
-            nats_url=self.settings.nats_url,
+            nats_url=servers_without_userinfo(self.settings.nats_url),  # never a password
             metrics_port=self.metrics_port,
             queue_group=self.group,
             subjects=self.subjects,
@@ -658,7 +658,7 @@ class ServiceRuntime:
         self._log.info(
             "nats_connected",
             nats_url=servers_without_userinfo(s.nats_url),
-            server=nc.connected_url.netloc if nc.connected_url else None,
+            server=_server_of(nc),
         )
         return nc
 
@@ -1031,8 +1031,7 @@ class ServiceRuntime:
 
     async def _on_nats_reconnected(self) -> None:
         nc = self._nc
-        server = nc.connected_url.netloc if nc is not None and nc.connected_url is not None else None
-        self._log.info("nats_reconnected", server=server)
+        self._log.info("nats_reconnected", server=_server_of(nc) if nc is not None else None)
 
     async def _on_nats_closed(self) -> None:
         if self._state is not RuntimeState.RUNNING:
@@ -1206,3 +1205,10 @@ class ServiceRuntime:
         server, self._metrics_server = self._metrics_server, None
         if server is not None:
             await asyncio.to_thread(server.stop)
+
+
+def _server_of(nc: NatsClient) -> str | None:
+    """The server `nc` is connected to, as host:port for a log line: its URL's netloc held the
+    URL's user and password (review, stop 71)."""
+    url = nc.connected_url
+    return None if url is None else f"{url.hostname}:{url.port}"
