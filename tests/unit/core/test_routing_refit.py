@@ -232,20 +232,24 @@ def test_failover_is_not_observed() -> None:
     assert len(c.refit.window) == 1
 
 
-def test_an_unkeyed_prompt_is_not_observed() -> None:
-    """A text or chat prompt (no keys: its tokens guessed from its characters, nothing known
-    cached) taught the refit a cost for inputs that were not its own (stop 70's list)."""
+def test_a_prompt_whose_token_count_is_a_guess_is_not_observed() -> None:
+    """A text or chat prompt (its tokens guessed from its characters, nothing known cached)
+    taught the refit a cost for inputs that were not its own (stop 70's list). Token ids shorter
+    than a chunk (no keys, an exact count) still are observations."""
     c = refit_core()
     assert c.refit is not None
-    d = c.route("text", "t", [], 1200, 0)
+    d = c.route("text", "t", [], 1200, 0, tokens_guessed=True)
     assert isinstance(d, Decision)
     c.first_token("text", 0.02, 1)
     assert not c.refit.window
     c.finished("text")
-    keyed = c.route("ids", "t", KEYS, len(PROMPT), 2)
+    short = c.route("short", "t", [], 10, 2)
+    assert isinstance(short, Decision)
+    c.first_token("short", 0.05, 3)
+    keyed = c.route("ids", "t", KEYS, len(PROMPT), 4)
     assert isinstance(keyed, Decision)
-    c.first_token("ids", 0.3, 3)
-    assert len(c.refit.window) == 1
+    c.first_token("ids", 0.3, 5)
+    assert len(c.refit.window) == 2
 
 
 def test_a_presumed_prefill_leaves_the_queue_and_is_no_first_token() -> None:

@@ -124,7 +124,7 @@ def test_a_tenant_at_its_share_is_refused_before_its_body_is_read() -> None:
     proxy = _proxy()
     proxy.core._tenants["default"] = proxy.core.config.tenant_inflight_max
     keyed: list[object] = []
-    proxy._keys = lambda body: keyed.append(body) or ([], 1)  # type: ignore[method-assign,func-returns-value]
+    proxy._keys = lambda body: keyed.append(body) or ([], 1, True)  # type: ignore[method-assign,func-returns-value]
     sent = asyncio.run(_call(proxy, disconnect_at_once=False))
     assert sent[0]["status"] == 429 and not keyed
     assert json.loads(sent[1]["body"])["error"]["message"] == "tenant_inflight_max"
@@ -134,8 +134,8 @@ def test_a_tenant_at_its_share_is_refused_before_its_body_is_read() -> None:
 def test_only_a_long_prompts_head_is_keyed() -> None:
     proxy = _proxy()
     long = [7] * (proxy_module.KEYED_TOKENS_MAX + 5000)
-    keys, tokens = proxy._keys(routed({"prompt": long}))
-    head_keys, _ = proxy._keys(routed({"prompt": long[: proxy_module.KEYED_TOKENS_MAX]}))
+    keys, tokens, _ = proxy._keys(routed({"prompt": long}))
+    head_keys, _, _ = proxy._keys(routed({"prompt": long[: proxy_module.KEYED_TOKENS_MAX]}))
     assert tokens == len(long) and keys == head_keys and keys
 
 
@@ -154,10 +154,12 @@ def test_a_body_is_read_for_what_routing_needs_and_stream_must_be_a_boolean() ->
     assert proxy._keys(junk) == proxy._keys(routed({"prompt": list(range(1000))}))
     assert proxy._keys(junk)[1] == 1000 and proxy._keys(junk)[0]
     assert proxy._keys(routed({"prompt": "some text to complete"}))[0] == []
+    assert proxy._keys(routed({"prompt": "some text to complete"}))[2]  # its count is a guess
+    assert proxy._keys(routed({"prompt": [1, 2, 3]})) == ([], 3, False)  # shorter than a chunk: exact
     assert proxy._keys(routed({"messages": [{"role": "user", "content": "hi " * 100}]}))[1] > 50
-    assert proxy._keys(routed({"prompt": [[1, 2], [3]]})) == ([], 3)
+    assert proxy._keys(routed({"prompt": [[1, 2], [3]]})) == ([], 3, True)  # several prompts: a guess
     assert proxy._keys(routed({"prompt": None, "messages": "x" * 40}))[1] == 10
-    assert proxy._keys(routed({})) == ([], 1)
+    assert proxy._keys(routed({})) == ([], 1, True)
     assert routed({"stream": True}).stream is True and routed({"stream": False}).stream is False
     for bad in ({"stream": "false"}, {"stream": 0}, [1, 2]):
         with pytest.raises(msgspec.ValidationError):

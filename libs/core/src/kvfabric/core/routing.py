@@ -39,7 +39,7 @@ to load grow (Hypothesis-tested).
 Coefficients: `config.coefficients`, or with `config.refit` set, an online refit of them from
 the realised TTFTs (`kvfabric.core.routing_refit`): each request's chosen inputs and its
 realised TTFT (given with `first_token`; failovers left out: their TTFT holds the failed
-attempt; unkeyed prompts too: their inputs are guesses) are one observation;
+attempt; text and chat prompts too: their token counts are guesses) are one observation;
 `coefficients_at(now_ms)` is what every estimate uses. The refit keeps every coefficient within
 bounds that are never negative, so the estimate stays monotone.
 
@@ -502,9 +502,12 @@ class RoutingCore:
         *,
         exclude: Iterable[str] = (),
         admit: bool = True,
+        tokens_guessed: bool = False,
     ) -> Decision | Refused:
         """Choose an instance; with `admit`, the request is in flight on it until `finished` or
-        `failed`. `admit=False` only answers (the `route` endpoint for other proxies)."""
+        `failed`. `admit=False` only answers (the `route` endpoint for other proxies).
+        `tokens_guessed`: `prompt_tokens` is a guess (a text or chat prompt: no tokenizer in
+        the router), so its TTFT is no refit observation."""
         cfg = self.config
         if admit:
             invariant(request_id not in self._requests, "a request is routed once at a time", id=request_id)
@@ -533,10 +536,10 @@ class RoutingCore:
                 chosen.instance_id,
                 tuple(keys[: self.usable_chunks(keys, prompt_tokens)]),
                 compute,
-                # An unkeyed prompt (text, chat: no tokenizer in the router) has a token count
-                # guessed from its characters and no cached tokens known: its TTFT would teach
-                # the refit a cost for inputs that were never its own (stop 70's list).
-                None if failover or not keys else chosen.inputs,
+                # A text or chat prompt (no tokenizer in the router) has a token count guessed
+                # from its characters and no cached tokens known: its TTFT would teach the refit
+                # a cost for inputs that were never its own (stop 70's list).
+                None if failover or tokens_guessed else chosen.inputs,
             )
             self._tenants[tenant] = self._tenants.get(tenant, 0) + 1
             inst.queue += 1

@@ -63,6 +63,7 @@ class Route:
     prompt_tokens: int
     exclude: tuple[str, ...] = ()
     admit: bool = True
+    tokens_guessed: bool = False  # `prompt_tokens` is a guess (a text prompt): no refit observation
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +150,7 @@ def dispatch(core: RoutingCore, event: RoutingEvent, now_ms: int) -> list[Routin
             now_ms,
             exclude=event.exclude,
             admit=event.admit,
+            tokens_guessed=event.tokens_guessed,
         )
         return [Reply(decision)]
     if isinstance(event, Failed):

@@ -292,25 +292,27 @@ class Proxy:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def _keys(self, body: _RoutedFields) -> tuple[list[bytes], int]:
+    def _keys(self, body: _RoutedFields) -> tuple[list[bytes], int, bool]:
         """The chunk keys of the prompt's first `KEYED_TOKENS_MAX` tokens (what the index can
         tell about a longer one is its prefix's: 1.5 M tokens cost ~0.14 s of the loop to check
-        and key; review, 2026-12-06), and its token count. A prompt that is no list of token ids
-        (text, several prompts, chat messages) is keyed by nothing and counted by its length."""
+        and key; review, 2026-12-06), its token count, and whether that count is a guess. A
+        prompt that is no list of token ids (text, several prompts, chat messages) is keyed by
+        nothing and counted by its length (a guess: no refit observation); token ids shorter
+        than a chunk have no keys but an exact count."""
         prompt = bytes(body.prompt if len(body.prompt) and bytes(body.prompt) != b"null" else body.messages)
         if not prompt or prompt == b"null":
-            return [], 1
+            return [], 1, True
         try:
             ids = _token_ids.decode(prompt)
         except msgspec.ValidationError:  # not token ids: estimated from its length
-            return [], max(1, len(prompt) // 4)
+            return [], max(1, len(prompt) // 4), True
         if not ids:
-            return [], 1
+            return [], 1, True
         ks = self.settings.keyspace
         try:
-            return prompt_keys(ks.domain, ks.model, ks.layout, ids[:KEYED_TOKENS_MAX]), len(ids)
+            return prompt_keys(ks.domain, ks.model, ks.layout, ids[:KEYED_TOKENS_MAX]), len(ids), False
         except ValueError:
-            return [], len(ids)
+            return [], len(ids), False
 
     async def completions(self, request: Request) -> Response:
         received = time.monotonic()
@@ -351,7 +353,7 @@ class Proxy:
                 return _error(400, f"body: {exc}", trace_id)
             except msgspec.DecodeError as exc:
                 return _error(400, f"body is not a JSON object: {exc}", trace_id)
-            keys, prompt_tokens = self._keys(body)
+            keys, prompt_tokens, tokens_guessed = self._keys(body)
         except TimeoutError:
             self.metrics.refused("body_timeout")
             return _error(408, f"the body did not arrive within {BODY_READ_TIMEOUT_S:g} s", trace_id)
@@ -376,7 +378,9 @@ class Proxy:
         while True:
             decision = reply_of(
                 await self.driver.feed(
-                    routing_events.Route(rid, tenant, keys, prompt_tokens, exclude=tuple(tried))
+                    routing_events.Route(
+                        rid, tenant, keys, prompt_tokens, exclude=tuple(tried), tokens_guessed=tokens_guessed
+                    )
                 )
             )
             routed_at_ms = self.driver.now_ms()  # the time the route was stepped at (or a ms later)
