@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,7 @@ from kvfabric.dataplane import tcp_client, tcp_wire
 from kvfabric.dataplane.frames import HEADER
 from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
 from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import BadRequest, Indeterminate
 from kvfabric.format.ids import ObjectKey
 from kvfabric.proto.dataplane import ReadRef
 from kvfabric.proto.directory import WriteTicket
@@ -154,3 +156,37 @@ def test_a_stream_cut_after_some_replies_keeps_what_they_say(
         assert receipt is not None
         assert receipt.mac == write_receipt(SECRET, t, receipt.slot, receipt.slot_generation)
     assert pool.staged_puts == (2 if use_shm else 0)
+
+
+def test_a_resend_of_refused_staged_writes_that_fails_keeps_the_first_pass(
+    server: tuple[ArenaBackend, TcpDataServer, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The segment refuses to stage one of four writes (answered with a `staging` detail), and
+    the connection fails while that write is sent again: the three stored in the first pass keep
+    their receipts, only the resent one fails (all four failed; review, stop 71)."""
+    _, tcp, _ = server
+    pool = SegmentPool(connections_per_segment_max=2, timeout_s=5.0, use_shm=True)
+    blobs = [os.urandom(64 << 10) for _ in range(4)]
+    tickets = [ticket(tcp, b, 40 + i) for i, b in enumerate(blobs)]
+    real = TcpDataClient.put_many_partial
+    calls: list[int] = []
+
+    def refuse_one_then_fail(self: TcpDataClient, writes: Any, **kwargs: Any) -> Any:
+        calls.append(len(writes))
+        if len(calls) == 1:  # the staged pass: write 1 refused as a segment refuses staging
+            replies, failure = real(self, writes, **kwargs)
+            replies[1] = BadRequest("cannot open the staging file", staging=True)
+            return replies, failure
+        return [], Indeterminate("data connection failed during pipelined PUTs")
+
+    monkeypatch.setattr(TcpDataClient, "put_many_partial", refuse_one_then_fail)
+    try:
+        outcomes = pool.write_many(
+            [(t, memoryview(b), "trace", 4) for t, b in zip(tickets, blobs, strict=True)], receipt=True
+        )
+    finally:
+        pool.close()
+    assert calls == [4, 1]
+    assert [cause for cause, _ in outcomes] == ["ok", "indeterminate", "ok", "ok"]
+    assert all(receipt is not None for cause, receipt in outcomes if cause == "ok")
+    assert pool.staged_puts == 3

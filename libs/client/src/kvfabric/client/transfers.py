@@ -609,30 +609,30 @@ class SegmentPool:
         if not writes:
             return []
         first = writes[0][0]
-        # The replies read before the connection failed, if it did (`_put_many`): their writes
-        # are settled as they say; only the rest fail with the connection.
-        answered: list[PutReply | KvfError] = []
-        failed: tuple[str, None] | None = None
+        # Per write, its reply (None: unanswered when the connection failed, if it did: those
+        # fail with it; the answered ones stand as answered)
+        replies: list[PutReply | KvfError | None] = [None] * len(writes)
+        failed: tuple[str, None] = ("indeterminate", None)
         try:
             shm_ok = self._shm_ok(first.segment_id)
             with self._connection(first.data_addr, shm_ok, ticket=first, cut_at_s=cut_at_s) as conn:
-                replies = self._put_many(conn, writes, receipt, answered)
+                self._put_many(conn, writes, receipt, replies)
         except KvfError as exc:
-            replies, failed = answered, (exc.code, None)
+            failed = (exc.code, None)
         except TimeoutError:
-            replies, failed = answered, ("timeout", None)
+            failed = ("timeout", None)
         except OSError:
-            replies, failed = answered, ("segment_unreachable", None)
+            failed = ("segment_unreachable", None)
         outcomes: list[tuple[str, WriteReceipt | None]] = []
-        for (ticket, *_), reply in zip(writes, replies, strict=False):
-            if isinstance(reply, KvfError):
+        for (ticket, *_), reply in zip(writes, replies, strict=True):
+            if reply is None:
+                outcomes.append(failed)
+            elif isinstance(reply, KvfError):
                 outcomes.append((reply.code, None))
             elif reply.receipt:
                 outcomes.append((OK, _receipt(ticket, reply)))
             else:
                 outcomes.append((OK if reply.confirmed else "unconfirmed", None))
-        if failed is not None:
-            outcomes += [failed] * (len(writes) - len(outcomes))
         return outcomes
 
     def _put_many(
@@ -640,33 +640,35 @@ class SegmentPool:
         conn: _Connection,
         writes: Sequence[tuple[WriteTicket, memoryview, str, int]],
         receipt: bool,
-        answered: list[PutReply | KvfError],
-    ) -> list[PutReply | KvfError]:
-        """`put_many` on `conn`, staged when `_stage_many` can; the writes a segment refused to
-        stage (`staging` detail) are sent, and so is everything to that segment for a while
-        (`StagingRefusals`). A connection that fails raises (the caller drops it) with the
-        replies read before it in `answered` (`put_many_partial`)."""
+        replies: list[PutReply | KvfError | None],
+    ) -> None:
+        """`put_many` on `conn` into `replies` (one per write, in order), staged when
+        `_stage_many` can; the writes a segment refused to stage (`staging` detail) are sent
+        again, and so is everything to that segment for a while (`StagingRefusals`). A connection
+        that fails raises (the caller drops it), the replies read before it kept, the others
+        None (`put_many_partial`): a resend that failed threw away the first pass's writes that
+        had landed (review, stop 71)."""
         staged = self._stage_many(conn, writes)
-        replies, failure = conn.tcp.put_many_partial(writes, receipt=receipt, staged=staged)
+        got, failure = conn.tcp.put_many_partial(writes, receipt=receipt, staged=staged)
+        replies[: len(got)] = got
+        refused: list[int] = []
+        if staged is not None:
+            self._staged_landed(
+                conn, [s for s, r in zip(staged, got, strict=False) if isinstance(r, PutReply)]
+            )
+            refused = [i for i, r in enumerate(got) if isinstance(r, KvfError) and r.details.get("staging")]
+            if refused:
+                self._refused_staging(writes[0][0], staged[refused[0]])
+                for i in refused:  # not stored: sent again below, or failed with the connection
+                    replies[i] = None
         if failure is not None:
-            answered += replies
-            if staged is not None:
-                self._staged_landed(
-                    conn, [s for s, r in zip(staged, replies, strict=False) if not isinstance(r, KvfError)]
-                )
             raise failure
-        if staged is None:
-            return replies
-        refused = [i for i, r in enumerate(replies) if isinstance(r, KvfError) and r.details.get("staging")]
-        self._staged_landed(
-            conn, [s for s, r in zip(staged, replies, strict=True) if not isinstance(r, KvfError)]
-        )
         if refused:
-            self._refused_staging(writes[0][0], staged[refused[0]])
-            again = conn.tcp.put_many([writes[i] for i in refused], receipt=receipt)
-            for i, reply in zip(refused, again, strict=True):
+            again, failure = conn.tcp.put_many_partial([writes[i] for i in refused], receipt=receipt)
+            for i, reply in zip(refused, again, strict=False):
                 replies[i] = reply
-        return replies
+            if failure is not None:
+                raise failure
 
     def _staged_landed(self, conn: _Connection, landed: Sequence[StagedBytes]) -> None:
         """Count staged writes the segment took, those by reference to save memory apart; the
