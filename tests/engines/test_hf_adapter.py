@@ -336,3 +336,117 @@ def test_a_cache_that_keeps_part_of_the_prompt_is_not_saved(model_dir: Path) -> 
         assert adapter.save_prefix(ids, sliding) is None and saved == []  # not saved, not raised
     finally:
         real_client.close()
+
+
+# The tiny model's chunk object: 4 layers x K, V x 2 KV heads x 64 tokens x head_dim 64 x fp32.
+CHUNK_BYTES = 4 * 2 * 2 * TPC * 64 * 4
+
+
+def test_a_prompt_over_the_save_bound_is_saved_in_parts_and_loads_whole(
+    model_dir: Path, nats_server: NatsServer, cluster: object
+) -> None:
+    """The client admits a save whole: a prompt whose KV was over `save_inflight_bytes_max` was
+    dropped whole (`bytes`) and never stored (a Llama-3-8B bf16 prompt over ~4,096 tokens at the
+    default 512 MiB; review, stop 71). Now it goes as saves of at most half the bound, head
+    first, and a fresh engine loads all of it."""
+    from typing import Any
+
+    ids = prompt_ids(10 * TPC + 17, seed=12)
+    bound: dict[str, Any] = {"save_inflight_bytes_max": 4 * CHUNK_BYTES}  # 10 chunks: 2.5 times the bound
+    first = engine(model_dir, nats_server, **bound)
+    assert first.chunk_bytes == CHUNK_BYTES
+    sent: list[tuple[int, int]] = []
+    real_save_async = first.client.save_async
+
+    def recording(tokens: Any, objects: Any, **kwargs: Any) -> Any:
+        sent.append((kwargs["first_chunk"], len(objects)))
+        assert len(tokens) == (kwargs["first_chunk"] + len(objects)) * TPC
+        return real_save_async(tokens, objects, **kwargs)
+
+    first.client.save_async = recording  # type: ignore[method-assign]
+    try:
+        saved(first, ids)  # every chunk saved, one result for the prompt
+        assert sent == [(0, 2), (2, 2), (4, 2), (6, 2), (8, 2)]  # head first, 2 chunks each
+        slots = first._save_slots
+        assert isinstance(slots, SaveSlots)
+        deadline = time.monotonic() + 5
+        while slots.free() < slots.count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert slots.free() == slots.count
+    finally:
+        first.client.close()
+    second = engine(model_dir, nats_server, **bound)
+    try:
+        result = second.generate(ids, max_new_tokens=NEW_TOKENS, save=False)
+        assert result.loaded_tokens == 10 * TPC and result.token_ids == reference(model_dir, ids)
+    finally:
+        second.client.close()
+
+
+@torch.inference_mode()
+def test_a_part_that_leaves_a_chunk_unstored_ends_the_prompts_save(model_dir: Path) -> None:
+    """A lookup stops at the first chunk not stored: the parts after a part that left one
+    unstored are not sent, each counted as a save dropped under that chunk's cause, their chunks
+    failed in the prompt's one result. A chunk another writer is storing (`in_flight`) will be
+    there: the chain goes on."""
+    import concurrent.futures
+    from typing import Any
+
+    from kvfabric.client import SaveResult
+
+    model = load_model(model_dir)
+    spec = hf_engine_spec(model, DOMAIN, tokens_per_chunk=TPC, model_id="tiny-llama")
+    real_client = KvClient.disabled(spec, "test", "unit")
+    adapter = HfKvAdapter(model, real_client)
+    ids = prompt_ids(7 * TPC + 5, seed=13)
+    cache = model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+
+    class Client:
+        settings = ClientSettings(nats_url="nats://127.0.0.1:1", save_inflight_bytes_max=4 * CHUNK_BYTES)
+        metrics = real_client.metrics
+
+        def __init__(self) -> None:
+            self.outcomes: list[dict[str, int]] = []  # per part: failed chunks by cause
+            self.sent: list[tuple[int, int]] = []
+
+        def save_memory(self, nbytes: int) -> Any:
+            raise OSError("no save memory here")
+
+        def save_async(
+            self, tokens: list[int], objects: list[object], *, first_chunk: int, **_: Any
+        ) -> concurrent.futures.Future[SaveResult]:
+            self.sent.append((first_chunk, len(objects)))
+            causes = self.outcomes[len(self.sent) - 1]
+            failed = sum(causes.values())
+            done: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
+            done.set_result(SaveResult(len(objects) - failed, 0, failed, 0, dict(causes)))
+            return done
+
+    def dropped(cause: str) -> float:
+        value = real_client.metrics.registry.get_sample_value(
+            "kvfabric_client_saves_dropped_total", {"cause": cause}
+        )
+        return value or 0.0
+
+    client = Client()
+    adapter.client = client  # type: ignore[assignment]
+    try:
+        # parts of 2 chunks: (0, 2), (2, 2), (4, 2), (6, 1); the second leaves one not admitted
+        client.outcomes = [{}, {"not_admitted": 1}, {}, {}]
+        saving = adapter.save_prefix(ids, cache)
+        assert saving is not None
+        result = saving.result(5)
+        assert client.sent == [(0, 2), (2, 2)]
+        assert (result.chunks_saved, result.chunks_failed) == (3, 4)
+        assert result.causes == {"not_admitted": 4} and dropped("not_admitted") == 2
+        # a chunk in flight at another writer: every part sent, the chunk counted as it failed
+        client.sent, client.outcomes = [], [{}, {"in_flight": 1}, {}, {}]
+        result = adapter.save_prefix(ids, cache).result(5)  # type: ignore[union-attr]
+        assert client.sent == [(0, 2), (2, 2), (4, 2), (6, 1)]
+        assert (result.chunks_saved, result.chunks_failed, result.causes) == (6, 1, {"in_flight": 1})
+        # the first part dropped whole by the client (over its bound): the rest not sent
+        client.sent, client.outcomes = [], [{"bytes": 2}]
+        result = adapter.save_prefix(ids, cache).result(5)  # type: ignore[union-attr]
+        assert client.sent == [(0, 2)] and result.causes == {"bytes": 7} and dropped("bytes") == 3
+    finally:
+        real_client.close()

@@ -100,3 +100,86 @@ def test_the_hf_adapter_refuses_a_longrope_model() -> None:
         hf_engine_spec(Model({"rope_type": "longrope", "short_factor": [1.0]}), domain, weights_revision="r")
     plain = hf_engine_spec(Model({"rope_type": "llama3", "factor": 8.0}), domain, weights_revision="r")
     assert plain.model.weights_revision == "r"
+
+
+def test_the_hf_adapter_refuses_a_dynamic_ntk_rope_model() -> None:
+    """transformers' dynamic-NTK RoPE rescales its frequencies from a forward's largest position
+    once past max_position_embeddings, and keeps them for later calls: a prefix's KV depends on
+    the prompt it was computed in (shown below), so no key names it (review, stop 71). Refused
+    in `rope_parameters` or `rope_scaling`, per layer type, or in a composite's text config; a
+    default or fixed (llama3) rope is not."""
+    from typing import Any
+
+    import pytest
+    import torch
+    import transformers
+
+    from kvfabric.engines.hf import hf_engine_spec
+    from kvfabric.engines.tiny import TINY
+    from kvfabric.format.key import ShareDomain
+
+    domain = ShareDomain("t", bytes(16))
+    small = {**TINY, "num_hidden_layers": 1, "max_position_embeddings": 64}
+
+    def llama(rope: dict[str, object] | None) -> torch.nn.Module:
+        torch.manual_seed(0)
+        config_class: Any = transformers.LlamaConfig  # (`rope_scaling`: the older field, still read)
+        causal_lm: Any = transformers.LlamaForCausalLM
+        model: torch.nn.Module = causal_lm(config_class(**small, rope_scaling=rope)).eval()
+        return model
+
+    dynamic = llama({"rope_type": "dynamic", "factor": 2.0})
+
+    @torch.inference_mode()
+    def prefix_keys(model: torch.nn.Module, n: int) -> torch.Tensor:
+        ids = torch.arange(5, 5 + n).unsqueeze(0)
+        keys: torch.Tensor = model(input_ids=ids, use_cache=True).past_key_values.layers[0].keys
+        return keys[:, :, :48].clone()
+
+    # The cause: one prefix's KV, computed in prompts of 100 and 120 tokens, differs (a default
+    # rope's does not).
+    assert not torch.allclose(
+        prefix_keys(dynamic, 100), prefix_keys(llama({"rope_type": "dynamic", "factor": 2.0}), 120)
+    )
+    assert torch.allclose(prefix_keys(llama(None), 100), prefix_keys(llama(None), 120))
+
+    with pytest.raises(ValueError, match=r"dynamic-NTK RoPE \(rope_type 'dynamic'\)"):
+        hf_engine_spec(dynamic, domain, weights_revision="r")
+    assert hf_engine_spec(llama(None), domain, weights_revision="r").model.weights_revision == "r"
+    fixed = hf_engine_spec(
+        llama(
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "original_max_position_embeddings": 32,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+            }
+        ),
+        domain,
+        weights_revision="r",
+    )
+    assert fixed.model.weights_revision == "r"
+
+    class Config:
+        name_or_path = "some-model"
+
+        def __init__(self, fields: dict[str, Any]) -> None:
+            self.fields = fields
+
+        def to_dict(self) -> dict[str, Any]:
+            return self.fields
+
+    class Model(torch.nn.Linear):
+        def __init__(self, fields: dict[str, Any]) -> None:
+            super().__init__(1, 1)
+            self.config = Config(fields)
+
+    legacy = {"rope_scaling": {"type": "dynamic", "factor": 2.0}}
+    per_layer = {"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0}}}
+    composite = {"text_config": {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}}
+    for fields in (legacy, per_layer, composite):
+        with pytest.raises(ValueError, match="dynamic-NTK RoPE"):
+            hf_engine_spec(Model(fields), domain, weights_revision="r")
+    plain = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert hf_engine_spec(Model(plain), domain, weights_revision="r").model.weights_revision == "r"

@@ -662,6 +662,11 @@ def test_a_request_holding_a_failed_loads_blocks_saves_nothing_once_vllm_says_so
     assert not connector._requests["S"].saves_off
     connector.update_connector_output(KVConnectorOutput(invalid_block_ids={101, 102}))
     assert connector._requests["S"].saves_off and not connector._requests["T"].saves_off
+    registry = connector.client.metrics.registry
+    # per request, under its own cause: the worker counts the saves it drops as `load_failed`
+    # (one failure was counted twice under that cause across the two sides; review, stop 71)
+    for cause, count in (("saves_off_load_failed", 1.0), ("load_failed", None)):
+        assert registry.get_sample_value("kvfabric_client_saves_dropped_total", {"cause": cause}) == count
     meta = KvfabricMetadata()
     for req_id in ("S", "T"):
         connector._plan_save(meta, req_id, connector._requests[req_id], 4 * BLOCK)
@@ -1119,3 +1124,80 @@ def test_a_longrope_models_key_follows_which_factors_vllm_rotates_with(engine_co
     assert digest(2048, longrope=False) == digest(8192, longrope=False)
     assert digest(2048, longrope=True) != digest(8192, longrope=True)
     assert digest(2048, longrope=True) == digest(4096, longrope=True)  # short factors both
+
+
+def test_only_a_kv_cache_of_full_attention_is_cached() -> None:
+    """A sliding-window model's blocks before the window are vLLM's shared null block (id 0),
+    freed and reused as the window moves: saved, block 0 went under the prompt's real keys; a
+    hybrid model has one block table per group and the connector moves group 0's only (review,
+    stop 71). Either runs the client disabled (`config_error`)."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvfabric.engines.vllm_connector import unsupported_kv_cache
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=256
+    )
+
+    def config(*specs: Any) -> KVCacheConfig:
+        groups = [KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(specs)]
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    assert unsupported_kv_cache(None) is None
+    assert unsupported_kv_cache(config(full)) is None
+    assert "SlidingWindowSpec" in (unsupported_kv_cache(config(window)) or "")
+    assert "2 KV cache groups" in (unsupported_kv_cache(config(full, window)) or "")
+
+
+def test_a_sliding_window_model_runs_the_client_disabled(engine_config: Any) -> None:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from kvfabric.engines.vllm_connector import make_client
+
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=256
+    )
+    kv_cache = KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], window)]
+    )
+    client = make_client(engine_config, KVConnectorRole.SCHEDULER, kv_cache)
+    try:
+        assert client.status.state == "disabled" and client.status.cause == "config_error"
+        assert "SlidingWindowSpec" in client.status.detail
+    finally:
+        client.close()
+
+
+def test_the_metrics_ports_follow_the_global_data_parallel_rank(engine_config: Any) -> None:
+    """External load balancing (one process per rank) leaves the rank local to the host unset:
+    every rank on a host took P and P + 1 (review, stop 71)."""
+    import copy
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfabric.engines.vllm_connector import make_client
+
+    config = copy.deepcopy(engine_config)
+    config.kv_transfer_config.kv_connector_extra_config = {
+        **config.kv_transfer_config.kv_connector_extra_config,
+        "metrics_port": 9100,
+        "nats_url": "nats://127.0.0.1:1",
+        "connect_timeout_ms": 200,
+    }
+    config.parallel_config.data_parallel_rank = 1
+    config.parallel_config.data_parallel_rank_local = None
+    clients = [make_client(config, KVConnectorRole.SCHEDULER), make_client(config, KVConnectorRole.WORKER)]
+    try:
+        assert [c.settings.metrics_port for c in clients] == [9102, 9103]
+    finally:
+        for client in clients:
+            client.close()

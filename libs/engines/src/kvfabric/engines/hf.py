@@ -17,8 +17,8 @@ import concurrent.futures
 import logging
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import torch
@@ -28,11 +28,39 @@ from kvfabric.client.save_memory import SaveSlots, client_save_slots
 from kvfabric.engines.identity import LONGROPE_UNCACHEABLE, attn_config_digest, longrope_long_factors
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
 
-__all__ = ["TENSOR_LAYOUT", "GenerateResult", "HfKvAdapter", "PrefixLoad", "hf_engine_spec", "weights_digest"]
+__all__ = [
+    "DYNAMIC_ROPE_UNCACHEABLE",
+    "TENSOR_LAYOUT",
+    "GenerateResult",
+    "HfKvAdapter",
+    "PrefixLoad",
+    "hf_engine_spec",
+    "weights_digest",
+]
 
 log = logging.getLogger("kvfabric.engines.hf")
 
 TENSOR_LAYOUT: Final = "hf-dynamic-cache.v1:per-layer-k-then-v:[kvh,tokens,head_dim]"
+
+# transformers' dynamic-NTK RoPE (`dynamic_rope_update`, any rope type naming "dynamic": it tests
+# `"dynamic" in rope_type`) recomputes the rotary frequencies from a forward's largest position
+# once that passes `max_position_embeddings`, and keeps them across calls (`max_seq_len_cached`):
+# a prefix saved from a 6,000-token prompt was rotated for another length than a recompute of a
+# 6,120-token one uses (review, stop 71). The only other rope type whose frequencies follow the
+# sequence at run time is LongRoPE (`LONGROPE_UNCACHEABLE`); linear, yarn, llama3 and
+# proportional are fixed by the config (transformers 5.19, `ROPE_INIT_FUNCTIONS`).
+DYNAMIC_ROPE_UNCACHEABLE: Final = (
+    "kvfabric: {model!r} uses dynamic-NTK RoPE (rope_type {rope_type!r}), which {engine} rescales"
+    " per forward call (from the call's largest position once past max_position_embeddings, kept"
+    " for later calls): a prefix's KV depends on the batch and on the calls before it, so it is not"
+    " cached"
+)
+# A chunk another writer is storing (the directory's `in_flight`): it will be there, so the chunks
+# after it stay reachable (as the vLLM connector's `IN_FLIGHT`).
+IN_FLIGHT: Final = "in_flight"
+# The cause of a prefix's save part the client did not start (off, or closed under the chain) or
+# that raised, and of the parts after it (the vLLM connector's `dropped`).
+CAUSE_DROPPED: Final = "dropped"
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -67,6 +95,29 @@ def _text_config(config: Any) -> Any:
         return getter()
 
 
+def _dynamic_rope_type(hf_config: Mapping[str, Any]) -> str | None:
+    """The rope type of a dynamic-NTK rope in an HF config dict (`rope_parameters` or the older
+    `rope_scaling`; one rope or one per layer type; a composite model's `text_config` too), or
+    None: its frequencies follow each forward's positions (`DYNAMIC_ROPE_UNCACHEABLE`)."""
+    configs = [hf_config]
+    text = hf_config.get("text_config")
+    if isinstance(text, Mapping):
+        configs.append(text)
+    for config in configs:
+        for key in ("rope_parameters", "rope_scaling"):
+            rope = config.get(key)
+            if not isinstance(rope, Mapping):
+                continue
+            ropes = [rope] if "rope_type" in rope or "type" in rope else list(rope.values())
+            for one in ropes:
+                if not isinstance(one, Mapping):
+                    continue
+                rope_type = one.get("rope_type") or one.get("type")
+                if isinstance(rope_type, str) and "dynamic" in rope_type:
+                    return rope_type
+    return None
+
+
 def hf_engine_spec(
     model: torch.nn.Module,
     domain: ShareDomain,
@@ -76,12 +127,18 @@ def hf_engine_spec(
     weights_revision: str | None = None,
 ) -> EngineSpec:
     """The key space of `model`: its id, weights (digest unless a revision is given), cache
-    dtype and attention config; one member (TP 1, PP 1, one layer group)."""
+    dtype and attention config; one member (TP 1, PP 1, one layer group). Raises ValueError for
+    a model whose rotary frequencies transformers picks per forward call (LongRoPE, dynamic-NTK
+    RoPE: a prefix's KV depends on what it was computed beside; stop 70, review, stop 71)."""
     dtype = next(model.parameters()).dtype
     name = model_id or str(getattr(model.config, "name_or_path", "") or type(model).__name__)
     text_config = _text_config(model.config).to_dict()
     if longrope_long_factors(text_config, 0) is not None:
         raise ValueError(LONGROPE_UNCACHEABLE.format(engine="transformers", model=name))
+    if (rope_type := _dynamic_rope_type(text_config)) is not None:
+        raise ValueError(
+            DYNAMIC_ROPE_UNCACHEABLE.format(engine="transformers", model=name, rope_type=rope_type)
+        )
     fingerprint = ModelFingerprint(
         model_id=name[:200],
         weights_revision=weights_revision or weights_digest(model),
@@ -131,6 +188,32 @@ class GenerateResult:
     prefill_s: float  # lookup + load + suffix forward, up to the first token's logits
     load_s: float
     saving: concurrent.futures.Future[SaveResult] | None = None  # the prompt's save, if started
+
+
+@dataclass(slots=True)
+class _SavePart:
+    """Chunks `first_chunk..end_chunk-1` of a prefix's save, one client save."""
+
+    first_chunk: int
+    end_chunk: int
+    objects: list[list[memoryview]] = field(default_factory=list)  # its copies, until it is sent
+    taken: list[int] = field(default_factory=list)  # its save slots, until it is sent
+    result: SaveResult | None = None  # once it ended, or was not sent
+
+
+def _sum_results(results: Sequence[SaveResult]) -> SaveResult:
+    """One prefix's result from its parts'."""
+    causes: dict[str, int] = {}
+    for result in results:
+        for cause, n in result.causes.items():
+            causes[cause] = causes.get(cause, 0) + n
+    return SaveResult(
+        chunks_saved=sum(r.chunks_saved for r in results),
+        chunks_existing=sum(r.chunks_existing for r in results),
+        chunks_failed=sum(r.chunks_failed for r in results),
+        bytes_written=sum(r.bytes_written for r in results),
+        causes=causes,
+    )
 
 
 class HfKvAdapter:
@@ -237,29 +320,124 @@ class HfKvAdapter:
     ) -> concurrent.futures.Future[SaveResult] | None:
         """Save the full chunks of `token_ids` from `first_chunk` on (asynchronous; None when the
         client dropped it, or the copy out of `cache` raised: logged, never an error in the
-        caller's generation). `cache` must hold at least those tokens."""
-        taken: list[int] = []
+        caller's generation). `cache` must hold at least those tokens.
+
+        The chunks go as consecutive saves of at most half the client's
+        `save_inflight_bytes_max` each (whole chunks, at least one), head first: each starts
+        once the one before it has ended with every chunk stored (the client admits a save
+        whole, so one prompt's KV past the bound, a Llama-3-8B bf16 prompt over ~4,096 tokens at
+        the default 512 MiB, was dropped whole, `bytes`, and never stored; review, stop 71; as
+        SGLang's chained batches, stop 68). A part that leaves a chunk unstored (but `in_flight`:
+        another writer stores it) ends the chain: a lookup stops at that chunk, so the chunks
+        after it would be stored where nobody finds them; each part not sent is counted
+        (`saves_dropped_total` under that chunk's cause, `dropped` for a part the client did
+        not start) and its chunks fail under that cause in the future's one `SaveResult` of the
+        whole prefix. Every chunk is copied out at once (the caller may drop `cache`): the copies
+        of the parts not sent yet are this adapter's, up to one prompt's KV in host memory."""
+        parts: list[_SavePart] = []
         try:
             held = min(keys.shape[2] for keys, _ in _cache_layers(cache))  # (every layer's)
             last_chunk = min(len(token_ids), held) // self.tpc
             if last_chunk <= first_chunk:
                 return None
-            objects = self.chunk_objects(cache, first_chunk, last_chunk, taken)
-            future = self.client.save_async(
-                list(token_ids[: last_chunk * self.tpc]), objects, first_chunk=first_chunk, trace_id=trace_id
-            )
+            per_save = max(1, self.client.settings.save_inflight_bytes_max // 2 // self.chunk_bytes)
+            for start in range(first_chunk, last_chunk, per_save):
+                part = _SavePart(start, min(start + per_save, last_chunk))
+                parts.append(part)  # (before its copy: a copy that raises gives its slots back)
+                part.objects = self.chunk_objects(cache, part.first_chunk, part.end_chunk, part.taken)
+            tokens = list(token_ids[: last_chunk * self.tpc])
+            first = self._save_part(tokens, parts[0], trace_id)
         except BaseException as exc:
-            if isinstance(self._save_slots, SaveSlots):
-                self._save_slots.give_back(taken)
+            self._give_back(parts)
             if not isinstance(exc, Exception):
                 raise
             # a cache of another layout, save memory closed under it (the client closed): the
             # prompt is not saved, the caller's generation goes on
             log.warning("kvfabric: save raised %r: not saved", exc)
             return None
+        if first is None:  # the client is off: it dropped the first part, and so the rest
+            self._give_back(parts[1:])
+            return None
+        if len(parts) == 1:
+            return first
+        chained: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
+        chained.set_running_or_notify_cancel()  # (its holder cannot cancel it: as `save_async`'s)
+        first.add_done_callback(lambda done: self._part_ended(tokens, parts, 0, done, chained, trace_id))
+        return chained
+
+    def _save_part(
+        self, tokens: list[int], part: _SavePart, trace_id: str | None
+    ) -> concurrent.futures.Future[SaveResult] | None:
+        """Start one part's save (its slots back when it is done); the objects are the client's
+        from here on (this adapter drops its references)."""
+        objects, part.objects = part.objects, []
+        future = self.client.save_async(
+            tokens[: part.end_chunk * self.tpc], objects, first_chunk=part.first_chunk, trace_id=trace_id
+        )
         if isinstance(self._save_slots, SaveSlots):
-            self._save_slots.give_back_when_done(future, taken)
+            self._save_slots.give_back_when_done(future, part.taken)
+        part.taken = []
         return future
+
+    def _part_ended(
+        self,
+        tokens: list[int],
+        parts: list[_SavePart],
+        index: int,
+        done: concurrent.futures.Future[SaveResult],
+        chained: concurrent.futures.Future[SaveResult],
+        trace_id: str | None,
+    ) -> None:
+        """Part `index` of a prefix's save ended (on the client's loop thread): the next part
+        starts, or the chain ends (`save_prefix`) and `chained` gets the whole prefix's result
+        (or the exception a part ended with: the client closing cancelled it)."""
+        try:
+            exc = concurrent.futures.CancelledError() if done.cancelled() else done.exception()
+            if exc is not None:
+                self._drop_parts(parts[index + 1 :], CAUSE_DROPPED)
+                chained.set_exception(exc)
+                return
+            result = parts[index].result = done.result()
+            missing = {cause: n for cause, n in result.causes.items() if cause != IN_FLIGHT}
+            cut = max(missing, key=missing.__getitem__) if result.chunks_failed and missing else None
+            following = index + 1
+            if cut is None and following < len(parts):
+                try:
+                    started = self._save_part(tokens, parts[following], trace_id)
+                except Exception as error:  # (the client's loop closed under the chain)
+                    log.warning("kvfabric: save raised %r: the rest of the prompt not saved", error)
+                    started = None
+                if started is not None:
+                    started.add_done_callback(
+                        lambda next_done: self._part_ended(
+                            tokens, parts, following, next_done, chained, trace_id
+                        )
+                    )
+                    return
+                cut = CAUSE_DROPPED  # not started: counted with the parts after it
+            if cut is not None:
+                self._drop_parts(parts[following:], cut)
+            chained.set_result(_sum_results([part.result for part in parts if part.result is not None]))
+        except BaseException as exc:  # a bug: the holder gets it, never a future left pending
+            self._give_back(parts)  # (the parts not sent: a sent one's slots are the client's)
+            if not chained.done():
+                chained.set_exception(exc)
+            raise
+
+    def _drop_parts(self, parts: list[_SavePart], cause: str) -> None:
+        """Parts of a prefix's save not sent (behind a chunk not stored): slots back, each part
+        counted as a save dropped, its chunks failed under `cause`."""
+        self._give_back(parts)
+        for part in parts:
+            self.client.metrics.saves_dropped.labels(cause).inc()
+            chunks = part.end_chunk - part.first_chunk
+            part.result = SaveResult(chunks_failed=chunks, causes={cause: chunks})
+
+    def _give_back(self, parts: list[_SavePart]) -> None:
+        for part in parts:
+            if isinstance(self._save_slots, SaveSlots):
+                self._save_slots.give_back(part.taken)
+            part.taken, part.objects = [], []
 
     # ---- generation ------------------------------------------------------------------------
 

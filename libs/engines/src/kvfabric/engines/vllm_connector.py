@@ -17,7 +17,8 @@ Extra config keys: `nats_url` (or env KVF_CLIENT_NATS_URL), `tenant_id`, `domain
 "ask again"; 0: never waits), and any `ClientSettings` field (timeouts, limits, `thread_cpus`:
 docs/engines.md says why it is left to inherit vLLM's pinned compute CPU by default; a fixed
 `metrics_port` P: data-parallel rank r's scheduler side serves on P + 2r, its worker side on
-P + 2r + 1).
+P + 2r + 1, r the global rank). A model whose KV cache is not one group of full attention
+layers (sliding window, hybrid) runs the client disabled (`unsupported_kv_cache`).
 
 ## How it works
 - One chunk = one vLLM block (`tokens_per_chunk = block_size`); one object = that block of
@@ -127,6 +128,10 @@ _step_clock = time.monotonic  # the step's load budget's clock (a test's own)
 # whose saved chunks attended over another request's failed blocks (a prefix shared through
 # vLLM's own cache).
 LOAD_FAILED: Final = "load_failed"
+# The scheduler side's count of requests whose blocks include a failed load's (their saves off):
+# per request, apart from the worker's `load_failed` per save it drops (one failure counted
+# twice under one cause across the two sides; review, stop 71)
+SAVES_OFF_LOAD_FAILED: Final = "saves_off_load_failed"
 # `kvfabric_client_saves_dropped_total` cause: copying a save's blocks out of vLLM's cache raised
 # (a cache tensor numpy cannot view: not contiguous, or on a GPU; save memory closed under it):
 # the save is dropped and its request cut, never an error in vLLM's step.
@@ -305,36 +310,71 @@ def _pinned_revision(revision: str | None) -> str:
     return ""
 
 
-def worker_metrics_port(
-    settings: ClientSettings, role: KVConnectorRole, dp_rank_local: int = 0
-) -> ClientSettings:
-    """A fixed `metrics_port` P is the first of two per engine on the host: data-parallel rank r
-    (local to the host) serves its scheduler side's client on P + 2r and its worker side's on
-    P + 2r + 1. Both sides run on one host, and the second to bind the same port ran without
-    the cache (`config_error`; review, stop 69; data parallel, stop 70). 0 (any free port) and
-    -1 (none) are the same for all. ValueError when its port passes 65535."""
+def worker_metrics_port(settings: ClientSettings, role: KVConnectorRole, dp_rank: int = 0) -> ClientSettings:
+    """A fixed `metrics_port` P is the first of two per engine: data-parallel rank r (its global
+    rank, unique in the deployment) serves its scheduler side's client on P + 2r and its worker
+    side's on P + 2r + 1. Both sides run on one host, and the second to bind the same port ran
+    without the cache (`config_error`; review, stop 69; data parallel, stop 70). The rank local
+    to the host was used, which external load balancing (one process per rank) leaves unset:
+    every rank on a host took P and P + 1 (review, stop 71). 0 (any free port) and -1 (none)
+    are the same for all. ValueError when its port passes 65535."""
     port = settings.metrics_port
     if port <= 0:
         return settings
-    mine = port + 2 * dp_rank_local + (role != KVConnectorRole.SCHEDULER)
+    mine = port + 2 * dp_rank + (role != KVConnectorRole.SCHEDULER)
     if mine > 65535:
         raise ValueError(
-            f"metrics_port {port}: this side's port (data parallel rank {dp_rank_local}) would be {mine}"
+            f"metrics_port {port}: this side's port (data parallel rank {dp_rank}) would be {mine}"
         )
     return msgspec.structs.replace(settings, metrics_port=mine)
 
 
-def make_client(vllm_config: VllmConfig, role: KVConnectorRole) -> KvClient:
+def unsupported_kv_cache(kv_cache_config: KVCacheConfig | None) -> str | None:
+    """Why this engine's KV cache cannot be saved or loaded by block, None if it can: one group
+    of full attention layers only. A sliding-window group pads what lies before the window with
+    vLLM's shared null block (id 0) and frees those blocks as the window moves: a save then
+    stored block 0 (or another request's reused block) under the prompt's real keys, and a load
+    wrote into the null block every request shares (review, stop 71). A hybrid model (several
+    groups: full and sliding layers, Mamba) has one block table per group; the connector moves
+    group 0's only. None: no config given (nothing to check)."""
+    if kv_cache_config is None:
+        return None
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        return f"{len(groups)} KV cache groups (a hybrid model): one group of full attention only"
+    spec = groups[0].kv_cache_spec
+    specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+    for one in specs:
+        # exactly these: subclasses keep partial windows (RSWASpec) or sinks (SinkFullAttentionSpec)
+        if type(one) not in (FullAttentionSpec, MLAAttentionSpec):
+            return f"{type(one).__name__} layers (sliding window or partial): full attention only"
+    return None
+
+
+def make_client(
+    vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+) -> KvClient:
     """The connector's client, starting in the background; a disabled one (cause `config_error`)
     when its settings cannot be read (or the model's weight files, for their digest: a missing or
-    unreadable file). Only the scheduler side logs why it cannot serve (one line:
-    both sides read the same settings); the worker side says so at INFO."""
+    unreadable file), or its KV cache is not one of full attention (`unsupported_kv_cache`).
+    Only the scheduler side logs why it cannot serve (one line: both sides read the same
+    settings); the worker side says so at INFO."""
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     overrides = {k: v for k, v in extra.items() if k in _CLIENT_FIELDS}
     log_level = None if role == KVConnectorRole.SCHEDULER else logging.INFO
+    unsupported = unsupported_kv_cache(kv_cache_config)
+    if unsupported is not None:
+        return KvClient.disabled(
+            _unconfigured_spec(vllm_config.cache_config.block_size),
+            CAUSE_CONFIG_ERROR,
+            f"this model's KV cache: {unsupported}",
+            failure_log_level=log_level,
+        )
     try:
-        dp_rank_local = getattr(vllm_config.parallel_config, "data_parallel_rank_local", None) or 0
-        settings = worker_metrics_port(settings_from_env(**overrides), role, int(dp_rank_local))
+        dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", None) or 0
+        settings = worker_metrics_port(settings_from_env(**overrides), role, int(dp_rank))
         spec = engine_spec(vllm_config, extra)
     except (KvfError, ValueError, TypeError, OSError) as exc:  # OSError: reading the weights' digest
         detail = exc.message if isinstance(exc, KvfError) else f"{type(exc).__name__}: {exc}"
@@ -383,7 +423,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         self._policy_checked = role != KVConnectorRole.SCHEDULER  # the scheduler reads the policy
         if role == KVConnectorRole.SCHEDULER:
             self._policy_configured = self._recompute_failed_loads(vllm_config)
-        self.client = make_client(vllm_config, role)
+        self.client = make_client(vllm_config, role, kv_cache_config)
         # scheduler side
         self._hits: dict[str, Hit] = {}  # req id -> leased hit (released at request end)
         self._lookups: dict[str, concurrent.futures.Future[Hit]] = {}  # lookups in flight
@@ -626,7 +666,7 @@ class KvfabricConnector(KVConnectorBase_V1):
                 unwritten.update(state.block_ids[first:])  # blocks freed, maybe reused elsewhere)
             if not state.saves_off:
                 state.saves_off = True
-                self.client.metrics.saves_dropped.labels(LOAD_FAILED).inc()
+                self.client.metrics.saves_dropped.labels(SAVES_OFF_LOAD_FAILED).inc()
                 log.info(
                     "kvfabric: request %s: its blocks include a failed load's: saves nothing more", req_id
                 )
