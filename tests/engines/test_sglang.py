@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -351,6 +353,40 @@ def test_a_cache_that_cannot_start_misses(nats_server: NatsServer) -> None:
         assert kit.backup(storage, keys, at, prefix=[]) == 0
         assert kit.prefetch(storage, keys, at, prefix=[]) == (0, 0)
         storage.close()
+
+
+def test_random_weights_or_an_unreadable_kv_scales_file_leave_the_cache_disabled(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """SGLang's server args as the backend reads them (`get_server_args`): `--load-format dummy`
+    (random weights) and a `--quantization-param-path` that cannot be read leave the cache
+    disabled (`config_error`: misses), never stored under the real model's key (review, stop
+    71); a readable scales file is in the key."""
+    import sglang.srt.runtime_context as runtime
+
+    pool = kit.host_pool()
+    extra = kit.extra_config(f"nats://127.0.0.1:{free_port()}")
+    served = {
+        "kv_cache_dtype": "auto",
+        "dtype": "float32",
+        "quantization": None,
+        "json_model_override_args": "{}",
+        "load_format": "auto",
+        "quantization_param_path": None,
+    }
+
+    def started_with(**args: Any) -> Any:
+        monkeypatch.setattr(runtime, "get_server_args", lambda: SimpleNamespace(**{**served, **args}))
+        return kit.kvfabric_of(kit.backend(extra, pool, wait_s=0))
+
+    for args in ({"load_format": "dummy"}, {"quantization_param_path": str(tmp_path / "missing.json")}):
+        refused = started_with(**args)
+        assert refused.client.status.cause == "config_error", args
+        refused.close()
+    (tmp_path / "scales.json").write_text('{"kv_cache": {"scaling_factor": {"0": {"0": 0.5}}}}')
+    scaled = started_with(quantization_param_path=str(tmp_path / "scales.json"))
+    assert scaled.spec is not None and scaled.spec.model.kv_quant.startswith("scales-sha256:")
+    scaled.close()
 
 
 def test_a_save_past_its_first_deadline_is_waited_for_until_it_no_longer_reads_its_pages(

@@ -78,17 +78,89 @@ def test_new_pages_counts_only_the_calls_own_pages() -> None:
 def test_held_hit_covers_a_get_on_its_chain_and_leaves_once() -> None:
     table = HeldHits(hold_ms=1000, held_max=4)
     short, long = hit_of(KEYS[:4], 4), hit_of(KEYS, 8)
-    assert table.hold(long, now_ms=0) == [] and table.hold(short, now_ms=0) == []
+    assert table.hold(long, now_ms=0) == [] and table.hold(short, now_ms=0) == []  # covers no held one
     chain = chain_of(KEYS)
     assert table.covering(chain[:4], 4) is short  # the shortest covering hit
     assert table.covering(chain, 8) is long
     assert table.covering(chain_of(["other", *KEYS[1:]]), 4) is None  # another chain
     assert table.covering(chain, 9) is None  # nothing covers past the stored pages
-    table.done_with(short)
-    table.done_with(long)
-    assert table.finished(chain[:4], 4) == [short]  # the get reached its end
-    assert table.finished(chain[:4], 4) == []  # once only
-    assert table.drain() == [long] and len(table) == 0
+    assert table.finished(short, 4) == [short]  # its one claim used up
+    assert table.finished(short, 4) == []  # once only
+    assert table.drain() == []  # a get still loads under the long one ...
+    assert table.finished(long, 8) == [long] and len(table) == 0  # ... which gives it back
+
+
+def test_a_requests_batches_hold_one_hit_not_one_a_batch() -> None:
+    """SGLang checks a request's pages batch by batch, each lookup leasing the chain from chunk
+    0: keeping every batch's hit until its get held |P| + 128k groups for batch k, ~67k group
+    leases for a 4,096-page request instead of 4,096, and filled the directory's per-tenant
+    lease bound (review, stop 71). A hit that covers held ones on its chain replaces them (their
+    claims move to it): one hit a request, given back by the get of its last batch."""
+    batch, batches = 4, 16
+    pages = [f"{i:064x}" for i in range(1, batch * batches + 1)]
+    chain = chain_of(pages)
+    table = HeldHits()
+    held: list[Hit] = []
+    for k in range(1, batches + 1):  # batch_exists of batch k: the chain up to its end
+        hit = hit_of(pages[: batch * k], batch * k)
+        given_back = table.hold(hit, now_ms=k)
+        held = [h for h in held if all(h is not g for g in given_back)] + [hit]
+        assert len(table) == 1 and sum(h.chunks for h in held) == batch * k  # not the sum of all
+    for k in range(1, batches + 1):  # batch_get_v1 of each batch, in order
+        used = table.covering(chain[: batch * k], batch * k)
+        assert used is held[0]
+        assert table.finished(used, batch * k) == ([used] if k == batches else [])
+    assert len(table) == 0
+
+
+def test_a_hit_a_get_loads_under_is_not_replaced() -> None:
+    """A get loads under the hit `covering` gave it until `finished`: a newer hit that covers it
+    does not replace it then (its lease would go back under the load)."""
+    table = HeldHits(hold_ms=1000, held_max=8)
+    chain = chain_of(KEYS)
+    short = hit_of(KEYS[:4], 4)
+    table.hold(short, 0)
+    assert table.covering(chain[:4], 4) is short  # a get loads under it
+    long = hit_of(KEYS, 8)
+    assert table.hold(long, 1) == [] and len(table) == 2  # the short one stays
+    assert table.finished(short, 4) == [short]
+    again = hit_of(KEYS, 8)
+    assert table.hold(again, 2) == [long]  # the same chain and length: replaced, claim moved
+    assert table.covering(chain, 8) is again
+    assert table.finished(again, 8) == []  # one claim left (long's)
+    assert table.covering(chain, 8) is again and table.finished(again, 8) == [again]
+
+
+def test_one_requests_get_leaves_another_requests_hit_on_a_shared_prefix() -> None:
+    """Request B's `batch_exists` found a shared system prompt; request A's found the prompt and
+    more. A's get gave back every hit of the chain it reached the end of, B's too, so B's get
+    looked the prompt up again (a miss if evicted meanwhile; review, stop 71). Now A's hit
+    stands for both answers: A's get uses up its own claim, B's get the other."""
+    table = HeldHits(hold_ms=1000, held_max=8)
+    prompt, longer = KEYS[:4], KEYS
+    b_hit, a_hit = hit_of(prompt, 4), hit_of(longer, 8)
+    assert table.hold(b_hit, 0) == []
+    assert table.hold(a_hit, 1) == [b_hit]  # covered: its lease back, its claim moved
+    a_used = table.covering(chain_of(longer), 8)
+    assert a_used is a_hit and table.finished(a_used, 8) == []  # B's claim keeps it held
+    b_used = table.covering(chain_of(prompt), 4)
+    assert b_used is a_hit  # B's get finds its pages still leased
+    assert table.finished(b_used, 4) == [a_hit] and len(table) == 0
+
+
+def test_a_claim_older_than_the_hold_is_not_moved() -> None:
+    """A prefetch SGLang gave up on never gets: its claim ends with its hold, not carried from
+    hit to hit (a hot prefix's hit would never be given back)."""
+    table = HeldHits(hold_ms=100, held_max=8)
+    chain = chain_of(KEYS[:1])
+    first = hit_of(KEYS[:1], 1)
+    table.hold(first, 0)
+    second = hit_of(KEYS[:1], 1)
+    assert table.hold(second, 99) == [first]  # young: its claim moves
+    third = hit_of(KEYS[:1], 1)
+    assert table.hold(third, 150) == [second]  # the first claim is 150 ms old: dropped
+    assert table.covering(chain, 1) is third and table.finished(third, 1) == []
+    assert table.covering(chain, 1) is third and table.finished(third, 1) == [third]
 
 
 def test_a_batch_of_per_page_hits_is_held_whole_by_default() -> None:
@@ -111,7 +183,7 @@ def test_a_per_page_get_looks_only_at_its_own_pages_hits(monkeypatch: pytest.Mon
     hits = [hit_of([page], 1) for page in pages]
     for hit in hits:
         assert table.hold(hit, now_ms=0) == []
-    assert table.hold(hit_of(KEYS, 8), now_ms=0) == []  # a chained hit is scanned
+    assert table.hold(hit_of(["aa" * 32, *KEYS[1:]], 8), now_ms=0) == []  # a chained hit is scanned
     looked: list[Hit] = []
     real = sglang_keys._on_chain
 
@@ -122,8 +194,7 @@ def test_a_per_page_get_looks_only_at_its_own_pages_hits(monkeypatch: pytest.Mon
     monkeypatch.setattr(sglang_keys, "_on_chain", counted)
     chain = chain_of([pages[1000]])
     assert table.covering(chain, 1) is hits[1000]
-    table.done_with(hits[1000])
-    assert table.finished(chain, 1) == [hits[1000]]
+    assert table.finished(hits[1000], 1) == [hits[1000]]
     assert len(looked) <= 4 and len(table) == 2048
     assert table.covering(chain, 1) is None  # given back: gone from the index too
 
@@ -132,13 +203,14 @@ def test_a_per_page_get_looks_only_at_its_own_pages_hits(monkeypatch: pytest.Mon
 class _Entry:
     hit: Hit
     held_ms: int
+    claims: list[tuple[int, int]]
     users: int = 0
     drained: bool = False
 
 
 class _ListHeldHits:
-    """The table as it was before the index (stop 66): one list, scanned by every call. The
-    model `HeldHits` must agree with."""
+    """The table's rules as one list, scanned by every call (the table before its index, stop
+    66, with stop 71's replaced hits and claims). The model `HeldHits` must agree with."""
 
     def __init__(self, hold_ms: int, held_max: int) -> None:
         self.hold_ms, self.held_max = hold_ms, held_max
@@ -147,9 +219,17 @@ class _ListHeldHits:
     def hold(self, hit: Hit, now_ms: int) -> list[Hit]:
         if hit.chunks == 0:
             return [hit] if hit.lease_id else []
-        self.held.append(_Entry(hit, now_ms))
+        chain = [bytes(g.chain_hash) for g in hit.groups[: hit.chunks]]
+        covered = [
+            h
+            for h in self.held
+            if not h.users and h.hit is not hit and h.hit.chunks <= hit.chunks and on_chain(h.hit, chain)
+        ]
+        claims = [c for h in covered for c in h.claims if now_ms - c[1] < self.hold_ms]
+        replaced = self._drop(covered)
+        self.held.append(_Entry(hit, now_ms, sorted([*claims, (hit.chunks, now_ms)])))
         over = len(self.held) - self.held_max
-        return self._drop([h for h in self.held if not h.users][:over]) if over > 0 else []
+        return replaced + (self._drop([h for h in self.held if not h.users][:over]) if over > 0 else [])
 
     def covering(self, chain: list[bytes], end: int) -> Hit | None:
         best: _Entry | None = None
@@ -167,10 +247,15 @@ class _ListHeldHits:
         best.users += 1
         return best.hit
 
-    def done_with(self, hit: Hit) -> list[Hit]:
+    def finished(self, hit: Hit, end: int) -> list[Hit]:
         for held in self.held:
             if held.hit is hit and held.users:
                 held.users -= 1
+                if not held.drained:
+                    mine = [i for i, (reached, _) in enumerate(held.claims) if reached >= end]
+                    if mine:
+                        del held.claims[mine[0]]
+                    held.drained = not held.claims
                 return self._drop([held]) if held.drained and not held.users else []
         return []
 
@@ -178,11 +263,6 @@ class _ListHeldHits:
         for held in self.held:
             held.drained = True
         return self._drop([h for h in self.held if not h.users])
-
-    def finished(self, chain: list[bytes], end: int) -> list[Hit]:
-        return self._drop(
-            [h for h in self.held if not h.users and h.hit.chunks <= end and on_chain(h.hit, chain)]
-        )
 
     def expired(self, now_ms: int) -> list[Hit]:
         return self._drop([h for h in self.held if not h.users and now_ms - h.held_ms >= self.hold_ms])
@@ -215,10 +295,10 @@ _OPS = st.lists(
 def test_the_indexed_table_agrees_with_the_scanned_one(
     ops: list[tuple[str, int, int, int, bool]], held_max: int
 ) -> None:
-    """Any interleaving of holds (one-chunk and longer hits of chains that share pages), gets
-    (covering .. done_with .. finished, some still loading while others run), expiries and
-    drains: the indexed table gives back the same hits in the same order as the list it replaced,
-    and every hit held leaves it exactly once."""
+    """Any interleaving of holds (one-chunk and longer hits of chains that share pages, some
+    replacing others), gets (covering .. finished, some still loading while others run),
+    expiries and drains: the indexed table gives back the same hits in the same order as the
+    scanned list, and every hit held leaves it exactly once."""
     hits = {
         (i, n): hit_of(pages[:n], n)
         for i, pages in enumerate(_SEQUENCES)
@@ -255,16 +335,13 @@ def test_the_indexed_table_agrees_with_the_scanned_one(
         while loading and (end_now or len(loading) > 2):
             used, chain = loading.pop(0)
             if used is not None:
-                got = table.done_with(used)
-                assert got == model.done_with(used)
+                got = table.finished(used, len(chain))
+                assert got == model.finished(used, len(chain))
                 left += got
-            got = table.finished(chain, len(chain))
-            assert got == model.finished(chain, len(chain))
-            left += got
         assert len(table) == len(model.held) <= max(held_max, len(loading))
     left += table.drain()  # those gets still load under stay ...
-    for used, _ in loading:
-        left += table.done_with(used) if used is not None else []  # ... and leave with the last
+    for used, chain in loading:
+        left += table.finished(used, len(chain)) if used is not None else []  # ... and leave with the last
     assert len(table) == 0
     assert len(left) == entered and len({id(h) for h in left}) == entered  # each once
 
@@ -281,9 +358,12 @@ def test_a_held_hit_a_get_loads_under_is_never_given_back_meanwhile() -> None:
     assert table.expired(500) == []
     newer = hit_of(KEYS[:2], 2)
     assert table.hold(newer, 10) == [newer]  # crowded out: the newer one, not the one in use
-    assert table.finished(chain, 8) == []  # another get of the chain ended
-    table.done_with(long)
-    assert table.expired(500) == [long] and len(table) == 0
+    again = hit_of(KEYS, 8)
+    assert table.hold(again, 20) == [again]  # covers it, but does not replace it in use
+    assert table.covering(chain, 8) is long  # a second get
+    assert table.finished(long, 8) == []  # its claim is used up, the other get still loads
+    assert table.covering(chain, 8) is None  # no claim left: no new get takes it
+    assert table.finished(long, 8) == [long] and len(table) == 0
 
 
 def test_a_drain_while_a_get_loads_keeps_that_hit_until_the_get_is_done() -> None:
@@ -298,8 +378,8 @@ def test_a_drain_while_a_get_loads_keeps_that_hit_until_the_get_is_done() -> Non
     assert table.covering(chain, 8) is long  # a get loads under it
     assert table.drain() == [other]  # the one in use stays
     assert table.covering(chain, 8) is None  # drained: no new get takes it
-    assert table.finished(chain, 8) == [] and table.expired(500) == []
-    assert table.done_with(long) == [long] and len(table) == 0  # the get's end gives it back
+    assert table.expired(500) == []
+    assert table.finished(long, 8) == [long] and len(table) == 0  # the get's end gives it back
 
 
 def test_held_hits_are_bounded_and_expire() -> None:
@@ -378,6 +458,42 @@ def test_what_changes_the_kv_but_not_the_pool_is_in_the_key() -> None:
     later = engine_spec(replace(WHO, pp_rank=1, pp_size=3), replace(POOL, start_layer=6), EXTRA, DEFAULTS)
     assert stage.layout.tensor_layout != later.layout.tensor_layout
     assert "@" not in base.layout.tensor_layout  # a first stage's (or no pipeline's) key as before
+
+
+def test_random_weights_are_refused_and_other_load_formats_keyed() -> None:
+    """`--load-format dummy` fills the weights with random values: its pages were stored under
+    the real model's key (the revision digests the weight files; review, stop 71). Refused, as
+    the vLLM connector does. Formats that read the checkpoint files as they are share the key;
+    any other (bitsandbytes, flash_rl quantize at load; remote ones fetch the weights) is a key
+    space of its own."""
+    with pytest.raises(ValueError, match="dummy"):
+        engine_spec(replace(WHO, load_format="dummy"), POOL, EXTRA, DEFAULTS)
+    base = spec_for()
+    for same in ("auto", "safetensors", "pt"):
+        assert engine_spec(replace(WHO, load_format=same), POOL, EXTRA, DEFAULTS) == base
+    bnb = engine_spec(replace(WHO, load_format="bitsandbytes"), POOL, EXTRA, DEFAULTS)
+    assert bnb.model.weights_revision == "rev-a+load:bitsandbytes"
+
+
+def test_the_fp8_kv_scales_file_is_in_the_key(tmp_path: Path) -> None:
+    """With `--kv-cache-dtype fp8_e4m3 --quantization-param-path scales.json` SGLang divides K
+    and V by the file's per-layer scales before storing them: pages of other scales shared a
+    key (review, stop 71). Its contents are in the key (`kv_quant`), not its path; a file that
+    cannot be read is refused (the backend runs disabled, `config_error`)."""
+    fp8 = replace(POOL, dtype="uint8", region_bytes=(8192, 8192))
+    who = replace(WHO, kv_cache_dtype="fp8_e4m3", model_dtype="bfloat16")
+    plain = engine_spec(who, fp8, EXTRA, DEFAULTS)
+    assert plain.model.kv_quant == "none"
+    (tmp_path / "a.json").write_text('{"kv_cache": {"scaling_factor": {"0": {"0": 0.5}}}}')
+    (tmp_path / "b.json").write_text('{"kv_cache": {"scaling_factor": {"0": {"0": 0.25}}}}')
+    (tmp_path / "copy.json").write_text((tmp_path / "a.json").read_text())
+    a, b, copy = (
+        engine_spec(replace(who, kv_scales_path=str(tmp_path / n)), fp8, EXTRA, DEFAULTS)
+        for n in ("a.json", "b.json", "copy.json")
+    )
+    assert len({plain.model, a.model, b.model}) == 3 and copy == a
+    with pytest.raises(ValueError, match="quantization-param-path"):
+        engine_spec(replace(who, kv_scales_path=str(tmp_path / "missing.json")), fp8, EXTRA, DEFAULTS)
 
 
 def test_mla_pages_are_shared_by_every_tp_rank() -> None:

@@ -29,16 +29,20 @@ can also come from `KVF_CLIENT_*`. SGLang's own keys (`backend_name`, `module_pa
   over SGLang's page hashes (`sglang_keys`: chained with `hicache_storage_pass_prefix_keys`,
   else one chain per page).
 - `batch_exists` looks the pages up and keeps the read-leased hit until `batch_get_v1` loads
-  from it (`HeldHits`): what exists reported cannot be evicted before the get. A get with no
-  held hit (its hold expired, another instance checked) looks up again. Every page a get
-  cannot fill (gone, corrupt: the client verifies every checksum, timed out, a dead segment) is
-  False, and so is every page after it: SGLang counts the leading True pages and recomputes the
-  rest. Nothing a get reports True holds unverified bytes.
+  from it (`HeldHits`): what exists reported cannot be evicted before the get (while held: up
+  to `exists_hold_ms`, `held_hits_max` hits). A request's later batches replace its earlier
+  hits on the chain (one hit a request, not one a batch: review, stop 71), and a get gives back
+  only what its own answer held. A get with no held hit (its hold expired, another instance
+  checked) looks up again. Every page a get cannot fill (gone, corrupt: the client verifies
+  every checksum, timed out, a dead segment) is False, and so is every page after it: SGLang
+  counts the leading True pages and recomputes the rest. Nothing a get reports True holds
+  unverified bytes.
 - Any failure is a miss: `batch_exists` 0, `batch_get_v1` / `batch_set_v1` False, never an
   exception into SGLang's threads (logged at most once per `_LOG_EVERY_S` per kind).
 - A cache that cannot start (settings, NATS down or refusing) never stops SGLang: the client
   starts in the background and misses until it has; settings it cannot read leave it
-  disabled (`config_error`), one line logged.
+  disabled (`config_error`), one line logged, and so do random weights (`--load-format dummy`)
+  and a `--quantization-param-path` it cannot read (review, stop 71).
 - `clear()` gives back this backend's leases; it deletes nothing (the store is shared by every
   engine of the tenant; the directory's eviction frees space). `get_stats()` returns SGLang's
   `StorageMetrics` (pages and GB/s per prefetch and backup batch since the last call).
@@ -139,11 +143,15 @@ def _server_args_keyed() -> dict[str, str]:
     except Exception:  # any failure: what the extra config says, else refused
         return {}
     overrides = getattr(args, "json_model_override_args", "") or ""
+    load_format = getattr(args, "load_format", "") or ""
     return {
         "kv_cache_dtype": str(getattr(args, "kv_cache_dtype", "") or ""),
         "model_dtype": str(getattr(args, "dtype", "") or ""),
         "quantization": str(getattr(args, "quantization", "") or ""),
         "model_overrides": overrides if isinstance(overrides, str) else json.dumps(overrides, sort_keys=True),
+        # an enum's value, not its name ("dummy", never "LoadFormat.DUMMY": refused by value)
+        "load_format": str(getattr(load_format, "value", load_format)),
+        "kv_scales_path": str(getattr(args, "quantization_param_path", "") or ""),
     }
 
 
@@ -407,12 +415,12 @@ class KvfabricStorage(HiCacheStorage):
             result = client.load(hit, [[page] for page in pages[:wanted]], first_chunk=first)
             return new_pages(result.tokens // hit.tokens_per_chunk, first, wanted)
         finally:
-            with self._lock:
-                done = [] if fresh else self._held.done_with(hit)
-                done += self._held.finished(chain, end)
             if fresh:
                 self._release([hit])
-            self._release(done)
+            else:  # its claim used up: the hit comes back with its last (another request's stays)
+                with self._lock:
+                    done = self._held.finished(hit, end)
+                self._release(done)
 
     # ---- set ---------------------------------------------------------------------------------
 

@@ -23,16 +23,25 @@ Writers and readers of one share domain must use the same mode: the two name a p
 
 ## Held hits
 `batch_exists` leases what it reports present (`HeldHits.hold`); `batch_get_v1` loads from the
-held hit that covers its pages (`HeldHits.covering`) and then gives back every held hit of that
-chain that the get reached the end of (`HeldHits.finished`). SGLang may never ask for what it
-was told (a prefetch revoked below its threshold, terminated, or cut to the minimum over TP
-ranks): such hits are given back after `hold_ms` (`HeldHits.expired`, checked on every call),
-and the table holds at most `held_max` (the oldest is given back first); the directory expires
-any lease the client never gives back. Invariants: every hit that enters the table leaves it
-exactly once (through `covering`'s caller's `finished`, `expired`, an eviction by `hold`,
-`drain`, or, drained while a get loaded under it, that get's `done_with`), no hit leaves while a
-get loads under it, and the table never holds more than `held_max` hits but those a get is
-loading under (`covering`: kept past the bound until `done_with`).
+held hit that covers its pages (`HeldHits.covering`) and then gives that hit its get
+(`HeldHits.finished`). A held hit stands for the `batch_exists` answers it was held for, its
+*claims* (each the chunk its answer reached): its own, and those of the shorter hits on its chain
+it replaced. A hit that covers held ones on its chain replaces them at once (their leases come
+back, their claims move to it): SGLang checks a request's pages batch by batch, each lookup
+leasing the chain from chunk 0, and kept every batch's hit until its get, so a 4,096-page request
+held ~67k group leases per rank instead of 4,096 and filled the directory's per-tenant lease
+bound (review, stop 71). A get uses up one claim, the one ending soonest at or after its end
+(its own answer's); the hit comes back once none is left, so one request's get no longer gives
+back another's hit on a shared prefix (it gave back every hit of the chain it reached the end
+of: the other's get looked up again; review, stop 71). SGLang may never ask for what it was
+told (a prefetch revoked below its threshold, terminated, or cut to the minimum over TP ranks):
+such hits are given back after `hold_ms` (`HeldHits.expired`, checked on every call; a claim
+older than that is not moved to a newer hit), and the table holds at most `held_max` (the oldest
+is given back first); the directory expires any lease the client never gives back. Invariants:
+every hit that enters the table leaves it exactly once (through `finished`, `expired`, `hold`:
+replaced or crowded out, or `drain`), no hit leaves while a get loads under it (a hit in use is
+never replaced: `covering` .. `finished`), and the table never holds more than `held_max` hits
+but those a get is loading under (kept past the bound until `finished`).
 """
 
 from __future__ import annotations
@@ -86,6 +95,12 @@ HOLD_MS_DEFAULT: Final = 10_000
 HELD_HITS_MAX_DEFAULT: Final = 8192
 
 _P_PAGE: Final = b"kvf1/sglang-page"
+# SGLang load formats that read the model's checkpoint files as they are (the weights revision
+# names those): any other is in the key (bitsandbytes and flash_rl quantize at load, sharded_state
+# and gguf read other files, remote ones fetch the weights from elsewhere); "dummy" is refused
+_FILE_LOAD_FORMATS: Final = frozenset(
+    {"", "auto", "pt", "safetensors", "fastsafetensors", "instanttensor", "npcache"}
+)
 
 
 def page_words(key: str) -> npt.NDArray[np.uint32]:
@@ -113,12 +128,16 @@ class _Held:
     held_ms: int
     seq: int  # its place in the table: older hits have smaller ones
     page: bytes | None  # a one-chunk hit's chain hash (indexed by it); None for a longer hit
-    # gets loading under this hit's lease now (`covering` .. `done_with`): its lease is not given
-    # back meanwhile, whatever expires or crowds it out (review, 2026-12-05: another thread's
-    # `hold`, an expiry or another get's `finished` released it while a load ran under it)
+    # the `batch_exists` answers it stands for, (chunk reached, held_ms), by chunk then age: its
+    # own and those of the hits it replaced (`hold`); a get uses up one (`finished`)
+    claims: list[tuple[int, int]]
+    # gets loading under this hit's lease now (`covering` .. `finished`): its lease is not given
+    # back meanwhile, whatever expires, crowds out or covers it (review, 2026-12-05: another
+    # thread's `hold`, an expiry or another get's `finished` released it while a load ran under it)
     users: int = 0
-    # `drain` came while gets loaded under it: no new get takes it, and the last of those gives
-    # it back (`done_with`; review, stop 69: `drain` gave the lease back under a running load)
+    # `drain` came, or its last claim was used up, while gets loaded under it: no new get takes
+    # it, and the last of those gives it back (`finished`; review, stop 69: `drain` gave the lease
+    # back under a running load)
     drained: bool = False
 
 
@@ -135,11 +154,12 @@ class HeldHits:
     caller must give back.
 
     Per-page keys hold one one-chunk hit a page, up to `held_max` of them: those are indexed by
-    their chain hash, so a per-page get finds (and ends) its page's hits in O(1), whatever the
-    table holds (each get scanned it: ~2.7 ms a page at 8,192 held; review, stop 66). Hits of
-    more chunks (chained keys: one a batch of 128 pages) are few and scanned. `now_ms` must not
-    go backwards between calls (the backend reads one monotonic clock under its lock): the
-    table is in the order hits were held, so an expiry stops at the first hit still young."""
+    their chain hash, so a per-page get finds its page's hits in O(1), whatever the table holds
+    (each get scanned it: ~2.7 ms a page at 8,192 held; review, stop 66). Hits of more chunks
+    (chained keys: one a request, the batches' hits replaced by the last) are few and scanned.
+    `now_ms` must not go backwards between calls (the backend reads one monotonic clock under
+    its lock): the table is in the order hits were held, so an expiry stops at the first hit
+    still young."""
 
     def __init__(self, hold_ms: int = HOLD_MS_DEFAULT, held_max: int = HELD_HITS_MAX_DEFAULT) -> None:
         if hold_ms < 0 or held_max < 1:
@@ -150,19 +170,33 @@ class HeldHits:
         self._held: dict[int, _Held] = {}  # by seq: oldest first
         self._pages: dict[bytes, dict[int, _Held]] = {}  # one-chunk hits by chain hash, by seq
         self._longer: dict[int, _Held] = {}  # hits of two or more chunks, by seq
-        self._of_hit: dict[int, dict[int, _Held]] = {}  # id(hit) -> its entries (`done_with`)
+        self._of_hit: dict[int, dict[int, _Held]] = {}  # id(hit) -> its entries (`finished`)
 
     def __len__(self) -> int:
         return len(self._held)
 
     def hold(self, hit: Hit, now_ms: int) -> list[Hit]:
-        """Keep `hit` (it has chunks and a lease); the oldest beyond `held_max` not in use by a
-        get come back (those in use stay: as many as gets run at once)."""
+        """Keep `hit` (it has chunks and a lease). The held hits on its chain that it covers (no
+        longer than it) and no get loads under come back at once, their claims younger than
+        `hold_ms` moved to it; then the oldest beyond `held_max` not in use by a get (those in
+        use stay: as many as gets run at once)."""
         if hit.chunks == 0:
             return [hit] if hit.lease_id else []
+        chain = [bytes(g.chain_hash) for g in hit.groups[: hit.chunks]]
+        covered = sorted(
+            (
+                h
+                for h in self._on(chain)
+                if not h.users and h.hit is not hit and h.hit.chunks <= hit.chunks and _on_chain(h.hit, chain)
+            ),
+            key=lambda h: h.seq,
+        )
+        claims = [c for h in covered for c in h.claims if now_ms - c[1] < self.hold_ms]
+        out = covered[:]
+        self._drop(covered)
         self._seq += 1
-        page = bytes(hit.groups[0].chain_hash) if hit.chunks == 1 else None
-        held = _Held(hit, now_ms, self._seq, page)
+        page = chain[0] if hit.chunks == 1 else None
+        held = _Held(hit, now_ms, self._seq, page, sorted([*claims, (hit.chunks, now_ms)]))
         self._held[held.seq] = held
         if page is None:
             self._longer[held.seq] = held
@@ -170,15 +204,16 @@ class HeldHits:
             self._pages.setdefault(page, {})[held.seq] = held
         self._of_hit.setdefault(id(hit), {})[held.seq] = held
         over = len(self._held) - self.held_max
-        if over <= 0:
-            return []
-        out: list[_Held] = []
-        for old in self._held.values():  # oldest first; past those in use (a get's at most)
-            if not old.users:
-                out.append(old)
-                if len(out) == over:
-                    break
-        return self._drop(out)
+        if over > 0:
+            crowded: list[_Held] = []
+            for old in self._held.values():  # oldest first; past those in use (a get's at most)
+                if not old.users:
+                    crowded.append(old)
+                    if len(crowded) == over:
+                        break
+            out += crowded
+            self._drop(crowded)
+        return [h.hit for h in out]
 
     def _on(self, chain: Sequence[bytes]) -> list[_Held]:
         """Every held hit that may lie on `chain`: its first page's one-chunk hits and every
@@ -188,7 +223,7 @@ class HeldHits:
 
     def covering(self, chain: Sequence[bytes], end: int) -> Hit | None:
         """The held hit on `chain` that covers chunks `< end`, the shortest such (the oldest of
-        those): it stays held, in use by the caller until `done_with`."""
+        those): it stays held, in use by the caller until its `finished`."""
         best: _Held | None = None
         for held in self._on(chain[:end]):
             hit = held.hit
@@ -204,22 +239,22 @@ class HeldHits:
         best.users += 1
         return best.hit
 
-    def done_with(self, hit: Hit) -> list[Hit]:
-        """A get that `covering` gave `hit` is done loading under its lease: the hit itself when
-        it was drained meanwhile and no other get still loads under it."""
+    def finished(self, hit: Hit, end: int) -> list[Hit]:
+        """A get that `covering` gave `hit` is done with chunks `< end`: it uses up the hit's
+        claim that ends soonest at or after `end` (its own `batch_exists` answer's, or one that
+        stood for as much). The hit itself comes back once it has no claim left (or was
+        drained) and no other get still loads under it; until then no new get takes a hit with
+        no claim left. Another request's hit on the same chain stays for that request's get."""
         for held in self._of_hit.get(id(hit), {}).values():
             if held.users:
                 held.users -= 1
+                if not held.drained:
+                    at = next((i for i, (reached, _) in enumerate(held.claims) if reached >= end), None)
+                    if at is not None:
+                        del held.claims[at]
+                    held.drained = not held.claims
                 return self._drop([held]) if held.drained and not held.users else []
         return []
-
-    def finished(self, chain: Sequence[bytes], end: int) -> list[Hit]:
-        """A get of `chain` reached chunk `end`: every held hit on it ending there or before (but
-        one another get still loads under)."""
-        on_it = [
-            h for h in self._on(chain) if not h.users and h.hit.chunks <= end and _on_chain(h.hit, chain)
-        ]
-        return self._drop(sorted(on_it, key=lambda h: h.seq))
 
     def expired(self, now_ms: int) -> list[Hit]:
         """Hits held longer than `hold_ms` and not in use: no get came for them."""
@@ -249,7 +284,7 @@ class HeldHits:
 
     def drain(self) -> list[Hit]:
         """Every held hit no get loads under now (clear, close); those in use stay until their
-        last get is `done_with` them, and no new get takes them."""
+        last get is `finished` with them, and no new get takes them."""
         for held in self._held.values():
             held.drained = True
         return self._drop([h for h in self._held.values() if not h.users])
@@ -279,6 +314,11 @@ class StorageIdentity:
     model_dtype: str = ""
     quantization: str = ""
     model_overrides: str = ""
+    # how the weights were loaded (`--load-format`: "dummy" is random weights, others quantize
+    # or fetch them elsewhere) and the fp8 KV scales file (`--quantization-param-path`: SGLang
+    # divides K and V by its per-layer scales before storing them); review, stop 71
+    load_format: str = ""
+    kv_scales_path: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,16 +359,19 @@ def engine_spec(
 ) -> EngineSpec:
     """The key space of one SGLang worker's L3 pages: share domain (extra config `tenant_id` /
     `domain_salt_hex`, else the client settings), model (id, weights revision, KV dtype,
-    attention config), layout (TP, PP, the page format). MLA KV is the same on every TP rank:
-    one object per page for all ranks (tp 1 in the key). Raises `ValueError` for what the key
-    cannot name yet (attention context parallel, decode context parallel, split heads) and for a
-    model whose weights cannot be identified."""
+    attention config, fp8 KV scales), layout (TP, PP, the page format). MLA KV is the same on
+    every TP rank: one object per page for all ranks (tp 1 in the key). Raises `ValueError` for
+    what the key cannot name yet (attention context parallel, decode context parallel, split
+    heads), for random weights (`--load-format dummy`), for a model whose weights cannot be
+    identified and for a KV scales file that cannot be read."""
     if who.attn_cp_size > 1 or who.dcp_size > 1 or who.should_split_heads:
         raise ValueError(
             "kvfabric: attention/decode context parallel and tp_lcm_size head splits are not "
             f"supported (attn_cp_size={who.attn_cp_size}, dcp_size={who.dcp_size}, "
             f"split_heads={who.should_split_heads})"
         )
+    if who.load_format == "dummy":  # random weights under the real files' key (review, stop 71)
+        raise ValueError("kvfabric: --load-format dummy (random weights): nothing to cache")
     model_path = str(extra.get("model_path") or who.model_name or "")
     revision = str(extra.get("weights_revision") or "")
     if not revision and model_path and os.path.isdir(model_path):
@@ -352,6 +395,19 @@ def engine_spec(
         attn = digest_config({"config": attn, "overrides": who.model_overrides})
     if who.quantization:  # quantized at load (fp8 of bf16 files, say): other weights, other KV
         revision = f"{revision}+q:{who.quantization}"
+    if who.load_format not in _FILE_LOAD_FORMATS:  # not the files as they are (review, stop 71)
+        revision = f"{revision}+load:{who.load_format}"
+    kv_quant = "none"
+    if who.kv_scales_path:  # K and V are divided by its scales before they are stored (stop 71)
+        try:
+            with open(who.kv_scales_path, "rb") as f:
+                scales = f.read()
+        except OSError as exc:
+            raise ValueError(
+                f"kvfabric: the KV scales file (--quantization-param-path) {who.kv_scales_path!r} "
+                f"cannot be read ({exc}): its scales are part of the key"
+            ) from exc
+        kv_quant = "scales-sha256:" + hashlib.sha256(scales).hexdigest()
     kv_dtype = pool.dtype
     kv_cache_dtype = str(extra.get("kv_cache_dtype") or who.kv_cache_dtype or "")
     if kv_cache_dtype not in ("", "auto"):  # what the pool's bytes mean, and what made them
@@ -372,6 +428,7 @@ def engine_spec(
         model_id=str(extra.get("model_id") or who.model_name or model_path)[:200],
         weights_revision=revision[:200],
         kv_dtype=kv_dtype[:64],
+        kv_quant=kv_quant,
         attn_config_digest=attn,
     )
     layout = KVLayout(
