@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,15 +14,18 @@ import msgspec
 import pytest
 import xxhash
 
+from kvfabric.dataplane.admission import ConnectionLimits
 from kvfabric.dataplane.backend import GetGrant, PutSlot
 from kvfabric.dataplane.frames import HEADER, META_BYTES_MAX, Op, pack_header, unpack_header
 from kvfabric.dataplane.ucx import UcxClient, UcxServer, apply_ucx_env_defaults, ucx_env_defaults
+from kvfabric.dataplane.ucx_link import close_endpoint, libucxx, worker_for_running_loop
 from kvfabric.format.errors import (
     BadRequest,
     BatchTooLarge,
     Busy,
     ChecksumMismatch,
     Indeterminate,
+    KvfError,
     NoCapacity,
     Unavailable,
 )
@@ -355,6 +359,7 @@ async def test_connections_over_the_limit_get_busy() -> None:
             finally:
                 second.close()
             assert server.rejected_busy == 1
+            assert server.counters.get("busy_total") == 1, server.counters  # (TCP's name)
             await first.put(ticket_for(data), data)  # the admitted connection is unaffected
         assert not backend.leaked()
 
@@ -428,6 +433,8 @@ async def test_a_stalled_put_times_out_aborts_the_slot_and_drops_the_connection(
                 conn = backend.closed[0]
                 assert ("abort_put", conn) in backend.calls and not backend.leaked()
                 assert server.connections == 0 and server.leaked_connections == 0
+                # counted as the TCP server counts a payload past its deadline
+                assert server.counters.get("closed_transfer_timeout_total") == 1, server.counters
             finally:
                 await ep.close()
 
@@ -455,6 +462,7 @@ async def test_a_refused_requests_payloads_are_drained_within_one_deadline() -> 
                         await asyncio.wait_for(ep.send(b"."), 1)
                 await until(lambda: bool(backend.closed))
                 assert asyncio.get_running_loop().time() - started < 1.5  # not 8 x 0.3 s
+                assert server.counters.get("closed_transfer_timeout_total") == 1, server.counters
             finally:
                 await ep.close()
 
@@ -578,6 +586,125 @@ async def test_stop_releases_every_connection_and_clients_see_unavailable() -> N
                 await client.put(ticket_for(data), data)
         finally:
             client.close()
+
+    await run(scenario)
+
+
+# ---- idle deadline, closures counted -----------------------------------------------------------------
+
+IDLE_MS = 300
+KEEPALIVE_S = 0.075  # a request this often: four before each idle deadline
+HELD_S = 1.0  # more than three idle timeouts
+
+
+def credential_ok(meta: object) -> bool:
+    """The authenticator (as `ArenaBackend.admits`): a well-signed ticket, or a read of this
+    incarnation (the fake backend answers other incarnations `stale_incarnation`)."""
+    if isinstance(meta, PutRequest):
+        return meta.ticket.signature == GOOD_SIGNATURE
+    return isinstance(meta, GetRequest) and any(r.incarnation == INCARNATION for r in meta.reads)
+
+
+@on_module_loop
+@pytest.mark.parametrize("keepalive", ["get_looked_up", "get_stale_incarnation", "put_bad_ticket"])
+async def test_only_a_request_with_an_accepted_credential_renews_the_idle_deadline(keepalive: str) -> None:
+    """A GET whose reads all failed their token check (here: another incarnation's) or a PUT whose
+    ticket `begin_put` refused keeps no connection open past the idle timeout from the last
+    request that presented an accepted credential; a GET that looked its read up does."""
+
+    async def scenario() -> None:
+        backend = FakeBackend()
+        data = os.urandom(64)
+        limits = ConnectionLimits(idle_timeout_ms=IDLE_MS)
+        async with serving(backend, limits=limits, authenticate=credential_ok) as (server, client):
+            await client.put(ticket_for(data), data)  # admitted
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            dest = bytearray(64)
+            while loop.time() - started < HELD_S and not backend.closed:
+                with contextlib.suppress(KvfError):
+                    if keepalive == "put_bad_ticket":
+                        await client.put(ticket_for(data, signature=b"forged"), data)
+                    else:
+                        incarnation = INCARNATION if keepalive == "get_looked_up" else INCARNATION + 1
+                        await client.get([ReadRef(incarnation, 3, 1, 64)], [dest])  # (slot 3: empty)
+                await asyncio.sleep(KEEPALIVE_S)
+            lived_s = loop.time() - started
+            if keepalive == "get_looked_up":
+                assert not backend.closed, "closed though each GET's read passed its token check"
+                assert server.counters.get("closed_idle_timeout_total", 0) == 0, server.counters
+            else:
+                await until(lambda: bool(backend.closed))
+                assert lived_s < IDLE_MS / 1000 + 0.4, f"{keepalive} kept it open {lived_s:.2f} s"
+                assert server.counters.get("closed_idle_timeout_total") == 1, server.counters
+
+    await run(scenario)
+
+
+class SlowGetBackend(FakeBackend):
+    """Each GET blocks the loop 50 ms (a disk read): requests queue up behind one another."""
+
+    def begin_get(self, reads: list[ReadRef], conn: int) -> GetGrant:
+        time.sleep(0.05)
+        return super().begin_get(reads, conn)
+
+
+@on_module_loop
+async def test_requests_queued_past_the_idle_deadline_are_not_served() -> None:
+    """The idle deadline is checked before each request is read: a request already waiting would
+    be taken at once by a receive with no time left, so a peer keeping its next request always
+    queued (here ten uncredited GETs of 50 ms each, 300 ms of idle timeout) was served for good."""
+
+    async def scenario() -> None:
+        backend = SlowGetBackend()
+        data = os.urandom(64)
+        limits = ConnectionLimits(idle_timeout_ms=IDLE_MS)
+        async with serving(backend, limits=limits, authenticate=credential_ok) as (server, _):
+            ep = await ucxx.create_endpoint("127.0.0.1", server.port)
+            try:
+                await ep.send(put_frame(1, ticket_for(data)))
+                await ep.send(bytearray(data))
+                op, _, _ = await read_frame(ep)
+                assert op is Op.REPLY  # admitted
+                meta = encode(GetRequest(reads=[ReadRef(INCARNATION + 1, 0, 1, 64)]))  # uncredited
+                gets = [pack_header(Op.GET, 2 + i, len(meta)) + meta for i in range(10)]
+                await asyncio.gather(*(ep.send(g) for g in gets))  # all posted at once
+                await until(lambda: bool(backend.closed))
+            finally:
+                await ep.close()
+            served = sum(1 for verb, _ in backend.calls if verb == "begin_get")
+            assert served < 10, "GETs read past the idle deadline were served"
+            assert server.counters.get("closed_idle_timeout_total") == 1, server.counters
+
+    await run(scenario)
+
+
+@on_module_loop
+async def test_an_idle_connection_is_closed_at_the_idle_timeout_and_counted() -> None:
+    async def scenario() -> None:
+        backend = FakeBackend()
+        data = os.urandom(64)
+        limits = ConnectionLimits(idle_timeout_ms=IDLE_MS)
+        async with serving(backend, limits=limits, authenticate=credential_ok) as (server, client):
+            await client.put(ticket_for(data), data)
+            await until(lambda: bool(backend.closed))
+            assert server.counters.get("closed_idle_timeout_total") == 1, server.counters
+
+    await run(scenario)
+
+
+@on_module_loop
+async def test_a_connection_that_never_handshakes_is_closed_at_the_auth_deadline_and_counted() -> None:
+    async def scenario() -> None:
+        backend = FakeBackend()
+        limits = ConnectionLimits(auth_deadline_ms=300)
+        async with serving(backend, limits=limits, authenticate=credential_ok) as (server, _):
+            worker = worker_for_running_loop()
+            ep = libucxx().UCXEndpoint.create(worker.worker, "127.0.0.1", server.port, True)
+            try:  # connected, but no handshake (its peer info never sent)
+                await until(lambda: server.counters.get("closed_auth_deadline_total") == 1)
+            finally:
+                close_endpoint(worker, ep)
 
     await run(scenario)
 

@@ -22,7 +22,18 @@ Bounds (`ConnectionLimits`, each with its unit):
 - deadlines are absolute, never reset by a byte (a trickle cannot extend them):
   - unauthenticated: `auth_deadline_ms` after the accept, whatever arrives meanwhile (a TLS
     handshake, a frame sent a byte at a time);
-  - authenticated, between requests: `idle_timeout_ms` after the previous request ended;
+  - authenticated, between requests: `idle_timeout_ms` after the end of the last request that
+    presented a credential the backend accepted: a PUT whose ticket `begin_put` took, a GET or
+    PIN_LOCAL one of whose reads passed its token check (`reads_credited`: from the statuses the
+    backend computes anyway, no MAC more on the GET path), a MAP whose credential `authenticate`
+    accepts (the connection's first request, admitted, is one). Any other request (UNPIN_LOCAL,
+    still served: give-backs are never refused; a MAP, GET or PIN_LOCAL whose credentials all
+    failed; a refused PUT) extends nothing: one token held once kept a connection, and its place
+    among `connections_max`, open for good by a MAP or an empty UNPIN_LOCAL every 299 s (found in
+    review). A request begun before that deadline may end after it (under its own deadlines);
+    the connection is then closed before another is read, so a peer that keeps its next request
+    always queued gains at most one request's time. Without an `authenticate` (no credentials in
+    the deployment) every request renews it;
   - a request: header and meta within `frame_timeout_ms` of its first byte; a payload (a PUT's
     bytes, a GET's reply) within `transfer_ms(size)`: `frame_timeout_ms` plus its size at
     `transfer_rate_min_bytes_per_s`.
@@ -36,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
@@ -52,9 +63,11 @@ __all__ = [
     "UNAUTHENTICATED_MAX_DEFAULT",
     "UNAUTHENTICATED_META_BYTES_MAX",
     "UNAUTHENTICATED_PER_SOURCE_MAX_DEFAULT",
+    "UNCREDITED_STATUSES",
     "Authenticator",
     "ConnectionGate",
     "ConnectionLimits",
+    "reads_credited",
 ]
 
 CONNECTIONS_MAX_DEFAULT: Final = 64  # authenticated connections at once
@@ -72,6 +85,17 @@ TRANSFER_RATE_MIN_BYTES_PER_S_DEFAULT: Final = 1 << 20  # a payload slower than 
 # The first frame's meta is read before its credential is checked: bounded below META_BYTES_MAX
 # (a GET of READS_MAX references with tokens is ~215 KB).
 UNAUTHENTICATED_META_BYTES_MAX: Final = 256 << 10
+# A read's status that says its token was not accepted (failed, expired, or of another
+# incarnation); any other (`ok`, and `not_found`, `stale_generation`, `wrong_size`: looked up,
+# so past the token check) says it was, where the backend checks read tokens.
+UNCREDITED_STATUSES: Final = frozenset({"unauthorized", "stale_incarnation"})
+
+
+def reads_credited(statuses: Iterable[str]) -> bool:
+    """Whether a GET's or PIN_LOCAL's answer shows one of its read tokens accepted by the backend
+    (it renews the connection's idle deadline). A backend that checks no read tokens
+    (`read_tokens_required` off) answers no read `unauthorized`: then any read looked up counts."""
+    return any(status not in UNCREDITED_STATUSES for status in statuses)
 
 
 class Authenticator(Protocol):

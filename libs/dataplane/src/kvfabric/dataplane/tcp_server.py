@@ -22,6 +22,7 @@ from kvfabric.dataplane.admission import (
     Authenticator,
     ConnectionGate,
     ConnectionLimits,
+    reads_credited,
 )
 from kvfabric.dataplane.backend import (
     GetGrant,
@@ -192,6 +193,20 @@ class TcpDataServer:
             if conn in self._deadlines:
                 self._deadlines[conn] = (time.monotonic() + budget_ms / 1000, reason)
 
+    def _idle_deadline(self, conn: int, at: float) -> bool:
+        """`conn` waits for its next request until `at` (monotonic s): False, and the connection
+        shut down (counted), when that is past already (the watchdog would not see it when the
+        next request's bytes are already queued: its frame deadline replaced this one at once)."""
+        with self._lock:
+            if conn not in self._deadlines:
+                return True
+            if at <= time.monotonic():
+                self._count("closed_idle_timeout_total")
+                self._expire_locked(conn)
+                return False
+            self._deadlines[conn] = (at, "idle_timeout")
+            return True
+
     def _no_deadline(self, conn: int) -> None:
         """The backend works for `conn` (a confirm waits on the directory, bounded there)."""
         with self._lock:
@@ -318,10 +333,13 @@ class TcpDataServer:
         authenticated = self.authenticate is None
         header_buf = memoryview(bytearray(HEADER.size))
         request_id = 0
+        renewed_at = time.monotonic()  # the end of the last request that renews the idle deadline
         try:
             while True:
-                if authenticated:
-                    self._deadline(conn, limits.idle_timeout_ms, "idle_timeout")
+                if authenticated and not self._idle_deadline(
+                    conn, renewed_at + limits.idle_timeout_ms / 1000
+                ):
+                    return
                 got = sock.recv_into(header_buf)  # the first bytes of the next request
                 if got == 0:
                     raise PeerClosed
@@ -338,15 +356,18 @@ class TcpDataServer:
                         header.request_id,
                     )
                 meta = dataplane_decoder.decode(recv_bytes(sock, header.meta_bytes))
-                if not authenticated:
+                admitted = not authenticated
+                if admitted:
                     self._admit(conn, header.request_id, meta)
                     authenticated = True
+                    renewed_at = time.monotonic()  # (a credential accepted, whatever the answer)
                     # The rest of this request runs as any later one's does (the frame timeout),
                     # not within what is left of the auth deadline: a first GET's disk read or a
                     # staged PUT's file read was cut off at 1 s from the accept.
                     self._deadline(conn, limits.frame_timeout_ms, "frame_timeout")
                 try:
-                    self._dispatch(conn, sock, header.op, header.request_id, meta)
+                    if self._dispatch(conn, sock, header.op, header.request_id, meta, admitted):
+                        renewed_at = time.monotonic()
                 except _PutRefused as refused:
                     # A size we cannot skip (too large, or negative: the stream is out of step).
                     if not 0 <= refused.payload_bytes <= OBJECT_BYTES_MAX:
@@ -410,16 +431,34 @@ class TcpDataServer:
             self.backend.abort_put(put, conn)
             raise
         self._no_deadline(conn)  # the confirm to the directory, as for a sent PUT
-        slot, generation = self.backend.finish_put(put, conn)
-        self._deadline(conn, self.gate.limits.frame_timeout_ms, "frame_timeout")
-        reply = put.reply(slot, generation)
-        send_all(sock, encode_frame(Op.REPLY, request_id, reply))
+        self._finish_put(conn, sock, request_id, put)
 
-    def _dispatch(self, conn: int, sock: socket.socket, op: Op, request_id: int, meta: object) -> None:
+    def _finish_put(self, conn: int, sock: socket.socket, request_id: int, put: PutSlot) -> None:
+        """A PUT whose ticket `begin_put` took, its bytes in the slot: stored and answered, or its
+        failure (a checksum mismatch, the directory's refusal) answered here: the ticket was
+        accepted all the same (the request renews the idle deadline)."""
+        try:
+            slot, generation = self.backend.finish_put(put, conn)
+        except KvfError as err:
+            self._deadline(conn, self.gate.limits.frame_timeout_ms, "frame_timeout")
+            send_all(sock, encode_frame(Op.ERROR, request_id, error_reply_from(err)))
+            return
+        self._deadline(conn, self.gate.limits.frame_timeout_ms, "frame_timeout")
+        send_all(sock, encode_frame(Op.REPLY, request_id, put.reply(slot, generation)))
+
+    def _dispatch(
+        self, conn: int, sock: socket.socket, op: Op, request_id: int, meta: object, admitted: bool
+    ) -> bool:
+        """Serve one request; whether it renews the connection's idle deadline (it presented a
+        credential the backend accepted, `kvfabric.dataplane.admission`). `admitted`: it is the
+        connection's first, its credential checked already."""
         limits = self.gate.limits
+        if self.authenticate is None:  # no credentials in this deployment: every request renews
+            admitted = True
         if op is Op.PUT and isinstance(meta, PutRequest) and meta.staged is not None:
             self._put_staged(conn, sock, request_id, meta)
-        elif op is Op.PUT and isinstance(meta, PutRequest):
+            return True  # (`begin_put` took its ticket, or it raised)
+        if op is Op.PUT and isinstance(meta, PutRequest):
             try:
                 check_claimed(meta, staged=False)
                 put = self.backend.begin_put(meta.ticket, conn, claim_of(meta))
@@ -429,15 +468,14 @@ class TcpDataServer:
             self._deadline(conn, limits.transfer_ms(len(put.view)), "transfer_timeout")
             self._receive_put(conn, sock, put)
             self._no_deadline(conn)
-            slot, generation = self.backend.finish_put(put, conn)
-            self._deadline(conn, limits.frame_timeout_ms, "frame_timeout")
-            put_reply = put.reply(slot, generation)
-            send_all(sock, encode_frame(Op.REPLY, request_id, put_reply))
-        elif op is Op.GET and isinstance(meta, GetRequest):
+            self._finish_put(conn, sock, request_id, put)
+            return True
+        if op is Op.GET and isinstance(meta, GetRequest):
             if len(meta.reads) > READS_MAX:
                 raise BadRequest(f"{len(meta.reads)} reads exceed {READS_MAX}")
             streamed = getattr(self.backend, "begin_get_streamed", None) if meta.verdicts_after else None
             grant = (streamed or self.backend.begin_get)(meta.reads, conn)
+            credited = admitted or reads_credited(grant.statuses)
             try:
                 readable = [
                     (r.slot, r.slot_generation)
@@ -473,20 +511,26 @@ class TcpDataServer:
                     )
             finally:
                 self.backend.end_get(grant, conn)
-        elif op is Op.MAP and isinstance(meta, MapRequest):
+            return credited
+        if op is Op.MAP and isinstance(meta, MapRequest):
             info = self.backend.map_info()
             if self._staging_files() is not None:
                 info = msgspec.structs.replace(info, staged_puts=True)
             send_all(sock, encode_frame(Op.REPLY, request_id, info))
-        elif op is Op.PIN_LOCAL and isinstance(meta, GetRequest):
+            # A MAP is rare (one a pooled connection): its credential is checked again here.
+            return admitted or (self.authenticate is not None and self.authenticate(meta))
+        if op is Op.PIN_LOCAL and isinstance(meta, GetRequest):
             if len(meta.reads) > READS_MAX:
                 raise BadRequest(f"{len(meta.reads)} reads exceed {READS_MAX}")
-            send_all(sock, encode_frame(Op.REPLY, request_id, self.backend.pin_local(meta.reads, conn)))
-        elif op is Op.UNPIN_LOCAL and isinstance(meta, UnpinLocal):
+            grants = self.backend.pin_local(meta.reads, conn)
+            send_all(sock, encode_frame(Op.REPLY, request_id, grants))
+            return admitted or reads_credited(g.status for g in grants.grants)
+        if op is Op.UNPIN_LOCAL and isinstance(meta, UnpinLocal):
+            # Served whoever asks (a give-back is never refused), but it carries no credential.
             released = self.backend.unpin_local(meta.grant_id, conn)
             send_all(sock, encode_frame(Op.REPLY, request_id, UnpinReply(released=released)))
-        else:
-            raise BadRequest(f"op {op.name} does not take {type(meta).__name__}")
+            return admitted
+        raise BadRequest(f"op {op.name} does not take {type(meta).__name__}")
 
     @staticmethod
     def _send_streamed(sock: socket.socket, request_id: int, grant: GetGrant, head: list[bytes]) -> None:

@@ -296,6 +296,10 @@ class LinkDown(Exception):
     """The endpoint failed, was closed by the peer, or a transfer timed out (endpoint aborted)."""
 
 
+class LinkTimeout(LinkDown):
+    """`LinkDown` because the transfers did not finish within their timeout (none failed)."""
+
+
 def transfer_failure(failures: Sequence[BaseException]) -> Truncated | LinkDown | None:
     """What a request's failed transfers mean: None when none failed; `Truncated` when each was
     a receive larger than its buffer (the endpoint stays usable); `LinkDown` otherwise (the
@@ -355,8 +359,9 @@ class Link:
         """Post the transfers (in order) and wait until all finish.
 
         Raises `Truncated` if one was truncated (all others succeeded), `LinkDown` on any other
-        failure or timeout. On timeout or cancellation the endpoint is aborted and the transfers
-        are awaited (cancelled by UCX) before this returns or re-raises.
+        failure, `LinkTimeout` (a `LinkDown`) on a timeout. On timeout or cancellation the
+        endpoint is aborted and the transfers are awaited (cancelled by UCX) before this returns
+        or re-raises.
         """
         if self.aborted:
             raise LinkDown("endpoint aborted")
@@ -379,8 +384,12 @@ class Link:
                 await self._settle(futs)
                 raise
         if pending:  # timed out, or one failed while others still run: the endpoint is done for
+            # (before the abort: the transfers it cancels then fail too)
+            timed_out = not any(f.done() and not f.cancelled() and f.exception() for f in futs)
             self.abort()
             await self._settle(futs)
+            if timed_out:
+                raise LinkTimeout(f"transfer did not finish within {timeout_s} s")
             failed = [f.exception() for f in futs if f.done() and f.exception()]
             raise LinkDown(repr(failed[0]) if failed else f"transfer did not finish within {timeout_s} s")
         failure = transfer_failure([e for e in (f.exception() for f in futs) if e is not None])
@@ -425,7 +434,8 @@ def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
 
 async def handshake(worker: Worker, ep: Any, *, listener: bool, timeout_s: float) -> Link:
     """Agree the connection's tag pair, the way ucxx's asyncio API does (the listener sends its
-    peer info first). Raises `LinkDown` (the endpoint aborted) on failure or timeout."""
+    peer info first). Raises `LinkDown` (the endpoint aborted) on failure, `LinkTimeout` on a
+    timeout."""
     own_tag = int.from_bytes(os.urandom(8), "little")
     mine = _array_type(PEER_INFO.pack(own_tag, hash64bits(own_tag)))
     theirs_buf = bytearray(PEER_INFO.size)
@@ -439,7 +449,7 @@ async def handshake(worker: Worker, ep: Any, *, listener: bool, timeout_s: float
             futs.append(worker.post(request, mine if is_send else theirs))
             done, _ = await asyncio.wait([futs[-1]], timeout=max(0.0, deadline - loop.time()))
             if not done:
-                raise LinkDown(f"no handshake within {timeout_s} s")
+                raise LinkTimeout(f"no handshake within {timeout_s} s")
             futs[-1].result()
     except BaseException as exc:
         close_endpoint(worker, ep)

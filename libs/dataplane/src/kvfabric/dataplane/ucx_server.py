@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -17,6 +16,7 @@ from kvfabric.dataplane.admission import (
     Authenticator,
     ConnectionGate,
     ConnectionLimits,
+    reads_credited,
 )
 from kvfabric.dataplane.backend import SegmentBackend, check_claimed, claim_of, new_connection_id
 from kvfabric.dataplane.frames import (
@@ -33,6 +33,8 @@ from kvfabric.dataplane.ucx_link import (
     IO_TIMEOUT_S_DEFAULT,
     Link,
     LinkDown,
+    LinkOp,
+    LinkTimeout,
     Truncated,
     Worker,
     close_endpoint,
@@ -89,7 +91,9 @@ class UcxServer:
     `authenticate` function, the handshake and a first request carrying a valid credential must
     arrive within the auth deadline; unauthenticated connections are bounded apart (the oldest is
     closed to make room), authenticated ones in total and per peer address; an authenticated
-    connection silent for the idle timeout is closed. Runs on the loop that called `start()`.
+    connection is closed the idle timeout after its last request with an accepted credential.
+    Closures and refusals are counted under the TCP server's names. Runs on the loop that called
+    `start()`.
     """
 
     def __init__(
@@ -230,6 +234,8 @@ class UcxServer:
         try:
             link = await handshake(worker, ep, listener=True, timeout_s=handshake_s)
         except LinkDown as exc:
+            if isinstance(exc, LinkTimeout) and handshake_s < self.connect_timeout_s:
+                self._count("closed_auth_deadline_total")  # (TCP: a TLS handshake past it)
             _log.info("ucx: connection handshake failed: %s", exc)
             return
         if self._stopping:
@@ -244,6 +250,7 @@ class UcxServer:
         except (LinkDown, asyncio.CancelledError):
             pass
         except Exception:
+            self._count("internal_errors_total")  # (TCP's name: a request no handler expects)
             _log.exception("ucx: connection %d failed", c.conn)
         finally:
             self._conns.pop(c.conn, None)
@@ -270,14 +277,23 @@ class UcxServer:
 
     async def _serve(self, c: _Connection, auth_deadline: float | None) -> None:
         """Requests in order. `auth_deadline` (loop time): the connection is not authenticated
-        yet and must be by then; until it is, anything but a valid first request closes it."""
+        yet and must be by then; until it is, anything but a valid first request closes it.
+        Authenticated, it waits for a request at most the idle timeout from the end of the last
+        one that presented a credential the backend accepted (`kvfabric.dataplane.admission`)."""
         frame = memoryview(c.buf)
         loop = asyncio.get_running_loop()
         idle_s = self.gate.limits.idle_timeout_ms / 1000
+        renewed_at = loop.time()  # the end of the last request that renews the idle deadline
         try:
             while True:
                 authenticated = auth_deadline is None
-                wait_s = idle_s if auth_deadline is None else max(0.0, auth_deadline - loop.time())
+                if auth_deadline is not None:
+                    wait_s = max(0.0, auth_deadline - loop.time())
+                else:
+                    wait_s = renewed_at + idle_s - loop.time()
+                    if wait_s <= 0:  # (a message already there would be taken at once)
+                        self._count("closed_idle_timeout_total")
+                        return
                 try:
                     await c.link.complete([c.link.recv(c.buf)], wait_s)
                 except Truncated:
@@ -286,9 +302,10 @@ class UcxServer:
                     if not authenticated:
                         return
                     continue
-                except LinkDown:
-                    if loop.time() >= (auth_deadline if auth_deadline is not None else math.inf):
-                        self._count("closed_auth_deadline_total")
+                except LinkTimeout:
+                    self._count(
+                        "closed_idle_timeout_total" if authenticated else "closed_auth_deadline_total"
+                    )
                     raise
                 try:
                     header = unpack_header(frame[: HEADER.size])
@@ -313,7 +330,9 @@ class UcxServer:
                         await self._send(c, error_frame(header.request_id, refusal))
                         return
                     auth_deadline = None
-                await self._dispatch(c, header, meta)
+                    renewed_at = loop.time()  # (a credential accepted, whatever the answer)
+                if await self._dispatch(c, header, meta) or self.authenticate is None:
+                    renewed_at = loop.time()
         finally:
             frame.release()
 
@@ -329,7 +348,16 @@ class UcxServer:
         return refusal
 
     async def _send(self, c: _Connection, frame: bytes) -> None:
-        await c.link.complete([c.link.send(frame)], self.io_timeout_s)
+        """A reply or error frame alone (TCP sends those under the frame timeout)."""
+        await self._complete(c, [c.link.send(frame)], self.io_timeout_s, "frame_timeout")
+
+    async def _complete(self, c: _Connection, ops: list[LinkOp], timeout_s: float, reason: str) -> None:
+        """`Link.complete`, a timeout counted `closed_<reason>_total` (the TCP server's names)."""
+        try:
+            await c.link.complete(ops, timeout_s)
+        except LinkTimeout:
+            self._count(f"closed_{reason}_total")
+            raise
 
     async def _refuse(self, c: _Connection, header: Header, err: KvfError) -> None:
         """Consume the payload messages the request declared, then answer `err`: all of them
@@ -341,28 +369,31 @@ class UcxServer:
             deadline = loop.time() + self.io_timeout_s
             for _ in range(header.payload_count):
                 with contextlib.suppress(Truncated):
-                    await c.link.complete([c.link.recv(scratch)], max(0.001, deadline - loop.time()))
+                    left = max(0.001, deadline - loop.time())
+                    await self._complete(c, [c.link.recv(scratch)], left, "transfer_timeout")
         await self._send(c, error_frame(header.request_id, err))
 
-    async def _dispatch(self, c: _Connection, header: Header, meta: object) -> None:
+    async def _dispatch(self, c: _Connection, header: Header, meta: object) -> bool:
+        """Serve one request; whether it renews the idle deadline: it presented a credential the
+        backend accepted (a ticket `begin_put` took, a read past its token check)."""
         if header.op is Op.PUT and isinstance(meta, PutRequest):
-            await self._put(c, header, meta)
-        elif header.op is Op.GET and isinstance(meta, GetRequest):
-            await self._get(c, header, meta.reads)
-        else:
-            what = f"op {header.op.name} with {type(meta).__name__}"
-            await self._refuse(c, header, BadRequest(f"{what} is not served over UCX"))
+            return await self._put(c, header, meta)
+        if header.op is Op.GET and isinstance(meta, GetRequest):
+            return await self._get(c, header, meta.reads)
+        what = f"op {header.op.name} with {type(meta).__name__}"
+        await self._refuse(c, header, BadRequest(f"{what} is not served over UCX"))
+        return False
 
-    async def _put(self, c: _Connection, header: Header, meta: PutRequest) -> None:
+    async def _put(self, c: _Connection, header: Header, meta: PutRequest) -> bool:
         ticket = meta.ticket
         if header.payload_count != 1:
             await self._refuse(c, header, BadRequest("a PUT carries exactly one payload message"))
-            return
+            return False
         try:
             check_claimed(meta, staged=False)
         except KvfError as err:
             await self._refuse(c, header, err)
-            return
+            return False
         if ticket.size_bytes > self.inflight_bytes_max:
             await self._refuse(
                 c,
@@ -374,20 +405,20 @@ class UcxServer:
                     limit=self.inflight_bytes_max,
                 ),
             )
-            return
+            return False
         try:
             put = self.backend.begin_put(ticket, c.conn, claim_of(meta))
         except KvfError as err:
             await self._refuse(c, header, err)
-            return
+            return False
         put.take_meta(meta)  # (a receipted save failed over UCX when it took only the checksum)
         try:
-            await c.link.complete([c.link.recv(put.view)], self.io_timeout_s)
+            await self._complete(c, [c.link.recv(put.view)], self.io_timeout_s, "transfer_timeout")
         except Truncated:
             self.backend.abort_put(put, c.conn)
             too_big = BadRequest("PUT payload is larger than the ticket's size_bytes")
             await self._send(c, error_frame(header.request_id, too_big))
-            return
+            return True  # (its ticket was taken)
         except BaseException:
             if not c.link.stuck:
                 self.backend.abort_put(put, c.conn)  # nothing visible; the slot goes back
@@ -396,17 +427,18 @@ class UcxServer:
             slot, generation = self.backend.finish_put(put, c.conn)
         except KvfError as err:
             await self._send(c, error_frame(header.request_id, err))
-            return
+            return True
         reply = put.reply(slot, generation)
         await self._send(c, encode_frame(Op.REPLY, header.request_id, reply))
+        return True
 
-    async def _get(self, c: _Connection, header: Header, reads: list[ReadRef]) -> None:
+    async def _get(self, c: _Connection, header: Header, reads: list[ReadRef]) -> bool:
         if header.payload_count:
             await self._refuse(c, header, BadRequest("a GET request carries no payload"))
-            return
+            return False
         if len(reads) > READS_MAX:
             await self._refuse(c, header, BatchTooLarge(f"{len(reads)} reads exceed {READS_MAX}"))
-            return
+            return False
         total = sum(max(ref.size_bytes, 0) for ref in reads)
         if total > self.inflight_bytes_max:
             await self._refuse(
@@ -418,18 +450,20 @@ class UcxServer:
                     limit=self.inflight_bytes_max,
                 ),
             )
-            return
+            return False
         try:
             grant = self.backend.begin_get(reads, c.conn)
         except KvfError as err:
             await self._send(c, error_frame(header.request_id, err))
-            return
+            return False
         try:
             results = [ObjectResult(s, cs) for s, cs in zip(grant.statuses, grant.checksums, strict=True)]
             views = [v for v in grant.views if v is not None]
             reply = encode_frame(Op.REPLY, header.request_id, GetReply(results=results), len(views))
             link = c.link
-            await link.complete([link.send(reply), *(link.send(v) for v in views)], self.io_timeout_s)
+            sends = [link.send(reply), *(link.send(v) for v in views)]
+            await self._complete(c, sends, self.io_timeout_s, "transfer_timeout")
         finally:
             if not c.link.stuck:
                 self.backend.end_get(grant, c.conn)
+        return reads_credited(grant.statuses)

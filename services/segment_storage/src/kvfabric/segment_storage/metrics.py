@@ -9,7 +9,7 @@ from prometheus_client.registry import Collector
 
 from kvfabric.segment_storage.shell import SegmentShell
 
-__all__ = ["SegmentCollector"]
+__all__ = ["SegmentCollector", "rejected_connections"]
 
 
 class SegmentCollector(Collector):
@@ -110,9 +110,15 @@ class SegmentCollector(Collector):
         yield events
         yield CounterMetricFamily(
             "kvfabric_segment_rejected_connections",
-            "Data connections refused (busy).",
-            value=shell.server.rejected_busy,
+            "Data connections refused (busy), TCP and UCX.",
+            value=rejected_connections(shell),
         )
+
+
+def rejected_connections(shell: SegmentShell) -> int:
+    """Data connections refused `busy`, by either transport (UCX's were left out)."""
+    ucx = shell.ucx.server if shell.ucx is not None else None
+    return shell.server.rejected_busy + (ucx.rejected_busy if ucx is not None else 0)
 
 
 def _le(bound: float) -> str:
