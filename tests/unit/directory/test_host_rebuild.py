@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, cast
@@ -30,7 +31,10 @@ class FakeShell:
             shard=SHARD,
             free_table=SimpleNamespace(in_grace=False, grace_until_ms=0),
             hold_orphans=self.hold_orphans,
+            counters={},  # a stopped shell's are folded into the host's (`ShardHost.retired`)
+            quotas=SimpleNamespace(stats=OrderedDict()),
         )
+        self.events_published = 0
         self.may_act: Callable[[], bool] = lambda: True
 
     def hold_orphans(self) -> int:

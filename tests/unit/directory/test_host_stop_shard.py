@@ -6,6 +6,7 @@ two cores of one shard and epoch must never act together)."""
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, cast
@@ -18,7 +19,9 @@ from kvfabric.directory.shard_host import ShardHost
 
 class FakeShell:
     def __init__(self) -> None:
-        self.core = SimpleNamespace(epoch=7)
+        # counters: a stopped shell's are folded into the host's (`ShardHost.retired`)
+        self.core = SimpleNamespace(epoch=7, counters={}, quotas=SimpleNamespace(stats=OrderedDict()))
+        self.events_published = 0
         self.may_act: Callable[[], bool] = lambda: True
         self.acting_while_draining: list[bool] = []
         self.stopped = False

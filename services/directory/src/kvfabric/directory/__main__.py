@@ -193,6 +193,10 @@ async def serve(settings: RuntimeSettings) -> int:
             config_bucket=CONFIG_BUCKET,
         )
         doctor_task = asyncio.create_task(doctor.run(), name="directory-kv-doctor")
+        # like the service's other tasks: one that ends with an exception stops the instance
+        # (its supervisor restarts it) instead of the lease bucket never being repaired again
+        # (review, stop 71; `KvDoctor.run` itself catches what a check raises)
+        runtime.watch(doctor_task, doctor_task.get_name())
 
     log.info("directory_standby", metrics_port=runtime.metrics_port, shards=config.shards)
     freeze_long_lived("directory_standby")  # and again once led shards are rebuilt (ShardHost)

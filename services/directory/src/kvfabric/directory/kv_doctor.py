@@ -34,7 +34,10 @@ keeps epochs (revisions) growing. It is safe when all of these hold, which `chec
    claimed `first_seq` (`floor_of`, used by `kvfabric.directory.kv_buckets.open_bucket`), never from 1
    (which would hand out epochs already used).
 
-Counted: `recreated`, `claims_lost` (another instance repaired), `failed`.
+Counted: `recreated`, `claims_lost` (another instance repaired), `failed`, `check_failures`
+(a check that raised: logged `kv_doctor_check_failed` at its first, then at most every
+`CHECK_FAILED_LOG_S` while it fails the same way; the next check runs `POLL_S` later whatever
+it raised).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ TTL_MARGIN_S: Final = 1.0  # on top of the lease TTL before a stuck lease bucket
 HEALTHZ_TIMEOUT_S: Final = 2.0
 API_TIMEOUT_S: Final = 5.0
 PROBE_BYTES: Final = 64 << 10  # the scratch write that shows the store takes writes again
+CHECK_FAILED_LOG_S: Final = 60.0  # a check failing the same way is logged again this often
 
 Fetch = Callable[[str], Awaitable[dict[str, str]]]
 CLAIM_PREFIX: Final = "repair-"
@@ -177,15 +181,40 @@ class KvDoctor:
         self.recreated = 0
         self.claims_lost = 0
         self.failed = 0
+        self.check_failures = 0
+        self._failing: tuple[str, float, int] | None = None  # (error type, logged at, unlogged since)
         self._log = get_logger("kvfabric.directory.kv_doctor").bind(instance=instance_id)
 
     async def run(self, poll_s: float = POLL_S) -> None:
+        """`check_once` every `poll_s`, until cancelled. Whatever a check raises is logged and
+        the next goes on (review, stop 71: only OSError, ValueError, nats errors and timeouts
+        were caught, and a truncated `/healthz` reply, `http.client.IncompleteRead` /
+        `BadStatusLine` / `LineTooLong`, or a JSON array body, AttributeError, ended the task
+        silently: the lease bucket was never repaired again)."""
         while True:
             try:
                 await self.check_once()
-            except (OSError, ValueError, nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-                self._log.info("kv_doctor_check_failed", error=type(exc).__name__)
+            except Exception as exc:
+                self._check_failed(exc)
+            else:
+                self._failing = None
             await asyncio.sleep(poll_s)
+
+    def _check_failed(self, exc: Exception) -> None:
+        """Count it; log it when it fails another way than the last logged, or again after
+        `CHECK_FAILED_LOG_S` (an unreachable monitor URL fails every 2 s for as long as it lasts)."""
+        self.check_failures += 1
+        error, now = type(exc).__name__, self.clock()
+        if (
+            self._failing is not None
+            and self._failing[0] == error
+            and now - self._failing[1] < CHECK_FAILED_LOG_S
+        ):
+            self._failing = (error, self._failing[1], self._failing[2] + 1)
+            return
+        unlogged = self._failing[2] if self._failing is not None and self._failing[0] == error else 0
+        self._failing = (error, now, 0)
+        self._log.warning("kv_doctor_check_failed", error=error, detail=repr(exc)[:200], unlogged=unlogged)
 
     async def check_once(self) -> list[str]:
         """Read `/healthz`; recreate every watched stream stuck long enough. Returns those done."""

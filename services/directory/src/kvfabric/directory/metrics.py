@@ -1,5 +1,8 @@
 """Exports the shard cores' plain counters and state sizes as Prometheus metrics (read at scrape
-time), summed over the shards this instance leads (the epoch per shard)."""
+time): gauges summed over the shards this instance leads (the epoch per shard); counters over
+those, the shells still draining after a handover, and every shell retired before
+(`kvfabric.directory.retired`: a shard handed over or rebuilt took its totals out of the sum,
+and Prometheus read a counter reset; review, stop 71)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from prometheus_client.registry import Collector
 
 from kvfabric.core.directory import DirectoryCore
 from kvfabric.core.leadership import ShardLeadership
+from kvfabric.directory.retired import RetiredCounters
 from kvfabric.directory.shard_host import ShardHost
 from kvfabric.directory.shell import DirectoryShell
 from kvfabric.directory.stalls import CORE_CALL_BUCKETS_S, CORE_CALLS
@@ -26,11 +30,14 @@ class DirectoryCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         # Scraped from another thread: every live dict of the loop's is copied whole with dict()
         # (in C, no allocation mid-walk) before Python walks it (docs/metrics.md)
-        shells = list(dict(self.host.shells).items())
+        with self.host.retired.lock:  # a shell moved meanwhile is counted once, not twice or never
+            shells = list(dict(self.host.shells).items())
+            counted = [shell for _, shell in shells] + list(self.host.draining)
+            retired = self.host.retired.copy()
         cores = [shell.core for _, shell in shells]
-        counters: Counter[str] = Counter()
-        for core in cores:
-            counters.update(dict(core.counters))
+        counters: Counter[str] = Counter(retired.core)
+        for shell in counted:
+            counters.update(dict(shell.core.counters))
         events = CounterMetricFamily(
             "kvfabric_directory_core_events", "Core counters, by name.", labels=["name"]
         )
@@ -50,7 +57,7 @@ class DirectoryCollector(Collector):
         yield CounterMetricFamily(
             "kvfabric_directory_events_published",
             "Events JetStream acknowledged.",
-            value=sum(shell.events_published for _, shell in shells),
+            value=retired.events_published + sum(shell.events_published for shell in counted),
         )
         yield from self._events_stream([shell for _, shell in shells])
         if self.leadership is not None:
@@ -106,7 +113,7 @@ class DirectoryCollector(Collector):
             reserved.add_metric([segment_id], placed[segment_id])
         yield up
         yield reserved
-        yield from self._tenants(cores)
+        yield from self._tenants(cores, [shell.core for shell in counted], retired)
         yield from self._core_calls()
         yield from self._fair()
 
@@ -224,8 +231,11 @@ class DirectoryCollector(Collector):
             value=longest_s,
         )
 
-    def _tenants(self, cores: list[DirectoryCore]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        """Per share domain (hex digest): what it holds and what it was refused."""
+    def _tenants(
+        self, cores: list[DirectoryCore], counted: list[DirectoryCore], retired: RetiredCounters
+    ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """Per share domain (hex digest): what it holds (the `cores` led) and what it was refused
+        (the `counted` cores, led or draining, and the `retired` ones)."""
         used = GaugeMetricFamily(
             "kvfabric_directory_tenant_used_bytes",
             "Bytes a tenant holds (size x replicas: building, published, copying, freeing).",
@@ -242,6 +252,10 @@ class DirectoryCollector(Collector):
             for domain, use in dict(core.quotas.usage).items():
                 used_bytes[domain] += use.bytes
                 used_objects[domain] += use.objects
+        for domain, (exceeded, limited) in retired.tenants.items():
+            quota_exceeded[domain] += exceeded
+            rate_limited[domain] += limited
+        for core in counted:
             # an OrderedDict: its copy() is one C walk (dict() of it is a keys list, then lookups)
             for domain, stats in core.quotas.stats.copy().items():
                 quota_exceeded[domain] += stats.quota_exceeded

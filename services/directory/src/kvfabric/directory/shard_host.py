@@ -21,7 +21,9 @@ tenant's give-backs are `busy` before they are decoded (`FairGate.giveback_refus
 
 Shards come and go with leadership (`kvfabric.directory.leader`): `start_shard` rebuilds the
 shard's index from the segments' reports (only keys of that shard) under the new epoch before it
-serves; `stop_shard` (a handover) stops serving it at once — its KV key is released only after.
+serves, adopting them in bounded steps with the event loop yielded between (`_adopt`); `stop_shard`
+(a handover) stops serving it at once — its KV key is released only after; the counters of a
+shell stopped stay exported (`retired`, `kvfabric.directory.retired`).
 A lapsed lease stops the whole instance (the caller exits), as before sharding; `stop` ends
 every task of the host within `STOP_TIMEOUT_S` and returns the names of those still running
 (the caller then exits at once: docs/design.md, liveness). Once the starts
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
@@ -54,12 +57,14 @@ from nats.aio.client import Client as NatsClient
 
 from kvfabric.core import authz
 from kvfabric.core.authz import GIVEBACK_VERBS, TENANT_VERBS
-from kvfabric.core.directory import DirectoryConfig, DirectoryCore
+from kvfabric.core.directory import DirectoryConfig, DirectoryCore, Effect
+from kvfabric.core.directory.rebuild import SegmentHolding
 from kvfabric.core.quotas import TokenBucket
 from kvfabric.directory import shard_requests
 from kvfabric.directory.fair import FairGate, sender_wait_s
 from kvfabric.directory.giveback import give_back
 from kvfabric.directory.rebuild import gather_holdings
+from kvfabric.directory.retired import RetiredCounters
 from kvfabric.directory.segment_registry import SegmentRegistry
 from kvfabric.directory.shard_map import ShardMapServer
 from kvfabric.directory.shard_requests import check_release_many, fair_ids, reply_extra_ids, shard_of_request
@@ -92,6 +97,10 @@ STOP_TIMEOUT_S: Final = 3.0  # `stop`: every task ended by then (handed-over she
 MISSING_SEGMENT_REBUILD_S_MIN: Final = 10.0
 MISSING_SEGMENT_REBUILD_S_MAX: Final = 300.0
 MISSING_SEGMENT_DRAIN_S: Final = 1.0  # the stopped shell's queued events still go out
+# A rebuild adopts this many objects a core call (`DirectoryCore.adopt_steps`: ~25 us an object,
+# ~13 ms a step), the event loop yielded between: one call for a whole shard held the loop
+# ~0.5 s per 20,000 objects, and from ~65,000 past the leader lease (review, stop 71).
+ADOPT_STEP_OBJECTS: Final = 512
 
 
 M = TypeVar("M", bound=msgspec.Struct)
@@ -143,6 +152,11 @@ class ShardHost:
         # tasks a retired shell's stop could not end (a publisher stuck on the events stream):
         # the host's stop reports them (review, stop 65: forgotten, the process did not exit 79)
         self._stuck_retired: set[asyncio.Task[Any]] = set()
+        # Counters of the shells out of `shells`: still `draining` (counted as they are), then
+        # folded into `retired`, so no exported counter goes down on a handover or a rebuild
+        # (review, stop 71; `kvfabric.directory.retired`, its `lock` guards all three).
+        self.retired = RetiredCounters(core_config.tenants_max)
+        self.draining: set[DirectoryShell] = set()
         self._runtime: ServiceRuntime | None = None  # `attach`'s
         self._settling = False
         self._announced: list[int] = []
@@ -569,10 +583,10 @@ class ShardHost:
         # segment, `_start_once` again) never reissues a ticket, lease or pin id of the one before,
         # which a late confirm or release could still name (review, 2026-12-05).
         core = DirectoryCore(self.core_config, epoch=epoch, shard=shard, first_id=max(1, now_ms() << 8))
-        effects = CORE_CALLS.timed("adopt", lambda: core.adopt(holdings, now_ms()))  # a stall: measured
+        effects = await self._adopt(core, holdings, lambda: self.may_act(shard, epoch) and not self._stopping)
         shell = self.make_shell(core)
         shell.may_act = lambda: self.may_act(shard, epoch)
-        if not self.may_act(shard, epoch):  # lost (or handed over) while rebuilding
+        if effects is None or not self.may_act(shard, epoch):  # lost (or handed over) while rebuilding
             self._log.info("shard_start_abandoned", shard=shard, epoch=epoch)
             return
         self._loose_shells.add(shell)  # until it serves or is stopped (a cancelled start)
@@ -597,6 +611,36 @@ class ShardHost:
             groups_adopted=len(core.published),
             grace_until_ms=core.grace_until_ms,
         )
+
+    @staticmethod
+    async def _adopt(
+        core: DirectoryCore, holdings: list[SegmentHolding], going_on: Callable[[], bool]
+    ) -> list[Effect] | None:
+        """`core` adopts `holdings` in steps of `ADOPT_STEP_OBJECTS` objects, each one timed core
+        call (`CORE_CALLS`, "adopt"), the event loop yielded between: the leader leases' renewals
+        and every other shard's requests go on (review, stop 71: in one call, a shard of ~65,000
+        objects or more held the loop past the lease, lost every lease of the instance, and the
+        next leader did the same). Steps, not a thread: a thread's pure-Python adoption would
+        still hold the GIL most of the time, and could not be stopped when the shard is lost.
+        Nothing else sees `core` until it is served (it is new, and installed after), so what
+        runs between steps cannot touch it. Each step is given the time it runs at: the
+        segments count as heard at the last. Returns the effects, or None once `going_on()`
+        is false (the shard lost or the host stopping: the rest is not worth adopting)."""
+        steps = core.adopt_steps(holdings, now_ms(), ADOPT_STEP_OBJECTS)
+        step: Callable[[], None] = functools.partial(next, steps)
+        try:
+            while True:
+                try:
+                    CORE_CALLS.timed("adopt", step)
+                except StopIteration as done:
+                    effects: list[Effect] = done.value
+                    return effects
+                await asyncio.sleep(0)
+                if not going_on():
+                    return None
+                step = functools.partial(steps.send, now_ms())
+        finally:
+            steps.close()
 
     def _settled(self) -> None:
         """Logged when this instance's led shards stopped changing (tests and operators wait
@@ -628,7 +672,7 @@ class ShardHost:
         With `drain_s` > 0 its already queued events still go to JetStream, for up to `drain_s`:
         in the background on a handover (the caller releases the lease key meanwhile), or before
         returning (`background=False`: a rebuild, whose new core's events must come after)."""
-        shell = self.shells.pop(shard, None)
+        shell = self._unserve(shard)
         if shell is None:
             return
         shell.may_act = lambda: False
@@ -642,10 +686,28 @@ class ShardHost:
 
     async def _retire(self, shell: DirectoryShell, drain_s: float) -> None:
         self._loose_shells.add(shell)
-        await shell.drain_events(drain_s)
-        if stuck := await shell.stop():
-            self._stuck_retired |= stuck
-        self._loose_shells.discard(shell)  # not on a cancellation or failure: `stop` stops it
+        try:
+            await shell.drain_events(drain_s)
+            if stuck := await shell.stop():
+                self._stuck_retired |= stuck
+            self._loose_shells.discard(shell)  # not on a cancellation or failure: `stop` stops it
+        finally:
+            self._fold(shell)
+
+    def _unserve(self, shard: int) -> DirectoryShell | None:
+        """Take `shard`'s shell out of `shells`; its counters stay exported (`draining`)."""
+        with self.retired.lock:
+            shell = self.shells.pop(shard, None)
+            if shell is not None:
+                self.draining.add(shell)
+        return shell
+
+    def _fold(self, shell: DirectoryShell) -> None:
+        """`shell` is done (drained and stopped, or given up on): its counters join `retired`."""
+        with self.retired.lock:
+            if shell in self.draining:
+                self.draining.discard(shell)
+                self.retired.fold(shell)
 
     async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
         """Stop serving and end every task of the host within `timeout_s`: rebuilds cancelled,
@@ -664,7 +726,7 @@ class ShardHost:
         for sub in self._subs:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await asyncio.wait_for(sub.unsubscribe(), left_s())  # type: ignore[attr-defined]
-        shells = [self.shells.pop(shard) for shard in sorted(self.shells)]
+        shells = [shell for shard in sorted(self.shells) if (shell := self._unserve(shard)) is not None]
         for shell in shells:
             shell.may_act = lambda: False
             self._log.info("shard_stopped", shard=shell.core.shard, epoch=shell.core.epoch)
@@ -673,6 +735,7 @@ class ShardHost:
         stuck |= await cancel_and_wait(self._retiring, left_s())
         for shell in [*shells, *self._loose_shells]:
             stuck |= await shell.stop(left_s())
+            self._fold(shell)
         stuck |= await cancel_and_wait([t for t in self._stuck_retired if not t.done()], left_s())
         return sorted(task.get_name() for task in stuck)
 

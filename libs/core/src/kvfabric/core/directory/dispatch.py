@@ -32,12 +32,13 @@ Dependencies point one way: segments ← frees ← published ← leases | replic
 ## A new leader (`adopt`)
 A directory that takes over a shard rebuilds its tables from the segments' reports
 (`rebuild`) under a new, higher epoch; frees of adopted slots wait out the grace
-period (the frees table), so no slot leased by the old leader is reused under its reader.
+period (the frees table), so no slot leased by the old leader is reused under its reader. The
+host runs it in bounded steps (`adopt_steps`), its event loop yielded between (review, stop 71).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from itertools import chain
 from typing import Any
 
@@ -51,11 +52,11 @@ from kvfabric.core.directory.leases import Lease, LeaseTable
 from kvfabric.core.directory.namespaces import NamespaceTable
 from kvfabric.core.directory.published import PublishedTable
 from kvfabric.core.directory.reads import Reads
-from kvfabric.core.directory.rebuild import SegmentHolding, plan_rebuild
+from kvfabric.core.directory.rebuild import SegmentHolding, plan_rebuild_steps
 from kvfabric.core.directory.records import PublishedGroup, ReplicaRecord
 from kvfabric.core.directory.replicas import ReplicaTable
 from kvfabric.core.directory.replies import ReplyCache
-from kvfabric.core.directory.segments import Segment, SegmentTable
+from kvfabric.core.directory.segments import Segment, SegmentTable, arena_bytes_of
 from kvfabric.core.directory.writes import BuildingGroup, WriteTable
 from kvfabric.core.eviction_admission import AdmissionGate, AdmissionView
 from kvfabric.core.quotas import Quotas, Tenant, TenantUsage, tenant_of
@@ -65,7 +66,11 @@ from kvfabric.format.ids import GroupKey
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 
-__all__ = ["DirectoryCore"]
+__all__ = ["AdoptSteps", "DirectoryCore"]
+
+# `DirectoryCore.adopt_steps`: yields between steps, takes each step's time (ms) if sent, and
+# returns the effects of the whole adoption.
+AdoptSteps = Generator[None, int | None, list[Effect]]
 
 
 class DirectoryCore:
@@ -237,30 +242,64 @@ class DirectoryCore:
     def adopt(self, holdings: Sequence[SegmentHolding], now_ms: int) -> list[Effect]:
         """Become the index of what `holdings` store (see `rebuild`): their segments are
         up, complete groups are published, orphans are freed once the grace period
-        (`lease_ttl_ms_max`, the longest lease the old leader could have granted) has passed."""
+        (`lease_ttl_ms_max`, the longest lease the old leader could have granted) has passed.
+        One call: `adopt_steps` run to its end."""
+        steps = self.adopt_steps(holdings, now_ms, None)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                effects: list[Effect] = done.value
+                return effects
+
+    def adopt_steps(
+        self, holdings: Sequence[SegmentHolding], now_ms: int, objects_max: int | None
+    ) -> AdoptSteps:
+        """`adopt` in steps of about `objects_max` objects each (None: one step), yielding
+        between them; the effects of them all are returned at the end. At ~25 us an object, one
+        call for a shard of 100,000 objects held the host's event loop past its leader lease
+        (review, stop 71: the next leader did the same); the host runs each step as its own call.
+        The core must not be used by anything else until the adoption has ended (the host builds
+        it, then serves it). The driver may send the time of a step (`generator.send`): the
+        segments count as heard at the last step's (the core heard no heartbeat while it was
+        built; timed from `now_ms`, an adoption longer than the heartbeat timeout had every
+        segment declared down by the first tick). The grace runs from `now_ms`: the old
+        leader's leases were all granted before."""
         invariant(not self.segments and not self.published and not self.building, "adopt into a used core")
-        self.free_table.begin_grace(
-            now_ms,
-            (
-                (h.registration.segment_id, h.registration.incarnation, o.slot, o.slot_generation)
-                for h in holdings
-                for o in h.objects
-            ),
-        )
+        step = objects_max or max(1, sum(len(h.objects) for h in holdings))
+        self.free_table.begin_grace(now_ms, ())  # and each slice's slots below
         for holding in holdings:
-            self.segment_table.adopt(holding, now_ms)
-        plan = plan_rebuild(holdings)
+            reg = holding.registration
+            arena_bytes = 0
+            for start in range(0, len(holding.objects), step):
+                part = holding.objects[start : start + step]
+                self.free_table.begin_grace(
+                    now_ms, ((reg.segment_id, reg.incarnation, o.slot, o.slot_generation) for o in part)
+                )
+                arena_bytes += arena_bytes_of(part)
+                yield
+            self.segment_table.adopt(reg, arena_bytes, now_ms)
+        plan = yield from plan_rebuild_steps(holdings, objects_max)
         effects: list[Effect] = []
-        self.published_table.adopt(plan, effects)
-        for r in plan.orphans:
-            replica = ReplicaRecord(
-                self.segment_table.intern(r.segment_id, r.incarnation), r.slot, r.slot_generation
-            )
-            tenant = tenant_of(r.key)
-            self._ctx.quotas.add(tenant, r.size_bytes)  # held until the segment frees it
-            self.free_table.free(replica, r.size_bytes, tenant, effects, key=r.key, orphan=True)
+        members = weighed = 0
+        for gid, (info, group_members) in plan.groups.items():
+            weighed += self.published_table.adopt_group(gid, info, group_members, effects)
+            members += len(group_members)
+            if weighed >= step:
+                weighed = 0
+                yield
+        for start in range(0, len(plan.orphans), step):
+            for r in plan.orphans[start : start + step]:
+                replica = ReplicaRecord(
+                    self.segment_table.intern(r.segment_id, r.incarnation), r.slot, r.slot_generation
+                )
+                tenant = tenant_of(r.key)
+                self._ctx.quotas.add(tenant, r.size_bytes)  # held until the segment frees it
+                self.free_table.free(replica, r.size_bytes, tenant, effects, key=r.key, orphan=True)
+            yield
+        self.segment_table.heard_at((yield) or now_ms)  # the last step's time, if sent
         self._ctx.count("adopted_groups_total", len(plan.groups))
-        self._ctx.count("adopted_objects_total", sum(len(g[1]) for g in plan.groups.values()))
+        self._ctx.count("adopted_objects_total", members)
         self._ctx.count("adopted_orphans_total", len(plan.orphans))
         return batch_frees(effects)
 

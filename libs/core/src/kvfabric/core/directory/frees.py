@@ -220,7 +220,8 @@ class FreeTable:
 
     def begin_grace(self, now_ms: int, adopted: Iterable[SlotKey]) -> None:
         """A new leader: frees of `adopted` slots wait `lease_ttl_ms_max` (the longest lease the
-        old leader could have granted)."""
+        old leader could have granted). A stepped adoption calls it once per slice of the slots,
+        each time with the same `now_ms` (`DirectoryCore.adopt_steps`)."""
         self.grace_until_ms = now_ms + self.ctx.config.lease_ttl_ms_max
         self.in_grace = True
         self._adopted.update(adopted)

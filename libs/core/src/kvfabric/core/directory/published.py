@@ -51,11 +51,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from kvfabric.core.directory.base import Context, Effect, EmitEvent, Outcome, Steps, check_batch, run_whole
+from kvfabric.core.directory.base import (
+    Context,
+    Effect,
+    EmitEvent,
+    Member,
+    Outcome,
+    Steps,
+    check_batch,
+    run_whole,
+)
 from kvfabric.core.directory.frees import FreeTable
 from kvfabric.core.directory.index import DomainIndex
 from kvfabric.core.directory.keys import GroupInfo, chain_of, domain_of, parse_group, parse_key
-from kvfabric.core.directory.rebuild import RebuildPlan
+from kvfabric.core.directory.rebuild import RebuiltMember
 from kvfabric.core.directory.records import (
     FLAG_DEGRADED,
     MemberRecord,
@@ -210,32 +219,33 @@ class PublishedTable:
             ),
         )
 
-    def adopt(self, plan: RebuildPlan, effects: list[Effect]) -> None:
-        """Publish the complete groups a rebuild found (`rebuild`)."""
-        for gid, (info, members) in plan.groups.items():
-            records = []
-            degraded = False
-            for member, rebuilt in sorted(members.items()):
-                replicas = tuple(
-                    ReplicaRecord(
-                        self.segments.intern(r.segment_id, r.incarnation), r.slot, r.slot_generation
-                    )
-                    for r in rebuilt.replicas
-                )
-                degraded |= replica_segments(replicas) < self.ctx.config.replicas_default
-                records.append(MemberRecord(*member, rebuilt.size_bytes, rebuilt.checksum, replicas))
-            group = PublishedGroup(
-                self.intern_namespace(info.namespace),
-                info.chunk_index,
-                FLAG_DEGRADED if degraded else 0,
-                tuple(records),
+    def adopt_group(
+        self, gid: GroupKey, info: GroupInfo, members: dict[Member, RebuiltMember], effects: list[Effect]
+    ) -> int:
+        """Publish one complete group a rebuild found (`rebuild`); returns how many replicas it
+        holds (what `DirectoryCore.adopt_steps` bounds a step by)."""
+        records = []
+        degraded = False
+        for member, rebuilt in sorted(members.items()):
+            replicas = tuple(
+                ReplicaRecord(self.segments.intern(r.segment_id, r.incarnation), r.slot, r.slot_generation)
+                for r in rebuilt.replicas
             )
-            self.add(gid, group)
-            if any(tier_of_slot(r.slot) == "ssd" for x in records for r in x.replicas):
-                effects.append(self.republished(gid, group))  # the policy learns its disk bytes
-            self.ctx.quotas.add(
-                tenant_of(info.namespace), sum(x.size_bytes * len(x.replicas) for x in records), len(records)
-            )
+            degraded |= replica_segments(replicas) < self.ctx.config.replicas_default
+            records.append(MemberRecord(*member, rebuilt.size_bytes, rebuilt.checksum, replicas))
+        group = PublishedGroup(
+            self.intern_namespace(info.namespace),
+            info.chunk_index,
+            FLAG_DEGRADED if degraded else 0,
+            tuple(records),
+        )
+        self.add(gid, group)
+        if any(tier_of_slot(r.slot) == "ssd" for x in records for r in x.replicas):
+            effects.append(self.republished(gid, group))  # the policy learns its disk bytes
+        self.ctx.quotas.add(
+            tenant_of(info.namespace), sum(x.size_bytes * len(x.replicas) for x in records), len(records)
+        )
+        return sum(len(x.replicas) for x in records)
 
     # ---- holds (read leases and pins, counted per group by the lease table) ---------------
 

@@ -25,21 +25,25 @@ One entry per segment id ever registered; placements grow by one per (id, incarn
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvfabric.core.directory.base import Context, Effect, EmitEvent, Outcome
-from kvfabric.core.directory.rebuild import SegmentHolding
 from kvfabric.core.directory.records import ReplicaRecord
 from kvfabric.core.placement import Candidate
 from kvfabric.core.quotas import Tenant
 from kvfabric.format.errors import BadRequest, NotFound, StaleGeneration
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
-from kvfabric.proto.segment import tier_of_slot
+from kvfabric.proto.segment import HeldObject, tier_of_slot
 from kvfabric.proto.tickets import read_token
 
-__all__ = ["Segment", "SegmentTable"]
+__all__ = ["Segment", "SegmentTable", "arena_bytes_of"]
+
+
+def arena_bytes_of(objects: Iterable[HeldObject]) -> int:
+    """The arena bytes these stored objects take (disk-tier ones take none: docs/segment.md)."""
+    return sum(o.size_bytes for o in objects if tier_of_slot(o.slot) == "dram")
 
 
 @dataclass(slots=True)
@@ -145,14 +149,20 @@ class SegmentTable:
             )
         )
 
-    def adopt(self, holding: SegmentHolding, now_ms: int) -> None:
-        """A segment as a new leader found it: up, reserving what its arena holds (freed orphans
-        give it back; disk-tier objects hold no arena bytes: docs/segment.md)."""
-        reg = holding.registration
+    def adopt(self, reg: m.RegisterSegment, arena_bytes: int, now_ms: int) -> None:
+        """A segment as a new leader found it: up, reserving `arena_bytes`, what its arena holds
+        (`arena_bytes_of` its objects, summed a slice at a time by `DirectoryCore.adopt_steps`;
+        freed orphans give it back)."""
         seg = Segment(reg.segment_id, reg.incarnation, reg.domain, reg.capacity_bytes, reg.data_addr, now_ms)
-        seg.reserved_bytes = sum(o.size_bytes for o in holding.objects if tier_of_slot(o.slot) == "dram")
+        seg.reserved_bytes = arena_bytes
         self.segments[reg.segment_id] = seg
         self._note_text(reg.segment_id, reg.data_addr)
+
+    def heard_at(self, now_ms: int) -> None:
+        """Every segment counts as heard at `now_ms`: a stepped adoption ends (the new core heard
+        nothing while it was built; its first tick must not take that silence for theirs)."""
+        for seg in self.segments.values():
+            seg.last_heartbeat_ms = max(seg.last_heartbeat_ms, now_ms)
 
     def _note_text(self, segment_id: str, data_addr: str) -> None:
         self.segment_id_bytes_max = max(self.segment_id_bytes_max, len(segment_id.encode()))
