@@ -8,6 +8,7 @@ Blocks kvfabric does not have are still saved."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -1137,6 +1138,7 @@ def test_only_a_kv_cache_of_full_attention_is_cached() -> None:
         KVCacheConfig,
         KVCacheGroupSpec,
         SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
     )
 
     from kvfabric.engines.vllm_connector import unsupported_kv_cache
@@ -1154,6 +1156,11 @@ def test_only_a_kv_cache_of_full_attention_is_cached() -> None:
     assert unsupported_kv_cache(config(full)) is None
     assert "SlidingWindowSpec" in (unsupported_kv_cache(config(window)) or "")
     assert "2 KV cache groups" in (unsupported_kv_cache(config(full, window)) or "")
+    prefix_lm = dataclasses.replace(full, non_causal=True)  # a chunk's KV depends on later tokens
+    assert "non-causal" in (unsupported_kv_cache(config(prefix_lm)) or "")
+    # one group of several layers: its first layer's spec decides, as the scheduler side sees it
+    uniform = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"l0": full, "l1": full})
+    assert unsupported_kv_cache(config(uniform)) is None
 
 
 def test_a_sliding_window_model_runs_the_client_disabled(engine_config: Any) -> None:
@@ -1194,7 +1201,11 @@ def test_the_metrics_ports_follow_the_global_data_parallel_rank(engine_config: A
         "connect_timeout_ms": 200,
     }
     config.parallel_config.data_parallel_rank = 1
+    config.parallel_config.data_parallel_index = 1
     config.parallel_config.data_parallel_rank_local = None
+    # a dense model's engine core resets the rank to 0; the index keeps it (review, stop 71)
+    config.parallel_config.reconfigure_for_independent_dp_rank()
+    assert config.parallel_config.data_parallel_rank == 0
     clients = [make_client(config, KVConnectorRole.SCHEDULER), make_client(config, KVConnectorRole.WORKER)]
     try:
         assert [c.settings.metrics_port for c in clients] == [9102, 9103]

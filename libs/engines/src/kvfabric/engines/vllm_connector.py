@@ -334,9 +334,14 @@ def unsupported_kv_cache(kv_cache_config: KVCacheConfig | None) -> str | None:
     of full attention layers only. A sliding-window group pads what lies before the window with
     vLLM's shared null block (id 0) and frees those blocks as the window moves: a save then
     stored block 0 (or another request's reused block) under the prompt's real keys, and a load
-    wrote into the null block every request shares (review, stop 71). A hybrid model (several
-    groups: full and sliding layers, Mamba) has one block table per group; the connector moves
-    group 0's only. None: no config given (nothing to check)."""
+    wrote into the null block every request shares (review, stop 71). Several groups (a Mamba
+    hybrid: vLLM merges full and sliding layers into one full-attention group when, as here,
+    the connector does not declare its hybrid manager supported) have one block table each;
+    the connector moves group 0's only. Non-causal full attention (a prefix LM) makes a chunk's
+    KV depend on the tokens after it: vLLM turns its own prefix caching off for it. The group's
+    representative spec decides (a `UniformTypeKVCacheSpecs`' first layer's), which is what the
+    scheduler side is given: both sides then agree (the worker, checking every layer, was
+    disabled where the scheduler was not). None: no config given (nothing to check)."""
     if kv_cache_config is None:
         return None
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
@@ -345,11 +350,13 @@ def unsupported_kv_cache(kv_cache_config: KVCacheConfig | None) -> str | None:
     if len(groups) != 1:
         return f"{len(groups)} KV cache groups (a hybrid model): one group of full attention only"
     spec = groups[0].kv_cache_spec
-    specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-    for one in specs:
-        # exactly these: subclasses keep partial windows (RSWASpec) or sinks (SinkFullAttentionSpec)
-        if type(one) not in (FullAttentionSpec, MLAAttentionSpec):
-            return f"{type(one).__name__} layers (sliding window or partial): full attention only"
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        spec = spec.first_spec
+    # exactly these: subclasses keep partial windows (RSWASpec) or sinks (SinkFullAttentionSpec)
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        return f"{type(spec).__name__} layers (sliding window or partial): full attention only"
+    if getattr(spec, "non_causal", False):
+        return "non-causal attention (a prefix LM): a chunk's KV depends on later tokens"
     return None
 
 
@@ -373,7 +380,13 @@ def make_client(
             failure_log_level=log_level,
         )
     try:
-        dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", None) or 0
+        # `data_parallel_index`: vLLM resets `data_parallel_rank` to 0 in each rank's engine
+        # core for a dense model (`reconfigure_for_independent_dp_rank`), the index keeps it
+        # (review, stop 71: every rank took P and P + 1 again)
+        parallel = vllm_config.parallel_config
+        dp_rank = getattr(parallel, "data_parallel_index", None)
+        if dp_rank is None:
+            dp_rank = getattr(parallel, "data_parallel_rank", None) or 0
         settings = worker_metrics_port(settings_from_env(**overrides), role, int(dp_rank))
         spec = engine_spec(vllm_config, extra)
     except (KvfError, ValueError, TypeError, OSError) as exc:  # OSError: reading the weights' digest
