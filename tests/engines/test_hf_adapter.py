@@ -278,6 +278,7 @@ def test_a_save_that_raises_is_not_saved_and_a_save_carries_its_trace_id(model_d
             nats_url="nats://127.0.0.1:1", save_inflight_bytes_max=4 * adapter.chunk_bytes
         )
         registry = SaveMemoryRegistry()
+        metrics = adapter.client.metrics
         fail = False
 
         def save_memory(self, nbytes: int) -> Any:
@@ -448,5 +449,80 @@ def test_a_part_that_leaves_a_chunk_unstored_ends_the_prompts_save(model_dir: Pa
         client.sent, client.outcomes = [], [{"bytes": 2}]
         result = adapter.save_prefix(ids, cache).result(5)  # type: ignore[union-attr]
         assert client.sent == [(0, 2)] and result.causes == {"bytes": 7} and dropped("bytes") == 3
+    finally:
+        real_client.close()
+
+
+@torch.inference_mode()
+def test_a_part_the_client_drops_itself_is_counted_once_and_the_rest_dropped(model_dir: Path) -> None:
+    """The client turning off mid-chain drops the part it is given (`save_async` returns None,
+    counted by the client under `closed`): that part was counted again under `dropped` with the
+    parts after it, and when it was the first part the parts after it were not counted at all
+    (review, stop 71). Each part not sent is counted once; the prompt's one result fails each
+    chunk not stored once, under one cause."""
+    import concurrent.futures
+    from typing import Any
+
+    from kvfabric.client import SaveResult
+
+    model = load_model(model_dir)
+    spec = hf_engine_spec(model, DOMAIN, tokens_per_chunk=TPC, model_id="tiny-llama")
+    real_client = KvClient.disabled(spec, "test", "unit")
+    adapter = HfKvAdapter(model, real_client)
+    ids = prompt_ids(7 * TPC + 5, seed=14)
+    cache = model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+
+    class Client:
+        settings = ClientSettings(nats_url="nats://127.0.0.1:1", save_inflight_bytes_max=4 * CHUNK_BYTES)
+        metrics = real_client.metrics
+
+        def __init__(self, off_from: int) -> None:
+            self.off_from = off_from  # the part from which the client is off
+            self.sent: list[int] = []
+
+        def save_memory(self, nbytes: int) -> Any:
+            raise OSError("no save memory here")
+
+        def save_async(
+            self, tokens: list[int], objects: list[object], *, first_chunk: int, **_: Any
+        ) -> concurrent.futures.Future[SaveResult] | None:
+            self.sent.append(first_chunk)
+            if len(self.sent) > self.off_from:  # off: counted here, as `KvClient.save_async`
+                self.metrics.saves_dropped.labels("closed").inc()
+                return None
+            done: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
+            done.set_result(SaveResult(len(objects), 0, 0, 0, {}))
+            return done
+
+    def counts() -> dict[str, float]:
+        return {
+            cause: real_client.metrics.registry.get_sample_value(
+                "kvfabric_client_saves_dropped_total", {"cause": cause}
+            )
+            or 0.0
+            for cause in ("closed", "dropped")
+        }
+
+    try:
+        # parts of 2 chunks: (0, 2), (2, 2), (4, 2), (6, 1); off from the second
+        adapter.client = Client(off_from=1)  # type: ignore[assignment]
+        before = counts()
+        saving = adapter.save_prefix(ids, cache)
+        assert saving is not None
+        result = saving.result(5)
+        assert adapter.client.sent == [0, 2]  # type: ignore[attr-defined]
+        assert (result.chunks_saved, result.chunks_failed, result.causes) == (2, 5, {"dropped": 5})
+        after = counts()
+        assert after["closed"] - before["closed"] == 1  # the second part, by the client
+        assert after["dropped"] - before["dropped"] == 2  # the third and fourth, once each
+        # off from the first part: the three after it are counted too, never sent
+        adapter.client = Client(off_from=0)  # type: ignore[assignment]
+        before = counts()
+        assert adapter.save_prefix(ids, cache) is None
+        assert adapter.client.sent == [0]  # type: ignore[attr-defined]
+        after = counts()
+        assert (after["closed"] - before["closed"], after["dropped"] - before["dropped"]) == (1, 3)
+        slots = adapter._save_slots
+        assert not isinstance(slots, SaveSlots) or slots.free() == slots.count
     finally:
         real_client.close()

@@ -359,9 +359,10 @@ def test_random_weights_or_an_unreadable_kv_scales_file_leave_the_cache_disabled
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """SGLang's server args as the backend reads them (`get_server_args`): `--load-format dummy`
-    (random weights) and a `--quantization-param-path` that cannot be read leave the cache
-    disabled (`config_error`: misses), never stored under the real model's key (review, stop
-    71); a readable scales file is in the key."""
+    (random weights) and, with `--kv-cache-dtype fp8_e4m3`, a `--quantization-param-path` that
+    cannot be read leave the cache disabled (`config_error`: misses), never stored under the
+    real model's key (review, stop 71); a readable scales file is in the key. With another KV
+    dtype SGLang never reads the file: not refused, not keyed (review, stop 71)."""
     import sglang.srt.runtime_context as runtime
 
     pool = kit.host_pool()
@@ -379,12 +380,18 @@ def test_random_weights_or_an_unreadable_kv_scales_file_leave_the_cache_disabled
         monkeypatch.setattr(runtime, "get_server_args", lambda: SimpleNamespace(**{**served, **args}))
         return kit.kvfabric_of(kit.backend(extra, pool, wait_s=0))
 
-    for args in ({"load_format": "dummy"}, {"quantization_param_path": str(tmp_path / "missing.json")}):
+    missing = str(tmp_path / "missing.json")
+    e4m3 = "fp8_e4m3"
+    for args in ({"load_format": "dummy"}, {"quantization_param_path": missing, "kv_cache_dtype": e4m3}):
         refused = started_with(**args)
         assert refused.client.status.cause == "config_error", args
         refused.close()
+    ignored = started_with(quantization_param_path=missing)  # "auto" KV: SGLang never reads it
+    assert ignored.client.status.cause != "config_error"
+    assert ignored.spec is not None and ignored.spec.model.kv_quant == "none"
+    ignored.close()
     (tmp_path / "scales.json").write_text('{"kv_cache": {"scaling_factor": {"0": {"0": 0.5}}}}')
-    scaled = started_with(quantization_param_path=str(tmp_path / "scales.json"))
+    scaled = started_with(quantization_param_path=str(tmp_path / "scales.json"), kv_cache_dtype=e4m3)
     assert scaled.spec is not None and scaled.spec.model.kv_quant.startswith("scales-sha256:")
     scaled.close()
 

@@ -463,16 +463,26 @@ def test_what_changes_the_kv_but_not_the_pool_is_in_the_key() -> None:
 def test_random_weights_are_refused_and_other_load_formats_keyed() -> None:
     """`--load-format dummy` fills the weights with random values: its pages were stored under
     the real model's key (the revision digests the weight files; review, stop 71). Refused, as
-    the vLLM connector does. Formats that read the checkpoint files as they are share the key;
-    any other (bitsandbytes, flash_rl quantize at load; remote ones fetch the weights) is a key
-    space of its own."""
+    the vLLM connector does. Formats that read the checkpoint files as they are share the key:
+    `layered` (SGLang's default loader layer by layer) and `mistral` (the default loader on the
+    consolidated files) were keyed as other weights (review, stop 71); any other (bitsandbytes,
+    flash_rl quantize at load; presharded reads other files; remote ones fetch the weights) is
+    a key space of its own."""
     with pytest.raises(ValueError, match="dummy"):
         engine_spec(replace(WHO, load_format="dummy"), POOL, EXTRA, DEFAULTS)
     base = spec_for()
-    for same in ("auto", "safetensors", "pt"):
-        assert engine_spec(replace(WHO, load_format=same), POOL, EXTRA, DEFAULTS) == base
+    for same in ("auto", "safetensors", "pt", "layered", "mistral"):
+        assert engine_spec(replace(WHO, load_format=same), POOL, EXTRA, DEFAULTS) == base, same
+    quantized = engine_spec(replace(WHO, quantization="fp8"), POOL, EXTRA, DEFAULTS)
+    assert (
+        engine_spec(replace(WHO, quantization="fp8", load_format="layered"), POOL, EXTRA, DEFAULTS)
+        == quantized
+    )
     bnb = engine_spec(replace(WHO, load_format="bitsandbytes"), POOL, EXTRA, DEFAULTS)
     assert bnb.model.weights_revision == "rev-a+load:bitsandbytes"
+    for other in ("presharded", "remote_instance", "runai_streamer", "ipc_cache"):
+        keyed = engine_spec(replace(WHO, load_format=other), POOL, EXTRA, DEFAULTS)
+        assert keyed.model.weights_revision == f"rev-a+load:{other}"
 
 
 def test_the_fp8_kv_scales_file_is_in_the_key(tmp_path: Path) -> None:
@@ -494,6 +504,37 @@ def test_the_fp8_kv_scales_file_is_in_the_key(tmp_path: Path) -> None:
     assert len({plain.model, a.model, b.model}) == 3 and copy == a
     with pytest.raises(ValueError, match="quantization-param-path"):
         engine_spec(replace(who, kv_scales_path=str(tmp_path / "missing.json")), fp8, EXTRA, DEFAULTS)
+    with pytest.raises(ValueError, match="quantization-param-path"):  # e4m3 named by the extra config
+        engine_spec(
+            replace(WHO, kv_scales_path=str(tmp_path / "missing.json")),
+            fp8,
+            {**EXTRA, "kv_cache_dtype": "fp8_e4m3"},
+            DEFAULTS,
+        )
+
+
+def test_a_kv_scales_file_sglang_ignores_is_not_keyed(tmp_path: Path) -> None:
+    """SGLang reads `--quantization-param-path` only for an fp8_e4m3 KV cache
+    (`load_kv_cache_scales`): with bf16, fp8_e5m2 or "auto" KV the file was still read and keyed,
+    so an unreadable path disabled kvfabric for nothing and engines that differ only in an
+    ignored file did not share (review, stop 71). Such a file is not read: keyed as no file."""
+    (tmp_path / "a.json").write_text('{"kv_cache": {"scaling_factor": {"0": {"0": 0.5}}}}')
+    fp8 = replace(POOL, dtype="uint8", region_bytes=(8192, 8192))
+    for kv_cache_dtype, pool in (
+        ("", POOL),
+        ("auto", POOL),
+        ("bfloat16", POOL),
+        ("fp8_e5m2", fp8),
+        ("auto", fp8),
+    ):
+        who = replace(WHO, kv_cache_dtype=kv_cache_dtype, model_dtype="bfloat16")
+        plain = engine_spec(who, pool, EXTRA, DEFAULTS)
+        for path in (tmp_path / "missing.json", tmp_path / "a.json"):
+            ignored = engine_spec(replace(who, kv_scales_path=str(path)), pool, EXTRA, DEFAULTS)
+            assert ignored == plain and ignored.model.kv_quant == "none", (kv_cache_dtype, path)
+    # the extra config's KV cache dtype wins over the server args', as for the page format
+    who = replace(WHO, kv_cache_dtype="fp8_e4m3", kv_scales_path=str(tmp_path / "missing.json"))
+    assert engine_spec(who, fp8, {**EXTRA, "kv_cache_dtype": "fp8_e5m2"}, DEFAULTS).model.kv_quant == "none"
 
 
 def test_mla_pages_are_shared_by_every_tp_rank() -> None:

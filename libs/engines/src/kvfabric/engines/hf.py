@@ -329,11 +329,14 @@ class HfKvAdapter:
         the default 512 MiB, was dropped whole, `bytes`, and never stored; review, stop 71; as
         SGLang's chained batches, stop 68). A part that leaves a chunk unstored (but `in_flight`:
         another writer stores it) ends the chain: a lookup stops at that chunk, so the chunks
-        after it would be stored where nobody finds them; each part not sent is counted
-        (`saves_dropped_total` under that chunk's cause, `dropped` for a part the client did
-        not start) and its chunks fail under that cause in the future's one `SaveResult` of the
-        whole prefix. Every chunk is copied out at once (the caller may drop `cache`): the copies
-        of the parts not sent yet are this adapter's, up to one prompt's KV in host memory."""
+        after it would be stored where nobody finds them; each part not sent is counted once
+        (`saves_dropped_total` under that chunk's cause; a part the client dropped itself, off,
+        is its own under `closed` / `starting`, the parts after it `dropped`; review, stop 71:
+        that part was counted twice, and the parts after a first part so dropped not at all)
+        and its chunks fail under that cause (`dropped` for the client's) in the future's one
+        `SaveResult` of the whole prefix. Every chunk is copied out at once (the caller may drop
+        `cache`): the copies of the parts not sent yet are this adapter's, up to one prompt's
+        KV in host memory."""
         parts: list[_SavePart] = []
         try:
             held = min(keys.shape[2] for keys, _ in _cache_layers(cache))  # (every layer's)
@@ -355,8 +358,8 @@ class HfKvAdapter:
             # prompt is not saved, the caller's generation goes on
             log.warning("kvfabric: save raised %r: not saved", exc)
             return None
-        if first is None:  # the client is off: it dropped the first part, and so the rest
-            self._give_back(parts[1:])
+        if first is None:  # the client is off: it dropped (and counted) the first part
+            self._drop_parts(parts[1:], CAUSE_DROPPED)  # and so the rest, each counted
             return None
         if len(parts) == 1:
             return first
@@ -401,12 +404,15 @@ class HfKvAdapter:
             missing = {cause: n for cause, n in result.causes.items() if cause != IN_FLIGHT}
             cut = max(missing, key=missing.__getitem__) if result.chunks_failed and missing else None
             following = index + 1
+            counted = 0  # of the parts not sent: the first ones the client counted itself
             if cut is None and following < len(parts):
                 try:
                     started = self._save_part(tokens, parts[following], trace_id)
                 except Exception as error:  # (the client's loop closed under the chain)
                     log.warning("kvfabric: save raised %r: the rest of the prompt not saved", error)
                     started = None
+                else:
+                    counted = 1 if started is None else 0  # (off: `closed` / `starting`)
                 if started is not None:
                     started.add_done_callback(
                         lambda next_done: self._part_ended(
@@ -414,9 +420,9 @@ class HfKvAdapter:
                         )
                     )
                     return
-                cut = CAUSE_DROPPED  # not started: counted with the parts after it
+                cut = CAUSE_DROPPED  # not started: counted with the parts after it (once)
             if cut is not None:
-                self._drop_parts(parts[following:], cut)
+                self._drop_parts(parts[following:], cut, counted=counted)
             chained.set_result(_sum_results([part.result for part in parts if part.result is not None]))
         except BaseException as exc:  # a bug: the holder gets it, never a future left pending
             self._give_back(parts)  # (the parts not sent: a sent one's slots are the client's)
@@ -424,12 +430,14 @@ class HfKvAdapter:
                 chained.set_exception(exc)
             raise
 
-    def _drop_parts(self, parts: list[_SavePart], cause: str) -> None:
+    def _drop_parts(self, parts: list[_SavePart], cause: str, *, counted: int = 0) -> None:
         """Parts of a prefix's save not sent (behind a chunk not stored): slots back, each part
-        counted as a save dropped, its chunks failed under `cause`."""
+        counted as a save dropped (but the first `counted`: the client dropped those itself and
+        counted them; review, stop 71), its chunks failed under `cause`."""
         self._give_back(parts)
-        for part in parts:
-            self.client.metrics.saves_dropped.labels(cause).inc()
+        for number, part in enumerate(parts):
+            if number >= counted:
+                self.client.metrics.saves_dropped.labels(cause).inc()
             chunks = part.end_chunk - part.first_chunk
             part.result = SaveResult(chunks_failed=chunks, causes={cause: chunks})
 

@@ -96,10 +96,15 @@ HELD_HITS_MAX_DEFAULT: Final = 8192
 
 _P_PAGE: Final = b"kvf1/sglang-page"
 # SGLang load formats that read the model's checkpoint files as they are (the weights revision
-# names those): any other is in the key (bitsandbytes and flash_rl quantize at load, sharded_state
-# and gguf read other files, remote ones fetch the weights from elsewhere); "dummy" is refused
+# names those): any other is in the key (bitsandbytes and flash_rl quantize at load, sharded_state,
+# presharded and gguf read other files, remote ones fetch the weights from elsewhere); "dummy" is
+# refused. `layered` is the default loader layer by layer (`LayeredModelLoader` sets the format
+# back to `auto`; quantizing at load is `+q:` already) and `mistral` the default loader on the
+# checkpoint's consolidated*.safetensors (in the directory digest): they were keyed as other
+# weights (review, stop 71). SGLang 0.5.23's loader.py sends every other format elsewhere or
+# refuses it (jax, rdma, local_cached: `_prepare_weights` raises "Unknown load_format")
 _FILE_LOAD_FORMATS: Final = frozenset(
-    {"", "auto", "pt", "safetensors", "fastsafetensors", "instanttensor", "npcache"}
+    {"", "auto", "pt", "safetensors", "fastsafetensors", "instanttensor", "npcache", "layered", "mistral"}
 )
 
 
@@ -316,7 +321,8 @@ class StorageIdentity:
     model_overrides: str = ""
     # how the weights were loaded (`--load-format`: "dummy" is random weights, others quantize
     # or fetch them elsewhere) and the fp8 KV scales file (`--quantization-param-path`: SGLang
-    # divides K and V by its per-layer scales before storing them); review, stop 71
+    # divides K and V by its per-layer scales before storing them, in an fp8_e4m3 cache only);
+    # review, stop 71
     load_format: str = ""
     kv_scales_path: str = ""
 
@@ -363,7 +369,8 @@ def engine_spec(
     every TP rank: one object per page for all ranks (tp 1 in the key). Raises `ValueError` for
     what the key cannot name yet (attention context parallel, decode context parallel, split
     heads), for random weights (`--load-format dummy`), for a model whose weights cannot be
-    identified and for a KV scales file that cannot be read."""
+    identified and for a KV scales file that cannot be read (in an fp8_e4m3 KV cache, the only
+    one SGLang reads it for)."""
     if who.attn_cp_size > 1 or who.dcp_size > 1 or who.should_split_heads:
         raise ValueError(
             "kvfabric: attention/decode context parallel and tp_lcm_size head splits are not "
@@ -397,8 +404,13 @@ def engine_spec(
         revision = f"{revision}+q:{who.quantization}"
     if who.load_format not in _FILE_LOAD_FORMATS:  # not the files as they are (review, stop 71)
         revision = f"{revision}+load:{who.load_format}"
+    kv_cache_dtype = str(extra.get("kv_cache_dtype") or who.kv_cache_dtype or "")
     kv_quant = "none"
-    if who.kv_scales_path:  # K and V are divided by its scales before they are stored (stop 71)
+    # K and V are divided by its scales before they are stored (stop 71), but only in an e4m3
+    # cache: SGLang reads the file for nothing else (`load_kv_cache_scales`; "auto" neither), so
+    # another KV dtype shares with no file, and a file it never reads is not refused (review,
+    # stop 71: it disabled kvfabric)
+    if who.kv_scales_path and kv_cache_dtype == "fp8_e4m3":
         try:
             with open(who.kv_scales_path, "rb") as f:
                 scales = f.read()
@@ -409,7 +421,6 @@ def engine_spec(
             ) from exc
         kv_quant = "scales-sha256:" + hashlib.sha256(scales).hexdigest()
     kv_dtype = pool.dtype
-    kv_cache_dtype = str(extra.get("kv_cache_dtype") or who.kv_cache_dtype or "")
     if kv_cache_dtype not in ("", "auto"):  # what the pool's bytes mean, and what made them
         kv_dtype = f"{kv_cache_dtype}/{who.model_dtype or '?'}"
     elif pool.dtype in ("uint8", "int8") and kv_cache_dtype == "auto":
