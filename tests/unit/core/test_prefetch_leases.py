@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvfabric.core.prefetch import Hint, HintObject, PrefetchConfig, PrefetchCore
 from kvfabric.core.prefetch_leases import HintLeases, LeaseKeeping, RenewLease
 
 NAMED = ("t", "h1")
 LEASE = (3, 7)
+DEADLINE = 120_000
 
 
 def keeper_with_one_lease(expires_ms: int = 30_000) -> HintLeases:
@@ -30,6 +33,7 @@ def test_a_lease_is_renewed_before_it_expires_until_its_hints_deadline() -> None
         assert now < directory_expiry or now >= deadline  # never lapsed while the hint lived
         for renewal in keeper.due(now, lambda named: deadline):
             assert renewal.lease == LEASE and renewal.named == NAMED
+            assert keeper.sending(renewal)
             renewals.append((now, renewal))
             directory_expiry = max(directory_expiry, now + renewal.ttl_ms)
             keeper.renewed(renewal.lease, directory_expiry, now)
@@ -86,6 +90,83 @@ def test_a_renewal_the_directory_refuses_is_not_sent_again() -> None:
     assert keeper.leases_held == 1
     assert keeper.due(30_000, lambda named: 120_000) == [] and keeper.leases_held == 0  # lapsed
     keeper.check_invariants()
+
+
+def renewed_under_a_cap(
+    cap_ms: int, *, skew_ms: int = 0, lost_from_ms: int | None = None, held_until_ms: int = DEADLINE
+) -> tuple[HintLeases, list[int]]:
+    """A lease of a 2-minute hint renewed by a directory that grants at most `cap_ms` a request
+    (`KVF_DIRECTORY_LEASE_TTL_MS_MAX`: 100 ms .. 600 s, the shell asks 30 s), its clock `skew_ms`
+    ahead of ours, answering at once; from `lost_from_ms` its group is lost (the directory
+    answers the lease's expiry unchanged). Checked every 50 ms until `held_until_ms` (with no
+    lost group): the keeper holds it, and so does the directory. Returns the keeper and when
+    each renewal was sent."""
+    keeper = HintLeases(LeaseKeeping(lease_ttl_ms=30_000, renew_margin_ms=10_000, retry_ms=1_000))
+    directory = skew_ms + min(30_000, cap_ms)  # the lookup's grant, on the directory's clock
+    keeper.keep(NAMED, [LEASE], min(30_000, directory), now_ms=0)  # as the shell: min(asked, its)
+    sent = []
+    for now in range(0, DEADLINE, 50):
+        if lost_from_ms is None and now < held_until_ms:
+            assert keeper.leases_held == 1, f"dropped at {now} ms"
+            assert now + skew_ms < directory, f"lapsed at the directory at {now} ms"
+        for renewal in keeper.due(now, lambda named: DEADLINE):
+            sent.append(now)
+            if lost_from_ms is None or now < lost_from_ms:
+                directory = max(directory, now + skew_ms + min(renewal.ttl_ms, cap_ms))
+            keeper.renewed(renewal.lease, directory, now)
+            if lost_from_ms is None and renewal.ttl_ms == 30_000:  # not asking to the deadline
+                assert keeper.counters["lease_renew_refused_total"] == 0, f"refused at {now} ms"
+        keeper.check_invariants()
+    return keeper, sent
+
+
+def test_a_directory_cap_shorter_than_asked_renews_earlier_and_never_refuses() -> None:
+    """A renewal was called refused (FINAL) when the expiry moved less than half of what was
+    asked: under a 15 s cap a 2-minute hint's lease was final after one renewal and lost at
+    20 s; under a 2 s cap at once (review, stop 71). Now only an expiry the directory leaves
+    where it was is a refusal, and a lease is renewed with a third of its granted TTL left."""
+    for cap_ms, renewals in ((15_000, 11), (2_000, 88), (30_000, 5)):
+        keeper, sent = renewed_under_a_cap(cap_ms)
+        assert keeper.counters["lease_renew_refused_total"] == 0, cap_ms
+        assert keeper.counters["leases_lost_total"] == 0, cap_ms
+        assert abs(len(sent) - renewals) <= 1, (cap_ms, sent)
+        assert keeper.expires_ms(LEASE) == DEADLINE  # the last renewal reached the deadline
+    assert renewed_under_a_cap(15_000)[1][:3] == [10_000, 20_000, 30_000]  # 5 s left of 15 s
+    assert renewed_under_a_cap(2_000)[1][:2] == [1_350, 2_700]  # 0.65 s left of 2 s
+    assert renewed_under_a_cap(30_000)[1][:2] == [20_000, 40_000]  # 10 s left of 30 s, as before
+
+
+@pytest.mark.parametrize("skew_ms", [-15_000, -12_000, 5_000])
+def test_a_directory_clock_skewed_from_ours_does_not_refuse_a_lease(skew_ms: int) -> None:
+    """A directory clock 12 s behind ours answered 18 s of the 30 s asked: called refused, and
+    the lease was lost in its second renewal period (review, stop 71). Held to the directory's
+    expiry now (the keeper's is the directory's when it is earlier than the one asked: a clock
+    behind ends it early in the keeper's books, never late; the last renewal, to the deadline,
+    may then be answered unmoved)."""
+    renewed_under_a_cap(30_000, skew_ms=skew_ms, held_until_ms=DEADLINE + min(0, skew_ms))
+
+
+@pytest.mark.parametrize("cap_ms", [30_000, 15_000, 2_000])
+def test_a_lost_group_under_any_cap_is_final_after_one_unmoved_answer(cap_ms: int) -> None:
+    keeper, sent = renewed_under_a_cap(cap_ms, lost_from_ms=40_000)
+    first_lost = next(i for i, now in enumerate(sent) if now >= 40_000)
+    assert sent[first_lost + 1 :] == []  # never sent again once answered unmoved
+    assert keeper.counters["lease_renew_refused_total"] == 1
+    assert keeper.leases_held == 0 and keeper.counters["leases_lost_total"] == 1  # lapsed
+
+
+def test_a_renewal_is_counted_when_sent() -> None:
+    """`lease_renewals_total` counted in `due` took in renewals never sent: the hint ended while
+    it waited (review, stop 71)."""
+    keeper = keeper_with_one_lease()
+    (renewal,) = keeper.due(20_000, lambda named: 120_000)
+    assert keeper.counters["lease_renewals_total"] == 0  # due, not sent yet
+    assert keeper.take(NAMED) == [LEASE]  # its hint ended meanwhile
+    assert not keeper.sending(renewal)
+    assert keeper.counters["lease_renewals_total"] == 0
+    keeper = keeper_with_one_lease()
+    (renewal,) = keeper.due(20_000, lambda named: 120_000)
+    assert keeper.sending(renewal) and keeper.counters["lease_renewals_total"] == 1
 
 
 def test_an_ended_hints_leases_are_taken_and_never_renewed() -> None:

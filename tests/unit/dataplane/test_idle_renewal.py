@@ -11,16 +11,19 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 
+from kvfabric.core.segment_slots import SlotTable
 from kvfabric.dataplane.addresses import split_host_port
 from kvfabric.dataplane.admission import ConnectionLimits, reads_credited
 from kvfabric.dataplane.backend import GetGrant
 from kvfabric.dataplane.frames import Op
 from kvfabric.dataplane.tcp import TcpDataClient, TcpDataServer
+from kvfabric.format.clock import now_ms
 from kvfabric.proto.dataplane import (
     GetRequest,
     LocalGrant,
@@ -30,6 +33,10 @@ from kvfabric.proto.dataplane import (
     ReadRef,
     UnpinLocal,
 )
+from kvfabric.proto.segment import SSD_SLOT_BASE
+from kvfabric.proto.tickets import read_token
+from kvfabric.segment_storage.arena import Arena
+from kvfabric.segment_storage.backend import ArenaBackend
 from tests.security.dataplane_kit import frame, read_frame
 
 IDLE_MS = 300
@@ -207,3 +214,71 @@ def test_reads_credited_by_status() -> None:
     assert not reads_credited(["unauthorized", "stale_incarnation"])
     for status in ("ok", "not_found", "stale_generation", "wrong_size"):
         assert reads_credited(["unauthorized", status])
+
+
+# ---- the segment's own backend (review, stop 71) ----------------------------------------------
+SECRET = b"unit-idle-secret-0123456789abcdef"
+SEGMENT = "idleseg"
+INCARNATION = 3
+ARENA_BYTES = 1 << 20
+
+
+def signed(slot: int, size: int = 16, incarnation: int = INCARNATION) -> ReadRef:
+    """A read reference with a valid token (for a minute) for `slot`, generation 1."""
+    expires = now_ms() + 60_000
+    token = read_token(SECRET, SEGMENT, incarnation, slot, 1, size, expires)
+    return ReadRef(incarnation, slot, 1, size, token=token, expires_ms=expires)
+
+
+@contextmanager
+def serving_arena(tmp: Path) -> Iterator[TcpDataServer]:
+    """A data server over an `ArenaBackend` requiring read tokens, admitting by its `admits`."""
+    backend = ArenaBackend(
+        Arena(tmp, SEGMENT, INCARNATION, ARENA_BYTES),
+        SlotTable(ARENA_BYTES),
+        segment_id=SEGMENT,
+        incarnation=INCARNATION,
+        secret=SECRET,
+        confirm=lambda *_: "ok",
+        read_tokens_required=True,
+    )
+    server = TcpDataServer(
+        backend, limits=ConnectionLimits(idle_timeout_ms=IDLE_MS), authenticate=backend.admits
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        backend.arena.close()
+
+
+@pytest.mark.parametrize(
+    ("forged", "renews"),
+    [
+        (ReadRef(0, SSD_SLOT_BASE, 1, 1, b"forged"), False),  # another incarnation
+        (ReadRef(INCARNATION, SSD_SLOT_BASE, 1, 1, b"forged"), False),  # a forged token
+        (signed(SSD_SLOT_BASE + 5, size=1, incarnation=0), False),  # signed for another one
+        (signed(SSD_SLOT_BASE + 5, size=1), True),  # a valid token: not in the arena, credited
+    ],
+)
+def test_a_pin_local_of_a_disk_slot_renews_the_idle_deadline_only_with_a_valid_token(
+    tmp_path: Path, forged: ReadRef, renews: bool
+) -> None:
+    """`ArenaBackend.pin_local` answered a disk slot's ref (slot >= `SSD_SLOT_BASE`) `not_found`
+    without checking its incarnation or token, and `not_found` counts as credited: a peer
+    admitted once kept its connection open for good with a forged PIN_LOCAL of a disk slot each
+    idle period (review, stop 71). It is answered its refusal now."""
+    with serving_arena(tmp_path) as server:
+        host, port = split_host_port(server.address)
+        with socket.create_connection((host, port), timeout=5.0) as sock:
+            sock.sendall(frame(Op.GET, GetRequest(reads=[signed(0)])))  # admitted: a valid token
+            assert read_frame(sock) is not None, "the admitting GET was not answered"
+            lived_s, answered = held_open(sock, Op.PIN_LOCAL, GetRequest(reads=[forged]))
+        closed = server.counters.get("closed_idle_timeout_total", 0)
+        if renews:
+            assert lived_s >= HELD_S and closed == 0, (lived_s, server.counters)
+        else:
+            assert lived_s < IDLE_MS / 1000 + 0.4, f"a forged disk-slot PIN_LOCAL kept it {lived_s:.2f} s"
+            assert answered >= 2, "the requests before the deadline were not served"
+            assert closed == 1, server.counters

@@ -22,6 +22,9 @@ from kvfabric.proto import prefetch as p
 from kvfabric.proto.shards import shard_of
 from tests.unit.prefetch.test_shell_shards import NOW, SHARDS, FakeRouter, location, make_shell, spread_prefix
 
+SLOW_SHARD = 1
+SLOW_RENEW_S = 2.0  # a hung leader: each lease_renew answered after this (its request timeout)
+
 
 class Directory:
     """A fake directory's leases: granted by lookups, renewed, released and expired by the time
@@ -68,9 +71,9 @@ async def after_tick(shell: PrefetchShell) -> None:
     awaited (the service leaves them to their background tasks)."""
     await shell._driver.feed(Tick())
     await shell._release_ended()
-    for task in (getattr(shell, "_renewing", None), shell._releasing):
-        if task is not None:
-            await task
+    await asyncio.gather(*shell._renewals)
+    if shell._releasing is not None:
+        await shell._releasing
 
 
 def setup(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> tuple[dict[str, int], Directory, PrefetchShell]:
@@ -154,3 +157,79 @@ def test_a_hint_days_ahead_is_held_at_most_the_hold_maximum(monkeypatch: pytest.
 
     asyncio.run(scenario())
     assert all(now + r.lease_ttl_ms <= NOW + 300_000 for now, r in directory.renewals)
+
+
+class SlowShardRouter(FakeRouter):
+    """`SLOW_SHARD` answers each `lease_renew` `SLOW_RENEW_S` late; the other shards at once."""
+
+    def __init__(self, answer: Any) -> None:
+        super().__init__(answer)
+        self.sent: list[tuple[int, int]] = []  # (shard, lease id) of each lease_renew sent
+
+    async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **_: Any) -> Any:
+        if verb == "lease_renew":
+            assert isinstance(message, m.LeaseRenew)
+            self.sent.append((shard, message.lease_id))
+            if shard == SLOW_SHARD:
+                await asyncio.sleep(SLOW_RENEW_S)
+        return await super().ask(shard, verb, message, timeout_s)
+
+
+def slow_shard_setup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[
+    dict[str, int], Directory, SlowShardRouter, PrefetchShell, list[tuple[int, int]], list[tuple[int, int]]
+]:
+    """40 leases on `SLOW_SHARD` for 10 s, due at 6.7 s, and 8 on shard 0 for 12 s, due at 8 s
+    (their hints live for 2 minutes): (clock, directory, router, shell, slow leases, fast ones)."""
+    clock = {"ms": NOW}
+    monkeypatch.setattr(shell_module, "now_ms", lambda: clock["ms"])
+    directory = Directory(clock)
+    router = SlowShardRouter(directory.answer)
+    shell = make_shell(router)
+    monkeypatch.setattr(shell, "_hint_deadline", lambda named: NOW + 120_000)
+    slow = [(SLOW_SHARD, 1000 + i) for i in range(40)]
+    fast = [(0, 2000 + i) for i in range(8)]
+    for leases, expires in ((slow, NOW + 10_000), (fast, NOW + 12_000)):
+        for lease in leases:
+            directory.expiry[lease] = expires
+            shell._keeper.keep(("t", f"h{lease[1]}"), [lease], expires, NOW)
+    return clock, directory, router, shell, slow, fast
+
+
+def test_a_slow_shard_delays_no_other_shards_renewals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Renewals went out in batches of 16 awaited whole: one shard whose leader hangs (each
+    `lease_renew` its request timeout) held the other shards' renewals behind its own, past
+    their renewal margin, and their leases lapsed (review, stop 71). The clock runs 5x: 2 s a
+    slow answer is 10 s of lease time."""
+    clock, directory, router, shell, slow, fast = slow_shard_setup(monkeypatch)
+
+    async def scenario() -> None:
+        for _ in range(70):  # 3.5 s, 17.5 s of lease time: past the fast leases' first expiry
+            shell._renew_due()
+            await asyncio.sleep(0.05)
+            clock["ms"] += 250
+            for lease in fast:  # held, at the directory and in the service's books
+                assert directory.expiry[lease] > clock["ms"], f"{lease} lapsed at {clock['ms'] - NOW} ms"
+                assert shell._keeper.expires_ms(lease) is not None, f"{lease} dropped"
+        await shell.stop()
+
+    asyncio.run(scenario())
+    assert {lease for lease in router.sent if lease[0] == 0} == set(fast)
+    assert shell.status().counters["leases_lost_total"] <= len(slow)  # only the slow shard's
+
+
+def test_renewals_are_counted_when_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`lease_renewals_total` counted renewals when due: those still waiting at `stop` (or
+    whose hint ended meanwhile) were counted, never sent (review, stop 71)."""
+    clock, _, router, shell, slow, _ = slow_shard_setup(monkeypatch)
+
+    async def scenario() -> None:
+        clock["ms"] += 7_000  # the 40 slow ones due (a third of 10 s left): 16 sent, 24 waiting
+        shell._renew_due()
+        await asyncio.sleep(0.1)
+        await shell.stop()
+
+    asyncio.run(scenario())
+    assert len(router.sent) == shell_module.RELEASES_AT_ONCE and set(router.sent) <= set(slow)
+    assert shell.status().counters["lease_renewals_total"] == len(router.sent)

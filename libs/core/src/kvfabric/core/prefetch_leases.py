@@ -16,25 +16,40 @@ its hint's deadline is later than its expiry; the deadline itself is at most
 
 ## One lease (shard, lease id), filed under the (tenant, hint id) whose lookup took it
     (none) --keep(expires_ms)--> HELD
-    HELD --due: now >= expires - renew_margin_ms and the hint's deadline later than expires-->
-        RENEWING [RenewLease(ttl = min(lease_ttl_ms, deadline - now))]
+    HELD --due: now >= expires - margin and the hint's deadline later than expires-->
+        RENEWING [RenewLease(ttl = min(lease_ttl_ms, deadline - now))]; margin: `renew_margin_ms`,
+        or a third of the TTL last granted if that is less (below)
     RENEWING --renewed(expires')--> HELD, its expiry the one asked for (or the directory's, if
-        earlier); if it moved less than half of what was asked (the directory does not extend a
-        lease holding a lost group) it is FINAL: never renewed again (`lease_renew_refused_total`)
+        earlier); if the directory's answer leaves the expiry where its last answer put it (the
+        directory does not extend a lease holding a lost group: it answers the lease's expiry
+        as it was) it is FINAL: never renewed again (`lease_renew_refused_total`)
     RENEWING --renew_failed(lost=False: timeout, unavailable, ...)--> HELD, due again after
         `retry_ms` (`lease_renew_failed_total`)
     RENEWING --renew_failed(lost=True: `not_found`, the directory holds no such lease)--> (none)
     HELD --due at or after its expiry--> (none): lapsed, the directory dropped it
     HELD | RENEWING --take (its hint id ended)--> (none): the shell gives it back
+A lease is FINAL only when the directory's own expiry did not move (review, stop 71): it was
+when the expiry moved less than half of what was asked, but the directory caps each renewal at
+its `KVF_DIRECTORY_LEASE_TTL_MS_MAX` (100 ms .. 600 s) while the shell asks 30 s, so under a
+15 s cap a 2-minute hint's leases were final after one renewal and lost at 20 s; a directory
+clock a third of a TTL behind did the same (now a healthy directory answers an unmoved expiry
+only if its clock is two thirds of its cap behind ours). And the next renewal is due when a
+third of the TTL granted is left, if that is less than `renew_margin_ms`: a 2 s cap renews about
+every 1.3 s (a fixed 10 s margin made every lease due at once, then once per `retry_ms`, and a
+cap of 1.5 s or less lapsed). The directory's first expiry is not known per lease (a lookup
+reports the earliest of its shards'): the first answer is compared with that, so a lost group
+may cost one renewal more before it is FINAL.
+
 A lease dropped while its hint still wanted it (lost, or lapsed before its hint's deadline) is
 counted in `leases_lost_total` and no longer listed as held (it was: the service believed it held
 leases the directory had dropped, and released them at the hint's end for nothing). Its hint goes
 on (its copies may still succeed; the sources are unprotected).
 
 ## Cost and bounds
-A lease is renewed at most once per `lease_ttl_ms - renew_margin_ms` (20 s) of its hint's life,
-plus a retry per `retry_ms` (1 s) within its last `renew_margin_ms` while renewals fail: at most
-about 15 renewals per lease for a 5-minute hint, and no more leases than the hints' lookups took
+A lease is renewed at most once per `lease_ttl_ms - renew_margin_ms` (20 s) of its hint's life
+(or two thirds of the directory's cap, if it grants less), plus a retry per `retry_ms` (1 s)
+within its last `renew_margin_ms` while renewals fail: at most about 15 renewals per lease for a
+5-minute hint under a 30 s cap, and no more leases than the hints' lookups took
 (one per shard per hint; the hints are bounded per tenant by the core). `due` costs O(log n) per
 lease it looks at (a heap of check times, rebuilt past twice the leases held), never a walk of
 them all: it runs after every tick of the service (20 ms). What `due` returns is sorted by shard,
@@ -68,7 +83,7 @@ Lease: TypeAlias = tuple[int, int]  # (shard, lease id): an id means something t
 Named: TypeAlias = tuple[str, str]  # (tenant, hint id)
 
 LEASE_COUNTERS: Final = (
-    "lease_renewals_total",  # lease_renew requests asked for (`due`)
+    "lease_renewals_total",  # lease_renew requests sent (`sending`)
     "lease_renew_failed_total",  # answered by an error other than not_found: retried
     "lease_renew_refused_total",  # answered without the extension (a lost group): not renewed again
     "leases_lost_total",  # dropped while its hint still wanted it: not_found, or lapsed
@@ -107,6 +122,10 @@ class _Kept:
     named: Named
     expires_ms: int  # our estimate: never later than the directory's
     check_ms: int  # when `due` looks at it next (while not renewing)
+    margin_ms: int  # renewed once it has this little left: `renew_margin_ms`, or less (`_margin`)
+    # the expiry the directory last answered (its clock), at first the lookup's: a renewal that
+    # leaves it where it was was refused (a lost group)
+    answered_ms: int
     renewing: bool = False
     asked_until_ms: int = 0  # while renewing: the expiry asked for
     final: bool = False  # a renewal was refused: held to its expiry, not renewed again
@@ -136,11 +155,12 @@ class HintLeases:
     def keep(self, named: Named, leases: Iterable[Lease], expires_ms: int, now_ms: int) -> None:
         """`named`'s lookup granted `leases`, each valid until `expires_ms` at least (added to
         any it holds already: a hint id deduplicated into a live hint keeps its own too)."""
-        margin = self.config.renew_margin_ms
+        margin = self._margin(expires_ms - now_ms)
         for lease in leases:
             self.held.setdefault(named, []).append(lease)
             if lease[1]:
-                kept = _Kept(named, expires_ms, min(expires_ms, max(now_ms, expires_ms - margin)))
+                check_ms = min(expires_ms, max(now_ms, expires_ms - margin))
+                kept = _Kept(named, expires_ms, check_ms, margin, expires_ms)
                 self._kept[lease] = kept
                 self._push(kept.check_ms, lease)
 
@@ -177,14 +197,24 @@ class HintLeases:
                 recheck = kept.expires_ms if kept.final else min(kept.expires_ms, now_ms + cfg.retry_ms)
                 self._reschedule(lease, kept, recheck)
                 continue
-            if now_ms < kept.expires_ms - cfg.renew_margin_ms:  # its deadline moved: not due yet
-                self._reschedule(lease, kept, kept.expires_ms - cfg.renew_margin_ms)
+            if now_ms < kept.expires_ms - kept.margin_ms:  # its deadline moved: not due yet
+                self._reschedule(lease, kept, kept.expires_ms - kept.margin_ms)
                 continue
             ttl = min(cfg.lease_ttl_ms, deadline - now_ms)
             kept.renewing, kept.asked_until_ms = True, now_ms + ttl
-            self.counters["lease_renewals_total"] += 1
             out.append(RenewLease(kept.named, lease[0], lease[1], ttl))
         return sorted(out, key=lambda r: r.lease)
+
+    def sending(self, renewal: RenewLease) -> bool:
+        """The shell is about to send `renewal`: False when its lease was taken while it waited
+        (its hint ended: given back, not renewed). Counted here, when sent: counted in `due`,
+        `lease_renewals_total` took in renewals never sent (an ended hint's, and those queued at
+        `stop`; review, stop 71)."""
+        kept = self._kept.get(renewal.lease)
+        if kept is None or not kept.renewing:
+            return False
+        self.counters["lease_renewals_total"] += 1
+        return True
 
     def renewed(self, lease: Lease, expires_ms: int, now_ms: int) -> None:
         """The directory renewed `lease` until `expires_ms` (its reply; 0: not said)."""
@@ -194,14 +224,20 @@ class HintLeases:
         kept.renewing = False
         asked = kept.asked_until_ms
         new = min(asked, expires_ms) if expires_ms else asked
-        if 2 * (new - kept.expires_ms) < asked - kept.expires_ms:  # not extended: a lost group
+        if expires_ms and expires_ms <= kept.answered_ms:  # not extended: a lost group
+            # (compared with the directory's own last answer, not with what was asked: its cap
+            # and its clock made an extension shorter than asked look refused; review, stop 71)
             kept.final = True
             self.counters["lease_renew_refused_total"] += 1
+        kept.answered_ms = max(kept.answered_ms, expires_ms)
         kept.expires_ms = max(kept.expires_ms, new)
         if kept.final:
             self._reschedule(lease, kept, kept.expires_ms)
         else:
-            after = max(kept.expires_ms - self.config.renew_margin_ms, now_ms + self.config.retry_ms)
+            # From the TTL granted: at least two thirds of it pass before the next renewal, so
+            # no floor of `retry_ms` (under a cap of 1.5 s or less that floor reached the expiry)
+            kept.margin_ms = self._margin(kept.expires_ms - now_ms)
+            after = max(kept.expires_ms - kept.margin_ms, now_ms)
             self._reschedule(lease, kept, min(kept.expires_ms, after))
 
     def renew_failed(self, lease: Lease, *, lost: bool, now_ms: int) -> None:
@@ -218,6 +254,11 @@ class HintLeases:
         self._reschedule(lease, kept, min(kept.expires_ms, now_ms + self.config.retry_ms))
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _margin(self, granted_ms: int) -> int:
+        """How much of a lease granted for `granted_ms` is left when it is renewed:
+        `renew_margin_ms`, or a third of it if less (a directory's shorter cap renews earlier)."""
+        return max(1, min(self.config.renew_margin_ms, granted_ms // 3))
 
     def _drop(self, lease: Lease, kept: _Kept, *, needed: bool) -> None:
         del self._kept[lease]

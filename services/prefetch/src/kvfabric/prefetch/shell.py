@@ -139,7 +139,8 @@ def copy_writer_id(target: str) -> str:
 
 # Ended hints' leases are given back off the ticker, this many requests at once; at `stop` for
 # at most `RELEASE_STOP_S` (a release lost expires on its own: TTL <= the hint's deadline). Live
-# hints' leases are renewed the same way, this many requests at once too.
+# hints' leases are renewed off the ticker too, each by its own task, at most this many requests
+# at once per shard (`_renew_due`).
 RELEASES_AT_ONCE: Final = 16
 # One tenant's hints resolved at once: at most resolving_max // this (at least one)
 RESOLVING_TENANT_SHARE_DIVISOR: Final = 4
@@ -206,8 +207,10 @@ class PrefetchShell:
         self._copies: set[asyncio.Task[None]] = set()
         self._to_release: list[tuple[int, int]] = []  # ended hints' leases, given back by ...
         self._releasing: asyncio.Task[None] | None = None  # ... this task (`_release_ended`)
-        self._to_renew: list[RenewLease] = []  # live hints' leases due, renewed by ...
-        self._renewing: asyncio.Task[None] | None = None  # ... this task (`_renew_due`)
+        # Live hints' leases being renewed, a task each (at most one per lease: RENEWING until
+        # answered), and per shard the slots they wait for (`_renew_due`)
+        self._renewals: set[asyncio.Task[None]] = set()
+        self._renew_slots: dict[int, asyncio.Semaphore] = {}
         self._log = get_logger("kvfabric.prefetch")
         self.busy_resolving = 0
         self.busy_tenant_resolving = 0  # refused: the tenant's share of the resolving slots in use
@@ -240,11 +243,10 @@ class PrefetchShell:
 
     async def stop(self) -> None:
         await self._driver.stop()
-        renewing = [self._renewing] if self._renewing is not None else []
+        renewing = list(self._renewals)  # those waiting for a slot never send
         for task in [*self._tasks, *self._copies, *renewing]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._copies, *renewing, return_exceptions=True)
-        self._to_renew.clear()
         self._to_release.extend(self._keeper.take_all())
         if self._releasing is None or self._releasing.done():
             self._releasing = asyncio.create_task(self._drain_releases())
@@ -429,25 +431,33 @@ class PrefetchShell:
 
     def _renew_due(self) -> None:
         """The leases `HintLeases` says are due (a third of their TTL left, their hint's deadline
-        later) are renewed by a background task, `RELEASES_AT_ONCE` requests at a time."""
-        self._to_renew.extend(self._keeper.due(self._now(), self._hint_deadline))
-        if self._to_renew and (self._renewing is None or self._renewing.done()):
-            self._renewing = asyncio.create_task(self._drain_renewals())
+        later) are renewed each by its own task, at most `RELEASES_AT_ONCE` requests at once per
+        shard (`_renew_slots`). One task renewed them in batches of 16 awaited whole, so one
+        hung shard's renewals (each its `request_timeout_s`) held every other shard's behind
+        them, past their renewal margin: their leases lapsed (review, stop 71). Now a shard's
+        slowness delays only its own; the tasks are at most the leases held."""
+        for renewal in self._keeper.due(self._now(), self._hint_deadline):
+            task = asyncio.create_task(self._renew(renewal))
+            self._renewals.add(task)
+            task.add_done_callback(self._renewals.discard)
 
     def _hint_deadline(self, named: tuple[str, str]) -> int | None:
         return self.core.hint_deadline(named[1], named[0])
 
-    async def _drain_renewals(self) -> None:
-        while self._to_renew:
-            batch = self._to_renew[:RELEASES_AT_ONCE]
-            del self._to_renew[:RELEASES_AT_ONCE]
-            await asyncio.gather(*(self._renew(renewal) for renewal in batch))
-
     async def _renew(self, renewal: RenewLease) -> None:
-        """One `lease_renew`, its answer told to `HintLeases` (never raises: a renewal left
-        RENEWING would never be renewed again, nor found lapsed)."""
-        if self._keeper.expires_ms(renewal.lease) is None:
-            return  # its hint ended while it waited: given back, not renewed
+        """One `lease_renew` once a slot of its shard is free, its answer told to `HintLeases`
+        (never raises: a renewal left RENEWING would never be renewed again, nor found lapsed)."""
+        slots = self._renew_slots.get(renewal.shard)
+        if slots is None:  # one per shard of the directory's map
+            slots = self._renew_slots[renewal.shard] = asyncio.Semaphore(RELEASES_AT_ONCE)
+        async with slots:
+            await self._send_renewal(renewal)
+
+    async def _send_renewal(self, renewal: RenewLease) -> None:
+        # counted as sent here (`sending`), not when due: one whose hint ended while it waited is
+        # given back, not renewed, and was counted all the same (review, stop 71)
+        if not self._keeper.sending(renewal):
+            return
         request = m.LeaseRenew(
             holder_id=self.holder_id,
             lease_id=renewal.lease_id,

@@ -58,16 +58,24 @@ class BackendReads(BackendCore):
         return "ok", grant.offset, grant.checksum
 
     def _pin(
-        self, reads: list[ReadRef], conn: int, skip: frozenset[int] = frozenset()
+        self,
+        reads: list[ReadRef],
+        conn: int,
+        skip: frozenset[int] = frozenset(),
+        absent: frozenset[int] = frozenset(),
     ) -> tuple[int, list[tuple[ObjectStatus, int, bytes]]]:
         """Take a transfer reference per readable ref (but those at the indexes in `skip`: disk
-        replicas, answered by the caller), held as one grant of the connection; a slot named
-        twice is taken once (its result repeated). A grant that holds nothing (every ref
-        refused: no token, stale, missing) is not kept, so a flood of refused pins leaves no
-        state; a connection holds at most `LOCAL_GRANTS_PER_CONNECTION_MAX` grants (more is
-        `Busy`: unpin first). The tokens' MACs are checked before the lock: under it, one
-        request of `READS_MAX` refs held every other tenant's transfers up ~17 ms, and named
-        one slot 4,096 times (review, stop 67)."""
+        replicas a GET reads, checked and answered by the caller), held as one grant of the
+        connection; a slot named twice is taken once (its result repeated). A ref at an index
+        in `absent` (a disk replica a PIN_LOCAL names: not in the mapped arena) is checked like
+        the others and answered `not_found` only when it passes: answered `not_found` unchecked,
+        a forged token on a disk slot read as accepted, and its PIN_LOCAL renewed the
+        connection's idle deadline for good (review, stop 71). A grant that holds nothing
+        (every ref refused: no token, stale, missing) is not kept, so a flood of refused pins
+        leaves no state; a connection holds at most `LOCAL_GRANTS_PER_CONNECTION_MAX` grants
+        (more is `Busy`: unpin first). The tokens' MACs are checked before the lock: under it,
+        one request of `READS_MAX` refs held every other tenant's transfers up ~17 ms, and
+        named one slot 4,096 times (review, stop 67)."""
         refused = [None if i in skip else self._refusal(ref) for i, ref in enumerate(reads)]
         with self.lock:
             held = self._conns.get(conn)
@@ -89,6 +97,8 @@ class BackendReads(BackendCore):
                         else "read_token_rejected_total"
                     )
                     acquired.append((why, 0, b""))
+                elif i in absent:
+                    acquired.append(("not_found", 0, b""))  # its token passed: not in the arena
                 else:
                     key = (ref.slot, ref.slot_generation, ref.size_bytes)
                     if key not in taken:
@@ -237,9 +247,11 @@ class BackendReads(BackendCore):
         )
 
     def pin_local(self, reads: list[ReadRef], conn: int) -> LocalGrants:
-        # a disk replica is not in the mapped arena: `not_found`, without the slot table's count
+        # a disk replica is not in the mapped arena: `not_found` once its checks pass (else its
+        # refusal: the transport renews the idle deadline by the statuses), without the slot
+        # table's count
         disk = frozenset(i for i, ref in enumerate(reads) if ref.slot >= SSD_SLOT_BASE)
-        grant_id, acquired = self._pin(reads, conn, disk)
+        grant_id, acquired = self._pin(reads, conn, absent=disk)
         now = self.clock_ms()
         held = [ref for ref, a in zip(reads, acquired, strict=True) if a[0] == "ok"]
         if held:
