@@ -483,6 +483,13 @@ def test_random_weights_are_refused_and_other_load_formats_keyed() -> None:
     for other in ("presharded", "remote_instance", "runai_streamer", "ipc_cache"):
         keyed = engine_spec(replace(WHO, load_format=other), POOL, EXTRA, DEFAULTS)
         assert keyed.model.weights_revision == f"rev-a+load:{other}"
+    # torchao quantization at load (SGLang versions with `--torchao-config`: the layered loader
+    # applies it per layer) is other weights, whatever the format (review of the change, stop 71)
+    for fmt in ("auto", "layered"):
+        torchao = engine_spec(
+            replace(WHO, load_format=fmt, torchao_config="int4wo-128"), POOL, EXTRA, DEFAULTS
+        )
+        assert torchao.model.weights_revision == "rev-a+torchao:int4wo-128"
 
 
 def test_the_fp8_kv_scales_file_is_in_the_key(tmp_path: Path) -> None:

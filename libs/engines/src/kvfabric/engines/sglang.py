@@ -152,6 +152,9 @@ def _server_args_keyed() -> dict[str, str]:
         # an enum's value, not its name ("dummy", never "LoadFormat.DUMMY": refused by value)
         "load_format": str(getattr(load_format, "value", load_format)),
         "kv_scales_path": str(getattr(args, "quantization_param_path", "") or ""),
+        # torchao quantization at load (SGLang versions that have `--torchao-config`, applied by
+        # the default loader after loading or by the layered one per layer): other weights
+        "torchao_config": str(getattr(args, "torchao_config", "") or ""),
     }
 
 

@@ -325,6 +325,10 @@ class StorageIdentity:
     # review, stop 71
     load_format: str = ""
     kv_scales_path: str = ""
+    # `--torchao-config` where SGLang has it (quantizes the weights at load; not in 0.5.23):
+    # keyed as `--quantization` is, so `layered` (the loader that applies it per layer) can key
+    # as `auto` (review of the change, stop 71)
+    torchao_config: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,6 +406,8 @@ def engine_spec(
         attn = digest_config({"config": attn, "overrides": who.model_overrides})
     if who.quantization:  # quantized at load (fp8 of bf16 files, say): other weights, other KV
         revision = f"{revision}+q:{who.quantization}"
+    if who.torchao_config and who.torchao_config.lower() not in ("none", ""):
+        revision = f"{revision}+torchao:{who.torchao_config}"
     if who.load_format not in _FILE_LOAD_FORMATS:  # not the files as they are (review, stop 71)
         revision = f"{revision}+load:{who.load_format}"
     kv_cache_dtype = str(extra.get("kv_cache_dtype") or who.kv_cache_dtype or "")
