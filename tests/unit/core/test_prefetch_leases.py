@@ -231,3 +231,39 @@ def test_a_hints_deadline_is_cut_to_the_hold_maximum() -> None:
     core.add_hint(hint(now + 400_000, "h3"), now + 310_000)  # within the bound: kept as sent
     assert core.hint_deadline("h3", "t") == now + 400_000
     assert core.counters["hints_deadline_capped_total"] == 2
+
+
+def test_a_last_renewal_cut_to_the_deadline_under_a_clock_behind_is_no_refusal() -> None:
+    """The directory's clock 500 ms behind ours: the last renewal, cut to the hint's deadline,
+    is answered an expiry no later than its last one. It was booked refused (a lost group), the
+    lease then lost at its expiry (review of the change, stop 71): it is held to its expiry, and
+    its lapse there loses nothing."""
+    behind_ms = 500
+    deadline = 30_300  # just after the lookup's expiry (the directory's view)
+    keeper = keeper_with_one_lease(expires_ms=30_000)
+    directory_expiry = 30_000
+    for now in range(0, 40_000, 100):
+        for renewal in keeper.due(now, lambda named: deadline):
+            ttl = keeper.sending(renewal, now)
+            assert 0 < ttl <= deadline - now
+            directory_expiry = max(directory_expiry, now - behind_ms + ttl)  # its clock
+            keeper.renewed(renewal.lease, directory_expiry, now)
+        keeper.check_invariants()
+    assert keeper.counters["lease_renew_refused_total"] == 0
+    assert keeper.counters["leases_lost_total"] == 0
+
+
+def test_a_renewal_that_waited_asks_only_up_to_the_deadline_from_when_it_is_sent() -> None:
+    """A renewal due at 20 s and sent 8 s later (its shard's slots busy) asked the TTL computed
+    when due, and was granted past the hint's deadline (review of the change, stop 71)."""
+    keeper = keeper_with_one_lease()
+    (renewal,) = keeper.due(20_000, lambda named: 45_000)
+    assert renewal.ttl_ms == 25_000
+    assert keeper.sending(renewal, 28_000) == 17_000  # up to the deadline from now
+    keeper.renewed(LEASE, 45_000, 28_100)
+    assert keeper.expires_ms(LEASE) == 45_000
+    # one sent after the deadline asks nothing: held to its expiry
+    other = keeper_with_one_lease()
+    (renewal,) = other.due(20_000, lambda named: 35_000)
+    assert other.sending(renewal, 36_000) == 0 and other.counters["lease_renewals_total"] == 0
+    other.check_invariants()

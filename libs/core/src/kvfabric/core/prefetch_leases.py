@@ -32,8 +32,12 @@ A lease is FINAL only when the directory's own expiry did not move (review, stop
 when the expiry moved less than half of what was asked, but the directory caps each renewal at
 its `KVF_DIRECTORY_LEASE_TTL_MS_MAX` (100 ms .. 600 s) while the shell asks 30 s, so under a
 15 s cap a 2-minute hint's leases were final after one renewal and lost at 20 s; a directory
-clock a third of a TTL behind did the same (now a healthy directory answers an unmoved expiry
-only if its clock is two thirds of its cap behind ours). And the next renewal is due when a
+clock a third of a TTL behind did the same. A renewal asked only up to its hint's deadline
+(less than `lease_ttl_ms`) that a directory whose clock is behind ours answers with an unmoved
+expiry is no refusal either: the lease is held to its expiry (`up_to_deadline`), whose lapse
+loses nothing, and renewed again if the deadline moves later. The TTL asked is cut to the
+deadline when the renewal is sent (`sending`), not when it fell due: one that waited for its
+shard's slots was granted past the deadline (review of the change). And the next renewal is due when a
 third of the TTL granted is left, if that is less than `renew_margin_ms`: a 2 s cap renews about
 every 1.3 s (a fixed 10 s margin made every lease due at once, then once per `retry_ms`, and a
 cap of 1.5 s or less lapsed). The directory's first expiry is not known per lease (a lookup
@@ -128,7 +132,13 @@ class _Kept:
     answered_ms: int
     renewing: bool = False
     asked_until_ms: int = 0  # while renewing: the expiry asked for
+    asked_deadline_ms: int = 0  # while renewing: its hint's deadline (what the ask is cut to)
+    asked_limited: bool = False  # the ask was cut to the deadline (less than `lease_ttl_ms`)
     final: bool = False  # a renewal was refused: held to its expiry, not renewed again
+    # renewed up to its hint's deadline, as asked (a directory whose clock is behind ours may
+    # answer no later expiry: no refusal, and its lapse there loses nothing); cleared if the
+    # deadline moves later (review of the change, stop 71)
+    up_to_deadline: bool = False
 
 
 class HintLeases:
@@ -189,8 +199,11 @@ class HintLeases:
                 continue  # stale entry
             deadline = deadline_of(kept.named)
             if now_ms >= kept.expires_ms:  # lapsed: the directory has dropped it
-                self._drop(lease, kept, needed=deadline is not None and deadline > kept.expires_ms)
+                needed = deadline is not None and deadline > kept.expires_ms and not kept.up_to_deadline
+                self._drop(lease, kept, needed=needed)
                 continue
+            if kept.up_to_deadline and deadline is not None and deadline > kept.asked_deadline_ms:
+                kept.final = kept.up_to_deadline = False  # its deadline moved later: renewed again
             if deadline is None or kept.final or deadline <= kept.expires_ms:
                 # nothing to renew (now): looked at again at its expiry, or sooner in case its
                 # hint's deadline moves (a hint id deduplicated into it)
@@ -201,20 +214,34 @@ class HintLeases:
                 self._reschedule(lease, kept, kept.expires_ms - kept.margin_ms)
                 continue
             ttl = min(cfg.lease_ttl_ms, deadline - now_ms)
-            kept.renewing, kept.asked_until_ms = True, now_ms + ttl
+            kept.renewing, kept.asked_until_ms, kept.asked_deadline_ms = True, now_ms + ttl, deadline
+            kept.asked_limited = ttl < cfg.lease_ttl_ms
             out.append(RenewLease(kept.named, lease[0], lease[1], ttl))
         return sorted(out, key=lambda r: r.lease)
 
-    def sending(self, renewal: RenewLease) -> bool:
-        """The shell is about to send `renewal`: False when its lease was taken while it waited
-        (its hint ended: given back, not renewed). Counted here, when sent: counted in `due`,
-        `lease_renewals_total` took in renewals never sent (an ended hint's, and those queued at
-        `stop`; review, stop 71)."""
+    def sending(self, renewal: RenewLease, now_ms: int | None = None) -> int:
+        """The shell is about to send `renewal` at `now_ms`: the TTL to ask for, cut to its
+        hint's deadline from now (a renewal that waited for its shard's slot asked the TTL
+        computed when it was due, and was granted past the deadline; review of the change, stop
+        71); 0 when not to send it: its lease was taken while it waited (its hint ended: given
+        back, not renewed), or its deadline has come (held to its expiry). Counted here, when
+        sent: counted in `due`, `lease_renewals_total` took in renewals never sent (an ended
+        hint's, and those queued at `stop`; review, stop 71). `now_ms` None: as asked when due."""
         kept = self._kept.get(renewal.lease)
         if kept is None or not kept.renewing:
-            return False
+            return 0
+        ttl = renewal.ttl_ms
+        if now_ms is not None:
+            ttl = min(self.config.lease_ttl_ms, kept.asked_deadline_ms - now_ms)
+            if ttl <= 0:
+                kept.renewing = False
+                kept.final = kept.up_to_deadline = True
+                self._reschedule(renewal.lease, kept, kept.expires_ms)
+                return 0
+            kept.asked_until_ms = now_ms + ttl
+            kept.asked_limited = ttl < self.config.lease_ttl_ms
         self.counters["lease_renewals_total"] += 1
-        return True
+        return ttl
 
     def renewed(self, lease: Lease, expires_ms: int, now_ms: int) -> None:
         """The directory renewed `lease` until `expires_ms` (its reply; 0: not said)."""
@@ -224,11 +251,14 @@ class HintLeases:
         kept.renewing = False
         asked = kept.asked_until_ms
         new = min(asked, expires_ms) if expires_ms else asked
-        if expires_ms and expires_ms <= kept.answered_ms:  # not extended: a lost group
+        if expires_ms and expires_ms <= kept.answered_ms:  # not extended
             # (compared with the directory's own last answer, not with what was asked: its cap
             # and its clock made an extension shorter than asked look refused; review, stop 71)
             kept.final = True
-            self.counters["lease_renew_refused_total"] += 1
+            if kept.asked_limited:  # asked only up to the deadline: a clock behind ours
+                kept.up_to_deadline = True
+            else:  # a lost group
+                self.counters["lease_renew_refused_total"] += 1
         kept.answered_ms = max(kept.answered_ms, expires_ms)
         kept.expires_ms = max(kept.expires_ms, new)
         if kept.final:

@@ -456,12 +456,13 @@ class PrefetchShell:
     async def _send_renewal(self, renewal: RenewLease) -> None:
         # counted as sent here (`sending`), not when due: one whose hint ended while it waited is
         # given back, not renewed, and was counted all the same (review, stop 71)
-        if not self._keeper.sending(renewal):
+        ttl_ms = self._keeper.sending(renewal, self._now())  # (cut to the deadline from now)
+        if not ttl_ms:
             return
         request = m.LeaseRenew(
             holder_id=self.holder_id,
             lease_id=renewal.lease_id,
-            lease_ttl_ms=renewal.ttl_ms,
+            lease_ttl_ms=ttl_ms,
             shard=renewal.shard,
         )
         try:
