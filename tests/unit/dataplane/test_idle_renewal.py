@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -254,16 +254,19 @@ def serving_arena(tmp: Path) -> Iterator[TcpDataServer]:
 
 
 @pytest.mark.parametrize(
-    ("forged", "renews"),
+    ("make_ref", "renews"),
     [
-        (ReadRef(0, SSD_SLOT_BASE, 1, 1, b"forged"), False),  # another incarnation
-        (ReadRef(INCARNATION, SSD_SLOT_BASE, 1, 1, b"forged"), False),  # a forged token
-        (signed(SSD_SLOT_BASE + 5, size=1, incarnation=0), False),  # signed for another one
-        (signed(SSD_SLOT_BASE + 5, size=1), True),  # a valid token: not in the arena, credited
+        (lambda: ReadRef(0, SSD_SLOT_BASE, 1, 1, b"forged"), False),  # another incarnation
+        (lambda: ReadRef(INCARNATION, SSD_SLOT_BASE, 1, 1, b"forged"), False),  # a forged token
+        (lambda: signed(SSD_SLOT_BASE + 5, size=1, incarnation=0), False),  # signed for another one
+        # a valid token: not in the arena, credited (signed when the test runs: made at
+        # collection, its minute had passed when a full run reached it)
+        (lambda: signed(SSD_SLOT_BASE + 5, size=1), True),
     ],
+    ids=["other-incarnation", "forged-token", "signed-for-another", "valid"],
 )
 def test_a_pin_local_of_a_disk_slot_renews_the_idle_deadline_only_with_a_valid_token(
-    tmp_path: Path, forged: ReadRef, renews: bool
+    tmp_path: Path, make_ref: Callable[[], ReadRef], renews: bool
 ) -> None:
     """`ArenaBackend.pin_local` answered a disk slot's ref (slot >= `SSD_SLOT_BASE`) `not_found`
     without checking its incarnation or token, and `not_found` counts as credited: a peer
@@ -274,7 +277,7 @@ def test_a_pin_local_of_a_disk_slot_renews_the_idle_deadline_only_with_a_valid_t
         with socket.create_connection((host, port), timeout=5.0) as sock:
             sock.sendall(frame(Op.GET, GetRequest(reads=[signed(0)])))  # admitted: a valid token
             assert read_frame(sock) is not None, "the admitting GET was not answered"
-            lived_s, answered = held_open(sock, Op.PIN_LOCAL, GetRequest(reads=[forged]))
+            lived_s, answered = held_open(sock, Op.PIN_LOCAL, GetRequest(reads=[make_ref()]))
         closed = server.counters.get("closed_idle_timeout_total", 0)
         if renews:
             assert lived_s >= HELD_S and closed == 0, (lived_s, server.counters)
