@@ -25,7 +25,12 @@ import torch
 
 from kvfabric.client import EngineSpec, Hit, KvClient, SaveResult
 from kvfabric.client.save_memory import SaveSlots, client_save_slots
-from kvfabric.engines.identity import LONGROPE_UNCACHEABLE, attn_config_digest, longrope_long_factors
+from kvfabric.engines.identity import (
+    LONGROPE_UNCACHEABLE,
+    attn_config_digest,
+    longrope_long_factors,
+    rope_entries,
+)
 from kvfabric.format.key import KVLayout, ModelFingerprint, ShareDomain
 
 __all__ = [
@@ -99,23 +104,7 @@ def _dynamic_rope_type(hf_config: Mapping[str, Any]) -> str | None:
     """The rope type of a dynamic-NTK rope in an HF config dict (`rope_parameters` or the older
     `rope_scaling`; one rope or one per layer type; a composite model's `text_config` too), or
     None: its frequencies follow each forward's positions (`DYNAMIC_ROPE_UNCACHEABLE`)."""
-    configs = [hf_config]
-    text = hf_config.get("text_config")
-    if isinstance(text, Mapping):
-        configs.append(text)
-    for config in configs:
-        for key in ("rope_parameters", "rope_scaling"):
-            rope = config.get(key)
-            if not isinstance(rope, Mapping):
-                continue
-            ropes = [rope] if "rope_type" in rope or "type" in rope else list(rope.values())
-            for one in ropes:
-                if not isinstance(one, Mapping):
-                    continue
-                rope_type = one.get("rope_type") or one.get("type")
-                if isinstance(rope_type, str) and "dynamic" in rope_type:
-                    return rope_type
-    return None
+    return next((t for _, _, t in rope_entries(hf_config) if "dynamic" in t), None)
 
 
 def hf_engine_spec(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final
 
 import xxhash
@@ -22,6 +22,7 @@ __all__ = [
     "attn_config_digest",
     "files_digest",
     "longrope_long_factors",
+    "rope_entries",
     "weights_digest_of_dir",
 ]
 
@@ -71,11 +72,10 @@ LONGROPE_UNCACHEABLE: Final = (
 )
 
 
-def longrope_long_factors(hf_config: Mapping[str, Any], max_model_len: int) -> bool | None:
-    """Whether a LongRoPE model (Phi-3 and kin) rotates with its long factors: vLLM uses them for
-    every position when `max_model_len` exceeds `original_max_position_embeddings` (so that its
-    prefix cache stays valid), its short ones otherwise, so the same prompt's KV differs between
-    two such deployments. None for a model without LongRoPE (its KV does not depend on it)."""
+def rope_entries(hf_config: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], Mapping[str, Any], str]]:
+    """Every rope of an HF config dict, as (the config holding it, the rope, its type; "" if
+    none said): `rope_parameters` or the older `rope_scaling`, one rope or one per layer type (a
+    model with sliding layers), in the config and in a composite model's `text_config`."""
     configs = [hf_config]
     text = hf_config.get("text_config")
     if isinstance(text, Mapping):
@@ -85,15 +85,24 @@ def longrope_long_factors(hf_config: Mapping[str, Any], max_model_len: int) -> b
             rope = config.get(field)
             if not isinstance(rope, Mapping):
                 continue
-            # one rope, or one per layer type (`rope_parameters` of a model with sliding layers)
             ropes = [rope] if "rope_type" in rope or "type" in rope else list(rope.values())
             for one in ropes:
-                if not isinstance(one, Mapping) or (one.get("rope_type") or one.get("type")) != "longrope":
-                    continue
-                original = one.get("original_max_position_embeddings") or config.get(
-                    "original_max_position_embeddings"
-                )
-                return isinstance(original, int) and max_model_len > original
+                if isinstance(one, Mapping):
+                    rope_type = one.get("rope_type") or one.get("type")
+                    yield config, one, rope_type if isinstance(rope_type, str) else ""
+
+
+def longrope_long_factors(hf_config: Mapping[str, Any], max_model_len: int) -> bool | None:
+    """Whether a LongRoPE model (Phi-3 and kin) rotates with its long factors: vLLM uses them for
+    every position when `max_model_len` exceeds `original_max_position_embeddings` (so that its
+    prefix cache stays valid), its short ones otherwise, so the same prompt's KV differs between
+    two such deployments. None for a model without LongRoPE (its KV does not depend on it)."""
+    for config, rope, rope_type in rope_entries(hf_config):
+        if rope_type == "longrope":
+            original = rope.get("original_max_position_embeddings") or config.get(
+                "original_max_position_embeddings"
+            )
+            return isinstance(original, int) and max_model_len > original
     return None
 
 
