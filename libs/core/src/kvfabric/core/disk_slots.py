@@ -65,6 +65,8 @@ commit's free record then carries 1), as one whose record does not decode.
   still under way elsewhere: a retry that rewrote such a record after its slot was reused wrote
   a stale free record over the new object's commit record (review, 2026-12-05).
   `pending_unlinks()` lists every record handed out and not yet durable (tests, models).
+  `free_durable(slot, generation)` says whether a free of that object may be acknowledged to
+  whoever asked for it: not while its record (or a fenced write's) may still not be durable.
 - `acquire` -> one reference until `release`.
 - Callers track what they hold: `begin_commit`/`end_commit`/`abort` of a slot not in that state
   at that generation, `release` without a reference or `unlinked` of a record not handed out are
@@ -443,6 +445,16 @@ class DiskSlotTable:
             for s, r in sorted(self._slots.items())
             if r.state == "unlinking" and not r.unlinked
         ]
+
+    def free_durable(self, slot: int, generation: int) -> bool:
+        """Whether (slot, generation) is gone for good: the object is not held, or is UNLINKING with
+        its free record durable (`unlinked`, waiting only for its readers). False while it is
+        STORED, while a fenced write is being written or committed (its writer may yet write a
+        free record), and while its free record is handed out and not durable (being written,
+        or its write failed: `unlink_failed`). A slot held at another generation answers True:
+        an older one was reused, so its free record was durable; a newer one was never held."""
+        rec = self._slots.get(slot)
+        return rec is None or rec.generation != generation or rec.unlinked
 
     # ---- reads -------------------------------------------------------------------------------
 

@@ -267,8 +267,9 @@ class BackendCore:
 
     def free_slots(self, slots: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The directory's frees, one by one (one bad pair never blocks the rest). Deferred ones are
-        freed when the last transfer ends. Returns every pair: each is freed now, deferred, was freed
-        already, or was never held here — in all cases the directory may stop retrying it."""
+        freed when the last transfer ends. Returns the pairs the directory may stop retrying: every
+        DRAM pair (freed now, deferred, freed already, or never held here) and the disk pairs
+        `SsdTier.free_many` returns (not those whose free record is not durable yet)."""
         done = []
         disk = []
         for slot, generation in slots:
@@ -280,6 +281,6 @@ class BackendCore:
             except NotFound:  # never handed out by this incarnation: nothing held, so it counts as freed
                 self.count("free_unknown_slot_total")
             done.append((slot, generation))
-        if disk:  # their free records are durable when this returns (one sync for all)
+        if disk:  # those returned have their free records durable (one sync for all)
             done.extend(self.ssd.free_many(disk) if self.ssd is not None else disk)
         return done

@@ -13,7 +13,11 @@ Write protocol (`write`), each step in order, each sync a real `fdatasync` of th
 1. `alloc` an extent and slot; 2. write the bytes (the I/O engine, in pieces); 3. sync;
 4. `begin_commit` -> the commit record; 5. write it (one 512-byte sector); 6. sync;
 7. `end_commit` -> readable. A free (`free_many`) writes free records, syncs once for all of
-them, then `unlinked` each: only then may the extent and slot be reused. A crash between any two
+them, then `unlinked` each: only then may the extent and slot be reused, and only then is the free
+acknowledged (returned to the directory, which stops asking). One whose record's write or sync
+failed is not: its slot stays held, `retry_unlinks` writes the record again, and the directory's
+next free of it is acknowledged once that landed (never after a failed sync: below) — until
+then a restart recovers the object from its commit record. A crash between any two
 steps leaves an index from which `recover` returns exactly the objects whose bytes and commit
 record were complete (tests/unit/segment_storage/test_ssd_crash.py tears and drops writes at
 every step; tests/unit/core/test_disk_slots_machine.py checks the protocol against a model).
@@ -45,7 +49,9 @@ hold at most `read_bytes_max` bytes of buffers; past it, `Busy`. A device that n
 I/O holds the thread that issued it (a syscall cannot be cancelled); the bounds then turn the
 rest away. A failed `fdatasync` (the kernel may have dropped the dirty pages) stops the tier
 for writes until restart (`Unavailable`, reason `ssd_failed`): what it committed before stays
-readable.
+readable, and no free that needed a record after it is acknowledged (the record cannot be
+made durable; the restarted segment reports what it recovered, and the directory adopts or
+frees it).
 
 Modules: this one holds the tier (file, index, write/free/read protocol); the buffers and their pool
 are `ssd_buffers`, the I/O engine and shared sync `ssd_io`, the read results (`SsdRead`, the
@@ -591,9 +597,14 @@ class SsdTier:
     # ---- frees ---------------------------------------------------------------------------------
 
     def free_many(self, slots: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The directory's frees of disk slots (wire ids): each is freed (its free record durable
-        before this returns, one sync for all), deferred, already freed or unknown; all are
-        returned (the directory may stop retrying them)."""
+        """The directory's frees of disk slots (wire ids). Returned, in order: those the directory
+        may stop retrying — freed (its free record durable before this returns, one sync for
+        all), deferred behind a read with its record durable, freed already with it durable, or
+        never held here. Not returned: a free whose record is not durable (its write or the
+        sync failed: the slot stays held, `retry_unlinks` writes it again; or another thread is
+        writing it) or of an object still being written (its writer may write a free record
+        yet): the directory asks again. An acknowledged free whose record was lost came back
+        at the next start (review, 2026-12-07: every free was returned, whatever its record's fate)."""
         records: list[Record] = []
         with self.lock:
             for slot, generation in slots:
@@ -606,7 +617,8 @@ class SsdTier:
                     records.append(result.record)
         if records:
             self._unlink(records)
-        return list(slots)
+        with self.lock:
+            return [(s, g) for s, g in slots if self.table.free_durable(self.local(s), g)]
 
     def _unlink(self, records: list[Record]) -> None:
         """Write and sync free records, then let the table reuse their extents. On an I/O error

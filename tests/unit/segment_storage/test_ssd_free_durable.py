@@ -1,0 +1,205 @@
+"""A free of a disk slot is acknowledged (returned by `SsdTier.free_many`, so the directory stops
+asking) only once its free record is durable, and the slot is never handed out again before that.
+
+The tier returned every pair it was given, also those whose free record's write or sync had
+failed: the directory forgot the replica while its commit record was still the slot's record on
+disk, and a restart before a retry landed recovered the object (docs/ssd-tier.md, "Frees")."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvfabric.core.disk_records import Record
+from kvfabric.core.disk_slots import DiskSlotTable
+from kvfabric.format.checksum import checksum
+from kvfabric.format.errors import NoCapacity, Unavailable
+from kvfabric.proto.segment import SSD_SLOT_BASE
+from kvfabric.segment_storage.ssd import SsdIo, SsdTier
+
+SEGMENT = "freeseg"
+DATA_BYTES = 1 << 20
+
+
+class FlakyIo(SsdIo):
+    """The I/O engine on the calling thread; fails the next `fail_records` index-record writes."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 64, 1 << 20)
+        self.fail_records = 0
+
+    def write_record(self, fd: int, view: memoryview, offset: int) -> None:
+        if self.fail_records:
+            self.fail_records -= 1
+            raise OSError(5, "Input/output error")
+        super().write_record(fd, view, offset)
+
+
+class FlakySync:
+    """`fdatasync`, failing while `fail` is set."""
+
+    def __init__(self) -> None:
+        self.fail = False
+
+    def __call__(self, fd: int) -> None:
+        if self.fail:
+            raise OSError(5, "Input/output error")
+        os.fdatasync(fd)
+
+
+def open_tier(directory: Path, io: SsdIo, slots_max: int = 1, sync: FlakySync | None = None) -> SsdTier:
+    return SsdTier(
+        directory,
+        SEGMENT,
+        DATA_BYTES,
+        slots_max,
+        direct=False,
+        io=io,
+        read_bytes_max=1 << 20,
+        sync=sync if sync is not None else os.fdatasync,
+    )
+
+
+def store(tier: SsdTier, data: bytes, key: bytes) -> tuple[int, int]:
+    return tier.write(memoryview(data), key, checksum(data))
+
+
+def test_a_free_whose_record_write_failed_is_acknowledged_once_a_retry_made_it_durable(
+    tmp_path: Path,
+) -> None:
+    io = FlakyIo()
+    tier = open_tier(tmp_path, io)  # one slot id: a reuse would have to be this one
+    try:
+        old = store(tier, os.urandom(10_000), b"old")
+        io.fail_records = 1
+        assert tier.free_many([old]) == []  # not durable: not freed, the directory asks again
+        assert tier.unlinks_pending and tier.stats()["used_bytes"] == 12288
+        assert tier.free_many([old]) == []  # asked again before the retry: still not durable
+        with pytest.raises(NoCapacity):  # the slot is not handed out before its free is durable
+            store(tier, b"n" * 5000, b"new")
+        assert tier.retry_unlinks() == 1 and not tier.unlinks_pending
+        assert tier.free_many([old]) == [old]  # durable now: the directory may stop asking
+        new_data = os.urandom(5000)
+        new = store(tier, new_data, b"new")
+        assert new == (old[0], old[1] + 1)  # the slot again, its next generation
+    finally:
+        io.close()
+        tier.close()
+    # A restart recovers the slot's newest record: the new object, never the freed one.
+    io = FlakyIo()
+    tier = open_tier(tmp_path, io)
+    try:
+        (held,) = tier.held()
+        assert (held.slot, held.generation, held.key) == (*new, b"new")
+        result = tier.read(held.slot, held.generation, held.size)
+        assert result.status == "ok" and result.view is not None and bytes(result.view) == new_data
+        result.release()
+    finally:
+        io.close()
+        tier.close()
+
+
+def test_a_free_not_acknowledged_is_what_a_restart_before_the_retry_recovers(tmp_path: Path) -> None:
+    """Why an acknowledged free was wrong: the process ends before the retry lands, the slot's
+    record on disk is still the commit record, and the object is recovered — the directory must
+    not have been told it was gone. A batch whose record write failed is acknowledged in none of
+    its pairs (their records are synced together: none is durable)."""
+    io = FlakyIo()
+    tier = open_tier(tmp_path, io, slots_max=4)
+    try:
+        first = store(tier, os.urandom(4096), b"first")
+        second = store(tier, os.urandom(4096), b"second")
+        io.fail_records = 1
+        assert tier.free_many([first, second]) == []
+    finally:
+        io.close()
+        tier.close()  # no retry: the process ended
+    io = FlakyIo()
+    tier = open_tier(tmp_path, io, slots_max=4)
+    try:
+        assert [(h.slot, h.generation, h.key) for h in tier.held()] == [
+            (*first, b"first"),
+            (*second, b"second"),
+        ]
+        assert tier.free_many([first, second]) == [first, second]  # the recovered objects, freed now
+        assert tier.held() == []
+    finally:
+        io.close()
+        tier.close()
+
+
+def test_a_free_whose_sync_failed_is_never_acknowledged(tmp_path: Path) -> None:
+    """A failed `fdatasync` fails the tier for writes until restart (docs/ssd-tier.md, "Bad disk"):
+    its free records may have been dropped with the dirty pages, so no free after it is
+    acknowledged in this incarnation, asked again or not, and their slots stay held."""
+    io = FlakyIo()
+    sync = FlakySync()
+    tier = open_tier(tmp_path, io, slots_max=4, sync=sync)
+    try:
+        first = store(tier, os.urandom(5000), b"first")
+        second = store(tier, os.urandom(5000), b"second")
+        sync.fail = True
+        assert tier.free_many([first]) == []
+        sync.fail = False  # a later sync that "works" proves nothing
+        assert tier.free_many([first]) == []
+        assert tier.free_many([second]) == []
+        assert tier.retry_unlinks() == 0  # nothing written after a failed sync counts
+        assert tier.free_many([first, second]) == []
+        assert tier.stats()["failed"] == 1 and tier.stats()["used_bytes"] == 2 * 8192
+        with pytest.raises(Unavailable):
+            store(tier, b"x" * 100, b"third")
+    finally:
+        io.close()
+        tier.close()
+
+
+def test_unknown_and_long_freed_slots_are_still_acknowledged(tmp_path: Path) -> None:
+    io = FlakyIo()
+    tier = open_tier(tmp_path, io, slots_max=4)
+    try:
+        a = store(tier, os.urandom(5000), b"a")
+        assert tier.free_many([a]) == [a]
+        never = (SSD_SLOT_BASE + 3, 1)
+        assert tier.free_many([a, never]) == [a, never]  # freed already; never held here
+    finally:
+        io.close()
+        tier.close()
+
+
+def test_the_table_says_when_a_free_is_durable() -> None:
+    t = DiskSlotTable(1 << 16, 4)
+    sum16 = b"c" * 16
+    w = t.alloc(100, b"w")
+    assert not t.free_durable(w.slot, w.generation)  # being written
+    assert t.free(w.slot, w.generation).record is None  # fenced: the writer finds out
+    assert not t.free_durable(w.slot, w.generation)  # its writer has not yet
+    assert t.begin_commit(w.slot, w.generation, sum16) is None  # no commit record: nothing on disk
+    assert t.free_durable(w.slot, w.generation)
+
+    w = t.alloc(100, b"w")
+    assert t.begin_commit(w.slot, w.generation, sum16) is not None
+    assert t.free(w.slot, w.generation).record is None  # fenced while committing
+    assert not t.free_durable(w.slot, w.generation)  # its commit record may be on disk
+    unlink = t.end_commit(w.slot, w.generation, durable=True)
+    assert unlink == Record("free", w.slot, w.generation + 1)
+    assert not t.free_durable(w.slot, w.generation)
+    t.unlinked(w.slot, unlink.generation)
+    assert t.free_durable(w.slot, w.generation)
+
+    s = t.alloc(100, b"s")
+    t.begin_commit(s.slot, s.generation, sum16)
+    assert t.end_commit(s.slot, s.generation, durable=True) is None
+    assert not t.free_durable(s.slot, s.generation)  # stored
+    t.acquire(s.slot, s.generation, 100)
+    freed = t.free(s.slot, s.generation).record
+    assert freed is not None and not t.free_durable(s.slot, s.generation)
+    t.unlink_failed([freed])
+    assert not t.free_durable(s.slot, s.generation)
+    (again,) = t.take_failed_unlinks()
+    t.unlinked(s.slot, again.generation)
+    assert t.free_durable(s.slot, s.generation)  # durable; the reader still holds the extent
+    t.release(s.slot, s.generation)
+    assert t.free_durable(s.slot, s.generation) and t.free_durable(3, 1)  # reclaimed; never used
+    t.check_invariants()
