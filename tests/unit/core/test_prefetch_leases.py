@@ -267,3 +267,210 @@ def test_a_renewal_that_waited_asks_only_up_to_the_deadline_from_when_it_is_sent
     (renewal,) = other.due(20_000, lambda named: 35_000)
     assert other.sending(renewal, 36_000) == 0 and other.counters["lease_renewals_total"] == 0
     other.check_invariants()
+
+
+# ---- renewals started per round, releases (review of stop 71) ------------------------------
+
+
+def keeper_due_at(leases: dict[tuple[int, int], int]) -> HintLeases:
+    """Each lease kept at 0 with the expiry given, its own hint (all due from 20 s on)."""
+    keeper = HintLeases(LeaseKeeping(lease_ttl_ms=30_000, renew_margin_ms=10_000, retry_ms=1_000))
+    for lease, expires in leases.items():
+        keeper.keep(("t", f"h{lease[0]}-{lease[1]}"), [lease], expires, now_ms=0)
+    return keeper
+
+
+def test_a_round_starts_at_most_its_limits_earliest_expiry_first_and_the_rest_wait() -> None:
+    """Every renewal due was started at once, and the shell made a task for each (thousands in
+    one tick on one shard, waiting for its 16 slots). A round now starts at most `limit` in all
+    and `shard_room(shard)` on each, earliest expiry first; the rest stay due for later rounds."""
+    rng = random.Random(7)
+    expiry = {(0, i): 30_000 + rng.randrange(5_000) for i in range(1, 3_001)}
+    expiry |= {(1, i): 30_000 + rng.randrange(5_000) for i in range(1, 101)}
+    keeper = keeper_due_at(expiry)
+    in_flight = {0: 0, 1: 0}
+    started: list[RenewLease] = []
+    for rnd, now in enumerate(range(25_000, 31_000, 20)):
+        due = keeper.due(now, lambda named: 120_000, limit=64, shard_room=lambda s: 16 - in_flight[s])
+        keeper.check_invariants()
+        if rnd == 0:  # per shard at most its room; in all at most the limit
+            assert [sum(r.shard == s for r in due) for s in (0, 1)] == [16, 16]
+            assert keeper.renewals_queued == 3_100 - 32
+        assert len(due) <= 64 and all(sum(r.shard == s for r in due) <= 16 for s in (0, 1))
+        for renewal in due:  # each answered within the round
+            assert keeper.sending(renewal, now)
+            keeper.renewed(renewal.lease, now + renewal.ttl_ms, now)
+        started += sorted(due, key=lambda r: expiry[r.lease])  # (a round's: sorted by lease)
+    # all renewed, none late, each shard's in expiry order
+    assert len(started) == len({r.lease for r in started}) == 3_100
+    for shard in (0, 1):
+        mine = [expiry[r.lease] for r in started if r.shard == shard]
+        assert mine == sorted(mine)
+    assert keeper.counters["lease_renewals_late_total"] == 0 and keeper.counters["leases_lost_total"] == 0
+
+
+def test_the_round_limit_goes_to_the_earliest_expiries_across_shards() -> None:
+    keeper = keeper_due_at({(0, 1): 30_000, (1, 1): 31_000, (2, 1): 29_000, (0, 2): 29_500})
+    due = keeper.due(25_000, lambda named: 120_000, limit=2, shard_room=lambda s: 16)
+    assert sorted(r.lease for r in due) == [(0, 2), (2, 1)]
+    due = keeper.due(25_020, lambda named: 120_000, limit=2)
+    assert sorted(r.lease for r in due) == [(0, 1), (1, 1)]
+    keeper.check_invariants()
+
+
+def test_a_short_lease_due_later_starts_before_a_long_one_due_earlier() -> None:
+    """Ordered by expiry, not by when each fell due: a lease under a short directory cap (due
+    with a third of its 2 s left) goes before one with 10 s left."""
+    keeper = HintLeases(LeaseKeeping(lease_ttl_ms=30_000, renew_margin_ms=10_000, retry_ms=1_000))
+    keeper.keep(("t", "long"), [(0, 1)], 30_000, now_ms=0)  # due at 20 s
+    keeper.keep(("t", "short"), [(0, 2)], 21_000, now_ms=19_000)  # due at 20.34 s
+    assert [r.lease for r in keeper.due(20_500, lambda named: 120_000, limit=1)] == [(0, 2)]
+    assert [r.lease for r in keeper.due(20_520, lambda named: 120_000, limit=1)] == [(0, 1)]
+
+
+def test_a_renewal_that_cannot_start_before_its_expiry_is_counted_late() -> None:
+    keeper = keeper_due_at({(0, 1): 30_000, (0, 2): 40_000})
+    full = {"room": 0}  # the shard's slots all taken (a hung leader)
+    for now in range(20_000, 30_000, 20):
+        assert keeper.due(now, lambda named: 120_000, shard_room=lambda s: full["room"]) == []
+        keeper.check_invariants()
+    assert keeper.leases_held == 2 and keeper.renewals_queued == 1
+    assert keeper.due(30_000, lambda named: 120_000, shard_room=lambda s: full["room"]) == []
+    assert keeper.counters["lease_renewals_late_total"] == 1 and keeper.counters["leases_lost_total"] == 1
+    assert keeper.held == {("t", "h0-2"): [(0, 2)]}  # no longer counted as held
+    full["room"] = 1
+    (renewal,) = keeper.due(30_020, lambda named: 120_000, shard_room=lambda s: full["room"])
+    assert renewal.lease == (0, 2)
+    keeper.check_invariants()
+
+
+def test_a_due_lease_whose_hint_ended_is_taken_not_renewed() -> None:
+    keeper = keeper_due_at({(0, 1): 30_000})
+    assert keeper.due(20_000, lambda named: 120_000, shard_room=lambda s: 0) == []
+    assert keeper.give_back(("t", "h0-1"), 20_100) == [(0, 1)]
+    assert keeper.due(20_200, lambda named: 120_000) == [] and keeper.renewals_queued == 0
+    (release,) = keeper.releases(20_200)
+    assert release.lease == (0, 1) and release.attempt == 1
+    keeper.check_invariants()
+
+
+def test_releases_go_per_shard_within_room_each_on_its_own() -> None:
+    """Releases went in batches of 16 awaited whole: one unanswered held the 15 others and all
+    behind them. Each is started on its own now, within its shard's room and the round's."""
+    keeper = HintLeases()
+    for i in range(40):
+        keeper.keep(("t", f"a{i}"), [(0, 100 + i)], 30_000, now_ms=0)
+    for i in range(5):
+        keeper.keep(("t", f"b{i}"), [(1, 200 + i)], 30_000, now_ms=0)
+    for named in list(keeper.held):
+        keeper.give_back(named, 1_000)
+    in_flight = {0: 0, 1: 0}
+    room = lambda shard: 16 - in_flight[shard]  # noqa: E731
+    first = keeper.releases(1_000, limit=64, shard_room=room)
+    assert [r.lease for r in first] == [(0, 100 + i) for i in range(16)] + [(1, 200 + i) for i in range(5)]
+    hung = first[0]  # never answered: keeps its slot
+    in_flight[0] = 1
+    for release in first[1:]:
+        keeper.release_done(release.lease)
+    keeper.check_invariants()
+    second = keeper.releases(1_020, limit=64, shard_room=room)
+    assert [r.lease for r in second] == [(0, 116 + i) for i in range(15)]  # 15: one slot held
+    for release in second:
+        keeper.release_done(release.lease)
+    third = keeper.releases(1_040, limit=4, shard_room=room)  # the round's limit
+    assert [r.lease for r in third] == [(0, 131 + i) for i in range(4)]
+    assert keeper.releases_pending == 1 + 4 + 5 and hung.attempt == 1
+    keeper.check_invariants()
+
+
+def test_a_failed_release_is_retried_a_bounded_number_of_times_within_its_lease() -> None:
+    keeper = HintLeases(LeaseKeeping(retry_ms=1_000, release_attempts_max=3))
+    keeper.keep(("t", "h"), [(0, 1)], 30_000, now_ms=0)
+    keeper.keep(("t", "short"), [(0, 2)], 10_500, now_ms=0)
+    keeper.give_back(("t", "h"), 10_000)
+    keeper.give_back(("t", "short"), 10_000)
+    sent: list[tuple[int, int, int]] = []
+    for now in range(10_000, 20_000, 20):
+        for release in keeper.releases(now):
+            sent.append((now, release.lease_id, release.attempt))
+            keeper.release_failed(release.lease, now + 10)  # timed out, say
+        keeper.check_invariants()
+    # the short one: no retry past its expiry; the other three times, a second apart
+    assert sent == [(10_000, 1, 1), (10_000, 2, 1), (11_020, 1, 2), (12_040, 1, 3)]
+    assert keeper.counters["lease_release_failed_total"] == 4
+    assert keeper.counters["lease_releases_abandoned_total"] == 2 and keeper.releases_pending == 0
+    # one that succeeds on its retry is done
+    keeper.keep(("t", "h2"), [(0, 3)], 30_000, now_ms=0)
+    keeper.give_back(("t", "h2"), 10_000)
+    (release,) = keeper.releases(10_000)
+    keeper.release_failed(release.lease, 10_000)
+    assert keeper.releases(10_500) == []
+    (release,) = keeper.releases(11_000)
+    assert release.attempt == 2
+    keeper.release_done(release.lease)
+    assert keeper.releases_pending == 0 and keeper.counters["lease_releases_abandoned_total"] == 2
+
+
+def test_the_release_queue_is_bounded_and_expired_leases_are_not_released() -> None:
+    keeper = HintLeases(LeaseKeeping(release_queue_max=10))
+    for i in range(15):
+        keeper.keep(("t", f"h{i}"), [(0, 100 + i)], 30_000, now_ms=0)
+    keeper.keep(("t", "old"), [(0, 99)], 5_000, now_ms=0)
+    for named in list(keeper.held):
+        keeper.give_back(named, 6_000)
+    # the expired one is not queued (nothing to give back); past the bound: counted, left to expire
+    assert keeper.releases_pending == 10 and keeper.counters["lease_releases_dropped_total"] == 5
+    keeper.check_invariants()
+    # a queued one whose lease expires before it could go: dropped when reached, counted
+    assert keeper.releases(6_000, shard_room=lambda s: 0) == []
+    assert keeper.releases(30_000) == []
+    assert keeper.releases_pending == 0 and keeper.counters["lease_releases_abandoned_total"] == 10
+    # an untracked lease (no expiry known) is given one TTL from now
+    keeper.held[("t", "x")] = [(2, 5), (2, 0)]  # lease id 0: none granted, nothing to release
+    keeper.give_back(("t", "x"), 40_000)
+    assert [r.lease for r in keeper.releases(40_000 + 29_999)] == [(2, 5)]
+    keeper.check_invariants()
+
+
+def test_renewals_and_releases_under_random_limits_keep_the_invariants() -> None:
+    rng = random.Random(11)
+    keeper = HintLeases(LeaseKeeping(release_queue_max=300))
+    in_flight: dict[int, int] = {}
+    renewing: list[RenewLease] = []
+    releasing: list[tuple[int, int]] = []
+    n = 0
+    for now in range(0, 200_000, 100):
+        for _ in range(rng.randrange(4)):
+            n += 1
+            keeper.keep(("t", f"h{n}"), [(rng.randrange(4), n)], now + 30_000, now)
+        due = keeper.due(
+            now,
+            lambda named: 150_000 if int(named[1][1:]) % 2 else 60_000,
+            limit=rng.randrange(1, 20),
+            shard_room=lambda s: 8 - in_flight.get(s, 0),
+        )
+        for renewal in due:
+            in_flight[renewal.shard] = in_flight.get(renewal.shard, 0) + 1
+        renewing += due
+        rng.shuffle(renewing)
+        for renewal in renewing[: rng.randrange(len(renewing) + 1)]:
+            renewing.remove(renewal)
+            in_flight[renewal.shard] -= 1
+            if keeper.sending(renewal, now):
+                if rng.random() < 0.2:
+                    keeper.renew_failed(renewal.lease, lost=rng.random() < 0.1, now_ms=now)
+                else:
+                    keeper.renewed(renewal.lease, now + renewal.ttl_ms, now)
+        if rng.random() < 0.1:
+            for named in rng.sample(list(keeper.held), min(10, len(keeper.held))):
+                keeper.give_back(named, now)
+        releasing += [r.lease for r in keeper.releases(now, limit=rng.randrange(1, 10))]
+        for lease in releasing[: rng.randrange(len(releasing) + 1)]:
+            releasing.remove(lease)
+            if rng.random() < 0.3:
+                keeper.release_failed(lease, now)
+            else:
+                keeper.release_done(lease)
+        keeper.check_invariants()
+    assert keeper.counters["lease_renewals_total"] > 500
+    assert keeper.counters["lease_release_failed_total"] > 10

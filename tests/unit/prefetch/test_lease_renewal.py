@@ -71,9 +71,7 @@ async def after_tick(shell: PrefetchShell) -> None:
     awaited (the service leaves them to their background tasks)."""
     await shell._driver.feed(Tick())
     await shell._release_ended()
-    await asyncio.gather(*shell._renewals)
-    if shell._releasing is not None:
-        await shell._releasing
+    await asyncio.gather(*shell._renewals, *shell._releases)
 
 
 def setup(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> tuple[dict[str, int], Directory, PrefetchShell]:
@@ -104,8 +102,10 @@ def test_a_hints_leases_are_renewed_past_30_s_until_its_deadline(monkeypatch: py
             if clock["ms"] < deadline:  # every lease still held at the directory, and counted
                 assert all(directory.expiry[lease] > clock["ms"] for lease in kept)
                 assert shell.status().gauges["leases_held"] == len(kept)
-        # expired at its deadline: every lease given back
-        assert sorted(directory.released) == sorted(kept) and not shell._leases
+        # expired at its deadline, and so did its leases (renewed up to it, never past): none is
+        # held, and none is released (a release of an expired lease is no use: not sent)
+        assert not shell._leases and directory.released == []
+        assert max(directory.expiry[lease] for lease in kept) == deadline
         return kept
 
     kept = asyncio.run(scenario())
@@ -153,7 +153,9 @@ def test_a_hint_days_ahead_is_held_at_most_the_hold_maximum(monkeypatch: pytest.
             clock["ms"] += 1_000
             await after_tick(shell)
         assert clock["ms"] == NOW + hold and not shell._leases
-        assert {s for s, _ in directory.released} == {shard_of(g, SHARDS) for g in spread_prefix()}
+        # renewed at each shard up to the capped deadline, where they expired with the hint
+        assert {s for s, _ in directory.expiry} == {shard_of(g, SHARDS) for g in spread_prefix()}
+        assert max(directory.expiry.values()) == NOW + hold and directory.released == []
 
     asyncio.run(scenario())
     assert all(now + r.lease_ttl_ms <= NOW + 300_000 for now, r in directory.renewals)
@@ -231,5 +233,5 @@ def test_renewals_are_counted_when_sent(monkeypatch: pytest.MonkeyPatch) -> None
         await shell.stop()
 
     asyncio.run(scenario())
-    assert len(router.sent) == shell_module.RELEASES_AT_ONCE and set(router.sent) <= set(slow)
+    assert len(router.sent) == shell_module.RENEWALS_AT_ONCE and set(router.sent) <= set(slow)
     assert shell.status().counters["lease_renewals_total"] == len(router.sent)

@@ -53,8 +53,7 @@ def hint(hint_id: str, tenant: str, seed: int) -> p.PrefetchHint:
 async def collect_ended(shell: PrefetchShell) -> None:
     """What the ticker does after each tick: ended hints' leases go back off it."""
     await shell._release_ended()
-    if shell._releasing is not None:
-        await shell._releasing
+    await asyncio.gather(*shell._releases)
 
 
 def test_a_hint_id_accepted_again_before_its_leases_were_collected_leaks_none(

@@ -1,9 +1,11 @@
 """The read leases the prefetch service holds for its hints, and when to renew them.
 
 Synchronous and I/O-free: the prefetch shell tells it the leases a hint's lookup granted
-(`keep`), asks which are due for a renewal (`due`, with the time and each hint's deadline),
-sends one `lease_renew` per lease it names and reports the answer (`renewed` / `renew_failed`);
-an ended hint's leases are taken out to be given back (`take`). Times are the wall clock in ms
+(`keep`), asks which renewals to start (`due`, with the time, each hint's deadline and how many
+more each shard and this round may start), sends one `lease_renew` per lease it names and
+reports the answer (`renewed` / `renew_failed`); an ended hint's leases are queued to be given
+back (`give_back`), and the shell asks which releases to send (`releases`, bounded the same way)
+and reports each answer (`release_done` / `release_failed`). Times are the wall clock in ms
 (hint deadlines are wall clock, and so are the directory's lease expiries).
 
 Why (known defect "Prefetch: leases of a hint are not renewed past 30 s"): a hint's lookup asks
@@ -16,9 +18,13 @@ its hint's deadline is later than its expiry; the deadline itself is at most
 
 ## One lease (shard, lease id), filed under the (tenant, hint id) whose lookup took it
     (none) --keep(expires_ms)--> HELD
-    HELD --due: now >= expires - margin and the hint's deadline later than expires-->
-        RENEWING [RenewLease(ttl = min(lease_ttl_ms, deadline - now))]; margin: `renew_margin_ms`,
-        or a third of the TTL last granted if that is less (below)
+    HELD --now >= expires - margin and the hint's deadline later than expires--> DUE (queued on
+        its shard, by expiry); margin: `renew_margin_ms`, or a third of the TTL last granted if
+        that is less (below)
+    DUE --started by `due` (its shard has room, the round has room, earliest expiry first)-->
+        RENEWING [RenewLease(ttl = min(lease_ttl_ms, deadline - now))]
+    DUE --its expiry passes first--> (none): lapsed, `lease_renewals_late_total` (a renewal
+        that could not go in time) and `leases_lost_total`
     RENEWING --renewed(expires')--> HELD, its expiry the one asked for (or the directory's, if
         earlier); if the directory's answer leaves the expiry where its last answer put it (the
         directory does not extend a lease holding a lost group: it answers the lease's expiry
@@ -27,7 +33,7 @@ its hint's deadline is later than its expiry; the deadline itself is at most
         `retry_ms` (`lease_renew_failed_total`)
     RENEWING --renew_failed(lost=True: `not_found`, the directory holds no such lease)--> (none)
     HELD --due at or after its expiry--> (none): lapsed, the directory dropped it
-    HELD | RENEWING --take (its hint id ended)--> (none): the shell gives it back
+    HELD | DUE | RENEWING --take / give_back (its hint id ended)--> (none) [give_back: released]
 A lease is FINAL only when the directory's own expiry did not move (review, stop 71): it was
 when the expiry moved less than half of what was asked, but the directory caps each renewal at
 its `KVF_DIRECTORY_LEASE_TTL_MS_MAX` (100 ms .. 600 s) while the shell asks 30 s, so under a
@@ -49,6 +55,33 @@ counted in `leases_lost_total` and no longer listed as held (it was: the service
 leases the directory had dropped, and released them at the hint's end for nothing). Its hint goes
 on (its copies may still succeed; the sources are unprotected).
 
+## Renewals started per round (review of stop 71)
+`due` started every renewal due at once, and the shell made a task for each, waiting for one of
+its shard's 16 request slots: thousands due on one shard in one tick were thousands of tasks
+created in that tick (the requests were bounded, the tasks and the tick's work were not). Now a
+due lease is queued on its shard ordered by expiry, and `due(..., limit, shard_room)` starts at
+most `limit` renewals in all and `shard_room(shard)` on each shard (the shell: its free request
+slots there), earliest expiry first across shards; the rest stay DUE for the next round. A DUE
+lease whose expiry passes before it could be started is dropped and counted in
+`lease_renewals_late_total` (and `leases_lost_total` if its hint still wanted it).
+
+## Releases of ended hints' leases (review of stop 71)
+    (none) --give_back(named): id != 0, not expired, not already queued, the queue not full-->
+        QUEUED (FIFO on its shard), with the lease's expiry (ours; unknown: now + `lease_ttl_ms`)
+    (none) --give_back with `release_queue_max` releases queued--> not queued:
+        `lease_releases_dropped_total`, the lease left to expire
+    QUEUED --started by `releases` (shard and round room, first queued first)--> SENDING
+        [ReleaseLease(attempt)]; its expiry passed first: dropped, `lease_releases_abandoned_total`
+    SENDING --release_done (released, or `not_found`: already gone)--> (none)
+    SENDING --release_failed (an error, or past the shell's deadline)--> WAITING until
+        now + `retry_ms`, then QUEUED again (`lease_release_failed_total`); with
+        `release_attempts_max` attempts spent or the retry at or past its expiry: (none),
+        `lease_releases_abandoned_total`, left to expire
+The shell sent them in batches of 16 awaited whole: one unanswered release held the 15 others of
+its batch and every one queued behind, and a failed one was never retried (held to its TTL,
+pinning space other tenants could use). Now each is sent on its own, at most `shard_room` per
+shard at once, each with its own deadline in the shell.
+
 ## Cost and bounds
 A lease is renewed at most once per `lease_ttl_ms - renew_margin_ms` (20 s) of its hint's life
 (or two thirds of the directory's cap, if it grants less), plus a retry per `retry_ms` (1 s)
@@ -60,16 +93,26 @@ them all: it runs after every tick of the service (20 ms). What `due` returns is
 so one round's renewals of a shard go out together (the wire has no batched renew: one
 `lease_renew` each, the shell sending a bounded number at once).
 
+Each round (`due`) looks at the leases whose check time came (each once per renewal period, as
+before) and starts at most `limit`; the DUE queues hold at most the tracked leases (stale entries
+compacted past twice them). Releases: at most `release_queue_max` queued, each sent at most
+`release_attempts_max` times, never after its lease's expiry; `releases` starts at most `limit`.
+
 ## Invariants (`check_invariants`)
 1. Every tracked lease is listed under the hint id it is filed under (`held`).
-2. Every tracked lease not being renewed has a heap entry at its check time; the heap holds at
-   most twice the tracked leases plus `HEAP_SLACK_MIN` entries.
+2. Every tracked lease neither DUE nor RENEWING has a heap entry at its check time, every DUE one
+   an entry in its shard's queue at its expiry; the heap holds at most twice the tracked leases
+   plus `HEAP_SLACK_MIN` entries, and so do the DUE queues.
 3. No tracked lease is due after its expiry without a check: its check time is at most its expiry.
+4. Every queued release is in exactly one of: its shard's FIFO, the retry heap, or SENDING; at
+   most `release_queue_max` of them, none sent more than `release_attempts_max` times.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final, TypeAlias
@@ -80,6 +123,7 @@ __all__ = [
     "LEASE_COUNTERS",
     "HintLeases",
     "LeaseKeeping",
+    "ReleaseLease",
     "RenewLease",
 ]
 
@@ -91,6 +135,10 @@ LEASE_COUNTERS: Final = (
     "lease_renew_failed_total",  # answered by an error other than not_found: retried
     "lease_renew_refused_total",  # answered without the extension (a lost group): not renewed again
     "leases_lost_total",  # dropped while its hint still wanted it: not_found, or lapsed
+    "lease_renewals_late_total",  # due, but not started before the lease expired (no room)
+    "lease_release_failed_total",  # a release answered by an error or past its deadline: retried
+    "lease_releases_abandoned_total",  # given up (attempts spent, or its lease expired): left to expire
+    "lease_releases_dropped_total",  # not queued, the release queue full: left to expire
 )
 HEAP_SLACK_MIN: Final = 64
 
@@ -99,12 +147,16 @@ HEAP_SLACK_MIN: Final = 64
 class LeaseKeeping:
     lease_ttl_ms: int = 30_000  # a grant or renewal asks for at most this
     renew_margin_ms: int = 10_000  # renewed once it has this little left
-    retry_ms: int = 1_000  # a failed renewal is tried again this much later (and a lease at its
-    # hint's deadline is looked at again this often, in case its hint's deadline moved)
+    retry_ms: int = 1_000  # a failed renewal or release is tried again this much later (and a
+    # lease at its hint's deadline is looked at again this often, in case its deadline moved)
+    release_attempts_max: int = 3  # a release is sent at most this many times
+    release_queue_max: int = 4096  # releases queued (sending included); more are left to expire
 
     def __post_init__(self) -> None:
         invariant(0 < self.renew_margin_ms < self.lease_ttl_ms, "need 0 < renew_margin_ms < lease_ttl_ms")
         invariant(0 < self.retry_ms <= self.renew_margin_ms, "need 0 < retry_ms <= renew_margin_ms")
+        invariant(self.release_attempts_max >= 1, "need release_attempts_max >= 1")
+        invariant(self.release_queue_max >= 1, "need release_queue_max >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,16 +173,31 @@ class RenewLease:
         return (self.shard, self.lease_id)
 
 
+@dataclass(frozen=True, slots=True)
+class ReleaseLease:
+    """Ask `shard` to release `lease_id` (its `attempt`-th try); then `release_done` or
+    `release_failed`."""
+
+    shard: int
+    lease_id: int
+    attempt: int
+
+    @property
+    def lease(self) -> Lease:
+        return (self.shard, self.lease_id)
+
+
 @dataclass(slots=True)
 class _Kept:
     named: Named
     expires_ms: int  # our estimate: never later than the directory's
-    check_ms: int  # when `due` looks at it next (while not renewing)
+    check_ms: int  # when `due` looks at it next (while neither queued nor renewing)
     margin_ms: int  # renewed once it has this little left: `renew_margin_ms`, or less (`_margin`)
     # the expiry the directory last answered (its clock), at first the lookup's: a renewal that
     # leaves it where it was was refused (a lost group)
     answered_ms: int
     renewing: bool = False
+    queued: bool = False  # DUE: in its shard's queue, waiting for room to be started
     asked_until_ms: int = 0  # while renewing: the expiry asked for
     asked_deadline_ms: int = 0  # while renewing: its hint's deadline (what the ask is cut to)
     asked_limited: bool = False  # the ask was cut to the deadline (less than `lease_ttl_ms`)
@@ -139,6 +206,14 @@ class _Kept:
     # answer no later expiry: no refusal, and its lapse there loses nothing); cleared if the
     # deadline moves later (review of the change, stop 71)
     up_to_deadline: bool = False
+
+
+@dataclass(slots=True)
+class _Release:
+    expires_ms: int  # sending it after this is pointless: the directory has dropped the lease
+    attempts: int = 0  # sent so far
+    sending: bool = False
+    retry_at_ms: int = 0  # > 0: waiting in the retry heap until then
 
 
 class HintLeases:
@@ -150,11 +225,30 @@ class HintLeases:
         self.held: dict[Named, list[Lease]] = {}
         self._kept: dict[Lease, _Kept] = {}
         self._heap: list[tuple[int, Lease]] = []
+        # DUE leases, per shard a heap by expiry (stale entries: taken, or re-kept, meanwhile)
+        self._queued: dict[int, list[tuple[int, Lease]]] = {}
+        self._queued_entries = 0
+        # releases to send: each lease's state; per shard a FIFO of (order, lease) ready to go;
+        # those waiting to be retried, by when
+        self._releases: dict[Lease, _Release] = {}
+        self._ready: dict[int, deque[tuple[int, Lease]]] = {}
+        self._retry: list[tuple[int, Lease]] = []
+        self._order = itertools.count()
         self.counters: dict[str, int] = dict.fromkeys(LEASE_COUNTERS, 0)
 
     @property
     def leases_held(self) -> int:
         return sum(len(leases) for leases in self.held.values())
+
+    @property
+    def renewals_queued(self) -> int:
+        """DUE leases: their renewal waits for room (their shard's, or the round's)."""
+        return sum(1 for kept in self._kept.values() if kept.queued)
+
+    @property
+    def releases_pending(self) -> int:
+        """Releases queued, waiting to be retried or being sent."""
+        return len(self._releases)
 
     def expires_ms(self, lease: Lease) -> int | None:
         kept = self._kept.get(lease)
@@ -175,48 +269,75 @@ class HintLeases:
                 self._push(kept.check_ms, lease)
 
     def take(self, named: Named) -> list[Lease]:
-        """The leases of `named` (its hint id ended), no longer tracked: to be given back."""
-        leases = self.held.pop(named, [])
-        for lease in leases:
-            kept = self._kept.get(lease)
-            if kept is not None and kept.named == named:
-                del self._kept[lease]
-        return leases
+        """The leases of `named` (its hint id ended), no longer tracked (nor given back: see
+        `give_back`)."""
+        return [lease for lease, _ in self._take(named)]
 
     def take_all(self) -> list[Lease]:
         return [lease for named in list(self.held) for lease in self.take(named)]
 
-    def due(self, now_ms: int, deadline_of: Callable[[Named], int | None]) -> list[RenewLease]:
-        """The renewals to send now, sorted by shard (each lease then RENEWING); leases found past
-        their expiry are dropped. `deadline_of(named)`: the deadline of the live hint `named`
-        belongs to (None: ended, its leases about to be taken)."""
-        cfg = self.config
-        out: list[RenewLease] = []
-        while self._heap and self._heap[0][0] <= now_ms:
+    def give_back(self, named: Named, now_ms: int) -> list[Lease]:
+        """`named`'s hint id ended: its leases are no longer tracked and their releases are
+        queued (`releases`); returns them. A lease without a tracked expiry is taken to last
+        `lease_ttl_ms` from now (the most any grant asks); one already expired is not queued (a
+        hint that ends at its deadline: its leases were renewed up to it, and end with it)."""
+        taken = self._take(named)
+        for lease, expires_ms in taken:
+            expires_ms = now_ms + self.config.lease_ttl_ms if expires_ms is None else expires_ms
+            if lease[1] and expires_ms > now_ms:
+                self._queue_release(lease, expires_ms)
+        return [lease for lease, _ in taken]
+
+    def give_back_all(self, now_ms: int) -> None:
+        for named in list(self.held):
+            self.give_back(named, now_ms)
+
+    def due(
+        self,
+        now_ms: int,
+        deadline_of: Callable[[Named], int | None],
+        *,
+        limit: int | None = None,
+        shard_room: Callable[[int], int] | None = None,
+    ) -> list[RenewLease]:
+        """The renewals to start now, sorted by shard (each lease then RENEWING): at most `limit`
+        in all and `shard_room(shard)` on a shard (None: no bound), earliest expiry first; the
+        others due stay queued for a later round. Leases found past their expiry are dropped.
+        `deadline_of(named)`: the deadline of the live hint `named` belongs to (None: ended, its
+        leases about to be taken)."""
+        while self._heap and self._heap[0][0] <= now_ms:  # due ones queued by expiry
             check_ms, lease = heapq.heappop(self._heap)
             kept = self._kept.get(lease)
-            if kept is None or kept.renewing or kept.check_ms != check_ms:
+            if kept is None or kept.renewing or kept.queued or kept.check_ms != check_ms:
                 continue  # stale entry
-            deadline = deadline_of(kept.named)
-            if now_ms >= kept.expires_ms:  # lapsed: the directory has dropped it
-                needed = deadline is not None and deadline > kept.expires_ms and not kept.up_to_deadline
-                self._drop(lease, kept, needed=needed)
-                continue
-            if kept.up_to_deadline and deadline is not None and deadline > kept.asked_deadline_ms:
-                kept.final = kept.up_to_deadline = False  # its deadline moved later: renewed again
-            if deadline is None or kept.final or deadline <= kept.expires_ms:
-                # nothing to renew (now): looked at again at its expiry, or sooner in case its
-                # hint's deadline moves (a hint id deduplicated into it)
-                recheck = kept.expires_ms if kept.final else min(kept.expires_ms, now_ms + cfg.retry_ms)
-                self._reschedule(lease, kept, recheck)
-                continue
-            if now_ms < kept.expires_ms - kept.margin_ms:  # its deadline moved: not due yet
-                self._reschedule(lease, kept, kept.expires_ms - kept.margin_ms)
-                continue
-            ttl = min(cfg.lease_ttl_ms, deadline - now_ms)
-            kept.renewing, kept.asked_until_ms, kept.asked_deadline_ms = True, now_ms + ttl, deadline
-            kept.asked_limited = ttl < cfg.lease_ttl_ms
-            out.append(RenewLease(kept.named, lease[0], lease[1], ttl))
+            if self._look_at(lease, kept, now_ms, deadline_of(kept.named)) is not None:
+                kept.queued = True
+                heapq.heappush(self._queued.setdefault(lease[0], []), (kept.expires_ms, lease))
+                self._queued_entries += 1
+        for shard in list(self._queued):  # those that lapsed waiting, whether or not room is free
+            queue = self._queued[shard]
+            while queue and queue[0][0] <= now_ms:
+                self._start_queued(queue, now_ms, deadline_of)
+        out: list[RenewLease] = []
+        room: dict[int, int | None] = {}
+        heads: list[tuple[int, int]] = []
+        for shard, queue in self._queued.items():
+            room[shard] = None if shard_room is None else shard_room(shard)
+            if queue and _has_room(room[shard]):
+                heads.append((queue[0][0], shard))
+        heapq.heapify(heads)
+        while heads and (limit is None or len(out) < limit):
+            _, shard = heapq.heappop(heads)
+            queue = self._queued[shard]
+            renewal = self._start_queued(queue, now_ms, deadline_of)
+            if renewal is not None:
+                out.append(renewal)
+                room[shard] = _less(room[shard])
+            if queue and _has_room(room[shard]):
+                heapq.heappush(heads, (queue[0][0], shard))
+        for shard in [s for s, queue in self._queued.items() if not queue]:
+            del self._queued[shard]
+        self._compact()
         return sorted(out, key=lambda r: r.lease)
 
     def sending(self, renewal: RenewLease, now_ms: int | None = None) -> int:
@@ -283,7 +404,135 @@ class HintLeases:
         self.counters["lease_renew_failed_total"] += 1
         self._reschedule(lease, kept, min(kept.expires_ms, now_ms + self.config.retry_ms))
 
+    def releases(
+        self, now_ms: int, *, limit: int | None = None, shard_room: Callable[[int], int] | None = None
+    ) -> list[ReleaseLease]:
+        """The releases to send now (each then SENDING, until `release_done` or
+        `release_failed`): at most `limit` in all and `shard_room(shard)` on a shard (None: no
+        bound), first queued first; the others wait for a later round. One whose lease has
+        expired meanwhile is dropped (`lease_releases_abandoned_total`)."""
+        while self._retry and self._retry[0][0] <= now_ms:
+            at_ms, lease = heapq.heappop(self._retry)
+            release = self._releases.get(lease)
+            if release is not None and release.retry_at_ms == at_ms:
+                release.retry_at_ms = 0
+                self._ready.setdefault(lease[0], deque()).append((next(self._order), lease))
+        room: dict[int, int | None] = {}
+        heads: list[tuple[int, int]] = []
+        for shard, ready in self._ready.items():
+            room[shard] = None if shard_room is None else shard_room(shard)
+            if ready and _has_room(room[shard]):
+                heads.append((ready[0][0], shard))
+        heapq.heapify(heads)
+        out: list[ReleaseLease] = []
+        while heads and (limit is None or len(out) < limit):
+            _, shard = heapq.heappop(heads)
+            ready = self._ready[shard]
+            _, lease = ready.popleft()
+            release = self._releases[lease]
+            if now_ms >= release.expires_ms:  # nothing left to give back
+                del self._releases[lease]
+                self.counters["lease_releases_abandoned_total"] += 1
+            else:
+                release.sending = True
+                release.attempts += 1
+                out.append(ReleaseLease(lease[0], lease[1], release.attempts))
+                room[shard] = _less(room[shard])
+            if ready and _has_room(room[shard]):
+                heapq.heappush(heads, (ready[0][0], shard))
+        for shard in [s for s, ready in self._ready.items() if not ready]:
+            del self._ready[shard]
+        return out
+
+    def release_done(self, lease: Lease) -> None:
+        """`lease` was released (or the directory no longer held it: `not_found`)."""
+        release = self._releases.get(lease)
+        if release is not None and release.sending:
+            del self._releases[lease]
+
+    def release_failed(self, lease: Lease, now_ms: int) -> None:
+        """The release of `lease` failed (an error, or no answer by the shell's deadline): sent
+        again after `retry_ms` if it has attempts left and its lease lives past then; else given
+        up, the lease left to expire."""
+        release = self._releases.get(lease)
+        if release is None or not release.sending:
+            return
+        release.sending = False
+        self.counters["lease_release_failed_total"] += 1
+        retry_at = now_ms + self.config.retry_ms
+        if release.attempts >= self.config.release_attempts_max or retry_at >= release.expires_ms:
+            del self._releases[lease]
+            self.counters["lease_releases_abandoned_total"] += 1
+            return
+        release.retry_at_ms = retry_at
+        heapq.heappush(self._retry, (retry_at, lease))
+
     # ---- internals -------------------------------------------------------------------------
+
+    def _take(self, named: Named) -> list[tuple[Lease, int | None]]:
+        """`named`'s leases, each with its tracked expiry (None: not tracked), untracked."""
+        out: list[tuple[Lease, int | None]] = []
+        for lease in self.held.pop(named, []):
+            kept = self._kept.get(lease)
+            if kept is not None and kept.named == named:
+                del self._kept[lease]
+                out.append((lease, kept.expires_ms))
+            else:
+                out.append((lease, None))
+        self._compact()
+        return out
+
+    def _queue_release(self, lease: Lease, expires_ms: int) -> None:
+        if lease in self._releases:
+            return  # queued already
+        if len(self._releases) >= self.config.release_queue_max:
+            self.counters["lease_releases_dropped_total"] += 1  # left to expire
+            return
+        self._releases[lease] = _Release(expires_ms)
+        self._ready.setdefault(lease[0], deque()).append((next(self._order), lease))
+
+    def _look_at(self, lease: Lease, kept: _Kept, now_ms: int, deadline: int | None) -> int | None:
+        """A lease whose check time came (or DUE, now started): the TTL to renew it for, or None
+        having dropped it (lapsed) or put it back in the heap (nothing to renew now)."""
+        cfg = self.config
+        if now_ms >= kept.expires_ms:  # lapsed: the directory has dropped it
+            needed = deadline is not None and deadline > kept.expires_ms and not kept.up_to_deadline
+            if needed and kept.queued:  # due, but no room to start it before it expired
+                self.counters["lease_renewals_late_total"] += 1
+            self._drop(lease, kept, needed=needed)
+            return None
+        kept.queued = False
+        if kept.up_to_deadline and deadline is not None and deadline > kept.asked_deadline_ms:
+            kept.final = kept.up_to_deadline = False  # its deadline moved later: renewed again
+        if deadline is None or kept.final or deadline <= kept.expires_ms:
+            # nothing to renew (now): looked at again at its expiry, or sooner in case its
+            # hint's deadline moves (a hint id deduplicated into it)
+            recheck = kept.expires_ms if kept.final else min(kept.expires_ms, now_ms + cfg.retry_ms)
+            self._reschedule(lease, kept, recheck)
+            return None
+        if now_ms < kept.expires_ms - kept.margin_ms:  # its deadline moved: not due yet
+            self._reschedule(lease, kept, kept.expires_ms - kept.margin_ms)
+            return None
+        return min(cfg.lease_ttl_ms, deadline - now_ms)
+
+    def _start_queued(
+        self, queue: list[tuple[int, Lease]], now_ms: int, deadline_of: Callable[[Named], int | None]
+    ) -> RenewLease | None:
+        """Pop the head of a shard's DUE queue: its renewal started, or None (a stale entry, a
+        lease lapsed while it waited, or one with nothing to renew any more)."""
+        expires_ms, lease = heapq.heappop(queue)
+        self._queued_entries -= 1
+        kept = self._kept.get(lease)
+        if kept is None or not kept.queued or kept.expires_ms != expires_ms:
+            return None  # stale entry
+        deadline = deadline_of(kept.named)
+        ttl = self._look_at(lease, kept, now_ms, deadline)
+        if ttl is None:
+            return None
+        assert deadline is not None  # (a TTL is only given for a live hint's lease)
+        kept.renewing, kept.asked_until_ms, kept.asked_deadline_ms = True, now_ms + ttl, deadline
+        kept.asked_limited = ttl < self.config.lease_ttl_ms
+        return RenewLease(kept.named, lease[0], lease[1], ttl)
 
     def _margin(self, granted_ms: int) -> int:
         """How much of a lease granted for `granted_ms` is left when it is renewed:
@@ -307,16 +556,66 @@ class HintLeases:
     def _push(self, check_ms: int, lease: Lease) -> None:
         heapq.heappush(self._heap, (check_ms, lease))
         if len(self._heap) > 2 * len(self._kept) + HEAP_SLACK_MIN:  # drop the stale entries
-            self._heap = [(k.check_ms, lease) for lease, k in self._kept.items() if not k.renewing]
+            self._heap = [
+                (k.check_ms, lease) for lease, k in self._kept.items() if not (k.renewing or k.queued)
+            ]
             heapq.heapify(self._heap)
 
+    def _compact(self) -> None:
+        """Drop the stale entries of the heap and the DUE queues once they hold more than twice
+        the tracked leases (plus `HEAP_SLACK_MIN`). Never while `due` walks the queues."""
+        bound = 2 * len(self._kept) + HEAP_SLACK_MIN
+        if len(self._heap) > bound:
+            self._heap = [
+                (k.check_ms, lease) for lease, k in self._kept.items() if not (k.renewing or k.queued)
+            ]
+            heapq.heapify(self._heap)
+        if self._queued_entries > bound:
+            self._queued = {}
+            for lease, k in self._kept.items():
+                if k.queued:
+                    self._queued.setdefault(lease[0], []).append((k.expires_ms, lease))
+            for queue in self._queued.values():
+                heapq.heapify(queue)
+            self._queued_entries = sum(len(queue) for queue in self._queued.values())
+
     def check_invariants(self) -> None:
+        cfg = self.config
         for lease, kept in self._kept.items():
             invariant(lease in self.held.get(kept.named, []), "a tracked lease is not held", lease=lease)
             invariant(kept.check_ms <= kept.expires_ms, "a lease checked after its expiry", lease=lease)
+            invariant(not (kept.renewing and kept.queued), "a lease both DUE and RENEWING", lease=lease)
         entries = set(self._heap)
+        queued = {(expires, lease) for queue in self._queued.values() for expires, lease in queue}
         for lease, kept in self._kept.items():
-            invariant(
-                kept.renewing or (kept.check_ms, lease) in entries, "a lease never checked", lease=lease
-            )
+            if kept.queued:
+                invariant((kept.expires_ms, lease) in queued, "a DUE lease not queued", lease=lease)
+            else:
+                invariant(
+                    kept.renewing or (kept.check_ms, lease) in entries, "a lease never checked", lease=lease
+                )
         invariant(len(self._heap) <= 2 * len(self._kept) + HEAP_SLACK_MIN, "lease heap unbounded")
+        invariant(
+            self._queued_entries == sum(len(q) for q in self._queued.values())
+            and self._queued_entries <= 2 * len(self._kept) + HEAP_SLACK_MIN,
+            "DUE queues unbounded",
+        )
+        ready = [lease for queue in self._ready.values() for _, lease in queue]
+        waiting = [lease for at_ms, lease in self._retry if self._releases[lease].retry_at_ms == at_ms]
+        sending = [lease for lease, r in self._releases.items() if r.sending]
+        invariant(
+            sorted(ready + waiting + sending) == sorted(self._releases),
+            "a release queued not exactly once",
+        )
+        invariant(len(self._releases) <= cfg.release_queue_max, "release queue unbounded")
+        invariant(len(self._retry) == len(waiting), "a stale retry entry")
+        for lease, release in self._releases.items():
+            invariant(release.attempts <= cfg.release_attempts_max, "a release sent too often", lease=lease)
+
+
+def _has_room(left: int | None) -> bool:
+    return left is None or left > 0
+
+
+def _less(left: int | None) -> int | None:
+    return None if left is None else left - 1

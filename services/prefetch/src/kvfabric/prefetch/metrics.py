@@ -4,9 +4,11 @@ scrape time; docs/metrics.md).
 - `kvfabric_prefetch_core_events{name}` (counter): the core's `COUNTERS` (`kvfabric.core.prefetch`,
   `hints_deadline_capped` among them) and the hint leases' `LEASE_COUNTERS`
   (`kvfabric.core.prefetch_leases`: `lease_renewals`, `lease_renew_failed`,
-  `lease_renew_refused`, `leases_lost`), each without its `_total`.
+  `lease_renew_refused`, `leases_lost`, `lease_renewals_late`, `lease_release_failed`,
+  `lease_releases_abandoned`, `lease_releases_dropped`), each without its `_total`.
 - `kvfabric_prefetch_state{name}` (gauge): `PrefetchShell.status()`'s gauges (`leases_held`: the
-  leases still held at the directory for live hints).
+  leases still held at the directory for live hints; `lease_renewals_queued`: due, waiting for
+  room; `lease_releases_pending`: ended hints' leases still to be given back).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
   `req-1` were one hint, and one cancel ended both (review, 2026-12-06).
 - `cancel`: `core.cancel_hint(hint id, tenant)` (a cancel without a tenant, from an older
   sender, ends the one live hint with that id, none when two tenants hold it); its leases are
-  released on the next tick. A hint id accepted again before the leases of its earlier hint
+  released from the next tick. A hint id accepted again before the leases of its earlier hint
   were collected hands those to the releases first (they were overwritten and held until they
   expired).
 - The core is stepped through a `CoreDriver` (`kvfabric.runtime.core_driver`) on the wall clock
@@ -26,12 +26,23 @@
 - Every `tick_ms`: the core's `Tick` → StartCopy tasks (`copy_replica`: ticket from the directory, the
   target segment reads from the source and confirms) → `copy_finished` → PublishReplica (the
   replica is already published by its confirm) / ReleaseCopy (nothing kept); leases of ended
-  hints are released, and the leases of live hints due are renewed (`lease_renew`, each to the
-  shard that granted it, for at most `LEASE_TTL_MS_MAX` and never past the hint's deadline), both
-  by background tasks, never on the ticker. When to renew, and which leases the directory has
-  dropped (`not_found`, or past their expiry: no longer counted as held), is decided by the pure
-  `kvfabric.core.prefetch_leases.HintLeases`. A lookup's leases last 30 s and were never renewed
-  while a hint lived to its deadline (known defect "leases of a hint are not renewed past 30 s").
+  hints are released (`lease_release`), and the leases of live hints due are renewed
+  (`lease_renew`, for at most `LEASE_TTL_MS_MAX` and never past the hint's deadline), each to the
+  shard that granted it by a task of its own, never on the ticker. Each tick starts at most
+  `REQUESTS_STARTED_PER_TICK_MAX` renewals and as many releases, and no more on a shard than
+  leave `RENEWALS_AT_ONCE` / `RELEASES_AT_ONCE` of them in flight there: a task is created only
+  for a request sent at once (tasks = requests in flight); the rest wait in `HintLeases` for a
+  later tick (renewals earliest expiry first, releases first queued first). Each release has its
+  own deadline (`request_timeout_s` + `RELEASE_DEADLINE_SLACK_S`); a failed one is sent again 1
+  s later, at most 3 sends in all and never past its lease's expiry; at most `RELEASES_QUEUED_MAX`
+  queued, more left to expire. When to renew, which leases the directory has dropped
+  (`not_found`, or past their expiry: no longer counted as held) and which releases to send or
+  retry is decided by the pure `kvfabric.core.prefetch_leases.HintLeases`. A lookup's leases
+  last 30 s and were never renewed while a hint lived to its deadline (known defect "leases of
+  a hint are not renewed past 30 s"). Releases went in batches of 16 awaited whole (one
+  unanswered release held the other 15 and everything queued behind them; a failed one was
+  never retried), and thousands of renewals due on one shard were thousands of tasks created in
+  one tick, waiting for that shard's 16 slots (review of stop 71).
 - Promotion (issue 23): a disk replica (slot id from `SSD_SLOT_BASE`) is no copy in DRAM: the
   core sees it as the source `<segment>#ssd`, never as the segment itself, so a hint whose
   target holds an object only on its disk copies it into the target's arena (the directory's
@@ -89,7 +100,7 @@ from kvfabric.core.prefetch_events import (
     Read,
     Tick,
 )
-from kvfabric.core.prefetch_leases import HintLeases, LeaseKeeping, RenewLease
+from kvfabric.core.prefetch_leases import HintLeases, LeaseKeeping, ReleaseLease, RenewLease
 from kvfabric.core.step import reply_of
 from kvfabric.format.clock import monotonic_ms, now_ms
 from kvfabric.format.errors import BadRequest, KvfError, NotFound, Unavailable
@@ -137,11 +148,17 @@ def copy_writer_id(target: str) -> str:
     return f"{WRITER_ID}-{target}"
 
 
-# Ended hints' leases are given back off the ticker, this many requests at once; at `stop` for
-# at most `RELEASE_STOP_S` (a release lost expires on its own: TTL <= the hint's deadline). Live
-# hints' leases are renewed off the ticker too, each by its own task, at most this many requests
-# at once per shard (`_renew_due`).
+# Ended hints' leases are given back off the ticker, each by its own task, at most this many
+# requests in flight per shard; at `stop` for at most `RELEASE_STOP_S` (a release given up
+# expires on its own: TTL <= the hint's deadline). Live hints' leases are renewed off the ticker
+# too, at most `RENEWALS_AT_ONCE` in flight per shard. Each tick starts at most
+# `REQUESTS_STARTED_PER_TICK_MAX` renewals (and as many releases) in all (`_release_ended`).
 RELEASES_AT_ONCE: Final = 16
+RENEWALS_AT_ONCE: Final = 16
+REQUESTS_STARTED_PER_TICK_MAX: Final = 64
+RELEASES_QUEUED_MAX: Final = 4096  # more ended leases than this waiting: left to expire (counted)
+RELEASE_ATTEMPTS_MAX: Final = 3
+RELEASE_DEADLINE_SLACK_S: Final = 0.5  # a release's deadline: the request's timeout and this
 # One tenant's hints resolved at once: at most resolving_max // this (at least one)
 RESOLVING_TENANT_SHARE_DIVISOR: Final = 4
 RELEASE_STOP_S: Final = 5.0
@@ -194,7 +211,13 @@ class PrefetchShell:
         self._resolving_names: dict[tuple[str, str], bool] = {}
         # The read leases protecting hints' sources, and when each is renewed (pure); `_leases` is
         # its (tenant, hint id) -> [(shard, lease id)], one per shard, as granted
-        self._keeper = HintLeases(LeaseKeeping(lease_ttl_ms=LEASE_TTL_MS_MAX))
+        self._keeper = HintLeases(
+            LeaseKeeping(
+                lease_ttl_ms=LEASE_TTL_MS_MAX,
+                release_attempts_max=RELEASE_ATTEMPTS_MAX,
+                release_queue_max=RELEASES_QUEUED_MAX,
+            )
+        )
         self._leases: dict[tuple[str, str], list[tuple[int, int]]] = self._keeper.held
         # (domain digest, chain hash) -> (monotonic ms shown, its objects): hot reads without a
         # show_group per `accessed` event (at most GROUP_CACHE_MAX, insertion order = oldest first)
@@ -205,12 +228,12 @@ class PrefetchShell:
         self._lookup_many_refused: set[str] = set()  # instances without `lookup_many` (older directories)
         self._tasks: list[asyncio.Task[None]] = []
         self._copies: set[asyncio.Task[None]] = set()
-        self._to_release: list[tuple[int, int]] = []  # ended hints' leases, given back by ...
-        self._releasing: asyncio.Task[None] | None = None  # ... this task (`_release_ended`)
-        # Live hints' leases being renewed, a task each (at most one per lease: RENEWING until
-        # answered), and per shard the slots they wait for (`_renew_due`)
+        # Ended hints' leases being given back and live hints' being renewed: a task each, each
+        # request sent as its task starts (none waits for a slot), counted per shard
+        self._releases: set[asyncio.Task[None]] = set()
+        self._releasing_on: Counter[int] = Counter()
         self._renewals: set[asyncio.Task[None]] = set()
-        self._renew_slots: dict[int, asyncio.Semaphore] = {}
+        self._renewing_on: Counter[int] = Counter()
         self._log = get_logger("kvfabric.prefetch")
         self.busy_resolving = 0
         self.busy_tenant_resolving = 0  # refused: the tenant's share of the resolving slots in use
@@ -243,15 +266,26 @@ class PrefetchShell:
 
     async def stop(self) -> None:
         await self._driver.stop()
-        renewing = list(self._renewals)  # those waiting for a slot never send
+        renewing = list(self._renewals)
         for task in [*self._tasks, *self._copies, *renewing]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._copies, *renewing, return_exceptions=True)
-        self._to_release.extend(self._keeper.take_all())
-        if self._releasing is None or self._releasing.done():
-            self._releasing = asyncio.create_task(self._drain_releases())
-        with contextlib.suppress(TimeoutError):  # within a deadline: the rest expire on their own
-            await asyncio.wait_for(self._releasing, RELEASE_STOP_S)
+        # Every lease given back, as the ticker would (bounded per shard and round, retried), for
+        # at most RELEASE_STOP_S: the rest expire on their own.
+        self._keeper.give_back_all(self._now())
+        loop = asyncio.get_running_loop()
+        until = loop.time() + RELEASE_STOP_S
+        while self._keeper.releases_pending and (left := until - loop.time()) > 0:
+            self._start_releases()
+            wait_s = min(left, self.tick_ms / 1000)  # (a retry may come due meanwhile)
+            if self._releases:
+                await asyncio.wait(set(self._releases), timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            else:  # only retries waiting
+                await asyncio.sleep(wait_s)
+        releasing = list(self._releases)
+        for task in releasing:
+            task.cancel()
+        await asyncio.gather(*releasing, return_exceptions=True)
 
     # ---- hints -------------------------------------------------------------------------------
 
@@ -325,7 +359,7 @@ class PrefetchShell:
         named = (hint.tenant, hint.hint_id)
         if isinstance(result, Accepted) and result.objects_queued:
             # Accepted: any earlier hint of this name has ended, its leases not yet collected
-            self._to_release.extend(self._keeper.take(named))
+            self._keeper.give_back(named, self._now())
             self._keeper.keep(named, leases, held_until, self._now())
         elif isinstance(result, Deduped) and self.core.has_hint(hint.hint_id, hint.tenant):
             # Joined a live hint under this name (or a retry of it): its leases stay until this
@@ -395,6 +429,8 @@ class PrefetchShell:
             "objects_queued": core.objects_queued,
             "hint_ids_live": core.hint_ids_live,
             "leases_held": self._keeper.leases_held,
+            "lease_renewals_queued": self._keeper.renewals_queued,  # due, waiting for room
+            "lease_releases_pending": self._keeper.releases_pending,
             "busy_resolving": self.busy_resolving,
             "busy_tenant_resolving": self.busy_tenant_resolving,
             "busy_before_lookup": self.busy_before_lookup,
@@ -419,42 +455,92 @@ class PrefetchShell:
 
     async def _release_ended(self) -> None:
         """After each `Tick`: the leases of hints that ended (completed, cancelled, expired or
-        failed) are given back by a background task, never awaited here. Released one request
-        at a time on the ticker, 10 ended hints under a hung leader held it for their timeouts:
-        1 tick in 5 s instead of ~250, no copy started, no hint expired (review, 2026-12-06).
-        Then the live hints' leases due are renewed (`_renew_due`)."""
+        failed) are queued to be given back, then the releases and the renewals due are started
+        (`_start_releases`, `_renew_due`), each by a background task never awaited here.
+        Released one request at a time on the ticker, 10 ended hints under a hung leader held it
+        for their timeouts: 1 tick in 5 s instead of ~250, no copy started, no hint expired
+        (review, 2026-12-06)."""
+        now = self._now()
         for named in [n for n in self._leases if not self.core.has_hint(n[1], n[0])]:
-            self._to_release.extend(self._keeper.take(named))
-        if self._to_release and (self._releasing is None or self._releasing.done()):
-            self._releasing = asyncio.create_task(self._drain_releases())
+            self._keeper.give_back(named, now)
+        self._start_releases()
         self._renew_due()
 
+    def _start_releases(self) -> None:
+        """The releases `HintLeases` says may go: at most `REQUESTS_STARTED_PER_TICK_MAX` in
+        all and as many on a shard as leave `RELEASES_AT_ONCE` in flight there, each by its own
+        task with its own deadline. One task gave them back in batches of 16 awaited whole: one
+        release left unanswered held the 15 others of its batch and every one queued behind, and
+        a failed one was never retried (held to its TTL; review of stop 71)."""
+        for release in self._keeper.releases(
+            self._now(), limit=REQUESTS_STARTED_PER_TICK_MAX, shard_room=self._release_room
+        ):
+            self._releasing_on[release.shard] += 1
+            task = asyncio.create_task(self._release(release))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    async def _release(self, release: ReleaseLease) -> None:
+        """One `lease_release`, its outcome told to `HintLeases` (never raises: a release left
+        SENDING would hold its place in the queue until the service stops)."""
+        request = m.LeaseRelease(holder_id=self.holder_id, lease_id=release.lease_id, shard=release.shard)
+        try:
+            await asyncio.wait_for(
+                self._directory(release.shard, "lease_release", request),
+                self.request_timeout_s + RELEASE_DEADLINE_SLACK_S,  # the request's own timeout first
+            )
+        except NotFound:  # expired or dropped at the directory already: nothing to give back
+            self._keeper.release_done(release.lease)
+        except Exception as exc:  # retried after a while, within its lease's life
+            code = getattr(exc, "code", "timeout" if isinstance(exc, TimeoutError) else repr(exc))
+            self._log.info("lease_release_failed", shard=release.shard, attempt=release.attempt, error=code)
+            self._keeper.release_failed(release.lease, self._now())
+        else:
+            self._keeper.release_done(release.lease)
+        finally:
+            self._releasing_on[release.shard] -= 1
+            if not self._releasing_on[release.shard]:
+                del self._releasing_on[release.shard]
+
     def _renew_due(self) -> None:
-        """The leases `HintLeases` says are due (a third of their TTL left, their hint's deadline
-        later) are renewed each by its own task, at most `RELEASES_AT_ONCE` requests at once per
-        shard (`_renew_slots`). One task renewed them in batches of 16 awaited whole, so one
-        hung shard's renewals (each its `request_timeout_s`) held every other shard's behind
-        them, past their renewal margin: their leases lapsed (review, stop 71). Now a shard's
-        slowness delays only its own; the tasks are at most the leases held."""
-        for renewal in self._keeper.due(self._now(), self._hint_deadline):
+        """The renewals `HintLeases` says may start (a third of their TTL left, their hint's
+        deadline later; at most `REQUESTS_STARTED_PER_TICK_MAX` this tick, earliest expiry first,
+        and as many on a shard as leave `RENEWALS_AT_ONCE` in flight there), each by its own
+        task, sent at once; the others due wait for a later tick (one that waits past its expiry
+        is counted, `lease_renewals_late_total`). One task renewed them in batches of 16 awaited
+        whole, so one hung shard's renewals held every other shard's past their margin (review,
+        stop 71); then a task each, waiting for its shard's 16 slots: thousands due on one shard
+        were thousands of tasks created in one tick (review of stop 71). Now a shard's slowness
+        delays only its own, and the tasks are at most the requests in flight."""
+        for renewal in self._keeper.due(
+            self._now(), self._hint_deadline, limit=REQUESTS_STARTED_PER_TICK_MAX, shard_room=self._renew_room
+        ):
+            self._renewing_on[renewal.shard] += 1
             task = asyncio.create_task(self._renew(renewal))
             self._renewals.add(task)
             task.add_done_callback(self._renewals.discard)
+
+    def _release_room(self, shard: int) -> int:
+        return RELEASES_AT_ONCE - self._releasing_on[shard]
+
+    def _renew_room(self, shard: int) -> int:
+        return RENEWALS_AT_ONCE - self._renewing_on[shard]
 
     def _hint_deadline(self, named: tuple[str, str]) -> int | None:
         return self.core.hint_deadline(named[1], named[0])
 
     async def _renew(self, renewal: RenewLease) -> None:
-        """One `lease_renew` once a slot of its shard is free, its answer told to `HintLeases`
-        (never raises: a renewal left RENEWING would never be renewed again, nor found lapsed)."""
-        slots = self._renew_slots.get(renewal.shard)
-        if slots is None:  # one per shard of the directory's map
-            slots = self._renew_slots[renewal.shard] = asyncio.Semaphore(RELEASES_AT_ONCE)
-        async with slots:
+        """One `lease_renew`, its answer told to `HintLeases` (never raises: a renewal left
+        RENEWING would never be renewed again, nor found lapsed)."""
+        try:
             await self._send_renewal(renewal)
+        finally:
+            self._renewing_on[renewal.shard] -= 1
+            if not self._renewing_on[renewal.shard]:
+                del self._renewing_on[renewal.shard]
 
     async def _send_renewal(self, renewal: RenewLease) -> None:
-        # counted as sent here (`sending`), not when due: one whose hint ended while it waited is
+        # counted as sent here (`sending`), not when due: one whose hint ended meanwhile is
         # given back, not renewed, and was counted all the same (review, stop 71)
         ttl_ms = self._keeper.sending(renewal, self._now())  # (cut to the deadline from now)
         if not ttl_ms:
@@ -475,13 +561,6 @@ class PrefetchShell:
         else:
             expires_ms = reply.expires_ms if isinstance(reply, m.LeaseReply) else 0
             self._keeper.renewed(renewal.lease, expires_ms, self._now())
-
-    async def _drain_releases(self) -> None:
-        """Give back `_to_release`, `RELEASES_AT_ONCE` requests at a time, until it is empty."""
-        while self._to_release:
-            batch = self._to_release[:RELEASES_AT_ONCE]
-            del self._to_release[:RELEASES_AT_ONCE]
-            await asyncio.gather(*(self._release_leases([lease]) for lease in batch), return_exceptions=True)
 
     async def _copy(self, start: StartCopy) -> None:
         assert isinstance(start.object_id, bytes)
