@@ -431,3 +431,72 @@ def test_a_save_past_its_first_deadline_is_waited_for_until_it_no_longer_reads_i
         assert time.monotonic() - began < 0.06 * 2 + 5.0 + 2.0
     finally:
         storage.close()
+
+
+def keyed_for_served_version(storage: Any) -> Any:
+    """Our backend once a call has read the served weight version (the first call after a
+    change re-keys; the new client starts in the background: waited for)."""
+    inner = kit.kvfabric_of(storage)
+    inner._serving()
+    deadline = time.monotonic() + 10
+    while (
+        inner.client is not None and inner.client.status.state == "starting" and time.monotonic() < deadline
+    ):
+        time.sleep(0.02)
+    return inner
+
+
+def test_pages_follow_the_weight_version_sglang_serves(nats_server: NatsServer, cluster: object) -> None:
+    """Weights changed in place (`update_weights_from_*` with a `weight_version`: RL loops) are
+    recorded by SGLang's scheduler in its runtime context (`record_weight_version_change`, run
+    here as SGLang's own code). The backend follows it: a page saved under the weights it
+    started with is no longer found (it was: the old weights' KV loaded after the update,
+    silently), the lease it held for a get is given back, and a page saved after the update is
+    found by every backend at that version, not by one still on its starting weights. An update
+    that names no version is not seen."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+    from sglang.srt.runtime_context import get_context
+
+    idle = SimpleNamespace(
+        collect_inflight_reqs=set, waiting_queue=[], chunked_req=None, hisparse_coordinator=None
+    )
+
+    def weights_updated(version: str | None) -> None:  # what every `update_weights_from_*` ends with
+        Scheduler.record_weight_version_change(idle, new_version=version)
+
+    before, after = kit.page_keys(8, seed=61), kit.page_keys(8, seed=62)
+    info = HiCacheStorageExtraInfo(prefix_keys=[])
+    with get_context().override_server_args():  # the scheduler process's published config
+        a, pool = reader(nats_server)
+        b, pool_b = reader(nats_server)
+        inner = kit.kvfabric_of(a)
+        at = kit.alloc_pages(pool, 8)
+        kit.fill(pool, before, at)
+        assert kit.backup(a, before, at, prefix=[]) == 8
+        weights_updated(None)  # no version named: unchanged, the same keys
+        assert kit.prefetch(a, before, at, prefix=[]) == (8, 8)
+        assert a.batch_exists(before, info) == 8  # leased for a get that never comes
+        assert leases_held(nats_server) != []
+        weights_updated("rl-step-1")
+        keyed_for_served_version(a)
+        kit.scramble(pool, before, at)
+        assert kit.prefetch(a, before, at, prefix=[]) == (0, 0)  # the old weights' pages: gone
+        assert leases_left(nats_server) == []  # the held hit went back with the old keys
+        assert inner.rekeys == 1 and inner.weight_version == "rl-step-1"  # from SGLang's "default"
+        assert inner.spec.model.weights_revision == "tiny-sglang-rev-1+version:rl-step-1"
+        kit.fill(pool, after, at)
+        assert kit.backup(a, after, at, prefix=[]) == 8
+        keyed_for_served_version(b)
+        at_b = kit.alloc_pages(pool_b, 8)
+        assert kit.prefetch(b, after, at_b, prefix=[]) == (8, 8)  # shared at the same version
+        assert all(kit.identical_pages(pool_b, after, at_b))
+        assert kit.prefetch(b, before, at_b, prefix=[]) == (0, 0)
+        assert leases_left(nats_server) == []
+        a.close()
+        b.close()
+    started, pool = reader(nats_server)  # no version change seen: the starting weights' keys
+    at = kit.alloc_pages(pool, 8)
+    assert kit.prefetch(started, before, at, prefix=[]) == (8, 8)
+    assert kit.prefetch(started, after, at, prefix=[]) == (0, 0)
+    started.close()

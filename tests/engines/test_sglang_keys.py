@@ -24,6 +24,7 @@ from kvfabric.engines.sglang_keys import (
     engine_spec,
     new_pages,
     page_words,
+    versioned_spec,
 )
 from kvfabric.format.key import chunk_groups_for_prefix
 from kvfabric.proto.directory import Member, ObjectLocation
@@ -421,6 +422,32 @@ def test_engine_spec_names_tenant_revision_dtype_and_page_format() -> None:
     ]
     # Every one a key space of its own (the same rank of another TP size too).
     assert len({root(base), *(root(s) for s in others)}) == 1 + len(others)
+
+
+def test_a_weight_version_set_after_start_is_a_key_space_of_its_own() -> None:
+    """Weights changed in place (SGLang's `update_weights_from_*` with a `weight_version`) key as
+    the starting revision `+version:<v>`: every version apart from the starting weights and
+    from each other, the same version the same key on every worker; a long revision is hashed
+    with the version, never cut off before it (two versions then shared a key)."""
+    start = spec_for()
+
+    def root(spec) -> bytes:  # type: ignore[no-untyped-def]
+        groups = chunk_groups_for_prefix(spec.domain, spec.model, spec.layout, chain_words([], KEYS[:1]))
+        return bytes(groups[0].chain_hash)
+
+    v1, v2 = versioned_spec(start, "step-1"), versioned_spec(start, "step-2")
+    assert v1.model.weights_revision == "rev-a+version:step-1"
+    assert v1.domain == start.domain and v1.layout == start.layout
+    assert replace(v1, model=start.model) == start  # the weights revision alone changes
+    assert root(versioned_spec(spec_for(), "step-1")) == root(v1)  # another worker, same version
+    # the starting label again after an update is not the starting weights
+    assert len({root(start), root(v1), root(v2), root(versioned_spec(start, "default"))}) == 4
+    long = spec_for(weights_revision="r" * 200)
+    l1, l2 = versioned_spec(long, "step-1"), versioned_spec(long, "step-2")
+    assert l1.model.weights_revision.startswith("sha256:") and len(l1.model.weights_revision) <= 200
+    assert root(l1) != root(l2) and root(l1) != root(long)
+    with pytest.raises(ValueError, match=r"(?i)utf-8"):
+        versioned_spec(start, "bad\udc80")  # not UTF-8: refused, never keyed as another version
 
 
 def test_what_changes_the_kv_but_not_the_pool_is_in_the_key() -> None:

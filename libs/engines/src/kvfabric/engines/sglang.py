@@ -43,6 +43,13 @@ can also come from `KVF_CLIENT_*`. SGLang's own keys (`backend_name`, `module_pa
   starts in the background and misses until it has; settings it cannot read leave it
   disabled (`config_error`), one line logged, and so do random weights (`--load-format dummy`)
   and a `--quantization-param-path` it cannot read (review, stop 71).
+- Weights changed after start (SGLang's `update_weights_from_*` with a `weight_version`): every
+  call reads the served version (`get_serving().weight_version`, SGLang's runtime context in
+  the scheduler process the backend runs in); once it differs from the one the keys were made
+  for, the held hits are given back, the client is closed and a new one keys every page with
+  `+version:<version>` in the weights revision (`sglang_keys.versioned_spec`): pages of the old
+  weights are no longer found, those of the new are (and shared by every worker at that
+  version). An update that names no version changes nothing here: not seen (docs/sglang.md).
 - `clear()` gives back this backend's leases; it deletes nothing (the store is shared by every
   engine of the tenant; the directory's eviction frees space). `get_stats()` returns SGLang's
   `StorageMetrics` (pages and GB/s per prefetch and backup batch since the last call).
@@ -56,6 +63,7 @@ can also come from `KVF_CLIENT_*`. SGLang's own keys (`backend_name`, `module_pa
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import logging
 import threading
@@ -85,6 +93,7 @@ from kvfabric.engines.sglang_keys import (
     chained_pages_stored,
     engine_spec,
     new_pages,
+    versioned_spec,
 )
 from kvfabric.format.clock import monotonic_ms
 from kvfabric.format.errors import KvfError
@@ -131,6 +140,30 @@ def pool_geometry(pool: HostKVCache) -> PoolGeometry:
         sglang_version=_sglang_version(),
         start_layer=int(getattr(getattr(pool, "device_pool", pool), "start_layer", 0) or 0),
     )
+
+
+def served_weight_version() -> str | None:
+    """The weight version SGLang serves (`--weight-version`, then what `update_weights_from_*` or
+    `update_weight_version` named: `Scheduler.record_weight_version_change` sets it in the
+    scheduler process's runtime context, where the backend runs); None where SGLang cannot say
+    (another version, not published yet). Read on every batch call: a dict lookup or two."""
+    runtime = _runtime_context()
+    try:
+        return None if runtime is None else str(runtime.get_serving().weight_version)
+    except Exception:  # not published (yet), no such field
+        return None
+
+
+@functools.cache
+def _runtime_context() -> Any:
+    """SGLang's `runtime_context` module; None in a version without it (imported once: a failed
+    import is not cached by Python, and every batch call would search for it again)."""
+    try:
+        from sglang.srt import runtime_context
+
+        return runtime_context
+    except Exception:
+        return None
 
 
 def _server_args_keyed() -> dict[str, str]:
@@ -235,7 +268,16 @@ class KvfabricStorage(HiCacheStorage):
             log.info("kvfabric: interface_v1 set: SGLang calls batch_get_v1 / batch_set_v1")
         self.extra: dict[str, Any] = dict(extra or {})
         self.client: KvClient | None = None  # made when SGLang registers its host pool
-        self.spec: EngineSpec | None = None
+        self.spec: EngineSpec | None = None  # the key space `client` saves and loads under
+        self._settings: ClientSettings | None = None
+        self._start_spec: EngineSpec | None = None  # the key space of the weights at start
+        # The served weight version the keys are for (`served_weight_version`; None: unknown,
+        # the first one read is taken as the start's). Once it changes, `_rekey` makes a client
+        # for the new version's keys, under `_rekey_lock` (one thread; the others miss meanwhile).
+        self.weight_version: str | None = None
+        self.rekeys = 0  # times the keys followed a new weight version
+        self._rekey_lock = threading.Lock()
+        self._closed = False
         self.geometry: PoolGeometry | None = None
         self._views: _PageViews | None = None
         self._lock = threading.Lock()
@@ -268,6 +310,7 @@ class KvfabricStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         if self.client is not None:
             return
+        self.weight_version = served_weight_version()
         overrides = {k: v for k, v in self.extra.items() if k in _CLIENT_FIELDS}
         cfg = self.storage_config
         try:
@@ -295,6 +338,7 @@ class KvfabricStorage(HiCacheStorage):
                 f"hicache storage extra config / KVF_CLIENT_*: {detail}",
             )
             return
+        self._settings, self._start_spec = settings, self.spec
         self.client = KvClient(settings, self.spec, background_start=True)
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -305,15 +349,19 @@ class KvfabricStorage(HiCacheStorage):
             self._logged[kind] = now
             log.warning("kvfabric: " + message, *args)
 
-    def _release(self, hits: Sequence[Hit]) -> None:
-        if self.client is not None:
+    @staticmethod
+    def _release(client: KvClient | None, hits: Sequence[Hit]) -> None:
+        """Give `hits` back through `client`, the one that leased them (a re-key replaces
+        `self.client`: a hit goes back through its own client, never the new one)."""
+        if client is not None:
             for hit in hits:
-                self.client.release(hit)
+                client.release(hit)
 
     def _expire_held(self) -> None:
-        with self._lock:
+        with self._lock:  # every held hit but a drained one in use is `self.client`'s
             old = self._held.expired(monotonic_ms())
-        self._release(old)
+            client = self.client
+        self._release(client, old)
 
     def _prefix(self, extra_info: HiCacheStorageExtraInfo | None) -> list[str] | None:
         """The call's prefix keys; None: per-page keys (never with chained keys in use)."""
@@ -324,8 +372,59 @@ class KvfabricStorage(HiCacheStorage):
         return [] if self._chained else None
 
     def _serving(self) -> KvClient | None:
+        """The client to use for this call: None (a miss) while off, or while another thread
+        re-keys for a new weight version."""
+        version = served_weight_version()
+        if version is not None and version != self.weight_version and not self._rekey(version):
+            return None
         client = self.client
         return client if client is not None and client.enabled else None
+
+    def _rekey(self, version: str) -> bool:
+        """SGLang serves weight version `version`, not the one the keys were made for: give back
+        what is held under the old keys, close that client (its running calls end as misses,
+        the directory gets every lease it held back) and start one for the new version's keys
+        (`versioned_spec`; it misses until started, as at start). False: another thread is at
+        it (this call misses). A version that cannot be keyed leaves the cache off."""
+        if not self._rekey_lock.acquire(blocking=False):
+            return False
+        try:
+            old, start = self.client, self._start_spec
+            if version == self.weight_version or self._closed:
+                return True
+            if self.weight_version is None or old is None or start is None or self._settings is None:
+                # the first version SGLang reports (the start's), or nothing keyed: no re-key
+                self.weight_version = version
+                return True
+            with self._lock:  # from here no hit joins the table under the old client
+                self.client = None
+                held = self._held.drain()  # those gets load under come back at their `finished`
+            self._release(old, held)
+            old.close()
+            previous, self.weight_version = self.weight_version, version
+            try:
+                spec = versioned_spec(start, version)
+            except ValueError as exc:  # not UTF-8: the cache stays off, never the old keys
+                self.spec = None
+                self.client = KvClient.disabled(
+                    _unconfigured_spec(), CAUSE_CONFIG_ERROR, f"weight version {version!r}: {exc}"
+                )
+                return True
+            # the old client's metrics go on (counters, and a fixed `metrics_port`: its server
+            # stopped with the old client, the new one serves them again)
+            client = KvClient(self._settings, spec, metrics=old.metrics, background_start=True)
+            with self._lock:
+                self.spec, self.client = spec, client
+            self.rekeys += 1
+            log.info(
+                "kvfabric: weight version %r -> %r: pages keyed as weights %r from now on",
+                previous,
+                version,
+                spec.model.weights_revision,
+            )
+            return True
+        finally:
+            self._rekey_lock.release()
 
     # ---- exists ------------------------------------------------------------------------------
 
@@ -356,11 +455,14 @@ class KvfabricStorage(HiCacheStorage):
         hit = client.lookup(chain_words(prefix, keys))
         found = new_pages(hit.chunks, len(prefix), len(keys))
         if found == 0:
-            self._release([hit])
+            self._release(client, [hit])
             return 0
         with self._lock:
-            dropped = self._held.hold(hit, monotonic_ms())
-        self._release(dropped)
+            if client is self.client:
+                dropped = self._held.hold(hit, monotonic_ms())
+            else:  # re-keyed meanwhile: not held (its lease goes back; its get looks up again)
+                dropped, found = [hit], 0
+        self._release(client, dropped)
         return found
 
     # ---- get ---------------------------------------------------------------------------------
@@ -406,7 +508,9 @@ class KvfabricStorage(HiCacheStorage):
         chain = [bytes(h) for h in chain_hashes(spec.domain, spec.model, spec.layout, words)]
         end = len(chain)
         with self._lock:
-            hit = self._held.covering(chain, end)
+            if client is not self.client:  # re-keyed meanwhile: nothing loads under the old keys
+                return 0
+            hit = self._held.covering(chain, end)  # a held hit is the current client's
         fresh = hit is None
         if hit is None:  # nothing held for these pages: look them up now (and give back after)
             hit = client.lookup(words)
@@ -419,11 +523,11 @@ class KvfabricStorage(HiCacheStorage):
             return new_pages(result.tokens // hit.tokens_per_chunk, first, wanted)
         finally:
             if fresh:
-                self._release([hit])
+                self._release(client, [hit])
             else:  # its claim used up: the hit comes back with its last (another request's stays)
                 with self._lock:
                     done = self._held.finished(hit, end)
-                self._release(done)
+                self._release(client, done)
 
     # ---- set ---------------------------------------------------------------------------------
 
@@ -641,9 +745,12 @@ class KvfabricStorage(HiCacheStorage):
         engine of the tenant (the directory's eviction frees space)."""
         with self._lock:
             held = self._held.drain()
-        self._release(held)
+            client = self.client
+        self._release(client, held)
 
     def close(self) -> None:
+        with self._rekey_lock:  # a re-key running ends first; none starts after
+            self._closed = True
         self.clear()
         if self.client is not None:
             self.client.close()

@@ -42,10 +42,21 @@ every hit that enters the table leaves it exactly once (through `finished`, `exp
 replaced or crowded out, or `drain`), no hit leaves while a get loads under it (a hit in use is
 never replaced: `covering` .. `finished`), and the table never holds more than `held_max` hits
 but those a get is loading under (kept past the bound until `finished`).
+
+## Weight version
+SGLang may change the weights after start (`update_weights_from_disk` / `_tensor` /
+`_distributed` / `_ipc`) and records the version it names (`weight_version`, read from its
+runtime context by the backend). The weights revision names the weights the worker started with;
+once the served version differs from the one at start, the backend keys every page with
+`versioned_spec` (the revision `+version:<version>`, for good: a later return to the starting
+label is not the starting weights), so two workers updated to the same version share pages and
+a worker still on its starting weights does not see them. An update that names no version
+leaves it unchanged: not seen.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -53,6 +64,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -78,6 +90,7 @@ __all__ = [
     "engine_spec",
     "new_pages",
     "page_words",
+    "versioned_spec",
 ]
 
 PAGE_WORDS: Final = 8  # u32 words per page key: blake2b-256
@@ -95,6 +108,7 @@ HOLD_MS_DEFAULT: Final = 10_000
 HELD_HITS_MAX_DEFAULT: Final = 8192
 
 _P_PAGE: Final = b"kvf1/sglang-page"
+_REVISION_CHARS_MAX: Final = 200  # the weights revision the key carries (longer is cut or hashed)
 # SGLang load formats that read the model's checkpoint files as they are (the weights revision
 # names those): any other is in the key (bitsandbytes and flash_rl quantize at load, sharded_state,
 # presharded and gguf read other files, remote ones fetch the weights from elsewhere); "dummy" is
@@ -443,7 +457,7 @@ def engine_spec(
     replicated = who.is_mla_model
     fingerprint = ModelFingerprint(
         model_id=str(extra.get("model_id") or who.model_name or model_path)[:200],
-        weights_revision=revision[:200],
+        weights_revision=revision[:_REVISION_CHARS_MAX],
         kv_dtype=kv_dtype[:64],
         kv_quant=kv_quant,
         attn_config_digest=attn,
@@ -463,6 +477,18 @@ def engine_spec(
         salt=bytes.fromhex(str(extra.get("domain_salt_hex", defaults.domain_salt_hex))),
     )
     return EngineSpec(domain=domain, model=fingerprint, layout=layout)
+
+
+def versioned_spec(spec: EngineSpec, version: str) -> EngineSpec:
+    """`spec` for the weights SGLang serves as `version` after changing them in place (module
+    docstring): the weights revision with `+version:<version>`; past `_REVISION_CHARS_MAX`
+    characters a SHA-256 of that text (cut, a long revision lost the version: two versions
+    shared a key). Raises `ValueError` for a version the key cannot carry (not UTF-8)."""
+    revision = f"{spec.model.weights_revision}+version:{version}"
+    if len(revision) > _REVISION_CHARS_MAX:
+        revision = "sha256:" + hashlib.sha256(revision.encode()).hexdigest()
+    model = msgspec.structs.replace(spec.model, weights_revision=revision)
+    return dataclasses.replace(spec, model=model)
 
 
 def chained_pages_stored(pages: int, result: SaveResult) -> list[bool]:
