@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from types import SimpleNamespace
 from typing import Any
 
 import nats.errors
@@ -22,6 +23,7 @@ import pytest
 from kvfabric.core.leadership import LeadershipConfig
 from kvfabric.directory import kv_buckets as kb
 from kvfabric.directory import leader as ld
+from kvfabric.runtime.deadline import cancel_and_wait
 
 
 class FakeJs:
@@ -116,11 +118,17 @@ class FakeLeaders:
         self.renewed: list[tuple[int, float]] = []
         self.deleted: list[tuple[str, int]] = []
         self.revisions: dict[str, int] = {}
+        self.purged: list[tuple[str, str]] = []  # (stream, subject): `purge_stream` (as a FakeNc's js)
 
     async def create(self, key: str, value: bytes) -> int:
         self.revision += 1
         self.revisions[key] = self.revision
         return self.revision
+
+    async def get(self, key: str) -> Any:
+        if key not in self.revisions:
+            raise nats.js.errors.KeyNotFoundError
+        return SimpleNamespace(value=b"a", revision=self.revisions[key])  # every key is "a"'s here
 
     async def update(self, key: str, value: bytes, last: int) -> int:
         shard = int(key.removeprefix("shard-"))
@@ -140,6 +148,10 @@ class FakeLeaders:
     async def put(self, key: str, value: bytes) -> int:
         return 0
 
+    async def purge_stream(self, name: str, subject: str) -> bool:
+        self.purged.append((name, subject))
+        return True
+
 
 async def run_election(
     updates: dict[int, list[Any]], seconds: float, *, rebalance: bool = False
@@ -152,8 +164,8 @@ async def run_election(
         members_ttl_ms=1200,
         renew_retry_ms=50,
     )
-    election = ld.LeaderElection(FakeNc(None), "a", config, rebalance=rebalance)  # type: ignore[arg-type]
     kv = FakeLeaders(updates)
+    election = ld.LeaderElection(FakeNc(kv), "a", config, rebalance=rebalance)  # type: ignore[arg-type]
     election._leaders = kv  # type: ignore[assignment]
     election._members = kv  # type: ignore[assignment]
     stops: list[Any] = []
@@ -236,15 +248,77 @@ def test_on_a_nats_cluster_the_default_lease_outlasts_a_stream_leader_election()
 
 def test_an_orderly_stop_deletes_the_lease_keys_still_held_at_their_revisions() -> None:
     """A standby need not wait the TTL after an orderly stop: the keys are deleted with
-    last=revision (so only if still ours); one whose renewal hangs is left to lapse."""
+    last=revision (so only if still ours). One whose renewal hung (cancelled and awaited as the
+    loop ended) is read and deleted at the revision read, as it still holds this instance's id;
+    the member key is purged (tests/integration/test_directory_leader_stop.py: on a real
+    nats-server, another instance's key is kept)."""
 
     async def go() -> tuple[int, FakeLeaders]:
         election, stops, kv = await run_election({0: [], 1: ["hang"]}, 0.5)
-        assert stops == []
+        assert stops == [] and not election._ops  # the hanging renewal did not outlive the loop
         return await election.release_held(1.0), kv
 
     released, kv = asyncio.run(go())
-    assert released == 1 and kv.deleted == [("shard-0", kv.revisions["shard-0"])]
+    assert released == 2
+    assert sorted(kv.deleted) == [("shard-0", kv.revisions["shard-0"]), ("shard-1", kv.revisions["shard-1"])]
+    assert kv.purged == [("KV_KVF_DIRECTORY_MEMBERS", "$KV.KVF_DIRECTORY_MEMBERS.member-a")]
+
+
+class StubbornCreate(FakeLeaders):
+    """Shard 1's create never answers, and takes three cancels to end (a cancellation swallowed
+    twice, as Python 3.11's `asyncio.wait_for` can)."""
+
+    def __init__(self) -> None:
+        super().__init__({0: [], 1: []})
+        self.cancels = 0
+        self.started = asyncio.Event()
+
+    async def create(self, key: str, value: bytes) -> int:
+        if key != "shard-1":
+            return await super().create(key, value)
+        self.started.set()
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancels += 1
+                if self.cancels == 3:
+                    raise
+
+
+def test_the_loops_operations_end_with_it_under_the_services_stop() -> None:
+    """The service stops the election loop with `cancel_and_wait` (`__main__`), which cancels it
+    again while its end awaits the operations: that second cancel does not cut the wait short, so
+    no operation outlives the loop (it would write after `release_held` read the bucket)."""
+    config = LeadershipConfig(
+        shards=2,
+        lease_ttl_ms=1200,
+        renew_every_ms=200,
+        safety_margin_ms=200,
+        members_ttl_ms=1200,
+        renew_retry_ms=50,
+    )
+
+    async def go() -> tuple[ld.LeaderElection, StubbornCreate, set[asyncio.Task[None]]]:
+        kv = StubbornCreate()
+        election = ld.LeaderElection(FakeNc(kv), "a", config)  # type: ignore[arg-type]
+        election._leaders = kv  # type: ignore[assignment]
+        election._members = kv  # type: ignore[assignment]
+
+        async def ignored(*args: Any) -> None:
+            return None
+
+        task = asyncio.create_task(election.run(ignored, ignored))
+        await asyncio.wait_for(kv.started.wait(), 30)
+        ops = set(election._ops)
+        assert ops and await cancel_and_wait([task], 30.0) == set()
+        running = {op for op in ops if not op.done()}
+        await cancel_and_wait(ops, 30.0)  # (so that this loop can close whatever happened)
+        return election, kv, running
+
+    election, kv, running = asyncio.run(go())
+    assert running == set() and not election._ops
+    assert kv.cancels == 3
 
 
 def test_a_bucket_recreated_after_a_kept_write_error_comes_back_above_its_floor(

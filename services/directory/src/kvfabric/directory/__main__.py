@@ -20,9 +20,11 @@ are cancelled and awaited for `TASKS_STOP_TIMEOUT_S`, the shards' tasks for
 for good) makes the process exit at once with 79 (`directory_stop_overran`, naming the tasks),
 and the runtime's watchdog ends it `stop_deadline_ms` after the stop was asked whatever else
 hangs (`kvfabric.runtime.deadline`). A lapsed lease thus always ends in an exit within a bound,
-never in a live process that leads nothing. Once every shard stopped serving, the lease keys
-still held are deleted (`LeaderElection.release_held`, within `RELEASE_TIMEOUT_S`) so that
-standbys take over without waiting the lease TTL (15 s on a NATS cluster).
+never in a live process that leads nothing. Once every shard stopped serving, what this
+instance holds in KV is handed back (`LeaderElection.release_held`, within `RELEASE_TIMEOUT_S`:
+its lease keys, any other lease key left with its id, its member key) so that standbys take
+over without waiting the lease TTL (15 s on a NATS cluster), nor rebalancing instances the
+members TTL.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ HANDOVER_DRAIN_MS: Final = 1_000  # a handed-over shard's queued events still go
 SHARD_START_RETRY_MS: Final = 500  # the n-th failed start is tried again n x this later
 TASKS_STOP_TIMEOUT_S: Final = 2.0  # the election loop and shard starts, once cancelled
 NATS_CLOSE_TIMEOUT_S: Final = 2.0
-RELEASE_TIMEOUT_S: Final = 1.0  # deleting the lease keys still held, at an orderly stop
+RELEASE_TIMEOUT_S: Final = 1.0  # handing back the lease keys and the member key, at an orderly stop
 
 
 def leadership_config(config: DirectorySettings) -> LeadershipConfig:
@@ -204,7 +206,7 @@ async def serve(settings: RuntimeSettings) -> int:
     tasks = [election_task, *lifecycle.start_tasks(), *([doctor_task] if doctor_task else [])]
     stuck = [t.get_name() for t in await cancel_and_wait(tasks, TASKS_STOP_TIMEOUT_S)]
     stuck += await host.stop()
-    if not stuck:  # nothing serves any more: hand the leases back (standbys need not wait the TTL)
+    if not stuck:  # nothing serves any more: hand the leases and the member key back (no TTL waited)
         released = await election.release_held(RELEASE_TIMEOUT_S)
         log.info("leader_leases_released", shards=released, reason=reason)
     if stuck:  # alive but leading nothing is the one outcome not allowed: exit, be restarted
