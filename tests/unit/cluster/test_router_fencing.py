@@ -14,7 +14,7 @@ import pytest
 
 from kvfabric.cluster import directory_router
 from kvfabric.cluster.directory_router import DirectoryRouter, ShardRoute
-from kvfabric.format.errors import Indeterminate, StaleGeneration, Unavailable, WrongShard
+from kvfabric.format.errors import BadRequest, Indeterminate, StaleGeneration, Unavailable, WrongShard
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 
@@ -251,3 +251,12 @@ def test_a_refresh_keeps_the_shards_of_an_instance_that_did_not_answer_in_time()
     assert routes_after({"dir-a": [0, 1]}) == both  # dir-b slow this time
     # dir-b gave shard 2 up (no new leader yet)
     assert routes_after({"dir-a": [0, 1], "dir-b": [3]}) == {0: "dir-a", 1: "dir-a", 3: "dir-b"}
+
+
+@pytest.mark.parametrize("raw", [b"", b"ab", b"x" * 40])
+def test_a_key_holding_no_chain_hash_is_a_bad_request_not_a_value_error(raw: bytes) -> None:
+    # a ValueError was no KvfError: a segment's `_directory` caller lost such a request unanswered
+    router = DirectoryRouter(cast(Any, None))
+    router.shards = 4
+    with pytest.raises(BadRequest, match="malformed key"):
+        router.shard_of(raw)

@@ -43,7 +43,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from kvfabric.cluster.requests import request
-from kvfabric.format.errors import Indeterminate, KvfError, StaleGeneration, Unavailable
+from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, StaleGeneration, Unavailable
 from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
@@ -119,10 +119,14 @@ class DirectoryRouter:
     def shard_of(self, raw: bytes) -> int:
         """The shard of a group id, key, group key or chain hash. `Unavailable` while the shard
         count is unknown (call `known_shards` first): a guess would send keys to a wrong shard
-        under that shard's epoch."""
+        under that shard's epoch. `BadRequest` for bytes that hold no chain hash (a `ValueError`
+        here was no `KvfError`: a caller that handles those lost the request unanswered)."""
         if not self.shards:
             raise Unavailable("the directory shard map is not known yet")
-        return shard_of(raw, self.shards)
+        try:
+            return shard_of(raw, self.shards)
+        except ValueError as exc:
+            raise BadRequest(f"malformed key: {exc}", length=len(raw)) from None
 
     async def known_shards(self) -> int:
         """The shard count, asking the instances for the map first if it is not known yet;
