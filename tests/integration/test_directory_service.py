@@ -197,19 +197,20 @@ async def test_publish_lookup_release_evict_free_with_events(
     msgs: list[Any] = []
     events: list[Any] = []
     deadline = asyncio.get_running_loop().time() + TIMEOUT_S
-    while len(events) < 4 and asyncio.get_running_loop().time() < deadline:
+    while len(events) < 5 and asyncio.get_running_loop().time() < deadline:
         with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
             msgs += await sub.fetch(10, timeout=0.5)
         events = [m.event_decoder.decode(x.data) for x in msgs]
         events = [e for e in events if not isinstance(e, m.GroupsAccessed)]
-    # One put_commit, one published event naming its groups in order (issue 20); gs[1]'s
+    # The shard's core started (its first event: followers list the directory again on it);
+    # one put_commit, one published event naming its groups in order (issue 20); gs[1]'s
     # eviction; the unpin names the group it was the last pin of (stop 65).
-    names = ["SegmentUp", "GroupsPublished", "GroupEvicted", "GroupsUnpinned"]
+    names = ["ShardStarted", "SegmentUp", "GroupsPublished", "GroupEvicted", "GroupsUnpinned"]
     assert [type(e).__name__ for e in events] == names
-    assert isinstance(events[1], m.GroupsPublished)
-    assert [p.group for p in events[1].groups] == [g.chain_hash for g in gs]
-    assert isinstance(events[3], m.GroupsUnpinned)
-    assert [ref.group for ref in events[3].groups] == [gs[0].chain_hash]
+    assert isinstance(events[2], m.GroupsPublished)
+    assert [p.group for p in events[2].groups] == [g.chain_hash for g in gs]
+    assert isinstance(events[4], m.GroupsUnpinned)
+    assert [ref.group for ref in events[4].groups] == [gs[0].chain_hash]
     seqs = [x.metadata.sequence.stream for x in msgs]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 

@@ -5,7 +5,8 @@ their live replicas. Each directory operation appends its events to a log, numbe
 JetStream numbers a stream (publish; a commit's groups in one event; evict; invalidate; a
 segment down, which strips it from every group and invalidates a group left without replicas,
 as the directory's sweep does; a segment restart: down then up with a new incarnation,
-announced once per shard). The index is
+announced once per shard; a shard's core replaced with an event it had queued never published,
+then the new core's `shard_started`). The index is
 fed from that log by a follower that may deliver the next event, redeliver old ones
 (duplicates) or lose some (a gap). On a gap the shell's resync runs: S = the log's length, a few
 more directory operations happen while the listing is taken, the listing is the model's state
@@ -57,6 +58,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.groups: dict[bytes, set[str]] = {}
         self.next = 1  # the next sequence the follower delivers
         self.lost = False  # the follower skipped events since the last resync
+        self.epoch = 1  # of the shard handed over (`handover`)
 
     # ---- the directory ----------------------------------------------------------------------
 
@@ -157,6 +159,24 @@ class IndexMachine(RuleBasedStateMachine):
         else:
             self.emit(m.GroupInvalidated(group=chain, reason="corrupt", domain=domain))
 
+    @rule(
+        domain=st.sampled_from(DOMAINS),
+        chain=st.sampled_from(CHAINS),
+        placed=st.sets(st.sampled_from(SEGMENTS), min_size=1, max_size=2),
+    )
+    def handover(self, domain: DomainDigest, chain: ChainHash, placed: set[str]) -> None:
+        """A shard's core stopped with its last event queued, not published (a handover's drain
+        ended first): the group's eviction, or its publication, never got a sequence. The next
+        core's first event is `shard_started`."""
+        key = domain + chain
+        live = {s for s in placed if s in self.segments}
+        if key in self.groups:
+            del self.groups[key]  # evicted: the `evicted` event dropped
+        elif live:
+            self.groups[key] = live  # published: the `published` event dropped
+        self.epoch += 1
+        self.emit(m.ShardStarted(shard=0, epoch=self.epoch))
+
     @rule(groups=st.lists(st.tuples(st.sampled_from(CHAINS), st.integers(1, 9)), max_size=3))
     def accessed(self, groups: list[tuple[ChainHash, int]]) -> None:
         self.emit(m.GroupsAccessed(groups=[m.GroupHits(c, h, DOMAINS[0]) for c, h in groups]))
@@ -236,10 +256,13 @@ class IndexMachine(RuleBasedStateMachine):
                 assert [e.replicas for e in run] == ([self.groups[key]] if key in self.groups else [])
 
     def teardown(self) -> None:
-        # A fault-free end: resync if events were lost, then deliver the rest.
-        if self.lost or not self.index.synced:
-            self.resync([], CHAINS[0])
-        while self.next <= len(self.log):
+        # A fault-free end: resync if events were lost, then deliver the rest (as the follower
+        # does, listing again whenever the index is not synced: a `shard_started` on the way).
+        while True:
+            if self.lost or not self.index.synced:
+                self.resync([], CHAINS[0])
+            if self.next > len(self.log):
+                break
             self.deliver()
         self.consistent()
         assert self.index.last_seq == len(self.log)
@@ -302,6 +325,18 @@ def test_stale_incarnation_down_is_ignored() -> None:
     for seq, event in enumerate(events, 1):
         assert index.apply(seq, event) == "applied"
     assert index.groups[key].replicas == {"s0"}
+
+
+def test_a_shard_started_event_asks_for_a_listing() -> None:
+    """A shard's new core may follow one that stopped with events unpublished (no sequence, so
+    no gap): its `shard_started` is one (docs/router.md)."""
+    index = RoutingIndex()
+    index.resync([ListedSegment("s0", 1, True)], [], at_seq=4)
+    assert index.apply(5, m.ShardStarted(shard=1, epoch=3)) == "applied"
+    assert not index.synced and index.last_seq == 5 and index.counters["shard_starts"] == 1
+    assert index.check_stream(1, 5)  # the follower lists again before reading on
+    index.resync([ListedSegment("s0", 1, True)], [], at_seq=5)
+    assert index.synced
 
 
 def test_check_stream_sees_aged_out_and_recreated_streams() -> None:

@@ -35,6 +35,7 @@ class FakeShell:
             quotas=SimpleNamespace(stats=OrderedDict()),
         )
         self.events_published = 0
+        self.events_dropped = 0
         self.may_act: Callable[[], bool] = lambda: True
 
     def hold_orphans(self) -> int:

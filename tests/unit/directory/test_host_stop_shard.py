@@ -22,6 +22,7 @@ class FakeShell:
         # counters: a stopped shell's are folded into the host's (`ShardHost.retired`)
         self.core = SimpleNamespace(epoch=7, counters={}, quotas=SimpleNamespace(stats=OrderedDict()))
         self.events_published = 0
+        self.events_dropped = 0
         self.may_act: Callable[[], bool] = lambda: True
         self.acting_while_draining: list[bool] = []
         self.stopped = False

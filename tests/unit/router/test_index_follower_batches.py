@@ -332,3 +332,74 @@ def test_fetch_timeouts_count_as_heard_only_when_the_stream_says_the_index_is_at
     assert _heard_while(cut_off, index, fetches=3) == 0
     behind = _CutOff(connected=True, last_seq=9_000)  # connected, 8,990 events not yet fetched
     assert _heard_while(behind, index, fetches=3) == 0
+
+
+def test_a_shard_started_event_makes_the_follower_list_again_and_read_on_after_it() -> None:
+    """A shard's new core may follow one that stopped with events queued, never published (a
+    handover drains them for at most 1 s): no sequence, so no gap; the index kept an evicted
+    group for good. The new core's first event, `shard_started`, is that gap: the follower stops
+    there, lists the directory and reads on after the stream's end as of the listing."""
+    events: list[msgspec.Struct] = [
+        published(0, 1, "s1"),
+        m.ShardStarted(shard=0, epoch=2),
+        published(1, 1, "s1"),
+    ]
+    starts: list[int] = []  # where each subscription began
+
+    def msg(seq: int) -> Any:
+        meta = SimpleNamespace(sequence=SimpleNamespace(stream=seq), num_pending=len(events) - seq)
+        return SimpleNamespace(data=encode(events[seq - 1]), metadata=meta)
+
+    class Sub:
+        def __init__(self, start: int) -> None:
+            self.start = start
+            self.fetched = False
+
+        async def fetch(self, *args: Any, **kwargs: Any) -> Any:
+            if self.fetched or self.start > len(events):
+                await asyncio.sleep(3600)
+            self.fetched = True
+            return [msg(seq) for seq in range(self.start, len(events) + 1)]
+
+        async def unsubscribe(self) -> None:
+            return None
+
+    class Js:
+        async def stream_info(self, name: str) -> Any:
+            return SimpleNamespace(state=SimpleNamespace(first_seq=1, last_seq=len(events)), created=None)
+
+        async def pull_subscribe(self, *args: Any, config: Any, **kwargs: Any) -> Any:
+            starts.append(config.opt_start_seq)
+            return Sub(config.opt_start_seq)
+
+    class Listing:
+        def __init__(self) -> None:
+            self.epochs = {0: 2}  # the shards' leader epochs (the listing records them)
+
+        async def segments(self, timeout_s: float) -> m.SegmentList:
+            info = m.SegmentInfo(
+                segment_id="s1", incarnation=1, domain=m.FailureDomain(host="h"), up=True, draining=False,
+                capacity_bytes=1, reserved_bytes=0, reported_used_bytes=0, last_heartbeat_ms=0, data_addr="",
+            )  # fmt: skip
+            return m.SegmentList(epoch=2, segments=[info])
+
+        async def list_groups(self, query: m.ListGroups, timeout_s: float, pages_max: int) -> list[Any]:
+            return []  # the new core holds nothing (the old one's eviction was never published)
+
+    index = RoutingIndex()
+    index.resync([ListedSegment("s1", 1, True)], [], at_seq=0)
+    follower = follower_of(index)
+    follower.nc = cast(Any, SimpleNamespace(jetstream=lambda timeout: Js(), is_connected=True))
+    follower.router = cast(Any, Listing())
+
+    async def run() -> None:
+        task = asyncio.create_task(follower.run())
+        while len(starts) < 2:  # noqa: ASYNC110 (the fake's subscriptions are plain appends)
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(run(), 5))
+    assert starts == [1, 4]  # stopped at the marker (seq 2), listed, then on after seq 3
+    assert index.synced and index.last_seq == 3 and index.groups == {}
+    assert index.counters["shard_starts"] == 1 and index.counters["resyncs"] == 2

@@ -894,6 +894,18 @@ class GroupInvalidated(_Msg, frozen=True, kw_only=True, tag="dir.ev.invalidated.
     domain: DomainDigest = DomainDigest(b"")  # two domains may hold the same chain hash
 
 
+class ShardStarted(_Msg, frozen=True, kw_only=True, tag="dir.ev.shard_started.v1"):
+    """A shard's new core began serving (a new leader's, or a rebuild's under the same epoch):
+    its first event, before any of its own. The core it replaces may have stopped with events
+    queued and not published (a handover drains them for at most 1 s; a stopping instance not
+    at all): they never got a stream sequence, so no gap shows them; and the rebuild emits no
+    event for what it adopted or lost. A follower takes this as a gap and lists the directory
+    again (the router's index: `RoutingIndex`; the eviction policy: its adoption)."""
+
+    shard: int
+    epoch: int
+
+
 # ---- shard map -----------------------------------------------------------------------------
 
 
@@ -979,6 +991,7 @@ DirectoryEvent = (
     | GroupInvalidated
     | GroupsAccessed
     | GroupsUnpinned
+    | ShardStarted
 )
 
 request_decoder: FamilyDecoder[DirectoryRequest] = FamilyDecoder(DirectoryRequest, "directory request")

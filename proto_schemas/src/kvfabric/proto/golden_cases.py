@@ -156,6 +156,7 @@ GOLDEN_CASES: Final[dict[str, tuple[str, msgspec.Struct]]] = {
         "directory.event",
         directory.GroupsUnpinned(groups=[directory.GroupRef(ChainHash(b"g" * 32), DomainDigest(b"d" * 16))]),
     ),
+    "dir.ev.shard_started.v1": ("directory.event", directory.ShardStarted(shard=3, epoch=7)),
     "evict.status_reply.v1": (
         "eviction",
         eviction.EvictionStatus(

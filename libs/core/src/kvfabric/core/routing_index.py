@@ -41,6 +41,11 @@ the next resync only (it under-counts, never over-counts, a replica that exists)
                                               docs/directory.md); the same one again (every
                                               shard announces a registration) changes nothing
     accessed / under_replicated           --> nothing (no change of where chunks are)
+    shard_started(shard, epoch)           --> not `synced`: list again. A shard's new core (a new
+                                              leader's, or a rebuild's at the same epoch) may
+                                              follow one that stopped with events unpublished
+                                              (no sequence: no gap shows them), and its rebuild
+                                              emits nothing for what it adopted or lost
 
 ## Sequences: resume, duplicates, gaps
 `last_seq` is the stream sequence of the last event applied (0: none).
@@ -166,6 +171,7 @@ class RoutingIndex:
             "events_foreign": 0,  # published groups without a namespace (old directories)
             "events_other_domain": 0,  # published groups of another share domain: not held
             "leader_changes": 0,  # resyncs asked because a shard's leader changed (`leader_changed`)
+            "shard_starts": 0,  # resyncs asked by a shard's `shard_started` event
         }
         self._step_ms = 0  # the latest time given to `step`
 
@@ -217,6 +223,10 @@ class RoutingIndex:
             if known is not None:
                 self._segment_down(event.segment_id)  # a new incarnation holds nothing yet
             self.segments[event.segment_id] = event.incarnation
+        elif isinstance(event, m.ShardStarted):
+            # What the shard's core before it left unpublished is gone without a gap: one now.
+            self.counters["shard_starts"] += 1
+            self.synced = False
 
     def _published(self, event: m.GroupPublished) -> None:
         if len(event.namespace) != NAMESPACE_BYTES or len(event.group) != CHAIN_BYTES:
@@ -310,7 +320,8 @@ class RoutingIndex:
         what it adopted or lost (a segment that missed its report never goes `segment_down`;
         an event the old leader had not published is gone, with no gap in the sequences), so
         the index may hold what the directory no longer does. Not `synced`: list again (review,
-        stop 67)."""
+        stop 67). (The new core's `shard_started` event does the same as it is applied; this,
+        from the shard map's epochs, covers a directory that sends none.)"""
         if self.synced:
             self.counters["leader_changes"] += 1
             self.synced = False

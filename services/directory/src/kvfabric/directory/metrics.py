@@ -59,6 +59,12 @@ class DirectoryCollector(Collector):
             "Events JetStream acknowledged.",
             value=retired.events_published + sum(shell.events_published for shell in counted),
         )
+        yield CounterMetricFamily(
+            "kvfabric_directory_events_dropped",
+            "Events of a stopped shard core never known to reach JetStream (still queued when a "
+            "handover's drain ended); the shard's next core's shard_started event tells followers.",
+            value=retired.events_dropped + sum(shell.events_dropped for shell in counted),
+        )
         yield from self._events_stream([shell for _, shell in shells])
         if self.leadership is not None:
             leadership = CounterMetricFamily(

@@ -10,6 +10,13 @@ effects are performed after it returns:
   handler waits (backpressure) rather than dropping an event. Each event is retried until
   JetStream takes it; a stream stuck on a store write error (a disk that was full) is recreated
   with its sequences continued (`kvfabric.directory.events`).
+- A shell's first event is `ShardStarted(shard, epoch)` (`start`): the core it replaces (an
+  earlier leader's, or the same epoch's before a rebuild) may have stopped with events queued
+  and not published, which `stop` drops (a handover drains them for at most `HANDOVER_DRAIN_MS`,
+  1 s; a stopping instance not at all). They never got a stream sequence, so no follower could
+  see a gap; the marker is that gap: the router's index and the eviction policy list the
+  directory again on it. Dropped events are counted (`events_dropped`: queued, in flight, or
+  never queued by a request that ended waiting for room) and logged `events_dropped`.
 - `FreeSlots` → a request to `kvf.v1.segment.free.<segment_id>`; the segment's reply is fed back
   to the core as `SlotsFreed`. A lost or failed free is retried by the core's `tick`.
 A tick task calls `core.tick(now_ms)` every `tick_ms` and performs its effects the same way.
@@ -171,6 +178,8 @@ class DirectoryShell:
         self._nc: NatsClient | None = None
         self._log = get_logger("kvfabric.directory")
         self._publishing = False  # an event taken from the outbox is not in JetStream yet
+        self._events_not_queued = 0  # events that never entered the outbox (`_queue_event`)
+        self._dropped_logged = False
         self.frees_skipped_busy = 0
         # Whether this instance may act as the leader right now (its lease has not lapsed):
         # checked before every request and every tick, so a fenced leader stops at once.
@@ -335,6 +344,13 @@ class DirectoryShell:
             self.events_stream = EventsStream(nc, self.events_config())
         await self.events_stream.ensure()
         shard = self.core.shard
+        # First in the outbox, before any event of this core: whatever the core before it left
+        # unpublished is gone with no gap in the sequences, so this one tells the followers
+        # (module docstring; they resync on it).
+        started = m.ShardStarted(shard=shard, epoch=self.core.epoch)
+        await self._queue_event(
+            (event_subject(Service.DIRECTORY, "shard_started"), msgspec.msgpack.encode(started))
+        )
         self.publisher = EventPublisher(self.events_stream, name=f"shard-{shard}")
         self._tasks = [
             asyncio.create_task(self._publisher(), name=f"directory-publisher-{shard}"),
@@ -362,6 +378,17 @@ class DirectoryShell:
         """Events JetStream acknowledged from this shell."""
         return self.publisher.published if self.publisher is not None else 0
 
+    @property
+    def events_dropped(self) -> int:
+        """Events of this shell's core never known to reach JetStream: those that never entered
+        the outbox (refused `wrong_shard`, or cancelled, while waiting for room) and, once `stop`
+        began, those still queued and the one being published (JetStream may have taken it; its
+        acknowledgement never came). The next core's `ShardStarted` tells the followers (module
+        docstring)."""
+        if not self._stopped.is_set():
+            return self._events_not_queued
+        return self._events_not_queued + self._outbox.qsize() + int(self._publishing)
+
     async def drain_events(self, timeout_s: float) -> None:
         """Wait (at most `timeout_s`) until the events outbox is empty (a handover: no request
         reaches this shard any more, so nothing new is queued)."""
@@ -371,9 +398,16 @@ class DirectoryShell:
 
     async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> set[asyncio.Task[Any]]:
         """Cancel the shell's tasks and wait at most `timeout_s`; returns those still running.
-        A request waiting for room in the events outbox ends `wrong_shard` (`_queue_event`)."""
+        A request waiting for room in the events outbox ends `wrong_shard` (`_queue_event`).
+        Events still queued are dropped: counted (`events_dropped`) and logged; the shard's
+        next core tells the followers (`ShardStarted`, module docstring)."""
         self._stopped.set()
-        return await cancel_and_wait([*self._tasks, *self._frees], timeout_s)
+        still = await cancel_and_wait([*self._tasks, *self._frees], timeout_s)
+        dropped = self.events_dropped
+        if dropped and not self._dropped_logged:
+            self._dropped_logged = True
+            self._log.warning("events_dropped", shard=self.core.shard, epoch=self.core.epoch, events=dropped)
+        return still
 
     async def _queue_event(self, item: tuple[str, bytes]) -> None:
         """Into the outbox, waiting for room while its publisher runs. Once `stop` began, nothing
@@ -390,6 +424,11 @@ class DirectoryShell:
             self._outbox.put_nowait(item)
             return
         self._outbox_waiting += 1
+        put: asyncio.Future[None] | None = None
+
+        def queued() -> bool:
+            return put is not None and put.done() and not put.cancelled()
+
         try:
             turn = asyncio.ensure_future(self._outbox_turn.acquire())
             try:
@@ -407,7 +446,9 @@ class DirectoryShell:
                 self._outbox_turn.release()
         finally:
             self._outbox_waiting -= 1
-        if not put.done() or put.cancelled():
+            if not queued():  # refused or cancelled: its core's change has no event (dropped)
+                self._events_not_queued += 1
+        if not queued():
             raise WrongShard("this shard's shell stopped", shard=self.core.shard)
 
     async def _unless_stopped(self, waiting: asyncio.Future[Any]) -> bool:

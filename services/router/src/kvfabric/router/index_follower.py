@@ -10,9 +10,13 @@
   sequence applied (`index.last_seq + 1`): resume, not replay.
 - A batch is applied one event a turn of the loop, and a lost segment's groups leave the index
   in slices after it (`apply_batch`): the router's loop serves routes meanwhile.
-- Every `LEADERS_CHECK_S` the shard map is asked again: a shard led under a newer epoch than at
-  the last listing means a rebuild the events do not tell (what it adopted or lost; a segment
-  that missed its report never goes `segment_down`), so the index lists again (review, stop 67).
+- A `shard_started` event (a shard's new core, a new leader's or a rebuild's: the events its
+  predecessor left unpublished are gone without a gap) makes the index list again at once
+  (`RoutingIndex.apply`). Every `LEADERS_CHECK_S` the shard map is asked again too: a shard led
+  under a newer epoch than at the last listing means a rebuild the events do not tell (what it
+  adopted or lost; a segment that missed its report never goes `segment_down`), so the index
+  lists again (review, stop 67; a directory without `shard_started` events, or a marker not
+  read yet).
 - A fetch with events that leave at most one more fetch pending (`caught_up`), a fetch that
   answers with none when the stream, asked then, has nothing past the index (`_at_end`: nats-py
   raises the same timeout with the connection down, and a router cut off counted itself
@@ -200,6 +204,8 @@ class IndexFollower:
         result = self.index.apply(seq, event)
         if result == "gap":
             self._log.warning("events_gap", seq=seq, last_seq=self.index.last_seq)
+        elif isinstance(event, m.ShardStarted) and result == "applied":
+            self._log.info("shard_started_resync", seq=seq, shard=event.shard, epoch=event.epoch)
 
     async def resync(self, at_seq: int) -> None:
         """List the directory and replace the index (events after `at_seq` replay on top)."""
