@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -47,6 +47,21 @@ def summary(i: int, *replicas: tuple[str, int], size: int = 10, state: str = "pu
     )
 
 
+def segment_info(segment_id: str, *, up: bool, incarnation: int = 1) -> m.SegmentInfo:
+    return m.SegmentInfo(
+        segment_id=segment_id,
+        incarnation=incarnation,
+        domain=m.FailureDomain(host="h"),
+        up=up,
+        draining=False,
+        capacity_bytes=1_000,
+        reserved_bytes=0,
+        reported_used_bytes=0,
+        last_heartbeat_ms=0,
+        data_addr="",
+    )
+
+
 def test_a_listed_group_reads_as_the_published_event_that_would_have_told_of_it() -> None:
     event = published_of_summary(summary(1, ("s1", 3), ("s2", SSD_SLOT_BASE + 3), ("s1", SSD_SLOT_BASE)))
     assert event is not None
@@ -58,14 +73,26 @@ def test_a_listed_group_reads_as_the_published_event_that_would_have_told_of_it(
 
 
 class Listing(DirectoryRouter):
-    """One shard listing `groups` in pages of two."""
+    """One shard listing `groups` in pages of two; its segment listing has the segments `up`
+    up (by default every one a listed replica names) and those `down` down."""
 
-    def __init__(self, groups: list[m.GroupSummary]) -> None:
+    def __init__(
+        self, groups: list[m.GroupSummary], up: Collection[str] | None = None, down: Collection[str] = ()
+    ) -> None:
         super().__init__(cast(Any, None))
         self.groups = groups
+        named = {r.segment_id for g in groups for o in g.objects for r in o.replicas}
+        self.up = set(named if up is None else up)
+        self.down = set(down)
 
     async def known_shards(self) -> int:
         return 1
+
+    async def segments(self, timeout_s: float) -> m.SegmentList:
+        return m.SegmentList(
+            epoch=0,
+            segments=[segment_info(s, up=s in self.up) for s in sorted(self.up | self.down)],
+        )
 
     async def shard_pages(
         self, shard: int, query: m.ListGroups, timeout_s: float, pages_max: int

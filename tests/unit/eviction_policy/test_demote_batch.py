@@ -28,7 +28,14 @@ from kvfabric.format.errors import Busy
 from kvfabric.format.ids import ChainHash, DomainDigest, GroupId, LayoutDigest, ModelDigest, namespace_in_id
 from kvfabric.format.key import ChunkGroupId, KVKey
 from kvfabric.proto import directory as m
-from kvfabric.proto.segment import DEMOTE_BATCH_MAX, DemoteReply, DemoteRequest, DemoteResult, DemoteStatus
+from kvfabric.proto.segment import (
+    DEMOTE_BATCH_MAX,
+    SSD_SLOT_BASE,
+    DemoteReply,
+    DemoteRequest,
+    DemoteResult,
+    DemoteStatus,
+)
 from tests.unit.eviction_policy.test_shell import A, chain, published
 
 MiB = 1 << 20
@@ -172,7 +179,9 @@ def test_groups_per_request_bounded() -> None:
     assert not demote_request_fits(1, DEMOTE_BATCH_MAX, 0, 1, 0)
     assert not demote_request_fits(1, 1, DEMOTE_REQUEST_BYTES_MAX, 1, 1)
     assert group_outcome([]) == "demoted"
-    assert group_outcome(["demoted", "not_found"]) == "demoted"
+    assert group_outcome(["demoted", "not_found"]) == "demoted"  # those moved are on disk
+    assert group_outcome(["not_found", "not_found"]) == "not_found"  # nothing moved
+    assert group_outcome(["copied", "not_found"]) == "copied"
     assert group_outcome(["demoted", "copied"]) == "copied"
     assert group_outcome(["copied", "failed"]) == "failed"
     assert group_outcome(["failed", "no_capacity", "demoted"]) == "no_capacity"
@@ -673,4 +682,76 @@ def test_a_victim_the_directory_no_longer_has_is_forgotten(monkeypatch: pytest.M
         assert v not in sh.core
     assert sh.core.used_bytes("s1") == 0 and seg.requests == []
     assert sh.demotions.get("gone") == 4
+    sh.core.check_invariants()
+
+
+def test_a_victim_whose_arena_replica_went_before_the_segment_demoted_it_is_not_demoted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The victim's s1 arena replica is drained to s2 after its listing and before the demote
+    request reaches the segment, which answers `not_found`; the directory's republish (on s2) is
+    applied meanwhile and held back. It was taken as demoted: moved to s1's disk pool, bytes on
+    a disk that never had them, and the republish set aside as older than the move, a drift no
+    refresh corrected. It is not demoted: it stays, and the republish applies."""
+    sh, batch, directory, seg = setup(monkeypatch, groups=1)
+    victim = A + chain(1)
+
+    def drained(key: bytes) -> DemoteStatus:
+        sh.apply(published(1, NAMESPACE, s2=10), sh._driver.now_ms())  # held back: a victim
+        return "not_found"
+
+    seg.answer = drained
+    asyncio.run(sh._evict(batch))
+    assert sh.demotions == {"not_found": 1} and directory.evicted == []
+    assert sh._held[victim][2] == {"s2": 10} and not sh.core.is_evicting(victim)
+    assert sh.core.used_bytes("s1#ssd") == 0 and sh.core.used_bytes("s1") == 0  # before: 10 on s1#ssd
+    assert ("not_demoted", "not_found", "s1#ssd") in [
+        (d.what, d.reason, d.pool) for d in sh._decisions.of(victim)
+    ]
+    sh.core.check_invariants()
+
+
+class Moved(FakeDirectory):
+    """`show_group` lists every object's one replica on segment `where`, slot `slot`."""
+
+    def __init__(self, members: dict[bytes, int], size: int, where: str, slot: int) -> None:
+        super().__init__(members, size)
+        self.where, self.slot = where, slot
+
+    async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any) -> Any:
+        reply = await super().ask(shard, verb, message, timeout_s, **kw)
+        if verb != "show_group":
+            return reply
+        replica = m.Replica(segment_id=self.where, incarnation=1, slot=self.slot, slot_generation=1)
+        (summary,) = reply.groups
+        objects = [msgspec.structs.replace(o, replicas=[replica]) for o in summary.objects]
+        return m.GroupList(epoch=1, groups=[msgspec.structs.replace(summary, objects=objects)])
+
+
+def test_a_victim_listed_on_no_arena_of_its_segment_is_demoted_only_if_that_disk_has_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The victim's listing shows no arena replica on s1. On s1's disk: an earlier demotion,
+    whose answer was lost, moved it (demoted, as before). Elsewhere (its s1 replica drained to s2
+    after it was chosen; the directory's republish held back): it was taken as demoted too, and
+    counted on s1's disk for nothing. Now it stays and the republish applies."""
+
+    async def no_segment(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("no demote request: nothing of it is in s1's arena")
+
+    sh, batch, _, _ = setup(monkeypatch, groups=1)
+    monkeypatch.setattr(shell, "nats_request", no_segment)
+    victim = A + chain(1)
+    sh._router = Moved({sh._group_ids[victim]: 1}, 10, "s1", SSD_SLOT_BASE)
+    asyncio.run(sh._evict(batch))
+    assert sh.demotions == {"demoted": 1} and sh._held[victim][2] == {"s1#ssd": 10}
+
+    sh, batch, _, _ = setup(monkeypatch, groups=1)
+    monkeypatch.setattr(shell, "nats_request", no_segment)
+    sh._router = Moved({sh._group_ids[victim]: 1}, 10, "s2", 0)
+    sh.apply(published(1, NAMESPACE, s2=10), sh._driver.now_ms())  # held back: a victim
+    asyncio.run(sh._evict(batch))
+    assert sh.demotions == {"not_found": 1}
+    assert sh._held[victim][2] == {"s2": 10} and not sh.core.is_evicting(victim)
+    assert sh.core.used_bytes("s1#ssd") == 0  # before: 10, on a disk that never had them
     sh.core.check_invariants()

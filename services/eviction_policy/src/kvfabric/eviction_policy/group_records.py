@@ -37,6 +37,13 @@ I/O, no awaits; each call atomic on the event loop, but for a `segment_down` thr
   demotion's republish (the members moved before another failed) left their bytes counted in
   the arena and not on disk until the group was demoted or evicted again (review, 2026-12-06).
 
+- what a listing adopted after lost events says of the groups tracked already (the resync,
+  `EvictionShell.adopt_listed`): one it names with other pools moves to them (`_relisted`: a
+  dead segment's replica swept, a drop whose republish was lost); one no page names and no
+  event applied since the adoption began named goes (`_unlisted_gone`: evicted, invalidated
+  or lost in the gap); a segment the directory no longer has up, holding no bytes here any
+  more, goes with its pools (`_dead_segment_dropped`), as its lost `segment_down` would have.
+
 `GroupRecords` is a mixin of `EvictionShell` (`kvfabric.eviction_policy.shell`), which
 creates these attributes and owns the tasks that call in (the follower, the ticker's batches,
 demotion); it reads the shell's `_no_disk` and counts into its `demotions`.
@@ -165,6 +172,11 @@ class GroupRecords:
     # (a page may be older than the events applied meanwhile: `EvictionShell.adopt_listed`)
     _gone_while_adopting: set[bytes] | None
     _down_while_adopting: set[str] | None
+    # while a listing is adopted: the groups tracked as it began that no page and no event
+    # applied since has named (what is left once every shard is listed is gone), and the
+    # segments heard up since it began (a segment listing older than that up is no news)
+    _unlisted: set[bytes] | None
+    _up_while_adopting: set[str] | None
 
     def apply(self, event: msgspec.Struct, at_ms: int) -> None:
         """One directory event into the core, whole (pure bookkeeping; public for tests)."""
@@ -208,6 +220,8 @@ class GroupRecords:
             if event.incarnation >= self._up_incarnation.get(event.segment_id, 0):
                 yield from self._segment_down(event, at_ms)
         elif isinstance(event, m.SegmentUp):
+            if self._up_while_adopting is not None:
+                self._up_while_adopting.add(event.segment_id)
             if event.incarnation > self._up_incarnation.get(event.segment_id, 0):
                 self._up_incarnation[event.segment_id] = event.incarnation
             if event.capacity_bytes:
@@ -308,6 +322,8 @@ class GroupRecords:
             return False
         domain = domain_in_id(event.namespace)
         key = pack_group_key(domain, event.group)
+        if self._unlisted is not None:  # named since the adoption began: what it says stands
+            self._unlisted.discard(key)
         if listed_ms is None and key in self._adopted:
             writer = False
             self._adopted.discard(key)
@@ -346,7 +362,14 @@ class GroupRecords:
                 self._children.setdefault(parent, set()).add(key)
         return True
 
-    def _republished(self, key: bytes, pools: dict[str, int], at_ms: int, event_group_bytes: int = 0) -> None:
+    def _republished(
+        self,
+        key: bytes,
+        pools: dict[str, int],
+        at_ms: int,
+        event_group_bytes: int = 0,
+        reason: str = "published",
+    ) -> None:
         """A known group with new pools moves there (no access: a republish is not a read; its
         rank kept, `EvictionCore.retiered`). One being evicted or demoted right now is left to
         its batch's answer: the event is held back (`_held_back`; its `group_bytes` are kept at
@@ -383,9 +406,73 @@ class GroupRecords:
                     before[pool] = nbytes
             return
         self.core.retiered(key, pools=pools, parent=self._core_parent(key, pools), now_ms=at_ms)
-        self._decisions.record(key, at_ms, "moved", "published", pools_text(pools))
+        self._decisions.record(key, at_ms, "moved", reason, pools_text(pools))
         self._held[key] = (tenant, chunk_index, pools, group_bytes)
         self._disk_pools.update(p for p in pools if is_ssd_pool(p))
+
+    def _relisted(self, key: bytes, event: m.GroupPublished, at_ms: int) -> bool:
+        """A tracked group a listing page names (`event`: `published_of_summary` of it), that no
+        event applied since the adoption began named (`_unlisted`): the page is newer than what
+        the records hold of it, so it moves to the pools listed, as a republish would move it
+        (`_republished`): a replica on a segment lost in the gap is no longer counted, nor one
+        dropped whose republish was lost. One being evicted or demoted is left to its batch's
+        answer. True when its pools changed."""
+        if self._unlisted is None or key not in self._unlisted:
+            return False
+        self._unlisted.discard(key)
+        held = self._held.get(key)
+        if held is None or key not in self.core or self.core.is_evicting(key):
+            return False
+        pools = tiered_pools(
+            {p.segment_id: p.bytes for p in event.placements},
+            {p.segment_id: p.bytes for p in event.disk_placements},
+        )
+        if held[2] == pools:
+            return False
+        self._republished(key, pools, at_ms, event.group_bytes, reason="listed")
+        return True
+
+    def _unlisted_gone(self, key: bytes, at_ms: int) -> bool:
+        """A group tracked as the adoption began that no page of the whole listing named, nor any
+        event applied since (`_unlisted`): the directory holds it no more (evicted, invalidated,
+        lost with its segment, in events the stream lost), so it goes, links and all, as an
+        `evicted` event would take it. Left: one being evicted or demoted (its batch's answer
+        decides: `not_found` forgets it), and one whose every pool is being dropped right now
+        (its segment's loss, in steps, takes it and keeps its links for its adoption from a disk
+        tier). True when it went."""
+        if self._unlisted is None or key not in self._unlisted:
+            return False
+        self._unlisted.discard(key)
+        if key not in self.core or self.core.is_evicting(key):
+            return False
+        held = self._held.get(key)
+        if held is not None and held[2] and all(p in self._dropping for p in held[2]):
+            return False
+        self._decisions.record(key, at_ms, "evicted", "not_listed")
+        self._forget(key)
+        return True
+
+    def _dead_segment_dropped(self, segment_id: str, incarnation: int, at_ms: int) -> bool:
+        """A segment the directory's segment listing, taken after its groups were listed, does
+        not have up (`incarnation`: the newest it lists, else the newest heard up here): its
+        arena and disk pools go as its `segment_down` would take them (`_segment_down`), once
+        they hold no bytes here any more (the group listing moved or forgot what they held);
+        not one heard up since the adoption began (`_up_while_adopting`: the listing is older),
+        nor one whose incarnation heard up is newer than the one listed, nor one being dropped
+        already. A pool still holding bytes (groups events named since the adoption began) is
+        left to the segment's own `segment_down`. True when its pools went."""
+        pools = (segment_id, ssd_pool(segment_id))
+        if (
+            (self._up_while_adopting is not None and segment_id in self._up_while_adopting)
+            or incarnation < self._up_incarnation.get(segment_id, 0)
+            or any(p in self._dropping for p in pools)
+            or any(self.core.used_bytes(p) or self.core.evicting_bytes(p) for p in pools)
+        ):
+            return False
+        down = m.SegmentDown(segment_id=segment_id, incarnation=incarnation, reason="not_listed")
+        for _ in self._segment_down(down, at_ms):  # (empty pools: no step to yield)
+            pass
+        return True
 
     def _forget(self, gid: bytes) -> None:
         if self._gone_while_adopting is not None:

@@ -25,11 +25,16 @@ event loop):
   re-reads the capacities of the segments up.
 - **adopter**: once the follower has replayed the stream at start, and whenever the stream
   has lost events this policy never applied (aged out, purged, recreated: `check_stream` at
-  (re)subscribe, a gap in the sequences while subscribed), once the follower has applied what
-  the stream held then, every published group not tracked is adopted from the directory's
-  listing (`adopt_listed`: ranked as last used before the policy started, no parent), so a
-  cluster older than the stream's retention is still evicted. Only publications are
-  recovered: the lost events' hits and recency are gone.
+  (re)subscribe, a gap in the sequences while subscribed; a directory shard's `shard_started`:
+  its previous core may have stopped with events unpublished, which left no gap), once the
+  follower has applied what the stream held then, every published group not tracked is
+  adopted from the directory's listing (`adopt_listed`: ranked as last used before the policy
+  started, no parent), so a cluster older than the stream's retention is still evicted; and
+  what it tracks is reconciled with that listing (a resync): a group listed on other pools
+  moves to them, one no page named (evicted, invalidated, lost in the gap) goes, and a
+  segment not up in the segment listing taken after it loses its pools once they are empty;
+  what an event applied since the adoption began says stands (`adopt_listed`). The lost
+  events' hits and recency are gone.
 - **ticker**: every `tick_ms`, the core's `Tick` (stepped through its `CoreDriver`,
   `kvfabric.runtime.core_driver`, on the wall clock, never backwards) returns victim batches
   (tails before heads), which the driver has performed in order (`_perform`); each
@@ -123,6 +128,7 @@ from kvfabric.eviction_policy.tiers import (
     DEMOTE_ON_DISK,
     DEMOTE_REQUEST_BYTES_MAX,
     DEMOTE_REQUEST_OBJECTS_MAX,
+    SSD_POOL_SUFFIX,
     DemoteOutcome,
     copy_outcome,
     demote_or_drop,
@@ -178,6 +184,7 @@ DEMOTE_PAUSE_MS: Final = 30_000  # a segment's demotion after a demote request g
 FOLLOW_RETRY_S_MAX: Final = 15.0  # the event follower's backoff, doubling from RETRY_S
 ADOPT_PAGE_GROUPS: Final = 1_000  # groups per `list_groups` page when adopting a listing
 ADOPT_PAGES_MAX: Final = 1_000_000  # pages per shard (each bounded by the directory's reply size)
+ADOPT_FORGET_STEP: Final = 1_000  # unlisted groups forgotten a turn of the loop (`_forget_unlisted`)
 ADOPT_RETRY_S: Final = 2.0  # a failed listing is tried again after this, doubling up to ...
 ADOPT_RETRY_MAX_S: Final = 120.0
 # Adoption waits for the follower to apply the stream (before the listing, and past it) as long
@@ -227,6 +234,8 @@ class EvictionShell(GroupRecords):
         self._events_fresh = True  # see `GroupRecords`: tests apply events as they come
         self._gone_while_adopting: set[bytes] | None = None  # see `GroupRecords`
         self._down_while_adopting: set[str] | None = None
+        self._unlisted: set[bytes] | None = None  # see `GroupRecords`
+        self._up_while_adopting: set[str] | None = None
         self._adopt_after_seq = 0  # the stream's end when events were found lost
         self._stream_bounds = StreamBounds()  # the events stream's creation time, as last seen
         # The stream lost events the policy never applied. Set from the start: once the stream
@@ -239,6 +248,9 @@ class EvictionShell(GroupRecords):
         self._past = asyncio.Event()
         self.groups_adopted = 0
         self.adoptions = 0
+        self.groups_relisted = 0  # tracked groups a listing moved to other pools (`_relisted`)
+        self.groups_unlisted = 0  # tracked groups no listing named: gone (`_unlisted_gone`)
+        self.segments_unlisted = 0  # segments not up in the listing: their pools gone
         self.demote = demote
         self.demote_min_hits = demote_min_hits
         self.demote_cut_for_room = demote_cut_for_room  # drop what the disk cannot take in time
@@ -440,6 +452,11 @@ class EvictionShell(GroupRecords):
             self._log.warning("event_undecodable", seq=seq, error=exc.message)
             self._applied(seq)
             return None
+        if isinstance(event, m.ShardStarted):
+            # A shard's new core: what the one before it left unpublished is gone with no gap in
+            # the sequences (and its rebuild told nothing of what it adopted): a loss, as above.
+            self._log.info("events_lost", shard_started=event.shard, epoch=event.epoch, seq=seq)
+            self._events_lost(seq)
         return event
 
     def _applied(self, seq: int) -> None:
@@ -502,34 +519,103 @@ class EvictionShell(GroupRecords):
         dropped as it began: its pools dropped already would hold it for good). An adopted
         group whose own `published` event the follower reaches afterwards is taken again from
         it (`GroupRecords._published`); once the follower has read past the stream's end as of
-        the listing, none can come. Returns the groups adopted (public for tests)."""
+        the listing, none can come.
+
+        A resync, not only an addition: what the lost events removed is removed too. A tracked
+        group a page names, and no event applied since the adoption began named, moves to the
+        pools listed (`_relisted`: a replica of a segment lost in the gap goes). Once every
+        shard is listed whole (no shard cut at `ADOPT_PAGES_MAX` pages), a group tracked as the
+        adoption began that no page named, nor any event applied since, is gone
+        (`_unlisted_gone`; one named by an event since is as the event says: the listing may
+        have been read before it); then the segment listing, taken after the groups', tells
+        which segments are not up: their pools go once they hold nothing
+        (`_dead_segment_dropped`). Returns the groups adopted (public for tests)."""
         router = self._dir()
         query = m.ListGroups(limit=ADOPT_PAGE_GROUPS, with_objects=True)
-        adopted = 0
+        adopted = relisted = 0
+        whole = True  # every shard listed to its last page
         # A segment still being dropped (`GroupRecords._segment_down`, in steps) is down too:
         # its pools already dropped would take a listed replica back, on a dead segment.
         self._gone_while_adopting = set()
         self._down_while_adopting = {p for p in self._dropping if not is_ssd_pool(p)}
+        self._up_while_adopting = set()
+        self._unlisted = set(self._group_ids)  # every group tracked now (the same key objects)
         try:
             for shard in range(await router.known_shards()):
+                last: m.GroupList | None = None
                 async for page in router.shard_pages(shard, query, self.request_timeout_s, ADOPT_PAGES_MAX):
+                    last = page
                     at = self._driver.now_ms()
                     for summary in page.groups:
                         event = published_of_summary(summary, without=self._down_while_adopting)
                         if event is None:
                             continue
                         key = group_key_of_id(self._group_id_of(event))
-                        if key in self.core or key in self._gone_while_adopting:
+                        if key in self._gone_while_adopting:
+                            continue
+                        if key in self.core:
+                            relisted += self._relisted(key, event, at)
                             continue
                         self._published(event, at, listed_ms=self._started_ms)
                         adopted += 1
+                whole = whole and (last is None or not last.next_after)
+            self.groups_adopted += adopted
+            self.groups_relisted += relisted
+            unlisted = await self._forget_unlisted() if whole else 0
+            down = await self._drop_unlisted_segments(router) if whole else 0
         finally:
             self._gone_while_adopting = self._down_while_adopting = None
-        self.groups_adopted += adopted
+            self._unlisted = self._up_while_adopting = None
         self.adoptions += 1
-        self._log.info("adopted", groups=adopted, tracked=len(self.core))
+        self._log.info(
+            "adopted",
+            groups=adopted,
+            relisted=relisted,
+            unlisted=unlisted,
+            segments_down=down,
+            whole=whole,
+            tracked=len(self.core),
+        )
         await self._forget_adopted()
         return adopted
+
+    async def _forget_unlisted(self) -> int:
+        """The groups no page of the whole listing named, nor any event since the adoption began
+        (`_unlisted`), forgotten `ADOPT_FORGET_STEP` at a time, the loop running between steps
+        (events applied meanwhile still take a group out of `_unlisted`). Returns how many."""
+        assert self._unlisted is not None
+        gone = 0
+        keys = list(self._unlisted)
+        for at in range(0, len(keys), ADOPT_FORGET_STEP):
+            now = self._driver.now_ms()
+            gone += sum(self._unlisted_gone(key, now) for key in keys[at : at + ADOPT_FORGET_STEP])
+            await asyncio.sleep(0)
+        self.groups_unlisted += gone
+        return gone
+
+    async def _drop_unlisted_segments(self, router: DirectoryRouter) -> int:
+        """The segments the directory's segment listing (taken now, after the groups') does not
+        have up, whose pools the policy still has: dropped if they hold nothing here
+        (`_dead_segment_dropped`). Returns how many. A segment listing that fails drops none
+        (logged): the groups are reconciled already, and such a pool holds no bytes, only its
+        capacity (the next adoption looks again); the groups' listing is not redone for it."""
+        try:
+            reply = await router.segments(self.request_timeout_s)
+        except KvfError as exc:
+            self._log.info("adoption_segments_failed", code=exc.code)
+            return 0
+        listed = {s.segment_id: s for s in reply.segments}
+        known = {p.removesuffix(SSD_POOL_SUFFIX) for p in (*self._capacity, *self._disk_pools)}
+        at = self._driver.now_ms()
+        dropped = 0
+        for segment_id in sorted(known):
+            info = listed.get(segment_id)
+            if info is not None and info.up:
+                continue
+            incarnation = info.incarnation if info is not None else self._up_incarnation.get(segment_id, 0)
+            dropped += self._dead_segment_dropped(segment_id, incarnation, at)
+        self.segments_unlisted += dropped
+        return dropped
 
     async def _forget_adopted(self) -> None:
         """Once the follower has applied the stream up to its end as of now, no `published` event
@@ -990,10 +1076,18 @@ class EvictionShell(GroupRecords):
                 self._demote_outcome(chain, outcomes[chain], handled, segment_id)
                 continue
             objects, nbytes = _arena_objects(segment_id, listing)
-            if not objects:  # its arena replicas there are gone already (an earlier demotion)
-                outcomes[chain] = "demoted"
-                self._moved(chain, segment_id, self._driver.now_ms())
-                self._demote_outcome(chain, "demoted", handled, segment_id)
+            if not objects:
+                # No arena replica there any more. On that segment's disk: an earlier demotion
+                # moved it (one whose answer never came). On no disk there: the replica simply
+                # went (drained, scrubbed, a cold extra, its segment lost) after it was chosen:
+                # not demoted (it was moved to the disk pool, bytes counted on a disk that never
+                # had them, and the directory's republish held back meanwhile set aside as older
+                # than the move). It stays, and that republish, held back or to come, applies.
+                outcome = "demoted" if _on_disk_there(segment_id, listing) else "not_found"
+                outcomes[chain] = outcome
+                if outcome == "demoted":
+                    self._moved(chain, segment_id, self._driver.now_ms())
+                self._demote_outcome(chain, outcome, handled, segment_id)
                 continue
             if not demote_request_fits(len(pending), objects_n, bytes_n, len(objects), nbytes):
                 if (sent or not judged) and self._out_of_room(room_until_ms, bytes_n, segment_id):
@@ -1411,6 +1505,9 @@ class EvictionShell(GroupRecords):
                 "admission_filters_published_total": self.admission_published,
                 "admission_filter_bytes": self.admission_filter_bytes,
                 "groups_adopted_total": self.groups_adopted,
+                "groups_relisted_total": self.groups_relisted,
+                "groups_unlisted_total": self.groups_unlisted,
+                "segments_unlisted_total": self.segments_unlisted,
                 "adoptions_total": self.adoptions,
                 "events_stale_total": self.events_stale,
             },
@@ -1441,6 +1538,15 @@ def _feature(value: object) -> str | int | float | bool:
 
 def _on_a_disk(obj: m.ObjectLocation) -> bool:
     return any(tier_of_slot(r.slot) == "ssd" for r in obj.replicas)
+
+
+def _on_disk_there(segment_id: str, listing: list[tuple[ObjectKey, m.ObjectLocation]]) -> bool:
+    """Does `segment_id`'s disk tier hold a replica of one of the group's objects?"""
+    return any(
+        r.segment_id == segment_id and tier_of_slot(r.slot) == "ssd"
+        for _, obj in listing
+        for r in obj.replicas
+    )
 
 
 def _disk_bytes_after_copy(segment_id: str, listing: list[tuple[ObjectKey, m.ObjectLocation]]) -> int:

@@ -37,7 +37,7 @@ __all__ = [
 
 SSD_POOL_SUFFIX: Final = "#ssd"  # never in a segment id (they are [A-Za-z0-9_-])
 Choice = Literal["demote", "drop"]
-DemoteOutcome = Literal["demoted", "copied", "no_capacity", "failed"]
+DemoteOutcome = Literal["demoted", "copied", "no_capacity", "failed", "not_found"]
 # The outcomes after which a group has a disk replica: its tails may follow it there.
 DEMOTE_ON_DISK: Final = frozenset({"demoted", "copied"})
 
@@ -123,13 +123,20 @@ def demote_request_fits(groups: int, objects: int, nbytes: int, more_objects: in
 
 def group_outcome(statuses: Collection[str]) -> DemoteOutcome:
     """A group's outcome from its objects' results (whatever else the request named): a full
-    disk first, then a failure, then a lease that kept the arena replicas; "demoted" when every
-    object was (or none was left to demote: an earlier demotion moved them)."""
+    disk first, then a failure, then a lease that kept the arena replicas; "not_found" when no
+    object was there to demote (the segment's `not_found`: the arena replica named was dropped
+    or rewritten since the policy looked; one an earlier demotion copied is answered
+    "demoted"): nothing moved, it was counted on the disk for nothing and the directory's
+    republish set aside (`GroupRecords._moved`); "demoted" when every object was, or some were
+    and the rest not found (those moved are on disk: the republish held back, showing the
+    move, then applies)."""
     if "no_capacity" in statuses:
         return "no_capacity"
     if "failed" in statuses:
         return "failed"
-    return "copied" if "copied" in statuses else "demoted"
+    if "copied" in statuses:
+        return "copied"
+    return "not_found" if statuses and all(s == "not_found" for s in statuses) else "demoted"
 
 
 def copy_outcome(statuses: Collection[str]) -> DemoteOutcome:

@@ -1,0 +1,225 @@
+"""The adoption after lost events is a resync, not only an addition: what the lost events
+removed (groups evicted, invalidated or lost with their segment; a dead segment's replicas and
+the segment itself) leaves the policy's accounting too, and nothing an event applied while the
+listing was read is undone by it (no NATS here).
+
+Before, the adoption only added groups: a group evicted or lost in the gap, a replica on a
+segment that died in it and that segment's pool stayed counted until an applied `segment_down`
+(phantom bytes: a pool fuller than it is, victims that are gone, evictions of live groups to
+free room on a dead segment)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Collection
+
+import pytest
+
+from kvfabric.core.eviction import EvictBatch
+from kvfabric.eviction_policy import shell as shell_module
+from kvfabric.eviction_policy.group_records import group_id_of
+from kvfabric.eviction_policy.shell import EvictionShell, now_ms
+from kvfabric.format.errors import Unavailable
+from kvfabric.format.ids import GroupKey
+from kvfabric.proto import directory as m
+from kvfabric.proto.segment import SSD_SLOT_BASE
+from tests.unit.eviction_policy.test_adoption import Listing, lru_shell, summary
+from tests.unit.eviction_policy.test_shell import NAMESPACE_A, A, chain, published
+
+
+def group_id(i: int) -> bytes:
+    return group_id_of(NAMESPACE_A, 0, chain(i))
+
+
+class Sharded(Listing):
+    """Shards of groups, each in pages of two (`next_after` set while more follow; at most
+    `pages_max` of them); `between(shard, page)` runs as each page is read, before the policy
+    gets it: events the follower applies while the listing is on its way. A shard in `failing`
+    does not answer."""
+
+    def __init__(
+        self,
+        by_shard: list[list[m.GroupSummary]],
+        *,
+        up: Collection[str] | None = None,
+        down: Collection[str] = (),
+        between: Callable[[int, int], None] | None = None,
+        failing: Collection[int] = (),
+    ) -> None:
+        super().__init__([g for groups in by_shard for g in groups], up, down)
+        self.by_shard = by_shard
+        self.between = between
+        self.failing = set(failing)
+        self.segment_listings = 0
+
+    async def known_shards(self) -> int:
+        return len(self.by_shard)
+
+    async def shard_pages(
+        self, shard: int, query: m.ListGroups, timeout_s: float, pages_max: int
+    ) -> AsyncIterator[m.GroupList]:
+        if shard in self.failing:
+            raise Unavailable("no leader for the shard")
+        groups = self.by_shard[shard]
+        pages = [groups[at : at + 2] for at in range(0, len(groups), 2)] or [[]]
+        for n, page in enumerate(pages[:pages_max]):
+            if self.between is not None:
+                self.between(shard, n)
+            more = GroupKey(b"next") if n + 1 < len(pages) else GroupKey(b"")
+            yield m.GroupList(epoch=1, groups=page, next_after=more)
+
+    async def segments(self, timeout_s: float) -> m.SegmentList:
+        self.segment_listings += 1
+        return await super().segments(timeout_s)
+
+
+def two_segments(sh: EvictionShell, t: int) -> None:
+    """s1 and s2 up; groups 1 (s2 only), 2 (s1 and s2), 3 and 4 (s1), 10 bytes a replica."""
+    sh._started_ms = t - 900
+    for segment in ("s1", "s2"):
+        sh.apply(m.SegmentUp(segment_id=segment, incarnation=1, capacity_bytes=1_000), t - 800)
+    sh.apply(published(1, s2=10), t - 800)
+    sh.apply(published(2, s1=10, s2=10), t - 800)
+    sh.apply(published(3, s1=10), t - 800)
+    sh.apply(published(4, s1=10), t - 800)
+
+
+def test_a_resync_forgets_the_groups_and_the_segment_the_lost_events_removed() -> None:
+    """The gap held s2's `segment_down`, group 1's invalidation (lost with s2), group 3's
+    eviction; the directory's sweep dropped group 2's s2 replica. The listing after the gap
+    names 2 (on s1) and 4 only, the segment listing has s2 down: 1 and 3 go, 2 is counted on
+    s1 only, and s2's pool is gone with its capacity."""
+    sh = lru_shell(demote=False)
+    core = sh.core
+    t = now_ms()
+    two_segments(sh, t)
+    assert core.used_bytes("s2") == 20 and len(core) == 4
+    listing = Sharded([[summary(2, ("s1", 2)), summary(4, ("s1", 4))]], up={"s1"}, down={"s2"})
+    sh._router = listing
+    assert asyncio.run(sh.adopt_listed()) == 0  # nothing new to adopt
+    assert A + chain(1) not in core and A + chain(3) not in core  # before: both still tracked
+    assert A + chain(1) not in sh._group_ids and A + chain(3) not in sh._held
+    assert sh._held[A + chain(2)][2] == {"s1": 10}
+    assert core.used_bytes("s2") == 0 and core.used_bytes("s1") == 20  # before: 20 phantom bytes on s2
+    assert core.tenant_bytes(A) == 20
+    assert "s2" not in sh._capacity and [p.segment_id for p in sh.status().pools] == ["s1"]
+    counters = sh.status().counters
+    assert counters["groups_unlisted_total"] == 2 and counters["groups_relisted_total"] == 1
+    assert counters["segments_unlisted_total"] == 1 and listing.segment_listings == 1
+    assert sh._unlisted is None and sh._up_while_adopting is None
+    decisions = sh.explain(group_id(1)).decisions
+    assert (decisions[-1].what, decisions[-1].reason) == ("evicted", "not_listed")
+    core.check_invariants()
+    sh._decisions.check_invariants()
+    # No victim is the phantom any more: a pressed s1 picks among what is there.
+    sh.apply(published(5, s1=600), t + 10_000)
+    (batch,) = core.tick(t + 10_001)
+    assert isinstance(batch, EvictBatch) and set(batch.victims) <= {A + chain(i) for i in (2, 4, 5)}
+
+
+def test_a_resync_keeps_what_the_events_applied_while_the_listing_was_read_say() -> None:
+    """Two shards. While shard 1's page is on its way (read by the directory, not yet by the
+    policy), the follower applies: segment s3 up, then s5 (empty); group 5 published on s3 (in
+    no page); group 4 published again onto s1 and s3 (the page shows s1 only); group 3 evicted
+    (the page still names it). Group 7 is a victim under way, in
+    no page. None of it is undone: 5 stays, 4 keeps s3, 3 is not taken back, 7 is left to its
+    batch's answer, and s3 and s5, heard up after the adoption began and not up in the segment
+    listing (older), keep their pools."""
+    sh = lru_shell(demote=False)
+    core = sh.core
+    t = now_ms()
+    two_segments(sh, t)
+    sh.apply(m.SegmentUp(segment_id="s4", incarnation=1, capacity_bytes=10), t - 800)
+    sh.apply(published(7, s4=10), t - 800)
+    (batch,) = core.tick(t - 700)  # s4 at 100 %: 7 is a victim
+    assert isinstance(batch, EvictBatch) and batch.victims == (A + chain(7),)
+
+    def between(shard: int, page: int) -> None:
+        if (shard, page) != (1, 0):
+            return
+        at = sh._driver.now_ms()
+        sh.apply(m.SegmentUp(segment_id="s3", incarnation=1, capacity_bytes=1_000), at)
+        sh.apply(m.SegmentUp(segment_id="s5", incarnation=1, capacity_bytes=1_000), at)  # empty yet
+        sh.apply(published(5, s3=10), at)
+        sh.apply(published(4, s1=10, s3=10), at)
+        sh.apply(m.GroupEvicted(group=chain(3), reason="policy", domain=A), at)
+
+    shards = [
+        [summary(1, ("s2", 1)), summary(2, ("s1", 2), ("s2", 2))],
+        [summary(3, ("s1", 3)), summary(4, ("s1", 4))],
+    ]
+    sh._router = Sharded(shards, up={"s1", "s2", "s4"}, between=between)
+    assert asyncio.run(sh.adopt_listed()) == 0
+    assert A + chain(5) in core and sh._held[A + chain(5)][2] == {"s3": 10}
+    assert sh._held[A + chain(4)][2] == {"s1": 10, "s3": 10}
+    assert A + chain(3) not in core
+    assert core.is_evicting(A + chain(7))
+    assert {A + chain(i) for i in (1, 2)} <= set(sh._group_ids)  # listed: kept as they are
+    assert core.used_bytes("s3") == 20 and sh._capacity["s3"] == 1_000 and sh._capacity["s5"] == 1_000
+    assert sh.status().counters["groups_unlisted_total"] == 0
+    core.check_invariants()
+
+
+def test_a_listing_cut_short_or_failing_removes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a whole listing says a group is gone: one shard cut at `ADOPT_PAGES_MAX` pages, or one
+    that does not answer (the adoption is retried), leaves every tracked group and pool."""
+    monkeypatch.setattr(shell_module, "ADOPT_PAGES_MAX", 1)
+    sh = lru_shell(demote=False)
+    core = sh.core
+    t = now_ms()
+    two_segments(sh, t)
+    cut = Sharded(
+        [[summary(4, ("s1", 4)), summary(8, ("s1", 8)), summary(9, ("s1", 9))]], up={"s1"}, down={"s2"}
+    )
+    sh._router = cut
+    assert asyncio.run(sh.adopt_listed()) == 1  # 8 from the first page; 9 never read
+    assert {A + chain(i) for i in (1, 2, 3, 4, 8)} == set(sh._group_ids)
+    assert core.used_bytes("s2") == 20 and "s2" in sh._capacity and cut.segment_listings == 0
+    monkeypatch.setattr(shell_module, "ADOPT_PAGES_MAX", 1_000)
+    failing = Sharded([[summary(4, ("s1", 4))], []], up={"s1"}, down={"s2"}, failing={1})
+    sh._router = failing
+    with pytest.raises(Unavailable):
+        asyncio.run(sh.adopt_listed())
+    assert {A + chain(i) for i in (1, 2, 3, 4, 8)} == set(sh._group_ids)
+    assert core.used_bytes("s2") == 20 and sh._unlisted is None
+    core.check_invariants()
+
+
+def test_a_dead_segment_still_holding_what_events_named_since_keeps_its_pool() -> None:
+    """An event applied while the listing was read (a lagging follower's) still names s2, which
+    the segment listing has down: its pool is left to s2's own `segment_down` (a pool dropped
+    under such a group would take its bytes out of step with the events still to come)."""
+    sh = lru_shell(demote=False)
+    core = sh.core
+    t = now_ms()
+    two_segments(sh, t)
+
+    def between(shard: int, page: int) -> None:
+        if page == 0:
+            sh.apply(published(6, s2=10), sh._driver.now_ms())
+
+    sh._router = Sharded(
+        [[summary(2, ("s1", 2)), summary(4, ("s1", 4))]], up={"s1"}, down={"s2"}, between=between
+    )
+    asyncio.run(sh.adopt_listed())
+    assert core.used_bytes("s2") == 10 and "s2" in sh._capacity and A + chain(6) in core
+    assert A + chain(1) not in core  # (the unlisted group on s2 went all the same)
+    sh.apply(m.SegmentDown(segment_id="s2", incarnation=1, reason="heartbeat_timeout"), t + 10_000)
+    assert core.used_bytes("s2") == 0 and "s2" not in sh._capacity
+    core.check_invariants()
+
+
+def test_a_resync_moves_a_group_whose_disk_copy_it_missed() -> None:
+    """The listing is the directory's word on a tracked group's pools: a demotion whose
+    republish was lost in the gap (the group on s1's disk now) is counted there."""
+    sh = lru_shell(demote=False)
+    t = now_ms()
+    sh._started_ms = t - 900
+    sh.apply(m.SegmentUp(segment_id="s1", incarnation=1, capacity_bytes=1_000), t - 800)
+    sh.apply(published(1, s1=10), t - 800)
+    sh._router = Sharded([[summary(1, ("s1", SSD_SLOT_BASE + 1))]], up={"s1"})
+    asyncio.run(sh.adopt_listed())
+    assert sh._held[A + chain(1)][2] == {"s1#ssd": 10}
+    assert sh.core.used_bytes("s1") == 0 and sh.core.used_bytes("s1#ssd") == 10
+    assert sh.explain(group_id(1)).decisions[-1].reason == "listed"
+    sh.core.check_invariants()
