@@ -294,8 +294,8 @@ async def lookup_prefix(
     for index, raw in enumerate(groups):
         try:
             shard = router.shard_of(raw)
-        except ValueError as exc:  # not a chunk group id: the caller's mistake
-            raise BadRequest(f"a lookup names chunk group ids: {exc}") from None
+        except BadRequest as exc:  # not a chunk group id: the caller's mistake
+            raise BadRequest(f"a lookup names chunk group ids: {exc.message}") from None
         positions.setdefault(shard, []).append(index)
     lookups = {
         shard: m.Lookup(
