@@ -45,6 +45,7 @@ from kvfabric.client.aio_lookups import RELEASE_GATHER_LEASES_MAX, RELEASE_GATHE
 from kvfabric.client.aio_saves import (
     SAVE_BUSY_ATTEMPTS_MAX,
     SAVE_DIRECTORY_CALLS_MAX,
+    SAVE_PHASES,
     SAVE_WRITE_STREAM_BYTES_TARGET,
     SaveMixin,
 )
@@ -237,8 +238,9 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
 
     async def close(self) -> None:
         """Let lookups in flight end, release every lease still held, wait for running saves
-        (their queued writes ended `closed` past `save_timeout_ms`, their commits or aborts
-        waited for), close connections. Each wait bounded."""
+        (their queued writes ended `closed` past `save_timeout_ms`, each save waited for up to
+        its phases' deadlines, `SAVE_PHASES` × `save_timeout_ms`), close connections. Each wait
+        bounded."""
         if self._closed:
             return
         self._closed = True
@@ -258,14 +260,17 @@ class AsyncKvClient(LookupMixin, LoadMixin, SaveMixin):
                 await asyncio.wait(list(self._giving_back), timeout=self.settings.lookup_timeout_ms / 1000)
             await self._saves_ended(self.settings.save_timeout_ms / 1000)
             if self._tasks:
-                # A save has three phases of `save_timeout_ms` each. One still running ends before
-                # NATS drains (review, stop 65: it was left running, its commit or abort failing
-                # on the drained connection, its placements reserved until the write TTL): its
-                # queued writes end `closed` at once, then its commit or abort goes, waited for one
-                # more `save_timeout_ms`. Never cancelled here: an async caller's save runs in the
-                # caller's own task.
+                # A save has `SAVE_PHASES` phases of `save_timeout_ms` each. One still running ends
+                # before NATS drains (review, stop 65: it was left running, its commit or abort
+                # failing on the drained connection, its placements reserved until the write
+                # TTL): its queued writes end `closed` at once, and it is waited for until its
+                # phases' deadlines have passed. The wait was one more `save_timeout_ms`: a save
+                # whose begin was answered as the first wait ended still had its write phase
+                # (writes running are not cancelled) and its commit, up to 2 × `save_timeout_ms`,
+                # and NATS drained under its commit (2026-12-07). Never cancelled here: an async
+                # caller's save runs in the caller's own task.
                 self._save_executor.shutdown(wait=False, cancel_futures=True)
-                await self._saves_ended(self.settings.save_timeout_ms / 1000)
+                await self._saves_ended((SAVE_PHASES - 1) * self.settings.save_timeout_ms / 1000)
             if self._abandoned:  # each bounded by its deadline
                 await asyncio.wait(list(self._abandoned), timeout=self.settings.save_timeout_ms / 1000)
             if self.suspects is not None:

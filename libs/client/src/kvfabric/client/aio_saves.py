@@ -63,9 +63,15 @@ SAVE_BUSY_ATTEMPTS_MAX: Final = 8
 # segment process below the directory on this loaded 2-core VM (2026-12-02); larger objects keep
 # parallel streams.
 SAVE_WRITE_STREAM_BYTES_TARGET: Final = 2 << 20
+# A save's phases with a `save_timeout_ms` deadline each (put_begin, writes, put_commit/abort):
+# one started ends within this many `save_timeout_ms` (what `AsyncKvClient.close` waits for it).
+SAVE_PHASES: Final = 3
 # The cause of chunks skipped by the engine's save rate (`ClientSettings.save_bytes_per_s_max`).
 SAVE_RATE: Final = "save_rate"
 QUEUE_FULL: Final = "queue_full"  # `saves_queued_max` saves were in flight (or handed to the loop)
+# `save_inflight_bytes_max` would be passed: by the saves running, or the sources of those handed
+# to the loop (`KvClient.save_async`)
+SAVE_BYTES: Final = "bytes"
 
 log = logging.getLogger("kvfabric.client")
 
@@ -101,7 +107,7 @@ class SaveMixin(ClientBase):
         if self._saves_running >= self.settings.saves_queued_max:
             return QUEUE_FULL
         if self._save_bytes + size_bytes > self.settings.save_inflight_bytes_max:
-            return "bytes"
+            return SAVE_BYTES
         return None
 
     async def save(

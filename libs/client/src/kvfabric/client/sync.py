@@ -4,8 +4,11 @@
 is bounded: lookups by `lookup_timeout_ms`, loads by `load_timeout_ms` (plus a grace for the
 loop), so an engine thread never hangs on the cluster. `save_async` never blocks: it copies
 nothing and hands the save to the loop (the caller gives up its buffers), where it is admitted
-or dropped (its result says why); with `saves_queued_max` saves handed and not ended, it drops
-the save at once (`queue_full`). Around `close`, `lookup` and `load` end in a miss ("closed"),
+or dropped (its result says why). Its admission is taken first, in the caller's thread: with
+`saves_queued_max` saves handed and not ended, or their sources' bytes past
+`save_inflight_bytes_max` with this one, it drops the save at once (`queue_full`, `bytes`; one
+save alone is always handed), so a loop that lags never holds more (`handed_refusal`). Around
+`close`, `lookup` and `load` end in a miss ("closed"),
 never an exception in the engine's thread; a `lookup_async` or `save_async` future that `close`
 cancels reads cancelled (engines treat it as a miss / a dropped save).
 If the client cannot start, it runs *disabled*: every lookup is a miss (cause "closed"), every
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import ssl
 import threading
@@ -33,7 +37,7 @@ from typing import Any, Final, TypeVar
 import msgspec.structs
 
 from kvfabric.client.aio import AsyncKvClient, Destination, EngineSpec, Source
-from kvfabric.client.aio_saves import QUEUE_FULL
+from kvfabric.client.aio_saves import QUEUE_FULL, SAVE_BYTES, SAVE_PHASES
 from kvfabric.client.hits import Hit, LoadResult, SaveResult
 from kvfabric.client.metrics import ClientMetrics
 from kvfabric.client.save_memory import SaveMemory
@@ -43,9 +47,10 @@ from kvfabric.core.client_loads import DestId
 from kvfabric.dataplane.scatter import WriteGate
 from kvfabric.dataplane.tls import client_context
 from kvfabric.format.errors import BadRequest, Indeterminate, KvfError, Unauthorized, Unavailable
+from kvfabric.format.invariant import invariant
 from kvfabric.format.key import ChunkExtras, TokenIds
 
-__all__ = ["ClientStatus", "KvClient", "start_cause"]
+__all__ = ["ClientStatus", "KvClient", "handed_refusal", "start_cause"]
 
 log = logging.getLogger("kvfabric.client")
 
@@ -105,6 +110,35 @@ def start_cause(exc: BaseException) -> str:
     if isinstance(exc, OSError):  # the metrics port, say
         return CONFIG_ERROR
     return CLIENT_ERROR
+
+
+def handed_refusal(saves: int, nbytes: int, size_bytes: int, settings: ClientSettings) -> str | None:
+    """Why `save_async` drops a save of `size_bytes` source bytes in the caller's thread, with
+    `saves` saves of `nbytes` handed to the loop and not ended there, or None to hand it (pure).
+    The loop's own admission (`SaveMixin.save_admission`) bounds the saves *running*; this bounds
+    what a loop that lags (stalled, busy, saves slow) has queued and not started, each save
+    holding its sources: an engine thread calling on went on queueing them without bound.
+    Sources are counted whole (the loop's save rate may keep a prefix of them, but they stay
+    referenced until the save ends). One save alone is always handed: its bytes are the caller's
+    already, and the loop decides it as before (past the bytes bound unless the rate cuts it)."""
+    if saves >= settings.saves_queued_max:
+        return QUEUE_FULL
+    if saves and nbytes + size_bytes > settings.save_inflight_bytes_max:
+        return SAVE_BYTES
+    return None
+
+
+def _source_bytes(objects: Sequence[Sequence[Source]]) -> int:
+    """The bytes a save's sources hold (what handing it pins). A source that is no buffer counts
+    nothing here: the loop's save refuses it as before (the caller's error in its future)."""
+    total = 0
+    for row in objects:
+        for source in row:
+            try:
+                total += memoryview(source).nbytes
+            except TypeError:
+                continue
+    return total
 
 
 def _unusable_tls(settings: ClientSettings) -> str | None:
@@ -190,11 +224,14 @@ class KvClient:
         # save that passed the check while another thread closed raised RuntimeError (the loop
         # closed) or was queued on a stopped loop, its future never resolved (review, 2026-12-05).
         self._submit_lock = threading.Lock()
-        # Saves handed to the loop and not ended there (under `_submit_lock`): the loop admits at
-        # most `saves_queued_max` at once, but a stalled or busy loop admitted nothing while an
-        # engine went on handing it saves, each holding its sources (review, stop 68). At the
-        # bound a save is dropped in the engine's thread ("queue_full"), as the loop would.
+        # Saves handed to the loop and not ended there, and their sources' bytes (under
+        # `_submit_lock`; `handed_refusal`): the loop admits at most `saves_queued_max` at once,
+        # but a stalled or busy loop admitted nothing while an engine went on handing it saves,
+        # each holding its sources (review, stop 68: by count; the bytes, 2026-12-07). Taken in
+        # the engine's thread before the save is queued, given back once by `_save_ended` when
+        # the save's future ends there (result, error, or cancelled by `close`).
         self._saves_submitted = 0
+        self._bytes_submitted = 0
         self._failure_log_level = failure_log_level
         self._closing = False
         self._close_lock = threading.Lock()  # one `close` runs; another waits for it to end
@@ -421,16 +458,22 @@ class KvClient:
         rate_taken: bool = False,
     ) -> concurrent.futures.Future[SaveResult] | None:
         """Start a save and return at once (None when the client is off; a save over the
-        client's limits is dropped, on the loop or here: its result's causes say so).
+        client's limits is dropped, here or on the loop: its result's causes say so, and
+        `saves_dropped` counts it). Here, in the caller's thread and before anything is queued:
+        with `saves_queued_max` saves handed and not ended, or their sources' bytes with this
+        one's past `save_inflight_bytes_max`, the future is done at once (`queue_full`, `bytes`:
+        `handed_refusal`), and the caller has its buffers back on return.
         `rate_taken`: the caller took the save rate for these chunks (`take_save_rate`)."""
+        size = _source_bytes(objects)
         with self._submit_lock:
             if not self.enabled:
                 self.metrics.saves_dropped.labels(self.off_cause()).inc()
                 return None
-            if self._saves_submitted >= self.settings.saves_queued_max:
-                self.metrics.saves_dropped.labels(QUEUE_FULL).inc()
+            refused = handed_refusal(self._saves_submitted, self._bytes_submitted, size, self.settings)
+            if refused is not None:
+                self.metrics.saves_dropped.labels(refused).inc()
                 dropped: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
-                dropped.set_result(SaveResult(chunks_failed=len(objects), causes={QUEUE_FULL: len(objects)}))
+                dropped.set_result(SaveResult(chunks_failed=len(objects), causes={refused: len(objects)}))
                 return dropped
             saving = self._submit(
                 self.aio.save(
@@ -443,12 +486,23 @@ class KvClient:
                 )
             )
             self._saves_submitted += 1
-        saving.add_done_callback(self._save_ended)
+            self._bytes_submitted += size
+        # Run once where the save's future ends (here, at once, if it has ended already), and
+        # before the caller's future ends (`_ends_with`'s callback, added after it): a caller
+        # that starts its next save when one ends (a chained save) finds its room given back.
+        saving.add_done_callback(functools.partial(self._save_ended, size))
         return _ends_with(saving)
 
-    def _save_ended(self, _done: concurrent.futures.Future[SaveResult]) -> None:
+    def _save_ended(self, size: int, _done: concurrent.futures.Future[SaveResult]) -> None:
         with self._submit_lock:
             self._saves_submitted -= 1
+            self._bytes_submitted -= size
+            invariant(
+                self._saves_submitted >= 0 and self._bytes_submitted >= 0,
+                "a handed save given back twice",
+                saves=self._saves_submitted,
+                nbytes=self._bytes_submitted,
+            )
 
     def take_save_rate(self, chunk_sizes: Sequence[int]) -> int:
         """Take the engine's save rate (`ClientSettings.save_bytes_per_s_max`) for the leading
@@ -513,8 +567,11 @@ class KvClient:
             # Its own steps are bounded (leases given back, saves and their aborts waited for,
             # the NATS drain): what they may take in all. Past it the close goes on here without
             # raising into the engine's shutdown (it raised TimeoutError; review, 2026-12-05).
+            # Saves: `SAVE_PHASES` × `save_timeout_ms` (`AsyncKvClient.close`), then one more for
+            # the aborts of cancelled ones.
             s = self.settings
-            bound_s = 3 * s.save_timeout_ms / 1000 + 3 * s.lookup_timeout_ms / 1000 + _CLOSE_STEPS_S
+            saves_s = (SAVE_PHASES + 1) * s.save_timeout_ms / 1000
+            bound_s = saves_s + 3 * s.lookup_timeout_ms / 1000 + _CLOSE_STEPS_S
             self._call(self.aio.close(), bound_s)
         except concurrent.futures.TimeoutError:
             log.warning("kvfabric: the client's close overran %.0f s: closing what is left", bound_s)
