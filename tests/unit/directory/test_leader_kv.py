@@ -12,6 +12,7 @@ opened by kvfabric.directory.kv_buckets):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from types import SimpleNamespace
 from typing import Any
@@ -319,6 +320,59 @@ def test_the_loops_operations_end_with_it_under_the_services_stop() -> None:
     election, kv, running = asyncio.run(go())
     assert running == set() and not election._ops
     assert kv.cancels == 3
+
+
+class CreateAnsweredAtTheCancel(FakeLeaders):
+    """Shard 1's create waits, and when cancelled answers all the same (Python 3.11's
+    `asyncio.wait_for`, inside nats-py's request, returns a reply that came with the cancel)."""
+
+    def __init__(self) -> None:
+        super().__init__({0: [], 1: []})
+        self.started = asyncio.Event()
+
+    async def create(self, key: str, value: bytes) -> int:
+        if key != "shard-1":
+            return await super().create(key, value)
+        self.started.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(3600)
+        return 77
+
+
+def test_a_lease_won_as_the_loop_stops_starts_no_shard() -> None:
+    """An acquire answered while `run` ends (its cancel swallowed) must not start the shard: the
+    service took its list of start tasks already, so nothing would cancel or await that start
+    (review of the change). Its key is the core's, so `release_held` deletes it."""
+    config = LeadershipConfig(
+        shards=2,
+        lease_ttl_ms=1200,
+        renew_every_ms=200,
+        safety_margin_ms=200,
+        members_ttl_ms=1200,
+        renew_retry_ms=50,
+    )
+    started: list[int] = []
+
+    async def go() -> None:
+        kv = CreateAnsweredAtTheCancel()
+        election = ld.LeaderElection(FakeNc(kv), "a", config)  # type: ignore[arg-type]
+        election._leaders = kv  # type: ignore[assignment]
+        election._members = kv  # type: ignore[assignment]
+
+        async def on_start(shard: int, epoch: int) -> None:
+            started.append(shard)
+
+        async def on_stop(*args: Any) -> None:
+            return None
+
+        task = asyncio.create_task(election.run(on_start, on_stop))
+        await asyncio.wait_for(kv.started.wait(), 30)
+        await asyncio.sleep(0.05)  # shard 0's start (before the stop) is not the point
+        started.clear()
+        await cancel_and_wait([task], 30.0)
+
+    asyncio.run(go())
+    assert started == []
 
 
 def test_a_bucket_recreated_after_a_kept_write_error_comes_back_above_its_floor(

@@ -252,11 +252,15 @@ class LeaderElection:
                     "leadership_lost", shard=effect.shard, epoch=effect.epoch, reason=effect.reason
                 )
                 await on_stop(effect.shard, effect.epoch, effect.reason)
+            elif self._stopping:
+                # `run` ended: a key a KV operation would release lapses, or `release_held`
+                # reads it; a lease won now (an acquire answered with its cancel: Python 3.11's
+                # `wait_for`) starts no shard, whose start task the service would never await
+                # (review of the change): the core holds it, so `release_held` deletes it.
+                continue
             elif isinstance(effect, StartLeading):
                 self._log.info("leadership_won", shard=effect.shard, epoch=effect.epoch)
                 await on_start(effect.shard, effect.epoch)
-            elif self._stopping:  # `run` ended: a key this would release lapses, or `release_held` reads it
-                continue
             else:  # a KV operation: a task of its own, its answer fed to the core when it comes
                 task = asyncio.create_task(self._operate(effect, on_start, on_stop))
                 self._ops.add(task)
