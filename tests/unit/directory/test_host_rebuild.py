@@ -36,6 +36,7 @@ class FakeShell:
         )
         self.events_published = 0
         self.events_dropped = 0
+        self.events_stream = None  # a folded shell's stream is kept (`ShardHost.retired`)
         self.may_act: Callable[[], bool] = lambda: True
 
     def hold_orphans(self) -> int:

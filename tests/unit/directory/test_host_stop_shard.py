@@ -23,6 +23,7 @@ class FakeShell:
         self.core = SimpleNamespace(epoch=7, counters={}, quotas=SimpleNamespace(stats=OrderedDict()))
         self.events_published = 0
         self.events_dropped = 0
+        self.events_stream = None  # a folded shell's stream is kept (`ShardHost.retired`)
         self.may_act: Callable[[], bool] = lambda: True
         self.acting_while_draining: list[bool] = []
         self.stopped = False

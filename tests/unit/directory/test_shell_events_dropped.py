@@ -10,6 +10,7 @@ instance (no NATS here)."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -63,6 +64,10 @@ class EventsStream:
     def __init__(self, nc: Connection) -> None:
         self.nc = nc
         self.stuck: set[object] = set()
+        # its counters (the collector reads the stream of every shell, folded ones too)
+        self.failures: Counter[str] = Counter()
+        self.recreated = 0
+        self.repairs_failed = 0
 
     async def ensure(self) -> None:
         return None
@@ -202,3 +207,24 @@ def test_a_request_refused_while_waiting_for_room_counts_its_event_dropped() -> 
     shell = asyncio.run(main())
     assert shell.events_dropped == 3  # the marker in flight, the one queued, the one refused
     assert shell.events_published == 0 and stream.messages == []
+
+
+def test_the_events_after_a_refused_one_in_its_effects_count_dropped_too() -> None:
+    """`perform` ends at the first event refused (`WrongShard`): the events after it in the same
+    effects list are not queued either, and count (review of the change: they went uncounted)."""
+    stream = Stream()
+    nc = Connection(stream)
+    nc.up = False  # nothing leaves the outbox
+
+    async def main() -> DirectoryShell:
+        shell = shell_of(1, cast(Any, nc), outbox_max=1)
+        await shell.start(cast(Any, nc))  # its marker: taken by the publisher, in flight
+        await shell.perform([published()])  # fills the outbox
+        waiting = asyncio.create_task(shell.perform([published(), published(), published()]))
+        await asyncio.sleep(0.05)
+        await shell.stop(1.0)
+        await asyncio.gather(waiting, return_exceptions=True)
+        return shell
+
+    shell = asyncio.run(main())
+    assert shell.events_dropped == 5  # the marker, the one queued, the three of the refused request

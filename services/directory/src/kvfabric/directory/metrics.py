@@ -2,7 +2,8 @@
 time): gauges summed over the shards this instance leads (the epoch per shard); counters over
 those, the shells still draining after a handover, and every shell retired before
 (`kvfabric.directory.retired`: a shard handed over or rebuilt took its totals out of the sum,
-and Prometheus read a counter reset; review, stop 71)."""
+and Prometheus read a counter reset; review, stop 71); the events stream's counters over every
+stream those shells used, each once, so they stay while the instance leads no shard."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class DirectoryCollector(Collector):
             "handover's drain ended); the shard's next core's shard_started event tells followers.",
             value=retired.events_dropped + sum(shell.events_dropped for shell in counted),
         )
-        yield from self._events_stream([shell for _, shell in shells])
+        yield from self._events_stream(counted, retired)
         if self.leadership is not None:
             leadership = CounterMetricFamily(
                 "kvfabric_directory_leadership_events",
@@ -124,37 +125,41 @@ class DirectoryCollector(Collector):
         yield from self._fair()
 
     def _events_stream(
-        self, shells: list[DirectoryShell]
+        self, counted: list[DirectoryShell], retired: RetiredCounters
     ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """The events stream's health (`kvfabric.directory.events`): failed publish attempts by
-        reason, publishers stuck now, recreations of a stuck stream and repairs that failed."""
-        streams = list({id(s.events_stream): s.events_stream for s in shells if s.events_stream}.values())
+        reason, publishers stuck now, recreations of a stuck stream and repairs that failed. The
+        streams of the shells serving, draining and folded (`retired`), each once: the instance's
+        stream counts on while it leads no shard, and these counters never go down (a standby
+        exported 0 here, a counter reset)."""
+        streams = {id(s.events_stream): s.events_stream for s in counted if s.events_stream}
+        streams.update(retired.streams)
+        totals = retired.stream_counts.copy()
+        for stream in streams.values():
+            totals.add(stream)
         failures = CounterMetricFamily(
             "kvfabric_directory_events_publish_failures",
             "Failed attempts to append an event to the events stream, by reason.",
             labels=["reason"],
         )
-        by_reason: Counter[str] = Counter()
-        for stream in streams:
-            by_reason.update(dict(stream.failures))
         for reason in ("timeout", "no_responders", "unavailable", "api_error", "other"):
-            failures.add_metric([reason], by_reason[reason])
+            failures.add_metric([reason], totals.failures[reason])
         yield failures
         yield GaugeMetricFamily(
             "kvfabric_directory_events_publish_stuck",
             "Shards whose next event failed KVF_DIRECTORY_EVENTS_STUCK_AFTER_FAILURES times in a row "
             "(alert when above 0 for a minute: docs/chaos.md, runbook).",
-            value=sum(len(stream.stuck) for stream in streams),
+            value=sum(len(stream.stuck) for stream in streams.values()),
         )
         yield CounterMetricFamily(
             "kvfabric_directory_events_stream_recreated",
             "Events stream added again by this instance (stuck on a store write error, or missing).",
-            value=sum(stream.recreated for stream in streams),
+            value=totals.recreated,
         )
         yield CounterMetricFamily(
             "kvfabric_directory_events_stream_repairs_failed",
             "Repairs of a stuck events stream whose delete or add failed.",
-            value=sum(stream.repairs_failed for stream in streams),
+            value=totals.repairs_failed,
         )
 
     def _fair(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:

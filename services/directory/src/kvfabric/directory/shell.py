@@ -465,10 +465,16 @@ class DirectoryShell:
     # ---- effects -----------------------------------------------------------------------------
 
     async def perform(self, effects: list[Effect]) -> None:
-        for effect in effects:
+        for at, effect in enumerate(effects):
             if isinstance(effect, EmitEvent):
                 subject = event_subject(Service.DIRECTORY, effect.kind)
-                await self._queue_event((subject, msgspec.msgpack.encode(effect.event)))
+                try:
+                    await self._queue_event((subject, msgspec.msgpack.encode(effect.event)))
+                except BaseException:
+                    # this one is counted (`_queue_event`); the events after it in the list are
+                    # not queued either (review of the change: they went uncounted)
+                    self._events_not_queued += sum(isinstance(e, EmitEvent) for e in effects[at + 1 :])
+                    raise
             elif isinstance(effect, FreeSlots):
                 if len(self._frees) >= FREES_INFLIGHT_MAX:
                     self.frees_skipped_busy += 1  # the core retries it on a later tick
