@@ -17,6 +17,7 @@ from kvfabric.core.disk_slots import DiskSlotTable
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import NoCapacity, Unavailable
 from kvfabric.proto.segment import SSD_SLOT_BASE
+from kvfabric.segment_storage import ssd
 from kvfabric.segment_storage.ssd import SsdIo, SsdTier
 
 SEGMENT = "freeseg"
@@ -130,10 +131,12 @@ def test_a_free_not_acknowledged_is_what_a_restart_before_the_retry_recovers(tmp
         tier.close()
 
 
-def test_a_free_whose_sync_failed_is_never_acknowledged(tmp_path: Path) -> None:
-    """A failed `fdatasync` fails the tier for writes until restart (docs/ssd-tier.md, "Bad disk"):
-    its free records may have been dropped with the dirty pages, so no free after it is
-    acknowledged in this incarnation, asked again or not, and their slots stay held."""
+def test_after_a_failed_sync_frees_are_acknowledged_as_a_crash_would_leave_them(tmp_path: Path) -> None:
+    """A failed `fdatasync` fails the tier for writes until restart (docs/segment.md, "Disk
+    tier"): no free record can be made durable after it. Held unanswered, each group with a
+    disk replica here stayed `evicting` at the directory for good (its keys refused, its bytes
+    counted; review of the change), so they are acknowledged, counted, as a crash would leave
+    them (the restart reports what its recovery brings back). Their slots stay held here."""
     io = FlakyIo()
     sync = FlakySync()
     tier = open_tier(tmp_path, io, slots_max=4, sync=sync)
@@ -141,15 +144,39 @@ def test_a_free_whose_sync_failed_is_never_acknowledged(tmp_path: Path) -> None:
         first = store(tier, os.urandom(5000), b"first")
         second = store(tier, os.urandom(5000), b"second")
         sync.fail = True
-        assert tier.free_many([first]) == []
+        assert tier.free_many([first]) == [first]
         sync.fail = False  # a later sync that "works" proves nothing
-        assert tier.free_many([first]) == []
-        assert tier.free_many([second]) == []
+        assert tier.free_many([second]) == [second]
         assert tier.retry_unlinks() == 0  # nothing written after a failed sync counts
-        assert tier.free_many([first, second]) == []
         assert tier.stats()["failed"] == 1 and tier.stats()["used_bytes"] == 2 * 8192
+        assert tier.counters["frees_acknowledged_undurable_total"] == 2
         with pytest.raises(Unavailable):
             store(tier, b"x" * 100, b"third")
+    finally:
+        io.close()
+        tier.close()
+
+
+def test_free_records_that_keep_failing_are_acknowledged_after_the_bound(tmp_path: Path) -> None:
+    """Record writes that fail again at every retry (a bad index sector) held the frees
+    unanswered for good; from `UNLINK_FAILURES_MAX` failures in a row they are acknowledged,
+    and a record write that lands again restores the rule."""
+    io = FlakyIo()
+    tier = open_tier(tmp_path, io, slots_max=4)
+    try:
+        a = store(tier, os.urandom(5000), b"a")
+        b = store(tier, os.urandom(5000), b"b")
+        io.fail_records = ssd.UNLINK_FAILURES_MAX
+        assert tier.free_many([a]) == []
+        for _ in range(ssd.UNLINK_FAILURES_MAX - 2):
+            assert tier.retry_unlinks() == 1
+            assert tier.free_many([a]) == []
+        assert tier.retry_unlinks() == 1  # the bound's failure
+        assert tier.free_many([a]) == [a]
+        assert tier.counters["frees_acknowledged_undurable_total"] == 1
+        assert tier.retry_unlinks() == 1  # lands now
+        assert tier.free_many([a, b]) == [a, b]  # durable, both
+        assert tier.counters["frees_acknowledged_undurable_total"] == 1
     finally:
         io.close()
         tier.close()

@@ -136,13 +136,13 @@ def test_buffers_come_back_after_corrupt_reads_errors_and_busy(
     bad = tier.read(*placed[1], len(data[1]))
     assert bad.status == "corrupt" and bad.view is None and pool.lent() == 0
 
-    def fail(*_: object) -> None:
+    def fail(*_: object, **__: object) -> None:
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(io, "pread", fail)
     assert tier.read(*placed[2], len(data[2])).status == "corrupt" and pool.lent() == 0
 
-    def busy(*_: object) -> None:
+    def busy(*_: object, **__: object) -> None:
         raise Busy("queue full")
 
     monkeypatch.setattr(io, "pread", busy)
@@ -150,7 +150,7 @@ def test_buffers_come_back_after_corrupt_reads_errors_and_busy(
         tier.read(*placed[3], len(data[3]))
     assert pool.lent() == 0
 
-    def interrupted(*_: object) -> None:
+    def interrupted(*_: object, **__: object) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(io, "pread", interrupted)

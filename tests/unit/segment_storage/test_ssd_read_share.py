@@ -15,7 +15,14 @@ from kvfabric.core.disk_records import BLOCK_BYTES
 from kvfabric.core.quotas import DOMAIN_DIGEST
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import Busy
-from kvfabric.segment_storage.ssd import READ_TENANT_SHARE_DIVISOR, SsdIo, SsdRead, SsdTier
+from kvfabric.segment_storage.ssd import (
+    IO_TENANT_SHARE_DIVISOR,
+    READ_TENANT_SHARE_DIVISOR,
+    SsdIo,
+    SsdRead,
+    SsdStream,
+    SsdTier,
+)
 
 from .test_ssd_backend import SEGMENT
 
@@ -105,5 +112,53 @@ def test_a_tenants_first_read_keeps_to_its_share_unless_nothing_is_in_flight(tmp
         for one in held:
             one.release()
         assert tier.read_bytes_in_flight == 0 and tier._read_bytes_by_tenant == {}
+        tier.close()
+        io.close()
+
+
+def test_a_tenant_leaves_a_quarter_of_the_io_queues_pieces_to_the_others(tmp_path: Path) -> None:
+    """The byte share did not bound pieces: one tenant's GETs of many small disk objects (one
+    piece each, far below its bytes) filled every slot of the I/O queue, and every other tenant's
+    disk reads were `busy` meanwhile. Its pieces now stop at three quarters of the queue (busy,
+    counted), and another tenant still reads."""
+    queue_max = 2 * IO_TENANT_SHARE_DIVISOR  # 8 pieces; a tenant's most: 6
+    io = SsdIo(1, queue_max, BLOCK_BYTES)
+    tier = SsdTier(tmp_path / "ssd", SEGMENT, 1 << 24, 64, direct=False, io=io, read_bytes_max=1 << 24)
+    held: list[SsdRead | SsdStream] = []
+    try:
+        stored = {}
+        for tenant, n in ((b"alice", 2), (b"bob", 8)):
+            for i in range(n):
+                data = os.urandom(BLOCK_BYTES)  # one piece
+                stored[tenant, i] = (*tier.write(memoryview(data), key_of(tenant, i), checksum(data)), data)
+
+        def start(tenant: bytes, i: int) -> SsdStream:
+            # streamed, its one piece left for the sender to read: in the queue until released
+            slot, generation, data = stored[tenant, i]
+            got = tier.read_stream(slot, generation, len(data))
+            assert isinstance(got, SsdStream)
+            return got
+
+        most = queue_max - queue_max // IO_TENANT_SHARE_DIVISOR
+        held += [start(b"bob", i) for i in range(most)]
+        assert io.pieces_in_flight == most and tier.read_bytes_in_flight == most * BLOCK_BYTES
+        with pytest.raises(Busy, match="share"):
+            start(b"bob", most)  # the queue has room, his bytes too: his share of pieces not
+        slot, generation, data = stored[b"bob", most]
+        with pytest.raises(Busy, match="share"):
+            tier.read(slot, generation, len(data))  # a whole read too
+        assert io.busy_tenant_total == 2 and tier.all_counters()["ssd_io_busy_tenant_total"] == 2
+        assert io.busy_total == 0
+        held.append(start(b"alice", 0))  # the quarter left is the others'
+        slot, generation, data = stored[b"alice", 1]
+        alone = tier.read(slot, generation, len(data))
+        assert alone.status == "ok" and alone.view is not None and bytes(alone.view) == data
+        held.append(alone)
+        held.pop(0).release()
+        held.append(start(b"bob", most))  # bob again, once one of his pieces left the queue
+    finally:
+        for one in held:
+            one.release()
+        assert io.pieces_in_flight == 0 and io._pieces_by_owner == {}
         tier.close()
         io.close()

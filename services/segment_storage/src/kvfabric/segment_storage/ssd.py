@@ -16,8 +16,11 @@ Write protocol (`write`), each step in order, each sync a real `fdatasync` of th
 them, then `unlinked` each: only then may the extent and slot be reused, and only then is the free
 acknowledged (returned to the directory, which stops asking). One whose record's write or sync
 failed is not: its slot stays held, `retry_unlinks` writes the record again, and the directory's
-next free of it is acknowledged once that landed (never after a failed sync: below) — until
-then a restart recovers the object from its commit record. A crash between any two
+next free of it is acknowledged once that landed — until then a restart recovers the object from
+its commit record. Once no record can be made durable (a sync failed, or `UNLINK_FAILURES_MAX`
+record writes in a row did), frees are acknowledged as they come (counted
+`frees_acknowledged_undurable_total`): held, each group with a disk replica here stayed
+`evicting` at the directory for good; a restart then recovers them as after a crash. A crash between any two
 steps leaves an index from which `recover` returns exactly the objects whose bytes and commit
 record were complete (tests/unit/segment_storage/test_ssd_crash.py tears and drops writes at
 every step; tests/unit/core/test_disk_slots_machine.py checks the protocol against a model).
@@ -44,13 +47,14 @@ the disk), given back when the write returns.
 
 Bounds: the I/O engine runs at most `io_threads` pieces at once and holds at most
 `io_queue_max` pieces queued or running; a request that would exceed it is `Busy` at once (one
-request always may when none is in flight: an object of more pieces). Reads
-hold at most `read_bytes_max` bytes of buffers; past it, `Busy`. A device that never answers an
-I/O holds the thread that issued it (a syscall cannot be cancelled); the bounds then turn the
-rest away. A failed `fdatasync` (the kernel may have dropped the dirty pages) stops the tier
-for writes until restart (`Unavailable`, reason `ssd_failed`): what it committed before stays
-readable, and no free that needed a record after it is acknowledged (the record cannot be
-made durable; the restarted segment reports what it recovered, and the directory adopts or
+request always may when none is in flight: an object of more pieces), and one tenant's reads
+hold at most three quarters of those pieces (`IO_TENANT_SHARE_DIVISOR`). Reads hold at most
+`read_bytes_max` bytes of buffers, one tenant's three quarters of them; past it, `Busy`. A device
+that never answers an I/O holds the thread that issued it (a syscall cannot be cancelled); the
+bounds then turn the rest away. A failed `fdatasync` (the kernel may have dropped the dirty
+pages) stops the tier for writes until restart (`Unavailable`, reason `ssd_failed`): what it
+committed before stays readable, and frees are acknowledged though their records cannot be made durable (the
+restarted segment reports what it recovered, as after a crash, and the directory adopts or
 frees it).
 
 Modules: this one holds the tier (file, index, write/free/read protocol); the buffers and their pool
@@ -113,10 +117,17 @@ from kvfabric.format.errors import (
 )
 from kvfabric.proto.segment import SSD_SLOT_BASE
 from kvfabric.segment_storage.ssd_buffers import ReadBufferPool, aligned_buffer, prefaulted_buffer
-from kvfabric.segment_storage.ssd_io import STREAM_HEAD_DIVISOR_DEFAULT, GroupSync, SsdIo, stream_head_bytes
+from kvfabric.segment_storage.ssd_io import (
+    IO_TENANT_SHARE_DIVISOR,
+    STREAM_HEAD_DIVISOR_DEFAULT,
+    GroupSync,
+    SsdIo,
+    stream_head_bytes,
+)
 from kvfabric.segment_storage.ssd_reads import ReadStatus, SsdRead, SsdStream
 
 __all__ = [
+    "IO_TENANT_SHARE_DIVISOR",
     "READ_TENANT_SHARE_DIVISOR",
     "SSD_FILE_MODE",
     "GroupSync",
@@ -141,6 +152,9 @@ WRITE_BOUNCE_BYTES_MAX: Final = 64 << 20
 # One tenant's disk reads in flight leave this share of `read_bytes_max` to the others (by the
 # key's share domain; one read of a tenant holding none always may, within the whole budget).
 READ_TENANT_SHARE_DIVISOR: Final = 4
+# Free-record writes failed this many times in a row (`retry_unlinks` tries once a second): the
+# directory's frees are acknowledged from then on, not durable (`free_many`)
+UNLINK_FAILURES_MAX: Final = 30
 _SEGMENTS_OWN: Final = b"\x00segment"  # the tenant the segment's own reads are counted for
 
 
@@ -189,6 +203,7 @@ class SsdTier:
         self.read_bytes_in_flight = 0
         self._read_bytes_by_tenant: dict[bytes, int] = {}  # of `read_bytes_in_flight`, per key's tenant
         self.unlinks_pending = False  # a free record's write failed: `retry_unlinks` has work
+        self._unlink_failures = 0  # free-record writes (or their sync) failed in a row
         # op -> (count per bucket of IO_SECONDS_BUCKETS + one for +Inf, sum of seconds)
         self._latency: dict[str, tuple[list[int], list[float]]] = {
             op: ([0] * (len(IO_SECONDS_BUCKETS) + 1), [0.0]) for op in ("write", "read")
@@ -618,7 +633,23 @@ class SsdTier:
         if records:
             self._unlink(records)
         with self.lock:
+            if self._frees_undurable():
+                # No free record can be made durable any more (a sync failed: nothing written
+                # after it counts; or record writes keep failing): held unanswered, every group
+                # with a disk replica here stayed `evicting` at the directory for good (its keys
+                # refused, its bytes counted to its tenant; review of the change). Acknowledged
+                # as a crash would leave them: the restart's recovery reports what came back,
+                # and the directory adopts or frees it.
+                undurable = [(s, g) for s, g in slots if not self.table.free_durable(self.local(s), g)]
+                if undurable:
+                    self._count("frees_acknowledged_undurable_total", len(undurable))
+                return list(slots)
             return [(s, g) for s, g in slots if self.table.free_durable(self.local(s), g)]
+
+    def _frees_undurable(self) -> bool:
+        """Whether free records can no longer be made durable in this process: a sync failed, or
+        `UNLINK_FAILURES_MAX` writes of them in a row did."""
+        return self._sync.failed is not None or self._unlink_failures >= UNLINK_FAILURES_MAX
 
     def _unlink(self, records: list[Record]) -> None:
         """Write and sync free records, then let the table reuse their extents. On an I/O error
@@ -633,8 +664,10 @@ class SsdTier:
                 self._count("unlinks_failed_total")
                 self.table.unlink_failed(records)
                 self.unlinks_pending = True
+                self._unlink_failures += 1
             return
         with self.lock:
+            self._unlink_failures = 0
             for record in records:
                 self.table.unlinked(record.slot, record.generation)
 
@@ -738,7 +771,12 @@ class SsdTier:
             with memoryview(buf) as whole:
                 piece = whole[:extent]
                 try:
-                    self.io.pread(self.data_fd, piece, self.geometry.data_offset + grant.offset)
+                    self.io.pread(
+                        self.data_fd,
+                        piece,
+                        self.geometry.data_offset + grant.offset,
+                        owner=tenant if own_share else None,  # its pieces' share too (`SsdIo`)
+                    )
                     ok = checksum(piece[:size]) == grant.checksum
                 finally:
                     piece.release()
@@ -809,6 +847,7 @@ class SsdTier:
                     chunk,
                     inline_first=inline_first,
                     head_bytes=stream_head_bytes(extent, chunk, self.stream_head_divisor) if split else 0,
+                    owner=tenant,  # its pieces' share of the I/O queue (`SsdIo`)
                 )
         except BaseException as exc:
             with self.lock:
@@ -855,6 +894,7 @@ class SsdTier:
             out = {f"ssd_{k}": v for k, v in self.table.counters.items()}
             out.update({f"ssd_{k}": v for k, v in self.counters.items()})
         out["ssd_io_busy_total"] = self.io.busy_total
+        out["ssd_io_busy_tenant_total"] = self.io.busy_tenant_total
         out["ssd_syncs_total"] = self._sync.syncs_total
         out["ssd_sync_us_total"] = int(self._sync.sync_seconds_total * 1e6)
         return out

@@ -16,6 +16,7 @@ from kvfabric.format.errors import Busy, Unavailable
 from kvfabric.format.invariant import invariant
 
 __all__ = [
+    "IO_TENANT_SHARE_DIVISOR",
     "STREAM_HEAD_DIVISOR_DEFAULT",
     "STREAM_PIECE_MIN_BYTES",
     "GroupSync",
@@ -32,6 +33,11 @@ STREAM_PIECE_MIN_BYTES: Final = 64 << 10
 # then the rest; 1 (off): read whole. Off by default: on the shared 2-vCPU VM a head gained nothing
 # at 1 MiB and lost at 256 KiB (docs/ssd-tier.md "Figures", 2026-12-02 11:25).
 STREAM_HEAD_DIVISOR_DEFAULT: Final = 1
+# One tenant's pieces queued or running leave this share of `queue_max` to the others (the pieces
+# of reads made for a tenant: `SsdTier.read`, `read_stream`), as its read bytes leave a share of
+# `read_bytes_max` (`READ_TENANT_SHARE_DIVISOR`); the segment's own I/O (writes, `verify`) is no
+# tenant's.
+IO_TENANT_SHARE_DIVISOR: Final = 4
 
 
 def stream_head_bytes(extent: int, chunk_bytes: int, divisor: int) -> int:
@@ -48,8 +54,13 @@ class SsdIo:
     of `threads` (0: every piece on the calling thread), at most `queue_max` pieces queued or
     running in all; a call that would exceed it is `Busy` before it starts, unless nothing is in
     flight (one call always may, as one disk read always may: an object of more than `queue_max`
-    pieces is otherwise never written). A call returns when all its pieces are done (its buffer
-    is free again), and raises the first `OSError`."""
+    pieces is otherwise never written). A call made for a tenant (`owner`: its share domain) is
+    also `Busy` (counted: `busy_tenant_total`) when that tenant's pieces would go past three
+    quarters of `queue_max` while anything is in flight (`IO_TENANT_SHARE_DIVISOR`): the byte share
+    of reads (`SsdTier.read_bytes_max`) did not bound pieces, and one tenant's GETs of many small
+    disk objects (a piece each, far below its bytes) filled every slot, every other tenant's
+    disk reads `busy` meanwhile. A call returns when all its pieces are done (its buffer is free
+    again), and raises the first `OSError`."""
 
     def __init__(self, threads: int, queue_max: int, chunk_bytes: int) -> None:
         invariant(threads >= 0 and queue_max >= 1 and chunk_bytes >= BLOCK_BYTES, "bad I/O engine bounds")
@@ -64,10 +75,14 @@ class SsdIo:
         )
         self._lock = threading.Lock()
         self.pieces_in_flight = 0
+        # owner -> its pieces of `pieces_in_flight` (an entry only while it has some: bounded by
+        # the pieces in flight)
+        self._pieces_by_owner: dict[bytes, int] = {}
         self.busy_total = 0
+        self.busy_tenant_total = 0  # calls refused at their tenant's share (not in `busy_total`)
 
     def pwrite(self, fd: int, view: memoryview, offset: int) -> None:
-        self._run(fd, view, offset, write=True)
+        self._run(fd, view, offset, write=True, owner=None)
 
     def write_record(self, fd: int, view: memoryview, offset: int) -> None:
         """One index record (a sector), on the calling thread, outside the queue bound."""
@@ -76,26 +91,47 @@ class SsdIo:
     def _piece(self, fd: int, view: memoryview, offset: int, write: bool) -> None:
         _io_piece(fd, view, offset, write)
 
-    def pread(self, fd: int, view: memoryview, offset: int) -> None:
-        self._run(fd, view, offset, write=False)
+    def pread(self, fd: int, view: memoryview, offset: int, *, owner: bytes | None = None) -> None:
+        """Read all of `view`; `owner`: the tenant it is read for (its share, class docstring)."""
+        self._run(fd, view, offset, write=False, owner=owner)
 
-    def _admit(self, pieces: int) -> None:
+    def _admit(self, pieces: int, owner: bytes | None) -> None:
         """`pieces` more in flight, or `Busy` (counted) when that would go over `queue_max` and
         something is in flight already. One call always may: an object of more than `queue_max`
         pieces (up to 1 GiB, past `io_queue_max` x `chunk_bytes`, 256 MiB by default) was `Busy`
         every time, so its demotion was asked again forever and its arena bytes never reclaimed
-        (review, 2026-12-06). Bounded: it is one object, and while it runs every other call is `Busy`."""
+        (review, 2026-12-06). Bounded: it is one object, and while it runs every other call is `Busy`.
+        `owner`'s pieces are counted too, and kept to its share (class docstring): not a quarter
+        *at most* (with tenants off every read is one tenant's), and, as a read's bytes, a call
+        past the share may run when nothing at all is in flight."""
         with self._lock:
-            if self.pieces_in_flight and self.pieces_in_flight + pieces > self.queue_max:
+            in_flight = self.pieces_in_flight
+            if in_flight and in_flight + pieces > self.queue_max:
                 self.busy_total += 1
-                raise Busy(
-                    "disk tier I/O queue full", queue_max=self.queue_max, in_flight=self.pieces_in_flight
-                )
+                raise Busy("disk tier I/O queue full", queue_max=self.queue_max, in_flight=in_flight)
+            if owner is not None:
+                owner_in = self._pieces_by_owner.get(owner, 0)
+                most = self.queue_max - self.queue_max // IO_TENANT_SHARE_DIVISOR
+                if in_flight and owner_in + pieces > most:
+                    self.busy_tenant_total += 1
+                    raise Busy("a tenant's disk tier I/O pieces queued at its share", share_pieces=most)
+                self._pieces_by_owner[owner] = owner_in + pieces
             self.pieces_in_flight += pieces
 
-    def _run(self, fd: int, view: memoryview, offset: int, *, write: bool) -> None:
+    def _ended(self, pieces: int, owner: bytes | None) -> None:
+        """`pieces` of `owner`'s left the queue (call it with `_lock` held)."""
+        self.pieces_in_flight -= pieces
+        if owner is not None:
+            left = self._pieces_by_owner.get(owner, 0) - pieces
+            invariant(left >= 0, "a tenant's I/O pieces went below zero", left=left)
+            if left:
+                self._pieces_by_owner[owner] = left
+            else:
+                del self._pieces_by_owner[owner]  # (no entry per tenant ever seen)
+
+    def _run(self, fd: int, view: memoryview, offset: int, *, write: bool, owner: bytes | None) -> None:
         pieces = [(i, min(self.chunk_bytes, len(view) - i)) for i in range(0, len(view), self.chunk_bytes)]
-        self._admit(len(pieces))
+        self._admit(len(pieces), owner)
         try:
             if self._pool is None or len(pieces) == 1:
                 for start, length in pieces:
@@ -119,7 +155,7 @@ class SsdIo:
                 raise error
         finally:
             with self._lock:
-                self.pieces_in_flight -= len(pieces)
+                self._ended(len(pieces), owner)
 
     def submit_read(
         self,
@@ -130,6 +166,7 @@ class SsdIo:
         *,
         inline_first: bool = True,
         head_bytes: int = 0,
+        owner: bytes | None = None,
     ) -> list[tuple[int, int, ReadPiece]]:
         """Start reading all of `view` in pieces of `piece_bytes` (whole blocks): per piece (start,
         end, its `ReadPiece`), in order. Every piece but the first is queued on the threads at
@@ -140,9 +177,9 @@ class SsdIo:
         they are sent). `head_bytes` (with `inline_first`; `view` of at most `piece_bytes`): two
         pieces, the head and the rest, both the caller's own, read in order as it asks for them
         — it can send the head before it reads the rest, so the rest is read while the head is
-        taken off the socket. The same bounds as `pread` (`Busy` before anything starts); a piece
-        leaves the bound when it ends or is cancelled. Without threads every piece is read now,
-        on the calling thread."""
+        taken off the socket. The same bounds as `pread` (`Busy` before anything starts; `owner`'s
+        share too); a piece leaves the bound when it ends or is cancelled. Without threads every
+        piece is read now, on the calling thread."""
         invariant(piece_bytes >= BLOCK_BYTES and piece_bytes % BLOCK_BYTES == 0, "bad read piece size")
         lazy = inline_first and self._pool is not None
         head = head_bytes if lazy and 0 < head_bytes < len(view) else 0
@@ -151,11 +188,11 @@ class SsdIo:
             spans = [(0, head), (head, len(view))]
         else:
             spans = [(i, min(i + piece_bytes, len(view))) for i in range(0, len(view), piece_bytes)]
-        self._admit(len(spans))
+        self._admit(len(spans), owner)
 
         def done(_: object = None) -> None:
             with self._lock:
-                self.pieces_in_flight -= 1
+                self._ended(1, owner)
 
         out: list[tuple[int, int, ReadPiece]] = []
         if lazy:  # the first piece (with a head, both): read by its caller when it asks
