@@ -474,3 +474,83 @@ def test_renewals_and_releases_under_random_limits_keep_the_invariants() -> None
         keeper.check_invariants()
     assert keeper.counters["lease_renewals_total"] > 500
     assert keeper.counters["lease_release_failed_total"] > 10
+
+
+def test_a_lease_taken_while_its_renewal_is_in_flight_is_given_back_with_the_expiry_asked() -> None:
+    """Review of the change (stop 71): a lease whose renewal was sent and not yet answered was
+    given back with its old expiry. A renewal sent 0.5 s before it, granted to +30 s, and the
+    hint ending before the answer came: nothing was queued (the old expiry had passed), the
+    answer was dropped (the lease no longer tracked), and the lease stayed pinned ~30 s."""
+    keeper = keeper_with_one_lease(expires_ms=30_000)
+    (renewal,) = keeper.due(29_500, lambda named: 200_000)
+    assert keeper.sending(renewal, 29_500) == 30_000  # asked until 59 500
+    assert keeper.give_back(NAMED, 30_100) == [LEASE]  # the hint ended before the answer
+    assert keeper.releases_pending == 1
+    keeper.renewed(LEASE, 59_500, 30_200)  # the answer: granted, dropped (not tracked)
+    keeper.check_invariants()
+    (release,) = keeper.releases(30_200)
+    assert release.lease == LEASE and release.attempt == 1
+    keeper.release_done(release.lease)
+    assert keeper.releases_pending == 0 and keeper.counters["lease_releases_abandoned_total"] == 0
+
+
+def test_a_release_of_a_lease_renewed_in_flight_lives_to_the_expiry_asked() -> None:
+    """Given back while its renewal (to 50 s) is in flight: a release failing near the old expiry
+    (30 s) is retried, not abandoned, and one queued past the old expiry still goes; it is
+    given up only at the expiry asked."""
+    keeper = keeper_with_one_lease(expires_ms=30_000)
+    (renewal,) = keeper.due(20_000, lambda named: 200_000)
+    assert keeper.sending(renewal, 20_000) == 30_000  # asked until 50 000
+    keeper.give_back(NAMED, 20_010)
+    (release,) = keeper.releases(20_010)
+    keeper.release_failed(release.lease, 29_500)  # no answer by the shell's deadline
+    assert keeper.releases_pending == 1 and keeper.counters["lease_releases_abandoned_total"] == 0
+    assert keeper.releases(30_000) == []  # waiting to be retried (at 30 500)
+    (again,) = keeper.releases(30_500)  # past the old expiry: the directory may still hold it
+    assert again.attempt == 2
+    keeper.release_failed(again.lease, 49_000)
+    assert keeper.releases(50_000) == []  # the retry (at 50 000) reaches the expiry asked: given up
+    assert keeper.releases_pending == 0 and keeper.counters["lease_releases_abandoned_total"] == 1
+    keeper.check_invariants()
+    # queued, never started before the old expiry: still sent after it (the expiry asked)
+    keeper = keeper_with_one_lease(expires_ms=30_000)
+    (renewal,) = keeper.due(20_000, lambda named: 200_000)
+    keeper.sending(renewal, 20_000)
+    keeper.give_back(NAMED, 20_010)
+    assert keeper.releases(20_010, shard_room=lambda shard: 0) == []  # its shard full
+    assert [r.lease for r in keeper.releases(31_000)] == [LEASE]
+    assert keeper.counters["lease_releases_abandoned_total"] == 0
+
+
+def test_a_lease_taken_before_its_renewal_was_sent_keeps_its_own_expiry() -> None:
+    """A renewal started (`due`) but not yet sent when its hint ends is never sent (`sending`
+    says 0): the lease lives to its own expiry only, and its release is given up there."""
+    keeper = keeper_with_one_lease(expires_ms=30_000)
+    (renewal,) = keeper.due(20_000, lambda named: 200_000)
+    keeper.give_back(NAMED, 20_010)
+    assert keeper.sending(renewal, 20_020) == 0
+    assert keeper.releases(30_000) == [] and keeper.counters["lease_releases_abandoned_total"] == 1
+    keeper = keeper_with_one_lease(expires_ms=30_000)
+    keeper.due(29_500, lambda named: 200_000)
+    keeper.give_back(NAMED, 30_100)  # expired already: nothing to give back
+    assert keeper.releases_pending == 0
+
+
+def test_leases_no_hint_kept_are_queued_like_an_ended_hints() -> None:
+    """`release`: a lookup's leases no hint keeps (outside the hit, a hint busy, refused or that
+    queued nothing) go through the same bounded, retried queue, with the expiry given (None:
+    one TTL from now); lease id 0 and leases expired already are not queued."""
+    keeper = HintLeases(LeaseKeeping(lease_ttl_ms=30_000, retry_ms=1_000))
+    keeper.release([(0, 1), (1, 2), (2, 0)], 10_000, 1_000)
+    keeper.release([(3, 4)], 900, 1_000)  # expired: nothing to give back
+    keeper.release([(4, 5)], None, 1_000)  # unknown: until 31 000
+    keeper.release([(0, 1)], 10_000, 1_000)  # queued already
+    assert keeper.releases_pending == 3 and keeper.held == {}
+    keeper.check_invariants()
+    sent = keeper.releases(1_000)
+    assert sorted(r.lease for r in sent) == [(0, 1), (1, 2), (4, 5)]
+    for release in sent:
+        keeper.release_failed(release.lease, 9_500)
+    assert [r.lease for r in keeper.releases(10_500)] == [(4, 5)]  # the others' retry past 10 s
+    assert keeper.counters["lease_releases_abandoned_total"] == 2
+    keeper.check_invariants()

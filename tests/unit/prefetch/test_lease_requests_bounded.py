@@ -16,15 +16,18 @@ import pytest
 from kvfabric.prefetch import shell as shell_module
 from kvfabric.prefetch.shell import PrefetchShell
 from kvfabric.proto import directory as m
+from kvfabric.proto import prefetch as p
+from kvfabric.proto.shards import shard_of
 from tests.unit.prefetch.test_lease_renewal import Directory
-from tests.unit.prefetch.test_shell_shards import NOW, FakeRouter, make_shell
+from tests.unit.prefetch.test_shell_shards import NOW, SHARDS, FakeRouter, make_shell, spread_prefix
 
 HUNG_LEASE = (0, 1003)
 
 
 class HangingRouter(FakeRouter):
-    """Answers from a `Directory`; the first `lease_release` of `HUNG_LEASE` is never answered
-    (a request lost on the way, a leader that hangs), and `lease_renew`s wait for `gate`."""
+    """Answers from a `Directory`; the first `lease_release` of `HUNG_LEASE` (or of any lease of
+    `hung_shard`) is never answered (a request lost on the way, a leader that hangs), and
+    `lease_renew`s wait for `gate`."""
 
     def __init__(self, directory: Directory) -> None:
         super().__init__(directory.answer)
@@ -32,13 +35,15 @@ class HangingRouter(FakeRouter):
         self.gate.set()
         self.releases: list[tuple[int, int]] = []  # each lease_release sent
         self.renewals: list[tuple[int, int]] = []  # each lease_renew sent
+        self.hung_shard: int | None = None
 
     async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **_: Any) -> Any:
         if verb == "lease_release":
             assert isinstance(message, m.LeaseRelease)
             lease = (shard, message.lease_id)
             self.releases.append(lease)
-            if lease == HUNG_LEASE and self.releases.count(lease) == 1:
+            hung = lease == HUNG_LEASE or shard == self.hung_shard
+            if hung and self.releases.count(lease) == 1:
                 await asyncio.Event().wait()  # never answered: only the shell's deadline ends it
         elif verb == "lease_renew":
             assert isinstance(message, m.LeaseRenew)
@@ -170,3 +175,53 @@ def test_a_renewal_that_cannot_go_in_time_is_counted(monkeypatch: pytest.MonkeyP
     counters = shell.status().counters
     assert counters["lease_renewals_late_total"] == 40 - shell_module.RENEWALS_AT_ONCE
     assert counters["leases_lost_total"] == 40 - shell_module.RENEWALS_AT_ONCE
+
+
+@pytest.mark.parametrize("case", ["queued_nothing", "found_nothing"])
+def test_leases_no_hint_keeps_go_back_by_the_queue_not_in_the_hints_reply(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Review of the change (stop 71): the leases of a hint that queued nothing (its target holds
+    every object already), found no object, was busy or refused, were released inline, one at a
+    time in the hint's reply path, never retried: one hung shard held the reply for its request
+    timeout per lease. Now they are queued in `HintLeases` like an ended hint's: the reply comes
+    at once, the hung release fails by its own deadline and is sent again, and every lease is
+    given back."""
+    clock, directory, router, shell = setup(monkeypatch)
+    raws = spread_prefix()
+    router.hung_shard = shard_of(raws[0], SHARDS)  # its lease_release hangs the first time
+    target = "s2"
+    if case == "queued_nothing":
+        target = "s1"  # every object's replica is there already: nothing to copy
+    else:  # the lookups hit, but list no object (the hint's members not held)
+        answer = router.answer
+        router.answer = lambda shard, verb, message: (
+            msgspec.structs.replace(reply, objects=[])
+            if isinstance(reply := answer(shard, verb, message), m.LookupReply)
+            else reply
+        )
+    hint = p.PrefetchHint(
+        hint_id="h1", tenant="t", groups=raws, target_segment=target, deadline_ms=NOW + 60_000
+    )
+
+    async def scenario() -> None:
+        # (the old inline release never returned: the hung release has no answer, and the fake
+        # router no timeout; a real one held the reply `request_timeout_s` per hung lease)
+        reply = await asyncio.wait_for(shell._on_hint(hint, {}), 10.0)
+        assert isinstance(reply, p.HintReply) and reply.status == "accepted" and reply.objects_queued == 0
+        granted = set(directory.expiry) | set(directory.released)
+        assert len({shard for shard, _ in granted}) > 1 and not shell._leases
+        hung = next(lease for lease in granted if lease[0] == router.hung_shard)
+        for _ in range(300):  # the hung release's deadline (0.7 s) passes: failed, retried 1 s later
+            await ticks(shell, clock, 1)
+            if hung in directory.released:
+                break
+        assert sorted(directory.released) == sorted(granted)  # each once
+        assert router.releases.count(hung) == 2
+        counters = shell.status().counters
+        assert counters["lease_release_failed_total"] == 1
+        assert counters["lease_releases_abandoned_total"] == 0
+        assert shell.status().gauges["lease_releases_pending"] == 0
+        await shell.stop()
+
+    asyncio.run(scenario())

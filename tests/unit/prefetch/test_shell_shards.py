@@ -60,6 +60,15 @@ def make_shell(router: FakeRouter | DirectoryRouter) -> PrefetchShell:
     return shell
 
 
+async def add(shell: PrefetchShell, hint: p.PrefetchHint) -> msgspec.Struct:
+    """`shell._add(hint)`, then the releases it queued (the leases no hint keeps: each by a task
+    of its own, never awaited in the hint's reply path) run to their end."""
+    try:
+        return await shell._add(hint)
+    finally:
+        await asyncio.gather(*shell._releases)
+
+
 def spread_prefix() -> list[GroupId]:
     """A prefix whose chunks 0 and 1 lie on two shards and a later chunk on a third."""
     for seed in range(100):
@@ -114,7 +123,7 @@ def test_one_lookup_per_shard_the_hit_is_the_common_prefix_and_leases_go_back_by
     hint = p.PrefetchHint(
         hint_id="h1", tenant="t", groups=raws, target_segment="s2", deadline_ms=NOW + 60_000
     )
-    reply = asyncio.run(shell._add(hint))
+    reply = asyncio.run(add(shell, hint))
     assert isinstance(reply, p.HintReply) and reply.status == "accepted" and reply.objects_queued == missing
     lookups = [(s, msg) for s, verb, msg in router.asked if verb == "lookup"]
     assert sorted(s for s, _ in lookups) == sorted({shard_of(r, SHARDS) for r in raws})
@@ -170,7 +179,7 @@ def test_a_failing_shard_holding_the_first_chunk_fails_the_hint_and_the_other_le
         hint_id="h1", tenant="t", groups=raws, target_segment="s2", deadline_ms=NOW + 60_000
     )
     with pytest.raises(Unavailable):
-        asyncio.run(shell._add(hint))
+        asyncio.run(add(shell, hint))
     granted = {s for s, verb, _ in router.asked if verb == "lookup" and s != bad}
     released = {(s, msg.shard) for s, verb, msg in router.asked if isinstance(msg, m.LeaseRelease)}
     assert granted and released == {(s, s) for s in granted} and not shell._leases
@@ -189,7 +198,7 @@ def test_a_failing_shard_cuts_the_hint_at_its_first_chunk_as_in_the_client(
     hint = p.PrefetchHint(
         hint_id="h1", tenant="t", groups=raws, target_segment="s2", deadline_ms=NOW + 60_000
     )
-    reply = asyncio.run(shell._add(hint))
+    reply = asyncio.run(add(shell, hint))
     assert isinstance(reply, p.HintReply) and reply.status == "accepted" and reply.objects_queued == 1
     first = shard_of(raws[0], SHARDS)
     assert shell._leases[("t", "h1")] == [(first, 7)]  # the lease protecting chunk 0 is kept

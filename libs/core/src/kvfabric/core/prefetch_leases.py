@@ -33,7 +33,9 @@ its hint's deadline is later than its expiry; the deadline itself is at most
         `retry_ms` (`lease_renew_failed_total`)
     RENEWING --renew_failed(lost=True: `not_found`, the directory holds no such lease)--> (none)
     HELD --due at or after its expiry--> (none): lapsed, the directory dropped it
-    HELD | DUE | RENEWING --take / give_back (its hint id ended)--> (none) [give_back: released]
+    HELD | DUE | RENEWING --take / give_back (its hint id ended)--> (none) [give_back: released,
+        held to its expiry; a RENEWING one whose renewal was sent, to the later of its expiry
+        and the one asked (the directory may have granted it, and its answer is then dropped)]
 A lease is FINAL only when the directory's own expiry did not move (review, stop 71): it was
 when the expiry moved less than half of what was asked, but the directory caps each renewal at
 its `KVF_DIRECTORY_LEASE_TTL_MS_MAX` (100 ms .. 600 s) while the shell asks 30 s, so under a
@@ -66,8 +68,10 @@ lease whose expiry passes before it could be started is dropped and counted in
 `lease_renewals_late_total` (and `leases_lost_total` if its hint still wanted it).
 
 ## Releases of ended hints' leases (review of stop 71)
-    (none) --give_back(named): id != 0, not expired, not already queued, the queue not full-->
-        QUEUED (FIFO on its shard), with the lease's expiry (ours; unknown: now + `lease_ttl_ms`)
+    (none) --give_back(named) / release(leases, expires): id != 0, not expired, not already
+        queued, the queue not full--> QUEUED (FIFO on its shard), with the lease's expiry (ours,
+        or the one asked of a renewal in flight, above; `release`: the one given; unknown:
+        now + `lease_ttl_ms`)
     (none) --give_back with `release_queue_max` releases queued--> not queued:
         `lease_releases_dropped_total`, the lease left to expire
     QUEUED --started by `releases` (shard and round room, first queued first)--> SENDING
@@ -80,7 +84,14 @@ lease whose expiry passes before it could be started is dropped and counted in
 The shell sent them in batches of 16 awaited whole: one unanswered release held the 15 others of
 its batch and every one queued behind, and a failed one was never retried (held to its TTL,
 pinning space other tenants could use). Now each is sent on its own, at most `shard_room` per
-shard at once, each with its own deadline in the shell.
+shard at once, each with its own deadline in the shell. `release` queues the leases no hint
+kept (a lookup's outside its hit, a hint that queued nothing, was busy or refused, or whose
+dedupe found no live hint): the shell released those inline in the hint's reply path, one at a
+time and never retried, one hung shard delaying the reply by its request timeout.
+A lease taken while its renewal was in flight was given back with its old expiry (review of the
+change): a renewal sent 0.5 s before it, granted to +30 s, and the hint ending before the answer
+came queued nothing (the lease pinned at the directory ~30 s), and a release failing near the old
+expiry was abandoned while the directory still held the lease.
 
 ## Cost and bounds
 A lease is renewed at most once per `lease_ttl_ms - renew_margin_ms` (20 s) of its hint's life
@@ -201,6 +212,9 @@ class _Kept:
     asked_until_ms: int = 0  # while renewing: the expiry asked for
     asked_deadline_ms: int = 0  # while renewing: its hint's deadline (what the ask is cut to)
     asked_limited: bool = False  # the ask was cut to the deadline (less than `lease_ttl_ms`)
+    # while renewing: the renewal was sent (`sending`): the directory may have granted it, up to
+    # `asked_until_ms`, whether or not its answer is ever told (`_take`)
+    asked_sent: bool = False
     final: bool = False  # a renewal was refused: held to its expiry, not renewed again
     # renewed up to its hint's deadline, as asked (a directory whose clock is behind ours may
     # answer no later expiry: no refusal, and its lapse there loses nothing); cleared if the
@@ -283,10 +297,18 @@ class HintLeases:
         hint that ends at its deadline: its leases were renewed up to it, and end with it)."""
         taken = self._take(named)
         for lease, expires_ms in taken:
-            expires_ms = now_ms + self.config.lease_ttl_ms if expires_ms is None else expires_ms
-            if lease[1] and expires_ms > now_ms:
-                self._queue_release(lease, expires_ms)
+            self._queue_release(lease, expires_ms, now_ms)
         return [lease for lease, _ in taken]
+
+    def release(self, leases: Iterable[Lease], expires_ms: int | None, now_ms: int) -> None:
+        """Leases never kept (a lookup's that no hint holds: outside its hit, or of a hint that
+        queued nothing, was not accepted or whose dedupe found no live hint) are given back like
+        an ended hint's: queued (`releases`), each held until `expires_ms` (None: unknown, taken
+        to last `lease_ttl_ms` from now). The shell released them inline, one at a time in the
+        hint's reply path, never retried and outside the per-shard bound: one hung shard
+        delayed the reply by a request timeout per lease (review of the change, stop 71)."""
+        for lease in leases:
+            self._queue_release(lease, expires_ms, now_ms)
 
     def give_back_all(self, now_ms: int) -> None:
         for named in list(self.held):
@@ -361,6 +383,7 @@ class HintLeases:
                 return 0
             kept.asked_until_ms = now_ms + ttl
             kept.asked_limited = ttl < self.config.lease_ttl_ms
+        kept.asked_sent = True
         self.counters["lease_renewals_total"] += 1
         return ttl
 
@@ -470,19 +493,30 @@ class HintLeases:
     # ---- internals -------------------------------------------------------------------------
 
     def _take(self, named: Named) -> list[tuple[Lease, int | None]]:
-        """`named`'s leases, each with its tracked expiry (None: not tracked), untracked."""
+        """`named`'s leases, each with the latest expiry the directory may hold it to (None: not
+        tracked), untracked. A lease whose renewal was sent and not yet answered may hold until
+        the expiry asked: its answer, once it comes, is dropped (the lease no longer tracked), so
+        taking its old expiry gave it back as expired (nothing queued: pinned at the directory up
+        to `lease_ttl_ms` more), abandoned a failed release at the old expiry, and dropped a queued
+        one there (review of the change, stop 71)."""
         out: list[tuple[Lease, int | None]] = []
         for lease in self.held.pop(named, []):
             kept = self._kept.get(lease)
             if kept is not None and kept.named == named:
                 del self._kept[lease]
-                out.append((lease, kept.expires_ms))
+                granted = kept.asked_until_ms if kept.renewing and kept.asked_sent else 0
+                out.append((lease, max(kept.expires_ms, granted)))
             else:
                 out.append((lease, None))
         self._compact()
         return out
 
-    def _queue_release(self, lease: Lease, expires_ms: int) -> None:
+    def _queue_release(self, lease: Lease, expires_ms: int | None, now_ms: int) -> None:
+        """Queue `lease`'s release, valid until `expires_ms` (None: `lease_ttl_ms` from now, the
+        most any grant asks); not for lease id 0 (none granted) nor a lease expired already."""
+        expires_ms = now_ms + self.config.lease_ttl_ms if expires_ms is None else expires_ms
+        if not lease[1] or expires_ms <= now_ms:
+            return  # nothing to give back
         if lease in self._releases:
             return  # queued already
         if len(self._releases) >= self.config.release_queue_max:
@@ -532,6 +566,7 @@ class HintLeases:
         assert deadline is not None  # (a TTL is only given for a live hint's lease)
         kept.renewing, kept.asked_until_ms, kept.asked_deadline_ms = True, now_ms + ttl, deadline
         kept.asked_limited = ttl < self.config.lease_ttl_ms
+        kept.asked_sent = False
         return RenewLease(kept.named, lease[0], lease[1], ttl)
 
     def _margin(self, granted_ms: int) -> int:

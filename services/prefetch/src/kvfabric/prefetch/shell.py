@@ -6,8 +6,9 @@
   `start`). The hit is the longest prefix every shard found (a failing shard misses from its
   first chunk; the hint fails only when nothing hit); each shard with a chunk inside the hit
   grants a read lease, kept as (shard, lease id), that keeps the sources from being evicted
-  while they are copied (released when the hint ends; the others at once; renewed before they
-  expire for as long as the hint lives, below); then the core's
+  while they are copied (released when the hint ends; the others at once, queued the same way,
+  never in the hint's reply path: below; renewed before they expire for as long as the hint
+  lives, below); then the core's
   `AddHint`; its answer (accepted / deduped / busy / refused) is the reply. At most `resolving_max` hints are
   resolved at once, of them at most a quarter (at least one) of one tenant's: more answer `busy`
   at once (a flood costs no directory traffic, and one tenant's flood took every slot: every other
@@ -35,7 +36,13 @@
   later tick (renewals earliest expiry first, releases first queued first). Each release has its
   own deadline (`request_timeout_s` + `RELEASE_DEADLINE_SLACK_S`); a failed one is sent again 1
   s later, at most 3 sends in all and never past its lease's expiry; at most `RELEASES_QUEUED_MAX`
-  queued, more left to expire. When to renew, which leases the directory has dropped
+  queued, more left to expire. The leases no hint keeps (a lookup's outside its hit, those of
+  a hint that queued nothing, was busy or refused, or whose dedupe found no live hint) go
+  through the same queue (`_give_back_leases`): they were released inline, one at a time in the
+  hint's reply path and never retried, one hung shard delaying the reply by `request_timeout_s`
+  per lease (review of the change, stop 71). A lease whose hint ends while its renewal is in
+  flight is released with the expiry asked (the directory may have granted it), not its old
+  one. When to renew, which leases the directory has dropped
   (`not_found`, or past their expiry: no longer counted as held) and which releases to send or
   retry is decided by the pure `kvfabric.core.prefetch_leases.HintLeases`. A lookup's leases
   last 30 s and were never renewed while a hint lived to its deadline (known defect "leases of
@@ -68,7 +75,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import Counter
 from collections.abc import Mapping
 from typing import Final
@@ -348,7 +354,7 @@ class PrefetchShell:
             if o.chunk_index in by_chunk
         )
         if not objects:
-            await self._release_leases(leases)
+            self._give_back_leases(leases, held_until)
             return p.HintReply(hint_id=hint.hint_id, status="accepted", objects_queued=0)
         result = reply_of(
             await self._driver.feed(
@@ -367,8 +373,8 @@ class PrefetchShell:
             # at once, and a cancel of the first name then gave back the only leases the hint
             # still copied under (review, 2026-12-06).
             self._keeper.keep(named, leases, held_until, self._now())
-        else:
-            await self._release_leases(leases)
+        else:  # queued nothing, busy, refused, or its dedupe found no live hint
+            self._give_back_leases(leases, held_until)
         if isinstance(result, Accepted):
             return p.HintReply(hint_id=hint.hint_id, status="accepted", objects_queued=result.objects_queued)
         if isinstance(result, Deduped):
@@ -385,8 +391,9 @@ class PrefetchShell:
         (`kvfabric.cluster.lookups.lookup_prefix`): (the hit, i.e. the first chunk any shard
         misses, a failing shard missing from its first chunk; the objects found; the (shard,
         lease id) kept: shards with a chunk inside the hit; the earliest expiry the directory gave
-        them, 0 if none). The other leases are given back at once; the first failure is raised
-        only when nothing hit (every lease given back)."""
+        them, 0 if none). The other leases are given back at once (queued: `_release_leases`,
+        never awaited in the hint's reply path); the first failure is raised only when nothing
+        hit (every lease given back)."""
         hit = await lookup_prefix(
             self._dir(),
             hint.groups,
@@ -729,18 +736,23 @@ class PrefetchShell:
 
     # ---- directory ---------------------------------------------------------------------------
 
+    def _give_back_leases(self, leases: list[tuple[int, int]], expires_ms: int | None) -> None:
+        """Read leases no hint keeps, each held until `expires_ms` (None: unknown, one
+        `LEASE_TTL_MS_MAX` from now at most), given back like an ended hint's: queued in
+        `HintLeases` and started at once within the same bounds (`_start_releases`: each to the
+        shard that granted it by its own task and deadline, retried, within its shard's room).
+        They were released inline, one at a time in the hint's reply path, never retried and
+        outside the per-shard bound: one hung shard delayed the reply by `request_timeout_s`
+        per lease (review of the change, stop 71)."""
+        self._keeper.release(leases, expires_ms, self._now())
+        self._start_releases()
+
     async def _release_leases(self, leases: list[tuple[int, int]]) -> None:
-        """Give read leases back, each to the shard that granted it (a lease id means nothing
-        elsewhere); a lost release expires on its own (TTL ≤ the hint's deadline)."""
-        for shard, lease_id in leases:
-            if not lease_id:
-                continue
-            with contextlib.suppress(KvfError):
-                await self._directory(
-                    shard,
-                    "lease_release",
-                    m.LeaseRelease(holder_id=self.holder_id, lease_id=lease_id, shard=shard),
-                )
+        """The lookup's `give_back` (`lookup_prefix`: the leases outside the hit, every lease of a
+        lookup that hit nothing, and those granted after it gave up): queued, never awaited
+        (`_give_back_leases`); their expiry unknown here, at most one `LEASE_TTL_MS_MAX` (what a
+        hint's lookup asks) from now."""
+        self._give_back_leases(leases, None)
 
     def _dir(self) -> DirectoryRouter:
         if self._router is None:
