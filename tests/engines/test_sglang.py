@@ -500,3 +500,144 @@ def test_pages_follow_the_weight_version_sglang_serves(nats_server: NatsServer, 
     assert kit.prefetch(started, before, at, prefix=[]) == (8, 8)
     assert kit.prefetch(started, after, at, prefix=[]) == (0, 0)
     started.close()
+
+
+def served_versions(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The weight version SGLang serves, as the backend reads it (`served_weight_version`):
+    "default" (SGLang's, unless `--weight-version`) until a test names another."""
+    import kvfabric.engines.sglang as sglang_backend
+
+    served = {"version": "default"}
+    monkeypatch.setattr(sglang_backend, "served_weight_version", lambda: served["version"])
+    return served
+
+
+def closing_slowly(monkeypatch: pytest.MonkeyPatch, client: Any) -> tuple[Any, Any, Any]:
+    """`client.close` held until the second event is set (a backlog of saves, a slow directory):
+    (entered, let go, ended)."""
+    import threading
+
+    entered, let_go, ended = threading.Event(), threading.Event(), threading.Event()
+    real_close = client.close
+
+    def close() -> None:
+        entered.set()
+        let_go.wait(120)
+        real_close()
+        ended.set()
+
+    monkeypatch.setattr(client, "close", close)
+    return entered, let_go, ended
+
+
+def test_a_rekey_returns_while_the_old_client_still_closes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang records a new weight version and flushes its cache at once: the flush joins each
+    storage thread for 10 s and fails the weight update if one is still alive. The call that
+    re-keys returns while the replaced client still closes (a close waits for its saves in
+    flight: up to ~141 s by default; it was closed in the call: review, 2026-12-07); the new
+    client serves the metrics the old one served (the old one's close leaves the server up),
+    and the backend's `close` waits for a replaced client's close to end."""
+    import threading
+
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    served = served_versions(monkeypatch)
+    pool = kit.host_pool()
+    storage = kit.backend(kit.extra_config(f"nats://127.0.0.1:{free_port()}", metrics_port=0), pool)
+    inner = kit.kvfabric_of(storage)
+    keys, info = kit.page_keys(4, seed=71), HiCacheStorageExtraInfo(prefix_keys=[])
+    answers: list[int] = []
+
+    def rekeyed_promptly(version: str) -> None:
+        served["version"] = version
+        call = threading.Thread(target=lambda: answers.append(storage.batch_exists(keys, info)), daemon=True)
+        call.start()
+        call.join(10)  # SGLang's flush waits 10 s for a storage thread
+        assert not call.is_alive(), "the re-keying call waited for the old client's close"
+        assert answers.pop() == 0 and inner.weight_version == version
+
+    first = inner.client
+    assert first is not None and first.metrics._server is not None  # its start served them
+    entered, let_go, ended = closing_slowly(monkeypatch, first)
+    try:
+        rekeyed_promptly("rl-step-1")
+        second = inner.client
+        assert second is not first and inner.rekeys == 1
+        assert entered.wait(10) and not ended.is_set()  # closing in a thread of its own
+        assert keyed_for_served_version(storage).client is second and second.metrics is first.metrics
+    finally:
+        let_go.set()
+    assert ended.wait(60)
+    assert first.metrics._server is not None  # the old client's close left the new one's server up
+    entered, let_go, ended = closing_slowly(monkeypatch, second)
+    shutdown = threading.Thread(target=storage.close, daemon=True)
+    try:
+        rekeyed_promptly("rl-step-2")
+        assert inner.client is not second and inner.rekeys == 2 and entered.wait(10)
+        third = keyed_for_served_version(storage).client
+        _, third_let_go, third_ended = closing_slowly(monkeypatch, third)
+        third_let_go.set()
+        shutdown.start()
+        assert third_ended.wait(60)  # the serving client closed: then the replaced one's close
+        shutdown.join(1.0)
+        assert shutdown.is_alive()  # the backend's close waits for the replaced client's
+    finally:
+        let_go.set()
+    shutdown.join(60)
+    assert not shutdown.is_alive() and ended.is_set() and inner._replaced == set()
+    assert first.metrics._server is None  # stopped by the client that served it last
+
+
+def test_a_rekey_that_cannot_make_its_client_leaves_the_cache_disabled_saying_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A re-key whose new client cannot be made (here: its constructor raises) leaves a disabled
+    client saying why and closes the old one; the cache stays off, never on the old keys, until
+    the next version re-keys again. (The client was left None: the next call took that for
+    nothing keyed, adopted the version and kept the cache off for good, unlogged, the old client
+    never closed; review, 2026-12-07.)"""
+    import threading
+
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    import kvfabric.engines.sglang as sglang_backend
+    from kvfabric.client import KvClient
+
+    served = served_versions(monkeypatch)
+    pool = kit.host_pool()
+    storage = kit.backend(kit.extra_config(f"nats://127.0.0.1:{free_port()}"), pool)
+    inner = kit.kvfabric_of(storage)
+    old = inner.client
+    assert old is not None
+    closed = threading.Event()
+    real_close = old.close
+
+    def close() -> None:
+        real_close()
+        closed.set()
+
+    monkeypatch.setattr(old, "close", close)
+
+    class Unmade(KvClient):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(sglang_backend, "KvClient", Unmade)
+    keys, info = kit.page_keys(4, seed=72), HiCacheStorageExtraInfo(prefix_keys=[])
+    try:
+        served["version"] = "rl-step-1"
+        for _ in range(2):  # and the next call: still off, saying why
+            assert storage.batch_exists(keys, info) == 0
+            assert inner.client is not None and inner.client.status.state == "disabled"
+            assert inner.client.status.cause == "client_error"
+            assert "rl-step-1" in inner.client.status.detail
+            assert "RuntimeError: can't start new thread" in inner.client.status.detail
+            assert inner.weight_version == "rl-step-1" and inner.spec is None and inner.rekeys == 0
+        assert closed.wait(30)  # the old client closed
+        monkeypatch.setattr(sglang_backend, "KvClient", KvClient)
+        served["version"] = "rl-step-2"  # the next version: keyed again
+        assert keyed_for_served_version(storage).rekeys == 1
+        assert inner.spec.model.weights_revision == "tiny-sglang-rev-1+version:rl-step-2"
+        assert inner.client.status.cause != "client_error"
+    finally:
+        storage.close()

@@ -46,10 +46,13 @@ can also come from `KVF_CLIENT_*`. SGLang's own keys (`backend_name`, `module_pa
 - Weights changed after start (SGLang's `update_weights_from_*` with a `weight_version`): every
   call reads the served version (`get_serving().weight_version`, SGLang's runtime context in
   the scheduler process the backend runs in); once it differs from the one the keys were made
-  for, the held hits are given back, the client is closed and a new one keys every page with
-  `+version:<version>` in the weights revision (`sglang_keys.versioned_spec`): pages of the old
-  weights are no longer found, those of the new are (and shared by every worker at that
-  version). An update that names no version changes nothing here: not seen (docs/sglang.md).
+  for, a new client keys every page with `+version:<version>` in the weights revision
+  (`sglang_keys.versioned_spec`), the held hits are given back and the old client is closed in a
+  thread of its own (the call returns at once: SGLang's flush right after fails the update if a
+  storage thread is still busy 10 s later; `close()` waits for it): pages of the old weights are
+  no longer found, those of the new are (and shared by every worker at that version). A re-key
+  that fails leaves the client disabled, saying why. An update that names no version changes
+  nothing here: not seen (docs/sglang.md).
 - `clear()` gives back this backend's leases; it deletes nothing (the store is shared by every
   engine of the tenant; the directory's eviction frees space). `get_stats()` returns SGLang's
   `StorageMetrics` (pages and GB/s per prefetch and backup batch since the last call).
@@ -109,6 +112,7 @@ log = logging.getLogger("kvfabric.engines.sglang")
 
 _CLIENT_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(ClientSettings))
 CAUSE_CONFIG_ERROR: Final = "config_error"
+CAUSE_CLIENT_ERROR: Final = "client_error"  # what no one expected (logged with its traceback)
 _LOG_EVERY_S: Final = 30.0  # one line per kind of failure at most this often
 # Host pool tensors a page region may lie in (zero-copy views are cut from these only).
 _POOL_TENSORS: Final = ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer")
@@ -278,6 +282,7 @@ class KvfabricStorage(HiCacheStorage):
         self.rekeys = 0  # times the keys followed a new weight version
         self._rekey_lock = threading.Lock()
         self._closed = False
+        self._replaced: set[KvClient] = set()  # clients a re-key replaced, still closing (`_lock`)
         self.geometry: PoolGeometry | None = None
         self._views: _PageViews | None = None
         self._lock = threading.Lock()
@@ -381,50 +386,94 @@ class KvfabricStorage(HiCacheStorage):
         return client if client is not None and client.enabled else None
 
     def _rekey(self, version: str) -> bool:
-        """SGLang serves weight version `version`, not the one the keys were made for: give back
-        what is held under the old keys, close that client (its running calls end as misses,
-        the directory gets every lease it held back) and start one for the new version's keys
-        (`versioned_spec`; it misses until started, as at start). False: another thread is at
-        it (this call misses). A version that cannot be keyed leaves the cache off."""
+        """SGLang serves weight version `version`, not the one the keys were made for: swap in a
+        client for the new version's keys (`versioned_spec`; it misses until started, as at
+        start), give back what is held under the old keys and close the old client in a thread
+        of its own (`_close_replaced`: its running calls end as misses, the directory gets every
+        lease it held back). Returns promptly: SGLang records the version and then flushes its
+        cache, which joins this (storage) thread for 10 s and fails the weight update if it is
+        still alive, and a close may take its saves' deadlines and more (~141 s by default;
+        review, 2026-12-07: it was closed here). False: another thread is at it (this call
+        misses). A version that cannot be keyed, or a client that cannot be made, leaves the
+        cache off (a disabled client saying why), never on the old keys and never without a
+        client (review, 2026-12-07: an exception left `client` None, and the next call took that
+        for nothing keyed: the cache off for good, unlogged, the old client never closed)."""
         if not self._rekey_lock.acquire(blocking=False):
             return False
         try:
-            old, start = self.client, self._start_spec
+            start, settings = self._start_spec, self._settings
             if version == self.weight_version or self._closed:
                 return True
-            if self.weight_version is None or old is None or start is None or self._settings is None:
+            if self.weight_version is None or start is None or settings is None:
                 # the first version SGLang reports (the start's), or nothing keyed: no re-key
                 self.weight_version = version
                 return True
-            with self._lock:  # from here no hit joins the table under the old client
-                self.client = None
+            with self._lock:  # from here no call takes the old client, no hit joins the table
+                old, self.client, self.spec = self.client, None, None
                 held = self._held.drain()  # those gets load under come back at their `finished`
-            self._release(old, held)
-            old.close()
-            previous, self.weight_version = self.weight_version, version
+            client: KvClient | None = None
+            spec: EngineSpec | None = None
             try:
+                self._release(old, held)  # queued on its loop, never waited for (`KvClient.release`)
                 spec = versioned_spec(start, version)
-            except ValueError as exc:  # not UTF-8: the cache stays off, never the old keys
-                self.spec = None
-                self.client = KvClient.disabled(
-                    _unconfigured_spec(), CAUSE_CONFIG_ERROR, f"weight version {version!r}: {exc}"
-                )
-                return True
-            # the old client's metrics go on (counters, and a fixed `metrics_port`: its server
-            # stopped with the old client, the new one serves them again)
-            client = KvClient(self._settings, spec, metrics=old.metrics, background_start=True)
+                # the old client's metrics go on (counters, and a fixed `metrics_port`: the
+                # server stays up, the new client serves it and stops it when it closes)
+                metrics = None if old is None else old.metrics
+                client = KvClient(settings, spec, metrics=metrics, background_start=True)
+            except Exception as exc:  # the cache stays off, never the old keys
+                spec = None
+                if isinstance(exc, ValueError):  # a version the key cannot carry (not UTF-8)
+                    cause, detail = CAUSE_CONFIG_ERROR, f"weight version {version!r}: {exc}"
+                else:  # nothing expected: logged with its traceback
+                    log.error("kvfabric: re-key for weight version %r failed", version, exc_info=exc)
+                    cause = CAUSE_CLIENT_ERROR
+                    detail = f"re-key for weight version {version!r}: {type(exc).__name__}: {exc}"
+                client = KvClient.disabled(_unconfigured_spec(), cause, detail)
+            finally:
+                # (`client` None here only if even the disabled one could not be made: the next
+                # call re-keys again, `weight_version` unchanged)
+                if old is not None:
+                    self._close_replaced(
+                        old, hand_metrics=client is not None and client.metrics is old.metrics
+                    )
             with self._lock:
                 self.spec, self.client = spec, client
-            self.rekeys += 1
-            log.info(
-                "kvfabric: weight version %r -> %r: pages keyed as weights %r from now on",
-                previous,
-                version,
-                spec.model.weights_revision,
-            )
+            previous, self.weight_version = self.weight_version, version
+            if spec is not None:
+                self.rekeys += 1
+                log.info(
+                    "kvfabric: weight version %r -> %r: pages keyed as weights %r from now on",
+                    previous,
+                    version,
+                    spec.model.weights_revision,
+                )
             return True
         finally:
             self._rekey_lock.release()
+
+    def _close_replaced(self, old: KvClient, *, hand_metrics: bool) -> None:
+        """Close `old`, replaced by a re-key, in a daemon thread of its own (its close gives
+        back its leases and waits, bounded, for its saves in flight); `close` waits for those
+        still closing. `hand_metrics`: the new client serves `old`'s metrics now, so `old`'s close
+        leaves the server up (it would stop the server the new client took over)."""
+        if hand_metrics:
+            old.aio.serves_metrics = False
+        with self._lock:
+            self._replaced.add(old)
+        closer = threading.Thread(
+            target=self._run_close, args=(old,), name="kvf-sglang-rekey-close", daemon=True
+        )
+        try:
+            closer.start()
+        except RuntimeError as exc:  # no thread to be had: `close` closes it
+            log.error("kvfabric: the replaced client is closed at shutdown (%s)", exc)
+
+    def _run_close(self, old: KvClient) -> None:
+        try:
+            old.close()  # bounded, never raises
+        finally:
+            with self._lock:
+                self._replaced.discard(old)
 
     # ---- exists ------------------------------------------------------------------------------
 
@@ -749,11 +798,20 @@ class KvfabricStorage(HiCacheStorage):
         self._release(client, held)
 
     def close(self) -> None:
-        with self._rekey_lock:  # a re-key running ends first; none starts after
+        """Give back what is held and close the client, and wait for the clients re-keys
+        replaced to end their closes (each bounded: a second `KvClient.close` waits for the
+        first), so none is left running past the backend."""
+        with self._rekey_lock:  # a re-key running ends first (it returns promptly); none after
             self._closed = True
         self.clear()
         if self.client is not None:
             self.client.close()
+        with self._lock:
+            replaced = list(self._replaced)
+        for old in replaced:
+            old.close()
+            with self._lock:
+                self._replaced.discard(old)
 
 
 _SAVE_END_GRACE_S: Final = 5.0  # beyond a save's own deadlines, for its end to reach us
