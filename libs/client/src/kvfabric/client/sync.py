@@ -129,14 +129,15 @@ def handed_refusal(saves: int, nbytes: int, size_bytes: int, settings: ClientSet
 
 
 def _source_bytes(objects: Sequence[Sequence[Source]]) -> int:
-    """The bytes a save's sources hold (what handing it pins). A source that is no buffer counts
-    nothing here: the loop's save refuses it as before (the caller's error in its future)."""
+    """The bytes a save's sources hold (what handing it pins). A source that is no buffer, or a
+    released memoryview (`ValueError`), counts nothing here: the loop's save refuses it as before
+    (the caller's error in its future, never raised into the engine's thread)."""
     total = 0
     for row in objects:
         for source in row:
             try:
                 total += memoryview(source).nbytes
-            except TypeError:
+            except (TypeError, ValueError):
                 continue
     return total
 

@@ -1056,7 +1056,9 @@ class KvfabricConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
-        """vLLM calls this when the engine stops: saves still running finish (bounded by
-        `save_timeout_ms`), leases are released, then the connections close."""
+        """vLLM calls this when the engine stops: saves still running finish (each bounded by its
+        phases' deadlines, `save_timeout_ms` each; the whole close by `KvClient.close`'s bound,
+        4 x `save_timeout_ms` + 3 x `lookup_timeout_ms` + 15 s), leases are released, then the
+        connections close."""
         self.client.close()  # and its save memory, once no save views it
         log.info("kvfabric: connector closed (%s side)", self.role.name.lower())
