@@ -736,9 +736,6 @@ def test_a_victim_listed_on_no_arena_of_its_segment_is_demoted_only_if_that_disk
     after it was chosen; the directory's republish held back): it was taken as demoted too, and
     counted on s1's disk for nothing. Now it stays and the republish applies."""
 
-    async def no_segment(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("no demote request: nothing of it is in s1's arena")
-
     sh, batch, _, _ = setup(monkeypatch, groups=1)
     monkeypatch.setattr(shell, "nats_request", no_segment)
     victim = A + chain(1)
@@ -755,3 +752,79 @@ def test_a_victim_listed_on_no_arena_of_its_segment_is_demoted_only_if_that_disk
     assert sh._held[victim][2] == {"s2": 10} and not sh.core.is_evicting(victim)
     assert sh.core.used_bytes("s1#ssd") == 0  # before: 10, on a disk that never had them
     sh.core.check_invariants()
+
+
+async def no_segment(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("no demote request: nothing of it is in s1's arena")
+
+
+def test_a_victim_not_found_with_no_republish_moves_to_the_pools_its_listing_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review, 2026-12-07: the victim's s1 replica went (drained to s2) and the directory's
+    republish was among events the stream lost: none held back, none to come. It was
+    `not_found` every cooldown (5 times in 5 rounds), its record still {'s1': 10}, chosen
+    again each time, its phantom bytes keeping s1 full. The demotion's own fresh listing moves
+    it to s2. (A republish held back meanwhile is the directory's word instead.)"""
+    sh, batch, _, _ = setup(monkeypatch, groups=1)
+    monkeypatch.setattr(shell, "nats_request", no_segment)
+    victim = A + chain(1)
+    sh.apply(m.SegmentUp(segment_id="s2", incarnation=1, capacity_bytes=1_000), sh._driver.now_ms())
+    sh._router = Moved({sh._group_ids[victim]: 1}, 10, "s2", 0)
+    asyncio.run(sh._evict(batch))
+    assert sh.demotions == {"not_found": 1} and not sh.core.is_evicting(victim)
+    assert sh._held[victim][2] == {"s2": 10}  # before: {"s1": 10}, for good
+    assert sh.core.used_bytes("s1") == 0 and sh.core.used_bytes("s2") == 10
+    assert [(d.what, d.reason) for d in sh._decisions.of(victim)][-1] == ("moved", "listed")
+    sh.core.check_invariants()
+
+    sh, batch, _, _ = setup(monkeypatch, groups=1)
+    monkeypatch.setattr(shell, "nats_request", no_segment)
+    for segment in ("s2", "s4"):
+        sh.apply(m.SegmentUp(segment_id=segment, incarnation=1, capacity_bytes=1_000), sh._driver.now_ms())
+    sh._router = Moved({sh._group_ids[victim]: 1}, 10, "s2", 0)
+    sh.apply(published(1, NAMESPACE, s2=10, s4=10), sh._driver.now_ms())  # held back: a victim
+    asyncio.run(sh._evict(batch))
+    assert sh._held[victim][2] == {"s2": 10, "s4": 10}
+    sh.core.check_invariants()
+
+
+class Listed(FakeDirectory):
+    """`show_group` lists every object's replicas on the segments `where` (arena slots)."""
+
+    def __init__(self, members: dict[bytes, int], size: int, where: tuple[str, ...]) -> None:
+        super().__init__(members, size)
+        self.where = where
+
+    async def ask(self, shard: int, verb: str, message: msgspec.Struct, timeout_s: float, **kw: Any) -> Any:
+        reply = await super().ask(shard, verb, message, timeout_s, **kw)
+        if verb != "show_group":
+            return reply
+        replicas = [m.Replica(segment_id=s, incarnation=1, slot=0, slot_generation=1) for s in self.where]
+        (summary,) = reply.groups
+        objects = [msgspec.structs.replace(o, replicas=replicas) for o in summary.objects]
+        return m.GroupList(epoch=1, groups=[msgspec.structs.replace(summary, objects=objects)])
+
+
+def test_a_victim_not_found_whose_listing_names_no_live_replica_is_forgotten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No replica listed at all, or only on a segment the policy saw go down (the listing older
+    than the directory's sweep; its pool is not made again): the group is gone (its
+    invalidation lost with the events), not chosen and cooled down for good."""
+    for where in ((), ("s3",)):
+        sh, batch, _, _ = setup(monkeypatch, groups=1)
+        monkeypatch.setattr(shell, "nats_request", no_segment)
+        victim = A + chain(1)
+        sh.apply(m.SegmentUp(segment_id="s3", incarnation=1, capacity_bytes=1_000), sh._driver.now_ms())
+        sh.apply(
+            m.SegmentDown(segment_id="s3", incarnation=1, reason="heartbeat_timeout"), sh._driver.now_ms()
+        )
+        sh._router = Listed({sh._group_ids[victim]: 1}, 10, where)
+        asyncio.run(sh._evict(batch))
+        assert sh.demotions == {"not_found": 1}
+        assert victim not in sh.core and victim not in sh._group_ids  # before: on s1, for good
+        assert sh.core.used_bytes("s1") == 0 and sh.core.used_bytes("s3") == 0 and "s3" not in sh._capacity
+        assert [(d.what, d.reason) for d in sh._decisions.of(victim)][-1] == ("evicted", "not_listed")
+        sh.check_named()
+        sh.core.check_invariants()

@@ -39,10 +39,23 @@ I/O, no awaits; each call atomic on the event loop, but for a `segment_down` thr
 
 - what a listing adopted after lost events says of the groups tracked already (the resync,
   `EvictionShell.adopt_listed`): one it names with other pools moves to them (`_relisted`: a
-  dead segment's replica swept, a drop whose republish was lost); one no page names and no
-  event applied since the adoption began named goes (`_unlisted_gone`: evicted, invalidated
-  or lost in the gap); a segment the directory no longer has up, holding no bytes here any
-  more, goes with its pools (`_dead_segment_dropped`), as its lost `segment_down` would have.
+  dead segment's replica swept, a drop whose republish was lost); one that two whole listings
+  in a row did not name, nor any `published` event since the first of them, goes
+  (`_missed_twice_gone`: evicted, invalidated or lost in the gap; one listing is not enough: a
+  new directory leader whose rebuild missed a segment lists none of its groups until that
+  segment's own rebuild, and a hot group forgotten then came back from the next listing ranked
+  coldest; review, 2026-12-07); a segment the directory no longer has up, holding no bytes
+  here any more, goes with its pools (`_dead_segment_dropped`), as its lost `segment_down`
+  would have. Which adoption last named each tracked group is kept in four sets that
+  partition the tracked groups (`_named`, `_unnamed`, `_missed`, `_doomed`; `check_named`):
+  an adoption swaps and pops them, never copies them (a copy of 3,000,000 keys held the loop
+  0.2-0.4 s; review, 2026-12-07).
+- a demotion that finds no arena replica of its victim on the segment and none on that disk,
+  and no republish held back to say where it is (`_listed_where`): the group moves to the
+  pools its fresh `show_group` listing names, or goes when that names no live replica (the
+  directory's republish may have been among lost events: it was chosen and answered
+  `not_found` again every cooldown, its phantom bytes keeping the pool full; review,
+  2026-12-07).
 
 `GroupRecords` is a mixin of `EvictionShell` (`kvfabric.eviction_policy.shell`), which
 creates these attributes and owns the tasks that call in (the follower, the ticker's batches,
@@ -70,6 +83,7 @@ from kvfabric.format.ids import (
     pack_group_id,
     pack_group_key,
 )
+from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
 
@@ -172,11 +186,24 @@ class GroupRecords:
     # (a page may be older than the events applied meanwhile: `EvictionShell.adopt_listed`)
     _gone_while_adopting: set[bytes] | None
     _down_while_adopting: set[str] | None
-    # while a listing is adopted: the groups tracked as it began that no page and no event
-    # applied since has named (what is left once every shard is listed is gone), and the
-    # segments heard up since it began (a segment listing older than that up is no news)
-    _unlisted: set[bytes] | None
+    # while a listing is adopted: the segments heard up since it began (a segment listing older
+    # than that up is no news)
     _up_while_adopting: set[str] | None
+    # Every tracked group (`_group_ids`) is in exactly one of these (`check_named`): named by a
+    # `published` event or a listing page since the latest adoption began (`_named`: a group
+    # tracked since is too); not named since it began (`_unnamed`: while its listing is read,
+    # or after a listing cut short or failed); not named by the latest whole listing nor by an
+    # event since (`_missed`: the next whole listing that misses it too forgets it); missed by
+    # two whole listings in a row, being forgotten (`_doomed`). Bounded by the groups tracked
+    # (one set entry each, ~45 bytes). Sets, not a stamp per record: an adoption finds the
+    # groups it did not name by swapping them and forgets them by popping, a thousand a turn of
+    # the loop, with events applied in between (a dict cannot be walked across turns of the
+    # loop while events add and remove groups, and a copy of 3,000,000 keys held the loop
+    # 0.2-0.4 s; review, 2026-12-07).
+    _named: set[bytes]
+    _unnamed: set[bytes]
+    _missed: set[bytes]
+    _doomed: set[bytes]
 
     def apply(self, event: msgspec.Struct, at_ms: int) -> None:
         """One directory event into the core, whole (pure bookkeeping; public for tests)."""
@@ -271,6 +298,7 @@ class GroupRecords:
         for gid in step_gone:
             if isinstance(gid, bytes):
                 self._adopted.discard(gid)
+                self._unname(gid)
                 self._group_ids.pop(gid, None)
                 self._held.pop(gid, None)
                 self._hits.pop(gid, None)
@@ -322,8 +350,6 @@ class GroupRecords:
             return False
         domain = domain_in_id(event.namespace)
         key = pack_group_key(domain, event.group)
-        if self._unlisted is not None:  # named since the adoption began: what it says stands
-            self._unlisted.discard(key)
         if listed_ms is None and key in self._adopted:
             writer = False
             self._adopted.discard(key)
@@ -336,6 +362,7 @@ class GroupRecords:
             {p.segment_id: p.bytes for p in event.disk_placements},
         )
         if key in core:  # published again: its bytes changed tier (a demotion, an adoption)
+            self._name(key)  # (since an adoption began: what the event says stands)
             self._republished(key, pools, at_ms, event.group_bytes)
             return True
         verdicts = core.insert(
@@ -355,6 +382,7 @@ class GroupRecords:
                 self._adopted.add(key)
             self._decisions.record(key, at_ms, "tracked", reason, pools_text(pools))
             self._group_ids[key] = group_id_of(event.namespace, event.chunk_index, event.group)
+            self._name(key)
             self._held[key] = (domain, event.chunk_index, pools, event.group_bytes)
             self._disk_pools.update(p for p in pools if is_ssd_pool(p))
             if parent is not None:
@@ -412,14 +440,14 @@ class GroupRecords:
 
     def _relisted(self, key: bytes, event: m.GroupPublished, at_ms: int) -> bool:
         """A tracked group a listing page names (`event`: `published_of_summary` of it), that no
-        event applied since the adoption began named (`_unlisted`): the page is newer than what
-        the records hold of it, so it moves to the pools listed, as a republish would move it
-        (`_republished`): a replica on a segment lost in the gap is no longer counted, nor one
-        dropped whose republish was lost. One being evicted or demoted is left to its batch's
-        answer. True when its pools changed."""
-        if self._unlisted is None or key not in self._unlisted:
+        event applied since the adoption began named (not in `_named`): the page is newer than
+        what the records hold of it, so it moves to the pools listed, as a republish would move
+        it (`_republished`): a replica on a segment lost in the gap is no longer counted, nor one
+        dropped whose republish was lost. Named now (missed no more). One being evicted or
+        demoted is left to its batch's answer. True when its pools changed."""
+        if self._gone_while_adopting is None or key in self._named or key not in self._group_ids:
             return False
-        self._unlisted.discard(key)
+        self._name(key)
         held = self._held.get(key)
         if held is None or key not in self.core or self.core.is_evicting(key):
             return False
@@ -432,25 +460,65 @@ class GroupRecords:
         self._republished(key, pools, at_ms, event.group_bytes, reason="listed")
         return True
 
-    def _unlisted_gone(self, key: bytes, at_ms: int) -> bool:
-        """A group tracked as the adoption began that no page of the whole listing named, nor any
-        event applied since (`_unlisted`): the directory holds it no more (evicted, invalidated,
-        lost with its segment, in events the stream lost), so it goes, links and all, as an
-        `evicted` event would take it. Left: one being evicted or demoted (its batch's answer
-        decides: `not_found` forgets it), and one whose every pool is being dropped right now
-        (its segment's loss, in steps, takes it and keeps its links for its adoption from a disk
+    def _missed_twice_gone(self, key: bytes, at_ms: int) -> bool:
+        """A group (popped from `_doomed`) that neither of two whole listings in a row named, nor
+        any `published` event since the first of them: the directory holds it no more (evicted,
+        invalidated, lost with its segment, in events the stream lost), so it goes, links and
+        all, as an `evicted` event would take it. Left, missed still (`_missed`: the next whole
+        listing looks again): one being evicted or demoted (its batch's answer decides:
+        `not_found` forgets it), and one whose every pool is being dropped right now (its
+        segment's loss, in steps, takes it and keeps its links for its adoption from a disk
         tier). True when it went."""
-        if self._unlisted is None or key not in self._unlisted:
-            return False
-        self._unlisted.discard(key)
-        if key not in self.core or self.core.is_evicting(key):
+        if key not in self._group_ids:  # (forgotten: not in the sets any more)
             return False
         held = self._held.get(key)
-        if held is not None and held[2] and all(p in self._dropping for p in held[2]):
+        if self.core.is_evicting(key) or (
+            held is not None and held[2] and all(p in self._dropping for p in held[2])
+        ):
+            self._missed.add(key)
             return False
         self._decisions.record(key, at_ms, "evicted", "not_listed")
         self._forget(key)
         return True
+
+    def _listed_where(self, key: bytes, listing: Collection[m.ObjectLocation], at_ms: int) -> str:
+        """A victim that stays after its demotion found no replica of it to demote on the segment
+        nor on that disk, and no republish of it held back (`EvictionShell._demote_groups`): its
+        records still name a replica that went (drained, scrubbed, dropped), and the directory's
+        republish that would say so may have been among events the stream lost: nothing else
+        would fix the records (it was chosen, answered `not_found` and cooled down again and
+        again, its bytes counted where they are not). So the fresh `show_group` listing is the
+        directory's word: the group moves to the pools its live replicas are in (as
+        `_republished` with reason `listed`; a segment the policy saw go down, whose sweep the
+        listing may predate, is left out, as the adoption leaves it out) and goes when it has
+        none (decision `evicted`, reason `not_listed`). A republish still to come applies after
+        it. Returns "moved", "gone" or "" (nothing changed)."""
+        held = self._held.get(key)
+        if held is None or key not in self.core or self.core.is_evicting(key):
+            return ""
+        placements: dict[str, int] = {}
+        on_disk: dict[str, int] = {}
+        for obj in listing:
+            if obj.size_bytes <= 0:
+                continue
+            for replica in obj.replicas:
+                sid = replica.segment_id
+                known = sid in self._capacity or sid in held[2] or ssd_pool(sid) in held[2]
+                if sid in self._dropping or not known:
+                    continue  # a segment gone down here (its pools dropped, or being dropped)
+                placements[sid] = placements.get(sid, 0) + obj.size_bytes
+                if tier_of_slot(replica.slot) == "ssd":
+                    on_disk[sid] = on_disk.get(sid, 0) + obj.size_bytes
+        if not placements:
+            self._decisions.record(key, at_ms, "evicted", "not_listed")
+            self._forget(key)
+            return "gone"
+        pools = tiered_pools(placements, on_disk)
+        if pools == held[2]:
+            return ""
+        group_bytes = sum(obj.size_bytes for obj in listing if obj.size_bytes > 0)
+        self._republished(key, pools, at_ms, group_bytes, reason="listed")
+        return "moved"
 
     def _dead_segment_dropped(self, segment_id: str, incarnation: int, at_ms: int) -> bool:
         """A segment the directory's segment listing, taken after its groups were listed, does
@@ -474,6 +542,29 @@ class GroupRecords:
             pass
         return True
 
+    def _name(self, key: bytes) -> None:
+        """A tracked group named by a `published` event or a listing page: heard of since the
+        latest adoption began (`_named`), missed no more."""
+        self._named.add(key)
+        self._unnamed.discard(key)
+        self._missed.discard(key)
+        self._doomed.discard(key)
+
+    def _unname(self, key: bytes) -> None:
+        """A group no longer tracked: in none of the naming sets."""
+        self._named.discard(key)
+        self._unnamed.discard(key)
+        self._missed.discard(key)
+        self._doomed.discard(key)
+
+    def check_named(self) -> None:
+        """Every tracked group is in exactly one of `_named`, `_unnamed`, `_missed`, `_doomed`,
+        and nothing else is (O(groups): for tests)."""
+        sets = (self._named, self._unnamed, self._missed, self._doomed)
+        invariant(sum(len(s) for s in sets) == len(self._group_ids), "a group named twice or not at all")
+        invariant(all(key in self._group_ids for s in sets for key in s), "an untracked group named")
+        invariant(all(any(key in s for s in sets) for key in self._group_ids), "a tracked group unnamed")
+
     def _forget(self, gid: bytes) -> None:
         if self._gone_while_adopting is not None:
             self._gone_while_adopting.add(gid)
@@ -492,6 +583,7 @@ class GroupRecords:
         if gid in self.core:
             self.core.removed(gid)
         self._adopted.discard(gid)
+        self._unname(gid)
         self._group_ids.pop(gid, None)
         self._held.pop(gid, None)
         self._hits.pop(gid, None)

@@ -31,10 +31,11 @@ event loop):
   adopted from the directory's listing (`adopt_listed`: ranked as last used before the policy
   started, no parent), so a cluster older than the stream's retention is still evicted; and
   what it tracks is reconciled with that listing (a resync): a group listed on other pools
-  moves to them, one no page named (evicted, invalidated, lost in the gap) goes, and a
-  segment not up in the segment listing taken after it loses its pools once they are empty;
-  what an event applied since the adoption began says stands (`adopt_listed`). The lost
-  events' hits and recency are gone.
+  moves to them, one that two whole listings in a row did not name (evicted, invalidated,
+  lost in the gap; one listing may come from a new directory leader whose rebuild missed a
+  segment) goes, and a segment not up in the segment listing taken after it loses its pools
+  once they are empty; what an event applied since the adoption began says stands
+  (`adopt_listed`). The lost events' hits and recency are gone.
 - **ticker**: every `tick_ms`, the core's `Tick` (stepped through its `CoreDriver`,
   `kvfabric.runtime.core_driver`, on the wall clock, never backwards) returns victim batches
   (tails before heads), which the driver has performed in order (`_perform`); each
@@ -184,7 +185,8 @@ DEMOTE_PAUSE_MS: Final = 30_000  # a segment's demotion after a demote request g
 FOLLOW_RETRY_S_MAX: Final = 15.0  # the event follower's backoff, doubling from RETRY_S
 ADOPT_PAGE_GROUPS: Final = 1_000  # groups per `list_groups` page when adopting a listing
 ADOPT_PAGES_MAX: Final = 1_000_000  # pages per shard (each bounded by the directory's reply size)
-ADOPT_FORGET_STEP: Final = 1_000  # unlisted groups forgotten a turn of the loop (`_forget_unlisted`)
+# groups moved between the naming sets, or forgotten, a turn of the loop (`_pop_steps`)
+ADOPT_FORGET_STEP: Final = 1_000
 ADOPT_RETRY_S: Final = 2.0  # a failed listing is tried again after this, doubling up to ...
 ADOPT_RETRY_MAX_S: Final = 120.0
 # Adoption waits for the follower to apply the stream (before the listing, and past it) as long
@@ -234,8 +236,12 @@ class EvictionShell(GroupRecords):
         self._events_fresh = True  # see `GroupRecords`: tests apply events as they come
         self._gone_while_adopting: set[bytes] | None = None  # see `GroupRecords`
         self._down_while_adopting: set[str] | None = None
-        self._unlisted: set[bytes] | None = None  # see `GroupRecords`
-        self._up_while_adopting: set[str] | None = None
+        self._up_while_adopting: set[str] | None = None  # see `GroupRecords`
+        # which adoption last named each tracked group: see `GroupRecords`
+        self._named: set[bytes] = set()
+        self._unnamed: set[bytes] = set()
+        self._missed: set[bytes] = set()
+        self._doomed: set[bytes] = set()
         self._adopt_after_seq = 0  # the stream's end when events were found lost
         self._stream_bounds = StreamBounds()  # the events stream's creation time, as last seen
         # The stream lost events the policy never applied. Set from the start: once the stream
@@ -249,7 +255,7 @@ class EvictionShell(GroupRecords):
         self.groups_adopted = 0
         self.adoptions = 0
         self.groups_relisted = 0  # tracked groups a listing moved to other pools (`_relisted`)
-        self.groups_unlisted = 0  # tracked groups no listing named: gone (`_unlisted_gone`)
+        self.groups_unlisted = 0  # tracked groups two listings missed: gone (`_missed_twice_gone`)
         self.segments_unlisted = 0  # segments not up in the listing: their pools gone
         self.demote = demote
         self.demote_min_hits = demote_min_hits
@@ -524,22 +530,28 @@ class EvictionShell(GroupRecords):
         A resync, not only an addition: what the lost events removed is removed too. A tracked
         group a page names, and no event applied since the adoption began named, moves to the
         pools listed (`_relisted`: a replica of a segment lost in the gap goes). Once every
-        shard is listed whole (no shard cut at `ADOPT_PAGES_MAX` pages), a group tracked as the
-        adoption began that no page named, nor any event applied since, is gone
-        (`_unlisted_gone`; one named by an event since is as the event says: the listing may
-        have been read before it); then the segment listing, taken after the groups', tells
-        which segments are not up: their pools go once they hold nothing
-        (`_dead_segment_dropped`). Returns the groups adopted (public for tests)."""
+        shard is listed whole (no shard cut at `ADOPT_PAGES_MAX` pages), a tracked group that
+        neither this listing nor the whole one before it named, nor any event applied since
+        the first of them, is gone (`_forget_missed`; one named by an event is as the event
+        says: the listing may have been read before it); one only this listing missed is
+        missed once (kept, with its rank: a new directory leader whose rebuild missed a segment
+        lists none of its groups until that segment's own rebuild, whose `shard_started` asks
+        for the next adoption). Then the segment listing, taken after the groups', tells which
+        segments are not up: their pools go once they hold nothing (`_dead_segment_dropped`).
+        Nothing here copies the groups tracked (`GroupRecords._named`: sets swapped and popped
+        in steps). Returns the groups adopted (public for tests)."""
         router = self._dir()
         query = m.ListGroups(limit=ADOPT_PAGE_GROUPS, with_objects=True)
-        adopted = relisted = 0
+        adopted = relisted = unlisted = missed = down = 0
         whole = True  # every shard listed to its last page
-        # A segment still being dropped (`GroupRecords._segment_down`, in steps) is down too:
-        # its pools already dropped would take a listed replica back, on a dead segment.
+        await self._begin_naming()
+        # (no await from the swap above to here: what is named from now on is named since the
+        # adoption began) A segment still being dropped (`GroupRecords._segment_down`, in
+        # steps) is down too: its pools already dropped would take a listed replica back, on a
+        # dead segment.
         self._gone_while_adopting = set()
         self._down_while_adopting = {p for p in self._dropping if not is_ssd_pool(p)}
         self._up_while_adopting = set()
-        self._unlisted = set(self._group_ids)  # every group tracked now (the same key objects)
         try:
             for shard in range(await router.known_shards()):
                 last: m.GroupList | None = None
@@ -561,17 +573,18 @@ class EvictionShell(GroupRecords):
                 whole = whole and (last is None or not last.next_after)
             self.groups_adopted += adopted
             self.groups_relisted += relisted
-            unlisted = await self._forget_unlisted() if whole else 0
-            down = await self._drop_unlisted_segments(router) if whole else 0
+            if whole:
+                unlisted, missed = await self._forget_missed()
+                down = await self._drop_unlisted_segments(router)
         finally:
-            self._gone_while_adopting = self._down_while_adopting = None
-            self._unlisted = self._up_while_adopting = None
+            self._gone_while_adopting = self._down_while_adopting = self._up_while_adopting = None
         self.adoptions += 1
         self._log.info(
             "adopted",
             groups=adopted,
             relisted=relisted,
             unlisted=unlisted,
+            missed_once=missed,
             segments_down=down,
             whole=whole,
             tracked=len(self.core),
@@ -579,19 +592,53 @@ class EvictionShell(GroupRecords):
         await self._forget_adopted()
         return adopted
 
-    async def _forget_unlisted(self) -> int:
-        """The groups no page of the whole listing named, nor any event since the adoption began
-        (`_unlisted`), forgotten `ADOPT_FORGET_STEP` at a time, the loop running between steps
-        (events applied meanwhile still take a group out of `_unlisted`). Returns how many."""
-        assert self._unlisted is not None
-        gone = 0
-        keys = list(self._unlisted)
-        for at in range(0, len(keys), ADOPT_FORGET_STEP):
-            now = self._driver.now_ms()
-            gone += sum(self._unlisted_gone(key, now) for key in keys[at : at + ADOPT_FORGET_STEP])
-            await asyncio.sleep(0)
+    async def _begin_naming(self) -> None:
+        """An adoption begins: every tracked group not missed is not named by it yet (`_unnamed`
+        gets `_named`, which is empty then). A swap, as a rule; after a listing cut short or
+        failed (its unnamed groups left in `_unnamed`), the smaller set is moved into the larger
+        first, `ADOPT_FORGET_STEP` a turn of the loop (events meanwhile name groups into
+        `_named`, which is moved too: the adoption has not begun). Returns with no await after
+        the swap: the caller's adoption begins there."""
+        if len(self._named) < len(self._unnamed):
+            await self._pop_steps(self._named, self._unnamed.add)
+        else:
+            await self._pop_steps(self._unnamed, self._named.add)
+            self._unnamed, self._named = self._named, self._unnamed
+
+    async def _forget_missed(self) -> tuple[int, int]:
+        """After a whole listing: the groups the whole listing before it missed, that neither it
+        nor an event since named (`_missed`), go (`_doomed`, `_missed_twice_gone`: but victims
+        under way and groups being dropped with their segment, missed still); those this listing
+        missed (`_unnamed`) are missed once (`_missed`). All by popping, `ADOPT_FORGET_STEP` a
+        turn of the loop, events applied in between (an event that names a group takes it out
+        of these sets). Returns (groups gone, groups missed once now)."""
+        gone = await self._forget_doomed()  # the rest of a pass cut short (its task cancelled)
+        self._doomed, self._missed = self._missed, self._doomed  # (the latter empty)
+        gone += await self._forget_doomed()
+        if len(self._unnamed) > len(self._missed):  # (both end in `_missed`: move the smaller)
+            self._unnamed, self._missed = self._missed, self._unnamed
+        await self._pop_steps(self._unnamed, self._missed.add)
         self.groups_unlisted += gone
+        return gone, len(self._missed)
+
+    async def _forget_doomed(self) -> int:
+        """`_doomed` emptied, `ADOPT_FORGET_STEP` a turn of the loop: how many went."""
+        gone = 0
+        while self._doomed:
+            now = self._driver.now_ms()
+            for _ in range(min(ADOPT_FORGET_STEP, len(self._doomed))):
+                gone += self._missed_twice_gone(self._doomed.pop(), now)
+            await asyncio.sleep(0)
         return gone
+
+    @staticmethod
+    async def _pop_steps(source: set[bytes], into: Callable[[bytes], None]) -> None:
+        """Every key of `source` popped into `into`, `ADOPT_FORGET_STEP` a turn of the loop, until
+        it is empty (keys events add meanwhile too; those they take out are not popped)."""
+        while source:
+            for _ in range(min(ADOPT_FORGET_STEP, len(source))):
+                into(source.pop())
+            await asyncio.sleep(0)
 
     async def _drop_unlisted_segments(self, router: DirectoryRouter) -> int:
         """The segments the directory's segment listing (taken now, after the groups') does not
@@ -1082,12 +1129,20 @@ class EvictionShell(GroupRecords):
                 # went (drained, scrubbed, a cold extra, its segment lost) after it was chosen:
                 # not demoted (it was moved to the disk pool, bytes counted on a disk that never
                 # had them, and the directory's republish held back meanwhile set aside as older
-                # than the move). It stays, and that republish, held back or to come, applies.
+                # than the move). It stays, and the republish held back meanwhile applies
+                # (`_stays`); with none held back, this fresh listing does (`_listed_where`): the
+                # republish may have been among lost events, and then nothing fixed the records
+                # (chosen again each cooldown, `not_found` each time, its bytes counted here).
                 outcome = "demoted" if _on_disk_there(segment_id, listing) else "not_found"
                 outcomes[chain] = outcome
                 if outcome == "demoted":
                     self._moved(chain, segment_id, self._driver.now_ms())
+                    self._demote_outcome(chain, outcome, handled, segment_id)
+                    continue
+                told = chain in self._held_back
                 self._demote_outcome(chain, outcome, handled, segment_id)
+                if not told:
+                    self._listed_where(chain, [obj for _, obj in listing], self._driver.now_ms())
                 continue
             if not demote_request_fits(len(pending), objects_n, bytes_n, len(objects), nbytes):
                 if (sent or not judged) and self._out_of_room(room_until_ms, bytes_n, segment_id):
