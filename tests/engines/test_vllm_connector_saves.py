@@ -1212,3 +1212,52 @@ def test_the_metrics_ports_follow_the_global_data_parallel_rank(engine_config: A
     finally:
         for client in clients:
             client.close()
+
+
+class LateLookups(FakeClient):
+    """Lookups that are not back when first asked; `answer` ends the last one with a lease of
+    `lease_left_ms` left."""
+
+    def __init__(self, chunks: int) -> None:
+        super().__init__(chunks)
+        self.pending: list[concurrent.futures.Future[Hit]] = []
+
+    def lookup_async(self, tokens: list[int], **_: Any) -> concurrent.futures.Future[Hit]:
+        self.lookups_asked = getattr(self, "lookups_asked", 0) + 1
+        future: concurrent.futures.Future[Hit] = concurrent.futures.Future()
+        self.pending.append(future)
+        return future
+
+    def answer(self) -> Hit:
+        hit = Hit(
+            self.chunks * BLOCK,
+            BLOCK,
+            (),
+            (),
+            objects=((),) * self.chunks,
+            lease_id=9,
+            lease_expires_ms=now_ms() + self.lease_left_ms,
+        )
+        self.pending[-1].set_result(hit)
+        return hit
+
+
+def test_a_lookup_back_long_ago_is_looked_up_again_before_a_load_is_planned(scheduler_side: Any) -> None:
+    """A lookup that came back while vLLM could not schedule its request, asked for only when its
+    lease is about to lapse: given back and looked up again, never planned (its load would fail
+    and be recomputed)."""
+    tokens = prompt_ids(3 * BLOCK + 1, seed=12)
+    connector = scheduler_side(3)
+    client = LateLookups(3)
+    connector.client = client
+    connector._lookups_fast = False  # not waited for: the first ask is "ask again"
+    request = SimpleNamespace(request_id="late", prompt_token_ids=tokens)
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
+    client.lease_left_ms = 2_000  # back, but asked for only when 2 s of its lease are left
+    stale = client.answer()
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)  # a new lookup
+    assert client.released == [stale] and client.lookups_asked == 2
+    client.lease_left_ms = 60_000
+    client.answer()
+    assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
+    assert client.lookups_asked == 2

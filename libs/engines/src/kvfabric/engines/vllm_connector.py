@@ -568,7 +568,7 @@ class KvfabricConnector(KVConnectorBase_V1):
             # for the load (a new lookup every step released it and made the scheduler wait on
             # the directory again; review, 2026-12-05); near its expiry, a new lookup.
             held = planned[0]
-            if not held.lease_id or held.lease_expires_ms - now_ms() > LEASE_REUSE_LEFT_MS:
+            if not held.lease_id or held.lease_expires_ms - now_ms() > self._lease_left_min_ms():
                 return held.tokens - num_computed_tokens, False
         self._pending_loads.pop(rid, None)  # a new answer comes (or none): never the old hit
         if pending is None and num_computed_tokens >= (len(tokens) - 1) // self.block_size * self.block_size:
@@ -578,6 +578,7 @@ class KvfabricConnector(KVConnectorBase_V1):
                 self._release(rid)
                 self._backfills[rid] = self._start_lookup(tokens, rid)
             return 0, False
+        asked_before = pending is not None  # a lookup an earlier step started
         if pending is None:
             self._release(rid)
             self._drop_backfill(rid)  # vLLM's cache no longer covers it: this lookup decides
@@ -586,8 +587,22 @@ class KvfabricConnector(KVConnectorBase_V1):
                 return None, False
         elif not pending.done():
             return None, False
-        del self._lookups[rid]
         hit = _result(pending)
+        if (
+            asked_before
+            and hit is not None
+            and hit.lease_id
+            and hit.lease_expires_ms - now_ms() <= self._lease_left_min_ms()
+        ):
+            # Back long ago and asked for only now (vLLM had no room for the request until
+            # this step): its lease may lapse before the load runs, a failed load recomputed
+            # (review: it was planned whatever its age). Given back; a new lookup, as above.
+            self.client.release(hit)
+            pending = self._lookups[rid] = self._start_lookup(tokens, rid)
+            if not self._wait_for(pending):
+                return None, False
+            hit = _result(pending)
+        del self._lookups[rid]
         if hit is None:  # cancelled: the client is closing; a miss, never an error in vLLM's step
             return 0, False
         if hit.lease_id:
@@ -597,6 +612,13 @@ class KvfabricConnector(KVConnectorBase_V1):
             return 0, False
         self._pending_loads[rid] = (hit, num_computed_tokens // self.block_size)
         return hit.tokens - num_computed_tokens, False
+
+    def _lease_left_min_ms(self) -> int:
+        """A hit's lease must have this long left to plan a load under it: `LEASE_REUSE_LEFT_MS`,
+        or a third of the client's lease TTL when that is shorter (a fresh lease always passes,
+        or every lookup would be looked up again)."""
+        ttl_ms = getattr(getattr(self.client, "settings", None), "lease_ttl_ms", 3 * LEASE_REUSE_LEFT_MS)
+        return min(LEASE_REUSE_LEFT_MS, int(ttl_ms) // 3)
 
     def _start_lookup(self, tokens: list[int], rid: str) -> concurrent.futures.Future[Hit]:
         started = time.monotonic()
