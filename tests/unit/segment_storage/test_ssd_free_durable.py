@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.core.disk_records import Record
+from kvfabric.core.disk_records import RECORD_BYTES, Record
 from kvfabric.core.disk_slots import DiskSlotTable
 from kvfabric.format.checksum import checksum
 from kvfabric.format.errors import NoCapacity, Unavailable
@@ -38,6 +38,30 @@ class FlakyIo(SsdIo):
         super().write_record(fd, view, offset)
 
 
+class BadSectorIo(SsdIo):
+    """The I/O engine on the calling thread; every write that covers `bad_offset` fails (a bad
+    index sector: the one record there fails at every retry, the others land)."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 64, 1 << 20)
+        self.bad_offset: int | None = None
+
+    def write_record(self, fd: int, view: memoryview, offset: int) -> None:
+        if self.bad_offset is not None and offset <= self.bad_offset < offset + len(view):
+            raise OSError(5, "Input/output error")
+        super().write_record(fd, view, offset)
+
+
+class FakeClock:
+    """The tier's monotonic clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class FlakySync:
     """`fdatasync`, failing while `fail` is set."""
 
@@ -50,7 +74,13 @@ class FlakySync:
         os.fdatasync(fd)
 
 
-def open_tier(directory: Path, io: SsdIo, slots_max: int = 1, sync: FlakySync | None = None) -> SsdTier:
+def open_tier(
+    directory: Path,
+    io: SsdIo,
+    slots_max: int = 1,
+    sync: FlakySync | None = None,
+    clock: FakeClock | None = None,
+) -> SsdTier:
     return SsdTier(
         directory,
         SEGMENT,
@@ -60,7 +90,13 @@ def open_tier(directory: Path, io: SsdIo, slots_max: int = 1, sync: FlakySync | 
         io=io,
         read_bytes_max=1 << 20,
         sync=sync if sync is not None else os.fdatasync,
+        clock=clock if clock is not None else FakeClock(),
     )
+
+
+def bad_sector_of(tier: SsdTier, wire_slot: int) -> int:
+    """The file offset of a slot's index record."""
+    return tier.geometry.index_offset + tier.local(wire_slot) * RECORD_BYTES
 
 
 def store(tier: SsdTier, data: bytes, key: bytes) -> tuple[int, int]:
@@ -105,26 +141,23 @@ def test_a_free_whose_record_write_failed_is_acknowledged_once_a_retry_made_it_d
 def test_a_free_not_acknowledged_is_what_a_restart_before_the_retry_recovers(tmp_path: Path) -> None:
     """Why an acknowledged free was wrong: the process ends before the retry lands, the slot's
     record on disk is still the commit record, and the object is recovered — the directory must
-    not have been told it was gone. A batch whose record write failed is acknowledged in none of
-    its pairs (their records are synced together: none is durable)."""
+    not have been told it was gone. The other record of its batch is written, synced and
+    acknowledged: it is not recovered."""
     io = FlakyIo()
     tier = open_tier(tmp_path, io, slots_max=4)
     try:
         first = store(tier, os.urandom(4096), b"first")
         second = store(tier, os.urandom(4096), b"second")
         io.fail_records = 1
-        assert tier.free_many([first, second]) == []
+        assert tier.free_many([first, second]) == [second]
     finally:
         io.close()
         tier.close()  # no retry: the process ended
     io = FlakyIo()
     tier = open_tier(tmp_path, io, slots_max=4)
     try:
-        assert [(h.slot, h.generation, h.key) for h in tier.held()] == [
-            (*first, b"first"),
-            (*second, b"second"),
-        ]
-        assert tier.free_many([first, second]) == [first, second]  # the recovered objects, freed now
+        assert [(h.slot, h.generation, h.key) for h in tier.held()] == [(*first, b"first")]
+        assert tier.free_many([first, second]) == [first, second]  # the recovered one freed now
         assert tier.held() == []
     finally:
         io.close()
@@ -157,26 +190,98 @@ def test_after_a_failed_sync_frees_are_acknowledged_as_a_crash_would_leave_them(
         tier.close()
 
 
-def test_free_records_that_keep_failing_are_acknowledged_after_the_bound(tmp_path: Path) -> None:
-    """Record writes that fail again at every retry (a bad index sector) held the frees
-    unanswered for good; from `UNLINK_FAILURES_MAX` failures in a row they are acknowledged,
-    and a record write that lands again restores the rule."""
-    io = FlakyIo()
-    tier = open_tier(tmp_path, io, slots_max=4)
+def test_a_bad_sectors_free_is_acknowledged_after_the_give_up_time_despite_other_frees(
+    tmp_path: Path,
+) -> None:
+    """A free record on a bad index sector fails at every retry. A count of failed writes in a
+    row, shared by the tier, was reset by every unrelated free that landed meanwhile, so the
+    bad sector's free was never acknowledged (its group `evicting` at the directory for good).
+    Each record's own first failure counts: after `UNLINK_GIVE_UP_S` it is acknowledged, not
+    before, whatever else landed; its record is still retried."""
+    io = BadSectorIo()
+    clock = FakeClock()
+    tier = open_tier(tmp_path, io, slots_max=8, clock=clock)
     try:
-        a = store(tier, os.urandom(5000), b"a")
-        b = store(tier, os.urandom(5000), b"b")
-        io.fail_records = ssd.UNLINK_FAILURES_MAX
-        assert tier.free_many([a]) == []
-        for _ in range(ssd.UNLINK_FAILURES_MAX - 2):
+        bad = store(tier, os.urandom(5000), b"bad")
+        io.bad_offset = bad_sector_of(tier, bad[0])
+        assert tier.free_many([bad]) == []
+        failed_at = clock.now
+        for second in range(1, 100):  # a second each: the retry, then the directory asks again
+            clock.now = failed_at + second
             assert tier.retry_unlinks() == 1
-            assert tier.free_many([a]) == []
-        assert tier.retry_unlinks() == 1  # the bound's failure
-        assert tier.free_many([a]) == [a]
+            if second % 5 == 0:  # unrelated frees land meanwhile
+                other = store(tier, os.urandom(5000), b"other")
+                assert tier.free_many([other]) == [other]
+            got = tier.free_many([bad])
+            if second < ssd.UNLINK_GIVE_UP_S:
+                assert got == [], second
+            else:
+                assert got == [bad], second
+                break
+        assert clock.now == failed_at + ssd.UNLINK_GIVE_UP_S
         assert tier.counters["frees_acknowledged_undurable_total"] == 1
-        assert tier.retry_unlinks() == 1  # lands now
-        assert tier.free_many([a, b]) == [a, b]  # durable, both
+        assert tier.all_counters()["ssd_frees_acknowledged_undurable_total"] == 1
+        assert tier.unlinks_pending and tier.retry_unlinks() == 1  # still written again
+        io.bad_offset = None  # the sector is remapped: it lands, the slot is free again
+        assert tier.retry_unlinks() == 1 and not tier.unlinks_pending
+        assert tier.free_many([bad]) == [bad]  # durable now: not counted again
         assert tier.counters["frees_acknowledged_undurable_total"] == 1
+        assert tier.stats()["used_bytes"] == 0 and tier._unlink_failing == {}
+    finally:
+        io.close()
+        tier.close()
+
+
+def test_a_good_record_sorted_after_a_bad_one_is_written_and_acknowledged(tmp_path: Path) -> None:
+    """`_unlink` stopped at the first record that failed, and the retries hand records back by
+    slot: a bad sector's record led every retry batch, and a good record after it was never
+    written, its free never acknowledged, its space held. It is written at once now, and only
+    the bad one is retried."""
+    io = BadSectorIo()
+    tier = open_tier(tmp_path, io, slots_max=8)
+    try:
+        bad, good = (store(tier, os.urandom(5000), key) for key in (b"bad", b"good"))
+        assert bad[0] < good[0]
+        io.bad_offset = bad_sector_of(tier, bad[0])
+        assert tier.free_many([bad, good]) == [good]
+        assert tier.counters["unlinks_failed_total"] == 1  # the bad one alone
+        for _ in range(3):  # the retries carry the bad one alone
+            assert tier.retry_unlinks() == 1
+            assert tier.free_many([bad, good]) == [good]
+        assert tier.stats()["used_bytes"] == 8192  # the good one's extent is free again
+    finally:
+        io.close()
+        tier.close()
+    io = BadSectorIo()
+    tier = open_tier(tmp_path, io, slots_max=8)
+    try:  # a restart brings back the bad one's object alone
+        assert [(h.slot, h.generation, h.key) for h in tier.held()] == [(*bad, b"bad")]
+    finally:
+        io.close()
+        tier.close()
+
+
+def test_a_burst_of_failures_within_a_second_acknowledges_nothing(tmp_path: Path) -> None:
+    """30 failed record writes from concurrent free batches piled up in under a second and the
+    frees were acknowledged, though the next retry would have landed. Time counts, per record,
+    not failures."""
+    io = FlakyIo()
+    clock = FakeClock()
+    tier = open_tier(tmp_path, io, slots_max=64, clock=clock)
+    try:
+        objects = [store(tier, os.urandom(1000), b"k%d" % i) for i in range(40)]
+        io.fail_records = 10_000  # every record write fails, for now
+        for n, one in enumerate(objects):  # 40 failing batches within half a second
+            clock.now += 0.01
+            assert tier.free_many([one]) == []
+            assert tier.free_many(objects[: n + 1]) == []  # asked again: none acknowledged
+        assert tier.counters["unlinks_failed_total"] == 40
+        assert "frees_acknowledged_undurable_total" not in tier.counters
+        io.fail_records = 0
+        clock.now += 1.0  # the next second's retry lands
+        assert tier.retry_unlinks() == 40
+        assert tier.free_many(objects) == objects  # durable, every one
+        assert "frees_acknowledged_undurable_total" not in tier.counters
     finally:
         io.close()
         tier.close()

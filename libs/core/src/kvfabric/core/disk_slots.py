@@ -61,7 +61,9 @@ commit's free record then carries 1), as one whose record does not decode.
   record, the writer writes it and calls `unlinked`.
 - `free` -> a returned record is the caller's to write, then `unlinked`. If that write fails, the
   caller hands it back (`unlink_failed`): the slot stays UNLINKING (its extent held) and
-  `take_failed_unlinks()` hands it out once more, to one caller. Never a record whose write is
+  `take_failed_unlinks()` hands it out once more, to one caller. Each record on its own: of
+  records handed out together, those written and synced are `unlinked` and those whose write
+  failed handed back (one bad index sector must not hold the others back). Never a record whose write is
   still under way elsewhere: a retry that rewrote such a record after its slot was reused wrote
   a stale free record over the new object's commit record (review, 2026-12-05).
   `pending_unlinks()` lists every record handed out and not yet durable (tests, models).

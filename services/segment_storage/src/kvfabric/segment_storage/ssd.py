@@ -17,10 +17,12 @@ them, then `unlinked` each: only then may the extent and slot be reused, and onl
 acknowledged (returned to the directory, which stops asking). One whose record's write or sync
 failed is not: its slot stays held, `retry_unlinks` writes the record again, and the directory's
 next free of it is acknowledged once that landed — until then a restart recovers the object from
-its commit record. Once no record can be made durable (a sync failed, or `UNLINK_FAILURES_MAX`
-record writes in a row did), frees are acknowledged as they come (counted
-`frees_acknowledged_undurable_total`): held, each group with a disk replica here stayed
-`evicting` at the directory for good; a restart then recovers them as after a crash. A crash between any two
+its commit record. A record that fails does not stop the others of its batch: they are written,
+synced and `unlinked` (one bad index sector failed every retry batch it led). A free whose own
+record has failed for `UNLINK_GIVE_UP_S` (a bad sector), or any free once a sync failed, is
+acknowledged though not durable (counted `frees_acknowledged_undurable_total`): held, each group
+with a disk replica here stayed `evicting` at the directory for good; a restart then recovers
+them as after a crash. A crash between any two
 steps leaves an index from which `recover` returns exactly the objects whose bytes and commit
 record were complete (tests/unit/segment_storage/test_ssd_crash.py tears and drops writes at
 every step; tests/unit/core/test_disk_slots_machine.py checks the protocol against a model).
@@ -47,9 +49,10 @@ the disk), given back when the write returns.
 
 Bounds: the I/O engine runs at most `io_threads` pieces at once and holds at most
 `io_queue_max` pieces queued or running; a request that would exceed it is `Busy` at once (one
-request always may when none is in flight: an object of more pieces), and one tenant's reads
-hold at most three quarters of those pieces (`IO_TENANT_SHARE_DIVISOR`). Reads hold at most
-`read_bytes_max` bytes of buffers, one tenant's three quarters of them; past it, `Busy`. A device
+request always may when none is in flight: an object of more pieces), and while another tenant
+reads, one tenant's reads hold at most three quarters of those pieces (`IO_TENANT_SHARE_DIVISOR`).
+Reads hold at most `read_bytes_max` bytes of buffers, one tenant's three quarters of them; past
+it, `Busy`. A device
 that never answers an I/O holds the thread that issued it (a syscall cannot be cancelled); the
 bounds then turn the rest away. A failed `fdatasync` (the kernel may have dropped the dirty
 pages) stops the tier for writes until restart (`Unavailable`, reason `ssd_failed`): what it
@@ -152,9 +155,12 @@ WRITE_BOUNCE_BYTES_MAX: Final = 64 << 20
 # One tenant's disk reads in flight leave this share of `read_bytes_max` to the others (by the
 # key's share domain; one read of a tenant holding none always may, within the whole budget).
 READ_TENANT_SHARE_DIVISOR: Final = 4
-# Free-record writes failed this many times in a row (`retry_unlinks` tries once a second): the
-# directory's frees are acknowledged from then on, not durable (`free_many`)
-UNLINK_FAILURES_MAX: Final = 30
+# A free whose own record has failed this long (`retry_unlinks` writes it again every second: a bad
+# index sector) is acknowledged to the directory though not durable (`free_many`). Per record, from
+# its first failure: a count of failed writes shared by the tier was reset by any unrelated free
+# that landed (a bad sector's free was never acknowledged) and reached by a burst of concurrent
+# failing batches within a second (frees acknowledged whose next retry would have landed).
+UNLINK_GIVE_UP_S: Final = 30.0
 _SEGMENTS_OWN: Final = b"\x00segment"  # the tenant the segment's own reads are counted for
 
 
@@ -183,6 +189,7 @@ class SsdTier:
         verify_on_start: bool = False,
         sync: Callable[[int], None] = os.fdatasync,
         stream_head_divisor: int = STREAM_HEAD_DIVISOR_DEFAULT,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = ssd_file_path(directory, segment_id)
         self.segment_id = segment_id
@@ -203,7 +210,11 @@ class SsdTier:
         self.read_bytes_in_flight = 0
         self._read_bytes_by_tenant: dict[bytes, int] = {}  # of `read_bytes_in_flight`, per key's tenant
         self.unlinks_pending = False  # a free record's write failed: `retry_unlinks` has work
-        self._unlink_failures = 0  # free-record writes (or their sync) failed in a row
+        self._clock = clock  # seconds, monotonic: when a free record first failed (`UNLINK_GIVE_UP_S`)
+        # local slot -> (its free record's generation, when that record's write or sync first
+        # failed): an entry per slot whose free record is not durable after a failure (bounded by
+        # `slots_max`), dropped when the record lands (`unlinked`; the slot is reused only after)
+        self._unlink_failing: dict[int, tuple[int, float]] = {}
         # op -> (count per bucket of IO_SECONDS_BUCKETS + one for +Inf, sum of seconds)
         self._latency: dict[str, tuple[list[int], list[float]]] = {
             op: ([0] * (len(IO_SECONDS_BUCKETS) + 1), [0.0]) for op in ("write", "read")
@@ -619,7 +630,9 @@ class SsdTier:
         sync failed: the slot stays held, `retry_unlinks` writes it again; or another thread is
         writing it) or of an object still being written (its writer may write a free record
         yet): the directory asks again. An acknowledged free whose record was lost came back
-        at the next start (review, 2026-12-07: every free was returned, whatever its record's fate)."""
+        at the next start (review, 2026-12-07: every free was returned, whatever its record's fate).
+        Returned though not durable (counted `frees_acknowledged_undurable_total`): every free
+        once a sync failed, and one whose own record has failed for `UNLINK_GIVE_UP_S`."""
         records: list[Record] = []
         with self.lock:
             for slot, generation in slots:
@@ -632,44 +645,72 @@ class SsdTier:
                     records.append(result.record)
         if records:
             self._unlink(records)
+        now = self._clock()
         with self.lock:
-            if self._frees_undurable():
-                # No free record can be made durable any more (a sync failed: nothing written
-                # after it counts; or record writes keep failing): held unanswered, every group
-                # with a disk replica here stayed `evicting` at the directory for good (its keys
-                # refused, its bytes counted to its tenant; review of the change). Acknowledged
-                # as a crash would leave them: the restart's recovery reports what came back,
-                # and the directory adopts or frees it.
-                undurable = [(s, g) for s, g in slots if not self.table.free_durable(self.local(s), g)]
-                if undurable:
-                    self._count("frees_acknowledged_undurable_total", len(undurable))
-                return list(slots)
-            return [(s, g) for s, g in slots if self.table.free_durable(self.local(s), g)]
+            sync_failed = self._sync.failed is not None
+            out: list[tuple[int, int]] = []
+            undurable = 0
+            for slot, generation in slots:
+                local = self.local(slot)
+                if self.table.free_durable(local, generation):
+                    out.append((slot, generation))
+                elif sync_failed or self._gave_up(local, generation, now):
+                    # Its record cannot be made durable (after a failed sync nothing written
+                    # counts) or has failed for `UNLINK_GIVE_UP_S` (a bad index sector): held
+                    # unanswered, every group with a disk replica here stayed `evicting` at the
+                    # directory for good (its keys refused, its bytes counted to its tenant).
+                    # Acknowledged as a crash would leave it: the restart's recovery reports what
+                    # came back, and the directory adopts or frees it. Its slot stays held here
+                    # and its record is still retried.
+                    undurable += 1
+                    out.append((slot, generation))
+            if undurable:
+                self._count("frees_acknowledged_undurable_total", undurable)
+            return out
 
-    def _frees_undurable(self) -> bool:
-        """Whether free records can no longer be made durable in this process: a sync failed, or
-        `UNLINK_FAILURES_MAX` writes of them in a row did."""
-        return self._sync.failed is not None or self._unlink_failures >= UNLINK_FAILURES_MAX
+    def _gave_up(self, local: int, generation: int, now: float) -> bool:
+        """Whether the free record of (local slot, object generation) has been failing for
+        `UNLINK_GIVE_UP_S` (under the lock). Its own record's first failure: not other frees'."""
+        failing = self._unlink_failing.get(local)
+        return failing is not None and failing[0] == generation + 1 and now - failing[1] >= UNLINK_GIVE_UP_S
 
     def _unlink(self, records: list[Record]) -> None:
-        """Write and sync free records, then let the table reuse their extents. On an I/O error
-        the slots stay held, handed back to the table (`unlink_failed`), retried by
-        `retry_unlinks`: only these, never a record another thread is writing."""
-        try:
-            for record in records:
+        """Write free records and sync once, then let the table reuse the extents of those that
+        are durable (`unlinked`). A record whose write fails is handed back to the table
+        (`unlink_failed`: its slot stays held, `retry_unlinks` writes it again; only these, never a
+        record another thread is writing) and the others are still written: this stopped at the
+        first failure, and `take_failed_unlinks` hands records back by slot, so one bad index
+        sector failed every retry batch it led and the records after it were never written
+        (review, 2026-12-07). A failed sync hands back every record written (none is durable).
+        The first failure of each record is remembered (`_unlink_failing`, `free_many`)."""
+        written: list[Record] = []
+        failed: list[Record] = []
+        for record in records:
+            try:
                 self._write_record(record)
-            self._sync.sync()
-        except (OSError, KvfError):
-            with self.lock:
-                self._count("unlinks_failed_total")
-                self.table.unlink_failed(records)
-                self.unlinks_pending = True
-                self._unlink_failures += 1
-            return
+            except (OSError, KvfError):
+                failed.append(record)
+            else:
+                written.append(record)
+        if written:
+            try:
+                self._sync.sync()
+            except (OSError, KvfError):
+                failed += written  # none of them is durable
+                written = []
+        now = self._clock()
         with self.lock:
-            self._unlink_failures = 0
-            for record in records:
+            for record in written:
+                self._unlink_failing.pop(record.slot, None)
                 self.table.unlinked(record.slot, record.generation)
+            if failed:
+                self._count("unlinks_failed_total", len(failed))
+                self.table.unlink_failed(failed)
+                self.unlinks_pending = True
+                for record in failed:
+                    known = self._unlink_failing.get(record.slot)
+                    if known is None or known[0] != record.generation:  # its first failure
+                        self._unlink_failing[record.slot] = (record.generation, now)
 
     def retry_unlinks(self) -> int:
         """Write again the free records whose write failed; 0 once a sync failed (nothing written

@@ -33,10 +33,10 @@ STREAM_PIECE_MIN_BYTES: Final = 64 << 10
 # then the rest; 1 (off): read whole. Off by default: on the shared 2-vCPU VM a head gained nothing
 # at 1 MiB and lost at 256 KiB (docs/ssd-tier.md "Figures", 2026-12-02 11:25).
 STREAM_HEAD_DIVISOR_DEFAULT: Final = 1
-# One tenant's pieces queued or running leave this share of `queue_max` to the others (the pieces
-# of reads made for a tenant: `SsdTier.read`, `read_stream`), as its read bytes leave a share of
-# `read_bytes_max` (`READ_TENANT_SHARE_DIVISOR`); the segment's own I/O (writes, `verify`) is no
-# tenant's.
+# One tenant's pieces queued or running leave this share of `queue_max` to the others while another
+# tenant has pieces in flight (the pieces of reads made for a tenant: `SsdTier.read`,
+# `read_stream`), as its read bytes leave a share of `read_bytes_max` (`READ_TENANT_SHARE_DIVISOR`);
+# the segment's own I/O (writes, `verify`) is no tenant's.
 IO_TENANT_SHARE_DIVISOR: Final = 4
 
 
@@ -56,11 +56,15 @@ class SsdIo:
     flight (one call always may, as one disk read always may: an object of more than `queue_max`
     pieces is otherwise never written). A call made for a tenant (`owner`: its share domain) is
     also `Busy` (counted: `busy_tenant_total`) when that tenant's pieces would go past three
-    quarters of `queue_max` while anything is in flight (`IO_TENANT_SHARE_DIVISOR`): the byte share
-    of reads (`SsdTier.read_bytes_max`) did not bound pieces, and one tenant's GETs of many small
-    disk objects (a piece each, far below its bytes) filled every slot, every other tenant's
-    disk reads `busy` meanwhile. A call returns when all its pieces are done (its buffer is free
-    again), and raises the first `OSError`."""
+    quarters of `queue_max` while another tenant has pieces in flight (`IO_TENANT_SHARE_DIVISOR`):
+    the byte share of reads (`SsdTier.read_bytes_max`) did not bound pieces, and one tenant's GETs
+    of many small disk objects (a piece each, far below its bytes) filled every slot, every other
+    tenant's disk reads `busy` meanwhile. Only then: counted whenever anything was in flight, a
+    GET's own earlier objects held its later ones to the share, and one GET of more than 192
+    one-piece disk objects (the default queue of 256) was `busy` with no other tenant reading
+    (review, 2026-12-07; with tenants off every read is one tenant's). Writes and the segment's
+    own reads neither count to a share nor make one apply. A call returns when all its pieces are
+    done (its buffer is free again), and raises the first `OSError`."""
 
     def __init__(self, threads: int, queue_max: int, chunk_bytes: int) -> None:
         invariant(threads >= 0 and queue_max >= 1 and chunk_bytes >= BLOCK_BYTES, "bad I/O engine bounds")
@@ -78,6 +82,7 @@ class SsdIo:
         # owner -> its pieces of `pieces_in_flight` (an entry only while it has some: bounded by
         # the pieces in flight)
         self._pieces_by_owner: dict[bytes, int] = {}
+        self._owned_pieces = 0  # the sum of `_pieces_by_owner`: tenants' pieces in flight
         self.busy_total = 0
         self.busy_tenant_total = 0  # calls refused at their tenant's share (not in `busy_total`)
 
@@ -101,9 +106,9 @@ class SsdIo:
         pieces (up to 1 GiB, past `io_queue_max` x `chunk_bytes`, 256 MiB by default) was `Busy`
         every time, so its demotion was asked again forever and its arena bytes never reclaimed
         (review, 2026-12-06). Bounded: it is one object, and while it runs every other call is `Busy`.
-        `owner`'s pieces are counted too, and kept to its share (class docstring): not a quarter
-        *at most* (with tenants off every read is one tenant's), and, as a read's bytes, a call
-        past the share may run when nothing at all is in flight."""
+        `owner`'s pieces are counted too, and kept to its share while another tenant has pieces in
+        flight (class docstring): not a quarter *at most* (with tenants off every read is one
+        tenant's), and not against its own pieces alone (a GET's earlier objects)."""
         with self._lock:
             in_flight = self.pieces_in_flight
             if in_flight and in_flight + pieces > self.queue_max:
@@ -111,11 +116,13 @@ class SsdIo:
                 raise Busy("disk tier I/O queue full", queue_max=self.queue_max, in_flight=in_flight)
             if owner is not None:
                 owner_in = self._pieces_by_owner.get(owner, 0)
+                others = self._owned_pieces - owner_in  # other tenants' pieces in flight
                 most = self.queue_max - self.queue_max // IO_TENANT_SHARE_DIVISOR
-                if in_flight and owner_in + pieces > most:
+                if others and owner_in + pieces > most:
                     self.busy_tenant_total += 1
                     raise Busy("a tenant's disk tier I/O pieces queued at its share", share_pieces=most)
                 self._pieces_by_owner[owner] = owner_in + pieces
+                self._owned_pieces += pieces
             self.pieces_in_flight += pieces
 
     def _ended(self, pieces: int, owner: bytes | None) -> None:
@@ -124,6 +131,7 @@ class SsdIo:
         if owner is not None:
             left = self._pieces_by_owner.get(owner, 0) - pieces
             invariant(left >= 0, "a tenant's I/O pieces went below zero", left=left)
+            self._owned_pieces -= pieces
             if left:
                 self._pieces_by_owner[owner] = left
             else:
