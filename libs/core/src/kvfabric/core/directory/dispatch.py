@@ -282,9 +282,9 @@ class DirectoryCore:
         plan = yield from plan_rebuild_steps(holdings, objects_max)
         effects: list[Effect] = []
         members = weighed = 0
-        for gid, (info, group_members) in plan.groups.items():
-            weighed += self.published_table.adopt_group(gid, info, group_members, effects)
-            members += len(group_members)
+        for gid, group in plan.groups.items():
+            weighed += self.published_table.adopt_group(gid, group, effects)
+            members += len(group.members)
             if weighed >= step:
                 weighed = 0
                 yield

@@ -55,7 +55,6 @@ from kvfabric.core.directory.base import (
     Context,
     Effect,
     EmitEvent,
-    Member,
     Outcome,
     Steps,
     check_batch,
@@ -64,7 +63,7 @@ from kvfabric.core.directory.base import (
 from kvfabric.core.directory.frees import FreeTable
 from kvfabric.core.directory.index import DomainIndex
 from kvfabric.core.directory.keys import GroupInfo, chain_of, domain_of, parse_group, parse_key
-from kvfabric.core.directory.rebuild import RebuiltMember
+from kvfabric.core.directory.rebuild import RebuiltGroup
 from kvfabric.core.directory.records import (
     FLAG_DEGRADED,
     MemberRecord,
@@ -219,23 +218,25 @@ class PublishedTable:
             ),
         )
 
-    def adopt_group(
-        self, gid: GroupKey, info: GroupInfo, members: dict[Member, RebuiltMember], effects: list[Effect]
-    ) -> int:
+    def adopt_group(self, gid: GroupKey, rebuilt: RebuiltGroup, effects: list[Effect]) -> int:
         """Publish one complete group a rebuild found (`rebuild`); returns how many replicas it
         holds (what `DirectoryCore.adopt_steps` bounds a step by)."""
         records = []
         degraded = False
-        for member, rebuilt in sorted(members.items()):
+        for _, mem in sorted(rebuilt.members.items()):  # by `member_code`: in member order
             replicas = tuple(
                 ReplicaRecord(self.segments.intern(r.segment_id, r.incarnation), r.slot, r.slot_generation)
-                for r in rebuilt.replicas
+                for r in mem.replicas
             )
             degraded |= replica_segments(replicas) < self.ctx.config.replicas_default
-            records.append(MemberRecord(*member, rebuilt.size_bytes, rebuilt.checksum, replicas))
+            records.append(
+                MemberRecord(
+                    mem.tp_rank, mem.pp_stage, mem.layer_group, mem.size_bytes, mem.checksum, replicas
+                )
+            )
         group = PublishedGroup(
-            self.intern_namespace(info.namespace),
-            info.chunk_index,
+            self.intern_namespace(rebuilt.namespace),
+            rebuilt.chunk_index,
             FLAG_DEGRADED if degraded else 0,
             tuple(records),
         )
@@ -243,7 +244,7 @@ class PublishedTable:
         if any(tier_of_slot(r.slot) == "ssd" for x in records for r in x.replicas):
             effects.append(self.republished(gid, group))  # the policy learns its disk bytes
         self.ctx.quotas.add(
-            tenant_of(info.namespace), sum(x.size_bytes * len(x.replicas) for x in records), len(records)
+            tenant_of(rebuilt.namespace), sum(x.size_bytes * len(x.replicas) for x in records), len(records)
         )
         return sum(len(x.replicas) for x in records)
 

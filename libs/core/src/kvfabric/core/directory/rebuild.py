@@ -18,26 +18,44 @@ kept, so the rule that decides what was published is:
 
 Cost: zero writes on the publish path; a rebuild reads every segment's slot table once
 (≈ 140 B per object over NATS, paged).
+
+Garbage collector: a plan holds a record per stored object and per member and group, alive for
+the whole adoption (`DirectoryCore.adopt_steps`, which yields the event loop between steps), so
+a full cyclic-GC collection landing in one of those steps walks every tracked one of them. As
+slotted dataclasses, lists and tuples they were ~4.5 tracked objects per stored object, a full
+collection of ~0.7 s at 500,000 objects (docs/directory.md, garbage collector). The records are
+msgspec Structs declared `gc=False` (never tracked: their type has no GC support at all), a
+member's replicas a tuple of them (CPython stops tracking such a tuple at its first
+collection), a group's members a dict keyed by an int (`member_code`), so that dict, like the
+dict of groups, never holds a tracked key or value and CPython never tracks it. An untracked
+object in a reference cycle would never be freed; these cannot be in one: a `HeldReplica`
+refers only to str, int and bytes, a `RebuiltMember` to ints, bytes and a tuple of
+`HeldReplica`, a `RebuiltGroup` to bytes, ints and a dict of int to `RebuiltMember`: nothing
+they reach refers back to a record.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvfabric.core.directory.keys import GroupInfo, parse_key
+import msgspec
+
+from kvfabric.core.directory.keys import parse_key
 from kvfabric.core.directory.records import MEMBER_REPLICAS_MAX
 from kvfabric.format.errors import BadRequest
-from kvfabric.format.ids import GroupKey, ObjectKey
+from kvfabric.format.ids import GroupKey, Namespace, ObjectKey
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import HeldObject
 
 __all__ = [
     "HeldReplica",
     "RebuildPlan",
+    "RebuiltGroup",
     "RebuiltMember",
     "SegmentHolding",
+    "member_code",
     "plan_rebuild",
     "plan_rebuild_steps",
 ]
@@ -53,8 +71,9 @@ class SegmentHolding:
     objects: Sequence[HeldObject]
 
 
-@dataclass(frozen=True, slots=True)
-class HeldReplica:
+class HeldReplica(msgspec.Struct, frozen=True, gc=False):
+    """One stored slot of a segment (never GC-tracked: module docstring)."""
+
     segment_id: str
     incarnation: int
     slot: int
@@ -63,17 +82,40 @@ class HeldReplica:
     key: ObjectKey
 
 
-@dataclass(slots=True)
-class RebuiltMember:
+class RebuiltMember(msgspec.Struct, frozen=True, gc=False):
+    """One member of a group and its agreeing replicas, in slot order per segment (never
+    GC-tracked: module docstring)."""
+
+    tp_rank: int
+    pp_stage: int
+    layer_group: int
     size_bytes: int
     checksum: bytes
-    replicas: list[HeldReplica] = field(default_factory=list)
+    replicas: tuple[HeldReplica, ...]
+
+
+class RebuiltGroup(msgspec.Struct, frozen=True, gc=False):
+    """One chunk group's identity (`GroupInfo`'s fields, flat: a `GroupInfo` is a tracked
+    object) and its members by `member_code` (never GC-tracked: module docstring)."""
+
+    group_id: GroupKey
+    namespace: Namespace
+    chunk_index: int
+    expected_members: int
+    members: dict[int, RebuiltMember]
+
+
+def member_code(tp_rank: int, pp_stage: int, layer_group: int) -> int:
+    """A member as one int, ordered as its (tp_rank, pp_stage, layer_group) tuple: each is below
+    `GROUP_MEMBERS_MAX` (< 2**8; `parse_key` refuses larger groups), so no two members share a
+    code. An int key, unlike a fresh tuple, never makes a dict tracked."""
+    return (tp_rank << 16) | (pp_stage << 8) | layer_group
 
 
 @dataclass(slots=True)
 class RebuildPlan:
-    # group key (domain digest + chain hash) -> (identity, member -> replicas), complete groups only
-    groups: dict[GroupKey, tuple[GroupInfo, dict[tuple[int, int, int], RebuiltMember]]]
+    # group key (domain digest + chain hash) -> the group, complete groups only
+    groups: dict[GroupKey, RebuiltGroup]
     orphans: list[HeldReplica]
 
 
@@ -98,7 +140,7 @@ def plan_rebuild_steps(
     1,000,000 objects is ~25 s of this and `DirectoryCore.adopt`: in one call it held the event
     loop past the leader lease (review, stop 71)."""
     step = objects_max or max(1, sum(len(h.objects) for h in holdings))
-    candidates: dict[GroupKey, tuple[GroupInfo, dict[tuple[int, int, int], RebuiltMember]]] = {}
+    candidates: dict[GroupKey, RebuiltGroup] = {}
     orphans: list[HeldReplica] = []
     disputed: set[GroupKey] = set()  # a member's replicas disagree: nothing of the group is trusted
     ordered = sorted(holdings, key=lambda h: h.registration.segment_id)
@@ -124,17 +166,26 @@ def plan_rebuild_steps(
             if obj.size_bytes <= 0 or len(obj.checksum) != CHECKSUM_BYTES:
                 orphans.append(replica)
                 continue
-            gid = info.group.group_id
+            group = info.group
+            gid = group.group_id
             known = candidates.get(gid)
             if known is None:
-                known = candidates[gid] = (info.group, {})
-            elif known[0] != info.group:  # one group key, two identities: keep the first
+                known = candidates[gid] = RebuiltGroup(
+                    gid, group.namespace, group.chunk_index, group.expected_members, {}
+                )
+            elif (known.namespace, known.chunk_index, known.expected_members) != (
+                group.namespace,
+                group.chunk_index,
+                group.expected_members,
+            ):  # one group key, two identities: keep the first
                 orphans.append(replica)
                 continue
-            member = known[1].get(info.member)
+            code = member_code(*info.member)
+            member = known.members.get(code)
             if member is None:
-                member = known[1][info.member] = RebuiltMember(obj.size_bytes, obj.checksum)
-            elif (member.size_bytes, member.checksum) != (obj.size_bytes, obj.checksum):
+                known.members[code] = RebuiltMember(*info.member, obj.size_bytes, obj.checksum, (replica,))
+                continue
+            if (member.size_bytes, member.checksum) != (obj.size_bytes, obj.checksum):
                 # Which one the writer committed is not known here (a segment's hash may be the
                 # object's checksum: ObjectSpec.checksum), so neither is adopted.
                 orphans.append(replica)
@@ -146,16 +197,17 @@ def plan_rebuild_steps(
                 # 67; the copies come from begin/PUT/abort loops); the rest are orphans
                 orphans.append(replica)
                 continue
-            member.replicas.append(replica)
+            # a new tuple (at most MEMBER_REPLICAS_MAX long): a list would stay tracked
+            known.members[code] = msgspec.structs.replace(member, replicas=(*member.replicas, replica))
     groups = {}
     weighed = 0  # a candidate, and each replica it orphans
-    for gid, (group_info, members) in candidates.items():
+    for gid, candidate in candidates.items():
         weighed += 1
-        if len(members) == group_info.expected_members and gid not in disputed:
-            groups[gid] = (group_info, members)
+        if len(candidate.members) == candidate.expected_members and gid not in disputed:
+            groups[gid] = candidate
         else:  # incomplete (its writer never finished, or a member's only copy died) or disputed
             before = len(orphans)
-            orphans.extend(r for mem in members.values() for r in mem.replicas)
+            orphans.extend(r for mem in candidate.members.values() for r in mem.replicas)
             weighed += len(orphans) - before
         if weighed >= step:
             weighed = 0
