@@ -10,11 +10,16 @@ then the new core's `shard_started`). The index is
 fed from that log by a follower that may deliver the next event, redeliver old ones
 (duplicates) or lose some (a gap). On a gap the shell's resync runs: S = the log's length, a few
 more directory operations happen while the listing is taken, the listing is the model's state
-at its end, and the follower resumes at S + 1 (replaying what the listing already shows).
+at its end, and the follower resumes at S + 1 (replaying what the listing already shows). On a
+`shard_started` the index stays synced (`resync_wanted`): its listing is built beside the view
+served, in slices, while the follower goes on delivering (and the directory on changing), then
+swapped in, the follower resuming at S + 1 on the new view (or dropped: a failed listing).
 
 Checked after every step: the index's own invariants; a lost event is always detected as a
 gap; and whenever the index is synced and has applied the whole log, it holds exactly the
-model's groups, replicas and segments.
+model's groups, replicas and segments, except while `resync_wanted`, when it differs only in
+the groups whose event a handover dropped since the last listing started (and not at all once
+that listing is swapped in with no marker after it).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex
+from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex, StaleResyncPacing
 from kvfabric.format.ids import (
     ChainHash,
     DomainDigest,
@@ -59,6 +64,10 @@ class IndexMachine(RuleBasedStateMachine):
         self.next = 1  # the next sequence the follower delivers
         self.lost = False  # the follower skipped events since the last resync
         self.epoch = 1  # of the shard handed over (`handover`)
+        # groups whose last event a handover dropped, not covered by a listing swapped in yet
+        self.unpublished: set[bytes] = set()
+        # a stale index's listing being built: (S, groups not added yet, `unpublished` it covers)
+        self.stale: tuple[int, list[ListedGroup], set[bytes]] | None = None
 
     # ---- the directory ----------------------------------------------------------------------
 
@@ -172,8 +181,10 @@ class IndexMachine(RuleBasedStateMachine):
         live = {s for s in placed if s in self.segments}
         if key in self.groups:
             del self.groups[key]  # evicted: the `evicted` event dropped
+            self.unpublished.add(key)
         elif live:
             self.groups[key] = live  # published: the `published` event dropped
+            self.unpublished.add(key)
         self.epoch += 1
         self.emit(m.ShardStarted(shard=0, epoch=self.epoch))
 
@@ -194,6 +205,13 @@ class IndexMachine(RuleBasedStateMachine):
         assert result == "applied"
         self.next += 1
 
+    @precondition(lambda self: self.next <= len(self.log) and not self.lost)
+    @rule()
+    def catch_up(self) -> None:
+        """Everything pending delivered (checked caught up more often)."""
+        while self.next <= len(self.log) and self.index.synced:
+            self.deliver()
+
     @precondition(lambda self: self.index.last_seq >= 1)
     @rule(data=st.data())
     def redeliver(self, data: st.DataObject) -> None:
@@ -209,22 +227,82 @@ class IndexMachine(RuleBasedStateMachine):
         self.next = data.draw(st.integers(self.next + 1, len(self.log) + 1))
         self.lost = True
 
-    @precondition(lambda self: self.lost or not self.index.synced)
-    @rule(ops=st.lists(st.sampled_from(SEGMENTS), max_size=2), chain=st.sampled_from(CHAINS))
-    def resync(self, ops: list[str], chain: ChainHash) -> None:
+    def listing(self, ops: list[str], chain: ChainHash) -> tuple[int, list[ListedSegment], list[ListedGroup]]:
+        """S, then the directory's state once a listing ends (it moves on while it is taken)."""
         at_seq = len(self.log)
-        for seg in ops:  # the directory moves on while the listing is taken
+        for seg in ops:
             self.segment_start(seg)
             self.publish(DOMAINS[1], chain, {seg})
-        listing = [
+        groups = [
             ListedGroup(key[:16], key[16:], CHAINS.index(key[16:]), 100, frozenset(replicas))
             for key, replicas in self.groups.items()
         ]
-        segments = [ListedSegment(s, inc, True) for s, inc in self.segments.items()]
-        self.index.resync(segments, listing, at_seq=at_seq)
+        return at_seq, [ListedSegment(s, inc, True) for s, inc in self.segments.items()], groups
+
+    @precondition(lambda self: self.lost or not self.index.synced)
+    @rule(ops=st.lists(st.sampled_from(SEGMENTS), max_size=2), chain=st.sampled_from(CHAINS))
+    def resync(self, ops: list[str], chain: ChainHash) -> None:
+        at_seq, segments, listing = self.listing(ops, chain)
+        self.index.resync(segments, listing, at_seq=at_seq)  # (a stale listing's view replaced)
         self.mine.resync(segments, listing, at_seq=at_seq)
         self.next = at_seq + 1
         self.lost = False
+        self.stale = None
+        self.unpublished.clear()
+
+    @precondition(lambda self: self.stale is None and self.index.synced and self.index.resync_wanted)
+    @rule(
+        ops=st.lists(st.sampled_from(SEGMENTS), max_size=2),
+        chain=st.sampled_from(CHAINS),
+        then=st.sampled_from(["", "evict", "handover"]),
+    )
+    def stale_listing_start(self, ops: list[str], chain: ChainHash, then: str) -> None:
+        """A marker's listing: the follower keeps delivering (and the directory changing) while
+        it is indexed beside the view served (`then`: an eviction or another handover at once,
+        after its sequence)."""
+        assert self.mine.resync_wanted and self.mine.synced
+        at_seq, segments, listing = self.listing(ops, chain)
+        self.index.resync_start(segments)
+        self.mine.resync_start(segments)
+        self.stale = (at_seq, listing, set(self.unpublished))
+        for key in list(self.groups)[:1] if then else []:
+            domain, chain = DomainDigest(key[:16]), ChainHash(key[16:])
+            if then == "evict":
+                self.remove(domain, chain, evict=True)
+            else:
+                self.handover(domain, chain, set())
+
+    @precondition(lambda self: self.stale is not None and self.stale[1])
+    @rule(n=st.integers(1, 8))
+    def stale_listing_add(self, n: int) -> None:
+        assert self.stale is not None
+        at_seq, listing, covered = self.stale
+        self.index.resync_add(listing[:n])
+        self.mine.resync_add(listing[:n])
+        self.stale = (at_seq, listing[n:], covered)
+
+    @precondition(lambda self: self.stale is not None and not self.stale[1] and self.index.synced)
+    @rule()
+    def stale_listing_done(self) -> None:
+        """Swapped in; the follower reads on from S + 1 (replaying onto the new view what the
+        old one had applied: events it skipped too, so nothing is lost any more)."""
+        assert self.stale is not None
+        at_seq, _, covered = self.stale
+        self.index.resync_done(at_seq)
+        self.mine.resync_done(at_seq)
+        assert not self.index.resync_wanted and self.index.last_seq == at_seq
+        self.next = at_seq + 1
+        self.lost = False
+        self.stale = None
+        self.unpublished -= covered
+
+    @precondition(lambda self: self.stale is not None and self.stale[1])
+    @rule()
+    def stale_listing_fails(self) -> None:
+        self.index.resync_abort()
+        self.mine.resync_abort()
+        self.stale = None
+        assert self.index.resync_building is None
 
     @rule(keys=st.integers(1, 3))
     def sweep_some(self, keys: int) -> None:
@@ -245,21 +323,29 @@ class IndexMachine(RuleBasedStateMachine):
         self.mine.check_invariants()
         assert all(key[:16] == DOMAINS[0] for key in self.mine.groups)
         if self.index.synced and not self.lost and self.index.last_seq == len(self.log):
+            # Stale (a marker applied, its listing not swapped in): it differs only where a
+            # handover dropped the event. Otherwise exact.
+            assert self.index.resync_wanted or not self.unpublished
+            unknown = self.unpublished
+
+            def known(groups: dict[bytes, set[str]]) -> dict[bytes, set[str]]:
+                return {k: r for k, r in groups.items() if r and k not in unknown}
+
             mine = {k: self.mine.live_replicas(k) for k in self.mine.groups}
-            assert {k: r for k, r in mine.items() if r} == {
-                k: r for k, r in self.groups.items() if k[:16] == DOMAINS[0]
-            }
-            assert self.live_groups() == self.groups
+            assert known(mine) == known({k: r for k, r in self.groups.items() if k[:16] == DOMAINS[0]})
+            assert known(self.live_groups()) == known(self.groups)
             assert self.index.segments == self.segments
             for key in CHAIN_KEYS:
+                if key in unknown:
+                    continue
                 run = self.index.available_run([key], 0)
                 assert [e.replicas for e in run] == ([self.groups[key]] if key in self.groups else [])
 
     def teardown(self) -> None:
         # A fault-free end: resync if events were lost, then deliver the rest (as the follower
-        # does, listing again whenever the index is not synced: a `shard_started` on the way).
+        # does, listing again whenever the index is not synced or a `shard_started` asks).
         while True:
-            if self.lost or not self.index.synced:
+            if self.lost or not self.index.synced or self.index.resync_wanted:
                 self.resync([], CHAINS[0])
             if self.next > len(self.log):
                 break
@@ -327,16 +413,104 @@ def test_stale_incarnation_down_is_ignored() -> None:
     assert index.groups[key].replicas == {"s0"}
 
 
-def test_a_shard_started_event_asks_for_a_listing() -> None:
+def test_a_shard_started_marker_keeps_the_index_answering_until_its_listing_swaps_in() -> None:
     """A shard's new core may follow one that stopped with events unpublished (no sequence, so
-    no gap): its `shard_started` is one (docs/router.md)."""
+    no gap): its `shard_started` asks for a listing. It made the index answer nothing until
+    that listing was done, at every shard start (seconds at 400k groups, once per shard of a
+    failover): now the index keeps answering what it held and following events, the listing is
+    built beside it and swapped in whole, and the events after its sequence replay on top."""
     index = RoutingIndex()
-    index.resync([ListedSegment("s0", 1, True)], [], at_seq=4)
+    k0, k1, k2 = (DOMAINS[0] + c for c in CHAINS[:3])
+
+    def listed(key: bytes) -> ListedGroup:
+        return ListedGroup(key[:16], key[16:], CHAINS.index(key[16:]), 7, frozenset({"s0"}))
+
+    index.resync([ListedSegment("s0", 1, True)], [listed(k0), listed(k1)], at_seq=4)
     assert index.apply(5, m.ShardStarted(shard=1, epoch=3)) == "applied"
-    assert not index.synced and index.last_seq == 5 and index.counters["shard_starts"] == 1
-    assert index.check_stream(1, 5)  # the follower lists again before reading on
-    index.resync([ListedSegment("s0", 1, True)], [], at_seq=5)
-    assert index.synced
+    assert index.synced and index.resync_wanted and index.last_seq == 5
+    assert index.counters["shard_starts"] == 1
+    assert [e.chunk_index for e in index.available_run([k0, k1], 0)] == [0, 1]  # still answers
+    assert not index.check_stream(1, 5)  # no gap: the follower reads on meanwhile
+
+    # The listing (after sequence 5): k0's eviction was never published, the rebuild adopted k2.
+    index.resync_start([ListedSegment("s0", 1, True)])
+    index.resync_add([listed(k1)])
+    evicted = m.GroupEvicted(group=CHAINS[1], reason="pressure", domain=DOMAINS[0])
+    assert index.apply(6, evicted) == "applied"  # followed on the view served
+    index.resync_add([listed(k2)])
+    assert index.resync_building == 2
+    assert [e.chunk_index for e in index.available_run([k0, k1, k2], 0)] == [0]  # the old view
+    assert index.apply(7, m.ShardStarted(shard=2, epoch=3)) == "applied"  # after its sequence
+    index.check_invariants()
+
+    index.resync_done(5)  # swapped in as of 5: 6 and 7 replay on the new view
+    assert index.synced and not index.resync_wanted and index.last_seq == 5
+    assert index.resync_building is None and index.counters["resyncs"] == 2
+    assert index.available_run([k0], 0) == [] and len(index.available_run([k1, k2], 0)) == 2
+    assert (
+        index.apply(6, evicted) == "applied" and index.apply(7, m.ShardStarted(shard=2, epoch=3)) == "applied"
+    )
+    assert {k: e.replicas for k, e in index.groups.items()} == {k2: {"s0"}}  # the directory's
+    assert index.resync_wanted  # the marker after the listing's sequence asks again
+    index.check_invariants()
+
+
+def test_a_failed_stale_listing_leaves_the_view_served_and_a_gap_still_blanks() -> None:
+    index = RoutingIndex()
+    key = DOMAINS[0] + CHAINS[0]
+    index.resync(
+        [ListedSegment("s0", 1, True)],
+        [ListedGroup(DOMAINS[0], CHAINS[0], 0, 7, frozenset({"s0"}))],
+        at_seq=1,
+    )
+    index.leader_changed()  # the shard map's epochs: the same as a marker
+    index.leader_changed()  # (asked once)
+    assert index.synced and index.resync_wanted and index.counters["leader_changes"] == 1
+    index.resync_start([])
+    index.resync_abort()
+    assert index.resync_building is None and index.resync_wanted
+    assert len(index.available_run([key], 0)) == 1
+    index.unsync()  # its listing kept failing: no longer trusted
+    assert not index.synced and index.available_run([key], 0) == [] and index.counters["stale_expired"] == 1
+    index.resync([ListedSegment("s0", 1, True)], [], at_seq=2)
+    assert index.synced and not index.resync_wanted
+    assert index.apply(4, m.GroupsAccessed(groups=[])) == "gap"  # a gap hides anything: blank
+    assert not index.synced and index.available_run([key], 0) == []
+
+
+def test_stale_resync_pacing_coalesces_a_burst_and_bounds_the_wait() -> None:
+    """Shards start one at a time (16+ after a failover or a cold start): their markers make one
+    listing, not one each; a steady stream of markers cannot postpone it past `wait_max_ms`;
+    listings start `interval_ms` after the last one ended; one that keeps failing is given up
+    after `stale_max_ms`."""
+    p = StaleResyncPacing(quiet_ms=1_000, wait_max_ms=5_000, interval_ms=3_000, stale_max_ms=60_000)
+    assert not p.due(0, wanted=False)
+    for t in range(0, 3_200, 200):  # 16 markers 200 ms apart
+        p.marked(t)
+        assert not p.due(t, wanted=True) and not p.due(t + 999, wanted=True)
+    assert p.due(3_000 + 1_000, wanted=True)  # quiet for 1 s
+    p.started(4_000)
+    p.marked(4_500)  # during the listing (its shard may have been listed before it started)
+    assert not p.due(9_000, wanted=True)  # one at a time
+    p.listed(10_000)
+    assert not p.due(12_999, wanted=True)  # the interval after the last listing's end
+    assert p.due(13_000, wanted=True)
+    p.started(13_000)
+    p.listed(14_000)
+    assert not p.due(20_000, wanted=False)  # nothing wanted any more
+    for t in range(20_000, 40_000, 900):  # a marker every 900 ms: never quiet for 1 s
+        p.marked(t)
+        if p.due(t, wanted=True):
+            break
+    assert t == 20_000 + 6 * 900  # the first past 5 s after the first marker
+    p.started(t)
+    p.failed(t + 2_000)
+    assert not p.overdue(t + 2_000) and not p.due(t + 4_999, wanted=True)
+    assert p.due(t + 5_000, wanted=True)  # retried after the interval
+    p.started(t + 5_000)
+    assert not p.overdue(20_000 + 60_000)  # one under way is let finish
+    p.failed(20_000 + 61_000)
+    assert p.overdue(20_000 + 61_000)  # wanted since 20,000 with none succeeding: give up
 
 
 def test_check_stream_sees_aged_out_and_recreated_streams() -> None:

@@ -162,12 +162,14 @@ def test_events_a_stopped_shell_dropped_make_the_followers_list_the_directory_ag
     assert subject == "kvf.v1.events.directory.shard_started"
     assert m.event_decoder.decode(data) == m.ShardStarted(shard=SHARD, epoch=2)
     assert not any(isinstance(m.event_decoder.decode(d), m.GroupEvicted) for _, _, d in stream.messages)
-    # ... and the router's index, which still counted the evicted group, lists again.
+    # ... and the router's index, which still counted the evicted group, lists again: stale,
+    # not blank (it keeps answering, the evicted group too, until the listing is swapped in).
     follow(index, stream)
-    assert not index.synced and index.last_seq == seq
-    assert index.available_run([KEY], 0) == []  # nothing promised until the listing
-    assert index.check_stream(1, seq)  # what its follower asks as it subscribes again: resync
+    assert index.synced and index.resync_wanted and index.last_seq == seq
     assert index.counters["shard_starts"] == 1
+    assert [e.chunk_index for e in index.available_run([KEY], 0)] == [0]
+    index.resync([ListedSegment("s1", 1, True)], [], at_seq=seq)  # the new core holds nothing
+    assert index.available_run([KEY], 0) == [] and not index.resync_wanted
 
 
 def test_a_shell_that_drained_its_events_dropped_none() -> None:

@@ -12,12 +12,13 @@ from typing import Any, cast
 import msgspec
 
 from kvfabric.core.routing import RoutingCore
-from kvfabric.core.routing_index import ListedSegment, RoutingIndex
+from kvfabric.core.routing_index import ListedSegment, RoutingIndex, StaleResyncPacing
 from kvfabric.format.ids import ChainHash, DomainDigest, Namespace
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.router.index_follower import EVENTS_FETCH_MAX, IndexFollower, caught_up
 from kvfabric.router.settings import load_router_settings
+from kvfabric.runtime.deadline import cancel_and_wait
 from tests.unit.router.test_settings_refit import ENV, scrape
 
 DOMAIN = DomainDigest(b"A" * 16)
@@ -103,7 +104,7 @@ def test_metrics_show_the_replicas_of_a_lost_segment_left_to_sweep() -> None:
 def test_a_resync_indexes_its_listing_in_slices_routes_served_between() -> None:
     """400k listed groups converted and indexed in one call held the router's loop 3.1 s (its
     HTTP front, `route`, health checks frozen; review, 2026-12-06): now `RESYNC_SLICE_GROUPS` a
-    turn, the index not synced (queries find nothing) until the last slice."""
+    turn, into a view of its own swapped in after the last slice."""
     from kvfabric.router import index_follower
 
     n = 5 * index_follower.RESYNC_SLICE_GROUPS + 7
@@ -148,10 +149,12 @@ def test_a_resync_indexes_its_listing_in_slices_routes_served_between() -> None:
 
     async def run() -> list[int]:
         resync = asyncio.create_task(follower.resync(at_seq=42))
-        seen: list[int] = []  # groups indexed at each turn of the loop, while not synced
+        seen: list[int] = []  # groups indexed at each turn of the loop, before the swap
         while not resync.done():
-            if not index.synced:
-                seen.append(len(index.groups))
+            building = index.resync_building
+            if building is not None:
+                seen.append(building)
+                assert not index.synced and index.groups == {}  # (a fresh index: nothing served)
             await asyncio.sleep(0)
         await resync
         return seen
@@ -237,7 +240,8 @@ def test_a_shard_led_under_a_newer_epoch_than_at_the_listing_makes_the_index_lis
         follower._leaders_checked_s = 0.0
         router.epochs[1] = 6  # shard 1 failed over
         await follower.check_leaders()
-        assert not index.synced and index.counters["leader_changes"] == 1
+        # stale, not blank (a listing follows, as on a `shard_started` marker)
+        assert index.synced and index.resync_wanted and index.counters["leader_changes"] == 1
 
     asyncio.run(run())
 
@@ -337,8 +341,9 @@ def test_fetch_timeouts_count_as_heard_only_when_the_stream_says_the_index_is_at
 def test_a_shard_started_event_makes_the_follower_list_again_and_read_on_after_it() -> None:
     """A shard's new core may follow one that stopped with events queued, never published (a
     handover drains them for at most 1 s): no sequence, so no gap; the index kept an evicted
-    group for good. The new core's first event, `shard_started`, is that gap: the follower stops
-    there, lists the directory and reads on after the stream's end as of the listing."""
+    group for good. The new core's first event, `shard_started`, asks for a listing: the
+    follower reads on, lists the directory, swaps the listing in and reads on after the stream's
+    end as of the listing (replaying what came after it)."""
     events: list[msgspec.Struct] = [
         published(0, 1, "s1"),
         m.ShardStarted(shard=0, epoch=2),
@@ -357,7 +362,8 @@ def test_a_shard_started_event_makes_the_follower_list_again_and_read_on_after_i
 
         async def fetch(self, *args: Any, **kwargs: Any) -> Any:
             if self.fetched or self.start > len(events):
-                await asyncio.sleep(3600)
+                await asyncio.sleep(0.01)
+                raise TimeoutError  # (as nats-py's, nothing new within the fetch's wait)
             self.fetched = True
             return [msg(seq) for seq in range(self.start, len(events) + 1)]
 
@@ -391,15 +397,15 @@ def test_a_shard_started_event_makes_the_follower_list_again_and_read_on_after_i
     follower = follower_of(index)
     follower.nc = cast(Any, SimpleNamespace(jetstream=lambda timeout: Js(), is_connected=True))
     follower.router = cast(Any, Listing())
+    follower.pacing = StaleResyncPacing(quiet_ms=0)  # (no burst to wait for)
 
     async def run() -> None:
         task = asyncio.create_task(follower.run())
         while len(starts) < 2:  # noqa: ASYNC110 (the fake's subscriptions are plain appends)
             await asyncio.sleep(0.01)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait([task], 5)  # (re-cancelled: 3.11's `wait_for` can lose one)
 
-    asyncio.run(asyncio.wait_for(run(), 5))
-    assert starts == [1, 4]  # stopped at the marker (seq 2), listed, then on after seq 3
+    asyncio.run(asyncio.wait_for(run(), 10))
+    assert starts == [1, 4]  # read on past the marker (seq 2), listed, then on after seq 3
     assert index.synced and index.last_seq == 3 and index.groups == {}
     assert index.counters["shard_starts"] == 1 and index.counters["resyncs"] == 2

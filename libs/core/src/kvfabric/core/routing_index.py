@@ -23,7 +23,12 @@ Only the groups of its share domain (`domain`: the one the router keys prompts i
 
 A chunk is *available* when its group is published and one of its replicas is on a segment
 that is up. Replicas added later by repair or prefetch have no event: the index learns them at
-the next resync only (it under-counts, never over-counts, a replica that exists).
+the next resync only (it under-counts, never over-counts, a replica that exists). One exception,
+while `resync_wanted` (below): between a `shard_started` marker (or `leader_changed`) and the
+swap of the listing it asks for, the index may also over-count, by exactly what it cannot know:
+a group whose eviction (or a replica whose loss) the shard's previous core never published, and
+what the new core's rebuild lost (a segment that missed its report) without an event. Every
+event published meanwhile is applied as usual.
 
 ## Events (`apply`)
     published(domain, chain, placements) --> the group, replicas = the segments of `placements`
@@ -41,11 +46,12 @@ the next resync only (it under-counts, never over-counts, a replica that exists)
                                               docs/directory.md); the same one again (every
                                               shard announces a registration) changes nothing
     accessed / under_replicated           --> nothing (no change of where chunks are)
-    shard_started(shard, epoch)           --> not `synced`: list again. A shard's new core (a new
-                                              leader's, or a rebuild's at the same epoch) may
-                                              follow one that stopped with events unpublished
-                                              (no sequence: no gap shows them), and its rebuild
-                                              emits nothing for what it adopted or lost
+    shard_started(shard, epoch)           --> `resync_wanted`: list again, still answering. A
+                                              shard's new core (a new leader's, or a rebuild's
+                                              at the same epoch) may follow one that stopped
+                                              with events unpublished (no sequence: no gap shows
+                                              them), and its rebuild emits nothing for what it
+                                              adopted or lost
 
 ## Sequences: resume, duplicates, gaps
 `last_seq` is the stream sequence of the last event applied (0: none).
@@ -64,13 +70,35 @@ purged before the follower read them, and a recreated stream (sequences restarte
 would look like duplicates, or name another stream's events; `kvfabric.core.stream_bounds`).
 Until the first `resync` (or an `apply` of seq 1 on a fresh index) `synced` is False and the
 router counts no kvfabric tokens at all (`available_run` answers 0): an index that may miss
-evictions never promises a load.
+evictions never promises a load. So after a gap: events of any kind are missing.
+
+## Stale, not blank: `resync_wanted`
+A `shard_started` marker (and `leader_changed`: the shard map's epochs, for a directory that
+sends no marker) says only that one shard's unpublished events and its rebuild's changes are
+unknown; the rest of the index is as good as before. Blanking it (not `synced`, as until
+2026-12-07) cost every router its kvfabric counts for a whole listing (seconds at 400k groups)
+at every shard start: each of 16+ shards starting one at a time after a failover or a cold
+start, and every same-epoch rebuild for a missing segment. Now the index stays `synced`,
+answers and follows events, and sets `resync_wanted` (the over-count above is the price). The
+shell lists while it keeps following (`resync_start` builds a new view beside the served one,
+`resync_add` fills it, `resync_done(at_seq)` swaps it in and rewinds `last_seq` to `at_seq`:
+the events after it are replayed on the new view, as after any listing) and paces those
+listings (`StaleResyncPacing`: a burst of markers, one listing). `resync_done` clears
+`resync_wanted`; a marker after `at_seq` sets it again as it is replayed (its shard may have
+been listed before it started). A gap, a lost stream, or a stale index whose listing kept
+failing for `STALE_MAX_MS` (`unsync`) still blanks: those may hide anything.
 
 ## Invariants (`check_invariants`)
 - every group has >= 1 replica; a replica is dead (its key in `_dead[segment]`) or on a
   segment in `segments` and in the reverse index, never both;
 - the reverse index holds exactly the live (segment, group) pairs of `groups`; every dead key
-  names a group holding that replica.
+  names a group holding that replica;
+- a view being built (`resync_start` .. `resync_done`) holds the same of its own, and no dead
+  replica (a listing names live ones only);
+- caught up (every event applied) with no gap, it holds exactly the directory's groups, and
+  while `resync_wanted` differs from them only in the groups the exception above names (the
+  model test, `tests/unit/core/test_routing_index.py`: a handover that drops an eviction or a
+  publication).
 """
 
 from __future__ import annotations
@@ -103,6 +131,7 @@ __all__ = [
     "ListedGroup",
     "ListedSegment",
     "RoutingIndex",
+    "StaleResyncPacing",
     "group_key",
 ]
 
@@ -113,6 +142,17 @@ ApplyResult = Literal["applied", "duplicate", "gap"]
 # Dead replicas taken out per `sweep` call (the shell's slice between turns of its loop): ~2.5 us
 # each.
 SWEEP_KEYS_PER_CALL: Final = 1_024
+# The pacing of a stale index's listings (`StaleResyncPacing`). Shards start one at a time
+# (a failover or cold start of 16+, each rebuild ~1 s): a listing waits for the markers to stop
+# for STALE_QUIET_MS, but never past STALE_WAIT_MAX_MS after the first (a steady stream would
+# postpone it for good), and starts at least STALE_INTERVAL_MS after the end of the one before
+# (a listing of 400k groups takes seconds of every shard's time and of the router's loop).
+STALE_QUIET_MS: Final = 1_000
+STALE_WAIT_MAX_MS: Final = 5_000
+STALE_INTERVAL_MS: Final = 3_000
+# A stale index whose listing has not succeeded this long after it was first wanted (the
+# directory failing to list) is no longer trusted: not `synced` (the over-count is bounded).
+STALE_MAX_MS: Final = 60_000
 
 
 def group_key(domain: bytes, chain: bytes) -> GroupKey:
@@ -162,6 +202,9 @@ class RoutingIndex:
         self._dead: dict[str, set[GroupKey]] = {}
         self.last_seq = 0
         self.synced = False
+        # A shard's marker (or a newer leader) since the last listing: list again, still serving
+        self.resync_wanted = False
+        self._building: RoutingIndex | None = None  # the listing's view, `resync_start`..`resync_done`
         self.bounds = StreamBounds()  # the stream's creation time as last seen
         self.counters: dict[str, int] = {
             "events_applied": 0,
@@ -171,7 +214,8 @@ class RoutingIndex:
             "events_foreign": 0,  # published groups without a namespace (old directories)
             "events_other_domain": 0,  # published groups of another share domain: not held
             "leader_changes": 0,  # resyncs asked because a shard's leader changed (`leader_changed`)
-            "shard_starts": 0,  # resyncs asked by a shard's `shard_started` event
+            "shard_starts": 0,  # resyncs asked by a shard's `shard_started` event (replays too)
+            "stale_expired": 0,  # stale indexes no longer trusted, their listing failing (`unsync`)
         }
         self._step_ms = 0  # the latest time given to `step`
 
@@ -224,9 +268,10 @@ class RoutingIndex:
                 self._segment_down(event.segment_id)  # a new incarnation holds nothing yet
             self.segments[event.segment_id] = event.incarnation
         elif isinstance(event, m.ShardStarted):
-            # What the shard's core before it left unpublished is gone without a gap: one now.
+            # What the shard's core before it left unpublished is gone without a gap, but only
+            # that shard's (and what its rebuild changed): list again, answering meanwhile.
             self.counters["shard_starts"] += 1
-            self.synced = False
+            self.resync_wanted = True
 
     def _published(self, event: m.GroupPublished) -> None:
         if len(event.namespace) != NAMESPACE_BYTES or len(event.group) != CHAIN_BYTES:
@@ -319,11 +364,20 @@ class RoutingIndex:
         """A directory shard has a new leader since the listing: its rebuild emitted no event for
         what it adopted or lost (a segment that missed its report never goes `segment_down`;
         an event the old leader had not published is gone, with no gap in the sequences), so
-        the index may hold what the directory no longer does. Not `synced`: list again (review,
-        stop 67). (The new core's `shard_started` event does the same as it is applied; this,
-        from the shard map's epochs, covers a directory that sends none.)"""
-        if self.synced:
+        the index may hold what the directory no longer does: list again (review, stop 67),
+        answering meanwhile, as on the new core's `shard_started` event (this, from the shard
+        map's epochs, covers a directory that sends none). Until 2026-12-07 it made the index
+        not `synced`: every failover blanked the routers' counts for a listing, the marker's
+        resync aside. A resync already wanted is not asked again."""
+        if self.synced and not self.resync_wanted:
             self.counters["leader_changes"] += 1
+            self.resync_wanted = True
+
+    def unsync(self) -> None:
+        """Not `synced` (answers nothing until a listing): a stale index whose listing kept
+        failing (`StaleResyncPacing.overdue`) is no longer trusted."""
+        if self.synced:
+            self.counters["stale_expired"] += 1
             self.synced = False
 
     def check_stream(self, first_seq: int, last_seq: int, created: object = None) -> bool:
@@ -343,32 +397,64 @@ class RoutingIndex:
     ) -> None:
         """Replace everything by a listing taken after stream sequence `at_seq` (the shell then
         resumes the stream at `at_seq + 1`). In steps: `resync_start`, `resync_add` (any number
-        of times), `resync_done`; not `synced` (queries find nothing) until the last."""
+        of times), `resync_done`."""
         self.resync_start(segments)
         self.resync_add(groups)
         self.resync_done(at_seq)
 
     def resync_start(self, segments: Iterable[ListedSegment]) -> None:
-        """Forget everything; `segments` are the live ones now. Not synced until `resync_done`."""
-        self.synced = False
-        self.groups.clear()
-        self._by_segment.clear()
-        self._by_chain.clear()
-        self._dead.clear()
-        self.segments = {s.segment_id: s.incarnation for s in segments if s.up}
+        """A new view, `segments` the live ones now, built beside the one served: that keeps
+        answering (and `apply` keeps changing it) until `resync_done` swaps the new one in. An
+        index not `synced` answers nothing: its view is dropped at once (one view in memory;
+        a stale one's listing holds two until the swap). A view already being built is
+        replaced (a gap during a stale listing: the shell lists again)."""
+        if not self.synced:
+            self.groups.clear()
+            self._by_segment.clear()
+            self._by_chain.clear()
+            self._dead.clear()
+        building = RoutingIndex(self.domain)
+        building.segments = {s.segment_id: s.incarnation for s in segments if s.up}
+        self._building = building
 
     def resync_add(self, groups: Iterable[ListedGroup]) -> None:
-        """Some of the listing's groups (the shell yields the loop between slices: 400k groups
-        at once held the router's loop 3 s; review, 2026-12-06)."""
+        """Some of the listing's groups, into the view being built (the shell yields the loop
+        between slices: 400k groups at once held the router's loop 3 s; review, 2026-12-06)."""
+        building = self._building
+        invariant(building is not None, "resync_add after resync_start")
+        assert building is not None  # for mypy: the invariant above
         for g in groups:
             if self.domain is None or g.domain == self.domain:
-                self._set(group_key(g.domain, g.chain), g.chunk_index, g.copy_bytes, set(g.segments))
+                building._set(group_key(g.domain, g.chain), g.chunk_index, g.copy_bytes, set(g.segments))
 
     def resync_done(self, at_seq: int) -> None:
+        """The view built swapped in as of stream sequence `at_seq`: `last_seq` goes back to it
+        when the served view had followed further (a stale index's listing), and the shell
+        replays from `at_seq + 1` on the new view. `resync_wanted` is cleared: a marker after
+        `at_seq` sets it again as it is replayed."""
+        building = self._building
+        invariant(building is not None, "resync_done after resync_start")
+        assert building is not None  # for mypy: the invariant above
         invariant(at_seq >= 0, "a stream sequence", at_seq=at_seq)
+        self.groups = building.groups
+        self.segments = building.segments
+        self._by_segment = building._by_segment
+        self._by_chain = building._by_chain
+        self._dead = building._dead
+        self._building = None
         self.last_seq = at_seq
         self.synced = True
+        self.resync_wanted = False
         self.counters["resyncs"] += 1
+
+    def resync_abort(self) -> None:
+        """The view being built dropped (its listing failed, or a gap made it moot)."""
+        self._building = None
+
+    @property
+    def resync_building(self) -> int | None:
+        """Groups in the view being built (None: no listing under way)."""
+        return None if self._building is None else len(self._building.groups)
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -391,6 +477,9 @@ class RoutingIndex:
         return out
 
     def check_invariants(self) -> None:
+        if self._building is not None:
+            invariant(not self._building._dead, "a listed view holds no dead replica")
+            self._building.check_invariants()
         pairs = set()
         for key, entry in self.groups.items():
             invariant(bool(entry.replicas), "a group without replicas is gone", key=key.hex())
@@ -409,3 +498,73 @@ class RoutingIndex:
         chains = {(key[DOMAIN_BYTES:], key) for key in self.groups}
         by_chain = {(chain, key) for chain, keys in self._by_chain.items() for key in keys}
         invariant(chains == by_chain, "chain index matches")
+
+
+@dataclass(slots=True)
+class StaleResyncPacing:
+    """When the shell lists the directory for a stale index (`RoutingIndex.resync_wanted`): a
+    burst of markers, one listing. Pure: every time is the shell's monotonic clock in ms.
+
+        marked(now)        a marker applied (or a newer leader seen)
+        due(now, wanted)   list now? `wanted` (the index's `resync_wanted`), no listing under
+                           way, `interval_ms` since the last one ended, and no marker for
+                           `quiet_ms` or `wait_max_ms` since the first not covered
+        started(now)       a listing begins: the markers applied so far are covered by it
+        failed(now)        it failed (tried again once due: the interval and no quiet wait)
+        listed(now)        a listing swapped in (a stale one's or the shell's gap resync)
+        overdue(now)       wanted for `stale_max_ms` with no listing succeeding, none under way
+                           (the shell gives up the stale view: `RoutingIndex.unsync`)
+    """
+
+    quiet_ms: int = STALE_QUIET_MS
+    wait_max_ms: int = STALE_WAIT_MAX_MS
+    interval_ms: int = STALE_INTERVAL_MS
+    stale_max_ms: int = STALE_MAX_MS
+    running: bool = False
+    _first_ms: int | None = None  # the first marker no listing started since covers
+    _last_ms: int | None = None  # the latest such marker
+    _since_ms: int | None = None  # wanted since (across failed listings; None: not wanted)
+    _ended_ms: int | None = None  # the last listing's end (swapped in or failed)
+
+    def marked(self, now_ms: int) -> None:
+        if self._first_ms is None:
+            self._first_ms = now_ms
+        self._last_ms = now_ms
+        if self._since_ms is None:
+            self._since_ms = now_ms
+
+    def due(self, now_ms: int, wanted: bool) -> bool:
+        if not wanted:
+            self._first_ms = self._last_ms = self._since_ms = None
+            return False
+        if self._since_ms is None:
+            self._since_ms = now_ms  # wanted without a mark seen (the shell's own bookkeeping)
+        if self.running:
+            return False
+        if self._ended_ms is not None and now_ms - self._ended_ms < self.interval_ms:
+            return False
+        if self._first_ms is None or self._last_ms is None:
+            return True  # wanted since a failed listing, nothing newer to wait for
+        return now_ms - self._last_ms >= self.quiet_ms or now_ms - self._first_ms >= self.wait_max_ms
+
+    def started(self, now_ms: int) -> None:
+        invariant(not self.running, "one stale listing at a time")
+        self.running = True
+        self._first_ms = self._last_ms = None
+        if self._since_ms is None:
+            self._since_ms = now_ms
+
+    def failed(self, now_ms: int) -> None:
+        self.running = False
+        self._ended_ms = now_ms
+
+    def listed(self, now_ms: int) -> None:
+        self.running = False
+        self._ended_ms = now_ms
+        # markers applied while it ran (`_first_ms`) stay: one after its sequence asks again
+        self._since_ms = self._first_ms
+
+    def overdue(self, now_ms: int) -> bool:
+        return (
+            not self.running and self._since_ms is not None and now_ms - self._since_ms >= self.stale_max_ms
+        )

@@ -11,12 +11,21 @@
 - A batch is applied one event a turn of the loop, and a lost segment's groups leave the index
   in slices after it (`apply_batch`): the router's loop serves routes meanwhile.
 - A `shard_started` event (a shard's new core, a new leader's or a rebuild's: the events its
-  predecessor left unpublished are gone without a gap) makes the index list again at once
-  (`RoutingIndex.apply`). Every `LEADERS_CHECK_S` the shard map is asked again too: a shard led
-  under a newer epoch than at the last listing means a rebuild the events do not tell (what it
-  adopted or lost; a segment that missed its report never goes `segment_down`), so the index
-  lists again (review, stop 67; a directory without `shard_started` events, or a marker not
-  read yet).
+  predecessor left unpublished are gone without a gap) makes the index stale, not blank
+  (`RoutingIndex.resync_wanted`: it keeps answering and following). Every `LEADERS_CHECK_S` the
+  shard map is asked again too: a shard led under a newer epoch than at the last listing means
+  a rebuild the events do not tell (what it adopted or lost; a segment that missed its report
+  never goes `segment_down`), so the index is stale the same way (review, stop 67; a directory
+  without `shard_started` events, or a marker not read yet). A stale index is listed again in
+  a task beside the loop, which goes on applying events to the view served; once the listing
+  is indexed (`resync_start`/`resync_add`: a view of its own) the loop swaps it in
+  (`resync_done`) and reads on from the stream's sequence noted before the listing, replaying
+  the events since on the new view. `StaleResyncPacing` says when: markers 1 s apart at most
+  (shards starting one at a time) wait for one another up to 5 s, and a stale listing starts
+  at least 3 s after the last one ended; one failing for 60 s gives the stale view up (not
+  synced: the gap path). Until 2026-12-07 a marker made the index not synced: every shard
+  start blanked every router's kvfabric counts for a whole listing (seconds at 400k groups),
+  once per shard of a failover or cold start.
 - A fetch with events that leave at most one more fetch pending (`caught_up`), a fetch that
   answers with none when the stream, asked then, has nothing past the index (`_at_end`: nats-py
   raises the same timeout with the connection down, and a router cut off counted itself
@@ -41,11 +50,12 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.cluster.directory_router import DirectoryRouter
-from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex
+from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex, StaleResyncPacing
 from kvfabric.format.errors import BadRequest, KvfError
 from kvfabric.format.ids import NAMESPACE_BYTES, DomainDigest, domain_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.subjects import Service, events_wildcard
+from kvfabric.runtime.deadline import cancel_and_wait
 from kvfabric.runtime.logs import get_logger
 
 __all__ = ["EVENTS_STREAM", "IndexFollower", "caught_up"]
@@ -92,11 +102,24 @@ class IndexFollower:
         self.router = DirectoryRouter(nc)
         self.resync_failures = 0
         self.resync_seconds_last = 0.0
+        self.clock: Callable[[], float] = time.monotonic  # seconds (tests set their own)
+        self.pacing = StaleResyncPacing()
         self._listed_epochs: dict[int, int] = {}  # each shard's leader epoch when last listed
-        self._leaders_checked_s = time.monotonic()
+        self._leaders_checked_s = self.clock()
+        # A stale index's listing under way (its stream sequence and leader epochs, once done)
+        self._building: asyncio.Task[tuple[int, dict[int, int]]] | None = None
         self._log = get_logger("kvfabric.router.index_follower")
 
+    def _now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
     async def run(self) -> None:
+        try:
+            await self._follow()
+        finally:
+            await self._stop_building()
+
+    async def _follow(self) -> None:
         js = self.nc.jetstream(timeout=self.request_timeout_s)
         retry_s = RETRY_S
         while True:
@@ -105,6 +128,7 @@ class IndexFollower:
                 # Asked even when not synced: it remembers the stream's creation time.
                 resynced = self.index.check_stream(info.state.first_seq, info.state.last_seq, info.created)
                 if resynced:
+                    await self._stop_building()  # a gap: the stale listing is moot
                     await self.resync(info.state.last_seq)
                 start = self.index.last_seq + 1
                 config = ConsumerConfig(
@@ -120,6 +144,8 @@ class IndexFollower:
                     if resynced:  # current as of the listing; a resume is current once caught up
                         await self.heard()
                     while self.index.synced:
+                        if self._stale_turn():
+                            break  # a stale listing swapped in: read on from its sequence + 1
                         try:
                             batch = await sub.fetch(EVENTS_FETCH_MAX, timeout=EVENTS_FETCH_WAIT_S)
                         except TimeoutError:
@@ -179,11 +205,12 @@ class IndexFollower:
 
     async def check_leaders(self) -> None:
         """Every `LEADERS_CHECK_S`: the shard map asked again; a shard led under a newer epoch
-        than at the last listing makes the index list again (`RoutingIndex.leader_changed`).
-        A map nobody answers is asked again at the next check. Public for tests."""
-        if time.monotonic() - self._leaders_checked_s < LEADERS_CHECK_S:
+        than at the last listing makes the index stale (`RoutingIndex.leader_changed`: list
+        again, still answering). Not while a stale listing runs (its epochs are compared after
+        it). A map nobody answers is asked again at the next check. Public for tests."""
+        if self._building is not None or self.clock() - self._leaders_checked_s < LEADERS_CHECK_S:
             return
-        self._leaders_checked_s = time.monotonic()
+        self._leaders_checked_s = self.clock()
         try:
             await asyncio.wait_for(self.router.refresh(), self.request_timeout_s)
         except (KvfError, TimeoutError) as exc:
@@ -193,6 +220,7 @@ class IndexFollower:
         if moved:
             self._log.info("shard_leaders_changed", shards=moved)
             self.index.leader_changed()
+            self.pacing.marked(self._now_ms())
 
     def _on_message(self, seq: int, data: bytes) -> None:
         try:
@@ -205,11 +233,87 @@ class IndexFollower:
         if result == "gap":
             self._log.warning("events_gap", seq=seq, last_seq=self.index.last_seq)
         elif isinstance(event, m.ShardStarted) and result == "applied":
+            self.pacing.marked(self._now_ms())
             self._log.info("shard_started_resync", seq=seq, shard=event.shard, epoch=event.epoch)
+
+    def _stale_turn(self) -> bool:
+        """A stale index's listing, between fetches: started when `pacing` says so (in a task:
+        this loop goes on following), swapped in once indexed (True: read the stream again
+        from its sequence + 1), given up when overdue (the index not synced: True too)."""
+        now_ms = self._now_ms()
+        task = self._building
+        if task is not None:
+            if not task.done():
+                return False
+            self._building = None
+            try:
+                at_seq, listed_epochs = task.result()
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError, KvfError) as exc:
+                self.index.resync_abort()
+                self.pacing.failed(now_ms)
+                self._log.info("stale_resync_failed", error=type(exc).__name__, last_seq=self.index.last_seq)
+                return False
+            behind = self.index.last_seq - at_seq
+            self.index.resync_done(at_seq)
+            self._listed_epochs = listed_epochs
+            self.pacing.listed(now_ms)
+            self._log.info(
+                "stale_resync_swapped", at_seq=at_seq, replay=behind, groups=len(self.index.groups)
+            )
+            return True
+        wanted = self.index.resync_wanted
+        if wanted and self.pacing.overdue(now_ms):
+            self._log.warning("stale_resync_overdue", last_seq=self.index.last_seq)
+            self.index.unsync()
+            return True
+        if self.pacing.due(now_ms, wanted):
+            self.pacing.started(now_ms)
+            self._building = asyncio.create_task(self._list_stale(), name="router-index-listing")
+        return False
+
+    async def _list_stale(self) -> tuple[int, dict[int, int]]:
+        """A stale index's listing into a view of its own: the stream's last sequence read
+        first (every marker applied is at or before it, so covered), then the directory."""
+        started = time.monotonic()
+        js = self.nc.jetstream(timeout=self.request_timeout_s)
+        try:
+            info = await js.stream_info(EVENTS_STREAM)
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            self.resync_failures += 1
+            raise
+        listed_epochs = await self._list_into_index()
+        self.resync_seconds_last = time.monotonic() - started
+        return int(info.state.last_seq), listed_epochs
+
+    async def _stop_building(self) -> None:
+        """A stale listing under way cancelled and its view dropped."""
+        task, self._building = self._building, None
+        if task is None:
+            return
+        await cancel_and_wait([task], self.request_timeout_s)
+        if task.done() and not task.cancelled():
+            task.exception()  # (retrieved: a listing that failed meanwhile is moot too)
+        self.index.resync_abort()
+        self.pacing.failed(self._now_ms())
 
     async def resync(self, at_seq: int) -> None:
         """List the directory and replace the index (events after `at_seq` replay on top)."""
         started = time.monotonic()
+        listed_epochs = await self._list_into_index()
+        self.index.resync_done(at_seq)
+        self._listed_epochs = listed_epochs
+        self.pacing.listed(self._now_ms())
+        self.resync_seconds_last = time.monotonic() - started
+        self._log.info(
+            "index_resynced",
+            at_seq=at_seq,
+            groups=len(self.index.groups),
+            seconds=round(self.resync_seconds_last, 3),
+        )
+
+    async def _list_into_index(self) -> dict[int, int]:
+        """The directory listed into a new view of the index (`resync_start`, `resync_add` a
+        slice a turn of the loop); the leader epochs of the listing. The caller swaps it in."""
         try:
             segments = await self.router.segments(self.request_timeout_s)
             # the leaders listed (a change during the listing shows at the next check)
@@ -222,7 +326,6 @@ class IndexFollower:
             self.resync_failures += 1
             raise
         self.index.resync_start([ListedSegment(s.segment_id, s.incarnation, s.up) for s in segments.segments])
-        indexed = 0
         for at in range(0, len(summaries), RESYNC_SLICE_GROUPS):
             groups = []
             for g in summaries[at : at + RESYNC_SLICE_GROUPS]:
@@ -234,11 +337,5 @@ class IndexFollower:
                     domain = domain_in_id(g.namespace)
                     groups.append(ListedGroup(domain, g.group, g.chunk_index, copy_bytes, replicas))
             self.index.resync_add(groups)
-            indexed += len(groups)
-            await asyncio.sleep(0)  # routes are answered between slices (from the engines' caches)
-        self.index.resync_done(at_seq)
-        self._listed_epochs = listed_epochs
-        self.resync_seconds_last = time.monotonic() - started
-        self._log.info(
-            "index_resynced", at_seq=at_seq, groups=indexed, seconds=round(self.resync_seconds_last, 3)
-        )
+            await asyncio.sleep(0)  # routes are answered between slices
+        return listed_epochs
