@@ -641,3 +641,41 @@ def test_a_rekey_that_cannot_make_its_client_leaves_the_cache_disabled_saying_wh
         assert inner.client.status.cause != "client_error"
     finally:
         storage.close()
+
+
+def test_replaced_clients_still_closing_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each re-key's replaced client lives until its close ends (up to ~141 s): weight updates
+    every few seconds kept one more each (review of the change). At `REPLACED_CLOSING_MAX` still
+    closing, a new version's calls miss without a re-key until one close ends."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    import kvfabric.engines.sglang as sglang_backend
+
+    served = served_versions(monkeypatch)
+    pool = kit.host_pool()
+    storage = kit.backend(kit.extra_config(f"nats://127.0.0.1:{free_port()}"), pool)
+    inner = kit.kvfabric_of(storage)
+    keys, info = kit.page_keys(4, seed=73), HiCacheStorageExtraInfo(prefix_keys=[])
+    gates = []
+    try:
+        for step in range(sglang_backend.REPLACED_CLOSING_MAX):
+            client = inner.client
+            assert client is not None
+            gates.append(closing_slowly(monkeypatch, client))
+            served["version"] = f"rl-step-{step + 1}"
+            assert storage.batch_exists(keys, info) == 0 and inner.rekeys == step + 1
+            assert gates[-1][0].wait(10)  # its close started, held
+        capped = inner.client
+        served["version"] = "rl-step-next"
+        assert storage.batch_exists(keys, info) == 0  # a miss, no re-key
+        assert inner.client is capped and inner.rekeys == sglang_backend.REPLACED_CLOSING_MAX
+        assert len(inner._replaced) == sglang_backend.REPLACED_CLOSING_MAX
+        gates[0][1].set()
+        assert gates[0][2].wait(60)
+        storage.batch_exists(keys, info)  # a close ended: this call re-keys
+        assert inner.rekeys == sglang_backend.REPLACED_CLOSING_MAX + 1
+        assert inner.weight_version == "rl-step-next"
+    finally:
+        for _, let_go, _ in gates:
+            let_go.set()
+        storage.close()

@@ -112,6 +112,8 @@ log = logging.getLogger("kvfabric.engines.sglang")
 
 _CLIENT_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(ClientSettings))
 CAUSE_CONFIG_ERROR: Final = "config_error"
+# Clients a re-key replaced still closing at once; past it, calls miss until one has closed
+REPLACED_CLOSING_MAX: Final = 2
 CAUSE_CLIENT_ERROR: Final = "client_error"  # what no one expected (logged with its traceback)
 _LOG_EVERY_S: Final = 30.0  # one line per kind of failure at most this often
 # Host pool tensors a page region may lie in (zero-copy views are cut from these only).
@@ -408,6 +410,13 @@ class KvfabricStorage(HiCacheStorage):
                 # the first version SGLang reports (the start's), or nothing keyed: no re-key
                 self.weight_version = version
                 return True
+            with self._lock:
+                closing = len(self._replaced)
+            if closing >= REPLACED_CLOSING_MAX:
+                # Each replaced client lives (loop thread, executors, NATS connection) until its
+                # close ends, up to ~141 s: updates every few seconds kept dozens (review of the
+                # change). This call misses; a later one re-keys once a close has ended.
+                return False
             with self._lock:  # from here no call takes the old client, no hit joins the table
                 old, self.client, self.spec = self.client, None, None
                 held = self._held.drain()  # those gets load under come back at their `finished`
