@@ -167,7 +167,9 @@ def test_only_a_request_with_an_accepted_credential_renews_the_idle_deadline(op:
             assert answered >= 2, "the requests before the deadline were not served"
             assert server.counters.get("closed_idle_timeout_total", 0) == 1, server.counters
         if op == "UNPIN_LOCAL":
-            assert backend.unpins == answered  # every give-back served
+            # every give-back answered was served; the last one sent may be served as the idle
+            # deadline closes the connection, its answer never read (a loaded CI run saw 7 vs 6)
+            assert answered <= backend.unpins <= answered + 1
 
 
 def test_a_request_straddling_the_idle_deadline_is_answered_and_the_next_one_is_not() -> None:
