@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -1261,3 +1263,108 @@ def test_a_lookup_back_long_ago_is_looked_up_again_before_a_load_is_planned(sche
     client.answer()
     assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
     assert client.lookups_asked == 2
+
+
+class DelayedLookups(FakeClient):
+    """Lookups that come back `delay_s` after they start (a directory answering in that time),
+    each with a hit of `chunks` chunks under a lease."""
+
+    def __init__(self, chunks: int, delay_s: float) -> None:
+        super().__init__(chunks)
+        self.delay_s = delay_s
+        self.pending: list[concurrent.futures.Future[Hit]] = []
+
+    def lookup_async(self, tokens: list[int], **_: Any) -> concurrent.futures.Future[Hit]:
+        self.lookups_asked = getattr(self, "lookups_asked", 0) + 1
+        future: concurrent.futures.Future[Hit] = concurrent.futures.Future()
+        hit = Hit(
+            self.chunks * BLOCK,
+            BLOCK,
+            (),
+            (),
+            objects=((),) * self.chunks,
+            lease_id=len(self.pending) + 1,
+            lease_expires_ms=now_ms() + self.lease_left_ms,
+        )
+        timer = threading.Timer(self.delay_s, future.set_result, (hit,))
+        timer.daemon = True
+        timer.start()
+        self.pending.append(future)
+        return future
+
+
+def step_ends(connector: Any) -> Any:
+    """The end of a `schedule()` that scheduled nothing the test follows (vLLM builds the step's
+    connector metadata once, at the end of every `schedule()`)."""
+    output = SimpleNamespace(
+        scheduled_new_reqs=[],
+        num_scheduled_tokens={},
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+    )
+    connector._policy_checked = True  # the policy check reads vLLM's scheduler frame
+    return connector.build_connector_meta(output)
+
+
+def test_a_steps_new_requests_share_one_wait_for_their_lookups(scheduler_side: Any) -> None:
+    """vLLM asks for the requests it admits one after another within one `schedule()`: their
+    waits share one `lookup_wait_ms`. Before, each request waited for its own lookup, so 16 new
+    requests and a directory answering in 5 ms blocked that step (every running request's
+    decode) 80 ms. The requests past the step's wait start their lookups at once and answer
+    "ask again"; in the next step their lookups are back and they are answered without a new
+    lookup, and every lease is given back when the requests end. (Real time: a wait of 0.4 s,
+    lookups back in 0.1 s, 16 requests: 1.6 s blocked before, at most ~0.4 s now.)"""
+    wait_s, delay_s, count = 0.4, 0.1, 16
+    connector = scheduler_side(3)
+    client = connector.client = DelayedLookups(3, delay_s)
+    connector._lookup_wait_s = wait_s
+    step_ends(connector)  # a fresh step
+    requests = [
+        SimpleNamespace(request_id=f"burst{i}", prompt_token_ids=prompt_ids(4 * BLOCK + 1, seed=100 + i))
+        for i in range(count)
+    ]
+    answers = []
+    blocked = 0.0
+    for request in requests:  # one `schedule()` admitting them all
+        began = time.monotonic()
+        answers.append(connector.get_num_new_matched_tokens(request, 0))
+        blocked += time.monotonic() - began
+    answered = sum(1 for answer in answers if answer != (None, False))
+    # those answered first (each waited ~delay_s of the step's wait), then "ask again"
+    assert answers == [(3 * BLOCK, False)] * answered + [(None, False)] * (count - answered)
+    assert answered <= count // 2, answers  # (~wait_s / delay_s: 4 or 5)
+    assert blocked < 1.0, f"the step blocked {blocked:.2f} s"  # one wait (0.4 s), not 16 (1.6 s)
+    assert client.lookups_asked == count  # every lookup started in this step
+    step_ends(connector)
+    done, _ = concurrent.futures.wait(client.pending, timeout=30)
+    assert len(done) == count
+    for request in requests[answered:]:  # the next step: back, answered at once
+        assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
+    assert client.lookups_asked == count and client.released == []
+    for request in requests:
+        connector.request_finished(request, [])
+    assert sorted(hit.lease_id for hit in client.released) == list(range(1, count + 1))
+
+
+def test_a_wait_the_steps_earlier_requests_cut_short_does_not_stop_the_waiting(scheduler_side: Any) -> None:
+    """Waiting for lookups stops after a lookup given the whole `lookup_wait_ms` is not back (a
+    slow or silent directory), not after one whose wait was what the step's earlier requests
+    left of it: that says nothing of the directory."""
+    tokens = prompt_ids(3 * BLOCK + 1, seed=21)
+    connector = scheduler_side(0)
+    client = connector.client = SlowClient()
+    connector._lookup_wait_s = 0.05
+    step_ends(connector)
+    connector._step_wait_left_s = 0.001  # the step's earlier requests waited all but 1 ms
+    first = SimpleNamespace(request_id="cut", prompt_token_ids=tokens)
+    assert connector.get_num_new_matched_tokens(first, 0) == (None, False)
+    assert connector._lookups_fast and len(client.lookups) == 1
+    step_ends(connector)  # the next step waits afresh: the whole wait, and it runs out
+    second = SimpleNamespace(request_id="whole", prompt_token_ids=tokens)
+    assert connector.get_num_new_matched_tokens(second, 0) == (None, False)
+    assert not connector._lookups_fast and len(client.lookups) == 2
+    for lookup in client.lookups:  # both back (misses): answered when asked again
+        lookup.set_result(Hit(0, BLOCK, (), (), objects=(), lease_id=0))
+    assert connector.get_num_new_matched_tokens(first, 0) == (0, False)
+    assert connector.get_num_new_matched_tokens(second, 0) == (0, False)

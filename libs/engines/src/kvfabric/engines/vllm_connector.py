@@ -13,20 +13,24 @@ credentials, tenant subjects, share domain) in the engine's environment (docs/se
 Extra config keys: `nats_url` (or env KVF_CLIENT_NATS_URL), `tenant_id`, `domain_salt_hex`,
 `weights_revision` (default: a digest of the model directory's weight files), `tensor_layout`
 (default: derived from vLLM version, platform, CPU ISA, block size, KV shape and dtype),
-`lookup_wait_ms` (20: how long the scheduler waits for a new request's lookup before answering
-"ask again"; 0: never waits), and any `ClientSettings` field (timeouts, limits, `thread_cpus`:
-docs/engines.md says why it is left to inherit vLLM's pinned compute CPU by default; a fixed
-`metrics_port` P: data-parallel rank r's scheduler side serves on P + 2r, its worker side on
-P + 2r + 1, r the global rank). A model whose KV cache is not one group of full attention
-layers (sliding window, hybrid) runs the client disabled (`unsupported_kv_cache`).
+`lookup_wait_ms` (20: how long the scheduler waits for new requests' lookups in one step, all
+of them together, before answering "ask again"; 0: never waits), and any `ClientSettings` field
+(timeouts, limits, `thread_cpus`: docs/engines.md says why it is left to inherit vLLM's pinned
+compute CPU by default; a fixed `metrics_port` P: data-parallel rank r's scheduler side serves
+on P + 2r, its worker side on P + 2r + 1, r the global rank). A model whose KV cache is not one
+group of full attention layers (sliding window, hybrid) runs the client disabled
+(`unsupported_kv_cache`).
 
 ## How it works
 - One chunk = one vLLM block (`tokens_per_chunk = block_size`); one object = that block of
   every attention layer, as opaque bytes in layer order (the paged layout is not per token, so
   blocks move whole; the layout string is in the key, so other layouts never share).
 - Scheduler side: `get_num_new_matched_tokens` looks up the prompt (never its last token: its
-  logits are needed), waits for it at most `lookup_wait_ms`, then answers None ("ask again")
-  until it is back, so the scheduler blocks on the cluster for at most that; it keeps the
+  logits are needed), waits for it at most what is left of the step's `lookup_wait_ms` (one
+  budget shared by every request vLLM admits in that `schedule()`), then answers None ("ask
+  again") until it is back, so the scheduler blocks on the cluster for at most that per step
+  however many requests arrive (a request finding the budget spent starts its lookup at once:
+  it runs beside the others' and is answered in a later step); it keeps the
   read-leased hit (a prompt vLLM's own cache covers whole is answered 0 at once: its lookup
   only tells which blocks to save, at a step after it is back, and is not waited for);
   `build_connector_meta` turns it into a load
@@ -108,7 +112,8 @@ __all__ = ["KvfabricConnector", "KvfabricMetadata"]
 log = logging.getLogger("kvfabric.engines.vllm")
 
 _CLIENT_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(ClientSettings))
-# How long the scheduler waits for a new request's lookup before answering "ask again".
+# How long the scheduler waits, in one step, for new requests' lookups (all of them together)
+# before answering "ask again".
 LOOKUP_WAIT_MS_DEFAULT: Final = 20
 # Requests a worker remembers as cut (the save rate, or a chunk not stored; the oldest forgotten
 # first).
@@ -451,6 +456,13 @@ class KvfabricConnector(KVConnectorBase_V1):
             )
             self._lookup_wait_s = LOOKUP_WAIT_MS_DEFAULT / 1000
         self._lookups_fast = True  # false from a wait that ran out until a lookup is back in time
+        # What is left of this scheduler step's wait for lookups (`_wait_for`): vLLM asks for
+        # the requests it admits one after another within one `schedule()`, so a wait per
+        # request blocked the step k times over (16 new requests, a directory answering in 5 ms:
+        # 80 ms of every running request's decode). Back to `_lookup_wait_s` when the step ends
+        # (`build_connector_meta`, called once per `schedule()`; a vLLM that did not call it
+        # would only stop the waiting: each request is answered once its lookup is back).
+        self._step_wait_left_s = self._lookup_wait_s
         self._pending_loads: dict[str, tuple[Hit, int]] = {}  # req id -> (hit, chunks vLLM had)
         # req id -> chunks its lookup found in kvfabric, until the request is scheduled: also for a
         # hit vLLM's own prefix cache covers (nothing to load), whose blocks are then not saved again
@@ -536,13 +548,17 @@ class KvfabricConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """The first call starts the lookup and waits for it at most `lookup_wait_ms`: a lookup
-        back by then is answered at once (no "ask again" round: vLLM's idle loop polls every
-        ~1 ms, each poll a scheduler step and a worker round trip contending with the client's
-        loop for the GIL); a later one answers None ("ask again") until it is back, so a silent
-        directory costs one request at most `lookup_wait_ms` of scheduler time and a miss after
-        `lookup_timeout_ms`. After a wait that ran out, requests do not wait (pure asynchronous)
-        until a lookup comes back within the wait again. Never the whole prompt.
+        """The first call starts the lookup and waits for it at most what is left of the step's
+        wait (`lookup_wait_ms` for all the requests of one `schedule()` together, `_wait_for`):
+        a lookup back by then is answered at once (no "ask again" round: vLLM's idle loop polls
+        every ~1 ms, each poll a scheduler step and a worker round trip contending with the
+        client's loop for the GIL); a later one answers None ("ask again") until it is back, so
+        a step blocks on the directory for at most `lookup_wait_ms` however many requests it
+        admits, and a silent directory costs a miss after `lookup_timeout_ms`. A request whose
+        first call finds the step's wait spent starts its lookup and answers None at once: the
+        lookup runs beside the others and is answered in a later step. After a wait that ran
+        out, requests do not wait (pure asynchronous) until a lookup comes back within the wait
+        again. Never the whole prompt.
 
         A prompt whose every chunk kvfabric could add is in vLLM's own prefix cache already
         (`num_computed_tokens`) is answered 0 at once: its lookup still goes, but only to learn
@@ -632,11 +648,19 @@ class KvfabricConnector(KVConnectorBase_V1):
         return future
 
     def _wait_for(self, lookup: concurrent.futures.Future[Hit]) -> bool:
-        """Wait for a new lookup, bounded; True when it is back."""
-        if lookup.done() or not self._lookups_fast or self._lookup_wait_s <= 0:
+        """Wait for a new lookup, at most what is left of this step's wait; True when it is back.
+
+        Only a lookup given the whole `lookup_wait_ms` and not back turns waiting off
+        (`_lookups_fast`): one cut short because earlier requests of the step spent the wait
+        says nothing of the directory (its lookup still turns waiting back on if it comes in
+        within `lookup_wait_ms` of its start)."""
+        budget = min(self._step_wait_left_s, self._lookup_wait_s)
+        if lookup.done() or not self._lookups_fast or budget <= 0:
             return lookup.done()
-        concurrent.futures.wait([lookup], timeout=self._lookup_wait_s)
-        if not lookup.done():
+        began = time.monotonic()
+        concurrent.futures.wait([lookup], timeout=budget)
+        self._step_wait_left_s = budget - (time.monotonic() - began)
+        if not lookup.done() and budget >= self._lookup_wait_s:
             self._lookups_fast = False  # slow or silent directory: stop waiting for lookups
             log.info(
                 "kvfabric: lookup not back within %.0f ms: not waiting for lookups",
@@ -651,6 +675,9 @@ class KvfabricConnector(KVConnectorBase_V1):
             self._pending_loads.pop(request.request_id, None)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvfabricMetadata:
+        # The step ends (vLLM 0.32 calls this once at the end of every `schedule()`): the next
+        # step's requests wait for their lookups afresh.
+        self._step_wait_left_s = self._lookup_wait_s
         self._check_failure_policy(sys._getframe(1))  # a vLLM that never bound the cache manager
         meta = KvfabricMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
