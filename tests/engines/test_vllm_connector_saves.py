@@ -1368,3 +1368,24 @@ def test_a_wait_the_steps_earlier_requests_cut_short_does_not_stop_the_waiting(s
         lookup.set_result(Hit(0, BLOCK, (), (), objects=(), lease_id=0))
     assert connector.get_num_new_matched_tokens(first, 0) == (0, False)
     assert connector.get_num_new_matched_tokens(second, 0) == (0, False)
+
+
+def test_a_request_is_looked_up_again_for_an_old_lease_once_at_most(scheduler_side: Any) -> None:
+    """A directory granting leases shorter than the margin (or a clock ahead of it) makes every
+    answer look old: looked up again once, then the answer is planned whatever its age (review:
+    the request asked again for ever, a lookup and a release each step)."""
+    tokens = prompt_ids(3 * BLOCK + 1, seed=13)
+    connector = scheduler_side(3)
+    client = LateLookups(3)
+    connector.client = client
+    connector._lookups_fast = False
+    client.lease_left_ms = 2_000  # every lease granted short
+    request = SimpleNamespace(request_id="short", prompt_token_ids=tokens)
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
+    client.answer()
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)  # looked up again
+    client.answer()
+    assert connector.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)  # planned
+    assert client.lookups_asked == 2 and len(client.released) == 1
+    connector.request_finished(request, [])
+    assert "short" not in connector._relooked

@@ -467,6 +467,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         # req id -> chunks its lookup found in kvfabric, until the request is scheduled: also for a
         # hit vLLM's own prefix cache covers (nothing to load), whose blocks are then not saved again
         self._found_chunks: dict[str, int] = {}
+        self._relooked: set[str] = set()  # requests looked up again for an old lease (once each)
         # req id -> the lookup of a prompt vLLM's own cache covers, until the request is scheduled
         self._backfills: dict[str, concurrent.futures.Future[Hit]] = {}
         self._requests: dict[str, _Request] = {}
@@ -606,6 +607,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         hit = _result(pending)
         if (
             asked_before
+            and rid not in self._relooked
             and hit is not None
             and hit.lease_id
             and hit.lease_expires_ms - now_ms() <= self._lease_left_min_ms()
@@ -613,6 +615,9 @@ class KvfabricConnector(KVConnectorBase_V1):
             # Back long ago and asked for only now (vLLM had no room for the request until
             # this step): its lease may lapse before the load runs, a failed load recomputed
             # (review: it was planned whatever its age). Given back; a new lookup, as above.
+            # Once a request: a directory granting shorter leases than the margin (or a clock
+            # ahead of it) made every answer look old, and the request asked again for ever.
+            self._relooked.add(rid)
             self.client.release(hit)
             pending = self._lookups[rid] = self._start_lookup(tokens, rid)
             if not self._wait_for(pending):
@@ -829,6 +834,7 @@ class KvfabricConnector(KVConnectorBase_V1):
         self._pending_loads.pop(request.request_id, None)
         self._keyed_beyond.discard(request.request_id)
         self._found_chunks.pop(request.request_id, None)
+        self._relooked.discard(request.request_id)
         state = self._requests.pop(request.request_id, None)
         if state is not None and state.saves_wait_for is not None:  # ended before its lookup did
             self._release_when_back(state.saves_wait_for)
