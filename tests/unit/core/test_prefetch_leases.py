@@ -554,3 +554,103 @@ def test_leases_no_hint_kept_are_queued_like_an_ended_hints() -> None:
     assert [r.lease for r in keeper.releases(10_500)] == [(4, 5)]  # the others' retry past 10 s
     assert keeper.counters["lease_releases_abandoned_total"] == 2
     keeper.check_invariants()
+
+
+def test_a_lease_whose_renewals_answer_was_lost_is_given_back_with_the_expiry_asked() -> None:
+    """Review of the change: a renewal sent at 20 s asking to 50 s timed out (`renew_failed`,
+    not lost: the directory may have granted it), and the hint was cancelled at 25.5 s, before a
+    retry renewed it. The release was held only to the old expiry (30 s): one failing near it was
+    given up, and one queued past it dropped, while the directory may hold the lease to 50 s."""
+    keeper = keeper_with_one_lease(expires_ms=30_000)
+    (renewal,) = keeper.due(20_000, lambda named: 300_000)
+    assert keeper.sending(renewal, 20_000) == 30_000  # asked until 50 000
+    keeper.renew_failed(LEASE, lost=False, now_ms=25_000)  # no answer: timed out
+    keeper.check_invariants()
+    assert keeper.give_back(NAMED, 25_500) == [LEASE]
+    (release,) = keeper.releases(25_500)
+    keeper.release_failed(release.lease, 29_500)  # no answer by the shell's deadline
+    assert keeper.releases_pending == 1 and keeper.counters["lease_releases_abandoned_total"] == 0
+    (again,) = keeper.releases(30_500)  # past the old expiry: the directory may still hold it
+    assert again.attempt == 2
+    keeper.release_failed(again.lease, 49_500)
+    assert keeper.releases_pending == 0 and keeper.counters["lease_releases_abandoned_total"] == 1
+    keeper.check_invariants()
+    # queued, its shard full until past the old expiry: still sent (it may hold to 50 s)
+    keeper = keeper_with_one_lease(expires_ms=30_000)
+    (renewal,) = keeper.due(20_000, lambda named: 300_000)
+    keeper.sending(renewal, 20_000)
+    keeper.renew_failed(LEASE, lost=False, now_ms=25_000)
+    keeper.give_back(NAMED, 25_500)
+    assert keeper.releases(25_500, shard_room=lambda shard: 0) == []
+    assert [r.lease for r in keeper.releases(31_000)] == [LEASE]
+    assert keeper.counters["lease_releases_abandoned_total"] == 0
+
+
+def test_a_lease_whose_renewals_all_fail_is_released_at_its_lapse() -> None:
+    """Review of the change: renewals sent and all timing out until the lease's old expiry: it
+    was dropped as lapsed with no release at all, while the directory may hold it to the last
+    expiry asked (29 s + 30 s), pinned ~30 s. Now it is dropped (lost to its hint) and released,
+    held to that expiry."""
+    keeper = keeper_with_one_lease(expires_ms=30_000)
+    sent = []
+    for now in range(20_000, 31_000, 100):
+        for renewal in keeper.due(now, lambda named: 300_000):
+            assert keeper.sending(renewal, now)
+            sent.append(now)
+            keeper.renew_failed(renewal.lease, lost=False, now_ms=now)  # timed out
+        keeper.check_invariants()
+    assert sent == list(range(20_000, 30_000, 1_000))
+    assert keeper.leases_held == 0 and keeper.counters["leases_lost_total"] == 1  # lapsed at 30 s
+    assert keeper.releases_pending == 1
+    (release,) = keeper.releases(30_000)
+    assert release.lease == LEASE
+    keeper.release_failed(release.lease, 57_000)
+    assert [r.attempt for r in keeper.releases(58_000)] == [2]  # held to 59 000 (29 s + 30 s)
+    keeper.release_failed(LEASE, 58_500)  # its retry (59 500) past 59 000: given up
+    assert keeper.releases_pending == 0 and keeper.counters["lease_releases_abandoned_total"] == 1
+    keeper.check_invariants()
+
+
+def test_a_renewal_refused_or_never_sent_makes_no_release_at_a_lapse() -> None:
+    """Only a renewal sent and left unanswered may have been granted: one `not_found` drops the
+    lease (the directory holds none), one never sent leaves its expiry, and their lapse or end
+    queues nothing past it."""
+    keeper = keeper_with_one_lease(expires_ms=30_000)
+    (renewal,) = keeper.due(20_000, lambda named: 300_000)
+    keeper.sending(renewal, 20_000)
+    keeper.renew_failed(LEASE, lost=True, now_ms=20_050)  # not_found
+    assert keeper.leases_held == 0 and keeper.releases_pending == 0
+    keeper = keeper_with_one_lease(expires_ms=30_000)
+    for now in range(20_000, 31_000, 100):  # started, never sent (`sending` not called)
+        for renewal in keeper.due(now, lambda named: 300_000):
+            keeper.renew_failed(renewal.lease, lost=False, now_ms=now)
+    assert keeper.leases_held == 0 and keeper.releases_pending == 0
+    # a renewal answered after one lost: the lost one may still reach the directory, so the
+    # lease is still given back held to the later of the two
+    keeper = keeper_with_one_lease(expires_ms=30_000)
+    (renewal,) = keeper.due(20_000, lambda named: 40_000)
+    keeper.sending(renewal, 20_000)  # asked until 40 000 (its deadline)
+    keeper.renew_failed(LEASE, lost=False, now_ms=20_500)
+    keeper.give_back(NAMED, 35_000)
+    assert [r.lease for r in keeper.releases(35_000)] == [LEASE]
+
+
+def test_a_lookups_late_bound_holds_its_release_not_its_renewals() -> None:
+    """`keep(..., maybe_until_ms)`: the lookup answered some time after it was sent, so a shard
+    may have granted its lease as late as then plus the TTL asked. Renewals go by the early bound
+    (due 10 s before it); the lease given back, or lapsing, is released up to the late one."""
+    keeper = HintLeases(LeaseKeeping(lease_ttl_ms=30_000, renew_margin_ms=10_000, retry_ms=1_000))
+    keeper.keep(NAMED, [LEASE], 30_000, now_ms=0, maybe_until_ms=32_000)
+    keeper.check_invariants()
+    assert keeper.due(19_999, lambda named: 300_000) == []
+    (renewal,) = keeper.due(20_000, lambda named: 300_000)  # by the early bound
+    keeper.renew_failed(renewal.lease, lost=False, now_ms=20_000)  # (never sent)
+    keeper.give_back(NAMED, 30_500)  # past the early bound, before the late one
+    (release,) = keeper.releases(30_500)
+    assert release.lease == LEASE
+    # a lapse (its hint's deadline reached, not renewed) before the late bound: released
+    keeper = HintLeases(LeaseKeeping(lease_ttl_ms=30_000, renew_margin_ms=10_000, retry_ms=1_000))
+    keeper.keep(NAMED, [LEASE], 30_000, now_ms=0, maybe_until_ms=32_000)
+    assert keeper.due(30_000, lambda named: 30_000) == [] and keeper.leases_held == 0
+    assert keeper.counters["leases_lost_total"] == 0 and keeper.releases_pending == 1
+    keeper.check_invariants()

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from kvfabric.core.prefetch_events import Tick
-from kvfabric.format.errors import NotFound
+from kvfabric.format.errors import NotFound, Unavailable
 from kvfabric.prefetch import shell as shell_module
 from kvfabric.prefetch.shell import PrefetchShell
 from kvfabric.proto import directory as m
@@ -235,3 +235,62 @@ def test_renewals_are_counted_when_sent(monkeypatch: pytest.MonkeyPatch) -> None
     asyncio.run(scenario())
     assert len(router.sent) == shell_module.RENEWALS_AT_ONCE and set(router.sent) <= set(slow)
     assert shell.status().counters["lease_renewals_total"] == len(router.sent)
+
+
+@pytest.mark.parametrize("case", ["queued_nothing", "cancelled"])
+def test_a_release_lives_to_the_latest_expiry_a_slow_lookup_may_have_given(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Review of the change: a hint's leases were held, for their releases too, until the TTL
+    from before its lookup was sent, while each shard grants it from when it answers: a lookup
+    answered seconds later (here 1 s per shard) and a release failing until near that early
+    bound was given up while the directory still held the lease. Now a release lives to the TTL
+    from when the answer came (the early bound still times the renewals): a lease no hint kept
+    (`queued_nothing`) and an ended hint's (`cancelled`)."""
+    clock = {"ms": NOW}
+    monkeypatch.setattr(shell_module, "now_ms", lambda: clock["ms"])
+    directory = Directory(clock)
+    failed: set[tuple[int, int]] = set()
+
+    def answer(shard: int, verb: str, message: msgspec.Struct) -> Any:
+        if verb == "lookup":
+            clock["ms"] += 1_000  # each shard answers 1 s after the one before
+        elif verb == "lease_release":
+            assert isinstance(message, m.LeaseRelease)
+            lease = (shard, message.lease_id)
+            if lease not in failed:  # the first release of each fails just before the early bound
+                failed.add(lease)
+                clock["ms"] = max(clock["ms"], NOW + 29_500)
+                return Unavailable("no leader")
+        return directory.answer(shard, verb, message)
+
+    shell = make_shell(FakeRouter(answer))
+    groups = spread_prefix()
+    target = "s1" if case == "queued_nothing" else "s2"  # s1 holds every object already
+
+    async def scenario() -> None:
+        reply = await shell._add(
+            p.PrefetchHint(
+                hint_id="h1", tenant="t", groups=groups, target_segment=target, deadline_ms=NOW + 60_000
+            )
+        )
+        granted = set(directory.expiry)
+        assert len(granted) > 1 and all(directory.expiry[lease] > NOW + 30_000 for lease in granted)
+        if case == "cancelled":
+            assert reply.status == "accepted" and reply.objects_queued > 0
+            assert shell.core.cancel_hint("h1", "t")
+            await after_tick(shell)
+        else:
+            assert reply.status == "accepted" and reply.objects_queued == 0
+            await asyncio.gather(*shell._releases)
+        assert failed == granted  # each failed once, at 29.5 s: retried at 30.5 s
+        assert shell.status().counters["lease_releases_abandoned_total"] == 0
+        clock["ms"] = NOW + 30_500  # past the early bound: the leases live on at the directory
+        assert all(directory.expiry[lease] > clock["ms"] for lease in granted)
+        await after_tick(shell)
+        assert sorted(directory.released) == sorted(granted)
+        assert shell.status().counters["lease_releases_abandoned_total"] == 0
+        assert shell.status().gauges["lease_releases_pending"] == 0
+        await shell.stop()
+
+    asyncio.run(scenario())

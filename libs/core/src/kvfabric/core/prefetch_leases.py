@@ -30,12 +30,25 @@ its hint's deadline is later than its expiry; the deadline itself is at most
         directory does not extend a lease holding a lost group: it answers the lease's expiry
         as it was) it is FINAL: never renewed again (`lease_renew_refused_total`)
     RENEWING --renew_failed(lost=False: timeout, unavailable, ...)--> HELD, due again after
-        `retry_ms` (`lease_renew_failed_total`)
+        `retry_ms` (`lease_renew_failed_total`); if the renewal was sent, the directory may
+        have granted it: `maybe_until` := max(`maybe_until`, the expiry asked)
     RENEWING --renew_failed(lost=True: `not_found`, the directory holds no such lease)--> (none)
-    HELD --due at or after its expiry--> (none): lapsed, the directory dropped it
+    HELD --due at or after its expiry--> (none): lapsed; the directory dropped it, or, if
+        `maybe_until` is later than now, may still hold it: its release is queued (below), held
+        to `maybe_until`
     HELD | DUE | RENEWING --take / give_back (its hint id ended)--> (none) [give_back: released,
-        held to its expiry; a RENEWING one whose renewal was sent, to the later of its expiry
-        and the one asked (the directory may have granted it, and its answer is then dropped)]
+        held to the latest expiry the directory may hold it to: the later of its expiry,
+        `maybe_until` and, for a RENEWING one whose renewal was sent, the one asked (its answer
+        is then dropped)]
+`maybe_until` (0: none) is the latest expiry the directory may hold a lease to that was never
+confirmed: a renewal sent and answered by no reply (a timeout, a connection lost) may have been
+granted, and the late side of the lookup's own grant (`keep`). It is never lowered (the
+directory never shortens a lease, and a renewal timed out may still reach it later). A renewal
+whose answer was lost went back to HELD with its old expiry and nothing else (review of the
+change): its hint ending before a retry renewed it gave the lease back with the old expiry (a
+release failing was given up there while the directory held the lease up to `lease_ttl_ms`
+more), and a lease whose retries all failed was dropped as lapsed at the old expiry, never
+released (pinned at the directory up to ~30 s).
 A lease is FINAL only when the directory's own expiry did not move (review, stop 71): it was
 when the expiry moved less than half of what was asked, but the directory caps each renewal at
 its `KVF_DIRECTORY_LEASE_TTL_MS_MAX` (100 ms .. 600 s) while the shell asks 30 s, so under a
@@ -68,8 +81,9 @@ lease whose expiry passes before it could be started is dropped and counted in
 `lease_renewals_late_total` (and `leases_lost_total` if its hint still wanted it).
 
 ## Releases of ended hints' leases (review of stop 71)
-    (none) --give_back(named) / release(leases, expires): id != 0, not expired, not already
-        queued, the queue not full--> QUEUED (FIFO on its shard), with the lease's expiry (ours,
+    (none) --give_back(named) / release(leases, expires) / a lapse with `maybe_until` later
+        than now: id != 0, not expired, not already queued, the queue not full--> QUEUED (FIFO
+        on its shard), with the latest expiry the directory may hold it to (ours, `maybe_until`
         or the one asked of a renewal in flight, above; `release`: the one given; unknown:
         now + `lease_ttl_ms`)
     (none) --give_back with `release_queue_max` releases queued--> not queued:
@@ -215,6 +229,10 @@ class _Kept:
     # while renewing: the renewal was sent (`sending`): the directory may have granted it, up to
     # `asked_until_ms`, whether or not its answer is ever told (`_take`)
     asked_sent: bool = False
+    # the latest expiry the directory may hold it to, never confirmed (0: none): the one asked
+    # by a sent renewal whose answer was lost, or the late side of the lookup's grant (`keep`);
+    # never lowered. Given back with it (`_take`) and released at a lapse before it (`_look_at`)
+    maybe_until_ms: int = 0
     final: bool = False  # a renewal was refused: held to its expiry, not renewed again
     # renewed up to its hint's deadline, as asked (a directory whose clock is behind ours may
     # answer no later expiry: no refusal, and its lapse there loses nothing); cleared if the
@@ -270,15 +288,26 @@ class HintLeases:
 
     # ---- events ----------------------------------------------------------------------------
 
-    def keep(self, named: Named, leases: Iterable[Lease], expires_ms: int, now_ms: int) -> None:
+    def keep(
+        self,
+        named: Named,
+        leases: Iterable[Lease],
+        expires_ms: int,
+        now_ms: int,
+        maybe_until_ms: int = 0,
+    ) -> None:
         """`named`'s lookup granted `leases`, each valid until `expires_ms` at least (added to
-        any it holds already: a hint id deduplicated into a live hint keeps its own too)."""
+        any it holds already: a hint id deduplicated into a live hint keeps its own too), and
+        perhaps until `maybe_until_ms` at most (the late side: the lookup answered plus the TTL
+        it asked; 0: `expires_ms`). Renewals go by the early side (renewed before the lease could
+        have lapsed), its release by the late side (never given up while it may be live)."""
         margin = self._margin(expires_ms - now_ms)
         for lease in leases:
             self.held.setdefault(named, []).append(lease)
             if lease[1]:
                 check_ms = min(expires_ms, max(now_ms, expires_ms - margin))
                 kept = _Kept(named, expires_ms, check_ms, margin, expires_ms)
+                kept.maybe_until_ms = max(maybe_until_ms, 0)
                 self._kept[lease] = kept
                 self._push(kept.check_ms, lease)
 
@@ -324,7 +353,8 @@ class HintLeases:
     ) -> list[RenewLease]:
         """The renewals to start now, sorted by shard (each lease then RENEWING): at most `limit`
         in all and `shard_room(shard)` on a shard (None: no bound), earliest expiry first; the
-        others due stay queued for a later round. Leases found past their expiry are dropped.
+        others due stay queued for a later round. Leases found past their expiry are dropped,
+        their releases queued if the directory may still hold them (`maybe_until_ms`).
         `deadline_of(named)`: the deadline of the live hint `named` belongs to (None: ended, its
         leases about to be taken)."""
         while self._heap and self._heap[0][0] <= now_ms:  # due ones queued by expiry
@@ -416,7 +446,11 @@ class HintLeases:
 
     def renew_failed(self, lease: Lease, *, lost: bool, now_ms: int) -> None:
         """The renewal of `lease` failed: `lost` (`not_found`: the directory holds no such lease)
-        drops it; any other error is retried after `retry_ms` (before its expiry)."""
+        drops it; any other error is retried after `retry_ms` (before its expiry). Any other
+        error of a renewal sent may have lost a grant (a timeout, a connection lost: the
+        directory may have renewed it): the lease may be held up to the expiry asked
+        (`maybe_until_ms`), where a release given up at its old expiry, or a lapse at it without
+        one, left it pinned up to `lease_ttl_ms` more (review of the change)."""
         kept = self._kept.get(lease)
         if kept is None or not kept.renewing:
             return
@@ -424,6 +458,8 @@ class HintLeases:
         if lost:
             self._drop(lease, kept, needed=True)
             return
+        if kept.asked_sent:
+            kept.maybe_until_ms = max(kept.maybe_until_ms, kept.asked_until_ms)
         self.counters["lease_renew_failed_total"] += 1
         self._reschedule(lease, kept, min(kept.expires_ms, now_ms + self.config.retry_ms))
 
@@ -498,18 +534,25 @@ class HintLeases:
         the expiry asked: its answer, once it comes, is dropped (the lease no longer tracked), so
         taking its old expiry gave it back as expired (nothing queued: pinned at the directory up
         to `lease_ttl_ms` more), abandoned a failed release at the old expiry, and dropped a queued
-        one there (review of the change, stop 71)."""
+        one there (review of the change, stop 71). So may one whose renewal's answer was lost
+        (`maybe_until_ms`, review of the change)."""
         out: list[tuple[Lease, int | None]] = []
         for lease in self.held.pop(named, []):
             kept = self._kept.get(lease)
             if kept is not None and kept.named == named:
                 del self._kept[lease]
-                granted = kept.asked_until_ms if kept.renewing and kept.asked_sent else 0
-                out.append((lease, max(kept.expires_ms, granted)))
+                out.append((lease, self._may_last(kept)))
             else:
                 out.append((lease, None))
         self._compact()
         return out
+
+    @staticmethod
+    def _may_last(kept: _Kept) -> int:
+        """The latest expiry the directory may hold `kept` to: its own, `maybe_until_ms`, or the
+        one asked by its renewal sent and not yet answered (the directory may have granted it)."""
+        asked = kept.asked_until_ms if kept.renewing and kept.asked_sent else 0
+        return max(kept.expires_ms, kept.maybe_until_ms, asked)
 
     def _queue_release(self, lease: Lease, expires_ms: int | None, now_ms: int) -> None:
         """Queue `lease`'s release, valid until `expires_ms` (None: `lease_ttl_ms` from now, the
@@ -529,11 +572,14 @@ class HintLeases:
         """A lease whose check time came (or DUE, now started): the TTL to renew it for, or None
         having dropped it (lapsed) or put it back in the heap (nothing to renew now)."""
         cfg = self.config
-        if now_ms >= kept.expires_ms:  # lapsed: the directory has dropped it
+        if now_ms >= kept.expires_ms:  # lapsed: the directory has dropped it, or may not have
             needed = deadline is not None and deadline > kept.expires_ms and not kept.up_to_deadline
             if needed and kept.queued:  # due, but no room to start it before it expired
                 self.counters["lease_renewals_late_total"] += 1
             self._drop(lease, kept, needed=needed)
+            # a renewal whose answer was lost may have been granted: released, not left pinned
+            # up to `lease_ttl_ms` at the directory (nothing if it cannot be live any more)
+            self._queue_release(lease, self._may_last(kept), now_ms)
             return None
         kept.queued = False
         if kept.up_to_deadline and deadline is not None and deadline > kept.asked_deadline_ms:

@@ -41,8 +41,10 @@
   through the same queue (`_give_back_leases`): they were released inline, one at a time in the
   hint's reply path and never retried, one hung shard delaying the reply by `request_timeout_s`
   per lease (review of the change, stop 71). A lease whose hint ends while its renewal is in
-  flight is released with the expiry asked (the directory may have granted it), not its old
-  one. When to renew, which leases the directory has dropped
+  flight, or after a renewal whose answer was lost (a timeout: the directory may have granted
+  it), is released with the expiry asked, not its old one, and one whose renewals fail until
+  its old expiry is then released, not dropped (it may still be held; review of the change).
+  When to renew, which leases the directory has dropped
   (`not_found`, or past their expiry: no longer counted as held) and which releases to send or
   retry is decided by the pure `kvfabric.core.prefetch_leases.HintLeases`. A lookup's leases
   last 30 s and were never renewed while a hint lived to its deadline (known defect "leases of
@@ -341,8 +343,17 @@ class PrefetchShell:
         if ttl <= 0:
             return p.HintReply(hint_id=hint.hint_id, status="refused", reason="deadline_passed")
         hit_chunks, found, leases, expires_ms = await self._lookup(hint, ttl)
-        # held until then at least (asked before the lookup; the directory's, if it says earlier)
+        # Two bounds of the leases' expiry. Renewals go by the early one, `held_until`: the TTL
+        # from before the lookup was sent (no shard granted it earlier), or the directory's if it
+        # says earlier (its cap). Releases go by the late one, `may_last`: the TTL from when the
+        # answer came (a shard may have granted it as late as that; the directory's, if later:
+        # the earliest of its shards', its clock ahead). Releases by the early one were given up
+        # while the directory still held the lease, up to the lookup's time more (review of the
+        # change). The late one may overestimate (by the lookup's time, or by the TTL asked past
+        # a directory's shorter cap), costing at worst a failing release retried longer (3 sends
+        # at most) or one sent for a lease already gone (`not_found`: done).
         held_until = min(now + ttl, expires_ms) if expires_ms else now + ttl
+        may_last = max(self._now() + ttl, expires_ms)
         by_chunk = {chunk_index_in_id(GroupId(g)): GroupId(g) for g in hint.groups[:hit_chunks]}
         objects = tuple(
             HintObject(
@@ -354,7 +365,7 @@ class PrefetchShell:
             if o.chunk_index in by_chunk
         )
         if not objects:
-            self._give_back_leases(leases, held_until)
+            self._give_back_leases(leases, may_last)
             return p.HintReply(hint_id=hint.hint_id, status="accepted", objects_queued=0)
         result = reply_of(
             await self._driver.feed(
@@ -366,15 +377,15 @@ class PrefetchShell:
         if isinstance(result, Accepted) and result.objects_queued:
             # Accepted: any earlier hint of this name has ended, its leases not yet collected
             self._keeper.give_back(named, self._now())
-            self._keeper.keep(named, leases, held_until, self._now())
+            self._keeper.keep(named, leases, held_until, self._now(), may_last)
         elif isinstance(result, Deduped) and self.core.has_hint(hint.hint_id, hint.tenant):
             # Joined a live hint under this name (or a retry of it): its leases stay until this
             # name ends, so the hint holds leases while any of its names is live. They went back
             # at once, and a cancel of the first name then gave back the only leases the hint
             # still copied under (review, 2026-12-06).
-            self._keeper.keep(named, leases, held_until, self._now())
+            self._keeper.keep(named, leases, held_until, self._now(), may_last)
         else:  # queued nothing, busy, refused, or its dedupe found no live hint
-            self._give_back_leases(leases, held_until)
+            self._give_back_leases(leases, may_last)
         if isinstance(result, Accepted):
             return p.HintReply(hint_id=hint.hint_id, status="accepted", objects_queued=result.objects_queued)
         if isinstance(result, Deduped):
@@ -563,6 +574,8 @@ class PrefetchShell:
         except NotFound:  # expired or dropped at the directory (a new leader, say)
             self._keeper.renew_failed(renewal.lease, lost=True, now_ms=self._now())
         except Exception as exc:  # retried after a while, before its expiry
+            # (not `lost`: the directory may have granted it, its answer lost; the lease is then
+            # given back, or released at its lapse, with the expiry asked: `HintLeases`)
             self._log.info("lease_renew_failed", shard=renewal.shard, error=getattr(exc, "code", repr(exc)))
             self._keeper.renew_failed(renewal.lease, lost=False, now_ms=self._now())
         else:
