@@ -39,23 +39,31 @@ I/O, no awaits; each call atomic on the event loop, but for a `segment_down` thr
 
 - what a listing adopted after lost events says of the groups tracked already (the resync,
   `EvictionShell.adopt_listed`): one it names with other pools moves to them (`_relisted`: a
-  dead segment's replica swept, a drop whose republish was lost); one that two whole listings
-  in a row did not name, nor any `published` event since the first of them, goes
-  (`_missed_twice_gone`: evicted, invalidated or lost in the gap; one listing is not enough: a
-  new directory leader whose rebuild missed a segment lists none of its groups until that
-  segment's own rebuild, and a hot group forgotten then came back from the next listing ranked
-  coldest; review, 2026-12-07); a segment the directory no longer has up, holding no bytes
-  here any more, goes with its pools (`_dead_segment_dropped`), as its lost `segment_down`
-  would have. Which adoption last named each tracked group is kept in four sets that
-  partition the tracked groups (`_named`, `_unnamed`, `_missed`, `_doomed`; `check_named`):
-  an adoption swaps and pops them, never copies them (a copy of 3,000,000 keys held the loop
-  0.2-0.4 s; review, 2026-12-07).
+  dead segment's replica swept, a drop whose republish was lost); one that a whole listing
+  did not name, nor any `published` event since, is missed (`_missed`, with the time the first
+  such listing began), and goes once a whole listing that began `MISSED_FORGET_MS` after that
+  misses it too (`_missed_twice_gone`: evicted, invalidated or lost in the gap). Neither one
+  listing nor two in a row are enough: a new directory leader whose rebuild missed a segment
+  lists none of its groups until that segment's own rebuild, which backs off up to 5 minutes
+  (docs/directory-ha.md), while every shard's `shard_started` of a failover asks for another
+  adoption within seconds; a hot group forgotten then came back from a later listing ranked
+  coldest (review, 2026-12-07, twice). A segment the directory no longer has up, holding no
+  bytes here any more, goes with its pools (`_dead_segment_dropped`), as its lost
+  `segment_down` would have. Which adoption last named each tracked group is kept in four
+  sets that partition the tracked groups (`_named`, `_unnamed`, and the dicts `_missed`,
+  `_doomed`; `check_named`): an adoption swaps and pops them, never copies them (a copy of
+  3,000,000 keys held the loop 0.2-0.4 s; review, 2026-12-07), and one it empties is bound
+  anew (a set or dict emptied by pops keeps its table: 134 MB at 3,000,000 groups).
 - a demotion that finds no arena replica of its victim on the segment and none on that disk,
   and no republish held back to say where it is (`_listed_where`): the group moves to the
-  pools its fresh `show_group` listing names, or goes when that names no live replica (the
-  directory's republish may have been among lost events: it was chosen and answered
-  `not_found` again every cooldown, its phantom bytes keeping the pool full; review,
-  2026-12-07).
+  pools its fresh `show_group` listing names (a segment not heard of yet counted, as the
+  adoption counts it), or goes when that names no replica at all (the directory's republish
+  may have been among lost events: it was chosen and answered `not_found` again every
+  cooldown, its phantom bytes keeping the pool full; review, 2026-12-07). Replicas on a
+  segment seen down here (`_down_incarnation`) or being dropped are left out, and a group
+  listed on such segments only stays as it is (their loss, or the sweep the listing
+  predates, decides; review, 2026-12-07: it was forgotten, links and all, and so was a live
+  group listed on a segment whose `segment_up` the policy had not had yet).
 
 `GroupRecords` is a mixin of `EvictionShell` (`kvfabric.eviction_policy.shell`), which
 creates these attributes and owns the tasks that call in (the follower, the ticker's batches,
@@ -87,7 +95,14 @@ from kvfabric.format.invariant import invariant
 from kvfabric.proto import directory as m
 from kvfabric.proto.segment import tier_of_slot
 
-__all__ = ["ACCESS_PER_EVENT_MAX", "GroupRecords", "group_id_of", "pools_text", "published_of_summary"]
+__all__ = [
+    "ACCESS_PER_EVENT_MAX",
+    "MISSED_FORGET_MS",
+    "GroupRecords",
+    "group_id_of",
+    "pools_text",
+    "published_of_summary",
+]
 
 ACCESS_PER_EVENT_MAX: Final = 16  # hits of one group in one event counted at most this often
 # How long the links of a group lost with its segment are kept for its adoption: a segment back
@@ -97,6 +112,11 @@ ACCESS_PER_EVENT_MAX: Final = 16  # hits of one group in one event counted at mo
 LOST_LINKS_KEEP_MS: Final = 3_600_000
 # Links of lost groups forgotten at most per event applied (300,000 at once took 0.18 s in review).
 LOST_LINKS_EXPIRED_PER_EVENT: Final = 5_000
+# A tracked group that whole listings miss is forgotten only by one that began at least this long
+# after the first of them (`_missed_twice_gone`): a directory shard's rebuild of a segment its new
+# leader missed backs off 10 s doubling to 5 min (docs/directory-ha.md), and until then every
+# listing misses that segment's groups, however many `shard_started` markers ask for one.
+MISSED_FORGET_MS: Final = 360_000
 
 
 def pools_text(pools: dict[str, int]) -> str:
@@ -171,6 +191,10 @@ class GroupRecords:
     # writer's rate: `EvictionShell._fresh`)
     _events_fresh: bool
     _dropping: set[str]  # the pools of a lost segment while they are dropped in steps
+    # segment -> the newest incarnation whose `segment_down` was applied here (bounded by the
+    # segments): a replica of it, or of an older one, that a `show_group` listing still shows
+    # predates the directory's sweep (`_listed_where`)
+    _down_incarnation: dict[str, int]
     # group key -> when its links go (`LOST_LINKS_KEEP_MS` after its latest loss), and per segment
     # loss (that time, its lost groups not yet looked at), oldest first
     _lost_until: dict[bytes, int]
@@ -192,18 +216,26 @@ class GroupRecords:
     # Every tracked group (`_group_ids`) is in exactly one of these (`check_named`): named by a
     # `published` event or a listing page since the latest adoption began (`_named`: a group
     # tracked since is too); not named since it began (`_unnamed`: while its listing is read,
-    # or after a listing cut short or failed); not named by the latest whole listing nor by an
-    # event since (`_missed`: the next whole listing that misses it too forgets it); missed by
-    # two whole listings in a row, being forgotten (`_doomed`). Bounded by the groups tracked
-    # (one set entry each, ~45 bytes). Sets, not a stamp per record: an adoption finds the
-    # groups it did not name by swapping them and forgets them by popping, a thousand a turn of
-    # the loop, with events applied in between (a dict cannot be walked across turns of the
-    # loop while events add and remove groups, and a copy of 3,000,000 keys held the loop
-    # 0.2-0.4 s; review, 2026-12-07).
+    # or after a listing cut short or failed); not named by a whole listing nor by an event
+    # since (`_missed`: -> when the first such listing began; a whole listing that misses it
+    # too and began `MISSED_FORGET_MS` after that forgets it); missed by the whole listing just
+    # read, being judged (`_doomed`, the same times: forgotten, or back to `_missed`). Bounded
+    # by the groups tracked: one entry each (~45 bytes in a set, ~56 in a dict with its time,
+    # the time object shared by the groups one listing missed). Containers, not a stamp per
+    # record: an adoption finds the groups it did not name by swapping them and judges them by
+    # popping, a thousand a turn of the loop, with events applied in between (a dict cannot be
+    # walked across turns of the loop while events add and remove groups, and a copy of
+    # 3,000,000 keys held the loop 0.2-0.4 s; review, 2026-12-07). One emptied by pops is bound
+    # anew at once (`EvictionShell._pop_steps`): a set or dict never shrinks as it is emptied,
+    # and an emptied `_unnamed` kept its 134 MB table at 3,000,000 groups for good (review,
+    # 2026-12-07).
     _named: set[bytes]
     _unnamed: set[bytes]
-    _missed: set[bytes]
-    _doomed: set[bytes]
+    _missed: dict[bytes, int]
+    _doomed: dict[bytes, int]
+    # no more than this old (the oldest first-miss time in `_missed` when it was last filled;
+    # events only take groups out): when the confirming adoption is due (`EvictionShell`)
+    _missed_oldest_ms: int
 
     def apply(self, event: msgspec.Struct, at_ms: int) -> None:
         """One directory event into the core, whole (pure bookkeeping; public for tests)."""
@@ -268,6 +300,9 @@ class GroupRecords:
             for pool in pools:  # both at capacity 0 from the first step: no watermark victims there
                 if pool in self._capacity:
                     self.core.set_capacity(pool, 0)
+            self._down_incarnation[event.segment_id] = max(
+                event.incarnation, self._down_incarnation.get(event.segment_id, 0)
+            )
             for pool in pools:
                 for step_gone, step_kept in self.core.drop_pool_steps(pool):
                     self._lost_step(step_gone, step_kept, pool, until, event.reason, at_ms)
@@ -460,22 +495,27 @@ class GroupRecords:
         self._republished(key, pools, at_ms, event.group_bytes, reason="listed")
         return True
 
-    def _missed_twice_gone(self, key: bytes, at_ms: int) -> bool:
-        """A group (popped from `_doomed`) that neither of two whole listings in a row named, nor
-        any `published` event since the first of them: the directory holds it no more (evicted,
-        invalidated, lost with its segment, in events the stream lost), so it goes, links and
-        all, as an `evicted` event would take it. Left, missed still (`_missed`: the next whole
-        listing looks again): one being evicted or demoted (its batch's answer decides:
-        `not_found` forgets it), and one whose every pool is being dropped right now (its
-        segment's loss, in steps, takes it and keeps its links for its adoption from a disk
-        tier). True when it went."""
+    def _missed_twice_gone(self, key: bytes, first_ms: int, began_ms: int, at_ms: int) -> bool:
+        """A group (popped from `_doomed`) that the whole listing that began at `began_ms` did not
+        name, nor any event since, and that whole listings have missed since `first_ms`: when
+        that is at least `MISSED_FORGET_MS` before `began_ms`, the directory holds it no more
+        (evicted, invalidated, lost with its segment, in events the stream lost), so it goes,
+        links and all, as an `evicted` event would take it. Back in `_missed` with its first
+        miss instead: one missed for less (a new leader's listing without a segment it has not
+        rebuilt yet, which takes it up to 5 minutes), one being evicted or demoted (its batch's
+        answer decides: `not_found` forgets it), and one whose every pool is being dropped right
+        now (its segment's loss, in steps, takes it and keeps its links for its adoption from a
+        disk tier). True when it went."""
         if key not in self._group_ids:  # (forgotten: not in the sets any more)
             return False
         held = self._held.get(key)
-        if self.core.is_evicting(key) or (
-            held is not None and held[2] and all(p in self._dropping for p in held[2])
+        if (
+            began_ms - first_ms < MISSED_FORGET_MS
+            or self.core.is_evicting(key)
+            or (held is not None and held[2] and all(p in self._dropping for p in held[2]))
         ):
-            self._missed.add(key)
+            self._missed[key] = first_ms
+            self._missed_oldest_ms = min(self._missed_oldest_ms, first_ms)
             return False
         self._decisions.record(key, at_ms, "evicted", "not_listed")
         self._forget(key)
@@ -488,27 +528,35 @@ class GroupRecords:
         republish that would say so may have been among events the stream lost: nothing else
         would fix the records (it was chosen, answered `not_found` and cooled down again and
         again, its bytes counted where they are not). So the fresh `show_group` listing is the
-        directory's word: the group moves to the pools its live replicas are in (as
-        `_republished` with reason `listed`; a segment the policy saw go down, whose sweep the
-        listing may predate, is left out, as the adoption leaves it out) and goes when it has
-        none (decision `evicted`, reason `not_listed`). A republish still to come applies after
-        it. Returns "moved", "gone" or "" (nothing changed)."""
+        directory's word: the group moves to the pools its replicas are in (as `_republished`
+        with reason `listed`; a segment not heard of yet counts, its pool taken as the adoption
+        takes it: its `segment_up` may be among the lost events, or not refreshed yet) and goes
+        when it has none (decision `evicted`, reason `not_listed`). A replica on a segment seen
+        down here (`_down_incarnation`: the listing may predate the directory's sweep) or being
+        dropped is left out, and a group listed on such segments only stays as it is: its
+        replicas' loss decides (a sweep's `invalidated`, a segment's drop, or the adoption's
+        misses; review, 2026-12-07: such a group, and a live one listed on a segment not known
+        here yet, were forgotten, links and all). A republish still to come applies after it.
+        Returns "moved", "gone" or "" (nothing changed)."""
         held = self._held.get(key)
         if held is None or key not in self.core or self.core.is_evicting(key):
             return ""
         placements: dict[str, int] = {}
         on_disk: dict[str, int] = {}
+        left_out = False
         for obj in listing:
             if obj.size_bytes <= 0:
                 continue
             for replica in obj.replicas:
                 sid = replica.segment_id
-                known = sid in self._capacity or sid in held[2] or ssd_pool(sid) in held[2]
-                if sid in self._dropping or not known:
-                    continue  # a segment gone down here (its pools dropped, or being dropped)
+                if sid in self._dropping or replica.incarnation <= self._down_incarnation.get(sid, -1):
+                    left_out = True  # a segment gone down here (being dropped, or dropped)
+                    continue
                 placements[sid] = placements.get(sid, 0) + obj.size_bytes
                 if tier_of_slot(replica.slot) == "ssd":
                     on_disk[sid] = on_disk.get(sid, 0) + obj.size_bytes
+        if not placements and left_out:
+            return ""
         if not placements:
             self._decisions.record(key, at_ms, "evicted", "not_listed")
             self._forget(key)
@@ -547,20 +595,20 @@ class GroupRecords:
         latest adoption began (`_named`), missed no more."""
         self._named.add(key)
         self._unnamed.discard(key)
-        self._missed.discard(key)
-        self._doomed.discard(key)
+        self._missed.pop(key, None)
+        self._doomed.pop(key, None)
 
     def _unname(self, key: bytes) -> None:
         """A group no longer tracked: in none of the naming sets."""
         self._named.discard(key)
         self._unnamed.discard(key)
-        self._missed.discard(key)
-        self._doomed.discard(key)
+        self._missed.pop(key, None)
+        self._doomed.pop(key, None)
 
     def check_named(self) -> None:
         """Every tracked group is in exactly one of `_named`, `_unnamed`, `_missed`, `_doomed`,
         and nothing else is (O(groups): for tests)."""
-        sets = (self._named, self._unnamed, self._missed, self._doomed)
+        sets: tuple[Collection[bytes], ...] = (self._named, self._unnamed, self._missed, self._doomed)
         invariant(sum(len(s) for s in sets) == len(self._group_ids), "a group named twice or not at all")
         invariant(all(key in self._group_ids for s in sets for key in s), "an untracked group named")
         invariant(all(any(key in s for s in sets) for key in self._group_ids), "a tracked group unnamed")
