@@ -5,6 +5,7 @@ disk replicas read (or streamed) into private buffers, and their release. A mixi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Final
 
@@ -15,7 +16,13 @@ from kvfabric.proto.segment import SSD_SLOT_BASE
 from kvfabric.segment_storage.backend_core import BackendCore
 from kvfabric.segment_storage.ssd import SsdRead, SsdStream
 
-__all__ = ["LOCAL_GRANTS_PER_CONNECTION_MAX", "PIN_HOLD_MS_MAX", "PIN_HOLD_MS_MIN", "BackendReads"]
+__all__ = [
+    "DISK_SHARE_WAIT_S",
+    "LOCAL_GRANTS_PER_CONNECTION_MAX",
+    "PIN_HOLD_MS_MAX",
+    "PIN_HOLD_MS_MIN",
+    "BackendReads",
+]
 
 # Transfer-reference grants (GET in progress, PIN_LOCAL not yet unpinned) one connection may hold:
 # a client holds one or two (a pin, and the pipelined unpin of the previous one).
@@ -30,6 +37,13 @@ PIN_HOLD_MS_MAX: Final = 60_000
 # never lets memory be reused while a transfer runs (DESIGN invariant 3). A token a few seconds
 # from expiry would otherwise have let the pin lapse during the copy.
 PIN_HOLD_MS_MIN: Final = 10_000
+# A streamed GET's disk objects wait at most this long in all (from its `_read_disk`) for their
+# tenant's pieces of the disk I/O queue to drain below its share (`SsdIo`, `IO_TENANT_SHARE_DIVISOR`)
+# before the GET is `busy`: its own earlier objects' pieces end in a disk read's time each. On the
+# connection's thread, well inside the frame timeout that bounds `begin_get_streamed` over TCP
+# (10 s by default); a GET not streamed waits for nothing (its objects are read one after another,
+# each one's pieces ended before the next, and over UCX on the event loop).
+DISK_SHARE_WAIT_S: Final = 2.0
 
 
 class BackendReads(BackendCore):
@@ -184,9 +198,15 @@ class BackendReads(BackendCore):
         """Read disk replicas into private buffers (blocks on the disk), or with `stream` start
         reading them (`SsdTier.read_stream`: checked after the bytes). A replica found corrupt
         (or unreadable) is freed by the tier and reported; the reader sees `stale_generation`
-        (its generation moved on). `Busy` (I/O bounds) gives back whatever was read already."""
+        (its generation moved on). `Busy` (I/O bounds) gives back whatever was read already.
+        Streamed, every object but the first is queued at once: past its tenant's share of the
+        I/O queue's pieces, the next one waits (until `DISK_SHARE_WAIT_S` after the GET began) for
+        the GET's earlier ones to be read, rather than fail the GET (a GET of 193 one-piece disk
+        objects was `busy` alone against its own pieces with the share, or with no share took
+        every slot of the queue, every other tenant's reads and the demotions `busy`)."""
         assert self.ssd is not None
         out: list[tuple[ObjectStatus, SsdRead | SsdStream | None]] = []
+        share_wait_until = time.monotonic() + DISK_SHARE_WAIT_S if stream else 0.0
         try:
             for ref in reads:
                 if ref.incarnation != self.incarnation:
@@ -205,6 +225,7 @@ class BackendReads(BackendCore):
                         ref.size_bytes,
                         inline_first=first,
                         alone=len(reads) == 1,
+                        share_wait_until=share_wait_until,
                     )
                 else:
                     read = self.ssd.read(ref.slot, ref.slot_generation, ref.size_bytes)

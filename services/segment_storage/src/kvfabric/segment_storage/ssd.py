@@ -49,10 +49,11 @@ the disk), given back when the write returns.
 
 Bounds: the I/O engine runs at most `io_threads` pieces at once and holds at most
 `io_queue_max` pieces queued or running; a request that would exceed it is `Busy` at once (one
-request always may when none is in flight: an object of more pieces), and while another tenant
-reads, one tenant's reads hold at most three quarters of those pieces (`IO_TENANT_SHARE_DIVISOR`).
-Reads hold at most `read_bytes_max` bytes of buffers, one tenant's three quarters of them; past
-it, `Busy`. A device
+request always may when none is in flight: an object of more pieces), and one tenant's reads
+hold at most three quarters of those pieces (`IO_TENANT_SHARE_DIVISOR`), the last quarter always
+the others' and the segment's own; a streamed read may wait, bounded, for its tenant's pieces to
+drain below that (`read_stream`'s `share_wait_until`). Reads hold at most `read_bytes_max` bytes
+of buffers, one tenant's three quarters of them; past it, `Busy`. A device
 that never answers an I/O holds the thread that issued it (a syscall cannot be cancelled); the
 bounds then turn the rest away. A failed `fdatasync` (the kernel may have dropped the dirty
 pages) stops the tier for writes until restart (`Unavailable`, reason `ssd_failed`): what it
@@ -843,7 +844,14 @@ class SsdTier:
         return SsdRead("corrupt", key=key, generation=generation)
 
     def read_stream(
-        self, slot: int, generation: int, size: int, *, inline_first: bool = True, alone: bool = False
+        self,
+        slot: int,
+        generation: int,
+        size: int,
+        *,
+        inline_first: bool = True,
+        alone: bool = False,
+        share_wait_until: float = 0.0,
     ) -> SsdRead | SsdStream:
         """`read`, sent as it lands: the same checks and bounds up front (an `SsdRead` with the
         status when the slot cannot be read; `Busy`), then an `SsdStream` whose pieces (the I/O
@@ -861,7 +869,14 @@ class SsdTier:
         the socket while the disk reads the rest (no thread hand-off; two reads instead of one).
         Not queued together: pieces queued at once land together on this VM's disk. Not for
         several disk objects: their later objects are read while the first is sent already. Off
-        by default: measured no gain on the shared VM (docs/ssd-tier.md "Figures")"""
+        by default: measured no gain on the shared VM (docs/ssd-tier.md "Figures")
+
+        `share_wait_until` (`time.monotonic()` seconds; 0: not at all): past its tenant's share
+        of the I/O queue's pieces, this waits until then for them to drain before it is `Busy`
+        (`SsdIo._admit`): a GET's earlier objects, queued on the threads, leave the queue in a
+        disk read's time each, so a GET of more one-piece objects than the share is not refused
+        by its own. Called on a sender's thread, holding no lock (its bytes and the slot's read
+        reference are held meanwhile, as for the read)."""
         begun = self._begin_read(slot, generation, size)
         if isinstance(begun, SsdRead):
             return begun
@@ -889,6 +904,7 @@ class SsdTier:
                     inline_first=inline_first,
                     head_bytes=stream_head_bytes(extent, chunk, self.stream_head_divisor) if split else 0,
                     owner=tenant,  # its pieces' share of the I/O queue (`SsdIo`)
+                    wait_until=share_wait_until,
                 )
         except BaseException as exc:
             with self.lock:

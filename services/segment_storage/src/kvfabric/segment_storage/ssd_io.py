@@ -33,10 +33,10 @@ STREAM_PIECE_MIN_BYTES: Final = 64 << 10
 # then the rest; 1 (off): read whole. Off by default: on the shared 2-vCPU VM a head gained nothing
 # at 1 MiB and lost at 256 KiB (docs/ssd-tier.md "Figures", 2026-12-02 11:25).
 STREAM_HEAD_DIVISOR_DEFAULT: Final = 1
-# One tenant's pieces queued or running leave this share of `queue_max` to the others while another
-# tenant has pieces in flight (the pieces of reads made for a tenant: `SsdTier.read`,
-# `read_stream`), as its read bytes leave a share of `read_bytes_max` (`READ_TENANT_SHARE_DIVISOR`);
-# the segment's own I/O (writes, `verify`) is no tenant's.
+# One tenant's pieces queued or running always leave this share of `queue_max` to the others and
+# to the segment's own I/O (the pieces of reads made for a tenant: `SsdTier.read`, `read_stream`),
+# as its read bytes leave a share of `read_bytes_max` (`READ_TENANT_SHARE_DIVISOR`); the segment's
+# own I/O (writes, `verify`) is no tenant's.
 IO_TENANT_SHARE_DIVISOR: Final = 4
 
 
@@ -55,16 +55,20 @@ class SsdIo:
     running in all; a call that would exceed it is `Busy` before it starts, unless nothing is in
     flight (one call always may, as one disk read always may: an object of more than `queue_max`
     pieces is otherwise never written). A call made for a tenant (`owner`: its share domain) is
-    also `Busy` (counted: `busy_tenant_total`) when that tenant's pieces would go past three
-    quarters of `queue_max` while another tenant has pieces in flight (`IO_TENANT_SHARE_DIVISOR`):
-    the byte share of reads (`SsdTier.read_bytes_max`) did not bound pieces, and one tenant's GETs
-    of many small disk objects (a piece each, far below its bytes) filled every slot, every other
-    tenant's disk reads `busy` meanwhile. Only then: counted whenever anything was in flight, a
-    GET's own earlier objects held its later ones to the share, and one GET of more than 192
-    one-piece disk objects (the default queue of 256) was `busy` with no other tenant reading
-    (review, 2026-12-07; with tenants off every read is one tenant's). Writes and the segment's
-    own reads neither count to a share nor make one apply. A call returns when all its pieces are
-    done (its buffer is free again), and raises the first `OSError`."""
+    also `Busy` (counted: `busy_tenant_total`) when that tenant's pieces would go past
+    `share_pieces` (three quarters of `queue_max`, `IO_TENANT_SHARE_DIVISOR`) while anything is in
+    flight: the byte share of reads (`SsdTier.read_bytes_max`) did not bound pieces, and one
+    tenant's GETs of many small disk objects (a piece each, far below its bytes) filled every
+    slot, every other tenant's disk reads `busy` meanwhile. Whether or not another tenant reads:
+    applied only while one did, a tenant reading alone took every slot, and a second tenant's
+    read, and the segment's own demotion writes, were `busy` until that burst drained (review,
+    2026-12-07). A read that may wait (`wait_until`: a streamed GET's disk objects, on its
+    connection's thread) waits, until then at most, for its tenant's pieces to drain below the
+    share rather than fail: a GET's own earlier objects, queued on the threads, end in a disk
+    read's time each, so one GET of more one-piece disk objects than the share (192 of the
+    default queue of 256) is read whole, though not all of it queued at once. Writes and the
+    segment's own reads neither count to a share nor are held to one. A call returns when all
+    its pieces are done (its buffer is free again), and raises the first `OSError`."""
 
     def __init__(self, threads: int, queue_max: int, chunk_bytes: int) -> None:
         invariant(threads >= 0 and queue_max >= 1 and chunk_bytes >= BLOCK_BYTES, "bad I/O engine bounds")
@@ -83,6 +87,10 @@ class SsdIo:
         # the pieces in flight)
         self._pieces_by_owner: dict[bytes, int] = {}
         self._owned_pieces = 0  # the sum of `_pieces_by_owner`: tenants' pieces in flight
+        # the most pieces one tenant holds while anything is in flight (class docstring)
+        self.share_pieces = queue_max - queue_max // IO_TENANT_SHARE_DIVISOR
+        self._drained = threading.Condition(self._lock)  # a piece ended (for `_admit`'s waiters)
+        self._waiters = 0  # `_admit` calls waiting on `_drained`
         self.busy_total = 0
         self.busy_tenant_total = 0  # calls refused at their tenant's share (not in `busy_total`)
 
@@ -100,29 +108,41 @@ class SsdIo:
         """Read all of `view`; `owner`: the tenant it is read for (its share, class docstring)."""
         self._run(fd, view, offset, write=False, owner=owner)
 
-    def _admit(self, pieces: int, owner: bytes | None) -> None:
+    def _admit(self, pieces: int, owner: bytes | None, wait_until: float = 0.0) -> None:
         """`pieces` more in flight, or `Busy` (counted) when that would go over `queue_max` and
         something is in flight already. One call always may: an object of more than `queue_max`
         pieces (up to 1 GiB, past `io_queue_max` x `chunk_bytes`, 256 MiB by default) was `Busy`
         every time, so its demotion was asked again forever and its arena bytes never reclaimed
         (review, 2026-12-06). Bounded: it is one object, and while it runs every other call is `Busy`.
-        `owner`'s pieces are counted too, and kept to its share while another tenant has pieces in
-        flight (class docstring): not a quarter *at most* (with tenants off every read is one
-        tenant's), and not against its own pieces alone (a GET's earlier objects)."""
+        `owner`'s pieces are counted too, and kept to `share_pieces` whenever anything is in flight
+        (class docstring): not a quarter *at most* (with tenants off every read is one tenant's).
+        Past its share, a call with `wait_until` (`time.monotonic()` seconds) waits for pieces to
+        end until then, then is `Busy` as any other; the queue's own bound never waits (that is
+        the others' load, not its own)."""
         with self._lock:
-            in_flight = self.pieces_in_flight
-            if in_flight and in_flight + pieces > self.queue_max:
-                self.busy_total += 1
-                raise Busy("disk tier I/O queue full", queue_max=self.queue_max, in_flight=in_flight)
-            if owner is not None:
+            while True:
+                in_flight = self.pieces_in_flight
+                if in_flight and in_flight + pieces > self.queue_max:
+                    self.busy_total += 1
+                    raise Busy("disk tier I/O queue full", queue_max=self.queue_max, in_flight=in_flight)
+                if owner is None:
+                    break
                 owner_in = self._pieces_by_owner.get(owner, 0)
-                others = self._owned_pieces - owner_in  # other tenants' pieces in flight
-                most = self.queue_max - self.queue_max // IO_TENANT_SHARE_DIVISOR
-                if others and owner_in + pieces > most:
+                if not in_flight or owner_in + pieces <= self.share_pieces:
+                    self._pieces_by_owner[owner] = owner_in + pieces
+                    self._owned_pieces += pieces
+                    break
+                left = wait_until - time.monotonic()
+                if left <= 0:
                     self.busy_tenant_total += 1
-                    raise Busy("a tenant's disk tier I/O pieces queued at its share", share_pieces=most)
-                self._pieces_by_owner[owner] = owner_in + pieces
-                self._owned_pieces += pieces
+                    raise Busy(
+                        "a tenant's disk tier I/O pieces queued at its share", share_pieces=self.share_pieces
+                    )
+                self._waiters += 1
+                try:
+                    self._drained.wait(left)  # (the lock is let go meanwhile)
+                finally:
+                    self._waiters -= 1
             self.pieces_in_flight += pieces
 
     def _ended(self, pieces: int, owner: bytes | None) -> None:
@@ -136,6 +156,8 @@ class SsdIo:
                 self._pieces_by_owner[owner] = left
             else:
                 del self._pieces_by_owner[owner]  # (no entry per tenant ever seen)
+        if self._waiters:
+            self._drained.notify_all()
 
     def _run(self, fd: int, view: memoryview, offset: int, *, write: bool, owner: bytes | None) -> None:
         pieces = [(i, min(self.chunk_bytes, len(view) - i)) for i in range(0, len(view), self.chunk_bytes)]
@@ -175,6 +197,7 @@ class SsdIo:
         inline_first: bool = True,
         head_bytes: int = 0,
         owner: bytes | None = None,
+        wait_until: float = 0.0,
     ) -> list[tuple[int, int, ReadPiece]]:
         """Start reading all of `view` in pieces of `piece_bytes` (whole blocks): per piece (start,
         end, its `ReadPiece`), in order. Every piece but the first is queued on the threads at
@@ -186,8 +209,8 @@ class SsdIo:
         pieces, the head and the rest, both the caller's own, read in order as it asks for them
         — it can send the head before it reads the rest, so the rest is read while the head is
         taken off the socket. The same bounds as `pread` (`Busy` before anything starts; `owner`'s
-        share too); a piece leaves the bound when it ends or is cancelled. Without threads every
-        piece is read now, on the calling thread."""
+        share too, waited for until `wait_until`: `_admit`); a piece leaves the bound when it
+        ends or is cancelled. Without threads every piece is read now, on the calling thread."""
         invariant(piece_bytes >= BLOCK_BYTES and piece_bytes % BLOCK_BYTES == 0, "bad read piece size")
         lazy = inline_first and self._pool is not None
         head = head_bytes if lazy and 0 < head_bytes < len(view) else 0
@@ -196,7 +219,7 @@ class SsdIo:
             spans = [(0, head), (head, len(view))]
         else:
             spans = [(i, min(i + piece_bytes, len(view))) for i in range(0, len(view), piece_bytes)]
-        self._admit(len(spans), owner)
+        self._admit(len(spans), owner, wait_until)
 
         def done(_: object = None) -> None:
             with self._lock:
