@@ -13,7 +13,8 @@ more directory operations happen while the listing is taken, the listing is the 
 at its end, and the follower resumes at S + 1 (replaying what the listing already shows). On a
 `shard_started` the index stays synced (`resync_wanted`): its listing is built beside the view
 served, in slices, while the follower goes on delivering (and the directory on changing), then
-swapped in, the follower resuming at S + 1 on the new view (or dropped: a failed listing).
+the events from S + 1 up to the view served replayed onto it and swapped in, the follower
+reading on where it was (or dropped: a failed listing); a view behind is never swapped in.
 
 Checked after every step: the index's own invariants; a lost event is always detected as a
 gap; and whenever the index is synced and has applied the whole log, it holds exactly the
@@ -66,8 +67,9 @@ class IndexMachine(RuleBasedStateMachine):
         self.epoch = 1  # of the shard handed over (`handover`)
         # groups whose last event a handover dropped, not covered by a listing swapped in yet
         self.unpublished: set[bytes] = set()
-        # a stale index's listing being built: (S, groups not added yet, `unpublished` it covers)
-        self.stale: tuple[int, list[ListedGroup], set[bytes]] | None = None
+        # a stale index's listing being built: (S, groups not added yet, `unpublished` it covers,
+        # the build tokens of `index` and `mine`)
+        self.stale: tuple[int, list[ListedGroup], set[bytes], tuple[int, int]] | None = None
 
     # ---- the directory ----------------------------------------------------------------------
 
@@ -262,9 +264,11 @@ class IndexMachine(RuleBasedStateMachine):
         after its sequence)."""
         assert self.mine.resync_wanted and self.mine.synced
         at_seq, segments, listing = self.listing(ops, chain)
-        self.index.resync_start(segments)
-        self.mine.resync_start(segments)
-        self.stale = (at_seq, listing, set(self.unpublished))
+        tokens = (
+            self.index.resync_start(segments, at_seq=at_seq),
+            self.mine.resync_start(segments, at_seq=at_seq),
+        )
+        self.stale = (at_seq, listing, set(self.unpublished), tokens)
         for key in list(self.groups)[:1] if then else []:
             domain, chain = DomainDigest(key[:16]), ChainHash(key[16:])
             if then == "evict":
@@ -276,31 +280,46 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 8))
     def stale_listing_add(self, n: int) -> None:
         assert self.stale is not None
-        at_seq, listing, covered = self.stale
-        self.index.resync_add(listing[:n])
-        self.mine.resync_add(listing[:n])
-        self.stale = (at_seq, listing[n:], covered)
+        at_seq, listing, covered, tokens = self.stale
+        assert self.index.resync_add(tokens[0], listing[:n]) and self.mine.resync_add(tokens[1], listing[:n])
+        self.stale = (at_seq, listing[n:], covered, tokens)
 
     @precondition(lambda self: self.stale is not None and not self.stale[1] and self.index.synced)
     @rule()
     def stale_listing_done(self) -> None:
-        """Swapped in; the follower reads on from S + 1 (replaying onto the new view what the
-        old one had applied: events it skipped too, so nothing is lost any more)."""
+        """The events from S + 1 up to the view served replayed onto the new view, then swapped
+        in; the follower reads on where it was. Swapped in as of S instead, the view served went
+        back: it counted again, until the replay reached them, groups an eviction or a
+        segment_down after S had already taken out (review, 2026-12-07). So a view behind is
+        refused, and once the view served was caught up the new one is, and exact."""
         assert self.stale is not None
-        at_seq, _, covered = self.stale
-        self.index.resync_done(at_seq)
-        self.mine.resync_done(at_seq)
-        assert not self.index.resync_wanted and self.index.last_seq == at_seq
-        self.next = at_seq + 1
-        self.lost = False
+        at_seq, _, covered, (token, mine_token) = self.stale
+        served = self.index.last_seq
+        assert self.mine.last_seq == served
+        if at_seq < served:
+            behind = self.index.counters["resyncs_behind"]
+            assert not self.index.resync_done(token)  # behind the view served: refused
+            assert self.index.counters["resyncs_behind"] == behind + 1 and self.index.last_seq == served
+        for seq in range(at_seq + 1, served + 1):
+            assert self.index.resync_replay(token, seq, self.log[seq - 1]) == "applied"
+            assert self.mine.resync_replay(mine_token, seq, self.log[seq - 1]) == "applied"
+        wanted_again = any(isinstance(e, m.ShardStarted) for e in self.log[at_seq:served])
+        assert self.index.resync_done(token) and self.mine.resync_done(mine_token)
+        assert self.index.synced and self.index.last_seq == max(at_seq, served)
+        assert self.index.resync_wanted == wanted_again and self.index.resync_building is None
+        assert not self.index.resync_add(token, [])  # that listing's token is spent
+        if self.next <= self.index.last_seq + 1:  # what the follower skipped, the listing covers
+            self.next = self.index.last_seq + 1
+            self.lost = False
         self.stale = None
         self.unpublished -= covered
 
     @precondition(lambda self: self.stale is not None and self.stale[1])
     @rule()
     def stale_listing_fails(self) -> None:
-        self.index.resync_abort()
-        self.mine.resync_abort()
+        assert self.stale is not None
+        _, _, _, (token, mine_token) = self.stale
+        assert self.index.resync_abort(token) and self.mine.resync_abort(mine_token)
         self.stale = None
         assert self.index.resync_building is None
 
@@ -418,7 +437,9 @@ def test_a_shard_started_marker_keeps_the_index_answering_until_its_listing_swap
     no gap): its `shard_started` asks for a listing. It made the index answer nothing until
     that listing was done, at every shard start (seconds at 400k groups, once per shard of a
     failover): now the index keeps answering what it held and following events, the listing is
-    built beside it and swapped in whole, and the events after its sequence replay on top."""
+    built beside it, the events after its sequence up to the view served replayed onto it, and
+    swapped in whole: the view served never goes back (swapped in as of the listing's sequence,
+    it counted k1 again, evicted at 6 but listed before that, until the replay reached 6)."""
     index = RoutingIndex()
     k0, k1, k2 = (DOMAINS[0] + c for c in CHAINS[:3])
 
@@ -433,25 +454,90 @@ def test_a_shard_started_marker_keeps_the_index_answering_until_its_listing_swap
     assert not index.check_stream(1, 5)  # no gap: the follower reads on meanwhile
 
     # The listing (after sequence 5): k0's eviction was never published, the rebuild adopted k2.
-    index.resync_start([ListedSegment("s0", 1, True)])
-    index.resync_add([listed(k1)])
+    token = index.resync_start([ListedSegment("s0", 1, True)], at_seq=5)
+    assert index.resync_add(token, [listed(k1)])  # (k1's shard listed before its eviction)
     evicted = m.GroupEvicted(group=CHAINS[1], reason="pressure", domain=DOMAINS[0])
     assert index.apply(6, evicted) == "applied"  # followed on the view served
-    index.resync_add([listed(k2)])
+    assert index.resync_add(token, [listed(k2)])
     assert index.resync_building == 2
     assert [e.chunk_index for e in index.available_run([k0, k1, k2], 0)] == [0]  # the old view
     assert index.apply(7, m.ShardStarted(shard=2, epoch=3)) == "applied"  # after its sequence
     index.check_invariants()
 
-    index.resync_done(5)  # swapped in as of 5: 6 and 7 replay on the new view
-    assert index.synced and not index.resync_wanted and index.last_seq == 5
-    assert index.resync_building is None and index.counters["resyncs"] == 2
-    assert index.available_run([k0], 0) == [] and len(index.available_run([k1, k2], 0)) == 2
-    assert (
-        index.apply(6, evicted) == "applied" and index.apply(7, m.ShardStarted(shard=2, epoch=3)) == "applied"
-    )
+    assert not index.resync_done(token)  # as of 5, behind the view served (7): refused
+    assert index.counters["resyncs_behind"] == 1 and index.last_seq == 7 and index.resync_building == 2
+    assert index.available_run([k1], 0) == []  # (k1 not counted again)
+    assert index.resync_replay(token, 6, evicted) == "applied"  # replayed onto the new view
+    assert index.resync_replay(token, 7, m.ShardStarted(shard=2, epoch=3)) == "applied"
+    assert index.available_run([k0], 0) != []  # the view served until the swap
+    assert index.resync_done(token)
+    assert index.synced and index.last_seq == 7 and index.resync_building is None
+    assert index.counters["resyncs"] == 2 and index.counters["shard_starts"] == 3  # (replays too)
     assert {k: e.replicas for k, e in index.groups.items()} == {k2: {"s0"}}  # the directory's
     assert index.resync_wanted  # the marker after the listing's sequence asks again
+    assert index.apply(7, m.ShardStarted(shard=2, epoch=3)) == "duplicate"  # read on after 7
+    assert not index.resync_done(token) and index.counters["resync_stale_writes"] == 1  # spent
+    index.check_invariants()
+
+
+def test_a_replayed_segment_down_leaves_the_new_view_swept_later() -> None:
+    """A `segment_down` after the listing's sequence, replayed onto the new view before the
+    swap: its replicas are dead there at once (not counted), swept after the swap."""
+    index = RoutingIndex()
+    k0, k1 = (DOMAINS[0] + c for c in CHAINS[:2])
+    up = [ListedSegment("s0", 1, True), ListedSegment("s1", 1, True)]
+    index.resync(up, [], at_seq=1)
+    assert index.apply(2, m.ShardStarted(shard=0, epoch=2)) == "applied"
+    token = index.resync_start(up, at_seq=2)
+    index.resync_add(token, [ListedGroup(k[:16], k[16:], 0, 7, frozenset({"s0", "s1"})) for k in (k0, k1)])
+    down = m.SegmentDown(segment_id="s1", incarnation=1, reason="heartbeat_timeout")
+    assert index.apply(3, down) == "applied"
+    assert index.resync_replay(token, 3, down) == "applied"
+    index.check_invariants()  # (the view being built holds dead replicas now)
+    assert index.resync_replay(token, 5, m.GroupsAccessed(groups=[])) == "gap"
+    assert not index.resync_done(token)  # its replay met a gap: never swapped in
+    assert index.resync_abort(token) and index.resync_building is None
+
+    token = index.resync_start(up, at_seq=2)
+    index.resync_add(token, [ListedGroup(k[:16], k[16:], 0, 7, frozenset({"s0", "s1"})) for k in (k0, k1)])
+    assert index.resync_replay(token, 3, down) == "applied"
+    assert index.resync_done(token) and index.dead_replicas == 2
+    assert [e.replicas for e in index.available_run([k0, k1], 0)] == [{"s0"}, {"s0"}]
+    while index.sweep(1):
+        pass
+    assert {k: e.replicas for k, e in index.groups.items()} == {k0: {"s0"}, k1: {"s0"}}
+    index.check_invariants()
+
+
+def test_a_listing_given_up_cannot_write_into_the_next_listings_view() -> None:
+    """A stale listing's task left running after the follower gave it up (Python 3.11's
+    `wait_for` can swallow its cancellation for a whole request timeout) went on calling
+    `resync_add` on the same index: into the view of the gap listing that followed, and a view
+    mixing the two was swapped in (review, 2026-12-07). Each listing writes through its own
+    build token: a stale token's calls change nothing and are counted."""
+    index = RoutingIndex()
+    k0, k1, k2 = (DOMAINS[0] + c for c in CHAINS[:3])
+
+    def listed(key: bytes) -> ListedGroup:
+        return ListedGroup(key[:16], key[16:], CHAINS.index(key[16:]), 7, frozenset({"s0"}))
+
+    index.resync([ListedSegment("s0", 1, True)], [listed(k0)], at_seq=1)
+    assert index.apply(2, m.ShardStarted(shard=0, epoch=2)) == "applied"
+    stale = index.resync_start([ListedSegment("s0", 1, True)], at_seq=2)  # the stale listing's
+    assert index.resync_add(stale, [listed(k1)])
+    assert index.apply(4, m.GroupsAccessed(groups=[])) == "gap"  # the follower lists again
+    gap = index.resync_start([ListedSegment("s0", 1, True)], at_seq=4)  # the gap listing's
+    assert gap != stale and index.resync_building == 0
+    # The stale listing's task, still running, writes on: nothing of it lands.
+    assert not index.resync_add(stale, [listed(k1)])
+    assert index.resync_replay(stale, 3, m.GroupsAccessed(groups=[])) is None
+    assert not index.resync_abort(stale) and index.resync_building == 0  # not the gap's view
+    assert not index.resync_done(stale) and not index.synced
+    assert index.counters["resync_stale_writes"] == 4
+    assert index.resync_add(gap, [listed(k2)]) and index.resync_done(gap)
+    assert index.synced and index.last_seq == 4 and set(index.groups) == {k2}  # the gap listing's
+    assert not index.resync_add(stale, [listed(k1)]) and set(index.groups) == {k2}
+    assert index.counters["resync_stale_writes"] == 5
     index.check_invariants()
 
 
@@ -466,8 +552,7 @@ def test_a_failed_stale_listing_leaves_the_view_served_and_a_gap_still_blanks() 
     index.leader_changed()  # the shard map's epochs: the same as a marker
     index.leader_changed()  # (asked once)
     assert index.synced and index.resync_wanted and index.counters["leader_changes"] == 1
-    index.resync_start([])
-    index.resync_abort()
+    assert index.resync_abort(index.resync_start([], at_seq=1))
     assert index.resync_building is None and index.resync_wanted
     assert len(index.available_run([key], 0)) == 1
     index.unsync()  # its listing kept failing: no longer trusted

@@ -2,7 +2,9 @@
 cold start) makes the router's index follower list the directory once, not once per marker,
 and the index answers throughout: before the listing, while it is taken and indexed (events
 still applied to the view served) and after its swap. Until 2026-12-07 each marker made the
-index answer nothing until its own listing was done (seconds at 400k groups)."""
+index answer nothing until its own listing was done (seconds at 400k groups). The swap never
+takes the view served back (the events after the listing's sequence are replayed onto the new
+view first), and a listing given up cannot write into the next one's view."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any, cast
 
 import msgspec
 
-from kvfabric.core.routing_index import ListedSegment, RoutingIndex
+from kvfabric.core.routing_index import ListedSegment, RoutingIndex, StaleResyncPacing
 from kvfabric.format.errors import Unavailable
 from kvfabric.format.ids import ChainHash, pack_group_key
 from kvfabric.proto import directory as m
@@ -29,7 +31,7 @@ def key(i: int) -> bytes:
     return pack_group_key(DOMAIN, ChainHash(i.to_bytes(32, "little")))
 
 
-def summary(i: int) -> m.GroupSummary:
+def summary(i: int, segment: str = "s1") -> m.GroupSummary:
     return m.GroupSummary(
         group=ChainHash(i.to_bytes(32, "little")),
         namespace=NAMESPACE,
@@ -43,7 +45,7 @@ def summary(i: int) -> m.GroupSummary:
                 member=m.Member(0, 0, 0),
                 size_bytes=10,
                 checksum=b"c" * 16,
-                replicas=[m.Replica(segment_id="s1", incarnation=1, slot=1, slot_generation=1)],
+                replicas=[m.Replica(segment_id=segment, incarnation=1, slot=1, slot_generation=1)],
             )
         ],
     )
@@ -56,6 +58,8 @@ class Stream:
         self.events: list[msgspec.Struct] = []
         self.starts: list[int] = []  # where each subscription began
         self.is_connected = True
+        self.skip: set[int] = set()  # sequences never delivered (lost: a gap)
+        self.yields = 0  # turns of the loop a fetch takes (a real one waits on the network)
 
     def jetstream(self, timeout: float) -> Any:
         return self
@@ -74,6 +78,8 @@ class Sub:
         self.next = start
 
     async def fetch(self, n: int, **_: float) -> Any:
+        for _turn in range(self.stream.yields):
+            await asyncio.sleep(0)
         events = self.stream.events
         if self.next > len(events):
             await asyncio.sleep(0.002)
@@ -81,12 +87,20 @@ class Sub:
         batch = []
         for seq in range(self.next, min(len(events), self.next + n - 1) + 1):
             meta = SimpleNamespace(sequence=SimpleNamespace(stream=seq), num_pending=len(events) - seq)
-            batch.append(SimpleNamespace(data=encode(events[seq - 1]), metadata=meta))
-        self.next += len(batch)
+            if seq not in self.stream.skip:
+                batch.append(SimpleNamespace(data=encode(events[seq - 1]), metadata=meta))
+        self.next = min(len(events), self.next + n - 1) + 1
         return batch
 
     async def unsubscribe(self) -> None:
         return None
+
+
+def segment_info(seg: str) -> m.SegmentInfo:
+    return m.SegmentInfo(
+        segment_id=seg, incarnation=1, domain=m.FailureDomain(host="h"), up=True, draining=False,
+        capacity_bytes=1, reserved_bytes=0, reported_used_bytes=0, last_heartbeat_ms=0, data_addr="",
+    )  # fmt: skip
 
 
 class Directory:
@@ -97,21 +111,20 @@ class Directory:
         self.listings = 0
         self.release: list[asyncio.Event] = []
         self.groups: list[int] = []  # what a listing answers
+        self.on: dict[int, str] = {}  # the segment of a group's replica (s1 when not named)
+        self.up = ["s1"]  # the segments up
 
     async def refresh(self) -> None:
         return None
 
     async def segments(self, timeout_s: float) -> m.SegmentList:
-        info = m.SegmentInfo(
-            segment_id="s1", incarnation=1, domain=m.FailureDomain(host="h"), up=True, draining=False,
-            capacity_bytes=1, reserved_bytes=0, reported_used_bytes=0, last_heartbeat_ms=0, data_addr="",
-        )  # fmt: skip
-        return m.SegmentList(epoch=0, segments=[info])
+        infos = [segment_info(seg) for seg in self.up]
+        return m.SegmentList(epoch=0, segments=infos)
 
     async def list_groups(self, query: m.ListGroups, timeout_s: float, pages_max: int) -> list[Any]:
         self.listings += 1
         self.release.append(asyncio.Event())
-        answer = [summary(i) for i in self.groups]
+        answer = [summary(i, self.on.get(i, "s1")) for i in self.groups]  # as of now
         await self.release[-1].wait()
         return answer
 
@@ -165,7 +178,9 @@ def test_a_burst_of_shard_starts_lists_once_and_routes_are_served_throughout() -
                 until(lambda: index.counters["resyncs"] == 2 and index.last_seq == len(stream.events)), WAIT_S
             )
             assert set(index.groups) == {key(1), key(2), key(3)}  # 0's eviction learnt
-            assert stream.starts == [1, SHARDS + 2]  # read on after the listing's sequence
+            # the follower's subscription, and the catch-up's: the events after the listing's
+            # sequence replayed onto the new view before the swap (the follower reads on)
+            assert stream.starts == [1, SHARDS + 2]
             # The marker after its sequence asks again, once the interval after it has passed.
             assert index.resync_wanted
             for _ in range(20):
@@ -237,3 +252,123 @@ def test_a_stale_listing_that_fails_is_tried_again_and_the_view_served_meanwhile
             await cancel_and_wait([following], WAIT_S)
 
     asyncio.run(main())
+
+
+async def until(done: Callable[[], bool]) -> None:
+    while not done():  # noqa: ASYNC110 (the follower and the fakes change plain state)
+        await asyncio.sleep(0.001)
+
+
+def test_the_swap_never_takes_the_view_served_back_to_the_listings_sequence() -> None:
+    """Each shard is listed at its own moment: a listing may show a group evicted, or a replica
+    on a segment gone down, after the stream sequence noted before it. The view served had
+    applied those events; swapped in as of that sequence (`last_seq` set back), the new view
+    counted those groups again until the replay reached them, and the router trusted it
+    (synced, heard from before the swap: good for 5 s). Now the events up to the view served
+    are replayed onto the new view before the swap: no route ever counts them again."""
+    index = RoutingIndex()
+    index.resync([ListedSegment("s1", 1, True), ListedSegment("s2", 1, True)], [], at_seq=0)
+    stream, directory = Stream(), Directory()
+    stream.yields = 3  # (a real fetch gives the loop, routes, a turn or more)
+    follower = follower_of(index)
+    follower.nc = cast(Any, stream)
+    follower.router = cast(Any, directory)
+    follower.pacing = StaleResyncPacing(quiet_ms=0)  # (no burst to wait for)
+    follower._listed_epochs = dict(directory.epochs)
+    stream.events += [published(0, 1, "s1"), published(1, 1, "s2"), m.ShardStarted(shard=0, epoch=3)]
+    directory.groups, directory.on, directory.up = [0, 1], {1: "s2"}, ["s1", "s2"]
+    wrong: list[str] = []  # turns of the loop where a route counted what the stream took away
+    seqs: list[int] = []  # the index's sequence as routes saw it
+
+    async def watch() -> None:
+        while True:
+            if index.synced:
+                seqs.append(index.last_seq)
+                counted = [i for i in (0, 1) if index.available_run([key(i)], 0)]
+                if counted:
+                    wrong.append(f"groups {counted} counted at seq {index.last_seq}")
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        following = asyncio.create_task(follower.run())
+        watching: asyncio.Task[None] | None = None
+        try:
+            await asyncio.wait_for(until(lambda: directory.listings == 1), WAIT_S)  # (listed 0, 1)
+            # While it is taken: group 0 evicted, segment s2 (group 1's replica) down.
+            stream.events.append(
+                m.GroupEvicted(group=ChainHash((0).to_bytes(32, "little")), reason="x", domain=DOMAIN)
+            )
+            stream.events.append(m.SegmentDown(segment_id="s2", incarnation=1, reason="heartbeat_timeout"))
+            await asyncio.wait_for(until(lambda: index.last_seq == 5), WAIT_S)
+            assert (
+                index.synced and not index.available_run([key(0)], 0) and not index.available_run([key(1)], 0)
+            )
+            watching = asyncio.create_task(watch())
+            directory.release[0].set()
+            await asyncio.wait_for(until(lambda: index.counters["resyncs"] == 2), WAIT_S)
+            for _ in range(50):  # the follower reads on
+                await asyncio.sleep(0.001)
+        finally:
+            await cancel_and_wait([t for t in (watching, following) if t is not None], WAIT_S)
+
+    asyncio.run(main())
+    assert wrong == [], f"the swap counted again what the stream took away: {wrong[:5]}"
+    assert seqs and min(seqs) == 5, "the view served went back to the listing's sequence"
+    assert index.synced and index.last_seq == 5 and not index.resync_wanted
+    assert index.groups == {} and index.segments == {"s1": 1}  # (group 1's dead replica swept)
+    index.check_invariants()
+
+
+def test_a_listing_given_up_still_running_cannot_write_into_the_gap_listings_view() -> None:
+    """A stale listing's task that swallows its cancellation (Python 3.11's `wait_for` can, for a
+    whole request timeout) outlives `cancel_and_wait` when a gap makes the follower list again.
+    It went on with `resync_start`/`resync_add` on the same index: the gap listing's view was
+    replaced by its own, older one, and that was swapped in. Now a listing given up starts no
+    view, and writes through its own build token (the core ignores a stale one's)."""
+    index = RoutingIndex()
+    index.resync([ListedSegment("s1", 1, True)], [], at_seq=0)
+    stream, directory = Stream(), Directory()
+    follower = follower_of(index)
+    follower.request_timeout_s = 0.3  # (how long `cancel_and_wait` waits for the listing)
+    follower.nc = cast(Any, stream)
+    follower.router = cast(Any, directory)
+    follower.pacing = StaleResyncPacing(quiet_ms=0)
+    follower._listed_epochs = dict(directory.epochs)
+    stream.events += [published(0, 1, "s1"), m.ShardStarted(shard=0, epoch=3)]
+    swallowed = [0]
+
+    async def listing(query: m.ListGroups, timeout_s: float, pages_max: int) -> list[Any]:
+        if directory.listings == 0:  # the stale listing: it swallows every cancellation
+            directory.listings += 1
+            directory.release.append(asyncio.Event())
+            answer = [summary(5)]
+            while not directory.release[0].is_set():
+                try:
+                    await directory.release[0].wait()
+                except asyncio.CancelledError:
+                    swallowed[0] += 1
+            return answer
+        directory.release[0].set()  # the gap listing: the stale one goes on at once
+        directory.listings += 1
+        return [summary(7)]
+
+    directory.list_groups = listing  # type: ignore[method-assign]
+
+    async def main() -> None:
+        following = asyncio.create_task(follower.run())
+        try:
+            await asyncio.wait_for(until(lambda: directory.listings == 1), WAIT_S)
+            stream.skip.add(3)  # lost: the follower sees a gap at 4 and lists again
+            stream.events += [published(6, 1, "s1"), m.GroupsAccessed(groups=[])]
+            await asyncio.wait_for(until(lambda: directory.listings == 2 and index.synced), WAIT_S)
+            for _ in range(50):  # the leftover task ends; the follower reads on
+                await asyncio.sleep(0.001)
+        finally:
+            await cancel_and_wait([following], WAIT_S)
+
+    asyncio.run(main())
+    assert swallowed[0] >= 1  # the listing outlived `cancel_and_wait`
+    assert set(index.groups) == {key(7)}, "the view swapped in is not the gap listing's"
+    assert index.synced and index.last_seq == 4 and index.counters["resyncs"] == 2
+    assert follower.listings_left_running == 1
+    index.check_invariants()

@@ -80,21 +80,49 @@ unknown; the rest of the index is as good as before. Blanking it (not `synced`, 
 at every shard start: each of 16+ shards starting one at a time after a failover or a cold
 start, and every same-epoch rebuild for a missing segment. Now the index stays `synced`,
 answers and follows events, and sets `resync_wanted` (the over-count above is the price). The
-shell lists while it keeps following (`resync_start` builds a new view beside the served one,
-`resync_add` fills it, `resync_done(at_seq)` swaps it in and rewinds `last_seq` to `at_seq`:
-the events after it are replayed on the new view, as after any listing) and paces those
-listings (`StaleResyncPacing`: a burst of markers, one listing). `resync_done` clears
-`resync_wanted`; a marker after `at_seq` sets it again as it is replayed (its shard may have
-been listed before it started). A gap, a lost stream, or a stale index whose listing kept
-failing for `STALE_MAX_MS` (`unsync`) still blanks: those may hide anything.
+shell lists while it keeps following and paces those listings (`StaleResyncPacing`: a burst
+of markers, one listing). `resync_done` sets `resync_wanted` to the new view's own: a marker
+after `at_seq` replayed on it asks again (its shard may have been listed before it started).
+A gap, a lost stream, or a stale index whose listing kept failing for `STALE_MAX_MS` (`unsync`)
+still blanks: those may hide anything.
+
+## Building a view beside the served one (`resync_start` .. `resync_done`)
+    token = resync_start(segments, at_seq)   a new view, the listing's, as of stream sequence
+                                             `at_seq` (read before the listing started); an
+                                             index not `synced` drops its served view at once
+    resync_add(token, groups)                some of the listing's groups into it (in slices)
+    resync_replay(token, seq, event)         an event after `at_seq` applied to it (`apply`'s
+                                             answer), not to the view served
+    resync_done(token)                       swapped in: `last_seq` is the new view's own
+    resync_abort(token)                      dropped (its listing failed or is moot)
+Each listing has its own *build token*. A `resync_start` replaces a view still being built (a
+gap during a stale listing: the shell lists again), and every call naming an older token is
+ignored and counted (`resync_stale_writes`): a listing's task left running after the shell gave
+it up (Python 3.11's `wait_for` can swallow its cancellation for a whole request timeout) can
+never write into, swap in or drop another listing's view (review, 2026-12-07: it could, and a
+view mixing two listings was swapped in).
+
+A synced index is never swapped *back*: `resync_done` refuses (False, counted `resyncs_behind`)
+a view whose `last_seq` is below the served one's. The events between the listing's `at_seq`
+and the served view's `last_seq` were applied to the served view, but the listing need not show
+them (each shard is listed at its own moment, maybe before an eviction or a `segment_down`
+among them): swapped in as of `at_seq` (as until 2026-12-07) the new view counted those groups
+again, trusted (synced, heard from) until the replay reached them. The shell replays them onto
+the new view first (`resync_replay`, from the stream), so the view served never goes back. The
+alternative, swapping at once and reporting the index not current until the replay passed the
+old view's sequence, would blank routing: a router's only "not current" counts no kvfabric
+tokens at all (`RoutingCore.index_usable`). `resync` (one call: a listing replacing everything,
+the gap path) drops the served view first, as not `synced`, and so may set `last_seq` anywhere.
 
 ## Invariants (`check_invariants`)
 - every group has >= 1 replica; a replica is dead (its key in `_dead[segment]`) or on a
   segment in `segments` and in the reverse index, never both;
 - the reverse index holds exactly the live (segment, group) pairs of `groups`; every dead key
   names a group holding that replica;
-- a view being built (`resync_start` .. `resync_done`) holds the same of its own, and no dead
-  replica (a listing names live ones only);
+- a view being built (`resync_start` .. `resync_done`) holds the same of its own (its dead
+  replicas only from a `segment_down` replayed on it: a listing names live ones);
+- while `synced`, `last_seq` never decreases (`resync_done` swaps in no view behind it;
+  `resync` first drops the view served, as not `synced`);
 - caught up (every event applied) with no gap, it holds exactly the directory's groups, and
   while `resync_wanted` differs from them only in the groups the exception above names (the
   model test, `tests/unit/core/test_routing_index.py`: a handover that drops an eviction or a
@@ -205,6 +233,7 @@ class RoutingIndex:
         # A shard's marker (or a newer leader) since the last listing: list again, still serving
         self.resync_wanted = False
         self._building: RoutingIndex | None = None  # the listing's view, `resync_start`..`resync_done`
+        self._build_token = 0  # the token of the latest `resync_start` (that of `_building`)
         self.bounds = StreamBounds()  # the stream's creation time as last seen
         self.counters: dict[str, int] = {
             "events_applied": 0,
@@ -216,6 +245,8 @@ class RoutingIndex:
             "leader_changes": 0,  # resyncs asked because a shard's leader changed (`leader_changed`)
             "shard_starts": 0,  # resyncs asked by a shard's `shard_started` event (replays too)
             "stale_expired": 0,  # stale indexes no longer trusted, their listing failing (`unsync`)
+            "resync_stale_writes": 0,  # calls naming a listing's view no longer built: ignored
+            "resyncs_behind": 0,  # views refused, behind a synced index (`resync_done`)
         }
         self._step_ms = 0  # the latest time given to `step`
 
@@ -396,18 +427,22 @@ class RoutingIndex:
         self, segments: Iterable[ListedSegment], groups: Iterable[ListedGroup], *, at_seq: int
     ) -> None:
         """Replace everything by a listing taken after stream sequence `at_seq` (the shell then
-        resumes the stream at `at_seq + 1`). In steps: `resync_start`, `resync_add` (any number
-        of times), `resync_done`."""
-        self.resync_start(segments)
-        self.resync_add(groups)
-        self.resync_done(at_seq)
+        resumes the stream at `at_seq + 1`): the view served is dropped first (as not `synced`),
+        so `last_seq` may go back. In steps, built beside the view served: `resync_start`,
+        `resync_add` (any number of times), `resync_replay`, `resync_done`."""
+        self.synced = False
+        token = self.resync_start(segments, at_seq=at_seq)
+        self.resync_add(token, groups)
+        self.resync_done(token)
 
-    def resync_start(self, segments: Iterable[ListedSegment]) -> None:
-        """A new view, `segments` the live ones now, built beside the one served: that keeps
-        answering (and `apply` keeps changing it) until `resync_done` swaps the new one in. An
-        index not `synced` answers nothing: its view is dropped at once (one view in memory;
-        a stale one's listing holds two until the swap). A view already being built is
-        replaced (a gap during a stale listing: the shell lists again)."""
+    def resync_start(self, segments: Iterable[ListedSegment], *, at_seq: int) -> int:
+        """A new view as of stream sequence `at_seq`, `segments` the live ones now, built beside
+        the one served: that keeps answering (and `apply` keeps changing it) until `resync_done`
+        swaps the new one in. Its build token, for the calls that follow. An index not `synced`
+        answers nothing: its view is dropped at once (one view in memory; a stale one's listing
+        holds two until the swap). A view already being built is replaced, its token stale (a
+        gap during a stale listing: the shell lists again)."""
+        invariant(at_seq >= 0, "a stream sequence", at_seq=at_seq)
         if not self.synced:
             self.groups.clear()
             self._by_segment.clear()
@@ -415,41 +450,74 @@ class RoutingIndex:
             self._dead.clear()
         building = RoutingIndex(self.domain)
         building.segments = {s.segment_id: s.incarnation for s in segments if s.up}
+        building.last_seq = at_seq
+        building.synced = True
         self._building = building
+        self._build_token += 1
+        return self._build_token
 
-    def resync_add(self, groups: Iterable[ListedGroup]) -> None:
-        """Some of the listing's groups, into the view being built (the shell yields the loop
-        between slices: 400k groups at once held the router's loop 3 s; review, 2026-12-06)."""
-        building = self._building
-        invariant(building is not None, "resync_add after resync_start")
-        assert building is not None  # for mypy: the invariant above
+    def _built(self, token: int) -> RoutingIndex | None:
+        """The view being built under `token`; None, counted, when that is not the current one
+        (dropped, swapped in, or replaced by a later `resync_start`)."""
+        if self._building is None or token != self._build_token:
+            self.counters["resync_stale_writes"] += 1
+            return None
+        return self._building
+
+    def resync_add(self, token: int, groups: Iterable[ListedGroup]) -> bool:
+        """Some of the listing's groups, into the view built under `token` (the shell yields the
+        loop between slices: 400k groups at once held the router's loop 3 s; review,
+        2026-12-06). False, nothing written, for a stale token."""
+        building = self._built(token)
+        if building is None:
+            return False
         for g in groups:
             if self.domain is None or g.domain == self.domain:
                 building._set(group_key(g.domain, g.chain), g.chunk_index, g.copy_bytes, set(g.segments))
+        return True
 
-    def resync_done(self, at_seq: int) -> None:
-        """The view built swapped in as of stream sequence `at_seq`: `last_seq` goes back to it
-        when the served view had followed further (a stale index's listing), and the shell
-        replays from `at_seq + 1` on the new view. `resync_wanted` is cleared: a marker after
-        `at_seq` sets it again as it is replayed."""
-        building = self._building
-        invariant(building is not None, "resync_done after resync_start")
-        assert building is not None  # for mypy: the invariant above
-        invariant(at_seq >= 0, "a stream sequence", at_seq=at_seq)
+    def resync_replay(self, token: int, seq: int, event: m.DirectoryEvent) -> ApplyResult | None:
+        """The event at stream sequence `seq` applied to the view built under `token` (as
+        `apply`: "gap" when it is not the next after the view's `last_seq`; the shell gives that
+        listing up). None, nothing applied, for a stale token."""
+        building = self._built(token)
+        if building is None:
+            return None
+        return building.apply(seq, event)
+
+    def resync_done(self, token: int) -> bool:
+        """The view built under `token` swapped in, `last_seq` its own (the listing's `at_seq`,
+        or the last event replayed on it). `resync_wanted` is the new view's: cleared, unless a
+        marker replayed on it set it again. False, nothing changed, for a stale token, or a
+        view behind a synced index's `last_seq` or whose replay met a gap (counted
+        `resyncs_behind`, still built: the shell replays onto it, or drops it)."""
+        building = self._built(token)
+        if building is None:
+            return False
+        if not building.synced or (self.synced and building.last_seq < self.last_seq):
+            self.counters["resyncs_behind"] += 1
+            return False
         self.groups = building.groups
         self.segments = building.segments
         self._by_segment = building._by_segment
         self._by_chain = building._by_chain
         self._dead = building._dead
         self._building = None
-        self.last_seq = at_seq
+        self.last_seq = building.last_seq
         self.synced = True
-        self.resync_wanted = False
+        self.resync_wanted = building.resync_wanted
+        for name, count in building.counters.items():  # what was replayed on it (`shard_starts`...)
+            self.counters[name] += count
         self.counters["resyncs"] += 1
+        return True
 
-    def resync_abort(self) -> None:
-        """The view being built dropped (its listing failed, or a gap made it moot)."""
+    def resync_abort(self, token: int) -> bool:
+        """The view built under `token` dropped (its listing failed, or a gap made it moot).
+        False, nothing dropped, for a stale token: another listing's view is never dropped."""
+        if self._built(token) is None:
+            return False
         self._building = None
+        return True
 
     @property
     def resync_building(self) -> int | None:
@@ -478,7 +546,6 @@ class RoutingIndex:
 
     def check_invariants(self) -> None:
         if self._building is not None:
-            invariant(not self._building._dead, "a listed view holds no dead replica")
             self._building.check_invariants()
         pairs = set()
         for key, entry in self.groups.items():

@@ -18,14 +18,37 @@
   never goes `segment_down`), so the index is stale the same way (review, stop 67; a directory
   without `shard_started` events, or a marker not read yet). A stale index is listed again in
   a task beside the loop, which goes on applying events to the view served; once the listing
-  is indexed (`resync_start`/`resync_add`: a view of its own) the loop swaps it in
-  (`resync_done`) and reads on from the stream's sequence noted before the listing, replaying
-  the events since on the new view. `StaleResyncPacing` says when: markers 1 s apart at most
-  (shards starting one at a time) wait for one another up to 5 s, and a stale listing starts
-  at least 3 s after the last one ended; one failing for 60 s gives the stale view up (not
-  synced: the gap path). Until 2026-12-07 a marker made the index not synced: every shard
-  start blanked every router's kvfabric counts for a whole listing (seconds at 400k groups),
-  once per shard of a failover or cold start.
+  is indexed (`resync_start`/`resync_add`: a view of its own, as of the stream's sequence S
+  noted before the listing) the loop, between fetches, replays onto it the events S + 1 up to
+  the served view's `last_seq` (`_catch_up`: a subscription of its own from S + 1, fetched
+  as the replay would be, `resync_replay`), swaps it in (`resync_done`) and reads on where it
+  was. `StaleResyncPacing` says when: markers 1 s apart at most (shards starting one at a
+  time) wait for one another up to 5 s, and a stale listing starts at least 3 s after the last
+  one ended; one failing for 60 s gives the stale view up (not synced: the gap path). Until
+  2026-12-07 a marker made the index not synced: every shard start blanked every router's
+  kvfabric counts for a whole listing (seconds at 400k groups), once per shard of a failover
+  or cold start.
+- Replayed before the swap, not after it (review, 2026-12-07): swapped in as of S, `last_seq`
+  set back, the new view counted again the groups that an eviction or a `segment_down` after S
+  had already taken out of the old view (each shard is listed at its own moment, so the
+  listing may predate that event), until the replay reached it, and the router trusted it
+  (synced, and its heard time from before the swap good for 5 s). The other fix, swapping at once and not
+  reporting the index current until the replay passed the old view's sequence, would blank
+  routing for the replay: the router's only way to distrust the index is to count no kvfabric
+  tokens at all (`RoutingCore.index_usable`: synced and heard within `index_stale_ms`), and the
+  heard time cannot be taken back. Caught up first, the view served never goes back (the core
+  refuses a view behind it) and is trusted as before; the cost is that the loop applies
+  nothing to it while the catch-up runs (the events of the listing's length, one a turn of the
+  loop, as the replay did; heard is not told meanwhile, so a long one makes the router stop
+  trusting the index, as any follower behind would). A catch-up that fails (a fetch timing
+  out, a gap: events aged out) fails the listing: the view served is kept, and the listing
+  tried again when paced.
+- Each listing writes through its own build token (`RoutingIndex.resync_start`): a listing's
+  task that `cancel_and_wait` reports still running (Python 3.11's `wait_for` can swallow a
+  cancellation for a whole request timeout) cannot write into, swap in or drop the view of the
+  gap resync that follows (review, 2026-12-07: it replaced the gap listing's view with its
+  own, older one, or wrote into it, and that was swapped in); and a listing given up never starts a view (it
+  checks it is still wanted at `resync_start`, with no wait between).
 - A fetch with events that leave at most one more fetch pending (`caught_up`), a fetch that
   answers with none when the stream, asked then, has nothing past the index (`_at_end`: nats-py
   raises the same timeout with the connection down, and a router cut off counted itself
@@ -51,7 +74,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvfabric.cluster.directory_router import DirectoryRouter
 from kvfabric.core.routing_index import ListedGroup, ListedSegment, RoutingIndex, StaleResyncPacing
-from kvfabric.format.errors import BadRequest, KvfError
+from kvfabric.format.errors import BadRequest, KvfError, Unavailable
 from kvfabric.format.ids import NAMESPACE_BYTES, DomainDigest, domain_in_id
 from kvfabric.proto import directory as m
 from kvfabric.proto.subjects import Service, events_wildcard
@@ -72,6 +95,24 @@ LISTING_PAGE_GROUPS: Final = 1000
 # How often the shard map's leader epochs are compared with those of the last listing: a new
 # leader's rebuild emits no event for what it adopted or lost, so the index lists again.
 LEADERS_CHECK_S: Final = 5.0
+
+
+class _Listing:
+    """A stale index's listing under way: its task, its view's build token once started, and
+    whether the follower gave it up (`_stop_building`)."""
+
+    __slots__ = ("stopped", "task", "token")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[tuple[int, dict[int, int]]]
+        self.token: int | None = None
+        self.stopped = False
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """A given-up listing's outcome retrieved (moot: no "exception never retrieved" warning)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def caught_up(batch: Sequence[Msg]) -> bool:
@@ -106,8 +147,8 @@ class IndexFollower:
         self.pacing = StaleResyncPacing()
         self._listed_epochs: dict[int, int] = {}  # each shard's leader epoch when last listed
         self._leaders_checked_s = self.clock()
-        # A stale index's listing under way (its stream sequence and leader epochs, once done)
-        self._building: asyncio.Task[tuple[int, dict[int, int]]] | None = None
+        self._building: _Listing | None = None  # a stale index's listing under way
+        self.listings_left_running = 0  # given up, still running after `cancel_and_wait`
         self._log = get_logger("kvfabric.router.index_follower")
 
     def _now_ms(self) -> int:
@@ -130,22 +171,14 @@ class IndexFollower:
                 if resynced:
                     await self._stop_building()  # a gap: the stale listing is moot
                     await self.resync(info.state.last_seq)
-                start = self.index.last_seq + 1
-                config = ConsumerConfig(
-                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                    opt_start_seq=start,
-                    ack_policy=AckPolicy.NONE,
-                    inactive_threshold=30.0,
-                )
-                sub = await js.pull_subscribe(
-                    events_wildcard(Service.DIRECTORY), stream=EVENTS_STREAM, config=config
-                )
+                sub = await self._subscribe(js, self.index.last_seq + 1)
                 try:
                     if resynced:  # current as of the listing; a resume is current once caught up
                         await self.heard()
                     while self.index.synced:
-                        if self._stale_turn():
-                            break  # a stale listing swapped in: read on from its sequence + 1
+                        await self._stale_turn(js)  # (the index not synced after it: given up)
+                        if not self.index.synced:
+                            break
                         try:
                             batch = await sub.fetch(EVENTS_FETCH_MAX, timeout=EVENTS_FETCH_WAIT_S)
                         except TimeoutError:
@@ -222,13 +255,16 @@ class IndexFollower:
             self.index.leader_changed()
             self.pacing.marked(self._now_ms())
 
-    def _on_message(self, seq: int, data: bytes) -> None:
+    def _decode(self, seq: int, data: bytes) -> m.DirectoryEvent:
         try:
-            event = m.event_decoder.decode(data)
+            return m.event_decoder.decode(data)
         except BadRequest as exc:
             # Undecodable (a newer directory): skip it, but in sequence.
             self._log.warning("event_undecodable", seq=seq, error=exc.message)
-            event = m.GroupsAccessed(groups=[])
+            return m.GroupsAccessed(groups=[])
+
+    def _on_message(self, seq: int, data: bytes) -> None:
+        event = self._decode(seq, data)
         result = self.index.apply(seq, event)
         if result == "gap":
             self._log.warning("events_gap", seq=seq, last_seq=self.index.last_seq)
@@ -236,42 +272,110 @@ class IndexFollower:
             self.pacing.marked(self._now_ms())
             self._log.info("shard_started_resync", seq=seq, shard=event.shard, epoch=event.epoch)
 
-    def _stale_turn(self) -> bool:
+    async def _stale_turn(self, js: Any) -> None:
         """A stale index's listing, between fetches: started when `pacing` says so (in a task:
-        this loop goes on following), swapped in once indexed (True: read the stream again
-        from its sequence + 1), given up when overdue (the index not synced: True too)."""
+        this loop goes on following), caught up and swapped in once indexed (this loop then
+        reads on where it was), given up when overdue (the index not synced)."""
         now_ms = self._now_ms()
-        task = self._building
-        if task is not None:
-            if not task.done():
-                return False
+        listing = self._building
+        if listing is not None:
+            if not listing.task.done():
+                return
             self._building = None
-            try:
-                at_seq, listed_epochs = task.result()
-            except (nats.errors.Error, nats.js.errors.Error, TimeoutError, KvfError) as exc:
-                self.index.resync_abort()
-                self.pacing.failed(now_ms)
-                self._log.info("stale_resync_failed", error=type(exc).__name__, last_seq=self.index.last_seq)
-                return False
-            behind = self.index.last_seq - at_seq
-            self.index.resync_done(at_seq)
-            self._listed_epochs = listed_epochs
-            self.pacing.listed(now_ms)
-            self._log.info(
-                "stale_resync_swapped", at_seq=at_seq, replay=behind, groups=len(self.index.groups)
-            )
-            return True
+            await self._swap(js, listing)
+            return
         wanted = self.index.resync_wanted
         if wanted and self.pacing.overdue(now_ms):
             self._log.warning("stale_resync_overdue", last_seq=self.index.last_seq)
             self.index.unsync()
-            return True
+            return
         if self.pacing.due(now_ms, wanted):
             self.pacing.started(now_ms)
-            self._building = asyncio.create_task(self._list_stale(), name="router-index-listing")
-        return False
+            listing = _Listing()
+            listing.task = asyncio.create_task(self._list_stale(listing), name="router-index-listing")
+            self._building = listing
 
-    async def _list_stale(self) -> tuple[int, dict[int, int]]:
+    async def _swap(self, js: Any, listing: _Listing) -> None:
+        """A stale listing that ended: the events after its sequence up to the view served
+        replayed onto it, then swapped in; or, failed, dropped (tried again when paced)."""
+        swapped = False
+        try:
+            if listing.task.cancelled():
+                return  # (only a listing given up is cancelled: not this one; defensive)
+            at_seq, listed_epochs = listing.task.result()
+            token = listing.token
+            assert token is not None  # for mypy: a listing that ended holds a view
+            behind = self.index.last_seq - at_seq
+            if await self._catch_up(js, token, at_seq):
+                swapped = self.index.resync_done(token)
+            if swapped:
+                self._listed_epochs = listed_epochs
+                self._log.info(
+                    "stale_resync_swapped",
+                    at_seq=at_seq,
+                    replayed=max(0, behind),
+                    groups=len(self.index.groups),
+                )
+            else:
+                self._log.info("stale_resync_not_caught_up", at_seq=at_seq, last_seq=self.index.last_seq)
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError, KvfError) as exc:
+            self._log.info("stale_resync_failed", error=type(exc).__name__, last_seq=self.index.last_seq)
+        finally:  # (cancelled in a catch-up too: its view dropped)
+            if swapped:
+                self.pacing.listed(self._now_ms())
+                while self.index.sweep():  # noqa: ASYNC110 (a replayed segment_down's replicas)
+                    await asyncio.sleep(0)
+            else:
+                if listing.token is not None:
+                    self.index.resync_abort(listing.token)
+                self.pacing.failed(self._now_ms())
+
+    async def _catch_up(self, js: Any, token: int, at_seq: int) -> bool:
+        """The events after `at_seq` up to the served view's `last_seq` replayed onto the view
+        built under `token`, one a turn of the loop, from a subscription of their own: nothing
+        past the served view (this loop applies nothing meanwhile, so that is where the new
+        view takes over). Bounded: that many events, a fetch of at most `EVENTS_FETCH_MAX`
+        each, every fetch bringing some within the request timeout (else TimeoutError). False
+        when they cannot all be replayed (a gap: aged out; the view no longer this listing's)."""
+        seq = at_seq
+        if seq >= self.index.last_seq:
+            return True  # nothing the view served has that the listing's sequence does not cover
+        sub = await self._subscribe(js, seq + 1)
+        try:
+            while seq < (until := self.index.last_seq):
+                batch = await sub.fetch(min(EVENTS_FETCH_MAX, until - seq), timeout=self.request_timeout_s)
+                before = seq
+                for msg in batch:
+                    at = msg.metadata.sequence.stream
+                    if at > until:
+                        break
+                    if self.index.resync_replay(token, at, self._decode(at, msg.data)) not in {
+                        "applied",
+                        "duplicate",
+                    }:
+                        return False
+                    seq = max(seq, at)
+                    await asyncio.sleep(0)
+                if seq == before:  # none new (nats-py raises it itself when none came in time)
+                    raise TimeoutError
+            return True
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(sub.unsubscribe(), self.request_timeout_s)
+
+    async def _subscribe(self, js: Any, start: int) -> Any:
+        """An ephemeral pull consumer over every subject of the stream, from sequence `start`."""
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start,
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=30.0,
+        )
+        return await js.pull_subscribe(
+            events_wildcard(Service.DIRECTORY), stream=EVENTS_STREAM, config=config
+        )
+
+    async def _list_stale(self, listing: _Listing) -> tuple[int, dict[int, int]]:
         """A stale index's listing into a view of its own: the stream's last sequence read
         first (every marker applied is at or before it, so covered), then the directory."""
         started = time.monotonic()
@@ -281,26 +385,38 @@ class IndexFollower:
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
             self.resync_failures += 1
             raise
-        listed_epochs = await self._list_into_index()
+        at_seq = int(info.state.last_seq)
+        _, listed_epochs = await self._list_into_index(at_seq, listing)
         self.resync_seconds_last = time.monotonic() - started
-        return int(info.state.last_seq), listed_epochs
+        return at_seq, listed_epochs
 
     async def _stop_building(self) -> None:
-        """A stale listing under way cancelled and its view dropped."""
-        task, self._building = self._building, None
-        if task is None:
+        """A stale listing under way given up: its view dropped, and its task cancelled. One
+        that outlives `cancel_and_wait` (a cancellation swallowed) is left to end; it starts no
+        view any more, and what it writes into one it started is ignored (its build token)."""
+        listing, self._building = self._building, None
+        if listing is None:
             return
-        await cancel_and_wait([task], self.request_timeout_s)
-        if task.done() and not task.cancelled():
-            task.exception()  # (retrieved: a listing that failed meanwhile is moot too)
-        self.index.resync_abort()
+        listing.stopped = True
+        left = await cancel_and_wait([listing.task], self.request_timeout_s)
+        if left:
+            self.listings_left_running += 1
+            self._log.warning("stale_listing_left_running", wait_s=self.request_timeout_s)
+            listing.task.add_done_callback(_retrieve)
+        elif not listing.task.cancelled():
+            _retrieve(listing.task)  # (a listing that failed meanwhile is moot too)
+        if listing.token is not None:
+            self.index.resync_abort(listing.token)
         self.pacing.failed(self._now_ms())
 
     async def resync(self, at_seq: int) -> None:
         """List the directory and replace the index (events after `at_seq` replay on top)."""
         started = time.monotonic()
-        listed_epochs = await self._list_into_index()
-        self.index.resync_done(at_seq)
+        token, listed_epochs = await self._list_into_index(at_seq)
+        if not self.index.resync_done(token):
+            # Replaced by another listing's view (which `_list_into_index` prevents): listed
+            # again, as after a failed listing.
+            raise Unavailable("the gap listing's view was replaced before its swap")
         self._listed_epochs = listed_epochs
         self.pacing.listed(self._now_ms())
         self.resync_seconds_last = time.monotonic() - started
@@ -311,9 +427,13 @@ class IndexFollower:
             seconds=round(self.resync_seconds_last, 3),
         )
 
-    async def _list_into_index(self) -> dict[int, int]:
-        """The directory listed into a new view of the index (`resync_start`, `resync_add` a
-        slice a turn of the loop); the leader epochs of the listing. The caller swaps it in."""
+    async def _list_into_index(
+        self, at_seq: int, listing: _Listing | None = None
+    ) -> tuple[int, dict[int, int]]:
+        """The directory listed into a new view of the index as of stream sequence `at_seq`
+        (`resync_start`, `resync_add` a slice a turn of the loop): its build token and the
+        leader epochs of the listing. The caller swaps it in. A stale `listing` given up
+        meanwhile starts no view (checked with no wait before `resync_start`)."""
         try:
             segments = await self.router.segments(self.request_timeout_s)
             # the leaders listed (a change during the listing shows at the next check)
@@ -325,7 +445,13 @@ class IndexFollower:
         except KvfError:
             self.resync_failures += 1
             raise
-        self.index.resync_start([ListedSegment(s.segment_id, s.incarnation, s.up) for s in segments.segments])
+        if listing is not None and listing.stopped:
+            raise asyncio.CancelledError  # given up (a cancellation it swallowed): no view
+        token = self.index.resync_start(
+            [ListedSegment(s.segment_id, s.incarnation, s.up) for s in segments.segments], at_seq=at_seq
+        )
+        if listing is not None:
+            listing.token = token
         for at in range(0, len(summaries), RESYNC_SLICE_GROUPS):
             groups = []
             for g in summaries[at : at + RESYNC_SLICE_GROUPS]:
@@ -336,6 +462,7 @@ class IndexFollower:
                     copy_bytes = sum(o.size_bytes for o in g.objects)
                     domain = domain_in_id(g.namespace)
                     groups.append(ListedGroup(domain, g.group, g.chunk_index, copy_bytes, replicas))
-            self.index.resync_add(groups)
+            if not self.index.resync_add(token, groups):
+                break  # its view given up or replaced: nothing more of it is written
             await asyncio.sleep(0)  # routes are answered between slices
-        return listed_epochs
+        return token, listed_epochs
