@@ -585,9 +585,8 @@ class GroupRecords:
             or any(self.core.used_bytes(p) or self.core.evicting_bytes(p) for p in pools)
         ):
             return False
-        down = m.SegmentDown(segment_id=segment_id, incarnation=incarnation, reason="not_listed")
-        for _ in self._segment_down(down, at_ms):  # (empty pools: no step to yield)
-            pass
+        # as its lost `segment_down` event would have been applied (empty pools: no step)
+        self.apply(m.SegmentDown(segment_id=segment_id, incarnation=incarnation, reason="not_listed"), at_ms)
         return True
 
     def _name(self, key: bytes) -> None:
