@@ -26,6 +26,16 @@ from kvfabric.directory import kv_buckets as kb
 from kvfabric.directory import leader as ld
 from kvfabric.runtime.deadline import cancel_and_wait
 
+# Two shards, short terms: the leader loop's tests (a lease of 1.2 s renewed every 0.2 s)
+TWO_SHARDS = LeadershipConfig(
+    shards=2,
+    lease_ttl_ms=1200,
+    renew_every_ms=200,
+    safety_margin_ms=200,
+    members_ttl_ms=1200,
+    renew_retry_ms=50,
+)
+
 
 class FakeJs:
     """key_value / create_key_value answering from scripted outcomes (an exception or a value)."""
@@ -157,14 +167,7 @@ class FakeLeaders:
 async def run_election(
     updates: dict[int, list[Any]], seconds: float, *, rebalance: bool = False
 ) -> tuple[Any, list[Any], FakeLeaders]:
-    config = LeadershipConfig(
-        shards=2,
-        lease_ttl_ms=1200,
-        renew_every_ms=200,
-        safety_margin_ms=200,
-        members_ttl_ms=1200,
-        renew_retry_ms=50,
-    )
+    config = TWO_SHARDS
     kv = FakeLeaders(updates)
     election = ld.LeaderElection(FakeNc(kv), "a", config, rebalance=rebalance)  # type: ignore[arg-type]
     election._leaders = kv  # type: ignore[assignment]
@@ -291,14 +294,7 @@ def test_the_loops_operations_end_with_it_under_the_services_stop() -> None:
     """The service stops the election loop with `cancel_and_wait` (`__main__`), which cancels it
     again while its end awaits the operations: that second cancel does not cut the wait short, so
     no operation outlives the loop (it would write after `release_held` read the bucket)."""
-    config = LeadershipConfig(
-        shards=2,
-        lease_ttl_ms=1200,
-        renew_every_ms=200,
-        safety_margin_ms=200,
-        members_ttl_ms=1200,
-        renew_retry_ms=50,
-    )
+    config = TWO_SHARDS
 
     async def go() -> tuple[ld.LeaderElection, StubbornCreate, set[asyncio.Task[None]]]:
         kv = StubbornCreate()
@@ -343,14 +339,7 @@ def test_a_lease_won_as_the_loop_stops_starts_no_shard() -> None:
     """An acquire answered while `run` ends (its cancel swallowed) must not start the shard: the
     service took its list of start tasks already, so nothing would cancel or await that start
     (review of the change). Its key is the core's, so `release_held` deletes it."""
-    config = LeadershipConfig(
-        shards=2,
-        lease_ttl_ms=1200,
-        renew_every_ms=200,
-        safety_margin_ms=200,
-        members_ttl_ms=1200,
-        renew_retry_ms=50,
-    )
+    config = TWO_SHARDS
     started: list[int] = []
 
     async def go() -> None:

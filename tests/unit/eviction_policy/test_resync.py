@@ -267,15 +267,10 @@ def test_a_resync_moves_a_group_whose_disk_copy_it_missed() -> None:
     sh.core.check_invariants()
 
 
-def test_a_group_one_listing_misses_keeps_its_rank() -> None:
-    """Review, 2026-12-07: a new directory leader whose rebuild missed segment s2 lists none of
-    its groups; s2's own rebuild (another `shard_started`, another adoption) lists them again.
-    Hot group 3 and cold group 4 on s2 were forgotten by the first listing and adopted back
-    from the second ranked as last used before the policy started: the hot one went first.
-    Missed by one listing they are kept as they were (with their ranks), however often it
-    happens; the cold one goes first."""
+def hot_and_cold_on_s2() -> tuple[EvictionShell, int, Sharded, Sharded]:
+    """A policy tracking group 1 on s1, cold group 4 and hot group 3 on s2: (the shell, now,
+    a listing that missed s2 (a new leader's whose rebuild missed its report), a whole one)."""
     sh = lru_shell(demote=False)
-    core = sh.core
     t = now_ms()
     sh._started_ms = t - 900
     for segment in ("s1", "s2"):
@@ -284,8 +279,20 @@ def test_a_group_one_listing_misses_keeps_its_rank() -> None:
     sh.apply(published(4, s2=10), t - 700)  # cold
     sh.apply(published(3, s2=10), t - 600)
     sh.apply(m.GroupsAccessed(groups=[m.GroupHits(chain(3), 5, A)]), t - 10)  # hot
-    partial = Sharded([[summary(1, ("s1", 1))]], up={"s1", "s2"})  # the leader that missed s2
+    partial = Sharded([[summary(1, ("s1", 1))]], up={"s1", "s2"})
     full = Sharded([[summary(1, ("s1", 1)), summary(3, ("s2", 3)), summary(4, ("s2", 4))]], up={"s1", "s2"})
+    return sh, t, partial, full
+
+
+def test_a_group_one_listing_misses_keeps_its_rank() -> None:
+    """Review, 2026-12-07: a new directory leader whose rebuild missed segment s2 lists none of
+    its groups; s2's own rebuild (another `shard_started`, another adoption) lists them again.
+    Hot group 3 and cold group 4 on s2 were forgotten by the first listing and adopted back
+    from the second ranked as last used before the policy started: the hot one went first.
+    Missed by one listing they are kept as they were (with their ranks), however often it
+    happens; the cold one goes first."""
+    sh, t, partial, full = hot_and_cold_on_s2()
+    core = sh.core
     for listing in (partial, full, partial, full):
         sh._router = listing
         asyncio.run(sh.adopt_listed())
@@ -311,18 +318,8 @@ def test_a_failover_s_burst_of_listings_that_miss_a_segment_forgets_none_of_its_
     forgotten only by a whole listing that began `MISSED_FORGET_MS` (6 min) after its first
     miss: listings 1 s and 5 min later miss them still, the full one names them, ranks kept."""
     clock = Clock(monkeypatch)
-    sh = lru_shell(demote=False)
+    sh, t, partial, full = hot_and_cold_on_s2()
     core = sh.core
-    t = now_ms()
-    sh._started_ms = t - 900
-    for segment in ("s1", "s2"):
-        sh.apply(m.SegmentUp(segment_id=segment, incarnation=1, capacity_bytes=1_000), t - 800)
-    sh.apply(published(1, s1=10), t - 800)
-    sh.apply(published(4, s2=10), t - 700)  # cold
-    sh.apply(published(3, s2=10), t - 600)
-    sh.apply(m.GroupsAccessed(groups=[m.GroupHits(chain(3), 5, A)]), t - 10)  # hot
-    partial = Sharded([[summary(1, ("s1", 1))]], up={"s1", "s2"})  # the leader that missed s2
-    full = Sharded([[summary(1, ("s1", 1)), summary(3, ("s2", 3)), summary(4, ("s2", 4))]], up={"s1", "s2"})
     for listing, after_ms in ((partial, 0), (partial, 1_000), (partial, 300_000), (full, 10_000)):
         clock.advance(after_ms)
         sh._router = listing

@@ -101,6 +101,27 @@ def test_metrics_show_the_replicas_of_a_lost_segment_left_to_sweep() -> None:
     assert 'kvfabric_router_state{name="index_groups"} 0.0' in scrape(core)
 
 
+def summary(i: int, segment: str = "s1") -> m.GroupSummary:
+    """A listed group of chain hash `i` (little-endian), one object on `segment`."""
+    return m.GroupSummary(
+        group=ChainHash(i.to_bytes(32, "little")),
+        namespace=NAMESPACE,
+        chunk_index=0,
+        state="published",
+        members=1,
+        expected_members=1,
+        objects=[
+            m.ObjectLocation(
+                chunk_index=0,
+                member=m.Member(0, 0, 0),
+                size_bytes=10,
+                checksum=b"c" * 16,
+                replicas=[m.Replica(segment_id=segment, incarnation=1, slot=1, slot_generation=1)],
+            )
+        ],
+    )
+
+
 def test_a_resync_indexes_its_listing_in_slices_routes_served_between() -> None:
     """400k listed groups converted and indexed in one call held the router's loop 3.1 s (its
     HTTP front, `route`, health checks frozen; review, 2026-12-06): now `RESYNC_SLICE_GROUPS` a
@@ -108,26 +129,7 @@ def test_a_resync_indexes_its_listing_in_slices_routes_served_between() -> None:
     from kvfabric.router import index_follower
 
     n = 5 * index_follower.RESYNC_SLICE_GROUPS + 7
-    summaries = [
-        m.GroupSummary(
-            group=ChainHash(i.to_bytes(32, "little")),
-            namespace=NAMESPACE,
-            chunk_index=0,
-            state="published",
-            members=1,
-            expected_members=1,
-            objects=[
-                m.ObjectLocation(
-                    chunk_index=0,
-                    member=m.Member(0, 0, 0),
-                    size_bytes=10,
-                    checksum=b"c" * 16,
-                    replicas=[m.Replica(segment_id="s1", incarnation=1, slot=1, slot_generation=1)],
-                )
-            ],
-        )
-        for i in range(n)
-    ]
+    summaries = [summary(i) for i in range(n)]
 
     class Listing:
         def __init__(self) -> None:

@@ -21,7 +21,7 @@ from kvfabric.format.ids import ChainHash, pack_group_key
 from kvfabric.proto import directory as m
 from kvfabric.proto.codec import encode
 from kvfabric.runtime.deadline import cancel_and_wait
-from tests.unit.router.test_index_follower_batches import DOMAIN, NAMESPACE, follower_of, published
+from tests.unit.router.test_index_follower_batches import DOMAIN, follower_of, published, summary
 
 SHARDS = 16
 WAIT_S = 20.0  # generous: CI's loaded cores (each step takes milliseconds)
@@ -29,26 +29,6 @@ WAIT_S = 20.0  # generous: CI's loaded cores (each step takes milliseconds)
 
 def key(i: int) -> bytes:
     return pack_group_key(DOMAIN, ChainHash(i.to_bytes(32, "little")))
-
-
-def summary(i: int, segment: str = "s1") -> m.GroupSummary:
-    return m.GroupSummary(
-        group=ChainHash(i.to_bytes(32, "little")),
-        namespace=NAMESPACE,
-        chunk_index=0,
-        state="published",
-        members=1,
-        expected_members=1,
-        objects=[
-            m.ObjectLocation(
-                chunk_index=0,
-                member=m.Member(0, 0, 0),
-                size_bytes=10,
-                checksum=b"c" * 16,
-                replicas=[m.Replica(segment_id=segment, incarnation=1, slot=1, slot_generation=1)],
-            )
-        ],
-    )
 
 
 class Stream:

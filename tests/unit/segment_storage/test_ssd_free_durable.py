@@ -19,23 +19,10 @@ from kvfabric.format.errors import NoCapacity, Unavailable
 from kvfabric.proto.segment import SSD_SLOT_BASE
 from kvfabric.segment_storage import ssd
 from kvfabric.segment_storage.ssd import SsdIo, SsdTier
+from tests.unit.segment_storage.test_ssd_backend import FlakyIo  # fails the next `fail_records` record writes
 
 SEGMENT = "freeseg"
 DATA_BYTES = 1 << 20
-
-
-class FlakyIo(SsdIo):
-    """The I/O engine on the calling thread; fails the next `fail_records` index-record writes."""
-
-    def __init__(self) -> None:
-        super().__init__(0, 64, 1 << 20)
-        self.fail_records = 0
-
-    def write_record(self, fd: int, view: memoryview, offset: int) -> None:
-        if self.fail_records:
-            self.fail_records -= 1
-            raise OSError(5, "Input/output error")
-        super().write_record(fd, view, offset)
 
 
 class BadSectorIo(SsdIo):
