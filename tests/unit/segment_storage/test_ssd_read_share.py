@@ -234,6 +234,8 @@ def test_a_read_past_its_share_waits_for_its_tenants_pieces_until_its_deadline()
     with pytest.raises(Busy, match="full"):
         io._admit(1, b"carol", time.monotonic() + 60)  # full: `Busy` at once, not waited
     assert io.busy_total == 1 and io.busy_tenant_total == 1
+    # each call that waited counted once, however often it woke; the one that ended `Busy` too
+    assert io.share_waits_total == 2 and io.share_wait_timeouts_total == 1
 
 
 class GatedIo(SsdIo):
@@ -366,5 +368,9 @@ def test_a_get_waits_for_its_share_no_longer_than_its_bound(
         get.wait_for(lambda: io.pieces_in_flight == 0)  # the write's piece too
         assert get.tier.read_bytes_in_flight == 0 and io._owned_pieces == 0
         assert io.busy_tenant_total == 1 and io.busy_total == 0
+        # the wait, and its end `busy`, counted and exported (none were before)
+        assert (io.share_waits_total, io.share_wait_timeouts_total) == (1, 1)
+        counters = get.tier.all_counters()
+        assert counters["ssd_io_share_waits_total"] == 1 and counters["ssd_io_share_wait_timeouts_total"] == 1
     finally:
         get.close()

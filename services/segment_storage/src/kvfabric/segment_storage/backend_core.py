@@ -23,7 +23,7 @@ from kvfabric.proto.segment import SSD_SLOT_BASE
 from kvfabric.proto.tickets import read_token_valid, ticket_signature_valid
 from kvfabric.segment_storage.arena import Arena
 from kvfabric.segment_storage.gate import SegmentGate
-from kvfabric.segment_storage.ssd import SsdRead, SsdStream, SsdTier
+from kvfabric.segment_storage.ssd import SsdRead, SsdStream, SsdTier, release_reads
 
 __all__ = [
     "AUTH_REFS_CHECKED_MAX",
@@ -228,9 +228,7 @@ class BackendCore:
                 for slot, generation in refs:
                     self.slots.release(slot, generation)
             self._gets_ended(len(c.gets))
-        for buffers in c.disk_reads.values():
-            for buffer in buffers:
-                buffer.release()
+        release_reads([buffer for buffers in c.disk_reads.values() for buffer in buffers])
 
     def connection_leaked(self, conn: int) -> None:
         """A connection whose transport may still use its buffers (a stuck UCX link): its

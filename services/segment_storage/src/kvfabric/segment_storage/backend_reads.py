@@ -14,7 +14,7 @@ from kvfabric.format.errors import BadRequest, Busy, KvfError, StaleGeneration
 from kvfabric.proto.dataplane import LocalGrant, LocalGrants, MapReply, ObjectResult, ObjectStatus, ReadRef
 from kvfabric.proto.segment import SSD_SLOT_BASE
 from kvfabric.segment_storage.backend_core import BackendCore
-from kvfabric.segment_storage.ssd import SsdRead, SsdStream
+from kvfabric.segment_storage.ssd import SsdRead, SsdStream, release_reads
 
 __all__ = [
     "DISK_SHARE_WAIT_S",
@@ -42,7 +42,11 @@ PIN_HOLD_MS_MIN: Final = 10_000
 # before the GET is `busy`: its own earlier objects' pieces end in a disk read's time each. On the
 # connection's thread, well inside the frame timeout that bounds `begin_get_streamed` over TCP
 # (10 s by default); a GET not streamed waits for nothing (its objects are read one after another,
-# each one's pieces ended before the next, and over UCX on the event loop).
+# each one's pieces ended before the next, and over UCX on the event loop). Fixed, not the frame
+# timeout's rest: it stays well under the client's budget for one replica's attempt
+# (`replica_attempt_share_pct` of `load_timeout_ms`, 5 s by default), after which the client has
+# shut the socket and tries another replica; a wait past that held the tenant's read bytes and
+# slot references for a reader gone (review, 2026-12-07).
 DISK_SHARE_WAIT_S: Final = 2.0
 
 
@@ -149,9 +153,7 @@ class BackendReads(BackendCore):
         try:
             grant_id, acquired = self._pin(reads, conn, frozenset(disk))  # disk refs: replaced below
         except BaseException:
-            for _, done in disk_reads:
-                if done is not None:
-                    done.release()
+            release_reads([done for _, done in disk_reads if done is not None])
             raise
         views: list[memoryview | None] = [
             self.arena.slice(offset, ref.size_bytes).toreadonly() if status == "ok" else None
@@ -203,7 +205,12 @@ class BackendReads(BackendCore):
         I/O queue's pieces, the next one waits (until `DISK_SHARE_WAIT_S` after the GET began) for
         the GET's earlier ones to be read, rather than fail the GET (a GET of 193 one-piece disk
         objects was `busy` alone against its own pieces with the share, or with no share took
-        every slot of the queue, every other tenant's reads and the demotions `busy`)."""
+        every slot of the queue, every other tenant's reads and the demotions `busy`). Past its
+        tenant's share of the read bytes (`SsdTier.read_bytes_max`) it is `busy` at once, its own
+        earlier objects' bytes included: they are held until the transport has sent them
+        (`end_get`, on this same thread), so no wait here could see them go back. `Busy` gives
+        the earlier objects back together (`release_reads`): their pieces not started are
+        cancelled, all of them, before it waits for the running ones."""
         assert self.ssd is not None
         out: list[tuple[ObjectStatus, SsdRead | SsdStream | None]] = []
         share_wait_until = time.monotonic() + DISK_SHARE_WAIT_S if stream else 0.0
@@ -239,9 +246,7 @@ class BackendReads(BackendCore):
                 else:
                     out.append((read.status, None))
         except BaseException:
-            for _, done in out:
-                if done is not None:
-                    done.release()
+            release_reads([done for _, done in out if done is not None])
             raise
         return out
 
@@ -256,8 +261,7 @@ class BackendReads(BackendCore):
             if c is not None and grant.grant_id in c.gets:
                 c.gets.discard(grant.grant_id)
                 self._gets_ended(1)
-        for buffer in buffers:
-            buffer.release()
+        release_reads(buffers)  # (a GET cut short: its later objects' pieces not started too)
 
     def map_info(self) -> MapReply:
         return MapReply(

@@ -39,8 +39,13 @@ lends it to `read`; an `ok` read hands it to its caller inside the `SsdRead`, wh
 gives it back (the backend calls it in `end_get` or when the connection closes, i.e. after the
 transport has sent it — a view of it must not outlive `release`, the next read reuses the
 memory); every other outcome (corrupt, an I/O error, `Busy`, any exception) gives it back before
-`read` returns. The pool holds at most `read_bytes_max` bytes of buffers, lent and idle together
-(idle ones of other sizes are unmapped to make room); a buffer is never lent twice.
+`read` returns. Several streams given back at once (`release_reads`: a GET ended or refused, a
+connection closed) have every one's pieces not yet started cancelled first, then wait for the
+running ones: released one after another, each waited for its own running pieces while the
+threads started the later streams' queued ones, and a GET of 250 one-piece objects refused `busy`
+after 39 s instead of 2 (review, 2026-12-07). The pool holds at most `read_bytes_max` bytes of
+buffers, lent and idle together (idle ones of other sizes are unmapped to make room); a buffer is
+never lent twice.
 
 Write bounce buffers: an `O_DIRECT` write whose source is not block-aligned (a demotion copies
 from a 64-byte-aligned arena slot) goes through a buffer from a second pool (`write_buffers`,
@@ -52,8 +57,10 @@ Bounds: the I/O engine runs at most `io_threads` pieces at once and holds at mos
 request always may when none is in flight: an object of more pieces), and one tenant's reads
 hold at most three quarters of those pieces (`IO_TENANT_SHARE_DIVISOR`), the last quarter always
 the others' and the segment's own; a streamed read may wait, bounded, for its tenant's pieces to
-drain below that (`read_stream`'s `share_wait_until`). Reads hold at most `read_bytes_max` bytes
-of buffers, one tenant's three quarters of them; past it, `Busy`. A device
+drain below that (`read_stream`'s `share_wait_until`: a streamed GET's, 2 s from its start,
+`DISK_SHARE_WAIT_S` in `backend_reads`). Reads hold at most `read_bytes_max` bytes of buffers, one tenant's
+three quarters of them; past it, `Busy` at once, never waited for (a streamed GET's earlier
+objects hold their bytes until they are sent, after the GET began). A device
 that never answers an I/O holds the thread that issued it (a syscall cannot be cancelled); the
 bounds then turn the rest away. A failed `fdatasync` (the kernel may have dropped the dirty
 pages) stops the tier for writes until restart (`Unavailable`, reason `ssd_failed`): what it
@@ -128,7 +135,7 @@ from kvfabric.segment_storage.ssd_io import (
     SsdIo,
     stream_head_bytes,
 )
-from kvfabric.segment_storage.ssd_reads import ReadStatus, SsdRead, SsdStream
+from kvfabric.segment_storage.ssd_reads import ReadStatus, SsdRead, SsdStream, release_reads
 
 __all__ = [
     "IO_TENANT_SHARE_DIVISOR",
@@ -143,6 +150,7 @@ __all__ = [
     "SsdTier",
     "aligned_buffer",
     "prefaulted_buffer",
+    "release_reads",
     "ssd_file_path",
 ]
 
@@ -952,6 +960,8 @@ class SsdTier:
             out.update({f"ssd_{k}": v for k, v in self.counters.items()})
         out["ssd_io_busy_total"] = self.io.busy_total
         out["ssd_io_busy_tenant_total"] = self.io.busy_tenant_total
+        out["ssd_io_share_waits_total"] = self.io.share_waits_total
+        out["ssd_io_share_wait_timeouts_total"] = self.io.share_wait_timeouts_total
         out["ssd_syncs_total"] = self._sync.syncs_total
         out["ssd_sync_us_total"] = int(self._sync.sync_seconds_total * 1e6)
         return out

@@ -64,7 +64,8 @@ class SsdIo:
     read, and the segment's own demotion writes, were `busy` until that burst drained (review,
     2026-12-07). A read that may wait (`wait_until`: a streamed GET's disk objects, on its
     connection's thread) waits, until then at most, for its tenant's pieces to drain below the
-    share rather than fail: a GET's own earlier objects, queued on the threads, end in a disk
+    share rather than fail (counted: `share_waits_total`, and `share_wait_timeouts_total` for the
+    waits that ended `Busy`): a GET's own earlier objects, queued on the threads, end in a disk
     read's time each, so one GET of more one-piece disk objects than the share (192 of the
     default queue of 256) is read whole, though not all of it queued at once. Writes and the
     segment's own reads neither count to a share nor are held to one. A call returns when all
@@ -93,6 +94,8 @@ class SsdIo:
         self._waiters = 0  # `_admit` calls waiting on `_drained`
         self.busy_total = 0
         self.busy_tenant_total = 0  # calls refused at their tenant's share (not in `busy_total`)
+        self.share_waits_total = 0  # calls that waited past their tenant's share (`wait_until`)
+        self.share_wait_timeouts_total = 0  # ... of which ended `Busy` (either kind, above)
 
     def pwrite(self, fd: int, view: memoryview, offset: int) -> None:
         self._run(fd, view, offset, write=True, owner=None)
@@ -118,12 +121,16 @@ class SsdIo:
         (class docstring): not a quarter *at most* (with tenants off every read is one tenant's).
         Past its share, a call with `wait_until` (`time.monotonic()` seconds) waits for pieces to
         end until then, then is `Busy` as any other; the queue's own bound never waits (that is
-        the others' load, not its own)."""
+        the others' load, not its own). A call that waited is counted once (`share_waits_total`),
+        and again if it then ends `Busy` (`share_wait_timeouts_total`: at `wait_until`, or the
+        queue full when it woke)."""
+        waited = False
         with self._lock:
             while True:
                 in_flight = self.pieces_in_flight
                 if in_flight and in_flight + pieces > self.queue_max:
                     self.busy_total += 1
+                    self.share_wait_timeouts_total += int(waited)
                     raise Busy("disk tier I/O queue full", queue_max=self.queue_max, in_flight=in_flight)
                 if owner is None:
                     break
@@ -135,9 +142,13 @@ class SsdIo:
                 left = wait_until - time.monotonic()
                 if left <= 0:
                     self.busy_tenant_total += 1
+                    self.share_wait_timeouts_total += int(waited)
                     raise Busy(
                         "a tenant's disk tier I/O pieces queued at its share", share_pieces=self.share_pieces
                     )
+                if not waited:
+                    waited = True
+                    self.share_waits_total += 1
                 self._waiters += 1
                 try:
                     self._drained.wait(left)  # (the lock is let go meanwhile)
